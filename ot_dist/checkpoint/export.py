@@ -1,0 +1,72 @@
+"""Exports that the diffusers ecosystem loads. Every export is written under a temporary name and
+swapped in only when complete, so a crash mid-export never destroys the previous good one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+@contextlib.contextmanager
+def atomic_path(target: Path):
+    """Yield a temporary sibling path to write; on success it replaces `target` (file or folder)."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    if tmp.is_dir() and target.is_dir():
+        old = target.with_name(f".{target.name}.old-{os.getpid()}")
+        _remove(old)
+        os.replace(target, old)  # the good export stays on disk until the new one is in place
+        os.replace(tmp, target)
+        _remove(old)
+    else:
+        os.replace(tmp, target)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def cast_state_dict(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    return {
+        key: (value.detach().to(dtype) if value.is_floating_point() else value.detach()).contiguous()
+        for key, value in module.state_dict().items()
+    }
+
+
+def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype) -> Path:
+    """Write `pipeline` as a diffusers folder (what `DiffusionPipeline.from_pretrained` reads), with
+    the weights in `dtype`, without changing the dtype of the modules in memory."""
+    from diffusers import ModelMixin
+    from transformers import PreTrainedModel
+
+    with atomic_path(folder) as tmp:
+        tmp.mkdir(parents=True)
+        pipeline.save_config(tmp)  # model_index.json
+        for name, component in pipeline.components.items():
+            if component is None:
+                continue
+            sub = tmp / name
+            if isinstance(component, ModelMixin):
+                component.save_config(sub)
+                save_file(cast_state_dict(component, dtype), sub / "diffusion_pytorch_model.safetensors")
+            elif isinstance(component, PreTrainedModel):
+                component.config.save_pretrained(sub)
+                save_file(cast_state_dict(component, dtype), sub / "model.safetensors", metadata={"format": "pt"})
+            else:  # tokenizers, schedulers, feature extractors: configs only
+                component.save_pretrained(sub)
+    return folder

@@ -1,0 +1,99 @@
+"""`ot-dist`: the command line. Config is validated before anything heavy is imported or built."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ot_dist.errors import UserError
+
+
+def _quiet_libraries() -> None:
+    # Library chatter (progress bars per component, optional-backend notices) drowns the training log.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ot-dist", description="Train diffusion models on one GPU, one node or many.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add_config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("config", help="training config (YAML)")
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY.PATH=VALUE",
+            help="override a config key (value parsed as YAML); repeatable",
+        )
+
+    train = sub.add_parser("train", help="train from a config")
+    add_config_args(train)
+
+    config = sub.add_parser("config", help="check a config or print the config reference")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser("check", help="validate a config and print it resolved")
+    add_config_args(check)
+    config_sub.add_parser("reference", help="print the config reference (Markdown)")
+
+    demo = sub.add_parser("demo", help="the embedded demo")
+    demo_sub = demo.add_subparsers(dest="demo_command", required=True)
+    prepare = demo_sub.add_parser("prepare", help="create the tiny model(s) and the shapes dataset")
+    prepare.add_argument("--root", default="demo_out", help="where to create them (default: demo_out)")
+    prepare.add_argument("--family", nargs="+", default=["sd1"], choices=["sd1", "sd2", "sdxl"])
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from ot_dist.config.load import dump_config, load_config
+
+    if args.command == "config" and args.config_command == "reference":
+        from ot_dist.config.reference import render_reference
+
+        print(render_reference())
+        return 0
+    if args.command == "config":
+        print(dump_config(load_config(args.config, args.overrides)), end="")
+        return 0
+    if args.command == "train":
+        config = load_config(args.config, args.overrides)  # validated before anything heavy starts
+        from ot_dist.train.trainer import train
+
+        result = train(config)
+        print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
+        return 0
+    if args.command == "demo":
+        from ot_dist.demo import prepare_demo
+
+        for name, path in prepare_demo(args.root, args.family).items():
+            print(f"{name}: {path}")
+        return 0
+    raise AssertionError(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_libraries()
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UserError as err:
+        print(f"ot-dist: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("ot-dist: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Render the config reference (configs/REFERENCE.md) from the schema, so it cannot drift."""
+
+from __future__ import annotations
+
+import typing
+
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from ot_dist.config.schema import TrainConfig
+
+
+def _type_name(annotation) -> str:
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " \\| ".join(f"`{v}`" for v in typing.get_args(annotation))
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return " or ".join(_type_name(a) for a in typing.get_args(annotation))
+    if origin is list:
+        return f"list of {_type_name(typing.get_args(annotation)[0])}"
+    if annotation is type(None):
+        return "null"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _rows(model: type[BaseModel], prefix: str, sections: list):
+    rows = []
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            sections.append((key, annotation, field.description))
+            continue
+        if field.default is PydanticUndefined and field.default_factory is None:
+            default = "**required**"
+        else:
+            default = f"`{field.default!r}`" if field.default is not None else "`null`"
+        rows.append(f"| `{key}` | {_type_name(annotation)} | {default} | {field.description or ''} |")
+    return rows
+
+
+def render_reference() -> str:
+    lines = [
+        "# Config reference",
+        "",
+        "Generated from `ot_dist/config/schema.py` by `ot-dist config reference`; a test keeps it current.",
+        "Unknown keys are errors. Any key can be overridden with `--set key.path=value`.",
+        "",
+    ]
+    sections = [("", TrainConfig, None)]
+    while sections:
+        prefix, model, description = sections.pop(0)
+        lines += [f"## `{prefix or 'top level'}`", ""]
+        doc = description or (model.__doc__ if model not in (TrainConfig,) and model.__doc__ else None)
+        if doc:
+            lines += [doc.strip(), ""]
+        lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+        lines += _rows(model, f"{prefix}." if prefix else "", sections)
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,178 @@
+"""The typed training config. Every field carries its help text; the reference in
+configs/REFERENCE.md is generated from this file (`ot-dist config reference`).
+
+Names follow OneTrainer's where one exists, so its users feel at home.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ot_dist.models.registry import FAMILY_TEXT_ENCODERS
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    # Unknown keys are errors, not silently ignored: a typo must not train with a default.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    family: Literal["sd1", "sd2", "sdxl"] = Field(
+        description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl."
+    )
+    path: str = Field(
+        description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint "
+        "(A1111 / ComfyUI layout)."
+    )
+    config: str | None = Field(
+        default=None,
+        description="For a single-file checkpoint: a diffusers-format folder (or hub id when online) whose "
+        "component configs describe the architecture. Needed offline.",
+    )
+    prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
+        default="auto",
+        description="What the UNet predicts. auto = what the model's scheduler config says.",
+    )
+
+
+class PartConfig(Section):
+    """One trainable part of the model (the UNet or a text encoder)."""
+
+    train: bool | None = Field(
+        default=None,
+        description="Train this part. Default: the UNet trains (full, lora), text encoders do not; "
+        "with method embedding nothing but the embedding trains.",
+    )
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="Learning rate of this part; unset = the top-level learning_rate."
+    )
+    stop_training_after: int | None = Field(
+        default=None, ge=0, description="Stop training this part after this many epochs or steps (unit below)."
+    )
+    stop_training_after_unit: Literal["epoch", "step"] = Field(
+        default="epoch", description="Unit of stop_training_after."
+    )
+
+
+class LoraConfig(Section):
+    rank: int = Field(default=16, ge=1, description="LoRA rank.")
+    alpha: float = Field(default=1.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    unet_targets: list[str] | None = Field(
+        default=None, description="UNet module names to adapt; unset = the family's default list."
+    )
+    text_encoder_targets: list[str] | None = Field(
+        default=None, description="Text encoder module names to adapt; unset = the family's default list."
+    )
+
+
+class EmbeddingConfig(Section):
+    token: str = Field(
+        default="<ot-embedding>",
+        min_length=1,
+        description="The placeholder token. Captions that contain it train it in place; captions without it "
+        "get it prepended.",
+    )
+    vectors: int = Field(default=1, ge=1, description="Number of embedding vectors (tokens) it expands to.")
+    init_text: str = Field(
+        default="*", min_length=1, description="Text whose token embeddings initialise the vectors."
+    )
+
+
+class DataConfig(Section):
+    path: str = Field(description="Folder of images with same-name caption files (a.png + a.txt).")
+    caption_extension: str = Field(default=".txt", description="Extension of the caption files.")
+    include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
+    crop: Literal["center", "random"] = Field(
+        default="center", description="After resizing the short side to the resolution: which square to cut."
+    )
+
+
+class OptimizerConfig(Section):
+    name: Literal["ADAMW"] = Field(default="ADAMW", description="Optimizer.")
+    beta1: float = Field(default=0.9, ge=0, lt=1, description="First-moment decay.")
+    beta2: float = Field(default=0.999, ge=0, lt=1, description="Second-moment decay.")
+    eps: float = Field(default=1e-8, gt=0, description="Denominator epsilon.")
+    weight_decay: float = Field(default=1e-2, ge=0, description="Decoupled weight decay.")
+
+
+class SchedulerConfig(Section):
+    name: Literal["CONSTANT", "LINEAR", "COSINE"] = Field(default="CONSTANT", description="Learning-rate schedule.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup, in optimizer steps.")
+
+
+class TrainConfig(Section):
+    model: ModelConfig
+    method: Literal["full", "lora", "embedding"] = Field(
+        description="full = finetune the weights; lora = train LoRA adapters (peft); "
+        "embedding = textual inversion."
+    )
+    output_dir: str = Field(description="Where exports (and later checkpoints) go.")
+    data: DataConfig
+    seed: int = Field(default=42, description="Seeds shuffling, noise and timesteps (per sample).")
+    resolution: int = Field(default=512, ge=8, multiple_of=8, description="Training resolution in pixels (square).")
+    batch_size: int = Field(default=1, ge=1, description="Micro batch per process.")
+    gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro batches per optimizer step.")
+    epochs: int = Field(default=1, ge=1, description="Passes over the data.")
+    max_steps: int | None = Field(default=None, ge=1, description="Optional cap on optimizer steps.")
+    learning_rate: float = Field(default=1e-5, gt=0, description="Base learning rate.")
+    train_dtype: Dtype = Field(
+        default="float32",
+        description="Compute dtype of forward/backward (autocast). float16 uses loss scaling.",
+    )
+    weight_dtype: Dtype = Field(
+        default="float32", description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base)."
+    )
+    output_dtype: Dtype = Field(default="float32", description="Dtype of exported weights.")
+    gradient_checkpointing: bool = Field(default=False, description="Recompute activations in backward to save memory.")
+    clip_grad_norm: float | None = Field(default=1.0, gt=0, description="Clip the gradient norm; null = off.")
+    tf32: bool = Field(default=True, description="Allow TF32 matmuls on CUDA (ignored elsewhere).")
+    strategy: Literal["single"] = Field(default="single", description="Parallel strategy.")
+    log_every_steps: int = Field(default=10, ge=1, description="Print a progress line every N optimizer steps.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    unet: PartConfig = Field(default_factory=PartConfig)
+    text_encoder: PartConfig = Field(default_factory=PartConfig)
+    text_encoder_2: PartConfig = Field(default_factory=PartConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+
+    @model_validator(mode="after")
+    def _combinations(self) -> "TrainConfig":
+        encoders = FAMILY_TEXT_ENCODERS[self.model.family]
+        for name in ("text_encoder", "text_encoder_2"):
+            part = getattr(self, name)
+            if name not in encoders and part != PartConfig():
+                raise ValueError(
+                    f"{name}: model family {self.model.family} has no {name} (it has: {', '.join(encoders)})"
+                )
+        if self.method == "embedding":
+            for name in self.part_names():
+                if getattr(self, name).train:
+                    raise ValueError(
+                        f"{name}.train: method embedding trains only the embedding vectors; "
+                        f"set {name}.train to false or use method full / lora"
+                    )
+        elif not any(self.part_trains(name) for name in self.part_names()):
+            raise ValueError(
+                f"method {self.method}: nothing to train; set unet.train or a text encoder's train to true"
+            )
+        return self
+
+    def part_names(self) -> tuple[str, ...]:
+        """The trainable parts this family has: unet and its text encoders."""
+        return ("unet",) + FAMILY_TEXT_ENCODERS[self.model.family]
+
+    def part_trains(self, name: str) -> bool:
+        """Whether a part trains, with the method's default applied."""
+        explicit = getattr(self, name).train
+        if explicit is not None:
+            return explicit
+        return name == "unet" and self.method != "embedding"
+
+    def part_learning_rate(self, name: str) -> float:
+        return getattr(self, name).learning_rate or self.learning_rate

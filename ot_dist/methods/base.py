@@ -1,0 +1,52 @@
+"""What a training method is: which parameters train, how captions change, how results are saved."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ot_dist.config.schema import TrainConfig
+from ot_dist.models.loading import LoadedModel
+
+
+@dataclass
+class ParamGroup:
+    name: str  # logged as lr/<name>; "unet", "text_encoder", "text_encoder_2", "embedding"
+    params: list[torch.nn.Parameter]
+    learning_rate: float
+    part: str | None = None  # the config part whose stop_training_after applies, if any
+
+
+class TrainingMethod:
+    """Base: freezes everything. Subclasses make their parameters trainable in `prepare`."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+
+    def prepare(self, model: LoadedModel) -> list[ParamGroup]:
+        raise NotImplementedError
+
+    def caption(self, caption: str) -> str:
+        return caption
+
+    def export(self, model: LoadedModel, output_dir: Path) -> list[Path]:
+        raise NotImplementedError
+
+
+def freeze_all(model: LoadedModel) -> None:
+    for module in [model.unet, model.vae, *model.text_encoders.values()]:
+        module.requires_grad_(False)
+
+
+def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def build_method(config: TrainConfig) -> TrainingMethod:
+    from ot_dist.methods.embedding import EmbeddingMethod
+    from ot_dist.methods.full import FullFinetune
+    from ot_dist.methods.lora import LoraMethod
+
+    return {"full": FullFinetune, "lora": LoraMethod, "embedding": EmbeddingMethod}[config.method](config)

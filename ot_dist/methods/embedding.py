@@ -1,0 +1,92 @@
+"""Textual inversion: new tokens whose embedding vectors are the only thing that trains.
+
+The vectors live in a small parameter appended to each text encoder's frozen token embedding
+(rather than training the whole vocabulary matrix and masking its gradient), so the optimizer state
+and, later, the sharded state are the size of the embedding, not of the vocabulary.
+The export is the file A1111 / OneTrainer write and diffusers' `load_textual_inversion` reads:
+{"emb_params": [n, dim]} for SD 1.x/2.x and {"clip_l": ..., "clip_g": ...} for SDXL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from ot_dist.checkpoint.export import atomic_path
+from ot_dist.errors import ConfigError
+from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all
+from ot_dist.models.loading import LoadedModel
+from ot_dist.precision import DTYPES
+
+
+class ExtendedTokenEmbedding(torch.nn.Module):
+    """A frozen nn.Embedding plus trainable rows for the ids that follow its vocabulary."""
+
+    def __init__(self, base: torch.nn.Embedding, extra: torch.Tensor):
+        super().__init__()
+        self.base = base
+        self.extra = torch.nn.Parameter(extra.float())
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([self.base.weight, self.extra.to(self.base.weight.dtype)])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+class EmbeddingMethod(TrainingMethod):
+    def token_strings(self) -> list[str]:
+        token, n = self.config.embedding.token, self.config.embedding.vectors
+        # The multi-vector naming diffusers' load_textual_inversion uses: tok, tok_1, tok_2, ...
+        return [token] + [f"{token}_{i}" for i in range(1, n)]
+
+    def caption(self, caption: str) -> str:
+        expanded = " ".join(self.token_strings())
+        token = self.config.embedding.token
+        if token in caption:
+            return caption.replace(token, expanded)
+        return f"{expanded} {caption}".strip()
+
+    def prepare(self, model: LoadedModel) -> list[ParamGroup]:
+        freeze_all(model)
+        tokens = self.token_strings()
+        params = []
+        for encoder_name, tokenizer_name in zip(model.spec.text_encoders, model.spec.tokenizers):
+            tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
+            init_ids = tokenizer(self.config.embedding.init_text, add_special_tokens=False).input_ids
+            if not init_ids:
+                raise ConfigError(f"embedding.init_text: {self.config.embedding.init_text!r} has no tokens")
+            if tokenizer.convert_tokens_to_ids(tokens[0]) != tokenizer.unk_token_id:
+                raise ConfigError(f"embedding.token: {tokens[0]!r} is already in the {tokenizer_name} vocabulary")
+            base = encoder.get_input_embeddings()
+            tokenizer.add_tokens(tokens)
+            new_ids = tokenizer.convert_tokens_to_ids(tokens)
+            if new_ids != list(range(base.num_embeddings, base.num_embeddings + len(tokens))):
+                raise ConfigError(
+                    f"embedding.token: {tokenizer_name} ({len(tokenizer)} tokens) and {encoder_name} "
+                    f"({base.num_embeddings} embeddings) disagree on the vocabulary size"
+                )
+            init = base.weight.detach()[torch.tensor(init_ids)]
+            extra = init.repeat((len(tokens) + len(init_ids) - 1) // len(init_ids), 1)[: len(tokens)].clone()
+            extended = ExtendedTokenEmbedding(base, extra)
+            encoder.set_input_embeddings(extended)
+            params.append(extended.extra)
+        return [ParamGroup("embedding", params, self.config.learning_rate)]
+
+    def vectors(self, model: LoadedModel) -> dict[str, torch.Tensor]:
+        return {
+            key: model.text_encoders[name].get_input_embeddings().extra
+            for key, name in zip(model.spec.embedding_keys, model.spec.text_encoders)
+        }
+
+    def export(self, model: LoadedModel, output_dir: Path) -> list[Path]:
+        dtype = DTYPES[self.config.output_dtype]
+        tensors = {key: v.detach().to(dtype).contiguous() for key, v in self.vectors(model).items()}
+        target = output_dir / "embedding.safetensors"
+        with atomic_path(target) as tmp:
+            save_file(tensors, tmp, metadata={"token": self.config.embedding.token})
+        return [target]

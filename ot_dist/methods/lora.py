@@ -1,0 +1,70 @@
+"""LoRA via peft on the UNet and/or text encoders; exported in the diffusers LoRA layout, which
+`pipeline.load_lora_weights` reads (alpha and rank travel in the file's adapter metadata)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ot_dist.checkpoint.export import atomic_path
+from ot_dist.errors import ConfigError
+from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, trainable
+from ot_dist.models.loading import LoadedModel
+from ot_dist.precision import DTYPES
+
+ADAPTER = "default"
+
+
+class LoraMethod(TrainingMethod):
+    def prepare(self, model: LoadedModel) -> list[ParamGroup]:
+        from peft import LoraConfig
+
+        freeze_all(model)
+        groups = []
+        for part in self.config.part_names():
+            if not self.config.part_trains(part):
+                continue
+            is_unet = part == "unet"
+            key = "unet_targets" if is_unet else "text_encoder_targets"
+            targets = getattr(self.config.lora, key) or list(
+                model.spec.unet_lora_targets if is_unet else model.spec.text_lora_targets
+            )
+            lora_config = LoraConfig(
+                r=self.config.lora.rank,
+                lora_alpha=self.config.lora.alpha,
+                lora_dropout=self.config.lora.dropout,
+                target_modules=targets,
+            )
+            module = model.part(part)
+            try:
+                module.add_adapter(lora_config, adapter_name=ADAPTER)
+            except ValueError as err:
+                raise ConfigError(f"lora.{key}: {targets} do not match modules of the {part}: {err}") from None
+            # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
+            params = trainable(module)
+            for p in params:
+                p.data = p.data.float()
+            groups.append(ParamGroup(part, params, self.config.part_learning_rate(part), part=part))
+        return groups
+
+    def export(self, model: LoadedModel, output_dir: Path) -> list[Path]:
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        dtype = DTYPES[self.config.output_dtype]
+        kwargs = {}
+        for part in self.config.part_names():
+            module = model.part(part)
+            if not self.config.part_trains(part):
+                continue
+            state = get_peft_model_state_dict(module, adapter_name=ADAPTER)
+            state = {k: v.detach().to(dtype).contiguous() for k, v in convert_state_dict_to_diffusers(state).items()}
+            kwargs[f"{part}_lora_layers"] = state
+            kwargs[f"{part}_lora_adapter_metadata"] = module.peft_config[ADAPTER].to_dict()
+        target = output_dir / "lora.safetensors"
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=output_dir) as staging, atomic_path(target) as tmp:
+            model.spec.pipeline_cls().save_lora_weights(staging, weight_name=target.name, **kwargs)
+            os.replace(Path(staging) / target.name, tmp)
+        return [target]

@@ -1,0 +1,207 @@
+"""Tiny, randomly initialised models of the real SD 1.x / 2.x / SDXL architectures.
+
+Nothing can be downloaded from a model hub here, so tests and the demo build these and save them as
+ordinary diffusers folders; training then loads them through exactly the code path a user's
+checkpoint takes. The block layout (down/up block types, cross-attention, SDXL's text-time
+conditioning, two text encoders, OpenCLIP-style GELU for SD 2.x) is the real one; only the widths
+and depths are small so that a training step runs in well under a second on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+# Words the demo captions use; each gets whole-word BPE merges so captions tokenize to one token per
+# word, like the real CLIP vocabulary does for common English words.
+DEMO_WORDS = (
+    "a photo of an image the on in with and background big small "
+    "red green blue yellow white black purple orange "
+    "circle square triangle cross stripe stripes dot dots ring "
+    "left right top bottom center"
+).split()
+
+TEXT_HIDDEN = 32
+MAX_TOKENS = 77
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2/CLIP byte-level alphabet: every byte gets a printable unicode character."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1)
+    )
+    chars = printable[:]
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return dict(zip(printable, (chr(c) for c in chars)))
+
+
+def write_tokenizer(folder: Path, words=DEMO_WORDS, pad_token: str = "<|endoftext|>") -> None:
+    """Write vocab.json / merges.txt / tokenizer_config.json of a small but real CLIP BPE tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    alphabet = list(_bytes_to_unicode().values())
+    vocab: dict[str, int] = {}
+    for symbol in alphabet + [c + "</w>" for c in alphabet]:
+        vocab.setdefault(symbol, len(vocab))
+    merges: list[str] = []
+    for word in words:
+        parts = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(parts) > 1:
+            merged = parts[0] + parts[1]
+            merge = f"{parts[0]} {parts[1]}"
+            if merge not in merges:
+                merges.append(merge)
+            vocab.setdefault(merged, len(vocab))
+            parts = [merged] + parts[2:]
+    for special in ("<|startoftext|>", "<|endoftext|>"):
+        vocab.setdefault(special, len(vocab))
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False))
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "CLIPTokenizer",
+                "model_max_length": MAX_TOKENS,
+                "bos_token": "<|startoftext|>",
+                "eos_token": "<|endoftext|>",
+                "unk_token": "<|endoftext|>",
+                "pad_token": pad_token,
+                "do_lower_case": True,
+            }
+        )
+    )
+
+
+def _text_config(vocab_size: int, hidden_act: str, projection_dim: int = TEXT_HIDDEN):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=vocab_size,
+        hidden_size=TEXT_HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=MAX_TOKENS,
+        hidden_act=hidden_act,
+        projection_dim=projection_dim,
+        bos_token_id=vocab_size - 2,
+        eos_token_id=vocab_size - 1,
+        pad_token_id=vocab_size - 1,
+    )
+
+
+def _vae(scaling_factor: float):
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 16, 16, 16),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=64,
+        scaling_factor=scaling_factor,
+    )
+
+
+def _scheduler(prediction_type: str):
+    from diffusers import DDIMScheduler
+
+    return DDIMScheduler(
+        num_train_timesteps=1000,
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        clip_sample=False,
+        set_alpha_to_one=False,
+        steps_offset=1,
+        prediction_type=prediction_type,
+    )
+
+
+def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None = None):
+    """A randomly initialised pipeline of the given family ("sd1", "sd2" or "sdxl")."""
+    import tempfile
+
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+
+    torch.manual_seed(seed)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tokenizer(Path(tmp))
+        tokenizer = CLIPTokenizer.from_pretrained(tmp)
+    vocab_size = len(tokenizer)
+    if family in ("sd1", "sd2"):
+        hidden_act = "quick_gelu" if family == "sd1" else "gelu"
+        unet = UNet2DConditionModel(
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            block_out_channels=(32, 32, 64, 64),
+            layers_per_block=1,
+            norm_num_groups=8,
+            cross_attention_dim=TEXT_HIDDEN,
+            # SD 1.x gives a head count here; SD 2.x a per-level head dim with linear projections.
+            attention_head_dim=4 if family == "sd1" else (2, 2, 4, 4),
+            use_linear_projection=family == "sd2",
+        )
+        pipe = StableDiffusionPipeline(
+            vae=_vae(0.18215),
+            text_encoder=CLIPTextModel(_text_config(vocab_size, hidden_act)),
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=_scheduler(prediction_type or ("epsilon" if family == "sd1" else "v_prediction")),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+        return pipe
+    if family == "sdxl":
+        time_embed_dim = 8
+        unet = UNet2DConditionModel(
+            sample_size=8,
+            in_channels=4,
+            out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(32, 64, 64),
+            layers_per_block=1,
+            transformer_layers_per_block=(1, 1, 2),
+            norm_num_groups=8,
+            attention_head_dim=(2, 4, 4),
+            use_linear_projection=True,
+            cross_attention_dim=2 * TEXT_HIDDEN,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=time_embed_dim,
+            projection_class_embeddings_input_dim=TEXT_HIDDEN + 6 * time_embed_dim,
+        )
+        pipe = StableDiffusionXLPipeline(
+            vae=_vae(0.13025),
+            text_encoder=CLIPTextModel(_text_config(vocab_size, "quick_gelu")),
+            text_encoder_2=CLIPTextModelWithProjection(_text_config(vocab_size, "gelu")),
+            tokenizer=tokenizer,
+            tokenizer_2=tokenizer,
+            unet=unet,
+            scheduler=_scheduler(prediction_type or "epsilon"),
+        )
+        return pipe
+    raise ValueError(f"unknown family {family!r}; expected one of sd1, sd2, sdxl")
+
+
+def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, prediction_type: str | None = None) -> Path:
+    """Build a tiny model and save it as a normal diffusers folder (safetensors weights)."""
+    folder = Path(folder)
+    pipe = build_tiny_pipeline(family, seed=seed, prediction_type=prediction_type)
+    pipe.save_pretrained(folder, safe_serialization=True)
+    return folder

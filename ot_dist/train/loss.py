@@ -1,0 +1,59 @@
+"""The diffusion training objective for one micro batch: encode, noise, predict, compare."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ot_dist.models.loading import LoadedModel
+from ot_dist.randomness import generator
+
+
+def draw_sample_noise(batch: dict, latent_shape: torch.Size, num_timesteps: int, seed: int, epoch: int):
+    """Per-sample draws from a generator keyed by (seed, epoch, sample id): the VAE posterior sample,
+    the noise and the timestep. A sample gets the same draws in any batch, on any rank."""
+    vae_eps, noise, timesteps = [], [], []
+    for sample_id in batch["sample_id"].tolist():
+        g = generator(seed, epoch, sample_id, "diffusion")
+        vae_eps.append(torch.randn(latent_shape, generator=g))
+        noise.append(torch.randn(latent_shape, generator=g))
+        timesteps.append(torch.randint(0, num_timesteps, (1,), generator=g))
+    return torch.stack(vae_eps), torch.stack(noise), torch.cat(timesteps)
+
+
+def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+        latents = posterior.mean + posterior.std * eps.to(posterior.mean)
+        shift = getattr(vae.config, "shift_factor", None) or 0.0
+        return ((latents - shift) * vae.config.scaling_factor).float()
+
+
+def diffusion_loss(model: LoadedModel, batch: dict, captions: list[str], seed: int, epoch: int) -> torch.Tensor:
+    """Mean-squared error of the UNet's prediction (epsilon or v) for one micro batch, in float32."""
+    unet, scheduler = model.unet, model.noise_scheduler
+    device = unet.device
+    pixels = batch["pixels"]
+    factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
+    latent_shape = torch.Size((model.vae.config.latent_channels, pixels.shape[-2] // factor, pixels.shape[-1] // factor))
+    vae_eps, noise, timesteps = draw_sample_noise(batch, latent_shape, scheduler.config.num_train_timesteps, seed, epoch)
+    latents = encode_latents(model.vae, pixels, vae_eps)
+    noise, timesteps = noise.to(device), timesteps.to(device)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    if model.prediction_type == "v_prediction":
+        target = scheduler.get_velocity(latents, noise, timesteps)
+    else:
+        target = noise
+
+    token_ids = model.spec.tokenize(model.tokenizers, captions)
+    text_trains = any(p.requires_grad for enc in model.text_encoders.values() for p in enc.parameters())
+    with torch.set_grad_enabled(text_trains and torch.is_grad_enabled()):
+        text = model.spec.encode_text(model.text_encoders, token_ids)
+    # Inputs in the UNet's storage dtype; autocast (if on) picks the compute dtype.
+    dtype = unet.dtype
+    text.hidden_states = text.hidden_states.to(dtype)
+    if text.pooled is not None:
+        text.pooled = text.pooled.to(dtype)
+    conditioning = model.spec.unet_conditioning(text, batch)
+    prediction = unet(noisy.to(dtype), timesteps, **conditioning, return_dict=False)[0]
+    return F.mse_loss(prediction.float(), target.float())

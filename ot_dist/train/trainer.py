@@ -1,0 +1,173 @@
+"""The training loop: build everything from a validated config, train, export.
+
+Read top to bottom: setup (model, method, data, optimizer), then epochs of micro batches with
+gradient accumulation, then export.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ot_dist.config.schema import TrainConfig
+from ot_dist.data.image_folder import ImageFolderDataset, epoch_batches
+from ot_dist.errors import InputFileError
+from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
+from ot_dist.models.loading import LoadedModel, load_model
+from ot_dist.optim.factory import build_optimizer
+from ot_dist.optim.schedulers import build_scheduler
+from ot_dist.precision import DTYPES, Precision, set_tf32
+from ot_dist.train.loss import diffusion_loss
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)  # one per optimizer step
+    steps: int = 0
+    exported: list[Path] = field(default_factory=list)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig, device: torch.device | None = None, log=print):
+        self.config = config
+        self.device = device or default_device()
+        self.log = log
+        set_tf32(config.tf32)
+        torch.manual_seed(config.seed)
+        self.dataset = ImageFolderDataset(config.data, config.resolution, config.seed)
+        self.steps_per_epoch = len(self.dataset) // config.batch_size // config.gradient_accumulation_steps
+        if self.steps_per_epoch == 0:
+            raise InputFileError(
+                f"data.path: {len(self.dataset)} images make no optimizer step with batch_size "
+                f"{config.batch_size} x gradient_accumulation_steps {config.gradient_accumulation_steps}"
+            )
+        self.total_steps = config.epochs * self.steps_per_epoch
+        if config.max_steps is not None:
+            self.total_steps = min(self.total_steps, config.max_steps)
+        self.model: LoadedModel = load_model(config.model)
+        self.method: TrainingMethod = build_method(config)
+        self.groups: list[ParamGroup] = self.method.prepare(self.model)
+        self._place_modules()
+        self.optimizer = build_optimizer(config.optimizer, self.groups)
+        self.scheduler = build_scheduler(config.scheduler, self.optimizer, self.total_steps)
+        self.precision = Precision(config.train_dtype, self.device)
+        self.params = [p for g in self.groups for p in g.params]
+
+    def _place_modules(self) -> None:
+        """Trainable parameters stay float32 (master weights); everything frozen is stored in weight_dtype."""
+        weight_dtype = DTYPES[self.config.weight_dtype]
+        for module in [self.model.unet, self.model.vae, *self.model.text_encoders.values()]:
+            module.to(self.device)
+            trains = False
+            for p in module.parameters():
+                if p.requires_grad:
+                    trains = True
+                else:
+                    p.data = p.data.to(weight_dtype)
+            module.train(trains)
+            if self.config.gradient_checkpointing and trains:
+                enable_gradient_checkpointing(module)
+        # The UNet backpropagates whenever anything trains (text encoders learn through it).
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model.unet)
+
+    def _update_part_activity(self, epoch: int, step: int) -> None:
+        """Honour `<part>.stop_training_after`: a stopped part no longer gets gradients or updates."""
+        for group in self.groups:
+            if group.part is None:
+                continue
+            part = getattr(self.config, group.part)
+            if part.stop_training_after is None:
+                continue
+            progress = epoch if part.stop_training_after_unit == "epoch" else step
+            if progress >= part.stop_training_after and group.params[0].requires_grad:
+                for p in group.params:
+                    p.requires_grad_(False)
+                    p.grad = None
+                self.log(f"{group.part}: stopped training after {part.stop_training_after} {part.stop_training_after_unit}s")
+
+    def train(self) -> TrainResult:
+        config = self.config
+        accumulation = config.gradient_accumulation_steps
+        self.log(
+            f"training {config.method} on {config.model.family}: {len(self.dataset)} images, "
+            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, global batch "
+            f"{config.batch_size * accumulation} (batch_size {config.batch_size} x accumulation {accumulation} x 1 process)"
+        )
+        result = TrainResult()
+        step, start = 0, time.perf_counter()
+        pending: list[torch.Tensor] = []  # step losses not yet copied to the host
+        for epoch in range(config.epochs):
+            if step >= self.total_steps:
+                break
+            self._update_part_activity(epoch, step)
+            batches = epoch_batches(self.dataset, config.batch_size, epoch, config.seed)
+            micro_losses = []
+            for micro, batch in enumerate(batches):
+                if micro >= self.steps_per_epoch * accumulation:
+                    break  # the incomplete accumulation at the end of an epoch is dropped
+                micro_losses.append(self.micro_step(batch, epoch, accumulation))
+                if len(micro_losses) < accumulation:
+                    continue
+                self.optimizer_step()
+                pending.append(torch.stack(micro_losses).mean())
+                micro_losses = []
+                step += 1
+                if step % config.log_every_steps == 0 or step == self.total_steps:
+                    window = torch.stack(pending).tolist()
+                    result.losses.extend(window)
+                    pending = []
+                    self._log_progress(step, epoch, sum(window) / len(window), start)
+                self._update_part_activity(epoch, step)
+                if step >= self.total_steps:
+                    break
+        result.losses.extend(torch.stack(pending).tolist() if pending else [])
+        result.steps = step
+        result.exported = self.method.export(self.model, Path(config.output_dir))
+        for path in result.exported:
+            self.log(f"exported {path}")
+        return result
+
+    def micro_step(self, batch: dict, epoch: int, accumulation: int) -> torch.Tensor:
+        captions = [self.method.caption(c) for c in batch["caption"]]
+        with self.precision.autocast():
+            loss = diffusion_loss(self.model, batch, captions, self.config.seed, epoch)
+        self.precision.backward(loss / accumulation)
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        self.precision.unscale(self.optimizer)
+        if self.config.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], self.config.clip_grad_norm)
+        self.precision.step(self.optimizer)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _log_progress(self, step: int, epoch: int, loss: float, start: float) -> None:
+        elapsed = time.perf_counter() - start
+        samples = step * self.config.batch_size * self.config.gradient_accumulation_steps
+        lrs = " ".join(f"lr/{g['name']}={g['lr']:.3g}" for g in self.optimizer.param_groups)
+        loss_text = f"{loss:.4f}" if math.isfinite(loss) else str(loss)
+        self.log(
+            f"step {step}/{self.total_steps} epoch {epoch + 1}/{self.config.epochs} loss {loss_text} (mean since last line) "
+            f"{lrs} {samples / elapsed:.2f} samples/s"
+        )
+
+
+def enable_gradient_checkpointing(module: torch.nn.Module) -> None:
+    if hasattr(module, "enable_gradient_checkpointing"):  # diffusers models
+        module.enable_gradient_checkpointing()
+    elif hasattr(module, "gradient_checkpointing_enable"):  # transformers models
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def train(config: TrainConfig, device: torch.device | None = None, log=print) -> TrainResult:
+    return Trainer(config, device=device, log=log).train()
