@@ -15,12 +15,6 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        from diffusers.utils import logging as diffusers_logging
-
-        diffusers_logging.disable_progress_bar()
-    except ImportError:
-        pass
 
 
 def build_parser() -> argparse.ArgumentParser:

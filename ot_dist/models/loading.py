@@ -47,7 +47,9 @@ class LoadedModel:
 
 def load_model(config: ModelConfig) -> LoadedModel:
     from diffusers import DDPMScheduler
+    from diffusers.utils import logging as diffusers_logging
 
+    diffusers_logging.disable_progress_bar()  # one bar per component is noise in a training log
     spec = get_spec(config.family)
     path = Path(config.path)
     # Offline by default: a training job must never stall on, or silently depend on, a hub download.

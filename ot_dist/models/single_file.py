@@ -405,8 +405,8 @@ def _resolve_config_source(config_source: str | os.PathLike | None, header: Mapp
 
 
 def _check_config_folder(folder: Path, family: str) -> None:
-    needed = ["model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json", "tokenizer",
-              "scheduler"]
+    needed = ["model_index.json", "unet/config.json", "vae/config.json", "text_encoder/config.json"]
+    needed += ["tokenizer", "scheduler"]
     if family == "sdxl":
         needed += ["text_encoder_2/config.json", "tokenizer_2"]
     missing = [n for n in needed if not (folder / n).exists()]
@@ -476,9 +476,22 @@ def _validate_keys(path: Path, header: Mapping[str, tuple[int, ...]], expected: 
         problems.append(f"unexpected keys: {show(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatches: {show(mismatched)}")
+    guessed = _guess_family(header)
+    hint = f" (the file looks like an {guessed} checkpoint)" if guessed and guessed != family else ""
     raise InputFileError(
-        f"{path} does not match the {family} architecture described by {folder}: " + "; ".join(problems)
+        f"{path} does not match the {family} architecture described by {folder}{hint}: " + "; ".join(problems)
     )
+
+
+def _guess_family(header: Mapping[str, tuple[int, ...]]) -> str | None:
+    """Which family's text-encoder layout the file uses, for error messages."""
+    if any(k.startswith(SDXL_TEXT2_PREFIX) for k in header):
+        return "sdxl"
+    if any(k.startswith(SD2_TEXT_PREFIX) for k in header):
+        return "sd2"
+    if any(k.startswith(SD1_TEXT_PREFIX) for k in header):
+        return "sd1"
+    return None
 
 
 def load_single_file(
@@ -529,8 +542,10 @@ def load_single_file(
     except Exception as exc:
         from safetensors import SafetensorError
 
-        if isinstance(exc, (SafetensorError, OSError)):
+        if isinstance(exc, SafetensorError):
             raise InputFileError(f"{path} is not a valid safetensors file ({exc})") from exc
+        if isinstance(exc, OSError):
+            raise InputFileError(f"cannot load {path} with the architecture config {folder}: {exc}") from exc
         raise
     if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)

@@ -139,9 +139,12 @@ class Trainer:
     def micro_step(self, batch: dict, epoch: int, accumulation: int) -> torch.Tensor:
         captions = [self.method.caption(c) for c in batch["caption"]]
         with self.precision.autocast():
-            loss = diffusion_loss(self.model, batch, captions, self.config.seed, epoch)
+            loss = self.loss(batch, captions, epoch)
         self.precision.backward(loss / accumulation)
         return loss.detach()
+
+    def loss(self, batch: dict, captions: list[str], epoch: int) -> torch.Tensor:
+        return diffusion_loss(self.model, batch, captions, self.config.seed, epoch)
 
     def optimizer_step(self) -> None:
         self.precision.unscale(self.optimizer)

@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models of each family and the demo dataset, built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> path of a tiny diffusers folder (sd1, sd2, sdxl)."""
+    from ot_dist.models.tiny import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    return {family: make_tiny_model(root / family, family) for family in ("sd1", "sd2", "sdxl")}
+
+
+@pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory):
+    from ot_dist.demo import make_demo_dataset
+
+    return make_demo_dataset(tmp_path_factory.mktemp("data") / "shapes", count=16)
+
+
+def base_config(model_path, data_path, output_dir, family="sd1", method="full", **overrides) -> dict:
+    """A small, fast training config as a raw dict (validated by the caller)."""
+    raw = {
+        "model": {"family": family, "path": str(model_path)},
+        "method": method,
+        "output_dir": str(output_dir),
+        "data": {"path": str(data_path)},
+        "resolution": 64,
+        "batch_size": 4,
+        "epochs": 1,
+        "learning_rate": 3e-4,
+        "log_every_steps": 1000,
+        "seed": 1,
+    }
+    for key, value in overrides.items():
+        node = raw
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    return raw

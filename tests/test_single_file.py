@@ -1,0 +1,179 @@
+"""Round trip diffusers folder -> original-layout single .safetensors -> diffusers `from_single_file`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from ot_dist.errors import InputFileError  # noqa: E402
+from ot_dist.models.single_file import export_single_file, load_single_file  # noqa: E402
+from ot_dist.models.tiny import make_tiny_model  # noqa: E402
+
+FAMILIES = ("sd1", "sd2", "sdxl")
+TEXT_PREFIX = {
+    "sd1": "cond_stage_model.transformer.text_model.embeddings.token_embedding.weight",
+    "sd2": "cond_stage_model.model.token_embedding.weight",
+    "sdxl": "conditioner.embedders.0.transformer.text_model.embeddings.token_embedding.weight",
+}
+
+
+def _components(family: str) -> list[str]:
+    return ["unet", "vae", "text_encoder"] + (["text_encoder_2"] if family == "sdxl" else [])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """family -> (diffusers folder, pipeline loaded from it, exported single file)."""
+    from diffusers import DiffusionPipeline
+
+    root = tmp_path_factory.mktemp("single_file")
+    out = {}
+    for family in FAMILIES:
+        folder = make_tiny_model(root / family, family)
+        pipe = DiffusionPipeline.from_pretrained(folder)
+        path = export_single_file(pipe.components, family, root / f"{family}.safetensors")
+        out[family] = (folder, pipe, path)
+    return out
+
+
+def _assert_same_weights(original, loaded, family):
+    for name in _components(family):
+        want = getattr(original, name).state_dict()
+        got = getattr(loaded, name).state_dict()
+        assert set(want) == set(got), f"{name}: key sets differ: {sorted(set(want) ^ set(got))[:5]}"
+        for key in want:
+            assert got[key].device.type == "cpu", f"{name}.{key} left on {got[key].device}"
+            assert torch.equal(want[key], got[key]), f"{name}.{key} differs"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip(models, family):
+    folder, pipe, path = models[family]
+    assert path.is_file() and path.suffix == ".safetensors"
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")], "temp file left behind"
+
+    with safe_open(str(path), framework="pt") as fh:
+        keys = set(fh.keys())
+        for key in ("model.diffusion_model.input_blocks.0.0.weight", "first_stage_model.encoder.conv_in.weight",
+                    "model.diffusion_model.middle_block.1.proj_in.weight",
+                    "model.diffusion_model.out.2.weight", TEXT_PREFIX[family]):
+            assert key in keys, key
+        vae_q = fh.get_slice("first_stage_model.encoder.mid.attn_1.q.weight").get_shape()
+        assert len(vae_q) == 4 and vae_q[2:] == [1, 1]
+        if family == "sd2":
+            assert "cond_stage_model.model.transformer.resblocks.0.attn.in_proj_weight" in keys
+            assert "cond_stage_model.model.positional_embedding" in keys
+        if family == "sdxl":
+            assert "model.diffusion_model.label_emb.0.0.weight" in keys
+            projection = fh.get_tensor("conditioner.embedders.1.model.text_projection")
+            assert torch.equal(projection, pipe.text_encoder_2.text_projection.weight.t())
+            assert "conditioner.embedders.1.model.transformer.resblocks.1.attn.in_proj_bias" in keys
+    assert not any(k.startswith(("model.diffusion_model.down_blocks", "first_stage_model.decoder.up_blocks"))
+                   for k in keys)
+
+    loaded = load_single_file(path, family, folder)
+    expected_class = "StableDiffusionXLPipeline" if family == "sdxl" else "StableDiffusionPipeline"
+    assert type(loaded).__name__ == expected_class
+    _assert_same_weights(pipe, loaded, family)
+    assert loaded.scheduler.config.prediction_type == pipe.scheduler.config.prediction_type
+    assert loaded.vae.config.scaling_factor == pipe.vae.config.scaling_factor
+
+
+def test_weights_come_from_the_file_not_the_config_folder(models, tmp_path):
+    """With a config-only folder every weight must come from the single file (SDXL: both towers)."""
+    folder, pipe, path = models["sdxl"]
+    config_only = tmp_path / "sdxl_config"
+    shutil.copytree(folder, config_only, ignore=shutil.ignore_patterns("*.safetensors", "*.bin"))
+    loaded = load_single_file(path, "sdxl", config_only)
+    _assert_same_weights(pipe, loaded, "sdxl")
+
+
+def test_sd2_prediction_type(models):
+    folder, _, path = models["sd2"]
+    assert load_single_file(path, "sd2", folder).scheduler.config.prediction_type == "v_prediction"
+    overridden = load_single_file(path, "sd2", folder, prediction_type="epsilon").scheduler.config
+    assert overridden.prediction_type == "epsilon"
+    assert overridden.beta_start == pytest.approx(0.00085)  # the config folder's schedule, not a legacy default
+
+
+def test_export_dtype(models, tmp_path):
+    _, pipe, _ = models["sd1"]
+    path = export_single_file(pipe.components, "sd1", tmp_path / "half.safetensors", dtype=torch.float16)
+    tensors = load_file(str(path))
+    assert {t.dtype for t in tensors.values()} == {torch.float16}
+
+
+def test_missing_file(models, tmp_path):
+    folder = models["sd1"][0]
+    missing = tmp_path / "nope.safetensors"
+    with pytest.raises(InputFileError, match="nope.safetensors"):
+        load_single_file(missing, "sd1", folder)
+
+
+def test_corrupt_file(models, tmp_path):
+    folder, _, path = models["sd1"]
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(os.urandom(4096))
+    with pytest.raises(InputFileError, match="not a valid safetensors") as info:
+        load_single_file(garbage, "sd1", folder)
+    assert str(garbage) in str(info.value)
+
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(InputFileError, match="not a valid safetensors") as info:
+        load_single_file(truncated, "sd1", folder)
+    assert str(truncated) in str(info.value)
+
+
+def test_pickle_checkpoint_is_refused(models, tmp_path):
+    folder = models["sd1"][0]
+    ckpt = tmp_path / "model.ckpt"
+    ckpt.write_bytes(b"not opened")
+    with pytest.raises(InputFileError, match="model.ckpt"):
+        load_single_file(ckpt, "sd1", folder)
+
+
+def test_wrong_family(models):
+    sd1_path = models["sd1"][2]
+    sdxl_folder = models["sdxl"][0]
+    with pytest.raises(InputFileError, match="missing keys") as info:
+        load_single_file(sd1_path, "sdxl", sdxl_folder)
+    message = str(info.value)
+    assert str(sd1_path) in message
+    assert "unexpected keys: cond_stage_model.transformer.text_model." in message
+    assert "looks like an sd1 checkpoint" in message
+
+
+def test_deleted_and_reshaped_keys(models, tmp_path):
+    folder, _, path = models["sd1"]
+    tensors = load_file(str(path))
+    deleted = "model.diffusion_model.output_blocks.3.1.proj_out.weight"
+    del tensors[deleted]
+    damaged = tmp_path / "damaged.safetensors"
+    save_file(tensors, str(damaged))
+    with pytest.raises(InputFileError, match="missing keys") as info:
+        load_single_file(damaged, "sd1", folder)
+    assert str(damaged) in str(info.value) and deleted in str(info.value)
+
+    tensors = load_file(str(path))
+    reshaped = "first_stage_model.decoder.conv_in.weight"
+    tensors[reshaped] = torch.zeros(3, 3)
+    save_file(tensors, str(damaged))
+    with pytest.raises(InputFileError, match="shape mismatch") as info:
+        load_single_file(damaged, "sd1", folder)
+    assert str(damaged) in str(info.value) and reshaped in str(info.value)
+
+
+def test_incomplete_config_source(models, tmp_path):
+    path = models["sd1"][2]
+    with pytest.raises(InputFileError, match="model_index.json") as info:
+        load_single_file(path, "sd1", tmp_path)
+    assert str(tmp_path) in str(info.value)
