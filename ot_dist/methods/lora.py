@@ -49,7 +49,6 @@ class LoraMethod(TrainingMethod):
         return groups
 
     def export(self, model: LoadedModel, output_dir: Path) -> list[Path]:
-        from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
         dtype = DTYPES[self.config.output_dtype]
@@ -58,8 +57,10 @@ class LoraMethod(TrainingMethod):
             module = model.part(part)
             if not self.config.part_trains(part):
                 continue
+            # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together
+            # with the adapter config (rank, alpha, targets) it finds in the file's metadata.
             state = get_peft_model_state_dict(module, adapter_name=ADAPTER)
-            state = {k: v.detach().to(dtype).contiguous() for k, v in convert_state_dict_to_diffusers(state).items()}
+            state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
             kwargs[f"{part}_lora_layers"] = state
             kwargs[f"{part}_lora_adapter_metadata"] = module.peft_config[ADAPTER].to_dict()
         target = output_dir / "lora.safetensors"
