@@ -1,0 +1,446 @@
+"""Step-overhead benchmark: ot_dist's training step versus a bare hand-written diffusers loop.
+
+A standalone script (not a pytest test). On the tiny model of a family (resolution 64, batch size 4,
+full finetune of the UNet, AdamW, float32, CPU) it times, side by side in one process:
+
+  (a) ot_dist: `Trainer.micro_step` + `Trainer.optimizer_step`, the code `ot-dist train` runs;
+  (b) bare:    the loop of diffusers' examples/text_to_image/train_text_to_image.py (sd1) or
+               train_text_to_image_sdxl.py (sdxl): VAE encode -> latent_dist.sample() * scaling_factor,
+               randn noise, randint timesteps, DDPMScheduler.add_noise, CLIP text encoder, UNet, MSE,
+               backward, clip_grad_norm_(1.0), AdamW(foreach=True) step, constant lr_scheduler step,
+               zero_grad.
+
+Both consume the same batches, collated once up front from the Trainer's dataset (image decoding is
+excluded from both); the bare loop's captions are tokenized up front too, as the diffusers examples do
+in their data transform. After a warm-up, steps are timed in alternating blocks (A B A B ...) to
+cancel drift, with a fixed thread count; the result is the ratio of the median step times.
+
+    HF_HUB_OFFLINE=1 python tests/benchmarks/bench_step_overhead.py --family sd1 --steps 40
+    python tests/benchmarks/bench_step_overhead.py --family sdxl --json /tmp/sdxl.json
+    python tests/benchmarks/bench_step_overhead.py --profile 10   # also profile both steps
+
+Exit status: 0, or 1 when the sanity checks fail (different start weights, losses out of range), or
+2 with --strict when the ratio is above the target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))  # this checkout's ot_dist
+sys.path.insert(1, str(REPO / "tests"))  # conftest.base_config
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+TARGET = 1.05
+RESOLUTION = 64
+BATCH_SIZE = 4
+DATASET_SIZE = 48  # 12 distinct batches; the steps cycle through them
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--family", choices=("sd1", "sdxl"), default="sd1")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per side (default 40)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed warm-up steps per side (default 3)")
+    p.add_argument("--block", type=int, default=5, help="steps per A/B block (default 5)")
+    p.add_argument("--threads", type=int, default=min(os.cpu_count() or 1, 8), help="torch.set_num_threads")
+    p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
+    p.add_argument("--workdir", type=Path, default=None, help="keep the tiny model and data here (default: temp)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="afterwards, profile N more steps of each side (torch.profiler + cProfile)")
+    p.add_argument("--strict", action="store_true", help=f"exit 2 when the ratio is above {TARGET}")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------------
+# Setup
+
+
+def build_ot_dist(model_dir: Path, data_dir: Path, out_dir: Path, family: str):
+    from conftest import base_config
+
+    from ot_dist.config.load import validate
+    from ot_dist.train.trainer import Trainer
+
+    raw = base_config(model_dir, data_dir, out_dir, family=family, method="full",
+                      resolution=RESOLUTION, batch_size=BATCH_SIZE)
+    config = validate(raw, source="bench")
+    assert config.train_dtype == "float32" and config.weight_dtype == "float32"
+    assert config.optimizer.name == "ADAMW" and config.clip_grad_norm == 1.0
+    assert config.gradient_accumulation_steps == 1 and not config.gradient_checkpointing
+    trainer = Trainer(config, device=torch.device("cpu"), log=lambda *a: None)
+    return config, trainer
+
+
+class BareDiffusers:
+    """The diffusers text-to-image example's training step, minus accelerate (one CPU process)."""
+
+    def __init__(self, model_dir: Path, family: str, config):
+        from diffusers import DDPMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
+        from diffusers.optimization import get_scheduler
+
+        self.family = family
+        self.resolution = config.resolution
+        pipeline_cls = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
+        pipe = pipeline_cls.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True, local_files_only=True)
+        self.noise_scheduler = DDPMScheduler.from_pretrained(model_dir, subfolder="scheduler")
+        self.vae, self.unet = pipe.vae, pipe.unet
+        if family == "sdxl":
+            self.tokenizers = [pipe.tokenizer, pipe.tokenizer_2]
+            self.text_encoders = [pipe.text_encoder, pipe.text_encoder_2]
+        else:
+            self.tokenizers = [pipe.tokenizer]
+            self.text_encoders = [pipe.text_encoder]
+        self.vae.requires_grad_(False)
+        for encoder in self.text_encoders:
+            encoder.requires_grad_(False)
+        self.unet.train()
+        opt = config.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self.unet.parameters(),
+            lr=config.learning_rate,
+            betas=(opt.beta1, opt.beta2),
+            weight_decay=opt.weight_decay,
+            eps=opt.eps,
+            foreach=True,
+        )
+        self.lr_scheduler = get_scheduler("constant", optimizer=self.optimizer)
+        self.max_grad_norm = config.clip_grad_norm
+
+    def prepare(self, batch: dict) -> dict:
+        """The examples' data transform: tokenized captions (and SDXL's size/crop tuples)."""
+        prepared = {"pixel_values": batch["pixels"]}
+        for i, tokenizer in enumerate(self.tokenizers):
+            prepared[f"input_ids_{i}"] = tokenizer(
+                batch["caption"], max_length=tokenizer.model_max_length, padding="max_length",
+                truncation=True, return_tensors="pt",
+            ).input_ids
+        if self.family == "sdxl":
+            prepared["original_sizes"] = [tuple(int(v) for v in s) for s in batch["original_size"].tolist()]
+            prepared["crop_top_lefts"] = [tuple(int(v) for v in c) for c in batch["crop_top_left"].tolist()]
+        return prepared
+
+    def step(self, batch: dict) -> torch.Tensor:
+        vae, unet, noise_scheduler = self.vae, self.unet, self.noise_scheduler
+        # Convert images to latent space
+        latents = vae.encode(batch["pixel_values"].to(torch.float32)).latent_dist.sample()
+        latents = latents * vae.config.scaling_factor
+        # Sample noise that we'll add to the latents
+        noise = torch.randn_like(latents)
+        bsz = latents.shape[0]
+        timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (bsz,), device=latents.device)
+        timesteps = timesteps.long()
+        noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
+
+        if self.family == "sdxl":
+            # train_text_to_image_sdxl.py: encode_prompt (penultimate hidden states of both encoders,
+            # pooled output of the last) and compute_time_ids per sample.
+            prompt_embeds_list = []
+            with torch.no_grad():
+                for i, text_encoder in enumerate(self.text_encoders):
+                    prompt_embeds = text_encoder(
+                        batch[f"input_ids_{i}"].to(text_encoder.device), output_hidden_states=True, return_dict=False
+                    )
+                    pooled_prompt_embeds = prompt_embeds[0]
+                    prompt_embeds = prompt_embeds[-1][-2]
+                    bs_embed, seq_len, _ = prompt_embeds.shape
+                    prompt_embeds_list.append(prompt_embeds.view(bs_embed, seq_len, -1))
+            prompt_embeds = torch.concat(prompt_embeds_list, dim=-1)
+            pooled_prompt_embeds = pooled_prompt_embeds.view(bs_embed, -1)
+
+            def compute_time_ids(original_size, crops_coords_top_left):
+                target_size = (self.resolution, self.resolution)
+                add_time_ids = list(original_size + crops_coords_top_left + target_size)
+                add_time_ids = torch.tensor([add_time_ids])
+                return add_time_ids.to(latents.device, dtype=torch.float32)
+
+            add_time_ids = torch.cat(
+                [compute_time_ids(s, c) for s, c in zip(batch["original_sizes"], batch["crop_top_lefts"])]
+            )
+            unet_added_conditions = {"time_ids": add_time_ids, "text_embeds": pooled_prompt_embeds}
+            unet_kwargs = {"added_cond_kwargs": unet_added_conditions}
+            encoder_hidden_states = prompt_embeds
+        else:
+            # Get the text embedding for conditioning
+            encoder_hidden_states = self.text_encoders[0](batch["input_ids_0"], return_dict=False)[0]
+            unet_kwargs = {}
+
+        if noise_scheduler.config.prediction_type == "epsilon":
+            target = noise
+        elif noise_scheduler.config.prediction_type == "v_prediction":
+            target = noise_scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            raise ValueError(f"Unknown prediction type {noise_scheduler.config.prediction_type}")
+
+        model_pred = unet(noisy_latents, timesteps, encoder_hidden_states, **unet_kwargs, return_dict=False)[0]
+        loss = F.mse_loss(model_pred.float(), target.float(), reduction="mean")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad()
+        return loss.detach()
+
+
+def same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+
+
+class Side:
+    def __init__(self, name: str, step_fn):
+        self.name = name
+        self.step_fn = step_fn  # step_fn(i) -> detached loss
+        self.next = 0  # the next step index; both sides see batch (i mod n) at step i
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def run(self, count: int, timed: bool) -> None:
+        for _ in range(count):
+            start = time.perf_counter()
+            loss = self.step_fn(self.next)
+            elapsed = time.perf_counter() - start
+            self.next += 1
+            self.losses.append(float(loss))
+            if timed:
+                self.times.append(elapsed)
+
+
+def alternate(sides: list[Side], steps: int, block: int) -> None:
+    done = 0
+    while done < steps:
+        count = min(block, steps - done)
+        for side in sides:
+            side.run(count, timed=True)
+        done += count
+
+
+def profile_sides(sides: list[Side], steps: int, threads: int) -> dict:
+    """torch.profiler operator table and a cProfile of Python time, per side."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    report = {}
+    for side in sides:
+        print(f"\n=== profile: {side.name}, {steps} steps ===")
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+            side.run(steps, timed=False)
+        averages = prof.key_averages()
+        total_self = sum(e.self_cpu_time_total for e in averages)
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
+        report[side.name] = {
+            "ops_self_cpu_ms_per_step": {
+                e.key: e.self_cpu_time_total / 1e3 / steps
+                for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:40]
+            },
+            "ops_count_per_step": {e.key: e.count / steps for e in averages},
+            "total_self_cpu_ms_per_step": total_self / 1e3 / steps,
+        }
+        profiler = cProfile.Profile()
+        profiler.enable()
+        side.run(steps, timed=False)
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
+        print(out.getvalue())
+    a, b = (report[s.name] for s in sides)
+    print(f"\n=== per-step operator differences ({sides[0].name} - {sides[1].name}), self CPU ms ===")
+    keys = set(a["ops_count_per_step"]) | set(b["ops_count_per_step"])
+    a_ms = {e: a["ops_self_cpu_ms_per_step"].get(e, 0.0) for e in keys}
+    b_ms = {e: b["ops_self_cpu_ms_per_step"].get(e, 0.0) for e in keys}
+    rows = sorted(keys, key=lambda k: -abs(a_ms[k] - b_ms[k]))[:25]
+    print(f"{'op':<45} {'calls a':>8} {'calls b':>8} {'ms a':>8} {'ms b':>8} {'diff':>8}")
+    for k in rows:
+        print(
+            f"{k[:45]:<45} {a['ops_count_per_step'].get(k, 0):8.1f} {b['ops_count_per_step'].get(k, 0):8.1f} "
+            f"{a_ms[k]:8.2f} {b_ms[k]:8.2f} {a_ms[k] - b_ms[k]:+8.2f}"
+        )
+    print(f"total self CPU per step: {a['total_self_cpu_ms_per_step']:.1f} ms vs {b['total_self_cpu_ms_per_step']:.1f} ms")
+    return report
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    wall_start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    from ot_dist.data.image_folder import epoch_batches
+    from ot_dist.demo import make_demo_dataset
+    from ot_dist.models.tiny import make_tiny_model
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.TemporaryDirectory(prefix="bench_step_overhead_")
+        workdir = Path(tmp.name)
+    else:
+        workdir = args.workdir
+    model_dir = workdir / f"tiny-{args.family}"
+    data_dir = workdir / "shapes"
+    if not (model_dir / "model_index.json").is_file():
+        make_tiny_model(model_dir, args.family)
+    if not any(data_dir.glob("*.png")):
+        make_demo_dataset(data_dir, count=DATASET_SIZE, size=RESOLUTION)
+
+    config, trainer = build_ot_dist(model_dir, data_dir, workdir / "out", args.family)
+    bare = BareDiffusers(model_dir, args.family, config)
+
+    # Same start: every component of both models holds the same weights.
+    pairs = [("unet", trainer.model.unet, bare.unet), ("vae", trainer.model.vae, bare.vae)]
+    pairs += [(name, enc, bare.text_encoders[i]) for i, (name, enc) in enumerate(trainer.model.text_encoders.items())]
+    mismatched = [name for name, a, b in pairs if not same_weights(a, b)]
+    n_trainable = sum(p.numel() for p in trainer.params)
+    assert n_trainable == sum(p.numel() for p in bare.unet.parameters() if p.requires_grad)
+
+    # The same pre-collated batches for both (decoding excluded); the bare loop's data transform
+    # (tokenization) happens here too, as in the diffusers examples' dataloader.
+    batches = list(epoch_batches(trainer.dataset, config.batch_size, 0, config.seed))
+    bare_batches = [bare.prepare(b) for b in batches]
+    n = len(batches)
+
+    def ot_step(i: int) -> torch.Tensor:
+        loss = trainer.micro_step(batches[i % n], i // n, 1)
+        trainer.optimizer_step()
+        return loss
+
+    def bare_step(i: int) -> torch.Tensor:
+        return bare.step(bare_batches[i % n])
+
+    a, b = Side("ot_dist", ot_step), Side("bare diffusers", bare_step)
+    torch.manual_seed(config.seed)  # the bare loop's noise comes from the global generator
+    print(
+        f"family {args.family}: resolution {config.resolution}, batch {config.batch_size}, full UNet finetune "
+        f"({n_trainable / 1e6:.2f} M params), AdamW foreach, float32, CPU, {args.threads} threads; "
+        f"{args.warmup} warm-up + {args.steps} timed steps per side in blocks of {args.block} (A B A B ...)"
+    )
+    load_start = os.getloadavg()[0]
+    if load_start > 0.5:
+        print(f"note: load average {load_start:.2f} before timing; other processes may disturb the numbers")
+    for side in (a, b):
+        side.run(args.warmup, timed=False)
+    timing_start = time.perf_counter()
+    alternate([a, b], args.steps, args.block)
+    timing_seconds = time.perf_counter() - timing_start
+
+    med_a, med_b = statistics.median(a.times), statistics.median(b.times)
+    ratio = med_a / med_b
+    # Drift-robust cross-check: the median over A/B block pairs of (median A block / median B block).
+    pair_ratios = [
+        statistics.median(a.times[i : i + args.block]) / statistics.median(b.times[i : i + args.block])
+        for i in range(0, args.steps, args.block)
+    ]
+    pair_ratio = statistics.median(pair_ratios)
+    load_end = os.getloadavg()[0]
+    # Sanity: both trained the same model on the same data with the same optimizer, so their losses
+    # over the last steps must be in the same range (the noise draws differ, so not equal).
+    tail = min(10, args.steps)
+    loss_a = statistics.fmean(a.losses[-tail:])
+    loss_b = statistics.fmean(b.losses[-tail:])
+    finite = all(map(lambda v: v == v and abs(v) != float("inf"), a.losses + b.losses))
+    loss_ok = finite and 0.5 <= loss_a / loss_b <= 2.0
+    weights_ok = not mismatched
+    print(f"start weights identical (unet, vae, text encoders): {'yes' if weights_ok else 'NO: ' + ', '.join(mismatched)}")
+    print(
+        f"loss check: mean of the last {tail} steps ot_dist {loss_a:.4f}, bare diffusers {loss_b:.4f} "
+        f"(first step {a.losses[0]:.4f} / {b.losses[0]:.4f}): {'same range' if loss_ok else 'OUT OF RANGE'}"
+    )
+    for side in (a, b):
+        t = sorted(side.times)
+        print(
+            f"  {side.name:<15} median {statistics.median(t):.4f} s  mean {statistics.fmean(t):.4f} s  "
+            f"min {t[0]:.4f} s  p90 {t[int(0.9 * (len(t) - 1))]:.4f} s"
+        )
+
+    print(
+        f"  per block pair ratio: median {pair_ratio:.3f} (min {min(pair_ratios):.3f}, max {max(pair_ratios):.3f}); "
+        f"1-min load average {load_start:.2f} -> {load_end:.2f}"
+    )
+
+    profile_report = profile_sides([a, b], args.profile, args.threads) if args.profile else None
+
+    total_seconds = time.perf_counter() - wall_start
+    if args.json:
+        import diffusers
+        import transformers
+
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "family": args.family,
+            "resolution": config.resolution,
+            "batch_size": config.batch_size,
+            "threads": args.threads,
+            "warmup": args.warmup,
+            "steps": args.steps,
+            "block": args.block,
+            "trainable_params": n_trainable,
+            "ot_dist_median_s": med_a,
+            "bare_median_s": med_b,
+            "ot_dist_mean_s": statistics.fmean(a.times),
+            "bare_mean_s": statistics.fmean(b.times),
+            "ratio": ratio,
+            "target": TARGET,
+            "within_target": ratio <= TARGET,
+            "block_pair_ratios": pair_ratios,
+            "block_pair_ratio_median": pair_ratio,
+            "load_average_start": load_start,
+            "load_average_end": load_end,
+            "start_weights_identical": weights_ok,
+            "loss_ot_dist_tail_mean": loss_a,
+            "loss_bare_tail_mean": loss_b,
+            "losses_same_range": loss_ok,
+            "ot_dist_times_s": a.times,
+            "bare_times_s": b.times,
+            "ot_dist_losses": a.losses,
+            "bare_losses": b.losses,
+            "timing_seconds": timing_seconds,
+            "total_seconds": total_seconds,
+            "profile": profile_report,
+            "versions": {"torch": torch.__version__, "diffusers": diffusers.__version__,
+                         "transformers": transformers.__version__},
+        }, indent=2))
+        print(f"wrote {args.json}")
+    if tmp is not None:
+        tmp.cleanup()
+    print(f"total {total_seconds:.1f} s (timed section {timing_seconds:.1f} s)")
+    print(
+        f"step overhead ({args.family}): ot_dist {med_a:.3f} s/step, bare diffusers {med_b:.3f} s/step, "
+        f"ratio {ratio:.2f} (target <= {TARGET})"
+    )
+    if not (weights_ok and loss_ok):
+        return 1
+    if args.strict and ratio > TARGET:
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The config surface: every shipped config validates, errors name the key, --set is typed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ot_dist.cli import main
+from ot_dist.config.load import apply_override, load_config, validate
+from ot_dist.config.reference import render_reference
+from ot_dist.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+MINIMAL = {"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o", "data": {"path": "d"}}
+
+
+def test_configs_exist():
+    assert {p.name for p in CONFIGS} >= {"demo.yaml"}
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_shipped_config_validates(path):
+    config = load_config(path)
+    assert config.model.family in ("sd1", "sd2", "sdxl")
+
+
+def test_reference_is_current():
+    assert (REPO / "configs" / "REFERENCE.md").read_text().strip() == render_reference().strip(), (
+        "configs/REFERENCE.md is stale: run `ot-dist config reference > configs/REFERENCE.md`"
+    )
+
+
+def test_public_contract_keys_exist():
+    config = validate(MINIMAL)
+    for key in (
+        "model.family", "model.path", "method", "output_dir", "seed", "batch_size", "gradient_accumulation_steps",
+        "epochs", "max_steps", "learning_rate", "train_dtype", "weight_dtype", "gradient_checkpointing",
+        "optimizer.name", "scheduler.name", "strategy", "resolution",
+    ):
+        node = config
+        for part in key.split("."):
+            node = getattr(node, part)
+
+
+def test_set_overrides_are_yaml_typed(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {family: sd1, path: m}\nmethod: full\noutput_dir: o\ndata: {path: d}\n")
+    config = load_config(
+        path,
+        ["learning_rate=1e-4", "lora.rank=8", "max_steps=null", "text_encoder.train=true", "data.crop=random",
+         "lora.unet_targets=[to_q, to_v]"],
+    )
+    assert config.learning_rate == 1e-4 and config.lora.rank == 8 and config.max_steps is None
+    assert config.text_encoder.train is True and config.data.crop == "random"
+    assert config.lora.unet_targets == ["to_q", "to_v"]
+
+
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        ({"lerning_rate": 1}, ["lerning_rate: unknown key", "did you mean 'learning_rate'"]),
+        ({"model": {"family": "sd1", "path": "m", "famliy": "x"}}, ["model.famliy: unknown key", "family, path"]),
+        ({"method": "dreambooth"}, ["method:", "'full', 'lora' or 'embedding'"]),
+        ({"batch_size": "four"}, ["batch_size:", "integer"]),
+        ({"batch_size": 0}, ["batch_size:", "greater than or equal to 1"]),
+        ({"train_dtype": "fp8"}, ["train_dtype:", "'float32', 'bfloat16' or 'float16'"]),
+        ({"strategy": "deepspeed"}, ["strategy:", "'single'"]),
+        ({"text_encoder_2": {"train": True}}, ["text_encoder_2: model family sd1 has no text_encoder_2"]),
+        ({"method": "embedding", "unet": {"train": True}}, ["unet.train: method embedding trains only"]),
+        ({"method": "full", "unet": {"train": False}}, ["nothing to train"]),
+        ({"resolution": 500}, ["resolution:", "multiple of 8"]),
+        ({"output_dir": None}, ["output_dir:"]),
+    ],
+)
+def test_bad_config_names_the_key(change, expected):
+    with pytest.raises(ConfigError) as err:
+        validate({**MINIMAL, **change})
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_missing_required_key():
+    raw = dict(MINIMAL)
+    del raw["method"]
+    with pytest.raises(ConfigError, match="method: required key is missing"):
+        validate(raw)
+
+
+def test_set_into_a_value_is_an_error():
+    with pytest.raises(ConfigError, match="seed is a value, not a section"):
+        apply_override({"seed": 1}, "seed.x=2")
+
+
+def test_config_check_cli(tmp_path, capsys):
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {family: sdxl, path: m}\nmethod: lora\noutput_dir: o\ndata: {path: d}\n")
+    assert main(["config", "check", str(path), "--set", "lora.rank=4"]) == 0
+    out = capsys.readouterr().out
+    assert "rank: 4" in out and "family: sdxl" in out and "learning_rate:" in out
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("model: {family: sd1, path: m}\nmethod: lora\noutput_dir: o\ndata: {path: d}\nbogus: 1\n", "bogus: unknown key"),
+        ("model: [\n", "not valid YAML"),
+        ("- a\n- b\n", "top level must be a mapping"),
+    ],
+)
+def test_config_errors_exit_2_without_traceback(tmp_path, capsys, text, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+
+
+def test_missing_config_file(capsys):
+    assert main(["config", "check", "/nonexistent/config.yaml"]) == 2
+    assert "config file not found: /nonexistent/config.yaml" in capsys.readouterr().err
