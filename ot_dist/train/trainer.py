@@ -168,7 +168,9 @@ class Trainer:
 def enable_gradient_checkpointing(module: torch.nn.Module) -> None:
     if hasattr(module, "enable_gradient_checkpointing"):  # diffusers models
         module.enable_gradient_checkpointing()
-    elif hasattr(module, "gradient_checkpointing_enable"):  # transformers models
+    elif hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5
+        module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(module, "gradient_checkpointing_enable"):  # older transformers
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
