@@ -73,11 +73,9 @@ class Trainer:
                 else:
                     p.data = p.data.to(weight_dtype)
             module.train(trains)
-            if self.config.gradient_checkpointing and trains:
+            # The UNet backpropagates whenever anything trains (text encoders learn through it).
+            if self.config.gradient_checkpointing and (trains or module is self.model.unet):
                 enable_gradient_checkpointing(module)
-        # The UNet backpropagates whenever anything trains (text encoders learn through it).
-        if self.config.gradient_checkpointing:
-            enable_gradient_checkpointing(self.model.unet)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
         """Honour `<part>.stop_training_after`: a stopped part no longer gets gradients or updates."""
