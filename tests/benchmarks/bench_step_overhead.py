@@ -234,50 +234,79 @@ def alternate(sides: list[Side], steps: int, block: int) -> None:
         done += count
 
 
-def profile_sides(sides: list[Side], steps: int, threads: int) -> dict:
-    """torch.profiler operator table and a cProfile of Python time, per side."""
+# Python functions where ot_dist's step and the bare loop differ; the cProfile report lists them apart.
+FUNCTIONS_OF_INTEREST = (
+    "get_parameter_device|get_parameter_dtype|tokenize|draw_sample_noise|encode_latents|encode_text|"
+    "unet_conditioning|clip_grad_norm_|micro_step|optimizer_step|diffusion_loss|bare_step|prepare"
+)
+
+
+def profile_sides(sides: list[Side], steps: int) -> dict:
+    """torch.profiler operator totals and a cProfile of Python time, per side, both taken A B A B (two
+    rounds of half the steps) after a discarded warm-up session, so neither side pays the profiler's
+    start-up or sits in a quieter moment of the machine."""
     import cProfile
     import io
     import pstats
 
     from torch.profiler import ProfilerActivity, profile
 
+    half = max(1, steps // 2)
+    with profile(activities=[ProfilerActivity.CPU]):  # warm-up session, discarded
+        for side in sides:
+            side.run(1, timed=False)
+    ops = {side.name: {} for side in sides}  # op -> [calls, self CPU us]
+    for _ in range(2):
+        for side in sides:
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                side.run(half, timed=False)
+            for e in prof.key_averages():
+                entry = ops[side.name].setdefault(e.key, [0, 0.0])
+                entry[0] += e.count
+                entry[1] += e.self_cpu_time_total
+    profilers = {side.name: cProfile.Profile() for side in sides}
+    for _ in range(2):
+        for side in sides:
+            profilers[side.name].enable()
+            side.run(half, timed=False)
+            profilers[side.name].disable()
+
+    n = 2 * half
     report = {}
     for side in sides:
-        print(f"\n=== profile: {side.name}, {steps} steps ===")
-        with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
-            side.run(steps, timed=False)
-        averages = prof.key_averages()
-        total_self = sum(e.self_cpu_time_total for e in averages)
-        print(averages.table(sort_by="self_cpu_time_total", row_limit=25))
-        report[side.name] = {
-            "ops_self_cpu_ms_per_step": {
-                e.key: e.self_cpu_time_total / 1e3 / steps
-                for e in sorted(averages, key=lambda e: -e.self_cpu_time_total)[:40]
-            },
-            "ops_count_per_step": {e.key: e.count / steps for e in averages},
-            "total_self_cpu_ms_per_step": total_self / 1e3 / steps,
-        }
-        profiler = cProfile.Profile()
-        profiler.enable()
-        side.run(steps, timed=False)
-        profiler.disable()
+        table = ops[side.name]
+        total = sum(v[1] for v in table.values())
+        print(f"\n=== torch.profiler, {side.name}: {n} steps, self CPU {total / 1e3 / n:.1f} ms/step ===")
+        print(f"{'op':<60} {'calls/step':>10} {'self ms/step':>12}")
+        for key, (calls, us) in sorted(table.items(), key=lambda kv: -kv[1][1])[:20]:
+            print(f"{key[:60]:<60} {calls / n:10.1f} {us / 1e3 / n:12.3f}")
         out = io.StringIO()
-        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(40)
+        stats = pstats.Stats(profilers[side.name], stream=out)
+        stats.sort_stats("cumulative").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(FUNCTIONS_OF_INTEREST)
+        print(f"\n=== cProfile, {side.name}: {n} steps (cumulative; then the functions of interest) ===")
         print(out.getvalue())
-    a, b = (report[s.name] for s in sides)
-    print(f"\n=== per-step operator differences ({sides[0].name} - {sides[1].name}), self CPU ms ===")
-    keys = set(a["ops_count_per_step"]) | set(b["ops_count_per_step"])
-    a_ms = {e: a["ops_self_cpu_ms_per_step"].get(e, 0.0) for e in keys}
-    b_ms = {e: b["ops_self_cpu_ms_per_step"].get(e, 0.0) for e in keys}
-    rows = sorted(keys, key=lambda k: -abs(a_ms[k] - b_ms[k]))[:25]
-    print(f"{'op':<45} {'calls a':>8} {'calls b':>8} {'ms a':>8} {'ms b':>8} {'diff':>8}")
-    for k in rows:
-        print(
-            f"{k[:45]:<45} {a['ops_count_per_step'].get(k, 0):8.1f} {b['ops_count_per_step'].get(k, 0):8.1f} "
-            f"{a_ms[k]:8.2f} {b_ms[k]:8.2f} {a_ms[k] - b_ms[k]:+8.2f}"
-        )
-    print(f"total self CPU per step: {a['total_self_cpu_ms_per_step']:.1f} ms vs {b['total_self_cpu_ms_per_step']:.1f} ms")
+        report[side.name] = {
+            "steps": n,
+            "self_cpu_ms_per_step": total / 1e3 / n,
+            "ops": {k: {"calls_per_step": c / n, "self_ms_per_step": us / 1e3 / n} for k, (c, us) in table.items()},
+            "python_cumulative_ms_per_step": {
+                f"{Path(f).name}:{line}({fn})": v[3] * 1e3 / n
+                for (f, line, fn), v in stats.stats.items()
+                if v[3] * 1e3 / n >= 0.01
+            },
+        }
+    a, b = (ops[s.name] for s in sides)
+    keys = set(a) | set(b)
+    diff = {k: (a.get(k, [0, 0.0])[1] - b.get(k, [0, 0.0])[1]) / 1e3 / n for k in keys}
+    print(f"=== torch.profiler differences per step ({sides[0].name} - {sides[1].name}) ===")
+    print(f"{'op':<60} {'calls a':>8} {'calls b':>8} {'ms a':>8} {'ms b':>8} {'diff':>8}")
+    for k in sorted(keys, key=lambda k: -abs(diff[k]))[:20]:
+        ca, ua = a.get(k, [0, 0.0])
+        cb, ub = b.get(k, [0, 0.0])
+        print(f"{k[:60]:<60} {ca / n:8.1f} {cb / n:8.1f} {ua / 1e3 / n:8.3f} {ub / 1e3 / n:8.3f} {diff[k]:+8.3f}")
+    ta, tb = report[sides[0].name]["self_cpu_ms_per_step"], report[sides[1].name]["self_cpu_ms_per_step"]
+    print(f"self CPU per step: {sides[0].name} {ta:.1f} ms, {sides[1].name} {tb:.1f} ms, ratio {ta / tb:.3f}")
     return report
 
 
@@ -385,7 +414,7 @@ def main(argv=None) -> int:
         f"1-min load average {load_start:.2f} -> {load_end:.2f}"
     )
 
-    profile_report = profile_sides([a, b], args.profile, args.threads) if args.profile else None
+    profile_report = profile_sides([a, b], args.profile) if args.profile else None
 
     total_seconds = time.perf_counter() - wall_start
     if args.json:
