@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -15,6 +16,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # bitsandbytes (imported by peft) warns about an optional 4-bit CPU kernel we never use.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -59,13 +59,13 @@ def test_accumulation_equals_the_larger_batch(tiny_models, shapes_data, tmp_path
     raw = base_config(tiny_models["sdxl"], shapes_data, tmp_path / "o", family="sdxl", **{"text_encoder.train": True})
     trainer = Trainer(validate(raw), log=quiet)
     samples = [trainer.dataset.load(i, 0) for i in range(4)]
-    trainer.micro_step(collate(samples), epoch=0, accumulation=1)
+    trainer.micro_step(trainer.tokenize(collate(samples)), epoch=0, accumulation=1)
     # (SDXL conditions on the penultimate text-encoder layer, so the last layer gets no gradient)
     whole = [None if p.grad is None else p.grad.clone() for p in trainer.params]
     assert sum(g is not None for g in whole) > len(whole) // 2
     trainer.optimizer.zero_grad(set_to_none=True)
-    trainer.micro_step(collate(samples[:2]), epoch=0, accumulation=2)
-    trainer.micro_step(collate(samples[2:]), epoch=0, accumulation=2)
+    trainer.micro_step(trainer.tokenize(collate(samples[:2])), epoch=0, accumulation=2)
+    trainer.micro_step(trainer.tokenize(collate(samples[2:])), epoch=0, accumulation=2)
     for a, p in zip(whole, trainer.params):
         if a is None:
             assert p.grad is None
@@ -105,13 +105,13 @@ def test_loss_target_follows_the_prediction_type(tiny_models, shapes_data, tmp_p
     raw = base_config(tiny_models["sd2"], shapes_data, tmp_path / "o", family="sd2", **{"model.prediction_type": prediction_type})
     trainer = Trainer(validate(raw), log=quiet)
     assert trainer.model.prediction_type == prediction_type
-    batch = collate([trainer.dataset.load(i, 0) for i in range(2)])
+    batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
     model = trainer.model
     # A UNet that predicts zeros makes the loss the mean square of the target, which we rebuild here.
     original_forward = model.unet.forward
     model.unet.forward = lambda sample, *a, **k: (torch.zeros_like(sample),)
     try:
-        loss = diffusion_loss(model, batch, batch["caption"], seed=1, epoch=0)
+        loss = diffusion_loss(model, batch, seed=1, epoch=0)
     finally:
         model.unet.forward = original_forward
     vae_eps, noise, timesteps = draw_sample_noise(batch, torch.Size((4, 8, 8)), 1000, seed=1, epoch=0)

@@ -14,10 +14,10 @@ EVAL_EPOCH = -1  # a key no training epoch uses, so evaluation draws never coinc
 def fixed_noise_loss(trainer, batch_size: int = 8) -> float:
     dataset, total, count = trainer.dataset, 0.0, 0
     for start in range(0, len(dataset), batch_size):
-        batch = collate([dataset.load(i, EVAL_EPOCH) for i in range(start, min(start + batch_size, len(dataset)))])
-        captions = [trainer.method.caption(c) for c in batch["caption"]]
+        samples = [dataset.load(i, EVAL_EPOCH) for i in range(start, min(start + batch_size, len(dataset)))]
+        batch = trainer.tokenize(collate(samples))
         with trainer.precision.autocast():
-            loss = trainer.loss(batch, captions, EVAL_EPOCH)
-        total += float(loss) * len(captions)
-        count += len(captions)
+            loss = trainer.loss(batch, EVAL_EPOCH)
+        total += float(loss) * len(samples)
+        count += len(samples)
     return total / count

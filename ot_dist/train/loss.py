@@ -21,18 +21,27 @@ def draw_sample_noise(batch: dict, latent_shape: torch.Size, num_timesteps: int,
     return torch.stack(vae_eps), torch.stack(noise), torch.cat(timesteps)
 
 
+def first_parameter(module: torch.nn.Module) -> torch.Tensor:
+    # diffusers' `.device` / `.dtype` walk the whole module tree on every read (milliseconds per step
+    # on a real UNet); the first parameter answers the same question at once.
+    return next(module.parameters())
+
+
 def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        posterior = vae.encode(pixels.to(device=vae.device, dtype=vae.dtype)).latent_dist
+        reference = first_parameter(vae)
+        posterior = vae.encode(pixels.to(device=reference.device, dtype=reference.dtype)).latent_dist
         latents = posterior.mean + posterior.std * eps.to(posterior.mean)
         shift = getattr(vae.config, "shift_factor", None) or 0.0
         return ((latents - shift) * vae.config.scaling_factor).float()
 
 
-def diffusion_loss(model: LoadedModel, batch: dict, captions: list[str], seed: int, epoch: int) -> torch.Tensor:
-    """Mean-squared error of the UNet's prediction (epsilon or v) for one micro batch, in float32."""
+def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int) -> torch.Tensor:
+    """Mean-squared error of the UNet's prediction (epsilon or v) for one micro batch, in float32.
+    `batch["token_ids"]` holds the tokenized captions, one tensor per text encoder."""
     unet, scheduler = model.unet, model.noise_scheduler
-    device = unet.device
+    reference = first_parameter(unet)
+    device, dtype = reference.device, reference.dtype
     pixels = batch["pixels"]
     factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
     latent_shape = torch.Size((model.vae.config.latent_channels, pixels.shape[-2] // factor, pixels.shape[-1] // factor))
@@ -45,12 +54,10 @@ def diffusion_loss(model: LoadedModel, batch: dict, captions: list[str], seed: i
     else:
         target = noise
 
-    token_ids = model.spec.tokenize(model.tokenizers, captions)
     text_trains = any(p.requires_grad for enc in model.text_encoders.values() for p in enc.parameters())
     with torch.set_grad_enabled(text_trains and torch.is_grad_enabled()):
-        text = model.spec.encode_text(model.text_encoders, token_ids)
+        text = model.spec.encode_text(model.text_encoders, batch["token_ids"])
     # Inputs in the UNet's storage dtype; autocast (if on) picks the compute dtype.
-    dtype = unet.dtype
     text.hidden_states = text.hidden_states.to(dtype)
     if text.pooled is not None:
         text.pooled = text.pooled.to(dtype)

@@ -107,7 +107,7 @@ class Trainer:
             if step >= self.total_steps:
                 break
             self._update_part_activity(epoch, step)
-            batches = epoch_batches(self.dataset, config.batch_size, epoch, config.seed)
+            batches = self.epoch_batches(epoch)
             micro_losses = []
             for micro, batch in enumerate(batches):
                 if micro >= self.steps_per_epoch * accumulation:
@@ -134,15 +134,24 @@ class Trainer:
             self.log(f"exported {path}")
         return result
 
-    def micro_step(self, batch: dict, epoch: int, accumulation: int) -> torch.Tensor:
+    def tokenize(self, batch: dict) -> dict:
+        """Add `token_ids` to a batch: part of preparing data, not of the training step."""
         captions = [self.method.caption(c) for c in batch["caption"]]
+        batch["token_ids"] = self.model.spec.tokenize(self.model.tokenizers, captions)
+        return batch
+
+    def epoch_batches(self, epoch: int):
+        for batch in epoch_batches(self.dataset, self.config.batch_size, epoch, self.config.seed):
+            yield self.tokenize(batch)
+
+    def micro_step(self, batch: dict, epoch: int, accumulation: int) -> torch.Tensor:
         with self.precision.autocast():
-            loss = self.loss(batch, captions, epoch)
+            loss = self.loss(batch, epoch)
         self.precision.backward(loss / accumulation)
         return loss.detach()
 
-    def loss(self, batch: dict, captions: list[str], epoch: int) -> torch.Tensor:
-        return diffusion_loss(self.model, batch, captions, self.config.seed, epoch)
+    def loss(self, batch: dict, epoch: int) -> torch.Tensor:
+        return diffusion_loss(self.model, batch, self.config.seed, epoch)
 
     def optimizer_step(self) -> None:
         self.precision.unscale(self.optimizer)
