@@ -41,16 +41,18 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def cast_state_dict(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {
-        key: (value.detach().to(dtype) if value.is_floating_point() else value.detach()).contiguous()
-        for key, value in module.state_dict().items()
+        key: (value.detach().to("cpu", dtype) if value.is_floating_point() else value.detach().cpu()).contiguous()
+        for key, value in state.items()
     }
 
 
-def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype) -> Path:
+def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype, states: dict | None = None) -> Path:
     """Write `pipeline` as a diffusers folder (what `DiffusionPipeline.from_pretrained` reads), with
-    the weights in `dtype`, without changing the dtype of the modules in memory."""
+    the weights in `dtype`, without changing the dtype of the modules in memory. `states` optionally
+    gives a component's full state dict (gathered from shards by the caller)."""
+    states = states or {}
     from diffusers import ModelMixin
     from transformers import PreTrainedModel
 
@@ -63,10 +65,12 @@ def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype) -> Path:
             sub = tmp / name
             if isinstance(component, ModelMixin):
                 component.save_config(sub)
-                save_file(cast_state_dict(component, dtype), sub / "diffusion_pytorch_model.safetensors")
+                state = states.get(name) or component.state_dict()
+                save_file(cast_state_dict(state, dtype), sub / "diffusion_pytorch_model.safetensors")
             elif isinstance(component, PreTrainedModel):
                 component.config.save_pretrained(sub)
-                save_file(cast_state_dict(component, dtype), sub / "model.safetensors", metadata={"format": "pt"})
+                state = states.get(name) or component.state_dict()
+                save_file(cast_state_dict(state, dtype), sub / "model.safetensors", metadata={"format": "pt"})
             else:  # tokenizers, schedulers, feature extractors: configs only
                 component.save_pretrained(sub)
     return folder

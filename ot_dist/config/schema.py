@@ -105,6 +105,34 @@ class SchedulerConfig(Section):
     warmup_steps: int = Field(default=0, ge=0, description="Linear warmup, in optimizer steps.")
 
 
+class FSDPConfig(Section):
+    """Settings of strategy fsdp (torch FSDP2)."""
+
+    sharding: Literal["full_shard", "shard_grad_op", "hybrid_shard"] = Field(
+        default="full_shard",
+        description="full_shard: parameters re-gathered in backward (least memory); shard_grad_op: kept "
+        "gathered from forward to backward; hybrid_shard: shard within a node, replicate across nodes.",
+    )
+    reduce_dtype: Dtype = Field(default="float32", description="Dtype gradients are reduced in.")
+    cpu_offload: bool = Field(default=False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
+
+
+class DeepSpeedConfig(Section):
+    """Settings of strategies zero1 / zero2 / zero3 (DeepSpeed)."""
+
+    offload_optimizer: bool = Field(default=False, description="Optimizer state in CPU memory (ZeRO-Offload).")
+    offload_params: bool = Field(default=False, description="Parameters in CPU memory (zero3 only).")
+    config_file: str | None = Field(
+        default=None, description="A DeepSpeed JSON whose keys override the generated DeepSpeed config."
+    )
+
+
+class DistributedConfig(Section):
+    timeout_minutes: float = Field(
+        default=30, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails."
+    )
+
+
 class TrainConfig(Section):
     model: ModelConfig
     method: Literal["full", "lora", "embedding"] = Field(
@@ -131,7 +159,14 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(default=False, description="Recompute activations in backward to save memory.")
     clip_grad_norm: float | None = Field(default=1.0, gt=0, description="Clip the gradient norm; null = off.")
     tf32: bool = Field(default=True, description="Allow TF32 matmuls on CUDA (ignored elsewhere).")
-    strategy: Literal["single"] = Field(default="single", description="Parallel strategy.")
+    strategy: Literal["single", "ddp", "fsdp", "zero1", "zero2", "zero3"] = Field(
+        default="single",
+        description="single: one process, no process group; ddp: replicated weights, averaged gradients; "
+        "fsdp: torch FSDP2 sharding; zero1/zero2/zero3: DeepSpeed ZeRO stages.",
+    )
+    fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
+    deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     log_every_steps: int = Field(default=10, ge=1, description="Print a progress line every N optimizer steps.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -150,6 +185,13 @@ class TrainConfig(Section):
                 raise ValueError(
                     f"{name}: model family {self.model.family} has no {name} (it has: {', '.join(encoders)})"
                 )
+        if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
+            for name in self.part_names():
+                if getattr(self, name).stop_training_after is not None:
+                    raise ValueError(
+                        f"{name}.stop_training_after: not supported with strategy {self.strategy} yet "
+                        "(sharded parameters cannot leave training mid-run); use strategy single or ddp"
+                    )
         if self.method == "embedding":
             for name in self.part_names():
                 if getattr(self, name).train:

@@ -111,9 +111,13 @@ def collate(samples: list[dict]) -> dict:
     return batch
 
 
-def epoch_batches(dataset: ImageFolderDataset, batch_size: int, epoch: int, seed: int):
-    """Shuffled full batches of one epoch; the shuffle is keyed by (seed, epoch). The last partial
-    batch is dropped so that every step sees batch_size samples."""
+def epoch_batches(dataset: ImageFolderDataset, batch_size: int, epoch: int, seed: int, rank: int = 0, world_size: int = 1):
+    """This rank's micro batches of one epoch. The shuffle is keyed by (seed, epoch); each global
+    batch (batch_size x world_size consecutive samples of it) is split into one slice per rank, so
+    N ranks with batch b see exactly the samples 1 process with batch N*b sees. The last partial
+    global batch is dropped, so every rank runs the same number of steps."""
     order = torch.randperm(len(dataset), generator=generator(seed, epoch, "shuffle")).tolist()
-    for start in range(0, len(order) - batch_size + 1, batch_size):
-        yield collate([dataset.load(i, epoch) for i in order[start : start + batch_size]])
+    global_batch = batch_size * world_size
+    for start in range(0, len(order) - global_batch + 1, global_batch):
+        mine = order[start + rank * batch_size : start + (rank + 1) * batch_size]
+        yield collate([dataset.load(i, epoch) for i in mine])

@@ -31,8 +31,14 @@ class TrainingMethod:
     def caption(self, caption: str) -> str:
         return caption
 
-    def export(self, model: LoadedModel, output_dir: Path) -> list[Path]:
+    def export(self, model: LoadedModel, output_dir: Path, state_dict_of=None, write: bool = True) -> list[Path]:
+        """Save what was trained. `state_dict_of(module)` returns a module's full state dict (a
+        collective under sharding strategies, so every rank calls export); only `write` ranks write."""
         raise NotImplementedError
+
+
+def plain_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return module.state_dict()
 
 
 def freeze_all(model: LoadedModel) -> None:

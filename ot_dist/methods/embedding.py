@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from ot_dist.checkpoint.export import atomic_path
 from ot_dist.errors import ConfigError
-from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all
+from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict
 from ot_dist.models.loading import LoadedModel
 from ot_dist.precision import DTYPES
 
@@ -77,16 +77,21 @@ class EmbeddingMethod(TrainingMethod):
             params.append(extended.extra)
         return [ParamGroup("embedding", params, self.config.learning_rate)]
 
-    def vectors(self, model: LoadedModel) -> dict[str, torch.Tensor]:
-        return {
-            key: model.text_encoders[name].get_input_embeddings().extra
-            for key, name in zip(model.spec.embedding_keys, model.spec.text_encoders)
-        }
+    def vectors(self, model: LoadedModel, state_dict_of=plain_state_dict) -> dict[str, torch.Tensor]:
+        vectors = {}
+        for key, name in zip(model.spec.embedding_keys, model.spec.text_encoders):
+            state = state_dict_of(model.text_encoders[name])
+            (extra,) = [v for k, v in state.items() if k.endswith("token_embedding.extra")]
+            vectors[key] = extra
+        return vectors
 
-    def export(self, model: LoadedModel, output_dir: Path) -> list[Path]:
+    def export(self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True) -> list[Path]:
         dtype = DTYPES[self.config.output_dtype]
-        tensors = {key: v.detach().to(dtype).contiguous() for key, v in self.vectors(model).items()}
+        vectors = self.vectors(model, state_dict_of)
         target = output_dir / "embedding.safetensors"
+        if not write:
+            return [target]
+        tensors = {key: v.detach().to("cpu", dtype).contiguous() for key, v in vectors.items()}
         with atomic_path(target) as tmp:
             save_file(tensors, tmp, metadata={"token": self.config.embedding.token})
         return [target]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ot_dist.checkpoint.export import export_diffusers_folder
-from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, trainable
+from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict, trainable
 from ot_dist.models.loading import LoadedModel
 from ot_dist.models.single_file import export_single_file
 from ot_dist.precision import DTYPES
@@ -24,9 +24,13 @@ class FullFinetune(TrainingMethod):
                 )
         return groups
 
-    def export(self, model: LoadedModel, output_dir: Path) -> list[Path]:
+    def export(self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True) -> list[Path]:
         dtype = DTYPES[self.config.output_dtype]
-        folder = export_diffusers_folder(model.pipeline, output_dir / "model", dtype)
         components = {"unet": model.unet, "vae": model.vae, **model.text_encoders}
-        single = export_single_file(components, model.spec.family, output_dir / "model.safetensors", dtype=dtype)
+        # Gathered once, used by both exports (under sharding, gathering is the expensive part).
+        states = {name: state_dict_of(module) for name, module in components.items()}
+        folder, single = output_dir / "model", output_dir / "model.safetensors"
+        if write:
+            export_diffusers_folder(model.pipeline, folder, dtype, states)
+            export_single_file(components, model.spec.family, single, dtype=dtype, states=states)
         return [folder, single]

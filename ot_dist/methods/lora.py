@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ot_dist.checkpoint.export import atomic_path
 from ot_dist.errors import ConfigError
-from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, trainable
+from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict, trainable
 from ot_dist.models.loading import LoadedModel
 from ot_dist.precision import DTYPES
 
@@ -48,7 +48,7 @@ class LoraMethod(TrainingMethod):
             groups.append(ParamGroup(part, params, self.config.part_learning_rate(part), part=part))
         return groups
 
-    def export(self, model: LoadedModel, output_dir: Path) -> list[Path]:
+    def export(self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True) -> list[Path]:
         from peft.utils import get_peft_model_state_dict
 
         dtype = DTYPES[self.config.output_dtype]
@@ -59,11 +59,13 @@ class LoraMethod(TrainingMethod):
                 continue
             # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together
             # with the adapter config (rank, alpha, targets) it finds in the file's metadata.
-            state = get_peft_model_state_dict(module, adapter_name=ADAPTER)
+            state = get_peft_model_state_dict(module, state_dict=state_dict_of(module), adapter_name=ADAPTER)
             state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
             kwargs[f"{part}_lora_layers"] = state
             kwargs[f"{part}_lora_adapter_metadata"] = module.peft_config[ADAPTER].to_dict()
         target = output_dir / "lora.safetensors"
+        if not write:
+            return [target]
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=output_dir) as staging, atomic_path(target) as tmp:
             model.spec.pipeline_cls().save_lora_weights(staging, weight_name=target.name, **kwargs)

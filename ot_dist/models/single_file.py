@@ -250,11 +250,19 @@ def _component_names(family: str) -> tuple[str, ...]:
     return ("unet", "vae", "text_encoder", "text_encoder_2") if family == "sdxl" else ("unet", "vae", "text_encoder")
 
 
-def to_ldm_state_dict(components: Mapping[str, Any], family: str) -> dict[str, torch.Tensor]:
+def to_ldm_state_dict(
+    components: Mapping[str, Any], family: str, states: Mapping[str, Mapping[str, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor]:
     """The original-layout state dict of the given diffusers modules (tensors are not copied or cast).
 
     Works on meta-device modules too, which is how `load_single_file` learns the expected keys/shapes.
+    `states` optionally gives a component's full state dict (gathered from shards by the caller).
     """
+    states = states or {}
+
+    def state_of(name: str) -> Mapping[str, torch.Tensor]:
+        return states[name] if name in states else components[name].state_dict()
+
     _check_family(family)
     names = _component_names(family)
     missing = [n for n in names if components.get(n) is None]
@@ -272,18 +280,18 @@ def to_ldm_state_dict(components: Mapping[str, Any], family: str) -> dict[str, t
 
     unet, vae = components["unet"], components["vae"]
     unet_map = _unet_key_mapper(unet.config)
-    for key, value in unet.state_dict().items():
+    for key, value in state_of("unet").items():
         put(UNET_PREFIX + unet_map(key), value)
 
     vae_map = _vae_key_mapper(vae.config)
-    for key, value in vae.state_dict().items():
+    for key, value in state_of("vae").items():
         new = vae_map(key)
         if ".mid.attn_1." in new and new.rsplit(".", 2)[-2] in _VAE_ATTN_CONV and new.endswith(".weight"):
             if value.ndim == 2:  # original attention projections are 1x1 convolutions
                 value = value.reshape(*value.shape, 1, 1)
         put(VAE_PREFIX + new, value)
 
-    text = _hf_clip_keys(components["text_encoder"].state_dict())
+    text = _hf_clip_keys(state_of("text_encoder"))
     if family == "sd1":
         for key, value in text.items():
             put(SD1_TEXT_PREFIX + key, value)
@@ -293,7 +301,7 @@ def to_ldm_state_dict(components: Mapping[str, Any], family: str) -> dict[str, t
     else:
         for key, value in text.items():
             put(SDXL_TEXT_PREFIX + key, value)
-        for key, value in _to_openclip(_hf_clip_keys(components["text_encoder_2"].state_dict())).items():
+        for key, value in _to_openclip(_hf_clip_keys(state_of("text_encoder_2"))).items():
             put(SDXL_TEXT2_PREFIX + key, value)
     return out
 
@@ -308,6 +316,7 @@ def export_single_file(
     family: str,
     path: str | os.PathLike,
     dtype: torch.dtype | None = None,
+    states: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
 ) -> Path:
     """Write unet / vae / text_encoder[/ text_encoder_2] as one original-layout `.safetensors` file.
 
@@ -318,7 +327,7 @@ def export_single_file(
     from safetensors.torch import save_file
 
     path = Path(path)
-    state = to_ldm_state_dict(components, family)
+    state = to_ldm_state_dict(components, family, states)
     tensors = {}
     for key, value in state.items():
         value = value.detach().to("cpu")

@@ -20,7 +20,9 @@ from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
 from ot_dist.optim.factory import build_optimizer
 from ot_dist.optim.schedulers import build_scheduler
-from ot_dist.precision import DTYPES, Precision, set_tf32
+from ot_dist.parallel import build_strategy
+from ot_dist.parallel.runtime import Runtime, start_runtime
+from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.loss import diffusion_loss
 
 
@@ -31,23 +33,23 @@ class TrainResult:
     exported: list[Path] = field(default_factory=list)
 
 
-def default_device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-
-
 class Trainer:
-    def __init__(self, config: TrainConfig, device: torch.device | None = None, log=print):
+    def __init__(self, config: TrainConfig, runtime: Runtime | None = None, log=print):
         self.config = config
-        self.device = device or default_device()
-        self.log = log
+        self.runtime = runtime or start_runtime(config.distributed.timeout_minutes)
+        self.device = self.runtime.device
+        self.log = log if self.runtime.is_main else (lambda *_: None)
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
         self.dataset = ImageFolderDataset(config.data, config.resolution, config.seed)
-        self.steps_per_epoch = len(self.dataset) // config.batch_size // config.gradient_accumulation_steps
+        world = self.runtime.world_size
+        self.global_batch = config.batch_size * config.gradient_accumulation_steps * world
+        self.steps_per_epoch = len(self.dataset) // self.global_batch
         if self.steps_per_epoch == 0:
             raise InputFileError(
-                f"data.path: {len(self.dataset)} images make no optimizer step with batch_size "
-                f"{config.batch_size} x gradient_accumulation_steps {config.gradient_accumulation_steps}"
+                f"data.path: {len(self.dataset)} images make no optimizer step with a global batch of "
+                f"{self.global_batch} (batch_size {config.batch_size} x gradient_accumulation_steps "
+                f"{config.gradient_accumulation_steps} x {world} processes)"
             )
         self.total_steps = config.epochs * self.steps_per_epoch
         if config.max_steps is not None:
@@ -56,9 +58,12 @@ class Trainer:
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
         self._place_modules()
+        self.strategy = build_strategy(config, self.runtime)
+        self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
+        self.optimizer = self.strategy.wrap_optimizer(self.optimizer)
         self.scheduler = build_scheduler(config.scheduler, self.optimizer, self.total_steps)
-        self.precision = Precision(config.train_dtype, self.device)
+        self.precision = self.strategy.precision
         self.params = [p for g in self.groups for p in g.params]
 
     def _place_modules(self) -> None:
@@ -97,8 +102,9 @@ class Trainer:
         accumulation = config.gradient_accumulation_steps
         self.log(
             f"training {config.method} on {config.model.family}: {len(self.dataset)} images, "
-            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, global batch "
-            f"{config.batch_size * accumulation} (batch_size {config.batch_size} x accumulation {accumulation} x 1 process)"
+            f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, strategy {self.strategy.name}, global batch "
+            f"{self.global_batch} (batch_size {config.batch_size} x accumulation {accumulation} x "
+            f"{self.runtime.world_size} processes)"
         )
         result = TrainResult()
         step, start = 0, time.perf_counter()
@@ -112,24 +118,28 @@ class Trainer:
             for micro, batch in enumerate(batches):
                 if micro >= self.steps_per_epoch * accumulation:
                     break  # the incomplete accumulation at the end of an epoch is dropped
-                micro_losses.append(self.micro_step(batch, epoch, accumulation))
-                if len(micro_losses) < accumulation:
+                last_micro_step = len(micro_losses) + 1 == accumulation
+                micro_losses.append(self.micro_step(batch, epoch, accumulation, last_micro_step))
+                if not last_micro_step:
                     continue
                 self.optimizer_step()
                 pending.append(torch.stack(micro_losses).mean())
                 micro_losses = []
                 step += 1
                 if step % config.log_every_steps == 0 or step == self.total_steps:
-                    window = torch.stack(pending).tolist()
+                    window = self.runtime.mean(torch.stack(pending)).tolist()
                     result.losses.extend(window)
                     pending = []
                     self._log_progress(step, epoch, sum(window) / len(window), start)
                 self._update_part_activity(epoch, step)
                 if step >= self.total_steps:
                     break
-        result.losses.extend(torch.stack(pending).tolist() if pending else [])
+        result.losses.extend(self.runtime.mean(torch.stack(pending)).tolist() if pending else [])
         result.steps = step
-        result.exported = self.method.export(self.model, Path(config.output_dir))
+        result.exported = self.method.export(
+            self.model, Path(config.output_dir), self.strategy.state_dict_of, write=self.runtime.is_main
+        )
+        self.runtime.barrier()  # nobody leaves before the export is on disk
         for path in result.exported:
             self.log(f"exported {path}")
         return result
@@ -141,25 +151,22 @@ class Trainer:
         return batch
 
     def epoch_batches(self, epoch: int):
-        for batch in epoch_batches(self.dataset, self.config.batch_size, epoch, self.config.seed):
+        config, runtime = self.config, self.runtime
+        for batch in epoch_batches(self.dataset, config.batch_size, epoch, config.seed, runtime.rank, runtime.world_size):
             yield self.tokenize(batch)
 
-    def micro_step(self, batch: dict, epoch: int, accumulation: int) -> torch.Tensor:
-        with self.precision.autocast():
+    def micro_step(self, batch: dict, epoch: int, accumulation: int, last_micro_step: bool = True) -> torch.Tensor:
+        with self.strategy.autocast():
             loss = self.loss(batch, epoch)
-        self.precision.backward(loss / accumulation)
+        self.strategy.backward(loss, accumulation, last_micro_step)
         return loss.detach()
 
     def loss(self, batch: dict, epoch: int) -> torch.Tensor:
         return diffusion_loss(self.model, batch, self.config.seed, epoch)
 
     def optimizer_step(self) -> None:
-        self.precision.unscale(self.optimizer)
-        if self.config.clip_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for p in self.params if p.grad is not None], self.config.clip_grad_norm)
-        self.precision.step(self.optimizer)
+        self.strategy.step(self.optimizer, self.params)  # sync, clip, step, zero grads
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
 
     def _log_progress(self, step: int, epoch: int, loss: float, start: float) -> None:
         elapsed = time.perf_counter() - start
@@ -181,5 +188,9 @@ def enable_gradient_checkpointing(module: torch.nn.Module) -> None:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def train(config: TrainConfig, device: torch.device | None = None, log=print) -> TrainResult:
-    return Trainer(config, device=device, log=log).train()
+def train(config: TrainConfig, log=print) -> TrainResult:
+    trainer = Trainer(config, log=log)
+    try:
+        return trainer.train()
+    finally:
+        trainer.runtime.shutdown()

@@ -1,0 +1,154 @@
+"""Every optimizer by its OneTrainer name: which class implements it, which options it takes and
+their defaults, and what the rest of the stack must know about it (adaptive step size, fused back
+pass). Pure data: importing this module imports no optimizer library, so the config can be
+validated before anything heavy loads.
+
+An option is listed for an optimizer only when its implementation honours it; bitsandbytes accepts
+several arguments it then ignores (LAMB's `bias_correction`, LARS's `nesterov`, 8-bit RMSprop's
+`momentum`), and those are left out so that setting them is an error instead of a silent no-op.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+INF = math.inf
+
+# Options from OneTrainer's list that no optimizer here takes, with the reason (shown in the error).
+NOT_AVAILABLE = {
+    "optim_bits": "the _8BIT optimizer names choose 8-bit state (e.g. ADAMW_8BIT)",
+    "percentile_clipping": "bitsandbytes 0.50 removed it",
+    "block_wise": "bitsandbytes 0.50 removed it; 8-bit state is always block-wise",
+    "use_triton": "LION is bitsandbytes' Lion here, not lion-pytorch's Triton kernel",
+    "adam_w_mode": "bitsandbytes' LAMB accepts but ignores it",
+}
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str
+    target: str  # "module:Class" of the implementation; a subclass may replace it (e.g. sharding-aware Prodigy)
+    defaults: dict[str, Any]  # every option it takes -> its default (None = the implementation decides)
+    betas: tuple[str, ...] = ()  # options packed into the `betas` tuple, in order
+    eps_pair: bool = False  # Adafactor: eps and eps2 packed into `eps`
+    adaptive: bool = False  # estimates its own step size d (D-Adaptation, Prodigy): groups share one lr
+    supports_fused_back_pass: bool = False  # the update of a parameter depends only on that parameter
+    eight_bit: bool = False
+    notes: str = ""
+    constraints: dict[str, str] = field(default_factory=dict)  # option -> rule text, checked in validation
+
+    @property
+    def options(self) -> tuple[str, ...]:
+        return tuple(self.defaults)
+
+
+# Options every optimizer takes: they act around the step, not inside it.
+COMMON = {"stochastic_rounding": False}
+FUSED = {"fused_back_pass": False}
+TORCH = {"foreach": True, "fused": None, "maximize": False, "differentiable": False}
+
+
+def _spec(name, target, defaults, **kw) -> OptimizerSpec:
+    return OptimizerSpec(name=name, target=target, defaults={**COMMON, **defaults}, **kw)
+
+
+_ADAM = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+_BNB_8BIT = {"min_8bit_size": 4096}
+
+SPECS: dict[str, OptimizerSpec] = {
+    s.name: s
+    for s in [
+        # -- the standard optimizers (torch, or bitsandbytes where torch has none) -------------
+        _spec("ADAGRAD", "torch.optim:Adagrad",
+              {"lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10, **TORCH, **FUSED},
+              supports_fused_back_pass=True),
+        _spec("ADAM", "torch.optim:Adam",
+              {**_ADAM, "weight_decay": 0.0, "amsgrad": False, "capturable": False, **TORCH, **FUSED},
+              betas=("beta1", "beta2"), supports_fused_back_pass=True),
+        _spec("ADAMW", "torch.optim:AdamW",
+              {**_ADAM, "weight_decay": 1e-2, "amsgrad": False, "capturable": False, **TORCH, **FUSED},
+              betas=("beta1", "beta2"), supports_fused_back_pass=True),
+        _spec("LAMB", "bitsandbytes.optim:LAMB",
+              {**_ADAM, "weight_decay": 0.0, "max_unorm": 1.0}, betas=("beta1", "beta2")),
+        _spec("LARS", "bitsandbytes.optim:LARS",
+              {"momentum": 0.9, "weight_decay": 0.0, "max_unorm": 0.02},
+              constraints={"momentum": "> 0 (bitsandbytes' LARS needs momentum)"}),
+        _spec("LION", "bitsandbytes.optim:Lion",
+              {"beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0}, betas=("beta1", "beta2")),
+        _spec("RMSPROP", "torch.optim:RMSprop",
+              {"alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, "momentum": 0.0, "centered": False,
+               "capturable": False, "foreach": True, "maximize": False, "differentiable": False, **FUSED},
+              supports_fused_back_pass=True),
+        _spec("SGD", "torch.optim:SGD",
+              {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, **TORCH, **FUSED},
+              supports_fused_back_pass=True),
+        # -- their 8-bit versions (bitsandbytes; tensors smaller than min_8bit_size keep 32-bit state)
+        _spec("ADAGRAD_8BIT", "bitsandbytes.optim:Adagrad8bit",
+              {"weight_decay": 0.0, "eps": 1e-10, **_BNB_8BIT}, eight_bit=True),
+        _spec("ADAM_8BIT", "bitsandbytes.optim:Adam8bit",
+              {**_ADAM, "weight_decay": 0.0, **_BNB_8BIT, "is_paged": False}, betas=("beta1", "beta2"), eight_bit=True),
+        _spec("ADAMW_8BIT", "bitsandbytes.optim:AdamW8bit",
+              {**_ADAM, "weight_decay": 1e-2, **_BNB_8BIT, "is_paged": False}, betas=("beta1", "beta2"), eight_bit=True),
+        _spec("LAMB_8BIT", "bitsandbytes.optim:LAMB8bit",
+              {**_ADAM, "weight_decay": 0.0, **_BNB_8BIT}, betas=("beta1", "beta2"), eight_bit=True),
+        _spec("LARS_8BIT", "bitsandbytes.optim:LARS8bit",
+              {"momentum": 0.9, "weight_decay": 0.0, "max_unorm": 0.02, **_BNB_8BIT}, eight_bit=True,
+              constraints={"momentum": "> 0 (bitsandbytes' LARS needs momentum)"}),
+        _spec("LION_8BIT", "bitsandbytes.optim:Lion8bit",
+              {"beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, **_BNB_8BIT, "is_paged": False},
+              betas=("beta1", "beta2"), eight_bit=True),
+        _spec("RMSPROP_8BIT", "bitsandbytes.optim:RMSprop8bit",
+              {"alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, **_BNB_8BIT}, eight_bit=True,
+              constraints={"alpha": "> 0 (bitsandbytes' RMSprop)"}),
+        _spec("SGD_8BIT", "bitsandbytes.optim:SGD8bit",
+              {"momentum": 0.9, "weight_decay": 0.0, **_BNB_8BIT}, eight_bit=True,
+              constraints={"momentum": "> 0 (bitsandbytes' 8-bit SGD needs momentum)"}),
+        # -- D-Adaptation (learning-rate free: lr is a multiplier on the estimated step size d) --
+        _spec("DADAPT_ADA_GRAD", "dadaptation:DAdaptAdaGrad",
+              {"momentum": 0.0, "log_every": 0, "weight_decay": 0.0, "eps": 0.0, "d0": 1e-6, "growth_rate": INF},
+              adaptive=True),
+        _spec("DADAPT_ADAM", "dadaptation:DAdaptAdam",
+              {**_ADAM, "weight_decay": 0.0, "log_every": 0, "decouple": False, "use_bias_correction": False,
+               "d0": 1e-6, "growth_rate": INF, "fsdp_in_use": False},
+              betas=("beta1", "beta2"), adaptive=True),
+        _spec("DADAPT_ADAN", "dadaptation:DAdaptAdan",
+              {"beta1": 0.98, "beta2": 0.92, "beta3": 0.99, "eps": 1e-8, "weight_decay": 0.02, "no_prox": False,
+               "log_every": 0, "d0": 1e-6, "growth_rate": INF},
+              betas=("beta1", "beta2", "beta3"), adaptive=True),
+        _spec("DADAPT_LION", "dadaptation:DAdaptLion",
+              {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "log_every": 0, "d0": 1e-6, "fsdp_in_use": False},
+              betas=("beta1", "beta2"), adaptive=True),
+        _spec("DADAPT_SGD", "dadaptation:DAdaptSGD",
+              {"momentum": 0.0, "weight_decay": 0.0, "log_every": 0, "d0": 1e-6, "growth_rate": INF, "fsdp_in_use": False},
+              adaptive=True),
+        # -- Prodigy (prodigyopt as is; a sharding-aware subclass replaces `target` later) -------
+        _spec("PRODIGY", "prodigyopt:Prodigy",
+              {"beta1": 0.9, "beta2": 0.999, "beta3": None, "eps": 1e-8, "weight_decay": 0.0, "decouple": True,
+               "use_bias_correction": False, "safeguard_warmup": False, "d0": 1e-6, "d_coef": 1.0,
+               "growth_rate": INF, "fsdp_in_use": False, "slice_p": 1},
+              betas=("beta1", "beta2"), adaptive=True),
+        # -- Adafactor (transformers): adaptive (relative_step) or low-memory AdamW-like -------
+        _spec("ADAFACTOR", "transformers.optimization:Adafactor",
+              {"eps": 1e-30, "eps2": 1e-3, "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": None,
+               "weight_decay": 0.0, "scale_parameter": True, "relative_step": True, "warmup_init": False,
+               "stochastic_rounding": True, **FUSED},
+              eps_pair=True, supports_fused_back_pass=True,
+              notes="relative_step: true computes its own step size (use scheduler ADAFACTOR); "
+              "relative_step: false and scale_parameter: false is the low-memory AdamW-like mode"),
+    ]
+}
+OPTIMIZER_NAMES = tuple(SPECS)
+ADAPTIVE = tuple(name for name, s in SPECS.items() if s.adaptive)
+FUSED_BACK_PASS = tuple(name for name, s in SPECS.items() if s.supports_fused_back_pass)
+ALL_OPTIONS = tuple(sorted({o for s in SPECS.values() for o in s.options}))
+
+
+def spec(name: str) -> OptimizerSpec:
+    return SPECS[name]
+
+
+def takers(option: str) -> list[str]:
+    """The optimizers that take an option."""
+    return [name for name, s in SPECS.items() if option in s.defaults]

@@ -1,0 +1,91 @@
+"""The strategy interface. A strategy takes the trainable modules the method chose and the
+parameter groups, makes them data parallel its way, and from then on owns backward, the optimizer
+step, and gathering full weights for export. Model code and methods know nothing of it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ot_dist.config.schema import TrainConfig
+from ot_dist.methods.base import ParamGroup
+from ot_dist.models.loading import LoadedModel
+from ot_dist.parallel.runtime import Runtime
+from ot_dist.precision import Precision
+
+StateDictOf = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
+
+
+class Strategy:
+    name = "single"
+    shards_parameters = False  # whether each rank holds only part of the trainable weights
+
+    def __init__(self, config: TrainConfig, runtime: Runtime):
+        self.config = config
+        self.runtime = runtime
+        self.precision = Precision(config.train_dtype, runtime.device)
+        self.trained_modules: dict[str, torch.nn.Module] = {}
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # -- setup -------------------------------------------------------------------------------
+    def wrap(self, model: LoadedModel, groups: list[ParamGroup]) -> list[ParamGroup]:
+        """Make the modules holding trainable parameters data parallel. Returns the groups with the
+        parameters as they are after wrapping (sharding replaces parameter objects)."""
+        self.trained_modules = trained_modules(model)
+        names = parameter_names(self.trained_modules, groups)
+        self._wrap_modules(model)
+        return regroup(self.trained_modules, groups, names)
+
+    def _wrap_modules(self, model: LoadedModel) -> None:
+        pass
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        self.optimizer = optimizer
+        return optimizer
+
+    # -- training ------------------------------------------------------------------------------
+    def autocast(self):
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor, accumulation: int, last_micro_step: bool) -> None:
+        self.precision.backward(loss / accumulation)
+
+    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+        """Synchronise gradients (if not done during backward), clip, step, zero."""
+        self.precision.unscale(optimizer)
+        if self.config.clip_grad_norm is not None:
+            with_grad = [p for p in params if p.grad is not None]
+            if with_grad:
+                torch.nn.utils.clip_grad_norm_(with_grad, self.config.clip_grad_norm)
+        self.precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+    # -- export / reporting --------------------------------------------------------------------
+    def state_dict_of(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict of a module. A collective under sharding strategies:
+        every rank must call it, in the same order."""
+        return module.state_dict()
+
+    def held_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """What this rank holds for training, by kind: params, grads, optimizer_state (local shards)."""
+        raise NotImplementedError
+
+
+def trained_modules(model: LoadedModel) -> dict[str, torch.nn.Module]:
+    """The top-level components (unet, text encoders) that hold at least one trainable parameter."""
+    parts = {"unet": model.unet, **model.text_encoders}
+    return {name: m for name, m in parts.items() if any(p.requires_grad for p in m.parameters())}
+
+
+def parameter_names(modules: dict[str, torch.nn.Module], groups: list[ParamGroup]) -> dict[int, tuple[str, str]]:
+    by_id = {id(p): (part, name) for part, m in modules.items() for name, p in m.named_parameters()}
+    return {id(p): by_id[id(p)] for g in groups for p in g.params}
+
+
+def regroup(modules, groups: list[ParamGroup], names: dict[int, tuple[str, str]]) -> list[ParamGroup]:
+    current = {part: dict(m.named_parameters()) for part, m in modules.items()}
+    return [
+        ParamGroup(g.name, [current[names[id(p)][0]][names[id(p)][1]] for p in g.params], g.learning_rate, g.part)
+        for g in groups
+    ]

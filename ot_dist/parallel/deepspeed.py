@@ -1,0 +1,125 @@
+"""DeepSpeed ZeRO stages 1/2/3 via `deepspeed.initialize`, with our own optimizer object handed in
+(so every optimizer of the stack runs under ZeRO) and a DeepSpeed config generated from ours.
+
+The trainable components (UNet and/or text encoders) go into one container module for the engine;
+the forward passes still call the components directly, which is fine: ZeRO's gradient hooks sit
+on the parameters and ZeRO-3's gather hooks on every sub-module."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ot_dist.errors import ConfigError
+from ot_dist.models.loading import LoadedModel
+from ot_dist.parallel.base import Strategy
+
+
+class TrainableParts(torch.nn.Module):
+    def __init__(self, modules: dict[str, torch.nn.Module]):
+        super().__init__()
+        self.parts = torch.nn.ModuleDict(modules)
+
+
+def deepspeed_config(config, stage: int, world_size: int) -> dict:
+    settings = config.deepspeed
+    ds = {
+        "train_micro_batch_size_per_gpu": config.batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "train_batch_size": config.batch_size * config.gradient_accumulation_steps * world_size,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if config.clip_grad_norm is not None:
+        ds["gradient_clipping"] = config.clip_grad_norm
+    if settings.offload_optimizer:
+        ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    if settings.offload_params:
+        if stage != 3:
+            raise ConfigError("deepspeed.offload_params: parameter offload needs strategy zero3")
+        ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
+    if config.train_dtype == "bfloat16":
+        ds["bf16"] = {"enabled": True}
+    elif config.train_dtype == "float16":
+        ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
+    if settings.config_file:
+        path = Path(settings.config_file)
+        try:
+            user = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"deepspeed.config_file: cannot read {path}: {err}") from None
+        ds = merge(ds, user)
+    return ds
+
+
+def merge(base: dict, override: dict) -> dict:
+    out = dict(base)
+    for key, value in override.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+class DeepSpeedStrategy(Strategy):
+    shards_parameters = False
+
+    def __init__(self, config, runtime, stage: int):
+        super().__init__(config, runtime)
+        self.stage = stage
+        self.name = f"zero{stage}"
+        self.shards_parameters = stage == 3
+        self.engine = None
+        self.micro_steps = 0
+
+    def wrap_optimizer(self, optimizer):
+        import deepspeed
+
+        container = TrainableParts(self.trained_modules)
+        self.engine, engine_optimizer, _, _ = deepspeed.initialize(
+            model=container,
+            optimizer=optimizer,
+            config=deepspeed_config(self.config, self.stage, self.runtime.world_size),
+            dist_init_required=False,
+        )
+        self.optimizer = optimizer  # our optimizer: its param_groups carry the scheduled learning rates
+        self.engine_optimizer = engine_optimizer
+        return optimizer
+
+    def autocast(self):
+        # DeepSpeed's bf16 / fp16 modes own the compute dtype (weights held in it, fp32 master copy).
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def backward(self, loss, accumulation, last_micro_step):
+        # The engine divides by the accumulation steps itself and finds the accumulation boundary by
+        # counting its step() calls, so it must see one per micro step; off the boundary it only counts.
+        self.engine.backward(loss)
+        if not last_micro_step:
+            self.engine.step()
+
+    def step(self, optimizer, params):
+        self.engine.step()  # reduce, clip, optimizer step, zero grads
+
+    def state_dict_of(self, module):
+        if self.stage != 3 or not any(hasattr(p, "ds_id") for p in module.parameters()):
+            return module.state_dict()
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    def held_tensors(self):
+        params = [p for m in self.trained_modules.values() for p in m.parameters()]
+        if self.stage == 3:
+            param_tensors = [p.ds_tensor for p in params if hasattr(p, "ds_tensor")]
+        else:
+            param_tensors = params
+        zero = self.engine_optimizer
+        state = [v for s in zero.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        partitions = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", [])
+        grads = [g for g in getattr(zero, "averaged_gradients", {}).values() for g in (g if isinstance(g, list) else [g])]
+        return {"params": param_tensors + list(partitions), "grads": grads, "optimizer_state": state}

@@ -1,0 +1,86 @@
+"""FSDP2 (`torch.distributed.fsdp.fully_shard`): parameters, gradients and optimizer state sharded
+across ranks as DTensors, wrapped block by block from the family spec's wrap units.
+
+Sharding modes: full_shard (re-gather parameters in backward), shard_grad_op (keep them gathered
+between forward and backward: `reshard_after_forward=False`), hybrid_shard (shard within a node,
+replicate across nodes, over a 2-D device mesh)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from ot_dist.models.loading import LoadedModel
+from ot_dist.parallel.base import Strategy
+from ot_dist.precision import DTYPES
+
+
+def wrap_units(module: torch.nn.Module, patterns: tuple[str, ...]) -> list[torch.nn.Module]:
+    """Sub-modules named by the patterns (a name or a dotted suffix); a ModuleList gives its items."""
+    units = []
+    for name, sub in module.named_modules():
+        if name and any(name == p or name.endswith("." + p) for p in patterns):
+            units.extend(sub if isinstance(sub, torch.nn.ModuleList) else [sub])
+    return units
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    shards_parameters = True
+
+    def _mesh(self):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = self.runtime.world_size
+        device_type = self.runtime.device.type
+        if self.config.fsdp.sharding == "hybrid_shard":
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            return init_device_mesh(device_type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
+
+    def _wrap_modules(self, model: LoadedModel) -> None:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        settings = self.config.fsdp
+        train_dtype = DTYPES[self.config.train_dtype]
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=None if train_dtype == torch.float32 else train_dtype,
+            reduce_dtype=DTYPES[settings.reduce_dtype],
+        )
+        offload = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
+        options = dict(
+            mesh=self._mesh(),
+            reshard_after_forward=settings.sharding != "shard_grad_op",
+            mp_policy=mp_policy,
+            offload_policy=offload,
+        )
+        for name, module in self.trained_modules.items():
+            patterns = model.spec.unet_wrap_units if name == "unet" else model.spec.text_wrap_units
+            for unit in wrap_units(module, patterns):
+                fully_shard(unit, **options)
+            fully_shard(module, **options)
+
+    def backward(self, loss, accumulation, last_micro_step):
+        # Reduce-scatter gradients only on the last micro step of an accumulation.
+        for module in self.trained_modules.values():
+            module.set_requires_gradient_sync(last_micro_step)
+        super().backward(loss, accumulation, last_micro_step)
+
+    def state_dict_of(self, module):
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in module.state_dict().items()}
+
+    def held_tensors(self):
+        params = [p for m in self.trained_modules.values() for p in m.parameters()]
+        return {
+            "params": [local(p) for p in params],
+            "grads": [local(p.grad) for p in params if p.grad is not None],
+            "optimizer_state": [
+                local(v) for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+            ],
+        }

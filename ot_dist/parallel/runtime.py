@@ -1,0 +1,66 @@
+"""The process group: who am I, how many are we, which device. Read from the environment that
+torchrun / `accelerate launch` / DeepSpeed's launcher set (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT). With no such environment there is no process group at all: `single`
+needs none, which keeps the one-GPU path free of distributed machinery."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Runtime:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    distributed: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Average a tensor over all ranks (every rank must call this at the same point)."""
+        if not self.distributed:
+            return value
+        value = value.detach().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value / self.world_size
+
+    def shutdown(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched_world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def start_runtime(timeout_minutes: float) -> Runtime:
+    world_size = launched_world_size()
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size == 1:
+        return Runtime(device=device)
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=datetime.timedelta(minutes=timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
