@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
         result = train(config)
         if int(os.environ.get("RANK", "0")) == 0:
-                print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
+            print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
         return 0
     if args.command == "demo":
         from ot_dist.demo import prepare_demo
