@@ -44,6 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(check)
     config_sub.add_parser("reference", help="print the config reference (Markdown)")
 
+    launch = sub.add_parser("launch", help="train on several processes / nodes through accelerate launch")
+    add_config_args(launch)
+    launch.add_argument("--nproc-per-node", type=int, default=1, help="processes (GPUs) on this node")
+    launch.add_argument("--nnodes", type=int, default=1, help="number of nodes")
+    launch.add_argument("--node-rank", type=int, default=0, help="rank of this node (0 .. nnodes-1)")
+    launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the node-rank-0 host")
+    launch.add_argument("--strategy", default=None, choices=["single", "ddp", "fsdp", "zero1", "zero2", "zero3"])
+    launch.add_argument("--dry-run", action="store_true", help="only print the command and the accelerate config")
+
     demo = sub.add_parser("demo", help="the embedded demo")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     prepare = demo_sub.add_parser("prepare", help="create the tiny model(s) and the shapes dataset")
@@ -63,8 +72,15 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "config":
         print(dump_config(load_config(args.config, args.overrides)), end="")
         return 0
+    if args.command == "launch":
+        from ot_dist.launcher import run_launch
+
+        return run_launch(args)
     if args.command == "train":
-        config = load_config(args.config, args.overrides)  # validated before anything heavy starts
+        from ot_dist.launcher import reconcile_with_launcher
+
+        # Validated (and reconciled with what a launcher selected) before anything heavy starts.
+        config = reconcile_with_launcher(load_config(args.config, args.overrides))
         from ot_dist.train.trainer import train
 
         result = train(config)
@@ -82,6 +98,15 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # Under torchrun, name the failing rank and its error in the launcher's summary.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_main)(argv)
+    return _main(argv)
+
+
+def _main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)

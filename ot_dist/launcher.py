@@ -1,0 +1,183 @@
+"""`ot-dist launch`: render an accelerate config for the chosen strategy, print the exact
+`accelerate launch` command, run it. And the other direction: when a user starts
+`accelerate launch --config_file THEIRS.yaml -m ot_dist train CONFIG`, read the strategy their
+accelerate config selected from the environment accelerate sets, and reconcile it with the YAML.
+
+accelerate is the front door only: it spawns the processes (through torchrun) and sets their
+environment; the strategies themselves call torch FSDP2 / DeepSpeed directly, which also run on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+import yaml
+
+from ot_dist.config.load import validate
+from ot_dist.config.schema import TrainConfig
+from ot_dist.errors import ConfigError
+
+MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def render_accelerate_config(
+    config: TrainConfig, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
+) -> dict:
+    host, _, port = (rdzv_endpoint or "").partition(":")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ConfigError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (the node-rank-0 machine)")
+    strategy = config.strategy
+    world = nproc_per_node * nnodes
+    if strategy == "single" and world > 1:
+        raise ConfigError(f"strategy single runs one process; --nproc-per-node x --nnodes is {world}")
+    rendered = {
+        "compute_environment": "LOCAL_MACHINE",
+        "num_processes": world,
+        "num_machines": nnodes,
+        "machine_rank": node_rank,
+        "main_process_ip": host or "127.0.0.1",
+        "main_process_port": int(port) if port else free_port(),
+        "rdzv_backend": "static",
+        "same_network": True,
+        "mixed_precision": MIXED_PRECISION[config.train_dtype],
+        # Not use_cpu even on CPU machines: accelerate's CPU path starts one process; its multi-GPU
+        # path is torchrun, which runs gloo ranks on CPU just as well.
+        "use_cpu": False,
+        "distributed_type": "NO" if world == 1 else "MULTI_GPU",
+    }
+    if strategy == "fsdp":
+        rendered["distributed_type"] = "FSDP"
+        rendered["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_reshard_after_forward": config.fsdp.sharding != "shard_grad_op",
+            "fsdp_sharding_strategy": "HYBRID_SHARD" if config.fsdp.sharding == "hybrid_shard" else "FULL_SHARD",
+            "fsdp_offload_params": config.fsdp.cpu_offload,
+            "fsdp_auto_wrap_policy": "NO_WRAP",  # ot_dist wraps block by block from the family spec
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": False,
+        }
+    elif strategy.startswith("zero"):
+        rendered["distributed_type"] = "DEEPSPEED"
+        if config.deepspeed.config_file:
+            rendered["deepspeed_config"] = {"deepspeed_config_file": str(Path(config.deepspeed.config_file).resolve())}
+        else:
+            rendered["deepspeed_config"] = {
+                "zero_stage": int(strategy[-1]),
+                "offload_optimizer_device": "cpu" if config.deepspeed.offload_optimizer else "none",
+                "offload_param_device": "cpu" if config.deepspeed.offload_params else "none",
+                "gradient_accumulation_steps": config.gradient_accumulation_steps,
+                "zero3_init_flag": False,
+            }
+            if config.clip_grad_norm is not None:
+                rendered["deepspeed_config"]["gradient_clipping"] = config.clip_grad_norm
+    return rendered
+
+
+def launch_command(accelerate_config: Path, config_path: str, overrides: list[str]) -> list[str]:
+    command = ["accelerate", "launch", "--config_file", str(accelerate_config), "-m", "ot_dist", "train", config_path]
+    for override in overrides:
+        command += ["--set", override]
+    return command
+
+
+def run_launch(args, log=print) -> int:
+    from ot_dist.config.load import load_config
+
+    overrides = list(args.overrides) + ([f"strategy={args.strategy}"] if args.strategy else [])
+    config = load_config(args.config, overrides)
+    rendered = render_accelerate_config(config, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    launch_dir = Path(config.output_dir) / "launch"
+    launch_dir.mkdir(parents=True, exist_ok=True)
+    accelerate_config = launch_dir / f"accelerate_{config.strategy}_node{args.node_rank}.yaml"
+    accelerate_config.write_text(yaml.safe_dump(rendered, sort_keys=False))
+    command = launch_command(accelerate_config, args.config, overrides)
+    log(f"# accelerate config: {accelerate_config}")
+    log(shlex.join(command))
+    if args.dry_run:
+        log(accelerate_config.read_text(), end="")
+        return 0
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # `python -m accelerate.commands.launch` is `accelerate launch` from this interpreter's environment.
+    runnable = [sys.executable, "-m", "accelerate.commands.launch"] + command[2:]
+    return subprocess.call(runnable, env=env)
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading what a launcher chose
+# --------------------------------------------------------------------------------------------------
+
+
+def strategy_from_environment(env: Mapping[str, str]) -> tuple[str | None, dict]:
+    """The strategy (and its settings) that accelerate's environment selects, or None."""
+    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
+        sharding = "full_shard"
+        if env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "false" or env.get(
+            "FSDP_SHARDING_STRATEGY", ""
+        ).upper() in ("SHARD_GRAD_OP", "2"):
+            sharding = "shard_grad_op"
+        if env.get("FSDP_SHARDING_STRATEGY", "").upper() in ("HYBRID_SHARD", "4"):
+            sharding = "hybrid_shard"
+        return "fsdp", {
+            "fsdp": {"sharding": sharding, "cpu_offload": env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"}
+        }
+    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
+        settings: dict = {}
+        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
+        config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if config_file:
+            settings["config_file"] = config_file
+            if stage is None:
+                import json
+
+                stage = str(json.loads(Path(config_file).read_text()).get("zero_optimization", {}).get("stage", 2))
+        settings["offload_optimizer"] = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") == "cpu"
+        settings["offload_params"] = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") == "cpu"
+        return f"zero{stage or 2}", {"deepspeed": settings}
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        return "ddp", {}
+    return None, {}
+
+
+def reconcile_with_launcher(config: TrainConfig, env: Mapping[str, str] = os.environ) -> TrainConfig:
+    """Adopt the launcher's strategy when the YAML does not set one; refuse a contradiction."""
+    strategy, settings = strategy_from_environment(env)
+    world = int(env.get("WORLD_SIZE", "1"))
+    explicit = "strategy" in config.model_fields_set
+    if strategy is None:
+        return config
+    if explicit and config.strategy != strategy:
+        compatible = strategy == "ddp" and config.strategy != "single"  # a plain torchrun / multi-GPU launch
+        if not compatible:
+            raise ConfigError(
+                f"strategy: the config says {config.strategy}, but the launcher selected {strategy} "
+                f"(accelerate config / environment); make them agree or drop one"
+            )
+        return config
+    if config.strategy == "single" and world > 1 and explicit:
+        raise ConfigError(f"strategy: single runs one process, but the launcher started {world}")
+    precision = env.get("ACCELERATE_MIXED_PRECISION")
+    raw = config.model_dump(exclude_unset=True)
+    raw["strategy"] = strategy
+    for section, values in settings.items():
+        raw[section] = {**raw.get(section, {}), **values}
+    if precision and precision != "no":
+        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision)
+        if "train_dtype" in config.model_fields_set and dtype and config.train_dtype != dtype:
+            raise ConfigError(
+                f"train_dtype: the config says {config.train_dtype}, the accelerate config mixed_precision {precision}"
+            )
+        if dtype:
+            raw["train_dtype"] = dtype
+    return validate(raw, source="config + launcher environment")
