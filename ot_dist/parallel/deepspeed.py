@@ -63,6 +63,18 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
+def register_embeddings_as_external(root: torch.nn.Module) -> None:
+    """ZeRO-3 gathers a parameter only while its own module runs. Embedding tables are read from
+    their parent's forward too (CLIP checks `position_embedding.weight.shape` before using it), so
+    each embedding's weight is also registered with its parent. Embeddings are small; the cost is nil."""
+    import deepspeed
+
+    for parent in root.modules():
+        for child in parent.children():
+            if isinstance(child, torch.nn.Embedding):
+                deepspeed.zero.register_external_parameter(parent, child.weight)
+
+
 class DeepSpeedStrategy(Strategy):
     shards_parameters = False
 
@@ -78,6 +90,8 @@ class DeepSpeedStrategy(Strategy):
         import deepspeed
 
         container = TrainableParts(self.trained_modules)
+        if self.stage == 3:
+            register_embeddings_as_external(container)
         self.engine, engine_optimizer, _, _ = deepspeed.initialize(
             model=container,
             optimizer=optimizer,

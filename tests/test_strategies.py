@@ -1,0 +1,221 @@
+"""Every strategy, for real: 2 gloo processes on CPU against 1 process with the same global batch.
+Launched the way users launch (`ot-dist launch`, which goes through `accelerate launch`; plain
+torchrun; a user's own accelerate config), compared on the exported weights."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import base_config
+from safetensors.torch import load_file
+
+from ot_dist.config.load import validate
+from ot_dist.errors import ConfigError
+from ot_dist.launcher import reconcile_with_launcher
+from ot_dist.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 5
+LR = 1e-5  # Adam turns float-noise-sized gradient differences into up to lr-sized steps; keep lr modest
+TOLERANCE = 1e-5
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+# name -> (strategy, extra --set overrides)
+STRATEGIES = {
+    "ddp": ("ddp", []),
+    "fsdp": ("fsdp", []),
+    "fsdp-shard_grad_op": ("fsdp", ["fsdp.sharding=shard_grad_op"]),
+    "zero1": ("zero1", []),
+    "zero2": ("zero2", []),
+    "zero3": ("zero3", []),
+}
+METHOD_EXTRA = {"full": {"text_encoder.train": True}, "lora": {"lora.rank": 4, "lora.alpha": 8}}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exported_weights(out: Path, method: str) -> dict[str, torch.Tensor]:
+    if method == "full":
+        weights = load_file(out / "model" / "unet" / "diffusion_pytorch_model.safetensors")
+        text = load_file(out / "model" / "text_encoder" / "model.safetensors")
+        return {**{f"unet.{k}": v for k, v in weights.items()}, **{f"te.{k}": v for k, v in text.items()}}
+    return load_file(out / "lora.safetensors")
+
+
+def write_config(path: Path, raw: dict) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def run(cmd: list[str], timeout: float = 420, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=kwargs.pop("env", ENV), capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models, shapes_data, tmp_path_factory):
+    """One process, batch 4: the result every 2-rank run (batch 2 each) must reproduce."""
+    refs = {}
+    for method in ("full", "lora"):
+        out = tmp_path_factory.mktemp(f"ref-{method}")
+        raw = base_config(tiny_models["sd1"], shapes_data, out, method=method, batch_size=4, max_steps=STEPS,
+                          learning_rate=LR, **METHOD_EXTRA[method])
+        Trainer(validate(raw), log=lambda *_: None).train()
+        refs[method] = exported_weights(out, method)
+    return refs
+
+
+def two_rank_config(tiny_models, shapes_data, out: Path, method: str, **overrides) -> Path:
+    settings = {"batch_size": 2, "max_steps": STEPS, "learning_rate": LR, **METHOD_EXTRA[method], **overrides}
+    raw = base_config(tiny_models["sd1"], shapes_data, out, method=method, **settings)
+    return write_config(out.parent / f"{out.name}.yaml", raw)
+
+
+def assert_matches(reference: dict, got: dict):
+    assert reference.keys() == got.keys()
+    diffs = torch.cat([(reference[k] - got[k]).abs().flatten() for k in reference])
+    assert diffs.max() <= TOLERANCE, f"max abs diff {diffs.max():.3g} > {TOLERANCE}"
+    # Float noise touches a few elements (Adam magnifies near-zero gradients); a real divergence,
+    # e.g. a rank training on its half of the batch alone, moves most of them by ~lr (mean ~1e-5 here).
+    assert diffs.mean() <= 1e-8, f"mean abs diff {diffs.mean():.3g}"
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_two_ranks_equal_one_process(references, tiny_models, shapes_data, tmp_path, name, method):
+    strategy, extra = STRATEGIES[name]
+    out = tmp_path / "out"
+    config = two_rank_config(tiny_models, shapes_data, out, method)
+    sets = sum((["--set", e] for e in extra), [])
+    if name == "ddp":  # plain torchrun as the entry point
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), "-m", "ot_dist", "train", str(config), "--set", f"strategy={strategy}", *sets]
+    else:  # ot-dist launch -> accelerate launch -> torchrun
+        cmd = [sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2",
+               "--strategy", strategy, *sets]
+    done = run(cmd)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert f"strategy {strategy}, global batch 4 (batch_size 2 x accumulation 1 x 2 processes)" in done.stdout
+    got = exported_weights(out, method)
+    assert_matches(references[method], got)
+    # The comparison can fail: training moved the weights far more than the tolerance.
+    base = exported_weights_of_base(tiny_models["sd1"], method, got)
+    moved = max((base[k] - got[k]).abs().max().item() for k in base)
+    assert moved > 2 * TOLERANCE
+
+
+def exported_weights_of_base(model_dir: Path, method: str, like: dict) -> dict:
+    if method == "full":
+        unet = load_file(model_dir / "unet" / "diffusion_pytorch_model.safetensors")
+        text = load_file(model_dir / "text_encoder" / "model.safetensors")
+        return {**{f"unet.{k}": v for k, v in unet.items()}, **{f"te.{k}": v for k, v in text.items()}}
+    # LoRA starts with B = 0: the product B @ A is what must have moved
+    return {k: torch.zeros_like(v) for k, v in like.items() if "lora_B" in k}
+
+
+def test_accumulation_under_zero2_equals_one_process(references, tiny_models, shapes_data, tmp_path):
+    out = tmp_path / "out"
+    config = two_rank_config(tiny_models, shapes_data, out, "full", batch_size=1, gradient_accumulation_steps=2)
+    done = run([sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2", "--strategy", "zero2"])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "global batch 4 (batch_size 1 x accumulation 2 x 2 processes)" in done.stdout
+    assert_matches(references["full"], exported_weights(out, "full"))
+
+
+def test_users_accelerate_config_selects_the_strategy(tiny_models, shapes_data, tmp_path):
+    """`accelerate launch --config_file THEIRS.yaml -m ot_dist train CONFIG` with no strategy in the YAML."""
+    accelerate_config = write_config(tmp_path / "user_accelerate.yaml", {
+        "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2, "num_machines": 1,
+        "machine_rank": 0, "main_process_ip": "127.0.0.1", "main_process_port": free_port(), "mixed_precision": "no",
+        "use_cpu": False, "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False},
+    })
+    config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "lora", max_steps=2)
+    done = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
+                "-m", "ot_dist", "train", str(config)])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "strategy fsdp" in done.stdout
+    assert (tmp_path / "out" / "lora.safetensors").is_file()
+
+
+def test_launcher_environment_is_reconciled_with_the_yaml(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path)
+    fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false", "WORLD_SIZE": "2"}
+    adopted = reconcile_with_launcher(validate(raw), fsdp_env)
+    assert adopted.strategy == "fsdp" and adopted.fsdp.sharding == "shard_grad_op"
+    ds_env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+              "ACCELERATE_MIXED_PRECISION": "bf16", "WORLD_SIZE": "2"}
+    adopted = reconcile_with_launcher(validate(raw), ds_env)
+    assert adopted.strategy == "zero3" and adopted.train_dtype == "bfloat16"
+    with pytest.raises(ConfigError, match="config says zero2, but the launcher selected fsdp"):
+        reconcile_with_launcher(validate({**raw, "strategy": "zero2"}), fsdp_env)
+    with pytest.raises(ConfigError, match="train_dtype: the config says float16"):
+        reconcile_with_launcher(validate({**raw, "train_dtype": "float16"}), ds_env)
+    with pytest.raises(ConfigError, match="single"):
+        reconcile_with_launcher(validate({**raw, "strategy": "single"}), {"WORLD_SIZE": "2"})
+    # plain torchrun with an explicit sharding strategy keeps it
+    assert reconcile_with_launcher(validate({**raw, "strategy": "zero2"}), {"WORLD_SIZE": "2"}).strategy == "zero2"
+
+
+def test_dry_run_prints_a_valid_accelerate_command_and_config(tiny_models, shapes_data, tmp_path):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "full")
+    for strategy in ("ddp", "fsdp", "zero2", "zero3"):
+        done = run([sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "4", "--nnodes", "2",
+                    "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29400", "--strategy", strategy, "--dry-run"])
+        assert done.returncode == 0, done.stderr[-2000:]
+        command = done.stdout.splitlines()[1]
+        assert command.startswith("accelerate launch --config_file ") and f"--set strategy={strategy}" in command
+        path = Path(command.split()[3])
+        cluster = ClusterConfig.from_yaml_file(str(path))
+        assert cluster.num_processes == 8 and cluster.num_machines == 2 and cluster.machine_rank == 1
+        assert cluster.main_process_ip == "10.0.0.1" and cluster.main_process_port == 29400
+        expected = {"ddp": "MULTI_GPU", "fsdp": "FSDP", "zero2": "DEEPSPEED", "zero3": "DEEPSPEED"}[strategy]
+        assert str(cluster.distributed_type).endswith(expected)
+        if strategy.startswith("zero"):
+            assert cluster.deepspeed_config["zero_stage"] == int(strategy[-1])
+        assert not (tmp_path / "out" / "model").exists()  # dry run trains nothing
+
+
+def test_two_nodes_rendezvous_and_train(tiny_models, shapes_data, tmp_path):
+    config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "lora", max_steps=2)
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "1", "--nnodes", "2",
+             "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--strategy", "ddp"],
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [n.communicate(timeout=420)[0] for n in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    assert "global batch 4 (batch_size 2 x accumulation 1 x 2 processes)" in outputs[0]
+    assert (tmp_path / "out" / "lora.safetensors").is_file()
+
+
+def test_an_exception_in_one_rank_ends_the_launch(tiny_models, shapes_data, tmp_path):
+    config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "full", max_steps=6,
+                             **{"distributed.timeout_minutes": 1})
+    env = {**ENV, "FAIL_RANK": "1", "FAIL_STEP": "3"}
+    start = time.monotonic()
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), str(REPO / "tests" / "helpers" / "fail_at_step.py"), "train", str(config),
+                "--set", "strategy=ddp"], env=env, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert "injected failure on rank 1 at step 3" in output
+    assert "rank" in output and time.monotonic() - start < 120
+    assert not (tmp_path / "out" / "model").exists()
