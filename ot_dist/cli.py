@@ -53,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--strategy", default=None, choices=["single", "ddp", "fsdp", "zero1", "zero2", "zero3"])
     launch.add_argument("--dry-run", action="store_true", help="only print the command and the accelerate config")
 
+    schedule = sub.add_parser("schedule", help="preview the learning rate of every parameter group at every step")
+    add_config_args(schedule)
+    schedule.add_argument("--steps", type=int, default=None, help="total optimizer steps (default: counted from "
+                          "the data folder, epochs, batch and max_steps, as training does)")
+    schedule.add_argument("--world-size", type=int, default=1, help="processes the run will use (default 1)")
+    schedule.add_argument("--csv", default=None, metavar="FILE", help="write the table here instead of printing it")
+    schedule.add_argument("--plot", default=None, metavar="FILE.png", help="draw the curves into this PNG")
+
     demo = sub.add_parser("demo", help="the embedded demo")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     prepare = demo_sub.add_parser("prepare", help="create the tiny model(s) and the shapes dataset")
@@ -86,6 +94,11 @@ def run(args: argparse.Namespace) -> int:
         result = train(config)
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
+        return 0
+    if args.command == "schedule":
+        from ot_dist.optim.preview import schedule_command
+
+        schedule_command(load_config(args.config, args.overrides), args.steps, args.world_size, args.csv, args.plot)
         return 0
     if args.command == "demo":
         from ot_dist.demo import prepare_demo

@@ -35,20 +35,29 @@ def train_cli(config_path, capsys, *overrides) -> tuple[int, str]:
 
 
 def test_demo_runs_from_a_clean_folder(tmp_path):
-    """`ot-dist demo prepare` + `ot-dist train configs/demo.yaml`, as the README says, through the
-    installed entry point, in a folder with nothing in it (capped to a few steps here)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    """The README's main job through the installed entry point, in an empty folder: `ot-dist demo
+    prepare`, then `ot-dist launch configs/demo.yaml --nproc-per-node 2` (2 processes, FSDP2), and the
+    same config in one process with `ot-dist train` (capped to a few steps here)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "ot_dist"]
+    demo = str(REPO / "configs" / "demo.yaml")
     subprocess.run(cmd + ["demo", "prepare"], cwd=tmp_path, env=env, check=True, timeout=300)
-    done = subprocess.run(
-        cmd + ["train", str(REPO / "configs" / "demo.yaml"), "--set", "max_steps=4", "--set", "log_every_steps=2"],
+    launched = subprocess.run(
+        cmd + ["launch", demo, "--nproc-per-node", "2", "--set", "max_steps=4", "--set", "log_every_steps=2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "step 4/4" in done.stdout
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert "strategy fsdp, global batch 4 (batch_size 2 x accumulation 1 x 2 processes)" in launched.stdout
+    assert "step 4/4" in launched.stdout
     run_dir = tmp_path / "demo_out" / "run"
     assert (run_dir / "model" / "model_index.json").is_file()
     assert (run_dir / "model.safetensors").is_file()
+    single = subprocess.run(
+        cmd + ["train", demo, "--set", "max_steps=2", "--set", "output_dir=demo_out/single"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    assert "x 1 processes" in single.stdout and (tmp_path / "demo_out" / "single" / "model.safetensors").is_file()
 
 
 def test_unknown_key_exits_2_naming_it(tiny_models, shapes_data, tmp_path, capsys):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import typing
 
 from pydantic import BaseModel
@@ -53,8 +54,28 @@ def render_reference() -> str:
         lines += [f"## `{prefix or 'top level'}`", ""]
         doc = description or (model.__doc__ if model not in (TrainConfig,) and model.__doc__ else None)
         if doc:
-            lines += [doc.strip(), ""]
+            lines += [inspect.cleandoc(doc), ""]
         lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
         lines += _rows(model, f"{prefix}." if prefix else "", sections)
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join(lines + _optimizer_table())
+
+
+def _optimizer_table() -> list[str]:
+    from ot_dist.optim.registry import NOT_AVAILABLE, SPECS
+
+    lines = [
+        "## Optimizers",
+        "",
+        "The options each `optimizer.name` takes and their defaults (OneTrainer's). Setting any other option is an "
+        "error. Adaptive optimizers (lr multiplies the step size they estimate; all parameter groups share one "
+        "learning rate): " + ", ".join(n for n, s in SPECS.items() if s.adaptive) + ".",
+        "",
+        "| optimizer | implementation | options (default) |",
+        "|---|---|---|",
+    ]
+    for name, spec in SPECS.items():
+        options = ", ".join(f"`{k}` ({v})" for k, v in spec.defaults.items())
+        lines.append(f"| `{name}` | `{spec.target.replace(':', '.')}` | {options} |")
+    lines += ["", "Not available here: " + "; ".join(f"`{k}` ({why})" for k, why in NOT_AVAILABLE.items()) + ".", ""]
+    return lines

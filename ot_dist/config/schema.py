@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
+from ot_dist.config.section import Section
 from ot_dist.models.registry import FAMILY_TEXT_ENCODERS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-
-
-class Section(BaseModel):
-    # Unknown keys are errors, not silently ignored: a typo must not train with a default.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class ModelConfig(Section):
@@ -81,6 +78,9 @@ class EmbeddingConfig(Section):
     init_text: str = Field(
         default="*", min_length=1, description="Text whose token embeddings initialise the vectors."
     )
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
+    )
 
 
 class DataConfig(Section):
@@ -90,19 +90,6 @@ class DataConfig(Section):
     crop: Literal["center", "random"] = Field(
         default="center", description="After resizing the short side to the resolution: which square to cut."
     )
-
-
-class OptimizerConfig(Section):
-    name: Literal["ADAMW"] = Field(default="ADAMW", description="Optimizer.")
-    beta1: float = Field(default=0.9, ge=0, lt=1, description="First-moment decay.")
-    beta2: float = Field(default=0.999, ge=0, lt=1, description="Second-moment decay.")
-    eps: float = Field(default=1e-8, gt=0, description="Denominator epsilon.")
-    weight_decay: float = Field(default=1e-2, ge=0, description="Decoupled weight decay.")
-
-
-class SchedulerConfig(Section):
-    name: Literal["CONSTANT", "LINEAR", "COSINE"] = Field(default="CONSTANT", description="Learning-rate schedule.")
-    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup, in optimizer steps.")
 
 
 class FSDPConfig(Section):
@@ -203,6 +190,7 @@ class TrainConfig(Section):
             raise ValueError(
                 f"method {self.method}: nothing to train; set unet.train or a text encoder's train to true"
             )
+        check_optimizer_setup(self)
         return self
 
     def part_names(self) -> tuple[str, ...]:

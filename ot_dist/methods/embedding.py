@@ -75,7 +75,7 @@ class EmbeddingMethod(TrainingMethod):
             extended = ExtendedTokenEmbedding(base, extra)
             encoder.set_input_embeddings(extended)
             params.append(extended.extra)
-        return [ParamGroup("embedding", params, self.config.learning_rate)]
+        return [ParamGroup("embedding", params, self.config.part_learning_rate("embedding"))]
 
     def vectors(self, model: LoadedModel, state_dict_of=plain_state_dict) -> dict[str, torch.Tensor]:
         vectors = {}

@@ -1,22 +1,54 @@
-"""Optimizer from config and parameter groups. (The full OneTrainer optimizer list is its own issue.)"""
+"""The optimizer from the config's `optimizer` section and the method's parameter groups.
+
+The class comes from the registry (`spec.target`); `optimizer_class` loads it, so a strategy can swap
+in a subclass (a sharding-aware Prodigy) by passing `cls`. Each group keeps its `name` and
+`initial_lr`, which the schedulers and the progress line read.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from ot_dist.config.schema import OptimizerConfig
+from ot_dist.config.optim import OptimizerConfig
 from ot_dist.methods.base import ParamGroup
+from ot_dist.optim.fused_backward import install_fused_back_pass
+from ot_dist.optim.registry import SPECS, OptimizerSpec
+from ot_dist.optim.stochastic_rounding import install_stochastic_rounding
+
+WRAPPER_OPTIONS = ("stochastic_rounding", "fused_back_pass")  # act around the step, not passed to the class
 
 
-def build_optimizer(config: OptimizerConfig, groups: list[ParamGroup]) -> torch.optim.Optimizer:
+def optimizer_class(spec: OptimizerSpec) -> type[torch.optim.Optimizer]:
+    module, _, name = spec.target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def constructor_kwargs(spec: OptimizerSpec, options: dict) -> dict:
+    """Config options -> the implementation's keyword arguments (betas and Adafactor's eps are tuples)."""
+    kwargs = {k: v for k, v in options.items() if k not in WRAPPER_OPTIONS}
+    if spec.betas:
+        kwargs["betas"] = tuple(kwargs.pop(name) for name in spec.betas)
+    if spec.eps_pair:
+        kwargs["eps"] = (kwargs.pop("eps"), kwargs.pop("eps2"))
+    return kwargs
+
+
+def build_optimizer(
+    config: OptimizerConfig, groups: list[ParamGroup], cls: type[torch.optim.Optimizer] | None = None
+) -> torch.optim.Optimizer:
+    spec = SPECS[config.name]
+    options = config.options()
+    kwargs = constructor_kwargs(spec, options)
     param_groups = [
         {"params": g.params, "lr": g.learning_rate, "initial_lr": g.learning_rate, "name": g.name} for g in groups
     ]
-    return torch.optim.AdamW(
-        param_groups,
-        betas=(config.beta1, config.beta2),
-        eps=config.eps,
-        weight_decay=config.weight_decay,
-        # foreach keeps the step to a handful of kernels; fused is only faster on CUDA.
-        foreach=True,
-    )
+    # Adafactor with relative_step computes its own step size and refuses a learning rate.
+    lr = None if config.name == "ADAFACTOR" and config.relative_step else groups[0].learning_rate
+    optimizer = (cls or optimizer_class(spec))(param_groups, lr=lr, **kwargs)
+    if options.get("stochastic_rounding"):
+        install_stochastic_rounding(optimizer)
+    if options.get("fused_back_pass"):
+        install_fused_back_pass(optimizer)
+    return optimizer

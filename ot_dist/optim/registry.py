@@ -11,7 +11,7 @@ several arguments it then ignores (LAMB's `bias_correction`, LARS's `nesterov`, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 INF = math.inf
@@ -37,7 +37,8 @@ class OptimizerSpec:
     supports_fused_back_pass: bool = False  # the update of a parameter depends only on that parameter
     eight_bit: bool = False
     notes: str = ""
-    constraints: dict[str, str] = field(default_factory=dict)  # option -> rule text, checked in validation
+    must_be_positive: tuple[str, ...] = ()  # options the implementation refuses at 0
+    trust_ratio: bool = False  # caps each update at max_unorm x the weight's norm: a zero weight never moves
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -51,7 +52,8 @@ TORCH = {"foreach": True, "fused": None, "maximize": False, "differentiable": Fa
 
 
 def _spec(name, target, defaults, **kw) -> OptimizerSpec:
-    return OptimizerSpec(name=name, target=target, defaults={**COMMON, **defaults}, **kw)
+    common = {k: v for k, v in COMMON.items() if k not in defaults}
+    return OptimizerSpec(name=name, target=target, defaults={**defaults, **common}, **kw)
 
 
 _ADAM = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
@@ -71,10 +73,10 @@ SPECS: dict[str, OptimizerSpec] = {
               {**_ADAM, "weight_decay": 1e-2, "amsgrad": False, "capturable": False, **TORCH, **FUSED},
               betas=("beta1", "beta2"), supports_fused_back_pass=True),
         _spec("LAMB", "bitsandbytes.optim:LAMB",
-              {**_ADAM, "weight_decay": 0.0, "max_unorm": 1.0}, betas=("beta1", "beta2")),
+              {**_ADAM, "weight_decay": 0.0, "max_unorm": 1.0}, betas=("beta1", "beta2"), trust_ratio=True),
         _spec("LARS", "bitsandbytes.optim:LARS",
               {"momentum": 0.9, "weight_decay": 0.0, "max_unorm": 0.02},
-              constraints={"momentum": "> 0 (bitsandbytes' LARS needs momentum)"}),
+              must_be_positive=("momentum",), trust_ratio=True),
         _spec("LION", "bitsandbytes.optim:Lion",
               {"beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0}, betas=("beta1", "beta2")),
         _spec("RMSPROP", "torch.optim:RMSprop",
@@ -90,24 +92,27 @@ SPECS: dict[str, OptimizerSpec] = {
         _spec("ADAM_8BIT", "bitsandbytes.optim:Adam8bit",
               {**_ADAM, "weight_decay": 0.0, **_BNB_8BIT, "is_paged": False}, betas=("beta1", "beta2"), eight_bit=True),
         _spec("ADAMW_8BIT", "bitsandbytes.optim:AdamW8bit",
-              {**_ADAM, "weight_decay": 1e-2, **_BNB_8BIT, "is_paged": False}, betas=("beta1", "beta2"), eight_bit=True),
+              {**_ADAM, "weight_decay": 1e-2, **_BNB_8BIT, "is_paged": False}, betas=("beta1", "beta2"),
+              eight_bit=True),
+        # bitsandbytes' 8-bit kernels have no trust ratio: LAMB_8BIT / LARS_8BIT apply it (max_unorm)
+        # only to the tensors small enough to keep 32-bit state.
         _spec("LAMB_8BIT", "bitsandbytes.optim:LAMB8bit",
-              {**_ADAM, "weight_decay": 0.0, **_BNB_8BIT}, betas=("beta1", "beta2"), eight_bit=True),
+              {**_ADAM, "weight_decay": 0.0, **_BNB_8BIT}, betas=("beta1", "beta2"), eight_bit=True, trust_ratio=True),
         _spec("LARS_8BIT", "bitsandbytes.optim:LARS8bit",
               {"momentum": 0.9, "weight_decay": 0.0, "max_unorm": 0.02, **_BNB_8BIT}, eight_bit=True,
-              constraints={"momentum": "> 0 (bitsandbytes' LARS needs momentum)"}),
+              must_be_positive=("momentum",), trust_ratio=True),
         _spec("LION_8BIT", "bitsandbytes.optim:Lion8bit",
               {"beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, **_BNB_8BIT, "is_paged": False},
               betas=("beta1", "beta2"), eight_bit=True),
         _spec("RMSPROP_8BIT", "bitsandbytes.optim:RMSprop8bit",
               {"alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, **_BNB_8BIT}, eight_bit=True,
-              constraints={"alpha": "> 0 (bitsandbytes' RMSprop)"}),
+              must_be_positive=("alpha",)),
         _spec("SGD_8BIT", "bitsandbytes.optim:SGD8bit",
               {"momentum": 0.9, "weight_decay": 0.0, **_BNB_8BIT}, eight_bit=True,
-              constraints={"momentum": "> 0 (bitsandbytes' 8-bit SGD needs momentum)"}),
+              must_be_positive=("momentum",)),
         # -- D-Adaptation (learning-rate free: lr is a multiplier on the estimated step size d) --
         _spec("DADAPT_ADA_GRAD", "dadaptation:DAdaptAdaGrad",
-              {"momentum": 0.0, "log_every": 0, "weight_decay": 0.0, "eps": 0.0, "d0": 1e-6, "growth_rate": INF},
+              {"momentum": 0.0, "log_every": 0, "weight_decay": 0.0, "eps": 1e-6, "d0": 1e-6, "growth_rate": INF},
               adaptive=True),
         _spec("DADAPT_ADAM", "dadaptation:DAdaptAdam",
               {**_ADAM, "weight_decay": 0.0, "log_every": 0, "decouple": False, "use_bias_correction": False,
@@ -121,7 +126,8 @@ SPECS: dict[str, OptimizerSpec] = {
               {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "log_every": 0, "d0": 1e-6, "fsdp_in_use": False},
               betas=("beta1", "beta2"), adaptive=True),
         _spec("DADAPT_SGD", "dadaptation:DAdaptSGD",
-              {"momentum": 0.0, "weight_decay": 0.0, "log_every": 0, "d0": 1e-6, "growth_rate": INF, "fsdp_in_use": False},
+              {"momentum": 0.0, "weight_decay": 0.0, "log_every": 0, "d0": 1e-6, "growth_rate": INF,
+               "fsdp_in_use": False},
               adaptive=True),
         # -- Prodigy (prodigyopt as is; a sharding-aware subclass replaces `target` later) -------
         _spec("PRODIGY", "prodigyopt:Prodigy",

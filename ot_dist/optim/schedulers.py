@@ -1,29 +1,180 @@
-"""Learning-rate schedules as multipliers of each group's base rate, counted in optimizer steps."""
+"""Learning-rate schedules, counted in optimizer steps (not micro steps, not x world size).
+
+A built-in schedule is a factor on each parameter group's base learning rate:
+
+    step < warmup:  (step + 1) / (warmup + 1)                     linear warmup, never 0
+    otherwise:      min_factor + (1 - min_factor) * curve(p)     p = (step - warmup) / (total - warmup)
+
+    CONSTANT                   curve = 1 (min_factor does not apply)
+    LINEAR                     1 - p
+    COSINE                     (1 + cos(pi p)) / 2
+    COSINE_WITH_RESTARTS       (1 + cos((2n - 1) pi p)) / 2: smooth, n lows, the last at the end
+    COSINE_WITH_HARD_RESTARTS  cosine over each of n equal cycles, jumping back to 1 at each boundary
+    REX                        (1 - p) / (0.1 + 0.9 (1 - p))  (https://arxiv.org/abs/2107.04197)
+    REX_WITH_RESTARTS          REX over each of n equal cycles
+
+ADAFACTOR reports Adafactor's own relative step; CUSTOM runs a torch LRScheduler after the warmup.
+"""
 
 from __future__ import annotations
 
+import importlib
 import math
+from typing import Any
 
 import torch
 
-from ot_dist.config.schema import SchedulerConfig
+from ot_dist.config.optim import PLACEHOLDERS, SchedulerConfig
+from ot_dist.train.steps import StepPlan
 
 
-def lr_factor(name: str, step: int, total_steps: int, warmup_steps: int) -> float:
-    if step < warmup_steps:
-        return (step + 1) / (warmup_steps + 1)
-    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-    progress = min(max(progress, 0.0), 1.0)
+def curve(name: str, step: int, steps: int, cycles: float = 1.0) -> float:
+    """The schedule's shape after warmup at `step` of `steps` (0-based)."""
+    progress = min(step, steps) / steps
+    # step * cycles / steps, not progress * cycles: cycle boundaries stay exact in floating point.
+    in_cycle = (step * cycles / steps) % 1.0
     if name == "CONSTANT":
         return 1.0
     if name == "LINEAR":
         return 1.0 - progress
     if name == "COSINE":
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"scheduler.name: unknown schedule {name!r}")
+        return cosine(progress)
+    if name == "COSINE_WITH_RESTARTS":
+        return 0.5 * (1.0 + math.cos((2.0 * cycles - 1.0) * math.pi * progress))
+    if name == "COSINE_WITH_HARD_RESTARTS":
+        return cosine(in_cycle)
+    if name == "REX":
+        return rex(progress)
+    if name == "REX_WITH_RESTARTS":
+        return rex(in_cycle)
+    raise ValueError(f"scheduler.name: {name} is not a factor schedule")
 
 
-def build_scheduler(config: SchedulerConfig, optimizer: torch.optim.Optimizer, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(config.name, step, total_steps, config.warmup_steps)
-    )
+def cosine(progress: float) -> float:
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def rex(progress: float) -> float:
+    return (1.0 - progress) / (0.1 + 0.9 * (1.0 - progress))
+
+
+def lr_factor(config: SchedulerConfig, step: int, total_steps: int) -> float:
+    """The factor applied to every group's base learning rate at optimizer step `step` (0-based)."""
+    warmup = config.resolved_warmup(total_steps)
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    if config.name == "CONSTANT":
+        return 1.0
+    value = curve(config.name, step - warmup, max(1, total_steps - warmup), config.cycles or 1.0)
+    low = config.min_factor or 0.0
+    return low + (1.0 - low) * value
+
+
+def cycle_lows(config: SchedulerConfig, total_steps: int) -> list[int]:
+    """The optimizer steps (1-based: "after step N") whose learning rate is the lowest of its cycle, the last
+    step included. A snapshot taken there is taken at the bottom of a cycle, never mid-descent.
+
+    With 10000 steps and 20 COSINE_WITH_HARD_RESTARTS / REX_WITH_RESTARTS cycles: 500, 1000, ..., 10000.
+    """
+    warmup = config.resolved_warmup(total_steps)
+    factors = [lr_factor(config, s, total_steps) for s in range(total_steps)]
+    lows = []
+    for s in range(warmup, total_steps):
+        before = factors[s - 1] if s > warmup else math.inf
+        after = factors[s + 1] if s + 1 < total_steps else math.inf
+        if factors[s] <= before and factors[s] < after:
+            lows.append(s + 1)
+    return lows
+
+
+def adafactor_relative_step(step: int, warmup_init: bool) -> float:
+    """Adafactor's relative step size at optimizer step `step` (1-based), before the parameter scale."""
+    return min(1e-6 * step if warmup_init else 1e-2, 1.0 / math.sqrt(step))
+
+
+class WarmupThen:
+    """Linear warmup, then a torch LRScheduler that starts where the warmup ends (its step 0 is the first
+    step after warmup). Built at step 0 so it sees the groups' base learning rates."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, inner):
+        self.optimizer, self.warmup, self.inner = optimizer, warmup, inner
+        self.start_lrs = [group["lr"] for group in optimizer.param_groups]  # the inner schedule's step 0
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        step, groups = self.last_epoch, self.optimizer.param_groups
+        if step < self.warmup:
+            for group, lr in zip(groups, self.start_lrs):
+                group["lr"] = lr * (step + 1) / (self.warmup + 1)
+        elif step == self.warmup:
+            for group, lr in zip(groups, self.start_lrs):
+                group["lr"] = lr
+        else:
+            self.inner.step()
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_epoch": self.last_epoch, "start_lrs": self.start_lrs, "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_epoch, self.start_lrs = state["last_epoch"], state["start_lrs"]
+        self.inner.load_state_dict(state["inner"])
+
+
+class AdafactorStepSize(torch.optim.lr_scheduler.LRScheduler):
+    """Schedule ADAFACTOR: Adafactor (relative_step) computes its own step size and ignores the groups'
+    learning rates; this reports, as each group's lr, the step size of its first parameter's last update
+    (relative step x parameter RMS), so the progress line shows what is applied."""
+
+    def get_lr(self) -> list[float]:
+        opt = self.optimizer
+        lrs = []
+        for group in opt.param_groups:
+            state = opt.state.get(group["params"][0], {})
+            lrs.append(float(opt._get_lr(group, state)) if state.get("step") else group["lr"])
+        return lrs
+
+
+def placeholder_values(config, plan: StepPlan) -> dict[str, Any]:
+    warmup = config.scheduler.resolved_warmup(plan.total_steps)
+    values = {
+        "%LR%": config.learning_rate,
+        "%EPOCHS%": config.epochs,
+        "%STEPS_PER_EPOCH%": plan.steps_per_epoch,
+        "%TOTAL_STEPS%": plan.total_steps,
+        "%SCHEDULER_STEPS%": max(1, plan.total_steps - warmup),
+    }
+    assert set(values) == set(PLACEHOLDERS)
+    return values
+
+
+def substitute(value: Any, values: dict[str, Any]) -> Any:
+    if isinstance(value, str):
+        return values.get(value, value)
+    if isinstance(value, list):
+        return [substitute(v, values) for v in value]
+    if isinstance(value, dict):
+        return {k: substitute(v, values) for k, v in value.items()}
+    return value
+
+
+def build_scheduler(config, optimizer: torch.optim.Optimizer, plan: StepPlan):
+    """The scheduler the trainer steps once per optimizer step. `config` is the whole TrainConfig (CUSTOM
+    placeholders need the learning rate and epochs)."""
+    sched = config.scheduler
+    if sched.name == "ADAFACTOR":
+        return AdafactorStepSize(optimizer)
+    if sched.name == "CUSTOM":
+        module, _, name = sched.class_name.rpartition(".")
+        cls = getattr(importlib.import_module(module), name)
+        params = substitute(sched.params, placeholder_values(config, plan))
+        return WarmupThen(optimizer, sched.resolved_warmup(plan.total_steps), cls(optimizer, **params))
+    total = plan.total_steps
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(sched, step, total))

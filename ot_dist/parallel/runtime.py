@@ -46,8 +46,16 @@ def launched_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def start_runtime(timeout_minutes: float) -> Runtime:
+def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
+    """`needs_group`: the strategy needs a process group even when started as one process (FSDP
+    or ZeRO on one GPU, e.g. for their CPU offload); one is made on a free local port."""
     world_size = launched_world_size()
+    if world_size == 1 and needs_group and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ["WORLD_SIZE"] = "1"
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -55,7 +63,7 @@ def start_runtime(timeout_minutes: float) -> Runtime:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size == 1:
+    if world_size == 1 and not needs_group:
         return Runtime(device=device)
     if not dist.is_initialized():
         dist.init_process_group(
@@ -64,3 +72,11 @@ def start_runtime(timeout_minutes: float) -> Runtime:
             device_id=device if device.type == "cuda" else None,
         )
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -15,15 +15,16 @@ import torch
 
 from ot_dist.config.schema import TrainConfig
 from ot_dist.data.image_folder import ImageFolderDataset, epoch_batches
-from ot_dist.errors import InputFileError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
+from ot_dist.optim.adaptive import d_times_lr, startup_warnings
 from ot_dist.optim.factory import build_optimizer
-from ot_dist.optim.schedulers import build_scheduler
+from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.loss import diffusion_loss
+from ot_dist.train.steps import plan_steps
 
 
 @dataclass
@@ -42,18 +43,9 @@ class Trainer:
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
         self.dataset = ImageFolderDataset(config.data, config.resolution, config.seed)
-        world = self.runtime.world_size
-        self.global_batch = config.batch_size * config.gradient_accumulation_steps * world
-        self.steps_per_epoch = len(self.dataset) // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise InputFileError(
-                f"data.path: {len(self.dataset)} images make no optimizer step with a global batch of "
-                f"{self.global_batch} (batch_size {config.batch_size} x gradient_accumulation_steps "
-                f"{config.gradient_accumulation_steps} x {world} processes)"
-            )
-        self.total_steps = config.epochs * self.steps_per_epoch
-        if config.max_steps is not None:
-            self.total_steps = min(self.total_steps, config.max_steps)
+        self.plan = plan_steps(config, len(self.dataset), self.runtime.world_size)  # as `ot-dist schedule` counts
+        self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
+        self.total_steps = self.plan.total_steps
         self.model: LoadedModel = load_model(config.model)
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
@@ -62,7 +54,7 @@ class Trainer:
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
         self.optimizer = self.strategy.wrap_optimizer(self.optimizer)
-        self.scheduler = build_scheduler(config.scheduler, self.optimizer, self.total_steps)
+        self.scheduler = build_scheduler(config, self.optimizer, self.plan)
         self.precision = self.strategy.precision
         self.params = [p for g in self.groups for p in g.params]
 
@@ -106,6 +98,11 @@ class Trainer:
             f"{self.global_batch} (batch_size {config.batch_size} x accumulation {accumulation} x "
             f"{self.runtime.world_size} processes)"
         )
+        for warning in startup_warnings(config):
+            self.log(f"warning: {warning}")
+        snapshots: set[int] = set()
+        if config.scheduler.snapshot_at_cycle_lows:  # the bottom of every cycle; the last one is the final export
+            snapshots = set(cycle_lows(config.scheduler, self.total_steps)[:-1])
         result = TrainResult()
         step, start = 0, time.perf_counter()
         pending: list[torch.Tensor] = []  # step losses not yet copied to the host
@@ -131,18 +128,22 @@ class Trainer:
                     result.losses.extend(window)
                     pending = []
                     self._log_progress(step, epoch, sum(window) / len(window), start)
+                if step in snapshots:
+                    self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
                 self._update_part_activity(epoch, step)
                 if step >= self.total_steps:
                     break
         result.losses.extend(self.runtime.mean(torch.stack(pending)).tolist() if pending else [])
         result.steps = step
-        result.exported = self.method.export(
-            self.model, Path(config.output_dir), self.strategy.state_dict_of, write=self.runtime.is_main
-        )
-        self.runtime.barrier()  # nobody leaves before the export is on disk
-        for path in result.exported:
-            self.log(f"exported {path}")
+        result.exported = self.export(Path(config.output_dir))
         return result
+
+    def export(self, output_dir: Path) -> list[Path]:
+        exported = self.method.export(self.model, output_dir, self.strategy.state_dict_of, write=self.runtime.is_main)
+        self.runtime.barrier()  # nobody leaves before the export is on disk
+        for path in exported:
+            self.log(f"exported {path}")
+        return exported
 
     def tokenize(self, batch: dict) -> dict:
         """Add `token_ids` to a batch: part of preparing data, not of the training step."""
@@ -172,6 +173,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         samples = step * self.config.batch_size * self.config.gradient_accumulation_steps
         lrs = " ".join(f"lr/{g['name']}={g['lr']:.3g}" for g in self.optimizer.param_groups)
+        lrs += "".join(f" d*lr/{name}={value:.3g}" for name, value in d_times_lr(self.optimizer).items())
         loss_text = f"{loss:.4f}" if math.isfinite(loss) else str(loss)
         self.log(
             f"step {step}/{self.total_steps} epoch {epoch + 1}/{self.config.epochs} loss {loss_text} (mean since last line) "

@@ -1,0 +1,215 @@
+"""Every optimizer trains the tiny model with its OneTrainer defaults; options reach the implementation;
+the fused back pass steps inside backward and ends where the ordinary step does; stochastic rounding
+moves bfloat16 weights by updates below their resolution; adaptive optimizers expose d*lr; bad
+combinations are config errors that name the key."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import yaml
+from conftest import base_config
+
+from ot_dist.cli import main
+from ot_dist.config.load import dump_config, validate
+from ot_dist.errors import ConfigError
+from ot_dist.methods.base import ParamGroup
+from ot_dist.optim.adaptive import d_times_lr, startup_warnings
+from ot_dist.optim.factory import build_optimizer, optimizer_class
+from ot_dist.optim.registry import SPECS
+from ot_dist.optim.stochastic_rounding import stochastic_round_to_bf16
+from ot_dist.train.trainer import Trainer
+
+MINIMAL = {"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o", "data": {"path": "d"}}
+
+
+def settings(name: str) -> dict:
+    """What a user sets to train with `name`: adaptive ones at lr 1, Adafactor's adaptive mode with its
+    schedule, 8-bit state for the tiny tensors too, and trust-ratio optimizers on a full finetune (LoRA's
+    zero-initialised up matrices never move under a trust ratio; the config refuses that)."""
+    spec = SPECS[name]
+    overrides = {"optimizer.name": name}
+    if spec.adaptive:
+        overrides["learning_rate"] = 1.0
+    if name == "ADAFACTOR":
+        overrides["scheduler.name"] = "ADAFACTOR"
+    if spec.eight_bit:
+        overrides["optimizer.min_8bit_size"] = 64
+    method = "full" if spec.trust_ratio else "lora"
+    return {"method": method, **overrides}
+
+
+@pytest.mark.parametrize("name", list(SPECS) + ["ADAFACTOR_ADAMW_LIKE"])
+def test_every_optimizer_trains_the_tiny_model(tiny_models, shapes_data, tmp_path, name):
+    if name == "ADAFACTOR_ADAMW_LIKE":  # the low-memory AdamW-like mode: your lr and schedule
+        overrides = {"optimizer.name": "ADAFACTOR", "optimizer.relative_step": False, "optimizer.scale_parameter": False,
+                     "scheduler.name": "COSINE", "method": "lora"}
+        name = "ADAFACTOR"
+    else:
+        overrides = settings(name)
+    method = overrides.pop("method")
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", method=method, max_steps=2, batch_size=2,
+                      log_every_steps=1, **overrides)
+    lines = []
+    trainer = Trainer(validate(raw), log=lines.append)
+    assert isinstance(trainer.optimizer, optimizer_class(SPECS[name]))
+    before = [p.detach().clone() for p in trainer.params]
+    result = trainer.train()
+    assert len(result.losses) == 2 and all(math.isfinite(loss) for loss in result.losses)
+    changed = [not torch.equal(b, p) for b, p in zip(before, trainer.params)]
+    assert sum(changed) >= len(changed) // 2, f"{sum(changed)} of {len(changed)} trainable tensors changed"
+    assert all(torch.isfinite(p).all() for p in trainer.params)
+    state = [v for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    if SPECS[name].eight_bit:
+        assert any(v.dtype == torch.uint8 for v in state), "no 8-bit optimizer state"
+    if SPECS[name].adaptive:
+        assert set(d_times_lr(trainer.optimizer)) == {"unet"}
+        assert any("d*lr/unet=" in line for line in lines)
+    else:
+        assert d_times_lr(trainer.optimizer) == {}
+
+
+def test_prodigy_and_adafactor_defaults_are_onetrainers():
+    prodigy = validate({**MINIMAL, "learning_rate": 1.0, "optimizer": {"name": "PRODIGY"}}).optimizer
+    optimizer = build_optimizer(prodigy, [ParamGroup("unet", [torch.nn.Parameter(torch.zeros(3))], 1.0)])
+    group = optimizer.param_groups[0]
+    assert group["betas"] == (0.9, 0.999) and group["beta3"] is None and group["eps"] == 1e-8
+    assert group["d0"] == 1e-6 and group["d_coef"] == 1.0 and group["growth_rate"] == math.inf
+    assert group["decouple"] is True and group["use_bias_correction"] is False and group["safeguard_warmup"] is False
+    assert group["weight_decay"] == 0.0
+
+    adafactor = validate({**MINIMAL, "optimizer": {"name": "ADAFACTOR"}, "scheduler": {"name": "ADAFACTOR"}}).optimizer
+    optimizer = build_optimizer(adafactor, [ParamGroup("unet", [torch.nn.Parameter(torch.zeros(3))], 1e-4)])
+    group = optimizer.param_groups[0]
+    assert group["eps"] == (1e-30, 1e-3) and group["clip_threshold"] == 1.0 and group["decay_rate"] == -0.8
+    assert group["beta1"] is None and group["scale_parameter"] is True and group["relative_step"] is True
+    assert adafactor.stochastic_rounding is True and adafactor.fused_back_pass is False
+
+
+def test_set_options_reach_the_implementation():
+    config = validate({**MINIMAL, "optimizer": {"name": "SGD", "momentum": 0.8, "nesterov": True, "weight_decay": 0.1}})
+    weight = torch.nn.Parameter(torch.zeros(3))
+    group = build_optimizer(config.optimizer, [ParamGroup("unet", [weight], 0.1)]).param_groups[0]
+    assert (group["momentum"], group["nesterov"], group["weight_decay"]) == (0.8, True, 0.1)
+    config = validate({**MINIMAL, "learning_rate": 1, "optimizer": {"name": "DADAPT_ADAN", "beta3": 0.95, "no_prox": True}})
+    group = build_optimizer(config.optimizer, [ParamGroup("unet", [torch.nn.Parameter(torch.zeros(3))], 1)]).param_groups[0]
+    assert group["betas"] == (0.98, 0.92, 0.95) and group["no_prox"] is True
+
+
+def test_resolved_config_round_trips():
+    for optimizer in ({"name": "PRODIGY", "d_coef": 2}, {"name": "ADAMW_8BIT"}, {"name": "ADAFACTOR"}):
+        raw = {**MINIMAL, "learning_rate": 1.0, "optimizer": optimizer,
+               "scheduler": {"name": "ADAFACTOR" if optimizer["name"] == "ADAFACTOR" else "REX_WITH_RESTARTS"}}
+        config = validate(raw)
+        assert validate(yaml.safe_load(dump_config(config))) == config
+
+
+@pytest.mark.parametrize(
+    "change,expected",
+    [
+        ({"optimizer": {"name": "PRODIGY", "amsgrad": True}},
+         ["optimizer.amsgrad: PRODIGY does not take amsgrad; it takes: beta1, beta2, beta3", "taken by ADAM, ADAMW"]),
+        ({"optimizer": {"name": "ADAMW_8BIT", "percentile_clipping": 100}},
+         ["optimizer.percentile_clipping: not available (bitsandbytes 0.50 removed it)", "ADAMW_8BIT takes: beta1"]),
+        ({"learning_rate": 1.0, "optimizer": {"name": "PRODIGY"}, "text_encoder": {"train": True, "learning_rate": 0.5}},
+         ["optimizer.name: PRODIGY estimates one step size", "learning_rate = 1 (unet)",
+          "text_encoder.learning_rate = 0.5 (text_encoder)"]),
+        ({"learning_rate": 1.0, "optimizer": {"name": "DADAPT_ADAM"}, "unet": {"learning_rate": 0.5},
+          "text_encoder": {"train": True}},
+         ["optimizer.name: DADAPT_ADAM estimates one step size", "unet.learning_rate = 0.5"]),
+        ({"optimizer": {"name": "ADAMW", "fused_back_pass": True}, "clip_grad_norm": None, "gradient_accumulation_steps": 2},
+         ["gradient_accumulation_steps: must be 1", "optimizer.fused_back_pass"]),
+        ({"optimizer": {"name": "ADAMW", "fused_back_pass": True}}, ["clip_grad_norm: must be null"]),
+        ({"optimizer": {"name": "ADAFACTOR", "relative_step": False, "scale_parameter": False, "fused_back_pass": True},
+          "clip_grad_norm": None, "train_dtype": "float16"}, ["train_dtype: must not be float16"]),
+        ({"optimizer": {"name": "LION_8BIT", "fused_back_pass": True}},
+         ["optimizer.fused_back_pass: LION_8BIT does not take fused_back_pass", "taken by ADAGRAD, ADAM, ADAMW"]),
+        ({"optimizer": {"name": "LAMB"}}, ["optimizer.max_unorm: LAMB caps each update", "optimizer.max_unorm: 0"]),
+        ({"optimizer": {"name": "LARS", "momentum": 0}}, ["optimizer.momentum: LARS needs momentum > 0"]),
+        ({"optimizer": {"name": "ADAFACTOR"}}, ["scheduler.name: CONSTANT has no effect with optimizer ADAFACTOR"]),
+        ({"optimizer": {"name": "ADAMW", "fused": True, "foreach": True}}, ["optimizer.fused: torch cannot use foreach"]),
+        ({"optimizer": {"name": "PRODIGY", "fsdp_in_use": True}, "learning_rate": 1},
+         ["optimizer.fsdp_in_use: adaptive optimizers do not run under sharding"]),
+        ({"optimizer": {"name": "NADAM"}}, ["optimizer.name:", "'PRODIGY'"]),
+        ({"optimizer": {"name": "PRODIGY"}, "learning_rate": 1, "strategy": "fsdp"},
+         ["strategy: fsdp gives each rank a shard"]),
+    ],
+)
+def test_bad_optimizer_settings_name_the_key(change, expected):
+    with pytest.raises(ConfigError) as err:
+        validate({**MINIMAL, **change})
+    for text in expected:
+        assert text in str(err.value), str(err.value)
+
+
+def test_config_errors_exit_2_from_the_cli(tmp_path, capsys):
+    for change, key in [
+        ({"optimizer": {"name": "ADAMW", "d_coef": 2.0}}, "optimizer.d_coef: ADAMW does not take d_coef"),
+        ({"scheduler": {"name": "CUSTOM", "class_name": "os.path.join"}}, "scheduler.class_name: os.path.join is outside"),
+        ({"optimizer": {"name": "PRODIGY"}, "text_encoder": {"train": True, "learning_rate": 2e-5}},
+         "text_encoder.learning_rate = 2e-05"),
+    ]:
+        path = tmp_path / "c.yaml"
+        path.write_text(yaml.safe_dump({**MINIMAL, **change}))
+        for command in (["config", "check", str(path)], ["train", str(path)], ["schedule", str(path), "--steps", "9"]):
+            assert main(command) == 2
+            err = capsys.readouterr().err
+            assert key in err and "Traceback" not in err, err
+
+
+def test_adaptive_with_restarts_warns_at_start():
+    config = validate({**MINIMAL, "learning_rate": 1, "optimizer": {"name": "PRODIGY"},
+                       "scheduler": {"name": "COSINE_WITH_HARD_RESTARTS", "cycles": 4}})
+    (warning,) = startup_warnings(config)
+    assert "d*lr can blow up" in warning and "PRODIGY" in warning
+    assert startup_warnings(validate({**MINIMAL, "scheduler": {"name": "COSINE_WITH_HARD_RESTARTS", "cycles": 4}})) == []
+
+
+def test_fused_back_pass_steps_inside_backward_and_matches_the_ordinary_step(tiny_models, shapes_data, tmp_path):
+    common = {"clip_grad_norm": None, "max_steps": 2, "batch_size": 2, "optimizer.name": "ADAMW", "learning_rate": 1e-3}
+    fused_raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "f", method="lora", **common,
+                            **{"optimizer.fused_back_pass": True})
+    fused = Trainer(validate(fused_raw), log=lambda *_: None)
+    # One micro step: the parameters move during backward and no gradient is left behind.
+    batch = next(iter(fused.epoch_batches(0)))
+    lora_b = [p for p in fused.params if not p.any()]  # LoRA up matrices start at zero
+    assert lora_b
+    fused.micro_step(batch, epoch=0, accumulation=1)
+    assert all(p.grad is None for p in fused.params)
+    assert all(p.any() for p in lora_b), "the fused back pass did not update during backward"
+
+    fused = Trainer(validate(fused_raw), log=lambda *_: None)
+    fused.train()
+    plain = Trainer(validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "p", method="lora", **common)),
+                    log=lambda *_: None)
+    plain.train()
+    for a, b in zip(fused.params, plain.params):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_stochastic_rounding_keeps_small_updates_of_bfloat16_weights():
+    # bfloat16 resolution at 1.0 is 2**-7; an SGD step of 1e-4 rounds away entirely without stochastic rounding.
+    results = {}
+    for sr in (False, True):
+        config = validate({**MINIMAL, "optimizer": {"name": "SGD", "stochastic_rounding": sr}})
+        weight = torch.nn.Parameter(torch.ones(20000, dtype=torch.bfloat16))
+        optimizer = build_optimizer(config.optimizer, [ParamGroup("unet", [weight], 1e-4)])
+        for _ in range(20):
+            weight.grad = torch.ones_like(weight)
+            optimizer.step()
+            optimizer.zero_grad()
+        assert weight.dtype == torch.bfloat16
+        results[sr] = weight.float().mean().item()
+    assert results[False] == 1.0
+    assert results[True] == pytest.approx(1.0 - 20 * 1e-4, abs=2e-4)
+
+
+def test_stochastic_rounding_is_unbiased():
+    x = torch.full((1_000_000,), 1.0 + 2**-9, dtype=torch.float32)  # a quarter of the way to the next bfloat16
+    rounded = stochastic_round_to_bf16(x, torch.Generator().manual_seed(0)).double()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    # Rounds up with probability 1/4: the mean is x (standard error 3.4e-6).
+    assert rounded.mean().item() == pytest.approx(1.0 + 2**-9, abs=2e-5)
+    assert (stochastic_round_to_bf16(-x).double().mean().item()) == pytest.approx(-(1.0 + 2**-9), abs=2e-5)
