@@ -39,6 +39,7 @@ STRATEGIES = {
     "zero1": ("zero1", []),
     "zero2": ("zero2", ["gradient_checkpointing=true"]),
     "zero3": ("zero3", ["gradient_checkpointing=true"]),
+    "zero3-offload": ("zero3", ["deepspeed.offload_optimizer=true", "deepspeed.offload_params=true"]),
 }
 METHOD_EXTRA = {"full": {"text_encoder.train": True}, "lora": {"lora.rank": 4, "lora.alpha": 8}}
 

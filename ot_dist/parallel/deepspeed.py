@@ -38,6 +38,8 @@ def deepspeed_config(config, stage: int, world_size: int) -> dict:
         ds["gradient_clipping"] = config.clip_grad_norm
     if settings.offload_optimizer:
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        # ot_dist hands in its own optimizer (any of the stack), not DeepSpeedCPUAdam.
+        ds["zero_force_ds_cpu_optimizer"] = False
     if settings.offload_params:
         if stage != 3:
             raise ConfigError("deepspeed.offload_params: parameter offload needs strategy zero3")

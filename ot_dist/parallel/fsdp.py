@@ -12,6 +12,7 @@ import os
 import torch
 from torch.distributed.tensor import DTensor
 
+from ot_dist.errors import ConfigError
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Strategy
 from ot_dist.precision import DTYPES
@@ -48,6 +49,11 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         settings = self.config.fsdp
+        if settings.cpu_offload and self.runtime.device.type == "cpu":
+            raise ConfigError(
+                "fsdp.cpu_offload: offloading moves shards from the GPU to CPU memory; this run is on the CPU "
+                "already (no GPU found), so set fsdp.cpu_offload to false"
+            )
         train_dtype = DTYPES[self.config.train_dtype]
         mp_policy = MixedPrecisionPolicy(
             param_dtype=None if train_dtype == torch.float32 else train_dtype,
