@@ -37,7 +37,7 @@ class TrainResult:
 class Trainer:
     def __init__(self, config: TrainConfig, runtime: Runtime | None = None, log=print):
         self.config = config
-        self.runtime = runtime or start_runtime(config.distributed.timeout_minutes)
+        self.runtime = runtime or start_runtime(config.distributed.timeout_minutes, needs_group=config.strategy != "single")
         self.device = self.runtime.device
         self.log = log if self.runtime.is_main else (lambda *_: None)
         set_tf32(config.tf32)
