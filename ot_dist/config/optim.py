@@ -487,6 +487,29 @@ def planned_groups(config) -> list[tuple[str, float, str]]:
     return groups
 
 
+def strategy_refusal(name: str, strategy: str) -> str | None:
+    """Why `name` cannot train under a sharding `strategy` (None if it can). Measured: each optimizer
+    was run under fsdp and zero2 with 2 ranks (tests/test_optimizers_distributed.py)."""
+    spec = SPECS[name]
+    if strategy == "fsdp" and spec.target.startswith("bitsandbytes"):
+        return (
+            f"strategy: fsdp holds parameters as DTensor shards, and {name}'s bitsandbytes kernels only take plain "
+            "tensors. Use strategy ddp or zero1 / zero2 / zero3 with it, or a torch optimizer (ADAMW, ADAM, SGD, ...)"
+        )
+    if strategy == "fsdp" and name == "ADAFACTOR":
+        return (
+            "strategy: fsdp holds parameters as DTensor shards, which transformers' Adafactor mixes with plain tensors "
+            "in its factored statistics. Use strategy ddp or zero1 / zero2 / zero3 with it"
+        )
+    if strategy.startswith("zero") and (spec.trust_ratio or name == "ADAFACTOR"):
+        what = "its per-tensor trust ratio" if spec.trust_ratio else "its per-matrix factored second moments"
+        return (
+            f"strategy: {strategy} hands the optimizer one flat partition per parameter group, so {name} would compute "
+            f"{what} over the wrong tensors. Use strategy single, ddp or fsdp with it"
+        )
+    return None
+
+
 def check_optimizer_setup(config) -> None:
     """Checks across sections; raises ValueError naming the keys."""
     opt, sched = config.optimizer, config.scheduler
@@ -505,6 +528,9 @@ def check_optimizer_setup(config) -> None:
             "step size from that shard alone (a different one on every rank). Not supported yet; use strategy "
             "single or ddp with it"
         )
+    refusal = strategy_refusal(opt.name, config.strategy)
+    if refusal:
+        raise ValueError(refusal)
     if opt.fused_back_pass:
         problems = {
             "gradient_accumulation_steps": (

@@ -1,0 +1,61 @@
+"""Under torchrun: train every optimizer of the stack for 2 steps in one process group, with the
+strategy given, and write what happened per optimizer to RESULT_JSON (rank 0). An optimizer the
+config refuses under that strategy is recorded with the refusal's message."""
+
+import json
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from conftest import base_config  # noqa: E402
+
+from ot_dist.config.load import validate  # noqa: E402
+from ot_dist.errors import ConfigError  # noqa: E402
+from ot_dist.optim.registry import SPECS  # noqa: E402
+from ot_dist.parallel.runtime import start_runtime  # noqa: E402
+from ot_dist.train.trainer import Trainer  # noqa: E402
+
+model_dir, data_dir, out_dir, strategy, result_path = sys.argv[1:6]
+names = sys.argv[6].split(",") if len(sys.argv) > 6 else list(SPECS)
+runtime = start_runtime(5)
+results = {}
+for name in names:
+    spec = SPECS[name]
+    overrides = {"optimizer.name": name, "strategy": strategy}
+    if spec.adaptive:
+        overrides["learning_rate"] = 1.0
+    if name == "ADAFACTOR":
+        overrides["scheduler.name"] = "ADAFACTOR"
+    if spec.eight_bit:
+        overrides["optimizer.min_8bit_size"] = 64
+    method = "full" if spec.trust_ratio else "lora"
+    raw = base_config(model_dir, data_dir, f"{out_dir}/{name}", method=method, max_steps=2, batch_size=2,
+                      log_every_steps=100, **overrides)
+    try:
+        config = validate(raw)
+    except ConfigError as err:
+        results[name] = {"refused": str(err)}
+        continue
+    trainer = Trainer(config, runtime=runtime, log=lambda *_: None)
+    before = [p.detach().clone() for p in trainer.params]
+    try:
+        result = trainer.train()
+    except Exception as err:  # recorded, so one failing optimizer does not hide the others
+        results[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
+        continue
+    after = [p.detach() for p in trainer.params]
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    changed = sum(not torch.equal(local(b), local(a)) for b, a in zip(before, after))
+    results[name] = {
+        "losses": result.losses,
+        "finite": all(math.isfinite(x) for x in result.losses) and all(torch.isfinite(local(a)).all() for a in after),
+        "changed": changed,
+        "tensors": len(after),
+    }
+if runtime.is_main:
+    with open(result_path, "w") as f:
+        json.dump(results, f, indent=1)
+runtime.shutdown()

@@ -1,0 +1,53 @@
+"""Every optimizer of the stack under fsdp and zero2 with 2 gloo ranks: it trains (finite loss, the
+weights move), or the config refuses the combination with a reason. Nothing crashes mid-run."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ot_dist.optim.registry import SPECS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
+def test_every_optimizer_trains_or_is_refused_under(strategy, tiny_models, shapes_data, tmp_path):
+    result = tmp_path / "result.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(REPO / "tests" / "helpers" / "optimizers_under_strategy.py"), str(tiny_models["sd1"]), str(shapes_data),
+         str(tmp_path / "out"), strategy, str(result)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = json.loads(result.read_text())
+    assert set(results) == set(SPECS)
+    crashed = {name: r["error"] for name, r in results.items() if "error" in r}
+    assert not crashed, f"crashed instead of being refused by the config: {crashed}"
+    refused = {name for name, r in results.items() if "refused" in r}
+    for name in refused:
+        assert f"strategy: {strategy}" in results[name]["refused"]
+    trained = set(SPECS) - refused
+    assert {"ADAMW", "ADAM", "SGD"} <= trained
+    for name in trained:
+        r = results[name]
+        assert r["finite"], name
+        assert r["changed"] >= r["tensors"] // 2, f"{name}: {r['changed']} of {r['tensors']} tensors moved"
+    expected_refused = {n for n, s in SPECS.items() if s.adaptive or s.trust_ratio or n == "ADAFACTOR"}
+    if strategy == "fsdp":
+        expected_refused |= {n for n, s in SPECS.items() if s.target.startswith("bitsandbytes")}
+    assert refused == expected_refused
