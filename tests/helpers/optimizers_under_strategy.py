@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from conftest import base_config  # noqa: E402
+from test_optimizers import settings  # noqa: E402  (what a user sets to train with each optimizer)
 
 from ot_dist.config.load import validate  # noqa: E402
 from ot_dist.errors import ConfigError  # noqa: E402
@@ -23,15 +24,8 @@ names = sys.argv[6].split(",") if len(sys.argv) > 6 else list(SPECS)
 runtime = start_runtime(5)
 results = {}
 for name in names:
-    spec = SPECS[name]
-    overrides = {"optimizer.name": name, "strategy": strategy}
-    if spec.adaptive:
-        overrides["learning_rate"] = 1.0
-    if name == "ADAFACTOR":
-        overrides["scheduler.name"] = "ADAFACTOR"
-    if spec.eight_bit:
-        overrides["optimizer.min_8bit_size"] = 64
-    method = "full" if spec.trust_ratio else "lora"
+    overrides = {**settings(name), "strategy": strategy}
+    method = overrides.pop("method")
     raw = base_config(model_dir, data_dir, f"{out_dir}/{name}", method=method, max_steps=2, batch_size=2,
                       log_every_steps=100, **overrides)
     try:
