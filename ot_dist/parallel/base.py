@@ -19,7 +19,6 @@ StateDictOf = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
 
 class Strategy:
     name = "single"
-    shards_parameters = False  # whether each rank holds only part of the trainable weights
 
     def __init__(self, config: TrainConfig, runtime: Runtime):
         self.config = config

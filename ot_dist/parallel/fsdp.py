@@ -33,7 +33,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    shards_parameters = True
 
     def _mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
