@@ -78,13 +78,11 @@ def register_embeddings_as_external(root: torch.nn.Module) -> None:
 
 
 class DeepSpeedStrategy(Strategy):
-
     def __init__(self, config, runtime, stage: int):
         super().__init__(config, runtime)
         self.stage = stage
         self.name = f"zero{stage}"
         self.engine = None
-        self.micro_steps = 0
 
     def wrap_optimizer(self, optimizer):
         import deepspeed
