@@ -65,6 +65,24 @@ def merge(base: dict, override: dict) -> dict:
     return out
 
 
+def share_fp32_master_with_partitions(zero_optimizer) -> None:
+    """ZeRO-3 means to use the parameter partition itself as the fp32 master copy when the partition
+    is already fp32 on the same device (stage3.py, `_create_fp32_partitions`: "we don't need another
+    copy of the weights"). Its test compares a torch.device with a device-name string, which is never
+    equal, so a second full copy of every partition is kept. Do what it meant: the master copy becomes
+    the partition's storage (DeepSpeed's copy back after each step is then a copy onto itself)."""
+    partitions = getattr(zero_optimizer, "fp16_partitioned_groups_flat", None) or []
+    masters = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None) or []
+    for partition, master in zip(partitions, masters):
+        if (
+            master is not partition
+            and master.dtype == partition.dtype
+            and master.device == partition.device
+            and master.shape == partition.shape
+        ):
+            master.data = partition.data
+
+
 def register_embeddings_as_external(root: torch.nn.Module) -> None:
     """ZeRO-3 gathers a parameter only while its own module runs. Embedding tables are read from
     their parent's forward too (CLIP checks `position_embedding.weight.shape` before using it), so
@@ -98,6 +116,8 @@ class DeepSpeedStrategy(Strategy):
         )
         self.optimizer = optimizer  # our optimizer: its param_groups carry the scheduled learning rates
         self.engine_optimizer = engine_optimizer
+        if self.stage == 3 and not self.config.deepspeed.offload_optimizer:
+            share_fp32_master_with_partitions(engine_optimizer)
         return optimizer
 
     def autocast(self):
