@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -22,14 +21,9 @@ import yaml
 from ot_dist.config.load import validate
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
+from ot_dist.parallel.runtime import free_port
 
 MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def render_accelerate_config(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,14 +12,9 @@ from pathlib import Path
 import pytest
 
 from ot_dist.optim.registry import SPECS
+from ot_dist.parallel.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.launcher import reconcile_with_launcher
+from ot_dist.parallel.runtime import free_port
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,12 +42,6 @@ STRATEGIES = {
     "zero3-offload": ("zero3", ["deepspeed.offload_optimizer=true", "deepspeed.offload_params=true"]),
 }
 METHOD_EXTRA = {"full": {"text_encoder.train": True}, "lora": {"lora.rank": 4, "lora.alpha": 8}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def exported_weights(out: Path, method: str) -> dict[str, torch.Tensor]:

@@ -52,7 +52,7 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     world_size = launched_world_size()
     if world_size == 1 and needs_group and not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ["WORLD_SIZE"] = "1"
@@ -74,7 +74,8 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for a rendezvous the launcher or a test sets up)."""
     import socket
 
     with socket.socket() as s:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -70,12 +69,6 @@ sys.exit(main())
 '''
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -83,6 +76,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     from ot_dist.demo import make_demo_dataset
     from ot_dist.models.tiny import make_tiny_model
+    from ot_dist.parallel.runtime import free_port
 
     work = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     model, data = make_tiny_model(work / "tiny-sd1", "sd1"), make_demo_dataset(work / "shapes", count=16)
