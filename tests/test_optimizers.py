@@ -131,10 +131,10 @@ def test_resolved_config_round_trips():
         ({"optimizer": {"name": "ADAFACTOR"}}, ["scheduler.name: CONSTANT has no effect with optimizer ADAFACTOR"]),
         ({"optimizer": {"name": "ADAMW", "fused": True, "foreach": True}}, ["optimizer.fused: torch cannot use foreach"]),
         ({"optimizer": {"name": "PRODIGY", "fsdp_in_use": True}, "learning_rate": 1},
-         ["optimizer.fsdp_in_use: adaptive optimizers do not run under sharding"]),
+         ["optimizer.fsdp_in_use: strategy single does not shard parameters"]),
         ({"optimizer": {"name": "NADAM"}}, ["optimizer.name:", "'PRODIGY'"]),
-        ({"optimizer": {"name": "PRODIGY"}, "learning_rate": 1, "strategy": "fsdp"},
-         ["strategy: fsdp gives each rank a shard"]),
+        ({"optimizer": {"name": "DADAPT_ADAM"}, "learning_rate": 1, "strategy": "fsdp"},
+         ["strategy: fsdp gives each rank a shard", "Use PRODIGY"]),
     ],
 )
 def test_bad_optimizer_settings_name_the_key(change, expected):
@@ -213,3 +213,38 @@ def test_stochastic_rounding_is_unbiased():
     # Rounds up with probability 1/4: the mean is x (standard error 3.4e-6).
     assert rounded.mean().item() == pytest.approx(1.0 + 2**-9, abs=2e-5)
     assert (stochastic_round_to_bf16(-x).double().mean().item()) == pytest.approx(-(1.0 + 2**-9), abs=2e-5)
+
+
+def test_bfloat16_trained_weights_keep_small_updates_with_stochastic_rounding(tiny_models, shapes_data, tmp_path):
+    """trained_weight_dtype bfloat16: the weights are stored in bfloat16, and with stochastic rounding
+    Adam steps far below bfloat16's resolution move them as the float32 run does, on average."""
+    common = {"max_steps": 8, "epochs": 2, "learning_rate": 2e-5, "train_dtype": "bfloat16", "clip_grad_norm": None}
+    runs = {}
+    for name, extra in {
+        "float32": {},
+        "bf16+sr": {"trained_weight_dtype": "bfloat16", "optimizer": {"name": "ADAMW", "stochastic_rounding": True}},
+        "bf16": {"trained_weight_dtype": "bfloat16", "optimizer": {"name": "ADAMW", "stochastic_rounding": False}},
+    }.items():
+        raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / name, **common, **extra)
+        trainer = Trainer(validate(raw), log=lambda *_: None)
+        start = [p.detach().float().clone() for p in trainer.params]
+        trainer.train()
+        assert {p.dtype for p in trainer.params} == {torch.float32 if name == "float32" else torch.bfloat16}
+        runs[name] = torch.cat([(p.detach().float() - s).flatten() for p, s in zip(trainer.params, start)])
+    reference = runs["float32"]
+    moved = reference.abs() > 0
+    # Without stochastic rounding nearly every update rounds away
+    assert (runs["bf16"][moved] != 0).float().mean() < 0.1
+    # With it, the displacement follows the float32 run's (regression slope ~1, clearly correlated)
+    slope = (runs["bf16+sr"] * reference).sum() / (reference * reference).sum()
+    correlation = torch.corrcoef(torch.stack([runs["bf16+sr"], reference]))[0, 1]
+    assert 0.8 < slope < 1.2 and correlation > 0.3, (slope, correlation)
+
+
+def test_bfloat16_trained_weights_are_refused_where_they_cannot_work(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path, trained_weight_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="trained_weight_dtype: bfloat16 weights need train_dtype: bfloat16"):
+        validate(raw)
+    for strategy in ("fsdp", "zero2"):
+        with pytest.raises(ConfigError, match=f"trained_weight_dtype: bfloat16 is not supported with strategy {strategy}"):
+            validate({**raw, "train_dtype": "bfloat16", "strategy": strategy})

@@ -41,7 +41,8 @@ def test_every_optimizer_trains_or_is_refused_under(strategy, tiny_models, shape
         r = results[name]
         assert r["finite"], name
         assert r["changed"] >= r["tensors"] // 2, f"{name}: {r['changed']} of {r['tensors']} tensors moved"
-    expected_refused = {n for n, s in SPECS.items() if s.adaptive or s.trust_ratio or n == "ADAFACTOR"}
+    # D-Adaptation estimates per shard; PRODIGY is ot_dist's sharding-aware implementation and trains
+    expected_refused = {n for n, s in SPECS.items() if (s.adaptive and n != "PRODIGY") or s.trust_ratio or n == "ADAFACTOR"}
     if strategy == "fsdp":
         expected_refused |= {n for n, s in SPECS.items() if s.target.startswith("bitsandbytes")}
     assert refused == expected_refused

@@ -25,6 +25,7 @@ DECAYING = ("LINEAR", "COSINE", "REX") + CYCLIC  # the ones min_factor applies t
 PLACEHOLDERS = ("%LR%", "%EPOCHS%", "%STEPS_PER_EPOCH%", "%TOTAL_STEPS%", "%SCHEDULER_STEPS%")
 # CUSTOM classes from these modules load without opting in; anything else is the user's code.
 ALLOWED_SCHEDULER_MODULES = ("torch.optim.lr_scheduler", "ot_dist")
+SHARDING = ("fsdp", "zero1", "zero2", "zero3")
 
 
 def _by(option: str) -> str:
@@ -134,8 +135,8 @@ class OptimizerConfig(Section):
     fsdp_in_use: bool | None = Field(
         default=None,
         description=(
-            "Parameters are sharded (FSDP): reduce the step-size statistics across ranks. Reserved: adaptive "
-            "optimizers do not run under sharding strategies yet, so it stays false."
+            "Parameters are sharded: sum the step-size statistics across ranks. Set from the strategy (true under "
+            "fsdp and zero1/2/3); leave it unset."
             + _by("fsdp_in_use")
         ),
     )
@@ -242,8 +243,8 @@ class OptimizerConfig(Section):
         default=None,
         description=(
             "Round bfloat16 weights stochastically after each update, so updates smaller than bfloat16's "
-            "resolution still count on average. Acts only on parameters stored in bfloat16 (ot_dist keeps trained"
-            " weights in float32 today, so it is inert until a bfloat16-weights option exists). All optimizers."
+            "resolution still count on average. Acts on trained weights stored in bfloat16 "
+            "(trained_weight_dtype: bfloat16); float32 weights are left alone. All optimizers."
         ),
     )
     use_bias_correction: bool | None = Field(
@@ -491,6 +492,13 @@ def strategy_refusal(name: str, strategy: str) -> str | None:
     """Why `name` cannot train under a sharding `strategy` (None if it can). Measured: each optimizer
     was run under fsdp and zero2 with 2 ranks (tests/test_optimizers_distributed.py)."""
     spec = SPECS[name]
+    if spec.adaptive and name != "PRODIGY" and strategy in SHARDING:
+        return (
+            f"strategy: {strategy} gives each rank a shard of the parameters, and {name} (the dadaptation package) "
+            "would estimate its step size from that shard alone, a different one on every rank, syncing to the host "
+            "for every tensor. Use PRODIGY, whose ot_dist implementation sums the estimate over all shards, or "
+            f"strategy single or ddp with {name}"
+        )
     if strategy == "fsdp" and spec.target.startswith("bitsandbytes"):
         return (
             f"strategy: fsdp holds parameters as DTensor shards, and {name}'s bitsandbytes kernels only take plain "
@@ -522,12 +530,6 @@ def check_optimizer_setup(config) -> None:
                 f"have the same learning rate (1.0 is usual; it multiplies the estimate): {rates}. Remove the "
                 f"per-part learning rates or set them equal (per-group multipliers are not supported)"
             )
-    if opt.adaptive and config.strategy in ("fsdp", "zero1", "zero2", "zero3"):
-        raise ValueError(
-            f"strategy: {config.strategy} gives each rank a shard of the parameters, and {opt.name} would estimate its "
-            "step size from that shard alone (a different one on every rank). Not supported yet; use strategy "
-            "single or ddp with it"
-        )
     refusal = strategy_refusal(opt.name, config.strategy)
     if refusal:
         raise ValueError(refusal)
@@ -559,10 +561,10 @@ def check_optimizer_setup(config) -> None:
             + ("Set optimizer.max_unorm: 0 with method lora" if opt.max_unorm is not None
                else "Use LAMB with optimizer.max_unorm: 0, or another optimizer, with method lora")
         )
-    if opt.fsdp_in_use:
+    if opt.fsdp_in_use and config.strategy not in SHARDING:
         raise ValueError(
-            "optimizer.fsdp_in_use: adaptive optimizers do not run under sharding strategies yet (see strategy), "
-            "so there is nothing to reduce across ranks; leave it false"
+            f"optimizer.fsdp_in_use: strategy {config.strategy} does not shard parameters, so there is nothing to "
+            "reduce across ranks; leave it false (it is set from the strategy)"
         )
     adafactor_adaptive = opt.name == "ADAFACTOR" and opt.relative_step
     if sched.name == "ADAFACTOR" and not adafactor_adaptive:

@@ -114,6 +114,25 @@ class DeepSpeedConfig(Section):
     )
 
 
+class EMAConfig(Section):
+    """Exponential moving average of the trained weights (OneTrainer's EMA), kept sharded like the
+    optimizer state and exported beside the normal outputs (model_ema/, model_ema.safetensors,
+    lora_ema.safetensors, embedding_ema.safetensors)."""
+
+    enabled: bool = Field(default=False, description="Keep an EMA of the trained weights.")
+    decay: float = Field(
+        default=0.999, gt=0, lt=1,
+        description="EMA decay: 0.999 or 0.998 for small datasets, 0.9999 for hundreds or thousands of images. "
+        "The decay used at step n is min((1 + n) / (10 + n), decay).",
+    )
+    update_step_interval: int = Field(default=5, ge=1, description="Update the average every N optimizer steps.")
+    device: Literal["accelerator", "cpu"] = Field(
+        default="accelerator",
+        description="Where the average lives: beside the weights (accelerator), or in CPU memory to save GPU "
+        "memory at the price of a copy per update.",
+    )
+
+
 class DistributedConfig(Section):
     timeout_minutes: float = Field(
         default=30, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails."
@@ -142,6 +161,13 @@ class TrainConfig(Section):
     weight_dtype: Dtype = Field(
         default="float32", description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base)."
     )
+    trained_weight_dtype: Literal["float32", "bfloat16"] = Field(
+        default="float32",
+        description="Storage dtype of the trained weights. float32: master weights, the exact default. bfloat16: "
+        "half the bytes for weights and gradients, as OneTrainer's bfloat16 weight dtype; each update is computed "
+        "in float32 and rounded back (stochastically with optimizer.stochastic_rounding, so updates below "
+        "bfloat16's resolution still count on average). Needs train_dtype bfloat16 and strategy single or ddp.",
+    )
     output_dtype: Dtype = Field(default="float32", description="Dtype of exported weights.")
     gradient_checkpointing: bool = Field(default=False, description="Recompute activations in backward to save memory.")
     clip_grad_norm: float | None = Field(default=1.0, gt=0, description="Clip the gradient norm; null = off.")
@@ -154,6 +180,7 @@ class TrainConfig(Section):
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    ema: EMAConfig = Field(default_factory=EMAConfig)
     log_every_steps: int = Field(default=10, ge=1, description="Print a progress line every N optimizer steps.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
@@ -179,6 +206,20 @@ class TrainConfig(Section):
                         f"{name}.stop_training_after: not supported with strategy {self.strategy} yet "
                         "(sharded parameters cannot leave training mid-run); use strategy single or ddp"
                     )
+        if self.trained_weight_dtype == "bfloat16":
+            if self.train_dtype != "bfloat16":
+                raise ValueError(
+                    "trained_weight_dtype: bfloat16 weights need train_dtype: bfloat16 (the forward pass computes in "
+                    f"the weights' dtype), not {self.train_dtype}"
+                )
+            if self.strategy not in ("single", "ddp"):
+                why = (
+                    "FSDP2 owns the storage of its parameter shards, so the float32 update cannot be swapped in"
+                    if self.strategy == "fsdp"
+                    else "DeepSpeed keeps float32 master partitions itself (train_dtype bfloat16 already gives "
+                    "bfloat16 weights for compute)"
+                )
+                raise ValueError(f"trained_weight_dtype: bfloat16 is not supported with strategy {self.strategy}: {why}")
         if self.method == "embedding":
             for name in self.part_names():
                 if getattr(self, name).train:

@@ -31,9 +31,12 @@ class TrainingMethod:
     def caption(self, caption: str) -> str:
         return caption
 
-    def export(self, model: LoadedModel, output_dir: Path, state_dict_of=None, write: bool = True) -> list[Path]:
+    def export(
+        self, model: LoadedModel, output_dir: Path, state_dict_of=None, write: bool = True, suffix: str = ""
+    ) -> list[Path]:
         """Save what was trained. `state_dict_of(module)` returns a module's full state dict (a
-        collective under sharding strategies, so every rank calls export); only `write` ranks write."""
+        collective under sharding strategies, so every rank calls export); only `write` ranks write.
+        `suffix` goes after the file / folder stem ("_ema": model_ema/, lora_ema.safetensors)."""
         raise NotImplementedError
 
 

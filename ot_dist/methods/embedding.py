@@ -85,10 +85,12 @@ class EmbeddingMethod(TrainingMethod):
             vectors[key] = extra
         return vectors
 
-    def export(self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True) -> list[Path]:
+    def export(
+        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix=""
+    ) -> list[Path]:
         dtype = DTYPES[self.config.output_dtype]
         vectors = self.vectors(model, state_dict_of)
-        target = output_dir / "embedding.safetensors"
+        target = output_dir / f"embedding{suffix}.safetensors"
         if not write:
             return [target]
         tensors = {key: v.detach().to("cpu", dtype).contiguous() for key, v in vectors.items()}

@@ -24,12 +24,14 @@ class FullFinetune(TrainingMethod):
                 )
         return groups
 
-    def export(self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True) -> list[Path]:
+    def export(
+        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix=""
+    ) -> list[Path]:
         dtype = DTYPES[self.config.output_dtype]
         components = {"unet": model.unet, "vae": model.vae, **model.text_encoders}
         # Gathered once, used by both exports (under sharding, gathering is the expensive part).
         states = {name: state_dict_of(module) for name, module in components.items()}
-        folder, single = output_dir / "model", output_dir / "model.safetensors"
+        folder, single = output_dir / f"model{suffix}", output_dir / f"model{suffix}.safetensors"
         if write:
             export_diffusers_folder(model.pipeline, folder, dtype, states)
             export_single_file(components, model.spec.family, single, dtype=dtype, states=states)

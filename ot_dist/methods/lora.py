@@ -48,7 +48,9 @@ class LoraMethod(TrainingMethod):
             groups.append(ParamGroup(part, params, self.config.part_learning_rate(part), part=part))
         return groups
 
-    def export(self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True) -> list[Path]:
+    def export(
+        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix=""
+    ) -> list[Path]:
         from peft.utils import get_peft_model_state_dict
 
         dtype = DTYPES[self.config.output_dtype]
@@ -63,7 +65,7 @@ class LoraMethod(TrainingMethod):
             state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
             kwargs[f"{part}_lora_layers"] = state
             kwargs[f"{part}_lora_adapter_metadata"] = module.peft_config[ADAPTER].to_dict()
-        target = output_dir / "lora.safetensors"
+        target = output_dir / f"lora{suffix}.safetensors"
         if not write:
             return [target]
         output_dir.mkdir(parents=True, exist_ok=True)

@@ -129,8 +129,8 @@ SPECS: dict[str, OptimizerSpec] = {
               {"momentum": 0.0, "weight_decay": 0.0, "log_every": 0, "d0": 1e-6, "growth_rate": INF,
                "fsdp_in_use": False},
               adaptive=True),
-        # -- Prodigy (prodigyopt as is; a sharding-aware subclass replaces `target` later) -------
-        _spec("PRODIGY", "prodigyopt:Prodigy",
+        # -- Prodigy: prodigyopt's math, summed correctly over shards (ot_dist/optim/prodigy.py) --
+        _spec("PRODIGY", "ot_dist.optim.prodigy:ShardedProdigy",
               {"beta1": 0.9, "beta2": 0.999, "beta3": None, "eps": 1e-8, "weight_decay": 0.0, "decouple": True,
                "use_bias_correction": False, "safeguard_warmup": False, "d0": 1e-6, "d_coef": 1.0,
                "growth_rate": INF, "fsdp_in_use": False, "slice_p": 1},

@@ -11,6 +11,7 @@ import torch
 from ot_dist.config.schema import TrainConfig
 from ot_dist.methods.base import ParamGroup
 from ot_dist.models.loading import LoadedModel
+from ot_dist.parallel.ownership import Ownership, whole
 from ot_dist.parallel.runtime import Runtime
 from ot_dist.precision import Precision
 
@@ -65,6 +66,22 @@ class Strategy:
         """The full (unsharded) state dict of a module. A collective under sharding strategies:
         every rank must call it, in the same order."""
         return module.state_dict()
+
+    def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Every trainable parameter as "<part>.<name>", in the same order on every rank."""
+        return {
+            f"{part}.{name}": p
+            for part, module in self.trained_modules.items()
+            for name, p in module.named_parameters()
+            if p.requires_grad
+        }
+
+    def ownership(self) -> Ownership:
+        """What this rank's optimizer steps, as runs of named parameters (see ownership.py). Here:
+        every parameter whole, as in one process or with replicated weights."""
+        named = self.trained_parameters()
+        shapes = {n: p.shape for n, p in named.items()}
+        return Ownership([whole(p, n) for n, p in named.items()], shapes, device=self.runtime.device)
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds for training, by kind: params, grads, optimizer_state (local shards)."""

@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from ot_dist.errors import ConfigError
-from ot_dist.models.loading import LoadedModel
+from ot_dist.methods.base import ParamGroup
 from ot_dist.parallel.base import Strategy
+from ot_dist.parallel.ownership import Fragment, Owned, Ownership
 
 
 class TrainableParts(torch.nn.Module):
@@ -102,6 +103,15 @@ class DeepSpeedStrategy(Strategy):
         self.name = f"zero{stage}"
         self.engine = None
 
+    def wrap(self, model, groups):
+        groups = super().wrap(model, groups)
+        if self.config.optimizer.adaptive and len(groups) > 1:
+            # DeepSpeed steps the optimizer once per parameter group, showing it that group alone. Prodigy's
+            # estimate spans every group (they share one learning rate by then), so they become one group.
+            merged = [p for g in groups for p in g.params]
+            groups = [ParamGroup("+".join(g.name for g in groups), merged, groups[0].learning_rate)]
+        return groups
+
     def wrap_optimizer(self, optimizer):
         import deepspeed
 
@@ -118,6 +128,13 @@ class DeepSpeedStrategy(Strategy):
         self.engine_optimizer = engine_optimizer
         if self.stage == 3 and not self.config.deepspeed.offload_optimizer:
             share_fp32_master_with_partitions(engine_optimizer)
+        if self.stage == 3 and self.config.optimizer.adaptive and len(engine_optimizer.fp16_groups) > 1:
+            raise ConfigError(
+                f"deepspeed.config_file: zero_optimization.sub_group_size splits the parameters into "
+                f"{len(engine_optimizer.fp16_groups)} sub-groups, each stepped on its own, and {self.config.optimizer.name} "
+                "needs all of them in one step to estimate its step size. Raise sub_group_size above the trained "
+                "parameter count (the default does)"
+            )
         return optimizer
 
     def autocast(self):
@@ -144,6 +161,9 @@ class DeepSpeedStrategy(Strategy):
         with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
             return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
+    def ownership(self):
+        return zero_ownership(self.engine_optimizer, self.stage, self.trained_parameters(), self.runtime.device)
+
     def held_tensors(self):
         params = [p for m in self.trained_modules.values() for p in m.parameters()]
         if self.stage == 3:
@@ -155,3 +175,55 @@ class DeepSpeedStrategy(Strategy):
         partitions = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", [])
         grads = [g for g in getattr(zero, "averaged_gradients", {}).values() for g in (g if isinstance(g, list) else [g])]
         return {"params": param_tensors + list(partitions), "grads": grads, "optimizer_state": state}
+
+
+def zero_ownership(zero, stage: int, named: dict[str, torch.Tensor], device: torch.device) -> Ownership:
+    """The fp32 partitions a ZeRO optimizer hands ours, as runs of the named parameters."""
+    import torch.distributed as dist
+
+    names = {id(p): n for n, p in named.items()}
+    if stage == 3:
+        owned = [
+            Owned(master, stage3_fragments(params, names, dist.get_rank(group=process_group)))
+            for params, master, process_group in zip(
+                zero.fp16_groups, zero.fp32_partitioned_groups_flat, zero.sub_group_process_groups
+            )
+        ]
+        shapes = {n: p.ds_shape for n, p in named.items()}
+    else:
+        owned = [
+            Owned(master, partition_fragments(params, padding, names, size, dist.get_rank(group=group)))
+            for params, padding, master, size, group in zip(
+                zero.round_robin_bit16_groups, zero.round_robin_bit16_padding, zero.single_partition_of_fp32_groups,
+                zero.partition_size, zero.real_dp_process_group,
+            )
+        ]
+        shapes = {n: p.shape for n, p in named.items()}
+    return Ownership(owned, shapes, group=None, sharded=True, device=device)
+
+
+def partition_fragments(params, padding, names, partition_size: int, rank: int) -> list[Fragment]:
+    """ZeRO-1/2: a group's parameters are laid end to end (each followed by its alignment padding) and
+    cut into equal partitions; rank r steps elements [r * size, (r + 1) * size) of that line."""
+    start, end = rank * partition_size, (rank + 1) * partition_size
+    fragments, position = [], 0
+    for param, pad in zip(params, padding):
+        first, last = max(start, position), min(end, position + param.numel())
+        if first < last:
+            fragments.append(Fragment(names[id(param)], first - position, first - start, last - first))
+        position += param.numel() + pad
+    return fragments
+
+
+def stage3_fragments(params, names, rank: int) -> list[Fragment]:
+    """ZeRO-3: every parameter is partitioned on its own (rank r holds elements [r * n, (r + 1) * n),
+    padded at the end), and a sub-group's partitions sit back to back."""
+    fragments, position = [], 0
+    for param in params:
+        n = param.partition_numel()
+        first = rank * n
+        held = max(0, min(n, param.ds_numel - first))
+        if held:
+            fragments.append(Fragment(names[id(param)], first, position, held))
+        position += n
+    return fragments

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from ot_dist.errors import ConfigError
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Strategy
+from ot_dist.parallel.ownership import Ownership, dtensor_fragment, whole
 from ot_dist.precision import DTYPES
 
 
@@ -59,8 +60,9 @@ class FSDPStrategy(Strategy):
             reduce_dtype=DTYPES[settings.reduce_dtype],
         )
         offload = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
+        self.mesh = self._mesh()
         options = dict(
-            mesh=self._mesh(),
+            mesh=self.mesh,
             reshard_after_forward=settings.sharding != "shard_grad_op",
             mp_policy=mp_policy,
             offload_policy=offload,
@@ -80,6 +82,10 @@ class FSDPStrategy(Strategy):
     def state_dict_of(self, module):
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in module.state_dict().items()}
 
+    def ownership(self):
+        # Over a hybrid mesh the replicas hold the same shards: the pieces add up over the shard group.
+        return fsdp_ownership(self.trained_parameters(), self.mesh.get_group("shard"), self.runtime.device)
+
     def held_tensors(self):
         params = [p for m in self.trained_modules.values() for p in m.parameters()]
         return {
@@ -89,3 +95,8 @@ class FSDPStrategy(Strategy):
                 local(v) for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)
             ],
         }
+
+
+def fsdp_ownership(named: dict[str, torch.Tensor], group, device: torch.device) -> Ownership:
+    owned = [dtensor_fragment(p, n) if isinstance(p, DTensor) else whole(p, n) for n, p in named.items()]
+    return Ownership(owned, {n: p.shape for n, p in named.items()}, group=group, sharded=True, device=device)

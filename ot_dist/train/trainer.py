@@ -23,6 +23,7 @@ from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
+from ot_dist.train.ema import ShardedEMA
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.steps import plan_steps
 
@@ -32,6 +33,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step
     steps: int = 0
     exported: list[Path] = field(default_factory=list)
+    d_lr: list[dict[str, float]] = field(default_factory=list)  # adaptive optimizers: d x lr per group, per step
 
 
 class Trainer:
@@ -54,19 +56,26 @@ class Trainer:
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
         self.optimizer = self.strategy.wrap_optimizer(self.optimizer)
+        self.ownership = self.strategy.ownership()  # what this rank's optimizer steps
+        if hasattr(self.optimizer, "attach_ownership"):  # sums its statistics over the shards
+            self.optimizer.attach_ownership(self.ownership)
+        self.ema = build_ema(config, self.ownership)
         self.scheduler = build_scheduler(config, self.optimizer, self.plan)
         self.precision = self.strategy.precision
         self.params = [p for g in self.groups for p in g.params]
+        self.adaptive = config.optimizer.adaptive
 
     def _place_modules(self) -> None:
-        """Trainable parameters stay float32 (master weights); everything frozen is stored in weight_dtype."""
-        weight_dtype = DTYPES[self.config.weight_dtype]
+        """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default),
+        everything frozen in weight_dtype."""
+        weight_dtype, trained_dtype = DTYPES[self.config.weight_dtype], DTYPES[self.config.trained_weight_dtype]
         for module in [self.model.unet, self.model.vae, *self.model.text_encoders.values()]:
             module.to(self.device)
             trains = False
             for p in module.parameters():
                 if p.requires_grad:
                     trains = True
+                    p.data = p.data.to(trained_dtype)
                 else:
                     p.data = p.data.to(weight_dtype)
             module.train(trains)
@@ -119,7 +128,9 @@ class Trainer:
                 micro_losses.append(self.micro_step(batch, epoch, accumulation, last_micro_step))
                 if not last_micro_step:
                     continue
-                self.optimizer_step()
+                d_lr = self.optimizer_step(step)
+                if d_lr is not None:
+                    result.d_lr.append(d_lr)
                 pending.append(torch.stack(micro_losses).mean())
                 micro_losses = []
                 step += 1
@@ -139,11 +150,28 @@ class Trainer:
         return result
 
     def export(self, output_dir: Path) -> list[Path]:
-        exported = self.method.export(self.model, output_dir, self.strategy.state_dict_of, write=self.runtime.is_main)
+        write = self.runtime.is_main
+        exported = self.method.export(self.model, output_dir, self.strategy.state_dict_of, write=write)
+        if self.ema:
+            exported += self.method.export(self.model, output_dir, self.ema_state_dict_of(), write=write, suffix="_ema")
         self.runtime.barrier()  # nobody leaves before the export is on disk
         for path in exported:
             self.log(f"exported {path}")
         return exported
+
+    def ema_state_dict_of(self):
+        """A `state_dict_of` for the exports: the full weights with the EMA in place of the trained ones."""
+        averaged = self.ema.full_weights()  # gathered once: a collective when sharded
+        part_of = {id(module): part for part, module in self.strategy.trained_modules.items()}
+
+        def state_dict_of(module):
+            state = self.strategy.state_dict_of(module)
+            part = part_of.get(id(module))
+            if part is None:
+                return state
+            return {k: averaged[f"{part}.{k}"].to(v.dtype) if f"{part}.{k}" in averaged else v for k, v in state.items()}
+
+        return state_dict_of
 
     def tokenize(self, batch: dict) -> dict:
         """Add `token_ids` to a batch: part of preparing data, not of the training step."""
@@ -165,9 +193,15 @@ class Trainer:
     def loss(self, batch: dict, epoch: int) -> torch.Tensor:
         return diffusion_loss(self.model, batch, self.config.seed, epoch)
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, step: int) -> dict[str, float] | None:
+        """Step `step` (0-based). Returns d x lr per group for adaptive optimizers, with the learning
+        rate this step applied (read before the schedule moves on)."""
         self.strategy.step(self.optimizer, self.params)  # sync, clip, step, zero grads
+        d_lr = d_times_lr(self.optimizer) if self.adaptive else None
         self.scheduler.step()
+        if self.ema:
+            self.ema.update(step)
+        return d_lr
 
     def _log_progress(self, step: int, epoch: int, loss: float, start: float) -> None:
         elapsed = time.perf_counter() - start
@@ -179,6 +213,13 @@ class Trainer:
             f"step {step}/{self.total_steps} epoch {epoch + 1}/{self.config.epochs} loss {loss_text} (mean since last line) "
             f"{lrs} {samples / elapsed:.2f} samples/s"
         )
+
+
+def build_ema(config: TrainConfig, ownership) -> ShardedEMA | None:
+    if not config.ema.enabled:
+        return None
+    device = torch.device("cpu") if config.ema.device == "cpu" else None
+    return ShardedEMA(ownership, config.ema.decay, config.ema.update_step_interval, device)
 
 
 def enable_gradient_checkpointing(module: torch.nn.Module) -> None:

@@ -365,7 +365,7 @@ def main(argv=None) -> int:
 
     def ot_step(i: int) -> torch.Tensor:
         loss = trainer.micro_step(batches[i % n], i // n, 1)
-        trainer.optimizer_step()
+        trainer.optimizer_step(i)
         return loss
 
     def bare_step(i: int) -> torch.Tensor:

@@ -11,12 +11,12 @@ original_step = Trainer.optimizer_step
 steps_done = 0
 
 
-def failing_step(self):
+def failing_step(self, step):
     global steps_done
     steps_done += 1
     if self.runtime.rank == FAIL_RANK and steps_done == FAIL_STEP:
         raise RuntimeError(f"injected failure on rank {FAIL_RANK} at step {FAIL_STEP}")
-    original_step(self)
+    return original_step(self, step)
 
 
 Trainer.optimizer_step = failing_step

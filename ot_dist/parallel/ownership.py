@@ -1,0 +1,106 @@
+"""Which elements of which trained parameter each rank updates, whatever the strategy.
+
+The optimizer on a rank steps a list of tensors: whole parameters (single, ddp), the local shard of
+each DTensor (fsdp), or one flat fp32 partition per parameter group that concatenates slices of many
+parameters (ZeRO-1/2: parameter after parameter, split at arbitrary offsets; ZeRO-3: every parameter's
+own partition, back to back). `Owned` describes one such tensor as `Fragment`s: contiguous runs of
+elements, each a slice of one named parameter. With that, sharding-aware code can
+
+- select the same global elements on every layout (Prodigy's `slice_p`: every p-th element of each
+  parameter, counted from the parameter's start, not from the shard's), and
+- rebuild full parameters from per-rank values shaped like the owned tensors (the EMA's export): each
+  rank writes its fragments into zeros and one all-reduce sums the disjoint pieces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class Fragment:
+    name: str  # "<part>.<parameter name>", e.g. "unet.conv_in.weight"
+    param_offset: int  # where the run starts in the flattened full parameter
+    local_offset: int  # where it starts in the flattened owned tensor
+    numel: int
+
+
+@dataclass
+class Owned:
+    param: torch.Tensor  # the object the optimizer steps (a Parameter, a DTensor or a flat partition)
+    fragments: list[Fragment]
+
+    def local(self) -> torch.Tensor:
+        """The plain tensor holding this rank's values (read anew: strategies may swap `.data`)."""
+        return self.param.to_local() if isinstance(self.param, DTensor) else self.param
+
+    def selection(self, every: int) -> slice | torch.Tensor:
+        """Which elements of the flattened owned tensor are every `every`-th element of their
+        parameter: a slice when one run covers the tensor, else an index tensor (built once)."""
+        if len(self.fragments) == 1 and self.fragments[0].local_offset == 0:
+            f = self.fragments[0]
+            return slice((-f.param_offset) % every, f.numel, every)
+        runs = []
+        for f in self.fragments:
+            first, end = f.local_offset + (-f.param_offset) % every, f.local_offset + f.numel
+            if first < end:
+                runs.append(torch.arange(first, end, every))
+        device = self.local().device
+        return torch.cat(runs).to(device) if runs else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def whole(param: torch.Tensor, name: str) -> Owned:
+    return Owned(param, [Fragment(name, 0, 0, param.numel())])
+
+
+@dataclass
+class Ownership:
+    """What this rank owns, plus what is needed to reassemble: every trained parameter's full shape
+    (identical on all ranks, in the same order) and the group the pieces are spread over (None:
+    every rank owns everything, nothing to combine)."""
+
+    owned: list[Owned]
+    shapes: dict[str, torch.Size]
+    group: dist.ProcessGroup | None = None
+    sharded: bool = False
+    device: torch.device = torch.device("cpu")  # where collectives run (the runtime's device)
+    _index: dict[int, Owned] = field(default_factory=dict, repr=False)
+
+    def of(self, param: torch.Tensor) -> Owned | None:
+        if not self._index:
+            self._index.update({id(o.param): o for o in self.owned})
+        return self._index.get(id(param))
+
+    def gather_full(self, values: list[torch.Tensor], dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """Full parameters from per-rank tensors shaped like `owned` (a collective when sharded:
+        every rank calls it; one all-reduce per parameter, in the same order everywhere)."""
+        by_name: dict[str, list[tuple[Fragment, torch.Tensor]]] = {}
+        for owned, value in zip(self.owned, values, strict=True):
+            flat = value.reshape(-1)
+            for f in owned.fragments:
+                by_name.setdefault(f.name, []).append((f, flat))
+        device = values[0].device if values else torch.device("cpu")
+        full = {}
+        for name, shape in self.shapes.items():
+            out = torch.zeros(shape.numel(), dtype=dtype, device=device)
+            for f, flat in by_name.get(name, []):
+                out[f.param_offset : f.param_offset + f.numel] = flat[f.local_offset : f.local_offset + f.numel]
+            if self.sharded:
+                dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
+            full[name] = out.view(shape)
+        return full
+
+
+def dtensor_fragment(param: DTensor, name: str) -> Owned:
+    """An FSDP2 parameter: its local shard is rows [offset, offset + n) of the full parameter."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local_shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    row = param.shape[1:].numel() if param.dim() > 1 else 1
+    numel = torch.Size(local_shape).numel()
+    start = offset[0] * row if param.dim() else 0
+    return Owned(param, [Fragment(name, start, 0, numel)])

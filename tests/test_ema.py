@@ -1,0 +1,81 @@
+"""EMA in one process: OneTrainer's decay schedule and update interval, CPU placement, its state
+round trip, and exports a user loads in diffusers (model_ema/ and the LoRA's lora_ema.safetensors).
+The 2-rank sharded EMA is compared with this one in tests/test_sharded_prodigy_ema.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import base_config
+
+from ot_dist.config.load import validate
+from ot_dist.errors import ConfigError
+from ot_dist.parallel.ownership import Ownership, whole
+from ot_dist.train.ema import ShardedEMA
+from ot_dist.train.trainer import Trainer
+
+
+def test_decay_schedule_and_interval_follow_onetrainer():
+    weight = torch.nn.Parameter(torch.zeros(3))
+    ema = ShardedEMA(Ownership([whole(weight, "w")], {"w": weight.shape}), decay=0.95, update_interval=3)
+    expected = torch.zeros(3, dtype=torch.float64)
+    for step in range(30):
+        with torch.no_grad():
+            weight.add_(1.0)  # the optimizer step
+        moved = ema.update(step)
+        assert moved == ((step + 1) % 3 == 0)
+        if moved:
+            decay = min((1 + step) / (10 + step), 0.95)
+            expected = decay * expected + (1 - decay) * weight.detach().double()
+    assert torch.allclose(ema.values[0].double(), expected, rtol=1e-6)
+    assert ema.current_decay(0) == pytest.approx(0.1) and ema.current_decay(10_000) == 0.95
+
+
+def test_cpu_placement_and_state_round_trip():
+    weight = torch.nn.Parameter(torch.randn(4, 5))
+    ownership = Ownership([whole(weight, "w")], {"w": weight.shape})
+    ema = ShardedEMA(ownership, 0.9, 1, device=torch.device("cpu"))
+    ema.update(50)
+    restored = ShardedEMA(ownership, 0.9, 1)
+    restored.load_state_dict(ema.state_dict())
+    assert torch.equal(restored.values[0], ema.values[0])
+    other = ShardedEMA(Ownership([whole(torch.nn.Parameter(torch.zeros(2)), "w")], {}), 0.9, 1)
+    with pytest.raises(ValueError, match="ema: the saved averages do not match"):
+        other.load_state_dict(ema.state_dict())
+
+
+def test_full_finetune_exports_an_ema_model_diffusers_loads(tiny_models, shapes_data, tmp_path):
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path, max_steps=6, epochs=2, learning_rate=1e-3,
+                      **{"ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 1})
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    result = trainer.train()
+    assert tmp_path / "model_ema" in result.exported and tmp_path / "model_ema.safetensors" in result.exported
+    pipeline = StableDiffusionPipeline.from_pretrained(tmp_path / "model_ema", local_files_only=True)
+    trained = UNet2DConditionModel.from_pretrained(tmp_path / "model", subfolder="unet")
+    base = UNet2DConditionModel.from_pretrained(tiny_models["sd1"], subfolder="unet")
+    averaged, final, start = (dict(m.named_parameters()) for m in (pipeline.unet, trained, base))
+    name = "conv_in.weight"
+    # The average lies between the start and the final weights: neither of them
+    assert not torch.equal(averaged[name], final[name]) and not torch.equal(averaged[name], start[name])
+    # ... and it is the average the run kept, gathered into the export
+    assert torch.allclose(averaged[name], trainer.ema.full_weights()[f"unet.{name}"], atol=0)
+    assert (tmp_path / "model_ema.safetensors").stat().st_size > 0
+
+
+def test_lora_exports_an_ema_adapter_diffusers_loads(tiny_models, shapes_data, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path, method="lora", max_steps=4, learning_rate=1e-2,
+                      **{"lora.rank": 4, "ema.enabled": True, "ema.update_step_interval": 1})
+    Trainer(validate(raw), log=lambda *_: None).train()
+    pipeline = StableDiffusionPipeline.from_pretrained(tiny_models["sd1"], local_files_only=True)
+    pipeline.load_lora_weights(tmp_path, weight_name="lora_ema.safetensors", adapter_name="ema")
+    assert "ema" in pipeline.get_active_adapters()
+
+
+def test_ema_settings_are_validated(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path, **{"ema.decay": 1.5})
+    with pytest.raises(ConfigError, match="ema.decay"):
+        validate(raw)
