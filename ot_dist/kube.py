@@ -172,7 +172,7 @@ def indexed_job(name: str, nodes: int, gpus_per_node: int, image: str) -> dict:
                     # A bad config or input file (exit 2 / 3) fails the same way on every retry.
                     {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [2, 3]}},
                     # A node drained or preempted is not the job's fault: not counted against the budget.
-                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]},
+                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
                 ]
             },
             "ttlSecondsAfterFinished": 604800,
