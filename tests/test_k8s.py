@@ -325,10 +325,10 @@ def pod_process(rendered: dict[str, dict], index: int, volumes: dict[str, Path],
     if "RDZV_ENDPOINT" in env:
         env["RDZV_ENDPOINT"] = endpoint
 
-    def local(text: str) -> str:
-        for mount, folder in volumes.items():
-            text = re.sub(rf"(?<![\w/]){re.escape(mount)}(?=/|$)", str(folder), text)
-        return text
+    mounts = re.compile("|".join(rf"(?<![\w/]){re.escape(m)}(?=/|$)" for m in sorted(volumes, key=len, reverse=True)))
+
+    def local(text: str) -> str:  # one pass: a local folder may itself lie under /tmp
+        return mounts.sub(lambda m: str(volumes[m.group(0)]), text)
 
     env = {name: local(value) for name, value in env.items()}
     command = [local(expand(part, env)) for part in container["command"]]
