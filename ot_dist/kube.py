@@ -89,67 +89,61 @@ def labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "ot-dist", "app.kubernetes.io/instance": name}
 
 
+def api_object(api_version: str, kind: str, name: str, job: str, **body) -> dict:
+    """An object named `name` that belongs to job `job` (its labels)."""
+    return {"apiVersion": api_version, "kind": kind, "metadata": {"name": name, "labels": labels(job)}, **body}
+
+
 def config_map(name: str, raw: dict) -> dict:
-    return {
-        "apiVersion": "v1",
-        "kind": "ConfigMap",
-        "metadata": {"name": f"{name}-config", "labels": labels(name)},
-        "data": {CONFIG_FILE: yaml.safe_dump(raw, sort_keys=False)},
-    }
+    return api_object("v1", "ConfigMap", f"{name}-config", name, data={CONFIG_FILE: yaml.safe_dump(raw, sort_keys=False)})
 
 
 def headless_service(name: str) -> dict:
     """Gives the Indexed Job's pods DNS names NAME-I.NAME (the pods set subdomain NAME)."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {"name": name, "labels": labels(name)},
-        "spec": {
-            "clusterIP": "None",
-            "selector": labels(name),
-            # Resolvable before the pods are ready: the other nodes connect during start-up.
-            "publishNotReadyAddresses": True,
-            "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT}],
-        },
+    spec = {
+        "clusterIP": "None",
+        "selector": labels(name),
+        # Resolvable before the pods are ready: the other nodes connect during start-up.
+        "publishNotReadyAddresses": True,
+        "ports": [{"name": "rdzv", "port": RDZV_PORT, "targetPort": RDZV_PORT}],
     }
+    return api_object("v1", "Service", name, name, spec=spec)
+
+
+def pod_command(node_rank: str, rdzv_endpoint: str, rdzv_backend: str, max_restarts: str) -> list[str]:
+    """`ot-dist launch` on one node; `$(VAR)`s are filled in from the pod's environment by Kubernetes."""
+    return node_launch_command(
+        f"{CONFIG_DIR}/{CONFIG_FILE}", "$(NPROC_PER_NODE)", "$(NNODES)", node_rank, rdzv_endpoint, rdzv_backend,
+        max_restarts,
+    )  # fmt: skip
 
 
 def pytorch_job(name: str, nodes: int, gpus_per_node: int, image: str) -> dict:
-    command = node_launch_command(
-        f"{CONFIG_DIR}/{CONFIG_FILE}", "$(NPROC_PER_NODE)", "$(NNODES)", "$(NODE_RANK)",
-        "$(PET_RDZV_ENDPOINT)", "c10d", "$(PET_MAX_RESTARTS)",
-    )  # fmt: skip
+    command = pod_command("$(NODE_RANK)", "$(PET_RDZV_ENDPOINT)", "c10d", "$(PET_MAX_RESTARTS)")
     # c10d assigns ranks itself; the replica index only names this node's launch files.
     rank = {"name": "NODE_RANK", "valueFrom": field_ref("metadata.labels['training.kubeflow.org/replica-index']")}
     pod = pod_template(name, nodes, gpus_per_node, image, command, [rank], port_name="pytorchjob-port")
-    return {
-        "apiVersion": "kubeflow.org/v1",
-        "kind": "PyTorchJob",
-        "metadata": {"name": name, "labels": labels(name)},
-        "spec": {
-            "elasticPolicy": {
-                "rdzvBackend": "c10d",
-                "rdzvPort": RDZV_PORT,
-                # A fixed node count: the global batch (and so the schedule) depends on the world size.
-                "minReplicas": nodes,
-                "maxReplicas": nodes,
-                "maxRestarts": RESTART_BUDGET,
-            },
-            "nprocPerNode": str(gpus_per_node),
-            "runPolicy": {"backoffLimit": RESTART_BUDGET, "cleanPodPolicy": "Running", "ttlSecondsAfterFinished": 604800},
-            "pytorchReplicaSpecs": {
-                # ExitCode: 1-127 (ot-dist's config / input errors are 2 and 3) fail the job, signals restart the pod.
-                "Worker": {"replicas": nodes, "restartPolicy": "ExitCode", "template": pod},
-            },
+    spec = {
+        "elasticPolicy": {
+            "rdzvBackend": "c10d",
+            "rdzvPort": RDZV_PORT,
+            # A fixed node count: the global batch (and so the schedule) depends on the world size.
+            "minReplicas": nodes,
+            "maxReplicas": nodes,
+            "maxRestarts": RESTART_BUDGET,
+        },
+        "nprocPerNode": str(gpus_per_node),
+        "runPolicy": {"backoffLimit": RESTART_BUDGET, "cleanPodPolicy": "Running", "ttlSecondsAfterFinished": 604800},
+        "pytorchReplicaSpecs": {
+            # ExitCode: 1-127 (ot-dist's config / input errors are 2 and 3) fail the job, signals restart the pod.
+            "Worker": {"replicas": nodes, "restartPolicy": "ExitCode", "template": pod},
         },
     }
+    return api_object("kubeflow.org/v1", "PyTorchJob", name, name, spec=spec)
 
 
 def indexed_job(name: str, nodes: int, gpus_per_node: int, image: str) -> dict:
-    command = node_launch_command(
-        f"{CONFIG_DIR}/{CONFIG_FILE}", "$(NPROC_PER_NODE)", "$(NNODES)", "$(JOB_COMPLETION_INDEX)",
-        "$(RDZV_ENDPOINT)", "static", "0",
-    )  # fmt: skip
+    command = pod_command("$(JOB_COMPLETION_INDEX)", "$(RDZV_ENDPOINT)", "static", "0")
     env = [
         # What the Job controller also injects; declared so the command's reference is defined here.
         {"name": "JOB_COMPLETION_INDEX",
@@ -158,27 +152,23 @@ def indexed_job(name: str, nodes: int, gpus_per_node: int, image: str) -> dict:
     ]  # fmt: skip
     pod = pod_template(name, nodes, gpus_per_node, image, command, env, port_name="rdzv")
     pod["spec"] |= {"restartPolicy": "Never", "subdomain": name}
-    return {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "labels": labels(name)},
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": nodes,
-            "parallelism": nodes,
-            "backoffLimit": RESTART_BUDGET,
-            "podFailurePolicy": {
-                "rules": [
-                    # A bad config or input file (exit 2 / 3) fails the same way on every retry.
-                    {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [2, 3]}},
-                    # A node drained or preempted is not the job's fault: not counted against the budget.
-                    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-                ]
-            },
-            "ttlSecondsAfterFinished": 604800,
-            "template": pod,
+    spec = {
+        "completionMode": "Indexed",
+        "completions": nodes,
+        "parallelism": nodes,
+        "backoffLimit": RESTART_BUDGET,
+        "podFailurePolicy": {
+            "rules": [
+                # A bad config or input file (exit 2 / 3) fails the same way on every retry.
+                {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [2, 3]}},
+                # A node drained or preempted is not the job's fault: not counted against the budget.
+                {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+            ]
         },
+        "ttlSecondsAfterFinished": 604800,
+        "template": pod,
     }
+    return api_object("batch/v1", "Job", name, name, spec=spec)
 
 
 def field_ref(path: str) -> dict:

@@ -263,6 +263,18 @@ def test_validation_and_policy_reject_broken_manifests():
         assert any(slip in violation for violation in policy_violations(broken)), slip
 
 
+def test_the_image_matches_what_the_pods_expect():
+    """k8s/Dockerfile: the user, HOME and working directory the manifests assume, ot_dist installed."""
+    from ot_dist.kube import HOME, RUN_AS, WORKSPACE
+
+    dockerfile = (K8S / "Dockerfile").read_text()
+    assert re.search(rf"^USER {RUN_AS}:{RUN_AS}$", dockerfile, re.M)
+    assert re.search(rf"useradd --uid {RUN_AS} .*--home-dir {HOME} ", dockerfile)
+    assert re.search(rf"^WORKDIR {WORKSPACE}$", dockerfile, re.M)
+    assert re.search(r'pip install "/src\[dist,[^"]*\]"', dockerfile)  # with DeepSpeed for zero1-3
+    assert re.search(r"^FROM \$\{CUDA_IMAGE\}$", dockerfile, re.M) and "ARG CUDA_IMAGE=nvidia/cuda:" in dockerfile
+
+
 def test_bad_requests_exit_2_naming_the_problem(tmp_path, capsys):
     base = ["k8s", str(REPO / "configs" / "demo.yaml"), "--image", "x"]
     assert main(base + ["--nodes", "2", "--set", "strategy=single"]) == 2
