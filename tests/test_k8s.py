@@ -360,16 +360,24 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) ->
     raise AssertionError(f"node 0 never listened on {port} (exit code {process.poll()})")
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
-def test_the_pods_command_rendezvouses_as_two_nodes_and_trains_the_demo(flavor, tmp_path):
-    """`ot-dist k8s configs/demo.yaml --nodes 2 --gpus-per-node 1`; then each pod's exact command and
-    environment from the rendered manifest, started as node 0 and node 1 on 127.0.0.1 (CPU, gloo)."""
+@pytest.fixture(scope="module")
+def demo_files(tmp_path_factory) -> Path:
+    """`ot-dist demo prepare`'s model and data (what the workspace volume would hold), made once."""
     from ot_dist.demo import prepare_demo
 
+    root = tmp_path_factory.mktemp("demo") / "demo_out"
+    prepare_demo(root, ["sd1"])
+    return root
+
+
+@pytest.mark.parametrize("flavor", FLAVORS)
+def test_the_pods_command_rendezvouses_as_two_nodes_and_trains_the_demo(flavor, demo_files, tmp_path):
+    """`ot-dist k8s configs/demo.yaml --nodes 2 --gpus-per-node 1`; then each pod's exact command and
+    environment from the rendered manifest, started as node 0 and node 1 on 127.0.0.1 (CPU, gloo)."""
     rendered = render(REPO / "configs" / "demo.yaml", tmp_path / "manifests", 2, 1, flavor,
                       "--set", "max_steps=2", "--set", "log_every_steps=1")  # fmt: skip
     workspace = tmp_path / "workspace"
-    prepare_demo(workspace / "demo_out", ["sd1"])
+    shutil.copytree(demo_files, workspace / "demo_out")
     config_dir = tmp_path / "configmap"
     config_dir.mkdir()
     for file, text in rendered["configmap.yaml"]["data"].items():
