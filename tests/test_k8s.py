@@ -195,6 +195,14 @@ def test_the_base_is_the_renderers_output_and_the_other_kustomizations_build(tmp
         assert base == rendered, f"k8s/base/{flavor} is stale"
         for doc in kustomize(tmp_path / flavor):  # rendered output is a kustomization too
             validate_manifest(doc)
+    for flavor in FLAVORS:  # the README's way to set the image reaches the pods of both flavors
+        wrapper = tmp_path / f"image-{flavor}"
+        wrapper.mkdir()
+        overlay = os.path.relpath(K8S / "overlays" / "full-fsdp-multinode" / flavor, wrapper)
+        (wrapper / "kustomization.yaml").write_text(yaml.safe_dump(
+            {"resources": [overlay], "images": [{"name": "ot-dist", "newName": "registry.example/ot", "newTag": "v1"}]}))
+        pods = [pod for doc in kustomize(wrapper) for pod in pod_specs(doc)]
+        assert pods and all(c["image"] == "registry.example/ot:v1" for pod in pods for c in pod["containers"])
     for folder in ("storage", "mlflow"):
         for doc in kustomize(K8S / folder):
             validate_manifest(doc)
