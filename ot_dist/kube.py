@@ -72,12 +72,11 @@ def check_shape(config: TrainConfig, name: str, nodes: int, gpus_per_node: int, 
     # The launcher's own checks (e.g. strategy single with more than one process), before any manifest exists.
     render_accelerate_config(config, gpus_per_node, nodes, 0, f"{name}-0:{RDZV_PORT}", "c10d")
     # Pod host names are NAME-worker-I (PyTorchJob) or NAME-I (Indexed Job): DNS labels of <= 63 characters.
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name):
+        raise ConfigError(f"--name {name!r}: use lowercase letters, digits and '-', starting and ending alphanumeric")
     longest = f"{name}-worker-{nodes - 1}"
-    if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name) or len(longest) > 63:
-        raise ConfigError(
-            f"--name {name!r}: must be lowercase letters, digits and '-', start and end alphanumeric, "
-            f"and short enough for pod host names ({longest!r} is {len(longest)} > 63 characters)"
-        )
+    if len(longest) > 63:
+        raise ConfigError(f"--name {name!r}: too long for pod host names ({longest!r} is {len(longest)} > 63 characters)")
 
 
 def default_name(config_path: str | Path) -> str:
