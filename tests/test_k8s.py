@@ -419,3 +419,5 @@ def test_the_pods_command_rendezvouses_as_two_nodes_and_trains_the_demo(flavor, 
     node1 = yaml.safe_load((run / "launch" / "accelerate_fsdp_node1.yaml").read_text())
     assert (node1["num_machines"], node1["machine_rank"], node1["main_process_port"]) == (2, 1, port)
     assert node1["rdzv_backend"] == ("c10d" if flavor == "pytorchjob" else "static")
+    # the elastic policy's restart budget reaches torchrun; the Indexed Job leaves restarts to the Job
+    assert ("--max_restarts 3" in outputs[0]) == (flavor == "pytorchjob")
