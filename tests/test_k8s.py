@@ -5,6 +5,7 @@ policy, and the command a rendered pod runs, started as two nodes on 127.0.0.1, 
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import re
 import shutil
@@ -41,7 +42,12 @@ def render(config: Path, out: Path, nodes: int, gpus: int, flavor: str, *extra: 
     args = ["k8s", str(config), "--nodes", str(nodes), "--gpus-per-node", str(gpus), "--image", "ot-dist:latest",
             "--flavor", flavor, "--out", str(out), *extra]  # fmt: skip
     assert main(args) == 0
-    return {path.name: yaml.safe_load(path.read_text()) for path in sorted(out.glob("*.yaml"))}
+    rendered = {path.name: yaml.safe_load(path.read_text()) for path in sorted(out.glob("*.yaml"))}
+    for file, doc in rendered.items():  # every rendered output is a valid object that keeps the policy
+        if file != "kustomization.yaml":
+            validate_manifest(doc)
+            assert policy_violations(doc) == [], file
+    return rendered
 
 
 def kustomize(folder: Path) -> list[dict]:
@@ -62,6 +68,7 @@ def static_manifests() -> dict[str, dict]:
     return found
 
 
+@functools.cache
 def pytorchjob_validator() -> jsonschema.Validator:
     """The PyTorchJob CRD schema (tests/data, see its header), its pod template checked against the
     strict core schema of the same Kubernetes version that validates the other kinds."""
