@@ -376,12 +376,12 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) ->
 
 
 @pytest.fixture(scope="module")
-def demo_files(tmp_path_factory) -> Path:
-    """`ot-dist demo prepare`'s model and data (what the workspace volume would hold), made once."""
-    from ot_dist.demo import prepare_demo
-
+def demo_files(tiny_models, shapes_data, tmp_path_factory) -> Path:
+    """The demo's model and data where configs/demo.yaml expects them (`ot-dist demo prepare`'s
+    layout), from the session's tiny model and shapes data."""
     root = tmp_path_factory.mktemp("demo") / "demo_out"
-    prepare_demo(root, ["sd1"])
+    shutil.copytree(tiny_models["sd1"], root / "tiny-sd1")
+    shutil.copytree(shapes_data, root / "shapes")
     return root
 
 
