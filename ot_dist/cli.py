@@ -50,8 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--nnodes", type=int, default=1, help="number of nodes")
     launch.add_argument("--node-rank", type=int, default=0, help="rank of this node (0 .. nnodes-1)")
     launch.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="the node-rank-0 host")
+    launch.add_argument("--rdzv-backend", default="static", choices=["static", "c10d"],
+                        help="static: nodes given their rank; c10d: torchrun's elastic rendezvous assigns them")
+    launch.add_argument("--max-restarts", type=int, default=0, help="times torchrun restarts failed workers")
     launch.add_argument("--strategy", default=None, choices=["single", "ddp", "fsdp", "zero1", "zero2", "zero3"])
     launch.add_argument("--dry-run", action="store_true", help="only print the command and the accelerate config")
+
+    k8s = sub.add_parser("k8s", help="render Kubernetes manifests that run `ot-dist launch` for a config")
+    add_config_args(k8s)
+    k8s.add_argument("--nodes", type=int, default=1, help="number of nodes (pods)")
+    k8s.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (processes) per node")
+    k8s.add_argument("--image", required=True, help="container image with ot_dist installed (k8s/Dockerfile)")
+    k8s.add_argument("--flavor", default="pytorchjob", choices=["pytorchjob", "indexed-job"],
+                     help="Kubeflow PyTorchJob (elastic, c10d) or an operator-free Indexed Job + headless Service")
+    k8s.add_argument("--name", default=None, help="job name (default: ot-dist-<config file name>)")
+    k8s.add_argument("--out", default=None, metavar="DIR", help="write one file per manifest + kustomization.yaml "
+                     "here (default: print to stdout)")
 
     schedule = sub.add_parser("schedule", help="preview the learning rate of every parameter group at every step")
     add_config_args(schedule)
@@ -84,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         from ot_dist.launcher import run_launch
 
         return run_launch(args)
+    if args.command == "k8s":
+        from ot_dist.kube import run_k8s
+
+        return run_k8s(args)
     if args.command == "train":
         from ot_dist.launcher import reconcile_with_launcher
 

@@ -13,6 +13,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -21,30 +22,38 @@ import yaml
 from ot_dist.config.load import validate
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
-from ot_dist.parallel.runtime import free_port
 
 MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def render_accelerate_config(
-    config: TrainConfig, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
+    config: TrainConfig,
+    nproc_per_node: int,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    rdzv_backend: str = "static",
 ) -> dict:
+    """`rdzv_backend` static: each node is told its rank and the rank-0 node's address; c10d: torchrun's
+    elastic rendezvous at the endpoint assigns node ranks (what a PyTorchJob's elastic policy runs)."""
     host, _, port = (rdzv_endpoint or "").partition(":")
     if nnodes > 1 and not rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (the node-rank-0 machine)")
+    backend = rdzv_backend if nnodes > 1 else "static"  # one node has no other node to meet
     strategy = config.strategy
     world = nproc_per_node * nnodes
     if strategy == "single" and world > 1:
-        raise ConfigError(f"strategy single runs one process; --nproc-per-node x --nnodes is {world}")
+        raise ConfigError(f"strategy single runs one process; processes per node x nodes is {world}")
     rendered = {
         "compute_environment": "LOCAL_MACHINE",
         "num_processes": world,
         "num_machines": nnodes,
         "machine_rank": node_rank,
         "main_process_ip": host or "127.0.0.1",
-        "main_process_port": int(port) if port else free_port(),
-        "rdzv_backend": "static",
-        "same_network": True,
+        "main_process_port": int(port) if port else _free_port(),
+        "rdzv_backend": backend,
+        # accelerate passes a static rendezvous as master address/port, any other as torchrun's rdzv endpoint.
+        "same_network": backend == "static",
         "mixed_precision": MIXED_PRECISION[config.train_dtype],
         # Not use_cpu even on CPU machines: accelerate's CPU path starts one process; its multi-GPU
         # path is torchrun, which runs gloo ranks on CPU just as well.
@@ -79,11 +88,45 @@ def render_accelerate_config(
     return rendered
 
 
-def launch_command(accelerate_config: Path, config_path: str, overrides: list[str]) -> list[str]:
-    command = ["accelerate", "launch", "--config_file", str(accelerate_config), "-m", "ot_dist", "train", config_path]
+def _free_port() -> int:
+    # Imported here: the runtime module imports torch, which `ot-dist launch` and `ot-dist k8s` do not need.
+    from ot_dist.parallel.runtime import free_port
+
+    return free_port()
+
+
+def launch_command(
+    accelerate_config: Path, config_path: str, overrides: list[str], max_restarts: int = 0
+) -> list[str]:
+    command = ["accelerate", "launch", "--config_file", str(accelerate_config)]
+    if max_restarts:
+        command += ["--max_restarts", str(max_restarts)]  # torchrun restarts the node's worker group
+    command += ["-m", "ot_dist", "train", config_path]
     for override in overrides:
         command += ["--set", override]
     return command
+
+
+def node_launch_command(
+    config_path: str,
+    nproc_per_node: str,
+    nnodes: str,
+    node_rank: str,
+    rdzv_endpoint: str,
+    rdzv_backend: str = "static",
+    max_restarts: str = "0",
+) -> list[str]:
+    """The `ot-dist launch` command one node of a multi-node run executes. Values are strings so a
+    caller can pass placeholders that are filled in on the node (Kubernetes `$(VAR)` references)."""
+    return [
+        "ot-dist", "launch", config_path,
+        "--nproc-per-node", nproc_per_node,
+        "--nnodes", nnodes,
+        "--node-rank", node_rank,
+        "--rdzv-endpoint", rdzv_endpoint,
+        "--rdzv-backend", rdzv_backend,
+        "--max-restarts", max_restarts,
+    ]  # fmt: skip
 
 
 def run_launch(args, log=print) -> int:
@@ -91,12 +134,18 @@ def run_launch(args, log=print) -> int:
 
     overrides = list(args.overrides) + ([f"strategy={args.strategy}"] if args.strategy else [])
     config = load_config(args.config, overrides)
-    rendered = render_accelerate_config(config, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    rendered = render_accelerate_config(
+        config, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_backend
+    )
     launch_dir = Path(config.output_dir) / "launch"
     launch_dir.mkdir(parents=True, exist_ok=True)
     accelerate_config = launch_dir / f"accelerate_{config.strategy}_node{args.node_rank}.yaml"
-    accelerate_config.write_text(yaml.safe_dump(rendered, sort_keys=False))
-    command = launch_command(accelerate_config, args.config, overrides)
+    # Written under a temporary name and renamed: nodes sharing output_dir (a cluster volume) may write the
+    # same file while another node's accelerate reads it.
+    with tempfile.NamedTemporaryFile("w", dir=launch_dir, prefix=".accelerate", delete=False) as partial:
+        partial.write(yaml.safe_dump(rendered, sort_keys=False))
+    os.replace(partial.name, accelerate_config)
+    command = launch_command(accelerate_config, args.config, overrides, args.max_restarts)
     log(f"# accelerate config: {accelerate_config}")
     log(shlex.join(command))
     if args.dry_run:
