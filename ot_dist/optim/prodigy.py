@@ -5,9 +5,10 @@ fp32 partitions.
 The math is prodigyopt 1.1's (its defaults, its update). What differs is how the estimate is summed:
 
 - d needs two sums over every trained element: <g, p0 - p> and |s|. Each rank sums the elements it
-  owns (per tensor in float32, as prodigyopt; their total in float64) into one pair on the
-  parameters' device and, when the parameters are sharded, one all-reduce of that pair per
-  optimizer step completes it. One host sync per step reads the result
+  owns in float32 blocks aligned to each parameter's start, adds the blocks in float64 (so a ZeRO
+  partition of a billion elements is not summed in float32 end to end, and where a parameter is cut
+  barely matters) into one pair on the parameters' device and, when the parameters are sharded, one
+  all-reduce of that pair per optimizer step completes it. One host sync per step reads the result
   (prodigyopt syncs twice per tensor and calls `.cuda()` on whatever it reduces).
 - `slice_p` keeps every p-th element *of each parameter* (counted from the parameter's start, via
   the strategy's ownership map), so the estimate does not depend on how the parameter is cut.
@@ -29,7 +30,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ot_dist.parallel.ownership import Ownership, whole
+from ot_dist.parallel.ownership import Ownership, sum_by_parameter_blocks, whole
 
 
 class ShardedProdigy(torch.optim.Optimizer):
@@ -91,7 +92,7 @@ class ShardedProdigy(torch.optim.Optimizer):
         )
         dlr = d * lr * bias_correction
 
-        active = []  # (group, locals of params, grads, states) of the groups that step
+        active = []  # (group, chunks of (params, grads, states)) of the groups that step
         numerators, denominators = [], []
         for group in self.param_groups:
             if group["lr"] == 0.0:
@@ -103,31 +104,18 @@ class ShardedProdigy(torch.optim.Optimizer):
                 params.append(local(p))
                 grads.append(local(p.grad))
                 states.append(self._state_for(p, params[-1], beta1, group["slice_p"]))
-            if not params:
-                continue
-            if group["weight_decay"] != 0 and not group["decouple"]:
-                torch._foreach_add_(grads, params, alpha=group["weight_decay"])
-            selected_grads = [g.reshape(-1)[s["selection"]] for g, s in zip(grads, states)]
-            for g, p, s in zip(selected_grads, params, states):
-                numerators.append(torch.dot(g, s["p0"] - p.reshape(-1)[s["selection"]]))
-            if beta1 > 0:
-                exp_avgs = [s["exp_avg"] for s in states]
-                torch._foreach_mul_(exp_avgs, beta1)
-                torch._foreach_add_(exp_avgs, grads, alpha=d * (1 - beta1))
-            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-            torch._foreach_mul_(exp_avg_sqs, beta2)
-            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=d * d * (1 - beta2))
-            ss = [s["s"] for s in states]
-            torch._foreach_mul_(ss, beta3)
-            torch._foreach_add_(ss, selected_grads, alpha=(d / d0) * (d if group["safeguard_warmup"] else dlr))
-            denominators.extend(torch._foreach_norm(ss, 1))
-            active.append((group, params, grads, states))
+            chunks = in_chunks(params, grads, states)
+            s_rate = (d / d0) * (d if group["safeguard_warmup"] else dlr)
+            for chunk in chunks:
+                numerator, denominator = accumulate(*chunk, group, beta1, beta2, beta3, d, s_rate)
+                numerators += numerator
+                denominators += denominator
+            active.append((group, chunks))
 
         totals = torch.zeros(2, dtype=torch.float64, device=self._device())
         if numerators:
-            # per-tensor sums in float32 (as prodigyopt), their total in float64
-            totals[0] = torch.stack(numerators).to(torch.float64).sum() * ((d / d0) * dlr)
-            totals[1] = torch.stack(denominators).to(torch.float64).sum()
+            totals[0] = torch.stack(numerators).sum() * ((d / d0) * dlr)
+            totals[1] = torch.stack(denominators).sum()
         if self.ownership is not None and self.ownership.sharded:
             on_device = totals.to(self.ownership.device)  # e.g. NCCL needs it on the GPU under CPU offload
             dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=self.ownership.group)
@@ -146,17 +134,9 @@ class ShardedProdigy(torch.optim.Optimizer):
 
         for group in self.param_groups:
             group.update(d_numerator=d_numerator, d_denom=d_denom, d=d, d_max=d_max, d_hat=d_hat, k=k + 1)
-        for group, params, grads, states in active:
-            denoms = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
-            torch._foreach_add_(denoms, d * group["eps"])
-            if group["weight_decay"] != 0 and group["decouple"]:
-                torch._foreach_add_(params, params, alpha=-group["weight_decay"] * dlr)
-            if beta1 > 0:
-                torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms, value=-dlr)
-            else:
-                torch._foreach_addcdiv_(params, grads, denoms, value=-dlr * d)
-            for s in states:
-                s["step"] += 1
+        for group, chunks in active:
+            for params, grads, states in chunks:
+                take_step(params, grads, states, group, beta1, d, dlr)
         return loss
 
     def _state_for(self, p: torch.Tensor, values: torch.Tensor, beta1: float, slice_p: int) -> dict:
@@ -164,7 +144,7 @@ class ShardedProdigy(torch.optim.Optimizer):
         if "step" not in state:
             selection = self._selection(p, state, slice_p)
             state["step"] = 0
-            state["p0"] = values.reshape(-1)[selection].clone()
+            state["p0"] = values.reshape(-1)[selection.index].clone()
             state["s"] = torch.zeros_like(state["p0"])
             if beta1 > 0:
                 state["exp_avg"] = torch.zeros_like(values)
@@ -187,6 +167,55 @@ class ShardedProdigy(torch.optim.Optimizer):
             for key, entry in state["state"].items()
         }
         return state
+
+
+def in_chunks(params: list, grads: list, states: list) -> list[tuple[list, list, list]]:
+    """On the CPU one tensor at a time: every operation of the step on a tensor while it is in cache
+    (what makes prodigyopt's per-tensor loop fast there). On accelerators one chunk of everything:
+    foreach kernels, few launches."""
+    if not params:
+        return []
+    if params[0].device.type == "cpu":
+        return [([p], [g], [s]) for p, g, s in zip(params, grads, states)]
+    return [(params, grads, states)]
+
+
+def accumulate(params, grads, states, group, beta1, beta2, beta3, d, s_rate):
+    """Phase 1 of the step, with the current d: the moments, s, and this chunk's terms of the two
+    sums d is estimated from. Returns ([<g, p0 - p> per tensor], [|s| per tensor]), float64."""
+    if group["weight_decay"] != 0 and not group["decouple"]:
+        torch._foreach_add_(grads, params, alpha=group["weight_decay"])
+    selected_grads = [g.reshape(-1)[s["selection"].index] for g, s in zip(grads, states)]
+    numerators = []
+    for g, p, s in zip(selected_grads, params, states):
+        products = torch.sub(s["p0"], p.reshape(-1)[s["selection"].index]).mul_(g)
+        numerators.append(sum_by_parameter_blocks(products, s["selection"].runs))
+    if beta1 > 0:
+        exp_avgs = [s["exp_avg"] for s in states]
+        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_add_(exp_avgs, grads, alpha=d * (1 - beta1))
+    exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=d * d * (1 - beta2))
+    ss = [s["s"] for s in states]
+    torch._foreach_mul_(ss, beta3)
+    torch._foreach_add_(ss, selected_grads, alpha=s_rate)
+    denominators = [sum_by_parameter_blocks(a, s["selection"].runs) for a, s in zip(torch._foreach_abs(ss), states)]
+    return numerators, denominators
+
+
+def take_step(params, grads, states, group, beta1, d, dlr):
+    """Phase 2, with the new d: the Adam-like update of prodigyopt."""
+    denoms = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
+    torch._foreach_add_(denoms, d * group["eps"])
+    if group["weight_decay"] != 0 and group["decouple"]:
+        torch._foreach_add_(params, params, alpha=-group["weight_decay"] * dlr)
+    if beta1 > 0:
+        torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms, value=-dlr)
+    else:
+        torch._foreach_addcdiv_(params, grads, denoms, value=-dlr * d)
+    for s in states:
+        s["step"] += 1
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

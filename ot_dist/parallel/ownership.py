@@ -38,19 +38,61 @@ class Owned:
         """The plain tensor holding this rank's values (read anew: strategies may swap `.data`)."""
         return self.param.to_local() if isinstance(self.param, DTensor) else self.param
 
-    def selection(self, every: int) -> slice | torch.Tensor:
-        """Which elements of the flattened owned tensor are every `every`-th element of their
-        parameter: a slice when one run covers the tensor, else an index tensor (built once)."""
-        if len(self.fragments) == 1 and self.fragments[0].local_offset == 0:
-            f = self.fragments[0]
-            return slice((-f.param_offset) % every, f.numel, every)
-        runs = []
+    def selection(self, every: int) -> Selection:
+        """Every `every`-th element of each parameter (counted from the parameter's start) among the
+        elements of the flattened owned tensor."""
+        runs, position, indices = [], 0, []
         for f in self.fragments:
             first, end = f.local_offset + (-f.param_offset) % every, f.local_offset + f.numel
-            if first < end:
-                runs.append(torch.arange(first, end, every))
+            if first >= end:
+                continue
+            length = (end - first + every - 1) // every
+            runs.append(Run(position, length, (f.param_offset + first - f.local_offset) // every))
+            indices.append((first, end))
+            position += length
+        if len(indices) == 1 and self.fragments[0].numel == self.local().numel():
+            first, end = indices[0]
+            return Selection(slice(first, end, every), runs)  # a strided view, no index tensor
         device = self.local().device
-        return torch.cat(runs).to(device) if runs else torch.zeros(0, dtype=torch.long, device=device)
+        index = torch.cat([torch.arange(a, b, every) for a, b in indices]) if indices else torch.zeros(0, dtype=torch.long)
+        return Selection(index.to(device), runs)
+
+
+@dataclass(frozen=True)
+class Run:
+    """Consecutive selected elements of one parameter within a selected vector."""
+
+    start: int  # position in the selected vector
+    length: int
+    first: int  # index of its first element among the parameter's selected elements
+
+
+@dataclass(frozen=True)
+class Selection:
+    index: slice | torch.Tensor  # applied to the flattened owned tensor
+    runs: list[Run]
+
+
+def sum_by_parameter_blocks(values: torch.Tensor, runs: list[Run], block: int = 4096) -> torch.Tensor:
+    """The float64 sum of a selected vector, layout-independently: float32 sums over blocks of
+    `block` consecutive selected elements of a parameter, aligned to the parameter's start, added in
+    float64. A block is the same on every layout unless a shard boundary cuts it, so where the
+    parameters are cut changes the result only at float32 rounding of a few blocks; and one long flat
+    partition is never summed in float32 end to end (cancellation would ruin it)."""
+    parts = []
+    for run in runs:
+        piece = values[run.start : run.start + run.length]
+        head = min(run.length, (-run.first) % block)
+        body = (run.length - head) // block * block
+        if head:
+            parts.append(piece[:head].sum().reshape(1))
+        if body:
+            parts.append(piece[head : head + body].view(-1, block).sum(dim=1))
+        if run.length - head - body:
+            parts.append(piece[head + body :].sum().reshape(1))
+    if not parts:
+        return torch.zeros((), dtype=torch.float64, device=values.device)
+    return torch.cat(parts).to(torch.float64).sum()
 
 
 def whole(param: torch.Tensor, name: str) -> Owned:
