@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ot_dist.config.schema import TrainConfig
-from ot_dist.data.image_folder import ImageFolderDataset, epoch_batches
+from ot_dist.data.training_data import open_training_data
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
 from ot_dist.optim.adaptive import d_times_lr, startup_warnings
@@ -42,8 +42,9 @@ class Trainer:
         self.log = log if self.runtime.is_main else (lambda *_: None)
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
-        self.dataset = ImageFolderDataset(config.data, config.resolution, config.seed)
-        self.plan = plan_steps(config, len(self.dataset), self.runtime.world_size)  # as `ot-dist schedule` counts
+        self.dataset, self.reader = open_training_data(config, self.runtime, self.log)  # shards + bucket report
+        sizes = self.reader.table.epoch_sizes().values()
+        self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
         self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
         self.total_steps = self.plan.total_steps
         self.model: LoadedModel = load_model(config.model)
@@ -93,7 +94,7 @@ class Trainer:
         config = self.config
         accumulation = config.gradient_accumulation_steps
         self.log(
-            f"training {config.method} on {config.model.family}: {len(self.dataset)} images, "
+            f"training {config.method} on {config.model.family}: {self.plan.dataset_size} images/epoch, "
             f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, strategy {self.strategy.name}, global batch "
             f"{self.global_batch} (batch_size {config.batch_size} x accumulation {accumulation} x "
             f"{self.runtime.world_size} processes)"
@@ -152,8 +153,7 @@ class Trainer:
         return batch
 
     def epoch_batches(self, epoch: int):
-        config, runtime = self.config, self.runtime
-        for batch in epoch_batches(self.dataset, config.batch_size, epoch, config.seed, runtime.rank, runtime.world_size):
+        for batch in self.reader.epoch_batches(epoch):
             yield self.tokenize(batch)
 
     def micro_step(self, batch: dict, epoch: int, accumulation: int, last_micro_step: bool = True) -> torch.Tensor:

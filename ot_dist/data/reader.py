@@ -1,0 +1,189 @@
+"""Reading a shard set: samples by index (ShardDataset) and this rank's micro batches (ShardReader).
+
+How samples are read: by seeking to the member offsets the manifest indexes, not by streaming
+shards. The epoch plan (plan.py) decides which samples make each global batch; random access is
+what lets every rank read exactly its slice of that plan, lets loader workers split the micro
+batches, and makes a resume (on any world size) start at the exact global batch without replaying
+the epoch. A sample's members are contiguous in its tar, so each read is one seek and a few
+sequential reads of an open file; the shards of a rank are split by the plan, not by file, which is
+what keeps the per-rank step count exactly equal. (On object storage without range reads, shards
+would be staged locally first; that is not built here.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ot_dist.data.buckets import bucket_size
+from ot_dist.data.decode import decode_member
+from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch
+from ot_dist.data.shards import read_manifest
+from ot_dist.errors import InputFileError
+from ot_dist.randomness import generator
+
+
+class ShardDataset:
+    """The samples of one shard set; `load(index, epoch)` decodes, crops to the bucket and normalises."""
+
+    def __init__(self, shard_dir: str | Path, config):
+        self.dir = Path(shard_dir)
+        self.manifest = read_manifest(self.dir)
+        self.samples = self.manifest["samples"]
+        self.seed, self.crop, self.step = config.seed, config.data.crop, self.manifest["bucket_step"]
+        self.resolutions = config.resolutions()
+        missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
+        if missing:
+            raise InputFileError(
+                f"data.shards: {self.dir} was built for resolutions {self.manifest['resolutions']}, not "
+                f"{missing}; rebuild it (ot-dist shard build CONFIG)"
+            )
+        self.has_masks = any(s["mask"] for s in self.samples)
+        self._files: dict[int, object] = {}  # open shard files, per process (opened lazily, also in workers)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def table(self, data_config=None) -> SampleTable:
+        """Buckets and concepts of the samples; balancing from the config's concepts when it has them."""
+        concepts = self.manifest["concepts"]
+        balancing = [(c["balancing"], c["balancing_strategy"]) for c in concepts]
+        if data_config is not None and data_config.concept_list():
+            balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
+        return SampleTable(tuple(s["bucket"] for s in self.samples), tuple(s["concept"] for s in self.samples),
+                           tuple(balancing), tuple(c["name"] for c in concepts))
+
+    def _read(self, sample: dict, suffix: str):
+        shard = sample["shard"]
+        where = f"shard {self.manifest['shards'][shard]['file']} sample {sample['key']}"
+        if suffix not in sample["members"]:
+            raise InputFileError(f"{where}: no member {suffix}")
+        offset, size = sample["members"][suffix]
+        if shard not in self._files:
+            self._files[shard] = open(self.dir / self.manifest["shards"][shard]["file"], "rb")  # noqa: SIM115
+        handle = self._files[shard]
+        handle.seek(offset)
+        data = handle.read(size)
+        if len(data) != size:
+            raise InputFileError(f"{where}: member {suffix} is truncated ({len(data)} of {size} bytes)")
+        return decode_member(f"{sample['key']}.{suffix}", data, where)
+
+    def load(self, sample_id: int, epoch: int, resolution: int | None = None) -> dict:
+        resolution = resolution or self.resolutions[0]
+        sample = self.samples[sample_id % len(self.samples)]
+        height, width = bucket_size(sample["bucket"], resolution, self.step)
+        image = self._read(sample, self._image_suffix(sample, resolution))
+        top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
+        box = (left, top, left + width, top + height)
+        pixels = np.asarray(image.crop(box), dtype=np.float32) / 127.5 - 1.0
+        captions = self._read(sample, "txt").split("\n")
+        caption = captions[int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))]
+        meta = self._read(sample, "json")
+        out = {
+            "pixels": torch.from_numpy(pixels).permute(2, 0, 1).contiguous(),
+            "caption": caption,
+            "sample_id": sample_id,
+            "original_size": torch.tensor(meta["original_size"], dtype=torch.float32),
+            "crop_top_left": torch.tensor((top, left), dtype=torch.float32),
+            "target_size": torch.tensor((height, width), dtype=torch.float32),
+        }
+        if self.has_masks:  # a sample without a mask trains everywhere
+            mask = torch.ones(1, height, width)
+            if sample["mask"]:
+                mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+                mask = torch.from_numpy(np.asarray(mask_image, dtype=np.float32) / 255.0)[None]
+            out["mask"] = mask
+        return out
+
+    def _image_suffix(self, sample: dict, resolution: int) -> str:
+        for suffix in sample["members"]:
+            if suffix.startswith(f"{resolution}.") and not suffix.endswith(".mask.png"):
+                return suffix
+        raise InputFileError(f"data.shards: sample {sample['key']} has no image at resolution {resolution}")
+
+    def _crop_offset(self, spare_height: int, spare_width: int, sample_id: int, epoch: int) -> tuple[int, int]:
+        if self.crop == "random":
+            g = generator(self.seed, epoch, sample_id, "crop")
+            return int(torch.randint(0, spare_height + 1, (1,), generator=g)), int(torch.randint(0, spare_width + 1, (1,), generator=g))
+        return spare_height // 2, spare_width // 2
+
+    def __getstate__(self):  # open files stay in their process; a loader worker opens its own
+        return {**self.__dict__, "_files": {}}
+
+
+def collate(samples: list[dict]) -> dict:
+    keys = ["pixels", "original_size", "crop_top_left", "target_size"] + (["mask"] if "mask" in samples[0] else [])
+    batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
+    batch["caption"] = [s["caption"] for s in samples]
+    batch["sample_id"] = torch.tensor([s["sample_id"] for s in samples])
+    return batch
+
+
+class _RankMicroBatches(torch.utils.data.IterableDataset):
+    """This rank's micro batches (sample id lists); loader worker w of W loads those with index % W == w.
+    torch's DataLoader takes items from its workers round-robin, so the order is the plan's."""
+
+    def __init__(self, dataset: ShardDataset, micro: list[tuple[int, int, list[int]]]):
+        self.dataset, self.micro = dataset, micro
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for epoch, resolution, ids in self.micro[worker::workers]:
+            yield collate([self.dataset.load(i, epoch, resolution) for i in ids])
+
+
+class ShardReader:
+    """This rank's micro batches of each epoch, from the plan every rank computes alike.
+
+    A global batch (batch_size x accumulation x world size samples of one bucket and resolution) is
+    split into `accumulation` micro steps; rank r takes samples [r*b, (r+1)*b) of each micro step.
+    `state_dict()` is (epoch, global batches done): independent of the world size, so a run may resume
+    on another number of ranks as long as the global batch is the same.
+    """
+
+    def __init__(self, dataset: ShardDataset, table: SampleTable, batch_size: int, accumulation: int,
+                 rank: int = 0, world_size: int = 1, workers: int = 0):
+        self.dataset, self.table = dataset, table
+        self.batch_size, self.accumulation, self.rank, self.world_size = batch_size, accumulation, rank, world_size
+        self.global_batch = batch_size * accumulation * world_size
+        self.workers = workers
+        self.steps_per_epoch = sum(n // self.global_batch for n in table.epoch_sizes().values())
+        self.epoch, self.step = 0, 0  # the position: global batches of `epoch` already handed out in full
+
+    def plan(self, epoch: int) -> list[GlobalBatch]:
+        return plan_epoch(self.table, self.global_batch, self.dataset.resolutions, self.dataset.seed, epoch)
+
+    def my_ids(self, batch: GlobalBatch) -> list[list[int]]:
+        """This rank's sample ids of each micro step of a global batch."""
+        micro = self.batch_size * self.world_size
+        return [list(batch.samples[m * micro + self.rank * self.batch_size:][:self.batch_size])
+                for m in range(self.accumulation)]
+
+    def epoch_batches(self, epoch: int):
+        """Yield this rank's micro batches of `epoch`, from the restored position if it is in this epoch."""
+        start = self.step if epoch == self.epoch else 0
+        self.epoch, self.step = epoch, start
+        micro = [(epoch, gb.resolution, ids) for gb in self.plan(epoch)[start:] for ids in self.my_ids(gb)]
+        source = _RankMicroBatches(self.dataset, micro)
+        if self.workers:
+            source = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers)
+        for n, batch in enumerate(source, start=1):
+            if n % self.accumulation == 0:
+                self.step += 1  # before the yield: a state_dict taken now resumes after this global batch
+            yield batch
+        self.epoch, self.step = epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["global_batch"] != self.global_batch:
+            raise InputFileError(
+                f"data: the saved position is for a global batch of {state['global_batch']}, this run has "
+                f"{self.global_batch}; keep batch_size x gradient_accumulation_steps x processes equal to resume"
+            )
+        self.epoch, self.step = state["epoch"], state["step"]
