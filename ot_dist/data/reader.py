@@ -12,6 +12,7 @@ would be staged locally first; that is not built here.)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -42,7 +43,7 @@ class ShardDataset:
                 f"{missing}; rebuild it (ot-dist shard build CONFIG)"
             )
         self.has_masks = any(s["mask"] for s in self.samples)
-        self._files: dict[int, object] = {}  # open shard files, per process (opened lazily, also in workers)
+        self._files: dict[int, int] = {}  # open shard file descriptors (opened lazily)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -63,10 +64,9 @@ class ShardDataset:
             raise InputFileError(f"{where}: no member {suffix}")
         offset, size = sample["members"][suffix]
         if shard not in self._files:
-            self._files[shard] = open(self.dir / self.manifest["shards"][shard]["file"], "rb")  # noqa: SIM115
-        handle = self._files[shard]
-        handle.seek(offset)
-        data = handle.read(size)
+            self._files[shard] = os.open(self.dir / self.manifest["shards"][shard]["file"], os.O_RDONLY)
+        # pread: no shared file position, so forked loader workers can use descriptors they inherited
+        data = os.pread(self._files[shard], size, offset)
         if len(data) != size:
             raise InputFileError(f"{where}: member {suffix} is truncated ({len(data)} of {size} bytes)")
         return decode_member(f"{sample['key']}.{suffix}", data, where)
@@ -110,8 +110,12 @@ class ShardDataset:
             return int(torch.randint(0, spare_height + 1, (1,), generator=g)), int(torch.randint(0, spare_width + 1, (1,), generator=g))
         return spare_height // 2, spare_width // 2
 
-    def __getstate__(self):  # open files stay in their process; a loader worker opens its own
+    def __getstate__(self):  # descriptors stay in their process; a spawned loader worker opens its own
         return {**self.__dict__, "_files": {}}
+
+    def __del__(self):
+        for fd in getattr(self, "_files", {}).values():
+            os.close(fd)
 
 
 def collate(samples: list[dict]) -> dict:

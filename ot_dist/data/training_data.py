@@ -26,15 +26,15 @@ def ensure_shards(config, runtime, log=print) -> Path:
     out = shard_dir_of(config)
     if not config.data.concept_list():
         return out
-    fingerprint = source_fingerprint(config)
-    if is_current(out, fingerprint):
-        return out
     error = None
+    # Only the main process decides: another rank checking on its own could see the set rebuilt
+    # already and skip the collective below, leaving the main process waiting in it.
     if runtime.is_main:
-        log(f"data: shard set {out} is missing or stale; building it (ot-dist shard build does this ahead of time)")
         try:
-            build_shard_set(config, out, log)
-        except InputFileError as err:
+            if not is_current(out, source_fingerprint(config)):
+                log(f"data: shard set {out} is missing or stale; building it (`ot-dist shard build` does it ahead)")
+                build_shard_set(config, out, log)
+        except Exception as err:  # noqa: BLE001  (any failure: the other ranks must hear of it, then it is raised)
             error = err
     failed = runtime.mean(torch.tensor([float(error is not None)], device=runtime.device)).item() > 0
     if error is not None:
