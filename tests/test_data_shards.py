@@ -183,6 +183,21 @@ def test_resume_mid_epoch_also_on_another_world_size(acceptance):
         readers(dataset, world_size=1, batch_size=2)[0].load_state_dict(state)
 
 
+def test_pathological_buckets_equal_steps_for_two_epochs_and_report_the_drops(tmp_path):
+    # One large bucket and one image in each of 9 other aspects (1:1.25 ... 4:1).
+    sizes = [(16, 16)] * 41 + [(16, 20), (16, 24), (16, 28), (16, 32), (16, 40), (20, 16), (24, 16), (32, 16), (64, 16)]
+    cfg = config({"path": str(make_images(tmp_path / "imgs", sizes)), "bucket_step": 8}, resolution=16)
+    build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
+    dataset = ShardDataset(tmp_path / "set", cfg)
+    ranks = readers(dataset, world_size=2, batch_size=2)
+    for epoch in (0, 1):
+        steps = [len(take(r, epoch)) for r in ranks]
+        assert steps == [10, 10]
+    report = report_for(cfg, tmp_path / "set", world_size=2)
+    assert sum("NEVER TRAINED" in line for line in report) == 9
+    assert report[-1].strip().startswith("total: 50 samples/epoch, 10 steps/epoch, 10 dropped per epoch")
+
+
 def test_masks_stay_aligned_through_resize_and_random_crop(tmp_path):
     folder = tmp_path / "imgs"
     folder.mkdir()
