@@ -351,3 +351,33 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
     assert_matches(exported_weights(tmp_path / "one", "full"), got)
     base = exported_weights_of_base(tiny_models["sd1"], "full", got)
     assert max((base[k] - got[k]).abs().max().item() for k in base) > 2e-5  # it trained: the match can fail
+
+
+def test_cached_latents_train_like_images_and_a_stale_cache_is_refused(tiny_models, shapes_data, tmp_path):
+    import json
+
+    from conftest import base_config
+    from test_strategies import assert_matches, exported_weights
+
+    from ot_dist.train.trainer import Trainer
+
+    settings = {"max_steps": 3, "learning_rate": 1e-5}
+    Trainer(validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "images", **settings)), log=print).train()
+    cached = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "cached", **settings,
+                                  **{"data.cache_latents": True}))
+    lines = []
+    trainer = Trainer(cached, log=lines.append)
+    batch = next(iter(trainer.epoch_batches(0)))
+    assert "pixels" not in batch and batch["latent_mean"].shape == (4, 4, 8, 8)
+    trainer.train()
+    assert_matches(exported_weights(tmp_path / "images", "full"), exported_weights(tmp_path / "cached", "full"))
+    (cache,) = (tmp_path / "cached-shards").glob("latents-*")
+    assert any("caching VAE latents" in line for line in lines)
+    # Reused by the next run; refused when it does not match the model.
+    lines.clear()
+    Trainer(cached, log=lines.append)
+    assert not any("caching" in line for line in lines)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    (cache / "manifest.json").write_text(json.dumps({**manifest, "model_key": "another vae"}))
+    with pytest.raises(InputFileError, match="is stale: its model_key"):
+        Trainer(cached, log=lines.append)

@@ -130,6 +130,12 @@ class DataConfig(Section):
     image_format: Literal["png", "webp", "jpg"] = Field(default="png", description="Image encoding in the shards.")
     shard_size_mb: float = Field(default=256, gt=0, description="Target size of one tar shard.")
     loader_workers: int = Field(default=0, ge=0, description="Data loader worker processes per rank (0 = in-process).")
+    cache_latents: bool = Field(
+        default=False,
+        description="Encode every image with the VAE once (split over the ranks of the launch), store the latents in "
+        "the shard set (keyed to the VAE, the resolutions and the shards) and train from them. Augmentation-free: "
+        "needs crop center.",
+    )
 
     @model_validator(mode="after")
     def _source(self) -> "DataConfig":
@@ -137,6 +143,8 @@ class DataConfig(Section):
             raise ValueError("data: give either data.path (one folder) or data.concepts, not both")
         if self.path is None and not self.concepts and self.shards is None:
             raise ValueError("data: nothing to train on; set data.path, data.concepts or data.shards")
+        if self.cache_latents and self.crop != "center":
+            raise ValueError("data.cache_latents: cached latents hold one crop; set data.crop to center")
         return self
 
     def concept_list(self) -> list[tuple[str, ConceptConfig]]:

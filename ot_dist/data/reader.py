@@ -43,7 +43,8 @@ class ShardDataset:
                 f"{missing}; rebuild it (ot-dist shard build CONFIG)"
             )
         self.has_masks = any(s["mask"] for s in self.samples)
-        self._files: dict[int, int] = {}  # open shard file descriptors (opened lazily)
+        self._files: dict[Path, int] = {}  # open shard file descriptors (opened lazily)
+        self.latents: tuple[Path, dict] | None = None  # (cache folder, key -> member -> [part, offset, size])
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -58,32 +59,49 @@ class ShardDataset:
                            tuple(balancing), tuple(c["name"] for c in concepts))
 
     def _read(self, sample: dict, suffix: str):
-        shard = sample["shard"]
-        where = f"shard {self.manifest['shards'][shard]['file']} sample {sample['key']}"
+        file = self.manifest["shards"][sample["shard"]]["file"]
         if suffix not in sample["members"]:
-            raise InputFileError(f"{where}: no member {suffix}")
-        offset, size = sample["members"][suffix]
-        if shard not in self._files:
-            self._files[shard] = os.open(self.dir / self.manifest["shards"][shard]["file"], os.O_RDONLY)
+            raise InputFileError(f"shard {file} sample {sample['key']}: no member {suffix}")
+        return self._read_member(self.dir / file, sample["key"], suffix, *sample["members"][suffix])
+
+    def _read_member(self, path: Path, key: str, suffix: str, offset: int, size: int):
+        where = f"shard {path.name} sample {key}"
+        if path not in self._files:
+            self._files[path] = os.open(path, os.O_RDONLY)
         # pread: no shared file position, so forked loader workers can use descriptors they inherited
-        data = os.pread(self._files[shard], size, offset)
+        data = os.pread(self._files[path], size, offset)
         if len(data) != size:
             raise InputFileError(f"{where}: member {suffix} is truncated ({len(data)} of {size} bytes)")
-        return decode_member(f"{sample['key']}.{suffix}", data, where)
+        return decode_member(f"{key}.{suffix}", data, where)
 
-    def load(self, sample_id: int, epoch: int, resolution: int | None = None) -> dict:
+    def use_latents(self, cache_dir: Path, expected: dict) -> None:
+        """Read VAE posteriors from a latent cache (latent_cache.py) instead of decoding images."""
+        from ot_dist.data.latent_cache import read_cache_manifest
+
+        self.latents = (Path(cache_dir), read_cache_manifest(Path(cache_dir), expected)["samples"])
+
+    def load(self, sample_id: int, epoch: int, resolution: int | None = None, use_cache: bool = True) -> dict:
         resolution = resolution or self.resolutions[0]
         sample = self.samples[sample_id % len(self.samples)]
         height, width = bucket_size(sample["bucket"], resolution, self.step)
-        image = self._read(sample, self._image_suffix(sample, resolution))
-        top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
+        meta = self._read(sample, "json")
+        if self.latents is not None and use_cache:
+            # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
+            cache_dir, members = self.latents
+            part, offset, size = members[sample["key"]][f"{resolution}.latent.safetensors"]
+            posterior = self._read_member(cache_dir / part, sample["key"], f"{resolution}.latent.safetensors", offset, size)
+            resized = meta["resolutions"][str(resolution)]["resized_size"]
+            top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
+            out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
+        else:
+            image = self._read(sample, self._image_suffix(sample, resolution))
+            top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
+            pixels = np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.float32) / 127.5 - 1.0
+            out = {"pixels": torch.from_numpy(pixels).permute(2, 0, 1).contiguous()}
         box = (left, top, left + width, top + height)
-        pixels = np.asarray(image.crop(box), dtype=np.float32) / 127.5 - 1.0
         captions = self._read(sample, "txt").split("\n")
         caption = captions[int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))]
-        meta = self._read(sample, "json")
-        out = {
-            "pixels": torch.from_numpy(pixels).permute(2, 0, 1).contiguous(),
+        out |= {
             "caption": caption,
             "sample_id": sample_id,
             "original_size": torch.tensor(meta["original_size"], dtype=torch.float32),
@@ -119,7 +137,8 @@ class ShardDataset:
 
 
 def collate(samples: list[dict]) -> dict:
-    keys = ["pixels", "original_size", "crop_top_left", "target_size"] + (["mask"] if "mask" in samples[0] else [])
+    keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask") if k in samples[0]]
+    keys += ["original_size", "crop_top_left", "target_size"]
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]
     batch["sample_id"] = torch.tensor([s["sample_id"] for s in samples])
@@ -157,6 +176,7 @@ class ShardReader:
         self.workers = workers
         self.steps_per_epoch = sum(n // self.global_batch for n in table.epoch_sizes().values())
         self.epoch, self.step = 0, 0  # the position: global batches of `epoch` already handed out in full
+        self._resume: tuple[int, int] | None = None  # set by load_state_dict, used by the next epoch_batches
 
     def plan(self, epoch: int) -> list[GlobalBatch]:
         return plan_epoch(self.table, self.global_batch, self.dataset.resolutions, self.dataset.seed, epoch)
@@ -169,7 +189,8 @@ class ShardReader:
 
     def epoch_batches(self, epoch: int):
         """Yield this rank's micro batches of `epoch`, from the restored position if it is in this epoch."""
-        start = self.step if epoch == self.epoch else 0
+        start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self._resume = None
         self.epoch, self.step = epoch, start
         micro = [(epoch, gb.resolution, ids) for gb in self.plan(epoch)[start:] for ids in self.my_ids(gb)]
         source = _RankMicroBatches(self.dataset, micro)
@@ -191,3 +212,4 @@ class ShardReader:
                 f"{self.global_batch}; keep batch_size x gradient_accumulation_steps x processes equal to resume"
             )
         self.epoch, self.step = state["epoch"], state["step"]
+        self._resume = (self.epoch, self.step)

@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import tarfile
 import time
 from collections import Counter
@@ -96,6 +97,8 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
         old.unlink(missing_ok=True)  # the manifest first: an interrupted rebuild leaves a set that is visibly incomplete
+    for cache in out_dir.glob("latents-*"):  # derived from the old shards
+        shutil.rmtree(cache)
     fingerprint = source_fingerprint(config)
     order = sorted(range(len(sources)), key=lambda i: (bucket_of(*sources[i].size), i))
     records, start = [], time.perf_counter()

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ot_dist.config.schema import TrainConfig
+from ot_dist.data.latent_cache import attach_latent_cache
 from ot_dist.data.training_data import open_training_data
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
@@ -51,6 +52,8 @@ class Trainer:
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
         self._place_modules()
+        if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
+            attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log)
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
