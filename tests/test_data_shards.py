@@ -319,8 +319,9 @@ def test_stale_shard_set_is_rebuilt_at_train_start(tmp_path):
 
 
 def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, tmp_path):
-    """Two aspect buckets and two resolutions through the trainer: 2 gloo ranks (batch 2 each) end with
-    the weights of 1 process with batch 4, and the bucket report is logged at train start."""
+    """Two aspect buckets and two resolutions through the trainer: 2 gloo ranks (batch 2 each, cached
+    latents computed half by each rank) end with the weights of 1 process with batch 4 reading images,
+    and the bucket report is logged at train start."""
     import shutil
     import sys
 
@@ -340,13 +341,16 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
     lines = []
     result = Trainer(validate(reference), log=lines.append).train()
     assert result.steps == 4 and any("1:2 (wide)" in line and "2 dropped" in line for line in lines)
-    raw = base_config(tiny_models["sd1"], data, tmp_path / "two", batch_size=2, strategy="ddp", **settings)
+    raw = base_config(tiny_models["sd1"], data, tmp_path / "two", batch_size=2, strategy="ddp", **settings,
+                      **{"data.cache_latents": True})
     config = write_config(tmp_path / "two.yaml", raw)
     done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                 str(free_port()), "-m", "ot_dist", "train", str(config)])
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "bucket report: global batch 4 on 2 process(es), resolutions 64, 128" in done.stdout
     assert "total: 22 samples/epoch, 5 steps/epoch, 2 dropped per epoch" in done.stdout
+    (cache,) = (tmp_path / "two-shards").glob("latents-*")
+    assert sorted(p.name for p in cache.glob("part-*.tar")) == ["part-00000-of-00002.tar", "part-00001-of-00002.tar"]
     got = exported_weights(tmp_path / "two", "full")
     assert_matches(exported_weights(tmp_path / "one", "full"), got)
     base = exported_weights_of_base(tiny_models["sd1"], "full", got)
