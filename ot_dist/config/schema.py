@@ -130,6 +130,10 @@ class DataConfig(Section):
     image_format: Literal["png", "webp", "jpg"] = Field(default="png", description="Image encoding in the shards.")
     shard_size_mb: float = Field(default=256, gt=0, description="Target size of one tar shard.")
     loader_workers: int = Field(default=0, ge=0, description="Data loader worker processes per rank (0 = in-process).")
+    max_bad_fraction: float = Field(
+        default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
+        "logged by key; more than this fraction of a rank's epoch stops the run.",
+    )
     cache_latents: bool = Field(
         default=False,
         description="Encode every image with the VAE once (split over the ranks of the launch), store the latents in "

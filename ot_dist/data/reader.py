@@ -156,7 +156,15 @@ class _RankMicroBatches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         for epoch, resolution, ids in self.micro[worker::workers]:
-            yield collate([self.dataset.load(i, epoch, resolution) for i in ids])
+            samples, skipped = [], []
+            for i in ids:
+                try:
+                    samples.append(self.dataset.load(i, epoch, resolution))
+                except InputFileError as err:  # a corrupt member or truncated shard: skipped and counted
+                    skipped.append(str(err))
+            if not samples:
+                raise InputFileError("data: every sample of a micro batch is unreadable:\n  " + "\n  ".join(skipped))
+            yield {**collate(samples), "skipped": skipped}
 
 
 class ShardReader:
@@ -169,7 +177,8 @@ class ShardReader:
     """
 
     def __init__(self, dataset: ShardDataset, table: SampleTable, batch_size: int, accumulation: int,
-                 rank: int = 0, world_size: int = 1, workers: int = 0):
+                 rank: int = 0, world_size: int = 1, workers: int = 0, max_bad_fraction: float = 0.01,
+                 log=print):
         self.dataset, self.table = dataset, table
         self.batch_size, self.accumulation, self.rank, self.world_size = batch_size, accumulation, rank, world_size
         self.global_batch = batch_size * accumulation * world_size
@@ -177,6 +186,8 @@ class ShardReader:
         self.steps_per_epoch = sum(n // self.global_batch for n in table.epoch_sizes().values())
         self.epoch, self.step = 0, 0  # the position: global batches of `epoch` already handed out in full
         self._resume: tuple[int, int] | None = None  # set by load_state_dict, used by the next epoch_batches
+        self.max_bad_fraction, self.log = max_bad_fraction, log
+        self.skipped = 0  # unreadable samples skipped this epoch on this rank
 
     def plan(self, epoch: int) -> list[GlobalBatch]:
         return plan_epoch(self.table, self.global_batch, self.dataset.resolutions, self.dataset.seed, epoch)
@@ -196,7 +207,17 @@ class ShardReader:
         source = _RankMicroBatches(self.dataset, micro)
         if self.workers:
             source = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers)
+        self.skipped, allowed = 0, int(self.max_bad_fraction * len(micro) * self.batch_size)
         for n, batch in enumerate(source, start=1):
+            for message in batch.pop("skipped"):
+                self.skipped += 1
+                self.log(f"rank {self.rank}: skipped an unreadable sample ({self.skipped} this epoch): {message}")
+            if self.skipped > allowed:
+                raise InputFileError(
+                    f"data: {self.skipped} unreadable samples on rank {self.rank} in epoch {epoch}, more than "
+                    f"data.max_bad_fraction {self.max_bad_fraction} of its {len(micro) * self.batch_size}; see the "
+                    "log for their keys"
+                )
             if n % self.accumulation == 0:
                 self.step += 1  # before the yield: a state_dict taken now resumes after this global batch
             yield batch

@@ -47,7 +47,7 @@ def ensure_shards(config, runtime, log=print) -> Path:
 def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardReader]:
     dataset = ShardDataset(ensure_shards(config, runtime, log), config)
     reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
-                         runtime.rank, runtime.world_size, config.data.loader_workers)
+                         runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction)
     for line in bucket_report(reader.table, reader.global_batch, runtime.world_size, dataset.resolutions,
                               dataset.step):
         log(line)
