@@ -65,14 +65,18 @@ class ShardDataset:
         return self._read_member(self.dir / file, sample["key"], suffix, *sample["members"][suffix])
 
     def _read_member(self, path: Path, key: str, suffix: str, offset: int, size: int):
-        where = f"shard {path.name} sample {key}"
+        return decode_member(f"{key}.{suffix}", self.member_bytes(path, key, suffix, offset, size),
+                             f"shard {path.name} sample {key}")
+
+    def member_bytes(self, path: Path, key: str, suffix: str, offset: int, size: int) -> bytes:
         if path not in self._files:
             self._files[path] = os.open(path, os.O_RDONLY)
         # pread: no shared file position, so forked loader workers can use descriptors they inherited
         data = os.pread(self._files[path], size, offset)
         if len(data) != size:
-            raise InputFileError(f"{where}: member {suffix} is truncated ({len(data)} of {size} bytes)")
-        return decode_member(f"{key}.{suffix}", data, where)
+            raise InputFileError(f"shard {path.name} sample {key}: member {suffix} is truncated "
+                                 f"({len(data)} of {size} bytes)")
+        return data
 
     def use_latents(self, cache_dir: Path, expected: dict) -> None:
         """Read VAE posteriors from a latent cache (latent_cache.py) instead of decoding images."""
