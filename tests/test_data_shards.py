@@ -357,7 +357,7 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
     assert max((base[k] - got[k]).abs().max().item() for k in base) > 2e-5  # it trained: the match can fail
 
 
-def test_cached_latents_train_like_images_and_a_stale_cache_is_refused(tiny_models, shapes_data, tmp_path):
+def test_cached_latents_and_text_train_like_images_and_a_stale_cache_is_refused(tiny_models, shapes_data, tmp_path):
     import json
 
     from conftest import base_config
@@ -366,44 +366,31 @@ def test_cached_latents_train_like_images_and_a_stale_cache_is_refused(tiny_mode
     from ot_dist.train.trainer import Trainer
 
     settings = {"max_steps": 3, "learning_rate": 1e-5}
-    Trainer(validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "images", **settings)), log=print).train()
-    cached = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "cached", **settings,
-                                  **{"data.cache_latents": True}))
+    Trainer(validate(base_config(tiny_models["sdxl"], shapes_data, tmp_path / "images", family="sdxl", **settings)),
+            log=print).train()
+    cached = validate(base_config(tiny_models["sdxl"], shapes_data, tmp_path / "cached", family="sdxl", **settings,
+                                  **{"data.cache_latents": True, "data.cache_text": True}))
     lines = []
     trainer = Trainer(cached, log=lines.append)
-    batch = next(iter(trainer.epoch_batches(0)))
-    assert "pixels" not in batch and batch["latent_mean"].shape == (4, 4, 8, 8)
+    batch = trainer.tokenize(next(iter(trainer.epoch_batches(0))))
+    assert "pixels" not in batch and "token_ids" not in batch and batch["latent_mean"].shape[:2] == (4, 4)
+    assert batch["text_hidden"].shape[0] == 4 and batch["text_pooled"].shape[0] == 4
     trainer.train()
     assert_matches(exported_weights(tmp_path / "images", "full"), exported_weights(tmp_path / "cached", "full"))
-    (cache,) = (tmp_path / "cached-shards").glob("latents-*")
-    assert any("caching VAE latents" in line for line in lines)
+    assert sum("data: caching" in line for line in lines) == 2
     # Reused by the next run; refused when it does not match the model.
     lines.clear()
     Trainer(cached, log=lines.append)
     assert not any("caching" in line for line in lines)
+    (cache,) = (tmp_path / "cached-shards").glob("latents-*")
     manifest = json.loads((cache / "manifest.json").read_text())
     (cache / "manifest.json").write_text(json.dumps({**manifest, "model_key": "another vae"}))
-    with pytest.raises(InputFileError, match="is stale: its model_key"):
+    with pytest.raises(InputFileError, match="cache_latents: the cache .* is stale: its model_key"):
         Trainer(cached, log=lines.append)
 
 
-def test_corrupt_members_are_skipped_counted_and_stop_the_run_above_the_limit(tmp_path):
-    cfg = config({"path": str(make_images(tmp_path / "imgs", [(8, 8)] * 1000)), "bucket_step": 8,
-                  "image_format": "jpg"}, resolution=8)
-    build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
-    dataset = ShardDataset(tmp_path / "set", cfg)
-    broken = [dataset.samples[i] for i in (5, 500, 998)]
-    for sample in broken:  # overwrite the JPEG bytes inside the tar
-        offset, size = sample["members"]["8.jpg"]
-        with open(tmp_path / "set" / dataset.manifest["shards"][sample["shard"]]["file"], "r+b") as f:
-            f.seek(offset)
-            f.write(b"\0" * size)
-    logged = []
-    reader = ShardReader(ShardDataset(tmp_path / "set", cfg), dataset.table(), 10, 1, log=logged.append)
-    seen = [i for b in take(reader, 0) for i in b["sample_id"].tolist()]
-    assert len(seen) == 997 and reader.skipped == 3
-    assert all(any(s["key"] in line for line in logged) for s in broken)
-    strict = ShardReader(ShardDataset(tmp_path / "set", cfg), dataset.table(), 10, 1, max_bad_fraction=0.002,
-                         log=logged.append)
-    with pytest.raises(InputFileError, match="3 unreadable samples on rank 0 in epoch 0"):
-        take(strict, 0)
+def test_text_cache_needs_frozen_text_encoders():
+    from ot_dist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="data.cache_text"):
+        config({"path": "d", "cache_text": True}, **{"text_encoder": {"train": True}})

@@ -130,6 +130,12 @@ class DataConfig(Section):
     image_format: Literal["png", "webp", "jpg"] = Field(default="png", description="Image encoding in the shards.")
     shard_size_mb: float = Field(default=256, gt=0, description="Target size of one tar shard.")
     loader_workers: int = Field(default=0, ge=0, description="Data loader worker processes per rank (0 = in-process).")
+    cache_text: bool = Field(
+        default=False,
+        description="Run the text encoders once over every caption (split over the ranks), store the outputs in the "
+        "shard set (keyed to the encoders and tokenizers) and train from them. Needs frozen text encoders and method "
+        "full or lora.",
+    )
     max_bad_fraction: float = Field(
         default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
         "logged by key; more than this fraction of a rank's epoch stops the run.",
@@ -280,6 +286,10 @@ class TrainConfig(Section):
             raise ValueError(
                 f"method {self.method}: nothing to train; set unet.train or a text encoder's train to true"
             )
+        if self.data.cache_text and (self.method == "embedding" or any(
+                self.part_trains(n) for n in self.part_names() if n != "unet")):
+            raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "
+                             "turn cache_text off or freeze the text encoders")
         check_optimizer_setup(self)
         return self
 

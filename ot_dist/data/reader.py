@@ -44,7 +44,7 @@ class ShardDataset:
             )
         self.has_masks = any(s["mask"] for s in self.samples)
         self._files: dict[Path, int] = {}  # open shard file descriptors (opened lazily)
-        self.latents: tuple[Path, dict] | None = None  # (cache folder, key -> member -> [part, offset, size])
+        self.caches: dict[str, tuple[Path, dict]] = {}  # latents / text -> (cache folder, member index)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -78,22 +78,26 @@ class ShardDataset:
                                  f"({len(data)} of {size} bytes)")
         return data
 
-    def use_latents(self, cache_dir: Path, expected: dict) -> None:
-        """Read VAE posteriors from a latent cache (latent_cache.py) instead of decoding images."""
-        from ot_dist.data.latent_cache import read_cache_manifest
+    def use_cache(self, kind: str, cache_dir: Path, members: dict) -> None:
+        """Read `kind` (latents | text) from a cache (caches.py): key -> suffix -> [part, offset, size]."""
+        self.caches[kind] = (Path(cache_dir), members)
 
-        self.latents = (Path(cache_dir), read_cache_manifest(Path(cache_dir), expected)["samples"])
+    def _read_cached(self, kind: str, key: str, suffix: str):
+        cache_dir, members = self.caches[kind]
+        part, offset, size = members[key][suffix]
+        return self._read_member(cache_dir / part, key, suffix, offset, size)
+
+    def captions(self, sample_id: int) -> list[str]:
+        return self._read(self.samples[sample_id % len(self.samples)], "txt").split("\n")
 
     def load(self, sample_id: int, epoch: int, resolution: int | None = None, use_cache: bool = True) -> dict:
         resolution = resolution or self.resolutions[0]
         sample = self.samples[sample_id % len(self.samples)]
         height, width = bucket_size(sample["bucket"], resolution, self.step)
         meta = self._read(sample, "json")
-        if self.latents is not None and use_cache:
+        if "latents" in self.caches and use_cache:
             # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
-            cache_dir, members = self.latents
-            part, offset, size = members[sample["key"]][f"{resolution}.latent.safetensors"]
-            posterior = self._read_member(cache_dir / part, sample["key"], f"{resolution}.latent.safetensors", offset, size)
+            posterior = self._read_cached("latents", sample["key"], f"{resolution}.latent.safetensors")
             resized = meta["resolutions"][str(resolution)]["resized_size"]
             top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
             out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
@@ -103,8 +107,14 @@ class ShardDataset:
             pixels = np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.float32) / 127.5 - 1.0
             out = {"pixels": torch.from_numpy(pixels).permute(2, 0, 1).contiguous()}
         box = (left, top, left + width, top + height)
-        captions = self._read(sample, "txt").split("\n")
-        caption = captions[int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))]
+        captions = self.captions(sample_id)
+        line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
+        caption = captions[line]
+        if "text" in self.caches and use_cache:
+            text = self._read_cached("text", sample["key"], "text.safetensors")
+            out["text_hidden"] = text[f"hidden_{line}"]
+            if f"pooled_{line}" in text:
+                out["text_pooled"] = text[f"pooled_{line}"]
         out |= {
             "caption": caption,
             "sample_id": sample_id,
@@ -141,7 +151,7 @@ class ShardDataset:
 
 
 def collate(samples: list[dict]) -> dict:
-    keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask") if k in samples[0]]
+    keys = [k for k in ("pixels", "latent_mean", "latent_std", "text_hidden", "text_pooled", "mask") if k in samples[0]]
     keys += ["original_size", "crop_top_left", "target_size"]
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ot_dist.models.loading import LoadedModel
+from ot_dist.models.specs import TextConditioning
 from ot_dist.randomness import generator
 
 
@@ -63,9 +64,13 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int) -> to
     else:
         target = noise
 
-    text_trains = any(p.requires_grad for enc in model.text_encoders.values() for p in enc.parameters())
-    with torch.set_grad_enabled(text_trains and torch.is_grad_enabled()):
-        text = model.spec.encode_text(model.text_encoders, batch["token_ids"])
+    if "text_hidden" in batch:  # cached text-encoder outputs (data.cache_text)
+        text = TextConditioning(batch["text_hidden"].to(device),
+                                batch["text_pooled"].to(device) if "text_pooled" in batch else None)
+    else:
+        text_trains = any(p.requires_grad for enc in model.text_encoders.values() for p in enc.parameters())
+        with torch.set_grad_enabled(text_trains and torch.is_grad_enabled()):
+            text = model.spec.encode_text(model.text_encoders, batch["token_ids"])
     # Inputs in the UNet's storage dtype; autocast (if on) picks the compute dtype.
     text.hidden_states = text.hidden_states.to(dtype)
     if text.pooled is not None:

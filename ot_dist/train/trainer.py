@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ot_dist.config.schema import TrainConfig
-from ot_dist.data.latent_cache import attach_latent_cache
+from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.training_data import open_training_data
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
@@ -54,6 +54,8 @@ class Trainer:
         self._place_modules()
         if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log)
+        if config.data.cache_text:
+            attach_text_cache(self.dataset, self.model, self.runtime, self.log)
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
@@ -151,6 +153,8 @@ class Trainer:
 
     def tokenize(self, batch: dict) -> dict:
         """Add `token_ids` to a batch: part of preparing data, not of the training step."""
+        if "text_hidden" in batch:  # cached text-encoder outputs (data.cache_text)
+            return batch
         captions = [self.method.caption(c) for c in batch["caption"]]
         batch["token_ids"] = self.model.spec.tokenize(self.model.tokenizers, captions)
         return batch
