@@ -394,3 +394,25 @@ def test_text_cache_needs_frozen_text_encoders():
 
     with pytest.raises(ConfigError, match="data.cache_text"):
         config({"path": "d", "cache_text": True}, **{"text_encoder": {"train": True}})
+
+
+def test_corrupt_members_are_skipped_counted_and_stop_the_run_above_the_limit(tmp_path):
+    cfg = config({"path": str(make_images(tmp_path / "imgs", [(8, 8)] * 1000)), "bucket_step": 8,
+                  "image_format": "jpg"}, resolution=8)
+    build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
+    dataset = ShardDataset(tmp_path / "set", cfg)
+    broken = [dataset.samples[i] for i in (5, 500, 998)]
+    for sample in broken:  # overwrite the JPEG bytes inside the tar
+        offset, size = sample["members"]["8.jpg"]
+        with open(tmp_path / "set" / dataset.manifest["shards"][sample["shard"]]["file"], "r+b") as f:
+            f.seek(offset)
+            f.write(b"\0" * size)
+    logged = []
+    reader = ShardReader(ShardDataset(tmp_path / "set", cfg), dataset.table(), 10, 1, log=logged.append)
+    seen = [i for b in take(reader, 0) for i in b["sample_id"].tolist()]
+    assert len(seen) == 997 and reader.skipped == 3
+    assert all(any(s["key"] in line for line in logged) for s in broken)
+    strict = ShardReader(ShardDataset(tmp_path / "set", cfg), dataset.table(), 10, 1, max_bad_fraction=0.002,
+                         log=logged.append)
+    with pytest.raises(InputFileError, match="3 unreadable samples on rank 0 in epoch 0"):
+        take(strict, 0)
