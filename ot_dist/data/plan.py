@@ -14,8 +14,9 @@ noise and timesteps differ.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -33,6 +34,11 @@ class SampleTable:
     def __len__(self) -> int:
         return len(self.buckets)
 
+    @cached_property
+    def concept_sizes(self) -> Counter:
+        return Counter(self.concepts)
+
+    @cached_property
     def members(self) -> dict[int, dict[int, list[int]]]:
         """bucket -> concept -> sample indices (ascending)."""
         out: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
@@ -44,14 +50,13 @@ class SampleTable:
         """How many times the concept's `in_bucket` samples of one bucket are drawn per epoch."""
         value, strategy = self.balancing[concept]
         if strategy == "samples":
-            in_concept = sum(1 for c in self.concepts if c == concept)
-            return round(value * in_bucket / in_concept)
+            return round(value * in_bucket / self.concept_sizes[concept])
         return round(value * in_bucket)
 
     def epoch_sizes(self) -> dict[int, int]:
         """bucket -> samples drawn from it per epoch (after balancing)."""
         return {b: sum(self.copies(c, len(ix)) for c, ix in by_concept.items())
-                for b, by_concept in self.members().items()}
+                for b, by_concept in self.members.items()}
 
 
 @dataclass(frozen=True)
@@ -65,7 +70,7 @@ def plan_epoch(table: SampleTable, global_batch: int, resolutions: list[int], se
     """The epoch's global batches in training order. Pure function of its arguments."""
     count = len(table)
     groups: list[tuple[int, tuple[int, ...]]] = []
-    for bucket, by_concept in table.members().items():
+    for bucket, by_concept in table.members.items():
         drawn: list[int] = []
         for concept, indices in by_concept.items():
             full, rest = divmod(table.copies(concept, len(indices)), len(indices))
