@@ -416,3 +416,18 @@ def test_corrupt_members_are_skipped_counted_and_stop_the_run_above_the_limit(tm
                          log=logged.append)
     with pytest.raises(InputFileError, match="3 unreadable samples on rank 0 in epoch 0"):
         take(strict, 0)
+
+
+def test_a_truncated_shard_skips_the_samples_it_lost(tmp_path):
+    cfg = config({"path": str(make_images(tmp_path / "imgs", [(16, 16)] * 20)), "bucket_step": 8}, resolution=16)
+    build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
+    shard = tmp_path / "set" / "shard-000000.tar"
+    dataset = ShardDataset(tmp_path / "set", cfg)
+    cut = dataset.samples[-1]["members"]["16.png"][0]  # the last sample's image and what follows are lost
+    shard.write_bytes(shard.read_bytes()[:cut])
+    logged = []
+    reader = ShardReader(ShardDataset(tmp_path / "set", cfg), dataset.table(), 4, 1, max_bad_fraction=0.1,
+                         log=logged.append)
+    seen = [i for b in take(reader, 0) for i in b["sample_id"].tolist()]
+    assert sorted(seen) == list(range(19)) and reader.skipped == 1
+    assert dataset.samples[-1]["key"] in logged[0] and "truncated" in logged[0]
