@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-from ot_dist.errors import UserError
+from ot_dist.errors import ConfigError, UserError
 
 
 def _quiet_libraries() -> None:
@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--csv", default=None, metavar="FILE", help="write the table here instead of printing it")
     schedule.add_argument("--plot", default=None, metavar="FILE.png", help="draw the curves into this PNG")
 
+    shard = sub.add_parser("shard", help="build webdataset shard sets (aspect buckets) from the data concepts")
+    shard_sub = shard.add_subparsers(dest="shard_command", required=True)
+    build = shard_sub.add_parser("build", help="write the shards and manifest, print the bucket report")
+    add_config_args(build)
+    build.add_argument("--out", default=None, metavar="DIR", help="shard set folder (default: data.shards, else "
+                       "data_shards/<name>)")
+    build.add_argument("--world-size", type=int, default=1, help="processes the bucket report assumes (default 1)")
+
     demo = sub.add_parser("demo", help="the embedded demo")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     prepare = demo_sub.add_parser("prepare", help="create the tiny model(s) and the shapes dataset")
@@ -117,6 +125,17 @@ def run(args: argparse.Namespace) -> int:
         from ot_dist.optim.preview import schedule_command
 
         schedule_command(load_config(args.config, args.overrides), args.steps, args.world_size, args.csv, args.plot)
+        return 0
+    if args.command == "shard":
+        from ot_dist.data.shards import build_shard_set
+        from ot_dist.data.training_data import report_for, shard_dir_of
+
+        config = load_config(args.config, args.overrides)
+        if not config.data.concept_list():
+            raise ConfigError("data: shard build needs data.path or data.concepts (the image folders)")
+        out = args.out or shard_dir_of(config)
+        build_shard_set(config, out, config_path=str(args.config))
+        print("\n".join(report_for(config, out, args.world_size)))
         return 0
     if args.command == "demo":
         from ot_dist.demo import prepare_demo

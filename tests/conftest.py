@@ -33,7 +33,7 @@ def base_config(model_path, data_path, output_dir, family="sd1", method="full", 
         "model": {"family": family, "path": str(model_path)},
         "method": method,
         "output_dir": str(output_dir),
-        "data": {"path": str(data_path)},
+        "data": {"path": str(data_path), "shards": f"{output_dir}-shards"},  # not the working folder's data_shards/
         "resolution": 64,
         "batch_size": 4,
         "epochs": 1,

@@ -32,8 +32,13 @@ def _rows(model: type[BaseModel], prefix: str, sections: list):
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             sections.append((key, annotation, field.description))
             continue
+        item = typing.get_args(annotation)[0] if typing.get_origin(annotation) is list else None
+        if isinstance(item, type) and issubclass(item, BaseModel):  # a list of sections: document one item
+            sections.append((f"{key}[]", item, None))
         if field.default is PydanticUndefined and field.default_factory is None:
             default = "**required**"
+        elif field.default_factory is not None:
+            default = f"`{field.default_factory()!r}`"
         else:
             default = f"`{field.default!r}`" if field.default is not None else "`null`"
         rows.append(f"| `{key}` | {_type_name(annotation)} | {default} | {field.description or ''} |")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
 from ot_dist.config.section import Section
@@ -83,13 +83,85 @@ class EmbeddingConfig(Section):
     )
 
 
-class DataConfig(Section):
-    path: str = Field(description="Folder of images with same-name caption files (a.png + a.txt).")
-    caption_extension: str = Field(default=".txt", description="Extension of the caption files.")
+class ConceptConfig(Section):
+    """One concept (OneTrainer's term): a folder of images with captions and optional masks."""
+
+    path: str = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
+                      "its mask (white = train on this region).")
+    name: str | None = Field(default=None, description="Name in reports and sample keys; unset = the folder name.")
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
-    crop: Literal["center", "random"] = Field(
-        default="center", description="After resizing the short side to the resolution: which square to cut."
+    caption_source: Literal["txt", "filename", "text"] = Field(
+        default="txt",
+        description="txt: a same-name caption file (one caption per line; a line is drawn per epoch); filename: the "
+        "image file name without extension; text: caption_text for every image.",
     )
+    caption_extension: str = Field(default=".txt", description="Extension of the caption files (caption_source txt).")
+    caption_text: str | None = Field(default=None, description="The caption of every image (caption_source text).")
+    caption_prefix: str = Field(default="", description="Text put before every caption of this concept.")
+    balancing: float = Field(
+        default=1.0, gt=0, description="repeats: times each image is seen per epoch (fractions pick a random part); "
+        "samples: images drawn from this concept per epoch.",
+    )
+    balancing_strategy: Literal["repeats", "samples"] = Field(default="repeats", description="How balancing counts.")
+
+    @model_validator(mode="after")
+    def _caption_text(self) -> "ConceptConfig":
+        if self.caption_source == "text" and not self.caption_text:
+            raise ValueError(f"concept {self.path}: caption_source text needs caption_text")
+        return self
+
+
+class DataConfig(Section):
+    path: str | None = Field(
+        default=None, description="Shorthand for one concept with default settings: `concepts: [{path: ...}]`."
+    )
+    concepts: list[ConceptConfig] = Field(default_factory=list, description="The training concepts (see below).")
+    shards: str | None = Field(
+        default=None,
+        description="The shard set folder (`ot-dist shard build`). Unset: data_shards/<name from the concepts>, built "
+        "at train start when missing or stale. Set without concepts: train from an existing shard set.",
+    )
+    crop: Literal["center", "random"] = Field(
+        default="center", description="Images are resized to cover their bucket; which part of them to cut."
+    )
+    bucket_step: int = Field(
+        default=64, ge=8, multiple_of=8, description="Bucket sides are multiples of this (64 = VAE factor 8 x 8).",
+    )
+    image_format: Literal["png", "webp", "jpg"] = Field(default="png", description="Image encoding in the shards.")
+    shard_size_mb: float = Field(default=256, gt=0, description="Target size of one tar shard.")
+    loader_workers: int = Field(default=0, ge=0, description="Data loader worker processes per rank (0 = in-process).")
+    cache_text: bool = Field(
+        default=False,
+        description="Run the text encoders once over every caption (split over the ranks), store the outputs in the "
+        "shard set (keyed to the encoders and tokenizers) and train from them. Needs frozen text encoders and method "
+        "full or lora.",
+    )
+    max_bad_fraction: float = Field(
+        default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
+        "logged by key; more than this fraction of a rank's epoch stops the run.",
+    )
+    cache_latents: bool = Field(
+        default=False,
+        description="Encode every image with the VAE once (split over the ranks of the launch), store the latents in "
+        "the shard set (keyed to the VAE, the resolutions and the shards) and train from them. Augmentation-free: "
+        "needs crop center.",
+    )
+
+    @model_validator(mode="after")
+    def _source(self) -> "DataConfig":
+        if self.path is not None and self.concepts:
+            raise ValueError("data: give either data.path (one folder) or data.concepts, not both")
+        if self.path is None and not self.concepts and self.shards is None:
+            raise ValueError("data: nothing to train on; set data.path, data.concepts or data.shards")
+        if self.cache_latents and self.crop != "center":
+            raise ValueError("data.cache_latents: cached latents hold one crop; set data.crop to center")
+        return self
+
+    def concept_list(self) -> list[tuple[str, ConceptConfig]]:
+        """(config key, concept) pairs; the key names the concept in errors."""
+        if self.path is not None:
+            return [("data.path", ConceptConfig(path=self.path))]
+        return [(f"data.concepts[{i}]", c) for i, c in enumerate(self.concepts)]
 
 
 class FSDPConfig(Section):
@@ -148,7 +220,11 @@ class TrainConfig(Section):
     output_dir: str = Field(description="Where exports (and later checkpoints) go.")
     data: DataConfig
     seed: int = Field(default=42, description="Seeds shuffling, noise and timesteps (per sample).")
-    resolution: int = Field(default=512, ge=8, multiple_of=8, description="Training resolution in pixels (square).")
+    resolution: int | list[int] = Field(
+        default=512,
+        description="Training resolution in pixels (the side of a square of the same area as a bucket). Several, "
+        "e.g. `384,448,512` or a list: multi-resolution, one drawn per optimizer step (the same on all ranks).",
+    )
     batch_size: int = Field(default=1, ge=1, description="Micro batch per process.")
     gradient_accumulation_steps: int = Field(default=1, ge=1, description="Micro batches per optimizer step.")
     epochs: int = Field(default=1, ge=1, description="Passes over the data.")
@@ -189,6 +265,26 @@ class TrainConfig(Section):
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+
+    @field_validator("resolution", mode="before")
+    @classmethod
+    def _parse_resolutions(cls, value):
+        if isinstance(value, str) and "," in value:
+            return [part.strip() for part in value.split(",") if part.strip()]
+        return value
+
+    @field_validator("resolution")
+    @classmethod
+    def _check_resolutions(cls, value):
+        for r in value if isinstance(value, list) else [value]:
+            if r < 8 or r % 8:
+                raise ValueError(f"resolution: {r} is not a multiple of 8 (at least 8)")
+        if isinstance(value, list) and not value:
+            raise ValueError("resolution: give at least one")
+        return value
+
+    def resolutions(self) -> list[int]:
+        return sorted(set(self.resolution)) if isinstance(self.resolution, list) else [self.resolution]
 
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
@@ -231,6 +327,10 @@ class TrainConfig(Section):
             raise ValueError(
                 f"method {self.method}: nothing to train; set unet.train or a text encoder's train to true"
             )
+        if self.data.cache_text and (self.method == "embedding" or any(
+                self.part_trains(n) for n in self.part_names() if n != "unet")):
+            raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "
+                             "turn cache_text off or freeze the text encoders")
         check_optimizer_setup(self)
         return self
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.data.image_folder import collate
+from ot_dist.data.reader import collate
 
 EVAL_EPOCH = -1  # a key no training epoch uses, so evaluation draws never coincide with training draws
 

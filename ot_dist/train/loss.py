@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ot_dist.models.loading import LoadedModel
+from ot_dist.models.specs import TextConditioning
 from ot_dist.randomness import generator
 
 
@@ -27,11 +28,17 @@ def first_parameter(module: torch.nn.Module) -> torch.Tensor:
     return next(module.parameters())
 
 
-def encode_latents(vae: torch.nn.Module, pixels: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+def encode_latents(vae: torch.nn.Module, batch: dict, eps: torch.Tensor) -> torch.Tensor:
+    """A sample of each VAE posterior, scaled: encoded from `pixels`, or from the cached posterior
+    (`latent_mean`, `latent_std`, data.cache_latents) with the same draw."""
     with torch.no_grad():
         reference = first_parameter(vae)
-        posterior = vae.encode(pixels.to(device=reference.device, dtype=reference.dtype)).latent_dist
-        latents = posterior.mean + posterior.std * eps.to(posterior.mean)
+        if "latent_mean" in batch:
+            mean, std = (batch[k].to(device=reference.device, dtype=reference.dtype) for k in ("latent_mean", "latent_std"))
+        else:
+            posterior = vae.encode(batch["pixels"].to(device=reference.device, dtype=reference.dtype)).latent_dist
+            mean, std = posterior.mean, posterior.std
+        latents = mean + std * eps.to(mean)
         shift = getattr(vae.config, "shift_factor", None) or 0.0
         return ((latents - shift) * vae.config.scaling_factor).float()
 
@@ -42,11 +49,14 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int) -> to
     unet, scheduler = model.unet, model.noise_scheduler
     reference = first_parameter(unet)
     device, dtype = reference.device, reference.dtype
-    pixels = batch["pixels"]
-    factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
-    latent_shape = torch.Size((model.vae.config.latent_channels, pixels.shape[-2] // factor, pixels.shape[-1] // factor))
+    if "latent_mean" in batch:
+        latent_shape = batch["latent_mean"].shape[1:]
+    else:
+        pixels = batch["pixels"]
+        factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
+        latent_shape = torch.Size((model.vae.config.latent_channels, pixels.shape[-2] // factor, pixels.shape[-1] // factor))
     vae_eps, noise, timesteps = draw_sample_noise(batch, latent_shape, scheduler.config.num_train_timesteps, seed, epoch)
-    latents = encode_latents(model.vae, pixels, vae_eps)
+    latents = encode_latents(model.vae, batch, vae_eps)
     noise, timesteps = noise.to(device), timesteps.to(device)
     noisy = scheduler.add_noise(latents, noise, timesteps)
     if model.prediction_type == "v_prediction":
@@ -54,9 +64,13 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int) -> to
     else:
         target = noise
 
-    text_trains = any(p.requires_grad for enc in model.text_encoders.values() for p in enc.parameters())
-    with torch.set_grad_enabled(text_trains and torch.is_grad_enabled()):
-        text = model.spec.encode_text(model.text_encoders, batch["token_ids"])
+    if "text_hidden" in batch:  # cached text-encoder outputs (data.cache_text)
+        text = TextConditioning(batch["text_hidden"].to(device),
+                                batch["text_pooled"].to(device) if "text_pooled" in batch else None)
+    else:
+        text_trains = any(p.requires_grad for enc in model.text_encoders.values() for p in enc.parameters())
+        with torch.set_grad_enabled(text_trains and torch.is_grad_enabled()):
+            text = model.spec.encode_text(model.text_encoders, batch["token_ids"])
     # Inputs in the UNet's storage dtype; autocast (if on) picks the compute dtype.
     text.hidden_states = text.hidden_states.to(dtype)
     if text.pooled is not None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from ot_dist.config.schema import TrainConfig
-from ot_dist.data.image_folder import ImageFolderDataset, epoch_batches
+from ot_dist.data.caches import attach_latent_cache, attach_text_cache
+from ot_dist.data.training_data import open_training_data
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
 from ot_dist.optim.adaptive import d_times_lr, startup_warnings
@@ -44,14 +45,19 @@ class Trainer:
         self.log = log if self.runtime.is_main else (lambda *_: None)
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
-        self.dataset = ImageFolderDataset(config.data, config.resolution, config.seed)
-        self.plan = plan_steps(config, len(self.dataset), self.runtime.world_size)  # as `ot-dist schedule` counts
+        self.dataset, self.reader = open_training_data(config, self.runtime, self.log)  # shards + bucket report
+        sizes = self.reader.table.epoch_sizes().values()
+        self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
         self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
         self.total_steps = self.plan.total_steps
         self.model: LoadedModel = load_model(config.model)
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
         self._place_modules()
+        if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
+            attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log)
+        if config.data.cache_text:
+            attach_text_cache(self.dataset, self.model, self.runtime, self.log)
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
@@ -102,7 +108,7 @@ class Trainer:
         config = self.config
         accumulation = config.gradient_accumulation_steps
         self.log(
-            f"training {config.method} on {config.model.family}: {len(self.dataset)} images, "
+            f"training {config.method} on {config.model.family}: {self.plan.dataset_size} images/epoch, "
             f"{self.steps_per_epoch} steps/epoch, {self.total_steps} steps, strategy {self.strategy.name}, global batch "
             f"{self.global_batch} (batch_size {config.batch_size} x accumulation {accumulation} x "
             f"{self.runtime.world_size} processes)"
@@ -175,13 +181,14 @@ class Trainer:
 
     def tokenize(self, batch: dict) -> dict:
         """Add `token_ids` to a batch: part of preparing data, not of the training step."""
+        if "text_hidden" in batch:  # cached text-encoder outputs (data.cache_text)
+            return batch
         captions = [self.method.caption(c) for c in batch["caption"]]
         batch["token_ids"] = self.model.spec.tokenize(self.model.tokenizers, captions)
         return batch
 
     def epoch_batches(self, epoch: int):
-        config, runtime = self.config, self.runtime
-        for batch in epoch_batches(self.dataset, config.batch_size, epoch, config.seed, runtime.rank, runtime.world_size):
+        for batch in self.reader.epoch_batches(epoch):
             yield self.tokenize(batch)
 
     def micro_step(self, batch: dict, epoch: int, accumulation: int, last_micro_step: bool = True) -> torch.Tensor:

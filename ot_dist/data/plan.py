@@ -1,0 +1,127 @@
+"""The epoch plan: which samples form each global batch, computed identically on every rank.
+
+From the sample table (each sample's bucket and concept), the seed and the epoch, every rank derives
+the same list of global batches: each holds `global_batch` samples of one bucket and carries one
+resolution. Ranks then take their slice of each global batch, so no communication is needed, every
+rank runs the same number of steps, and a position in the epoch is just the global-batch index:
+independent of the world size, which is what makes resume exact on a different number of ranks.
+
+Balancing (OneTrainer's repeats / samples per concept) is applied within each bucket, so the
+number of samples per bucket, hence the step count and the bucket report, is the same every epoch.
+A repeated sample's copies get distinct sample ids (index + copy x number of samples), so their
+noise and timesteps differ.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from ot_dist.data.buckets import aspect_name, bucket_size
+from ot_dist.randomness import generator
+
+
+@dataclass(frozen=True)
+class SampleTable:
+    buckets: tuple[int, ...]  # per sample
+    concepts: tuple[int, ...]  # per sample
+    balancing: tuple[tuple[float, str], ...]  # per concept: (balancing, strategy)
+    concept_names: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+    @cached_property
+    def concept_sizes(self) -> Counter:
+        return Counter(self.concepts)
+
+    @cached_property
+    def members(self) -> dict[int, dict[int, list[int]]]:
+        """bucket -> concept -> sample indices (ascending)."""
+        out: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
+        for index, (bucket, concept) in enumerate(zip(self.buckets, self.concepts)):
+            out[bucket][concept].append(index)
+        return {b: dict(c) for b, c in sorted(out.items())}
+
+    def copies(self, concept: int, in_bucket: int) -> int:
+        """How many times the concept's `in_bucket` samples of one bucket are drawn per epoch."""
+        value, strategy = self.balancing[concept]
+        if strategy == "samples":
+            return round(value * in_bucket / self.concept_sizes[concept])
+        return round(value * in_bucket)
+
+    def epoch_sizes(self) -> dict[int, int]:
+        """bucket -> samples drawn from it per epoch (after balancing)."""
+        return {b: sum(self.copies(c, len(ix)) for c, ix in by_concept.items())
+                for b, by_concept in self.members.items()}
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    bucket: int
+    resolution: int
+    samples: tuple[int, ...]  # sample ids; the sample index is id % number of samples
+
+
+def plan_epoch(table: SampleTable, global_batch: int, resolutions: list[int], seed: int, epoch: int) -> list[GlobalBatch]:
+    """The epoch's global batches in training order. Pure function of its arguments."""
+    count = len(table)
+    groups: list[tuple[int, tuple[int, ...]]] = []
+    for bucket, by_concept in table.members.items():
+        drawn: list[int] = []
+        for concept, indices in by_concept.items():
+            full, rest = divmod(table.copies(concept, len(indices)), len(indices))
+            for copy in range(full):
+                drawn += [i + copy * count for i in indices]
+            if rest:  # a fractional repeat: a random part of the concept's samples, new every epoch
+                pick = torch.randperm(len(indices), generator=generator(seed, epoch, "balance", bucket, concept))
+                drawn += [indices[j] + full * count for j in sorted(pick[:rest].tolist())]
+        order = torch.randperm(len(drawn), generator=generator(seed, epoch, "bucket", bucket)).tolist()
+        shuffled = [drawn[j] for j in order]
+        # The remainder (fewer than a global batch) is dropped; the shuffle drops different samples each epoch.
+        groups += [(bucket, tuple(shuffled[s:s + global_batch])) for s in range(0, len(shuffled) - global_batch + 1, global_batch)]
+    order = torch.randperm(len(groups), generator=generator(seed, epoch, "batches")).tolist()
+    plan = []
+    for step, j in enumerate(order):
+        bucket, samples = groups[j]
+        resolution = resolutions[0]
+        if len(resolutions) > 1:  # drawn per step from (seed, epoch, step): the same on every rank
+            resolution = resolutions[int(torch.randint(len(resolutions), (1,), generator=generator(seed, epoch, step, "resolution")))]
+        plan.append(GlobalBatch(bucket, resolution, samples))
+    return plan
+
+
+@dataclass(frozen=True)
+class BucketRow:
+    bucket: int
+    samples: int  # drawn per epoch (after balancing)
+    batches: int  # global batches per epoch
+    dropped: int  # samples per epoch that fit in no full global batch
+
+    @property
+    def never_trained(self) -> bool:
+        return self.batches == 0
+
+
+def bucket_rows(table: SampleTable, global_batch: int) -> list[BucketRow]:
+    return [BucketRow(b, n, n // global_batch, n % global_batch) for b, n in table.epoch_sizes().items()]
+
+
+def bucket_report(table: SampleTable, global_batch: int, world_size: int, resolutions: list[int], step: int) -> list[str]:
+    """Human-readable report: per bucket its size, batches and drops; the buckets that never train."""
+    rows = bucket_rows(table, global_batch)
+    lines = [f"bucket report: global batch {global_batch} on {world_size} process(es), resolutions "
+             f"{', '.join(map(str, resolutions))}"]
+    for row in rows:
+        sizes = " ".join("{}x{}".format(*bucket_size(row.bucket, r, step)[::-1]) for r in resolutions)
+        flag = "  NEVER TRAINED (fewer samples than the global batch)" if row.never_trained else ""
+        lines.append(f"  bucket {aspect_name(row.bucket):<14} {sizes:<12} {row.samples:>6} samples/epoch "
+                     f"{row.batches:>5} batches {row.dropped:>4} dropped{flag}")
+    total, dropped = sum(r.samples for r in rows), sum(r.dropped for r in rows)
+    never = [aspect_name(r.bucket) for r in rows if r.never_trained]
+    lines.append(f"  total: {total} samples/epoch, {sum(r.batches for r in rows)} steps/epoch, {dropped} dropped per "
+                 f"epoch ({100 * dropped / max(total, 1):.1f}%)" + (f"; never trained: {', '.join(never)}" if never else ""))
+    return lines

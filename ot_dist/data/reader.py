@@ -1,0 +1,250 @@
+"""Reading a shard set: samples by index (ShardDataset) and this rank's micro batches (ShardReader).
+
+How samples are read: by seeking to the member offsets the manifest indexes, not by streaming
+shards. The epoch plan (plan.py) decides which samples make each global batch; random access is
+what lets every rank read exactly its slice of that plan, lets loader workers split the micro
+batches, and makes a resume (on any world size) start at the exact global batch without replaying
+the epoch. A sample's members are contiguous in its tar, so each read is one seek and a few
+sequential reads of an open file; the shards of a rank are split by the plan, not by file, which is
+what keeps the per-rank step count exactly equal. (On object storage without range reads, shards
+would be staged locally first; that is not built here.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ot_dist.data.buckets import bucket_size
+from ot_dist.data.decode import decode_member
+from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch
+from ot_dist.data.shards import read_manifest
+from ot_dist.errors import InputFileError
+from ot_dist.randomness import generator
+
+
+class ShardDataset:
+    """The samples of one shard set; `load(index, epoch)` decodes, crops to the bucket and normalises."""
+
+    def __init__(self, shard_dir: str | Path, config):
+        self.dir = Path(shard_dir)
+        self.manifest = read_manifest(self.dir)
+        self.samples = self.manifest["samples"]
+        self.seed, self.crop, self.step = config.seed, config.data.crop, self.manifest["bucket_step"]
+        self.resolutions = config.resolutions()
+        missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
+        if missing:
+            raise InputFileError(
+                f"data.shards: {self.dir} was built for resolutions {self.manifest['resolutions']}, not "
+                f"{missing}; rebuild it (ot-dist shard build CONFIG)"
+            )
+        self.has_masks = any(s["mask"] for s in self.samples)
+        self._files: dict[Path, int] = {}  # open shard file descriptors (opened lazily)
+        self.caches: dict[str, tuple[Path, dict]] = {}  # latents / text -> (cache folder, member index)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def table(self, data_config=None) -> SampleTable:
+        """Buckets and concepts of the samples; balancing from the config's concepts when it has them."""
+        concepts = self.manifest["concepts"]
+        balancing = [(c["balancing"], c["balancing_strategy"]) for c in concepts]
+        if data_config is not None and data_config.concept_list():
+            balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
+        return SampleTable(tuple(s["bucket"] for s in self.samples), tuple(s["concept"] for s in self.samples),
+                           tuple(balancing), tuple(c["name"] for c in concepts))
+
+    def _read(self, sample: dict, suffix: str):
+        file = self.manifest["shards"][sample["shard"]]["file"]
+        if suffix not in sample["members"]:
+            raise InputFileError(f"shard {file} sample {sample['key']}: no member {suffix}")
+        return self._read_member(self.dir / file, sample["key"], suffix, *sample["members"][suffix])
+
+    def _read_member(self, path: Path, key: str, suffix: str, offset: int, size: int):
+        return decode_member(f"{key}.{suffix}", self.member_bytes(path, key, suffix, offset, size),
+                             f"shard {path.name} sample {key}")
+
+    def member_bytes(self, path: Path, key: str, suffix: str, offset: int, size: int) -> bytes:
+        if path not in self._files:
+            self._files[path] = os.open(path, os.O_RDONLY)
+        # pread: no shared file position, so forked loader workers can use descriptors they inherited
+        data = os.pread(self._files[path], size, offset)
+        if len(data) != size:
+            raise InputFileError(f"shard {path.name} sample {key}: member {suffix} is truncated "
+                                 f"({len(data)} of {size} bytes)")
+        return data
+
+    def use_cache(self, kind: str, cache_dir: Path, members: dict) -> None:
+        """Read `kind` (latents | text) from a cache (caches.py): key -> suffix -> [part, offset, size]."""
+        self.caches[kind] = (Path(cache_dir), members)
+
+    def _read_cached(self, kind: str, key: str, suffix: str):
+        cache_dir, members = self.caches[kind]
+        part, offset, size = members[key][suffix]
+        return self._read_member(cache_dir / part, key, suffix, offset, size)
+
+    def captions(self, sample_id: int) -> list[str]:
+        return self._read(self.samples[sample_id % len(self.samples)], "txt").split("\n")
+
+    def load(self, sample_id: int, epoch: int, resolution: int | None = None, use_cache: bool = True) -> dict:
+        resolution = resolution or self.resolutions[0]
+        sample = self.samples[sample_id % len(self.samples)]
+        height, width = bucket_size(sample["bucket"], resolution, self.step)
+        meta = self._read(sample, "json")
+        if "latents" in self.caches and use_cache:
+            # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
+            posterior = self._read_cached("latents", sample["key"], f"{resolution}.latent.safetensors")
+            resized = meta["resolutions"][str(resolution)]["resized_size"]
+            top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
+            out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
+        else:
+            image = self._read(sample, self._image_suffix(sample, resolution))
+            top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
+            pixels = np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.float32) / 127.5 - 1.0
+            out = {"pixels": torch.from_numpy(pixels).permute(2, 0, 1).contiguous()}
+        box = (left, top, left + width, top + height)
+        captions = self.captions(sample_id)
+        line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
+        caption = captions[line]
+        if "text" in self.caches and use_cache:
+            text = self._read_cached("text", sample["key"], "text.safetensors")
+            out["text_hidden"] = text[f"hidden_{line}"]
+            if f"pooled_{line}" in text:
+                out["text_pooled"] = text[f"pooled_{line}"]
+        out |= {
+            "caption": caption,
+            "sample_id": sample_id,
+            "original_size": torch.tensor(meta["original_size"], dtype=torch.float32),
+            "crop_top_left": torch.tensor((top, left), dtype=torch.float32),
+            "target_size": torch.tensor((height, width), dtype=torch.float32),
+        }
+        if self.has_masks:  # a sample without a mask trains everywhere
+            mask = torch.ones(1, height, width)
+            if sample["mask"]:
+                mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+                mask = torch.from_numpy(np.asarray(mask_image, dtype=np.float32) / 255.0)[None]
+            out["mask"] = mask
+        return out
+
+    def _image_suffix(self, sample: dict, resolution: int) -> str:
+        for suffix in sample["members"]:
+            if suffix.startswith(f"{resolution}.") and not suffix.endswith(".mask.png"):
+                return suffix
+        raise InputFileError(f"data.shards: sample {sample['key']} has no image at resolution {resolution}")
+
+    def _crop_offset(self, spare_height: int, spare_width: int, sample_id: int, epoch: int) -> tuple[int, int]:
+        if self.crop == "random":
+            g = generator(self.seed, epoch, sample_id, "crop")
+            return int(torch.randint(0, spare_height + 1, (1,), generator=g)), int(torch.randint(0, spare_width + 1, (1,), generator=g))
+        return spare_height // 2, spare_width // 2
+
+    def __getstate__(self):  # descriptors stay in their process; a spawned loader worker opens its own
+        return {**self.__dict__, "_files": {}}
+
+    def __del__(self):
+        for fd in getattr(self, "_files", {}).values():
+            os.close(fd)
+
+
+def collate(samples: list[dict]) -> dict:
+    keys = [k for k in ("pixels", "latent_mean", "latent_std", "text_hidden", "text_pooled", "mask") if k in samples[0]]
+    keys += ["original_size", "crop_top_left", "target_size"]
+    batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
+    batch["caption"] = [s["caption"] for s in samples]
+    batch["sample_id"] = torch.tensor([s["sample_id"] for s in samples])
+    return batch
+
+
+class _RankMicroBatches(torch.utils.data.IterableDataset):
+    """This rank's micro batches (sample id lists); loader worker w of W loads those with index % W == w.
+    torch's DataLoader takes items from its workers round-robin, so the order is the plan's."""
+
+    def __init__(self, dataset: ShardDataset, micro: list[tuple[int, int, list[int]]]):
+        self.dataset, self.micro = dataset, micro
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for epoch, resolution, ids in self.micro[worker::workers]:
+            samples, skipped = [], []
+            for i in ids:
+                try:
+                    samples.append(self.dataset.load(i, epoch, resolution))
+                except InputFileError as err:  # a corrupt member or truncated shard: skipped and counted
+                    skipped.append(str(err))
+            if not samples:
+                raise InputFileError("data: every sample of a micro batch is unreadable:\n  " + "\n  ".join(skipped))
+            yield {**collate(samples), "skipped": skipped}
+
+
+class ShardReader:
+    """This rank's micro batches of each epoch, from the plan every rank computes alike.
+
+    A global batch (batch_size x accumulation x world size samples of one bucket and resolution) is
+    split into `accumulation` micro steps; rank r takes samples [r*b, (r+1)*b) of each micro step.
+    `state_dict()` is (epoch, global batches done): independent of the world size, so a run may resume
+    on another number of ranks as long as the global batch is the same.
+    """
+
+    def __init__(self, dataset: ShardDataset, table: SampleTable, batch_size: int, accumulation: int,
+                 rank: int = 0, world_size: int = 1, workers: int = 0, max_bad_fraction: float = 0.01,
+                 log=print):
+        self.dataset, self.table = dataset, table
+        self.batch_size, self.accumulation, self.rank, self.world_size = batch_size, accumulation, rank, world_size
+        self.global_batch = batch_size * accumulation * world_size
+        self.workers = workers
+        self.steps_per_epoch = sum(n // self.global_batch for n in table.epoch_sizes().values())
+        self.epoch, self.step = 0, 0  # the position: global batches of `epoch` already handed out in full
+        self._resume: tuple[int, int] | None = None  # set by load_state_dict, used by the next epoch_batches
+        self.max_bad_fraction, self.log = max_bad_fraction, log
+        self.skipped = 0  # unreadable samples skipped this epoch on this rank
+
+    def plan(self, epoch: int) -> list[GlobalBatch]:
+        return plan_epoch(self.table, self.global_batch, self.dataset.resolutions, self.dataset.seed, epoch)
+
+    def my_ids(self, batch: GlobalBatch) -> list[list[int]]:
+        """This rank's sample ids of each micro step of a global batch."""
+        micro = self.batch_size * self.world_size
+        return [list(batch.samples[m * micro + self.rank * self.batch_size:][:self.batch_size])
+                for m in range(self.accumulation)]
+
+    def epoch_batches(self, epoch: int):
+        """Yield this rank's micro batches of `epoch`, from the restored position if it is in this epoch."""
+        start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
+        self._resume = None
+        self.epoch, self.step = epoch, start
+        micro = [(epoch, gb.resolution, ids) for gb in self.plan(epoch)[start:] for ids in self.my_ids(gb)]
+        source = _RankMicroBatches(self.dataset, micro)
+        if self.workers:
+            source = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers)
+        self.skipped, allowed = 0, int(self.max_bad_fraction * len(micro) * self.batch_size)
+        for n, batch in enumerate(source, start=1):
+            for message in batch.pop("skipped"):
+                self.skipped += 1
+                self.log(f"rank {self.rank}: skipped an unreadable sample ({self.skipped} this epoch): {message}")
+            if self.skipped > allowed:
+                raise InputFileError(
+                    f"data: {self.skipped} unreadable samples on rank {self.rank} in epoch {epoch}, more than "
+                    f"data.max_bad_fraction {self.max_bad_fraction} of its {len(micro) * self.batch_size}; see the "
+                    "log for their keys"
+                )
+            if n % self.accumulation == 0:
+                self.step += 1  # before the yield: a state_dict taken now resumes after this global batch
+            yield batch
+        self.epoch, self.step = epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step": self.step, "global_batch": self.global_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["global_batch"] != self.global_batch:
+            raise InputFileError(
+                f"data: the saved position is for a global batch of {state['global_batch']}, this run has "
+                f"{self.global_batch}; keep batch_size x gradient_accumulation_steps x processes equal to resume"
+            )
+        self.epoch, self.step = state["epoch"], state["step"]
+        self._resume = (self.epoch, self.step)

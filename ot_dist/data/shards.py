@@ -1,0 +1,188 @@
+"""`ot-dist shard build`: concepts -> webdataset tar shards grouped by aspect bucket, plus a manifest.
+
+Each sample is written once with one image per training resolution, resized to cover its bucket
+(`<key>.<res>.png`), the same for its mask (`<key>.<res>.mask.png`), its caption(s) (`<key>.txt`)
+and metadata (`<key>.json`). Samples are written bucket by bucket, so a bucket's samples sit in
+neighbouring shards. The manifest (`manifest.json`, written last: a set without one is incomplete)
+holds per-shard and per-bucket counts, what built the set, a fingerprint of the source files and
+settings (to detect a stale set), and each sample's member offsets in its shard (the reader's index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from PIL import Image
+
+from ot_dist.config.schema import TrainConfig
+from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size, resize_to_cover
+from ot_dist.data.concepts import concept_name, list_images, mask_of, scan_concepts
+from ot_dist.errors import InputFileError
+
+FORMAT = "ot_dist.shards/1"
+MANIFEST = "manifest.json"
+SAVE_FORMATS = {"png": "PNG", "webp": "WEBP", "jpg": "JPEG"}
+
+
+def default_shard_dir(config: TrainConfig) -> Path:
+    """data_shards/<first concept's name>-<hash of the concept folders and build settings>."""
+    concepts = [c for _, c in config.data.concept_list()]
+    key = json.dumps([build_settings(config), [str(Path(c.path).resolve()) for c in concepts]], sort_keys=True)
+    return Path("data_shards") / f"{concept_name(concepts[0])}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+
+
+def build_settings(config: TrainConfig) -> dict:
+    """What the shard content depends on besides the source files (balancing does not: it is read-time)."""
+    data = config.data
+    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy"}) for _, c in data.concept_list()]
+    return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step, "image_format": data.image_format,
+            "concepts": concepts}
+
+
+def source_fingerprint(config: TrainConfig) -> str:
+    """A hash of the build settings and of every source file's path, size and mtime: cheap (stat only),
+    and it changes when an image, caption or mask is added, removed or edited."""
+    digest = hashlib.sha256(json.dumps(build_settings(config), sort_keys=True).encode())
+    for label, concept in config.data.concept_list():
+        for image in list_images(label, concept):
+            for path in (image, image.with_suffix(concept.caption_extension), mask_of(image)):
+                if path is not None and path.is_file():
+                    stat = path.stat()
+                    digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()
+
+
+def read_manifest(shard_dir: Path) -> dict:
+    path = Path(shard_dir) / MANIFEST
+    if not path.is_file():
+        raise InputFileError(f"data.shards: {shard_dir} has no {MANIFEST} (build it: ot-dist shard build CONFIG)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise InputFileError(f"data.shards: {path} is not readable JSON: {err}") from None
+    if manifest.get("format") != FORMAT:
+        raise InputFileError(f"data.shards: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def is_current(shard_dir: Path, fingerprint: str) -> bool:
+    try:
+        return read_manifest(shard_dir)["fingerprint"] == fingerprint
+    except InputFileError:
+        return False
+
+
+def encode_image(img: Image.Image, image_format: str) -> bytes:
+    out = io.BytesIO()
+    img.save(out, format=SAVE_FORMATS[image_format], **({"quality": 95} if image_format != "png" else {}))
+    return out.getvalue()
+
+
+def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_path: str | None = None) -> dict:
+    """Scan the concepts (errors name the file), write the shards with webdataset's ShardWriter, then
+    index member offsets and write the manifest. Returns the manifest."""
+    import webdataset as wds
+
+    data, resolutions = config.data, config.resolutions()
+    sources = scan_concepts(data)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
+        old.unlink(missing_ok=True)  # the manifest first: an interrupted rebuild leaves a set that is visibly incomplete
+    for cache in out_dir.glob("latents-*"):  # derived from the old shards
+        shutil.rmtree(cache)
+    fingerprint = source_fingerprint(config)
+    order = sorted(range(len(sources)), key=lambda i: (bucket_of(*sources[i].size), i))
+    records, start = [], time.perf_counter()
+    # mtime fixed: the same sources give byte-identical shards.
+    with wds.ShardWriter(str(out_dir / "shard-%06d.tar"), maxsize=data.shard_size_mb * 1e6, maxcount=10**9,
+                         verbose=0, mtime=0, encoder=False) as writer:
+        for n, index in enumerate(order):
+            source = sources[index]
+            key = f"c{source.concept}_{n:08d}"
+            bucket = bucket_of(*source.size)
+            sample = {"__key__": key, "txt": source.caption.encode("utf-8")}
+            meta = {"source": str(source.image), "mask": str(source.mask) if source.mask else None,
+                    "concept": source.concept, "original_size": [source.size[1], source.size[0]],
+                    "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
+            with Image.open(source.image) as img:
+                img = img.convert("RGB")
+                mask = load_mask(source.mask, img.size) if source.mask else None
+                for res in resolutions:
+                    target = bucket_size(bucket, res, data.bucket_step)
+                    resized = resize_to_cover(img, target)
+                    sample[f"{res}.{data.image_format}"] = encode_image(resized, data.image_format)
+                    if mask is not None:  # the same geometry as the image, so they stay aligned
+                        sample[f"{res}.mask.png"] = encode_image(resize_to_cover(mask, target), "png")
+                    meta["resolutions"][str(res)] = {"bucket_size": list(target),
+                                                     "resized_size": [resized.height, resized.width]}
+            sample["json"] = json.dumps(meta).encode()
+            writer.write(sample)
+            records.append({"key": key, "shard": writer.shard - 1, "bucket": bucket, "concept": source.concept,
+                            "mask": source.mask is not None})
+    manifest = write_manifest(config, out_dir, records, fingerprint, config_path)
+    log(f"shard set {out_dir}: {len(records)} samples in {len(manifest['shards'])} shards "
+        f"({sum(s['bytes'] for s in manifest['shards']) / 1e6:.1f} MB) in {time.perf_counter() - start:.1f}s")
+    return manifest
+
+
+def load_mask(path: Path, size: tuple[int, int]) -> Image.Image:
+    try:
+        with Image.open(path) as mask:
+            mask = mask.convert("L")
+    except OSError as err:
+        raise InputFileError(f"data: mask {path} could not be decoded: {err}") from None
+    return mask if mask.size == size else mask.resize(size, Image.Resampling.BILINEAR)
+
+
+def index_members(shard: Path) -> dict[str, dict[str, list[int]]]:
+    """key -> member suffix -> [data offset, size]: read from the tar headers, so the reader can seek."""
+    members: dict[str, dict[str, list[int]]] = {}
+    with tarfile.open(shard) as tar:
+        for info in tar:
+            key, suffix = info.name.split(".", 1)
+            members.setdefault(key, {})[suffix] = [info.offset_data, info.size]
+    return members
+
+
+def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fingerprint: str,
+                   config_path: str | None) -> dict:
+    shard_files = sorted(out_dir.glob("shard-*.tar"))
+    shards = []
+    for number, path in enumerate(shard_files):
+        members = index_members(path)
+        in_shard = [r for r in records if r["shard"] == number]
+        for record in in_shard:
+            record["members"] = members[record["key"]]
+        shards.append({"file": path.name, "samples": len(in_shard), "bytes": path.stat().st_size,
+                       "buckets": dict(Counter(str(r["bucket"]) for r in in_shard))})
+    counts = Counter(r["bucket"] for r in records)
+    per_concept = Counter(r["concept"] for r in records)
+    manifest = {
+        "format": FORMAT,
+        "fingerprint": fingerprint,
+        "built_from": {"config": config_path, **build_settings(config)},
+        "resolutions": config.resolutions(),
+        "bucket_step": config.data.bucket_step,
+        "concepts": [{"name": concept_name(c), "path": c.path, "images": per_concept[i], "balancing": c.balancing,
+                      "balancing_strategy": c.balancing_strategy}
+                     for i, (_, c) in enumerate(config.data.concept_list())],
+        "buckets": [{"bucket": b, "aspect": aspect_name(b), "samples": counts[b],
+                     "sizes": {str(r): list(bucket_size(b, r, config.data.bucket_step)) for r in config.resolutions()}}
+                    for b in sorted(counts)],
+        "shards": shards,
+        "samples": records,
+    }
+    tmp = out_dir / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest))
+    os.replace(tmp, out_dir / MANIFEST)  # atomic: a reader sees the old set's absence or the whole new one
+    return manifest
+

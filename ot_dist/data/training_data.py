@@ -1,0 +1,74 @@
+"""The training data of a run: the shard set (built from the concepts when missing or stale), its
+reader for this rank, and the bucket report. Used by the trainer and by `ot-dist schedule`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ot_dist.data.buckets import bucket_of
+from ot_dist.data.concepts import concept_name, scan_concepts
+from ot_dist.data.plan import SampleTable, bucket_report
+from ot_dist.data.reader import ShardDataset, ShardReader
+from ot_dist.data.shards import build_shard_set, default_shard_dir, is_current, source_fingerprint
+from ot_dist.errors import InputFileError
+
+
+def shard_dir_of(config) -> Path:
+    return Path(config.data.shards) if config.data.shards else default_shard_dir(config)
+
+
+def ensure_shards(config, runtime, log=print) -> Path:
+    """With concepts: (re)build the shard set when it is missing or its sources/settings changed.
+    The main process builds (the shard folder must be shared by all nodes); the others wait, and
+    learn whether it worked from a collective, so a failed build stops every rank instead of hanging."""
+    out = shard_dir_of(config)
+    if not config.data.concept_list():
+        return out
+    error = None
+    # Only the main process decides: another rank checking on its own could see the set rebuilt
+    # already and skip the collective below, leaving the main process waiting in it.
+    if runtime.is_main:
+        try:
+            if not is_current(out, source_fingerprint(config)):
+                log(f"data: shard set {out} is missing or stale; building it (`ot-dist shard build` does it ahead)")
+                build_shard_set(config, out, log)
+        except Exception as err:  # noqa: BLE001  (any failure: the other ranks must hear of it, then it is raised)
+            error = err
+    failed = runtime.mean(torch.tensor([float(error is not None)], device=runtime.device)).item() > 0
+    if error is not None:
+        raise error
+    if failed:
+        raise InputFileError(f"data: building the shard set {out} failed on the main process (see its error)")
+    return out
+
+
+def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardReader]:
+    dataset = ShardDataset(ensure_shards(config, runtime, log), config)
+    reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
+                         runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction)
+    for line in bucket_report(reader.table, reader.global_batch, runtime.world_size, dataset.resolutions,
+                              dataset.step):
+        log(line)
+    return dataset, reader
+
+
+def report_for(config, shard_dir, world_size: int) -> list[str]:
+    """The bucket report of a built shard set for a world size (the config gives batch and accumulation)."""
+    dataset = ShardDataset(shard_dir, config)
+    global_batch = config.batch_size * config.gradient_accumulation_steps * world_size
+    return bucket_report(dataset.table(config.data), global_batch, world_size, dataset.resolutions, dataset.step)
+
+
+def sample_table(config) -> SampleTable:
+    """The sample table without building shards: from a current shard set if there is one, else from
+    the image sizes in the concept folders (for `ot-dist schedule`)."""
+    out = shard_dir_of(config) if config.data.shards or config.data.concept_list() else None
+    if config.data.concept_list() and not is_current(out, source_fingerprint(config)):
+        sources = scan_concepts(config.data)
+        concepts = [c for _, c in config.data.concept_list()]
+        return SampleTable(tuple(bucket_of(*s.size) for s in sources), tuple(s.concept for s in sources),
+                           tuple((c.balancing, c.balancing_strategy) for c in concepts),
+                           tuple(concept_name(c) for c in concepts))
+    return ShardDataset(out, config).table(config.data)
