@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 
 from ot_dist.data.buckets import bucket_size
 from ot_dist.data.decode import decode_member
