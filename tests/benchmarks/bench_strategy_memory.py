@@ -61,7 +61,7 @@ def probed(self):
         sizes = {kind: storage_bytes(tensors) for kind, tensors in held.items()}
         with open(os.path.join(out_dir, f"rank{self.runtime.rank}.json"), "w") as f:
             json.dump(sizes, f)
-    original(self)
+    return original(self)
 
 Trainer.optimizer_step = probed
 from ot_dist.cli import main

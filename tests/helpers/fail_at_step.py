@@ -16,7 +16,7 @@ def failing_step(self):
     steps_done += 1
     if self.runtime.rank == FAIL_RANK and steps_done == FAIL_STEP:
         raise RuntimeError(f"injected failure on rank {FAIL_RANK} at step {FAIL_STEP}")
-    original_step(self)
+    return original_step(self)
 
 
 Trainer.optimizer_step = failing_step
