@@ -207,8 +207,7 @@ def test_a_closed_port_costs_nothing_but_a_warning(tiny_models, shapes_data, tmp
     port = free_port()
     out = tmp_path / "out"
     raw = base_config(tiny_models["sd1"], shapes_data, out, batch_size=1, epochs=2, max_steps=20, log_every_steps=5,
-                      **{"mlflow.enabled": True, "mlflow.tracking_uri": f"http://127.0.0.1:{port}",
-                         "mlflow.shutdown_timeout_seconds": 2})
+                      **{"mlflow.enabled": True, "mlflow.tracking_uri": f"http://127.0.0.1:{port}"})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     start = time.monotonic()

@@ -133,8 +133,9 @@ class MlflowConfig(Section):
     experiment: str = Field(default="ot_dist", min_length=1, description="Experiment name (created if missing).")
     run_name: str | None = Field(default=None, description="Run name; null = the name of output_dir.")
     shutdown_timeout_seconds: float = Field(
-        default=30, ge=0, description="At the end, how long to keep trying an unreachable server before the "
-        "unsent points are written to the local store (with a warning naming it).",
+        default=30, ge=0, description="At the end, how long a server that answers gets to take what is left; "
+        "a server that does not answer gets one last attempt. What is not delivered goes to the local store "
+        "output_dir/mlflow.db (a warning names it).",
     )
 
     @field_validator("tracking_uri")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -33,7 +34,7 @@ def tracking_uri(config: TrainConfig) -> str:
 
 
 def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: str | None = None,
-                   step_offset: int = 0) -> Tracker:
+                   step_offset: int = 0, log=print) -> Tracker:
     """The tracker of this process: MLflow on the main rank (its run created in the background),
     a no-op elsewhere or with mlflow.enabled false. `run_id` continues an earlier run, whose steps
     continue after `step_offset`."""
@@ -42,6 +43,10 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
         return Tracker()
     uri = tracking_uri(config)  # every rank checks, so a bad URI stops every rank alike
     if not is_main:
+        return Tracker()
+    if importlib.util.find_spec("mlflow") is None:
+        log("warning: mlflow.enabled: MLflow is not installed, this run is not tracked "
+            "(pip install 'ot_dist[tracking]', or set mlflow.enabled: false)")
         return Tracker()
     from ot_dist.tracking.mlflow_tracker import MlflowTracker
 

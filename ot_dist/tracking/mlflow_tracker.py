@@ -3,8 +3,9 @@
 The training thread hands values to an outbox and returns at once. A background thread creates the
 run and sends the outbox in batches (`MlflowClient.log_batch`); when the server cannot be reached
 it keeps everything and tries again with a growing pause, so a server that comes back gets the
-whole history. At the end the thread has `shutdown_timeout` seconds to deliver the rest; whatever
-is still undelivered then goes to a local store (or a JSON file), and a warning names it.
+whole history. At the end it makes one more attempt, and has `shutdown_timeout` seconds to deliver
+the rest to a server that answers; whatever is still undelivered then goes to a local store (or a
+JSON file), and a warning names it: a dead server never holds up the end of a run.
 
 MLflow itself is imported only here, and only in the process that tracks (rank 0)."""
 
@@ -108,7 +109,8 @@ class MlflowTracker(Tracker):
         self._deadline = time.monotonic() + self.shutdown_timeout
         self._closing.set()
         self._wake.set()
-        # The sender stops trying at the deadline; a request in flight then gets a little longer.
+        # The sender makes one last attempt and stops sending at the deadline; a request in flight
+        # then gets a little longer (it is bounded by MLFLOW_HTTP_REQUEST_TIMEOUT).
         self._thread.join(self.shutdown_timeout + 5)
         left = self.outbox.take_all()
         warnings = self.take_notices()
@@ -136,7 +138,7 @@ class MlflowTracker(Tracker):
             try:
                 client = client or self._client(self.uri)
                 self._ensure_run(client)
-                self._send_pending(client, self._run_id, self.outbox)
+                self._send_pending(client, self._run_id, self.outbox, self._deadline if closing else None)
                 if closing:
                     client.set_terminated(self._run_id, self._status)
                     return
@@ -156,14 +158,10 @@ class MlflowTracker(Tracker):
                         "and sent when it answers"
                     )
                 self.error = describe(err)
-                pause = min(max(2 * pause, 1.0), MAX_RETRY_PAUSE)
-                if not closing:
-                    self._closing.wait(pause)  # close() cuts the pause short
-                    continue
-                pause = min(pause, self._deadline - time.monotonic())
-                if pause <= 0:
+                if closing:  # that was the last attempt: the run ends now, not when the server is back
                     return
-                time.sleep(pause)
+                pause = min(max(2 * pause, 1.0), MAX_RETRY_PAUSE)
+                self._closing.wait(pause)  # close() cuts the pause short
 
     @staticmethod
     def _client(uri: str):
@@ -188,14 +186,17 @@ class MlflowTracker(Tracker):
             experiment_id = client.create_experiment(self.experiment, artifact_location=self.artifact_location)
         return client.create_run(experiment_id, run_name=self.run_name).info.run_id
 
-    def _send_pending(self, client, run_id: str, outbox: Outbox) -> None:
-        """Send until the outbox is empty; a refused batch is set aside, any other failure raises."""
+    def _send_pending(self, client, run_id: str, outbox: Outbox, deadline: float | None = None) -> None:
+        """Send until the outbox is empty (or the deadline passed: then TimeoutError); a refused
+        batch is set aside, any other failure raises."""
         from mlflow.entities import Metric, Param, RunTag
 
         while True:
             batch = outbox.next_batch()
             if not batch:
                 return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"not all delivered within mlflow.shutdown_timeout_seconds ({self.shutdown_timeout:g})")
             try:
                 if batch.metrics or batch.params or batch.tags:
                     client.log_batch(

@@ -113,7 +113,7 @@ class Trainer:
         result = TrainResult()
         step = 0
         self.tracker = start_tracking(config, self.runtime.is_main, self.runtime.world_size,
-                                      self.tracking_run_id, self.tracking_step_offset)
+                                      self.tracking_run_id, self.tracking_step_offset, self.log)
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main)
         window = StepWindow()  # step values not yet copied to the host
         for epoch in range(config.epochs):
