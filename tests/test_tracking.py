@@ -212,7 +212,7 @@ def test_a_closed_port_costs_nothing_but_a_warning(tiny_models, shapes_data, tmp
     config.write_text(yaml.safe_dump(raw))
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "ot_dist", "train", str(config)], env=ENV, capture_output=True,
-                          text=True, timeout=600)
+                          text=True, timeout=600, cwd=tmp_path)
     elapsed = time.monotonic() - start
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f"warning: MLflow: cannot reach http://127.0.0.1:{port}" in done.stdout
@@ -227,6 +227,7 @@ def test_a_closed_port_costs_nothing_but_a_warning(tiny_models, shapes_data, tmp
     assert loss[-1][1] == pytest.approx(final, abs=1e-4)
     assert len(history(local, run.info.run_id, "lr/unet")) == 20 and run.data.params["max_steps"] == "20"
     assert "config.yaml" in {a.path for a in client(local).list_artifacts(run.info.run_id)}
+    assert list((out / "mlartifacts").rglob("config.yaml")) and not (tmp_path / "mlruns").exists()  # not in the cwd
 
 
 def test_values_kept_while_the_server_is_down_are_sent_when_it_is_back(server):

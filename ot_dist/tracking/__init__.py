@@ -52,14 +52,16 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
 
     output_dir = Path(config.output_dir).resolve()
     local = local_store_uri(output_dir)
+    local_artifacts = (output_dir / "mlartifacts").as_uri()
     tracker = MlflowTracker(
         uri,
         settings.experiment,
         settings.run_name or output_dir.name,
         run_id=run_id,
         step_offset=step_offset,
-        artifact_location=(output_dir / "mlartifacts").as_uri() if uri == local else None,
+        artifact_location=local_artifacts if uri == local else None,
         fallback_uri=local,
+        fallback_artifacts=local_artifacts,
         fallback_file=output_dir / UNSENT_FILE,
         shutdown_timeout=settings.shutdown_timeout_seconds,
     )

@@ -46,7 +46,10 @@ def describe(err: Exception) -> str:
 class MlflowTracker(Tracker):
     def __init__(self, uri: str, experiment: str, run_name: str | None, run_id: str | None = None,
                  step_offset: int = 0, artifact_location: str | None = None, fallback_uri: str | None = None,
-                 fallback_file: Path | None = None, shutdown_timeout: float = 30.0):
+                 fallback_artifacts: str | None = None, fallback_file: Path | None = None,
+                 shutdown_timeout: float = 30.0):
+        """`artifact_location`: for a new experiment (None: the server's default); the fallback store
+        keeps its artifacts in `fallback_artifacts` (a local store's default would be ./mlruns)."""
         for name, value in HTTP_DEFAULTS.items():
             os.environ.setdefault(name, value)  # a user's own setting wins
         # Import MLflow here, before training starts: imported by the sender thread, its seconds of
@@ -56,7 +59,7 @@ class MlflowTracker(Tracker):
         self.uri, self.experiment, self.run_name = uri, experiment, run_name
         self.step_offset = step_offset
         self.artifact_location = artifact_location
-        self.fallback_uri, self.fallback_file = fallback_uri, fallback_file
+        self.fallback_uri, self.fallback_artifacts, self.fallback_file = fallback_uri, fallback_artifacts, fallback_file
         self.shutdown_timeout = shutdown_timeout
         self.resumed = run_id is not None
         self._run_id = run_id
@@ -175,15 +178,15 @@ class MlflowTracker(Tracker):
         if self._run_id is not None:  # resume: the run exists; it runs again
             client.update_run(self._run_id, status="RUNNING")
         else:
-            self._run_id = self._create_run(client)
+            self._run_id = self._create_run(client, self.artifact_location)
         self._started = True
 
-    def _create_run(self, client) -> str:
+    def _create_run(self, client, artifact_location: str | None) -> str:
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is not None:
             experiment_id = experiment.experiment_id
         else:
-            experiment_id = client.create_experiment(self.experiment, artifact_location=self.artifact_location)
+            experiment_id = client.create_experiment(self.experiment, artifact_location=artifact_location)
         return client.create_run(experiment_id, run_name=self.run_name).info.run_id
 
     def _send_pending(self, client, run_id: str, outbox: Outbox, deadline: float | None = None) -> None:
@@ -226,7 +229,7 @@ class MlflowTracker(Tracker):
                 client = self._client(self.fallback_uri)
                 local = Outbox()
                 local.pending = Contents(left.metrics, left.params, {**left.tags, **about}, left.artifacts)
-                run_id = self._create_run(client)
+                run_id = self._create_run(client, self.fallback_artifacts)
                 self._send_pending(client, run_id, local)
                 client.set_terminated(run_id, status)
                 refused_here = local.take_all()
