@@ -255,14 +255,20 @@ def wait_for(condition, timeout=60.0) -> None:
 
 
 def test_without_settings_runs_are_tracked_in_a_local_store(tiny_models, shapes_data, tmp_path, monkeypatch):
+    """(With Prodigy, whose d x lr is logged too.)"""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=2)
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=2, learning_rate=1.0,
+                      **{"optimizer.name": "PRODIGY", "scheduler.name": "CONSTANT", "scheduler.warmup_steps": 0})
     del raw["mlflow"]  # the defaults, as a user's config has them
     trainer, result, _ = train(raw)
-    local = client(f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}")
+    uri = f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}"
+    local = client(uri)
     run = local.get_run(trainer.tracker.run_id)
     assert run.data.tags["mlflow.runName"] == "out"  # the output folder's name
     assert [m.value for m in local.get_metric_history(run.info.run_id, "loss")] == pytest.approx(result.losses)
+    d_lr = history(uri, run.info.run_id, "d_lr/unet")
+    assert d_lr[0] == (1, pytest.approx(1e-6))  # Prodigy's first step: d0 x lr
+    assert [s for s, _ in d_lr] == [1, 2] and d_lr[1][1] >= d_lr[0][1]
     assert local.list_artifacts(run.info.run_id)  # the config went next to it
     assert (tmp_path / "out" / "mlartifacts").is_dir()
 

@@ -61,7 +61,6 @@ class MlflowTracker(Tracker):
         self.artifact_location = artifact_location
         self.fallback_uri, self.fallback_artifacts, self.fallback_file = fallback_uri, fallback_artifacts, fallback_file
         self.shutdown_timeout = shutdown_timeout
-        self.resumed = run_id is not None
         self._run_id = run_id
         self._started = False  # the run exists (created, or marked running again on resume)
         self._status = "FINISHED"  # the run's final status, set at close
