@@ -143,8 +143,8 @@ class MlflowConfig(Section):
     def _no_credentials(cls, uri: str | None) -> str | None:
         if uri is not None and has_credentials(uri):
             raise ValueError(
-                "mlflow.tracking_uri: the URI contains credentials (user:password@); remove them and set MLFLOW_TRACKING_USERNAME and "
-                "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment instead"
+                "mlflow.tracking_uri: the URI contains credentials (user:password@); remove them and set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment"
             )
         return uri
 

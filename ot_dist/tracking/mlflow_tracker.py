@@ -71,6 +71,7 @@ class MlflowTracker(Tracker):
         self._wake, self._closing = threading.Event(), threading.Event()
         self._deadline = float("inf")
         self._closed = False
+        self._fallback_client = None
         self._thread = threading.Thread(target=self._send_loop, name="ot_dist-mlflow", daemon=True)
         self._thread.start()
         atexit.register(self._close_at_exit)
@@ -162,6 +163,7 @@ class MlflowTracker(Tracker):
                 self.error = describe(err)
                 if closing:  # that was the last attempt: the run ends now, not when the server is back
                     return
+                self._prepare_fallback()
                 pause = min(max(2 * pause, 1.0), MAX_RETRY_PAUSE)
                 self._closing.wait(pause)  # close() cuts the pause short
 
@@ -219,13 +221,22 @@ class MlflowTracker(Tracker):
             outbox.remove(batch)
 
     # -- the fallback ---------------------------------------------------------------------------
+    def _prepare_fallback(self) -> None:
+        """Open (and if new, create) the local store while training runs, not at the end: creating a
+        store runs MLflow's schema migrations, seconds of work."""
+        if self._fallback_client is None and self.fallback_uri and self.fallback_uri != self.uri:
+            try:
+                self._fallback_client = self._client(self.fallback_uri)
+            except Exception:  # noqa: BLE001 - the end tries again, then falls back to a file
+                pass
+
     def _write_fallback(self, left: Contents, status: str) -> str:
         """Put what was not delivered where the user can get it: a local MLflow store (a run of its
         own, tagged with where it was meant to go), else a JSON file."""
         about = {"ot_dist.unsent_to": self.uri, "ot_dist.unsent_run_id": self._run_id or "(not created)"}
         if self.fallback_uri and self.fallback_uri != self.uri:
             try:
-                client = self._client(self.fallback_uri)
+                client = self._fallback_client or self._client(self.fallback_uri)
                 local = Outbox()
                 local.pending = Contents(left.metrics, left.params, {**left.tags, **about}, left.artifacts)
                 run_id = self._create_run(client, self.fallback_artifacts)
