@@ -4,8 +4,9 @@ port where nothing listens (every value then ends in the local fallback store, w
 
 A standalone script (not a pytest test). The variants run alternately, `--repeats` times each, and
 the script prints the median wall time of each and its ratio to the untracked run (target for the
-closed port: <= 1.10). The figure includes the fixed costs tracking adds to a run (importing MLflow,
-creating a store), which a longer run amortizes; `--steps` changes the length.
+closed port: <= 1.10), and the steady-state throughput: samples/s of the windows after the first
+(from the progress lines). The wall time includes the fixed costs tracking adds to a run (importing
+MLflow, creating a store), which a longer run amortizes; `--steps` changes the length.
 
     python tests/benchmarks/bench_tracking_overhead.py --steps 20 --repeats 3
 """
@@ -51,6 +52,7 @@ def main(argv=None) -> int:
             "closed port": {"mlflow.enabled": True, "mlflow.tracking_uri": f"http://127.0.0.1:{free_port()}"},
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
+        rates: dict[str, list[float]] = {name: [] for name in variants}
         for repeat in range(args.repeats):
             for name, settings in variants.items():
                 out = root / f"out-{repeat}-{name.replace(' ', '_')}"
@@ -65,11 +67,15 @@ def main(argv=None) -> int:
                 if done.returncode != 0:
                     print(done.stdout[-2000:], done.stderr[-2000:])
                     return 1
+                windows = [float(line.split(" samples/s")[0].split()[-1]) for line in done.stdout.splitlines()
+                           if line.startswith("step ")]
+                rates[name].extend(windows[1:])  # the first window holds the warm-up
                 print(f"repeat {repeat + 1} {name}: {times[name][-1]:.1f} s", flush=True)
     base = statistics.median(times["untracked"])
     print(f"\n{args.steps} steps, median of {args.repeats}:")
     for name, values in times.items():
-        print(f"  {name:12s} {statistics.median(values):6.1f} s  ratio {statistics.median(values) / base:.2f}")
+        print(f"  {name:12s} {statistics.median(values):6.1f} s  ratio {statistics.median(values) / base:.2f}   "
+              f"steady state {statistics.median(rates[name]):.2f} samples/s")
     ratio = statistics.median(times["closed port"]) / base
     print(f"closed port / untracked: {ratio:.2f} (target <= {TARGET})")
     return 0
