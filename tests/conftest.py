@@ -40,6 +40,8 @@ def base_config(model_path, data_path, output_dir, family="sd1", method="full", 
         "learning_rate": 3e-4,
         "log_every_steps": 1000,
         "seed": 1,
+        # Tracking costs seconds per run (MLflow's import, a new store); tests/test_tracking.py turns it on.
+        "mlflow": {"enabled": False},
     }
     for key, value in overrides.items():
         node = raw

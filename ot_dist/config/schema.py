@@ -211,6 +211,46 @@ class DistributedConfig(Section):
     )
 
 
+class MlflowConfig(Section):
+    """Experiment tracking (rank 0 logs; the others make no tracking calls)."""
+
+    enabled: bool = Field(default=True, description="Track the run in MLflow.")
+    tracking_uri: str | None = Field(
+        default=None,
+        description="An MLflow server (http://host:5000) or store URI. null = the environment's MLFLOW_TRACKING_URI, "
+        "else a local store output_dir/mlflow.db (browse: mlflow ui --backend-store-uri sqlite:///OUTPUT_DIR/mlflow.db). "
+        "Credentials only through MLflow's environment variables (MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN).",
+    )
+    experiment: str = Field(default="ot_dist", min_length=1, description="Experiment name (created if missing).")
+    run_name: str | None = Field(default=None, description="Run name; null = the name of output_dir.")
+    shutdown_timeout_seconds: float = Field(
+        default=30, ge=0, description="At the end, how long a server that answers gets to take what is left; "
+        "a server that does not answer gets one last attempt. What is not delivered goes to the local store "
+        "output_dir/mlflow.db (a warning names it).",
+    )
+
+    @field_validator("tracking_uri")
+    @classmethod
+    def _no_credentials(cls, uri: str | None) -> str | None:
+        if uri is not None and has_credentials(uri):
+            raise ValueError(
+                "mlflow.tracking_uri: the URI contains credentials (user:password@); remove them and set "
+                "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment"
+            )
+        return uri
+
+
+def has_credentials(uri: str) -> bool:
+    """user:password@host (or token@host) in a URI: secrets that would end up in logged params."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return False
+    return parts.scheme not in ("", "file", "sqlite") and "@" in parts.netloc
+
+
 class TrainConfig(Section):
     model: ModelConfig
     method: Literal["full", "lora", "embedding"] = Field(
@@ -257,7 +297,11 @@ class TrainConfig(Section):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     ema: EMAConfig = Field(default_factory=EMAConfig)
-    log_every_steps: int = Field(default=10, ge=1, description="Print a progress line every N optimizer steps.")
+    log_every_steps: int = Field(
+        default=10, ge=1, description="Copy the step losses to the host (one sync), log them and update the progress "
+        "every N optimizer steps.",
+    )
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     unet: PartConfig = Field(default_factory=PartConfig)

@@ -51,15 +51,20 @@ class Strategy:
     def backward(self, loss: torch.Tensor, accumulation: int, last_micro_step: bool) -> None:
         self.precision.backward(loss / accumulation)
 
-    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
-        """Synchronise gradients (if not done during backward), clip, step, zero."""
+    def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> torch.Tensor | None:
+        """Synchronise gradients (if not done during backward), clip, step, zero. Returns the total
+        gradient norm before clipping as a tensor (read it when convenient: reading waits for the
+        device), or None when no gradient is held here (e.g. fused into backward)."""
         self.precision.unscale(optimizer)
-        if self.config.clip_grad_norm is not None:
-            with_grad = [p for p in params if p.grad is not None]
-            if with_grad:
-                torch.nn.utils.clip_grad_norm_(with_grad, self.config.clip_grad_norm)
+        with_grad = [p for p in params if p.grad is not None]
+        grad_norm = None
+        if with_grad and self.config.clip_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.config.clip_grad_norm)
+        elif with_grad:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     # -- export / reporting --------------------------------------------------------------------
     def state_dict_of(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:

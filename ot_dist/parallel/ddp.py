@@ -17,7 +17,7 @@ class DDPStrategy(Strategy):
 
     def step(self, optimizer, params):
         self.all_reduce_gradients(params)
-        super().step(optimizer, params)
+        return super().step(optimizer, params)
 
     def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
         # A parameter without a gradient on this rank still takes part (as zeros): every rank must

@@ -152,6 +152,8 @@ class DeepSpeedStrategy(Strategy):
 
     def step(self, optimizer, params):
         self.engine.step()  # reduce, clip, optimizer step, zero grads
+        grad_norm = self.engine.get_global_grad_norm()  # ZeRO's global norm before clipping (a tensor, or inf)
+        return None if grad_norm is None else torch.as_tensor(grad_norm).detach()
 
     def state_dict_of(self, module):
         if self.stage != 3 or not any(hasattr(p, "ds_id") for p in module.parameters()):

@@ -79,6 +79,12 @@ class FSDPStrategy(Strategy):
             module.set_requires_gradient_sync(last_micro_step)
         super().backward(loss, accumulation, last_micro_step)
 
+    def step(self, optimizer, params):
+        grad_norm = super().step(optimizer, params)
+        # The norm of DTensor gradients is a partial result per rank; full_tensor() reduces it (a
+        # collective every rank joins, as every rank steps).
+        return grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+
     def state_dict_of(self, module):
         return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in module.state_dict().items()}
 

@@ -6,8 +6,6 @@ gradient accumulation, then export.
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.training_data import open_training_data
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
-from ot_dist.optim.adaptive import d_times_lr, startup_warnings
+from ot_dist.optim.adaptive import startup_warnings
 from ot_dist.optim.factory import build_optimizer
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
@@ -26,6 +24,11 @@ from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.ema import ShardedEMA
 from ot_dist.train.loss import diffusion_loss
+from ot_dist.tracking import start_tracking
+from ot_dist.tracking.base import Tracker
+from ot_dist.tracking.facts import memory_metrics
+from ot_dist.tracking.progress import Progress
+from ot_dist.tracking.window import StepRecord, StepWindow, applied_learning_rates, window_mean_loss
 from ot_dist.train.steps import plan_steps
 
 
@@ -38,8 +41,12 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, runtime: Runtime | None = None, log=print):
+    def __init__(self, config: TrainConfig, runtime: Runtime | None = None, log=print,
+                 tracking_run_id: str | None = None, tracking_step_offset: int = 0):
+        """`tracking_run_id` continues that MLflow run, its steps numbered after `tracking_step_offset`."""
         self.config = config
+        self.tracking_run_id, self.tracking_step_offset = tracking_run_id, tracking_step_offset
+        self.tracker = Tracker()  # the real one starts with train()
         self.runtime = runtime or start_runtime(config.distributed.timeout_minutes, needs_group=config.strategy != "single")
         self.device = self.runtime.device
         self.log = log if self.runtime.is_main else (lambda *_: None)
@@ -119,8 +126,11 @@ class Trainer:
         if config.scheduler.snapshot_at_cycle_lows:  # the bottom of every cycle; the last one is the final export
             snapshots = set(cycle_lows(config.scheduler, self.total_steps)[:-1])
         result = TrainResult()
-        step, start = 0, time.perf_counter()
-        pending: list[torch.Tensor] = []  # step losses not yet copied to the host
+        step = 0
+        self.tracker = start_tracking(config, self.runtime.is_main, self.runtime.world_size,
+                                      self.tracking_run_id, self.tracking_step_offset, self.log)
+        progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main)
+        window = StepWindow()  # step values not yet copied to the host
         for epoch in range(config.epochs):
             if step >= self.total_steps:
                 break
@@ -134,25 +144,28 @@ class Trainer:
                 micro_losses.append(self.micro_step(batch, epoch, accumulation, last_micro_step))
                 if not last_micro_step:
                     continue
-                d_lr = self.optimizer_step(step)
-                if d_lr is not None:
-                    result.d_lr.append(d_lr)
-                pending.append(torch.stack(micro_losses).mean())
-                micro_losses = []
+                rates, grad_norm = self.optimizer_step(step)
+                if self.adaptive:
+                    result.d_lr.append({k[len("d_lr/"):]: v for k, v in rates.items() if k.startswith("d_lr/")})
                 step += 1
+                window.add(StepRecord(step, epoch, torch.stack(micro_losses).mean(), grad_norm, rates))
+                micro_losses = []
+                progress.step(step)
                 if step % config.log_every_steps == 0 or step == self.total_steps:
-                    window = self.runtime.mean(torch.stack(pending)).tolist()
-                    result.losses.extend(window)
-                    pending = []
-                    self._log_progress(step, epoch, sum(window) / len(window), start)
+                    result.losses.extend(self._log_window(window, progress))
                 if step in snapshots:
                     self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
                 self._update_part_activity(epoch, step)
                 if step >= self.total_steps:
                     break
-        result.losses.extend(self.runtime.mean(torch.stack(pending)).tolist() if pending else [])
+        result.losses.extend(self._log_window(window, progress))
+        progress.close()
         result.steps = step
         result.exported = self.export(Path(config.output_dir))
+        self.tracker.set_tags({"exported": " ".join(str(p) for p in result.exported)})
+        self.tracker.log_text("".join(f"{p}\n" for p in result.exported), "exported_paths.txt")
+        for warning in self.tracker.close():
+            self.log(f"warning: {warning}")
         return result
 
     def export(self, output_dir: Path) -> list[Path]:
@@ -200,26 +213,30 @@ class Trainer:
     def loss(self, batch: dict, epoch: int) -> torch.Tensor:
         return diffusion_loss(self.model, batch, self.config.seed, epoch)
 
-    def optimizer_step(self, step: int) -> dict[str, float] | None:
-        """Step `step` (0-based). Returns d x lr per group for adaptive optimizers, with the learning
-        rate this step applied (read before the schedule moves on)."""
-        self.strategy.step(self.optimizer, self.params)  # sync, clip, step, zero grads
-        d_lr = d_times_lr(self.optimizer) if self.adaptive else None
+    def optimizer_step(self, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
+        """Step `step` (0-based). Returns the learning rates this step applied (lr/<group>, and d_lr/<group>
+        for adaptive optimizers: the d x lr the step used) and the gradient norm before clipping."""
+        rates = applied_learning_rates(self.optimizer)  # the scheduler moves them right after the step
+        grad_norm = self.strategy.step(self.optimizer, self.params)  # sync, clip, step, zero grads
         self.scheduler.step()
         if self.ema:
             self.ema.update(step)
-        return d_lr
+        return rates, grad_norm
 
-    def _log_progress(self, step: int, epoch: int, loss: float, start: float) -> None:
-        elapsed = time.perf_counter() - start
-        samples = step * self.config.batch_size * self.config.gradient_accumulation_steps
-        lrs = " ".join(f"lr/{g['name']}={g['lr']:.3g}" for g in self.optimizer.param_groups)
-        lrs += "".join(f" d*lr/{name}={value:.3g}" for name, value in d_times_lr(self.optimizer).items())
-        loss_text = f"{loss:.4f}" if math.isfinite(loss) else str(loss)
-        self.log(
-            f"step {step}/{self.total_steps} epoch {epoch + 1}/{self.config.epochs} loss {loss_text} (mean since last line) "
-            f"{lrs} {samples / elapsed:.2f} samples/s"
-        )
+    def _log_window(self, window: StepWindow, progress: Progress) -> list[float]:
+        """Copy the window's step values to the host (one sync), track them, show progress; the losses."""
+        steps, seconds = window.pull(self.runtime.mean)
+        if not steps:
+            return []
+        samples_per_s = len(steps) * self.global_batch / seconds
+        for s in steps:
+            self.tracker.log_metrics(s.metrics, s.step, s.wall_time)
+        last = steps[-1]
+        self.tracker.log_metrics({"samples_per_s": samples_per_s, **memory_metrics(self.device)}, last.step, last.wall_time)
+        progress.window(last.step, last.epoch, window_mean_loss(steps), last.metrics, samples_per_s)
+        for notice in self.tracker.take_notices():
+            progress.write(f"warning: {notice}")
+        return [s.metrics["loss"] for s in steps]
 
 
 def build_ema(config: TrainConfig, ownership) -> ShardedEMA | None:

@@ -1,0 +1,81 @@
+"""Experiment tracking (MLflow, rank 0 only) and progress on screen."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from ot_dist.config.schema import TrainConfig, has_credentials
+from ot_dist.errors import ConfigError
+from ot_dist.tracking.base import Tracker
+from ot_dist.tracking.facts import flat_params, run_tags
+
+LOCAL_STORE = "mlflow.db"  # under output_dir: the embedded default, and where undelivered values go
+UNSENT_FILE = "mlflow_unsent.json"  # when even the local store cannot be written
+
+
+def local_store_uri(output_dir: str | Path) -> str:
+    # SQLite: MLflow 3's own default; its file store ("./mlruns") is in maintenance mode and refuses
+    # new stores unless MLFLOW_ALLOW_FILE_STORE is set.
+    return f"sqlite:///{Path(output_dir).resolve() / LOCAL_STORE}"
+
+
+def tracking_uri(config: TrainConfig) -> str:
+    """mlflow.tracking_uri, else MLFLOW_TRACKING_URI (as in MLflow, what is set explicitly wins),
+    else the local store under output_dir."""
+    uri = config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri(config.output_dir)
+    if has_credentials(uri):
+        raise ConfigError(
+            "MLFLOW_TRACKING_URI: the URI contains credentials (user:password@); remove them and set "
+            "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) instead"
+        )
+    return uri
+
+
+def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: str | None = None,
+                   step_offset: int = 0, log=print) -> Tracker:
+    """The tracker of this process: MLflow on the main rank (its run created in the background),
+    a no-op elsewhere or with mlflow.enabled false. `run_id` continues an earlier run, whose steps
+    continue after `step_offset`."""
+    settings = config.mlflow
+    if not settings.enabled:
+        return Tracker()
+    uri = tracking_uri(config)  # every rank checks, so a bad URI stops every rank alike
+    if not is_main:
+        return Tracker()
+    if importlib.util.find_spec("mlflow") is None:
+        log("warning: mlflow.enabled: MLflow is not installed, this run is not tracked "
+            "(pip install 'ot_dist[tracking]', or set mlflow.enabled: false)")
+        return Tracker()
+    from ot_dist.tracking.mlflow_tracker import MlflowTracker
+
+    output_dir = Path(config.output_dir).resolve()
+    local = local_store_uri(output_dir)
+    local_artifacts = (output_dir / "mlartifacts").as_uri()
+    tracker = MlflowTracker(
+        uri,
+        settings.experiment,
+        settings.run_name or output_dir.name,
+        run_id=run_id,
+        step_offset=step_offset,
+        artifact_location=local_artifacts if uri == local else None,
+        fallback_uri=local,
+        fallback_artifacts=local_artifacts,
+        fallback_file=output_dir / UNSENT_FILE,
+        shutdown_timeout=settings.shutdown_timeout_seconds,
+    )
+    config_yaml = config_text(config)
+    if run_id is None:
+        tracker.log_params(flat_params(config))  # a resumed run has them (and MLflow params never change)
+        tracker.log_text(config_yaml, "config.yaml")
+    else:
+        tracker.log_text(config_yaml, f"config-resumed-at-step-{step_offset}.yaml")
+    tracker.set_tags(run_tags(config, world_size))
+    return tracker
+
+
+def config_text(config: TrainConfig) -> str:
+    from ot_dist.config.load import dump_config
+
+    return dump_config(config)

@@ -1,0 +1,41 @@
+"""The tracker interface the trainer talks to. The base class tracks nothing: it is what
+non-main ranks and untracked runs get, so they make no tracking calls at all."""
+
+from __future__ import annotations
+
+import json
+
+
+class Tracker:
+    run_id: str | None = None
+    step_offset = 0
+
+    def log_metrics(self, metrics: dict[str, float], step: int, wall_time: float | None = None) -> None:
+        """Values of one optimizer step (`step` counts from 1 within this run; resumed runs add an offset)."""
+
+    def log_params(self, params: dict[str, str]) -> None:
+        pass
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        pass
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """A text artifact (a report, a list of exported files)."""
+
+    def log_dict(self, data: dict, artifact_file: str) -> None:
+        """A dict as a YAML (.yaml / .yml) or JSON artifact, e.g. the bucket report."""
+        if artifact_file.endswith((".yaml", ".yml")):
+            import yaml
+
+            text = yaml.safe_dump(data, sort_keys=False)
+        else:
+            text = json.dumps(data, indent=2)
+        self.log_text(text, artifact_file)
+
+    def take_notices(self) -> list[str]:
+        """Messages about the tracking itself (server gone, back again) for the user."""
+        return []
+
+    def close(self, status: str = "FINISHED") -> list[str]:
+        """End the run; returns warnings for the user (e.g. where undelivered values went)."""
+        return []

@@ -1,0 +1,312 @@
+"""MLflow tracking as a user meets it: against a real `mlflow server` (started here on 127.0.0.1),
+with one process and with 2 ranks; a resumed run continuing the same MLflow run; a server that is
+down or goes away mid-run; the embedded default store; progress on screen; secrets kept out."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import base_config
+
+from ot_dist.config.load import validate
+from ot_dist.errors import ConfigError
+from ot_dist.optim.schedulers import lr_factor
+from ot_dist.parallel.runtime import free_port
+from ot_dist.tracking import start_tracking, tracking_uri
+from ot_dist.tracking.base import Tracker
+from ot_dist.tracking.mlflow_tracker import MlflowTracker
+from ot_dist.tracking.progress import Progress
+from ot_dist.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+STEPS = 6
+SECRET = "s3cret-never-logged-7781"
+# LINEAR after a 2-step warmup, two groups with their own learning rates: every step's lr differs.
+SETTINGS = {"epochs": 2, "max_steps": STEPS, "log_every_steps": 4, "scheduler.name": "LINEAR", "scheduler.warmup_steps": 2,
+            "text_encoder.train": True, "text_encoder.learning_rate": 1e-4, "mlflow.enabled": True}
+
+
+class MlflowServer:
+    """`mlflow server` on a free local port with its own SQLite store; can be stopped and restarted."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        log = open(self.root / "server.log", "a")
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job worker pool
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(self.port),
+             "--backend-store-uri", f"sqlite:///{self.root / 'server.db'}", "--artifacts-destination",
+             str(self.root / "artifacts"), "--workers", "1"],
+            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, (self.root / "server.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2):
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError("mlflow server did not start: " + (self.root / "server.log").read_text()[-3000:])
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)  # its own session: the server and its workers
+        try:
+            self.process.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(15)
+        self.process = None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()
+
+
+def client(uri):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def history(uri, run_id, key) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client(uri).get_metric_history(run_id, key))
+
+
+def expected_lr(config, group_lr: float, step: int) -> float:
+    return group_lr * lr_factor(config.scheduler, step - 1, STEPS)
+
+
+def train(raw, **kwargs):
+    lines = []
+    trainer = Trainer(validate(raw), log=lines.append, **kwargs)
+    result = trainer.train()
+    return trainer, result, lines
+
+
+@pytest.fixture(scope="module")
+def first_run(server, tiny_models, shapes_data, tmp_path_factory):
+    """One process, batch 4, tracked on the server, with MLflow credentials in the environment."""
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path_factory.mktemp("first") / "out", batch_size=4,
+                      **SETTINGS, **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "tracking-test"})
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("MLFLOW_TRACKING_USERNAME", "trainer")
+        env.setenv("MLFLOW_TRACKING_PASSWORD", SECRET)
+        return train(raw)
+
+
+def test_one_process_logs_every_step_to_the_server(server, first_run):
+    trainer, result, lines = first_run
+    config, run_id = trainer.config, trainer.tracker.run_id
+    run = client(server.uri).get_run(run_id)
+    assert run.info.status == "FINISHED"
+    loss = history(server.uri, run_id, "loss")
+    assert [s for s, _ in loss] == list(range(1, STEPS + 1))
+    assert [v for _, v in loss] == pytest.approx(result.losses, rel=1e-7)
+    for group, group_lr in (("unet", 3e-4), ("text_encoder", 1e-4)):
+        lrs = history(server.uri, run_id, f"lr/{group}")
+        assert lrs == [(s, pytest.approx(expected_lr(config, group_lr, s), rel=1e-6)) for s in range(1, STEPS + 1)]
+    assert len({v for _, v in history(server.uri, run_id, "lr/unet")}) == STEPS  # warmup then decay: all differ
+    norms = history(server.uri, run_id, "grad_norm")
+    assert [s for s, _ in norms] == list(range(1, STEPS + 1)) and all(0 < v < 1e3 for _, v in norms)
+    assert history(server.uri, run_id, "epoch") == [(1, 1), (2, 1), (3, 1), (4, 1), (5, 2), (6, 2)]  # 4 steps/epoch
+    assert [s for s, _ in history(server.uri, run_id, "samples_per_s")] == [4, 6]  # one per log window
+    assert all(0 < v < 100 for _, v in history(server.uri, run_id, "memory/rss_gb"))
+    assert "d_lr/unet" not in run.data.metrics  # ADAMW estimates no d
+    # the resolved config as params and as an artifact; tags; exports
+    assert run.data.params["learning_rate"] == "0.0003" and run.data.params["scheduler.name"] == "LINEAR"
+    assert run.data.params["mlflow.tracking_uri"] == server.uri
+    tags = run.data.tags
+    assert (tags["strategy"], tags["world_size"], tags["model_family"], tags["method"]) == ("single", "1", "sd1", "full")
+    assert len(tags["git_commit"].removesuffix("-dirty")) == 40
+    assert tags["exported"].split() == [str(p) for p in result.exported]
+    artifacts = {a.path for a in client(server.uri).list_artifacts(run_id)}
+    assert {"config.yaml", "exported_paths.txt"} <= artifacts
+    logged_config = download_text(server.uri, run_id, "config.yaml")
+    assert validate(yaml.safe_load(logged_config)) == config
+    # the secret given through MLflow's environment variables is nowhere in what was logged
+    logged = [logged_config, download_text(server.uri, run_id, "exported_paths.txt"), *run.data.params.values(),
+              *run.data.tags.values()]
+    assert not any(SECRET in text for text in logged)
+    # plain progress lines (the test's output is no terminal), one per window
+    progress = [line for line in lines if line.startswith("step ")]
+    assert progress[0].startswith("step 4/6 epoch 1/2 loss ") and "lr/unet=" in progress[0]
+    assert "samples/s eta " in progress[0] and progress[1].startswith("step 6/6 ")
+
+
+def download_text(uri, run_id, path) -> str:
+    from mlflow.artifacts import download_artifacts
+
+    return Path(download_artifacts(run_id=run_id, artifact_path=path, tracking_uri=uri)).read_text()
+
+
+def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, tiny_models, shapes_data, tmp_path):
+    first, first_result, _ = first_run
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=4, **SETTINGS,
+                      **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "tracking-test"})
+    raw["max_steps"] = 3
+    resumed, result, _ = train(raw, tracking_run_id=first.tracker.run_id, tracking_step_offset=STEPS)
+    assert resumed.tracker.run_id == first.tracker.run_id
+    loss = history(server.uri, first.tracker.run_id, "loss")
+    assert [s for s, _ in loss] == list(range(1, STEPS + 4))  # contiguous: 1..6 then 7..9
+    assert [v for _, v in loss] == pytest.approx(first_result.losses + result.losses, rel=1e-7)
+    run = client(server.uri).get_run(first.tracker.run_id)
+    assert run.info.status == "FINISHED"
+    assert "config-resumed-at-step-6.yaml" in {a.path for a in client(server.uri).list_artifacts(run.info.run_id)}
+
+
+def test_two_ranks_log_once_and_only_rank_0_loads_mlflow(server, first_run, tiny_models, shapes_data, tmp_path):
+    """fsdp, batch 2 on each of 2 ranks = batch 4 in one process: the same losses and gradient norms."""
+    first, first_result, _ = first_run
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=2, strategy="fsdp", **SETTINGS,
+                      **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "two-ranks"})
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(REPO / "tests" / "helpers" / "train_reporting_imports.py"), "train", str(config)],
+        env={**ENV, "IMPORT_REPORT_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert json.loads((tmp_path / "rank0.json").read_text()) == {"mlflow_imported": True}
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"mlflow_imported": False}
+    experiment = client(server.uri).get_experiment_by_name("two-ranks")
+    (run,) = client(server.uri).search_runs([experiment.experiment_id])
+    assert run.data.tags["world_size"] == "2" and run.data.tags["strategy"] == "fsdp"
+    loss = history(server.uri, run.info.run_id, "loss")
+    assert [v for _, v in loss] == pytest.approx(first_result.losses, rel=1e-4)  # averaged over the ranks
+    reference_norms = [v for s, v in history(server.uri, first.tracker.run_id, "grad_norm") if s <= STEPS]
+    norms = history(server.uri, run.info.run_id, "grad_norm")
+    assert [s for s, _ in norms] == list(range(1, STEPS + 1))
+    assert [v for _, v in norms] == pytest.approx(reference_norms, rel=1e-4)  # the global norm of sharded grads
+
+
+def test_a_closed_port_costs_nothing_but_a_warning(tiny_models, shapes_data, tmp_path):
+    """20 steps against a port where nothing listens: exit 0, promptly, every point in the local store."""
+    port = free_port()
+    out = tmp_path / "out"
+    raw = base_config(tiny_models["sd1"], shapes_data, out, batch_size=1, epochs=2, max_steps=20, log_every_steps=5,
+                      **{"mlflow.enabled": True, "mlflow.tracking_uri": f"http://127.0.0.1:{port}"})
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "ot_dist", "train", str(config)], env=ENV, capture_output=True,
+                          text=True, timeout=600, cwd=tmp_path)
+    elapsed = time.monotonic() - start
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert f"warning: MLflow: cannot reach http://127.0.0.1:{port}" in done.stdout
+    local = f"sqlite:///{out.resolve() / 'mlflow.db'}"
+    assert f"could not be sent to http://127.0.0.1:{port}" in done.stdout and f"in the local store {local}" in done.stdout
+    assert elapsed < 120, f"{elapsed:.0f} s: waiting on the dead server?"  # a hang check: MLflow alone retries for minutes
+    (run,) = client(local).search_runs([client(local).get_experiment_by_name("ot_dist").experiment_id])
+    assert run.data.tags["ot_dist.unsent_to"] == f"http://127.0.0.1:{port}"
+    loss = history(local, run.info.run_id, "loss")
+    assert [s for s, _ in loss] == list(range(1, 21))
+    final = float(done.stdout.split("final loss ")[1].split()[0])
+    assert loss[-1][1] == pytest.approx(final, abs=1e-4)
+    assert len(history(local, run.info.run_id, "lr/unet")) == 20 and run.data.params["max_steps"] == "20"
+    assert "config.yaml" in {a.path for a in client(local).list_artifacts(run.info.run_id)}
+    assert list((out / "mlartifacts").rglob("config.yaml")) and not (tmp_path / "mlruns").exists()  # not in the cwd
+
+
+def test_values_kept_while_the_server_is_down_are_sent_when_it_is_back(server):
+    tracker = MlflowTracker(server.uri, "comes-back", "comes-back", shutdown_timeout=60)
+    tracker.log_metrics({"loss": 1.0}, step=1)
+    wait_for(lambda: tracker.outbox.is_empty() and tracker.run_id is not None)
+    server.stop()
+    try:
+        tracker.log_metrics({"loss": 2.0}, step=2)
+        tracker.log_metrics({"loss": 3.0}, step=3)
+        wait_for(lambda: tracker.error is not None)
+    finally:
+        server.start()
+    warnings = tracker.close()
+    assert not any("could not be sent" in w for w in warnings), warnings
+    assert history(server.uri, tracker.run_id, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert client(server.uri).get_run(tracker.run_id).info.status == "FINISHED"
+
+
+def wait_for(condition, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_without_settings_runs_are_tracked_in_a_local_store(tiny_models, shapes_data, tmp_path, monkeypatch):
+    """(With Prodigy, whose d x lr is logged too.)"""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=2, learning_rate=1.0,
+                      **{"optimizer.name": "PRODIGY", "scheduler.name": "CONSTANT", "scheduler.warmup_steps": 0})
+    del raw["mlflow"]  # the defaults, as a user's config has them
+    trainer, result, _ = train(raw)
+    uri = f"sqlite:///{tmp_path / 'out' / 'mlflow.db'}"
+    local = client(uri)
+    run = local.get_run(trainer.tracker.run_id)
+    assert run.data.tags["mlflow.runName"] == "out"  # the output folder's name
+    assert [m.value for m in local.get_metric_history(run.info.run_id, "loss")] == pytest.approx(result.losses)
+    d_lr = history(uri, run.info.run_id, "d_lr/unet")
+    assert d_lr[0] == (1, pytest.approx(1e-6))  # Prodigy's first step: d0 x lr
+    assert [s for s, _ in d_lr] == [1, 2] and d_lr[1][1] >= d_lr[0][1]
+    assert local.list_artifacts(run.info.run_id)  # the config went next to it
+    assert (tmp_path / "out" / "mlartifacts").is_dir()
+
+
+def test_credentials_never_go_in_a_uri(tiny_models, shapes_data, tmp_path, monkeypatch):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path, **{"mlflow.tracking_uri": "https://me:pw-8812@mlflow.example"})
+    with pytest.raises(ConfigError, match=r"mlflow.tracking_uri: the URI contains credentials") as err:
+        validate(raw)
+    assert "pw-8812" not in str(err.value)
+    raw["mlflow"] = {"enabled": True}
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://me:pw-8812@mlflow.example")
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_URI: the URI contains credentials"):
+        tracking_uri(validate(raw))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://mlflow.example")
+    assert tracking_uri(validate(raw)) == "https://mlflow.example"
+    raw["mlflow"]["tracking_uri"] = "http://other:5000"  # set in the config: the config wins, as in MLflow
+    assert tracking_uri(validate(raw)) == "http://other:5000"
+
+
+def test_only_the_main_rank_gets_a_tracker(tiny_models, shapes_data, tmp_path):
+    config = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path, **{"mlflow.enabled": True}))
+    assert type(start_tracking(config, is_main=False, world_size=2)) is Tracker  # does nothing, imports nothing
+
+
+def test_a_terminal_gets_a_progress_bar():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen, lines = Terminal(), []
+    progress = Progress(total_steps=10, epochs=2, log=lines.append, stream=screen)
+    for step in range(1, 6):
+        progress.step(step)
+    progress.window(5, 0, 0.1234, {"lr/unet": 2e-4, "d_lr/unet": 3e-4}, samples_per_s=12.5)
+    progress.close()
+    shown = screen.getvalue()
+    assert "epoch 1/2" in shown and "5/10" in shown and "loss 0.1234" in shown
+    assert "lr/unet=0.0002" in shown and "d*lr/unet=0.0003" in shown and "12.50 samples/s" in shown
+    assert "<" in shown  # tqdm's elapsed<remaining: the ETA
+    assert not lines  # no plain lines on a terminal
+
