@@ -142,7 +142,8 @@ def test_one_process_logs_every_step_to_the_server(server, first_run):
     assert len(tags["git_commit"].removesuffix("-dirty")) == 40
     assert tags["exported"].split() == [str(p) for p in result.exported]
     artifacts = {a.path for a in client(server.uri).list_artifacts(run_id)}
-    assert {"config.yaml", "exported_paths.txt"} <= artifacts
+    assert {"config.yaml", "exported_paths.txt", "bucket_report.txt"} <= artifacts
+    assert "bucket" in download_text(server.uri, run_id, "bucket_report.txt")  # the report printed at start
     logged_config = download_text(server.uri, run_id, "config.yaml")
     assert validate(yaml.safe_load(logged_config)) == config
     # the secret given through MLflow's environment variables is nowhere in what was logged

@@ -48,10 +48,14 @@ def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardR
     dataset = ShardDataset(ensure_shards(config, runtime, log), config)
     reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
                          runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction)
-    for line in bucket_report(reader.table, reader.global_batch, runtime.world_size, dataset.resolutions,
-                              dataset.step):
+    for line in report_lines(dataset, reader, runtime.world_size):
         log(line)
     return dataset, reader
+
+
+def report_lines(dataset: ShardDataset, reader: ShardReader, world_size: int) -> list[str]:
+    """The bucket report for this run's world size and global batch."""
+    return bucket_report(reader.table, reader.global_batch, world_size, dataset.resolutions, dataset.step)
 
 
 def report_for(config, shard_dir, world_size: int) -> list[str]:

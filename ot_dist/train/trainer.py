@@ -13,7 +13,7 @@ import torch
 
 from ot_dist.config.schema import TrainConfig
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
-from ot_dist.data.training_data import open_training_data
+from ot_dist.data.training_data import open_training_data, report_lines
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
 from ot_dist.optim.adaptive import startup_warnings
@@ -129,6 +129,8 @@ class Trainer:
         step = 0
         self.tracker = start_tracking(config, self.runtime.is_main, self.runtime.world_size,
                                       self.tracking_run_id, self.tracking_step_offset, self.log)
+        self.tracker.log_text("\n".join(report_lines(self.dataset, self.reader, self.runtime.world_size)) + "\n",
+                              "bucket_report.txt")
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main)
         window = StepWindow()  # step values not yet copied to the host
         for epoch in range(config.epochs):
