@@ -73,7 +73,7 @@ class Selection:
     runs: list[Run]
 
 
-def sum_by_parameter_blocks(values: torch.Tensor, runs: list[Run], block: int = 4096) -> torch.Tensor:
+def sum_by_parameter_blocks(values: torch.Tensor, runs: list[Run], block: int = 256) -> torch.Tensor:
     """The float64 sum of a selected vector, layout-independently: float32 sums over blocks of
     `block` consecutive selected elements of a parameter, aligned to the parameter's start, added in
     float64. A block is the same on every layout unless a shard boundary cuts it, so where the
