@@ -183,6 +183,36 @@ def test_resume_mid_epoch_also_on_another_world_size(acceptance):
         readers(dataset, world_size=1, batch_size=2)[0].load_state_dict(state)
 
 
+def test_resume_mid_epoch_in_two_gloo_processes(acceptance, tmp_path):
+    """The same stop-after-7-batches and resume, each rank its own process (2 loader workers each)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ot_dist.parallel.runtime import free_port
+
+    cfg, dataset = acceptance
+    repo = Path(__file__).resolve().parents[1]
+    raw = cfg.model_dump(mode="json")
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(repo / "tests" / "helpers" / "reader_resume.py"), str(dataset.dir), json.dumps(raw), str(tmp_path)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for got in ranks:
+        assert got["state"] == {"epoch": 0, "step": 7, "global_batch": 4}
+        assert got["head"] + got["rest"] == got["uninterrupted"] and len(got["uninterrupted"]) == 29
+    seen = [i for got in ranks for b in got["head"] + got["rest"] for i in b]
+    assert len(seen) == len(set(seen)) == 116
+    # and the processes read what the in-process readers read
+    assert ranks[0]["uninterrupted"] == ids(take(readers(dataset, world_size=2, batch_size=2)[0], epoch=0))
+
+
 def test_pathological_buckets_equal_steps_for_two_epochs_and_report_the_drops(tmp_path):
     # One large bucket and one image in each of 9 other aspects (1:1.25 ... 4:1).
     sizes = [(16, 16)] * 41 + [(16, 20), (16, 24), (16, 28), (16, 32), (16, 40), (20, 16), (24, 16), (32, 16), (64, 16)]
@@ -196,6 +226,29 @@ def test_pathological_buckets_equal_steps_for_two_epochs_and_report_the_drops(tm
     report = report_for(cfg, tmp_path / "set", world_size=2)
     assert sum("NEVER TRAINED" in line for line in report) == 9
     assert report[-1].strip().startswith("total: 50 samples/epoch, 10 steps/epoch, 10 dropped per epoch")
+
+
+def test_pathological_buckets_train_two_ranks_for_two_epochs(tiny_models, tmp_path):
+    """The same distribution scaled to 64 px, trained by 2 gloo processes for 2 epochs through the
+    trainer: no hang, 10 steps per epoch on every rank, and the start report names the 9 dropped buckets."""
+    import sys
+
+    from conftest import base_config
+    from test_strategies import run, write_config
+
+    from ot_dist.parallel.runtime import free_port
+
+    sizes = [(64, 64)] * 41 + [(64, 80), (64, 96), (64, 112), (64, 128), (64, 160), (80, 64), (96, 64), (128, 64),
+                               (256, 64)]
+    data = make_images(tmp_path / "imgs", sizes)
+    raw = base_config(tiny_models["sd1"], data, tmp_path / "out", batch_size=2, epochs=2, strategy="ddp",
+                      learning_rate=1e-5, **{"data.bucket_step": 32, "log_every_steps": 1})
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), "-m", "ot_dist", "train", str(write_config(tmp_path / "c.yaml", raw))])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert done.stdout.count("NEVER TRAINED") == 9, done.stdout
+    assert "total: 50 samples/epoch, 10 steps/epoch, 10 dropped per epoch" in done.stdout
+    assert "step 20/20 epoch 2/2" in done.stdout
 
 
 def test_masks_stay_aligned_through_resize_and_random_crop(tmp_path):
