@@ -166,3 +166,15 @@ def test_input_perturbation_changes_the_unet_input_not_the_target(models):
     torch.testing.assert_close(unet.inputs[0], scheduler.add_noise(latents, noise, timesteps))
     torch.testing.assert_close(unet.inputs[1], scheduler.add_noise(latents, noise + gamma * extra, timesteps))
     assert not torch.allclose(unet.inputs[0], unet.inputs[1])
+
+
+def test_config_errors_name_the_key():
+    from ot_dist.config.load import validate
+
+    raw = {"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o", "data": {"path": "d"}}
+    with pytest.raises(ConfigError, match=r"loss.max_timestep \(100\) is below loss.min_timestep \(200\)"):
+        validate({**raw, "loss": {"min_timestep": 200, "max_timestep": 100}})
+    with pytest.raises(ConfigError, match="masked_training.unmasked_probability"):
+        validate({**raw, "masked_training": {"enabled": True, "unmasked_probability": 1.5}})
+    with pytest.raises(ConfigError, match="loss.min_snr"):
+        validate({**raw, "loss": {"min_snr": 5}})  # a typo is an error, not a silent default
