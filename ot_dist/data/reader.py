@@ -86,6 +86,10 @@ class ShardDataset:
         part, offset, size = members[key][suffix]
         return self._read_member(cache_dir / part, key, suffix, offset, size)
 
+    def metadata(self, sample_id: int) -> dict:
+        """The sample's json member: source file, mask file, sizes, bucket (shards.py)."""
+        return self._read(self.samples[sample_id % len(self.samples)], "json")
+
     def captions(self, sample_id: int) -> list[str]:
         return self._read(self.samples[sample_id % len(self.samples)], "txt").split("\n")
 
@@ -93,7 +97,7 @@ class ShardDataset:
         resolution = resolution or self.resolutions[0]
         sample = self.samples[sample_id % len(self.samples)]
         height, width = bucket_size(sample["bucket"], resolution, self.step)
-        meta = self._read(sample, "json")
+        meta = self.metadata(sample_id)
         if "latents" in self.caches and use_cache:
             # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
             posterior = self._read_cached("latents", sample["key"], f"{resolution}.latent.safetensors")

@@ -24,6 +24,8 @@ from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.ema import ShardedEMA
 from ot_dist.train.loss import diffusion_loss
+from ot_dist.train.loss_options import timestep_bounds
+from ot_dist.train.masking import check_masks
 from ot_dist.tracking import start_tracking
 from ot_dist.tracking.base import Tracker
 from ot_dist.tracking.facts import memory_metrics
@@ -53,11 +55,13 @@ class Trainer:
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
         self.dataset, self.reader = open_training_data(config, self.runtime, self.log)  # shards + bucket report
+        check_masks(self.dataset, config.masked_training, self.log)
         sizes = self.reader.table.epoch_sizes().values()
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
         self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
         self.total_steps = self.plan.total_steps
         self.model: LoadedModel = load_model(config.model)
+        timestep_bounds(config.loss, self.model.noise_scheduler.config.num_train_timesteps)  # fails before training
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
         self._place_modules()
@@ -213,7 +217,7 @@ class Trainer:
         return loss.detach()
 
     def loss(self, batch: dict, epoch: int) -> torch.Tensor:
-        return diffusion_loss(self.model, batch, self.config.seed, epoch)
+        return diffusion_loss(self.model, batch, self.config.seed, epoch, self.config.loss, self.config.masked_training)
 
     def optimizer_step(self, step: int) -> tuple[dict[str, float], torch.Tensor | None]:
         """Step `step` (0-based). Returns the learning rates this step applied (lr/<group>, and d_lr/<group>

@@ -1,0 +1,79 @@
+"""The `loss` and `masked_training` sections: what the training objective weights and how it draws
+timesteps and noise. Every option is off by default, and off means the objective of a run without
+the section, bit for bit (ot_dist/train/loss_options.py, ot_dist/train/masking.py)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ot_dist.config.section import Section
+
+
+class LossConfig(Section):
+    """Loss weighting, noise and timestep options (OneTrainer's), each off by default."""
+
+    min_snr_gamma: float | None = Field(
+        default=None, gt=0,
+        description="Min-SNR-gamma weighting (Hang et al. 2023), e.g. 5: each sample's loss is multiplied by "
+        "min(SNR, gamma) / SNR (epsilon prediction) or min(SNR, gamma) / (SNR + 1) (v-prediction), SNR of its "
+        "timestep = alphas_cumprod / (1 - alphas_cumprod). null = off.",
+    )
+    offset_noise_weight: float = Field(
+        default=0.0, ge=0,
+        description="Offset noise: weight x one N(0,1) value per sample and channel is added to the noise "
+        "(learns very dark / bright images). 0 = off; 0.05-0.1 is usual.",
+    )
+    input_perturbation: float = Field(
+        default=0.0, ge=0,
+        description="Input perturbation (Ning et al. 2023): the noisy input is made with noise + gamma x N(0,1) "
+        "while the target stays the noise. 0 = off; 0.1 is usual.",
+    )
+    min_timestep: int = Field(default=0, ge=0, description="Smallest timestep trained (inclusive).")
+    max_timestep: int | None = Field(
+        default=None, ge=0,
+        description="Largest timestep trained (inclusive); null = the scheduler's last (num_train_timesteps - 1).",
+    )
+    timestep_distribution: Literal["uniform", "logit_normal"] = Field(
+        default="uniform",
+        description="How timesteps are drawn in [min_timestep, max_timestep]. logit_normal: sigmoid of "
+        "N(logit_normal_mean, logit_normal_std), concentrating on the middle of the range (SD3's choice).",
+    )
+    logit_normal_mean: float = Field(default=0.0, description="Mean of the normal under the sigmoid (logit_normal).")
+    logit_normal_std: float = Field(default=1.0, gt=0, description="Std of the normal under the sigmoid (logit_normal).")
+
+    @model_validator(mode="after")
+    def _range(self) -> "LossConfig":
+        if self.max_timestep is not None and self.max_timestep < self.min_timestep:
+            raise ValueError(f"loss.max_timestep ({self.max_timestep}) is below loss.min_timestep ({self.min_timestep})")
+        return self
+
+
+class MaskedTrainingConfig(Section):
+    """Masked training (OneTrainer's): learn only where each image's mask (`a-masklabel.png` beside
+    `a.png`; white = learn, black = ignore) is white. The mask follows the image through the bucket
+    resize and crop and is scaled to latent resolution (area average); each latent element's loss is
+    weighted by mask + (1 - mask) x unmasked_weight."""
+
+    enabled: bool = Field(default=False, description="Train with the masks (OneTrainer: masked_training).")
+    unmasked_probability: float = Field(
+        default=0.1, ge=0, le=1,
+        description="Probability that a sample trains without its mask on a step (drawn per sample, epoch and "
+        "seed: the same on any rank or batch split).",
+    )
+    unmasked_weight: float = Field(
+        default=0.1, ge=0, le=1, description="Loss weight of the masked-out (black) area; 0 = it is ignored."
+    )
+    normalize_masked_area_loss: bool = Field(
+        default=False,
+        description="Divide each sample's loss by the mean of its weights (the mask's area, the rest counted at "
+        "unmasked_weight), as OneTrainer: a small mask then counts as much as a large one. Raises the loss for "
+        "masks well under the whole image.",
+    )
+    missing_mask: Literal["error", "unmasked"] = Field(
+        default="error",
+        description="An image without a mask: error = stop before training, naming it; unmasked = train it on the "
+        "whole image.",
+    )
+
