@@ -50,10 +50,11 @@ CASES = {
     "ema": {"optimizer.name": "SGD", "learning_rate": 0.05, "epochs": 5, "max_steps": 20, "text_encoder.train": True,
             "ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 2},
 }
+# (zero3's layout is held to the single-process d at equal gradients in tests/test_prodigy.py; its
+# EMA gathering goes through the same fragments code as zero2's)
 STRATEGY_CASES = {
     "fsdp": ["prodigy", "prodigy-lora-rank-1-from-lr-0", "ema"],
     "zero2": ["prodigy-slice_p-11", "ema"],
-    "zero3": ["prodigy", "ema"],
 }
 
 
