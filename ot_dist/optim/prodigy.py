@@ -184,7 +184,7 @@ def accumulate(params, grads, states, group, beta1, beta2, beta3, d, s_rate):
     """Phase 1 of the step, with the current d: the moments, s, and this chunk's terms of the two
     sums d is estimated from. Returns ([<g, p0 - p> per tensor], [|s| per tensor]), float64."""
     if group["weight_decay"] != 0 and not group["decouple"]:
-        torch._foreach_add_(grads, params, alpha=group["weight_decay"])
+        add_scaled_(grads, params, group["weight_decay"])
     selected_grads = [g.reshape(-1)[s["selection"].index] for g, s in zip(grads, states)]
     numerators = []
     for g, p, s in zip(selected_grads, params, states):
@@ -193,14 +193,15 @@ def accumulate(params, grads, states, group, beta1, beta2, beta3, d, s_rate):
     if beta1 > 0:
         exp_avgs = [s["exp_avg"] for s in states]
         torch._foreach_mul_(exp_avgs, beta1)
-        torch._foreach_add_(exp_avgs, grads, alpha=d * (1 - beta1))
+        add_scaled_(exp_avgs, grads, d * (1 - beta1))
     exp_avg_sqs = [s["exp_avg_sq"] for s in states]
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=d * d * (1 - beta2))
     ss = [s["s"] for s in states]
     torch._foreach_mul_(ss, beta3)
-    torch._foreach_add_(ss, selected_grads, alpha=s_rate)
-    denominators = [sum_by_parameter_blocks(a, s["selection"].runs) for a, s in zip(torch._foreach_abs(ss), states)]
+    add_scaled_(ss, selected_grads, s_rate)
+    magnitudes = [ss[0].abs()] if len(ss) == 1 else torch._foreach_abs(ss)
+    denominators = [sum_by_parameter_blocks(a, s["selection"].runs) for a, s in zip(magnitudes, states)]
     return numerators, denominators
 
 
@@ -209,13 +210,22 @@ def take_step(params, grads, states, group, beta1, d, dlr):
     denoms = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
     torch._foreach_add_(denoms, d * group["eps"])
     if group["weight_decay"] != 0 and group["decouple"]:
-        torch._foreach_add_(params, params, alpha=-group["weight_decay"] * dlr)
+        add_scaled_(params, params, -group["weight_decay"] * dlr)
     if beta1 > 0:
         torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms, value=-dlr)
     else:
         torch._foreach_addcdiv_(params, grads, denoms, value=-dlr * d)
     for s in states:
         s["step"] += 1
+
+
+def add_scaled_(targets: list, sources: list, alpha: float) -> None:
+    """targets += alpha * sources. One tensor: the fused in-place op (torch's foreach with alpha falls
+    back to a multiply into a new tensor and an add on the CPU)."""
+    if len(targets) == 1:
+        targets[0].add_(sources[0], alpha=alpha)
+    else:
+        torch._foreach_add_(targets, sources, alpha=alpha)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
