@@ -48,8 +48,6 @@ def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardR
     dataset = ShardDataset(ensure_shards(config, runtime, log), config)
     reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
                          runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction)
-    for line in report_lines(dataset, reader, runtime.world_size):
-        log(line)
     return dataset, reader
 
 

@@ -30,7 +30,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ot_dist.parallel.ownership import Ownership, sum_by_parameter_blocks, whole
+from ot_dist.parallel.ownership import Ownership, local, sum_by_parameter_blocks, whole
 
 
 class ShardedProdigy(torch.optim.Optimizer):
@@ -56,7 +56,6 @@ class ShardedProdigy(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.ownership: Ownership | None = None
-        self.reductions = 0  # collectives issued for the estimate (tests count them)
 
     def attach_ownership(self, ownership: Ownership) -> None:
         """How the parameters this rank steps map onto the full ones, and the group to sum over."""
@@ -120,7 +119,6 @@ class ShardedProdigy(torch.optim.Optimizer):
             on_device = totals.to(self.ownership.device)  # e.g. NCCL needs it on the GPU under CPU offload
             dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=self.ownership.group)
             totals = on_device
-            self.reductions += 1
         delta_numerator, d_denom = totals.tolist()  # the one host sync of the step
         if d_denom == 0:
             return loss  # no gradient anywhere yet (decided on the global sum: every rank returns)
@@ -227,8 +225,3 @@ def add_scaled_(targets: list, sources: list, alpha: float) -> None:
     else:
         torch._foreach_add_(targets, sources, alpha=alpha)
 
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from ot_dist.errors import ConfigError
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Strategy
-from ot_dist.parallel.ownership import Ownership, dtensor_fragment, whole
+from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, whole
 from ot_dist.precision import DTYPES
 
 
@@ -26,10 +26,6 @@ def wrap_units(module: torch.nn.Module, patterns: tuple[str, ...]) -> list[torch
         if name and any(name == p or name.endswith("." + p) for p in patterns):
             units.extend(sub if isinstance(sub, torch.nn.ModuleList) else [sub])
     return units
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class FSDPStrategy(Strategy):

@@ -36,7 +36,7 @@ class Owned:
 
     def local(self) -> torch.Tensor:
         """The plain tensor holding this rank's values (read anew: strategies may swap `.data`)."""
-        return self.param.to_local() if isinstance(self.param, DTensor) else self.param
+        return local(self.param)
 
     def selection(self, every: int) -> Selection:
         """Every `every`-th element of each parameter (counted from the parameter's start) among the
@@ -93,6 +93,11 @@ def sum_by_parameter_blocks(values: torch.Tensor, runs: list[Run], block: int = 
     if not parts:
         return torch.zeros((), dtype=torch.float64, device=values.device)
     return torch.cat(parts).to(torch.float64).sum()
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def whole(param: torch.Tensor, name: str) -> Owned:

@@ -54,7 +54,10 @@ class Trainer:
         self.log = log if self.runtime.is_main else (lambda *_: None)
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
-        self.dataset, self.reader = open_training_data(config, self.runtime, self.log)  # shards + bucket report
+        self.dataset, self.reader = open_training_data(config, self.runtime, self.log)
+        self.bucket_report = report_lines(self.dataset, self.reader, self.runtime.world_size)
+        for line in self.bucket_report:
+            self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
         sizes = self.reader.table.epoch_sizes().values()
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
@@ -133,8 +136,7 @@ class Trainer:
         step = 0
         self.tracker = start_tracking(config, self.runtime.is_main, self.runtime.world_size,
                                       self.tracking_run_id, self.tracking_step_offset, self.log)
-        self.tracker.log_text("\n".join(report_lines(self.dataset, self.reader, self.runtime.world_size)) + "\n",
-                              "bucket_report.txt")
+        self.tracker.log_text("\n".join(self.bucket_report) + "\n", "bucket_report.txt")
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main)
         window = StepWindow()  # step values not yet copied to the host
         for epoch in range(config.epochs):
