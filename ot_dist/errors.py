@@ -17,3 +17,9 @@ class InputFileError(UserError):
     """A file the user pointed at is missing, unreadable or corrupt (model, image, caption)."""
 
     exit_code = 3
+
+
+class TrainingHalted(UserError):
+    """Training stopped itself to protect the weights (a non-finite loss); a checkpoint was kept."""
+
+    exit_code = 4

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from ot_dist.config.checkpoint import CheckpointConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
 from ot_dist.config.section import Section
@@ -258,7 +259,7 @@ class TrainConfig(Section):
         description="full = finetune the weights; lora = train LoRA adapters (peft); "
         "embedding = textual inversion."
     )
-    output_dir: str = Field(description="Where exports (and later checkpoints) go.")
+    output_dir: str = Field(description="Where exports, checkpoints (output_dir/checkpoints) and the local MLflow store go.")
     data: DataConfig
     seed: int = Field(default=42, description="Seeds shuffling, noise and timesteps (per sample).")
     resolution: int | list[int] = Field(
@@ -298,6 +299,7 @@ class TrainConfig(Section):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     ema: EMAConfig = Field(default_factory=EMAConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     masked_training: MaskedTrainingConfig = Field(default_factory=MaskedTrainingConfig)
     log_every_steps: int = Field(
@@ -378,6 +380,11 @@ class TrainConfig(Section):
                 self.part_trains(n) for n in self.part_names() if n != "unet")):
             raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "
                              "turn cache_text off or freeze the text encoders")
+        if self.checkpoint.on_nonfinite_loss == "skip_step" and self.strategy.startswith("zero"):
+            raise ValueError(
+                f"checkpoint.on_nonfinite_loss: skip_step is not supported with strategy {self.strategy}: DeepSpeed "
+                "reduces the gradients during backward and steps in one call, so a step cannot be dropped; use stop"
+            )
         check_optimizer_setup(self)
         return self
 

@@ -240,6 +240,10 @@ class ShardReader:
             yield batch
         self.epoch, self.step = epoch + 1, 0
 
+    def resume_position(self, epoch: int) -> int:
+        """Global batches of `epoch` the next `epoch_batches(epoch)` skips (restored by load_state_dict)."""
+        return self._resume[1] if self._resume and self._resume[0] == epoch else 0
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "step": self.step, "global_batch": self.global_batch}
 

@@ -157,6 +157,26 @@ class ShardedProdigy(torch.optim.Optimizer):
                 return local(p).device
         return torch.device("cpu")
 
+    def checkpoint_state(self, p: torch.Tensor) -> dict:
+        """p's state for a checkpoint, every entry shaped like p's local tensor: p0 and s (kept only at the
+        slice_p selection) are spread back to their elements, so they reshard like the moments."""
+        state = {k: v for k, v in self.state.get(p, {}).items() if k != "selection"}
+        if "p0" in state:
+            shape, index = local(p).shape, self.state[p]["selection"].index
+            for key in ("p0", "s"):
+                full = torch.zeros(shape.numel(), dtype=state[key].dtype, device=state[key].device)
+                full[index] = state[key]
+                state[key] = full.view(shape)
+        return state
+
+    def load_checkpoint_state(self, p: torch.Tensor, state: dict) -> None:
+        """The inverse of `checkpoint_state`, on this run's layout."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        entry: dict = {}
+        index = self._selection(p, entry, group["slice_p"]).index
+        entry.update({k: (v.reshape(-1)[index].clone() if k in ("p0", "s") else v) for k, v in state.items()})
+        self.state[p] = entry
+
     def state_dict(self):
         # The selection is derived from the layout (and may be a slice): rebuilt after loading.
         state = super().state_dict()

@@ -66,6 +66,10 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    def drop_gradients(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+        """Forget this step's gradients without stepping (a skipped non-finite step)."""
+        optimizer.zero_grad(set_to_none=True)
+
     # -- export / reporting --------------------------------------------------------------------
     def state_dict_of(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict of a module. A collective under sharding strategies:
@@ -87,6 +91,15 @@ class Strategy:
         named = self.trained_parameters()
         shapes = {n: p.shape for n, p in named.items()}
         return Ownership([whole(p, n) for n, p in named.items()], shapes, device=self.runtime.device)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def writes_checkpoint_shards(self) -> bool:
+        """Whether this rank's owned tensors go into a checkpoint: not when another rank holds the same
+        (replicated weights save once, from rank 0)."""
+        return self.runtime.is_main
+
+    def after_checkpoint_load(self) -> None:
+        """The owned (master) tensors were overwritten from a checkpoint: refresh whatever is derived from them."""
 
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds for training, by kind: params, grads, optimizer_state (local shards)."""

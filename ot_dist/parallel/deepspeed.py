@@ -166,6 +166,19 @@ class DeepSpeedStrategy(Strategy):
     def ownership(self):
         return zero_ownership(self.engine_optimizer, self.stage, self.trained_parameters(), self.runtime.device)
 
+    def writes_checkpoint_shards(self):
+        return True  # every rank steps its own partition
+
+    def after_checkpoint_load(self):
+        """The fp32 master partitions were loaded: copy them into the model's (bit16) weights, as DeepSpeed
+        does after an optimizer step."""
+        zero = self.engine_optimizer
+        if self.stage == 3:
+            for sub_group in range(len(zero.fp16_partitioned_groups_flat)):
+                zero._reassign_or_swap_out_partitioned_parameters(sub_group)
+        else:
+            zero.update_lp_params()
+
     def held_tensors(self):
         params = [p for m in self.trained_modules.values() for p in m.parameters()]
         if self.stage == 3:

@@ -88,6 +88,10 @@ class FSDPStrategy(Strategy):
         # Over a hybrid mesh the replicas hold the same shards: the pieces add up over the shard group.
         return fsdp_ownership(self.trained_parameters(), self.mesh.get_group("shard"), self.runtime.device)
 
+    def writes_checkpoint_shards(self):
+        # Over a hybrid mesh every replica group holds the same shards: the first one saves them.
+        return "replicate" not in (self.mesh.mesh_dim_names or ()) or self.mesh.get_local_rank("replicate") == 0
+
     def held_tensors(self):
         params = [p for m in self.trained_modules.values() for p in m.parameters()]
         return {

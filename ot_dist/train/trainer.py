@@ -11,7 +11,10 @@ from pathlib import Path
 
 import torch
 
+from ot_dist.checkpoint.layout import checkpoints_dir, resolve_resume
+from ot_dist.checkpoint.training_state import Checkpointer, Position
 from ot_dist.config.schema import TrainConfig
+from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.training_data import open_training_data, report_lines
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
@@ -32,6 +35,7 @@ from ot_dist.tracking.facts import memory_metrics
 from ot_dist.tracking.progress import Progress
 from ot_dist.tracking.window import StepRecord, StepWindow, applied_learning_rates, window_mean_loss
 from ot_dist.train.steps import plan_steps
+from ot_dist.train.stopping import StepGuard, StopSignals
 
 
 @dataclass
@@ -40,12 +44,17 @@ class TrainResult:
     steps: int = 0
     exported: list[Path] = field(default_factory=list)
     d_lr: list[dict[str, float]] = field(default_factory=list)  # adaptive optimizers: d x lr per group, per step
+    first_step: int = 0  # optimizer steps done before this run (resumed from a checkpoint)
+    stopped_by: str | None = None  # the signal that stopped training early (a checkpoint was saved)
+    skipped_steps: int = 0  # steps dropped for a non-finite loss (checkpoint.on_nonfinite_loss: skip_step)
+    checkpoint: Path | None = None  # the last checkpoint saved
 
 
 class Trainer:
     def __init__(self, config: TrainConfig, runtime: Runtime | None = None, log=print,
-                 tracking_run_id: str | None = None, tracking_step_offset: int = 0):
-        """`tracking_run_id` continues that MLflow run, its steps numbered after `tracking_step_offset`."""
+                 tracking_run_id: str | None = None, tracking_step_offset: int = 0, resume: str | None = None):
+        """`resume`: None, "auto" (the latest committed checkpoint in output_dir, if any) or a checkpoint path.
+        `tracking_run_id` continues that MLflow run, its steps numbered after `tracking_step_offset`."""
         self.config = config
         self.tracking_run_id, self.tracking_step_offset = tracking_run_id, tracking_step_offset
         self.tracker = Tracker()  # the real one starts with train()
@@ -84,6 +93,14 @@ class Trainer:
         self.precision = self.strategy.precision
         self.params = [p for g in self.groups for p in g.params]
         self.adaptive = config.optimizer.adaptive
+        self.checkpointer = Checkpointer(self)
+        self.position = Position()
+        folder = resolve_resume(resume, config.output_dir)
+        if folder is not None:
+            self.position = self.checkpointer.load(folder)
+            self.tracking_run_id = self.tracking_run_id or self.position.tracking_run_id
+        elif resume == "auto":
+            self.log(f"checkpoint: none committed in {checkpoints_dir(config.output_dir)}, starting from step 0")
 
     def _place_modules(self) -> None:
         """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default),
@@ -129,52 +146,100 @@ class Trainer:
         )
         for warning in startup_warnings(config):
             self.log(f"warning: {warning}")
-        snapshots: set[int] = set()
-        if config.scheduler.snapshot_at_cycle_lows:  # the bottom of every cycle; the last one is the final export
-            snapshots = set(cycle_lows(config.scheduler, self.total_steps)[:-1])
-        result = TrainResult()
-        step = 0
+        lows: set[int] = set()
+        if config.scheduler.snapshot_at_cycle_lows or config.checkpoint.at_cycle_lows:
+            lows = set(cycle_lows(config.scheduler, self.total_steps)[:-1])  # the last one is the end
+        snapshots = lows if config.scheduler.snapshot_at_cycle_lows else set()
+        checkpoint_lows = lows if config.checkpoint.at_cycle_lows else set()
+        result = TrainResult(first_step=self.position.step)
+        step = self.position.step
         self.tracker = start_tracking(config, self.runtime.is_main, self.runtime.world_size,
                                       self.tracking_run_id, self.tracking_step_offset, self.log)
         self.tracker.log_text("\n".join(self.bucket_report) + "\n", "bucket_report.txt")
-        progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main)
+        progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host
-        for epoch in range(config.epochs):
-            if step >= self.total_steps:
-                break
-            self._update_part_activity(epoch, step)
-            batches = self.epoch_batches(epoch)
-            micro_losses = []
-            for micro, batch in enumerate(batches):
-                if micro >= self.steps_per_epoch * accumulation:
-                    break  # the incomplete accumulation at the end of an epoch is dropped
-                last_micro_step = len(micro_losses) + 1 == accumulation
-                micro_losses.append(self.micro_step(batch, epoch, accumulation, last_micro_step))
-                if not last_micro_step:
-                    continue
-                rates, grad_norm = self.optimizer_step(step)
-                if self.adaptive:
-                    result.d_lr.append({k[len("d_lr/"):]: v for k, v in rates.items() if k.startswith("d_lr/")})
-                step += 1
-                window.add(StepRecord(step, epoch, torch.stack(micro_losses).mean(), grad_norm, rates))
-                micro_losses = []
-                progress.step(step)
-                if step % config.log_every_steps == 0 or step == self.total_steps:
-                    result.losses.extend(self._log_window(window, progress))
-                if step in snapshots:
-                    self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
-                self._update_part_activity(epoch, step)
-                if step >= self.total_steps:
+        every, epoch = config.checkpoint, self.position.epoch
+        with StopSignals(every.on_signal) as signals:
+            guard = StepGuard(self.runtime, signals, every.every_n_minutes, lambda: self.checkpointer.last_save_time)
+            for epoch in range(self.position.epoch, config.epochs):
+                if step >= self.total_steps or result.stopped_by:
                     break
+                self._update_part_activity(epoch, step)
+                done_in_epoch = self.reader.resume_position(epoch)  # global batches a resumed epoch skips
+                batches = self.epoch_batches(epoch)
+                micro_losses = []
+                for micro, batch in enumerate(batches, start=done_in_epoch * accumulation):
+                    if micro >= self.steps_per_epoch * accumulation:
+                        break  # the incomplete accumulation at the end of an epoch is dropped
+                    last_micro_step = len(micro_losses) + 1 == accumulation
+                    micro_losses.append(self.micro_step(batch, epoch, accumulation, last_micro_step))
+                    if not last_micro_step:
+                        continue
+                    loss = torch.stack(micro_losses).mean()
+                    micro_losses = []
+                    verdict = guard.check(loss)
+                    if verdict.nonfinite:
+                        if every.on_nonfinite_loss == "skip_step":
+                            self.strategy.drop_gradients(self.optimizer, self.params)
+                            result.skipped_steps += 1
+                            self.log(f"warning: non-finite loss at step {step + 1}: step skipped ({result.skipped_steps} so far)")
+                            continue
+                        self._halt_on_nonfinite(step, epoch)
+                    rates, grad_norm = self.optimizer_step(step)
+                    if self.adaptive:
+                        result.d_lr.append({k[len("d_lr/"):]: v for k, v in rates.items() if k.startswith("d_lr/")})
+                    step += 1
+                    window.add(StepRecord(step, epoch, loss, grad_norm, rates))
+                    progress.step(step)
+                    if step % config.log_every_steps == 0 or step == self.total_steps:
+                        result.losses.extend(self._log_window(window, progress))
+                    if step in snapshots:
+                        self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
+                    if verdict.stop:
+                        result.stopped_by = signals.received or "a signal on another rank"
+                        result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
+                        break
+                    if (every.every_n_steps and step % every.every_n_steps == 0) or verdict.save_due or step in checkpoint_lows:
+                        result.checkpoint = self._save(step, epoch, "interval")
+                    self._update_part_activity(epoch, step)
+                    if step >= self.total_steps:
+                        break
+                if every.every_n_epochs and (epoch + 1) % every.every_n_epochs == 0 and not result.stopped_by:
+                    result.checkpoint = self._save(step, epoch, "epoch end")
         result.losses.extend(self._log_window(window, progress))
         progress.close()
         result.steps = step
-        result.exported = self.export(Path(config.output_dir))
-        self.tracker.set_tags({"exported": " ".join(str(p) for p in result.exported)})
-        self.tracker.log_text("".join(f"{p}\n" for p in result.exported), "exported_paths.txt")
+        if result.stopped_by:
+            self.log(f"stopped by {result.stopped_by} after step {step}; resume with --resume auto "
+                     f"(or --resume {result.checkpoint})")
+        else:
+            if every.at_end:
+                result.checkpoint = self._save(step, epoch, "end of training")
+            result.exported = self.export(Path(config.output_dir))
+            self.tracker.set_tags({"exported": " ".join(str(p) for p in result.exported)})
+            self.tracker.log_text("".join(f"{p}\n" for p in result.exported), "exported_paths.txt")
         for warning in self.tracker.close():
             self.log(f"warning: {warning}")
         return result
+
+    def _save(self, step: int, epoch: int, reason: str) -> Path:
+        """A checkpoint of the state after `step` optimizer steps (once per step, whatever asked for it)."""
+        if self.checkpointer.last_saved_step == step:
+            return self.checkpointer.root / f"step-{step:08d}"
+        return self.checkpointer.save(step, epoch, reason)
+
+    def _halt_on_nonfinite(self, step: int, epoch: int) -> None:
+        """The weights are still those after `step` steps: keep them in a checkpoint and stop. The data
+        position is past the bad batch, so a resume (with a lower learning rate, say) goes on after it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        path = self.checkpointer.save(step, epoch, "non-finite loss")
+        for warning in self.tracker.close():
+            self.log(f"warning: {warning}")
+        raise TrainingHalted(
+            f"the loss of step {step + 1} is NaN or infinite on at least one rank; that step was not applied and the "
+            f"weights after step {step} are saved in {path}. Lower the learning rate (or set checkpoint.on_nonfinite_loss: "
+            "skip_step) and resume with --resume auto"
+        )
 
     def export(self, output_dir: Path) -> list[Path]:
         write = self.runtime.is_main
@@ -263,8 +328,8 @@ def enable_gradient_checkpointing(module: torch.nn.Module) -> None:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def train(config: TrainConfig, log=print) -> TrainResult:
-    trainer = Trainer(config, log=log)
+def train(config: TrainConfig, log=print, resume: str | None = None) -> TrainResult:
+    trainer = Trainer(config, log=log, resume=resume)
     try:
         return trainer.train()
     finally:

@@ -1,0 +1,271 @@
+"""Each rank's share of the training state, saved as the fragments it owns and read back into any layout.
+
+A rank saves the tensors its optimizer steps (parallel/ownership.py: whole parameters, FSDP2 local
+shards, ZeRO flat partitions), their EMA and their optimizer state, as flat safetensors, plus a JSON
+list of which run of which named parameter each one holds. Loading asks, for every fragment the *new*
+layout owns, which saved runs cover it, and copies those element ranges. So a checkpoint written by 2
+fsdp ranks loads on 1 rank, on 4, or under zero2, without a conversion step and without pickle:
+torch's distributed checkpoint keeps its index as a pickle and DeepSpeed's files are pickles loaded
+with `weights_only=False`, which this project's security rules exclude.
+
+Optimizer state entries are classified per parameter: `elementwise` (shaped like the parameter: Adam's
+moments) reshards; `scalar` (a step count) is copied; `opaque` (Adafactor's factored rows, 8-bit
+blocks) only loads into the same layout, and anything else is an error naming the entry.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
+
+from ot_dist.errors import InputFileError
+from ot_dist.parallel.ownership import Fragment, Ownership, local
+
+
+def rank_stem(rank: int) -> str:
+    return f"rank-{rank:05d}"
+
+
+# -- saving ------------------------------------------------------------------------------------------
+
+
+def optimizer_state_of(optimizer, param) -> dict:
+    """An optimizer's state for one parameter, with selection-shaped entries expanded to the parameter's
+    shape when the optimizer knows how (ShardedProdigy's p0 / s)."""
+    expand = getattr(optimizer, "checkpoint_state", None)
+    return expand(param) if expand else dict(optimizer.state.get(param, {}))
+
+
+def classify(state: dict, owned_shape: torch.Size) -> dict[str, str]:
+    kinds = {}
+    for key, value in state.items():
+        if not torch.is_tensor(value):
+            continue
+        shape = local(value).shape
+        kinds[key] = "elementwise" if shape == owned_shape and len(shape) else "scalar" if not len(shape) else "opaque"
+    if "opaque" in kinds.values():  # e.g. 8-bit moments with per-block scales: they only make sense together
+        kinds = {k: ("opaque" if kind == "elementwise" else kind) for k, kind in kinds.items()}
+    return kinds
+
+
+def _host(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
+    t = local(t).detach()
+    t = t.to("cpu").contiguous()
+    key = t.untyped_storage().data_ptr()
+    if key in seen:  # safetensors refuses tensors sharing memory (a ZeRO-3 master is its partition's storage)
+        t = t.clone()
+    seen.add(t.untyped_storage().data_ptr())
+    return t
+
+
+def save_rank_state(folder: Path, rank: int, ownership: Ownership, optimizer, ema, writes_owned: bool,
+                    extra_tensors: dict[str, torch.Tensor], extra_json: dict) -> None:
+    """Write rank-<r>.safetensors and rank-<r>.json into `folder`. `writes_owned` is false on ranks whose
+    owned tensors duplicate another rank's (ddp replicas, hybrid-shard replicas): they save only their RNG."""
+    tensors, owned_meta, seen = {}, [], set()
+    for i, owned in enumerate(ownership.owned if writes_owned else []):
+        values = owned.local()
+        tensors[f"w/{i}"] = _host(values.reshape(-1), seen)
+        if ema is not None:
+            tensors[f"ema/{i}"] = _host(ema.values[i].reshape(-1), seen)
+        state = optimizer_state_of(optimizer, owned.param)
+        kinds = classify(state, values.shape)
+        entries, python = {}, {}
+        for key, value in state.items():
+            if key not in kinds:
+                python[key] = value
+                continue
+            plain = local(value)
+            tensors[f"opt/{i}/{key}"] = _host(plain.reshape(-1) if kinds[key] == "elementwise" else plain, seen)
+            entries[key] = {
+                "kind": kinds[key],
+                "dtensor": isinstance(value, DTensor),
+                "on_param_device": plain.device == values.device,
+            }
+        owned_meta.append({
+            "numel": values.numel(),
+            "fragments": [[f.name, f.param_offset, f.local_offset, f.numel] for f in owned.fragments],
+            "state": entries,
+            "python_state": jsonable(python, f"optimizer state of {owned.fragments[0].name if owned.fragments else i}"),
+        })
+    for key, value in extra_tensors.items():
+        tensors[key] = _host(value, seen)
+    save_file(tensors, folder / f"{rank_stem(rank)}.safetensors")
+    meta = {"rank": rank, "owned": owned_meta, **extra_json}
+    (folder / f"{rank_stem(rank)}.json").write_text(json.dumps(meta))
+
+
+def jsonable(value, what: str):
+    """`value` as plain JSON types (tuples as lists, one-element tensors as numbers), or a TypeError naming it."""
+    if isinstance(value, (tuple, list)):
+        return [jsonable(v, what) for v in value]
+    if isinstance(value, dict):
+        return {str(k): jsonable(v, what) for k, v in value.items()}
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"checkpoint: the {what} holds a {type(value).__name__}, which a checkpoint cannot store")
+
+
+# -- loading -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavedPiece:
+    file: Path
+    index: int  # position in that rank's owned list
+    fragment: Fragment
+
+
+class SavedShards:
+    """Every rank file of a checkpoint, indexed by parameter name."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.ranks = sorted(folder.glob("rank-*.json"))
+        if not self.ranks:
+            raise InputFileError(f"checkpoint {folder}: no rank-*.json files")
+        self.meta = {path.with_suffix(".safetensors"): json.loads(path.read_text()) for path in self.ranks}
+        self.by_name: dict[str, list[SavedPiece]] = {}
+        for file, meta in self.meta.items():
+            for i, owned in enumerate(meta["owned"]):
+                for name, param_offset, local_offset, numel in owned["fragments"]:
+                    self.by_name.setdefault(name, []).append(SavedPiece(file, i, Fragment(name, param_offset, local_offset, numel)))
+        self._handles = {}
+
+    def rank_meta(self, rank: int) -> dict | None:
+        return self.meta.get(self.folder / f"{rank_stem(rank)}.safetensors")
+
+    def owned_meta(self, piece: SavedPiece) -> dict:
+        return self.meta[piece.file]["owned"][piece.index]
+
+    def tensor(self, file: Path, key: str) -> torch.Tensor:
+        return self._handle(file).get_tensor(key)
+
+    def has(self, file: Path, key: str) -> bool:
+        return key in self._handle(file).keys()
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file]
+
+    def dtype_of(self, kind: str, f: Fragment, key: str = "") -> torch.dtype:
+        piece = self.reference(f)
+        name = f"{kind}/{piece.index}" + (f"/{key}" if key else "")
+        return self._handle(piece.file).get_slice(name)[0:1].dtype  # flat tensors: read one element
+
+    def fill(self, kind: str, target: torch.Tensor, fragments: list[Fragment], key: str = "") -> None:
+        """Copy the saved values of `kind` ("w", "ema", "opt") covering `fragments` into the flat `target`."""
+        for f in fragments:
+            covered = 0
+            for piece in self.by_name.get(f.name, []):
+                s = piece.fragment
+                first, end = max(f.param_offset, s.param_offset), min(f.param_offset + f.numel, s.param_offset + s.numel)
+                if first >= end:
+                    continue
+                name = f"{kind}/{piece.index}" + (f"/{key}" if key else "")
+                if not self.has(piece.file, name):
+                    raise InputFileError(f"checkpoint {self.folder}: {piece.file.name} has no {name} for {f.name}")
+                source = self._handle(piece.file).get_slice(name)
+                start = s.local_offset + first - s.param_offset
+                values = source[start : start + end - first]
+                at = f.local_offset + first - f.param_offset
+                target[at : at + end - first].copy_(values)
+                covered += end - first
+            if covered != f.numel:
+                raise InputFileError(
+                    f"checkpoint {self.folder}: elements {f.param_offset}..{f.param_offset + f.numel} of {f.name} are "
+                    f"covered {covered} times over {f.numel} elements in the saved shards (files missing or mixed "
+                    "from different checkpoints)"
+                )
+
+    def reference(self, f: Fragment) -> SavedPiece:
+        """The saved piece holding the first element of `f`: where scalar state is taken from."""
+        for piece in self.by_name.get(f.name, []):
+            s = piece.fragment
+            if s.param_offset <= f.param_offset < s.param_offset + s.numel:
+                return piece
+        raise InputFileError(f"checkpoint {self.folder}: no saved shard holds {f.name}[{f.param_offset}]")
+
+
+def load_rank_state(saved: SavedShards, ownership: Ownership, optimizer, ema, optimizer_name: str) -> None:
+    """Fill this rank's owned weights, EMA and optimizer state from `saved`, whatever layout wrote it."""
+    for i, owned in enumerate(ownership.owned):
+        if not owned.fragments:
+            continue
+        values = owned.local()
+        with torch.no_grad():
+            flat = values.detach().reshape(-1)
+            staged = torch.empty(flat.shape, dtype=flat.dtype)
+            staged.copy_(flat)  # ZeRO partitions end in padding no fragment covers: keep it
+            saved.fill("w", staged, owned.fragments)
+            flat.copy_(staged)
+            ref = saved.reference(owned.fragments[0])
+            if ema is not None and saved.has(ref.file, f"ema/{ref.index}"):
+                target = ema.values[i].detach().reshape(-1).to("cpu", copy=True)
+                saved.fill("ema", target, owned.fragments)
+                ema.values[i].reshape(-1).copy_(target)
+            # A checkpoint saved without EMA leaves the average at the current weights (its start value).
+        state = _load_optimizer_state(saved, owned, values, optimizer_name)
+        if state:
+            restore = getattr(optimizer, "load_checkpoint_state", None)
+            if restore:
+                restore(owned.param, state)
+            else:
+                optimizer.state[owned.param] = state
+
+
+def _load_optimizer_state(saved: SavedShards, owned, values: torch.Tensor, optimizer_name: str) -> dict:
+    ref = saved.reference(owned.fragments[0])
+    meta = saved.owned_meta(ref)
+    same_layout = meta["fragments"] == [[f.name, f.param_offset, f.local_offset, f.numel] for f in owned.fragments]
+    state = dict(meta["python_state"])
+    for key, entry in meta["state"].items():
+        kind = entry["kind"]
+        if kind == "elementwise":
+            target = torch.empty(values.numel(), dtype=saved.dtype_of("opt", owned.fragments[0], key))
+            saved.fill("opt", target, owned.fragments, key)
+            value = target.view(values.shape)
+        elif kind == "scalar":
+            value = saved.tensor(ref.file, f"opt/{ref.index}/{key}")
+        elif same_layout:
+            value = saved.tensor(ref.file, f"opt/{ref.index}/{key}")
+        else:
+            raise InputFileError(
+                f"checkpoint {saved.folder}: the optimizer state '{key}' of {optimizer_name} is not per element (it "
+                f"belongs to the layout that saved it), and this run splits {owned.fragments[0].name} differently; "
+                "resume with the strategy and number of processes that saved it"
+            )
+        if entry["on_param_device"]:
+            value = value.to(values.device)
+        if entry["dtensor"] and isinstance(owned.param, DTensor):
+            value = _as_dtensor(value, owned.param)
+        state[key] = value
+    return state
+
+
+def _as_dtensor(value: torch.Tensor, param: DTensor) -> DTensor:
+    from torch.distributed.tensor import Replicate
+
+    if value.shape == local(param).shape:
+        return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return DTensor.from_local(value, param.device_mesh, [Replicate()] * param.device_mesh.ndim, run_check=False)
+
+
+def gather_full_from_files(saved: SavedShards, shapes: dict[str, list[int]], kind: str = "w") -> dict[str, torch.Tensor]:
+    """Full parameters from the files alone, in one process (`ot-dist export CHECKPOINT`)."""
+    full = {}
+    for name, shape in shapes.items():
+        numel = torch.Size(shape).numel()
+        out = torch.empty(numel, dtype=saved.dtype_of(kind, Fragment(name, 0, 0, numel)))
+        saved.fill(kind, out, [Fragment(name, 0, 0, numel)])
+        full[name] = out.view(shape)
+    return full

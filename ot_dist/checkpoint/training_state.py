@@ -1,0 +1,168 @@
+"""Save and restore everything a run needs to continue as if it had never stopped.
+
+A checkpoint folder holds, besides the per-rank shards (shards.py) and RNG states (rng.py),
+`trainer.json` from rank 0: the position (optimizer steps, epoch, the data reader's place, samples
+seen), the scheduler, the optimizer's group settings (learning rates, Prodigy's d), the MLflow run id,
+what the run was (strategy, world size, parameter shapes, groups) and its resolved config. JSON and
+safetensors only: nothing in a checkpoint can execute code when it is read.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ot_dist.checkpoint import layout
+from ot_dist.checkpoint.rng import capture_rng, restore_rng
+from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, rank_stem, save_rank_state
+from ot_dist.errors import InputFileError
+
+FORMAT = 1
+TRAINER_FILE = "trainer.json"
+
+
+@dataclass
+class Position:
+    """Where training stands: `step` optimizer steps are done; the reader continues in `epoch`."""
+
+    step: int = 0
+    epoch: int = 0
+    tracking_run_id: str | None = None
+    resumed_from: Path | None = None
+
+
+def read_trainer_state(folder: Path) -> dict:
+    path = folder / TRAINER_FILE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise InputFileError(f"checkpoint {folder}: cannot read {TRAINER_FILE}: {err}") from None
+    if state.get("format") != FORMAT:
+        raise InputFileError(f"checkpoint {folder}: format {state.get('format')!r}, this ot_dist reads format {FORMAT}")
+    return state
+
+
+class Checkpointer:
+    """The trainer's checkpoints: `save` (a collective: every rank calls it at the same step) and
+    `load` (every rank reads what its layout owns)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.root = layout.checkpoints_dir(trainer.config.output_dir)
+        self.last_saved_step: int | None = None
+        self.last_save_time = time.monotonic()
+
+    # -- saving -------------------------------------------------------------------------------------
+    def save(self, step: int, epoch: int, reason: str) -> Path:
+        t, runtime = self.trainer, self.trainer.runtime
+        partial = layout.partial_dir(self.root, step)
+        if runtime.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        runtime.barrier()  # the folder exists before anyone writes into it
+        rng_tensors, rng_json = capture_rng()
+        save_rank_state(partial, runtime.rank, t.ownership, t.optimizer, t.ema, t.strategy.writes_checkpoint_shards(),
+                        rng_tensors, {"rng": rng_json, "world_size": runtime.world_size})
+        if runtime.is_main:
+            (partial / TRAINER_FILE).write_text(json.dumps(self.trainer_state(step, epoch, reason), indent=1))
+        runtime.barrier()  # every rank's files are complete
+        target = layout.final_name(step)
+        if runtime.is_main:
+            layout.commit(partial, self.root, step, t.config.checkpoint.keep_last)
+        runtime.barrier()  # nobody goes on (or exits) before the checkpoint is committed
+        self.last_saved_step, self.last_save_time = step, time.monotonic()
+        t.log(f"checkpoint: saved step {step} ({reason}) to {self.root / target}")
+        return self.root / target
+
+    def trainer_state(self, step: int, epoch: int, reason: str) -> dict:
+        t = self.trainer
+        return {
+            "format": FORMAT,
+            "step": step,
+            "epoch": epoch,
+            "samples_seen": step * t.global_batch,
+            "data": t.reader.state_dict(),
+            "scheduler": jsonable(t.scheduler.state_dict(), "scheduler state"),
+            "optimizer_groups": jsonable([{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups],
+                                          "optimizer group settings"),
+            "tracking_run_id": t.tracker.run_id,
+            "world_size": t.runtime.world_size,
+            "strategy": t.strategy.name,
+            "method": t.config.method,
+            "family": t.config.model.family,
+            "optimizer": t.config.optimizer.name,
+            "groups": [g.name for g in t.groups],
+            "shapes": {name: list(shape) for name, shape in t.ownership.shapes.items()},
+            "ema": t.ema is not None,
+            "reason": reason,
+            "saved_at": time.time(),
+            "config": t.config.model_dump(mode="json"),
+        }
+
+    # -- loading ------------------------------------------------------------------------------------
+    def load(self, folder: Path) -> Position:
+        t = self.trainer
+        state = read_trainer_state(folder)
+        check_compatible(state, t, folder)
+        saved = SavedShards(folder)
+        load_rank_state(saved, t.ownership, t.optimizer, t.ema, t.config.optimizer.name)
+        t.strategy.after_checkpoint_load()
+        for group, settings in zip(t.optimizer.param_groups, state["optimizer_groups"], strict=True):
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()})
+        t.scheduler.load_state_dict(state["scheduler"])
+        t.reader.load_state_dict(state["data"])
+        own = saved.rank_meta(t.runtime.rank)
+        if own is not None and state["world_size"] == t.runtime.world_size:
+            rng_tensors = {k: saved.tensor(folder / f"{rank_stem(t.runtime.rank)}.safetensors", k)
+                           for k in ("rng/torch", "rng/cuda", "rng/numpy")
+                           if saved.has(folder / f"{rank_stem(t.runtime.rank)}.safetensors", k)}
+            restore_rng(rng_tensors, own["rng"])
+        else:
+            t.log(f"checkpoint: saved with {state['world_size']} processes, now {t.runtime.world_size}: the global "
+                  "random streams restart from the seed (per-sample noise, timesteps and order are unaffected)")
+        for line in config_changes(state["config"], t.config.model_dump(mode="json")):
+            t.log(f"checkpoint: {line}")
+        t.log(f"checkpoint: resumed from {folder} at step {state['step']} (epoch {state['data']['epoch']}, "
+              f"{state['samples_seen']} samples seen; saved by {state['world_size']} x {state['strategy']})")
+        return Position(state["step"], state["data"]["epoch"], state["tracking_run_id"], folder)
+
+
+def check_compatible(state: dict, trainer, folder: Path) -> None:
+    """Refuse, naming the field, what a checkpoint cannot continue as."""
+    config = trainer.config
+    for field, key, now in (("model.family", "family", config.model.family), ("method", "method", config.method),
+                            ("optimizer.name", "optimizer", config.optimizer.name)):
+        saved = state[key]
+        if saved != now:
+            raise InputFileError(f"--resume {folder}: {field} is {now}, the checkpoint was trained with {saved}; "
+                                 "resume with the same value or start a new run")
+    shapes = {name: list(shape) for name, shape in trainer.ownership.shapes.items()}
+    if shapes != state["shapes"]:
+        missing = sorted(set(state["shapes"]) ^ set(shapes))
+        differing = [n for n in shapes if n in state["shapes"] and shapes[n] != state["shapes"][n]]
+        what = f"parameter {differing[0]}: {state['shapes'][differing[0]]} saved, {shapes[differing[0]]} now" if differing \
+            else f"parameters present in only one of them, e.g. {missing[0]}"
+        raise InputFileError(f"--resume {folder}: the trained parameters differ ({what}); other model, LoRA rank / "
+                             "targets or trained parts than the checkpoint's")
+    groups = [g.name for g in trainer.groups]
+    if groups != state["groups"]:
+        raise InputFileError(
+            f"--resume {folder}: the optimizer's parameter groups are {groups} under {trainer.strategy.name}, the "
+            f"checkpoint has {state['groups']} (saved under {state['strategy']}); resume with that strategy family"
+        )
+
+
+def config_changes(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """Settings that differ from the checkpoint's (allowed: epochs, learning rate, ... ; shown to the user)."""
+    lines = []
+    for key in sorted(set(saved) | set(now)):
+        a, b = saved.get(key), now.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            lines += config_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            lines.append(f"{prefix}{key} changed from {a!r} to {b!r}")
+    return lines

@@ -1,0 +1,43 @@
+"""The `checkpoint` section: when training state is saved, how many checkpoints are kept, and what a
+non-finite loss does. What a checkpoint holds and how it is committed: ot_dist/checkpoint/."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ot_dist.config.section import Section
+
+
+class CheckpointConfig(Section):
+    """Resumable training state (OneTrainer's backups), written by every rank under
+    output_dir/checkpoints/step-<N>/ and committed atomically."""
+
+    every_n_steps: int | None = Field(default=None, ge=1, description="Save every N optimizer steps; null = off.")
+    every_n_epochs: int | None = Field(default=None, ge=1, description="Save at the end of every N-th epoch; null = off.")
+    every_n_minutes: float | None = Field(
+        default=30, gt=0,
+        description="Save when this many minutes passed since the last save (rank 0's clock decides for all); "
+        "null = off.",
+    )
+    at_cycle_lows: bool = Field(
+        default=False, description="Save at the bottom of every cycle of a cyclic scheduler (see scheduler)."
+    )
+    at_end: bool = Field(default=True, description="Save when training ends (before the export).")
+    on_signal: bool = Field(
+        default=True,
+        description="On SIGTERM / SIGINT (preemption, Ctrl-C) finish the current optimizer step, save and exit 0; "
+        "a second SIGINT interrupts at once.",
+    )
+    keep_last: int | None = Field(
+        default=3, ge=1,
+        description="Keep the newest N committed checkpoints; older ones are deleted only after a new one "
+        "committed. null = keep all.",
+    )
+    on_nonfinite_loss: Literal["stop", "skip_step"] = Field(
+        default="stop",
+        description="A NaN / inf loss on any rank. stop: save the weights as they are (the bad step is not "
+        "applied) and exit with code 4; skip_step: drop that step's gradients and go on (not under zero1-3, "
+        "whose engine owns the step). Checking costs one host sync per optimizer step.",
+    )
