@@ -37,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train from a config")
     add_config_args(train)
+    add_resume_arg(train)
 
     config = sub.add_parser("config", help="check a config or print the config reference")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="static: nodes given their rank; c10d: torchrun's elastic rendezvous assigns them")
     launch.add_argument("--max-restarts", type=int, default=0, help="times torchrun restarts failed workers")
     launch.add_argument("--strategy", default=None, choices=["single", "ddp", "fsdp", "zero1", "zero2", "zero3"])
+    add_resume_arg(launch)
     launch.add_argument("--dry-run", action="store_true", help="only print the command and the accelerate config")
 
     k8s = sub.add_parser("k8s", help="render Kubernetes manifests that run `ot-dist launch` for a config")
@@ -83,12 +85,34 @@ def build_parser() -> argparse.ArgumentParser:
                        "data_shards/<name>)")
     build.add_argument("--world-size", type=int, default=1, help="processes the bucket report assumes (default 1)")
 
+    export = sub.add_parser("export", help="write the exports (diffusers, single file, LoRA, embedding) of a checkpoint")
+    export.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step-N), or an output_dir / "
+                        "checkpoints folder: its latest committed checkpoint")
+    export.add_argument("--format", dest="formats", action="append", default=None,
+                        choices=["diffusers", "single-file", "lora", "embedding"],
+                        help="what to write (repeatable; default: all the method writes at the end of training)")
+    export.add_argument("--ema", action="store_true", help="export the EMA weights (files named *_ema)")
+    export.add_argument("--out", default=None, metavar="DIR", help="default: OUTPUT_DIR/exports/step-N")
+
     demo = sub.add_parser("demo", help="the embedded demo")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     prepare = demo_sub.add_parser("prepare", help="create the tiny model(s) and the shapes dataset")
     prepare.add_argument("--root", default="demo_out", help="where to create them (default: demo_out)")
     prepare.add_argument("--family", nargs="+", default=["sd1"], choices=["sd1", "sd2", "sdxl"])
     return parser
+
+
+def add_resume_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--resume", default=None, metavar="auto|PATH",
+                   help="continue from a checkpoint: auto = the latest committed one in output_dir (or start fresh "
+                   "if there is none), or a checkpoint folder. A restarted worker group (torchrun --max-restarts) "
+                   "always resumes auto.")
+
+
+def resume_choice(args: argparse.Namespace) -> str | None:
+    # torchrun restarts the whole worker group after a failure: it must continue, not start over.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    return args.resume or ("auto" if restarted else None)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -117,9 +141,17 @@ def run(args: argparse.Namespace) -> int:
         config = reconcile_with_launcher(load_config(args.config, args.overrides))
         from ot_dist.train.trainer import train
 
-        result = train(config)
+        result = train(config, resume=resume_choice(args))
         if int(os.environ.get("RANK", "0")) == 0:
-            print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
+            if result.stopped_by:
+                print(f"stopped by {result.stopped_by} after step {result.steps}: checkpoint {result.checkpoint}")
+            else:
+                print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
+        return 0
+    if args.command == "export":
+        from ot_dist.checkpoint.export_command import export_checkpoint
+
+        export_checkpoint(args.checkpoint, args.formats, args.ema, args.out)
         return 0
     if args.command == "schedule":
         from ot_dist.optim.preview import schedule_command

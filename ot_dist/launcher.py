@@ -96,7 +96,7 @@ def _free_port() -> int:
 
 
 def launch_command(
-    accelerate_config: Path, config_path: str, overrides: list[str], max_restarts: int = 0
+    accelerate_config: Path, config_path: str, overrides: list[str], max_restarts: int = 0, resume: str | None = None
 ) -> list[str]:
     command = ["accelerate", "launch", "--config_file", str(accelerate_config)]
     if max_restarts:
@@ -104,6 +104,8 @@ def launch_command(
     command += ["-m", "ot_dist", "train", config_path]
     for override in overrides:
         command += ["--set", override]
+    if resume:
+        command += ["--resume", resume]
     return command
 
 
@@ -117,7 +119,8 @@ def node_launch_command(
     max_restarts: str = "0",
 ) -> list[str]:
     """The `ot-dist launch` command one node of a multi-node run executes. Values are strings so a
-    caller can pass placeholders that are filled in on the node (Kubernetes `$(VAR)` references)."""
+    caller can pass placeholders that are filled in on the node (Kubernetes `$(VAR)` references).
+    It resumes from the latest committed checkpoint: a rescheduled pod must continue the run."""
     return [
         "ot-dist", "launch", config_path,
         "--nproc-per-node", nproc_per_node,
@@ -126,6 +129,7 @@ def node_launch_command(
         "--rdzv-endpoint", rdzv_endpoint,
         "--rdzv-backend", rdzv_backend,
         "--max-restarts", max_restarts,
+        "--resume", "auto",
     ]  # fmt: skip
 
 
@@ -145,7 +149,7 @@ def run_launch(args, log=print) -> int:
     with tempfile.NamedTemporaryFile("w", dir=launch_dir, prefix=".accelerate", delete=False) as partial:
         partial.write(yaml.safe_dump(rendered, sort_keys=False))
     os.replace(partial.name, accelerate_config)
-    command = launch_command(accelerate_config, args.config, overrides, args.max_restarts)
+    command = launch_command(accelerate_config, args.config, overrides, args.max_restarts, args.resume)
     log(f"# accelerate config: {accelerate_config}")
     log(shlex.join(command))
     if args.dry_run:

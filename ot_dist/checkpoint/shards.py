@@ -117,6 +117,14 @@ def jsonable(value, what: str):
 # -- loading -----------------------------------------------------------------------------------------
 
 
+def read_json(path: Path):
+    """A checkpoint's JSON file; anything else (a pickle, a torn write) is an error naming it, never decoded."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise InputFileError(f"checkpoint {path.parent}: {path.name} is not readable JSON ({err})") from None
+
+
 @dataclass(frozen=True)
 class SavedPiece:
     file: Path
@@ -132,7 +140,7 @@ class SavedShards:
         self.ranks = sorted(folder.glob("rank-*.json"))
         if not self.ranks:
             raise InputFileError(f"checkpoint {folder}: no rank-*.json files")
-        self.meta = {path.with_suffix(".safetensors"): json.loads(path.read_text()) for path in self.ranks}
+        self.meta = {path.with_suffix(".safetensors"): read_json(path) for path in self.ranks}
         self.by_name: dict[str, list[SavedPiece]] = {}
         for file, meta in self.meta.items():
             for i, owned in enumerate(meta["owned"]):
@@ -154,7 +162,10 @@ class SavedShards:
 
     def _handle(self, file: Path):
         if file not in self._handles:
-            self._handles[file] = safe_open(str(file), framework="pt")
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except Exception as err:  # a damaged or foreign file (a pickle, say): never deserialised any other way
+                raise InputFileError(f"checkpoint {self.folder}: {file.name} is not a readable safetensors file ({err})") from None
         return self._handles[file]
 
     def dtype_of(self, kind: str, f: Fragment, key: str = "") -> torch.dtype:
@@ -260,12 +271,15 @@ def _as_dtensor(value: torch.Tensor, param: DTensor) -> DTensor:
     return DTensor.from_local(value, param.device_mesh, [Replicate()] * param.device_mesh.ndim, run_check=False)
 
 
-def gather_full_from_files(saved: SavedShards, shapes: dict[str, list[int]], kind: str = "w") -> dict[str, torch.Tensor]:
-    """Full parameters from the files alone, in one process (`ot-dist export CHECKPOINT`)."""
+def gather_full_from_files(saved: SavedShards, shapes: dict[str, list[int]], kind: str = "w",
+                           key: str = "") -> dict[str, torch.Tensor]:
+    """Full parameters (kind "w"), EMA ("ema") or elementwise optimizer state ("opt", `key`) from the files
+    alone, in one process (`ot-dist export CHECKPOINT`)."""
     full = {}
     for name, shape in shapes.items():
         numel = torch.Size(shape).numel()
-        out = torch.empty(numel, dtype=saved.dtype_of(kind, Fragment(name, 0, 0, numel)))
-        saved.fill(kind, out, [Fragment(name, 0, 0, numel)])
+        whole_param = [Fragment(name, 0, 0, numel)]
+        out = torch.empty(numel, dtype=saved.dtype_of(kind, whole_param[0], key))
+        saved.fill(kind, out, whole_param, key)
         full[name] = out.view(shape)
     return full

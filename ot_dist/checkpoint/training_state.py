@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.rng import capture_rng, restore_rng
-from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, rank_stem, save_rank_state
+from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, rank_stem, read_json, save_rank_state
 from ot_dist.errors import InputFileError
 
 FORMAT = 1
@@ -35,11 +35,7 @@ class Position:
 
 
 def read_trainer_state(folder: Path) -> dict:
-    path = folder / TRAINER_FILE
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise InputFileError(f"checkpoint {folder}: cannot read {TRAINER_FILE}: {err}") from None
+    state = read_json(folder / TRAINER_FILE)
     if state.get("format") != FORMAT:
         raise InputFileError(f"checkpoint {folder}: format {state.get('format')!r}, this ot_dist reads format {FORMAT}")
     return state

@@ -22,6 +22,8 @@ class ParamGroup:
 class TrainingMethod:
     """Base: freezes everything. Subclasses make their parameters trainable in `prepare`."""
 
+    formats: tuple[str, ...] = ()  # what `export` writes (`ot-dist export --format` picks among them)
+
     def __init__(self, config: TrainConfig):
         self.config = config
 

@@ -39,6 +39,8 @@ class ExtendedTokenEmbedding(torch.nn.Module):
 
 
 class EmbeddingMethod(TrainingMethod):
+    formats = ("embedding",)
+
     def token_strings(self) -> list[str]:
         token, n = self.config.embedding.token, self.config.embedding.vectors
         # The multi-vector naming diffusers' load_textual_inversion uses: tok, tok_1, tok_2, ...

@@ -24,15 +24,20 @@ class FullFinetune(TrainingMethod):
                 )
         return groups
 
+    formats = ("diffusers", "single-file")
+
     def export(
-        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix=""
+        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix="",
+        formats: tuple[str, ...] = formats,
     ) -> list[Path]:
+        """`formats`: "diffusers" (a folder from_pretrained loads) and / or "single-file" (one .safetensors)."""
         dtype = DTYPES[self.config.output_dtype]
         components = {"unet": model.unet, "vae": model.vae, **model.text_encoders}
         # Gathered once, used by both exports (under sharding, gathering is the expensive part).
         states = {name: state_dict_of(module) for name, module in components.items()}
         folder, single = output_dir / f"model{suffix}", output_dir / f"model{suffix}.safetensors"
-        if write:
+        if write and "diffusers" in formats:
             export_diffusers_folder(model.pipeline, folder, dtype, states)
+        if write and "single-file" in formats:
             export_single_file(components, model.spec.family, single, dtype=dtype, states=states)
-        return [folder, single]
+        return [path for path, name in ((folder, "diffusers"), (single, "single-file")) if name in formats]

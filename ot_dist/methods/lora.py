@@ -17,6 +17,8 @@ ADAPTER = "default"
 
 
 class LoraMethod(TrainingMethod):
+    formats = ("lora",)
+
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         from peft import LoraConfig
 

@@ -31,6 +31,9 @@ class StopSignals:
         if self.enabled and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
+                # Python's handlers make blocking system calls fail with EINTR; a collective's socket read
+                # failing that way aborts the process in gloo. Restart them instead: the flag is enough.
+                signal.siginterrupt(sig, False)
         return self
 
     def _handle(self, signum, frame) -> None:

@@ -1,0 +1,52 @@
+"""`ot-dist export CHECKPOINT`: the files the end of training writes, from any committed checkpoint, in
+one process and without a process group, whatever strategy and world size saved it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ot_dist.checkpoint.layout import resolve_resume
+from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
+from ot_dist.checkpoint.training_state import read_trainer_state
+from ot_dist.errors import ConfigError, InputFileError
+
+
+def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str | None, log=print) -> list[Path]:
+    from ot_dist.config.load import validate
+    from ot_dist.methods.base import build_method
+    from ot_dist.models.loading import load_model
+
+    folder = resolve_resume(path, path)
+    state = read_trainer_state(folder)
+    config = validate(state["config"])  # the run's resolved config, validated like any other
+    method = build_method(config)
+    chosen = tuple(formats or method.formats)
+    unknown = [f for f in chosen if f not in method.formats]
+    if unknown:
+        raise ConfigError(f"--format {unknown[0]}: a {config.method} checkpoint exports {', '.join(method.formats)}")
+    if ema and not state["ema"]:
+        raise ConfigError(f"--ema: checkpoint {folder} was trained without EMA (ema.enabled was false)")
+    model = load_model(config.model)
+    method.prepare(model)
+    trained = gather_full_from_files(SavedShards(folder), state["shapes"], kind="ema" if ema else "w")
+    load_trained_weights(model, trained, folder)
+    target = Path(out) if out else Path(config.output_dir) / "exports" / folder.name
+    kwargs = {"formats": chosen} if config.method == "full" else {}
+    exported = method.export(model, target, suffix="_ema" if ema else "", **kwargs)
+    for p in exported:
+        log(f"exported {p}")
+    return exported
+
+
+@torch.no_grad()
+def load_trained_weights(model, trained: dict[str, torch.Tensor], folder: Path) -> None:
+    """Put the full trained tensors ("<part>.<parameter name>") into the freshly prepared model."""
+    parts = {"unet": model.unet, **model.text_encoders}
+    params = {f"{part}.{name}": p for part, module in parts.items() for name, p in module.named_parameters()}
+    for name, value in trained.items():
+        if name not in params:
+            raise InputFileError(f"checkpoint {folder}: trained parameter {name} does not exist in the model the "
+                                 "checkpoint's config loads (was model.path replaced?)")
+        params[name].copy_(value.view(params[name].shape))

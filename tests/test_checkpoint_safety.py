@@ -1,0 +1,245 @@
+"""What must hold when things go wrong: crashes mid-save, hostile files, NaN losses, SIGTERM to the
+command, a rank killed under a restart budget; and the folder rules (marker, latest, keep_last)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import base_config
+from safetensors.torch import load_file
+
+from ot_dist.checkpoint import layout
+from ot_dist.checkpoint.layout import MARKER, checkpoints_dir, is_committed, latest_checkpoint, resolve_resume
+from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
+from ot_dist.checkpoint.training_state import read_trainer_state
+from ot_dist.config.load import validate
+from ot_dist.errors import ConfigError, InputFileError, TrainingHalted
+from ot_dist.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+def quiet(*_args, **_kwargs):
+    pass
+
+
+# -- the folder rules ---------------------------------------------------------------------------------
+
+
+def fake_checkpoint(root: Path, step: int, keep_last=None) -> Path:
+    partial = layout.partial_dir(root, step)
+    partial.mkdir(parents=True)
+    (partial / "rank-00000.safetensors").write_bytes(b"x" * step)
+    return layout.commit(partial, root, step, keep_last)
+
+
+def test_commit_marker_latest_and_keep_last(tmp_path):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):
+        fake_checkpoint(root, step, keep_last=2)
+    assert [p.name for p in layout.committed_checkpoints(root)] == ["step-00000004", "step-00000006"]
+    assert (root / "latest").read_text().strip() == "step-00000006"
+    # a folder without its marker, or whose files do not match the marker, does not count
+    layout.partial_dir(root, 8).mkdir()
+    (root / "step-00000010").mkdir()
+    assert latest_checkpoint(root).name == "step-00000006"
+    (root / "step-00000006" / "rank-00000.safetensors").write_bytes(b"short")
+    assert not is_committed(root / "step-00000006")
+    assert latest_checkpoint(root).name == "step-00000004"
+    with pytest.raises(InputFileError, match="incomplete"):
+        resolve_resume(str(root / "step-00000006"), tmp_path)
+    # a crash between the rename and moving `latest` leaves the pointer one behind: the newest committed wins
+    fake_checkpoint(root, 12, keep_last=None)
+    (root / "latest").write_text("step-00000004\n")
+    assert resolve_resume("auto", tmp_path).name == "step-00000012"
+    assert not layout.partial_dir(root, 8).exists()  # debris is swept at the next commit
+    assert resolve_resume("auto", tmp_path / "elsewhere") is None  # auto with nothing saved: start fresh
+
+
+def test_a_crash_before_the_commit_keeps_the_previous_checkpoint(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1,
+                      **{"optimizer.name": "ADAMW", "ema.enabled": True})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    done = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "crash_before_commit.py"),
+                           str(tmp_path / "config.json"), str(tmp_path / "result.json"), "10"],
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert len(result["trials"]) == 10
+    for trial in result["trials"]:
+        assert trial["exit"] == 86, trial  # it did crash, at the injected point
+        assert trial["latest"] == trial["pointer"] == result["good"] == "step-00000001", trial
+        assert trial["loaded_step"] == 1 and trial["weights_restored"], trial
+        assert trial["partial"], trial  # the crashed attempt is left behind, unread
+    assert result["latest_after"] == result["after"] == "step-00000500" and result["partial_after"] == []
+
+
+# -- hostile or damaged files -------------------------------------------------------------------------
+
+
+class Payload:
+    """Unpickling this runs code: it creates the file named `path`."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (Path(self.path).touch, ())
+
+
+@pytest.mark.parametrize("victim", ["rank-00000.safetensors", "trainer.json", "rank-00000.json"])
+def test_a_pickle_in_a_checkpoint_is_refused_and_never_runs(victim, tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1)
+    Trainer(validate(raw), log=quiet).train()
+    folder = latest_checkpoint(checkpoints_dir(tmp_path / "out"))
+    ran = tmp_path / "payload-ran"
+    (folder / victim).write_bytes(pickle.dumps(Payload(ran)))
+    marker = json.loads((folder / MARKER).read_text())  # the attacker also fixes up the marker
+    marker["files"][victim] = (folder / victim).stat().st_size
+    (folder / MARKER).write_text(json.dumps(marker))
+    assert is_committed(folder)
+    with pytest.raises(InputFileError, match=victim.replace(".", r"\.")):
+        Trainer(validate(raw), log=quiet, resume=str(folder))
+    assert not ran.exists()
+
+
+# -- non-finite losses --------------------------------------------------------------------------------
+
+
+def poison_third_step(trainer: Trainer) -> None:
+    calls, original = [0], trainer.loss
+
+    def loss(batch, epoch):
+        calls[0] += 1
+        value = original(batch, epoch)
+        return value * float("nan") if calls[0] == 3 else value
+
+    trainer.loss = loss
+
+
+def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=6, **{"optimizer.name": "ADAMW"})
+    trainer = Trainer(validate(raw), log=quiet)
+    poison_third_step(trainer)
+    after_two = {}
+    trainer.optimizer.register_step_post_hook(lambda *_: after_two.update(
+        {n: p.detach().clone() for n, p in trainer.strategy.trained_parameters().items()}) if not after_two else None)
+    second = []
+    trainer.optimizer.register_step_post_hook(lambda *_: second.append(1))
+    trainer.optimizer.register_step_post_hook(lambda *_: after_two.update(
+        {n: p.detach().clone() for n, p in trainer.strategy.trained_parameters().items()}) if len(second) == 2 else None)
+    with pytest.raises(TrainingHalted, match="step 3") as halted:
+        trainer.train()
+    assert halted.value.exit_code == 4 and len(second) == 2  # the poisoned step was not applied
+    folder = latest_checkpoint(checkpoints_dir(tmp_path / "out"))
+    state = read_trainer_state(folder)
+    assert state["step"] == 2 and state["reason"] == "non-finite loss"
+    saved = gather_full_from_files(SavedShards(folder), state["shapes"])
+    assert all(torch.equal(saved[n], after_two[n]) for n in saved)
+    assert all(torch.isfinite(v).all() for v in saved.values())
+
+
+def test_skip_step_drops_the_nan_step_and_goes_on(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=3,
+                      **{"optimizer.name": "ADAMW", "checkpoint.on_nonfinite_loss": "skip_step"})
+    trainer = Trainer(validate(raw), log=quiet)
+    poison_third_step(trainer)
+    result = trainer.train()
+    assert result.skipped_steps == 1 and result.steps == 3 and len(result.losses) == 3
+    assert all(torch.isfinite(p).all() for p in trainer.strategy.trained_parameters().values())
+    with pytest.raises(ConfigError, match="checkpoint.on_nonfinite_loss: skip_step is not supported with strategy zero2"):
+        validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "z", strategy="zero2",
+                             **{"checkpoint.on_nonfinite_loss": "skip_step"}))
+
+
+# -- signals and dead ranks, through the real commands -------------------------------------------------
+
+
+def write_config(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def wait_for_checkpoint(root: Path, process: subprocess.Popen, at_least: int, timeout: float = 300) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = latest_checkpoint(root) if root.is_dir() else None
+        if found and int(found.name.split("-")[1]) >= at_least:
+            return int(found.name.split("-")[1])
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise AssertionError("no checkpoint appeared")
+
+
+def test_sigterm_to_the_train_command_commits_and_exits_0(tiny_models, shapes_data, tmp_path):
+    out = tmp_path / "out"
+    raw = base_config(tiny_models["sd1"], shapes_data, out, batch_size=1, epochs=20, max_steps=200,
+                      **{"checkpoint.every_n_steps": 2})
+    config = write_config(tmp_path / "config.yaml", raw)
+    command = [sys.executable, "-m", "ot_dist", "train", str(config)]
+    process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_checkpoint(checkpoints_dir(out), process, 2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "stopped by SIGTERM" in stdout
+    folder = latest_checkpoint(checkpoints_dir(out))
+    state = read_trainer_state(folder)
+    assert state["reason"] == "stop requested by SIGTERM"
+    resumed = subprocess.run(command + ["--resume", "auto", "--set", f"max_steps={state['step'] + 2}"], env=ENV,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"done: {state['step'] + 2} steps" in resumed.stdout  # continued from the saved step, none repeated
+
+
+def rank_pid(config: Path, rank: int) -> int | None:
+    """The worker process of `rank` training `config` (read from /proc: cmdline and environment)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = b"\0" + (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        if str(config).encode() in cmdline and b" train" in cmdline.replace(b"\0", b" ") and f"\0RANK={rank}\0".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def launch(config: Path, *extra: str) -> subprocess.Popen:
+    command = [sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2", "--strategy", "ddp", *extra]
+    return subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tiny_models, shapes_data, tmp_path):
+    settings = dict(batch_size=2, epochs=8, max_steps=32, **{"checkpoint.every_n_steps": 4, "optimizer.name": "ADAMW"})
+    reference = tmp_path / "reference"
+    config = write_config(tmp_path / "reference.yaml", base_config(tiny_models["sd1"], shapes_data, reference, **settings))
+    process = launch(config)
+    assert process.wait(timeout=600) == 0, process.communicate()[1][-3000:]
+    out = tmp_path / "killed"
+    config = write_config(tmp_path / "killed.yaml", base_config(tiny_models["sd1"], shapes_data, out, **settings))
+    process = launch(config, "--max-restarts", "1")
+    wait_for_checkpoint(checkpoints_dir(out), process, 4)
+    victim = rank_pid(config, 1)
+    assert victim is not None
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
+    assert "checkpoint: resumed from" in stdout + stderr  # the restarted group continued
+    assert read_trainer_state(latest_checkpoint(checkpoints_dir(out)))["step"] == 32
+    file = "model/unet/diffusion_pytorch_model.safetensors"
+    want, got = load_file(reference / file), load_file(out / file)
+    assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-6
