@@ -225,16 +225,19 @@ def load_rank_state(saved: SavedShards, ownership: Ownership, optimizer, ema, op
                 saved.fill("ema", target, owned.fragments)
                 ema.values[i].reshape(-1).copy_(target)
             # A checkpoint saved without EMA leaves the average at the current weights (its start value).
-        state = _load_optimizer_state(saved, owned, values, optimizer_name)
+        restore = getattr(optimizer, "load_checkpoint_state", None)
+        # torch's optimizers keep per-element state of a DTensor parameter as DTensors (whatever layout
+        # saved it); optimizers with their own restore (ShardedProdigy) work on local tensors.
+        state = _load_optimizer_state(saved, owned, values, optimizer_name, elementwise_as_dtensor=restore is None)
         if state:
-            restore = getattr(optimizer, "load_checkpoint_state", None)
             if restore:
                 restore(owned.param, state)
             else:
                 optimizer.state[owned.param] = state
 
 
-def _load_optimizer_state(saved: SavedShards, owned, values: torch.Tensor, optimizer_name: str) -> dict:
+def _load_optimizer_state(saved: SavedShards, owned, values: torch.Tensor, optimizer_name: str,
+                          elementwise_as_dtensor: bool) -> dict:
     ref = saved.reference(owned.fragments[0])
     meta = saved.owned_meta(ref)
     same_layout = meta["fragments"] == [[f.name, f.param_offset, f.local_offset, f.numel] for f in owned.fragments]
@@ -257,7 +260,7 @@ def _load_optimizer_state(saved: SavedShards, owned, values: torch.Tensor, optim
             )
         if entry["on_param_device"]:
             value = value.to(values.device)
-        if entry["dtensor"] and isinstance(owned.param, DTensor):
+        if isinstance(owned.param, DTensor) and (entry["dtensor"] or (kind == "elementwise" and elementwise_as_dtensor)):
             value = _as_dtensor(value, owned.param)
         state[key] = value
     return state
