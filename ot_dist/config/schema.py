@@ -35,6 +35,13 @@ class ModelConfig(Section):
         default="auto",
         description="What the UNet predicts. auto = what the model's scheduler config says.",
     )
+    inpainting: bool | None = Field(
+        default=None,
+        description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent). null = "
+        "detected from the UNet config (in_channels 9); true / false = require that kind of model. The mask is the "
+        "image's `-masklabel.png` (white = repaint) or, without one, a random rectangle, brush strokes or the whole "
+        "image, drawn per sample and epoch. Needs the images (not data.cache_latents).",
+    )
 
 
 class PartConfig(Section):
@@ -374,6 +381,9 @@ class TrainConfig(Section):
             raise ValueError(
                 f"method {self.method}: nothing to train; set unet.train or a text encoder's train to true"
             )
+        if self.model.inpainting and self.data.cache_latents:
+            raise ValueError("data.cache_latents: an inpainting finetune encodes each step's masked image with the "
+                             "VAE; turn cache_latents off")
         if self.data.cache_text and (self.method == "embedding" or any(
                 self.part_trains(n) for n in self.part_names() if n != "unet")):
             raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "

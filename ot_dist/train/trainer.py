@@ -23,6 +23,7 @@ from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.ema import ShardedEMA
+from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
 from ot_dist.train.masking import check_masks
@@ -65,6 +66,7 @@ class Trainer:
         self.total_steps = self.plan.total_steps
         self.model: LoadedModel = load_model(config.model)
         timestep_bounds(config.loss, self.model.noise_scheduler.config.num_train_timesteps)  # fails before training
+        check_inpainting_setup(config, self.model)
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
         self._place_modules()
