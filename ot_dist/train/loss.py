@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
+from ot_dist.memory.float8 import compute_dtype
 from ot_dist.models.loading import LoadedModel
 from ot_dist.models.specs import TextConditioning
 from ot_dist.randomness import generator
@@ -39,11 +40,11 @@ def encode_latents(vae: torch.nn.Module, batch: dict, eps: torch.Tensor) -> torc
     """A sample of each VAE posterior, scaled: encoded from `pixels`, or from the cached posterior
     (`latent_mean`, `latent_std`, data.cache_latents) with the same draw."""
     with torch.no_grad():
-        reference = first_parameter(vae)
+        device, dtype = first_parameter(vae).device, compute_dtype(vae)
         if "latent_mean" in batch:
-            mean, std = (batch[k].to(device=reference.device, dtype=reference.dtype) for k in ("latent_mean", "latent_std"))
+            mean, std = (batch[k].to(device=device, dtype=dtype) for k in ("latent_mean", "latent_std"))
         else:
-            posterior = vae.encode(batch["pixels"].to(device=reference.device, dtype=reference.dtype)).latent_dist
+            posterior = vae.encode(batch["pixels"].to(device=device, dtype=dtype)).latent_dist
             mean, std = posterior.mean, posterior.std
         latents = mean + std * eps.to(mean)
         shift = getattr(vae.config, "shift_factor", None) or 0.0
@@ -57,8 +58,7 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     `batch["token_ids"]` holds the tokenized captions, one tensor per text encoder."""
     options = options or LossConfig()
     unet, scheduler = model.unet, model.noise_scheduler
-    reference = first_parameter(unet)
-    device, dtype = reference.device, reference.dtype
+    device, dtype = first_parameter(unet).device, compute_dtype(unet)
     if "latent_mean" in batch:
         latent_shape = batch["latent_mean"].shape[1:]
     else:
@@ -68,7 +68,7 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     sample_ids = batch["sample_id"].tolist()
     vae_eps, noise, timesteps = draw_sample_noise(batch, latent_shape, scheduler.config.num_train_timesteps, seed,
                                                   epoch, options)
-    latents = encode_latents(model.vae, batch, vae_eps)
+    latents = encode_latents(model.vae, batch, vae_eps).to(device)  # the VAE may live elsewhere (offload)
     noise = offset_noise(noise, sample_ids, options.offset_noise_weight, seed, epoch)
     input_noise = perturbed_input_noise(noise, sample_ids, options.input_perturbation, seed, epoch)
     noise, input_noise, timesteps = noise.to(device), input_noise.to(device), timesteps.to(device)
