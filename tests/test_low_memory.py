@@ -1,10 +1,12 @@
 """Low-memory options: float8 storage of frozen weights (bytes, forward accuracy against bfloat16,
-the 1-byte weights being all that backward keeps, state dicts, a training run) and CPU offload of the
-frozen text encoders and VAE (placement per forward on a stand-in device, same losses as without)."""
+the 1-byte weights being all that backward keeps, state dicts, a training run), CPU offload of the
+frozen text encoders and VAE (placement per forward on a stand-in device, same losses as without) and
+the README memory table's counting (optimizer state and LoRA shapes against the real implementations)."""
 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.memory.float8 import FLOAT8, store_frozen_in_float8
 from ot_dist.memory.offload import offload_to_cpu
+from ot_dist.memory.table import lora_shapes, optimizer_state_bytes
+from ot_dist.models.specs import UNET_ATTENTION_TARGETS
 from ot_dist.models.tiny import build_tiny_pipeline
 from ot_dist.train.trainer import Trainer
 
@@ -169,3 +173,36 @@ def test_training_with_offload_gives_the_same_losses(tiny_models, shapes_data, t
         assert not any(m._forward_pre_hooks for m in trainer.model.unet.children())  # the UNet always stays
         losses.append(trainer.train().losses)
     assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("optimizer", ["ADAMW", "ADAMW_8BIT", "ADAFACTOR"])
+def test_the_memory_tables_optimizer_state_is_what_the_optimizers_allocate(optimizer):
+    import bitsandbytes
+    import transformers
+
+    shapes = [(64, 128), (10,), (12, 8, 3, 3), (4099,), (16, 320, 1, 1)]
+    params = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    cls = {"ADAMW": lambda p: torch.optim.AdamW(p, lr=1e-3),
+           "ADAMW_8BIT": lambda p: bitsandbytes.optim.AdamW8bit(p, lr=1e-3),
+           "ADAFACTOR": lambda p: transformers.optimization.Adafactor(p, lr=None)}[optimizer]
+    opt = cls(params)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    storages = {}
+    for p in params:
+        for value in opt.state[p].values():
+            if torch.is_tensor(value) and value.numel() > 1:  # step counters and scalars aside
+                storages[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    shared_quantization_maps = 2 * 256 * 4 if optimizer == "ADAMW_8BIT" else 0  # one pair per optimizer
+    assert sum(storages.values()) == optimizer_state_bytes(shapes, optimizer) + shared_quantization_maps
+
+
+def test_the_memory_tables_lora_shapes_are_what_peft_adds():
+    from peft import LoraConfig
+
+    unet = build_tiny_pipeline("sd1").unet
+    expected = sum(math.prod(s) for s in lora_shapes(unet, rank=4))
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=1, target_modules=list(UNET_ATTENTION_TARGETS)))
+    assert sum(p.numel() for p in unet.parameters() if p.requires_grad) == expected > 0
