@@ -8,8 +8,8 @@ upcast value `q.to(compute dtype) x scale`. Linear and Conv2d layers (almost all
 keep only the 1-byte weight for backward: a custom autograd function recomputes the upcast weight for
 the input gradient instead of autograd saving its upcast copy, which would cost more than bf16 storage.
 
-`state_dict()` returns the upcast float32 values under the original keys (exports and caches see a
-normal module); loading a state dict quantizes the incoming weights. What was rounded away is gone:
+`state_dict()` returns the upcast float32 values, in CPU memory, under the original keys (exports and
+caches see a normal module); loading a state dict quantizes the incoming weights. What was rounded away is gone:
 an export of a frozen component under float8 writes its float8-rounded weights (README).
 """
 
@@ -86,8 +86,10 @@ def _upcast_getter(name: str):
 
 
 def _upcast_state(module, state_dict, prefix, local_metadata):
+    # Upcast in CPU memory: a whole model's float32 state dict must not land on a small accelerator
+    # (a LoRA export asks for the UNet's full state dict to pick its adapter keys from).
     for name, scale in module._float8_scales.items():
-        state_dict[prefix + name] = dequantize(module._parameters[name], scale, torch.float32)
+        state_dict[prefix + name] = dequantize(module._parameters[name].cpu(), scale, torch.float32)
 
 
 def _quantize_loaded(module, state_dict, prefix, *args):
