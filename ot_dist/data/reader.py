@@ -155,7 +155,8 @@ class ShardDataset:
 
 
 def collate(samples: list[dict]) -> dict:
-    keys = [k for k in ("pixels", "latent_mean", "latent_std", "text_hidden", "text_pooled", "mask", "mask_given") if k in samples[0]]
+    keys = [k for k in ("pixels", "latent_mean", "latent_std", "text_hidden", "text_pooled", "mask", "mask_given")
+            if k in samples[0]]
     keys += ["original_size", "crop_top_left", "target_size"]
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]

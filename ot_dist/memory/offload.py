@@ -5,7 +5,8 @@ The unit of movement is each direct child of a component (the VAE's encoder, qua
 a CLIP model's embeddings, encoder, final norm and projection), because `vae.encode` is not `forward`: hooks on the
 children fire whatever method the component is called through, and the decoder, which training never
 calls, never moves. The CPU parameters stay home: before a child's forward, device copies take
-their place (and its tensor inputs move), after it the CPU parameters are put back. The weights are frozen, so nothing is copied back. Outputs stay on the device.
+their place (and its tensor inputs move), after it the CPU parameters are put back. The weights are
+frozen, so nothing is copied back. Outputs stay on the device.
 With data.cache_latents / data.cache_text the components are not called while training at all.
 """
 
@@ -48,7 +49,8 @@ class _Visitor:
             # them (peft, caches' keys) sees the same parameters between forwards.
             for table, name, home in self.entries:
                 moved = home.detach().to(self.device, non_blocking=True)
-                table[name] = torch.nn.Parameter(moved, requires_grad=False) if isinstance(home, torch.nn.Parameter) else moved
+                is_parameter = isinstance(home, torch.nn.Parameter)
+                table[name] = torch.nn.Parameter(moved, requires_grad=False) if is_parameter else moved
         self.depth += 1
         return _to_device(args, self.device), _to_device(kwargs, self.device)
 
