@@ -36,6 +36,13 @@ class ModelConfig(Section):
         default="auto",
         description="What the UNet predicts. auto = what the model's scheduler config says.",
     )
+    inpainting: bool | None = Field(
+        default=None,
+        description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent). null = "
+        "detected from the UNet config (in_channels 9); true / false = require that kind of model. The mask is the "
+        "image's `-masklabel.png` (white = repaint) or, without one, a random rectangle, brush strokes or the whole "
+        "image, drawn per sample and epoch. Needs the images (not data.cache_latents).",
+    )
 
 
 class PartConfig(Section):
@@ -276,8 +283,17 @@ class TrainConfig(Section):
         default="float32",
         description="Compute dtype of forward/backward (autocast). float16 uses loss scaling.",
     )
-    weight_dtype: Dtype = Field(
-        default="float32", description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base)."
+    weight_dtype: Literal["float32", "bfloat16", "float16", "float8"] = Field(
+        default="float32",
+        description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base). float8: one byte per "
+        "parameter (float8_e4m3fn with a per-tensor scale), upcast to train_dtype where used; the forward pass then "
+        "differs from the bfloat16 one by a few percent (README), and an export of a frozen part writes its "
+        "float8-rounded weights. Strategies single and ddp.",
+    )
+    offload_frozen_components: bool = Field(
+        default=False,
+        description="Keep the frozen text encoders and the VAE in CPU memory; each of their blocks moves to the "
+        "device only for its own forward (with data.cache_text / cache_latents they are not used while training).",
     )
     trained_weight_dtype: Literal["float32", "bfloat16"] = Field(
         default="float32",
@@ -376,6 +392,12 @@ class TrainConfig(Section):
             raise ValueError(
                 f"method {self.method}: nothing to train; set unet.train or a text encoder's train to true"
             )
+        if self.weight_dtype == "float8" and self.strategy not in ("single", "ddp"):
+            raise ValueError(f"weight_dtype: float8 storage is supported with strategy single or ddp, not "
+                             f"{self.strategy} (sharding would split the 1-byte weights from their scales)")
+        if self.model.inpainting and self.data.cache_latents:
+            raise ValueError("data.cache_latents: an inpainting finetune encodes each step's masked image with the "
+                             "VAE; turn cache_latents off")
         if self.data.cache_text and (self.method == "embedding" or any(
                 self.part_trains(n) for n in self.part_names() if n != "unet")):
             raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "

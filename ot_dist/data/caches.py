@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ot_dist.errors import InputFileError
+from ot_dist.memory.float8 import compute_dtype
 
 MANIFEST = "manifest.json"
 
@@ -68,7 +69,7 @@ def latent_members(dataset, vae):
         members = {}
         for resolution in dataset.resolutions:
             pixels = dataset.load(index, 0, resolution, use_cache=False)["pixels"][None]
-            posterior = vae.encode(pixels.to(device=reference.device, dtype=reference.dtype)).latent_dist
+            posterior = vae.encode(pixels.to(device=reference.device, dtype=compute_dtype(vae))).latent_dist
             members[f"{resolution}.latent.safetensors"] = save(
                 {"mean": posterior.mean[0].float().cpu().contiguous(), "std": posterior.std[0].float().cpu().contiguous()})
         return members

@@ -131,6 +131,7 @@ class ShardDataset:
                 mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
                 mask = torch.from_numpy(np.asarray(mask_image, dtype=np.float32) / 255.0)[None]
             out["mask"] = mask
+            out["mask_given"] = torch.tensor(bool(sample["mask"]))  # inpainting draws a mask for the others
         return out
 
     def _image_suffix(self, sample: dict, resolution: int) -> str:
@@ -154,7 +155,8 @@ class ShardDataset:
 
 
 def collate(samples: list[dict]) -> dict:
-    keys = [k for k in ("pixels", "latent_mean", "latent_std", "text_hidden", "text_pooled", "mask") if k in samples[0]]
+    keys = [k for k in ("pixels", "latent_mean", "latent_std", "text_hidden", "text_pooled", "mask", "mask_given")
+            if k in samples[0]]
     keys += ["original_size", "crop_top_left", "target_size"]
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]

@@ -11,6 +11,7 @@ import torch
 
 from ot_dist.config.schema import ModelConfig
 from ot_dist.errors import InputFileError
+from ot_dist.models.inpainting import as_inpainting_pipeline, check_inpainting_option, is_inpainting_unet
 from ot_dist.models.specs import ModelSpec, get_spec
 
 
@@ -35,6 +36,11 @@ class LoadedModel:
     @property
     def tokenizers(self) -> dict[str, object]:
         return {name: getattr(self.pipeline, name) for name in self.spec.tokenizers}
+
+    @property
+    def inpainting(self) -> bool:
+        """A 9-channel inpainting UNet: its input is noisy latent + mask + masked-image latent."""
+        return is_inpainting_unet(self.unet)
 
     @property
     def prediction_type(self) -> str:
@@ -63,6 +69,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         pipeline = load_single_file(path, spec.family, config.config, prediction_type=prediction)
     else:
         raise InputFileError(f"model.path: {path} does not exist (expected a diffusers folder or a .safetensors file)")
+    check_inpainting_option(config.inpainting, pipeline.unet)
+    if is_inpainting_unet(pipeline.unet):
+        pipeline = as_inpainting_pipeline(pipeline, spec.inpaint_pipeline_class)
     scheduler_config = dict(pipeline.scheduler.config)
     if config.prediction_type != "auto":
         scheduler_config["prediction_type"] = config.prediction_type
@@ -78,12 +87,15 @@ def _load_folder(spec: ModelSpec, path: Path):
         found = json.loads(index.read_text()).get("_class_name")
     except json.JSONDecodeError as err:
         raise InputFileError(f"model.path: {index} is not valid JSON: {err}") from None
-    if found != spec.pipeline_class:
+    if found not in (spec.pipeline_class, spec.inpaint_pipeline_class):
         raise InputFileError(
-            f"model.path: {path} holds a {found}, but model.family {spec.family} expects a {spec.pipeline_class}"
+            f"model.path: {path} holds a {found}, but model.family {spec.family} expects a {spec.pipeline_class} "
+            f"or {spec.inpaint_pipeline_class}"
         )
+    import diffusers
+
     try:
-        return spec.pipeline_cls().from_pretrained(
+        return getattr(diffusers, found).from_pretrained(
             path, dtype=torch.float32, use_safetensors=True, local_files_only=True
         )
     except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason

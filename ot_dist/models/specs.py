@@ -25,6 +25,7 @@ class TextConditioning:
 class ModelSpec:
     family: str
     pipeline_class: str
+    inpaint_pipeline_class: str  # the pipeline of the family's 9-channel inpainting UNets
     text_encoders: tuple[str, ...]
     tokenizers: tuple[str, ...]
     # Keys of the embedding file, one per text encoder, in the layout A1111 / OneTrainer / diffusers read.
@@ -91,6 +92,7 @@ SPECS: dict[str, ModelSpec] = {
     "sd1": ModelSpec(
         family="sd1",
         pipeline_class="StableDiffusionPipeline",
+        inpaint_pipeline_class="StableDiffusionInpaintPipeline",
         text_encoders=FAMILY_TEXT_ENCODERS["sd1"],
         tokenizers=("tokenizer",),
         embedding_keys=("emb_params",),
@@ -98,6 +100,7 @@ SPECS: dict[str, ModelSpec] = {
     "sd2": ModelSpec(
         family="sd2",
         pipeline_class="StableDiffusionPipeline",
+        inpaint_pipeline_class="StableDiffusionInpaintPipeline",
         text_encoders=FAMILY_TEXT_ENCODERS["sd2"],
         tokenizers=("tokenizer",),
         embedding_keys=("emb_params",),
@@ -105,6 +108,7 @@ SPECS: dict[str, ModelSpec] = {
     "sdxl": SDXLSpec(
         family="sdxl",
         pipeline_class="StableDiffusionXLPipeline",
+        inpaint_pipeline_class="StableDiffusionXLInpaintPipeline",
         text_encoders=FAMILY_TEXT_ENCODERS["sdxl"],
         tokenizers=("tokenizer", "tokenizer_2"),
         embedding_keys=("clip_l", "clip_g"),

@@ -128,8 +128,19 @@ def _scheduler(prediction_type: str):
     )
 
 
-def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None = None):
-    """A randomly initialised pipeline of the given family ("sd1", "sd2" or "sdxl")."""
+def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None = None, inpainting: bool = False):
+    """A randomly initialised pipeline of the given family ("sd1", "sd2" or "sdxl"); `inpainting`: the
+    family's inpainting pipeline with a 9-channel UNet."""
+    pipe = _build_tiny_pipeline(family, seed, prediction_type, 9 if inpainting else 4)
+    if not inpainting:
+        return pipe
+    from ot_dist.models.inpainting import as_inpainting_pipeline
+    from ot_dist.models.specs import get_spec
+
+    return as_inpainting_pipeline(pipe, get_spec(family).inpaint_pipeline_class)
+
+
+def _build_tiny_pipeline(family: str, seed: int, prediction_type: str | None, in_channels: int):
     import tempfile
 
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
@@ -144,7 +155,7 @@ def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None 
         hidden_act = "quick_gelu" if family == "sd1" else "gelu"
         unet = UNet2DConditionModel(
             sample_size=8,
-            in_channels=4,
+            in_channels=in_channels,
             out_channels=4,
             down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
             up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
@@ -171,7 +182,7 @@ def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None 
         time_embed_dim = 8
         unet = UNet2DConditionModel(
             sample_size=8,
-            in_channels=4,
+            in_channels=in_channels,
             out_channels=4,
             down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
             up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
@@ -199,9 +210,10 @@ def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None 
     raise ValueError(f"unknown family {family!r}; expected one of sd1, sd2, sdxl")
 
 
-def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, prediction_type: str | None = None) -> Path:
+def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, prediction_type: str | None = None,
+                    inpainting: bool = False) -> Path:
     """Build a tiny model and save it as a normal diffusers folder (safetensors weights)."""
     folder = Path(folder)
-    pipe = build_tiny_pipeline(family, seed=seed, prediction_type=prediction_type)
+    pipe = build_tiny_pipeline(family, seed=seed, prediction_type=prediction_type, inpainting=inpainting)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder

@@ -6,10 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
+from ot_dist.memory.float8 import compute_dtype
 from ot_dist.models.loading import LoadedModel
 from ot_dist.models.specs import TextConditioning
 from ot_dist.randomness import generator
-from ot_dist.train.loss_options import draw_timestep, min_snr_weights, offset_noise, perturbed_input_noise
+from ot_dist.train.inpainting import inpainting_masks, latent_mask, masked_pixels
+from ot_dist.train.loss_options import (draw_timestep, min_snr_weights, offset_noise, per_sample_normal,
+                                        perturbed_input_noise)
 from ot_dist.train.masking import mask_weights
 
 
@@ -37,11 +40,11 @@ def encode_latents(vae: torch.nn.Module, batch: dict, eps: torch.Tensor) -> torc
     """A sample of each VAE posterior, scaled: encoded from `pixels`, or from the cached posterior
     (`latent_mean`, `latent_std`, data.cache_latents) with the same draw."""
     with torch.no_grad():
-        reference = first_parameter(vae)
+        device, dtype = first_parameter(vae).device, compute_dtype(vae)
         if "latent_mean" in batch:
-            mean, std = (batch[k].to(device=reference.device, dtype=reference.dtype) for k in ("latent_mean", "latent_std"))
+            mean, std = (batch[k].to(device=device, dtype=dtype) for k in ("latent_mean", "latent_std"))
         else:
-            posterior = vae.encode(batch["pixels"].to(device=reference.device, dtype=reference.dtype)).latent_dist
+            posterior = vae.encode(batch["pixels"].to(device=device, dtype=dtype)).latent_dist
             mean, std = posterior.mean, posterior.std
         latents = mean + std * eps.to(mean)
         shift = getattr(vae.config, "shift_factor", None) or 0.0
@@ -55,8 +58,7 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     `batch["token_ids"]` holds the tokenized captions, one tensor per text encoder."""
     options = options or LossConfig()
     unet, scheduler = model.unet, model.noise_scheduler
-    reference = first_parameter(unet)
-    device, dtype = reference.device, reference.dtype
+    device, dtype = first_parameter(unet).device, compute_dtype(unet)
     if "latent_mean" in batch:
         latent_shape = batch["latent_mean"].shape[1:]
     else:
@@ -66,7 +68,7 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     sample_ids = batch["sample_id"].tolist()
     vae_eps, noise, timesteps = draw_sample_noise(batch, latent_shape, scheduler.config.num_train_timesteps, seed,
                                                   epoch, options)
-    latents = encode_latents(model.vae, batch, vae_eps)
+    latents = encode_latents(model.vae, batch, vae_eps).to(device)  # the VAE may live elsewhere (offload)
     noise = offset_noise(noise, sample_ids, options.offset_noise_weight, seed, epoch)
     input_noise = perturbed_input_noise(noise, sample_ids, options.input_perturbation, seed, epoch)
     noise, input_noise, timesteps = noise.to(device), input_noise.to(device), timesteps.to(device)
@@ -88,6 +90,8 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     if text.pooled is not None:
         text.pooled = text.pooled.to(dtype)
     conditioning = model.spec.unet_conditioning(text, batch)
+    if model.inpainting:
+        noisy = torch.cat([noisy, inpainting_condition(model.vae, batch, latent_shape, seed, epoch).to(noisy)], dim=1)
     prediction = unet(noisy.to(dtype), timesteps, **conditioning, return_dict=False)[0]
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
     snr_weights = None
@@ -95,6 +99,16 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
         snr_weights = min_snr_weights(scheduler.alphas_cumprod, timesteps, options.min_snr_gamma, model.prediction_type)
     return weighted_mse(prediction.float(), target.float(), weights, snr_weights,
                         normalize=bool(masking and masking.normalize_masked_area_loss))
+
+
+def inpainting_condition(vae: torch.nn.Module, batch: dict, latent_shape: torch.Size, seed: int,
+                         epoch: int) -> torch.Tensor:
+    """(B, 5, h, w): the latent-size repaint mask and the masked image's latent (ot_dist/train/inpainting.py),
+    the masked image's VAE posterior sampled with a per-sample draw."""
+    masks = inpainting_masks(batch, seed, epoch)
+    eps = per_sample_normal(batch["sample_id"].tolist(), tuple(latent_shape), seed, epoch, "masked_image_latent")
+    masked_latents = encode_latents(vae, {"pixels": masked_pixels(batch["pixels"], masks)}, eps)
+    return torch.cat([latent_mask(masks, latent_shape[-2:]).to(masked_latents), masked_latents], dim=1)
 
 
 def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, element_weights: torch.Tensor | None = None,

@@ -17,6 +17,7 @@ from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.training_data import open_training_data, report_lines
+from ot_dist.memory.placement import frozen_storage_dtype, place_component
 from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
 from ot_dist.models.loading import LoadedModel, load_model
 from ot_dist.optim.adaptive import startup_warnings
@@ -26,6 +27,7 @@ from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.ema import ShardedEMA
+from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
 from ot_dist.train.masking import check_masks
@@ -74,6 +76,7 @@ class Trainer:
         self.total_steps = self.plan.total_steps
         self.model: LoadedModel = load_model(config.model)
         timestep_bounds(config.loss, self.model.noise_scheduler.config.num_train_timesteps)  # fails before training
+        check_inpainting_setup(config, self.model)
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
         self._place_modules()
@@ -104,10 +107,10 @@ class Trainer:
 
     def _place_modules(self) -> None:
         """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default),
-        everything frozen in weight_dtype."""
-        weight_dtype, trained_dtype = DTYPES[self.config.weight_dtype], DTYPES[self.config.trained_weight_dtype]
+        everything frozen in weight_dtype; then the low-memory options place each component."""
+        weight_dtype = frozen_storage_dtype(self.config.weight_dtype)
+        trained_dtype = DTYPES[self.config.trained_weight_dtype]
         for module in [self.model.unet, self.model.vae, *self.model.text_encoders.values()]:
-            module.to(self.device)
             trains = False
             for p in module.parameters():
                 if p.requires_grad:
@@ -119,6 +122,7 @@ class Trainer:
             # The UNet backpropagates whenever anything trains (text encoders learn through it).
             if self.config.gradient_checkpointing and (trains or module is self.model.unet):
                 enable_gradient_checkpointing(module)
+            place_component(module, self.config, self.device, offloadable=module is not self.model.unet)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
         """Honour `<part>.stop_training_after`: a stopped part no longer gets gradients or updates."""

@@ -1,0 +1,156 @@
+"""`weight_dtype: float8`: frozen weights stored in one byte each, upcast when used.
+
+Each frozen floating-point parameter is stored as torch.float8_e4m3fn with one float scale per tensor
+(scale = max |w| / 448, e4m3's largest value, so the tensor uses the whole range). A module holding
+such parameters gets a subclass of its own class (isinstance keeps working) in which reading the
+parameter, e.g. `self.weight` in forward or from outside like peft's LoRA wrappers, returns the
+upcast value `q.to(compute dtype) x scale`. Linear and Conv2d layers (almost all the bytes) also
+keep only the 1-byte weight for backward: a custom autograd function recomputes the upcast weight for
+the input gradient instead of autograd saving its upcast copy, which would cost more than bf16 storage.
+
+`state_dict()` returns the upcast float32 values, in CPU memory, under the original keys (exports and
+caches see a normal module); loading a state dict quantizes the incoming weights. What was rounded away is gone:
+an export of a frozen component under float8 writes its float8-rounded weights (README).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FLOAT8 = torch.float8_e4m3fn
+FLOAT8_MAX = torch.finfo(FLOAT8).max  # 448
+COMPUTE_DTYPE_ATTR = "float8_compute_dtype"  # set on every float8 module and on the component root
+
+
+def quantize(tensor: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(float8 values, scale) with tensor ~= values x scale."""
+    amax = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+    scale = amax / FLOAT8_MAX if amax > 0 else 1.0
+    return (tensor.detach().float() / scale).to(FLOAT8), scale
+
+
+def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    return stored.to(dtype) * scale
+
+
+def compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype a module's inputs should be given in: its weights', or the compute dtype of float8 storage."""
+    return getattr(module, COMPUTE_DTYPE_ATTR, None) or next(module.parameters()).dtype
+
+
+def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store every frozen floating-point parameter of `component` in float8, upcast to `dtype` on use.
+    Modules that hold a trainable parameter themselves are left alone. Returns the parameters stored."""
+    count = 0
+    for module in list(component.modules()):
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None and p.is_floating_point()]
+        if not own or any(p.requires_grad for _, p in own) or getattr(module, COMPUTE_DTYPE_ATTR, None):
+            continue
+        scales = {}
+        for name, param in own:
+            stored, scales[name] = quantize(param)
+            module._parameters[name] = torch.nn.Parameter(stored, requires_grad=False)
+            count += param.numel()
+        module._float8_scales = scales
+        setattr(module, COMPUTE_DTYPE_ATTR, dtype)
+        module.__class__ = _float8_class(type(module), tuple(sorted(scales)))
+        module.register_state_dict_post_hook(_upcast_state)
+        module.register_load_state_dict_pre_hook(_quantize_loaded)
+    setattr(component, COMPUTE_DTYPE_ATTR, dtype)
+    return count
+
+
+_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+
+
+def _float8_class(cls: type, names: tuple[str, ...]) -> type:
+    """`cls` with each stored parameter read through its upcast (a property wins over nn.Module's
+    __getattr__, which would return the stored float8 tensor)."""
+    key = (cls, names)
+    if key not in _CLASSES:
+        attrs = {name: property(_upcast_getter(name)) for name in names}
+        if issubclass(cls, torch.nn.Linear) and "weight" in names:
+            attrs["forward"] = _linear_forward
+        elif issubclass(cls, torch.nn.Conv2d) and "weight" in names:
+            attrs["forward"] = _conv2d_forward
+        _CLASSES[key] = type(f"Float8{cls.__name__}", (cls,), attrs)
+    return _CLASSES[key]
+
+
+def _upcast_getter(name: str):
+    def upcast(self):
+        return dequantize(self._parameters[name], self._float8_scales[name], getattr(self, COMPUTE_DTYPE_ATTR))
+
+    return upcast
+
+
+def _upcast_state(module, state_dict, prefix, local_metadata):
+    # Upcast in CPU memory: a whole model's float32 state dict must not land on a small accelerator
+    # (a LoRA export asks for the UNet's full state dict to pick its adapter keys from).
+    for name, scale in module._float8_scales.items():
+        state_dict[prefix + name] = dequantize(module._parameters[name].cpu(), scale, torch.float32)
+
+
+def _quantize_loaded(module, state_dict, prefix, *args):
+    for name in module._float8_scales:
+        if prefix + name in state_dict:
+            state_dict[prefix + name], module._float8_scales[name] = quantize(state_dict[prefix + name])
+
+
+def _call_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the op would compute in with ordinary weights: the autocast dtype if on, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    return _Float8Op.apply(x, *_stored(self), "linear", ())
+
+
+def _conv2d_forward(self, x: torch.Tensor) -> torch.Tensor:
+    if self.padding_mode != "zeros" or isinstance(self.padding, str):  # rare layouts: plain upcast
+        return self._conv_forward(x, self.weight, self.bias)
+    return _Float8Op.apply(x, *_stored(self), "conv2d", (self.stride, self.padding, self.dilation, self.groups))
+
+
+def _stored(layer) -> tuple:
+    """(weight, its scale, bias, its scale) as stored; the bias may be absent or not float8 (trainable)."""
+    scales = layer._float8_scales
+    bias = layer._parameters.get("bias")
+    return layer._parameters["weight"], scales["weight"], bias, scales.get("bias", 1.0)
+
+
+class _Float8Op(torch.autograd.Function):
+    """linear / conv2d with a float8 weight, saving that weight (1 byte per element) rather than its
+    upcast copy for the input gradient. The weight and bias are frozen: no gradients for them."""
+
+    @staticmethod
+    def forward(ctx, x, stored, scale, stored_bias, bias_scale, op, geometry):
+        dtype = _call_dtype(x)
+        weight = dequantize(stored, scale, dtype)
+        bias = dequantize(stored_bias, bias_scale, dtype) if stored_bias is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            if op == "linear":
+                out = F.linear(x.to(dtype), weight, bias)
+            else:
+                out = F.conv2d(x.to(dtype), weight, bias, *geometry)
+        ctx.save_for_backward(stored)
+        ctx.scale, ctx.dtype, ctx.op, ctx.geometry = scale, dtype, op, geometry
+        ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[0]:
+            return (None,) * 7
+        (stored,) = ctx.saved_tensors
+        weight = dequantize(stored, ctx.scale, ctx.dtype)
+        grad_out = grad_out.to(ctx.dtype)
+        if ctx.op == "linear":
+            grad_x = grad_out.matmul(weight)
+        else:
+            stride, padding, dilation, groups = ctx.geometry
+            grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, weight, grad_out, stride, padding, dilation, groups)
+        return (grad_x.to(ctx.input_dtype),) + (None,) * 6

@@ -1,0 +1,74 @@
+"""`offload_frozen_components`: frozen text encoders and the VAE live in CPU memory and visit the
+accelerator only for their own forward.
+
+The unit of movement is each direct child of a component (the VAE's encoder, quant_conv, decoder...;
+a CLIP model's embeddings, encoder, final norm and projection), because `vae.encode` is not `forward`: hooks on the
+children fire whatever method the component is called through, and the decoder, which training never
+calls, never moves. The CPU parameters stay home: before a child's forward, device copies take
+their place (and its tensor inputs move), after it the CPU parameters are put back. The weights are
+frozen, so nothing is copied back. Outputs stay on the device.
+With data.cache_latents / data.cache_text the components are not called while training at all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def offload_to_cpu(component: torch.nn.Module, device: torch.device) -> None:
+    """Keep `component` (frozen) in CPU memory; its children run on `device`."""
+    component.to("cpu")
+    pin = torch.device(device).type == "cuda"
+    for child in component.children():
+        _Visitor(child, torch.device(device), pin).attach()
+
+
+class _Visitor:
+    """Moves one module's parameters and buffers to the device for the length of its forward."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, pin: bool):
+        self.module, self.device = module, device
+        # (owning module, its dict of parameters or buffers, name, the CPU tensor that stays its home)
+        self.entries = []
+        for owner in module.modules():
+            for table in (owner._parameters, owner._buffers):
+                for name, tensor in table.items():
+                    if tensor is not None:
+                        if pin:  # pinned host memory: asynchronous copies
+                            tensor.data = tensor.data.pin_memory()
+                        self.entries.append((table, name, tensor))
+        self.depth = 0  # a child called re-entrantly (shared module) stays on the device until the outer call ends
+
+    def attach(self) -> None:
+        self.module.register_forward_pre_hook(self.arrive, with_kwargs=True)
+        self.module.register_forward_hook(self.leave, always_call=True)
+
+    def arrive(self, module, args, kwargs):
+        if self.depth == 0:
+            # Device copies under the same names; the CPU objects are put back afterwards, so whoever holds
+            # them (peft, caches' keys) sees the same parameters between forwards.
+            for table, name, home in self.entries:
+                moved = home.detach().to(self.device, non_blocking=True)
+                is_parameter = isinstance(home, torch.nn.Parameter)
+                table[name] = torch.nn.Parameter(moved, requires_grad=False) if is_parameter else moved
+        self.depth += 1
+        return _to_device(args, self.device), _to_device(kwargs, self.device)
+
+    def leave(self, module, args, output):
+        self.depth -= 1
+        if self.depth == 0:
+            for table, name, home in self.entries:
+                table[name] = home
+        return output
+
+
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True)
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    return value

@@ -1,0 +1,28 @@
+"""Where a component's frozen weights live and in what: the low-memory options applied once, after
+the method has decided what trains (ot_dist/memory/float8.py, ot_dist/memory/offload.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from ot_dist.memory.float8 import store_frozen_in_float8
+from ot_dist.memory.offload import offload_to_cpu
+from ot_dist.precision import DTYPES
+
+
+def frozen_storage_dtype(weight_dtype: str) -> torch.dtype:
+    """The dtype frozen parameters are cast to first; float8 is quantized from float32 afterwards."""
+    return torch.float32 if weight_dtype == "float8" else DTYPES[weight_dtype]
+
+
+def place_component(component: torch.nn.Module, config, device: torch.device, offloadable: bool) -> None:
+    """`weight_dtype: float8` stores the frozen parameters in one byte (a LoRA's base weights too);
+    `offload_frozen_components` keeps an entirely frozen `offloadable` component (text encoder, VAE) in
+    CPU memory, else the component moves to `device`."""
+    if config.weight_dtype == "float8":
+        store_frozen_in_float8(component, DTYPES[config.train_dtype])
+    frozen = not any(p.requires_grad for p in component.parameters())
+    if config.offload_frozen_components and offloadable and frozen:
+        offload_to_cpu(component, device)
+    else:
+        component.to(device)

@@ -1,0 +1,171 @@
+"""The README's memory table: bytes of weights, gradients and optimizer state for SD 1.5 and SDXL
+under the low-memory options, from parameter counts and dtypes.
+
+The real architectures are built on the meta device (no weights, no downloads) from the key numbers
+of their published configs, written out below. Activations are not counted: they depend on
+resolution, batch size and gradient checkpointing.
+
+    python -m ot_dist.memory.table
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ot_dist.models.specs import UNET_ATTENTION_TARGETS
+
+GIB = 1024**3
+LORA_RANK = 16
+BNB_BLOCK, BNB_MIN_8BIT_SIZE = 256, 4096  # bitsandbytes' 8-bit state: blocks with one float32 absmax per state
+
+
+# Key numbers of the published configs (runwayml/stable-diffusion-v1-5, stabilityai/stable-diffusion-xl-base-1.0).
+SD15_UNET = dict(
+    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280, 1280),
+    down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+    up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3, cross_attention_dim=768, attention_head_dim=8,
+)
+SDXL_UNET = dict(
+    sample_size=128, in_channels=4, out_channels=4, layers_per_block=2, block_out_channels=(320, 640, 1280),
+    down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+    up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"), transformer_layers_per_block=(1, 2, 10),
+    attention_head_dim=(5, 10, 20), use_linear_projection=True, cross_attention_dim=2048,
+    addition_embed_type="text_time", addition_time_embed_dim=256, projection_class_embeddings_input_dim=2816,
+)
+VAE = dict(
+    in_channels=3, out_channels=3, latent_channels=4, layers_per_block=2, block_out_channels=(128, 256, 512, 512),
+    down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4, norm_num_groups=32,
+)
+CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
+              max_position_embeddings=77, hidden_act="quick_gelu", projection_dim=768)
+OPENCLIP_BIGG = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+                     num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu", projection_dim=1280)
+
+
+def build_components(model: str) -> dict[str, torch.nn.Module]:
+    from diffusers import AutoencoderKL, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    with torch.device("meta"):
+        if model == "SD 1.5":
+            return {"unet": UNet2DConditionModel(**SD15_UNET), "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
+                    "vae": AutoencoderKL(**VAE)}
+        return {"unet": UNet2DConditionModel(**SDXL_UNET), "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
+                "text_encoder_2": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG)),
+                "vae": AutoencoderKL(**VAE)}
+
+
+def lora_shapes(unet: torch.nn.Module, rank: int = LORA_RANK, targets=UNET_ATTENTION_TARGETS) -> list[tuple[int, ...]]:
+    """Shapes of peft's lora_A / lora_B for the default UNet targets (peft matches module-name suffixes)."""
+    shapes = []
+    for name, module in unet.named_modules():
+        if not any(name == t or name.endswith("." + t) for t in targets):
+            continue
+        if isinstance(module, torch.nn.Linear):
+            shapes += [(rank, module.in_features), (module.out_features, rank)]
+        elif isinstance(module, torch.nn.Conv2d):
+            shapes += [(rank, module.in_channels, *module.kernel_size), (module.out_channels, rank, 1, 1)]
+    return shapes
+
+
+def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str) -> int:
+    """Optimizer state of parameters of these shapes, as the implementations allocate it."""
+    total = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        if optimizer == "ADAMW":  # torch: exp_avg + exp_avg_sq in the parameter's dtype (float32)
+            total += 8 * n
+        elif optimizer == "ADAMW_8BIT":  # bitsandbytes: two uint8 states + an absmax per block each
+            total += 8 * n if n < BNB_MIN_8BIT_SIZE else 2 * n + 8 * math.ceil(n / BNB_BLOCK)
+        elif optimizer == "ADAFACTOR":  # transformers, beta1 None: factored second moment (rows + columns)
+            total += 4 * (math.prod(shape[:-1]) + math.prod(shape[:-2] + shape[-1:])) if len(shape) >= 2 else 4 * n
+        else:
+            raise ValueError(optimizer)
+    return total
+
+
+@dataclass
+class Setup:
+    label: str
+    trained: str  # "lora" or "full" (the UNet)
+    frozen: str  # bytes per frozen parameter: "float32" | "bfloat16" | "float8"
+    offload: bool  # text encoders + VAE in CPU memory (or unused: cached latents and text)
+    trained_dtype: str = "float32"  # trained weights and gradients
+    optimizer: str = "ADAMW"
+    fused_back_pass: bool = False  # gradients applied as they arrive: none held for the whole model
+
+
+BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
+SETUPS = [
+    Setup("LoRA r16, frozen float32", "lora", "float32", False),
+    Setup("LoRA r16, frozen bfloat16", "lora", "bfloat16", False),
+    Setup("LoRA r16, frozen float8", "lora", "float8", False),
+    Setup("LoRA r16, frozen float8, text encoders + VAE offloaded", "lora", "float8", True),
+    Setup("full UNet, AdamW, frozen bfloat16", "full", "bfloat16", False),
+    Setup("full UNet, 8-bit AdamW, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAMW_8BIT"),
+    Setup("full UNet, Adafactor, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAFACTOR"),
+    Setup("full UNet, bfloat16 weights, Adafactor, fused back pass, frozen float8 + offloaded", "full", "float8",
+          True, trained_dtype="bfloat16", optimizer="ADAFACTOR", fused_back_pass=True),
+]
+
+
+def gib(n: float) -> str:
+    return f"{n / GIB:.2f}"
+
+
+def component_rows(models: dict) -> list[str]:
+    rows = ["| model | component | parameters | float32 GiB | bfloat16 GiB | float8 GiB |", "|---|---|--:|--:|--:|--:|"]
+    for model, components in models.items():
+        for name, module in components.items():
+            n = sum(p.numel() for p in module.parameters())
+            rows.append(f"| {model} | {name} | {n:,} | {gib(4 * n)} | {gib(2 * n)} | {gib(n)} |")
+    return rows
+
+
+def trained_rows(models: dict) -> list[str]:
+    rows = ["| model | trained | parameters | weights + grads float32 GiB | weights + grads bfloat16 GiB | AdamW state GiB "
+            "| 8-bit AdamW state GiB | Adafactor state GiB |", "|---|---|--:|--:|--:|--:|--:|--:|"]
+    for model, components in models.items():
+        for trained, shapes in trained_shapes(components).items():
+            n = sum(math.prod(s) for s in shapes)
+            states = [gib(optimizer_state_bytes(shapes, o)) for o in ("ADAMW", "ADAMW_8BIT", "ADAFACTOR")]
+            rows.append(f"| {model} | {trained} | {n:,} | {gib(8 * n)} | {gib(4 * n)} | {' | '.join(states)} |")
+    return rows
+
+
+def trained_shapes(components: dict) -> dict[str, list[tuple[int, ...]]]:
+    return {"lora": lora_shapes(components["unet"]),
+            "full": [tuple(p.shape) for p in components["unet"].parameters()]}
+
+
+def setup_bytes(setup: Setup, components: dict) -> float:
+    """Device bytes: frozen weights + trained weights + gradients + optimizer state."""
+    counts = {name: sum(p.numel() for p in m.parameters()) for name, m in components.items()}
+    shapes = trained_shapes(components)[setup.trained]
+    trained = sum(math.prod(s) for s in shapes)
+    frozen_parts = [] if setup.offload else [n for n in counts if n != "unet"]
+    frozen = sum(counts[n] for n in frozen_parts) + (counts["unet"] if setup.trained == "lora" else 0)
+    grads = 0 if setup.fused_back_pass else trained * BYTES[setup.trained_dtype]
+    return (frozen * BYTES[setup.frozen] + trained * BYTES[setup.trained_dtype] + grads
+            + optimizer_state_bytes(shapes, setup.optimizer))
+
+
+def setup_rows(models: dict) -> list[str]:
+    names = list(models)
+    rows = ["| setup | " + " | ".join(f"{m} GiB" for m in names) + " |", "|---|" + "--:|" * len(names)]
+    for setup in SETUPS:
+        rows.append(f"| {setup.label} | " + " | ".join(gib(setup_bytes(setup, models[m])) for m in names) + " |")
+    return rows
+
+
+def main() -> None:
+    models = {model: build_components(model) for model in ("SD 1.5", "SDXL")}
+    for rows in (component_rows(models), trained_rows(models), setup_rows(models)):
+        print("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()
