@@ -146,7 +146,7 @@ class SavedShards:
             for i, owned in enumerate(meta["owned"]):
                 for name, param_offset, local_offset, numel in owned["fragments"]:
                     self.by_name.setdefault(name, []).append(SavedPiece(file, i, Fragment(name, param_offset, local_offset, numel)))
-        self._handles = {}
+        self._handles, self._keys = {}, {}
 
     def rank_meta(self, rank: int) -> dict | None:
         return self.meta.get(self.folder / f"{rank_stem(rank)}.safetensors")
@@ -158,7 +158,9 @@ class SavedShards:
         return self._handle(file).get_tensor(key)
 
     def has(self, file: Path, key: str) -> bool:
-        return key in self._handle(file).keys()
+        if file not in self._keys:
+            self._keys[file] = set(self._handle(file).keys())
+        return key in self._keys[file]
 
     def _handle(self, file: Path):
         if file not in self._handles:
@@ -214,16 +216,10 @@ def load_rank_state(saved: SavedShards, ownership: Ownership, optimizer, ema, op
             continue
         values = owned.local()
         with torch.no_grad():
-            flat = values.detach().reshape(-1)
-            staged = torch.empty(flat.shape, dtype=flat.dtype)
-            staged.copy_(flat)  # ZeRO partitions end in padding no fragment covers: keep it
-            saved.fill("w", staged, owned.fragments)
-            flat.copy_(staged)
+            fill_in_place(saved, "w", values, owned.fragments)
             ref = saved.reference(owned.fragments[0])
             if ema is not None and saved.has(ref.file, f"ema/{ref.index}"):
-                target = ema.values[i].detach().reshape(-1).to("cpu", copy=True)
-                saved.fill("ema", target, owned.fragments)
-                ema.values[i].reshape(-1).copy_(target)
+                fill_in_place(saved, "ema", ema.values[i], owned.fragments)
             # A checkpoint saved without EMA leaves the average at the current weights (its start value).
         restore = getattr(optimizer, "load_checkpoint_state", None)
         # torch's optimizers keep per-element state of a DTensor parameter as DTensors (whatever layout
@@ -234,6 +230,16 @@ def load_rank_state(saved: SavedShards, ownership: Ownership, optimizer, ema, op
                 restore(owned.param, state)
             else:
                 optimizer.state[owned.param] = state
+
+
+def fill_in_place(saved: SavedShards, kind: str, tensor: torch.Tensor, fragments: list[Fragment]) -> None:
+    """Overwrite the elements of `tensor` the fragments cover (ZeRO's partition padding is left alone),
+    directly when it is a contiguous CPU tensor, else through a CPU copy."""
+    direct = tensor.device.type == "cpu" and tensor.is_contiguous()
+    flat = tensor.detach().view(-1) if direct else tensor.detach().reshape(-1).to("cpu", copy=True)
+    saved.fill(kind, flat, fragments)
+    if not direct:
+        tensor.detach().view(-1).copy_(flat) if tensor.is_contiguous() else tensor.detach().copy_(flat.view(tensor.shape))
 
 
 def _load_optimizer_state(saved: SavedShards, owned, values: torch.Tensor, optimizer_name: str,
