@@ -19,6 +19,7 @@ import torch
 from conftest import base_config
 from safetensors.torch import load_file
 
+from ot_dist.checkpoint.export_command import export_checkpoint
 from ot_dist.checkpoint.layout import MARKER, checkpoints_dir, latest_checkpoint
 from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
 from ot_dist.checkpoint.training_state import read_trainer_state
@@ -127,10 +128,11 @@ def test_export_from_a_checkpoint_writes_what_training_wrote(tiny_models, shapes
     straight_out, _ = straight_run("fsdp", tiny_models, shapes_data, tmp_path_factory)
     folder = latest_checkpoint(checkpoints_dir(straight_out))  # saved at the end, by 2 fsdp ranks
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    for extra, suffix in (([], ""), (["--ema"], "_ema")):
-        done = subprocess.run([sys.executable, "-m", "ot_dist", "export", str(folder), "--out", str(tmp_path), *extra],
-                              env=env, capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "ot_dist", "export", str(folder), "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    export_checkpoint(str(folder), None, True, str(tmp_path), log=lambda *_: None)  # --ema, in this process
+    for suffix in ("", "_ema"):
         for file in (f"model{suffix}/unet/diffusion_pytorch_model.safetensors", f"model{suffix}.safetensors"):
             want, got = load_file(straight_out / file), load_file(tmp_path / file)
             assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), file

@@ -243,3 +243,16 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(tiny_models, 
     file = "model/unet/diffusion_pytorch_model.safetensors"
     want, got = load_file(reference / file), load_file(out / file)
     assert max((want[k] - got[k]).abs().max().item() for k in want) <= 1e-6
+
+
+def test_checkpoints_at_cycle_lows_and_epoch_ends(tiny_models, shapes_data, tmp_path):
+    """16 steps, 4 per epoch (16 samples, batch 4), 2 hard-restart cycles: a low after step 8 (16 is the
+    end); every 3rd epoch ends after step 12; no step or time interval; keep everything."""
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=4, epochs=4,
+                      **{"scheduler.name": "COSINE_WITH_HARD_RESTARTS", "scheduler.cycles": 2,
+                         "scheduler.warmup_steps": 0, "checkpoint.at_cycle_lows": True, "checkpoint.every_n_epochs": 3,
+                         "checkpoint.keep_last": None, "checkpoint.every_n_minutes": None})
+    Trainer(validate(raw), log=quiet).train()
+    saved = {int(p.name.split("-")[1]): read_trainer_state(p)["reason"]
+             for p in layout.committed_checkpoints(checkpoints_dir(tmp_path / "out"))}
+    assert saved == {8: "cycle low", 12: "epoch end", 16: "end of training"}

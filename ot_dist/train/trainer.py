@@ -203,8 +203,10 @@ class Trainer:
                         result.stopped_by = signals.received or "a signal on another rank"
                         result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
                         break
-                    if (every.every_n_steps and step % every.every_n_steps == 0) or verdict.save_due or step in checkpoint_lows:
-                        result.checkpoint = self._save(step, epoch, "interval")
+                    reason = ("step interval" if every.every_n_steps and step % every.every_n_steps == 0
+                              else "cycle low" if step in checkpoint_lows else "time interval" if verdict.save_due else None)
+                    if reason:
+                        result.checkpoint = self._save(step, epoch, reason)
                     self._update_part_activity(epoch, step)
                     if step >= self.total_steps:
                         break
