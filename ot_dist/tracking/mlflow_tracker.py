@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ot_dist.tracking.base import Tracker
-from ot_dist.tracking.outbox import OutboxWriter, read_records, read_sent, refused_path, summary
+from ot_dist.tracking.outbox import OUTBOX_FOLDER, OutboxWriter, read_records, read_sent, refused_path, summary
 
 # MLflow's HTTP client retries each request up to 7 times with backoff (minutes in all) and waits
 # 120 s for an answer; the sender retries by itself, so one quick attempt per request is enough.
@@ -92,7 +92,7 @@ class SenderProcess:
 
 
 def outbox_path(output_dir: Path) -> Path:
-    return output_dir / "mlflow-outbox" / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
+    return output_dir / OUTBOX_FOLDER / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.jsonl"
 
 
 class MlflowTracker(Tracker):

@@ -23,6 +23,7 @@ from pathlib import Path
 METRICS_PER_REQUEST = 1000
 PARAMS_PER_REQUEST = 100  # and tags
 ENTITIES_PER_REQUEST = 1000
+OUTBOX_FOLDER = "mlflow-outbox"  # in the output directory
 BATCHED = ("metrics", "params", "tags")  # kinds that go in one log_batch request together
 
 Record = dict
@@ -146,7 +147,8 @@ def remove_delivered(path: Path) -> None:
     """Everything reached MLflow: the outbox and its progress note go."""
     for file in (path, sent_path(path)):
         file.unlink(missing_ok=True)
-    try:
-        path.parent.rmdir()  # the outbox folder, unless other runs left files there
-    except OSError:
-        pass
+    if path.parent.name == OUTBOX_FOLDER:
+        try:
+            path.parent.rmdir()  # unless other runs left files there
+        except OSError:
+            pass

@@ -28,9 +28,12 @@ FLUSH_SECONDS = 1.0  # how often the sender looks for new values
 MAX_RETRY_PAUSE = 10.0  # the longest pause between attempts while the server is away
 
 
+EVENTS = sys.stdout  # main() gives the pipe to the training process to events alone
+
+
 def emit(**event) -> None:
     try:
-        print(json.dumps(event), flush=True)
+        print(json.dumps(event), file=EVENTS, flush=True)
     except (OSError, ValueError):  # the training process is gone; the outbox file keeps everything
         pass
 
@@ -165,11 +168,16 @@ class Sender:
 def main(argv: list[str]) -> None:
     # Ctrl-C stops the training process; this one still gets the run's last values out (bounded).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    global EVENTS
+    EVENTS = os.fdopen(os.dup(1), "w")
+    # What MLflow prints ("View run ... at ...") goes nowhere: not into the events, and no failure
+    # when the training process is gone.
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     path, uri, timeout = argv
     Sender(Path(path), uri, float(timeout)).run()
     # Done, and the training process may be waiting on this: skip MLflow's exit handlers (a second).
     try:
-        sys.stdout.flush()
+        EVENTS.flush()
     except OSError:
         pass
     os._exit(0)
