@@ -3,7 +3,7 @@ steps by default, one process, CPU) untracked, tracked in the local store, and t
 port where nothing listens (every value then ends in the local fallback store, with a warning).
 
 A standalone script (not a pytest test). The variants run interleaved (untracked, local store,
-closed port, then again), `--repeats` times each, so that load from other processes on a shared
+closed port, then again in a rotated order), `--repeats` times each, so that load from other processes on a shared
 machine hits them alike. It prints the median wall time of each variant, the median of the
 per-repeat ratios to the untracked run of the same repeat with their spread (min-max), the CPU
 time of the training process alone (the sender process not included; this does not depend on the
@@ -57,7 +57,9 @@ def main(argv=None) -> int:
         rates: dict[str, list[float]] = {name: [] for name in variants}
         cpu: dict[str, list[float]] = {name: [] for name in variants}
         for repeat in range(args.repeats):
-            for name, settings in variants.items():
+            names = list(variants)
+            for name in names[repeat % 3:] + names[: repeat % 3]:  # rotated: no variant always runs first
+                settings = variants[name]
                 out = root / f"out-{repeat}-{name.replace(' ', '_')}"
                 raw = base_config(model, data, out, batch_size=1, epochs=-(-args.steps // 16), max_steps=args.steps,
                                   log_every_steps=5, **settings)
