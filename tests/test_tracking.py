@@ -1,6 +1,7 @@
 """MLflow tracking as a user meets it: against a real `mlflow server` (started here on 127.0.0.1),
 with one process and with 2 ranks; a resumed run continuing the same MLflow run; a server that is
-down or goes away mid-run; the embedded default store; progress on screen; secrets kept out."""
+down or goes away mid-run, and the replay of what it missed; a training process that dies; the
+embedded default store; progress on screen; secrets kept out."""
 
 from __future__ import annotations
 
