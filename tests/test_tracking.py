@@ -1,6 +1,7 @@
 """MLflow tracking as a user meets it: against a real `mlflow server` (started here on 127.0.0.1),
 with one process and with 2 ranks; a resumed run continuing the same MLflow run; a server that is
-down or goes away mid-run; the embedded default store; progress on screen; secrets kept out."""
+down or goes away mid-run, and the replay of what it missed; a training process that dies; the
+embedded default store; progress on screen; secrets kept out."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.optim.schedulers import lr_factor
 from ot_dist.parallel.runtime import free_port
-from ot_dist.tracking import start_tracking, tracking_uri
+from ot_dist.tracking import start_sender, start_tracking, tracking_uri
 from ot_dist.tracking.base import Tracker
 from ot_dist.tracking.mlflow_tracker import MlflowTracker
 from ot_dist.tracking.progress import Progress
@@ -177,7 +178,7 @@ def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, tiny_mod
     assert "config-resumed-at-step-6.yaml" in {a.path for a in client(server.uri).list_artifacts(run.info.run_id)}
 
 
-def test_two_ranks_log_once_and_only_rank_0_loads_mlflow(server, first_run, tiny_models, shapes_data, tmp_path):
+def test_two_ranks_log_once_and_only_rank_0_tracks(server, first_run, tiny_models, shapes_data, tmp_path):
     """fsdp, batch 2 on each of 2 ranks = batch 4 in one process: the same losses and gradient norms."""
     first, first_result, _ = first_run
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=2, strategy="fsdp", **SETTINGS,
@@ -190,8 +191,8 @@ def test_two_ranks_log_once_and_only_rank_0_loads_mlflow(server, first_run, tiny
         env={**ENV, "IMPORT_REPORT_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert json.loads((tmp_path / "rank0.json").read_text()) == {"mlflow_imported": True}
-    assert json.loads((tmp_path / "rank1.json").read_text()) == {"mlflow_imported": False}
+    assert json.loads((tmp_path / "rank0.json").read_text()) == {"tracks": True, "mlflow_imported": False}
+    assert json.loads((tmp_path / "rank1.json").read_text()) == {"tracks": False, "mlflow_imported": False}
     experiment = client(server.uri).get_experiment_by_name("two-ranks")
     (run,) = client(server.uri).search_runs([experiment.experiment_id])
     assert run.data.tags["world_size"] == "2" and run.data.tags["strategy"] == "fsdp"
@@ -204,7 +205,8 @@ def test_two_ranks_log_once_and_only_rank_0_loads_mlflow(server, first_run, tiny
 
 
 def test_a_closed_port_costs_nothing_but_a_warning(tiny_models, shapes_data, tmp_path):
-    """20 steps against a port where nothing listens: exit 0, promptly, every point in the local store."""
+    """20 steps against a port where nothing listens: exit 0, promptly, a warning naming the outbox
+    file; its replay command puts every point in a local store afterwards."""
     port = free_port()
     out = tmp_path / "out"
     raw = base_config(tiny_models["sd1"], shapes_data, out, batch_size=1, epochs=2, max_steps=20, log_every_steps=5,
@@ -217,24 +219,36 @@ def test_a_closed_port_costs_nothing_but_a_warning(tiny_models, shapes_data, tmp
     elapsed = time.monotonic() - start
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f"warning: MLflow: cannot reach http://127.0.0.1:{port}" in done.stdout
-    local = f"sqlite:///{out.resolve() / 'mlflow.db'}"
-    assert f"could not be sent to http://127.0.0.1:{port}" in done.stdout and f"in the local store {local}" in done.stdout
     assert elapsed < 120, f"{elapsed:.0f} s: waiting on the dead server?"  # a hang check: MLflow alone retries for minutes
+    (outbox,) = (out / "mlflow-outbox").glob("*.jsonl")
+    assert f"could not be sent to http://127.0.0.1:{port}" in done.stdout and f"they are kept in {outbox}" in done.stdout
+    replay_command = f"python -m ot_dist.tracking.replay {outbox}"
+    assert replay_command in done.stdout
+    # recoverable: the warning's command, sent to a local store instead of the dead server
+    local = f"sqlite:///{tmp_path / 'recovered' / 'mlflow.db'}"
+    replayed = subprocess.run([sys.executable, *replay_command.split()[1:], "--tracking-uri", local], env=ENV,
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert replayed.returncode == 0, (replayed.stdout + replayed.stderr)[-4000:]
     (run,) = client(local).search_runs([client(local).get_experiment_by_name("ot_dist").experiment_id])
-    assert run.data.tags["ot_dist.unsent_to"] == f"http://127.0.0.1:{port}"
+    assert f"run {run.info.run_id}" in replayed.stdout and run.info.status == "FINISHED"
+    assert run.data.tags["ot_dist.replayed_from"] == str(outbox)
     loss = history(local, run.info.run_id, "loss")
     assert [s for s, _ in loss] == list(range(1, 21))
     final = float(done.stdout.split("final loss ")[1].split()[0])
     assert loss[-1][1] == pytest.approx(final, abs=1e-4)
     assert len(history(local, run.info.run_id, "lr/unet")) == 20 and run.data.params["max_steps"] == "20"
-    assert "config.yaml" in {a.path for a in client(local).list_artifacts(run.info.run_id)}
-    assert list((out / "mlartifacts").rglob("config.yaml")) and not (tmp_path / "mlruns").exists()  # not in the cwd
+    assert {"config.yaml", "bucket_report.txt", "exported_paths.txt"} <= {
+        a.path for a in client(local).list_artifacts(run.info.run_id)}
+    assert list((tmp_path / "recovered" / "mlartifacts").rglob("config.yaml"))  # next to the store,
+    assert not (tmp_path / "mlruns").exists()  # not in the working directory
+    assert not outbox.exists()  # delivered: gone
 
 
-def test_values_kept_while_the_server_is_down_are_sent_when_it_is_back(server):
-    tracker = MlflowTracker(server.uri, "comes-back", "comes-back", shutdown_timeout=60)
+def test_values_kept_while_the_server_is_down_are_sent_when_it_is_back(server, tmp_path):
+    outbox = tmp_path / "outbox.jsonl"
+    tracker = MlflowTracker(server.uri, "comes-back", "comes-back", outbox, shutdown_timeout=60)
     tracker.log_metrics({"loss": 1.0}, step=1)
-    wait_for(lambda: tracker.outbox.is_empty() and tracker.run_id is not None)
+    wait_for(lambda: tracker.all_sent() and tracker.run_id is not None)
     server.stop()
     try:
         tracker.log_metrics({"loss": 2.0}, step=2)
@@ -246,6 +260,47 @@ def test_values_kept_while_the_server_is_down_are_sent_when_it_is_back(server):
     assert not any("could not be sent" in w for w in warnings), warnings
     assert history(server.uri, tracker.run_id, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]
     assert client(server.uri).get_run(tracker.run_id).info.status == "FINISHED"
+    assert not outbox.exists()  # all delivered
+
+
+def test_what_a_dead_server_missed_is_replayed_into_the_same_run(server, tmp_path):
+    outbox = tmp_path / "outbox.jsonl"
+    tracker = MlflowTracker(server.uri, "replayed", "replayed", outbox, shutdown_timeout=5)
+    tracker.log_metrics({"loss": 1.0}, step=1)
+    wait_for(lambda: tracker.all_sent() and tracker.run_id is not None)
+    server.stop()
+    try:
+        tracker.log_metrics({"loss": 2.0}, step=2)
+        tracker.log_text("after the server went away\n", "note.txt")
+        warnings = tracker.close()  # one last attempt, then the outbox stays
+    finally:
+        server.start()
+    (warning,) = [w for w in warnings if "could not be sent" in w]
+    assert warning.startswith(f"MLflow: 1 metric points, 1 artifacts could not be sent to {server.uri}")
+    assert f"they are kept in {outbox}" in warning and f"python -m ot_dist.tracking.replay {outbox}" in warning
+    assert client(server.uri).get_run(tracker.run_id).info.status == "RUNNING"
+    replayed = subprocess.run([sys.executable, "-m", "ot_dist.tracking.replay", str(outbox)], env=ENV,
+                              capture_output=True, text=True, timeout=300)
+    assert replayed.returncode == 0, (replayed.stdout + replayed.stderr)[-4000:]
+    assert history(server.uri, tracker.run_id, "loss") == [(1, 1.0), (2, 2.0)]  # the same run, nothing twice
+    assert client(server.uri).get_run(tracker.run_id).info.status == "FINISHED"
+    assert download_text(server.uri, tracker.run_id, "note.txt") == "after the server went away\n"
+    assert not outbox.exists()
+
+
+def test_a_run_whose_process_dies_still_reaches_the_server(server, tmp_path):
+    """The training process crashes without closing: it does not wait at exit; its sender delivers
+    what was logged on its own and ends the run as failed."""
+    outbox = tmp_path / "outbox.jsonl"
+    crash = (f"from pathlib import Path\nfrom ot_dist.tracking.mlflow_tracker import MlflowTracker\n"
+             f"tracker = MlflowTracker({server.uri!r}, 'crashed', 'crashed', Path({str(outbox)!r}))\n"
+             "tracker.log_metrics({'loss': 1.5}, step=1)\nraise RuntimeError('the training loop died')\n")
+    done = subprocess.run([sys.executable, "-c", crash], env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "the training loop died" in done.stderr
+    wait_for(lambda: not outbox.exists(), timeout=120)  # delivered, then removed
+    (run,) = client(server.uri).search_runs([client(server.uri).get_experiment_by_name("crashed").experiment_id])
+    assert run.info.status == "FAILED"
+    assert history(server.uri, run.info.run_id, "loss") == [(1, 1.5)]
 
 
 def wait_for(condition, timeout=60.0) -> None:
@@ -291,6 +346,7 @@ def test_credentials_never_go_in_a_uri(tiny_models, shapes_data, tmp_path, monke
 
 def test_only_the_main_rank_gets_a_tracker(tiny_models, shapes_data, tmp_path):
     config = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path, **{"mlflow.enabled": True}))
+    assert start_sender(config, is_main=False) is None
     assert type(start_tracking(config, is_main=False, world_size=2)) is Tracker  # does nothing, imports nothing
 
 

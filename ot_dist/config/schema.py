@@ -234,8 +234,8 @@ class MlflowConfig(Section):
     run_name: str | None = Field(default=None, description="Run name; null = the name of output_dir.")
     shutdown_timeout_seconds: float = Field(
         default=30, ge=0, description="At the end, how long a server that answers gets to take what is left; "
-        "a server that does not answer gets one last attempt. What is not delivered goes to the local store "
-        "output_dir/mlflow.db (a warning names it).",
+        "a server that does not answer gets one last attempt. What is not delivered stays in "
+        "output_dir/mlflow-outbox/ (a warning names the file and the command that sends it later).",
     )
 
     @field_validator("tracking_uri")

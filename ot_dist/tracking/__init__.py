@@ -1,18 +1,22 @@
-"""Experiment tracking (MLflow, rank 0 only) and progress on screen."""
+"""Experiment tracking (MLflow, rank 0 only) and progress on screen.
+
+Kept light (no torch, no pydantic, no MLflow): the sender process imports this package too."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ot_dist.config.schema import TrainConfig, has_credentials
 from ot_dist.errors import ConfigError
 from ot_dist.tracking.base import Tracker
-from ot_dist.tracking.facts import flat_params, run_tags
 
-LOCAL_STORE = "mlflow.db"  # under output_dir: the embedded default, and where undelivered values go
-UNSENT_FILE = "mlflow_unsent.json"  # when even the local store cannot be written
+if TYPE_CHECKING:
+    from ot_dist.config.schema import TrainConfig
+    from ot_dist.tracking.mlflow_tracker import SenderProcess
+
+LOCAL_STORE = "mlflow.db"  # under output_dir: the embedded default
 
 
 def local_store_uri(output_dir: str | Path) -> str:
@@ -24,6 +28,8 @@ def local_store_uri(output_dir: str | Path) -> str:
 def tracking_uri(config: TrainConfig) -> str:
     """mlflow.tracking_uri, else MLFLOW_TRACKING_URI (as in MLflow, what is set explicitly wins),
     else the local store under output_dir."""
+    from ot_dist.config.schema import has_credentials
+
     uri = config.mlflow.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or local_store_uri(config.output_dir)
     if has_credentials(uri):
         raise ConfigError(
@@ -33,37 +39,45 @@ def tracking_uri(config: TrainConfig) -> str:
     return uri
 
 
-def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: str | None = None,
-                   step_offset: int = 0, log=print) -> Tracker:
-    """The tracker of this process: MLflow on the main rank (its run created in the background),
-    a no-op elsewhere or with mlflow.enabled false. `run_id` continues an earlier run, whose steps
-    continue after `step_offset`."""
-    settings = config.mlflow
-    if not settings.enabled:
-        return Tracker()
+def start_sender(config: TrainConfig, is_main: bool, log=print) -> SenderProcess | None:
+    """Start the MLflow sender process of this run now, on the main rank (None elsewhere, or when
+    tracking is off): its seconds of imports and store setup then overlap the model load."""
+    if not config.mlflow.enabled:
+        return None
     uri = tracking_uri(config)  # every rank checks, so a bad URI stops every rank alike
     if not is_main:
-        return Tracker()
+        return None
     if importlib.util.find_spec("mlflow") is None:
         log("warning: mlflow.enabled: MLflow is not installed, this run is not tracked "
             "(pip install 'ot_dist[tracking]', or set mlflow.enabled: false)")
+        return None
+    from ot_dist.tracking.mlflow_tracker import SenderProcess, outbox_path
+
+    return SenderProcess(outbox_path(Path(config.output_dir).resolve()), uri, config.mlflow.shutdown_timeout_seconds)
+
+
+def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: str | None = None,
+                   step_offset: int = 0, log=print, sender: SenderProcess | None = None) -> Tracker:
+    """The tracker of this process: MLflow on the main rank, a no-op elsewhere or with mlflow.enabled
+    false. `run_id` continues an earlier run, whose steps continue after `step_offset`; `sender`:
+    the one `start_sender` started (else it starts now)."""
+    sender = sender or start_sender(config, is_main, log)
+    if sender is None:
         return Tracker()
+    from ot_dist.tracking.facts import flat_params, run_tags
     from ot_dist.tracking.mlflow_tracker import MlflowTracker
 
     output_dir = Path(config.output_dir).resolve()
-    local = local_store_uri(output_dir)
-    local_artifacts = (output_dir / "mlartifacts").as_uri()
     tracker = MlflowTracker(
-        uri,
-        settings.experiment,
-        settings.run_name or output_dir.name,
+        sender.uri,
+        config.mlflow.experiment,
+        config.mlflow.run_name or output_dir.name,
+        sender.outbox,
         run_id=run_id,
         step_offset=step_offset,
-        artifact_location=local_artifacts if uri == local else None,
-        fallback_uri=local,
-        fallback_artifacts=local_artifacts,
-        fallback_file=output_dir / UNSENT_FILE,
-        shutdown_timeout=settings.shutdown_timeout_seconds,
+        artifact_location=(output_dir / "mlartifacts").as_uri() if sender.uri == local_store_uri(output_dir) else None,
+        shutdown_timeout=config.mlflow.shutdown_timeout_seconds,
+        sender=sender,
     )
     config_yaml = config_text(config)
     if run_id is None:

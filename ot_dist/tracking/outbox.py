@@ -1,117 +1,154 @@
-"""What is waiting to reach MLflow: metric points, params, tags and text artifacts, held until a send
-succeeds. The training thread only appends; the sender thread removes what the server took."""
+"""The outbox: everything a run logs to MLflow, as JSON lines appended to a file in the output
+directory. The training process only appends to it (microseconds, no MLflow); the sender process
+reads it and delivers it in order, noting how far it got in a small `.sent` file next to it. A file
+that was not delivered completely stays where it is, and `python -m ot_dist.tracking.replay FILE`
+delivers the rest later: nothing logged is lost with the server, nor with the sender.
+
+Records, by "kind": "run" (the first line: where the run goes), "metrics" (one step's values),
+"params", "tags", "text" (a text artifact), "end" (the run's final status). Plain JSON and the
+standard library only: the sender imports this before MLflow, the training process never imports
+MLflow at all."""
 
 from __future__ import annotations
 
 import json
+import os
 import threading
-from dataclasses import dataclass, field
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
-# MLflow's per-request limits (mlflow.utils.validation: MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH).
+# MLflow's per-request limits (mlflow.utils.validation: MAX_METRICS_PER_BATCH, MAX_PARAMS_TAGS_PER_BATCH,
+# MAX_ENTITIES_PER_BATCH).
 METRICS_PER_REQUEST = 1000
-PARAMS_PER_REQUEST = 100
+PARAMS_PER_REQUEST = 100  # and tags
+ENTITIES_PER_REQUEST = 1000
+OUTBOX_FOLDER = "mlflow-outbox"  # in the output directory
+BATCHED = ("metrics", "params", "tags")  # kinds that go in one log_batch request together
+
+Record = dict
+Entry = tuple[int, Record]  # (the file offset just after the record, the record)
 
 
-@dataclass
-class Point:
-    key: str
-    value: float
-    timestamp_ms: int
-    step: int
+class OutboxWriter:
+    """The training process's side: append one record per call, flushed to the OS at once (a crash
+    of this process loses nothing written)."""
 
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "ab")  # noqa: SIM115 - open for the run's lifetime
+        self._lock = threading.Lock()
+        self.size = self._file.tell()
 
-@dataclass
-class Contents:
-    metrics: list[Point] = field(default_factory=list)
-    params: dict[str, str] = field(default_factory=dict)
-    tags: dict[str, str] = field(default_factory=dict)
-    artifacts: dict[str, str] = field(default_factory=dict)  # artifact file -> text
-
-    def __bool__(self) -> bool:
-        return bool(self.metrics or self.params or self.tags or self.artifacts)
-
-    def summary(self) -> str:
-        kinds = [(len(self.metrics), "metric points"), (len(self.params), "params"), (len(self.tags), "tags"),
-                 (len(self.artifacts), "artifacts")]
-        return ", ".join(f"{n} {name}" for n, name in kinds if n)
-
-    def write_json(self, path: Path, about: dict) -> None:
-        data = {
-            **about,
-            "metrics": [vars(p) for p in self.metrics],
-            "params": self.params,
-            "tags": self.tags,
-            "artifacts": self.artifacts,
-        }
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-
-
-class Outbox:
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.pending = Contents()
-        self.rejected = Contents()  # refused by the server (a 4xx): never retried, kept for the fallback
-        self.taken = False  # once the fallback took everything, late sender results change nothing
-
-    def add_metrics(self, points: list[Point]) -> None:
-        with self.lock:
-            self.pending.metrics.extend(points)
-
-    def add_params(self, params: dict[str, str]) -> None:
-        with self.lock:
-            self.pending.params.update(params)
-
-    def add_tags(self, tags: dict[str, str]) -> None:
-        with self.lock:
-            self.pending.tags.update(tags)
-
-    def add_artifact(self, artifact_file: str, text: str) -> None:
-        with self.lock:
-            self.pending.artifacts[artifact_file] = text
-
-    # -- the sender's side ---------------------------------------------------------------------
-    def next_batch(self) -> Contents:
-        """The oldest items, at most one request's worth of each kind (not removed yet)."""
-        with self.lock:
-            pending = self.pending
-            return Contents(
-                metrics=pending.metrics[:METRICS_PER_REQUEST],
-                params=dict(list(pending.params.items())[:PARAMS_PER_REQUEST]),
-                tags=dict(list(pending.tags.items())[:PARAMS_PER_REQUEST]),
-                artifacts=dict(list(pending.artifacts.items())[:1]),
-            )
-
-    def remove(self, batch: Contents, rejected: bool = False) -> None:
-        """Drop a batch the server took (or refused for good: then it is kept aside)."""
-        with self.lock:
-            if self.taken:
+    def add(self, record: Record) -> None:
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        with self._lock:
+            if self._file.closed:
                 return
-            pending = self.pending
-            del pending.metrics[: len(batch.metrics)]  # only the sender removes, and always from the head
-            for kind in ("params", "tags", "artifacts"):
-                for key in getattr(batch, kind):
-                    getattr(pending, kind).pop(key, None)
-            if rejected:
-                self.rejected.metrics.extend(batch.metrics)
-                for kind in ("params", "tags", "artifacts"):
-                    getattr(self.rejected, kind).update(getattr(batch, kind))
+            self._file.write(line)
+            self._file.flush()
+            self.size += len(line)
 
-    def take_all(self) -> Contents:
-        """Everything not delivered (pending and refused), for the fallback; the sender is done."""
-        with self.lock:
-            self.taken = True
-            left = Contents(
-                metrics=self.rejected.metrics + self.pending.metrics,
-                params={**self.rejected.params, **self.pending.params},
-                tags={**self.rejected.tags, **self.pending.tags},
-                artifacts={**self.rejected.artifacts, **self.pending.artifacts},
-            )
-            self.pending, self.rejected = Contents(), Contents()
-            return left
+    def add_values(self, kind: str, values: dict[str, str]) -> None:
+        """Params or tags, split so that each record fits one request."""
+        items = list(values.items())
+        for start in range(0, len(items), PARAMS_PER_REQUEST):
+            self.add({"kind": kind, "values": dict(items[start:start + PARAMS_PER_REQUEST])})
 
-    def is_empty(self) -> bool:
-        with self.lock:
-            return not self.pending
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+
+
+def read_records(path: Path, offset: int) -> list[Entry]:
+    """The complete records after `offset` (a line still being written is left for later)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    entries, position = [], offset
+    for line in data.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        position += len(line)
+        entries.append((position, json.loads(line)))
+    return entries
+
+
+def requests(entries: list[Entry]) -> Iterator[list[Entry]]:
+    """The entries grouped as MLflow requests: consecutive metrics/params/tags in one log_batch
+    within MLflow's limits; any other record alone."""
+    batch: list[Entry] = []
+    counts: Counter = Counter()
+    for entry in entries:
+        record = entry[1]
+        kind = record["kind"]
+        if kind not in BATCHED:
+            if batch:
+                yield batch
+                batch, counts = [], Counter()
+            yield [entry]
+            continue
+        n = len(record["values"])
+        limit = METRICS_PER_REQUEST if kind == "metrics" else PARAMS_PER_REQUEST
+        if batch and (counts[kind] + n > limit or sum(counts.values()) + n > ENTITIES_PER_REQUEST):
+            yield batch
+            batch, counts = [], Counter()
+        batch.append(entry)
+        counts[kind] += n
+    if batch:
+        yield batch
+
+
+def summary(records: list[Record]) -> str:
+    """"20 metric points, 131 params, ..." for messages."""
+    counts: Counter = Counter()
+    for record in records:
+        kind = record["kind"]
+        if kind in BATCHED:
+            counts[kind] += len(record["values"])
+        elif kind == "text":
+            counts["artifacts"] += 1
+    names = {"metrics": "metric points", "params": "params", "tags": "tags", "artifacts": "artifacts"}
+    return ", ".join(f"{counts[k]} {name}" for k, name in names.items() if counts[k]) or "nothing"
+
+
+# -- how far delivery got: {"uri", "run_id", "offset"} in FILE.sent ---------------------------------
+def sent_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sent")
+
+
+def refused_path(path: Path) -> Path:
+    """Records the server refused (a 4xx answer): kept, never sent again."""
+    return path.with_name(path.name + ".refused")
+
+
+def read_sent(path: Path) -> dict:
+    try:
+        return json.loads(sent_path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_sent(path: Path, uri: str, run_id: str | None, offset: int) -> None:
+    target = sent_path(path)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.write_text(json.dumps({"uri": uri, "run_id": run_id, "offset": offset}))
+    tmp.replace(target)
+
+
+def remove_delivered(path: Path) -> None:
+    """Everything reached MLflow: the outbox and its progress note go."""
+    for file in (path, sent_path(path)):
+        file.unlink(missing_ok=True)
+    if path.parent.name == OUTBOX_FOLDER:
+        try:
+            path.parent.rmdir()  # unless other runs left files there
+        except OSError:
+            pass

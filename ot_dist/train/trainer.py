@@ -31,7 +31,7 @@ from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
 from ot_dist.train.masking import check_masks
-from ot_dist.tracking import start_tracking
+from ot_dist.tracking import start_sender, start_tracking
 from ot_dist.tracking.base import Tracker
 from ot_dist.tracking.facts import memory_metrics
 from ot_dist.tracking.progress import Progress
@@ -63,6 +63,7 @@ class Trainer:
         self.runtime = runtime or start_runtime(config.distributed.timeout_minutes, needs_group=config.strategy != "single")
         self.device = self.runtime.device
         self.log = log if self.runtime.is_main else (lambda *_: None)
+        self.tracking_sender = start_sender(config, self.runtime.is_main, self.log)  # MLflow loads meanwhile, elsewhere
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
         self.dataset, self.reader = open_training_data(config, self.runtime, self.log)
@@ -158,7 +159,7 @@ class Trainer:
         result = TrainResult(first_step=self.position.step)
         step = self.position.step
         self.tracker = start_tracking(config, self.runtime.is_main, self.runtime.world_size,
-                                      self.tracking_run_id, self.tracking_step_offset, self.log)
+                                      self.tracking_run_id, self.tracking_step_offset, self.log, self.tracking_sender)
         self.tracker.log_text("\n".join(self.bucket_report) + "\n", "bucket_report.txt")
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host

@@ -1,0 +1,134 @@
+"""Delivering an outbox's records to MLflow, in order, one request at a time, noting after each
+request how far it got (FILE.sent): used by the sender process while a run trains and by
+`python -m ot_dist.tracking.replay` afterwards. This is where MLflow is imported."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ot_dist.tracking.outbox import Entry, read_sent, refused_path, requests, summary, write_sent
+
+
+class RunRefused(Exception):
+    """The server refused to create or continue the run: nothing can be sent to it."""
+
+
+def refused(err: Exception) -> bool:
+    """A 4xx answer (bad value, unknown run, no permission): sending it again cannot help."""
+    from mlflow.exceptions import MlflowException
+
+    if not isinstance(err, MlflowException):
+        return False
+    status = err.get_http_status_code()
+    return 400 <= status < 500 and status not in (408, 429)
+
+
+def describe(err: Exception) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def artifacts_next_to(uri: str) -> str | None:
+    """Artifacts of a new experiment in a local SQLite store go next to its file (MLflow's default
+    would be ./mlruns in whatever directory the process runs in)."""
+    if uri.startswith("sqlite:///"):
+        return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
+    return None
+
+
+class Delivery:
+    def __init__(self, path: Path, uri: str, notify=print):
+        import logging
+
+        from mlflow.tracking import MlflowClient
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # no "creating tables" chatter in the training log
+        self.path, self.uri, self.notify = path, uri, notify
+        self.client = MlflowClient(tracking_uri=uri)
+        state = read_sent(path)
+        same_target = state.get("uri") == uri  # a replay elsewhere starts from the beginning
+        self.run_id: str | None = state.get("run_id") if same_target else None
+        self.offset: int = state.get("offset", 0) if same_target else 0
+        self.ended = False  # the run's end was delivered
+        self.refused_count = 0
+
+    def warm_up(self) -> None:
+        """Open the store now (a new SQLite store runs its schema migrations: seconds), so that the
+        first values do not wait for it; against a server, one request that tells whether it answers."""
+        self.client.search_experiments(max_results=1)
+
+    def deliver(self, entries: list[Entry], deadline: float | None = None) -> None:
+        """Send the entries (those after `offset`) in order; a request the server refuses is set
+        aside in FILE.refused; any other failure raises, and the next call resumes where it stopped."""
+        for batch in requests([e for e in entries if e[0] > self.offset]):
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError("not all delivered within mlflow.shutdown_timeout_seconds")
+            try:
+                self._send([record for _, record in batch])
+            except Exception as err:  # noqa: BLE001
+                if not refused(err):
+                    raise
+                if batch[0][1]["kind"] == "run":
+                    raise RunRefused(describe(err)) from err
+                self._set_aside(batch, err)
+            self.offset = batch[-1][0]
+            write_sent(self.path, self.uri, self.run_id, self.offset)
+
+    def end_run(self, status: str) -> None:
+        """End a run whose outbox has no end (its training process died)."""
+        if self.run_id is not None and not self.ended:
+            self.client.set_terminated(self.run_id, status)
+            self.ended = True
+
+    def _send(self, records: list[dict]) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        first = records[0]
+        kind = first["kind"]
+        if kind == "run":
+            self._open_run(first)
+        elif kind == "text":
+            self.client.log_text(self.run_id, first["text"], first["file"])
+        elif kind == "end":
+            self.client.set_terminated(self.run_id, first["status"])
+            self.ended = True
+        else:
+            metrics, params, tags = [], [], []
+            for record in records:
+                values = record["values"]
+                if record["kind"] == "metrics":
+                    metrics += [Metric(k, v, record["timestamp_ms"], record["step"]) for k, v in values.items()]
+                elif record["kind"] == "params":
+                    params += [Param(k, v) for k, v in values.items()]
+                else:
+                    tags += [RunTag(k, v) for k, v in values.items()]
+            self.client.log_batch(self.run_id, metrics=metrics, params=params, tags=tags, synchronous=True)
+
+    def _open_run(self, header: dict) -> None:
+        if self.run_id is not None:
+            return
+        meant_here = header["uri"] == self.uri
+        if header.get("run_id") and meant_here:  # a resumed run: it exists, and runs again
+            self.client.update_run(header["run_id"], status="RUNNING")
+            self.run_id = header["run_id"]
+            return
+        experiment = self.client.get_experiment_by_name(header["experiment"])
+        if experiment is not None:
+            experiment_id = experiment.experiment_id
+        else:
+            location = header.get("artifact_location") if meant_here else artifacts_next_to(self.uri)
+            experiment_id = self.client.create_experiment(header["experiment"], artifact_location=location)
+        run = self.client.create_run(experiment_id, run_name=header.get("run_name"))
+        self.run_id = run.info.run_id
+        if not meant_here:
+            self.client.set_tag(self.run_id, "ot_dist.replayed_from", str(self.path))
+
+    def _set_aside(self, batch: list[Entry], err: Exception) -> None:
+        with open(refused_path(self.path), "a", encoding="utf-8") as f:
+            for _, record in batch:
+                f.write(json.dumps({**record, "refused": describe(err)}) + "\n")
+        self.refused_count += len(batch)
+        self.notify(f"MLflow: {self.uri} refused {summary([r for _, r in batch])}: {describe(err)}; they are kept "
+                    f"in {refused_path(self.path)}")
