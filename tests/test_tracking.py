@@ -167,8 +167,10 @@ def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, tiny_mod
     first, first_result, _ = first_run
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=4, **SETTINGS,
                       **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "tracking-test"})
-    raw["max_steps"] = 3
-    resumed, result, _ = train(raw, tracking_run_id=first.tracker.run_id, tracking_step_offset=STEPS)
+    raw.update(max_steps=STEPS + 3, epochs=3)
+    # from the checkpoint the first run saved at its end (step 6): the run id is part of its state
+    resumed, result, _ = train(raw, resume=str(Path(first.config.output_dir) / "checkpoints"))
+    assert result.first_step == STEPS
     assert resumed.tracker.run_id == first.tracker.run_id
     loss = history(server.uri, first.tracker.run_id, "loss")
     assert [s for s, _ in loss] == list(range(1, STEPS + 4))  # contiguous: 1..6 then 7..9

@@ -86,6 +86,8 @@ class Checkpointer:
             "optimizer_groups": jsonable([{k: v for k, v in g.items() if k != "params"} for g in t.optimizer.param_groups],
                                           "optimizer group settings"),
             "tracking_run_id": t.tracker.run_id,
+            # the run may not exist yet (its sender creates it in the background): its outbox names it later
+            "tracking_outbox": str(t.tracker.outbox.path) if hasattr(t.tracker, "outbox") else None,
             "world_size": t.runtime.world_size,
             "strategy": t.strategy.name,
             "method": t.config.method,
@@ -124,7 +126,12 @@ class Checkpointer:
             t.log(f"checkpoint: {line}")
         t.log(f"checkpoint: resumed from {folder} at step {state['step']} (epoch {state['data']['epoch']}, "
               f"{state['samples_seen']} samples seen; saved by {state['world_size']} x {state['strategy']})")
-        return Position(state["step"], state["data"]["epoch"], state["tracking_run_id"], folder)
+        run_id = state["tracking_run_id"]
+        if run_id is None and state.get("tracking_outbox"):
+            from ot_dist.tracking.outbox import remembered_run
+
+            run_id = remembered_run(Path(state["tracking_outbox"]))
+        return Position(state["step"], state["data"]["epoch"], run_id, folder)
 
 
 def check_compatible(state: dict, trainer, folder: Path) -> None:

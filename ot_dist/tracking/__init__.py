@@ -57,10 +57,12 @@ def start_sender(config: TrainConfig, is_main: bool, log=print) -> SenderProcess
 
 
 def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: str | None = None,
-                   step_offset: int = 0, log=print, sender: SenderProcess | None = None) -> Tracker:
+                   step_offset: int = 0, log=print, sender: SenderProcess | None = None,
+                   resumed_at_step: int | None = None) -> Tracker:
     """The tracker of this process: MLflow on the main rank, a no-op elsewhere or with mlflow.enabled
-    false. `run_id` continues an earlier run, whose steps continue after `step_offset`; `sender`:
-    the one `start_sender` started (else it starts now)."""
+    false. `run_id` continues an earlier run, whose steps continue after `step_offset` (a checkpoint
+    resume numbers its own steps: offset 0, `resumed_at_step` its first); `sender`: the one
+    `start_sender` started (else it starts now)."""
     sender = sender or start_sender(config, is_main, log)
     if sender is None:
         return Tracker()
@@ -84,7 +86,8 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
         tracker.log_params(flat_params(config))  # a resumed run has them (and MLflow params never change)
         tracker.log_text(config_yaml, "config.yaml")
     else:
-        tracker.log_text(config_yaml, f"config-resumed-at-step-{step_offset}.yaml")
+        at = step_offset if resumed_at_step is None else resumed_at_step
+        tracker.log_text(config_yaml, f"config-resumed-at-step-{at}.yaml")
     tracker.set_tags(run_tags(config, world_size))
     return tracker
 

@@ -8,7 +8,7 @@ import json
 import time
 from pathlib import Path
 
-from ot_dist.tracking.outbox import Entry, read_sent, refused_path, requests, summary, write_sent
+from ot_dist.tracking.outbox import Entry, read_sent, refused_path, requests, run_note_path, summary, write_sent
 
 
 class RunRefused(Exception):
@@ -122,6 +122,8 @@ class Delivery:
             experiment_id = self.client.create_experiment(header["experiment"], artifact_location=location)
         run = self.client.create_run(experiment_id, run_name=header.get("run_name"))
         self.run_id = run.info.run_id
+        if meant_here:
+            run_note_path(self.path).write_text(self.run_id + "\n")
         if not meant_here:
             self.client.set_tag(self.run_id, "ot_dist.replayed_from", str(self.path))
 

@@ -124,6 +124,19 @@ def sent_path(path: Path) -> Path:
     return path.with_name(path.name + ".sent")
 
 
+def run_note_path(path: Path) -> Path:
+    """FILE.run: the id of the run FILE's values went into, kept after delivery (a checkpoint saved before
+    the run existed finds its run here on resume)."""
+    return path.with_name(path.name + ".run")
+
+
+def remembered_run(path: Path) -> str | None:
+    try:
+        return run_note_path(path).read_text().strip() or None
+    except OSError:
+        return None
+
+
 def refused_path(path: Path) -> Path:
     """Records the server refused (a 4xx answer): kept, never sent again."""
     return path.with_name(path.name + ".refused")

@@ -103,6 +103,8 @@ class Trainer:
         if folder is not None:
             self.position = self.checkpointer.load(folder)
             self.tracking_run_id = self.tracking_run_id or self.position.tracking_run_id
+            if config.mlflow.enabled and self.position.tracking_run_id is None:
+                self.log("checkpoint: the MLflow run did not exist yet when it was saved; this run is tracked as a new one")
         elif resume == "auto":
             self.log(f"checkpoint: none committed in {checkpoints_dir(config.output_dir)}, starting from step 0")
 
@@ -159,7 +161,8 @@ class Trainer:
         result = TrainResult(first_step=self.position.step)
         step = self.position.step
         self.tracker = start_tracking(config, self.runtime.is_main, self.runtime.world_size,
-                                      self.tracking_run_id, self.tracking_step_offset, self.log, self.tracking_sender)
+                                      self.tracking_run_id, self.tracking_step_offset, self.log, self.tracking_sender,
+                                      resumed_at_step=self.position.step if self.position.resumed_from else None)
         self.tracker.log_text("\n".join(self.bucket_report) + "\n", "bucket_report.txt")
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host
