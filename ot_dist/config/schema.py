@@ -12,6 +12,7 @@ from pydantic import Field, field_validator, model_validator
 
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
+from ot_dist.config.sampling import SamplingConfig
 from ot_dist.config.section import Section
 from ot_dist.models.registry import FAMILY_TEXT_ENCODERS
 
@@ -300,6 +301,7 @@ class TrainConfig(Section):
     ema: EMAConfig = Field(default_factory=EMAConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     masked_training: MaskedTrainingConfig = Field(default_factory=MaskedTrainingConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     log_every_steps: int = Field(
         default=10, ge=1, description="Copy the step losses to the host (one sync), log them and update the progress "
         "every N optimizer steps.",

@@ -96,6 +96,9 @@ class MlflowTracker(Tracker):
     def log_text(self, text: str, artifact_file: str) -> None:
         self.outbox.add_artifact(artifact_file, text)
 
+    def log_artifact(self, local_path: str | Path, artifact_dir: str) -> None:
+        self.outbox.add_file(f"{artifact_dir}/{Path(local_path).name}", str(local_path))
+
     def take_notices(self) -> list[str]:
         notices = []
         while not self._notices.empty():
@@ -212,6 +215,8 @@ class MlflowTracker(Tracker):
                     )
                 for artifact_file, text in batch.artifacts.items():
                     client.log_text(run_id, text, artifact_file)
+                for artifact_file, local_path in batch.files.items():
+                    client.log_artifact(run_id, local_path, artifact_file.rpartition("/")[0] or None)
             except Exception as err:  # noqa: BLE001
                 if not refused(err):
                     raise
@@ -238,7 +243,7 @@ class MlflowTracker(Tracker):
             try:
                 client = self._fallback_client or self._client(self.fallback_uri)
                 local = Outbox()
-                local.pending = Contents(left.metrics, left.params, {**left.tags, **about}, left.artifacts)
+                local.pending = Contents(left.metrics, left.params, {**left.tags, **about}, left.artifacts, left.files)
                 run_id = self._create_run(client, self.fallback_artifacts)
                 self._send_pending(client, run_id, local)
                 client.set_terminated(run_id, status)

@@ -1,4 +1,4 @@
-"""What is waiting to reach MLflow: metric points, params, tags and text artifacts, held until a send
+"""What is waiting to reach MLflow: metric points, params, tags, text artifacts and files, held until a send
 succeeds. The training thread only appends; the sender thread removes what the server took."""
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ class Contents:
     params: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
     artifacts: dict[str, str] = field(default_factory=dict)  # artifact file -> text
+    files: dict[str, str] = field(default_factory=dict)  # artifact file -> local path (e.g. sample images)
 
     def __bool__(self) -> bool:
-        return bool(self.metrics or self.params or self.tags or self.artifacts)
+        return bool(self.metrics or self.params or self.tags or self.artifacts or self.files)
 
     def summary(self) -> str:
         kinds = [(len(self.metrics), "metric points"), (len(self.params), "params"), (len(self.tags), "tags"),
-                 (len(self.artifacts), "artifacts")]
+                 (len(self.artifacts), "artifacts"), (len(self.files), "files")]
         return ", ".join(f"{n} {name}" for n, name in kinds if n)
 
     def write_json(self, path: Path, about: dict) -> None:
@@ -43,6 +44,7 @@ class Contents:
             "params": self.params,
             "tags": self.tags,
             "artifacts": self.artifacts,
+            "files": self.files,  # still on disk at these paths
         }
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(json.dumps(data, indent=1))
@@ -72,6 +74,10 @@ class Outbox:
         with self.lock:
             self.pending.artifacts[artifact_file] = text
 
+    def add_file(self, artifact_file: str, local_path: str) -> None:
+        with self.lock:
+            self.pending.files[artifact_file] = local_path
+
     # -- the sender's side ---------------------------------------------------------------------
     def next_batch(self) -> Contents:
         """The oldest items, at most one request's worth of each kind (not removed yet)."""
@@ -82,6 +88,7 @@ class Outbox:
                 params=dict(list(pending.params.items())[:PARAMS_PER_REQUEST]),
                 tags=dict(list(pending.tags.items())[:PARAMS_PER_REQUEST]),
                 artifacts=dict(list(pending.artifacts.items())[:1]),
+                files=dict(list(pending.files.items())[:1]),
             )
 
     def remove(self, batch: Contents, rejected: bool = False) -> None:
@@ -91,12 +98,12 @@ class Outbox:
                 return
             pending = self.pending
             del pending.metrics[: len(batch.metrics)]  # only the sender removes, and always from the head
-            for kind in ("params", "tags", "artifacts"):
+            for kind in ("params", "tags", "artifacts", "files"):
                 for key in getattr(batch, kind):
                     getattr(pending, kind).pop(key, None)
             if rejected:
                 self.rejected.metrics.extend(batch.metrics)
-                for kind in ("params", "tags", "artifacts"):
+                for kind in ("params", "tags", "artifacts", "files"):
                     getattr(self.rejected, kind).update(getattr(batch, kind))
 
     def take_all(self) -> Contents:
@@ -108,6 +115,7 @@ class Outbox:
                 params={**self.rejected.params, **self.pending.params},
                 tags={**self.rejected.tags, **self.pending.tags},
                 artifacts={**self.rejected.artifacts, **self.pending.artifacts},
+                files={**self.rejected.files, **self.pending.files},
             )
             self.pending, self.rejected = Contents(), Contents()
             return left

@@ -26,6 +26,7 @@ from ot_dist.train.ema import ShardedEMA
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
 from ot_dist.train.masking import check_masks
+from ot_dist.train.sampling import Sampler
 from ot_dist.tracking import start_tracking
 from ot_dist.tracking.base import Tracker
 from ot_dist.tracking.facts import memory_metrics
@@ -72,6 +73,7 @@ class Trainer:
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log)
         if config.data.cache_text:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
+        self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
@@ -163,12 +165,14 @@ class Trainer:
                     result.losses.extend(self._log_window(window, progress))
                 if step in snapshots:
                     self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
+                self.sampler.after_step(self, step)
                 self._update_part_activity(epoch, step)
                 if step >= self.total_steps:
                     break
         result.losses.extend(self._log_window(window, progress))
         progress.close()
         result.steps = step
+        self.sampler.at_end(self, step)
         result.exported = self.export(Path(config.output_dir))
         self.tracker.set_tags({"exported": " ".join(str(p) for p in result.exported)})
         self.tracker.log_text("".join(f"{p}\n" for p in result.exported), "exported_paths.txt")
