@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from ot_dist.config.section import Section
 
@@ -34,14 +34,6 @@ class SamplePrompt(Section):
     steps: int = Field(default=20, ge=1, description="Denoising steps.")
     guidance_scale: float = Field(default=7.0, ge=0, description="Classifier-free guidance scale (1 or less = off).")
 
-    @field_validator("width", "height")
-    @classmethod
-    def _multiple_of_8(cls, value: int | None, info) -> int | None:
-        if value is not None and (value < 8 or value % 8):
-            raise ValueError(f"{info.field_name}: {value} is not a multiple of 8 (at least 8); the VAE works in 8x8 "
-                             "pixel blocks")
-        return value
-
 
 class SamplingConfig(Section):
     """Samples during training: every prompt is generated with the weights being trained (the EMA weights
@@ -63,7 +55,13 @@ class SamplingConfig(Section):
     )
 
     @model_validator(mode="after")
-    def _needs_prompts(self) -> "SamplingConfig":
+    def _check(self) -> "SamplingConfig":
+        for i, prompt in enumerate(self.prompts):  # checked here, where the prompt's index is known
+            for key in ("width", "height"):
+                value = getattr(prompt, key)
+                if value is not None and (value < 8 or value % 8):
+                    raise ValueError(f"sampling.prompts[{i}].{key}: {value} is not a multiple of 8 (at least 8); "
+                                     "the VAE works in 8x8 pixel blocks")
         if not self.prompts:
             for key in ("every_n_steps", "every_n_epochs"):
                 if getattr(self, key) is not None:

@@ -103,7 +103,9 @@ class Sampler:
 
         components = {**self.model.pipeline.components, **modules}
         scheduler_cls = getattr(diffusers, SAMPLERS[self.settings.sampler])
-        components["scheduler"] = scheduler_cls.from_config(self.model.noise_scheduler.config)
+        # The model's own scheduler config (its betas, spacing, offsets), with the prediction type training uses.
+        scheduler_config = {**self.model.pipeline.scheduler.config, "prediction_type": self.model.prediction_type}
+        components["scheduler"] = scheduler_cls.from_config(scheduler_config)
         pipeline_cls = self.model.spec.pipeline_cls()
         options = {}
         if "safety_checker" in components:  # samples show what the model learnt, unfiltered
