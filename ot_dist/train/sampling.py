@@ -107,11 +107,13 @@ class Sampler:
         scheduler_config = {**self.model.pipeline.scheduler.config, "prediction_type": self.model.prediction_type}
         components["scheduler"] = scheduler_cls.from_config(scheduler_config)
         pipeline_cls = self.model.spec.pipeline_cls()
-        options = {}
-        if "safety_checker" in components:  # samples show what the model learnt, unfiltered
-            components["safety_checker"] = None
-            options["requires_safety_checker"] = False
         accepted = inspect.signature(pipeline_cls.__init__).parameters
+        # The model's own pipeline options (e.g. SDXL's force_zeros_for_empty_prompt), but samples show what
+        # the model learnt: no safety checker, no watermark.
+        options = {k: v for k, v in self.model.pipeline.config.items() if k in accepted and k not in components}
+        options.update(requires_safety_checker=False, add_watermarker=False)
+        if "safety_checker" in components:
+            components["safety_checker"] = None
         pipeline = pipeline_cls(**{k: v for k, v in {**components, **options}.items() if k in accepted})
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
