@@ -24,6 +24,7 @@ import io
 import itertools
 import random
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -75,11 +76,13 @@ class Sampler:
         prompts = self.settings.prompts
         mine = [i for i in range(len(prompts)) if i % runtime.world_size == runtime.rank]
         images: dict[int, bytes] = {}
+        started = time.perf_counter()
         if mine:
             pipeline = self.pipeline(modules)
             with isolated_randomness(runtime.device), trainer.precision.autocast():
                 for i in mine:
                     images[i] = png_bytes(self.generate(pipeline, prompts[i]))
+            del pipeline
         del modules  # the gathered weights are freed before training goes on
         images = gather_to_main(images, len(prompts), runtime)
         self.sampled_steps.add(step)
@@ -93,7 +96,8 @@ class Sampler:
             path.write_bytes(data)
             trainer.tracker.log_artifact(path, f"samples/step-{step}")
             written.append(path)
-        trainer.log(f"samples at step {step} ({'EMA' if use_ema else 'trained'} weights): {len(written)} images in {folder}")
+        trainer.log(f"samples at step {step} ({'EMA' if use_ema else 'trained'} weights): {len(written)} images in "
+                    f"{folder} ({time.perf_counter() - started:.1f}s)")
         return written
 
     def pipeline(self, modules: dict[str, torch.nn.Module]):
