@@ -70,24 +70,24 @@ def diffusers_sample(model_dir: Path, prompt: dict, lora: Path | None = None, em
 
 @pytest.fixture(scope="module")
 def ema_run(tiny_models, shapes_data, tmp_path_factory):
-    """8 steps (4 per epoch) with the EMA on, sampling every 3 steps, every 2 epochs and at the end,
+    """8 steps (4 per epoch) with the EMA on, sampling every 3 steps, every epoch and at the end,
     tracked in the local MLflow store."""
     out = tmp_path_factory.mktemp("ema-run")
     raw = base_config(tiny_models["sd1"], shapes_data, out, epochs=2, **{
         "ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 1, "mlflow.enabled": True,
-        "sampling.prompts": [RED, BLUE], "sampling.every_n_steps": 3, "sampling.every_n_epochs": 2,
+        "sampling.prompts": [RED, BLUE], "sampling.every_n_steps": 3, "sampling.every_n_epochs": 1,
     })
     trainer = Trainer(validate(raw), log=quiet)
     result = trainer.train()
     return trainer, result, out
 
 
-def test_samples_at_the_configured_steps_and_the_end_are_logged_to_mlflow(ema_run):
+def test_samples_at_the_configured_steps_and_the_end_are_logged_to_mlflow(ema_run, tmp_path):
     from mlflow.tracking import MlflowClient
 
     trainer, result, out = ema_run
     assert result.steps == 8
-    steps = [3, 6, 8]  # every 3 steps; the end of epoch 2 is the end: sampled once
+    steps = [3, 4, 6, 8]  # every 3 steps, every epoch (4 steps); the end of epoch 2 is the end: sampled once
     assert sorted(p.name for p in (out / "samples").iterdir()) == sorted(f"step-{s}" for s in steps)
     for step in steps:
         images = images_of(out / "samples" / f"step-{step}")
@@ -102,7 +102,8 @@ def test_samples_at_the_configured_steps_and_the_end_are_logged_to_mlflow(ema_ru
     for step in steps:
         logged = client.list_artifacts(run.info.run_id, f"samples/step-{step}")
         assert sorted(a.path for a in logged) == [f"samples/step-{step}/{name}" for name in FILES]
-        assert all(a.file_size > 0 for a in logged)
+    logged = client.download_artifacts(run.info.run_id, f"samples/step-8/{FILES[1]}", str(tmp_path))
+    assert Path(logged).read_bytes() == (out / "samples" / "step-8" / FILES[1]).read_bytes()
 
 
 def test_the_samples_come_from_the_ema_weights_or_the_trained_ones(ema_run, tmp_path, monkeypatch):
