@@ -7,6 +7,7 @@ closed set, the allowed values.
 from __future__ import annotations
 
 import difflib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -90,8 +91,12 @@ def describe_error(error: dict[str, Any]) -> str:
 def allowed_keys(section_path: list[str]) -> list[str]:
     model: type[BaseModel] = TrainConfig
     for part in section_path:
+        if part.isdigit():  # an item of a list of sections (data.concepts, sampling.prompts)
+            continue
         field = model.model_fields.get(part)
         annotation = getattr(field, "annotation", None)
+        if typing.get_origin(annotation) is list:
+            annotation = typing.get_args(annotation)[0]
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return []
         model = annotation

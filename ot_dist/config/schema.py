@@ -13,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from ot_dist.config.checkpoint import CheckpointConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
+from ot_dist.config.sampling import SamplingConfig
 from ot_dist.config.section import Section
 from ot_dist.models.registry import FAMILY_TEXT_ENCODERS
 
@@ -318,6 +319,7 @@ class TrainConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     masked_training: MaskedTrainingConfig = Field(default_factory=MaskedTrainingConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     log_every_steps: int = Field(
         default=10, ge=1, description="Copy the step losses to the host (one sync), log them and update the progress "
         "every N optimizer steps.",

@@ -22,6 +22,10 @@ class Tracker:
     def log_text(self, text: str, artifact_file: str) -> None:
         """A text artifact (a report, a list of exported files)."""
 
+    def log_artifact(self, local_path, artifact_dir: str) -> None:
+        """A file (e.g. a sample image) as the artifact `<artifact_dir>/<its name>`; the file must stay on
+        disk until the run is closed (it is sent in the background)."""
+
     def log_dict(self, data: dict, artifact_file: str) -> None:
         """A dict as a YAML (.yaml / .yml) or JSON artifact, e.g. the bucket report."""
         if artifact_file.endswith((".yaml", ".yml")):

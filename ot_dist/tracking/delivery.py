@@ -91,6 +91,8 @@ class Delivery:
             self._open_run(first)
         elif kind == "text":
             self.client.log_text(self.run_id, first["text"], first["file"])
+        elif kind == "file":
+            self.client.log_artifact(self.run_id, first["path"], first["dir"])
         elif kind == "end":
             self.client.set_terminated(self.run_id, first["status"])
             self.ended = True

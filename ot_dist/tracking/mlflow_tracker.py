@@ -138,6 +138,10 @@ class MlflowTracker(Tracker):
     def log_text(self, text: str, artifact_file: str) -> None:
         self.outbox.add({"kind": "text", "file": artifact_file, "text": text})
 
+    def log_artifact(self, local_path, artifact_dir: str) -> None:
+        """A file the run wrote (a sample image): sent by path, so it must stay where it is."""
+        self.outbox.add({"kind": "file", "path": str(Path(local_path).resolve()), "dir": artifact_dir})
+
     def take_notices(self) -> list[str]:
         notices = []
         while not self.sender.notices.empty():

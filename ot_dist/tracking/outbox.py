@@ -5,7 +5,8 @@ that was not delivered completely stays where it is, and `python -m ot_dist.trac
 delivers the rest later: nothing logged is lost with the server, nor with the sender.
 
 Records, by "kind": "run" (the first line: where the run goes), "metrics" (one step's values),
-"params", "tags", "text" (a text artifact), "end" (the run's final status). Plain JSON and the
+"params", "tags", "text" (a text artifact), "file" (a file artifact by its path, e.g. a sample image
+the run wrote under output_dir), "end" (the run's final status). Plain JSON and the
 standard library only: the sender imports this before MLflow, the training process never imports
 MLflow at all."""
 
@@ -113,7 +114,7 @@ def summary(records: list[Record]) -> str:
         kind = record["kind"]
         if kind in BATCHED:
             counts[kind] += len(record["values"])
-        elif kind == "text":
+        elif kind in ("text", "file"):
             counts["artifacts"] += 1
     names = {"metrics": "metric points", "params": "params", "tags": "tags", "artifacts": "artifacts"}
     return ", ".join(f"{counts[k]} {name}" for k, name in names.items() if counts[k]) or "nothing"

@@ -31,6 +31,7 @@ from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
 from ot_dist.train.masking import check_masks
+from ot_dist.train.sampling import Sampler
 from ot_dist.tracking import start_sender, start_tracking
 from ot_dist.tracking.base import Tracker
 from ot_dist.tracking.facts import memory_metrics
@@ -85,6 +86,7 @@ class Trainer:
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log)
         if config.data.cache_text:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
+        self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
@@ -203,6 +205,7 @@ class Trainer:
                         result.losses.extend(self._log_window(window, progress))
                     if step in snapshots:
                         self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
+                    self.sampler.after_step(self, step)
                     if verdict.stop:
                         result.stopped_by = signals.received or "a signal on another rank"
                         result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
@@ -223,6 +226,7 @@ class Trainer:
             self.log(f"stopped by {result.stopped_by} after step {step}; resume with --resume auto "
                      f"(or --resume {result.checkpoint})")
         else:
+            self.sampler.at_end(self, step)
             if every.at_end:
                 result.checkpoint = self._save(step, epoch, "end of training")
             result.exported = self.export(Path(config.output_dir))

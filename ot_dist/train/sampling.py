@@ -1,0 +1,199 @@
+"""Samples during training: images generated with the weights being trained, at the configured steps /
+epochs and at the end, written to output_dir/samples/step-N/ and logged to MLflow.
+
+How, under any strategy:
+- Before the strategy wraps the trained modules, their structure is copied with the weights on the
+  meta device (no memory): LoRA adapters and embedding rows are part of that structure, so samples
+  show them active. Frozen parts (VAE, frozen text encoders) are never wrapped and are shared as is.
+- At a sampling point every rank gathers the full weights once (`state_dict_of`: a collective under
+  fsdp / zero3, called for the same modules in the same order everywhere; the EMA weights when the EMA
+  is on) into a fresh copy of that structure, and builds the family's diffusers pipeline around it.
+- Prompt i is generated on rank i mod world size from a CPU generator seeded with the prompt's seed,
+  so an image depends on the seed and the weights only, not on the rank or the world size.
+- The PNGs travel to rank 0 in one reduce; rank 0 writes them and hands them to the tracker.
+- The global random state (torch CPU / CUDA, Python) is restored afterwards and the trained modules
+  are never touched, so a run with samples trains exactly as one without.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import io
+import itertools
+import random
+import re
+import time
+from pathlib import Path
+
+import torch
+
+from ot_dist.config.sampling import SAMPLERS, SamplePrompt
+from ot_dist.config.schema import TrainConfig
+from ot_dist.models.loading import LoadedModel
+from ot_dist.parallel.base import trained_modules
+from ot_dist.parallel.runtime import Runtime
+
+
+class Sampler:
+    def __init__(self, config: TrainConfig, model: LoadedModel):
+        """Call before the strategy wraps the model: it copies the trained modules' structure."""
+        self.settings = config.sampling
+        self.model = model
+        self.output_dir = Path(config.output_dir)
+        self.default_size = max(config.resolutions())
+        self.templates = {}
+        if self.settings.prompts:
+            self.templates = {name: meta_structure(module) for name, module in trained_modules(model).items()}
+        self.sampled_steps: set[int] = set()
+
+    def due(self, step: int, steps_per_epoch: int) -> bool:
+        every_steps, every_epochs = self.settings.every_n_steps, self.settings.every_n_epochs
+        if every_steps and step % every_steps == 0:
+            return True
+        return bool(every_epochs) and step % steps_per_epoch == 0 and (step // steps_per_epoch) % every_epochs == 0
+
+    def after_step(self, trainer, step: int) -> None:
+        """After optimizer step `step` (1-based): sample if a step or epoch interval ends here."""
+        if self.settings.prompts and self.due(step, trainer.steps_per_epoch):
+            self.sample(trainer, step)
+
+    def at_end(self, trainer, step: int) -> None:
+        if self.settings.samples_at_end() and step not in self.sampled_steps:
+            self.sample(trainer, step)
+
+    def sample(self, trainer, step: int) -> list[Path]:
+        """Every rank calls this at the same step. Returns the files written (on rank 0)."""
+        runtime: Runtime = trainer.runtime
+        use_ema = self.settings.use_ema and trainer.ema is not None
+        state_dict_of = trainer.ema_state_dict_of() if use_ema else trainer.strategy.state_dict_of
+        # The one gathering of full weights; the same modules in the same order on every rank.
+        modules = {
+            name: inference_copy(self.templates[name], state_dict_of(module), runtime.device)
+            for name, module in trainer.strategy.trained_modules.items()
+        }
+        prompts = self.settings.prompts
+        mine = [i for i in range(len(prompts)) if i % runtime.world_size == runtime.rank]
+        images: dict[int, bytes] = {}
+        started = time.perf_counter()
+        if mine:
+            pipeline = self.pipeline(modules)
+            with isolated_randomness(runtime.device), trainer.precision.autocast():
+                for i in mine:
+                    images[i] = png_bytes(self.generate(pipeline, prompts[i]))
+            del pipeline
+        del modules  # the gathered weights are freed before training goes on
+        images = gather_to_main(images, len(prompts), runtime)
+        self.sampled_steps.add(step)
+        if not runtime.is_main:
+            return []
+        folder = self.output_dir / "samples" / f"step-{step}"
+        folder.mkdir(parents=True, exist_ok=True)
+        written = []
+        for i, data in sorted(images.items()):
+            path = folder / f"{i}-{slug(prompts[i].prompt)}.png"
+            path.write_bytes(data)
+            trainer.tracker.log_artifact(path, f"samples/step-{step}")
+            written.append(path)
+        trainer.log(f"samples at step {step} ({'EMA' if use_ema else 'trained'} weights): {len(written)} images in "
+                    f"{folder} ({time.perf_counter() - started:.1f}s)")
+        return written
+
+    def pipeline(self, modules: dict[str, torch.nn.Module]):
+        """The family's diffusers pipeline: the gathered copies of the trained modules, the shared frozen
+        ones, a fresh scheduler of the configured kind (the pipeline adjusts its scheduler's config)."""
+        import diffusers
+
+        components = {**self.model.pipeline.components, **modules}
+        scheduler_cls = getattr(diffusers, SAMPLERS[self.settings.sampler])
+        # The model's own scheduler config (its betas, spacing, offsets), with the prediction type training uses.
+        scheduler_config = {**self.model.pipeline.scheduler.config, "prediction_type": self.model.prediction_type}
+        components["scheduler"] = scheduler_cls.from_config(scheduler_config)
+        pipeline_cls = self.model.spec.pipeline_cls()
+        accepted = inspect.signature(pipeline_cls.__init__).parameters
+        # The model's own pipeline options (e.g. SDXL's force_zeros_for_empty_prompt), but samples show what
+        # the model learnt: no safety checker, no watermark.
+        options = {k: v for k, v in self.model.pipeline.config.items() if k in accepted and k not in components}
+        options.update(requires_safety_checker=False, add_watermarker=False)
+        if "safety_checker" in components:
+            components["safety_checker"] = None
+        pipeline = pipeline_cls(**{k: v for k, v in {**components, **options}.items() if k in accepted})
+        pipeline.set_progress_bar_config(disable=True)
+        return pipeline
+
+    def generate(self, pipeline, prompt: SamplePrompt):
+        return pipeline(
+            prompt=prompt.prompt,
+            negative_prompt=prompt.negative_prompt or None,  # None: the pipeline's own unconditional input
+            width=prompt.width or self.default_size,
+            height=prompt.height or self.default_size,
+            num_inference_steps=prompt.steps,
+            guidance_scale=prompt.guidance_scale,
+            generator=torch.Generator().manual_seed(prompt.seed),  # CPU: the same noise on any device
+            output_type="pil",
+        ).images[0]
+
+
+def meta_structure(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `module` whose state (parameters, persistent buffers) is on the meta device: the
+    structure without the memory. Non-persistent buffers (not in the state dict) are copied."""
+    in_state = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    memo = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if id(tensor) in in_state:
+            meta = torch.empty_like(tensor, device="meta")
+            memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else meta
+    return copy.deepcopy(module, memo)
+
+
+def inference_copy(template: torch.nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
+    """A module of `template`'s structure holding `state` (assigned, not copied: a single process's
+    state shares the training weights' storage; nothing here writes to it)."""
+    module = copy.deepcopy(template)  # meta tensors: cheap, and the template stays empty
+    module.load_state_dict({k: v.detach().to(device) for k, v in state.items()}, assign=True, strict=True)
+    return module.eval().requires_grad_(False)
+
+
+@contextlib.contextmanager
+def isolated_randomness(device: torch.device):
+    """The global random streams (torch CPU and CUDA, Python's) as they were before, afterwards."""
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+
+
+def png_bytes(image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def gather_to_main(images: dict[int, bytes], count: int, runtime: Runtime) -> dict[int, bytes]:
+    """Every rank's images {prompt index: PNG} on the main rank: one reduce of their bytes (each prompt
+    comes from exactly one rank, the others add zeros). A collective: every rank calls it."""
+    if not runtime.distributed:
+        return images
+    import torch.distributed as dist
+
+    sizes = torch.zeros(count, dtype=torch.int64, device=runtime.device)
+    for i, data in images.items():
+        sizes[i] = len(data)
+    dist.all_reduce(sizes)
+    ends = sizes.cumsum(0).tolist()
+    starts = [0] + ends[:-1]
+    buffer = torch.zeros(ends[-1] if ends else 0, dtype=torch.uint8, device=runtime.device)
+    for i, data in images.items():
+        buffer[starts[i]:ends[i]] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(runtime.device)
+    dist.reduce(buffer, dst=0)
+    if not runtime.is_main:
+        return {}
+    host = buffer.cpu().numpy().tobytes()
+    return {i: host[starts[i]:ends[i]] for i in range(count)}
+
+
+def slug(text: str, length: int = 48) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:length].strip("-") or "prompt"
