@@ -256,3 +256,17 @@ def test_checkpoints_at_cycle_lows_and_epoch_ends(tiny_models, shapes_data, tmp_
     saved = {int(p.name.split("-")[1]): read_trainer_state(p)["reason"]
              for p in layout.committed_checkpoints(checkpoints_dir(tmp_path / "out"))}
     assert saved == {8: "cycle low", 12: "epoch end", 16: "end of training"}
+
+
+def test_a_resume_that_cannot_be_honoured_names_the_difference(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1)
+    Trainer(validate(raw), log=quiet).train()
+    for change, message in (
+        ({"method": "lora"}, "method is lora, the checkpoint was trained with full"),
+        ({"optimizer.name": "SGD"}, "optimizer.name is SGD"),
+        ({"text_encoder.train": True}, "the trained parameters differ"),
+        ({"batch_size": 2}, "global batch of 4, this run has 2"),
+    ):
+        other = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1, **change)
+        with pytest.raises(InputFileError, match=message):
+            Trainer(validate(other), log=quiet, resume="auto")
