@@ -66,12 +66,28 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     if world_size == 1 and not needs_group:
         return Runtime(device=device)
     if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
+            **restart_safe_store(rank, world_size, timeout),
         )
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
+
+
+def restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:
+    """After torchrun restarted the worker group (a rank died, --max-restarts), the rendezvous store still
+    holds the previous attempt's keys, among them the dead ranks' gloo addresses, which the new ranks
+    would read and fail on ("connectFullMesh failed ... Connection refused"). Each attempt gets its own
+    key prefix. The first attempt uses the default env:// initialisation."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        return {}
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "False") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=not agent_hosts_store and rank == 0, timeout=timeout)
+    return {"store": dist.PrefixStore(f"ot_dist/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
 
 
 def free_port() -> int:
