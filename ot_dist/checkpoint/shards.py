@@ -148,8 +148,11 @@ class SavedShards:
                     self.by_name.setdefault(name, []).append(SavedPiece(file, i, Fragment(name, param_offset, local_offset, numel)))
         self._handles, self._keys = {}, {}
 
+    def rank_file(self, rank: int) -> Path:
+        return self.folder / f"{rank_stem(rank)}.safetensors"
+
     def rank_meta(self, rank: int) -> dict | None:
-        return self.meta.get(self.folder / f"{rank_stem(rank)}.safetensors")
+        return self.meta.get(self.rank_file(rank))
 
     def owned_meta(self, piece: SavedPiece) -> dict:
         return self.meta[piece.file]["owned"][piece.index]
@@ -215,16 +218,16 @@ def load_rank_state(saved: SavedShards, ownership: Ownership, optimizer, ema, op
         if not owned.fragments:
             continue
         values = owned.local()
+        ref = saved.reference(owned.fragments[0])  # the saved piece this one starts in
         with torch.no_grad():
             fill_in_place(saved, "w", values, owned.fragments)
-            ref = saved.reference(owned.fragments[0])
             if ema is not None and saved.has(ref.file, f"ema/{ref.index}"):
                 fill_in_place(saved, "ema", ema.values[i], owned.fragments)
             # A checkpoint saved without EMA leaves the average at the current weights (its start value).
         restore = getattr(optimizer, "load_checkpoint_state", None)
         # torch's optimizers keep per-element state of a DTensor parameter as DTensors (whatever layout
         # saved it); optimizers with their own restore (ShardedProdigy) work on local tensors.
-        state = _load_optimizer_state(saved, owned, values, optimizer_name, elementwise_as_dtensor=restore is None)
+        state = _load_optimizer_state(saved, ref, owned, values, optimizer_name, elementwise_as_dtensor=restore is None)
         if state:
             if restore:
                 restore(owned.param, state)
@@ -239,12 +242,11 @@ def fill_in_place(saved: SavedShards, kind: str, tensor: torch.Tensor, fragments
     flat = tensor.detach().view(-1) if direct else tensor.detach().reshape(-1).to("cpu", copy=True)
     saved.fill(kind, flat, fragments)
     if not direct:
-        tensor.detach().view(-1).copy_(flat) if tensor.is_contiguous() else tensor.detach().copy_(flat.view(tensor.shape))
+        tensor.detach().copy_(flat.view(tensor.shape))
 
 
-def _load_optimizer_state(saved: SavedShards, owned, values: torch.Tensor, optimizer_name: str,
+def _load_optimizer_state(saved: SavedShards, ref: SavedPiece, owned, values: torch.Tensor, optimizer_name: str,
                           elementwise_as_dtensor: bool) -> dict:
-    ref = saved.reference(owned.fragments[0])
     meta = saved.owned_meta(ref)
     same_layout = meta["fragments"] == [[f.name, f.param_offset, f.local_offset, f.numel] for f in owned.fragments]
     state = dict(meta["python_state"])
@@ -254,9 +256,7 @@ def _load_optimizer_state(saved: SavedShards, owned, values: torch.Tensor, optim
             target = torch.empty(values.numel(), dtype=saved.dtype_of("opt", owned.fragments[0], key))
             saved.fill("opt", target, owned.fragments, key)
             value = target.view(values.shape)
-        elif kind == "scalar":
-            value = saved.tensor(ref.file, f"opt/{ref.index}/{key}")
-        elif same_layout:
+        elif kind == "scalar" or same_layout:  # a step count; or layout-bound state, into the same layout
             value = saved.tensor(ref.file, f"opt/{ref.index}/{key}")
         else:
             raise InputFileError(

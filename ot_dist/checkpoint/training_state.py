@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.rng import capture_rng, restore_rng
-from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, rank_stem, read_json, save_rank_state
+from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, read_json, save_rank_state
 from ot_dist.errors import InputFileError
 
 FORMAT = 1
@@ -66,13 +66,15 @@ class Checkpointer:
         if runtime.is_main:
             (partial / TRAINER_FILE).write_text(json.dumps(self.trainer_state(step, epoch, reason), indent=1))
         runtime.barrier()  # every rank's files are complete
-        target = layout.final_name(step)
         if runtime.is_main:
             layout.commit(partial, self.root, step, t.config.checkpoint.keep_last)
         runtime.barrier()  # nobody goes on (or exits) before the checkpoint is committed
         self.last_saved_step, self.last_save_time = step, time.monotonic()
-        t.log(f"checkpoint: saved step {step} ({reason}) to {self.root / target}")
-        return self.root / target
+        t.log(f"checkpoint: saved step {step} ({reason}) to {self.folder_of(step)}")
+        return self.folder_of(step)
+
+    def folder_of(self, step: int) -> Path:
+        return self.root / layout.final_name(step)
 
     def trainer_state(self, step: int, epoch: int, reason: str) -> dict:
         t = self.trainer
@@ -115,9 +117,8 @@ class Checkpointer:
         t.reader.load_state_dict(state["data"])
         own = saved.rank_meta(t.runtime.rank)
         if own is not None and state["world_size"] == t.runtime.world_size:
-            rng_tensors = {k: saved.tensor(folder / f"{rank_stem(t.runtime.rank)}.safetensors", k)
-                           for k in ("rng/torch", "rng/cuda", "rng/numpy")
-                           if saved.has(folder / f"{rank_stem(t.runtime.rank)}.safetensors", k)}
+            file = saved.rank_file(t.runtime.rank)
+            rng_tensors = {k: saved.tensor(file, k) for k in ("rng/torch", "rng/cuda", "rng/numpy") if saved.has(file, k)}
             restore_rng(rng_tensors, own["rng"])
         else:
             t.log(f"checkpoint: saved with {state['world_size']} processes, now {t.runtime.world_size}: the global "

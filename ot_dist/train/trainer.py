@@ -239,7 +239,7 @@ class Trainer:
     def _save(self, step: int, epoch: int, reason: str) -> Path:
         """A checkpoint of the state after `step` optimizer steps (once per step, whatever asked for it)."""
         if self.checkpointer.last_saved_step == step:
-            return self.checkpointer.root / f"step-{step:08d}"
+            return self.checkpointer.folder_of(step)
         return self.checkpointer.save(step, epoch, reason)
 
     def _halt_on_nonfinite(self, step: int, epoch: int) -> None:
