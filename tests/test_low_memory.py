@@ -17,7 +17,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.memory.float8 import FLOAT8, store_frozen_in_float8
 from ot_dist.memory.offload import offload_to_cpu
 from ot_dist.memory.table import lora_shapes, optimizer_state_bytes
-from ot_dist.models.specs import UNET_ATTENTION_TARGETS
+from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
 from ot_dist.models.tiny import build_tiny_pipeline
 from ot_dist.train.trainer import Trainer
 

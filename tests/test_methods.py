@@ -76,7 +76,7 @@ def test_method_trains_and_exports_loadable_files(tiny_models, shapes_data, tmp_
         for name, encoder in model.text_encoders.items():
             for key, value in encoder.state_dict().items():
                 assert torch.equal(loaded.components[name].state_dict()[key], value), f"{name}.{key}"
-        from ot_dist.models.single_file import load_single_file
+        from ot_dist.models.families.sd_single_file import load_single_file
 
         single = load_single_file(out / "model.safetensors", family, out / "model")
         for key, value in model.unet.state_dict().items():

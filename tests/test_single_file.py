@@ -14,7 +14,7 @@ from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from ot_dist.errors import InputFileError  # noqa: E402
-from ot_dist.models.single_file import export_single_file, load_single_file  # noqa: E402
+from ot_dist.models.families.sd_single_file import export_single_file, load_single_file  # noqa: E402
 from ot_dist.models.tiny import make_tiny_model  # noqa: E402
 
 FAMILIES = ("sd1", "sd2", "sdxl")

@@ -9,7 +9,7 @@ from conftest import base_config
 
 from ot_dist.config.load import validate
 from ot_dist.data.reader import collate
-from ot_dist.models.single_file import export_single_file
+from ot_dist.models.families.sd_single_file import export_single_file
 from ot_dist.train.loss import diffusion_loss, draw_sample_noise
 from ot_dist.train.trainer import Trainer
 

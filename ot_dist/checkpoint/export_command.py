@@ -43,7 +43,7 @@ def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str 
 @torch.no_grad()
 def load_trained_weights(model, trained: dict[str, torch.Tensor], folder: Path) -> None:
     """Put the full trained tensors ("<part>.<parameter name>") into the freshly prepared model."""
-    parts = {"unet": model.unet, **model.text_encoders}
+    parts = model.parts()
     params = {f"{part}.{name}": p for part, module in parts.items() for name, p in module.named_parameters()}
     for name, value in trained.items():
         if name not in params:

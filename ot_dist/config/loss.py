@@ -35,10 +35,12 @@ class LossConfig(Section):
         default=None, ge=0,
         description="Largest timestep trained (inclusive); null = the scheduler's last (num_train_timesteps - 1).",
     )
-    timestep_distribution: Literal["uniform", "logit_normal"] = Field(
-        default="uniform",
+    timestep_distribution: Literal["auto", "uniform", "logit_normal"] = Field(
+        default="auto",
         description="How timesteps are drawn in [min_timestep, max_timestep]. logit_normal: sigmoid of "
-        "N(logit_normal_mean, logit_normal_std), concentrating on the middle of the range (SD3's choice).",
+        "N(logit_normal_mean, logit_normal_std), concentrating on the middle of the range (SD3's choice). auto: "
+        "uniform for DDPM families (SD 1.x / 2.x / SDXL), logit_normal for flow-matching ones (SD3, Flux, Chroma), "
+        "as their training scripts do; a flow family's shift is applied after the draw.",
     )
     logit_normal_mean: float = Field(default=0.0, description="Mean of the normal under the sigmoid (logit_normal).")
     logit_normal_std: float = Field(default=1.0, gt=0, description="Std of the normal under the sigmoid (logit_normal).")

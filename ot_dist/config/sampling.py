@@ -17,6 +17,7 @@ SAMPLERS = {
     "euler_a": "EulerAncestralDiscreteScheduler",
     "dpmpp_2m": "DPMSolverMultistepScheduler",
     "unipc": "UniPCMultistepScheduler",
+    "flow_euler": "FlowMatchEulerDiscreteScheduler",  # flow-matching families (SD3, Flux, Chroma)
 }
 
 
@@ -50,8 +51,10 @@ class SamplingConfig(Section):
                                 "prompts.")
     use_ema: bool = Field(default=True, description="Sample with the EMA weights when ema.enabled; false = the "
                           "trained weights.")
-    sampler: Literal["ddim", "euler", "euler_a", "dpmpp_2m", "unipc"] = Field(
-        default="ddim", description="The diffusers scheduler that samples, configured from the model's scheduler.",
+    sampler: Literal["auto", "ddim", "euler", "euler_a", "dpmpp_2m", "unipc", "flow_euler"] = Field(
+        default="auto", description="The diffusers scheduler that samples, configured from the model's scheduler. "
+        "auto = the family's first: ddim for SD 1.x / 2.x / SDXL, flow_euler (flow-matching Euler) for SD3 / Flux / "
+        "Chroma. Flow-matching families sample with flow_euler only.",
     )
 
     @model_validator(mode="after")

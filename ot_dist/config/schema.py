@@ -15,14 +15,17 @@ from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
 from ot_dist.config.sampling import SamplingConfig
 from ot_dist.config.section import Section
-from ot_dist.models.registry import FAMILY_TEXT_ENCODERS
+from ot_dist.models.families.registry import FAMILY_NAMES, get_family
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
+PART_FIELDS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class ModelConfig(Section):
-    family: Literal["sd1", "sd2", "sdxl"] = Field(
-        description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl."
+    family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
+        description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl; "
+        "each is one module under ot_dist/models/families/."
     )
     path: str = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint "
@@ -35,7 +38,8 @@ class ModelConfig(Section):
     )
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
         default="auto",
-        description="What the UNet predicts. auto = what the model's scheduler config says.",
+        description="What a DDPM denoiser (UNet families) predicts. auto = what the model's scheduler config says. "
+        "Flow-matching families always predict noise - latents.",
     )
     inpainting: bool | None = Field(
         default=None,
@@ -47,11 +51,11 @@ class ModelConfig(Section):
 
 
 class PartConfig(Section):
-    """One trainable part of the model (the UNet or a text encoder)."""
+    """One trainable part of the model (the denoiser, `unet` or `transformer`, or a text encoder)."""
 
     train: bool | None = Field(
         default=None,
-        description="Train this part. Default: the UNet trains (full, lora), text encoders do not; "
+        description="Train this part. Default: the denoiser trains (full, lora), text encoders do not; "
         "with method embedding nothing but the embedding trains.",
     )
     learning_rate: float | None = Field(
@@ -69,8 +73,17 @@ class LoraConfig(Section):
     rank: int = Field(default=16, ge=1, description="LoRA rank.")
     alpha: float = Field(default=1.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
     dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    preset: str = Field(
+        default="default",
+        description="The denoiser modules to adapt: default (the family's diffusers training script's list), "
+        "attention (attention projections only), all_linear (every linear layer), or another preset the family "
+        "names. unet_targets / transformer_targets override it.",
+    )
     unet_targets: list[str] | None = Field(
-        default=None, description="UNet module names to adapt; unset = the family's default list."
+        default=None, description="UNet module names to adapt; unset = lora.preset."
+    )
+    transformer_targets: list[str] | None = Field(
+        default=None, description="Transformer module names to adapt (transformer families); unset = lora.preset."
     )
     text_encoder_targets: list[str] | None = Field(
         default=None, description="Text encoder module names to adapt; unset = the family's default list."
@@ -328,8 +341,10 @@ class TrainConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     unet: PartConfig = Field(default_factory=PartConfig)
+    transformer: PartConfig = Field(default_factory=PartConfig)
     text_encoder: PartConfig = Field(default_factory=PartConfig)
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
+    text_encoder_3: PartConfig = Field(default_factory=PartConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
 
@@ -355,13 +370,36 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
-        encoders = FAMILY_TEXT_ENCODERS[self.model.family]
-        for name in ("text_encoder", "text_encoder_2"):
-            part = getattr(self, name)
-            if name not in encoders and part != PartConfig():
+        family = get_family(self.model.family)
+        parts = self.part_names()
+        for name in PART_FIELDS:
+            if name not in parts and getattr(self, name) != PartConfig():
                 raise ValueError(
-                    f"{name}: model family {self.model.family} has no {name} (it has: {', '.join(encoders)})"
+                    f"{name}: model family {self.model.family} has no {name} (it has: {', '.join(parts)})"
                 )
+        denoiser_targets = f"{family.denoiser}_targets"
+        for key in ("unet_targets", "transformer_targets"):
+            if key != denoiser_targets and getattr(self.lora, key) is not None:
+                raise ValueError(f"lora.{key}: model family {self.model.family} has a {family.denoiser}; "
+                                 f"use lora.{denoiser_targets}")
+        presets = ("all_linear", *family.denoiser_lora_presets)
+        if self.lora.preset not in presets:
+            raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "
+                             f"(allowed: {', '.join(presets)})")
+        if family.objective_kind() == "flow":
+            if self.loss.min_snr_gamma is not None:
+                raise ValueError(f"loss.min_snr_gamma: min-SNR weighting is defined for DDPM objectives; "
+                                 f"{self.model.family} trains with flow matching (turn it off)")
+            if self.model.prediction_type != "auto":
+                raise ValueError(f"model.prediction_type: {self.model.family} trains with flow matching, whose "
+                                 "target is always noise - latents; leave it at auto")
+        if self.model.inpainting and family.inpaint_pipeline_class is None:
+            raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
+        if self.sampling.sampler not in ("auto", *family.samplers):
+            raise ValueError(f"sampling.sampler: {self.sampling.sampler} does not fit {self.model.family} "
+                             f"(allowed: auto, {', '.join(family.samplers)})")
+        if self.method == "embedding" and not family.embedding_keys:
+            raise ValueError(f"method: model family {self.model.family} has no text encoder that takes embeddings")
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():
                 if getattr(self, name).stop_training_after is not None:
@@ -392,7 +430,7 @@ class TrainConfig(Section):
                     )
         elif not any(self.part_trains(name) for name in self.part_names()):
             raise ValueError(
-                f"method {self.method}: nothing to train; set unet.train or a text encoder's train to true"
+                f"method {self.method}: nothing to train; set {family.denoiser}.train or a text encoder's train to true"
             )
         if self.weight_dtype == "float8" and self.strategy not in ("single", "ddp"):
             raise ValueError(f"weight_dtype: float8 storage is supported with strategy single or ddp, not "
@@ -401,7 +439,7 @@ class TrainConfig(Section):
             raise ValueError("data.cache_latents: an inpainting finetune encodes each step's masked image with the "
                              "VAE; turn cache_latents off")
         if self.data.cache_text and (self.method == "embedding" or any(
-                self.part_trains(n) for n in self.part_names() if n != "unet")):
+                self.part_trains(n) for n in self.part_names() if n != family.denoiser)):
             raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "
                              "turn cache_text off or freeze the text encoders")
         if self.checkpoint.on_nonfinite_loss == "skip_step" and self.strategy.startswith("zero"):
@@ -413,15 +451,16 @@ class TrainConfig(Section):
         return self
 
     def part_names(self) -> tuple[str, ...]:
-        """The trainable parts this family has: unet and its text encoders."""
-        return ("unet",) + FAMILY_TEXT_ENCODERS[self.model.family]
+        """The trainable parts this family has: its denoiser and its text encoders."""
+        family = get_family(self.model.family)
+        return (family.denoiser,) + family.text_encoders
 
     def part_trains(self, name: str) -> bool:
         """Whether a part trains, with the method's default applied."""
         explicit = getattr(self, name).train
         if explicit is not None:
             return explicit
-        return name == "unet" and self.method != "embedding"
+        return name == get_family(self.model.family).denoiser and self.method != "embedding"
 
     def part_learning_rate(self, name: str) -> float:
         return getattr(self, name).learning_rate or self.learning_rate

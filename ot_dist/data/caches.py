@@ -7,7 +7,8 @@ them. Members are safetensors (never pickle):
 - `KEY.<res>.latent.safetensors`: the VAE posterior's mean and std. The posterior, not one sample of
   it, is stored: training still draws the VAE sample per (seed, epoch, sample id), so a cached run
   trains exactly like an uncached one, minus the decoding and the encoder.
-- `KEY.text.safetensors`: `hidden_<j>` (and `pooled_<j>` for SDXL) for caption line j.
+- `KEY.text.safetensors`: `<key>_<j>` for each key of the family's conditioning dict (`hidden`, `pooled`,
+  masks, ...) and caption line j.
 
 The key is a hash of the model parts that produced the cache (config and weights in their stored
 dtype; tokenizer vocabularies for text). The manifest records it with the resolutions, crop and the
@@ -46,10 +47,10 @@ def vae_key(vae: torch.nn.Module) -> str:
 
 
 def text_key(model) -> str:
-    digest = hashlib.sha256(f"text {model.spec.family}".encode())
-    for name in model.spec.text_encoders:
+    digest = hashlib.sha256(f"text {model.family.name}".encode())
+    for name in model.family.text_encoders:
         module_key(digest, model.text_encoders[name])
-    for name in model.spec.tokenizers:
+    for name in model.family.tokenizers:
         digest.update(json.dumps(sorted(model.tokenizers[name].get_vocab().items())).encode())
     return digest.hexdigest()
 
@@ -82,10 +83,11 @@ def text_members(dataset, model):
     @torch.no_grad()
     def encode(index: int) -> dict[str, bytes]:
         lines = dataset.captions(index)
-        text = model.spec.encode_text(model.text_encoders, model.spec.tokenize(model.tokenizers, lines))
-        tensors = {f"hidden_{j}": text.hidden_states[j].float().cpu().contiguous() for j in range(len(lines))}
-        if text.pooled is not None:
-            tensors |= {f"pooled_{j}": text.pooled[j].float().cpu().contiguous() for j in range(len(lines))}
+        family = model.family
+        conditioning = family.encode_text(model.text_encoders, family.tokenize(model.tokenizers, lines))
+        # One tensor per key of the family's conditioning dict and caption line; masks keep their dtype.
+        tensors = {f"{key}_{j}": (value[j].float() if value.is_floating_point() else value[j]).cpu().contiguous()
+                   for key, value in conditioning.items() for j in range(len(lines))}
         return {"text.safetensors": save(tensors)}
     return encode
 

@@ -115,9 +115,8 @@ class ShardDataset:
         caption = captions[line]
         if "text" in self.caches and use_cache:
             text = self._read_cached("text", sample["key"], "text.safetensors")
-            out["text_hidden"] = text[f"hidden_{line}"]
-            if f"pooled_{line}" in text:
-                out["text_pooled"] = text[f"pooled_{line}"]
+            # The family's conditioning dict for this caption line, keys as `text_<key>` (ot_dist/data/caches.py).
+            out |= {f"text_{k.rsplit('_', 1)[0]}": v for k, v in text.items() if _line_of(k) == line}
         out |= {
             "caption": caption,
             "sample_id": sample_id,
@@ -154,9 +153,14 @@ class ShardDataset:
             os.close(fd)
 
 
+def _line_of(member_key: str) -> int:
+    """The caption line of a text-cache tensor named `<key>_<line>`."""
+    return int(member_key.rsplit("_", 1)[1])
+
+
 def collate(samples: list[dict]) -> dict:
-    keys = [k for k in ("pixels", "latent_mean", "latent_std", "text_hidden", "text_pooled", "mask", "mask_given")
-            if k in samples[0]]
+    keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask", "mask_given") if k in samples[0]]
+    keys += sorted(k for k in samples[0] if k.startswith("text_"))  # cached text conditioning
     keys += ["original_size", "crop_top_left", "target_size"]
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]

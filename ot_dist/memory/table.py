@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ot_dist.models.specs import UNET_ATTENTION_TARGETS
+from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
 
 GIB = 1024**3
 LORA_RANK = 16

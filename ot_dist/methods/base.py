@@ -13,7 +13,7 @@ from ot_dist.models.loading import LoadedModel
 
 @dataclass
 class ParamGroup:
-    name: str  # logged as lr/<name>; "unet", "text_encoder", "text_encoder_2", "embedding"
+    name: str  # logged as lr/<name>; the part ("unet", "transformer", "text_encoder", ...) or "embedding"
     params: list[torch.nn.Parameter]
     learning_rate: float
     part: str | None = None  # the config part whose stop_training_after applies, if any
@@ -47,7 +47,7 @@ def plain_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def freeze_all(model: LoadedModel) -> None:
-    for module in [model.unet, model.vae, *model.text_encoders.values()]:
+    for module in model.modules():
         module.requires_grad_(False)
 
 

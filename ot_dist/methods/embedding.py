@@ -57,7 +57,9 @@ class EmbeddingMethod(TrainingMethod):
         freeze_all(model)
         tokens = self.token_strings()
         params = []
-        for encoder_name, tokenizer_name in zip(model.spec.text_encoders, model.spec.tokenizers):
+        for encoder_name, tokenizer_name in zip(model.family.text_encoders, model.family.tokenizers):
+            if encoder_name not in model.family.embedding_keys:
+                continue  # an encoder that takes no embedding (T5) reads the new words as ordinary text
             tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
             init_ids = tokenizer(self.config.embedding.init_text, add_special_tokens=False).input_ids
             if not init_ids:
@@ -81,7 +83,7 @@ class EmbeddingMethod(TrainingMethod):
 
     def vectors(self, model: LoadedModel, state_dict_of=plain_state_dict) -> dict[str, torch.Tensor]:
         vectors = {}
-        for key, name in zip(model.spec.embedding_keys, model.spec.text_encoders):
+        for name, key in model.family.embedding_keys.items():
             state = state_dict_of(model.text_encoders[name])
             (extra,) = [v for k, v in state.items() if k.endswith("token_embedding.extra")]
             vectors[key] = extra

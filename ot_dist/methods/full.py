@@ -1,4 +1,4 @@
-"""Full finetune: the UNet and/or text encoders train in full (fp32 master weights)."""
+"""Full finetune: the denoiser and/or text encoders train in full (fp32 master weights)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from pathlib import Path
 from ot_dist.checkpoint.export import export_diffusers_folder
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict, trainable
 from ot_dist.models.loading import LoadedModel
-from ot_dist.models.single_file import export_single_file
 from ot_dist.precision import DTYPES
 
 
@@ -32,12 +31,12 @@ class FullFinetune(TrainingMethod):
     ) -> list[Path]:
         """`formats`: "diffusers" (a folder from_pretrained loads) and / or "single-file" (one .safetensors)."""
         dtype = DTYPES[self.config.output_dtype]
-        components = {"unet": model.unet, "vae": model.vae, **model.text_encoders}
+        components = {**model.parts(), "vae": model.vae}
         # Gathered once, used by both exports (under sharding, gathering is the expensive part).
         states = {name: state_dict_of(module) for name, module in components.items()}
         folder, single = output_dir / f"model{suffix}", output_dir / f"model{suffix}.safetensors"
         if write and "diffusers" in formats:
             export_diffusers_folder(model.pipeline, folder, dtype, states)
         if write and "single-file" in formats:
-            export_single_file(components, model.spec.family, single, dtype=dtype, states=states)
+            model.family.export_single_file(components, states, single, dtype)
         return [path for path, name in ((folder, "diffusers"), (single, "single-file")) if name in formats]

@@ -1,4 +1,4 @@
-"""LoRA via peft on the UNet and/or text encoders; exported in the diffusers LoRA layout, which
+"""LoRA via peft on the denoiser and/or text encoders; exported in the diffusers LoRA layout, which
 `pipeline.load_lora_weights` reads (alpha and rank travel in the file's adapter metadata)."""
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+
+import torch
 
 from ot_dist.checkpoint.export import atomic_path
 from ot_dist.errors import ConfigError
@@ -27,22 +29,18 @@ class LoraMethod(TrainingMethod):
         for part in self.config.part_names():
             if not self.config.part_trains(part):
                 continue
-            is_unet = part == "unet"
-            key = "unet_targets" if is_unet else "text_encoder_targets"
-            targets = getattr(self.config.lora, key) or list(
-                model.spec.unet_lora_targets if is_unet else model.spec.text_lora_targets
-            )
+            module = model.part(part)
+            key, targets = lora_targets(self.config.lora, model.family, part, module)
             lora_config = LoraConfig(
                 r=self.config.lora.rank,
                 lora_alpha=self.config.lora.alpha,
                 lora_dropout=self.config.lora.dropout,
                 target_modules=targets,
             )
-            module = model.part(part)
             try:
                 module.add_adapter(lora_config, adapter_name=ADAPTER)
             except ValueError as err:
-                raise ConfigError(f"lora.{key}: {targets} do not match modules of the {part}: {err}") from None
+                raise ConfigError(f"{key}: {targets} do not match modules of the {part}: {err}") from None
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:
@@ -72,6 +70,18 @@ class LoraMethod(TrainingMethod):
             return [target]
         output_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=output_dir) as staging, atomic_path(target) as tmp:
-            model.spec.pipeline_cls().save_lora_weights(staging, weight_name=target.name, **kwargs)
+            model.family.pipeline_cls().save_lora_weights(staging, weight_name=target.name, **kwargs)
             os.replace(Path(staging) / target.name, tmp)
         return [target]
+
+
+def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
+    """(the config key that chose them, the module-name suffixes peft adapts) for one part."""
+    if part != family.denoiser:
+        return "lora.text_encoder_targets", list(settings.text_encoder_targets or family.text_lora_targets)
+    key = f"{part}_targets"
+    if getattr(settings, key, None):
+        return f"lora.{key}", list(getattr(settings, key))
+    if settings.preset == "all_linear":
+        return "lora.preset", [name for name, sub in module.named_modules() if isinstance(sub, torch.nn.Linear)]
+    return "lora.preset", list(family.denoiser_lora_presets[settings.preset])

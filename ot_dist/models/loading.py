@@ -11,19 +11,21 @@ import torch
 
 from ot_dist.config.schema import ModelConfig
 from ot_dist.errors import InputFileError
-from ot_dist.models.inpainting import as_inpainting_pipeline, check_inpainting_option, is_inpainting_unet
-from ot_dist.models.specs import ModelSpec, get_spec
+from ot_dist.models.families.base import Family
+from ot_dist.models.families.registry import get_family
+from ot_dist.models.inpainting import as_inpainting_pipeline, check_inpainting_option
+from ot_dist.models.objectives import Objective
 
 
 @dataclass
 class LoadedModel:
-    spec: ModelSpec
+    family: Family
     pipeline: object  # the diffusers pipeline; it holds the very modules that train
-    noise_scheduler: object  # DDPMScheduler with the model's betas and prediction type
+    objective: Objective  # noise / timesteps / target, with the family's convention
 
     @property
-    def unet(self) -> torch.nn.Module:
-        return self.pipeline.unet
+    def denoiser(self) -> torch.nn.Module:
+        return getattr(self.pipeline, self.family.denoiser)
 
     @property
     def vae(self) -> torch.nn.Module:
@@ -31,55 +33,53 @@ class LoadedModel:
 
     @property
     def text_encoders(self) -> dict[str, torch.nn.Module]:
-        return {name: getattr(self.pipeline, name) for name in self.spec.text_encoders}
+        return {name: getattr(self.pipeline, name) for name in self.family.text_encoders}
 
     @property
     def tokenizers(self) -> dict[str, object]:
-        return {name: getattr(self.pipeline, name) for name in self.spec.tokenizers}
+        return {name: getattr(self.pipeline, name) for name in self.family.tokenizers}
 
     @property
     def inpainting(self) -> bool:
-        """A 9-channel inpainting UNet: its input is noisy latent + mask + masked-image latent."""
-        return is_inpainting_unet(self.unet)
-
-    @property
-    def prediction_type(self) -> str:
-        return self.noise_scheduler.config.prediction_type
+        """An inpainting denoiser: its input is noisy latent + mask + masked-image latent."""
+        return self.family.is_inpainting(self.denoiser)
 
     def part(self, name: str) -> torch.nn.Module:
-        """A trainable part by config name: "unet", "text_encoder", "text_encoder_2"."""
+        """A trainable part by config name: the denoiser ("unet" / "transformer") or a text encoder."""
         return getattr(self.pipeline, name)
+
+    def parts(self) -> dict[str, torch.nn.Module]:
+        """The parts that can train, by config name: the denoiser, then the text encoders."""
+        return {self.family.denoiser: self.denoiser, **self.text_encoders}
+
+    def modules(self) -> list[torch.nn.Module]:
+        """Every component with weights: the parts and the VAE."""
+        return [self.denoiser, self.vae, *self.text_encoders.values()]
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
-    from diffusers import DDPMScheduler
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # one bar per component is noise in a training log
-    spec = get_spec(config.family)
+    family = get_family(config.family)
     path = Path(config.path)
     # Offline by default: a training job must never stall on, or silently depend on, a hub download.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if path.is_dir():
-        pipeline = _load_folder(spec, path)
+        pipeline = _load_folder(family, path)
     elif path.is_file():
-        from ot_dist.models.single_file import load_single_file
-
-        prediction = None if config.prediction_type == "auto" else config.prediction_type
-        pipeline = load_single_file(path, spec.family, config.config, prediction_type=prediction)
+        pipeline = family.load_single_file(path, config.config, config)
     else:
         raise InputFileError(f"model.path: {path} does not exist (expected a diffusers folder or a .safetensors file)")
-    check_inpainting_option(config.inpainting, pipeline.unet)
-    if is_inpainting_unet(pipeline.unet):
-        pipeline = as_inpainting_pipeline(pipeline, spec.inpaint_pipeline_class)
-    scheduler_config = dict(pipeline.scheduler.config)
-    if config.prediction_type != "auto":
-        scheduler_config["prediction_type"] = config.prediction_type
-    noise_scheduler = DDPMScheduler.from_config(scheduler_config)
-    return LoadedModel(spec=spec, pipeline=pipeline, noise_scheduler=noise_scheduler)
+    denoiser = getattr(pipeline, family.denoiser)
+    if family.inpaint_pipeline_class:
+        check_inpainting_option(config.inpainting, denoiser)
+        if family.is_inpainting(denoiser):
+            pipeline = as_inpainting_pipeline(pipeline, family.inpaint_pipeline_class)
+    return LoadedModel(family=family, pipeline=pipeline, objective=family.objective(pipeline, config))
 
 
-def _load_folder(spec: ModelSpec, path: Path):
+def _load_folder(family: Family, path: Path):
     index = path / "model_index.json"
     if not index.is_file():
         raise InputFileError(f"model.path: {path} is not a diffusers model folder (no model_index.json)")
@@ -87,10 +87,10 @@ def _load_folder(spec: ModelSpec, path: Path):
         found = json.loads(index.read_text()).get("_class_name")
     except json.JSONDecodeError as err:
         raise InputFileError(f"model.path: {index} is not valid JSON: {err}") from None
-    if found not in (spec.pipeline_class, spec.inpaint_pipeline_class):
+    if found not in family.pipeline_classes():
         raise InputFileError(
-            f"model.path: {path} holds a {found}, but model.family {spec.family} expects a {spec.pipeline_class} "
-            f"or {spec.inpaint_pipeline_class}"
+            f"model.path: {path} holds a {found}, but model.family {family.name} expects a "
+            f"{' or '.join(family.pipeline_classes())}"
         )
     import diffusers
 

@@ -1,4 +1,5 @@
-"""Tiny, randomly initialised models of the real SD 1.x / 2.x / SDXL architectures.
+"""Tiny, randomly initialised models of the real architectures: the shared parts (offline tokenizers, small
+CLIP / VAE / scheduler configs) and the entry points; each family module builds its own (`Family.build_tiny`).
 
 Nothing can be downloaded from a model hub here, so tests and the demo build these and save them as
 ordinary diffusers folders; training then loads them through exactly the code path a user's
@@ -78,7 +79,7 @@ def write_tokenizer(folder: Path, words=DEMO_WORDS, pad_token: str = "<|endoftex
     )
 
 
-def _text_config(vocab_size: int, hidden_act: str, projection_dim: int = TEXT_HIDDEN):
+def clip_text_config(vocab_size: int, hidden_act: str, projection_dim: int = TEXT_HIDDEN):
     from transformers import CLIPTextConfig
 
     return CLIPTextConfig(
@@ -96,7 +97,7 @@ def _text_config(vocab_size: int, hidden_act: str, projection_dim: int = TEXT_HI
     )
 
 
-def _vae(scaling_factor: float):
+def tiny_vae(scaling_factor: float):
     from diffusers import AutoencoderKL
 
     return AutoencoderKL(
@@ -113,7 +114,7 @@ def _vae(scaling_factor: float):
     )
 
 
-def _scheduler(prediction_type: str):
+def tiny_ddim(prediction_type: str):
     from diffusers import DDIMScheduler
 
     return DDIMScheduler(
@@ -128,92 +129,39 @@ def _scheduler(prediction_type: str):
     )
 
 
-def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None = None, inpainting: bool = False):
-    """A randomly initialised pipeline of the given family ("sd1", "sd2" or "sdxl"); `inpainting`: the
-    family's inpainting pipeline with a 9-channel UNet."""
-    pipe = _build_tiny_pipeline(family, seed, prediction_type, 9 if inpainting else 4)
-    if not inpainting:
-        return pipe
-    from ot_dist.models.inpainting import as_inpainting_pipeline
-    from ot_dist.models.specs import get_spec
-
-    return as_inpainting_pipeline(pipe, get_spec(family).inpaint_pipeline_class)
-
-
-def _build_tiny_pipeline(family: str, seed: int, prediction_type: str | None, in_channels: int):
+def tiny_clip_tokenizer():
+    """A CLIPTokenizer over the demo words, built offline."""
     import tempfile
 
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
+    from transformers import CLIPTokenizer
 
-    torch.manual_seed(seed)
     with tempfile.TemporaryDirectory() as tmp:
         write_tokenizer(Path(tmp))
-        tokenizer = CLIPTokenizer.from_pretrained(tmp)
-    vocab_size = len(tokenizer)
-    if family in ("sd1", "sd2"):
-        hidden_act = "quick_gelu" if family == "sd1" else "gelu"
-        unet = UNet2DConditionModel(
-            sample_size=8,
-            in_channels=in_channels,
-            out_channels=4,
-            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
-            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
-            block_out_channels=(32, 32, 64, 64),
-            layers_per_block=1,
-            norm_num_groups=8,
-            cross_attention_dim=TEXT_HIDDEN,
-            # SD 1.x gives a head count here; SD 2.x a per-level head dim with linear projections.
-            attention_head_dim=4 if family == "sd1" else (2, 2, 4, 4),
-            use_linear_projection=family == "sd2",
-        )
-        pipe = StableDiffusionPipeline(
-            vae=_vae(0.18215),
-            text_encoder=CLIPTextModel(_text_config(vocab_size, hidden_act)),
-            tokenizer=tokenizer,
-            unet=unet,
-            scheduler=_scheduler(prediction_type or ("epsilon" if family == "sd1" else "v_prediction")),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-        return pipe
-    if family == "sdxl":
-        time_embed_dim = 8
-        unet = UNet2DConditionModel(
-            sample_size=8,
-            in_channels=in_channels,
-            out_channels=4,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
-            block_out_channels=(32, 64, 64),
-            layers_per_block=1,
-            transformer_layers_per_block=(1, 1, 2),
-            norm_num_groups=8,
-            attention_head_dim=(2, 4, 4),
-            use_linear_projection=True,
-            cross_attention_dim=2 * TEXT_HIDDEN,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=time_embed_dim,
-            projection_class_embeddings_input_dim=TEXT_HIDDEN + 6 * time_embed_dim,
-        )
-        pipe = StableDiffusionXLPipeline(
-            vae=_vae(0.13025),
-            text_encoder=CLIPTextModel(_text_config(vocab_size, "quick_gelu")),
-            text_encoder_2=CLIPTextModelWithProjection(_text_config(vocab_size, "gelu")),
-            tokenizer=tokenizer,
-            tokenizer_2=tokenizer,
-            unet=unet,
-            scheduler=_scheduler(prediction_type or "epsilon"),
-        )
-        return pipe
-    raise ValueError(f"unknown family {family!r}; expected one of sd1, sd2, sdxl")
+        return CLIPTokenizer.from_pretrained(tmp)
+
+
+def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None = None, inpainting: bool = False,
+                        **options):
+    """A randomly initialised pipeline of the given family (any registered name); `inpainting`: the family's
+    inpainting pipeline with a 9-channel UNet. `options` go to the family's tiny build (e.g. a variant)."""
+    from ot_dist.models.families.registry import get_family
+
+    spec = get_family(family)
+    if prediction_type is not None:
+        options["prediction_type"] = prediction_type
+    if not inpainting:
+        return spec.build_tiny(seed=seed, **options)
+    if spec.inpaint_pipeline_class is None:
+        raise ValueError(f"family {family} has no inpainting models")
+    from ot_dist.models.inpainting import as_inpainting_pipeline
+
+    return as_inpainting_pipeline(spec.build_tiny(seed=seed, in_channels=9, **options), spec.inpaint_pipeline_class)
 
 
 def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, prediction_type: str | None = None,
-                    inpainting: bool = False) -> Path:
+                    inpainting: bool = False, **options) -> Path:
     """Build a tiny model and save it as a normal diffusers folder (safetensors weights)."""
     folder = Path(folder)
-    pipe = build_tiny_pipeline(family, seed=seed, prediction_type=prediction_type, inpainting=inpainting)
+    pipe = build_tiny_pipeline(family, seed=seed, prediction_type=prediction_type, inpainting=inpainting, **options)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder

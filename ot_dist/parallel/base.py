@@ -107,9 +107,8 @@ class Strategy:
 
 
 def trained_modules(model: LoadedModel) -> dict[str, torch.nn.Module]:
-    """The top-level components (unet, text encoders) that hold at least one trainable parameter."""
-    parts = {"unet": model.unet, **model.text_encoders}
-    return {name: m for name, m in parts.items() if any(p.requires_grad for p in m.parameters())}
+    """The top-level components (denoiser, text encoders) that hold at least one trainable parameter."""
+    return {name: m for name, m in model.parts().items() if any(p.requires_grad for p in m.parameters())}
 
 
 def parameter_names(modules: dict[str, torch.nn.Module], groups: list[ParamGroup]) -> dict[int, tuple[str, str]]:

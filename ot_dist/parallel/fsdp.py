@@ -64,8 +64,7 @@ class FSDPStrategy(Strategy):
             offload_policy=offload,
         )
         for name, module in self.trained_modules.items():
-            patterns = model.spec.unet_wrap_units if name == "unet" else model.spec.text_wrap_units
-            for unit in wrap_units(module, patterns):
+            for unit in wrap_units(module, model.family.shard_units.get(name, ())):
                 fully_shard(unit, **options)
             fully_shard(module, **options)
 

@@ -30,7 +30,7 @@ def draw_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig | 
     if options is None:
         return torch.randint(0, num_timesteps, (1,), generator=g)
     low, high = timestep_bounds(options, num_timesteps)
-    if options.timestep_distribution == "uniform":
+    if options.timestep_distribution in ("uniform", "auto"):
         return torch.randint(low, high + 1, (1,), generator=g)  # the defaults make the call above
     u = torch.sigmoid(torch.randn(1, generator=g) * options.logit_normal_std + options.logit_normal_mean)
     return (low + (u * (high - low + 1)).long()).clamp(max=high)

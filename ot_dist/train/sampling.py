@@ -106,11 +106,13 @@ class Sampler:
         import diffusers
 
         components = {**self.model.pipeline.components, **modules}
-        scheduler_cls = getattr(diffusers, SAMPLERS[self.settings.sampler])
-        # The model's own scheduler config (its betas, spacing, offsets), with the prediction type training uses.
-        scheduler_config = {**self.model.pipeline.scheduler.config, "prediction_type": self.model.prediction_type}
+        family = self.model.family
+        sampler = family.samplers[0] if self.settings.sampler == "auto" else self.settings.sampler
+        scheduler_cls = getattr(diffusers, SAMPLERS[sampler])
+        # The model's own scheduler config (its betas, spacing, offsets, shift), with what training predicts.
+        scheduler_config = {**self.model.pipeline.scheduler.config, **family.sampling_overrides(self.model.objective)}
         components["scheduler"] = scheduler_cls.from_config(scheduler_config)
-        pipeline_cls = self.model.spec.pipeline_cls()
+        pipeline_cls = family.pipeline_cls()
         accepted = inspect.signature(pipeline_cls.__init__).parameters
         # The model's own pipeline options (e.g. SDXL's force_zeros_for_empty_prompt), but samples show what
         # the model learnt: no safety checker, no watermark.

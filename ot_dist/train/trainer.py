@@ -77,7 +77,7 @@ class Trainer:
         self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
         self.total_steps = self.plan.total_steps
         self.model: LoadedModel = load_model(config.model)
-        timestep_bounds(config.loss, self.model.noise_scheduler.config.num_train_timesteps)  # fails before training
+        timestep_bounds(config.loss, self.model.objective.num_timesteps)  # fails before training
         check_inpainting_setup(config, self.model)
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
@@ -115,7 +115,8 @@ class Trainer:
         everything frozen in weight_dtype; then the low-memory options place each component."""
         weight_dtype = frozen_storage_dtype(self.config.weight_dtype)
         trained_dtype = DTYPES[self.config.trained_weight_dtype]
-        for module in [self.model.unet, self.model.vae, *self.model.text_encoders.values()]:
+        denoiser = self.model.denoiser
+        for module in self.model.modules():
             trains = False
             for p in module.parameters():
                 if p.requires_grad:
@@ -124,10 +125,10 @@ class Trainer:
                 else:
                     p.data = p.data.to(weight_dtype)
             module.train(trains)
-            # The UNet backpropagates whenever anything trains (text encoders learn through it).
-            if self.config.gradient_checkpointing and (trains or module is self.model.unet):
+            # The denoiser backpropagates whenever anything trains (text encoders learn through it).
+            if self.config.gradient_checkpointing and (trains or module is denoiser):
                 enable_gradient_checkpointing(module)
-            place_component(module, self.config, self.device, offloadable=module is not self.model.unet)
+            place_component(module, self.config, self.device, offloadable=module is not denoiser)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
         """Honour `<part>.stop_training_after`: a stopped part no longer gets gradients or updates."""
@@ -284,7 +285,7 @@ class Trainer:
         if "text_hidden" in batch:  # cached text-encoder outputs (data.cache_text)
             return batch
         captions = [self.method.caption(c) for c in batch["caption"]]
-        batch["token_ids"] = self.model.spec.tokenize(self.model.tokenizers, captions)
+        batch["token_ids"] = self.model.family.tokenize(self.model.tokenizers, captions)
         return batch
 
     def epoch_batches(self, epoch: int):

@@ -1,0 +1,144 @@
+"""The family contract: everything the rest of ot_dist may know about a model family.
+
+A family module (sd.py, sdxl.py, sd3.py, flux.py, ...) subclasses `Family`, fills in the class attributes and
+overrides the few methods whose behaviour differs, then registers the instance(s) in registry.py. The trainer,
+methods, strategies, caches, sampling, checkpoints and exports talk only to this interface and to
+`LoadedModel` (ot_dist/models/loading.py); none of them names a family.
+
+The conditioning dict returned by `encode_text` is the unit of text caching: the text cache stores exactly its
+tensors (one per caption line, batch dimension dropped), the reader returns them as `text_<key>` in the batch,
+and `predict` receives them back as the same dict. Its tensors are batch-first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ot_dist.models.objectives import Objective
+
+
+class Family:
+    # -- identity and components ------------------------------------------------------------------------
+    name: str  # model.family in the config
+    description: str  # one line for the config reference
+    pipeline_class: str  # the diffusers pipeline that loads / saves / samples the whole model
+    inpaint_pipeline_class: str | None = None  # the pipeline of the family's inpainting denoisers, if any
+    denoiser: str = "unet"  # the diffusers component name of the denoiser: "unet" or "transformer"
+    text_encoders: tuple[str, ...] = ()  # diffusers component names, in the order encode_text uses them
+    tokenizers: tuple[str, ...] = ()  # one per text encoder
+    # Text encoders that can take new token vectors (method embedding), with the key each one gets in the
+    # embedding file (the layout A1111 / OneTrainer / diffusers read). T5 encoders are not listed: a T5 learns
+    # through its relative-attention stack, and no UI loads T5 embeddings.
+    embedding_keys: dict[str, str] = {}
+
+    # -- LoRA -------------------------------------------------------------------------------------------
+    # Module-name suffixes peft adapts, per preset; "default" is what the family's diffusers training script
+    # targets. "all_linear" is derived from the module (every nn.Linear) and needs no entry.
+    denoiser_lora_presets: dict[str, tuple[str, ...]] = {}
+    text_lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+
+    # -- sharding ---------------------------------------------------------------------------------------
+    # Per component, the sub-modules a sharding strategy wraps one by one (a name or a dotted suffix; a
+    # ModuleList gives its items). Each unit should be a few % of the component, never half of it.
+    shard_units: dict[str, tuple[str, ...]] = {}
+
+    # -- latents ----------------------------------------------------------------------------------------
+    # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching /
+    # downsampling. Bucket sizes and resolutions are rounded to it.
+    pixel_multiple: int = 64
+
+    # -- objective --------------------------------------------------------------------------------------
+    def objective(self, pipeline, model_config) -> Objective:
+        """The training objective for a loaded pipeline and the config's model section."""
+        raise NotImplementedError
+
+    def objective_kind(self) -> str:
+        """"ddpm" or "flow", known without loading anything: config validation refuses options that do not apply."""
+        raise NotImplementedError
+
+    # -- sampling ---------------------------------------------------------------------------------------
+    samplers: tuple[str, ...] = ("flow_euler",)  # sampling.sampler values that fit the objective; the first is auto
+
+    def sampling_overrides(self, objective: Objective) -> dict:
+        """Scheduler config entries that make sampling match training (e.g. the prediction type)."""
+        return {}
+
+    # -- text -------------------------------------------------------------------------------------------
+    def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
+        """Token ids (and attention masks, `<encoder>_mask`) per text encoder."""
+        tokens = {}
+        for encoder_name, tokenizer_name in zip(self.text_encoders, self.tokenizers):
+            tokenizer = tokenizers[tokenizer_name]
+            tokens[encoder_name] = tokenizer(
+                captions, padding="max_length", max_length=self.max_tokens(tokenizer_name, tokenizer),
+                truncation=True, return_tensors="pt",
+            ).input_ids
+        return tokens
+
+    def max_tokens(self, tokenizer_name: str, tokenizer) -> int:
+        return tokenizer.model_max_length
+
+    def encode_text(self, text_encoders: dict, tokens: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The conditioning dict the denoiser needs, from `tokenize`'s output."""
+        raise NotImplementedError
+
+    # -- latents ----------------------------------------------------------------------------------------
+    def latent_shape(self, vae, pixel_height: int, pixel_width: int) -> torch.Size:
+        factor = 2 ** (len(vae.config.block_out_channels) - 1)
+        return torch.Size((vae.config.latent_channels, pixel_height // factor, pixel_width // factor))
+
+    def normalize_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
+        """A VAE sample -> the denoiser's latent space: (x - shift) x scale, or a per-channel mean / std."""
+        config = vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is not None and std is not None:
+            view = (1, -1) + (1,) * (latents.dim() - 2)
+            latents = (latents - torch.tensor(mean).view(view).to(latents)) / torch.tensor(std).view(view).to(latents)
+            return latents * config.scaling_factor
+        shift = getattr(config, "shift_factor", None) or 0.0
+        return (latents - shift) * config.scaling_factor
+
+    # -- the denoiser call ------------------------------------------------------------------------------
+    def predict(self, denoiser, noisy: torch.Tensor, timesteps: torch.Tensor, conditioning: dict[str, torch.Tensor],
+                batch: dict) -> torch.Tensor:
+        """The denoiser's prediction for `noisy` latents (B, C, h, w) at `timesteps` (the objective's units),
+        in the same latent layout as `noisy` (a family that packs latents unpacks the prediction)."""
+        raise NotImplementedError
+
+    # -- variants ---------------------------------------------------------------------------------------
+    def is_inpainting(self, denoiser) -> bool:
+        """A denoiser whose input is noisy latent + mask + masked-image latent (SD's 9-channel UNets)."""
+        return False
+
+    # -- single files -----------------------------------------------------------------------------------
+    def load_single_file(self, path: Path, config_folder: str | None, model_config):
+        """A pipeline from one .safetensors file in the family's original layout."""
+        raise NotImplementedError(f"model.path: {self.name} models load from a diffusers folder only")
+
+    def export_single_file(self, components: dict[str, torch.nn.Module], states: dict[str, dict],
+                           path: Path, dtype: torch.dtype) -> None:
+        """Write the trained model as one file in the family's original layout (what from_single_file reads)."""
+        raise NotImplementedError
+
+    # -- LoRA files -------------------------------------------------------------------------------------
+    # The kohya-style prefix of each component's modules in a LoRA file (ComfyUI, A1111 / Forge, kohya read
+    # these); None = the family writes the diffusers layout only.
+    lora_file_prefixes: dict[str, str] | None = None
+
+    # -- demo and tests ---------------------------------------------------------------------------------
+    def build_tiny(self, seed: int = 0, **options):
+        """A randomly initialised pipeline of the real architecture, small enough to train on a CPU in
+        tests and the demo, with offline tokenizers."""
+        raise NotImplementedError
+
+    # -- helpers ----------------------------------------------------------------------------------------
+    def pipeline_cls(self):
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class)
+
+    def pipeline_classes(self) -> tuple[str, ...]:
+        """Pipeline classes a diffusers folder of this family may name in its model_index.json."""
+        return tuple(c for c in (self.pipeline_class, self.inpaint_pipeline_class) if c)

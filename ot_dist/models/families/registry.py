@@ -1,0 +1,23 @@
+"""Which module defines each family. Importing a family module imports torch; this file does not, so the
+config can list the names cheaply and load the one it validates against."""
+
+from __future__ import annotations
+
+import importlib
+from functools import lru_cache
+
+FAMILY_MODULES: dict[str, str] = {
+    "sd1": "ot_dist.models.families.sd",
+    "sd2": "ot_dist.models.families.sd",
+    "sdxl": "ot_dist.models.families.sdxl",
+}
+
+FAMILY_NAMES = tuple(FAMILY_MODULES)
+
+
+@lru_cache(maxsize=None)
+def get_family(name: str):
+    """The Family instance registered under `name` (a module's FAMILIES dict holds its instances)."""
+    if name not in FAMILY_MODULES:
+        raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILY_NAMES)}")
+    return importlib.import_module(FAMILY_MODULES[name]).FAMILIES[name]

@@ -1,0 +1,116 @@
+"""Stable Diffusion 1.x and 2.x: a UNet over 4-channel latents (x8 VAE), one CLIP text encoder's last
+hidden state as cross-attention context, epsilon (1.x) or v-prediction (2.x) on a DDPM schedule. Their
+9-channel inpainting UNets train too (noisy latent + mask + masked-image latent)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ot_dist.models.families.base import Family
+from ot_dist.models.objectives import DDPM
+
+UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
+UNET_SHARD_UNITS = ("down_blocks", "mid_block", "up_blocks")
+CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+
+
+class UNetFamily(Family):
+    """What SD 1.x, 2.x and SDXL share: the UNet, the DDPM objective, the original single-file layout."""
+
+    denoiser = "unet"
+    denoiser_lora_presets = {"default": UNET_LORA_TARGETS, "attention": ("to_q", "to_k", "to_v", "to_out.0")}
+    shard_units = {"unet": UNET_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS}
+    pixel_multiple = 64
+    lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
+
+    def objective(self, pipeline, model_config) -> DDPM:
+        prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type
+        return DDPM(pipeline.scheduler.config, prediction)
+
+    def objective_kind(self) -> str:
+        return "ddpm"
+
+    samplers = ("ddim", "euler", "euler_a", "dpmpp_2m", "unipc")
+
+    def sampling_overrides(self, objective: DDPM) -> dict:
+        return {"prediction_type": objective.prediction_type}
+
+    def predict(self, denoiser, noisy, timesteps, conditioning, batch):
+        return denoiser(noisy, timesteps, **self.unet_inputs(conditioning, batch), return_dict=False)[0]
+
+    def unet_inputs(self, conditioning: dict, batch: dict) -> dict:
+        return {"encoder_hidden_states": conditioning["hidden"]}
+
+    def is_inpainting(self, denoiser) -> bool:
+        from ot_dist.models.inpainting import is_inpainting_unet
+
+        return is_inpainting_unet(denoiser)
+
+    def load_single_file(self, path: Path, config_folder, model_config):
+        from ot_dist.models.families.sd_single_file import load_single_file
+
+        prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type
+        return load_single_file(path, self.name, config_folder, prediction_type=prediction)
+
+    def export_single_file(self, components, states, path, dtype):
+        from ot_dist.models.families.sd_single_file import export_single_file
+
+        export_single_file(components, self.name, path, dtype=dtype, states=states)
+
+
+class SD(UNetFamily):
+    pipeline_class = "StableDiffusionPipeline"
+    inpaint_pipeline_class = "StableDiffusionInpaintPipeline"
+    text_encoders = ("text_encoder",)
+    tokenizers = ("tokenizer",)
+    embedding_keys = {"text_encoder": "emb_params"}
+
+    def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str):
+        self.name, self.description = name, description
+        self.tiny_hidden_act, self.tiny_prediction_type = hidden_act, prediction_type
+
+    def encode_text(self, text_encoders, tokens):
+        encoder = text_encoders["text_encoder"]
+        return {"hidden": encoder(tokens["text_encoder"].to(encoder.device))[0]}
+
+    def build_tiny(self, seed: int = 0, prediction_type: str | None = None, in_channels: int = 4, **_):
+        from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+        from transformers import CLIPTextModel
+
+        from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config, tiny_clip_tokenizer, tiny_ddim, tiny_vae
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_clip_tokenizer()
+        sd2 = self.tiny_hidden_act == "gelu"
+        unet = UNet2DConditionModel(
+            sample_size=8,
+            in_channels=in_channels,
+            out_channels=4,
+            down_block_types=("CrossAttnDownBlock2D",) * 3 + ("DownBlock2D",),
+            up_block_types=("UpBlock2D",) + ("CrossAttnUpBlock2D",) * 3,
+            block_out_channels=(32, 32, 64, 64),
+            layers_per_block=1,
+            norm_num_groups=8,
+            cross_attention_dim=TEXT_HIDDEN,
+            # SD 1.x gives a head count here; SD 2.x a per-level head dim with linear projections.
+            attention_head_dim=(2, 2, 4, 4) if sd2 else 4,
+            use_linear_projection=sd2,
+        )
+        return StableDiffusionPipeline(
+            vae=tiny_vae(0.18215),
+            text_encoder=CLIPTextModel(clip_text_config(len(tokenizer), self.tiny_hidden_act)),
+            tokenizer=tokenizer,
+            unet=unet,
+            scheduler=tiny_ddim(prediction_type or self.tiny_prediction_type),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+
+FAMILIES = {
+    "sd1": SD("sd1", "Stable Diffusion 1.x (epsilon)", hidden_act="quick_gelu", prediction_type="epsilon"),
+    "sd2": SD("sd2", "Stable Diffusion 2.x (epsilon or v-prediction)", hidden_act="gelu", prediction_type="v_prediction"),
+}

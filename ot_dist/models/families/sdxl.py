@@ -1,0 +1,75 @@
+"""SDXL: a UNet with two CLIP text encoders (penultimate hidden states concatenated), the second one's
+pooled projection, and micro-conditioning on original size, crop offset and target size."""
+
+from __future__ import annotations
+
+import torch
+
+from ot_dist.models.families.sd import UNetFamily
+
+
+class SDXL(UNetFamily):
+    name = "sdxl"
+    description = "Stable Diffusion XL (two CLIP text encoders, size / crop conditioning)"
+    pipeline_class = "StableDiffusionXLPipeline"
+    inpaint_pipeline_class = "StableDiffusionXLInpaintPipeline"
+    text_encoders = ("text_encoder", "text_encoder_2")
+    tokenizers = ("tokenizer", "tokenizer_2")
+    embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
+    lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+
+    def encode_text(self, text_encoders, tokens):
+        hidden, pooled = [], None
+        for name in self.text_encoders:
+            encoder = text_encoders[name]
+            out = encoder(tokens[name].to(encoder.device), output_hidden_states=True)
+            hidden.append(out.hidden_states[-2])
+            pooled = out[0]  # the last encoder's projected pooled output (text_embeds)
+        return {"hidden": torch.cat(hidden, dim=-1), "pooled": pooled}
+
+    def unet_inputs(self, conditioning, batch):
+        hidden = conditioning["hidden"]
+        # [original_h, original_w, crop_top, crop_left, target_h, target_w] per sample.
+        time_ids = torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
+        time_ids = time_ids.to(device=hidden.device, dtype=hidden.dtype)
+        return {"encoder_hidden_states": hidden,
+                "added_cond_kwargs": {"text_embeds": conditioning["pooled"], "time_ids": time_ids}}
+
+    def build_tiny(self, seed: int = 0, prediction_type: str | None = None, in_channels: int = 4, **_):
+        from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+        from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+        from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config, tiny_clip_tokenizer, tiny_ddim, tiny_vae
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_clip_tokenizer()
+        time_embed_dim = 8
+        unet = UNet2DConditionModel(
+            sample_size=8,
+            in_channels=in_channels,
+            out_channels=4,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            block_out_channels=(32, 64, 64),
+            layers_per_block=1,
+            transformer_layers_per_block=(1, 1, 2),
+            norm_num_groups=8,
+            attention_head_dim=(2, 4, 4),
+            use_linear_projection=True,
+            cross_attention_dim=2 * TEXT_HIDDEN,
+            addition_embed_type="text_time",
+            addition_time_embed_dim=time_embed_dim,
+            projection_class_embeddings_input_dim=TEXT_HIDDEN + 6 * time_embed_dim,
+        )
+        return StableDiffusionXLPipeline(
+            vae=tiny_vae(0.13025),
+            text_encoder=CLIPTextModel(clip_text_config(len(tokenizer), "quick_gelu")),
+            text_encoder_2=CLIPTextModelWithProjection(clip_text_config(len(tokenizer), "gelu")),
+            tokenizer=tokenizer,
+            tokenizer_2=tokenizer,
+            unet=unet,
+            scheduler=tiny_ddim(prediction_type or "epsilon"),
+        )
+
+
+FAMILIES = {"sdxl": SDXL()}

@@ -1,0 +1,157 @@
+"""Training objectives: how a clean latent, its noise and a drawn time become the denoiser's input and
+target. No family names inside: a family picks an objective and its convention (ot_dist/models/families/).
+
+- `DDPM`: epsilon or v-prediction over a discrete noise schedule (SD 1.x / 2.x / SDXL, PixArt, ...).
+- `FlowMatching`: rectified flow, x_t = (1 - s) x + s n with target n - x (SD3, Flux, Chroma, ...), where the
+  noise level s is a draw u in [0, 1) pushed through the family's shift: a fixed one (SD3: s = k u / (1 + (k - 1) u),
+  k = 3) or a resolution-dependent one (Flux: s = e^mu / (e^mu + 1/u - 1), mu interpolated in the number of image
+  tokens between base_shift and max_shift).
+
+Every draw comes from the sample's own generator (seed, epoch, sample id), so a sample trains the same in any
+batch, on any rank, at any world size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ot_dist.config.loss import LossConfig
+from ot_dist.train.loss_options import draw_timestep, min_snr_weights, timestep_bounds
+
+
+class Objective:
+    kind: str  # "ddpm" or "flow": what loss options may ask of it
+    num_timesteps: int
+
+    def draw(self, g: torch.Generator, options: LossConfig | None, latent_shape: torch.Size) -> torch.Tensor:
+        """One sample's time, shape (1,), in the diffusers scheduler's timestep units (0 .. num_timesteps)."""
+        raise NotImplementedError
+
+    def noisy(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def target(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sample_weights(self, timesteps: torch.Tensor, options: LossConfig) -> torch.Tensor | None:
+        """Per-sample loss weights from the options (min-SNR-gamma), or None."""
+        return None
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+
+class DDPM(Objective):
+    """Epsilon or v-prediction on a DDPMScheduler built from the model's own scheduler config."""
+
+    kind = "ddpm"
+
+    def __init__(self, scheduler_config: dict, prediction_type: str | None = None):
+        from diffusers import DDPMScheduler
+
+        config = dict(scheduler_config)
+        if prediction_type is not None:
+            config["prediction_type"] = prediction_type
+        self.scheduler = DDPMScheduler.from_config(config)
+        self.prediction_type = self.scheduler.config.prediction_type
+        self.num_timesteps = self.scheduler.config.num_train_timesteps
+
+    def draw(self, g, options, latent_shape):
+        return draw_timestep(g, self.num_timesteps, options)
+
+    def noisy(self, latents, noise, timesteps):
+        return self.scheduler.add_noise(latents, noise, timesteps)
+
+    def target(self, latents, noise, timesteps):
+        if self.prediction_type == "v_prediction":
+            return self.scheduler.get_velocity(latents, noise, timesteps)
+        return noise
+
+    def sample_weights(self, timesteps, options):
+        if options.min_snr_gamma is None:
+            return None
+        return min_snr_weights(self.scheduler.alphas_cumprod, timesteps, options.min_snr_gamma, self.prediction_type)
+
+    def describe(self) -> str:
+        return f"{self.prediction_type} prediction, {self.num_timesteps} DDPM timesteps"
+
+
+@dataclass(frozen=True)
+class DynamicShift:
+    """Flux's resolution-dependent shift: mu grows linearly with the number of image tokens."""
+
+    base_image_seq_len: int = 256
+    max_image_seq_len: int = 4096
+    base_shift: float = 0.5
+    max_shift: float = 1.15
+
+    def mu(self, image_tokens: int) -> float:
+        slope = (self.max_shift - self.base_shift) / (self.max_image_seq_len - self.base_image_seq_len)
+        return self.base_shift + slope * (image_tokens - self.base_image_seq_len)
+
+
+class FlowMatching(Objective):
+    """Rectified flow with the target n - x (velocity towards the noise), as SD3 / Flux train."""
+
+    kind = "flow"
+
+    def __init__(self, shift: float = 1.0, dynamic: DynamicShift | None = None, num_timesteps: int = 1000,
+                 patch_size: int = 1):
+        self.shift, self.dynamic, self.num_timesteps = shift, dynamic, num_timesteps
+        self.patch_size = patch_size  # latent pixels per image token along each side (Flux packs 2x2)
+
+    @classmethod
+    def from_scheduler_config(cls, config: dict, patch_size: int = 1, shift: float | None = None,
+                              dynamic: bool | None = None) -> "FlowMatching":
+        """The shift a FlowMatchEulerDiscreteScheduler config describes (`shift`, or `use_dynamic_shifting` with
+        its base / max shift and sequence lengths); `shift` / `dynamic` override it."""
+        use_dynamic = config.get("use_dynamic_shifting", False) if dynamic is None else dynamic
+        dynamic_shift = None
+        if use_dynamic:
+            defaults = DynamicShift()
+            dynamic_shift = DynamicShift(**{k: config.get(k) if config.get(k) is not None else getattr(defaults, k)
+                                            for k in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")})
+        return cls(shift=config.get("shift", 1.0) if shift is None else shift, dynamic=dynamic_shift,
+                   num_timesteps=config.get("num_train_timesteps", 1000), patch_size=patch_size)
+
+    def image_tokens(self, latent_shape: torch.Size) -> int:
+        return (latent_shape[-2] // self.patch_size) * (latent_shape[-1] // self.patch_size)
+
+    def shifted(self, u: torch.Tensor, latent_shape: torch.Size) -> torch.Tensor:
+        """The noise level sigma for a uniform-scale draw u in (0, 1)."""
+        if self.dynamic is not None:
+            mu = self.dynamic.mu(self.image_tokens(latent_shape))
+            return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+        return self.shift * u / (1 + (self.shift - 1) * u)
+
+    def draw(self, g, options, latent_shape):
+        options = options or LossConfig()
+        low, high = timestep_bounds(options, self.num_timesteps)
+        # u covers [low, high + 1) / num_timesteps: the same share of the range that the integer timesteps
+        # low..high cover in DDPM, so min_timestep / max_timestep mean the same thing for both objectives.
+        if options.timestep_distribution in ("logit_normal", "auto"):
+            unit = torch.sigmoid(torch.randn(1, generator=g, dtype=torch.float64) * options.logit_normal_std
+                                 + options.logit_normal_mean)
+        else:
+            unit = torch.rand(1, generator=g, dtype=torch.float64)
+        u = (low + unit * (high + 1 - low)) / self.num_timesteps
+        u = u.clamp(min=1e-6, max=1 - 1e-6)  # sigma 0 or 1 exactly has no noise or no signal to learn from
+        return (self.shifted(u, latent_shape) * self.num_timesteps).float()
+
+    def sigmas(self, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return (timesteps.float() / self.num_timesteps).to(like).view(-1, *([1] * (like.dim() - 1)))
+
+    def noisy(self, latents, noise, timesteps):
+        sigma = self.sigmas(timesteps, latents)
+        return (1 - sigma) * latents + sigma * noise
+
+    def target(self, latents, noise, timesteps):
+        return noise - latents
+
+    def describe(self) -> str:
+        shift = (f"dynamic shift {self.dynamic.base_shift}..{self.dynamic.max_shift}" if self.dynamic
+                 else f"shift {self.shift}")
+        return f"flow matching (target noise - latents), {shift}"
