@@ -165,3 +165,30 @@ def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, pred
     pipe = build_tiny_pipeline(family, seed=seed, prediction_type=prediction_type, inpainting=inpainting, **options)
     pipe.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+T5_EXTRA_IDS = 8
+
+
+def tiny_t5_tokenizer(max_length: int = 32):
+    """A T5TokenizerFast built offline: a `tokenizers` Unigram model over the demo words (each a piece, with
+    "▁" marking a word start as sentencepiece does) and single letters, in T5's real layout (<pad> 0, </s> 1,
+    <unk> 2, the extra ids at the end). `max_length` becomes model_max_length (real T5s: 256 / 512)."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [("▁" + word, -5.0) for word in DEMO_WORDS]
+    pieces += [(c, -10.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789"]
+    pieces += [("▁" + c, -11.0) for c in "abcdefghijklmnopqrstuvwxyz" if c not in DEMO_WORDS]
+    tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=T5_EXTRA_IDS)
+    tokenizer.model_max_length = max_length
+    return tokenizer
+
+
+def tiny_t5_encoder(vocab_size: int, d_model: int = TEXT_HIDDEN):
+    """A T5EncoderModel of the real T5 v1.1 layout (gated GELU), two blocks."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(T5Config(vocab_size=vocab_size, d_model=d_model, d_kv=8, d_ff=64, num_layers=2,
+                                   num_heads=4, feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+                                   relative_attention_max_distance=16, is_encoder_decoder=False, use_cache=False))
