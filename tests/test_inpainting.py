@@ -21,6 +21,8 @@ from ot_dist.models.tiny import make_tiny_model
 from ot_dist.randomness import generator
 from ot_dist.train.inpainting import inpainting_masks, masked_pixels, random_mask
 from ot_dist.train.loss import encode_latents, inpainting_condition
+from ot_dist.models.families.registry import get_family
+from ot_dist.models.loading import LoadedModel
 from ot_dist.train.loss_options import per_sample_normal
 from ot_dist.train.trainer import Trainer
 
@@ -86,11 +88,11 @@ def test_the_condition_is_built_as_the_diffusers_pipeline_builds_it(inpainting_m
     pipe_mask, _ = pipe.prepare_mask_latents(mask_condition, torch.zeros(1, 4, 8, 8), 1, 64, 64, torch.float32,
                                              torch.device("cpu"), None, False)
 
-    condition = inpainting_condition(pipe.vae, batch, torch.Size((4, 8, 8)), seed=1, epoch=2)
+    condition = inpainting_condition(LoadedModel(get_family("sd1"), pipe, None), batch, torch.Size((4, 8, 8)), seed=1, epoch=2)
     assert condition.shape == (2, 5, 8, 8)
     assert torch.equal(condition[:1, :1], pipe_mask)  # channel 4 of the UNet input: the mask
     eps = per_sample_normal([4, 9], (4, 8, 8), 1, 2, "masked_image_latent")
-    expected = encode_latents(pipe.vae, {"pixels": masked_pixels(pixels, masks)}, eps)  # scaled posterior sample
+    expected = encode_latents(get_family("sd1"), pipe.vae, {"pixels": masked_pixels(pixels, masks)}, eps)  # scaled posterior sample
     torch.testing.assert_close(condition[:, 1:], expected)  # channels 5-8: the masked image's latent
 
 
@@ -103,7 +105,7 @@ def test_a_tiny_inpainting_model_trains_and_exports_a_pipeline_diffusers_runs(
     raw = base_config(inpainting_models[family], partly_masked_data, out, family=family, max_steps=3,
                       **{"model.inpainting": True})
     trainer = Trainer(validate(raw), log=print)
-    assert trainer.model.inpainting and trainer.model.unet.config.in_channels == 9
+    assert trainer.model.inpainting and trainer.model.denoiser.config.in_channels == 9
     result = trainer.train()
     assert result.steps == 3 and all(np.isfinite(result.losses))
 

@@ -13,6 +13,9 @@ from ot_dist.errors import ConfigError
 from ot_dist.models.loading import load_model
 from ot_dist.randomness import generator
 from ot_dist.train.loss import diffusion_loss, draw_sample_noise, encode_latents
+from ot_dist.models.objectives import DDPM
+
+DDPM_1000 = DDPM({"num_train_timesteps": 1000})
 from ot_dist.train.loss_options import timestep_bounds
 
 SEED, EPOCH = 4, 1
@@ -27,7 +30,7 @@ def models(tiny_models):
 def make_batch(model, ids=(3, 8, 11), with_mask=False):
     g = torch.Generator().manual_seed(0)
     batch = {"pixels": torch.rand(len(ids), 3, 64, 64, generator=g) * 2 - 1, "sample_id": torch.tensor(ids),
-             "token_ids": model.spec.tokenize(model.tokenizers, [f"caption {i}" for i in ids])}
+             "token_ids": model.family.tokenize(model.tokenizers, [f"caption {i}" for i in ids])}
     if with_mask:
         batch["mask"] = (torch.rand(len(ids), 1, 64, 64, generator=g) > 0.5).float()
     return batch
@@ -41,21 +44,21 @@ class ZeroUNet:
         self.model, self.inputs = model, []
 
     def __enter__(self):
-        self.original = self.model.unet.forward
+        self.original = self.model.denoiser.forward
 
         def forward(sample, *args, **kwargs):
             self.inputs.append(sample.detach().clone())
             return (torch.zeros_like(sample),)
-        self.model.unet.forward = forward
+        self.model.denoiser.forward = forward
         return self
 
     def __exit__(self, *exc):
-        self.model.unet.forward = self.original
+        self.model.denoiser.forward = self.original
 
 
 def unmodified_loss(model, batch, seed, epoch):
     """The objective as it was before the options existed (a copy of that code)."""
-    scheduler = model.noise_scheduler
+    scheduler = model.objective.scheduler
     vae_eps, noise, timesteps = [], [], []
     for sample_id in batch["sample_id"].tolist():
         g = generator(seed, epoch, sample_id, "diffusion")
@@ -63,11 +66,11 @@ def unmodified_loss(model, batch, seed, epoch):
         noise.append(torch.randn(SHAPE, generator=g))
         timesteps.append(torch.randint(0, scheduler.config.num_train_timesteps, (1,), generator=g))
     vae_eps, noise, timesteps = torch.stack(vae_eps), torch.stack(noise), torch.cat(timesteps)
-    latents = encode_latents(model.vae, batch, vae_eps)
+    latents = encode_latents(model.family, model.vae, batch, vae_eps)
     noisy = scheduler.add_noise(latents, noise, timesteps)
-    target = scheduler.get_velocity(latents, noise, timesteps) if model.prediction_type == "v_prediction" else noise
-    text = model.spec.encode_text(model.text_encoders, batch["token_ids"])
-    prediction = model.unet(noisy, timesteps, **model.spec.unet_conditioning(text, batch), return_dict=False)[0]
+    target = scheduler.get_velocity(latents, noise, timesteps) if model.objective.prediction_type == "v_prediction" else noise
+    text = model.family.encode_text(model.text_encoders, batch["token_ids"])
+    prediction = model.denoiser(noisy, timesteps, **model.family.unet_inputs(text, batch), return_dict=False)[0]
     return F.mse_loss(prediction.float(), target.float())
 
 
@@ -82,16 +85,16 @@ def test_every_option_off_is_the_unmodified_objective_bit_for_bit(models, family
     assert torch.equal(before, now) and torch.equal(before, default)
     # An explicit full range is the default range, draw for draw.
     full = LossConfig(min_timestep=0, max_timestep=999)
-    assert torch.equal(draw_sample_noise(batch, SHAPE, 1000, SEED, EPOCH, full)[2],
-                       draw_sample_noise(batch, SHAPE, 1000, SEED, EPOCH)[2])
+    assert torch.equal(draw_sample_noise(batch, SHAPE, DDPM_1000, SEED, EPOCH, full)[2],
+                       draw_sample_noise(batch, SHAPE, DDPM_1000, SEED, EPOCH)[2])
 
 
 @pytest.mark.parametrize("family", ["sd1", "sd2"])
 def test_min_snr_gamma_weights_each_sample_by_its_timestep(models, family):
     model = models[family]
     batch = make_batch(model)
-    timesteps = draw_sample_noise(batch, SHAPE, 1000, SEED, EPOCH)[2]
-    alpha_bar = model.noise_scheduler.alphas_cumprod[timesteps].double()
+    timesteps = draw_sample_noise(batch, SHAPE, DDPM_1000, SEED, EPOCH)[2]
+    alpha_bar = model.objective.scheduler.alphas_cumprod[timesteps].double()
     snr = alpha_bar / (1 - alpha_bar)
     gamma = float(snr.median())  # clips one sample, not another: the case can tell the weights apart
     with torch.no_grad():
@@ -101,10 +104,10 @@ def test_min_snr_gamma_weights_each_sample_by_its_timestep(models, family):
                                                     "token_ids": {k: v[i:i + 1] for k, v in batch["token_ids"].items()}},
                                             SEED, EPOCH) for i in range(3)])
     if family == "sd2":  # v-prediction
-        assert model.prediction_type == "v_prediction"
+        assert model.objective.prediction_type == "v_prediction"
         expected_weights = torch.minimum(snr, torch.full_like(snr, gamma)) / (snr + 1)
     else:
-        assert model.prediction_type == "epsilon"
+        assert model.objective.prediction_type == "epsilon"
         expected_weights = torch.minimum(snr, torch.full_like(snr, gamma)) / snr
     assert expected_weights.max() / expected_weights.min() > 1.1  # not one common factor
     torch.testing.assert_close(weighted, (alone * expected_weights.float()).mean(), rtol=1e-5, atol=0)
@@ -113,22 +116,22 @@ def test_min_snr_gamma_weights_each_sample_by_its_timestep(models, family):
 def test_timestep_range_and_logit_normal_distribution():
     batch = {"sample_id": torch.arange(3000)}
     shape = torch.Size((1, 1, 1))
-    ranged = draw_sample_noise(batch, shape, 1000, SEED, EPOCH, LossConfig(min_timestep=200, max_timestep=299))[2]
+    ranged = draw_sample_noise(batch, shape, DDPM_1000, SEED, EPOCH, LossConfig(min_timestep=200, max_timestep=299))[2]
     assert ranged.min() == 200 and ranged.max() == 299  # inclusive at both ends, nothing outside
-    uniform = draw_sample_noise(batch, shape, 1000, SEED, EPOCH, LossConfig())[2].float()
-    logit = draw_sample_noise(batch, shape, 1000, SEED, EPOCH, LossConfig(timestep_distribution="logit_normal"))[2]
+    uniform = draw_sample_noise(batch, shape, DDPM_1000, SEED, EPOCH, LossConfig())[2].float()
+    logit = draw_sample_noise(batch, shape, DDPM_1000, SEED, EPOCH, LossConfig(timestep_distribution="logit_normal"))[2]
     middle = lambda t: ((t >= 333) & (t < 666)).float().mean().item()  # noqa: E731
     assert 0.30 < middle(uniform) < 0.37
     assert middle(logit.float()) > 0.45  # sigmoid(N(0, 1)) in the middle third: P(|z| < 0.69) = 0.51
     assert logit.min() >= 0 and logit.max() <= 999
-    shifted = draw_sample_noise(batch, shape, 1000, SEED, EPOCH,
+    shifted = draw_sample_noise(batch, shape, DDPM_1000, SEED, EPOCH,
                                 LossConfig(timestep_distribution="logit_normal", logit_normal_mean=1.5))[2]
     assert shifted.float().mean() > logit.float().mean() + 150
-    narrow = draw_sample_noise(batch, shape, 1000, SEED, EPOCH, LossConfig(timestep_distribution="logit_normal",
+    narrow = draw_sample_noise(batch, shape, DDPM_1000, SEED, EPOCH, LossConfig(timestep_distribution="logit_normal",
                                                                           min_timestep=100, max_timestep=199))[2]
     assert narrow.min() >= 100 and narrow.max() <= 199
     # Per sample: the same draw alone or in another batch.
-    alone = draw_sample_noise({"sample_id": torch.tensor([1234])}, shape, 1000, SEED, EPOCH,
+    alone = draw_sample_noise({"sample_id": torch.tensor([1234])}, shape, DDPM_1000, SEED, EPOCH,
                               LossConfig(timestep_distribution="logit_normal"))[2]
     assert alone.item() == logit[1234].item()
     with pytest.raises(ConfigError, match="loss.max_timestep: 1000 is past"):
@@ -141,12 +144,12 @@ def test_offset_noise_shifts_each_channel_of_the_noise_and_the_target(models):
     weight = 0.3
     with torch.no_grad(), ZeroUNet(model) as unet:
         loss = diffusion_loss(model, batch, SEED, EPOCH, LossConfig(offset_noise_weight=weight))
-    vae_eps, noise, timesteps = draw_sample_noise(batch, SHAPE, 1000, SEED, EPOCH)
+    vae_eps, noise, timesteps = draw_sample_noise(batch, SHAPE, DDPM_1000, SEED, EPOCH)
     offsets = torch.stack([torch.randn(4, 1, 1, generator=generator(SEED, EPOCH, i, "offset_noise")) for i in (3, 8, 11)])
     target = noise + weight * offsets
     torch.testing.assert_close(loss, target.pow(2).mean(), rtol=1e-6, atol=0)
-    latents = encode_latents(model.vae, batch, vae_eps)
-    torch.testing.assert_close(unet.inputs[0], model.noise_scheduler.add_noise(latents, target, timesteps))
+    latents = encode_latents(model.family, model.vae, batch, vae_eps)
+    torch.testing.assert_close(unet.inputs[0], model.objective.scheduler.add_noise(latents, target, timesteps))
     shift = (target - noise).mean(dim=(2, 3))  # per sample and channel: weight x its own N(0,1) value
     assert shift.std() > 0.1 and torch.allclose(shift, weight * offsets[..., 0, 0])
 
@@ -159,10 +162,10 @@ def test_input_perturbation_changes_the_unet_input_not_the_target(models):
         plain = diffusion_loss(model, batch, SEED, EPOCH)
         perturbed = diffusion_loss(model, batch, SEED, EPOCH, LossConfig(input_perturbation=gamma))
     assert torch.equal(plain, perturbed)  # a zero prediction: the loss is the target's, which did not change
-    vae_eps, noise, timesteps = draw_sample_noise(batch, SHAPE, 1000, SEED, EPOCH)
+    vae_eps, noise, timesteps = draw_sample_noise(batch, SHAPE, DDPM_1000, SEED, EPOCH)
     extra = torch.stack([torch.randn(SHAPE, generator=generator(SEED, EPOCH, i, "input_perturbation")) for i in (3, 8, 11)])
-    latents = encode_latents(model.vae, batch, vae_eps)
-    scheduler = model.noise_scheduler
+    latents = encode_latents(model.family, model.vae, batch, vae_eps)
+    scheduler = model.objective.scheduler
     torch.testing.assert_close(unet.inputs[0], scheduler.add_noise(latents, noise, timesteps))
     torch.testing.assert_close(unet.inputs[1], scheduler.add_noise(latents, noise + gamma * extra, timesteps))
     assert not torch.allclose(unet.inputs[0], unet.inputs[1])

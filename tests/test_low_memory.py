@@ -121,7 +121,7 @@ def test_a_lora_run_with_float8_base_weights_trains_close_to_the_float32_one(tin
         raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / weight_dtype, method="lora", max_steps=2,
                           weight_dtype=weight_dtype)
         trainer = Trainer(validate(raw), log=print)
-        frozen = [p for m in (trainer.model.unet, trainer.model.vae, *trainer.model.text_encoders.values())
+        frozen = [p for m in (trainer.model.denoiser, trainer.model.vae, *trainer.model.text_encoders.values())
                   for p in m.parameters() if not p.requires_grad]
         if weight_dtype == "float8":
             assert stored_bytes(trainer.model.vae) == sum(p.numel() for p in trainer.model.vae.parameters())
@@ -170,7 +170,7 @@ def test_training_with_offload_gives_the_same_losses(tiny_models, shapes_data, t
         frozen = [trainer.model.vae, *trainer.model.text_encoders.values()]
         hooked = [all(bool(c._forward_pre_hooks) for c in m.children()) for m in frozen]
         assert hooked == [offload] * 3
-        assert not any(m._forward_pre_hooks for m in trainer.model.unet.children())  # the UNet always stays
+        assert not any(m._forward_pre_hooks for m in trainer.model.denoiser.children())  # the UNet always stays
         losses.append(trainer.train().losses)
     assert losses[0] == losses[1]
 

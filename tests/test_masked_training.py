@@ -79,16 +79,16 @@ def test_outside_the_mask_the_prediction_gets_no_gradient(tiny_models):
     mask[0, :, :, :32] = 1  # left half of sample 0 (latent columns 0-3)
     mask[1, :, 16:40, 8:56] = 1  # a box aligned to the 8 px latent grid
     batch = {"pixels": torch.rand(2, 3, 64, 64, generator=g) * 2 - 1, "sample_id": torch.tensor([1, 2]), "mask": mask,
-             "token_ids": model.spec.tokenize(model.tokenizers, ["a", "b"])}
+             "token_ids": model.family.tokenize(model.tokenizers, ["a", "b"])}
     predictions = []
-    original = model.unet.forward
+    original = model.denoiser.forward
 
     def forward(*args, **kwargs):
         out = original(*args, **kwargs)
         out[0].retain_grad()
         predictions.append(out[0])
         return out
-    model.unet.forward = forward
+    model.denoiser.forward = forward
     options = MaskedTrainingConfig(enabled=True, unmasked_probability=0, unmasked_weight=0)
     diffusion_loss(model, batch, seed=1, epoch=0, masking=options).backward()
     grad = predictions[0].grad

@@ -71,29 +71,29 @@ def test_method_trains_and_exports_loadable_files(tiny_models, shapes_data, tmp_
     if method == "full":
         assert {p.name for p in result.exported} == {"model", "model.safetensors"}
         loaded = DiffusionPipeline.from_pretrained(out / "model")
-        torch.testing.assert_close(unet_output(loaded.unet, inputs), unet_output(model.unet, inputs), rtol=0, atol=0)
-        assert not torch.equal(unet_output(base.unet, inputs), unet_output(model.unet, inputs))
+        torch.testing.assert_close(unet_output(loaded.unet, inputs), unet_output(model.denoiser, inputs), rtol=0, atol=0)
+        assert not torch.equal(unet_output(base.unet, inputs), unet_output(model.denoiser, inputs))
         for name, encoder in model.text_encoders.items():
             for key, value in encoder.state_dict().items():
                 assert torch.equal(loaded.components[name].state_dict()[key], value), f"{name}.{key}"
         from ot_dist.models.families.sd_single_file import load_single_file
 
         single = load_single_file(out / "model.safetensors", family, out / "model")
-        for key, value in model.unet.state_dict().items():
+        for key, value in model.denoiser.state_dict().items():
             assert torch.equal(single.unet.state_dict()[key], value), key
     elif method == "lora":
         assert [p.name for p in result.exported] == ["lora.safetensors"]
         before_lora = unet_output(base.unet, inputs)
         base.load_lora_weights(out, weight_name="lora.safetensors")
-        torch.testing.assert_close(unet_output(base.unet, inputs), unet_output(model.unet, inputs), rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(before_lora, unet_output(model.unet, inputs), atol=1e-4)
+        torch.testing.assert_close(unet_output(base.unet, inputs), unet_output(model.denoiser, inputs), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(before_lora, unet_output(model.denoiser, inputs), atol=1e-4)
         for name in config.part_names()[1:]:
             if config.part_trains(name):
                 tokenizer = base.components[name.replace("text_encoder", "tokenizer")]
                 _, mine = text_output(tokenizer, model.text_encoders[name], "a red circle")
                 _, theirs = text_output(tokenizer, base.components[name], "a red circle")
                 torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-6)
-        assert model.unet.peft_config[ADAPTER].r == 4
+        assert model.denoiser.peft_config[ADAPTER].r == 4
     else:
         from safetensors.torch import load_file
 
@@ -108,7 +108,7 @@ def test_method_trains_and_exports_loadable_files(tiny_models, shapes_data, tmp_
             )
         else:
             base.load_textual_inversion(out / "embedding.safetensors", token=token)
-        for encoder_name, tokenizer_name in zip(model.spec.text_encoders, model.spec.tokenizers):
+        for encoder_name, tokenizer_name in zip(model.family.text_encoders, model.family.tokenizers):
             # diffusers expands a multi-vector token in the prompt the same way training did
             expanded = base.maybe_convert_prompt(prompt, base.components[tokenizer_name])
             assert expanded == trainer.method.caption(prompt)
@@ -117,7 +117,7 @@ def test_method_trains_and_exports_loadable_files(tiny_models, shapes_data, tmp_
             assert torch.equal(ids_mine, ids_theirs)
             torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-6)
         init = base_embedding_rows(tiny_models[family], family, config.embedding.init_text)
-        assert not torch.allclose(saved[model.spec.embedding_keys[0]][0], init, atol=1e-3), "embedding did not train"
+        assert not torch.allclose(saved[list(model.family.embedding_keys.values())[0]][0], init, atol=1e-3), "embedding did not train"
 
 
 def base_embedding_rows(model_path, family, text):

@@ -11,6 +11,7 @@ from ot_dist.config.load import validate
 from ot_dist.data.reader import collate
 from ot_dist.models.families.sd_single_file import export_single_file
 from ot_dist.train.loss import diffusion_loss, draw_sample_noise
+from ot_dist.models.objectives import DDPM
 from ot_dist.train.trainer import Trainer
 
 
@@ -48,10 +49,10 @@ def test_single_file_and_folder_train_to_identical_weights(tiny_models, shapes_d
     raw["model"]["config"] = str(tiny_models["sd1"])
     single_trainer = Trainer(validate(raw), log=quiet)
     single_trainer.train()
-    assert_states_equal(state(folder_trainer.model.unet), state(single_trainer.model.unet))
+    assert_states_equal(state(folder_trainer.model.denoiser), state(single_trainer.model.denoiser))
     assert_states_equal(state(folder_trainer.model.text_encoders["text_encoder"]),
                         state(single_trainer.model.text_encoders["text_encoder"]))
-    assert not torch.equal(base.unet.conv_in.weight, folder_trainer.model.unet.conv_in.weight)
+    assert not torch.equal(base.unet.conv_in.weight, folder_trainer.model.denoiser.conv_in.weight)
 
 
 def test_accumulation_equals_the_larger_batch(tiny_models, shapes_data, tmp_path):
@@ -82,21 +83,21 @@ def test_gradient_checkpointing_gives_the_same_training(tiny_models, shapes_data
                     **{"text_encoder.train": True})
     ckpt, r2 = run(tiny_models, shapes_data, tmp_path, "ckpt", family="sdxl", max_steps=2, gradient_checkpointing=True,
                    **{"text_encoder.train": True})
-    assert ckpt.model.unet.is_gradient_checkpointing
+    assert ckpt.model.denoiser.is_gradient_checkpointing
     encoder = ckpt.model.text_encoders["text_encoder"]
     name = "is_activation_checkpointing" if hasattr(encoder, "is_activation_checkpointing") else "is_gradient_checkpointing"
     assert getattr(encoder, name)
     assert r1.losses == pytest.approx(r2.losses, rel=1e-5)
-    assert_states_equal(state(plain.model.unet), state(ckpt.model.unet), exact=False, atol=1e-5)
+    assert_states_equal(state(plain.model.denoiser), state(ckpt.model.denoiser), exact=False, atol=1e-5)
 
 
 def test_noise_belongs_to_the_sample_not_the_batch():
     shape = torch.Size((4, 8, 8))
-    alone = draw_sample_noise({"sample_id": torch.tensor([7])}, shape, 1000, seed=3, epoch=2)
-    in_batch = draw_sample_noise({"sample_id": torch.tensor([5, 7, 9])}, shape, 1000, seed=3, epoch=2)
+    alone = draw_sample_noise({"sample_id": torch.tensor([7])}, shape, DDPM({"num_train_timesteps": 1000}), seed=3, epoch=2)
+    in_batch = draw_sample_noise({"sample_id": torch.tensor([5, 7, 9])}, shape, DDPM({"num_train_timesteps": 1000}), seed=3, epoch=2)
     for a, b in zip(alone, in_batch):
         assert torch.equal(a[0], b[1])
-    other_epoch = draw_sample_noise({"sample_id": torch.tensor([7])}, shape, 1000, seed=3, epoch=3)
+    other_epoch = draw_sample_noise({"sample_id": torch.tensor([7])}, shape, DDPM({"num_train_timesteps": 1000}), seed=3, epoch=3)
     assert not torch.equal(alone[1], other_epoch[1])
 
 
@@ -104,28 +105,28 @@ def test_noise_belongs_to_the_sample_not_the_batch():
 def test_loss_target_follows_the_prediction_type(tiny_models, shapes_data, tmp_path, prediction_type):
     raw = base_config(tiny_models["sd2"], shapes_data, tmp_path / "o", family="sd2", **{"model.prediction_type": prediction_type})
     trainer = Trainer(validate(raw), log=quiet)
-    assert trainer.model.prediction_type == prediction_type
+    assert trainer.model.objective.prediction_type == prediction_type
     batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
     model = trainer.model
     # A UNet that predicts zeros makes the loss the mean square of the target, which we rebuild here.
-    original_forward = model.unet.forward
-    model.unet.forward = lambda sample, *a, **k: (torch.zeros_like(sample),)
+    original_forward = model.denoiser.forward
+    model.denoiser.forward = lambda sample, *a, **k: (torch.zeros_like(sample),)
     try:
         loss = diffusion_loss(model, batch, seed=1, epoch=0)
     finally:
-        model.unet.forward = original_forward
-    vae_eps, noise, timesteps = draw_sample_noise(batch, torch.Size((4, 8, 8)), 1000, seed=1, epoch=0)
+        model.denoiser.forward = original_forward
+    vae_eps, noise, timesteps = draw_sample_noise(batch, torch.Size((4, 8, 8)), model.objective, seed=1, epoch=0)
     with torch.no_grad():
         posterior = model.vae.encode(batch["pixels"]).latent_dist
         latents = (posterior.mean + posterior.std * vae_eps) * model.vae.config.scaling_factor
-    scheduler = model.noise_scheduler
+    scheduler = model.objective.scheduler
     target = scheduler.get_velocity(latents, noise, timesteps) if prediction_type == "v_prediction" else noise
     torch.testing.assert_close(loss, target.pow(2).mean(), rtol=1e-5, atol=1e-6)
 
 
 def test_sd2_defaults_to_v_prediction(tiny_models, shapes_data, tmp_path):
     trainer, result = run(tiny_models, shapes_data, tmp_path, family="sd2", method="lora", max_steps=2)
-    assert trainer.model.prediction_type == "v_prediction"
+    assert trainer.model.objective.prediction_type == "v_prediction"
     assert len(result.losses) == 2
 
 
@@ -137,7 +138,7 @@ def test_text_encoder_stops_training_after_n_steps(tiny_models, shapes_data, tmp
     )
     # The text encoder got exactly the first step's update; the UNet kept training.
     assert_states_equal(state(one.model.text_encoders["text_encoder"]), state(stopped.model.text_encoders["text_encoder"]))
-    assert not torch.equal(one.model.unet.conv_in.weight, stopped.model.unet.conv_in.weight)
+    assert not torch.equal(one.model.denoiser.conv_in.weight, stopped.model.denoiser.conv_in.weight)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
@@ -148,8 +149,8 @@ def test_low_precision_lora_trains_with_frozen_weights_in_that_dtype(tiny_models
     )
     model = trainer.model
     assert model.vae.dtype == getattr(torch, dtype)
-    lora_params = [p for p in model.unet.parameters() if p.requires_grad]
-    base_params = [p for p in model.unet.parameters() if not p.requires_grad]
+    lora_params = [p for p in model.denoiser.parameters() if p.requires_grad]
+    base_params = [p for p in model.denoiser.parameters() if not p.requires_grad]
     assert lora_params and all(p.dtype == torch.float32 for p in lora_params)
     assert all(p.dtype == getattr(torch, dtype) for p in base_params)
     assert all(torch.isfinite(torch.tensor(result.losses)))

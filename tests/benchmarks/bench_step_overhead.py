@@ -351,7 +351,7 @@ def main(argv=None) -> int:
     bare = BareDiffusers(model_dir, args.family, config)
 
     # Same start: every component of both models holds the same weights.
-    pairs = [("unet", trainer.model.unet, bare.unet), ("vae", trainer.model.vae, bare.vae)]
+    pairs = [("unet", trainer.model.denoiser, bare.unet), ("vae", trainer.model.vae, bare.vae)]
     pairs += [(name, enc, bare.text_encoders[i]) for i, (name, enc) in enumerate(trainer.model.text_encoders.items())]
     mismatched = [name for name, a, b in pairs if not same_weights(a, b)]
     n_trainable = sum(p.numel() for p in trainer.params)
