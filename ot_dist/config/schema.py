@@ -148,7 +148,9 @@ class DataConfig(Section):
         default="center", description="Images are resized to cover their bucket; which part of them to cut."
     )
     bucket_step: int = Field(
-        default=64, ge=8, multiple_of=8, description="Bucket sides are multiples of this (64 = VAE factor 8 x 8).",
+        default=64, ge=8, multiple_of=8,
+        description="Bucket sides are multiples of this (64 = VAE factor 8 x 8). It must be a multiple of the family's "
+        "latent grid: 8 for SD 1.x / 2.x / SDXL (VAE x8), 16 for SD3 / Flux / Chroma (VAE x8, 2x2 patches).",
     )
     image_format: Literal["png", "webp", "jpg"] = Field(default="png", description="Image encoding in the shards.")
     shard_size_mb: float = Field(default=256, gt=0, description="Target size of one tar shard.")
@@ -371,6 +373,9 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
         family = get_family(self.model.family)
+        if self.data.bucket_step % family.pixel_multiple:
+            raise ValueError(f"data.bucket_step: {self.data.bucket_step} is not a multiple of {family.pixel_multiple}, "
+                             f"the pixel grid of {self.model.family} latents")
         parts = self.part_names()
         for name in PART_FIELDS:
             if name not in parts and getattr(self, name) != PartConfig():

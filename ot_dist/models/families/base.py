@@ -45,9 +45,9 @@ class Family:
     shard_units: dict[str, tuple[str, ...]] = {}
 
     # -- latents ----------------------------------------------------------------------------------------
-    # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching /
-    # downsampling. Bucket sizes and resolutions are rounded to it.
-    pixel_multiple: int = 64
+    # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching (a UNet
+    # pads odd sizes itself). data.bucket_step must be a multiple of it.
+    pixel_multiple: int = 8
 
     # -- objective --------------------------------------------------------------------------------------
     def objective(self, pipeline, model_config) -> Objective:

@@ -22,7 +22,7 @@ class UNetFamily(Family):
     denoiser = "unet"
     denoiser_lora_presets = {"default": UNET_LORA_TARGETS, "attention": ("to_q", "to_k", "to_v", "to_out.0")}
     shard_units = {"unet": UNET_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS}
-    pixel_multiple = 64
+    pixel_multiple = 8
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
 
     def objective(self, pipeline, model_config) -> DDPM:
