@@ -20,6 +20,26 @@ def tiny_models(tmp_path_factory):
     return {family: make_tiny_model(root / family, family) for family in ("sd1", "sd2", "sdxl")}
 
 
+class _LazyModels(dict):
+    """family name -> tiny diffusers folder, built on first use (so a test of one family builds only that one)."""
+
+    def __init__(self, root):
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, family):
+        from ot_dist.models.tiny import make_tiny_model
+
+        self[family] = make_tiny_model(self.root / family, family)
+        return self[family]
+
+
+@pytest.fixture(scope="session")
+def family_models(tmp_path_factory):
+    """family -> path of a tiny diffusers folder of any registered family, built when first asked for."""
+    return _LazyModels(tmp_path_factory.mktemp("family_models"))
+
+
 @pytest.fixture(scope="session")
 def shapes_data(tmp_path_factory):
     from ot_dist.demo import make_demo_dataset

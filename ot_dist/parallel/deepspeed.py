@@ -35,8 +35,8 @@ def deepspeed_config(config, stage: int, world_size: int) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if config.clip_grad_norm is not None:
-        ds["gradient_clipping"] = config.clip_grad_norm
+    # Always explicit: DeepSpeed 0.19 clips at 1.0 when the key is absent, so clip_grad_norm: null would clip.
+    ds["gradient_clipping"] = config.clip_grad_norm if config.clip_grad_norm is not None else 0.0
     if settings.offload_optimizer:
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         # ot_dist hands in its own optimizer (any of the stack), not DeepSpeedCPUAdam.
