@@ -15,7 +15,7 @@ from conftest import base_config
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.memory.float8 import FLOAT8, store_frozen_in_float8
-from ot_dist.memory.offload import offload_to_cpu
+from ot_dist.memory.offload import movement_units, offload_to_cpu
 from ot_dist.memory.table import lora_shapes, optimizer_state_bytes
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
 from ot_dist.models.tiny import build_tiny_pipeline
@@ -149,12 +149,16 @@ def test_offloaded_components_visit_the_device_only_for_each_childs_forward(sd1)
     seen = {}
     for name, module in [("text_layer", text_encoder.encoder.layers[0].mlp.fc1), ("vae_encoder", vae.encoder.conv_in),
                          ("vae_decoder", vae.decoder.conv_in)]:
-        module.register_forward_hook(lambda m, a, o, name=name: seen.setdefault(name, m.weight.device) and None)
+        # a pre-hook registered after offloading runs after the offload's own: it sees where forward will read
+        module.register_forward_pre_hook(lambda m, a, name=name: seen.setdefault(name, m.weight.device) and None)
 
     hidden = text_encoder(torch.randint(0, 300, (2, 77)))[0]  # inputs on the CPU are moved along
     latents = vae.encode(torch.rand(1, 3, 64, 64)).latent_dist.mean
     assert hidden.device == meta and hidden.shape == (2, 77, 32) and latents.device == meta
     assert seen == {"text_layer": meta, "vae_encoder": meta}  # the decoder never ran, so never moved
+    # Blocks move one at a time: no unit is a whole encoder stack.
+    assert text_encoder.encoder not in movement_units(text_encoder) and vae.encoder not in movement_units(vae)
+    assert text_encoder.encoder.layers[0] in movement_units(text_encoder)
     for module in (text_encoder, vae):  # between calls everything is home again, the same storage and values
         for p in module.parameters():
             pointer, value = homes[id(p)]
@@ -168,7 +172,7 @@ def test_training_with_offload_gives_the_same_losses(tiny_models, shapes_data, t
                           max_steps=2, offload_frozen_components=offload)
         trainer = Trainer(validate(raw), log=print)
         frozen = [trainer.model.vae, *trainer.model.text_encoders.values()]
-        hooked = [all(bool(c._forward_pre_hooks) for c in m.children()) for m in frozen]
+        hooked = [all(bool(c._forward_pre_hooks) for c in movement_units(m)) for m in frozen]
         assert hooked == [offload] * 3
         assert not any(m._forward_pre_hooks for m in trainer.model.denoiser.children())  # the UNet always stays
         losses.append(trainer.train().losses)

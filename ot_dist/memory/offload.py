@@ -1,10 +1,10 @@
 """`offload_frozen_components`: frozen text encoders and the VAE live in CPU memory and visit the
 accelerator only for their own forward.
 
-The unit of movement is each direct child of a component (the VAE's encoder, quant_conv, decoder...;
-a CLIP model's embeddings, encoder, final norm and projection), because `vae.encode` is not `forward`: hooks on the
-children fire whatever method the component is called through, and the decoder, which training never
-calls, never moves. The CPU parameters stay home: before a child's forward, device copies take
+The unit of movement is each direct child of a component (the VAE's quant_conv, a CLIP model's embeddings and
+projection...), or, inside a child that holds a stack of blocks, each block (`movement_units`), because
+`vae.encode` is not `forward`: hooks on the children fire whatever method the component is called through, and
+the decoder's blocks, which training never calls, never move. The CPU parameters stay home: before a child's forward, device copies take
 their place (and its tensor inputs move), after it the CPU parameters are put back. The weights are
 frozen, so nothing is copied back. Outputs stay on the device.
 With data.cache_latents / data.cache_text the components are not called while training at all.
@@ -19,8 +19,33 @@ def offload_to_cpu(component: torch.nn.Module, device: torch.device) -> None:
     """Keep `component` (frozen) in CPU memory; its children run on `device`."""
     component.to("cpu")
     pin = torch.device(device).type == "cuda"
-    for child in component.children():
-        _Visitor(child, torch.device(device), pin).attach()
+    for unit in movement_units(component):
+        _Visitor(unit, torch.device(device), pin).attach()
+
+
+def movement_units(component: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that visit the device one at a time: the component's children, except that a child
+    holding a stack of blocks (a ModuleList: a T5 / CLIP encoder, a VAE's down blocks) is entered and its
+    blocks move one by one, so a T5-XXL (4.7 B parameters) never sits on the device whole. A child that owns
+    parameters or buffers itself moves whole (its own forward reads them). A module shared by two parents
+    (T5's `shared` embedding is also `encoder.embed_tokens`) is one unit."""
+    units, seen = [], set()
+
+    def visit(module: torch.nn.Module) -> None:
+        for child in module.children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            enterable = isinstance(child, torch.nn.ModuleList) or (
+                any(isinstance(c, torch.nn.ModuleList) for c in child.children())
+                and not child._parameters and not child._buffers)
+            if enterable:
+                visit(child)
+            else:
+                units.append(child)
+
+    visit(component)
+    return units
 
 
 class _Visitor:

@@ -15,14 +15,15 @@ def frozen_storage_dtype(weight_dtype: str) -> torch.dtype:
     return torch.float32 if weight_dtype == "float8" else DTYPES[weight_dtype]
 
 
-def place_component(component: torch.nn.Module, config, device: torch.device, offloadable: bool) -> None:
+def place_component(component: torch.nn.Module, config, device: torch.device, offloadable: bool,
+                    prefer_cpu: bool = False) -> None:
     """`weight_dtype: float8` stores the frozen parameters in one byte (a LoRA's base weights too);
-    `offload_frozen_components` keeps an entirely frozen `offloadable` component (text encoder, VAE) in
-    CPU memory, else the component moves to `device`."""
+    `offload_frozen_components` (or `prefer_cpu`: a text encoder whose outputs are cached) keeps an entirely
+    frozen `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`."""
     if config.weight_dtype == "float8":
         store_frozen_in_float8(component, DTYPES[config.train_dtype])
     frozen = not any(p.requires_grad for p in component.parameters())
-    if config.offload_frozen_components and offloadable and frozen:
+    if (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
         offload_to_cpu(component, device)
     else:
         component.to(device)

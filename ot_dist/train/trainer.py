@@ -128,7 +128,10 @@ class Trainer:
             # The denoiser backpropagates whenever anything trains (text encoders learn through it).
             if self.config.gradient_checkpointing and (trains or module is denoiser):
                 enable_gradient_checkpointing(module)
-            place_component(module, self.config, self.device, offloadable=module is not denoiser)
+            # With cached text a frozen text encoder runs once, over the captions (and for samples): it stays in
+            # CPU memory and is streamed to the device for those passes, so a T5-XXL never occupies it.
+            cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
+            place_component(module, self.config, self.device, offloadable=module is not denoiser, prefer_cpu=cached_text)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
         """Honour `<part>.stop_training_after`: a stopped part no longer gets gradients or updates."""
