@@ -15,7 +15,7 @@ from ot_dist.errors import ConfigError, InputFileError
 
 def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str | None, log=print) -> list[Path]:
     from ot_dist.config.load import validate
-    from ot_dist.methods.base import build_method
+    from ot_dist.methods.registry import build_method
     from ot_dist.models.loading import load_model
 
     folder = resolve_resume(path, path)

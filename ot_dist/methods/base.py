@@ -54,10 +54,3 @@ def freeze_all(model: LoadedModel) -> None:
 def trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
-
-def build_method(config: TrainConfig) -> TrainingMethod:
-    from ot_dist.methods.embedding import EmbeddingMethod
-    from ot_dist.methods.full import FullFinetune
-    from ot_dist.methods.lora import LoraMethod
-
-    return {"full": FullFinetune, "lora": LoraMethod, "embedding": EmbeddingMethod}[config.method](config)

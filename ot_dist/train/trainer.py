@@ -18,7 +18,8 @@ from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.training_data import open_training_data, report_lines
 from ot_dist.memory.placement import frozen_storage_dtype, place_component
-from ot_dist.methods.base import ParamGroup, TrainingMethod, build_method
+from ot_dist.methods.base import ParamGroup, TrainingMethod
+from ot_dist.methods.registry import build_method
 from ot_dist.models.loading import LoadedModel, load_model
 from ot_dist.optim.adaptive import startup_warnings
 from ot_dist.optim.factory import build_optimizer
