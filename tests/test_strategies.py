@@ -4,6 +4,7 @@ torchrun; a user's own accelerate config), compared on the exported weights."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -17,7 +18,7 @@ import yaml
 from conftest import base_config
 from safetensors.torch import load_file
 
-from ot_dist.config.load import validate
+from ot_dist.config.load import apply_override, validate
 from ot_dist.errors import ConfigError
 from ot_dist.launcher import reconcile_with_launcher
 from ot_dist.parallel.runtime import free_port
@@ -95,27 +96,47 @@ CASES = [(name, method) for name in STRATEGIES for method in ("full", "lora")
          if method == "full" or name not in ("fsdp-hybrid", "zero3-offload")]
 
 
-@pytest.mark.parametrize("name,method", CASES, ids=[f"{n}-{m}" for n, m in CASES])
-def test_two_ranks_equal_one_process(references, tiny_models, shapes_data, tmp_path, name, method):
+def case_config(tiny_models, shapes_data, out: Path, name: str, method: str, **overrides) -> dict:
     strategy, extra = STRATEGIES[name]
-    out = tmp_path / "out"
-    config = two_rank_config(tiny_models, shapes_data, out, method)
-    sets = sum((["--set", e] for e in extra), [])
-    if name == "ddp":  # plain torchrun as the entry point
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), "-m", "ot_dist", "train", str(config), "--set", f"strategy={strategy}", *sets]
-    else:  # ot-dist launch -> accelerate launch -> torchrun
-        cmd = [sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2",
-               "--strategy", strategy, *sets]
-    done = run(cmd)
+    settings = {"batch_size": 2, "max_steps": STEPS, "learning_rate": LR, "strategy": strategy, **METHOD_EXTRA[method],
+                **overrides}
+    raw = base_config(tiny_models["sd1"], shapes_data, out, method=method, **settings)
+    for override in extra:  # as `--set` applies them
+        apply_override(raw, override)
+    return raw
+
+
+def test_two_ranks_equal_one_process(references, tiny_models, shapes_data, tmp_path):
+    """Every strategy x method (and zero2 with accumulation) in one 2-process launch, which pays the process
+    start-up once; each case is compared with one process on its exported weights."""
+    cases = {f"{name}-{method}": case_config(tiny_models, shapes_data, tmp_path / f"{name}-{method}", name, method)
+             for name, method in CASES}
+    cases["zero2+accumulation-full"] = case_config(tiny_models, shapes_data, tmp_path / "zero2+accumulation-full",
+                                                   "zero2", "full", batch_size=1, gradient_accumulation_steps=2)
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"), str(tmp_path / "cases.json")],
+               timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert f"strategy {strategy}, global batch 4 (batch_size 2 x accumulation 1 x 2 processes)" in done.stdout
-    got = exported_weights(out, method)
-    assert_matches(references[method], got)
-    # The comparison can fail: training moved the weights far more than the tolerance.
-    base = exported_weights_of_base(tiny_models["sd1"], method, got)
-    moved = max((base[k] - got[k]).abs().max().item() for k in base)
-    assert moved > 2 * TOLERANCE
+    for case in cases:
+        method = case.rsplit("-", 1)[1]
+        got = exported_weights(tmp_path / case, method)
+        assert_matches(references[method], got)
+        # The comparison can fail: training moved the weights far more than the tolerance.
+        base = exported_weights_of_base(tiny_models["sd1"], method, got)
+        moved = max((base[k] - got[k]).abs().max().item() for k in base)
+        assert moved > 2 * TOLERANCE, case
+
+
+def test_ot_dist_launch_trains_under_accelerate(references, tiny_models, shapes_data, tmp_path):
+    """The user's path: `ot-dist launch` -> accelerate launch -> torchrun, equal to one process."""
+    out = tmp_path / "out"
+    config = two_rank_config(tiny_models, shapes_data, out, "full")
+    done = run([sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2", "--strategy", "fsdp",
+                "--set", "gradient_checkpointing=true"])
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "strategy fsdp, global batch 4 (batch_size 2 x accumulation 1 x 2 processes)" in done.stdout
+    assert_matches(references["full"], exported_weights(out, "full"))
 
 
 def exported_weights_of_base(model_dir: Path, method: str, like: dict) -> dict:
@@ -125,15 +146,6 @@ def exported_weights_of_base(model_dir: Path, method: str, like: dict) -> dict:
         return {**{f"unet.{k}": v for k, v in unet.items()}, **{f"te.{k}": v for k, v in text.items()}}
     # LoRA starts with B = 0: the product B @ A is what must have moved
     return {k: torch.zeros_like(v) for k, v in like.items() if "lora_B" in k}
-
-
-def test_accumulation_under_zero2_equals_one_process(references, tiny_models, shapes_data, tmp_path):
-    out = tmp_path / "out"
-    config = two_rank_config(tiny_models, shapes_data, out, "full", batch_size=1, gradient_accumulation_steps=2)
-    done = run([sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2", "--strategy", "zero2"])
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "global batch 4 (batch_size 1 x accumulation 2 x 2 processes)" in done.stdout
-    assert_matches(references["full"], exported_weights(out, "full"))
 
 
 def test_users_accelerate_config_selects_the_strategy(tiny_models, shapes_data, tmp_path):
