@@ -77,3 +77,43 @@ def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_pa
         start = base.get(method) or {k: torch.zeros_like(v) for k, v in got.items() if "lora_B" in k or "lora_up" in k}
         moved = max((start[k].float() - got[k].float()).abs().max().item() for k in start)
         assert moved > 100 * TOLERANCE, f"{family} {name}: weights moved only {moved:.3g}"
+
+
+# strategy -> allowance in units of the measured bf16 noise. DDP and FSDP compute under autocast, as the one
+# process does; DeepSpeed's bf16 mode holds weights and gradients in bf16 (norms and softmax in bf16 too, the
+# reduction in bf16), a coarser recipe measured at ~5.5x the noise. A 2x gradient error is ~80x.
+BF16_STRATEGIES = {"ddp": 4, "fsdp": 4, "zero2": 10, "zero3": 10}
+
+
+def test_bfloat16_under_every_strategy_matches_one_process(family_models, shapes_data, tmp_path):
+    """FSDP's MixedPrecisionPolicy, DeepSpeed's bf16 engine and DDP under autocast, against one bf16 process.
+    bf16 rounding makes them differ; the allowance is measured, not guessed: a multiple of the distance between
+    the one-process bf16 and float32 runs. A gradient off by 2x moves the weights by ~half an update, far beyond it.
+    The exports are the float32 masters (DeepSpeed's modules hold bf16 copies)."""
+    family, model = "sd1", family_models["sd1"]
+
+    def one_process(name: str, dtype: str) -> dict[str, torch.Tensor]:
+        raw = base_config(model, shapes_data, tmp_path / name, family=family, method="full", batch_size=4,
+                          train_dtype=dtype, **settings(family, "full"))
+        Trainer(validate(raw), log=lambda *_: None).train()
+        return exported(tmp_path / name, family, "full")
+
+    fp32, bf16 = one_process("ref-fp32", "float32"), one_process("ref-bf16", "bfloat16")
+    noise = max((fp32[k] - bf16[k]).abs().max().item() for k in fp32)
+    base = load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))
+    update = max((bf16[k] - base[k]).abs().max().item() for k in bf16)
+    assert update > 20 * noise, f"updates ({update:.3g}) must dwarf bf16 noise ({noise:.3g}) for the test to mean anything"
+    cases = {strategy: base_config(model, shapes_data, tmp_path / strategy, family=family, method="full", batch_size=2,
+                                   strategy=strategy, train_dtype="bfloat16", **settings(family, "full"))
+             for strategy in BF16_STRATEGIES}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"),
+                           str(tmp_path / "cases.json")], env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for strategy in cases:
+        got = exported(tmp_path / strategy, family, "full")
+        diff = max((bf16[k] - got[k]).abs().max().item() for k in bf16)
+        print(f"bf16 {strategy}: max diff {diff:.3g} (fp32 vs bf16 noise {noise:.3g}, update {update:.3g})")
+        allowed = BF16_STRATEGIES[strategy] * noise
+        assert diff <= allowed, f"{strategy}: bf16 weights differ by {diff:.3g} > {allowed:.3g} (bf16 noise {noise:.3g})"

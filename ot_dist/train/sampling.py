@@ -67,7 +67,7 @@ class Sampler:
         """Every rank calls this at the same step. Returns the files written (on rank 0)."""
         runtime: Runtime = trainer.runtime
         use_ema = self.settings.use_ema and trainer.ema is not None
-        state_dict_of = trainer.ema_state_dict_of() if use_ema else trainer.strategy.state_dict_of
+        state_dict_of = trainer.ema_state_dict_of() if use_ema else trainer.trained_state_dict_of()
         # The one gathering of full weights; the same modules in the same order on every rank.
         modules = {
             name: inference_copy(self.templates[name], state_dict_of(module), runtime.device)

@@ -262,17 +262,30 @@ class Trainer:
 
     def export(self, output_dir: Path) -> list[Path]:
         write = self.runtime.is_main
-        exported = self.method.export(self.model, output_dir, self.strategy.state_dict_of, write=write)
+        exported = self.method.export(self.model, output_dir, self.trained_state_dict_of(), write=write)
         if self.ema:
-            exported += self.method.export(self.model, output_dir, self.ema_state_dict_of(), write=write, suffix="_ema")
+            exported += self.method.export(self.model, output_dir, self.overlaid_state_dict_of(self.ema.full_weights()),
+                                           write=write, suffix="_ema")
         self.runtime.barrier()  # nobody leaves before the export is on disk
         for path in exported:
             self.log(f"exported {path}")
         return exported
 
+    def trained_state_dict_of(self):
+        """A `state_dict_of` for the exports of the trained weights. When the modules compute in half precision
+        over float32 masters (DeepSpeed bf16 / fp16), the masters are exported, not their rounded copies."""
+        if all(p.dtype == torch.float32 for p in self.params) or not all(
+                o.local().dtype == torch.float32 for o in self.ownership.owned):
+            return self.strategy.state_dict_of
+        return self.overlaid_state_dict_of(self.ownership.gather_full([o.local() for o in self.ownership.owned]))
+
     def ema_state_dict_of(self):
-        """A `state_dict_of` for the exports: the full weights with the EMA in place of the trained ones."""
-        averaged = self.ema.full_weights()  # gathered once: a collective when sharded
+        return self.overlaid_state_dict_of(self.ema.full_weights())
+
+    def overlaid_state_dict_of(self, full: dict[str, torch.Tensor]):
+        """A `state_dict_of` for the exports: the full weights with `full` ("part.name" -> tensor, gathered once:
+        a collective when sharded; the EMA or the float32 masters) in place of the trained ones."""
+        averaged = full
         part_of = {id(module): part for part, module in self.strategy.trained_modules.items()}
 
         def state_dict_of(module):
@@ -280,13 +293,15 @@ class Trainer:
             part = part_of.get(id(module))
             if part is None:
                 return state
-            return {k: averaged[f"{part}.{k}"].to(v.dtype) if f"{part}.{k}" in averaged else v for k, v in state.items()}
+            # Kept in their own (float32) dtype: the module may hold half-precision copies; the export casts to
+            # output_dtype itself.
+            return {k: averaged[f"{part}.{k}"] if f"{part}.{k}" in averaged else v for k, v in state.items()}
 
         return state_dict_of
 
     def tokenize(self, batch: dict) -> dict:
         """Add `token_ids` to a batch: part of preparing data, not of the training step."""
-        if "text_hidden" in batch:  # cached text-encoder outputs (data.cache_text)
+        if any(k.startswith("text_") for k in batch):  # cached text-encoder outputs (data.cache_text)
             return batch
         captions = [self.method.caption(c) for c in batch["caption"]]
         batch["token_ids"] = self.model.family.tokenize(self.model.tokenizers, captions)
