@@ -48,6 +48,13 @@ def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
     }
 
 
+def without_tied_copies(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the keys transformers ties to another (T5's `encoder.embed_tokens.weight` is `shared.weight`), as its
+    save_pretrained does: safetensors refuses two names for one storage, and from_pretrained re-ties them."""
+    tied = getattr(model, "all_tied_weights_keys", None) or getattr(model, "_tied_weights_keys", None) or {}
+    return {k: v for k, v in state.items() if not (k in tied and tied[k] in state)}
+
+
 def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype, states: dict | None = None) -> Path:
     """Write `pipeline` as a diffusers folder (what `DiffusionPipeline.from_pretrained` reads), with
     the weights in `dtype`, without changing the dtype of the modules in memory. `states` optionally
@@ -69,7 +76,7 @@ def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype, states: 
                 save_file(cast_state_dict(state, dtype), sub / "diffusion_pytorch_model.safetensors")
             elif isinstance(component, PreTrainedModel):
                 component.config.save_pretrained(sub)
-                state = states.get(name) or component.state_dict()
+                state = without_tied_copies(component, states.get(name) or component.state_dict())
                 save_file(cast_state_dict(state, dtype), sub / "model.safetensors", metadata={"format": "pt"})
             else:  # tokenizers, schedulers, feature extractors: configs only
                 component.save_pretrained(sub)

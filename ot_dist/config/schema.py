@@ -24,12 +24,13 @@ PART_FIELDS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_en
 
 class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
-        description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl; "
-        "each is one module under ot_dist/models/families/."
+        description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, flux (Flux.1 "
+        "dev / schnell), chroma; each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: str = Field(
-        description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint "
-        "(A1111 / ComfyUI layout)."
+        description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
+        "family's original layout (A1111 / ComfyUI for SD; Black Forest Labs' for Flux, lodestones' for Chroma: the "
+        "transformer only, the rest comes from model.config)."
     )
     config: str | None = Field(
         default=None,
@@ -40,6 +41,11 @@ class ModelConfig(Section):
         default="auto",
         description="What a DDPM denoiser (UNet families) predicts. auto = what the model's scheduler config says. "
         "Flow-matching families always predict noise - latents.",
+    )
+    guidance_scale: float | None = Field(
+        default=None, ge=0,
+        description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
+        "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
     )
     inpainting: bool | None = Field(
         default=None,

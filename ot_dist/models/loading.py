@@ -61,7 +61,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # one bar per component is noise in a training log
-    family = get_family(config.family)
+    family = get_family(config.family).configure(config)
     path = Path(config.path)
     # Offline by default: a training job must never stall on, or silently depend on, a hub download.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

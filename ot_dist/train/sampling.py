@@ -133,6 +133,7 @@ class Sampler:
             num_inference_steps=prompt.steps,
             guidance_scale=prompt.guidance_scale,
             generator=torch.Generator().manual_seed(prompt.seed),  # CPU: the same noise on any device
+            **self.model.family.pipeline_call_options(pipeline),
             output_type="pil",
         ).images[0]
 

@@ -49,6 +49,11 @@ class Family:
     # pads odd sizes itself). data.bucket_step must be a multiple of it.
     pixel_multiple: int = 8
 
+    def configure(self, model_config) -> "Family":
+        """The family with the config's model-section settings applied (a copy when they differ; instances are
+        shared). Most families have none."""
+        return self
+
     # -- objective --------------------------------------------------------------------------------------
     def objective(self, pipeline, model_config) -> Objective:
         """The training objective for a loaded pipeline and the config's model section."""
@@ -63,6 +68,11 @@ class Family:
 
     def sampling_overrides(self, objective: Objective) -> dict:
         """Scheduler config entries that make sampling match training (e.g. the prediction type)."""
+        return {}
+
+    def pipeline_call_options(self, pipeline) -> dict:
+        """Extra keyword arguments of the pipeline call that make sampling see the text as training does
+        (e.g. the T5 sequence length)."""
         return {}
 
     # -- text -------------------------------------------------------------------------------------------

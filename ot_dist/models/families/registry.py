@@ -10,6 +10,8 @@ FAMILY_MODULES: dict[str, str] = {
     "sd1": "ot_dist.models.families.sd",
     "sd2": "ot_dist.models.families.sd",
     "sdxl": "ot_dist.models.families.sdxl",
+    "flux": "ot_dist.models.families.flux",
+    "chroma": "ot_dist.models.families.flux",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)

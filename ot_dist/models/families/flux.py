@@ -1,0 +1,244 @@
+"""Flux.1 (dev with its guidance embedding, schnell without) and Chroma: MMDiT transformers over 16-channel
+latents packed 2x2 into 64-channel tokens, trained with flow matching and a resolution-dependent shift.
+
+- Flux: T5 tokens as the text stream, CLIP-L's pooled output as the global vector, zero text position ids,
+  (0, row, column) image position ids, timestep / 1000 in, dev's distilled guidance as an input
+  (`model.guidance_scale`).
+- Chroma: T5 only, with its attention mask (the first padding token stays visible, as ChromaPipeline does),
+  no pooled vector, no guidance.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ot_dist.models.families.base import Family
+from ot_dist.models.objectives import FlowMatching
+
+# The diffusers Flux LoRA script's default targets (double blocks: both streams' attention and MLPs; single
+# blocks: q / k / v and the MLP input).
+FLUX_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                     "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp")
+ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+T5_SHARD_UNITS = ("encoder.block",)
+TRANSFORMER_SHARD_UNITS = ("transformer_blocks", "single_transformer_blocks")
+T5_MAX_TOKENS = 512  # what FluxPipeline / ChromaPipeline use by default
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, h/2 * w/2, 4C): each 2x2 patch one token, channels then patch row then column."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of `pack` for a (h, w) latent grid."""
+    b, _, channels = tokens.shape
+    return tokens.view(b, h // 2, w // 2, channels // 4, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(b, channels // 4, h, w)
+
+
+def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+    """(h/2 * w/2, 3) position ids (0, row, column) of the packed tokens."""
+    ids = torch.zeros(h // 2, w // 2, 3)
+    ids[..., 1] += torch.arange(h // 2)[:, None]
+    ids[..., 2] += torch.arange(w // 2)[None, :]
+    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+
+
+class FlowTransformerFamily(Family):
+    """What Flux and Chroma share: the packed transformer, the flow objective, the T5 stream."""
+
+    denoiser = "transformer"
+    pixel_multiple = 16  # VAE x8, then 2x2 packing
+    denoiser_lora_presets = {"default": FLUX_LORA_TARGETS, "attention": ATTENTION_TARGETS}
+    samplers = ("flow_euler",)
+    t5_tokenizer = "tokenizer_2"
+
+    def objective(self, pipeline, model_config) -> FlowMatching:
+        return FlowMatching.from_scheduler_config(pipeline.scheduler.config, patch_size=2)
+
+    def objective_kind(self) -> str:
+        return "flow"
+
+    def max_tokens(self, tokenizer_name, tokenizer) -> int:
+        if tokenizer_name == self.t5_tokenizer:  # bounded by the tokenizer (a tiny test T5 has 32)
+            return min(T5_MAX_TOKENS, tokenizer.model_max_length)
+        return tokenizer.model_max_length
+
+    def pipeline_call_options(self, pipeline) -> dict:
+        return {"max_sequence_length": self.max_tokens(self.t5_tokenizer, getattr(pipeline, self.t5_tokenizer))}
+
+    def transformer_inputs(self, denoiser, conditioning: dict, noisy: torch.Tensor) -> dict:
+        """The family's own keyword arguments of the transformer call."""
+        raise NotImplementedError
+
+    def predict(self, denoiser, noisy, timesteps, conditioning, batch):
+        h, w = noisy.shape[-2:]
+        hidden = conditioning["hidden"]
+        tokens = denoiser(
+            hidden_states=pack(noisy),
+            timestep=(timesteps / 1000).to(noisy.dtype),
+            encoder_hidden_states=hidden,
+            txt_ids=torch.zeros(hidden.shape[1], 3, device=noisy.device, dtype=noisy.dtype),
+            img_ids=image_ids(h, w, noisy.device, noisy.dtype),
+            **self.transformer_inputs(denoiser, conditioning, noisy),
+            return_dict=False,
+        )[0]
+        return unpack(tokens, h, w)
+
+
+class Flux(FlowTransformerFamily):
+    name = "flux"
+    description = "Flux.1 dev / schnell (MMDiT, CLIP-L pooled + T5, flow matching with a resolution-dependent shift)"
+    pipeline_class = "FluxPipeline"
+    text_encoders = ("text_encoder", "text_encoder_2")
+    tokenizers = ("tokenizer", "tokenizer_2")
+    embedding_keys = {"text_encoder": "clip_l"}
+    shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS,
+                   "text_encoder_2": T5_SHARD_UNITS}
+    lora_file_prefixes = None
+
+    def __init__(self, guidance_scale: float = 1.0):
+        # The distilled guidance dev's transformer is shown in training (OneTrainer and SimpleTuner train at 1.0).
+        self.guidance_scale = guidance_scale
+
+    def configure(self, model_config) -> "Flux":
+        scale = model_config.guidance_scale
+        return self if scale is None or scale == self.guidance_scale else Flux(scale)
+
+    def encode_text(self, text_encoders, tokens):
+        clip, t5 = text_encoders["text_encoder"], text_encoders["text_encoder_2"]
+        pooled = clip(tokens["text_encoder"].to(clip.device), output_hidden_states=False).pooler_output
+        hidden = t5(tokens["text_encoder_2"].to(t5.device), output_hidden_states=False)[0]
+        return {"hidden": hidden, "pooled": pooled}
+
+    def transformer_inputs(self, denoiser, conditioning, noisy):
+        guidance = None
+        if denoiser.config.guidance_embeds:  # dev; schnell has no guidance embedding
+            guidance = torch.full((noisy.shape[0],), self.guidance_scale, device=noisy.device, dtype=torch.float32)
+        return {"pooled_projections": conditioning["pooled"], "guidance": guidance}
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.flux_single_file import flux_from_original, validate_flux_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, flux_from_original, validate_flux_file)
+
+    def export_single_file(self, components, states, path, dtype):
+        from ot_dist.models.families.flux_single_file import flux_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        transformer = components["transformer"]
+        write_transformer_file(flux_to_original(states["transformer"], dict(transformer.config)), path, dtype)
+
+    def build_tiny(self, seed: int = 0, variant: str = "dev", **_):
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        from transformers import CLIPTextModel
+
+        from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config, tiny_clip_tokenizer, tiny_t5_encoder, \
+            tiny_t5_tokenizer
+
+        torch.manual_seed(seed)
+        clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+        transformer = FluxTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=TEXT_HIDDEN, pooled_projection_dim=TEXT_HIDDEN,
+            guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6))
+        return FluxPipeline(
+            transformer=transformer,
+            vae=tiny_flow_vae(shift_factor=0.1159, scaling_factor=0.3611),
+            text_encoder=CLIPTextModel(clip_text_config(len(clip_tokenizer), "quick_gelu")),
+            text_encoder_2=tiny_t5_encoder(len(t5_tokenizer)),
+            tokenizer=clip_tokenizer,
+            tokenizer_2=t5_tokenizer,
+            scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULERS[variant]),
+        )
+
+
+class Chroma(FlowTransformerFamily):
+    name = "chroma"
+    description = "Chroma (Flux-based MMDiT, T5 only with its attention mask, no guidance)"
+    pipeline_class = "ChromaPipeline"
+    text_encoders = ("text_encoder",)
+    tokenizers = ("tokenizer",)
+    embedding_keys = {}  # T5 only
+    t5_tokenizer = "tokenizer"
+    shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": T5_SHARD_UNITS}
+
+    def tokenize(self, tokenizers, captions):
+        tokenizer = tokenizers["tokenizer"]
+        encoded = tokenizer(captions, padding="max_length", max_length=self.max_tokens("tokenizer", tokenizer),
+                            truncation=True, return_tensors="pt")
+        return {"text_encoder": encoded.input_ids, "text_encoder_mask": encoded.attention_mask}
+
+    def encode_text(self, text_encoders, tokens):
+        t5 = text_encoders["text_encoder"]
+        token_mask = tokens["text_encoder_mask"].to(t5.device)
+        hidden = t5(tokens["text_encoder"].to(t5.device), attention_mask=token_mask, output_hidden_states=False)[0]
+        # The transformer sees the caption and its first padding token (ChromaPipeline's convention).
+        lengths = token_mask.sum(dim=1)
+        positions = torch.arange(token_mask.shape[1], device=token_mask.device)[None]
+        return {"hidden": hidden, "mask": (positions <= lengths[:, None]).long()}
+
+    def transformer_inputs(self, denoiser, conditioning, noisy):
+        mask = conditioning["mask"]
+        image_tokens = (noisy.shape[-2] // 2) * (noisy.shape[-1] // 2)
+        # Extended over the image tokens, which always attend (ChromaPipeline._prepare_attention_mask).
+        full = torch.cat([mask.to(noisy.dtype), torch.ones(mask.shape[0], image_tokens, device=mask.device,
+                                                             dtype=noisy.dtype)], dim=1)
+        return {"attention_mask": full}
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.flux_single_file import chroma_from_original, validate_chroma_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, chroma_from_original, validate_chroma_file)
+
+    def export_single_file(self, components, states, path, dtype):
+        from ot_dist.models.families.flux_single_file import chroma_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        transformer = components["transformer"]
+        write_transformer_file(chroma_to_original(states["transformer"], dict(transformer.config)), path, dtype)
+
+    def build_tiny(self, seed: int = 0, **_):
+        from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler
+
+        from ot_dist.models.tiny import TEXT_HIDDEN, tiny_t5_encoder, tiny_t5_tokenizer
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_t5_tokenizer()
+        transformer = ChromaTransformer2DModel(
+            patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=TEXT_HIDDEN, axes_dims_rope=(4, 6, 6),
+            approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=1)
+        return ChromaPipeline(
+            transformer=transformer,
+            vae=tiny_flow_vae(shift_factor=0.1159, scaling_factor=0.3611),
+            text_encoder=tiny_t5_encoder(len(tokenizer)),
+            tokenizer=tokenizer,
+            scheduler=FlowMatchEulerDiscreteScheduler(**FLUX_SCHEDULERS["dev"]),
+        )
+
+
+# The published scheduler configs: dev shifts with the resolution, schnell does not shift.
+FLUX_SCHEDULERS = {
+    "dev": dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
+                base_image_seq_len=256, max_image_seq_len=4096),
+    "schnell": dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=False),
+}
+
+
+def tiny_flow_vae(shift_factor: float, scaling_factor: float):
+    """A tiny AutoencoderKL with the 16 latent channels of the Flux / SD3 VAE and its scale and shift."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(8, 16, 16, 16), layers_per_block=1,
+        latent_channels=16, norm_num_groups=8, sample_size=64, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False)
+
+
+FAMILIES = {"flux": Flux(), "chroma": Chroma()}

@@ -1,0 +1,55 @@
+"""Loading and writing a transformer-only single file (Flux / Chroma from Black Forest Labs / lodestones, SD3
+from Stability): the file holds the denoiser in its original layout; the other components (VAE, text encoders,
+tokenizers, scheduler) come from a diffusers folder named by `model.config`, weights included."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ot_dist.errors import InputFileError
+
+
+def load_transformer_file(path: Path, config_folder: str | None, family, from_original: Callable,
+                          validate_file: Callable):
+    """A pipeline whose denoiser comes from `path` (checked key by key against the folder's transformer config
+    before any tensor is read) and whose other components come from `config_folder`."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    if config_folder is None:
+        raise InputFileError(f"model.config: {path.name} holds only the {family.name} transformer; name a diffusers "
+                             f"{family.pipeline_class} folder that supplies the VAE, text encoders and tokenizers")
+    folder = Path(config_folder)
+    config_file = folder / family.denoiser / "config.json"
+    if not config_file.is_file():
+        raise InputFileError(f"model.config: {folder} has no {family.denoiser}/config.json (not a diffusers "
+                             f"{family.pipeline_class} folder)")
+    config = json.loads(config_file.read_text())
+    validate_file(path, config)  # InputFileError naming the missing / unexpected / wrong-shaped keys
+    state = {k: v.clone().float() for k, v in from_original(load_file(path), config).items()}
+    denoiser = getattr(diffusers, config["_class_name"]).from_config(config)
+    missing, unexpected = denoiser.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise InputFileError(f"model.path: {path} does not fit {config_file}: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    try:
+        return family.pipeline_cls().from_pretrained(folder, **{family.denoiser: denoiser}, dtype=torch.float32,
+                                                     use_safetensors=True, local_files_only=True)
+    except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason
+        raise InputFileError(f"model.config: could not load the other components from {folder}: {err}") from None
+
+
+def write_transformer_file(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
+    """Write an original-layout state dict as one safetensors file, atomically, readable per the umask."""
+    from safetensors.torch import save_file
+
+    from ot_dist.checkpoint.export import atomic_path
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
+    with atomic_path(path) as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
