@@ -1,0 +1,189 @@
+"""Flux.1 (dev, schnell) and Chroma on the family contract: the objective against a hand computation, text
+encoding against the pipelines' own, training (full, LoRA), exports that diffusers loads and that equal the
+trained modules, single files, cached text and sampling."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from conftest import base_config
+from safetensors.torch import load_file
+
+from ot_dist.config.load import validate
+from ot_dist.data.reader import collate
+from ot_dist.models.families.flux import pack, unpack
+from ot_dist.randomness import generator
+from ot_dist.train.loss import diffusion_loss
+from ot_dist.train.trainer import Trainer
+
+
+def quiet(*_):
+    pass
+
+
+def trainer_for(model, data, out, family="flux", method="full", **overrides):
+    settings = {"batch_size": 2, "learning_rate": 3e-4, **overrides}
+    return Trainer(validate(base_config(model, data, out, family=family, method=method, **settings)), log=quiet)
+
+
+def test_pack_and_unpack_are_inverse_and_match_the_pipeline():
+    from diffusers import FluxPipeline
+
+    latents = torch.randn(2, 16, 8, 6)
+    packed = pack(latents)
+    assert torch.equal(packed, FluxPipeline._pack_latents(latents, 2, 16, 8, 6))
+    assert torch.equal(unpack(packed, 8, 6), latents)
+
+
+def test_flux_objective_equals_a_hand_computation(family_models, shapes_data, tmp_path):
+    """sigma from the sample's own draw (logit-normal u, Flux's shift for this resolution's token count),
+    x_t = (1 - sigma) x + sigma n, target n - x, and the transformer called as FluxPipeline calls it."""
+    trainer = trainer_for(family_models["flux"], shapes_data, tmp_path / "o")
+    model = trainer.model
+    batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+    seed, epoch = 1, 0
+    loss = diffusion_loss(model, batch, seed, epoch)
+
+    vae, transformer = model.vae, model.denoiser
+    shape = (16, batch["pixels"].shape[-2] // 8, batch["pixels"].shape[-1] // 8)
+    tokens = (shape[1] // 2) * (shape[2] // 2)
+    mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * (tokens - 256)  # the scheduler config's base / max shift
+    eps, noise, sigmas = [], [], []
+    for sample_id in batch["sample_id"].tolist():
+        g = generator(seed, epoch, sample_id, "diffusion")
+        eps.append(torch.randn(shape, generator=g))
+        noise.append(torch.randn(shape, generator=g))
+        u = torch.sigmoid(torch.randn(1, generator=g, dtype=torch.float64)).item()
+        sigmas.append(math.exp(mu) / (math.exp(mu) + (1 / u - 1)))
+    eps, noise = torch.stack(eps), torch.stack(noise)
+    with torch.no_grad():
+        posterior = vae.encode(batch["pixels"]).latent_dist
+        x = ((posterior.mean + posterior.std * eps) - vae.config.shift_factor) * vae.config.scaling_factor
+        sigma = torch.tensor(sigmas, dtype=torch.float32).view(-1, 1, 1, 1)
+        noisy = (1 - sigma) * x + sigma * noise
+        text = model.family.encode_text(model.text_encoders, batch["token_ids"])
+        h, w = shape[1:]
+        ids = torch.zeros(h // 2, w // 2, 3)
+        ids[..., 1] += torch.arange(h // 2)[:, None]
+        ids[..., 2] += torch.arange(w // 2)[None, :]
+        out = transformer(hidden_states=pack(noisy), timestep=sigma.flatten(), guidance=torch.ones(2),
+                          pooled_projections=text["pooled"], encoder_hidden_states=text["hidden"],
+                          txt_ids=torch.zeros(text["hidden"].shape[1], 3), img_ids=ids.reshape(-1, 3),
+                          return_dict=False)[0]
+        expected = torch.nn.functional.mse_loss(unpack(out, h, w), noise - x)
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["flux", "chroma"])
+def test_text_conditioning_equals_the_pipelines_encode_prompt(family, family_models, shapes_data, tmp_path):
+    trainer = trainer_for(family_models[family], shapes_data, tmp_path / "o", family=family)
+    model, captions = trainer.model, ["a red circle on a blue background", "a big green square"]
+    with torch.no_grad():
+        ours = model.family.encode_text(model.text_encoders, model.family.tokenize(model.tokenizers, captions))
+        max_length = model.family.pipeline_call_options(model.pipeline)["max_sequence_length"]
+        if family == "flux":
+            hidden, pooled, _ = model.pipeline.encode_prompt(captions, captions, max_sequence_length=max_length)
+            torch.testing.assert_close(ours["pooled"], pooled)
+        else:
+            hidden, mask = model.pipeline._get_t5_prompt_embeds(captions, max_sequence_length=max_length)
+            assert torch.equal(ours["mask"].float(), mask.float())
+    torch.testing.assert_close(ours["hidden"], hidden)
+
+
+@pytest.mark.parametrize("family,method", [("flux", "full"), ("flux", "lora"), ("chroma", "lora")])
+def test_training_lowers_the_loss_and_the_exports_load_in_diffusers(family, method, family_models, shapes_data,
+                                                                  tmp_path):
+    import diffusers
+
+    lr = 3e-4 if method == "full" else 3e-3
+    extra = {"text_encoder.train": True} if family == "flux" and method == "lora" else {}
+    trainer = trainer_for(family_models[family], shapes_data, tmp_path / "o", family=family, method=method,
+                          epochs=4, learning_rate=lr, **extra)
+    result = trainer.train()
+    per_epoch = np.array(result.losses).reshape(4, -1).mean(axis=1)
+    assert per_epoch[-1] < per_epoch[0] - 0.02, f"loss did not fall: {per_epoch}"
+
+    model = trainer.model
+    pipeline_cls = getattr(diffusers, model.family.pipeline_class)
+    torch.manual_seed(0)
+    noisy, t = torch.randn(1, 16, 8, 8), torch.tensor([500.0])
+    conditioning = model.family.encode_text(model.text_encoders, model.family.tokenize(model.tokenizers, ["a dot"]))
+    with torch.no_grad():
+        trained = model.family.predict(model.denoiser, noisy, t, conditioning, {})
+    if method == "full":
+        loaded = pipeline_cls.from_pretrained(tmp_path / "o" / "model", local_files_only=True)
+    else:
+        loaded = pipeline_cls.from_pretrained(family_models[family], local_files_only=True)
+        loaded.load_lora_weights(tmp_path / "o" / "lora.safetensors")
+    with torch.no_grad():
+        loaded_conditioning = model.family.encode_text(
+            {n: getattr(loaded, n) for n in model.family.text_encoders},
+            model.family.tokenize({n: getattr(loaded, n) for n in model.family.tokenizers}, ["a dot"]))
+        again = model.family.predict(loaded.transformer, noisy, t, loaded_conditioning, {})
+    torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_single_file_and_folder_train_to_identical_weights(family_models, shapes_data, tmp_path):
+    """The transformer as Black Forest Labs ship it (one file, their key layout) with the other components from a
+    diffusers folder trains exactly like the folder; the export's single file is that layout again."""
+    from ot_dist.models.families.flux_single_file import flux_to_original
+    from safetensors.torch import save_file
+
+    folder = family_models["flux"]
+    state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    import json
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    original = flux_to_original(state, config)
+    single = tmp_path / "flux1-tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in original.items()}, single)
+    weights = []
+    for name, path, extra in (("folder", folder, {}), ("single", single, {"model.config": str(folder)})):
+        trainer = trainer_for(path, shapes_data, tmp_path / name, max_steps=2, **extra)
+        trainer.train()
+        weights.append(load_file(tmp_path / name / "model" / "transformer" / "diffusion_pytorch_model.safetensors"))
+    assert weights[0].keys() == weights[1].keys()
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key
+    exported = load_file(tmp_path / "folder" / "model.safetensors")
+    assert "double_blocks.0.img_attn.qkv.weight" in exported and "final_layer.adaLN_modulation.1.weight" in exported
+
+
+def test_a_single_file_without_its_config_folder_is_named(family_models, shapes_data, tmp_path):
+    from ot_dist.errors import InputFileError
+
+    single = tmp_path / "flux.safetensors"
+    from safetensors.torch import save_file
+    save_file({"img_in.weight": torch.zeros(2, 2)}, single)
+    with pytest.raises(InputFileError, match="model.config"):
+        trainer_for(single, shapes_data, tmp_path / "o", max_steps=1)
+    with pytest.raises(InputFileError, match="double_blocks"):
+        trainer_for(single, shapes_data, tmp_path / "o2", max_steps=1, **{"model.config": str(family_models["flux"])})
+
+
+def test_cached_text_trains_like_encoding_each_step(family_models, shapes_data, tmp_path):
+    """Chroma's conditioning carries its attention mask; the cache must hand it back unchanged."""
+    losses = []
+    for cached in (False, True):
+        trainer = trainer_for(family_models["chroma"], shapes_data, tmp_path / str(cached), family="chroma",
+                              method="lora", max_steps=3, **{"data.cache_text": cached})
+        losses.append(trainer.train().losses)
+    assert losses[0] == losses[1]
+
+
+def test_samples_equal_the_pipeline_on_the_export(family_models, shapes_data, tmp_path):
+    from diffusers import FluxPipeline
+
+    prompt = {"prompt": "a red circle", "seed": 3, "steps": 3, "guidance_scale": 3.5, "width": 64, "height": 64}
+    trainer = trainer_for(family_models["flux"], shapes_data, tmp_path / "o", max_steps=2,
+                          **{"sampling.prompts": [prompt]})
+    trainer.train()
+    (sample,) = sorted((tmp_path / "o" / "samples").glob("step-*/*.png"))
+    pipe = FluxPipeline.from_pretrained(tmp_path / "o" / "model", local_files_only=True)
+    image = pipe(prompt="a red circle", width=64, height=64, num_inference_steps=3, guidance_scale=3.5,
+                 generator=torch.Generator().manual_seed(3), max_sequence_length=32, output_type="pil").images[0]
+    from PIL import Image
+    ours = np.asarray(Image.open(sample).convert("RGB")).astype(int)
+    assert np.abs(ours - np.asarray(image).astype(int)).max() <= 1
