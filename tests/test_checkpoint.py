@@ -29,9 +29,11 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS, STOP_AFTER = 12, 5  # the signal lands after step 5; step 6 is finished and saved
 
 
-def run(tiny_models, shapes_data, out: Path, strategy: str, processes: int, *args: str, **overrides) -> dict:
+def run(tiny_models, shapes_data, out: Path, strategy: str, processes: int, *args: str, family: str = "sd1",
+        **overrides) -> dict:
     raw = base_config(
-        tiny_models["sd1"], shapes_data, out, batch_size=4 // processes, epochs=3, max_steps=STEPS, strategy=strategy,
+        tiny_models[family], shapes_data, out, family=family, batch_size=4 // processes, epochs=3, max_steps=STEPS,
+        strategy=strategy,
         **{"optimizer.name": "ADAMW", "ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 1,
            "checkpoint.every_n_steps": 4}, **overrides,
     )
@@ -105,6 +107,21 @@ def test_stop_and_resume_continues_exactly(strategy, tiny_models, shapes_data, t
     for epoch in ("0", "1", "2"):
         ids = stopped["seen"].get(epoch, []) + resumed["seen"].get(epoch, [])
         assert sorted(ids) == list(range(16)), epoch
+
+
+def test_flux_under_fsdp_stops_and_resumes_exactly(family_models, shapes_data, tmp_path):
+    """A Flux transformer sharded block by block: SIGTERM after step 5, resume, and the rest of the run is the
+    uninterrupted run's, losses and final state (weights, EMA, Adam moments) bit for bit."""
+    straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
+    straight = run(family_models, shapes_data, straight_out, "fsdp", 2, family="flux")
+    stopped = run(family_models, shapes_data, stopped_out, "fsdp", 2, "--signal-after-step", str(STOP_AFTER),
+                  family="flux")
+    assert stopped["stopped_by"] == "SIGTERM" and stopped["steps"] == STOP_AFTER + 1
+    resumed = run(family_models, shapes_data, stopped_out, "fsdp", 2, "--resume", "auto", family="flux")
+    assert resumed["first_step"] == STOP_AFTER + 1 and resumed["losses"] == straight["losses"][STOP_AFTER + 1:]
+    want, got = final_state(straight_out), final_state(stopped_out)
+    assert want.keys() == got.keys() and any(k.startswith("w//transformer.single_transformer_blocks") for k in want)
+    assert all(torch.equal(want[k], got[k]) for k in want)
 
 
 @pytest.mark.parametrize("before, after", [(("fsdp", 2), ("single", 1)), (("single", 1), ("fsdp", 2))])
