@@ -8,6 +8,7 @@ import os
 import sys
 
 from ot_dist.errors import ConfigError, UserError
+from ot_dist.models.families.registry import FAMILY_NAMES
 
 
 def _quiet_libraries() -> None:
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
     prepare = demo_sub.add_parser("prepare", help="create the tiny model(s) and the shapes dataset")
     prepare.add_argument("--root", default="demo_out", help="where to create them (default: demo_out)")
-    prepare.add_argument("--family", nargs="+", default=["sd1"], choices=["sd1", "sd2", "sdxl"])
+    prepare.add_argument("--family", nargs="+", default=["sd1"], choices=list(FAMILY_NAMES))
     return parser
 
 

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 STEPS = 3
 TOLERANCE = 1e-5
-FAMILIES = ["sd1", "flux"]
+FAMILIES = ["sd1", "sd3", "flux"]
 STRATEGIES = {"ddp": {}, "fsdp": {"gradient_checkpointing": True}, "zero1": {}, "zero2": {},
               "zero3": {"gradient_checkpointing": True}}
 # Gradient accumulation (batch 1 x 2 micro steps x 2 ranks) must average, not sum, the micro steps too.

@@ -24,13 +24,13 @@ PART_FIELDS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_en
 
 class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
-        description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, flux (Flux.1 "
-        "dev / schnell), chroma; each is one module under ot_dist/models/families/ (docs/families.md)."
+        description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
+        "3.5), flux (Flux.1 dev / schnell), chroma; each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: str = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
-        "family's original layout (A1111 / ComfyUI for SD; Black Forest Labs' for Flux, lodestones' for Chroma: the "
-        "transformer only, the rest comes from model.config)."
+        "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
+        "Flux, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config)."
     )
     config: str | None = Field(
         default=None,

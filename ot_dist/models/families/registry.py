@@ -10,6 +10,7 @@ FAMILY_MODULES: dict[str, str] = {
     "sd1": "ot_dist.models.families.sd",
     "sd2": "ot_dist.models.families.sd",
     "sdxl": "ot_dist.models.families.sdxl",
+    "sd3": "ot_dist.models.families.sd3",
     "flux": "ot_dist.models.families.flux",
     "chroma": "ot_dist.models.families.flux",
 }

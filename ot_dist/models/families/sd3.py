@@ -1,0 +1,116 @@
+"""Stable Diffusion 3 / 3.5 (medium, large): an MMDiT over 16-channel latents in 2x2 patches, conditioned on
+CLIP-L and CLIP-G (penultimate hidden states side by side, zero-padded to the T5 width, then the T5 tokens after
+them; the two pooled vectors concatenated), trained with flow matching at a fixed shift (3.0 from the scheduler
+config) and the raw timestep (0..1000) as input. SD3.5 adds qk RMS norms and, for medium, dual attention layers:
+both come from the transformer's own config."""
+
+from __future__ import annotations
+
+import torch
+
+from ot_dist.models.families.base import Family
+from ot_dist.models.objectives import FlowMatching
+
+# The diffusers SD3 LoRA script's default targets: attention of both streams.
+SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
+SD3_LORA_WITH_MLP = SD3_LORA_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
+CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+T5_MAX_TOKENS = 256  # StableDiffusion3Pipeline's default
+
+
+class SD3(Family):
+    name = "sd3"
+    description = "Stable Diffusion 3 / 3.5 (MMDiT, CLIP-L + CLIP-G + T5, flow matching with shift 3)"
+    pipeline_class = "StableDiffusion3Pipeline"
+    denoiser = "transformer"
+    text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3")
+    embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
+    denoiser_lora_presets = {"default": SD3_LORA_TARGETS, "attention": SD3_LORA_TARGETS,
+                             "attention_mlp": SD3_LORA_WITH_MLP}
+    shard_units = {"transformer": ("transformer_blocks",), "text_encoder": CLIP_SHARD_UNITS,
+                   "text_encoder_2": CLIP_SHARD_UNITS, "text_encoder_3": ("encoder.block",)}
+    pixel_multiple = 16  # VAE x8, 2x2 patches
+    samplers = ("flow_euler",)
+
+    def objective(self, pipeline, model_config) -> FlowMatching:
+        return FlowMatching.from_scheduler_config(pipeline.scheduler.config, patch_size=2)
+
+    def objective_kind(self) -> str:
+        return "flow"
+
+    def max_tokens(self, tokenizer_name, tokenizer) -> int:
+        if tokenizer_name == "tokenizer_3":
+            return min(T5_MAX_TOKENS, tokenizer.model_max_length)
+        return tokenizer.model_max_length
+
+    def pipeline_call_options(self, pipeline) -> dict:
+        return {"max_sequence_length": self.max_tokens("tokenizer_3", pipeline.tokenizer_3)}
+
+    def encode_text(self, text_encoders, tokens):
+        clip_hidden, pooled = [], []
+        for name in ("text_encoder", "text_encoder_2"):
+            encoder = text_encoders[name]
+            out = encoder(tokens[name].to(encoder.device), output_hidden_states=True)
+            clip_hidden.append(out.hidden_states[-2])
+            pooled.append(out[0])  # the projected pooled output (text_embeds)
+        t5 = text_encoders["text_encoder_3"]
+        t5_hidden = t5(tokens["text_encoder_3"].to(t5.device))[0]
+        clip = torch.cat(clip_hidden, dim=-1)
+        clip = torch.nn.functional.pad(clip, (0, t5_hidden.shape[-1] - clip.shape[-1]))
+        return {"hidden": torch.cat([clip, t5_hidden.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
+
+    def predict(self, denoiser, noisy, timesteps, conditioning, batch):
+        return denoiser(hidden_states=noisy, timestep=timesteps.to(noisy.dtype),
+                        encoder_hidden_states=conditioning["hidden"], pooled_projections=conditioning["pooled"],
+                        return_dict=False)[0]
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.sd3_single_file import sd3_from_original, validate_sd3_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, sd3_from_original, validate_sd3_file)
+
+    def export_single_file(self, components, states, path, dtype):
+        """Stability's layout: the transformer under model.diffusion_model. and the VAE under first_stage_model.
+        (what StableDiffusion3Pipeline.from_single_file and ComfyUI read; the text encoders ship separately)."""
+        from ot_dist.models.families.sd3_single_file import sd3_to_original, sd3_vae_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        transformer, vae = components["transformer"], components["vae"]
+        state = sd3_to_original(states["transformer"], dict(transformer.config))
+        state |= sd3_vae_to_original(states["vae"], dict(vae.config))
+        write_transformer_file(state, path, dtype)
+
+    def build_tiny(self, seed: int = 0, variant: str = "sd3", **_):
+        """variant: sd3 (SD3 medium's layout), sd35 (3.5: qk RMS norm and a dual-attention layer)."""
+        from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+        from transformers import CLIPTextModelWithProjection
+
+        from ot_dist.models.families.flux import tiny_flow_vae
+        from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config, tiny_clip_tokenizer, tiny_t5_encoder, \
+            tiny_t5_tokenizer
+
+        torch.manual_seed(seed)
+        clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+        t5_width = 2 * TEXT_HIDDEN  # at least CLIP-L + CLIP-G side by side, as 4096 >= 768 + 1280
+        sd35 = variant == "sd35"
+        transformer = SD3Transformer2DModel(
+            sample_size=8, patch_size=2, in_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+            joint_attention_dim=t5_width, caption_projection_dim=32, pooled_projection_dim=2 * TEXT_HIDDEN,
+            out_channels=16, pos_embed_max_size=32, qk_norm="rms_norm" if sd35 else None,
+            dual_attention_layers=(0,) if sd35 else ())
+        return StableDiffusion3Pipeline(
+            transformer=transformer,
+            vae=tiny_flow_vae(shift_factor=0.0609, scaling_factor=1.5305),
+            text_encoder=CLIPTextModelWithProjection(clip_text_config(len(clip_tokenizer), "quick_gelu")),
+            text_encoder_2=CLIPTextModelWithProjection(clip_text_config(len(clip_tokenizer), "gelu")),
+            text_encoder_3=tiny_t5_encoder(len(t5_tokenizer), d_model=t5_width),
+            tokenizer=clip_tokenizer,
+            tokenizer_2=clip_tokenizer,
+            tokenizer_3=t5_tokenizer,
+            scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+        )
+
+
+FAMILIES = {"sd3": SD3()}
