@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from ot_dist.models.families.registry import FAMILY_NAMES
 from ot_dist.cli import main
 from ot_dist.config.load import apply_override, load_config, validate
 from ot_dist.config.reference import render_reference
@@ -24,7 +25,7 @@ def test_configs_exist():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_every_shipped_config_validates(path):
     config = load_config(path)
-    assert config.model.family in ("sd1", "sd2", "sdxl")
+    assert config.model.family in FAMILY_NAMES
 
 
 def test_reference_is_current():
