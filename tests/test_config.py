@@ -63,7 +63,7 @@ def test_set_overrides_are_yaml_typed(tmp_path):
     "change,expected",
     [
         ({"lerning_rate": 1}, ["lerning_rate: unknown key", "did you mean 'learning_rate'"]),
-        ({"model": {"family": "sd1", "path": "m", "famliy": "x"}}, ["model.famliy: unknown key", "family, inpainting, path"]),
+        ({"model": {"family": "sd1", "path": "m", "famliy": "x"}}, ["model.famliy: unknown key", "family, guidance_scale, inpainting, path"]),
         ({"method": "dreambooth"}, ["method:", "'full', 'lora' or 'embedding'"]),
         ({"batch_size": "four"}, ["batch_size:", "integer"]),
         ({"batch_size": 0}, ["batch_size:", "greater than or equal to 1"]),
