@@ -233,3 +233,34 @@ def test_every_feature_under_fsdp_equals_one_process(family_models, tmp_path):
         diff = max((want[k] - got[k]).abs().max().item() for k in want)
         moved = max((want[k] - base[k]).abs().max().item() for k in want)
         assert diff <= 1e-5 and moved > 1e-3, f"{folder}: diff {diff:.3g}, moved {moved:.3g}"
+
+
+# ComfyUI's rule for diffusers-layout LoRAs of these families (comfy/lora.py, model_lora_keys_unet: the Flux /
+# Chroma branch maps "transformer.{k}" for every diffusers key k of utils.flux_to_diffusers, the SD3 branch the
+# same over utils.mmdit_to_diffusers; comfy/weight_adapter/lora.py reads "{x}.lora_A.weight" / "{x}.lora_B.weight"
+# as the diffusers2 format and scales by "{x}.alpha" / rank, or by 1.0 when no alpha tensor exists).
+def comfyui_transformer_keys(model_dir) -> set[str]:
+    """The keys ComfyUI maps, from the diffusers names of the base model's transformer weights."""
+    state = load_file(model_dir / "transformer" / "diffusion_pytorch_model.safetensors")
+    return {f"transformer.{k[:-len('.weight')]}" for k in state if k.endswith(".weight")}
+
+
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3"])
+def test_lora_file_is_read_by_comfyui_rules_at_the_trained_strength(family, family_models, shapes_data, tmp_path):
+    trainer = trainer_for(family_models[family], shapes_data, tmp_path / "o", family=family, method="lora",
+                          max_steps=3, learning_rate=1e-2, **{"lora.rank": 4, "lora.alpha": 2})
+    trainer.train()
+    saved = load_file(tmp_path / "o" / "lora.safetensors")
+    modules = {k.rsplit(".lora_", 1)[0] for k in saved}
+    transformer = trainer.model.denoiser
+    comfy_keys = comfyui_transformer_keys(family_models[family])
+    assert modules and modules <= comfy_keys, modules - comfy_keys
+    assert not any(k.endswith(".alpha") for k in saved)  # ComfyUI then applies strength 1.0: the scale is inside
+    layers = dict(transformer.named_modules())
+    for module in modules:
+        layer = layers[module[len("transformer."):]]
+        trained = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+        comfy = saved[f"{module}.lora_B.weight"].float() @ saved[f"{module}.lora_A.weight"].float()
+        torch.testing.assert_close(comfy, trained.detach(), rtol=1e-5, atol=1e-7)
+    assert any(layer.lora_B["default"].weight.abs().max() > 0 for name, layer in layers.items()
+               if hasattr(layer, "lora_B"))  # trained: the comparison is not 0 == 0

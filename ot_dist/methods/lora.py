@@ -60,11 +60,11 @@ class LoraMethod(TrainingMethod):
             if not self.config.part_trains(part):
                 continue
             # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together
-            # with the adapter config (rank, alpha, targets) it finds in the file's metadata.
+            # with the adapter config (rank, targets) it finds in the file's metadata.
             state = get_peft_model_state_dict(module, state_dict=state_dict_of(module), adapter_name=ADAPTER)
-            state = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
-            kwargs[f"{part}_lora_layers"] = state
-            kwargs[f"{part}_lora_adapter_metadata"] = module.peft_config[ADAPTER].to_dict()
+            state, metadata = scale_baked_in(state, module.peft_config[ADAPTER].to_dict())
+            kwargs[f"{part}_lora_layers"] = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+            kwargs[f"{part}_lora_adapter_metadata"] = metadata
         target = output_dir / f"lora{suffix}.safetensors"
         if not write:
             return [target]
@@ -85,3 +85,14 @@ def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
     if settings.preset == "all_linear":
         return "lora.preset", [name for name, sub in module.named_modules() if isinstance(sub, torch.nn.Linear)]
     return "lora.preset", list(family.denoiser_lora_presets[settings.preset])
+
+
+def scale_baked_in(state: dict, metadata: dict) -> tuple[dict, dict]:
+    """The LoRA with its scale (alpha / rank, or alpha / sqrt(rank) for rsLoRA) multiplied into the up matrices
+    and alpha written as the rank. Loaders disagree on where alpha lives (diffusers: the file's metadata;
+    ComfyUI, A1111 / Forge: an `.alpha` tensor per module, strength 1.0 without one); with the scale inside
+    the weights every one of them applies exactly the change training made."""
+    rank = metadata["r"]
+    scale = metadata["lora_alpha"] / (rank ** 0.5 if metadata.get("use_rslora") else rank)
+    baked = {k: v.float() * scale if ".lora_B." in k else v for k, v in state.items()}
+    return baked, {**metadata, "lora_alpha": rank, "use_rslora": False}
