@@ -1,5 +1,6 @@
-"""The README's memory table: bytes of weights, gradients and optimizer state for SD 1.5 and SDXL
-under the low-memory options, from parameter counts and dtypes.
+"""The README's memory table: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5 Large and
+Flux.1 dev under the low-memory options and, for the transformers, a full finetune under fsdp, from parameter
+counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
+from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
 
 GIB = 1024**3
 LORA_RANK = 16
@@ -45,11 +48,40 @@ OPENCLIP_BIGG = dict(vocab_size=49408, hidden_size=1280, intermediate_size=5120,
                      num_attention_heads=20, max_position_embeddings=77, hidden_act="gelu", projection_dim=1280)
 
 
+# black-forest-labs/FLUX.1-dev and stabilityai/stable-diffusion-3.5-large transformer configs, google/t5-v1_1-xxl's
+# encoder (as both ship it), and their 16-channel VAE.
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+                num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+                  num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+                  pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192, qk_norm="rms_norm")
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
+VAE_16 = dict(VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
+# model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
+DENOISERS = {
+    "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, ("down_blocks", "mid_block", "up_blocks")),
+    "SDXL": ("unet", UNET_ATTENTION_TARGETS, ("down_blocks", "mid_block", "up_blocks")),
+    "SD3.5 Large": ("transformer", SD3_LORA_TARGETS, ("transformer_blocks",)),
+    "Flux.1 dev": ("transformer", FLUX_LORA_TARGETS, ("transformer_blocks", "single_transformer_blocks")),
+}
+
+
 def build_components(model: str) -> dict[str, torch.nn.Module]:
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     with torch.device("meta"):
+        if model == "Flux.1 dev":
+            return {"transformer": FluxTransformer2DModel(**FLUX_DEV),
+                    "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
+                    "text_encoder_2": T5EncoderModel(T5Config(**T5_XXL)), "vae": AutoencoderKL(**VAE_16)}
+        if model == "SD3.5 Large":
+            return {"transformer": SD3Transformer2DModel(**SD35_LARGE),
+                    "text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L)),
+                    "text_encoder_2": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG)),
+                    "text_encoder_3": T5EncoderModel(T5Config(**T5_XXL)), "vae": AutoencoderKL(**VAE_16)}
         if model == "SD 1.5":
             return {"unet": UNet2DConditionModel(**SD15_UNET), "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
                     "vae": AutoencoderKL(**VAE)}
@@ -104,10 +136,10 @@ SETUPS = [
     Setup("LoRA r16, frozen bfloat16", "lora", "bfloat16", False),
     Setup("LoRA r16, frozen float8", "lora", "float8", False),
     Setup("LoRA r16, frozen float8, text encoders + VAE offloaded", "lora", "float8", True),
-    Setup("full UNet, AdamW, frozen bfloat16", "full", "bfloat16", False),
-    Setup("full UNet, 8-bit AdamW, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAMW_8BIT"),
-    Setup("full UNet, Adafactor, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAFACTOR"),
-    Setup("full UNet, bfloat16 weights, Adafactor, fused back pass, frozen float8 + offloaded", "full", "float8",
+    Setup("full denoiser, AdamW, frozen bfloat16", "full", "bfloat16", False),
+    Setup("full denoiser, 8-bit AdamW, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAMW_8BIT"),
+    Setup("full denoiser, Adafactor, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAFACTOR"),
+    Setup("full denoiser, bfloat16 weights, Adafactor, fused back pass, frozen float8 + offloaded", "full", "float8",
           True, trained_dtype="bfloat16", optimizer="ADAFACTOR", fused_back_pass=True),
 ]
 
@@ -129,25 +161,31 @@ def trained_rows(models: dict) -> list[str]:
     rows = ["| model | trained | parameters | weights + grads float32 GiB | weights + grads bfloat16 GiB | AdamW state GiB "
             "| 8-bit AdamW state GiB | Adafactor state GiB |", "|---|---|--:|--:|--:|--:|--:|--:|"]
     for model, components in models.items():
-        for trained, shapes in trained_shapes(components).items():
+        for trained, shapes in trained_shapes(components, DENOISERS[model][1]).items():
             n = sum(math.prod(s) for s in shapes)
             states = [gib(optimizer_state_bytes(shapes, o)) for o in ("ADAMW", "ADAMW_8BIT", "ADAFACTOR")]
             rows.append(f"| {model} | {trained} | {n:,} | {gib(8 * n)} | {gib(4 * n)} | {' | '.join(states)} |")
     return rows
 
 
-def trained_shapes(components: dict) -> dict[str, list[tuple[int, ...]]]:
-    return {"lora": lora_shapes(components["unet"]),
-            "full": [tuple(p.shape) for p in components["unet"].parameters()]}
+def denoiser_of(components: dict) -> str:
+    return "unet" if "unet" in components else "transformer"
 
 
-def setup_bytes(setup: Setup, components: dict) -> float:
+def trained_shapes(components: dict, targets=None) -> dict[str, list[tuple[int, ...]]]:
+    denoiser = components[denoiser_of(components)]
+    targets = targets or (UNET_ATTENTION_TARGETS if denoiser_of(components) == "unet" else FLUX_LORA_TARGETS)
+    return {"lora": lora_shapes(denoiser, targets=targets), "full": [tuple(p.shape) for p in denoiser.parameters()]}
+
+
+def setup_bytes(setup: Setup, components: dict, targets=None) -> float:
     """Device bytes: frozen weights + trained weights + gradients + optimizer state."""
     counts = {name: sum(p.numel() for p in m.parameters()) for name, m in components.items()}
-    shapes = trained_shapes(components)[setup.trained]
+    shapes = trained_shapes(components, targets)[setup.trained]
     trained = sum(math.prod(s) for s in shapes)
-    frozen_parts = [] if setup.offload else [n for n in counts if n != "unet"]
-    frozen = sum(counts[n] for n in frozen_parts) + (counts["unet"] if setup.trained == "lora" else 0)
+    denoiser = denoiser_of(components)
+    frozen_parts = [] if setup.offload else [n for n in counts if n != denoiser]
+    frozen = sum(counts[n] for n in frozen_parts) + (counts[denoiser] if setup.trained == "lora" else 0)
     grads = 0 if setup.fused_back_pass else trained * BYTES[setup.trained_dtype]
     return (frozen * BYTES[setup.frozen] + trained * BYTES[setup.trained_dtype] + grads
             + optimizer_state_bytes(shapes, setup.optimizer))
@@ -157,13 +195,48 @@ def setup_rows(models: dict) -> list[str]:
     names = list(models)
     rows = ["| setup | " + " | ".join(f"{m} GiB" for m in names) + " |", "|---|" + "--:|" * len(names)]
     for setup in SETUPS:
-        rows.append(f"| {setup.label} | " + " | ".join(gib(setup_bytes(setup, models[m])) for m in names) + " |")
+        rows.append(f"| {setup.label} | " + " | ".join(gib(setup_bytes(setup, models[m], DENOISERS[m][1]))
+                                                        for m in names) + " |")
+    return rows
+
+
+def sharding_units(module: torch.nn.Module, patterns: tuple[str, ...]) -> list[torch.nn.Module]:
+    from ot_dist.parallel.fsdp import wrap_units
+
+    return wrap_units(module, patterns)
+
+
+def fsdp_rank_bytes(components: dict, model: str, ranks: int) -> dict[str, float]:
+    """A full finetune of the denoiser under fsdp (full_shard, bf16 compute, float32 masters, AdamW), text and
+    latents cached (no encoder or VAE on the GPUs): per-rank bytes of the sharded state (weights + grads + 2 Adam
+    moments, 16 bytes a parameter, split evenly) and the peak of the bf16 all-gathers (the largest unit, twice:
+    the one computing and the one prefetched)."""
+    name, _, patterns = DENOISERS[model]
+    denoiser = components[name]
+    total = sum(p.numel() for p in denoiser.parameters())
+    units = [sum(p.numel() for p in unit.parameters()) for unit in sharding_units(denoiser, patterns)]
+    root = total - sum(units)  # what the root's own fully_shard call gathers (embedders, final layer)
+    largest = max(units + [root])
+    return {"parameters": total, "sharded_state": 16 * total / ranks, "gather_peak": 2 * 2 * largest,
+            "largest_unit_fraction": largest / total}
+
+
+def fsdp_rows(models: dict, ranks=(8, 64)) -> list[str]:
+    rows = ["| model | ranks | sharded weights + grads + AdamW GiB/rank | bf16 all-gather peak GiB | total GiB/rank "
+            "| largest unit / model |", "|---|--:|--:|--:|--:|--:|"]
+    for model, components in models.items():
+        if denoiser_of(components) != "transformer":
+            continue
+        for n in ranks:
+            b = fsdp_rank_bytes(components, model, n)
+            rows.append(f"| {model} | {n} | {gib(b['sharded_state'])} | {gib(b['gather_peak'])} | "
+                        f"{gib(b['sharded_state'] + b['gather_peak'])} | {100 * b['largest_unit_fraction']:.2f} % |")
     return rows
 
 
 def main() -> None:
-    models = {model: build_components(model) for model in ("SD 1.5", "SDXL")}
-    for rows in (component_rows(models), trained_rows(models), setup_rows(models)):
+    models = {model: build_components(model) for model in DENOISERS}
+    for rows in (component_rows(models), trained_rows(models), setup_rows(models), fsdp_rows(models)):
         print("\n".join(rows) + "\n")
 
 
