@@ -36,3 +36,75 @@ def test_sharding_units_are_blocks_a_few_percent_each(models, name, family):
     for ranks in (8, 64):
         figures = fsdp_rank_bytes(models[name], name, ranks)
         assert figures["sharded_state"] == 16 * total / ranks and figures["largest_unit_fraction"] < 0.05
+
+
+# -- the sharding benchmark's figures (tests/benchmarks/bench_family_sharding.py, ot_dist.memory.sharding) ----------
+
+FAMILIES = {"Flux.1 dev": "flux", "SD3.5 Large": "sd3"}
+
+
+def build_transformer(name):
+    import torch
+    from diffusers import FluxTransformer2DModel, SD3Transformer2DModel
+
+    from ot_dist.memory.table import FLUX_DEV, SD35_LARGE
+
+    with torch.device("meta"):
+        return FluxTransformer2DModel(**FLUX_DEV) if name == "Flux.1 dev" else SD3Transformer2DModel(**SD35_LARGE)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_block_units_are_small_and_whole_lists_are_not(name):
+    from ot_dist.memory.sharding import sharding
+
+    transformer = build_transformer(name)
+    patterns = get_family(FAMILIES[name]).shard_units["transformer"]
+    blocks, lists = sharding(transformer, patterns), sharding(transformer, patterns, per_block=False)
+    total = sum(p.numel() for p in transformer.parameters())
+    for s in (blocks, lists):  # units + root remainder partition the model
+        assert s.parameters == total == sum(s.unit_parameters) + s.root_parameters
+    assert blocks.root_parameters == lists.root_parameters < 0.01 * total  # embedders and final layer only
+    assert len(blocks.unit_parameters) == sum(len(getattr(transformer, p)) for p in patterns)
+    assert blocks.largest_fraction < 0.05  # every all-gather a few % of the model
+    assert lists.largest_fraction > 0.5  # without block granularity one gather is over half of it
+    for ranks in (8, 64):
+        even = 16 * total / ranks  # float32 weight + grad + 2 AdamW moments, split evenly
+        assert even <= blocks.state_bytes_per_rank(ranks) < 1.001 * even  # FSDP2's dim-0 padding is negligible
+        assert blocks.state_bytes_per_rank(ranks) == lists.state_bytes_per_rank(ranks)  # grouping only moves gathers
+        # the gathered bf16 copies at the worst moment: root + 2 units, a few % beside the sharded state at 8 ranks
+        assert blocks.gather_peak_bytes(ranks) <= 2 * (blocks.root_parameters + 2 * blocks.largest) * 1.001
+        assert blocks.gather_peak_bytes(8) < 0.1 * blocks.state_bytes_per_rank(8)
+
+
+@pytest.mark.parametrize("name,ranks", [("Flux.1 dev", 8), ("Flux.1 dev", 64), ("SD3.5 Large", 8)])
+def test_counted_shards_are_fsdp2s(name, ranks):
+    """fully_shard the meta transformer as ot_dist's fsdp strategy does (wrap_units + root) over a fake process
+    group of N ranks: rank 0's padded shards and the largest parameter group's all-gather are what the counting
+    says."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ot_dist.memory.sharding import sharding
+    from ot_dist.parallel.fsdp import wrap_units
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    transformer = build_transformer(name)
+    patterns = get_family(FAMILIES[name]).shard_units["transformer"]
+    counted = sharding(transformer, patterns)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        mesh = init_device_mesh("cpu", (ranks,))
+        for unit in wrap_units(transformer, patterns):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(transformer, mesh=mesh)
+        groups = [m._get_fsdp_state()._fsdp_param_group for m in transformer.modules() if hasattr(m, "_get_fsdp_state")]
+        groups = [g for g in groups if g is not None]
+        assert len(groups) == len(counted.unit_parameters) + 1
+        shards = [sum(fp._sharded_param_data.numel() for fp in g.fsdp_params) for g in groups]
+        assert 16 * sum(shards) == counted.state_bytes_per_rank(ranks)
+        assert 2 * ranks * max(shards) == counted.largest_gather_bytes(ranks)
+    finally:
+        dist.destroy_process_group()
