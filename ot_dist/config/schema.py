@@ -98,8 +98,9 @@ class LoraConfig(Section):
         default="auto",
         description="Key layout of lora.safetensors. kohya: lora_unet_* / lora_te_* (SDXL: lora_te1_* / lora_te2_*) "
         "modules (UNet modules by their diffusers paths) with lora_down / lora_up and an .alpha tensor each, "
-        "for ComfyUI, A1111 / Forge, kohya and diffusers' load_lora_weights. diffusers: peft's keys (unet.*.lora_A / lora_B) with rank and "
-        "alpha only in the file's metadata, read by diffusers' load_lora_weights. auto: kohya for the families "
+        "for ComfyUI, A1111 / Forge, kohya and diffusers' load_lora_weights. diffusers: peft's keys "
+        "(unet.*.lora_A / lora_B) with rank and alpha only in the file's metadata, read by diffusers' "
+        "load_lora_weights. auto: kohya for the families "
         "that have kohya names (sd1, sd2, sdxl), diffusers for the others (sd3, flux, chroma for now).",
     )
 
