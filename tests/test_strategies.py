@@ -145,7 +145,7 @@ def exported_weights_of_base(model_dir: Path, method: str, like: dict) -> dict:
         text = load_file(model_dir / "text_encoder" / "model.safetensors")
         return {**{f"unet.{k}": v for k, v in unet.items()}, **{f"te.{k}": v for k, v in text.items()}}
     # LoRA starts with B = 0: the product B @ A is what must have moved
-    return {k: torch.zeros_like(v) for k, v in like.items() if "lora_B" in k}
+    return {k: torch.zeros_like(v) for k, v in like.items() if "lora_B" in k or "lora_up" in k}
 
 
 def test_users_accelerate_config_selects_the_strategy(tiny_models, shapes_data, tmp_path):

@@ -94,6 +94,15 @@ class LoraConfig(Section):
     text_encoder_targets: list[str] | None = Field(
         default=None, description="Text encoder module names to adapt; unset = the family's default list."
     )
+    file_layout: Literal["auto", "kohya", "diffusers"] = Field(
+        default="auto",
+        description="Key layout of lora.safetensors. kohya: lora_unet_* / lora_te_* (SDXL: lora_te1_* / lora_te2_*) "
+        "modules (UNet modules by their diffusers paths) with lora_down / lora_up and an .alpha tensor each, "
+        "for ComfyUI, A1111 / Forge, kohya and diffusers' load_lora_weights. diffusers: peft's keys "
+        "(unet.*.lora_A / lora_B) with rank and alpha only in the file's metadata, read by diffusers' "
+        "load_lora_weights. auto: kohya for the families "
+        "that have kohya names (sd1, sd2, sdxl), diffusers for the others (sd3, flux, chroma for now).",
+    )
 
 
 class EmbeddingConfig(Section):
@@ -393,6 +402,8 @@ class TrainConfig(Section):
             if key != denoiser_targets and getattr(self.lora, key) is not None:
                 raise ValueError(f"lora.{key}: model family {self.model.family} has a {family.denoiser}; "
                                  f"use lora.{denoiser_targets}")
+        if self.lora.file_layout == "kohya" and family.lora_file_prefixes is None:
+            raise ValueError(f"lora.file_layout: {self.model.family} has no kohya LoRA names yet; use diffusers")
         presets = ("all_linear", *family.denoiser_lora_presets)
         if self.lora.preset not in presets:
             raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "
@@ -460,6 +471,12 @@ class TrainConfig(Section):
             )
         check_optimizer_setup(self)
         return self
+
+    def lora_file_layout(self) -> str:
+        """The layout lora.safetensors is written in: lora.file_layout with auto resolved for the family."""
+        if self.lora.file_layout != "auto":
+            return self.lora.file_layout
+        return "diffusers" if get_family(self.model.family).lora_file_prefixes is None else "kohya"
 
     def part_names(self) -> tuple[str, ...]:
         """The trainable parts this family has: its denoiser and its text encoders."""

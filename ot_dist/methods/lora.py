@@ -1,5 +1,6 @@
-"""LoRA via peft on the denoiser and/or text encoders; exported in the diffusers LoRA layout, which
-`pipeline.load_lora_weights` reads (alpha and rank travel in the file's adapter metadata)."""
+"""LoRA via peft on the denoiser and/or text encoders. Exported in kohya's layout where the family declares its
+names (ComfyUI, A1111 / Forge, kohya and diffusers' `load_lora_weights` read it; ot_dist/methods/lora_layouts.py),
+or in the diffusers layout (`lora.file_layout: diffusers`; alpha and rank in the file's adapter metadata)."""
 
 from __future__ import annotations
 
@@ -54,25 +55,53 @@ class LoraMethod(TrainingMethod):
         from peft.utils import get_peft_model_state_dict
 
         dtype = DTYPES[self.config.output_dtype]
-        kwargs = {}
+        states, adapter_configs = {}, {}
         for part in self.config.part_names():
             module = model.part(part)
             if not self.config.part_trains(part):
                 continue
-            # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together
-            # with the adapter config (rank, targets) it finds in the file's metadata.
-            state = get_peft_model_state_dict(module, state_dict=state_dict_of(module), adapter_name=ADAPTER)
-            state, metadata = scale_baked_in(state, module.peft_config[ADAPTER].to_dict())
-            kwargs[f"{part}_lora_layers"] = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
-            kwargs[f"{part}_lora_adapter_metadata"] = metadata
+            states[part] = get_peft_model_state_dict(module, state_dict=state_dict_of(module), adapter_name=ADAPTER)
+            adapter_configs[part] = module.peft_config[ADAPTER].to_dict()
         target = output_dir / f"lora{suffix}.safetensors"
         if not write:
             return [target]
         output_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=output_dir) as staging, atomic_path(target) as tmp:
+        if self.config.lora_file_layout() == "kohya":
+            self._write_kohya(model, states, adapter_configs, target, dtype)
+        else:
+            self._write_diffusers(model, states, adapter_configs, target, dtype)
+        return [target]
+
+    def _write_kohya(self, model, states, adapter_configs, target: Path, dtype) -> None:
+        import json
+
+        from safetensors.torch import save_file
+
+        from ot_dist.methods.lora_layouts import kohya_metadata, kohya_names, to_kohya
+
+        family, lora = model.family, self.config.lora
+        names = kohya_names(family.lora_file_prefixes, family.lora_file_roots, {p: model.part(p) for p in states},
+                            family.lora_file_renames)
+        tensors = {}
+        for part, state in states.items():
+            tensors.update(to_kohya(state, names[part], lora.alpha, dtype))
+        targets = {part: sorted(config["target_modules"]) for part, config in adapter_configs.items()}
+        metadata = kohya_metadata(lora.rank, lora.alpha, {"ot_dist_lora": json.dumps(
+            {"layout": "kohya", "family": family.name, "rank": lora.rank, "alpha": lora.alpha, "targets": targets})})
+        with atomic_path(target) as tmp:
+            save_file(tensors, str(tmp), metadata=metadata)
+
+    def _write_diffusers(self, model, states, adapter_configs, target: Path, dtype) -> None:
+        # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together with the
+        # adapter config (rank, targets) it finds in the file's metadata; the scale is inside the weights.
+        kwargs = {}
+        for part, state in states.items():
+            state, metadata = scale_baked_in(state, adapter_configs[part])
+            kwargs[f"{part}_lora_layers"] = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
+            kwargs[f"{part}_lora_adapter_metadata"] = metadata
+        with tempfile.TemporaryDirectory(dir=target.parent) as staging, atomic_path(target) as tmp:
             model.family.pipeline_cls().save_lora_weights(staging, weight_name=target.name, **kwargs)
             os.replace(Path(staging) / target.name, tmp)
-        return [target]
 
 
 def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:

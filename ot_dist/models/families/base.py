@@ -134,8 +134,14 @@ class Family:
 
     # -- LoRA files -------------------------------------------------------------------------------------
     # The kohya-style prefix of each component's modules in a LoRA file (ComfyUI, A1111 / Forge, kohya read
-    # these); None = the family writes the diffusers layout only.
+    # these); None = the family writes the diffusers layout only. See ot_dist/methods/lora_layouts.py.
     lora_file_prefixes: dict[str, str] | None = None
+    # Per component, a module level the file's names carry that the loaded module may lack (transformers 5's
+    # CLIPTextModel has no `text_model.`); inserted only where the module has no child of that name.
+    lora_file_roots: dict[str, str] = {}
+    # Per component, {module path: the path the file names instead} for modules whose plain kohya name a loader
+    # misreads (SDXL's add_embedding.linear_1 -> its original label_emb.0.0).
+    lora_file_renames: dict[str, dict[str, str]] = {}
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **options):

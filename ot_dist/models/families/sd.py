@@ -24,6 +24,7 @@ class UNetFamily(Family):
     shard_units = {"unet": UNET_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS}
     pixel_multiple = 8
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
+    lora_file_roots = {"text_encoder": "text_model", "text_encoder_2": "text_model"}
 
     def objective(self, pipeline, model_config) -> DDPM:
         prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type

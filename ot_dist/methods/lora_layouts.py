@@ -1,0 +1,92 @@
+"""LoRA file layouts: the key names a LoRA file gives each adapted module, so that the file loads where people use it.
+
+- `kohya` (the default where a family declares kohya names): `<prefix>_<module path with "_" for ".">` per
+  module, `.lora_down.weight` / `.lora_up.weight` and an `.alpha` scalar tensor. ComfyUI, A1111 / Forge and kohya's
+  scripts read it, and diffusers' `load_lora_weights` converts it. Loaders that find no `.alpha` tensor apply the
+  change at strength alpha = rank, so the tensor is always written.
+- `diffusers`: peft's keys under the diffusers component name (`unet.<path>.lora_A.weight`), alpha and rank in the
+  file's adapter metadata; written by the pipeline's `save_lora_weights` (see ot_dist/methods/lora.py).
+
+The converter knows no family. A family declares, as data on its `Family` (ot_dist/models/families/base.py):
+- `lora_file_prefixes`: component -> the name prefix, e.g. SD 1.x {"unet": "lora_unet", "text_encoder": "lora_te"};
+  None when the family has no kohya names yet (it then writes the diffusers layout);
+- `lora_file_roots`: component -> a module level that the file's names carry but the loaded module may lack
+  (transformers 5's `CLIPTextModel` dropped the `text_model.` level that kohya's and ComfyUI's names keep). The
+  level is inserted only when the module has no child of that name, so a module that still has it
+  (`CLIPTextModelWithProjection.text_model`) keeps its own paths, and its top-level `text_projection` stays
+  outside the level as in the original model;
+- `lora_file_renames`: component -> {module path: the path the file names instead}, for the few modules whose
+  kohya names a loader cannot read back (diffusers turns `lora_unet_add_embedding_linear_1` into
+  `add_embedding.linear` and drops it; SDXL names it by its original `label_emb.0.0`, as kohya does).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LAYOUTS = ("kohya", "diffusers")
+
+PEFT_DOWN, PEFT_UP = ".lora_A.weight", ".lora_B.weight"
+KOHYA_DOWN, KOHYA_UP, KOHYA_ALPHA = ".lora_down.weight", ".lora_up.weight", ".alpha"
+
+
+@dataclass(frozen=True)
+class KohyaNames:
+    """How one component's module paths become kohya module names."""
+
+    prefix: str  # "lora_unet", "lora_te1", ...
+    root: str = ""  # a module level put in front of every path ("text_model"), "" for none
+    renames: tuple[tuple[str, str], ...] = ()  # (module path, the path the file uses), whole modules only
+
+    def module_name(self, path: str) -> str:
+        path = dict(self.renames).get(path, path)
+        full = f"{self.root}.{path}" if self.root else path
+        return f"{self.prefix}_{full.replace('.', '_')}"
+
+
+def kohya_names(prefixes: dict[str, str], roots: dict[str, str], modules: dict[str, torch.nn.Module],
+                renames: dict[str, dict[str, str]] | None = None) -> dict[str, KohyaNames]:
+    """Component -> its KohyaNames, from a family's declared prefixes, roots and renames and the loaded modules."""
+    names = {}
+    for component, module in modules.items():
+        if component not in prefixes:
+            raise ValueError(f"the family declares no kohya LoRA prefix for its {component}")
+        root = roots.get(component, "")
+        if root and root in dict(module.named_children()):
+            root = ""  # the module's own paths already start with it
+        names[component] = KohyaNames(prefixes[component], root, tuple((renames or {}).get(component, {}).items()))
+    return names
+
+
+def to_kohya(peft_state: dict[str, torch.Tensor], names: KohyaNames, alpha: float,
+             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """One component's peft LoRA state dict (`<path>.lora_A.weight` / `.lora_B.weight`, as
+    `get_peft_model_state_dict` returns it) in kohya's layout, with an `.alpha` tensor (float32 scalar, so any
+    alpha is stored exactly) per module. Matrices are cast to `dtype` when given."""
+    out: dict[str, torch.Tensor] = {}
+    paths: dict[str, str] = {}
+    for key in peft_state:
+        if key.endswith(PEFT_UP):
+            continue
+        if not key.endswith(PEFT_DOWN):
+            raise ValueError(f"LoRA tensor {key!r} has no kohya-layout name (only plain LoRA down / up matrices do)")
+        path = key[: -len(PEFT_DOWN)]
+        name = names.module_name(path)
+        if name in paths:  # "a_b.c" and "a.b_c" would both be a_b_c
+            raise ValueError(f"modules {paths[name]!r} and {path!r} both get the kohya name {name!r}")
+        paths[name] = path
+        down, up = peft_state[key], peft_state[path + PEFT_UP]
+        if dtype is not None:
+            down, up = down.to(dtype), up.to(dtype)
+        out[name + KOHYA_DOWN] = down.detach().contiguous()
+        out[name + KOHYA_UP] = up.detach().contiguous()
+        out[name + KOHYA_ALPHA] = torch.tensor(float(alpha), dtype=torch.float32)
+    return out
+
+
+def kohya_metadata(rank: int, alpha: float, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """safetensors metadata of a kohya-layout file: kohya's own `ss_network_*` keys (A1111 / Forge show them)."""
+    return {"ss_network_module": "networks.lora", "ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
+            **(extra or {})}

@@ -1,0 +1,264 @@
+"""The LoRA file is read the same way by ComfyUI, A1111 / Forge, kohya and diffusers (issue 24, SD 1.x / 2.x / SDXL).
+
+ComfyUI's rules are written down below as a small oracle (which names it maps to which module, which tensors it
+reads per module, and the weight change it applies), and checked against the exported files: every module is
+recognised, no tensor is left over, and the change ComfyUI applies equals the change the trained peft model makes.
+diffusers' `load_lora_weights` of the same file reproduces the in-memory model's UNet and text-encoder outputs.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import base_config
+from diffusers import DiffusionPipeline
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_methods import text_output, unet_inputs, unet_output
+
+from ot_dist.config.load import validate
+from ot_dist.methods.lora import ADAPTER, LoraMethod
+from ot_dist.train.trainer import Trainer
+
+RANK, ALPHA = 4, 2.0  # alpha != rank: a loader that ignores alpha applies 2x the trained change
+
+# ---- ComfyUI's key rules ------------------------------------------------------------------------------------
+# Read from github.com/comfyanonymous/ComfyUI:
+#   comfy/lora.py @ 41444b5236c613ee5ff7d09aa620f94b702f30eb: model_lora_keys_unet, model_lora_keys_clip, load_lora
+#   comfy/utils.py @ 2ba5cc8b867bc1aabe59fdaf0a8489e65012d603: unet_to_diffusers (which diffusers UNet names exist)
+#   comfy/weight_adapter/lora.py @ 6fd406fb14ca663225b88c6f75d7a7f2b997e5a0: LoRAAdapter.load / calculate_weight
+# UNet (SD 1.x / 2.x / SDXL): "lora_unet_" + <diffusers weight name without ".weight", "." -> "_"> for every name
+# unet_to_diffusers produces: resnets (conv1, conv2, time_emb_proj, conv_shortcut, norm1, norm2), attentions
+# (proj_in, proj_out, norm), their transformer_blocks (norm1-3, attn1/attn2 to_q/to_k/to_v/to_out.0,
+# ff.net.0.proj, ff.net.2), down/upsampler convs, and conv_in, conv_out, conv_norm_out, time_embedding.linear_1/2,
+# add_embedding.linear_1/2, class_embedding.linear_1/2. It also takes "lora_unet_" + every original (ldm) weight
+# name; of those only UNET_MAP_BASIC's are modelled here (SDXL's LoRA names add_embedding by label_emb.0.0 / 0.2).
+# ("unet.<name>" with ".processor.to_*" for attention is a third form; ot_dist does not write it.)
+_BLOCK = r"(down_blocks\.\d+|up_blocks\.\d+|mid_block)"
+COMFY_UNET_NAMES = re.compile(
+    rf"{_BLOCK}\.resnets\.\d+\.(conv1|conv2|time_emb_proj|conv_shortcut|norm1|norm2)"
+    rf"|{_BLOCK}\.attentions\.\d+\.(proj_in|proj_out|norm)"
+    rf"|{_BLOCK}\.attentions\.\d+\.transformer_blocks\.\d+\."
+    r"(norm[123]|attn[12]\.to_(q|k|v|out\.0)|ff\.net\.0\.proj|ff\.net\.2)"
+    r"|down_blocks\.\d+\.downsamplers\.0\.conv|up_blocks\.\d+\.upsamplers\.0\.conv"
+    r"|conv_in|conv_out|conv_norm_out|(time_embedding|add_embedding|class_embedding)\.linear_[12]"
+)
+COMFY_UNET_BASIC = {"label_emb.0.0": ("add_embedding.linear_1", "class_embedding.linear_1"),
+                    "label_emb.0.2": ("add_embedding.linear_2", "class_embedding.linear_2"),
+                    "input_blocks.0.0": ("conv_in",), "out.0": ("conv_norm_out",), "out.2": ("conv_out",),
+                    "time_embed.0": ("time_embedding.linear_1",), "time_embed.2": ("time_embedding.linear_2",)}
+# CLIP: LORA_CLIP_MAP's six modules of encoder layers 0-31, named "<prefix>_text_model_encoder_layers_<i>_<m>"
+# with m in mlp_fc1, mlp_fc2, self_attn_q_proj / k_proj / v_proj / out_proj. Prefixes: SD 1.x (clip_l) and
+# SD 2.x (clip_h): lora_te and lora_te1; SDXL: clip_l lora_te / lora_te1, clip_g (with clip_l present) lora_te2,
+# plus lora_te2_text_projection for clip_g's projection.
+CLIP_MODULES = {"mlp_fc1": "mlp.fc1", "mlp_fc2": "mlp.fc2", "self_attn_q_proj": "self_attn.q_proj",
+                "self_attn_k_proj": "self_attn.k_proj", "self_attn_v_proj": "self_attn.v_proj",
+                "self_attn_out_proj": "self_attn.out_proj"}
+COMFY_CLIP_PREFIXES = {"sd1": {"lora_te": "text_encoder", "lora_te1": "text_encoder"},
+                       "sd2": {"lora_te": "text_encoder", "lora_te1": "text_encoder"},
+                       "sdxl": {"lora_te": "text_encoder", "lora_te1": "text_encoder", "lora_te2": "text_encoder_2"}}
+
+
+def comfy_key_map(family: str, unet: torch.nn.Module) -> dict[str, tuple[str, str]]:
+    """ComfyUI's name -> (diffusers component, module path in the original transformers-4 / diffusers naming)."""
+    names = {}
+    for path, module in unet.named_modules():
+        if COMFY_UNET_NAMES.fullmatch(path) and getattr(module, "weight", None) is not None:
+            names["lora_unet_" + path.replace(".", "_")] = ("unet", path)
+    for original, diffusers_names in COMFY_UNET_BASIC.items():
+        for path in diffusers_names:
+            if path in dict(unet.named_modules()):
+                names["lora_unet_" + original.replace(".", "_")] = ("unet", path)
+    for prefix, component in COMFY_CLIP_PREFIXES[family].items():
+        for layer in range(32):
+            for short, path in CLIP_MODULES.items():
+                names[f"{prefix}_text_model_encoder_layers_{layer}_{short}"] = (
+                    component, f"text_model.encoder.layers.{layer}.{path}")
+    if family == "sdxl":
+        names["lora_te2_text_projection"] = ("text_encoder_2", "text_projection")
+    return names
+
+
+def comfy_load(tensors: dict[str, torch.Tensor], key_map: dict) -> tuple[dict, set[str]]:
+    """ComfyUI's load_lora for plain LoRAs: per mapped name x it takes x.lora_up.weight + x.lora_down.weight
+    (+ x.alpha, x.lora_mid.weight, x.dora_scale when present); returns the patches and the keys it did not load
+    (each one a "lora key not loaded" warning)."""
+    patches, loaded = {}, set()
+    for name, target in key_map.items():
+        up, down, alpha = f"{name}.lora_up.weight", f"{name}.lora_down.weight", f"{name}.alpha"
+        if up in tensors:
+            patches[target] = (tensors[up], tensors[down], tensors[alpha].item() if alpha in tensors else None)
+            loaded |= {up, down} | ({alpha} if alpha in tensors else set())
+    return patches, set(tensors) - loaded
+
+
+def comfy_weight_change(patch, weight: torch.Tensor) -> torch.Tensor:
+    """calculate_weight at strength 1: (alpha / rank, 1.0 without an alpha tensor) x up @ down."""
+    up, down, alpha = patch
+    scale = alpha / down.shape[0] if alpha is not None else 1.0
+    return scale * (up.flatten(1).float() @ down.flatten(1).float()).reshape(weight.shape)
+
+
+def in_memory_module(component: torch.nn.Module, path: str) -> torch.nn.Module:
+    """A module by its original path; transformers 5's CLIPTextModel has no `text_model.` level."""
+    modules = dict(component.named_modules())
+    if path not in modules and path.startswith("text_model."):
+        path = path[len("text_model."):]
+    return modules[path]
+
+
+# ---- runs -----------------------------------------------------------------------------------------------------
+TEXT_PARTS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2")}
+
+
+def lora_config(tiny_models, shapes_data, out, family, **extra):
+    parts = {f"{p}.train": True for p in TEXT_PARTS[family]}
+    return validate(base_config(tiny_models[family], shapes_data, out, family=family, method="lora", max_steps=2,
+                                learning_rate=1e-2, **{"lora.rank": RANK, "lora.alpha": ALPHA}, **parts, **extra))
+
+
+_RUNS = {}
+
+
+@pytest.fixture
+def trained(tiny_models, shapes_data, tmp_path_factory):
+    """family -> (trainer, output dir) of a 2-step LoRA run on the UNet and every text encoder, made once."""
+
+    def run(family):
+        if family not in _RUNS:
+            out = tmp_path_factory.mktemp(f"lora-{family}") / "out"
+            trainer = Trainer(lora_config(tiny_models, shapes_data, out, family), log=lambda *_: None)
+            trainer.train()
+            _RUNS[family] = trainer, out
+        return _RUNS[family]
+
+    return run
+
+
+def peft_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    from peft.tuners.lora import LoraLayer
+
+    return {path: sub for path, sub in module.named_modules() if isinstance(sub, LoraLayer)}
+
+
+def original_path(component_name: str, component: torch.nn.Module, path: str) -> str:
+    if component_name.startswith("text_encoder") and "text_model" not in dict(component.named_children()):
+        return "text_model." + path
+    return path
+
+
+# ---- tests ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
+def test_comfyui_recognises_every_module_and_leaves_nothing(trained, family):
+    trainer, out = trained(family)
+    tensors = load_file(out / "lora.safetensors")
+    key_map = comfy_key_map(family, trainer.model.denoiser)
+    patches, left_over = comfy_load(tensors, key_map)
+    assert not left_over, f"ComfyUI would not load {sorted(left_over)[:5]}"
+    # Every adapted module of every trained part is in the file, with its alpha.
+    expected = {(name, original_path(name, part, path))
+                for name, part in trainer.model.parts().items() for path in peft_layers(part)}
+    assert set(patches) == expected
+    assert {p[2] for p in patches.values()} == {ALPHA}
+    assert {name for name, _ in expected} == {"unet", *TEXT_PARTS[family]}
+    with safe_open(out / "lora.safetensors", "pt") as f:
+        metadata = f.metadata()
+    assert (metadata["ss_network_dim"], metadata["ss_network_alpha"]) == (str(RANK), str(ALPHA))
+    assert "lora_adapter_metadata" not in metadata  # diffusers would read the kohya keys as peft ones
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_all_linear_modules_load_in_comfyui_and_diffusers(tiny_models, shapes_data, tmp_path, family):
+    """Every nn.Linear of the UNet (time / added-condition embeddings, resnet projections too) has a name ComfyUI
+    maps and diffusers reads back. Untrained: random up matrices stand in for training."""
+    from ot_dist.models.loading import load_model
+
+    config = lora_config(tiny_models, shapes_data, tmp_path / "out", family, **{"lora.preset": "all_linear"})
+    model = load_model(config.model)
+    method = LoraMethod(config)
+    method.prepare(model)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for part in model.parts().values():
+            for name, p in part.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+    [path] = method.export(model, tmp_path / "out")
+    patches, left_over = comfy_load(load_file(path), comfy_key_map(family, model.denoiser))
+    assert not left_over, f"ComfyUI would not load {sorted(left_over)[:5]}"
+    linears = {p.removesuffix(".base_layer") for p, m in model.denoiser.named_modules()
+               if isinstance(m, torch.nn.Linear) and "lora_" not in p}
+    assert {path for part, path in patches if part == "unet"} == linears
+    for (part, module_path), patch in patches.items():
+        layer = in_memory_module(model.parts()[part], module_path)
+        torch.testing.assert_close(comfy_weight_change(patch, layer.base_layer.weight),
+                                   layer.get_delta_weight(ADAPTER), rtol=1e-5, atol=1e-7)
+    trainer = type("Run", (), {"model": model})
+    check_diffusers_load(trainer, tiny_models[family], path, family)
+
+
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_comfyui_applies_the_trained_change(trained, family):
+    """W + alpha / rank x up @ down (ComfyUI; 1.0 without an alpha tensor) equals peft's change, every weight."""
+    trainer, out = trained(family)
+    patches, _ = comfy_load(load_file(out / "lora.safetensors"), comfy_key_map(family, trainer.model.denoiser))
+    parts = trainer.model.parts()
+    checked, moved = 0, set()
+    for (part, path), patch in patches.items():
+        layer = in_memory_module(parts[part], path)
+        trained_change = layer.get_delta_weight(ADAPTER)
+        torch.testing.assert_close(comfy_weight_change(patch, layer.base_layer.weight), trained_change,
+                                   rtol=1e-5, atol=1e-7)
+        checked += 1
+        if trained_change.abs().max() > 0:
+            moved.add(part)
+    assert checked == sum(len(peft_layers(m)) for m in parts.values())
+    # (SDXL's first encoder feeds its penultimate layer: its last layer's LoRA gets no gradient.)
+    assert moved == set(parts), f"parts whose LoRA did not train: {set(parts) - moved}"
+
+
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
+def test_diffusers_loads_the_kohya_file(trained, tiny_models, family):
+    """diffusers converts kohya names (SD 2.x's text encoder is a CLIPTextModel too) and applies alpha / rank."""
+    trainer, out = trained(family)
+    assert next(iter(load_file(out / "lora.safetensors"))).startswith("lora_")
+    check_diffusers_load(trainer, tiny_models[family], out / "lora.safetensors", family)
+
+
+def test_diffusers_layout_option_loads(trained, tiny_models, tmp_path):
+    trainer, _ = trained("sdxl")
+    config = trainer.config
+    config = config.model_copy(update={"lora": config.lora.model_copy(update={"file_layout": "diffusers"})})
+    [path] = LoraMethod(config).export(trainer.model, tmp_path)
+    keys = load_file(path)
+    assert all(k.startswith(("unet.", "text_encoder.", "text_encoder_2.")) and ".lora_" in k for k in keys)
+    check_diffusers_load(trainer, tiny_models["sdxl"], path, "sdxl")
+
+
+def check_diffusers_load(trainer, model_path, lora_file, family):
+    model = trainer.model
+    base, untouched = DiffusionPipeline.from_pretrained(model_path), DiffusionPipeline.from_pretrained(model_path)
+    base.load_lora_weights(lora_file.parent, weight_name=lora_file.name)
+    inputs = unet_inputs(model.pipeline, family)
+    mine = unet_output(model.denoiser, inputs)
+    assert not torch.allclose(unet_output(untouched.unet, inputs), mine, atol=1e-4)
+    torch.testing.assert_close(unet_output(base.unet, inputs), mine, rtol=1e-5, atol=1e-6)
+    for name in TEXT_PARTS[family]:
+        tokenizer = base.components[name.replace("text_encoder", "tokenizer")]
+        _, ours = text_output(tokenizer, model.text_encoders[name], "a red circle")
+        _, before = text_output(tokenizer, untouched.components[name], "a red circle")
+        _, theirs = text_output(tokenizer, base.components[name], "a red circle")
+        assert not torch.allclose(before, ours, atol=1e-5), f"{name} did not train"
+        torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_kohya_layout_is_refused_where_the_family_has_no_kohya_names(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path, family="flux", method="lora",
+                      **{"lora.file_layout": "kohya"})
+    with pytest.raises(Exception, match="lora.file_layout"):
+        validate(raw)
+    raw["lora"]["file_layout"] = "auto"
+    assert validate(raw).lora_file_layout() == "diffusers"
+    assert lora_config(tiny_models, shapes_data, tmp_path, "sd1").lora_file_layout() == "kohya"
