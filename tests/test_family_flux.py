@@ -93,7 +93,7 @@ def test_text_conditioning_equals_the_pipelines_encode_prompt(family, family_mod
     torch.testing.assert_close(ours["hidden"], hidden)
 
 
-@pytest.mark.parametrize("family,method", [("flux", "full"), ("flux", "lora"), ("chroma", "lora")])
+@pytest.mark.parametrize("family,method", [("flux", "full"), ("flux", "lora"), ("chroma", "full"), ("chroma", "lora")])
 def test_training_lowers_the_loss_and_the_exports_load_in_diffusers(family, method, family_models, shapes_data,
                                                                   tmp_path):
     import diffusers
@@ -264,3 +264,18 @@ def test_lora_file_is_read_by_comfyui_rules_at_the_trained_strength(family, fami
         torch.testing.assert_close(comfy, trained.detach(), rtol=1e-5, atol=1e-7)
     assert any(layer.lora_B["default"].weight.abs().max() > 0 for name, layer in layers.items()
                if hasattr(layer, "lora_B"))  # trained: the comparison is not 0 == 0
+
+
+def test_float8_frozen_transformer_and_t5_train_a_lora(family_models, shapes_data, tmp_path):
+    """weight_dtype float8 stores the frozen transformer and the T5 in one byte a weight; the LoRA still trains
+    close to the bfloat16-stored run."""
+    losses = {}
+    for dtype in ("bfloat16", "float8"):
+        trainer = trainer_for(family_models["flux"], shapes_data, tmp_path / dtype, method="lora", max_steps=3,
+                              train_dtype="bfloat16", weight_dtype=dtype)
+        t5 = trainer.model.text_encoders["text_encoder_2"]
+        stored = {p.dtype for p in t5.parameters()} | {b.dtype for b in t5.buffers()}
+        if dtype == "float8":
+            assert torch.float8_e4m3fn in stored, stored
+        losses[dtype] = trainer.train().losses
+    assert all(abs(a - b) / abs(a) < 0.05 for a, b in zip(losses["bfloat16"], losses["float8"]))
