@@ -35,8 +35,13 @@ def test_cpu_placement_and_state_round_trip():
     weight = torch.nn.Parameter(torch.randn(4, 5))
     ownership = Ownership([whole(weight, "w")], {"w": weight.shape})
     ema = ShardedEMA(ownership, 0.9, 1, device=torch.device("cpu"))
-    ema.update(50)
-    restored = ShardedEMA(ownership, 0.9, 1)
+    assert ema.values[0].device.type == "cpu" and ema.values[0].data_ptr() != weight.data_ptr()  # its own copy
+    for step in range(3):
+        with torch.no_grad():
+            weight.add_(1.0)
+        ema.update(50 + step)
+    restored = ShardedEMA(ownership, 0.9, 1)  # starts from the current weights, which the average is not
+    assert not torch.equal(restored.values[0], ema.values[0])
     restored.load_state_dict(ema.state_dict())
     assert torch.equal(restored.values[0], ema.values[0])
     other = ShardedEMA(Ownership([whole(torch.nn.Parameter(torch.zeros(2)), "w")], {}), 0.9, 1)
@@ -73,6 +78,14 @@ def test_lora_exports_an_ema_adapter_diffusers_loads(tiny_models, shapes_data, t
     pipeline = StableDiffusionPipeline.from_pretrained(tiny_models["sd1"], local_files_only=True)
     pipeline.load_lora_weights(tmp_path, weight_name="lora_ema.safetensors", adapter_name="ema")
     assert "ema" in pipeline.get_active_adapters()
+    # the file holds the average: not the trained adapter, not its zero start
+    from safetensors.torch import load_file
+
+    averaged, trained = load_file(tmp_path / "lora_ema.safetensors"), load_file(tmp_path / "lora.safetensors")
+    assert averaged.keys() == trained.keys()
+    ups = [k for k in averaged if "lora_up" in k or "lora_B" in k]
+    assert any(averaged[k].abs().max() > 0 for k in ups)
+    assert not all(torch.equal(averaged[k], trained[k]) for k in ups)
 
 
 def test_ema_settings_are_validated(tiny_models, shapes_data, tmp_path):
