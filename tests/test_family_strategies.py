@@ -117,3 +117,41 @@ def test_bfloat16_under_every_strategy_matches_one_process(family_models, shapes
         print(f"bf16 {strategy}: max diff {diff:.3g} (fp32 vs bf16 noise {noise:.3g}, update {update:.3g})")
         allowed = BF16_STRATEGIES[strategy] * noise
         assert diff <= allowed, f"{strategy}: bf16 weights differ by {diff:.3g} > {allowed:.3g} (bf16 noise {noise:.3g})"
+
+
+def test_hybrid_shard_over_two_nodes_of_two_equals_one_process(family_models, shapes_data, tmp_path):
+    """A real hybrid mesh: 2 "nodes" (torchrun --nnodes 2) of 2 ranks each, so the weights are sharded within a
+    node and replicated across nodes (mesh 2 x 2), batch 1 per rank, against one process with batch 4 (SGD: a
+    gradient averaged over the wrong group is off by 2x). The checkpoint it saves resumes in one process."""
+    from ot_dist.checkpoint.layout import checkpoints_dir, latest_checkpoint
+    from ot_dist.checkpoint.training_state import read_trainer_state
+
+    family, model = "sd1", family_models["sd1"]
+    reference_raw = base_config(model, shapes_data, tmp_path / "ref", family=family, method="full", batch_size=4,
+                                **settings(family, "full"))
+    Trainer(validate(reference_raw), log=lambda *_: None).train()
+    reference = exported(tmp_path / "ref", family, "full")
+    hybrid = base_config(model, shapes_data, tmp_path / "hybrid", family=family, method="full", batch_size=1,
+                         strategy="fsdp", **{**settings(family, "full"), "fsdp.sharding": "hybrid_shard",
+                                             "checkpoint.every_n_steps": STEPS})
+    (tmp_path / "cases.json").write_text(json.dumps({"hybrid": hybrid}))
+    port = free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
+         "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(REPO / "tests" / "helpers" / "family_cases.py"), str(tmp_path / "cases.json")],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
+    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    got = exported(tmp_path / "hybrid", family, "full")
+    diff = max((reference[k] - got[k]).abs().max().item() for k in reference)
+    assert diff <= TOLERANCE, f"hybrid 2x2: max abs diff {diff:.3g}"
+    folder = latest_checkpoint(checkpoints_dir(tmp_path / "hybrid"))
+    state = read_trainer_state(folder)
+    sizes = [f.stat().st_size for f in sorted(folder.glob("rank-*.safetensors"))]
+    # the first replica group (ranks 0, 1) saves the sharded weights; the other only its random state
+    assert state["world_size"] == 4 and len(sizes) == 4 and max(sizes[2:]) < 0.01 * min(sizes[:2])
+    resumed_raw = {**hybrid, "strategy": "single", "batch_size": 4, "max_steps": STEPS + 1}
+    resumed_raw["fsdp"] = {}
+    result = Trainer(validate(resumed_raw), log=lambda *_: None, resume="auto").train()
+    assert result.first_step == STEPS and result.steps == STEPS + 1
