@@ -139,6 +139,15 @@ def test_resume_on_another_number_of_processes(before, after, tiny_models, shape
     # float noise of another layout (a lost or misplaced moment would change them at the 1e-2 level).
     differences = [abs(a - b) for a, b in zip(resumed["losses"], straight["losses"][STOP_AFTER + 1:], strict=True)]
     assert max(differences) <= 1e-4, differences
+    # ... and so do the final weights, EMA and Adam moments, element by element.
+    straight_out, _ = straight_run(before[0], tiny_models, shapes_data, tmp_path_factory)
+    want, got = final_state(straight_out), final_state(out)
+    assert want.keys() == got.keys() and {k.split("/")[0] for k in want} == {"w", "ema", "opt"}
+    for kind in {k.rsplit("/", 1)[0] for k in want}:  # w/, ema/, opt/exp_avg, opt/exp_avg_sq
+        keys = [k for k in want if k.rsplit("/", 1)[0] == kind]
+        scale = max(want[k].abs().max().item() for k in keys)
+        diff = max((want[k] - got[k]).abs().max().item() for k in keys)
+        assert diff <= 1e-4 * scale, f"{kind}: {diff:.3g} against values up to {scale:.3g}"
 
 
 def test_export_from_a_checkpoint_writes_what_training_wrote(tiny_models, shapes_data, tmp_path_factory, tmp_path):
