@@ -88,7 +88,7 @@ def stopped_run(strategy, tiny_models, shapes_data, tmp_path_factory, out: Path)
     return result
 
 
-@pytest.mark.parametrize("strategy", ["single", "fsdp", "zero2"])
+@pytest.mark.parametrize("strategy", ["single", "fsdp", "zero2", "zero3"])
 def test_stop_and_resume_continues_exactly(strategy, tiny_models, shapes_data, tmp_path, tmp_path_factory):
     straight_out, straight = straight_run(strategy, tiny_models, shapes_data, tmp_path_factory)
     processes = 1 if strategy == "single" else 2
