@@ -201,3 +201,21 @@ def test_every_kind_of_optimizer_state_resumes_exactly(optimizer, tiny_models, s
     assert stopped.stopped_by == "SIGTERM" and stopped.steps == 4
     resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
     assert resumed.first_step == 4 and resumed.losses == straight.losses[4:]
+
+
+def test_layout_bound_state_is_refused_at_another_layout_naming_the_entry(tiny_models, shapes_data, tmp_path):
+    """8-bit moments come in blocks with per-block scales: they cannot be cut into another rank layout. Resuming a
+    one-process 8-bit checkpoint on 2 zero2 ranks stops before training and names the entry."""
+    # a full finetune: the UNet's tensors are past min_8bit_size (a tiny LoRA's would keep 32-bit state)
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=4, max_steps=6,
+                      **{"optimizer.name": "ADAMW_8BIT", "learning_rate": 1e-4})
+    train_in_process(raw, stop_after=2)
+    two = {**raw, "batch_size": 2, "strategy": "zero2"}
+    config, result = tmp_path / "two.json", tmp_path / "two.result.json"
+    config.write_text(json.dumps(two))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(REPO / "tests" / "helpers" / "resume_run.py"), str(config),
+                           str(result), "--resume", "auto"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and not result.exists()
+    assert "state1" in done.stderr or "state2" in done.stderr or "qmap" in done.stderr, done.stderr[-3000:]
