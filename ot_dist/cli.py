@@ -204,6 +204,10 @@ def _main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ot-dist: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ot-dist schedule ... | head`: the reader is gone, nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 141
 
 
 if __name__ == "__main__":

@@ -35,6 +35,11 @@ def render_accelerate_config(
 ) -> dict:
     """`rdzv_backend` static: each node is told its rank and the rank-0 node's address; c10d: torchrun's
     elastic rendezvous at the endpoint assigns node ranks (what a PyTorchJob's elastic policy runs)."""
+    for flag, value, least in (("--nproc-per-node", nproc_per_node, 1), ("--nnodes", nnodes, 1)):
+        if value < least:
+            raise ConfigError(f"{flag}: must be at least {least}, got {value}")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank: must be in 0 .. {nnodes - 1} (--nnodes {nnodes}), got {node_rank}")
     host, _, port = (rdzv_endpoint or "").partition(":")
     if nnodes > 1 and not rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (the node-rank-0 machine)")
