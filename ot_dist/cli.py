@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train from a config")
     add_config_args(train)
     add_resume_arg(train)
+    add_overwrite_arg(train)
 
     config = sub.add_parser("config", help="check a config or print the config reference")
     config_sub = config.add_subparsers(dest="config_command", required=True)
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=int, default=0, help="times torchrun restarts failed workers")
     launch.add_argument("--strategy", default=None, choices=["single", "ddp", "fsdp", "zero1", "zero2", "zero3"])
     add_resume_arg(launch)
+    add_overwrite_arg(launch)
     launch.add_argument("--dry-run", action="store_true", help="only print the command and the accelerate config")
 
     k8s = sub.add_parser("k8s", help="render Kubernetes manifests that run `ot-dist launch` for a config")
@@ -110,6 +112,12 @@ def add_resume_arg(p: argparse.ArgumentParser) -> None:
                    "always resumes auto.")
 
 
+def add_overwrite_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="output_dir holds an earlier run: move it aside to OUTPUT_DIR.old-<time> and start a new run "
+                   "(without this, or --resume, starting over an earlier run is refused)")
+
+
 def resume_choice(args: argparse.Namespace) -> str | None:
     # torchrun restarts the whole worker group after a failure: it must continue, not start over.
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
@@ -142,12 +150,9 @@ def run(args: argparse.Namespace) -> int:
         config = reconcile_with_launcher(load_config(args.config, args.overrides))
         from ot_dist.train.trainer import train
 
-        result = train(config, resume=resume_choice(args))
-        if int(os.environ.get("RANK", "0")) == 0:
-            if result.stopped_by:
-                print(f"stopped by {result.stopped_by} after step {result.steps}: checkpoint {result.checkpoint}")
-            else:
-                print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
+        result = train(config, resume=resume_choice(args), overwrite=args.overwrite)
+        if int(os.environ.get("RANK", "0")) == 0 and not result.stopped_by:  # a stop was reported by the trainer
+            print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
         return 0
     if args.command == "export":
         from ot_dist.checkpoint.export_command import export_checkpoint
@@ -199,6 +204,10 @@ def _main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ot-dist: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ot-dist schedule ... | head`: the reader is gone, nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 141
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import subprocess
 import sys
 import tempfile
 from collections.abc import Mapping
@@ -36,6 +35,11 @@ def render_accelerate_config(
 ) -> dict:
     """`rdzv_backend` static: each node is told its rank and the rank-0 node's address; c10d: torchrun's
     elastic rendezvous at the endpoint assigns node ranks (what a PyTorchJob's elastic policy runs)."""
+    for flag, value, least in (("--nproc-per-node", nproc_per_node, 1), ("--nnodes", nnodes, 1)):
+        if value < least:
+            raise ConfigError(f"{flag}: must be at least {least}, got {value}")
+    if not 0 <= node_rank < nnodes:
+        raise ConfigError(f"--node-rank: must be in 0 .. {nnodes - 1} (--nnodes {nnodes}), got {node_rank}")
     host, _, port = (rdzv_endpoint or "").partition(":")
     if nnodes > 1 and not rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (the node-rank-0 machine)")
@@ -141,6 +145,8 @@ def run_launch(args, log=print) -> int:
     rendered = render_accelerate_config(
         config, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_backend
     )
+    if args.node_rank == 0 and not args.dry_run:  # the other nodes' workers check again, together
+        check_output_dir(config, args.resume, getattr(args, "overwrite", False), log)
     launch_dir = Path(config.output_dir) / "launch"
     launch_dir.mkdir(parents=True, exist_ok=True)
     accelerate_config = launch_dir / f"accelerate_{config.strategy}_node{args.node_rank}.yaml"
@@ -158,7 +164,21 @@ def run_launch(args, log=print) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # `python -m accelerate.commands.launch` is `accelerate launch` from this interpreter's environment.
     runnable = [sys.executable, "-m", "accelerate.commands.launch"] + command[2:]
-    return subprocess.call(runnable, env=env)
+    from ot_dist.worker_group import run_worker_group
+
+    return run_worker_group(runnable, env, log)
+
+
+def check_output_dir(config: TrainConfig, resume: str | None, overwrite: bool, log=print) -> None:
+    """Before any process starts: an earlier run is not started over (or, --overwrite, is moved aside here, so
+    the workers find a fresh folder), the latest checkpoint is not damaged, the folder is writable."""
+    from ot_dist.checkpoint.run_folder import check_before_start, check_writable, move_aside
+
+    _, move = check_before_start(config.output_dir, resume, overwrite, config.checkpoint.resume_past_damaged,
+                                 log=lambda *_: None)  # the workers warn when they resume
+    if move:
+        log(f"--overwrite: moved the earlier run to {move_aside(config.output_dir)}")
+    check_writable(config.output_dir)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ot_dist.file_modes import share_with_umask
+
 
 @contextlib.contextmanager
 def atomic_path(target: Path):
@@ -24,6 +26,7 @@ def atomic_path(target: Path):
     except BaseException:
         _remove(tmp)
         raise
+    share_with_umask(tmp)  # safetensors' save_file writes 0600
     if tmp.is_dir() and target.is_dir():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         _remove(old)

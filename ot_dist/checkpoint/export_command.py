@@ -18,8 +18,9 @@ def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str 
     from ot_dist.methods.registry import build_method
     from ot_dist.models.loading import load_model
 
-    folder = resolve_resume(path, path)
+    folder = resolve_resume(path, path, log=log)  # a damaged newer checkpoint is an error naming it
     state = read_trainer_state(folder)
+    log(f"exporting step {state['step']} from {folder.resolve()}")
     config = validate(state["config"])  # the run's resolved config, validated like any other
     method = build_method(config)
     chosen = tuple(formats or method.formats)
@@ -32,12 +33,20 @@ def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str 
     method.prepare(model)
     trained = gather_full_from_files(SavedShards(folder), state["shapes"], kind="ema" if ema else "w")
     load_trained_weights(model, trained, folder)
-    target = Path(out) if out else Path(config.output_dir) / "exports" / folder.name
+    target = Path(out) if out else default_export_dir(folder)
     kwargs = {"formats": chosen} if config.method == "full" else {}
     exported = method.export(model, target, suffix="_ema" if ema else "", **kwargs)
     for p in exported:
         log(f"exported {p}")
     return exported
+
+
+def default_export_dir(folder: Path) -> Path:
+    """RUN/exports/step-N beside RUN/checkpoints/step-N, wherever the run is now: never the output_dir recorded in
+    the checkpoint (a copied or moved run would write into the original)."""
+    folder = folder.resolve()
+    run = folder.parent.parent if folder.parent.name == "checkpoints" else folder.parent
+    return run / "exports" / folder.name
 
 
 @torch.no_grad()

@@ -48,6 +48,8 @@ class Checkpointer:
     def __init__(self, trainer):
         self.trainer = trainer
         self.root = layout.checkpoints_dir(trainer.config.output_dir)
+        run = getattr(trainer, "run", None)
+        self.run_id: str | None = run.run_id if run is not None else None  # keep_last prunes only this run's
         self.last_saved_step: int | None = None
         self.last_save_time = time.monotonic()
 
@@ -67,7 +69,7 @@ class Checkpointer:
             (partial / TRAINER_FILE).write_text(json.dumps(self.trainer_state(step, epoch, reason), indent=1))
         runtime.barrier()  # every rank's files are complete
         if runtime.is_main:
-            layout.commit(partial, self.root, step, t.config.checkpoint.keep_last)
+            layout.commit(partial, self.root, step, t.config.checkpoint.keep_last, run_id=self.run_id)
         runtime.barrier()  # nobody goes on (or exits) before the checkpoint is committed
         self.last_saved_step, self.last_save_time = step, time.monotonic()
         t.log(f"checkpoint: saved step {step} ({reason}) to {self.folder_of(step)}")
@@ -80,6 +82,7 @@ class Checkpointer:
         t = self.trainer
         return {
             "format": FORMAT,
+            "run_id": self.run_id,
             "step": step,
             "epoch": epoch,
             "samples_seen": step * t.global_batch,

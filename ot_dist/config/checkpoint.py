@@ -35,6 +35,12 @@ class CheckpointConfig(Section):
         description="Keep the newest N committed checkpoints; older ones are deleted only after a new one "
         "committed. null = keep all.",
     )
+    resume_past_damaged: bool = Field(
+        default=False,
+        description="--resume auto when the latest checkpoint is damaged (a file truncated or missing, no marker): "
+        "false = stop with exit 3 naming it and why; true = warn the same way and continue from the newest "
+        "undamaged checkpoint.",
+    )
     on_nonfinite_loss: Literal["stop", "skip_step"] = Field(
         default="stop",
         description="A NaN / inf loss on any rank. stop: save the weights as they are (the bad step is not "

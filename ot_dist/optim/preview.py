@@ -116,12 +116,15 @@ def schedule_command(config, steps: int | None, world_size: int, csv_path: str |
             raise InputFileError(f"{err} (without the data, give the step count: --steps N)") from None
         plan = plan_steps(config, bucket_sizes, world_size)
     schedule = compute_schedule(config, plan)
-    if csv_path:
-        write_csv(schedule, Path(csv_path))
-    else:
-        print(format_table(schedule))
     summary = (f"{config.scheduler.name} over {plan.total_steps} optimizer steps ({plan.steps_per_epoch} per epoch, "
                f"global batch {plan.global_batch}), warmup {schedule.warmup}, optimizer {config.optimizer.name}")
+    # Files first: a reader that stops early (`| head`) must not cost the CSV or the plot.
+    if csv_path:
+        write_csv(schedule, Path(csv_path))
+    if plot_path:
+        plot(schedule, Path(plot_path), summary)
+    if not csv_path:
+        print(format_table(schedule))
     print(summary)
     if schedule.note:
         print(f"note: {schedule.note}")
@@ -133,5 +136,4 @@ def schedule_command(config, steps: int | None, world_size: int, csv_path: str |
     if csv_path:
         print(f"wrote {csv_path}")
     if plot_path:
-        plot(schedule, Path(plot_path), summary)
         print(f"wrote {plot_path}")

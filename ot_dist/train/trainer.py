@@ -11,7 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ot_dist.checkpoint.layout import checkpoints_dir, resolve_resume
+from ot_dist.checkpoint.layout import checkpoints_dir
+from ot_dist.checkpoint.run_folder import prepare_run_folder, estimated_free_space_warning
 from ot_dist.checkpoint.training_state import Checkpointer, Position
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
@@ -56,8 +57,10 @@ class TrainResult:
 
 class Trainer:
     def __init__(self, config: TrainConfig, runtime: Runtime | None = None, log=print,
-                 tracking_run_id: str | None = None, tracking_step_offset: int = 0, resume: str | None = None):
+                 tracking_run_id: str | None = None, tracking_step_offset: int = 0, resume: str | None = None,
+                 overwrite: bool = False):
         """`resume`: None, "auto" (the latest committed checkpoint in output_dir, if any) or a checkpoint path.
+        `overwrite`: an earlier run in output_dir is moved aside (without it, starting over one is refused).
         `tracking_run_id` continues that MLflow run, its steps numbered after `tracking_step_offset`."""
         self.config = config
         self.tracking_run_id, self.tracking_step_offset = tracking_run_id, tracking_step_offset
@@ -65,6 +68,11 @@ class Trainer:
         self.runtime = runtime or start_runtime(config.distributed.timeout_minutes, needs_group=config.strategy != "single")
         self.device = self.runtime.device
         self.log = log if self.runtime.is_main else (lambda *_: None)
+        # Before anything heavy: never start over another run, a writable folder, an undamaged latest checkpoint.
+        self.run = prepare_run_folder(config.output_dir, resume, overwrite, self.runtime,
+                                      config.checkpoint.resume_past_damaged, self.log)
+        if (space := estimated_free_space_warning(config.output_dir, config.model.path, config.method)):
+            self.log(f"warning: {space}")
         self.tracking_sender = start_sender(config, self.runtime.is_main, self.log)  # MLflow loads meanwhile, elsewhere
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
@@ -102,7 +110,7 @@ class Trainer:
         self.adaptive = config.optimizer.adaptive
         self.checkpointer = Checkpointer(self)
         self.position = Position()
-        folder = resolve_resume(resume, config.output_dir)
+        folder = self.run.resume_from
         if folder is not None:
             self.position = self.checkpointer.load(folder)
             self.tracking_run_id = self.tracking_run_id or self.position.tracking_run_id
@@ -362,8 +370,8 @@ def enable_gradient_checkpointing(module: torch.nn.Module) -> None:
         module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def train(config: TrainConfig, log=print, resume: str | None = None) -> TrainResult:
-    trainer = Trainer(config, log=log, resume=resume)
+def train(config: TrainConfig, log=print, resume: str | None = None, overwrite: bool = False) -> TrainResult:
+    trainer = Trainer(config, log=log, resume=resume, overwrite=overwrite)
     try:
         return trainer.train()
     finally:

@@ -326,6 +326,8 @@ def export_single_file(
     """
     from safetensors.torch import save_file
 
+    from ot_dist.file_modes import share_with_umask
+
     path = Path(path)
     state = to_ldm_state_dict(components, family, states)
     tensors = {}
@@ -339,6 +341,7 @@ def export_single_file(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         save_file(tensors, str(tmp), metadata={"format": "pt", "ot_dist.family": family})
+        share_with_umask(tmp)  # save_file writes 0600
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -1,0 +1,181 @@
+"""The output folder of a run: checked before anything heavy loads, and never shared by two runs.
+
+    output_dir/run.json     {"run_id": ..., "started_at": ...}: written when a run starts from step 0
+
+A run is identified by its run id; every checkpoint it commits carries it (the COMMITTED marker and
+trainer.json), and a resumed run keeps its checkpoint's id. `keep_last` only prunes checkpoints with
+the current id, so whatever else is in `checkpoints/` is never deleted by another run.
+
+Starting from step 0 in a folder that holds a run (run.json, checkpoints or exports) is refused with exit
+code 2, naming the folder and the choices: `--resume auto`, another output_dir, or `--overwrite`, which
+moves the old folder aside to `<output_dir>.old-<time>` (nothing is deleted).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from ot_dist.checkpoint import layout
+from ot_dist.errors import ConfigError, InputFileError
+
+RUN_FILE = "run.json"
+# What a run leaves in output_dir (the methods' exports, their EMA twins, checkpoints, snapshots).
+RUN_ENTRIES = (RUN_FILE, "checkpoints", "snapshots", "exports", "model", "model.safetensors", "lora.safetensors",
+               "embedding.safetensors", "model_ema", "model_ema.safetensors", "lora_ema.safetensors",
+               "embedding_ema.safetensors")
+EXPORTS = RUN_ENTRIES[5:]
+
+
+def resolved(output_dir: str | Path) -> Path:
+    return Path(output_dir).expanduser().resolve()
+
+
+def earlier_run(output_dir: str | Path) -> list[str]:
+    """The entries of `output_dir` that show a run was there (empty: none). `launch/` (written by `ot-dist
+    launch` before the workers start), MLflow's local store and outbox and sample images do not count."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = []
+    for name in RUN_ENTRIES:
+        path = out / name
+        if name == "checkpoints":
+            if path.is_dir() and any(path.iterdir()):
+                found.append("checkpoints/")
+        elif path.exists():
+            found.append(name + ("/" if path.is_dir() else ""))
+    return found
+
+
+def refusal(output_dir: str | Path, found: list[str], why: str = "") -> ConfigError:
+    return ConfigError(
+        f"output_dir {resolved(output_dir)} already holds a run ({', '.join(found)}){why}; starting again would "
+        "overwrite it. Choose one: --resume auto (continue it), another output_dir, or --overwrite (moves the old "
+        f"folder aside to {resolved(output_dir).name}.old-<time>)"
+    )
+
+
+def check_writable(output_dir: str | Path) -> Path:
+    """Create `output_dir` if needed and prove that a file can be written there; exit 3 naming the resolved path."""
+    path = resolved(output_dir)
+    ancestor = path
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        what = "is not a folder" if ancestor == path else f"cannot be created: {ancestor} is not a folder"
+        raise InputFileError(f"output_dir {path} {what}")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise InputFileError(f"output_dir {path} is not writable: {err.strerror or err}") from None
+    return path
+
+
+def move_aside(output_dir: str | Path) -> Path:
+    """`--overwrite`: rename the folder to `<output_dir>.old-<time>` (a number is added when that exists)."""
+    path = resolved(output_dir)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.old-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.old-{stamp}-{n}")
+    os.replace(path, target)
+    return target
+
+
+def read_run_id(output_dir: str | Path) -> str | None:
+    try:
+        return json.loads((Path(output_dir) / RUN_FILE).read_text())["run_id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def checkpoint_run_id(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / layout.MARKER).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_before_start(output_dir: str | Path, resume: str | None, overwrite: bool,
+                       allow_damaged: bool = False, log=print) -> tuple[Path | None, bool]:
+    """Read-only: what starting in `output_dir` means. Returns (the checkpoint to resume from, whether the
+    folder is to be moved aside). Raises for a run that would be overwritten and for a bad --resume."""
+    found = earlier_run(output_dir)
+    if overwrite:
+        if resume == "auto":
+            raise ConfigError("--overwrite starts a new run and --resume auto continues the old one: give one of them")
+        if resume is not None and found and resolved(resume).is_relative_to(resolved(output_dir)):
+            raise ConfigError(f"--overwrite would move the checkpoint --resume {resume} aside with {resolved(output_dir)}; "
+                              "resume without --overwrite, or copy the checkpoint elsewhere first")
+    folder = layout.resolve_resume(resume, output_dir, allow_damaged=allow_damaged, log=log) if resume else None
+    if overwrite:
+        return folder, bool(found)
+    if resume is None and found:
+        raise refusal(output_dir, found)
+    if resume == "auto" and folder is None and any(e.rstrip("/") in EXPORTS for e in found):
+        raise refusal(output_dir, found, " but no committed checkpoint to resume from (it finished without one, or "
+                      "its checkpoints were deleted)")
+    if resume not in (None, "auto") and folder is not None:
+        owner, theirs = read_run_id(output_dir), checkpoint_run_id(folder)
+        if owner and theirs and owner != theirs:
+            raise refusal(output_dir, found, f", another run than the checkpoint {folder} belongs to")
+    return folder, False
+
+
+@dataclass
+class RunFolder:
+    output_dir: Path
+    run_id: str
+    resume_from: Path | None  # the committed checkpoint to continue from, or None (step 0)
+    moved_to: Path | None = None  # --overwrite: where the earlier run went
+
+
+def prepare_run_folder(output_dir: str | Path, resume: str | None, overwrite: bool, runtime,
+                       allow_damaged: bool = False, log=print) -> RunFolder:
+    """Every rank checks (the same files, before anybody writes: the same answer); then rank 0 moves an old run
+    aside (--overwrite), creates the folder and writes run.json; then every rank proves it can write there."""
+    folder, move = check_before_start(output_dir, resume, overwrite, allow_damaged, log)
+    runtime.barrier()  # nobody changes the folder before every rank has looked at it
+    moved = None
+    if runtime.is_main:
+        moved = move_aside(output_dir) if move else None
+        if moved:
+            log(f"--overwrite: moved the earlier run to {moved}")
+        out = check_writable(output_dir)
+        if folder is None or not (out / RUN_FILE).exists():
+            run_id = (checkpoint_run_id(folder) if folder else None) or uuid.uuid4().hex
+            text = json.dumps({"run_id": run_id, "started_at": time.time()}, indent=1) + "\n"
+            layout.write_file_durably(out / RUN_FILE, text.encode())
+    runtime.barrier()
+    out = check_writable(output_dir)
+    run_id = (checkpoint_run_id(folder) if folder else None) or read_run_id(out)
+    if run_id is None:
+        raise InputFileError(f"output_dir {out}: {RUN_FILE} is unreadable; is output_dir shared by every rank?")
+    return RunFolder(out, run_id, folder, moved)
+
+
+def estimated_free_space_warning(output_dir: str | Path, model_path: str | None, method: str) -> str | None:
+    """A full finetune's checkpoint holds float32 weights + two Adam moments (+ EMA): warn when the folder's
+    disk has less room than ~3x the model files' size (an estimate made before the model loads)."""
+    if method != "full" or not model_path or not Path(model_path).exists():
+        return None
+    source = Path(model_path)
+    size = source.stat().st_size if source.is_file() else sum(
+        p.stat().st_size for p in source.rglob("*.safetensors") if p.is_file())
+    need = 3 * size
+    free = shutil.disk_usage(resolved(output_dir)).free
+    if free < need:
+        return (f"output_dir {resolved(output_dir)} has {free / 2**30:.1f} GiB free; one checkpoint of this full "
+                f"finetune needs about {need / 2**30:.1f} GiB (estimated from {source})")
+    return None
