@@ -82,6 +82,9 @@ def test_a_crash_before_the_commit_keeps_the_previous_checkpoint(tiny_models, sh
         assert trial["latest"] == trial["pointer"] == result["good"] == "step-00000001", trial
         assert trial["loaded_step"] == 1 and trial["weights_restored"], trial
         assert trial["partial"], trial  # the crashed attempt is left behind, unread
+        # each crash point produced its state; "before-rename" leaves a complete marker in the unrenamed folder
+        expected = {"before-marker": "absent", "torn-marker": "torn", "before-rename": "complete"}[trial["point"]]
+        assert trial["marker_left"] == expected, trial
     assert result["latest_after"] == result["after"] == "step-00000500" and result["partial_after"] == []
 
 

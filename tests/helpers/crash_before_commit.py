@@ -36,8 +36,25 @@ def crash_at(point: str) -> None:
             os._exit(CRASH)
 
         layout.write_file_durably = torn
-    else:  # "before-rename"
-        layout.os.replace = lambda *a: os._exit(CRASH)
+    else:  # "before-rename": the marker is complete in the partial folder, the folder is not yet `step-N`
+        original_replace = os.replace
+
+        def crash_on_folder_rename(src, dst, *args, **kwargs):
+            if os.path.isdir(src):  # the marker itself is also written by a replace (of its temp file)
+                os._exit(CRASH)
+            return original_replace(src, dst, *args, **kwargs)
+
+        layout.os.replace = crash_on_folder_rename
+
+
+def marker_state(path, step: int) -> str:
+    """What a crash left of the marker: absent, torn (unreadable), or complete (names this save's step)."""
+    if not path.is_file():
+        return "absent"
+    try:
+        return "complete" if json.loads(path.read_text())["step"] == step else "other"
+    except ValueError:
+        return "torn"
 
 
 if __name__ == "__main__":
@@ -66,7 +83,10 @@ if __name__ == "__main__":
         loaded = trainer.checkpointer.load(resolve_resume("auto", config.output_dir))
         same = all(torch.equal(p, weights[n]) for n, p in trainer.strategy.trained_parameters().items())
         leftovers = sorted(p.name for p in root.iterdir() if p.name.endswith(".partial"))
-        results.append({"point": point, "exit": os.waitstatus_to_exitcode(status), "latest": latest.name,
+        this_attempt = layout.partial_dir(root, 100 + trial)
+        marker_left = marker_state(this_attempt / MARKER, 100 + trial)
+        results.append({"point": point, "marker_left": marker_left,
+                        "exit": os.waitstatus_to_exitcode(status), "latest": latest.name,
                         "pointer": pointer, "loaded_step": loaded.step, "weights_restored": same, "partial": leftovers})
     after = trainer.checkpointer.save(500, 0, "after the crashes")  # a real save commits and sweeps the debris
     leftovers = sorted(p.name for p in root.iterdir() if p.name.endswith(".partial"))
