@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,15 @@ CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 MINIMAL = {"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o", "data": {"path": "d"}}
 
 
-def test_configs_exist():
-    assert {p.name for p in CONFIGS} >= {"demo.yaml"}
+def test_every_shipped_config_is_in_the_readme_table_and_every_named_config_exists():
+    """A config nobody can find is dead weight, and a path the docs show must exist."""
+    documents = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    named = {m for doc in documents for m in re.findall(r"configs/([A-Za-z0-9_.-]+\.yaml)", doc.read_text())}
+    table = set(re.findall(r"^\| `configs/([A-Za-z0-9_.-]+\.yaml)` \|", (REPO / "README.md").read_text(), re.M))
+    shipped = {p.name for p in CONFIGS}
+    assert "demo.yaml" in shipped
+    assert shipped - table == set(), "configs missing from README's table of configs"
+    assert named - shipped == set(), "configs named in README / docs that do not exist"
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
