@@ -140,22 +140,33 @@ def test_float8_needs_strategy_single_or_ddp(tiny_models, shapes_data, tmp_path)
 
 
 def test_offloaded_components_visit_the_device_only_for_each_childs_forward(sd1):
-    """The meta device stands in for the accelerator: a forward there computes shapes only."""
+    """The meta device stands in for the accelerator: a forward there computes shapes only. Every unit of
+    movement is watched: during its own forward all its weights are on the device, right after it they are
+    home on the CPU, and a unit whose forward never runs (the VAE decoder in training) never moves."""
     text_encoder, vae = copy.deepcopy(sd1.text_encoder), copy.deepcopy(sd1.vae)
     homes = {id(p): (p.data_ptr(), p.detach().clone()) for m in (text_encoder, vae) for p in m.parameters()}
     meta = torch.device("meta")
     offload_to_cpu(text_encoder, meta)
     offload_to_cpu(vae, meta)
-    seen = {}
-    for name, module in [("text_layer", text_encoder.encoder.layers[0].mlp.fc1), ("vae_encoder", vae.encoder.conv_in),
-                         ("vae_decoder", vae.decoder.conv_in)]:
-        # a pre-hook registered after offloading runs after the offload's own: it sees where forward will read
-        module.register_forward_pre_hook(lambda m, a, name=name: seen.setdefault(name, m.weight.device) and None)
+    during, after = {}, {}
+    units = {f"{component}:{index}": unit for component, module in (("text", text_encoder), ("vae", vae))
+             for index, unit in enumerate(movement_units(module)) if any(True for _ in unit.parameters())}
+    for name, unit in units.items():
+        # hooks registered after offloading run after the offload's own: they see where forward reads, and
+        # where the weights are once the unit has finished
+        unit.register_forward_pre_hook(
+            lambda m, a, name=name: during.setdefault(name, {p.device.type for p in m.parameters()}) and None)
+        unit.register_forward_hook(
+            lambda m, a, out, name=name: after.setdefault(name, {p.device.type for p in m.parameters()}) and None)
 
     hidden = text_encoder(torch.randint(0, 300, (2, 77)))[0]  # inputs on the CPU are moved along
     latents = vae.encode(torch.rand(1, 3, 64, 64)).latent_dist.mean
     assert hidden.device == meta and hidden.shape == (2, 77, 32) and latents.device == meta
-    assert seen == {"text_layer": meta, "vae_encoder": meta}  # the decoder never ran, so never moved
+    decoder = {id(m) for m in vae.decoder.modules()} | {id(vae.post_quant_conv)}
+    expected_to_run = {name for name, unit in units.items() if id(unit) not in decoder}
+    assert set(during) == expected_to_run and len(expected_to_run) > 10
+    assert all(devices == {"meta"} for devices in during.values()), during
+    assert all(devices == {"cpu"} for devices in after.values()) and set(after) == set(during), after
     # Blocks move one at a time: no unit is a whole encoder stack.
     assert text_encoder.encoder not in movement_units(text_encoder) and vae.encoder not in movement_units(vae)
     assert text_encoder.encoder.layers[0] in movement_units(text_encoder)
