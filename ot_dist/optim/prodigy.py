@@ -56,6 +56,7 @@ class ShardedProdigy(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.ownership: Ownership | None = None
+        self.chunking = "auto"  # "per_tensor" / "whole" force one branch of `in_chunks` (tests run both on CPU)
 
     def attach_ownership(self, ownership: Ownership) -> None:
         """How the parameters this rank steps map onto the full ones, and the group to sum over."""
@@ -103,7 +104,7 @@ class ShardedProdigy(torch.optim.Optimizer):
                 params.append(local(p))
                 grads.append(local(p.grad))
                 states.append(self._state_for(p, params[-1], beta1, group["slice_p"]))
-            chunks = in_chunks(params, grads, states)
+            chunks = in_chunks(params, grads, states, self.chunking)
             s_rate = (d / d0) * (d if group["safeguard_warmup"] else dlr)
             for chunk in chunks:
                 numerator, denominator = accumulate(*chunk, group, beta1, beta2, beta3, d, s_rate)
@@ -187,13 +188,15 @@ class ShardedProdigy(torch.optim.Optimizer):
         return state
 
 
-def in_chunks(params: list, grads: list, states: list) -> list[tuple[list, list, list]]:
+def in_chunks(params: list, grads: list, states: list, chunking: str = "auto") -> list[tuple[list, list, list]]:
     """On the CPU one tensor at a time: every operation of the step on a tensor while it is in cache
     (what makes prodigyopt's per-tensor loop fast there). On accelerators one chunk of everything:
-    foreach kernels, few launches."""
+    foreach kernels, few launches. `chunking` "per_tensor" / "whole" forces one of the two."""
     if not params:
         return []
-    if params[0].device.type == "cpu":
+    if chunking not in ("auto", "per_tensor", "whole"):
+        raise ValueError(f"chunking must be auto, per_tensor or whole, not {chunking!r}")
+    if chunking == "per_tensor" or (chunking == "auto" and params[0].device.type == "cpu"):
         return [([p], [g], [s]) for p, g, s in zip(params, grads, states)]
     return [(params, grads, states)]
 

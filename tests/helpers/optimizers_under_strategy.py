@@ -1,6 +1,7 @@
-"""Under torchrun: train every optimizer of the stack for 2 steps in one process group, with the
-strategy given, and write what happened per optimizer to RESULT_JSON (rank 0). An optimizer the
-config refuses under that strategy is recorded with the refusal's message."""
+"""Under torchrun: train every optimizer of the stack for 2 steps in one process group, under each of
+the strategies given (comma-separated, one launch for all), and write what happened per strategy and
+optimizer to RESULT_JSON (rank 0). An optimizer the config refuses under a strategy is recorded with the
+refusal's message."""
 
 import json
 import math
@@ -19,36 +20,38 @@ from ot_dist.optim.registry import SPECS  # noqa: E402
 from ot_dist.parallel.runtime import start_runtime  # noqa: E402
 from ot_dist.train.trainer import Trainer  # noqa: E402
 
-model_dir, data_dir, out_dir, strategy, result_path = sys.argv[1:6]
+model_dir, data_dir, out_dir, strategies, result_path = sys.argv[1:6]
 names = sys.argv[6].split(",") if len(sys.argv) > 6 else list(SPECS)
 runtime = start_runtime(5)
-results = {}
-for name in names:
+local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+
+
+def run(strategy: str, name: str) -> dict:
     overrides = {**settings(name), "strategy": strategy}
     method = overrides.pop("method")
-    raw = base_config(model_dir, data_dir, f"{out_dir}/{name}", method=method, max_steps=2, batch_size=2,
+    raw = base_config(model_dir, data_dir, f"{out_dir}/{strategy}/{name}", method=method, max_steps=2, batch_size=2,
                       log_every_steps=100, **overrides)
     try:
         config = validate(raw)
     except ConfigError as err:
-        results[name] = {"refused": str(err)}
-        continue
+        return {"refused": str(err)}
     trainer = Trainer(config, runtime=runtime, log=lambda *_: None)
     before = [p.detach().clone() for p in trainer.params]
     try:
         result = trainer.train()
     except Exception as err:  # recorded, so one failing optimizer does not hide the others
-        results[name] = {"error": f"{type(err).__name__}: {err}"[:300]}
-        continue
+        return {"error": f"{type(err).__name__}: {err}"[:300]}
     after = [p.detach() for p in trainer.params]
-    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
     changed = sum(not torch.equal(local(b), local(a)) for b, a in zip(before, after))
-    results[name] = {
+    return {
         "losses": result.losses,
         "finite": all(math.isfinite(x) for x in result.losses) and all(torch.isfinite(local(a)).all() for a in after),
         "changed": changed,
         "tensors": len(after),
     }
+
+
+results = {strategy: {name: run(strategy, name) for name in names} for strategy in strategies.split(",")}
 if runtime.is_main:
     with open(result_path, "w") as f:
         json.dump(results, f, indent=1)
