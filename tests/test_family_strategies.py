@@ -79,44 +79,80 @@ def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_pa
         assert moved > 100 * TOLERANCE, f"{family} {name}: weights moved only {moved:.3g}"
 
 
-# strategy -> allowance in units of the measured bf16 noise. DDP and FSDP compute under autocast, as the one
-# process does; DeepSpeed's bf16 mode holds weights and gradients in bf16 (norms and softmax in bf16 too, the
-# reduction in bf16), a coarser recipe measured at ~5.5x the noise. A 2x gradient error is ~80x.
+# strategy -> allowance in units of the measured bf16 / fp16 noise. DDP and FSDP compute under autocast, as the one
+# process does; DeepSpeed's bf16 / fp16 modes hold weights and gradients in the low precision (norms and softmax
+# too, the reduction as well), a coarser recipe measured at ~5.5x the noise in bf16. A 2x gradient error is ~80x.
 BF16_STRATEGIES = {"ddp": 4, "fsdp": 4, "zero2": 10, "zero3": 10}
+# DeepSpeed's fp16 engine is refused by its CPU accelerator ("Type fp16 is not supported on your device"), so
+# on CPU float16 runs under ddp and fsdp; ZeRO's own loss scaler (it all-reduces the overflow flag) needs a GPU.
+FP16_STRATEGIES = {"ddp": 4, "fsdp": 4}
+OVERFLOW_AT = 2  # float16 runs: this step's gradients overflow on the last rank (tests/helpers/overflow.py)
 
 
-def test_bfloat16_under_every_strategy_matches_one_process(family_models, shapes_data, tmp_path):
-    """FSDP's MixedPrecisionPolicy, DeepSpeed's bf16 engine and DDP under autocast, against one bf16 process.
-    bf16 rounding makes them differ; the allowance is measured, not guessed: a multiple of the distance between
-    the one-process bf16 and float32 runs. A gradient off by 2x moves the weights by ~half an update, far beyond it.
-    The exports are the float32 masters (DeepSpeed's modules hold bf16 copies)."""
+def test_bfloat16_and_float16_under_every_strategy_match_one_process(family_models, shapes_data, tmp_path):
+    """FSDP's MixedPrecisionPolicy, DeepSpeed's bf16 / fp16 engines and DDP under autocast, against one process in
+    the same dtype. Rounding makes them differ; the allowance is measured, not guessed: a multiple of the distance
+    between the one-process low-precision and float32 runs. A gradient off by 2x moves the weights by ~half an
+    update, far beyond it. The exports are the float32 masters (DeepSpeed's modules hold low-precision copies).
+    float16 adds loss scaling: step 2 overflows on one rank only, and every rank must skip it as the one process
+    does (a rank that steps leaves the model one update away, 10-100x the allowance)."""
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))
+    from overflow import inject_overflow, poison_gradient_element
+
     family, model = "sd1", family_models["sd1"]
+    base = load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))
 
-    def one_process(name: str, dtype: str) -> dict[str, torch.Tensor]:
+    def one_process(name: str, dtype: str, overflow_at: int | None = None, poison_gradient: int | None = None):
         raw = base_config(model, shapes_data, tmp_path / name, family=family, method="full", batch_size=4,
                           train_dtype=dtype, **settings(family, "full"))
-        Trainer(validate(raw), log=lambda *_: None).train()
+        trainer = Trainer(validate(raw), log=lambda *_: None)
+        if overflow_at:
+            inject_overflow(trainer, overflow_at)
+        if poison_gradient:
+            poison_gradient_element(trainer, poison_gradient)
+        trainer.train()
         return exported(tmp_path / name, family, "full")
 
-    fp32, bf16 = one_process("ref-fp32", "float32"), one_process("ref-bf16", "bfloat16")
-    noise = max((fp32[k] - bf16[k]).abs().max().item() for k in fp32)
-    base = load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))
-    update = max((bf16[k] - base[k]).abs().max().item() for k in bf16)
-    assert update > 20 * noise, f"updates ({update:.3g}) must dwarf bf16 noise ({noise:.3g}) for the test to mean anything"
-    cases = {strategy: base_config(model, shapes_data, tmp_path / strategy, family=family, method="full", batch_size=2,
-                                   strategy=strategy, train_dtype="bfloat16", **settings(family, "full"))
+    def distance(a: dict, b: dict) -> float:
+        return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+    fp32 = one_process("ref-fp32", "float32")
+    references = {"bfloat16": one_process("ref-bf16", "bfloat16"), "float16": one_process("ref-fp16-skip", "float16",
+                                                                                         OVERFLOW_AT)}
+    fp16_no_overflow = one_process("ref-fp16", "float16")
+    noise = {"bfloat16": distance(fp32, references["bfloat16"]), "float16": distance(fp32, fp16_no_overflow)}
+    update = distance(references["bfloat16"], base)
+    assert update > 20 * noise["bfloat16"], f"updates ({update:.3g}) must dwarf bf16 noise ({noise['bfloat16']:.3g})"
+    skipped = distance(references["float16"], fp16_no_overflow)  # the skipped step is missing from the weights
+    assert skipped > 20 * noise["float16"], f"the one process did not skip the overflow step ({skipped:.3g})"
+    element = one_process("ref-fp16-element", "float16", poison_gradient=OVERFLOW_AT)  # skips like the overflow
+    assert distance(element, references["float16"]) < noise["float16"], "the one process did not skip the inf step"
+    cases = {f"bfloat16-{strategy}": base_config(model, shapes_data, tmp_path / f"bfloat16-{strategy}", family=family,
+                                                 method="full", batch_size=2, strategy=strategy,
+                                                 train_dtype="bfloat16", **settings(family, "full"))
              for strategy in BF16_STRATEGIES}
+    cases |= {f"float16-{strategy}": {**base_config(model, shapes_data, tmp_path / f"float16-{strategy}", family=family,
+                                                    method="full", batch_size=2, strategy=strategy,
+                                                    train_dtype="float16", **settings(family, "full")),
+                                      "_overflow_at_step": OVERFLOW_AT}
+              for strategy in FP16_STRATEGIES}
+    # one inf element after the reduction: under FSDP only the rank owning that shard sees it
+    cases |= {f"float16+element-{strategy}": {**cases[f"float16-{strategy}"], "output_dir": str(tmp_path / f"element-{strategy}"),
+                                              "_overflow_at_step": None, "_inf_gradient_element_at_step": OVERFLOW_AT}
+              for strategy in FP16_STRATEGIES}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"),
                            str(tmp_path / "cases.json")], env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    for strategy in cases:
-        got = exported(tmp_path / strategy, family, "full")
-        diff = max((bf16[k] - got[k]).abs().max().item() for k in bf16)
-        print(f"bf16 {strategy}: max diff {diff:.3g} (fp32 vs bf16 noise {noise:.3g}, update {update:.3g})")
-        allowed = BF16_STRATEGIES[strategy] * noise
-        assert diff <= allowed, f"{strategy}: bf16 weights differ by {diff:.3g} > {allowed:.3g} (bf16 noise {noise:.3g})"
+    for name in cases:
+        kind, strategy = name.split("-")
+        dtype = kind.split("+")[0]
+        got = exported(Path(cases[name]["output_dir"]), family, "full")
+        diff = distance(references[dtype], got)
+        allowed = (BF16_STRATEGIES if dtype == "bfloat16" else FP16_STRATEGIES)[strategy] * noise[dtype]
+        print(f"{kind} {strategy}: max diff {diff:.3g} (noise {noise[dtype]:.3g}, update {update:.3g})")
+        assert diff <= allowed, f"{name}: weights differ by {diff:.3g} > {allowed:.3g} ({dtype} noise {noise[dtype]:.3g})"
 
 
 def test_hybrid_shard_over_two_nodes_of_two_equals_one_process(family_models, shapes_data, tmp_path):

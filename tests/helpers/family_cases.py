@@ -2,19 +2,31 @@
 the process start-up once for many strategy x method cases). Each case exports to its own output_dir; the
 test compares those exports with a single process.
 
-CASES_JSON: {"case name": raw config dict, ...}."""
+CASES_JSON: {"case name": raw config dict, ...}; a dict may carry "_overflow_at_step": N or
+"_inf_gradient_element_at_step": N (tests/helpers/overflow.py)."""
 
 import json
+import os
 import sys
 
 from ot_dist.config.load import validate
 from ot_dist.parallel.runtime import start_runtime
 from ot_dist.train.trainer import Trainer
 
+sys.path.insert(0, os.path.dirname(__file__))
+from overflow import inject_overflow, poison_gradient_element  # noqa: E402
+
 cases = json.loads(open(sys.argv[1]).read())
 runtime = start_runtime(5, needs_group=True)
 for name, raw in cases.items():
-    Trainer(validate(raw), runtime=runtime, log=lambda *_: None).train()
+    overflow_at = raw.pop("_overflow_at_step", None)
+    poisoned_at = raw.pop("_inf_gradient_element_at_step", None)
+    trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
+    if overflow_at:
+        inject_overflow(trainer, overflow_at)
+    if poisoned_at:
+        poison_gradient_element(trainer, poisoned_at)
+    trainer.train()
     if runtime.is_main:
         print(f"case done: {name}", flush=True)
 runtime.shutdown()
