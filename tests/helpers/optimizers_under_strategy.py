@@ -23,7 +23,14 @@ from ot_dist.train.trainer import Trainer  # noqa: E402
 model_dir, data_dir, out_dir, strategies, result_path = sys.argv[1:6]
 names = sys.argv[6].split(",") if len(sys.argv) > 6 else list(SPECS)
 runtime = start_runtime(5)
-local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    """The elements of a parameter this rank holds: an FSDP DTensor's shard, a ZeRO-3 partition (`ds_tensor`;
+    the parameter itself is an empty placeholder between forwards), or the tensor."""
+    if hasattr(param, "to_local"):
+        return param.to_local()
+    return param.ds_tensor if hasattr(param, "ds_tensor") else param
 
 
 def run(strategy: str, name: str) -> dict:
@@ -36,16 +43,16 @@ def run(strategy: str, name: str) -> dict:
     except ConfigError as err:
         return {"refused": str(err)}
     trainer = Trainer(config, runtime=runtime, log=lambda *_: None)
-    before = [p.detach().clone() for p in trainer.params]
+    before = [local(p).detach().clone() for p in trainer.params]
     try:
         result = trainer.train()
     except Exception as err:  # recorded, so one failing optimizer does not hide the others
         return {"error": f"{type(err).__name__}: {err}"[:300]}
-    after = [p.detach() for p in trainer.params]
-    changed = sum(not torch.equal(local(b), local(a)) for b, a in zip(before, after))
+    after = [local(p).detach() for p in trainer.params]
+    changed = sum(not torch.equal(b, a) for b, a in zip(before, after))
     return {
         "losses": result.losses,
-        "finite": all(math.isfinite(x) for x in result.losses) and all(torch.isfinite(local(a)).all() for a in after),
+        "finite": all(math.isfinite(x) for x in result.losses) and all(torch.isfinite(a).all() for a in after),
         "changed": changed,
         "tensors": len(after),
     }
