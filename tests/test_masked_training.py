@@ -172,7 +172,7 @@ def test_a_missing_mask_is_an_error_naming_the_image_or_trains_unmasked(tiny_mod
         Trainer(validate(raw), log=print)
     lines = []
     trainer = Trainer(validate({**raw, "masked_training": {"enabled": True, "missing_mask": "unmasked"}}),
-                      log=lines.append)
+                      log=lines.append, overwrite=True)
     assert any("1 of 16 samples have no mask; they train on the whole image" in line for line in lines)
     without = next(i for i, s in enumerate(trainer.dataset.samples) if not s["mask"])
     assert trainer.dataset.metadata(without)["source"].endswith("0005.png")

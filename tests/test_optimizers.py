@@ -180,7 +180,7 @@ def test_fused_back_pass_steps_inside_backward_and_matches_the_ordinary_step(tin
     assert all(p.grad is None for p in fused.params)
     assert all(p.any() for p in lora_b), "the fused back pass did not update during backward"
 
-    fused = Trainer(validate(fused_raw), log=lambda *_: None)
+    fused = Trainer(validate(fused_raw), log=lambda *_: None, overwrite=True)  # a fresh run over the same folder
     fused.train()
     plain = Trainer(validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "p", method="lora", **common)),
                     log=lambda *_: None)
