@@ -102,3 +102,99 @@ def test_sdxl_embedding_loads_with_the_documented_calls(tiny_models, shapes_data
         (token_id,) = tokenizer.convert_tokens_to_ids(["<shape>"])
         row = encoder.get_input_embeddings().weight[token_id].detach()
         torch.testing.assert_close(row, saved[key][0].to(row.dtype))
+
+
+# -- 10. the core install trains; every import is declared -----------------------------------------------
+
+
+def declared_dependencies() -> tuple[set[str], dict[str, set[str]]]:
+    import tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+    def names(requirements):
+        return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower().replace("_", "-") for r in requirements}
+
+    return names(project["dependencies"]), {k: names(v) for k, v in project["optional-dependencies"].items()}
+
+
+def imported_modules() -> dict[str, set[str]]:
+    """Top-level third-party module -> 'module' (imported when the module loads) and/or 'lazy' (in a function),
+    over every import in ot_dist, plus the optimizer classes the registry imports by name."""
+    import ast
+    import sys
+
+    from ot_dist.optim.registry import SPECS
+
+    found: dict[str, set[str]] = {}
+
+    def visit(node, lazy):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import):
+                for alias in child.names:
+                    found.setdefault(alias.name.split(".")[0], set()).add("lazy" if lazy else "module")
+            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
+                found.setdefault(child.module.split(".")[0], set()).add("lazy" if lazy else "module")
+            visit(child, lazy or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+    for path in (REPO / "ot_dist").rglob("*.py"):
+        visit(ast.parse(path.read_text()), False)
+    for spec in SPECS.values():
+        found.setdefault(spec.target.partition(":")[0].split(".")[0], set()).add("lazy")
+    return {m: how for m, how in found.items() if m not in sys.stdlib_module_names and m not in ("ot_dist", "__future__")}
+
+
+def test_every_import_is_a_declared_dependency_and_optional_ones_name_their_extra():
+    from importlib.metadata import packages_distributions
+
+    from ot_dist.extras import EXTRAS
+
+    core, extras = declared_dependencies()
+    distributions = packages_distributions()
+    # pydantic pins pydantic-core exactly: declaring pydantic declares it.
+    provided_by = {"pydantic_core": "pydantic"}
+    for module, how in sorted(imported_modules().items()):
+        dists = {d.lower().replace("_", "-") for d in distributions.get(module, [])}
+        dists = {provided_by[module]} if module in provided_by else dists
+        assert dists, f"{module}: imported by ot_dist but not installed"
+        if module in EXTRAS:
+            assert dists & extras[EXTRAS[module]], f"{module}: not in the extra {EXTRAS[module]!r} of pyproject.toml"
+            assert how == {"lazy"}, f"{module}: optional, so it may only be imported inside the function that needs it"
+        else:
+            assert dists & core, f"{module}: imported by ot_dist (as {sorted(how)}) but not a core dependency"
+
+
+def blocking(tmp_path: Path, modules: list[str]) -> dict:
+    """An environment in which `modules` cannot be imported, as in an install without the extras."""
+    import os
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules))
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+
+
+def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(tiny_models, shapes_data, tmp_path):
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ot_dist.extras import EXTRAS
+
+    env = blocking(tmp_path, sorted(EXTRAS))
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1, **{"mlflow.enabled": True})
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    done = subprocess.run([sys.executable, "-m", "ot_dist", "train", str(config)], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "MLflow is not installed" in done.stdout and "pip install 'ot_dist[tracking]'" in done.stdout
+    assert (tmp_path / "out" / "model").is_dir()
+    for override, line in (("strategy=zero2", "strategy: zero2 needs the deepspeed package: pip install 'ot_dist[dist]'"),
+                           ("optimizer.name=ADAMW_8BIT", "optimizer.name: ADAMW_8BIT needs the bitsandbytes package: "
+                                                         "pip install 'ot_dist[optim]'")):
+        done = subprocess.run([sys.executable, "-m", "ot_dist", "config", "check", str(config), "--set", override],
+                              env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr, done.stderr

@@ -15,7 +15,9 @@ from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
 from ot_dist.config.sampling import SamplingConfig
 from ot_dist.config.section import Section
+from ot_dist.extras import missing_extra
 from ot_dist.models.families.registry import FAMILY_NAMES, get_family
+from ot_dist.optim.registry import SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
@@ -470,6 +472,11 @@ class TrainConfig(Section):
                 "reduces the gradients during backward and steps in one call, so a step cannot be dropped; use stop"
             )
         check_optimizer_setup(self)
+        # A feature whose optional package is missing is refused here, in one line naming the extra.
+        if self.strategy.startswith("zero") and (hint := missing_extra("deepspeed")):
+            raise ValueError(f"strategy: {self.strategy} {hint}")
+        if hint := missing_extra(SPECS[self.optimizer.name].target.partition(":")[0]):
+            raise ValueError(f"optimizer.name: {self.optimizer.name} {hint}")
         return self
 
     def lora_file_layout(self) -> str:
