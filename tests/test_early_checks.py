@@ -198,3 +198,92 @@ def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(tiny_m
         done = subprocess.run([sys.executable, "-m", "ot_dist", "config", "check", str(config), "--set", override],
                               env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
         assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+# -- 9. checks that come early ---------------------------------------------------------------------------
+
+
+def config_check(config: Path, cwd: Path, *overrides: str):
+    import os
+    import subprocess
+    import sys
+
+    sets = [arg for o in overrides for arg in ("--set", o)]
+    return subprocess.run([sys.executable, "-m", "ot_dist", "config", "check", str(config), *sets], cwd=cwd,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+
+
+def test_config_check_names_missing_model_and_data_paths_resolved(tiny_models, shapes_data, tmp_path):
+    import yaml
+
+    config = tmp_path / "config.yaml"
+    # Relative paths are read from the working folder: the message shows where that led.
+    config.write_text(yaml.safe_dump(base_config("models/sd1", shapes_data, "out")))
+    done = config_check(config, tmp_path)
+    assert done.returncode == 3, done.stderr
+    assert f"model.path: {tmp_path.resolve() / 'models' / 'sd1'} does not exist" in done.stderr
+    config.write_text(yaml.safe_dump(base_config(tiny_models["sd1"], "pictures", "out")))
+    done = config_check(config, tmp_path)
+    assert done.returncode == 3 and f"data.path: {tmp_path.resolve() / 'pictures'} is not a folder" in done.stderr
+    config.write_text(yaml.safe_dump(base_config(tiny_models["sd1"], shapes_data, "out")))
+    done = config_check(config, tmp_path)
+    assert done.returncode == 0 and "warning" not in done.stderr, done.stderr
+    done = config_check(config, tmp_path, "strategy=fsdp")  # one process: sharding shards nothing
+    assert done.returncode == 0 and "warning: strategy: fsdp on one process shards nothing" in done.stderr
+
+
+def test_a_missing_model_is_named_before_shards_are_built(shapes_data, tmp_path):
+    from ot_dist.errors import InputFileError
+
+    raw = base_config(tmp_path / "no-model", shapes_data, tmp_path / "out")
+    with pytest.raises(InputFileError, match=f"model.path: {re.escape(str(tmp_path / 'no-model'))} does not exist"):
+        Trainer(validate(raw), log=quiet)
+    assert not Path(raw["data"]["shards"]).exists()  # nothing built for a run that cannot start
+
+
+def test_a_single_file_without_model_config_names_the_config_key(tiny_models, tmp_path):
+    from diffusers import DiffusionPipeline
+
+    from ot_dist.errors import UserError
+    from ot_dist.models.families.sd_single_file import export_single_file
+    from ot_dist.models.loading import load_model
+
+    pipe = DiffusionPipeline.from_pretrained(tiny_models["sd1"])
+    path = export_single_file(pipe.components, "sd1", tmp_path / "sd1.safetensors")
+    raw = base_config(path, tmp_path, tmp_path / "out")
+    with pytest.raises(UserError, match="model.config") as info:
+        load_model(validate(raw).model)
+    assert "config_source" not in str(info.value)
+
+
+@pytest.mark.parametrize("resolution, step", [(8, 64), (72, 64), (40, 16)])
+def test_a_resolution_off_the_bucket_grid_is_refused(resolution, step, tmp_path):
+    from ot_dist.errors import ConfigError
+
+    raw = base_config("m", "d", "o", resolution=resolution, **{"data.bucket_step": step})
+    with pytest.raises(ConfigError, match=f"resolution: {resolution} is not a multiple of data.bucket_step {step}"):
+        validate(raw)
+    validate(base_config("m", "d", "o", resolution=2 * step, **{"data.bucket_step": step}))
+
+
+def test_a_mask_of_another_size_is_scaled_with_a_warning_and_of_another_shape_refused(tmp_path):
+    from PIL import Image
+
+    from ot_dist.data.shards import build_shard_set
+    from ot_dist.errors import InputFileError
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (64, 64), "red").save(images / "a.png")
+    (images / "a.txt").write_text("a red square")
+    Image.new("L", (32, 32), 255).save(images / "a-masklabel.png")  # half size, same shape: scaled
+    config = validate(base_config("m", images, tmp_path / "out", **{"data.bucket_step": 64}))
+    lines = []
+    build_shard_set(config, tmp_path / "shards", log=lines.append)
+    assert any(f"mask {images / 'a-masklabel.png'} is 32x32, its image {images / 'a.png'} is 64x64; the mask is "
+               "scaled" in line for line in lines), lines
+    Image.new("L", (64, 32), 255).save(images / "a-masklabel.png")  # another shape: it would not lie on the image
+    with pytest.raises(InputFileError, match=f"mask {re.escape(str(images / 'a-masklabel.png'))} is 64x32, its image "
+                                              f".* is 64x64: another shape"):
+        build_shard_set(config, tmp_path / "shards2", log=lines.append)

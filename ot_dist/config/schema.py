@@ -393,6 +393,14 @@ class TrainConfig(Section):
         if self.data.bucket_step % family.pixel_multiple:
             raise ValueError(f"data.bucket_step: {self.data.bucket_step} is not a multiple of {family.pixel_multiple}, "
                              f"the pixel grid of {self.model.family} latents")
+        for r in self.resolutions():
+            # Bucket sides are multiples of bucket_step: another resolution would silently train at the nearest one.
+            if r < self.data.bucket_step or r % self.data.bucket_step:
+                raise ValueError(
+                    f"resolution: {r} is not a multiple of data.bucket_step {self.data.bucket_step} (bucket sides are "
+                    f"multiples of it, so square images would train at "
+                    f"{max(1, round(r / self.data.bucket_step)) * self.data.bucket_step} px); choose a multiple, or "
+                    f"lower data.bucket_step (a multiple of {family.pixel_multiple} for {self.model.family})")
         parts = self.part_names()
         for name in PART_FIELDS:
             if name not in parts and getattr(self, name) != PartConfig():
