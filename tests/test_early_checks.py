@@ -287,3 +287,42 @@ def test_a_mask_of_another_size_is_scaled_with_a_warning_and_of_another_shape_re
     with pytest.raises(InputFileError, match=f"mask {re.escape(str(images / 'a-masklabel.png'))} is 64x32, its image "
                                               f".* is 64x64: another shape"):
         build_shard_set(config, tmp_path / "shards2", log=lines.append)
+
+
+# -- 11. smaller things a user sees ----------------------------------------------------------------------
+
+
+def test_the_progress_bar_shows_on_a_terminal_that_reports_zero_columns():
+    """A real process on a pseudo-terminal whose size is 0 x 0 (as some container ttys report)."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    script = ("from ot_dist.tracking.progress import Progress\n"
+              "p = Progress(7, 1)\n"
+              "for step in range(1, 8): p.step(step)\n"
+              "p.window(7, 0, 0.25, {'lr/unet': 1e-4}, 3.0)\n"
+              "p.close()\n")
+    for columns, rows in ((0, 0), (120, 40)):
+        controller, terminal = pty.openpty()
+        fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
+        child = subprocess.Popen([sys.executable, "-c", script], stdout=terminal, stderr=terminal,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)})
+        os.close(terminal)
+        output = b""
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # the child closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+        os.close(controller)
+        assert child.wait(timeout=60) == 0
+        text = output.decode(errors="replace")
+        assert "7/7" in text and "loss 0.2500" in text, (columns, text)
