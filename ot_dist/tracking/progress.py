@@ -10,7 +10,7 @@ import time
 
 # Used when the terminal reports no size (0 columns: some container ttys, `kubectl exec -t` before the first
 # resize): tqdm would take it literally, width -1 and height -1, and draw nothing.
-FALLBACK_SIZE = (100, 24)
+FALLBACK_SIZE = (120, 24)
 
 
 def format_number(value: float) -> str:
@@ -23,12 +23,13 @@ def rates_text(metrics: dict[str, float]) -> str:
     return " ".join(parts)
 
 
-def terminal_has_size(stream) -> bool:
+def reports_no_size(stream) -> bool:
+    """The terminal answers with 0 columns or rows (one that does not answer leaves tqdm unbounded, which works)."""
     try:
         size = os.get_terminal_size(stream.fileno())
     except (OSError, AttributeError, ValueError):
         return False
-    return size.columns > 0 and size.lines > 0
+    return size.columns <= 0 or size.lines <= 0
 
 
 class Progress:
@@ -40,7 +41,7 @@ class Progress:
         if enabled and stream.isatty():
             from tqdm import tqdm
 
-            size = {"dynamic_ncols": True} if terminal_has_size(stream) else dict(zip(("ncols", "nrows"), FALLBACK_SIZE))
+            size = dict(zip(("ncols", "nrows"), FALLBACK_SIZE)) if reports_no_size(stream) else {"dynamic_ncols": True}
             self.bar = tqdm(total=total_steps, initial=first_step, file=stream, unit="step", desc=f"epoch 1/{epochs}",
                             **size)
 
