@@ -326,3 +326,37 @@ def test_the_progress_bar_shows_on_a_terminal_that_reports_zero_columns():
         assert child.wait(timeout=60) == 0
         text = output.decode(errors="replace")
         assert "7/7" in text and "loss 0.2500" in text, (columns, text)
+
+
+def header(path: Path) -> dict:
+    """The JSON header of a .safetensors file as written (in its order; safe_open's metadata() is a hash map)."""
+    import json
+    import struct
+
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+@pytest.mark.parametrize("layout", ["kohya", "diffusers"])
+def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(layout, tiny_models, shapes_data, tmp_path):
+    """README: `ot-dist export` of a checkpoint writes the files training wrote, bit for bit. The export runs in
+    another process (its own hash seed: set and dict orders must not leak into the file)."""
+    import os
+    import subprocess
+    import sys
+
+
+    out = tmp_path / "out"
+    raw = base_config(tiny_models["sd1"], shapes_data, out, method="lora", max_steps=1,
+                      **{"lora.rank": 4, "lora.alpha": 8, "text_encoder.train": True, "lora.file_layout": layout})
+    Trainer(validate(raw), log=quiet).train()
+    again = tmp_path / "again"
+    done = subprocess.run([sys.executable, "-m", "ot_dist", "export", str(out), "--out", str(again)],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "7"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained, exported = header(out / "lora.safetensors"), header(again / "lora.safetensors")
+    assert list(trained["__metadata__"].items()) == list(exported["__metadata__"].items())  # same keys, same order
+    assert list(trained.items()) == list(exported.items())
+    assert (out / "lora.safetensors").read_bytes() == (again / "lora.safetensors").read_bytes()
