@@ -360,3 +360,29 @@ def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(layout, 
     assert list(trained["__metadata__"].items()) == list(exported["__metadata__"].items())  # same keys, same order
     assert list(trained.items()) == list(exported.items())
     assert (out / "lora.safetensors").read_bytes() == (again / "lora.safetensors").read_bytes()
+
+
+def test_a_zero_launch_on_cpu_does_not_compile_deepspeeds_shared_memory_op(tiny_models, shapes_data, tmp_path):
+    """DeepSpeed compiled its deepspeed_shm_comm op (~1 min) on every zero launch in a fresh container (an empty
+    torch extensions folder, as a pod's emptyDir HOME gives). ZeRO training never calls it: it is not built."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    extensions = tmp_path / "torch_extensions"  # empty, like a new pod's
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", method="lora", max_steps=1, batch_size=2,
+                      strategy="zero2", **{"lora.rank": 4})
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2"],
+                          capture_output=True, text=True, timeout=400, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1",
+                               "TORCH_EXTENSIONS_DIR": str(extensions)})
+    seconds = time.perf_counter() - start
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "out" / "lora.safetensors").is_file()
+    assert not list(extensions.rglob("*shm_comm*")) and "shm_comm built" not in done.stdout + done.stderr, seconds
