@@ -433,13 +433,13 @@ def test_cached_latents_and_text_train_like_images_and_a_stale_cache_is_refused(
     assert sum("data: caching" in line for line in lines) == 2
     # Reused by the next run; refused when it does not match the model.
     lines.clear()
-    Trainer(cached, log=lines.append)
+    Trainer(cached, log=lines.append, overwrite=True)  # a new run in the same output_dir (issue 19: never silently)
     assert not any("caching" in line for line in lines)
     (cache,) = (tmp_path / "cached-shards").glob("latents-*")
     manifest = json.loads((cache / "manifest.json").read_text())
     (cache / "manifest.json").write_text(json.dumps({**manifest, "model_key": "another vae"}))
     with pytest.raises(InputFileError, match="cache_latents: the cache .* is stale: its model_key"):
-        Trainer(cached, log=lines.append)
+        Trainer(cached, log=lines.append, overwrite=True)
 
 
 def test_text_cache_needs_frozen_text_encoders():
