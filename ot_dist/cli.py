@@ -133,7 +133,13 @@ def run(args: argparse.Namespace) -> int:
         print(render_reference())
         return 0
     if args.command == "config":
-        print(dump_config(load_config(args.config, args.overrides)), end="")
+        from ot_dist.early_checks import check_input_paths, setup_warnings
+
+        config = load_config(args.config, args.overrides)
+        check_input_paths(config)
+        print(dump_config(config), end="")
+        for warning in setup_warnings(config, int(os.environ.get("WORLD_SIZE", "1"))):
+            print(f"warning: {warning}", file=sys.stderr)
         return 0
     if args.command == "launch":
         from ot_dist.launcher import run_launch

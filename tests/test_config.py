@@ -105,7 +105,9 @@ def test_set_into_a_value_is_an_error():
 
 def test_config_check_cli(tmp_path, capsys):
     path = tmp_path / "c.yaml"
-    path.write_text("model: {family: sdxl, path: m}\nmethod: lora\noutput_dir: o\ndata: {path: d}\n")
+    (tmp_path / "m").mkdir(), (tmp_path / "d").mkdir()  # config check also checks that the paths exist
+    path.write_text(f"model: {{family: sdxl, path: {tmp_path / 'm'}}}\nmethod: lora\noutput_dir: o\n"
+                    f"data: {{path: {tmp_path / 'd'}}}\n")
     assert main(["config", "check", str(path), "--set", "lora.rank=4"]) == 0
     out = capsys.readouterr().out
     assert "rank: 4" in out and "family: sdxl" in out and "learning_rate:" in out

@@ -107,7 +107,7 @@ def test_method_trains_and_exports_loadable_files(tiny_models, shapes_data, tmp_
                 saved["clip_g"], token=token, text_encoder=base.text_encoder_2, tokenizer=base.tokenizer_2
             )
         else:
-            base.load_textual_inversion(out / "embedding.safetensors", token=token)
+            base.load_textual_inversion(out / "embedding.safetensors")  # the file names its token
         for encoder_name, tokenizer_name in zip(model.family.text_encoders, model.family.tokenizers):
             # diffusers expands a multi-vector token in the prompt the same way training did
             expanded = base.maybe_convert_prompt(prompt, base.components[tokenizer_name])
@@ -117,7 +117,7 @@ def test_method_trains_and_exports_loadable_files(tiny_models, shapes_data, tmp_
             assert torch.equal(ids_mine, ids_theirs)
             torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-6)
         init = base_embedding_rows(tiny_models[family], family, config.embedding.init_text)
-        assert not torch.allclose(saved[list(model.family.embedding_keys.values())[0]][0], init, atol=1e-3), "embedding did not train"
+        assert not torch.allclose(saved[list(model.family.embedding_keys.values())[0].format(token=token)][0], init, atol=1e-3), "embedding did not train"
 
 
 def base_embedding_rows(model_path, family, text):

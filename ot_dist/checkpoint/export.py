@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ot_dist.checkpoint.canonical import make_all_canonical
 from ot_dist.file_modes import share_with_umask
 
 
@@ -26,6 +27,8 @@ def atomic_path(target: Path):
     except BaseException:
         _remove(tmp)
         raise
+    if target.suffix == ".safetensors" or tmp.is_dir():
+        make_all_canonical(tmp)  # the same bytes whichever process writes the same tensors
     share_with_umask(tmp)  # safetensors' save_file writes 0600
     if tmp.is_dir() and target.is_dir():
         old = target.with_name(f".{target.name}.old-{os.getpid()}")

@@ -15,7 +15,9 @@ from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
 from ot_dist.config.sampling import SamplingConfig
 from ot_dist.config.section import Section
+from ot_dist.extras import missing_extra
 from ot_dist.models.families.registry import FAMILY_NAMES, get_family
+from ot_dist.optim.registry import SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
@@ -391,6 +393,14 @@ class TrainConfig(Section):
         if self.data.bucket_step % family.pixel_multiple:
             raise ValueError(f"data.bucket_step: {self.data.bucket_step} is not a multiple of {family.pixel_multiple}, "
                              f"the pixel grid of {self.model.family} latents")
+        for r in self.resolutions():
+            # Bucket sides are multiples of bucket_step: another resolution would silently train at the nearest one.
+            if r < self.data.bucket_step or r % self.data.bucket_step:
+                raise ValueError(
+                    f"resolution: {r} is not a multiple of data.bucket_step {self.data.bucket_step} (bucket sides are "
+                    f"multiples of it, so square images would train at "
+                    f"{max(1, round(r / self.data.bucket_step)) * self.data.bucket_step} px); choose a multiple, or "
+                    f"lower data.bucket_step (a multiple of {family.pixel_multiple} for {self.model.family})")
         parts = self.part_names()
         for name in PART_FIELDS:
             if name not in parts and getattr(self, name) != PartConfig():
@@ -470,6 +480,11 @@ class TrainConfig(Section):
                 "reduces the gradients during backward and steps in one call, so a step cannot be dropped; use stop"
             )
         check_optimizer_setup(self)
+        # A feature whose optional package is missing is refused here, in one line naming the extra.
+        if self.strategy.startswith("zero") and (hint := missing_extra("deepspeed")):
+            raise ValueError(f"strategy: {self.strategy} {hint}")
+        if hint := missing_extra(SPECS[self.optimizer.name].target.partition(":")[0]):
+            raise ValueError(f"optimizer.name: {self.optimizer.name} {hint}")
         return self
 
     def lora_file_layout(self) -> str:

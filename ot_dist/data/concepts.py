@@ -45,14 +45,14 @@ def scan_concepts(data: DataConfig) -> list[SourceSample]:
 def list_images(label: str, concept: ConceptConfig) -> list[Path]:
     root = Path(concept.path)
     if not root.is_dir():
-        raise InputFileError(f"{label}: {root} is not a folder")
+        raise InputFileError(f"{label}: {root.resolve()} is not a folder")
     pattern = "**/*" if concept.include_subdirectories else "*"
     images = sorted(
         p for p in root.glob(pattern)
         if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.endswith(MASK_SUFFIX) and p.is_file()
     )
     if not images:
-        raise InputFileError(f"{label}: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) in {root}")
+        raise InputFileError(f"{label}: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) in {root.resolve()}")
     return images
 
 

@@ -115,7 +115,7 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
                     "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
             with Image.open(source.image) as img:
                 img = img.convert("RGB")
-                mask = load_mask(source.mask, img.size) if source.mask else None
+                mask = load_mask(source.mask, source.image, img.size, log) if source.mask else None
                 for res in resolutions:
                     target = bucket_size(bucket, res, data.bucket_step)
                     resized = resize_to_cover(img, target)
@@ -134,13 +134,23 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     return manifest
 
 
-def load_mask(path: Path, size: tuple[int, int]) -> Image.Image:
+def load_mask(path: Path, image: Path, size: tuple[int, int], log=print) -> Image.Image:
+    """The mask of an image at the image's size. A mask of the same shape at another size (a half-size mask) is
+    scaled, with a warning; one of another shape would be stretched out of place over the image: refused."""
     try:
         with Image.open(path) as mask:
             mask = mask.convert("L")
     except OSError as err:
-        raise InputFileError(f"data: mask {path} could not be decoded: {err}") from None
-    return mask if mask.size == size else mask.resize(size, Image.Resampling.BILINEAR)
+        raise InputFileError(f"data: mask {Path(path).resolve()} could not be decoded: {err}") from None
+    if mask.size == size:
+        return mask
+    sizes = f"mask {Path(path).resolve()} is {mask.width}x{mask.height}, its image {Path(image).resolve()} is " \
+            f"{size[0]}x{size[1]}"
+    if abs(mask.width / mask.height - size[0] / size[1]) > 0.01 * size[0] / size[1]:
+        raise InputFileError(f"data: {sizes}: another shape, so it cannot be laid over the image; make the mask "
+                             "the image's size")
+    log(f"warning: data: {sizes}; the mask is scaled to the image")
+    return mask.resize(size, Image.Resampling.BILINEAR)
 
 
 def index_members(shard: Path) -> dict[str, dict[str, list[int]]]:

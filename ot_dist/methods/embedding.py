@@ -3,8 +3,10 @@
 The vectors live in a small parameter appended to each text encoder's frozen token embedding
 (rather than training the whole vocabulary matrix and masking its gradient), so the optimizer state
 and, later, the sharded state are the size of the embedding, not of the vocabulary.
-The export is the file A1111 / OneTrainer write and diffusers' `load_textual_inversion` reads:
-{"emb_params": [n, dim]} for SD 1.x/2.x and {"clip_l": ..., "clip_g": ...} for SDXL.
+The export is the file diffusers' `load_textual_inversion`, A1111 and ComfyUI read: {TOKEN: [n, dim]} for
+SD 1.x/2.x (one tensor named after the token, so `pipe.load_textual_inversion(file)` registers the token by
+itself) and {"clip_l": ..., "clip_g": ...} for SDXL / SD3 (A1111's SDXL layout; diffusers loads each key with
+`token=`). The token is also in the file's metadata ("token").
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class EmbeddingMethod(TrainingMethod):
         for name, key in model.family.embedding_keys.items():
             state = state_dict_of(model.text_encoders[name])
             (extra,) = [v for k, v in state.items() if k.endswith("token_embedding.extra")]
-            vectors[key] = extra
+            vectors[key.format(token=self.config.embedding.token)] = extra
         return vectors
 
     def export(

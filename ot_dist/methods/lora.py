@@ -97,6 +97,9 @@ class LoraMethod(TrainingMethod):
         kwargs = {}
         for part, state in states.items():
             state, metadata = scale_baked_in(state, adapter_configs[part])
+            if isinstance(metadata.get("target_modules"), (set, list, tuple)):
+                # peft keeps them in a set: its order changes with each process's hash seed, and so would the file
+                metadata = {**metadata, "target_modules": sorted(metadata["target_modules"])}
             kwargs[f"{part}_lora_layers"] = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
             kwargs[f"{part}_lora_adapter_metadata"] = metadata
         with tempfile.TemporaryDirectory(dir=target.parent) as staging, atomic_path(target) as tmp:

@@ -70,7 +70,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     elif path.is_file():
         pipeline = family.load_single_file(path, config.config, config)
     else:
-        raise InputFileError(f"model.path: {path} does not exist (expected a diffusers folder or a .safetensors file)")
+        raise InputFileError(f"model.path: {path.resolve()} does not exist (expected a diffusers folder or a .safetensors file)")
     denoiser = getattr(pipeline, family.denoiser)
     if family.inpaint_pipeline_class:
         check_inpainting_option(config.inpainting, denoiser)

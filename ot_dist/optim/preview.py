@@ -122,6 +122,9 @@ def schedule_command(config, steps: int | None, world_size: int, csv_path: str |
     if csv_path:
         write_csv(schedule, Path(csv_path))
     if plot_path:
+        from ot_dist.extras import require
+
+        require("matplotlib", f"--plot {plot_path}:")
         plot(schedule, Path(plot_path), summary)
     if not csv_path:
         print(format_table(schedule))

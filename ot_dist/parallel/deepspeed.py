@@ -84,6 +84,17 @@ def share_fp32_master_with_partitions(zero_optimizer) -> None:
             master.data = partition.data
 
 
+def skip_shared_memory_op_build() -> None:
+    """DeepSpeed's torch comm backend compiles its shared-memory all-reduce (the C++ op deepspeed_shm_comm, about
+    a minute on a small CPU) when it starts on the CPU accelerator, in every fresh container or torch extensions
+    folder, and again whenever the install path it is compiled against changes. Only `inference_all_reduce`
+    (DeepSpeed inference, AutoTP) calls it; ZeRO training reduces through torch.distributed. Marked incompatible,
+    it is not built (deepspeed/comm/torch.py build_shm_op reads this table, which DeepSpeed keeps for edits)."""
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def register_embeddings_as_external(root: torch.nn.Module) -> None:
     """ZeRO-3 gathers a parameter only while its own module runs. Embedding tables are read from
     their parent's forward too (CLIP checks `position_embedding.weight.shape` before using it), so
@@ -118,6 +129,7 @@ class DeepSpeedStrategy(Strategy):
         container = TrainableParts(self.trained_modules)
         if self.stage == 3:
             register_embeddings_as_external(container)
+        skip_shared_memory_op_build()
         self.engine, engine_optimizer, _, _ = deepspeed.initialize(
             model=container,
             optimizer=optimizer,

@@ -4,8 +4,13 @@ Kubernetes logs), where a redrawn bar would be one endless line."""
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
+
+# Used when the terminal reports no size (0 columns: some container ttys, `kubectl exec -t` before the first
+# resize): tqdm would take it literally, width -1 and height -1, and draw nothing.
+FALLBACK_SIZE = (120, 24)
 
 
 def format_number(value: float) -> str:
@@ -18,6 +23,15 @@ def rates_text(metrics: dict[str, float]) -> str:
     return " ".join(parts)
 
 
+def reports_no_size(stream) -> bool:
+    """The terminal answers with 0 columns or rows (one that does not answer leaves tqdm unbounded, which works)."""
+    try:
+        size = os.get_terminal_size(stream.fileno())
+    except (OSError, AttributeError, ValueError):
+        return False
+    return size.columns <= 0 or size.lines <= 0
+
+
 class Progress:
     def __init__(self, total_steps: int, epochs: int, log=print, stream=None, enabled: bool = True, first_step: int = 0):
         self.total_steps, self.epochs, self.log = total_steps, epochs, log
@@ -27,8 +41,9 @@ class Progress:
         if enabled and stream.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=first_step, file=stream, unit="step", dynamic_ncols=True,
-                            desc=f"epoch 1/{epochs}")
+            size = dict(zip(("ncols", "nrows"), FALLBACK_SIZE)) if reports_no_size(stream) else {"dynamic_ncols": True}
+            self.bar = tqdm(total=total_steps, initial=first_step, file=stream, unit="step", desc=f"epoch 1/{epochs}",
+                            **size)
 
     def step(self, step: int) -> None:
         """Every optimizer step: moves the bar (and its ETA); no device values needed."""

@@ -21,6 +21,7 @@ from ot_dist.data.training_data import open_training_data, report_lines
 from ot_dist.memory.placement import frozen_storage_dtype, place_component
 from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
+from ot_dist.early_checks import check_input_paths, setup_warnings
 from ot_dist.models.loading import LoadedModel, load_model
 from ot_dist.optim.adaptive import startup_warnings
 from ot_dist.optim.factory import build_optimizer
@@ -73,6 +74,9 @@ class Trainer:
                                       config.checkpoint.resume_past_damaged, self.log)
         if (space := estimated_free_space_warning(config.output_dir, config.model.path, config.method)):
             self.log(f"warning: {space}")
+        check_input_paths(config)  # a missing model is named before shards are built
+        for warning in setup_warnings(config, self.runtime.world_size):
+            self.log(f"warning: {warning}")
         self.tracking_sender = start_sender(config, self.runtime.is_main, self.log)  # MLflow loads meanwhile, elsewhere
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)

@@ -19,6 +19,10 @@ import torch
 from ot_dist.models.objectives import Objective
 
 
+# The embedding_keys value replaced by the trained token (embedding.token) in the exported file.
+EMBEDDING_TOKEN_KEY = "{token}"
+
+
 class Family:
     # -- identity and components ------------------------------------------------------------------------
     name: str  # model.family in the config
@@ -29,8 +33,10 @@ class Family:
     text_encoders: tuple[str, ...] = ()  # diffusers component names, in the order encode_text uses them
     tokenizers: tuple[str, ...] = ()  # one per text encoder
     # Text encoders that can take new token vectors (method embedding), with the key each one gets in the
-    # embedding file (the layout A1111 / OneTrainer / diffusers read). T5 encoders are not listed: a T5 learns
-    # through its relative-attention stack, and no UI loads T5 embeddings.
+    # embedding file (the layout A1111 / ComfyUI / diffusers read). EMBEDDING_TOKEN_KEY names the key after the
+    # trained token: a file of one tensor under the token's name is what `pipe.load_textual_inversion(file)`
+    # registers without `token=`. T5 encoders are not listed: a T5 learns through its relative-attention stack,
+    # and no UI loads T5 embeddings.
     embedding_keys: dict[str, str] = {}
 
     # -- LoRA -------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ot_dist.models.families.base import Family
+from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY, Family
 from ot_dist.models.objectives import DDPM
 
 UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
@@ -66,7 +66,7 @@ class SD(UNetFamily):
     inpaint_pipeline_class = "StableDiffusionInpaintPipeline"
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
-    embedding_keys = {"text_encoder": "emb_params"}
+    embedding_keys = {"text_encoder": EMBEDDING_TOKEN_KEY}
 
     def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str):
         self.name, self.description = name, description

@@ -395,13 +395,13 @@ def _resolve_config_source(config_source: str | os.PathLike | None, header: Mapp
             repo = fetch_diffusers_config(stub)["pretrained_model_name_or_path"]
         except Exception as exc:  # noqa: BLE001 - diffusers raises assorted errors for unknown layouts
             raise ConfigError(
-                "no config_source given and the checkpoint's architecture is not one diffusers recognises; "
-                "pass config_source=<local diffusers model folder>"
+                "model.config is not set and the checkpoint's architecture is not one diffusers recognises; "
+                "set model.config to a local diffusers model folder of the same architecture"
             ) from exc
     else:
         repo = str(config_source)
         if repo.count("/") != 1:
-            raise ConfigError(f"config_source {repo} is neither a local folder nor a Hugging Face repo id")
+            raise ConfigError(f"model.config: {repo} is neither a local folder nor a Hugging Face repo id")
     try:
         return Path(
             snapshot_download(
@@ -411,8 +411,8 @@ def _resolve_config_source(config_source: str | os.PathLike | None, header: Mapp
     except Exception as exc:  # noqa: BLE001 - LocalEntryNotFoundError, offline mode, bad repo id ...
         raise ConfigError(
             f"the architecture config {repo!r} is not available locally and nothing can be downloaded; "
-            "pass config_source=<local diffusers model folder> (model_index.json, unet/, vae/, text_encoder/, "
-            "tokenizer/, scheduler/ configs)"
+            "set model.config to a local diffusers model folder of the same architecture (model_index.json, unet/, "
+            "vae/, text_encoder/, tokenizer/, scheduler/ configs)"
         ) from exc
 
 
@@ -424,7 +424,7 @@ def _check_config_folder(folder: Path, family: str) -> None:
     missing = [n for n in needed if not (folder / n).exists()]
     if missing:
         raise InputFileError(
-            f"config_source {folder} is not a complete diffusers {family} model folder; missing {', '.join(missing)}"
+            f"model.config: {folder} is not a complete diffusers {family} model folder; missing {', '.join(missing)}"
         )
 
 

@@ -1,0 +1,46 @@
+"""Checks of a config against the machine, before anything expensive: the model and data paths exist, and
+choices that run but cannot do what the user wants are named. `ot-dist config check` runs them, and training
+runs them before it builds shards or loads a model. Paths are shown resolved (absolute), as the process sees
+them: a relative path is read from the working folder, which is rarely the config's folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ot_dist.errors import InputFileError
+
+SHARDING_STRATEGIES = ("fsdp", "zero1", "zero2", "zero3")
+
+
+def shown(path: str | Path) -> Path:
+    return Path(path).expanduser().resolve()
+
+
+def check_input_paths(config) -> None:
+    """model.path (and model.config when it is a folder) and the image folders exist."""
+    model = shown(config.model.path)
+    if not model.exists():
+        raise InputFileError(f"model.path: {model} does not exist (expected a diffusers folder or a .safetensors file)")
+    if model.is_file() and config.model.config is not None:
+        folder = config.model.config
+        looks_like_repo_id = folder.count("/") == 1 and not folder.startswith((".", "/", "~"))
+        if not shown(folder).is_dir() and not looks_like_repo_id:
+            raise InputFileError(f"model.config: {shown(folder)} is not a folder (a diffusers-format model folder "
+                                 "whose component configs describe the single file's architecture)")
+    for label, concept in config.data.concept_list():
+        if not shown(concept.path).is_dir():
+            raise InputFileError(f"{label}: {shown(concept.path)} is not a folder")
+    if not config.data.concept_list() and config.data.shards and not shown(config.data.shards).is_dir():
+        raise InputFileError(f"data.shards: {shown(config.data.shards)} is not a folder (build it: "
+                             "ot-dist shard build CONFIG)")
+
+
+def setup_warnings(config, world_size: int) -> list[str]:
+    """Choices that run but do not do what they are for."""
+    warnings = []
+    if config.strategy in SHARDING_STRATEGIES and world_size == 1:
+        warnings.append(
+            f"strategy: {config.strategy} on one process shards nothing (one rank holds every shard): it costs the "
+            "sharding's gathers and saves no memory; use strategy single, or launch several processes "
+            "(ot-dist launch --nproc-per-node N)")
+    return warnings
