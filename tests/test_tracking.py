@@ -5,6 +5,7 @@ embedded default store; progress on screen; secrets kept out."""
 
 from __future__ import annotations
 
+import getpass
 import io
 import json
 import os
@@ -138,6 +139,16 @@ def test_one_process_logs_every_step_to_the_server(server, first_run):
     # the resolved config as params and as an artifact; tags; exports
     assert run.data.params["learning_rate"] == "0.0003" and run.data.params["scheduler.name"] == "LINEAR"
     assert run.data.params["mlflow.tracking_uri"] == server.uri
+    # only the chosen optimizer's options: no "null" params of other optimizers (issue 22)
+    optimizer_params = {k: v for k, v in run.data.params.items() if k.startswith("optimizer.")}
+    assert optimizer_params["optimizer.name"] == "ADAMW" and "null" not in optimizer_params.values()
+    assert "optimizer.eps" in optimizer_params and "optimizer.d0" not in optimizer_params
+    # MLflow 3 opens the experiment in its training view; "Source" and "Created by" are filled (read by REST)
+    experiment = rest(server.uri, "experiments/get", experiment_id=run.info.experiment_id)["experiment"]
+    assert {"key": "mlflow.experimentKind", "value": "custom_model_development"} in experiment["tags"]
+    rest_tags = {t["key"]: t["value"] for t in rest(server.uri, "runs/get", run_id=run_id)["run"]["data"]["tags"]}
+    assert rest_tags["mlflow.source.name"].startswith("ot-dist") and rest_tags["mlflow.source.type"] == "LOCAL"
+    assert rest_tags["mlflow.user"] == getpass.getuser()
     tags = run.data.tags
     assert (tags["strategy"], tags["world_size"], tags["model_family"], tags["method"]) == ("single", "1", "sd1", "full")
     assert len(tags["git_commit"].removesuffix("-dirty")) == 40
@@ -155,6 +166,14 @@ def test_one_process_logs_every_step_to_the_server(server, first_run):
     progress = [line for line in lines if line.startswith("step ")]
     assert progress[0].startswith("step 4/6 epoch 1/2 loss ") and "lr/unet=" in progress[0]
     assert "samples/s eta " in progress[0] and progress[1].startswith("step 6/6 ")
+
+
+def rest(uri, endpoint, **query) -> dict:
+    """A GET of MLflow's REST API, as the UI makes it."""
+    import urllib.parse
+
+    with urllib.request.urlopen(f"{uri}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(query)}", timeout=30) as answer:
+        return json.loads(answer.read())
 
 
 def download_text(uri, run_id, path) -> str:

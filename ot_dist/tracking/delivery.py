@@ -30,6 +30,11 @@ def describe(err: Exception) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+# MLflow 3 opens an experiment without this tag in its GenAI view (Evaluations / Traces); this value
+# is the "machine learning / model training" kind (mlflow.utils.mlflow_tags, the UI's ExperimentKind).
+EXPERIMENT_KIND_TAG, TRAINING_KIND = "mlflow.experimentKind", "custom_model_development"
+
+
 def artifacts_next_to(uri: str) -> str | None:
     """Artifacts of a new experiment in a local SQLite store go next to its file (MLflow's default
     would be ./mlruns in whatever directory the process runs in)."""
@@ -119,9 +124,12 @@ class Delivery:
         experiment = self.client.get_experiment_by_name(header["experiment"])
         if experiment is not None:
             experiment_id = experiment.experiment_id
+            if EXPERIMENT_KIND_TAG not in experiment.tags:  # a kind the user chose is kept
+                self.client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
         else:
             location = header.get("artifact_location") if meant_here else artifacts_next_to(self.uri)
-            experiment_id = self.client.create_experiment(header["experiment"], artifact_location=location)
+            experiment_id = self.client.create_experiment(header["experiment"], artifact_location=location,
+                                                          tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
         run = self.client.create_run(experiment_id, run_name=header.get("run_name"))
         self.run_id = run.info.run_id
         if meant_here:

@@ -3,9 +3,11 @@ Plain Python, no MLflow: non-main ranks and untracked runs never import it."""
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -28,7 +30,9 @@ def flat_params(config) -> dict[str, str]:
         params[prefix.rstrip(".")] = text
 
     walk(config.model_dump(mode="json"), "")
-    return params
+    # Options the chosen optimizer does not take stay None in the config; as params they would be
+    # dozens of "null" rows of other optimizers.
+    return {k: v for k, v in params.items() if not (k.startswith("optimizer.") and v == "null")}
 
 
 def run_tags(config, world_size: int) -> dict[str, str]:
@@ -37,11 +41,24 @@ def run_tags(config, world_size: int) -> dict[str, str]:
         "world_size": str(world_size),
         "model_family": config.model.family,
         "method": config.method,
+        # MLflow's UI fills "Source" and "Created by" from these system tags
+        "mlflow.source.name": " ".join(["ot-dist", *sys.argv[1:]]) if sys.argv[1:] else "ot-dist",
+        "mlflow.source.type": "LOCAL",
     }
+    user = current_user()
+    if user:
+        tags["mlflow.user"] = user
     commit = git_commit(Path(__file__).resolve().parents[2])
     if commit:
         tags["git_commit"] = commit
     return tags
+
+
+def current_user() -> str | None:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a uid without a passwd entry (containers)
+        return None
 
 
 def git_commit(directory: Path) -> str | None:
