@@ -97,7 +97,7 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(family_mode
     float16 adds loss scaling: step 2 overflows on one rank only, and every rank must skip it as the one process
     does (a rank that steps leaves the model one update away, 10-100x the allowance)."""
     sys.path.insert(0, str(REPO / "tests" / "helpers"))
-    from overflow import inject_overflow, poison_gradient_element
+    from overflow import inject
 
     family, model = "sd1", family_models["sd1"]
     base = load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))
@@ -106,10 +106,7 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(family_mode
         raw = base_config(model, shapes_data, tmp_path / name, family=family, method="full", batch_size=4,
                           train_dtype=dtype, **settings(family, "full"))
         trainer = Trainer(validate(raw), log=lambda *_: None)
-        if overflow_at:
-            inject_overflow(trainer, overflow_at)
-        if poison_gradient:
-            poison_gradient_element(trainer, poison_gradient)
+        inject(trainer, overflow_at, poison_gradient)
         trainer.train()
         return exported(tmp_path / name, family, "full")
 

@@ -14,7 +14,7 @@ from ot_dist.parallel.runtime import start_runtime
 from ot_dist.train.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from overflow import inject_overflow, poison_gradient_element  # noqa: E402
+from overflow import inject  # noqa: E402
 
 cases = json.loads(open(sys.argv[1]).read())
 runtime = start_runtime(5, needs_group=True)
@@ -22,10 +22,7 @@ for name, raw in cases.items():
     overflow_at = raw.pop("_overflow_at_step", None)
     poisoned_at = raw.pop("_inf_gradient_element_at_step", None)
     trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
-    if overflow_at:
-        inject_overflow(trainer, overflow_at)
-    if poisoned_at:
-        poison_gradient_element(trainer, poisoned_at)
+    inject(trainer, overflow_at, poisoned_at)
     trainer.train()
     if runtime.is_main:
         print(f"case done: {name}", flush=True)

@@ -12,10 +12,23 @@ import os
 FACTOR = 1e30
 
 
+def world_and_last_rank() -> tuple[int, bool]:
+    """The number of processes, and whether this one is the last (the one process: always)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return world, int(os.environ.get("RANK", "0")) == world - 1
+
+
+def inject(trainer, overflow_at: int | None = None, inf_gradient_element_at: int | None = None) -> None:
+    """Apply the injections asked for (each a 1-based optimizer step, or None)."""
+    if overflow_at:
+        inject_overflow(trainer, overflow_at)
+    if inf_gradient_element_at:
+        poison_gradient_element(trainer, inf_gradient_element_at)
+
+
 def inject_overflow(trainer, at_step: int) -> None:
     """Make optimizer step `at_step` (1-based) overflow on the last rank."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    on_this_rank = int(os.environ.get("RANK", "0")) == world - 1
+    _, on_this_rank = world_and_last_rank()
     accumulation = trainer.config.gradient_accumulation_steps
     original = trainer.strategy.backward
     calls = [0]
@@ -37,8 +50,7 @@ def poison_gradient_element(trainer, at_step: int) -> None:
     the step everywhere."""
     import torch
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    last_rank = int(os.environ.get("RANK", "0")) == world - 1
+    world, last_rank = world_and_last_rank()
     original = trainer.strategy.step
     calls = [0]
 
