@@ -17,6 +17,7 @@ from test_optimizers import settings  # noqa: E402  (what a user sets to train w
 from ot_dist.config.load import validate  # noqa: E402
 from ot_dist.errors import ConfigError  # noqa: E402
 from ot_dist.optim.registry import SPECS  # noqa: E402
+from ot_dist.parallel.ownership import local as local_shard  # noqa: E402
 from ot_dist.parallel.runtime import start_runtime  # noqa: E402
 from ot_dist.train.trainer import Trainer  # noqa: E402
 
@@ -28,9 +29,7 @@ runtime = start_runtime(5)
 def local(param: torch.Tensor) -> torch.Tensor:
     """The elements of a parameter this rank holds: an FSDP DTensor's shard, a ZeRO-3 partition (`ds_tensor`;
     the parameter itself is an empty placeholder between forwards), or the tensor."""
-    if hasattr(param, "to_local"):
-        return param.to_local()
-    return param.ds_tensor if hasattr(param, "ds_tensor") else param
+    return param.ds_tensor if hasattr(param, "ds_tensor") else local_shard(param)
 
 
 def run(strategy: str, name: str) -> dict:
