@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.optim.prodigy import ShardedProdigy
-from ot_dist.parallel.deepspeed import zero_ownership
+from ot_dist.parallel.deepspeed import skip_shared_memory_op_build, zero_ownership
 from ot_dist.parallel.fsdp import fsdp_ownership
 from ot_dist.parallel.runtime import start_runtime
 
@@ -72,6 +72,8 @@ def run_fsdp(slice_p: int):
 def run_zero(stage: int, slice_p: int):
     import deepspeed
 
+    # As the zero strategy does: DeepSpeed's shared-memory all-reduce op is not built (only inference uses it).
+    skip_shared_memory_op_build()
     model = toy_model()
     optimizer = ShardedProdigy(model.parameters(), lr=1.0, slice_p=slice_p, weight_decay=0.01)
     config = {"train_micro_batch_size_per_gpu": 8, "train_batch_size": 8 * dist.get_world_size(),
