@@ -105,6 +105,13 @@ class LoraConfig(Section):
         "load_lora_weights. auto: kohya for the families "
         "that have kohya names (sd1, sd2, sdxl), diffusers for the others (sd3, flux, chroma for now).",
     )
+    init_from: str | None = Field(
+        default=None,
+        description="A LoRA .safetensors file to start from instead of zero (continue a LoRA, ot_dist's or another "
+        "trainer's: kohya or diffusers layout). Its rank must equal lora.rank; its alpha is honoured (the starting "
+        "change equals the file's); the targeted modules it lacks start at zero change, modules it has that are "
+        "not targeted are an error.",
+    )
 
 
 class EmbeddingConfig(Section):

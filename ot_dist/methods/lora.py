@@ -47,6 +47,11 @@ class LoraMethod(TrainingMethod):
             for p in params:
                 p.data = p.data.float()
             groups.append(ParamGroup(part, params, self.config.part_learning_rate(part), part=part))
+        if self.config.lora.init_from:
+            from ot_dist.lora_tools.start import start_from_file
+
+            start_from_file(model, {g.part: model.part(g.part) for g in groups}, self.config.lora.init_from,
+                            self.config.lora.rank, ADAPTER)
         return groups
 
     def export(
