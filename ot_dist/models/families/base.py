@@ -55,6 +55,12 @@ class Family:
     # pads odd sizes itself). data.bucket_step must be a multiple of it.
     pixel_multiple: int = 8
 
+    # -- starting configs (`ot-dist init`) --------------------------------------------------------------
+    # The side the family's base models were trained at (the resolution a new config starts with), and the
+    # model of ot_dist/memory/table.py whose byte counts stand for this family's (None: no starting presets).
+    native_resolution: int = 1024
+    memory_reference: str | None = None
+
     def configure(self, model_config) -> "Family":
         """The family with the config's model-section settings applied (a copy when they differ; instances are
         shared). Most families have none."""

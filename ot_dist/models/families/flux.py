@@ -90,6 +90,7 @@ class FlowTransformerFamily(Family):
 
 class Flux(FlowTransformerFamily):
     name = "flux"
+    memory_reference = "Flux.1 dev"
     description = "Flux.1 dev / schnell (MMDiT, CLIP-L pooled + T5, flow matching with a resolution-dependent shift)"
     pipeline_class = "FluxPipeline"
     text_encoders = ("text_encoder", "text_encoder_2")
@@ -158,6 +159,7 @@ class Flux(FlowTransformerFamily):
 
 class Chroma(FlowTransformerFamily):
     name = "chroma"
+    memory_reference = "Flux.1 dev"  # Chroma: Flux.1 schnell's blocks, no guidance / CLIP (8.9 B): an upper bound
     description = "Chroma (Flux-based MMDiT, T5 only with its attention mask, no guidance)"
     pipeline_class = "ChromaPipeline"
     text_encoders = ("text_encoder",)
