@@ -36,7 +36,7 @@ def model_dir(request, family) -> Path:
 def random_lora_file(request, family, shapes_data, out: Path, layout="auto", seed=0) -> Path:
     """ot_dist's exported LoRA (denoiser + text encoders where the family has them) with random up matrices
     standing in for training."""
-    text = {"text_encoder.train": True} if family in ("sd1", "sdxl") else {}
+    text = {"text_encoder.train": True} if family in ("sd1", "sdxl", "flux") else {}  # CLIP text encoders
     config = validate(base_config(model_dir(request, family), shapes_data, out, family=family, method="lora",
                                   **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.file_layout": layout}, **text))
     model = load_model(config.model)
@@ -235,3 +235,16 @@ def test_bad_files_are_named(tiny_models, tmp_path):
     done = run_process("lora", "merge", tiny_models["sd1"], other, "--family", "sd1", "--out", tmp_path / "m")
     assert done.returncode != 0 and "none of its 1 modules" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "m").exists()
+
+
+# ComfyUI comfy/lora.py model_lora_keys_clip (@ 41444b5236c613ee5ff7d09aa620f94b702f30eb): a diffusers-layout CLIP
+# LoRA module is "text_encoder.text_model.encoder.layers.<b>.<c>" for c in LORA_CLIP_MAP's keys (clip_l).
+COMFY_CLIP_MODULES = ("mlp.fc1", "mlp.fc2", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj",
+                      "self_attn.out_proj")
+
+
+def test_flux_clip_lora_is_named_as_comfyui_reads_it(request, shapes_data, tmp_path):
+    lora = random_lora_file(request, "flux", shapes_data, tmp_path / "o")
+    modules = {k.rsplit(".lora_", 1)[0] for k in load_file(lora) if k.startswith("text_encoder.")}
+    comfy = {f"text_encoder.text_model.encoder.layers.{b}.{c}" for b in range(32) for c in COMFY_CLIP_MODULES}
+    assert modules and modules <= comfy, sorted(modules - comfy)[:3]

@@ -45,11 +45,13 @@ def module_index(model, layout: str, parts: dict[str, torch.nn.Module] | None = 
         root = family.lora_file_roots.get(part, "")
         has_root = root in dict(module.named_children())
         for path, sub in adaptable_modules(module).items():
+            # The first name is the one ot_dist writes (with the family's root level, as ComfyUI reads CLIP keys);
+            # the other is what files written without it (transformers 5 based trainers) use.
             target = Target(part, path, sub)
-            index[f"{part}.{path}"] = target
-            if root and not has_root:  # files from before transformers 5 name CLIP modules under text_model.
+            if root and not has_root:
                 index[f"{part}.{root}.{path}"] = target
-            elif root and has_root and path.startswith(root + "."):
+            index[f"{part}.{path}"] = target
+            if root and has_root and path.startswith(root + "."):
                 index[f"{part}.{path[len(root) + 1:]}"] = target
     return index
 

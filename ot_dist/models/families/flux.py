@@ -99,6 +99,9 @@ class Flux(FlowTransformerFamily):
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS,
                    "text_encoder_2": T5_SHARD_UNITS}
     lora_file_prefixes = None
+    # CLIP-L's LoRA modules carry the text_model. level transformers 5 dropped: ComfyUI maps Flux's CLIP LoRA keys
+    # only as text_encoder.text_model.encoder.layers.N..., and diffusers strips the level again when loading.
+    lora_file_roots = {"text_encoder": "text_model"}
 
     def __init__(self, guidance_scale: float = 1.0):
         # The distilled guidance dev's transformer is shown in training (OneTrainer and SimpleTuner train at 1.0).
