@@ -229,7 +229,8 @@ def test_custom_class_outside_the_allowed_modules_needs_opt_in(tmp_path, monkeyp
 
 
 def test_adafactor_schedule_reports_the_step_size_applied():
-    config = validate({**MINIMAL, "optimizer": {"name": "ADAFACTOR"}, "scheduler": {"name": "ADAFACTOR"}})
+    config = validate({**MINIMAL, "optimizer": {"name": "ADAFACTOR", "relative_step": True, "scale_parameter": True},
+                       "scheduler": {"name": "ADAFACTOR"}})
     torch.manual_seed(0)
     weight = torch.nn.Parameter(torch.randn(8, 8))
     optimizer = build_optimizer(config.optimizer, [ParamGroup("unet", [weight], 1e-4)])

@@ -214,7 +214,8 @@ class OptimizerConfig(Section):
         default=None,
         description=(
             "Adafactor: compute a time-dependent step size and ignore learning rates (use scheduler ADAFACTOR). "
-            "false (with scale_parameter false) = AdamW-like mode with your learning rate and schedule."
+            "false (the default, OneTrainer's, with scale_parameter false) = AdamW-like mode with your learning "
+            "rate and schedule."
             + _by("relative_step")
         ),
     )
@@ -298,7 +299,7 @@ class OptimizerConfig(Section):
         for key in spec.must_be_positive:
             if not getattr(self, key):
                 raise ValueError(
-                    f"optimizer.{key}: {self.name} needs {key} > 0 (its bitsandbytes implementation refuses 0)"
+                    f"optimizer.{key}: {self.name} needs {key} > 0 (its implementation refuses 0)"
                 )
         if self.foreach and self.fused:
             raise ValueError(
@@ -573,7 +574,8 @@ def check_optimizer_setup(config) -> None:
     if sched.name == "ADAFACTOR" and not adafactor_adaptive:
         raise ValueError(
             "scheduler.name: ADAFACTOR reports Adafactor's own step size; it needs optimizer.name ADAFACTOR "
-            "with optimizer.relative_step: true"
+            "with optimizer.relative_step: true (the default, OneTrainer's, is false: Adafactor then follows your "
+            "learning rate and any other schedule)"
         )
     if adafactor_adaptive and sched.name != "ADAFACTOR":
         raise ValueError(
