@@ -195,7 +195,8 @@ def test_every_kind_of_optimizer_state_resumes_exactly(optimizer, tiny_models, s
     def raw(out):
         return base_config(tiny_models["sd1"], shapes_data, out, method="lora", batch_size=2, max_steps=6,
                            **{"optimizer.name": optimizer, "learning_rate": 1.0 if optimizer == "PRODIGY" else 1e-3,
-                              "lora.rank": 4, **({"scheduler.name": "ADAFACTOR"} if optimizer == "ADAFACTOR" else {})})
+                              "lora.rank": 4, **({"scheduler.name": "ADAFACTOR", "optimizer.relative_step": True, "optimizer.scale_parameter": True}
+                                 if optimizer == "ADAFACTOR" else {})})
     straight = train_in_process(raw(tmp_path / "straight"))
     stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=3)
     assert stopped.stopped_by == "SIGTERM" and stopped.steps == 4

@@ -39,14 +39,15 @@ def test_masked_loss_is_the_hand_computation():
     batch, prediction, target = hand_batch()
     options = MaskedTrainingConfig(enabled=True, unmasked_probability=0, unmasked_weight=0.2)
     weights = mask_weights(batch, (2, 2), options, seed=0, epoch=0)
-    # area scaling: 1, 0, 1/4, 0; weight = mask + (1 - mask) x 0.2
-    torch.testing.assert_close(weights[0, 0], torch.tensor([[1.0, 0.2], [0.4, 0.2]]))
+    # area scaling: 1, 0, 1/4, 0; weight = the mask clamped to [0.2, 1], as OneTrainer's masked_losses
+    # (modules/util/loss/masked_loss.py: torch.clamp(mask, unmasked_weight, 1)); the soft 1/4 stays 1/4
+    torch.testing.assert_close(weights[0, 0], torch.tensor([[1.0, 0.2], [0.25, 0.2]]))
     torch.testing.assert_close(weights[1, 0], torch.full((2, 2), 0.2))
-    # sample 0: mean over channels and positions of weight x error = (1 + 9) / 2 x mean(1, .2, .4, .2) = 5 x 0.45
+    # sample 0: mean over channels and positions of weight x error = (1 + 9) / 2 x mean(1, .2, .25, .2) = 5 x 0.4125
     # sample 1: 4 x 0.2; the batch: their mean
     loss = weighted_mse(prediction, target, weights)
-    torch.testing.assert_close(loss, torch.tensor((5 * 0.45 + 4 * 0.2) / 2))
-    # normalize_masked_area_loss: each sample divided by the mean of its weights (0.45 and 0.2)
+    torch.testing.assert_close(loss, torch.tensor((5 * 0.4125 + 4 * 0.2) / 2))
+    # normalize_masked_area_loss: each sample divided by the mean of its weights (0.4125 and 0.2)
     normalized = weighted_mse(prediction, target, weights, normalize=True)
     torch.testing.assert_close(normalized, torch.tensor((5.0 + 4.0) / 2))
     # with unmasked_weight 0 a black sample contributes nothing (and normalisation cannot divide by 0 then

@@ -21,8 +21,8 @@ def test_schedule_output_equals_what_the_optimizer_saw(tiny_models, shapes_data,
         tiny_models["sd1"], shapes_data, tmp_path / "out", method="lora", batch_size=2, gradient_accumulation_steps=2,
         epochs=2, max_steps=7, learning_rate=1e-3,
         **{"text_encoder.train": True, "text_encoder.learning_rate": 4e-4, "scheduler.name": "COSINE_WITH_HARD_RESTARTS",
-           "scheduler.cycles": 2, "scheduler.warmup_steps": 2, "scheduler.min_factor": 0.1},
-    )
+           "scheduler.cycles": 2, "scheduler.warmup_steps": 4, "scheduler.min_factor": 0.1},
+    )  # warmup: 4 micro steps (OneTrainer's unit) = 2 optimizer steps
     config_path = tmp_path / "config.yaml"
     config_path.write_text(yaml.safe_dump(raw))
     assert main(["schedule", str(config_path), "--csv", str(tmp_path / "lr.csv"), "--plot", str(tmp_path / "lr.png")]) == 0
@@ -43,6 +43,7 @@ def test_schedule_output_equals_what_the_optimizer_saw(tiny_models, shapes_data,
     trainer.train()
     assert len(seen) == 7
     assert preview == seen  # exactly, every group, every step
+    assert seen[0] == [0.0, 0.0] and seen[1] == [5e-4, 2e-4]  # OneTrainer's warmup: step / warmup
     assert seen[2] == [1e-3, 4e-4]  # the first step after warmup runs at the full rate
 
 

@@ -34,8 +34,10 @@ REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 STEPS = 6
 SECRET = "s3cret-never-logged-7781"
-# LINEAR after a 2-step warmup, two groups with their own learning rates: every step's lr differs.
+# LINEAR to 0.1 after a 2-step warmup, two groups with their own learning rates: every step's lr differs
+# (0, 0.5, 1, 0.775, 0.55, 0.325 of each group's).
 SETTINGS = {"epochs": 2, "max_steps": STEPS, "log_every_steps": 4, "scheduler.name": "LINEAR", "scheduler.warmup_steps": 2,
+            "scheduler.min_factor": 0.1,
             "text_encoder.train": True, "text_encoder.learning_rate": 1e-4, "mlflow.enabled": True}
 
 

@@ -56,7 +56,7 @@ class MaskedTrainingConfig(Section):
     """Masked training (OneTrainer's): learn only where each image's mask (`a-masklabel.png` beside
     `a.png`; white = learn, black = ignore) is white. The mask follows the image through the bucket
     resize and crop and is scaled to latent resolution (area average); each latent element's loss is
-    weighted by mask + (1 - mask) x unmasked_weight."""
+    weighted by the mask clamped to [unmasked_weight, 1], as OneTrainer weights it."""
 
     enabled: bool = Field(default=False, description="Train with the masks (OneTrainer: masked_training).")
     unmasked_probability: float = Field(

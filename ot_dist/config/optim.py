@@ -214,7 +214,8 @@ class OptimizerConfig(Section):
         default=None,
         description=(
             "Adafactor: compute a time-dependent step size and ignore learning rates (use scheduler ADAFACTOR). "
-            "false (with scale_parameter false) = AdamW-like mode with your learning rate and schedule."
+            "false (the default, OneTrainer's, with scale_parameter false) = AdamW-like mode with your learning "
+            "rate and schedule."
             + _by("relative_step")
         ),
     )
@@ -298,7 +299,7 @@ class OptimizerConfig(Section):
         for key in spec.must_be_positive:
             if not getattr(self, key):
                 raise ValueError(
-                    f"optimizer.{key}: {self.name} needs {key} > 0 (its bitsandbytes implementation refuses 0)"
+                    f"optimizer.{key}: {self.name} needs {key} > 0 (its implementation refuses 0)"
                 )
         if self.foreach and self.fused:
             raise ValueError(
@@ -320,19 +321,21 @@ class OptimizerConfig(Section):
 
 class SchedulerConfig(Section):
     """The learning-rate schedule, counted in optimizer steps: a factor on each parameter group's learning
-    rate. Linear warmup first (factor (step+1)/(warmup+1)), then the schedule over the remaining steps."""
+    rate, computed as OneTrainer computes it. Linear warmup first (factor step/warmup, the first step at 0),
+    then the schedule over the remaining steps."""
 
     name: Literal[SCHEDULER_NAMES] = Field(
         default="CONSTANT",
         description="CONSTANT; LINEAR, COSINE, REX (decay to min_factor); COSINE_WITH_RESTARTS (smooth: `cycles` "
-        "rises back to the top, ending low), COSINE_WITH_HARD_RESTARTS and REX_WITH_RESTARTS (`cycles` equal "
+        "full cosine periods, lows total/cycles steps apart, ending near the top), COSINE_WITH_HARD_RESTARTS and REX_WITH_RESTARTS (`cycles` equal "
         "decays, each jumping back to the top); ADAFACTOR (Adafactor's own relative step, with optimizer "
         "ADAFACTOR relative_step true); CUSTOM (any torch.optim.lr_scheduler class, see class_name).",
     )
     warmup_steps: int | float = Field(
         default=0, ge=0,
-        description="Linear warmup: a step count when > 1, a fraction of the total steps when <= 1 (0.05 = 5%, "
-        "1 = the whole run).",
+        description="Linear warmup: when > 1 a count of micro steps (OneTrainer's unit: divided by "
+        "gradient_accumulation_steps it gives optimizer steps), when <= 1 a fraction of the total optimizer steps "
+        "(0.05 = 5%, 1 = the whole run).",
     )
     cycles: float | None = Field(
         default=None, gt=0,
@@ -362,7 +365,7 @@ class SchedulerConfig(Section):
     snapshot_at_cycle_lows: bool = Field(
         default=False,
         description="With a cyclic schedule: export a snapshot to output_dir/snapshots/step-N/ at the lowest "
-        "learning rate of every cycle but the last (the final export is the last). 10000 steps with 20 hard "
+        "learning rate of every cycle but one at the last step (the final export is that). 10000 steps with 20 hard "
         "restarts save every 500 steps.",
     )
 
@@ -406,11 +409,12 @@ class SchedulerConfig(Section):
             check_custom_scheduler(self)
         return self
 
-    def resolved_warmup(self, total_steps: int) -> int:
-        """Warmup in optimizer steps."""
+    def resolved_warmup(self, total_steps: int, accumulation: int = 1) -> int:
+        """Warmup in optimizer steps, as OneTrainer counts it: a count > 1 is in micro steps (divided by the
+        gradient accumulation), a value <= 1 a fraction of the total optimizer steps."""
         if 0 < self.warmup_steps <= 1:
             return int(self.warmup_steps * total_steps)
-        return int(self.warmup_steps)
+        return int(self.warmup_steps / accumulation)
 
 
 def check_custom_scheduler(config: SchedulerConfig) -> None:
@@ -570,7 +574,8 @@ def check_optimizer_setup(config) -> None:
     if sched.name == "ADAFACTOR" and not adafactor_adaptive:
         raise ValueError(
             "scheduler.name: ADAFACTOR reports Adafactor's own step size; it needs optimizer.name ADAFACTOR "
-            "with optimizer.relative_step: true"
+            "with optimizer.relative_step: true (the default, OneTrainer's, is false: Adafactor then follows your "
+            "learning rate and any other schedule)"
         )
     if adafactor_adaptive and sched.name != "ADAFACTOR":
         raise ValueError(

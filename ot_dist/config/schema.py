@@ -171,10 +171,17 @@ class DataConfig(Section):
     crop: Literal["center", "random"] = Field(
         default="center", description="Images are resized to cover their bucket; which part of them to cut."
     )
-    bucket_step: int = Field(
-        default=64, ge=8, multiple_of=8,
-        description="Bucket sides are multiples of this (64 = VAE factor 8 x 8). It must be a multiple of the family's "
-        "latent grid: 8 for SD 1.x / 2.x / SDXL (VAE x8), 16 for SD3 / Flux / Chroma (VAE x8, 2x2 patches).",
+    bucket_step: int | None = Field(
+        default=None, ge=8, multiple_of=8,
+        description="Bucket sides are multiples of this. Unset: the family's, as OneTrainer quantizes its buckets (8 "
+        "for SD 1.x / 2.x, 64 for SDXL, SD3, Flux, Chroma). It must be a multiple of the family's latent grid: 8 for "
+        "SD 1.x / 2.x / SDXL (VAE x8), 16 for SD3 / Flux / Chroma (VAE x8, 2x2 patches).",
+    )
+    bucket_assignment: Literal["rounded_aspect", "log_ratio"] = Field(
+        default="rounded_aspect",
+        description="Which bucket an image goes to: rounded_aspect = the bucket whose rounded size (at the largest "
+        "resolution) has the nearest height/width, by linear difference, as OneTrainer assigns; log_ratio = the "
+        "nearest ideal aspect by log ratio (ot_dist's earlier rule: symmetric for tall and wide images).",
     )
     image_format: Literal["png", "webp", "jpg"] = Field(default="png", description="Image encoding in the shards.")
     shard_size_mb: float = Field(default=256, gt=0, description="Target size of one tar shard.")
@@ -397,6 +404,8 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _combinations(self) -> "TrainConfig":
         family = get_family(self.model.family)
+        if self.data.bucket_step is None:
+            self.data.bucket_step = family.bucket_step
         if self.data.bucket_step % family.pixel_multiple:
             raise ValueError(f"data.bucket_step: {self.data.bucket_step} is not a multiple of {family.pixel_multiple}, "
                              f"the pixel grid of {self.model.family} latents")

@@ -1,10 +1,15 @@
-"""Aspect-ratio buckets, as OneTrainer makes them.
+"""Aspect-ratio buckets with OneTrainer's aspects, sizes and assignment (mgds AspectBucketing).
 
 A bucket is an aspect ratio from a fixed list (1:1 up to 1:4, both orientations). At a training
 resolution R its size is the rectangle of that aspect with about R x R pixels, sides rounded to
-multiples of `step`. Because the bucket of an image is its aspect, not a size, it is the same at
-every resolution; that is what lets a multi-resolution run draw the resolution per step while
-every global batch still holds one bucket.
+multiples of `step` (the family's: 8 for SD 1.x / 2.x, 64 for the others, as OneTrainer quantizes).
+An image goes to the bucket whose *rounded* size has the nearest height / width (linear difference),
+as OneTrainer assigns; `log_ratio` (data.bucket_assignment) keeps ot_dist's earlier rule, the nearest
+ideal aspect in log ratio.
+
+Unlike OneTrainer, which assigns per drawn resolution, the bucket of an image is one aspect for every
+resolution (assigned at the largest): that is what lets a multi-resolution run draw the resolution per
+step while every global batch still holds one bucket. With one resolution the two agree.
 """
 
 from __future__ import annotations
@@ -18,18 +23,35 @@ _SIDES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0)
 ASPECTS: tuple[float, ...] = tuple(sorted({s for s in _SIDES} | {1 / s for s in _SIDES}, reverse=True))
 
 
-def bucket_of(width: int, height: int) -> int:
-    """The index in ASPECTS of the aspect nearest to the image's (in log ratio)."""
+def bucket_of(width: int, height: int, resolution: int, step: int, assignment: str = "rounded_aspect") -> int:
+    """The index in ASPECTS of the image's bucket: the one whose size at `resolution` (sides multiples of
+    `step`) has the height / width nearest the image's (rounded_aspect, OneTrainer's), or whose ideal aspect
+    is nearest in log ratio (log_ratio). Between buckets of equally near rounded sizes (at a coarse step several
+    aspects round to one size, 1:1 and 1.25:1 both to 64x64 at 64 px) the nearest ideal aspect wins."""
     ratio = math.log(height / width)
-    return min(range(len(ASPECTS)), key=lambda i: abs(math.log(ASPECTS[i]) - ratio))
+    by_ideal = [abs(math.log(a) - ratio) for a in ASPECTS]
+    if assignment == "log_ratio":
+        return min(range(len(ASPECTS)), key=lambda i: by_ideal[i])
+    if assignment != "rounded_aspect":
+        raise ValueError(f"data.bucket_assignment: unknown {assignment!r}")
+    aspect = height / width
+    rounded = [h / w for h, w in (bucket_size(i, resolution, step) for i in range(len(ASPECTS)))]
+    return min(range(len(ASPECTS)), key=lambda i: (abs(rounded[i] - aspect), by_ideal[i]))
 
 
 def bucket_size(bucket: int, resolution: int, step: int) -> tuple[int, int]:
-    """(height, width) of a bucket at a resolution: about resolution^2 pixels, sides multiples of step."""
+    """(height, width) of a bucket at a resolution: about resolution^2 pixels, sides multiples of step (OneTrainer:
+    h / sqrt(h w) x R rounded to the step)."""
     aspect = ASPECTS[bucket]
     height = max(step, round(resolution * math.sqrt(aspect) / step) * step)
     width = max(step, round(resolution / math.sqrt(aspect) / step) * step)
     return height, width
+
+
+def config_bucket_of(config, width: int, height: int) -> int:
+    """bucket_of with the config's resolution (the largest), bucket step and assignment."""
+    data = config.data
+    return bucket_of(width, height, max(config.resolutions()), data.bucket_step, data.bucket_assignment)
 
 
 def aspect_name(bucket: int) -> str:

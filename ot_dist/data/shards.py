@@ -23,7 +23,7 @@ from pathlib import Path
 from PIL import Image
 
 from ot_dist.config.schema import TrainConfig
-from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size, resize_to_cover
+from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
 from ot_dist.data.concepts import concept_name, list_images, mask_of, scan_concepts
 from ot_dist.errors import InputFileError
 
@@ -43,7 +43,8 @@ def build_settings(config: TrainConfig) -> dict:
     """What the shard content depends on besides the source files (balancing does not: it is read-time)."""
     data = config.data
     concepts = [c.model_dump(exclude={"balancing", "balancing_strategy"}) for _, c in data.concept_list()]
-    return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step, "image_format": data.image_format,
+    return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step,
+            "bucket_assignment": data.bucket_assignment, "image_format": data.image_format,
             "concepts": concepts}
 
 
@@ -100,7 +101,7 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     for cache in out_dir.glob("latents-*"):  # derived from the old shards
         shutil.rmtree(cache)
     fingerprint = source_fingerprint(config)
-    order = sorted(range(len(sources)), key=lambda i: (bucket_of(*sources[i].size), i))
+    order = sorted(range(len(sources)), key=lambda i: (config_bucket_of(config, *sources[i].size), i))
     records, start = [], time.perf_counter()
     # mtime fixed: the same sources give byte-identical shards.
     with wds.ShardWriter(str(out_dir / "shard-%06d.tar"), maxsize=data.shard_size_mb * 1e6, maxcount=10**9,
@@ -108,7 +109,7 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
         for n, index in enumerate(order):
             source = sources[index]
             key = f"c{source.concept}_{n:08d}"
-            bucket = bucket_of(*source.size)
+            bucket = config_bucket_of(config, *source.size)
             sample = {"__key__": key, "txt": source.caption.encode("utf-8")}
             meta = {"source": str(source.image), "mask": str(source.mask) if source.mask else None,
                     "concept": source.concept, "original_size": [source.size[1], source.size[0]],

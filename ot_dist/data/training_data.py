@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ot_dist.data.buckets import bucket_of
+from ot_dist.data.buckets import config_bucket_of
 from ot_dist.data.concepts import concept_name, scan_concepts
 from ot_dist.data.plan import SampleTable, bucket_report
 from ot_dist.data.reader import ShardDataset, ShardReader
@@ -70,7 +70,7 @@ def sample_table(config) -> SampleTable:
     if config.data.concept_list() and not is_current(out, source_fingerprint(config)):
         sources = scan_concepts(config.data)
         concepts = [c for _, c in config.data.concept_list()]
-        return SampleTable(tuple(bucket_of(*s.size) for s in sources), tuple(s.concept for s in sources),
+        return SampleTable(tuple(config_bucket_of(config, *s.size) for s in sources), tuple(s.concept for s in sources),
                            tuple((c.balancing, c.balancing_strategy) for c in concepts),
                            tuple(concept_name(c) for c in concepts))
     return ShardDataset(out, config).table(config.data)

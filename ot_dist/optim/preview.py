@@ -32,7 +32,8 @@ def compute_schedule(config, plan: StepPlan) -> Schedule:
     groups = planned_groups(config)
     names = [name for name, _, _ in groups]
     sched = config.scheduler
-    warmup = sched.resolved_warmup(plan.total_steps)
+    accumulation = config.gradient_accumulation_steps
+    warmup = sched.resolved_warmup(plan.total_steps, accumulation)
     if sched.name == "ADAFACTOR":
         warmup_init = config.optimizer.warmup_init
         rows = [[adafactor_relative_step(i + 1, warmup_init)] * len(names) for i in range(plan.total_steps)]
@@ -49,7 +50,7 @@ def compute_schedule(config, plan: StepPlan) -> Schedule:
         for _ in range(plan.total_steps):
             rows.append([float(group["lr"]) for group in optimizer.param_groups])
             scheduler.step()
-    lows = cycle_lows(sched, plan.total_steps) if sched.name in CYCLIC else []
+    lows = cycle_lows(sched, plan.total_steps, accumulation) if sched.name in CYCLIC else []
     note = ""
     if config.optimizer.adaptive:
         note = "lr is a multiplier on the step size the optimizer estimates (d*lr is what is applied)"
@@ -132,7 +133,7 @@ def schedule_command(config, steps: int | None, world_size: int, csv_path: str |
     if schedule.note:
         print(f"note: {schedule.note}")
     if schedule.lows:
-        snapshots = " (snapshots at all but the last)" if config.scheduler.snapshot_at_cycle_lows else ""
+        snapshots = " (snapshots at all but the last step)" if config.scheduler.snapshot_at_cycle_lows else ""
         print(f"cycle lows{snapshots}: {', '.join(map(str, schedule.lows))}")
     for warning in startup_warnings(config):
         print(f"warning: {warning}")

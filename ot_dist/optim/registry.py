@@ -1,5 +1,6 @@
 """Every optimizer by its OneTrainer name: which class implements it, which options it takes and
-their defaults, and what the rest of the stack must know about it (adaptive step size, fused back
+their defaults (OneTrainer's, from OPTIMIZER_DEFAULT_PARAMETERS in its modules/util/optimizer_util.py;
+the few kept different on purpose are listed in docs/onetrainer.md with the reason), and what the rest of the stack must know about it (adaptive step size, fused back
 pass). Pure data: importing this module imports no optimizer library, so the config can be
 validated before anything heavy loads.
 
@@ -102,7 +103,7 @@ SPECS: dict[str, OptimizerSpec] = {
               {"momentum": 0.9, "weight_decay": 0.0, "max_unorm": 0.02, **_BNB_8BIT}, eight_bit=True,
               must_be_positive=("momentum",), trust_ratio=True),
         _spec("LION_8BIT", "bitsandbytes.optim:Lion8bit",
-              {"beta1": 0.9, "beta2": 0.99, "weight_decay": 0.0, **_BNB_8BIT, "is_paged": False},
+              {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, **_BNB_8BIT, "is_paged": False},
               betas=("beta1", "beta2"), eight_bit=True),
         _spec("RMSPROP_8BIT", "bitsandbytes.optim:RMSprop8bit",
               {"alpha": 0.99, "eps": 1e-8, "weight_decay": 0.0, **_BNB_8BIT}, eight_bit=True,
@@ -113,7 +114,7 @@ SPECS: dict[str, OptimizerSpec] = {
         # -- D-Adaptation (learning-rate free: lr is a multiplier on the estimated step size d) --
         _spec("DADAPT_ADA_GRAD", "dadaptation:DAdaptAdaGrad",
               {"momentum": 0.0, "log_every": 0, "weight_decay": 0.0, "eps": 1e-6, "d0": 1e-6, "growth_rate": INF},
-              adaptive=True),
+              adaptive=True, must_be_positive=("eps",)),  # OneTrainer's eps 0.0 is refused by dadaptation
         _spec("DADAPT_ADAM", "dadaptation:DAdaptAdam",
               {**_ADAM, "weight_decay": 0.0, "log_every": 0, "decouple": False, "use_bias_correction": False,
                "d0": 1e-6, "growth_rate": INF, "fsdp_in_use": False},
@@ -133,16 +134,17 @@ SPECS: dict[str, OptimizerSpec] = {
         _spec("PRODIGY", "ot_dist.optim.prodigy:ShardedProdigy",
               {"beta1": 0.9, "beta2": 0.999, "beta3": None, "eps": 1e-8, "weight_decay": 0.0, "decouple": True,
                "use_bias_correction": False, "safeguard_warmup": False, "d0": 1e-6, "d_coef": 1.0,
-               "growth_rate": INF, "fsdp_in_use": False, "slice_p": 1},
+               "growth_rate": INF, "fsdp_in_use": False, "slice_p": 11},
               betas=("beta1", "beta2"), adaptive=True),
         # -- Adafactor (transformers): adaptive (relative_step) or low-memory AdamW-like -------
         _spec("ADAFACTOR", "transformers.optimization:Adafactor",
               {"eps": 1e-30, "eps2": 1e-3, "clip_threshold": 1.0, "decay_rate": -0.8, "beta1": None,
-               "weight_decay": 0.0, "scale_parameter": True, "relative_step": True, "warmup_init": False,
+               "weight_decay": 0.0, "scale_parameter": False, "relative_step": False, "warmup_init": False,
                "stochastic_rounding": True, **FUSED},
               eps_pair=True, supports_fused_back_pass=True,
-              notes="relative_step: true computes its own step size (use scheduler ADAFACTOR); "
-              "relative_step: false and scale_parameter: false is the low-memory AdamW-like mode"),
+              notes="default (OneTrainer's): relative_step and scale_parameter false, the low-memory AdamW-like mode "
+              "with your learning rate and schedule; relative_step: true computes its own step size (use scheduler "
+              "ADAFACTOR)"),
     ]
 }
 OPTIMIZER_NAMES = tuple(SPECS)

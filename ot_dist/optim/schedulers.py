@@ -1,17 +1,24 @@
-"""Learning-rate schedules, counted in optimizer steps (not micro steps, not x world size).
+"""Learning-rate schedules, counted in optimizer steps (not micro steps, not x world size), computed as
+OneTrainer computes them (modules/util/lr_scheduler_util.py and create.create_lr_scheduler), so a
+OneTrainer name gives OneTrainer's learning rate at every step.
 
-A built-in schedule is a factor on each parameter group's base learning rate:
+A built-in schedule is a factor on each parameter group's base learning rate at optimizer step `step`
+(0-based: the first optimizer step runs at factor(0)):
 
-    step < warmup:  (step + 1) / (warmup + 1)                     linear warmup, never 0
-    otherwise:      min_factor + (1 - min_factor) * curve(p)     p = (step - warmup) / (total - warmup)
+    step < warmup:  step / warmup                                 linear warmup (the first step runs at 0)
+    otherwise:      min_factor + (1 - min_factor) * curve(s)      s = step - warmup, S = total - warmup
 
     CONSTANT                   curve = 1 (min_factor does not apply)
-    LINEAR                     1 - p
-    COSINE                     (1 + cos(pi p)) / 2
-    COSINE_WITH_RESTARTS       (1 + cos((2n - 1) pi p)) / 2: smooth, n lows, the last at the end
-    COSINE_WITH_HARD_RESTARTS  cosine over each of n equal cycles, jumping back to 1 at each boundary
-    REX                        (1 - p) / (0.1 + 0.9 (1 - p))  (https://arxiv.org/abs/2107.04197)
-    REX_WITH_RESTARTS          REX over each of n equal cycles
+    LINEAR                     max(0, (S - s) / S)
+    COSINE                     (1 + cos(pi p)) / 2,                       p = s / S
+    COSINE_WITH_RESTARTS       (1 + cos(2 pi n p)) / 2,                   p = min(s, S - 1) / S: n smooth cycles,
+                               lows at p = (k + 1/2) / n, S / n steps apart, ending near the top
+    COSINE_WITH_HARD_RESTARTS  (1 + cos(pi ((n p) mod 1))) / 2:           n decays, each jumping back to 1
+    REX                        (1 - p) / (0.1 + 0.9 (1 - p)), 0 from S on (https://arxiv.org/abs/2107.04197)
+    REX_WITH_RESTARTS          REX of (n p) mod 1 (ot_dist's, OneTrainer has no REX with restarts)
+
+`warmup_steps` > 1 is a count of micro steps (OneTrainer's unit): int(warmup_steps / gradient accumulation)
+optimizer steps; <= 1 is a fraction of the total optimizer steps.
 
 ADAFACTOR reports Adafactor's own relative step; CUSTOM runs a torch LRScheduler after the warmup.
 """
@@ -29,40 +36,40 @@ from ot_dist.train.steps import StepPlan
 
 
 def curve(name: str, step: int, steps: int, cycles: float = 1.0) -> float:
-    """The schedule's shape after warmup at `step` of `steps` (0-based)."""
-    progress = min(step, steps) / steps
-    # step * cycles / steps, not progress * cycles: cycle boundaries stay exact in floating point.
-    in_cycle = (step * cycles / steps) % 1.0
+    """The schedule's shape after warmup at `step` of `steps` (0-based), before min_factor. The expressions
+    are OneTrainer's, in its order of operations, so that results agree to the last bit."""
     if name == "CONSTANT":
         return 1.0
     if name == "LINEAR":
-        return 1.0 - progress
+        return max(0.0, float(steps - step) / float(steps))
     if name == "COSINE":
-        return cosine(progress)
-    if name == "COSINE_WITH_RESTARTS":
-        return 0.5 * (1.0 + math.cos((2.0 * cycles - 1.0) * math.pi * progress))
-    if name == "COSINE_WITH_HARD_RESTARTS":
-        return cosine(in_cycle)
+        return max(0.0, cosine(float(step) / float(steps)))
     if name == "REX":
-        return rex(progress)
+        return rex(step / steps) if step < steps else 0.0
+    # the cyclic ones stop at the last step: a step past the end repeats it
+    progress = float(min(step, steps - 1)) / float(steps)
+    if name == "COSINE_WITH_RESTARTS":
+        return max(0.0, 0.5 * (1.0 + math.cos(progress * 2.0 * math.pi * cycles)))
+    if name == "COSINE_WITH_HARD_RESTARTS":
+        return max(0.0, cosine((progress * cycles) % 1.0))
     if name == "REX_WITH_RESTARTS":
-        return rex(in_cycle)
+        return rex((progress * cycles) % 1.0)
     raise ValueError(f"scheduler.name: {name} is not a factor schedule")
 
 
 def cosine(progress: float) -> float:
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 0.5 * (1.0 + math.cos(progress * math.pi))
 
 
 def rex(progress: float) -> float:
-    return (1.0 - progress) / (0.1 + 0.9 * (1.0 - progress))
+    return (1 - progress) / ((1 - 0.9) + (0.9 * (1 - progress)))
 
 
-def lr_factor(config: SchedulerConfig, step: int, total_steps: int) -> float:
+def lr_factor(config: SchedulerConfig, step: int, total_steps: int, accumulation: int = 1) -> float:
     """The factor applied to every group's base learning rate at optimizer step `step` (0-based)."""
-    warmup = config.resolved_warmup(total_steps)
+    warmup = config.resolved_warmup(total_steps, accumulation)
     if step < warmup:
-        return (step + 1) / (warmup + 1)
+        return float(step) / float(warmup)
     if config.name == "CONSTANT":
         return 1.0
     value = curve(config.name, step - warmup, max(1, total_steps - warmup), config.cycles or 1.0)
@@ -70,14 +77,15 @@ def lr_factor(config: SchedulerConfig, step: int, total_steps: int) -> float:
     return low + (1.0 - low) * value
 
 
-def cycle_lows(config: SchedulerConfig, total_steps: int) -> list[int]:
+def cycle_lows(config: SchedulerConfig, total_steps: int, accumulation: int = 1) -> list[int]:
     """The optimizer steps (1-based: "after step N") whose learning rate is the lowest of its cycle, the last
-    step included. A snapshot taken there is taken at the bottom of a cycle, never mid-descent.
+    step included when it is one. A snapshot taken there is taken at the bottom of a cycle, never mid-descent.
 
-    With 10000 steps and 20 COSINE_WITH_HARD_RESTARTS / REX_WITH_RESTARTS cycles: 500, 1000, ..., 10000.
+    With 10000 steps and 20 cycles: COSINE_WITH_HARD_RESTARTS / REX_WITH_RESTARTS 500, 1000, ..., 10000;
+    COSINE_WITH_RESTARTS 251, 751, ..., 9751 (OneTrainer's smooth cycles end near the top).
     """
-    warmup = config.resolved_warmup(total_steps)
-    factors = [lr_factor(config, s, total_steps) for s in range(total_steps)]
+    warmup = config.resolved_warmup(total_steps, accumulation)
+    factors = [lr_factor(config, s, total_steps, accumulation) for s in range(total_steps)]
     lows = []
     for s in range(warmup, total_steps):
         before = factors[s - 1] if s > warmup else math.inf
@@ -104,9 +112,9 @@ class WarmupThen:
 
     def _apply(self) -> None:
         step, groups = self.last_epoch, self.optimizer.param_groups
-        if step < self.warmup:
+        if step < self.warmup:  # OneTrainer: a LambdaLR of step / warmup, then the class (SequentialLR)
             for group, lr in zip(groups, self.start_lrs):
-                group["lr"] = lr * (step + 1) / (self.warmup + 1)
+                group["lr"] = lr * float(step) / float(self.warmup)
         elif step == self.warmup:
             for group, lr in zip(groups, self.start_lrs):
                 group["lr"] = lr
@@ -143,7 +151,7 @@ class AdafactorStepSize(torch.optim.lr_scheduler.LRScheduler):
 
 
 def placeholder_values(config, plan: StepPlan) -> dict[str, Any]:
-    warmup = config.scheduler.resolved_warmup(plan.total_steps)
+    warmup = config.scheduler.resolved_warmup(plan.total_steps, config.gradient_accumulation_steps)
     values = {
         "%LR%": config.learning_rate,
         "%EPOCHS%": config.epochs,
@@ -175,6 +183,20 @@ def build_scheduler(config, optimizer: torch.optim.Optimizer, plan: StepPlan):
         module, _, name = sched.class_name.rpartition(".")
         cls = getattr(importlib.import_module(module), name)
         params = substitute(sched.params, placeholder_values(config, plan))
-        return WarmupThen(optimizer, sched.resolved_warmup(plan.total_steps), cls(optimizer, **params))
-    total = plan.total_steps
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(sched, step, total))
+        warmup = sched.resolved_warmup(plan.total_steps, config.gradient_accumulation_steps)
+        return WarmupThen(optimizer, warmup, cls(optimizer, **params))
+    total, accumulation = plan.total_steps, config.gradient_accumulation_steps
+    return FactorSchedule(optimizer, lambda step: lr_factor(sched, step, total, accumulation))
+
+
+class FactorSchedule(torch.optim.lr_scheduler.LambdaLR):
+    """A built-in schedule. On resume the position comes from the checkpoint and the learning rates are
+    recomputed from it with this run's schedule, so a run resumed with a larger max_steps continues on the
+    new curve (not at the rate the old one had planned for its last step)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        for group, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
+            group["lr"] = base * factor(self.last_epoch)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]

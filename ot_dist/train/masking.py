@@ -23,15 +23,17 @@ def trains_unmasked(sample_id: int, probability: float, seed: int, epoch: int) -
 
 def mask_weights(batch: dict, latent_size: tuple[int, int], options: MaskedTrainingConfig, seed: int,
                  epoch: int) -> torch.Tensor | None:
-    """Loss weights (B, 1, h, w): mask + (1 - mask) x unmasked_weight, all ones for a sample drawn to
-    train unmasked. None when masked training is off or no sample of the data set has a mask."""
+    """Loss weights (B, 1, h, w): the mask clamped to [unmasked_weight, 1] as OneTrainer's masked_losses does
+    (equal to mask + (1 - mask) x unmasked_weight for a binary mask; a soft edge keeps its own value above
+    unmasked_weight), all ones for a sample drawn to train unmasked. None when masked training is off or no
+    sample of the data set has a mask."""
     if not options.enabled or "mask" not in batch:
         return None
     mask = F.interpolate(batch["mask"].float(), size=tuple(latent_size), mode="area")
     unmasked = torch.tensor([trains_unmasked(i, options.unmasked_probability, seed, epoch)
                              for i in batch["sample_id"].tolist()])
     mask = torch.where(unmasked[:, None, None, None], torch.ones_like(mask), mask)
-    return mask + (1 - mask) * options.unmasked_weight
+    return torch.clamp(mask, options.unmasked_weight, 1.0)
 
 
 def check_masks(dataset, options: MaskedTrainingConfig, log=print) -> None:

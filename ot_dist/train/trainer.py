@@ -174,7 +174,7 @@ class Trainer:
             self.log(f"warning: {warning}")
         lows: set[int] = set()
         if config.scheduler.snapshot_at_cycle_lows or config.checkpoint.at_cycle_lows:
-            lows = set(cycle_lows(config.scheduler, self.total_steps)[:-1])  # the last one is the end
+            lows = set(cycle_lows(config.scheduler, self.total_steps, accumulation)) - {self.total_steps}  # the end exports
         snapshots = lows if config.scheduler.snapshot_at_cycle_lows else set()
         checkpoint_lows = lows if config.checkpoint.at_cycle_lows else set()
         result = TrainResult(first_step=self.position.step)

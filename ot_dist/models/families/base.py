@@ -54,6 +54,9 @@ class Family:
     # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching (a UNet
     # pads odd sizes itself). data.bucket_step must be a multiple of it.
     pixel_multiple: int = 8
+    # The default data.bucket_step: bucket sides are multiples of it (OneTrainer's aspect_bucketing_quantization for
+    # the family: 64 for SDXL, SD3, Flux, Chroma; 8 for SD 1.x / 2.x).
+    bucket_step: int = 64
 
     # -- starting configs (`ot-dist init`) --------------------------------------------------------------
     # The side the family's base models were trained at (the resolution a new config starts with), and the

@@ -62,6 +62,7 @@ class UNetFamily(Family):
 
 
 class SD(UNetFamily):
+    bucket_step = 8  # OneTrainer's StableDiffusionBaseDataLoader quantizes buckets to 8 px
     pipeline_class = "StableDiffusionPipeline"
     inpaint_pipeline_class = "StableDiffusionInpaintPipeline"
     text_encoders = ("text_encoder",)
