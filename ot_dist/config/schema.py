@@ -192,6 +192,11 @@ class DataConfig(Section):
         "shard set (keyed to the encoders and tokenizers) and train from them. Needs frozen text encoders and method "
         "full or lora.",
     )
+    max_untrained_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="A run in which more than this share of the samples per epoch sits in "
+        "buckets with fewer samples than one global batch (so they never train) stops before training, with the "
+        "bucket report and what fixes it; 1 accepts any share.",
+    )
     max_bad_fraction: float = Field(
         default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
         "logged by key; more than this fraction of a rank's epoch stops the run.",
