@@ -339,7 +339,7 @@ class TrainConfig(Section):
         default="float32",
         description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base). float8: one byte per "
         "parameter (float8_e4m3fn with a per-tensor scale), upcast to train_dtype where used; the forward pass then "
-        "differs from the bfloat16 one by a few percent (README), and an export of a frozen part writes its "
+        "differs from the bfloat16 one by a few percent (docs/low-memory.md), and an export of a frozen part writes its "
         "float8-rounded weights. Strategies single and ddp.",
     )
     offload_frozen_components: bool = Field(
