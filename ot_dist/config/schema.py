@@ -76,6 +76,13 @@ class PartConfig(Section):
         default="epoch", description="Unit of stop_training_after."
     )
 
+    def stopped(self, epoch: int, step: int) -> bool:
+        """Whether this part no longer trains in `epoch` (0-based) once `step` optimizer steps are done: the
+        trainer's rule, shared with `ot-dist schedule` and the logged learning rates (0 once stopped)."""
+        if self.stop_training_after is None:
+            return False
+        return (epoch if self.stop_training_after_unit == "epoch" else step) >= self.stop_training_after
+
 
 class LoraConfig(Section):
     rank: int = Field(default=16, ge=1, description="LoRA rank.")
