@@ -434,13 +434,23 @@ class TrainConfig(Section):
         if self.lora.preset not in presets:
             raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "
                              f"(allowed: {', '.join(presets)})")
+        weight_fn = self.loss.weighting()[0]
         if family.objective_kind() == "flow":
             if self.loss.min_snr_gamma is not None:
                 raise ValueError(f"loss.min_snr_gamma: min-SNR weighting is defined for DDPM objectives; "
                                  f"{self.model.family} trains with flow matching (turn it off)")
+            if weight_fn in ("MIN_SNR_GAMMA", "P2", "DEBIASED_ESTIMATION"):
+                raise ValueError(f"loss.weight_fn: {weight_fn} is defined for DDPM objectives (from the SNR); "
+                                 f"{self.model.family} trains with flow matching (SIGMA or CONSTANT)")
+            if self.loss.generalized_offset_noise:
+                raise ValueError(f"loss.generalized_offset_noise: needs DDPM betas; {self.model.family} trains with "
+                                 "flow matching (use plain offset noise)")
             if self.model.prediction_type != "auto":
                 raise ValueError(f"model.prediction_type: {self.model.family} trains with flow matching, whose "
                                  "target is always noise - latents; leave it at auto")
+        elif weight_fn == "SIGMA":
+            raise ValueError(f"loss.weight_fn: SIGMA weights by the flow-matching noise level; {self.model.family} is "
+                             "a DDPM family (MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION or CONSTANT)")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.sampler not in ("auto", *family.samplers):
