@@ -49,6 +49,15 @@ class ModelConfig(Section):
         description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
         "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
     )
+    text_encoder_layer_skip: int = Field(
+        default=0, ge=0,
+        description="Clip skip (OneTrainer's text_encoder_layer_skip): take the first text encoder's hidden states "
+        "this many layers earlier (SD 1.x / 2.x: through the final layer norm, as diffusers' clip_skip; SDXL: before "
+        "its penultimate layer). 0 = the family's usual layer. Applies to training, the text cache and samples.",
+    )
+    text_encoder_2_layer_skip: int = Field(
+        default=0, ge=0, description="Clip skip of SDXL's second text encoder (OneTrainer's text_encoder_2_layer_skip)."
+    )
     inpainting: bool | None = Field(
         default=None,
         description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent). null = "
@@ -434,6 +443,11 @@ class TrainConfig(Section):
         if self.lora.preset not in presets:
             raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "
                              f"(allowed: {', '.join(presets)})")
+        for encoder in ("text_encoder", "text_encoder_2"):
+            if getattr(self.model, f"{encoder}_layer_skip") and encoder not in family.layer_skip_encoders:
+                takes = ", ".join(f"model.{e}_layer_skip" for e in family.layer_skip_encoders) or "none"
+                raise ValueError(f"model.{encoder}_layer_skip: {self.model.family} has no layer skip for {encoder} "
+                                 f"(it takes: {takes})")
         weight_fn = self.loss.weighting()[0]
         if family.objective_kind() == "flow":
             if self.loss.min_snr_gamma is not None:
