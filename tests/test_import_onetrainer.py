@@ -32,6 +32,7 @@ def sd15_lora(model, data) -> dict:
         "learning_rate_scheduler": "COSINE", "learning_rate_warmup_steps": 10.0, "learning_rate_cycles": 1.0,
         "learning_rate_min_factor": 0.1, "train_dtype": "BFLOAT_16", "weight_dtype": "FLOAT_32",
         "output_dtype": "FLOAT_16", "gradient_checkpointing": "ON", "lora_rank": 8, "lora_alpha": 4.0,
+        "text_encoder_layer_skip": 1, "loss_weight_fn": "P2", "loss_weight_strength": 1.0,
         "layer_filter_preset": "attn-only", "layer_filter": "",
         "optimizer": {"__version": 0, "optimizer": "ADAMW", "beta1": 0.9, "beta2": 0.99, "eps": 1e-8,
                       "weight_decay": 0.01, "foreach": None},
@@ -97,6 +98,8 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert (config.scheduler.name, config.scheduler.warmup_steps, config.scheduler.min_factor) == ("COSINE", 10, 0.1)
     assert (config.optimizer.name, config.optimizer.beta2, config.optimizer.weight_decay) == ("ADAMW", 0.99, 0.01)
     assert (config.train_dtype, config.output_dtype) == ("bfloat16", "float16")
+    assert config.model.text_encoder_layer_skip == 1  # clip skip
+    assert (config.loss.weight_fn, config.loss.weight_strength) == ("P2", 1.0)
     te = config.text_encoder
     assert (te.train, te.learning_rate, te.stop_training_after, te.stop_training_after_unit) == (True, 5e-5, 1, "epoch")
     [concept] = config.data.concepts  # the disabled one is not imported

@@ -49,6 +49,15 @@ class ModelConfig(Section):
         description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
         "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
     )
+    text_encoder_layer_skip: int = Field(
+        default=0, ge=0,
+        description="Clip skip (OneTrainer's text_encoder_layer_skip): take the first text encoder's hidden states "
+        "this many layers earlier (SD 1.x / 2.x: through the final layer norm, as diffusers' clip_skip; SDXL: before "
+        "its penultimate layer). 0 = the family's usual layer. Applies to training, the text cache and samples.",
+    )
+    text_encoder_2_layer_skip: int = Field(
+        default=0, ge=0, description="Clip skip of SDXL's second text encoder (OneTrainer's text_encoder_2_layer_skip)."
+    )
     inpainting: bool | None = Field(
         default=None,
         description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent). null = "
@@ -75,6 +84,13 @@ class PartConfig(Section):
     stop_training_after_unit: Literal["epoch", "step"] = Field(
         default="epoch", description="Unit of stop_training_after."
     )
+
+    def stopped(self, epoch: int, step: int) -> bool:
+        """Whether this part no longer trains in `epoch` (0-based) once `step` optimizer steps are done: the
+        trainer's rule, shared with `ot-dist schedule` and the logged learning rates (0 once stopped)."""
+        if self.stop_training_after is None:
+            return False
+        return (epoch if self.stop_training_after_unit == "epoch" else step) >= self.stop_training_after
 
 
 class LoraConfig(Section):
@@ -439,13 +455,28 @@ class TrainConfig(Section):
         if self.lora.preset not in presets:
             raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "
                              f"(allowed: {', '.join(presets)})")
+        for encoder in ("text_encoder", "text_encoder_2"):
+            if getattr(self.model, f"{encoder}_layer_skip") and encoder not in family.layer_skip_encoders:
+                takes = ", ".join(f"model.{e}_layer_skip" for e in family.layer_skip_encoders) or "none"
+                raise ValueError(f"model.{encoder}_layer_skip: {self.model.family} has no layer skip for {encoder} "
+                                 f"(it takes: {takes})")
+        weight_fn = self.loss.weighting()[0]
         if family.objective_kind() == "flow":
             if self.loss.min_snr_gamma is not None:
                 raise ValueError(f"loss.min_snr_gamma: min-SNR weighting is defined for DDPM objectives; "
                                  f"{self.model.family} trains with flow matching (turn it off)")
+            if weight_fn in ("MIN_SNR_GAMMA", "P2", "DEBIASED_ESTIMATION"):
+                raise ValueError(f"loss.weight_fn: {weight_fn} is defined for DDPM objectives (from the SNR); "
+                                 f"{self.model.family} trains with flow matching (SIGMA or CONSTANT)")
+            if self.loss.generalized_offset_noise:
+                raise ValueError(f"loss.generalized_offset_noise: needs DDPM betas; {self.model.family} trains with "
+                                 "flow matching (use plain offset noise)")
             if self.model.prediction_type != "auto":
                 raise ValueError(f"model.prediction_type: {self.model.family} trains with flow matching, whose "
                                  "target is always noise - latents; leave it at auto")
+        elif weight_fn == "SIGMA":
+            raise ValueError(f"loss.weight_fn: SIGMA weights by the flow-matching noise level; {self.model.family} is "
+                             "a DDPM family (MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION or CONSTANT)")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.sampler not in ("auto", *family.samplers):

@@ -196,8 +196,12 @@ def _parts(ot: dict, c: dict, family: str, skip) -> None:
         if settings["model_name"]:
             skip(f"{part}.model_name: {settings['model_name']} (a separately loaded {part}) is not supported")
         c[name] = entry
-    if ot["text_encoder_layer_skip"]:
-        skip(f"text_encoder_layer_skip: {ot['text_encoder_layer_skip']} (clip skip) is not mapped by this import yet")
+    for key in ("text_encoder_layer_skip", "text_encoder_2_layer_skip"):  # clip skip, OneTrainer's names
+        if ot.get(key):
+            if key.removesuffix("_layer_skip") in fam.layer_skip_encoders:
+                c["model"][key] = ot[key]
+            else:
+                skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
 
 
 def _optimizer(ot: dict, c: dict, skip) -> None:
@@ -268,9 +272,9 @@ def _loss(ot: dict, c: dict, skip) -> None:
     if weight_fn == "MIN_SNR_GAMMA":
         loss["min_snr_gamma"] = strength
     elif weight_fn != "CONSTANT":
-        _mapped_if_known(loss, LossConfig, "loss_weight_fn", weight_fn, skip)
-        if "loss_weight_fn" in loss and "loss_weight_strength" in LossConfig.model_fields:
-            loss["loss_weight_strength"] = strength
+        _mapped_if_known(loss, LossConfig, "weight_fn", weight_fn, skip)
+        if "weight_fn" in loss:
+            loss["weight_strength"] = strength
     for key, off in (("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0),
                      ("mse_strength", 1.0)):
         if ot.get(key, off) != off:
@@ -290,7 +294,7 @@ def _loss(ot: dict, c: dict, skip) -> None:
 
 def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
     if key in model.model_fields:
-        section[key] = value.lower() if isinstance(value, str) and key != "loss_weight_fn" else value
+        section[key] = value
     else:
         skip(f"{key}: {value} is not supported by this ot_dist version")
 
