@@ -41,7 +41,8 @@ def sd15_lora(model, data) -> dict:
         "text_encoder": {"train": True, "learning_rate": 5e-5, "stop_training_after": 1,
                          "stop_training_after_unit": "EPOCH", "weight_dtype": "FLOAT_32", "model_name": ""},
         "concepts": [{"name": "shapes", "path": str(data), "enabled": True, "type": "STANDARD", "balancing": 2.0,
-                      "balancing_strategy": "REPEATS", "text": {"prompt_source": "sample"},
+                      "balancing_strategy": "REPEATS",
+                      "text": {"prompt_source": "sample", "enable_tag_shuffling": True, "keep_tags_count": 2},
                       "image": {"enable_random_flip": True}},
                      {"name": "off", "path": str(data), "enabled": False}],
         "samples": [{"enabled": True, "prompt": "a red circle", "negative_prompt": "", "height": 64, "width": 64,
@@ -104,6 +105,7 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert (te.train, te.learning_rate, te.stop_training_after, te.stop_training_after_unit) == (True, 5e-5, 1, "epoch")
     [concept] = config.data.concepts  # the disabled one is not imported
     assert (concept.balancing, concept.caption_source) == (2.0, "txt")
+    assert (concept.tag_shuffling, concept.keep_tags_count) == (True, 2)
     [prompt] = config.sampling.prompts
     assert (prompt.prompt, prompt.seed, prompt.steps, prompt.guidance_scale) == ("a red circle", 7, 3, 5.0)
     assert config.sampling.every_n_epochs == 2

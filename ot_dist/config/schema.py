@@ -166,6 +166,23 @@ class ConceptConfig(Section):
         "samples: images drawn from this concept per epoch.",
     )
     balancing_strategy: Literal["repeats", "samples"] = Field(default="repeats", description="How balancing counts.")
+    tag_shuffling: bool = Field(
+        default=False, description="Shuffle the caption's tags (split at tag_delimiter) every epoch, keeping the first "
+        "keep_tags_count in place (OneTrainer's enable_tag_shuffling).",
+    )
+    tag_delimiter: str = Field(default=",", min_length=1, description="What separates tags in a caption.")
+    keep_tags_count: int = Field(
+        default=1, ge=0, description="Tags at the start that shuffling and tag dropout leave alone (OneTrainer's "
+        "keep_tags_count; e.g. the trigger word).",
+    )
+    tag_dropout_probability: float = Field(
+        default=0.0, ge=0, lt=1, description="Each tag after the kept ones is left out with this probability, drawn "
+        "per epoch (OneTrainer's tag dropout, mode FULL).",
+    )
+    caption_dropout_probability: float = Field(
+        default=0.0, ge=0, le=1, description="The whole caption is replaced by an empty one with this probability per "
+        "sample and epoch, so the model also learns the unconditional prediction classifier-free guidance uses.",
+    )
 
     @model_validator(mode="after")
     def _caption_text(self) -> "ConceptConfig":
@@ -526,6 +543,14 @@ class TrainConfig(Section):
                 self.part_trains(n) for n in self.part_names() if n != family.denoiser)):
             raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "
                              "turn cache_text off or freeze the text encoders")
+        if self.data.cache_text:
+            from ot_dist.data.captions import has_variation
+
+            varied = [label for label, c in self.data.concept_list() if has_variation(c)]
+            if varied:
+                raise ValueError(f"data.cache_text: {varied[0]} varies its captions every epoch (tag shuffling / tag or "
+                                 "caption dropout), which a cache of each caption's encoding cannot follow; turn "
+                                 "cache_text off or the variation off")
         if self.checkpoint.on_nonfinite_loss == "skip_step" and self.strategy.startswith("zero"):
             raise ValueError(
                 f"checkpoint.on_nonfinite_loss: skip_step is not supported with strategy {self.strategy}: DeepSpeed "

@@ -339,9 +339,19 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
                                             "OneTrainer; the first is used for every image")
             else:
                 out.not_honoured.append(f"{label}.text.prompt_path: {prompt_file} not found; captions from .txt files")
-        for key in ("enable_tag_shuffling", "tag_dropout_enable", "caps_randomize_enable"):
-            if text.get(key):
-                out.not_honoured.append(f"{label}.text.{key}: caption variation is not supported yet")
+        if text.get("enable_tag_shuffling"):
+            entry["tag_shuffling"] = True
+        if text.get("enable_tag_shuffling") or text.get("tag_dropout_enable"):
+            entry["tag_delimiter"] = text.get("tag_delimiter", ",") or ","
+            entry["keep_tags_count"] = text.get("keep_tags_count", 1)
+        if text.get("tag_dropout_enable"):
+            if text.get("tag_dropout_mode", "FULL") == "FULL" and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
+                entry["tag_dropout_probability"] = text.get("tag_dropout_probability", 0.0)
+            else:
+                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {text.get('tag_dropout_mode')} / special tags "
+                                        "(ot_dist drops each tag with one probability, OneTrainer's FULL mode)")
+        if text.get("caps_randomize_enable"):
+            out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
         image = concept.get("image") or {}
         for key, off in defaults.CONCEPT_IMAGE_OFF.items():
             if image.get(key, off) != off:
