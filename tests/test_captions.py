@@ -84,3 +84,46 @@ def test_cached_text_cannot_follow_varied_captions(tmp_path):
 
         validate({"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o",
                   "data": {"concepts": [{"path": "x", "tag_shuffling": True}], "cache_text": True}})
+
+
+# ---- image augmentation (the same module boundary: what a sample looks like, drawn per (seed, epoch, sample)) ----
+
+def test_flip_and_colour_jitter_are_drawn_per_epoch_and_agree_across_world_sizes(tmp_path):
+    import numpy as np
+
+    folder = make_images(tmp_path / "imgs", [(64, 64)] * 8, masks=True)
+    cfg = config({"concepts": [{"path": str(folder), "flip_probability": 0.5, "brightness": 0.3}]})
+    plain_cfg = config({"concepts": [{"path": str(folder)}]})
+    build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
+    dataset, plain = ShardDataset(tmp_path / "set", cfg), ShardDataset(tmp_path / "set", plain_cfg)
+    flips = 0
+    for sample_id in range(8):
+        a, b = dataset.load(sample_id, epoch=0), plain.load(sample_id, epoch=0)
+        assert torch.equal(a["pixels"], dataset.load(sample_id, epoch=0)["pixels"])  # deterministic
+        mirrored = torch.equal(a["mask"], b["mask"].flip(-1)) and not torch.equal(a["mask"], b["mask"])
+        flips += mirrored
+        if mirrored:  # the mask follows the image; the brightness factor leaves the image's structure
+            assert torch.corrcoef(torch.stack([a["pixels"].flatten(), b["pixels"].flip(-1).flatten()]))[0, 1] > 0.9
+        else:
+            assert torch.equal(a["mask"], b["mask"])
+    assert 1 <= flips <= 7  # about half, with 8 draws
+    assert not torch.equal(dataset.load(0, epoch=0)["pixels"], dataset.load(0, epoch=1)["pixels"])
+    _ = np  # numpy is the reader's
+
+
+def test_hue_shift_turns_red_to_green():
+    from PIL import Image
+
+    from ot_dist.data.augment import shift_hue
+
+    red = Image.new("RGB", (4, 4), (255, 0, 0))
+    r, g, b = shift_hue(red, 1 / 3).getpixel((0, 0))
+    assert g > 200 and r < 40 and b < 40
+
+
+def test_cached_latents_cannot_hold_augmented_images():
+    from ot_dist.config.load import validate
+
+    with pytest.raises(ConfigError, match=r"data.cache_latents: data.concepts\[0\] augments its images"):
+        validate({"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o",
+                  "data": {"concepts": [{"path": "x", "flip_probability": 0.5}], "cache_latents": True}})

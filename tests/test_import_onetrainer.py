@@ -43,7 +43,7 @@ def sd15_lora(model, data) -> dict:
         "concepts": [{"name": "shapes", "path": str(data), "enabled": True, "type": "STANDARD", "balancing": 2.0,
                       "balancing_strategy": "REPEATS",
                       "text": {"prompt_source": "sample", "enable_tag_shuffling": True, "keep_tags_count": 2},
-                      "image": {"enable_random_flip": True}},
+                      "image": {"enable_random_flip": True, "enable_fixed_flip": True}},
                      {"name": "off", "path": str(data), "enabled": False}],
         "samples": [{"enabled": True, "prompt": "a red circle", "negative_prompt": "", "height": 64, "width": 64,
                      "seed": 7, "random_seed": False, "diffusion_steps": 3, "cfg_scale": 5.0}],
@@ -110,8 +110,9 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert (prompt.prompt, prompt.seed, prompt.steps, prompt.guidance_scale) == ("a red circle", 7, 3, 5.0)
     assert config.sampling.every_n_epochs == 2
     assert config.output_dir == "models/my_lora"
-    # the random flip cannot be honoured: said in the file and on stderr
-    assert "enable_random_flip" in err and "NOT HONOURED" in text and "enable_random_flip" in text
+    assert concept.flip_probability == 0.5  # OneTrainer's random flip
+    # a fixed flip has no ot_dist equivalent: said in the file and on stderr
+    assert "enable_fixed_flip" in err and "NOT HONOURED" in text and "enable_fixed_flip" in text
 
 
 def test_sdxl_preset_takes_onetrainers_defaults_and_the_concept_file(tiny_models, shapes_data, tmp_path):

@@ -166,6 +166,18 @@ class ConceptConfig(Section):
         "samples: images drawn from this concept per epoch.",
     )
     balancing_strategy: Literal["repeats", "samples"] = Field(default="repeats", description="How balancing counts.")
+    flip_probability: float = Field(
+        default=0.0, ge=0, le=1, description="Mirror the image (and its mask) left-right with this probability per "
+        "sample and epoch (OneTrainer's random flip is 0.5).",
+    )
+    rotation_degrees: float = Field(
+        default=0.0, ge=0, le=180, description="Rotate by an angle drawn in [-d, d] per sample and epoch; the corners "
+        "that leave the image are masked out of the loss.",
+    )
+    brightness: float = Field(default=0.0, ge=0, lt=1, description="Brightness jitter: a factor in [1-s, 1+s].")
+    contrast: float = Field(default=0.0, ge=0, lt=1, description="Contrast jitter: a factor in [1-s, 1+s].")
+    saturation: float = Field(default=0.0, ge=0, lt=1, description="Saturation jitter: a factor in [1-s, 1+s].")
+    hue: float = Field(default=0.0, ge=0, le=0.5, description="Hue jitter: a turn of the colour circle in [-s, s].")
     tag_shuffling: bool = Field(
         default=False, description="Shuffle the caption's tags (split at tag_delimiter) every epoch, keeping the first "
         "keep_tags_count in place (OneTrainer's enable_tag_shuffling).",
@@ -249,6 +261,14 @@ class DataConfig(Section):
             raise ValueError("data: nothing to train on; set data.path, data.concepts or data.shards")
         if self.cache_latents and self.crop != "center":
             raise ValueError("data.cache_latents: cached latents hold one crop; set data.crop to center")
+        if self.cache_latents:
+            from ot_dist.data.augment import has_augmentation
+
+            augmented = [label for label, c in self.concept_list() if has_augmentation(c)]
+            if augmented:
+                raise ValueError(f"data.cache_latents: {augmented[0]} augments its images every epoch (flip, rotation, "
+                                 "colour jitter), which one cached latent per image cannot hold; turn cache_latents "
+                                 "off or the augmentation off")
         return self
 
     def concept_list(self) -> list[tuple[str, ConceptConfig]]:

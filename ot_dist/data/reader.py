@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from ot_dist.data.buckets import bucket_size, merged_buckets
+from ot_dist.data.augment import augment
 from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
 from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch
@@ -102,6 +103,7 @@ class ShardDataset:
         sample = self.samples[sample_id % len(self.samples)]
         height, width = bucket_size(sample["bucket"], resolution, self.step)
         meta = self.metadata(sample_id)
+        mask_image = None
         if "latents" in self.caches and use_cache:
             # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
             posterior = self._read_cached("latents", sample["key"], f"{resolution}.latent.safetensors")
@@ -111,7 +113,12 @@ class ShardDataset:
         else:
             image = self._read(sample, self._image_suffix(sample, resolution))
             top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
-            pixels = np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.float32) / 127.5 - 1.0
+            box = (left, top, left + width, top + height)
+            if sample["mask"]:
+                mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+            cropped, mask_image = augment(image.crop(box), mask_image, self.concepts.get(sample["concept"]),
+                                          generator(self.seed, epoch, sample_id, "augment"))
+            pixels = np.asarray(cropped, dtype=np.float32) / 127.5 - 1.0
             out = {"pixels": torch.from_numpy(pixels).permute(2, 0, 1).contiguous()}
         box = (left, top, left + width, top + height)
         captions = self.captions(sample_id)
@@ -131,8 +138,9 @@ class ShardDataset:
         }
         if self.has_masks:  # a sample without a mask trains everywhere
             mask = torch.ones(1, height, width)
-            if sample["mask"]:
+            if sample["mask"] and mask_image is None:  # cached latents: the mask of the centre crop
                 mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+            if mask_image is not None:  # (a rotation gives an unmasked sample a mask of its image's area)
                 mask = torch.from_numpy(np.asarray(mask_image, dtype=np.float32) / 255.0)[None]
             out["mask"] = mask
             out["mask_given"] = torch.tensor(bool(sample["mask"]))  # inpainting draws a mask for the others

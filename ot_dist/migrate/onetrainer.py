@@ -152,7 +152,13 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     _concepts(ot, c, path, concepts_path, out)
     _samples(ot, c, path, samples_path, out)
     _saving(ot, c, skip)
-    if ot["latent_caching"]:
+    augmented = [e["path"] for e in c.get("data", {}).get("concepts", [])
+                 if any(e.get(k) for k in ("flip_probability", "rotation_degrees", "brightness", "contrast",
+                                           "saturation", "hue"))]
+    if ot["latent_caching"] and augmented:
+        out.notes.append(f"latent_caching: off, because {augmented[0]} augments its images (OneTrainer caches "
+                         "image_variations copies; ot_dist encodes each step's augmented image)")
+    elif ot["latent_caching"]:
         c.setdefault("data", {})["cache_latents"] = True
     c["mlflow"] = {"run_name": destination.stem}
     out.notes.insert(0, f"imported from {path.name} (OneTrainer config version {version})")
@@ -353,9 +359,20 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
         if text.get("caps_randomize_enable"):
             out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
         image = concept.get("image") or {}
+        mapped = {"enable_random_flip": ("flip_probability", lambda: 0.5),  # OneTrainer flips half the time
+                  "enable_random_rotate": ("rotation_degrees", lambda: image.get("random_rotate_max_angle", 0.0)),
+                  "enable_random_brightness": ("brightness", lambda: image.get("random_brightness_max_strength", 0.0)),
+                  "enable_random_contrast": ("contrast", lambda: image.get("random_contrast_max_strength", 0.0)),
+                  "enable_random_saturation": ("saturation", lambda: image.get("random_saturation_max_strength", 0.0)),
+                  "enable_random_hue": ("hue", lambda: image.get("random_hue_max_strength", 0.0))}
         for key, off in defaults.CONCEPT_IMAGE_OFF.items():
-            if image.get(key, off) != off:
-                out.not_honoured.append(f"{label}.image.{key}: image augmentation is not supported yet")
+            if image.get(key, off) == off:
+                continue
+            if key in mapped:
+                entry[mapped[key][0]] = mapped[key][1]()
+            else:
+                out.not_honoured.append(f"{label}.image.{key}: not supported (ot_dist's augmentations are random flip, "
+                                        "rotation and colour jitter)")
         if concept["loss_weight"] != 1.0:
             out.not_honoured.append(f"{label}.loss_weight: {concept['loss_weight']} (per-concept loss weights are "
                                     "not supported yet)")
