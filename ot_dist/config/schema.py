@@ -166,6 +166,10 @@ class ConceptConfig(Section):
         "samples: images drawn from this concept per epoch.",
     )
     balancing_strategy: Literal["repeats", "samples"] = Field(default="repeats", description="How balancing counts.")
+    loss_weight: float = Field(
+        default=1.0, ge=0, description="This concept's samples count this many times in the loss (OneTrainer's "
+        "per-concept loss_weight).",
+    )
     flip_probability: float = Field(
         default=0.0, ge=0, le=1, description="Mirror the image (and its mask) left-right with this probability per "
         "sample and epoch (OneTrainer's random flip is 0.5).",

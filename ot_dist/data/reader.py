@@ -39,6 +39,8 @@ class ShardDataset:
         self.resolutions = config.resolutions()
         # concept index -> its config (caption variation); a set trained from data.shards alone has none
         self.concepts = {i: c for i, (_, c) in enumerate(config.data.concept_list())}
+        # per-sample loss weights travel in the batch only when some concept has one: without, the loss stays MSE
+        self.weighted = any(c.loss_weight != 1.0 for c in self.concepts.values())
         missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
         if missing:
             raise InputFileError(
@@ -129,6 +131,8 @@ class ShardDataset:
             text = self._read_cached("text", sample["key"], "text.safetensors")
             # The family's conditioning dict for this caption line, keys as `text_<key>` (ot_dist/data/caches.py).
             out |= {f"text_{k.rsplit('_', 1)[0]}": v for k, v in text.items() if _line_of(k) == line}
+        if self.weighted:
+            out["loss_weight"] = torch.tensor(self.concepts[sample["concept"]].loss_weight, dtype=torch.float32)
         out |= {
             "caption": caption,
             "sample_id": sample_id,
@@ -174,7 +178,7 @@ def _line_of(member_key: str) -> int:
 def collate(samples: list[dict]) -> dict:
     keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask", "mask_given") if k in samples[0]]
     keys += sorted(k for k in samples[0] if k.startswith("text_"))  # cached text conditioning
-    keys += ["original_size", "crop_top_left", "target_size"]
+    keys += ["original_size", "crop_top_left", "target_size"] + (["loss_weight"] if "loss_weight" in samples[0] else [])
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]
     batch["sample_id"] = torch.tensor([s["sample_id"] for s in samples])

@@ -374,8 +374,7 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
                 out.not_honoured.append(f"{label}.image.{key}: not supported (ot_dist's augmentations are random flip, "
                                         "rotation and colour jitter)")
         if concept["loss_weight"] != 1.0:
-            out.not_honoured.append(f"{label}.loss_weight: {concept['loss_weight']} (per-concept loss weights are "
-                                    "not supported yet)")
+            entry["loss_weight"] = concept["loss_weight"]
         for key in ("image_variations", "text_variations"):
             if concept[key] != 1:
                 out.not_honoured.append(f"{label}.{key}: {concept[key]} cached variations are not supported")

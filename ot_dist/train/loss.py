@@ -92,7 +92,11 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
         noisy = torch.cat([noisy, inpainting_condition(model, batch, latent_shape, seed, epoch).to(noisy)], dim=1)
     prediction = family.predict(denoiser, noisy.to(dtype), timesteps, conditioning, batch)
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
-    return weighted_mse(prediction.float(), target.float(), weights, objective.sample_weights(timesteps, options),
+    sample_weights = objective.sample_weights(timesteps, options)
+    if "loss_weight" in batch:  # the samples' concepts' loss_weight
+        concept_weights = batch["loss_weight"].to(device)
+        sample_weights = concept_weights if sample_weights is None else sample_weights * concept_weights
+    return weighted_mse(prediction.float(), target.float(), weights, sample_weights,
                         normalize=bool(masking and masking.normalize_masked_area_loss))
 
 
