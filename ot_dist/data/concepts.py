@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ot_dist.config.schema import ConceptConfig, DataConfig
-from ot_dist.data.images import HEIF_EXTENSIONS, UnreadableImage, heif_available, image_extensions, open_image
+from ot_dist.data import images as image_files
+from ot_dist.data.images import HEIF_EXTENSIONS, UnreadableImage, open_image
 from ot_dist.errors import InputFileError
 
 MASK_SUFFIX = "-masklabel.png"
@@ -97,7 +98,7 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
         raise InputFileError(f"{label}: {root.resolve()} is not a folder")
     pattern = "**/*" if concept.include_subdirectories else "*"
     files = sorted(p for p in root.glob(pattern) if p.is_file())
-    extensions = image_extensions()
+    extensions = image_files.image_extensions()
     images = [p for p in files if p.suffix.lower() in extensions and not p.name.endswith(MASK_SUFFIX)]
     known = set(images) | {p.with_name(p.stem + MASK_SUFFIX) for p in images}
     if concept.caption_source == "txt":
@@ -106,7 +107,7 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
     for path in files:
         if path in known or path.name.lower() in SIDECAR_NAMES or path.suffix.lower() in SIDECAR_SUFFIXES:
             continue
-        if path.suffix.lower() in HEIF_EXTENSIONS and not heif_available():
+        if path.suffix.lower() in HEIF_EXTENSIONS and not image_files.heif_available():
             reason = "install ot-dist[heic]"
         elif path.name.endswith(MASK_SUFFIX):
             reason = "a mask without its image"

@@ -44,8 +44,8 @@ def heif_available() -> bool:
 
 def image_extensions() -> set[str]:
     """Extensions Pillow can open here (with pillow-heif registered when installed)."""
-    heif_available()
-    return {ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
+    extensions = {ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
+    return extensions if heif_available() else extensions - HEIF_EXTENSIONS
 
 
 def parse_colour(value: str) -> tuple[int, int, int]:
@@ -85,8 +85,8 @@ class _opened:
         self.path, self.max_pixels = Path(path), max_pixels
 
     def __enter__(self) -> Image.Image:
-        if self.path.suffix.lower() in HEIF_EXTENSIONS:
-            heif_available()
+        if self.path.suffix.lower() in HEIF_EXTENSIONS and not heif_available():
+            raise UnreadableImage(f"data: image {self.path} is HEIC / HEIF: install ot-dist[heic] (pillow-heif)")
         limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # we check below, against data.max_image_pixels
         try:
             self.img = Image.open(self.path)

@@ -166,11 +166,12 @@ def small_images(config: TrainConfig, sources: list) -> tuple[list, list[tuple[P
     they are scaled to at the largest resolution). Without data.skip_small_images every sample is built."""
     keep, small = [], []
     res = max(config.resolutions())
+    roots = [Path(concept.path) for _, concept in config.data.concept_list()]
     for source in sources:
         width, height = source.size
         bucket_height, bucket_width = bucket_size(config_bucket_of(config, width, height), res, config.data.bucket_step)
         if 4 * width < bucket_width or 4 * height < bucket_height:
-            small.append((source.image, f"{width}x{height} for a {bucket_width}x{bucket_height} bucket"))
+            small.append((source.image.relative_to(roots[source.concept]), f"{width}x{height} for a {bucket_width}x{bucket_height} bucket"))
             if config.data.skip_small_images:
                 continue
         keep.append(source)
