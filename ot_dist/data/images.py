@@ -70,7 +70,7 @@ def upright_size(path: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tup
 
 def open_mask(path: Path) -> Image.Image:
     """A mask (drawn on the image as displayed): its own EXIF orientation applied, as 8-bit L."""
-    with _opened(path, None) as mask:
+    with _opened(path, DEFAULT_MAX_PIXELS) as mask:
         try:
             mask = ImageOps.exif_transpose(mask)
             return _to_8bit(mask).convert("L") if _is_wide_int(mask) else mask.convert("L")
