@@ -181,15 +181,15 @@ def run(args: argparse.Namespace) -> int:
         schedule_command(load_config(args.config, args.overrides), args.steps, args.world_size, args.csv, args.plot)
         return 0
     if args.command == "shard":
-        from ot_dist.data.shards import build_shard_set, unused_report
+        from ot_dist.data.shards import build_shard_set
         from ot_dist.data.training_data import report_for, shard_dir_of
 
         config = load_config(args.config, args.overrides)
         if not config.data.concept_list():
             raise ConfigError("data: shard build needs data.path or data.concepts (the image folders)")
         out = args.out or shard_dir_of(config)
-        manifest = build_shard_set(config, out, config_path=str(args.config))
-        print("\n".join(report_for(config, out, args.world_size) + unused_report(manifest)))
+        build_shard_set(config, out, config_path=str(args.config))
+        print("\n".join(report_for(config, out, args.world_size)))
         return 0
     if args.command == "import":
         from ot_dist.migrate.command import run_import

@@ -205,7 +205,8 @@ def stored(shards: Path, manifest: dict) -> dict[str, dict]:
     for record in manifest["samples"]:
         shard = shards / manifest["shards"][record["shard"]]["file"]
         with tarfile.open(shard) as tar:
-            members = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar if m.name.startswith(record["key"] + ".")}
+            members = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar
+                       if m.name.startswith(record["key"] + ".")}
         meta = json.loads(members["json"])
         out[Path(meta["source"]).name] = {
             "image": np.asarray(Image.open(io.BytesIO(members["64.png"]))),
@@ -283,7 +284,7 @@ def test_bomb_tiny_and_unused_files_are_reported(built):
     assert "1 image with a side below a quarter" in log and "tiny.png (8x8 for a 64x64 bucket)" in log
     unused = {u["file"]: u["reason"] for u in manifest["unused_files"]}
     assert unused == {"notes.pdf": "not an image", "orphan.txt": "a caption without its image"}
-    assert "2 files not used" in log
+    assert "2 files not used: notes.pdf (not an image), orphan.txt (a caption without its image)" in log
 
 
 def test_skip_small_images_and_heic_without_the_extra(built, tmp_path, monkeypatch):

@@ -149,6 +149,8 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     log(f"shard set {out_dir}: {len(records)} samples in {len(manifest['shards'])} shards "
         f"({sum(s['bytes'] for s in manifest['shards']) / 1e6:.1f} MB) in {time.perf_counter() - start:.1f}s; "
         f"{len(unused)} file{'s' if len(unused) != 1 else ''} not used, {len(bad)} unreadable")
+    for line in unused_report(manifest):  # also when the build happens at train start
+        log(line)
     return manifest
 
 
@@ -171,7 +173,8 @@ def small_images(config: TrainConfig, sources: list) -> tuple[list, list[tuple[P
         width, height = source.size
         bucket_height, bucket_width = bucket_size(config_bucket_of(config, width, height), res, config.data.bucket_step)
         if 4 * width < bucket_width or 4 * height < bucket_height:
-            small.append((source.image.relative_to(roots[source.concept]), f"{width}x{height} for a {bucket_width}x{bucket_height} bucket"))
+            small.append((source.image.relative_to(roots[source.concept]),
+                          f"{width}x{height} for a {bucket_width}x{bucket_height} bucket"))
             if config.data.skip_small_images:
                 continue
         keep.append(source)
