@@ -63,11 +63,6 @@ def open_image(path: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS,
             raise UnreadableImage(f"data: image {path} could not be decoded: {err}") from None
 
 
-def upright_size(path: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> tuple[int, int]:
-    """(width, height) as displayed, after decoding the whole image once (a broken file fails here, named)."""
-    return open_image(path, max_pixels).size
-
-
 def open_mask(path: Path) -> Image.Image:
     """A mask (drawn on the image as displayed): its own EXIF orientation applied, as 8-bit L."""
     with _opened(path, DEFAULT_MAX_PIXELS) as mask:
