@@ -248,7 +248,20 @@ class DataConfig(Section):
     )
     max_bad_fraction: float = Field(
         default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
-        "logged by key; more than this fraction of a rank's epoch stops the run.",
+        "logged by key; more than this fraction of a rank's epoch stops the run. `shard build` counts unreadable "
+        "source images (broken, empty, over max_image_pixels) the same way: named, skipped, exit 3 past this fraction.",
+    )
+    max_image_pixels: int | None = Field(
+        default=89478485, ge=1, description="Largest image (width x height) `shard build` decodes; a larger one (a "
+        "decompression bomb) is an unreadable sample. Default: Pillow's limit. null: no limit.",
+    )
+    image_background: str = Field(
+        default="white", description="Colour transparent pixels (RGBA, LA, palette or RGB transparency) are composited "
+        "on when the shards are built: a name or `#rrggbb`, as Pillow reads colours (docs/data.md).",
+    )
+    skip_small_images: bool = Field(
+        default=False, description="Leave out images with a side below a quarter of the bucket side they are scaled "
+        "to (at the largest resolution). Off: they are kept, and named in a warning with their count.",
     )
     cache_latents: bool = Field(
         default=False,
@@ -256,6 +269,17 @@ class DataConfig(Section):
         "the shard set (keyed to the VAE, the resolutions and the shards) and train from them. Augmentation-free: "
         "needs crop center.",
     )
+
+    @field_validator("image_background")
+    @classmethod
+    def _colour(cls, value: str) -> str:
+        from PIL import ImageColor
+
+        try:
+            ImageColor.getrgb(value)
+        except ValueError:
+            raise ValueError(f"image_background: {value!r} is not a colour (a name like white, or #rrggbb)") from None
+        return value
 
     @model_validator(mode="after")
     def _source(self) -> "DataConfig":
