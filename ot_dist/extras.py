@@ -19,6 +19,7 @@ EXTRAS = {
     "dadaptation": "optim",
     "matplotlib": "optim",
     "mlflow": "tracking",
+    "pillow_heif": "heic",
 }
 
 
