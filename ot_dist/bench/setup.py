@@ -174,6 +174,8 @@ def prepare(bench: BenchModel, options: BenchOptions, config: TrainConfig, devic
     groups = build_method(config).prepare(model)
     if device.type != "meta":
         place(model, config)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the float32 copies of frozen weights cast down by `place`
     strategy = build_strategy(config, Runtime(device=device if device.type != "meta" else torch.device("cpu")))
     groups = strategy.wrap(model, groups)
     optimizer = None
