@@ -32,6 +32,7 @@ def sd15_lora(model, data) -> dict:
         "learning_rate_scheduler": "COSINE", "learning_rate_warmup_steps": 10.0, "learning_rate_cycles": 1.0,
         "learning_rate_min_factor": 0.1, "train_dtype": "BFLOAT_16", "weight_dtype": "FLOAT_32",
         "output_dtype": "FLOAT_16", "gradient_checkpointing": "ON", "lora_rank": 8, "lora_alpha": 4.0,
+        "text_encoder_layer_skip": 1, "loss_weight_fn": "P2", "loss_weight_strength": 1.0,
         "layer_filter_preset": "attn-only", "layer_filter": "",
         "optimizer": {"__version": 0, "optimizer": "ADAMW", "beta1": 0.9, "beta2": 0.99, "eps": 1e-8,
                       "weight_decay": 0.01, "foreach": None},
@@ -40,7 +41,8 @@ def sd15_lora(model, data) -> dict:
         "text_encoder": {"train": True, "learning_rate": 5e-5, "stop_training_after": 1,
                          "stop_training_after_unit": "EPOCH", "weight_dtype": "FLOAT_32", "model_name": ""},
         "concepts": [{"name": "shapes", "path": str(data), "enabled": True, "type": "STANDARD", "balancing": 2.0,
-                      "balancing_strategy": "REPEATS", "text": {"prompt_source": "sample"},
+                      "balancing_strategy": "REPEATS",
+                      "text": {"prompt_source": "sample", "enable_tag_shuffling": True, "keep_tags_count": 2},
                       "image": {"enable_random_flip": True}},
                      {"name": "off", "path": str(data), "enabled": False}],
         "samples": [{"enabled": True, "prompt": "a red circle", "negative_prompt": "", "height": 64, "width": 64,
@@ -97,10 +99,13 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert (config.scheduler.name, config.scheduler.warmup_steps, config.scheduler.min_factor) == ("COSINE", 10, 0.1)
     assert (config.optimizer.name, config.optimizer.beta2, config.optimizer.weight_decay) == ("ADAMW", 0.99, 0.01)
     assert (config.train_dtype, config.output_dtype) == ("bfloat16", "float16")
+    assert config.model.text_encoder_layer_skip == 1  # clip skip
+    assert (config.loss.weight_fn, config.loss.weight_strength) == ("P2", 1.0)
     te = config.text_encoder
     assert (te.train, te.learning_rate, te.stop_training_after, te.stop_training_after_unit) == (True, 5e-5, 1, "epoch")
     [concept] = config.data.concepts  # the disabled one is not imported
     assert (concept.balancing, concept.caption_source) == (2.0, "txt")
+    assert (concept.tag_shuffling, concept.keep_tags_count) == (True, 2)
     [prompt] = config.sampling.prompts
     assert (prompt.prompt, prompt.seed, prompt.steps, prompt.guidance_scale) == ("a red circle", 7, 3, 5.0)
     assert config.sampling.every_n_epochs == 2

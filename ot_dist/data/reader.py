@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ot_dist.data.buckets import bucket_size
+from ot_dist.data.buckets import bucket_size, merged_buckets
+from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
 from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch
 from ot_dist.data.shards import read_manifest
@@ -35,6 +36,8 @@ class ShardDataset:
         self.samples = self.manifest["samples"]
         self.seed, self.crop, self.step = config.seed, config.data.crop, self.manifest["bucket_step"]
         self.resolutions = config.resolutions()
+        # concept index -> its config (caption variation); a set trained from data.shards alone has none
+        self.concepts = {i: c for i, (_, c) in enumerate(config.data.concept_list())}
         missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
         if missing:
             raise InputFileError(
@@ -54,7 +57,8 @@ class ShardDataset:
         balancing = [(c["balancing"], c["balancing_strategy"]) for c in concepts]
         if data_config is not None and data_config.concept_list():
             balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
-        return SampleTable(tuple(s["bucket"] for s in self.samples), tuple(s["concept"] for s in self.samples),
+        merged = merged_buckets(self.resolutions, self.step)
+        return SampleTable(tuple(merged[s["bucket"]] for s in self.samples), tuple(s["concept"] for s in self.samples),
                            tuple(balancing), tuple(c["name"] for c in concepts))
 
     def _read(self, sample: dict, suffix: str):
@@ -112,7 +116,8 @@ class ShardDataset:
         box = (left, top, left + width, top + height)
         captions = self.captions(sample_id)
         line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
-        caption = captions[line]
+        caption = vary_caption(captions[line], self.concepts.get(sample["concept"]),
+                               generator(self.seed, epoch, sample_id, "caption variation"))
         if "text" in self.caches and use_cache:
             text = self._read_cached("text", sample["key"], "text.safetensors")
             # The family's conditioning dict for this caption line, keys as `text_<key>` (ot_dist/data/caches.py).

@@ -196,8 +196,12 @@ def _parts(ot: dict, c: dict, family: str, skip) -> None:
         if settings["model_name"]:
             skip(f"{part}.model_name: {settings['model_name']} (a separately loaded {part}) is not supported")
         c[name] = entry
-    if ot["text_encoder_layer_skip"]:
-        skip(f"text_encoder_layer_skip: {ot['text_encoder_layer_skip']} (clip skip) is not mapped by this import yet")
+    for key in ("text_encoder_layer_skip", "text_encoder_2_layer_skip"):  # clip skip, OneTrainer's names
+        if ot.get(key):
+            if key.removesuffix("_layer_skip") in fam.layer_skip_encoders:
+                c["model"][key] = ot[key]
+            else:
+                skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
 
 
 def _optimizer(ot: dict, c: dict, skip) -> None:
@@ -268,9 +272,9 @@ def _loss(ot: dict, c: dict, skip) -> None:
     if weight_fn == "MIN_SNR_GAMMA":
         loss["min_snr_gamma"] = strength
     elif weight_fn != "CONSTANT":
-        _mapped_if_known(loss, LossConfig, "loss_weight_fn", weight_fn, skip)
-        if "loss_weight_fn" in loss and "loss_weight_strength" in LossConfig.model_fields:
-            loss["loss_weight_strength"] = strength
+        _mapped_if_known(loss, LossConfig, "weight_fn", weight_fn, skip)
+        if "weight_fn" in loss:
+            loss["weight_strength"] = strength
     for key, off in (("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0),
                      ("mse_strength", 1.0)):
         if ot.get(key, off) != off:
@@ -290,7 +294,7 @@ def _loss(ot: dict, c: dict, skip) -> None:
 
 def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
     if key in model.model_fields:
-        section[key] = value.lower() if isinstance(value, str) and key != "loss_weight_fn" else value
+        section[key] = value
     else:
         skip(f"{key}: {value} is not supported by this ot_dist version")
 
@@ -335,9 +339,19 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
                                             "OneTrainer; the first is used for every image")
             else:
                 out.not_honoured.append(f"{label}.text.prompt_path: {prompt_file} not found; captions from .txt files")
-        for key in ("enable_tag_shuffling", "tag_dropout_enable", "caps_randomize_enable"):
-            if text.get(key):
-                out.not_honoured.append(f"{label}.text.{key}: caption variation is not supported yet")
+        if text.get("enable_tag_shuffling"):
+            entry["tag_shuffling"] = True
+        if text.get("enable_tag_shuffling") or text.get("tag_dropout_enable"):
+            entry["tag_delimiter"] = text.get("tag_delimiter", ",") or ","
+            entry["keep_tags_count"] = text.get("keep_tags_count", 1)
+        if text.get("tag_dropout_enable"):
+            if text.get("tag_dropout_mode", "FULL") == "FULL" and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
+                entry["tag_dropout_probability"] = text.get("tag_dropout_probability", 0.0)
+            else:
+                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {text.get('tag_dropout_mode')} / special tags "
+                                        "(ot_dist drops each tag with one probability, OneTrainer's FULL mode)")
+        if text.get("caps_randomize_enable"):
+            out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
         image = concept.get("image") or {}
         for key, off in defaults.CONCEPT_IMAGE_OFF.items():
             if image.get(key, off) != off:

@@ -17,7 +17,7 @@ TRAIN = {
     "generalized_offset_noise": False, "perturbation_noise_weight": 0.0, "min_noising_strength": 0.0,
     "max_noising_strength": 1.0, "timestep_distribution": "UNIFORM", "masked_training": False,
     "unmasked_probability": 0.1, "unmasked_weight": 0.1, "normalize_masked_area_loss": False,
-    "text_encoder_layer_skip": 0, "lora_rank": 16, "lora_alpha": 1.0, "dropout_probability": 0.0,
+    "text_encoder_layer_skip": 0, "text_encoder_2_layer_skip": 0, "lora_rank": 16, "lora_alpha": 1.0, "dropout_probability": 0.0,
     "layer_filter_preset": "full", "layer_filter": "", "embedding_learning_rate": None,
     "sample_definition_file_name": "training_samples/samples.json", "samples": None, "sample_after": 10,
     "sample_after_unit": "MINUTE", "save_every": 0, "save_every_unit": "NEVER", "gradient_checkpointing": "ON",

@@ -81,7 +81,8 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     sample_ids = batch["sample_id"].tolist()
     vae_eps, noise, timesteps = draw_sample_noise(batch, latent_shape, objective, seed, epoch, options)
     latents = encode_latents(family, model.vae, batch, vae_eps).to(device)  # the VAE may live elsewhere (offload)
-    noise = offset_noise(noise, sample_ids, options.offset_noise_weight, seed, epoch)
+    noise = offset_noise(noise, sample_ids, options.offset_noise_weight, seed, epoch,
+                         objective.offset_noise_psi(timesteps, options))
     input_noise = perturbed_input_noise(noise, sample_ids, options.input_perturbation, seed, epoch)
     noise, input_noise, timesteps = noise.to(device), input_noise.to(device), timesteps.to(device)
     noisy = objective.noisy(latents, input_noise, timesteps)
