@@ -13,6 +13,7 @@ import torch
 
 from ot_dist.bench.architectures import BenchModel
 from ot_dist.config.schema import TrainConfig
+from ot_dist.errors import ConfigError
 from ot_dist.models.loading import LoadedModel
 from ot_dist.train.loss import diffusion_loss
 
@@ -38,10 +39,17 @@ class BenchOptions:
 
 def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> TrainConfig:
     """The TrainConfig a real run of these options would validate to (the bench reads no data and no model)."""
+    from ot_dist.models.families.registry import get_family
+
     train_dtype = DTYPE_NAMES[options.dtype]
+    pixel_multiple = get_family(bench.family).pixel_multiple
+    if options.resolution % pixel_multiple:
+        raise ConfigError(f"--resolution: {options.resolution} is not a multiple of {pixel_multiple}, the pixel grid of "
+                          f"{bench.family} latents")
     return TrainConfig.model_validate(dict(
         model={"family": bench.family, "path": f"<ot-dist bench {bench.name}: random weights>"},
-        method=options.method, output_dir=output_dir, data={"shards": "<none: random cached latents and text>"},
+        method=options.method, output_dir=output_dir, # One square size, no buckets: any side on the family's pixel grid.
+        data={"shards": "<none: random cached latents and text>", "bucket_step": max(8, pixel_multiple)},
         resolution=options.resolution, batch_size=options.batch_size,
         train_dtype=train_dtype,
         # A LoRA's frozen base is stored in the compute dtype (half the memory, the usual large-model setting).
@@ -91,7 +99,7 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     trained_weight_dtype, frozen ones in weight_dtype, train mode where something trains, checkpointing."""
     from ot_dist.memory.placement import frozen_storage_dtype
     from ot_dist.precision import DTYPES
-    from ot_dist.train.trainer import enable_gradient_checkpointing
+    from ot_dist.train.checkpointing import enable_gradient_checkpointing
 
     weight_dtype, trained_dtype = frozen_storage_dtype(config.weight_dtype), DTYPES[config.trained_weight_dtype]
     for module in model.modules():
@@ -166,6 +174,8 @@ def prepare(bench: BenchModel, options: BenchOptions, config: TrainConfig, devic
     groups = build_method(config).prepare(model)
     if device.type != "meta":
         place(model, config)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the float32 copies of frozen weights cast down by `place`
     strategy = build_strategy(config, Runtime(device=device if device.type != "meta" else torch.device("cpu")))
     groups = strategy.wrap(model, groups)
     optimizer = None

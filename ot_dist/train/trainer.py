@@ -29,6 +29,7 @@ from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
+from ot_dist.train.checkpointing import enable_gradient_checkpointing
 from ot_dist.train.ema import ShardedEMA
 from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
@@ -363,15 +364,6 @@ def build_ema(config: TrainConfig, ownership) -> ShardedEMA | None:
         return None
     device = torch.device("cpu") if config.ema.device == "cpu" else None
     return ShardedEMA(ownership, config.ema.decay, config.ema.update_step_interval, device)
-
-
-def enable_gradient_checkpointing(module: torch.nn.Module) -> None:
-    if hasattr(module, "enable_gradient_checkpointing"):  # diffusers models
-        module.enable_gradient_checkpointing()
-    elif hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5
-        module.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    elif hasattr(module, "gradient_checkpointing_enable"):  # older transformers
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def train(config: TrainConfig, log=print, resume: str | None = None, overwrite: bool = False) -> TrainResult:

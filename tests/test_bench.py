@@ -1,0 +1,139 @@
+"""`ot-dist bench`: the tiny models end to end on CPU through the CLI, the FLOP count against the published
+per-image figures on meta-device builds of the real configs, and the checks that refuse a wrong count."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ot_dist.bench.architectures import BENCH_MODELS
+from ot_dist.bench.flops import FlopCountError, check_step_flops, count_step_flops
+from ot_dist.bench.setup import BenchOptions, prepare, train_config
+from ot_dist.cli import main
+
+
+def meta_flops(model: str, method: str, resolution: int):
+    bench = BENCH_MODELS[model]
+    options = BenchOptions(model=model, method=method, resolution=resolution)
+    run = prepare(bench, options, train_config(bench, options, "unused"), torch.device("meta"), with_optimizer=False)
+    return run, count_step_flops(run.loss, run.backward)
+
+
+def test_tiny_bench_runs_through_the_cli_and_reports(tmp_path, capsys):
+    out = tmp_path / "bench"
+    code = main(["bench", "--model", "tiny-sd15", "--method", "full", "--resolution", "32", "--batch-size", "2",
+                 "--steps", "3", "--warmup", "0", "--dtype", "fp32", "--device", "cpu", "--peak-tflops", "0.5",
+                 "--out", str(out)])
+    assert code == 0
+    [json_file] = out.glob("*.json")
+    result = json.loads(json_file.read_text())
+    assert result["model"] == "tiny-sd15" and result["method"] == "full" and result["device"] == "cpu"
+    times = result["step_times_s"]
+    assert len(times) == 3 and all(t > 0 for t in times)
+    assert result["step_time_median_s"] == sorted(times)[1]  # the first (cold) step is not the median
+    assert result["step_time_mean_s"] == pytest.approx(sum(times) / 3)
+    assert result["images_per_s"] == pytest.approx(2 / result["step_time_median_s"], rel=1e-9)
+    assert result["params_trained"] == result["params_total"] > 0  # full finetune: the whole UNet trains
+    assert result["peak_memory_kind"] == "cpu_peak_rss" and result["peak_memory_bytes"] > 10 * 2**20
+    assert 2.6 < result["flops_train_per_step"] / result["flops_forward_per_step"] < 3.4
+    assert result["peak_flops"] == 0.5e12
+    expected_mfu = result["flops_train_per_step"] / result["step_time_median_s"] / 0.5e12
+    assert result["mfu"] == pytest.approx(expected_mfu) and 0 < result["mfu"] < 1
+    assert result["final_loss"] > 0
+    printed = capsys.readouterr().out
+    table = (out / "bench.md").read_text().splitlines()
+    assert table[0].startswith("| model | method") and table[2].startswith("| tiny-sd15 | full | 32 | 2 | fp32")
+    assert table[2] in printed
+
+
+def test_tiny_lora_bench_trains_only_the_adapters_and_has_no_mfu_on_cpu(tmp_path):
+    from ot_dist.bench.run import run_bench
+
+    result = run_bench(BenchOptions(model="tiny-flux-dev", method="lora", lora_rank=4, resolution=32, batch_size=1,
+                                    steps=1, warmup=0, dtype="fp32", device="cpu"), str(tmp_path), log=lambda *_: None)
+    assert 0 < result["params_trained"] < result["params_total"] / 2
+    assert result["mfu"] is None and result["peak_flops"] is None  # no peak known for a CPU
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "--steps: must be at least 1"),
+    (["--resolution", "40"], "--resolution: 40 is not a multiple of 16, the pixel grid of flux latents"),
+    (["--optimizer", "nonsense"], "optimizer.name"),
+])
+def test_bad_options_are_named(tmp_path, capsys, argv, message):
+    code = main(["bench", "--model", "tiny-flux-dev", "--device", "cpu", "--out", str(tmp_path), *argv])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sdxl_flops_match_the_published_figures():
+    _, full = meta_flops("sdxl", "full", 1024)
+    assert full.forward / 1e12 == pytest.approx(6.76, rel=0.03)
+    assert full.train / 1e12 == pytest.approx(20.2, rel=0.03)
+    _, lora = meta_flops("sdxl", "lora", 1024)
+    assert lora.train / 1e12 == pytest.approx(14.2, rel=0.03)
+    assert lora.train < full.train
+    check_step_flops(full, "full")
+    check_step_flops(lora, "lora")
+
+
+def test_flux_dev_flops_match_the_published_figures():
+    _, full = meta_flops("flux-dev", "full", 1024)
+    assert full.forward / 1e12 == pytest.approx(74.4, rel=0.03)
+    assert full.train / 1e12 == pytest.approx(223, rel=0.03)
+
+
+def test_a_count_without_backward_is_refused():
+    run, counted = meta_flops("tiny-sd15", "full", 32)
+    check_step_flops(counted, "full")
+    forward_only = count_step_flops(run.loss, lambda loss: None)  # backward never runs
+    assert forward_only.train == forward_only.forward
+    with pytest.raises(FlopCountError, match="is the backward pass counted"):
+        check_step_flops(forward_only, "full")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method, dtype", [("lora", "bf16"), ("full", "bf16"), ("full", "fp16")])
+def test_tiny_bench_on_cuda_gives_a_finite_mfu(tmp_path, method, dtype):
+    import math
+
+    from ot_dist.bench.run import run_bench
+
+    result = run_bench(BenchOptions(model="tiny-sdxl", method=method, resolution=64, batch_size=2, steps=3,
+                                    warmup=1, dtype=dtype, device="cuda", peak_tflops=100.0), str(tmp_path),
+                       log=lambda *_: None)
+    assert result["peak_memory_kind"] == "cuda_max_allocated" and result["peak_memory_bytes"] > 0
+    assert math.isfinite(result["mfu"]) and 0 < result["mfu"] < 1
+    assert math.isfinite(result["final_loss"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bf16_autocast_step_on_cuda_keeps_float32_masters():
+    bench = BENCH_MODELS["tiny-flux-dev"]
+    options = BenchOptions(model="tiny-flux-dev", method="full", resolution=64, batch_size=2, dtype="bf16")
+    run = prepare(bench, options, train_config(bench, options, "unused"), torch.device("cuda"))
+    before = [p.detach().clone() for p in run.params]
+    with run.strategy.autocast():
+        prediction_dtype = run.model.denoiser(**_flux_probe(run)).sample.dtype
+    assert prediction_dtype == torch.bfloat16
+    loss = run.step()
+    assert torch.isfinite(loss)
+    assert all(p.dtype == torch.float32 for p in run.params)
+    assert any(not torch.equal(b, p) for b, p in zip(before, run.params))
+
+
+def _flux_probe(run) -> dict:
+    from ot_dist.models.families.flux import image_ids, pack
+
+    latents = run.batch["latent_mean"]
+    hidden = run.batch["text_hidden"]
+    h, w = latents.shape[-2:]
+    return dict(hidden_states=pack(latents), timestep=torch.full((latents.shape[0],), 0.5, device=latents.device),
+                encoder_hidden_states=hidden, pooled_projections=run.batch["text_pooled"],
+                txt_ids=torch.zeros(hidden.shape[1], 3, device=latents.device), img_ids=image_ids(h, w, latents.device,
+                                                                                                   latents.dtype),
+                guidance=torch.ones(latents.shape[0], device=latents.device))
