@@ -1,0 +1,49 @@
+"""The GPU fast path, checked on CPU by proxies that fail when it is lost (issue 21)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import base_config
+
+from ot_dist.parallel.runtime import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_models, shapes_data, tmp_path_factory):
+    """One 2-rank gloo launch; what its ranks observed (tests/helpers/fastpath_ranks.py)."""
+    root = tmp_path_factory.mktemp("fastpath")
+    ddp = base_config(tiny_models["sd1"], shapes_data, root / "ddp", method="full", strategy="ddp", batch_size=1,
+                      gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-5, **{"text_encoder.train": True})
+    case = {"ddp_config": ddp, "result": str(root / "result.json")}
+    (root / "case.json").write_text(json.dumps(case))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(REPO / "tests" / "helpers" / "fastpath_ranks.py"),
+                           str(root / "case.json")], env=ENV, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return json.loads((root / "result.json").read_text())
+
+
+def test_ddp_all_reduce_overlaps_backward(two_ranks):
+    """Under ddp the first gradient all-reduce is issued while backward is still computing gradients, and
+    micro steps inside an accumulation issue none."""
+    micro_steps = two_ranks["ddp_events"]
+    assert len(micro_steps) == 4  # 2 optimizer steps x accumulation 2
+    for i, events in enumerate(micro_steps):
+        last_grad = len(events) - 1 - events[::-1].index("grad")
+        if i % 2 == 0:
+            assert "allreduce" not in events, f"micro step {i} (not the last of its accumulation) reduced gradients"
+            continue
+        assert events.count("allreduce") >= 2, events
+        first_reduce = events.index("allreduce")
+        assert first_reduce < last_grad, (
+            f"micro step {i}: the first all-reduce came after the last gradient (no overlap with backward): "
+            f"{events.count('grad')} gradients, then {events.count('allreduce')} all-reduces")
