@@ -47,3 +47,22 @@ def test_ddp_all_reduce_overlaps_backward(two_ranks):
         assert first_reduce < last_grad, (
             f"micro step {i}: the first all-reduce came after the last gradient (no overlap with backward): "
             f"{events.count('grad')} gradients, then {events.count('allreduce')} all-reduces")
+
+
+def test_zero2_config_overlaps_communication_on_gpu_in_explicit_buckets(family_models, shapes_data, tmp_path):
+    from ot_dist.config.load import validate
+    from ot_dist.parallel.deepspeed import deepspeed_config
+
+    def zero(stage: int, device: str, **overrides) -> dict:
+        raw = base_config(family_models["sd1"], shapes_data, tmp_path, strategy=f"zero{stage}", **overrides)
+        return deepspeed_config(validate(raw), stage, 2, device)["zero_optimization"]
+
+    for stage in (1, 2):
+        gpu = zero(stage, "cuda")
+        assert gpu["overlap_comm"] is True, gpu
+        assert gpu["reduce_bucket_size"] == gpu["allgather_bucket_size"] == 200_000_000
+        assert gpu["contiguous_gradients"] and gpu["reduce_scatter"]
+        assert zero(stage, "cpu")["overlap_comm"] is False  # no side stream on the CPU accelerator
+    chosen = zero(2, "cpu", **{"deepspeed.overlap_comm": True, "deepspeed.reduce_bucket_size": 50_000_000})
+    assert chosen["overlap_comm"] is True and chosen["reduce_bucket_size"] == 50_000_000
+    assert zero(3, "cuda") == {"stage": 3}  # ZeRO-3 overlaps by default; its own bucket choices stay
