@@ -66,3 +66,35 @@ def test_zero2_config_overlaps_communication_on_gpu_in_explicit_buckets(family_m
     chosen = zero(2, "cpu", **{"deepspeed.overlap_comm": True, "deepspeed.reduce_bucket_size": 50_000_000})
     assert chosen["overlap_comm"] is True and chosen["reduce_bucket_size"] == 50_000_000
     assert zero(3, "cuda") == {"stage": 3}  # ZeRO-3 overlaps by default; its own bucket choices stay
+
+
+def test_cuda_runs_initialise_nccl_and_gloo(monkeypatch):
+    """On CUDA the process group carries both backends: CPU tensors (a CPU EMA, offloaded shards) go over gloo."""
+    import torch
+    import torch.distributed as dist
+
+    from ot_dist.parallel import runtime
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    for key, value in {"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    started = runtime.start_runtime(1)
+    assert started.device == torch.device("cuda", 1)
+    assert calls[0]["backend"] == "cpu:gloo,cuda:nccl" and calls[0]["device_id"] == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    runtime.start_runtime(1)
+    assert calls[1]["backend"] == "gloo"
+
+
+def test_cpu_tensor_collectives_over_the_cpu_backend_of_a_cuda_group(two_ranks):
+    """The sharded EMA's gather of CPU tensors, over a group made with the CPU backend a CUDA run names."""
+    got = two_ranks["cpu_collectives"]
+    assert "error" not in got, got["error"] if "error" in got else ""
+    assert got["backend"] == "cpu:gloo"
+    assert got["gathered"] == got["expected"]

@@ -4,7 +4,9 @@ CASE_JSON: {"ddp_config": raw config, "result": path rank 0 writes}.
 
 - ddp event order: every trainable parameter records "grad" when its gradient is accumulated; every
   gradient all-reduce records "allreduce" when issued (torch.distributed.all_reduce patched, and a DDP
-  communication hook on each reducer the strategy holds). Per micro step, the order of events is kept."""
+  communication hook on each reducer the strategy holds). Per micro step, the order of events is kept.
+- CPU-tensor collectives over a group made with the CPU half of the backends a CUDA run initialises
+  ("cpu:gloo"): the sharded EMA's gather of CPU tensors (Ownership.gather_full)."""
 
 import json
 import sys
@@ -70,6 +72,25 @@ events = record_ddp_events(trainer)
 trainer.train()
 result["ddp_events"] = events
 
+
+def gather_cpu_shards_over_cpu_backend(runtime) -> dict:
+    from ot_dist.parallel.ownership import Fragment, Owned, Ownership
+    from ot_dist.parallel.runtime import process_group_backend
+
+    cpu_backend = [b for b in process_group_backend(torch.device("cuda")).split(",") if b.startswith("cpu:")]
+    if not cpu_backend:
+        return {"error": f"no CPU backend in {process_group_backend(torch.device('cuda'))!r}"}
+    group = dist.new_group(backend=cpu_backend[0])
+    full = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    half = full.numel() // runtime.world_size
+    shard = full.reshape(-1)[runtime.rank * half:(runtime.rank + 1) * half].clone()  # a CPU tensor, as ema.device: cpu
+    owned = [Owned(shard, [Fragment("unet.w", runtime.rank * half, 0, half)])]
+    ownership = Ownership(owned, {"unet.w": full.shape}, group=group, sharded=True, device=torch.device("cpu"))
+    gathered = ownership.gather_full([shard])["unet.w"]
+    return {"backend": cpu_backend[0], "gathered": gathered.tolist(), "expected": full.tolist()}
+
+
+result["cpu_collectives"] = gather_cpu_shards_over_cpu_backend(runtime)
 
 if runtime.is_main:
     with open(case["result"], "w") as f:
