@@ -98,3 +98,32 @@ def test_cpu_tensor_collectives_over_the_cpu_backend_of_a_cuda_group(two_ranks):
     assert "error" not in got, got["error"] if "error" in got else ""
     assert got["backend"] == "cpu:gloo"
     assert got["gathered"] == got["expected"]
+
+
+def test_fused_adamw_on_cuda_foreach_elsewhere():
+    """torch's fused kernel when every parameter is a floating CUDA tensor (fake CUDA tensors here: the choice and
+    the optimizer's construction run without a GPU), foreach otherwise or when asked with fused: false."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ot_dist.config.load import validate
+    from ot_dist.methods.base import ParamGroup
+    from ot_dist.optim.factory import build_optimizer
+
+    def kernel(name: str, params, **options) -> tuple:
+        config = validate({"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o", "data": {"path": "d"},
+                           "optimizer": {"name": name, **options}}).optimizer
+        group = build_optimizer(config, [ParamGroup("unet", params, 1e-4)]).param_groups[0]
+        return group["fused"], group["foreach"]
+
+    with FakeTensorMode():
+        cuda32 = torch.nn.Parameter(torch.zeros(4, 4, device="cuda"))
+        cuda16 = torch.nn.Parameter(torch.zeros(4, device="cuda", dtype=torch.bfloat16))
+        cpu = torch.nn.Parameter(torch.zeros(4))
+        assert kernel("ADAMW", [cuda32, cuda16]) == (True, False)
+        assert kernel("ADAM", [cuda32]) == (True, False)
+        assert kernel("SGD", [cuda32]) == (True, False)
+        assert kernel("ADAMW", [cuda32, cpu]) == (None, True)  # one CPU tensor: no fused launch for all
+        assert kernel("ADAMW", [cpu]) == (None, True)
+        assert kernel("ADAMW", [cuda32], fused=False) == (False, True)
+        assert kernel("ADAGRAD", [cuda32]) == (None, True)  # torch's fused Adagrad is CPU only
