@@ -127,3 +127,57 @@ def test_fused_adamw_on_cuda_foreach_elsewhere():
         assert kernel("ADAMW", [cpu]) == (None, True)
         assert kernel("ADAMW", [cuda32], fused=False) == (False, True)
         assert kernel("ADAGRAD", [cuda32]) == (None, True)  # torch's fused Adagrad is CPU only
+
+
+@pytest.mark.parametrize("name,family,part", [("SDXL", "sdxl", "unet"),
+                                              ("Flux.1 dev", "flux", "transformer")])
+def test_every_sharding_unit_of_the_real_denoisers_is_a_few_percent(name, family, part):
+    """The published SDXL / SD 1.5 UNet and Flux-dev transformer on the meta device, wrapped with the family's
+    shard_units as the fsdp strategy does: no all-gather (unit, or the root's remainder) is over 5 % of the model.
+    (Whole down_blocks / up_blocks made SDXL's up_blocks[0] 47 % of the UNet in one gather.)"""
+    from ot_dist.memory.sharding import sharding
+    from ot_dist.memory.table import build_components
+    from ot_dist.models.families.registry import get_family
+
+    denoiser = build_components(name)[part]
+    units = sharding(denoiser, get_family(family).shard_units[part])  # raises if units overlap
+    assert units.parameters == sum(units.unit_parameters) + units.root_parameters
+    assert units.largest_fraction <= 0.05, (
+        f"{name}: largest unit {units.largest_fraction:.1%} of {units.parameters / 1e9:.2f} B parameters")
+
+
+def test_fsdp_prefetches_the_next_unit_in_execution_order(family_models, monkeypatch):
+    """Each FSDP unit of the tiny SD UNet prefetches the unit that runs after it (recorded on the first forward:
+    a UNet registers attentions before the resnets they follow), in a 1-rank gloo group."""
+    import torch
+    import torch.distributed as dist
+    from diffusers import UNet2DConditionModel
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ot_dist.models.families.registry import get_family
+    from ot_dist.parallel.fsdp import prefetch_in_execution_order, wrap_units
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        unet = UNet2DConditionModel.from_pretrained(family_models["sd1"] / "unet")
+        units = wrap_units(unet, get_family("sd1").shard_units["unet"])
+        mesh = init_device_mesh("cpu", (1,))
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(unet, mesh=mesh)
+        prefetch_in_execution_order(unet, units)
+        ran = []
+        for u in units:
+            u.register_forward_pre_hook(lambda m, *_: ran.append(m))
+        config = unet.config
+        sample = torch.randn(1, config.in_channels, 8, 8)
+        text = torch.randn(1, 4, config.cross_attention_dim)
+        unet(sample, 10, text).sample.sum().backward()
+        assert [id(m) for m in ran] != [id(m) for m in units], "the tiny UNet must run units out of registration order"
+        for unit, following in zip(ran, ran[1:]):
+            assert [s._modules for s in unit._get_fsdp_state()._states_to_forward_prefetch] == [(following,)]
+    finally:
+        dist.destroy_process_group()
