@@ -49,13 +49,13 @@ class Replica:
     def __init__(self, module: torch.nn.Module, device: torch.device, group):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.synchronise = True
+        # The reducer's module is a list of the trainable parameters alone (no buffers to broadcast).
         self.ddp = DistributedDataParallel(
             torch.nn.ParameterList(self.params),
             device_ids=[device] if device.type == "cuda" else None,
             process_group=group,
             bucket_cap_mb=BUCKET_MB,
             find_unused_parameters=True,
-            broadcast_buffers=False,
             gradient_as_bucket_view=True,
         )
         module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
