@@ -143,7 +143,8 @@ class OptimizerConfig(Section):
     fused: bool | None = Field(
         default=None,
         description=(
-            "torch: fused single-kernel step (CUDA, and CPU for some)."
+            "torch: fused single-kernel step (CUDA, and CPU for some). Unset: chosen for ADAM, ADAMW and SGD when every "
+            "trained parameter is a floating CUDA tensor (foreach otherwise); false keeps foreach."
             + _by("fused")
         ),
     )

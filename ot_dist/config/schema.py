@@ -323,6 +323,19 @@ class DeepSpeedConfig(Section):
 
     offload_optimizer: bool = Field(default=False, description="Optimizer state in CPU memory (ZeRO-Offload).")
     offload_params: bool = Field(default=False, description="Parameters in CPU memory (zero3 only).")
+    overlap_comm: bool | None = Field(
+        default=None,
+        description="ZeRO-1/2: reduce gradient buckets on a side stream while backward goes on (DeepSpeed turns "
+        "it on by itself only for ZeRO-3). Unset: on with a GPU, off on the CPU (no side stream to overlap on).",
+    )
+    reduce_bucket_size: int = Field(
+        default=200_000_000, gt=0,
+        description="Elements per gradient reduction bucket. With overlap_comm DeepSpeed holds about 4.5x this "
+        "(and allgather_bucket_size) in buffers: lower it if memory is short, raise it on slow interconnects.",
+    )
+    allgather_bucket_size: int = Field(
+        default=200_000_000, gt=0, description="Elements per all-gather of the updated parameters (ZeRO-1/2)."
+    )
     config_file: str | None = Field(
         default=None, description="A DeepSpeed JSON whose keys override the generated DeepSpeed config."
     )

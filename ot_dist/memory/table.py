@@ -18,6 +18,7 @@ import torch
 
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
+from ot_dist.models.families.sd import UNET_SHARD_UNITS
 from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
 
 GIB = 1024**3
@@ -61,8 +62,8 @@ T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24
 VAE_16 = dict(VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
-    "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, ("down_blocks", "mid_block", "up_blocks")),
-    "SDXL": ("unet", UNET_ATTENTION_TARGETS, ("down_blocks", "mid_block", "up_blocks")),
+    "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
+    "SDXL": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
     "SD3.5 Large": ("transformer", SD3_LORA_TARGETS, ("transformer_blocks",)),
     "Flux.1 dev": ("transformer", FLUX_LORA_TARGETS, ("transformer_blocks", "single_transformer_blocks")),
 }

@@ -35,12 +35,27 @@ def constructor_kwargs(spec: OptimizerSpec, options: dict) -> dict:
     return kwargs
 
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def kernel_choice(spec: OptimizerSpec, kwargs: dict, params: list[torch.Tensor]) -> dict:
+    """torch's fused kernel (one launch for all parameters) where it runs: `fused` left unset, the optimizer has a
+    CUDA fused kernel, and every parameter is a floating CUDA tensor of a dtype it takes (FSDP2's DTensor shards
+    included). Otherwise the options as given: `foreach` (the registry's default) batches the per-tensor loops.
+    `fused: false` keeps foreach on a GPU."""
+    if not spec.cuda_fused or kwargs.get("fused") is not None or kwargs.get("differentiable"):
+        return kwargs
+    if params and all(p.device.type == "cuda" and p.dtype in FUSED_DTYPES for p in params):
+        return {**kwargs, "fused": True, "foreach": False}
+    return kwargs
+
+
 def build_optimizer(
     config: OptimizerConfig, groups: list[ParamGroup], cls: type[torch.optim.Optimizer] | None = None
 ) -> torch.optim.Optimizer:
     spec = SPECS[config.name]
     options = config.options()
-    kwargs = constructor_kwargs(spec, options)
+    kwargs = kernel_choice(spec, constructor_kwargs(spec, options), [p for g in groups for p in g.params])
     param_groups = [
         {"params": g.params, "lr": g.learning_rate, "initial_lr": g.learning_rate, "name": g.name} for g in groups
     ]

@@ -40,6 +40,7 @@ class OptimizerSpec:
     notes: str = ""
     must_be_positive: tuple[str, ...] = ()  # options the implementation refuses at 0
     trust_ratio: bool = False  # caps each update at max_unorm x the weight's norm: a zero weight never moves
+    cuda_fused: bool = False  # torch has a fused CUDA kernel: chosen when `fused` is unset and it can run (factory.py)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -69,10 +70,10 @@ SPECS: dict[str, OptimizerSpec] = {
               supports_fused_back_pass=True),
         _spec("ADAM", "torch.optim:Adam",
               {**_ADAM, "weight_decay": 0.0, "amsgrad": False, "capturable": False, **TORCH, **FUSED},
-              betas=("beta1", "beta2"), supports_fused_back_pass=True),
+              betas=("beta1", "beta2"), supports_fused_back_pass=True, cuda_fused=True),
         _spec("ADAMW", "torch.optim:AdamW",
               {**_ADAM, "weight_decay": 1e-2, "amsgrad": False, "capturable": False, **TORCH, **FUSED},
-              betas=("beta1", "beta2"), supports_fused_back_pass=True),
+              betas=("beta1", "beta2"), supports_fused_back_pass=True, cuda_fused=True),
         _spec("LAMB", "bitsandbytes.optim:LAMB",
               {**_ADAM, "weight_decay": 0.0, "max_unorm": 1.0}, betas=("beta1", "beta2"), trust_ratio=True),
         _spec("LARS", "bitsandbytes.optim:LARS",
@@ -86,7 +87,7 @@ SPECS: dict[str, OptimizerSpec] = {
               supports_fused_back_pass=True),
         _spec("SGD", "torch.optim:SGD",
               {"momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False, **TORCH, **FUSED},
-              supports_fused_back_pass=True),
+              supports_fused_back_pass=True, cuda_fused=True),
         # -- their 8-bit versions (bitsandbytes; tensors smaller than min_8bit_size keep 32-bit state)
         _spec("ADAGRAD_8BIT", "bitsandbytes.optim:Adagrad8bit",
               {"weight_decay": 0.0, "eps": 1e-10, **_BNB_8BIT}, eight_bit=True),

@@ -48,6 +48,10 @@ class Strategy:
     def autocast(self):
         return self.precision.autocast()
 
+    def prepare_micro_step(self, last_micro_step: bool) -> None:
+        """Called before a micro step's forward: whether its backward completes an accumulation (strategies
+        that reduce gradients during backward decide there whether this one synchronises)."""
+
     def backward(self, loss: torch.Tensor, accumulation: int, last_micro_step: bool) -> None:
         self.precision.backward(loss / accumulation)
 

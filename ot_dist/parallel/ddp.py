@@ -1,54 +1,78 @@
 """Data parallel with replicated weights: every rank holds the whole model and optimizer state;
-gradients are averaged over ranks once per optimizer step (not per micro step), in buckets."""
+gradients are averaged over ranks once per optimizer step (not per micro step).
+
+The averaging is torch's DistributedDataParallel reducer: each bucket of gradients is all-reduced as
+soon as backward has produced it, so communication overlaps the rest of backward. The reducer is driven
+by forward hooks on each trained module (as torch's composable `replicate` does), so the module keeps
+its class, its parameter names and its state dict; micro steps of a gradient accumulation run without
+synchronising (DDP's `no_sync`), which must be decided before their forward (`prepare_micro_step`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.single import held_plain
 
-BUCKET_BYTES = 32 * 1024 * 1024
+BUCKET_MB = 32
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def step(self, optimizer, params):
-        self.all_reduce_gradients(params)
-        return super().step(optimizer, params)
+    def _wrap_modules(self, model) -> None:
+        # One reducer per trained module; each gets its own process group when there are several, so the
+        # reducers' all-reduces can never interleave differently on different ranks.
+        several = len(self.trained_modules) > 1
+        self.replicas = {
+            name: Replica(module, self.runtime.device, dist.new_group() if several else None)
+            for name, module in self.trained_modules.items()
+        }
 
-    def all_reduce_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        # A parameter without a gradient on this rank still takes part (as zeros): every rank must
-        # issue identical collectives, whatever its own batch touched.
-        trainable = [p for p in params if p.requires_grad]
-        for p in trainable:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        for bucket in buckets(trainable):
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            flat /= self.runtime.world_size
-            offset = 0
-            for p in bucket:
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
+    def prepare_micro_step(self, last_micro_step: bool) -> None:
+        for replica in self.replicas.values():
+            replica.synchronise = last_micro_step
 
     def held_tensors(self):
         return held_plain(self)
 
 
-def buckets(params: list[torch.nn.Parameter]):
-    """Consecutive runs of same-dtype gradients up to BUCKET_BYTES each."""
-    bucket, size = [], 0
-    for p in params:
-        nbytes = p.grad.numel() * p.grad.element_size()
-        if bucket and (size + nbytes > BUCKET_BYTES or p.grad.dtype != bucket[0].grad.dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(p)
-        size += nbytes
-    if bucket:
-        yield bucket
+class Replica:
+    """DistributedDataParallel's reducer over one module's trainable parameters.
+
+    Parameters a rank's batch did not reach (a part whose output one rank's loss ignored, a parameter
+    frozen mid-run by `stop_training_after`) are found after forward and reduced as zeros on that rank, so
+    every rank issues the same collectives; one no rank reached keeps no gradient, as in one process."""
+
+    def __init__(self, module: torch.nn.Module, device: torch.device, group):
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.synchronise = True
+        # The reducer's module is a list of the trainable parameters alone (no buffers to broadcast).
+        self.ddp = DistributedDataParallel(
+            torch.nn.ParameterList(self.params),
+            device_ids=[device] if device.type == "cuda" else None,
+            process_group=group,
+            bucket_cap_mb=BUCKET_MB,
+            find_unused_parameters=True,
+            gradient_as_bucket_view=True,
+        )
+        module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        module.register_forward_hook(self._after_forward)
+
+    def _active(self) -> bool:
+        # A module whose parameters all left training (stop_training_after) no longer takes part: every
+        # rank stops at the same step.
+        return any(p.requires_grad for p in self.params)
+
+    def _before_forward(self, module, args, kwargs):
+        if self._active():
+            self.ddp.require_backward_grad_sync = self.synchronise
+            self.ddp._pre_forward()
+        return None
+
+    def _after_forward(self, module, args, output):
+        if self._active():
+            return self.ddp._post_forward(output)
+        return None

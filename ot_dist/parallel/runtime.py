@@ -68,12 +68,19 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     if not dist.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
+            backend=process_group_backend(device),
             timeout=timeout,
             device_id=device if device.type == "cuda" else None,
             **restart_safe_store(rank, world_size, timeout),
         )
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The backends of the process group. On GPUs NCCL carries CUDA tensors and gloo the CPU ones: the sharded
+    EMA with `ema.device: cpu`, DeepSpeed's offloaded partitions and `fsdp.cpu_offload`'s gradient norms are
+    reduced as CPU tensors, which NCCL alone cannot. Groups made later (device meshes, `new_group`) inherit both."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dict:

@@ -322,6 +322,7 @@ class Trainer:
             yield self.tokenize(batch)
 
     def micro_step(self, batch: dict, epoch: int, accumulation: int, last_micro_step: bool = True) -> torch.Tensor:
+        self.strategy.prepare_micro_step(last_micro_step)
         with self.strategy.autocast():
             loss = self.loss(batch, epoch)
         self.strategy.backward(loss, accumulation, last_micro_step)
