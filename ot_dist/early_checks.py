@@ -27,6 +27,9 @@ def check_input_paths(config) -> None:
         if not shown(folder).is_dir() and not looks_like_repo_id:
             raise InputFileError(f"model.config: {shown(folder)} is not a folder (a diffusers-format model folder "
                                  "whose component configs describe the single file's architecture)")
+    init_from = getattr(config.lora, "init_from", None) if config.method == "lora" else None
+    if init_from and not shown(init_from).is_file():
+        raise InputFileError(f"lora.init_from: {shown(init_from)} is not a file (a LoRA .safetensors to start from)")
     for label, concept in config.data.concept_list():
         if not shown(concept.path).is_dir():
             raise InputFileError(f"{label}: {shown(concept.path)} is not a folder")

@@ -121,6 +121,13 @@ class LoraConfig(Section):
         "load_lora_weights. auto: kohya for the families "
         "that have kohya names (sd1, sd2, sdxl), diffusers for the others (sd3, flux, chroma for now).",
     )
+    init_from: str | None = Field(
+        default=None,
+        description="A LoRA .safetensors file to start from instead of zero (continue a LoRA, ot_dist's or another "
+        "trainer's: kohya or diffusers layout). Its rank must equal lora.rank; its alpha is honoured (the starting "
+        "change equals the file's); the targeted modules it lacks start at zero change, modules it has that are "
+        "not targeted are an error.",
+    )
 
 
 class EmbeddingConfig(Section):
@@ -200,6 +207,11 @@ class DataConfig(Section):
         description="Run the text encoders once over every caption (split over the ranks), store the outputs in the "
         "shard set (keyed to the encoders and tokenizers) and train from them. Needs frozen text encoders and method "
         "full or lora.",
+    )
+    max_untrained_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="A run in which more than this share of the samples per epoch sits in "
+        "buckets with fewer samples than one global batch (so they never train) stops before training, with the "
+        "bucket report and what fixes it; 1 accepts any share.",
     )
     max_bad_fraction: float = Field(
         default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
@@ -343,7 +355,7 @@ class TrainConfig(Section):
         default="float32",
         description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base). float8: one byte per "
         "parameter (float8_e4m3fn with a per-tensor scale), upcast to train_dtype where used; the forward pass then "
-        "differs from the bfloat16 one by a few percent (README), and an export of a frozen part writes its "
+        "differs from the bfloat16 one by a few percent (docs/low-memory.md), and an export of a frozen part writes its "
         "float8-rounded weights. Strategies single and ddp.",
     )
     offload_frozen_components: bool = Field(

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ot_dist.data.buckets import bucket_size
+from ot_dist.data.buckets import bucket_size, merged_buckets
 from ot_dist.data.decode import decode_member
 from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch
 from ot_dist.data.shards import read_manifest
@@ -54,7 +54,8 @@ class ShardDataset:
         balancing = [(c["balancing"], c["balancing_strategy"]) for c in concepts]
         if data_config is not None and data_config.concept_list():
             balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
-        return SampleTable(tuple(s["bucket"] for s in self.samples), tuple(s["concept"] for s in self.samples),
+        merged = merged_buckets(self.resolutions, self.step)
+        return SampleTable(tuple(merged[s["bucket"]] for s in self.samples), tuple(s["concept"] for s in self.samples),
                            tuple(balancing), tuple(c["name"] for c in concepts))
 
     def _read(self, sample: dict, suffix: str):

@@ -167,10 +167,13 @@ def index_members(shard: Path) -> dict[str, dict[str, list[int]]]:
 def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fingerprint: str,
                    config_path: str | None) -> dict:
     shard_files = sorted(out_dir.glob("shard-*.tar"))
+    by_shard: dict[int, list[dict]] = {}
+    for record in records:  # one pass: a scan of all records per shard is quadratic at millions of samples
+        by_shard.setdefault(record["shard"], []).append(record)
     shards = []
     for number, path in enumerate(shard_files):
         members = index_members(path)
-        in_shard = [r for r in records if r["shard"] == number]
+        in_shard = by_shard.get(number, [])
         for record in in_shard:
             record["members"] = members[record["key"]]
         shards.append({"file": path.name, "samples": len(in_shard), "bytes": path.stat().st_size,

@@ -47,6 +47,11 @@ class LoraMethod(TrainingMethod):
             for p in params:
                 p.data = p.data.float()
             groups.append(ParamGroup(part, params, self.config.part_learning_rate(part), part=part))
+        if self.config.lora.init_from:
+            from ot_dist.lora_tools.start import start_from_file
+
+            start_from_file(model, {g.part: model.part(g.part) for g in groups}, self.config.lora.init_from,
+                            self.config.lora.rank, ADAPTER)
         return groups
 
     def export(
@@ -97,6 +102,7 @@ class LoraMethod(TrainingMethod):
         kwargs = {}
         for part, state in states.items():
             state, metadata = scale_baked_in(state, adapter_configs[part])
+            state = with_file_root(state, model.family.lora_file_roots.get(part, ""), model.part(part))
             if isinstance(metadata.get("target_modules"), (set, list, tuple)):
                 # peft keeps them in a set: its order changes with each process's hash seed, and so would the file
                 metadata = {**metadata, "target_modules": sorted(metadata["target_modules"])}
@@ -117,6 +123,14 @@ def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
     if settings.preset == "all_linear":
         return "lora.preset", [name for name, sub in module.named_modules() if isinstance(sub, torch.nn.Linear)]
     return "lora.preset", list(family.denoiser_lora_presets[settings.preset])
+
+
+def with_file_root(state: dict, root: str, module: torch.nn.Module) -> dict:
+    """Keys under the module level that LoRA files name and the loaded module lacks (transformers 5's CLIPTextModel
+    has no `text_model.`; ComfyUI reads CLIP LoRA keys only with it, diffusers accepts both)."""
+    if not root or root in dict(module.named_children()):
+        return state
+    return {f"{root}.{key}": value for key, value in state.items()}
 
 
 def scale_baked_in(state: dict, metadata: dict) -> tuple[dict, dict]:

@@ -60,6 +60,12 @@ class Family:
     # the family: 64 for SDXL, SD3, Flux, Chroma; 8 for SD 1.x / 2.x).
     bucket_step: int = 64
 
+    # -- starting configs (`ot-dist init`) --------------------------------------------------------------
+    # The side the family's base models were trained at (the resolution a new config starts with), and the
+    # model of ot_dist/memory/table.py whose byte counts stand for this family's (None: no starting presets).
+    native_resolution: int = 1024
+    memory_reference: str | None = None
+
     # -- text -----------------------------------------------------------------------------------------
     # The text encoders whose output layer model.<encoder>_layer_skip moves back (OneTrainer's
     # text_encoder_layer_skip, A1111's "clip skip"); `layer_skip` holds the configured skips (configure).

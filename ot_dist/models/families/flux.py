@@ -90,6 +90,7 @@ class FlowTransformerFamily(Family):
 
 class Flux(FlowTransformerFamily):
     name = "flux"
+    memory_reference = "Flux.1 dev"
     description = "Flux.1 dev / schnell (MMDiT, CLIP-L pooled + T5, flow matching with a resolution-dependent shift)"
     pipeline_class = "FluxPipeline"
     text_encoders = ("text_encoder", "text_encoder_2")
@@ -98,6 +99,9 @@ class Flux(FlowTransformerFamily):
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS,
                    "text_encoder_2": T5_SHARD_UNITS}
     lora_file_prefixes = None
+    # CLIP-L's LoRA modules carry the text_model. level transformers 5 dropped: ComfyUI maps Flux's CLIP LoRA keys
+    # only as text_encoder.text_model.encoder.layers.N..., and diffusers strips the level again when loading.
+    lora_file_roots = {"text_encoder": "text_model"}
 
     def __init__(self, guidance_scale: float = 1.0):
         # The distilled guidance dev's transformer is shown in training (OneTrainer and SimpleTuner train at 1.0).
@@ -158,6 +162,7 @@ class Flux(FlowTransformerFamily):
 
 class Chroma(FlowTransformerFamily):
     name = "chroma"
+    memory_reference = "Flux.1 dev"  # Chroma: Flux.1 schnell's blocks, no guidance / CLIP (8.9 B): an upper bound
     description = "Chroma (Flux-based MMDiT, T5 only with its attention mask, no guidance)"
     pipeline_class = "ChromaPipeline"
     text_encoders = ("text_encoder",)

@@ -80,8 +80,10 @@ class SD(UNetFamily):
     tokenizers = ("tokenizer",)
     embedding_keys = {"text_encoder": EMBEDDING_TOKEN_KEY}
 
-    def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str):
-        self.name, self.description = name, description
+    memory_reference = "SD 1.5"  # SD 2.x: a UNet of the same size (865 M), a larger text encoder (354 M)
+
+    def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str, native_resolution: int):
+        self.name, self.description, self.native_resolution = name, description, native_resolution
         self.tiny_hidden_act, self.tiny_prediction_type = hidden_act, prediction_type
 
     layer_skip_encoders = ("text_encoder",)
@@ -145,6 +147,8 @@ class SD(UNetFamily):
 
 
 FAMILIES = {
-    "sd1": SD("sd1", "Stable Diffusion 1.x (epsilon)", hidden_act="quick_gelu", prediction_type="epsilon"),
-    "sd2": SD("sd2", "Stable Diffusion 2.x (epsilon or v-prediction)", hidden_act="gelu", prediction_type="v_prediction"),
+    "sd1": SD("sd1", "Stable Diffusion 1.x (epsilon)", hidden_act="quick_gelu", prediction_type="epsilon",
+              native_resolution=512),
+    "sd2": SD("sd2", "Stable Diffusion 2.x (epsilon or v-prediction)", hidden_act="gelu",
+              prediction_type="v_prediction", native_resolution=768),
 }

@@ -20,6 +20,7 @@ T5_MAX_TOKENS = 256  # StableDiffusion3Pipeline's default
 
 class SD3(Family):
     name = "sd3"
+    memory_reference = "SD3.5 Large"  # the largest of the family; SD3 / SD3.5 Medium need less
     description = "Stable Diffusion 3 / 3.5 (MMDiT, CLIP-L + CLIP-G + T5, flow matching with shift 3)"
     pipeline_class = "StableDiffusion3Pipeline"
     denoiser = "transformer"

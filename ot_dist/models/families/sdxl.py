@@ -10,6 +10,7 @@ from ot_dist.models.families.sd import UNetFamily, skipped_layer
 
 class SDXL(UNetFamily):
     name = "sdxl"
+    memory_reference = "SDXL"
     description = "Stable Diffusion XL (two CLIP text encoders, size / crop conditioning)"
     pipeline_class = "StableDiffusionXLPipeline"
     inpaint_pipeline_class = "StableDiffusionXLInpaintPipeline"

@@ -1,0 +1,49 @@
+"""`ot-dist lora merge`: W += weight * alpha / rank * up @ down for every module of the file, then write the
+merged model as a diffusers folder or a single file, with the family's own exporters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ot_dist.lora_tools.files import LoraFile, read_lora_file
+from ot_dist.lora_tools.matching import check_shape, match, module_index
+
+
+@torch.no_grad()
+def merge_into(model, lora: LoraFile, weight: float, source: str) -> tuple[int, list[str]]:
+    """Add the file's changes to the model in place (in float32, stored back in each weight's dtype).
+    Returns (modules merged, the file's names the model lacks)."""
+    matched, missing = match(lora.pairs, module_index(model, lora.layout), source)
+    for name, target in matched.items():
+        w = target.module.weight
+        delta = lora.pairs[name].delta()
+        check_shape(name, delta, w, source)
+        w.copy_((w.float() + weight * delta).to(w.dtype))
+    return len(matched), missing
+
+
+def merge_command(base: str, family: str, lora_paths: list[str], weights: list[float], out: str, fmt: str,
+                  config_folder: str | None, dtype_name: str, log=print) -> Path:
+    from ot_dist.checkpoint.export import export_diffusers_folder
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.loading import load_model
+    from ot_dist.precision import DTYPES
+
+    model = load_model(ModelConfig(family=family, path=base, config=config_folder))
+    for path, weight in zip(lora_paths, weights):
+        merged, missing = merge_into(model, read_lora_file(path), weight, path)
+        log(f"{path}: merged {merged} modules at weight {weight}")
+        if missing:
+            log(f"warning: {path}: {len(missing)} modules are not in the model and were skipped: "
+                f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    dtype = DTYPES[dtype_name]
+    target = Path(out)
+    if fmt == "diffusers":
+        export_diffusers_folder(model.pipeline, target, dtype)
+    else:
+        components = {**model.parts(), "vae": model.vae}
+        model.family.export_single_file(components, {n: m.state_dict() for n, m in components.items()}, target, dtype)
+    log(f"wrote {target}")
+    return target

@@ -1,0 +1,69 @@
+"""Which setup of the memory table (ot_dist/memory/table.py) fits the user's GPUs, for a family and a method.
+
+The table counts weights, gradients and optimizer state. Activations, the CUDA context and the allocator's slack
+are not in it: `ACTIVATIONS_GIB` adds them per reference model at its native resolution, batch 1, gradient
+checkpointing on. Without checkpointing a setup needs about `NO_CHECKPOINTING_FACTOR` times that."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ot_dist.errors import ConfigError
+from ot_dist.memory.table import DENOISERS, GIB, SETUPS, Setup, build_components, fsdp_rank_bytes, setup_bytes
+
+# GiB for activations (checkpointed, batch 1, native resolution) + CUDA context + allocator slack. Estimates from
+# the activation sizes of the blocks at that resolution (not measured on a GPU yet: docs/performance.md has the
+# bench's measured peaks, which these must stay above).
+ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev": 6.0}
+NO_CHECKPOINTING_FACTOR = 4
+
+
+@dataclass(frozen=True)
+class Choice:
+    setup: Setup
+    strategy: str  # "single", "ddp" or "fsdp"
+    need_gib: float  # per GPU, activations included
+    table_gib: float  # the memory table's figure for the setup (per GPU)
+    gradient_checkpointing: bool
+    reference: str  # the memory-table model the numbers are for
+
+
+def candidates(method: str) -> list[Setup]:
+    """The table's setups for a method, least lossy first. Frozen float32 is never a GPU choice (bfloat16 frozen
+    weights change nothing that trains). An embedding trains a few vectors: LoRA's frozen-weight setups bound it."""
+    trained = "full" if method == "full" else "lora"
+    return [s for s in SETUPS if s.trained == trained and not (s.trained == "lora" and s.frozen == "float32")]
+
+
+@lru_cache(maxsize=None)
+def _components(reference: str):
+    return build_components(reference)  # meta-device modules: parameter counts without memory
+
+
+def choose(family, method: str, gpu_memory_gib: float, gpus: int) -> Choice:
+    reference = family.memory_reference
+    if reference is None:
+        raise ConfigError(f"--family: {family.name} has no memory reference yet; start from a config in configs/")
+    components = _components(reference)
+    targets = DENOISERS[reference][1]
+    activations = ACTIVATIONS_GIB[reference]
+    options: list[Choice] = []
+    for setup in candidates(method):
+        if setup.fused_back_pass and gpus > 1:
+            continue  # gradients applied during backward cannot be reduced across GPUs first
+        table = setup_bytes(setup, components, targets) / GIB
+        options.append(Choice(setup, "ddp" if gpus > 1 else "single", table + activations, table, True, reference))
+        if method == "full" and gpus > 1 and setup.optimizer == "ADAMW" and not setup.fused_back_pass:
+            # Sharded AdamW keeps the optimizer exact: preferred to 8-bit or factored state when it fits.
+            sharded = fsdp_rank_bytes(components, reference, gpus)
+            per_rank = (sharded["sharded_state"] + sharded["gather_peak"]) / GIB
+            options.append(Choice(setup, "fsdp", per_rank + activations, per_rank, True, reference))
+    for option in options:
+        if option.need_gib <= gpu_memory_gib:
+            roomy = option.table_gib + NO_CHECKPOINTING_FACTOR * activations <= gpu_memory_gib
+            return Choice(option.setup, option.strategy, option.need_gib, option.table_gib, not roomy, reference)
+    least = min(options, key=lambda o: o.need_gib)
+    raise ConfigError(f"--gpu-memory: {method} on {family.name} needs about {least.need_gib:.1f} GiB per GPU even with "
+                      f"'{least.setup.label}' ({least.strategy}): a GPU with more memory, more GPUs for a full finetune (fsdp "
+                      "shards it: --gpus), or a smaller model")

@@ -1,0 +1,62 @@
+"""The starting config as commented YAML: every choice says which memory-table row it comes from."""
+
+from __future__ import annotations
+
+from ot_dist.starter.choose import Choice
+
+LEARNING_RATES = {"lora": 1e-4, "full": 1e-5, "embedding": 5e-3}
+
+
+def render(family, method: str, choice: Choice, model_path: str, data_path: str, output_dir: str,
+           gpu_memory: float, gpus: int) -> str:
+    setup = choice.setup
+    # Cached latents and text keep the VAE and text encoders off the GPUs while training: the offloaded setups and
+    # the fsdp row of the table assume it.
+    cached = setup.offload or setup.frozen == "float8" or choice.strategy == "fsdp"
+    lines = [
+        f"# ot-dist init: {method} on {family.name}, {gpus} GPU(s) of {gpu_memory:g} GiB.",
+        f"# Memory table row ({choice.reference}): '{setup.label}' = {choice.table_gib:.2f} GiB per GPU of weights,",
+        f"# gradients and optimizer state, + activations etc. at {family.native_resolution} px, batch 1: about "
+        f"{choice.need_gib:.1f} GiB.",
+        "# docs/low-memory.md explains each choice; configs/REFERENCE.md lists every key.",
+        "model:",
+        f"  family: {family.name}",
+        f"  path: {model_path}                # a diffusers folder or a single-file .safetensors",
+        f"method: {method}",
+        f"output_dir: {output_dir}",
+        "data:",
+        f"  path: {data_path}                 # images with same-name .txt captions",
+    ]
+    if cached:
+        lines += ["  cache_latents: true          # the VAE encodes each image once, then stays off the GPU",
+                  "  cache_text: true             # the same for the frozen text encoders"]
+    lines += [
+        f"resolution: {family.native_resolution}",
+        "batch_size: 1",
+        "epochs: 10",
+        f"learning_rate: {LEARNING_RATES[method]:.0e}",
+        "train_dtype: bfloat16                 # bf16 compute; trained weights stay float32 unless set below",
+        f"weight_dtype: {setup.frozen}" + ("                  # 1 byte per frozen parameter" if setup.frozen == "float8"
+                                           else "               # frozen weights in 2 bytes"),
+    ]
+    if setup.offload:
+        lines.append("offload_frozen_components: true      # text encoders + VAE in CPU memory between uses")
+    if setup.trained_dtype == "bfloat16":
+        lines.append("trained_weight_dtype: bfloat16       # trained weights and gradients in 2 bytes (stochastic rounding)")
+    lines.append(f"gradient_checkpointing: {'true' if choice.gradient_checkpointing else 'false'}"
+                 + ("" if choice.gradient_checkpointing else "        # room for the activations without it"))
+    lines.append(f"strategy: {choice.strategy}" + {"single": "", "ddp": "                       # one replica per GPU",
+                                                  "fsdp": "                      # weights, gradients and AdamW state "
+                                                  "sharded over the GPUs"}[choice.strategy])
+    if method == "lora":
+        lines += ["lora:", "  rank: 16", "  alpha: 16"]
+    if method == "full":
+        lines += [f"{family.denoiser}:", "  train: true"]
+    lines += ["optimizer:", f"  name: {setup.optimizer}"]
+    if setup.optimizer == "ADAFACTOR":  # with learning_rate above, as OneTrainer's defaults use it
+        lines += ["  relative_step: false", "  scale_parameter: false"]
+    if setup.fused_back_pass:
+        lines.append("  fused_back_pass: true         # each gradient applied and freed as backward produces it")
+        lines.append("clip_grad_norm: null                  # a global norm needs every gradient at once")
+    lines += ["checkpoint:", "  every_n_minutes: 30"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,250 @@
+"""`ot-dist lora merge | resize | extract` (issue 22) and LoRA files from other trainers (issue 24), on the tiny models.
+
+The reference for a merge is diffusers' own: `load_lora_weights` + `fuse_lora(lora_scale=w)` of the same file on
+the same base. A LoRA "made by another trainer" is written here by kohya's naming rules (sd-scripts
+networks/lora.py: `lora_unet_` / `lora_te_` + the module path with "_" for ".", the text encoder named with
+transformers 4's `text_model.` level; `.lora_down.weight` / `.lora_up.weight` and an `.alpha` per module), with
+alpha != rank and a 3x3 conv (LoCon) module, so a tool that ignores alpha or conv shapes fails.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import base_config
+from diffusers import DiffusionPipeline
+from safetensors.torch import load_file, save_file
+
+from ot_dist.config.load import validate
+from ot_dist.lora_tools.files import Pair, read_lora_file
+from ot_dist.lora_tools.lowrank import low_rank_pair
+from ot_dist.methods.lora import LoraMethod
+from ot_dist.models.loading import load_model
+
+RANK, ALPHA = 4, 2.0
+MODELS = {"sd1": "tiny_models", "sdxl": "tiny_models", "flux": "family_models", "sd3": "family_models"}
+
+
+def model_dir(request, family) -> Path:
+    return request.getfixturevalue(MODELS[family])[family]
+
+
+def random_lora_file(request, family, shapes_data, out: Path, layout="auto", seed=0) -> Path:
+    """ot_dist's exported LoRA (denoiser + text encoders where the family has them) with random up matrices
+    standing in for training."""
+    text = {"text_encoder.train": True} if family in ("sd1", "sdxl", "flux") else {}  # CLIP text encoders
+    config = validate(base_config(model_dir(request, family), shapes_data, out, family=family, method="lora",
+                                  **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.file_layout": layout}, **text))
+    model = load_model(config.model)
+    LoraMethod(config).prepare(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for part in model.parts().values():
+            for name, p in part.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+    [path] = LoraMethod(config).export(model, out)
+    return path
+
+
+def diffusers_fused(base: Path, lora: Path, scale: float) -> DiffusionPipeline:
+    pipe = DiffusionPipeline.from_pretrained(base)
+    pipe.load_lora_weights(lora.parent, weight_name=lora.name)
+    pipe.fuse_lora(lora_scale=scale, components=list(pipe._lora_loadable_modules))
+    pipe.unload_lora_weights()
+    return pipe
+
+
+def assert_same_weights(ours: DiffusionPipeline, reference: DiffusionPipeline, base: DiffusionPipeline):
+    changed = 0
+    for name in ("unet", "transformer", "text_encoder", "text_encoder_2"):
+        if getattr(reference, name, None) is None:
+            continue
+        mine, theirs, before = (getattr(p, name).state_dict() for p in (ours, reference, base))
+        for key, value in theirs.items():
+            torch.testing.assert_close(mine[key].float(), value.float(), rtol=1e-5, atol=1e-6, msg=f"{name}.{key}")
+            changed += not torch.equal(value, before[key])
+    assert changed > 0  # the LoRA changed something: the comparison is not base == base
+
+
+def run_cli(*args) -> subprocess.CompletedProcess:
+    """`ot-dist ARGS` in this process (the tools' own cost is small; a new interpreter's imports are not)."""
+    import contextlib
+    import io
+
+    from ot_dist.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def run_process(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ot_dist", *map(str, args)], capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("family,layout", [("sd1", "kohya"), ("sd1", "diffusers"), ("sdxl", "kohya"),
+                                           ("flux", "diffusers")])
+def test_merge_equals_diffusers_fuse(request, shapes_data, tmp_path, family, layout):
+    lora = random_lora_file(request, family, shapes_data, tmp_path / "o", layout)
+    base = model_dir(request, family)
+    done = run_cli("lora", "merge", base, lora, "--family", family, "--weight", 0.7, "--out", tmp_path / "merged",
+                   "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stdout, done.stdout  # every module of the file was found
+    assert_same_weights(DiffusionPipeline.from_pretrained(tmp_path / "merged"), diffusers_fused(base, lora, 0.7),
+                        DiffusionPipeline.from_pretrained(base))
+
+
+def kohya_file_from_another_trainer(unet, text_encoder, path: Path) -> dict[str, Pair]:
+    """Module path -> Pair, written under kohya's names with alpha != rank, incl. a 3x3 conv (LoCon)."""
+    generator = torch.Generator().manual_seed(3)
+    modules = {"unet": [n for n, m in unet.named_modules() if n.endswith("attn1.to_q") or n.endswith("attn2.to_v")]
+               + ["down_blocks.0.resnets.0.conv1"],
+               # (with out_proj: diffusers recognises a kohya text-encoder LoRA only when some out_proj is in it)
+               "text_encoder": [n for n, m in text_encoder.named_modules() if n.endswith(("q_proj", "out_proj"))]}
+    tensors, pairs = {}, {}
+    for part, paths in modules.items():
+        owner = unet if part == "unet" else text_encoder
+        for module_path in paths:
+            weight = owner.get_submodule(module_path).weight
+            down = torch.randn(2, *weight.shape[1:], generator=generator) * 0.1
+            up = torch.randn(weight.shape[0], 2, *([1, 1] if weight.dim() == 4 else []), generator=generator) * 0.1
+            name = ("lora_unet_" + module_path if part == "unet" else "lora_te_text_model_" + module_path).replace(".", "_")
+            tensors |= {f"{name}.lora_down.weight": down, f"{name}.lora_up.weight": up,
+                        f"{name}.alpha": torch.tensor(1.5)}
+            pairs[(part, module_path)] = Pair(down, up, 1.5)
+    save_file(tensors, str(path), metadata={"ss_network_module": "networks.lora"})
+    return pairs
+
+
+def test_a_kohya_lora_from_another_trainer_merges_like_diffusers(tiny_models, tmp_path):
+    base = tiny_models["sd1"]
+    pipe = DiffusionPipeline.from_pretrained(base)
+    lora = tmp_path / "other_trainer.safetensors"
+    kohya_file_from_another_trainer(pipe.unet, pipe.text_encoder, lora)
+    done = run_cli("lora", "merge", base, lora, "--family", "sd1", "--out", tmp_path / "merged", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert_same_weights(DiffusionPipeline.from_pretrained(tmp_path / "merged"), diffusers_fused(base, lora, 1.0), pipe)
+
+
+def test_a_lora_file_starts_training_where_it_left_off(tiny_models, shapes_data, tmp_path):
+    """lora.init_from: the adapters start as the file's (kohya file of another trainer, rank 2, alpha 1.5): the
+    model before the first step computes what the merged model computes."""
+    base = tiny_models["sd1"]
+    pipe = DiffusionPipeline.from_pretrained(base)
+    lora = tmp_path / "other_trainer.safetensors"
+    pairs = kohya_file_from_another_trainer(pipe.unet, pipe.text_encoder, lora)
+    targets = sorted({p.rsplit(".", 1)[-1] for _, p in pairs if "conv" not in p} | {"conv1"})
+    config = validate(base_config(base, shapes_data, tmp_path / "o", method="lora",
+                                  **{"lora.rank": 2, "lora.alpha": 4.0, "lora.init_from": str(lora),
+                                     "lora.unet_targets": targets, "lora.text_encoder_targets": ["q_proj", "out_proj"],
+                                     "text_encoder.train": True}))
+    model = load_model(config.model)
+    LoraMethod(config).prepare(model)
+    for (part, path), pair in pairs.items():
+        layer = model.part(part).get_submodule(path)
+        expected = (pair.up.flatten(1) @ pair.down.flatten(1)).reshape(layer.base_layer.weight.shape) * 1.5 / 2
+        torch.testing.assert_close(layer.get_delta_weight("default"), expected, rtol=1e-5, atol=1e-7)
+    untouched = [n for n, layer in model.denoiser.named_modules() if hasattr(layer, "lora_B") and
+                 ("unet", n) not in pairs]
+    assert untouched  # modules the file does not have start at zero change, as a fresh LoRA
+    for n in untouched:
+        assert model.denoiser.get_submodule(n).lora_B["default"].weight.abs().max() == 0
+
+
+def test_init_from_refuses_a_rank_that_differs(tiny_models, shapes_data, tmp_path):
+    pipe = DiffusionPipeline.from_pretrained(tiny_models["sd1"])
+    lora = tmp_path / "rank2.safetensors"
+    kohya_file_from_another_trainer(pipe.unet, pipe.text_encoder, lora)
+    config = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "o", method="lora",
+                                  **{"lora.rank": 8, "lora.init_from": str(lora)}))
+    from ot_dist.errors import UserError
+
+    model = load_model(config.model)
+    with pytest.raises(UserError, match="lora.init_from.*rank 2.*lora.rank 8"):
+        LoraMethod(config).prepare(model)
+
+
+def test_resize_keeps_the_best_low_rank_change_in_the_same_layout(request, shapes_data, tmp_path):
+    lora = random_lora_file(request, "sd1", shapes_data, tmp_path / "o")  # rank 4, kohya, alpha 2
+    original = read_lora_file(lora)
+    done = run_cli("lora", "resize", lora, "--rank", 2, "--out", tmp_path / "r2.safetensors")
+    assert done.returncode == 0, done.stderr
+    assert "energy kept" in done.stdout
+    resized = read_lora_file(tmp_path / "r2.safetensors")
+    assert resized.layout == "kohya" and set(resized.pairs) == set(original.pairs)
+    assert resized.metadata["ss_network_dim"] == "2"
+    for name, pair in original.pairs.items():
+        assert resized.pairs[name].rank == 2
+        u, s, vh = torch.linalg.svd(pair.delta().flatten(1))
+        best = (u[:, :2] * s[:2]) @ vh[:2]  # Eckart-Young: the best rank-2 approximation
+        torch.testing.assert_close(resized.pairs[name].delta().flatten(1), best, rtol=1e-4, atol=1e-6)
+    # at the file's own rank the change is kept whole, and diffusers reads the result
+    run_cli("lora", "resize", lora, "--rank", 4, "--out", tmp_path / "r4.safetensors")
+    same = read_lora_file(tmp_path / "r4.safetensors")
+    for name, pair in original.pairs.items():
+        torch.testing.assert_close(same.pairs[name].delta(), pair.delta(), rtol=1e-4, atol=1e-6)
+    base = tiny_models_path = request.getfixturevalue("tiny_models")["sd1"]
+    assert_same_weights(diffusers_fused(base, tmp_path / "r4.safetensors", 1.0), diffusers_fused(base, lora, 1.0),
+                        DiffusionPipeline.from_pretrained(tiny_models_path))
+
+
+@pytest.mark.parametrize("family", ["sd1", "flux"])
+def test_extract_recovers_a_low_rank_finetune(request, shapes_data, tmp_path, family):
+    """TUNED = BASE + a rank-3 change on some modules: extracting at rank 3 gives a file whose diffusers fuse is
+    TUNED again; at rank 1 the kept energy is reported below 1."""
+    base = model_dir(request, family)
+    lora = random_lora_file(request, family, shapes_data, tmp_path / "o", seed=5)
+    done = run_cli("lora", "merge", base, lora, "--family", family, "--out", tmp_path / "tuned", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("lora", "extract", base, tmp_path / "tuned", "--family", family, "--rank", RANK,
+                   "--out", tmp_path / "x.safetensors", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    extracted = read_lora_file(tmp_path / "x.safetensors")
+    assert set(extracted.pairs) == set(read_lora_file(lora).pairs)  # the changed modules, under the family's names
+    assert_same_weights(diffusers_fused(base, tmp_path / "x.safetensors", 1.0),
+                        DiffusionPipeline.from_pretrained(tmp_path / "tuned"), DiffusionPipeline.from_pretrained(base))
+    done = run_cli("lora", "extract", base, tmp_path / "tuned", "--family", family, "--rank", 1,
+                   "--out", tmp_path / "x1.safetensors")
+    assert done.returncode == 0, done.stderr
+    kept = float(done.stdout.split("energy kept min ")[1].split(",")[0])
+    assert 0 < kept < 1
+
+
+def test_low_rank_pair_of_a_conv_change():
+    delta = torch.randn(6, 3, 3, 3)
+    pair, kept = low_rank_pair(delta, 27)
+    assert kept == pytest.approx(1.0)
+    torch.testing.assert_close(pair.delta(), delta, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_files_are_named(tiny_models, tmp_path):
+    junk = tmp_path / "junk.safetensors"
+    save_file({"model.diffusion_model.x.hada_w1_a": torch.zeros(2, 2)}, str(junk))
+    done = run_process("lora", "resize", junk, "--rank", 2, "--out", tmp_path / "o.safetensors")
+    assert done.returncode != 0 and "junk.safetensors" in done.stderr and "Traceback" not in done.stderr
+    other = tmp_path / "other.safetensors"
+    save_file({"lora_unet_not_a_module.lora_down.weight": torch.zeros(2, 4),
+               "lora_unet_not_a_module.lora_up.weight": torch.zeros(4, 2)}, str(other))
+    done = run_process("lora", "merge", tiny_models["sd1"], other, "--family", "sd1", "--out", tmp_path / "m")
+    assert done.returncode != 0 and "none of its 1 modules" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "m").exists()
+
+
+# ComfyUI comfy/lora.py model_lora_keys_clip (@ 41444b5236c613ee5ff7d09aa620f94b702f30eb): a diffusers-layout CLIP
+# LoRA module is "text_encoder.text_model.encoder.layers.<b>.<c>" for c in LORA_CLIP_MAP's keys (clip_l).
+COMFY_CLIP_MODULES = ("mlp.fc1", "mlp.fc2", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj",
+                      "self_attn.out_proj")
+
+
+def test_flux_clip_lora_is_named_as_comfyui_reads_it(request, shapes_data, tmp_path):
+    lora = random_lora_file(request, "flux", shapes_data, tmp_path / "o")
+    modules = {k.rsplit(".lora_", 1)[0] for k in load_file(lora) if k.startswith("text_encoder.")}
+    comfy = {f"text_encoder.text_model.encoder.layers.{b}.{c}" for b in range(32) for c in COMFY_CLIP_MODULES}
+    assert modules and modules <= comfy, sorted(modules - comfy)[:3]
