@@ -146,3 +146,18 @@ def test_what_cannot_be_imported_is_named(tiny_models, shapes_data, tmp_path, ch
     code, err = run_import(source, "--out", tmp_path / "c.yaml")
     assert code == 2 and message in err
     assert not (tmp_path / "c.yaml").exists()
+
+
+def test_masked_prior_preservation_is_imported_for_lora_only(tiny_models, shapes_data, tmp_path):
+    from ot_dist.config.load import load_config
+
+    masked = {"masked_training": True, "unmasked_probability": 0.1, "unmasked_weight": 0.1,
+              "normalize_masked_area_loss": False, "masked_prior_preservation_weight": 0.5}
+    source = tmp_path / "lora.json"
+    source.write_text(json.dumps({**sd15_lora(tiny_models["sd1"], shapes_data), **masked}))
+    assert run_import(source, "--out", tmp_path / "lora.yaml")[0] == 0
+    assert load_config(tmp_path / "lora.yaml").masked_training.prior_preservation_weight == 0.5
+    source.write_text(json.dumps({**sd15_lora(tiny_models["sd1"], shapes_data), **masked, "training_method": "FINE_TUNE"}))
+    code, err = run_import(source, "--out", tmp_path / "full.yaml")
+    assert code == 0 and "masked_prior_preservation_weight: 0.5: OneTrainer uses it with LORA only" in err
+    assert load_config(tmp_path / "full.yaml").masked_training.prior_preservation_weight == 0.0

@@ -178,3 +178,53 @@ def test_a_missing_mask_is_an_error_naming_the_image_or_trains_unmasked(tiny_mod
     without = next(i for i, s in enumerate(trainer.dataset.samples) if not s["mask"])
     assert trainer.dataset.metadata(without)["source"].endswith("0005.png")
     assert torch.equal(trainer.dataset.load(without, 0)["mask"], torch.ones(1, 64, 64))
+
+
+def test_prior_preservation_adds_the_hand_computed_term():
+    """OneTrainer's masked_losses_with_prior: + w x (1 - clamped mask) x (prediction - prior)^2, normalized by the
+    mean of (1 - clamped mask) when normalize_masked_area_loss."""
+    batch, prediction, target = hand_batch()
+    options = MaskedTrainingConfig(enabled=True, unmasked_probability=0, unmasked_weight=0.2)
+    weights = mask_weights(batch, (2, 2), options, seed=0, epoch=0)
+    prior = torch.ones_like(prediction)  # (prediction - prior)^2 = 1 everywhere
+    # outside the mask: sample 0 mean(0, .8, .75, .8) = 0.5875, sample 1 0.8; weight 0.5
+    loss = weighted_mse(prediction, target, weights, prior=prior, prior_weight=0.5)
+    torch.testing.assert_close(loss, torch.tensor((5 * 0.4125 + 0.5 * 0.5875 + 4 * 0.2 + 0.5 * 0.8) / 2))
+    normalized = weighted_mse(prediction, target, weights, normalize=True, prior=prior, prior_weight=0.5)
+    torch.testing.assert_close(normalized, torch.tensor((5.0 + 0.5 + 4.0 + 0.5) / 2))
+    # nothing outside the mask (a sample drawn unmasked): no prior term, where OneTrainer would divide 0 by 0
+    ones = torch.ones_like(weights)
+    torch.testing.assert_close(weighted_mse(prediction, target, ones, normalize=True, prior=prior, prior_weight=0.5),
+                               weighted_mse(prediction, target, ones, normalize=True))
+
+
+def test_prior_preservation_pulls_towards_the_model_without_lora(tiny_models, masked_data, tmp_path):
+    prior = {**MASKED, "masked_training.prior_preservation_weight": 1.0}
+    raw = base_config(tiny_models["sd1"], masked_data, tmp_path / "out", method="lora", max_steps=3,
+                      learning_rate=1e-2, **prior)
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    batch = next(iter(trainer.epoch_batches(0)))
+    without = validate({**raw, "masked_training": {**raw.get("masked_training", {}),
+                                                   "prior_preservation_weight": 0.0}}).masked_training
+    trainable = [p.requires_grad for p in trainer.params]
+
+    def losses():
+        with torch.no_grad():
+            return (trainer.loss(batch, 0),
+                    diffusion_loss(trainer.model, batch, trainer.config.seed, 0, trainer.config.loss, without))
+
+    with_prior, plain = losses()
+    assert with_prior == plain  # LoRA starts at zero: the prediction is the prior's, the prior term is 0
+    trainer.train()
+    with_prior, plain = losses()
+    assert with_prior > plain * (1 + 1e-6)  # trained, the LoRA moves the prediction away from the prior
+    assert [p.requires_grad for p in trainer.params] == trainable  # the prior pass left the adapters as they were
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    assert not any(m.disable_adapters for m in trainer.model.denoiser.modules() if isinstance(m, BaseTunerLayer))
+
+
+def test_prior_preservation_needs_lora_and_masks():
+    from ot_dist.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="masked_training.prior_preservation_weight: the prior is the model without"):
+        validate(base_config("m", "d", "o", method="full", **MASKED, **{"masked_training.prior_preservation_weight": 1}))

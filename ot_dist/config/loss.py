@@ -107,6 +107,13 @@ class MaskedTrainingConfig(Section):
         "unmasked_weight), as OneTrainer: a small mask then counts as much as a large one. Raises the loss for "
         "masks well under the whole image.",
     )
+    prior_preservation_weight: float = Field(
+        default=0.0, ge=0,
+        description="OneTrainer's masked_prior_preservation_weight (method lora): outside the mask the prediction is "
+        "also pulled towards the model's own without the LoRA, with this weight x (1 - the clamped mask), so the "
+        "background keeps what the base model does. Costs one more denoiser forward per micro batch (no "
+        "gradients). 0 = off.",
+    )
     missing_mask: Literal["error", "unmasked"] = Field(
         default="error",
         description="An image without a mask: error = stop before training, naming it; unmasked = train it on the "

@@ -538,6 +538,10 @@ class TrainConfig(Section):
                 takes = ", ".join(f"model.{e}_layer_skip" for e in family.layer_skip_encoders) or "none"
                 raise ValueError(f"model.{encoder}_layer_skip: {self.model.family} has no layer skip for {encoder} "
                                  f"(it takes: {takes})")
+        if self.masked_training.prior_preservation_weight and not (self.masked_training.enabled
+                                                                    and self.method == "lora"):
+            raise ValueError("masked_training.prior_preservation_weight: the prior is the model without its LoRA; it "
+                             "needs method lora and masked_training.enabled: true")
         weight_fn = self.loss.weighting()[0]
         if family.objective_kind() == "flow":
             if self.loss.min_snr_gamma is not None:

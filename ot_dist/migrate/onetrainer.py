@@ -296,6 +296,12 @@ def _loss(ot: dict, c: dict, skip) -> None:
         c["masked_training"] = {"enabled": True, "unmasked_probability": ot["unmasked_probability"],
                                 "unmasked_weight": ot["unmasked_weight"],
                                 "normalize_masked_area_loss": ot["normalize_masked_area_loss"]}
+        prior = ot.get("masked_prior_preservation_weight") or 0.0
+        if prior and c.get("method") == "lora":
+            c["masked_training"]["prior_preservation_weight"] = prior
+        elif prior:
+            skip(f"masked_prior_preservation_weight: {prior}: OneTrainer uses it with LORA only (the prior is the "
+                 "model without the LoRA)")
 
 
 def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
@@ -92,12 +94,36 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
         noisy = torch.cat([noisy, inpainting_condition(model, batch, latent_shape, seed, epoch).to(noisy)], dim=1)
     prediction = family.predict(denoiser, noisy.to(dtype), timesteps, conditioning, batch)
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
+    prior = None
+    if weights is not None and masking.prior_preservation_weight:
+        with torch.no_grad(), adapters_disabled(model):  # OneTrainer's prior model: the same inputs, no LoRA
+            prior_conditioning = text_conditioning(model, batch, device, dtype)
+            prior = family.predict(denoiser, noisy.to(dtype), timesteps, prior_conditioning, batch).float()
     sample_weights = objective.sample_weights(timesteps, options)
     if "loss_weight" in batch:  # the samples' concepts' loss_weight
         concept_weights = batch["loss_weight"].to(device)
         sample_weights = concept_weights if sample_weights is None else sample_weights * concept_weights
     return weighted_mse(prediction.float(), target.float(), weights, sample_weights,
-                        normalize=bool(masking and masking.normalize_masked_area_loss))
+                        normalize=bool(masking and masking.normalize_masked_area_loss), prior=prior,
+                        prior_weight=masking.prior_preservation_weight if masking else 0.0)
+
+
+@contextmanager
+def adapters_disabled(model: LoadedModel):
+    """Every LoRA layer of the model bypassed (peft's flag, set directly: peft's enable_adapters would also change
+    requires_grad, which strategies and stop_training_after own)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    modules = [model.denoiser, *model.text_encoders.values()]
+    layers = [m for module in modules for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    before = [layer._disable_adapters for layer in layers]
+    try:
+        for layer in layers:
+            layer._disable_adapters = True
+        yield
+    finally:
+        for layer, flag in zip(layers, before):
+            layer._disable_adapters = flag
 
 
 def inpainting_condition(model: LoadedModel, batch: dict, latent_shape: torch.Size, seed: int,
@@ -111,19 +137,31 @@ def inpainting_condition(model: LoadedModel, batch: dict, latent_shape: torch.Si
 
 
 def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, element_weights: torch.Tensor | None = None,
-                 sample_weights: torch.Tensor | None = None, normalize: bool = False) -> torch.Tensor:
+                 sample_weights: torch.Tensor | None = None, normalize: bool = False,
+                 prior: torch.Tensor | None = None, prior_weight: float = 0.0) -> torch.Tensor:
     """The batch mean of each sample's mean of element_weights x squared error, times its sample weight.
-    `normalize` divides a sample's loss by the mean of its element weights (the masked area).
+    `normalize` divides a sample's loss by the mean of its element weights (the masked area). With `prior` (the
+    prediction without LoRA), prior_weight x (1 - element_weights) x (prediction - prior)^2 is added per element,
+    normalized by the mean of (1 - element_weights) (OneTrainer's masked_losses_with_prior; a sample with nothing
+    outside its mask adds 0 there, where OneTrainer divides 0 by 0).
     Without weights this is F.mse_loss itself, so runs without the options keep their exact loss."""
     if element_weights is None and sample_weights is None:
         return F.mse_loss(prediction, target)
     squared = (prediction - target) ** 2
+    dims = tuple(range(1, squared.dim()))
     if element_weights is not None:
         element_weights = element_weights.to(squared)
         squared = squared * element_weights
-    per_sample = squared.mean(dim=tuple(range(1, squared.dim())))
+    per_sample = squared.mean(dim=dims)
     if element_weights is not None and normalize:
         per_sample = per_sample / element_weights.mean(dim=tuple(range(1, element_weights.dim())))
+    if prior is not None and element_weights is not None and prior_weight:
+        outside = 1 - element_weights
+        prior_sample = ((prediction - prior) ** 2 * outside * prior_weight).mean(dim=dims)
+        if normalize:
+            area = outside.mean(dim=tuple(range(1, outside.dim())))
+            prior_sample = torch.where(area > 0, prior_sample / area.clamp(min=1e-12), torch.zeros_like(prior_sample))
+        per_sample = per_sample + prior_sample
     if sample_weights is not None:
         per_sample = per_sample * sample_weights.to(per_sample)
     return per_sample.mean()
