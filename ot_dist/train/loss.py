@@ -89,10 +89,16 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     conditioning = text_conditioning(model, batch, device, dtype)
     if model.inpainting:
         noisy = torch.cat([noisy, inpainting_condition(model, batch, latent_shape, seed, epoch).to(noisy)], dim=1)
-    prediction = family.predict(denoiser, noisy.to(dtype), timesteps, conditioning, batch)
+    prediction, extra = family.training_prediction(denoiser, noisy.to(dtype), timesteps, conditioning, batch, latents,
+                                                   objective, options)
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
-    return weighted_mse(prediction.float(), target.float(), weights, objective.sample_weights(timesteps, options),
-                        normalize=bool(masking and masking.normalize_masked_area_loss))
+    sample_weights = objective.sample_weights(timesteps, options)
+    normalize = bool(masking and masking.normalize_masked_area_loss)
+    loss = weighted_mse(prediction.float(), target.float(), weights, sample_weights, normalize=normalize)
+    if extra is None:
+        return loss
+    # The family's extra term (PixArt's learned-variance VB loss), weighted like the squared error.
+    return loss + weighted_mean(extra.float(), weights, sample_weights, normalize=normalize)
 
 
 def inpainting_condition(model: LoadedModel, batch: dict, latent_shape: torch.Size, seed: int,
@@ -112,7 +118,13 @@ def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, element_weights
     Without weights this is F.mse_loss itself, so runs without the options keep their exact loss."""
     if element_weights is None and sample_weights is None:
         return F.mse_loss(prediction, target)
-    squared = (prediction - target) ** 2
+    return weighted_mean((prediction - target) ** 2, element_weights, sample_weights, normalize)
+
+
+def weighted_mean(squared: torch.Tensor, element_weights: torch.Tensor | None = None,
+                  sample_weights: torch.Tensor | None = None, normalize: bool = False) -> torch.Tensor:
+    """The batch mean of each sample's mean of element_weights x an elementwise loss, times its sample weight
+    (`normalize`: divided by the mean of its element weights)."""
     if element_weights is not None:
         element_weights = element_weights.to(squared)
         squared = squared * element_weights
