@@ -213,3 +213,28 @@ def test_samples_equal_the_pipeline_on_the_export(family_models, shapes_data, tm
     ours = np.asarray(Image.open(sample).convert("RGB")).astype(int)
     assert ours.shape == (48, 64, 3)
     assert np.abs(ours - np.asarray(image).astype(int)).max() <= 1
+
+
+def test_alpha_1024_micro_conditioning_is_the_pipelines_for_a_non_square_image(family_models):
+    """(height, width) in pixels and height / width, as PixArtAlphaPipeline passes them; the transformer's output
+    depends on them (swapped sides give another output)."""
+    from diffusers import PixArtTransformer2DModel
+
+    from ot_dist.models.families.registry import get_family
+
+    transformer = PixArtTransformer2DModel.from_pretrained(family_models["pixart_alpha"] / "transformer")
+    torch.manual_seed(0)
+    noisy, t = torch.randn(2, 4, 6, 8), torch.tensor([300, 700])  # 48 x 64 pixels
+    conditioning = {"hidden": torch.randn(2, 5, 32), "mask": torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])}
+
+    def call(height, width):
+        added = {"resolution": torch.tensor([[height, width]] * 2, dtype=torch.float32),
+                 "aspect_ratio": torch.tensor([[height / width]] * 2)}
+        return transformer(noisy, encoder_hidden_states=conditioning["hidden"],
+                           encoder_attention_mask=conditioning["mask"], timestep=t, added_cond_kwargs=added,
+                           return_dict=False)[0]
+
+    with torch.no_grad():
+        ours = get_family("pixart_alpha").transformer_output(transformer, noisy, t, conditioning)
+        torch.testing.assert_close(ours, call(48, 64))
+        assert (ours - call(64, 48)).abs().max() > 1e-4
