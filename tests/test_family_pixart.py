@@ -134,13 +134,15 @@ def test_training_lowers_the_loss_and_the_exports_load_in_the_pipeline(family, m
     from ot_dist.lora_tools.peft_load import load_peft_lora
 
     lr = 1e-3 if method == "full" else 1e-2
+    extra = {"text_encoder.train": True, "output_dtype": "float32"} if method == "lora" else {}
     trainer = trainer_for(family_models[family], shapes_data, tmp_path / "o", family=family, method=method,
-                          epochs=3, batch_size=4, learning_rate=lr, **{"loss.vb_loss_strength": 0})
+                          epochs=3, batch_size=4, learning_rate=lr, **{"loss.vb_loss_strength": 0}, **extra)
     result = trainer.train()
     per_epoch = np.array(result.losses).reshape(3, -1).mean(axis=1)
     assert per_epoch[-1] < per_epoch[0] - 0.02, f"loss did not fall: {per_epoch}"
 
     model = trainer.model
+    model.text_encoders["text_encoder"].eval()  # a trained T5 is left in train mode: no dropout in the comparison
     pipeline_cls = getattr(diffusers, model.family.pipeline_class)
     trained = predictions(family, model, model.denoiser, model.text_encoders, model.tokenizers)
     if method == "full":
@@ -151,10 +153,19 @@ def test_training_lowers_the_loss_and_the_exports_load_in_the_pipeline(family, m
         base = predictions(family, model, loaded.transformer, {"text_encoder": loaded.text_encoder},
                            {"tokenizer": loaded.tokenizer})
         assert (base - trained).abs().max() > 1e-4  # the LoRA changed the output: the comparison below means something
-        assert load_peft_lora(loaded, tmp_path / "o" / "lora.safetensors") == ["transformer"]
+        assert load_peft_lora(loaded, tmp_path / "o" / "lora.safetensors") == ["text_encoder", "transformer"]
     again = predictions(family, model, loaded.transformer, {"text_encoder": loaded.text_encoder},
                         {"tokenizer": loaded.tokenizer})
     torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
+    if method == "lora":  # ot-dist lora merge reads the file too (T5 and transformer modules)
+        from ot_dist.lora_tools.merge import merge_command
+
+        merged_dir = merge_command(str(family_models[family]), family, [str(tmp_path / "o" / "lora.safetensors")],
+                                   [1.0], str(tmp_path / "merged"), "diffusers", None, "float32", log=quiet)
+        merged = pipeline_cls.from_pretrained(merged_dir, local_files_only=True)
+        again = predictions(family, model, merged.transformer, {"text_encoder": merged.text_encoder},
+                            {"tokenizer": merged.tokenizer})
+        torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
 
 
 def test_vb_term_trains_the_variance_channels_only_when_on(family_models, shapes_data, tmp_path):
