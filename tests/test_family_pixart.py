@@ -49,7 +49,8 @@ def test_vb_loss_is_zero_for_the_true_posterior_and_the_gaussian_kl_otherwise():
     high = vb_loss(schedule, x0, xt, t, noise, torch.ones_like(x0))
     previous = alphas_cumprod[t - 1]
     posterior = betas.double()[t] * (1 - previous) / (1 - alphas_cumprod[t])
-    expected = (torch.log(betas.double()[t]) - torch.log(posterior) + posterior / betas.double()[t] - 1) / (2 * math.log(2))
+    beta = betas.double()[t]
+    expected = (torch.log(beta) - torch.log(posterior) + posterior / beta - 1) / (2 * math.log(2))
     torch.testing.assert_close(high.mean(dim=(1, 2, 3)).double(), expected, rtol=2e-3, atol=2e-4)
     assert (expected > 0).all()
 
@@ -249,3 +250,15 @@ def test_alpha_1024_micro_conditioning_is_the_pipelines_for_a_non_square_image(f
         ours = get_family("pixart_alpha").transformer_output(transformer, noisy, t, conditioning)
         torch.testing.assert_close(ours, call(48, 64))
         assert (ours - call(64, 48)).abs().max() > 1e-4
+
+
+def test_load_peft_lora_names_the_file_and_key_it_cannot_read(tmp_path):
+    from safetensors.torch import save_file
+
+    from ot_dist.errors import InputFileError
+    from ot_dist.lora_tools.peft_load import load_peft_lora
+
+    path = tmp_path / "kohya.safetensors"
+    save_file({"lora_unet_blocks_0.lora_down.weight": torch.zeros(2, 4)}, str(path))
+    with pytest.raises(InputFileError, match="kohya.safetensors.*lora_unet_blocks_0"):
+        load_peft_lora(object(), path)

@@ -34,8 +34,8 @@ def load_peft_lora(pipeline, path: str | Path, adapter_name: str = "default") ->
     for key, tensor in tensors.items():
         component, _, rest = key.partition(".")
         if not rest.endswith((DOWN, UP)):
-            raise InputFileError(f"{path}: {key!r} is not a diffusers-layout LoRA tensor (<component>.<module>.lora_A / "
-                                 "lora_B.weight)")
+            raise InputFileError(f"{path}: {key!r} is not a diffusers-layout LoRA tensor "
+                                 "(<component>.<module>.lora_A / lora_B.weight)")
         per_component.setdefault(component, {})[rest] = tensor
     for component, state in per_component.items():
         module = getattr(pipeline, component, None)

@@ -133,8 +133,8 @@ class Family:
         raise NotImplementedError
 
     def training_prediction(self, denoiser, noisy: torch.Tensor, timesteps: torch.Tensor,
-                            conditioning: dict[str, torch.Tensor], batch: dict, latents: torch.Tensor, objective: Objective,
-                            options) -> tuple[torch.Tensor, torch.Tensor | None]:
+                            conditioning: dict[str, torch.Tensor], batch: dict, latents: torch.Tensor,
+                            objective: Objective, options) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the prediction compared with the objective's target, an elementwise extra loss term or None) for one
         training step; `latents` are the clean latents, `options` the loss section. A denoiser whose output holds
         more than the prediction (PixArt's learned variance) computes the term for the rest here; the default is

@@ -120,9 +120,10 @@ class PixArt(Family):
         torch.manual_seed(seed)
         tokenizer = tiny_t5_tokenizer()
         sample_size = 64 if variant == "512" else 128
+        # Width 48 (2 heads x 24): the micro-conditioning embeds height, width and aspect in a third of it each.
         transformer = PixArtTransformer2DModel(
-            num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=8, num_layers=2, cross_attention_dim=48,
-            sample_size=sample_size, patch_size=2, caption_channels=TEXT_HIDDEN,  # width 48: micro-conditioning needs 3 | width
+            num_attention_heads=2, attention_head_dim=24, in_channels=4, out_channels=8, num_layers=2,
+            cross_attention_dim=48, sample_size=sample_size, patch_size=2, caption_channels=TEXT_HIDDEN,
             use_additional_conditions=self.micro_conditioning(sample_size))
         scheduler = DPMSolverMultistepScheduler(num_train_timesteps=1000, beta_start=0.0001, beta_end=0.02,
                                                 beta_schedule="linear", prediction_type="epsilon")
