@@ -262,3 +262,13 @@ def test_load_peft_lora_names_the_file_and_key_it_cannot_read(tmp_path):
     save_file({"lora_unet_blocks_0.lora_down.weight": torch.zeros(2, 4)}, str(path))
     with pytest.raises(InputFileError, match="kohya.safetensors.*lora_unet_blocks_0"):
         load_peft_lora(object(), path)
+
+
+def test_cached_text_trains_like_encoding_each_step(family_models, shapes_data, tmp_path):
+    """The conditioning carries T5's attention mask (an integer tensor the cache keeps as it is)."""
+    losses = []
+    for cached in (False, True):
+        trainer = trainer_for(family_models["pixart_sigma"], shapes_data, tmp_path / str(cached), family="pixart_sigma",
+                              method="lora", max_steps=3, **{"data.cache_text": cached})
+        losses.append(trainer.train().losses)
+    assert losses[0] == losses[1]
