@@ -97,11 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--ema", action="store_true", help="export the EMA weights (files named *_ema)")
     export.add_argument("--out", default=None, metavar="DIR", help="default: OUTPUT_DIR/exports/step-N")
 
+    from ot_dist.bench.command import add_bench_parser
     from ot_dist.lora_tools.command import add_lora_parser
+    from ot_dist.migrate.command import add_import_parser
     from ot_dist.starter.command import add_init_parser
 
     add_lora_parser(sub)
     add_init_parser(sub)
+    add_import_parser(sub)
+    add_bench_parser(sub)
 
     demo = sub.add_parser("demo", help="the embedded demo")
     demo_sub = demo.add_subparsers(dest="demo_command", required=True)
@@ -187,10 +191,18 @@ def run(args: argparse.Namespace) -> int:
         build_shard_set(config, out, config_path=str(args.config))
         print("\n".join(report_for(config, out, args.world_size)))
         return 0
+    if args.command == "import":
+        from ot_dist.migrate.command import run_import
+
+        return run_import(args)
     if args.command == "init":
         from ot_dist.starter.command import run_init
 
         return run_init(args)
+    if args.command == "bench":
+        from ot_dist.bench.command import run_bench_command
+
+        return run_bench_command(args)
     if args.command == "lora":
         from ot_dist.lora_tools.command import run_lora
 

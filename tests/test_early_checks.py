@@ -340,7 +340,7 @@ def header(path: Path) -> dict:
 
 @pytest.mark.parametrize("layout", ["kohya", "diffusers"])
 def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(layout, tiny_models, shapes_data, tmp_path):
-    """README: `ot-dist export` of a checkpoint writes the files training wrote, bit for bit. The export runs in
+    """docs/checkpoints.md: `ot-dist export` of a checkpoint writes the files training wrote, bit for bit. The export runs in
     another process (its own hash seed: set and dict orders must not leak into the file)."""
     import os
     import subprocess

@@ -181,3 +181,22 @@ def test_config_errors_name_the_key():
         validate({**raw, "masked_training": {"enabled": True, "unmasked_probability": 1.5}})
     with pytest.raises(ConfigError, match="loss.min_snr"):
         validate({**raw, "loss": {"min_snr": 5}})  # a typo is an error, not a silent default
+
+
+def test_concept_loss_weight_weights_each_sample(models):
+    """Per-concept loss_weight (issue 18): the batch loss is the mean of each sample's loss times its concept's
+    weight, checked against each sample's loss computed alone (its noise and timestep are its own)."""
+    model = models["sd1"]
+    batch = make_batch(model)
+    weights = torch.tensor([1.0, 3.0, 0.5])
+    alone = []
+    with torch.no_grad():
+        for i in range(3):
+            single = {k: (v[i:i + 1] if torch.is_tensor(v) else v) for k, v in batch.items() if k != "token_ids"}
+            single["token_ids"] = {k: v[i:i + 1] for k, v in batch["token_ids"].items()}
+            alone.append(diffusion_loss(model, single, SEED, EPOCH))
+        weighted = diffusion_loss(model, {**batch, "loss_weight": weights}, SEED, EPOCH)
+        plain = diffusion_loss(model, batch, SEED, EPOCH)
+    assert plain.item() == pytest.approx(torch.stack(alone).mean().item(), rel=1e-5)
+    assert weighted.item() == pytest.approx((weights * torch.stack(alone)).mean().item(), rel=1e-5)
+    assert weighted.item() != pytest.approx(plain.item(), rel=1e-3)

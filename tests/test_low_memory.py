@@ -1,7 +1,7 @@
 """Low-memory options: float8 storage of frozen weights (bytes, forward accuracy against bfloat16,
 the 1-byte weights being all that backward keeps, state dicts, a training run), CPU offload of the
 frozen text encoders and VAE (placement per forward on a stand-in device, same losses as without) and
-the README memory table's counting (optimizer state and LoRA shapes against the real implementations)."""
+the counting of the memory table in docs/low-memory.md (optimizer state and LoRA shapes against the real implementations)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from ot_dist.train.trainer import Trainer
 
 # The float8 forward may differ from the bfloat16 one by this relative L2 error of the output
 # (measured on the tiny models: UNet 0.07, text encoder 0.06, VAE encoder 0.10; e4m3 keeps 3 mantissa
-# bits, so every weight is rounded by up to 1/16 of its value). README: "float8 storage".
+# bits, so every weight is rounded by up to 1/16 of its value). docs/low-memory.md: "float8 accuracy".
 FLOAT8_TOLERANCE = 0.15
 
 

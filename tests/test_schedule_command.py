@@ -77,3 +77,48 @@ def test_snapshots_at_cycle_lows(tiny_models, shapes_data, tmp_path):
     assert first.keys() == final.keys()
     assert any(not (first[k] == second[k]).all() for k in first) and any(not (second[k] == final[k]).all() for k in first)
     assert any("snapshots/step-2/lora.safetensors" in line for line in lines)
+
+
+def test_a_stopped_part_shows_lr_0_in_the_schedule_and_the_logged_rates(tiny_models, shapes_data, tmp_path, capsys):
+    """#19 item 8: text_encoder.stop_training_after 3 steps: `ot-dist schedule` and the rates the trainer logs
+    (progress line, MLflow) show 0 for it from step 4 on, and the two agree at every step."""
+    raw = base_config(
+        tiny_models["sd1"], shapes_data, tmp_path / "out", method="lora", batch_size=2, max_steps=6, learning_rate=1e-3,
+        **{"text_encoder.train": True, "text_encoder.learning_rate": 4e-4, "text_encoder.stop_training_after": 3,
+           "text_encoder.stop_training_after_unit": "step", "scheduler.name": "LINEAR", "scheduler.min_factor": 0.5},
+    )
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    assert main(["schedule", str(config_path), "--csv", str(tmp_path / "lr.csv")]) == 0
+    assert "text_encoder stops training after 3 steps" in capsys.readouterr().out
+    with open(tmp_path / "lr.csv") as f:
+        preview = [[float(v) for v in row[1:]] for row in list(csv.reader(f))[1:]]
+    assert [row[1] for row in preview[3:]] == [0.0] * 3 and all(row[1] > 0 for row in preview[:3])
+
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    logged, step_of = [], trainer.optimizer_step
+
+    def recording(step):
+        rates, norm = step_of(step)
+        logged.append([rates["lr/unet"], rates["lr/text_encoder"]])
+        return rates, norm
+
+    trainer.optimizer_step = recording
+    trainer.train()
+    assert logged == preview
+
+
+def test_a_resumed_run_with_more_steps_continues_on_the_new_curve(tiny_models, shapes_data, tmp_path):
+    """#19 item 8: a LINEAR run of 4 steps resumed with max_steps 8 runs step 5 at lr x (1 - 4/8), not at the
+    rate the 4-step schedule had planned after its end (0)."""
+    def raw(max_steps):
+        return base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", method="lora", batch_size=2, epochs=2,
+                           max_steps=max_steps, learning_rate=1e-3, **{"scheduler.name": "LINEAR"})
+
+    Trainer(validate(raw(4)), log=lambda *_: None).train()
+    trainer = Trainer(validate(raw(8)), log=lambda *_: None, resume="auto")
+    seen = []
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"]))
+    result = trainer.train()
+    assert result.first_step == 4
+    assert seen == [1e-3 * (8 - s) / 8 for s in range(4, 8)]

@@ -20,6 +20,25 @@ class LossConfig(Section):
         "min(SNR, gamma) / SNR (epsilon prediction) or min(SNR, gamma) / (SNR + 1) (v-prediction), SNR of its "
         "timestep = alphas_cumprod / (1 - alphas_cumprod). null = off.",
     )
+    weight_fn: Literal["CONSTANT", "MIN_SNR_GAMMA", "P2", "DEBIASED_ESTIMATION", "SIGMA"] = Field(
+        default="CONSTANT",
+        description="Timestep loss weighting, OneTrainer's loss_weight_fn with its formulas (SNR = alphas_cumprod / "
+        "(1 - alphas_cumprod), + 1 for v-prediction where marked): MIN_SNR_GAMMA min(SNR, s) / SNR(+1); P2 "
+        "(1 + SNR(+1))^-s; DEBIASED_ESTIMATION 1 / sqrt(min(SNR, 1000)(+1)) (DDPM families); SIGMA the sample's "
+        "noise level sigma (flow-matching families). s = weight_strength. loss.min_snr_gamma: g is MIN_SNR_GAMMA "
+        "with strength g.",
+    )
+    weight_strength: float | None = Field(
+        default=None, gt=0,
+        description="Strength s of MIN_SNR_GAMMA (gamma) and P2 (the exponent); default 5.0 (OneTrainer's "
+        "loss_weight_strength).",
+    )
+    generalized_offset_noise: bool = Field(
+        default=False,
+        description="Generalized offset noise (Kutsuna 2025, OneTrainer's generalized_offset_noise): the offset is "
+        "scaled by psi_t, from the DDPM betas (balanced phi_t, psi_t strategy), instead of a constant. Needs "
+        "offset_noise_weight > 0 and a DDPM family.",
+    )
     offset_noise_weight: float = Field(
         default=0.0, ge=0,
         description="Offset noise: weight x one N(0,1) value per sample and channel is added to the noise "
@@ -54,9 +73,24 @@ class LossConfig(Section):
 
     @model_validator(mode="after")
     def _range(self) -> "LossConfig":
+        if self.min_snr_gamma is not None and self.weight_fn not in ("CONSTANT", "MIN_SNR_GAMMA"):
+            raise ValueError(f"loss.min_snr_gamma: is weight_fn MIN_SNR_GAMMA; it cannot go with weight_fn "
+                             f"{self.weight_fn}")
+        if self.weight_strength is not None and self.weight_fn not in ("MIN_SNR_GAMMA", "P2"):
+            raise ValueError(f"loss.weight_strength: weight_fn {self.weight_fn} takes no strength (MIN_SNR_GAMMA "
+                             "and P2 do)")
+        if self.generalized_offset_noise and not self.offset_noise_weight:
+            raise ValueError("loss.generalized_offset_noise: scales the offset noise; set loss.offset_noise_weight > 0")
         if self.max_timestep is not None and self.max_timestep < self.min_timestep:
             raise ValueError(f"loss.max_timestep ({self.max_timestep}) is below loss.min_timestep ({self.min_timestep})")
         return self
+
+
+    def weighting(self) -> tuple[str, float]:
+        """(weight function, strength), min_snr_gamma folded in."""
+        if self.min_snr_gamma is not None:
+            return "MIN_SNR_GAMMA", self.min_snr_gamma
+        return self.weight_fn, 5.0 if self.weight_strength is None else self.weight_strength
 
 
 class MaskedTrainingConfig(Section):

@@ -49,6 +49,15 @@ class ModelConfig(Section):
         description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
         "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
     )
+    text_encoder_layer_skip: int = Field(
+        default=0, ge=0,
+        description="Clip skip (OneTrainer's text_encoder_layer_skip): take the first text encoder's hidden states "
+        "this many layers earlier (SD 1.x / 2.x: through the final layer norm, as diffusers' clip_skip; SDXL: before "
+        "its penultimate layer). 0 = the family's usual layer. Applies to training, the text cache and samples.",
+    )
+    text_encoder_2_layer_skip: int = Field(
+        default=0, ge=0, description="Clip skip of SDXL's second text encoder (OneTrainer's text_encoder_2_layer_skip)."
+    )
     inpainting: bool | None = Field(
         default=None,
         description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent). null = "
@@ -75,6 +84,13 @@ class PartConfig(Section):
     stop_training_after_unit: Literal["epoch", "step"] = Field(
         default="epoch", description="Unit of stop_training_after."
     )
+
+    def stopped(self, epoch: int, step: int) -> bool:
+        """Whether this part no longer trains in `epoch` (0-based) once `step` optimizer steps are done: the
+        trainer's rule, shared with `ot-dist schedule` and the logged learning rates (0 once stopped)."""
+        if self.stop_training_after is None:
+            return False
+        return (epoch if self.stop_training_after_unit == "epoch" else step) >= self.stop_training_after
 
 
 class LoraConfig(Section):
@@ -151,6 +167,39 @@ class ConceptConfig(Section):
         "samples: images drawn from this concept per epoch.",
     )
     balancing_strategy: Literal["repeats", "samples"] = Field(default="repeats", description="How balancing counts.")
+    loss_weight: float = Field(
+        default=1.0, ge=0, description="This concept's samples count this many times in the loss (OneTrainer's "
+        "per-concept loss_weight).",
+    )
+    flip_probability: float = Field(
+        default=0.0, ge=0, le=1, description="Mirror the image (and its mask) left-right with this probability per "
+        "sample and epoch (OneTrainer's random flip is 0.5).",
+    )
+    rotation_degrees: float = Field(
+        default=0.0, ge=0, le=180, description="Rotate by an angle drawn in [-d, d] per sample and epoch; the corners "
+        "that leave the image are masked out of the loss.",
+    )
+    brightness: float = Field(default=0.0, ge=0, lt=1, description="Brightness jitter: a factor in [1-s, 1+s].")
+    contrast: float = Field(default=0.0, ge=0, lt=1, description="Contrast jitter: a factor in [1-s, 1+s].")
+    saturation: float = Field(default=0.0, ge=0, lt=1, description="Saturation jitter: a factor in [1-s, 1+s].")
+    hue: float = Field(default=0.0, ge=0, le=0.5, description="Hue jitter: a turn of the colour circle in [-s, s].")
+    tag_shuffling: bool = Field(
+        default=False, description="Shuffle the caption's tags (split at tag_delimiter) every epoch, keeping the first "
+        "keep_tags_count in place (OneTrainer's enable_tag_shuffling).",
+    )
+    tag_delimiter: str = Field(default=",", min_length=1, description="What separates tags in a caption.")
+    keep_tags_count: int = Field(
+        default=1, ge=0, description="Tags at the start that shuffling and tag dropout leave alone (OneTrainer's "
+        "keep_tags_count; e.g. the trigger word).",
+    )
+    tag_dropout_probability: float = Field(
+        default=0.0, ge=0, lt=1, description="Each tag after the kept ones is left out with this probability, drawn "
+        "per epoch (OneTrainer's tag dropout, mode FULL).",
+    )
+    caption_dropout_probability: float = Field(
+        default=0.0, ge=0, le=1, description="The whole caption is replaced by an empty one with this probability per "
+        "sample and epoch, so the model also learns the unconditional prediction classifier-free guidance uses.",
+    )
 
     @model_validator(mode="after")
     def _caption_text(self) -> "ConceptConfig":
@@ -193,9 +242,27 @@ class DataConfig(Section):
         "shard set (keyed to the encoders and tokenizers) and train from them. Needs frozen text encoders and method "
         "full or lora.",
     )
+    max_untrained_fraction: float = Field(
+        default=0.2, ge=0, le=1, description="A run in which more than this share of the samples per epoch sits in "
+        "buckets with fewer samples than one global batch (so they never train) stops before training, with the "
+        "bucket report and what fixes it; 1 accepts any share.",
+    )
     max_bad_fraction: float = Field(
         default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
-        "logged by key; more than this fraction of a rank's epoch stops the run.",
+        "logged by key; more than this fraction of a rank's epoch stops the run. `shard build` counts unreadable "
+        "source images (broken, empty, over max_image_pixels) the same way: named, skipped, exit 3 past this fraction.",
+    )
+    max_image_pixels: int | None = Field(
+        default=89478485, ge=1, description="Largest image (width x height) `shard build` decodes; a larger one (a "
+        "decompression bomb) is an unreadable sample. Default: Pillow's limit. null: no limit.",
+    )
+    image_background: str = Field(
+        default="white", description="Colour transparent pixels (RGBA, LA, palette or RGB transparency) are composited "
+        "on when the shards are built: a name or `#rrggbb`, as Pillow reads colours (docs/data.md).",
+    )
+    skip_small_images: bool = Field(
+        default=False, description="Leave out images with a side below a quarter of the bucket side they are scaled "
+        "to (at the largest resolution). Off: they are kept, and named in a warning with their count.",
     )
     cache_latents: bool = Field(
         default=False,
@@ -203,6 +270,17 @@ class DataConfig(Section):
         "the shard set (keyed to the VAE, the resolutions and the shards) and train from them. Augmentation-free: "
         "needs crop center.",
     )
+
+    @field_validator("image_background")
+    @classmethod
+    def _colour(cls, value: str) -> str:
+        from PIL import ImageColor
+
+        try:
+            ImageColor.getrgb(value)
+        except ValueError:
+            raise ValueError(f"image_background: {value!r} is not a colour (a name like white, or #rrggbb)") from None
+        return value
 
     @model_validator(mode="after")
     def _source(self) -> "DataConfig":
@@ -212,6 +290,14 @@ class DataConfig(Section):
             raise ValueError("data: nothing to train on; set data.path, data.concepts or data.shards")
         if self.cache_latents and self.crop != "center":
             raise ValueError("data.cache_latents: cached latents hold one crop; set data.crop to center")
+        if self.cache_latents:
+            from ot_dist.data.augment import has_augmentation
+
+            augmented = [label for label, c in self.concept_list() if has_augmentation(c)]
+            if augmented:
+                raise ValueError(f"data.cache_latents: {augmented[0]} augments its images every epoch (flip, rotation, "
+                                 "colour jitter), which one cached latent per image cannot hold; turn cache_latents "
+                                 "off or the augmentation off")
         return self
 
     def concept_list(self) -> list[tuple[str, ConceptConfig]]:
@@ -335,7 +421,7 @@ class TrainConfig(Section):
         default="float32",
         description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base). float8: one byte per "
         "parameter (float8_e4m3fn with a per-tensor scale), upcast to train_dtype where used; the forward pass then "
-        "differs from the bfloat16 one by a few percent (README), and an export of a frozen part writes its "
+        "differs from the bfloat16 one by a few percent (docs/low-memory.md), and an export of a frozen part writes its "
         "float8-rounded weights. Strategies single and ddp.",
     )
     offload_frozen_components: bool = Field(
@@ -435,13 +521,28 @@ class TrainConfig(Section):
         if self.lora.preset not in presets:
             raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "
                              f"(allowed: {', '.join(presets)})")
+        for encoder in ("text_encoder", "text_encoder_2"):
+            if getattr(self.model, f"{encoder}_layer_skip") and encoder not in family.layer_skip_encoders:
+                takes = ", ".join(f"model.{e}_layer_skip" for e in family.layer_skip_encoders) or "none"
+                raise ValueError(f"model.{encoder}_layer_skip: {self.model.family} has no layer skip for {encoder} "
+                                 f"(it takes: {takes})")
+        weight_fn = self.loss.weighting()[0]
         if family.objective_kind() == "flow":
             if self.loss.min_snr_gamma is not None:
                 raise ValueError(f"loss.min_snr_gamma: min-SNR weighting is defined for DDPM objectives; "
                                  f"{self.model.family} trains with flow matching (turn it off)")
+            if weight_fn in ("MIN_SNR_GAMMA", "P2", "DEBIASED_ESTIMATION"):
+                raise ValueError(f"loss.weight_fn: {weight_fn} is defined for DDPM objectives (from the SNR); "
+                                 f"{self.model.family} trains with flow matching (SIGMA or CONSTANT)")
+            if self.loss.generalized_offset_noise:
+                raise ValueError(f"loss.generalized_offset_noise: needs DDPM betas; {self.model.family} trains with "
+                                 "flow matching (use plain offset noise)")
             if self.model.prediction_type != "auto":
                 raise ValueError(f"model.prediction_type: {self.model.family} trains with flow matching, whose "
                                  "target is always noise - latents; leave it at auto")
+        elif weight_fn == "SIGMA":
+            raise ValueError(f"loss.weight_fn: SIGMA weights by the flow-matching noise level; {self.model.family} is "
+                             "a DDPM family (MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION or CONSTANT)")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.sampler not in ("auto", *family.samplers):
@@ -491,6 +592,14 @@ class TrainConfig(Section):
                 self.part_trains(n) for n in self.part_names() if n != family.denoiser)):
             raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "
                              "turn cache_text off or freeze the text encoders")
+        if self.data.cache_text:
+            from ot_dist.data.captions import has_variation
+
+            varied = [label for label, c in self.data.concept_list() if has_variation(c)]
+            if varied:
+                raise ValueError(f"data.cache_text: {varied[0]} varies its captions every epoch (tag shuffling / tag or "
+                                 "caption dropout), which a cache of each caption's encoding cannot follow; turn "
+                                 "cache_text off or the variation off")
         if self.checkpoint.on_nonfinite_loss == "skip_step" and self.strategy.startswith("zero"):
             raise ValueError(
                 f"checkpoint.on_nonfinite_loss: skip_step is not supported with strategy {self.strategy}: DeepSpeed "

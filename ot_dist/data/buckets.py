@@ -48,6 +48,19 @@ def bucket_size(bucket: int, resolution: int, step: int) -> tuple[int, int]:
     return height, width
 
 
+def merged_buckets(resolutions: list[int], step: int) -> dict[int, int]:
+    """Bucket -> the bucket it trains in. Aspects whose sizes coincide at every training resolution (at 512 px and a
+    step of 64, 2:1 and 1.75:1 are both 704x384) are one bucket: kept apart, each would fill fewer global batches and
+    drop more samples. The representative is the aspect nearest the shared size's own aspect."""
+    sizes = {b: tuple(bucket_size(b, r, step) for r in resolutions) for b in range(len(ASPECTS))}
+    merged = {}
+    for b, size in sizes.items():
+        same = [o for o, s in sizes.items() if s == size]
+        height, width = size[-1]
+        merged[b] = min(same, key=lambda o: (abs(math.log(ASPECTS[o]) - math.log(height / width)), o))
+    return merged
+
+
 def config_bucket_of(config, width: int, height: int) -> int:
     """bucket_of with the config's resolution (the largest), bucket step and assignment."""
     data = config.data

@@ -48,6 +48,8 @@ def vae_key(vae: torch.nn.Module) -> str:
 
 def text_key(model) -> str:
     digest = hashlib.sha256(f"text {model.family.name}".encode())
+    if model.family.layer_skip:  # another layer is another cache (runs without a skip keep their key)
+        digest.update(json.dumps(sorted(model.family.layer_skip.items())).encode())
     for name in model.family.text_encoders:
         module_key(digest, model.text_encoders[name])
     for name in model.family.tokenizers:

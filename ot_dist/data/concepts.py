@@ -9,13 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
-
 from ot_dist.config.schema import ConceptConfig, DataConfig
+from ot_dist.data import images as image_files
+from ot_dist.data.images import HEIF_EXTENSIONS, UnreadableImage, open_image
 from ot_dist.errors import InputFileError
 
-IMAGE_EXTENSIONS = {".png", ".jpg", ".jpeg", ".webp", ".bmp"}
 MASK_SUFFIX = "-masklabel.png"
+# Files that sit beside photos and are not samples: not listed as unused.
+SIDECAR_NAMES = {".ds_store", "thumbs.db", "desktop.ini"}
+SIDECAR_SUFFIXES = {".xmp", ".aae"}  # editing sidecars (Lightroom / darktable, iPhone edits)
 
 
 @dataclass(frozen=True)
@@ -31,29 +33,94 @@ def concept_name(concept: ConceptConfig) -> str:
     return concept.name or Path(concept.path).name
 
 
-def scan_concepts(data: DataConfig) -> list[SourceSample]:
-    """Every image of every concept, in a stable order (concept, then path)."""
+@dataclass
+class Scan:
+    """What a scan of the concept folders found: the samples, the unreadable images (bad samples, counted
+    against data.max_bad_fraction) and every other file that is not used, each with its reason."""
+
+    samples: list[SourceSample]
+    bad: list[tuple[Path, str]]  # (image, error)
+    unused: list[tuple[Path, str]]  # (file, reason)
+
+    def unused_line(self) -> str:
+        """`3 files not used: a.heic (install ot-dist[heic]), notes.pdf (not an image)`, or '' when none."""
+        if not self.unused:
+            return ""
+        files = ", ".join(f"{path} ({reason})" for path, reason in self.unused)
+        return f"{len(self.unused)} file{'s' if len(self.unused) != 1 else ''} not used: {files}"
+
+
+def scan_concepts(data: DataConfig, log=print) -> list[SourceSample]:
+    """Every usable image of every concept, in a stable order (concept, then path); see `scan_folders`."""
+    return scan_folders(data, log).samples
+
+
+def scan_folders(data: DataConfig, log=print) -> Scan:
+    """Decode every image once (upright size), so a broken file is found before any shard is written.
+    Unreadable images (broken, empty, over data.max_image_pixels) are named; more of them than
+    data.max_bad_fraction of the images stops the build (exit 3), fewer are skipped with a warning."""
+    from ot_dist.data.images import parse_colour
+
     samples: list[SourceSample] = []
+    bad: list[tuple[Path, str]] = []
+    unused: list[tuple[Path, str]] = []
+    background = parse_colour(data.image_background)
     for index, (label, concept) in enumerate(data.concept_list()):
-        samples += [
-            SourceSample(index, image, read_caption(concept, image), mask_of(image), image_size(image))
-            for image in list_images(label, concept)
-        ]
-    return samples
+        images, skipped = classify_files(label, concept)
+        unused += skipped
+        for image in images:
+            try:
+                size = open_image(image, data.max_image_pixels, background).size
+            except UnreadableImage as err:
+                bad.append((image, str(err)))
+                continue
+            samples.append(SourceSample(index, image, read_caption(concept, image), mask_of(image), size))
+    total = len(samples) + len(bad)
+    if bad:
+        names = "; ".join(error for _, error in bad)
+        if len(bad) > data.max_bad_fraction * total:
+            raise InputFileError(f"{names} ({len(bad)} of {total} images unreadable, more than data.max_bad_fraction "
+                                 f"{data.max_bad_fraction})")
+        log(f"warning: data: {len(bad)} of {total} images unreadable, skipped (within data.max_bad_fraction "
+            f"{data.max_bad_fraction}): {names}")
+    return Scan(samples, bad, unused)
 
 
 def list_images(label: str, concept: ConceptConfig) -> list[Path]:
+    return classify_files(label, concept)[0]
+
+
+def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The images of a concept folder, and every other file that is neither an image, a caption, a mask nor
+    a known sidecar, with the reason it is not used. Errors when the folder has no image."""
     root = Path(concept.path)
     if not root.is_dir():
         raise InputFileError(f"{label}: {root.resolve()} is not a folder")
     pattern = "**/*" if concept.include_subdirectories else "*"
-    images = sorted(
-        p for p in root.glob(pattern)
-        if p.suffix.lower() in IMAGE_EXTENSIONS and not p.name.endswith(MASK_SUFFIX) and p.is_file()
-    )
+    files = sorted(p for p in root.glob(pattern) if p.is_file())
+    extensions = image_files.image_extensions()
+    images = [p for p in files if p.suffix.lower() in extensions and not p.name.endswith(MASK_SUFFIX)]
+    known = set(images) | {p.with_name(p.stem + MASK_SUFFIX) for p in images}
+    if concept.caption_source == "txt":
+        known |= {p.with_suffix(concept.caption_extension) for p in images}
+    unused = []
+    for path in files:
+        if path in known or path.name.lower() in SIDECAR_NAMES or path.suffix.lower() in SIDECAR_SUFFIXES:
+            continue
+        if path.suffix.lower() in HEIF_EXTENSIONS and not image_files.heif_available():
+            reason = "install ot-dist[heic]"
+        elif path.name.endswith(MASK_SUFFIX):
+            reason = "a mask without its image"
+        elif concept.caption_source == "txt" and path.suffix == concept.caption_extension:
+            reason = "a caption without its image"
+        else:
+            reason = "not an image"
+        unused.append((path.relative_to(root), reason))
     if not images:
-        raise InputFileError(f"{label}: no images ({', '.join(sorted(IMAGE_EXTENSIONS))}) in {root.resolve()}")
-    return images
+        raise InputFileError(f"{label}: no images (any format Pillow reads: png, jpg, webp, avif, tiff, gif, ...) in "
+                             f"{root.resolve()}" + (f"; not used: {', '.join(f'{p} ({r})' for p, r in unused)}"
+                                                    if unused else ""))
+    return images, unused
 
 
 def mask_of(image: Path) -> Path | None:
@@ -79,13 +146,3 @@ def read_caption(concept: ConceptConfig, image: Path) -> str:
             raise InputFileError(f"data: caption {caption_file} is not UTF-8 text: {err}") from None
         captions = [line.strip() for line in text.splitlines() if line.strip()] or [""]
     return "\n".join(concept.caption_prefix + c for c in captions)
-
-
-def image_size(path: Path) -> tuple[int, int]:
-    """Decode the image once up front, so a broken file fails before any shard is written, naming it."""
-    try:
-        with Image.open(path) as img:
-            img.load()
-            return img.size
-    except (OSError, UnidentifiedImageError, ValueError) as err:
-        raise InputFileError(f"data: image {path} could not be decoded: {err}") from None

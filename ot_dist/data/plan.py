@@ -110,6 +110,13 @@ def bucket_rows(table: SampleTable, global_batch: int) -> list[BucketRow]:
     return [BucketRow(b, n, n // global_batch, n % global_batch) for b, n in table.epoch_sizes().items()]
 
 
+def untrained_fraction(table: SampleTable, global_batch: int) -> float:
+    """Share of the samples drawn per epoch that are in buckets with no full global batch: they never train."""
+    rows = bucket_rows(table, global_batch)
+    total = sum(r.samples for r in rows)
+    return sum(r.samples for r in rows if r.never_trained) / total if total else 0.0
+
+
 def bucket_report(table: SampleTable, global_batch: int, world_size: int, resolutions: list[int], step: int) -> list[str]:
     """Human-readable report: per bucket its size, batches and drops; the buckets that never train."""
     rows = bucket_rows(table, global_batch)

@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ot_dist.data.buckets import bucket_size
+from ot_dist.data.buckets import bucket_size, merged_buckets
+from ot_dist.data.augment import augment
+from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
 from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch
 from ot_dist.data.shards import read_manifest
@@ -35,6 +37,10 @@ class ShardDataset:
         self.samples = self.manifest["samples"]
         self.seed, self.crop, self.step = config.seed, config.data.crop, self.manifest["bucket_step"]
         self.resolutions = config.resolutions()
+        # concept index -> its config (caption variation); a set trained from data.shards alone has none
+        self.concepts = {i: c for i, (_, c) in enumerate(config.data.concept_list())}
+        # per-sample loss weights travel in the batch only when some concept has one: without, the loss stays MSE
+        self.weighted = any(c.loss_weight != 1.0 for c in self.concepts.values())
         missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
         if missing:
             raise InputFileError(
@@ -54,7 +60,8 @@ class ShardDataset:
         balancing = [(c["balancing"], c["balancing_strategy"]) for c in concepts]
         if data_config is not None and data_config.concept_list():
             balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
-        return SampleTable(tuple(s["bucket"] for s in self.samples), tuple(s["concept"] for s in self.samples),
+        merged = merged_buckets(self.resolutions, self.step)
+        return SampleTable(tuple(merged[s["bucket"]] for s in self.samples), tuple(s["concept"] for s in self.samples),
                            tuple(balancing), tuple(c["name"] for c in concepts))
 
     def _read(self, sample: dict, suffix: str):
@@ -98,6 +105,7 @@ class ShardDataset:
         sample = self.samples[sample_id % len(self.samples)]
         height, width = bucket_size(sample["bucket"], resolution, self.step)
         meta = self.metadata(sample_id)
+        mask_image = None
         if "latents" in self.caches and use_cache:
             # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
             posterior = self._read_cached("latents", sample["key"], f"{resolution}.latent.safetensors")
@@ -107,16 +115,24 @@ class ShardDataset:
         else:
             image = self._read(sample, self._image_suffix(sample, resolution))
             top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
-            pixels = np.asarray(image.crop((left, top, left + width, top + height)), dtype=np.float32) / 127.5 - 1.0
+            box = (left, top, left + width, top + height)
+            if sample["mask"]:
+                mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+            cropped, mask_image = augment(image.crop(box), mask_image, self.concepts.get(sample["concept"]),
+                                          generator(self.seed, epoch, sample_id, "augment"))
+            pixels = np.asarray(cropped, dtype=np.float32) / 127.5 - 1.0
             out = {"pixels": torch.from_numpy(pixels).permute(2, 0, 1).contiguous()}
         box = (left, top, left + width, top + height)
         captions = self.captions(sample_id)
         line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
-        caption = captions[line]
+        caption = vary_caption(captions[line], self.concepts.get(sample["concept"]),
+                               generator(self.seed, epoch, sample_id, "caption variation"))
         if "text" in self.caches and use_cache:
             text = self._read_cached("text", sample["key"], "text.safetensors")
             # The family's conditioning dict for this caption line, keys as `text_<key>` (ot_dist/data/caches.py).
             out |= {f"text_{k.rsplit('_', 1)[0]}": v for k, v in text.items() if _line_of(k) == line}
+        if self.weighted:
+            out["loss_weight"] = torch.tensor(self.concepts[sample["concept"]].loss_weight, dtype=torch.float32)
         out |= {
             "caption": caption,
             "sample_id": sample_id,
@@ -126,8 +142,9 @@ class ShardDataset:
         }
         if self.has_masks:  # a sample without a mask trains everywhere
             mask = torch.ones(1, height, width)
-            if sample["mask"]:
+            if sample["mask"] and mask_image is None:  # cached latents: the mask of the centre crop
                 mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+            if mask_image is not None:  # (a rotation gives an unmasked sample a mask of its image's area)
                 mask = torch.from_numpy(np.asarray(mask_image, dtype=np.float32) / 255.0)[None]
             out["mask"] = mask
             out["mask_given"] = torch.tensor(bool(sample["mask"]))  # inpainting draws a mask for the others
@@ -161,7 +178,7 @@ def _line_of(member_key: str) -> int:
 def collate(samples: list[dict]) -> dict:
     keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask", "mask_given") if k in samples[0]]
     keys += sorted(k for k in samples[0] if k.startswith("text_"))  # cached text conditioning
-    keys += ["original_size", "crop_top_left", "target_size"]
+    keys += ["original_size", "crop_top_left", "target_size"] + (["loss_weight"] if "loss_weight" in samples[0] else [])
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]
     batch["sample_id"] = torch.tensor([s["sample_id"] for s in samples])

@@ -24,7 +24,8 @@ from PIL import Image
 
 from ot_dist.config.schema import TrainConfig
 from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
-from ot_dist.data.concepts import concept_name, list_images, mask_of, scan_concepts
+from ot_dist.data.concepts import classify_files, concept_name, mask_of, scan_folders
+from ot_dist.data.images import open_image, open_mask, parse_colour
 from ot_dist.errors import InputFileError
 
 FORMAT = "ot_dist.shards/1"
@@ -45,7 +46,8 @@ def build_settings(config: TrainConfig) -> dict:
     concepts = [c.model_dump(exclude={"balancing", "balancing_strategy"}) for _, c in data.concept_list()]
     return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step,
             "bucket_assignment": data.bucket_assignment, "image_format": data.image_format,
-            "concepts": concepts}
+            "max_image_pixels": data.max_image_pixels, "image_background": data.image_background,
+            "skip_small_images": data.skip_small_images, "concepts": concepts}
 
 
 def source_fingerprint(config: TrainConfig) -> str:
@@ -53,7 +55,9 @@ def source_fingerprint(config: TrainConfig) -> str:
     and it changes when an image, caption or mask is added, removed or edited."""
     digest = hashlib.sha256(json.dumps(build_settings(config), sort_keys=True).encode())
     for label, concept in config.data.concept_list():
-        for image in list_images(label, concept):
+        images, unused = classify_files(label, concept)
+        others = [Path(concept.path) / path for path, _ in unused]  # a HEIC that becomes readable changes the set
+        for image in images + others:
             for path in (image, image.with_suffix(concept.caption_extension), mask_of(image)):
                 if path is not None and path.is_file():
                     stat = path.stat()
@@ -93,7 +97,18 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     import webdataset as wds
 
     data, resolutions = config.data, config.resolutions()
-    sources = scan_concepts(data)
+    scan = scan_folders(data, log)
+    sources, small = small_images(config, scan.samples)
+    if data.skip_small_images:
+        scan.unused += [(image, f"too small: {reason}; data.skip_small_images") for image, reason in small]
+    elif small:
+        log(f"warning: data: {len(small)} image{'s' if len(small) != 1 else ''} with a side below a quarter of the "
+            f"bucket side it is scaled to (blurry when upscaled; data.skip_small_images leaves them out): "
+            + ", ".join(f"{image} ({reason})" for image, reason in small))
+    if not sources:
+        raise InputFileError("data: no image is left to build the shard set from"
+                             + (f"; {scan.unused_line()}" if scan.unused else ""))
+    background = parse_colour(data.image_background)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
@@ -114,35 +129,62 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
             meta = {"source": str(source.image), "mask": str(source.mask) if source.mask else None,
                     "concept": source.concept, "original_size": [source.size[1], source.size[0]],
                     "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
-            with Image.open(source.image) as img:
-                img = img.convert("RGB")
-                mask = load_mask(source.mask, source.image, img.size, log) if source.mask else None
-                for res in resolutions:
-                    target = bucket_size(bucket, res, data.bucket_step)
-                    resized = resize_to_cover(img, target)
-                    sample[f"{res}.{data.image_format}"] = encode_image(resized, data.image_format)
-                    if mask is not None:  # the same geometry as the image, so they stay aligned
-                        sample[f"{res}.mask.png"] = encode_image(resize_to_cover(mask, target), "png")
-                    meta["resolutions"][str(res)] = {"bucket_size": list(target),
-                                                     "resized_size": [resized.height, resized.width]}
+            img = open_image(source.image, data.max_image_pixels, background)  # upright sRGB RGB
+            mask = load_mask(source.mask, source.image, img.size, log) if source.mask else None
+            for res in resolutions:
+                target = bucket_size(bucket, res, data.bucket_step)
+                resized = resize_to_cover(img, target)
+                sample[f"{res}.{data.image_format}"] = encode_image(resized, data.image_format)
+                if mask is not None:  # the same geometry as the image, so they stay aligned
+                    sample[f"{res}.mask.png"] = encode_image(resize_to_cover(mask, target), "png")
+                meta["resolutions"][str(res)] = {"bucket_size": list(target),
+                                                 "resized_size": [resized.height, resized.width]}
             sample["json"] = json.dumps(meta).encode()
             writer.write(sample)
             records.append({"key": key, "shard": writer.shard - 1, "bucket": bucket, "concept": source.concept,
                             "mask": source.mask is not None})
-    manifest = write_manifest(config, out_dir, records, fingerprint, config_path)
+    unused = [{"file": str(path), "reason": reason} for path, reason in scan.unused]
+    bad = [{"file": str(path), "error": error} for path, error in scan.bad]
+    manifest = write_manifest(config, out_dir, records, fingerprint, config_path, unused, bad)
     log(f"shard set {out_dir}: {len(records)} samples in {len(manifest['shards'])} shards "
-        f"({sum(s['bytes'] for s in manifest['shards']) / 1e6:.1f} MB) in {time.perf_counter() - start:.1f}s")
+        f"({sum(s['bytes'] for s in manifest['shards']) / 1e6:.1f} MB) in {time.perf_counter() - start:.1f}s; "
+        f"{len(unused)} file{'s' if len(unused) != 1 else ''} not used, {len(bad)} unreadable")
+    for line in unused_report(manifest):  # also when the build happens at train start
+        log(line)
     return manifest
+
+
+def unused_report(manifest: dict) -> list[str]:
+    """The build report's lines on files not used: `3 files not used: a.heic (install ot-dist[heic]), ...`."""
+    unused = manifest.get("unused_files", [])
+    if not unused:
+        return []
+    return [f"{len(unused)} file{'s' if len(unused) != 1 else ''} not used: "
+            + ", ".join(f"{u['file']} ({u['reason']})" for u in unused)]
+
+
+def small_images(config: TrainConfig, sources: list) -> tuple[list, list[tuple[Path, str]]]:
+    """(the samples to build, [(image, reason)] of those with a side below a quarter of the side of the bucket
+    they are scaled to at the largest resolution). Without data.skip_small_images every sample is built."""
+    keep, small = [], []
+    res = max(config.resolutions())
+    roots = [Path(concept.path) for _, concept in config.data.concept_list()]
+    for source in sources:
+        width, height = source.size
+        bucket_height, bucket_width = bucket_size(config_bucket_of(config, width, height), res, config.data.bucket_step)
+        if 4 * width < bucket_width or 4 * height < bucket_height:
+            small.append((source.image.relative_to(roots[source.concept]),
+                          f"{width}x{height} for a {bucket_width}x{bucket_height} bucket"))
+            if config.data.skip_small_images:
+                continue
+        keep.append(source)
+    return keep, small
 
 
 def load_mask(path: Path, image: Path, size: tuple[int, int], log=print) -> Image.Image:
     """The mask of an image at the image's size. A mask of the same shape at another size (a half-size mask) is
     scaled, with a warning; one of another shape would be stretched out of place over the image: refused."""
-    try:
-        with Image.open(path) as mask:
-            mask = mask.convert("L")
-    except OSError as err:
-        raise InputFileError(f"data: mask {Path(path).resolve()} could not be decoded: {err}") from None
+    mask = open_mask(path)  # drawn on the image as displayed: compared with the upright size
     if mask.size == size:
         return mask
     sizes = f"mask {Path(path).resolve()} is {mask.width}x{mask.height}, its image {Path(image).resolve()} is " \
@@ -165,12 +207,15 @@ def index_members(shard: Path) -> dict[str, dict[str, list[int]]]:
 
 
 def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fingerprint: str,
-                   config_path: str | None) -> dict:
+                   config_path: str | None, unused: list[dict] = (), bad: list[dict] = ()) -> dict:
     shard_files = sorted(out_dir.glob("shard-*.tar"))
+    by_shard: dict[int, list[dict]] = {}
+    for record in records:  # one pass: a scan of all records per shard is quadratic at millions of samples
+        by_shard.setdefault(record["shard"], []).append(record)
     shards = []
     for number, path in enumerate(shard_files):
         members = index_members(path)
-        in_shard = [r for r in records if r["shard"] == number]
+        in_shard = by_shard.get(number, [])
         for record in in_shard:
             record["members"] = members[record["key"]]
         shards.append({"file": path.name, "samples": len(in_shard), "bytes": path.stat().st_size,
@@ -191,6 +236,8 @@ def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fing
                     for b in sorted(counts)],
         "shards": shards,
         "samples": records,
+        "unused_files": list(unused),  # files in the concept folders that are not samples, with the reason
+        "unreadable_images": list(bad),  # skipped within data.max_bad_fraction
     }
     tmp = out_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest))

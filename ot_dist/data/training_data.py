@@ -7,12 +7,12 @@ from pathlib import Path
 
 import torch
 
-from ot_dist.data.buckets import config_bucket_of
+from ot_dist.data.buckets import config_bucket_of, merged_buckets
 from ot_dist.data.concepts import concept_name, scan_concepts
-from ot_dist.data.plan import SampleTable, bucket_report
+from ot_dist.data.plan import SampleTable, bucket_report, untrained_fraction
 from ot_dist.data.reader import ShardDataset, ShardReader
 from ot_dist.data.shards import build_shard_set, default_shard_dir, is_current, source_fingerprint
-from ot_dist.errors import InputFileError
+from ot_dist.errors import ConfigError, InputFileError
 
 
 def shard_dir_of(config) -> Path:
@@ -48,7 +48,21 @@ def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardR
     dataset = ShardDataset(ensure_shards(config, runtime, log), config)
     reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
                          runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction)
+    check_untrained_share(config, reader.table, reader.global_batch, report_lines(dataset, reader, runtime.world_size))
     return dataset, reader
+
+
+def check_untrained_share(config, table, global_batch: int, report: list[str]) -> None:
+    """Every rank computes the same plan, so every rank stops here alike (no collective is left waiting)."""
+    share = untrained_fraction(table, global_batch)
+    limit = config.data.max_untrained_fraction
+    if share > limit:
+        raise ConfigError(
+            "\n".join(report) + f"\ndata.max_untrained_fraction: {100 * share:.0f}% of the samples per epoch are in "
+            f"buckets with fewer samples than the global batch ({global_batch}) and would never train (limit "
+            f"{100 * limit:.0f}%). Lower batch_size or gradient_accumulation_steps, train on fewer processes, crop to "
+            "fewer aspects (data.bucket_step), add images of those aspects, or accept it with "
+            f"data.max_untrained_fraction: {min(1.0, round(share + 0.005, 2))}")
 
 
 def report_lines(dataset: ShardDataset, reader: ShardReader, world_size: int) -> list[str]:
@@ -70,7 +84,9 @@ def sample_table(config) -> SampleTable:
     if config.data.concept_list() and not is_current(out, source_fingerprint(config)):
         sources = scan_concepts(config.data)
         concepts = [c for _, c in config.data.concept_list()]
-        return SampleTable(tuple(config_bucket_of(config, *s.size) for s in sources), tuple(s.concept for s in sources),
+        merged = merged_buckets(config.resolutions(), config.data.bucket_step)
+        return SampleTable(tuple(merged[config_bucket_of(config, *s.size)] for s in sources),
+                           tuple(s.concept for s in sources),
                            tuple((c.balancing, c.balancing_strategy) for c in concepts),
                            tuple(concept_name(c) for c in concepts))
     return ShardDataset(out, config).table(config.data)

@@ -10,7 +10,7 @@ the input gradient instead of autograd saving its upcast copy, which would cost 
 
 `state_dict()` returns the upcast float32 values, in CPU memory, under the original keys (exports and
 caches see a normal module); loading a state dict quantizes the incoming weights. What was rounded away is gone:
-an export of a frozen component under float8 writes its float8-rounded weights (README).
+an export of a frozen component under float8 writes its float8-rounded weights (docs/low-memory.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's memory table: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5 Large and
+"""The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5 Large and
 Flux.1 dev under the low-memory options and, for the transformers, a full finetune under fsdp, from parameter
 counts and dtypes.
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ot_dist.config.loss import LossConfig
-from ot_dist.train.loss_options import draw_timestep, min_snr_weights, timestep_bounds
+from ot_dist.train.loss_options import ddpm_weights, draw_timestep, generalized_offset_psi, timestep_bounds
 
 
 class Objective:
@@ -37,7 +37,11 @@ class Objective:
         raise NotImplementedError
 
     def sample_weights(self, timesteps: torch.Tensor, options: LossConfig) -> torch.Tensor | None:
-        """Per-sample loss weights from the options (min-SNR-gamma), or None."""
+        """Per-sample loss weights from the options (loss.weight_fn), or None."""
+        return None
+
+    def offset_noise_psi(self, timesteps: torch.Tensor, options: LossConfig) -> torch.Tensor | None:
+        """Per-sample factor of the offset noise (generalized offset noise), or None for a constant one."""
         return None
 
     def describe(self) -> str:
@@ -71,9 +75,15 @@ class DDPM(Objective):
         return noise
 
     def sample_weights(self, timesteps, options):
-        if options.min_snr_gamma is None:
+        name, strength = options.weighting()
+        return ddpm_weights(name, strength, self.scheduler.alphas_cumprod, timesteps, self.prediction_type)
+
+    def offset_noise_psi(self, timesteps, options):
+        if not options.generalized_offset_noise:
             return None
-        return min_snr_weights(self.scheduler.alphas_cumprod, timesteps, options.min_snr_gamma, self.prediction_type)
+        if getattr(self, "_psi", None) is None:
+            self._psi = generalized_offset_psi(self.scheduler.betas)
+        return self._psi.to(timesteps.device)[timesteps]
 
     def describe(self) -> str:
         return f"{self.prediction_type} prediction, {self.num_timesteps} DDPM timesteps"
@@ -150,6 +160,11 @@ class FlowMatching(Objective):
 
     def target(self, latents, noise, timesteps):
         return noise - latents
+
+    def sample_weights(self, timesteps, options):
+        if options.weighting()[0] != "SIGMA":
+            return None
+        return (timesteps.float() / self.num_timesteps)  # the sample's sigma (OneTrainer: (index + 1) / N)
 
     def describe(self) -> str:
         shift = (f"dynamic shift {self.dynamic.base_shift}..{self.dynamic.max_shift}" if self.dynamic

@@ -40,6 +40,7 @@ def compute_schedule(config, plan: StepPlan) -> Schedule:
         note = "Adafactor's relative step size" + (
             ", times each parameter's root mean square (scale_parameter)" if config.optimizer.scale_parameter else ""
         )
+        zero_after_stops(config, names, rows, plan)
         return Schedule(names, rows, plan, warmup, [], note)
     stand_ins = [ParamGroup(name, [torch.nn.Parameter(torch.zeros(1))], lr) for name, lr, _ in groups]
     optimizer = build_optimizer(config.optimizer, stand_ins)
@@ -47,14 +48,35 @@ def compute_schedule(config, plan: StepPlan) -> Schedule:
         warnings.simplefilter("ignore")  # "scheduler.step() before optimizer.step()": nothing trains here
         scheduler = build_scheduler(config, optimizer, plan)
         rows = []
-        for _ in range(plan.total_steps):
+        for step in range(plan.total_steps):
             rows.append([float(group["lr"]) for group in optimizer.param_groups])
             scheduler.step()
+    stops = zero_after_stops(config, names, rows, plan)
     lows = cycle_lows(sched, plan.total_steps, accumulation) if sched.name in CYCLIC else []
-    note = ""
+    notes = []
     if config.optimizer.adaptive:
-        note = "lr is a multiplier on the step size the optimizer estimates (d*lr is what is applied)"
+        notes.append("lr is a multiplier on the step size the optimizer estimates (d*lr is what is applied)")
+    for g, part in stops:
+        notes.append(f"{names[g]} stops training after {part.stop_training_after} {part.stop_training_after_unit}s "
+                     "(lr 0 from then on)")
+    note = "; ".join(notes)
     return Schedule(names, rows, plan, warmup, lows, note)
+
+
+def zero_after_stops(config, names: list[str], rows: list[list[float]], plan: StepPlan) -> list[tuple[int, object]]:
+    """Set to 0 the learning rate of a part from the step it stops training (stop_training_after, the trainer's
+    rule: a stopped part applies nothing, and its logged lr is 0). Returns (column, part config) of such parts."""
+    stops = []
+    for g, name in enumerate(names):
+        part = getattr(config, name, None)
+        if getattr(part, "stop_training_after", None) is not None:
+            stops.append((g, part))
+    for step, row in enumerate(rows):
+        epoch = step // max(1, plan.steps_per_epoch)
+        for g, part in stops:
+            if part.stopped(epoch, step):
+                row[g] = 0.0
+    return stops
 
 
 def write_csv(schedule: Schedule, path: Path) -> None:

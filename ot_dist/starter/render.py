@@ -18,7 +18,7 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
         f"# Memory table row ({choice.reference}): '{setup.label}' = {choice.table_gib:.2f} GiB per GPU of weights,",
         f"# gradients and optimizer state, + activations etc. at {family.native_resolution} px, batch 1: about "
         f"{choice.need_gib:.1f} GiB.",
-        "# README 'Low-memory options' explains each choice; configs/REFERENCE.md lists every key.",
+        "# docs/low-memory.md explains each choice; configs/REFERENCE.md lists every key.",
         "model:",
         f"  family: {family.name}",
         f"  path: {model_path}                # a diffusers folder or a single-file .safetensors",

@@ -81,7 +81,8 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     sample_ids = batch["sample_id"].tolist()
     vae_eps, noise, timesteps = draw_sample_noise(batch, latent_shape, objective, seed, epoch, options)
     latents = encode_latents(family, model.vae, batch, vae_eps).to(device)  # the VAE may live elsewhere (offload)
-    noise = offset_noise(noise, sample_ids, options.offset_noise_weight, seed, epoch)
+    noise = offset_noise(noise, sample_ids, options.offset_noise_weight, seed, epoch,
+                         objective.offset_noise_psi(timesteps, options))
     input_noise = perturbed_input_noise(noise, sample_ids, options.input_perturbation, seed, epoch)
     noise, input_noise, timesteps = noise.to(device), input_noise.to(device), timesteps.to(device)
     noisy = objective.noisy(latents, input_noise, timesteps)
@@ -93,6 +94,9 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
                                                    objective, options)
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
     sample_weights = objective.sample_weights(timesteps, options)
+    if "loss_weight" in batch:  # the samples' concepts' loss_weight
+        concept_weights = batch["loss_weight"].to(device)
+        sample_weights = concept_weights if sample_weights is None else sample_weights * concept_weights
     normalize = bool(masking and masking.normalize_masked_area_loss)
     loss = weighted_mse(prediction.float(), target.float(), weights, sample_weights, normalize=normalize)
     if extra is None:

@@ -1,5 +1,5 @@
-"""The `loss` options, each a few lines: timestep range and distribution, offset noise, input
-perturbation, min-SNR-gamma weighting.
+"""The `loss` options, each a few lines: timestep range and distribution, offset noise (plain and
+generalized), input perturbation, timestep weighting (min-SNR-gamma, P2, debiased estimation).
 
 Extra randomness comes from generators keyed by (seed, epoch, sample id, what it is for), like the
 noise itself: a sample gets the same draws in any batch, on any rank. Options that are off draw
@@ -40,12 +40,36 @@ def per_sample_normal(sample_ids: list[int], shape: tuple[int, ...], seed: int, 
     return torch.stack([torch.randn(shape, generator=generator(seed, epoch, i, purpose)) for i in sample_ids])
 
 
-def offset_noise(noise: torch.Tensor, sample_ids: list[int], weight: float, seed: int, epoch: int) -> torch.Tensor:
-    """noise + weight x one N(0,1) per sample and channel (shifts each channel's mean)."""
+def offset_noise(noise: torch.Tensor, sample_ids: list[int], weight: float, seed: int, epoch: int,
+                 psi: torch.Tensor | None = None) -> torch.Tensor:
+    """noise + weight x one N(0,1) per sample and channel (shifts each channel's mean); with `psi` (B,), the
+    generalized offset noise's per-sample factor psi_t, noise + psi_t x weight x offset."""
     if not weight:
         return noise
-    offset = per_sample_normal(sample_ids, (noise.shape[1], 1, 1), seed, epoch, "offset_noise")
-    return noise + weight * offset.to(noise)
+    offset = per_sample_normal(sample_ids, (noise.shape[1], 1, 1), seed, epoch, "offset_noise").to(noise)
+    if psi is not None:
+        offset = psi.to(noise).view(-1, *([1] * (noise.dim() - 1))) * offset
+    return noise + weight * offset
+
+
+def generalized_offset_psi(betas: torch.Tensor) -> torch.Tensor:
+    """psi_t of every timestep for generalized offset noise ("Generalized Diffusion Model with Adjusted Offset
+    Noise", Eq. 34 and Algorithm 1, balanced phi_t / psi_t strategy), computed in float64 as OneTrainer's
+    ModelSetupNoiseMixin does."""
+    betas = betas.double()
+    alphas = 1.0 - betas
+    alphas_cumprod = torch.cumprod(alphas, dim=0)
+    previous = torch.cat([torch.ones(1, dtype=betas.dtype), alphas_cumprod[:-1]])  # alpha-bar_0 = 1
+    gammas = torch.zeros_like(betas)
+    gammas[0] = 1.0
+    running = gammas[0] / torch.sqrt(previous[0])
+    for t in range(1, betas.shape[0]):
+        c_t = (1 - alphas[t]) * torch.sqrt(previous[t]) / (alphas[t] * (1 - previous[t]))
+        gammas[t] = c_t * running
+        running = running + gammas[t] / torch.sqrt(previous[t])
+    psi_last = running / torch.sqrt(1 - alphas_cumprod[-1])
+    terms = (gammas / psi_last) / torch.sqrt(previous)
+    return torch.cumsum(terms, dim=0) / torch.sqrt(1 - alphas_cumprod)
 
 
 def perturbed_input_noise(noise: torch.Tensor, sample_ids: list[int], gamma: float, seed: int, epoch: int) -> torch.Tensor:
@@ -53,6 +77,28 @@ def perturbed_input_noise(noise: torch.Tensor, sample_ids: list[int], gamma: flo
     if not gamma:
         return noise
     return noise + gamma * per_sample_normal(sample_ids, tuple(noise.shape[1:]), seed, epoch, "input_perturbation").to(noise)
+
+
+def snr_of(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    alpha_bar = alphas_cumprod.to(timesteps.device)[timesteps].double()
+    return alpha_bar / (1 - alpha_bar)
+
+
+def ddpm_weights(name: str, strength: float, alphas_cumprod: torch.Tensor, timesteps: torch.Tensor,
+                 prediction_type: str) -> torch.Tensor | None:
+    """Per-sample loss weights of OneTrainer's DDPM weight functions (ModelSetupDiffusionLossMixin), None for
+    CONSTANT. v-prediction adds 1 to the SNR where OneTrainer does."""
+    if name == "CONSTANT":
+        return None
+    if name == "MIN_SNR_GAMMA":
+        return min_snr_weights(alphas_cumprod, timesteps, strength, prediction_type)
+    v = 1.0 if prediction_type == "v_prediction" else 0.0
+    snr = snr_of(alphas_cumprod, timesteps)
+    if name == "P2":
+        return ((1.0 + snr + v) ** -strength).float()
+    if name == "DEBIASED_ESTIMATION":  # the clip at 1000 is kohya's and OneTrainer's, not the paper's
+        return torch.rsqrt(snr.clamp(max=1.0e3) + v).float()
+    raise ValueError(f"loss.weight_fn: {name} is not a DDPM weighting")
 
 
 def min_snr_weights(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, gamma: float,

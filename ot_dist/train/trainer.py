@@ -152,10 +152,7 @@ class Trainer:
             if group.part is None:
                 continue
             part = getattr(self.config, group.part)
-            if part.stop_training_after is None:
-                continue
-            progress = epoch if part.stop_training_after_unit == "epoch" else step
-            if progress >= part.stop_training_after and group.params[0].requires_grad:
+            if part.stopped(epoch, step) and group.params[0].requires_grad:
                 for p in group.params:
                     p.requires_grad_(False)
                     p.grad = None
@@ -336,6 +333,9 @@ class Trainer:
         """Step `step` (0-based). Returns the learning rates this step applied (lr/<group>, and d_lr/<group>
         for adaptive optimizers: the d x lr the step used) and the gradient norm before clipping."""
         rates = applied_learning_rates(self.optimizer)  # the scheduler moves them right after the step
+        for group in self.groups:  # a stopped part takes no step: it applies nothing, whatever its group's lr
+            if group.part is not None and not group.params[0].requires_grad:
+                rates.update({key: 0.0 for key in (f"lr/{group.name}", f"d_lr/{group.name}") if key in rates})
         grad_norm = self.strategy.step(self.optimizer, self.params)  # sync, clip, step, zero grads
         self.scheduler.step()
         if self.ema:

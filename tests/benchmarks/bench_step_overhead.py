@@ -65,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1,
                    help="torch.set_num_threads (default 1: the steadiest timing on a shared machine, and the "
                    "strictest test of per-step Python overhead)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the device ot_dist's runtime picks, cuda "
+                   "when there is one): both sides train on it")
     p.add_argument("--json", type=Path, default=None, help="write the numbers to this file")
     p.add_argument("--workdir", type=Path, default=None, help="keep the tiny model and data here (default: temp)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
@@ -77,7 +79,7 @@ def parse_args(argv=None):
 # Setup
 
 
-def build_ot_dist(model_dir: Path, data_dir: Path, out_dir: Path, family: str):
+def build_ot_dist(model_dir: Path, data_dir: Path, out_dir: Path, family: str, device: str | None = None):
     from conftest import base_config
 
     from ot_dist.config.load import validate
@@ -89,14 +91,16 @@ def build_ot_dist(model_dir: Path, data_dir: Path, out_dir: Path, family: str):
     assert config.train_dtype == "float32" and config.weight_dtype == "float32"
     assert config.optimizer.name == "ADAMW" and config.clip_grad_norm == 1.0
     assert config.gradient_accumulation_steps == 1 and not config.gradient_checkpointing
-    trainer = Trainer(config, device=torch.device("cpu"), log=lambda *a: None)
+    if device is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = os.environ.get("CUDA_VISIBLE_DEVICES", "") if device != "cpu" else ""
+    trainer = Trainer(config, log=lambda *a: None)  # the runtime picks the device (cuda when visible)
     return config, trainer
 
 
 class BareDiffusers:
     """The diffusers text-to-image example's training step, minus accelerate (one CPU process)."""
 
-    def __init__(self, model_dir: Path, family: str, config):
+    def __init__(self, model_dir: Path, family: str, config, device: str = "cpu"):
         from diffusers import DDPMScheduler, StableDiffusionPipeline, StableDiffusionXLPipeline
         from diffusers.optimization import get_scheduler
 
@@ -112,6 +116,9 @@ class BareDiffusers:
         else:
             self.tokenizers = [pipe.tokenizer]
             self.text_encoders = [pipe.text_encoder]
+        self.device = torch.device(device)
+        for module in (self.vae, self.unet, *self.text_encoders):
+            module.to(self.device)
         self.vae.requires_grad_(False)
         for encoder in self.text_encoders:
             encoder.requires_grad_(False)
@@ -130,12 +137,12 @@ class BareDiffusers:
 
     def prepare(self, batch: dict) -> dict:
         """The examples' data transform: tokenized captions (and SDXL's size/crop tuples)."""
-        prepared = {"pixel_values": batch["pixels"]}
+        prepared = {"pixel_values": batch["pixels"].to(self.device)}
         for i, tokenizer in enumerate(self.tokenizers):
             prepared[f"input_ids_{i}"] = tokenizer(
                 batch["caption"], max_length=tokenizer.model_max_length, padding="max_length",
                 truncation=True, return_tensors="pt",
-            ).input_ids
+            ).input_ids.to(self.device)
         if self.family == "sdxl":
             prepared["original_sizes"] = [tuple(int(v) for v in s) for s in batch["original_size"].tolist()]
             prepared["crop_top_lefts"] = [tuple(int(v) for v in c) for c in batch["crop_top_left"].tolist()]
@@ -347,8 +354,9 @@ def main(argv=None) -> int:
     if not any(data_dir.glob("*.png")):
         make_demo_dataset(data_dir, count=DATASET_SIZE, size=RESOLUTION)
 
-    config, trainer = build_ot_dist(model_dir, data_dir, workdir / "out", args.family)
-    bare = BareDiffusers(model_dir, args.family, config)
+    config, trainer = build_ot_dist(model_dir, data_dir, workdir / "out", args.family, args.device)
+    args.device = str(trainer.device)
+    bare = BareDiffusers(model_dir, args.family, config, args.device)
 
     # Same start: every component of both models holds the same weights.
     pairs = [("unet", trainer.model.denoiser, bare.unet), ("vae", trainer.model.vae, bare.vae)]
@@ -375,7 +383,7 @@ def main(argv=None) -> int:
     torch.manual_seed(config.seed)  # the bare loop's noise comes from the global generator
     print(
         f"family {args.family}: resolution {config.resolution}, batch {config.batch_size}, full UNet finetune "
-        f"({n_trainable / 1e6:.2f} M params), AdamW foreach, float32, CPU, {args.threads} threads; "
+        f"({n_trainable / 1e6:.2f} M params), AdamW foreach, float32, {args.device}, {args.threads} threads; "
         f"{args.warmup} warm-up + {args.steps} timed steps per side in blocks of {args.block} (A B A B ...)"
     )
     load_start = os.getloadavg()[0]

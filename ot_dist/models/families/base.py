@@ -12,6 +12,8 @@ and `predict` receives them back as the same dict. Its tensors are batch-first.
 
 from __future__ import annotations
 
+import copy
+
 from pathlib import Path
 
 import torch
@@ -64,10 +66,25 @@ class Family:
     native_resolution: int = 1024
     memory_reference: str | None = None
 
+    # -- text -----------------------------------------------------------------------------------------
+    # The text encoders whose output layer model.<encoder>_layer_skip moves back (OneTrainer's
+    # text_encoder_layer_skip, A1111's "clip skip"); `layer_skip` holds the configured skips (configure).
+    layer_skip_encoders: tuple[str, ...] = ()
+    layer_skip: dict[str, int] = {}
+
     def configure(self, model_config) -> "Family":
         """The family with the config's model-section settings applied (a copy when they differ; instances are
-        shared). Most families have none."""
-        return self
+        shared): the text encoders' layer skips here, a family's own settings in its override."""
+        return self.with_layer_skip(model_config)
+
+    def with_layer_skip(self, model_config) -> "Family":
+        skips = {name: getattr(model_config, f"{name}_layer_skip", 0) for name in self.layer_skip_encoders}
+        skips = {name: skip for name, skip in skips.items() if skip}
+        if skips == self.layer_skip:
+            return self
+        family = copy.copy(self)
+        family.layer_skip = skips
+        return family
 
     # -- objective --------------------------------------------------------------------------------------
     def objective(self, pipeline, model_config) -> Objective:
@@ -87,7 +104,7 @@ class Family:
 
     def pipeline_call_options(self, pipeline) -> dict:
         """Extra keyword arguments of the pipeline call that make sampling see the text as training does
-        (e.g. the T5 sequence length)."""
+        (e.g. the T5 sequence length, SD's clip_skip)."""
         return {}
 
     # -- text -------------------------------------------------------------------------------------------

@@ -61,6 +61,17 @@ class UNetFamily(Family):
         export_single_file(components, self.name, path, dtype=dtype, states=states)
 
 
+def skipped_layer(hidden_states: tuple, default: int, skip: int, encoder: str) -> torch.Tensor:
+    """hidden_states[default - skip], or an error naming the config key when the encoder has too few layers."""
+    layers = len(hidden_states) - 1  # hidden_states[0] is the embeddings
+    if skip > layers + 1 + default:
+        from ot_dist.errors import ConfigError
+
+        raise ConfigError(f"model.{encoder}_layer_skip: {skip} skips past the first layer of {encoder} "
+                          f"({layers} layers)")
+    return hidden_states[default - skip]
+
+
 class SD(UNetFamily):
     bucket_step = 8  # OneTrainer's StableDiffusionBaseDataLoader quantizes buckets to 8 px
     pipeline_class = "StableDiffusionPipeline"
@@ -75,9 +86,30 @@ class SD(UNetFamily):
         self.name, self.description, self.native_resolution = name, description, native_resolution
         self.tiny_hidden_act, self.tiny_prediction_type = hidden_act, prediction_type
 
+    layer_skip_encoders = ("text_encoder",)
+
     def encode_text(self, text_encoders, tokens):
         encoder = text_encoders["text_encoder"]
-        return {"hidden": encoder(tokens["text_encoder"].to(encoder.device))[0]}
+        skip = self.layer_skip.get("text_encoder", 0)
+        if not skip:
+            return {"hidden": encoder(tokens["text_encoder"].to(encoder.device))[0]}
+        # OneTrainer's encode_clip (default_layer -1, add_layer_norm) and diffusers' clip_skip: an earlier layer's
+        # hidden states through the final layer norm.
+        hidden = encoder(tokens["text_encoder"].to(encoder.device), output_hidden_states=True).hidden_states
+        norm = getattr(encoder, "text_model", encoder).final_layer_norm  # transformers 5 dropped .text_model
+        return {"hidden": norm(skipped_layer(hidden, -1, skip, "text_encoder"))}
+
+    def pipeline_call_options(self, pipeline):
+        skip = self.layer_skip.get("text_encoder", 0)
+        if not skip:
+            return {}
+        encoder = pipeline.text_encoder
+        if not hasattr(encoder, "text_model"):
+            # diffusers 0.42's clip_skip reads text_encoder.text_model.final_layer_norm, which transformers 5's
+            # CLIPTextModel no longer has (its layer norm is its own): point the name at the model itself, outside
+            # the module tree (no submodule registered, state dict unchanged).
+            object.__setattr__(encoder, "text_model", encoder)
+        return {"clip_skip": skip}
 
     def build_tiny(self, seed: int = 0, prediction_type: str | None = None, in_channels: int = 4, **_):
         from diffusers import StableDiffusionPipeline, UNet2DConditionModel

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.models.families.sd import UNetFamily
+from ot_dist.models.families.sd import UNetFamily, skipped_layer
 
 
 class SDXL(UNetFamily):
@@ -22,14 +22,22 @@ class SDXL(UNetFamily):
     # in diffusers, ComfyUI and A1111 alike (kohya's SDXL LoRAs use them).
     lora_file_renames = {"unet": {"add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}}
 
+    layer_skip_encoders = ("text_encoder", "text_encoder_2")
+
     def encode_text(self, text_encoders, tokens):
         hidden, pooled = [], None
         for name in self.text_encoders:
             encoder = text_encoders[name]
             out = encoder(tokens[name].to(encoder.device), output_hidden_states=True)
-            hidden.append(out.hidden_states[-2])
+            # the penultimate layer, `<encoder>_layer_skip` earlier (OneTrainer: default_layer -2, no layer norm)
+            hidden.append(skipped_layer(out.hidden_states, -2, self.layer_skip.get(name, 0), name))
             pooled = out[0]  # the last encoder's projected pooled output (text_embeds)
         return {"hidden": torch.cat(hidden, dim=-1), "pooled": pooled}
+
+    def pipeline_call_options(self, pipeline):
+        # diffusers' SDXL clip_skip moves both encoders back by the same count
+        skips = {self.layer_skip.get(name, 0) for name in self.text_encoders}
+        return {"clip_skip": skips.pop()} if len(skips) == 1 and 0 not in skips else {}
 
     def unet_inputs(self, conditioning, batch):
         hidden = conditioning["hidden"]

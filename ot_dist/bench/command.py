@@ -1,0 +1,55 @@
+"""`ot-dist bench`: its arguments and what it prints."""
+
+from __future__ import annotations
+
+import argparse
+
+from ot_dist.bench.architectures import BENCH_MODELS
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="time training steps of a real-size (or tiny) model with random weights: "
+                           "images/s, step time, peak memory, MFU")
+    bench.add_argument("--model", required=True, choices=list(BENCH_MODELS))
+    bench.add_argument("--method", default="lora", choices=["full", "lora"])
+    bench.add_argument("--lora-rank", type=int, default=16)
+    bench.add_argument("--resolution", type=int, default=1024, help="square side in pixels (default 1024)")
+    bench.add_argument("--batch-size", type=int, default=1)
+    bench.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    bench.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    bench.add_argument("--gradient-checkpointing", action="store_true")
+    bench.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"],
+                       help="autocast compute dtype; trained weights stay float32 (default bf16)")
+    bench.add_argument("--optimizer", default="ADAMW", type=str.upper, help="an optimizer.name (default ADAMW)")
+    bench.add_argument("--device", default="auto", help="auto (cuda if present), cuda, cuda:N or cpu")
+    bench.add_argument("--peak-tflops", type=float, default=None,
+                       help="the device's peak TFLOP/s for MFU (default: a table of GPUs; none on CPU)")
+    bench.add_argument("--no-flops", dest="count_flops", action="store_false",
+                       help="skip the FLOP count (no MFU)")
+    bench.add_argument("--out", default="bench_out", metavar="DIR",
+                       help="write <run>.json and append the row to DIR/bench.md (default bench_out)")
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from ot_dist.bench.report import HEADER, RULE, markdown_row, write_report
+    from ot_dist.bench.run import run_bench
+    from ot_dist.bench.setup import BenchOptions
+    from ot_dist.errors import ConfigError
+
+    for name in ("lora_rank", "resolution", "batch_size", "steps"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1 (got {getattr(args, name)})")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup: must be at least 0 (got {args.warmup})")
+    options = BenchOptions(
+        model=args.model, method=args.method, lora_rank=args.lora_rank, resolution=args.resolution,
+        batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
+        gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, optimizer=args.optimizer,
+        device=args.device, peak_tflops=args.peak_tflops, count_flops=args.count_flops)
+    result = run_bench(options, args.out)
+    json_path, table = write_report(result, args.out)
+    print(HEADER)
+    print(RULE)
+    print(markdown_row(result))
+    print(f"wrote {json_path} and {table}")
+    return 0

@@ -1,0 +1,176 @@
+"""A bench model set up for training exactly as the trainer sets one up: a validated TrainConfig, the method's
+parameter groups, the trainer's placement (float32 trained weights, frozen ones in weight_dtype), the `single`
+strategy (autocast, loss scaling, clipping) and the optimizer registry; the step is the trainer's micro step +
+optimizer step over `diffusion_loss` with cached latents and text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ot_dist.bench.architectures import BenchModel
+from ot_dist.config.schema import TrainConfig
+from ot_dist.models.loading import LoadedModel
+from ot_dist.train.loss import diffusion_loss
+
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    model: str
+    method: str = "lora"
+    lora_rank: int = 16
+    resolution: int = 1024
+    batch_size: int = 1
+    steps: int = 10
+    warmup: int = 3
+    gradient_checkpointing: bool = False
+    dtype: str = "bf16"
+    optimizer: str = "ADAMW"
+    device: str = "auto"
+    peak_tflops: float | None = None
+    count_flops: bool = True
+
+
+def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> TrainConfig:
+    """The TrainConfig a real run of these options would validate to (the bench reads no data and no model)."""
+    train_dtype = DTYPE_NAMES[options.dtype]
+    return TrainConfig.model_validate(dict(
+        model={"family": bench.family, "path": f"<ot-dist bench {bench.name}: random weights>"},
+        method=options.method, output_dir=output_dir, data={"shards": "<none: random cached latents and text>"},
+        resolution=options.resolution, batch_size=options.batch_size,
+        train_dtype=train_dtype,
+        # A LoRA's frozen base is stored in the compute dtype (half the memory, the usual large-model setting).
+        weight_dtype=train_dtype,
+        gradient_checkpointing=options.gradient_checkpointing,
+        optimizer={"name": options.optimizer},
+        lora={"rank": options.lora_rank, "alpha": float(options.lora_rank)},
+        mlflow={"enabled": False},
+    ))
+
+
+class CachedLatentsVAE(torch.nn.Module):
+    """What the loss needs of a VAE when latents are cached: the latent scale / shift (and where latents live)."""
+
+    def __init__(self, scaling_factor: float, shift_factor: float | None):
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.config = SimpleNamespace(scaling_factor=scaling_factor, shift_factor=shift_factor)
+
+
+class BenchLoadedModel(LoadedModel):
+    """A LoadedModel without text encoders (their outputs are cached)."""
+
+    @property
+    def text_encoders(self) -> dict[str, torch.nn.Module]:
+        return {}
+
+
+def build_model(bench: BenchModel, config: TrainConfig, device: torch.device, seed: int = 0) -> BenchLoadedModel:
+    """The denoiser with random weights made directly on `device` (meta: shapes only, for counting)."""
+    import diffusers
+
+    from ot_dist.models.families.registry import get_family
+
+    family = get_family(bench.family).configure(config.model)
+    cls = getattr(diffusers, bench.denoiser_class)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        denoiser = cls.from_config(bench.denoiser_config())
+        vae = CachedLatentsVAE(*bench.vae_scaling)
+    pipeline = SimpleNamespace(**{family.denoiser: denoiser}, vae=vae, scheduler=bench.scheduler())
+    return BenchLoadedModel(family=family, pipeline=pipeline, objective=family.objective(pipeline, config.model))
+
+
+def place(model: LoadedModel, config: TrainConfig) -> None:
+    """The trainer's `_place_modules` for modules already on their device: trained parameters in
+    trained_weight_dtype, frozen ones in weight_dtype, train mode where something trains, checkpointing."""
+    from ot_dist.memory.placement import frozen_storage_dtype
+    from ot_dist.precision import DTYPES
+    from ot_dist.train.trainer import enable_gradient_checkpointing
+
+    weight_dtype, trained_dtype = frozen_storage_dtype(config.weight_dtype), DTYPES[config.trained_weight_dtype]
+    for module in model.modules():
+        trains = False
+        for p in module.parameters():
+            if p.requires_grad:
+                trains = True
+                p.data = p.data.to(trained_dtype)
+            else:
+                p.data = p.data.to(weight_dtype)
+        module.train(trains)
+        if config.gradient_checkpointing and module is model.denoiser:
+            enable_gradient_checkpointing(module)
+
+
+def random_batch(bench: BenchModel, model: LoadedModel, batch_size: int, resolution: int,
+                 device: torch.device) -> dict:
+    """A batch as the reader gives it with data.cache_latents and data.cache_text: latent posteriors and text
+    encoder outputs of the right shapes (random values), plus SDXL's size conditioning."""
+    side = resolution // 8  # every bench family's VAE downsamples x8
+    generator = torch.Generator().manual_seed(0)
+
+    def normal(*shape):
+        return torch.randn(batch_size, *shape, generator=generator).to(device)
+
+    batch = {"sample_id": torch.arange(batch_size),
+             "latent_mean": normal(bench.latent_channels, side, side),
+             "latent_std": normal(bench.latent_channels, side, side).abs() * 0.01}
+    for key, shape in bench.text_shapes(dict(model.denoiser.config)).items():
+        batch[f"text_{key}"] = normal(*shape)
+    if bench.size_conditioning:
+        size = torch.tensor([[resolution, resolution]] * batch_size, device=device)
+        batch |= {"original_size": size, "crop_top_left": torch.zeros_like(size), "target_size": size}
+    return batch
+
+
+@dataclass
+class BenchRun:
+    """Everything one training step touches."""
+
+    model: LoadedModel
+    config: TrainConfig
+    strategy: object
+    optimizer: torch.optim.Optimizer | None
+    params: list[torch.nn.Parameter]
+    batch: dict
+
+    def loss(self) -> torch.Tensor:
+        with self.strategy.autocast():
+            return diffusion_loss(self.model, self.batch, self.config.seed, 0, self.config.loss,
+                                  self.config.masked_training)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.strategy.backward(loss, 1, True)
+
+    def step(self) -> torch.Tensor:
+        """The trainer's micro step + optimizer step (one micro batch per step, no scheduler / EMA)."""
+        loss = self.loss()
+        self.backward(loss)
+        self.strategy.step(self.optimizer, self.params)
+        return loss.detach()
+
+
+def prepare(bench: BenchModel, options: BenchOptions, config: TrainConfig, device: torch.device,
+            with_optimizer: bool = True) -> BenchRun:
+    from ot_dist.methods.registry import build_method
+    from ot_dist.optim.factory import build_optimizer
+    from ot_dist.parallel import build_strategy
+    from ot_dist.parallel.runtime import Runtime
+
+    model = build_model(bench, config, device)
+    groups = build_method(config).prepare(model)
+    if device.type != "meta":
+        place(model, config)
+    strategy = build_strategy(config, Runtime(device=device if device.type != "meta" else torch.device("cpu")))
+    groups = strategy.wrap(model, groups)
+    optimizer = None
+    if with_optimizer:
+        optimizer = strategy.wrap_optimizer(build_optimizer(config.optimizer, groups))
+    params = [p for g in groups for p in g.params]
+    batch = random_batch(bench, model, options.batch_size, options.resolution, device)
+    return BenchRun(model, config, strategy, optimizer, params, batch)

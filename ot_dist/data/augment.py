@@ -1,0 +1,47 @@
+"""Image augmentation per concept (OneTrainer's image options): random horizontal flip, rotation, and brightness /
+contrast / saturation / hue jitter, applied to the cropped bucket image (and its mask, for the geometric ones) as it
+is read. Drawn from a generator keyed by (seed, epoch, sample id): the same on every rank and world size, new every
+epoch. Cached latents hold one fixed crop, so augmented concepts cannot use them (the config refuses it)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from PIL import Image, ImageEnhance
+
+
+def has_augmentation(concept) -> bool:
+    return bool(concept.flip_probability or concept.rotation_degrees or concept.brightness or concept.contrast
+                or concept.saturation or concept.hue)
+
+
+def augment(image: Image.Image, mask: Image.Image | None, concept, gen: torch.Generator):
+    """(image, mask) after the concept's augmentation; the same objects when it has none. Every draw is made whether
+    or not its option is on, so switching one option on does not change the draws of the others."""
+    if concept is None or not has_augmentation(concept):
+        return image, mask
+    u = torch.rand(6, generator=gen).tolist()
+    if u[0] < concept.flip_probability:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if mask is not None else None
+    if concept.rotation_degrees:
+        angle = (2 * u[1] - 1) * concept.rotation_degrees
+        # Same size, corners filled from the mirrored image would invent content; black corners are what
+        # OneTrainer's rotation leaves too, and the mask marks them as not trained.
+        image = image.rotate(angle, resample=Image.Resampling.BICUBIC)
+        mask = (mask if mask is not None else Image.new("L", image.size, 255)).rotate(angle, Image.Resampling.BILINEAR)
+    for factor, enhancer, draw in ((concept.brightness, ImageEnhance.Brightness, u[2]),
+                                   (concept.contrast, ImageEnhance.Contrast, u[3]),
+                                   (concept.saturation, ImageEnhance.Color, u[4])):
+        if factor:
+            image = enhancer(image).enhance(1 + (2 * draw - 1) * factor)
+    if concept.hue:
+        image = shift_hue(image, (2 * u[5] - 1) * concept.hue)
+    return image, mask
+
+
+def shift_hue(image: Image.Image, turn: float) -> Image.Image:
+    """Rotate every pixel's hue by `turn` of a full circle (-0.5 .. 0.5)."""
+    hsv = np.asarray(image.convert("HSV"), dtype=np.uint8).copy()
+    hsv[..., 0] = (hsv[..., 0].astype(np.int16) + round(turn * 256)) % 256
+    return Image.fromarray(hsv, "HSV").convert("RGB")

@@ -1,0 +1,152 @@
+"""Opening an image file as a user sees it: upright, sRGB, 8-bit RGB, transparency on a background.
+
+One job: a file from a camera, a phone or the web becomes the pixels the shard builder stores.
+- EXIF orientation (1-8) is applied (`ImageOps.exif_transpose`), so the size is the upright size.
+- Every format Pillow reads (PNG, JPEG, WebP, BMP, AVIF, TIFF, GIF, ...); animated GIF / WebP give their first
+  frame; HEIC / HEIF through pillow-heif (the `[heic]` extra) when it is installed.
+- Colour: an embedded ICC profile (Display P3, Adobe RGB, a CMYK press profile) is converted to sRGB with
+  LittleCMS; CMYK without a profile by Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits
+  (Pillow's own conversion clips everything above 255 to white); alpha (RGBA, LA, PA, palette or RGB
+  transparency) composited on `data.image_background`.
+- The pixel limit (`data.max_image_pixels`) is checked from the header before anything is decoded; an image
+  over it, or one that does not decode, raises `UnreadableImage` naming the file.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageCms, ImageColor, ImageOps, UnidentifiedImageError
+
+from ot_dist.errors import InputFileError
+
+DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS  # Pillow's own limit (89,478,485 px), read before anyone changes it
+HEIF_EXTENSIONS = {".heic", ".heif", ".hif"}
+_SRGB = ImageCms.createProfile("sRGB")
+_PROFILE_MODES = {"RGB": "RGB", "CMYK": "CMYK", "GRAY": "L"}
+
+
+class UnreadableImage(InputFileError):
+    """An image that cannot be used as a sample: broken, empty, over the pixel limit."""
+
+
+def heif_available() -> bool:
+    """Register pillow-heif's opener once if it is installed."""
+    try:
+        import pillow_heif
+    except ImportError:
+        return False
+    pillow_heif.register_heif_opener()
+    return True
+
+
+def image_extensions() -> set[str]:
+    """Extensions Pillow can open here (with pillow-heif registered when installed)."""
+    extensions = {ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
+    return extensions if heif_available() else extensions - HEIF_EXTENSIONS
+
+
+def parse_colour(value: str) -> tuple[int, int, int]:
+    """A colour as Pillow names it: `white`, `#808080`, `rgb(127,127,127)`."""
+    return ImageColor.getrgb(value)[:3]
+
+
+def open_image(path: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS,
+               background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
+    """The upright sRGB RGB pixels of `path`. Raises UnreadableImage (naming the file) when it cannot be used."""
+    with _opened(path, max_pixels) as img:
+        try:
+            return to_srgb_rgb(ImageOps.exif_transpose(img), background)
+        except (OSError, ValueError, SyntaxError, EOFError) as err:  # truncated data shows up while decoding
+            raise UnreadableImage(f"data: image {path} could not be decoded: {err}") from None
+
+
+def open_mask(path: Path) -> Image.Image:
+    """A mask (drawn on the image as displayed): its own EXIF orientation applied, as 8-bit L."""
+    with _opened(path, DEFAULT_MAX_PIXELS) as mask:
+        try:
+            mask = ImageOps.exif_transpose(mask)
+            return _to_8bit(mask).convert("L") if _is_wide_int(mask) else mask.convert("L")
+        except (OSError, ValueError, SyntaxError, EOFError) as err:
+            raise InputFileError(f"data: mask {Path(path).resolve()} could not be decoded: {err}") from None
+
+
+class _opened:
+    """Image.open with our pixel limit instead of Pillow's global one, and its errors named."""
+
+    def __init__(self, path: Path, max_pixels: int | None):
+        self.path, self.max_pixels = Path(path), max_pixels
+
+    def __enter__(self) -> Image.Image:
+        if self.path.suffix.lower() in HEIF_EXTENSIONS and not heif_available():
+            raise UnreadableImage(f"data: image {self.path} is HEIC / HEIF: install ot-dist[heic] (pillow-heif)")
+        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # we check below, against data.max_image_pixels
+        try:
+            self.img = Image.open(self.path)
+        except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
+            raise UnreadableImage(f"data: image {self.path} could not be decoded: {err}") from None
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+        width, height = self.img.size
+        if self.max_pixels is not None and width * height > self.max_pixels:
+            self.img.close()
+            raise UnreadableImage(f"data: image {self.path} is {width}x{height} = {width * height} pixels, over "
+                                  f"data.max_image_pixels {self.max_pixels} (a decompression bomb, or raise the limit)")
+        return self.img
+
+    def __exit__(self, *exc) -> None:
+        self.img.close()
+
+
+def _is_wide_int(img: Image.Image) -> bool:
+    return img.mode == "I" or img.mode.startswith("I;16")
+
+
+def _to_8bit(img: Image.Image) -> Image.Image:
+    """16-bit greyscale (I;16*, or I as Pillow opens 16-bit PNGs) -> L, 0..65535 scaled to 0..255."""
+    values = np.asarray(img.convert("I"), dtype=np.int64)
+    return Image.fromarray(np.clip((values + 128) // 257, 0, 255).astype(np.uint8), "L")
+
+
+def _alpha(img: Image.Image) -> Image.Image | None:
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        return img.convert("RGBA").getchannel("A")
+    if "transparency" in img.info and img.mode in ("P", "L", "RGB", "1"):
+        return img.convert("RGBA").getchannel("A")
+    return None
+
+
+def to_srgb_rgb(img: Image.Image, background: tuple[int, int, int]) -> Image.Image:
+    """Any decoded image -> 8-bit sRGB RGB, alpha composited on `background`."""
+    img.load()
+    icc = img.info.get("icc_profile")
+    alpha = _alpha(img)
+    if _is_wide_int(img):
+        img = _to_8bit(img)
+    rgb = _convert_profile(img, icc) if icc else None
+    if rgb is None:
+        rgb = img.convert("RGB")  # CMYK, YCbCr, L, P ... by Pillow's conversions (sRGB assumed)
+    if alpha is not None:
+        rgb = Image.composite(rgb, Image.new("RGB", rgb.size, background), alpha)
+    return rgb
+
+
+def _convert_profile(img: Image.Image, icc: bytes) -> Image.Image | None:
+    """The image through its ICC profile into sRGB, or None when the profile does not fit the pixels."""
+    try:
+        source = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+    except (ImageCms.PyCMSError, OSError, TypeError, ValueError):
+        return None  # an unreadable profile: the pixels are taken as sRGB
+    mode = _PROFILE_MODES.get(source.profile.xcolor_space.strip())
+    if mode is None:
+        return None
+    if img.mode != mode:
+        if mode == "CMYK" or img.mode == "CMYK":
+            return None  # a CMYK profile on RGB pixels (or the reverse) is a broken file: trust the pixels
+        img = img.convert(mode)
+    try:
+        return ImageCms.profileToProfile(img, source, _SRGB, outputMode="RGB")
+    except ImageCms.PyCMSError:
+        return None

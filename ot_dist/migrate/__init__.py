@@ -1,0 +1,1 @@
+"""Moving from other trainers: `ot-dist import onetrainer` turns a OneTrainer config into an ot_dist one."""

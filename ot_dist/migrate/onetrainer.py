@@ -1,0 +1,431 @@
+"""`ot-dist import onetrainer CONFIG.json`: a OneTrainer training config (its JSON as the UI saves it, config versions
+0-11, or a preset that stores only what differs from the defaults) as an ot_dist config that validates.
+
+Every OneTrainer field either maps to an ot_dist key with the same meaning (ot_dist uses OneTrainer's names and
+counts: optimizer and scheduler names, warmup in OneTrainer's steps, `stop_training_after`), or is listed with the
+reason it is not honoured, in the written file and on stderr. Nothing is dropped without a line."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ot_dist.errors import ConfigError, InputFileError
+from ot_dist.migrate import onetrainer_defaults as defaults
+
+FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
+    "STABLE_DIFFUSION_15": ("sd1", False), "STABLE_DIFFUSION_15_INPAINTING": ("sd1", True),
+    "STABLE_DIFFUSION_20": ("sd2", False), "STABLE_DIFFUSION_20_BASE": ("sd2", False),
+    "STABLE_DIFFUSION_21": ("sd2", False), "STABLE_DIFFUSION_21_BASE": ("sd2", False),
+    "STABLE_DIFFUSION_20_INPAINTING": ("sd2", True),
+    "STABLE_DIFFUSION_XL_10_BASE": ("sdxl", False), "STABLE_DIFFUSION_XL_10_BASE_INPAINTING": ("sdxl", True),
+    "STABLE_DIFFUSION_3": ("sd3", False), "STABLE_DIFFUSION_35": ("sd3", False),
+    "FLUX_DEV_1": ("flux", False), "CHROMA_1": ("chroma", False),
+}
+METHODS = {"FINE_TUNE": "full", "LORA": "lora", "EMBEDDING": "embedding"}
+DTYPES = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "FLOAT_16": "float16", "BFLOAT_16": "bfloat16",
+          "FLOAT_8": "float8"}
+PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+TIMESTEP_DISTRIBUTIONS = {"UNIFORM": "uniform", "LOGIT_NORMAL": "logit_normal"}
+MINUTES = {"SECOND": 1 / 60, "MINUTE": 1, "HOUR": 60}
+
+
+@dataclass
+class Imported:
+    config: dict  # the raw ot_dist config
+    not_honoured: list[str] = field(default_factory=list)  # "field: reason"
+    notes: list[str] = field(default_factory=list)  # mapped, but worth knowing
+
+
+def read_json(path: Path, what: str):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputFileError(f"{what}: {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise InputFileError(f"{what}: {path} is not JSON ({err})") from None
+
+
+def upgrade(data: dict) -> dict:
+    """OneTrainer's own migrations of the fields read here, from the versions before the nested layout (0-7)."""
+    data = dict(data)
+    for part in ("unet", "text_encoder", "text_encoder_2"):
+        nested = dict(data.get(part) or {})
+        for flat, key in ((f"train_{part}", "train"), (f"{part}_learning_rate", "learning_rate"),
+                          (f"{part}_weight_dtype", "weight_dtype")):
+            if flat in data:
+                nested[key] = data.pop(flat)
+        if f"train_{part}_epochs" in data:
+            nested["stop_training_after"], nested["stop_training_after_unit"] = data.pop(f"train_{part}_epochs"), "EPOCH"
+        if nested:
+            data[part] = nested
+    if "min_snr_gamma" in data:  # version 2
+        gamma = data.pop("min_snr_gamma")
+        if gamma:
+            data["loss_weight_fn"], data["loss_weight_strength"] = "MIN_SNR_GAMMA", gamma
+    if isinstance(data.get("gradient_checkpointing"), bool):  # version 4
+        data["gradient_checkpointing"] = "ON" if data["gradient_checkpointing"] else "OFF"
+    for old, new in (("save_after", "save_every"), ("save_after_unit", "save_every_unit"),  # version 5
+                     ("lora_layers", "layer_filter"), ("lora_layer_preset", "layer_filter_preset")):  # version 7
+        if old in data:
+            data[new] = data.pop(old)
+    return data
+
+
+def import_onetrainer(path: str | Path, concepts_path: str | None = None, samples_path: str | None = None) -> Imported:
+    path = Path(path)
+    raw = read_json(path, "CONFIG")
+    if not isinstance(raw, dict):
+        raise InputFileError(f"CONFIG: {path} is not a OneTrainer training config (a JSON object)")
+    version = raw.get("__version", 0)
+    ot = {**defaults.TRAIN, **upgrade(raw)}
+    out = Imported({})
+    c = out.config
+    skip = out.not_honoured.append
+
+    model_type = ot["model_type"]
+    if model_type not in FAMILIES:
+        raise ConfigError(f"model_type: {model_type} is not trained by ot_dist (it trains "
+                          f"{', '.join(sorted(FAMILIES))})")
+    family, inpainting = FAMILIES[model_type]
+    if ot["training_method"] not in METHODS:
+        raise ConfigError(f"training_method: {ot['training_method']} is not an ot_dist method (FINE_TUNE, LORA, "
+                          "EMBEDDING)")
+    method = METHODS[ot["training_method"]]
+    c["model"] = {"family": family, "path": ot["base_model_name"]}
+    if inpainting:
+        c["model"]["inpainting"] = True
+    if "/" in ot["base_model_name"] and not Path(ot["base_model_name"]).exists():
+        out.notes.append(f"base_model_name: {ot['base_model_name']} is read as a local path; ot_dist does not download "
+                         "(give a diffusers folder or a single file)")
+    c["method"] = method
+    destination = Path(ot["output_model_destination"])
+    c["output_dir"] = str(destination.with_suffix(""))
+    out.notes.append(f"output_model_destination: {destination} -> output_dir {c['output_dir']} (ot_dist writes "
+                     "model/ + model.safetensors, lora.safetensors or embedding.safetensors inside it)")
+
+    resolutions = [int(r) for r in str(ot["resolution"]).replace(" ", "").split(",") if r]
+    c["resolution"] = resolutions[0] if len(resolutions) == 1 else resolutions
+    for key in ("batch_size", "gradient_accumulation_steps", "epochs", "learning_rate", "clip_grad_norm"):
+        c[key] = ot[key]
+    c["train_dtype"] = _dtype(ot, "train_dtype", skip) or "float16"
+    if ot["train_dtype"] == "TFLOAT_32":
+        c["tf32"] = True
+    c["output_dtype"] = _dtype(ot, "output_dtype", skip) or "float32"
+    weight_dtype = _dtype(ot, "weight_dtype", skip)
+    if weight_dtype:
+        c["weight_dtype"] = weight_dtype
+    c["gradient_checkpointing"] = ot["gradient_checkpointing"] != "OFF"
+    if ot["gradient_checkpointing"] == "CPU_OFFLOADED":
+        skip("gradient_checkpointing: CPU_OFFLOADED keeps checkpoints in CPU memory; ot_dist checkpoints on the device "
+             "(see offload_frozen_components for the frozen parts)")
+
+    _parts(ot, c, family, skip)
+    _optimizer(ot, c, skip)
+    _scheduler(ot, c, skip)
+    _ema(ot, c)
+    _loss(ot, c, skip)
+    if method == "lora":
+        c["lora"] = {"rank": ot["lora_rank"], "alpha": ot["lora_alpha"], "dropout": ot["dropout_probability"]}
+        preset = ot["layer_filter_preset"]
+        if ot["layer_filter"] or preset not in ("full", "attn-only", "attn-mlp"):
+            skip(f"layer_filter / layer_filter_preset: {ot['layer_filter'] or preset!r}: set lora.unet_targets / "
+                 "lora.transformer_targets by module names")
+        elif preset == "attn-only":
+            c["lora"]["preset"] = "attention"
+        elif preset == "full":
+            c["lora"]["preset"] = "all_linear"
+            out.notes.append("layer_filter_preset: full -> lora.preset all_linear (OneTrainer also adapts convolutions)")
+        for key in ("lora_decompose", "lora_weight_dtype"):
+            if ot.get(key) not in (None, False, "FLOAT_32"):
+                skip(f"{key}: {ot[key]} (DoRA / LoRA weight dtype) is not supported")
+    if method == "embedding":
+        embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
+        c["embedding"] = {"token": embedding["placeholder"], "vectors": embedding["token_count"] or 1,
+                          "init_text": embedding["initial_embedding_text"] or "*"}
+        if ot["embedding_learning_rate"]:
+            c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
+    if ot.get("additional_embeddings"):
+        skip("additional_embeddings: training extra embeddings beside a LoRA / finetune is not supported")
+
+    _concepts(ot, c, path, concepts_path, out)
+    _samples(ot, c, path, samples_path, out)
+    _saving(ot, c, skip)
+    augmented = [e["path"] for e in c.get("data", {}).get("concepts", [])
+                 if any(e.get(k) for k in ("flip_probability", "rotation_degrees", "brightness", "contrast",
+                                           "saturation", "hue"))]
+    if ot["latent_caching"] and augmented:
+        out.notes.append(f"latent_caching: off, because {augmented[0]} augments its images (OneTrainer caches "
+                         "image_variations copies; ot_dist encodes each step's augmented image)")
+    elif ot["latent_caching"]:
+        c.setdefault("data", {})["cache_latents"] = True
+    c["mlflow"] = {"run_name": destination.stem}
+    out.notes.insert(0, f"imported from {path.name} (OneTrainer config version {version})")
+    return out
+
+
+def _dtype(ot: dict, key: str, skip) -> str | None:
+    value = ot.get(key)
+    if value is None:
+        return None
+    if value not in DTYPES:
+        skip(f"{key}: {value} is not an ot_dist dtype (float32, float16, bfloat16, float8); the default is used")
+        return None
+    if key in ("train_dtype", "output_dtype") and value == "FLOAT_8":
+        skip(f"{key}: FLOAT_8 is a storage dtype in ot_dist (weight_dtype), not a {key}; the default is used")
+        return None
+    return DTYPES[value]
+
+
+def _parts(ot: dict, c: dict, family: str, skip) -> None:
+    from ot_dist.models.families.registry import get_family
+
+    fam = get_family(family)
+    own = {fam.denoiser, *fam.text_encoders}
+    for part in PARTS:
+        if part not in ot or not isinstance(ot[part], dict):
+            continue
+        settings = {**defaults.PART, **ot[part]}
+        name = fam.denoiser if part in ("unet", "transformer", "prior") else part
+        if name not in own:
+            continue  # OneTrainer keeps every model's parts in one file; only this family's are read
+        entry = {"train": bool(settings["train"])}
+        if settings["learning_rate"] is not None:
+            entry["learning_rate"] = settings["learning_rate"]
+        unit = settings["stop_training_after_unit"]
+        if settings["stop_training_after"] is not None and unit in ("EPOCH", "STEP"):
+            entry["stop_training_after"] = settings["stop_training_after"]
+            entry["stop_training_after_unit"] = unit.lower()
+        elif settings["stop_training_after"] is not None and unit not in ("NEVER",):
+            skip(f"{part}.stop_training_after_unit: {unit} (ot_dist counts epochs or steps)")
+        if settings["model_name"]:
+            skip(f"{part}.model_name: {settings['model_name']} (a separately loaded {part}) is not supported")
+        c[name] = entry
+    for key in ("text_encoder_layer_skip", "text_encoder_2_layer_skip"):  # clip skip, OneTrainer's names
+        if ot.get(key):
+            if key.removesuffix("_layer_skip") in fam.layer_skip_encoders:
+                c["model"][key] = ot[key]
+            else:
+                skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
+
+
+def _optimizer(ot: dict, c: dict, skip) -> None:
+    from ot_dist.config.optim import OPTIMIZER_NAMES, OptimizerConfig
+
+    settings = {**defaults.OPTIMIZER, **(ot.get("optimizer") or {})}
+    name = settings.pop("optimizer")
+    if name not in OPTIMIZER_NAMES:
+        skip(f"optimizer: {name} is not in ot_dist's optimizer stack; ADAMW is written instead")
+        c["optimizer"] = {"name": "ADAMW"}
+        return
+    options = {"name": name}
+    for key, value in settings.items():
+        if value is None or key.startswith("__"):
+            continue
+        if key in OptimizerConfig.model_fields and key != "name":
+            options[key] = value
+        else:
+            skip(f"optimizer.{key}: {value!r} is not an option of ot_dist's {name}")
+    c["optimizer"] = options
+
+
+def _scheduler(ot: dict, c: dict, skip) -> None:
+    name = ot["learning_rate_scheduler"]
+    warmup = ot["learning_rate_warmup_steps"]
+    scheduler = {"name": name, "warmup_steps": int(warmup) if float(warmup).is_integer() and warmup > 1 else warmup}
+    if name not in ("CONSTANT", "ADAFACTOR", "CUSTOM"):  # the decaying schedules take a floor
+        scheduler["min_factor"] = ot["learning_rate_min_factor"]
+    if "RESTARTS" in name:  # the only schedules with cycles (OneTrainer stores the field for all of them)
+        scheduler["cycles"] = ot["learning_rate_cycles"]
+    if name == "ADAFACTOR":
+        scheduler["warmup_steps"] = 0  # Adafactor's schedule has its own warmup (optimizer.warmup_init)
+    if name == "CUSTOM":
+        scheduler["class_name"] = ot["custom_learning_rate_scheduler"]
+        scheduler["params"] = {p["key"]: p["value"] for p in ot["scheduler_params"] or []}
+        skip("custom_learning_rate_scheduler: importing a scheduler class runs its code; set scheduler."
+             "allow_custom_code: true after reading it")
+    if ot["learning_rate_scaler"] not in (None, "NONE"):
+        skip(f"learning_rate_scaler: {ot['learning_rate_scaler']} (set learning_rate to the scaled value yourself)")
+    c["scheduler"] = scheduler
+
+
+def _ema(ot: dict, c: dict) -> None:
+    if ot["ema"] == "OFF":
+        return
+    c["ema"] = {"enabled": True, "decay": ot["ema_decay"], "update_step_interval": ot["ema_update_step_interval"],
+                "device": "cpu" if ot["ema"] == "CPU" else "accelerator"}
+
+
+def _loss(ot: dict, c: dict, skip) -> None:
+    from ot_dist.config.loss import LossConfig
+
+    loss = {}
+    if ot["offset_noise_weight"]:
+        loss["offset_noise_weight"] = ot["offset_noise_weight"]
+    if ot["generalized_offset_noise"]:
+        _mapped_if_known(loss, LossConfig, "generalized_offset_noise", True, skip)
+    if ot["perturbation_noise_weight"]:
+        loss["input_perturbation"] = ot["perturbation_noise_weight"]
+    if ot["timestep_distribution"] in TIMESTEP_DISTRIBUTIONS:
+        loss["timestep_distribution"] = TIMESTEP_DISTRIBUTIONS[ot["timestep_distribution"]]
+    else:
+        skip(f"timestep_distribution: {ot['timestep_distribution']} (ot_dist draws uniform or logit_normal)")
+    if ot["min_noising_strength"] or ot["max_noising_strength"] < 1:
+        loss["min_timestep"] = int(round(ot["min_noising_strength"] * 1000))
+        loss["max_timestep"] = int(round(ot["max_noising_strength"] * 1000))
+    weight_fn, strength = ot["loss_weight_fn"], ot["loss_weight_strength"]
+    if weight_fn == "MIN_SNR_GAMMA":
+        loss["min_snr_gamma"] = strength
+    elif weight_fn != "CONSTANT":
+        _mapped_if_known(loss, LossConfig, "weight_fn", weight_fn, skip)
+        if "weight_fn" in loss:
+            loss["weight_strength"] = strength
+    for key, off in (("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0),
+                     ("mse_strength", 1.0)):
+        if ot.get(key, off) != off:
+            skip(f"{key}: {ot[key]} (ot_dist trains with the MSE loss only)")
+    if ot["loss_scaler"] not in (None, "NONE"):
+        skip(f"loss_scaler: {ot['loss_scaler']} is not supported")
+    for key in ("rescale_noise_scheduler_to_zero_terminal_snr", "force_v_prediction", "force_epsilon_prediction"):
+        if ot[key]:
+            skip(f"{key}: true is not supported (model.prediction_type sets epsilon / v_prediction)")
+    if loss:
+        c["loss"] = loss
+    if ot["masked_training"]:
+        c["masked_training"] = {"enabled": True, "unmasked_probability": ot["unmasked_probability"],
+                                "unmasked_weight": ot["unmasked_weight"],
+                                "normalize_masked_area_loss": ot["normalize_masked_area_loss"]}
+
+
+def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
+    if key in model.model_fields:
+        section[key] = value
+    else:
+        skip(f"{key}: {value} is not supported by this ot_dist version")
+
+
+def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, out: Imported) -> None:
+    concepts = ot["concepts"]
+    if concepts is None:
+        file = Path(concepts_path or ot["concept_file_name"])
+        if not file.is_absolute() and not file.exists():
+            file = config_path.parent / file
+        concepts = read_json(file, "--concepts" if concepts_path else "concept_file_name")
+    converted = []
+    for i, concept in enumerate(concepts):
+        concept = {**defaults.CONCEPT, **concept}
+        label = f"concepts[{i}] ({concept['name'] or concept['path']})"
+        if not concept["enabled"]:
+            out.notes.append(f"{label}: disabled in OneTrainer, not imported")
+            continue
+        if concept["type"] != "STANDARD":
+            out.not_honoured.append(f"{label}.type: {concept['type']} concepts (validation, prior preservation) "
+                                    "are not supported yet; not imported")
+            continue
+        entry = {"path": concept["path"], "balancing": concept["balancing"],
+                 "balancing_strategy": str(concept["balancing_strategy"]).lower()}
+        if concept["name"]:
+            entry["name"] = concept["name"]
+        if concept["include_subdirectories"]:
+            entry["include_subdirectories"] = True
+        text = {**defaults.CONCEPT_TEXT, **(concept.get("text") or {})}
+        source = text["prompt_source"]
+        if source == "sample":
+            entry["caption_source"] = "txt"
+        elif source == "filename":
+            entry["caption_source"] = "filename"
+        elif source == "concept":
+            prompt_file = Path(text["prompt_path"])
+            if prompt_file.is_file():
+                lines = [line.strip() for line in prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+                entry["caption_source"], entry["caption_text"] = "text", lines[0] if lines else ""
+                if len(lines) > 1:
+                    out.not_honoured.append(f"{label}.text.prompt_path: {len(lines)} lines, drawn per step in "
+                                            "OneTrainer; the first is used for every image")
+            else:
+                out.not_honoured.append(f"{label}.text.prompt_path: {prompt_file} not found; captions from .txt files")
+        if text.get("enable_tag_shuffling"):
+            entry["tag_shuffling"] = True
+        if text.get("enable_tag_shuffling") or text.get("tag_dropout_enable"):
+            entry["tag_delimiter"] = text.get("tag_delimiter", ",") or ","
+            entry["keep_tags_count"] = text.get("keep_tags_count", 1)
+        if text.get("tag_dropout_enable"):
+            if text.get("tag_dropout_mode", "FULL") == "FULL" and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
+                entry["tag_dropout_probability"] = text.get("tag_dropout_probability", 0.0)
+            else:
+                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {text.get('tag_dropout_mode')} / special tags "
+                                        "(ot_dist drops each tag with one probability, OneTrainer's FULL mode)")
+        if text.get("caps_randomize_enable"):
+            out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
+        image = concept.get("image") or {}
+        mapped = {"enable_random_flip": ("flip_probability", lambda: 0.5),  # OneTrainer flips half the time
+                  "enable_random_rotate": ("rotation_degrees", lambda: image.get("random_rotate_max_angle", 0.0)),
+                  "enable_random_brightness": ("brightness", lambda: image.get("random_brightness_max_strength", 0.0)),
+                  "enable_random_contrast": ("contrast", lambda: image.get("random_contrast_max_strength", 0.0)),
+                  "enable_random_saturation": ("saturation", lambda: image.get("random_saturation_max_strength", 0.0)),
+                  "enable_random_hue": ("hue", lambda: image.get("random_hue_max_strength", 0.0))}
+        for key, off in defaults.CONCEPT_IMAGE_OFF.items():
+            if image.get(key, off) == off:
+                continue
+            if key in mapped:
+                entry[mapped[key][0]] = mapped[key][1]()
+            else:
+                out.not_honoured.append(f"{label}.image.{key}: not supported (ot_dist's augmentations are random flip, "
+                                        "rotation and colour jitter)")
+        if concept["loss_weight"] != 1.0:
+            entry["loss_weight"] = concept["loss_weight"]
+        for key in ("image_variations", "text_variations"):
+            if concept[key] != 1:
+                out.not_honoured.append(f"{label}.{key}: {concept[key]} cached variations are not supported")
+        converted.append(entry)
+    if not converted:
+        raise ConfigError("concepts: no enabled standard concept to import (ot_dist needs at least one image folder)")
+    c.setdefault("data", {})["concepts"] = converted
+
+
+def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:
+    samples = ot["samples"]
+    if samples is None:
+        file = Path(samples_path or ot["sample_definition_file_name"])
+        if not file.is_absolute() and not file.exists():
+            file = config_path.parent / file
+        if not file.exists():
+            if samples_path:
+                raise InputFileError(f"--samples: {file} does not exist")
+            return  # OneTrainer's default samples file is optional too
+        samples = read_json(file, "--samples" if samples_path else "sample_definition_file_name")
+    prompts = []
+    for sample in samples:
+        sample = {**defaults.SAMPLE, **sample}
+        if not sample["enabled"]:
+            continue
+        prompts.append({"prompt": sample["prompt"], "negative_prompt": sample["negative_prompt"] or "",
+                        "seed": None if sample["random_seed"] else sample["seed"], "width": sample["width"],
+                        "height": sample["height"], "steps": sample["diffusion_steps"],
+                        "guidance_scale": sample["cfg_scale"]})
+    if not prompts:
+        return
+    sampling = {"prompts": prompts}
+    unit, every = ot["sample_after_unit"], ot["sample_after"]
+    if unit == "STEP":
+        sampling["every_n_steps"] = every
+    elif unit == "EPOCH":
+        sampling["every_n_epochs"] = every
+    elif unit != "NEVER":
+        out.not_honoured.append(f"sample_after_unit: {unit} (ot_dist samples every N steps or epochs, and at the end)")
+    c["sampling"] = sampling
+
+
+def _saving(ot: dict, c: dict, skip) -> None:
+    unit, every = ot["save_every_unit"], ot["save_every"]
+    if unit == "NEVER" or not every:
+        return
+    if unit == "STEP":
+        c["checkpoint"] = {"every_n_steps": every}
+    elif unit == "EPOCH":
+        c["checkpoint"] = {"every_n_epochs": every}
+    elif unit in MINUTES:
+        c["checkpoint"] = {"every_n_minutes": every * MINUTES[unit]}
+    else:
+        skip(f"save_every_unit: {unit} is not supported")

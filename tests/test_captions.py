@@ -1,0 +1,129 @@
+"""Caption variation per concept (issue 18): tag shuffling with kept tags, tag dropout, caption dropout. Drawn per
+(seed, epoch, sample id): the same on every rank and world size, new every epoch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_data_shards import config, make_images, readers, take
+
+from ot_dist.config.schema import ConceptConfig
+from ot_dist.data.captions import vary_caption
+from ot_dist.data.reader import ShardDataset
+from ot_dist.data.shards import build_shard_set
+from ot_dist.errors import ConfigError
+
+TAGS = "sks dog, red collar, grass, sunny day, park, bokeh"
+
+
+def concept(**options) -> ConceptConfig:
+    return ConceptConfig(path="x", **options)
+
+
+def draw(options, seed) -> str:
+    return vary_caption(TAGS, concept(**options), torch.Generator().manual_seed(seed))
+
+
+def test_no_option_leaves_the_caption_alone():
+    assert draw({}, 0) == TAGS
+
+
+def test_shuffling_keeps_the_first_tags_and_permutes_the_rest():
+    rest = set(TAGS.split(", ")[1:])
+    seen = set()
+    for seed in range(30):
+        tags = draw({"tag_shuffling": True}, seed).split(", ")
+        assert tags[0] == "sks dog" and set(tags[1:]) == rest
+        seen.add(tuple(tags))
+    assert len(seen) > 10  # it does shuffle
+    assert draw({"tag_shuffling": True}, 5) == draw({"tag_shuffling": True}, 5)  # deterministic per draw
+    two = draw({"tag_shuffling": True, "keep_tags_count": 2}, 3).split(", ")
+    assert two[:2] == ["sks dog", "red collar"]
+
+
+def test_tag_dropout_drops_at_its_rate_and_never_a_kept_tag():
+    kept = []
+    for seed in range(400):
+        tags = draw({"tag_dropout_probability": 0.3}, seed).split(", ")
+        assert tags[0] == "sks dog"
+        kept.append(len(tags) - 1)
+    assert sum(kept) / (5 * len(kept)) == pytest.approx(0.7, abs=0.05)
+
+
+def test_caption_dropout_empties_whole_captions_at_its_rate():
+    empty = sum(draw({"caption_dropout_probability": 0.2}, seed) == "" for seed in range(500))
+    assert empty / 500 == pytest.approx(0.2, abs=0.05)
+    assert draw({"caption_dropout_probability": 1.0}, 0) == ""
+
+
+def test_the_reader_varies_per_epoch_and_agrees_across_world_sizes(tmp_path):
+    folder = make_images(tmp_path / "imgs", [(64, 64)] * 8)
+    for i in range(8):
+        (folder / f"{i:04d}.txt").write_text(f"trigger, tag a {i}, tag b, tag c, tag d\n")
+    cfg = config({"concepts": [{"path": str(folder), "tag_shuffling": True, "tag_dropout_probability": 0.2}]})
+    build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
+    dataset = ShardDataset(tmp_path / "set", cfg)
+
+    def captions(world_size, epoch):
+        out = {}
+        for reader in readers(dataset, world_size=world_size, batch_size=2):
+            for batch in take(reader, epoch):
+                out |= dict(zip(batch["sample_id"].tolist(), batch["caption"]))
+        return out
+
+    one, two = captions(1, 0), captions(2, 0)
+    assert one == two and len(one) == 8  # a sample's caption does not depend on which rank reads it
+    assert all(c.startswith("trigger, ") for c in one.values())
+    assert captions(1, 1) != one  # a new variation every epoch
+    assert len({c for c in one.values()}) == 8
+
+
+def test_cached_text_cannot_follow_varied_captions(tmp_path):
+    with pytest.raises(ConfigError, match=r"data.cache_text: data.concepts\[0\] varies its captions"):
+        from ot_dist.config.load import validate
+
+        validate({"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o",
+                  "data": {"concepts": [{"path": "x", "tag_shuffling": True}], "cache_text": True}})
+
+
+# ---- image augmentation (the same module boundary: what a sample looks like, drawn per (seed, epoch, sample)) ----
+
+def test_flip_and_colour_jitter_are_drawn_per_epoch_and_agree_across_world_sizes(tmp_path):
+    import numpy as np
+
+    folder = make_images(tmp_path / "imgs", [(64, 64)] * 8, masks=True)
+    cfg = config({"concepts": [{"path": str(folder), "flip_probability": 0.5, "brightness": 0.3}]})
+    plain_cfg = config({"concepts": [{"path": str(folder)}]})
+    build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
+    dataset, plain = ShardDataset(tmp_path / "set", cfg), ShardDataset(tmp_path / "set", plain_cfg)
+    flips = 0
+    for sample_id in range(8):
+        a, b = dataset.load(sample_id, epoch=0), plain.load(sample_id, epoch=0)
+        assert torch.equal(a["pixels"], dataset.load(sample_id, epoch=0)["pixels"])  # deterministic
+        mirrored = torch.equal(a["mask"], b["mask"].flip(-1)) and not torch.equal(a["mask"], b["mask"])
+        flips += mirrored
+        if mirrored:  # the mask follows the image; the brightness factor leaves the image's structure
+            assert torch.corrcoef(torch.stack([a["pixels"].flatten(), b["pixels"].flip(-1).flatten()]))[0, 1] > 0.9
+        else:
+            assert torch.equal(a["mask"], b["mask"])
+    assert 1 <= flips <= 7  # about half, with 8 draws
+    assert not torch.equal(dataset.load(0, epoch=0)["pixels"], dataset.load(0, epoch=1)["pixels"])
+    _ = np  # numpy is the reader's
+
+
+def test_hue_shift_turns_red_to_green():
+    from PIL import Image
+
+    from ot_dist.data.augment import shift_hue
+
+    red = Image.new("RGB", (4, 4), (255, 0, 0))
+    r, g, b = shift_hue(red, 1 / 3).getpixel((0, 0))
+    assert g > 200 and r < 40 and b < 40
+
+
+def test_cached_latents_cannot_hold_augmented_images():
+    from ot_dist.config.load import validate
+
+    with pytest.raises(ConfigError, match=r"data.cache_latents: data.concepts\[0\] augments its images"):
+        validate({"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o",
+                  "data": {"concepts": [{"path": "x", "flip_probability": 0.5}], "cache_latents": True}})
