@@ -61,6 +61,13 @@ class LossConfig(Section):
         "uniform for DDPM families (SD 1.x / 2.x / SDXL), logit_normal for flow-matching ones (SD3, Flux, Chroma), "
         "as their training scripts do; a flow family's shift is applied after the draw.",
     )
+    vb_loss_strength: float | None = Field(
+        default=None, ge=0,
+        description="Weight of the variational-bound (VB) loss that trains a learned variance output (PixArt-α / Σ: "
+        "the second half of the transformer's 8 output channels; ot_dist/models/learned_variance.py), added to the "
+        "epsilon MSE. null = the family's default: 1.0 for PixArt, as OneTrainer (vb_loss_strength); 0 = off (the "
+        "variance channels then do not train). Families without a variance output ignore it.",
+    )
     logit_normal_mean: float = Field(default=0.0, description="Mean of the normal under the sigmoid (logit_normal).")
     logit_normal_std: float = Field(default=1.0, gt=0, description="Std of the normal under the sigmoid (logit_normal).")
 

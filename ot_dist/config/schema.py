@@ -27,7 +27,7 @@ PART_FIELDS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_en
 class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
-        "3.5), flux (Flux.1 dev / schnell), chroma; each is one module under ot_dist/models/families/ (docs/families.md)."
+        "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: str = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -119,7 +119,8 @@ class LoraConfig(Section):
         "for ComfyUI, A1111 / Forge, kohya and diffusers' load_lora_weights. diffusers: peft's keys "
         "(unet.*.lora_A / lora_B) with rank and alpha only in the file's metadata, read by diffusers' "
         "load_lora_weights. auto: kohya for the families "
-        "that have kohya names (sd1, sd2, sdxl), diffusers for the others (sd3, flux, chroma for now).",
+        "that have kohya names (sd1, sd2, sdxl), diffusers for the others (sd3, flux, chroma, pixart_alpha, pixart_sigma; "
+        "PixArt's pipelines have no load_lora_weights: ot_dist.lora_tools.peft_load.load_peft_lora loads the file).",
     )
     init_from: str | None = Field(
         default=None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ot_dist.checkpoint.export import export_diffusers_folder
+from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict, trainable
 from ot_dist.models.loading import LoadedModel
 from ot_dist.precision import DTYPES
@@ -30,6 +31,11 @@ class FullFinetune(TrainingMethod):
         formats: tuple[str, ...] = formats,
     ) -> list[Path]:
         """`formats`: "diffusers" (a folder from_pretrained loads) and / or "single-file" (one .safetensors)."""
+        if "single-file" in formats and not model.family.single_file:
+            if tuple(formats) != self.formats:  # asked for by name (ot-dist export --format single-file)
+                raise ConfigError(f"--format single-file: {model.family.name} models have no single-file layout in "
+                                  "ot_dist; export the diffusers folder")
+            formats = tuple(f for f in formats if f != "single-file")
         dtype = DTYPES[self.config.output_dtype]
         components = {**model.parts(), "vae": model.vae}
         # Gathered once, used by both exports (under sharding, gathering is the expensive part).

@@ -39,7 +39,7 @@ class LoraMethod(TrainingMethod):
                 target_modules=targets,
             )
             try:
-                module.add_adapter(lora_config, adapter_name=ADAPTER)
+                add_adapter(module, lora_config)
             except ValueError as err:
                 raise ConfigError(f"{key}: {targets} do not match modules of the {part}: {err}") from None
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
@@ -108,9 +108,48 @@ class LoraMethod(TrainingMethod):
                 metadata = {**metadata, "target_modules": sorted(metadata["target_modules"])}
             kwargs[f"{part}_lora_layers"] = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
             kwargs[f"{part}_lora_adapter_metadata"] = metadata
+        pipeline_cls = model.family.pipeline_cls()
+        if not hasattr(pipeline_cls, "save_lora_weights"):  # a pipeline without diffusers' LoRA loader mixin
+            write_peft_layout(kwargs, target)
+            return
         with tempfile.TemporaryDirectory(dir=target.parent) as staging, atomic_path(target) as tmp:
-            model.family.pipeline_cls().save_lora_weights(staging, weight_name=target.name, **kwargs)
+            pipeline_cls.save_lora_weights(staging, weight_name=target.name, **kwargs)
             os.replace(Path(staging) / target.name, tmp)
+
+
+def add_adapter(module: torch.nn.Module, lora_config) -> None:
+    """The LoRA adapter on `module`: through its own `add_adapter` (diffusers' PeftAdapterMixin, transformers'
+    PreTrainedModel) or, for a module without one (diffusers 0.42's PixArtTransformer2DModel), peft's
+    `inject_adapter_in_model`, which leaves the same layers and `peft_config` on the module."""
+    if hasattr(module, "add_adapter"):
+        module.add_adapter(lora_config, adapter_name=ADAPTER)
+        return
+    from peft import inject_adapter_in_model
+
+    inject_adapter_in_model(lora_config, module, adapter_name=ADAPTER)
+    if not hasattr(module, "peft_config"):
+        module.peft_config = {ADAPTER: lora_config}
+
+
+def write_peft_layout(parts: dict, target: Path) -> None:
+    """What `save_lora_weights` writes, for a pipeline without it: every component's peft keys under its name
+    (`transformer.<module>.lora_A.weight`) and the adapter configs as diffusers' `lora_adapter_metadata`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    tensors, metadata = {}, {}
+    for key, value in parts.items():
+        if key.endswith("_lora_layers"):
+            component = key[: -len("_lora_layers")]
+            tensors.update({f"{component}.{name}": tensor for name, tensor in value.items()})
+        else:
+            component = key[: -len("_lora_adapter_metadata")]
+            metadata.update({f"{component}.{k}": list(v) if isinstance(v, (set, tuple)) else v
+                             for k, v in value.items()})
+    with atomic_path(target) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt", "lora_adapter_metadata": json.dumps(metadata,
+                                                                                                    sort_keys=True)})
 
 
 def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:

@@ -92,7 +92,8 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     conditioning = text_conditioning(model, batch, device, dtype)
     if model.inpainting:
         noisy = torch.cat([noisy, inpainting_condition(model, batch, latent_shape, seed, epoch).to(noisy)], dim=1)
-    prediction = family.predict(denoiser, noisy.to(dtype), timesteps, conditioning, batch)
+    prediction, extra = family.training_prediction(denoiser, noisy.to(dtype), timesteps, conditioning, batch, latents,
+                                                   objective, options)
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
     prior = None
     if weights is not None and masking.prior_preservation_weight:
@@ -103,9 +104,13 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     if "loss_weight" in batch:  # the samples' concepts' loss_weight
         concept_weights = batch["loss_weight"].to(device)
         sample_weights = concept_weights if sample_weights is None else sample_weights * concept_weights
-    return weighted_mse(prediction.float(), target.float(), weights, sample_weights,
-                        normalize=bool(masking and masking.normalize_masked_area_loss), prior=prior,
+    normalize = bool(masking and masking.normalize_masked_area_loss)
+    loss = weighted_mse(prediction.float(), target.float(), weights, sample_weights, normalize=normalize, prior=prior,
                         prior_weight=masking.prior_preservation_weight if masking else 0.0)
+    if extra is None:
+        return loss
+    # The family's extra term (PixArt's learned-variance VB loss), weighted like the squared error.
+    return loss + weighted_mean(extra.float(), weights, sample_weights, normalize=normalize)
 
 
 @contextmanager
@@ -134,6 +139,21 @@ def inpainting_condition(model: LoadedModel, batch: dict, latent_shape: torch.Si
     eps = per_sample_normal(batch["sample_id"].tolist(), tuple(latent_shape), seed, epoch, "masked_image_latent")
     masked_latents = encode_latents(model.family, model.vae, {"pixels": masked_pixels(batch["pixels"], masks)}, eps)
     return torch.cat([latent_mask(masks, latent_shape[-2:]).to(masked_latents), masked_latents], dim=1)
+
+
+def weighted_mean(squared: torch.Tensor, element_weights: torch.Tensor | None = None,
+                  sample_weights: torch.Tensor | None = None, normalize: bool = False) -> torch.Tensor:
+    """The batch mean of each sample's mean of element_weights x an elementwise loss, times its sample weight
+    (`normalize`: divided by the mean of its element weights)."""
+    if element_weights is not None:
+        element_weights = element_weights.to(squared)
+        squared = squared * element_weights
+    per_sample = squared.mean(dim=tuple(range(1, squared.dim())))
+    if element_weights is not None and normalize:
+        per_sample = per_sample / element_weights.mean(dim=tuple(range(1, element_weights.dim())))
+    if sample_weights is not None:
+        per_sample = per_sample * sample_weights.to(per_sample)
+    return per_sample.mean()
 
 
 def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, element_weights: torch.Tensor | None = None,

@@ -127,7 +127,8 @@ class Sampler:
     def generate(self, pipeline, prompt: SamplePrompt):
         return pipeline(
             prompt=prompt.prompt,
-            negative_prompt=prompt.negative_prompt or None,  # None: the pipeline's own unconditional input
+            # Without one, the pipeline's own unconditional input (its default: None, or "" for PixArt's).
+            **({"negative_prompt": prompt.negative_prompt} if prompt.negative_prompt else {}),
             width=prompt.width or self.default_size,
             height=prompt.height or self.default_size,
             num_inference_steps=prompt.steps,

@@ -149,12 +149,25 @@ class Family:
         in the same latent layout as `noisy` (a family that packs latents unpacks the prediction)."""
         raise NotImplementedError
 
+    def training_prediction(self, denoiser, noisy: torch.Tensor, timesteps: torch.Tensor,
+                            conditioning: dict[str, torch.Tensor], batch: dict, latents: torch.Tensor,
+                            objective: Objective, options) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the prediction compared with the objective's target, an elementwise extra loss term or None) for one
+        training step; `latents` are the clean latents, `options` the loss section. A denoiser whose output holds
+        more than the prediction (PixArt's learned variance) computes the term for the rest here; the default is
+        `predict` and no extra term."""
+        return self.predict(denoiser, noisy, timesteps, conditioning, batch), None
+
     # -- variants ---------------------------------------------------------------------------------------
     def is_inpainting(self, denoiser) -> bool:
         """A denoiser whose input is noisy latent + mask + masked-image latent (SD's 9-channel UNets)."""
         return False
 
     # -- single files -----------------------------------------------------------------------------------
+    # Whether the family has a single-file layout (load_single_file / export_single_file); without one the full
+    # method exports the diffusers folder only.
+    single_file: bool = True
+
     def load_single_file(self, path: Path, config_folder: str | None, model_config):
         """A pipeline from one .safetensors file in the family's original layout."""
         raise NotImplementedError(f"model.path: {self.name} models load from a diffusers folder only")

@@ -13,6 +13,8 @@ FAMILY_MODULES: dict[str, str] = {
     "sd3": "ot_dist.models.families.sd3",
     "flux": "ot_dist.models.families.flux",
     "chroma": "ot_dist.models.families.flux",
+    "pixart_alpha": "ot_dist.models.families.pixart",
+    "pixart_sigma": "ot_dist.models.families.pixart",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
