@@ -56,7 +56,7 @@ def check_untrained_share(config, table, global_batch: int, report: list[str]) -
     """Every rank computes the same plan, so every rank stops here alike (no collective is left waiting)."""
     share = untrained_fraction(table, global_batch)
     limit = config.data.max_untrained_fraction
-    if share > limit:
+    if share > limit and share < 1:  # nothing trains at all: the step count check says so more plainly (exit 3)
         raise ConfigError(
             "\n".join(report) + f"\ndata.max_untrained_fraction: {100 * share:.0f}% of the samples per epoch are in "
             f"buckets with fewer samples than the global batch ({global_batch}) and would never train (limit "
