@@ -91,7 +91,10 @@ class FSDPStrategy(Strategy):
             for unit in units:
                 fully_shard(unit, **options)
             fully_shard(module, **options)
-            prefetch_in_execution_order(module, units)
+            if self.runtime.device.type == "cuda":
+                # Issuing the next all-gather early pays on a GPU stream; gloo on the CPU has nothing to overlap it
+                # with, and keeping one collective in flight at a time there avoids gloo's concurrent-op paths.
+                prefetch_in_execution_order(module, units)
 
     def backward(self, loss, accumulation, last_micro_step):
         # Reduce-scatter gradients only on the last micro step of an accumulation.
