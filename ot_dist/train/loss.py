@@ -141,19 +141,29 @@ def inpainting_condition(model: LoadedModel, batch: dict, latent_shape: torch.Si
     return torch.cat([latent_mask(masks, latent_shape[-2:]).to(masked_latents), masked_latents], dim=1)
 
 
-def weighted_mean(squared: torch.Tensor, element_weights: torch.Tensor | None = None,
-                  sample_weights: torch.Tensor | None = None, normalize: bool = False) -> torch.Tensor:
-    """The batch mean of each sample's mean of element_weights x an elementwise loss, times its sample weight
-    (`normalize`: divided by the mean of its element weights)."""
+def per_sample_mean(values: torch.Tensor, element_weights: torch.Tensor | None = None,
+                    normalize: bool = False) -> torch.Tensor:
+    """Each sample's mean of element_weights x an elementwise loss (`normalize`: divided by the mean of its element
+    weights, the masked area)."""
     if element_weights is not None:
-        element_weights = element_weights.to(squared)
-        squared = squared * element_weights
-    per_sample = squared.mean(dim=tuple(range(1, squared.dim())))
+        element_weights = element_weights.to(values)
+        values = values * element_weights
+    per_sample = values.mean(dim=tuple(range(1, values.dim())))
     if element_weights is not None and normalize:
         per_sample = per_sample / element_weights.mean(dim=tuple(range(1, element_weights.dim())))
+    return per_sample
+
+
+def sample_weighted_mean(per_sample: torch.Tensor, sample_weights: torch.Tensor | None) -> torch.Tensor:
     if sample_weights is not None:
         per_sample = per_sample * sample_weights.to(per_sample)
     return per_sample.mean()
+
+
+def weighted_mean(values: torch.Tensor, element_weights: torch.Tensor | None = None,
+                  sample_weights: torch.Tensor | None = None, normalize: bool = False) -> torch.Tensor:
+    """The batch mean of each sample's mean of element_weights x an elementwise loss, times its sample weight."""
+    return sample_weighted_mean(per_sample_mean(values, element_weights, normalize), sample_weights)
 
 
 def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, element_weights: torch.Tensor | None = None,
@@ -167,21 +177,12 @@ def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, element_weights
     Without weights this is F.mse_loss itself, so runs without the options keep their exact loss."""
     if element_weights is None and sample_weights is None:
         return F.mse_loss(prediction, target)
-    squared = (prediction - target) ** 2
-    dims = tuple(range(1, squared.dim()))
-    if element_weights is not None:
-        element_weights = element_weights.to(squared)
-        squared = squared * element_weights
-    per_sample = squared.mean(dim=dims)
-    if element_weights is not None and normalize:
-        per_sample = per_sample / element_weights.mean(dim=tuple(range(1, element_weights.dim())))
+    per_sample = per_sample_mean((prediction - target) ** 2, element_weights, normalize)
     if prior is not None and element_weights is not None and prior_weight:
-        outside = 1 - element_weights
-        prior_sample = ((prediction - prior) ** 2 * outside * prior_weight).mean(dim=dims)
+        outside = 1 - element_weights.to(prediction)
+        prior_sample = ((prediction - prior) ** 2 * outside * prior_weight).mean(dim=tuple(range(1, prediction.dim())))
         if normalize:
             area = outside.mean(dim=tuple(range(1, outside.dim())))
             prior_sample = torch.where(area > 0, prior_sample / area.clamp(min=1e-12), torch.zeros_like(prior_sample))
         per_sample = per_sample + prior_sample
-    if sample_weights is not None:
-        per_sample = per_sample * sample_weights.to(per_sample)
-    return per_sample.mean()
+    return sample_weighted_mean(per_sample, sample_weights)
