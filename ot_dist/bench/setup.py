@@ -97,20 +97,13 @@ def build_model(bench: BenchModel, config: TrainConfig, device: torch.device, se
 def place(model: LoadedModel, config: TrainConfig) -> None:
     """The trainer's `_place_modules` for modules already on their device: trained parameters in
     trained_weight_dtype, frozen ones in weight_dtype, train mode where something trains, checkpointing."""
-    from ot_dist.memory.placement import frozen_storage_dtype
+    from ot_dist.memory.placement import frozen_storage_dtype, store_by_role
     from ot_dist.precision import DTYPES
     from ot_dist.train.checkpointing import enable_gradient_checkpointing
 
     weight_dtype, trained_dtype = frozen_storage_dtype(config.weight_dtype), DTYPES[config.trained_weight_dtype]
     for module in model.modules():
-        trains = False
-        for p in module.parameters():
-            if p.requires_grad:
-                trains = True
-                p.data = p.data.to(trained_dtype)
-            else:
-                p.data = p.data.to(weight_dtype)
-        module.train(trains)
+        store_by_role(module, trained_dtype, weight_dtype)  # as the trainer places them
         if config.gradient_checkpointing and module is model.denoiser:
             enable_gradient_checkpointing(module)
 

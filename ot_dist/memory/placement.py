@@ -15,6 +15,20 @@ def frozen_storage_dtype(weight_dtype: str) -> torch.dtype:
     return torch.float32 if weight_dtype == "float8" else DTYPES[weight_dtype]
 
 
+def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dtype: torch.dtype) -> bool:
+    """The module's own and nested parameters cast by role (trained: `trained_dtype`, e.g. float32 masters; frozen:
+    `frozen_dtype`), the module in train mode if any of them trains. Returns whether one does."""
+    trains = False
+    for p in module.parameters():
+        if p.requires_grad:
+            trains = True
+            p.data = p.data.to(trained_dtype)
+        else:
+            p.data = p.data.to(frozen_dtype)
+    module.train(trains)
+    return trains
+
+
 def place_component(component: torch.nn.Module, config, device: torch.device, offloadable: bool,
                     prefer_cpu: bool = False) -> None:
     """`weight_dtype: float8` stores the frozen parameters in one byte (a LoRA's base weights too);

@@ -18,7 +18,7 @@ from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.training_data import open_training_data, report_lines
-from ot_dist.memory.placement import frozen_storage_dtype, place_component
+from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role
 from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
 from ot_dist.early_checks import check_input_paths, setup_warnings
@@ -131,14 +131,7 @@ class Trainer:
         trained_dtype = DTYPES[self.config.trained_weight_dtype]
         denoiser = self.model.denoiser
         for module in self.model.modules():
-            trains = False
-            for p in module.parameters():
-                if p.requires_grad:
-                    trains = True
-                    p.data = p.data.to(trained_dtype)
-                else:
-                    p.data = p.data.to(weight_dtype)
-            module.train(trains)
+            trains = store_by_role(module, trained_dtype, weight_dtype)
             # The denoiser backpropagates whenever anything trains (text encoders learn through it).
             if self.config.gradient_checkpointing and (trains or module is denoiser):
                 enable_gradient_checkpointing(module)
