@@ -10,9 +10,12 @@ import torch
 from PIL import Image, ImageEnhance
 
 
+# The concept options (ConceptConfig fields) that change what an image looks like; 0 = off.
+AUGMENTATION_FIELDS = ("flip_probability", "rotation_degrees", "brightness", "contrast", "saturation", "hue")
+
+
 def has_augmentation(concept) -> bool:
-    return bool(concept.flip_probability or concept.rotation_degrees or concept.brightness or concept.contrast
-                or concept.saturation or concept.hue)
+    return any(getattr(concept, field) for field in AUGMENTATION_FIELDS)
 
 
 def augment(image: Image.Image, mask: Image.Image | None, concept, gen: torch.Generator):

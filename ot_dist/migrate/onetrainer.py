@@ -152,9 +152,9 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     _concepts(ot, c, path, concepts_path, out)
     _samples(ot, c, path, samples_path, out)
     _saving(ot, c, skip)
-    augmented = [e["path"] for e in c.get("data", {}).get("concepts", [])
-                 if any(e.get(k) for k in ("flip_probability", "rotation_degrees", "brightness", "contrast",
-                                           "saturation", "hue"))]
+    from ot_dist.data.augment import AUGMENTATION_FIELDS
+
+    augmented = [e["path"] for e in c.get("data", {}).get("concepts", []) if any(e.get(k) for k in AUGMENTATION_FIELDS)]
     if ot["latent_caching"] and augmented:
         out.notes.append(f"latent_caching: off, because {augmented[0]} augments its images (OneTrainer caches "
                          "image_variations copies; ot_dist encodes each step's augmented image)")
