@@ -48,17 +48,18 @@ def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardR
     dataset = ShardDataset(ensure_shards(config, runtime, log), config)
     reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
                          runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction)
-    check_untrained_share(config, reader.table, reader.global_batch, report_lines(dataset, reader, runtime.world_size))
+    check_untrained_share(config, dataset, reader, runtime.world_size)
     return dataset, reader
 
 
-def check_untrained_share(config, table, global_batch: int, report: list[str]) -> None:
+def check_untrained_share(config, dataset: ShardDataset, reader: ShardReader, world_size: int) -> None:
     """Every rank computes the same plan, so every rank stops here alike (no collective is left waiting)."""
-    share = untrained_fraction(table, global_batch)
+    global_batch = reader.global_batch
+    share = untrained_fraction(reader.table, global_batch)
     limit = config.data.max_untrained_fraction
     if share > limit and share < 1:  # nothing trains at all: the step count check says so more plainly (exit 3)
         raise ConfigError(
-            "\n".join(report) + f"\ndata.max_untrained_fraction: {100 * share:.0f}% of the samples per epoch are in "
+            "\n".join(report_lines(dataset, reader, world_size)) + f"\ndata.max_untrained_fraction: {100 * share:.0f}% of the samples per epoch are in "
             f"buckets with fewer samples than the global batch ({global_batch}) and would never train (limit "
             f"{100 * limit:.0f}%). Lower batch_size or gradient_accumulation_steps, train on fewer processes, crop to "
             "fewer aspects (data.bucket_step), add images of those aspects, or accept it with "

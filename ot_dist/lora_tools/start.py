@@ -21,8 +21,7 @@ def start_from_file(model, parts: dict[str, torch.nn.Module], path: str, rank: i
                               "(resize the file first: ot-dist lora resize)")
     # Names are matched on the modules as the file sees them: peft keeps each adapted Linear at its path (as the
     # wrapper's base_layer), so an index of the wrapped parts with `.base_layer` dropped names the same modules.
-    index = {name: target for name, target in module_index(model, lora.layout, _unwrapped(parts)).items()}
-    matched, missing = match(lora.pairs, index, f"lora.init_from: {path}")
+    matched, missing = match(lora.pairs, module_index(model, lora.layout, _unwrapped(parts)), f"lora.init_from: {path}")
     if missing:
         raise ConfigError(f"lora.init_from: {path} has {len(missing)} modules that are not targeted or not in the "
                           f"model (first: {missing[0]!r}); target them (lora.preset / *_targets) or drop them")
