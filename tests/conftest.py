@@ -9,6 +9,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+# Launched ranks inherit it: a rank that dies of a signal (SIGABRT, SIGSEGV) prints every thread's Python stack,
+# so the failure names the code it happened in.
+os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 
 
 @pytest.fixture(scope="session")

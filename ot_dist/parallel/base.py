@@ -105,6 +105,10 @@ class Strategy:
     def after_checkpoint_load(self) -> None:
         """The owned (master) tensors were overwritten from a checkpoint: refresh whatever is derived from them."""
 
+    def close(self) -> None:
+        """Release what the strategy holds that the interpreter must not destroy on its own at exit (called once
+        training and export are done, before the process group goes)."""
+
     def held_tensors(self) -> dict[str, list[torch.Tensor]]:
         """What this rank holds for training, by kind: params, grads, optimizer_state (local shards)."""
         raise NotImplementedError

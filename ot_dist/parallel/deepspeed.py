@@ -165,6 +165,15 @@ class DeepSpeedStrategy(Strategy):
             )
         return optimizer
 
+    def close(self):
+        # The engine holds ZeRO's buckets, hooks and (stage 3) prefetched all-gathers whose gloo / NCCL work
+        # objects keep tensors alive. Left to interpreter finalization, their destruction can take the GIL while
+        # the interpreter is torn down and abort the rank (SIGABRT, "terminate called without an active
+        # exception") after training succeeded. destroy() releases them while everything is still alive.
+        if self.engine is not None:
+            self.engine.destroy()
+        self.engine = self.engine_optimizer = None
+
     def autocast(self):
         # DeepSpeed's bf16 / fp16 modes own the compute dtype (weights held in it, fp32 master copy).
         import contextlib

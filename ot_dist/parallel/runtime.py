@@ -6,6 +6,7 @@ needs none, which keeps the one-GPU path free of distributed machinery."""
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 from dataclasses import dataclass
 
@@ -39,6 +40,9 @@ class Runtime:
 
     def shutdown(self) -> None:
         if self.distributed and dist.is_initialized():
+            # Work objects nobody refers to any more are freed now, not during interpreter finalization
+            # (where freeing their tensors can abort the process, see Strategy.close).
+            gc.collect()
             dist.destroy_process_group()
 
 

@@ -6,6 +6,7 @@ gradient accumulation, then export.
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -244,6 +245,12 @@ class Trainer:
             self.log(f"warning: {warning}")
         return result
 
+    def close(self) -> None:
+        """Release the strategy's communication state while the interpreter is fully alive (see Strategy.close);
+        the trainer is not used for training afterwards."""
+        self.strategy.close()
+        gc.collect()
+
     def _save(self, step: int, epoch: int, reason: str) -> Path:
         """A checkpoint of the state after `step` optimizer steps (once per step, whatever asked for it)."""
         if self.checkpointer.last_saved_step == step:
@@ -365,4 +372,5 @@ def train(config: TrainConfig, log=print, resume: str | None = None, overwrite: 
     try:
         return trainer.train()
     finally:
+        trainer.close()
         trainer.runtime.shutdown()

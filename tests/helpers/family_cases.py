@@ -24,6 +24,7 @@ for name, raw in cases.items():
     trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
     inject(trainer, overflow_at, poisoned_at)
     trainer.train()
+    trainer.close()
     if runtime.is_main:
         print(f"case done: {name}", flush=True)
 runtime.shutdown()

@@ -47,7 +47,8 @@ def run(strategy: str, name: str) -> dict:
         result = trainer.train()
     except Exception as err:  # recorded, so one failing optimizer does not hide the others
         return {"error": f"{type(err).__name__}: {err}"[:300]}
-    after = [local(p).detach() for p in trainer.params]
+    after = [local(p).detach().clone() for p in trainer.params]
+    trainer.close()
     changed = sum(not torch.equal(b, a) for b, a in zip(before, after))
     return {
         "losses": result.losses,

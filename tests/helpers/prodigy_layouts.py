@@ -119,6 +119,8 @@ def main() -> None:
                 "ownership_reassembles": max((reassembled[n] - full[n]).abs().max().item() for n in full),
                 "empty_local_tensors": int(empty),
             }
+            if layout != "fsdp":
+                model.destroy()  # the engine's communication state goes now, not at interpreter exit
     if runtime.is_main:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f)

@@ -47,6 +47,7 @@ if __name__ == "__main__":
 
         trainer.optimizer.register_step_post_hook(after_step)
     result = trainer.train()
+    trainer.close()
     everyone = [None] * runtime.world_size
     if runtime.distributed:
         dist.all_gather_object(everyone, seen)

@@ -23,6 +23,8 @@ def recording_generate(self, pipeline, prompt):
 
 Sampler.generate = recording_generate
 runtime = start_runtime(5, needs_group=True)
-Trainer(validate(raw), runtime=runtime, log=lambda *_: None).train()
+trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
+trainer.train()
+trainer.close()
 (result_dir / f"rank-{runtime.rank}.json").write_text(json.dumps(generated))
 runtime.shutdown()

@@ -46,6 +46,7 @@ for name, case in cases.items():
     ema_bytes = torch.tensor([trainer.ema.nbytes() if trainer.ema else 0])
     all_bytes = [torch.zeros_like(ema_bytes) for _ in range(runtime.world_size)]
     dist.all_gather(all_bytes, ema_bytes)
+    trainer.close()
     results[name] = {
         "d_lr": result.d_lr,
         "steps": result.steps,
