@@ -129,6 +129,42 @@ def test_fused_adamw_on_cuda_foreach_elsewhere():
         assert kernel("ADAGRAD", [cuda32]) == (None, True)  # torch's fused Adagrad is CPU only
 
 
+def test_fused_kernel_on_sharded_parameters_only_where_dtensor_has_its_rule(monkeypatch):
+    """FSDP2's sharded parameters (DTensors, here in a 1-rank gloo group): AdamW / Adam take the fused kernel on any
+    device (a foreach op over DTensors costs seconds of sharding propagation at the first step), SGD keeps foreach
+    (DTensor has no rule for fused SGD: its first step would raise). Each optimizer takes a real step."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ot_dist.config.load import validate
+    from ot_dist.methods.base import ParamGroup
+    from ot_dist.optim.factory import build_optimizer
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        chosen = {}
+        for name in ("ADAMW", "ADAM", "SGD"):
+            config = validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
+                               "data": {"path": "d"}, "optimizer": {"name": name}}).optimizer
+            optimizer = build_optimizer(config, [ParamGroup("unet", list(model.parameters()), 1e-2)])
+            before = [p.full_tensor().clone() for p in model.parameters()]
+            model(torch.randn(3, 4)).square().sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            assert all(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+            group = optimizer.param_groups[0]
+            chosen[name] = group["fused"], group["foreach"]
+        assert chosen == {"ADAMW": (True, False), "ADAM": (True, False), "SGD": (None, True)}
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("name,family,part", [("SDXL", "sdxl", "unet"),
                                               ("Flux.1 dev", "flux", "transformer")])
 def test_every_sharding_unit_of_the_real_denoisers_is_a_few_percent(name, family, part):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from ot_dist.config.optim import OptimizerConfig
 from ot_dist.methods.base import ParamGroup
@@ -39,15 +40,22 @@ FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def kernel_choice(spec: OptimizerSpec, kwargs: dict, params: list[torch.Tensor]) -> dict:
-    """torch's fused kernel (one launch for all parameters) where it runs: `fused` left unset, the optimizer has a
-    CUDA fused kernel, and every parameter is a floating CUDA tensor of a dtype it takes (FSDP2's DTensor shards
-    included). Otherwise the options as given: `foreach` (the registry's default) batches the per-tensor loops.
-    `fused: false` keeps foreach on a GPU."""
-    if not spec.cuda_fused or kwargs.get("fused") is not None or kwargs.get("differentiable"):
+    """torch's fused kernel (one launch for all parameters) where it runs, with `fused` left unset:
+    - FSDP2's sharded parameters (DTensors): fused where DTensor has a sharding rule for the fused op (Adam, AdamW),
+      on any device, otherwise the options as given. A foreach op over DTensors is planned by DTensor's sharding
+      propagation, which grows faster than the number of tensors (measured on CPU, AdamW over 300 / 600 sharded
+      tensors: 4.9 / 14.5 s for the first step, every op once; fused: 1.2 / 4.5 s); fused SGD has no DTensor rule
+      and would fail at its first step.
+    - Plain tensors: fused when the optimizer has a CUDA kernel and every parameter is a floating CUDA tensor of a
+      dtype it takes; otherwise `foreach` (the registry's default) batches the per-tensor loops.
+    `fused: false` keeps foreach."""
+    if kwargs.get("fused") is not None or kwargs.get("differentiable") or not params:
         return kwargs
-    if params and all(p.device.type == "cuda" and p.dtype in FUSED_DTYPES for p in params):
-        return {**kwargs, "fused": True, "foreach": False}
-    return kwargs
+    if all(isinstance(p, DTensor) for p in params):
+        fused = spec.dtensor_fused and all(p.dtype in FUSED_DTYPES for p in params) and len({p.device.type for p in params}) == 1
+    else:
+        fused = spec.cuda_fused and all(p.device.type == "cuda" and p.dtype in FUSED_DTYPES for p in params)
+    return {**kwargs, "fused": True, "foreach": False} if fused else kwargs
 
 
 def build_optimizer(

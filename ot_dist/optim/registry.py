@@ -41,6 +41,9 @@ class OptimizerSpec:
     must_be_positive: tuple[str, ...] = ()  # options the implementation refuses at 0
     trust_ratio: bool = False  # caps each update at max_unorm x the weight's norm: a zero weight never moves
     cuda_fused: bool = False  # torch has a fused CUDA kernel: chosen when `fused` is unset and it can run (factory.py)
+    # DTensor (FSDP2's sharded parameters) has sharding rules for this fused op, on every device (torch 2.13: the fused
+    # Adam / AdamW ops only; fused SGD on DTensors raises NotImplementedError)
+    dtensor_fused: bool = False
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -70,10 +73,10 @@ SPECS: dict[str, OptimizerSpec] = {
               supports_fused_back_pass=True),
         _spec("ADAM", "torch.optim:Adam",
               {**_ADAM, "weight_decay": 0.0, "amsgrad": False, "capturable": False, **TORCH, **FUSED},
-              betas=("beta1", "beta2"), supports_fused_back_pass=True, cuda_fused=True),
+              betas=("beta1", "beta2"), supports_fused_back_pass=True, cuda_fused=True, dtensor_fused=True),
         _spec("ADAMW", "torch.optim:AdamW",
               {**_ADAM, "weight_decay": 1e-2, "amsgrad": False, "capturable": False, **TORCH, **FUSED},
-              betas=("beta1", "beta2"), supports_fused_back_pass=True, cuda_fused=True),
+              betas=("beta1", "beta2"), supports_fused_back_pass=True, cuda_fused=True, dtensor_fused=True),
         _spec("LAMB", "bitsandbytes.optim:LAMB",
               {**_ADAM, "weight_decay": 0.0, "max_unorm": 1.0}, betas=("beta1", "beta2"), trust_ratio=True),
         _spec("LARS", "bitsandbytes.optim:LARS",
