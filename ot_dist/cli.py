@@ -221,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     # A rank killed by a fatal signal (a native abort or segfault in a library) prints each thread's Python stack
     # before it dies, so the log says which code it died in.
-    faulthandler.enable()
+    try:
+        faulthandler.enable()
+    except (AttributeError, ValueError, OSError):  # stderr replaced by an object without a file descriptor
+        pass
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Under torchrun, name the failing rank and its error in the launcher's summary.
         from torch.distributed.elastic.multiprocessing.errors import record
