@@ -34,6 +34,10 @@ ACCUMULATION = {"ddp", "fsdp", "zero2"}
 # its VB term and micro-conditioning under fsdp and zero2.
 FAMILY_STRATEGIES = {"pixart_alpha": ("fsdp", "zero2")}
 METHODS = {"full": {"learning_rate": 0.05}, "lora": {"learning_rate": 0.5, "lora.rank": 4, "lora.alpha": 8}}
+# Gradient clipping that bites (the tiny models' gradient norms are far above it), with SGD: a norm computed over
+# one rank's shards only, or summed over replicas, scales the step and fails the comparison. SD 1.x only: the
+# strategies' clipping code knows no family.
+CLIPPED = {"family": "sd1", "clip_grad_norm": 0.2, "strategies": ("ddp", "fsdp", "zero2", "zero3")}
 
 
 def settings(family: str, method: str, **extra) -> dict:
@@ -57,6 +61,16 @@ def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_pa
                           **settings(family, method))
         Trainer(validate(raw), log=lambda *_: None).train()
         references[method] = exported(out, family, method)
+    clipped = {"clip_grad_norm": CLIPPED["clip_grad_norm"]} if family == CLIPPED["family"] else None
+    if clipped:
+        out = tmp_path / "ref-clipped"
+        raw = base_config(model, shapes_data, out, family=family, method="full", batch_size=4,
+                          **settings(family, "full", **clipped))
+        Trainer(validate(raw), log=lambda *_: None).train()
+        references["clipped"] = exported(out, family, "full")
+        unclipped_diff = max((references["clipped"][k] - references["full"][k]).abs().max().item()
+                             for k in references["full"])
+        assert unclipped_diff > 100 * TOLERANCE, f"clipping at {CLIPPED['clip_grad_norm']} changed nothing"
     cases = {f"{strategy}-{method}": base_config(model, shapes_data, tmp_path / f"{strategy}-{method}", family=family,
                                                  method=method, batch_size=2, strategy=strategy,
                                                  **settings(family, method, **extra))
@@ -66,6 +80,11 @@ def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_pa
         model, shapes_data, tmp_path / f"{strategy}+accumulation-full", family=family, method="full", batch_size=1,
         strategy=strategy, gradient_accumulation_steps=2, **settings(family, "full")) for strategy in ACCUMULATION
         if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
+    if clipped:
+        cases |= {f"{strategy}+clipped-clipped": base_config(
+            model, shapes_data, tmp_path / f"{strategy}+clipped-clipped", family=family, method="full", batch_size=2,
+            strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy]))
+            for strategy in CLIPPED["strategies"]}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"),
@@ -73,8 +92,9 @@ def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_pa
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     base = {"full": load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))}
     for name in cases:
-        method = name.rsplit("-", 1)[1]
-        reference, got = references[method], exported(tmp_path / name, family, method)
+        kind = name.rsplit("-", 1)[1]  # full, lora or clipped (a full finetune)
+        method = "full" if kind == "clipped" else kind
+        reference, got = references[kind], exported(tmp_path / name, family, method)
         assert reference.keys() == got.keys(), name
         diff = max((reference[k].float() - got[k].float()).abs().max().item() for k in reference)
         assert diff <= TOLERANCE, f"{family} {name}: max abs diff {diff:.3g} > {TOLERANCE}"

@@ -60,14 +60,17 @@ class Strategy:
         gradient norm before clipping as a tensor (read it when convenient: reading waits for the
         device), or None when no gradient is held here (e.g. fused into backward)."""
         self.precision.unscale(optimizer)
-        with_grad = [p for p in params if p.grad is not None]
-        grad_norm = None
-        if with_grad and self.config.clip_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(with_grad, self.config.clip_grad_norm)
-        elif with_grad:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in with_grad])
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = self.clip_gradients(grads) if grads else None
         self.precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def clip_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The total norm of the (synchronised) gradients; scaled in place to clip_grad_norm when it is set."""
+        grad_norm = torch.nn.utils.get_total_norm(grads)
+        if self.config.clip_grad_norm is not None:
+            scale_to_max_norm(grads, self.config.clip_grad_norm, grad_norm)
         return grad_norm
 
     def drop_gradients(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
@@ -130,3 +133,12 @@ def regroup(modules, groups: list[ParamGroup], names: dict[int, tuple[str, str]]
         ParamGroup(g.name, [current[names[id(p)][0]][names[id(p)][1]] for p in g.params], g.learning_rate, g.part)
         for g in groups
     ]
+
+
+@torch.no_grad()
+def scale_to_max_norm(grads: list[torch.Tensor], max_norm: float, total_norm: torch.Tensor) -> None:
+    """torch's clipping rule (clip_grad_norm_): scale by min(max_norm / (total + 1e-6), 1), in place, as a tensor
+    (no host sync to decide whether to clip)."""
+    coefficient = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for device in {g.device for g in grads}:
+        torch._foreach_mul_([g for g in grads if g.device == device], coefficient.to(device))
