@@ -29,7 +29,7 @@ class LoadedModel:
 
     @property
     def vae(self) -> torch.nn.Module:
-        return self.pipeline.vae
+        return getattr(self.pipeline, self.family.latent_encoder)
 
     @property
     def text_encoders(self) -> dict[str, torch.nn.Module]:
@@ -66,7 +66,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # Offline by default: a training job must never stall on, or silently depend on, a hub download.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if path.is_dir():
-        pipeline = _load_folder(family, path)
+        pipeline = family.complete_pipeline(_load_folder(family, path), path, config)
     elif path.is_file():
         pipeline = family.load_single_file(path, config.config, config)
     else:
