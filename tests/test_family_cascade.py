@@ -170,7 +170,7 @@ def test_training_lowers_the_loss_and_the_export_gives_the_trained_outputs(metho
     extra = {"output_dtype": "float32", "lora.rank": 4, "lora.alpha": 2,
              "lora.preset": "attention_mlp"} if method == "lora" else {"output_dtype": "float32"}
     trainer = trainer_for(model_dir, shapes_data, tmp_path / "o", method=method, epochs=3, batch_size=4,
-                          learning_rate=lr, **extra)
+                          learning_rate=lr, **{"data.cache_latents": True, "data.cache_text": True}, **extra)
     result = trainer.train()
     per_epoch = np.array(result.losses).reshape(3, -1).mean(axis=1)
     assert per_epoch[-1] < per_epoch[0] - 0.02, f"loss did not fall: {per_epoch}"
