@@ -51,6 +51,7 @@ class StableCascade(Family):
     latent_encoder = "effnet"
     samplers = ()  # sampling needs the decoder stages (see the module docstring)
     single_file = False
+    memory_reference = "Stable Cascade C"  # the 3.6 B prior; the lite prior (1 B): its own row
     lora_file_prefixes = {"prior": "lora_prior_unet", "text_encoder": "lora_te"}
     lora_file_roots = {"text_encoder": "text_model"}
     # diffusers' Attention of an SDCascadeAttnBlock is the original Attention2D's `attn` (nn.MultiheadAttention,
