@@ -237,3 +237,20 @@ def test_continuous_time_respects_the_timestep_range():
     assert t.min() >= 0.2011 - 1e-6 and t.max() <= 0.3011 + 1e-6
     assert math.isclose(objective.draw(torch.Generator().manual_seed(1), LossConfig(min_timestep=9999), None).item(),
                         1.0)  # (9999 + 1) / 10000 + 0.001, clamped to 1
+
+
+@pytest.mark.parametrize("name,gigabytes", [("Stable Cascade C", 14.4), ("Stable Cascade C lite", 4.2)])
+def test_memory_table_rows_are_the_published_sizes_sharded_by_block(name, gigabytes):
+    """The seed's fp32 sizes of stage C (3.6 B) and the lite prior (1 B); the family's sharding units (every
+    block of each level of down_blocks / up_blocks) are each a few % of the prior."""
+    from ot_dist.memory.table import build_components, fsdp_rank_bytes, sharding_units
+    from ot_dist.models.families.registry import get_family
+
+    components = build_components(name)
+    prior = components["prior"]
+    total = sum(p.numel() for p in prior.parameters())
+    assert abs(4 * total / 1e9 - gigabytes) / gigabytes < 0.02, total
+    units = sharding_units(prior, get_family(FAMILY).shard_units["prior"])
+    assert len(units) == sum(len(level) for level in (*prior.down_blocks, *prior.up_blocks))
+    assert max(sum(p.numel() for p in u.parameters()) for u in units) / total < 0.05
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.05
