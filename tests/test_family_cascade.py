@@ -254,3 +254,64 @@ def test_memory_table_rows_are_the_published_sizes_sharded_by_block(name, gigaby
     assert len(units) == sum(len(level) for level in (*prior.down_blocks, *prior.up_blocks))
     assert max(sum(p.numel() for p in u.parameters()) for u in units) / total < 0.05
     assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.05
+
+
+# -- Würstchen v2 (the sibling family in the same module) ------------------------------------------------------------
+
+def test_wuerstchen_v2_objective_equals_onetrainers_formulas(family_models, shapes_data, tmp_path):
+    """OneTrainer BaseWuerstchenSetup.predict for Würstchen v2: latents (x + 1) / 42, t = ((i + 1) / 10000) x 1.08
+    + 0.001 clamped to [0.001, 1], the prior called as prior(noisy, t, c = CLIP's last hidden states)."""
+    trainer = Trainer(validate(base_config(family_models["wuerstchen_v2"], shapes_data, tmp_path / "o",
+                                           family="wuerstchen_v2", batch_size=2, resolution=128)), log=quiet)
+    model = trainer.model
+    batch = first_batch(trainer)
+    noise, t = [], []
+    for sample_id in batch["sample_id"].tolist():
+        g = generator(1, 0, sample_id, "diffusion")
+        torch.randn((16, 3, 3), generator=g)
+        noise.append(torch.randn((16, 3, 3), generator=g))
+        t.append(torch.randint(0, 10000, (1,), generator=g))
+    noise = torch.stack(noise)
+    # (in float64, then float32: OneTrainer's float32 arithmetic rounds t differently by ~1e-7, which the tiny
+    # random prior's (x - a) / |1 - b| output amplifies past the tolerance)
+    t = ((torch.cat(t).double() + 1) / 10000 * 1.08 + 0.001).clamp(0.001, 1.0).float()
+    with torch.no_grad():
+        x = (model.vae(model.vae.preprocess(batch["pixels"])) + 1.0) / 42.0
+        a = onetrainer_alpha_cumprod(t).view(-1, 1, 1, 1)
+        noisy = a.sqrt() * x + (1 - a).sqrt() * noise
+        hidden = model.text_encoders["text_encoder"](batch["token_ids"]["text_encoder"],
+                                                     attention_mask=batch["token_ids"]["text_encoder_mask"])[0]
+        expected = ((model.denoiser(noisy, t, hidden) - noise) ** 2).mean()
+        ours = diffusion_loss(model, batch, 1, 0, trainer.config.loss)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+    assert model.vae.config.affine  # Würstchen v2's mapper norm has weight and bias
+
+
+def test_wuerstchen_v2_trains_and_the_prior_export_loads_as_users_load_it(family_models, shapes_data, tmp_path):
+    """The saved WuerstchenPriorPipeline folder does not reload through diffusers (WuerstchenPrior is not exported);
+    users load the prior with WuerstchenPrior.from_pretrained, and ot_dist loads such folders component by
+    component (model.path = the export works)."""
+    from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.loading import load_model
+
+    trainer = Trainer(validate(base_config(family_models["wuerstchen_v2"], shapes_data, tmp_path / "o",
+                                           family="wuerstchen_v2", resolution=128, epochs=3, batch_size=4,
+                                           learning_rate=2e-3, output_dtype="float32",
+                                           **{"data.cache_latents": True, "data.cache_text": True})), log=quiet)
+    per_epoch = np.array(trainer.train().losses).reshape(3, -1).mean(axis=1)
+    assert per_epoch[-1] < per_epoch[0] - 0.02, f"loss did not fall: {per_epoch}"
+    model = trainer.model
+    prior = WuerstchenPrior.from_pretrained(tmp_path / "o" / "model" / "prior")
+    torch.manual_seed(0)
+    noisy, t, c = torch.randn(1, 16, 3, 4), torch.tensor([0.5]), torch.randn(1, 77, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(prior(noisy, t, c), model.denoiser(noisy, t, c), rtol=1e-4, atol=1e-5)
+    import shutil
+
+    shutil.copy(family_models["wuerstchen_v2"] / "effnet_encoder.safetensors", tmp_path / "o" / "model")
+    shutil.copy(family_models["wuerstchen_v2"] / "effnet_encoder.json", tmp_path / "o" / "model")
+    again = load_model(ModelConfig(family="wuerstchen_v2", path=str(tmp_path / "o" / "model")))
+    with torch.no_grad():
+        torch.testing.assert_close(again.denoiser(noisy, t, c), model.denoiser(noisy, t, c), rtol=1e-4, atol=1e-5)

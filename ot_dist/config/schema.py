@@ -28,7 +28,7 @@ class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
-        "prior); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "prior), wuerstchen_v2 (its prior); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: str = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -111,7 +111,7 @@ class LoraConfig(Section):
         default=None, description="Transformer module names to adapt (transformer families); unset = lora.preset."
     )
     prior_targets: list[str] | None = Field(
-        default=None, description="Stable Cascade prior (stage C) module names to adapt; unset = lora.preset."
+        default=None, description="Stable Cascade / Würstchen v2 prior (stage C) module names to adapt; unset = lora.preset."
     )
     text_encoder_targets: list[str] | None = Field(
         default=None, description="Text encoder module names to adapt; unset = the family's default list."

@@ -84,7 +84,8 @@ def _load_folder(family: Family, path: Path):
     if not index.is_file():
         raise InputFileError(f"model.path: {path} is not a diffusers model folder (no model_index.json)")
     try:
-        found = json.loads(index.read_text()).get("_class_name")
+        content = json.loads(index.read_text())
+        found = content.get("_class_name")
     except json.JSONDecodeError as err:
         raise InputFileError(f"model.path: {index} is not valid JSON: {err}") from None
     if found not in family.pipeline_classes():
@@ -95,6 +96,9 @@ def _load_folder(family: Family, path: Path):
     import diffusers
 
     try:
+        pipeline = family.load_folder(path, content)
+        if pipeline is not None:
+            return pipeline
         return getattr(diffusers, found).from_pretrained(
             path, dtype=torch.float32, use_safetensors=True, local_files_only=True
         )

@@ -61,6 +61,11 @@ class Family:
         """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""
         return pipeline
 
+    def load_folder(self, path: Path, index: dict):
+        """The pipeline of a diffusers folder (model_index.json's content in `index`) for a family whose pipeline
+        from_pretrained cannot reload it (a component class diffusers does not export); None = from_pretrained."""
+        return None
+
     def save_extras(self, pipeline, folder: Path) -> None:
         """Write into a saved pipeline folder what `complete_pipeline` reads back (nothing for most families)."""
 

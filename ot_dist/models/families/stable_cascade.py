@@ -1,4 +1,6 @@
-"""Stable Cascade (Würstchen v3): training the prior, stage C (`StableCascadeUNet`), as OneTrainer does.
+"""Stable Cascade (Würstchen v3) and Würstchen v2: training the prior, stage C, as OneTrainer does. Two families,
+one module: both denoise EfficientNetV2-S latents with Würstchen's continuous cosine schedule; `wuerstchen_v2`
+(below the Stable Cascade class) differs in its prior (`WuerstchenPrior`), text input and latent scaling.
 
 - Components: the diffusers `StableCascadePriorPipeline` folder (prior, CLIP-G `CLIPTextModelWithProjection`,
   tokenizer, `DDPMWuerstchenScheduler`), plus Stability's `effnet_encoder.safetensors` (EfficientNetV2-S + mapper,
@@ -61,6 +63,7 @@ class StableCascade(Family):
                                    "*.attention.to_v": "*.attention.attn.to_v",
                                    "*.attention.to_out.0": "*.attention.attn.out_proj"}}
     time_scale = 1.0  # ContinuousCosine's scale (Würstchen v2: 1.08)
+    effnet_affine = False  # Stable Cascade's mapper BatchNorm has no weight / bias
 
     def objective(self, pipeline, model_config) -> ContinuousCosine:
         if model_config.prediction_type not in ("auto", "epsilon"):
@@ -74,13 +77,14 @@ class StableCascade(Family):
 
     def complete_pipeline(self, pipeline, path: Path, model_config):
         from ot_dist.errors import InputFileError
-        from ot_dist.models.efficientnet import FILE_NAME, load_effnet
+        from ot_dist.models.efficientnet import FILE_NAME, EffnetConfig, load_effnet
 
         file = path / FILE_NAME
         if not file.is_file():
             raise InputFileError(f"model.path: {path} has no {FILE_NAME}: put Stability's stage C image encoder "
                                  f"(stabilityai/stable-cascade, {FILE_NAME}) into the prior folder")
-        pipeline.effnet = load_effnet(file)
+        pipeline.effnet = load_effnet(file, None if file.with_name("effnet_encoder.json").is_file()
+                                      else EffnetConfig(affine=self.effnet_affine))
         return pipeline
 
     # -- latents ----------------------------------------------------------------------------------------
@@ -143,4 +147,68 @@ class StableCascade(Family):
         save_effnet(pipeline.effnet, folder)
 
 
-FAMILIES = {"stable_cascade": StableCascade()}
+class WuerstchenV2(StableCascade):
+    """Würstchen v2's prior (`WuerstchenPrior`: one level of Res / Timestep / Attn blocks) conditioned on CLIP's last
+    hidden states (`c`), the time as `r`. Its latents are the EfficientNet's (affine mapper norm) as (x + 1) / 42
+    (OneTrainer; the pipeline undoes it with latent_mean 42, latent_std 1), its time t x 1.08 + 0.001. diffusers 0.42
+    keeps WuerstchenPrior under `deprecated` and a saved pipeline folder does not reload by itself
+    ("`diffusers` has no class `WuerstchenPrior`", even with the prior passed in): `load_folder` loads the
+    components one by one and builds the pipeline."""
+
+    name = "wuerstchen_v2"
+    description = "Würstchen v2 prior (WuerstchenPrior on EfficientNetV2-S latents, CLIP last hidden states)"
+    pipeline_class = "WuerstchenPriorPipeline"
+    denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
+                             "attention_mlp": CASCADE_ATTENTION_MLP}
+    shard_units = {"prior": ("blocks",), "text_encoder": ("text_model.encoder.layers",)}
+    lora_file_prefixes = None  # no UI reads Würstchen v2 LoRAs by kohya names: the diffusers layout
+    lora_file_renames = {}
+    memory_reference = None
+    time_scale = 1.08
+    effnet_affine = True
+    latent_mean, latent_std = 42.0, 1.0
+
+    def load_folder(self, path: Path, index: dict):
+        from diffusers import DDPMWuerstchenScheduler, WuerstchenPriorPipeline
+        from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        settings = {k: index[k] for k in ("latent_mean", "latent_std", "resolution_multiple") if k in index}
+        return WuerstchenPriorPipeline(
+            tokenizer=CLIPTokenizer.from_pretrained(path / "tokenizer"),
+            text_encoder=CLIPTextModel.from_pretrained(path / "text_encoder", dtype=torch.float32),
+            prior=WuerstchenPrior.from_pretrained(path / "prior", torch_dtype=torch.float32),
+            scheduler=DDPMWuerstchenScheduler.from_pretrained(path / "scheduler"), **settings)
+
+    def normalize_latents(self, vae, latents):
+        return (latents + self.latent_std) / self.latent_mean  # the pipeline's output x 42 - 1, inverted
+
+    def encode_text(self, text_encoders, tokens):
+        encoder = text_encoders["text_encoder"]
+        out = encoder(tokens["text_encoder"].to(encoder.device),
+                      attention_mask=tokens["text_encoder_mask"].to(encoder.device))
+        return {"hidden": out.last_hidden_state}  # as WuerstchenPriorPipeline.encode_prompt
+
+    def predict(self, denoiser, noisy, timesteps, conditioning, batch):
+        return denoiser(noisy, r=timesteps.to(noisy.dtype), c=conditioning["hidden"])
+
+    def build_tiny(self, seed: int = 0, **_):
+        from diffusers import DDPMWuerstchenScheduler, WuerstchenPriorPipeline
+        from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
+        from transformers import CLIPTextModel
+
+        from ot_dist.models.efficientnet import EfficientNetEncoder, tiny_effnet_config
+        from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config, tiny_clip_tokenizer
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_clip_tokenizer()
+        prior = WuerstchenPrior(c_in=16, c=32, c_cond=TEXT_HIDDEN, c_r=64, depth=2, nhead=2, dropout=0.0)
+        pipeline = WuerstchenPriorPipeline(
+            tokenizer=tokenizer, text_encoder=CLIPTextModel(clip_text_config(len(tokenizer), "gelu")), prior=prior,
+            scheduler=DDPMWuerstchenScheduler())
+        config = tiny_effnet_config()
+        pipeline.effnet = EfficientNetEncoder(type(config)(**{**config.__dict__, "affine": True}))
+        return pipeline
+
+
+FAMILIES = {"stable_cascade": StableCascade(), "wuerstchen_v2": WuerstchenV2()}
