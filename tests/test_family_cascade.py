@@ -315,3 +315,14 @@ def test_wuerstchen_v2_trains_and_the_prior_export_loads_as_users_load_it(family
     again = load_model(ModelConfig(family="wuerstchen_v2", path=str(tmp_path / "o" / "model")))
     with torch.no_grad():
         torch.testing.assert_close(again.denoiser(noisy, t, c), model.denoiser(noisy, t, c), rtol=1e-4, atol=1e-5)
+
+
+def test_sample_prompts_are_refused_naming_the_key(family_models, shapes_data, tmp_path):
+    """No sampling for these families yet (the decoder stages are not loaded): a config asking for samples fails at
+    validation, naming the key, instead of failing at the first sampling step."""
+    from ot_dist.errors import ConfigError
+
+    raw = base_config(family_models[FAMILY], shapes_data, tmp_path / "o", family=FAMILY, resolution=128,
+                      **{"sampling.prompts": [{"prompt": "a red circle"}]})
+    with pytest.raises((ConfigError, ValueError), match="sampling.prompts"):
+        validate(raw)

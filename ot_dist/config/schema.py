@@ -567,6 +567,9 @@ class TrainConfig(Section):
                              "a DDPM family (MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION or CONSTANT)")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
+        if self.sampling.prompts and not family.samplers:
+            raise ValueError(f"sampling.prompts: ot_dist does not sample {self.model.family} during training yet (its "
+                             "decoder stages are not loaded); remove the prompts")
         if self.sampling.sampler not in ("auto", *family.samplers):
             raise ValueError(f"sampling.sampler: {self.sampling.sampler} does not fit {self.model.family} "
                              f"(allowed: auto, {', '.join(family.samplers)})")
