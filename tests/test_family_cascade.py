@@ -160,7 +160,8 @@ def comfyui_lora_names(prior_dir) -> dict[str, str]:
 def test_training_lowers_the_loss_and_the_export_gives_the_trained_outputs(method, family_models, shapes_data,
                                                                            tmp_path):
     """full: the exported folder's prior loads with StableCascadeUNet.from_pretrained (what a user of the prior
-    does; diffusers' saved prior pipeline folders reload too) and predicts as the trained one. LoRA: every module
+    does; diffusers' saved prior pipeline folders reload too) and the single file with from_single_file, and both
+    predict as the trained one. LoRA: every module
     of the file is a name ComfyUI maps onto stage C; applied to the base prior by that mapping at strength 1
     (up @ down x alpha / rank, ComfyUI's rule), it predicts as the trained prior."""
     from diffusers import StableCascadePriorPipeline, StableCascadeUNet
@@ -183,6 +184,18 @@ def test_training_lowers_the_loss_and_the_export_gives_the_trained_outputs(metho
         prior = StableCascadeUNet.from_pretrained(tmp_path / "o" / "model" / "prior")
         again = StableCascadePriorPipeline.from_pretrained(tmp_path / "o" / "model", local_files_only=True).prior
         torch.testing.assert_close(predictions(model.family, again, base.text_encoder, base.tokenizer), trained)
+        # Stability's stage_c.safetensors layout (ComfyUI's UNET loader, StableSwarm): read by diffusers'
+        # from_single_file (its converter splits attn.in_proj_weight) and by ot_dist as model.path.
+        from ot_dist.config.schema import ModelConfig
+        from ot_dist.models.loading import load_model
+
+        single = tmp_path / "o" / "model.safetensors"
+        assert "down_blocks.0.2.attention.attn.in_proj_weight" in load_file(single)
+        for loaded in (StableCascadeUNet.from_single_file(str(single), config=str(model_dir), subfolder="prior",
+                                                          local_files_only=True),
+                       load_model(ModelConfig(family=FAMILY, path=str(single), config=str(model_dir))).denoiser):
+            torch.testing.assert_close(predictions(model.family, loaded, base.text_encoder, base.tokenizer), trained,
+                                       rtol=1e-4, atol=1e-5)
     else:
         saved = load_file(tmp_path / "o" / "lora.safetensors")
         names = comfyui_lora_names(model_dir)

@@ -52,7 +52,6 @@ class StableCascade(Family):
     bucket_step = 128
     latent_encoder = "effnet"
     samplers = ()  # sampling needs the decoder stages (see the module docstring)
-    single_file = False
     memory_reference = "Stable Cascade C"  # the 3.6 B prior; the lite prior (1 B): its own row
     lora_file_prefixes = {"prior": "lora_prior_unet", "text_encoder": "lora_te"}
     lora_file_roots = {"text_encoder": "text_model"}
@@ -86,6 +85,21 @@ class StableCascade(Family):
         pipeline.effnet = load_effnet(file, None if file.with_name("effnet_encoder.json").is_file()
                                       else EffnetConfig(affine=self.effnet_affine))
         return pipeline
+
+    # -- single files: Stability's stage_c.safetensors layout (ot_dist/models/families/cascade_single_file.py) --
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.cascade_single_file import cascade_from_original, validate_cascade_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        pipeline = load_transformer_file(path, config_folder, self, cascade_from_original, validate_cascade_file)
+        return self.complete_pipeline(pipeline, Path(config_folder), model_config)
+
+    def export_single_file(self, components, states, path, dtype):
+        """The prior alone, bare keys, as Stability ships stage_c.safetensors."""
+        from ot_dist.models.families.cascade_single_file import cascade_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        write_transformer_file(cascade_to_original(states["prior"]), path, dtype)
 
     # -- latents ----------------------------------------------------------------------------------------
     def latent_shape(self, vae, pixel_height, pixel_width):
@@ -161,6 +175,7 @@ class WuerstchenV2(StableCascade):
     denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
                              "attention_mlp": CASCADE_ATTENTION_MLP}
     shard_units = {"prior": ("blocks",), "text_encoder": ("text_model.encoder.layers",)}
+    single_file = False  # no original single-file layout of Würstchen v2's prior in ot_dist
     lora_file_prefixes = None  # no UI reads Würstchen v2 LoRAs by kohya names: the diffusers layout
     lora_file_renames = {}
     memory_reference = None
