@@ -1,6 +1,6 @@
-"""The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5 Large,
-Flux.1 dev and Stable Cascade's stage C (3.6 B and lite 1 B) under the low-memory options and, for the transformers, a full finetune under fsdp, from parameter
-counts and dtypes.
+"""The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
+Large, Flux.1 dev and Stable Cascade's stage C (3.6 B and lite 1 B) under the low-memory options and, for the
+transformers and stage C, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on

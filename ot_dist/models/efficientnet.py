@@ -3,8 +3,8 @@
 Stability's `effnet_encoder.safetensors` (and Würstchen v2's effnet) is torchvision's `efficientnet_v2_s().features`
 under `backbone.`, then `mapper` = a 1x1 conv 1280 -> 16 without bias and a BatchNorm2d (affine=False for Stable
 Cascade), which normalises each latent channel to mean 0 / std 1. torchvision is not a dependency of ot_dist, so
-this module rebuilds that architecture with the same parameter names (features.N.M.block.K... -> backbone.N.M.block.K...),
-and a user's official file loads into it with `load_state_dict(strict=True)`.
+this module rebuilds that architecture with the same parameter names (features.N.M.block.K... ->
+backbone.N.M.block.K...), and a user's official file loads into it key for key.
 
 Stage C's input: the image in [0, 1] scaled by 3/4 (bilinear, antialiased) and normalised with the ImageNet mean / std
 (OneTrainer's WuerstchenBaseDataLoader: ScaleImage 0.75, NormalizeImageChannels), so a 1024 px side gives 24 latents

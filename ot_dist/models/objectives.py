@@ -218,7 +218,8 @@ class ContinuousCosine(Objective):
         if options.generalized_offset_noise:
             from ot_dist.errors import ConfigError
 
-            raise ConfigError("loss.generalized_offset_noise: needs a discrete beta schedule; Würstchen's is continuous")
+            raise ConfigError("loss.generalized_offset_noise: needs a discrete beta schedule; Würstchen's is "
+                              "continuous")
         return None
 
     def describe(self) -> str:
