@@ -31,8 +31,13 @@ STRATEGIES = {"ddp": {}, "fsdp": {"gradient_checkpointing": True}, "zero1": {}, 
 # Gradient accumulation (batch 1 x 2 micro steps x 2 ranks) must average, not sum, the micro steps too.
 ACCUMULATION = {"ddp", "fsdp", "zero2"}
 # Families checked under some strategies only (the others' cases cover the strategy code itself); PixArt-α:
-# its VB term and micro-conditioning under fsdp and zero2.
-FAMILY_STRATEGIES = {"pixart_alpha": ("fsdp", "zero2")}
+# its VB term and micro-conditioning under fsdp and zero2; Stable Cascade: its prior's nested block lists as
+# sharding units and its continuous-time objective under fsdp and zero2.
+FAMILY_STRATEGIES = {"pixart_alpha": ("fsdp", "zero2"), "stable_cascade": ("fsdp", "zero2")}
+# Families whose cases ride in another family's launch (no process start-up of their own), without the
+# accumulation cases.
+RIDERS = {"pixart_alpha": ("stable_cascade",)}
+FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}}  # whole EfficientNet latents: sides of 128 px
 METHODS = {"full": {"learning_rate": 0.05}, "lora": {"learning_rate": 0.5, "lora.rank": 4, "lora.alpha": 8}}
 # Gradient clipping that bites (the tiny models' gradient norms are far above it), with SGD: a norm computed over
 # one rank's shards only, or summed over replicas, scales the step and fails the comparison. SD 1.x only: the
@@ -41,7 +46,8 @@ CLIPPED = {"family": "sd1", "clip_grad_norm": 0.2, "strategies": ("ddp", "fsdp",
 
 
 def settings(family: str, method: str, **extra) -> dict:
-    return {"max_steps": STEPS, "optimizer.name": "SGD", "clip_grad_norm": None, **METHODS[method], **extra}
+    return {"max_steps": STEPS, "optimizer.name": "SGD", "clip_grad_norm": None, **METHODS[method],
+            **FAMILY_SETTINGS.get(family, {}), **extra}
 
 
 def exported(out: Path, family: str, method: str) -> dict[str, torch.Tensor]:
@@ -51,57 +57,65 @@ def exported(out: Path, family: str, method: str) -> dict[str, torch.Tensor]:
     return load_file(out / "model" / denoiser / "diffusion_pytorch_model.safetensors")
 
 
+def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: bool = True) -> dict[str, dict]:
+    cases = {f"{family}/{strategy}-{method}": base_config(
+        model, data, out / f"{family}-{strategy}-{method}", family=family, method=method, batch_size=2,
+        strategy=strategy, **settings(family, method, **extra))
+        for strategy, extra in STRATEGIES.items() for method in METHODS
+        if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
+    if accumulation:
+        cases |= {f"{family}/{strategy}+accumulation-full": base_config(
+            model, data, out / f"{family}-{strategy}+accumulation-full", family=family, method="full", batch_size=1,
+            strategy=strategy, gradient_accumulation_steps=2, **settings(family, "full")) for strategy in ACCUMULATION
+            if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
+    return cases
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_path):
-    model = family_models[family]
+    families = (family, *RIDERS.get(family, ()))
     references = {}
-    for method in METHODS:
-        out = tmp_path / f"ref-{method}"
-        raw = base_config(model, shapes_data, out, family=family, method=method, batch_size=4,
-                          **settings(family, method))
-        Trainer(validate(raw), log=lambda *_: None).train()
-        references[method] = exported(out, family, method)
-    clipped = {"clip_grad_norm": CLIPPED["clip_grad_norm"]} if family == CLIPPED["family"] else None
-    if clipped:
-        out = tmp_path / "ref-clipped"
-        raw = base_config(model, shapes_data, out, family=family, method="full", batch_size=4,
+    for name in families:
+        for method in METHODS:
+            out = tmp_path / f"ref-{name}-{method}"
+            raw = base_config(family_models[name], shapes_data, out, family=name, method=method, batch_size=4,
+                              **settings(name, method))
+            Trainer(validate(raw), log=lambda *_: None).train()
+            references[name, method] = exported(out, name, method)
+    cases = {}
+    for name in families:
+        cases |= family_cases(name, family_models[name], shapes_data, tmp_path, accumulation=name == family)
+    if family == CLIPPED["family"]:
+        clipped = {"clip_grad_norm": CLIPPED["clip_grad_norm"]}
+        out = tmp_path / f"ref-{family}-clipped"
+        raw = base_config(family_models[family], shapes_data, out, family=family, method="full", batch_size=4,
                           **settings(family, "full", **clipped))
         Trainer(validate(raw), log=lambda *_: None).train()
-        references["clipped"] = exported(out, family, "full")
-        unclipped_diff = max((references["clipped"][k] - references["full"][k]).abs().max().item()
-                             for k in references["full"])
-        assert unclipped_diff > 100 * TOLERANCE, f"clipping at {CLIPPED['clip_grad_norm']} changed nothing"
-    cases = {f"{strategy}-{method}": base_config(model, shapes_data, tmp_path / f"{strategy}-{method}", family=family,
-                                                 method=method, batch_size=2, strategy=strategy,
-                                                 **settings(family, method, **extra))
-             for strategy, extra in STRATEGIES.items() for method in METHODS
-             if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
-    cases |= {f"{strategy}+accumulation-full": base_config(
-        model, shapes_data, tmp_path / f"{strategy}+accumulation-full", family=family, method="full", batch_size=1,
-        strategy=strategy, gradient_accumulation_steps=2, **settings(family, "full")) for strategy in ACCUMULATION
-        if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
-    if clipped:
-        cases |= {f"{strategy}+clipped-clipped": base_config(
-            model, shapes_data, tmp_path / f"{strategy}+clipped-clipped", family=family, method="full", batch_size=2,
-            strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy]))
+        references[family, "clipped"] = exported(out, family, "full")
+        unclipped = references[family, "full"]
+        assert max((references[family, "clipped"][k] - unclipped[k]).abs().max().item() for k in unclipped) > 100 * TOLERANCE, \
+            f"clipping at {CLIPPED['clip_grad_norm']} changed nothing"
+        cases |= {f"{family}/{strategy}+clipped-clipped": base_config(
+            family_models[family], shapes_data, tmp_path / f"{family}-{strategy}+clipped-clipped", family=family,
+            method="full", batch_size=2, strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy]))
             for strategy in CLIPPED["strategies"]}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                            str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"),
                            str(tmp_path / "cases.json")], env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    base = {"full": load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))}
-    for name in cases:
-        kind = name.rsplit("-", 1)[1]  # full, lora or clipped (a full finetune)
+    for case, raw in cases.items():
+        name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # kind: full, lora or clipped (a full finetune)
         method = "full" if kind == "clipped" else kind
-        reference, got = references[kind], exported(tmp_path / name, family, method)
-        assert reference.keys() == got.keys(), name
+        reference, got = references[name, kind], exported(Path(raw["output_dir"]), name, method)
+        assert reference.keys() == got.keys(), case
         diff = max((reference[k].float() - got[k].float()).abs().max().item() for k in reference)
-        assert diff <= TOLERANCE, f"{family} {name}: max abs diff {diff:.3g} > {TOLERANCE}"
+        assert diff <= TOLERANCE, f"{case}: max abs diff {diff:.3g} > {TOLERANCE}"
         # The comparison can fail: training moved the weights far more than the tolerance.
+        base = {"full": load_file(next((family_models[name] / get_family(name).denoiser).glob("*.safetensors")))}
         start = base.get(method) or {k: torch.zeros_like(v) for k, v in got.items() if "lora_B" in k or "lora_up" in k}
         moved = max((start[k].float() - got[k].float()).abs().max().item() for k in start)
-        assert moved > 100 * TOLERANCE, f"{family} {name}: weights moved only {moved:.3g}"
+        assert moved > 100 * TOLERANCE, f"{case}: weights moved only {moved:.3g}"
 
 
 # strategy -> allowance in units of the measured bf16 / fp16 noise. DDP and FSDP compute under autocast, as the one

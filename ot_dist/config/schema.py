@@ -21,13 +21,14 @@ from ot_dist.optim.registry import SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
-PART_FIELDS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
-        "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
+        "prior), wuerstchen_v2 (its prior); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: str = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -108,6 +109,9 @@ class LoraConfig(Section):
     )
     transformer_targets: list[str] | None = Field(
         default=None, description="Transformer module names to adapt (transformer families); unset = lora.preset."
+    )
+    prior_targets: list[str] | None = Field(
+        default=None, description="Stable Cascade / Würstchen v2 prior (stage C) module names to adapt; unset = lora.preset."
     )
     text_encoder_targets: list[str] | None = Field(
         default=None, description="Text encoder module names to adapt; unset = the family's default list."
@@ -475,6 +479,7 @@ class TrainConfig(Section):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     unet: PartConfig = Field(default_factory=PartConfig)
     transformer: PartConfig = Field(default_factory=PartConfig)
+    prior: PartConfig = Field(default_factory=PartConfig)
     text_encoder: PartConfig = Field(default_factory=PartConfig)
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
@@ -524,7 +529,7 @@ class TrainConfig(Section):
                     f"{name}: model family {self.model.family} has no {name} (it has: {', '.join(parts)})"
                 )
         denoiser_targets = f"{family.denoiser}_targets"
-        for key in ("unet_targets", "transformer_targets"):
+        for key in ("unet_targets", "transformer_targets", "prior_targets"):
             if key != denoiser_targets and getattr(self.lora, key) is not None:
                 raise ValueError(f"lora.{key}: model family {self.model.family} has a {family.denoiser}; "
                                  f"use lora.{denoiser_targets}")
@@ -562,6 +567,9 @@ class TrainConfig(Section):
                              "a DDPM family (MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION or CONSTANT)")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
+        if self.sampling.prompts and not family.samplers:
+            raise ValueError(f"sampling.prompts: ot_dist does not sample {self.model.family} during training yet (its "
+                             "decoder stages are not loaded); remove the prompts")
         if self.sampling.sampler not in ("auto", *family.samplers):
             raise ValueError(f"sampling.sampler: {self.sampling.sampler} does not fit {self.model.family} "
                              f"(allowed: auto, {', '.join(family.samplers)})")

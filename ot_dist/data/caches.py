@@ -37,7 +37,7 @@ def module_key(digest, module: torch.nn.Module) -> None:
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
     for name, tensor in sorted(module.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def vae_key(vae: torch.nn.Module) -> str:

@@ -1,6 +1,6 @@
-"""The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5 Large and
-Flux.1 dev under the low-memory options and, for the transformers, a full finetune under fsdp, from parameter
-counts and dtypes.
+"""The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
+Large, Flux.1 dev and Stable Cascade's stage C (3.6 B and lite 1 B) under the low-memory options and, for the
+transformers and stage C, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -20,6 +20,7 @@ from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
 from ot_dist.models.families.sd import UNET_SHARD_UNITS
 from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
+from ot_dist.models.families.stable_cascade import CASCADE_ATTENTION, StableCascade
 
 GIB = 1024**3
 LORA_RANK = 16
@@ -60,20 +61,40 @@ SD35_LARGE = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, 
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
               feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False)
 VAE_16 = dict(VAE, latent_channels=16, use_quant_conv=False, use_post_quant_conv=False)
+# stabilityai/stable-cascade-prior's prior (stage C, 3.6 B) and prior_lite (1 B) configs; CLIP-G as the prior's text
+# encoder (OpenCLIP bigG with its projection); the EfficientNetV2-S image encoder in place of a VAE.
+CASCADE_BLOCKS = (("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),) * 2
+STAGE_C = dict(in_channels=16, out_channels=16, timestep_ratio_embedding_dim=64, patch_size=1, conditioning_dim=2048,
+               block_out_channels=(2048, 2048), num_attention_heads=(32, 32), down_num_layers_per_block=(8, 24),
+               up_num_layers_per_block=(24, 8), down_blocks_repeat_mappers=(1, 1), up_blocks_repeat_mappers=(1, 1),
+               block_types_per_layer=CASCADE_BLOCKS, clip_text_in_channels=1280, clip_text_pooled_in_channels=1280,
+               clip_image_in_channels=768, clip_seq=4, kernel_size=3, dropout=(0.1, 0.1), self_attn=True,
+               timestep_conditioning_type=("sca", "crp"), switch_level=(False,))
+STAGE_C_LITE = dict(STAGE_C, conditioning_dim=1536, block_out_channels=(1536, 1536), num_attention_heads=(24, 24),
+                    down_num_layers_per_block=(4, 12), up_num_layers_per_block=(12, 4))
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
     "SDXL": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
     "SD3.5 Large": ("transformer", SD3_LORA_TARGETS, ("transformer_blocks",)),
     "Flux.1 dev": ("transformer", FLUX_LORA_TARGETS, ("transformer_blocks", "single_transformer_blocks")),
+    "Stable Cascade C": ("prior", CASCADE_ATTENTION, StableCascade.shard_units["prior"]),
+    "Stable Cascade C lite": ("prior", CASCADE_ATTENTION, StableCascade.shard_units["prior"]),
 }
 
 
 def build_components(model: str) -> dict[str, torch.nn.Module]:
-    from diffusers import AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel, UNet2DConditionModel
+    from diffusers import (AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel, StableCascadeUNet,
+                           UNet2DConditionModel)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
+    from ot_dist.models.efficientnet import EfficientNetEncoder
+
     with torch.device("meta"):
+        if model.startswith("Stable Cascade C"):
+            return {"prior": StableCascadeUNet(**(STAGE_C_LITE if model.endswith("lite") else STAGE_C)),
+                    "text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG)),
+                    "effnet": EfficientNetEncoder()}
         if model == "Flux.1 dev":
             return {"transformer": FluxTransformer2DModel(**FLUX_DEV),
                     "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
@@ -170,7 +191,7 @@ def trained_rows(models: dict) -> list[str]:
 
 
 def denoiser_of(components: dict) -> str:
-    return "unet" if "unet" in components else "transformer"
+    return next(name for name in ("unet", "transformer", "prior") if name in components)
 
 
 def trained_shapes(components: dict, targets=None) -> dict[str, list[tuple[int, ...]]]:
@@ -226,7 +247,7 @@ def fsdp_rows(models: dict, ranks=(8, 64)) -> list[str]:
     rows = ["| model | ranks | sharded weights + grads + AdamW GiB/rank | bf16 all-gather peak GiB | total GiB/rank "
             "| largest unit / model |", "|---|--:|--:|--:|--:|--:|"]
     for model, components in models.items():
-        if denoiser_of(components) != "transformer":
+        if denoiser_of(components) == "unet":
             continue
         for n in ranks:
             b = fsdp_rank_bytes(components, model, n)

@@ -17,7 +17,9 @@ The converter knows no family. A family declares, as data on its `Family` (ot_di
   outside the level as in the original model;
 - `lora_file_renames`: component -> {module path: the path the file names instead}, for the few modules whose
   kohya names a loader cannot read back (diffusers turns `lora_unet_add_embedding_linear_1` into
-  `add_embedding.linear` and drops it; SDXL names it by its original `label_emb.0.0`, as kohya does).
+  `add_embedding.linear` and drops it; SDXL names it by its original `label_emb.0.0`, as kohya does). A path
+  `*.a.b` -> `*.c` renames the end of every module path ending in `.a.b` (Stable Cascade's diffusers attention
+  `attention.to_out.0` is the original `attention.attn.out_proj` in every block).
 """
 
 from __future__ import annotations
@@ -41,7 +43,12 @@ class KohyaNames:
     renames: tuple[tuple[str, str], ...] = ()  # (module path, the path the file uses), whole modules only
 
     def module_name(self, path: str) -> str:
-        path = dict(self.renames).get(path, path)
+        renames = dict(self.renames)
+        path = renames.get(path, path)
+        for old, new in renames.items():  # "*.a.b" -> "*.c": every module path ending in .a.b
+            if old.startswith("*.") and path.endswith(old[1:]):
+                path = path[: -len(old) + 1] + new[1:]
+                break
         full = f"{self.root}.{path}" if self.root else path
         return f"{self.prefix}_{full.replace('.', '_')}"
 

@@ -29,7 +29,7 @@ class LoadedModel:
 
     @property
     def vae(self) -> torch.nn.Module:
-        return self.pipeline.vae
+        return getattr(self.pipeline, self.family.latent_encoder)
 
     @property
     def text_encoders(self) -> dict[str, torch.nn.Module]:
@@ -66,7 +66,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # Offline by default: a training job must never stall on, or silently depend on, a hub download.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if path.is_dir():
-        pipeline = _load_folder(family, path)
+        pipeline = family.complete_pipeline(_load_folder(family, path), path, config)
     elif path.is_file():
         pipeline = family.load_single_file(path, config.config, config)
     else:
@@ -84,7 +84,8 @@ def _load_folder(family: Family, path: Path):
     if not index.is_file():
         raise InputFileError(f"model.path: {path} is not a diffusers model folder (no model_index.json)")
     try:
-        found = json.loads(index.read_text()).get("_class_name")
+        content = json.loads(index.read_text())
+        found = content.get("_class_name")
     except json.JSONDecodeError as err:
         raise InputFileError(f"model.path: {index} is not valid JSON: {err}") from None
     if found not in family.pipeline_classes():
@@ -95,6 +96,9 @@ def _load_folder(family: Family, path: Path):
     import diffusers
 
     try:
+        pipeline = family.load_folder(path, content)
+        if pipeline is not None:
+            return pipeline
         return getattr(diffusers, found).from_pretrained(
             path, dtype=torch.float32, use_safetensors=True, local_files_only=True
         )

@@ -170,3 +170,57 @@ class FlowMatching(Objective):
         shift = (f"dynamic shift {self.dynamic.base_shift}..{self.dynamic.max_shift}" if self.dynamic
                  else f"shift {self.shift}")
         return f"flow matching (target noise - latents), {shift}"
+
+
+def cosine_alpha_cumprod(t: torch.Tensor, s: float = 0.008) -> torch.Tensor:
+    """Würstchen's continuous cosine schedule (DDPMWuerstchenScheduler with scaler 1): alpha-bar at t in [0, 1],
+    clamped to [1e-4, 0.9999]."""
+    t = t.double()
+    init = math.cos(s / (1 + s) * math.pi * 0.5) ** 2
+    return (torch.cos((t + s) / (1 + s) * math.pi * 0.5) ** 2 / init).clamp(0.0001, 0.9999)
+
+
+class ContinuousCosine(Objective):
+    """Epsilon prediction over Würstchen's continuous time t in (0, 1] (Würstchen v2 / Stable Cascade's stage C).
+    The time is OneTrainer's: an integer draw among `num_timesteps` = 10000 steps (so loss.min_timestep /
+    max_timestep / timestep_distribution apply as for DDPM), t = (i + 1) / 10000, then `t x scale + offset` clamped
+    to [offset, 1] (Stable Cascade: scale 1, Würstchen v2: 1.08; offset 0.001). Timesteps are t itself, the unit
+    the prior's `timestep_ratio` and DDPMWuerstchenScheduler use."""
+
+    kind = "ddpm"
+    prediction_type = "epsilon"  # the only one DDPMWuerstchenScheduler samples with
+
+    def __init__(self, scale: float = 1.0, offset: float = 0.001, num_timesteps: int = 10000):
+        self.scale, self.offset, self.num_timesteps = scale, offset, num_timesteps
+
+    def draw(self, g, options, latent_shape):
+        discrete = draw_timestep(g, self.num_timesteps, options)
+        t = (discrete.double() + 1) / self.num_timesteps
+        return (t * self.scale + self.offset).clamp(self.offset, 1.0).float()
+
+    def _view(self, values: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return values.to(like.device, like.dtype).view(-1, *([1] * (like.dim() - 1)))
+
+    def noisy(self, latents, noise, timesteps):
+        alpha_bar = cosine_alpha_cumprod(timesteps)
+        return self._view(alpha_bar.sqrt(), latents) * latents + self._view((1 - alpha_bar).sqrt(), latents) * noise
+
+    def target(self, latents, noise, timesteps):
+        return noise
+
+    def sample_weights(self, timesteps, options):
+        name, strength = options.weighting()
+        # ddpm_weights indexes a table by timestep; here each sample brings its own alpha-bar
+        index = torch.arange(timesteps.shape[0], device=timesteps.device)
+        return ddpm_weights(name, strength, cosine_alpha_cumprod(timesteps), index, self.prediction_type)
+
+    def offset_noise_psi(self, timesteps, options):
+        if options.generalized_offset_noise:
+            from ot_dist.errors import ConfigError
+
+            raise ConfigError("loss.generalized_offset_noise: needs a discrete beta schedule; Würstchen's is "
+                              "continuous")
+        return None
+
+    def describe(self) -> str:
+        return f"epsilon prediction, continuous cosine time (scale {self.scale}, offset {self.offset})"

@@ -164,6 +164,9 @@ def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, pred
     folder = Path(folder)
     pipe = build_tiny_pipeline(family, seed=seed, prediction_type=prediction_type, inpainting=inpainting, **options)
     pipe.save_pretrained(folder, safe_serialization=True)
+    from ot_dist.models.families.registry import get_family
+
+    get_family(family).save_extras(pipe, folder)
     from ot_dist.file_modes import share_with_umask
 
     share_with_umask(folder)  # diffusers writes its safetensors 0600

@@ -15,7 +15,9 @@ from ot_dist.memory.table import DENOISERS, GIB, SETUPS, Setup, build_components
 # GiB for activations (checkpointed, batch 1, native resolution) + CUDA context + allocator slack. Estimates from
 # the activation sizes of the blocks at that resolution (not measured on a GPU yet: docs/performance.md has the
 # bench's measured peaks, which these must stay above).
-ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev": 6.0}
+# Stable Cascade's prior runs on 24 x 24 latents at 1024 px (576 positions): small activations for its width.
+ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev": 6.0, "Stable Cascade C": 3.0,
+                   "Stable Cascade C lite": 2.0}
 NO_CHECKPOINTING_FACTOR = 4
 
 

@@ -53,6 +53,22 @@ class Family:
     shard_units: dict[str, tuple[str, ...]] = {}
 
     # -- latents ----------------------------------------------------------------------------------------
+    # The pipeline attribute that turns pixels into latents: a diffusers VAE, or an encoder with the same `encode`
+    # answer (`.latent_dist.mean` / `.std`) that `complete_pipeline` attaches (Stable Cascade's EfficientNet).
+    latent_encoder: str = "vae"
+
+    def complete_pipeline(self, pipeline, path: Path, model_config):
+        """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""
+        return pipeline
+
+    def load_folder(self, path: Path, index: dict):
+        """The pipeline of a diffusers folder (model_index.json's content in `index`) for a family whose pipeline
+        from_pretrained cannot reload it (a component class diffusers does not export); None = from_pretrained."""
+        return None
+
+    def save_extras(self, pipeline, folder: Path) -> None:
+        """Write into a saved pipeline folder what `complete_pipeline` reads back (nothing for most families)."""
+
     # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching (a UNet
     # pads odd sizes itself). data.bucket_step must be a multiple of it.
     pixel_multiple: int = 8

@@ -15,6 +15,8 @@ FAMILY_MODULES: dict[str, str] = {
     "chroma": "ot_dist.models.families.flux",
     "pixart_alpha": "ot_dist.models.families.pixart",
     "pixart_sigma": "ot_dist.models.families.pixart",
+    "stable_cascade": "ot_dist.models.families.stable_cascade",
+    "wuerstchen_v2": "ot_dist.models.families.stable_cascade",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)

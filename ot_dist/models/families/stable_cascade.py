@@ -1,0 +1,229 @@
+"""Stable Cascade (Würstchen v3) and Würstchen v2: training the prior, stage C, as OneTrainer does. Two families,
+one module: both denoise EfficientNetV2-S latents with Würstchen's continuous cosine schedule; `wuerstchen_v2`
+(below the Stable Cascade class) differs in its prior (`WuerstchenPrior`), text input and latent scaling.
+
+- Components: the diffusers `StableCascadePriorPipeline` folder (prior, CLIP-G `CLIPTextModelWithProjection`,
+  tokenizer, `DDPMWuerstchenScheduler`), plus Stability's `effnet_encoder.safetensors` (EfficientNetV2-S + mapper,
+  ot_dist/models/efficientnet.py) put into that folder: it turns images into stage C's 16-channel latents (a 1024 px
+  side -> 24) and is cached like VAE latents (data.cache_latents). The latents are used as they come (OneTrainer
+  scales only Würstchen v2's).
+- Text: CLIP-G's last hidden states (`clip_text`) and projected pooled output (`clip_text_pooled`, one token); the
+  image conditioning `clip_img` is zeros, as OneTrainer trains text-to-image.
+- Objective: epsilon on the continuous cosine schedule, t in (0, 1] (ot_dist/models/objectives.py ContinuousCosine),
+  OneTrainer's draw (i + 1) / 10000 + 0.001; loss.weight_fn (P2, MIN_SNR_GAMMA, ...) from alpha-bar(t).
+- LoRA: diffusers 0.42 gives StableCascadeUNet no `add_adapter`; ot_dist's LoRA injects peft directly. The file is
+  kohya-style under `lora_prior_unet_` with the original stage C module paths (the prefix ComfyUI maps onto stage C
+  and OneTrainer writes); diffusers' `to_out.0` of the attention is the original `out_proj`.
+- Sampling needs the frozen decoder stages (stage B and the Paella VQGAN) that a prior folder does not hold; ot_dist
+  does not sample this family during training yet (docs/families.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ot_dist.models.families.base import Family
+from ot_dist.models.objectives import ContinuousCosine
+
+# Attention projections (SDCascadeAttnBlock's self+cross attention) and the text-conditioning kv mapper:
+# OneTrainer's "attn-only" filter for Stable Cascade is the attention; "attention_mlp" adds the blocks' channel MLP.
+CASCADE_ATTENTION = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
+CASCADE_ATTENTION_MLP = CASCADE_ATTENTION + ("kv_mapper.1", "channelwise.0", "channelwise.4")
+CLIP_IMAGE_TOKENS = 1  # the pipeline's zero image embedding for text-to-image: one token
+
+
+class StableCascade(Family):
+    name = "stable_cascade"
+    description = "Stable Cascade stage C prior (StableCascadeUNet on EfficientNetV2-S latents, CLIP-G)"
+    pipeline_class = "StableCascadePriorPipeline"
+    denoiser = "prior"
+    text_encoders = ("text_encoder",)
+    tokenizers = ("tokenizer",)
+    embedding_keys = {}  # no embedding method for this family yet
+    denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
+                             "attention_mlp": CASCADE_ATTENTION_MLP}
+    # down_blocks / up_blocks are lists of lists: each inner list (a level) holds the Res / Timestep / Attn blocks;
+    # a unit is one block of a level (3.6 B: 192 units, the largest 1.4 %).
+    shard_units = {"prior": ("down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1"),
+                   "text_encoder": ("text_model.encoder.layers",)}
+    pixel_multiple = 128  # x 3/4 / 32: whole latents (a 128 px side -> 3)
+    bucket_step = 128
+    latent_encoder = "effnet"
+    samplers = ()  # sampling needs the decoder stages (see the module docstring)
+    memory_reference = "Stable Cascade C"  # the 3.6 B prior; the lite prior (1 B): its own row
+    lora_file_prefixes = {"prior": "lora_prior_unet", "text_encoder": "lora_te"}
+    lora_file_roots = {"text_encoder": "text_model"}
+    # diffusers' Attention of an SDCascadeAttnBlock is the original Attention2D's `attn` (nn.MultiheadAttention,
+    # which ComfyUI splits into to_q / to_k / to_v and keeps `out_proj`); the other modules keep their names.
+    lora_file_renames = {"prior": {"*.attention.to_q": "*.attention.attn.to_q",
+                                   "*.attention.to_k": "*.attention.attn.to_k",
+                                   "*.attention.to_v": "*.attention.attn.to_v",
+                                   "*.attention.to_out.0": "*.attention.attn.out_proj"}}
+    time_scale = 1.0  # ContinuousCosine's scale (Würstchen v2: 1.08)
+    effnet_affine = False  # Stable Cascade's mapper BatchNorm has no weight / bias
+
+    def objective(self, pipeline, model_config) -> ContinuousCosine:
+        if model_config.prediction_type not in ("auto", "epsilon"):
+            from ot_dist.errors import ConfigError
+
+            raise ConfigError(f"model.prediction_type: {self.name} predicts epsilon only (DDPMWuerstchenScheduler)")
+        return ContinuousCosine(scale=self.time_scale)
+
+    def objective_kind(self) -> str:
+        return "ddpm"
+
+    def complete_pipeline(self, pipeline, path: Path, model_config):
+        from ot_dist.errors import InputFileError
+        from ot_dist.models.efficientnet import FILE_NAME, EffnetConfig, load_effnet
+
+        file = path / FILE_NAME
+        if not file.is_file():
+            raise InputFileError(f"model.path: {path} has no {FILE_NAME}: put Stability's stage C image encoder "
+                                 f"(stabilityai/stable-cascade, {FILE_NAME}) into the prior folder")
+        pipeline.effnet = load_effnet(file, None if file.with_name("effnet_encoder.json").is_file()
+                                      else EffnetConfig(affine=self.effnet_affine))
+        return pipeline
+
+    # -- single files: Stability's stage_c.safetensors layout (ot_dist/models/families/cascade_single_file.py) --
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.cascade_single_file import cascade_from_original, validate_cascade_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        pipeline = load_transformer_file(path, config_folder, self, cascade_from_original, validate_cascade_file)
+        return self.complete_pipeline(pipeline, Path(config_folder), model_config)
+
+    def export_single_file(self, components, states, path, dtype):
+        """The prior alone, bare keys, as Stability ships stage_c.safetensors."""
+        from ot_dist.models.families.cascade_single_file import cascade_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        write_transformer_file(cascade_to_original(states["prior"]), path, dtype)
+
+    # -- latents ----------------------------------------------------------------------------------------
+    def latent_shape(self, vae, pixel_height, pixel_width):
+        return torch.Size((vae.config.c_latent, vae.latent_size(pixel_height), vae.latent_size(pixel_width)))
+
+    def normalize_latents(self, vae, latents):
+        return latents  # the mapper's BatchNorm already normalises them (OneTrainer: used as they are)
+
+    # -- text -------------------------------------------------------------------------------------------
+    def tokenize(self, tokenizers, captions):
+        tokenizer = tokenizers["tokenizer"]
+        encoded = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length, truncation=True,
+                            return_tensors="pt")
+        return {"text_encoder": encoded.input_ids, "text_encoder_mask": encoded.attention_mask}
+
+    def encode_text(self, text_encoders, tokens):
+        encoder = text_encoders["text_encoder"]
+        # As the prior pipeline: the attention mask in, the last hidden states and the projected pooled output.
+        out = encoder(tokens["text_encoder"].to(encoder.device),
+                      attention_mask=tokens["text_encoder_mask"].to(encoder.device), output_hidden_states=True)
+        return {"hidden": out.hidden_states[-1], "pooled": out.text_embeds.unsqueeze(1)}
+
+    # -- the denoiser call ------------------------------------------------------------------------------
+    def predict(self, denoiser, noisy, timesteps, conditioning, batch):
+        hidden = conditioning["hidden"]
+        clip_img = torch.zeros(hidden.shape[0], CLIP_IMAGE_TOKENS, denoiser.config.clip_image_in_channels,
+                               device=hidden.device, dtype=hidden.dtype)
+        return denoiser(noisy, timestep_ratio=timesteps.to(noisy.dtype), clip_text_pooled=conditioning["pooled"],
+                        clip_text=hidden, clip_img=clip_img, return_dict=False)[0]
+
+    # -- demo and tests ---------------------------------------------------------------------------------
+    def build_tiny(self, seed: int = 0, **_):
+        from diffusers import DDPMWuerstchenScheduler, StableCascadePriorPipeline, StableCascadeUNet
+        from transformers import CLIPTextModelWithProjection
+
+        from ot_dist.models.efficientnet import EfficientNetEncoder, tiny_effnet_config
+        from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config, tiny_clip_tokenizer
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_clip_tokenizer()
+        # The real block layout (two levels of Res / Timestep / Attn blocks, sca / crp time conditioning), narrow.
+        prior = StableCascadeUNet(
+            in_channels=16, out_channels=16, timestep_ratio_embedding_dim=64, patch_size=1, conditioning_dim=32,
+            block_out_channels=(32, 32), num_attention_heads=(2, 2), down_num_layers_per_block=(1, 1),
+            up_num_layers_per_block=(1, 1), down_blocks_repeat_mappers=(1, 1), up_blocks_repeat_mappers=(1, 1),
+            block_types_per_layer=(("SDCascadeResBlock", "SDCascadeTimestepBlock", "SDCascadeAttnBlock"),) * 2,
+            clip_text_in_channels=TEXT_HIDDEN, clip_text_pooled_in_channels=TEXT_HIDDEN, clip_image_in_channels=16,
+            clip_seq=4, kernel_size=3, dropout=(0.0, 0.0), self_attn=True, timestep_conditioning_type=("sca", "crp"),
+            switch_level=(False,))
+        pipeline = StableCascadePriorPipeline(
+            tokenizer=tokenizer, text_encoder=CLIPTextModelWithProjection(clip_text_config(len(tokenizer), "gelu")),
+            prior=prior, scheduler=DDPMWuerstchenScheduler())
+        pipeline.effnet = EfficientNetEncoder(tiny_effnet_config())
+        return pipeline
+
+    def save_extras(self, pipeline, folder: Path) -> None:
+        from ot_dist.models.efficientnet import save_effnet
+
+        save_effnet(pipeline.effnet, folder)
+
+
+class WuerstchenV2(StableCascade):
+    """Würstchen v2's prior (`WuerstchenPrior`: one level of Res / Timestep / Attn blocks) conditioned on CLIP's last
+    hidden states (`c`), the time as `r`. Its latents are the EfficientNet's (affine mapper norm) as (x + 1) / 42
+    (OneTrainer; the pipeline undoes it with latent_mean 42, latent_std 1), its time t x 1.08 + 0.001. diffusers 0.42
+    keeps WuerstchenPrior under `deprecated` and a saved pipeline folder does not reload by itself
+    ("`diffusers` has no class `WuerstchenPrior`", even with the prior passed in): `load_folder` loads the
+    components one by one and builds the pipeline."""
+
+    name = "wuerstchen_v2"
+    description = "Würstchen v2 prior (WuerstchenPrior on EfficientNetV2-S latents, CLIP last hidden states)"
+    pipeline_class = "WuerstchenPriorPipeline"
+    denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
+                             "attention_mlp": CASCADE_ATTENTION_MLP}
+    shard_units = {"prior": ("blocks",), "text_encoder": ("text_model.encoder.layers",)}
+    single_file = False  # no original single-file layout of Würstchen v2's prior in ot_dist
+    lora_file_prefixes = None  # no UI reads Würstchen v2 LoRAs by kohya names: the diffusers layout
+    lora_file_renames = {}
+    memory_reference = None
+    time_scale = 1.08
+    effnet_affine = True
+    latent_mean, latent_std = 42.0, 1.0
+
+    def load_folder(self, path: Path, index: dict):
+        from diffusers import DDPMWuerstchenScheduler, WuerstchenPriorPipeline
+        from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
+        from transformers import CLIPTextModel, CLIPTokenizer
+
+        settings = {k: index[k] for k in ("latent_mean", "latent_std", "resolution_multiple") if k in index}
+        return WuerstchenPriorPipeline(
+            tokenizer=CLIPTokenizer.from_pretrained(path / "tokenizer"),
+            text_encoder=CLIPTextModel.from_pretrained(path / "text_encoder", dtype=torch.float32),
+            prior=WuerstchenPrior.from_pretrained(path / "prior", torch_dtype=torch.float32),
+            scheduler=DDPMWuerstchenScheduler.from_pretrained(path / "scheduler"), **settings)
+
+    def normalize_latents(self, vae, latents):
+        return (latents + self.latent_std) / self.latent_mean  # the pipeline's output x 42 - 1, inverted
+
+    def encode_text(self, text_encoders, tokens):
+        encoder = text_encoders["text_encoder"]
+        out = encoder(tokens["text_encoder"].to(encoder.device),
+                      attention_mask=tokens["text_encoder_mask"].to(encoder.device))
+        return {"hidden": out.last_hidden_state}  # as WuerstchenPriorPipeline.encode_prompt
+
+    def predict(self, denoiser, noisy, timesteps, conditioning, batch):
+        return denoiser(noisy, r=timesteps.to(noisy.dtype), c=conditioning["hidden"])
+
+    def build_tiny(self, seed: int = 0, **_):
+        from diffusers import DDPMWuerstchenScheduler, WuerstchenPriorPipeline
+        from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
+        from transformers import CLIPTextModel
+
+        from ot_dist.models.efficientnet import EfficientNetEncoder, tiny_effnet_config
+        from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config, tiny_clip_tokenizer
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_clip_tokenizer()
+        prior = WuerstchenPrior(c_in=16, c=32, c_cond=TEXT_HIDDEN, c_r=64, depth=2, nhead=2, dropout=0.0)
+        pipeline = WuerstchenPriorPipeline(
+            tokenizer=tokenizer, text_encoder=CLIPTextModel(clip_text_config(len(tokenizer), "gelu")), prior=prior,
+            scheduler=DDPMWuerstchenScheduler())
+        config = tiny_effnet_config()
+        pipeline.effnet = EfficientNetEncoder(type(config)(**{**config.__dict__, "affine": True}))
+        return pipeline
+
+
+FAMILIES = {"stable_cascade": StableCascade(), "wuerstchen_v2": WuerstchenV2()}
