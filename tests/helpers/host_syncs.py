@@ -1,0 +1,139 @@
+"""Count the reads that would block the host on the device (issue 21), on the CPU.
+
+On a GPU, `.item()`, `.tolist()`, `.cpu()`, `.numpy()`, `bool()` / `float()` / `int()` of a tensor and
+`torch.cuda.synchronize()` wait for every queued kernel. On the CPU nothing waits, so these calls are
+counted instead, with the Python stack of each (the ot_dist frames), as `torch.cuda.set_sync_debug_mode` would
+report them. Tensors that live on the host on a GPU run too (the loader's batches, torch's optimizer `step`
+counters, which stay on the CPU unless fused or capturable) are registered with `host()` and not counted.
+"""
+
+from __future__ import annotations
+
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@dataclass
+class Sync:
+    kind: str
+    where: str  # the innermost ot_dist frames, innermost last
+    phase: str
+
+
+@dataclass
+class SyncCounter:
+    syncs: list[Sync] = field(default_factory=list)
+    phase: str = "step"
+    _host: set[int] = field(default_factory=set)
+    _keep: list[torch.Tensor] = field(default_factory=list)  # keeps registered ids from being reused
+    also_host: object = None  # a predicate: more tensors that stay on the host on a GPU run
+
+    def host(self, *tensors) -> None:
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._host.add(id(t))
+                self._keep.append(t)
+
+    def _record(self, kind: str, tensor: torch.Tensor | None) -> None:
+        if tensor is not None and (id(tensor) in self._host or (self.also_host and self.also_host(tensor))):
+            return
+        frames = [f for f in traceback.extract_stack()[:-2] if "ot_dist" in f.filename]
+        where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
+        self.syncs.append(Sync(kind, where, self.phase))
+
+    def in_phase(self, phase: str) -> list[Sync]:
+        return [s for s in self.syncs if s.phase == phase]
+
+    @contextmanager
+    def during(self, phase: str):
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    @contextmanager
+    def counting(self):
+        originals = {name: getattr(torch.Tensor, name) for name in READS}
+        synchronize = torch.cuda.synchronize
+        active = [True]  # a read inside a counted read (tolist -> item) is one sync, not two
+
+        def counted(name):
+            original = originals[name]
+
+            def read(tensor, *args, **kwargs):
+                if not active[0]:
+                    return original(tensor, *args, **kwargs)
+                self._record(name, tensor)
+                active[0] = False
+                try:
+                    return original(tensor, *args, **kwargs)
+                finally:
+                    active[0] = True
+            return read
+
+        def cuda_synchronize(*args, **kwargs):
+            self._record("cuda.synchronize", None)
+            return synchronize(*args, **kwargs) if torch.cuda.is_available() else None
+
+        try:
+            for name in READS:
+                setattr(torch.Tensor, name, counted(name))
+            torch.cuda.synchronize = cuda_synchronize
+            yield self
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+            torch.cuda.synchronize = synchronize
+
+
+def count_trainer_syncs(trainer) -> tuple[SyncCounter, object]:
+    """Train `trainer` while counting. Phases: "data" (the loader: host work), "log" (`_log_window`), "other"
+    (checkpoints, exports, samples: not the step path) and "step" (micro steps, the step guard, the optimizer
+    step). The loader's batches and torch's CPU `step` counters of the optimizer are host tensors.
+    Returns the counter and the TrainResult."""
+    counter = SyncCounter()
+    optimizer = trainer.optimizer
+    step_counters: dict = {}  # len(optimizer.state) -> ids of its `step` tensors
+
+    def is_step_counter(tensor):
+        if len(optimizer.state) not in step_counters:
+            step_counters.clear()
+            step_counters[len(optimizer.state)] = {id(s.get("step")) for s in optimizer.state.values()}
+        return id(tensor) in step_counters[len(optimizer.state)]
+
+    counter.also_host = is_step_counter
+    batches = trainer.epoch_batches
+
+    def host_batches(epoch):
+        loader = iter(batches(epoch))
+        while True:
+            with counter.during("data"):
+                batch = next(loader, None)
+            if batch is None:
+                return
+            counter.host(*(v for v in batch.values() if isinstance(v, torch.Tensor)))
+            counter.host(*(t for v in batch.values() if isinstance(v, (list, tuple)) for t in v))
+            yield batch
+
+    def in_phase(phase, function):
+        def wrapped(*args, **kwargs):
+            with counter.during(phase):
+                return function(*args, **kwargs)
+        return wrapped
+
+    trainer.epoch_batches = host_batches
+    trainer._log_window = in_phase("log", trainer._log_window)
+    for name in ("export", "_save"):
+        setattr(trainer, name, in_phase("other", getattr(trainer, name)))
+    for name in ("after_step", "at_end"):
+        setattr(trainer.sampler, name, in_phase("other", getattr(trainer.sampler, name)))
+    with counter.counting():
+        result = trainer.train()
+    return counter, result
