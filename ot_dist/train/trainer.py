@@ -41,6 +41,7 @@ from ot_dist.tracking import start_sender, start_tracking
 from ot_dist.tracking.base import Tracker
 from ot_dist.tracking.facts import memory_metrics
 from ot_dist.tracking.progress import Progress
+from ot_dist.tracking.utilization import UtilizationMeter
 from ot_dist.tracking.window import StepRecord, StepWindow, applied_learning_rates, window_mean_loss
 from ot_dist.train.steps import plan_steps
 from ot_dist.train.stopping import StepGuard, StopSignals
@@ -114,6 +115,9 @@ class Trainer:
         self.precision = self.strategy.precision
         self.params = [p for g in self.groups for p in g.params]
         self.adaptive = config.optimizer.adaptive
+        self.utilization = None  # MFU per log window: where it is tracked and the device's peak FLOP/s is known
+        if config.mlflow.enabled and self.runtime.is_main:
+            self.utilization = UtilizationMeter(self.device, config.train_dtype, config.gradient_checkpointing, self.log)
         self.checkpointer = Checkpointer(self)
         self.position = Position()
         folder = self.run.resume_from
@@ -323,10 +327,14 @@ class Trainer:
 
     def micro_step(self, batch: dict, epoch: int, accumulation: int, last_micro_step: bool = True) -> torch.Tensor:
         self.strategy.prepare_micro_step(last_micro_step)
-        with self.strategy.autocast():
-            loss = self.loss(batch, epoch)
-        self.strategy.backward(loss, accumulation, last_micro_step)
-        return loss.detach()
+
+        def forward_backward() -> torch.Tensor:
+            with self.strategy.autocast():
+                loss = self.loss(batch, epoch)
+            self.strategy.backward(loss, accumulation, last_micro_step)
+            return loss.detach()
+
+        return self.utilization.micro_step(batch, forward_backward) if self.utilization else forward_backward()
 
     def loss(self, batch: dict, epoch: int) -> torch.Tensor:
         return diffusion_loss(self.model, batch, self.config.seed, epoch, self.config.loss, self.config.masked_training)
@@ -353,7 +361,9 @@ class Trainer:
         for s in steps:
             self.tracker.log_metrics(s.metrics, s.step, s.wall_time)
         last = steps[-1]
-        self.tracker.log_metrics({"samples_per_s": samples_per_s, **memory_metrics(self.device)}, last.step, last.wall_time)
+        utilization = self.utilization.take(seconds) if self.utilization else {}
+        self.tracker.log_metrics({"samples_per_s": samples_per_s, **utilization, **memory_metrics(self.device)},
+                                 last.step, last.wall_time)
         progress.window(last.step, last.epoch, window_mean_loss(steps), last.metrics, samples_per_s)
         for notice in self.tracker.take_notices():
             progress.write(f"warning: {notice}")

@@ -1,0 +1,73 @@
+"""Model FLOPs utilisation per log window (issue 21): the FLOPs of the micro steps a window ran, over its seconds
+and the device's peak FLOP/s (`ot_dist.bench.flops.PEAK_FLOPS`, by device name).
+
+The FLOPs of a micro step are counted with torch's FlopCounterMode (as `ot-dist bench` counts them) on the first
+micro step of each batch shape (aspect buckets differ), during that real step: no extra pass, no host sync. Later
+micro steps of a shape add the cached count. With gradient checkpointing the backward re-runs forwards, which the
+counter sees: the value is then hardware FLOPs utilisation and is logged as `hfu`, not `mfu`. On a device with no
+known peak (CPUs, GPUs missing from the table) nothing is counted and the log says so once."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from ot_dist.bench.flops import peak_flops
+
+
+def batch_shape(batch: dict) -> tuple:
+    """What the FLOPs of a micro batch depend on: the shapes of its tensors (host metadata, no sync)."""
+    return tuple(sorted((k, tuple(v.shape)) for k, v in batch.items() if isinstance(v, torch.Tensor)))
+
+
+class UtilizationMeter:
+    def __init__(self, device: torch.device, train_dtype: str, recomputes: bool, log=print,
+                 peak: Callable[[torch.device, str], float | None] = peak_flops):
+        self.peak = peak(device, train_dtype)
+        self.name = "hfu" if recomputes else "mfu"
+        self.flops_of: dict[tuple, int] = {}
+        self.window_flops = 0
+        if self.peak is None:
+            log(f"{self.name}: no peak FLOP/s known for this device ({device_label(device)}): "
+                f"{self.name} is not logged (known: {', '.join(known_devices())})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.peak is not None
+
+    def micro_step(self, batch: dict, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """Run one micro step (forward + backward) and add its FLOPs to the window."""
+        if not self.enabled:
+            return run()
+        key = batch_shape(batch)
+        if key in self.flops_of:
+            loss = run()
+        else:
+            counter = FlopCounterMode(display=False)
+            with counter:
+                loss = run()
+            self.flops_of[key] = counter.get_total_flops()
+        self.window_flops += self.flops_of[key]
+        return loss
+
+    def take(self, seconds: float) -> dict[str, float]:
+        """The window's utilisation and achieved TFLOP/s (this rank's work on this rank's device); starts afresh."""
+        flops, self.window_flops = self.window_flops, 0
+        if not self.enabled or seconds <= 0 or flops == 0:
+            return {}
+        achieved = flops / seconds
+        return {self.name: achieved / self.peak, "tflops_per_s": achieved / 1e12}
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def known_devices() -> list[str]:
+    from ot_dist.bench.flops import PEAK_FLOPS
+
+    return list(PEAK_FLOPS)
