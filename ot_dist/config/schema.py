@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ot_dist.config.checkpoint import CheckpointConfig
+from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
 from ot_dist.config.sampling import SamplingConfig
@@ -467,6 +468,7 @@ class TrainConfig(Section):
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     ema: EMAConfig = Field(default_factory=EMAConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    performance: PerformanceConfig = Field(default_factory=PerformanceConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     masked_training: MaskedTrainingConfig = Field(default_factory=MaskedTrainingConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -522,6 +524,9 @@ class TrainConfig(Section):
                     f"multiples of it, so square images would train at "
                     f"{max(1, round(r / self.data.bucket_step)) * self.data.bucket_step} px); choose a multiple, or "
                     f"lower data.bucket_step (a multiple of {family.pixel_multiple} for {self.model.family})")
+        if self.performance.selective_checkpointing and not self.gradient_checkpointing:
+            raise ValueError("performance.checkpoint_every_n_blocks / checkpoint_only_attention choose what "
+                             "gradient_checkpointing recomputes; set gradient_checkpointing: true")
         parts = self.part_names()
         for name in PART_FIELDS:
             if name not in parts and getattr(self, name) != PartConfig():

@@ -32,6 +32,7 @@ from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.checkpointing import enable_gradient_checkpointing
 from ot_dist.train.ema import ShardedEMA
+from ot_dist.train.fast_path import apply_performance, attention_kernel, check_performance, selective_checkpointing
 from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
@@ -78,6 +79,7 @@ class Trainer:
         if (space := estimated_free_space_warning(config.output_dir, config.model.path, config.method)):
             self.log(f"warning: {space}")
         check_input_paths(config)  # a missing model is named before shards are built
+        check_performance(config.performance, self.device)
         for warning in setup_warnings(config, self.runtime.world_size):
             self.log(f"warning: {warning}")
         self.tracking_sender = start_sender(config, self.runtime.is_main, self.log)  # MLflow loads meanwhile, elsewhere
@@ -103,6 +105,7 @@ class Trainer:
         if config.data.cache_text:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
         self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
+        self._apply_performance()  # after that copy (samples run the plain modules), before wrapping
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
@@ -134,16 +137,25 @@ class Trainer:
         everything frozen in weight_dtype; then the low-memory options place each component."""
         weight_dtype = frozen_storage_dtype(self.config.weight_dtype)
         trained_dtype = DTYPES[self.config.trained_weight_dtype]
-        denoiser = self.model.denoiser
+        denoiser, performance = self.model.denoiser, self.config.performance
         for module in self.model.modules():
             trains = store_by_role(module, trained_dtype, weight_dtype)
             # The denoiser backpropagates whenever anything trains (text encoders learn through it).
             if self.config.gradient_checkpointing and (trains or module is denoiser):
-                enable_gradient_checkpointing(module)
+                if not (module is denoiser and performance.selective_checkpointing):  # that one: _apply_performance
+                    enable_gradient_checkpointing(module)
             # With cached text a frozen text encoder runs once, over the captions (and for samples): it stays in
             # CPU memory and is streamed to the device for those passes, so a T5-XXL never occupies it.
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
             place_component(module, self.config, self.device, offloadable=module is not denoiser, prefer_cpu=cached_text)
+
+    def _apply_performance(self) -> None:
+        """Selective checkpointing, float8 matmuls, channels_last and regional compilation of the denoiser."""
+        performance = self.config.performance
+        if self.config.gradient_checkpointing and performance.selective_checkpointing:
+            chosen = selective_checkpointing(self.model, performance)
+            self.log(f"gradient checkpointing: {len(chosen)} denoiser modules recompute in backward")
+        apply_performance(self.model, performance, self.device, self.config.strategy, self.log)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
         """Honour `<part>.stop_training_after`: a stopped part no longer gets gradients or updates."""
@@ -329,9 +341,10 @@ class Trainer:
         self.strategy.prepare_micro_step(last_micro_step)
 
         def forward_backward() -> torch.Tensor:
-            with self.strategy.autocast():
-                loss = self.loss(batch, epoch)
-            self.strategy.backward(loss, accumulation, last_micro_step)
+            with attention_kernel(self.config.performance):  # backward too: it may recompute attention
+                with self.strategy.autocast():
+                    loss = self.loss(batch, epoch)
+                self.strategy.backward(loss, accumulation, last_micro_step)
             return loss.detach()
 
         return self.utilization.micro_step(batch, forward_backward) if self.utilization else forward_backward()

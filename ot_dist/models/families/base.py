@@ -32,6 +32,8 @@ class Family:
     pipeline_class: str  # the diffusers pipeline that loads / saves / samples the whole model
     inpaint_pipeline_class: str | None = None  # the pipeline of the family's inpainting denoisers, if any
     denoiser: str = "unet"  # the diffusers component name of the denoiser: "unet" or "transformer"
+    # Mostly convolutions (a UNet): performance.channels_last auto stores it NHWC on CUDA.
+    convolutional_denoiser: bool = False
     text_encoders: tuple[str, ...] = ()  # diffusers component names, in the order encode_text uses them
     tokenizers: tuple[str, ...] = ()  # one per text encoder
     # Text encoders that can take new token vectors (method embedding), with the key each one gets in the

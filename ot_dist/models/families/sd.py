@@ -23,6 +23,7 @@ class UNetFamily(Family):
     """What SD 1.x, 2.x and SDXL share: the UNet, the DDPM objective, the original single-file layout."""
 
     denoiser = "unet"
+    convolutional_denoiser = True
     denoiser_lora_presets = {"default": UNET_LORA_TARGETS, "attention": ("to_q", "to_k", "to_v", "to_out.0")}
     shard_units = {"unet": UNET_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS}
     pixel_multiple = 8

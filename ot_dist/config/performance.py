@@ -1,0 +1,64 @@
+"""The `performance` section: compute options of the training step on GPUs (issue 21). What each does and which CPU
+proxy guards it: docs/performance.md. Device-dependent choices (float8 needs CUDA sm89+) are checked when the
+run starts (ot_dist/train/fast_path.py), the rest here."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ot_dist.config.section import Section
+
+
+class PerformanceConfig(Section):
+    """Off by default where a choice can change results or fail on some setups."""
+
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each repeated block of the denoiser (its family's shard units: UNet resnets and "
+        "attention blocks, transformer blocks) in place: regional compilation, so weight names, FSDP2 units and "
+        "checkpointing are unchanged and compile time is one block's per distinct shape.",
+    )
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
+        default="inductor",
+        description="torch.compile's backend (inductor generates kernels; aot_eager only traces, for debugging).",
+    )
+    channels_last: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description="Store the denoiser's convolution weights channels_last (NHWC: tensor cores without transposes). "
+        "auto = on for UNet families on CUDA; on = also elsewhere.",
+    )
+    attention_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
+        default="auto",
+        description="The only kernel scaled_dot_product_attention may use during training steps "
+        "(torch.nn.attention.sdpa_kernel); auto = torch's choice. A backend the device or inputs cannot run "
+        "fails the step with torch's reason.",
+    )
+    checkpoint_every_n_blocks: int = Field(
+        default=1, ge=1,
+        description="Selective activation checkpointing (with gradient_checkpointing): recompute only every N-th "
+        "block of the denoiser; the others keep their activations (faster, more memory).",
+    )
+    checkpoint_only_attention: bool = Field(
+        default=False,
+        description="Selective activation checkpointing (with gradient_checkpointing): recompute only the "
+        "denoiser's attention modules (whose activations grow with the square of the tokens).",
+    )
+    float8_matmuls: bool = Field(
+        default=False,
+        description="Train the denoiser's linear layers with float8 matmuls (torchao Float8Linear, dynamic "
+        "scaling; float32 master weights stay). CUDA with compute capability 8.9+ (Ada, Hopper) only, "
+        "needs the `float8` extra (torchao); refused elsewhere.",
+    )
+
+    @property
+    def selective_checkpointing(self) -> bool:
+        return self.checkpoint_every_n_blocks > 1 or self.checkpoint_only_attention
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "PerformanceConfig":
+        if self.checkpoint_every_n_blocks > 1 and self.checkpoint_only_attention:
+            raise ValueError("performance: checkpoint_every_n_blocks and checkpoint_only_attention choose different "
+                             "modules to recompute; set one")
+        return self

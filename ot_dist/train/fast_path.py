@@ -1,0 +1,122 @@
+"""The `performance` options applied to the loaded denoiser (issue 21): checked against the device once, then
+applied after placement and before a strategy wraps the modules, so sharding, checkpointing and exports see the
+same module tree and weight names. What each option does: docs/performance.md."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from ot_dist.config.performance import PerformanceConfig
+from ot_dist.errors import ConfigError
+
+# The kernels `performance.attention_backend` allows, by name; "auto" leaves torch's choice.
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
+CPU_SDPA_BACKENDS = ("flash", "math")  # torch's CPU kernels
+FLOAT8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: float8 tensor cores (torch._scaled_mm)
+
+
+def check_performance(options: PerformanceConfig, device: torch.device) -> None:
+    """Refuse, naming the field, what this device cannot run (before anything is loaded)."""
+    backend = options.attention_backend
+    if backend != "auto" and device.type != "cuda" and backend not in CPU_SDPA_BACKENDS:
+        raise ConfigError(f"performance.attention_backend: {backend} attention is a CUDA kernel and this run's device is "
+                          f"{device.type}; use auto, {' or '.join(CPU_SDPA_BACKENDS)}")
+    if options.float8_matmuls:
+        if device.type != "cuda":
+            raise ConfigError(f"performance.float8_matmuls: float8 training matmuls need a CUDA device with compute "
+                              f"capability {'.'.join(map(str, FLOAT8_MIN_CAPABILITY))}+ (float8 tensor cores); this "
+                              f"run's device is {device.type}")
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FLOAT8_MIN_CAPABILITY:
+            raise ConfigError(f"performance.float8_matmuls: {torch.cuda.get_device_name(device)} has compute capability "
+                              f"{capability[0]}.{capability[1]}; float8 matmuls need "
+                              f"{'.'.join(map(str, FLOAT8_MIN_CAPABILITY))}+ (Ada, Hopper or newer)")
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise ConfigError("performance.float8_matmuls: needs torchao; install the extra: "
+                              "pip install 'ot-dist[float8]'") from None
+
+
+def denoiser_blocks(model) -> list[torch.nn.Module]:
+    """The denoiser's repeated blocks: its family's shard units (UNet resnets, attention blocks, samplers;
+    transformer blocks), in registration order."""
+    from ot_dist.parallel.fsdp import wrap_units
+
+    return wrap_units(model.denoiser, model.family.shard_units.get(model.family.denoiser, ()))
+
+
+def attention_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """diffusers' attention modules (the outermost ones)."""
+    from diffusers.models.attention import AttentionModuleMixin
+    from diffusers.models.attention_processor import Attention
+
+    return [m for m in module.modules() if isinstance(m, (Attention, AttentionModuleMixin))]
+
+
+def checkpoint_forward(module: torch.nn.Module) -> None:
+    """Recompute `module`'s activations in backward (non-reentrant checkpoint), keeping its weight names."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+
+
+def selective_checkpointing(model, options: PerformanceConfig) -> list[torch.nn.Module]:
+    """Checkpoint every N-th denoiser block, or only its attention modules (instead of diffusers' every block).
+    Returns the modules that recompute."""
+    if options.checkpoint_only_attention:
+        chosen = attention_modules(model.denoiser)
+    else:
+        chosen = denoiser_blocks(model)[::options.checkpoint_every_n_blocks]
+    for module in chosen:
+        checkpoint_forward(module)
+    return chosen
+
+
+def uses_channels_last(options: PerformanceConfig, family, device: torch.device) -> bool:
+    if options.channels_last == "auto":
+        return family.convolutional_denoiser and device.type == "cuda"
+    return options.channels_last == "on"
+
+
+def apply_performance(model, options: PerformanceConfig, device: torch.device, strategy: str, log=print) -> None:
+    """Float8 matmuls, channels_last and regional compilation of the denoiser, in that order (compile traces the
+    final modules)."""
+    denoiser = model.denoiser
+    if options.float8_matmuls:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=strategy == "fsdp")
+        convert_to_float8_training(denoiser, config=config, module_filter_fn=float8_eligible)
+        log("performance: float8 matmuls in the denoiser's linear layers (torchao Float8Linear)")
+    if uses_channels_last(options, model.family, device):
+        denoiser.to(memory_format=torch.channels_last)
+    if options.compile:
+        blocks = denoiser_blocks(model)
+        for block in blocks:
+            block.compile(backend=options.compile_backend)
+        log(f"performance: {len(blocks)} denoiser blocks compiled ({options.compile_backend})")
+
+
+def float8_eligible(module: torch.nn.Module, name: str) -> bool:
+    """torch._scaled_mm needs both matrix sides in multiples of 16."""
+    return (type(module) is torch.nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def attention_kernel(options: PerformanceConfig):
+    """The context a training step runs in: only the chosen SDPA kernel, or torch's choice."""
+    if options.attention_backend == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[options.attention_backend]))

@@ -1,0 +1,162 @@
+"""The `performance` options (issue 21): validated once, applied to the denoiser, and checked on the CPU by proxies
+(ot_dist/train/fast_path.py; docs/performance.md)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import base_config
+
+from ot_dist.config.load import validate
+from ot_dist.errors import ConfigError
+from ot_dist.train.fast_path import (apply_performance, attention_kernel, attention_modules, check_performance,
+                                     denoiser_blocks, selective_checkpointing)
+from ot_dist.train.loss import diffusion_loss
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def sd1(tiny_models, shapes_data, tmp_path_factory):
+    """A validated config, and a function loading a fresh tiny SD1 and one batch."""
+    from ot_dist.models.loading import load_model
+
+    config = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path_factory.mktemp("perf") / "run"))
+
+    def fresh():
+        model = load_model(config.model)
+        model.denoiser.train()
+        tokens = model.family.tokenize(model.tokenizers, ["a red circle", "a blue square"])
+        batch = {"sample_id": torch.arange(2), "pixels": torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1, "token_ids": tokens}
+        return model, batch
+
+    return config, fresh
+
+
+def loss_and_grads(model, batch):
+    loss = diffusion_loss(model, batch, seed=1, epoch=0)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.denoiser.named_parameters() if p.grad is not None}
+
+
+def options(config, **fields):
+    return config.performance.model_copy(update=fields)
+
+
+def test_options_are_validated_once_with_the_field_named(tiny_models, shapes_data, tmp_path):
+    def raw(**overrides):
+        return base_config(tiny_models["sd1"], shapes_data, tmp_path, **overrides)
+
+    with pytest.raises(ConfigError, match="set gradient_checkpointing: true"):
+        validate(raw(**{"performance.checkpoint_every_n_blocks": 2}))
+    with pytest.raises(ConfigError, match="set one"):
+        validate(raw(gradient_checkpointing=True, **{"performance.checkpoint_every_n_blocks": 2,
+                                                     "performance.checkpoint_only_attention": True}))
+    with pytest.raises(ConfigError, match="attention_backend"):
+        validate(raw(**{"performance.attention_backend": "sage"}))
+    config = validate(raw(**{"performance.float8_matmuls": True, "performance.attention_backend": "efficient"}))
+    with pytest.raises(ConfigError, match=r"performance.attention_backend: efficient .* device is cpu"):
+        check_performance(config.performance, CPU)
+    with pytest.raises(ConfigError, match=r"performance.float8_matmuls: .* capability 8.9\+ .* device is cpu"):
+        check_performance(options(config, attention_backend="math"), CPU)
+
+
+def test_float8_refused_below_sm89(sd1, monkeypatch):
+    config, _ = sd1
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ConfigError, match=r"A100-SXM4-80GB has compute capability 8.0; float8 matmuls need 8.9\+"):
+        check_performance(options(config, float8_matmuls=True), torch.device("cuda"))
+
+
+def test_channels_last_applied_when_forced_and_auto_only_on_cuda(sd1):
+    config, fresh = sd1
+    model, _ = fresh()
+    convs = [m.weight for m in model.denoiser.modules() if isinstance(m, torch.nn.Conv2d)]
+    apply_performance(model, options(config, channels_last="auto"), CPU, "single", log=lambda *_: None)
+    assert not any(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in convs)
+    apply_performance(model, options(config, channels_last="on"), CPU, "single", log=lambda *_: None)
+    convs = [m.weight for m in model.denoiser.modules() if isinstance(m, torch.nn.Conv2d)]
+    spatial = [w for w in convs if w.shape[-1] > 1]
+    assert spatial and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in spatial)
+
+
+def test_attention_backend_is_the_only_kernel_during_the_step(sd1):
+    from ot_dist.train.trainer import Trainer
+
+    config, _ = sd1
+    seen = []
+
+    def loss(batch, epoch):
+        seen.append((torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled(),
+                     torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return torch.ones((), requires_grad=True)
+
+    strategy = SimpleNamespace(prepare_micro_step=lambda last: None, autocast=torch.autocast("cpu", enabled=False).__class__,
+                               backward=lambda loss, accumulation, last: None)
+    strategy.autocast = lambda: torch.autocast("cpu", enabled=False)
+    for backend, expected in (("math", (False, True, False)), ("flash", (True, False, False))):
+        fake = SimpleNamespace(strategy=strategy, loss=loss, utilization=None,
+                               config=SimpleNamespace(performance=options(config, attention_backend=backend)))
+        Trainer.micro_step(fake, {}, 0, 1)
+        assert seen[-1] == expected, backend
+    assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()  # restored after
+    with attention_kernel(options(config, attention_backend="auto")):
+        assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+
+
+@pytest.mark.parametrize("choice", [{"checkpoint_every_n_blocks": 2}, {"checkpoint_only_attention": True}])
+def test_selective_checkpointing_recomputes_only_the_chosen_modules_with_the_same_gradients(sd1, choice):
+    config, fresh = sd1
+    model, batch = fresh()
+    eager_loss, eager_grads = loss_and_grads(model, batch)
+    model, batch = fresh()
+    candidates = {id(m): m for m in denoiser_blocks(model) + attention_modules(model.denoiser)}
+    calls = dict.fromkeys(candidates, 0)
+
+    def counted(module):  # counts runs of the module's own forward: checkpointing re-runs it in backward
+        forward = module.forward
+
+        def run(*args, **kwargs):
+            calls[id(module)] += 1
+            return forward(*args, **kwargs)
+        module.forward = run
+
+    for module in candidates.values():
+        counted(module)
+    chosen = selective_checkpointing(model, options(config, **choice))
+    blocks = denoiser_blocks(model)
+    loss, grads = loss_and_grads(model, batch)
+    assert 0 < len(chosen) < len(blocks) or choice.get("checkpoint_only_attention")
+    recomputed = {i for i, n in calls.items() if n == 2}
+    assert all(n in (1, 2) for n in calls.values()), calls
+    inside_chosen = {id(sub) for m in chosen for sub in m.modules()} & set(candidates)
+    assert recomputed == inside_chosen, "recomputed in backward: exactly the chosen modules (and what they hold)"
+    assert len(recomputed) < len(candidates)
+    assert torch.equal(loss, eager_loss)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_regional_compile_matches_eager(sd1):
+    """Each repeated block compiled in place (weight names unchanged); loss and gradients as eager. aot_eager traces
+    the blocks through dynamo and AOT autograd (what inductor compiles) in seconds on the CPU."""
+    if not hasattr(torch, "compile"):
+        pytest.skip("torch.compile unavailable")
+    config, fresh = sd1
+    model, batch = fresh()
+    names = [n for n, _ in model.denoiser.named_parameters()]
+    eager_loss, eager_grads = loss_and_grads(model, batch)
+    model, batch = fresh()
+    torch._dynamo.reset()
+    apply_performance(model, options(config, compile=True, compile_backend="aot_eager"), CPU, "single",
+                      log=lambda *_: None)
+    blocks = denoiser_blocks(model)
+    assert blocks and all(b._compiled_call_impl is not None for b in blocks)
+    assert [n for n, _ in model.denoiser.named_parameters()] == names
+    loss, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
+    for name, grad in eager_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
