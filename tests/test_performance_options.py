@@ -11,8 +11,8 @@ from conftest import base_config
 
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
-from ot_dist.train.fast_path import (apply_performance, attention_kernel, attention_modules, check_performance,
-                                     denoiser_blocks, selective_checkpointing)
+from ot_dist.train.fast_path import (apply_performance, attention_kernel, attention_modules, block_variants,
+                                     check_performance, denoiser_blocks, selective_checkpointing)
 from ot_dist.train.loss import diffusion_loss
 
 CPU = torch.device("cpu")
@@ -156,7 +156,13 @@ def test_regional_compile_matches_eager(sd1):
     blocks = denoiser_blocks(model)
     assert blocks and all(b._compiled_call_impl is not None for b in blocks)
     assert [n for n, _ in model.denoiser.named_parameters()] == names
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     loss, grads = loss_and_grads(model, batch)
+    fell_back = [reason for reason in counters["unimplemented"] if "recompile limit" in reason.lower()]
+    assert not fell_back, "blocks ran eager after dynamo's recompile limit"
+    assert counters["stats"]["unique_graphs"] >= block_variants(blocks)  # every distinct block got its graph
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -103,9 +103,26 @@ def apply_performance(model, options: PerformanceConfig, device: torch.device, s
         denoiser.to(memory_format=torch.channels_last)
     if options.compile:
         blocks = denoiser_blocks(model)
+        variants = allow_recompiles_for(blocks)
         for block in blocks:
             block.compile(backend=options.compile_backend)
-        log(f"performance: {len(blocks)} denoiser blocks compiled ({options.compile_backend})")
+        log(f"performance: {len(blocks)} denoiser blocks compiled ({options.compile_backend}, {variants} distinct)")
+
+
+def block_variants(blocks: list[torch.nn.Module]) -> int:
+    """Blocks that need their own graph: a different class or parameter shapes."""
+    return len({(type(b), tuple(tuple(p.shape) for p in b.parameters())) for b in blocks})
+
+
+def allow_recompiles_for(blocks: list[torch.nn.Module]) -> int:
+    """Every compiled block shares one code object (nn.Module._call_impl), so each distinct block is a recompile
+    of it; past dynamo's recompile_limit (8) the remaining blocks silently run eager. Raise the limit to the
+    blocks' variants x 4 (a few input shapes each: aspect buckets, then dynamic shapes). Returns the variants."""
+    variants = block_variants(blocks)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, 4 * variants)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * variants)
+    return variants
 
 
 def float8_eligible(module: torch.nn.Module, name: str) -> bool:
