@@ -50,3 +50,39 @@ def test_at_most_one_host_sync_per_optimizer_step(tiny_models, shapes_data, tmp_
     windows = 2  # log_every_steps 2 of 4 steps
     assert len(log_syncs) <= windows, f"{len(log_syncs)} host syncs in {windows} log windows:\n{_listing(log_syncs)}"
     assert len(result.losses) == 4  # the window still delivers every step's loss
+
+
+def test_the_loss_copies_host_tensors_to_the_device_without_blocking(tiny_models, shapes_data, tmp_path):
+    """Batches and the per-sample noise are made on the host; the loss moves them with `to_device` (pinned memory,
+    non_blocking on CUDA), never with a plain `.to(device)`, whose copy from pageable memory waits for the stream."""
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "run", batch_size=1, max_steps=2,
+                      **{"checkpoint.at_end": False})
+    counter, result = _counted(raw)
+    assert result.steps == 2
+    in_loss = [c for c in counter.blocking_copies if c.phase == "step" and c.where.startswith("loss.py")]
+    assert not in_loss, f"blocking host -> device copies in the loss:\n{_listing(in_loss)}"
+
+
+def test_to_device_pins_and_queues_host_to_cuda_copies(monkeypatch):
+    """The CUDA path by construction (no GPU here): host tensors go through pinned memory with non_blocking;
+    tensors already there are not copied; a device -> host copy stays blocking (its values are read next)."""
+    import torch
+
+    from ot_dist.train.transfer import to_device
+
+    calls = []
+    original_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or self)
+
+    def to(self, *args, **kwargs):
+        if "device" in kwargs:
+            calls.append(("to", str(kwargs["device"]), kwargs.get("non_blocking", False)))
+            return self
+        return original_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    host = torch.ones(2)
+    assert to_device(host, torch.device("cuda:0"), torch.float16).dtype == torch.float16
+    assert calls == ["pin", ("to", "cuda:0", True)]
+    calls.clear()
+    assert to_device(host, torch.device("cpu")) is host and calls == []

@@ -16,6 +16,7 @@ from ot_dist.randomness import generator
 from ot_dist.train.inpainting import inpainting_masks, latent_mask, masked_pixels
 from ot_dist.train.loss_options import offset_noise, per_sample_normal, perturbed_input_noise
 from ot_dist.train.masking import mask_weights
+from ot_dist.train.transfer import to_device
 
 
 def draw_sample_noise(batch: dict, latent_shape: torch.Size, objective: Objective, seed: int, epoch: int,
@@ -44,11 +45,11 @@ def encode_latents(family: Family, vae: torch.nn.Module, batch: dict, eps: torch
     with torch.no_grad():
         device, dtype = first_parameter(vae).device, compute_dtype(vae)
         if "latent_mean" in batch:
-            mean, std = (batch[k].to(device=device, dtype=dtype) for k in ("latent_mean", "latent_std"))
+            mean, std = (to_device(batch[k], device, dtype) for k in ("latent_mean", "latent_std"))
         else:
-            posterior = vae.encode(batch["pixels"].to(device=device, dtype=dtype)).latent_dist
+            posterior = vae.encode(to_device(batch["pixels"], device, dtype)).latent_dist
             mean, std = posterior.mean, posterior.std
-        latents = mean + std * eps.to(mean)
+        latents = mean + std * to_device(eps, mean.device, mean.dtype)
         return family.normalize_latents(vae, latents).float()
 
 
@@ -61,7 +62,7 @@ def latent_shape_of(model: LoadedModel, batch: dict) -> torch.Size:
 def text_conditioning(model: LoadedModel, batch: dict, device: torch.device, dtype: torch.dtype) -> dict:
     """The family's conditioning dict: from the text cache (`text_<key>` in the batch) or the text encoders.
     Floating tensors come in the denoiser's storage dtype (autocast, if on, picks the compute dtype)."""
-    cached = {k[len("text_"):]: v.to(device) for k, v in batch.items() if k.startswith("text_")}
+    cached = {k[len("text_"):]: to_device(v, device) for k, v in batch.items() if k.startswith("text_")}
     if cached:  # data.cache_text
         conditioning = cached
     else:
@@ -82,11 +83,11 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     latent_shape = latent_shape_of(model, batch)
     sample_ids = batch["sample_id"].tolist()
     vae_eps, noise, timesteps = draw_sample_noise(batch, latent_shape, objective, seed, epoch, options)
-    latents = encode_latents(family, model.vae, batch, vae_eps).to(device)  # the VAE may live elsewhere (offload)
+    latents = to_device(encode_latents(family, model.vae, batch, vae_eps), device)  # the VAE may live elsewhere
     noise = offset_noise(noise, sample_ids, options.offset_noise_weight, seed, epoch,
                          objective.offset_noise_psi(timesteps, options))
     input_noise = perturbed_input_noise(noise, sample_ids, options.input_perturbation, seed, epoch)
-    noise, input_noise, timesteps = noise.to(device), input_noise.to(device), timesteps.to(device)
+    noise, input_noise, timesteps = (to_device(t, device) for t in (noise, input_noise, timesteps))
     noisy = objective.noisy(latents, input_noise, timesteps)
     target = objective.target(latents, noise, timesteps)
     conditioning = text_conditioning(model, batch, device, dtype)
@@ -102,7 +103,7 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
             prior = family.predict(denoiser, noisy.to(dtype), timesteps, prior_conditioning, batch).float()
     sample_weights = objective.sample_weights(timesteps, options)
     if "loss_weight" in batch:  # the samples' concepts' loss_weight
-        concept_weights = batch["loss_weight"].to(device)
+        concept_weights = to_device(batch["loss_weight"], device)
         sample_weights = concept_weights if sample_weights is None else sample_weights * concept_weights
     normalize = bool(masking and masking.normalize_masked_area_loss)
     loss = weighted_mse(prediction.float(), target.float(), weights, sample_weights, normalize=normalize, prior=prior,

@@ -19,6 +19,12 @@ import torch
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
 
 
+def device_target(args, kwargs):
+    """The device a `Tensor.to` call names (positionally or as `device=`), or None (a dtype or tensor target)."""
+    target = kwargs.get("device", args[0] if args else None)
+    return target if isinstance(target, (str, torch.device)) else None
+
+
 @dataclass
 class Sync:
     kind: str
@@ -29,6 +35,9 @@ class Sync:
 @dataclass
 class SyncCounter:
     syncs: list[Sync] = field(default_factory=list)
+    # `.to(device)` of a host tensor without non_blocking: on a GPU the copy from pageable memory waits for the
+    # stream (on the CPU every device is the host, so each such call is counted as one)
+    blocking_copies: list[Sync] = field(default_factory=list)
     phase: str = "step"
     _host: set[int] = field(default_factory=set)
     _keep: list[torch.Tensor] = field(default_factory=list)  # keeps registered ids from being reused
@@ -40,12 +49,12 @@ class SyncCounter:
                 self._host.add(id(t))
                 self._keep.append(t)
 
-    def _record(self, kind: str, tensor: torch.Tensor | None) -> None:
-        if tensor is not None and (id(tensor) in self._host or (self.also_host and self.also_host(tensor))):
+    def _record(self, kind: str, tensor: torch.Tensor | None, into: list | None = None) -> None:
+        if into is None and tensor is not None and (id(tensor) in self._host or (self.also_host and self.also_host(tensor))):
             return
         frames = [f for f in traceback.extract_stack()[:-2] if "ot_dist" in f.filename]
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
-        self.syncs.append(Sync(kind, where, self.phase))
+        (self.syncs if into is None else into).append(Sync(kind, where, self.phase))
 
     def in_phase(self, phase: str) -> list[Sync]:
         return [s for s in self.syncs if s.phase == phase]
@@ -60,7 +69,7 @@ class SyncCounter:
 
     @contextmanager
     def counting(self):
-        originals = {name: getattr(torch.Tensor, name) for name in READS}
+        originals = {name: getattr(torch.Tensor, name) for name in (*READS, "to")}
         synchronize = torch.cuda.synchronize
         active = [True]  # a read inside a counted read (tolist -> item) is one sync, not two
 
@@ -78,6 +87,12 @@ class SyncCounter:
                     active[0] = True
             return read
 
+        def to(tensor, *args, **kwargs):
+            if active[0] and tensor.device.type == "cpu" and device_target(args, kwargs) is not None \
+                    and not kwargs.get("non_blocking", False):
+                self._record("to(device)", tensor, self.blocking_copies)
+            return originals["to"](tensor, *args, **kwargs)
+
         def cuda_synchronize(*args, **kwargs):
             self._record("cuda.synchronize", None)
             return synchronize(*args, **kwargs) if torch.cuda.is_available() else None
@@ -85,6 +100,7 @@ class SyncCounter:
         try:
             for name in READS:
                 setattr(torch.Tensor, name, counted(name))
+            torch.Tensor.to = to
             torch.cuda.synchronize = cuda_synchronize
             yield self
         finally:
