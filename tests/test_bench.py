@@ -137,3 +137,30 @@ def _flux_probe(run) -> dict:
                 txt_ids=torch.zeros(hidden.shape[1], 3, device=latents.device), img_ids=image_ids(h, w, latents.device,
                                                                                                    latents.dtype),
                 guidance=torch.ones(latents.shape[0], device=latents.device))
+
+
+def test_bench_applies_performance_options_and_reports_them(tmp_path, capsys):
+    """`--performance KEY=VALUE` sets the config's performance section for the bench's model, as in training."""
+    out = tmp_path / "bench"
+    code = main(["bench", "--model", "tiny-sd15", "--method", "lora", "--resolution", "32", "--steps", "1",
+                 "--warmup", "0", "--dtype", "fp32", "--device", "cpu", "--no-flops", "--gradient-checkpointing",
+                 "--performance", "channels_last=on", "--performance", "checkpoint_every_n_blocks=2",
+                 "--performance", "attention_backend=math", "--out", str(out)])
+    assert code == 0
+    [json_file] = out.glob("*.json")
+    result = json.loads(json_file.read_text())
+    assert result["performance"]["channels_last"] == "on" and result["performance"]["checkpoint_every_n_blocks"] == 2
+    assert "channels_last=on" in (out / "bench.md").read_text().splitlines()[2]
+    code = main(["bench", "--model", "tiny-sd15", "--device", "cpu", "--out", str(out), "--performance", "float8_matmuls=true"])
+    assert code == 2 and "performance.float8_matmuls" in capsys.readouterr().err
+    code = main(["bench", "--model", "tiny-sd15", "--device", "cpu", "--out", str(out), "--performance", "compile"])
+    assert code == 2 and "--performance: 'compile' is not KEY=VALUE" in capsys.readouterr().err
+
+
+def test_bench_model_gets_the_performance_options_applied():
+    bench = BENCH_MODELS["tiny-sd15"]
+    options = BenchOptions(model="tiny-sd15", method="full", resolution=32, dtype="fp32", device="cpu",
+                           performance=(("channels_last", "on"),))
+    run = prepare(bench, options, train_config(bench, options, "unused"), torch.device("cpu"))
+    spatial = [m.weight for m in run.model.denoiser.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)]
+    assert spatial and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in spatial)

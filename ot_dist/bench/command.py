@@ -26,6 +26,9 @@ def add_bench_parser(sub) -> None:
                        help="the device's peak TFLOP/s for MFU (default: a table of GPUs; none on CPU)")
     bench.add_argument("--no-flops", dest="count_flops", action="store_false",
                        help="skip the FLOP count (no MFU)")
+    bench.add_argument("--performance", action="append", default=[], metavar="KEY=VALUE",
+                       help="a performance option of the config (repeatable), e.g. compile=true, "
+                       "attention_backend=flash, checkpoint_every_n_blocks=2 (configs/REFERENCE.md)")
     bench.add_argument("--out", default="bench_out", metavar="DIR",
                        help="write <run>.json and append the row to DIR/bench.md (default bench_out)")
 
@@ -41,11 +44,18 @@ def run_bench_command(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1 (got {getattr(args, name)})")
     if args.warmup < 0:
         raise ConfigError(f"--warmup: must be at least 0 (got {args.warmup})")
+    performance = []
+    for item in args.performance:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--performance: {item!r} is not KEY=VALUE (e.g. compile=true)")
+        performance.append((key.strip(), value.strip()))
     options = BenchOptions(
         model=args.model, method=args.method, lora_rank=args.lora_rank, resolution=args.resolution,
         batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
         gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, optimizer=args.optimizer,
-        device=args.device, peak_tflops=args.peak_tflops, count_flops=args.count_flops)
+        device=args.device, peak_tflops=args.peak_tflops, count_flops=args.count_flops,
+        performance=tuple(performance))
     result = run_bench(options, args.out)
     json_path, table = write_report(result, args.out)
     print(HEADER)

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 HEADER = ("| model | method | res | batch | dtype | ckpt | device | img/s | step median (s) | step mean (s) "
-          "| peak mem (GiB) | TFLOP/img | MFU |")
+          "| peak mem (GiB) | TFLOP/img | MFU | performance |")
 RULE = "|" + "---|" * (HEADER.count("|") - 1)
 
 
@@ -18,14 +18,24 @@ def markdown_row(result: dict) -> str:
     cells = [result["model"], method, result["resolution"], result["batch_size"], result["dtype"],
              "on" if result["gradient_checkpointing"] else "off", result["device_name"],
              f"{result['images_per_s']:.3g}", f"{result['step_time_median_s']:.4g}",
-             f"{result['step_time_mean_s']:.4g}", f"{result['peak_memory_gib']:.2f}", tflop, mfu]
+             f"{result['step_time_mean_s']:.4g}", f"{result['peak_memory_gib']:.2f}", tflop, mfu,
+             " ".join(f"{k}={v}" for k, v in chosen_performance(result).items()) or "–"]
     return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def chosen_performance(result: dict) -> dict:
+    """The performance options this run set away from their defaults."""
+    from ot_dist.config.performance import PerformanceConfig
+
+    defaults = PerformanceConfig().model_dump(mode="json")
+    return {k: v for k, v in (result.get("performance") or {}).items() if defaults.get(k) != v}
 
 
 def run_name(result: dict) -> str:
     parts = [result["model"], result["method"], str(result["resolution"]), f"b{result['batch_size']}", result["dtype"]]
     if result["gradient_checkpointing"]:
         parts.append("ckpt")
+    parts += [f"{k}-{v}" for k, v in chosen_performance(result).items()]
     return re.sub(r"[^A-Za-z0-9_.-]", "_", "-".join(parts))
 
 

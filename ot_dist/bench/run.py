@@ -63,6 +63,7 @@ def run_bench(options: BenchOptions, output_dir: str = "bench_out", log=print) -
         "lora_rank": options.lora_rank if options.method == "lora" else None,
         "resolution": options.resolution, "batch_size": options.batch_size, "dtype": options.dtype,
         "gradient_checkpointing": options.gradient_checkpointing, "optimizer": options.optimizer,
+        "performance": config.performance.model_dump(mode="json"),
         "warmup": options.warmup, "steps": options.steps,
         "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
         "params_total": params_total, "params_trained": params_trained,

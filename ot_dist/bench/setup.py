@@ -35,6 +35,7 @@ class BenchOptions:
     device: str = "auto"
     peak_tflops: float | None = None
     count_flops: bool = True
+    performance: tuple[tuple[str, str], ...] = ()  # (key, value) of the config's performance section
 
 
 def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> TrainConfig:
@@ -57,6 +58,7 @@ def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> T
         gradient_checkpointing=options.gradient_checkpointing,
         optimizer={"name": options.optimizer},
         lora={"rank": options.lora_rank, "alpha": float(options.lora_rank)},
+        performance=dict(options.performance),
         mlflow={"enabled": False},
     ))
 
@@ -104,8 +106,18 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     weight_dtype, trained_dtype = frozen_storage_dtype(config.weight_dtype), DTYPES[config.trained_weight_dtype]
     for module in model.modules():
         store_by_role(module, trained_dtype, weight_dtype)  # as the trainer places them
-        if config.gradient_checkpointing and module is model.denoiser:
+        if config.gradient_checkpointing and module is model.denoiser and not config.performance.selective_checkpointing:
             enable_gradient_checkpointing(module)
+
+
+def apply_bench_performance(model: LoadedModel, config: TrainConfig, device: torch.device) -> None:
+    """The trainer's `_apply_performance` (the FLOP count on the meta build counts the plain model)."""
+    from ot_dist.train.fast_path import apply_performance, check_performance, selective_checkpointing
+
+    check_performance(config.performance, device)
+    if config.gradient_checkpointing and config.performance.selective_checkpointing:
+        selective_checkpointing(model, config.performance)
+    apply_performance(model, config.performance, device, config.strategy, log=lambda *_: None)
 
 
 def random_batch(bench: BenchModel, model: LoadedModel, batch_size: int, resolution: int,
@@ -169,6 +181,7 @@ def prepare(bench: BenchModel, options: BenchOptions, config: TrainConfig, devic
         place(model, config)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the float32 copies of frozen weights cast down by `place`
+        apply_bench_performance(model, config, device)
     strategy = build_strategy(config, Runtime(device=device if device.type != "meta" else torch.device("cpu")))
     groups = strategy.wrap(model, groups)
     optimizer = None
