@@ -68,3 +68,37 @@ def test_trainer_logs_mfu_and_samples_per_s_per_window(tiny_models, shapes_data,
         seconds = 2 * 2 / metrics["samples_per_s"]  # 2 steps x global batch 2 per window
         assert metrics["mfu"] == pytest.approx(2 * flops_per_micro_step[0] / seconds / 1e12, rel=1e-6)
         assert metrics["tflops_per_s"] == pytest.approx(metrics["mfu"], rel=1e-6)  # peak 1 TFLOP/s
+
+
+def test_counting_a_compiled_model_leaves_it_compiled():
+    """Dynamo skips a compiled frame for good when it first meets it under the FLOP counter's dispatch mode; the
+    meter runs the compiled blocks eagerly while it counts, so the next micro step compiles them."""
+    from torch._dynamo.utils import counters
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.gelu(self.linear(x))
+
+    torch._dynamo.reset()
+    counters.clear()
+    root = torch.nn.Sequential(Block(), Block())
+    for block in root:
+        block.compile(backend="aot_eager")
+    x = torch.randn(4, 8)
+
+    def run():
+        loss = root(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    meter = UtilizationMeter(torch.device("cpu"), "float32", False, peak=lambda d, t: 1e12, root=root)
+    meter.micro_step({"x": x}, run)
+    assert all(block._compiled_call_impl is not None for block in root)
+    assert not counters["stats"]  # the counted step ran eagerly
+    meter.micro_step({"x": x}, run)
+    assert counters["stats"]["unique_graphs"] >= 1, "the blocks were never compiled after the counted step"
+    assert list(meter.flops_of.values()) == [2 * 2 * (2 * 4 * 8 * 8) + 2 * 4 * 8 * 8]  # fwd + both grads, 2nd block's input grad

@@ -2,13 +2,15 @@
 and the device's peak FLOP/s (`ot_dist.bench.flops.PEAK_FLOPS`, by device name).
 
 The FLOPs of a micro step are counted with torch's FlopCounterMode (as `ot-dist bench` counts them) on the first
-micro step of each batch shape (aspect buckets differ), during that real step: no extra pass, no host sync. Later
+micro step of each batch shape (aspect buckets differ), during that real step (with compiled blocks run eagerly:
+see `uncompiled`): no extra pass, no host sync. Later
 micro steps of a shape add the cached count. With gradient checkpointing the backward re-runs forwards, which the
 counter sees: the value is then hardware FLOPs utilisation and is logged as `hfu`, not `mfu`. On a device with no
 known peak (CPUs, GPUs missing from the table) nothing is counted and the log says so once."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -24,8 +26,10 @@ def batch_shape(batch: dict) -> tuple:
 
 class UtilizationMeter:
     def __init__(self, device: torch.device, train_dtype: str, recomputes: bool, log=print,
-                 peak: Callable[[torch.device, str], float | None] = peak_flops):
+                 peak: Callable[[torch.device, str], float | None] = peak_flops, root: torch.nn.Module | None = None):
+        """`root`: the module whose compiled blocks (performance.compile) run eagerly while a step is counted."""
         self.peak = peak(device, train_dtype)
+        self.root = root
         self.name = "hfu" if recomputes else "mfu"
         self.flops_of: dict[tuple, int] = {}
         self.window_flops = 0
@@ -46,7 +50,7 @@ class UtilizationMeter:
             loss = run()
         else:
             counter = FlopCounterMode(display=False)
-            with counter:
+            with uncompiled(self.root), counter:
                 loss = run()
             self.flops_of[key] = counter.get_total_flops()
         self.window_flops += self.flops_of[key]
@@ -59,6 +63,22 @@ class UtilizationMeter:
             return {}
         achieved = flops / seconds
         return {self.name: achieved / self.peak, "tflops_per_s": achieved / 1e12}
+
+
+@contextmanager
+def uncompiled(root: torch.nn.Module | None):
+    """`root`'s compiled sub-modules call their plain forward meanwhile. A compiled frame that dynamo meets under a
+    dispatch mode (the FLOP counter), or while disabled, is skipped for good, and compiled blocks all share
+    nn.Module._call_impl: no block would ever be compiled after the count."""
+    compiled = [] if root is None else [(m, m._compiled_call_impl) for m in root.modules()
+                                         if getattr(m, "_compiled_call_impl", None) is not None]
+    for module, _ in compiled:
+        module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for module, impl in compiled:
+            module._compiled_call_impl = impl
 
 
 def device_label(device: torch.device) -> str:

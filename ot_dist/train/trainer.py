@@ -120,7 +120,8 @@ class Trainer:
         self.adaptive = config.optimizer.adaptive
         self.utilization = None  # MFU per log window: where it is tracked and the device's peak FLOP/s is known
         if config.mlflow.enabled and self.runtime.is_main:
-            self.utilization = UtilizationMeter(self.device, config.train_dtype, config.gradient_checkpointing, self.log)
+            self.utilization = UtilizationMeter(self.device, config.train_dtype, config.gradient_checkpointing, self.log,
+                                                root=self.model.denoiser)
         self.checkpointer = Checkpointer(self)
         self.position = Position()
         folder = self.run.resume_from
