@@ -20,6 +20,7 @@ EXTRAS = {
     "matplotlib": "optim",
     "mlflow": "tracking",
     "pillow_heif": "heic",
+    "torchao": "float8",
 }
 
 

@@ -140,7 +140,8 @@ def ids(batches):
 
 def test_every_rank_same_steps_every_sample_once_one_bucket_per_global_batch(acceptance):
     _, dataset = acceptance
-    assert len(dataset.manifest["shards"]) == 5 and len(dataset) == 117
+    # several shards (how many depends on the bytes per sample, which carry the source path: longer under xdist)
+    assert len(dataset.manifest["shards"]) > 2 and len(dataset) == 117
     ranks = readers(dataset, world_size=2, batch_size=2, workers=2)
     # 80 -> 20 global batches of 4, 25 -> 6 (1 dropped), 12 -> 3: 29 steps, 116 trainable samples
     per_rank = [take(r, epoch=0) for r in ranks]
