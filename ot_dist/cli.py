@@ -88,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--out", default=None, metavar="DIR", help="shard set folder (default: data.shards, else "
                        "data_shards/<name>)")
     build.add_argument("--world-size", type=int, default=1, help="processes the bucket report assumes (default 1)")
+    build.add_argument("--workers", type=int, default=1, help="processes that encode the images (default 1; the "
+                       "shards are byte-identical with any number)")
 
     export = sub.add_parser("export", help="write the exports (diffusers, single file, LoRA, embedding) of a checkpoint")
     export.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step-N), or an output_dir / "
@@ -188,8 +190,10 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         if not config.data.concept_list():
             raise ConfigError("data: shard build needs data.path or data.concepts (the image folders)")
+        if args.workers < 1:
+            raise ConfigError(f"shard build: --workers must be at least 1, got {args.workers}")
         out = args.out or shard_dir_of(config)
-        build_shard_set(config, out, config_path=str(args.config))
+        build_shard_set(config, out, config_path=str(args.config), workers=args.workers)
         print("\n".join(report_for(config, out, args.world_size)))
         return 0
     if args.command == "import":

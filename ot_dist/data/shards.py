@@ -25,7 +25,8 @@ from PIL import Image
 from ot_dist.config.schema import TrainConfig
 from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
 from ot_dist.data.concepts import classify_files, concept_name, mask_of, scan_folders
-from ot_dist.data.images import open_image, open_mask, parse_colour
+from ot_dist.data.images import open_mask
+from ot_dist.data.sample_encoder import encoded_samples
 from ot_dist.errors import InputFileError
 
 FORMAT = "ot_dist.shards/1"
@@ -91,12 +92,14 @@ def encode_image(img: Image.Image, image_format: str) -> bytes:
     return out.getvalue()
 
 
-def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_path: str | None = None) -> dict:
-    """Scan the concepts (errors name the file), write the shards with webdataset's ShardWriter, then
-    index member offsets and write the manifest. Returns the manifest."""
+def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_path: str | None = None,
+                    workers: int = 1) -> dict:
+    """Scan the concepts (errors name the file), write the shards with webdataset's ShardWriter (the samples
+    encoded over `workers` processes, written in order by this one), then index member offsets and write the
+    manifest. Returns the manifest."""
     import webdataset as wds
 
-    data, resolutions = config.data, config.resolutions()
+    data = config.data
     scan = scan_folders(data, log)
     sources, small = small_images(config, scan.samples)
     if data.skip_small_images:
@@ -108,7 +111,6 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     if not sources:
         raise InputFileError("data: no image is left to build the shard set from"
                              + (f"; {scan.unused_line()}" if scan.unused else ""))
-    background = parse_colour(data.image_background)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
@@ -118,31 +120,15 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     fingerprint = source_fingerprint(config)
     order = sorted(range(len(sources)), key=lambda i: (config_bucket_of(config, *sources[i].size), i))
     records, start = [], time.perf_counter()
-    # mtime fixed: the same sources give byte-identical shards.
+    ordered = [sources[i] for i in order]
+    # mtime fixed: the same sources give byte-identical shards (with any number of workers).
     with wds.ShardWriter(str(out_dir / "shard-%06d.tar"), maxsize=data.shard_size_mb * 1e6, maxcount=10**9,
                          verbose=0, mtime=0, encoder=False) as writer:
-        for n, index in enumerate(order):
-            source = sources[index]
-            key = f"c{source.concept}_{n:08d}"
-            bucket = config_bucket_of(config, *source.size)
-            sample = {"__key__": key, "txt": source.caption.encode("utf-8")}
-            meta = {"source": str(source.image), "mask": str(source.mask) if source.mask else None,
-                    "concept": source.concept, "original_size": [source.size[1], source.size[0]],
-                    "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
-            img = open_image(source.image, data.max_image_pixels, background)  # upright sRGB RGB
-            mask = load_mask(source.mask, source.image, img.size, log) if source.mask else None
-            for res in resolutions:
-                target = bucket_size(bucket, res, data.bucket_step)
-                resized = resize_to_cover(img, target)
-                sample[f"{res}.{data.image_format}"] = encode_image(resized, data.image_format)
-                if mask is not None:  # the same geometry as the image, so they stay aligned
-                    sample[f"{res}.mask.png"] = encode_image(resize_to_cover(mask, target), "png")
-                meta["resolutions"][str(res)] = {"bucket_size": list(target),
-                                                 "resized_size": [resized.height, resized.width]}
-            sample["json"] = json.dumps(meta).encode()
+        for sample, record, warnings in encoded_samples(config, ordered, workers):
+            for line in warnings:
+                log(line)
             writer.write(sample)
-            records.append({"key": key, "shard": writer.shard - 1, "bucket": bucket, "concept": source.concept,
-                            "mask": source.mask is not None})
+            records.append({"key": record["key"], "shard": writer.shard - 1, **record})
     unused = [{"file": str(path), "reason": reason} for path, reason in scan.unused]
     bad = [{"file": str(path), "error": error} for path, error in scan.bad]
     manifest = write_manifest(config, out_dir, records, fingerprint, config_path, unused, bad)

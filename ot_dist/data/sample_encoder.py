@@ -1,0 +1,67 @@
+"""Encoding one source image into its shard sample (the images per resolution, mask, caption, metadata),
+in this process or in a pool of worker processes (`ot-dist shard build --workers N`).
+
+The pool only encodes: the samples come back in the build order (`imap`, not `imap_unordered`) and one
+writer writes them, so a build with N workers is byte-identical to a build with one. Encoding (decode,
+resize, re-encode) is nearly all of a build's time, so that is where the cores go.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+
+from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
+from ot_dist.data.images import open_image, parse_colour
+
+
+class SampleEncoder:
+    """Callable on (n, source) -> (sample dict for the writer, record, warnings); picklable for the pool."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def __call__(self, job):
+        from ot_dist.data.shards import encode_image, load_mask  # shards.py imports this module
+
+        n, source = job
+        config, data = self.config, self.config.data
+        warnings: list[str] = []
+        key = f"c{source.concept}_{n:08d}"
+        bucket = config_bucket_of(config, *source.size)
+        sample = {"__key__": key, "txt": source.caption.encode("utf-8")}
+        meta = {"source": str(source.image), "mask": str(source.mask) if source.mask else None,
+                "concept": source.concept, "original_size": [source.size[1], source.size[0]],
+                "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
+        img = open_image(source.image, data.max_image_pixels, parse_colour(data.image_background))  # upright sRGB
+        mask = load_mask(source.mask, source.image, img.size, warnings.append) if source.mask else None
+        for res in config.resolutions():
+            target = bucket_size(bucket, res, data.bucket_step)
+            resized = resize_to_cover(img, target)
+            sample[f"{res}.{data.image_format}"] = encode_image(resized, data.image_format)
+            if mask is not None:  # the same geometry as the image, so they stay aligned
+                sample[f"{res}.mask.png"] = encode_image(resize_to_cover(mask, target), "png")
+            meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [resized.height, resized.width]}
+        sample["json"] = json.dumps(meta).encode()
+        record = {"key": key, "bucket": bucket, "concept": source.concept, "mask": source.mask is not None}
+        return sample, record, warnings
+
+
+def encoded_samples(config, sources: list, workers: int):
+    """(sample, record, warnings) for each source, in order; over `workers` processes when above 1."""
+    encode = SampleEncoder(config)
+    jobs = list(enumerate(sources))
+    if workers <= 1:
+        yield from map(encode, jobs)
+        return
+    # fork: the workers start without re-importing torch. An executor, not multiprocessing.Pool: a worker that
+    # dies (killed, out of memory) fails the build here instead of leaving Pool.imap waiting forever.
+    chunk = max(1, min(16, len(jobs) // (4 * workers)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        try:
+            yield from pool.map(encode, jobs, chunksize=chunk)
+        except BrokenProcessPool:
+            raise RuntimeError("shard build: a worker process died (killed or out of memory); no manifest was "
+                               "written, so the set stays visibly incomplete; run the build again") from None
