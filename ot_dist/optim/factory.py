@@ -55,7 +55,10 @@ def kernel_choice(spec: OptimizerSpec, kwargs: dict, params: list[torch.Tensor])
       and would fail at its first step.
     - Plain tensors: fused when the optimizer has a CUDA kernel and every parameter is a floating CUDA tensor of a
       dtype it takes; otherwise `foreach` (the registry's default) batches the per-tensor loops.
-    `fused: false` keeps foreach."""
+    `fused: false` keeps foreach. An implementation whose multi-tensor path fails on DTensor shards steps them one
+    tensor at a time."""
+    if not spec.dtensor_foreach and any(isinstance(p, DTensor) for p in params):
+        return {**kwargs, "foreach": False}
     if kwargs.get("fused") is not None or kwargs.get("differentiable") or not params:
         return kwargs
     if all(isinstance(p, DTensor) for p in params):

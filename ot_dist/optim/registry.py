@@ -48,6 +48,7 @@ class OptimizerSpec:
     whole_tensor: str = ""  # what it computes over each whole tensor ("" = elementwise): wrong on shards
     schedule_free: bool = False  # trains at one point, averages another: samples and exports use the average
     group_split: str = ""  # "module:function" that turns the parameter groups into the implementation's groups
+    dtensor_foreach: bool = True  # its multi-tensor path runs on FSDP2's DTensor shards (else: per-tensor loop there)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -157,7 +158,8 @@ SPECS: dict[str, OptimizerSpec] = {
         _spec("ADOPT", "pytorch_optimizer:ADOPT",
               {"beta1": 0.9, "beta2": 0.9999, "weight_decay": 0.0, "decoupled_decay": False, "fixed_decay": False,
                "cautious": False, "eps": 1e-6},
-              betas=("beta1", "beta2"), renames=(("decoupled_decay", "weight_decouple"),)),
+              betas=("beta1", "beta2"), renames=(("decoupled_decay", "weight_decouple"),),
+              dtensor_foreach=False),  # torch has no DTensor rule for its _foreach_maximum_
         _spec("AdEMAMix", "bitsandbytes.optim:AdEMAMix",
               {**_ADAM, "beta3": 0.9999, "alpha": 5.0, "weight_decay": 1e-2, "is_paged": False},
               betas=("beta1", "beta2", "beta3")),
