@@ -150,3 +150,27 @@ def test_schedule_free_exports_and_checkpoints_the_averaged_weights(name, tiny_m
     # and a resume takes its gradients at the iterate again
     resumed = Trainer(validate({**config, "max_steps": 4}), log=lambda *_: None, resume=str(result.checkpoint))
     assert max((p - q).abs().max().item() for p, q in zip(resumed.params, iterate)) <= 1e-6
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_onetrainer_configs_with_the_new_optimizers_import(name, tiny_models, shapes_data, tmp_path):
+    """OneTrainer's optimizer section of each (its defaults table, a changed value, keys ot_dist lacks) imports to a
+    config that validates with the value kept; what ot_dist does not take is named."""
+    from test_import_onetrainer import sd15_lora
+    from test_optimizers import ONETRAINER_DEFAULTS
+
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    ot = sd15_lora(tiny_models["sd1"], shapes_data)
+    section = {**ONETRAINER_DEFAULTS.get(name, {}), "optimizer": name, "weight_decay": 0.05, "not_an_option": 1}
+    if SPECS[name].adaptive:
+        ot["learning_rate"] = 1.0
+        ot["text_encoder"] = {**ot.get("text_encoder", {}), "learning_rate": 1.0}
+    if name == "SCHEDULE_FREE_SGD":
+        section["momentum"] = 0.9  # OneTrainer's default 0 is refused by schedulefree (a config error says so)
+    ot["optimizer"] = section
+    (tmp_path / "ot.json").write_text(json.dumps(ot))
+    imported = import_onetrainer(tmp_path / "ot.json")
+    config = validate(imported.config)
+    assert (config.optimizer.name, config.optimizer.weight_decay) == (name, 0.05)
+    assert any(line.startswith("optimizer.not_an_option") for line in imported.not_honoured)
