@@ -48,6 +48,9 @@ REFUSED = {
 # process, except where the step is a sign (TIGER at learning rate 3e-4: measured 1.2e-3 = 2 steps x 2 lr at most).
 WEIGHT_TOLERANCE = 1e-5
 SIGN_STEP = {"TIGER"}
+# 8-bit state is quantised in blocks; under ZeRO the blocks run over the flat partition instead of each tensor, so a
+# few elements round differently (AdEMAMix_8BIT: measured 1.9e-5 on 0.001% of the weights)
+EIGHT_BIT_TOLERANCE = 5e-5
 
 
 def raw(tiny_models, shapes_data, out: Path, name: str, **extra) -> dict:
@@ -62,13 +65,17 @@ def lora(out: Path) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def references(tiny_models, shapes_data, tmp_path_factory):
-    """One process, batch 4: the exported LoRA of every optimizer some strategy runs."""
+    """One process, batch 4: the exported LoRA of an optimizer, trained when first asked for."""
     refs = {}
-    for name in sorted({n for names in RUNS.values() for n in names}):
-        out = tmp_path_factory.mktemp(f"ref-{name}")
-        Trainer(validate(raw(tiny_models, shapes_data, out, name, batch_size=4)), log=lambda *_: None).train()
-        refs[name] = lora(out)
-    return refs
+
+    def reference(name: str) -> dict[str, torch.Tensor]:
+        if name not in refs:
+            out = tmp_path_factory.mktemp(f"ref-{name}")
+            Trainer(validate(raw(tiny_models, shapes_data, out, name, batch_size=4)), log=lambda *_: None).train()
+            refs[name] = lora(out)
+        return refs[name]
+
+    return reference
 
 
 @pytest.mark.parametrize("strategy", list(RUNS))
@@ -87,12 +94,14 @@ def test_two_ranks_end_where_one_process_ends(strategy, references, tiny_models,
     assert set(results) == set(RUNS[strategy])
     for name, got in results.items():
         assert got["steps"] == 2, name
-        ref, weights = references[name], lora(tmp_path / name)
+        ref, weights = references(name), lora(tmp_path / name)
         assert ref.keys() == weights.keys()
         assert all(torch.isfinite(w).all() for w in weights.values()), name
         diff = torch.cat([(ref[k] - weights[k]).abs().flatten() for k in ref])
         off = (diff > WEIGHT_TOLERANCE).float().mean().item()
-        if name in SIGN_STEP:  # lr x sign(momentum): a momentum near 0 may take the other sign, a whole step apart
+        if SPECS[name].eight_bit and strategy.startswith("zero"):  # quantisation blocks follow ZeRO's flat partition
+            assert diff.max().item() <= EIGHT_BIT_TOLERANCE, (name, strategy, diff.max().item())
+        elif name in SIGN_STEP:  # lr x sign(momentum): a momentum near 0 may take the other sign, a whole step apart
             assert off <= 0.01 and diff.max().item() <= 2 * 2 * 3e-4 * 1.01, (name, strategy, off, diff.max().item())
         else:
             assert off == 0, f"{name} under {strategy}: {diff.max().item():.2e} from one process ({off:.1%} off)"
