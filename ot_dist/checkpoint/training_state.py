@@ -19,6 +19,8 @@ from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.rng import capture_rng, restore_rng
 from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, read_json, save_rank_state
 from ot_dist.errors import InputFileError
+from ot_dist.optim.registry import SPECS
+from ot_dist.optim.schedule_free import resume_training_mode
 
 FORMAT = 1
 TRAINER_FILE = "trainer.json"
@@ -63,10 +65,11 @@ class Checkpointer:
             partial.mkdir()
         runtime.barrier()  # the folder exists before anyone writes into it
         rng_tensors, rng_json = capture_rng()
-        save_rank_state(partial, runtime.rank, t.ownership, t.optimizer, t.ema, t.strategy.writes_checkpoint_shards(),
-                        rng_tensors, {"rng": rng_json, "world_size": runtime.world_size})
-        if runtime.is_main:
-            (partial / TRAINER_FILE).write_text(json.dumps(self.trainer_state(step, epoch, reason), indent=1))
+        with t.averaged_weights():  # schedule-free: the average is saved (the groups say so; load turns it back)
+            save_rank_state(partial, runtime.rank, t.ownership, t.optimizer, t.ema, t.strategy.writes_checkpoint_shards(),
+                            rng_tensors, {"rng": rng_json, "world_size": runtime.world_size})
+            if runtime.is_main:
+                (partial / TRAINER_FILE).write_text(json.dumps(self.trainer_state(step, epoch, reason), indent=1))
         runtime.barrier()  # every rank's files are complete
         if runtime.is_main:
             layout.commit(partial, self.root, step, t.config.checkpoint.keep_last, run_id=self.run_id)
@@ -116,6 +119,7 @@ class Checkpointer:
         t.strategy.after_checkpoint_load()
         for group, settings in zip(t.optimizer.param_groups, state["optimizer_groups"], strict=True):
             group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()})
+        resume_training_mode(t.optimizer, SPECS[t.config.optimizer.name].schedule_free)
         t.scheduler.load_state_dict(state["scheduler"])
         t.reader.load_state_dict(state["data"])
         own = saved.rank_meta(t.runtime.rank)

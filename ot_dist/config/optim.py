@@ -40,7 +40,7 @@ class OptimizerConfig(Section):
     alpha: float | None = Field(
         default=None, ge=0,
         description=(
-            "Smoothing constant of the squared-gradient average (RMSprop)."
+            "Smoothing constant of the squared-gradient average (RMSprop); AdEMAMix: weight of the slow average."
             + _by("alpha")
         ),
     )
@@ -62,7 +62,8 @@ class OptimizerConfig(Section):
     beta3: float | None = Field(
         default=None, ge=0, lt=1,
         description=(
-            "Prodigy: decay of its step-size estimate, null = sqrt(beta2). DADAPT_ADAN: third beta."
+            "Prodigy: decay of its step-size estimate, null = sqrt(beta2). DADAPT_ADAN: third beta. AdEMAMix: decay "
+            "of the slow average. CAME: decay of the confidence."
             + _by("beta3")
         ),
     )
@@ -114,21 +115,21 @@ class OptimizerConfig(Section):
     eps: float | None = Field(
         default=None, ge=0,
         description=(
-            "Denominator epsilon (Adafactor: of the squared gradient)."
+            "Denominator epsilon (Adafactor, CAME: of the squared gradient)."
             + _by("eps")
         ),
     )
     eps2: float | None = Field(
         default=None, ge=0,
         description=(
-            "Adafactor: epsilon of the parameter scale."
+            "Adafactor: epsilon of the parameter scale. CAME: epsilon of the confidence."
             + _by("eps2")
         ),
     )
     foreach: bool | None = Field(
         default=None,
         description=(
-            "torch: multi-tensor step (few large kernels). Default true unless fused."
+            "Multi-tensor step (few large kernels). Default true unless fused (schedule-free: false, OneTrainer's)."
             + _by("foreach")
         ),
     )
@@ -264,6 +265,80 @@ class OptimizerConfig(Section):
         ),
     )
     weight_decay: float | None = Field(default=None, ge=0, description="Weight decay." + _by("weight_decay"))
+
+    # -- options of the optimizers OneTrainer added from other packages (their OneTrainer names) ---------
+    cautious: bool | None = Field(
+        default=None, description="ADOPT: cautious update (skip the components whose sign disagrees with the gradient)."
+        + _by("cautious"),
+    )
+    decoupled_decay: bool | None = Field(
+        default=None, description="AdamW-style decoupled weight decay (pytorch-optimizer's weight_decouple)."
+        + _by("decoupled_decay"),
+    )
+    fixed_decay: bool | None = Field(
+        default=None, description="Decoupled weight decay not scaled by the learning rate." + _by("fixed_decay"),
+    )
+    rectify: bool | None = Field(default=None, description="AdaBelief: RAdam's rectification." + _by("rectify"))
+    degenerated_to_sgd: bool | None = Field(
+        default=None, description="AdaBelief with rectify: SGD steps while the variance is not yet tractable."
+        + _by("degenerated_to_sgd"),
+    )
+    initial_accumulator: float | None = Field(
+        default=None, ge=0, description="Yogi: initial value of both moments." + _by("initial_accumulator"),
+    )
+    r: float | None = Field(
+        default=None, ge=0, description="Schedule-free: the averaging weight grows like step^r." + _by("r"),
+    )
+    weight_lr_power: float | None = Field(
+        default=None, ge=0,
+        description="Schedule-free: the averaging weight grows like lr_max^weight_lr_power." + _by("weight_lr_power"),
+    )
+    muon_adam_lr: float | None = Field(
+        default=None, gt=0,
+        description="MUON: learning rate of the AdamW step of the parameters that are not matrices (biases, norms)."
+        + _by("muon_adam_lr"),
+    )
+    weight_decay_by_lr: bool | None = Field(
+        default=None, description="Prodigy+SF: scale weight decay by the learning rate." + _by("weight_decay_by_lr"),
+    )
+    prodigy_steps: int | None = Field(
+        default=None, ge=0, description="Prodigy+SF: stop adapting d after this many steps (0 = never)."
+        + _by("prodigy_steps"),
+    )
+    use_speed: bool | None = Field(default=None, description="Prodigy+SF: the SPEED d estimate." + _by("use_speed"))
+    split_groups: bool | None = Field(
+        default=None, description="Prodigy+SF: one d per parameter group." + _by("split_groups"),
+    )
+    split_groups_mean: bool | None = Field(
+        default=None, description="Prodigy+SF: with split_groups, use the mean of the groups' d." + _by("split_groups_mean"),
+    )
+    factored: bool | None = Field(
+        default=None, description="Prodigy+SF: Adafactor-style factored second moment (less memory)." + _by("factored"),
+    )
+    factored_fp32: bool | None = Field(
+        default=None, description="Prodigy+SF: keep the factored statistics in float32." + _by("factored_fp32"),
+    )
+    use_stableadamw: bool | None = Field(
+        default=None, description="Prodigy+SF: StableAdamW update clipping." + _by("use_stableadamw"),
+    )
+    use_cautious: bool | None = Field(default=None, description="Prodigy+SF: cautious update." + _by("use_cautious"))
+    use_grams: bool | None = Field(default=None, description="Prodigy+SF: Grams update direction." + _by("use_grams"))
+    use_adopt: bool | None = Field(default=None, description="Prodigy+SF: ADOPT-style update." + _by("use_adopt"))
+    d_limiter: bool | None = Field(
+        default=None, description="Prodigy+SF: limit how fast d grows." + _by("d_limiter"),
+    )
+    use_schedulefree: bool | None = Field(
+        default=None, description="Prodigy+SF: schedule-free averaging (false: plain Prodigy-like momentum)."
+        + _by("use_schedulefree"),
+    )
+    schedulefree_c: float | None = Field(
+        default=None, ge=0, description="Prodigy+SF: schedule-free averaging constant (0 = the paper's)."
+        + _by("schedulefree_c"),
+    )
+    use_orthograd: bool | None = Field(
+        default=None, description="Prodigy+SF: OrthoGrad (drop the gradient's component along the weights)."
+        + _by("use_orthograd"),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -498,8 +573,9 @@ def strategy_refusal(name: str, strategy: str) -> str | None:
     was run under fsdp and zero2 with 2 ranks (tests/test_optimizers_distributed.py)."""
     spec = SPECS[name]
     if spec.adaptive and name != "PRODIGY" and strategy in SHARDING:
+        package = spec.target.split(":")[0].split(".")[0]
         return (
-            f"strategy: {strategy} gives each rank a shard of the parameters, and {name} (the dadaptation package) "
+            f"strategy: {strategy} gives each rank a shard of the parameters, and {name} (the {package} package) "
             "would estimate its step size from that shard alone, a different one on every rank, syncing to the host "
             "for every tensor. Use PRODIGY, whose ot_dist implementation sums the estimate over all shards, or "
             f"strategy single or ddp with {name}"
@@ -519,6 +595,19 @@ def strategy_refusal(name: str, strategy: str) -> str | None:
         return (
             f"strategy: {strategy} hands the optimizer one flat partition per parameter group, so {name} would compute "
             f"{what} over the wrong tensors. Use strategy single, ddp or fsdp with it"
+        )
+    if spec.whole_tensor and strategy in SHARDING:
+        return (
+            f"strategy: {strategy} splits tensors across ranks (fsdp: rows of each tensor; zero: flat partitions), and "
+            f"{name} needs {spec.whole_tensor}: on a shard it would be computed over the wrong elements. Use strategy "
+            f"single or ddp with {name}"
+        )
+    if spec.schedule_free and strategy.startswith("zero"):
+        return (
+            f"strategy: {strategy} steps the optimizer on DeepSpeed's flat float32 partitions and copies them into the "
+            f"model; {name} samples and exports its averaged weights by switching those partitions (optimizer.eval()), "
+            "which DeepSpeed does not copy back, so samples and exports would show the training iterate. Use strategy "
+            f"single, ddp or fsdp with {name}"
         )
     return None
 

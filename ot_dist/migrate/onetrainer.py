@@ -211,7 +211,8 @@ def _parts(ot: dict, c: dict, family: str, skip) -> None:
 
 
 def _optimizer(ot: dict, c: dict, skip) -> None:
-    from ot_dist.config.optim import OPTIMIZER_NAMES, OptimizerConfig
+    from ot_dist.config.optim import OPTIMIZER_NAMES
+    from ot_dist.optim.registry import SPECS
 
     settings = {**defaults.OPTIMIZER, **(ot.get("optimizer") or {})}
     name = settings.pop("optimizer")
@@ -223,7 +224,7 @@ def _optimizer(ot: dict, c: dict, skip) -> None:
     for key, value in settings.items():
         if value is None or key.startswith("__"):
             continue
-        if key in OptimizerConfig.model_fields and key != "name":
+        if key in SPECS[name].defaults:
             options[key] = value
         else:
             skip(f"optimizer.{key}: {value!r} is not an option of ot_dist's {name}")

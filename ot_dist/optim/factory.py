@@ -22,18 +22,25 @@ WRAPPER_OPTIONS = ("stochastic_rounding", "fused_back_pass")  # act around the s
 
 
 def optimizer_class(spec: OptimizerSpec) -> type[torch.optim.Optimizer]:
-    module, _, name = spec.target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return _load(spec.target)
 
 
 def constructor_kwargs(spec: OptimizerSpec, options: dict) -> dict:
-    """Config options -> the implementation's keyword arguments (betas and Adafactor's eps are tuples)."""
+    """Config options -> the implementation's keyword arguments (betas and Adafactor's eps are tuples; an option
+    OneTrainer names differently from the implementation is renamed)."""
     kwargs = {k: v for k, v in options.items() if k not in WRAPPER_OPTIONS}
     if spec.betas:
         kwargs["betas"] = tuple(kwargs.pop(name) for name in spec.betas)
     if spec.eps_pair:
         kwargs["eps"] = (kwargs.pop("eps"), kwargs.pop("eps2"))
+    for option, keyword in spec.renames:
+        kwargs[keyword] = kwargs.pop(option)
     return kwargs
+
+
+def _load(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -48,7 +55,10 @@ def kernel_choice(spec: OptimizerSpec, kwargs: dict, params: list[torch.Tensor])
       and would fail at its first step.
     - Plain tensors: fused when the optimizer has a CUDA kernel and every parameter is a floating CUDA tensor of a
       dtype it takes; otherwise `foreach` (the registry's default) batches the per-tensor loops.
-    `fused: false` keeps foreach."""
+    `fused: false` keeps foreach. An implementation whose multi-tensor path fails on DTensor shards steps them one
+    tensor at a time."""
+    if not spec.dtensor_foreach and any(isinstance(p, DTensor) for p in params):
+        return {**kwargs, "foreach": False}
     if kwargs.get("fused") is not None or kwargs.get("differentiable") or not params:
         return kwargs
     if all(isinstance(p, DTensor) for p in params):
@@ -67,9 +77,13 @@ def build_optimizer(
     param_groups = [
         {"params": g.params, "lr": g.learning_rate, "initial_lr": g.learning_rate, "name": g.name} for g in groups
     ]
+    if spec.group_split:  # e.g. Muon: matrices and the rest in groups of their own
+        param_groups = _load(spec.group_split)(param_groups, options)
     # Adafactor with relative_step computes its own step size and refuses a learning rate.
     lr = None if config.name == "ADAFACTOR" and config.relative_step else groups[0].learning_rate
     optimizer = (cls or optimizer_class(spec))(param_groups, lr=lr, **kwargs)
+    if spec.schedule_free:
+        optimizer.train()  # schedulefree starts in eval mode; training steps in train mode (schedule_free.py)
     if options.get("stochastic_rounding"):
         install_stochastic_rounding(optimizer)
     if options.get("fused_back_pass"):

@@ -44,6 +44,11 @@ class OptimizerSpec:
     # DTensor (FSDP2's sharded parameters) has sharding rules for this fused op, on every device (torch 2.13: the fused
     # Adam / AdamW ops only; fused SGD on DTensors raises NotImplementedError)
     dtensor_fused: bool = False
+    renames: tuple[tuple[str, str], ...] = ()  # (option, the implementation's keyword) where OneTrainer's name differs
+    whole_tensor: str = ""  # what it computes over each whole tensor ("" = elementwise): wrong on shards
+    schedule_free: bool = False  # trains at one point, averages another: samples and exports use the average
+    group_split: str = ""  # "module:function" that turns the parameter groups into the implementation's groups
+    dtensor_foreach: bool = True  # its multi-tensor path runs on FSDP2's DTensor shards (else: per-tensor loop there)
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -149,11 +154,60 @@ SPECS: dict[str, OptimizerSpec] = {
               notes="default (OneTrainer's): relative_step and scale_parameter false, the low-memory AdamW-like mode "
               "with your learning rate and schedule; relative_step: true computes its own step size (use scheduler "
               "ADAFACTOR)"),
+        # -- OneTrainer's further optimizers, from maintained packages ------------------------------
+        _spec("ADOPT", "pytorch_optimizer:ADOPT",
+              {"beta1": 0.9, "beta2": 0.9999, "weight_decay": 0.0, "decoupled_decay": False, "fixed_decay": False,
+               "cautious": False, "eps": 1e-6},
+              betas=("beta1", "beta2"), renames=(("decoupled_decay", "weight_decouple"),),
+              dtensor_foreach=False),  # torch has no DTensor rule for its _foreach_maximum_
+        _spec("AdEMAMix", "bitsandbytes.optim:AdEMAMix",
+              {**_ADAM, "beta3": 0.9999, "alpha": 5.0, "weight_decay": 1e-2, "is_paged": False},
+              betas=("beta1", "beta2", "beta3")),
+        _spec("AdEMAMix_8BIT", "bitsandbytes.optim:AdEMAMix8bit",
+              {**_ADAM, "beta3": 0.9999, "alpha": 5.0, "weight_decay": 1e-2, **_BNB_8BIT, "is_paged": False},
+              betas=("beta1", "beta2", "beta3"), eight_bit=True),
+        _spec("CAME", "pytorch_optimizer:CAME",
+              {"beta1": 0.9, "beta2": 0.999, "beta3": 0.9999, "eps": 1e-30, "eps2": 1e-16, "weight_decay": 1e-2},
+              betas=("beta1", "beta2", "beta3"), renames=(("eps", "eps1"),),
+              whole_tensor="its factored (row and column) second moments and confidence of each weight matrix"),
+        _spec("MUON", "pytorch_optimizer:Muon",
+              {"momentum": 0.95, "weight_decay": 0.0, "muon_adam_lr": 3e-4},
+              renames=(("muon_adam_lr", "adamw_lr"),), group_split="ot_dist.optim.muon:muon_groups",
+              whole_tensor="the orthogonalisation (Newton-Schulz) of each whole weight matrix's momentum",
+              notes="weight matrices (2-D and up) take Muon's step at your learning rate; biases and norms take "
+              "AdamW's at muon_adam_lr"),
+        _spec("SCHEDULE_FREE_ADAMW", "schedulefree:AdamWScheduleFree",
+              {**_ADAM, "weight_decay": 1e-2, "r": 0.0, "weight_lr_power": 2.0, "foreach": False},
+              betas=("beta1", "beta2"), schedule_free=True),
+        _spec("SCHEDULE_FREE_SGD", "schedulefree:SGDScheduleFree",
+              {"momentum": 0.9, "weight_decay": 1e-2, "r": 0.0, "weight_lr_power": 2.0, "foreach": False},
+              must_be_positive=("momentum",), schedule_free=True),  # OneTrainer's momentum 0 is refused by schedulefree
+        _spec("PRODIGY_PLUS_SCHEDULE_FREE", "prodigyplus:ProdigyPlusScheduleFree",
+              {"beta1": 0.9, "beta2": 0.99, "beta3": None, "weight_decay": 0.0, "weight_decay_by_lr": True,
+               "use_bias_correction": False, "d0": 1e-6, "d_coef": 1.0, "prodigy_steps": 0, "use_speed": False,
+               "eps": 1e-8, "split_groups": True, "split_groups_mean": False, "factored": True, "factored_fp32": True,
+               "use_stableadamw": True, "use_cautious": False, "use_grams": False, "use_adopt": False,
+               "d_limiter": True, "stochastic_rounding": True, "use_schedulefree": True, "schedulefree_c": 0.0,
+               "use_orthograd": False},
+              betas=("beta1", "beta2"), adaptive=True, schedule_free=True,
+              whole_tensor="its factored second moments of each weight matrix and its step-size estimate"),
+        _spec("ADABELIEF", "pytorch_optimizer:AdaBelief",
+              {"beta1": 0.9, "beta2": 0.999, "eps": 1e-16, "weight_decay": 0.0, "amsgrad": False,
+               "decoupled_decay": True, "fixed_decay": False, "rectify": True, "degenerated_to_sgd": True},
+              betas=("beta1", "beta2"), renames=(("decoupled_decay", "weight_decouple"), ("amsgrad", "ams_bound"))),
+        _spec("TIGER", "pytorch_optimizer:Tiger",
+              {"beta1": 0.965, "weight_decay": 0.01, "decoupled_decay": True, "fixed_decay": False},
+              renames=(("beta1", "beta"), ("decoupled_decay", "weight_decouple"))),
+        _spec("YOGI", "pytorch_optimizer:Yogi",
+              {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "decoupled_decay": True, "fixed_decay": False,
+               "initial_accumulator": 1e-6, "eps": 1e-3},
+              betas=("beta1", "beta2"), renames=(("decoupled_decay", "weight_decouple"),)),
     ]
 }
 OPTIMIZER_NAMES = tuple(SPECS)
 ADAPTIVE = tuple(name for name, s in SPECS.items() if s.adaptive)
 FUSED_BACK_PASS = tuple(name for name, s in SPECS.items() if s.supports_fused_back_pass)
+SCHEDULE_FREE = tuple(name for name, s in SPECS.items() if s.schedule_free)
 ALL_OPTIONS = tuple(sorted({o for s in SPECS.values() for o in s.options}))
 
 

@@ -67,12 +67,13 @@ class Sampler:
         """Every rank calls this at the same step. Returns the files written (on rank 0)."""
         runtime: Runtime = trainer.runtime
         use_ema = self.settings.use_ema and trainer.ema is not None
-        state_dict_of = trainer.ema_state_dict_of() if use_ema else trainer.trained_state_dict_of()
-        # The one gathering of full weights; the same modules in the same order on every rank.
-        modules = {
-            name: inference_copy(self.templates[name], state_dict_of(module), runtime.device)
-            for name, module in trainer.strategy.trained_modules.items()
-        }
+        with trainer.averaged_weights():  # copied out, so training goes on meanwhile untouched
+            state_dict_of = trainer.ema_state_dict_of() if use_ema else trainer.trained_state_dict_of()
+            # The one gathering of full weights; the same modules in the same order on every rank.
+            modules = {
+                name: inference_copy(self.templates[name], state_dict_of(module), runtime.device)
+                for name, module in trainer.strategy.trained_modules.items()
+            }
         prompts = self.settings.prompts
         mine = [i for i in range(len(prompts)) if i % runtime.world_size == runtime.rank]
         images: dict[int, bytes] = {}

@@ -26,6 +26,8 @@ from ot_dist.early_checks import check_input_paths, setup_warnings
 from ot_dist.models.loading import LoadedModel, load_model
 from ot_dist.optim.adaptive import startup_warnings
 from ot_dist.optim.factory import build_optimizer
+from ot_dist.optim.registry import SPECS
+from ot_dist.optim.schedule_free import averaged_weights
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
@@ -287,7 +289,16 @@ class Trainer:
             "skip_step) and resume with --resume auto"
         )
 
+    def averaged_weights(self):
+        """A block in which the parameters hold the weights training produces, for samples, exports and
+        checkpoints: a schedule-free optimizer's average instead of the point it takes gradients at."""
+        return averaged_weights(self.optimizer, SPECS[self.config.optimizer.name].schedule_free)
+
     def export(self, output_dir: Path) -> list[Path]:
+        with self.averaged_weights():
+            return self._export(output_dir)
+
+    def _export(self, output_dir: Path) -> list[Path]:
         write = self.runtime.is_main
         exported = self.method.export(self.model, output_dir, self.trained_state_dict_of(), write=write)
         if self.ema:
