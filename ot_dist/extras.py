@@ -21,6 +21,9 @@ EXTRAS = {
     "mlflow": "tracking",
     "pillow_heif": "heic",
     "torchao": "float8",
+    "pytorch_optimizer": "optim",
+    "schedulefree": "optim",
+    "prodigyplus": "optim",
 }
 
 
