@@ -1,5 +1,3 @@
-import sys
+from ot_dist.cli import entry
 
-from ot_dist.cli import main
-
-sys.exit(main())
+entry()

@@ -253,5 +253,25 @@ def _main(argv: list[str] | None = None) -> int:
         return 141
 
 
+def entry() -> None:
+    """The `ot-dist` command and `python -m ot_dist`: main(), then an exit that a rank's library teardown cannot
+    turn into a crash (see exit_process). main() itself returns, for callers in the same process."""
+    from ot_dist.parallel.runtime import exit_process
+
+    try:
+        code = main()
+    except SystemExit as stop:  # argparse's usage errors and --help
+        code = 0 if stop.code is None else stop.code
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_process(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

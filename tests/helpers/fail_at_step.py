@@ -21,6 +21,6 @@ def failing_step(self, step):
 
 Trainer.optimizer_step = failing_step
 
-from ot_dist.cli import main  # noqa: E402
+from ot_dist.cli import entry  # noqa: E402
 
-sys.exit(main())
+entry()

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ot_dist.config.load import validate
 from ot_dist.parallel import ddp as ddp_module
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.trainer import Trainer
 
 
@@ -96,3 +96,4 @@ if runtime.is_main:
     with open(case["result"], "w") as f:
         json.dump(result, f)
 runtime.shutdown()
+exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from ot_dist.optim.prodigy import ShardedProdigy
 from ot_dist.parallel.deepspeed import skip_shared_memory_op_build, zero_ownership
 from ot_dist.parallel.fsdp import fsdp_ownership
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import start_runtime, exit_process
 
 STEPS = 20
 
@@ -125,6 +125,7 @@ def main() -> None:
         with open(sys.argv[1], "w") as f:
             json.dump(results, f)
     runtime.shutdown()
+    exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import sys
 
 from ot_dist.config.load import validate
 from ot_dist.data.reader import ShardDataset, ShardReader
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import start_runtime, exit_process
 
 shards, config_json, out_dir = sys.argv[1:4]
 runtime = start_runtime(5, needs_group=True)
@@ -37,3 +37,4 @@ with open(f"{out_dir}/rank{runtime.rank}.json", "w") as f:
     json.dump({"uninterrupted": uninterrupted, "head": head, "rest": rest, "state": state}, f)
 runtime.barrier()
 runtime.shutdown()
+exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run

@@ -15,7 +15,7 @@ import signal
 import torch.distributed as dist
 
 from ot_dist.config.load import validate
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.trainer import Trainer
 
 if __name__ == "__main__":
@@ -62,3 +62,4 @@ if __name__ == "__main__":
                    "stopped_by": result.stopped_by, "seen": merged,
                    "checkpoint": str(result.checkpoint) if result.checkpoint else None}, open(args.result, "w"))
     runtime.shutdown()
+    exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from ot_dist.config.load import validate
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.sampling import Sampler
 from ot_dist.train.trainer import Trainer
 
@@ -28,3 +28,4 @@ trainer.train()
 trainer.close()
 (result_dir / f"rank-{runtime.rank}.json").write_text(json.dumps(generated))
 runtime.shutdown()
+exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.config.load import validate
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.trainer import Trainer
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "reduce")
@@ -58,3 +58,4 @@ if runtime.is_main:
     with open(sys.argv[2], "w") as f:
         json.dump(results, f, indent=1)
 runtime.shutdown()
+exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run

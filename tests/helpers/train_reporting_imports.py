@@ -13,4 +13,6 @@ report = {"tracks": "ot_dist.tracking.mlflow_tracker" in sys.modules,
           "mlflow_imported": any(name == "mlflow" or name.startswith("mlflow.") for name in sys.modules)}
 with open(os.path.join(os.environ["IMPORT_REPORT_DIR"], f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
     json.dump(report, f)
-sys.exit(code)
+from ot_dist.parallel.runtime import exit_process  # noqa: E402
+
+exit_process(code)
