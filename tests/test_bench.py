@@ -164,3 +164,14 @@ def test_bench_model_gets_the_performance_options_applied():
     run = prepare(bench, options, train_config(bench, options, "unused"), torch.device("cpu"))
     spatial = [m.weight for m in run.model.denoiser.modules() if isinstance(m, torch.nn.Conv2d) and m.kernel_size != (1, 1)]
     assert spatial and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in spatial)
+
+
+@pytest.mark.parametrize("name", ["auto", "cuda"])
+def test_a_bare_cuda_device_gets_the_current_index(name, monkeypatch):
+    # torch.cuda.set_device(torch.device("cuda")) raises: the bench must hand it an indexed device.
+    from ot_dist.bench.run import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device(name) == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)

@@ -98,13 +98,63 @@ def test_attention_backend_is_the_only_kernel_during_the_step(sd1):
                                backward=lambda loss, accumulation, last: None)
     strategy.autocast = lambda: torch.autocast("cpu", enabled=False)
     for backend, expected in (("math", (False, True, False)), ("flash", (True, False, False))):
-        fake = SimpleNamespace(strategy=strategy, loss=loss, utilization=None,
+        fake = SimpleNamespace(strategy=strategy, loss=loss, utilization=None, device=torch.device("cpu"),
+                               model=SimpleNamespace(family=SimpleNamespace(attention_kernels_avoided=())),
                                config=SimpleNamespace(performance=options(config, attention_backend=backend)))
         Trainer.micro_step(fake, {}, 0, 1)
         assert seen[-1] == expected, backend
     assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()  # restored after
-    with attention_kernel(options(config, attention_backend="auto")):
+    with attention_kernel(options(config, attention_backend="auto"), torch.device("cpu")):
         assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+
+
+def sdpa_flags() -> dict[str, bool]:
+    cuda = torch.backends.cuda
+    return {"flash": cuda.flash_sdp_enabled(), "efficient": cuda.mem_efficient_sdp_enabled(),
+            "math": cuda.math_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled()}
+
+
+def test_auto_attention_on_cuda_leaves_out_the_kernels_a_family_avoids(sd1):
+    # cuDNN attention's backward gave NaN gradients / an illegal memory access for Flux on an H200 (families/flux.py).
+    from ot_dist.models.families.registry import get_family
+
+    config, _ = sd1
+    cuda, auto = torch.device("cuda", 0), options(config, attention_backend="auto")
+    everything = {"flash": True, "efficient": True, "math": True, "cudnn": True}
+    for family in ("flux", "chroma"):
+        with attention_kernel(auto, cuda, get_family(family).attention_kernels_avoided):
+            assert sdpa_flags() == {**everything, "cudnn": False}, family
+    with attention_kernel(auto, cuda, get_family("sdxl").attention_kernels_avoided):
+        assert sdpa_flags() == everything  # torch's own choice
+    with attention_kernel(auto, torch.device("cpu"), ("cudnn",)):
+        assert sdpa_flags() == everything  # no CUDA kernel runs on the CPU
+    with attention_kernel(options(config, attention_backend="cudnn"), cuda, ("cudnn",)):
+        assert sdpa_flags() == {"flash": False, "efficient": False, "math": False, "cudnn": True}  # asked for
+
+
+def test_the_bench_step_runs_in_the_chosen_attention_kernel(monkeypatch):
+    # `ot-dist bench --performance attention_backend=...` timed torch's default kernel before: forward and backward
+    # must run in the chosen one, as the trainer's micro step does.
+    import ot_dist.bench.setup as bench_setup
+    from ot_dist.bench.architectures import BENCH_MODELS
+
+    seen = {}
+    real_loss = bench_setup.diffusion_loss
+
+    def recording_loss(*args, **kwargs):
+        seen["forward"] = sdpa_flags()
+        loss = real_loss(*args, **kwargs)
+        loss.register_hook(lambda grad: seen.__setitem__("backward", sdpa_flags()))
+        return loss
+
+    monkeypatch.setattr(bench_setup, "diffusion_loss", recording_loss)
+    bench = BENCH_MODELS["tiny-sd15"]
+    opts = bench_setup.BenchOptions(model="tiny-sd15", resolution=64, dtype="fp32", count_flops=False,
+                                    performance=(("attention_backend", "math"),))
+    run = bench_setup.prepare(bench, opts, bench_setup.train_config(bench, opts, "unused"), torch.device("cpu"))
+    run.step()
+    expected = {"flash": False, "efficient": False, "math": True, "cudnn": False}
+    assert seen == {"forward": expected, "backward": expected}
 
 
 @pytest.mark.parametrize("choice", [{"checkpoint_every_n_blocks": 2}, {"checkpoint_only_attention": True}])

@@ -14,13 +14,16 @@ from ot_dist.errors import ConfigError
 
 
 def resolve_device(name: str) -> torch.device:
+    """The bench's device, with its index on CUDA (`torch.cuda.set_device` refuses a bare "cuda")."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"--device: {name} requested but torch sees no CUDA device")
     if device.type not in ("cuda", "cpu"):
         raise ConfigError(f"--device: {name} is not supported (cuda, cuda:N or cpu)")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

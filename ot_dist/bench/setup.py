@@ -161,9 +161,14 @@ class BenchRun:
         self.strategy.backward(loss, 1, True)
 
     def step(self) -> torch.Tensor:
-        """The trainer's micro step + optimizer step (one micro batch per step, no scheduler / EMA)."""
-        loss = self.loss()
-        self.backward(loss)
+        """The trainer's micro step + optimizer step (one micro batch per step, no scheduler / EMA), in the
+        attention kernel the trainer allows (forward and backward)."""
+        from ot_dist.train.fast_path import attention_kernel
+
+        with attention_kernel(self.config.performance, self.batch["latent_mean"].device,
+                              self.model.family.attention_kernels_avoided):
+            loss = self.loss()
+            self.backward(loss)
         self.strategy.step(self.optimizer, self.params)
         return loss.detach()
 

@@ -32,8 +32,9 @@ class PerformanceConfig(Section):
     attention_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
         default="auto",
         description="The only kernel scaled_dot_product_attention may use during training steps "
-        "(torch.nn.attention.sdpa_kernel); auto = torch's choice. A backend the device or inputs cannot run "
-        "fails the step with torch's reason.",
+        "(torch.nn.attention.sdpa_kernel); auto = torch's choice, less the kernels the family avoids on CUDA "
+        "(Flux and Chroma: cudnn, see docs/performance.md). A backend the device or inputs cannot run fails the "
+        "step with torch's reason.",
     )
     checkpoint_every_n_blocks: int = Field(
         default=1, ge=1,

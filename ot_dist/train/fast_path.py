@@ -130,10 +130,14 @@ def float8_eligible(module: torch.nn.Module, name: str) -> bool:
     return (type(module) is torch.nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 
 
-def attention_kernel(options: PerformanceConfig):
-    """The context a training step runs in: only the chosen SDPA kernel, or torch's choice."""
-    if options.attention_backend == "auto":
-        return contextlib.nullcontext()
+def attention_kernel(options: PerformanceConfig, device: torch.device, avoided: tuple[str, ...] = ()):
+    """The context a training step runs in: only the chosen SDPA kernel; for `auto`, torch's choice, less the
+    kernels the family avoids on CUDA (Family.attention_kernels_avoided)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[options.attention_backend]))
+    if options.attention_backend != "auto":
+        return sdpa_kernel(getattr(SDPBackend, SDPA_BACKENDS[options.attention_backend]))
+    if device.type != "cuda" or not avoided:
+        return contextlib.nullcontext()
+    # sdpa_kernel with a list keeps torch's own priority among the kernels it allows.
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[name]) for name in SDPA_BACKENDS if name not in avoided])

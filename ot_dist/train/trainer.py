@@ -353,7 +353,8 @@ class Trainer:
         self.strategy.prepare_micro_step(last_micro_step)
 
         def forward_backward() -> torch.Tensor:
-            with attention_kernel(self.config.performance):  # backward too: it may recompute attention
+            with attention_kernel(self.config.performance, self.device, self.model.family.attention_kernels_avoided):
+                # backward too: it may recompute attention
                 with self.strategy.autocast():
                     loss = self.loss(batch, epoch)
                 self.strategy.backward(loss, accumulation, last_micro_step)

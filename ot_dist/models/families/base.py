@@ -82,6 +82,9 @@ class Family:
     # The side the family's base models were trained at (the resolution a new config starts with), and the
     # model of ot_dist/memory/table.py whose byte counts stand for this family's (None: no starting presets).
     native_resolution: int = 1024
+    # SDPA kernels that `performance.attention_backend: auto` leaves out on CUDA for this denoiser, because they
+    # computed it wrongly on a GPU we measured (see the family's value); an explicit backend is still honoured.
+    attention_kernels_avoided: tuple[str, ...] = ()
     memory_reference: str | None = None
 
     # -- text -----------------------------------------------------------------------------------------

@@ -51,6 +51,11 @@ class FlowTransformerFamily(Family):
 
     denoiser = "transformer"
     pixel_multiple = 16  # VAE x8, then 2x2 packing
+    # cuDNN attention's backward gave NaN gradients for this joint attention (a tiny Flux, bf16, and diffusers'
+    # FluxTransformer2DModel alone) and ended a Flux.1 dev LoRA step at 1024 px with an illegal memory access
+    # (torch 2.11 + CUDA 13.0, H200, November 2026); flash / efficient / math gave finite gradients on the same
+    # inputs. SDXL and SD3.5 trained with it there.
+    attention_kernels_avoided = ("cudnn",)
     denoiser_lora_presets = {"default": FLUX_LORA_TARGETS, "attention": ATTENTION_TARGETS}
     samplers = ("flow_euler",)
     t5_tokenizer = "tokenizer_2"
