@@ -244,3 +244,26 @@ def test_merge_applies_the_t5_part_as_trained(trained, family_models, family):
     for module_path, layer in layers.items():
         expected = layer.base_layer.weight.float() + layer.get_delta_weight(ADAPTER)
         torch.testing.assert_close(merged_t5[module_path].weight.float(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["flux", "chroma"])
+def test_init_from_the_file_starts_every_adapter_at_the_trained_change(trained, family_models, shapes_data, tmp_path,
+                                                                        family):
+    """lora.init_from reads the T5 names too: a new run from the file starts where training ended, at another alpha."""
+    from ot_dist.methods.lora import LoraMethod
+    from ot_dist.models.loading import load_model
+
+    trainer, path = trained(family)
+    parts = {f"{name}.train": True for name in FAMILIES[family][1]}
+    config = validate(base_config(family_models[family], shapes_data, tmp_path / "o", family=family, method="lora",
+                                  **{"lora.rank": RANK, "lora.alpha": 1.0, "lora.init_from": str(path)}, **parts))
+    model = load_model(config.model)
+    LoraMethod(config).prepare(model)
+    checked = 0
+    for name, part in trainer.model.parts().items():
+        started = peft_layers(model.part(name))
+        for module_path, layer in peft_layers(part).items():
+            torch.testing.assert_close(started[module_path].get_delta_weight(ADAPTER), layer.get_delta_weight(ADAPTER),
+                                       rtol=1e-5, atol=1e-7)
+            checked += 1
+    assert checked and FAMILIES[family][0] in trainer.model.parts()

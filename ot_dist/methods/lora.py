@@ -170,7 +170,8 @@ def write_peft_layout(parts: dict, target: Path, named: dict[str, torch.Tensor] 
 def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
     """(the config key that chose them, the module-name suffixes peft adapts) for one part."""
     if part != family.denoiser:
-        return "lora.text_encoder_targets", list(settings.text_encoder_targets or family.text_lora_default_targets(part))
+        targets = settings.text_encoder_targets or family.text_lora_default_targets(part)
+        return "lora.text_encoder_targets", list(targets)
     key = f"{part}_targets"
     if getattr(settings, key, None):
         return f"lora.{key}", list(getattr(settings, key))
