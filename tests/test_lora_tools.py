@@ -26,7 +26,11 @@ from ot_dist.methods.lora import LoraMethod
 from ot_dist.models.loading import load_model
 
 RANK, ALPHA = 4, 2.0
-MODELS = {"sd1": "tiny_models", "sdxl": "tiny_models", "flux": "family_models", "sd3": "family_models"}
+MODELS = {"sd1": "tiny_models", "sdxl": "tiny_models", "flux": "family_models", "sd3": "family_models",
+          "chroma": "family_models"}
+# The CLIP text encoders diffusers' load_lora_weights takes, per family (SD3: CLIP-L and CLIP-G; Chroma has none)
+CLIP_PARTS = {"sd1": ("text_encoder",), "sdxl": ("text_encoder",), "flux": ("text_encoder",),
+              "sd3": ("text_encoder", "text_encoder_2")}
 
 
 def model_dir(request, family) -> Path:
@@ -36,7 +40,7 @@ def model_dir(request, family) -> Path:
 def random_lora_file(request, family, shapes_data, out: Path, layout="auto", seed=0) -> Path:
     """ot_dist's exported LoRA (denoiser + text encoders where the family has them) with random up matrices
     standing in for training."""
-    text = {"text_encoder.train": True} if family in ("sd1", "sdxl", "flux") else {}  # CLIP text encoders
+    text = {f"{part}.train": True for part in CLIP_PARTS.get(family, ())}
     config = validate(base_config(model_dir(request, family), shapes_data, out, family=family, method="lora",
                                   **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.file_layout": layout}, **text))
     model = load_model(config.model)
@@ -89,7 +93,7 @@ def run_process(*args) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("family,layout", [("sd1", "kohya"), ("sd1", "diffusers"), ("sdxl", "kohya"),
-                                           ("flux", "diffusers")])
+                                           ("flux", "diffusers"), ("sd3", "diffusers"), ("chroma", "diffusers")])
 def test_merge_equals_diffusers_fuse(request, shapes_data, tmp_path, family, layout):
     lora = random_lora_file(request, family, shapes_data, tmp_path / "o", layout)
     base = model_dir(request, family)
@@ -193,6 +197,22 @@ def test_resize_keeps_the_best_low_rank_change_in_the_same_layout(request, shape
     base = tiny_models_path = request.getfixturevalue("tiny_models")["sd1"]
     assert_same_weights(diffusers_fused(base, tmp_path / "r4.safetensors", 1.0), diffusers_fused(base, lora, 1.0),
                         DiffusionPipeline.from_pretrained(tiny_models_path))
+
+
+def test_a_resized_diffusers_layout_file_loads_in_diffusers_at_its_new_rank(request, shapes_data, tmp_path):
+    """diffusers builds its adapters from a file's `lora_adapter_metadata` when there is one: the resized file must
+    not keep the old rank's (it would not load), and diffusers' fuse of it equals ot_dist's merge."""
+    base = model_dir(request, "flux")
+    lora = random_lora_file(request, "flux", shapes_data, tmp_path / "o")
+    assert "lora_adapter_metadata" in read_lora_file(lora).metadata
+    done = run_cli("lora", "resize", lora, "--rank", 2, "--out", tmp_path / "r2.safetensors")
+    assert done.returncode == 0, done.stderr
+    done = run_cli("lora", "merge", base, tmp_path / "r2.safetensors", "--family", "flux", "--out", tmp_path / "m",
+                   "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    reference = diffusers_fused(base, tmp_path / "r2.safetensors", 1.0)
+    assert_same_weights(DiffusionPipeline.from_pretrained(tmp_path / "m"), reference,
+                        DiffusionPipeline.from_pretrained(base))
 
 
 @pytest.mark.parametrize("family", ["sd1", "flux"])

@@ -115,7 +115,8 @@ class LoraConfig(Section):
         default=None, description="Stable Cascade / Würstchen v2 prior (stage C) module names to adapt; unset = lora.preset."
     )
     text_encoder_targets: list[str] | None = Field(
-        default=None, description="Text encoder module names to adapt; unset = the family's default list."
+        default=None, description="Text encoder module names to adapt, in every trained text encoder; unset = each "
+        "encoder's default list (CLIP: q_proj, k_proj, v_proj, out_proj, fc1, fc2; T5: q, k, v, o, wi_0, wi_1, wo)."
     )
     file_layout: Literal["auto", "kohya", "diffusers"] = Field(
         default="auto",
@@ -124,7 +125,8 @@ class LoraConfig(Section):
         "for ComfyUI, A1111 / Forge, kohya and diffusers' load_lora_weights. diffusers: peft's keys "
         "(unet.*.lora_A / lora_B) with rank and alpha only in the file's metadata, read by diffusers' "
         "load_lora_weights. auto: kohya for the families "
-        "that have kohya names (sd1, sd2, sdxl), diffusers for the others (sd3, flux, chroma, pixart_alpha, pixart_sigma; "
+        "that have kohya names (sd1, sd2, sdxl), diffusers for the others (sd3, flux, chroma, pixart_alpha, pixart_sigma, "
+        "whose T5-XXL modules are named as ComfyUI reads them: lora_te3_* / lora_te1_* with .alpha tensors; "
         "PixArt's pipelines have no load_lora_weights: ot_dist.lora_tools.peft_load.load_peft_lora loads the file).",
     )
     init_from: str | None = Field(

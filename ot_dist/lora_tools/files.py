@@ -6,7 +6,8 @@ Layouts read:
   alpha = rank (strength 1.0), which is what `Pair.scale` returns then.
 - diffusers / peft: `<component>.<module path>.lora_A.weight` / `.lora_B.weight`, alpha from an `.alpha` tensor
   when present (ComfyUI reads it), else from the adapter metadata diffusers writes (`lora_adapter_metadata`),
-  else alpha = rank.
+  else alpha = rank. ot_dist's files of T5 families name their T5-XXL modules kohya-style in this layout
+  (`lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_A.weight` + `.alpha`); the name is kept as it is.
 Anything else (old diffusers attention-processor files, LoHa / LoKr, DoRA scales) is refused naming a key:
 merging it as plain LoRA would silently apply the wrong change."""
 

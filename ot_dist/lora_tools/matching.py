@@ -1,5 +1,6 @@
 """Which module of a loaded model each name in a LoRA file means, using only what the family declares
-(`lora_file_prefixes`, `lora_file_roots`, `lora_file_renames`): no family is named here."""
+(`lora_file_prefixes`, `lora_file_roots`, `lora_file_renames`, `lora_file_kohya_components`): no family is named
+here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ot_dist.errors import InputFileError
-from ot_dist.methods.lora_layouts import kohya_names
+from ot_dist.methods.lora_layouts import KohyaNames, kohya_names
 
 ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
@@ -42,6 +43,11 @@ def module_index(model, layout: str, parts: dict[str, torch.nn.Module] | None = 
                 index[names[part].module_name(path)] = Target(part, path, sub)
         return index
     for part, module in parts.items():
+        if part in family.lora_file_kohya_components:  # written under kohya-style names (T5-XXL encoders)
+            names = KohyaNames(family.lora_file_kohya_components[part])
+            index.update({names.module_name(path): Target(part, path, sub)
+                          for path, sub in adaptable_modules(module).items()})
+            continue
         root = family.lora_file_roots.get(part, "")
         has_root = root in dict(module.named_children())
         for path, sub in adaptable_modules(module).items():

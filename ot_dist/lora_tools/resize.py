@@ -18,7 +18,10 @@ def resize_command(path: str, rank: int, out: str, log=print) -> dict[str, float
     for name, pair in lora.pairs.items():
         pairs[name], kept[name] = low_rank_pair(pair.delta(), rank)
     dtype = next(iter(lora.pairs.values())).up.dtype if lora.pairs else None
-    metadata = {k: v for k, v in lora.metadata.items() if k not in ("ss_network_dim", "ss_network_alpha")}
+    # diffusers' adapter metadata names the old rank (its loader would build rank-R adapters from it): left out, as
+    # the written file needs none (the scale is in the up matrices, alpha = rank)
+    stale = ("ss_network_dim", "ss_network_alpha", "lora_adapter_metadata")
+    metadata = {k: v for k, v in lora.metadata.items() if k not in stale}
     if lora.layout == "kohya":
         metadata.update(ss_network_dim=str(rank), ss_network_alpha=str(float(rank)))
     write_lora_file(out, lora.layout, pairs, metadata, dtype)

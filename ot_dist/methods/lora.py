@@ -99,6 +99,14 @@ class LoraMethod(TrainingMethod):
     def _write_diffusers(self, model, states, adapter_configs, target: Path, dtype) -> None:
         # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together with the
         # adapter config (rank, targets) it finds in the file's metadata; the scale is inside the weights.
+        # Components the family names kohya-style (T5-XXL) go in under those names, with their alpha tensors.
+        from ot_dist.methods.lora_layouts import PEFT_DOWN, PEFT_UP, KohyaNames, to_kohya
+
+        named_components = model.family.lora_file_kohya_components
+        named = {}
+        for part in [p for p in states if p in named_components]:
+            named.update(to_kohya(states.pop(part), KohyaNames(named_components[part]), self.config.lora.alpha, dtype,
+                                  suffixes=(PEFT_DOWN, PEFT_UP)))
         kwargs = {}
         for part, state in states.items():
             state, metadata = scale_baked_in(state, adapter_configs[part])
@@ -109,8 +117,8 @@ class LoraMethod(TrainingMethod):
             kwargs[f"{part}_lora_layers"] = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
             kwargs[f"{part}_lora_adapter_metadata"] = metadata
         pipeline_cls = model.family.pipeline_cls()
-        if not hasattr(pipeline_cls, "save_lora_weights"):  # a pipeline without diffusers' LoRA loader mixin
-            write_peft_layout(kwargs, target)
+        if named or not hasattr(pipeline_cls, "save_lora_weights"):  # kohya-named parts, or no LoRA loader mixin
+            write_peft_layout(kwargs, target, named)
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as staging, atomic_path(target) as tmp:
             pipeline_cls.save_lora_weights(staging, weight_name=target.name, **kwargs)
@@ -131,31 +139,39 @@ def add_adapter(module: torch.nn.Module, lora_config) -> None:
         module.peft_config = {ADAPTER: lora_config}
 
 
-def write_peft_layout(parts: dict, target: Path) -> None:
+def write_peft_layout(parts: dict, target: Path, named: dict[str, torch.Tensor] | None = None) -> None:
     """What `save_lora_weights` writes, for a pipeline without it: every component's peft keys under its name
-    (`transformer.<module>.lora_A.weight`) and the adapter configs as diffusers' `lora_adapter_metadata`."""
+    (`transformer.<module>.lora_A.weight`) and the adapter configs as diffusers' `lora_adapter_metadata`.
+
+    `named`: tensors under kohya-style names with `.alpha` tensors (T5-XXL components), written as they are. A file
+    with them carries no `lora_adapter_metadata`: diffusers' loader refuses alpha tensors beside it (peft.py
+    `load_lora_adapter`: "Both `network_alphas` and `metadata` cannot be specified"), and without it diffusers takes
+    alpha = rank, which is right for the peft-named components, whose scale is inside their up matrices."""
     import json
 
     from safetensors.torch import save_file
 
-    tensors, metadata = {}, {}
+    tensors, adapter_metadata = dict(named or {}), {}
     for key, value in parts.items():
         if key.endswith("_lora_layers"):
             component = key[: -len("_lora_layers")]
             tensors.update({f"{component}.{name}": tensor for name, tensor in value.items()})
         else:
             component = key[: -len("_lora_adapter_metadata")]
-            metadata.update({f"{component}.{k}": list(v) if isinstance(v, (set, tuple)) else v
-                             for k, v in value.items()})
+            adapter_metadata.update({f"{component}.{k}": list(v) if isinstance(v, (set, tuple)) else v
+                                     for k, v in value.items()})
+    metadata = {"format": "pt"}
+    if not named:
+        metadata["lora_adapter_metadata"] = json.dumps(adapter_metadata, sort_keys=True)
     with atomic_path(target) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt", "lora_adapter_metadata": json.dumps(metadata,
-                                                                                                    sort_keys=True)})
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
     """(the config key that chose them, the module-name suffixes peft adapts) for one part."""
     if part != family.denoiser:
-        return "lora.text_encoder_targets", list(settings.text_encoder_targets or family.text_lora_targets)
+        targets = settings.text_encoder_targets or family.text_lora_default_targets(part)
+        return "lora.text_encoder_targets", list(targets)
     key = f"{part}_targets"
     if getattr(settings, key, None):
         return f"lora.{key}", list(getattr(settings, key))

@@ -5,7 +5,11 @@
   scripts read it, and diffusers' `load_lora_weights` converts it. Loaders that find no `.alpha` tensor apply the
   change at strength alpha = rank, so the tensor is always written.
 - `diffusers`: peft's keys under the diffusers component name (`unet.<path>.lora_A.weight`), alpha and rank in the
-  file's adapter metadata; written by the pipeline's `save_lora_weights` (see ot_dist/methods/lora.py).
+  file's adapter metadata; written by the pipeline's `save_lora_weights` (see ot_dist/methods/lora.py). Components
+  a family lists in `lora_file_kohya_components` (T5-XXL encoders) are written in the same file under kohya-style
+  names instead: `<prefix>_<path with "_">.lora_A.weight` / `.lora_B.weight` and an `.alpha` tensor, the names
+  ComfyUI maps for T5-XXL (comfy/lora.py model_lora_keys_clip), keeping peft's suffixes so that diffusers does
+  not take the whole file for a kohya one (its Flux loader then keeps only `transformer.` keys).
 
 The converter knows no family. A family declares, as data on its `Family` (ot_dist/models/families/base.py):
 - `lora_file_prefixes`: component -> the name prefix, e.g. SD 1.x {"unet": "lora_unet", "text_encoder": "lora_te"};
@@ -67,11 +71,13 @@ def kohya_names(prefixes: dict[str, str], roots: dict[str, str], modules: dict[s
     return names
 
 
-def to_kohya(peft_state: dict[str, torch.Tensor], names: KohyaNames, alpha: float,
-             dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def to_kohya(peft_state: dict[str, torch.Tensor], names: KohyaNames, alpha: float, dtype: torch.dtype | None = None,
+             suffixes: tuple[str, str] = (KOHYA_DOWN, KOHYA_UP)) -> dict[str, torch.Tensor]:
     """One component's peft LoRA state dict (`<path>.lora_A.weight` / `.lora_B.weight`, as
     `get_peft_model_state_dict` returns it) in kohya's layout, with an `.alpha` tensor (float32 scalar, so any
-    alpha is stored exactly) per module. Matrices are cast to `dtype` when given."""
+    alpha is stored exactly) per module. Matrices are cast to `dtype` when given. `suffixes` (down, up):
+    kohya's own by default; (PEFT_DOWN, PEFT_UP) for kohya names inside a diffusers-layout file."""
+    down_suffix, up_suffix = suffixes
     out: dict[str, torch.Tensor] = {}
     paths: dict[str, str] = {}
     for key in peft_state:
@@ -87,8 +93,8 @@ def to_kohya(peft_state: dict[str, torch.Tensor], names: KohyaNames, alpha: floa
         down, up = peft_state[key], peft_state[path + PEFT_UP]
         if dtype is not None:
             down, up = down.to(dtype), up.to(dtype)
-        out[name + KOHYA_DOWN] = down.detach().contiguous()
-        out[name + KOHYA_UP] = up.detach().contiguous()
+        out[name + down_suffix] = down.detach().contiguous()
+        out[name + up_suffix] = up.detach().contiguous()
         out[name + KOHYA_ALPHA] = torch.tensor(float(alpha), dtype=torch.float32)
     return out
 

@@ -23,6 +23,9 @@ from ot_dist.models.objectives import Objective
 
 # The embedding_keys value replaced by the trained token (embedding.token) in the exported file.
 EMBEDDING_TOKEN_KEY = "{token}"
+# A T5 encoder's LoRA targets: attention (T5Attention q / k / v / o) and the gated MLP (wi_0, wi_1, wo), the modules
+# kohya's sd-scripts adapt in a T5 (networks/lora_flux.py, lora_sd3.py: T5Attention, T5DenseGatedActDense).
+T5_LORA_TARGETS = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")
 
 
 class Family:
@@ -48,6 +51,12 @@ class Family:
     # targets. "all_linear" is derived from the module (every nn.Linear) and needs no entry.
     denoiser_lora_presets: dict[str, tuple[str, ...]] = {}
     text_lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
+    # Per text encoder whose modules differ from text_lora_targets' (a T5 beside CLIPs): its own default targets.
+    text_lora_targets_by_encoder: dict[str, tuple[str, ...]] = {}
+
+    def text_lora_default_targets(self, encoder: str) -> tuple[str, ...]:
+        """The modules a LoRA adapts in `encoder` when lora.text_encoder_targets is unset."""
+        return self.text_lora_targets_by_encoder.get(encoder, self.text_lora_targets)
 
     # -- sharding ---------------------------------------------------------------------------------------
     # Per component, the sub-modules a sharding strategy wraps one by one (a name or a dotted suffix; a
@@ -208,6 +217,11 @@ class Family:
     # Per component, {module path: the path the file names instead} for modules whose plain kohya name a loader
     # misreads (SDXL's add_embedding.linear_1 -> its original label_emb.0.0).
     lora_file_renames: dict[str, dict[str, str]] = {}
+    # Per component, in a diffusers-layout file: a kohya-style name prefix under which that component's modules are
+    # written instead of `<component>.<path>` (`<prefix>_<path with "_">.lora_A.weight` / `.lora_B.weight` and an
+    # `.alpha` tensor). ComfyUI maps T5-XXL LoRA modules only by such names (comfy/lora.py model_lora_keys_clip:
+    # `lora_te{N}_<T5 path>`, N counting the CLIP encoders the model has), never as `text_encoder_2.<path>`.
+    lora_file_kohya_components: dict[str, str] = {}
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **options):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.models.families.base import Family
+from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
 
 # The diffusers Flux LoRA script's default targets (double blocks: both streams' attention and MLPs; single
@@ -107,6 +107,10 @@ class Flux(FlowTransformerFamily):
     # CLIP-L's LoRA modules carry the text_model. level transformers 5 dropped: ComfyUI maps Flux's CLIP LoRA keys
     # only as text_encoder.text_model.encoder.layers.N..., and diffusers strips the level again when loading.
     lora_file_roots = {"text_encoder": "text_model"}
+    text_lora_targets_by_encoder = {"text_encoder_2": T5_LORA_TARGETS}
+    # T5-XXL beside CLIP-L: ComfyUI maps lora_te2_ (OneTrainer's) and lora_te3_ (kohya sd-scripts') T5 names for Flux;
+    # lora_te3 is the one both ComfyUI and kohya's scripts read.
+    lora_file_kohya_components = {"text_encoder_2": "lora_te3"}
 
     def __init__(self, guidance_scale: float = 1.0):
         # The distilled guidance dev's transformer is shown in training (OneTrainer and SimpleTuner train at 1.0).
@@ -175,6 +179,9 @@ class Chroma(FlowTransformerFamily):
     embedding_keys = {}  # T5 only
     t5_tokenizer = "tokenizer"
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": T5_SHARD_UNITS}
+    text_lora_targets = T5_LORA_TARGETS
+    # ComfyUI's Chroma text encoder is T5-XXL alone: its LoRA modules are lora_te1_<T5 path> (comfy/lora.py)
+    lora_file_kohya_components = {"text_encoder": "lora_te1"}
 
     def tokenize(self, tokenizers, captions):
         tokenizer = tokenizers["tokenizer"]

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.models.families.base import Family
+from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import DDPM
 
 # Attention of the self- (attn1) and cross-attention (attn2) layers: what PixArt LoRA trainers target by default.
 PIXART_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
 PIXART_LORA_WITH_MLP = PIXART_LORA_TARGETS + ("ff.net.0.proj", "ff.net.2")
 T5_SHARD_UNITS = ("encoder.block",)
-T5_LORA_TARGETS = ("q", "k", "v", "o")
 VAE_FACTOR = 8  # PixArt's VAEs (SD's, SDXL's) downsample 8x
 VB_LOSS_DEFAULT = 1.0  # OneTrainer's vb_loss_strength default
 
@@ -46,6 +45,8 @@ class PixArt(Family):
     # PixArt ships DPMSolverMultistepScheduler (dpmpp_2m) for sampling; the DDPM samplers all fit.
     samplers = ("dpmpp_2m", "ddim", "euler", "euler_a", "unipc")
     lora_file_prefixes = None  # the diffusers layout: ComfyUI maps transformer.<diffusers module> for PixArt
+    # ComfyUI's PixArt text encoder is T5-XXL alone: its LoRA modules are lora_te1_<T5 path> (comfy/lora.py)
+    lora_file_kohya_components = {"text_encoder": "lora_te1"}
     max_sequence_length: int  # the pipeline's T5 context
     # PixArt's original checkpoint layout (blocks.N.attn.qkv, ...) is not written yet: the full method exports the
     # diffusers folder (what PixArtAlphaPipeline / PixArtSigmaPipeline.from_pretrained read).

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.models.families.base import Family
+from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
 
 # The diffusers SD3 LoRA script's default targets: attention of both streams.
@@ -32,6 +32,9 @@ class SD3(Family):
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": CLIP_SHARD_UNITS,
                    "text_encoder_2": CLIP_SHARD_UNITS, "text_encoder_3": ("encoder.block",)}
     pixel_multiple = 16  # VAE x8, 2x2 patches
+    text_lora_targets_by_encoder = {"text_encoder_3": T5_LORA_TARGETS}
+    # T5-XXL after CLIP-L and CLIP-G: ComfyUI (comfy/lora.py) and kohya's sd-scripts name its LoRA modules lora_te3_
+    lora_file_kohya_components = {"text_encoder_3": "lora_te3"}
     samplers = ("flow_euler",)
 
     def objective(self, pipeline, model_config) -> FlowMatching:
