@@ -5,7 +5,8 @@ One job: a file from a camera, a phone or the web becomes the pixels the shard b
 - Every format Pillow reads (PNG, JPEG, WebP, BMP, AVIF, TIFF, GIF, ...); animated GIF / WebP give their first
   frame; HEIC / HEIF through pillow-heif (the `[heic]` extra) when it is installed.
 - Colour: an embedded ICC profile (Display P3, Adobe RGB, a CMYK press profile) is converted to sRGB with
-  LittleCMS; CMYK without a profile by Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits
+  LittleCMS, relative colorimetric (a colour sRGB can show comes out as that colour, the paper or media white as
+  sRGB white; out-of-gamut colours are clipped), without black point compensation; CMYK without a profile by Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits
   (Pillow's own conversion clips everything above 255 to white); alpha (RGBA, LA, PA, palette or RGB
   transparency) composited on `data.image_background`.
 - The pixel limit (`data.max_image_pixels`) is checked from the header before anything is decoded; an image
@@ -147,6 +148,9 @@ def _convert_profile(img: Image.Image, icc: bytes) -> Image.Image | None:
             return None  # a CMYK profile on RGB pixels (or the reverse) is a broken file: trust the pixels
         img = img.convert(mode)
     try:
-        return ImageCms.profileToProfile(img, source, _SRGB, outputMode="RGB")
+        # Relative colorimetric, not ImageCms' default perceptual: LittleCMS forces black point compensation on a
+        # perceptual transform into its (v4) sRGB profile, which darkens every CMYK colour towards the ink black.
+        return ImageCms.profileToProfile(img, source, _SRGB, renderingIntent=ImageCms.Intent.RELATIVE_COLORIMETRIC,
+                                         outputMode="RGB")
     except ImageCms.PyCMSError:
         return None
