@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -180,7 +181,7 @@ def make_config(folder: Path, shards: Path, **data):
 def stored(shards: Path, manifest: dict) -> dict[str, dict]:
     """Source file name -> {image, mask, meta} read back from the tar shards."""
     out = {}
-    for record in manifest["samples"]:
+    for index, record in enumerate(manifest["samples"]):
         shard = shards / manifest["shards"][record["shard"]]["file"]
         with tarfile.open(shard) as tar:
             members = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar
@@ -189,7 +190,7 @@ def stored(shards: Path, manifest: dict) -> dict[str, dict]:
         out[Path(meta["source"]).name] = {
             "image": np.asarray(Image.open(io.BytesIO(members["64.png"]))),
             "mask": np.asarray(Image.open(io.BytesIO(members["64.mask.png"]))) if "64.mask.png" in members else None,
-            "meta": meta}
+            "meta": meta, "index": index}
     return out
 
 
@@ -348,3 +349,44 @@ def test_one_training_step_from_the_built_shards(built, tiny_models, tmp_path):
     config.write_text(yaml.safe_dump(raw))
     assert main(["train", str(config)]) == 0
     assert any((tmp_path / "out").rglob("*.safetensors"))
+
+
+def test_two_ranks_train_on_the_camera_folder(built, tiny_models, tmp_path):
+    """`ot-dist train` under torchrun (2 gloo ranks, DDP) on the camera folder itself, as docs/data.md says: the run
+    builds the shard set, names the bomb as an unreadable image (within data.max_bad_fraction), warns about the tiny
+    image and lists the unused files, then both ranks train the same number of batches, each global batch from one
+    bucket, every readable image at most once per epoch and the bomb never."""
+    from conftest import base_config
+    from test_strategies import ENV, run, write_config
+
+    from ot_dist.parallel.runtime import free_port
+
+    raw = base_config(tiny_models["sd1"], built["root"] / "photos", tmp_path / "out", batch_size=2, strategy="ddp",
+                      learning_rate=1e-5, log_every_steps=1,
+                      **{"data.bucket_step": 16, "data.max_bad_fraction": 0.1, "data.image_background": "#204080"})
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), str(REPO / "tests" / "helpers" / "train_recording_batches.py"), "train",
+                str(write_config(tmp_path / "train.yaml", raw))], env={**ENV, "BATCH_REPORT_DIR": str(tmp_path)})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    out, samples = done.stdout, len(built["samples"])  # 21 readable images, 22 with pillow-heif's HEIC
+    assert f"1 of {samples + 1} images unreadable" in out
+    assert re.search(r"image \S+/photos/bomb\.png is 20000x20000 = 400000000 pixels, over data\.max_image_pixels", out)
+    assert "tiny.png (8x8 for a 64x64 bucket)" in out
+    assert "2 files not used: notes.pdf (not an image), orphan.txt (a caption without its image)" in out
+    assert f"total: {samples} samples/epoch, 5 steps/epoch" in out and "step 5/5 epoch 1/1" in out
+    assert "done: 5 steps" in out and (tmp_path / "out" / "model.safetensors").exists()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 5  # equal steps per rank
+    for mine, theirs in zip(*ranks):  # a global batch is one bucket: both halves have its size
+        assert mine["shape"] == theirs["shape"] and mine["shape"][:2] == [2, 3], (mine, theirs)
+    trained = [i for rank in ranks for batch in rank for i in batch["sample_id"]]
+    assert len(trained) == len(set(trained)) == 20  # 2 of the 1:1 bucket dropped (or 1 without HEIC) this epoch
+    # The run's own set holds what the module's build stored (same files, same settings): its indices name them.
+    names = {entry["index"]: name for name, entry in built["samples"].items()}
+    assert read_manifest(tmp_path / "out-shards")["samples"] == built["manifest"]["samples"]
+    by_shape = {}
+    for batch in ranks[0] + ranks[1]:
+        by_shape.setdefault(tuple(batch["shape"][2:]), set()).update(names[i] for i in batch["sample_id"])
+    assert by_shape[(96, 48)] == {f"orient{o}.jpg" for o in (5, 6, 7, 8)}  # upright portraits: trained tall
+    assert by_shape[(48, 96)] == {f"orient{o}.jpg" for o in (1, 2, 3, 4)}
+    assert "bomb.png" not in set().union(*by_shape.values()) and len(by_shape[(64, 64)]) == 12
