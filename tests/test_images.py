@@ -149,10 +149,14 @@ def camera_folder(folder: Path) -> dict:
     cmyk.save(folder / "print.jpg", quality=95)
     caption("print.jpg")
     # A CMYK JPEG with its press profile (a 6-point A2B0 grid: the patches lie on its nodes), and a Display P3 PNG.
-    quarters("CMYK", CMYK_PATCHES).save(folder / "press-icc.jpg", quality=95, icc_profile=cmyk_lut_profile(press_xyz, 6))
+    press_profile = cmyk_lut_profile(press_xyz, 6)
+    quarters("CMYK", CMYK_PATCHES).save(folder / "press-icc.jpg", quality=95, icc_profile=press_profile)
     caption("press-icc.jpg")
     quarters("RGB", P3_PATCHES).save(folder / "display-p3.png", icc_profile=display_p3_profile())
     caption("display-p3.png")
+    if heic_available:  # an iPhone photo: HEIC with Apple's Display P3 profile
+        quarters("RGB", P3_PATCHES).save(folder / "iphone-p3.heic", quality=95, icc_profile=display_p3_profile())
+        caption("iphone-p3.heic")
     # An Adobe RGB photo: the same numbers mean a different colour than in sRGB.
     Image.new("RGB", (64, 64), SOURCE_ADOBE).save(folder / "adobe.png", icc_profile=adobe_rgb_profile())
     caption("adobe.png")
@@ -187,8 +191,9 @@ def stored(shards: Path, manifest: dict) -> dict[str, dict]:
             members = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar
                        if m.name.startswith(record["key"] + ".")}
         meta = json.loads(members["json"])
+        image = Image.open(io.BytesIO(members["64.png"]))
         out[Path(meta["source"]).name] = {
-            "image": np.asarray(Image.open(io.BytesIO(members["64.png"]))),
+            "image": np.asarray(image), "info": image.info,
             "mask": np.asarray(Image.open(io.BytesIO(members["64.mask.png"]))) if "64.mask.png" in members else None,
             "meta": meta, "index": index}
     return out
@@ -253,14 +258,28 @@ def test_icc_profiles_cmyk_and_display_p3_give_the_known_srgb_colours(built):
         reference = xyz_d50_to_srgb(press_xyz(np.array(cmyk) / 255))
         assert (reference > 2).sum() >= 2 and (reference < 253).all(), (cmyk, reference)  # in gamut, not clipped
         assert np.abs(patch - reference).max() <= 3, (cmyk, patch.mean(0), reference)
-    for patch, colour in zip(p3, P3_PATCHES):
+    iphone = quarter_colours(samples["iphone-p3.heic"]["image"].astype(float)) if built["info"]["heic"] else p3
+    for patch, heic_patch, colour in zip(p3, iphone, P3_PATCHES):
         reference = p3_to_srgb(colour)
         assert np.abs(patch - reference).max() <= 1.5, (colour, patch.mean(0), reference)
+        assert np.abs(heic_patch - reference).max() <= 4, (colour, heic_patch.mean(0), reference)  # lossy HEIC
     # Read without their profiles the same files would be far off: Pillow's naive CMYK, P3 numbers taken as sRGB.
     naive = [(255 - np.array(c[:3])) * (255 - c[3]) / 255 for c in CMYK_PATCHES]
     assert max(np.abs(n - xyz_d50_to_srgb(press_xyz(np.array(c) / 255))).max()
                for n, c in zip(naive, CMYK_PATCHES)) > 30
     assert max(np.abs(np.array(c) - p3_to_srgb(c)).max() for c in P3_PATCHES) > 20
+
+
+def test_stored_pixels_carry_no_profile(built, tmp_path):
+    """The stored pixels are sRGB, which a PNG without a profile means: no profile rides along, neither LittleCMS'
+    sRGB (its header holds the time it was made: two builds would differ) nor one that was not applied (an RGB
+    image carrying a CMYK profile: a colour-managed viewer would misread the PNG)."""
+    for name, sample in built["samples"].items():
+        assert "icc_profile" not in sample["info"] and "transparency" not in sample["info"], name
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(tmp_path / "mismatched.png", icc_profile=cmyk_lut_profile(
+        press_xyz, 2))
+    img = image_files.open_image(tmp_path / "mismatched.png")
+    assert img.getpixel((0, 0)) == (10, 20, 30) and img.info == {}  # the profile that does not fit: ignored
 
 
 def test_transparency_is_composited_on_the_background(built):
@@ -299,7 +318,7 @@ def test_skip_small_images_and_heic_without_the_extra(built, tmp_path, monkeypat
     assert unused["a.heic"] == "install ot-dist[heic]"
     assert unused["tiny.png"].startswith("too small: 8x8") and "data.skip_small_images" in unused["tiny.png"]
     if built["info"]["heic"]:
-        assert unused["iphone.heic"] == "install ot-dist[heic]"
+        assert unused["iphone.heic"] == unused["iphone-p3.heic"] == "install ot-dist[heic]"
 
 
 def test_heic_is_read_with_the_extra(built):
@@ -368,7 +387,7 @@ def test_two_ranks_train_on_the_camera_folder(built, tiny_models, tmp_path):
                 str(free_port()), str(REPO / "tests" / "helpers" / "train_recording_batches.py"), "train",
                 str(write_config(tmp_path / "train.yaml", raw))], env={**ENV, "BATCH_REPORT_DIR": str(tmp_path)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    out, samples = done.stdout, len(built["samples"])  # 21 readable images, 22 with pillow-heif's HEIC
+    out, samples = done.stdout, len(built["samples"])  # 21 readable images, 23 with pillow-heif's 2 HEICs
     assert f"1 of {samples + 1} images unreadable" in out
     assert re.search(r"image \S+/photos/bomb\.png is 20000x20000 = 400000000 pixels, over data\.max_image_pixels", out)
     assert "tiny.png (8x8 for a 64x64 bucket)" in out
@@ -380,7 +399,7 @@ def test_two_ranks_train_on_the_camera_folder(built, tiny_models, tmp_path):
     for mine, theirs in zip(*ranks):  # a global batch is one bucket: both halves have its size
         assert mine["shape"] == theirs["shape"] and mine["shape"][:2] == [2, 3], (mine, theirs)
     trained = [i for rank in ranks for batch in rank for i in batch["sample_id"]]
-    assert len(trained) == len(set(trained)) == 20  # 2 of the 1:1 bucket dropped (or 1 without HEIC) this epoch
+    assert len(trained) == len(set(trained)) == 20  # 3 of the 1:1 bucket dropped (1 without HEIC) this epoch
     # The run's own set holds what the module's build stored (same files, same settings): its indices name them.
     names = {entry["index"]: name for name, entry in built["samples"].items()}
     assert read_manifest(tmp_path / "out-shards")["samples"] == built["manifest"]["samples"]

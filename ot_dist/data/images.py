@@ -6,9 +6,10 @@ One job: a file from a camera, a phone or the web becomes the pixels the shard b
   frame; HEIC / HEIF through pillow-heif (the `[heic]` extra) when it is installed.
 - Colour: an embedded ICC profile (Display P3, Adobe RGB, a CMYK press profile) is converted to sRGB with
   LittleCMS, relative colorimetric (a colour sRGB can show comes out as that colour, the paper or media white as
-  sRGB white; out-of-gamut colours are clipped), without black point compensation; CMYK without a profile by Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits
-  (Pillow's own conversion clips everything above 255 to white); alpha (RGBA, LA, PA, palette or RGB
-  transparency) composited on `data.image_background`.
+  sRGB white; out-of-gamut colours are clipped), without black point compensation; CMYK without a profile by
+  Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits (Pillow's own conversion clips everything
+  above 255 to white); alpha (RGBA, LA, PA, palette or RGB transparency) composited on `data.image_background`.
+  The result carries no ICC profile (nor any other `info`): its pixels are sRGB.
 - The pixel limit (`data.max_image_pixels`) is checked from the header before anything is decoded; an image
   over it, or one that does not decode, raises `UnreadableImage` naming the file.
 """
@@ -131,6 +132,10 @@ def to_srgb_rgb(img: Image.Image, background: tuple[int, int, int]) -> Image.Ima
         rgb = img.convert("RGB")  # CMYK, YCbCr, L, P ... by Pillow's conversions (sRGB assumed)
     if alpha is not None:
         rgb = Image.composite(rgb, Image.new("RGB", rgb.size, background), alpha)
+    # Only pixels: no ICC profile (LittleCMS' sRGB, whose header holds the time it was made, or the source's own
+    # profile when it was not applied) nor transparency may follow them into the shards, where Pillow's PNG writer
+    # would store them: a viewer would convert the sRGB pixels again, and no two builds would be byte-identical.
+    rgb.info.clear()
     return rgb
 
 
