@@ -1,12 +1,15 @@
 """Images as cameras and other tools write them (issue 26): a folder of camera-like files, built into a shard set
 and read back. EXIF orientations 1-8 (stored pixels = the exif-transposed source), AVIF / TIFF / GIF / animated
-WebP / HEIC, alpha on the background, 16-bit, CMYK and an Adobe RGB ICC profile with known colours, a
-decompression bomb, a tiny image and files that are not images; the build report names every unused file."""
+WebP / HEIC, alpha on the background, 16-bit, CMYK (with and without an ICC profile), Adobe RGB and Display P3
+with known colours (the references computed from the colour spaces' definitions, tests/icc_profiles.py), a
+decompression bomb, a tiny image and files that are not images; the build report names every unused file; a
+2-rank training on the folder."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
 import struct
 import subprocess
 import sys
@@ -19,6 +22,8 @@ import pytest
 import yaml
 from PIL import Image, ImageOps
 
+from icc_profiles import (D50, adobe_rgb_profile, adobe_to_srgb, cmyk_lut_profile, display_p3_profile, p3_to_srgb,
+                          rgb_to_xyz, xyz_d50_to_srgb)
 from ot_dist.config.load import validate
 from ot_dist.data import images as image_files
 from ot_dist.data.shards import build_shard_set, read_manifest
@@ -27,6 +32,35 @@ from ot_dist.errors import ConfigError
 REPO = Path(__file__).resolve().parents[1]
 BACKGROUND = (32, 64, 128)
 SOURCE_ADOBE = (120, 170, 110)  # an Adobe RGB green inside sRGB's gamut: sRGB (90.4, 171.5, 106.8), no clipping
+# Display P3 colours inside sRGB's gamut (an orange, a sky blue, a grey, a green), one per 32x32 quarter.
+P3_PATCHES = [(230, 120, 60), (60, 140, 200), (128, 128, 128), (100, 180, 90)]
+# CMYK ink values on the test press profile's grid (multiples of 51): a light cyan, an orange, a blue grey, a grey.
+CMYK_PATCHES = [(204, 0, 0, 0), (0, 153, 204, 51), (102, 51, 0, 51), (0, 0, 0, 204)]
+# The test press: band transmittances of full cyan, magenta, yellow and black ink, with dot gain, on a white paper
+# whose bands are wide-gamut primaries (adapted to D50, so the paper is the PCS white).
+PRESS_PRIMARIES = [(0.66, 0.32), (0.25, 0.66), (0.15, 0.07)]
+PRESS_INKS = np.array([[0.10, 0.80, 0.95], [0.85, 0.12, 0.75], [0.95, 0.90, 0.10], [0.05, 0.05, 0.06]])
+
+
+def press_xyz(cmyk) -> np.ndarray:
+    """The test press's colour (XYZ relative to D50) of ink fractions cmyk (0..1)."""
+    ink = np.asarray(cmyk, dtype=float) ** 0.8  # dot gain
+    reflectance = np.prod(1 - ink[:, None] * (1 - PRESS_INKS), axis=0)
+    return rgb_to_xyz(PRESS_PRIMARIES, D50) @ reflectance
+
+
+def quarters(mode, colours):
+    """A 64x64 image of 4 flat 32x32 quarters (JPEG's 8x8 blocks stay flat: no ringing at the borders)."""
+    img = Image.new(mode, (64, 64))
+    for i, colour in enumerate(colours):
+        img.paste(colour, (32 * (i % 2), 32 * (i // 2), 32 * (i % 2) + 32, 32 * (i // 2) + 32))
+    return img
+
+
+def quarter_colours(pixels: np.ndarray) -> list[np.ndarray]:
+    """Every pixel of each quarter but a 4-pixel border."""
+    return [pixels[32 * (i // 2) + 4:32 * (i // 2) + 28, 32 * (i % 2) + 4:32 * (i % 2) + 28].reshape(-1, 3)
+            for i in range(4)]
 
 
 # ---- files as cameras and tools write them ------------------------------------------------------------------
@@ -45,66 +79,6 @@ def png_bytes(width, height, bit_depth, colour_type, raw_rows: bytes) -> bytes:
     header = struct.pack(">IIBBBBB", width, height, bit_depth, colour_type, 0, 0, 0)
     return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", zlib.compress(raw_rows))
             + png_chunk(b"IEND", b""))
-
-
-def s15(value: float) -> bytes:
-    return struct.pack(">i", round(value * 65536))
-
-
-def xy_to_xyz(x, y):
-    return np.array([x / y, 1.0, (1 - x - y) / y])
-
-
-def rgb_to_xyz(primaries, white) -> np.ndarray:
-    """The RGB -> XYZ matrix of a colour space from its primaries' and white's xy."""
-    columns = np.stack([xy_to_xyz(*p) for p in primaries], axis=1)
-    scale = np.linalg.solve(columns, xy_to_xyz(*white))
-    return columns * scale
-
-
-ADOBE_PRIMARIES = [(0.64, 0.33), (0.21, 0.71), (0.15, 0.06)]
-SRGB_PRIMARIES = [(0.64, 0.33), (0.30, 0.60), (0.15, 0.06)]
-D65 = (0.3127, 0.3290)
-ADOBE_GAMMA = 563 / 256  # 2.19921875, as the Adobe RGB (1998) profile stores it
-
-
-def adobe_rgb_profile() -> bytes:
-    """An ICC v2 matrix/TRC display profile with Adobe RGB (1998)'s primaries and gamma, built here (PIL.ImageCms
-    only creates sRGB, LAB and XYZ); its colorants adapted to the D50 PCS by Bradford, as ICC asks."""
-    bradford = np.array([[0.8951, 0.2664, -0.1614], [-0.7502, 1.7135, 0.0367], [0.0389, -0.0685, 1.0296]])
-    d50 = np.array([0.9642, 1.0, 0.8249])
-    cone = np.diag((bradford @ d50) / (bradford @ xy_to_xyz(*D65)))
-    matrix = np.linalg.inv(bradford) @ cone @ bradford @ rgb_to_xyz(ADOBE_PRIMARIES, D65)
-
-    def xyz_tag(v):
-        return b"XYZ \0\0\0\0" + b"".join(s15(c) for c in v)
-
-    text = b"Adobe RGB test\0"
-    desc = (b"desc\0\0\0\0" + struct.pack(">I", len(text)) + text + b"\0" * 8 + b"\0\0\0" + b"\0" * 67)
-    curve = b"curv\0\0\0\0" + struct.pack(">IH", 1, round(ADOBE_GAMMA * 256)) + b"\0\0"
-    tags = [(b"desc", desc), (b"wtpt", xyz_tag(d50)), (b"rXYZ", xyz_tag(matrix[:, 0])),
-            (b"gXYZ", xyz_tag(matrix[:, 1])), (b"bXYZ", xyz_tag(matrix[:, 2])),
-            (b"rTRC", curve), (b"gTRC", curve), (b"bTRC", curve)]
-    offset = 128 + 4 + 12 * len(tags)
-    table, body = struct.pack(">I", len(tags)), b""
-    for signature, data in tags:
-        data += b"\0" * (-len(data) % 4)
-        table += signature + struct.pack(">II", offset + len(body), len(data))
-        body += data
-    size = offset + len(body)
-    header = (struct.pack(">I", size) + b"\0\0\0\0" + bytes([2, 0x10, 0, 0]) + b"mntrRGB XYZ " + b"\0" * 12
-              + b"acsp" + b"\0" * 24 + struct.pack(">I", 0) + s15(d50[0]) + s15(d50[1]) + s15(d50[2]) + b"\0" * 48)
-    assert len(header) == 128
-    return header + table + body
-
-
-def adobe_to_srgb(rgb) -> np.ndarray:
-    """The reference conversion, by the colour spaces' definitions (both D65: no adaptation)."""
-    linear = (np.array(rgb) / 255.0) ** ADOBE_GAMMA
-    srgb_linear = np.linalg.solve(rgb_to_xyz(SRGB_PRIMARIES, D65), rgb_to_xyz(ADOBE_PRIMARIES, D65) @ linear)
-    srgb_linear = np.clip(srgb_linear, 0, 1)
-    encoded = np.where(srgb_linear <= 0.0031308, 12.92 * srgb_linear, 1.055 * srgb_linear ** (1 / 2.4) - 0.055)
-    return encoded * 255
 
 
 def with_orientation(img: Image.Image, orientation: int, path: Path) -> None:
@@ -174,6 +148,15 @@ def camera_folder(folder: Path) -> dict:
     cmyk.paste((0, 200, 200, 50), (32, 0, 64, 64))
     cmyk.save(folder / "print.jpg", quality=95)
     caption("print.jpg")
+    # A CMYK JPEG with its press profile (a 6-point A2B0 grid: the patches lie on its nodes), and a Display P3 PNG.
+    press_profile = cmyk_lut_profile(press_xyz, 6)
+    quarters("CMYK", CMYK_PATCHES).save(folder / "press-icc.jpg", quality=95, icc_profile=press_profile)
+    caption("press-icc.jpg")
+    quarters("RGB", P3_PATCHES).save(folder / "display-p3.png", icc_profile=display_p3_profile())
+    caption("display-p3.png")
+    if heic_available:  # an iPhone photo: HEIC with Apple's Display P3 profile
+        quarters("RGB", P3_PATCHES).save(folder / "iphone-p3.heic", quality=95, icc_profile=display_p3_profile())
+        caption("iphone-p3.heic")
     # An Adobe RGB photo: the same numbers mean a different colour than in sRGB.
     Image.new("RGB", (64, 64), SOURCE_ADOBE).save(folder / "adobe.png", icc_profile=adobe_rgb_profile())
     caption("adobe.png")
@@ -202,16 +185,17 @@ def make_config(folder: Path, shards: Path, **data):
 def stored(shards: Path, manifest: dict) -> dict[str, dict]:
     """Source file name -> {image, mask, meta} read back from the tar shards."""
     out = {}
-    for record in manifest["samples"]:
+    for index, record in enumerate(manifest["samples"]):
         shard = shards / manifest["shards"][record["shard"]]["file"]
         with tarfile.open(shard) as tar:
             members = {m.name.split(".", 1)[1]: tar.extractfile(m).read() for m in tar
                        if m.name.startswith(record["key"] + ".")}
         meta = json.loads(members["json"])
+        image = Image.open(io.BytesIO(members["64.png"]))
         out[Path(meta["source"]).name] = {
-            "image": np.asarray(Image.open(io.BytesIO(members["64.png"]))),
+            "image": np.asarray(image), "info": image.info,
             "mask": np.asarray(Image.open(io.BytesIO(members["64.mask.png"]))) if "64.mask.png" in members else None,
-            "meta": meta}
+            "meta": meta, "index": index}
     return out
 
 
@@ -264,6 +248,40 @@ def test_formats_and_colours_come_out_in_srgb(built):
     assert np.abs(cmyk[:, :28] - (0, 255, 255)).max() <= 6 and np.abs(cmyk[:, 36:] - (205, 44, 44)).max() <= 6
 
 
+def test_icc_profiles_cmyk_and_display_p3_give_the_known_srgb_colours(built):
+    """Each quarter's stored pixels equal the sRGB of its known colour: the press profile's XYZ (D50) taken to
+    sRGB by Bradford and sRGB's matrix (CMYK), and P3's primaries to sRGB's (both D65), computed in numpy."""
+    samples = built["samples"]
+    press = quarter_colours(samples["press-icc.jpg"]["image"].astype(float))
+    p3 = quarter_colours(samples["display-p3.png"]["image"].astype(float))
+    for patch, cmyk in zip(press, CMYK_PATCHES):
+        reference = xyz_d50_to_srgb(press_xyz(np.array(cmyk) / 255))
+        assert (reference > 2).sum() >= 2 and (reference < 253).all(), (cmyk, reference)  # in gamut, not clipped
+        assert np.abs(patch - reference).max() <= 3, (cmyk, patch.mean(0), reference)
+    iphone = quarter_colours(samples["iphone-p3.heic"]["image"].astype(float)) if built["info"]["heic"] else p3
+    for patch, heic_patch, colour in zip(p3, iphone, P3_PATCHES):
+        reference = p3_to_srgb(colour)
+        assert np.abs(patch - reference).max() <= 1.5, (colour, patch.mean(0), reference)
+        assert np.abs(heic_patch - reference).max() <= 4, (colour, heic_patch.mean(0), reference)  # lossy HEIC
+    # Read without their profiles the same files would be far off: Pillow's naive CMYK, P3 numbers taken as sRGB.
+    naive = [(255 - np.array(c[:3])) * (255 - c[3]) / 255 for c in CMYK_PATCHES]
+    assert max(np.abs(n - xyz_d50_to_srgb(press_xyz(np.array(c) / 255))).max()
+               for n, c in zip(naive, CMYK_PATCHES)) > 30
+    assert max(np.abs(np.array(c) - p3_to_srgb(c)).max() for c in P3_PATCHES) > 20
+
+
+def test_stored_pixels_carry_no_profile(built, tmp_path):
+    """The stored pixels are sRGB, which a PNG without a profile means: no profile rides along, neither LittleCMS'
+    sRGB (its header holds the time it was made: two builds would differ) nor one that was not applied (an RGB
+    image carrying a CMYK profile: a colour-managed viewer would misread the PNG)."""
+    for name, sample in built["samples"].items():
+        assert "icc_profile" not in sample["info"] and "transparency" not in sample["info"], name
+    Image.new("RGB", (8, 8), (10, 20, 30)).save(tmp_path / "mismatched.png", icc_profile=cmyk_lut_profile(
+        press_xyz, 2))
+    img = image_files.open_image(tmp_path / "mismatched.png")
+    assert img.getpixel((0, 0)) == (10, 20, 30) and img.info == {}  # the profile that does not fit: ignored
+
+
 def test_transparency_is_composited_on_the_background(built):
     cutout = built["samples"]["cutout.png"]["image"].astype(int)
     assert np.abs(cutout[:, :20] - (240, 120, 10)).max() <= 1
@@ -300,7 +318,7 @@ def test_skip_small_images_and_heic_without_the_extra(built, tmp_path, monkeypat
     assert unused["a.heic"] == "install ot-dist[heic]"
     assert unused["tiny.png"].startswith("too small: 8x8") and "data.skip_small_images" in unused["tiny.png"]
     if built["info"]["heic"]:
-        assert unused["iphone.heic"] == "install ot-dist[heic]"
+        assert unused["iphone.heic"] == unused["iphone-p3.heic"] == "install ot-dist[heic]"
 
 
 def test_heic_is_read_with_the_extra(built):
@@ -350,3 +368,44 @@ def test_one_training_step_from_the_built_shards(built, tiny_models, tmp_path):
     config.write_text(yaml.safe_dump(raw))
     assert main(["train", str(config)]) == 0
     assert any((tmp_path / "out").rglob("*.safetensors"))
+
+
+def test_two_ranks_train_on_the_camera_folder(built, tiny_models, tmp_path):
+    """`ot-dist train` under torchrun (2 gloo ranks, DDP) on the camera folder itself, as docs/data.md says: the run
+    builds the shard set, names the bomb as an unreadable image (within data.max_bad_fraction), warns about the tiny
+    image and lists the unused files, then both ranks train the same number of batches, each global batch from one
+    bucket, every readable image at most once per epoch and the bomb never."""
+    from conftest import base_config
+    from test_strategies import ENV, run, write_config
+
+    from ot_dist.parallel.runtime import free_port
+
+    raw = base_config(tiny_models["sd1"], built["root"] / "photos", tmp_path / "out", batch_size=2, strategy="ddp",
+                      learning_rate=1e-5, log_every_steps=1,
+                      **{"data.bucket_step": 16, "data.max_bad_fraction": 0.1, "data.image_background": "#204080"})
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port()), str(REPO / "tests" / "helpers" / "train_recording_batches.py"), "train",
+                str(write_config(tmp_path / "train.yaml", raw))], env={**ENV, "BATCH_REPORT_DIR": str(tmp_path)})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    out, samples = done.stdout, len(built["samples"])  # 21 readable images, 23 with pillow-heif's 2 HEICs
+    assert f"1 of {samples + 1} images unreadable" in out
+    assert re.search(r"image \S+/photos/bomb\.png is 20000x20000 = 400000000 pixels, over data\.max_image_pixels", out)
+    assert "tiny.png (8x8 for a 64x64 bucket)" in out
+    assert "2 files not used: notes.pdf (not an image), orphan.txt (a caption without its image)" in out
+    assert f"total: {samples} samples/epoch, 5 steps/epoch" in out and "step 5/5 epoch 1/1" in out
+    assert "done: 5 steps" in out and (tmp_path / "out" / "model.safetensors").exists()
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 5  # equal steps per rank
+    for mine, theirs in zip(*ranks):  # a global batch is one bucket: both halves have its size
+        assert mine["shape"] == theirs["shape"] and mine["shape"][:2] == [2, 3], (mine, theirs)
+    trained = [i for rank in ranks for batch in rank for i in batch["sample_id"]]
+    assert len(trained) == len(set(trained)) == 20  # 3 of the 1:1 bucket dropped (1 without HEIC) this epoch
+    # The run's own set holds what the module's build stored (same files, same settings): its indices name them.
+    names = {entry["index"]: name for name, entry in built["samples"].items()}
+    assert read_manifest(tmp_path / "out-shards")["samples"] == built["manifest"]["samples"]
+    by_shape = {}
+    for batch in ranks[0] + ranks[1]:
+        by_shape.setdefault(tuple(batch["shape"][2:]), set()).update(names[i] for i in batch["sample_id"])
+    assert by_shape[(96, 48)] == {f"orient{o}.jpg" for o in (5, 6, 7, 8)}  # upright portraits: trained tall
+    assert by_shape[(48, 96)] == {f"orient{o}.jpg" for o in (1, 2, 3, 4)}
+    assert "bomb.png" not in set().union(*by_shape.values()) and len(by_shape[(64, 64)]) == 12

@@ -5,9 +5,11 @@ One job: a file from a camera, a phone or the web becomes the pixels the shard b
 - Every format Pillow reads (PNG, JPEG, WebP, BMP, AVIF, TIFF, GIF, ...); animated GIF / WebP give their first
   frame; HEIC / HEIF through pillow-heif (the `[heic]` extra) when it is installed.
 - Colour: an embedded ICC profile (Display P3, Adobe RGB, a CMYK press profile) is converted to sRGB with
-  LittleCMS; CMYK without a profile by Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits
-  (Pillow's own conversion clips everything above 255 to white); alpha (RGBA, LA, PA, palette or RGB
-  transparency) composited on `data.image_background`.
+  LittleCMS, relative colorimetric (a colour sRGB can show comes out as that colour, the paper or media white as
+  sRGB white; out-of-gamut colours are clipped), without black point compensation; CMYK without a profile by
+  Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits (Pillow's own conversion clips everything
+  above 255 to white); alpha (RGBA, LA, PA, palette or RGB transparency) composited on `data.image_background`.
+  The result carries no ICC profile (nor any other `info`): its pixels are sRGB.
 - The pixel limit (`data.max_image_pixels`) is checked from the header before anything is decoded; an image
   over it, or one that does not decode, raises `UnreadableImage` naming the file.
 """
@@ -130,6 +132,10 @@ def to_srgb_rgb(img: Image.Image, background: tuple[int, int, int]) -> Image.Ima
         rgb = img.convert("RGB")  # CMYK, YCbCr, L, P ... by Pillow's conversions (sRGB assumed)
     if alpha is not None:
         rgb = Image.composite(rgb, Image.new("RGB", rgb.size, background), alpha)
+    # Only pixels: no ICC profile (LittleCMS' sRGB, whose header holds the time it was made, or the source's own
+    # profile when it was not applied) nor transparency may follow them into the shards, where Pillow's PNG writer
+    # would store them: a viewer would convert the sRGB pixels again, and no two builds would be byte-identical.
+    rgb.info.clear()
     return rgb
 
 
@@ -147,6 +153,9 @@ def _convert_profile(img: Image.Image, icc: bytes) -> Image.Image | None:
             return None  # a CMYK profile on RGB pixels (or the reverse) is a broken file: trust the pixels
         img = img.convert(mode)
     try:
-        return ImageCms.profileToProfile(img, source, _SRGB, outputMode="RGB")
+        # Relative colorimetric, not ImageCms' default perceptual: LittleCMS forces black point compensation on a
+        # perceptual transform into its (v4) sRGB profile, which darkens every CMYK colour towards the ink black.
+        return ImageCms.profileToProfile(img, source, _SRGB, renderingIntent=ImageCms.Intent.RELATIVE_COLORIMETRIC,
+                                         outputMode="RGB")
     except ImageCms.PyCMSError:
         return None
