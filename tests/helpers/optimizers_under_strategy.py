@@ -18,7 +18,7 @@ from ot_dist.config.load import validate  # noqa: E402
 from ot_dist.errors import ConfigError  # noqa: E402
 from ot_dist.optim.registry import SPECS  # noqa: E402
 from ot_dist.parallel.ownership import local as local_shard  # noqa: E402
-from ot_dist.parallel.runtime import start_runtime  # noqa: E402, exit_process
+from ot_dist.parallel.runtime import exit_process, start_runtime  # noqa: E402
 from ot_dist.train.trainer import Trainer  # noqa: E402
 
 model_dir, data_dir, out_dir, strategies, result_path = sys.argv[1:6]
