@@ -41,3 +41,17 @@ def place_component(component: torch.nn.Module, config, device: torch.device, of
         offload_to_cpu(component, device)
     else:
         component.to(device)
+        if device.type == "cpu":
+            into_aligned_memory(component)
+
+
+# oneDNN / MKL pick their code paths by the address alignment of the operands.
+CPU_KERNEL_ALIGNMENT = 64
+
+
+def into_aligned_memory(module: torch.nn.Module) -> None:
+    """Copy the CPU tensors that lie at unaligned addresses (views into a memory-mapped .safetensors file) into
+    allocated memory. The CPU kernels round differently for unaligned operands, so one model loaded from a diffusers
+    folder (transformers copies its weights, diffusers maps them) and from a single file would train to different
+    bits. A move to a GPU copies anyway; on the CPU this copy makes training independent of how it was loaded."""
+    module._apply(lambda t: t.clone() if t.device.type == "cpu" and t.data_ptr() % CPU_KERNEL_ALIGNMENT else t)
