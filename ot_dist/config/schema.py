@@ -158,6 +158,15 @@ class ConceptConfig(Section):
     path: str = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
     name: str | None = Field(default=None, description="Name in reports and sample keys; unset = the folder name.")
+    type: Literal["standard", "validation", "prior_preservation"] = Field(
+        default="standard",
+        description="standard: trained. validation: never trained; its loss at fixed noise and timesteps (the same "
+        "every time) is computed on all ranks at `validation`'s interval and logged as validation/loss/<concept name> "
+        "(OneTrainer's VALIDATION). prior_preservation: regularisation images (the class images of DreamBooth), "
+        "trained with this concept's loss_weight as DreamBooth's prior_loss_weight. OneTrainer's PRIOR_PREDICTION "
+        "(the base model's output as the target) is not this; for the masked-out area it is "
+        "masked_training.prior_preservation_weight.",
+    )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
     caption_source: Literal["txt", "filename", "text"] = Field(
         default="txt",
@@ -205,6 +214,16 @@ class ConceptConfig(Section):
         default=0.0, ge=0, le=1, description="The whole caption is replaced by an empty one with this probability per "
         "sample and epoch, so the model also learns the unconditional prediction classifier-free guidance uses.",
     )
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _onetrainer_type(cls, value):
+        """OneTrainer's spellings (STANDARD, VALIDATION) are accepted; its PRIOR_PREDICTION is another method."""
+        if isinstance(value, str) and value.upper() == "PRIOR_PREDICTION":
+            raise ValueError("PRIOR_PREDICTION (OneTrainer: the base model's prediction is the target) is not "
+                             "supported; prior_preservation trains the concept's own images with its loss_weight "
+                             "(DreamBooth), masked_training.prior_preservation_weight keeps the masked-out area")
+        return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _caption_text(self) -> "ConceptConfig":
@@ -366,6 +385,19 @@ class EMAConfig(Section):
     )
 
 
+class ValidationConfig(Section):
+    """The loss of the validation concepts (concepts with type: validation), at fixed noise and timesteps."""
+
+    every_n_steps: int | None = Field(
+        default=None, ge=1, description="Compute it every N optimizer steps (and before the first step and after "
+        "the last). Unset: every_n_epochs.",
+    )
+    every_n_epochs: int | None = Field(
+        default=1, ge=1, description="Compute it after every N epochs (and before the first step and after the "
+        "last), when every_n_steps is unset.",
+    )
+
+
 class DistributedConfig(Section):
     timeout_minutes: float = Field(
         default=30, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails."
@@ -477,6 +509,7 @@ class TrainConfig(Section):
         "every N optimizer steps.",
     )
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     unet: PartConfig = Field(default_factory=PartConfig)

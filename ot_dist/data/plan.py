@@ -30,9 +30,23 @@ class SampleTable:
     concepts: tuple[int, ...]  # per sample
     balancing: tuple[tuple[float, str], ...]  # per concept: (balancing, strategy)
     concept_names: tuple[str, ...]
+    kinds: tuple[str, ...] = ()  # per concept: its type (standard, validation, prior_preservation); () = all standard
 
     def __len__(self) -> int:
         return len(self.buckets)
+
+    def trains(self, concept: int) -> bool:
+        """Whether a concept's samples are drawn for training (validation concepts' are not)."""
+        return not self.kinds or self.kinds[concept] != "validation"
+
+    @cached_property
+    def validation_samples(self) -> dict[int, list[int]]:
+        """validation concept -> its sample indices (ascending)."""
+        out: dict[int, list[int]] = defaultdict(list)
+        for index, concept in enumerate(self.concepts):
+            if not self.trains(concept):
+                out[concept].append(index)
+        return dict(sorted(out.items()))
 
     @cached_property
     def concept_sizes(self) -> Counter:
@@ -40,10 +54,11 @@ class SampleTable:
 
     @cached_property
     def members(self) -> dict[int, dict[int, list[int]]]:
-        """bucket -> concept -> sample indices (ascending)."""
+        """bucket -> concept -> sample indices (ascending), of the concepts that train."""
         out: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
         for index, (bucket, concept) in enumerate(zip(self.buckets, self.concepts)):
-            out[bucket][concept].append(index)
+            if self.trains(concept):
+                out[bucket][concept].append(index)
         return {b: dict(c) for b, c in sorted(out.items())}
 
     def copies(self, concept: int, in_bucket: int) -> int:
@@ -131,4 +146,7 @@ def bucket_report(table: SampleTable, global_batch: int, world_size: int, resolu
     never = [aspect_name(r.bucket) for r in rows if r.never_trained]
     lines.append(f"  total: {total} samples/epoch, {sum(r.batches for r in rows)} steps/epoch, {dropped} dropped per "
                  f"epoch ({100 * dropped / max(total, 1):.1f}%)" + (f"; never trained: {', '.join(never)}" if never else ""))
+    for concept, indices in table.validation_samples.items():
+        lines.append(f"  validation concept {table.concept_names[concept]}: {len(indices)} samples, not trained (their "
+                     f"loss is logged as validation/loss/{table.concept_names[concept]})")
     return lines

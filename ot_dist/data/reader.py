@@ -58,11 +58,13 @@ class ShardDataset:
         """Buckets and concepts of the samples; balancing from the config's concepts when it has them."""
         concepts = self.manifest["concepts"]
         balancing = [(c["balancing"], c["balancing_strategy"]) for c in concepts]
+        kinds: tuple[str, ...] = ()
         if data_config is not None and data_config.concept_list():
             balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
+            kinds = tuple(c.type for _, c in data_config.concept_list())
         merged = merged_buckets(self.resolutions, self.step)
         return SampleTable(tuple(merged[s["bucket"]] for s in self.samples), tuple(s["concept"] for s in self.samples),
-                           tuple(balancing), tuple(c["name"] for c in concepts))
+                           tuple(balancing), tuple(c["name"] for c in concepts), kinds)
 
     def _read(self, sample: dict, suffix: str):
         file = self.manifest["shards"][sample["shard"]]["file"]

@@ -89,5 +89,5 @@ def sample_table(config) -> SampleTable:
         return SampleTable(tuple(merged[config_bucket_of(config, *s.size)] for s in sources),
                            tuple(s.concept for s in sources),
                            tuple((c.balancing, c.balancing_strategy) for c in concepts),
-                           tuple(concept_name(c) for c in concepts))
+                           tuple(concept_name(c) for c in concepts), tuple(c.type for c in concepts))
     return ShardDataset(out, config).table(config.data)

@@ -1,0 +1,143 @@
+"""Concept types (issue 18): validation concepts are never trained and their fixed-noise loss is logged as
+validation/loss/<concept>, the same on 1 and 2 ranks; prior-preservation (regularisation) concepts train with their
+own loss weight, the DreamBooth way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import base_config
+from test_data_shards import make_images
+
+from ot_dist.config.load import validate
+from ot_dist.data.reader import collate
+from ot_dist.errors import ConfigError
+from ot_dist.parallel.runtime import free_port
+from ot_dist.train.loss import diffusion_loss
+from ot_dist.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+QUIET = lambda *_: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Three concepts of 64 px squares: 8 standard, 4 regularisation, 5 validation images."""
+    root = tmp_path_factory.mktemp("concepts")
+    return {name: make_images(root / name, [(64, 64)] * n, seed=s)
+            for name, n, s in (("dog", 8, 1), ("class", 4, 2), ("held_out", 5, 3))}
+
+
+def concepts_config(models, folders, out, with_validation=True, **overrides):
+    concepts = [{"path": str(folders["dog"]), "name": "dog"},
+                {"path": str(folders["class"]), "name": "class", "type": "prior_preservation", "loss_weight": 0.5}]
+    if with_validation:
+        concepts.append({"path": str(folders["held_out"]), "name": "held_out", "type": "validation"})
+    raw = base_config(models["sd1"], folders["dog"], out, **{"batch_size": 2, "epochs": 2, **overrides})
+    raw["data"] = {"concepts": concepts, "shards": f"{out}-shards"}
+    return raw
+
+
+def test_onetrainer_spellings_and_prior_prediction_refused():
+    concept = validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
+                        "data": {"concepts": [{"path": "x", "type": "VALIDATION"}]}}).data.concepts[0]
+    assert concept.type == "validation"
+    with pytest.raises(ConfigError, match="PRIOR_PREDICTION"):
+        validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
+                  "data": {"concepts": [{"path": "x", "type": "PRIOR_PREDICTION"}]}})
+
+
+def test_a_validation_concept_is_never_trained_and_its_loss_reaches_mlflow(tiny_models, folders, tmp_path):
+    """The same run with and without a validation concept: the same step losses and bit-identical weights. The
+    validation loss is computed before the first step, every 3 steps and after the last, and lands in the run's
+    MLflow store under validation/loss/held_out."""
+    from mlflow.tracking import MlflowClient
+
+    plain = Trainer(validate(concepts_config(tiny_models, folders, tmp_path / "plain", with_validation=False)), log=QUIET)
+    plain_result = plain.train()
+    lines = []
+    raw = concepts_config(tiny_models, folders, tmp_path / "val", **{"validation.every_n_steps": 3,
+                                                                      "mlflow.enabled": True})
+    raw["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'val' / 'mlflow.db'}"
+    trainer = Trainer(validate(raw), log=lines.append)
+    result = trainer.train()
+    assert result.steps == plain_result.steps == 2 * 12 // 2  # dog + class images train, held_out does not
+    assert result.losses == plain_result.losses
+    for a, b in zip(trainer.params, plain.params):
+        assert torch.equal(a, b)
+    steps = [step for step, _ in trainer.validation.history]
+    assert steps == [0, 3, 6, 9, 12]
+    values = [m["validation/loss/held_out"] for _, m in trainer.validation.history]
+    assert len(set(values)) == len(values)  # the weights changed between the points, the noise did not
+    assert any("validation concept held_out: 5 samples, not trained" in line for line in lines)
+    client = MlflowClient(raw["mlflow"]["tracking_uri"])
+    history = client.get_metric_history(trainer.tracker.run_id, "validation/loss/held_out")
+    history = sorted(history, key=lambda m: m.step)
+    assert [m.step for m in history] == steps and [m.value for m in history] == pytest.approx(values)
+
+
+def test_validation_loss_is_the_same_at_any_point_with_the_same_weights(tiny_models, folders, tmp_path):
+    """Fixed noise: computed twice on unchanged weights it is the same number, and training mode is restored."""
+    trainer = Trainer(validate(concepts_config(tiny_models, folders, tmp_path / "o")), log=QUIET)
+    trainer.model.denoiser.train()
+    first = trainer.validation.run(trainer, 0)
+    assert trainer.validation.run(trainer, 1) == first
+    assert trainer.model.denoiser.training
+
+
+def test_prior_preservation_weight_by_hand(tiny_models, folders, tmp_path):
+    """A batch of one dog and one class image: the loss is (loss_dog + 0.5 x loss_class) / 2, each sample's loss
+    computed alone without weights."""
+    trainer = Trainer(validate(concepts_config(tiny_models, folders, tmp_path / "o")), log=QUIET)
+    dataset = trainer.dataset
+    dog = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 0)
+    reg = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 1)
+    samples = [dataset.load(dog, 0), dataset.load(reg, 0)]
+    assert [float(s["loss_weight"]) for s in samples] == [1.0, 0.5]
+    model, seed = trainer.model, trainer.config.seed
+    with torch.no_grad():
+        together = diffusion_loss(model, trainer.tokenize(collate(samples)), seed, 0)
+        alone = []
+        for s in samples:
+            s = {k: v for k, v in s.items() if k != "loss_weight"}
+            alone.append(diffusion_loss(model, trainer.tokenize(collate([s])), seed, 0))
+    assert float(together) == pytest.approx((float(alone[0]) + 0.5 * float(alone[1])) / 2, rel=1e-5)
+    assert float(together) != pytest.approx((float(alone[0]) + float(alone[1])) / 2, rel=1e-3)
+
+
+def launch_cases(cases: dict, tmp_path: Path) -> dict:
+    """Train each case in one 2-rank gloo launch (tests/helpers/concept_ranks.py); what every rank recorded."""
+    cases_file, results = tmp_path / "cases.json", tmp_path / "results"
+    cases_file.write_text(json.dumps(cases))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(REPO / "tests" / "helpers" / "concept_ranks.py"), str(cases_file), str(results)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return {rank: json.loads((results / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+def test_two_ranks(tiny_models, folders, tmp_path):
+    """One launch: the validation loss on 2 ranks equals 1 process's (exactly before training, where the weights
+    are the same; to float rounding after steps, whose gradients are averaged in another order)."""
+    raw = concepts_config(tiny_models, folders, tmp_path / "single", batch_size=2, **{"validation.every_n_steps": 3})
+    single = Trainer(validate(raw), log=QUIET)
+    single.train()
+    ranked = concepts_config(tiny_models, folders, tmp_path / "ddp", batch_size=1, strategy="ddp",
+                             **{"validation.every_n_steps": 3})
+    got = launch_cases({"validation": ranked}, tmp_path)
+    expected = single.validation.history
+    for rank in (0, 1):
+        history = got[rank]["validation"]["validation"]
+        assert [s for s, _ in history] == [s for s, _ in expected]
+        assert history[0][1] == expected[0][1]  # bit-identical
+        for (_, m), (_, e) in zip(history, expected):
+            assert m["validation/loss/held_out"] == pytest.approx(e["validation/loss/held_out"], rel=1e-4)
+    assert got[0]["validation"]["validation"] == got[1]["validation"]["validation"]
