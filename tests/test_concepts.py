@@ -124,15 +124,24 @@ def launch_cases(cases: dict, tmp_path: Path) -> dict:
     return {rank: json.loads((results / f"rank{rank}.json").read_text()) for rank in (0, 1)}
 
 
-def test_two_ranks(tiny_models, folders, tmp_path):
-    """One launch: the validation loss on 2 ranks equals 1 process's (exactly before training, where the weights
-    are the same; to float rounding after steps, whose gradients are averaged in another order)."""
+def test_two_rank_launch(tiny_models, folders, tmp_path):
+    """One 2-rank gloo launch for two cases.
+    validation: the validation loss on 2 ranks equals 1 process's (exactly before training, where the weights are
+    the same; to float rounding after steps, whose gradients are averaged in another order).
+    small buckets: issue 18's 20 images (256x256 ... 1200x400, scaled down 8x to train at 64 px) with a global batch
+    of 4: every rank runs the same steps for 2 epochs, at least 95 % of the images train in each epoch, and the
+    report at start names where each moved image went."""
+    from test_small_buckets import ISSUE_SIZES, write_images
+
     raw = concepts_config(tiny_models, folders, tmp_path / "single", batch_size=2, **{"validation.every_n_steps": 3})
     single = Trainer(validate(raw), log=QUIET)
     single.train()
     ranked = concepts_config(tiny_models, folders, tmp_path / "ddp", batch_size=1, strategy="ddp",
                              **{"validation.every_n_steps": 3})
-    got = launch_cases({"validation": ranked}, tmp_path)
+    issue = base_config(tiny_models["sd1"], write_images(tmp_path / "issue", ISSUE_SIZES, scale=8), tmp_path / "issue-out",
+                        batch_size=2, epochs=2, strategy="ddp", learning_rate=1e-5)
+    got = launch_cases({"validation": ranked, "small buckets": issue}, tmp_path)
+
     expected = single.validation.history
     for rank in (0, 1):
         history = got[rank]["validation"]["validation"]
@@ -141,3 +150,14 @@ def test_two_ranks(tiny_models, folders, tmp_path):
         for (_, m), (_, e) in zip(history, expected):
             assert m["validation/loss/held_out"] == pytest.approx(e["validation/loss/held_out"], rel=1e-4)
     assert got[0]["validation"]["validation"] == got[1]["validation"]["validation"]
+
+    ranks = [got[rank]["small buckets"] for rank in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 2 * 20 // 4
+    assert ranks[0]["micro_batches"] == ranks[1]["micro_batches"] == 10
+    for epoch in (0, 1):
+        trained = {i for r in ranks for e, ids in r["seen"] if e == epoch for i in ids}
+        assert len(trained) >= 0.95 * 20, (epoch, sorted(trained))
+    report = ranks[0]["report"]
+    moved = [line for line in report if line.strip().startswith("moved ")]
+    assert moved and all(".png" in line for line in moved), report
+    assert report[-1].strip().startswith("total: 20 samples/epoch, 5 steps/epoch, 0 dropped per epoch")

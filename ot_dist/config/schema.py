@@ -266,10 +266,19 @@ class DataConfig(Section):
         "shard set (keyed to the encoders and tokenizers) and train from them. Needs frozen text encoders and method "
         "full or lora.",
     )
+    small_buckets: Literal["move", "drop"] = Field(
+        default="move",
+        description="Samples that fill no global batch of their bucket. move: a bucket with fewer samples than a "
+        "global batch moves into the nearest bucket (by aspect) that fills one, its images scaled to cover it and "
+        "cropped (the bucket report names each moved image), and every epoch the remainders of the buckets train "
+        "together in global batches of neighbouring aspects: all but fewer than one global batch train every epoch. "
+        "drop: each bucket's remainder is dropped (a different part every epoch) and smaller buckets never train.",
+    )
     max_untrained_fraction: float = Field(
-        default=0.2, ge=0, le=1, description="A run in which more than this share of the samples per epoch sits in "
-        "buckets with fewer samples than one global batch (so they never train) stops before training, with the "
-        "bucket report and what fixes it; 1 accepts any share.",
+        default=0.2, ge=0, le=1, description="A run that would leave more than this share of the samples per epoch "
+        "untrained stops before training (exit 3), with the bucket report and what fixes it; 1 accepts any share. "
+        "Counted with small_buckets drop: the samples in buckets with fewer than one global batch (never trained); "
+        "with move: the samples per epoch that fill no global batch.",
     )
     max_bad_fraction: float = Field(
         default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
