@@ -161,3 +161,17 @@ def test_two_rank_launch(tiny_models, folders, tmp_path):
     moved = [line for line in report if line.strip().startswith("moved ")]
     assert moved and all(".png" in line for line in moved), report
     assert report[-1].strip().startswith("total: 20 samples/epoch, 5 steps/epoch, 0 dropped per epoch")
+
+
+def test_the_type_and_small_buckets_are_read_time_options(tiny_models, folders, tmp_path):
+    """They change no shard: a shard set stays current when a concept becomes a validation concept or small buckets
+    change policy; an option that changes what shards hold (the caption prefix) rebuilds it."""
+    from ot_dist.data.shards import source_fingerprint
+
+    raw = concepts_config(tiny_models, folders, tmp_path / "o")
+    base = source_fingerprint(validate(raw))
+    raw["data"]["concepts"][0]["type"] = "validation"
+    raw["data"]["small_buckets"] = "drop"
+    assert source_fingerprint(validate(raw)) == base
+    raw["data"]["concepts"][0]["caption_prefix"] = "sks, "
+    assert source_fingerprint(validate(raw)) != base

@@ -42,9 +42,10 @@ def default_shard_dir(config: TrainConfig) -> Path:
 
 
 def build_settings(config: TrainConfig) -> dict:
-    """What the shard content depends on besides the source files (balancing does not: it is read-time)."""
+    """What the shard content depends on besides the source files (balancing and the concept type do not: they are
+    read-time; data.small_buckets neither: it is a plan of the epoch)."""
     data = config.data
-    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy"}) for _, c in data.concept_list()]
+    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy", "type"}) for _, c in data.concept_list()]
     return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step,
             "bucket_assignment": data.bucket_assignment, "image_format": data.image_format,
             "max_image_pixels": data.max_image_pixels, "image_background": data.image_background,
