@@ -140,16 +140,20 @@ def test_two_rank_launch(tiny_models, folders, tmp_path):
                              **{"validation.every_n_steps": 3})
     issue = base_config(tiny_models["sd1"], write_images(tmp_path / "issue", ISSUE_SIZES, scale=8), tmp_path / "issue-out",
                         batch_size=2, epochs=2, strategy="ddp", learning_rate=1e-5)
-    got = launch_cases({"validation": ranked, "small buckets": issue}, tmp_path)
+    # fsdp: every forward gathers weights, so both ranks must run as many (5 samples: rank 1 repeats one)
+    sharded = concepts_config(tiny_models, folders, tmp_path / "fsdp", batch_size=1, strategy="fsdp",
+                              **{"validation.every_n_steps": 3})
+    got = launch_cases({"validation": ranked, "validation fsdp": sharded, "small buckets": issue}, tmp_path)
 
     expected = single.validation.history
-    for rank in (0, 1):
-        history = got[rank]["validation"]["validation"]
-        assert [s for s, _ in history] == [s for s, _ in expected]
-        assert history[0][1] == expected[0][1]  # bit-identical
-        for (_, m), (_, e) in zip(history, expected):
-            assert m["validation/loss/held_out"] == pytest.approx(e["validation/loss/held_out"], rel=1e-4)
-    assert got[0]["validation"]["validation"] == got[1]["validation"]["validation"]
+    for case in ("validation", "validation fsdp"):
+        for rank in (0, 1):
+            history = got[rank][case]["validation"]
+            assert [s for s, _ in history] == [s for s, _ in expected]
+            assert history[0][1] == expected[0][1]  # bit-identical
+            for (_, m), (_, e) in zip(history, expected):
+                assert m["validation/loss/held_out"] == pytest.approx(e["validation/loss/held_out"], rel=1e-4)
+        assert got[0][case]["validation"] == got[1][case]["validation"]
 
     ranks = [got[rank]["small buckets"] for rank in (0, 1)]
     assert ranks[0]["steps"] == ranks[1]["steps"] == 2 * 20 // 4

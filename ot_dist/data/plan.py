@@ -23,6 +23,7 @@ import torch
 from ot_dist.data.buckets import aspect_name, bucket_size
 from ot_dist.data.small_buckets import moved_samples, pool_remainders
 from ot_dist.randomness import generator
+from ot_dist.tracking.base import metric_name
 
 
 @dataclass(frozen=True)
@@ -191,5 +192,5 @@ def bucket_report(table: SampleTable, global_batch: int, world_size: int, resolu
                      f"epoch ({100 * dropped / max(total, 1):.1f}%)" + (f"; never trained: {', '.join(never)}" if never else ""))
     for concept, indices in table.validation_samples.items():
         lines.append(f"  validation concept {table.concept_names[concept]}: {len(indices)} samples, not trained (their "
-                     f"loss is logged as validation/loss/{table.concept_names[concept]})")
+                     f"loss is logged as validation/loss/{metric_name(table.concept_names[concept])})")
     return lines

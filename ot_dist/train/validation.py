@@ -21,13 +21,14 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.data.reader import collate
+from ot_dist.tracking.base import metric_name
 from ot_dist.train.evaluate import EVAL_EPOCH
 
 
 class ValidationLoss:
     def __init__(self, config, table, runtime, log=print):
         self.settings, self.runtime, self.log = config.validation, runtime, log
-        self.concepts = {table.concept_names[c]: indices for c, indices in table.validation_samples.items()}
+        self.concepts = {metric_name(table.concept_names[c]): indices for c, indices in table.validation_samples.items()}
         self.samples = [i for indices in self.concepts.values() for i in indices]
         self.resolution = max(config.resolutions())
         self.done: set[int] = set()
@@ -92,3 +93,4 @@ def eval_mode(modules):
     finally:
         for m, training in before:
             m.training = training
+
