@@ -239,8 +239,14 @@ class DataConfig(Section):
     concepts: list[ConceptConfig] = Field(default_factory=list, description="The training concepts (see below).")
     shards: str | None = Field(
         default=None,
-        description="The shard set folder (`ot-dist shard build`). Unset: data_shards/<name from the concepts>, built "
-        "at train start when missing or stale. Set without concepts: train from an existing shard set.",
+        description="The shard set folder (`ot-dist shard build`). Unset: <cache_dir>/shards/<name from the concepts "
+        "and settings>, built at train start when missing or stale (`ot-dist shard list | prune` show and remove old "
+        "ones). Set without concepts: train from an existing shard set.",
+    )
+    cache_dir: str | None = Field(
+        default=None,
+        description="The cache folder of shard sets when data.shards is unset. Unset: the environment's OT_DIST_CACHE, "
+        "else ot_dist-cache beside output_dir (in its parent folder, which every node of a run shares).",
     )
     crop: Literal["center", "random"] = Field(
         default="center", description="Images are resized to cover their bucket; which part of them to cut."

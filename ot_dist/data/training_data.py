@@ -9,6 +9,7 @@ import torch
 
 from ot_dist.data.buckets import config_bucket_of, merged_buckets
 from ot_dist.data.concepts import concept_name, scan_concepts
+from ot_dist.data.shard_cache import mark_used
 from ot_dist.data.plan import SampleTable, bucket_report, untrained_fraction
 from ot_dist.data.small_buckets import move_small_buckets, moved_samples
 from ot_dist.data.reader import ShardDataset, ShardReader
@@ -25,6 +26,8 @@ def ensure_shards(config, runtime, log=print) -> Path:
     The main process builds (the shard folder must be shared by all nodes); the others wait, and
     learn whether it worked from a collective, so a failed build stops every rank instead of hanging."""
     out = shard_dir_of(config)
+    if runtime.is_main:
+        mark_used(out)  # for `ot-dist shard prune --unused-days` (a set built below is marked when built)
     if not config.data.concept_list():
         return out
     error = None
@@ -35,6 +38,7 @@ def ensure_shards(config, runtime, log=print) -> Path:
             if not is_current(out, source_fingerprint(config)):
                 log(f"data: shard set {out} is missing or stale; building it (`ot-dist shard build` does it ahead)")
                 build_shard_set(config, out, log)
+                mark_used(out)
         except Exception as err:  # noqa: BLE001  (any failure: the other ranks must hear of it, then it is raised)
             error = err
     failed = runtime.mean(torch.tensor([float(error is not None)], device=runtime.device)).item() > 0
