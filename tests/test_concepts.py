@@ -179,3 +179,13 @@ def test_the_type_and_small_buckets_are_read_time_options(tiny_models, folders, 
     assert source_fingerprint(validate(raw)) == base
     raw["data"]["concepts"][0]["caption_prefix"] = "sks, "
     assert source_fingerprint(validate(raw)) != base
+
+
+def test_validation_concepts_of_the_same_folder_name_get_their_own_metric():
+    from ot_dist.data.plan import SampleTable, bucket_report
+
+    table = SampleTable((0,) * 4, (0, 1, 2, 2), ((1.0, "repeats"),) * 3, ("dog", "held out (a)", "held out (a)"),
+                        ("standard", "validation", "validation"))
+    assert table.validation_names() == {1: "held out _a_", 2: "held out _a_-2"}
+    assert table.epoch_sizes() == {0: 1}  # only the standard concept's sample is drawn
+    assert "logged as validation/loss/held out _a_-2" in bucket_report(table, 1, 1, [64], 8)[-1]

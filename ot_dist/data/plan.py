@@ -51,6 +51,15 @@ class SampleTable:
                 out[concept].append(index)
         return dict(sorted(out.items()))
 
+    def validation_names(self) -> dict[int, str]:
+        """validation concept -> its name in the validation/loss/<name> metric (MLflow's characters; a name two
+        concepts share gets the concept's index appended for the second)."""
+        names: dict[int, str] = {}
+        for concept in self.validation_samples:
+            name = metric_name(self.concept_names[concept])
+            names[concept] = name if name not in names.values() else f"{name}-{concept}"
+        return names
+
     @cached_property
     def concept_sizes(self) -> Counter:
         return Counter(self.concepts)
@@ -181,8 +190,9 @@ def bucket_report(table: SampleTable, global_batch: int, world_size: int, resolu
     if pool:
         pooled = sum(r.dropped for r in rows)
         dropped = total % global_batch
-        lines.append(f"  remainders: {pooled} samples/epoch train in {(pooled - dropped) // global_batch} global batches "
-                     f"of neighbouring aspects, {dropped} wait for another epoch")
+        if pooled:
+            lines.append(f"  remainders: {pooled} samples/epoch train in {(pooled - dropped) // global_batch} global "
+                         f"batches of neighbouring aspects, {dropped} wait for another epoch")
         lines.append(f"  total: {total} samples/epoch, {steps} steps/epoch, {dropped} dropped per epoch "
                      f"({100 * dropped / max(total, 1):.1f}%), {len(moved)} moved")
     else:
@@ -190,7 +200,8 @@ def bucket_report(table: SampleTable, global_batch: int, world_size: int, resolu
         never = [aspect_name(r.bucket) for r in rows if r.never_trained]
         lines.append(f"  total: {total} samples/epoch, {steps} steps/epoch, {dropped} dropped per "
                      f"epoch ({100 * dropped / max(total, 1):.1f}%)" + (f"; never trained: {', '.join(never)}" if never else ""))
+    names = table.validation_names()
     for concept, indices in table.validation_samples.items():
         lines.append(f"  validation concept {table.concept_names[concept]}: {len(indices)} samples, not trained (their "
-                     f"loss is logged as validation/loss/{metric_name(table.concept_names[concept])})")
+                     f"loss is logged as validation/loss/{names[concept]})")
     return lines

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.data.reader import collate
-from ot_dist.tracking.base import metric_name
 from ot_dist.train.evaluate import EVAL_EPOCH
 
 
 class ValidationLoss:
     def __init__(self, config, table, runtime, log=print):
         self.settings, self.runtime, self.log = config.validation, runtime, log
-        self.concepts = {metric_name(table.concept_names[c]): indices for c, indices in table.validation_samples.items()}
+        names = table.validation_names()
+        self.concepts = {names[c]: indices for c, indices in table.validation_samples.items()}  # metric name -> samples
         self.samples = [i for indices in self.concepts.values() for i in indices]
         self.resolution = max(config.resolutions())
         self.done: set[int] = set()
