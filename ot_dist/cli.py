@@ -86,10 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
     build = shard_sub.add_parser("build", help="write the shards and manifest, print the bucket report")
     add_config_args(build)
     build.add_argument("--out", default=None, metavar="DIR", help="shard set folder (default: data.shards, else "
-                       "data_shards/<name>)")
+                       "<cache folder>/shards/<name>, see docs/data.md)")
     build.add_argument("--world-size", type=int, default=1, help="processes the bucket report assumes (default 1)")
     build.add_argument("--workers", type=int, default=1, help="processes that encode the images (default 1; the "
                        "shards are byte-identical with any number)")
+    for name, helps in (("list", "show the shard sets in the cache folder: size, samples, status, last use"),
+                        ("prune", "remove the stale and incomplete shard sets of the cache folder")):
+        command = shard_sub.add_parser(name, help=helps)
+        command.add_argument("config", nargs="?", default=None, help="a training config: its cache folder "
+                             "(data.cache_dir, else OT_DIST_CACHE, else ot_dist-cache beside output_dir)")
+        command.add_argument("--cache", default=None, metavar="DIR", help="the cache folder (instead of a config)")
+        if name == "prune":
+            command.add_argument("--unused-days", type=float, default=None, metavar="N",
+                                 help="also remove the sets no training run used for N days")
+            command.add_argument("--dry-run", action="store_true", help="only say what would be removed")
 
     export = sub.add_parser("export", help="write the exports (diffusers, single file, LoRA, embedding) of a checkpoint")
     export.add_argument("checkpoint", help="a checkpoint folder (output_dir/checkpoints/step-N), or an output_dir / "
@@ -183,6 +193,8 @@ def run(args: argparse.Namespace) -> int:
 
         schedule_command(load_config(args.config, args.overrides), args.steps, args.world_size, args.csv, args.plot)
         return 0
+    if args.command == "shard" and args.shard_command in ("list", "prune"):
+        return shard_cache_command(args)
     if args.command == "shard":
         from ot_dist.data.shards import build_shard_set
         from ot_dist.data.training_data import report_for, shard_dir_of
@@ -219,6 +231,35 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name}: {path}")
         return 0
     raise AssertionError(args)
+
+
+def shard_cache_command(args: argparse.Namespace) -> int:
+    """`ot-dist shard list | prune [CONFIG | --cache DIR]`."""
+    from pathlib import Path
+
+    from ot_dist.config.load import load_config
+    from ot_dist.data import shard_cache
+
+    in_use = None
+    if args.cache:
+        root = Path(args.cache)
+    elif args.config:
+        from ot_dist.data.training_data import shard_dir_of
+
+        config = load_config(args.config, [])
+        root = shard_cache.cache_root(config)
+        in_use = shard_dir_of(config) if config.data.shards or config.data.concept_list() else None
+    elif os.environ.get(shard_cache.CACHE_ENV):
+        root = Path(os.environ[shard_cache.CACHE_ENV])
+    else:
+        raise ConfigError(f"shard {args.shard_command}: give a training config (its cache folder) or --cache DIR "
+                          f"(or set {shard_cache.CACHE_ENV})")
+    if args.shard_command == "list":
+        lines = shard_cache.list_lines(root, in_use)
+    else:
+        lines = shard_cache.prune(root, args.unused_days, args.dry_run, keep=in_use)
+    print("\n".join(lines))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,8 @@ RESTART_BUDGET = 3
 CONTAINER = "pytorch"  # the training operator looks for a container of this name
 FLAVORS = ("pytorchjob", "indexed-job")
 # Config keys that name files; relative ones resolve under WORKSPACE in the pods.
-PATH_KEYS = ("model.path", "model.config", "data.path", "output_dir", "deepspeed.config_file")
+PATH_KEYS = ("model.path", "model.config", "data.path", "data.shards", "data.cache_dir", "output_dir",
+             "deepspeed.config_file")
 
 
 def render_manifests(

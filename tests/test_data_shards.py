@@ -87,6 +87,8 @@ def test_build_writes_bucketed_webdataset_shards_and_a_manifest(mixed):
 
 def test_bucket_report_for_one_and_two_processes(mixed, tmp_path, capsys):
     cfg, shards = mixed
+    cfg = cfg.model_copy(deep=True)
+    cfg.data.small_buckets = "drop"  # the remainders dropped, small buckets never trained (tests/test_concepts.py: move)
     table = ShardDataset(shards, cfg).table()
     one = {r.samples: (r.batches, r.dropped) for r in bucket_rows(table, global_batch=2)}
     two = {r.samples: (r.batches, r.dropped) for r in bucket_rows(table, global_batch=4)}
@@ -218,8 +220,8 @@ def test_pathological_buckets_equal_steps_for_two_epochs_and_report_the_drops(tm
     # One large bucket and one image in each of 9 other aspects (1:1.25 ... 4:1).
     sizes = [(16, 16)] * 41 + [(16, 20), (16, 24), (16, 28), (16, 32), (16, 40), (20, 16), (24, 16), (32, 16), (64, 16)]
     # log_ratio: at 16 px several aspects round to one size, and OneTrainer's rule would merge their buckets
-    cfg = config({"path": str(make_images(tmp_path / "imgs", sizes)), "bucket_step": 8, "bucket_assignment": "log_ratio"},
-                 resolution=16)
+    cfg = config({"path": str(make_images(tmp_path / "imgs", sizes)), "bucket_step": 8, "bucket_assignment": "log_ratio",
+                  "small_buckets": "drop"}, resolution=16)
     build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
     dataset = ShardDataset(tmp_path / "set", cfg)
     ranks = readers(dataset, world_size=2, batch_size=2)
@@ -248,7 +250,8 @@ def test_pathological_buckets_train_two_ranks_for_two_epochs(tiny_models, tmp_pa
     data = make_images(tmp_path / "imgs", sizes)
     raw = base_config(tiny_models["sd1"], data, tmp_path / "out", batch_size=2, epochs=2, strategy="ddp",
                       learning_rate=1e-5,
-                      **{"data.bucket_step": 32, "data.bucket_assignment": "log_ratio", "log_every_steps": 1})
+                      **{"data.bucket_step": 32, "data.bucket_assignment": "log_ratio", "log_every_steps": 1,
+                         "data.small_buckets": "drop"})
     done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                 str(free_port()), "-m", "ot_dist", "train", str(write_config(tmp_path / "c.yaml", raw))])
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -399,7 +402,7 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
     reference = base_config(tiny_models["sd1"], data, tmp_path / "one", batch_size=4, **settings)
     lines = []
     result = Trainer(validate(reference), log=lines.append).train()
-    assert result.steps == 4 and any("1:2 (wide)" in line and "2 dropped" in line for line in lines)
+    assert result.steps == 4 and any("1:2 (wide)" in line and "2 pooled" in line for line in lines)
     raw = base_config(tiny_models["sd1"], data, tmp_path / "two", batch_size=2, strategy="ddp", **settings,
                       **{"data.cache_latents": True})
     config = write_config(tmp_path / "two.yaml", raw)
@@ -516,17 +519,16 @@ def test_buckets_of_one_size_train_as_one(tmp_path):
 def test_a_run_that_would_not_train_most_images_stops_before_training(tiny_models, tmp_path):
     from conftest import base_config
 
-    from ot_dist.errors import ConfigError
     from ot_dist.train.trainer import Trainer
 
-    # 2 square images and 6 of 6 other aspects: with a global batch of 2, 6 of 8 never train
+    # 2 square images and 6 of 6 other aspects: with a global batch of 2, 6 of 8 never train (small_buckets drop)
     sizes = [(64, 64)] * 2 + [(64, 128), (128, 64), (64, 256), (256, 64), (64, 96), (96, 64)]
     data = make_images(tmp_path / "imgs", sizes)
     raw = base_config(tiny_models["sd1"], data, tmp_path / "out", batch_size=2, max_steps=1,
-                      **{"data.bucket_step": 8})  # fine enough that the 7 aspects keep 7 sizes
-    with pytest.raises(ConfigError, match=r"data.max_untrained_fraction: 75% .*never train") as err:
+                      **{"data.bucket_step": 8, "data.small_buckets": "drop"})  # 7 aspects keep 7 sizes
+    with pytest.raises(InputFileError, match=r"data.max_untrained_fraction: 75% .*never train") as err:
         Trainer(validate(raw), log=lambda *_: None)
-    assert "NEVER TRAINED" in str(err.value)  # the report comes with it
+    assert "NEVER TRAINED" in str(err.value) and "data.small_buckets: move" in str(err.value)  # report and fixes
     raw["data"]["max_untrained_fraction"] = 0.8  # accepted: it trains
     raw["output_dir"] = str(tmp_path / "out2")
     assert Trainer(validate(raw), log=lambda *_: None).train().steps == 1

@@ -44,7 +44,10 @@ def sd15_lora(model, data) -> dict:
                       "balancing_strategy": "REPEATS",
                       "text": {"prompt_source": "sample", "enable_tag_shuffling": True, "keep_tags_count": 2},
                       "image": {"enable_random_flip": True, "enable_fixed_flip": True}},
-                     {"name": "off", "path": str(data), "enabled": False}],
+                     {"name": "off", "path": str(data), "enabled": False},
+                     {"name": "held", "path": str(data), "type": "VALIDATION"},
+                     {"name": "distill", "path": str(data), "type": "PRIOR_PREDICTION"}],
+        "validation": True, "validate_after": 3, "validate_after_unit": "STEP",
         "samples": [{"enabled": True, "prompt": "a red circle", "negative_prompt": "", "height": 64, "width": 64,
                      "seed": 7, "random_seed": False, "diffusion_steps": 3, "cfg_scale": 5.0}],
         "sample_after": 2, "sample_after_unit": "EPOCH", "save_every": 0, "save_every_unit": "NEVER",
@@ -103,7 +106,10 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert (config.loss.weight_fn, config.loss.weight_strength) == ("P2", 1.0)
     te = config.text_encoder
     assert (te.train, te.learning_rate, te.stop_training_after, te.stop_training_after_unit) == (True, 5e-5, 1, "epoch")
-    [concept] = config.data.concepts  # the disabled one is not imported
+    concept, held = config.data.concepts  # the disabled one is not imported, nor OneTrainer's PRIOR_PREDICTION
+    assert (held.name, held.type) == ("held", "validation") and concept.type == "standard"
+    assert (config.validation.every_n_steps, config.validation.every_n_epochs) == (3, None)
+    assert "PRIOR_PREDICTION" in err and "distill" in err
     assert (concept.balancing, concept.caption_source) == (2.0, "txt")
     assert (concept.tag_shuffling, concept.keep_tags_count) == (True, 2)
     [prompt] = config.sampling.prompts

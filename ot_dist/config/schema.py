@@ -160,6 +160,15 @@ class ConceptConfig(Section):
     path: str = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
     name: str | None = Field(default=None, description="Name in reports and sample keys; unset = the folder name.")
+    type: Literal["standard", "validation", "prior_preservation"] = Field(
+        default="standard",
+        description="standard: trained. validation: never trained; its loss at fixed noise and timesteps (the same "
+        "every time) is computed on all ranks at `validation`'s interval and logged as validation/loss/<concept name> "
+        "(OneTrainer's VALIDATION). prior_preservation: regularisation images (the class images of DreamBooth), "
+        "trained with this concept's loss_weight as DreamBooth's prior_loss_weight. OneTrainer's PRIOR_PREDICTION "
+        "(the base model's output as the target) is not this; for the masked-out area it is "
+        "masked_training.prior_preservation_weight.",
+    )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
     caption_source: Literal["txt", "filename", "text"] = Field(
         default="txt",
@@ -208,6 +217,16 @@ class ConceptConfig(Section):
         "sample and epoch, so the model also learns the unconditional prediction classifier-free guidance uses.",
     )
 
+    @field_validator("type", mode="before")
+    @classmethod
+    def _onetrainer_type(cls, value):
+        """OneTrainer's spellings (STANDARD, VALIDATION) are accepted; its PRIOR_PREDICTION is another method."""
+        if isinstance(value, str) and value.upper() == "PRIOR_PREDICTION":
+            raise ValueError("PRIOR_PREDICTION (OneTrainer: the base model's prediction is the target) is not "
+                             "supported; prior_preservation trains the concept's own images with its loss_weight "
+                             "(DreamBooth), masked_training.prior_preservation_weight keeps the masked-out area")
+        return value.lower() if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _caption_text(self) -> "ConceptConfig":
         if self.caption_source == "text" and not self.caption_text:
@@ -222,8 +241,14 @@ class DataConfig(Section):
     concepts: list[ConceptConfig] = Field(default_factory=list, description="The training concepts (see below).")
     shards: str | None = Field(
         default=None,
-        description="The shard set folder (`ot-dist shard build`). Unset: data_shards/<name from the concepts>, built "
-        "at train start when missing or stale. Set without concepts: train from an existing shard set.",
+        description="The shard set folder (`ot-dist shard build`). Unset: <cache_dir>/shards/<name from the concepts "
+        "and settings>, built at train start when missing or stale (`ot-dist shard list | prune` show and remove old "
+        "ones). Set without concepts: train from an existing shard set.",
+    )
+    cache_dir: str | None = Field(
+        default=None,
+        description="The cache folder of shard sets when data.shards is unset. Unset: the environment's OT_DIST_CACHE, "
+        "else ot_dist-cache beside output_dir (in its parent folder, which every node of a run shares).",
     )
     crop: Literal["center", "random"] = Field(
         default="center", description="Images are resized to cover their bucket; which part of them to cut."
@@ -249,10 +274,19 @@ class DataConfig(Section):
         "shard set (keyed to the encoders and tokenizers) and train from them. Needs frozen text encoders and method "
         "full or lora.",
     )
+    small_buckets: Literal["move", "drop"] = Field(
+        default="move",
+        description="Samples that fill no global batch of their bucket. move: a bucket with fewer samples than a "
+        "global batch moves into the nearest bucket (by aspect) that fills one, its images scaled to cover it and "
+        "cropped (the bucket report names each moved image), and every epoch the remainders of the buckets train "
+        "together in global batches of neighbouring aspects: all but fewer than one global batch train every epoch. "
+        "drop: each bucket's remainder is dropped (a different part every epoch) and smaller buckets never train.",
+    )
     max_untrained_fraction: float = Field(
-        default=0.2, ge=0, le=1, description="A run in which more than this share of the samples per epoch sits in "
-        "buckets with fewer samples than one global batch (so they never train) stops before training, with the "
-        "bucket report and what fixes it; 1 accepts any share.",
+        default=0.2, ge=0, le=1, description="A run that would leave more than this share of the samples per epoch "
+        "untrained stops before training (exit 3), with the bucket report and what fixes it; 1 accepts any share. "
+        "Counted with small_buckets drop: the samples in buckets with fewer than one global batch (never trained); "
+        "with move: the samples per epoch that fill no global batch.",
     )
     max_bad_fraction: float = Field(
         default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
@@ -368,6 +402,19 @@ class EMAConfig(Section):
     )
 
 
+class ValidationConfig(Section):
+    """The loss of the validation concepts (concepts with type: validation), at fixed noise and timesteps."""
+
+    every_n_steps: int | None = Field(
+        default=None, ge=1, description="Compute it every N optimizer steps (and before the first step and after "
+        "the last). Unset: every_n_epochs.",
+    )
+    every_n_epochs: int | None = Field(
+        default=1, ge=1, description="Compute it after every N epochs (and before the first step and after the "
+        "last), when every_n_steps is unset.",
+    )
+
+
 class DistributedConfig(Section):
     timeout_minutes: float = Field(
         default=30, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails."
@@ -479,6 +526,7 @@ class TrainConfig(Section):
         "every N optimizer steps.",
     )
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     unet: PartConfig = Field(default_factory=PartConfig)

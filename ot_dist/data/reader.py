@@ -17,12 +17,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
-from ot_dist.data.buckets import bucket_size, merged_buckets
+from ot_dist.data.buckets import bucket_size, merged_buckets, resize_to_cover
 from ot_dist.data.augment import augment
 from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
-from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch
+from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
+from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import read_manifest
 from ot_dist.errors import InputFileError
 from ot_dist.randomness import generator
@@ -58,11 +60,13 @@ class ShardDataset:
         """Buckets and concepts of the samples; balancing from the config's concepts when it has them."""
         concepts = self.manifest["concepts"]
         balancing = [(c["balancing"], c["balancing_strategy"]) for c in concepts]
+        kinds: tuple[str, ...] = ()
         if data_config is not None and data_config.concept_list():
             balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
+            kinds = tuple(c.type for _, c in data_config.concept_list())
         merged = merged_buckets(self.resolutions, self.step)
         return SampleTable(tuple(merged[s["bucket"]] for s in self.samples), tuple(s["concept"] for s in self.samples),
-                           tuple(balancing), tuple(c["name"] for c in concepts))
+                           tuple(balancing), tuple(c["name"] for c in concepts), kinds)
 
     def _read(self, sample: dict, suffix: str):
         file = self.manifest["shards"][sample["shard"]]["file"]
@@ -100,13 +104,22 @@ class ShardDataset:
     def captions(self, sample_id: int) -> list[str]:
         return self._read(self.samples[sample_id % len(self.samples)], "txt").split("\n")
 
-    def load(self, sample_id: int, epoch: int, resolution: int | None = None, use_cache: bool = True) -> dict:
+    def moved(self, sample_id: int, bucket: int | None, resolution: int) -> bool:
+        """Whether the sample trains in a bucket of another size than its own (data.small_buckets move)."""
+        own = self.samples[sample_id % len(self.samples)]["bucket"]
+        return bucket is not None and bucket_size(bucket, resolution, self.step) != bucket_size(own, resolution, self.step)
+
+    def load(self, sample_id: int, epoch: int, resolution: int | None = None, use_cache: bool = True,
+             bucket: int | None = None, latents: bool = True) -> dict:
+        """The sample cropped to its bucket, or to `bucket` (scaled to cover it first when its size differs).
+        `latents` false: pixels even with a latent cache (a micro batch with a moved sample is all pixels)."""
         resolution = resolution or self.resolutions[0]
         sample = self.samples[sample_id % len(self.samples)]
-        height, width = bucket_size(sample["bucket"], resolution, self.step)
+        moved = self.moved(sample_id, bucket, resolution)
+        height, width = bucket_size(bucket if moved else sample["bucket"], resolution, self.step)
         meta = self.metadata(sample_id)
         mask_image = None
-        if "latents" in self.caches and use_cache:
+        if "latents" in self.caches and use_cache and latents and not moved:
             # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
             posterior = self._read_cached("latents", sample["key"], f"{resolution}.latent.safetensors")
             resized = meta["resolutions"][str(resolution)]["resized_size"]
@@ -114,10 +127,15 @@ class ShardDataset:
             out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
         else:
             image = self._read(sample, self._image_suffix(sample, resolution))
+            if moved:  # stored to cover its own bucket: scaled again to cover this one
+                image = resize_to_cover(image, (height, width))
             top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
             box = (left, top, left + width, top + height)
             if sample["mask"]:
-                mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+                mask_image = self._read(sample, f"{resolution}.mask.png").convert("L")
+                if moved:
+                    mask_image = resize_to_cover(mask_image, (height, width), Image.Resampling.BILINEAR)
+                mask_image = mask_image.crop(box)
             cropped, mask_image = augment(image.crop(box), mask_image, self.concepts.get(sample["concept"]),
                                           generator(self.seed, epoch, sample_id, "augment"))
             pixels = np.asarray(cropped, dtype=np.float32) / 127.5 - 1.0
@@ -189,17 +207,19 @@ class _RankMicroBatches(torch.utils.data.IterableDataset):
     """This rank's micro batches (sample id lists); loader worker w of W loads those with index % W == w.
     torch's DataLoader takes items from its workers round-robin, so the order is the plan's."""
 
-    def __init__(self, dataset: ShardDataset, micro: list[tuple[int, int, list[int]]]):
+    def __init__(self, dataset: ShardDataset, micro: list[tuple[int, int, int, list[int]]]):
         self.dataset, self.micro = dataset, micro
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for epoch, resolution, ids in self.micro[worker::workers]:
+        for epoch, resolution, bucket, ids in self.micro[worker::workers]:
             samples, skipped = [], []
+            # one moved sample (no cached latent of this size): the whole micro batch is read as pixels
+            latents = not any(self.dataset.moved(i, bucket, resolution) for i in ids)
             for i in ids:
                 try:
-                    samples.append(self.dataset.load(i, epoch, resolution))
+                    samples.append(self.dataset.load(i, epoch, resolution, bucket=bucket, latents=latents))
                 except InputFileError as err:  # a corrupt member or truncated shard: skipped and counted
                     skipped.append(str(err))
             if not samples:
@@ -218,19 +238,20 @@ class ShardReader:
 
     def __init__(self, dataset: ShardDataset, table: SampleTable, batch_size: int, accumulation: int,
                  rank: int = 0, world_size: int = 1, workers: int = 0, max_bad_fraction: float = 0.01,
-                 log=print):
-        self.dataset, self.table = dataset, table
+                 log=print, small_buckets: str = "drop"):
         self.batch_size, self.accumulation, self.rank, self.world_size = batch_size, accumulation, rank, world_size
         self.global_batch = batch_size * accumulation * world_size
+        self.pool = small_buckets == "move"  # data.small_buckets (small_buckets.py)
+        self.dataset, self.table = dataset, move_small_buckets(table, self.global_batch) if self.pool else table
         self.workers = workers
-        self.steps_per_epoch = sum(n // self.global_batch for n in table.epoch_sizes().values())
+        self.steps_per_epoch = steps_per_epoch(self.table, self.global_batch, self.pool)
         self.epoch, self.step = 0, 0  # the position: global batches of `epoch` already handed out in full
         self._resume: tuple[int, int] | None = None  # set by load_state_dict, used by the next epoch_batches
         self.max_bad_fraction, self.log = max_bad_fraction, log
         self.skipped = 0  # unreadable samples skipped this epoch on this rank
 
     def plan(self, epoch: int) -> list[GlobalBatch]:
-        return plan_epoch(self.table, self.global_batch, self.dataset.resolutions, self.dataset.seed, epoch)
+        return plan_epoch(self.table, self.global_batch, self.dataset.resolutions, self.dataset.seed, epoch, self.pool)
 
     def my_ids(self, batch: GlobalBatch) -> list[list[int]]:
         """This rank's sample ids of each micro step of a global batch."""
@@ -243,7 +264,7 @@ class ShardReader:
         start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         self._resume = None
         self.epoch, self.step = epoch, start
-        micro = [(epoch, gb.resolution, ids) for gb in self.plan(epoch)[start:] for ids in self.my_ids(gb)]
+        micro = [(epoch, gb.resolution, gb.bucket, ids) for gb in self.plan(epoch)[start:] for ids in self.my_ids(gb)]
         source = _RankMicroBatches(self.dataset, micro)
         if self.workers:
             source = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers)

@@ -35,16 +35,22 @@ SAVE_FORMATS = {"png": "PNG", "webp": "WEBP", "jpg": "JPEG"}
 
 
 def default_shard_dir(config: TrainConfig) -> Path:
-    """data_shards/<first concept's name>-<hash of the concept folders and build settings>."""
+    """<cache folder>/shards/<first concept's name>-<hash of the concept folders and build settings> (shard_cache.py);
+    a set an earlier ot_dist built under ./data_shards/ with that name is used where it is."""
+    from ot_dist.data.shard_cache import cache_root, sets_dir
+
     concepts = [c for _, c in config.data.concept_list()]
     key = json.dumps([build_settings(config), [str(Path(c.path).resolve()) for c in concepts]], sort_keys=True)
-    return Path("data_shards") / f"{concept_name(concepts[0])}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    name = f"{concept_name(concepts[0])}-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
+    legacy = Path("data_shards") / name
+    return legacy if (legacy / MANIFEST).is_file() else sets_dir(cache_root(config)) / name
 
 
 def build_settings(config: TrainConfig) -> dict:
-    """What the shard content depends on besides the source files (balancing does not: it is read-time)."""
+    """What the shard content depends on besides the source files (balancing and the concept type do not: they are
+    read-time; data.small_buckets neither: it is a plan of the epoch)."""
     data = config.data
-    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy"}) for _, c in data.concept_list()]
+    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy", "type"}) for _, c in data.concept_list()]
     return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step,
             "bucket_assignment": data.bucket_assignment, "image_format": data.image_format,
             "max_image_pixels": data.max_image_pixels, "image_background": data.image_background,
@@ -54,8 +60,14 @@ def build_settings(config: TrainConfig) -> dict:
 def source_fingerprint(config: TrainConfig) -> str:
     """A hash of the build settings and of every source file's path, size and mtime: cheap (stat only),
     and it changes when an image, caption or mask is added, removed or edited."""
-    digest = hashlib.sha256(json.dumps(build_settings(config), sort_keys=True).encode())
-    for label, concept in config.data.concept_list():
+    return fingerprint_of(build_settings(config), config.data.concept_list())
+
+
+def fingerprint_of(settings: dict, concepts: list) -> str:
+    """source_fingerprint from the build settings and the (label, ConceptConfig) list; `ot-dist shard list` calls it
+    with a manifest's own, to tell whether a set's sources changed since it was built."""
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+    for label, concept in concepts:
         images, unused = classify_files(label, concept)
         others = [Path(concept.path) / path for path, _ in unused]  # a HEIC that becomes readable changes the set
         for image in images + others:

@@ -9,10 +9,12 @@ import torch
 
 from ot_dist.data.buckets import config_bucket_of, merged_buckets
 from ot_dist.data.concepts import concept_name, scan_concepts
+from ot_dist.data.shard_cache import mark_used
 from ot_dist.data.plan import SampleTable, bucket_report, untrained_fraction
+from ot_dist.data.small_buckets import move_small_buckets, moved_samples
 from ot_dist.data.reader import ShardDataset, ShardReader
 from ot_dist.data.shards import build_shard_set, default_shard_dir, is_current, source_fingerprint
-from ot_dist.errors import ConfigError, InputFileError
+from ot_dist.errors import InputFileError
 
 
 def shard_dir_of(config) -> Path:
@@ -24,6 +26,8 @@ def ensure_shards(config, runtime, log=print) -> Path:
     The main process builds (the shard folder must be shared by all nodes); the others wait, and
     learn whether it worked from a collective, so a failed build stops every rank instead of hanging."""
     out = shard_dir_of(config)
+    if runtime.is_main:
+        mark_used(out)  # for `ot-dist shard prune --unused-days` (a set built below is marked when built)
     if not config.data.concept_list():
         return out
     error = None
@@ -34,6 +38,7 @@ def ensure_shards(config, runtime, log=print) -> Path:
             if not is_current(out, source_fingerprint(config)):
                 log(f"data: shard set {out} is missing or stale; building it (`ot-dist shard build` does it ahead)")
                 build_shard_set(config, out, log)
+                mark_used(out)
         except Exception as err:  # noqa: BLE001  (any failure: the other ranks must hear of it, then it is raised)
             error = err
     failed = runtime.mean(torch.tensor([float(error is not None)], device=runtime.device)).item() > 0
@@ -47,7 +52,8 @@ def ensure_shards(config, runtime, log=print) -> Path:
 def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardReader]:
     dataset = ShardDataset(ensure_shards(config, runtime, log), config)
     reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
-                         runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction)
+                         runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction,
+                         small_buckets=config.data.small_buckets)
     check_untrained_share(config, dataset, reader, runtime.world_size)
     return dataset, reader
 
@@ -55,27 +61,51 @@ def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardR
 def check_untrained_share(config, dataset: ShardDataset, reader: ShardReader, world_size: int) -> None:
     """Every rank computes the same plan, so every rank stops here alike (no collective is left waiting)."""
     global_batch = reader.global_batch
-    share = untrained_fraction(reader.table, global_batch)
+    share = untrained_fraction(reader.table, global_batch, reader.pool)
     limit = config.data.max_untrained_fraction
     if share > limit and share < 1:  # nothing trains at all: the step count check says so more plainly (exit 3)
-        raise ConfigError(
-            "\n".join(report_lines(dataset, reader, world_size)) + f"\ndata.max_untrained_fraction: {100 * share:.0f}% of the samples per epoch are in "
-            f"buckets with fewer samples than the global batch ({global_batch}) and would never train (limit "
-            f"{100 * limit:.0f}%). Lower batch_size or gradient_accumulation_steps, train on fewer processes, crop to "
-            "fewer aspects (data.bucket_step), add images of those aspects, or accept it with "
-            f"data.max_untrained_fraction: {min(1.0, round(share + 0.005, 2))}")
+        why = ("fill no global batch and would not train" if reader.pool else
+               "are in buckets with fewer samples than the global batch and would never train")
+        fixes = ([] if reader.pool else ["move them into the nearest bucket that trains (data.small_buckets: move)"]) + [
+            "lower batch_size or gradient_accumulation_steps", "train on fewer processes",
+            "crop to fewer aspects (data.bucket_step)", "add images of those aspects",
+            f"accept it with data.max_untrained_fraction: {min(1.0, round(share + 0.005, 2))}"]
+        raise InputFileError(
+            "\n".join(report_lines(dataset, reader, world_size)) + f"\ndata.max_untrained_fraction: {100 * share:.0f}% of "
+            f"the samples per epoch {why} (global batch {global_batch}, limit {100 * limit:.0f}%). Fixes: "
+            + "; ".join(fixes))
 
 
 def report_lines(dataset: ShardDataset, reader: ShardReader, world_size: int) -> list[str]:
     """The bucket report for this run's world size and global batch."""
-    return bucket_report(reader.table, reader.global_batch, world_size, dataset.resolutions, dataset.step)
+    return bucket_report(reader.table, reader.global_batch, world_size, dataset.resolutions, dataset.step, reader.pool,
+                         moved_names(dataset, reader.table))
+
+
+def moved_names(dataset: ShardDataset, table: SampleTable) -> dict[int, str]:
+    """sample index -> its source image, for the samples data.small_buckets move moved (a metadata read each)."""
+    names = {}
+    for i in moved_samples(table):
+        source, concept = Path(dataset.metadata(i)["source"]), dataset.concepts.get(table.concepts[i])
+        names[i] = str(source.relative_to(concept.path)) if concept and source.is_relative_to(concept.path) else str(source)
+    return names
 
 
 def report_for(config, shard_dir, world_size: int) -> list[str]:
     """The bucket report of a built shard set for a world size (the config gives batch and accumulation)."""
     dataset = ShardDataset(shard_dir, config)
-    global_batch = config.batch_size * config.gradient_accumulation_steps * world_size
-    return bucket_report(dataset.table(config.data), global_batch, world_size, dataset.resolutions, dataset.step)
+    reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
+                         world_size=world_size, small_buckets=config.data.small_buckets)
+    return report_lines(dataset, reader, world_size)
+
+
+def planned_table(config, world_size: int) -> SampleTable:
+    """The sample table as a run on `world_size` processes trains it (small buckets moved with data.small_buckets
+    move), without building shards (`ot-dist schedule`)."""
+    table = sample_table(config)
+    if config.data.small_buckets == "move":
+        table = move_small_buckets(table, config.batch_size * config.gradient_accumulation_steps * world_size)
+    return table
 
 
 def sample_table(config) -> SampleTable:
@@ -89,5 +119,5 @@ def sample_table(config) -> SampleTable:
         return SampleTable(tuple(merged[config_bucket_of(config, *s.size)] for s in sources),
                            tuple(s.concept for s in sources),
                            tuple((c.balancing, c.balancing_strategy) for c in concepts),
-                           tuple(concept_name(c) for c in concepts))
+                           tuple(concept_name(c) for c in concepts), tuple(c.type for c in concepts))
     return ShardDataset(out, config).table(config.data)

@@ -326,12 +326,15 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
         if not concept["enabled"]:
             out.notes.append(f"{label}: disabled in OneTrainer, not imported")
             continue
-        if concept["type"] != "STANDARD":
-            out.not_honoured.append(f"{label}.type: {concept['type']} concepts (validation, prior preservation) "
-                                    "are not supported yet; not imported")
+        if concept["type"] not in ("STANDARD", "VALIDATION"):
+            out.not_honoured.append(f"{label}.type: {concept['type']} (the base model's prediction as the target) is "
+                                    "not supported; not imported (type prior_preservation trains class images with "
+                                    "their loss_weight, DreamBooth's way)")
             continue
         entry = {"path": concept["path"], "balancing": concept["balancing"],
                  "balancing_strategy": str(concept["balancing_strategy"]).lower()}
+        if concept["type"] == "VALIDATION":
+            entry["type"] = "validation"
         if concept["name"]:
             entry["name"] = concept["name"]
         if concept["include_subdirectories"]:
@@ -386,9 +389,23 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
             if concept[key] != 1:
                 out.not_honoured.append(f"{label}.{key}: {concept[key]} cached variations are not supported")
         converted.append(entry)
-    if not converted:
+    if not any(e.get("type") != "validation" for e in converted):
         raise ConfigError("concepts: no enabled standard concept to import (ot_dist needs at least one image folder)")
     c.setdefault("data", {})["concepts"] = converted
+    _validation(ot, c, out)
+
+
+def _validation(ot: dict, c: dict, out: Imported) -> None:
+    """OneTrainer's validation / validate_after / validate_after_unit: the interval of the validation loss."""
+    if not ot.get("validation") or not any(e.get("type") == "validation" for e in c["data"]["concepts"]):
+        return
+    every, unit = ot.get("validate_after", 1), str(ot.get("validate_after_unit", "EPOCH"))
+    if unit in ("STEP", "EPOCH") and float(every).is_integer() and every >= 1:
+        key = "every_n_steps" if unit == "STEP" else "every_n_epochs"
+        c["validation"] = {key: int(every)} | ({"every_n_epochs": None} if unit == "STEP" else {})
+    else:
+        out.not_honoured.append(f"validate_after: {every} {unit}: ot_dist validates every N steps or epochs; "
+                                "validation.every_n_epochs 1 is used")
 
 
 def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:

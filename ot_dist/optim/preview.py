@@ -122,7 +122,7 @@ def plot(schedule: Schedule, path: Path, title: str) -> None:
 
 def schedule_command(config, steps: int | None, world_size: int, csv_path: str | None, plot_path: str | None) -> None:
     """Count the steps as the trainer does (or take --steps), then print or write the table and plot it."""
-    from ot_dist.data.training_data import sample_table
+    from ot_dist.data.training_data import planned_table
     from ot_dist.errors import InputFileError
     from ot_dist.optim.adaptive import startup_warnings
     from ot_dist.train.steps import plan_steps
@@ -134,7 +134,7 @@ def schedule_command(config, steps: int | None, world_size: int, csv_path: str |
                         max(1, steps // config.epochs), steps)
     else:
         try:
-            bucket_sizes = sample_table(config).epoch_sizes().values()
+            bucket_sizes = planned_table(config, world_size).epoch_sizes().values()
         except InputFileError as err:
             raise InputFileError(f"{err} (without the data, give the step count: --steps N)") from None
         plan = plan_steps(config, bucket_sizes, world_size)

@@ -4,6 +4,7 @@ non-main ranks and untracked runs get, so they make no tracking calls at all."""
 from __future__ import annotations
 
 import json
+import re
 
 
 class Tracker:
@@ -43,3 +44,8 @@ class Tracker:
     def close(self, status: str = "FINISHED") -> list[str]:
         """End the run; returns warnings for the user (e.g. where undelivered values went)."""
         return []
+
+
+def metric_name(name: str) -> str:
+    """A name as MLflow takes it in a metric key (letters, digits, _ - . / and space; any other character becomes _)."""
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", name)

@@ -18,10 +18,14 @@ class StepPlan:
 
 def plan_steps(config, bucket_sizes: int | Sequence[int], world_size: int = 1) -> StepPlan:
     """`bucket_sizes`: samples per epoch of each aspect bucket (a single int: one bucket). Every global
-    batch comes from one bucket, as the data reader plans them."""
+    batch is of one bucket, as the data reader plans them (data.small_buckets: with move, the buckets' remainders
+    are pooled, so an epoch has floor(samples / global batch) steps)."""
     sizes = [bucket_sizes] if isinstance(bucket_sizes, int) else list(bucket_sizes)
     global_batch = config.batch_size * config.gradient_accumulation_steps * world_size
-    steps_per_epoch = sum(size // global_batch for size in sizes)
+    if config.data.small_buckets == "move":  # the buckets' remainders train together (data/small_buckets.py)
+        steps_per_epoch = sum(sizes) // global_batch
+    else:
+        steps_per_epoch = sum(size // global_batch for size in sizes)
     if steps_per_epoch == 0:
         raise InputFileError(
             f"data: {sum(sizes)} images in {len(sizes)} aspect bucket(s) (largest {max(sizes, default=0)}) make no "

@@ -48,6 +48,7 @@ from ot_dist.tracking.utilization import UtilizationMeter
 from ot_dist.tracking.window import StepRecord, StepWindow, applied_learning_rates, window_mean_loss
 from ot_dist.train.steps import plan_steps
 from ot_dist.train.stopping import StepGuard, StopSignals
+from ot_dist.train.validation import ValidationLoss
 
 
 @dataclass
@@ -96,6 +97,7 @@ class Trainer:
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
         self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
         self.total_steps = self.plan.total_steps
+        self.validation = ValidationLoss(config, self.reader.table, self.runtime, self.log)
         self.model: LoadedModel = load_model(config.model)
         timestep_bounds(config.loss, self.model.objective.num_timesteps)  # fails before training
         check_inpainting_setup(config, self.model)
@@ -196,6 +198,8 @@ class Trainer:
         self.tracker.log_text("\n".join(self.bucket_report) + "\n", "bucket_report.txt")
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host
+        if step == 0:
+            self.validation.maybe_run(self, step)
         every, epoch = config.checkpoint, self.position.epoch
         with StopSignals(every.on_signal) as signals:
             guard = StepGuard(self.runtime, signals, every.every_n_minutes, lambda: self.checkpointer.last_save_time)
@@ -234,6 +238,7 @@ class Trainer:
                     if step in snapshots:
                         self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
                     self.sampler.after_step(self, step)
+                    self.validation.maybe_run(self, step)
                     if verdict.stop:
                         result.stopped_by = signals.received or "a signal on another rank"
                         result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
@@ -255,6 +260,8 @@ class Trainer:
                      f"(or --resume {result.checkpoint})")
         else:
             self.sampler.at_end(self, step)
+            if step == self.total_steps:
+                self.validation.maybe_run(self, step)
             if every.at_end:
                 result.checkpoint = self._save(step, epoch, "end of training")
             result.exported = self.export(Path(config.output_dir))

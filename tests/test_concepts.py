@@ -1,0 +1,191 @@
+"""Concept types (issue 18): validation concepts are never trained and their fixed-noise loss is logged as
+validation/loss/<concept>, the same on 1 and 2 ranks; prior-preservation (regularisation) concepts train with their
+own loss weight, the DreamBooth way."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import base_config
+from test_data_shards import make_images
+
+from ot_dist.config.load import validate
+from ot_dist.data.reader import collate
+from ot_dist.errors import ConfigError
+from ot_dist.parallel.runtime import free_port
+from ot_dist.train.loss import diffusion_loss
+from ot_dist.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+QUIET = lambda *_: None  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """Three concepts of 64 px squares: 8 standard, 4 regularisation, 5 validation images."""
+    root = tmp_path_factory.mktemp("concepts")
+    return {name: make_images(root / name, [(64, 64)] * n, seed=s)
+            for name, n, s in (("dog", 8, 1), ("class", 4, 2), ("held_out", 5, 3))}
+
+
+def concepts_config(models, folders, out, with_validation=True, **overrides):
+    concepts = [{"path": str(folders["dog"]), "name": "dog"},
+                {"path": str(folders["class"]), "name": "class", "type": "prior_preservation", "loss_weight": 0.5}]
+    if with_validation:
+        concepts.append({"path": str(folders["held_out"]), "name": "held_out", "type": "validation"})
+    raw = base_config(models["sd1"], folders["dog"], out, **{"batch_size": 2, "epochs": 2, **overrides})
+    raw["data"] = {"concepts": concepts, "shards": f"{out}-shards"}
+    return raw
+
+
+def test_onetrainer_spellings_and_prior_prediction_refused():
+    concept = validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
+                        "data": {"concepts": [{"path": "x", "type": "VALIDATION"}]}}).data.concepts[0]
+    assert concept.type == "validation"
+    with pytest.raises(ConfigError, match="PRIOR_PREDICTION"):
+        validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
+                  "data": {"concepts": [{"path": "x", "type": "PRIOR_PREDICTION"}]}})
+
+
+def test_a_validation_concept_is_never_trained_and_its_loss_reaches_mlflow(tiny_models, folders, tmp_path):
+    """The same run with and without a validation concept: the same step losses and bit-identical weights. The
+    validation loss is computed before the first step, every 3 steps and after the last, and lands in the run's
+    MLflow store under validation/loss/held_out."""
+    from mlflow.tracking import MlflowClient
+
+    plain = Trainer(validate(concepts_config(tiny_models, folders, tmp_path / "plain", with_validation=False)), log=QUIET)
+    plain_result = plain.train()
+    lines = []
+    raw = concepts_config(tiny_models, folders, tmp_path / "val", **{"validation.every_n_steps": 3,
+                                                                      "mlflow.enabled": True})
+    raw["mlflow"]["tracking_uri"] = f"sqlite:///{tmp_path / 'val' / 'mlflow.db'}"
+    trainer = Trainer(validate(raw), log=lines.append)
+    result = trainer.train()
+    assert result.steps == plain_result.steps == 2 * 12 // 2  # dog + class images train, held_out does not
+    assert result.losses == plain_result.losses
+    for a, b in zip(trainer.params, plain.params):
+        assert torch.equal(a, b)
+    steps = [step for step, _ in trainer.validation.history]
+    assert steps == [0, 3, 6, 9, 12]
+    values = [m["validation/loss/held_out"] for _, m in trainer.validation.history]
+    assert len(set(values)) == len(values)  # the weights changed between the points, the noise did not
+    assert any("validation concept held_out: 5 samples, not trained" in line for line in lines)
+    client = MlflowClient(raw["mlflow"]["tracking_uri"])
+    history = client.get_metric_history(trainer.tracker.run_id, "validation/loss/held_out")
+    history = sorted(history, key=lambda m: m.step)
+    assert [m.step for m in history] == steps and [m.value for m in history] == pytest.approx(values)
+
+
+def test_validation_loss_is_the_same_at_any_point_with_the_same_weights(tiny_models, folders, tmp_path):
+    """Fixed noise: computed twice on unchanged weights it is the same number, and training mode is restored."""
+    trainer = Trainer(validate(concepts_config(tiny_models, folders, tmp_path / "o")), log=QUIET)
+    trainer.model.denoiser.train()
+    first = trainer.validation.run(trainer, 0)
+    assert trainer.validation.run(trainer, 1) == first
+    assert trainer.model.denoiser.training
+
+
+def test_prior_preservation_weight_by_hand(tiny_models, folders, tmp_path):
+    """A batch of one dog and one class image: the loss is (loss_dog + 0.5 x loss_class) / 2, each sample's loss
+    computed alone without weights."""
+    trainer = Trainer(validate(concepts_config(tiny_models, folders, tmp_path / "o")), log=QUIET)
+    dataset = trainer.dataset
+    dog = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 0)
+    reg = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 1)
+    samples = [dataset.load(dog, 0), dataset.load(reg, 0)]
+    assert [float(s["loss_weight"]) for s in samples] == [1.0, 0.5]
+    model, seed = trainer.model, trainer.config.seed
+    with torch.no_grad():
+        together = diffusion_loss(model, trainer.tokenize(collate(samples)), seed, 0)
+        alone = []
+        for s in samples:
+            s = {k: v for k, v in s.items() if k != "loss_weight"}
+            alone.append(diffusion_loss(model, trainer.tokenize(collate([s])), seed, 0))
+    assert float(together) == pytest.approx((float(alone[0]) + 0.5 * float(alone[1])) / 2, rel=1e-5)
+    assert float(together) != pytest.approx((float(alone[0]) + float(alone[1])) / 2, rel=1e-3)
+
+
+def launch_cases(cases: dict, tmp_path: Path) -> dict:
+    """Train each case in one 2-rank gloo launch (tests/helpers/concept_ranks.py); what every rank recorded."""
+    cases_file, results = tmp_path / "cases.json", tmp_path / "results"
+    cases_file.write_text(json.dumps(cases))
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         str(REPO / "tests" / "helpers" / "concept_ranks.py"), str(cases_file), str(results)],
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return {rank: json.loads((results / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+
+
+def test_two_rank_launch(tiny_models, folders, tmp_path):
+    """One 2-rank gloo launch for two cases.
+    validation: the validation loss on 2 ranks equals 1 process's (exactly before training, where the weights are
+    the same; to float rounding after steps, whose gradients are averaged in another order).
+    small buckets: issue 18's 20 images (256x256 ... 1200x400, scaled down 8x to train at 64 px) with a global batch
+    of 4: every rank runs the same steps for 2 epochs, at least 95 % of the images train in each epoch, and the
+    report at start names where each moved image went."""
+    from test_small_buckets import ISSUE_SIZES, write_images
+
+    raw = concepts_config(tiny_models, folders, tmp_path / "single", batch_size=2, **{"validation.every_n_steps": 3})
+    single = Trainer(validate(raw), log=QUIET)
+    single.train()
+    ranked = concepts_config(tiny_models, folders, tmp_path / "ddp", batch_size=1, strategy="ddp",
+                             **{"validation.every_n_steps": 3})
+    issue = base_config(tiny_models["sd1"], write_images(tmp_path / "issue", ISSUE_SIZES, scale=8), tmp_path / "issue-out",
+                        batch_size=2, epochs=2, strategy="ddp", learning_rate=1e-5)
+    # fsdp: every forward gathers weights, so both ranks must run as many (5 samples: rank 1 repeats one)
+    sharded = concepts_config(tiny_models, folders, tmp_path / "fsdp", batch_size=1, strategy="fsdp",
+                              **{"validation.every_n_steps": 3})
+    got = launch_cases({"validation": ranked, "validation fsdp": sharded, "small buckets": issue}, tmp_path)
+
+    expected = single.validation.history
+    for case in ("validation", "validation fsdp"):
+        for rank in (0, 1):
+            history = got[rank][case]["validation"]
+            assert [s for s, _ in history] == [s for s, _ in expected]
+            assert history[0][1] == expected[0][1]  # bit-identical
+            for (_, m), (_, e) in zip(history, expected):
+                assert m["validation/loss/held_out"] == pytest.approx(e["validation/loss/held_out"], rel=1e-4)
+        assert got[0][case]["validation"] == got[1][case]["validation"]
+
+    ranks = [got[rank]["small buckets"] for rank in (0, 1)]
+    assert ranks[0]["steps"] == ranks[1]["steps"] == 2 * 20 // 4
+    assert ranks[0]["micro_batches"] == ranks[1]["micro_batches"] == 10
+    for epoch in (0, 1):
+        trained = {i for r in ranks for e, ids in r["seen"] if e == epoch for i in ids}
+        assert len(trained) >= 0.95 * 20, (epoch, sorted(trained))
+    report = ranks[0]["report"]
+    moved = [line for line in report if line.strip().startswith("moved ")]
+    assert moved and all(".png" in line for line in moved), report
+    assert report[-1].strip().startswith("total: 20 samples/epoch, 5 steps/epoch, 0 dropped per epoch")
+
+
+def test_the_type_and_small_buckets_are_read_time_options(tiny_models, folders, tmp_path):
+    """They change no shard: a shard set stays current when a concept becomes a validation concept or small buckets
+    change policy; an option that changes what shards hold (the caption prefix) rebuilds it."""
+    from ot_dist.data.shards import source_fingerprint
+
+    raw = concepts_config(tiny_models, folders, tmp_path / "o")
+    base = source_fingerprint(validate(raw))
+    raw["data"]["concepts"][0]["type"] = "validation"
+    raw["data"]["small_buckets"] = "drop"
+    assert source_fingerprint(validate(raw)) == base
+    raw["data"]["concepts"][0]["caption_prefix"] = "sks, "
+    assert source_fingerprint(validate(raw)) != base
+
+
+def test_validation_concepts_of_the_same_folder_name_get_their_own_metric():
+    from ot_dist.data.plan import SampleTable, bucket_report
+
+    table = SampleTable((0,) * 4, (0, 1, 2, 2), ((1.0, "repeats"),) * 3, ("dog", "held out (a)", "held out (a)"),
+                        ("standard", "validation", "validation"))
+    assert table.validation_names() == {1: "held out _a_", 2: "held out _a_-2"}
+    assert table.epoch_sizes() == {0: 1}  # only the standard concept's sample is drawn
+    assert "logged as validation/loss/held out _a_-2" in bucket_report(table, 1, 1, [64], 8)[-1]
