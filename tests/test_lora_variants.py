@@ -293,3 +293,44 @@ def test_config_refusals(tiny_models, shapes_data, tmp_path):
     with pytest.raises(Exception, match="lora.init_from"):
         variant_config(tiny_models, shapes_data, tmp_path, "dora", **{"lora.init_from": str(tmp_path / "x")})
     assert variant_config(tiny_models, shapes_data, tmp_path, "dora", **{"lora.dropout": 0.1}).lora.variant == "dora"
+
+
+# ---- strategies ---------------------------------------------------------------------------------------------------
+def test_variants_train_on_two_ranks_as_in_one_process(tiny_models, shapes_data, tmp_path):
+    """fsdp for every variant, in one 2-process gloo launch (batch 2 each), equal to one process with batch 4 on the
+    exported file (tests/test_strategies.py's comparison)."""
+    import json
+    import subprocess
+    import sys
+
+    from test_strategies import ENV, REPO, assert_matches
+
+    from ot_dist.parallel.runtime import free_port
+
+    steps, lr = 3, 1e-5
+
+    def raw(out, variant, **extra):
+        return base_config(tiny_models["sd1"], shapes_data, out, method="lora", max_steps=steps, learning_rate=lr,
+                           **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": variant}, **extra)
+
+    references, initial = {}, {}
+    for variant in VARIANTS:
+        out = tmp_path / f"ref-{variant}"
+        trainer = Trainer(validate(raw(out, variant, batch_size=4)), log=lambda *_: None)
+        [path] = trainer.export(tmp_path / f"initial-{variant}")
+        initial[variant] = load_file(path)
+        trainer.train()
+        references[variant] = load_file(out / "lora.safetensors")
+    cases = {f"fsdp-{v}": raw(tmp_path / f"fsdp-{v}", v, batch_size=2, strategy="fsdp") for v in VARIANTS}
+    (tmp_path / "cases.json").write_text(json.dumps(cases, default=str))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"),
+                           str(tmp_path / "cases.json")], env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for case in cases:
+        variant = case.split("-")[1]
+        got = load_file(tmp_path / case / "lora.safetensors")
+        assert_matches(references[variant], got)
+        # the comparison can fail: training moved the file by more than the tolerance
+        moved = max((references[variant][k].float() - initial[variant][k].float()).abs().max().item() for k in got)
+        assert moved > 2e-5, case
