@@ -334,3 +334,22 @@ def test_variants_train_on_two_ranks_as_in_one_process(tiny_models, shapes_data,
         # the comparison can fail: training moved the file by more than the tolerance
         moved = max((references[variant][k].float() - initial[variant][k].float()).abs().max().item() for k in got)
         assert moved > 2e-5, case
+
+
+# ---- OneTrainer import --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("settings, variant, skipped", [
+    ({"peft_type": "LOHA"}, "loha", None),
+    ({"peft_type": "LOKR", "dropout_probability": 0.1}, "lokr", "dropout_probability"),
+    ({"peft_type": "LORA", "lora_decompose": True, "lora_decompose_output_axis": True}, "dora", None),
+    ({"peft_type": "LORA", "lora_decompose": True, "lora_decompose_output_axis": False}, "lora", "input axis"),
+    ({"peft_type": "OFT_2"}, "lora", "OFT_2"),
+])
+def test_onetrainer_peft_type_becomes_the_variant(settings, variant, skipped):
+    """OneTrainer's TrainConfig peft_type (LORA, LOHA, OFT_2, LOKR) and lora_decompose / lora_decompose_output_axis
+    (modules/util/config/TrainConfig.py)."""
+    from ot_dist.migrate.onetrainer import _lora_variant
+
+    lora, notes = {"rank": 4, "alpha": 1.0, "dropout": settings.get("dropout_probability", 0.0)}, []
+    _lora_variant(settings, lora, notes.append)
+    assert lora.get("variant", "lora") == variant
+    assert (skipped is None) == (not notes) and all(skipped in n for n in notes)
