@@ -353,3 +353,36 @@ def test_onetrainer_peft_type_becomes_the_variant(settings, variant, skipped):
     _lora_variant(settings, lora, notes.append)
     assert lora.get("variant", "lora") == variant
     assert (skipped is None) == (not notes) and all(skipped in n for n in notes)
+
+
+# ---- transformer families -----------------------------------------------------------------------------------------
+def test_flux_dora_file_loads_in_diffusers_as_ot_dist_merges_it(family_models, shapes_data, tmp_path):
+    """Flux's file (peft layout: transformer + CLIP-L, magnitude and scale inside): diffusers' load_lora_weights +
+    fuse_lora gives the weights `ot-dist lora merge` writes. (At strength 1: for DoRA diffusers' lora_scale scales
+    the direction's change, merge's --weight blends the merged weight as ComfyUI does.)"""
+    from diffusers import DiffusionPipeline
+    from test_lora_tools import assert_same_weights, diffusers_fused, run_cli
+
+    config = validate(base_config(family_models["flux"], shapes_data, tmp_path / "o", family="flux", method="lora",
+                                  **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": "dora",
+                                     "text_encoder.train": True}))
+    model = load_model(config.model)
+    method = LoraMethod(config)
+    method.prepare(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for part in model.parts().values():
+            for p in part.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=generator) * 0.05)
+    [lora] = method.export(model, tmp_path / "o")
+    base = family_models["flux"]
+    done = run_cli("lora", "merge", base, lora, "--family", "flux", "--out", tmp_path / "merged", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stdout, done.stdout
+    merged = DiffusionPipeline.from_pretrained(tmp_path / "merged")
+    assert_same_weights(merged, diffusers_fused(base, lora, 1.0), DiffusionPipeline.from_pretrained(base))
+    expected = trained_weights(model)
+    for (name, module_path), weight in expected.items():
+        torch.testing.assert_close(getattr(merged, name).get_submodule(module_path).weight.float(), weight,
+                                   rtol=1e-5, atol=1e-6)
