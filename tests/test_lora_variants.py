@@ -386,3 +386,35 @@ def test_flux_dora_file_loads_in_diffusers_as_ot_dist_merges_it(family_models, s
     for (name, module_path), weight in expected.items():
         torch.testing.assert_close(getattr(merged, name).get_submodule(module_path).weight.float(), weight,
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["loha", "lokr"])
+def test_flux_loha_lokr_load_in_comfyui_at_the_trained_change(family_models, shapes_data, tmp_path, variant):
+    """Flux's file: transformer and CLIP-L under peft's names with the scale inside (ComfyUI: no alpha, 1.0), T5-XXL
+    under ComfyUI's lora_te3_ names with .alpha tensors; ComfyUI's key names from tests/test_lora_t5.py."""
+    from test_lora_t5 import comfy_key_map as flux_key_map
+    from test_lora_t5 import layer_at
+
+    config = validate(base_config(family_models["flux"], shapes_data, tmp_path / "o", family="flux", method="lora",
+                                  **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": variant,
+                                     "text_encoder.train": True, "text_encoder_2.train": True}))
+    model = load_model(config.model)
+    method = LoraMethod(config)
+    method.prepare(model)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for part in model.parts().values():
+            for p in part.parameters():
+                if p.requires_grad:
+                    p.add_(torch.randn(p.shape, generator=generator) * 0.2)
+    [lora] = method.export(model, tmp_path / "o")
+    patches, left_over = comfy_load(load_file(lora), flux_key_map("flux", model))
+    assert not left_over, f"ComfyUI would not load {sorted(left_over)[:5]}"
+    expected = trained_weights(model)
+    assert {part for part, _ in patches} == {"transformer", "text_encoder", "text_encoder_2"}
+    assert len(patches) == len(expected)
+    for (part, path), patch in patches.items():
+        layer = layer_at(model.parts()[part], path)
+        key = next(k for k in expected if k[0] == part and layer_at(model.parts()[part], k[1]) is layer)
+        torch.testing.assert_close(comfy_weight(patch, layer.get_base_layer().weight), expected[key],
+                                   rtol=1e-5, atol=1e-6)
