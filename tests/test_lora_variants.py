@@ -292,6 +292,10 @@ def test_config_refusals(tiny_models, shapes_data, tmp_path):
         variant_config(tiny_models, shapes_data, tmp_path, "loha", **{"lora.dropout": 0.1})
     with pytest.raises(Exception, match="lora.init_from"):
         variant_config(tiny_models, shapes_data, tmp_path, "dora", **{"lora.init_from": str(tmp_path / "x")})
+    for variant in VARIANTS:  # peft's variant layers read the base weight ZeRO-3 holds partitioned (empty)
+        with pytest.raises(Exception, match=f"lora.variant: {variant} under strategy zero3"):
+            variant_config(tiny_models, shapes_data, tmp_path, variant, strategy="zero3")
+    assert variant_config(tiny_models, shapes_data, tmp_path, "lora", strategy="zero3").strategy == "zero3"
     assert variant_config(tiny_models, shapes_data, tmp_path, "dora", **{"lora.dropout": 0.1}).lora.variant == "dora"
 
 
