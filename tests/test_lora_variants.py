@@ -422,3 +422,35 @@ def test_flux_loha_lokr_load_in_comfyui_at_the_trained_change(family_models, sha
         key = next(k for k in expected if k[0] == part and layer_at(model.parts()[part], k[1]) is layer)
         torch.testing.assert_close(comfy_weight(patch, layer.get_base_layer().weight), expected[key],
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_merge_applies_another_trainers_input_axis_dora(tiny_models, tmp_path):
+    """OneTrainer's / LyCORIS's default DoRA (dora_scale [1, in]: the norm per input column) merges as ComfyUI's
+    input-axis rule applies it, at a strength other than 1; Tucker factors are refused naming the key."""
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.lora_tools.files import read_lora_file
+
+    base = load_model(ModelConfig(family="sd1", path=str(tiny_models["sd1"])))
+    path = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    weight = base.denoiser.get_submodule(path).weight.detach().clone()
+    generator = torch.Generator().manual_seed(1)
+    name = "lora_unet_" + path.replace(".", "_")
+    tensors = {f"{name}.lora_down.weight": torch.randn(2, weight.shape[1], generator=generator) * 0.3,
+               f"{name}.lora_up.weight": torch.randn(weight.shape[0], 2, generator=generator) * 0.3,
+               f"{name}.alpha": torch.tensor(1.0),
+               f"{name}.dora_scale": weight.norm(dim=0, keepdim=True) * 1.5}
+    save_file(tensors, str(tmp_path / "onetrainer_dora.safetensors"))
+    merge_into(base, read_lora_file(tmp_path / "onetrainer_dora.safetensors", ("dora",)), 0.6, "file")
+    patch = ("lora", {k.split(".", 1)[1]: v for k, v in tensors.items() if "lora_" in k}, 1.0,
+             tensors[f"{name}.dora_scale"])
+    assert patch[3].shape[0] != weight.shape[0]  # input axis
+    expected = weight + 0.6 * (comfy_weight(patch, weight) - weight)  # ComfyUI's strength rule
+    torch.testing.assert_close(base.denoiser.get_submodule(path).weight.float(), expected, rtol=1e-5, atol=1e-6)
+
+    save_file({f"{name}.hada_w1_a": torch.zeros(4, 2), f"{name}.hada_w1_b": torch.zeros(2, 4),
+               f"{name}.hada_w2_a": torch.zeros(4, 2), f"{name}.hada_w2_b": torch.zeros(2, 4),
+               f"{name}.hada_t1": torch.zeros(2, 2, 3, 3)}, str(tmp_path / "tucker.safetensors"))
+    with pytest.raises(InputFileError, match="hada_t1"):
+        read_lora_file(tmp_path / "tucker.safetensors", VARIANTS)
