@@ -98,7 +98,17 @@ class PartConfig(Section):
 class LoraConfig(Section):
     rank: int = Field(default=16, ge=1, description="LoRA rank.")
     alpha: float = Field(default=1.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input (variants lora, dora).")
+    variant: Literal["lora", "dora", "loha", "lokr"] = Field(
+        default="lora",
+        description="The adapter, trained through peft: lora (up @ down); dora (LoRA with a trained magnitude per "
+        "output row, peft's use_dora, as OneTrainer's lora_decompose with lora_decompose_output_axis; written with "
+        "a dora_scale per module); loha (Hadamard product of two low-rank products, peft's LoHa, OneTrainer's "
+        "peft_type LOHA: hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b); lokr (Kronecker product, peft's LoKr: "
+        "lokr_w1 / lokr_w2 or their _a / _b factors). rank and alpha mean the same for each (scale alpha / rank). "
+        "dora / loha / lokr are refused under strategy zero3. See docs/lora.md for which loader applies which "
+        "variant exactly.",
+    )
     preset: str = Field(
         default="default",
         description="The denoiser modules to adapt: default (the family's diffusers training script's list), "
@@ -590,6 +600,16 @@ class TrainConfig(Section):
                                  f"use lora.{denoiser_targets}")
         if self.lora.file_layout == "kohya" and family.lora_file_prefixes is None:
             raise ValueError(f"lora.file_layout: {self.model.family} has no kohya LoRA names yet; use diffusers")
+        if self.lora.variant in ("loha", "lokr") and self.lora.dropout:
+            raise ValueError(f"lora.dropout: peft's {self.lora.variant} has no dropout on the adapter input (only rank / "
+                             "module dropout, another regularizer); set it to 0 or use variant lora / dora")
+        if self.method == "lora" and self.lora.variant != "lora" and self.strategy == "zero3":
+            raise ValueError(f"lora.variant: {self.lora.variant} under strategy zero3: peft's DoRA / LoHa / LoKr layers "
+                             "read the adapted layer's weight (its values, or its shape) outside that layer's forward, "
+                             "where ZeRO-3 holds it partitioned (empty); use fsdp, zero2, zero1 or ddp, or variant lora")
+        if self.lora.variant != "lora" and self.lora.init_from:
+            raise ValueError(f"lora.init_from: starts plain LoRA adapters from a file; lora.variant {self.lora.variant} "
+                             "cannot start from one (use variant lora, or start from zero)")
         presets = ("all_linear", *family.denoiser_lora_presets)
         if self.lora.preset not in presets:
             raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "

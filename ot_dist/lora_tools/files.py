@@ -8,8 +8,13 @@ Layouts read:
   when present (ComfyUI reads it), else from the adapter metadata diffusers writes (`lora_adapter_metadata`),
   else alpha = rank. ot_dist's files of T5 families name their T5-XXL modules kohya-style in this layout
   (`lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_A.weight` + `.alpha`); the name is kept as it is.
-Anything else (old diffusers attention-processor files, LoHa / LoKr, DoRA scales) is refused naming a key:
-merging it as plain LoRA would silently apply the wrong change."""
+The variants (ot_dist/methods/lora_variants.py), in either layout: DoRA (`.dora_scale`, or peft's
+`.lora_magnitude_vector`, beside the down / up pair), LoHa (`.hada_w1_a` / `_b`, `.hada_w2_a` / `_b`), LoKr
+(`.lokr_w1` or `.lokr_w1_a` / `_b`, `.lokr_w2` or `.lokr_w2_a` / `_b`), each with an optional `.alpha`. Only
+`ot-dist lora merge` applies them (`read_lora_file(path, variants=VARIANTS)`); the other tools take plain LoRA and
+refuse a variant naming it. Anything else (old diffusers attention-processor files, Tucker / CP factors
+`hada_t1` / `lokr_t2` / `lora_mid`) is refused naming a key: merging it as plain LoRA would silently apply the wrong
+change."""
 
 from __future__ import annotations
 
@@ -33,6 +38,11 @@ class Pair:
     down: torch.Tensor  # [rank, in] or [rank, in, kh, kw]
     up: torch.Tensor  # [out, rank] or [out, rank, 1, 1]
     alpha: float | None  # None: the file gives none (loaders then use alpha = rank)
+    magnitude: torch.Tensor | None = None  # DoRA: the magnitude (dora_scale), [out, 1, ...] or [1, in, ...]
+
+    @property
+    def variant(self) -> str:
+        return "lora" if self.magnitude is None else "dora"
 
     @property
     def rank(self) -> int:
@@ -50,6 +60,16 @@ class Pair:
             change = change.reshape(up.shape[0], *down.shape[1:])
         return change * self.scale
 
+    def merged(self, weight: torch.Tensor, strength: float = 1.0) -> torch.Tensor:
+        """The module's weight with the change applied at `strength` (float32). DoRA: weight + strength x
+        (magnitude x (W + delta) / ||W + delta|| - W), as ComfyUI applies a strength."""
+        delta = self.delta()
+        if self.magnitude is None:
+            return weight.float() + strength * delta
+        from ot_dist.lora_tools.variant_changes import dora_weight
+
+        return weight.float() + strength * (dora_weight(weight, delta, self.magnitude) - weight.float())
+
 
 @dataclass
 class LoraFile:
@@ -58,7 +78,15 @@ class LoraFile:
     metadata: dict[str, str]
 
 
-def read_lora_file(path: str | Path) -> LoraFile:
+ALL_VARIANTS = ("lora", "dora", "loha", "lokr")
+DORA_SUFFIXES = (".dora_scale", ".lora_magnitude_vector.weight", ".lora_magnitude_vector")
+HADA = tuple(f".hada_{n}" for n in ("w1_a", "w1_b", "w2_a", "w2_b"))
+LOKR = tuple(f".lokr_{n}" for n in ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b"))
+
+
+def read_lora_file(path: str | Path, variants: tuple[str, ...] = ("lora",), tool: str = "this tool") -> LoraFile:
+    """The file's modules. `variants`: the ones the caller can apply; a file of another variant is refused naming it
+    and `tool`."""
     from safetensors import safe_open
 
     path = Path(path)
@@ -71,21 +99,52 @@ def read_lora_file(path: str | Path) -> LoraFile:
     except Exception as err:  # safetensors raises its own error types for damaged headers
         raise InputFileError(f"{path}: not a readable safetensors file ({err})") from None
     layout, down_suffix, up_suffix = _layout_of(path, tensors)
-    names = sorted(k[: -len(down_suffix)] for k in tensors if k.endswith(down_suffix))
     alphas = _metadata_alphas(metadata) if layout == "diffusers" else {}
-    pairs = {}
-    for name in names:
+    pairs, known = {}, set()
+
+    def alpha_of(name):
+        alpha_tensor = tensors.get(name + ALPHA)
+        known.add(name + ALPHA)
+        return float(alpha_tensor) if alpha_tensor is not None else alphas.get(_component(name))
+
+    for name in sorted(k[: -len(down_suffix)] for k in tensors if k.endswith(down_suffix)):
         up = tensors.get(name + up_suffix)
         if up is None:
             raise InputFileError(f"{path}: {name}{down_suffix} has no {name}{up_suffix}")
-        alpha_tensor = tensors.get(name + ALPHA)
-        alpha = float(alpha_tensor) if alpha_tensor is not None else alphas.get(_component(name))
-        pairs[name] = Pair(tensors[name + down_suffix], up, alpha)
-    known = {n + s for n in names for s in (down_suffix, up_suffix, ALPHA)}
+        magnitude = next((tensors[name + s] for s in DORA_SUFFIXES if name + s in tensors), None)
+        if magnitude is not None and name + DORA_SUFFIXES[0] not in tensors:
+            # peft's magnitude is per output row always ([out], or [1, out, 1, 1] for a conv): as a dora_scale
+            magnitude = magnitude.reshape(-1, *[1] * (tensors[name + down_suffix].dim() - 1))
+        known.update(name + s for s in (down_suffix, up_suffix, *DORA_SUFFIXES))
+        pairs[name] = Pair(tensors[name + down_suffix], up, alpha_of(name), magnitude)
+    for name in sorted(k[: -len(HADA[0])] for k in tensors if k.endswith(HADA[0])):
+        from ot_dist.lora_tools.variant_changes import Hadamard
+
+        missing = [name + s for s in HADA if name + s not in tensors]
+        if missing:
+            raise InputFileError(f"{path}: LoHa module {name} lacks {missing[0]}")
+        known.update(name + s for s in HADA)
+        pairs[name] = Hadamard(*(tensors[name + s] for s in HADA), alpha_of(name))
+    for name in sorted({k.rsplit(".lokr_", 1)[0] for k in tensors if k.rsplit(".", 1)[-1] in [s[1:] for s in LOKR]}):
+        from ot_dist.lora_tools.variant_changes import Kronecker
+
+        factors = [tensors.get(name + s) for s in LOKR]
+        w1, w1_a, w1_b, w2, w2_a, w2_b = factors
+        if (w1 is None and (w1_a is None or w1_b is None)) or (w2 is None and (w2_a is None or w2_b is None)):
+            raise InputFileError(f"{path}: LoKr module {name} lacks lokr_w1 (or lokr_w1_a / _b) or lokr_w2 (or _a / _b)")
+        known.update(name + s for s in LOKR)
+        pairs[name] = Kronecker(*factors, alpha_of(name))
     unknown = sorted(set(tensors) - known)
     if unknown:
-        raise InputFileError(f"{path}: tensor {unknown[0]!r} (and {len(unknown) - 1} more) is not a plain LoRA "
-                             "down / up / alpha tensor (LoHa, LoKr, DoRA or an older layout): not supported here")
+        raise InputFileError(f"{path}: tensor {unknown[0]!r} (and {len(unknown) - 1} more) is not a LoRA / DoRA / LoHa / "
+                             "LoKr tensor this tool reads (Tucker factors, an older layout): not supported here")
+    found = sorted({change.variant for change in pairs.values()})
+    refused = [v for v in found if v not in variants]
+    if refused:
+        raise InputFileError(f"{path}: a {refused[0]} file ({refused[0]} tensors, e.g. "
+                             f"{next(n for n, c in pairs.items() if c.variant == refused[0])!r}); {tool} takes "
+                             f"{' / '.join(variants)} only" + ("" if "loha" in variants else
+                                                               " (ot-dist lora merge applies every variant)"))
     return LoraFile(layout, pairs, metadata)
 
 
@@ -93,9 +152,12 @@ def _layout_of(path: Path, tensors: dict) -> tuple[str, str, str]:
     for layout, down, up in (KOHYA, DIFFUSERS):
         if any(k.endswith(down) for k in tensors):
             return layout, down, up
+    names = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(HADA + LOKR)}
+    if names:  # LoHa / LoKr: kohya names have no dots (lora_unet_..., lycoris_...), diffusers ones do (unet.<path>)
+        return ("diffusers", *DIFFUSERS[1:]) if any("." in n for n in names) else ("kohya", *KOHYA[1:])
     example = next(iter(tensors), "(none)")
     raise InputFileError(f"{path}: no LoRA tensors in a known layout (kohya '.lora_down.weight' or diffusers "
-                         f"'.lora_A.weight'); first key {example!r}")
+                         f"'.lora_A.weight', LoHa '.hada_w1_a', LoKr '.lokr_w1'); first key {example!r}")
 
 
 def _component(name: str) -> str:

@@ -1,5 +1,6 @@
-"""`ot-dist lora merge`: W += weight * alpha / rank * up @ down for every module of the file, then write the
-merged model as a diffusers folder or a single file, with the family's own exporters."""
+"""`ot-dist lora merge`: W += weight * alpha / rank * up @ down for every module of the file (LoHa / LoKr: their
+products; DoRA: W + weight * (magnitude * (W + delta) / ||W + delta|| - W)), then write the merged model as a
+diffusers folder or a single file, with the family's own exporters."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ot_dist.lora_tools.files import LoraFile, read_lora_file
+from ot_dist.errors import InputFileError
+from ot_dist.lora_tools.files import ALL_VARIANTS, LoraFile, Pair, read_lora_file
 from ot_dist.lora_tools.matching import check_shape, match, module_index
 
 
@@ -18,9 +20,15 @@ def merge_into(model, lora: LoraFile, weight: float, source: str) -> tuple[int, 
     matched, missing = match(lora.pairs, module_index(model, lora.layout), source)
     for name, target in matched.items():
         w = target.module.weight
-        delta = lora.pairs[name].delta()
-        check_shape(name, delta, w, source)
-        w.copy_((w.float() + weight * delta).to(w.dtype))
+        change = lora.pairs[name]
+        if isinstance(change, Pair):
+            check_shape(name, change.delta(), w, source)
+        try:
+            merged = change.merged(w, weight)
+        except RuntimeError as err:  # a LoHa / LoKr product that does not fit the weight
+            raise InputFileError(f"{source}: {name} ({change.variant}) does not fit the model's {tuple(w.shape)} "
+                                 f"weight ({err}): another model's LoRA?") from None
+        w.copy_(merged.to(w.dtype))
     return len(matched), missing
 
 
@@ -33,7 +41,7 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
 
     model = load_model(ModelConfig(family=family, path=base, config=config_folder))
     for path, weight in zip(lora_paths, weights):
-        merged, missing = merge_into(model, read_lora_file(path), weight, path)
+        merged, missing = merge_into(model, read_lora_file(path, ALL_VARIANTS, 'ot-dist lora merge'), weight, path)
         log(f"{path}: merged {merged} modules at weight {weight}")
         if missing:
             log(f"warning: {path}: {len(missing)} modules are not in the model and were skipped: "

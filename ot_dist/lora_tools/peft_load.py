@@ -32,7 +32,7 @@ def load_peft_lora(pipeline, path: str | Path, adapter_name: str = "default", co
     LoRA names the file uses (default: the one whose pipeline class the pipeline is)."""
     from ot_dist.lora_tools.files import read_lora_file
 
-    lora = read_lora_file(path)
+    lora = read_lora_file(path, tool="load_peft_lora")
     if lora.layout != "diffusers":
         raise InputFileError(f"{path}: a kohya-layout LoRA file (lora_down / lora_up); load it with the pipeline's "
                              "load_lora_weights")

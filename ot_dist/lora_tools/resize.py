@@ -13,7 +13,7 @@ from ot_dist.lora_tools.lowrank import low_rank_pair
 def resize_command(path: str, rank: int, out: str, log=print) -> dict[str, float]:
     if rank < 1:
         raise ConfigError(f"--rank: {rank} is not a rank (at least 1)")
-    lora = read_lora_file(path)
+    lora = read_lora_file(path, tool="ot-dist lora resize")
     pairs, kept = {}, {}
     for name, pair in lora.pairs.items():
         pairs[name], kept[name] = low_rank_pair(pair.delta(), rank)

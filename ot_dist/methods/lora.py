@@ -23,7 +23,7 @@ class LoraMethod(TrainingMethod):
     formats = ("lora",)
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
-        from peft import LoraConfig
+        from ot_dist.methods.lora_variants import peft_config
 
         freeze_all(model)
         groups = []
@@ -32,12 +32,8 @@ class LoraMethod(TrainingMethod):
                 continue
             module = model.part(part)
             key, targets = lora_targets(self.config.lora, model.family, part, module)
-            lora_config = LoraConfig(
-                r=self.config.lora.rank,
-                lora_alpha=self.config.lora.alpha,
-                lora_dropout=self.config.lora.dropout,
-                target_modules=targets,
-            )
+            lora = self.config.lora
+            lora_config = peft_config(lora.variant, lora.rank, lora.alpha, lora.dropout, targets)
             try:
                 add_adapter(module, lora_config)
             except ValueError as err:
@@ -89,10 +85,11 @@ class LoraMethod(TrainingMethod):
                             family.lora_file_renames)
         tensors = {}
         for part, state in states.items():
-            tensors.update(to_kohya(state, names[part], lora.alpha, dtype))
+            tensors.update(to_kohya(state, names[part], lora.alpha, dtype, rank=lora.rank))
         targets = {part: sorted(config["target_modules"]) for part, config in adapter_configs.items()}
         metadata = kohya_metadata(lora.rank, lora.alpha, {"ot_dist_lora": json.dumps(
-            {"layout": "kohya", "family": family.name, "rank": lora.rank, "alpha": lora.alpha, "targets": targets})})
+            {"layout": "kohya", "family": family.name, "variant": lora.variant, "rank": lora.rank, "alpha": lora.alpha,
+             "targets": targets})}, variant=lora.variant)
         with atomic_path(target) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
 
@@ -106,10 +103,13 @@ class LoraMethod(TrainingMethod):
         named = {}
         for part in [p for p in states if p in named_components]:
             named.update(to_kohya(states.pop(part), KohyaNames(named_components[part]), self.config.lora.alpha, dtype,
-                                  suffixes=(PEFT_DOWN, PEFT_UP)))
+                                  suffixes=(PEFT_DOWN, PEFT_UP), rank=self.config.lora.rank))
         kwargs = {}
         for part, state in states.items():
             state, metadata = scale_baked_in(state, adapter_configs[part])
+            # DoRA's magnitude as the parameter it is (`.lora_magnitude_vector.weight`): transformers' load_adapter
+            # (diffusers' text-encoder path) maps only that name onto the parameter and silently skips the bare one
+            state = {k + ".weight" if k.endswith(".lora_magnitude_vector") else k: v for k, v in state.items()}
             state = with_file_root(state, model.family.lora_file_roots.get(part, ""), model.part(part))
             if isinstance(metadata.get("target_modules"), (set, list, tuple)):
                 # peft keeps them in a set: its order changes with each process's hash seed, and so would the file
@@ -189,11 +189,15 @@ def with_file_root(state: dict, root: str, module: torch.nn.Module) -> dict:
 
 
 def scale_baked_in(state: dict, metadata: dict) -> tuple[dict, dict]:
-    """The LoRA with its scale (alpha / rank, or alpha / sqrt(rank) for rsLoRA) multiplied into the up matrices
-    and alpha written as the rank. Loaders disagree on where alpha lives (diffusers: the file's metadata;
-    ComfyUI, A1111 / Forge: an `.alpha` tensor per module, strength 1.0 without one); with the scale inside
-    the weights every one of them applies exactly the change training made."""
-    rank = metadata["r"]
-    scale = metadata["lora_alpha"] / (rank ** 0.5 if metadata.get("use_rslora") else rank)
-    baked = {k: v.float() * scale if ".lora_B." in k else v for k, v in state.items()}
-    return baked, {**metadata, "lora_alpha": rank, "use_rslora": False}
+    """The adapter with its scale (alpha / rank, or alpha / sqrt(rank) for rsLoRA) multiplied into one factor of each
+    module's product (LoRA / DoRA: the up matrix; LoHa: hada_w1_a; LoKr: lokr_w1 or lokr_w1_a) and alpha written as
+    the rank. Loaders disagree on where alpha lives (diffusers: the file's metadata; ComfyUI, A1111 / Forge: an
+    `.alpha` tensor per module, strength 1.0 without one); with the scale inside the weights every one of them
+    applies exactly the change training made."""
+    from ot_dist.methods.lora_variants import baked_factors, config_scale, split_modules
+
+    scale, metadata = config_scale(metadata)
+    baked = {}
+    for path, factors in split_modules(state).items():
+        baked.update({path + suffix: t for suffix, t in baked_factors(factors, scale).items()})
+    return baked, metadata

@@ -72,34 +72,43 @@ def kohya_names(prefixes: dict[str, str], roots: dict[str, str], modules: dict[s
 
 
 def to_kohya(peft_state: dict[str, torch.Tensor], names: KohyaNames, alpha: float, dtype: torch.dtype | None = None,
-             suffixes: tuple[str, str] = (KOHYA_DOWN, KOHYA_UP)) -> dict[str, torch.Tensor]:
-    """One component's peft LoRA state dict (`<path>.lora_A.weight` / `.lora_B.weight`, as
-    `get_peft_model_state_dict` returns it) in kohya's layout, with an `.alpha` tensor (float32 scalar, so any
-    alpha is stored exactly) per module. Matrices are cast to `dtype` when given. `suffixes` (down, up):
-    kohya's own by default; (PEFT_DOWN, PEFT_UP) for kohya names inside a diffusers-layout file."""
-    down_suffix, up_suffix = suffixes
+             suffixes: tuple[str, str] = (KOHYA_DOWN, KOHYA_UP), rank: int | None = None) -> dict[str, torch.Tensor]:
+    """One component's peft adapter state dict (as `get_peft_model_state_dict` returns it: LoRA's
+    `<path>.lora_A.weight` / `.lora_B.weight`, DoRA's `.lora_magnitude_vector`, LoHa's `.hada_*`, LoKr's `.lokr_*`)
+    in kohya's layout, with an `.alpha` tensor (float32 scalar, so any alpha is stored exactly) per module and the
+    variants' tensors under the names LyCORIS and ComfyUI use (ot_dist/methods/lora_variants.py). Matrices are cast
+    to `dtype` when given. `suffixes` (down, up): kohya's own by default; (PEFT_DOWN, PEFT_UP) for kohya names inside
+    a diffusers-layout file. `rank`: the adapter's rank (needed for LoKr modules with two full factors; default:
+    each module's down matrix rank)."""
+    from ot_dist.methods.lora_variants import PEFT_TO_KOHYA, file_factors, split_modules
+
+    renamed = {**PEFT_TO_KOHYA, PEFT_DOWN: suffixes[0], PEFT_UP: suffixes[1]}
     out: dict[str, torch.Tensor] = {}
     paths: dict[str, str] = {}
-    for key in peft_state:
-        if key.endswith(PEFT_UP):
-            continue
-        if not key.endswith(PEFT_DOWN):
-            raise ValueError(f"LoRA tensor {key!r} has no kohya-layout name (only plain LoRA down / up matrices do)")
-        path = key[: -len(PEFT_DOWN)]
+    for path, factors in split_modules(peft_state).items():
         name = names.module_name(path)
         if name in paths:  # "a_b.c" and "a.b_c" would both be a_b_c
             raise ValueError(f"modules {paths[name]!r} and {path!r} both get the kohya name {name!r}")
         paths[name] = path
-        down, up = peft_state[key], peft_state[path + PEFT_UP]
-        if dtype is not None:
-            down, up = down.to(dtype), up.to(dtype)
-        out[name + down_suffix] = down.detach().contiguous()
-        out[name + up_suffix] = up.detach().contiguous()
+        module_rank = rank if rank is not None else _rank_of(factors, path)
+        for suffix, tensor in file_factors(factors, module_rank, alpha).items():
+            if dtype is not None:
+                tensor = tensor.to(dtype)
+            out[name + renamed[suffix]] = tensor.detach().contiguous()
         out[name + KOHYA_ALPHA] = torch.tensor(float(alpha), dtype=torch.float32)
     return out
 
 
-def kohya_metadata(rank: int, alpha: float, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """safetensors metadata of a kohya-layout file: kohya's own `ss_network_*` keys (A1111 / Forge show them)."""
-    return {"ss_network_module": "networks.lora", "ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
-            **(extra or {})}
+def _rank_of(factors: dict[str, torch.Tensor], path: str) -> int:
+    for key, dim in ((PEFT_DOWN, 0), (".hada_w1_b", 0), (".lokr_w2_b", 0), (".lokr_w1_b", 0)):
+        if key in factors:
+            return factors[key].shape[dim]
+    raise ValueError(f"{path}: the rank of a LoKr module with two full factors is not in its tensors; pass rank")
+
+
+def kohya_metadata(rank: int, alpha: float, extra: dict[str, str] | None = None, variant: str = "lora") -> dict[str, str]:
+    """safetensors metadata of a kohya-layout file: kohya's own `ss_network_*` keys (A1111 / Forge show them), with
+    LyCORIS's network module and `algo` for the variants."""
+    from ot_dist.methods.lora_variants import network_metadata
+
+    return {**network_metadata(variant), "ss_network_dim": str(rank), "ss_network_alpha": str(alpha), **(extra or {})}

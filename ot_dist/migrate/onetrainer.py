@@ -137,9 +137,9 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         elif preset == "full":
             c["lora"]["preset"] = "all_linear"
             out.notes.append("layer_filter_preset: full -> lora.preset all_linear (OneTrainer also adapts convolutions)")
-        for key in ("lora_decompose", "lora_weight_dtype"):
-            if ot.get(key) not in (None, False, "FLOAT_32"):
-                skip(f"{key}: {ot[key]} (DoRA / LoRA weight dtype) is not supported")
+        _lora_variant(ot, c["lora"], skip)
+        if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
+            skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
     if method == "embedding":
         embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
         c["embedding"] = {"token": embedding["placeholder"], "vectors": embedding["token_count"] or 1,
@@ -453,3 +453,29 @@ def _saving(ot: dict, c: dict, skip) -> None:
         c["checkpoint"] = {"every_n_minutes": every * MINUTES[unit]}
     else:
         skip(f"save_every_unit: {unit} is not supported")
+
+
+PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr"}
+
+
+def _lora_variant(ot: dict, lora: dict, skip) -> None:
+    """OneTrainer's peft_type / lora_decompose as lora.variant. ot_dist's DoRA (peft's) decomposes on the output
+    axis: OneTrainer's default input-axis DoRA is another adapter, so it is listed, and plain LoRA trains instead."""
+    peft_type = str(ot.get("peft_type") or "LORA")
+    if peft_type not in PEFT_VARIANTS:
+        skip(f"peft_type: {peft_type} has no ot_dist variant (lora, dora, loha, lokr); plain LoRA instead")
+        return
+    variant = PEFT_VARIANTS[peft_type]
+    if ot.get("lora_decompose"):
+        if variant != "lora":
+            skip(f"lora_decompose: DoRA on {peft_type} is not supported ({variant} without it)")
+        elif not ot.get("lora_decompose_output_axis"):
+            skip("lora_decompose: OneTrainer's DoRA on the input axis (lora_decompose_output_axis false); ot_dist's "
+                 "DoRA (peft's) decomposes on the output axis: plain LoRA instead, or set lora.variant: dora")
+        else:
+            variant = "dora"
+    if variant != "lora":
+        lora["variant"] = variant
+        if variant in ("loha", "lokr") and lora.get("dropout"):
+            skip(f"dropout_probability: {lora['dropout']} (peft's {variant} has no input dropout); 0 instead")
+            lora["dropout"] = 0.0
