@@ -217,12 +217,15 @@ def test_training_lowers_the_loss_and_the_export_gives_the_trained_outputs(metho
 
 
 def test_cached_effnet_latents_train_like_encoding_each_step(family_models, shapes_data, tmp_path):
+    """The cache encodes one image at a time, training a batch of 4: the EfficientNet's convolutions sum in another
+    order, so the latents agree to float32 rounding (the losses to ~1e-7), not bit for bit. A cache of other latents
+    (unnormalised, another scaling, another image) moves the loss by far more than the tolerance."""
     losses = []
     for cached in (False, True):
         trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / str(cached), method="lora", max_steps=3,
                               **{"data.cache_latents": cached, "data.cache_text": cached})
         losses.append(trainer.train().losses)
-    assert losses[0] == losses[1]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
 
 
 def test_model_folder_without_the_effnet_is_refused_naming_the_file(family_models, tmp_path):
@@ -375,7 +378,7 @@ def test_samples_during_training_equal_the_prior_and_decoder_pipelines(family, f
     decoder_dir = model_dir / "decoder_stages"
     prompt = {"prompt": "a red circle", "seed": 3, "steps": 3, "guidance_scale": 4.0}
     Trainer(validate(base_config(model_dir, shapes_data, tmp_path / "o", family=family, resolution=128, max_steps=2,
-                                 learning_rate=1e-2, output_dtype="float32", **{"model.decoder": str(decoder_dir),
+                                 learning_rate=1e-1, output_dtype="float32", **{"model.decoder": str(decoder_dir),
                                  "sampling.prompts": [prompt]})), log=quiet).train()
     (sample,) = sorted((tmp_path / "o" / "samples").glob("step-*/*.png"))
     ours = np.asarray(Image.open(sample).convert("RGB")).astype(int)

@@ -147,7 +147,7 @@ def tiny_wuerstchen_decoder(tokenizer, text_encoder, text_channels: int):
                 parameter.normal_(std=0.05)
         for mapper in decoder.effnet_mappers:
             if mapper is not None:
-                mapper.weight.normal_(std=0.5)
+                mapper.weight.normal_(std=2.0)
     return WuerstchenDecoderPipeline(tokenizer=tokenizer, text_encoder=text_encoder, decoder=decoder,
                                      scheduler=DDPMWuerstchenScheduler(), vqgan=tiny_vqgan())
 

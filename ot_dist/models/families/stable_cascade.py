@@ -273,6 +273,12 @@ class WuerstchenV2(StableCascade):
         torch.manual_seed(seed)
         tokenizer = tiny_clip_tokenizer()
         prior = WuerstchenPrior(c_in=16, c=32, c_cond=TEXT_HIDDEN, c_r=64, depth=2, nhead=2, dropout=0.0)
+        # The prior predicts (x - a) / (|1 - b| + 1e-5) from its output conv's (a, b): at diffusers' random init some
+        # b lie near 1 and the prediction (and the loss) explodes. A trained prior keeps b away from 1; the tiny
+        # one starts with a small output conv, so a, b start near 0 and still depend on every input.
+        with torch.no_grad():
+            prior.out[1].weight.mul_(0.01)
+            prior.out[1].bias.mul_(0.01)
         pipeline = WuerstchenPriorPipeline(
             tokenizer=tokenizer, text_encoder=CLIPTextModel(clip_text_config(len(tokenizer), "gelu")), prior=prior,
             scheduler=DDPMWuerstchenScheduler())
