@@ -29,8 +29,9 @@ REPO = Path(__file__).resolve().parents[1]
 STEPS, STOP_AFTER = 12, 5  # the signal lands after step 5; step 6 is finished and saved
 
 
-def run(tiny_models, shapes_data, out: Path, strategy: str, processes: int, *args: str, family: str = "sd1",
-        **overrides) -> dict:
+def run_config(tiny_models, shapes_data, out: Path, strategy: str, processes: int, family: str = "sd1",
+               **overrides) -> tuple[Path, Path]:
+    """The run's config file (written) and result file."""
     raw = base_config(
         tiny_models[family], shapes_data, out, family=family, batch_size=4 // processes, epochs=3, max_steps=STEPS,
         strategy=strategy,
@@ -39,13 +40,24 @@ def run(tiny_models, shapes_data, out: Path, strategy: str, processes: int, *arg
     )
     config, result = out.with_suffix(".json"), out.with_suffix(".result.json")
     config.write_text(json.dumps(raw))
+    return config, result
+
+
+def launch(processes: int, *args: str) -> None:
+    """One launch of tests/helpers/resume_run.py (torchrun with `processes` ranks, or one process)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     launcher = [sys.executable]
     if processes > 1:
         launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", str(free_port())]
-    done = subprocess.run(launcher + [str(REPO / "tests" / "helpers" / "resume_run.py"), str(config), str(result), *args],
+    done = subprocess.run(launcher + [str(REPO / "tests" / "helpers" / "resume_run.py"), *args],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
+
+
+def run(tiny_models, shapes_data, out: Path, strategy: str, processes: int, *args: str, family: str = "sd1",
+        **overrides) -> dict:
+    config, result = run_config(tiny_models, shapes_data, out, strategy, processes, family=family, **overrides)
+    launch(processes, str(config), str(result), *args)
     return json.loads(result.read_text())
 
 
@@ -121,6 +133,29 @@ def test_flux_under_fsdp_stops_and_resumes_exactly(family_models, shapes_data, t
     assert resumed["first_step"] == STOP_AFTER + 1 and resumed["losses"] == straight["losses"][STOP_AFTER + 1:]
     want, got = final_state(straight_out), final_state(stopped_out)
     assert want.keys() == got.keys() and any(k.startswith("w//transformer.single_transformer_blocks") for k in want)
+    assert all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_stable_cascade_under_fsdp_stops_and_resumes_exactly(family_models, shapes_data, tmp_path):
+    """Stable Cascade's prior, full finetune, sharded block by block: one launch runs the uninterrupted run and the
+    one SIGTERMed after step 5, a second launch resumes the stopped one; the rest of the run is the uninterrupted
+    run's, losses and final state (weights, EMA, Adam moments) bit for bit."""
+    straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
+    settings = {"family": "stable_cascade", "resolution": 128}
+    straight_config, straight_result = run_config(family_models, shapes_data, straight_out, "fsdp", 2, **settings)
+    stopped_config, stopped_result = run_config(family_models, shapes_data, stopped_out, "fsdp", 2, **settings)
+    launch(2, str(straight_config), str(straight_result), "--then", str(stopped_config), str(stopped_result),
+           "--signal-after-step", str(STOP_AFTER))
+    straight, stopped = json.loads(straight_result.read_text()), json.loads(stopped_result.read_text())
+    assert straight["steps"] == STEPS and straight["stopped_by"] != "SIGTERM"
+    assert stopped["stopped_by"] == "SIGTERM" and stopped["steps"] == STOP_AFTER + 1
+    assert stopped["losses"] == straight["losses"][:STOP_AFTER + 1]
+    launch(2, str(stopped_config), str(stopped_result), "--resume", "auto")
+    resumed = json.loads(stopped_result.read_text())
+    assert resumed["first_step"] == STOP_AFTER + 1 and resumed["losses"] == straight["losses"][STOP_AFTER + 1:]
+    want, got = final_state(straight_out), final_state(stopped_out)
+    assert want.keys() == got.keys() and any(k.startswith("w//prior.down_blocks") for k in want)
+    assert any(k.startswith("opt/exp_avg/prior.") for k in want) and any(k.startswith("ema//prior.") for k in want)
     assert all(torch.equal(want[k], got[k]) for k in want)
 
 

@@ -204,11 +204,17 @@ class SavedShards:
                 )
 
     def reference(self, f: Fragment) -> SavedPiece:
-        """The saved piece holding the first element of `f`: where scalar state is taken from."""
-        for piece in self.by_name.get(f.name, []):
+        """The saved piece holding the first element of `f`: where scalar state is taken from. An empty `f` (FSDP2
+        gives a rank no rows of a parameter with fewer rows than ranks, e.g. Stable Cascade's (1, 1, 1, C) GRN
+        gammas) holds no element: the empty piece saved at the same place (the same layout), else any piece."""
+        pieces = self.by_name.get(f.name, [])
+        for piece in pieces:
             s = piece.fragment
             if s.param_offset <= f.param_offset < s.param_offset + s.numel:
                 return piece
+        if f.numel == 0 and pieces:
+            same = [p for p in pieces if p.fragment.numel == 0 and p.fragment.param_offset == f.param_offset]
+            return (same or pieces)[0]
         raise InputFileError(f"checkpoint {self.folder}: no saved shard holds {f.name}[{f.param_offset}]")
 
 

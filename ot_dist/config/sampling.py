@@ -18,6 +18,7 @@ SAMPLERS = {
     "dpmpp_2m": "DPMSolverMultistepScheduler",
     "unipc": "UniPCMultistepScheduler",
     "flow_euler": "FlowMatchEulerDiscreteScheduler",  # flow-matching families (SD3, Flux, Chroma)
+    "wuerstchen": "DDPMWuerstchenScheduler",  # Würstchen's continuous cosine schedule (Stable Cascade, Würstchen v2)
 }
 
 
@@ -51,10 +52,11 @@ class SamplingConfig(Section):
                                 "prompts.")
     use_ema: bool = Field(default=True, description="Sample with the EMA weights when ema.enabled; false = the "
                           "trained weights.")
-    sampler: Literal["auto", "ddim", "euler", "euler_a", "dpmpp_2m", "unipc", "flow_euler"] = Field(
+    sampler: Literal["auto", "ddim", "euler", "euler_a", "dpmpp_2m", "unipc", "flow_euler", "wuerstchen"] = Field(
         default="auto", description="The diffusers scheduler that samples, configured from the model's scheduler. "
         "auto = the family's first: ddim for SD 1.x / 2.x / SDXL, flow_euler (flow-matching Euler) for SD3 / Flux / "
-        "Chroma. Flow-matching families sample with flow_euler only.",
+        "Chroma, wuerstchen (DDPMWuerstchenScheduler, the prior's steps) for Stable Cascade / Würstchen v2. Flow-matching "
+        "families sample with flow_euler only.",
     )
 
     @model_validator(mode="after")

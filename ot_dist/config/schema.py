@@ -41,6 +41,13 @@ class ModelConfig(Section):
         description="For a single-file checkpoint: a diffusers-format folder (or hub id when online) whose "
         "component configs describe the architecture. Needed offline.",
     )
+    decoder: str | None = Field(
+        default=None,
+        description="Stable Cascade / Würstchen v2: the diffusers folder of the frozen decoder stages that turn the "
+        "prior's image embeddings into images (stabilityai/stable-cascade: StableCascadeDecoderPipeline, stage B "
+        "`decoder/` + Paella `vqgan/`; warp-ai/wuerstchen: WuerstchenDecoderPipeline). Needed for sampling.prompts; "
+        "loaded component by component, stored like the VAE. Other families have no decoder stages.",
+    )
     prediction_type: Literal["auto", "epsilon", "v_prediction"] = Field(
         default="auto",
         description="What a DDPM denoiser (UNet families) predicts. auto = what the model's scheduler config says. "
@@ -643,8 +650,14 @@ class TrainConfig(Section):
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.prompts and not family.samplers:
-            raise ValueError(f"sampling.prompts: ot_dist does not sample {self.model.family} during training yet (its "
-                             "decoder stages are not loaded); remove the prompts")
+            raise ValueError(f"sampling.prompts: ot_dist does not sample {self.model.family} during training yet; "
+                             "remove the prompts")
+        if self.model.decoder is not None and family.decoder_pipeline_class is None:
+            raise ValueError(f"model.decoder: {self.model.family} has no separate decoder stages (its pipeline "
+                             "decodes by itself); remove it")
+        if self.sampling.prompts and family.decoder_pipeline_class and self.model.decoder is None:
+            raise ValueError(f"model.decoder: sampling {self.model.family} needs its decoder stages: set it to a "
+                             f"{family.decoder_pipeline_class} folder (or remove sampling.prompts)")
         if self.sampling.sampler not in ("auto", *family.samplers):
             raise ValueError(f"sampling.sampler: {self.sampling.sampler} does not fit {self.model.family} "
                              f"(allowed: auto, {', '.join(family.samplers)})")

@@ -117,12 +117,27 @@ class LoraMethod(TrainingMethod):
             kwargs[f"{part}_lora_layers"] = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
             kwargs[f"{part}_lora_adapter_metadata"] = metadata
         pipeline_cls = model.family.pipeline_cls()
-        if named or not hasattr(pipeline_cls, "save_lora_weights"):  # kohya-named parts, or no LoRA loader mixin
+        if named or not saves_lora_of(pipeline_cls, kwargs):  # kohya-named parts, or no LoRA saver for these parts
             write_peft_layout(kwargs, target, named)
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as staging, atomic_path(target) as tmp:
             pipeline_cls.save_lora_weights(staging, weight_name=target.name, **kwargs)
             os.replace(Path(staging) / target.name, tmp)
+
+
+def saves_lora_of(pipeline_cls, kwargs: dict) -> bool:
+    """Whether the pipeline class's `save_lora_weights` takes these `<part>_lora_layers` / metadata arguments: some
+    pipelines inherit a LoRA mixin written for other components (WuerstchenPriorPipeline has SD's, which knows `unet`
+    and `text_encoder`, not `prior`)."""
+    import inspect
+
+    saver = getattr(pipeline_cls, "save_lora_weights", None)
+    if saver is None:
+        return False
+    parameters = inspect.signature(saver).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return True
+    return all(key in parameters for key in kwargs)
 
 
 def add_adapter(module: torch.nn.Module, lora_config) -> None:

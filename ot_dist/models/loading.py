@@ -52,9 +52,13 @@ class LoadedModel:
         """The parts that can train, by config name: the denoiser, then the text encoders."""
         return {self.family.denoiser: self.denoiser, **self.text_encoders}
 
+    def sampling_modules(self) -> list[torch.nn.Module]:
+        """Frozen modules only sampling uses (a family's decoder stages, when model.decoder loaded them)."""
+        return self.family.sampling_modules(self.pipeline)
+
     def modules(self) -> list[torch.nn.Module]:
-        """Every component with weights: the parts and the VAE."""
-        return [self.denoiser, self.vae, *self.text_encoders.values()]
+        """Every component with weights: the parts, the VAE and the sampling-only modules."""
+        return [self.denoiser, self.vae, *self.text_encoders.values(), *self.sampling_modules()]
 
 
 def load_model(config: ModelConfig) -> LoadedModel:

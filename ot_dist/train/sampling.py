@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
 import io
 import itertools
 import random
@@ -102,7 +101,7 @@ class Sampler:
         return written
 
     def pipeline(self, modules: dict[str, torch.nn.Module]):
-        """The family's diffusers pipeline: the gathered copies of the trained modules, the shared frozen
+        """The family's sampling pipeline: the gathered copies of the trained modules, the shared frozen
         ones, a fresh scheduler of the configured kind (the pipeline adjusts its scheduler's config)."""
         import diffusers
 
@@ -113,20 +112,12 @@ class Sampler:
         # The model's own scheduler config (its betas, spacing, offsets, shift), with what training predicts.
         scheduler_config = {**self.model.pipeline.scheduler.config, **family.sampling_overrides(self.model.objective)}
         components["scheduler"] = scheduler_cls.from_config(scheduler_config)
-        pipeline_cls = family.pipeline_cls()
-        accepted = inspect.signature(pipeline_cls.__init__).parameters
-        # The model's own pipeline options (e.g. SDXL's force_zeros_for_empty_prompt), but samples show what
-        # the model learnt: no safety checker, no watermark.
-        options = {k: v for k, v in self.model.pipeline.config.items() if k in accepted and k not in components}
-        options.update(requires_safety_checker=False, add_watermarker=False)
-        if "safety_checker" in components:
-            components["safety_checker"] = None
-        pipeline = pipeline_cls(**{k: v for k, v in {**components, **options}.items() if k in accepted})
+        pipeline = family.sampling_pipeline(components, self.model.pipeline)
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
 
     def generate(self, pipeline, prompt: SamplePrompt):
-        return pipeline(
+        arguments = dict(
             prompt=prompt.prompt,
             # Without one, the pipeline's own unconditional input (its default: None, or "" for PixArt's).
             **({"negative_prompt": prompt.negative_prompt} if prompt.negative_prompt else {}),
@@ -135,9 +126,9 @@ class Sampler:
             num_inference_steps=prompt.steps,
             guidance_scale=prompt.guidance_scale,
             generator=torch.Generator().manual_seed(prompt.seed),  # CPU: the same noise on any device
-            **self.model.family.pipeline_call_options(pipeline),
             output_type="pil",
-        ).images[0]
+        )
+        return pipeline(**self.model.family.sampling_arguments(pipeline, arguments)).images[0]
 
 
 def meta_structure(module: torch.nn.Module) -> torch.nn.Module:

@@ -143,6 +143,8 @@ class Trainer:
         weight_dtype = frozen_storage_dtype(self.config.weight_dtype)
         trained_dtype = DTYPES[self.config.trained_weight_dtype]
         denoiser, performance = self.model.denoiser, self.config.performance
+        # The decoder stages stay on the device: their pipeline creates its noise where its first module is.
+        resident = [denoiser, *self.model.sampling_modules()]
         for module in self.model.modules():
             trains = store_by_role(module, trained_dtype, weight_dtype)
             # The denoiser backpropagates whenever anything trains (text encoders learn through it).
@@ -152,7 +154,8 @@ class Trainer:
             # With cached text a frozen text encoder runs once, over the captions (and for samples): it stays in
             # CPU memory and is streamed to the device for those passes, so a T5-XXL never occupies it.
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
-            place_component(module, self.config, self.device, offloadable=module is not denoiser, prefer_cpu=cached_text)
+            place_component(module, self.config, self.device, offloadable=not any(module is m for m in resident),
+                            prefer_cpu=cached_text)
 
     def _apply_performance(self) -> None:
         """Selective checkpointing, float8 matmuls, channels_last and regional compilation of the denoiser."""

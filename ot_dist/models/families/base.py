@@ -137,6 +137,39 @@ class Family:
         (e.g. the T5 sequence length, SD's clip_skip)."""
         return {}
 
+    # The diffusers pipeline class of frozen decoder stages that sampling needs beside the trained model (Stable
+    # Cascade's stage B + VQGAN); `model.decoder` names their folder, `load_decoder` reads it. None = the loaded
+    # pipeline samples by itself.
+    decoder_pipeline_class: str | None = None
+
+    def load_decoder(self, path: Path):
+        """The decoder stages of the folder `model.decoder` names (a pipeline object holding their modules); the
+        family's `complete_pipeline` attaches them to the loaded pipeline."""
+        raise NotImplementedError
+
+    def sampling_modules(self, pipeline) -> list[torch.nn.Module]:
+        """Frozen modules that only sampling uses (the decoder stages): stored like the VAE, kept on the device."""
+        return []
+
+    def sampling_pipeline(self, components: dict, loaded_pipeline):
+        """The pipeline that samples, from `components` (the loaded pipeline's, the gathered copies of the trained
+        modules, a fresh scheduler) and the loaded pipeline's own options (e.g. SDXL's
+        force_zeros_for_empty_prompt); samples show what the model learnt: no safety checker, no watermark."""
+        import inspect
+
+        pipeline_cls = self.pipeline_cls()
+        accepted = inspect.signature(pipeline_cls.__init__).parameters
+        options = {k: v for k, v in loaded_pipeline.config.items() if k in accepted and k not in components}
+        options.update(requires_safety_checker=False, add_watermarker=False)
+        if "safety_checker" in components:
+            components = {**components, "safety_checker": None}
+        return pipeline_cls(**{k: v for k, v in {**components, **options}.items() if k in accepted})
+
+    def sampling_arguments(self, pipeline, arguments: dict) -> dict:
+        """The keyword arguments of the sampling pipeline's call, from the generic ones (prompt, negative_prompt,
+        width, height, num_inference_steps, guidance_scale, generator, output_type)."""
+        return {**arguments, **self.pipeline_call_options(pipeline)}
+
     # -- text -------------------------------------------------------------------------------------------
     def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
         """Token ids (and attention masks, `<encoder>_mask`) per text encoder."""

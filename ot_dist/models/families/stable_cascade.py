@@ -14,8 +14,10 @@ one module: both denoise EfficientNetV2-S latents with Würstchen's continuous c
 - LoRA: diffusers 0.42 gives StableCascadeUNet no `add_adapter`; ot_dist's LoRA injects peft directly. The file is
   kohya-style under `lora_prior_unet_` with the original stage C module paths (the prefix ComfyUI maps onto stage C
   and OneTrainer writes); diffusers' `to_out.0` of the attention is the original `out_proj`.
-- Sampling needs the frozen decoder stages (stage B and the Paella VQGAN) that a prior folder does not hold; ot_dist
-  does not sample this family during training yet (docs/families.md).
+- Sampling needs the frozen decoder stages (stage B and the Paella VQGAN) that a prior folder does not hold:
+  `model.decoder` names their folder, loaded component by component and attached as `pipeline.decoder_stages`;
+  samples come from diffusers' combined pipeline over the trained prior and them (ot_dist/models/families/
+  cascade_decoder.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ot_dist.models.objectives import ContinuousCosine
 CASCADE_ATTENTION = ("attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0")
 CASCADE_ATTENTION_MLP = CASCADE_ATTENTION + ("kv_mapper.1", "channelwise.0", "channelwise.4")
 CLIP_IMAGE_TOKENS = 1  # the pipeline's zero image embedding for text-to-image: one token
+TINY_DECODER_FOLDER = "decoder_stages"  # where the demo's tiny models keep their decoder stages
 
 
 class StableCascade(Family):
@@ -51,7 +54,12 @@ class StableCascade(Family):
     pixel_multiple = 128  # x 3/4 / 32: whole latents (a 128 px side -> 3)
     bucket_step = 128
     latent_encoder = "effnet"
-    samplers = ()  # sampling needs the decoder stages (see the module docstring)
+    samplers = ("wuerstchen",)  # the prior's DDPMWuerstchenScheduler; the decoder stages keep their own
+    decoder_pipeline_class = "StableCascadeDecoderPipeline"
+    combined_pipeline_class = "StableCascadeCombinedPipeline"
+    # Stage B's steps and guidance (the sample prompt's steps / guidance_scale drive the prior): Stability's model
+    # card decodes with 10 steps, guidance 0.
+    decoder_steps, decoder_guidance_scale = 10, 0.0
     memory_reference = "Stable Cascade C"  # the 3.6 B prior; the lite prior (1 B): its own row
     lora_file_prefixes = {"prior": "lora_prior_unet", "text_encoder": "lora_te"}
     lora_file_roots = {"text_encoder": "text_model"}
@@ -84,7 +92,38 @@ class StableCascade(Family):
                                  f"(stabilityai/stable-cascade, {FILE_NAME}) into the prior folder")
         pipeline.effnet = load_effnet(file, None if file.with_name("effnet_encoder.json").is_file()
                                       else EffnetConfig(affine=self.effnet_affine))
+        if getattr(model_config, "decoder", None) is not None:
+            decoder = Path(model_config.decoder)
+            if not decoder.is_dir():
+                raise InputFileError(f"model.decoder: {decoder.resolve()} is not a folder (expected a "
+                                     f"{self.decoder_pipeline_class} diffusers folder)")
+            pipeline.decoder_stages = self.load_decoder(decoder)
         return pipeline
+
+    # -- sampling: the trained prior, then the frozen decoder stages (cascade_decoder.py) ---------------------
+    def load_decoder(self, path: Path):
+        from ot_dist.models.families.cascade_decoder import load_stable_cascade_decoder
+
+        return load_stable_cascade_decoder(path)
+
+    def sampling_modules(self, pipeline) -> list[torch.nn.Module]:
+        from ot_dist.models.families.cascade_decoder import decoder_modules
+
+        decoder = getattr(pipeline, "decoder_stages", None)
+        return [] if decoder is None else decoder_modules(decoder)
+
+    def sampling_pipeline(self, components: dict, loaded_pipeline):
+        from ot_dist.models.families.cascade_decoder import combined_pipeline
+
+        return combined_pipeline(self.combined_pipeline_class, components, loaded_pipeline.decoder_stages)
+
+    def sampling_arguments(self, pipeline, arguments: dict) -> dict:
+        """The prompt's steps and guidance drive the prior; the decoder stages run with the family's."""
+        arguments = dict(arguments)
+        arguments["prior_num_inference_steps"] = arguments.pop("num_inference_steps")
+        arguments["prior_guidance_scale"] = arguments.pop("guidance_scale")
+        return {**arguments, "num_inference_steps": self.decoder_steps,
+                "decoder_guidance_scale": self.decoder_guidance_scale}
 
     # -- single files: Stability's stage_c.safetensors layout (ot_dist/models/families/cascade_single_file.py) --
     def load_single_file(self, path, config_folder, model_config):
@@ -153,12 +192,25 @@ class StableCascade(Family):
             tokenizer=tokenizer, text_encoder=CLIPTextModelWithProjection(clip_text_config(len(tokenizer), "gelu")),
             prior=prior, scheduler=DDPMWuerstchenScheduler())
         pipeline.effnet = EfficientNetEncoder(tiny_effnet_config())
+        pipeline.decoder_stages = self.build_tiny_decoder(pipeline)
         return pipeline
 
+    def build_tiny_decoder(self, prior_pipeline):
+        """Tiny stage B + VQGAN; the decoder folder's text encoder is the prior's CLIP-G, as in Stability's folders."""
+        from ot_dist.models.families.cascade_decoder import tiny_stable_cascade_decoder
+
+        encoder = prior_pipeline.text_encoder
+        return tiny_stable_cascade_decoder(prior_pipeline.tokenizer, encoder, encoder.config.projection_dim)
+
     def save_extras(self, pipeline, folder: Path) -> None:
+        """The EfficientNet into the prior folder; the tiny decoder stages (built by build_tiny) into its
+        `decoder_stages/` subfolder, the folder the demo's model.decoder names."""
         from ot_dist.models.efficientnet import save_effnet
+        from ot_dist.models.families.cascade_decoder import save_decoder
 
         save_effnet(pipeline.effnet, folder)
+        if getattr(pipeline, "decoder_stages", None) is not None:
+            save_decoder(pipeline.decoder_stages, folder / TINY_DECODER_FOLDER)
 
 
 class WuerstchenV2(StableCascade):
@@ -179,6 +231,9 @@ class WuerstchenV2(StableCascade):
     lora_file_prefixes = None  # no UI reads Würstchen v2 LoRAs by kohya names: the diffusers layout
     lora_file_renames = {}
     memory_reference = None
+    decoder_pipeline_class = "WuerstchenDecoderPipeline"
+    combined_pipeline_class = "WuerstchenCombinedPipeline"
+    decoder_steps, decoder_guidance_scale = 12, 0.0  # WuerstchenCombinedPipeline's defaults
     time_scale = 1.08
     effnet_affine = True
     latent_mean, latent_std = 42.0, 1.0
@@ -218,12 +273,36 @@ class WuerstchenV2(StableCascade):
         torch.manual_seed(seed)
         tokenizer = tiny_clip_tokenizer()
         prior = WuerstchenPrior(c_in=16, c=32, c_cond=TEXT_HIDDEN, c_r=64, depth=2, nhead=2, dropout=0.0)
+        # The prior predicts (x - a) / (|1 - b| + 1e-5) from its output conv's (a, b): at diffusers' random init some
+        # b lie near 1 and the prediction (and the loss) explodes. A trained prior keeps b away from 1; the tiny
+        # one starts with a small output conv, so a, b start near 0 and still depend on every input.
+        with torch.no_grad():
+            prior.out[1].weight.mul_(0.01)
+            prior.out[1].bias.mul_(0.01)
         pipeline = WuerstchenPriorPipeline(
             tokenizer=tokenizer, text_encoder=CLIPTextModel(clip_text_config(len(tokenizer), "gelu")), prior=prior,
             scheduler=DDPMWuerstchenScheduler())
         config = tiny_effnet_config()
         pipeline.effnet = EfficientNetEncoder(type(config)(**{**config.__dict__, "affine": True}))
+        pipeline.decoder_stages = self.build_tiny_decoder(pipeline)
         return pipeline
+
+    def load_decoder(self, path: Path):
+        from ot_dist.models.families.cascade_decoder import load_wuerstchen_decoder
+
+        return load_wuerstchen_decoder(path)
+
+    def build_tiny_decoder(self, prior_pipeline):
+        """Tiny WuerstchenDiffNeXt + VQGAN with a CLIP text encoder of their own (Würstchen v2's decoder reads
+        another CLIP than its prior)."""
+        from transformers import CLIPTextModel
+
+        from ot_dist.models.families.cascade_decoder import tiny_wuerstchen_decoder
+        from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config
+
+        tokenizer = prior_pipeline.tokenizer
+        encoder = CLIPTextModel(clip_text_config(len(tokenizer), "gelu"))
+        return tiny_wuerstchen_decoder(tokenizer, encoder, TEXT_HIDDEN)
 
 
 FAMILIES = {"stable_cascade": StableCascade(), "wuerstchen_v2": WuerstchenV2()}
