@@ -73,3 +73,17 @@ def base_config(model_path, data_path, output_dir, family="sd1", method="full", 
             node = node.setdefault(part, {})
         node[parts[-1]] = value
     return raw
+
+
+def in_aligned_memory(pipeline):
+    """A pipeline diffusers loaded, its CPU weights copied out of the memory-mapped files into aligned memory, as
+    ot_dist places every model it trains (memory/placement.py: into_aligned_memory): CPU kernels round unaligned
+    operands differently, so a bit-for-bit comparison must not depend on where a tensor sits in its file."""
+    import torch
+
+    from ot_dist.memory.placement import into_aligned_memory
+
+    for component in pipeline.components.values():
+        if isinstance(component, torch.nn.Module):
+            into_aligned_memory(component)
+    return pipeline

@@ -73,29 +73,33 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-_straight: dict[str, tuple[Path, dict]] = {}
+_runs: dict[str, tuple[Path, dict, Path, dict]] = {}
+
+
+def straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory) -> tuple[Path, dict, Path, dict]:
+    """A strategy's uninterrupted 12-step run and the run SIGTERMed after step 5 (2 processes; single: 1), both in
+    one launch (one process start-up), shared by the tests: (straight out, result, stopped out, result)."""
+    if strategy not in _runs:
+        root = tmp_path_factory.mktemp(f"runs-{strategy}")
+        processes = 1 if strategy == "single" else 2
+        straight_config, straight_result = run_config(tiny_models, shapes_data, root / "straight", strategy, processes)
+        stopped_config, stopped_result = run_config(tiny_models, shapes_data, root / "stopped", strategy, processes)
+        launch(processes, str(straight_config), str(straight_result), "--then", str(stopped_config),
+               str(stopped_result), "--signal-after-step", str(STOP_AFTER))
+        _runs[strategy] = (root / "straight", json.loads(straight_result.read_text()),
+                           root / "stopped", json.loads(stopped_result.read_text()))
+    return _runs[strategy]
 
 
 def straight_run(strategy, tiny_models, shapes_data, tmp_path_factory) -> tuple[Path, dict]:
-    """The uninterrupted 12-step run of a strategy (2 processes; single: 1), shared by the tests."""
-    if strategy not in _straight:
-        out = tmp_path_factory.mktemp(f"straight-{strategy}") / "out"
-        processes = 1 if strategy == "single" else 2
-        _straight[strategy] = out, run(tiny_models, shapes_data, out, strategy, processes)
-    return _straight[strategy]
-
-
-_stopped: dict[str, tuple[Path, dict]] = {}
+    """The uninterrupted 12-step run of a strategy."""
+    straight_out, straight, _, _ = straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory)
+    return straight_out, straight
 
 
 def stopped_run(strategy, tiny_models, shapes_data, tmp_path_factory, out: Path) -> dict:
     """The run SIGTERMed after step 5, copied to `out` (its output_dir) to be resumed there."""
-    if strategy not in _stopped:
-        first = tmp_path_factory.mktemp(f"stopped-{strategy}") / "out"
-        processes = 1 if strategy == "single" else 2
-        result = run(tiny_models, shapes_data, first, strategy, processes, "--signal-after-step", str(STOP_AFTER))
-        _stopped[strategy] = first, result
-    first, result = _stopped[strategy]
+    _, _, first, result = straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory)
     shutil.copytree(first, out)
     return result
 
@@ -125,9 +129,11 @@ def test_flux_under_fsdp_stops_and_resumes_exactly(family_models, shapes_data, t
     """A Flux transformer sharded block by block: SIGTERM after step 5, resume, and the rest of the run is the
     uninterrupted run's, losses and final state (weights, EMA, Adam moments) bit for bit."""
     straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
-    straight = run(family_models, shapes_data, straight_out, "fsdp", 2, family="flux")
-    stopped = run(family_models, shapes_data, stopped_out, "fsdp", 2, "--signal-after-step", str(STOP_AFTER),
-                  family="flux")
+    straight_config, straight_result = run_config(family_models, shapes_data, straight_out, "fsdp", 2, family="flux")
+    stopped_config, stopped_result = run_config(family_models, shapes_data, stopped_out, "fsdp", 2, family="flux")
+    launch(2, str(straight_config), str(straight_result), "--then", str(stopped_config), str(stopped_result),
+           "--signal-after-step", str(STOP_AFTER))
+    straight, stopped = json.loads(straight_result.read_text()), json.loads(stopped_result.read_text())
     assert stopped["stopped_by"] == "SIGTERM" and stopped["steps"] == STOP_AFTER + 1
     resumed = run(family_models, shapes_data, stopped_out, "fsdp", 2, "--resume", "auto", family="flux")
     assert resumed["first_step"] == STOP_AFTER + 1 and resumed["losses"] == straight["losses"][STOP_AFTER + 1:]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import base_config
+from conftest import base_config, in_aligned_memory
 from diffusers import DiffusionPipeline
 
 from ot_dist.config.load import validate
@@ -70,7 +70,7 @@ def test_method_trains_and_exports_loadable_files(tiny_models, shapes_data, tmp_
     base = DiffusionPipeline.from_pretrained(tiny_models[family])
     if method == "full":
         assert {p.name for p in result.exported} == {"model", "model.safetensors"}
-        loaded = DiffusionPipeline.from_pretrained(out / "model")
+        loaded = in_aligned_memory(DiffusionPipeline.from_pretrained(out / "model"))
         torch.testing.assert_close(unet_output(loaded.unet, inputs), unet_output(model.denoiser, inputs), rtol=0, atol=0)
         assert not torch.equal(unet_output(base.unet, inputs), unet_output(model.denoiser, inputs))
         for name, encoder in model.text_encoders.items():

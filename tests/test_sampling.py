@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import base_config
+from conftest import base_config, in_aligned_memory
 from PIL import Image
 
 from ot_dist.config.load import validate
@@ -53,7 +53,7 @@ def diffusers_sample(model_dir: Path, prompt: dict, lora: Path | None = None, em
     options = {}
     if json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline":
         options = {"safety_checker": None, "requires_safety_checker": False}
-    pipe = DiffusionPipeline.from_pretrained(model_dir, local_files_only=True, **options)
+    pipe = in_aligned_memory(DiffusionPipeline.from_pretrained(model_dir, local_files_only=True, **options))
     pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
     if lora is not None:

@@ -203,23 +203,6 @@ def test_dry_run_prints_a_valid_accelerate_command_and_config(tiny_models, shape
         assert not (tmp_path / "out" / "model").exists()  # dry run trains nothing
 
 
-def test_two_nodes_rendezvous_and_train(tiny_models, shapes_data, tmp_path):
-    config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "lora", max_steps=2)
-    endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "1", "--nnodes", "2",
-             "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--strategy", "ddp"],
-            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [n.communicate(timeout=420)[0] for n in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
-    assert "global batch 4 (batch_size 2 x accumulation 1 x 2 processes)" in outputs[0]
-    assert (tmp_path / "out" / "lora.safetensors").is_file()
-
-
 def test_an_exception_in_one_rank_ends_the_launch(tiny_models, shapes_data, tmp_path):
     config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "full", max_steps=6,
                              **{"distributed.timeout_minutes": 1})
