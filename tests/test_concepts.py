@@ -34,6 +34,11 @@ def folders(tmp_path_factory):
             for name, n, s in (("dog", 8, 1), ("class", 4, 2), ("held_out", 5, 3))}
 
 
+AUGMENTATIONS = {"flip_probability": 0.5, "rotation_degrees": 10.0, "brightness": 0.2, "contrast": 0.2,
+                 "saturation": 0.2, "hue": 0.05, "tag_shuffling": True, "tag_dropout_probability": 0.2,
+                 "caption_dropout_probability": 0.3}
+
+
 def concepts_config(models, folders, out, with_validation=True, **overrides):
     concepts = [{"path": str(folders["dog"]), "name": "dog"},
                 {"path": str(folders["class"]), "name": "class", "type": "prior_preservation", "loss_weight": 0.5}]
@@ -143,7 +148,21 @@ def test_two_rank_launch(tiny_models, folders, tmp_path):
     # fsdp: every forward gathers weights, so both ranks must run as many (5 samples: rank 1 repeats one)
     sharded = concepts_config(tiny_models, folders, tmp_path / "fsdp", batch_size=1, strategy="fsdp",
                               **{"validation.every_n_steps": 3})
-    got = launch_cases({"validation": ranked, "validation fsdp": sharded, "small buckets": issue}, tmp_path)
+    # every augmentation and caption option at once: drawn per (seed, epoch, sample), so 2 ranks x 1 = 1 x 2
+    augmented = {}
+    for name, options in (("plain", {}), ("single", AUGMENTATIONS), ("ddp", AUGMENTATIONS)):
+        augmented[name] = concepts_config(tiny_models, folders, tmp_path / f"aug-{name}", with_validation=False,
+                                          batch_size=1 if name == "ddp" else 2,
+                                          **({"strategy": "ddp"} if name == "ddp" else {}))
+        for concept in augmented[name]["data"]["concepts"]:
+            concept.update(options)
+    augmented_losses = {name: Trainer(validate(augmented[name]), log=QUIET).train().losses for name in ("plain", "single")}
+    got = launch_cases({"validation": ranked, "validation fsdp": sharded, "small buckets": issue,
+                        "augmented": augmented["ddp"]}, tmp_path)
+
+    assert augmented_losses["single"] != augmented_losses["plain"]  # the options change what trains
+    for rank in (0, 1):
+        assert got[rank]["augmented"]["losses"] == pytest.approx(augmented_losses["single"], rel=1e-5)
 
     expected = single.validation.history
     for case in ("validation", "validation fsdp"):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ot_dist.config.load import validate
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import exit_process, start_runtime
 from ot_dist.train.trainer import Trainer
 
 cases = json.loads(Path(sys.argv[1]).read_text())
@@ -34,3 +34,4 @@ for name, raw in cases.items():
 out.mkdir(parents=True, exist_ok=True)
 (out / f"rank{runtime.rank}.json").write_text(json.dumps(results))
 runtime.shutdown()
+exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run
