@@ -169,7 +169,10 @@ def test_two_rank_launch(tiny_models, folders, tmp_path):
         for rank in (0, 1):
             history = got[rank][case]["validation"]
             assert [s for s, _ in history] == [s for s, _ in expected]
-            assert history[0][1] == expected[0][1]  # bit-identical
+            # before training the weights are the same: equal up to the rounding of batch 1 per rank against batch 2
+            # in one process (bit-identical on some machines, 1e-8 apart on others)
+            assert history[0][1]["validation/loss/held_out"] == pytest.approx(
+                expected[0][1]["validation/loss/held_out"], rel=1e-6)
             for (_, m), (_, e) in zip(history, expected):
                 assert m["validation/loss/held_out"] == pytest.approx(e["validation/loss/held_out"], rel=1e-4)
         assert got[0][case]["validation"] == got[1][case]["validation"]
