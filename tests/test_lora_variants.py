@@ -360,16 +360,11 @@ def test_onetrainer_peft_type_becomes_the_variant(settings, variant, skipped):
 
 
 # ---- transformer families -----------------------------------------------------------------------------------------
-def test_flux_dora_file_loads_in_diffusers_as_ot_dist_merges_it(family_models, shapes_data, tmp_path):
-    """Flux's file (peft layout: transformer + CLIP-L, magnitude and scale inside): diffusers' load_lora_weights +
-    fuse_lora gives the weights `ot-dist lora merge` writes. (At strength 1: for DoRA diffusers' lora_scale scales
-    the direction's change, merge's --weight blends the merged weight as ComfyUI does.)"""
-    from diffusers import DiffusionPipeline
-    from test_lora_tools import assert_same_weights, diffusers_fused, run_cli
-
-    config = validate(base_config(family_models["flux"], shapes_data, tmp_path / "o", family="flux", method="lora",
-                                  **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": "dora",
-                                     "text_encoder.train": True}))
+def moved_flux_lora(family_models, shapes_data, out, variant, scale, **parts):
+    """A Flux model with `variant` adapters whose trainable tensors moved by seeded noise x `scale` (a stand-in for
+    training), and the LoRA file exported from it: (model, file)."""
+    config = validate(base_config(family_models["flux"], shapes_data, out, family="flux", method="lora",
+                                  **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": variant, **parts}))
     model = load_model(config.model)
     method = LoraMethod(config)
     method.prepare(model)
@@ -378,8 +373,20 @@ def test_flux_dora_file_loads_in_diffusers_as_ot_dist_merges_it(family_models, s
         for part in model.parts().values():
             for p in part.parameters():
                 if p.requires_grad:
-                    p.add_(torch.randn(p.shape, generator=generator) * 0.05)
-    [lora] = method.export(model, tmp_path / "o")
+                    p.add_(torch.randn(p.shape, generator=generator) * scale)
+    [lora] = method.export(model, out)
+    return model, lora
+
+
+def test_flux_dora_file_loads_in_diffusers_as_ot_dist_merges_it(family_models, shapes_data, tmp_path):
+    """Flux's file (peft layout: transformer + CLIP-L, magnitude and scale inside): diffusers' load_lora_weights +
+    fuse_lora gives the weights `ot-dist lora merge` writes. (At strength 1: for DoRA diffusers' lora_scale scales
+    the direction's change, merge's --weight blends the merged weight as ComfyUI does.)"""
+    from diffusers import DiffusionPipeline
+    from test_lora_tools import assert_same_weights, diffusers_fused, run_cli
+
+    model, lora = moved_flux_lora(family_models, shapes_data, tmp_path / "o", "dora", 0.05,
+                                  **{"text_encoder.train": True})
     base = family_models["flux"]
     done = run_cli("lora", "merge", base, lora, "--family", "flux", "--out", tmp_path / "merged", "--dtype", "float32")
     assert done.returncode == 0, done.stderr
@@ -399,19 +406,8 @@ def test_flux_loha_lokr_load_in_comfyui_at_the_trained_change(family_models, sha
     from test_lora_t5 import comfy_key_map as flux_key_map
     from test_lora_t5 import layer_at
 
-    config = validate(base_config(family_models["flux"], shapes_data, tmp_path / "o", family="flux", method="lora",
-                                  **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": variant,
-                                     "text_encoder.train": True, "text_encoder_2.train": True}))
-    model = load_model(config.model)
-    method = LoraMethod(config)
-    method.prepare(model)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for part in model.parts().values():
-            for p in part.parameters():
-                if p.requires_grad:
-                    p.add_(torch.randn(p.shape, generator=generator) * 0.2)
-    [lora] = method.export(model, tmp_path / "o")
+    model, lora = moved_flux_lora(family_models, shapes_data, tmp_path / "o", variant, 0.2,
+                                  **{"text_encoder.train": True, "text_encoder_2.train": True})
     patches, left_over = comfy_load(load_file(lora), flux_key_map("flux", model))
     assert not left_over, f"ComfyUI would not load {sorted(left_over)[:5]}"
     expected = trained_weights(model)
