@@ -19,6 +19,7 @@ from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.training_data import open_training_data, report_lines
+from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role
 from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
@@ -136,6 +137,7 @@ class Trainer:
                 self.log("checkpoint: the MLflow run did not exist yet when it was saved; this run is tracked as a new one")
         elif resume == "auto":
             self.log(f"checkpoint: none committed in {checkpoints_dir(config.output_dir)}, starting from step 0")
+        freeze_long_lived_objects()  # the libraries and the model are in memory: collections skip them from now on
 
     def _place_modules(self) -> None:
         """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default),
