@@ -216,6 +216,86 @@ def test_training_lowers_the_loss_and_the_export_gives_the_trained_outputs(metho
     torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
 
 
+# ComfyUI's names for Stable Cascade's CLIP-G LoRA modules. Read from github.com/Comfy-Org/ComfyUI:
+#   comfy/lora.py @ 17358c8f73b581a0d22facc3c385822f09b8bfb1, model_lora_keys_clip: for b in range(32) and each
+#     LORA_CLIP_MAP module c (mlp.fc1, mlp.fc2, self_attn.q_proj / k_proj / v_proj / out_proj) whose weight
+#     `clip_g.transformer.text_model.encoder.layers.<b>.<c>.weight` the text-encoder model has, with no clip_l loaded:
+#     `lora_te_text_model_encoder_layers_<b>_<c with _>`, `text_encoder.text_model.encoder.layers.<b>.<c>` and
+#     (the cascade line) `lora_prior_te_text_model_encoder_layers_<b>_<c with _>`; `clip_g.transformer.
+#     text_projection.weight` -> `lora_prior_te_text_projection` only. comfy/sdxl_clip.py StableCascadeClipModel is
+#     an SD1ClipModel with clip_name "g" (its weights under `clip_g.transformer.`), the CLIP of comfy/clip_model.py
+#     (`text_model.…` and a top-level `text_projection` Linear, transformers' CLIPTextModelWithProjection names).
+#   comfy/weight_adapter/lora.py @ 6f98b150e065f1ffc788558574a887835068bd40, LoRAAdapter.load / calculate_weight:
+#     `x.lora_up.weight`, `x.lora_down.weight`, `x.alpha` when present; W += (alpha / rank, 1.0 without alpha) up @ down.
+COMFY_CLIP_MODULES = ("mlp.fc1", "mlp.fc2", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj",
+                      "self_attn.out_proj")
+
+
+def comfyui_clip_g_names(text_encoder) -> dict[str, str]:
+    """ComfyUI's LoRA module name -> the CLIP-G module path (transformers' names) for Stable Cascade's text encoder."""
+    weights = {k[: -len(".weight")] for k in text_encoder.state_dict() if k.endswith(".weight")}
+    weights = {k.replace(".base_layer", "") for k in weights if ".lora_" not in k}
+    names = {}
+    for block in range(32):
+        for module in COMFY_CLIP_MODULES:
+            path = f"text_model.encoder.layers.{block}.{module}"
+            if path in weights:
+                flat = path.replace(".", "_")
+                names |= {f"lora_te_{flat}": path, f"text_encoder.{path}": path, f"lora_prior_te_{flat}": path}
+    if "text_projection" in weights:
+        names["lora_prior_te_text_projection"] = "text_projection"
+    return names
+
+
+def test_clip_g_lora_has_comfyuis_stable_cascade_names_at_the_trained_strength(family_models, shapes_data, tmp_path):
+    """A LoRA on the prior and CLIP-G (its projection too): every module of the file is a name ComfyUI maps for
+    Stable Cascade (prior: lora_prior_unet_; CLIP-G: lora_prior_te_, the only prefix it gives text_projection), each
+    with its .alpha tensor, none left over, and W + alpha / rank x up @ down is the trained weight."""
+    from peft.tuners.lora import LoraLayer
+
+    from ot_dist.methods.lora import ADAPTER
+
+    rank, alpha = 4, 2.0  # alpha != rank: a loader ignoring .alpha applies twice the trained change
+    targets = [*COMFY_CLIP_MODULES, "text_projection"]
+    trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o", method="lora", max_steps=2,
+                          learning_rate=2e-2, output_dtype="float32", **{"text_encoder.train": True,
+                          "lora.rank": rank, "lora.alpha": alpha, "lora.text_encoder_targets": targets})
+    trainer.train()
+    tensors = load_file(tmp_path / "o" / "lora.safetensors")
+    model = trainer.model
+    encoder = model.text_encoders["text_encoder"]
+    prior_names = comfyui_lora_names(family_models[FAMILY])
+    clip_names = comfyui_clip_g_names(encoder)
+    parts = {"prior": model.denoiser, "text_encoder": encoder}
+    layers = {(part, path): m for part, module in parts.items() for path, m in module.named_modules()
+              if isinstance(m, LoraLayer)}
+    key_map = {**{n: ("prior", k[: -len(".weight")]) for n, k in prior_names.items()},
+               **{n: ("text_encoder", p) for n, p in clip_names.items()}}
+    loaded, applied = set(), {}
+    for name, target in key_map.items():  # ComfyUI's load_lora over its key map
+        if name + ".lora_up.weight" in tensors:
+            assert name + ".alpha" in tensors, f"{name}: no .alpha tensor"
+            applied[target] = (tensors[name + ".lora_up.weight"], tensors[name + ".lora_down.weight"],
+                               tensors[name + ".alpha"].item())
+            loaded |= {name + ".lora_up.weight", name + ".lora_down.weight", name + ".alpha"}
+    assert not set(tensors) - loaded, f"ComfyUI would not load {sorted(set(tensors) - loaded)[:5]}"
+    clip_modules = {k.rsplit(".", 2)[0] for k in tensors if not k.startswith("lora_prior_unet_")}
+    assert clip_modules and all(m.startswith("lora_prior_te_") for m in clip_modules)
+    assert "lora_prior_te_text_projection" in clip_modules
+    assert set(applied) == set(layers), set(layers) ^ set(applied)  # every trained module, once
+    moved = set()
+    for (part, path), (up, down, file_alpha) in applied.items():
+        layer = layers[part, path]
+        assert file_alpha == alpha
+        change = file_alpha / down.shape[0] * (up.float() @ down.float())
+        torch.testing.assert_close(layer.base_layer.weight.float() + change,
+                                   layer.base_layer.weight.float() + layer.get_delta_weight(ADAPTER),
+                                   rtol=1e-5, atol=1e-7)
+        if layer.get_delta_weight(ADAPTER).abs().max() > 1e-6:
+            moved.add(part)
+    assert moved == {"prior", "text_encoder"}, f"only {moved} trained: the comparison would be 0 == 0"
+
+
 def test_cached_effnet_latents_train_like_encoding_each_step(family_models, shapes_data, tmp_path):
     """The cache encodes one image at a time, training a batch of 4: the EfficientNet's convolutions sum in another
     order, so the latents agree to float32 rounding (the losses to ~1e-7), not bit for bit. A cache of other latents
