@@ -354,6 +354,31 @@ def test_memory_table_rows_are_the_published_sizes_sharded_by_block(name, gigaby
 
 # -- Würstchen v2 (the sibling family in the same module) ------------------------------------------------------------
 
+def test_wuerstchen_v2_memory_row_is_warp_ais_prior_sharded_by_block():
+    """The memory table's Würstchen v2 row (ot-dist init's reference for the family) is warp-ai/wuerstchen-prior as
+    diffusers' convert_wuerstchen.py builds it: a 0.99 B WuerstchenPrior (the ~1 B stage C of the Würstchen paper),
+    CLIP-bigG's text model without projection, the
+    EfficientNet with the affine mapper norm; the family's sharding units (each block of `blocks`) are each a few
+    % of the prior."""
+    from ot_dist.memory.table import DENOISERS, build_components, fsdp_rank_bytes, sharding_units
+    from ot_dist.models.families.registry import get_family
+
+    family = get_family("wuerstchen_v2")
+    name = family.memory_reference
+    components = build_components(name)
+    prior = components["prior"]
+    assert type(prior).__name__ == "WuerstchenPrior" and type(components["text_encoder"]).__name__ == "CLIPTextModel"
+    total = sum(p.numel() for p in prior.parameters())
+    assert total == 993_636_896
+    assert sum(p.numel() for p in components["text_encoder"].parameters()) == 693_021_440
+    assert "mapper.1.weight" in components["effnet"].state_dict()  # Würstchen v2's affine mapper norm
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    units = sharding_units(prior, family.shard_units["prior"])
+    assert len(units) == len(prior.blocks) == 3 * 32
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.05
+
+
+
 def test_wuerstchen_v2_objective_equals_onetrainers_formulas(family_models, shapes_data, tmp_path):
     """OneTrainer BaseWuerstchenSetup.predict for Würstchen v2: latents (x + 1) / 42, t = ((i + 1) / 10000) x 1.08
     + 0.001 clamped to [0.001, 1], the prior called as prior(noisy, t, c = CLIP's last hidden states)."""

@@ -234,7 +234,7 @@ class WuerstchenV2(StableCascade):
     single_file = False  # no original single-file layout of Würstchen v2's prior in ot_dist
     lora_file_prefixes = None  # no UI reads Würstchen v2 LoRAs by kohya names: the diffusers layout
     lora_file_renames = {}
-    memory_reference = None
+    memory_reference = "Würstchen v2"  # the 1 B prior (warp-ai/wuerstchen-prior)
     decoder_pipeline_class = "WuerstchenDecoderPipeline"
     combined_pipeline_class = "WuerstchenCombinedPipeline"
     decoder_steps, decoder_guidance_scale = 12, 0.0  # WuerstchenCombinedPipeline's defaults
