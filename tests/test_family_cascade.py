@@ -296,6 +296,82 @@ def test_clip_g_lora_has_comfyuis_stable_cascade_names_at_the_trained_strength(f
     assert moved == {"prior", "text_encoder"}, f"only {moved} trained: the comparison would be 0 == 0"
 
 
+# ComfyUI's reading of an embedding file for Stable Cascade. Read from github.com/Comfy-Org/ComfyUI:
+#   comfy/sdxl_clip.py StableCascadeClipGTokenizer: SDTokenizer with embedding_size 1280, embedding_key "clip_g";
+#   comfy/sd1_clip.py load_embed: a safetensors file's dict; no "string_to_param" and not a list -> embed[embedding_key]
+#     when the key is there (else bundle_emb.* / the first tensor); the [n, size] vectors stand in the prompt for the
+#     `embedding:<file name>` word, one position per vector.
+# OneTrainer (modules/modelSaver/wuerstchen/WuerstchenEmbeddingSaver, both Würstchen v2 and Stable Cascade) writes the
+# prior text encoder's vectors under "clip_g" too.
+def comfyui_load_embed(path, embedding_key: str = "clip_g"):
+    embed = load_file(path)
+    assert "string_to_param" not in embed
+    return embed[embedding_key] if embedding_key in embed else next(iter(embed.values()))
+
+
+# Minimal relative drop of the fixed-noise loss (deterministic: float32 rounding moves it by ~1e-7). Würstchen v2's
+# tiny prior starts with its output conv x 0.01 (build_tiny), so the frozen prior's prediction depends little on the
+# text: the embedding moves its loss by ~1e-4 (measured 1.1e-4; Stable Cascade 1.7e-2).
+EMBEDDING_DROP = {"stable_cascade": 0.005, "wuerstchen_v2": 5e-5}
+
+
+@pytest.mark.parametrize("family", ["stable_cascade", "wuerstchen_v2"])
+def test_embedding_trains_and_loads_back_as_comfyui_reads_it(family, family_models, shapes_data, tmp_path):
+    """Textual inversion on the prior's CLIP: the fixed-noise loss falls; the file is {"clip_g": [2, width]} (the
+    key ComfyUI's Stable Cascade tokenizer and OneTrainer use); its vectors put in place of the token's words in the
+    base text encoder (ComfyUI's substitution; in transformers: add_tokens, resize_token_embeddings, set the rows)
+    give the trained encoder's conditioning."""
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.loading import load_model
+    from ot_dist.train.evaluate import fixed_noise_loss
+
+    out = tmp_path / "o"
+    sample = {"prompt": "a photo of <ot-embedding>", "steps": 2}  # sampling with the trained words works too
+    trainer = Trainer(validate(base_config(family_models[family], shapes_data, out, family=family, method="embedding",
+                                           epochs=3, batch_size=4, resolution=128, learning_rate=5e-2,
+                                           output_dtype="float32", **{"embedding.vectors": 2, "sampling.prompts": [sample],
+                                           "model.decoder": str(family_models[family] / "decoder_stages")})), log=quiet)
+    before = fixed_noise_loss(trainer)
+    result = trainer.train()
+    after = fixed_noise_loss(trainer)
+    assert after < before * (1 - EMBEDDING_DROP[family]), f"fixed-noise loss {before:.6f} -> {after:.6f}"
+    assert [p.name for p in result.exported] == ["embedding.safetensors"]
+    assert len(list((out / "samples").glob("step-*/*.png"))) == 1
+    model = trainer.model
+    width = model.text_encoders["text_encoder"].config.hidden_size
+    assert set(load_file(out / "embedding.safetensors")) == {"clip_g"}
+    vectors = comfyui_load_embed(out / "embedding.safetensors")
+    assert vectors.shape == (2, width)
+
+    base = load_model(ModelConfig(family=family, path=str(family_models[family])))
+    tokenizer, encoder = base.tokenizers["tokenizer"], base.text_encoders["text_encoder"]
+    init_row = encoder.get_input_embeddings().weight[tokenizer("*", add_special_tokens=False).input_ids[0]]
+    assert not torch.allclose(vectors[0], init_row, atol=1e-3), "the embedding did not train"
+    # docs/checkpoints.md's block for these families, exactly as documented
+    from types import SimpleNamespace
+
+    from test_early_checks import doc_blocks
+
+    block = doc_blocks("checkpoints.md", "Loading an exported embedding")[2]
+    token = trainer.config.embedding.token
+    exec(block.replace("OUT/", f"{out}/").replace('"TOKEN"', repr(token)).replace("TOKEN_", f"{token}_"),
+         {"pipe": SimpleNamespace(tokenizer=tokenizer, text_encoder=encoder)})
+    words = trainer.method.token_strings()
+    assert tokenizer.unk_token_id not in tokenizer.convert_tokens_to_ids(words)
+    prompt = trainer.method.caption(f"a photo of {trainer.config.embedding.token} on a white background")
+    family_of = model.family
+    with torch.no_grad():
+        mine_tokens = family_of.tokenize(model.tokenizers, [prompt])
+        theirs_tokens = family_of.tokenize({"tokenizer": tokenizer}, [prompt])
+        assert torch.equal(mine_tokens["text_encoder"], theirs_tokens["text_encoder"])
+        mine = family_of.encode_text(model.text_encoders, mine_tokens)
+        theirs = family_of.encode_text({"text_encoder": encoder}, theirs_tokens)
+        untrained = family_of.encode_text(base.text_encoders, family_of.tokenize(base.tokenizers, ["a photo"]))
+    assert mine.keys() == theirs.keys() and untrained
+    for key in mine:
+        torch.testing.assert_close(theirs[key], mine[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_cached_effnet_latents_train_like_encoding_each_step(family_models, shapes_data, tmp_path):
     """The cache encodes one image at a time, training a batch of 4: the EfficientNet's convolutions sum in another
     order, so the latents agree to float32 rounding (the losses to ~1e-7), not bit for bit. A cache of other latents

@@ -45,7 +45,11 @@ class StableCascade(Family):
     denoiser = "prior"
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
-    embedding_keys = {}  # no embedding method for this family yet
+    # Textual inversion on the prior's CLIP (CLIP-G; Würstchen v2's is CLIP-bigG's text model too): the file holds
+    # {"clip_g": [vectors, 1280]}, the key ComfyUI's Stable Cascade tokenizer reads (comfy/sdxl_clip.py
+    # StableCascadeClipGTokenizer: embedding_key "clip_g", embedding_size 1280) and OneTrainer's Würstchen / Stable
+    # Cascade embedding saver writes.
+    embedding_keys = {"text_encoder": "clip_g"}
     denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
                              "attention_mlp": CASCADE_ATTENTION_MLP}
     # down_blocks / up_blocks are lists of lists: each inner list (a level) holds the Res / Timestep / Attn blocks;
