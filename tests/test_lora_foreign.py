@@ -34,6 +34,7 @@ from safetensors.torch import save_file
 from test_lora_tools import run_cli
 
 from ot_dist.config.load import validate
+from ot_dist.config.schema import ModelConfig
 from ot_dist.methods.lora import LoraMethod
 from ot_dist.models.loading import load_model
 
@@ -223,3 +224,39 @@ def test_a_fused_module_of_another_size_is_refused(family_models, tmp_path):
     done = run_cli("lora", "merge", base, bad, "--family", "flux", "--out", tmp_path / "m")
     assert done.returncode != 0
     assert "lora_unet_double_blocks_0_img_attn_qkv changes 9216 output rows" in done.stderr
+
+
+def test_kohya_flux_names_split_as_diffusers_converter_splits_them(family_models):
+    """An independent oracle for the row split: diffusers' `FluxLoraLoaderMixin.lora_state_dict` converts a kohya
+    sd-scripts Flux file (lora_conversion_utils `_convert_kohya_flux_lora_to_diffusers`) into per-module lora_A /
+    lora_B with alpha / rank baked in. Compared on the modules where diffusers' converter fits any width: the double
+    blocks' fused qkv (split in equal thirds), MLP and modulation linears. (Not `single_blocks.N.linear1`: diffusers
+    splits it at Flux.1's fixed 3072 / 12288 rows; not `final_layer.adaLN_modulation.1`: diffusers copies it without
+    its alpha / rank scale.)"""
+    from diffusers import FluxPipeline
+
+    from ot_dist.lora_tools.files import LoraFile, Pair
+    from ot_dist.lora_tools.foreign import in_family_names
+
+    base = family_models["flux"]
+    model = load_model(ModelConfig(family="flux", path=str(base)))
+    f = ForeignFile(model.pipeline, 8)
+    t = "transformer"
+    for i in range(2):
+        f.module(underscored("lora_unet", f"double_blocks.{i}.img_attn.qkv"),
+                 [(t, f"transformer_blocks.{i}.attn.to_{x}") for x in "qkv"])
+        f.module(underscored("lora_unet", f"double_blocks.{i}.txt_attn.qkv"),
+                 [(t, f"transformer_blocks.{i}.attn.add_{x}_proj") for x in "qkv"])
+    f.module(underscored("lora_unet", "double_blocks.1.txt_mlp.2"), [(t, "transformer_blocks.1.ff_context.net.2")])
+    f.module(underscored("lora_unet", "double_blocks.0.img_mod.lin"), [(t, "transformer_blocks.0.norm1.linear")])
+    theirs = FluxPipeline.lora_state_dict(dict(f.tensors))
+    names = {k.rsplit(".lora_", 1)[0] for k in f.tensors if k.endswith(".lora_down.weight")}
+    lora = LoraFile("kohya", {n: Pair(f.tensors[n + ".lora_down.weight"], f.tensors[n + ".lora_up.weight"],
+                                      float(f.tensors[n + ".alpha"])) for n in names}, {})
+    ours = in_family_names(model, lora, "test").pairs
+    assert len(ours) == len(f.expected) == 14
+    for (component, path), expected in f.expected.items():
+        key = f"{component}.{path}"
+        diffusers_change = theirs[key + ".lora_B.weight"] @ theirs[key + ".lora_A.weight"]
+        torch.testing.assert_close(diffusers_change, expected, rtol=1e-5, atol=1e-7, msg=key)
+        torch.testing.assert_close(ours[key].delta(), expected, rtol=1e-5, atol=1e-7, msg=key)

@@ -87,6 +87,9 @@ def foreign_index(model, parts: dict[str, torch.nn.Module]) -> dict[str, tuple[P
 def in_family_names(model, lora: LoraFile, source: str, parts: dict[str, torch.nn.Module] | None = None) -> LoraFile:
     """The file with every module under the model's own diffusers-layout name, where it has another trainer's name;
     unchanged when all its names are the family's own. Names no index knows are kept (the caller reports them)."""
+    family = model.family
+    if not family.lora_foreign_prefixes and not family.lora_original_prefixes:
+        return lora
     parts = parts if parts is not None else model.parts()
     own = own_index(model, lora.layout, parts)
     if all(name in own for name in lora.pairs):
