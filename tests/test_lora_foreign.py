@@ -115,6 +115,24 @@ def flux_onetrainer(pipe) -> ForeignFile:
     return f
 
 
+def flux_lycoris(pipe) -> ForeignFile:
+    """SimpleTuner's LyCORIS naming (ComfyUI comfy/lora.py, Flux branch: "lycoris_" + the diffusers path with "_")."""
+    f = ForeignFile(pipe, 9)
+    f.module(underscored("lycoris", "transformer_blocks.1.ff.net.2"),
+             [("transformer", "transformer_blocks.1.ff.net.2")])
+    return f
+
+
+def chroma_onetrainer(pipe) -> ForeignFile:
+    """OneTrainer's Chroma keys (convert_chroma_lora.py): lora_transformer_ and, for its T5, lora_te_."""
+    f = ForeignFile(pipe, 10)
+    f.module(underscored("lora_transformer", "single_transformer_blocks.1.proj_out"),
+             [("transformer", "single_transformer_blocks.1.proj_out")])
+    f.module(underscored("lora_te", "encoder.block.0.layer.1.DenseReluDense.wi_0"),
+             [("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wi_0")])
+    return f
+
+
 def flux_comfyui(pipe) -> ForeignFile:
     f = ForeignFile(pipe, 3)
     f.module("diffusion_model.double_blocks.1.img_attn.qkv", [("transformer", f"transformer_blocks.1.attn.to_{x}")
@@ -168,7 +186,8 @@ def sd3_onetrainer(pipe) -> ForeignFile:
 
 CASES = {"flux-kohya": ("flux", flux_kohya), "flux-onetrainer": ("flux", flux_onetrainer),
          "flux-comfyui": ("flux", flux_comfyui), "flux-peft": ("flux", flux_peft),
-         "chroma-kohya": ("chroma", chroma_kohya), "sd3-kohya": ("sd3", sd3_kohya),
+         "flux-lycoris": ("flux", flux_lycoris), "chroma-kohya": ("chroma", chroma_kohya),
+         "chroma-onetrainer": ("chroma", chroma_onetrainer), "sd3-kohya": ("sd3", sd3_kohya),
          "sd3-onetrainer": ("sd3", sd3_onetrainer)}
 
 

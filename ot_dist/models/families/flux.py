@@ -114,8 +114,9 @@ class Flux(FlowTransformerFamily):
     # lora_te3 is the one both ComfyUI and kohya's scripts read.
     lora_file_kohya_components = {"text_encoder_2": "lora_te3"}
     # OneTrainer (modules/util/convert/lora/convert_flux_lora.py): lora_transformer_ / lora_te1_ (CLIP-L) / lora_te2_
-    # (T5); kohya sd-scripts (networks/lora_flux.py): lora_te1_ (CLIP-L), lora_te3_ (T5, read as Flux's own)
-    lora_foreign_prefixes = {"transformer": ("lora_transformer",), "text_encoder": ("lora_te1",),
+    # (T5); kohya sd-scripts (networks/lora_flux.py): lora_te1_ (CLIP-L), lora_te3_ (T5, read as Flux's own);
+    # SimpleTuner's LyCORIS files: lycoris_<diffusers path> (ComfyUI's comfy/lora.py maps it for Flux)
+    lora_foreign_prefixes = {"transformer": ("lora_transformer", "lycoris"), "text_encoder": ("lora_te1",),
                              "text_encoder_2": ("lora_te2",)}
 
     def denoiser_original_rules(self, config) -> list:
@@ -193,7 +194,8 @@ class Chroma(FlowTransformerFamily):
     text_lora_targets = T5_LORA_TARGETS
     # ComfyUI's Chroma text encoder is T5-XXL alone: its LoRA modules are lora_te1_<T5 path> (comfy/lora.py)
     lora_file_kohya_components = {"text_encoder": "lora_te1"}
-    lora_foreign_prefixes = {"transformer": ("lora_transformer",)}
+    # OneTrainer (modules/util/convert/lora/convert_chroma_lora.py): lora_transformer_ and lora_te_ (its T5)
+    lora_foreign_prefixes = {"transformer": ("lora_transformer",), "text_encoder": ("lora_te",)}
 
     def denoiser_original_rules(self, config) -> list:
         from ot_dist.models.families.flux_single_file import chroma_rules
