@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_lora_tools import model_dir, random_lora, run_cli
+from test_lora_tools import diffusers_fused, model_dir, random_lora, run_cli
 
 from ot_dist.config.schema import ModelConfig
 from ot_dist.lora_tools.files import read_lora_file
@@ -112,3 +112,9 @@ def test_extract_at_full_rank_reproduces_a_full_finetune(request, tmp_path, fami
             torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=f"{name}.{key}")
             if key.removesuffix(".weight") in modules and key.endswith(".weight"):
                 assert not torch.equal(value, original[key]), f"{name}.{key} was not extracted"
+    if family == "sd2":  # diffusers' own reading of the extracted file gives the finetune too
+        fused = diffusers_fused(base, tmp_path / "x.safetensors", 1.0)
+        for name in ("unet", "text_encoder"):
+            expected = getattr(tuned.pipeline, name).state_dict()
+            for key, value in getattr(fused, name).state_dict().items():
+                torch.testing.assert_close(value, expected[key], rtol=1e-4, atol=1e-5, msg=f"diffusers {name}.{key}")
