@@ -610,10 +610,6 @@ class TrainConfig(Section):
         if self.lora.variant in ("loha", "lokr") and self.lora.dropout:
             raise ValueError(f"lora.dropout: peft's {self.lora.variant} has no dropout on the adapter input (only rank / "
                              "module dropout, another regularizer); set it to 0 or use variant lora / dora")
-        if self.method == "lora" and self.lora.variant != "lora" and self.strategy == "zero3":
-            raise ValueError(f"lora.variant: {self.lora.variant} under strategy zero3: peft's DoRA / LoHa / LoKr layers "
-                             "read the adapted layer's weight (its values, or its shape) outside that layer's forward, "
-                             "where ZeRO-3 holds it partitioned (empty); use fsdp, zero2, zero1 or ddp, or variant lora")
         if self.lora.variant != "lora" and self.lora.init_from:
             raise ValueError(f"lora.init_from: starts plain LoRA adapters from a file; lora.variant {self.lora.variant} "
                              "cannot start from one (use variant lora, or start from zero)")
