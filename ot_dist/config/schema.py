@@ -113,8 +113,8 @@ class LoraConfig(Section):
         "a dora_scale per module); loha (Hadamard product of two low-rank products, peft's LoHa, OneTrainer's "
         "peft_type LOHA: hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b); lokr (Kronecker product, peft's LoKr: "
         "lokr_w1 / lokr_w2 or their _a / _b factors). rank and alpha mean the same for each (scale alpha / rank). "
-        "dora / loha / lokr are refused under strategy zero3. See docs/lora.md for which loader applies which "
-        "variant exactly.",
+        "Every strategy trains each. See docs/lora.md for which loader applies which variant exactly (A1111 does "
+        "not apply dora as trained).",
     )
     preset: str = Field(
         default="default",
