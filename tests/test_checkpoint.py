@@ -229,20 +229,29 @@ def train_in_process(raw: dict, stop_after: int | None = None, resume: str | Non
     return trainer.train()
 
 
-@pytest.mark.parametrize("optimizer", ["PRODIGY", "ADAMW_8BIT", "ADAFACTOR"])
+@pytest.mark.parametrize("optimizer", ["PRODIGY", "ADAMW_8BIT", "ADAFACTOR", "CAME_8BIT"])
 def test_every_kind_of_optimizer_state_resumes_exactly(optimizer, tiny_models, shapes_data, tmp_path):
-    """Prodigy's d and slice_p statistics, bitsandbytes' 8-bit blocks and Adafactor's factored rows go through a
-    checkpoint: stopped after step 3 and resumed, the run's losses are the uninterrupted run's, bit for bit."""
+    """Prodigy's d and slice_p statistics, bitsandbytes' 8-bit blocks, Adafactor's factored rows and CAME_8BIT's
+    8-bit first moments with factored rows go through a checkpoint: stopped after step 3 and resumed, the run's
+    losses are the uninterrupted run's, bit for bit."""
     def raw(out):
         return base_config(tiny_models["sd1"], shapes_data, out, method="lora", batch_size=2, max_steps=6,
                            **{"optimizer.name": optimizer, "learning_rate": 1.0 if optimizer == "PRODIGY" else 1e-3,
                               "lora.rank": 4, **({"scheduler.name": "ADAFACTOR", "optimizer.relative_step": True, "optimizer.scale_parameter": True}
-                                 if optimizer == "ADAFACTOR" else {})})
+                                 if optimizer == "ADAFACTOR" else {}),
+                              # the tiny LoRA's matrices are small: quantise them (8-bit blocks of 64)
+                              **({"optimizer.min_8bit_size": 64, "optimizer.quant_block_size": 64}
+                                 if optimizer == "CAME_8BIT" else {})})
     straight = train_in_process(raw(tmp_path / "straight"))
     stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=3)
     assert stopped.stopped_by == "SIGTERM" and stopped.steps == 4
     resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
     assert resumed.first_step == 4 and resumed.losses == straight.losses[4:]
+    if optimizer == "CAME_8BIT":  # the 8-bit moments were saved, as layout-bound state with their block scales
+        meta = json.loads(next(latest_checkpoint(checkpoints_dir(tmp_path / "stopped")).rglob("rank-00000.json")).read_text())
+        kinds = [e for owned in meta["owned"] for e in owned["state"].items()]
+        assert ("exp_avg_8bit", {"kind": "opaque", "dtensor": False, "on_param_device": True}) in kinds
+        assert {kind["kind"] for key, kind in kinds if key == "exp_avg_absmax"} == {"opaque"}
 
 
 def test_layout_bound_state_is_refused_at_another_layout_naming_the_entry(tiny_models, shapes_data, tmp_path):

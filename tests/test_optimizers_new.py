@@ -26,7 +26,7 @@ from ot_dist.parallel.runtime import free_port
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-NEW = ("ADOPT", "AdEMAMix", "AdEMAMix_8BIT", "CAME", "MUON", "SCHEDULE_FREE_ADAMW", "SCHEDULE_FREE_SGD",
+NEW = ("ADOPT", "AdEMAMix", "AdEMAMix_8BIT", "CAME", "CAME_8BIT", "MUON", "SCHEDULE_FREE_ADAMW", "SCHEDULE_FREE_SGD",
        "PRODIGY_PLUS_SCHEDULE_FREE", "ADABELIEF", "TIGER", "YOGI")
 # What runs where (the rest is refused, below): fsdp takes no bitsandbytes kernels; ZeRO cannot show the
 # schedule-free average; whole-matrix and adaptive ones need whole tensors.
@@ -39,6 +39,7 @@ REFUSED = {
     "AdEMAMix": (("fsdp",), "bitsandbytes"),
     "AdEMAMix_8BIT": (("fsdp",), "bitsandbytes"),
     "CAME": (("fsdp", "zero1", "zero2", "zero3"), "factored"),
+    "CAME_8BIT": (("fsdp", "zero1", "zero2", "zero3"), "factored"),
     "MUON": (("fsdp", "zero1", "zero2", "zero3"), "orthogonalisation"),
     "SCHEDULE_FREE_ADAMW": (("zero1", "zero2", "zero3"), "averaged weights"),
     "SCHEDULE_FREE_SGD": (("zero1", "zero2", "zero3"), "averaged weights"),
