@@ -1,7 +1,7 @@
 """A full finetune's exported folder is a model ot_dist loads again (`model.path` = the export), for every family:
 what the loader reads equals the in-memory trained model, component by component (the denoiser, the text encoders
 and the latent encoder: a VAE, or Stable Cascade's / Würstchen v2's EfficientNet, which lives beside diffusers'
-files). For the two stage C families also the EMA export, training on from the export and `ot-dist lora extract`
+files); so does the single file of a family that has one, read with the export folder as `model.config`. For the two stage C families also the EMA export, training on from the export and `ot-dist lora extract`
 from it (the ways a user continues from a finetune)."""
 
 from __future__ import annotations
@@ -57,6 +57,11 @@ def test_the_full_export_loads_back_into_ot_dist_as_the_trained_model(family, fa
     assert any(not torch.equal(v, trained[denoiser][k]) for k, v in base.denoiser.state_dict().items())  # it trained
     again = load_model(ModelConfig(family=family, path=str(folder)))  # what a user's model.path = the export does
     assert_same_weights(components(again), trained)
+    single = tmp_path / "o" / "model.safetensors"
+    assert (single in result.exported) == trainer.model.family.single_file
+    if trainer.model.family.single_file:  # the original layout, read with the export folder as model.config
+        again = load_model(ModelConfig(family=family, path=str(single), config=str(folder)))
+        assert_same_weights(components(again), trained)
 
 
 @pytest.mark.parametrize("family", CASCADE)
