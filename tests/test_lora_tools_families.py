@@ -94,8 +94,8 @@ def test_extract_at_full_rank_reproduces_a_full_finetune(request, tmp_path, fami
                 full_rank = max(full_rank, min(module.weight.shape[0], module.weight[0].numel()))
     from ot_dist.checkpoint.export import export_diffusers_folder
 
-    export_diffusers_folder(tuned.pipeline, tmp_path / "tuned", torch.float32)
-    tuned.family.save_extras(tuned.pipeline, tmp_path / "tuned")  # Stable Cascade's EfficientNet beside the prior
+    # family: with Stable Cascade's EfficientNet beside the prior, as the full export writes it
+    export_diffusers_folder(tuned.pipeline, tmp_path / "tuned", torch.float32, family=tuned.family)
     done = run_cli("lora", "extract", base, tmp_path / "tuned", "--family", family, "--rank", full_rank,
                    "--out", tmp_path / "x.safetensors", "--dtype", "float32")
     assert done.returncode == 0, done.stderr

@@ -53,9 +53,8 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
     dtype = DTYPES[dtype_name]
     target = Path(out)
     if fmt == "diffusers":
-        export_diffusers_folder(model.pipeline, target, dtype)
-        # what complete_pipeline reads back from the family's folders beside diffusers' files (Cascade's EfficientNet)
-        model.family.save_extras(model.pipeline, target)
+        # with what complete_pipeline reads back beside diffusers' files (Stable Cascade's EfficientNet)
+        export_diffusers_folder(model.pipeline, target, dtype, family=model.family)
     else:
         components = {**model.parts(), "vae": model.vae}
         model.family.export_single_file(components, {n: m.state_dict() for n, m in components.items()}, target, dtype)

@@ -42,7 +42,7 @@ class FullFinetune(TrainingMethod):
         states = {name: state_dict_of(module) for name, module in components.items()}
         folder, single = output_dir / f"model{suffix}", output_dir / f"model{suffix}.safetensors"
         if write and "diffusers" in formats:
-            export_diffusers_folder(model.pipeline, folder, dtype, states)
+            export_diffusers_folder(model.pipeline, folder, dtype, states, family=model.family)
         if write and "single-file" in formats:
             model.family.export_single_file(components, states, single, dtype)
         return [path for path, name in ((folder, "diffusers"), (single, "single-file")) if name in formats]

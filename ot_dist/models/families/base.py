@@ -78,7 +78,13 @@ class Family:
         return None
 
     def save_extras(self, pipeline, folder: Path) -> None:
-        """Write into a saved pipeline folder what `complete_pipeline` reads back (nothing for most families)."""
+        """Write into a saved pipeline folder what `complete_pipeline` reads back (nothing for most families): every
+        diffusers folder ot_dist writes (the full export, its EMA copy, `ot-dist lora merge`, the demo's models)
+        gets these files, so ot_dist loads it again as `model.path`."""
+
+    def save_demo_extras(self, pipeline, folder: Path) -> None:
+        """Write what the demo's tiny model folder holds beyond the model itself (Stable Cascade's tiny decoder
+        stages, which `model.decoder` names); never part of an export."""
 
     # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching (a UNet
     # pads odd sizes itself). data.bucket_step must be a multiple of it.

@@ -211,12 +211,18 @@ class StableCascade(Family):
         return tiny_stable_cascade_decoder(prior_pipeline.tokenizer, encoder, encoder.config.projection_dim)
 
     def save_extras(self, pipeline, folder: Path) -> None:
-        """The EfficientNet into the prior folder; the tiny decoder stages (built by build_tiny) into its
-        `decoder_stages/` subfolder, the folder the demo's model.decoder names."""
+        """The EfficientNet into the prior folder (what complete_pipeline reads): exports and merges of the prior
+        hold it, so they train on and extract LoRAs like the base folder. The decoder stages are never written here:
+        they are frozen and their own folder (model.decoder) serves every prior trained from them."""
         from ot_dist.models.efficientnet import save_effnet
-        from ot_dist.models.families.cascade_decoder import save_decoder
 
         save_effnet(pipeline.effnet, folder)
+
+    def save_demo_extras(self, pipeline, folder: Path) -> None:
+        """The tiny decoder stages (built by build_tiny) into the demo folder's `decoder_stages/` subfolder, the
+        folder the demo's model.decoder names."""
+        from ot_dist.models.families.cascade_decoder import save_decoder
+
         if getattr(pipeline, "decoder_stages", None) is not None:
             save_decoder(pipeline.decoder_stages, folder / TINY_DECODER_FOLDER)
 
