@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
@@ -106,9 +107,8 @@ def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_pa
             method="full", batch_size=2, strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy]))
             for strategy in CLIPPED["strategies"]}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"),
-                           str(tmp_path / "cases.json")], env=ENV, capture_output=True, text=True, timeout=900)
+    done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
+                           str(tmp_path / "cases.json"), env=ENV, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     for case, raw in cases.items():
         name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # kind: full, lora or clipped (a full finetune)
@@ -183,9 +183,8 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(family_mode
                                               "_overflow_at_step": None, "_inf_gradient_element_at_step": OVERFLOW_AT}
               for strategy in FP16_STRATEGIES}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"),
-                           str(tmp_path / "cases.json")], env=ENV, capture_output=True, text=True, timeout=900)
+    done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
+                           str(tmp_path / "cases.json"), env=ENV, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     for name in cases:
         kind, strategy = name.split("-")

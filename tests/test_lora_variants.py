@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from safetensors import safe_open
@@ -304,12 +305,9 @@ def test_variants_train_on_two_ranks_as_in_one_process(tiny_models, shapes_data,
     outside their owners' forward (DoRA the base weight's norm, LoHa / LoKr their ParameterDict factors), which
     ZeRO-3 gathers only because they are registered with the adapter layer (parallel/deepspeed.py)."""
     import json
-    import subprocess
-    import sys
 
     from test_strategies import ENV, REPO, assert_matches
 
-    from ot_dist.parallel.runtime import free_port
 
     steps, lr = 3, 1e-5
 
@@ -328,9 +326,8 @@ def test_variants_train_on_two_ranks_as_in_one_process(tiny_models, shapes_data,
     cases = {f"{s}-{v}": raw(tmp_path / f"{s}-{v}", v, batch_size=2, strategy=s) for s in ("fsdp", "zero3")
              for v in VARIANTS}
     (tmp_path / "cases.json").write_text(json.dumps(cases, default=str))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"),
-                           str(tmp_path / "cases.json")], env=ENV, capture_output=True, text=True, timeout=900)
+    done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
+                           str(tmp_path / "cases.json"), env=ENV, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     for case in cases:
         variant = case.split("-")[1]
