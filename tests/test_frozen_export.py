@@ -1,0 +1,69 @@
+"""A full finetune's exports hold every component the run did not train exactly as the user loaded it, whatever
+low-memory storage (`weight_dtype: float8 / bfloat16`) held it during training: bit for bit at the original's dtype,
+or the original cast once to output_dtype; the trained parts come from the trained weights. For the folder, the
+single file, the EMA copies and `ot-dist export CHECKPOINT`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import base_config
+from safetensors.torch import load_file
+
+from ot_dist.checkpoint.export_command import export_checkpoint
+from ot_dist.config.load import validate
+from ot_dist.config.schema import ModelConfig
+from ot_dist.models.loading import load_model
+from ot_dist.train.trainer import Trainer
+
+FROZEN_FILES = {"vae": "vae/diffusion_pytorch_model.safetensors", "text_encoder": "text_encoder/model.safetensors"}
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def quiet(*_):
+    pass
+
+
+def assert_frozen_as_loaded(folder, original, dtype):
+    for name, file in FROZEN_FILES.items():
+        exported, source = load_file(folder / file), load_file(original / file)
+        assert exported.keys() == source.keys(), name
+        for key, value in source.items():
+            assert exported[key].dtype == dtype, f"{name}.{key}"
+            assert torch.equal(exported[key], value.to(dtype)), f"{folder.name}/{name}.{key} is not the original"
+
+
+@pytest.mark.parametrize("weight_dtype,output_dtype", [("float8", "float32"), ("bfloat16", "float16")])
+def test_frozen_components_are_exported_as_loaded_not_as_stored(weight_dtype, output_dtype, tiny_models, shapes_data,
+                                                                tmp_path):
+    original = tiny_models["sd1"]
+    raw = base_config(original, shapes_data, tmp_path / "o", batch_size=2, max_steps=1, learning_rate=1e-3,
+                      weight_dtype=weight_dtype, output_dtype=output_dtype,
+                      **{"ema.enabled": True, "ema.decay": 0.5, "ema.update_step_interval": 1})
+    trainer = Trainer(validate(raw), log=quiet)
+    result = trainer.train()
+    dtype = DTYPES[output_dtype]
+    # The run did hold rounded copies: exporting them would differ from the original.
+    stored = trainer.model.vae.state_dict()
+    source = load_file(original / FROZEN_FILES["vae"])
+    assert any(not torch.equal(stored[k].cpu().to(dtype), v.to(dtype)) for k, v in source.items())
+    for name in ("model", "model_ema"):
+        assert tmp_path / "o" / name in result.exported
+        assert_frozen_as_loaded(tmp_path / "o" / name, original, dtype)
+    # The trained UNet is the trained weights, not the original.
+    trained = {k: v.to(dtype) for k, v in trainer.trained_state_dict_of()(trainer.model.denoiser).items()}
+    unet = load_file(tmp_path / "o" / "model" / "unet" / "diffusion_pytorch_model.safetensors")
+    assert all(torch.equal(unet[k], v.cpu()) for k, v in trained.items())
+    assert any(not torch.equal(unet[k], v.to(dtype)) for k, v in
+               load_file(original / "unet" / "diffusion_pytorch_model.safetensors").items())
+    # The single file, read back with the folder as its config: the original VAE and text encoder.
+    base = load_model(ModelConfig(family="sd1", path=str(original)))
+    for name in ("model.safetensors", "model_ema.safetensors"):
+        again = load_model(ModelConfig(family="sd1", path=str(tmp_path / "o" / name), config=str(original)))
+        for part in ("vae", "text_encoder"):
+            got, want = getattr(again.pipeline, part).state_dict(), getattr(base.pipeline, part).state_dict()
+            assert all(torch.equal(got[k].to(dtype), v.to(dtype)) for k, v in want.items()), f"{name}: {part}"
+    # `ot-dist export CHECKPOINT`, the plain and the EMA export.
+    for ema in (False, True):
+        (folder, _single) = export_checkpoint(str(result.checkpoint), None, ema, str(tmp_path / f"x{ema}"), log=quiet)
+        assert_frozen_as_loaded(folder, original, dtype)
