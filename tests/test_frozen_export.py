@@ -67,3 +67,22 @@ def test_frozen_components_are_exported_as_loaded_not_as_stored(weight_dtype, ou
     for ema in (False, True):
         (folder, _single) = export_checkpoint(str(result.checkpoint), None, ema, str(tmp_path / f"x{ema}"), log=quiet)
         assert_frozen_as_loaded(folder, original, dtype)
+
+
+def test_a_single_file_model_path_gives_its_frozen_tensors_back_bit_for_bit(tiny_models, shapes_data, tmp_path):
+    """Trained from a single file under float8 storage: the exported single file's VAE and text encoder tensors are
+    the input file's, key for key (the UNet's are the trained ones)."""
+    folder = tiny_models["sd1"]
+    base = load_model(ModelConfig(family="sd1", path=str(folder)))
+    original = tmp_path / "base.safetensors"
+    base.family.export_single_file({**base.parts(), "vae": base.vae},
+                                   {n: m.state_dict() for n, m in {**base.parts(), "vae": base.vae}.items()},
+                                   original, torch.float32)
+    raw = base_config(original, shapes_data, tmp_path / "o", batch_size=2, max_steps=1, learning_rate=1e-3,
+                      weight_dtype="float8", **{"model.config": str(folder)})
+    Trainer(validate(raw), log=quiet).train()
+    source, exported = load_file(original), load_file(tmp_path / "o" / "model.safetensors")
+    assert exported.keys() == source.keys()
+    frozen = [k for k in source if k.startswith(("first_stage_model.", "cond_stage_model."))]
+    assert frozen and all(torch.equal(exported[k], source[k]) for k in frozen)
+    assert any(not torch.equal(exported[k], v) for k, v in source.items() if k.startswith("model.diffusion_model."))

@@ -43,7 +43,11 @@ def export_source(model: LoadedModel, model_config, trained: set[str], state_dic
 
     source = load_model(model_config)
     for name in trained:  # the trained modules in the original's pipeline (their configs; weights from `states`)
-        setattr(source.pipeline, name, parts[name])
+        entry = source.pipeline.config[name]
+        setattr(source.pipeline, name, parts[name])  # frees the source's copy
+        # diffusers re-registers the class of what is set: a wrapped module (FSDP2's FSDPUNet...) would
+        # rename it in model_index.json; the loaded class is what loaders must build.
+        source.pipeline.register_to_config(**{name: entry})
     components = {**source.parts(), "vae": source.vae}
     states.update({name: module.state_dict() for name, module in components.items() if name not in trained})
     return ExportSource(source.pipeline, components, states)
