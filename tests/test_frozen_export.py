@@ -64,10 +64,13 @@ def test_frozen_components_are_exported_as_loaded_not_as_stored(weight_dtype, ou
         for part in ("vae", "text_encoder"):
             got, want = getattr(again.pipeline, part).state_dict(), getattr(base.pipeline, part).state_dict()
             assert all(torch.equal(got[k].to(dtype), v.to(dtype)) for k, v in want.items()), f"{name}: {part}"
-    # `ot-dist export CHECKPOINT`, the plain and the EMA export.
-    for ema in (False, True):
-        (folder, _single) = export_checkpoint(str(result.checkpoint), None, ema, str(tmp_path / f"x{ema}"), log=quiet)
+    # `ot-dist export CHECKPOINT`, the plain and the EMA export: the files training wrote, bit for bit.
+    for ema, name in ((False, "model"), (True, "model_ema")):
+        folder, single = export_checkpoint(str(result.checkpoint), None, ema, str(tmp_path / f"x{ema}"), log=quiet)
         assert_frozen_as_loaded(folder, original, dtype)
+        assert single.read_bytes() == (tmp_path / "o" / f"{name}.safetensors").read_bytes()
+        for file in folder.rglob("*.safetensors"):
+            assert file.read_bytes() == (tmp_path / "o" / name / file.relative_to(folder)).read_bytes(), file
 
 
 def test_a_single_file_model_path_gives_its_frozen_tensors_back_bit_for_bit(tiny_models, shapes_data, tmp_path):
