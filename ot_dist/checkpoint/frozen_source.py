@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ot_dist.models.loading import LoadedModel
+from ot_dist.models.loading import LoadedModel, load_model
 
 
 def held_as_loaded(module: torch.nn.Module) -> bool:
@@ -39,8 +39,6 @@ def export_source(model: LoadedModel, model_config, trained: set[str], state_dic
     states = {name: state_dict_of(parts[name]) for name in trained}
     if not write:
         return ExportSource(model.pipeline, components, states)
-    from ot_dist.models.loading import load_model
-
     source = load_model(model_config)
     for name in trained:  # the trained modules in the original's pipeline (their configs; weights from `states`)
         entry = source.pipeline.config[name]
