@@ -1,5 +1,5 @@
 """ShardedProdigy: prodigyopt's results in one process, the same d on any sharded layout, one
-collective and one host sync per step whatever the number of tensors."""
+collective and no host sync per step whatever the number of tensors (d stays on the device)."""
 
 from __future__ import annotations
 
@@ -109,9 +109,9 @@ def syncs_per_step(cls, depth: int) -> float:
     return syncs.count
 
 
-def test_host_syncs_per_step_do_not_grow_with_the_number_of_tensors():
+def test_no_host_sync_in_the_step_whatever_the_number_of_tensors():
     few, many = syncs_per_step(ShardedProdigy, depth=1), syncs_per_step(ShardedProdigy, depth=12)
-    assert few == many == 1
+    assert few == many == 0  # the estimate d is a device tensor: reduced and used there, read only to log
     # prodigyopt syncs for every tensor: what this replaces
     assert syncs_per_step(prodigyopt.Prodigy, depth=12) > 4 * syncs_per_step(prodigyopt.Prodigy, depth=1)
 

@@ -233,13 +233,11 @@ class Trainer:
                             continue
                         self._halt_on_nonfinite(step, epoch)
                     rates, grad_norm = self.optimizer_step(step)
-                    if self.adaptive:
-                        result.d_lr.append({k[len("d_lr/"):]: v for k, v in rates.items() if k.startswith("d_lr/")})
                     step += 1
                     window.add(StepRecord(step, epoch, loss, grad_norm, rates))
                     progress.step(step)
                     if step % config.log_every_steps == 0 or step == self.total_steps:
-                        result.losses.extend(self._log_window(window, progress))
+                        self._take_window(result, self._log_window(window, progress))
                     if step in snapshots:
                         self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
                     self.sampler.after_step(self, step)
@@ -257,7 +255,7 @@ class Trainer:
                         break
                 if every.every_n_epochs and (epoch + 1) % every.every_n_epochs == 0 and not result.stopped_by:
                     result.checkpoint = self._save(step, epoch, "epoch end")
-        result.losses.extend(self._log_window(window, progress))
+        self._take_window(result, self._log_window(window, progress))
         progress.close()
         result.steps = step
         if result.stopped_by:
@@ -390,8 +388,14 @@ class Trainer:
             self.ema.update(step)
         return rates, grad_norm
 
-    def _log_window(self, window: StepWindow, progress: Progress) -> list[float]:
-        """Copy the window's step values to the host (one sync), track them, show progress; the losses."""
+    def _take_window(self, result: TrainResult, steps: list) -> None:
+        """The pulled steps' losses (and d x lr per group for adaptive optimizers) into the result."""
+        result.losses.extend(s.metrics["loss"] for s in steps)
+        if self.adaptive:
+            result.d_lr.extend({k[len("d_lr/"):]: v for k, v in s.metrics.items() if k.startswith("d_lr/")} for s in steps)
+
+    def _log_window(self, window: StepWindow, progress: Progress) -> list:
+        """Copy the window's step values to the host (one sync), track them, show progress; the pulled steps."""
         steps, seconds = window.pull(self.runtime.mean)
         if not steps:
             return []
@@ -405,7 +409,7 @@ class Trainer:
         progress.window(last.step, last.epoch, window_mean_loss(steps), last.metrics, samples_per_s)
         for notice in self.tracker.take_notices():
             progress.write(f"warning: {notice}")
-        return [s.metrics["loss"] for s in steps]
+        return steps
 
 
 def build_ema(config: TrainConfig, ownership) -> ShardedEMA | None:

@@ -14,6 +14,7 @@ import torch
 
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
+from ot_dist.train.transfer import to_device
 
 # The diffusers Flux LoRA script's default targets (double blocks: both streams' attention and MLPs; single
 # blocks: q / k / v and the MLP input).
@@ -43,7 +44,7 @@ def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     ids = torch.zeros(h // 2, w // 2, 3)
     ids[..., 1] += torch.arange(h // 2)[:, None]
     ids[..., 2] += torch.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+    return to_device(ids.reshape(-1, 3), device, dtype)
 
 
 class FlowTransformerFamily(Family):
@@ -134,8 +135,8 @@ class Flux(FlowTransformerFamily):
 
     def encode_text(self, text_encoders, tokens):
         clip, t5 = text_encoders["text_encoder"], text_encoders["text_encoder_2"]
-        pooled = clip(tokens["text_encoder"].to(clip.device), output_hidden_states=False).pooler_output
-        hidden = t5(tokens["text_encoder_2"].to(t5.device), output_hidden_states=False)[0]
+        pooled = clip(to_device(tokens["text_encoder"], clip.device), output_hidden_states=False).pooler_output
+        hidden = t5(to_device(tokens["text_encoder_2"], t5.device), output_hidden_states=False)[0]
         return {"hidden": hidden, "pooled": pooled}
 
     def transformer_inputs(self, denoiser, conditioning, noisy):
@@ -210,8 +211,8 @@ class Chroma(FlowTransformerFamily):
 
     def encode_text(self, text_encoders, tokens):
         t5 = text_encoders["text_encoder"]
-        token_mask = tokens["text_encoder_mask"].to(t5.device)
-        hidden = t5(tokens["text_encoder"].to(t5.device), attention_mask=token_mask, output_hidden_states=False)[0]
+        token_mask = to_device(tokens["text_encoder_mask"], t5.device)
+        hidden = t5(to_device(tokens["text_encoder"], t5.device), attention_mask=token_mask, output_hidden_states=False)[0]
         # The transformer sees the caption and its first padding token (ChromaPipeline's convention).
         lengths = token_mask.sum(dim=1)
         positions = torch.arange(token_mask.shape[1], device=token_mask.device)[None]

@@ -10,6 +10,7 @@ import torch
 
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
+from ot_dist.train.transfer import to_device
 
 # The diffusers SD3 LoRA script's default targets: attention of both streams.
 SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
@@ -61,11 +62,11 @@ class SD3(Family):
         clip_hidden, pooled = [], []
         for name in ("text_encoder", "text_encoder_2"):
             encoder = text_encoders[name]
-            out = encoder(tokens[name].to(encoder.device), output_hidden_states=True)
+            out = encoder(to_device(tokens[name], encoder.device), output_hidden_states=True)
             clip_hidden.append(out.hidden_states[-2])
             pooled.append(out[0])  # the projected pooled output (text_embeds)
         t5 = text_encoders["text_encoder_3"]
-        t5_hidden = t5(tokens["text_encoder_3"].to(t5.device))[0]
+        t5_hidden = t5(to_device(tokens["text_encoder_3"], t5.device))[0]
         clip = torch.cat(clip_hidden, dim=-1)
         clip = torch.nn.functional.pad(clip, (0, t5_hidden.shape[-1] - clip.shape[-1]))
         return {"hidden": torch.cat([clip, t5_hidden.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}

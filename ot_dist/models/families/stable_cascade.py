@@ -29,6 +29,7 @@ import torch
 
 from ot_dist.models.families.base import Family
 from ot_dist.models.objectives import ContinuousCosine
+from ot_dist.train.transfer import to_device
 
 # Attention projections (SDCascadeAttnBlock's self+cross attention) and the text-conditioning kv mapper:
 # OneTrainer's "attn-only" filter for Stable Cascade is the attention; "attention_mlp" adds the blocks' channel MLP.
@@ -165,8 +166,8 @@ class StableCascade(Family):
     def encode_text(self, text_encoders, tokens):
         encoder = text_encoders["text_encoder"]
         # As the prior pipeline: the attention mask in, the last hidden states and the projected pooled output.
-        out = encoder(tokens["text_encoder"].to(encoder.device),
-                      attention_mask=tokens["text_encoder_mask"].to(encoder.device), output_hidden_states=True)
+        out = encoder(to_device(tokens["text_encoder"], encoder.device),
+                      attention_mask=to_device(tokens["text_encoder_mask"], encoder.device), output_hidden_states=True)
         return {"hidden": out.hidden_states[-1], "pooled": out.text_embeds.unsqueeze(1)}
 
     # -- the denoiser call ------------------------------------------------------------------------------
@@ -269,8 +270,8 @@ class WuerstchenV2(StableCascade):
 
     def encode_text(self, text_encoders, tokens):
         encoder = text_encoders["text_encoder"]
-        out = encoder(tokens["text_encoder"].to(encoder.device),
-                      attention_mask=tokens["text_encoder_mask"].to(encoder.device))
+        out = encoder(to_device(tokens["text_encoder"], encoder.device),
+                      attention_mask=to_device(tokens["text_encoder_mask"], encoder.device))
         return {"hidden": out.last_hidden_state}  # as WuerstchenPriorPipeline.encode_prompt
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
