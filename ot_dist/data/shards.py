@@ -5,7 +5,8 @@ Each sample is written once with one image per training resolution, resized to c
 and metadata (`<key>.json`). Samples are written bucket by bucket, so a bucket's samples sit in
 neighbouring shards. The manifest (`manifest.json`, written last: a set without one is incomplete)
 holds per-shard and per-bucket counts, what built the set, a fingerprint of the source files and
-settings (to detect a stale set), and each sample's member offsets in its shard (the reader's index).
+settings (to detect a stale set) and the sample count; where each sample sits in its shard (the reader's
+index) is the compact columnar index `index/*.npy` beside it (sample_index.py), written just before it.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ import io
 import json
 import os
 import shutil
-import tarfile
 import time
+from array import array
 from collections import Counter
 from pathlib import Path
 
@@ -26,10 +27,12 @@ from ot_dist.config.schema import TrainConfig
 from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
 from ot_dist.data.concepts import classify_files, concept_name, mask_of, scan_folders
 from ot_dist.data.images import open_mask
+from ot_dist.data.sample_index import COLUMNS, INDEX_DIR, IndexWriter, SampleIndex, SampleRecords, bytes_per_sample
 from ot_dist.data.sample_encoder import encoded_samples
+from ot_dist.data.tar_members import samples_of
 from ot_dist.errors import InputFileError
 
-FORMAT = "ot_dist.shards/1"
+FORMAT = "ot_dist.shards/2"  # /1 held every sample as a JSON dict in the manifest (refused: rebuild)
 MANIFEST = "manifest.json"
 SAVE_FORMATS = {"png": "PNG", "webp": "WEBP", "jpg": "JPEG"}
 
@@ -79,6 +82,7 @@ def fingerprint_of(settings: dict, concepts: list) -> str:
 
 
 def read_manifest(shard_dir: Path) -> dict:
+    """The manifest of a set, its "samples" the index shown as a list of sample dicts (sample_index.py)."""
     path = Path(shard_dir) / MANIFEST
     if not path.is_file():
         raise InputFileError(f"data.shards: {shard_dir} has no {MANIFEST} (build it: ot-dist shard build CONFIG)")
@@ -86,8 +90,15 @@ def read_manifest(shard_dir: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise InputFileError(f"data.shards: {path} is not readable JSON: {err}") from None
+    if manifest.get("format") == "ot_dist.shards/1":
+        raise InputFileError(
+            f"data.shards: {path} was written by an earlier ot_dist (format ot_dist.shards/1, every sample in the JSON; "
+            f"this version reads the compact index {FORMAT}); rebuild the set: ot-dist shard build CONFIG --out "
+            f"{shard_dir} (a run with data.path / data.concepts rebuilds it by itself)")
     if manifest.get("format") != FORMAT:
         raise InputFileError(f"data.shards: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    manifest["samples"] = SampleRecords(Path(shard_dir), manifest["shards"],
+                                        SampleIndex(Path(shard_dir), manifest["sample_count"]))
     return manifest
 
 
@@ -196,28 +207,55 @@ def load_mask(path: Path, image: Path, size: tuple[int, int], log=print) -> Imag
 
 def index_members(shard: Path) -> dict[str, dict[str, list[int]]]:
     """key -> member suffix -> [data offset, size]: read from the tar headers, so the reader can seek."""
-    members: dict[str, dict[str, list[int]]] = {}
-    with tarfile.open(shard) as tar:
-        for info in tar:
-            key, suffix = info.name.split(".", 1)
-            members.setdefault(key, {})[suffix] = [info.offset_data, info.size]
-    return members
+    return {span.key: span.members for span in shard_samples(shard)}
+
+
+def shard_samples(shard: Path):
+    """The samples of one tar in order (tar_members.SampleSpan: key, first header offset, end, members)."""
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        yield from samples_of(fd, f"shard {shard.name}")
+    finally:
+        os.close(fd)
+
+
+def index_records(out_dir: Path, shard_files: list[Path], records: list[dict]) -> tuple[IndexWriter, list[dict]]:
+    """The columnar index of `records` (in their order) from one read of each shard's tar headers: linear in
+    samples. Each record gets its "members" (suffix -> [data offset, size]); returns (index, per-shard stats)."""
+    by_shard: dict[int, list[int]] = {}
+    for position, record in enumerate(records):  # one pass: a scan of all records per shard is quadratic
+        by_shard.setdefault(record["shard"], []).append(position)
+    unknown = sorted(set(by_shard) - set(range(len(shard_files))))
+    if unknown:
+        raise InputFileError(f"shard set {out_dir}: records name shard {unknown[0]}, the folder holds "
+                             f"{len(shard_files)} shard-*.tar")
+    starts, spans_of = array("Q", [0]) * len(records), array("Q", [0]) * len(records)  # 16 bytes a sample
+    shards = []
+    for number, path in enumerate(shard_files):
+        spans = {span.key: span for span in shard_samples(path)}
+        in_shard = by_shard.get(number, [])
+        for position in in_shard:
+            record = records[position]
+            span = spans.get(record["key"])
+            if span is None:
+                raise InputFileError(f"shard {path}: no members of sample {record['key']}")
+            record["members"] = span.members
+            starts[position], spans_of[position] = span.start, span.end - span.start
+        shards.append({"file": path.name, "samples": len(in_shard), "bytes": path.stat().st_size,
+                       "buckets": dict(Counter(str(records[p]["bucket"]) for p in in_shard))})
+    index = IndexWriter()
+    for record, offset, span in zip(records, starts, spans_of):
+        index.add(record["shard"], offset, span, record["bucket"], record["concept"], record.get("mask", False),
+                  record.get("width", 0), record.get("height", 0))
+    return index, shards
 
 
 def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fingerprint: str,
                    config_path: str | None, unused: list[dict] = (), bad: list[dict] = ()) -> dict:
+    """Index the shards of `out_dir` (index/*.npy) and write manifest.json (last, atomically). Returns the
+    manifest with "samples": `records`, each given its "members"."""
     shard_files = sorted(out_dir.glob("shard-*.tar"))
-    by_shard: dict[int, list[dict]] = {}
-    for record in records:  # one pass: a scan of all records per shard is quadratic at millions of samples
-        by_shard.setdefault(record["shard"], []).append(record)
-    shards = []
-    for number, path in enumerate(shard_files):
-        members = index_members(path)
-        in_shard = by_shard.get(number, [])
-        for record in in_shard:
-            record["members"] = members[record["key"]]
-        shards.append({"file": path.name, "samples": len(in_shard), "bytes": path.stat().st_size,
-                       "buckets": dict(Counter(str(r["bucket"]) for r in in_shard))})
+    index, shards = index_records(out_dir, shard_files, records)
     counts = Counter(r["bucket"] for r in records)
     per_concept = Counter(r["concept"] for r in records)
     manifest = {
@@ -233,12 +271,23 @@ def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fing
                      "sizes": {str(r): list(bucket_size(b, r, config.data.bucket_step)) for r in config.resolutions()}}
                     for b in sorted(counts)],
         "shards": shards,
-        "samples": records,
+        "sample_count": len(records),
+        "index": index_description(),
         "unused_files": list(unused),  # files in the concept folders that are not samples, with the reason
         "unreadable_images": list(bad),  # skipped within data.max_bad_fraction
     }
+    write_index_and_manifest(out_dir, index, manifest)
+    return {**manifest, "samples": records}
+
+
+def index_description() -> dict:
+    return {"folder": INDEX_DIR, "columns": COLUMNS, "bytes_per_sample": bytes_per_sample()}
+
+
+def write_index_and_manifest(out_dir: Path, index: IndexWriter, manifest: dict) -> None:
+    """The index first, then the manifest (atomic): a reader sees the old set's absence or the whole new one."""
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    index.write(out_dir)
     tmp = out_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest))
-    os.replace(tmp, out_dir / MANIFEST)  # atomic: a reader sees the old set's absence or the whole new one
-    return manifest
-
+    os.replace(tmp, out_dir / MANIFEST)
