@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--world-size", type=int, default=1, help="processes the bucket report assumes (default 1)")
     build.add_argument("--workers", type=int, default=1, help="processes that encode the images (default 1; the "
                        "shards are byte-identical with any number)")
+    from ot_dist.data.external_command import add_index_parser
+
+    add_index_parser(shard_sub)
     for name, helps in (("list", "show the shard sets in the cache folder: size, samples, status, last use"),
                         ("prune", "remove the stale and incomplete shard sets of the cache folder")):
         command = shard_sub.add_parser(name, help=helps)
@@ -193,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
 
         schedule_command(load_config(args.config, args.overrides), args.steps, args.world_size, args.csv, args.plot)
         return 0
+    if args.command == "shard" and args.shard_command == "index":
+        from ot_dist.data.external_command import run_index
+
+        return run_index(args)
     if args.command == "shard" and args.shard_command in ("list", "prune"):
         return shard_cache_command(args)
     if args.command == "shard":

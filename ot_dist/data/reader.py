@@ -19,10 +19,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ot_dist.data.buckets import bucket_size, merged_buckets, resize_to_cover
+from ot_dist.data.buckets import bucket_size, cover_size, merged_buckets, resize_to_cover
 from ot_dist.data.augment import augment
 from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
+from ot_dist.data import external
+from ot_dist.data.images import parse_colour
 from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
 from ot_dist.data.sample_index import MASK
 from ot_dist.data.small_buckets import move_small_buckets
@@ -45,8 +47,12 @@ class ShardDataset:
         self.concepts = {i: c for i, (_, c) in enumerate(config.data.concept_list())}
         # per-sample loss weights travel in the batch only when some concept has one: without, the loss stays MSE
         self.weighted = any(c.loss_weight != 1.0 for c in self.concepts.values())
+        # None: ot_dist's own shards (an image per resolution); else tars indexed as they are (external.py): their
+        # images are scaled to cover the bucket when loaded, at any resolution
+        self.layout = self.manifest.get("layout")
+        self.background = parse_colour(config.data.image_background)
         missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
-        if missing:
+        if missing and not self.layout:
             raise InputFileError(
                 f"data.shards: {self.dir} was built for resolutions {self.manifest['resolutions']}, not "
                 f"{missing}; rebuild it (ot-dist shard build CONFIG)"
@@ -110,11 +116,41 @@ class ShardDataset:
         return self._read_member(cache_dir / part, key, suffix, offset, size)
 
     def metadata(self, sample_id: int) -> dict:
-        """The sample's json member: source file, mask file, sizes, bucket (shards.py)."""
-        return self._read(self._sample(sample_id), "json")
+        """The sample's json member: source file, mask file, sizes, bucket (shards.py); for tars indexed as they
+        are, the same fields from the index (the source: `<tar>:<key>`)."""
+        sample = self._sample(sample_id)
+        if not self.layout:
+            return self._read(sample, "json")
+        index = sample_id % len(self.samples)
+        width, height = int(self.index.width[index]), int(self.index.height[index])
+        resized = {}
+        for resolution in self.resolutions:
+            size = bucket_size(sample["bucket"], resolution, self.step)
+            resized[str(resolution)] = {"bucket_size": list(size), "resized_size": list(cover_size(width, height, size))[::-1]}
+        return {"source": f"{self.samples.shard_path(sample['shard'])}:{sample['key']}", "mask": None,
+                "concept": sample["concept"], "original_size": [height, width], "bucket": sample["bucket"],
+                "resolutions": resized}
 
     def captions(self, sample_id: int) -> list[str]:
-        return self._read(self._sample(sample_id), "txt").split("\n")
+        sample = self._sample(sample_id)
+        if not self.layout:
+            return self._read(sample, "txt").split("\n")
+        suffix = external.first_of(sample["members"], tuple(self.layout["caption"]))
+        path = self.samples.shard_path(sample["shard"])
+        text = external.caption_text(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]),
+                                     suffix, self.layout["caption_field"], f"shard {path.name} sample {sample['key']}")
+        return [line.strip() for line in text.split("\n") if line.strip()] or [""]
+
+    def _image(self, sample, resolution: int) -> Image.Image:
+        """The stored image of a sample at a resolution; for tars indexed as they are, the image as it is."""
+        if not self.layout:
+            return self._read(sample, self._image_suffix(sample, resolution))
+        suffix = external.first_of(sample["members"], tuple(self.layout["image"]))
+        if suffix is None:
+            raise InputFileError(f"data.shards: sample {sample['key']} has no image member ({'|'.join(self.layout['image'])})")
+        path = self.samples.shard_path(sample["shard"])
+        return external.decode_image(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]),
+                                     f"shard {path.name} sample {sample['key']} member {suffix}", self.background)
 
     def moved(self, sample_id: int, bucket: int | None, resolution: int) -> bool:
         """Whether the sample trains in a bucket of another size than its own (data.small_buckets move)."""
@@ -138,8 +174,8 @@ class ShardDataset:
             top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
             out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
         else:
-            image = self._read(sample, self._image_suffix(sample, resolution))
-            if moved:  # stored to cover its own bucket: scaled again to cover this one
+            image = self._image(sample, resolution)
+            if moved or self.layout:  # stored to cover its own bucket (or as it was): scaled to cover this one
                 image = resize_to_cover(image, (height, width))
             top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
             box = (left, top, left + width, top + height)
