@@ -101,6 +101,13 @@ def test_shard_index_reads_sizes_from_headers_names_the_unusable_and_loads_bucke
     tall = next(b for b in manifest["buckets"] if b["aspect"] == "1.75:1 (tall)")
     assert loaded["original_size"].tolist() == [32, 16] and list(loaded["pixels"].shape[1:]) == tall["sizes"]["16"]
     assert dataset.metadata(sideways)["source"].endswith("wds-0003.tar:sideways")
+    # over 3 worker processes (tars split between them): the same index
+    assert main(["shard", "index", str(root / "tars" / "wds-{0000..0003}.tar"), "--out", str(root / "three"),
+                 "--resolution", "16", "--bucket-step", "8", "--max-bad-fraction", "0.05", "--workers", "3"]) == 0
+    for column in (root / "set" / "index").iterdir():
+        assert column.read_bytes() == (root / "three" / "index" / column.name).read_bytes(), column.name
+    three = read_manifest(root / "three")
+    assert three["shards"] == manifest["shards"] and three["unreadable_images"] == manifest["unreadable_images"]
     # a resolution the index was not made at: the images are scaled at load, so it trains
     assert list(ShardDataset(root / "set", data_config(root / "set", resolution=32)).load(0, 0)["pixels"].shape) == [3, 32, 32]
 

@@ -15,6 +15,7 @@ import pytest
 
 from ot_dist.data import sample_index
 from ot_dist.data.reader import ShardDataset
+from ot_dist.data.shard_cache import set_status
 from ot_dist.data.shards import MANIFEST, build_shard_set, read_manifest
 from ot_dist.data.tar_members import samples_of
 from ot_dist.errors import InputFileError
@@ -59,6 +60,7 @@ def test_an_earlier_manifest_and_a_damaged_index_are_refused_naming_the_file(sma
     with pytest.raises(InputFileError, match=f"{old / MANIFEST} was written by an earlier ot_dist.*"
                                              f"ot-dist shard build CONFIG --out {old}"):
         read_manifest(old)
+    assert set_status(old)[0] == "unknown"  # `ot-dist shard list`: another version's set
     short = tmp_path / "short"
     os.system(f"cp -r {folder} {short}")
     np.save(short / "index" / "bucket.npy", np.zeros(5, dtype="u1"))

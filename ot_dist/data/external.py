@@ -19,9 +19,13 @@ from __future__ import annotations
 import glob
 import io
 import json
+import multiprocessing
 import os
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
@@ -100,11 +104,71 @@ def json_size(read, members: dict) -> tuple[int, int] | None:
     return (width, height) if width > 0 and height > 0 else None
 
 
+@dataclass
+class TarIndex:
+    """What indexing one tar found (picklable: tars are indexed over worker processes)."""
+    rows: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (offset, span, bucket, width, height)
+    bad: list[dict] = field(default_factory=list)
+    unused: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TarIndexer:
+    """Indexes one tar: its samples' spans, sizes and buckets (callable on a path, for a process pool)."""
+    largest: int
+    bucket_step: int
+    bucket_assignment: str
+    image_suffixes: tuple[str, ...]
+    caption_suffixes: tuple[str, ...]
+    max_image_pixels: int | None
+
+    def __call__(self, path: Path) -> TarIndex:
+        out = TarIndex()
+        fd = os.open(path, os.O_RDONLY)
+        read = pread_of(fd)
+        try:
+            for span in samples_of(fd, f"tar {path}"):
+                where = f"{path}:{span.key}"
+                image = first_of(span.members, self.image_suffixes)
+                caption = first_of(span.members, self.caption_suffixes)
+                if image is None or caption is None:
+                    kind, wanted = ("image", self.image_suffixes) if image is None else ("caption", self.caption_suffixes)
+                    out.unused.append({"file": where, "reason": f"no {kind} member ({'|'.join(wanted)}); it has "
+                                                                f"{', '.join(sorted(span.members))}"})
+                    continue
+                try:
+                    width, height = json_size(read, span.members) or header_size(
+                        read, *span.members[image], where, self.max_image_pixels)
+                except UnreadableImage as err:
+                    out.bad.append({"file": where, "error": str(err)})
+                    continue
+                bucket = bucket_of(width, height, self.largest, self.bucket_step, self.bucket_assignment)
+                out.rows.append((span.start, span.end - span.start, bucket, width, height))
+        finally:
+            os.close(fd)
+        return out
+
+
+def indexed_tars(indexer: TarIndexer, tars: list[Path], workers: int):
+    """TarIndex of each tar, in order; over `workers` processes when above 1 (tars are independent)."""
+    if workers <= 1 or len(tars) < 2:
+        yield from map(indexer, tars)
+        return
+    with ProcessPoolExecutor(min(workers, len(tars)), mp_context=multiprocessing.get_context("fork")) as pool:
+        try:
+            yield from pool.map(indexer, tars)
+        except BrokenProcessPool:
+            raise RuntimeError("shard index: a worker process died (killed or out of memory); no manifest was "
+                               "written; run it again") from None
+
+
 def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: list[int], bucket_step: int,
                      bucket_assignment: str = "rounded_aspect", image_suffixes=IMAGE_SUFFIXES,
                      caption_suffixes=CAPTION_SUFFIXES, caption_field: str = "caption", max_bad_fraction: float = 0.01,
-                     max_image_pixels: int | None = DEFAULT_MAX_PIXELS, name: str | None = None, log=print) -> dict:
-    """Index the tars into `out_dir` (index/*.npy + manifest.json, sample_index.py). Returns the manifest."""
+                     max_image_pixels: int | None = DEFAULT_MAX_PIXELS, name: str | None = None, workers: int = 1,
+                     log=print) -> dict:
+    """Index the tars into `out_dir` (index/*.npy + manifest.json, sample_index.py), the tars split over `workers`
+    processes (the index is the same with any number). Returns the manifest."""
     from ot_dist.data.shards import FORMAT, MANIFEST, index_description, write_index_and_manifest
 
     tars = expand_sources(patterns)
@@ -112,34 +176,17 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted index leaves a set that is visibly incomplete
     image_suffixes, caption_suffixes = tuple(s.lower() for s in image_suffixes), tuple(s.lower() for s in caption_suffixes)
+    indexer = TarIndexer(max(resolutions), bucket_step, bucket_assignment, image_suffixes, caption_suffixes,
+                         max_image_pixels)
     writer, shards, bad, unused, start = IndexWriter(), [], [], [], time.perf_counter()
-    largest = max(resolutions)
-    for number, path in enumerate(tars):
-        fd = os.open(path, os.O_RDONLY)
-        read = pread_of(fd)
+    for number, (path, found) in enumerate(zip(tars, indexed_tars(indexer, tars, workers))):
         per_bucket: Counter = Counter()
-        try:
-            for span in samples_of(fd, f"tar {path}"):
-                where = f"{path}:{span.key}"
-                image = first_of(span.members, image_suffixes)
-                caption = first_of(span.members, caption_suffixes)
-                if image is None or caption is None:
-                    kind, wanted = ("image", image_suffixes) if image is None else ("caption", caption_suffixes)
-                    unused.append({"file": where, "reason": f"no {kind} member ({'|'.join(wanted)}); it has "
-                                                            f"{', '.join(sorted(span.members))}"})
-                    continue
-                try:
-                    width, height = json_size(read, span.members) or header_size(
-                        read, *span.members[image], where, max_image_pixels)
-                except UnreadableImage as err:
-                    bad.append({"file": where, "error": str(err)})
-                    continue
-                bucket = bucket_of(width, height, largest, bucket_step, bucket_assignment)
-                writer.add(number, span.start, span.end - span.start, bucket, 0, False, width, height)
-                per_bucket[bucket] += 1
-        finally:
-            os.close(fd)
-        shards.append({"file": os.path.relpath(path.resolve(), out_dir.resolve()), "samples": sum(per_bucket.values()),
+        for offset, span, bucket, width, height in found.rows:
+            writer.add(number, offset, span, bucket, 0, False, width, height)
+            per_bucket[bucket] += 1
+        bad += found.bad
+        unused += found.unused
+        shards.append({"file": os.path.relpath(path.resolve(), out_dir.resolve()), "samples": len(found.rows),
                        "bytes": path.stat().st_size, "buckets": {str(b): n for b, n in sorted(per_bucket.items())}})
     total = len(writer) + len(bad)
     if bad:

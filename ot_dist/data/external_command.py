@@ -31,6 +31,8 @@ def add_index_parser(shard_sub) -> None:
                        "(default caption)")
     index.add_argument("--max-bad-fraction", type=float, default=None, help="share of unreadable images skipped "
                        "(named) before indexing stops (default: --config's data.max_bad_fraction, else 0.01)")
+    index.add_argument("--workers", type=int, default=1, help="processes that read the tars (default 1; the "
+                       "index is the same with any number)")
     index.add_argument("--world-size", type=int, default=1, help="with --config: processes the bucket report "
                        "assumes (default 1)")
 
@@ -65,6 +67,9 @@ def run_index(args: argparse.Namespace) -> int:
             raise ConfigError(f"shard index: --bucket-step {args.bucket_step} must be at least 1 and at most the "
                               f"resolution {min(resolutions)}")
         options |= {"resolutions": resolutions, "bucket_step": args.bucket_step}
+    if args.workers < 1:
+        raise ConfigError(f"shard index: --workers must be at least 1, got {args.workers}")
+    options["workers"] = args.workers
     if args.max_bad_fraction is not None:
         options["max_bad_fraction"] = args.max_bad_fraction
     index_webdataset(args.tars, args.out, **options)
