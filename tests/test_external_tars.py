@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 
 from ot_dist.cli import main
@@ -108,6 +109,16 @@ def test_shard_index_reads_sizes_from_headers_names_the_unusable_and_loads_bucke
         assert column.read_bytes() == (root / "three" / "index" / column.name).read_bytes(), column.name
     three = read_manifest(root / "three")
     assert three["shards"] == manifest["shards"] and three["unreadable_images"] == manifest["unreadable_images"]
+    # with a training config: its resolution, bucket step and bad-image limit, and the bucket report for 2 processes
+    config = root / "train.yaml"
+    config.write_text(yaml.safe_dump(data_config(root / "set").model_dump(mode="json")))
+    capsys.readouterr()
+    assert main(["shard", "index", str(root / "tars" / "*.tar"), "--out", str(root / "configured"), "--config",
+                 str(config), "--set", "data.max_bad_fraction=0.05", "--world-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "bucket report: global batch 4 on 2 process(es), resolutions 16" in out and "1:1.75 (wide)" in out
+    assert f"train from it with data.shards: {root / 'configured'}" in out
+    assert (root / "configured" / "index" / "bucket.npy").read_bytes() == (root / "set" / "index" / "bucket.npy").read_bytes()
     # a resolution the index was not made at: the images are scaled at load, so it trains
     assert list(ShardDataset(root / "set", data_config(root / "set", resolution=32)).load(0, 0)["pixels"].shape) == [3, 32, 32]
 
