@@ -241,7 +241,7 @@ def index_records(out_dir: Path, shard_files: list[Path], records: list[dict]) -
                 raise InputFileError(f"shard {path}: no members of sample {record['key']}")
             record["members"] = span.members
             starts[position], spans_of[position] = span.start, span.end - span.start
-        shards.append({"file": path.name, "samples": len(in_shard), "bytes": path.stat().st_size,
+        shards.append({"file": path.relative_to(out_dir).as_posix(), "samples": len(in_shard), "bytes": path.stat().st_size,
                        "buckets": dict(Counter(str(records[p]["bucket"]) for p in in_shard))})
     index = IndexWriter()
     for record, offset, span in zip(records, starts, spans_of):
@@ -251,10 +251,12 @@ def index_records(out_dir: Path, shard_files: list[Path], records: list[dict]) -
 
 
 def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fingerprint: str,
-                   config_path: str | None, unused: list[dict] = (), bad: list[dict] = ()) -> dict:
-    """Index the shards of `out_dir` (index/*.npy) and write manifest.json (last, atomically). Returns the
-    manifest with "samples": `records`, each given its "members"."""
-    shard_files = sorted(out_dir.glob("shard-*.tar"))
+                   config_path: str | None, unused: list[dict] = (), bad: list[dict] = (),
+                   shard_files: list[Path] | None = None) -> dict:
+    """Index the shards `shard_files` (default: out_dir/shard-*.tar; a merge of parts passes theirs, in out_dir's
+    part folders), a record's "shard" being its shard's place in that list, into out_dir/index/*.npy, and write
+    manifest.json (last, atomically). Returns the manifest with "samples": `records`, each given its "members"."""
+    shard_files = sorted(out_dir.glob("shard-*.tar")) if shard_files is None else shard_files
     index, shards = index_records(out_dir, shard_files, records)
     counts = Counter(r["bucket"] for r in records)
     per_concept = Counter(r["concept"] for r in records)
