@@ -137,6 +137,13 @@ def test_shard_index_refuses_compressed_tars_missing_files_and_too_many_unreadab
     err = refused(str(tars / "wds-0000.tar"))
     assert "wds-0000.tar:broken could not be read: not an image Pillow reads (1 of 6 images unreadable" in err
     assert not (tmp_path / "o" / "manifest.json").exists()
+    # data.max_image_pixels holds for sizes from the json member (sample 0) and from image headers (sample 1)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(data_config(tmp_path / "o", data={"max_image_pixels": 200, "bucket_step": 8,
+                                                                       "shards": str(tmp_path / "o")}).model_dump(mode="json")))
+    err = refused(str(tars / "wds-0000.tar"), "--config", str(config))
+    for key in ("000000000", "000000001"):
+        assert f"wds-0000.tar:{key} is 16x16 = 256 pixels, over data.max_image_pixels 200" in err
 
 
 def test_a_resume_on_another_world_size_is_exactly_once_on_an_indexed_tar_set(indexed):

@@ -70,21 +70,28 @@ def first_of(members: dict, suffixes: tuple[str, ...]) -> str | None:
     return next((lower[s] for s in suffixes if s in lower), None)
 
 
-def header_size(read, offset: int, size: int, where: str, max_pixels: int | None) -> tuple[int, int]:
+def header_size(read, offset: int, size: int, where: str) -> tuple[int, int]:
     """(width, height) of an image member as displayed (EXIF orientation applied), from its header."""
     data = read(offset, min(size, HEADER_BYTES))
     for attempt in (0, 1):
+        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # checked against data.max_image_pixels
         try:
             with Image.open(io.BytesIO(data)) as img:
                 width, height = img.size
                 if img.getexif().get(_ORIENTATION) in (5, 6, 7, 8):
                     width, height = height, width
-            break
+            return width, height
         except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
             if attempt or len(data) == size:
                 why = "not an image Pillow reads" if isinstance(err, UnidentifiedImageError) else str(err)
                 raise UnreadableImage(f"data: image {where} could not be read: {why}") from None
             data = read(offset, size)  # a header longer than HEADER_BYTES: the whole member
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+    raise AssertionError("unreachable")
+
+
+def within_limit(width: int, height: int, where: str, max_pixels: int | None) -> tuple[int, int]:
     if max_pixels is not None and width * height > max_pixels:
         raise UnreadableImage(f"data: image {where} is {width}x{height} = {width * height} pixels, over "
                               f"data.max_image_pixels {max_pixels} (a decompression bomb, or raise the limit)")
@@ -137,8 +144,8 @@ class TarIndexer:
                                                                 f"{', '.join(sorted(span.members))}"})
                     continue
                 try:
-                    width, height = json_size(read, span.members) or header_size(
-                        read, *span.members[image], where, self.max_image_pixels)
+                    width, height = within_limit(*(json_size(read, span.members) or header_size(
+                        read, *span.members[image], where)), where, self.max_image_pixels)
                 except UnreadableImage as err:
                     out.bad.append({"file": where, "error": str(err)})
                     continue
@@ -234,11 +241,14 @@ def decode_image(data: bytes, where: str, background: tuple[int, int, int]) -> I
     """An image member as ot_dist's own builder opens files: upright, sRGB, 8-bit RGB, alpha on the background."""
     from PIL import ImageOps
 
+    limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # `shard index` checked data.max_image_pixels
     try:
         with Image.open(io.BytesIO(data)) as img:
             return to_srgb_rgb(ImageOps.exif_transpose(img), background)
-    except (OSError, UnidentifiedImageError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError) as err:
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError, EOFError) as err:
         raise InputFileError(f"{where}: image could not be decoded: {err}") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
 
 
 def caption_text(data: bytes, suffix: str, field: str, where: str) -> str:
