@@ -44,13 +44,14 @@ _ORIENTATION = 0x0112  # EXIF orientation: 5-8 turn the image a quarter, so its 
 
 
 def expand_sources(patterns: list[str]) -> list[Path]:
-    """Tar paths from globs (`/data/*.tar`), brace ranges (`shard-{000..099}.tar`, webdataset's) or paths."""
-    from braceexpand import braceexpand
+    """Tar paths from globs (`/data/*.tar`), webdataset's shard specs (brace ranges `shard-{000..099}.tar`, lists
+    joined by `::`, expanded by webdataset's own expand_urls) or paths."""
+    from webdataset.shardlists import expand_urls
 
     paths: list[Path] = []
     for pattern in patterns:
         found = []
-        for expanded in braceexpand(pattern):
+        for expanded in expand_urls(pattern):
             found += sorted(glob.glob(expanded)) if glob.has_magic(expanded) else [expanded]
         found = [Path(p) for p in found]
         missing = [p for p in found if not p.is_file()]

@@ -86,9 +86,10 @@ def pread_of(fd: int):
 
 
 class _Window:
-    """Reads of a tar scanned front to back: 1 MB at a time, so small members cost no system call each."""
+    """Reads of a tar scanned front to back: 64 KB at a time, so small members cost no system call each (and a
+    large one costs one 64 KB read for its header)."""
 
-    def __init__(self, fd: int, size: int = 1 << 20):
+    def __init__(self, fd: int, size: int = 1 << 16):
         self.fd, self.size, self.start, self.data = fd, size, 0, b""
 
     def __call__(self, offset: int, size: int) -> bytes:

@@ -12,7 +12,7 @@ For each size, in a fresh process each (so the memory figures are that process's
 3. for comparison, the format-1 manifest (every sample a JSON dict, as before issue 25), parsed with `json.loads`
    (up to 1M samples: 10M would need ~10 GB).
 4. tar header scan (`shard index` and `shard build`'s indexing pass): samples/s reading the headers of a synthetic
-   tar of 2 small members a sample (100k samples).
+   tar of 2 small members a sample (100k samples); and `shard index` samples/s on tars of 3000 1024x768 JPEGs.
 
     python tests/benchmarks/bench_sample_index.py [--sizes 100000,1000000,10000000] [--plan]
 
@@ -134,6 +134,39 @@ def scan(folder: Path, count: int) -> dict:
     return {"samples": found, "scan_s": seconds, "samples_per_s": found / seconds}
 
 
+def external(folder: Path, count: int) -> dict:
+    """`shard index` samples/s on webdataset tars of 1024x768 JPEGs (~700 KB): sizes from a json member
+    (img2dataset's width / height) and from the image headers."""
+    import numpy as np
+    import webdataset as wds
+    from PIL import Image
+
+    from ot_dist.data.external import index_webdataset
+
+    out = {}
+    pixels = np.random.default_rng(0).integers(0, 255, (768, 1024, 3), dtype=np.uint8)
+    jpg = io.BytesIO()
+    Image.fromarray(pixels).save(jpg, "JPEG", quality=90)
+    for kind in ("json", "header"):
+        with wds.ShardWriter(str(folder / f"{kind}-%04d.tar"), maxcount=1000, verbose=0) as writer:
+            for i in range(count):
+                sample = {"__key__": f"{i:09d}", "jpg": jpg.getvalue(), "txt": b"a caption"}
+                if kind == "json":
+                    sample["json"] = json.dumps({"width": 1024, "height": 768}).encode()
+                writer.write(sample)
+        best = min(_timed(lambda: index_webdataset([str(folder / f"{kind}-*.tar")], folder / f"out-{kind}",
+                                                   resolutions=[1024], bucket_step=64, log=lambda *_: None))
+                   for _ in range(3))
+        out[kind] = count / best
+    return out
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def child(args) -> None:
     folder, count = Path(args.folder), args.count
     if args.step == "build":
@@ -142,6 +175,8 @@ def child(args) -> None:
         result = load(folder, count, args.plan)
     elif args.step == "json":
         result = json_manifest(count)
+    elif args.step == "external":
+        result = external(folder, count)
     else:
         result = scan(folder, count)
     print(json.dumps(result))
@@ -194,6 +229,10 @@ def main() -> None:
     scanned = run("scan", Path(tempfile.gettempdir()), 100_000)
     print(f"\ntar header scan: {scanned['samples']} samples (2 members each) in {scanned['scan_s']:.2f}s = "
           f"{scanned['samples_per_s']:,.0f} samples/s")
+    with tempfile.TemporaryDirectory() as tmp:
+        indexed = run("external", Path(tmp), 3000)
+    print(f"shard index, 1024x768 JPEGs: {indexed['json']:,.0f} samples/s with json width/height, "
+          f"{indexed['header']:,.0f} samples/s from image headers (one process)")
 
 
 if __name__ == "__main__":
