@@ -18,7 +18,9 @@ from ot_dist.data.images import open_image, parse_colour
 
 
 class SampleEncoder:
-    """Callable on (n, source) -> (sample dict for the writer, record, warnings); picklable for the pool."""
+    """Callable on (n, source) -> (sample dict for the writer, record, warnings); picklable for the pool.
+    n (the source's place in the list of all concepts' images) names the sample, so a part of a build
+    (`--part i/n`) names its samples as the whole build does."""
 
     def __init__(self, config):
         self.config = config
@@ -52,7 +54,7 @@ class SampleEncoder:
 def encoded_samples(config, sources: list, workers: int):
     """(sample, record, warnings) for each source, in order; over `workers` processes when above 1."""
     encode = SampleEncoder(config)
-    jobs = list(enumerate(sources))
+    jobs = [(source.number, source) for source in sources]
     if workers <= 1:
         yield from map(encode, jobs)
         return
