@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--flavor", default="pytorchjob", choices=["pytorchjob", "indexed-job"],
                      help="Kubeflow PyTorchJob (elastic, c10d) or an operator-free Indexed Job + headless Service")
     k8s.add_argument("--name", default=None, help="job name (default: ot-dist-<config file name>)")
+    k8s.add_argument("--shard-parts", type=int, default=None, metavar="N", help="instead of training: build the "
+                     "config's shard set in N parts, an Indexed Job of N CPU pods (shard build --part) and a merge "
+                     "Job, on the training pods' volume")
+    k8s.add_argument("--shard-workers", type=int, default=4, metavar="W", help="encoder processes (and CPUs "
+                     "requested) per shard part pod (default 4)")
     k8s.add_argument("--out", default=None, metavar="DIR", help="write one file per manifest + kustomization.yaml "
                      "here (default: print to stdout)")
 
