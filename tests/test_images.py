@@ -177,7 +177,7 @@ def camera_folder(folder: Path) -> dict:
 
 def make_config(folder: Path, shards: Path, **data):
     return validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
-                     "data": {"path": str(folder), "shards": str(shards), "bucket_step": 16,
+                     "data": {"path": str(folder), "shards": str(shards), "bucket_step": 16, "image_format": "png",
                               "image_background": "#204080", "max_bad_fraction": 0.1, **data},
                      "resolution": 64, "batch_size": 1, "seed": 1})
 
