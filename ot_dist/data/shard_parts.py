@@ -86,7 +86,7 @@ def build_part(config: TrainConfig, out_dir: str | Path, part: tuple[int, int], 
     clear_set(out_dir, keep_parts=parts)  # the merged manifest is stale now; so are shards of a whole-set build
     shutil.rmtree(folder, ignore_errors=True)  # interrupted, or built from other sources
     folder.mkdir(parents=True)
-    scan, sources = scan_sources(config, log, part)
+    scan, sources = scan_sources(config, log, part, workers)
     start = time.perf_counter()
     records = write_shards(config, folder, sources, workers, log)
     content = {

@@ -1,7 +1,8 @@
 """`ot-dist shard build`: concepts -> webdataset tar shards grouped by aspect bucket, plus a manifest.
 
 Each sample is written once with one image per training resolution, resized to cover its bucket
-(`<key>.<res>.png`), the same for its mask (`<key>.<res>.mask.png`), its caption(s) (`<key>.txt`)
+(`<key>.<res>.<format>`, data.image_format; `auto` keeps a source's own bytes where nothing changes), the same
+for its mask (`<key>.<res>.mask.png`), its caption(s) (`<key>.txt`)
 and metadata (`<key>.json`). Samples are written bucket by bucket, so a bucket's samples sit in
 neighbouring shards. The manifest (`manifest.json`, written last: a set without one is incomplete)
 holds per-shard and per-bucket counts, what built the set, a fingerprint of the source files and
@@ -109,7 +110,7 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     """Scan the concepts (errors name the file), write the shards with webdataset's ShardWriter (the samples
     encoded over `workers` processes, written in order by this one), then index member offsets and write the
     manifest. Returns the manifest. (`--part i/n` builds one part of this: shard_parts.py.)"""
-    scan, sources = scan_sources(config, log)
+    scan, sources = scan_sources(config, log, workers=workers)
     out_dir = Path(out_dir)
     clear_set(out_dir)
     fingerprint = source_fingerprint(config)
@@ -126,11 +127,11 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     return manifest
 
 
-def scan_sources(config: TrainConfig, log=print, part: tuple[int, int] | None = None) -> tuple:
+def scan_sources(config: TrainConfig, log=print, part: tuple[int, int] | None = None, workers: int = 1) -> tuple:
     """(the scan, the samples to build): the concepts scanned (`part`: one range of their images), the small
     images left out with data.skip_small_images or warned about."""
     data = config.data
-    scan = scan_folders(data, log, part)
+    scan = scan_folders(data, log, part, workers)
     sources, small = small_images(config, scan.samples)
     if data.skip_small_images:
         scan.unused += [(image, f"too small: {reason}; data.skip_small_images") for image, reason in small]

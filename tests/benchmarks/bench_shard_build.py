@@ -74,12 +74,18 @@ FORMATS = {  # name -> (PIL format, save options)
 
 
 def best_rate(fn, count: int, rounds: int) -> float:
-    best = 0.0
+    return best_rates(fn, count, rounds)[0]
+
+
+def best_rates(fn, count: int, rounds: int) -> tuple[float, float]:
+    """(best wall-clock rate, best rate per CPU second of this process: what an idle core would do)."""
+    wall = cpu = 0.0
     for _ in range(rounds):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        best = max(best, count / (time.perf_counter() - start))
-    return best
+        wall = max(wall, count / (time.perf_counter() - start))
+        cpu = max(cpu, count / max(1e-9, time.process_time() - start_cpu))
+    return wall, cpu
 
 
 def cover_size(width: int, height: int) -> tuple[int, int]:
@@ -119,8 +125,8 @@ def formats(args) -> None:
                 img.save(buf, format=fmt, **options)
                 encoded.append(buf.getvalue())
 
-        build_rate = best_rate(build, len(sources), args.rounds)
-        decode_rate = best_rate(lambda: [decode(data) for data in encoded], len(encoded), args.rounds)
+        build_rate = best_rates(build, len(sources), args.rounds)
+        decode_rate = best_rates(lambda: [decode(data) for data in encoded], len(encoded), args.rounds)
         rows.append((name, np.mean([len(e) for e in encoded]), build_rate, decode_rate))
     # source kept: the photos already at the stored size (as a downloader that resized them would write them)
     kept = [jpeg_bytes(resize_to_cover(img, bucket)) for img in images]
@@ -130,11 +136,13 @@ def formats(args) -> None:
             with Image.open(io.BytesIO(data)) as img:  # the header: size, mode, orientation
                 assert img.size == resized and img.mode == "RGB"
 
-    rows.append(("source kept (JPEG q92)", np.mean([len(k) for k in kept]), best_rate(keep, len(kept), args.rounds),
-                 best_rate(lambda: [decode(data) for data in kept], len(kept), args.rounds)))
-    print(f"{'format':24} {'KB/image':>9} {'build img/s':>12} {'decode img/s':>13}")
+    rows.append(("source kept (JPEG q92)", np.mean([len(k) for k in kept]), best_rates(keep, len(kept), args.rounds),
+                 best_rates(lambda: [decode(data) for data in kept], len(kept), args.rounds)))
+    print("images/s measured (wall clock, this machine's load) / per CPU second (an idle core)")
+    print(f"{'format':24} {'KB/image':>9} {'build img/s':>16} {'decode img/s':>16}")
     for name, size, build_rate, decode_rate in rows:
-        print(f"{name:24} {size / 1e3:9.0f} {build_rate:12.1f} {decode_rate:13.1f}")
+        print(f"{name:24} {size / 1e3:9.0f} {build_rate[0]:7.1f} / {build_rate[1]:6.1f} "
+              f"{decode_rate[0]:7.1f} / {decode_rate[1]:6.1f}")
 
 
 def source_folder(work: Path, count: int) -> Path:
@@ -154,6 +162,14 @@ def build_config(folder: Path, image_format: str):
                      "resolution": RESOLUTION, "batch_size": 1})
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """(this process's CPU seconds, its finished child processes' CPU seconds)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime
+
+
 def workers(args) -> None:
     from ot_dist.data.shards import build_shard_set
 
@@ -163,13 +179,21 @@ def workers(args) -> None:
           f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     base = None
     for count in [int(n) for n in args.workers.split(",")]:
-        best = 0.0
+        best, cpu = 0.0, (0.0, 0.0)
         for _ in range(args.rounds):
+            before = cpu_seconds()
             start = time.perf_counter()
             build_shard_set(config, work / f"set-{count}", log=lambda *_: None, workers=count)
-            best = max(best, args.images / (time.perf_counter() - start))
+            rate = args.images / (time.perf_counter() - start)
+            if rate > best:
+                best, cpu = rate, tuple(b - a for a, b in zip(before, cpu_seconds()))
         base = base or best
-        print(f"workers {count}: {best:6.2f} images/s  (x{best / base:.2f}; load {os.getloadavg()[0]:.1f})")
+        main_cpu, worker_cpu = (c / args.images for c in cpu)
+        # on idle cores the build takes the longer of the main process's serial work and the workers' share
+        projected = 1 / max(main_cpu, worker_cpu / count) if count > 1 else 1 / main_cpu
+        print(f"workers {count}: {best:6.2f} images/s measured (x{best / base:.2f}; load {os.getloadavg()[0]:.1f}); "
+              f"CPU per image: main process {1e3 * main_cpu:.0f} ms, workers {1e3 * worker_cpu:.0f} ms -> "
+              f"{projected:.1f} images/s on {count} idle cores")
 
 
 def loader(args) -> None:
@@ -180,10 +204,13 @@ def loader(args) -> None:
     config = build_config(source_folder(work, args.images), args.format)
     build_shard_set(config, work / "set", log=lambda *_: None, workers=1)
     dataset = ShardDataset(work / "set", config)
+    cpu = time.process_time()
     rate = best_rate(lambda: [dataset.load(i, epoch=0) for i in range(len(dataset))], len(dataset), args.rounds)
+    idle = len(dataset) * args.rounds / (time.process_time() - cpu)  # images per CPU second: an idle core's rate
     print(f"loader worker at {RESOLUTION} ({args.format} shards; read, decode, crop, normalise): {rate:.1f} images/s "
-          f"(load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores); {TARGET_IMAGES_PER_S:.0f} images/s per rank "
-          f"needs {int(np.ceil(TARGET_IMAGES_PER_S / rate))} loader workers")
+          f"measured (load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores), {idle:.1f} images/s per CPU second; "
+          f"{TARGET_IMAGES_PER_S:.0f} images/s per rank needs {int(np.ceil(TARGET_IMAGES_PER_S / rate))} loader "
+          f"workers at the measured rate, {int(np.ceil(TARGET_IMAGES_PER_S / idle))} on idle cores")
 
 
 def main() -> None:
