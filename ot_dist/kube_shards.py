@@ -15,11 +15,11 @@ else the cache folder under the config's paths). No GPU; CPU and memory requests
 from __future__ import annotations
 
 from ot_dist.config.schema import TrainConfig
+from ot_dist.data.shard_parts import MERGE_WAIT_S
 from ot_dist.errors import ConfigError
 from ot_dist.kube import (CONFIG_DIR, CONFIG_FILE, HOME, RUN_AS, WORKSPACE, WORKSPACE_CLAIM, api_object,
                           config_map, container_security, field_ref, labels)
 
-MERGE_WAIT_S = 86400  # how long the merge pod waits for the parts before it fails (exit 3)
 PART_RETRIES = 3
 SHARD_CONTAINER = "ot-dist"
 

@@ -101,15 +101,19 @@ def test_the_pods_commands_build_the_set_training_reads(shapes_data, tmp_path, m
     # the merge pod may start first: it waits for the parts
     command, env, cwd = pod_command(rendered["shard-merge-job.yaml"], 0, volumes)
     merge = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    parts = []
     try:
-        for index in (0, 1):
+        for index in (0, 1):  # the two part pods run side by side
             command, env, cwd = pod_command(rendered["shard-build-job.yaml"], index, volumes)
-            part = subprocess.run(command, env=env, cwd=cwd, capture_output=True, text=True, timeout=240)
-            assert part.returncode == 0, part.stdout + part.stderr
-            assert f"shard part {index}/2" in part.stdout
+            parts.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        for index, part in enumerate(parts):
+            out = part.communicate(timeout=240)[0]
+            assert part.returncode == 0 and f"shard part {index}/2" in out, out
         output = merge.communicate(timeout=240)[0]
     finally:
-        merge.kill()
+        for process in [merge, *parts]:
+            process.kill()
     assert merge.returncode == 0, output
     # training from the workspace (the pods' working folder) finds the set, current, in 2 parts' shards
     monkeypatch.chdir(workspace)

@@ -165,3 +165,52 @@ def test_merge_without_parts_exits_naming_the_folder(source, tmp_path, capsys):
     assert main(["shard", "merge", str(path), "--out", str(tmp_path / "empty")]) == 2
     assert "no part folders" in capsys.readouterr().err
     assert shard_parts.parse_part(" 3 / 4 ") == (3, 4)
+
+
+def test_unreadable_images_found_over_workers_and_limited_over_all_parts(tmp_path):
+    folder = make_images(tmp_path / "imgs", [(64, 64)] * 6)
+    (folder / "0004.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    loose = config({"path": str(folder), "bucket_step": 16, "max_bad_fraction": 0.2})
+    one = build_shard_set(loose, tmp_path / "one", **QUIET, workers=2)
+    assert [b["file"] for b in one["unreadable_images"]] == [str(folder / "0004.png")]
+    for part in range(2):
+        build_part(loose, tmp_path / "parts", (part, 2), workers=2, **QUIET)
+    merged = merge_parts(loose, tmp_path / "parts", **QUIET)
+    assert merged["unreadable_images"] == one["unreadable_images"]
+    assert [s["key"] for s in merged["samples"]] == [s["key"] for s in one["samples"]]
+    # 1 of 6 is over a limit of 10 %: the part holding it builds (1 of its 3), the merge stops as a whole build does
+    strict = config({"path": str(folder), "bucket_step": 16, "max_bad_fraction": 0.1})
+    with pytest.raises(InputFileError, match=r"0004.png.*1 of 6 images unreadable"):
+        build_shard_set(strict, tmp_path / "strict-one", **QUIET)
+    for part in range(2):
+        build_part(strict, tmp_path / "strict", (part, 2), **QUIET)
+    with pytest.raises(InputFileError, match=r"0004.png.*1 of 6 images unreadable"):
+        merge_parts(strict, tmp_path / "strict", **QUIET)
+
+
+def test_train_start_waits_for_parts_and_merges_them_instead_of_building_over_them(tmp_path):
+    import threading
+
+    from ot_dist.data.training_data import ensure_shards
+    from ot_dist.parallel.runtime import Runtime
+
+    folder = make_images(tmp_path / "imgs", [(64, 64)] * 4 + [(128, 64)] * 2)
+    cfg = config({"path": str(folder), "shards": str(tmp_path / "set"), "bucket_step": 16})
+    build_part(cfg, tmp_path / "set", (0, 2), **QUIET)
+    finished = part_dir(tmp_path / "set", 0, 2) / PART_FILE
+    built = finished.stat().st_mtime_ns
+    later = threading.Timer(1.0, lambda: build_part(cfg, tmp_path / "set", (1, 2), **QUIET))
+    later.start()  # part 1 finishes while training waits
+    logged = []
+    try:
+        ensure_shards(cfg, Runtime(), logged.append)
+    finally:
+        later.join()
+    assert "built in parts; waiting" in logged[0] and not any("building it" in line for line in logged)
+    assert finished.stat().st_mtime_ns == built and is_current(tmp_path / "set", source_fingerprint(cfg))
+    assert len(read_manifest(tmp_path / "set")["samples"]) == 6
+    # parts from other sources: named, not waited for, not built over
+    (folder / "0001.txt").write_text("a new caption\n")
+    with pytest.raises(InputFileError, match="part 0/2 .* other sources"):
+        ensure_shards(cfg, Runtime(), logged.append)
+    assert finished.stat().st_mtime_ns == built

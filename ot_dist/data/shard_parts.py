@@ -33,6 +33,7 @@ from ot_dist.errors import ConfigError, InputFileError
 PART_FILE = "part.json"
 PART_FORMAT = "ot_dist.shard-part/1"
 PART_FOLDER = re.compile(r"part-(\d{5})-of-(\d{5})")
+MERGE_WAIT_S = 86400  # how long a merge at train start (or in the k8s merge pod) waits for parts still building
 COLUMNS = ("key", "shard", "bucket", "concept", "mask", "number")  # a part's samples, one list per field
 
 
@@ -109,9 +110,9 @@ def build_part(config: TrainConfig, out_dir: str | Path, part: tuple[int, int], 
     return content
 
 
-def finished_parts(config: TrainConfig, out_dir: Path, parts: int) -> tuple[list[dict], list[str]]:
-    """(the finished parts' contents, in order, [why each other part is not ready]) for a build in `parts` parts."""
-    fingerprint = source_fingerprint(config)
+def finished_parts(fingerprint: str, out_dir: Path, parts: int) -> tuple[list[dict], list[str]]:
+    """(the finished parts' contents, in order, [why each other part is not ready]) for a build in `parts` parts
+    from the sources of `fingerprint`."""
     found, waiting = [], []
     for number in range(parts):
         folder = part_dir(out_dir, number, parts)
@@ -140,14 +141,17 @@ def merge_parts(config: TrainConfig, out_dir: str | Path, parts: int | None = No
     parts still building). Returns the manifest."""
     out_dir = Path(out_dir)
     parts = parts or infer_parts(out_dir)
-    deadline = time.monotonic() + wait
+    deadline, pause = time.monotonic() + wait, 0.25
+    fingerprint = source_fingerprint(config)  # once: a stat of every source file
     while True:
-        contents, waiting = finished_parts(config, out_dir, parts)
+        contents, waiting = finished_parts(fingerprint, out_dir, parts)
         if not waiting:
             break
-        if time.monotonic() >= deadline:
+        stale = [line for line in waiting if "other sources" in line]  # finished: waiting will not change them
+        if stale or time.monotonic() >= deadline:
             raise InputFileError(f"shard merge: {len(waiting)} of {parts} parts are not ready: " + "; ".join(waiting))
-        time.sleep(min(10.0, max(0.1, deadline - time.monotonic())))
+        pause = min(2 * pause, 30.0)
+        time.sleep(min(pause, max(0.1, deadline - time.monotonic())))
     shard_files, records, unused, bad = [], [], contents[0]["unused_files"], []
     for content in contents:
         folder = part_dir(out_dir, content["part"], parts)
