@@ -1,7 +1,8 @@
 """`ot-dist shard build`: concepts -> webdataset tar shards grouped by aspect bucket, plus a manifest.
 
 Each sample is written once with one image per training resolution, resized to cover its bucket
-(`<key>.<res>.png`), the same for its mask (`<key>.<res>.mask.png`), its caption(s) (`<key>.txt`)
+(`<key>.<res>.<format>`, data.image_format; `auto` keeps a source's own bytes where nothing changes), the same
+for its mask (`<key>.<res>.mask.png`), its caption(s) (`<key>.txt`)
 and metadata (`<key>.json`). Samples are written bucket by bucket, so a bucket's samples sit in
 neighbouring shards. The manifest (`manifest.json`, written last: a set without one is incomplete)
 holds per-shard and per-bucket counts, what built the set, a fingerprint of the source files and
@@ -119,39 +120,13 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
                     workers: int = 1) -> dict:
     """Scan the concepts (errors name the file), write the shards with webdataset's ShardWriter (the samples
     encoded over `workers` processes, written in order by this one), then index member offsets and write the
-    manifest. Returns the manifest."""
-    import webdataset as wds
-
-    data = config.data
-    scan = scan_folders(data, log)
-    sources, small = small_images(config, scan.samples)
-    if data.skip_small_images:
-        scan.unused += [(image, f"too small: {reason}; data.skip_small_images") for image, reason in small]
-    elif small:
-        log(f"warning: data: {len(small)} image{'s' if len(small) != 1 else ''} with a side below a quarter of the "
-            f"bucket side it is scaled to (blurry when upscaled; data.skip_small_images leaves them out): "
-            + ", ".join(f"{image} ({reason})" for image, reason in small))
-    if not sources:
-        raise InputFileError("data: no image is left to build the shard set from"
-                             + (f"; {scan.unused_line()}" if scan.unused else ""))
+    manifest. Returns the manifest. (`--part i/n` builds one part of this: shard_parts.py.)"""
+    scan, sources = scan_sources(config, log, workers=workers)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
-        old.unlink(missing_ok=True)  # the manifest first: an interrupted rebuild leaves a set that is visibly incomplete
-    for cache in out_dir.glob("latents-*"):  # derived from the old shards
-        shutil.rmtree(cache)
+    clear_set(out_dir)
     fingerprint = source_fingerprint(config)
-    order = sorted(range(len(sources)), key=lambda i: (config_bucket_of(config, *sources[i].size), i))
-    records, start = [], time.perf_counter()
-    ordered = [sources[i] for i in order]
-    # mtime fixed: the same sources give byte-identical shards (with any number of workers).
-    with wds.ShardWriter(str(out_dir / "shard-%06d.tar"), maxsize=data.shard_size_mb * 1e6, maxcount=10**9,
-                         verbose=0, mtime=0, encoder=False) as writer:
-        for sample, record, warnings in encoded_samples(config, ordered, workers):
-            for line in warnings:
-                log(line)
-            writer.write(sample)
-            records.append({"key": record["key"], "shard": writer.shard - 1, **record})
+    start = time.perf_counter()
+    records = write_shards(config, out_dir, sources, workers, log)
     unused = [{"file": str(path), "reason": reason} for path, reason in scan.unused]
     bad = [{"file": str(path), "error": error} for path, error in scan.bad]
     manifest = write_manifest(config, out_dir, records, fingerprint, config_path, unused, bad)
@@ -161,6 +136,63 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     for line in unused_report(manifest):  # also when the build happens at train start
         log(line)
     return manifest
+
+
+def scan_sources(config: TrainConfig, log=print, part: tuple[int, int] | None = None, workers: int = 1) -> tuple:
+    """(the scan, the samples to build): the concepts scanned (`part`: one range of their images), the small
+    images left out with data.skip_small_images or warned about."""
+    data = config.data
+    scan = scan_folders(data, log, part, workers)
+    sources, small = small_images(config, scan.samples)
+    if data.skip_small_images:
+        scan.unused += [(image, f"too small: {reason}; data.skip_small_images") for image, reason in small]
+    elif small:
+        log(f"warning: data: {len(small)} image{'s' if len(small) != 1 else ''} with a side below a quarter of the "
+            f"bucket side it is scaled to (blurry when upscaled; data.skip_small_images leaves them out): "
+            + ", ".join(f"{image} ({reason})" for image, reason in small))
+    if not sources and part is None:
+        raise InputFileError("data: no image is left to build the shard set from"
+                             + (f"; {scan.unused_line()}" if scan.unused else ""))
+    return scan, sources
+
+
+def clear_set(out_dir: Path, keep_parts: int | None = None) -> None:
+    """Remove what an earlier build left in `out_dir`: the manifest first (an interrupted rebuild leaves a set that is
+    visibly incomplete), the shards, the latent / text caches (derived from the old shards) and the part folders
+    (`--part`) except those of a build in `keep_parts` parts."""
+    from ot_dist.data.shard_parts import part_folders
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
+        old.unlink(missing_ok=True)
+    for cache in out_dir.glob("latents-*"):
+        shutil.rmtree(cache, ignore_errors=True)  # parts of one build clear side by side
+    for folder, (_, parts) in part_folders(out_dir).items():
+        if parts != keep_parts:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def build_order(config: TrainConfig, sources: list) -> list:
+    """The order samples are written and indexed in: bucket by bucket, then by image number."""
+    return sorted(sources, key=lambda s: (config_bucket_of(config, *s.size), s.number))
+
+
+def write_shards(config: TrainConfig, out_dir: Path, sources: list, workers: int, log=print) -> list[dict]:
+    """Encode `sources` into out_dir/shard-NNNNNN.tar, bucket by bucket (then in source order); the records of the
+    samples written, in that order, each with its shard's number."""
+    import webdataset as wds
+
+    ordered = build_order(config, sources)
+    records = []
+    # mtime fixed: the same sources give byte-identical shards (with any number of workers).
+    with wds.ShardWriter(str(out_dir / "shard-%06d.tar"), maxsize=config.data.shard_size_mb * 1e6, maxcount=10**9,
+                         verbose=0, mtime=0, encoder=False) as writer:
+        for sample, record, warnings in encoded_samples(config, ordered, workers):
+            for line in warnings:
+                log(line)
+            writer.write(sample)
+            records.append({"key": record["key"], "shard": writer.shard - 1, **record})
+    return records
 
 
 def unused_report(manifest: dict) -> list[str]:
