@@ -70,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--flavor", default="pytorchjob", choices=["pytorchjob", "indexed-job"],
                      help="Kubeflow PyTorchJob (elastic, c10d) or an operator-free Indexed Job + headless Service")
     k8s.add_argument("--name", default=None, help="job name (default: ot-dist-<config file name>)")
+    k8s.add_argument("--shard-parts", type=int, default=None, metavar="N", help="instead of training: build the "
+                     "config's shard set in N parts, an Indexed Job of N CPU pods (shard build --part) and a merge "
+                     "Job, on the training pods' volume")
+    k8s.add_argument("--shard-workers", type=int, default=4, metavar="W", help="encoder processes (and CPUs "
+                     "requested) per shard part pod (default 4)")
     k8s.add_argument("--out", default=None, metavar="DIR", help="write one file per manifest + kustomization.yaml "
                      "here (default: print to stdout)")
 
@@ -90,6 +95,22 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--world-size", type=int, default=1, help="processes the bucket report assumes (default 1)")
     build.add_argument("--workers", type=int, default=1, help="processes that encode the images (default 1; the "
                        "shards are byte-identical with any number)")
+    build.add_argument("--part", default=None, metavar="I/N", help="build only the I-th of N disjoint parts of the "
+                       "set (one machine or pod each) into OUT/part-I-of-N/; a finished part is skipped; then "
+                       "`ot-dist shard merge` (docs/data.md)")
+    merge = shard_sub.add_parser("merge", help="write the manifest of a set built in parts (shard build --part), "
+                                 "over the parts' shards, without rewriting them")
+    add_config_args(merge)
+    merge.add_argument("--out", default=None, metavar="DIR", help="the shard set folder the parts were built in "
+                       "(default: as for shard build)")
+    merge.add_argument("--parts", type=int, default=None, metavar="N", help="the number of parts (default: from "
+                       "the part folders in DIR)")
+    merge.add_argument("--wait", type=float, default=0, metavar="SECONDS", help="wait up to this long for parts "
+                       "still building (a merge pod started beside the part pods)")
+    merge.add_argument("--world-size", type=int, default=1, help="processes the bucket report assumes (default 1)")
+    from ot_dist.data.external_command import add_index_parser
+
+    add_index_parser(shard_sub)
     for name, helps in (("list", "show the shard sets in the cache folder: size, samples, status, last use"),
                         ("prune", "remove the stale and incomplete shard sets of the cache folder")):
         command = shard_sub.add_parser(name, help=helps)
@@ -193,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
 
         schedule_command(load_config(args.config, args.overrides), args.steps, args.world_size, args.csv, args.plot)
         return 0
+    if args.command == "shard" and args.shard_command == "index":
+        from ot_dist.data.external_command import run_index
+
+        return run_index(args)
     if args.command == "shard" and args.shard_command in ("list", "prune"):
         return shard_cache_command(args)
     if args.command == "shard":
@@ -202,10 +227,22 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         if not config.data.concept_list():
             raise ConfigError("data: shard build needs data.path or data.concepts (the image folders)")
-        if args.workers < 1:
-            raise ConfigError(f"shard build: --workers must be at least 1, got {args.workers}")
         out = args.out or shard_dir_of(config)
-        build_shard_set(config, out, config_path=str(args.config), workers=args.workers)
+        if args.shard_command == "merge":
+            from ot_dist.data.shard_parts import merge_parts
+
+            if args.parts is not None and args.parts < 1:
+                raise ConfigError(f"shard merge: --parts must be at least 1, got {args.parts}")
+            merge_parts(config, out, args.parts, config_path=str(args.config), wait=args.wait)
+        elif args.workers < 1:
+            raise ConfigError(f"shard build: --workers must be at least 1, got {args.workers}")
+        elif args.part is not None:
+            from ot_dist.data.shard_parts import build_part, parse_part
+
+            build_part(config, out, parse_part(args.part), workers=args.workers)
+            return 0
+        else:
+            build_shard_set(config, out, config_path=str(args.config), workers=args.workers)
         print("\n".join(report_for(config, out, args.world_size)))
         return 0
     if args.command == "import":

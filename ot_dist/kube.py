@@ -285,7 +285,12 @@ def run_k8s(args, log=print) -> int:
         apply_override(raw, override)
     config = validate(raw, source=args.config)
     name = args.name or default_name(args.config)
-    manifests = render_manifests(raw, config, name, args.nodes, args.gpus_per_node, args.image, args.flavor)
+    if args.shard_parts is not None:  # the shard set's build instead of training (kube_shards.py)
+        from ot_dist.kube_shards import render_shard_manifests
+
+        manifests = render_shard_manifests(raw, config, name, args.shard_parts, args.shard_workers, args.image)
+    else:
+        manifests = render_manifests(raw, config, name, args.nodes, args.gpus_per_node, args.image, args.flavor)
     for entry in paths_outside_workspace(config):
         print(f"ot-dist k8s: warning: {entry} is outside {WORKSPACE} (the workspace volume), so the pods see "
               "it only if the image contains it; use a path relative to the workspace", file=sys.stderr)  # fmt: skip

@@ -178,7 +178,7 @@ def camera_folder(folder: Path) -> dict:
 
 def make_config(folder: Path, shards: Path, **data):
     return validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
-                     "data": {"path": str(folder), "shards": str(shards), "bucket_step": 16,
+                     "data": {"path": str(folder), "shards": str(shards), "bucket_step": 16, "image_format": "png",
                               "image_background": "#204080", "max_bad_fraction": 0.1, **data},
                      "resolution": 64, "batch_size": 1, "seed": 1})
 
@@ -382,9 +382,10 @@ def test_two_ranks_train_on_the_camera_folder(built, tiny_models, tmp_path):
 
     raw = base_config(tiny_models["sd1"], built["root"] / "photos", tmp_path / "out", batch_size=2, strategy="ddp",
                       learning_rate=1e-5, log_every_steps=1,
-                      **{"data.bucket_step": 16, "data.max_bad_fraction": 0.1, "data.image_background": "#204080"})
+                      **{"data.bucket_step": 16, "data.max_bad_fraction": 0.1, "data.image_background": "#204080",
+                         "data.image_format": "png"})  # the module's build settings
     done = run_ranks(str(REPO / "tests" / "helpers" / "train_recording_batches.py"), "train",
-                str(write_config(tmp_path / "train.yaml", raw)), env={**ENV, "BATCH_REPORT_DIR": str(tmp_path)})
+                     str(write_config(tmp_path / "train.yaml", raw)), env={**ENV, "BATCH_REPORT_DIR": str(tmp_path)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     out, samples = done.stdout, len(built["samples"])  # 21 readable images, 23 with pillow-heif's 2 HEICs
     assert f"1 of {samples + 1} images unreadable" in out

@@ -282,7 +282,13 @@ class DataConfig(Section):
         "resolution) has the nearest height/width, by linear difference, as OneTrainer assigns; log_ratio = the "
         "nearest ideal aspect by log ratio (ot_dist's earlier rule: symmetric for tall and wide images).",
     )
-    image_format: Literal["png", "webp", "jpg"] = Field(default="png", description="Image encoding in the shards.")
+    image_format: Literal["auto", "png", "webp", "jpg"] = Field(
+        default="auto",
+        description="Image encoding in the shards. auto: a source JPEG / PNG / WebP that needs no resize, rotation or "
+        "colour conversion is stored as its own bytes (the pixels a reader decodes are checked equal), other JPEG "
+        "sources as JPEG quality 95, the rest as PNG (figures: docs/data.md). png / webp (quality 95) / jpg "
+        "(quality 95): every image re-encoded so.",
+    )
     shard_size_mb: float = Field(default=256, gt=0, description="Target size of one tar shard.")
     loader_workers: int = Field(default=0, ge=0, description="Data loader worker processes per rank (0 = in-process).")
     cache_text: bool = Field(

@@ -75,7 +75,11 @@ def aspect_name(bucket: int) -> str:
 def resize_to_cover(img: Image.Image, size: tuple[int, int], resample=Image.Resampling.BICUBIC) -> Image.Image:
     """Scale (keeping the aspect) to the smallest size covering `size` = (height, width); the crop to
     the exact bucket happens when reading, so a random crop can differ per epoch."""
+    return img.resize(cover_size(img.width, img.height, size), resample)
+
+
+def cover_size(image_width: int, image_height: int, size: tuple[int, int]) -> tuple[int, int]:
+    """(width, height) resize_to_cover gives an image of that size for `size` = (height, width)."""
     height, width = size
-    scale = max(width / img.width, height / img.height)
-    new = (max(width, round(img.width * scale)), max(height, round(img.height * scale)))
-    return img.resize(new, resample)
+    scale = max(width / image_width, height / image_height)
+    return max(width, round(image_width * scale)), max(height, round(image_height * scale))

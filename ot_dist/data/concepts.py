@@ -27,6 +27,7 @@ class SourceSample:
     caption: str  # one or more captions, one per line; the prefix is already applied
     mask: Path | None
     size: tuple[int, int]  # (width, height) of the image file
+    number: int = 0  # position in the list of every concept's images (concept, then path): names the sample
 
 
 def concept_name(concept: ConceptConfig) -> str:
@@ -55,35 +56,83 @@ def scan_concepts(data: DataConfig, log=print) -> list[SourceSample]:
     return scan_folders(data, log).samples
 
 
-def scan_folders(data: DataConfig, log=print) -> Scan:
+def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = None, workers: int = 1) -> Scan:
     """Decode every image once (upright size), so a broken file is found before any shard is written.
     Unreadable images (broken, empty, over data.max_image_pixels) are named; more of them than
-    data.max_bad_fraction of the images stops the build (exit 3), fewer are skipped with a warning."""
+    data.max_bad_fraction of the images stops the build (exit 3), fewer are skipped with a warning.
+    `part` (i, n): only the i-th of n contiguous ranges of the image list (`ot-dist shard build --part`); the
+    limit on unreadable images is then checked over all parts when they are merged (shard_parts.py). `workers`:
+    processes that decode the images (`ot-dist shard build --workers`)."""
     from ot_dist.data.images import parse_colour
 
     samples: list[SourceSample] = []
     bad: list[tuple[Path, str]] = []
     unused: list[tuple[Path, str]] = []
     background = parse_colour(data.image_background)
+    listed: list[tuple[int, ConceptConfig, Path]] = []
     for index, (label, concept) in enumerate(data.concept_list()):
         images, skipped = classify_files(label, concept)
         unused += skipped
-        for image in images:
-            try:
-                size = open_image(image, data.max_image_pixels, background).size
-            except UnreadableImage as err:
-                bad.append((image, str(err)))
-                continue
-            samples.append(SourceSample(index, image, read_caption(concept, image), mask_of(image), size))
-    total = len(samples) + len(bad)
-    if bad:
-        names = "; ".join(error for _, error in bad)
-        if len(bad) > data.max_bad_fraction * total:
-            raise InputFileError(f"{names} ({len(bad)} of {total} images unreadable, more than data.max_bad_fraction "
-                                 f"{data.max_bad_fraction})")
-        log(f"warning: data: {len(bad)} of {total} images unreadable, skipped (within data.max_bad_fraction "
-            f"{data.max_bad_fraction}): {names}")
+        listed += [(index, concept, image) for image in images]
+    start, stop = part_range(len(listed), *(part or (0, 1)))
+    probe = SizeProbe(data.max_image_pixels, background)
+    sizes = map_over_workers(probe, [listed[number][2] for number in range(start, stop)], workers)
+    for number, size in zip(range(start, stop), sizes):
+        index, concept, image = listed[number]
+        if isinstance(size, str):
+            bad.append((image, size))
+            continue
+        samples.append(SourceSample(index, image, read_caption(concept, image), mask_of(image), size, number))
+    if part is None:
+        check_bad_fraction(data, bad, len(samples) + len(bad), log)
     return Scan(samples, bad, unused)
+
+
+class SizeProbe:
+    """Callable on an image path -> its upright (width, height), or the error text naming it; picklable."""
+
+    def __init__(self, max_pixels, background):
+        self.max_pixels, self.background = max_pixels, background
+
+    def __call__(self, image: Path) -> tuple[int, int] | str:
+        try:
+            return open_image(image, self.max_pixels, self.background).size
+        except UnreadableImage as err:
+            return str(err)
+
+
+def map_over_workers(function, items: list, workers: int) -> list:
+    """[function(item) for item in items], over `workers` forked processes when above 1 (in order)."""
+    if workers <= 1 or len(items) < 2:
+        return [function(item) for item in items]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    chunk = max(1, min(64, len(items) // (4 * workers)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+        try:
+            return list(pool.map(function, items, chunksize=chunk))
+        except BrokenProcessPool:
+            raise RuntimeError("shard build: a worker process died while scanning the images (killed or out of "
+                               "memory); run the build again") from None
+
+
+def part_range(images: int, part: int, parts: int) -> tuple[int, int]:
+    """[start, stop) of the part-th of `parts` contiguous, near-equal ranges of `images` images."""
+    return part * images // parts, (part + 1) * images // parts
+
+
+def check_bad_fraction(data: DataConfig, bad: list[tuple], total: int, log=print) -> None:
+    """Stop (exit 3) when more than data.max_bad_fraction of the `total` images are unreadable; warn for fewer."""
+    if not bad:
+        return
+    names = "; ".join(str(error) for _, error in bad)
+    if len(bad) > data.max_bad_fraction * total:
+        raise InputFileError(f"{names} ({len(bad)} of {total} images unreadable, more than data.max_bad_fraction "
+                             f"{data.max_bad_fraction})")
+    log(f"warning: data: {len(bad)} of {total} images unreadable, skipped (within data.max_bad_fraction "
+        f"{data.max_bad_fraction}): {names}")
 
 
 def list_images(label: str, concept: ConceptConfig) -> list[Path]:

@@ -1,6 +1,6 @@
 """Reading a shard set: samples by index (ShardDataset) and this rank's micro batches (ShardReader).
 
-How samples are read: by seeking to the member offsets the manifest indexes, not by streaming
+How samples are read: by seeking to the member offsets the index holds (sample_index.py), not by streaming
 shards. The epoch plan (plan.py) decides which samples make each global batch; random access is
 what lets every rank read exactly its slice of that plan, lets loader workers split the micro
 batches, and makes a resume (on any world size) start at the exact global batch without replaying
@@ -19,11 +19,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ot_dist.data.buckets import bucket_size, merged_buckets, resize_to_cover
+from ot_dist.data.buckets import bucket_size, cover_size, merged_buckets, resize_to_cover
 from ot_dist.data.augment import augment
 from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
+from ot_dist.data import external
+from ot_dist.data.images import parse_colour
 from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
+from ot_dist.data.sample_index import MASK
 from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import read_manifest
 from ot_dist.errors import InputFileError
@@ -36,21 +39,26 @@ class ShardDataset:
     def __init__(self, shard_dir: str | Path, config):
         self.dir = Path(shard_dir)
         self.manifest = read_manifest(self.dir)
-        self.samples = self.manifest["samples"]
+        self.samples = self.manifest["samples"]  # the index as sample dicts, read on access (sample_index.py)
+        self.index = self.samples.index  # its memory-mapped columns
         self.seed, self.crop, self.step = config.seed, config.data.crop, self.manifest["bucket_step"]
         self.resolutions = config.resolutions()
         # concept index -> its config (caption variation); a set trained from data.shards alone has none
         self.concepts = {i: c for i, (_, c) in enumerate(config.data.concept_list())}
         # per-sample loss weights travel in the batch only when some concept has one: without, the loss stays MSE
         self.weighted = any(c.loss_weight != 1.0 for c in self.concepts.values())
+        # None: ot_dist's own shards (an image per resolution); else tars indexed as they are (external.py): their
+        # images are scaled to cover the bucket when loaded, at any resolution
+        self.layout = self.manifest.get("layout")
+        self.background = parse_colour(config.data.image_background)
         missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
-        if missing:
+        if missing and not self.layout:
             raise InputFileError(
                 f"data.shards: {self.dir} was built for resolutions {self.manifest['resolutions']}, not "
                 f"{missing}; rebuild it (ot-dist shard build CONFIG)"
             )
-        self.has_masks = any(s["mask"] for s in self.samples)
-        self._files: dict[Path, int] = {}  # open shard file descriptors (opened lazily)
+        self.has_masks = bool(np.any(self.index.flags & MASK))
+        self._last = None  # the sample record load() read last: its tar headers are read once per load
         self.caches: dict[str, tuple[Path, dict]] = {}  # latents / text -> (cache folder, member index)
 
     def __len__(self) -> int:
@@ -65,8 +73,20 @@ class ShardDataset:
             balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
             kinds = tuple(c.type for _, c in data_config.concept_list())
         merged = merged_buckets(self.resolutions, self.step)
-        return SampleTable(tuple(merged[s["bucket"]] for s in self.samples), tuple(s["concept"] for s in self.samples),
+        lookup = np.array([merged[b] for b in range(len(merged))], dtype=np.int64)
+        return SampleTable(tuple(lookup[self.index.bucket].tolist()), tuple(self.index.concept.tolist()),
                            tuple(balancing), tuple(c["name"] for c in concepts), kinds)
+
+    def without_masks(self) -> list[int]:
+        """Indices of the samples that have no mask."""
+        return np.flatnonzero((self.index.flags & MASK) == 0).tolist()
+
+    def _sample(self, sample_id: int):
+        """The record of a sample (its tar headers read once, on first use, and kept for the next call)."""
+        index = sample_id % len(self.samples)
+        if self._last is None or self._last.index != index:
+            self._last = self.samples[index]
+        return self._last
 
     def _read(self, sample: dict, suffix: str):
         file = self.manifest["shards"][sample["shard"]]["file"]
@@ -79,10 +99,8 @@ class ShardDataset:
                              f"shard {path.name} sample {key}")
 
     def member_bytes(self, path: Path, key: str, suffix: str, offset: int, size: int) -> bytes:
-        if path not in self._files:
-            self._files[path] = os.open(path, os.O_RDONLY)
         # pread: no shared file position, so forked loader workers can use descriptors they inherited
-        data = os.pread(self._files[path], size, offset)
+        data = os.pread(self.samples.files.fd(path), size, offset)
         if len(data) != size:
             raise InputFileError(f"shard {path.name} sample {key}: member {suffix} is truncated "
                                  f"({len(data)} of {size} bytes)")
@@ -98,15 +116,45 @@ class ShardDataset:
         return self._read_member(cache_dir / part, key, suffix, offset, size)
 
     def metadata(self, sample_id: int) -> dict:
-        """The sample's json member: source file, mask file, sizes, bucket (shards.py)."""
-        return self._read(self.samples[sample_id % len(self.samples)], "json")
+        """The sample's json member: source file, mask file, sizes, bucket (shards.py); for tars indexed as they
+        are, the same fields from the index (the source: `<tar>:<key>`)."""
+        sample = self._sample(sample_id)
+        if not self.layout:
+            return self._read(sample, "json")
+        index = sample_id % len(self.samples)
+        width, height = int(self.index.width[index]), int(self.index.height[index])
+        resized = {}
+        for resolution in self.resolutions:
+            size = bucket_size(sample["bucket"], resolution, self.step)
+            resized[str(resolution)] = {"bucket_size": list(size), "resized_size": list(cover_size(width, height, size))[::-1]}
+        return {"source": f"{self.samples.shard_path(sample['shard'])}:{sample['key']}", "mask": None,
+                "concept": sample["concept"], "original_size": [height, width], "bucket": sample["bucket"],
+                "resolutions": resized}
 
     def captions(self, sample_id: int) -> list[str]:
-        return self._read(self.samples[sample_id % len(self.samples)], "txt").split("\n")
+        sample = self._sample(sample_id)
+        if not self.layout:
+            return self._read(sample, "txt").split("\n")
+        suffix = external.first_of(sample["members"], tuple(self.layout["caption"]))
+        path = self.samples.shard_path(sample["shard"])
+        text = external.caption_text(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]),
+                                     suffix, self.layout["caption_field"], f"shard {path.name} sample {sample['key']}")
+        return [line.strip() for line in text.split("\n") if line.strip()] or [""]
+
+    def _image(self, sample, resolution: int) -> Image.Image:
+        """The stored image of a sample at a resolution; for tars indexed as they are, the image as it is."""
+        if not self.layout:
+            return self._read(sample, self._image_suffix(sample, resolution))
+        suffix = external.first_of(sample["members"], tuple(self.layout["image"]))
+        if suffix is None:
+            raise InputFileError(f"data.shards: sample {sample['key']} has no image member ({'|'.join(self.layout['image'])})")
+        path = self.samples.shard_path(sample["shard"])
+        return external.decode_image(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]),
+                                     f"shard {path.name} sample {sample['key']} member {suffix}", self.background)
 
     def moved(self, sample_id: int, bucket: int | None, resolution: int) -> bool:
         """Whether the sample trains in a bucket of another size than its own (data.small_buckets move)."""
-        own = self.samples[sample_id % len(self.samples)]["bucket"]
+        own = int(self.index.bucket[sample_id % len(self.samples)])
         return bucket is not None and bucket_size(bucket, resolution, self.step) != bucket_size(own, resolution, self.step)
 
     def load(self, sample_id: int, epoch: int, resolution: int | None = None, use_cache: bool = True,
@@ -114,7 +162,7 @@ class ShardDataset:
         """The sample cropped to its bucket, or to `bucket` (scaled to cover it first when its size differs).
         `latents` false: pixels even with a latent cache (a micro batch with a moved sample is all pixels)."""
         resolution = resolution or self.resolutions[0]
-        sample = self.samples[sample_id % len(self.samples)]
+        sample = self._sample(sample_id)
         moved = self.moved(sample_id, bucket, resolution)
         height, width = bucket_size(bucket if moved else sample["bucket"], resolution, self.step)
         meta = self.metadata(sample_id)
@@ -126,8 +174,8 @@ class ShardDataset:
             top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
             out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
         else:
-            image = self._read(sample, self._image_suffix(sample, resolution))
-            if moved:  # stored to cover its own bucket: scaled again to cover this one
+            image = self._image(sample, resolution)
+            if moved or self.layout:  # stored to cover its own bucket (or as it was): scaled to cover this one
                 image = resize_to_cover(image, (height, width))
             top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
             box = (left, top, left + width, top + height)
@@ -180,12 +228,8 @@ class ShardDataset:
             return int(torch.randint(0, spare_height + 1, (1,), generator=g)), int(torch.randint(0, spare_width + 1, (1,), generator=g))
         return spare_height // 2, spare_width // 2
 
-    def __getstate__(self):  # descriptors stay in their process; a spawned loader worker opens its own
-        return {**self.__dict__, "_files": {}}
-
-    def __del__(self):
-        for fd in getattr(self, "_files", {}).values():
-            os.close(fd)
+    def __getstate__(self):  # the index pickles as its folder, the shard files as none open (sample_index.py)
+        return {**self.__dict__, "_last": None}
 
 
 def _line_of(member_key: str) -> int:

@@ -8,17 +8,23 @@ resize, re-encode) is nearly all of a build's time, so that is where the cores g
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+from PIL import Image
 
 from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
 from ot_dist.data.images import open_image, parse_colour
 
 
 class SampleEncoder:
-    """Callable on (n, source) -> (sample dict for the writer, record, warnings); picklable for the pool."""
+    """Callable on (n, source) -> (sample dict for the writer, record, warnings); picklable for the pool.
+    n (the source's place in the list of all concepts' images) names the sample, so a part of a build
+    (`--part i/n`) names its samples as the whole build does."""
 
     def __init__(self, config):
         self.config = config
@@ -37,10 +43,12 @@ class SampleEncoder:
                 "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
         img = open_image(source.image, data.max_image_pixels, parse_colour(data.image_background))  # upright sRGB
         mask = load_mask(source.mask, source.image, img.size, warnings.append) if source.mask else None
+        kept = KeptSource(source.image) if data.image_format == "auto" else None
         for res in config.resolutions():
             target = bucket_size(bucket, res, data.bucket_step)
             resized = resize_to_cover(img, target)
-            sample[f"{res}.{data.image_format}"] = encode_image(resized, data.image_format)
+            suffix, encoded = kept.member(img, resized) if kept else (data.image_format, None)
+            sample[f"{res}.{suffix}"] = encoded if encoded is not None else encode_image(resized, suffix)
             if mask is not None:  # the same geometry as the image, so they stay aligned
                 sample[f"{res}.mask.png"] = encode_image(resize_to_cover(mask, target), "png")
             meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [resized.height, resized.width]}
@@ -49,10 +57,48 @@ class SampleEncoder:
         return sample, record, warnings
 
 
+class KeptSource:
+    """image_format auto for one source: its own bytes where they decode to exactly the pixels to store, else the
+    format it is re-encoded in (jpg for a JPEG source: re-encoding a lossy source losslessly only adds bytes; png
+    for the others)."""
+
+    KEPT = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+
+    def __init__(self, path):
+        self.data = Path(path).read_bytes()
+        with Image.open(io.BytesIO(self.data)) as img:
+            self.format = img.format
+        self.equal: bool | None = None  # decoded once, on the first resolution that needs no resize
+
+    def member(self, upright, resized) -> tuple[str, bytes | None]:
+        """(member suffix, the bytes to store or None: encode `resized` in that format)."""
+        suffix = self.KEPT.get(self.format)
+        if suffix is not None and resized.size == upright.size:
+            if self.equal is None:
+                self.equal = decodes_to(self.data, suffix, upright)
+            if self.equal:
+                return suffix, self.data
+        return ("jpg" if self.format == "JPEG" else "png"), None
+
+
+def decodes_to(data: bytes, suffix: str, pixels) -> bool:
+    """Whether the reader's decoder (decode.py) gives exactly `pixels` (RGB) from `data`."""
+    import numpy as np
+
+    from ot_dist.data.decode import decode_member
+
+    try:
+        decoded = decode_member(f"source.{suffix}", data, "source")
+    except Exception:  # noqa: BLE001  (not decodable as stored: re-encode)
+        return False
+    return decoded.mode == "RGB" and decoded.size == pixels.size and np.array_equal(np.asarray(decoded),
+                                                                                    np.asarray(pixels))
+
+
 def encoded_samples(config, sources: list, workers: int):
     """(sample, record, warnings) for each source, in order; over `workers` processes when above 1."""
     encode = SampleEncoder(config)
-    jobs = list(enumerate(sources))
+    jobs = [(source.number, source) for source in sources]
     if workers <= 1:
         yield from map(encode, jobs)
         return

@@ -67,12 +67,14 @@ class SetInfo:
 def set_status(path: Path) -> tuple[str, dict | None]:
     """(status, manifest or None) of one shard set folder."""
     from ot_dist.config.schema import ConceptConfig
-    from ot_dist.data.shards import MANIFEST, fingerprint_of
+    from ot_dist.data.shards import FORMAT, MANIFEST, fingerprint_of
 
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except (OSError, ValueError):
         return "incomplete", None
+    if manifest.get("format") != FORMAT:  # an earlier ot_dist's set: this version does not read it
+        return "unknown", manifest
     settings = {k: v for k, v in manifest.get("built_from", {}).items() if k != "config"}
     try:
         concepts = [(f"concepts[{i}]", ConceptConfig(**c)) for i, c in enumerate(settings["concepts"])]
@@ -96,7 +98,7 @@ def scan_sets(root: Path) -> list[SetInfo]:
         used = path / LAST_USED
         infos.append(SetInfo(
             path=path, bytes=sum(f.stat().st_size for f in files),
-            samples=len(manifest["samples"]) if manifest else None, status=status,
+            samples=manifest.get("sample_count", len(manifest.get("samples", []))) if manifest else None, status=status,
             last_used=used.stat().st_mtime if used.is_file() else None,
             changed=max((f.stat().st_mtime for f in files), default=path.stat().st_mtime),
             built_from=(manifest or {}).get("built_from", {}).get("config")))

@@ -1,11 +1,13 @@
 """`ot-dist shard build`: concepts -> webdataset tar shards grouped by aspect bucket, plus a manifest.
 
 Each sample is written once with one image per training resolution, resized to cover its bucket
-(`<key>.<res>.png`), the same for its mask (`<key>.<res>.mask.png`), its caption(s) (`<key>.txt`)
+(`<key>.<res>.<format>`, data.image_format; `auto` keeps a source's own bytes where nothing changes), the same
+for its mask (`<key>.<res>.mask.png`), its caption(s) (`<key>.txt`)
 and metadata (`<key>.json`). Samples are written bucket by bucket, so a bucket's samples sit in
 neighbouring shards. The manifest (`manifest.json`, written last: a set without one is incomplete)
 holds per-shard and per-bucket counts, what built the set, a fingerprint of the source files and
-settings (to detect a stale set), and each sample's member offsets in its shard (the reader's index).
+settings (to detect a stale set) and the sample count; where each sample sits in its shard (the reader's
+index) is the compact columnar index `index/*.npy` beside it (sample_index.py), written just before it.
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ import io
 import json
 import os
 import shutil
-import tarfile
 import time
+from array import array
 from collections import Counter
 from pathlib import Path
 
@@ -26,10 +28,12 @@ from ot_dist.config.schema import TrainConfig
 from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
 from ot_dist.data.concepts import classify_files, concept_name, mask_of, scan_folders
 from ot_dist.data.images import open_mask
+from ot_dist.data.sample_index import COLUMNS, INDEX_DIR, IndexWriter, SampleIndex, SampleRecords, bytes_per_sample
 from ot_dist.data.sample_encoder import encoded_samples
+from ot_dist.data.tar_members import samples_of
 from ot_dist.errors import InputFileError
 
-FORMAT = "ot_dist.shards/1"
+FORMAT = "ot_dist.shards/2"  # /1 held every sample as a JSON dict in the manifest (refused: rebuild)
 MANIFEST = "manifest.json"
 SAVE_FORMATS = {"png": "PNG", "webp": "WEBP", "jpg": "JPEG"}
 
@@ -79,6 +83,7 @@ def fingerprint_of(settings: dict, concepts: list) -> str:
 
 
 def read_manifest(shard_dir: Path) -> dict:
+    """The manifest of a set, its "samples" the index shown as a list of sample dicts (sample_index.py)."""
     path = Path(shard_dir) / MANIFEST
     if not path.is_file():
         raise InputFileError(f"data.shards: {shard_dir} has no {MANIFEST} (build it: ot-dist shard build CONFIG)")
@@ -86,8 +91,15 @@ def read_manifest(shard_dir: Path) -> dict:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise InputFileError(f"data.shards: {path} is not readable JSON: {err}") from None
+    if manifest.get("format") == "ot_dist.shards/1":
+        raise InputFileError(
+            f"data.shards: {path} was written by an earlier ot_dist (format ot_dist.shards/1, every sample in the JSON; "
+            f"this version reads the compact index {FORMAT}); rebuild the set: ot-dist shard build CONFIG --out "
+            f"{shard_dir} (a run with data.path / data.concepts rebuilds it by itself)")
     if manifest.get("format") != FORMAT:
         raise InputFileError(f"data.shards: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
+    manifest["samples"] = SampleRecords(Path(shard_dir), manifest["shards"],
+                                        SampleIndex(Path(shard_dir), manifest["sample_count"]))
     return manifest
 
 
@@ -108,39 +120,13 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
                     workers: int = 1) -> dict:
     """Scan the concepts (errors name the file), write the shards with webdataset's ShardWriter (the samples
     encoded over `workers` processes, written in order by this one), then index member offsets and write the
-    manifest. Returns the manifest."""
-    import webdataset as wds
-
-    data = config.data
-    scan = scan_folders(data, log)
-    sources, small = small_images(config, scan.samples)
-    if data.skip_small_images:
-        scan.unused += [(image, f"too small: {reason}; data.skip_small_images") for image, reason in small]
-    elif small:
-        log(f"warning: data: {len(small)} image{'s' if len(small) != 1 else ''} with a side below a quarter of the "
-            f"bucket side it is scaled to (blurry when upscaled; data.skip_small_images leaves them out): "
-            + ", ".join(f"{image} ({reason})" for image, reason in small))
-    if not sources:
-        raise InputFileError("data: no image is left to build the shard set from"
-                             + (f"; {scan.unused_line()}" if scan.unused else ""))
+    manifest. Returns the manifest. (`--part i/n` builds one part of this: shard_parts.py.)"""
+    scan, sources = scan_sources(config, log, workers=workers)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
-        old.unlink(missing_ok=True)  # the manifest first: an interrupted rebuild leaves a set that is visibly incomplete
-    for cache in out_dir.glob("latents-*"):  # derived from the old shards
-        shutil.rmtree(cache)
+    clear_set(out_dir)
     fingerprint = source_fingerprint(config)
-    order = sorted(range(len(sources)), key=lambda i: (config_bucket_of(config, *sources[i].size), i))
-    records, start = [], time.perf_counter()
-    ordered = [sources[i] for i in order]
-    # mtime fixed: the same sources give byte-identical shards (with any number of workers).
-    with wds.ShardWriter(str(out_dir / "shard-%06d.tar"), maxsize=data.shard_size_mb * 1e6, maxcount=10**9,
-                         verbose=0, mtime=0, encoder=False) as writer:
-        for sample, record, warnings in encoded_samples(config, ordered, workers):
-            for line in warnings:
-                log(line)
-            writer.write(sample)
-            records.append({"key": record["key"], "shard": writer.shard - 1, **record})
+    start = time.perf_counter()
+    records = write_shards(config, out_dir, sources, workers, log)
     unused = [{"file": str(path), "reason": reason} for path, reason in scan.unused]
     bad = [{"file": str(path), "error": error} for path, error in scan.bad]
     manifest = write_manifest(config, out_dir, records, fingerprint, config_path, unused, bad)
@@ -150,6 +136,63 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
     for line in unused_report(manifest):  # also when the build happens at train start
         log(line)
     return manifest
+
+
+def scan_sources(config: TrainConfig, log=print, part: tuple[int, int] | None = None, workers: int = 1) -> tuple:
+    """(the scan, the samples to build): the concepts scanned (`part`: one range of their images), the small
+    images left out with data.skip_small_images or warned about."""
+    data = config.data
+    scan = scan_folders(data, log, part, workers)
+    sources, small = small_images(config, scan.samples)
+    if data.skip_small_images:
+        scan.unused += [(image, f"too small: {reason}; data.skip_small_images") for image, reason in small]
+    elif small:
+        log(f"warning: data: {len(small)} image{'s' if len(small) != 1 else ''} with a side below a quarter of the "
+            f"bucket side it is scaled to (blurry when upscaled; data.skip_small_images leaves them out): "
+            + ", ".join(f"{image} ({reason})" for image, reason in small))
+    if not sources and part is None:
+        raise InputFileError("data: no image is left to build the shard set from"
+                             + (f"; {scan.unused_line()}" if scan.unused else ""))
+    return scan, sources
+
+
+def clear_set(out_dir: Path, keep_parts: int | None = None) -> None:
+    """Remove what an earlier build left in `out_dir`: the manifest first (an interrupted rebuild leaves a set that is
+    visibly incomplete), the shards, the latent / text caches (derived from the old shards) and the part folders
+    (`--part`) except those of a build in `keep_parts` parts."""
+    from ot_dist.data.shard_parts import part_folders
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
+        old.unlink(missing_ok=True)
+    for cache in out_dir.glob("latents-*"):
+        shutil.rmtree(cache, ignore_errors=True)  # parts of one build clear side by side
+    for folder, (_, parts) in part_folders(out_dir).items():
+        if parts != keep_parts:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def build_order(config: TrainConfig, sources: list) -> list:
+    """The order samples are written and indexed in: bucket by bucket, then by image number."""
+    return sorted(sources, key=lambda s: (config_bucket_of(config, *s.size), s.number))
+
+
+def write_shards(config: TrainConfig, out_dir: Path, sources: list, workers: int, log=print) -> list[dict]:
+    """Encode `sources` into out_dir/shard-NNNNNN.tar, bucket by bucket (then in source order); the records of the
+    samples written, in that order, each with its shard's number."""
+    import webdataset as wds
+
+    ordered = build_order(config, sources)
+    records = []
+    # mtime fixed: the same sources give byte-identical shards (with any number of workers).
+    with wds.ShardWriter(str(out_dir / "shard-%06d.tar"), maxsize=config.data.shard_size_mb * 1e6, maxcount=10**9,
+                         verbose=0, mtime=0, encoder=False) as writer:
+        for sample, record, warnings in encoded_samples(config, ordered, workers):
+            for line in warnings:
+                log(line)
+            writer.write(sample)
+            records.append({"key": record["key"], "shard": writer.shard - 1, **record})
+    return records
 
 
 def unused_report(manifest: dict) -> list[str]:
@@ -196,28 +239,57 @@ def load_mask(path: Path, image: Path, size: tuple[int, int], log=print) -> Imag
 
 def index_members(shard: Path) -> dict[str, dict[str, list[int]]]:
     """key -> member suffix -> [data offset, size]: read from the tar headers, so the reader can seek."""
-    members: dict[str, dict[str, list[int]]] = {}
-    with tarfile.open(shard) as tar:
-        for info in tar:
-            key, suffix = info.name.split(".", 1)
-            members.setdefault(key, {})[suffix] = [info.offset_data, info.size]
-    return members
+    return {span.key: span.members for span in shard_samples(shard)}
+
+
+def shard_samples(shard: Path):
+    """The samples of one tar in order (tar_members.SampleSpan: key, first header offset, end, members)."""
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        yield from samples_of(fd, f"shard {shard.name}")
+    finally:
+        os.close(fd)
+
+
+def index_records(out_dir: Path, shard_files: list[Path], records: list[dict]) -> tuple[IndexWriter, list[dict]]:
+    """The columnar index of `records` (in their order) from one read of each shard's tar headers: linear in
+    samples. Each record gets its "members" (suffix -> [data offset, size]); returns (index, per-shard stats)."""
+    by_shard: dict[int, list[int]] = {}
+    for position, record in enumerate(records):  # one pass: a scan of all records per shard is quadratic
+        by_shard.setdefault(record["shard"], []).append(position)
+    unknown = sorted(set(by_shard) - set(range(len(shard_files))))
+    if unknown:
+        raise InputFileError(f"shard set {out_dir}: records name shard {unknown[0]}, the folder holds "
+                             f"{len(shard_files)} shard-*.tar")
+    starts, spans_of = array("Q", [0]) * len(records), array("Q", [0]) * len(records)  # 16 bytes a sample
+    shards = []
+    for number, path in enumerate(shard_files):
+        spans = {span.key: span for span in shard_samples(path)}
+        in_shard = by_shard.get(number, [])
+        for position in in_shard:
+            record = records[position]
+            span = spans.get(record["key"])
+            if span is None:
+                raise InputFileError(f"shard {path}: no members of sample {record['key']}")
+            record["members"] = span.members
+            starts[position], spans_of[position] = span.start, span.end - span.start
+        shards.append({"file": path.relative_to(out_dir).as_posix(), "samples": len(in_shard), "bytes": path.stat().st_size,
+                       "buckets": dict(Counter(str(records[p]["bucket"]) for p in in_shard))})
+    index = IndexWriter()
+    for record, offset, span in zip(records, starts, spans_of):
+        index.add(record["shard"], offset, span, record["bucket"], record["concept"], record.get("mask", False),
+                  record.get("width", 0), record.get("height", 0))
+    return index, shards
 
 
 def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fingerprint: str,
-                   config_path: str | None, unused: list[dict] = (), bad: list[dict] = ()) -> dict:
-    shard_files = sorted(out_dir.glob("shard-*.tar"))
-    by_shard: dict[int, list[dict]] = {}
-    for record in records:  # one pass: a scan of all records per shard is quadratic at millions of samples
-        by_shard.setdefault(record["shard"], []).append(record)
-    shards = []
-    for number, path in enumerate(shard_files):
-        members = index_members(path)
-        in_shard = by_shard.get(number, [])
-        for record in in_shard:
-            record["members"] = members[record["key"]]
-        shards.append({"file": path.name, "samples": len(in_shard), "bytes": path.stat().st_size,
-                       "buckets": dict(Counter(str(r["bucket"]) for r in in_shard))})
+                   config_path: str | None, unused: list[dict] = (), bad: list[dict] = (),
+                   shard_files: list[Path] | None = None) -> dict:
+    """Index the shards `shard_files` (default: out_dir/shard-*.tar; a merge of parts passes theirs, in out_dir's
+    part folders), a record's "shard" being its shard's place in that list, into out_dir/index/*.npy, and write
+    manifest.json (last, atomically). Returns the manifest with "samples": `records`, each given its "members"."""
+    shard_files = sorted(out_dir.glob("shard-*.tar")) if shard_files is None else shard_files
+    index, shards = index_records(out_dir, shard_files, records)
     counts = Counter(r["bucket"] for r in records)
     per_concept = Counter(r["concept"] for r in records)
     manifest = {
@@ -233,12 +305,23 @@ def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fing
                      "sizes": {str(r): list(bucket_size(b, r, config.data.bucket_step)) for r in config.resolutions()}}
                     for b in sorted(counts)],
         "shards": shards,
-        "samples": records,
+        "sample_count": len(records),
+        "index": index_description(),
         "unused_files": list(unused),  # files in the concept folders that are not samples, with the reason
         "unreadable_images": list(bad),  # skipped within data.max_bad_fraction
     }
+    write_index_and_manifest(out_dir, index, manifest)
+    return {**manifest, "samples": records}
+
+
+def index_description() -> dict:
+    return {"folder": INDEX_DIR, "columns": COLUMNS, "bytes_per_sample": bytes_per_sample()}
+
+
+def write_index_and_manifest(out_dir: Path, index: IndexWriter, manifest: dict) -> None:
+    """The index first, then the manifest (atomic): a reader sees the old set's absence or the whole new one."""
+    (out_dir / MANIFEST).unlink(missing_ok=True)
+    index.write(out_dir)
     tmp = out_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest))
-    os.replace(tmp, out_dir / MANIFEST)  # atomic: a reader sees the old set's absence or the whole new one
-    return manifest
-
+    os.replace(tmp, out_dir / MANIFEST)

@@ -13,6 +13,7 @@ from ot_dist.data.shard_cache import mark_used
 from ot_dist.data.plan import SampleTable, bucket_report, untrained_fraction
 from ot_dist.data.small_buckets import move_small_buckets, moved_samples
 from ot_dist.data.reader import ShardDataset, ShardReader
+from ot_dist.data.shard_parts import MERGE_WAIT_S, merge_parts, part_folders
 from ot_dist.data.shards import build_shard_set, default_shard_dir, is_current, source_fingerprint
 from ot_dist.errors import InputFileError
 
@@ -35,7 +36,12 @@ def ensure_shards(config, runtime, log=print) -> Path:
     # already and skip the collective below, leaving the main process waiting in it.
     if runtime.is_main:
         try:
-            if not is_current(out, source_fingerprint(config)):
+            if not is_current(out, source_fingerprint(config)) and part_folders(out):
+                # being built in parts (ot-dist shard build --part, the k8s shard jobs): wait for them, not over them
+                log(f"data: shard set {out} is built in parts; waiting for them to finish, then merging them")
+                merge_parts(config, out, wait=MERGE_WAIT_S, log=log)
+                mark_used(out)
+            elif not is_current(out, source_fingerprint(config)):
                 log(f"data: shard set {out} is missing or stale; building it (`ot-dist shard build` does it ahead)")
                 build_shard_set(config, out, log)
                 mark_used(out)

@@ -41,7 +41,7 @@ def check_masks(dataset, options: MaskedTrainingConfig, log=print) -> None:
     or train on the whole image (missing_mask: unmasked)."""
     if not options.enabled:
         return
-    missing = [i for i, s in enumerate(dataset.samples) if not s["mask"]]
+    missing = dataset.without_masks()
     if not missing:
         return
     if options.missing_mask == "unmasked":

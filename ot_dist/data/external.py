@@ -1,0 +1,267 @@
+"""`ot-dist shard index`: train from existing webdataset tars (img2dataset's, webdataset.ShardWriter's) as they are.
+
+The tars are read, never rewritten: their headers give each sample's key, members and offsets (tar_members.py),
+and each image's size comes from its `json` member's `width` / `height` (img2dataset writes them) or else from the
+image's own header (Pillow reads the size, and the EXIF orientation, without decoding the pixels). Each sample
+gets its aspect bucket from that size; the index (sample_index.py) and a manifest with `layout` go to the output
+folder, which `data.shards` then names. The images are scaled to cover their bucket and cropped when loaded, on
+the loader workers (reader.py), as ot_dist's own shards are cropped.
+
+Member names follow webdataset: `<key>.<suffix>`, images `jpg|jpeg|png|webp`, captions `txt|caption|json` (the
+first present, in that order; a json caption is its `caption` field); both lists and the field are configurable.
+A sample whose image does not open (or is over data.max_image_pixels) is unreadable: counted and named, and more
+than data.max_bad_fraction of them stops the indexing; a sample with no image or caption member is not used, named
+with the reason. Compressed tars (.tar.gz) cannot be read by offset and are refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import multiprocessing
+import os
+import time
+from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size
+from ot_dist.data.images import DEFAULT_MAX_PIXELS, UnreadableImage, to_srgb_rgb
+from ot_dist.data.sample_index import IndexWriter
+from ot_dist.data.tar_members import pread_of, samples_of
+from ot_dist.errors import InputFileError
+
+LAYOUT = "webdataset"
+IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
+CAPTION_SUFFIXES = ("txt", "caption", "json")
+HEADER_BYTES = 1 << 16  # read to find an image's size: its header (with EXIF / ICC segments) fits, nearly always
+_ORIENTATION = 0x0112  # EXIF orientation: 5-8 turn the image a quarter, so its upright width is its stored height
+
+
+def expand_sources(patterns: list[str]) -> list[Path]:
+    """Tar paths from globs (`/data/*.tar`), webdataset's shard specs (brace ranges `shard-{000..099}.tar`, lists
+    joined by `::`, expanded by webdataset's own expand_urls) or paths."""
+    from webdataset.shardlists import expand_urls
+
+    paths: list[Path] = []
+    for pattern in patterns:
+        found = []
+        for expanded in expand_urls(pattern):
+            found += sorted(glob.glob(expanded)) if glob.has_magic(expanded) else [expanded]
+        found = [Path(p) for p in found]
+        missing = [p for p in found if not p.is_file()]
+        if not found or missing:
+            raise InputFileError(f"shard index: {pattern}: no tar file {missing[0] if missing else 'matches'}")
+        for path in found:
+            if path.name.endswith((".gz", ".tgz", ".bz2", ".xz", ".zst")):
+                raise InputFileError(f"shard index: {path} is compressed: a compressed tar cannot be read by offset; "
+                                     "decompress it (gunzip) and index the .tar")
+        paths += found
+    return paths
+
+
+def first_of(members: dict, suffixes: tuple[str, ...]) -> str | None:
+    """The member suffix of the first kind present (case-insensitive: img2dataset writes `jpg`, cameras `JPG`)."""
+    lower = {suffix.lower(): suffix for suffix in members}
+    return next((lower[s] for s in suffixes if s in lower), None)
+
+
+def header_size(read, offset: int, size: int, where: str) -> tuple[int, int]:
+    """(width, height) of an image member as displayed (EXIF orientation applied), from its header."""
+    data = read(offset, min(size, HEADER_BYTES))
+    for attempt in (0, 1):
+        limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # checked against data.max_image_pixels
+        try:
+            with Image.open(io.BytesIO(data)) as img:
+                width, height = img.size
+                if img.getexif().get(_ORIENTATION) in (5, 6, 7, 8):
+                    width, height = height, width
+            return width, height
+        except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
+            if attempt or len(data) == size:
+                why = "not an image Pillow reads" if isinstance(err, UnidentifiedImageError) else str(err)
+                raise UnreadableImage(f"data: image {where} could not be read: {why}") from None
+            data = read(offset, size)  # a header longer than HEADER_BYTES: the whole member
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+    raise AssertionError("unreachable")
+
+
+def within_limit(width: int, height: int, where: str, max_pixels: int | None) -> tuple[int, int]:
+    if max_pixels is not None and width * height > max_pixels:
+        raise UnreadableImage(f"data: image {where} is {width}x{height} = {width * height} pixels, over "
+                              f"data.max_image_pixels {max_pixels} (a decompression bomb, or raise the limit)")
+    return width, height
+
+
+def json_size(read, members: dict) -> tuple[int, int] | None:
+    """(width, height) from the sample's json member, where it holds them (img2dataset's)."""
+    suffix = first_of(members, ("json",))
+    if suffix is None:
+        return None
+    try:
+        meta = json.loads(read(*members[suffix]))
+        width, height = int(meta["width"]), int(meta["height"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    return (width, height) if width > 0 and height > 0 else None
+
+
+@dataclass
+class TarIndex:
+    """What indexing one tar found (picklable: tars are indexed over worker processes)."""
+    rows: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (offset, span, bucket, width, height)
+    bad: list[dict] = field(default_factory=list)
+    unused: list[dict] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TarIndexer:
+    """Indexes one tar: its samples' spans, sizes and buckets (callable on a path, for a process pool)."""
+    largest: int
+    bucket_step: int
+    bucket_assignment: str
+    image_suffixes: tuple[str, ...]
+    caption_suffixes: tuple[str, ...]
+    max_image_pixels: int | None
+
+    def __call__(self, path: Path) -> TarIndex:
+        out = TarIndex()
+        fd = os.open(path, os.O_RDONLY)
+        read = pread_of(fd)
+        try:
+            for span in samples_of(fd, f"tar {path}"):
+                where = f"{path}:{span.key}"
+                image = first_of(span.members, self.image_suffixes)
+                caption = first_of(span.members, self.caption_suffixes)
+                if image is None or caption is None:
+                    kind, wanted = ("image", self.image_suffixes) if image is None else ("caption", self.caption_suffixes)
+                    out.unused.append({"file": where, "reason": f"no {kind} member ({'|'.join(wanted)}); it has "
+                                                                f"{', '.join(sorted(span.members))}"})
+                    continue
+                try:
+                    width, height = within_limit(*(json_size(read, span.members) or header_size(
+                        read, *span.members[image], where)), where, self.max_image_pixels)
+                except UnreadableImage as err:
+                    out.bad.append({"file": where, "error": str(err)})
+                    continue
+                bucket = bucket_of(width, height, self.largest, self.bucket_step, self.bucket_assignment)
+                out.rows.append((span.start, span.end - span.start, bucket, width, height))
+        finally:
+            os.close(fd)
+        return out
+
+
+def indexed_tars(indexer: TarIndexer, tars: list[Path], workers: int):
+    """TarIndex of each tar, in order; over `workers` processes when above 1 (tars are independent)."""
+    if workers <= 1 or len(tars) < 2:
+        yield from map(indexer, tars)
+        return
+    with ProcessPoolExecutor(min(workers, len(tars)), mp_context=multiprocessing.get_context("fork")) as pool:
+        try:
+            yield from pool.map(indexer, tars)
+        except BrokenProcessPool:
+            raise RuntimeError("shard index: a worker process died (killed or out of memory); no manifest was "
+                               "written; run it again") from None
+
+
+def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: list[int], bucket_step: int,
+                     bucket_assignment: str = "rounded_aspect", image_suffixes=IMAGE_SUFFIXES,
+                     caption_suffixes=CAPTION_SUFFIXES, caption_field: str = "caption", max_bad_fraction: float = 0.01,
+                     max_image_pixels: int | None = DEFAULT_MAX_PIXELS, name: str | None = None, workers: int = 1,
+                     log=print) -> dict:
+    """Index the tars into `out_dir` (index/*.npy + manifest.json, sample_index.py), the tars split over `workers`
+    processes (the index is the same with any number). Returns the manifest."""
+    from ot_dist.data.shards import FORMAT, MANIFEST, index_description, write_index_and_manifest
+
+    tars = expand_sources(patterns)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted index leaves a set that is visibly incomplete
+    image_suffixes, caption_suffixes = tuple(s.lower() for s in image_suffixes), tuple(s.lower() for s in caption_suffixes)
+    indexer = TarIndexer(max(resolutions), bucket_step, bucket_assignment, image_suffixes, caption_suffixes,
+                         max_image_pixels)
+    writer, shards, bad, unused, start = IndexWriter(), [], [], [], time.perf_counter()
+    for number, (path, found) in enumerate(zip(tars, indexed_tars(indexer, tars, workers))):
+        per_bucket: Counter = Counter()
+        for offset, span, bucket, width, height in found.rows:
+            writer.add(number, offset, span, bucket, 0, False, width, height)
+            per_bucket[bucket] += 1
+        bad += found.bad
+        unused += found.unused
+        shards.append({"file": os.path.relpath(path.resolve(), out_dir.resolve()), "samples": len(found.rows),
+                       "bytes": path.stat().st_size, "buckets": {str(b): n for b, n in sorted(per_bucket.items())}})
+    total = len(writer) + len(bad)
+    if bad:
+        names = "; ".join(b["error"] for b in bad)
+        if len(bad) > max_bad_fraction * total:
+            raise InputFileError(f"{names} ({len(bad)} of {total} images unreadable, more than data.max_bad_fraction "
+                                 f"{max_bad_fraction})")
+        log(f"warning: data: {len(bad)} of {total} images unreadable, skipped (within data.max_bad_fraction "
+            f"{max_bad_fraction}): {names}")
+    if not len(writer):
+        raise InputFileError(f"shard index: no sample with an image ({'|'.join(image_suffixes)}) and a caption "
+                             f"({'|'.join(caption_suffixes)}) in {len(tars)} tar(s)"
+                             + (f"; not used: {unused[0]['file']} ({unused[0]['reason']}) ..." if unused else ""))
+    counts: Counter = Counter()
+    for shard in shards:
+        counts.update({int(b): n for b, n in shard["buckets"].items()})
+    manifest = {
+        "format": FORMAT,
+        "fingerprint": None,  # not built from concept folders: nothing to compare, never rebuilt by training
+        "layout": {"kind": LAYOUT, "image": list(image_suffixes), "caption": list(caption_suffixes),
+                   "caption_field": caption_field},
+        "built_from": {"config": None, "tars": patterns, "resolutions": resolutions, "bucket_step": bucket_step,
+                       "bucket_assignment": bucket_assignment},
+        "resolutions": resolutions,
+        "bucket_step": bucket_step,
+        "concepts": [{"name": name or out_dir.name, "path": str(tars[0].parent), "images": len(writer), "balancing": 1.0,
+                      "balancing_strategy": "repeats"}],
+        "buckets": [{"bucket": b, "aspect": aspect_name(b), "samples": counts[b],
+                     "sizes": {str(r): list(bucket_size(b, r, bucket_step)) for r in resolutions}} for b in sorted(counts)],
+        "shards": shards,
+        "sample_count": len(writer),
+        "index": index_description(),
+        "unused_files": unused,
+        "unreadable_images": bad,
+    }
+    write_index_and_manifest(out_dir, writer, manifest)
+    log(f"indexed {len(tars)} tar(s) into {out_dir}: {len(writer)} samples in {len(counts)} buckets in "
+        f"{time.perf_counter() - start:.1f}s; {len(unused)} not used, {len(bad)} unreadable"
+        + (f"; not used: {', '.join(u['file'] + ' (' + u['reason'] + ')' for u in unused[:5])}"
+           + (" ..." if len(unused) > 5 else "") if unused else ""))
+    return manifest
+
+
+def decode_image(data: bytes, where: str, background: tuple[int, int, int]) -> Image.Image:
+    """An image member as ot_dist's own builder opens files: upright, sRGB, 8-bit RGB, alpha on the background."""
+    from PIL import ImageOps
+
+    limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # `shard index` checked data.max_image_pixels
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            return to_srgb_rgb(ImageOps.exif_transpose(img), background)
+    except (OSError, UnidentifiedImageError, ValueError, SyntaxError, EOFError) as err:
+        raise InputFileError(f"{where}: image could not be decoded: {err}") from None
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
+def caption_text(data: bytes, suffix: str, field: str, where: str) -> str:
+    """The caption lines of a `txt` / `caption` member, or the `field` of a json member."""
+    try:
+        text = data.decode("utf-8")
+        if suffix.lower() == "json":
+            value = json.loads(text).get(field)
+            if not isinstance(value, str):
+                raise InputFileError(f"{where}: its json member has no {field!r} text (the caption field; "
+                                     "ot-dist shard index --caption-field)")
+            text = value
+    except (UnicodeDecodeError, ValueError, AttributeError) as err:
+        raise InputFileError(f"{where}: caption member {suffix} is not readable: {err}") from None
+    return text.strip()

@@ -1,0 +1,228 @@
+"""The compact sample index of a shard set: one column per field, memory-mapped, 28 bytes per sample.
+
+`<set>/index/<column>.npy` (numpy's own format, read with `np.load(mmap_mode="r")`):
+
+    shard   uint32  the sample's tar (the manifest's `shards[shard]`)
+    offset  uint64  where the sample's first member header starts in it
+    span    uint32  bytes from there to the end of its last member's data
+    bucket  uint8   its aspect bucket (buckets.py)
+    concept uint16  its concept
+    flags   uint8   MASK: it has a mask
+    width   uint32  its image's size, where the index knows it (sets indexed from existing tars; 0 for sets
+    height  uint32  `shard build` wrote: their json member holds it)
+
+The columns are files, so every rank and loader worker of a node maps the same pages of the page cache: no
+per-process copy, and a spawned loader worker pickles the folder's path, not the arrays. Everything that does not
+fit a column (keys, member names and offsets, captions, metadata) is read from the tar headers and members when a
+sample is loaded (tar_members.py). `SampleRecords` shows the index as the list of sample dicts the JSON manifest
+held before (key, shard, bucket, concept, mask, members), one sample read on access.
+
+Built in one pass over the samples (`IndexWriter.add`, amortised O(1)); the manifest, written after the index,
+records the sample count, so a set whose index is missing or cut short is refused naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ot_dist.data.tar_members import members_between, read_member
+from ot_dist.errors import InputFileError
+
+INDEX_DIR = "index"
+COLUMNS = {"shard": "<u4", "offset": "<u8", "span": "<u4", "bucket": "u1", "concept": "<u2", "flags": "u1",
+           "width": "<u4", "height": "<u4"}
+_ARRAY_CODES = {"<u4": "I", "<u8": "Q", "u1": "B", "<u2": "H"}
+MASK = 1
+
+
+def bytes_per_sample() -> int:
+    return sum(np.dtype(d).itemsize for d in COLUMNS.values())
+
+
+class IndexWriter:
+    """Collects the columns sample by sample (typed arrays: 28 bytes a sample while building, not a dict)."""
+
+    def __init__(self):
+        self.columns = {name: array(_ARRAY_CODES[dtype]) for name, dtype in COLUMNS.items()}
+
+    def __len__(self) -> int:
+        return len(self.columns["shard"])
+
+    def add(self, shard: int, offset: int, span: int, bucket: int, concept: int, mask: bool = False,
+            width: int = 0, height: int = 0) -> None:
+        c = self.columns
+        c["shard"].append(shard)
+        c["offset"].append(offset)
+        c["span"].append(span)
+        c["bucket"].append(bucket)
+        c["concept"].append(concept)
+        c["flags"].append(MASK if mask else 0)
+        c["width"].append(width)
+        c["height"].append(height)
+
+    def write(self, set_dir: Path) -> int:
+        """Write `<set_dir>/index/*.npy` (each through a temporary file and a rename); returns the sample count."""
+        folder = Path(set_dir) / INDEX_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, dtype in COLUMNS.items():
+            values = np.frombuffer(self.columns[name], dtype=np.dtype(dtype).newbyteorder("=")).astype(dtype)
+            tmp = folder / f"{name}.tmp.npy"
+            np.save(tmp, values)
+            os.replace(tmp, folder / f"{name}.npy")
+        return len(self)
+
+
+class SampleIndex:
+    """The columns of a set, memory-mapped on first use; pickles as its folder (loader workers map their own)."""
+
+    def __init__(self, set_dir: Path, count: int):
+        self.folder, self.count = Path(set_dir) / INDEX_DIR, count
+        self._columns: dict[str, np.ndarray] = {}
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        if name not in COLUMNS:
+            raise AttributeError(name)
+        return self.column(name)
+
+    def column(self, name: str) -> np.ndarray:
+        if name not in self._columns:
+            path = self.folder / f"{name}.npy"
+            rebuild = "rebuild the set (ot-dist shard build CONFIG, or ot-dist shard index for existing tars)"
+            try:
+                values = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (OSError, ValueError) as err:
+                raise InputFileError(f"data.shards: the sample index {path} is missing or unreadable ({err}); "
+                                     f"{rebuild}") from None
+            if values.shape != (self.count,) or values.dtype != np.dtype(COLUMNS[name]):
+                raise InputFileError(f"data.shards: the sample index {path} holds {values.shape} {values.dtype}, the "
+                                     f"manifest {self.count} samples of {COLUMNS[name]}; {rebuild}")
+            self._columns[name] = values
+        return self._columns[name]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getstate__(self):
+        return {"folder": self.folder, "count": self.count, "_columns": {}}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+
+
+class ShardFiles:
+    """Open shard descriptors of one process (opened lazily; `os.pread`, so forked workers may share them)."""
+
+    def __init__(self):
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            try:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            except OSError as err:
+                raise InputFileError(f"data.shards: cannot open shard {path}: {err.strerror}") from None
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+    def __getstate__(self):  # descriptors stay in their process; a spawned loader worker opens its own
+        return {"_fds": {}}
+
+    def __del__(self):
+        self.close()
+
+
+class SampleRecord(Mapping):
+    """One sample as the dict the JSON manifest held: key, shard, bucket, concept, mask, members (suffix ->
+    [data offset, size]). Columns are read from the index; key and members from the tar headers, once."""
+
+    FIELDS = ("key", "shard", "bucket", "concept", "mask", "members")
+
+    def __init__(self, records: SampleRecords, index: int):
+        self._records, self.index = records, index
+        self._walked: tuple[str, dict] | None = None
+
+    def __getitem__(self, field: str):
+        columns = self._records.index
+        if field == "shard":
+            return int(columns.shard[self.index])
+        if field == "bucket":
+            return int(columns.bucket[self.index])
+        if field == "concept":
+            return int(columns.concept[self.index])
+        if field == "mask":
+            return bool(columns.flags[self.index] & MASK)
+        if field == "key" and self._walked is None:
+            return self._records.key(self.index)  # one header: also the key of a sample whose later members are lost
+        if field in ("key", "members"):
+            if self._walked is None:
+                self._walked = self._records.walk(self.index)
+            return self._walked[0] if field == "key" else self._walked[1]
+        raise KeyError(field)
+
+    def __iter__(self):
+        return iter(self.FIELDS)
+
+    def __len__(self) -> int:
+        return len(self.FIELDS)
+
+    def __repr__(self) -> str:
+        return f"SampleRecord({dict(self)!r})"
+
+
+class SampleRecords(Sequence):
+    """The samples of a set as a read-only list of SampleRecord (what `manifest["samples"]` was)."""
+
+    def __init__(self, set_dir: Path, shards: list[dict], index: SampleIndex, files: ShardFiles | None = None):
+        self.dir, self.shards, self.index = Path(set_dir), shards, index
+        self.files = files or ShardFiles()
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} of {n}")
+        return SampleRecord(self, i % n)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or len(self) != len(other):
+            return False
+        return all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def shard_path(self, shard: int) -> Path:
+        return self.dir / self.shards[shard]["file"]
+
+    def key(self, i: int) -> str:
+        """Sample i's key, from its first member header."""
+        path = self.shard_path(int(self.index.shard[i]))
+        member = read_member(self.files.fd(path), int(self.index.offset[i]), f"shard {path.name} sample #{i}")
+        if member is None:
+            raise InputFileError(f"shard {path.name} sample #{i}: the tar ends before it; rebuild the set")
+        return member.key
+
+    def walk(self, i: int) -> tuple[str, dict[str, list[int]]]:
+        """(key, suffix -> [data offset, size]) of sample i, from its tar headers."""
+        columns = self.index
+        path = self.shard_path(int(columns.shard[i]))
+        start = int(columns.offset[i])
+        members = members_between(self.files.fd(path), start, start + int(columns.span[i]), f"shard {path.name}",
+                                  f"#{i}")
+        keys = {m.key for m in members}
+        if len(keys) != 1:
+            raise InputFileError(f"shard {path.name} sample {i}: the index points at members of {sorted(keys)} at byte "
+                                 f"{start}, not one sample's; the shard changed since it was indexed: rebuild the set")
+        return members[0].key, {m.suffix: [m.data, m.size] for m in members}
