@@ -72,7 +72,7 @@ def _rank_main(command: list[str], env: dict[str, str], log_prefix: str, cwd: st
         os.chdir(cwd)
     import torch
 
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     if command[0] == "-m":
         sys.argv = command[1:]
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)
@@ -95,7 +95,8 @@ def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None =
     if nproc > 1:  # one process is started as `python SCRIPT` would be: no process-group environment
         base_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
                          "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": "0"})
-    base_env.setdefault("OMP_NUM_THREADS", "1")
+    if not base_env.get("OMP_NUM_THREADS"):
+        base_env["OMP_NUM_THREADS"] = "1"
     argv = [str(a) for a in command]
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         ranks = []
