@@ -13,7 +13,7 @@ from pytorch_optimizer import CAME
 from ot_dist.checkpoint.shards import classify
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
-from ot_dist.optim.came8bit import CAME8bit, came8bit_class
+from ot_dist.optim.came8bit import CAME8bit
 
 MINIMAL = {"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o", "data": {"path": "d"}}
 SHAPES = [(64, 96), (96,), (8, 4, 3, 3), (32, 32)]  # a matrix, a bias, a 3x3 conv (factored over its last two
@@ -72,7 +72,7 @@ def test_defaults_and_block_size_reach_the_optimizer_and_bad_block_sizes_are_con
     config = validate({**MINIMAL, "optimizer": {"name": "CAME_8BIT", "quant_block_size": 512}}).optimizer
     optimizer = build_optimizer(config, [ParamGroup("unet", [torch.nn.Parameter(torch.zeros(3, 3))], 1e-4)])
     group = optimizer.param_groups[0]
-    assert isinstance(optimizer, came8bit_class())
+    assert isinstance(optimizer, CAME8bit)
     assert group["betas"] == (0.9, 0.999, 0.9999) and group["eps1"] == 1e-30 and group["eps2"] == 1e-16
     assert group["weight_decay"] == 1e-2 and group["min_8bit_size"] == 16384 and group["quant_block_size"] == 512
     with pytest.raises(ConfigError) as err:

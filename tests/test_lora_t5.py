@@ -76,13 +76,7 @@ def comfy_key_map(family: str, model) -> dict[str, tuple[str, str]]:
     t5, _, clip_models = FAMILIES[family]
     names = {f"transformer.{k[:-len('.weight')]}": ("transformer", k[:-len(".weight")])
              for k in weight_names(model.denoiser)}
-    for component, clip in COMFY_CLIPS.get(family, {}).items():
-        if clip == "clip_g" and "clip_l" not in clip_models:
-            continue
-        for block in range(32):
-            for module in LORA_CLIP_MAP:
-                names[f"{component}.text_model.encoder.layers.{block}.{module}"] = (
-                    component, f"text_model.encoder.layers.{block}.{module}")
+    names.update(clip_text_names(family, clip_models))
     for key in weight_names(model.text_encoders[t5]):  # T5EncoderModel's names = ComfyUI's t5xxl.transformer.<k>
         path = key[: -len(".weight")]
         for prefix in comfy_t5_prefixes(clip_models):
@@ -285,9 +279,8 @@ def test_init_from_the_file_starts_every_adapter_at_the_trained_change(trained, 
 FORGE_T5_PREFIXES = ("lora_te1", "lora_te2", "lora_te3")
 
 
-def forge_text_key_map(family: str, model) -> dict[str, tuple[str, str]]:
-    """Forge's LoRA name -> (diffusers component, module path) for the family's text encoders."""
-    t5, _, clip_models = FAMILIES[family]
+def clip_text_names(family: str, clip_models) -> dict[str, tuple[str, str]]:
+    """The CLIP text encoders' layer names both loaders take (`<component>.text_model.encoder.layers.N.<module>`)."""
     names = {}
     for component, clip in COMFY_CLIPS.get(family, {}).items():
         if clip == "clip_g" and "clip_l" not in clip_models:
@@ -296,6 +289,14 @@ def forge_text_key_map(family: str, model) -> dict[str, tuple[str, str]]:
             for module in LORA_CLIP_MAP:
                 names[f"{component}.text_model.encoder.layers.{block}.{module}"] = (
                     component, f"text_model.encoder.layers.{block}.{module}")
+    return names
+
+
+def forge_text_key_map(family: str, model) -> dict[str, tuple[str, str]]:
+    """Forge's LoRA name -> (diffusers component, module path) for the family's text encoders."""
+    t5, _, clip_models = FAMILIES[family]
+    names = {}
+    names.update(clip_text_names(family, clip_models))
     for key in weight_names(model.text_encoders[t5]):
         path = key[: -len(".weight")]
         for prefix in FORGE_T5_PREFIXES:

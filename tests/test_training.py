@@ -172,9 +172,8 @@ def test_collections_after_the_trainer_is_built_skip_the_libraries_and_the_model
     import gc
 
     trainer = Trainer(validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1)), log=quiet)
-    tracked = gc.get_objects()
-    assert gc.get_freeze_count() > 4 * len(tracked)
-    tracked_ids = {id(o) for o in tracked}
+    assert gc.get_freeze_count() > 100_000  # torch, diffusers, transformers alone leave several hundred thousand
+    tracked_ids = {id(o) for o in gc.get_objects()}
     for long_lived in (torch.nn.Linear, torch.nn.Module.__call__, Trainer.train):
         assert id(long_lived) not in tracked_ids, long_lived
     trainer.close()

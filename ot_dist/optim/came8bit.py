@@ -24,9 +24,11 @@ import torch
 from ot_dist.optim.registry import QUANT_BLOCK_SIZES
 
 
-def CAME8bit(params, **options):  # noqa: N802 (the registry's name for the optimizer class)
-    """The CAME_8BIT optimizer over `params`."""
-    return came8bit_class()(params, **options)
+def __getattr__(name: str):
+    """`CAME8bit`, the class the registry names, is defined when first asked for (PEP 562)."""
+    if name == "CAME8bit":
+        return came8bit_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @cache
