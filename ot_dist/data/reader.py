@@ -73,7 +73,7 @@ class ShardDataset:
             balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
             kinds = tuple(c.type for _, c in data_config.concept_list())
         merged = merged_buckets(self.resolutions, self.step)
-        lookup = np.array([merged[b] for b in range(len(merged))], dtype=np.int64)
+        lookup = np.array([merged[b] for b in range(len(merged))], dtype=np.int16)  # bucket numbers: < 100
         return SampleTable(lookup[self.index.bucket], np.asarray(self.index.concept),
                            tuple(balancing), tuple(c["name"] for c in concepts), kinds)
 
