@@ -216,7 +216,7 @@ def main() -> None:
           "| open+table s | JSON manifest (format 1) RSS B/sample" + (" | sample table anon B/sample | epoch plan: s, all ranks' ids B/sample, one rank of 8 keeps B/sample, "
                                "peak while planning B/sample" if args.plan else "")
           + " |")
-    print("|---|---|---|---|---|---|---|" + ("---|" if args.plan else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if args.plan else ""))
     for count in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
