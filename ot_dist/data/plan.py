@@ -85,7 +85,8 @@ class SampleTable:
     balancing: tuple[tuple[float, str], ...]  # per concept: (balancing, strategy)
     concept_names: tuple[str, ...]
     kinds: tuple[str, ...] = ()  # per concept: its type (standard, validation, prior_preservation); () = all standard
-    origin: Column = field(default_factory=Column)  # per sample: its bucket before small buckets moved (small_buckets.py); empty = none
+    # per sample: its bucket before small buckets moved (small_buckets.py); empty = none moved
+    origin: Column = field(default_factory=Column)
 
     def __post_init__(self):
         for name in ("buckets", "concepts", "origin"):
@@ -143,7 +144,8 @@ class SampleTable:
         for s, e in zip(starts.tolist(), ends.tolist()):
             group = indices[s:e]
             out[int(buckets[s])].append((int(group[0]), int(concepts[s]), group))
-        return {b: {c: group for _, c, group in sorted(groups, key=lambda g: g[0])} for b, groups in sorted(out.items())}
+        return {b: {c: group for _, c, group in sorted(groups, key=lambda g: g[0])}
+                for b, groups in sorted(out.items())}
 
     def copies(self, concept: int, in_bucket: int) -> int:
         """How many times the concept's `in_bucket` samples of one bucket are drawn per epoch."""
@@ -222,36 +224,42 @@ def plan_epoch(table: SampleTable, global_batch: int, resolutions: list[int], se
     """The epoch's global batches in training order. Pure function of its arguments. `pool`: the buckets'
     remainders train in global batches of neighbouring aspects (data.small_buckets move) instead of being dropped."""
     count = len(table)
-    copies = {(b, c): table.copies(c, len(ix)) for b, by_concept in table.members.items() for c, ix in by_concept.items()}
+    copies = {(b, c): table.copies(c, len(ix))
+              for b, by_concept in table.members.items() for c, ix in by_concept.items()}
     most = max([-(-n // len(table.members[b][c])) for (b, c), n in copies.items()] + [1])
     dtype = np.int32 if (most + 1) * count < np.iinfo(np.int32).max else np.int64  # sample ids: index + copy x count
-    batches, batch_buckets, rest_ids, rest_buckets = [], [], [], []
+    sizes = {b: sum(copies[b, c] for c in by_concept) for b, by_concept in table.members.items()}
+    rows = sum(n // global_batch for n in sizes.values())
+    rows += sum(n % global_batch for n in sizes.values()) // global_batch if pool else 0
+    # The steps' order is drawn first (its generator is its own), so each global batch is written once, at its step.
+    order = torch.randperm(rows, generator=generator(seed, epoch, "batches")).numpy()
+    place = np.empty(rows, np.int64)
+    place[order] = np.arange(rows)  # global batch j (in bucket order, then the pooled ones) -> its step
+    ids, buckets = np.empty((rows, global_batch), dtype), np.empty(rows, np.int16)
+    row, rest_ids, rest_buckets = 0, [], []
     for bucket, by_concept in table.members.items():
         drawn = []
         for concept, indices in by_concept.items():
             full, rest = divmod(copies[bucket, concept], len(indices))
-            ids = indices.astype(dtype)
-            drawn += [ids + copy * count for copy in range(full)]
+            drawn += [indices.astype(dtype) + copy * count for copy in range(full)]
             if rest:  # a fractional repeat: a random part of the concept's samples, new every epoch
                 pick = torch.randperm(len(indices), generator=generator(seed, epoch, "balance", bucket, concept))
-                drawn.append(ids[np.sort(pick[:rest].numpy())] + full * count)
+                drawn.append(indices[np.sort(pick[:rest].numpy())].astype(dtype) + full * count)
         drawn = np.concatenate(drawn) if drawn else np.zeros(0, dtype)
         shuffled = drawn[torch.randperm(len(drawn), generator=generator(seed, epoch, "bucket", bucket)).numpy()]
+        del drawn
         # The remainder (fewer than a global batch) is pooled or dropped; the shuffle picks different samples each epoch.
-        full = len(shuffled) // global_batch * global_batch
-        batches.append(shuffled[:full].reshape(-1, global_batch))
-        batch_buckets.append(np.full(full // global_batch, bucket, dtype=np.int16))
-        rest_ids.append(shuffled[full:])
-        rest_buckets.append(np.full(len(shuffled) - full, bucket, dtype=np.int16))
+        full = len(shuffled) // global_batch
+        ids[place[row:row + full]] = shuffled[:full * global_batch].reshape(-1, global_batch)
+        buckets[place[row:row + full]] = bucket
+        row += full
+        rest_ids.append(shuffled[full * global_batch:].copy())
+        rest_buckets.append(np.full(len(rest_ids[-1]), bucket, dtype=np.int16))
     if pool and rest_ids:
         pooled, pooled_buckets = pool_remainders(np.concatenate(rest_ids), np.concatenate(rest_buckets), global_batch,
                                                  seed, epoch)
-        batches.append(pooled)
-        batch_buckets.append(pooled_buckets)
-    ids = np.concatenate(batches) if batches else np.zeros((0, global_batch), dtype)
-    buckets = np.concatenate(batch_buckets) if batch_buckets else np.zeros(0, np.int16)
-    order = torch.randperm(len(ids), generator=generator(seed, epoch, "batches")).numpy()
-    return EpochPlan(ids[order], buckets[order], resolutions, seed, epoch)
+        ids[place[row:]], buckets[place[row:]] = pooled, pooled_buckets
+    return EpochPlan(ids, buckets, resolutions, seed, epoch)
 
 
 @dataclass(frozen=True)
