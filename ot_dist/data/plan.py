@@ -101,7 +101,7 @@ class SampleTable:
         """Whether a concept's samples are drawn for training (validation concepts' are not)."""
         return not self.kinds or self.kinds[concept] != "validation"
 
-    @cached_property
+    @property
     def training(self) -> np.ndarray:
         """Per sample: whether its concept trains."""
         if not self.kinds or len(self) == 0:
@@ -130,11 +130,12 @@ class SampleTable:
         counts = np.bincount(self.concepts.array) if len(self) else np.zeros(0, np.int64)
         return {c: int(n) for c, n in enumerate(counts) if n}
 
-    @cached_property
+    @property
     def members(self) -> dict[int, dict[int, np.ndarray]]:
         """bucket -> concept -> sample indices (ascending numpy array), of the concepts that train. Buckets in
-        ascending order; a bucket's concepts in the order of their first sample."""
-        indices = np.flatnonzero(self.training)
+        ascending order; a bucket's concepts in the order of their first sample. Computed on each call (4 bytes a
+        sample while held: the plan takes it once an epoch)."""
+        indices = np.flatnonzero(self.training).astype(np.int32 if len(self) < 2**31 else np.int64)  # kept: 4 B each
         buckets, concepts = self.buckets.array[indices], self.concepts.array[indices]
         order = np.lexsort((concepts, buckets))  # stable: ascending indices within a (bucket, concept)
         indices, buckets, concepts = indices[order], buckets[order], concepts[order]
@@ -154,10 +155,22 @@ class SampleTable:
             return round(value * in_bucket / self.concept_sizes[concept])
         return round(value * in_bucket)
 
+    @cached_property
+    def group_sizes(self) -> dict[int, dict[int, int]]:
+        """bucket -> concept -> its number of samples in the bucket, of the concepts that train (buckets ascending)."""
+        training = self.training
+        buckets, concepts = self.buckets.array[training], self.concepts.array[training].astype(np.int64)
+        keys, counts = np.unique(buckets.astype(np.int64) * (int(concepts.max(initial=0)) + 1) + concepts,
+                                 return_counts=True)
+        out: dict[int, dict[int, int]] = {}
+        for key, n in zip(keys.tolist(), counts.tolist()):
+            bucket, concept = divmod(key, int(concepts.max(initial=0)) + 1)
+            out.setdefault(bucket, {})[concept] = n
+        return out
+
     def epoch_sizes(self) -> dict[int, int]:
         """bucket -> samples drawn from it per epoch (after balancing)."""
-        return {b: sum(self.copies(c, len(ix)) for c, ix in by_concept.items())
-                for b, by_concept in self.members.items()}
+        return {b: sum(self.copies(c, n) for c, n in by_concept.items()) for b, by_concept in self.group_sizes.items()}
 
 
 @dataclass(frozen=True)
@@ -223,12 +236,11 @@ def plan_epoch(table: SampleTable, global_batch: int, resolutions: list[int], se
                pool: bool = False) -> EpochPlan:
     """The epoch's global batches in training order. Pure function of its arguments. `pool`: the buckets'
     remainders train in global batches of neighbouring aspects (data.small_buckets move) instead of being dropped."""
-    count = len(table)
-    copies = {(b, c): table.copies(c, len(ix))
-              for b, by_concept in table.members.items() for c, ix in by_concept.items()}
-    most = max([-(-n // len(table.members[b][c])) for (b, c), n in copies.items()] + [1])
+    count, members = len(table), table.members
+    copies = {(b, c): table.copies(c, len(ix)) for b, by_concept in members.items() for c, ix in by_concept.items()}
+    most = max([-(-n // len(members[b][c])) for (b, c), n in copies.items()] + [1])
     dtype = np.int32 if (most + 1) * count < np.iinfo(np.int32).max else np.int64  # sample ids: index + copy x count
-    sizes = {b: sum(copies[b, c] for c in by_concept) for b, by_concept in table.members.items()}
+    sizes = {b: sum(copies[b, c] for c in by_concept) for b, by_concept in members.items()}
     rows = sum(n // global_batch for n in sizes.values())
     rows += sum(n % global_batch for n in sizes.values()) // global_batch if pool else 0
     # The steps' order is drawn first (its generator is its own), so each global batch is written once, at its step.
@@ -237,7 +249,7 @@ def plan_epoch(table: SampleTable, global_batch: int, resolutions: list[int], se
     place[order] = np.arange(rows)  # global batch j (in bucket order, then the pooled ones) -> its step
     ids, buckets = np.empty((rows, global_batch), dtype), np.empty(rows, np.int16)
     row, rest_ids, rest_buckets = 0, [], []
-    for bucket, by_concept in table.members.items():
+    for bucket, by_concept in members.items():
         drawn = []
         for concept, indices in by_concept.items():
             full, rest = divmod(copies[bucket, concept], len(indices))

@@ -18,7 +18,8 @@ For each size, in a fresh process each (so the memory figures are that process's
 
 `--plan` also measures the sample table and one epoch's plan as a rank holds them (numpy arrays, plan.py): the
 table's anon growth, `plan_epoch` seconds and its arrays (every rank's ids, while the epoch starts), then what one
-rank of 8 keeps (its own ids: `EpochPlan.rank_ids`, global batch 32 = 4 per rank), and the peak (VmHWM) while
+rank of 8 keeps (its own ids: `EpochPlan.rank_ids`, global batch 32 = 4 per rank; and its RSS growth over the table,
+which includes the table's per-bucket sample groups, computed with the first plan), and the peak (VmHWM) while
 planning, all in bytes a sample.
 """
 
@@ -110,6 +111,9 @@ def load(folder: Path, count: int, plan: bool) -> dict:
         mine = batches.rank_ids(0, 8, 4, 1)  # rank 0 of 8, as ShardReader keeps it for the epoch
         out["plan_s"] = time.perf_counter() - start
         del batches
+        from ot_dist.data.reader import _return_freed_memory
+
+        _return_freed_memory()  # as ShardReader.epoch_batches does
         out["rank_bytes"], out["kept"] = mine.nbytes, rss()
     return out
 
@@ -213,7 +217,8 @@ def main() -> None:
     if args.step:
         return child(args)
     print("| samples | build s | build us/sample | index file B/sample | RSS after open+table B/sample (anon / file) "
-          "| open+table s | JSON manifest (format 1) RSS B/sample" + (" | sample table anon B/sample | epoch plan: s, all ranks' ids B/sample, one rank of 8 keeps B/sample, "
+          "| open+table s | JSON manifest (format 1) RSS B/sample" + (" | sample table anon B/sample | epoch plan: s, all ranks' ids B/sample, one rank of 8 keeps B/sample (its ids; RSS with the table's "
+                               "groups), "
                                "peak while planning B/sample" if args.plan else "")
           + " |")
     print("|---|---|---|---|---|---|---|" + ("---|---|" if args.plan else ""))
@@ -236,7 +241,7 @@ def main() -> None:
             if args.plan:
                 row.append(f"{loaded['table_anon'] / count:.1f}")
                 row.append(f"{loaded['plan_s']:.2f} s, {loaded['plan_bytes'] / count:.1f}, "
-                           f"{loaded['rank_bytes'] / count:.2f}, "
+                           f"{loaded['rank_bytes'] / count:.2f} (RSS {per_sample(loaded['kept'], after, 'VmRSS', count):.1f}), "
                            f"{(loaded['kept']['VmHWM'] - loaded['table']['VmRSS']) / count:.0f}")
             print("| " + " | ".join(row) + " |", flush=True)
     scanned = run("scan", Path(tempfile.gettempdir()), 100_000)
