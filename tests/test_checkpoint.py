@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
@@ -23,7 +24,6 @@ from ot_dist.checkpoint.export_command import export_checkpoint
 from ot_dist.checkpoint.layout import MARKER, checkpoints_dir, latest_checkpoint
 from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
 from ot_dist.checkpoint.training_state import read_trainer_state
-from ot_dist.parallel.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS, STOP_AFTER = 12, 5  # the signal lands after step 5; step 6 is finished and saved
@@ -44,13 +44,8 @@ def run_config(tiny_models, shapes_data, out: Path, strategy: str, processes: in
 
 
 def launch(processes: int, *args: str) -> None:
-    """One launch of tests/helpers/resume_run.py (torchrun with `processes` ranks, or one process)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    launcher = [sys.executable]
-    if processes > 1:
-        launcher += ["-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port", str(free_port())]
-    done = subprocess.run(launcher + [str(REPO / "tests" / "helpers" / "resume_run.py"), *args],
-                          env=env, capture_output=True, text=True, timeout=600)
+    """One launch of tests/helpers/resume_run.py (`processes` ranks, or one process)."""
+    done = run_ranks(REPO / "tests" / "helpers" / "resume_run.py", *args, nproc=processes, timeout=600)
     assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
 
 
@@ -229,20 +224,29 @@ def train_in_process(raw: dict, stop_after: int | None = None, resume: str | Non
     return trainer.train()
 
 
-@pytest.mark.parametrize("optimizer", ["PRODIGY", "ADAMW_8BIT", "ADAFACTOR"])
+@pytest.mark.parametrize("optimizer", ["PRODIGY", "ADAMW_8BIT", "ADAFACTOR", "CAME_8BIT"])
 def test_every_kind_of_optimizer_state_resumes_exactly(optimizer, tiny_models, shapes_data, tmp_path):
-    """Prodigy's d and slice_p statistics, bitsandbytes' 8-bit blocks and Adafactor's factored rows go through a
-    checkpoint: stopped after step 3 and resumed, the run's losses are the uninterrupted run's, bit for bit."""
+    """Prodigy's d and slice_p statistics, bitsandbytes' 8-bit blocks, Adafactor's factored rows and CAME_8BIT's
+    8-bit first moments with factored rows go through a checkpoint: stopped after step 3 and resumed, the run's
+    losses are the uninterrupted run's, bit for bit."""
     def raw(out):
         return base_config(tiny_models["sd1"], shapes_data, out, method="lora", batch_size=2, max_steps=6,
                            **{"optimizer.name": optimizer, "learning_rate": 1.0 if optimizer == "PRODIGY" else 1e-3,
                               "lora.rank": 4, **({"scheduler.name": "ADAFACTOR", "optimizer.relative_step": True, "optimizer.scale_parameter": True}
-                                 if optimizer == "ADAFACTOR" else {})})
+                                 if optimizer == "ADAFACTOR" else {}),
+                              # the tiny LoRA's matrices are small: quantise them (8-bit blocks of 64)
+                              **({"optimizer.min_8bit_size": 64, "optimizer.quant_block_size": 64}
+                                 if optimizer == "CAME_8BIT" else {})})
     straight = train_in_process(raw(tmp_path / "straight"))
     stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=3)
     assert stopped.stopped_by == "SIGTERM" and stopped.steps == 4
     resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
     assert resumed.first_step == 4 and resumed.losses == straight.losses[4:]
+    if optimizer == "CAME_8BIT":  # the 8-bit moments were saved, as layout-bound state with their block scales
+        meta = json.loads(next(latest_checkpoint(checkpoints_dir(tmp_path / "stopped")).rglob("rank-00000.json")).read_text())
+        kinds = [e for owned in meta["owned"] for e in owned["state"].items()]
+        assert ("exp_avg_8bit", {"kind": "opaque", "dtensor": False, "on_param_device": True}) in kinds
+        assert {kind["kind"] for key, kind in kinds if key == "exp_avg_absmax"} == {"opaque"}
 
 
 def test_layout_bound_state_is_refused_at_another_layout_naming_the_entry(tiny_models, shapes_data, tmp_path):
@@ -255,9 +259,6 @@ def test_layout_bound_state_is_refused_at_another_layout_naming_the_entry(tiny_m
     two = {**raw, "batch_size": 2, "strategy": "zero2"}
     config, result = tmp_path / "two.json", tmp_path / "two.result.json"
     config.write_text(json.dumps(two))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), str(REPO / "tests" / "helpers" / "resume_run.py"), str(config),
-                           str(result), "--resume", "auto"], env=env, capture_output=True, text=True, timeout=600)
+    done = run_ranks(REPO / "tests" / "helpers" / "resume_run.py", config, result, "--resume", "auto", timeout=600)
     assert done.returncode != 0 and not result.exists()
     assert "state1" in done.stderr or "state2" in done.stderr or "qmap" in done.stderr, done.stderr[-3000:]

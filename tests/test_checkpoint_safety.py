@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 import yaml
 from conftest import base_config
@@ -71,9 +72,8 @@ def test_a_crash_before_the_commit_keeps_the_previous_checkpoint(tiny_models, sh
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1,
                       **{"optimizer.name": "ADAMW", "ema.enabled": True})
     (tmp_path / "config.json").write_text(json.dumps(raw))
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "helpers" / "crash_before_commit.py"),
-                           str(tmp_path / "config.json"), str(tmp_path / "result.json"), "10"],
-                          env=ENV, capture_output=True, text=True, timeout=600)
+    done = run_ranks(REPO / "tests" / "helpers" / "crash_before_commit.py", tmp_path / "config.json",
+                     tmp_path / "result.json", "10", nproc=1, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert len(result["trials"]) == 10
@@ -200,8 +200,8 @@ def test_sigterm_to_the_train_command_commits_and_exits_0(tiny_models, shapes_da
     folder = latest_checkpoint(checkpoints_dir(out))
     state = read_trainer_state(folder)
     assert state["reason"] == "stop requested by SIGTERM"
-    resumed = subprocess.run(command + ["--resume", "auto", "--set", f"max_steps={state['step'] + 2}"], env=ENV,
-                             capture_output=True, text=True, timeout=300)
+    resumed = run_ranks(*command[1:], "--resume", "auto", "--set", f"max_steps={state['step'] + 2}", nproc=1,
+                        timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"done: {state['step'] + 2} steps" in resumed.stdout  # continued from the saved step, none repeated
 

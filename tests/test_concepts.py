@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from test_data_shards import make_images
@@ -18,7 +17,6 @@ from test_data_shards import make_images
 from ot_dist.config.load import validate
 from ot_dist.data.reader import collate
 from ot_dist.errors import ConfigError
-from ot_dist.parallel.runtime import free_port
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.trainer import Trainer
 
@@ -120,10 +118,8 @@ def launch_cases(cases: dict, tmp_path: Path) -> dict:
     """Train each case in one 2-rank gloo launch (tests/helpers/concept_ranks.py); what every rank recorded."""
     cases_file, results = tmp_path / "cases.json", tmp_path / "results"
     cases_file.write_text(json.dumps(cases))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "tests" / "helpers" / "concept_ranks.py"), str(cases_file), str(results)],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+    done = run_ranks(str(REPO / "tests" / "helpers" / "concept_ranks.py"), str(cases_file), str(results),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
         timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return {rank: json.loads((results / f"rank{rank}.json").read_text()) for rank in (0, 1)}

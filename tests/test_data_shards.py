@@ -9,6 +9,7 @@ import tarfile
 
 import numpy as np
 import pytest
+from forked_ranks import run_ranks
 import torch
 import yaml
 from PIL import Image
@@ -190,19 +191,14 @@ def test_resume_mid_epoch_in_two_gloo_processes(acceptance, tmp_path):
     """The same stop-after-7-batches and resume, each rank its own process (2 loader workers each)."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
-    from ot_dist.parallel.runtime import free_port
 
     cfg, dataset = acceptance
     repo = Path(__file__).resolve().parents[1]
     raw = cfg.model_dump(mode="json")
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(repo / "tests" / "helpers" / "reader_resume.py"), str(dataset.dir), json.dumps(raw), str(tmp_path)],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}, capture_output=True, text=True,
+    done = run_ranks(str(repo / "tests" / "helpers" / "reader_resume.py"), str(dataset.dir), json.dumps(raw), str(tmp_path),
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)},
         timeout=300,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -238,12 +234,10 @@ def test_pathological_buckets_equal_steps_for_two_epochs_and_report_the_drops(tm
 def test_pathological_buckets_train_two_ranks_for_two_epochs(tiny_models, tmp_path):
     """The same distribution scaled to 64 px, trained by 2 gloo processes for 2 epochs through the
     trainer: no hang, 10 steps per epoch on every rank, and the start report names the 9 dropped buckets."""
-    import sys
 
     from conftest import base_config
-    from test_strategies import run, write_config
+    from test_strategies import write_config
 
-    from ot_dist.parallel.runtime import free_port
 
     sizes = [(64, 64)] * 41 + [(64, 80), (64, 96), (64, 112), (64, 128), (64, 160), (80, 64), (96, 64), (128, 64),
                                (256, 64)]
@@ -252,8 +246,7 @@ def test_pathological_buckets_train_two_ranks_for_two_epochs(tiny_models, tmp_pa
                       learning_rate=1e-5,
                       **{"data.bucket_step": 32, "data.bucket_assignment": "log_ratio", "log_every_steps": 1,
                          "data.small_buckets": "drop"})
-    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), "-m", "ot_dist", "train", str(write_config(tmp_path / "c.yaml", raw))])
+    done = run_ranks("-m", "ot_dist", "train", str(write_config(tmp_path / "c.yaml", raw)))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert done.stdout.count("NEVER TRAINED") == 4, done.stdout  # buckets of equal size merged, as at 16 px
     assert "total: 50 samples/epoch, 11 steps/epoch, 6 dropped per epoch" in done.stdout
@@ -385,12 +378,10 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
     latents computed half by each rank) end with the weights of 1 process with batch 4 reading images,
     and the bucket report is logged at train start."""
     import shutil
-    import sys
 
     from conftest import base_config
-    from test_strategies import assert_matches, exported_weights, exported_weights_of_base, run, write_config
+    from test_strategies import assert_matches, exported_weights, exported_weights_of_base, write_config
 
-    from ot_dist.parallel.runtime import free_port
     from ot_dist.train.trainer import Trainer
 
     data = tmp_path / "data"
@@ -406,8 +397,7 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
     raw = base_config(tiny_models["sd1"], data, tmp_path / "two", batch_size=2, strategy="ddp", **settings,
                       **{"data.cache_latents": True})
     config = write_config(tmp_path / "two.yaml", raw)
-    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), "-m", "ot_dist", "train", str(config)])
+    done = run_ranks("-m", "ot_dist", "train", str(config))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "bucket report: global batch 4 on 2 process(es), resolutions 64, 128" in done.stdout
     assert "total: 22 samples/epoch, 5 steps/epoch, 2 dropped per epoch" in done.stdout

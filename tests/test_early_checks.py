@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from safetensors import safe_open
@@ -204,14 +205,8 @@ def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(tiny_m
 
 
 def config_check(config: Path, cwd: Path, *overrides: str):
-    import os
-    import subprocess
-    import sys
-
     sets = [arg for o in overrides for arg in ("--set", o)]
-    return subprocess.run([sys.executable, "-m", "ot_dist", "config", "check", str(config), *sets], cwd=cwd,
-                          capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    return run_ranks("-m", "ot_dist", "config", "check", config, *sets, nproc=1, cwd=cwd, timeout=120)
 
 
 def test_config_check_names_missing_model_and_data_paths_resolved(tiny_models, shapes_data, tmp_path):

@@ -216,6 +216,162 @@ def test_training_lowers_the_loss_and_the_export_gives_the_trained_outputs(metho
     torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
 
 
+# ComfyUI's names for Stable Cascade's CLIP-G LoRA modules. Read from github.com/Comfy-Org/ComfyUI:
+#   comfy/lora.py @ 17358c8f73b581a0d22facc3c385822f09b8bfb1, model_lora_keys_clip: for b in range(32) and each
+#     LORA_CLIP_MAP module c (mlp.fc1, mlp.fc2, self_attn.q_proj / k_proj / v_proj / out_proj) whose weight
+#     `clip_g.transformer.text_model.encoder.layers.<b>.<c>.weight` the text-encoder model has, with no clip_l loaded:
+#     `lora_te_text_model_encoder_layers_<b>_<c with _>`, `text_encoder.text_model.encoder.layers.<b>.<c>` and
+#     (the cascade line) `lora_prior_te_text_model_encoder_layers_<b>_<c with _>`; `clip_g.transformer.
+#     text_projection.weight` -> `lora_prior_te_text_projection` only. comfy/sdxl_clip.py StableCascadeClipModel is
+#     an SD1ClipModel with clip_name "g" (its weights under `clip_g.transformer.`), the CLIP of comfy/clip_model.py
+#     (`text_model.…` and a top-level `text_projection` Linear, transformers' CLIPTextModelWithProjection names).
+#   comfy/weight_adapter/lora.py @ 6f98b150e065f1ffc788558574a887835068bd40, LoRAAdapter.load / calculate_weight:
+#     `x.lora_up.weight`, `x.lora_down.weight`, `x.alpha` when present; W += (alpha / rank, 1.0 without alpha) up @ down.
+COMFY_CLIP_MODULES = ("mlp.fc1", "mlp.fc2", "self_attn.k_proj", "self_attn.q_proj", "self_attn.v_proj",
+                      "self_attn.out_proj")
+
+
+def comfyui_clip_g_names(text_encoder) -> dict[str, str]:
+    """ComfyUI's LoRA module name -> the CLIP-G module path (transformers' names) for Stable Cascade's text encoder."""
+    weights = {k[: -len(".weight")] for k in text_encoder.state_dict() if k.endswith(".weight")}
+    weights = {k.replace(".base_layer", "") for k in weights if ".lora_" not in k}
+    names = {}
+    for block in range(32):
+        for module in COMFY_CLIP_MODULES:
+            path = f"text_model.encoder.layers.{block}.{module}"
+            if path in weights:
+                flat = path.replace(".", "_")
+                names |= {f"lora_te_{flat}": path, f"text_encoder.{path}": path, f"lora_prior_te_{flat}": path}
+    if "text_projection" in weights:
+        names["lora_prior_te_text_projection"] = "text_projection"
+    return names
+
+
+def test_clip_g_lora_has_comfyuis_stable_cascade_names_at_the_trained_strength(family_models, shapes_data, tmp_path):
+    """A LoRA on the prior and CLIP-G (its projection too): every module of the file is a name ComfyUI maps for
+    Stable Cascade (prior: lora_prior_unet_; CLIP-G: lora_prior_te_, the only prefix it gives text_projection), each
+    with its .alpha tensor, none left over, and W + alpha / rank x up @ down is the trained weight."""
+    from peft.tuners.lora import LoraLayer
+
+    from ot_dist.methods.lora import ADAPTER
+
+    rank, alpha = 4, 2.0  # alpha != rank: a loader ignoring .alpha applies twice the trained change
+    targets = [*COMFY_CLIP_MODULES, "text_projection"]
+    trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o", method="lora", max_steps=2,
+                          learning_rate=2e-2, output_dtype="float32", **{"text_encoder.train": True,
+                          "lora.rank": rank, "lora.alpha": alpha, "lora.text_encoder_targets": targets})
+    trainer.train()
+    tensors = load_file(tmp_path / "o" / "lora.safetensors")
+    model = trainer.model
+    encoder = model.text_encoders["text_encoder"]
+    prior_names = comfyui_lora_names(family_models[FAMILY])
+    clip_names = comfyui_clip_g_names(encoder)
+    parts = {"prior": model.denoiser, "text_encoder": encoder}
+    layers = {(part, path): m for part, module in parts.items() for path, m in module.named_modules()
+              if isinstance(m, LoraLayer)}
+    key_map = {**{n: ("prior", k[: -len(".weight")]) for n, k in prior_names.items()},
+               **{n: ("text_encoder", p) for n, p in clip_names.items()}}
+    loaded, applied = set(), {}
+    for name, target in key_map.items():  # ComfyUI's load_lora over its key map
+        if name + ".lora_up.weight" in tensors:
+            assert name + ".alpha" in tensors, f"{name}: no .alpha tensor"
+            applied[target] = (tensors[name + ".lora_up.weight"], tensors[name + ".lora_down.weight"],
+                               tensors[name + ".alpha"].item())
+            loaded |= {name + ".lora_up.weight", name + ".lora_down.weight", name + ".alpha"}
+    assert not set(tensors) - loaded, f"ComfyUI would not load {sorted(set(tensors) - loaded)[:5]}"
+    clip_modules = {k.rsplit(".", 2)[0] for k in tensors if not k.startswith("lora_prior_unet_")}
+    assert clip_modules and all(m.startswith("lora_prior_te_") for m in clip_modules)
+    assert "lora_prior_te_text_projection" in clip_modules
+    assert set(applied) == set(layers), set(layers) ^ set(applied)  # every trained module, once
+    moved = set()
+    for (part, path), (up, down, file_alpha) in applied.items():
+        layer = layers[part, path]
+        assert file_alpha == alpha
+        change = file_alpha / down.shape[0] * (up.float() @ down.float())
+        torch.testing.assert_close(layer.base_layer.weight.float() + change,
+                                   layer.base_layer.weight.float() + layer.get_delta_weight(ADAPTER),
+                                   rtol=1e-5, atol=1e-7)
+        if layer.get_delta_weight(ADAPTER).abs().max() > 1e-6:
+            moved.add(part)
+    assert moved == {"prior", "text_encoder"}, f"only {moved} trained: the comparison would be 0 == 0"
+
+
+# ComfyUI's reading of an embedding file for Stable Cascade. Read from github.com/Comfy-Org/ComfyUI:
+#   comfy/sdxl_clip.py StableCascadeClipGTokenizer: SDTokenizer with embedding_size 1280, embedding_key "clip_g";
+#   comfy/sd1_clip.py load_embed: a safetensors file's dict; no "string_to_param" and not a list -> embed[embedding_key]
+#     when the key is there (else bundle_emb.* / the first tensor); the [n, size] vectors stand in the prompt for the
+#     `embedding:<file name>` word, one position per vector.
+# OneTrainer (modules/modelSaver/wuerstchen/WuerstchenEmbeddingSaver, both Würstchen v2 and Stable Cascade) writes the
+# prior text encoder's vectors under "clip_g" too.
+def comfyui_load_embed(path, embedding_key: str = "clip_g"):
+    embed = load_file(path)
+    assert "string_to_param" not in embed
+    return embed[embedding_key] if embedding_key in embed else next(iter(embed.values()))
+
+
+# Minimal relative drop of the fixed-noise loss (deterministic: float32 rounding moves it by ~1e-7). Würstchen v2's
+# tiny prior starts with its output conv x 0.01 (build_tiny), so the frozen prior's prediction depends little on the
+# text: the embedding moves its loss by ~1e-4 (measured 1.1e-4; Stable Cascade 1.7e-2).
+EMBEDDING_DROP = {"stable_cascade": 0.005, "wuerstchen_v2": 5e-5}
+
+
+@pytest.mark.parametrize("family", ["stable_cascade", "wuerstchen_v2"])
+def test_embedding_trains_and_loads_back_as_comfyui_reads_it(family, family_models, shapes_data, tmp_path):
+    """Textual inversion on the prior's CLIP: the fixed-noise loss falls; the file is {"clip_g": [2, width]} (the
+    key ComfyUI's Stable Cascade tokenizer and OneTrainer use); its vectors put in place of the token's words in the
+    base text encoder (ComfyUI's substitution; in transformers: add_tokens, resize_token_embeddings, set the rows)
+    give the trained encoder's conditioning."""
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.loading import load_model
+    from ot_dist.train.evaluate import fixed_noise_loss
+
+    out = tmp_path / "o"
+    sample = {"prompt": "a photo of <ot-embedding>", "steps": 2}  # sampling with the trained words works too
+    trainer = Trainer(validate(base_config(family_models[family], shapes_data, out, family=family, method="embedding",
+                                           epochs=3, batch_size=4, resolution=128, learning_rate=5e-2,
+                                           output_dtype="float32", **{"embedding.vectors": 2, "sampling.prompts": [sample],
+                                           "model.decoder": str(family_models[family] / "decoder_stages")})), log=quiet)
+    before = fixed_noise_loss(trainer)
+    result = trainer.train()
+    after = fixed_noise_loss(trainer)
+    assert after < before * (1 - EMBEDDING_DROP[family]), f"fixed-noise loss {before:.6f} -> {after:.6f}"
+    assert [p.name for p in result.exported] == ["embedding.safetensors"]
+    assert len(list((out / "samples").glob("step-*/*.png"))) == 1
+    model = trainer.model
+    width = model.text_encoders["text_encoder"].config.hidden_size
+    assert set(load_file(out / "embedding.safetensors")) == {"clip_g"}
+    vectors = comfyui_load_embed(out / "embedding.safetensors")
+    assert vectors.shape == (2, width)
+
+    base = load_model(ModelConfig(family=family, path=str(family_models[family])))
+    tokenizer, encoder = base.tokenizers["tokenizer"], base.text_encoders["text_encoder"]
+    init_row = encoder.get_input_embeddings().weight[tokenizer("*", add_special_tokens=False).input_ids[0]]
+    assert not torch.allclose(vectors[0], init_row, atol=1e-3), "the embedding did not train"
+    # docs/checkpoints.md's block for these families, exactly as documented
+    from types import SimpleNamespace
+
+    from test_early_checks import doc_blocks
+
+    block = doc_blocks("checkpoints.md", "Loading an exported embedding")[2]
+    token = trainer.config.embedding.token
+    exec(block.replace("OUT/", f"{out}/").replace('"TOKEN"', repr(token)).replace("TOKEN_", f"{token}_"),
+         {"pipe": SimpleNamespace(tokenizer=tokenizer, text_encoder=encoder)})
+    words = trainer.method.token_strings()
+    assert tokenizer.unk_token_id not in tokenizer.convert_tokens_to_ids(words)
+    prompt = trainer.method.caption(f"a photo of {trainer.config.embedding.token} on a white background")
+    family_of = model.family
+    with torch.no_grad():
+        mine_tokens = family_of.tokenize(model.tokenizers, [prompt])
+        theirs_tokens = family_of.tokenize({"tokenizer": tokenizer}, [prompt])
+        assert torch.equal(mine_tokens["text_encoder"], theirs_tokens["text_encoder"])
+        mine = family_of.encode_text(model.text_encoders, mine_tokens)
+        theirs = family_of.encode_text({"text_encoder": encoder}, theirs_tokens)
+        untrained = family_of.encode_text(base.text_encoders, family_of.tokenize(base.tokenizers, ["a photo"]))
+    assert mine.keys() == theirs.keys() and untrained
+    for key in mine:
+        torch.testing.assert_close(theirs[key], mine[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
 def test_cached_effnet_latents_train_like_encoding_each_step(family_models, shapes_data, tmp_path):
     """The cache encodes one image at a time, training a batch of 4: the EfficientNet's convolutions sum in another
     order, so the latents agree to float32 rounding (the losses to ~1e-7), not bit for bit. A cache of other latents
@@ -274,6 +430,31 @@ def test_memory_table_rows_are_the_published_sizes_sharded_by_block(name, gigaby
 
 # -- Würstchen v2 (the sibling family in the same module) ------------------------------------------------------------
 
+def test_wuerstchen_v2_memory_row_is_warp_ais_prior_sharded_by_block():
+    """The memory table's Würstchen v2 row (ot-dist init's reference for the family) is warp-ai/wuerstchen-prior as
+    diffusers' convert_wuerstchen.py builds it: a 0.99 B WuerstchenPrior (the ~1 B stage C of the Würstchen paper),
+    CLIP-bigG's text model without projection, the
+    EfficientNet with the affine mapper norm; the family's sharding units (each block of `blocks`) are each a few
+    % of the prior."""
+    from ot_dist.memory.table import DENOISERS, build_components, fsdp_rank_bytes, sharding_units
+    from ot_dist.models.families.registry import get_family
+
+    family = get_family("wuerstchen_v2")
+    name = family.memory_reference
+    components = build_components(name)
+    prior = components["prior"]
+    assert type(prior).__name__ == "WuerstchenPrior" and type(components["text_encoder"]).__name__ == "CLIPTextModel"
+    total = sum(p.numel() for p in prior.parameters())
+    assert total == 993_636_896
+    assert sum(p.numel() for p in components["text_encoder"].parameters()) == 693_021_440
+    assert "mapper.1.weight" in components["effnet"].state_dict()  # Würstchen v2's affine mapper norm
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    units = sharding_units(prior, family.shard_units["prior"])
+    assert len(units) == len(prior.blocks) == 3 * 32
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.05
+
+
+
 def test_wuerstchen_v2_objective_equals_onetrainers_formulas(family_models, shapes_data, tmp_path):
     """OneTrainer BaseWuerstchenSetup.predict for Würstchen v2: latents (x + 1) / 42, t = ((i + 1) / 10000) x 1.08
     + 0.001 clamped to [0.001, 1], the prior called as prior(noisy, t, c = CLIP's last hidden states)."""
@@ -324,10 +505,7 @@ def test_wuerstchen_v2_trains_and_the_prior_export_loads_as_users_load_it(family
     noisy, t, c = torch.randn(1, 16, 3, 4), torch.tensor([0.5]), torch.randn(1, 77, 32)
     with torch.no_grad():
         torch.testing.assert_close(prior(noisy, t, c), model.denoiser(noisy, t, c), rtol=1e-4, atol=1e-5)
-    import shutil
-
-    shutil.copy(family_models["wuerstchen_v2"] / "effnet_encoder.safetensors", tmp_path / "o" / "model")
-    shutil.copy(family_models["wuerstchen_v2"] / "effnet_encoder.json", tmp_path / "o" / "model")
+    # The export holds the EfficientNet (and the tiny one's effnet_encoder.json) itself: nothing to copy in.
     again = load_model(ModelConfig(family="wuerstchen_v2", path=str(tmp_path / "o" / "model")))
     with torch.no_grad():
         torch.testing.assert_close(again.denoiser(noisy, t, c), model.denoiser(noisy, t, c), rtol=1e-4, atol=1e-5)

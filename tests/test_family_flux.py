@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
@@ -195,14 +196,11 @@ def test_every_feature_under_fsdp_equals_one_process(family_models, tmp_path):
     (batch 4): the trained and the EMA weights agree."""
     import json
     import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     from PIL import Image
 
     from ot_dist.demo import make_demo_dataset
-    from ot_dist.parallel.runtime import free_port
 
     data = make_demo_dataset(tmp_path / "masked", count=8)
     for i in range(8):
@@ -220,11 +218,9 @@ def test_every_feature_under_fsdp_equals_one_process(family_models, tmp_path):
     two["data"]["shards"] = one["data"]["shards"]  # the same shard set (and caches) as the one-process run
     (tmp_path / "cases.json").write_text(json.dumps({"fsdp": two}))
     repo = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), str(repo / "tests" / "helpers" / "family_cases.py"),
-                           str(tmp_path / "cases.json")], env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                               "PYTHONPATH": str(repo)},
-                          capture_output=True, text=True, timeout=600)
+    done = run_ranks(str(repo / "tests" / "helpers" / "family_cases.py"),
+                           str(tmp_path / "cases.json"), env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                               "PYTHONPATH": str(repo)}, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     base = load_file(model / "transformer" / "diffusion_pytorch_model.safetensors")
     for folder in ("model", "model_ema"):

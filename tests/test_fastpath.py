@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 from conftest import base_config
 
 from ot_dist.parallel.runtime import free_port
@@ -25,9 +24,8 @@ def two_ranks(tiny_models, shapes_data, tmp_path_factory):
                       gradient_accumulation_steps=2, max_steps=2, learning_rate=1e-5, **{"text_encoder.train": True})
     case = {"ddp_config": ddp, "result": str(root / "result.json")}
     (root / "case.json").write_text(json.dumps(case))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                           str(free_port()), str(REPO / "tests" / "helpers" / "fastpath_ranks.py"),
-                           str(root / "case.json")], env=ENV, capture_output=True, text=True, timeout=600)
+    done = run_ranks(str(REPO / "tests" / "helpers" / "fastpath_ranks.py"),
+                           str(root / "case.json"), env=ENV, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return json.loads((root / "result.json").read_text())
 

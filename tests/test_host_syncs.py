@@ -11,7 +11,10 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 from conftest import base_config
+
+import ot_dist.models.families as families_package
 
 sys.path.insert(0, str(Path(__file__).parent / "helpers"))
 from host_syncs import count_trainer_syncs  # noqa: E402
@@ -52,15 +55,22 @@ def test_at_most_one_host_sync_per_optimizer_step(tiny_models, shapes_data, tmp_
     assert len(result.losses) == 4  # the window still delivers every step's loss
 
 
-def test_the_loss_copies_host_tensors_to_the_device_without_blocking(tiny_models, shapes_data, tmp_path):
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_the_step_copies_host_tensors_to_the_device_without_blocking(tiny_models, shapes_data, tmp_path, family):
     """Batches and the per-sample noise are made on the host; the loss moves them with `to_device` (pinned memory,
-    non_blocking on CUDA), never with a plain `.to(device)`, whose copy from pageable memory waits for the stream."""
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "run", batch_size=1, max_steps=2,
-                      **{"checkpoint.at_end": False})
+    non_blocking on CUDA), never with a plain `.to(device)`, whose copy from pageable memory waits for the stream.
+    Without data.cache_text the families' `encode_text` move the token ids the same way, every micro step and text
+    encoder (sdxl: two encoders), and SDXL its time ids. (Copies inside transformers / diffusers are theirs.)"""
+    raw = base_config(tiny_models[family], shapes_data, tmp_path / "run", family=family, batch_size=1, max_steps=2,
+                      **{"checkpoint.at_end": False, "data.cache_text": False})
     counter, result = _counted(raw)
     assert result.steps == 2
-    in_loss = [c for c in counter.blocking_copies if c.phase == "step" and c.where.startswith("loss.py")]
+    in_step = [c for c in counter.blocking_copies if c.phase == "step"]
+    in_loss = [c for c in in_step if c.where.startswith("loss.py")]
     assert not in_loss, f"blocking host -> device copies in the loss:\n{_listing(in_loss)}"
+    families = Path(next(iter(families_package.__path__))).resolve()
+    in_families = [c for c in in_step if Path(c.origin).resolve().parent == families]
+    assert not in_families, f"blocking host -> device copies in the family's text encoding:\n{_listing(in_families)}"
 
 
 def test_to_device_pins_and_queues_host_to_cuda_copies(monkeypatch):
@@ -86,3 +96,23 @@ def test_to_device_pins_and_queues_host_to_cuda_copies(monkeypatch):
     assert calls == ["pin", ("to", "cuda:0", True)]
     calls.clear()
     assert to_device(host, torch.device("cpu")) is host and calls == []
+
+
+def test_prodigy_adds_no_host_sync_to_the_step(tiny_models, shapes_data, tmp_path):
+    """PRODIGY keeps its estimate d on the device (ot_dist/optim/prodigy.py): nothing of the optimizer step is
+    read on the host; d x lr of every step and group is copied with the window's losses, in its one host copy.
+    The text encoder trains too: two parameter groups."""
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "run", batch_size=1, max_steps=6, log_every_steps=3,
+                      learning_rate=1.0, **{"optimizer.name": "PRODIGY", "text_encoder.train": True,
+                                            "checkpoint.at_end": False})
+    counter, result = _counted(raw)
+    assert result.steps == 6
+    from_prodigy = [s for s in counter.in_phase("step") if "prodigy.py" in s.where]
+    assert not from_prodigy, f"host syncs in Prodigy's step:\n{_listing(from_prodigy)}"
+    step_syncs = counter.in_phase("step")
+    assert len(step_syncs) <= result.steps, f"{len(step_syncs)} host syncs in {result.steps} steps:\n{_listing(step_syncs)}"
+    log_syncs = counter.in_phase("log")
+    assert len(log_syncs) <= 2, f"{len(log_syncs)} host syncs in 2 log windows:\n{_listing(log_syncs)}"
+    assert len(result.d_lr) == 6 and all(set(d) == {"unet", "text_encoder"} for d in result.d_lr)
+    assert all(isinstance(v, float) for d in result.d_lr for v in d.values())
+    assert result.d_lr[-1]["unet"] > 1.5 * result.d_lr[0]["unet"] == 1.5e-6  # d grew from d0 (lr 1)

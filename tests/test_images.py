@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from forked_ranks import run_ranks
 import yaml
 from PIL import Image, ImageOps
 
@@ -376,17 +377,15 @@ def test_two_ranks_train_on_the_camera_folder(built, tiny_models, tmp_path):
     image and lists the unused files, then both ranks train the same number of batches, each global batch from one
     bucket, every readable image at most once per epoch and the bomb never."""
     from conftest import base_config
-    from test_strategies import ENV, run, write_config
+    from test_strategies import ENV, write_config
 
-    from ot_dist.parallel.runtime import free_port
 
     raw = base_config(tiny_models["sd1"], built["root"] / "photos", tmp_path / "out", batch_size=2, strategy="ddp",
                       learning_rate=1e-5, log_every_steps=1,
                       **{"data.bucket_step": 16, "data.max_bad_fraction": 0.1, "data.image_background": "#204080",
                          "data.image_format": "png"})  # the module's build settings
-    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), str(REPO / "tests" / "helpers" / "train_recording_batches.py"), "train",
-                str(write_config(tmp_path / "train.yaml", raw))], env={**ENV, "BATCH_REPORT_DIR": str(tmp_path)})
+    done = run_ranks(str(REPO / "tests" / "helpers" / "train_recording_batches.py"), "train",
+                     str(write_config(tmp_path / "train.yaml", raw)), env={**ENV, "BATCH_REPORT_DIR": str(tmp_path)})
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     out, samples = done.stdout, len(built["samples"])  # 21 readable images, 23 with pillow-heif's 2 HEICs
     assert f"1 of {samples + 1} images unreadable" in out

@@ -267,3 +267,58 @@ def test_init_from_the_file_starts_every_adapter_at_the_trained_change(trained, 
                                        rtol=1e-5, atol=1e-7)
             checked += 1
     assert checked and FAMILIES[family][0] in trainer.model.parts()
+
+
+# A1111 / Forge. Read from github.com/lllyasviel/stable-diffusion-webui-forge:
+#   backend/patcher/lora.py @ cea9f37fa5fd5b4c372b95bd46635f4241f60d26, `model_lora_keys_clip`: first the
+#     ComfyUI-derived map below, then for every weight `t5xxl.transformer.<k>.weight` of the text-encoder model the
+#     names lora_te1_<k>, lora_te2_<k> and lora_te3_<k> ("." as "_"), whatever CLIP models are loaded.
+#   packages_3rdparty/comfyui_lora_collection/lora.py @ 5e1dcd35a8535564884a4116f6bbb37dbb8dfc46: t5xxl weights from
+#     lora_te3_<k> and lora_te2_<k>; clip_l's layers from `text_encoder.text_model.encoder.layers.<b>.<c>` (and
+#     lora_te1_ / lora_te_ kohya names), clip_g's beside clip_l from `text_encoder_2.text_model.encoder.layers.<b>.<c>`,
+#     c in LORA_CLIP_MAP; `load_lora` reads `x.lora_up.weight` + `x.lora_down.weight` or `x.lora_B.weight` +
+#     `x.lora_A.weight` and `x.alpha`; backend/patcher/lora.py `merge_lora_to_weight` applies W += alpha / rank
+#     (rank = the down matrix's first dimension; 1.0 without an alpha tensor) * up @ down, ComfyUI's rule.
+#   The text-encoder models (backend/diffusion_engine/flux.py: clip_l + t5xxl, sd35.py: clip_l + clip_g + t5xxl,
+#     chroma.py: t5xxl alone) hold T5 as backend/nn/t5.py IntegratedT5, `transformer` = T5 with transformers' module
+#     paths (encoder.block.<i>.layer.0.SelfAttention.q, ...).
+FORGE_T5_PREFIXES = ("lora_te1", "lora_te2", "lora_te3")
+
+
+def forge_text_key_map(family: str, model) -> dict[str, tuple[str, str]]:
+    """Forge's LoRA name -> (diffusers component, module path) for the family's text encoders."""
+    t5, _, clip_models = FAMILIES[family]
+    names = {}
+    for component, clip in COMFY_CLIPS.get(family, {}).items():
+        if clip == "clip_g" and "clip_l" not in clip_models:
+            continue
+        for block in range(32):
+            for module in LORA_CLIP_MAP:
+                names[f"{component}.text_model.encoder.layers.{block}.{module}"] = (
+                    component, f"text_model.encoder.layers.{block}.{module}")
+    for key in weight_names(model.text_encoders[t5]):
+        path = key[: -len(".weight")]
+        for prefix in FORGE_T5_PREFIXES:
+            names[f"{prefix}_{path.replace('.', '_')}"] = (t5, path)
+    return names
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "chroma"])
+def test_text_encoder_modules_are_named_as_forge_reads_them_at_the_trained_strength(trained, family):
+    """Every text-encoder module of the file (T5's lora_te3_ for Flux / SD3, lora_te1_ for Chroma; CLIP-L / CLIP-G
+    in the diffusers layout) is one Forge's key map loads, and its change is the trained one."""
+    trainer, path = trained(family)
+    model = trainer.model
+    tensors = {k: v for k, v in load_file(path).items() if not k.startswith("transformer.")}
+    patches, left_over = comfy_load(tensors, forge_text_key_map(family, model))
+    assert not left_over, f"Forge would not load {sorted(left_over)[:5]}"
+    parts = model.parts()
+    expected = {(name, p) for name in FAMILIES[family][1] for p in peft_layers(parts[name])}
+    assert {(name, layer_path(parts[name], p)) for name, p in patches} == expected
+    t5 = FAMILIES[family][0]
+    assert any(component == t5 for component, _ in patches)
+    for (component, module_path), patch in patches.items():
+        layer = layer_at(parts[component], module_path)
+        torch.testing.assert_close(comfy_weight_change(patch), layer.get_delta_weight(ADAPTER), rtol=1e-5, atol=1e-7)
+        if component == t5:
+            assert patch[2] == ALPHA

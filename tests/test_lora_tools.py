@@ -26,11 +26,13 @@ from ot_dist.methods.lora import LoraMethod
 from ot_dist.models.loading import load_model
 
 RANK, ALPHA = 4, 2.0
-MODELS = {"sd1": "tiny_models", "sdxl": "tiny_models", "flux": "family_models", "sd3": "family_models",
-          "chroma": "family_models"}
+MODELS = {"sd1": "tiny_models", "sd2": "tiny_models", "sdxl": "tiny_models", "flux": "family_models",
+          "sd3": "family_models", "chroma": "family_models", "pixart_sigma": "family_models",
+          "stable_cascade": "family_models"}
 # The CLIP text encoders diffusers' load_lora_weights takes, per family (SD3: CLIP-L and CLIP-G; Chroma has none)
-CLIP_PARTS = {"sd1": ("text_encoder",), "sdxl": ("text_encoder",), "flux": ("text_encoder",),
-              "sd3": ("text_encoder", "text_encoder_2")}
+SETTINGS = {"stable_cascade": {"resolution": 128}}  # whole EfficientNet latents: sides of 128 px
+CLIP_PARTS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",), "sdxl": ("text_encoder",),
+              "flux": ("text_encoder",), "sd3": ("text_encoder", "text_encoder_2")}
 
 
 def model_dir(request, family) -> Path:
@@ -40,9 +42,16 @@ def model_dir(request, family) -> Path:
 def random_lora_file(request, family, shapes_data, out: Path, layout="auto", seed=0) -> Path:
     """ot_dist's exported LoRA (denoiser + text encoders where the family has them) with random up matrices
     standing in for training."""
-    text = {f"{part}.train": True for part in CLIP_PARTS.get(family, ())}
+    return random_lora(request, family, shapes_data, out, layout, seed)[1]
+
+
+def random_lora(request, family, shapes_data, out: Path, layout="auto", seed=0, text_parts=None):
+    """(the in-memory model with its random adapters, the exported file); `text_parts`: the text encoders that get
+    adapters (default: CLIP_PARTS)."""
+    text = {f"{part}.train": True for part in (CLIP_PARTS.get(family, ()) if text_parts is None else text_parts)}
     config = validate(base_config(model_dir(request, family), shapes_data, out, family=family, method="lora",
-                                  **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.file_layout": layout}, **text))
+                                  **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.file_layout": layout}, **text,
+                                  **SETTINGS.get(family, {})))
     model = load_model(config.model)
     LoraMethod(config).prepare(model)
     generator = torch.Generator().manual_seed(seed)
@@ -52,7 +61,7 @@ def random_lora_file(request, family, shapes_data, out: Path, layout="auto", see
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
     [path] = LoraMethod(config).export(model, out)
-    return path
+    return model, path
 
 
 def diffusers_fused(base: Path, lora: Path, scale: float) -> DiffusionPipeline:
@@ -92,8 +101,9 @@ def run_process(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ot_dist", *map(str, args)], capture_output=True, text=True)
 
 
-@pytest.mark.parametrize("family,layout", [("sd1", "kohya"), ("sd1", "diffusers"), ("sdxl", "kohya"),
-                                           ("flux", "diffusers"), ("sd3", "diffusers"), ("chroma", "diffusers")])
+@pytest.mark.parametrize("family,layout", [("sd1", "kohya"), ("sd1", "diffusers"), ("sd2", "kohya"),
+                                           ("sdxl", "kohya"), ("flux", "diffusers"), ("sd3", "diffusers"),
+                                           ("chroma", "diffusers")])
 def test_merge_equals_diffusers_fuse(request, shapes_data, tmp_path, family, layout):
     lora = random_lora_file(request, family, shapes_data, tmp_path / "o", layout)
     base = model_dir(request, family)

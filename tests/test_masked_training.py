@@ -5,21 +5,20 @@ unmasked draws, zero error signal outside the mask, real runs from a concept fol
 from __future__ import annotations
 
 import shutil
-import sys
 
 import numpy as np
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from PIL import Image
-from test_strategies import assert_matches, exported_weights, exported_weights_of_base, run, write_config
+from test_strategies import assert_matches, exported_weights, exported_weights_of_base, write_config
 
 from ot_dist.config.load import validate
 from ot_dist.config.loss import MaskedTrainingConfig
 from ot_dist.config.schema import ModelConfig
 from ot_dist.errors import InputFileError
 from ot_dist.models.loading import load_model
-from ot_dist.parallel.runtime import free_port
 from ot_dist.train.loss import diffusion_loss, weighted_mse
 from ot_dist.train.masking import mask_weights, trains_unmasked
 from ot_dist.train.trainer import Trainer
@@ -154,8 +153,7 @@ def test_two_fsdp_ranks_train_masked_like_one_process(tiny_models, masked_data, 
     out = tmp_path / "two"
     raw = base_config(tiny_models["sd1"], masked_data, out, batch_size=2, strategy="fsdp", **SETTINGS, **MASKED)
     config = write_config(tmp_path / "two.yaml", raw)
-    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), "-m", "ot_dist", "train", str(config)])
+    done = run_ranks("-m", "ot_dist", "train", str(config))
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "strategy fsdp, global batch 4" in done.stdout
     got = exported_weights(out, "full")

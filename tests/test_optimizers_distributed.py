@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 
 from ot_dist.optim.registry import SPECS
-from ot_dist.parallel.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,11 +24,9 @@ def results_by_strategy(tiny_models, shapes_data, tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("optimizers_distributed")
     result = tmp_path / "result.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "tests" / "helpers" / "optimizers_under_strategy.py"), str(tiny_models["sd1"]), str(shapes_data),
-         str(tmp_path / "out"), ",".join(STRATEGIES), str(result)],
-        env=env, capture_output=True, text=True, timeout=1500,
+    done = run_ranks(str(REPO / "tests" / "helpers" / "optimizers_under_strategy.py"), str(tiny_models["sd1"]), str(shapes_data),
+         str(tmp_path / "out"), ",".join(STRATEGIES), str(result),
+        env=env, timeout=1500,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return json.loads(result.read_text())

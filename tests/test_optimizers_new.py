@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
@@ -22,11 +21,10 @@ from ot_dist.checkpoint.export_command import export_checkpoint
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.optim.registry import SPECS
-from ot_dist.parallel.runtime import free_port
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-NEW = ("ADOPT", "AdEMAMix", "AdEMAMix_8BIT", "CAME", "MUON", "SCHEDULE_FREE_ADAMW", "SCHEDULE_FREE_SGD",
+NEW = ("ADOPT", "AdEMAMix", "AdEMAMix_8BIT", "CAME", "CAME_8BIT", "MUON", "SCHEDULE_FREE_ADAMW", "SCHEDULE_FREE_SGD",
        "PRODIGY_PLUS_SCHEDULE_FREE", "ADABELIEF", "TIGER", "YOGI")
 # What runs where (the rest is refused, below): fsdp takes no bitsandbytes kernels; ZeRO cannot show the
 # schedule-free average; whole-matrix and adaptive ones need whole tensors.
@@ -39,6 +37,7 @@ REFUSED = {
     "AdEMAMix": (("fsdp",), "bitsandbytes"),
     "AdEMAMix_8BIT": (("fsdp",), "bitsandbytes"),
     "CAME": (("fsdp", "zero1", "zero2", "zero3"), "factored"),
+    "CAME_8BIT": (("fsdp", "zero1", "zero2", "zero3"), "factored"),
     "MUON": (("fsdp", "zero1", "zero2", "zero3"), "orthogonalisation"),
     "SCHEDULE_FREE_ADAMW": (("zero1", "zero2", "zero3"), "averaged weights"),
     "SCHEDULE_FREE_SGD": (("zero1", "zero2", "zero3"), "averaged weights"),
@@ -84,10 +83,8 @@ def test_two_ranks_end_where_one_process_ends(strategy, references, tiny_models,
              for name in RUNS[strategy]}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "tests" / "helpers" / "train_cases.py"), str(tmp_path / "cases.json"), str(tmp_path / "r.json")],
-        env=env, capture_output=True, text=True, timeout=600,
+    done = run_ranks(str(REPO / "tests" / "helpers" / "train_cases.py"), str(tmp_path / "cases.json"), str(tmp_path / "r.json"),
+        env=env, timeout=600,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((tmp_path / "r.json").read_text())

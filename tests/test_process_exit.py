@@ -47,3 +47,18 @@ def test_the_command_keeps_its_exit_codes(argv, code):
     done = subprocess.run([sys.executable, "-m", "ot_dist", *argv], env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == code, done.stderr[-2000:]
+
+
+def test_a_free_port_is_outside_the_range_outgoing_connections_take():
+    """The rendezvous port is chosen below the kernel's ephemeral range: a port from that range can be taken by any
+    outgoing connection (other runs' gloo connections) before the rendezvous server binds it (EADDRINUSE)."""
+    import socket
+
+    from ot_dist.parallel.runtime import _ephemeral_ports, free_port
+
+    low, high = _ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(not low <= port <= high for port in ports), (sorted(ports), low, high)
+    assert len(ports) > 10  # drawn at random: concurrent launches do not all pick the same one
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))

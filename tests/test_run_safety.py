@@ -5,7 +5,6 @@ loads, and every .safetensors written honours the umask."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -15,13 +14,14 @@ import time
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import yaml
 from conftest import base_config
 
 from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.export_command import export_checkpoint
 from ot_dist.checkpoint.layout import checkpoints_dir, latest_checkpoint
-from ot_dist.checkpoint.run_folder import RUN_FILE, check_writable, read_run_id
+from ot_dist.checkpoint.run_folder import check_writable, read_run_id
 from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError, InputFileError
@@ -68,8 +68,7 @@ def test_starting_over_a_finished_run_is_refused_and_overwrite_moves_it_aside(fi
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
-    done = subprocess.run([sys.executable, "-m", "ot_dist", "train", str(config)], env=ENV, capture_output=True,
-                          text=True, timeout=300)
+    done = run_ranks("-m", "ot_dist", "train", config, nproc=1, timeout=300)
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"output_dir {out.resolve()} already holds a run" in done.stderr
     assert "--resume auto" in done.stderr and "--overwrite" in done.stderr and "another output_dir" in done.stderr
@@ -169,8 +168,7 @@ def test_an_output_dir_that_is_a_file_stops_before_loading_naming_the_resolved_p
     (tmp_path / "taken").write_text("a file, not a folder")
     raw = base_config(tiny_models["sd1"], shapes_data, "taken/run", max_steps=1)
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(raw))
-    done = subprocess.run([sys.executable, "-m", "ot_dist", "train", "config.yaml"], env=ENV, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    done = run_ranks("-m", "ot_dist", "train", "config.yaml", nproc=1, cwd=tmp_path, timeout=300)
     assert done.returncode == 3, done.stderr[-3000:]
     assert f"output_dir {tmp_path / 'taken' / 'run'} cannot be created: {tmp_path / 'taken'} is not a folder" \
         in done.stderr

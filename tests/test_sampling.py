@@ -8,12 +8,11 @@ import contextlib
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config, in_aligned_memory
 from PIL import Image
@@ -21,7 +20,6 @@ from PIL import Image
 from ot_dist.config.load import validate
 from ot_dist.config.sampling import SAMPLERS, SamplingConfig
 from ot_dist.errors import ConfigError
-from ot_dist.parallel.runtime import free_port
 from ot_dist.tracking import local_store_uri
 from ot_dist.train import sampling
 from ot_dist.train.trainer import Trainer
@@ -201,10 +199,8 @@ def test_two_ranks_generate_one_prompt_each_and_match_one_process(tiny_models, s
     })
     (tmp_path / "config.json").write_text(json.dumps(raw))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "tests" / "helpers" / "sample_ranks.py"), str(tmp_path / "config.json"), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300,
+    done = run_ranks(str(REPO / "tests" / "helpers" / "sample_ranks.py"), str(tmp_path / "config.json"), str(tmp_path),
+        env=env, timeout=300,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     # prompt i on rank i mod 2, at steps 2 and 4 (the end: sampled once)

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
 
 from ot_dist.config.load import validate
-from ot_dist.parallel.runtime import free_port
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -96,10 +94,8 @@ def test_two_ranks_reproduce_one_process(strategy, references, tiny_models, shap
     }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "tests" / "helpers" / "train_cases.py"), str(tmp_path / "cases.json"), str(tmp_path / "r.json")],
-        env=env, capture_output=True, text=True, timeout=600,
+    done = run_ranks(str(REPO / "tests" / "helpers" / "train_cases.py"), str(tmp_path / "cases.json"), str(tmp_path / "r.json"),
+        env=env, timeout=600,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((tmp_path / "r.json").read_text())

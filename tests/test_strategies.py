@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from forked_ranks import run_ranks
 import torch
 import yaml
 from conftest import base_config
@@ -114,9 +115,7 @@ def test_two_ranks_equal_one_process(references, tiny_models, shapes_data, tmp_p
     cases["zero2+accumulation-full"] = case_config(tiny_models, shapes_data, tmp_path / "zero2+accumulation-full",
                                                    "zero2", "full", batch_size=1, gradient_accumulation_steps=2)
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), str(REPO / "tests" / "helpers" / "family_cases.py"), str(tmp_path / "cases.json")],
-               timeout=900)
+    done = run_ranks(REPO / "tests" / "helpers" / "family_cases.py", tmp_path / "cases.json", timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     for case in cases:
         method = case.rsplit("-", 1)[1]

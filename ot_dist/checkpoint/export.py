@@ -61,10 +61,13 @@ def without_tied_copies(model, state: dict[str, torch.Tensor]) -> dict[str, torc
     return {k: v for k, v in state.items() if not (k in tied and tied[k] in state)}
 
 
-def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype, states: dict | None = None) -> Path:
+def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype, states: dict | None = None,
+                            family=None) -> Path:
     """Write `pipeline` as a diffusers folder (what `DiffusionPipeline.from_pretrained` reads), with
     the weights in `dtype`, without changing the dtype of the modules in memory. `states` optionally
-    gives a component's full state dict (gathered from shards by the caller)."""
+    gives a component's full state dict (gathered from shards by the caller). With `family`, its `save_extras`
+    adds the files its loader reads beside diffusers' (Stable Cascade's EfficientNet), inside the same atomic
+    write, so the folder is a model ot_dist loads again."""
     states = states or {}
     from diffusers import ModelMixin
     from transformers import PreTrainedModel
@@ -86,4 +89,6 @@ def export_diffusers_folder(pipeline, folder: Path, dtype: torch.dtype, states: 
                 save_file(cast_state_dict(state, dtype), sub / "model.safetensors", metadata={"format": "pt"})
             else:  # tokenizers, schedulers, feature extractors: configs only
                 component.save_pretrained(sub)
+        if family is not None:
+            family.save_extras(pipeline, tmp)
     return folder

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from ot_dist.config.section import Section
-from ot_dist.optim.registry import ADAPTIVE, NOT_AVAILABLE, OPTIMIZER_NAMES, SPECS, takers
+from ot_dist.optim.registry import ADAPTIVE, NOT_AVAILABLE, OPTIMIZER_NAMES, QUANT_BLOCK_SIZES, SPECS, takers
 
 SCHEDULER_NAMES = (
     "CONSTANT", "LINEAR", "COSINE", "COSINE_WITH_RESTARTS", "COSINE_WITH_HARD_RESTARTS", "REX",
@@ -199,7 +199,8 @@ class OptimizerConfig(Section):
     min_8bit_size: int | None = Field(
         default=None, ge=1,
         description=(
-            "bitsandbytes: tensors with fewer elements keep 32-bit state."
+            "bitsandbytes: tensors with fewer elements keep 32-bit state (CAME_8BIT: weight matrices with at most this "
+            "many elements keep a 32-bit first moment, as in OneTrainer)."
             + _by("min_8bit_size")
         ),
     )
@@ -210,6 +211,14 @@ class OptimizerConfig(Section):
         description=(
             "DADAPT_ADAN: plain instead of proximal weight decay."
             + _by("no_prox")
+        ),
+    )
+    quant_block_size: int | None = Field(
+        default=None,
+        description=(
+            "CAME_8BIT: elements per 8-bit block, each with its own scale (bitsandbytes' block sizes: 64, 128, 256, "
+            "512, 1024, 2048, 4096)."
+            + _by("quant_block_size")
         ),
     )
     relative_step: bool | None = Field(
@@ -377,6 +386,11 @@ class OptimizerConfig(Section):
                 raise ValueError(
                     f"optimizer.{key}: {self.name} needs {key} > 0 (its implementation refuses 0)"
                 )
+        if self.quant_block_size is not None and self.quant_block_size not in QUANT_BLOCK_SIZES:
+            raise ValueError(
+                f"optimizer.quant_block_size: {self.quant_block_size} is not a block size bitsandbytes takes; use one "
+                f"of {', '.join(map(str, QUANT_BLOCK_SIZES))}"
+            )
         if self.foreach and self.fused:
             raise ValueError(
                 "optimizer.fused: torch cannot use foreach and fused together; set optimizer.foreach: false"

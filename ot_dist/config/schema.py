@@ -113,8 +113,8 @@ class LoraConfig(Section):
         "a dora_scale per module); loha (Hadamard product of two low-rank products, peft's LoHa, OneTrainer's "
         "peft_type LOHA: hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b); lokr (Kronecker product, peft's LoKr: "
         "lokr_w1 / lokr_w2 or their _a / _b factors). rank and alpha mean the same for each (scale alpha / rank). "
-        "dora / loha / lokr are refused under strategy zero3. See docs/lora.md for which loader applies which "
-        "variant exactly.",
+        "Every strategy trains each. See docs/lora.md for which loader applies which variant exactly (A1111 does "
+        "not apply dora as trained).",
     )
     preset: str = Field(
         default="default",
@@ -616,10 +616,6 @@ class TrainConfig(Section):
         if self.lora.variant in ("loha", "lokr") and self.lora.dropout:
             raise ValueError(f"lora.dropout: peft's {self.lora.variant} has no dropout on the adapter input (only rank / "
                              "module dropout, another regularizer); set it to 0 or use variant lora / dora")
-        if self.method == "lora" and self.lora.variant != "lora" and self.strategy == "zero3":
-            raise ValueError(f"lora.variant: {self.lora.variant} under strategy zero3: peft's DoRA / LoHa / LoKr layers "
-                             "read the adapted layer's weight (its values, or its shape) outside that layer's forward, "
-                             "where ZeRO-3 holds it partitioned (empty); use fsdp, zero2, zero1 or ddp, or variant lora")
         if self.lora.variant != "lora" and self.lora.init_from:
             raise ValueError(f"lora.init_from: starts plain LoRA adapters from a file; lora.variant {self.lora.variant} "
                              "cannot start from one (use variant lora, or start from zero)")

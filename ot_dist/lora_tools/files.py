@@ -186,23 +186,35 @@ def write_lora_file(path: str | Path, layout: str, pairs: dict[str, Pair], metad
     """Write pairs under their file names in `layout`, so that every loader applies the same strength: kohya's
     layout with an `.alpha` tensor (float32) per module; the diffusers layout with the scale multiplied into the up
     matrices and no alpha at all (diffusers then uses alpha = rank, and so does ComfyUI without an alpha tensor).
+    In kohya's layout every module gets the same alpha (the most common one; a module whose own alpha differs has
+    alpha / that alpha multiplied into its up matrix): diffusers' kohya loader applies one alpha to every module
+    (peft_utils `get_peft_kwargs` builds its per-module alpha_pattern under names peft does not match, so a module of
+    another alpha, e.g. an extracted module whose full rank is below --rank, would get the wrong scale).
     Atomic: a reader never sees half a file."""
+    from collections import Counter
+
     from safetensors.torch import save_file
 
     from ot_dist.checkpoint.export import atomic_path
 
     kohya = layout == "kohya"
     _, down_suffix, up_suffix = KOHYA if kohya else DIFFUSERS
+    alphas = {name: float(pair.alpha if pair.alpha is not None else pair.rank) for name, pair in pairs.items()}
+    common = Counter(alphas.values()).most_common(1)[0][0] if alphas else 1.0
     tensors = {}
     for name in sorted(pairs):
         pair = pairs[name]
-        down, up = pair.down, pair.up if kohya else pair.up.float() * pair.scale
+        if kohya:
+            up = pair.up if alphas[name] == common else pair.up.float() * (alphas[name] / common)
+        else:
+            up = pair.up.float() * pair.scale
+        down = pair.down
         if dtype is not None:
             down, up = down.to(dtype), up.to(dtype)
         tensors[name + down_suffix] = down.contiguous()
         tensors[name + up_suffix] = up.contiguous()
         if kohya:
-            tensors[name + ALPHA] = torch.tensor(float(pair.alpha if pair.alpha is not None else pair.rank))
+            tensors[name + ALPHA] = torch.tensor(common)
     path = Path(path)
     with atomic_path(path) as tmp:
         save_file(tensors, str(tmp), metadata=dict(sorted((metadata or {}).items())))

@@ -16,7 +16,11 @@ from ot_dist.lora_tools.matching import check_shape, match, module_index
 @torch.no_grad()
 def merge_into(model, lora: LoraFile, weight: float, source: str) -> tuple[int, list[str]]:
     """Add the file's changes to the model in place (in float32, stored back in each weight's dtype).
-    Returns (modules merged, the file's names the model lacks)."""
+    Returns (modules merged, the file's names the model lacks). Other trainers' names are resolved first
+    (foreign.py)."""
+    from ot_dist.lora_tools.foreign import in_family_names
+
+    lora = in_family_names(model, lora, source)
     matched, missing = match(lora.pairs, module_index(model, lora.layout), source)
     for name, target in matched.items():
         w = target.module.weight
@@ -49,7 +53,8 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
     dtype = DTYPES[dtype_name]
     target = Path(out)
     if fmt == "diffusers":
-        export_diffusers_folder(model.pipeline, target, dtype)
+        # with what complete_pipeline reads back beside diffusers' files (Stable Cascade's EfficientNet)
+        export_diffusers_folder(model.pipeline, target, dtype, family=model.family)
     else:
         components = {**model.parts(), "vae": model.vae}
         model.family.export_single_file(components, {n: m.state_dict() for n, m in components.items()}, target, dtype)

@@ -14,7 +14,11 @@ from ot_dist.lora_tools.matching import match, module_index
 def start_from_file(model, parts: dict[str, torch.nn.Module], path: str, rank: int, adapter: str) -> int:
     """Copy the file's pairs into the adapters of `parts` (part name -> module with peft adapters added). The file's
     scale (its alpha / rank) is moved into the up matrix so that peft's own scale reproduces the file's change."""
-    lora = read_lora_file(path, tool="lora.init_from")
+    from ot_dist.lora_tools.foreign import in_family_names
+
+    # other trainers' names (kohya's fused qkv split onto to_q / to_k / to_v, ...) as the family's own first
+    lora = in_family_names(model, read_lora_file(path, tool="lora.init_from"), f"lora.init_from: {path}",
+                           _unwrapped(parts))
     for name, pair in lora.pairs.items():
         if pair.rank != rank:
             raise ConfigError(f"lora.init_from: {path} has rank {pair.rank} ({name}); lora.rank {rank} must equal it "

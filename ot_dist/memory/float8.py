@@ -9,8 +9,8 @@ keep only the 1-byte weight for backward: a custom autograd function recomputes 
 the input gradient instead of autograd saving its upcast copy, which would cost more than bf16 storage.
 
 `state_dict()` returns the upcast float32 values, in CPU memory, under the original keys (exports and
-caches see a normal module); loading a state dict quantizes the incoming weights. What was rounded away is gone:
-an export of a frozen component under float8 writes its float8-rounded weights (docs/low-memory.md).
+caches see a normal module); loading a state dict quantizes the incoming weights. What was rounded away is gone
+from memory; full exports take the untrained components from model.path instead (checkpoint/frozen_source.py).
 """
 
 from __future__ import annotations

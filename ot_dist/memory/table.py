@@ -1,6 +1,6 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
-Large, Flux.1 dev and Stable Cascade's stage C (3.6 B and lite 1 B) under the low-memory options and, for the
-transformers and stage C, a full finetune under fsdp, from parameter counts and dtypes.
+Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B) and Würstchen v2's prior (1 B) under the low-memory
+options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -20,7 +20,7 @@ from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
 from ot_dist.models.families.sd import UNET_SHARD_UNITS
 from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
-from ot_dist.models.families.stable_cascade import CASCADE_ATTENTION, StableCascade
+from ot_dist.models.families.stable_cascade import CASCADE_ATTENTION, StableCascade, WuerstchenV2
 
 GIB = 1024**3
 LORA_RANK = 16
@@ -72,6 +72,10 @@ STAGE_C = dict(in_channels=16, out_channels=16, timestep_ratio_embedding_dim=64,
                timestep_conditioning_type=("sca", "crp"), switch_level=(False,))
 STAGE_C_LITE = dict(STAGE_C, conditioning_dim=1536, block_out_channels=(1536, 1536), num_attention_heads=(24, 24),
                     down_num_layers_per_block=(4, 12), up_num_layers_per_block=(12, 4))
+# warp-ai/wuerstchen-prior: the prior as diffusers' scripts/convert_wuerstchen.py builds it (WuerstchenPrior c_in 16,
+# c 1536, c_cond 1280, c_r 64, depth 32, nhead 24; dropout 0.1, its default) and laion/CLIP-ViT-bigG-14-laion2B-39B-b160k's
+# text model as a CLIPTextModel (no projection); the EfficientNetV2-S image encoder in place of a VAE.
+WUERSTCHEN_V2_PRIOR = dict(c_in=16, c=1536, c_cond=1280, c_r=64, depth=32, nhead=24, dropout=0.1)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -80,6 +84,7 @@ DENOISERS = {
     "Flux.1 dev": ("transformer", FLUX_LORA_TARGETS, ("transformer_blocks", "single_transformer_blocks")),
     "Stable Cascade C": ("prior", CASCADE_ATTENTION, StableCascade.shard_units["prior"]),
     "Stable Cascade C lite": ("prior", CASCADE_ATTENTION, StableCascade.shard_units["prior"]),
+    "Würstchen v2": ("prior", WuerstchenV2.denoiser_lora_presets["default"], WuerstchenV2.shard_units["prior"]),
 }
 
 
@@ -88,9 +93,15 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
                            UNet2DConditionModel)
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
-    from ot_dist.models.efficientnet import EfficientNetEncoder
+    from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
+
+    from ot_dist.models.efficientnet import EfficientNetEncoder, EffnetConfig
 
     with torch.device("meta"):
+        if model == "Würstchen v2":
+            return {"prior": WuerstchenPrior(**WUERSTCHEN_V2_PRIOR),
+                    "text_encoder": CLIPTextModel(CLIPTextConfig(**OPENCLIP_BIGG)),
+                    "effnet": EfficientNetEncoder(EffnetConfig(affine=WuerstchenV2.effnet_affine))}
         if model.startswith("Stable Cascade C"):
             return {"prior": StableCascadeUNet(**(STAGE_C_LITE if model.endswith("lite") else STAGE_C)),
                     "text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ot_dist.checkpoint.export import export_diffusers_folder
+from ot_dist.checkpoint.frozen_source import export_source
 from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict, trainable
 from ot_dist.models.loading import LoadedModel
@@ -37,12 +38,13 @@ class FullFinetune(TrainingMethod):
                                   "ot_dist; export the diffusers folder")
             formats = tuple(f for f in formats if f != "single-file")
         dtype = DTYPES[self.config.output_dtype]
-        components = {**model.parts(), "vae": model.vae}
-        # Gathered once, used by both exports (under sharding, gathering is the expensive part).
-        states = {name: state_dict_of(module) for name, module in components.items()}
+        trained = {part for part in model.parts() if self.config.part_trains(part)}
+        # Gathered once, used by both exports (under sharding, gathering is the expensive part). What did not train
+        # is written as the user loaded it, never as the rounded copy low-memory storage held (frozen_source.py).
+        source = export_source(model, self.config.model, trained, state_dict_of, write)
         folder, single = output_dir / f"model{suffix}", output_dir / f"model{suffix}.safetensors"
         if write and "diffusers" in formats:
-            export_diffusers_folder(model.pipeline, folder, dtype, states)
+            export_diffusers_folder(source.pipeline, folder, dtype, source.states, family=model.family)
         if write and "single-file" in formats:
-            model.family.export_single_file(components, states, single, dtype)
+            model.family.export_single_file(source.components, source.states, single, dtype)
         return [path for path, name in ((folder, "diffusers"), (single, "single-file")) if name in formats]

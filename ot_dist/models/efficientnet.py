@@ -160,14 +160,17 @@ CONFIG_NAME = "effnet_encoder.json"  # beside the file, only for a non-standard 
 
 
 def save_effnet(encoder: EfficientNetEncoder, folder) -> None:
-    """Write the encoder into a model folder as effnet_encoder.safetensors (+ its config when not V2-S)."""
+    """Write the encoder into a model folder as effnet_encoder.safetensors (+ its config when not V2-S), in float32
+    as Stability ships it and load_effnet reads it, from wherever the encoder lives (a device, half precision)."""
     import json
     from pathlib import Path
 
     from safetensors.torch import save_file
 
     folder = Path(folder)
-    save_file({k: v.contiguous() for k, v in encoder.state_dict().items()}, str(folder / FILE_NAME))
+    state = {k: (v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()).contiguous()
+             for k, v in encoder.state_dict().items()}
+    save_file(state, str(folder / FILE_NAME))
     if encoder.config != EffnetConfig():
         (folder / CONFIG_NAME).write_text(json.dumps(encoder.config.to_dict()))
 

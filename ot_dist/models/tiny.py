@@ -167,6 +167,7 @@ def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, pred
     from ot_dist.models.families.registry import get_family
 
     get_family(family).save_extras(pipe, folder)
+    get_family(family).save_demo_extras(pipe, folder)
     from ot_dist.file_modes import share_with_umask
 
     share_with_umask(folder)  # diffusers writes its safetensors 0600

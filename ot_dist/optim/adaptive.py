@@ -9,10 +9,12 @@ import torch
 from ot_dist.config.optim import CYCLIC
 
 
-def d_times_lr(optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """{group name: d x lr} for optimizers that estimate d; empty for the others."""
+def d_times_lr(optimizer: torch.optim.Optimizer) -> dict[str, float | torch.Tensor]:
+    """{group name: d x lr} for optimizers that estimate d; empty for the others. A d kept on the device
+    (Prodigy's) gives a 0-dim device tensor, not read here: the step window copies it with the losses."""
     return {
-        group.get("name", str(i)): float(group["d"]) * float(group["lr"])
+        group.get("name", str(i)): (group["d"] * float(group["lr"]) if isinstance(group["d"], torch.Tensor)
+                                    else float(group["d"]) * float(group["lr"]))
         for i, group in enumerate(optimizer.param_groups)
         if "d" in group
     }

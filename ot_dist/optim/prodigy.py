@@ -8,8 +8,11 @@ The math is prodigyopt 1.1's (its defaults, its update). What differs is how the
   owns in float32 blocks aligned to each parameter's start, adds the blocks in float64 (so a ZeRO
   partition of a billion elements is not summed in float32 end to end, and where a parameter is cut
   barely matters) into one pair on the parameters' device and, when the parameters are sharded, one
-  all-reduce of that pair per optimizer step completes it. One host sync per step reads the result
-  (prodigyopt syncs twice per tensor and calls `.cuda()` on whatever it reduces).
+  all-reduce of that pair per optimizer step completes it. The estimate (d, d_max, its sums, k) stays
+  on the device as float64 0-dim tensors and the step uses it there (torch.where / maximum for prodigyopt's
+  branches), so the step reads nothing on the host (prodigyopt syncs twice per tensor and calls `.cuda()`
+  on whatever it reduces). It is read when logged (d x lr, with the log window's one copy) and when a
+  checkpoint saves the group settings (`state_dict` / the trainer state: plain numbers).
 - `slice_p` keeps every p-th element *of each parameter* (counted from the parameter's start, via
   the strategy's ownership map), so the estimate does not depend on how the parameter is cut.
 - The collective happens on every rank or on none: it depends only on the learning rate, which the
@@ -17,6 +20,9 @@ The math is prodigyopt 1.1's (its defaults, its update). What differs is how the
   parameter without gradient); prodigyopt lets such a rank skip it and the others hang.
 - A step at learning rate 0 (warmup from 0) changes nothing and is not counted, as in prodigyopt for
   unsharded parameters (its sharded path fails there).
+- Before any gradient (the summed |s| is 0) prodigyopt returns before updating; here the estimate and the
+  parameters are kept by a device-side select (the moments decay as in prodigyopt; only the per-tensor
+  `step` counters, bookkeeping no formula reads, count that step).
 - A parameter group whose learning rate is 0 is not stepped at all (prodigyopt still moves it by the
   largest group's step).
 
@@ -86,9 +92,12 @@ class ShardedProdigy(torch.optim.Optimizer):
             return loss
         beta1, beta2 = first["betas"]
         beta3 = first["beta3"] if first["beta3"] is not None else math.sqrt(beta2)
-        d, d_max, d0, k = first["d"], first["d_max"], first["d0"], first["k"]
+        d0 = first["d0"]
+        # The estimate lives on the device (float64 0-dim tensors): nothing of it is read on the host here
+        estimate = self._estimate(first)
+        d, d_max, k = estimate["d"], estimate["d_max"], estimate["k"]
         bias_correction = (
-            ((1 - beta2 ** (k + 1)) ** 0.5) / (1 - beta1 ** (k + 1)) if first["use_bias_correction"] else 1.0
+            torch.sqrt(1 - beta2 ** (k + 1)) / (1 - beta1 ** (k + 1)) if first["use_bias_correction"] else 1.0
         )
         dlr = d * lr * bias_correction
 
@@ -112,31 +121,42 @@ class ShardedProdigy(torch.optim.Optimizer):
                 denominators += denominator
             active.append((group, chunks))
 
-        totals = torch.zeros(2, dtype=torch.float64, device=self._device())
+        totals = torch.zeros(2, dtype=torch.float64, device=d.device)
         if numerators:
             totals[0] = torch.stack(numerators).sum() * ((d / d0) * dlr)
             totals[1] = torch.stack(denominators).sum()
         if self.ownership is not None and self.ownership.sharded:
-            on_device = totals.to(self.ownership.device)  # e.g. NCCL needs it on the GPU under CPU offload
+            # e.g. NCCL needs it on the GPU under CPU offload (then the result comes back to the parameters')
+            on_device = totals.to(self.ownership.device, non_blocking=True)
             dist.all_reduce(on_device, op=dist.ReduceOp.SUM, group=self.ownership.group)
-            totals = on_device
-        delta_numerator, d_denom = totals.tolist()  # the one host sync of the step
-        if d_denom == 0:
-            return loss  # no gradient anywhere yet (decided on the global sum: every rank returns)
+            totals = on_device if on_device.device == totals.device else on_device.to(totals.device)
+        delta_numerator, d_denom = totals[0], totals[1]
+        # No gradient anywhere yet (decided on the global sum, so on every rank alike): the step changes no
+        # parameter and no estimate. prodigyopt returns early; here the same is a device-side select.
+        live = d_denom != 0
 
-        d_numerator = first["d_numerator"] * beta3 + delta_numerator
-        d_hat = first["d_coef"] * d_numerator / d_denom
-        if d == d0:
-            d = max(d, d_hat)
-        d_max = max(d_max, d_hat)
-        d = min(d_max, d * first["growth_rate"])
-
+        d_numerator = torch.where(live, estimate["d_numerator"] * beta3 + delta_numerator, estimate["d_numerator"])
+        d_hat = torch.where(live, first["d_coef"] * d_numerator / d_denom, estimate["d_hat"])
+        grown = torch.where(d == d0, torch.maximum(d, d_hat), d)
+        new_d_max = torch.where(live, torch.maximum(d_max, d_hat), d_max)
+        new_d = torch.where(live, torch.minimum(new_d_max, grown * first["growth_rate"]), d)
+        update = dict(d_numerator=d_numerator, d_denom=torch.where(live, d_denom, estimate["d_denom"]), d=new_d,
+                      d_max=new_d_max, d_hat=d_hat, k=k + live)
         for group in self.param_groups:
-            group.update(d_numerator=d_numerator, d_denom=d_denom, d=d, d_max=d_max, d_hat=d_hat, k=k + 1)
+            group.update(update)
+        dlr = torch.where(live, dlr, 0.0)  # a step of 0 leaves every parameter as it is
         for group, chunks in active:
             for params, grads, states in chunks:
-                take_step(params, grads, states, group, beta1, d, dlr)
+                take_step(params, grads, states, group, beta1, new_d, dlr)
         return loss
+
+    ESTIMATE = ("d", "d_max", "d_numerator", "d_denom", "d_hat", "k")
+
+    def _estimate(self, group: dict) -> dict[str, torch.Tensor]:
+        """The estimate as float64 0-dim tensors on the parameters' device: as left by the last step, or made
+        once from the plain numbers of a new optimizer / a loaded state (a host -> device copy, no read)."""
+        device = self._device()
+        return {key: torch.as_tensor(group.get(key, 0.0), dtype=torch.float64, device=device) for key in self.ESTIMATE}
 
     def _state_for(self, p: torch.Tensor, values: torch.Tensor, beta1: float, slice_p: int) -> dict:
         state = self.state[p]
@@ -181,6 +201,11 @@ class ShardedProdigy(torch.optim.Optimizer):
     def state_dict(self):
         # The selection is derived from the layout (and may be a slice): rebuilt after loading.
         state = super().state_dict()
+        # The estimate is read here, at checkpoint time (outside the step): plain numbers, as prodigyopt's
+        for group in state["param_groups"]:
+            for key in self.ESTIMATE:
+                if isinstance(group.get(key), torch.Tensor):
+                    group[key] = int(group[key].item()) if key == "k" else group[key].item()
         state["state"] = {
             key: {name: value for name, value in entry.items() if name != "selection"}
             for key, entry in state["state"].items()
@@ -203,7 +228,8 @@ def in_chunks(params: list, grads: list, states: list, chunking: str = "auto") -
 
 def accumulate(params, grads, states, group, beta1, beta2, beta3, d, s_rate):
     """Phase 1 of the step, with the current d: the moments, s, and this chunk's terms of the two
-    sums d is estimated from. Returns ([<g, p0 - p> per tensor], [|s| per tensor]), float64."""
+    sums d is estimated from. Returns ([<g, p0 - p> per tensor], [|s| per tensor]), float64.
+    d and s_rate are device tensors (never read on the host)."""
     if group["weight_decay"] != 0 and not group["decouple"]:
         add_scaled_(grads, params, group["weight_decay"])
     selected_grads = [g.reshape(-1)[s["selection"].index] for g, s in zip(grads, states)]
@@ -214,30 +240,64 @@ def accumulate(params, grads, states, group, beta1, beta2, beta3, d, s_rate):
     if beta1 > 0:
         exp_avgs = [s["exp_avg"] for s in states]
         torch._foreach_mul_(exp_avgs, beta1)
-        add_scaled_(exp_avgs, grads, d * (1 - beta1))
+        add_(exp_avgs, scaled(grads, d * (1 - beta1)))
     exp_avg_sqs = [s["exp_avg_sq"] for s in states]
     torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=d * d * (1 - beta2))
+    # addcmul_'s order (value * g) * g, with value d * d * (1 - beta2)
+    addcmul_(exp_avg_sqs, scaled(grads, d * d * (1 - beta2)), grads)
     ss = [s["s"] for s in states]
     torch._foreach_mul_(ss, beta3)
-    add_scaled_(ss, selected_grads, s_rate)
+    add_(ss, scaled(selected_grads, s_rate))
     magnitudes = [ss[0].abs()] if len(ss) == 1 else torch._foreach_abs(ss)
     denominators = [sum_by_parameter_blocks(a, s["selection"].runs) for a, s in zip(magnitudes, states)]
     return numerators, denominators
 
 
 def take_step(params, grads, states, group, beta1, d, dlr):
-    """Phase 2, with the new d: the Adam-like update of prodigyopt."""
+    """Phase 2, with the new d: the Adam-like update of prodigyopt (d and dlr device tensors)."""
     denoms = torch._foreach_sqrt([s["exp_avg_sq"] for s in states])
-    torch._foreach_add_(denoms, d * group["eps"])
-    if group["weight_decay"] != 0 and group["decouple"]:
-        add_scaled_(params, params, -group["weight_decay"] * dlr)
-    if beta1 > 0:
-        torch._foreach_addcdiv_(params, [s["exp_avg"] for s in states], denoms, value=-dlr)
+    if len(denoms) == 1:
+        denoms[0].add_(d * group["eps"])
     else:
-        torch._foreach_addcdiv_(params, grads, denoms, value=-dlr * d)
+        torch._foreach_add_(denoms, like(d * group["eps"], denoms))
+    if group["weight_decay"] != 0 and group["decouple"]:
+        add_(params, scaled(params, -group["weight_decay"] * dlr))
+    # addcdiv_'s order: p + (value * m) / denom
+    steps = scaled([s["exp_avg"] for s in states] if beta1 > 0 else grads, -dlr if beta1 > 0 else -dlr * d)
+    if len(steps) == 1:
+        steps[0].div_(denoms[0])
+    else:
+        torch._foreach_div_(steps, denoms)
+    add_(params, steps)
     for s in states:
         s["step"] += 1
+
+
+def like(scale: torch.Tensor, tensors: list) -> torch.Tensor:
+    """A 0-dim float64 scale in the tensors' dtype when that is float32 (the foreach kernels' fast path
+    wants one dtype; a Python float scale is rounded the same way by the kernels)."""
+    return scale.to(torch.float32) if tensors[0].dtype == torch.float32 else scale
+
+
+def scaled(tensors: list, scale: torch.Tensor) -> list:
+    """tensors * scale, new tensors (scale a 0-dim device tensor)."""
+    if len(tensors) == 1:
+        return [tensors[0] * scale]
+    return torch._foreach_mul(tensors, like(scale, tensors))
+
+
+def add_(targets: list, sources: list) -> None:
+    if len(targets) == 1:
+        targets[0].add_(sources[0])
+    else:
+        torch._foreach_add_(targets, sources)
+
+
+def addcmul_(targets: list, first: list, second: list) -> None:
+    if len(targets) == 1:
+        targets[0].addcmul_(first[0], second[0])
+    else:
+        torch._foreach_addcmul_(targets, first, second)
 
 
 def add_scaled_(targets: list, sources: list, alpha: float) -> None:
@@ -247,4 +307,3 @@ def add_scaled_(targets: list, sources: list, alpha: float) -> None:
         targets[0].add_(sources[0], alpha=alpha)
     else:
         torch._foreach_add_(targets, sources, alpha=alpha)
-

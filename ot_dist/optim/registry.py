@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 INF = math.inf
+QUANT_BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' block-wise kernels (CAME_8BIT's blocks)
 
 # Options from OneTrainer's list that no optimizer here takes, with the reason (shown in the error).
 NOT_AVAILABLE = {
@@ -169,6 +170,13 @@ SPECS: dict[str, OptimizerSpec] = {
         _spec("CAME", "pytorch_optimizer:CAME",
               {"beta1": 0.9, "beta2": 0.999, "beta3": 0.9999, "eps": 1e-30, "eps2": 1e-16, "weight_decay": 1e-2},
               betas=("beta1", "beta2", "beta3"), renames=(("eps", "eps1"),),
+              whole_tensor="its factored (row and column) second moments and confidence of each weight matrix"),
+        # CAME with the first moment of each weight matrix above min_8bit_size in bitsandbytes' 8-bit blocks
+        # (what OneTrainer's CAME_8BIT quantises; its defaults)
+        _spec("CAME_8BIT", "ot_dist.optim.came8bit:CAME8bit",
+              {"beta1": 0.9, "beta2": 0.999, "beta3": 0.9999, "eps": 1e-30, "eps2": 1e-16, "weight_decay": 1e-2,
+               "min_8bit_size": 16384, "quant_block_size": 2048},
+              betas=("beta1", "beta2", "beta3"), renames=(("eps", "eps1"),), eight_bit=True,
               whole_tensor="its factored (row and column) second moments and confidence of each weight matrix"),
         _spec("MUON", "pytorch_optimizer:Muon",
               {"momentum": 0.95, "weight_decay": 0.0, "muon_adam_lr": 3e-4},

@@ -123,6 +123,22 @@ def register_embeddings_as_external(root: torch.nn.Module) -> None:
                 deepspeed.zero.register_external_parameter(parent, child.weight)
 
 
+def register_adapter_reads_as_external(root: torch.nn.Module) -> None:
+    """peft's adapter layers read tensors outside the forward of the module that owns them: DoRA the adapted
+    layer's weight and lora_A / lora_B's weights (for the weight norm), LoHa / LoKr their factors (held in
+    ParameterDicts, which never run a forward) and the adapted weight's shape. Under ZeRO-3 each of those is an
+    empty partition there, so every parameter under an adapter layer is registered with that layer: ZeRO-3
+    gathers them for the adapter layer's forward and backward, the span in which the adapted layer's own forward
+    gathered its weight anyway."""
+    import deepspeed
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in root.modules():
+        if isinstance(module, BaseTunerLayer):
+            for param in module.parameters():
+                deepspeed.zero.register_external_parameter(module, param)
+
+
 class DeepSpeedStrategy(Strategy):
     def __init__(self, config, runtime, stage: int):
         super().__init__(config, runtime)
@@ -145,6 +161,7 @@ class DeepSpeedStrategy(Strategy):
         container = TrainableParts(self.trained_modules)
         if self.stage == 3:
             register_embeddings_as_external(container)
+            register_adapter_reads_as_external(container)
         skip_shared_memory_op_build()
         self.engine, engine_optimizer, _, _ = deepspeed.initialize(
             model=container,

@@ -15,9 +15,10 @@ from ot_dist.memory.table import DENOISERS, GIB, SETUPS, Setup, build_components
 # GiB for activations (checkpointed, batch 1, native resolution) + CUDA context + allocator slack. Estimates from
 # the activation sizes of the blocks at that resolution (not measured on a GPU yet: docs/performance.md has the
 # bench's measured peaks, which these must stay above).
-# Stable Cascade's prior runs on 24 x 24 latents at 1024 px (576 positions): small activations for its width.
+# Stable Cascade's prior runs on 24 x 24 latents at 1024 px (576 positions): small activations for its width;
+# Würstchen v2's prior on the same latents, with the lite prior's width (1536) and block count (32 x 3).
 ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev": 6.0, "Stable Cascade C": 3.0,
-                   "Stable Cascade C lite": 2.0}
+                   "Stable Cascade C lite": 2.0, "Würstchen v2": 2.0}
 NO_CHECKPOINTING_FACTOR = 4
 
 

@@ -15,9 +15,10 @@ import torch
 from ot_dist.optim.adaptive import d_times_lr
 
 
-def applied_learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float]:
+def applied_learning_rates(optimizer: torch.optim.Optimizer) -> dict[str, float | torch.Tensor]:
     """`lr/<group>` (and `d_lr/<group>` for optimizers that estimate d) as the next optimizer step
-    will apply them: read before the step, since the scheduler moves them right after it."""
+    will apply them: read before the step, since the scheduler moves them right after it. A d kept on the
+    device (Prodigy's) gives a 0-dim tensor, copied to the host with the window."""
     rates = {f"lr/{g.get('name', i)}": float(g["lr"]) for i, g in enumerate(optimizer.param_groups)}
     rates.update({f"d_lr/{name}": value for name, value in d_times_lr(optimizer).items()})
     return rates
@@ -29,7 +30,7 @@ class StepRecord:
     epoch: int
     loss: torch.Tensor  # this rank's mean over the accumulation
     grad_norm: torch.Tensor | None  # global norm before clipping, same on every rank
-    rates: dict[str, float]
+    rates: dict[str, float | torch.Tensor]  # tensors (a device-side d x lr) are read when the window is pulled
     wall_time: float = field(default_factory=time.time)
 
 
@@ -62,12 +63,17 @@ class StepWindow:
         losses = mean_over_ranks(torch.stack([r.loss.float() for r in records]))
         with_norm = [r for r in records if r.grad_norm is not None]
         norms = [r.grad_norm.detach().float().reshape(()).to(losses.device) for r in with_norm]
-        values = torch.cat([losses, torch.stack(norms)]) if norms else losses
+        on_device = [(r, key, v) for r in records for key, v in r.rates.items() if isinstance(v, torch.Tensor)]
+        rates = [v.detach().double().reshape(()).to(losses.device) for _, _, v in on_device]  # d in float64
+        parts = [losses, *([torch.stack(norms)] if norms else []), *([torch.stack(rates)] if rates else [])]
+        values = torch.cat([p.double() for p in parts]) if rates else torch.cat(parts)
         host = values.tolist()  # the one host copy of the window
         norm_of = {id(r): host[len(records) + i] for i, r in enumerate(with_norm)}
+        rate_of = {(id(r), key): host[len(records) + len(norms) + i] for i, (r, key, _) in enumerate(on_device)}
         pulled = []
         for record, loss in zip(records, host):
-            metrics = {"loss": loss, "epoch": float(record.epoch + 1), **record.rates}  # 1-based, as shown on screen
+            rates_read = {key: rate_of.get((id(record), key), v) for key, v in record.rates.items()}
+            metrics = {"loss": loss, "epoch": float(record.epoch + 1), **rates_read}  # 1-based, as shown on screen
             if id(record) in norm_of:
                 metrics["grad_norm"] = norm_of[id(record)]
             pulled.append(PulledStep(record.step, record.epoch, record.wall_time, metrics))

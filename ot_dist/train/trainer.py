@@ -19,6 +19,7 @@ from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.training_data import open_training_data, report_lines
+from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role
 from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
@@ -136,6 +137,7 @@ class Trainer:
                 self.log("checkpoint: the MLflow run did not exist yet when it was saved; this run is tracked as a new one")
         elif resume == "auto":
             self.log(f"checkpoint: none committed in {checkpoints_dir(config.output_dir)}, starting from step 0")
+        freeze_long_lived_objects()  # the libraries and the model are in memory: collections skip them from now on
 
     def _place_modules(self) -> None:
         """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default),
@@ -231,13 +233,11 @@ class Trainer:
                             continue
                         self._halt_on_nonfinite(step, epoch)
                     rates, grad_norm = self.optimizer_step(step)
-                    if self.adaptive:
-                        result.d_lr.append({k[len("d_lr/"):]: v for k, v in rates.items() if k.startswith("d_lr/")})
                     step += 1
                     window.add(StepRecord(step, epoch, loss, grad_norm, rates))
                     progress.step(step)
                     if step % config.log_every_steps == 0 or step == self.total_steps:
-                        result.losses.extend(self._log_window(window, progress))
+                        self._take_window(result, self._log_window(window, progress))
                     if step in snapshots:
                         self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
                     self.sampler.after_step(self, step)
@@ -255,7 +255,7 @@ class Trainer:
                         break
                 if every.every_n_epochs and (epoch + 1) % every.every_n_epochs == 0 and not result.stopped_by:
                     result.checkpoint = self._save(step, epoch, "epoch end")
-        result.losses.extend(self._log_window(window, progress))
+        self._take_window(result, self._log_window(window, progress))
         progress.close()
         result.steps = step
         if result.stopped_by:
@@ -388,8 +388,14 @@ class Trainer:
             self.ema.update(step)
         return rates, grad_norm
 
-    def _log_window(self, window: StepWindow, progress: Progress) -> list[float]:
-        """Copy the window's step values to the host (one sync), track them, show progress; the losses."""
+    def _take_window(self, result: TrainResult, steps: list) -> None:
+        """The pulled steps' losses (and d x lr per group for adaptive optimizers) into the result."""
+        result.losses.extend(s.metrics["loss"] for s in steps)
+        if self.adaptive:
+            result.d_lr.extend({k[len("d_lr/"):]: v for k, v in s.metrics.items() if k.startswith("d_lr/")} for s in steps)
+
+    def _log_window(self, window: StepWindow, progress: Progress) -> list:
+        """Copy the window's step values to the host (one sync), track them, show progress; the pulled steps."""
         steps, seconds = window.pull(self.runtime.mean)
         if not steps:
             return []
@@ -403,7 +409,7 @@ class Trainer:
         progress.window(last.step, last.epoch, window_mean_loss(steps), last.metrics, samples_per_s)
         for notice in self.tracker.take_notices():
             progress.write(f"warning: {notice}")
-        return [s.metrics["loss"] for s in steps]
+        return steps
 
 
 def build_ema(config: TrainConfig, ownership) -> ShardedEMA | None:

@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from ot_dist.config.load import validate
-    from ot_dist.data.latent_cache import attach_latent_cache
+    from ot_dist.data.caches import attach_latent_cache
     from ot_dist.data.reader import ShardDataset, ShardReader
     from ot_dist.data.shards import build_shard_set
     from ot_dist.models.tiny import make_tiny_model

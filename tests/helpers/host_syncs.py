@@ -28,8 +28,9 @@ def device_target(args, kwargs):
 @dataclass
 class Sync:
     kind: str
-    where: str  # the innermost ot_dist frames, innermost last
+    where: str  # the innermost ot_dist frames, innermost first
     phase: str
+    origin: str = ""  # the file of the innermost frame, whatever its package (a library's own copy is not ours)
 
 
 @dataclass
@@ -52,9 +53,10 @@ class SyncCounter:
     def _record(self, kind: str, tensor: torch.Tensor | None, into: list | None = None) -> None:
         if into is None and tensor is not None and (id(tensor) in self._host or (self.also_host and self.also_host(tensor))):
             return
-        frames = [f for f in traceback.extract_stack()[:-2] if "ot_dist" in f.filename]
+        stack = traceback.extract_stack()[:-2]
+        frames = [f for f in stack if "ot_dist" in f.filename]
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
-        (self.syncs if into is None else into).append(Sync(kind, where, self.phase))
+        (self.syncs if into is None else into).append(Sync(kind, where, self.phase, stack[-1].filename if stack else ""))
 
     def in_phase(self, phase: str) -> list[Sync]:
         return [s for s in self.syncs if s.phase == phase]

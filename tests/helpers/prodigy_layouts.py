@@ -107,7 +107,7 @@ def main() -> None:
             d = []
             for i in range(STEPS):
                 step(model(batch(i)).pow(2).mean())
-                d.append(optimizer.param_groups[0]["d"])
+                d.append(float(optimizer.param_groups[0]["d"]))
             full = weights()
             reassembled = ownership.gather_full([o.local() for o in ownership.owned])
             empty = torch.tensor([sum(o.local().numel() == 0 for o in ownership.owned)])

@@ -78,7 +78,13 @@ class Family:
         return None
 
     def save_extras(self, pipeline, folder: Path) -> None:
-        """Write into a saved pipeline folder what `complete_pipeline` reads back (nothing for most families)."""
+        """Write into a saved pipeline folder what `complete_pipeline` reads back (nothing for most families): every
+        diffusers folder ot_dist writes (the full export, its EMA copy, `ot-dist lora merge`, the demo's models)
+        gets these files, so ot_dist loads it again as `model.path`."""
+
+    def save_demo_extras(self, pipeline, folder: Path) -> None:
+        """Write what the demo's tiny model folder holds beyond the model itself (Stable Cascade's tiny decoder
+        stages, which `model.decoder` names); never part of an export."""
 
     # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching (a UNet
     # pads odd sizes itself). data.bucket_step must be a multiple of it.
@@ -255,6 +261,19 @@ class Family:
     # `.alpha` tensor). ComfyUI maps T5-XXL LoRA modules only by such names (comfy/lora.py model_lora_keys_clip:
     # `lora_te{N}_<T5 path>`, N counting the CLIP encoders the model has), never as `text_encoder_2.<path>`.
     lora_file_kohya_components: dict[str, str] = {}
+    # Other trainers' names, read by `ot-dist lora merge` and `lora.init_from` (ot_dist/lora_tools/foreign.py):
+    # per component, prefixes naming its modules by their diffusers path with "_" for "." (OneTrainer's
+    # `lora_transformer_`, `lora_te2_` for Flux's T5); the component's `lora_file_roots` level applies.
+    lora_foreign_prefixes: dict[str, tuple[str, ...]] = {}
+    # (prefix, separator) pairs naming the denoiser's modules by their original single-file paths (kohya sd-scripts'
+    # `lora_unet_double_blocks_0_img_attn_qkv`, ComfyUI's `diffusion_model.double_blocks.0.img_attn.qkv`); the
+    # paths and how fused modules split come from `denoiser_original_rules`.
+    lora_original_prefixes: tuple[tuple[str, str], ...] = ()
+
+    def denoiser_original_rules(self, config) -> list:
+        """The single-file key rules (ot_dist/models/families/single_file_keys.py `Rule`) of a denoiser with this
+        config: original key <- diffusers key(s). Empty for families without an original layout."""
+        return []
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **options):

@@ -14,6 +14,7 @@ import torch
 
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
+from ot_dist.train.transfer import to_device
 
 # The diffusers Flux LoRA script's default targets (double blocks: both streams' attention and MLPs; single
 # blocks: q / k / v and the MLP input).
@@ -43,7 +44,7 @@ def image_ids(h: int, w: int, device, dtype) -> torch.Tensor:
     ids = torch.zeros(h // 2, w // 2, 3)
     ids[..., 1] += torch.arange(h // 2)[:, None]
     ids[..., 2] += torch.arange(w // 2)[None, :]
-    return ids.reshape(-1, 3).to(device=device, dtype=dtype)
+    return to_device(ids.reshape(-1, 3), device, dtype)
 
 
 class FlowTransformerFamily(Family):
@@ -56,6 +57,8 @@ class FlowTransformerFamily(Family):
     # (torch 2.11 + CUDA 13.0, H200, November 2026); flash / efficient / math gave finite gradients on the same
     # inputs. SDXL and SD3.5 trained with it there.
     attention_kernels_avoided = ("cudnn",)
+    # kohya sd-scripts' lora_unet_<BFL path with _> (networks/lora_flux.py) and ComfyUI's diffusion_model.<BFL path>
+    lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     denoiser_lora_presets = {"default": FLUX_LORA_TARGETS, "attention": ATTENTION_TARGETS}
     samplers = ("flow_euler",)
     t5_tokenizer = "tokenizer_2"
@@ -111,6 +114,16 @@ class Flux(FlowTransformerFamily):
     # T5-XXL beside CLIP-L: ComfyUI maps lora_te2_ (OneTrainer's) and lora_te3_ (kohya sd-scripts') T5 names for Flux;
     # lora_te3 is the one both ComfyUI and kohya's scripts read.
     lora_file_kohya_components = {"text_encoder_2": "lora_te3"}
+    # OneTrainer (modules/util/convert/lora/convert_flux_lora.py): lora_transformer_ / lora_te1_ (CLIP-L) / lora_te2_
+    # (T5); kohya sd-scripts (networks/lora_flux.py): lora_te1_ (CLIP-L), lora_te3_ (T5, read as Flux's own);
+    # SimpleTuner's LyCORIS files: lycoris_<diffusers path> (ComfyUI's comfy/lora.py maps it for Flux)
+    lora_foreign_prefixes = {"transformer": ("lora_transformer", "lycoris"), "text_encoder": ("lora_te1",),
+                             "text_encoder_2": ("lora_te2",)}
+
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.flux_single_file import flux_rules
+
+        return flux_rules(config)
 
     def __init__(self, guidance_scale: float = 1.0):
         # The distilled guidance dev's transformer is shown in training (OneTrainer and SimpleTuner train at 1.0).
@@ -122,8 +135,8 @@ class Flux(FlowTransformerFamily):
 
     def encode_text(self, text_encoders, tokens):
         clip, t5 = text_encoders["text_encoder"], text_encoders["text_encoder_2"]
-        pooled = clip(tokens["text_encoder"].to(clip.device), output_hidden_states=False).pooler_output
-        hidden = t5(tokens["text_encoder_2"].to(t5.device), output_hidden_states=False)[0]
+        pooled = clip(to_device(tokens["text_encoder"], clip.device), output_hidden_states=False).pooler_output
+        hidden = t5(to_device(tokens["text_encoder_2"], t5.device), output_hidden_states=False)[0]
         return {"hidden": hidden, "pooled": pooled}
 
     def transformer_inputs(self, denoiser, conditioning, noisy):
@@ -182,6 +195,13 @@ class Chroma(FlowTransformerFamily):
     text_lora_targets = T5_LORA_TARGETS
     # ComfyUI's Chroma text encoder is T5-XXL alone: its LoRA modules are lora_te1_<T5 path> (comfy/lora.py)
     lora_file_kohya_components = {"text_encoder": "lora_te1"}
+    # OneTrainer (modules/util/convert/lora/convert_chroma_lora.py): lora_transformer_ and lora_te_ (its T5)
+    lora_foreign_prefixes = {"transformer": ("lora_transformer",), "text_encoder": ("lora_te",)}
+
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.flux_single_file import chroma_rules
+
+        return chroma_rules(config)
 
     def tokenize(self, tokenizers, captions):
         tokenizer = tokenizers["tokenizer"]
@@ -191,8 +211,8 @@ class Chroma(FlowTransformerFamily):
 
     def encode_text(self, text_encoders, tokens):
         t5 = text_encoders["text_encoder"]
-        token_mask = tokens["text_encoder_mask"].to(t5.device)
-        hidden = t5(tokens["text_encoder"].to(t5.device), attention_mask=token_mask, output_hidden_states=False)[0]
+        token_mask = to_device(tokens["text_encoder_mask"], t5.device)
+        hidden = t5(to_device(tokens["text_encoder"], t5.device), attention_mask=token_mask, output_hidden_states=False)[0]
         # The transformer sees the caption and its first padding token (ChromaPipeline's convention).
         lengths = token_mask.sum(dim=1)
         positions = torch.arange(token_mask.shape[1], device=token_mask.device)[None]

@@ -23,6 +23,7 @@ import torch
 
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import DDPM
+from ot_dist.train.transfer import to_device
 
 # Attention of the self- (attn1) and cross-attention (attn2) layers: what PixArt LoRA trainers target by default.
 PIXART_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -79,8 +80,8 @@ class PixArt(Family):
 
     def encode_text(self, text_encoders, tokens):
         t5 = text_encoders["text_encoder"]
-        mask = tokens["text_encoder_mask"].to(t5.device)
-        hidden = t5(tokens["text_encoder"].to(t5.device), attention_mask=mask)[0]
+        mask = to_device(tokens["text_encoder_mask"], t5.device)
+        hidden = t5(to_device(tokens["text_encoder"], t5.device), attention_mask=mask)[0]
         return {"hidden": hidden, "mask": mask.long()}
 
     def transformer_output(self, denoiser, noisy, timesteps, conditioning) -> torch.Tensor:

@@ -10,6 +10,7 @@ import torch
 
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY, Family
 from ot_dist.models.objectives import DDPM
+from ot_dist.train.transfer import to_device
 
 UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", "ff.net.0.proj", "ff.net.2")
 # One FSDP unit per resnet, per transformer block of the attentions, per down/upsampler: on SDXL the largest is
@@ -96,10 +97,10 @@ class SD(UNetFamily):
         encoder = text_encoders["text_encoder"]
         skip = self.layer_skip.get("text_encoder", 0)
         if not skip:
-            return {"hidden": encoder(tokens["text_encoder"].to(encoder.device))[0]}
+            return {"hidden": encoder(to_device(tokens["text_encoder"], encoder.device))[0]}
         # OneTrainer's encode_clip (default_layer -1, add_layer_norm) and diffusers' clip_skip: an earlier layer's
         # hidden states through the final layer norm.
-        hidden = encoder(tokens["text_encoder"].to(encoder.device), output_hidden_states=True).hidden_states
+        hidden = encoder(to_device(tokens["text_encoder"], encoder.device), output_hidden_states=True).hidden_states
         norm = getattr(encoder, "text_model", encoder).final_layer_norm  # transformers 5 dropped .text_model
         return {"hidden": norm(skipped_layer(hidden, -1, skip, "text_encoder"))}
 

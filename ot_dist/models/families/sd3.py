@@ -10,6 +10,7 @@ import torch
 
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
+from ot_dist.train.transfer import to_device
 
 # The diffusers SD3 LoRA script's default targets: attention of both streams.
 SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
@@ -35,6 +36,12 @@ class SD3(Family):
     text_lora_targets_by_encoder = {"text_encoder_3": T5_LORA_TARGETS}
     # T5-XXL after CLIP-L and CLIP-G: ComfyUI (comfy/lora.py) and kohya's sd-scripts name its LoRA modules lora_te3_
     lora_file_kohya_components = {"text_encoder_3": "lora_te3"}
+    # OneTrainer (modules/util/convert/lora/convert_sd3_lora.py) and kohya sd-scripts (networks/lora_sd3.py) both
+    # name CLIP-L lora_te1_, CLIP-G lora_te2_; the transformer OneTrainer's lora_transformer_<diffusers path with _>,
+    # kohya's lora_unet_<MMDiT path with _> (joint_blocks_0_x_block_attn_qkv), ComfyUI's diffusion_model.<MMDiT path>
+    lora_foreign_prefixes = {"transformer": ("lora_transformer",), "text_encoder": ("lora_te1",),
+                             "text_encoder_2": ("lora_te2",)}
+    lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     samplers = ("flow_euler",)
 
     def objective(self, pipeline, model_config) -> FlowMatching:
@@ -55,11 +62,11 @@ class SD3(Family):
         clip_hidden, pooled = [], []
         for name in ("text_encoder", "text_encoder_2"):
             encoder = text_encoders[name]
-            out = encoder(tokens[name].to(encoder.device), output_hidden_states=True)
+            out = encoder(to_device(tokens[name], encoder.device), output_hidden_states=True)
             clip_hidden.append(out.hidden_states[-2])
             pooled.append(out[0])  # the projected pooled output (text_embeds)
         t5 = text_encoders["text_encoder_3"]
-        t5_hidden = t5(tokens["text_encoder_3"].to(t5.device))[0]
+        t5_hidden = t5(to_device(tokens["text_encoder_3"], t5.device))[0]
         clip = torch.cat(clip_hidden, dim=-1)
         clip = torch.nn.functional.pad(clip, (0, t5_hidden.shape[-1] - clip.shape[-1]))
         return {"hidden": torch.cat([clip, t5_hidden.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
@@ -68,6 +75,11 @@ class SD3(Family):
         return denoiser(hidden_states=noisy, timestep=timesteps.to(noisy.dtype),
                         encoder_hidden_states=conditioning["hidden"], pooled_projections=conditioning["pooled"],
                         return_dict=False)[0]
+
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.sd3_single_file import sd3_rules
+
+        return sd3_rules(config)
 
     def load_single_file(self, path, config_folder, model_config):
         from ot_dist.models.families.sd3_single_file import sd3_from_original, validate_sd3_file

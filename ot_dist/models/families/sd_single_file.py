@@ -326,6 +326,7 @@ def export_single_file(
     """
     from safetensors.torch import save_file
 
+    from ot_dist.checkpoint.canonical import make_canonical
     from ot_dist.file_modes import share_with_umask
 
     path = Path(path)
@@ -341,6 +342,7 @@ def export_single_file(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         save_file(tensors, str(tmp), metadata={"format": "pt", "ot_dist.family": family})
+        make_canonical(tmp)  # the same bytes whichever process writes the same tensors (metadata order)
         share_with_umask(tmp)  # save_file writes 0600
         with open(tmp, "rb+") as fh:
             os.fsync(fh.fileno())

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ot_dist.models.families.sd import UNetFamily, skipped_layer
+from ot_dist.train.transfer import to_device
 
 
 class SDXL(UNetFamily):
@@ -28,7 +29,7 @@ class SDXL(UNetFamily):
         hidden, pooled = [], None
         for name in self.text_encoders:
             encoder = text_encoders[name]
-            out = encoder(tokens[name].to(encoder.device), output_hidden_states=True)
+            out = encoder(to_device(tokens[name], encoder.device), output_hidden_states=True)
             # the penultimate layer, `<encoder>_layer_skip` earlier (OneTrainer: default_layer -2, no layer norm)
             hidden.append(skipped_layer(out.hidden_states, -2, self.layer_skip.get(name, 0), name))
             pooled = out[0]  # the last encoder's projected pooled output (text_embeds)
@@ -43,7 +44,7 @@ class SDXL(UNetFamily):
         hidden = conditioning["hidden"]
         # [original_h, original_w, crop_top, crop_left, target_h, target_w] per sample.
         time_ids = torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
-        time_ids = time_ids.to(device=hidden.device, dtype=hidden.dtype)
+        time_ids = to_device(time_ids, hidden.device, hidden.dtype)
         return {"encoder_hidden_states": hidden,
                 "added_cond_kwargs": {"text_embeds": conditioning["pooled"], "time_ids": time_ids}}
 

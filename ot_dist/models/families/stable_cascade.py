@@ -13,7 +13,8 @@ one module: both denoise EfficientNetV2-S latents with Würstchen's continuous c
   OneTrainer's draw (i + 1) / 10000 + 0.001; loss.weight_fn (P2, MIN_SNR_GAMMA, ...) from alpha-bar(t).
 - LoRA: diffusers 0.42 gives StableCascadeUNet no `add_adapter`; ot_dist's LoRA injects peft directly. The file is
   kohya-style under `lora_prior_unet_` with the original stage C module paths (the prefix ComfyUI maps onto stage C
-  and OneTrainer writes); diffusers' `to_out.0` of the attention is the original `out_proj`.
+  and OneTrainer writes); diffusers' `to_out.0` of the attention is the original `out_proj`. CLIP-G modules are
+  `lora_prior_te_text_model_…` / `lora_prior_te_text_projection`, the names ComfyUI maps for Stable Cascade's CLIP-G.
 - Sampling needs the frozen decoder stages (stage B and the Paella VQGAN) that a prior folder does not hold:
   `model.decoder` names their folder, loaded component by component and attached as `pipeline.decoder_stages`;
   samples come from diffusers' combined pipeline over the trained prior and them (ot_dist/models/families/
@@ -28,6 +29,7 @@ import torch
 
 from ot_dist.models.families.base import Family
 from ot_dist.models.objectives import ContinuousCosine
+from ot_dist.train.transfer import to_device
 
 # Attention projections (SDCascadeAttnBlock's self+cross attention) and the text-conditioning kv mapper:
 # OneTrainer's "attn-only" filter for Stable Cascade is the attention; "attention_mlp" adds the blocks' channel MLP.
@@ -44,7 +46,11 @@ class StableCascade(Family):
     denoiser = "prior"
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
-    embedding_keys = {}  # no embedding method for this family yet
+    # Textual inversion on the prior's CLIP (CLIP-G; Würstchen v2's is CLIP-bigG's text model too): the file holds
+    # {"clip_g": [vectors, 1280]}, the key ComfyUI's Stable Cascade tokenizer reads (comfy/sdxl_clip.py
+    # StableCascadeClipGTokenizer: embedding_key "clip_g", embedding_size 1280) and OneTrainer's Würstchen / Stable
+    # Cascade embedding saver writes.
+    embedding_keys = {"text_encoder": "clip_g"}
     denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
                              "attention_mlp": CASCADE_ATTENTION_MLP}
     # down_blocks / up_blocks are lists of lists: each inner list (a level) holds the Res / Timestep / Attn blocks;
@@ -61,7 +67,10 @@ class StableCascade(Family):
     # card decodes with 10 steps, guidance 0.
     decoder_steps, decoder_guidance_scale = 10, 0.0
     memory_reference = "Stable Cascade C"  # the 3.6 B prior; the lite prior (1 B): its own row
-    lora_file_prefixes = {"prior": "lora_prior_unet", "text_encoder": "lora_te"}
+    # ComfyUI (comfy/lora.py model_lora_keys_clip) maps Stable Cascade's CLIP-G, loaded without a CLIP-L, by
+    # `lora_prior_te_text_model_encoder_layers_<b>_<module>` and `lora_prior_te_text_projection` (the projection has no
+    # `lora_te_` name there); OneTrainer writes the same `lora_prior_te` / `lora_prior_unet` prefixes.
+    lora_file_prefixes = {"prior": "lora_prior_unet", "text_encoder": "lora_prior_te"}
     lora_file_roots = {"text_encoder": "text_model"}
     # diffusers' Attention of an SDCascadeAttnBlock is the original Attention2D's `attn` (nn.MultiheadAttention,
     # which ComfyUI splits into to_q / to_k / to_v and keeps `out_proj`); the other modules keep their names.
@@ -157,8 +166,8 @@ class StableCascade(Family):
     def encode_text(self, text_encoders, tokens):
         encoder = text_encoders["text_encoder"]
         # As the prior pipeline: the attention mask in, the last hidden states and the projected pooled output.
-        out = encoder(tokens["text_encoder"].to(encoder.device),
-                      attention_mask=tokens["text_encoder_mask"].to(encoder.device), output_hidden_states=True)
+        out = encoder(to_device(tokens["text_encoder"], encoder.device),
+                      attention_mask=to_device(tokens["text_encoder_mask"], encoder.device), output_hidden_states=True)
         return {"hidden": out.hidden_states[-1], "pooled": out.text_embeds.unsqueeze(1)}
 
     # -- the denoiser call ------------------------------------------------------------------------------
@@ -203,12 +212,18 @@ class StableCascade(Family):
         return tiny_stable_cascade_decoder(prior_pipeline.tokenizer, encoder, encoder.config.projection_dim)
 
     def save_extras(self, pipeline, folder: Path) -> None:
-        """The EfficientNet into the prior folder; the tiny decoder stages (built by build_tiny) into its
-        `decoder_stages/` subfolder, the folder the demo's model.decoder names."""
+        """The EfficientNet into the prior folder (what complete_pipeline reads): exports and merges of the prior
+        hold it, so they train on and extract LoRAs like the base folder. The decoder stages are never written here:
+        they are frozen and their own folder (model.decoder) serves every prior trained from them."""
         from ot_dist.models.efficientnet import save_effnet
-        from ot_dist.models.families.cascade_decoder import save_decoder
 
         save_effnet(pipeline.effnet, folder)
+
+    def save_demo_extras(self, pipeline, folder: Path) -> None:
+        """The tiny decoder stages (built by build_tiny) into the demo folder's `decoder_stages/` subfolder, the
+        folder the demo's model.decoder names."""
+        from ot_dist.models.families.cascade_decoder import save_decoder
+
         if getattr(pipeline, "decoder_stages", None) is not None:
             save_decoder(pipeline.decoder_stages, folder / TINY_DECODER_FOLDER)
 
@@ -230,7 +245,7 @@ class WuerstchenV2(StableCascade):
     single_file = False  # no original single-file layout of Würstchen v2's prior in ot_dist
     lora_file_prefixes = None  # no UI reads Würstchen v2 LoRAs by kohya names: the diffusers layout
     lora_file_renames = {}
-    memory_reference = None
+    memory_reference = "Würstchen v2"  # the 1 B prior (warp-ai/wuerstchen-prior)
     decoder_pipeline_class = "WuerstchenDecoderPipeline"
     combined_pipeline_class = "WuerstchenCombinedPipeline"
     decoder_steps, decoder_guidance_scale = 12, 0.0  # WuerstchenCombinedPipeline's defaults
@@ -255,8 +270,8 @@ class WuerstchenV2(StableCascade):
 
     def encode_text(self, text_encoders, tokens):
         encoder = text_encoders["text_encoder"]
-        out = encoder(tokens["text_encoder"].to(encoder.device),
-                      attention_mask=tokens["text_encoder_mask"].to(encoder.device))
+        out = encoder(to_device(tokens["text_encoder"], encoder.device),
+                      attention_mask=to_device(tokens["text_encoder_mask"], encoder.device))
         return {"hidden": out.last_hidden_state}  # as WuerstchenPriorPipeline.encode_prompt
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):

@@ -1,0 +1,51 @@
+"""What a full export writes for the components a run did not train: the weights the user loaded, not the copies
+training held. Low-memory storage (`weight_dtype: float8`, `bfloat16`, `float16`) rounds every frozen weight in
+memory; exporting those copies would silently degrade the VAE and frozen text encoders of the file users load. When
+any frozen module holds rounded copies, the writing rank loads `model.path` again (as `load_model` does, float32:
+lossless for float32 / 16-bit originals) and takes every untrained component from it, so the export casts the
+original once to output_dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ot_dist.models.loading import LoadedModel, load_model
+
+
+def held_as_loaded(module: torch.nn.Module) -> bool:
+    """Whether a module still holds the weights `load_model` gave it (float32): float8 storage and the 16-bit
+    weight_dtypes store rounded copies."""
+    return all(p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point())
+
+
+@dataclass
+class ExportSource:
+    pipeline: object  # what the diffusers folder is written from
+    components: dict[str, torch.nn.Module]  # the single file's components
+    states: dict[str, dict[str, torch.Tensor]]  # their full state dicts
+
+
+def export_source(model: LoadedModel, model_config, trained: set[str], state_dict_of, write: bool) -> ExportSource:
+    """The pipeline, components ("vae" for the latent encoder, as the single-file exports name it) and state dicts
+    to export: `trained` (part names) from `state_dict_of` (a collective under sharding: every rank calls it for the
+    same modules), everything else as loaded from `model_config.path`. Only a `write` rank loads the source."""
+    parts = model.parts()
+    components = {**parts, "vae": model.vae}
+    frozen = [m for m in model.modules() if not any(m is parts[name] for name in trained)]
+    if all(held_as_loaded(m) for m in frozen):  # nothing rounded: the modules in memory are the originals
+        return ExportSource(model.pipeline, components, {n: state_dict_of(m) for n, m in components.items()})
+    states = {name: state_dict_of(parts[name]) for name in trained}
+    if not write:
+        return ExportSource(model.pipeline, components, states)
+    source = load_model(model_config)
+    for name in trained:  # the trained modules in the original's pipeline (their configs; weights from `states`)
+        entry = source.pipeline.config[name]
+        setattr(source.pipeline, name, parts[name])  # frees the source's copy
+        # diffusers re-registers the class of what is set: a wrapped module (FSDP2's FSDPUNet...) would
+        # rename it in model_index.json; the loaded class is what loaders must build.
+        source.pipeline.register_to_config(**{name: entry})
+    components = {**source.parts(), "vae": source.vae}
+    states.update({name: module.state_dict() for name, module in components.items() if name not in trained})
+    return ExportSource(source.pipeline, components, states)

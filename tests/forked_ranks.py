@@ -1,0 +1,139 @@
+"""Run a test helper script as N gloo ranks, forked from a process that has already imported the libraries.
+
+What torchrun gives a rank is its environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT) and a process of its own; the rank then imports torch, diffusers, transformers, DeepSpeed and peft:
+8-9 s of a CPU core per rank, paid twice per launch plus torchrun's own start, on a 2-core CI machine. Here the
+ranks are forked from a `multiprocessing` fork server that imported those libraries once per test process (and
+did nothing else: no threads, no computation), so a launch costs what the script itself does. Each rank is still
+a real process with its own gloo process group over TCP. Tests of the launchers themselves (`ot-dist launch`,
+torchrun's restarts and failure summary, the k8s pods) keep spawning torchrun.
+
+Like torchrun, the launch ends when every rank has ended; when one fails, the others are killed after a grace
+period (they would otherwise wait in a collective until the process-group timeout)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ot_dist.parallel.runtime import free_port
+
+# Imported once by the fork server. Everything a helper script imports that is not here is imported by each rank.
+PRELOAD = [
+    "torch", "torch.distributed.fsdp", "diffusers", "diffusers.models.unets.unet_2d_condition",
+    "diffusers.models.autoencoders.autoencoder_kl", "diffusers.models.transformers.transformer_flux",
+    "diffusers.models.transformers.transformer_sd3", "transformers", "transformers.models.clip.modeling_clip",
+    "transformers.models.t5.modeling_t5", "peft", "deepspeed", "safetensors.torch", "ot_dist.train.trainer",
+    "ot_dist.cli",
+]
+_GRACE_SECONDS = 10  # after one rank failed, time the others get to write their own error before they are killed
+
+
+def _context() -> multiprocessing.context.ForkServerContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    # The server starts with one intra-op thread, as torchrun starts ranks (OMP_NUM_THREADS=1), and never
+    # computes; this test process keeps its own setting.
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
+    return context
+
+
+def _rank_main(command: list[str], env: dict[str, str], log_prefix: str, cwd: str | None) -> None:
+    """In the forked rank: the environment torchrun would set, output to the rank's log, the script (or `-m`
+    module) as __main__."""
+    import runpy
+
+    os.setpgid(0, 0)  # the rank and its loader workers: one group, killed together
+    # A process torchrun starts has the platform's default start method (fork on Linux with Python 3.11), not the
+    # fork server's that multiprocessing gave this child: its loader workers are forked from it.
+    multiprocessing.set_start_method("fork", force=True)
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        os.dup2(os.open(f"{log_prefix}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+    for stream in (sys.stdout, sys.stderr):  # what a killed rank printed is kept
+        stream.reconfigure(line_buffering=True)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
+    if command[0] == "-m":
+        sys.argv = command[1:]
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = command
+        sys.path.insert(0, str(Path(command[0]).parent))
+        runpy.run_path(command[0], run_name="__main__")
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None = None, cwd: str | Path | None = None,
+              timeout: float = 900) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node NPROC COMMAND` (NPROC 1: `python COMMAND`), COMMAND being `SCRIPT ARGS` or
+    `-m MODULE ARGS`, with the ranks forked from
+    the preloaded server. The result holds the ranks' stdout and stderr (each rank's under a `[rank R]` header when
+    there are several) and the first failing rank's exit code."""
+    context = _context()
+    base_env = {**os.environ, **(env or {})}
+    if nproc > 1:  # one process is started as `python SCRIPT` would be: no process-group environment
+        base_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
+                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": "0"})
+    base_env.setdefault("OMP_NUM_THREADS", "1")
+    argv = [str(a) for a in command]
+    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+        ranks = []
+        for rank in range(nproc):
+            rank_env = {**base_env, **({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc)}
+                                       if nproc > 1 else {})}
+            process = context.Process(target=_rank_main,
+                                      args=(argv, rank_env, f"{logs}/rank-{rank}", None if cwd is None else str(cwd)))
+            process.start()
+            ranks.append(process)
+        deadline, failed_at = time.monotonic() + timeout, None
+        while any(p.exitcode is None for p in ranks):
+            now = time.monotonic()
+            if failed_at is None and any(p.exitcode not in (None, 0) for p in ranks):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + _GRACE_SECONDS):
+                for p in ranks:
+                    if p.exitcode is None:
+                        _kill_group(p.pid)
+            for p in ranks:
+                p.join(timeout=0.05)
+        codes = [p.exitcode for p in ranks]
+        for p in ranks:  # loader workers a killed rank left behind
+            _kill_group(p.pid)
+        stdout, stderr = (_joined(logs, nproc, stream) for stream in ("stdout", "stderr"))
+    if time.monotonic() > deadline:
+        stderr += f"\nlaunch killed after {timeout} s\n"
+    returncode = next((c for c in codes if c != 0), 0)
+    return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+
+def _kill_group(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _joined(logs: str, nproc: int, stream: str) -> str:
+    texts = [Path(logs, f"rank-{r}.{stream}").read_text(errors="replace") for r in range(nproc)]
+    return texts[0] if nproc == 1 else "".join(f"[rank {r}]\n{text}\n" for r, text in enumerate(texts))

@@ -1,0 +1,281 @@
+"""LoRA files of other trainers for the transformer families (issue 24): `ot-dist lora merge` and `lora.init_from`
+read them. Each file is written here by the other trainer's naming rule, written down below with its source, with
+alpha != rank; the check is W + alpha / rank * up @ down on every module it names (and no other weight changed).
+
+Naming rules:
+- kohya sd-scripts, networks/lora_flux.py: LORA_PREFIX_FLUX = "lora_unet", LORA_PREFIX_TEXT_ENCODER_CLIP =
+  "lora_te1", LORA_PREFIX_TEXT_ENCODER_T5 = "lora_te3"; a module is `<prefix>.<module path>` with every "." as "_".
+  The transformer's paths are Black Forest Labs' (library/flux_models.py): `double_blocks.N.img_attn.qkv` (output
+  rows q | k | v -> diffusers attn.to_q / to_k / to_v), `txt_attn.qkv` (-> add_q_proj / add_k_proj / add_v_proj),
+  `img_mlp.0` (-> ff.net.0.proj), `single_blocks.N.linear1` (rows q | k | v | MLP -> to_q / to_k / to_v / proj_mlp),
+  `final_layer.adaLN_modulation.1` (rows shift | scale -> norm_out.linear, whose rows are scale | shift). CLIP-L's
+  paths are transformers 4's (`text_model.encoder.layers.N.self_attn.q_proj`). `.lora_down.weight`,
+  `.lora_up.weight`, `.alpha`. With `split_qkv` kohya keeps q / k / v LoRAs of rank r and saves them as one rank-3r
+  pair: down matrices stacked, the up matrix block-diagonal.
+- kohya sd-scripts, networks/lora_sd3.py: LORA_PREFIX_SD3 = "lora_unet" over the MMDiT paths
+  (library/sd3_models.py: `joint_blocks.N.x_block.attn.qkv`, `joint_blocks.N.context_block.attn.qkv`,
+  `x_block.mlp.fc1`), "lora_te1" / "lora_te2" / "lora_te3" for CLIP-L / CLIP-G / T5.
+- OneTrainer, modules/util/convert/lora/convert_flux_lora.py and convert_sd3_lora.py: its own (diffusers-side) keys
+  are "lora_transformer" + the diffusers module path, CLIP-L "lora_te1", Flux's T5 "lora_te2" (SD3: CLIP-G
+  "lora_te2", T5 "lora_te3"), "." as "_" (diffusers' lora_conversion_utils `_convert_mixture_state_dict_to_diffusers`
+  reads such files: `lora_transformer_single_transformer_blocks_N_...`), with `.alpha` tensors.
+- ComfyUI, comfy/lora.py model_lora_keys_unet (Flux / SD3 branches): `diffusion_model.<original path>` (the BFL /
+  MMDiT path with its dots), suffixes lora_up / lora_down (or lora_B / lora_A) and `.alpha`.
+- diffusers / PEFT: `transformer.<diffusers path>.lora_A.weight` / `.lora_B.weight`, an `.alpha` tensor per module.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import base_config
+from diffusers import DiffusionPipeline
+from safetensors.torch import save_file
+from test_lora_tools import run_cli
+
+from ot_dist.config.load import validate
+from ot_dist.config.schema import ModelConfig
+from ot_dist.methods.lora import LoraMethod
+from ot_dist.models.loading import load_model
+
+RANK, ALPHA = 4, 1.5
+
+
+class ForeignFile:
+    """A LoRA file under another trainer's names, and the change it makes to each (component, module path)."""
+
+    def __init__(self, pipe, seed: int, down_suffix=".lora_down.weight", up_suffix=".lora_up.weight"):
+        self.pipe, self.tensors, self.expected = pipe, {}, {}
+        self.suffixes = down_suffix, up_suffix
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def module(self, name: str, pieces: list[tuple[str, str]], swap=False, split_rank: int = 0):
+        """`name` changes the rows of `pieces` (component, diffusers path) stacked in order; `swap`: its two row
+        halves are the module's in the other order; `split_rank`: kohya's split_qkv (block-diagonal up)."""
+        weights = [getattr(self.pipe, c).get_submodule(p).weight for c, p in pieces]
+        rows = [w.shape[0] for w in weights]
+        rank = split_rank * len(pieces) if split_rank else RANK
+        down = torch.randn(rank, weights[0].shape[1], generator=self.generator) * 0.1
+        up = torch.randn(sum(rows), rank, generator=self.generator) * 0.1
+        if split_rank:
+            mask = torch.zeros_like(up)
+            for i, start in enumerate(torch.tensor([0, *rows]).cumsum(0)[:-1].tolist()):
+                mask[start:start + rows[i], i * split_rank:(i + 1) * split_rank] = 1
+            up = up * mask
+        change = up @ down * ALPHA / rank
+        if swap:
+            first, second = change.chunk(2)
+            change = torch.cat([second, first])
+        for (component, path), part in zip(pieces, change.split(rows)):
+            self.expected[(component, path)] = part
+        self.tensors |= {name + self.suffixes[0]: down, name + self.suffixes[1]: up,
+                         name + ".alpha": torch.tensor(ALPHA)}
+
+    def save(self, path):
+        save_file(self.tensors, str(path))
+        return path
+
+
+def underscored(prefix: str, path: str) -> str:
+    return f"{prefix}_{path}".replace(".", "_")
+
+
+def flux_kohya(pipe, split=False) -> ForeignFile:
+    f = ForeignFile(pipe, 1)
+    t = "transformer"
+    f.module(underscored("lora_unet", "double_blocks.0.img_attn.qkv"),
+             [(t, f"transformer_blocks.0.attn.to_{x}") for x in "qkv"])
+    f.module(underscored("lora_unet", "double_blocks.1.txt_attn.qkv"),
+             [(t, f"transformer_blocks.1.attn.add_{x}_proj") for x in "qkv"])
+    f.module(underscored("lora_unet", "double_blocks.0.img_mlp.0"), [(t, "transformer_blocks.0.ff.net.0.proj")])
+    f.module(underscored("lora_unet", "single_blocks.1.linear1"),
+             [(t, f"single_transformer_blocks.1.attn.to_{x}") for x in "qkv"]
+             + [(t, "single_transformer_blocks.1.proj_mlp")])
+    if split:
+        f.module(underscored("lora_unet", "double_blocks.1.img_attn.qkv"),
+                 [(t, f"transformer_blocks.1.attn.to_{x}") for x in "qkv"], split_rank=RANK)
+        return f  # (the training-start case: modules of lora's default targets only)
+    f.module(underscored("lora_unet", "final_layer.adaLN_modulation.1"), [(t, "norm_out.linear")], swap=True)
+    f.module(underscored("lora_te1", "text_model.encoder.layers.0.self_attn.q_proj"),
+             [("text_encoder", "encoder.layers.0.self_attn.q_proj")])
+    f.module(underscored("lora_te3", "encoder.block.0.layer.0.SelfAttention.q"),
+             [("text_encoder_2", "encoder.block.0.layer.0.SelfAttention.q")])
+    return f
+
+
+def flux_onetrainer(pipe) -> ForeignFile:
+    f = ForeignFile(pipe, 2)
+    for path in ("transformer_blocks.0.attn.to_q", "transformer_blocks.1.attn.to_add_out",
+                 "single_transformer_blocks.0.proj_mlp", "norm_out.linear"):
+        f.module(underscored("lora_transformer", path), [("transformer", path)])
+    f.module(underscored("lora_te1", "text_model.encoder.layers.1.mlp.fc1"),
+             [("text_encoder", "encoder.layers.1.mlp.fc1")])
+    f.module(underscored("lora_te2", "encoder.block.1.layer.1.DenseReluDense.wo"),
+             [("text_encoder_2", "encoder.block.1.layer.1.DenseReluDense.wo")])
+    return f
+
+
+def flux_lycoris(pipe) -> ForeignFile:
+    """SimpleTuner's LyCORIS naming (ComfyUI comfy/lora.py, Flux branch: "lycoris_" + the diffusers path with "_")."""
+    f = ForeignFile(pipe, 9)
+    f.module(underscored("lycoris", "transformer_blocks.1.ff.net.2"),
+             [("transformer", "transformer_blocks.1.ff.net.2")])
+    return f
+
+
+def chroma_onetrainer(pipe) -> ForeignFile:
+    """OneTrainer's Chroma keys (convert_chroma_lora.py): lora_transformer_ and, for its T5, lora_te_."""
+    f = ForeignFile(pipe, 10)
+    f.module(underscored("lora_transformer", "single_transformer_blocks.1.proj_out"),
+             [("transformer", "single_transformer_blocks.1.proj_out")])
+    f.module(underscored("lora_te", "encoder.block.0.layer.1.DenseReluDense.wi_0"),
+             [("text_encoder", "encoder.block.0.layer.1.DenseReluDense.wi_0")])
+    return f
+
+
+def flux_comfyui(pipe) -> ForeignFile:
+    f = ForeignFile(pipe, 3)
+    f.module("diffusion_model.double_blocks.1.img_attn.qkv", [("transformer", f"transformer_blocks.1.attn.to_{x}")
+                                                               for x in "qkv"])
+    f.module("diffusion_model.single_blocks.0.linear2", [("transformer", "single_transformer_blocks.0.proj_out")])
+    f.module("diffusion_model.double_blocks.0.txt_mod.lin",
+             [("transformer", "transformer_blocks.0.norm1_context.linear")])
+    return f
+
+
+def flux_peft(pipe) -> ForeignFile:
+    f = ForeignFile(pipe, 4, ".lora_A.weight", ".lora_B.weight")
+    for path in ("transformer_blocks.0.attn.to_k", "single_transformer_blocks.1.attn.to_v"):
+        f.module(f"transformer.{path}", [("transformer", path)])
+    return f
+
+
+def chroma_kohya(pipe) -> ForeignFile:
+    f = ForeignFile(pipe, 5)
+    f.module(underscored("lora_unet", "double_blocks.0.txt_attn.qkv"),
+             [("transformer", f"transformer_blocks.0.attn.add_{x}_proj") for x in "qkv"])
+    f.module(underscored("lora_unet", "single_blocks.0.linear1"),
+             [("transformer", f"single_transformer_blocks.0.attn.to_{x}") for x in "qkv"]
+             + [("transformer", "single_transformer_blocks.0.proj_mlp")])
+    return f
+
+
+def sd3_kohya(pipe) -> ForeignFile:
+    f = ForeignFile(pipe, 6)
+    t = "transformer"
+    f.module(underscored("lora_unet", "joint_blocks.0.x_block.attn.qkv"), [(t, f"transformer_blocks.0.attn.to_{x}")
+                                                                           for x in "qkv"])
+    f.module(underscored("lora_unet", "joint_blocks.0.context_block.attn.qkv"),
+             [(t, f"transformer_blocks.0.attn.add_{x}_proj") for x in "qkv"])
+    f.module(underscored("lora_unet", "joint_blocks.1.x_block.mlp.fc1"), [(t, "transformer_blocks.1.ff.net.0.proj")])
+    f.module(underscored("lora_te2", "text_model.encoder.layers.0.self_attn.v_proj"),
+             [("text_encoder_2", "text_model.encoder.layers.0.self_attn.v_proj")])
+    f.module(underscored("lora_te3", "encoder.block.0.layer.0.SelfAttention.o"),
+             [("text_encoder_3", "encoder.block.0.layer.0.SelfAttention.o")])
+    return f
+
+
+def sd3_onetrainer(pipe) -> ForeignFile:
+    f = ForeignFile(pipe, 7)
+    f.module(underscored("lora_transformer", "transformer_blocks.1.attn.add_k_proj"),
+             [("transformer", "transformer_blocks.1.attn.add_k_proj")])
+    f.module(underscored("lora_te1", "text_model.encoder.layers.1.mlp.fc2"),
+             [("text_encoder", "text_model.encoder.layers.1.mlp.fc2")])
+    return f
+
+
+CASES = {"flux-kohya": ("flux", flux_kohya), "flux-onetrainer": ("flux", flux_onetrainer),
+         "flux-comfyui": ("flux", flux_comfyui), "flux-peft": ("flux", flux_peft),
+         "flux-lycoris": ("flux", flux_lycoris), "chroma-kohya": ("chroma", chroma_kohya),
+         "chroma-onetrainer": ("chroma", chroma_onetrainer), "sd3-kohya": ("sd3", sd3_kohya),
+         "sd3-onetrainer": ("sd3", sd3_onetrainer)}
+
+
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3"])
+def test_other_trainers_files_merge_at_their_strength(family_models, tmp_path, family):
+    """Every module of each file is merged as W + weight * alpha / rank * up @ down (fused modules split onto the
+    diffusers modules by rows); no other weight moves; nothing is reported skipped."""
+    base = family_models[family]
+    pipe = DiffusionPipeline.from_pretrained(base)
+    for case, (case_family, build) in CASES.items():
+        if case_family != family:
+            continue
+        made = build(pipe)
+        lora = made.save(tmp_path / f"{case}.safetensors")
+        out = tmp_path / f"merged-{case}"
+        done = run_cli("lora", "merge", base, lora, "--family", family, "--weight", 0.8, "--out", out,
+                       "--dtype", "float32")
+        assert done.returncode == 0, f"{case}: {done.stderr}"
+        assert "warning" not in done.stdout, f"{case}: {done.stdout}"
+        merged = DiffusionPipeline.from_pretrained(out)
+        for component in ("transformer", "text_encoder", "text_encoder_2", "text_encoder_3"):
+            if getattr(pipe, component, None) is None:
+                continue
+            before, after = getattr(pipe, component).state_dict(), getattr(merged, component).state_dict()
+            for key, value in before.items():
+                path = key.removesuffix(".weight")
+                expected = value + 0.8 * made.expected[(component, path)] if (component, path) in made.expected \
+                    else value
+                torch.testing.assert_close(after[key], expected, rtol=1e-5, atol=1e-6, msg=f"{case}: {component}.{key}")
+
+
+def test_a_kohya_flux_file_starts_training(family_models, shapes_data, tmp_path):
+    """lora.init_from with kohya sd-scripts' fused names (incl. a split_qkv pair): each adapter starts at the
+    change the file makes to its module."""
+    base = family_models["flux"]
+    made = flux_kohya(DiffusionPipeline.from_pretrained(base), split=True)
+    lora = made.save(tmp_path / "kohya_flux.safetensors")
+    config = validate(base_config(base, shapes_data, tmp_path / "o", family="flux", method="lora",
+                                  **{"lora.rank": RANK, "lora.alpha": 8.0, "lora.init_from": str(lora)}))
+    model = load_model(config.model)
+    LoraMethod(config).prepare(model)
+    for (part, path), change in made.expected.items():
+        layer = model.part(part).get_submodule(path)
+        torch.testing.assert_close(layer.get_delta_weight("default"), change, rtol=1e-5, atol=1e-7, msg=path)
+    assert len(made.expected) == 14  # 5 file modules, split onto 14 model modules
+
+
+def test_a_fused_module_of_another_size_is_refused(family_models, tmp_path):
+    base = family_models["flux"]
+    bad = tmp_path / "bad.safetensors"
+    save_file({"lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(2, 32),
+               "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(9216, 2)}, str(bad))
+    done = run_cli("lora", "merge", base, bad, "--family", "flux", "--out", tmp_path / "m")
+    assert done.returncode != 0
+    assert "lora_unet_double_blocks_0_img_attn_qkv changes 9216 output rows" in done.stderr
+
+
+def test_kohya_flux_names_split_as_diffusers_converter_splits_them(family_models):
+    """An independent oracle for the row split: diffusers' `FluxLoraLoaderMixin.lora_state_dict` converts a kohya
+    sd-scripts Flux file (lora_conversion_utils `_convert_kohya_flux_lora_to_diffusers`) into per-module lora_A /
+    lora_B with alpha / rank baked in. Compared on the modules where diffusers' converter fits any width: the double
+    blocks' fused qkv (split in equal thirds), MLP and modulation linears. (Not `single_blocks.N.linear1`: diffusers
+    splits it at Flux.1's fixed 3072 / 12288 rows; not `final_layer.adaLN_modulation.1`: diffusers copies it without
+    its alpha / rank scale.)"""
+    from diffusers import FluxPipeline
+
+    from ot_dist.lora_tools.files import LoraFile, Pair
+    from ot_dist.lora_tools.foreign import in_family_names
+
+    base = family_models["flux"]
+    model = load_model(ModelConfig(family="flux", path=str(base)))
+    f = ForeignFile(model.pipeline, 8)
+    t = "transformer"
+    for i in range(2):
+        f.module(underscored("lora_unet", f"double_blocks.{i}.img_attn.qkv"),
+                 [(t, f"transformer_blocks.{i}.attn.to_{x}") for x in "qkv"])
+        f.module(underscored("lora_unet", f"double_blocks.{i}.txt_attn.qkv"),
+                 [(t, f"transformer_blocks.{i}.attn.add_{x}_proj") for x in "qkv"])
+    f.module(underscored("lora_unet", "double_blocks.1.txt_mlp.2"), [(t, "transformer_blocks.1.ff_context.net.2")])
+    f.module(underscored("lora_unet", "double_blocks.0.img_mod.lin"), [(t, "transformer_blocks.0.norm1.linear")])
+    theirs = FluxPipeline.lora_state_dict(dict(f.tensors))
+    names = {k.rsplit(".lora_", 1)[0] for k in f.tensors if k.endswith(".lora_down.weight")}
+    lora = LoraFile("kohya", {n: Pair(f.tensors[n + ".lora_down.weight"], f.tensors[n + ".lora_up.weight"],
+                                      float(f.tensors[n + ".alpha"])) for n in names}, {})
+    ours = in_family_names(model, lora, "test").pairs
+    assert len(ours) == len(f.expected) == 14
+    for (component, path), expected in f.expected.items():
+        key = f"{component}.{path}"
+        diffusers_change = theirs[key + ".lora_B.weight"] @ theirs[key + ".lora_A.weight"]
+        torch.testing.assert_close(diffusers_change, expected, rtol=1e-5, atol=1e-7, msg=key)
+        torch.testing.assert_close(ours[key].delta(), expected, rtol=1e-5, atol=1e-7, msg=key)
