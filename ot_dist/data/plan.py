@@ -14,10 +14,12 @@ noise and timesteps differ.
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from dataclasses import dataclass
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 
+import numpy as np
 import torch
 
 from ot_dist.data.buckets import aspect_name, bucket_size
@@ -26,14 +28,71 @@ from ot_dist.randomness import generator
 from ot_dist.tracking.base import metric_name
 
 
+def small_int_dtype(largest: int):
+    """The narrowest signed integer type (int16 / int32 / int64) that holds 0..largest."""
+    for dtype in (np.int16, np.int32):
+        if largest <= np.iinfo(dtype).max:
+            return dtype
+    return np.int64
+
+
+class Column(Sequence):
+    """A read-only column of integers, one per sample, kept as one numpy array (no Python object per sample).
+    Indexing gives Python ints; it equals any sequence of the same integers; `.array` is the numpy array."""
+
+    def __init__(self, values=()):
+        array = np.asarray(values.array if isinstance(values, Column) else values)
+        if array.dtype.kind not in "iu":
+            array = array.astype(np.int64) if array.size else np.zeros(0, np.int16)
+        if array.size and array.dtype.itemsize > 2 and array.max() <= np.iinfo(np.int16).max and array.min() >= 0:
+            array = array.astype(small_int_dtype(int(array.max())))
+        array = array.reshape(-1)
+        array.flags.writeable = False
+        self.array = array
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return Column(self.array[index])
+        return int(self.array[index])
+
+    def __iter__(self):
+        return iter(self.array.tolist())
+
+    def __array__(self, dtype=None, copy=None):
+        return self.array if dtype is None else self.array.astype(dtype)
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, (Column, np.ndarray, Sequence)) and not isinstance(other, str):
+            other = other.array if isinstance(other, Column) else np.asarray(other)
+            return len(self) == len(other) and bool(np.array_equal(self.array, other))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"Column({self.array!r})"
+
+
 @dataclass(frozen=True)
 class SampleTable:
-    buckets: tuple[int, ...]  # per sample
-    concepts: tuple[int, ...]  # per sample
+    """Per sample its bucket and concept (numpy columns: 2-4 bytes a sample each), per concept its balancing."""
+
+    buckets: Column  # per sample (any sequence of ints is taken)
+    concepts: Column  # per sample
     balancing: tuple[tuple[float, str], ...]  # per concept: (balancing, strategy)
     concept_names: tuple[str, ...]
     kinds: tuple[str, ...] = ()  # per concept: its type (standard, validation, prior_preservation); () = all standard
-    origin: tuple[int, ...] = ()  # per sample: its bucket before small buckets moved (small_buckets.py); () = none
+    # per sample: its bucket before small buckets moved (small_buckets.py); empty = none moved
+    origin: Column = field(default_factory=Column)
+
+    def __post_init__(self):
+        for name in ("buckets", "concepts", "origin"):
+            object.__setattr__(self, name, Column(getattr(self, name)))
+        if len(self.buckets) != len(self.concepts):
+            raise ValueError(f"SampleTable: {len(self.buckets)} buckets for {len(self.concepts)} concepts")
 
     def __len__(self) -> int:
         return len(self.buckets)
@@ -42,14 +101,20 @@ class SampleTable:
         """Whether a concept's samples are drawn for training (validation concepts' are not)."""
         return not self.kinds or self.kinds[concept] != "validation"
 
+    @property
+    def training(self) -> np.ndarray:
+        """Per sample: whether its concept trains."""
+        if not self.kinds or len(self) == 0:
+            return np.ones(len(self), dtype=bool)
+        trains = np.array([self.trains(c) for c in range(int(self.concepts.array.max()) + 1)])
+        return trains[self.concepts.array]
+
     @cached_property
     def validation_samples(self) -> dict[int, list[int]]:
         """validation concept -> its sample indices (ascending)."""
-        out: dict[int, list[int]] = defaultdict(list)
-        for index, concept in enumerate(self.concepts):
-            if not self.trains(concept):
-                out[concept].append(index)
-        return dict(sorted(out.items()))
+        held = np.flatnonzero(~self.training)
+        concepts = self.concepts.array[held]
+        return {int(c): held[concepts == c].tolist() for c in np.unique(concepts)}
 
     def validation_names(self) -> dict[int, str]:
         """validation concept -> its name in the validation/loss/<name> metric (MLflow's characters; a name two
@@ -61,17 +126,27 @@ class SampleTable:
         return names
 
     @cached_property
-    def concept_sizes(self) -> Counter:
-        return Counter(self.concepts)
+    def concept_sizes(self) -> dict[int, int]:
+        counts = np.bincount(self.concepts.array) if len(self) else np.zeros(0, np.int64)
+        return {c: int(n) for c, n in enumerate(counts) if n}
 
-    @cached_property
-    def members(self) -> dict[int, dict[int, list[int]]]:
-        """bucket -> concept -> sample indices (ascending), of the concepts that train."""
-        out: dict[int, dict[int, list[int]]] = defaultdict(lambda: defaultdict(list))
-        for index, (bucket, concept) in enumerate(zip(self.buckets, self.concepts)):
-            if self.trains(concept):
-                out[bucket][concept].append(index)
-        return {b: dict(c) for b, c in sorted(out.items())}
+    @property
+    def members(self) -> dict[int, dict[int, np.ndarray]]:
+        """bucket -> concept -> sample indices (ascending numpy array), of the concepts that train. Buckets in
+        ascending order; a bucket's concepts in the order of their first sample. Computed on each call (4 bytes a
+        sample while held: the plan takes it once an epoch)."""
+        indices = np.flatnonzero(self.training).astype(np.int32 if len(self) < 2**31 else np.int64)  # kept: 4 B each
+        buckets, concepts = self.buckets.array[indices], self.concepts.array[indices]
+        order = np.lexsort((concepts, buckets))  # stable: ascending indices within a (bucket, concept)
+        indices, buckets, concepts = indices[order], buckets[order], concepts[order]
+        starts = np.flatnonzero(np.r_[True, (buckets[1:] != buckets[:-1]) | (concepts[1:] != concepts[:-1])])
+        ends = np.r_[starts[1:], len(indices)]
+        out: dict[int, list[tuple[int, int, np.ndarray]]] = defaultdict(list)
+        for s, e in zip(starts.tolist(), ends.tolist()):
+            group = indices[s:e]
+            out[int(buckets[s])].append((int(group[0]), int(concepts[s]), group))
+        return {b: {c: group for _, c, group in sorted(groups, key=lambda g: g[0])}
+                for b, groups in sorted(out.items())}
 
     def copies(self, concept: int, in_bucket: int) -> int:
         """How many times the concept's `in_bucket` samples of one bucket are drawn per epoch."""
@@ -80,10 +155,22 @@ class SampleTable:
             return round(value * in_bucket / self.concept_sizes[concept])
         return round(value * in_bucket)
 
+    @cached_property
+    def group_sizes(self) -> dict[int, dict[int, int]]:
+        """bucket -> concept -> its number of samples in the bucket, of the concepts that train (buckets ascending)."""
+        training = self.training
+        buckets, concepts = self.buckets.array[training], self.concepts.array[training].astype(np.int64)
+        keys, counts = np.unique(buckets.astype(np.int64) * (int(concepts.max(initial=0)) + 1) + concepts,
+                                 return_counts=True)
+        out: dict[int, dict[int, int]] = {}
+        for key, n in zip(keys.tolist(), counts.tolist()):
+            bucket, concept = divmod(key, int(concepts.max(initial=0)) + 1)
+            out.setdefault(bucket, {})[concept] = n
+        return out
+
     def epoch_sizes(self) -> dict[int, int]:
         """bucket -> samples drawn from it per epoch (after balancing)."""
-        return {b: sum(self.copies(c, len(ix)) for c, ix in by_concept.items())
-                for b, by_concept in self.members.items()}
+        return {b: sum(self.copies(c, n) for c, n in by_concept.items()) for b, by_concept in self.group_sizes.items()}
 
 
 @dataclass(frozen=True)
@@ -93,39 +180,98 @@ class GlobalBatch:
     samples: tuple[int, ...]  # sample ids; the sample index is id % number of samples
 
 
+class EpochPlan(Sequence):
+    """An epoch's global batches in training order, kept as numpy arrays: the sample ids (steps x global batch),
+    each step's bucket; a step's resolution is drawn when the step is read. Items are GlobalBatch; a slice
+    [start:] is a plan of the later steps (their step numbers kept)."""
+
+    def __init__(self, ids: np.ndarray, buckets: np.ndarray, resolutions: list[int], seed: int, epoch: int,
+                 first: int = 0):
+        self.ids, self.buckets, self.resolutions = ids, buckets, list(resolutions)
+        self.seed, self.epoch, self.first = seed, epoch, first
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def resolution(self, position: int) -> int:
+        """The resolution of this plan's `position`-th step (step first + position of the epoch)."""
+        if len(self.resolutions) == 1:
+            return self.resolutions[0]
+        g = generator(self.seed, self.epoch, self.first + position, "resolution")  # the same on every rank
+        return self.resolutions[int(torch.randint(len(self.resolutions), (1,), generator=g))]
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(len(self))
+            if stride != 1:
+                return [self[i] for i in range(start, stop, stride)]
+            return EpochPlan(self.ids[start:stop], self.buckets[start:stop], self.resolutions, self.seed, self.epoch,
+                             self.first + start)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"step {index} of a plan of {len(self)}")
+        return GlobalBatch(int(self.buckets[index]), self.resolution(index), tuple(self.ids[index].tolist()))
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def without_ids(self) -> EpochPlan:
+        """The same steps' buckets and resolutions, without their sample ids."""
+        return EpochPlan(np.zeros((len(self), 0), np.int32), self.buckets, self.resolutions, self.seed, self.epoch,
+                         self.first)
+
+    def rank_ids(self, rank: int, world_size: int, batch_size: int, accumulation: int) -> np.ndarray:
+        """This rank's sample ids: (steps, accumulation, batch_size); micro step m of a global batch takes samples
+        [m*b*world + rank*b, +b) of it."""
+        steps = self.ids.reshape(len(self), accumulation, world_size, batch_size)
+        return np.ascontiguousarray(steps[:, :, rank, :])
+
+
 def plan_epoch(table: SampleTable, global_batch: int, resolutions: list[int], seed: int, epoch: int,
-               pool: bool = False) -> list[GlobalBatch]:
+               pool: bool = False) -> EpochPlan:
     """The epoch's global batches in training order. Pure function of its arguments. `pool`: the buckets'
     remainders train in global batches of neighbouring aspects (data.small_buckets move) instead of being dropped."""
-    count = len(table)
-    groups: list[tuple[int, tuple[int, ...]]] = []
-    remainders: list[tuple[int, int]] = []
-    for bucket, by_concept in table.members.items():
-        drawn: list[int] = []
+    count, members = len(table), table.members
+    copies = {(b, c): table.copies(c, len(ix)) for b, by_concept in members.items() for c, ix in by_concept.items()}
+    most = max([-(-n // len(members[b][c])) for (b, c), n in copies.items()] + [1])
+    dtype = np.int32 if (most + 1) * count < np.iinfo(np.int32).max else np.int64  # sample ids: index + copy x count
+    sizes = {b: sum(copies[b, c] for c in by_concept) for b, by_concept in members.items()}
+    rows = sum(n // global_batch for n in sizes.values())
+    rows += sum(n % global_batch for n in sizes.values()) // global_batch if pool else 0
+    # The steps' order is drawn first (its generator is its own), so each global batch is written once, at its step.
+    order = torch.randperm(rows, generator=generator(seed, epoch, "batches")).numpy()
+    place = np.empty(rows, np.int64)
+    place[order] = np.arange(rows)  # global batch j (in bucket order, then the pooled ones) -> its step
+    ids, buckets = np.empty((rows, global_batch), dtype), np.empty(rows, np.int16)
+    row, rest_ids, rest_buckets = 0, [], []
+    for bucket, by_concept in members.items():
+        drawn = []
         for concept, indices in by_concept.items():
-            full, rest = divmod(table.copies(concept, len(indices)), len(indices))
-            for copy in range(full):
-                drawn += [i + copy * count for i in indices]
+            full, rest = divmod(copies[bucket, concept], len(indices))
+            drawn += [indices.astype(dtype) + copy * count for copy in range(full)]
             if rest:  # a fractional repeat: a random part of the concept's samples, new every epoch
                 pick = torch.randperm(len(indices), generator=generator(seed, epoch, "balance", bucket, concept))
-                drawn += [indices[j] + full * count for j in sorted(pick[:rest].tolist())]
-        order = torch.randperm(len(drawn), generator=generator(seed, epoch, "bucket", bucket)).tolist()
-        shuffled = [drawn[j] for j in order]
+                drawn.append(indices[np.sort(pick[:rest].numpy())].astype(dtype) + full * count)
+        drawn = np.concatenate(drawn) if drawn else np.zeros(0, dtype)
+        shuffled = drawn[torch.randperm(len(drawn), generator=generator(seed, epoch, "bucket", bucket)).numpy()]
+        del drawn
         # The remainder (fewer than a global batch) is pooled or dropped; the shuffle picks different samples each epoch.
-        full = len(shuffled) // global_batch * global_batch
-        groups += [(bucket, tuple(shuffled[s:s + global_batch])) for s in range(0, full, global_batch)]
-        remainders += [(bucket, sample) for sample in shuffled[full:]]
-    if pool:
-        groups += pool_remainders(remainders, global_batch, seed, epoch)
-    order = torch.randperm(len(groups), generator=generator(seed, epoch, "batches")).tolist()
-    plan = []
-    for step, j in enumerate(order):
-        bucket, samples = groups[j]
-        resolution = resolutions[0]
-        if len(resolutions) > 1:  # drawn per step from (seed, epoch, step): the same on every rank
-            resolution = resolutions[int(torch.randint(len(resolutions), (1,), generator=generator(seed, epoch, step, "resolution")))]
-        plan.append(GlobalBatch(bucket, resolution, samples))
-    return plan
+        full = len(shuffled) // global_batch
+        ids[place[row:row + full]] = shuffled[:full * global_batch].reshape(-1, global_batch)
+        buckets[place[row:row + full]] = bucket
+        row += full
+        rest_ids.append(shuffled[full * global_batch:].copy())
+        rest_buckets.append(np.full(len(rest_ids[-1]), bucket, dtype=np.int16))
+    if pool and rest_ids:
+        pooled, pooled_buckets = pool_remainders(np.concatenate(rest_ids), np.concatenate(rest_buckets), global_batch,
+                                                 seed, epoch)
+        ids[place[row:]], buckets[place[row:]] = pooled, pooled_buckets
+    return EpochPlan(ids, buckets, resolutions, seed, epoch)
 
 
 @dataclass(frozen=True)

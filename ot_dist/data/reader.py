@@ -12,6 +12,7 @@ would be staged locally first; that is not built here.)
 
 from __future__ import annotations
 
+import ctypes
 import os
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
 from ot_dist.data import external
 from ot_dist.data.images import parse_colour
-from ot_dist.data.plan import GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
+from ot_dist.data.plan import EpochPlan, GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
 from ot_dist.data.sample_index import MASK
 from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import read_manifest
@@ -73,8 +74,8 @@ class ShardDataset:
             balancing = [(c.balancing, c.balancing_strategy) for _, c in data_config.concept_list()]
             kinds = tuple(c.type for _, c in data_config.concept_list())
         merged = merged_buckets(self.resolutions, self.step)
-        lookup = np.array([merged[b] for b in range(len(merged))], dtype=np.int64)
-        return SampleTable(tuple(lookup[self.index.bucket].tolist()), tuple(self.index.concept.tolist()),
+        lookup = np.array([merged[b] for b in range(len(merged))], dtype=np.int16)  # bucket numbers: < 100
+        return SampleTable(lookup[self.index.bucket], np.asarray(self.index.concept),
                            tuple(balancing), tuple(c["name"] for c in concepts), kinds)
 
     def without_masks(self) -> list[int]:
@@ -247,17 +248,33 @@ def collate(samples: list[dict]) -> dict:
     return batch
 
 
-class _RankMicroBatches(torch.utils.data.IterableDataset):
-    """This rank's micro batches (sample id lists); loader worker w of W loads those with index % W == w.
-    torch's DataLoader takes items from its workers round-robin, so the order is the plan's."""
+def _return_freed_memory() -> None:
+    """Hand memory freed by the epoch plan back to the system (glibc keeps freed heap blocks of up to 32 MB for reuse:
+    several bytes a sample at 10M samples). A no-op where the C library has no malloc_trim."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
-    def __init__(self, dataset: ShardDataset, micro: list[tuple[int, int, int, list[int]]]):
-        self.dataset, self.micro = dataset, micro
+
+class _RankMicroBatches(torch.utils.data.IterableDataset):
+    """This rank's micro batches of an epoch plan (its sample ids kept as one numpy array, steps x accumulation x
+    batch); loader worker w of W loads those with index % W == w. torch's DataLoader takes items from its workers
+    round-robin, so the order is the plan's."""
+
+    def __init__(self, dataset: ShardDataset, epoch: int, plan: EpochPlan, rank: int, world_size: int,
+                 batch_size: int, accumulation: int):
+        self.ids = plan.rank_ids(rank, world_size, batch_size, accumulation).reshape(-1, batch_size)
+        self.dataset, self.epoch, self.plan = dataset, epoch, plan.without_ids()  # the other ranks' ids are let go
+        self.accumulation = accumulation
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for epoch, resolution, bucket, ids in self.micro[worker::workers]:
+        epoch = self.epoch
+        for k in range(worker, len(self.ids), workers):
+            step = k // self.accumulation
+            resolution, bucket, ids = self.plan.resolution(step), int(self.plan.buckets[step]), self.ids[k].tolist()
             samples, skipped = [], []
             # one moved sample (no cached latent of this size): the whole micro batch is read as pixels
             latents = not any(self.dataset.moved(i, bucket, resolution) for i in ids)
@@ -294,7 +311,7 @@ class ShardReader:
         self.max_bad_fraction, self.log = max_bad_fraction, log
         self.skipped = 0  # unreadable samples skipped this epoch on this rank
 
-    def plan(self, epoch: int) -> list[GlobalBatch]:
+    def plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(self.table, self.global_batch, self.dataset.resolutions, self.dataset.seed, epoch, self.pool)
 
     def my_ids(self, batch: GlobalBatch) -> list[list[int]]:
@@ -308,11 +325,13 @@ class ShardReader:
         start = self._resume[1] if self._resume and self._resume[0] == epoch else 0
         self._resume = None
         self.epoch, self.step = epoch, start
-        micro = [(epoch, gb.resolution, gb.bucket, ids) for gb in self.plan(epoch)[start:] for ids in self.my_ids(gb)]
-        source = _RankMicroBatches(self.dataset, micro)
+        micro = _RankMicroBatches(self.dataset, epoch, self.plan(epoch)[start:], self.rank, self.world_size,
+                                  self.batch_size, self.accumulation)
+        source = micro
+        _return_freed_memory()  # the plan's other ranks' ids and its shuffles' buffers
         if self.workers:
             source = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers)
-        self.skipped, allowed = 0, int(self.max_bad_fraction * len(micro) * self.batch_size)
+        self.skipped, allowed = 0, int(self.max_bad_fraction * len(micro.ids) * self.batch_size)
         for n, batch in enumerate(source, start=1):
             for message in batch.pop("skipped"):
                 self.skipped += 1
@@ -320,7 +339,7 @@ class ShardReader:
             if self.skipped > allowed:
                 raise InputFileError(
                     f"data: {self.skipped} unreadable samples on rank {self.rank} in epoch {epoch}, more than "
-                    f"data.max_bad_fraction {self.max_bad_fraction} of its {len(micro) * self.batch_size}; see the "
+                    f"data.max_bad_fraction {self.max_bad_fraction} of its {len(micro.ids) * self.batch_size}; see the "
                     "log for their keys"
                 )
             if n % self.accumulation == 0:

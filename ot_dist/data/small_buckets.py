@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from ot_dist.data.buckets import ASPECTS
@@ -36,7 +37,7 @@ def aspect_distance(a: int, b: int) -> float:
 def move_small_buckets(table, global_batch: int):
     """The table with the samples of buckets that cannot fill a global batch moved into the nearest bucket that can;
     `origin` holds each sample's bucket before (unchanged samples keep theirs)."""
-    origin = table.origin or table.buckets
+    origin = table.origin if len(table.origin) else table.buckets
     while True:
         sizes = table.epoch_sizes()
         small = sorted((n, b) for b, n in sizes.items() if n < global_batch)
@@ -47,26 +48,28 @@ def move_small_buckets(table, global_batch: int):
         fillable = [b for b, n in sizes.items() if b != bucket and n + sizes[bucket] >= global_batch]
         candidates = fillable or [b for b in sizes if b != bucket]
         dest = min(candidates, key=lambda b: (aspect_distance(b, bucket), -sizes[b], b))
-        table = replace(table, buckets=tuple(dest if b == bucket else b for b in table.buckets))
-    return replace(table, origin=tuple(origin))
+        buckets = table.buckets.array
+        table = replace(table, buckets=np.where(buckets == bucket, np.asarray(dest, buckets.dtype), buckets))
+    return replace(table, origin=origin)
 
 
-def pool_remainders(remainders: list[tuple[int, int]], global_batch: int, seed: int, epoch: int):
-    """[(bucket, sample id)] left over by every bucket's full global batches -> [(bucket, samples)] global batches
-    of neighbouring aspects; fewer than one global batch of them is left out."""
-    order = torch.randperm(len(remainders), generator=generator(seed, epoch, "remainders")).tolist()
-    kept = [remainders[j] for j in order][:len(remainders) // global_batch * global_batch]
-    kept.sort(key=lambda entry: (ASPECTS[entry[0]], entry[0]))  # stable: the shuffle decides within a bucket
-    batches = []
-    for start in range(0, len(kept), global_batch):
-        group = kept[start:start + global_batch]
-        batches.append((group[len(group) // 2][0], tuple(sample for _, sample in group)))
-    return batches
+def pool_remainders(ids: np.ndarray, buckets: np.ndarray, global_batch: int, seed: int, epoch: int):
+    """The sample ids (and their buckets) left over by every bucket's full global batches -> (ids: batches x
+    global_batch, each batch's bucket): global batches of neighbouring aspects; fewer than one global batch of them
+    is left out."""
+    order = torch.randperm(len(ids), generator=generator(seed, epoch, "remainders")).numpy()
+    order = order[:len(ids) // global_batch * global_batch]
+    ids, buckets = ids[order], buckets[order]
+    aspects = np.asarray(ASPECTS, dtype=np.float64)[buckets]
+    kept = np.lexsort((buckets, aspects))  # stable: the shuffle decides within a bucket
+    ids, buckets = ids[kept].reshape(-1, global_batch), buckets[kept].reshape(-1, global_batch)
+    return ids, buckets[:, global_batch // 2]  # each batch trains at the bucket of its middle sample
 
 
 def moved_samples(table) -> dict[int, tuple[int, int]]:
     """sample index -> (its bucket, the bucket it trains in), for the samples that moved."""
-    if not table.origin:
+    if not len(table.origin):
         return {}
-    return {i: (o, b) for i, (o, b) in enumerate(zip(table.origin, table.buckets))
-            if o != b and table.trains(table.concepts[i])}
+    origin, buckets = table.origin.array, table.buckets.array
+    moved = np.flatnonzero((origin != buckets) & table.training)
+    return {i: (o, b) for i, o, b in zip(moved.tolist(), origin[moved].tolist(), buckets[moved].tolist())}

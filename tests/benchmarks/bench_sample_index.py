@@ -16,7 +16,11 @@ For each size, in a fresh process each (so the memory figures are that process's
 
     python tests/benchmarks/bench_sample_index.py [--sizes 100000,1000000,10000000] [--plan]
 
-`--plan` also measures one epoch's plan (plan_epoch: Python lists of sample ids, per rank).
+`--plan` also measures the sample table and one epoch's plan as a rank holds them (numpy arrays, plan.py): the
+table's anon growth, `plan_epoch` seconds and its arrays (every rank's ids, while the epoch starts), then what one
+rank of 8 keeps (its own ids: `EpochPlan.rank_ids`, global batch 32 = 4 per rank; and its RSS growth over the table,
+which includes the table's per-bucket sample groups, computed with the first plan), and the peak (VmHWM) while
+planning, all in bytes a sample.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ def rss() -> dict[str, int]:
     fields = {}
     for line in Path("/proc/self/status").read_text().splitlines():
         name, _, value = line.partition(":")
-        if name in ("VmRSS", "RssAnon", "RssFile"):
+        if name in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
             fields[name] = int(value.split()[0]) * 1024
     return fields
 
@@ -99,9 +103,18 @@ def load(folder: Path, count: int, plan: bool) -> dict:
     if plan:
         from ot_dist.data.plan import plan_epoch
 
+        out["table_anon"] = tabled["RssAnon"] - opened["RssAnon"]
         start = time.perf_counter()
         batches = plan_epoch(table, 32, [512], 1, 0)
         out["plan_s"], out["planned"], out["batches"] = time.perf_counter() - start, rss(), len(batches)
+        out["plan_bytes"] = batches.ids.nbytes + batches.buckets.nbytes
+        mine = batches.rank_ids(0, 8, 4, 1)  # rank 0 of 8, as ShardReader keeps it for the epoch
+        out["plan_s"] = time.perf_counter() - start
+        del batches
+        from ot_dist.data.reader import _return_freed_memory
+
+        _return_freed_memory()  # as ShardReader.epoch_batches does
+        out["rank_bytes"], out["kept"] = mine.nbytes, rss()
     return out
 
 
@@ -204,9 +217,11 @@ def main() -> None:
     if args.step:
         return child(args)
     print("| samples | build s | build us/sample | index file B/sample | RSS after open+table B/sample (anon / file) "
-          "| open+table s | JSON manifest (format 1) RSS B/sample" + (" | + epoch plan B/sample, s" if args.plan else "")
+          "| open+table s | JSON manifest (format 1) RSS B/sample" + (" | sample table anon B/sample | epoch plan: s, all ranks' ids B/sample, one rank of 8 keeps B/sample (its ids; RSS with the table's "
+                               "groups), "
+                               "peak while planning B/sample" if args.plan else "")
           + " |")
-    print("|---|---|---|---|---|---|---|" + ("---|" if args.plan else ""))
+    print("|---|---|---|---|---|---|---|" + ("---|---|" if args.plan else ""))
     for count in (int(s) for s in args.sizes.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             folder = Path(tmp)
@@ -224,7 +239,10 @@ def main() -> None:
             else:
                 row.append("(not run: ~10 GB)")
             if args.plan:
-                row.append(f"{per_sample(loaded['planned'], after, 'VmRSS', count):.0f}, {loaded['plan_s']:.1f}")
+                row.append(f"{loaded['table_anon'] / count:.1f}")
+                row.append(f"{loaded['plan_s']:.2f} s, {loaded['plan_bytes'] / count:.1f}, "
+                           f"{loaded['rank_bytes'] / count:.2f} (RSS {per_sample(loaded['kept'], after, 'VmRSS', count):.1f}), "
+                           f"{(loaded['kept']['VmHWM'] - loaded['table']['VmRSS']) / count:.0f}")
             print("| " + " | ".join(row) + " |", flush=True)
     scanned = run("scan", Path(tempfile.gettempdir()), 100_000)
     print(f"\ntar header scan: {scanned['samples']} samples (2 members each) in {scanned['scan_s']:.2f}s = "
