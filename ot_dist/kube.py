@@ -220,13 +220,7 @@ def pod_template(
     return {
         "metadata": {"labels": labels(name)},
         "spec": {
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": RUN_AS,
-                "runAsGroup": RUN_AS,
-                "fsGroup": RUN_AS,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
+            "securityContext": pod_security(),
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "containers": [container],
@@ -239,6 +233,17 @@ def pod_template(
                 {"name": "home", "emptyDir": {}},
             ],
         },
+    }
+
+
+def pod_security() -> dict:
+    """The pod-level security context of every pod ot_dist renders (training and shard building)."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
     }
 
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 from ot_dist.config.schema import TrainConfig
 from ot_dist.data.shard_parts import MERGE_WAIT_S
 from ot_dist.errors import ConfigError
-from ot_dist.kube import (CONFIG_DIR, CONFIG_FILE, HOME, RUN_AS, WORKSPACE, WORKSPACE_CLAIM, api_object,
-                          config_map, container_security, field_ref, labels)
+from ot_dist.kube import (CONFIG_DIR, CONFIG_FILE, HOME, WORKSPACE, WORKSPACE_CLAIM, api_object,
+                          config_map, container_security, field_ref, labels, pod_security)
 
 PART_RETRIES = 3
 SHARD_CONTAINER = "ot-dist"
@@ -112,8 +112,7 @@ def pod(job: str, name: str, image: str, command: list[str], env: list[dict], cp
         "metadata": {"labels": labels(job)},  # not the training pods' (their headless Service selects those)
         "spec": {
             "restartPolicy": "Never",
-            "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS, "fsGroup": RUN_AS,
-                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "securityContext": pod_security(),
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "containers": [container],
