@@ -511,8 +511,8 @@ class TrainConfig(Section):
         default="float32",
         description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base). float8: one byte per "
         "parameter (float8_e4m3fn with a per-tensor scale), upcast to train_dtype where used; the forward pass then "
-        "differs from the bfloat16 one by a few percent (docs/low-memory.md), and an export of a frozen part writes its "
-        "float8-rounded weights. Strategies single and ddp.",
+        "differs from the bfloat16 one by a few percent (docs/low-memory.md). Exports write the frozen parts as loaded "
+        "from model.path, not the stored copies. Strategies single and ddp.",
     )
     offload_frozen_components: bool = Field(
         default=False,
