@@ -720,6 +720,9 @@ class TrainConfig(Section):
                 f"checkpoint.on_nonfinite_loss: skip_step is not supported with strategy {self.strategy}: DeepSpeed "
                 "reduces the gradients during backward and steps in one call, so a step cannot be dropped; use stop"
             )
+        if self.checkpoint.step_guard == "lagged" and (reason := self._no_device_skip()):
+            raise ValueError(f"checkpoint.step_guard: lagged needs an optimizer step that skips on the device; {reason}. "
+                             "Use auto or blocking")
         check_optimizer_setup(self)
         # A feature whose optional package is missing is refused here, in one line naming the extra.
         if self.strategy.startswith("zero") and (hint := missing_extra("deepspeed")):
@@ -733,6 +736,22 @@ class TrainConfig(Section):
         if self.lora.file_layout != "auto":
             return self.lora.file_layout
         return "diffusers" if get_family(self.model.family).lora_file_prefixes is None else "kohya"
+
+    def _no_device_skip(self) -> str | None:
+        """Why checkpoint.step_guard: lagged cannot work here, as far as the config tells (the trainer checks the
+        built optimizer too: ot_dist/train/device_skip.py)."""
+        optimizer = self.optimizer
+        if self.strategy.startswith("zero"):
+            return f"strategy {self.strategy}: DeepSpeed's engine reduces and steps in one call"
+        if self.train_dtype == "float16":
+            return "train_dtype float16: the loss scaler decides the step on its own overflow check"
+        if optimizer.name not in ("ADAM", "ADAMW", "SGD", "PRODIGY"):
+            return f"optimizer.name: {optimizer.name} cannot skip an update on the device (ADAM, ADAMW, SGD, PRODIGY can)"
+        if optimizer.name != "PRODIGY" and optimizer.fused is False:
+            return "optimizer.fused: false keeps torch's foreach kernels, which cannot skip an update on the device"
+        if optimizer.fused_back_pass:
+            return "optimizer.fused_back_pass: parameters are stepped during backward, before the loss is checked"
+        return None
 
     def part_names(self) -> tuple[str, ...]:
         """The trainable parts this family has: its denoiser and its text encoders."""

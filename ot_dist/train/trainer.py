@@ -48,7 +48,8 @@ from ot_dist.tracking.progress import Progress
 from ot_dist.tracking.utilization import UtilizationMeter
 from ot_dist.tracking.window import StepRecord, StepWindow, applied_learning_rates, window_mean_loss
 from ot_dist.train.steps import plan_steps
-from ot_dist.train.stopping import StepGuard, StopSignals
+from ot_dist.train.device_skip import choose_lagged, skipping_on_device
+from ot_dist.train.stopping import LaggedStepGuard, StepGuard, StopSignals
 from ot_dist.train.validation import ValidationLoss
 
 
@@ -60,7 +61,9 @@ class TrainResult:
     d_lr: list[dict[str, float]] = field(default_factory=list)  # adaptive optimizers: d x lr per group, per step
     first_step: int = 0  # optimizer steps done before this run (resumed from a checkpoint)
     stopped_by: str | None = None  # the signal that stopped training early (a checkpoint was saved)
-    skipped_steps: int = 0  # steps dropped for a non-finite loss (checkpoint.on_nonfinite_loss: skip_step)
+    # steps whose non-finite loss was not applied (checkpoint.on_nonfinite_loss: skip_step); the lagged step guard
+    # counts them as steps (result.steps), the blocking one does not
+    skipped_steps: int = 0
     checkpoint: Path | None = None  # the last checkpoint saved
 
 
@@ -119,6 +122,8 @@ class Trainer:
         if hasattr(self.optimizer, "attach_ownership"):  # sums its statistics over the shards
             self.optimizer.attach_ownership(self.ownership)
         self.ema = build_ema(config, self.ownership)
+        self.lagged_guard, self.guard_line = choose_lagged(config, self.strategy, self.optimizer)
+        self.guard: StepGuard | None = None  # made by train()
         self.scheduler = build_scheduler(config, self.optimizer, self.plan)
         self.precision = self.strategy.precision
         self.params = [p for g in self.groups for p in g.params]
@@ -190,6 +195,7 @@ class Trainer:
         )
         for warning in startup_warnings(config):
             self.log(f"warning: {warning}")
+        self.log(self.guard_line)
         lows: set[int] = set()
         if config.scheduler.snapshot_at_cycle_lows or config.checkpoint.at_cycle_lows:
             lows = set(cycle_lows(config.scheduler, self.total_steps, accumulation)) - {self.total_steps}  # the end exports
@@ -207,7 +213,9 @@ class Trainer:
             self.validation.maybe_run(self, step)
         every, epoch = config.checkpoint, self.position.epoch
         with StopSignals(every.on_signal) as signals:
-            guard = StepGuard(self.runtime, signals, every.every_n_minutes, lambda: self.checkpointer.last_save_time)
+            guard = (LaggedStepGuard if self.lagged_guard else StepGuard)(
+                self.runtime, signals, every.every_n_minutes, lambda: self.checkpointer.last_save_time)
+            self.guard = guard
             for epoch in range(self.position.epoch, config.epochs):
                 if step >= self.total_steps or result.stopped_by:
                     break
@@ -224,15 +232,20 @@ class Trainer:
                         continue
                     loss = torch.stack(micro_losses).mean()
                     micro_losses = []
+                    # blocking guard: this step's verdict; lagged: the previous step's (stop / save act after this
+                    # step, one step later; a non-finite previous step was already skipped on the device)
                     verdict = guard.check(loss)
-                    if verdict.nonfinite:
+                    if verdict.nonfinite and guard.lagged:
+                        self._skipped_on_device(result, step, epoch)
+                    elif verdict.nonfinite:
                         if every.on_nonfinite_loss == "skip_step":
                             self.strategy.drop_gradients(self.optimizer, self.params)
                             result.skipped_steps += 1
                             self.log(f"warning: non-finite loss at step {step + 1}: step skipped ({result.skipped_steps} so far)")
                             continue
                         self._halt_on_nonfinite(step, epoch)
-                    rates, grad_norm = self.optimizer_step(step)
+                    with skipping_on_device(self.optimizer, guard.skip_flag()):
+                        rates, grad_norm = self.optimizer_step(step)
                     step += 1
                     window.add(StepRecord(step, epoch, loss, grad_norm, rates))
                     progress.step(step)
@@ -255,6 +268,9 @@ class Trainer:
                         break
                 if every.every_n_epochs and (epoch + 1) % every.every_n_epochs == 0 and not result.stopped_by:
                     result.checkpoint = self._save(step, epoch, "epoch end")
+            last = guard.settle()  # the lagged guard: the last step's verdict, before the end's saves and exports
+            if last is not None and last.nonfinite:
+                self._skipped_on_device(result, step, epoch)
         self._take_window(result, self._log_window(window, progress))
         progress.close()
         result.steps = step
@@ -286,17 +302,32 @@ class Trainer:
             return self.checkpointer.folder_of(step)
         return self.checkpointer.save(step, epoch, reason)
 
-    def _halt_on_nonfinite(self, step: int, epoch: int) -> None:
-        """The weights are still those after `step` steps: keep them in a checkpoint and stop. The data
+    def _skipped_on_device(self, result: TrainResult, step: int, epoch: int) -> None:
+        """The lagged guard found step `step`'s loss non-finite: the optimizer skipped that update on the device (the
+        step still counts: the schedule and the EMA moved on, the weights and moments did not). Count and warn, or
+        with on_nonfinite_loss: stop, save the weights (those from before that step) and stop."""
+        result.skipped_steps += 1
+        if self.config.checkpoint.on_nonfinite_loss == "stop":
+            self._halt_on_nonfinite(step, epoch, bad_step=step)
+        self.log(f"warning: non-finite loss at step {step}: not applied, skipped on the device "
+                 f"({result.skipped_steps} so far)")
+
+    def _halt_on_nonfinite(self, step: int, epoch: int, bad_step: int | None = None) -> None:
+        """The weights are still those after `step` steps (blocking guard: the bad step is step + 1, not taken; lagged
+        guard: it is `bad_step`, counted but skipped on the device): keep them in a checkpoint and stop. The data
         position is past the bad batch, so a resume (with a lower learning rate, say) goes on after it."""
         self.optimizer.zero_grad(set_to_none=True)
-        path = self.checkpointer.save(step, epoch, "non-finite loss")
+        path = self._save(step, epoch, "non-finite loss")
         for warning in self.tracker.close():
             self.log(f"warning: {warning}")
+        if bad_step is None:
+            applied = f"that step was not applied and the weights after step {step} are saved in {path}"
+        else:
+            applied = (f"that step was skipped on the device (it counts as done) and the weights from before it are "
+                       f"saved in {path} (step {step})")
         raise TrainingHalted(
-            f"the loss of step {step + 1} is NaN or infinite on at least one rank; that step was not applied and the "
-            f"weights after step {step} are saved in {path}. Lower the learning rate (or set checkpoint.on_nonfinite_loss: "
-            "skip_step) and resume with --resume auto"
+            f"the loss of step {bad_step or step + 1} is NaN or infinite on at least one rank; {applied}. Lower the "
+            "learning rate (or set checkpoint.on_nonfinite_loss: skip_step) and resume with --resume auto"
         )
 
     def averaged_weights(self):

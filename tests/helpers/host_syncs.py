@@ -114,7 +114,8 @@ class SyncCounter:
 def count_trainer_syncs(trainer) -> tuple[SyncCounter, object]:
     """Train `trainer` while counting. Phases: "data" (the loader: host work), "log" (`_log_window`), "other"
     (checkpoints, exports, samples: not the step path) and "step" (micro steps, the step guard, the optimizer
-    step). The loader's batches and torch's CPU `step` counters of the optimizer are host tensors.
+    step). The loader's batches, torch's CPU `step` counters of the optimizer and the lagged step
+    guard's host copy of its flags are host tensors.
     Returns the counter and the TrainResult."""
     counter = SyncCounter()
     optimizer = trainer.optimizer
@@ -126,7 +127,12 @@ def count_trainer_syncs(trainer) -> tuple[SyncCounter, object]:
             step_counters[len(optimizer.state)] = {id(s.get("step")) for s in optimizer.state.values()}
         return id(tensor) in step_counters[len(optimizer.state)]
 
-    counter.also_host = is_step_counter
+    def on_host(tensor):
+        # the lagged step guard's copy of the flags is host memory on a GPU run too (pinned), filled by a
+        # non-blocking copy whose event is waited for a step later
+        return is_step_counter(tensor) or (trainer.guard is not None and trainer.guard.is_host_tensor(tensor))
+
+    counter.also_host = on_host
     batches = trainer.epoch_batches
 
     def host_batches(epoch):

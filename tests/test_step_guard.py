@@ -1,0 +1,154 @@
+"""The step guard without a host sync per step (issue 21; ot_dist/train/stopping.py, device_skip.py).
+
+The lagged guard keeps a non-finite loss off the weights on the device (the optimizer's `found_inf`) and reads
+stop / save / non-finite flags one step later; the blocking guard (the fallback) reads them before each step.
+Single process here; 2 gloo ranks under ddp and fsdp in the second half (tests/helpers/guard_ranks.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import base_config
+from forked_ranks import run_ranks
+
+from ot_dist.checkpoint.layout import checkpoints_dir, latest_checkpoint
+from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
+from ot_dist.checkpoint.training_state import read_trainer_state
+from ot_dist.config.load import validate
+from ot_dist.errors import ConfigError, TrainingHalted
+from ot_dist.train.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent / "helpers"))
+from host_syncs import count_trainer_syncs  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+FUSED = {"optimizer.name": "ADAMW", "optimizer.fused": True}  # torch's fused AdamW runs on the CPU too
+
+
+def quiet(*_args, **_kwargs):
+    pass
+
+
+def poison(trainer: Trainer, optimizer_step: int, accumulation: int = 1) -> None:
+    """The loss of `optimizer_step` (1-based) is NaN (every micro step of it)."""
+    calls, original = [0], trainer.loss
+
+    def loss(batch, epoch):
+        calls[0] += 1
+        value = original(batch, epoch)
+        return value * float("nan") if (calls[0] - 1) // accumulation + 1 == optimizer_step else value
+
+    trainer.loss = loss
+
+
+def weights_after_every_step(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
+    seen: list[dict[str, torch.Tensor]] = []
+    trainer.optimizer.register_step_post_hook(lambda *_: seen.append(
+        {n: p.detach().clone() for n, p in trainer.strategy.trained_parameters().items()}))
+    return seen
+
+
+def test_the_lagged_guard_adds_no_host_sync_and_the_fallback_one(tiny_models, shapes_data, tmp_path):
+    """Fused AdamW: no host sync in 4 optimizer steps (EMA, clipping, accumulation 2 on); foreach AdamW, which cannot
+    skip on the device, falls back to the blocking guard: exactly one per step."""
+    counts = {}
+    for name, options in {"lagged": FUSED, "blocking": {"optimizer.name": "ADAMW"}}.items():
+        raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / name, batch_size=1, gradient_accumulation_steps=2,
+                          max_steps=4, log_every_steps=2, clip_grad_norm=1.0,
+                          **{"ema.enabled": True, "checkpoint.at_end": False, **options})
+        lines = []
+        trainer = Trainer(validate(raw), log=lines.append)
+        try:
+            counter, result = count_trainer_syncs(trainer)
+        finally:
+            trainer.close()
+        assert result.steps == 4 and len(result.losses) == 4
+        counts[name] = [f"{s.kind} at {s.where}" for s in counter.in_phase("step")]
+        assert any(line.startswith(f"step guard: {name}") for line in lines), lines
+    assert counts["lagged"] == [], counts["lagged"]
+    assert len(counts["blocking"]) == 4 and all("stopping.py" in s for s in counts["blocking"]), counts["blocking"]
+
+
+def test_without_nan_the_lagged_guard_trains_bit_identically(tiny_models, shapes_data, tmp_path):
+    finals, losses = {}, {}
+    for mode in ("lagged", "blocking"):
+        raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / mode, batch_size=2, max_steps=3,
+                          **{**FUSED, "ema.enabled": True, "checkpoint.at_end": False, "checkpoint.step_guard": mode})
+        trainer = Trainer(validate(raw), log=quiet)
+        assert trainer.lagged_guard == (mode == "lagged")
+        losses[mode] = trainer.train().losses
+        finals[mode] = {n: p.detach().clone() for n, p in trainer.strategy.trained_parameters().items()}
+        finals[mode].update({f"ema.{n}": v for n, v in trainer.ema.full_weights().items()})
+        trainer.close()
+    assert losses["lagged"] == losses["blocking"]
+    assert all(torch.equal(finals["lagged"][n], v) for n, v in finals["blocking"].items())
+
+
+@pytest.mark.parametrize("optimizer", [FUSED, {"optimizer.name": "SGD", "optimizer.fused": True, "optimizer.momentum": 0.9},
+                                       {"optimizer.name": "PRODIGY", "learning_rate": 1.0}],
+                         ids=["adamw", "sgd", "prodigy"])
+def test_a_nan_step_is_skipped_on_the_device_and_counted(optimizer, tiny_models, shapes_data, tmp_path):
+    """skip_step: step 2's NaN never reaches a weight or a moment; the step counts (4 steps done), one skipped."""
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=4,
+                      **{**optimizer, "checkpoint.at_end": False, "checkpoint.on_nonfinite_loss": "skip_step",
+                         "checkpoint.step_guard": "lagged", "ema.enabled": True})
+    lines = []
+    trainer = Trainer(validate(raw), log=lines.append)
+    poison(trainer, 2)
+    seen = weights_after_every_step(trainer)
+    moments = []
+    trainer.optimizer.register_step_post_hook(lambda opt, *_: moments.append(
+        [v.clone() for state in opt.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]))
+    result = trainer.train()
+    assert result.steps == 4 and result.skipped_steps == 1 and len(seen) == 4
+    assert all(torch.isfinite(v).all() for weights in seen for v in weights.values())
+    assert all(torch.equal(seen[1][n], v) for n, v in seen[0].items())  # step 2 changed nothing
+    assert not all(torch.equal(seen[2][n], v) for n, v in seen[1].items())  # step 3 did
+    assert all(torch.equal(a, b) for a, b in zip(moments[1], moments[0]))
+    assert all(torch.isfinite(v).all() for v in trainer.ema.full_weights().values())
+    assert sum("non-finite loss at step 2" in line for line in lines) == 1
+    if optimizer["optimizer.name"] == "ADAMW":  # torch took the skipped step's count back
+        assert {float(s["step"]) for s in trainer.optimizer.state.values()} == {3.0}
+    trainer.close()
+
+
+def test_stop_mode_saves_the_weights_from_before_the_nan_step(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=6,
+                      **{**FUSED, "checkpoint.step_guard": "lagged"})
+    trainer = Trainer(validate(raw), log=quiet)
+    poison(trainer, 3)
+    seen = weights_after_every_step(trainer)
+    with pytest.raises(TrainingHalted, match="step 3 is NaN") as halted:
+        trainer.train()
+    assert halted.value.exit_code == 4
+    # step 3 ran its optimizer with the NaN flag set (changing nothing); step 4's check read that flag and halted
+    # before step 4's update
+    assert len(seen) == 3 and all(torch.equal(seen[2][n], v) for n, v in seen[1].items())
+    folder = latest_checkpoint(checkpoints_dir(tmp_path / "out"))
+    state = read_trainer_state(folder)
+    assert state["step"] == 3 and state["reason"] == "non-finite loss"
+    saved = gather_full_from_files(SavedShards(folder), state["shapes"])
+    assert all(torch.equal(saved[n], seen[1][n]) for n in saved)  # the weights after step 2
+    trainer.close()
+
+
+def test_lagged_is_refused_where_nothing_can_skip_on_the_device(tiny_models, shapes_data, tmp_path):
+    def config(**options):
+        return base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", **{"checkpoint.step_guard": "lagged",
+                                                                                 **options})
+
+    with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*optimizer.name: LION"):
+        validate(config(**{"optimizer.name": "LION"}))
+    with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*strategy zero2"):
+        validate(config(strategy="zero2", **FUSED))
+    with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*optimizer.fused: false"):
+        validate(config(**{"optimizer.name": "ADAMW", "optimizer.fused": False}))
+    # only the built optimizer tells: foreach AdamW on the CPU (fused unset)
+    with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*foreach"):
+        Trainer(validate(config(**{"optimizer.name": "ADAMW"})), log=quiet)
