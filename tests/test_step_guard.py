@@ -75,11 +75,15 @@ def test_the_lagged_guard_adds_no_host_sync_and_the_fallback_one(tiny_models, sh
     assert len(counts["blocking"]) == 4 and all("stopping.py" in s for s in counts["blocking"]), counts["blocking"]
 
 
-def test_without_nan_the_lagged_guard_trains_bit_identically(tiny_models, shapes_data, tmp_path):
+PRODIGY = {"optimizer.name": "PRODIGY", "learning_rate": 1.0}
+
+
+@pytest.mark.parametrize("optimizer", [FUSED, PRODIGY], ids=["adamw", "prodigy"])
+def test_without_nan_the_lagged_guard_trains_bit_identically(optimizer, tiny_models, shapes_data, tmp_path):
     finals, losses = {}, {}
     for mode in ("lagged", "blocking"):
         raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / mode, batch_size=2, max_steps=3,
-                          **{**FUSED, "ema.enabled": True, "checkpoint.at_end": False, "checkpoint.step_guard": mode})
+                          **{**optimizer, "ema.enabled": True, "checkpoint.at_end": False, "checkpoint.step_guard": mode})
         trainer = Trainer(validate(raw), log=quiet)
         assert trainer.lagged_guard == (mode == "lagged")
         losses[mode] = trainer.train().losses
@@ -91,7 +95,7 @@ def test_without_nan_the_lagged_guard_trains_bit_identically(tiny_models, shapes
 
 
 @pytest.mark.parametrize("optimizer", [FUSED, {"optimizer.name": "SGD", "optimizer.fused": True, "optimizer.momentum": 0.9},
-                                       {"optimizer.name": "PRODIGY", "learning_rate": 1.0}],
+                                       PRODIGY],
                          ids=["adamw", "sgd", "prodigy"])
 def test_a_nan_step_is_skipped_on_the_device_and_counted(optimizer, tiny_models, shapes_data, tmp_path):
     """skip_step: step 2's NaN never reaches a weight or a moment; the step counts (4 steps done), one skipped."""
@@ -104,13 +108,14 @@ def test_a_nan_step_is_skipped_on_the_device_and_counted(optimizer, tiny_models,
     seen = weights_after_every_step(trainer)
     moments = []
     trainer.optimizer.register_step_post_hook(lambda opt, *_: moments.append(
-        [v.clone() for state in opt.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq", "momentum_buffer")]))
+        [v.clone() for state in opt.state.values() for k, v in state.items() if k in ("exp_avg", "exp_avg_sq", "momentum_buffer", "s")]
+        + [torch.as_tensor(g[k]).clone() for g in opt.param_groups for k in ("d", "d_numerator", "k") if k in g]))
     result = trainer.train()
     assert result.steps == 4 and result.skipped_steps == 1 and len(seen) == 4
     assert all(torch.isfinite(v).all() for weights in seen for v in weights.values())
     assert all(torch.equal(seen[1][n], v) for n, v in seen[0].items())  # step 2 changed nothing
     assert not all(torch.equal(seen[2][n], v) for n, v in seen[1].items())  # step 3 did
-    assert all(torch.equal(a, b) for a, b in zip(moments[1], moments[0]))
+    assert moments[1] and all(torch.equal(a, b) for a, b in zip(moments[1], moments[0]))  # and Prodigy's estimate
     assert all(torch.isfinite(v).all() for v in trainer.ema.full_weights().values())
     assert sum("non-finite loss at step 2" in line for line in lines) == 1
     if optimizer["optimizer.name"] == "ADAMW":  # torch took the skipped step's count back
@@ -152,3 +157,83 @@ def test_lagged_is_refused_where_nothing_can_skip_on_the_device(tiny_models, sha
     # only the built optimizer tells: foreach AdamW on the CPU (fused unset)
     with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*foreach"):
         Trainer(validate(config(**{"optimizer.name": "ADAMW"})), log=quiet)
+
+
+# -- 2 gloo ranks ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_models, shapes_data, tmp_path_factory):
+    """One 2-rank launch of every case (tests/helpers/guard_ranks.py); {case: [rank 0 report, rank 1 report]}."""
+    root = tmp_path_factory.mktemp("guard")
+
+    def config(name, strategy, **options):
+        return base_config(tiny_models["sd1"], shapes_data, root / name, strategy=strategy, batch_size=1,
+                           **{"checkpoint.at_end": False, **options})
+
+    cases = {
+        "ddp_syncs": {"kind": "syncs", "config": config("ddp_syncs", "ddp", max_steps=3, clip_grad_norm=1.0,
+                                                        **{**FUSED, "ema.enabled": True})},
+        # fsdp: torch's fused AdamW is chosen for the DTensor shards by itself (auto)
+        "fsdp_syncs": {"kind": "syncs", "config": config("fsdp_syncs", "fsdp", max_steps=3, clip_grad_norm=1.0,
+                                                         **{"optimizer.name": "ADAMW", "ema.enabled": True})},
+        "ddp_nan": {"kind": "nan", "rank": 1, "at": 2,
+                    "config": config("ddp_nan", "ddp", max_steps=4,
+                                     **{**FUSED, "checkpoint.on_nonfinite_loss": "skip_step"})},
+        "fsdp_nan": {"kind": "nan", "rank": 1, "at": 2,
+                     "config": config("fsdp_nan", "fsdp", max_steps=4,
+                                      **{"optimizer.name": "ADAMW", "checkpoint.on_nonfinite_loss": "skip_step"})},
+        "ddp_halt": {"kind": "nan", "rank": 1, "at": 3, "config": config("ddp_halt", "ddp", max_steps=6, **FUSED)},
+        "ddp_signal": {"kind": "signal", "rank": 1, "at": 2, "config": config("ddp_signal", "ddp", max_steps=8,
+                                                                              **FUSED)},
+    }
+    (root / "cases.json").write_text(json.dumps(cases))
+    done = run_ranks(str(REPO / "tests" / "helpers" / "guard_ranks.py"), str(root / "cases.json"), str(root),
+                     env=ENV, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    reports = {name: [json.loads((root / f"{name}-rank{r}.json").read_text()) for r in range(2)] for name in cases}
+    return root, reports
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_add_no_host_sync_per_step(two_ranks, strategy):
+    _, reports = two_ranks
+    for report in reports[f"{strategy}_syncs"]:
+        assert report["lagged"] and report["steps"] == 3
+        assert report["step_syncs"] == [], report["step_syncs"]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_nan_on_one_rank_is_skipped_on_both(two_ranks, strategy):
+    """Step 2's loss is NaN on rank 1 only: neither rank's weights (ddp: replicas, fsdp: shards) take it, both skip
+    that step and go on identically, and both count one skipped step of 4."""
+    _, reports = two_ranks
+    for report in reports[f"{strategy}_nan"]:
+        assert report["lagged"] and report["steps"] == 4 and report["skipped"] == 1
+        assert all(report["finite"])
+        assert report["changed"] == [True, False, True, True]
+    if strategy == "ddp":  # replicas stay equal
+        assert reports["ddp_nan"][0]["checksums"] == reports["ddp_nan"][1]["checksums"]
+
+
+def test_a_nan_on_one_rank_halts_both_with_the_weights_from_before_it(two_ranks):
+    root, reports = two_ranks
+    for report in reports["ddp_halt"]:
+        assert "the loss of step 3 is NaN" in report["halted"]
+        assert report["changed"] == [True, True, False] and all(report["finite"])
+    folder = latest_checkpoint(checkpoints_dir(root / "ddp_halt"))
+    state = read_trainer_state(folder)
+    assert state["step"] == 3 and state["reason"] == "non-finite loss"
+    saved = gather_full_from_files(SavedShards(folder), state["shapes"])
+    after_two = torch.load(root / "ddp_halt-rank0-weights.pt")[2]
+    assert saved.keys() == after_two.keys() and all(torch.equal(saved[n], after_two[n]) for n in saved)
+
+
+def test_sigterm_on_one_rank_stops_both_at_the_same_step(two_ranks):
+    """Rank 1 gets SIGTERM after step 2: its flag goes into step 3's all-reduce, read at step 4's check (one step
+    of lag): both ranks finish step 4, save it and leave (the launch exits 0)."""
+    root, reports = two_ranks
+    assert [r["steps"] for r in reports["ddp_signal"]] == [4, 4]
+    assert reports["ddp_signal"][1]["stopped_by"] == "SIGTERM"
+    assert reports["ddp_signal"][0]["stopped_by"] == "a signal on another rank"
+    state = read_trainer_state(latest_checkpoint(checkpoints_dir(root / "ddp_signal")))
+    assert state["step"] == 4 and state["reason"].startswith("stop requested by")

@@ -25,6 +25,10 @@ The math is prodigyopt 1.1's (its defaults, its update). What differs is how the
   `step` counters, bookkeeping no formula reads, count that step).
 - A parameter group whose learning rate is 0 is not stepped at all (prodigyopt still moves it by the
   largest group's step).
+- `found_inf` (a 0-dim device tensor set as `optimizer.found_inf` during `step`, as torch's fused optimizers
+  take it; ot_dist's lagged step guard passes the all-ranks non-finite-loss flag): when it is 1 the step
+  changes no parameter, moment, s or estimate, decided on the device (the gradients are zeroed after weight
+  decay, the moments' decay factors become 1, the estimate's update is masked, the step size is 0).
 
 Without `attach_ownership` (plain use), every parameter is owned whole and nothing is reduced.
 """
@@ -40,6 +44,8 @@ from ot_dist.parallel.ownership import Ownership, local, sum_by_parameter_blocks
 
 
 class ShardedProdigy(torch.optim.Optimizer):
+    skips_on_found_inf = True  # step honours `self.found_inf` (ot_dist/train/device_skip.py)
+
     def __init__(
         self, params, lr=1.0, betas=(0.9, 0.999), beta3=None, eps=1e-8, weight_decay=0.0, decouple=True,
         use_bias_correction=False, safeguard_warmup=False, d0=1e-6, d_coef=1.0, growth_rate=float("inf"),
@@ -96,6 +102,8 @@ class ShardedProdigy(torch.optim.Optimizer):
         # The estimate lives on the device (float64 0-dim tensors): nothing of it is read on the host here
         estimate = self._estimate(first)
         d, d_max, k = estimate["d"], estimate["d_max"], estimate["k"]
+        found_inf = getattr(self, "found_inf", None)
+        skip = None if found_inf is None else found_inf.to(d.device, non_blocking=True) != 0
         bias_correction = (
             torch.sqrt(1 - beta2 ** (k + 1)) / (1 - beta1 ** (k + 1)) if first["use_bias_correction"] else 1.0
         )
@@ -116,7 +124,7 @@ class ShardedProdigy(torch.optim.Optimizer):
             chunks = in_chunks(params, grads, states, self.chunking)
             s_rate = (d / d0) * (d if group["safeguard_warmup"] else dlr)
             for chunk in chunks:
-                numerator, denominator = accumulate(*chunk, group, beta1, beta2, beta3, d, s_rate)
+                numerator, denominator = accumulate(*chunk, group, beta1, beta2, beta3, d, s_rate, skip)
                 numerators += numerator
                 denominators += denominator
             active.append((group, chunks))
@@ -134,6 +142,8 @@ class ShardedProdigy(torch.optim.Optimizer):
         # No gradient anywhere yet (decided on the global sum, so on every rank alike): the step changes no
         # parameter and no estimate. prodigyopt returns early; here the same is a device-side select.
         live = d_denom != 0
+        if skip is not None:
+            live = live & ~skip  # a skipped step leaves the estimate (and, through dlr 0, the parameters)
 
         d_numerator = torch.where(live, estimate["d_numerator"] * beta3 + delta_numerator, estimate["d_numerator"])
         d_hat = torch.where(live, first["d_coef"] * d_numerator / d_denom, estimate["d_hat"])
@@ -226,12 +236,18 @@ def in_chunks(params: list, grads: list, states: list, chunking: str = "auto") -
     return [(params, grads, states)]
 
 
-def accumulate(params, grads, states, group, beta1, beta2, beta3, d, s_rate):
+def accumulate(params, grads, states, group, beta1, beta2, beta3, d, s_rate, skip=None):
     """Phase 1 of the step, with the current d: the moments, s, and this chunk's terms of the two
     sums d is estimated from. Returns ([<g, p0 - p> per tensor], [|s| per tensor]), float64.
-    d and s_rate are device tensors (never read on the host)."""
+    d and s_rate are device tensors (never read on the host). `skip` (a 0-dim bool device tensor, or None):
+    where true, the gradients are zeroed and the decay factors are 1, so nothing here changes."""
     if group["weight_decay"] != 0 and not group["decouple"]:
         add_scaled_(grads, params, group["weight_decay"])
+    decays = (beta1, beta2, beta3)
+    if skip is not None:
+        for g in grads:
+            g.masked_fill_(skip, 0.0)  # a NaN gradient times 0 would still be NaN
+        decays = tuple(torch.where(skip, 1.0, torch.tensor(b, dtype=torch.float64, device=skip.device)) for b in decays)
     selected_grads = [g.reshape(-1)[s["selection"].index] for g, s in zip(grads, states)]
     numerators = []
     for g, p, s in zip(selected_grads, params, states):
@@ -239,14 +255,14 @@ def accumulate(params, grads, states, group, beta1, beta2, beta3, d, s_rate):
         numerators.append(sum_by_parameter_blocks(products, s["selection"].runs))
     if beta1 > 0:
         exp_avgs = [s["exp_avg"] for s in states]
-        torch._foreach_mul_(exp_avgs, beta1)
+        torch._foreach_mul_(exp_avgs, factor(decays[0], exp_avgs))
         add_(exp_avgs, scaled(grads, d * (1 - beta1)))
     exp_avg_sqs = [s["exp_avg_sq"] for s in states]
-    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_mul_(exp_avg_sqs, factor(decays[1], exp_avg_sqs))
     # addcmul_'s order (value * g) * g, with value d * d * (1 - beta2)
     addcmul_(exp_avg_sqs, scaled(grads, d * d * (1 - beta2)), grads)
     ss = [s["s"] for s in states]
-    torch._foreach_mul_(ss, beta3)
+    torch._foreach_mul_(ss, factor(decays[2], ss))
     add_(ss, scaled(selected_grads, s_rate))
     magnitudes = [ss[0].abs()] if len(ss) == 1 else torch._foreach_abs(ss)
     denominators = [sum_by_parameter_blocks(a, s["selection"].runs) for a, s in zip(magnitudes, states)]
@@ -271,6 +287,12 @@ def take_step(params, grads, states, group, beta1, d, dlr):
     add_(params, steps)
     for s in states:
         s["step"] += 1
+
+
+def factor(value, tensors: list):
+    """A decay factor for _foreach_mul_: a Python float as it is, a 0-dim device tensor (masked by a skip) in the
+    tensors' dtype (the same float32 rounding a Python float gets)."""
+    return like(value, tensors) if isinstance(value, torch.Tensor) else value
 
 
 def like(scale: torch.Tensor, tensors: list) -> torch.Tensor:
