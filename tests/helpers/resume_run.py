@@ -4,7 +4,8 @@
                   [--then CONFIG_JSON RESULT_JSON [--signal-after-step N]] ...
 
 --signal-after-step N: rank 0 (only) sends itself SIGTERM once optimizer step N is done, as a
-preemption would; the ranks must agree to finish the next step, save and stop.
+preemption would; the ranks must agree to finish the next step (the lagged step guard: the one after), save
+and stop.
 --then: one more run in the same launch, after the previous one (its own config, result and signal step;
 no resume), so that one launch of the ranks can do e.g. the uninterrupted run and the stopped one.
 Rank 0 writes each RESULT_JSON: the step losses, the first and last step, what stopped the run, and every
@@ -74,7 +75,7 @@ def one_run(args: argparse.Namespace, runtime) -> None:
             for epoch, ids in per_rank.items():
                 merged.setdefault(str(epoch), []).extend(ids)
         json.dump({"losses": result.losses, "first_step": result.first_step, "steps": result.steps,
-                   "stopped_by": result.stopped_by, "seen": merged,
+                   "stopped_by": result.stopped_by, "seen": merged, "lag": int(trainer.lagged_guard),
                    "checkpoint": str(result.checkpoint) if result.checkpoint else None}, open(args.result, "w"))
 
 
