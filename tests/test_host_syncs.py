@@ -1,9 +1,9 @@
 """Blocking host syncs in the training step, counted on the CPU (issue 21; tests/helpers/host_syncs.py).
 
 On a GPU each `.item()` / `.tolist()` / `bool(tensor)` ... of a device tensor stalls the host until the device
-has caught up, so the next step's kernels are not queued in time. The step path keeps at most one: the step
-guard's combined flags (stop, save, non-finite loss: one all-reduce, one read); losses and gradient norms are
-read once per log window."""
+has caught up, so the next step's kernels are not queued in time. The step path keeps at most one: the blocking
+step guard's combined flags (stop, save, non-finite loss: one all-reduce, one read; the lagged guard reads none,
+tests/test_step_guard.py); losses and gradient norms are read once per log window."""
 
 from __future__ import annotations
 
