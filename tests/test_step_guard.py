@@ -143,6 +143,40 @@ def test_stop_mode_saves_the_weights_from_before_the_nan_step(tiny_models, shape
     trainer.close()
 
 
+@pytest.mark.parametrize("mode", ["stop", "skip_step"])
+def test_a_nan_in_the_last_step_is_settled_before_the_end(mode, tiny_models, shapes_data, tmp_path):
+    """No check follows the last step: its flags are read after the loop, before the end's checkpoint and export."""
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=3,
+                      **{**FUSED, "checkpoint.step_guard": "lagged", "checkpoint.on_nonfinite_loss": mode})
+    trainer = Trainer(validate(raw), log=quiet)
+    poison(trainer, 3)
+    seen = weights_after_every_step(trainer)
+    if mode == "stop":
+        with pytest.raises(TrainingHalted, match="step 3 is NaN"):
+            trainer.train()
+        state = read_trainer_state(latest_checkpoint(checkpoints_dir(tmp_path / "out")))
+        assert state["step"] == 3 and state["reason"] == "non-finite loss"
+    else:
+        result = trainer.train()
+        assert result.steps == 3 and result.skipped_steps == 1 and result.exported
+    assert all(torch.equal(seen[2][n], v) for n, v in seen[1].items())
+    trainer.close()
+
+
+@pytest.mark.parametrize("mode", ["lagged", "blocking"])
+def test_the_time_based_save_comes_one_step_later_when_lagged(mode, tiny_models, shapes_data, tmp_path):
+    """every_n_minutes that is always due: the blocking guard saves after every step, the lagged one from step 2 on
+    (step 1's flag is read at step 2's check)."""
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=3,
+                      **{**FUSED, "checkpoint.step_guard": mode, "checkpoint.every_n_minutes": 1e-9,
+                         "checkpoint.at_end": False, "checkpoint.keep_last": None})
+    trainer = Trainer(validate(raw), log=quiet)
+    trainer.train()
+    trainer.close()
+    saved = sorted(int(f.name.split("-")[1]) for f in checkpoints_dir(tmp_path / "out").glob("step-*"))
+    assert saved == ([2, 3] if mode == "lagged" else [1, 2, 3])
+
+
 def test_lagged_is_refused_where_nothing_can_skip_on_the_device(tiny_models, shapes_data, tmp_path):
     def config(**options):
         return base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", **{"checkpoint.step_guard": "lagged",
@@ -185,6 +219,9 @@ def two_ranks(tiny_models, shapes_data, tmp_path_factory):
         "ddp_halt": {"kind": "nan", "rank": 1, "at": 3, "config": config("ddp_halt", "ddp", max_steps=6, **FUSED)},
         "ddp_signal": {"kind": "signal", "rank": 1, "at": 2, "config": config("ddp_signal", "ddp", max_steps=8,
                                                                               **FUSED)},
+        # rank 0's clock: a save is always due there, never on rank 1
+        "ddp_time": {"kind": "signal", "config": config("ddp_time", "ddp", max_steps=3, **{
+            **FUSED, "checkpoint.every_n_minutes": 1e-9, "checkpoint.keep_last": None})},
     }
     (root / "cases.json").write_text(json.dumps(cases))
     done = run_ranks(str(REPO / "tests" / "helpers" / "guard_ranks.py"), str(root / "cases.json"), str(root),
@@ -237,3 +274,10 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step(two_ranks):
     assert reports["ddp_signal"][0]["stopped_by"] == "a signal on another rank"
     state = read_trainer_state(latest_checkpoint(checkpoints_dir(root / "ddp_signal")))
     assert state["step"] == 4 and state["reason"].startswith("stop requested by")
+
+
+def test_the_time_based_save_is_agreed_one_step_later(two_ranks):
+    root, reports = two_ranks
+    assert [r["steps"] for r in reports["ddp_time"]] == [3, 3]
+    saved = sorted(int(f.name.split("-")[1]) for f in checkpoints_dir(root / "ddp_time").glob("step-*"))
+    assert saved == [2, 3]

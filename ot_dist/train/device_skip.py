@@ -27,7 +27,8 @@ def device_skip_unavailable(config, strategy, optimizer: torch.optim.Optimizer) 
         return "optimizer.fused_back_pass: parameters are stepped during backward, before the loss is checked"
     if getattr(optimizer, "skips_on_found_inf", False):
         return None
-    if getattr(optimizer, "_step_supports_amp_scaling", False) and optimizer.defaults.get("fused"):
+    # every group's own setting: a checkpoint's group settings (loaded after construction) may say otherwise
+    if getattr(optimizer, "_step_supports_amp_scaling", False) and all(g.get("fused") for g in optimizer.param_groups):
         return None
     if config.optimizer.name in ("ADAM", "ADAMW", "SGD"):
         return (f"optimizer {config.optimizer.name} runs its foreach kernels (torch's fused kernel is chosen on CUDA, "

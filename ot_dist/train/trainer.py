@@ -122,8 +122,6 @@ class Trainer:
         if hasattr(self.optimizer, "attach_ownership"):  # sums its statistics over the shards
             self.optimizer.attach_ownership(self.ownership)
         self.ema = build_ema(config, self.ownership)
-        self.lagged_guard, self.guard_line = choose_lagged(config, self.strategy, self.optimizer)
-        self.guard: StepGuard | None = None  # made by train()
         self.scheduler = build_scheduler(config, self.optimizer, self.plan)
         self.precision = self.strategy.precision
         self.params = [p for g in self.groups for p in g.params]
@@ -142,6 +140,9 @@ class Trainer:
                 self.log("checkpoint: the MLflow run did not exist yet when it was saved; this run is tracked as a new one")
         elif resume == "auto":
             self.log(f"checkpoint: none committed in {checkpoints_dir(config.output_dir)}, starting from step 0")
+        # after loading: a checkpoint's optimizer group settings (fused or not) decide too
+        self.lagged_guard, self.guard_line = choose_lagged(config, self.strategy, self.optimizer)
+        self.guard: StepGuard | None = None  # made by train()
         freeze_long_lived_objects()  # the libraries and the model are in memory: collections skip them from now on
 
     def _place_modules(self) -> None:
