@@ -165,16 +165,17 @@ def test_a_nan_in_the_last_step_is_settled_before_the_end(mode, tiny_models, sha
 
 @pytest.mark.parametrize("mode", ["lagged", "blocking"])
 def test_the_time_based_save_comes_one_step_later_when_lagged(mode, tiny_models, shapes_data, tmp_path):
-    """every_n_minutes that is always due: the blocking guard saves after every step, the lagged one from step 2 on
-    (step 1's flag is read at step 2's check)."""
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=3,
+    """every_n_minutes that is always due: the blocking guard saves after every step; the lagged one reads step 1's
+    flag at step 2's check and saves step 2, and drops step 2's flag (made before that save landed), so a due never
+    gives two saves in a row: steps 2 and 4."""
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=4,
                       **{**FUSED, "checkpoint.step_guard": mode, "checkpoint.every_n_minutes": 1e-9,
                          "checkpoint.at_end": False, "checkpoint.keep_last": None})
     trainer = Trainer(validate(raw), log=quiet)
     trainer.train()
     trainer.close()
     saved = sorted(int(f.name.split("-")[1]) for f in checkpoints_dir(tmp_path / "out").glob("step-*"))
-    assert saved == ([2, 3] if mode == "lagged" else [1, 2, 3])
+    assert saved == ([2, 4] if mode == "lagged" else [1, 2, 3, 4])
 
 
 def test_lagged_is_refused_where_nothing_can_skip_on_the_device(tiny_models, shapes_data, tmp_path):
@@ -220,7 +221,7 @@ def two_ranks(tiny_models, shapes_data, tmp_path_factory):
         "ddp_signal": {"kind": "signal", "rank": 1, "at": 2, "config": config("ddp_signal", "ddp", max_steps=8,
                                                                               **FUSED)},
         # rank 0's clock: a save is always due there, never on rank 1
-        "ddp_time": {"kind": "signal", "config": config("ddp_time", "ddp", max_steps=3, **{
+        "ddp_time": {"kind": "signal", "config": config("ddp_time", "ddp", max_steps=4, **{
             **FUSED, "checkpoint.every_n_minutes": 1e-9, "checkpoint.keep_last": None})},
     }
     (root / "cases.json").write_text(json.dumps(cases))
@@ -278,6 +279,6 @@ def test_sigterm_on_one_rank_stops_both_at_the_same_step(two_ranks):
 
 def test_the_time_based_save_is_agreed_one_step_later(two_ranks):
     root, reports = two_ranks
-    assert [r["steps"] for r in reports["ddp_time"]] == [3, 3]
+    assert [r["steps"] for r in reports["ddp_time"]] == [4, 4]
     saved = sorted(int(f.name.split("-")[1]) for f in checkpoints_dir(root / "ddp_time").glob("step-*"))
-    assert saved == [2, 3]
+    assert saved == [2, 4]

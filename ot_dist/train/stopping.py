@@ -103,6 +103,9 @@ class LaggedStepGuard(StepGuard):
     an event recorded after the copy on CUDA); the next `check` waits for that event, recorded a step earlier
     (the device has passed it while the host queued this step's forward and backward), and reads the copy.
     Every rank reads the same combined values at the same step, so all act alike, one step later.
+    A time-based save that comes due is dropped when a checkpoint was saved after the flags were made (by the
+    step interval, or by the previous due: the clock is checked again before that save lands), so one due
+    never gives two saves in a row; the save itself is a collective, so every rank sees the same.
     `settle()` reads the last step's verdict when no further check follows (the end of training)."""
 
     lagged = True
@@ -114,6 +117,7 @@ class LaggedStepGuard(StepGuard):
         self._host: torch.Tensor | None = None  # the copy on the host (pinned on CUDA), read at the next check
         self._event = None  # recorded after the device -> host copy (CUDA)
         self._copied = False
+        self._save_mark = None  # last_save_time() when this step's flags were made
 
     def check(self, loss: torch.Tensor) -> Verdict:
         earlier = self.settle() or Verdict(False, False, False)
@@ -128,7 +132,7 @@ class LaggedStepGuard(StepGuard):
         nonfinite = (~torch.isfinite(loss.detach().float())).float().reshape(1)
         flags = torch.cat([local, nonfinite])
         self._work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, async_op=True) if self.runtime.distributed else None
-        self._flags, self._copied = flags, False
+        self._flags, self._copied, self._save_mark = flags, False, self.last_save_time()
         return earlier
 
     def skip_flag(self) -> torch.Tensor | None:
@@ -165,7 +169,7 @@ class LaggedStepGuard(StepGuard):
             self._event = None
         stop, save_due, nonfinite = (bool(v) for v in self._host.tolist())  # host memory: no device sync
         self._flags = None
-        return Verdict(stop, save_due, nonfinite)
+        return Verdict(stop, save_due and self.last_save_time() == self._save_mark, nonfinite)
 
     def is_host_tensor(self, tensor: torch.Tensor) -> bool:
         """The flags' host copy (pinned host memory on a GPU run), for counting host syncs."""
