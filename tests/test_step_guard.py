@@ -211,12 +211,18 @@ def two_ranks(tiny_models, shapes_data, tmp_path_factory):
         # fsdp: torch's fused AdamW is chosen for the DTensor shards by itself (auto)
         "fsdp_syncs": {"kind": "syncs", "config": config("fsdp_syncs", "fsdp", max_steps=3, clip_grad_norm=1.0,
                                                          **{"optimizer.name": "ADAMW", "ema.enabled": True})},
+        # foreach AdamW: the blocking fallback
+        "ddp_blocking_syncs": {"kind": "syncs", "config": config("ddp_blocking_syncs", "ddp", max_steps=3,
+                                                                 **{"optimizer.name": "ADAMW"})},
         "ddp_nan": {"kind": "nan", "rank": 1, "at": 2,
                     "config": config("ddp_nan", "ddp", max_steps=4,
                                      **{**FUSED, "checkpoint.on_nonfinite_loss": "skip_step"})},
         "fsdp_nan": {"kind": "nan", "rank": 1, "at": 2,
                      "config": config("fsdp_nan", "fsdp", max_steps=4,
                                       **{"optimizer.name": "ADAMW", "checkpoint.on_nonfinite_loss": "skip_step"})},
+        "fsdp_prodigy_nan": {"kind": "nan", "rank": 1, "at": 2,
+                             "config": config("fsdp_prodigy_nan", "fsdp", max_steps=4,
+                                              **{**PRODIGY, "checkpoint.on_nonfinite_loss": "skip_step"})},
         "ddp_halt": {"kind": "nan", "rank": 1, "at": 3, "config": config("ddp_halt", "ddp", max_steps=6, **FUSED)},
         "ddp_signal": {"kind": "signal", "rank": 1, "at": 2, "config": config("ddp_signal", "ddp", max_steps=8,
                                                                               **FUSED)},
@@ -238,12 +244,16 @@ def test_two_ranks_add_no_host_sync_per_step(two_ranks, strategy):
     for report in reports[f"{strategy}_syncs"]:
         assert report["lagged"] and report["steps"] == 3
         assert report["step_syncs"] == [], report["step_syncs"]
+    for report in reports["ddp_blocking_syncs"]:  # the fallback: the guard's one read per step
+        assert not report["lagged"] and report["steps"] == 3
+        assert len(report["step_syncs"]) == 3 and all("stopping.py" in s for s in report["step_syncs"]), report
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "fsdp_prodigy"])
 def test_a_nan_on_one_rank_is_skipped_on_both(two_ranks, strategy):
-    """Step 2's loss is NaN on rank 1 only: neither rank's weights (ddp: replicas, fsdp: shards) take it, both skip
-    that step and go on identically, and both count one skipped step of 4."""
+    """Step 2's loss is NaN on rank 1 only: neither rank's weights (ddp: replicas, fsdp: shards; fused AdamW, and
+    Prodigy, whose estimate is summed over the shards) take it, both skip that step and go on identically, and both
+    count one skipped step of 4."""
     _, reports = two_ranks
     for report in reports[f"{strategy}_nan"]:
         assert report["lagged"] and report["steps"] == 4 and report["skipped"] == 1
