@@ -143,6 +143,13 @@ def decoded(members: list[dict[str, bytes]]) -> list[dict[str, dict[str, torch.T
     return [{name: load(data) for name, data in sample.items()} for sample in members]
 
 
+def encoded(encoder, ids: range) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+    """sample id -> member -> tensors, through the encoder's batches as a chunk is written."""
+    batches = encoder.batches(ids)
+    return {i: members for batch, inputs in zip(batches, encoder.inputs(batches))
+            for i, members in zip(batch, decoded(encoder.encode(batch, inputs)))}
+
+
 def test_batched_encoding_equals_one_sample_at_a_time(built, tmp_path):
     dataset = fresh(built, tmp_path / "set")
     model = built[2]
@@ -151,11 +158,11 @@ def test_batched_encoding_equals_one_sample_at_a_time(built, tmp_path):
         batches = batched.batches(range(22))
         assert sorted(i for b in batches for i in b) == list(range(22)) and max(map(len, batches)) > 1
         assert max(map(len, single.batches(range(22)))) == 1
-        together = dict(zip([i for b in batches for i in b], decoded([m for b in batches for m in batched.encode(b)])))
+        together, alone = encoded(batched, range(22)), encoded(single, range(22))
+        assert together.keys() == alone.keys() == set(range(22))
         for i in range(22):
-            (alone,) = decoded(single.encode([i]))
-            assert alone.keys() == together[i].keys()
-            for member, tensors in alone.items():
+            assert alone[i].keys() == together[i].keys()
+            for member, tensors in alone[i].items():
                 assert tensors.keys() == together[i][member].keys()
                 for name, value in tensors.items():
                     torch.testing.assert_close(together[i][member][name], value, rtol=1e-5, atol=1e-5)
@@ -163,6 +170,11 @@ def test_batched_encoding_equals_one_sample_at_a_time(built, tmp_path):
     latent_batches = LatentEncoder(dataset, model.vae).batches(range(22))
     buckets = [{int(dataset.index.bucket[i]) for i in b} for b in latent_batches]
     assert all(len(b) == 1 for b in buckets) and len(buckets) >= 2
+    # images read by a loader process while the VAE encodes: the same latents, bit for bit
+    in_process, in_worker = encoded(LatentEncoder(dataset, model.vae), range(22)), encoded(
+        LatentEncoder(dataset, model.vae, workers=1), range(22))
+    assert all(torch.equal(in_process[i][m][t], in_worker[i][m][t]) for i in in_process for m in in_process[i]
+               for t in in_process[i][m])
 
 
 def test_two_ranks_resume_what_one_process_started_and_cache_like_one_process(built, tiny_models, tmp_path):

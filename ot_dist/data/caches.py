@@ -72,10 +72,11 @@ def expected_record(dataset, key: str) -> dict:
 
 class LatentEncoder:
     """Each sample's VAE posterior at each training resolution; a chunk's samples of one bucket (one size at every
-    resolution) are encoded together, up to `batch_pixels` pixels a batch at the largest resolution."""
+    resolution) are encoded together, up to `batch_pixels` pixels a batch at the largest resolution. With
+    `workers`, that many loader processes read and crop the next batches' images while the VAE encodes."""
 
-    def __init__(self, dataset, vae, batch_pixels: int = BATCH_PIXELS):
-        self.dataset, self.vae, self.batch_pixels = dataset, vae, batch_pixels
+    def __init__(self, dataset, vae, batch_pixels: int = BATCH_PIXELS, workers: int = 0):
+        self.dataset, self.vae, self.batch_pixels, self.workers = dataset, vae, batch_pixels, workers
         self.members = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
 
     def batches(self, ids: range) -> list[list[int]]:
@@ -89,19 +90,40 @@ class LatentEncoder:
             out += [group[i:i + size] for i in range(0, len(group), size)]
         return out
 
+    def inputs(self, batches: list[list[int]]):
+        """Each batch's pixels at each resolution, in the batches' order (read by `workers` processes, or here)."""
+        source = _Pixels(self.dataset, batches)
+        if not self.workers:
+            return (source[n] for n in range(len(batches)))
+        return iter(torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers))
+
     @torch.no_grad()
-    def encode(self, ids: list[int]) -> list[dict[str, bytes]]:
+    def encode(self, ids: list[int], pixels: dict[int, torch.Tensor]) -> list[dict[str, bytes]]:
         from safetensors.torch import save
 
         reference = next(self.vae.parameters())
         out: list[dict[str, bytes]] = [{} for _ in ids]
         for resolution in self.dataset.resolutions:
-            pixels = torch.stack([self.dataset.load(i, 0, resolution, use_cache=False)["pixels"] for i in ids])
-            posterior = self.vae.encode(pixels.to(device=reference.device, dtype=compute_dtype(self.vae))).latent_dist
+            batch = pixels[resolution].to(device=reference.device, dtype=compute_dtype(self.vae))
+            posterior = self.vae.encode(batch).latent_dist
             mean, std = posterior.mean.float().cpu(), posterior.std.float().cpu()
             for n, members in enumerate(out):
                 members[f"{resolution}.latent.safetensors"] = save({"mean": _own(mean[n]), "std": _own(std[n])})
         return out
+
+
+class _Pixels(torch.utils.data.Dataset):
+    """Batch n: resolution -> the batch's samples cropped to their bucket (centre, as the cache holds them)."""
+
+    def __init__(self, dataset, batches: list[list[int]]):
+        self.dataset, self.batches = dataset, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, n: int) -> dict[int, torch.Tensor]:
+        return {resolution: torch.stack([self.dataset.load(i, 0, resolution, use_cache=False)["pixels"]
+                                         for i in self.batches[n]]) for resolution in self.dataset.resolutions}
 
 
 class TextEncoder:
@@ -115,11 +137,14 @@ class TextEncoder:
     def batches(self, ids: range) -> list[list[int]]:
         return [list(ids[i:i + self.batch_samples]) for i in range(0, len(ids), self.batch_samples)]
 
+    def inputs(self, batches: list[list[int]]):
+        return ([self.dataset.captions(i) for i in batch] for batch in batches)
+
     @torch.no_grad()
-    def encode(self, ids: list[int]) -> list[dict[str, bytes]]:
+    def encode(self, ids: list[int], lines: list[list[str]]) -> list[dict[str, bytes]]:
         from safetensors.torch import save
 
-        family, lines = self.model.family, [self.dataset.captions(i) for i in ids]
+        family = self.model.family
         conditioning = family.encode_text(self.model.text_encoders,
                                           family.tokenize(self.model.tokenizers, [line for s in lines for line in s]))
         out, first = [], 0
@@ -137,8 +162,10 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cpu().clone(memory_format=torch.contiguous_format)
 
 
-def attach_latent_cache(dataset, vae, runtime, log=print, **options) -> Path:
-    return attach_cache(dataset, "latents", vae_key(vae), LatentEncoder(dataset, vae), runtime, log, **options)
+def attach_latent_cache(dataset, vae, runtime, log=print, workers: int = 0, **options) -> Path:
+    """`workers`: loader processes reading the images while the VAE encodes (data.loader_workers)."""
+    return attach_cache(dataset, "latents", vae_key(vae), LatentEncoder(dataset, vae, workers=workers), runtime, log,
+                        **options)
 
 
 def attach_text_cache(dataset, model, runtime, log=print, **options) -> Path:
@@ -188,8 +215,9 @@ def attach_cache(dataset, kind: str, key: str, encoder, runtime, log, chunk_size
 def write_chunk(cache_dir: Path, chunk: int, ids: range, encoder) -> None:
     writer = ChunkWriter(cache_dir, chunk, encoder.members)
     try:
-        for batch in encoder.batches(ids):
-            for sample_id, members in zip(batch, encoder.encode(batch)):
+        batches = encoder.batches(ids)
+        for batch, inputs in zip(batches, encoder.inputs(batches)):
+            for sample_id, members in zip(batch, encoder.encode(batch, inputs)):
                 writer.add(sample_id, members)
     except BaseException:
         writer.abandon()

@@ -230,7 +230,10 @@ class SyntheticSDXL:
     def batches(self, ids):
         return [[i] for i in ids]
 
-    def encode(self, ids):
+    def inputs(self, batches):
+        return (None for _ in batches)
+
+    def encode(self, ids, _inputs):
         import torch
         from safetensors.torch import save
 
