@@ -17,7 +17,8 @@ from safetensors.torch import load
 
 from ot_dist.config.load import validate
 from ot_dist.data.cache_index import CacheIndex
-from ot_dist.data.caches import LatentEncoder, TextEncoder, attach_latent_cache, attach_text_cache
+from ot_dist.data.caches import (LatentEncoder, TextEncoder, attach_latent_cache, attach_text_cache,
+                                 expected_record, read_cache_manifest)
 from ot_dist.data.reader import ShardDataset
 from ot_dist.data.shards import build_shard_set
 from ot_dist.errors import InputFileError
@@ -130,6 +131,12 @@ def test_the_index_is_compact_mapped_shared_and_refused_by_file_name_when_missin
     assert batch["latent_mean"].shape[0] == 4 and "text_hidden" in batch
 
     manifest = json.loads((latents.dir / "manifest.json").read_text())
+    earlier = tmp_path / "earlier"  # a cache of format 1: one JSON entry per sample, no format field
+    earlier.mkdir()
+    (earlier / "manifest.json").write_text(json.dumps({k: v for k, v in manifest.items() if k != "format"}))
+    with pytest.raises(InputFileError, match=r"data.cache_text: the cache .*earlier was written by an earlier ot_dist "
+                                             r"\(format ot_dist.cache/1\), this one reads ot_dist.cache/2; delete"):
+        read_cache_manifest(earlier, expected_record(dataset, "k"), "text")
     path = latents.dir / "index" / "128.latent.offset.npy"
     path.write_bytes(path.read_bytes()[:-40])  # cut short
     with pytest.raises(InputFileError, match=r"data.cache_latents: the cache index .*128.latent.offset.npy"):

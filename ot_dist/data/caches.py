@@ -236,6 +236,10 @@ def check_all(runtime, error: Exception | None, what: str) -> None:
 
 def read_cache_manifest(cache_dir: Path, expected: dict, kind: str) -> dict:
     manifest = json.loads((cache_dir / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise InputFileError(
+            f"data.cache_{kind}: the cache {cache_dir} was written by an earlier ot_dist (format "
+            f"{manifest.get('format', 'ot_dist.cache/1')}), this one reads {FORMAT}; delete the folder to recompute it")
     for field, value in expected.items():
         if manifest.get(field) != value:
             raise InputFileError(
