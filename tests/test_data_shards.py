@@ -375,7 +375,7 @@ def test_stale_shard_set_is_rebuilt_at_train_start(tmp_path):
 
 def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, tmp_path):
     """Two aspect buckets and two resolutions through the trainer: 2 gloo ranks (batch 2 each, cached
-    latents computed half by each rank) end with the weights of 1 process with batch 4 reading images,
+    latents: one chunk, computed by rank 0) end with the weights of 1 process with batch 4 reading images,
     and the bucket report is logged at train start."""
     import shutil
 

@@ -69,7 +69,7 @@ def prepare(cache_dir: Path, progress: dict) -> int:
         earlier = None
     stale = earlier != progress
     for old in cache_dir.iterdir():
-        if old.name.endswith(".tmp") or (stale and old.name.startswith("chunk-")):
+        if ".tmp" in old.name or (stale and old.name.startswith("chunk-")):  # chunk-C.tar.tmp, chunk-C.tmp.npy
             old.unlink()
     if stale:
         tmp = path.with_name(PROGRESS + ".tmp")
