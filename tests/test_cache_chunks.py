@@ -86,6 +86,8 @@ def test_an_interrupted_cache_resumes_computing_only_its_missing_chunks(built, t
     cache = cache_of(interrupted, "latents")
     assert sorted(p.name for p in cache.iterdir()) == ["chunk-000000.npy", "chunk-000000.tar", "chunk-000001.npy",
                                                         "chunk-000001.tar", "progress.json"]
+    (cache / "chunk-000002.tar.tmp").write_bytes(b"half")  # what a killed process leaves (no exception ran)
+    (cache / "chunk-000003.tmp.npy").write_bytes(b"half")
     resumed, lines = ShardDataset(interrupted.dir, validate(built[1])), []
     calls = counting(resumed)
     attach_latent_cache(resumed, vae, Runtime(), log=lines.append, chunk_size=CHUNK)
