@@ -4,6 +4,7 @@
     python tests/benchmarks/bench_shard_build.py workers [--images 24] [--format jpg] [--workers 1,2,4]
     python tests/benchmarks/bench_shard_build.py loader  [--images 24] [--format jpg]
     python tests/benchmarks/bench_shard_build.py cached  [--images 24]
+    python tests/benchmarks/bench_shard_build.py encode  [--images 24] [--batch-pixels 1,4194304] [--resolution 1024]
 
 The sources are camera-like 1600x1200 JPEG photos (quality 92, ~500 KB, as the issue's 40 photos of 26 MB):
 crops and flips of the two photographs that ship with scikit-learn (china.jpg, flower.jpg), scaled up and
@@ -21,6 +22,10 @@ given sensor-like noise (sigma 5), so that they compress like photos rather than
   hidden 77x2048 and pooled 1280, float32), written by the cache writer (caches.py) from synthetic tensors (no
   model): the loader reads the posterior and text members through the cache index, the caption and json from the
   shards, and decodes no image.
+- encode: `data.cache_latents` caching throughput (attach_latent_cache: read, crop, VAE-encode, write the chunks)
+  with an SDXL-architecture VAE (diffusers AutoencoderKL, SDXL's config, random weights: the speed is the
+  architecture's), on CUDA in bfloat16 when there is a GPU, else on the CPU in float32; images/s per --batch-pixels
+  (1: one image a batch, as before batching; 4194304: the default, 4 images at 1024).
 
 Each rate is the best of --rounds rounds. Print the machine's load with the figures: on a shared machine they
 are lower bounds.
@@ -290,15 +295,59 @@ def cached(args) -> None:
               f"worker(s) at the measured rate, {int(np.ceil(TARGET_IMAGES_PER_S / idle))} on idle cores")
 
 
+def encode(args) -> None:
+    import shutil
+
+    import torch
+    from diffusers import AutoencoderKL
+
+    from ot_dist.data import caches
+    from ot_dist.data.reader import ShardDataset
+    from ot_dist.data.shards import build_shard_set
+    from ot_dist.parallel.runtime import Runtime
+
+    global RESOLUTION
+    RESOLUTION = args.resolution
+    work = Path(tempfile.mkdtemp(prefix="bench_encode_"))
+    config = build_config(source_folder(work, args.images), args.format)
+    build_shard_set(config, work / "set", log=lambda *_: None, workers=1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=2, sample_size=1024).to(device=device, dtype=dtype).eval()
+    print(f"{args.images} photos at {RESOLUTION} on {device} ({dtype}); load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    key = caches.vae_key(vae)  # hashing the weights: once, not timed
+    for batch_pixels in map(int, args.batch_pixels.split(",")):
+        dataset = ShardDataset(work / "set", config)
+        for old in (work / "set").glob("latents-*"):
+            shutil.rmtree(old)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start, cpu = time.perf_counter(), time.process_time()
+        caches.attach_cache(dataset, "latents", key, caches.LatentEncoder(
+            dataset, vae, batch_pixels=batch_pixels, workers=args.loader_workers), Runtime(device=device), lambda *_: None)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        print(f"batch_pixels {batch_pixels} ({max(1, batch_pixels // (RESOLUTION * RESOLUTION))} at "
+              f"{RESOLUTION}x{RESOLUTION}), loader workers {args.loader_workers}: {args.images / wall:.2f} images/s, "
+              f"{args.images / (time.process_time() - cpu):.2f} per CPU second of the main process")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["formats", "workers", "loader", "cached"])
+    parser.add_argument("what", choices=["formats", "workers", "loader", "cached", "encode"])
     parser.add_argument("--images", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--format", default="jpg")
     parser.add_argument("--workers", default=f"1,2,{os.cpu_count()}")
+    parser.add_argument("--batch-pixels", default=f"1,{4 * 1024 * 1024}")
+    parser.add_argument("--resolution", type=int, default=RESOLUTION)
+    parser.add_argument("--loader-workers", type=int, default=0)
     args = parser.parse_args()
-    {"formats": formats, "workers": workers, "loader": loader, "cached": cached}[args.what](args)
+    {"formats": formats, "workers": workers, "loader": loader, "cached": cached, "encode": encode}[args.what](args)
 
 
 if __name__ == "__main__":
