@@ -195,9 +195,11 @@ def attach_cache(dataset, kind: str, key: str, encoder, runtime, log, chunk_size
             log(f"data: caching {kind} in {cache_dir}: {todo} of {chunks} chunks of {chunk_size} samples to compute"
                 f"{f' ({chunks - todo} done earlier)' if todo < chunks else ''} over {runtime.world_size} process(es)")
         try:
-            for chunk in range(runtime.rank, chunks, runtime.world_size):
-                if not cache_index.committed(cache_dir, chunk):
-                    write_chunk(cache_dir, chunk, cache_index.chunk_samples(chunk, len(dataset), chunk_size), encoder)
+            mine = [c for c in range(runtime.rank, chunks, runtime.world_size) if not cache_index.committed(cache_dir, c)]
+            for done, chunk in enumerate(mine, start=1):
+                write_chunk(cache_dir, chunk, cache_index.chunk_samples(chunk, len(dataset), chunk_size), encoder)
+                if runtime.is_main and len(mine) >= 20 and done % (len(mine) // 10) == 0:
+                    log(f"data: caching {kind}: {done} of this process's {len(mine)} chunks committed")
         except Exception as err:  # noqa: BLE001
             error = err
         check_all(runtime, error, f"caching {kind}")
