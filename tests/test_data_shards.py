@@ -375,7 +375,7 @@ def test_stale_shard_set_is_rebuilt_at_train_start(tmp_path):
 
 def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, tmp_path):
     """Two aspect buckets and two resolutions through the trainer: 2 gloo ranks (batch 2 each, cached
-    latents computed half by each rank) end with the weights of 1 process with batch 4 reading images,
+    latents: one chunk, computed by rank 0) end with the weights of 1 process with batch 4 reading images,
     and the bucket report is logged at train start."""
     import shutil
 
@@ -402,7 +402,7 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
     assert "bucket report: global batch 4 on 2 process(es), resolutions 64, 128" in done.stdout
     assert "total: 22 samples/epoch, 5 steps/epoch, 2 dropped per epoch" in done.stdout
     (cache,) = (tmp_path / "two-shards").glob("latents-*")
-    assert sorted(p.name for p in cache.glob("part-*.tar")) == ["part-00000-of-00002.tar", "part-00001-of-00002.tar"]
+    assert sorted(p.name for p in cache.glob("chunk-*.tar")) == ["chunk-000000.tar"]  # 22 samples: one chunk
     got = exported_weights(tmp_path / "two", "full")
     assert_matches(exported_weights(tmp_path / "one", "full"), got)
     base = exported_weights_of_base(tiny_models["sd1"], "full", got)

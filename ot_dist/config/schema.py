@@ -293,9 +293,9 @@ class DataConfig(Section):
     loader_workers: int = Field(default=0, ge=0, description="Data loader worker processes per rank (0 = in-process).")
     cache_text: bool = Field(
         default=False,
-        description="Run the text encoders once over every caption (split over the ranks), store the outputs in the "
-        "shard set (keyed to the encoders and tokenizers) and train from them. Needs frozen text encoders and method "
-        "full or lora.",
+        description="Run the text encoders once over every caption (in chunks of 1024 samples split over the ranks; "
+        "an interrupted run resumes at the missing chunks), store the outputs in the shard set (keyed to the encoders "
+        "and tokenizers) and train from them. Needs frozen text encoders and method full or lora.",
     )
     small_buckets: Literal["move", "drop"] = Field(
         default="move",
@@ -330,9 +330,10 @@ class DataConfig(Section):
     )
     cache_latents: bool = Field(
         default=False,
-        description="Encode every image with the VAE once (split over the ranks of the launch), store the latents in "
-        "the shard set (keyed to the VAE, the resolutions and the shards) and train from them. Augmentation-free: "
-        "needs crop center.",
+        description="Encode every image with the VAE once (batched, in chunks of 1024 samples split over the ranks "
+        "of the launch; an interrupted run resumes at the missing chunks, on any number of processes), store the "
+        "latents in the shard set (keyed to the VAE, the resolutions and the shards) and train from them. "
+        "Augmentation-free: needs crop center. docs/data.md#latent-and-text-caches",
     )
 
     @field_validator("image_background")

@@ -1,14 +1,17 @@
 """Cached VAE latents (`data.cache_latents`) and text-encoder outputs (`data.cache_text`): computed
 once, read instead of the images / captions.
 
-A cache sits in the shard set, `latents-<key>/` or `text-<key>/`: one webdataset tar per rank of
-the launch that computed it (each rank encodes every world-size-th sample) and a manifest indexing
-them. Members are safetensors (never pickle):
-- `KEY.<res>.latent.safetensors`: the VAE posterior's mean and std. The posterior, not one sample of
+A cache sits in the shard set, `latents-<key>/` or `text-<key>/`: fixed chunks of samples, each a webdataset tar
+committed by its name, and a compact memory-mapped index (cache_index.py). Chunk c holds samples [c*K, (c+1)*K)
+and is computed by rank c mod world size; a run that finds committed chunks (an interrupted caching run, on any
+number of processes) computes only the others. Members are safetensors (never pickle):
+- `<id>.<res>.latent.safetensors`: the VAE posterior's mean and std. The posterior, not one sample of
   it, is stored: training still draws the VAE sample per (seed, epoch, sample id), so a cached run
   trains exactly like an uncached one, minus the decoding and the encoder.
-- `KEY.text.safetensors`: `<key>_<j>` for each key of the family's conditioning dict (`hidden`, `pooled`,
+- `<id>.text.safetensors`: `<key>_<j>` for each key of the family's conditioning dict (`hidden`, `pooled`,
   masks, ...) and caption line j.
+Encoding is batched: the samples of a chunk that share a bucket go through the VAE together (up to
+BATCH_PIXELS pixels a batch), TEXT_BATCH_SAMPLES samples' captions at a time.
 
 The key is a hash of the model parts that produced the cache (config and weights in their stored
 dtype; tokenizer vocabularies for text). The manifest records it with the resolutions, crop and the
@@ -19,16 +22,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tarfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ot_dist.data import cache_index
+from ot_dist.data.buckets import bucket_size
+from ot_dist.data.cache_index import MANIFEST, CacheIndex, ChunkWriter
 from ot_dist.errors import InputFileError
 from ot_dist.memory.float8 import compute_dtype
 
-MANIFEST = "manifest.json"
+FORMAT = "ot_dist.cache/2"  # chunks + columnar index (format 1: one part per rank, a JSON dict per sample)
+CHUNK_SAMPLES = 1024  # samples a chunk: the unit of work a resumed run skips or computes
+BATCH_PIXELS = 4 * 1024 * 1024  # pixels a VAE batch (at the largest resolution): 4 images at 1024, 16 at 512
+TEXT_BATCH_SAMPLES = 32  # samples (all their caption lines) a text-encoder batch
 
 
 def module_key(digest, module: torch.nn.Module) -> None:
@@ -58,95 +66,165 @@ def text_key(model) -> str:
 
 
 def expected_record(dataset, key: str) -> dict:
-    return {"model_key": key, "resolutions": dataset.resolutions, "crop": dataset.crop,
+    return {"format": FORMAT, "model_key": key, "resolutions": dataset.resolutions, "crop": dataset.crop,
             "shard_fingerprint": dataset.manifest["fingerprint"]}
 
 
-def latent_members(dataset, vae):
-    from safetensors.torch import save
+class LatentEncoder:
+    """Each sample's VAE posterior at each training resolution; a chunk's samples of one bucket (one size at every
+    resolution) are encoded together, up to `batch_pixels` pixels a batch at the largest resolution. With
+    `workers`, that many loader processes read and crop the next batches' images while the VAE encodes."""
 
-    reference = next(vae.parameters())
+    def __init__(self, dataset, vae, batch_pixels: int = BATCH_PIXELS, workers: int = 0):
+        self.dataset, self.vae, self.batch_pixels, self.workers = dataset, vae, batch_pixels, workers
+        self.members = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
+
+    def batches(self, ids: range) -> list[list[int]]:
+        buckets = np.asarray(self.dataset.index.bucket[ids.start:ids.stop])
+        largest = max(self.dataset.resolutions)
+        out = []
+        for bucket in np.unique(buckets):  # in bucket order, each bucket's samples in id order: deterministic
+            group = (ids.start + np.flatnonzero(buckets == bucket)).tolist()
+            height, width = bucket_size(int(bucket), largest, self.dataset.step)
+            size = max(1, self.batch_pixels // (height * width))
+            out += [group[i:i + size] for i in range(0, len(group), size)]
+        return out
+
+    def inputs(self, batches: list[list[int]]):
+        """Each batch's pixels at each resolution, in the batches' order (read by `workers` processes, or here)."""
+        source = _Pixels(self.dataset, batches)
+        if not self.workers:
+            return (source[n] for n in range(len(batches)))
+        return iter(torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers))
 
     @torch.no_grad()
-    def encode(index: int) -> dict[str, bytes]:
-        members = {}
-        for resolution in dataset.resolutions:
-            pixels = dataset.load(index, 0, resolution, use_cache=False)["pixels"][None]
-            posterior = vae.encode(pixels.to(device=reference.device, dtype=compute_dtype(vae))).latent_dist
-            members[f"{resolution}.latent.safetensors"] = save(
-                {"mean": posterior.mean[0].float().cpu().contiguous(), "std": posterior.std[0].float().cpu().contiguous()})
-        return members
-    return encode
+    def encode(self, ids: list[int], pixels: dict[int, torch.Tensor]) -> list[dict[str, bytes]]:
+        from safetensors.torch import save
+
+        reference = next(self.vae.parameters())
+        out: list[dict[str, bytes]] = [{} for _ in ids]
+        for resolution in self.dataset.resolutions:
+            batch = pixels[resolution].to(device=reference.device, dtype=compute_dtype(self.vae))
+            posterior = self.vae.encode(batch).latent_dist
+            mean, std = posterior.mean.float().cpu(), posterior.std.float().cpu()
+            for n, members in enumerate(out):
+                members[f"{resolution}.latent.safetensors"] = save({"mean": _own(mean[n]), "std": _own(std[n])})
+        return out
 
 
-def text_members(dataset, model):
-    from safetensors.torch import save
+class _Pixels(torch.utils.data.Dataset):
+    """Batch n: resolution -> the batch's samples cropped to their bucket (centre, as the cache holds them)."""
+
+    def __init__(self, dataset, batches: list[list[int]]):
+        self.dataset, self.batches = dataset, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, n: int) -> dict[int, torch.Tensor]:
+        return {resolution: torch.stack([self.dataset.load(i, 0, resolution, use_cache=False)["pixels"]
+                                         for i in self.batches[n]]) for resolution in self.dataset.resolutions}
+
+
+class TextEncoder:
+    """Each sample's text-encoder outputs for each of its caption lines; `batch_samples` samples' lines at once."""
+
+    members = ["text.safetensors"]
+
+    def __init__(self, dataset, model, batch_samples: int = TEXT_BATCH_SAMPLES):
+        self.dataset, self.model, self.batch_samples = dataset, model, batch_samples
+
+    def batches(self, ids: range) -> list[list[int]]:
+        return [list(ids[i:i + self.batch_samples]) for i in range(0, len(ids), self.batch_samples)]
+
+    def inputs(self, batches: list[list[int]]):
+        return ([self.dataset.captions(i) for i in batch] for batch in batches)
 
     @torch.no_grad()
-    def encode(index: int) -> dict[str, bytes]:
-        lines = dataset.captions(index)
-        family = model.family
-        conditioning = family.encode_text(model.text_encoders, family.tokenize(model.tokenizers, lines))
-        # One tensor per key of the family's conditioning dict and caption line; masks keep their dtype.
-        tensors = {f"{key}_{j}": (value[j].float() if value.is_floating_point() else value[j]).cpu().contiguous()
-                   for key, value in conditioning.items() for j in range(len(lines))}
-        return {"text.safetensors": save(tensors)}
-    return encode
+    def encode(self, ids: list[int], lines: list[list[str]]) -> list[dict[str, bytes]]:
+        from safetensors.torch import save
+
+        family = self.model.family
+        conditioning = family.encode_text(self.model.text_encoders,
+                                          family.tokenize(self.model.tokenizers, [line for s in lines for line in s]))
+        out, first = [], 0
+        for sample in lines:
+            # One tensor per key of the family's conditioning dict and caption line; masks keep their dtype.
+            tensors = {f"{key}_{j}": _own(value[first + j].float() if value.is_floating_point() else value[first + j])
+                       for key, value in conditioning.items() for j in range(len(sample))}
+            out.append({"text.safetensors": save(tensors)})
+            first += len(sample)
+        return out
 
 
-def attach_latent_cache(dataset, vae, runtime, log=print) -> Path:
-    return attach_cache(dataset, "latents", vae_key(vae), latent_members(dataset, vae), runtime, log)
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """A sample's slice of a batch as a tensor of its own (contiguous, on the CPU): what safetensors saves."""
+    return tensor.cpu().clone(memory_format=torch.contiguous_format)
 
 
-def attach_text_cache(dataset, model, runtime, log=print) -> Path:
-    return attach_cache(dataset, "text", text_key(model), text_members(dataset, model), runtime, log)
+def attach_latent_cache(dataset, vae, runtime, log=print, workers: int = 0, **options) -> Path:
+    """`workers`: loader processes reading the images while the VAE encodes (data.loader_workers)."""
+    return attach_cache(dataset, "latents", vae_key(vae), LatentEncoder(dataset, vae, workers=workers), runtime, log,
+                        **options)
 
 
-def attach_cache(dataset, kind: str, key: str, encode, runtime, log) -> Path:
-    """Compute the cache if it is missing (split over the ranks), check it matches, and make the
-    dataset read from it."""
-    import webdataset as wds
+def attach_text_cache(dataset, model, runtime, log=print, **options) -> Path:
+    return attach_cache(dataset, "text", text_key(model), TextEncoder(dataset, model), runtime, log, **options)
 
+
+def attach_cache(dataset, kind: str, key: str, encoder, runtime, log, chunk_size: int = CHUNK_SAMPLES) -> Path:
+    """Compute the chunks of the cache that are missing (chunk c on rank c mod world size), index them, check the
+    cache matches, and make the dataset read from it."""
     cache_dir = dataset.dir / f"{kind}-{key[:16]}"
     record = expected_record(dataset, key)
+    progress = {**record, "chunk_size": chunk_size, "members": encoder.members, "sample_count": len(dataset)}
     error = None
     # The main process decides whether to compute; every rank learns it from one collective (a rank
     # checking the folder itself could see a cache finished meanwhile and skip the collectives below).
     missing = runtime.is_main and not (cache_dir / MANIFEST).is_file()
-    if runtime.mean(torch.tensor([float(missing)], device=runtime.device)).item() > 0:
-        if runtime.is_main:
-            log(f"data: caching {kind} in {cache_dir} ({len(dataset)} samples over {runtime.world_size} process(es))")
+    if missing:
         try:
-            cache_dir.mkdir(exist_ok=True)
-            part = cache_dir / f"part-{runtime.rank:05d}-of-{runtime.world_size:05d}.tar"
-            tmp = part.with_suffix(".tmp")
-            with wds.TarWriter(str(tmp), encoder=False, mtime=0) as writer:
-                for index in range(runtime.rank, len(dataset), runtime.world_size):
-                    writer.write({"__key__": dataset.samples[index]["key"], **encode(index)})
-            os.replace(tmp, part)
+            cache_index.prepare(cache_dir, progress)  # before the collective: the other ranks see a ready folder
         except Exception as err:  # noqa: BLE001  (reported to all ranks below, then raised)
+            error = err
+    if runtime.mean(torch.tensor([float(missing)], device=runtime.device)).item() > 0:
+        check_all(runtime, error, f"preparing the {kind} cache")
+        chunks = cache_index.chunk_count(len(dataset), chunk_size)
+        if runtime.is_main:
+            todo = sum(not cache_index.committed(cache_dir, c) for c in range(chunks))
+            log(f"data: caching {kind} in {cache_dir}: {todo} of {chunks} chunks of {chunk_size} samples to compute"
+                f"{f' ({chunks - todo} done earlier)' if todo < chunks else ''} over {runtime.world_size} process(es)")
+        try:
+            mine = [c for c in range(runtime.rank, chunks, runtime.world_size) if not cache_index.committed(cache_dir, c)]
+            for done, chunk in enumerate(mine, start=1):
+                write_chunk(cache_dir, chunk, cache_index.chunk_samples(chunk, len(dataset), chunk_size), encoder)
+                if runtime.is_main and len(mine) >= 20 and done % (len(mine) // 10) == 0:
+                    log(f"data: caching {kind}: {done} of this process's {len(mine)} chunks committed")
+        except Exception as err:  # noqa: BLE001
             error = err
         check_all(runtime, error, f"caching {kind}")
         if runtime.is_main:
             try:
-                index_parts(cache_dir, record)
+                cache_index.write_index(cache_dir, record, len(dataset), chunk_size, encoder.members)
             except Exception as err:  # noqa: BLE001
                 error = err
         check_all(runtime, error, f"indexing the {kind} cache")
-    dataset.use_cache(kind, cache_dir, read_cache_manifest(cache_dir, record, kind)["samples"])
+    manifest = read_cache_manifest(cache_dir, record, kind)
+    dataset.use_cache(kind, CacheIndex(cache_dir, manifest, f"data.cache_{kind}"))
     return cache_dir
 
 
-def index_parts(cache_dir: Path, record: dict) -> None:
-    samples = {}
-    for part in sorted(cache_dir.glob("part-*.tar")):
-        with tarfile.open(part) as tar:
-            for info in tar:
-                key, suffix = info.name.split(".", 1)
-                samples.setdefault(key, {})[suffix] = [part.name, info.offset_data, info.size]
-    tmp = cache_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({**record, "samples": samples}))
-    os.replace(tmp, cache_dir / MANIFEST)
+def write_chunk(cache_dir: Path, chunk: int, ids: range, encoder) -> None:
+    writer = ChunkWriter(cache_dir, chunk, encoder.members)
+    try:
+        batches = encoder.batches(ids)
+        for batch, inputs in zip(batches, encoder.inputs(batches)):
+            for sample_id, members in zip(batch, encoder.encode(batch, inputs)):
+                writer.add(sample_id, members)
+    except BaseException:
+        writer.abandon()
+        raise
+    writer.commit()
 
 
 def check_all(runtime, error: Exception | None, what: str) -> None:
@@ -160,6 +238,10 @@ def check_all(runtime, error: Exception | None, what: str) -> None:
 
 def read_cache_manifest(cache_dir: Path, expected: dict, kind: str) -> dict:
     manifest = json.loads((cache_dir / MANIFEST).read_text())
+    if manifest.get("format") != FORMAT:
+        raise InputFileError(
+            f"data.cache_{kind}: the cache {cache_dir} was written by an earlier ot_dist (format "
+            f"{manifest.get('format', 'ot_dist.cache/1')}), this one reads {FORMAT}; delete the folder to recompute it")
     for field, value in expected.items():
         if manifest.get(field) != value:
             raise InputFileError(

@@ -22,6 +22,7 @@ from PIL import Image
 
 from ot_dist.data.buckets import bucket_size, cover_size, merged_buckets, resize_to_cover
 from ot_dist.data.augment import augment
+from ot_dist.data.cache_index import CacheIndex
 from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
 from ot_dist.data import external
@@ -60,7 +61,7 @@ class ShardDataset:
             )
         self.has_masks = bool(np.any(self.index.flags & MASK))
         self._last = None  # the sample record load() read last: its tar headers are read once per load
-        self.caches: dict[str, tuple[Path, dict]] = {}  # latents / text -> (cache folder, member index)
+        self.caches: dict[str, CacheIndex] = {}  # latents / text -> the cache's index (cache_index.py)
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -107,14 +108,16 @@ class ShardDataset:
                                  f"({len(data)} of {size} bytes)")
         return data
 
-    def use_cache(self, kind: str, cache_dir: Path, members: dict) -> None:
-        """Read `kind` (latents | text) from a cache (caches.py): key -> suffix -> [part, offset, size]."""
-        self.caches[kind] = (Path(cache_dir), members)
+    def use_cache(self, kind: str, index: CacheIndex) -> None:
+        """Read `kind` (latents | text) from a cache (caches.py), through its index: sample id -> member places."""
+        if len(index) != len(self.samples):
+            raise InputFileError(f"data.cache_{kind}: the cache {index.dir} holds {len(index)} samples, the shard set "
+                                 f"{len(self.samples)}; delete the folder to recompute it")
+        self.caches[kind] = index
 
-    def _read_cached(self, kind: str, key: str, suffix: str):
-        cache_dir, members = self.caches[kind]
-        part, offset, size = members[key][suffix]
-        return self._read_member(cache_dir / part, key, suffix, offset, size)
+    def _read_cached(self, kind: str, sample_id: int, key: str, suffix: str):
+        path, offset, size = self.caches[kind].place(sample_id % len(self.samples), suffix)
+        return self._read_member(path, key, suffix, offset, size)
 
     def metadata(self, sample_id: int) -> dict:
         """The sample's json member: source file, mask file, sizes, bucket (shards.py); for tars indexed as they
@@ -170,7 +173,7 @@ class ShardDataset:
         mask_image = None
         if "latents" in self.caches and use_cache and latents and not moved:
             # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
-            posterior = self._read_cached("latents", sample["key"], f"{resolution}.latent.safetensors")
+            posterior = self._read_cached("latents", sample_id, sample["key"], f"{resolution}.latent.safetensors")
             resized = meta["resolutions"][str(resolution)]["resized_size"]
             top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
             out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
@@ -195,7 +198,7 @@ class ShardDataset:
         caption = vary_caption(captions[line], self.concepts.get(sample["concept"]),
                                generator(self.seed, epoch, sample_id, "caption variation"))
         if "text" in self.caches and use_cache:
-            text = self._read_cached("text", sample["key"], "text.safetensors")
+            text = self._read_cached("text", sample_id, sample["key"], "text.safetensors")
             # The family's conditioning dict for this caption line, keys as `text_<key>` (ot_dist/data/caches.py).
             out |= {f"text_{k.rsplit('_', 1)[0]}": v for k, v in text.items() if _line_of(k) == line}
         if self.weighted:

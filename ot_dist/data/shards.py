@@ -165,7 +165,7 @@ def clear_set(out_dir: Path, keep_parts: int | None = None) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in [out_dir / MANIFEST, *out_dir.glob("shard-*.tar")]:
         old.unlink(missing_ok=True)
-    for cache in out_dir.glob("latents-*"):
+    for cache in [*out_dir.glob("latents-*"), *out_dir.glob("text-*")]:
         shutil.rmtree(cache, ignore_errors=True)  # parts of one build clear side by side
     for folder, (_, parts) in part_folders(out_dir).items():
         if parts != keep_parts:

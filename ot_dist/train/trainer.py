@@ -109,7 +109,8 @@ class Trainer:
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
         self._place_modules()
         if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
-            attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log)
+            attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log,
+                                workers=config.data.loader_workers)
         if config.data.cache_text:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
         self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure

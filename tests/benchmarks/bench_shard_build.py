@@ -3,6 +3,8 @@
     python tests/benchmarks/bench_shard_build.py formats [--images 12]
     python tests/benchmarks/bench_shard_build.py workers [--images 24] [--format jpg] [--workers 1,2,4]
     python tests/benchmarks/bench_shard_build.py loader  [--images 24] [--format jpg]
+    python tests/benchmarks/bench_shard_build.py cached  [--images 24]
+    python tests/benchmarks/bench_shard_build.py encode  [--images 24] [--batch-pixels 1,4194304] [--resolution 1024]
 
 The sources are camera-like 1600x1200 JPEG photos (quality 92, ~500 KB, as the issue's 40 photos of 26 MB):
 crops and flips of the two photographs that ship with scikit-learn (china.jpg, flower.jpg), scaled up and
@@ -15,6 +17,15 @@ given sensor-like noise (sigma 5), so that they compress like photos rather than
 - workers: `ot-dist shard build` (build_shard_set) images/s with 1, 2, ... encoder processes.
 - loader: images/s of ShardDataset.load (read, decode, crop to the bucket, normalise to a float tensor) in one
   process = one loader worker, and the loader workers a GPU rank needs for 22 images/s.
+- cached: the same with `data.cache_latents` and `data.cache_text` caches of SDXL's shapes (the posterior's mean
+  and std, float32, 4 x h/8 x w/8 of the bucket: 4x144x112 for the photos' 1152x896 bucket; the text encoders'
+  hidden 77x2048 and pooled 1280, float32), written by the cache writer (caches.py) from synthetic tensors (no
+  model): the loader reads the posterior and text members through the cache index, the caption and json from the
+  shards, and decodes no image.
+- encode: `data.cache_latents` caching throughput (attach_latent_cache: read, crop, VAE-encode, write the chunks)
+  with an SDXL-architecture VAE (diffusers AutoencoderKL, SDXL's config, random weights: the speed is the
+  architecture's), on CUDA in bfloat16 when there is a GPU, else on the CPU in float32; images/s per --batch-pixels
+  (1: one image a batch, as before batching; 4194304: the default, 4 images at 1024).
 
 Each rate is the best of --rounds rounds. Print the machine's load with the figures: on a shared machine they
 are lower bounds.
@@ -213,15 +224,130 @@ def loader(args) -> None:
           f"workers at the measured rate, {int(np.ceil(TARGET_IMAGES_PER_S / idle))} on idle cores")
 
 
+class SyntheticSDXL:
+    """Cache members of SDXL's shapes for a shard set, from seeded random tensors (the encoder interface of caches.py)."""
+
+    def __init__(self, dataset, kind: str):
+        self.dataset, self.kind = dataset, kind
+        self.members = ([f"{r}.latent.safetensors" for r in dataset.resolutions] if kind == "latents"
+                        else ["text.safetensors"])
+
+    def batches(self, ids):
+        return [[i] for i in ids]
+
+    def inputs(self, batches):
+        return (None for _ in batches)
+
+    def encode(self, ids, _inputs):
+        import torch
+        from safetensors.torch import save
+
+        from ot_dist.data.buckets import bucket_size
+
+        out = []
+        for i in ids:
+            g = torch.Generator().manual_seed(i)
+            if self.kind == "latents":
+                members = {}
+                for resolution in self.dataset.resolutions:
+                    h, w = bucket_size(int(self.dataset.index.bucket[i]), resolution, self.dataset.step)
+                    shape = (4, h // 8, w // 8)
+                    members[f"{resolution}.latent.safetensors"] = save(
+                        {"mean": torch.randn(shape, generator=g), "std": torch.rand(shape, generator=g)})
+                out.append(members)
+            else:
+                lines = self.dataset.captions(i)
+                out.append({"text.safetensors": save(
+                    {**{f"hidden_{j}": torch.randn(77, 2048, generator=g) for j in range(len(lines))},
+                     **{f"pooled_{j}": torch.randn(1280, generator=g) for j in range(len(lines))}})})
+        return out
+
+
+def cached(args) -> None:
+    from ot_dist.data.caches import attach_cache
+    from ot_dist.data.reader import ShardDataset
+    from ot_dist.data.shards import build_shard_set
+    from ot_dist.parallel.runtime import Runtime
+
+    work = Path(tempfile.mkdtemp(prefix="bench_cached_"))
+    config = build_config(source_folder(work, args.images), args.format)
+    build_shard_set(config, work / "set", log=lambda *_: None, workers=1)
+    images = ShardDataset(work / "set", config)
+    dataset = ShardDataset(work / "set", config)
+    for kind in ("latents", "text"):
+        attach_cache(dataset, kind, f"synthetic-sdxl-{kind}", SyntheticSDXL(dataset, kind), Runtime(),
+                     log=lambda *_: None)
+    sample = dataset.load(0, epoch=0)
+    index_bytes = sum(cache.nbytes() for cache in dataset.caches.values()) / len(dataset)
+    member_bytes = sum(cache.place(0, m)[2] for cache in dataset.caches.values() for m in cache.members)
+    rows = []
+    for name, source in (("images (decode, crop, normalise)", images), ("cached latents + text", dataset)):
+        cpu = time.process_time()
+        rate = best_rate(lambda: [source.load(i, epoch=0) for i in range(len(source))], len(source), args.rounds)
+        rows.append((name, rate, len(source) * args.rounds / (time.process_time() - cpu)))
+    print(f"{len(dataset)} samples at {RESOLUTION}, latent {tuple(sample['latent_mean'].shape)} (mean + std float32), "
+          f"text hidden {tuple(sample['text_hidden'].shape)} + pooled {tuple(sample['text_pooled'].shape)}; "
+          f"{member_bytes / 1e6:.2f} MB of cache members a sample, index {index_bytes:.0f} B/sample; "
+          f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    for name, rate, idle in rows:
+        print(f"loader worker, {name}: {rate:.1f} images/s measured, {idle:.1f} images/s per CPU second; "
+              f"{TARGET_IMAGES_PER_S:.0f} images/s per rank needs {int(np.ceil(TARGET_IMAGES_PER_S / rate))} "
+              f"worker(s) at the measured rate, {int(np.ceil(TARGET_IMAGES_PER_S / idle))} on idle cores")
+
+
+def encode(args) -> None:
+    import shutil
+
+    import torch
+    from diffusers import AutoencoderKL
+
+    from ot_dist.data import caches
+    from ot_dist.data.reader import ShardDataset
+    from ot_dist.data.shards import build_shard_set
+    from ot_dist.parallel.runtime import Runtime
+
+    global RESOLUTION
+    RESOLUTION = args.resolution
+    work = Path(tempfile.mkdtemp(prefix="bench_encode_"))
+    config = build_config(source_folder(work, args.images), args.format)
+    build_shard_set(config, work / "set", log=lambda *_: None, workers=1)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(128, 256, 512, 512),
+                        down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
+                        layers_per_block=2, sample_size=1024).to(device=device, dtype=dtype).eval()
+    print(f"{args.images} photos at {RESOLUTION} on {device} ({dtype}); load {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
+    key = caches.vae_key(vae)  # hashing the weights: once, not timed
+    for batch_pixels in map(int, args.batch_pixels.split(",")):
+        dataset = ShardDataset(work / "set", config)
+        for old in (work / "set").glob("latents-*"):
+            shutil.rmtree(old)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start, cpu = time.perf_counter(), time.process_time()
+        caches.attach_cache(dataset, "latents", key, caches.LatentEncoder(
+            dataset, vae, batch_pixels=batch_pixels, workers=args.loader_workers), Runtime(device=device), lambda *_: None)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+        print(f"batch_pixels {batch_pixels} ({max(1, batch_pixels // (RESOLUTION * RESOLUTION))} at "
+              f"{RESOLUTION}x{RESOLUTION}), loader workers {args.loader_workers}: {args.images / wall:.2f} images/s, "
+              f"{args.images / (time.process_time() - cpu):.2f} per CPU second of the main process")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("what", choices=["formats", "workers", "loader"])
+    parser.add_argument("what", choices=["formats", "workers", "loader", "cached", "encode"])
     parser.add_argument("--images", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--format", default="jpg")
     parser.add_argument("--workers", default=f"1,2,{os.cpu_count()}")
+    parser.add_argument("--batch-pixels", default=f"1,{4 * 1024 * 1024}")
+    parser.add_argument("--resolution", type=int, default=RESOLUTION)
+    parser.add_argument("--loader-workers", type=int, default=0)
     args = parser.parse_args()
-    {"formats": formats, "workers": workers, "loader": loader}[args.what](args)
+    {"formats": formats, "workers": workers, "loader": loader, "cached": cached, "encode": encode}[args.what](args)
 
 
 if __name__ == "__main__":
