@@ -292,3 +292,18 @@ def test_the_time_based_save_is_agreed_one_step_later(two_ranks):
     assert [r["steps"] for r in reports["ddp_time"]] == [4, 4]
     saved = sorted(int(f.name.split("-")[1]) for f in checkpoints_dir(root / "ddp_time").glob("step-*"))
     assert saved == [2, 4]
+
+
+def test_a_resume_keeps_the_kernel_this_run_chose_not_the_checkpoints(tiny_models, shapes_data, tmp_path):
+    """A checkpoint of a foreach run resumed with the fused kernel (e.g. a CPU run continued under fsdp on a GPU)
+    steps with the fused kernel, and so takes the lagged guard; the saved learning rate still comes back."""
+    def config(steps, **kernel):
+        return validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", method="lora", max_steps=steps,
+                                    batch_size=2, log_every_steps=100, **{"optimizer.name": "ADAMW", **kernel}))
+
+    Trainer(config(2, **{"optimizer.fused": False}), log=quiet).train()
+    resumed = Trainer(config(3, **{"optimizer.fused": True, "optimizer.foreach": False}), log=quiet, resume="auto")
+    assert resumed.position.step == 2
+    groups = resumed.optimizer.param_groups
+    assert all(g["fused"] and not g["foreach"] for g in groups), [(g["fused"], g["foreach"]) for g in groups]
+    assert torch.isfinite(torch.tensor(resumed.train().losses)).all()

@@ -26,6 +26,12 @@ FORMAT = 1
 TRAINER_FILE = "trainer.json"
 
 
+# Optimizer group settings that choose how the step is computed, not what it computes: this run chose them for its
+# own device and strategy (a checkpoint of a CPU run holds foreach, an fsdp run on CUDA wants fused), so a resume keeps
+# them instead of the saved ones.
+KERNEL_CHOICES = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 @dataclass
 class Position:
     """Where training stands: `step` optimizer steps are done; the reader continues in `epoch`."""
@@ -118,7 +124,8 @@ class Checkpointer:
         load_rank_state(saved, t.ownership, t.optimizer, t.ema, t.config.optimizer.name)
         t.strategy.after_checkpoint_load()
         for group, settings in zip(t.optimizer.param_groups, state["optimizer_groups"], strict=True):
-            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()})
+            group.update({k: tuple(v) if isinstance(group.get(k), tuple) else v for k, v in settings.items()
+                          if k not in KERNEL_CHOICES})
         resume_training_mode(t.optimizer, SPECS[t.config.optimizer.name].schedule_free)
         t.scheduler.load_state_dict(state["scheduler"])
         t.reader.load_state_dict(state["data"])
