@@ -4,6 +4,7 @@ DeepSpeed's op build) behave."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -193,12 +194,25 @@ def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(tiny_m
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MLflow is not installed" in done.stdout and "pip install 'ot_dist[tracking]'" in done.stdout
     assert (tmp_path / "out" / "model").is_dir()
-    for override, line in (("strategy=zero2", "strategy: zero2 needs the deepspeed package: pip install 'ot_dist[dist]'"),
-                           ("optimizer.name=ADAMW_8BIT", "optimizer.name: ADAMW_8BIT needs the bitsandbytes package: "
-                                                         "pip install 'ot_dist[optim]'")):
-        done = subprocess.run([sys.executable, "-m", "ot_dist", "config", "check", str(config), "--set", override],
-                              env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr, done.stderr
+    # both `ot-dist config check` calls in one more process with the extras blocked: each one's exit code and stderr
+    checks = (("strategy=zero2", "strategy: zero2 needs the deepspeed package: pip install 'ot_dist[dist]'"),
+              ("optimizer.name=ADAMW_8BIT", "optimizer.name: ADAMW_8BIT needs the bitsandbytes package: "
+                                            "pip install 'ot_dist[optim]'"))
+    script = ("import contextlib, io, json, sys\nfrom ot_dist.cli import main\nresults = []\n"
+              "for override in sys.argv[2:]:\n"
+              "    err = io.StringIO()\n"
+              "    with contextlib.redirect_stderr(err):\n"
+              "        try:\n"
+              "            code = main(['config', 'check', sys.argv[1], '--set', override])\n"
+              "        except SystemExit as exit:\n"
+              "            code = exit.code\n"
+              "    results.append([code, err.getvalue()])\n"
+              "print(json.dumps(results))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(config), *(override for override, _ in checks)], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    for (code, stderr), (_, line) in zip(json.loads(done.stdout.splitlines()[-1]), checks, strict=True):
+        assert code == 2 and line in stderr and "Traceback" not in stderr, stderr
 
 
 # -- 9. checks that come early ---------------------------------------------------------------------------
