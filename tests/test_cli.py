@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import base_config
+from forked_ranks import run_ranks
 
 from ot_dist.cli import main
 
@@ -37,11 +38,13 @@ def train_cli(config_path, capsys, *overrides) -> tuple[int, str]:
 def test_demo_runs_from_a_clean_folder(tmp_path):
     """The README's main job through the installed entry point, in an empty folder: `ot-dist demo
     prepare`, then `ot-dist launch configs/demo.yaml --nproc-per-node 2` (2 processes, FSDP2), and the
-    same config in one process with `ot-dist train` (capped to a few steps here)."""
+    same config in one process with `ot-dist train` (capped to a few steps here). `demo prepare` and the one-process
+    train run forked from the preloaded test server (tests/forked_ranks.py), the launch as a user starts it."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "ot_dist"]
     demo = str(REPO / "configs" / "demo.yaml")
-    subprocess.run(cmd + ["demo", "prepare"], cwd=tmp_path, env=env, check=True, timeout=300)
+    prepared = run_ranks("-m", "ot_dist", "demo", "prepare", nproc=1, cwd=tmp_path, env=env, timeout=300)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
     launched = subprocess.run(
         cmd + ["launch", demo, "--nproc-per-node", "2", "--set", "max_steps=4", "--set", "log_every_steps=2"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
@@ -52,10 +55,8 @@ def test_demo_runs_from_a_clean_folder(tmp_path):
     run_dir = tmp_path / "demo_out" / "run"
     assert (run_dir / "model" / "model_index.json").is_file()
     assert (run_dir / "model.safetensors").is_file()
-    single = subprocess.run(
-        cmd + ["train", demo, "--set", "max_steps=2", "--set", "output_dir=demo_out/single"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )
+    single = run_ranks("-m", "ot_dist", "train", demo, "--set", "max_steps=2", "--set", "output_dir=demo_out/single",
+                       nproc=1, cwd=tmp_path, env=env, timeout=600)
     assert single.returncode == 0, single.stderr[-3000:]
     assert "x 1 processes" in single.stdout and (tmp_path / "demo_out" / "single" / "model.safetensors").is_file()
 

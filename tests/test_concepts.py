@@ -134,15 +134,17 @@ def test_two_rank_launch(tiny_models, folders, tmp_path):
     report at start names where each moved image went."""
     from test_small_buckets import ISSUE_SIZES, write_images
 
-    raw = concepts_config(tiny_models, folders, tmp_path / "single", batch_size=2, **{"validation.every_n_steps": 3})
+    # validation: one epoch (6 steps) has validations before training, after steps 3 and 6
+    raw = concepts_config(tiny_models, folders, tmp_path / "single", batch_size=2, epochs=1,
+                          **{"validation.every_n_steps": 3})
     single = Trainer(validate(raw), log=QUIET)
     single.train()
-    ranked = concepts_config(tiny_models, folders, tmp_path / "ddp", batch_size=1, strategy="ddp",
+    ranked = concepts_config(tiny_models, folders, tmp_path / "ddp", batch_size=1, strategy="ddp", epochs=1,
                              **{"validation.every_n_steps": 3})
     issue = base_config(tiny_models["sd1"], write_images(tmp_path / "issue", ISSUE_SIZES, scale=8), tmp_path / "issue-out",
                         batch_size=2, epochs=2, strategy="ddp", learning_rate=1e-5)
     # fsdp: every forward gathers weights, so both ranks must run as many (5 samples: rank 1 repeats one)
-    sharded = concepts_config(tiny_models, folders, tmp_path / "fsdp", batch_size=1, strategy="fsdp",
+    sharded = concepts_config(tiny_models, folders, tmp_path / "fsdp", batch_size=1, strategy="fsdp", epochs=1,
                               **{"validation.every_n_steps": 3})
     # every augmentation and caption option at once: drawn per (seed, epoch, sample), so 2 ranks x 1 = 1 x 2
     augmented = {}
@@ -161,6 +163,7 @@ def test_two_rank_launch(tiny_models, folders, tmp_path):
         assert got[rank]["augmented"]["losses"] == pytest.approx(augmented_losses["single"], rel=1e-5)
 
     expected = single.validation.history
+    assert [s for s, _ in expected] == [0, 3, 6]
     for case in ("validation", "validation fsdp"):
         for rank in (0, 1):
             history = got[rank][case]["validation"]

@@ -4,6 +4,7 @@ DeepSpeed's op build) behave."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -193,12 +194,25 @@ def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(tiny_m
     assert done.returncode == 0, done.stderr[-3000:]
     assert "MLflow is not installed" in done.stdout and "pip install 'ot_dist[tracking]'" in done.stdout
     assert (tmp_path / "out" / "model").is_dir()
-    for override, line in (("strategy=zero2", "strategy: zero2 needs the deepspeed package: pip install 'ot_dist[dist]'"),
-                           ("optimizer.name=ADAMW_8BIT", "optimizer.name: ADAMW_8BIT needs the bitsandbytes package: "
-                                                         "pip install 'ot_dist[optim]'")):
-        done = subprocess.run([sys.executable, "-m", "ot_dist", "config", "check", str(config), "--set", override],
-                              env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-        assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr, done.stderr
+    # both `ot-dist config check` calls in one more process with the extras blocked: each one's exit code and stderr
+    checks = (("strategy=zero2", "strategy: zero2 needs the deepspeed package: pip install 'ot_dist[dist]'"),
+              ("optimizer.name=ADAMW_8BIT", "optimizer.name: ADAMW_8BIT needs the bitsandbytes package: "
+                                            "pip install 'ot_dist[optim]'"))
+    script = ("import contextlib, io, json, sys\nfrom ot_dist.cli import main\nresults = []\n"
+              "for override in sys.argv[2:]:\n"
+              "    err = io.StringIO()\n"
+              "    with contextlib.redirect_stderr(err):\n"
+              "        try:\n"
+              "            code = main(['config', 'check', sys.argv[1], '--set', override])\n"
+              "        except SystemExit as exit:\n"
+              "            code = exit.code\n"
+              "    results.append([code, err.getvalue()])\n"
+              "print(json.dumps(results))\n")
+    done = subprocess.run([sys.executable, "-c", script, str(config), *(override for override, _ in checks)], env=env,
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    for (code, stderr), (_, line) in zip(json.loads(done.stdout.splitlines()[-1]), checks, strict=True):
+        assert code == 2 and line in stderr and "Traceback" not in stderr, stderr
 
 
 # -- 9. checks that come early ---------------------------------------------------------------------------
@@ -333,28 +347,31 @@ def header(path: Path) -> dict:
         return json.loads(f.read(length))
 
 
-@pytest.mark.parametrize("layout", ["kohya", "diffusers"])
-def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(layout, tiny_models, shapes_data, tmp_path):
-    """docs/checkpoints.md: `ot-dist export` of a checkpoint writes the files training wrote, bit for bit. The export runs in
-    another process (its own hash seed: set and dict orders must not leak into the file)."""
+def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(tiny_models, shapes_data, tmp_path):
+    """docs/checkpoints.md: `ot-dist export` of a checkpoint writes the files training wrote, bit for bit, in the kohya
+    and the diffusers layout. The exports run in another process (its own hash seed: set and dict orders must not
+    leak into the file), one process for both layouts."""
     import os
     import subprocess
     import sys
 
-
-    out = tmp_path / "out"
-    raw = base_config(tiny_models["sd1"], shapes_data, out, method="lora", max_steps=1,
-                      **{"lora.rank": 4, "lora.alpha": 8, "text_encoder.train": True, "lora.file_layout": layout})
-    Trainer(validate(raw), log=quiet).train()
-    again = tmp_path / "again"
-    done = subprocess.run([sys.executable, "-m", "ot_dist", "export", str(out), "--out", str(again)],
-                          capture_output=True, text=True, timeout=300,
+    pairs = []
+    for layout in ("kohya", "diffusers"):
+        out = tmp_path / layout / "out"
+        raw = base_config(tiny_models["sd1"], shapes_data, out, method="lora", max_steps=1,
+                          **{"lora.rank": 4, "lora.alpha": 8, "text_encoder.train": True, "lora.file_layout": layout})
+        Trainer(validate(raw), log=quiet).train()
+        pairs.append((str(out), str(tmp_path / layout / "again")))
+    script = ("import sys\nfrom ot_dist.cli import main\n"
+              f"sys.exit(max(main(['export', out, '--out', again]) for out, again in {pairs!r}))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "7"})
     assert done.returncode == 0, done.stderr[-3000:]
-    trained, exported = header(out / "lora.safetensors"), header(again / "lora.safetensors")
-    assert list(trained["__metadata__"].items()) == list(exported["__metadata__"].items())  # same keys, same order
-    assert list(trained.items()) == list(exported.items())
-    assert (out / "lora.safetensors").read_bytes() == (again / "lora.safetensors").read_bytes()
+    for out, again in pairs:
+        trained, exported = header(Path(out) / "lora.safetensors"), header(Path(again) / "lora.safetensors")
+        assert list(trained["__metadata__"].items()) == list(exported["__metadata__"].items())  # same keys and order
+        assert list(trained.items()) == list(exported.items())
+        assert (Path(out) / "lora.safetensors").read_bytes() == (Path(again) / "lora.safetensors").read_bytes()
 
 
 def test_a_zero_launch_on_cpu_does_not_compile_deepspeeds_shared_memory_op(tiny_models, shapes_data, tmp_path):

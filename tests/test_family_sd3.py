@@ -102,9 +102,12 @@ def test_training_lowers_the_loss_and_the_exports_load_in_diffusers(variant, met
     torch.testing.assert_close(prediction(loaded), prediction(model.pipeline), rtol=1e-4, atol=1e-5)
 
 
-def test_stability_single_file_trains_like_the_folder(family_models, shapes_data, tmp_path):
-    """The export's single file (Stability's layout: model.diffusion_model.* and first_stage_model.*) loads back
-    with the folder's other components and trains exactly like the folder."""
+def test_stability_single_file_loads_in_diffusers_and_trains_like_the_folder(family_models, shapes_data, tmp_path):
+    """The export's single file (Stability's layout: model.diffusion_model.* and first_stage_model.*) is what
+    diffusers' from_single_file reads as the trained transformer, and loads back with the folder's other components
+    and trains exactly like the folder."""
+    from diffusers import SD3Transformer2DModel
+
     folder = family_models["sd3"]
     first = trainer_for(folder, shapes_data, tmp_path / "first", max_steps=1)
     first.train()
@@ -112,6 +115,10 @@ def test_stability_single_file_trains_like_the_folder(family_models, shapes_data
     header = load_file(single)
     assert "model.diffusion_model.joint_blocks.0.x_block.attn.qkv.weight" in header
     assert any(k.startswith("first_stage_model.") for k in header)
+    loaded = SD3Transformer2DModel.from_single_file(single, config=str(tmp_path / "first" / "model"),
+                                                     subfolder="transformer").state_dict()
+    for key, value in first.model.denoiser.state_dict().items():
+        assert torch.equal(loaded[key], value), key
     weights = []
     for name, path, extra in (("folder", tmp_path / "first" / "model", {}),
                               ("single", single, {"model.config": str(tmp_path / "first" / "model")})):
@@ -119,17 +126,6 @@ def test_stability_single_file_trains_like_the_folder(family_models, shapes_data
         weights.append(load_file(tmp_path / name / "model" / "transformer" / "diffusion_pytorch_model.safetensors"))
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
-
-
-def test_diffusers_reads_the_exported_single_file(family_models, shapes_data, tmp_path):
-    from diffusers import SD3Transformer2DModel
-
-    trainer = trainer_for(family_models["sd3"], shapes_data, tmp_path / "o", max_steps=1)
-    trainer.train()
-    loaded = SD3Transformer2DModel.from_single_file(tmp_path / "o" / "model.safetensors",
-                                                     config=str(tmp_path / "o" / "model"), subfolder="transformer")
-    for key, value in trainer.model.denoiser.state_dict().items():
-        assert torch.equal(loaded.state_dict()[key], value), key
 
 
 def test_samples_equal_the_pipeline_on_the_export(family_models, shapes_data, tmp_path):

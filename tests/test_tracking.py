@@ -28,6 +28,7 @@ from ot_dist.tracking import start_sender, start_tracking, tracking_uri
 from ot_dist.tracking.base import Tracker
 from ot_dist.tracking.mlflow_tracker import MlflowTracker
 from ot_dist.tracking.progress import Progress
+from ot_dist.tracking.replay import main as replay_main
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -267,44 +268,42 @@ def test_a_closed_port_costs_nothing_but_a_warning(tiny_models, shapes_data, tmp
     assert not outbox.exists()  # delivered: gone
 
 
-def test_values_kept_while_the_server_is_down_are_sent_when_it_is_back(server, tmp_path):
-    outbox = tmp_path / "outbox.jsonl"
-    tracker = MlflowTracker(server.uri, "comes-back", "comes-back", outbox, shutdown_timeout=60)
-    tracker.log_metrics({"loss": 1.0}, step=1)
-    wait_for(lambda: tracker.all_sent() and tracker.run_id is not None)
-    server.stop()
-    try:
-        tracker.log_metrics({"loss": 2.0}, step=2)
-        tracker.log_metrics({"loss": 3.0}, step=3)
-        wait_for(lambda: tracker.error is not None)
-    finally:
-        server.start()
-    warnings = tracker.close()
-    assert not any("could not be sent" in w for w in warnings), warnings
-    assert history(server.uri, tracker.run_id, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]
-    assert client(server.uri).get_run(tracker.run_id).info.status == "FINISHED"
-    assert not outbox.exists()  # all delivered
-
-
-def test_what_a_dead_server_missed_is_replayed_into_the_same_run(server, tmp_path):
+def test_a_server_outage_values_kept_are_sent_when_it_is_back_and_what_a_closed_run_missed_is_replayed(server,
+                                                                                                       tmp_path):
+    """One outage of the server (a restart costs seconds) for two runs: "comes-back" keeps logging and is still open
+    when the server is back: everything arrives. "replayed" closes while the server is down: its outbox stays, the
+    warning names it and the replay command, which sends what was missed into the same run."""
+    kept = tmp_path / "kept.jsonl"
+    comes_back = MlflowTracker(server.uri, "comes-back", "comes-back", kept, shutdown_timeout=60)
     outbox = tmp_path / "outbox.jsonl"
     tracker = MlflowTracker(server.uri, "replayed", "replayed", outbox, shutdown_timeout=5)
+    comes_back.log_metrics({"loss": 1.0}, step=1)
     tracker.log_metrics({"loss": 1.0}, step=1)
+    wait_for(lambda: comes_back.all_sent() and comes_back.run_id is not None)
     wait_for(lambda: tracker.all_sent() and tracker.run_id is not None)
     server.stop()
     try:
+        comes_back.log_metrics({"loss": 2.0}, step=2)
+        comes_back.log_metrics({"loss": 3.0}, step=3)
         tracker.log_metrics({"loss": 2.0}, step=2)
         tracker.log_text("after the server went away\n", "note.txt")
+        wait_for(lambda: comes_back.error is not None)
         warnings = tracker.close()  # one last attempt, then the outbox stays
     finally:
         server.start()
+
+    kept_warnings = comes_back.close()
+    assert not any("could not be sent" in w for w in kept_warnings), kept_warnings
+    assert history(server.uri, comes_back.run_id, "loss") == [(1, 1.0), (2, 2.0), (3, 3.0)]
+    assert client(server.uri).get_run(comes_back.run_id).info.status == "FINISHED"
+    assert not kept.exists()  # all delivered
+
     (warning,) = [w for w in warnings if "could not be sent" in w]
     assert warning.startswith(f"MLflow: 1 metric points, 1 artifacts could not be sent to {server.uri}")
     assert f"they are kept in {outbox}" in warning and f"python -m ot_dist.tracking.replay {outbox}" in warning
     assert client(server.uri).get_run(tracker.run_id).info.status == "RUNNING"
-    replayed = subprocess.run([sys.executable, "-m", "ot_dist.tracking.replay", str(outbox)], env=ENV,
-                              capture_output=True, text=True, timeout=300)
-    assert replayed.returncode == 0, (replayed.stdout + replayed.stderr)[-4000:]
+    # the command in this process (its fresh-process run: test_a_closed_port_costs_nothing_but_a_warning)
+    assert replay_main([str(outbox)]) == 0
     assert history(server.uri, tracker.run_id, "loss") == [(1, 1.0), (2, 2.0)]  # the same run, nothing twice
     assert client(server.uri).get_run(tracker.run_id).info.status == "FINISHED"
     assert download_text(server.uri, tracker.run_id, "note.txt") == "after the server went away\n"
