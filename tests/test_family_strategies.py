@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,6 @@ from safetensors.torch import load_file
 
 from ot_dist.config.load import validate
 from ot_dist.models.families.registry import get_family
-from ot_dist.parallel.runtime import free_port
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -225,8 +223,9 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(family_mode
 
 
 def test_hybrid_shard_over_two_nodes_of_two_equals_one_process(family_models, shapes_data, tmp_path):
-    """A real hybrid mesh: 2 "nodes" (torchrun --nnodes 2) of 2 ranks each, so the weights are sharded within a
-    node and replicated across nodes (mesh 2 x 2), batch 1 per rank, against one process with batch 4 (SGD: a
+    """A real hybrid mesh: 2 "nodes" of 2 ranks each (the environment torchrun --nnodes 2 --nproc-per-node 2 gives
+    its ranks: LOCAL_WORLD_SIZE 2, GROUP_RANK 0 / 1), so the weights are sharded within a node and replicated across
+    nodes (mesh 2 x 2), batch 1 per rank, against one process with batch 4 (SGD: a
     gradient averaged over the wrong group is off by 2x). The checkpoint it saves resumes in one process."""
     from ot_dist.checkpoint.layout import checkpoints_dir, latest_checkpoint
     from ot_dist.checkpoint.training_state import read_trainer_state
@@ -240,14 +239,9 @@ def test_hybrid_shard_over_two_nodes_of_two_equals_one_process(family_models, sh
                          strategy="fsdp", **{**settings(family, "full"), "fsdp.sharding": "hybrid_shard",
                                              "checkpoint.every_n_steps": STEPS})
     (tmp_path / "cases.json").write_text(json.dumps({"hybrid": hybrid}))
-    port = free_port()
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank), "--nproc-per-node",
-         "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
-         str(REPO / "tests" / "helpers" / "family_cases.py"), str(tmp_path / "cases.json")],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outputs = [node.communicate(timeout=600)[0] for node in nodes]
-    assert [n.returncode for n in nodes] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"), str(tmp_path / "cases.json"), nproc=2,
+                     nnodes=2, env=ENV, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     got = exported(tmp_path / "hybrid", family, "full")
     diff = max((reference[k] - got[k]).abs().max().item() for k in reference)
     assert diff <= TOLERANCE, f"hybrid 2x2: max abs diff {diff:.3g}"
