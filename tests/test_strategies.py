@@ -179,15 +179,20 @@ def test_launcher_environment_is_reconciled_with_the_yaml(tiny_models, shapes_da
     assert reconcile_with_launcher(validate({**raw, "strategy": "zero2"}), {"WORLD_SIZE": "2"}).strategy == "zero2"
 
 
-def test_dry_run_prints_a_valid_accelerate_command_and_config(tiny_models, shapes_data, tmp_path):
+def test_dry_run_prints_a_valid_accelerate_command_and_config(tiny_models, shapes_data, tmp_path, capsys):
+    """`ot-dist launch --dry-run` (the CLI's main, in this process: a dry run starts nothing)."""
     from accelerate.commands.config.config_args import ClusterConfig
+
+    from ot_dist.cli import main
 
     config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "full")
     for strategy in ("ddp", "fsdp", "zero2", "zero3"):
-        done = run([sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "4", "--nnodes", "2",
-                    "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29400", "--strategy", strategy, "--dry-run"])
-        assert done.returncode == 0, done.stderr[-2000:]
-        command = done.stdout.splitlines()[1]
+        capsys.readouterr()
+        code = main(["launch", str(config), "--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1",
+                     "--rdzv-endpoint", "10.0.0.1:29400", "--strategy", strategy, "--dry-run"])
+        done = capsys.readouterr()
+        assert code == 0, done.err[-2000:]
+        command = done.out.splitlines()[1]
         assert command.startswith("accelerate launch --config_file ") and f"--set strategy={strategy}" in command
         path = Path(command.split()[3])
         cluster = ClusterConfig.from_yaml_file(str(path))
