@@ -85,24 +85,26 @@ def _rank_main(command: list[str], env: dict[str, str], log_prefix: str, cwd: st
 
 
 def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-              timeout: float = 900) -> subprocess.CompletedProcess:
+              timeout: float = 900, nnodes: int = 1) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node NPROC COMMAND` (NPROC 1: `python COMMAND`), COMMAND being `SCRIPT ARGS` or
     `-m MODULE ARGS`, with the ranks forked from
     the preloaded server. The result holds the ranks' stdout and stderr (each rank's under a `[rank R]` header when
-    there are several) and the first failing rank's exit code."""
+    there are several) and the first failing rank's exit code. NNODES > 1: the environment of `torchrun --nnodes
+    NNODES --nproc-per-node NPROC` on each of NNODES "nodes" (NNODES x NPROC ranks, all on this machine)."""
     context = _context()
     base_env = {**os.environ, **(env or {})}
-    if nproc > 1:  # one process is started as `python SCRIPT` would be: no process-group environment
-        base_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc),
-                         "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "ROLE_RANK": "0"})
+    world = nproc * nnodes
+    if world > 1:  # one process is started as `python SCRIPT` would be: no process-group environment
+        base_env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world),
+                         "LOCAL_WORLD_SIZE": str(nproc)})
     if not base_env.get("OMP_NUM_THREADS"):
         base_env["OMP_NUM_THREADS"] = "1"
     argv = [str(a) for a in command]
     with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
         ranks = []
-        for rank in range(nproc):
-            rank_env = {**base_env, **({"RANK": str(rank), "LOCAL_RANK": str(rank), "ROLE_WORLD_SIZE": str(nproc)}
-                                       if nproc > 1 else {})}
+        for rank in range(world):
+            rank_env = {**base_env, **({"RANK": str(rank), "LOCAL_RANK": str(rank % nproc), "GROUP_RANK": str(rank // nproc),
+                                        "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world)} if world > 1 else {})}
             process = context.Process(target=_rank_main,
                                       args=(argv, rank_env, f"{logs}/rank-{rank}", None if cwd is None else str(cwd)))
             process.start()
@@ -121,7 +123,7 @@ def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None =
         codes = [p.exitcode for p in ranks]
         for p in ranks:  # loader workers a killed rank left behind
             _kill_group(p.pid)
-        stdout, stderr = (_joined(logs, nproc, stream) for stream in ("stdout", "stderr"))
+        stdout, stderr = (_joined(logs, world, stream) for stream in ("stdout", "stderr"))
     if time.monotonic() > deadline:
         stderr += f"\nlaunch killed after {timeout} s\n"
     returncode = next((c for c in codes if c != 0), 0)

@@ -1,9 +1,10 @@
 """Checkpoints and resume with real processes: stop anywhere (a SIGTERM, as on preemption), continue
 exactly; continue on another number of processes; export from a checkpoint.
 
-Every run is tests/helpers/resume_run.py: 16 samples, global batch 4 (4 steps per epoch), 3 epochs, 12
-steps, AdamW, EMA, a checkpoint every 4 steps. A stopped run is SIGTERMed by rank 0 after step 5: the
-ranks agree to finish step 6, save, and exit 0."""
+Every run is tests/helpers/resume_run.py: 16 samples, global batch 8 (2 steps per epoch), 3 epochs, 6
+steps, AdamW, EMA, a checkpoint every 2 steps. A stopped run is SIGTERMed by rank 0 after step 2: the
+ranks agree to finish step 3 (the middle of epoch 1), save, and exit 0; the resumed run finishes epoch 1
+and runs epoch 2. (Few large steps: a step's fixed cost, ZeRO-3's hooks above all, is paid half as often.)"""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
 from ot_dist.checkpoint.training_state import read_trainer_state
 
 REPO = Path(__file__).resolve().parents[1]
-STEPS, STOP_AFTER = 12, 5  # the signal lands after step 5; step 6 (lagged step guard: 7) is finished and saved
+STEPS, STOP_AFTER = 6, 2  # the signal lands after step 2; step 3 (lagged step guard: 4) is finished and saved
+GLOBAL_BATCH = 8  # 2 steps an epoch: step 3 is mid-epoch 1, step 4 its end; the resumed run crosses into epoch 2
 
 
 def stopped_at(stopped: dict) -> int:
@@ -39,10 +41,10 @@ def run_config(tiny_models, shapes_data, out: Path, strategy: str, processes: in
                **overrides) -> tuple[Path, Path]:
     """The run's config file (written) and result file."""
     raw = base_config(
-        tiny_models[family], shapes_data, out, family=family, batch_size=4 // processes, epochs=3, max_steps=STEPS,
+        tiny_models[family], shapes_data, out, family=family, batch_size=GLOBAL_BATCH // processes, epochs=3, max_steps=STEPS,
         strategy=strategy,
         **{"optimizer.name": "ADAMW", "ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 1,
-           "checkpoint.every_n_steps": 4}, **overrides,
+           "checkpoint.every_n_steps": 2}, **overrides,
     )
     config, result = out.with_suffix(".json"), out.with_suffix(".result.json")
     config.write_text(json.dumps(raw))
@@ -78,7 +80,7 @@ _runs: dict[str, tuple[Path, dict, Path, dict]] = {}
 
 
 def straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory) -> tuple[Path, dict, Path, dict]:
-    """A strategy's uninterrupted 12-step run and the run SIGTERMed after step 5 (2 processes; single: 1), both in
+    """A strategy's uninterrupted run and the run SIGTERMed after step STOP_AFTER (2 processes; single: 1), both in
     one launch (one process start-up), shared by the tests: (straight out, result, stopped out, result)."""
     if strategy not in _runs:
         root = tmp_path_factory.mktemp(f"runs-{strategy}")
@@ -93,13 +95,13 @@ def straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory) -
 
 
 def straight_run(strategy, tiny_models, shapes_data, tmp_path_factory) -> tuple[Path, dict]:
-    """The uninterrupted 12-step run of a strategy."""
+    """The uninterrupted run of a strategy."""
     straight_out, straight, _, _ = straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory)
     return straight_out, straight
 
 
 def stopped_run(strategy, tiny_models, shapes_data, tmp_path_factory, out: Path) -> dict:
-    """The run SIGTERMed after step 5, copied to `out` (its output_dir) to be resumed there."""
+    """The run SIGTERMed after step STOP_AFTER, copied to `out` (its output_dir) to be resumed there."""
     _, _, first, result = straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory)
     shutil.copytree(first, out)
     return result
@@ -127,7 +129,7 @@ def test_stop_and_resume_continues_exactly(strategy, tiny_models, shapes_data, t
 
 
 def test_flux_under_fsdp_stops_and_resumes_exactly(family_models, shapes_data, tmp_path):
-    """A Flux transformer sharded block by block: SIGTERM after step 5, resume, and the rest of the run is the
+    """A Flux transformer sharded block by block: SIGTERM after step STOP_AFTER, resume, and the rest of the run is the
     uninterrupted run's, losses and final state (weights, EMA, Adam moments) bit for bit."""
     straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
     straight_config, straight_result = run_config(family_models, shapes_data, straight_out, "fsdp", 2, family="flux")
@@ -145,7 +147,7 @@ def test_flux_under_fsdp_stops_and_resumes_exactly(family_models, shapes_data, t
 
 def test_stable_cascade_under_fsdp_stops_and_resumes_exactly(family_models, shapes_data, tmp_path):
     """Stable Cascade's prior, full finetune, sharded block by block: one launch runs the uninterrupted run and the
-    one SIGTERMed after step 5, a second launch resumes the stopped one; the rest of the run is the uninterrupted
+    one SIGTERMed after step STOP_AFTER, a second launch resumes the stopped one; the rest of the run is the uninterrupted
     run's, losses and final state (weights, EMA, Adam moments) bit for bit."""
     straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
     settings = {"family": "stable_cascade", "resolution": 128}
@@ -168,7 +170,7 @@ def test_stable_cascade_under_fsdp_stops_and_resumes_exactly(family_models, shap
 
 @pytest.mark.parametrize("before, after", [(("fsdp", 2), ("single", 1)), (("single", 1), ("fsdp", 2))])
 def test_resume_on_another_number_of_processes(before, after, tiny_models, shapes_data, tmp_path, tmp_path_factory):
-    """The same global batch (4) on 2 processes x 2 or 1 x 4: the state is resharded, the data position kept."""
+    """The same global batch (8) on 2 processes x 4 or 1 x 8: the state is resharded, the data position kept."""
     _, straight = straight_run(before[0], tiny_models, shapes_data, tmp_path_factory)
     out = tmp_path / "out"
     stopped = stopped_run(before[0], tiny_models, shapes_data, tmp_path_factory, out)

@@ -43,9 +43,9 @@ CASES = {
         "scheduler.class_name": "torch.optim.lr_scheduler.CyclicLR",
         "scheduler.params": {"base_lr": 0.0, "max_lr": "%LR%", "step_size_up": 4, "cycle_momentum": False},
     },
-    # EMA over 20 steps of SGD, whose weights two ranks reproduce to float noise, so the averages can be
+    # EMA over 8 steps (4 updates) of SGD, whose weights two ranks reproduce to float noise, so the averages can be
     # held to 1e-6 (Adam-like steps magnify that noise to ~1e-5 in a few weights)
-    "ema": {"optimizer.name": "SGD", "learning_rate": 0.05, "epochs": 5, "max_steps": 20, "text_encoder.train": True,
+    "ema": {"optimizer.name": "SGD", "learning_rate": 0.05, "epochs": 2, "max_steps": 8, "text_encoder.train": True,
             "ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 2},
 }
 # (zero3's layout is held to the single-process d at equal gradients in tests/test_prodigy.py; its
