@@ -3,7 +3,6 @@ pipeline's own, training (full, LoRA) with exports diffusers loads, Stability's 
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest

@@ -25,7 +25,7 @@ from pathlib import Path
 from PIL import Image
 
 from ot_dist.config.schema import TrainConfig
-from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
+from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of
 from ot_dist.data.concepts import classify_files, concept_name, mask_of, scan_folders
 from ot_dist.data.images import open_mask
 from ot_dist.data.sample_index import COLUMNS, INDEX_DIR, IndexWriter, SampleIndex, SampleRecords, bytes_per_sample
