@@ -9,6 +9,7 @@ import getpass
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -166,7 +167,7 @@ def test_one_process_logs_every_step_to_the_server(server, first_run):
               *run.data.tags.values()]
     assert not any(SECRET in text for text in logged)
     # plain progress lines (the test's output is no terminal), one per window
-    progress = [line for line in lines if line.startswith("step ")]
+    progress = [line for line in lines if re.match(r"step \d+/\d+ ", line)]  # the progress lines, not "step guard: ..."
     assert progress[0].startswith("step 4/6 epoch 1/2 loss ") and "lr/unet=" in progress[0]
     assert "samples/s eta " in progress[0] and progress[1].startswith("step 6/6 ")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
                     print(stdout[-4000:])
                     return 1
                 windows = [float(line.split(" samples/s")[0].split()[-1]) for line in stdout.splitlines()
-                           if line.startswith("step ")]
+                           if re.match(r"step \d+/\d+ ", line)]
                 rates[name].extend(windows[1:])  # the first window holds the warm-up
                 print(f"repeat {repeat + 1} {name}: {times[name][-1]:.1f} s, training process CPU {cpu[name][-1]:.1f} s",
                       flush=True)
