@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ot_dist.data.sample_index import mapped_column
 from ot_dist.errors import InputFileError
 
 MANIFEST = "manifest.json"
@@ -160,16 +161,8 @@ class CacheIndex:
     def column(self, member: str, name: str) -> np.ndarray:
         stem = f"{column_name(member)}.{name}"
         if stem not in self._columns:
-            path = self.dir / INDEX_DIR / f"{stem}.npy"
-            fix = "delete the folder to recompute the cache"
-            try:
-                values = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as err:
-                raise InputFileError(f"{self.what}: the cache index {path} is missing or unreadable ({err}); {fix}") from None
-            if values.shape != (self.count,) or values.dtype != np.dtype(COLUMNS[name]):
-                raise InputFileError(f"{self.what}: the cache index {path} holds {values.shape} {values.dtype}, the "
-                                     f"manifest {self.count} samples of {COLUMNS[name]}; {fix}")
-            self._columns[stem] = values
+            self._columns[stem] = mapped_column(self.dir / INDEX_DIR / f"{stem}.npy", self.count, COLUMNS[name],
+                                                f"{self.what}: the cache index", "delete the folder to recompute the cache")
         return self._columns[stem]
 
     def place(self, sample: int, member: str) -> tuple[Path, int, int]:

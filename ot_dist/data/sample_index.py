@@ -77,6 +77,19 @@ class IndexWriter:
         return len(self)
 
 
+def mapped_column(path: Path, count: int, dtype: str, what: str, fix: str) -> np.ndarray:
+    """A memory-mapped index column, refused naming the file (`what` PATH ...; `fix`) when it is missing, unreadable,
+    cut short or of another dtype than the manifest's `count` samples of `dtype`."""
+    try:
+        values = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        raise InputFileError(f"{what} {path} is missing or unreadable ({err}); {fix}") from None
+    if values.shape != (count,) or values.dtype != np.dtype(dtype):
+        raise InputFileError(f"{what} {path} holds {values.shape} {values.dtype}, the manifest {count} samples of "
+                             f"{dtype}; {fix}")
+    return values
+
+
 class SampleIndex:
     """The columns of a set, memory-mapped on first use; pickles as its folder (loader workers map their own)."""
 
@@ -91,17 +104,9 @@ class SampleIndex:
 
     def column(self, name: str) -> np.ndarray:
         if name not in self._columns:
-            path = self.folder / f"{name}.npy"
-            rebuild = "rebuild the set (ot-dist shard build CONFIG, or ot-dist shard index for existing tars)"
-            try:
-                values = np.load(path, mmap_mode="r", allow_pickle=False)
-            except (OSError, ValueError) as err:
-                raise InputFileError(f"data.shards: the sample index {path} is missing or unreadable ({err}); "
-                                     f"{rebuild}") from None
-            if values.shape != (self.count,) or values.dtype != np.dtype(COLUMNS[name]):
-                raise InputFileError(f"data.shards: the sample index {path} holds {values.shape} {values.dtype}, the "
-                                     f"manifest {self.count} samples of {COLUMNS[name]}; {rebuild}")
-            self._columns[name] = values
+            self._columns[name] = mapped_column(
+                self.folder / f"{name}.npy", self.count, COLUMNS[name], "data.shards: the sample index",
+                "rebuild the set (ot-dist shard build CONFIG, or ot-dist shard index for existing tars)")
         return self._columns[name]
 
     def __len__(self) -> int:
