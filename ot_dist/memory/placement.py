@@ -25,8 +25,25 @@ def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dt
             p.data = p.data.to(trained_dtype)
         else:
             p.data = p.data.to(frozen_dtype)
+    cast_frozen_buffers(module, frozen_dtype)
     module.train(trains)
     return trains
+
+
+def cast_frozen_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Floating-point state buffers (BatchNorm's running statistics) of every sub-module that trains none of its
+    own parameters follow the frozen weights' dtype, as loading the checkpoint in that dtype casts them: a bfloat16
+    input meeting float32 running statistics is an error in BatchNorm on the CPU (the EfficientNet encoder of
+    Stable Cascade / Würstchen). Non-persistent buffers are tables the libraries derive and keep in float32 on
+    purpose (rotary frequencies); they, and a trained module's buffers, stay as they are."""
+    for sub in module.modules():
+        if any(p.requires_grad for p in sub.parameters(recurse=False)):
+            continue
+        for name, buffer in sub.named_buffers(recurse=False):
+            if name in sub._non_persistent_buffers_set:
+                continue
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != dtype:
+                setattr(sub, name, buffer.to(dtype))
 
 
 def place_component(component: torch.nn.Module, config, device: torch.device, offloadable: bool,
@@ -36,6 +53,7 @@ def place_component(component: torch.nn.Module, config, device: torch.device, of
     frozen `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`."""
     if config.weight_dtype == "float8":
         store_frozen_in_float8(component, DTYPES[config.train_dtype])
+        cast_frozen_buffers(component, DTYPES[config.train_dtype])  # they meet the upcast weights' compute dtype
     frozen = not any(p.requires_grad for p in component.parameters())
     if (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
         offload_to_cpu(component, device)

@@ -133,14 +133,16 @@ class EfficientNetEncoder(nn.Module):
         return self.mapper(self.backbone(images))
 
     def preprocess(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Training pixels in [-1, 1] -> the encoder's input: [0, 1], scaled by 3/4, ImageNet-normalised."""
-        images = (pixels + 1) / 2
+        """Training pixels in [-1, 1] -> the encoder's input: [0, 1], scaled by 3/4, ImageNet-normalised.
+        Resized and normalised in float32 and handed back in the pixels' dtype: the CPU's antialiased bilinear
+        kernel has no bfloat16 / float16 version, and the resize is cheap next to the encoder."""
+        images = (pixels.float() + 1) / 2
         h, w = pixels.shape[-2:]
         images = F.interpolate(images, size=(round(h * IMAGE_SCALE), round(w * IMAGE_SCALE)), mode="bilinear",
                                antialias=True, align_corners=False)
         mean = torch.tensor(IMAGENET_MEAN, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
         std = torch.tensor(IMAGENET_STD, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
-        return (images - mean) / std
+        return ((images - mean) / std).to(pixels.dtype)
 
     def encode(self, pixels: torch.Tensor):
         """The VAE interface: `.latent_dist.mean` (the latents) and `.std` (zeros)."""
