@@ -384,8 +384,7 @@ def test_cached_effnet_latents_train_like_encoding_each_step(family_models, shap
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-6)
 
 
-@pytest.mark.parametrize("family", ["stable_cascade", "wuerstchen_v2"])
-@pytest.mark.parametrize("weight_dtype", ["bfloat16", "float8"])
+@pytest.mark.parametrize(("family", "weight_dtype"), [("stable_cascade", "bfloat16"), ("wuerstchen_v2", "float8")])
 def test_frozen_effnet_in_low_precision_storage_encodes_like_float32(family, weight_dtype, family_models, shapes_data,
                                                                    tmp_path):
     """weight_dtype bfloat16 / float8 store the EfficientNet encoder in low precision; its BatchNorm running
