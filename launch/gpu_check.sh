@@ -7,7 +7,9 @@
 # Environment: PYTHON (default python3: the machine's own, with its CUDA build of torch), WHEELS (a folder of
 # .whl files installed with --no-index --no-deps first: diffusers, pydantic + pydantic-core, pytest, ...), OUT
 # (default gpu_check_out), STEPS / WARMUP (timed / untimed steps per bench, default 10 / 3), batch sizes
-# SDXL_LORA_BATCH (8), SDXL_FULL_BATCH (8), FLUX_LORA_BATCH (1). Exit status: 0 when every part passed.
+# SDXL_LORA_BATCH (8), SDXL_FULL_BATCH (8), FLUX_LORA_BATCH (1), LEVERS (1: also the rows again with each
+# `performance` lever that has not run on a GPU yet: regional compile, float8 matmuls; off by default, they add
+# compile time). Exit status: 0 when every part passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -40,6 +42,13 @@ bench() {  # one row of the table; a failure (e.g. out of memory) is recorded an
 bench --model sdxl --method lora --batch-size "${SDXL_LORA_BATCH:-8}"
 bench --model sdxl --method full --gradient-checkpointing --batch-size "${SDXL_FULL_BATCH:-8}"
 bench --model flux-dev --method lora --batch-size "${FLUX_LORA_BATCH:-1}"
+
+if [ "${LEVERS:-0}" = 1 ]; then  # which lever closes the gap to the targets: side by side with the rows above
+    bench --model sdxl --method lora --batch-size "${SDXL_LORA_BATCH:-8}" --performance compile=true
+    bench --model sdxl --method full --gradient-checkpointing --batch-size "${SDXL_FULL_BATCH:-8}" --performance compile=true
+    bench --model flux-dev --method lora --batch-size "${FLUX_LORA_BATCH:-1}" --performance compile=true
+    bench --model flux-dev --method lora --batch-size "${FLUX_LORA_BATCH:-1}" --performance float8_matmuls=true
+fi
 
 echo "== table ($out/bench.md)"
 cat "$out/bench.md" 2>/dev/null
