@@ -726,10 +726,12 @@ class TrainConfig(Section):
                 raise ValueError(f"data.cache_text: {varied[0]} varies its captions every epoch (tag shuffling / tag or "
                                  "caption dropout), which a cache of each caption's encoding cannot follow; turn "
                                  "cache_text off or the variation off")
-        if self.checkpoint.on_nonfinite_loss == "skip_step" and self.strategy.startswith("zero"):
+        if (self.checkpoint.on_nonfinite_loss == "skip_step" and self.strategy.startswith("zero")
+                and self.checkpoint.step_guard != "lagged"):
             raise ValueError(
-                f"checkpoint.on_nonfinite_loss: skip_step is not supported with strategy {self.strategy}: DeepSpeed "
-                "reduces the gradients during backward and steps in one call, so a step cannot be dropped; use stop"
+                f"checkpoint.on_nonfinite_loss: skip_step with strategy {self.strategy} needs checkpoint.step_guard: "
+                "lagged (the step is skipped on the device): DeepSpeed reduces the gradients during backward and "
+                "steps in one call, so the blocking guard cannot drop a step; use stop or step_guard: lagged"
             )
         if self.checkpoint.step_guard == "lagged" and (reason := self._no_device_skip()):
             raise ValueError(f"checkpoint.step_guard: lagged needs an optimizer step that skips on the device; {reason}. "
@@ -752,8 +754,8 @@ class TrainConfig(Section):
         """Why checkpoint.step_guard: lagged cannot work here, as far as the config tells (the trainer checks the
         built optimizer too: ot_dist/train/device_skip.py)."""
         optimizer = self.optimizer
-        if self.strategy.startswith("zero"):
-            return f"strategy {self.strategy}: DeepSpeed's engine reduces and steps in one call"
+        if self.strategy.startswith("zero") and (self.deepspeed.offload_optimizer or self.deepspeed.offload_params):
+            return f"strategy {self.strategy} with DeepSpeed's CPU offload, which reads the gradient norm on the host"
         if self.train_dtype == "float16":
             return "train_dtype float16: the loss scaler decides the step on its own overflow check"
         if optimizer.name not in ("ADAM", "ADAMW", "SGD", "PRODIGY"):

@@ -16,6 +16,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup
 from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.ownership import Fragment, Owned, Ownership
+from ot_dist.parallel.zero_skip import norm_checks_on_device
 
 
 class TrainableParts(torch.nn.Module):
@@ -205,7 +206,8 @@ class DeepSpeedStrategy(Strategy):
             self.engine.step()
 
     def step(self, optimizer, params):
-        self.engine.step()  # reduce, clip, optimizer step, zero grads
+        with norm_checks_on_device(self.engine_optimizer, self.optimizer):  # the lagged step guard: no host read
+            self.engine.step()  # reduce, clip, optimizer step, zero grads
         grad_norm = self.engine.get_global_grad_norm()  # ZeRO's global norm before clipping (a tensor, or inf)
         return None if grad_norm is None else torch.as_tensor(grad_norm).detach()
 

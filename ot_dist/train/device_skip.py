@@ -3,7 +3,9 @@
 The lagged guard needs an optimizer step that can skip its update on the device, given a 0-dim float tensor
 (1.0 = skip): torch's fused Adam / AdamW / SGD take it as `found_inf` (GradScaler's protocol: the attribute
 `optimizer.found_inf` during `step`; they leave parameters and moments as they are and take the step count
-back), and ot_dist's Prodigy does the same (`skips_on_found_inf`). Everything else keeps the blocking guard,
+back), and ot_dist's Prodigy does the same (`skips_on_found_inf`); under ZeRO-1/2/3 DeepSpeed steps that same
+optimizer object and its host checks of the gradient norm move onto the device (ot_dist/parallel/zero_skip.py),
+except with float16 (DeepSpeed's loss scaler) or DeepSpeed's CPU offload. Everything else keeps the blocking guard,
 which reads the flags on the host before the step (one host sync per step). What each path does:
 docs/performance.md, "The step guard"."""
 
@@ -14,12 +16,13 @@ import contextlib
 import torch
 
 from ot_dist.errors import ConfigError
+from ot_dist.parallel.zero_skip import zero_device_skip_unavailable
 
 
 def device_skip_unavailable(config, strategy, optimizer: torch.optim.Optimizer) -> str | None:
     """Why this run cannot skip a non-finite step on the device (None: it can)."""
-    if strategy.name.startswith("zero"):
-        return f"strategy {strategy.name}: DeepSpeed's engine reduces and steps in one call"
+    if strategy.name.startswith("zero") and (reason := zero_device_skip_unavailable(config)):
+        return f"strategy {strategy.name}, {reason}"
     if strategy.precision.scaler is not None:
         return "train_dtype float16: the loss scaler decides the step on its own overflow check"
     options = config.optimizer.options()
