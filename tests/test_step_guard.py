@@ -6,6 +6,7 @@ Single process here; 2 gloo ranks under ddp and fsdp in the second half (tests/h
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import sys
@@ -185,8 +186,13 @@ def test_lagged_is_refused_where_nothing_can_skip_on_the_device(tiny_models, sha
 
     with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*optimizer.name: LION"):
         validate(config(**{"optimizer.name": "LION"}))
-    with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*strategy zero2"):
-        validate(config(strategy="zero2", **FUSED))
+    with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*strategy zero2 with DeepSpeed's CPU offload"):
+        validate(config(strategy="zero2", **FUSED, **{"deepspeed.offload_optimizer": True}))
+    with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*train_dtype float16"):
+        validate(config(strategy="zero3", train_dtype="float16", **FUSED))
+    with pytest.raises(ConfigError, match="skip_step with strategy zero2 needs checkpoint.step_guard: lagged"):
+        validate(config(strategy="zero2", **{**FUSED, "checkpoint.step_guard": "auto",
+                                             "checkpoint.on_nonfinite_loss": "skip_step"}))
     with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*optimizer.fused: false"):
         validate(config(**{"optimizer.name": "ADAMW", "optimizer.fused": False}))
     # only the built optimizer tells: foreach AdamW on the CPU (fused unset)
@@ -307,3 +313,91 @@ def test_a_resume_keeps_the_kernel_this_run_chose_not_the_checkpoints(tiny_model
     groups = resumed.optimizer.param_groups
     assert all(g["fused"] and not g["foreach"] for g in groups), [(g["fused"], g["foreach"]) for g in groups]
     assert torch.isfinite(torch.tensor(resumed.train().losses)).all()
+
+
+# -- ZeRO (DeepSpeed) on 2 gloo ranks: parallel/zero_skip.py -----------------------------------------------------
+
+LAGGED_LINE = "step guard: lagged, no host sync per optimizer step"
+
+
+@pytest.fixture(scope="module")
+def zero_ranks(tiny_models, shapes_data, tmp_path_factory):
+    """One 2-rank launch of the ZeRO cases; {case: [rank 0 report, rank 1 report]}. Clipping on everywhere: DeepSpeed
+    reads the norm once more before clipping, and a NaN norm makes the clipped gradients NaN."""
+    root = tmp_path_factory.mktemp("zero_guard")
+
+    def config(name, strategy, guard, **options):
+        return base_config(tiny_models["sd1"], shapes_data, root / name, strategy=strategy, batch_size=1,
+                           clip_grad_norm=1.0, **{"max_steps": 3, "checkpoint.at_end": False,
+                                                  "checkpoint.step_guard": guard, **FUSED, **options})
+
+    nan = {"kind": "nan", "rank": 1, "at": 2}
+    skip = {"max_steps": 4, "checkpoint.on_nonfinite_loss": "skip_step"}
+    cases = {
+        # the same runs with each guard: the syncs counted, and the trained weights compared
+        **{f"zero2_{guard}": {"kind": "syncs", "config": config(f"zero2_{guard}", "zero2", guard,
+                                                                train_dtype="bfloat16")}
+           for guard in ("lagged", "blocking")},
+        **{f"zero3_{guard}": {"kind": "syncs", "config": config(f"zero3_{guard}", "zero3", guard)}
+           for guard in ("lagged", "blocking")},
+        "zero2_nan": {**nan, "config": config("zero2_nan", "zero2", "lagged", train_dtype="bfloat16", **skip)},
+        "zero3_nan": {**nan, "config": config("zero3_nan", "zero3", "lagged", **skip)},
+        "zero1_prodigy_nan": {**nan, "config": config("zero1_prodigy_nan", "zero1", "lagged",
+                                                      **{**PRODIGY, "optimizer.fused": None, **skip})},
+        # a finite loss with NaN gradients: no guard sees it, DeepSpeed's norm check (on the device) does
+        "zero2_nan_gradient": {**nan, "poison": "gradient",
+                               "config": config("zero2_nan_gradient", "zero2", "lagged", max_steps=4)},
+    }
+    (root / "cases.json").write_text(json.dumps(cases))
+    done = run_ranks(str(REPO / "tests" / "helpers" / "guard_ranks.py"), str(root / "cases.json"), str(root),
+                     env=ENV, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return {name: [json.loads((root / f"{name}-rank{r}.json").read_text()) for r in range(2)] for name in cases}
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_zero_adds_no_host_sync_per_step_when_lagged(zero_ranks, stage):
+    """Lagged: none (DeepSpeed's checks run on the device). Blocking, the same run: the guard's read and DeepSpeed's
+    own: bf16 ZeRO-2 reads its overflow flag (stage_1_and_2.py has_overflow) and the norm's validity in step and
+    before clipping (runtime/utils.py is_invalid_grad_norm); float32 ZeRO-3 the norm's validity in step."""
+    assert zero_ranks[f"{stage}_lagged"][0]["guard_line"].startswith(LAGGED_LINE)
+    assert zero_ranks[f"{stage}_blocking"][0]["guard_line"].startswith("step guard: blocking")
+    for report in zero_ranks[f"{stage}_lagged"]:
+        assert report["lagged"] and report["steps"] == 3
+        assert report["step_syncs"] == [], report["step_syncs"]
+    deepspeed_reads = {"zero2": {"runtime/utils.py": 2, "zero/stage_1_and_2.py": 1}, "zero3": {"runtime/utils.py": 1}}
+    for report in zero_ranks[f"{stage}_blocking"]:
+        assert not report["lagged"] and report["steps"] == 3
+        origins = collections.Counter(report["step_sync_origins"])
+        assert origins == {"train/stopping.py": 3, **{k: 3 * n for k, n in deepspeed_reads[stage].items()}}, \
+            report["step_syncs"]
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_zero_lagged_trains_bit_identically_to_blocking(zero_ranks, stage):
+    for rank in range(2):
+        lagged, blocking = (zero_ranks[f"{stage}_{guard}"][rank] for guard in ("lagged", "blocking"))
+        assert lagged["losses"] == blocking["losses"] and lagged["checksum"] == blocking["checksum"]
+
+
+@pytest.mark.parametrize("case", ["zero2_nan", "zero3_nan", "zero1_prodigy_nan"])
+def test_zero_skips_a_nan_on_one_rank_on_both(zero_ranks, case):
+    """Step 2's loss is NaN on rank 1 only (its gradients are reduced into both ranks' partitions, the clipped
+    norm is NaN): on both ranks neither the weights (bf16 ZeRO-2: the model's and the fp32 master partition; ZeRO-3:
+    the partitions) nor the moments and step counts change at step 2, nothing turns non-finite, and the run goes on
+    (step 3 changes them) with one skipped step of 4."""
+    for report in zero_ranks[case]:
+        assert report["lagged"] and report["steps"] == 4 and report["skipped"] == 1, report
+        assert all(report["finite"]) and all(report["moments_finite"])
+        assert report["changed"] == [True, False, True, True]
+        assert report["moments_changed"][1:] == [False, True, True]
+
+
+def test_zero_skips_nan_gradients_of_a_finite_loss(zero_ranks):
+    """No guard sees a finite loss, but DeepSpeed's own test of the gradient norm, done on the device, reaches the
+    optimizer's found_inf: step 2 changes nothing (not counted as skipped: the host never learns of it)."""
+    for report in zero_ranks["zero2_nan_gradient"]:
+        assert report["steps"] == 4 and report["skipped"] == 0
+        assert all(report["finite"]) and all(report["moments_finite"])
+        assert report["changed"] == [True, False, True, True]
+        assert report["moments_changed"][1:] == [False, True, True]

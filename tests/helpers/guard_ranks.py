@@ -6,9 +6,12 @@ CASES_JSON: {"case name": {"config": raw config, "kind": "syncs" | "nan" | "sign
              "rank": the rank that gets the NaN / the signal, "at": its optimizer step (1-based)}, ...}.
 Every rank writes OUT_DIR/<case>-rank<R>.json:
 - syncs: the host syncs counted in the step phase (tests/helpers/host_syncs.py), one string each;
-- nan: the loss of step `at` is NaN on `rank` only; per optimizer step whether this rank's weights (its
-  shard) changed and stayed finite, a checksum of them, the result's steps / skipped steps, and for
-  on_nonfinite_loss: stop the halt message and this rank's weights after every step (a file);
+- syncs also: the losses and a checksum of this rank's final weights (to compare lagged with blocking);
+- nan: the loss of step `at` is NaN on `rank` only (with "poison": "gradient", the loss is finite and its gradient
+  NaN); per optimizer step whether this rank's weights (its
+  shard; under ZeRO also the fp32 master partition) changed and stayed finite, whether the optimizer's moments
+  and step counts changed and stayed finite, a checksum of the weights, the result's steps / skipped steps, and
+  for on_nonfinite_loss: stop the halt message and this rank's weights after every step (a file);
 - signal: `rank` sends itself SIGTERM once step `at` is done; the steps done, what stopped the run, the checkpoint.
 """
 
@@ -30,34 +33,72 @@ from host_syncs import count_trainer_syncs  # noqa: E402
 
 
 def local_weights(trainer) -> dict[str, torch.Tensor]:
-    return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
-            for n, p in trainer.strategy.trained_parameters().items()}
+    """This rank's weights: replicas, FSDP shards; under ZeRO the model's weights (ZeRO-3: this rank's
+    partition of each) and the fp32 master partitions the optimizer steps."""
+    weights = {n: (p.ds_tensor if hasattr(p, "ds_tensor") else p.to_local() if hasattr(p, "to_local") else p)
+               .detach().clone() for n, p in trainer.strategy.trained_parameters().items()}
+    if hasattr(trainer.strategy, "engine_optimizer"):
+        masters = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        weights.update({f"master.{i}": p.detach().clone() for i, p in enumerate(masters)})
+    return weights
 
 
-def poison(trainer, rank_step: int) -> None:
+def moments(trainer) -> list[torch.Tensor]:
+    """The optimizer's state tensors (moments, Prodigy's s) and its step counts."""
+    return [v.detach().clone() for state in trainer.optimizer.state.values() for v in state.values()
+            if torch.is_tensor(v) and v.is_floating_point()]
+
+
+class NanGradient(torch.autograd.Function):
+    """The loss as it is, its gradient NaN: a finite loss whose backward is not."""
+
+    @staticmethod
+    def forward(ctx, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def poison(trainer, rank_step: int, gradient: bool = False) -> None:
     calls, original = [0], trainer.loss
 
     def loss(batch, epoch):
         calls[0] += 1
         value = original(batch, epoch)
-        return value * float("nan") if calls[0] == rank_step else value
+        if calls[0] != rank_step:
+            return value
+        return NanGradient.apply(value) if gradient else value * float("nan")
 
     trainer.loss = loss
 
 
 def run_case(name: str, case: dict, runtime, out: Path) -> dict:
-    trainer = Trainer(validate(case["config"]), runtime=runtime, log=lambda *_: None)
+    lines = []
+    trainer = Trainer(validate(case["config"]), runtime=runtime, log=lines.append)
     report = {"lagged": trainer.lagged_guard}
     mine = runtime.rank == case.get("rank")
     if case["kind"] == "syncs":
         counter, result = count_trainer_syncs(trainer)
-        report["steps"] = result.steps
+        report["steps"], report["losses"] = result.steps, result.losses
         report["step_syncs"] = [f"{s.kind} at {s.where}" for s in counter.in_phase("step")]
+        report["step_sync_origins"] = ["/".join(Path(s.origin).parts[-2:]) for s in counter.in_phase("step")]
+        report["checksum"] = float(sum(v.double().sum() for v in local_weights(trainer).values()))
     elif case["kind"] == "nan":
         if mine:
-            poison(trainer, case["at"])  # accumulation 1: micro step `at` is optimizer step `at`
-        history = [local_weights(trainer)]
-        trainer.optimizer.register_step_post_hook(lambda *_: history.append(local_weights(trainer)))
+            # accumulation 1: micro step `at` is optimizer step `at`
+            poison(trainer, case["at"], gradient=case.get("poison") == "gradient")
+        history, states = [local_weights(trainer)], [moments(trainer)]
+        step = trainer.optimizer_step
+
+        def recorded_step(*args):  # after the whole step: ZeRO copies the master partitions back into the weights
+            out = step(*args)
+            history.append(local_weights(trainer))
+            states.append(moments(trainer))
+            return out
+
+        trainer.optimizer_step = recorded_step
         try:
             result = trainer.train()
             report.update(steps=result.steps, skipped=result.skipped_steps)
@@ -65,6 +106,10 @@ def run_case(name: str, case: dict, runtime, out: Path) -> dict:
             report["halted"] = str(halted)
         report["changed"] = [any(not torch.equal(a[n], b[n]) for n in a) for a, b in zip(history, history[1:])]
         report["finite"] = [all(bool(torch.isfinite(v).all()) for v in w.values()) for w in history]
+        # the first step creates the state: compared from the second on
+        report["moments_changed"] = [len(a) != len(b) or any(not torch.equal(x, y) for x, y in zip(a, b))
+                                     for a, b in zip(states, states[1:])]
+        report["moments_finite"] = [all(bool(torch.isfinite(v).all()) for v in s) for s in states]
         report["checksums"] = [float(sum(v.double().sum() for v in w.values())) for w in history]
         torch.save(history, out / f"{name}-rank{runtime.rank}-weights.pt")
     elif case["kind"] == "signal":
@@ -81,6 +126,7 @@ def run_case(name: str, case: dict, runtime, out: Path) -> dict:
         report.update(steps=result.steps, stopped_by=result.stopped_by,
                       checkpoint=str(result.checkpoint) if result.checkpoint else None)
     trainer.close()
+    report["guard_line"] = next((line for line in lines if line.startswith("step guard")), None)
     return report
 
 
