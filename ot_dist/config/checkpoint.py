@@ -44,15 +44,15 @@ class CheckpointConfig(Section):
     on_nonfinite_loss: Literal["stop", "skip_step"] = Field(
         default="stop",
         description="A NaN / inf loss on any rank. stop: save the weights as they are (the bad step is not "
-        "applied) and exit with code 4; skip_step: drop that step's gradients and go on (not under zero1-3, "
-        "whose engine owns the step). How it is checked: step_guard.",
+        "applied) and exit with code 4; skip_step: drop that step's gradients and go on (under zero1-3 only with "
+        "step_guard: lagged, whose engine owns the step). How it is checked: step_guard.",
     )
     step_guard: Literal["auto", "lagged", "blocking"] = Field(
         default="auto",
         description="How ranks agree on stop signals, time-based saves and non-finite losses each optimizer step. "
         "lagged: no host sync per step; a non-finite step is skipped on the device (fused ADAM / ADAMW / SGD, "
-        "PRODIGY; not under zero1-3, train_dtype float16 or fused_back_pass) and counts as a step (schedule and EMA "
-        "advance, the weights and moments do not change); a stop signal or time-based save acts one step later. "
+        "PRODIGY, also under zero1-3; not with train_dtype float16, DeepSpeed's CPU offload or fused_back_pass) "
+        "and counts as a step (schedule and EMA advance, the weights and moments do not change); a stop signal or time-based save acts one step later. "
         "blocking: the flags are read on the host before each step (one host sync per step), a non-finite step "
         "is not counted. auto: lagged where the run allows it, blocking otherwise (the startup log says which).",
     )
