@@ -2,7 +2,8 @@
 
 The lagged guard keeps a non-finite loss off the weights on the device (the optimizer's `found_inf`) and reads
 stop / save / non-finite flags one step later; the blocking guard (the fallback) reads them before each step.
-Single process here; 2 gloo ranks under ddp and fsdp in the second half (tests/helpers/guard_ranks.py)."""
+Single process here; 2 gloo ranks under ddp and fsdp in the second half, and under zero1/2/3 at the end
+(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py)."""
 
 from __future__ import annotations
 
