@@ -130,7 +130,7 @@ def in_aligned_memory(pipeline):
 SLOWEST_FIRST = (
     "test_checkpoint.py", "test_family_strategies.py", "test_optimizers_distributed.py", "test_tracking.py",
     "test_strategies.py", "test_checkpoint_safety.py", "test_early_checks.py", "test_bench.py", "test_run_safety.py",
-    "test_cli.py", "test_optimizers_new.py", "test_lora_variants.py", "test_data_shards.py", "test_k8s.py",
+    "test_cli.py", "test_lora_variants.py", "test_data_shards.py", "test_k8s.py",
     "test_sharded_prodigy_ema.py", "test_step_guard.py", "test_lora_tools.py", "test_family_flux.py",
 )
 
