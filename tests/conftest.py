@@ -31,6 +31,32 @@ def tiny_models(tmp_path_factory):
     return {family: make_tiny_model(root / family, family) for family in ("sd1", "sd2", "sdxl")}
 
 
+@pytest.fixture(scope="session")
+def small_sd1(tmp_path_factory):
+    """An SD 1.x model like tiny_models["sd1"] (same VAE, text encoder, tokenizer, scheduler) whose UNet has 2 levels
+    instead of 4: 4 attention blocks instead of 10, still a cross-attention block down, in the middle and up, and a
+    down- and an upsampler (every sharding unit kind). For multi-rank launches of many cases whose cost grows with
+    the module count (ZeRO-3 hooks and gathers every module, DeepSpeed broadcasts every parameter, FSDP units) and
+    whose assertions do not depend on the depth: the optimizer x strategy matrix, the LoRA variants on 2 ranks.
+    Measured: the matrix's 19 ZeRO-3 cases took 146 CPU s on the 4-level UNet, 67 s on this one."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from ot_dist.file_modes import share_with_umask
+    from ot_dist.models.tiny import TEXT_HIDDEN, build_tiny_pipeline
+
+    pipe = build_tiny_pipeline("sd1")
+    torch.manual_seed(0)
+    pipe.unet = UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        block_out_channels=(32, 64), cross_attention_dim=TEXT_HIDDEN, attention_head_dim=4)
+    folder = tmp_path_factory.mktemp("small_sd1") / "sd1"
+    pipe.save_pretrained(folder, safe_serialization=True)
+    share_with_umask(folder)  # as make_tiny_model: diffusers writes its safetensors 0600
+    return folder
+
+
 class _LazyModels(dict):
     """family name -> tiny diffusers folder, built on first use (so a test of one family builds only that one)."""
 
@@ -104,7 +130,7 @@ def in_aligned_memory(pipeline):
 SLOWEST_FIRST = (
     "test_checkpoint.py", "test_family_strategies.py", "test_optimizers_distributed.py", "test_tracking.py",
     "test_strategies.py", "test_checkpoint_safety.py", "test_early_checks.py", "test_bench.py", "test_run_safety.py",
-    "test_cli.py", "test_optimizers_new.py", "test_lora_variants.py", "test_data_shards.py", "test_k8s.py",
+    "test_cli.py", "test_lora_variants.py", "test_data_shards.py", "test_k8s.py",
     "test_sharded_prodigy_ema.py", "test_step_guard.py", "test_lora_tools.py", "test_family_flux.py",
 )
 

@@ -98,23 +98,25 @@ def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: 
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_path):
+def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_data, tmp_path):
     families = (family, *RIDERS.get(family, ()))
+    # SD 1.x: the 2-level UNet (conftest.py small_sd1; every sharding unit kind): its 19 runs cost per module
+    models = {name: small_sd1 if name == "sd1" else family_models[name] for name in families}
     references = {}
     for name in families:
         for method in METHODS:
             out = tmp_path / f"ref-{name}-{method}"
-            raw = base_config(family_models[name], shapes_data, out, family=name, method=method, batch_size=4,
+            raw = base_config(models[name], shapes_data, out, family=name, method=method, batch_size=4,
                               **settings(name, method, **trained(name, method)))
             Trainer(validate(raw), log=lambda *_: None).train()
             references[name, method] = exported(out, name, method, bool(trained(name, method)))
     cases = {}
     for name in families:
-        cases |= family_cases(name, family_models[name], shapes_data, tmp_path, accumulation=name == family)
+        cases |= family_cases(name, models[name], shapes_data, tmp_path, accumulation=name == family)
     if family == CLIPPED["family"]:
         clipped = {"clip_grad_norm": CLIPPED["clip_grad_norm"]}
         out = tmp_path / f"ref-{family}-clipped"
-        raw = base_config(family_models[family], shapes_data, out, family=family, method="full", batch_size=4,
+        raw = base_config(models[family], shapes_data, out, family=family, method="full", batch_size=4,
                           **settings(family, "full", **clipped, **trained(family, "full")))
         Trainer(validate(raw), log=lambda *_: None).train()
         references[family, "clipped"] = exported(out, family, "full", bool(trained(family, "full")))
@@ -122,7 +124,7 @@ def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_pa
         assert max((references[family, "clipped"][k] - unclipped[k]).abs().max().item() for k in unclipped) > 100 * TOLERANCE, \
             f"clipping at {CLIPPED['clip_grad_norm']} changed nothing"
         cases |= {f"{family}/{strategy}+clipped-clipped": base_config(
-            family_models[family], shapes_data, tmp_path / f"{family}-{strategy}+clipped-clipped", family=family,
+            models[family], shapes_data, tmp_path / f"{family}-{strategy}+clipped-clipped", family=family,
             method="full", batch_size=2, strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy], **trained(family, "full")))
             for strategy in CLIPPED["strategies"]}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -139,7 +141,7 @@ def test_strategies_equal_one_process(family, family_models, shapes_data, tmp_pa
         assert diff <= TOLERANCE, f"{case}: max abs diff {diff:.3g} > {TOLERANCE}"
         # The comparison can fail: training moved the weights far more than the tolerance.
         if method == "full":
-            start = base_weights(family_models[name], name, with_text_encoder)
+            start = base_weights(models[name], name, with_text_encoder)
         else:
             start = {k: torch.zeros_like(v) for k, v in got.items() if "lora_B" in k or "lora_up" in k}
         moved = max((start[k].float() - got[k].float()).abs().max().item() for k in start)

@@ -299,11 +299,12 @@ def test_config_refusals(tiny_models, shapes_data, tmp_path):
 
 
 # ---- strategies ---------------------------------------------------------------------------------------------------
-def test_variants_train_on_two_ranks_as_in_one_process(tiny_models, shapes_data, tmp_path):
+def test_variants_train_on_two_ranks_as_in_one_process(small_sd1, shapes_data, tmp_path):
     """fsdp and zero3 for every variant, in one 2-process gloo launch (batch 2 each), equal to one process with batch
     4 on the exported file (tests/test_strategies.py's comparison). Under zero3 peft's variant layers read weights
     outside their owners' forward (DoRA the base weight's norm, LoHa / LoKr their ParameterDict factors), which
-    ZeRO-3 gathers only because they are registered with the adapter layer (parallel/deepspeed.py)."""
+    ZeRO-3 gathers only because they are registered with the adapter layer (parallel/deepspeed.py). On the 2-level
+    UNet (conftest.py small_sd1: every adapted layer kind, 40% of the modules ZeRO-3 hooks) and one shard set."""
     import json
 
     from test_strategies import ENV, REPO, assert_matches
@@ -312,8 +313,9 @@ def test_variants_train_on_two_ranks_as_in_one_process(tiny_models, shapes_data,
     steps, lr = 3, 1e-5
 
     def raw(out, variant, **extra):
-        return base_config(tiny_models["sd1"], shapes_data, out, method="lora", max_steps=steps, learning_rate=lr,
-                           **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": variant}, **extra)
+        return base_config(small_sd1, shapes_data, out, method="lora", max_steps=steps, learning_rate=lr,
+                           **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": variant,
+                              "data.shards": str(tmp_path / "shards")}, **extra)
 
     references, initial = {}, {}
     for variant in VARIANTS:
