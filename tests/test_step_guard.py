@@ -322,13 +322,13 @@ LAGGED_LINE = "step guard: lagged, no host sync per optimizer step"
 
 
 @pytest.fixture(scope="module")
-def zero_ranks(tiny_models, shapes_data, tmp_path_factory):
+def zero_ranks(small_sd1, shapes_data, tmp_path_factory):
     """One 2-rank launch of the ZeRO cases; {case: [rank 0 report, rank 1 report]}. Clipping on everywhere: DeepSpeed
     reads the norm once more before clipping, and a NaN norm makes the clipped gradients NaN."""
     root = tmp_path_factory.mktemp("zero_guard")
 
     def config(name, strategy, guard, **options):
-        return base_config(tiny_models["sd1"], shapes_data, root / name, strategy=strategy, batch_size=1,
+        return base_config(small_sd1, shapes_data, root / name, strategy=strategy, batch_size=1,
                            clip_grad_norm=1.0, **{"max_steps": 3, "checkpoint.at_end": False,
                                                   "checkpoint.step_guard": guard, **FUSED, **options})
 
