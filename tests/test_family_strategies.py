@@ -27,8 +27,9 @@ TOLERANCE = 1e-5
 FAMILIES = ["sd1", "sd3", "flux", "pixart_alpha"]
 STRATEGIES = {"ddp": {}, "fsdp": {"gradient_checkpointing": True}, "zero1": {}, "zero2": {},
               "zero3": {"gradient_checkpointing": True}}
-# Gradient accumulation (batch 1 x 2 micro steps x 2 ranks) must average, not sum, the micro steps too.
-ACCUMULATION = {"ddp", "fsdp", "zero2"}
+# Gradient accumulation (batch 1 x 2 micro steps x 2 ranks) must average, not sum, the micro steps too. (zero3:
+# DeepSpeed counts its micro steps when its engine is called; uncalled, each micro step's gradients replaced the last's.)
+ACCUMULATION = {"ddp", "fsdp", "zero2", "zero3"}
 # Families checked under some strategies only (the others' cases cover the strategy code itself); PixArt-α:
 # its VB term and micro-conditioning under fsdp and zero2; Stable Cascade: its prior's nested block lists as
 # sharding units and its continuous-time objective under fsdp and zero2; Würstchen v2: its prior's flat block list

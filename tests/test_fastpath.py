@@ -63,7 +63,8 @@ def test_zero2_config_overlaps_communication_on_gpu_in_explicit_buckets(family_m
         assert zero(stage, "cpu")["overlap_comm"] is False  # no side stream on the CPU accelerator
     chosen = zero(2, "cpu", **{"deepspeed.overlap_comm": True, "deepspeed.reduce_bucket_size": 50_000_000})
     assert chosen["overlap_comm"] is True and chosen["reduce_bucket_size"] == 50_000_000
-    assert zero(3, "cuda") == {"stage": 3}  # ZeRO-3 overlaps by default; its own bucket choices stay
+    # ZeRO-3 overlaps by default and its own bucket choices stay; a parameter is released when its module is done
+    assert zero(3, "cuda") == {"stage": 3, "stage3_max_reuse_distance": 0}
 
 
 def test_cuda_runs_initialise_nccl_and_gloo(monkeypatch):
