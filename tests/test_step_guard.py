@@ -356,6 +356,13 @@ def zero_ranks(small_sd1, shapes_data, tmp_path_factory):
     return {name: [json.loads((root / f"{name}-rank{r}.json").read_text()) for r in range(2)] for name in cases}
 
 
+# ZeRO-3 compares the module trace it records with rank 0's (zero/utils.py assert_ints_same_as_other_ranks: a few
+# .cpu() of broadcast tensors, then .item() of each host element) when its first two micro steps begin, and again after
+# something (a validation) breaks the trace: DeepSpeed's own reads, once per recording, not per step. That the trace
+# is not recorded anew at every step is tests/test_zero3_collectives.py's (no broadcast in the steps after).
+TRACE_CHECK = "zero/utils.py"
+
+
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_zero_adds_no_host_sync_per_step_when_lagged(zero_ranks, stage):
     """Lagged: none (DeepSpeed's checks run on the device). Blocking, the same run: the guard's read and DeepSpeed's
@@ -365,11 +372,12 @@ def test_zero_adds_no_host_sync_per_step_when_lagged(zero_ranks, stage):
     assert zero_ranks[f"{stage}_blocking"][0]["guard_line"].startswith("step guard: blocking")
     for report in zero_ranks[f"{stage}_lagged"]:
         assert report["lagged"] and report["steps"] == 3
-        assert report["step_syncs"] == [], report["step_syncs"]
+        per_step = [s for s, o in zip(report["step_syncs"], report["step_sync_origins"]) if o != TRACE_CHECK]
+        assert per_step == [], per_step
     deepspeed_reads = {"zero2": {"runtime/utils.py": 2, "zero/stage_1_and_2.py": 1}, "zero3": {"runtime/utils.py": 1}}
     for report in zero_ranks[f"{stage}_blocking"]:
         assert not report["lagged"] and report["steps"] == 3
-        origins = collections.Counter(report["step_sync_origins"])
+        origins = collections.Counter(o for o in report["step_sync_origins"] if o != TRACE_CHECK)
         assert origins == {"train/stopping.py": 3, **{k: 3 * n for k, n in deepspeed_reads[stage].items()}}, \
             report["step_syncs"]
 
