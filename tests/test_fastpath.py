@@ -65,6 +65,9 @@ def test_zero2_config_overlaps_communication_on_gpu_in_explicit_buckets(family_m
     assert chosen["overlap_comm"] is True and chosen["reduce_bucket_size"] == 50_000_000
     # ZeRO-3 overlaps by default and its own bucket choices stay; a parameter is released when its module is done
     assert zero(3, "cuda") == {"stage": 3, "stage3_max_reuse_distance": 0}
+    # the engine is called at every micro step, where DeepSpeed's throughput timer would synchronize the device
+    raw = base_config(family_models["sd1"], shapes_data, tmp_path, strategy="zero3")
+    assert deepspeed_config(validate(raw), 3, 2, "cuda")["timers"] == {"throughput": {"enabled": False}}
 
 
 def test_cuda_runs_initialise_nccl_and_gloo(monkeypatch):
