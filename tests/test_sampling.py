@@ -187,8 +187,14 @@ def test_sdxl_samples_match_its_pipeline(tiny_models, shapes_data, tmp_path):
     raw = base_config(tiny_models["sdxl"], shapes_data, tmp_path, family="sdxl", max_steps=1,
                       **{"sampling.prompts": [RED]})
     Trainer(validate(raw), log=quiet).train()
-    sample = pixels(tmp_path / "samples" / "step-1" / FILES[0])
-    assert np.array_equal(sample, diffusers_sample(tmp_path / "model", RED))
+    sample = pixels(tmp_path / "samples" / "step-1" / FILES[0]).astype(int)
+    expected = diffusers_sample(tmp_path / "model", RED).astype(int)
+    # Equal up to float32 rounding, not bit for bit: with the packages setup installed in November 2026 one value
+    # of 12,288 is 1 level off (a float landing beside a rounding boundary in one of the two paths). A sampler that
+    # differs in anything (scheduler, guidance, conditioning, weights) moves most values by many levels.
+    difference = np.abs(sample - expected)
+    assert difference.max() <= 1 and np.count_nonzero(difference) <= sample.size // 1000, (
+        f"{np.count_nonzero(difference)} values differ, by up to {difference.max()}")
 
 
 def test_two_ranks_generate_one_prompt_each_and_match_one_process(tiny_models, shapes_data, tmp_path):
