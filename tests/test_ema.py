@@ -49,6 +49,43 @@ def test_cpu_placement_and_state_round_trip():
         other.load_state_dict(ema.state_dict())
 
 
+def test_staged_updates_copy_without_waiting_and_give_the_same_average_bit_for_bit(monkeypatch):
+    """ema.device: cpu with weights on a GPU stages each update: the weights go into host buffers with non_blocking
+    copies, and the lerp runs at the next update or read. Forced here on the CPU: no `.to()` (a blocking copy on a GPU)
+    and no lerp during an update, only non-blocking copies; every read (values, state_dict, full_weights) sees the
+    same average as the immediate path, bit for bit, and a checkpoint's averages replace a pending update."""
+    weights = [torch.nn.Parameter(torch.randn(4, 5)), torch.nn.Parameter(torch.randn(7))]
+    ownership = Ownership([whole(w, f"w{i}") for i, w in enumerate(weights)], {f"w{i}": w.shape for i, w in enumerate(weights)})
+    immediate = ShardedEMA(ownership, 0.9, 2, device=torch.device("cpu"), staged=False)
+    staged = ShardedEMA(ownership, 0.9, 2, device=torch.device("cpu"), staged=True)
+    copies, lerps = [], []
+    copy_, lerp_ = torch.Tensor.copy_, torch._foreach_lerp_
+    for step in range(9):
+        with torch.no_grad():
+            for w in weights:
+                w.mul_(1.1).add_(0.3)  # the optimizer step
+        immediate.update(step)
+        monkeypatch.setattr(torch.Tensor, "to", lambda *a, **k: pytest.fail("a blocking .to() in a staged update"))
+        monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src, non_blocking=False: copies.append(non_blocking) or copy_(t, src, non_blocking))
+        monkeypatch.setattr(torch, "_foreach_lerp_", lambda *a: lerps.append(step) or lerp_(*a))
+        staged.update(step)
+        monkeypatch.undo()
+        if step == 4:
+            assert staged._pending is not None  # the update of step 3 is still staged
+            assert all(torch.equal(a, b) for a, b in zip(staged.state_dict()["values"], immediate.state_dict()["values"]))
+    assert copies == [True] * 8  # 4 updates x 2 tensors, all non_blocking
+    # each update's lerp ran at the next one: step 1's at step 3, step 5's at step 7 (step 3's ran at the read after
+    # step 4, outside an update)
+    assert lerps == [3, 7]
+    assert all(torch.equal(a, b) for a, b in zip(staged.values, immediate.values))
+    assert all(torch.equal(a, b) for a, b in zip(staged.full_weights().values(), immediate.full_weights().values()))
+    saved = immediate.state_dict()
+    weights[0].data.add_(1.0)
+    staged.update(9)  # pending, then replaced by the checkpoint's averages
+    staged.load_state_dict(saved)
+    assert all(torch.equal(a, b) for a, b in zip(staged.values, saved["values"]))
+
+
 def test_full_finetune_exports_an_ema_model_diffusers_loads(tiny_models, shapes_data, tmp_path):
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
