@@ -753,9 +753,11 @@ class TrainConfig(Section):
     def _no_device_skip(self) -> str | None:
         """Why checkpoint.step_guard: lagged cannot work here, as far as the config tells (the trainer checks the
         built optimizer too: ot_dist/train/device_skip.py)."""
+        from ot_dist.parallel.zero_skip import zero_device_skip_unavailable
+
         optimizer = self.optimizer
-        if self.strategy.startswith("zero") and (self.deepspeed.offload_optimizer or self.deepspeed.offload_params):
-            return f"strategy {self.strategy} with DeepSpeed's CPU offload, which reads the gradient norm on the host"
+        if self.strategy.startswith("zero") and (reason := zero_device_skip_unavailable(self)):
+            return f"strategy {self.strategy}, {reason}"
         if self.train_dtype == "float16":
             return "train_dtype float16: the loss scaler decides the step on its own overflow check"
         if optimizer.name not in ("ADAM", "ADAMW", "SGD", "PRODIGY"):
