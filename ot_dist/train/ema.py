@@ -65,13 +65,13 @@ class ShardedEMA:
         """Queue the copy of this update's weights into the host buffers; the previous update's lerp goes first
         (its copy finished an update interval ago), so the buffers are free again."""
         self.settle()
+        on_gpu = any(s.device.type == "cuda" for s in sources)
         if self._buffers is None:
-            pin = any(s.device.type == "cuda" for s in sources)
-            self._buffers = [torch.empty_like(v, pin_memory=pin) for v in self._values]
+            self._buffers = [torch.empty_like(v, pin_memory=on_gpu) for v in self._values]
         for buffer, source in zip(self._buffers, sources):
             buffer.copy_(source.detach(), non_blocking=True)
         event = None
-        if any(s.device.type == "cuda" for s in sources):
+        if on_gpu:
             event = torch.cuda.Event()
             event.record()
         self._pending = (event, weight)
@@ -106,7 +106,7 @@ class ShardedEMA:
     def load_state_dict(self, state: dict) -> None:
         values = state["values"]
         self._pending = None  # replaced by the saved averages
-        if len(values) != len(self._values) or any(a.shape != b.shape for a, b in zip(values, self.values)):
+        if len(values) != len(self._values) or any(a.shape != b.shape for a, b in zip(values, self._values)):
             raise ValueError("ema: the saved averages do not match this run's layout of the trained weights")
-        for target, saved in zip(self.values, values):
+        for target, saved in zip(self._values, values):
             target.copy_(saved)
