@@ -8,11 +8,11 @@ import ctypes
 import pytest
 import torch
 
+from test_config import MINIMAL
+
 from ot_dist.config import device_dtype
 from ot_dist.config.load import validate
 from ot_dist.launcher import reconcile_with_launcher
-
-MINIMAL = {"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o", "data": {"path": "d"}}
 
 
 def test_a_cpu_machine_trains_in_float32_by_default_and_an_explicit_dtype_is_kept():
