@@ -24,6 +24,7 @@ from ot_dist.file_modes import share_with_umask
 
 MARKER = "COMMITTED"
 LATEST = "latest"
+TRAINER_FILE = "trainer.json"  # rank 0's: position, schedule, what the run was (checkpoint/training_state.py)
 _NAME = re.compile(r"^step-(\d{8})$")
 
 

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
+from ot_dist.checkpoint.staging import HostCopies
 from ot_dist.errors import InputFileError
 from ot_dist.parallel.ownership import Fragment, Ownership, local
 
@@ -54,26 +55,17 @@ def classify(state: dict, owned_shape: torch.Size) -> dict[str, str]:
     return kinds
 
 
-def _host(t: torch.Tensor, seen: set[int]) -> torch.Tensor:
-    t = local(t).detach()
-    t = t.to("cpu").contiguous()
-    key = t.untyped_storage().data_ptr()
-    if key in seen:  # safetensors refuses tensors sharing memory (a ZeRO-3 master is its partition's storage)
-        t = t.clone()
-    seen.add(t.untyped_storage().data_ptr())
-    return t
-
-
-def save_rank_state(folder: Path, rank: int, ownership: Ownership, optimizer, ema, writes_owned: bool,
-                    extra_tensors: dict[str, torch.Tensor], extra_json: dict) -> None:
-    """Write rank-<r>.safetensors and rank-<r>.json into `folder`. `writes_owned` is false on ranks whose
-    owned tensors duplicate another rank's (ddp replicas, hybrid-shard replicas): they save only their RNG."""
-    tensors, owned_meta, seen = {}, [], set()
+def rank_state(ownership: Ownership, optimizer, ema, writes_owned: bool, extra_tensors: dict[str, torch.Tensor],
+               extra_json: dict, to_host) -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's share of the training state as (the tensors of rank-<r>.safetensors, the JSON of rank-<r>.json).
+    `to_host(tensor)` gives each flat or scalar tensor's host copy (checkpoint/staging.py). `writes_owned` is false on
+    ranks whose owned tensors duplicate another rank's (ddp replicas, hybrid-shard replicas): they save only their RNG."""
+    tensors, owned_meta = {}, []
     for i, owned in enumerate(ownership.owned if writes_owned else []):
         values = owned.local()
-        tensors[f"w/{i}"] = _host(values.reshape(-1), seen)
+        tensors[f"w/{i}"] = to_host(values.reshape(-1))
         if ema is not None:
-            tensors[f"ema/{i}"] = _host(ema.values[i].reshape(-1), seen)
+            tensors[f"ema/{i}"] = to_host(ema.values[i].reshape(-1))
         state = optimizer_state_of(optimizer, owned.param)
         kinds = classify(state, values.shape)
         entries, python = {}, {}
@@ -82,7 +74,7 @@ def save_rank_state(folder: Path, rank: int, ownership: Ownership, optimizer, em
                 python[key] = value
                 continue
             plain = local(value)
-            tensors[f"opt/{i}/{key}"] = _host(plain.reshape(-1) if kinds[key] == "elementwise" else plain, seen)
+            tensors[f"opt/{i}/{key}"] = to_host(plain.reshape(-1) if kinds[key] == "elementwise" else plain)
             entries[key] = {
                 "kind": kinds[key],
                 "dtensor": isinstance(value, DTensor),
@@ -95,10 +87,21 @@ def save_rank_state(folder: Path, rank: int, ownership: Ownership, optimizer, em
             "python_state": jsonable(python, f"optimizer state of {owned.fragments[0].name if owned.fragments else i}"),
         })
     for key, value in extra_tensors.items():
-        tensors[key] = _host(value, seen)
+        tensors[key] = to_host(value)
+    return tensors, {"owned": owned_meta, **extra_json}
+
+
+def write_rank_state(folder: Path, rank: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """rank-<r>.safetensors and rank-<r>.json in `folder`, from `rank_state`'s host copies."""
     save_file(tensors, folder / f"{rank_stem(rank)}.safetensors")
-    meta = {"rank": rank, "owned": owned_meta, **extra_json}
-    (folder / f"{rank_stem(rank)}.json").write_text(json.dumps(meta))
+    (folder / f"{rank_stem(rank)}.json").write_text(json.dumps({"rank": rank, **meta}))
+
+
+def save_rank_state(folder: Path, rank: int, ownership: Ownership, optimizer, ema, writes_owned: bool,
+                    extra_tensors: dict[str, torch.Tensor], extra_json: dict) -> None:
+    """Write rank-<r>.safetensors and rank-<r>.json into `folder` now (the checkpointer's path: checkpoint/writer.py)."""
+    tensors, meta = rank_state(ownership, optimizer, ema, writes_owned, extra_tensors, extra_json, HostCopies(False))
+    write_rank_state(folder, rank, tensors, meta)
 
 
 def jsonable(value, what: str):

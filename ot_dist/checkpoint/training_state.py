@@ -10,20 +10,21 @@ safetensors only: nothing in a checkpoint can execute code when it is read.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.rng import capture_rng, restore_rng
-from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, read_json, save_rank_state
+from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, rank_state, read_json
+from ot_dist.checkpoint.staging import HostCopies
+from ot_dist.checkpoint.writer import BackgroundWriter, Ranks, RankFiles, write_and_commit
 from ot_dist.errors import InputFileError
 from ot_dist.optim.registry import SPECS
 from ot_dist.optim.schedule_free import resume_training_mode
 
 FORMAT = 1
-TRAINER_FILE = "trainer.json"
+TRAINER_FILE = layout.TRAINER_FILE
 
 
 # Optimizer group settings that choose how the step is computed, not what it computes: this run chose them for its
@@ -60,29 +61,39 @@ class Checkpointer:
         self.run_id: str | None = run.run_id if run is not None else None  # keep_last prunes only this run's
         self.last_saved_step: int | None = None
         self.last_save_time = time.monotonic()
+        self.background = (BackgroundWriter(trainer.runtime, trainer.config.distributed.timeout_minutes)
+                           if trainer.config.checkpoint.write_in_background else None)
 
     # -- saving -------------------------------------------------------------------------------------
     def save(self, step: int, epoch: int, reason: str) -> Path:
+        """Every rank calls this at the same step. The state is copied at this step; in the background the files
+        are written and committed while training goes on (`wait` for the commit), otherwise before this returns."""
         t, runtime = self.trainer, self.trainer.runtime
-        partial = layout.partial_dir(self.root, step)
-        if runtime.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-        runtime.barrier()  # the folder exists before anyone writes into it
+        if self.background is not None:
+            self.background.wait()  # the previous checkpoint is committed (or its failure raised) first
+        copies = HostCopies(independent=self.background is not None)
         rng_tensors, rng_json = capture_rng()
         with t.averaged_weights():  # schedule-free: the average is saved (the groups say so; load turns it back)
-            save_rank_state(partial, runtime.rank, t.ownership, t.optimizer, t.ema, t.strategy.writes_checkpoint_shards(),
-                            rng_tensors, {"rng": rng_json, "world_size": runtime.world_size})
-            if runtime.is_main:
-                (partial / TRAINER_FILE).write_text(json.dumps(self.trainer_state(step, epoch, reason), indent=1))
-        runtime.barrier()  # every rank's files are complete
-        if runtime.is_main:
-            layout.commit(partial, self.root, step, t.config.checkpoint.keep_last, run_id=self.run_id)
-        runtime.barrier()  # nobody goes on (or exits) before the checkpoint is committed
+            tensors, meta = rank_state(t.ownership, t.optimizer, t.ema, t.strategy.writes_checkpoint_shards(),
+                                       rng_tensors, {"rng": rng_json, "world_size": runtime.world_size}, copies)
+            trainer_json = json.dumps(self.trainer_state(step, epoch, reason), indent=1) if runtime.is_main else None
+        files = RankFiles(step, runtime.rank, tensors, meta, trainer_json, copies.ready())
         self.last_saved_step, self.last_save_time = step, time.monotonic()
-        t.log(f"checkpoint: saved step {step} ({reason}) to {self.folder_of(step)}")
+
+        def write(ranks: Ranks) -> None:
+            folder = write_and_commit(files, self.root, t.config.checkpoint.keep_last, self.run_id, ranks)
+            t.log(f"checkpoint: saved step {step} ({reason}) to {folder}")
+
+        if self.background is not None:
+            self.background.start(write)
+        else:
+            write(Ranks(runtime.distributed, runtime.world_size))
         return self.folder_of(step)
+
+    def wait(self) -> None:
+        """Until the checkpoint being written in the background is committed; raises what made it fail."""
+        if self.background is not None:
+            self.background.wait()
 
     def folder_of(self, step: int) -> Path:
         return self.root / layout.final_name(step)

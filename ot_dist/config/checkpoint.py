@@ -35,6 +35,13 @@ class CheckpointConfig(Section):
         description="Keep the newest N committed checkpoints; older ones are deleted only after a new one "
         "committed. null = keep all.",
     )
+    write_in_background: bool = Field(
+        default=True,
+        description="Write checkpoints while training goes on: the state is copied to host memory at the save step "
+        "(from a GPU without making the host wait) and a thread writes and commits it, the same files as a blocking "
+        "write. Costs host memory for one copy of each rank's state while it is written; the next save and the end "
+        "of training wait for the commit. false = training waits until the checkpoint is committed.",
+    )
     resume_past_damaged: bool = Field(
         default=False,
         description="--resume auto when the latest checkpoint is damaged (a file truncated or missing, no marker): "

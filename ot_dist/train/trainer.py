@@ -187,6 +187,25 @@ class Trainer:
                 self.log(f"{group.part}: stopped training after {part.stop_training_after} {part.stop_training_after_unit}s")
 
     def train(self) -> TrainResult:
+        try:
+            result = self._train()
+        except KeyboardInterrupt:
+            raise  # a second Ctrl-C interrupts at once; a checkpoint being written stays uncommitted, the last holds
+        except BaseException:
+            self._commit_written_checkpoint()
+            raise
+        self.checkpointer.wait()  # a checkpoint written in the background is committed before training returns
+        return result
+
+    def _commit_written_checkpoint(self) -> None:
+        """Training failed: a checkpoint written in the background still commits (its ranks are past the step it
+        holds), unless its own write failed too, which is only logged under the error that stopped training."""
+        try:
+            self.checkpointer.wait()
+        except Exception as err:  # noqa: BLE001
+            self.log(f"error: {err}")
+
+    def _train(self) -> TrainResult:
         config = self.config
         accumulation = config.gradient_accumulation_steps
         self.log(

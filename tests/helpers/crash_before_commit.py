@@ -76,6 +76,7 @@ if __name__ == "__main__":
         if child == 0:
             crash_at(point)
             trainer.checkpointer.save(100 + trial, 0, "crash test")
+            trainer.checkpointer.wait()  # written in the background by default: the crash comes in that thread
             os._exit(0)  # not crashed: the test fails on the exit code
         _, status = os.waitpid(child, 0)
         latest = latest_checkpoint(root)
@@ -89,6 +90,7 @@ if __name__ == "__main__":
                         "exit": os.waitstatus_to_exitcode(status), "latest": latest.name,
                         "pointer": pointer, "loaded_step": loaded.step, "weights_restored": same, "partial": leftovers})
     after = trainer.checkpointer.save(500, 0, "after the crashes")  # a real save commits and sweeps the debris
+    trainer.checkpointer.wait()
     leftovers = sorted(p.name for p in root.iterdir() if p.name.endswith(".partial"))
     json.dump({"good": good.name, "trials": results, "after": after.name, "latest_after": latest_checkpoint(root).name,
                "partial_after": leftovers}, open(sys.argv[2], "w"))

@@ -1,0 +1,54 @@
+"""Host copies of the tensors a checkpoint saves.
+
+Written at once (`independent=False`), a checkpoint may save a CPU tensor as it is: nothing changes it before the
+write ends. Written in the background (checkpoint/writer.py), training goes on and changes the weights, moments and
+averages while the file is written, so each tensor gets its own copy, taken at the step the checkpoint is of. Tensors
+on a GPU are copied into pinned host memory with non_blocking: the copies are queued on the current stream, after
+the optimizer step that made the values and before the next one changes them, and the host does not wait for them;
+the writer thread waits for their event before it writes. CPU tensors (DeepSpeed's offloaded partitions, an EMA in
+CPU memory, runs on the CPU) are copied at once, which costs a memory copy, not a device sync."""
+
+from __future__ import annotations
+
+import torch
+
+from ot_dist.parallel.ownership import local
+
+
+class HostCopies:
+    def __init__(self, independent: bool):
+        self.independent = independent
+        self._on_gpu = False
+        self._seen: set[int] = set()  # storages already in this checkpoint (see __call__)
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        tensor = local(tensor).detach()
+        if not self.independent:
+            copy = tensor.to("cpu").contiguous()
+            # safetensors refuses tensors sharing memory (a ZeRO-3 master is its partition's storage)
+            if copy.untyped_storage().data_ptr() in self._seen:
+                copy = copy.clone()
+            self._seen.add(copy.untyped_storage().data_ptr())
+            return copy
+        on_gpu = tensor.device.type == "cuda"
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=on_gpu)
+        copy.copy_(tensor, non_blocking=on_gpu)
+        self._on_gpu |= on_gpu
+        return copy
+
+    def ready(self) -> "CopiesDone":
+        """Something to wait on before the copies are read: the event after the last GPU copy queued so far."""
+        if not self._on_gpu:
+            return CopiesDone(None)
+        event = torch.cuda.Event()
+        event.record()
+        return CopiesDone(event)
+
+
+class CopiesDone:
+    def __init__(self, event):
+        self.event = event
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()

@@ -1,0 +1,137 @@
+"""Checkpoints written in the background (checkpoint.write_in_background; ot_dist/checkpoint/writer.py, staging.py).
+
+The files are those a blocking write gives, byte for byte, although training changes the weights, the moments and
+the EMA while they are written; a failed write is raised on every rank at the same point, commits nothing and
+keeps the previous checkpoint; the commit protocol's collectives run beside training's without mixing with them."""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from conftest import base_config
+from forked_ranks import run_ranks
+
+from ot_dist.checkpoint import layout, writer
+from ot_dist.config.load import validate
+from ot_dist.errors import InputFileError
+from ot_dist.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 3
+# What differs between two runs by design: where they write and when, their run ids.
+PER_RUN = {"run_id", "saved_at", "tracking_outbox", "config"}
+WRITE_RANK_STATE = writer.write_rank_state
+
+
+def quiet(*_args, **_kwargs):
+    pass
+
+
+def config(tiny_models, shapes_data, out: Path, background: bool, steps: int = STEPS) -> dict:
+    return validate(base_config(tiny_models["sd1"], shapes_data, out, batch_size=2, max_steps=steps, **{
+        "optimizer.name": "ADAMW", "ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 1,
+        "checkpoint.every_n_steps": 1, "checkpoint.keep_last": None, "checkpoint.write_in_background": background}))
+
+
+def train_recording(cfg, monkeypatch, hold_writes: bool) -> list[tuple[str, int]]:
+    """Train; the events in order: ("stepped", n) after optimizer step n, ("writing" / "written", n) around the
+    files of the checkpoint of step n. `hold_writes`: the files of step n wait until step n + 1 is done (they can
+    only if training goes on while they are written)."""
+    trainer = Trainer(cfg, log=quiet)
+    events, stepped = [], threading.Condition()
+    original_step = trainer.optimizer_step
+
+    def optimizer_step(step):
+        result = original_step(step)
+        with stepped:
+            events.append(("stepped", step + 1))
+            stepped.notify_all()
+        return result
+
+    def write_rank_state(folder, rank, tensors, meta):
+        step = sum(kind == "writing" for kind, _ in events) + 1  # one write at a time, every step saved
+        events.append(("writing", step))
+        if hold_writes and step < STEPS:
+            with stepped:
+                assert stepped.wait_for(lambda: ("stepped", step + 1) in events, timeout=60), \
+                    f"step {step + 1} never ran while the checkpoint of step {step} was being written"
+        WRITE_RANK_STATE(folder, rank, tensors, meta)
+        events.append(("written", step))
+
+    trainer.optimizer_step = optimizer_step
+    monkeypatch.setattr(writer, "write_rank_state", write_rank_state)
+    trainer.train()
+    trainer.close()
+    return events
+
+
+def comparable_files(folder: Path) -> dict[str, object]:
+    files = {}
+    for path in sorted(folder.iterdir()):
+        if path.name == layout.TRAINER_FILE:
+            files[path.name] = {k: v for k, v in json.loads(path.read_text()).items() if k not in PER_RUN}
+        elif path.name == layout.MARKER:
+            sizes = json.loads(path.read_text())["files"]
+            files[path.name] = {name: size for name, size in sizes.items() if name != layout.TRAINER_FILE}
+        else:
+            files[path.name] = path.read_bytes()
+    return files
+
+
+def test_background_checkpoints_equal_blocking_ones_while_training_goes_on(tiny_models, shapes_data, tmp_path,
+                                                                            monkeypatch):
+    """Every step saved: the checkpoint of step n is written while step n + 1 changes the weights, moments and EMA,
+    and holds step n's state, byte for byte what the blocking write holds."""
+    events = {}
+    for background in (False, True):
+        cfg = config(tiny_models, shapes_data, tmp_path / str(background), background)
+        events[background] = train_recording(cfg, monkeypatch, hold_writes=background)
+    assert events[False] == [e for n in range(1, STEPS + 1) for e in (("stepped", n), ("writing", n), ("written", n))]
+    for n in range(1, STEPS):  # in the background, step n + 1 ran before the files of step n were written
+        order = events[True]
+        assert order.index(("stepped", n + 1)) < order.index(("written", n)), order
+    roots = [layout.checkpoints_dir(tmp_path / str(background)) for background in (False, True)]
+    committed = [[p.name for p in layout.committed_checkpoints(root)] for root in roots]
+    assert committed[0] == committed[1] == [layout.final_name(n) for n in range(1, STEPS + 1)]
+    for name in committed[0]:
+        blocking, background = (comparable_files(root / name) for root in roots)
+        assert background.keys() == blocking.keys()
+        for file in blocking:
+            assert background[file] == blocking[file], f"{name}/{file} differs"
+
+
+def test_a_failed_background_write_stops_training_at_the_next_save(tiny_models, shapes_data, tmp_path, monkeypatch):
+    def full_disk(*_args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "write_rank_state", full_disk)
+    trainer = Trainer(config(tiny_models, shapes_data, tmp_path / "out", background=True, steps=2), log=quiet)
+    with pytest.raises(InputFileError, match="checkpoint of step 1 could not be written on rank 0 .*No space left on "
+                                             "device; nothing was committed"):
+        trainer.train()
+    assert layout.committed_checkpoints(layout.checkpoints_dir(tmp_path / "out")) == []
+    trainer.close()
+
+
+def test_the_commit_protocol_on_two_ranks(tmp_path):
+    """Real gloo ranks, no model (tests/helpers/commit_ranks.py)."""
+    done = run_ranks(REPO / "tests" / "helpers" / "commit_ranks.py", str(tmp_path), str(tmp_path / "result"),
+                     nproc=2, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
+    for out in results:
+        ok = out["background_ok"]
+        assert ok["error"] is None and ok["latest"] == layout.final_name(1) == ok["committed"][0]
+        assert ok["collectives_while_writing"] == 20  # training's all-reduces went on, with right sums
+        for case in ("rank1_fails", "rank1_fails_background"):
+            failed = out[case]
+            assert failed["error"].startswith("InputFileError: checkpoint of step 2 could not be written on rank 1 ")
+            assert failed["latest"] == layout.final_name(1) and failed["committed"] == [layout.final_name(1)]
+        assert out["rank0_cannot_mkdir"]["error"].startswith(
+            "InputFileError: checkpoint of step 1 could not be written on rank 0 ")
+    assert "No space left on device" in results[1]["rank1_fails"]["error"]  # the failing rank says why
+    assert "that rank's log says why" in results[0]["rank1_fails"]["error"]
