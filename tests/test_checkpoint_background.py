@@ -12,10 +12,12 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import base_config
 from forked_ranks import run_ranks
 
 from ot_dist.checkpoint import layout, writer
+from ot_dist.checkpoint.staging import HostCopies
 from ot_dist.config.load import validate
 from ot_dist.errors import InputFileError
 from ot_dist.train.trainer import Trainer
@@ -135,3 +137,19 @@ def test_the_commit_protocol_on_two_ranks(tmp_path):
             "InputFileError: checkpoint of step 1 could not be written on rank 0 ")
     assert "No space left on device" in results[1]["rank1_fails"]["error"]  # the failing rank says why
     assert "that rank's log says why" in results[0]["rank1_fails"]["error"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_state_is_copied_without_the_host_waiting_and_holds_its_step():
+    weights = torch.randn(16 * 2**20, device="cuda")  # 64 MiB
+    expected = weights.cpu()
+    torch.cuda._sleep(2_000_000_000)  # the stream is busy (an optimizer step, say) for a second or so
+    copies = HostCopies(independent=True)
+    copy = copies(weights)
+    done = copies.ready()
+    assert not done.event.query(), "the host waited for the device-to-host copy"
+    assert copy.is_pinned()
+    weights.add_(1.0)  # the next optimizer step, queued after the copy on the same stream
+    done.wait()
+    assert torch.equal(copy, expected)
