@@ -141,15 +141,19 @@ def test_the_commit_protocol_on_two_ranks(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_state_is_copied_without_the_host_waiting_and_holds_its_step():
+def test_gpu_state_is_copied_without_the_host_waiting_and_holds_its_step(tmp_path):
     weights = torch.randn(16 * 2**20, device="cuda")  # 64 MiB
     expected = weights.cpu()
     torch.cuda._sleep(2_000_000_000)  # the stream is busy (an optimizer step, say) for a second or so
     copies = HostCopies(independent=True)
-    copy = copies(weights)
-    done = copies.ready()
-    assert not done.event.query(), "the host waited for the device-to-host copy"
-    assert copy.is_pinned()
+    files = writer.RankFiles(1, 0, {"w/0": copies(weights)}, {"owned": []}, "{}", copies.ready())
+    assert not files.copies_done.event.query(), "the host waited for the device-to-host copy"
+    assert files.tensors["w/0"].is_pinned()
     weights.add_(1.0)  # the next optimizer step, queued after the copy on the same stream
-    done.wait()
-    assert torch.equal(copy, expected)
+    files.copies_done.wait()
+    assert torch.equal(files.tensors["w/0"], expected)
+    pinned = torch.cuda.host_memory_stats()["allocated_bytes.current"]
+    assert pinned >= weights.nbytes
+    writer.write_and_commit(files, tmp_path / "checkpoints", 1, None, writer.Ranks(False, 1))
+    # the pinned copy went back to the system once written (not kept by torch's caching host allocator)
+    assert torch.cuda.host_memory_stats()["allocated_bytes.current"] <= pinned - weights.nbytes

@@ -80,6 +80,7 @@ def write_and_commit(files: RankFiles, root: Path, keep_last: int | None, run_id
         except Exception as err:  # noqa: BLE001 - any failure must still reach the agreement below
             error = err
     files.tensors = {}  # the host copies are on disk (or lost): free them before the commit
+    files.copies_done.release()
     _agree(ranks, files, error, partial, "written")
     if files.rank == 0:
         try:
