@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import base_config
+from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file
 
 from ot_dist.checkpoint.export_command import export_checkpoint
@@ -36,13 +37,17 @@ def assert_frozen_as_loaded(folder, original, dtype):
 
 @pytest.mark.parametrize("weight_dtype,output_dtype", [("float8", "float32"), ("bfloat16", "float16")])
 def test_frozen_components_are_exported_as_loaded_not_as_stored(weight_dtype, output_dtype, tiny_models, shapes_data,
-                                                                tmp_path):
+                                                                tmp_path, monkeypatch):
     original = tiny_models["sd1"]
     raw = base_config(original, shapes_data, tmp_path / "o", batch_size=2, max_steps=1, learning_rate=1e-3,
                       weight_dtype=weight_dtype, output_dtype=output_dtype,
                       **{"ema.enabled": True, "ema.decay": 0.5, "ema.update_step_interval": 1})
     trainer = Trainer(validate(raw), log=quiet)
+    loads, load = [], UNet2DConditionModel.from_pretrained.__func__
+    monkeypatch.setattr(UNet2DConditionModel, "from_pretrained",
+                        classmethod(lambda cls, *args, **kwargs: loads.append(args) or load(cls, *args, **kwargs)))
     result = trainer.train()
+    assert loads == []  # the exports read the frozen components again, not the trained UNet (a second copy)
     dtype = DTYPES[output_dtype]
     # The run did hold rounded copies: exporting them would differ from the original.
     stored = trainer.model.vae.state_dict()
@@ -112,3 +117,18 @@ def test_every_family_exports_its_untrained_components_as_loaded(family, family_
     if trainer.model.family.single_file:
         again = load_model(ModelConfig(family=family, path=str(tmp_path / "o" / "model.safetensors"), config=str(folder)))
         assert_same_weights(components(again), expected)
+
+
+def test_given_modules_stand_in_for_a_folders_components_under_the_folders_class_names(tiny_models):
+    """load_model(given=...): the module given is used, not read from the folder, and model_index.json (the
+    pipeline's config, which exports save) still names the folder's class, not the given module's (a strategy's
+    wrapper subclass, as FSDP2's fully_shard makes)."""
+    folder = tiny_models["sd1"]
+
+    class WrappedUNet(UNet2DConditionModel):
+        pass
+
+    unet = WrappedUNet.from_config(UNet2DConditionModel.load_config(folder / "unet"))
+    loaded = load_model(ModelConfig(family="sd1", path=str(folder)), given={"unet": unet})
+    assert loaded.denoiser is unet
+    assert tuple(loaded.pipeline.config["unet"]) == ("diffusers", "UNet2DConditionModel")

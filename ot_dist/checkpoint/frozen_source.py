@@ -3,7 +3,7 @@ training held. Low-memory storage (`weight_dtype: float8`, `bfloat16`, `float16`
 memory; exporting those copies would silently degrade the VAE and frozen text encoders of the file users load. When
 any frozen module holds rounded copies, the writing rank loads `model.path` again (as `load_model` does, float32:
 lossless for float32 / 16-bit originals) and takes every untrained component from it, so the export casts the
-original once to output_dtype."""
+original once to output_dtype. From a diffusers folder only the untrained components are read again."""
 
 from __future__ import annotations
 
@@ -39,8 +39,10 @@ def export_source(model: LoadedModel, model_config, trained: set[str], state_dic
     states = {name: state_dict_of(parts[name]) for name in trained}
     if not write:
         return ExportSource(model.pipeline, components, states)
-    source = load_model(model_config)
+    source = load_model(model_config, given={name: parts[name] for name in trained})  # a folder: only the frozen
     for name in trained:  # the trained modules in the original's pipeline (their configs; weights from `states`)
+        if getattr(source.pipeline, name) is parts[name]:
+            continue  # given to the loader, not read again
         entry = source.pipeline.config[name]
         setattr(source.pipeline, name, parts[name])  # frees the source's copy
         # diffusers re-registers the class of what is set: a wrapped module (FSDP2's FSDPUNet...) would

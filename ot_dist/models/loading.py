@@ -61,7 +61,11 @@ class LoadedModel:
         return [self.denoiser, self.vae, *self.text_encoders.values(), *self.sampling_modules()]
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = None) -> LoadedModel:
+    """`given`: modules that stand in for components of a diffusers folder, which are then not read from it (a full
+    export takes the frozen components from model.path and passes the trained ones: a Flux transformer is not
+    loaded a second time, 48 GB in float32); the pipeline's config still names the folder's classes. Single files
+    and families with their own folder loader load every component (the caller puts its modules in)."""
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # one bar per component is noise in a training log
@@ -70,7 +74,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     # Offline by default: a training job must never stall on, or silently depend on, a hub download.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if path.is_dir():
-        pipeline = family.complete_pipeline(_load_folder(family, path), path, config)
+        pipeline = family.complete_pipeline(_load_folder(family, path, given or {}), path, config)
     elif path.is_file():
         pipeline = family.load_single_file(path, config.config, config)
     else:
@@ -83,7 +87,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     return LoadedModel(family=family, pipeline=pipeline, objective=family.objective(pipeline, config))
 
 
-def _load_folder(family: Family, path: Path):
+def _load_folder(family: Family, path: Path, given: dict[str, torch.nn.Module]):
     index = path / "model_index.json"
     if not index.is_file():
         raise InputFileError(f"model.path: {path} is not a diffusers model folder (no model_index.json)")
@@ -103,8 +107,11 @@ def _load_folder(family: Family, path: Path):
         pipeline = family.load_folder(path, content)
         if pipeline is not None:
             return pipeline
-        return getattr(diffusers, found).from_pretrained(
-            path, dtype=torch.float32, use_safetensors=True, local_files_only=True
+        pipeline = getattr(diffusers, found).from_pretrained(
+            path, dtype=torch.float32, use_safetensors=True, local_files_only=True, **given
         )
+        # diffusers registers a given module's own class (a strategy's wrapper class, say): keep the folder's
+        pipeline.register_to_config(**{name: content[name] for name in given})
+        return pipeline
     except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason
         raise InputFileError(f"model.path: could not load the diffusers folder {path}: {err}") from None
