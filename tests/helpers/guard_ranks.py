@@ -10,10 +10,11 @@ Every rank writes OUT_DIR/<case>-rank<R>.json:
 - syncs: the host syncs counted in the step phase (tests/helpers/host_syncs.py), one string each;
 - syncs also: the losses and a checksum of this rank's final weights (to compare lagged with blocking);
 - nan: the loss of step `at` is NaN on `rank` only, in its first micro step (with gradient accumulation the other
-  micro steps stay finite; with "poison": "gradient", the loss is finite and its gradient NaN); per optimizer step whether this rank's weights (its
-  shard; under ZeRO also the fp32 master partition) changed and stayed finite, whether the optimizer's moments
-  and step counts changed and stayed finite, a checksum of the weights, the result's steps / skipped steps, and
-  for on_nonfinite_loss: stop the halt message and this rank's weights after every step (a file);
+  micro steps stay finite; with "poison": "gradient", the loss is finite and its gradient NaN); per optimizer step
+  whether this rank's weights (its shard; under ZeRO also the fp32 master partition) changed and stayed finite,
+  whether the optimizer's moments and step counts changed and stayed finite, a checksum of the weights, the
+  result's steps / skipped steps, and for on_nonfinite_loss: stop the halt message and this rank's weights after
+  every step (a file);
 - signal: `rank` sends itself SIGTERM once optimizer step `at` is done; the steps done (and those before a resume),
   what stopped the run, the checkpoint.
 """
