@@ -335,12 +335,14 @@ def zero_ranks(small_sd1, shapes_data, tmp_path_factory):
 
     nan = {"kind": "nan", "rank": 1, "at": 2}
     skip = {"max_steps": 4, "checkpoint.on_nonfinite_loss": "skip_step"}
+    # DeepSpeed's engine counts the micro steps and steps at the boundary only; 2 steps: 8 of 16 images per rank
+    accumulation = {"gradient_accumulation_steps": 2, "max_steps": 2}
     cases = {
-        # the same runs with each guard: the syncs counted, and the trained weights compared
+        # the same runs with each guard, with gradient accumulation: the syncs counted, the trained weights compared
         **{f"zero2_{guard}": {"kind": "syncs", "config": config(f"zero2_{guard}", "zero2", guard,
-                                                                train_dtype="bfloat16")}
+                                                                train_dtype="bfloat16", **accumulation)}
            for guard in ("lagged", "blocking")},
-        **{f"zero3_{guard}": {"kind": "syncs", "config": config(f"zero3_{guard}", "zero3", guard)}
+        **{f"zero3_{guard}": {"kind": "syncs", "config": config(f"zero3_{guard}", "zero3", guard, **accumulation)}
            for guard in ("lagged", "blocking")},
         "zero2_nan": {**nan, "config": config("zero2_nan", "zero2", "lagged", train_dtype="bfloat16", **skip)},
         "zero3_nan": {**nan, "config": config("zero3_nan", "zero3", "lagged", **skip)},
@@ -349,6 +351,18 @@ def zero_ranks(small_sd1, shapes_data, tmp_path_factory):
         # a finite loss with NaN gradients: no guard sees it, DeepSpeed's norm check (on the device) does
         "zero2_nan_gradient": {**nan, "poison": "gradient",
                                "config": config("zero2_nan_gradient", "zero2", "lagged", max_steps=4)},
+        # with accumulation 2: the first of step 2's two micro steps is NaN on rank 1, the second finite
+        **{f"{stage}_accumulation_nan": {**nan, "config": config(
+            f"{stage}_accumulation_nan", stage, "lagged", **{**skip, **accumulation, "max_steps": 3, **dtype})}
+           for stage, dtype in (("zero2", {"train_dtype": "bfloat16"}), ("zero3", {}))},
+        # SIGTERM to rank 1 after step 2; then a resume of the checkpoint the stop saved, to the end (step 6)
+        "zero2_signal": {"kind": "signal", "rank": 1, "at": 2,
+                         "config": config("zero2_signal", "zero2", "lagged", max_steps=6)},
+        "zero2_signal_resumed": {"kind": "signal", "resume": "auto",
+                                 "config": config("zero2_signal", "zero2", "lagged", max_steps=6)},
+        # rank 0's clock: a save is always due there, never on rank 1
+        "zero2_time": {"kind": "signal", "config": config("zero2_time", "zero2", "lagged", max_steps=4, **{
+            "checkpoint.every_n_minutes": 1e-9, "checkpoint.keep_last": None})},
     }
     (root / "cases.json").write_text(json.dumps(cases))
     done = run_ranks(str(REPO / "tests" / "helpers" / "guard_ranks.py"), str(root / "cases.json"), str(root),
@@ -366,25 +380,28 @@ TRACE_CHECK = "zero/utils.py"
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_zero_adds_no_host_sync_per_step_when_lagged(zero_ranks, stage):
-    """Lagged: none (DeepSpeed's checks run on the device). Blocking, the same run: the guard's read and DeepSpeed's
-    own: bf16 ZeRO-2 reads its overflow flag (stage_1_and_2.py has_overflow) and the norm's validity in step and
-    before clipping (runtime/utils.py is_invalid_grad_norm); float32 ZeRO-3 the norm's validity in step."""
+    """2 steps of 2 micro steps. Lagged: no host sync (DeepSpeed's checks run on the device), in the micro step off
+    the accumulation boundary neither. Blocking, the same run: the guard's read and DeepSpeed's own, once per
+    optimizer step: bf16 ZeRO-2 reads its overflow flag (stage_1_and_2.py has_overflow) and the norm's validity in
+    step and before clipping (runtime/utils.py is_invalid_grad_norm); float32 ZeRO-3 the norm's validity in step."""
+    steps = 2  # optimizer steps
     assert zero_ranks[f"{stage}_lagged"][0]["guard_line"].startswith(LAGGED_LINE)
     assert zero_ranks[f"{stage}_blocking"][0]["guard_line"].startswith("step guard: blocking")
     for report in zero_ranks[f"{stage}_lagged"]:
-        assert report["lagged"] and report["steps"] == 3
+        assert report["lagged"] and report["steps"] == steps
         per_step = [s for s, o in zip(report["step_syncs"], report["step_sync_origins"]) if o != TRACE_CHECK]
         assert per_step == [], per_step
     deepspeed_reads = {"zero2": {"runtime/utils.py": 2, "zero/stage_1_and_2.py": 1}, "zero3": {"runtime/utils.py": 1}}
     for report in zero_ranks[f"{stage}_blocking"]:
-        assert not report["lagged"] and report["steps"] == 3
+        assert not report["lagged"] and report["steps"] == steps
         origins = collections.Counter(o for o in report["step_sync_origins"] if o != TRACE_CHECK)
-        assert origins == {"train/stopping.py": 3, **{k: 3 * n for k, n in deepspeed_reads[stage].items()}}, \
-            report["step_syncs"]
+        expected = {"train/stopping.py": 1, **deepspeed_reads[stage]}
+        assert origins == {k: steps * n for k, n in expected.items()}, report["step_syncs"]
 
 
 @pytest.mark.parametrize("stage", ["zero2", "zero3"])
 def test_zero_lagged_trains_bit_identically_to_blocking(zero_ranks, stage):
+    """With gradient accumulation 2 (the losses of both steps, every rank's weights after them)."""
     for rank in range(2):
         lagged, blocking = (zero_ranks[f"{stage}_{guard}"][rank] for guard in ("lagged", "blocking"))
         assert lagged["losses"] == blocking["losses"] and lagged["checksum"] == blocking["checksum"]
@@ -411,3 +428,40 @@ def test_zero_skips_nan_gradients_of_a_finite_loss(zero_ranks):
         assert all(report["finite"]) and all(report["moments_finite"])
         assert report["changed"] == [True, False, True, True]
         assert report["moments_changed"][1:] == [False, True, True]
+
+
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_zero_skips_the_whole_step_of_a_nan_micro_step_on_both(zero_ranks, stage):
+    """Accumulation 2: the first micro step of step 2 is NaN on rank 1 only, its second micro step finite. The whole
+    optimizer step is skipped on both ranks (the NaN reached the accumulated gradients, the step's mean loss is NaN):
+    no weight, moment or step count changes at step 2, nothing turns non-finite, and step 3 trains again (the NaN
+    gradients were not carried into its accumulation)."""
+    for report in zero_ranks[f"{stage}_accumulation_nan"]:
+        assert report["lagged"] and report["steps"] == 3 and report["skipped"] == 1, report
+        assert all(report["finite"]) and all(report["moments_finite"])
+        assert report["changed"] == [True, False, True]
+        assert report["moments_changed"][1:] == [False, True]
+
+
+def test_zero_sigterm_on_one_rank_stops_both_at_the_same_step(zero_ranks):
+    """As under ddp: rank 1's SIGTERM after step 2 is read at step 4's check; both ranks save step 4 (every rank
+    writes its ZeRO-2 partitions) and leave. The checkpoint is committed, and resuming it trains steps 5 and 6."""
+    reports = zero_ranks["zero2_signal"]
+    assert [r["steps"] for r in reports] == [4, 4]
+    assert reports[1]["stopped_by"] == "SIGTERM" and reports[0]["stopped_by"] == "a signal on another rank"
+    assert reports[0]["checkpoint"] == reports[1]["checkpoint"]
+    folder = Path(reports[0]["checkpoint"])
+    assert latest_checkpoint(folder.parent) == folder  # committed
+    state = read_trainer_state(folder)
+    assert state["step"] == 4 and state["reason"].startswith("stop requested by")
+    resumed = zero_ranks["zero2_signal_resumed"]
+    assert [(r["first_step"], r["steps"], r["stopped_by"]) for r in resumed] == [(4, 6, None)] * 2
+
+
+def test_zero_time_based_save_is_agreed_one_step_later(zero_ranks):
+    """Rank 0's clock says a save is due at every step, rank 1's never: both save steps 2 and 4 (a save is a
+    collective: had the ranks disagreed, the launch would have hung)."""
+    reports = zero_ranks["zero2_time"]
+    assert [r["steps"] for r in reports] == [4, 4] and reports[0]["checkpoint"] == reports[1]["checkpoint"]
+    folder = Path(reports[0]["checkpoint"]).parent
+    assert sorted(int(f.name.split("-")[1]) for f in folder.glob("step-*")) == [2, 4]

@@ -3,16 +3,20 @@
     guard_ranks.py CASES_JSON OUT_DIR
 
 CASES_JSON: {"case name": {"config": raw config, "kind": "syncs" | "nan" | "signal",
-             "rank": the rank that gets the NaN / the signal, "at": its optimizer step (1-based)}, ...}.
+             "rank": the rank that gets the NaN / the signal, "at": its optimizer step (1-based),
+             "resume": optional, the Trainer's resume (e.g. "auto")}, ...}. Cases run in order, so a case may resume
+             from an earlier one's checkpoint.
 Every rank writes OUT_DIR/<case>-rank<R>.json:
 - syncs: the host syncs counted in the step phase (tests/helpers/host_syncs.py), one string each;
 - syncs also: the losses and a checksum of this rank's final weights (to compare lagged with blocking);
-- nan: the loss of step `at` is NaN on `rank` only (with "poison": "gradient", the loss is finite and its gradient
-  NaN); per optimizer step whether this rank's weights (its
-  shard; under ZeRO also the fp32 master partition) changed and stayed finite, whether the optimizer's moments
-  and step counts changed and stayed finite, a checksum of the weights, the result's steps / skipped steps, and
-  for on_nonfinite_loss: stop the halt message and this rank's weights after every step (a file);
-- signal: `rank` sends itself SIGTERM once step `at` is done; the steps done, what stopped the run, the checkpoint.
+- nan: the loss of step `at` is NaN on `rank` only, in its first micro step (with gradient accumulation the other
+  micro steps stay finite; with "poison": "gradient", the loss is finite and its gradient NaN); per optimizer step
+  whether this rank's weights (its shard; under ZeRO also the fp32 master partition) changed and stayed finite,
+  whether the optimizer's moments and step counts changed and stayed finite, a checksum of the weights, the
+  result's steps / skipped steps, and for on_nonfinite_loss: stop the halt message and this rank's weights after
+  every step (a file);
+- signal: `rank` sends itself SIGTERM once optimizer step `at` is done; the steps done (and those before a resume),
+  what stopped the run, the checkpoint.
 """
 
 import json
@@ -76,7 +80,7 @@ def poison(trainer, rank_step: int, gradient: bool = False) -> None:
 
 def run_case(name: str, case: dict, runtime, out: Path) -> dict:
     lines = []
-    trainer = Trainer(validate(case["config"]), runtime=runtime, log=lines.append)
+    trainer = Trainer(validate(case["config"]), runtime=runtime, log=lines.append, resume=case.get("resume"))
     report = {"lagged": trainer.lagged_guard}
     mine = runtime.rank == case.get("rank")
     if case["kind"] == "syncs":
@@ -86,9 +90,9 @@ def run_case(name: str, case: dict, runtime, out: Path) -> dict:
         report["step_sync_origins"] = ["/".join(Path(s.origin).parts[-2:]) for s in counter.in_phase("step")]
         report["checksum"] = float(sum(v.double().sum() for v in local_weights(trainer).values()))
     elif case["kind"] == "nan":
-        if mine:
-            # accumulation 1: micro step `at` is optimizer step `at`
-            poison(trainer, case["at"], gradient=case.get("poison") == "gradient")
+        if mine:  # the first micro step of optimizer step `at`
+            accumulation = trainer.config.gradient_accumulation_steps
+            poison(trainer, (case["at"] - 1) * accumulation + 1, gradient=case.get("poison") == "gradient")
         history, states = [local_weights(trainer)], [moments(trainer)]
         step = trainer.optimizer_step
 
@@ -114,16 +118,19 @@ def run_case(name: str, case: dict, runtime, out: Path) -> dict:
         torch.save(history, out / f"{name}-rank{runtime.rank}-weights.pt")
     elif case["kind"] == "signal":
         if mine:
-            done = [0]
+            # after the trainer's whole optimizer step (DeepSpeed calls the optimizer's step once per group)
+            done, step = [0], trainer.optimizer_step
 
-            def after_step(*_):
+            def signalling_step(*args):
+                out = step(*args)
                 done[0] += 1
                 if done[0] == case["at"]:
                     os.kill(os.getpid(), signal.SIGTERM)
+                return out
 
-            trainer.optimizer.register_step_post_hook(after_step)
+            trainer.optimizer_step = signalling_step
         result = trainer.train()
-        report.update(steps=result.steps, stopped_by=result.stopped_by,
+        report.update(steps=result.steps, first_step=result.first_step, stopped_by=result.stopped_by,
                       checkpoint=str(result.checkpoint) if result.checkpoint else None)
     trainer.close()
     report["guard_line"] = next((line for line in lines if line.startswith("step guard")), None)
