@@ -62,25 +62,25 @@ class Ranks:
 def write_and_commit(files: RankFiles, root: Path, keep_last: int | None, run_id: str | None, ranks: Ranks) -> Path:
     """The whole protocol for this rank; returns the committed folder or raises on every rank."""
     partial, error = layout.partial_dir(root, files.step), None
-    if files.rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-        except OSError as err:
-            error = err
-    ranks.barrier()  # the folder exists before anyone writes into it
-    if error is None:
+    try:
+        if files.rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(partial, ignore_errors=True)
+                partial.mkdir()
+            except OSError as err:
+                error = err
+        _agree(ranks, files, error, partial, "written")  # the folder exists before anyone writes into it
         try:
             files.copies_done.wait()
-            if partial.is_dir():  # else rank 0 could not make it and reports why
-                write_rank_state(partial, files.rank, files.tensors, files.meta)
-                if files.trainer_json is not None:
-                    (partial / layout.TRAINER_FILE).write_text(files.trainer_json)
+            write_rank_state(partial, files.rank, files.tensors, files.meta)
+            if files.trainer_json is not None:
+                (partial / layout.TRAINER_FILE).write_text(files.trainer_json)
         except Exception as err:  # noqa: BLE001 - any failure must still reach the agreement below
             error = err
-    files.tensors = {}  # the host copies are on disk (or lost): free them before the commit
-    files.copies_done.release()
+    finally:
+        files.tensors = {}  # the host copies are on disk (or lost): free them before the commit
+        files.copies_done.release()
     _agree(ranks, files, error, partial, "written")
     if files.rank == 0:
         try:
