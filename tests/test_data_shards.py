@@ -231,7 +231,7 @@ def test_pathological_buckets_equal_steps_for_two_epochs_and_report_the_drops(tm
     assert report[-1].strip().startswith("total: 50 samples/epoch, 11 steps/epoch, 6 dropped per epoch")
 
 
-def test_pathological_buckets_train_two_ranks_for_two_epochs(tiny_models, tmp_path):
+def test_pathological_buckets_train_two_ranks_for_two_epochs(small_sd1, tmp_path):
     """The same distribution scaled to 64 px, trained by 2 gloo processes for 2 epochs through the
     trainer: no hang, 10 steps per epoch on every rank, and the start report names the 9 dropped buckets."""
 
@@ -242,7 +242,7 @@ def test_pathological_buckets_train_two_ranks_for_two_epochs(tiny_models, tmp_pa
     sizes = [(64, 64)] * 41 + [(64, 80), (64, 96), (64, 112), (64, 128), (64, 160), (80, 64), (96, 64), (128, 64),
                                (256, 64)]
     data = make_images(tmp_path / "imgs", sizes)
-    raw = base_config(tiny_models["sd1"], data, tmp_path / "out", batch_size=2, epochs=2, strategy="ddp",
+    raw = base_config(small_sd1, data, tmp_path / "out", batch_size=2, epochs=2, strategy="ddp",
                       learning_rate=1e-5,
                       **{"data.bucket_step": 32, "data.bucket_assignment": "log_ratio", "log_every_steps": 1,
                          "data.small_buckets": "drop"})
@@ -373,7 +373,7 @@ def test_stale_shard_set_is_rebuilt_at_train_start(tmp_path):
         ShardDataset(tmp_path / "set", config({"path": str(folder)}, resolution=128))
 
 
-def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, tmp_path):
+def test_two_ranks_train_from_shards_like_one_process(small_sd1, shapes_data, tmp_path):
     """Two aspect buckets and two resolutions through the trainer: 2 gloo ranks (batch 2 each, cached
     latents: one chunk, computed by rank 0) end with the weights of 1 process with batch 4 reading images,
     and the bucket report is logged at train start."""
@@ -390,11 +390,11 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
         Image.open(data / f"{i:04d}.png").resize((128, 64)).save(data / f"wide{i}.png")
         (data / f"wide{i}.txt").write_text((data / f"{i:04d}.txt").read_text())
     settings = {"max_steps": 4, "learning_rate": 1e-5, "resolution": "64,128", "text_encoder.train": True}
-    reference = base_config(tiny_models["sd1"], data, tmp_path / "one", batch_size=4, **settings)
+    reference = base_config(small_sd1, data, tmp_path / "one", batch_size=4, **settings)
     lines = []
     result = Trainer(validate(reference), log=lines.append).train()
     assert result.steps == 4 and any("1:2 (wide)" in line and "2 pooled" in line for line in lines)
-    raw = base_config(tiny_models["sd1"], data, tmp_path / "two", batch_size=2, strategy="ddp", **settings,
+    raw = base_config(small_sd1, data, tmp_path / "two", batch_size=2, strategy="ddp", **settings,
                       **{"data.cache_latents": True})
     config = write_config(tmp_path / "two.yaml", raw)
     done = run_ranks("-m", "ot_dist", "train", str(config))
@@ -405,7 +405,7 @@ def test_two_ranks_train_from_shards_like_one_process(tiny_models, shapes_data, 
     assert sorted(p.name for p in cache.glob("chunk-*.tar")) == ["chunk-000000.tar"]  # 22 samples: one chunk
     got = exported_weights(tmp_path / "two", "full")
     assert_matches(exported_weights(tmp_path / "one", "full"), got)
-    base = exported_weights_of_base(tiny_models["sd1"], "full", got)
+    base = exported_weights_of_base(small_sd1, "full", got)
     assert max((base[k] - got[k]).abs().max().item() for k in base) > 2e-5  # it trained: the match can fail
 
 

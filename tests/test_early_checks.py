@@ -177,7 +177,7 @@ def blocking(tmp_path: Path, modules: list[str]) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
 
 
-def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(tiny_models, shapes_data, tmp_path):
+def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(small_sd1, shapes_data, tmp_path):
     import subprocess
     import sys
 
@@ -186,7 +186,7 @@ def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(tiny_m
     from ot_dist.extras import EXTRAS
 
     env = blocking(tmp_path, sorted(EXTRAS))
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1, **{"mlflow.enabled": True})
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", max_steps=1, **{"mlflow.enabled": True})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     done = subprocess.run([sys.executable, "-m", "ot_dist", "train", str(config)], env=env, capture_output=True,
@@ -347,7 +347,7 @@ def header(path: Path) -> dict:
         return json.loads(f.read(length))
 
 
-def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(tiny_models, shapes_data, tmp_path):
+def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(small_sd1, shapes_data, tmp_path):
     """docs/checkpoints.md: `ot-dist export` of a checkpoint writes the files training wrote, bit for bit, in the kohya
     and the diffusers layout. The exports run in another process (its own hash seed: set and dict orders must not
     leak into the file), one process for both layouts."""
@@ -358,7 +358,7 @@ def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(tiny_mod
     pairs = []
     for layout in ("kohya", "diffusers"):
         out = tmp_path / layout / "out"
-        raw = base_config(tiny_models["sd1"], shapes_data, out, method="lora", max_steps=1,
+        raw = base_config(small_sd1, shapes_data, out, method="lora", max_steps=1,
                           **{"lora.rank": 4, "lora.alpha": 8, "text_encoder.train": True, "lora.file_layout": layout})
         Trainer(validate(raw), log=quiet).train()
         pairs.append((str(out), str(tmp_path / layout / "again")))
@@ -374,7 +374,7 @@ def test_ot_dist_export_writes_the_lora_file_training_wrote_bit_for_bit(tiny_mod
         assert (Path(out) / "lora.safetensors").read_bytes() == (Path(again) / "lora.safetensors").read_bytes()
 
 
-def test_a_zero_launch_on_cpu_does_not_compile_deepspeeds_shared_memory_op(tiny_models, shapes_data, tmp_path):
+def test_a_zero_launch_on_cpu_does_not_compile_deepspeeds_shared_memory_op(small_sd1, shapes_data, tmp_path):
     """DeepSpeed compiled its deepspeed_shm_comm op (~1 min) on every zero launch in a fresh container (an empty
     torch extensions folder, as a pod's emptyDir HOME gives). ZeRO training never calls it: it is not built."""
     import os
@@ -385,7 +385,7 @@ def test_a_zero_launch_on_cpu_does_not_compile_deepspeeds_shared_memory_op(tiny_
     import yaml
 
     extensions = tmp_path / "torch_extensions"  # empty, like a new pod's
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", method="lora", max_steps=1, batch_size=2,
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", method="lora", max_steps=1, batch_size=2,
                       strategy="zero2", **{"lora.rank": 4})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))

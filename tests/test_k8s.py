@@ -401,11 +401,12 @@ def wait_for_port(port: int, process: subprocess.Popen, timeout: float = 120) ->
 
 
 @pytest.fixture(scope="module")
-def demo_files(tiny_models, shapes_data, tmp_path_factory) -> Path:
+def demo_files(small_sd1, shapes_data, tmp_path_factory) -> Path:
     """The demo's model and data where configs/demo.yaml expects them (`ot-dist demo prepare`'s
-    layout), from the session's tiny model and shapes data."""
+    layout), from the session's 2-level SD 1.x model (small_sd1: 2 steps of the demo prove the pods' commands, not the
+    model) and shapes data."""
     root = tmp_path_factory.mktemp("demo") / "demo_out"
-    shutil.copytree(tiny_models["sd1"], root / "tiny-sd1")
+    shutil.copytree(small_sd1, root / "tiny-sd1")
     shutil.copytree(shapes_data, root / "shapes")
     return root
 

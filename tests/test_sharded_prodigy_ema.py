@@ -56,10 +56,10 @@ STRATEGY_CASES = {
 }
 
 
-def raw_config(tiny_models, shapes_data, out: Path, case: str, **extra) -> dict:
+def raw_config(model, shapes_data, out: Path, case: str, **extra) -> dict:
     overrides = dict(CASES[case])
     method = "lora" if "lora" in case else "full"
-    return base_config(tiny_models["sd1"], shapes_data, out, method=method, **overrides, **extra)
+    return base_config(model, shapes_data, out, method=method, **overrides, **extra)
 
 
 def exported(out: Path, name: str, method: str) -> dict[str, torch.Tensor]:
@@ -71,11 +71,11 @@ def exported(out: Path, name: str, method: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models, shapes_data, tmp_path_factory):
+def references(small_sd1, shapes_data, tmp_path_factory):
     refs = {}
     for case in CASES:
         out = tmp_path_factory.mktemp(f"ref-{case}")
-        trainer = Trainer(validate(raw_config(tiny_models, shapes_data, out, case, batch_size=4)), log=lambda *_: None)
+        trainer = Trainer(validate(raw_config(small_sd1, shapes_data, out, case, batch_size=4)), log=lambda *_: None)
         result = trainer.train()
         refs[case] = {"out": out, "d_lr": result.d_lr, "ema_bytes": trainer.ema.nbytes() if trainer.ema else 0}
     return refs
@@ -87,9 +87,9 @@ def max_relative(a: list[float], b: list[float]) -> float:
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGY_CASES))
-def test_two_ranks_reproduce_one_process(strategy, references, tiny_models, shapes_data, tmp_path):
+def test_two_ranks_reproduce_one_process(strategy, references, small_sd1, shapes_data, tmp_path):
     cases = {
-        case: {"config": raw_config(tiny_models, shapes_data, tmp_path / case, case, batch_size=2, strategy=strategy)}
+        case: {"config": raw_config(small_sd1, shapes_data, tmp_path / case, case, batch_size=2, strategy=strategy)}
         for case in STRATEGY_CASES[strategy]
     }
     (tmp_path / "cases.json").write_text(json.dumps(cases))

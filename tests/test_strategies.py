@@ -62,21 +62,21 @@ def run(cmd: list[str], timeout: float = 420, **kwargs) -> subprocess.CompletedP
 
 
 @pytest.fixture(scope="module")
-def references(tiny_models, shapes_data, tmp_path_factory):
+def references(small_sd1, shapes_data, tmp_path_factory):
     """One process, batch 4: the result every 2-rank run (batch 2 each) must reproduce."""
     refs = {}
     for method in ("full", "lora"):
         out = tmp_path_factory.mktemp(f"ref-{method}")
-        raw = base_config(tiny_models["sd1"], shapes_data, out, method=method, batch_size=4, max_steps=STEPS,
+        raw = base_config(small_sd1, shapes_data, out, method=method, batch_size=4, max_steps=STEPS,
                           learning_rate=LR, **METHOD_EXTRA[method])
         Trainer(validate(raw), log=lambda *_: None).train()
         refs[method] = exported_weights(out, method)
     return refs
 
 
-def two_rank_config(tiny_models, shapes_data, out: Path, method: str, **overrides) -> Path:
+def two_rank_config(model, shapes_data, out: Path, method: str, **overrides) -> Path:
     settings = {"batch_size": 2, "max_steps": STEPS, "learning_rate": LR, **METHOD_EXTRA[method], **overrides}
-    raw = base_config(tiny_models["sd1"], shapes_data, out, method=method, **settings)
+    raw = base_config(model, shapes_data, out, method=method, **settings)
     return write_config(out.parent / f"{out.name}.yaml", raw)
 
 
@@ -97,20 +97,20 @@ CASES = [("fsdp-shard_grad_op", "full"), ("fsdp-shard_grad_op", "lora"), ("fsdp-
          ("zero3-offload", "full")]
 
 
-def case_config(tiny_models, shapes_data, out: Path, name: str, method: str, **overrides) -> dict:
+def case_config(model, shapes_data, out: Path, name: str, method: str, **overrides) -> dict:
     strategy, extra = STRATEGIES[name]
     settings = {"batch_size": 2, "max_steps": STEPS, "learning_rate": LR, "strategy": strategy, **METHOD_EXTRA[method],
                 **overrides}
-    raw = base_config(tiny_models["sd1"], shapes_data, out, method=method, **settings)
+    raw = base_config(model, shapes_data, out, method=method, **settings)
     for override in extra:  # as `--set` applies them
         apply_override(raw, override)
     return raw
 
 
-def test_two_ranks_equal_one_process(references, tiny_models, shapes_data, tmp_path):
+def test_two_ranks_equal_one_process(references, small_sd1, shapes_data, tmp_path):
     """The strategy variants x method in one 2-process launch, which pays the process start-up once; each case
     is compared with one process on its exported weights."""
-    cases = {f"{name}-{method}": case_config(tiny_models, shapes_data, tmp_path / f"{name}-{method}", name, method)
+    cases = {f"{name}-{method}": case_config(small_sd1, shapes_data, tmp_path / f"{name}-{method}", name, method)
              for name, method in CASES}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     done = run_ranks(REPO / "tests" / "helpers" / "family_cases.py", tmp_path / "cases.json", timeout=900)
@@ -120,15 +120,15 @@ def test_two_ranks_equal_one_process(references, tiny_models, shapes_data, tmp_p
         got = exported_weights(tmp_path / case, method)
         assert_matches(references[method], got)
         # The comparison can fail: training moved the weights far more than the tolerance.
-        base = exported_weights_of_base(tiny_models["sd1"], method, got)
+        base = exported_weights_of_base(small_sd1, method, got)
         moved = max((base[k] - got[k]).abs().max().item() for k in base)
         assert moved > 2 * TOLERANCE, case
 
 
-def test_ot_dist_launch_trains_under_accelerate(references, tiny_models, shapes_data, tmp_path):
+def test_ot_dist_launch_trains_under_accelerate(references, small_sd1, shapes_data, tmp_path):
     """The user's path: `ot-dist launch` -> accelerate launch -> torchrun, equal to one process."""
     out = tmp_path / "out"
-    config = two_rank_config(tiny_models, shapes_data, out, "full")
+    config = two_rank_config(small_sd1, shapes_data, out, "full")
     done = run([sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2", "--strategy", "fsdp",
                 "--set", "gradient_checkpointing=true"])
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -145,14 +145,14 @@ def exported_weights_of_base(model_dir: Path, method: str, like: dict) -> dict:
     return {k: torch.zeros_like(v) for k, v in like.items() if "lora_B" in k or "lora_up" in k}
 
 
-def test_users_accelerate_config_selects_the_strategy(tiny_models, shapes_data, tmp_path):
+def test_users_accelerate_config_selects_the_strategy(small_sd1, shapes_data, tmp_path):
     """`accelerate launch --config_file THEIRS.yaml -m ot_dist train CONFIG` with no strategy in the YAML."""
     accelerate_config = write_config(tmp_path / "user_accelerate.yaml", {
         "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2, "num_machines": 1,
         "machine_rank": 0, "main_process_ip": "127.0.0.1", "main_process_port": free_port(), "mixed_precision": "no",
         "use_cpu": False, "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False},
     })
-    config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "lora", max_steps=2)
+    config = two_rank_config(small_sd1, shapes_data, tmp_path / "out", "lora", max_steps=2)
     done = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
                 "-m", "ot_dist", "train", str(config)])
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
@@ -160,8 +160,8 @@ def test_users_accelerate_config_selects_the_strategy(tiny_models, shapes_data, 
     assert (tmp_path / "out" / "lora.safetensors").is_file()
 
 
-def test_launcher_environment_is_reconciled_with_the_yaml(tiny_models, shapes_data, tmp_path):
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path)
+def test_launcher_environment_is_reconciled_with_the_yaml(small_sd1, shapes_data, tmp_path):
+    raw = base_config(small_sd1, shapes_data, tmp_path)
     fsdp_env = {"ACCELERATE_USE_FSDP": "true", "FSDP_RESHARD_AFTER_FORWARD": "false", "WORLD_SIZE": "2"}
     adopted = reconcile_with_launcher(validate(raw), fsdp_env)
     assert adopted.strategy == "fsdp" and adopted.fsdp.sharding == "shard_grad_op"
@@ -179,13 +179,13 @@ def test_launcher_environment_is_reconciled_with_the_yaml(tiny_models, shapes_da
     assert reconcile_with_launcher(validate({**raw, "strategy": "zero2"}), {"WORLD_SIZE": "2"}).strategy == "zero2"
 
 
-def test_dry_run_prints_a_valid_accelerate_command_and_config(tiny_models, shapes_data, tmp_path, capsys):
+def test_dry_run_prints_a_valid_accelerate_command_and_config(small_sd1, shapes_data, tmp_path, capsys):
     """`ot-dist launch --dry-run` (the CLI's main, in this process: a dry run starts nothing)."""
     from accelerate.commands.config.config_args import ClusterConfig
 
     from ot_dist.cli import main
 
-    config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "full")
+    config = two_rank_config(small_sd1, shapes_data, tmp_path / "out", "full")
     for strategy in ("ddp", "fsdp", "zero2", "zero3"):
         capsys.readouterr()
         code = main(["launch", str(config), "--nproc-per-node", "4", "--nnodes", "2", "--node-rank", "1",
@@ -205,8 +205,8 @@ def test_dry_run_prints_a_valid_accelerate_command_and_config(tiny_models, shape
         assert not (tmp_path / "out" / "model").exists()  # dry run trains nothing
 
 
-def test_an_exception_in_one_rank_ends_the_launch(tiny_models, shapes_data, tmp_path):
-    config = two_rank_config(tiny_models, shapes_data, tmp_path / "out", "full", max_steps=6,
+def test_an_exception_in_one_rank_ends_the_launch(small_sd1, shapes_data, tmp_path):
+    config = two_rank_config(small_sd1, shapes_data, tmp_path / "out", "full", max_steps=6,
                              **{"distributed.timeout_minutes": 1})
     env = {**ENV, "FAIL_RANK": "1", "FAIL_STEP": "3"}
     start = time.monotonic()

@@ -112,9 +112,9 @@ def train(raw, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def first_run(server, tiny_models, shapes_data, tmp_path_factory):
+def first_run(server, small_sd1, shapes_data, tmp_path_factory):
     """One process, batch 4, tracked on the server, with MLflow credentials in the environment."""
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path_factory.mktemp("first") / "out", batch_size=4,
+    raw = base_config(small_sd1, shapes_data, tmp_path_factory.mktemp("first") / "out", batch_size=4,
                       **SETTINGS, **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "tracking-test"})
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_TRACKING_USERNAME", "trainer")
@@ -186,9 +186,9 @@ def download_text(uri, run_id, path) -> str:
     return Path(download_artifacts(run_id=run_id, artifact_path=path, tracking_uri=uri)).read_text()
 
 
-def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, tiny_models, shapes_data, tmp_path):
+def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, small_sd1, shapes_data, tmp_path):
     first, first_result, _ = first_run
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=4, **SETTINGS,
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", batch_size=4, **SETTINGS,
                       **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "tracking-test"})
     raw.update(max_steps=STEPS + 3, epochs=3)
     # from the checkpoint the first run saved at its end (step 6): the run id is part of its state
@@ -203,10 +203,10 @@ def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, tiny_mod
     assert "config-resumed-at-step-6.yaml" in {a.path for a in client(server.uri).list_artifacts(run.info.run_id)}
 
 
-def test_two_ranks_log_once_and_only_rank_0_tracks(server, first_run, tiny_models, shapes_data, tmp_path):
+def test_two_ranks_log_once_and_only_rank_0_tracks(server, first_run, small_sd1, shapes_data, tmp_path):
     """fsdp, batch 2 on each of 2 ranks = batch 4 in one process: the same losses and gradient norms."""
     first, first_result, _ = first_run
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=2, strategy="fsdp", **SETTINGS,
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", batch_size=2, strategy="fsdp", **SETTINGS,
                       **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "two-ranks"})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -229,12 +229,12 @@ def test_two_ranks_log_once_and_only_rank_0_tracks(server, first_run, tiny_model
     assert [v for _, v in norms] == pytest.approx(reference_norms, rel=1e-4)  # the global norm of sharded grads
 
 
-def test_a_closed_port_costs_nothing_but_a_warning(tiny_models, shapes_data, tmp_path):
+def test_a_closed_port_costs_nothing_but_a_warning(small_sd1, shapes_data, tmp_path):
     """20 steps against a port where nothing listens: exit 0, promptly, a warning naming the outbox
     file; its replay command puts every point in a local store afterwards."""
     port = free_port()
     out = tmp_path / "out"
-    raw = base_config(tiny_models["sd1"], shapes_data, out, batch_size=1, epochs=2, max_steps=20, log_every_steps=5,
+    raw = base_config(small_sd1, shapes_data, out, batch_size=1, epochs=2, max_steps=20, log_every_steps=5,
                       **{"mlflow.enabled": True, "mlflow.tracking_uri": f"http://127.0.0.1:{port}"})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
@@ -333,10 +333,10 @@ def wait_for(condition, timeout=60.0) -> None:
         time.sleep(0.1)
 
 
-def test_without_settings_runs_are_tracked_in_a_local_store(tiny_models, shapes_data, tmp_path, monkeypatch):
+def test_without_settings_runs_are_tracked_in_a_local_store(small_sd1, shapes_data, tmp_path, monkeypatch):
     """(With Prodigy, whose d x lr is logged too.)"""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=2, learning_rate=1.0,
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", max_steps=2, learning_rate=1.0,
                       **{"optimizer.name": "PRODIGY", "scheduler.name": "CONSTANT", "scheduler.warmup_steps": 0})
     del raw["mlflow"]  # the defaults, as a user's config has them
     trainer, result, _ = train(raw)
