@@ -4,7 +4,6 @@ config errors name the key."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

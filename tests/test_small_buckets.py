@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from ot_dist.config.load import validate
-from ot_dist.data.buckets import ASPECTS, aspect_name, bucket_size
+from ot_dist.data.buckets import ASPECTS, aspect_name
 from ot_dist.data.plan import SampleTable, plan_epoch, steps_per_epoch, untrained_fraction
 from ot_dist.data.reader import ShardDataset, ShardReader
 from ot_dist.data.shards import build_shard_set

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 
 # Words the demo captions use; each gets whole-word BPE merges so captions tokenize to one token per
 # word, like the real CLIP vocabulary does for common English words.

@@ -2,7 +2,6 @@
 Run under torchrun by the failure test; the production code has no fault-injection hooks."""
 
 import os
-import sys
 
 from ot_dist.train.trainer import Trainer
 
