@@ -24,7 +24,6 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from ot_dist.checkpoint.staging import HostCopies
 from ot_dist.errors import InputFileError
 from ot_dist.parallel.ownership import Fragment, Ownership, local
 
@@ -95,13 +94,6 @@ def write_rank_state(folder: Path, rank: int, tensors: dict[str, torch.Tensor], 
     """rank-<r>.safetensors and rank-<r>.json in `folder`, from `rank_state`'s host copies."""
     save_file(tensors, folder / f"{rank_stem(rank)}.safetensors")
     (folder / f"{rank_stem(rank)}.json").write_text(json.dumps({"rank": rank, **meta}))
-
-
-def save_rank_state(folder: Path, rank: int, ownership: Ownership, optimizer, ema, writes_owned: bool,
-                    extra_tensors: dict[str, torch.Tensor], extra_json: dict) -> None:
-    """Write rank-<r>.safetensors and rank-<r>.json into `folder` now (the checkpointer's path: checkpoint/writer.py)."""
-    tensors, meta = rank_state(ownership, optimizer, ema, writes_owned, extra_tensors, extra_json, HostCopies(False))
-    write_rank_state(folder, rank, tensors, meta)
 
 
 def jsonable(value, what: str):

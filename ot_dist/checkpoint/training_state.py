@@ -24,7 +24,6 @@ from ot_dist.optim.registry import SPECS
 from ot_dist.optim.schedule_free import resume_training_mode
 
 FORMAT = 1
-TRAINER_FILE = layout.TRAINER_FILE
 
 
 # Optimizer group settings that choose how the step is computed, not what it computes: this run chose them for its
@@ -44,7 +43,7 @@ class Position:
 
 
 def read_trainer_state(folder: Path) -> dict:
-    state = read_json(folder / TRAINER_FILE)
+    state = read_json(folder / layout.TRAINER_FILE)
     if state.get("format") != FORMAT:
         raise InputFileError(f"checkpoint {folder}: format {state.get('format')!r}, this ot_dist reads format {FORMAT}")
     return state

@@ -46,10 +46,6 @@ class Ranks:
     def __init__(self, distributed: bool, world_size: int, group=None):
         self.distributed, self.world_size, self.group = distributed, world_size, group
 
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.group)
-
     def failed(self, rank: int, failed_here: bool) -> list[int]:
         """The ranks that report a failure (every rank calls this at the same point and gets the same list)."""
         flags = torch.zeros(self.world_size, dtype=torch.int32)

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_prodigy_ema import sd_unet_like_parameters  # noqa: E402
 
-from ot_dist.checkpoint.shards import SavedShards, load_rank_state, rank_state, save_rank_state  # noqa: E402
+from ot_dist.checkpoint.shards import SavedShards, load_rank_state, rank_state, write_rank_state  # noqa: E402
 from ot_dist.checkpoint.staging import HostCopies  # noqa: E402
 from ot_dist.checkpoint.writer import BackgroundWriter, RankFiles, Ranks, write_and_commit  # noqa: E402
 from ot_dist.parallel.ownership import Ownership, whole  # noqa: E402
@@ -70,7 +70,8 @@ def main() -> None:
     size = sum(v.numel() * v.element_size() for v in plain.values())
 
     def ours_write():
-        save_rank_state(root / "ours", 0, ownership, optimizer, ema, True, {}, {})
+        tensors, meta = rank_state(ownership, optimizer, ema, True, {}, {}, HostCopies(independent=False))
+        write_rank_state(root / "ours", 0, tensors, meta)
         os.sync()
 
     def torch_write():
