@@ -334,8 +334,6 @@ def _main(argv: list[str] | None = None) -> int:
 def entry() -> None:
     """The `ot-dist` command and `python -m ot_dist`: main(), then an exit that a rank's library teardown cannot
     turn into a crash (see exit_process). main() itself returns, for callers in the same process."""
-    from ot_dist.parallel.runtime import exit_process
-
     try:
         code = main()
     except SystemExit as stop:  # argparse's usage errors and --help
@@ -348,7 +346,12 @@ def entry() -> None:
 
         traceback.print_exc()
         code = 1
-    exit_process(code)
+    # Only a process that imported the runtime can have started a process group. Importing it here would cost the
+    # commands that never touch torch (`ot-dist launch`, which waits for its workers; `config check`, `k8s`) ~2.6 s.
+    runtime = sys.modules.get("ot_dist.parallel.runtime")
+    if runtime is not None:
+        runtime.exit_process(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import yaml
 from ot_dist.config.load import validate
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
+from ot_dist.ports import free_port
 
 MIXED_PRECISION = {"float32": "no", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -54,7 +55,7 @@ def render_accelerate_config(
         "num_machines": nnodes,
         "machine_rank": node_rank,
         "main_process_ip": host or "127.0.0.1",
-        "main_process_port": int(port) if port else _free_port(),
+        "main_process_port": int(port) if port else free_port(),
         "rdzv_backend": backend,
         # accelerate passes a static rendezvous as master address/port, any other as torchrun's rdzv endpoint.
         "same_network": backend == "static",
@@ -90,13 +91,6 @@ def render_accelerate_config(
             if config.clip_grad_norm is not None:
                 rendered["deepspeed_config"]["gradient_clipping"] = config.clip_grad_norm
     return rendered
-
-
-def _free_port() -> int:
-    # Imported here: the runtime module imports torch, which `ot-dist launch` and `ot-dist k8s` do not need.
-    from ot_dist.parallel.runtime import free_port
-
-    return free_port()
 
 
 def launch_command(

@@ -3,7 +3,7 @@
 The lagged guard keeps a non-finite loss off the weights on the device (the optimizer's `found_inf`) and reads
 stop / save / non-finite flags one step later; the blocking guard (the fallback) reads them before each step.
 Single process here; 2 gloo ranks under ddp and fsdp in the second half, and under zero1/2/3 at the end
-(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py)."""
+(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py), both on conftest's small_sd1."""
 
 from __future__ import annotations
 
@@ -205,12 +205,14 @@ def test_lagged_is_refused_where_nothing_can_skip_on_the_device(tiny_models, sha
 # -- 2 gloo ranks ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_models, shapes_data, tmp_path_factory):
-    """One 2-rank launch of every case (tests/helpers/guard_ranks.py); {case: [rank 0 report, rank 1 report]}."""
+def two_ranks(small_sd1, shapes_data, tmp_path_factory):
+    """One 2-rank launch of every case (tests/helpers/guard_ranks.py); {case: [rank 0 report, rank 1 report]}. On
+    small_sd1: what is asserted (syncs, skipped steps, agreed stops and saves) does not depend on the UNet's depth,
+    and the fsdp cases' cost grows with its module count."""
     root = tmp_path_factory.mktemp("guard")
 
     def config(name, strategy, **options):
-        return base_config(tiny_models["sd1"], shapes_data, root / name, strategy=strategy, batch_size=1,
+        return base_config(small_sd1, shapes_data, root / name, strategy=strategy, batch_size=1,
                            **{"checkpoint.at_end": False, **options})
 
     cases = {

@@ -11,11 +11,15 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from ot_dist import ports
+
+# Their home is torch-free ot_dist/ports.py (`ot-dist launch` picks a port); callers import them from here too.
+free_port, _ephemeral_ports = ports.free_port, ports._ephemeral_ports
 
 
 @dataclass
@@ -130,36 +134,3 @@ def restart_safe_store(rank: int, world_size: int, timeout: datetime.timedelta) 
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
                           is_master=not agent_hosts_store and rank == 0, timeout=timeout)
     return {"store": dist.PrefixStore(f"ot_dist/attempt_{attempt}", store), "rank": rank, "world_size": world_size}
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for a rendezvous the launcher or a test sets up).
-
-    Drawn at random below the kernel's ephemeral range: a port from that range (what binding port 0 returns) can be
-    handed to any outgoing connection on the machine (gloo's and NCCL's connections, other runs' ranks) between
-    this check and the rendezvous server's bind, which then fails with EADDRINUSE; a port below it is only ever
-    taken by an explicit bind."""
-    import random
-    import socket
-
-    lowest_ephemeral = _ephemeral_ports()[0]
-    candidates = random.Random().sample(range(20000, lowest_ephemeral), 50) if lowest_ephemeral > 21000 else []
-    for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no port free below the range (or no room): let the kernel choose
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ephemeral_ports() -> tuple[int, int]:
-    """The kernel's range for outgoing connections' local ports (Linux; elsewhere the IANA range)."""
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 49152, 65535
