@@ -242,23 +242,30 @@ def stop_and_check(process: subprocess.Popen, sig: int, out: Path, config_marker
     return output
 
 
-def test_sigint_to_ot_dist_launch_saves_and_exits_0_in_one_line(tiny_models, shapes_data, tmp_path):
+def test_sigint_to_a_zero_launch_saves_and_exits_0_in_one_line_and_builds_no_shm_op(small_sd1, shapes_data, tmp_path):
+    """`ot-dist launch --strategy zero2` (accelerate's DeepSpeed path), SIGINT as from Ctrl-C. The same launch starts in
+    an empty torch extensions folder, as a pod's emptyDir HOME gives: DeepSpeed compiled its deepspeed_shm_comm op
+    (~1 min) there on every zero launch; ZeRO training never calls it, so it is not built (parallel/deepspeed.py
+    skip_shared_memory_op_build). One launch for both: each costs ~20 CPU s of interpreter starts and imports."""
     out = tmp_path / "out"
-    raw = base_config(tiny_models["sd1"], shapes_data, out, batch_size=1, epochs=50, max_steps=200,
+    raw = base_config(small_sd1, shapes_data, out, batch_size=1, epochs=50, max_steps=200,
                       **{"checkpoint.every_n_steps": 2})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
+    extensions = tmp_path / "torch_extensions"  # empty, like a new pod's
     process = subprocess.Popen([sys.executable, "-m", "ot_dist", "launch", str(config), "--nproc-per-node", "2",
-                                "--strategy", "ddp"], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True)
+                                "--strategy", "zero2"], env={**ENV, "TORCH_EXTENSIONS_DIR": str(extensions)},
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         output = stop_and_check(process, signal.SIGINT, out, config)
     finally:
         process.kill()
     assert output.count("stopped by SIGINT after step") == 1  # the trainer's line, once (not also the CLI's)
+    assert "strategy zero2" in output
+    assert not list(extensions.rglob("*shm_comm*")) and "shm_comm built" not in output
 
 
-def test_sigterm_to_a_rendered_kubernetes_pod_command_saves_and_exits_0(tiny_models, shapes_data, tmp_path):
+def test_sigterm_to_a_rendered_kubernetes_pod_command_saves_and_exits_0(small_sd1, shapes_data, tmp_path):
     """The pod command of `ot-dist k8s configs/demo.yaml --nodes 1 --gpus-per-node 2` (ot-dist launch, 2 fsdp
     workers, --resume auto), started as the kubelet would, gets SIGTERM as on preemption."""
     from test_k8s import pod_process, render
@@ -266,7 +273,8 @@ def test_sigterm_to_a_rendered_kubernetes_pod_command_saves_and_exits_0(tiny_mod
     rendered = render(REPO / "configs" / "demo.yaml", tmp_path / "manifests", 1, 2, "indexed-job",
                       "--set", "max_steps=200", "--set", "epochs=100", "--set", "checkpoint.every_n_steps=2")
     workspace = tmp_path / "workspace"
-    shutil.copytree(tiny_models["sd1"], workspace / "demo_out" / "tiny-sd1")
+    # the demo's model path holds small_sd1: what a pod's command does with a signal does not depend on the UNet
+    shutil.copytree(small_sd1, workspace / "demo_out" / "tiny-sd1")
     shutil.copytree(shapes_data, workspace / "demo_out" / "shapes")
     config_dir = tmp_path / "configmap"
     config_dir.mkdir()
