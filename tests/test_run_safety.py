@@ -1,7 +1,7 @@
 """Nothing lost, nothing silent (issue 19): an earlier run is never started over, keep_last prunes only its own
-run, signals to `ot-dist launch` (and a Kubernetes pod's command) stop the workers with a checkpoint, a damaged
-latest checkpoint is named, exports of a moved run stay beside it, a bad output_dir is found before any model
-loads, and every .safetensors written honours the umask."""
+run, signals to `ot-dist launch` (a zero launch, which builds no DeepSpeed shm op, and a Kubernetes pod's command)
+stop the workers with a checkpoint, a damaged latest checkpoint is named, exports of a moved run stay beside it, a
+bad output_dir is found before any model loads, and every .safetensors written honours the umask."""
 
 from __future__ import annotations
 
@@ -248,8 +248,8 @@ def test_sigint_to_a_zero_launch_saves_and_exits_0_in_one_line_and_builds_no_shm
     (~1 min) there on every zero launch; ZeRO training never calls it, so it is not built (parallel/deepspeed.py
     skip_shared_memory_op_build). One launch for both: each costs ~20 CPU s of interpreter starts and imports."""
     out = tmp_path / "out"
-    raw = base_config(small_sd1, shapes_data, out, batch_size=1, epochs=50, max_steps=200,
-                      **{"checkpoint.every_n_steps": 2})
+    raw = base_config(small_sd1, shapes_data, out, method="lora", batch_size=1, epochs=50, max_steps=200,
+                      **{"lora.rank": 4, "checkpoint.every_n_steps": 2})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     extensions = tmp_path / "torch_extensions"  # empty, like a new pod's
