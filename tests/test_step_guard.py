@@ -3,7 +3,7 @@
 The lagged guard keeps a non-finite loss off the weights on the device (the optimizer's `found_inf`) and reads
 stop / save / non-finite flags one step later; the blocking guard (the fallback) reads them before each step.
 Single process here; 2 gloo ranks under ddp and fsdp in the second half, and under zero1/2/3 at the end
-(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py), all in one launch on conftest's small_sd1."""
+(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py), both on conftest's small_sd1."""
 
 from __future__ import annotations
 
@@ -204,13 +204,15 @@ def test_lagged_is_refused_where_nothing_can_skip_on_the_device(tiny_models, sha
 
 # -- 2 gloo ranks ------------------------------------------------------------------------------------------------
 
-def ddp_fsdp_cases(model, shapes_data, root: Path) -> dict:
-    """The ddp / fsdp cases of the launch (tests/helpers/guard_ranks.py), on small_sd1: what is asserted (syncs,
-    skipped steps, agreed stops and saves) does not depend on the UNet's depth, and the fsdp cases' cost grows with
-    its module count."""
+@pytest.fixture(scope="module")
+def two_ranks(small_sd1, shapes_data, tmp_path_factory):
+    """One 2-rank launch of every case (tests/helpers/guard_ranks.py); {case: [rank 0 report, rank 1 report]}. On
+    small_sd1: what is asserted (syncs, skipped steps, agreed stops and saves) does not depend on the UNet's depth,
+    and the fsdp cases' cost grows with its module count."""
+    root = tmp_path_factory.mktemp("guard")
 
     def config(name, strategy, **options):
-        return base_config(model, shapes_data, root / name, strategy=strategy, batch_size=1,
+        return base_config(small_sd1, shapes_data, root / name, strategy=strategy, batch_size=1,
                            **{"checkpoint.at_end": False, **options})
 
     cases = {
@@ -238,30 +240,12 @@ def ddp_fsdp_cases(model, shapes_data, root: Path) -> dict:
         "ddp_time": {"kind": "signal", "config": config("ddp_time", "ddp", max_steps=4, **{
             **FUSED, "checkpoint.every_n_minutes": 1e-9, "checkpoint.keep_last": None})},
     }
-    return cases
-
-
-@pytest.fixture(scope="module")
-def guard_launch(small_sd1, shapes_data, tmp_path_factory):
-    """One 2-rank launch of the ddp / fsdp cases and the ZeRO cases (tests/helpers/guard_ranks.py), so the process
-    group and each rank's first trainer are paid once; its folder and {case: [rank 0 report, rank 1 report]}."""
-    root = tmp_path_factory.mktemp("guard")
-    cases = {**ddp_fsdp_cases(small_sd1, shapes_data, root), **zero_cases(small_sd1, shapes_data, root)}
     (root / "cases.json").write_text(json.dumps(cases))
     done = run_ranks(str(REPO / "tests" / "helpers" / "guard_ranks.py"), str(root / "cases.json"), str(root),
-                     env=ENV, timeout=900)
+                     env=ENV, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    return root, {name: [json.loads((root / f"{name}-rank{r}.json").read_text()) for r in range(2)] for name in cases}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(guard_launch):
-    return guard_launch
-
-
-@pytest.fixture(scope="module")
-def zero_ranks(guard_launch):
-    return guard_launch[1]
+    reports = {name: [json.loads((root / f"{name}-rank{r}.json").read_text()) for r in range(2)] for name in cases}
+    return root, reports
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
@@ -340,12 +324,14 @@ def test_a_resume_keeps_the_kernel_this_run_chose_not_the_checkpoints(tiny_model
 LAGGED_LINE = "step guard: lagged, no host sync per optimizer step"
 
 
-def zero_cases(model, shapes_data, root: Path) -> dict:
-    """The ZeRO cases of the launch. Clipping on everywhere: DeepSpeed reads the norm once more before clipping, and
-    a NaN norm makes the clipped gradients NaN."""
+@pytest.fixture(scope="module")
+def zero_ranks(small_sd1, shapes_data, tmp_path_factory):
+    """One 2-rank launch of the ZeRO cases; {case: [rank 0 report, rank 1 report]}. Clipping on everywhere: DeepSpeed
+    reads the norm once more before clipping, and a NaN norm makes the clipped gradients NaN."""
+    root = tmp_path_factory.mktemp("zero_guard")
 
     def config(name, strategy, guard, **options):
-        return base_config(model, shapes_data, root / name, strategy=strategy, batch_size=1,
+        return base_config(small_sd1, shapes_data, root / name, strategy=strategy, batch_size=1,
                            clip_grad_norm=1.0, **{"max_steps": 3, "checkpoint.at_end": False,
                                                   "checkpoint.step_guard": guard, **FUSED, **options})
 
@@ -380,7 +366,11 @@ def zero_cases(model, shapes_data, root: Path) -> dict:
         "zero2_time": {"kind": "signal", "config": config("zero2_time", "zero2", "lagged", max_steps=4, **{
             "checkpoint.every_n_minutes": 1e-9, "checkpoint.keep_last": None})},
     }
-    return cases
+    (root / "cases.json").write_text(json.dumps(cases))
+    done = run_ranks(str(REPO / "tests" / "helpers" / "guard_ranks.py"), str(root / "cases.json"), str(root),
+                     env=ENV, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return {name: [json.loads((root / f"{name}-rank{r}.json").read_text()) for r in range(2)] for name in cases}
 
 
 # ZeRO-3 compares the module trace it records with rank 0's (zero/utils.py assert_ints_same_as_other_ranks: a few
