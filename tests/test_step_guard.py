@@ -3,7 +3,8 @@
 The lagged guard keeps a non-finite loss off the weights on the device (the optimizer's `found_inf`) and reads
 stop / save / non-finite flags one step later; the blocking guard (the fallback) reads them before each step.
 Single process here; 2 gloo ranks under ddp and fsdp in the second half, and under zero1/2/3 at the end
-(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py), both on conftest's small_sd1."""
+(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py). All on conftest's small_sd1: what is asserted (host
+syncs, skipped steps, bit-identical weights, agreed stops and saves) does not depend on the UNet's depth."""
 
 from __future__ import annotations
 
@@ -56,12 +57,12 @@ def weights_after_every_step(trainer: Trainer) -> list[dict[str, torch.Tensor]]:
     return seen
 
 
-def test_the_lagged_guard_adds_no_host_sync_and_the_fallback_one(tiny_models, shapes_data, tmp_path):
+def test_the_lagged_guard_adds_no_host_sync_and_the_fallback_one(small_sd1, shapes_data, tmp_path):
     """Fused AdamW: no host sync in 4 optimizer steps (EMA, clipping, accumulation 2 on); foreach AdamW, which cannot
     skip on the device, falls back to the blocking guard: exactly one per step."""
     counts = {}
     for name, options in {"lagged": FUSED, "blocking": {"optimizer.name": "ADAMW"}}.items():
-        raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / name, batch_size=1, gradient_accumulation_steps=2,
+        raw = base_config(small_sd1, shapes_data, tmp_path / name, batch_size=1, gradient_accumulation_steps=2,
                           max_steps=4, log_every_steps=2, clip_grad_norm=1.0,
                           **{"ema.enabled": True, "checkpoint.at_end": False, **options})
         lines = []
@@ -81,10 +82,10 @@ PRODIGY = {"optimizer.name": "PRODIGY", "learning_rate": 1.0}
 
 
 @pytest.mark.parametrize("optimizer", [FUSED, PRODIGY], ids=["adamw", "prodigy"])
-def test_without_nan_the_lagged_guard_trains_bit_identically(optimizer, tiny_models, shapes_data, tmp_path):
+def test_without_nan_the_lagged_guard_trains_bit_identically(optimizer, small_sd1, shapes_data, tmp_path):
     finals, losses = {}, {}
     for mode in ("lagged", "blocking"):
-        raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / mode, batch_size=2, max_steps=3,
+        raw = base_config(small_sd1, shapes_data, tmp_path / mode, batch_size=2, max_steps=3,
                           **{**optimizer, "ema.enabled": True, "checkpoint.at_end": False, "checkpoint.step_guard": mode})
         trainer = Trainer(validate(raw), log=quiet)
         assert trainer.lagged_guard == (mode == "lagged")
@@ -99,9 +100,9 @@ def test_without_nan_the_lagged_guard_trains_bit_identically(optimizer, tiny_mod
 @pytest.mark.parametrize("optimizer", [FUSED, {"optimizer.name": "SGD", "optimizer.fused": True, "optimizer.momentum": 0.9},
                                        PRODIGY],
                          ids=["adamw", "sgd", "prodigy"])
-def test_a_nan_step_is_skipped_on_the_device_and_counted(optimizer, tiny_models, shapes_data, tmp_path):
+def test_a_nan_step_is_skipped_on_the_device_and_counted(optimizer, small_sd1, shapes_data, tmp_path):
     """skip_step: step 2's NaN never reaches a weight or a moment; the step counts (4 steps done), one skipped."""
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=4,
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", batch_size=1, max_steps=4,
                       **{**optimizer, "checkpoint.at_end": False, "checkpoint.on_nonfinite_loss": "skip_step",
                          "checkpoint.step_guard": "lagged", "ema.enabled": True})
     lines = []
@@ -125,8 +126,8 @@ def test_a_nan_step_is_skipped_on_the_device_and_counted(optimizer, tiny_models,
     trainer.close()
 
 
-def test_stop_mode_saves_the_weights_from_before_the_nan_step(tiny_models, shapes_data, tmp_path):
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=6,
+def test_stop_mode_saves_the_weights_from_before_the_nan_step(small_sd1, shapes_data, tmp_path):
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", batch_size=1, max_steps=6,
                       **{**FUSED, "checkpoint.step_guard": "lagged"})
     trainer = Trainer(validate(raw), log=quiet)
     poison(trainer, 3)
@@ -146,9 +147,9 @@ def test_stop_mode_saves_the_weights_from_before_the_nan_step(tiny_models, shape
 
 
 @pytest.mark.parametrize("mode", ["stop", "skip_step"])
-def test_a_nan_in_the_last_step_is_settled_before_the_end(mode, tiny_models, shapes_data, tmp_path):
+def test_a_nan_in_the_last_step_is_settled_before_the_end(mode, small_sd1, shapes_data, tmp_path):
     """No check follows the last step: its flags are read after the loop, before the end's checkpoint and export."""
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=3,
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", batch_size=1, max_steps=3,
                       **{**FUSED, "checkpoint.step_guard": "lagged", "checkpoint.on_nonfinite_loss": mode})
     trainer = Trainer(validate(raw), log=quiet)
     poison(trainer, 3)
@@ -166,11 +167,11 @@ def test_a_nan_in_the_last_step_is_settled_before_the_end(mode, tiny_models, sha
 
 
 @pytest.mark.parametrize("mode", ["lagged", "blocking"])
-def test_the_time_based_save_comes_one_step_later_when_lagged(mode, tiny_models, shapes_data, tmp_path):
+def test_the_time_based_save_comes_one_step_later_when_lagged(mode, small_sd1, shapes_data, tmp_path):
     """every_n_minutes that is always due: the blocking guard saves after every step; the lagged one reads step 1's
     flag at step 2's check and saves step 2, and drops step 2's flag (made before that save landed), so a due never
     gives two saves in a row: steps 2 and 4."""
-    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=4,
+    raw = base_config(small_sd1, shapes_data, tmp_path / "out", batch_size=1, max_steps=4,
                       **{**FUSED, "checkpoint.step_guard": mode, "checkpoint.every_n_minutes": 1e-9,
                          "checkpoint.at_end": False, "checkpoint.keep_last": None})
     trainer = Trainer(validate(raw), log=quiet)
@@ -180,9 +181,9 @@ def test_the_time_based_save_comes_one_step_later_when_lagged(mode, tiny_models,
     assert saved == ([2, 4] if mode == "lagged" else [1, 2, 3, 4])
 
 
-def test_lagged_is_refused_where_nothing_can_skip_on_the_device(tiny_models, shapes_data, tmp_path):
+def test_lagged_is_refused_where_nothing_can_skip_on_the_device(small_sd1, shapes_data, tmp_path):
     def config(**options):
-        return base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", **{"checkpoint.step_guard": "lagged",
+        return base_config(small_sd1, shapes_data, tmp_path / "out", **{"checkpoint.step_guard": "lagged",
                                                                                  **options})
 
     with pytest.raises(ConfigError, match="checkpoint.step_guard: lagged .*optimizer.name: LION"):
@@ -304,11 +305,11 @@ def test_the_time_based_save_is_agreed_one_step_later(two_ranks):
     assert saved == [2, 4]
 
 
-def test_a_resume_keeps_the_kernel_this_run_chose_not_the_checkpoints(tiny_models, shapes_data, tmp_path):
+def test_a_resume_keeps_the_kernel_this_run_chose_not_the_checkpoints(small_sd1, shapes_data, tmp_path):
     """A checkpoint of a foreach run resumed with the fused kernel (e.g. a CPU run continued under fsdp on a GPU)
     steps with the fused kernel, and so takes the lagged guard; the saved learning rate still comes back."""
     def config(steps, **kernel):
-        return validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", method="lora", max_steps=steps,
+        return validate(base_config(small_sd1, shapes_data, tmp_path / "out", method="lora", max_steps=steps,
                                     batch_size=2, log_every_steps=100, **{"optimizer.name": "ADAMW", **kernel}))
 
     Trainer(config(2, **{"optimizer.fused": False}), log=quiet).train()
