@@ -39,7 +39,8 @@ def small_sd1(tmp_path_factory):
     the module count (ZeRO-3 hooks and gathers every module, DeepSpeed broadcasts every parameter, FSDP units) and
     whose assertions do not depend on the depth: the optimizer x strategy matrix, the LoRA variants on 2 ranks, the
     step guard under ZeRO, the sharding variants and launchers of test_strategies.py, sharded Prodigy and EMA, the
-    concepts' 2-rank launch, the Kubernetes pods, the 2-rank tracking, data-shard and masked runs (docs/development.md).
+    concepts' 2-rank launch, the Kubernetes pods, the 2-rank tracking, data-shard and masked runs, the checkpoint
+    tests' stop / resume runs of every strategy and the killed rank's restart (docs/development.md).
     Measured: the matrix's 19 ZeRO-3 cases took 146 CPU s on the 4-level UNet, 67 s on this one."""
     import torch
     from diffusers import UNet2DConditionModel
