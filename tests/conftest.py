@@ -37,10 +37,12 @@ def small_sd1(tmp_path_factory):
     instead of 4: 4 attention blocks instead of 10, still a cross-attention block down, in the middle and up, and a
     down- and an upsampler (every sharding unit kind). For multi-rank launches of many cases whose cost grows with
     the module count (ZeRO-3 hooks and gathers every module, DeepSpeed broadcasts every parameter, FSDP units) and
-    whose assertions do not depend on the depth: the optimizer x strategy matrix, the LoRA variants on 2 ranks, the
-    step guard (its single-process cases too), the sharding variants and launchers of test_strategies.py, sharded
-    Prodigy and EMA, the concepts' 2-rank launch, the Kubernetes pods, the 2-rank tracking, data-shard and masked
-    runs, the signals to launches in test_run_safety.py (docs/development.md).
+    whose assertions do not depend on the depth: the optimizer x strategy matrix, SD 1.x's strategy equivalences (in
+    float32, bfloat16 and float16, and the hybrid 2 x 2 mesh), the LoRA variants on 2 ranks, the step guard (its
+    single-process cases too), the sharding variants and launchers of test_strategies.py, sharded Prodigy and EMA,
+    the concepts' 2-rank launch, the Kubernetes pods, the 2-rank tracking, data-shard and masked runs, the checkpoint
+    tests' stop / resume runs of every strategy and the killed rank's restart, the signals to launches in
+    test_run_safety.py (docs/development.md).
     Measured: the matrix's 19 ZeRO-3 cases took 146 CPU s on the 4-level UNet, 67 s on this one."""
     import torch
     from diffusers import UNet2DConditionModel

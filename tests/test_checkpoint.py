@@ -4,15 +4,17 @@ exactly; continue on another number of processes; export from a checkpoint.
 Every run is tests/helpers/resume_run.py: 16 samples, global batch 8 (2 steps per epoch), 3 epochs, 6
 steps, AdamW, EMA, a checkpoint every 2 steps. A stopped run is SIGTERMed by rank 0 after step 2: the
 ranks agree to finish step 3 (the middle of epoch 1), save, and exit 0; the resumed run finishes epoch 1
-and runs epoch 2. (Few large steps: a step's fixed cost, ZeRO-3's hooks above all, is paid half as often.)"""
+and runs epoch 2. (Few large steps: a step's fixed cost, ZeRO-3's hooks above all, is paid half as often.)
+
+The SD 1.x runs of the strategies are on conftest.py's small_sd1 (a 2-level UNet with every sharding unit kind):
+what they compare (losses, every saved tensor, the samples seen) does not depend on the depth, and what a 2-rank
+launch pays per module (FSDP units, ZeRO-3's hooks and gathers, the checkpoint's tensors) does."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,11 +39,11 @@ def stopped_at(stopped: dict) -> int:
     return STOP_AFTER + 1 + stopped["lag"]
 
 
-def run_config(tiny_models, shapes_data, out: Path, strategy: str, processes: int, family: str = "sd1",
+def run_config(model: Path, shapes_data, out: Path, strategy: str, processes: int, family: str = "sd1",
                **overrides) -> tuple[Path, Path]:
     """The run's config file (written) and result file."""
     raw = base_config(
-        tiny_models[family], shapes_data, out, family=family, batch_size=GLOBAL_BATCH // processes, epochs=3, max_steps=STEPS,
+        model, shapes_data, out, family=family, batch_size=GLOBAL_BATCH // processes, epochs=3, max_steps=STEPS,
         strategy=strategy,
         **{"optimizer.name": "ADAMW", "ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 1,
            "checkpoint.every_n_steps": 2}, **overrides,
@@ -57,9 +59,9 @@ def launch(processes: int, *args: str) -> None:
     assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
 
 
-def run(tiny_models, shapes_data, out: Path, strategy: str, processes: int, *args: str, family: str = "sd1",
+def run(model: Path, shapes_data, out: Path, strategy: str, processes: int, *args: str, family: str = "sd1",
         **overrides) -> dict:
-    config, result = run_config(tiny_models, shapes_data, out, strategy, processes, family=family, **overrides)
+    config, result = run_config(model, shapes_data, out, strategy, processes, family=family, **overrides)
     launch(processes, str(config), str(result), *args)
     return json.loads(result.read_text())
 
@@ -79,14 +81,14 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
 _runs: dict[str, tuple[Path, dict, Path, dict]] = {}
 
 
-def straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory) -> tuple[Path, dict, Path, dict]:
+def straight_and_stopped(strategy, model: Path, shapes_data, tmp_path_factory) -> tuple[Path, dict, Path, dict]:
     """A strategy's uninterrupted run and the run SIGTERMed after step STOP_AFTER (2 processes; single: 1), both in
     one launch (one process start-up), shared by the tests: (straight out, result, stopped out, result)."""
     if strategy not in _runs:
         root = tmp_path_factory.mktemp(f"runs-{strategy}")
         processes = 1 if strategy == "single" else 2
-        straight_config, straight_result = run_config(tiny_models, shapes_data, root / "straight", strategy, processes)
-        stopped_config, stopped_result = run_config(tiny_models, shapes_data, root / "stopped", strategy, processes)
+        straight_config, straight_result = run_config(model, shapes_data, root / "straight", strategy, processes)
+        stopped_config, stopped_result = run_config(model, shapes_data, root / "stopped", strategy, processes)
         launch(processes, str(straight_config), str(straight_result), "--then", str(stopped_config),
                str(stopped_result), "--signal-after-step", str(STOP_AFTER))
         _runs[strategy] = (root / "straight", json.loads(straight_result.read_text()),
@@ -94,29 +96,29 @@ def straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory) -
     return _runs[strategy]
 
 
-def straight_run(strategy, tiny_models, shapes_data, tmp_path_factory) -> tuple[Path, dict]:
+def straight_run(strategy, model: Path, shapes_data, tmp_path_factory) -> tuple[Path, dict]:
     """The uninterrupted run of a strategy."""
-    straight_out, straight, _, _ = straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory)
+    straight_out, straight, _, _ = straight_and_stopped(strategy, model, shapes_data, tmp_path_factory)
     return straight_out, straight
 
 
-def stopped_run(strategy, tiny_models, shapes_data, tmp_path_factory, out: Path) -> dict:
+def stopped_run(strategy, model: Path, shapes_data, tmp_path_factory, out: Path) -> dict:
     """The run SIGTERMed after step STOP_AFTER, copied to `out` (its output_dir) to be resumed there."""
-    _, _, first, result = straight_and_stopped(strategy, tiny_models, shapes_data, tmp_path_factory)
+    _, _, first, result = straight_and_stopped(strategy, model, shapes_data, tmp_path_factory)
     shutil.copytree(first, out)
     return result
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp", "zero2", "zero3"])
-def test_stop_and_resume_continues_exactly(strategy, tiny_models, shapes_data, tmp_path, tmp_path_factory):
-    straight_out, straight = straight_run(strategy, tiny_models, shapes_data, tmp_path_factory)
+def test_stop_and_resume_continues_exactly(strategy, small_sd1, shapes_data, tmp_path, tmp_path_factory):
+    straight_out, straight = straight_run(strategy, small_sd1, shapes_data, tmp_path_factory)
     processes = 1 if strategy == "single" else 2
     out = tmp_path / "out"
-    stopped = stopped_run(strategy, tiny_models, shapes_data, tmp_path_factory, out)
+    stopped = stopped_run(strategy, small_sd1, shapes_data, tmp_path_factory, out)
     # SIGTERM: the step under way is finished, saved and the process exits 0 (run() checks the exit code)
     assert stopped["stopped_by"] == "SIGTERM" and stopped["steps"] == stopped_at(stopped)
     assert latest_checkpoint(checkpoints_dir(out)).name == f"step-{stopped_at(stopped):08d}"
-    resumed = run(tiny_models, shapes_data, out, strategy, processes, "--resume", "auto")
+    resumed = run(small_sd1, shapes_data, out, strategy, processes, "--resume", "auto")
     assert resumed["first_step"] == stopped_at(stopped) and resumed["steps"] == STEPS  # no step repeated or left out
     assert resumed["losses"] == straight["losses"][stopped_at(stopped):]  # bit for bit
     want, got = final_state(straight_out), final_state(out)
@@ -132,13 +134,13 @@ def test_flux_under_fsdp_stops_and_resumes_exactly(family_models, shapes_data, t
     """A Flux transformer sharded block by block: SIGTERM after step STOP_AFTER, resume, and the rest of the run is the
     uninterrupted run's, losses and final state (weights, EMA, Adam moments) bit for bit."""
     straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
-    straight_config, straight_result = run_config(family_models, shapes_data, straight_out, "fsdp", 2, family="flux")
-    stopped_config, stopped_result = run_config(family_models, shapes_data, stopped_out, "fsdp", 2, family="flux")
+    straight_config, straight_result = run_config(family_models["flux"], shapes_data, straight_out, "fsdp", 2, family="flux")
+    stopped_config, stopped_result = run_config(family_models["flux"], shapes_data, stopped_out, "fsdp", 2, family="flux")
     launch(2, str(straight_config), str(straight_result), "--then", str(stopped_config), str(stopped_result),
            "--signal-after-step", str(STOP_AFTER))
     straight, stopped = json.loads(straight_result.read_text()), json.loads(stopped_result.read_text())
     assert stopped["stopped_by"] == "SIGTERM" and stopped["steps"] == stopped_at(stopped)
-    resumed = run(family_models, shapes_data, stopped_out, "fsdp", 2, "--resume", "auto", family="flux")
+    resumed = run(family_models["flux"], shapes_data, stopped_out, "fsdp", 2, "--resume", "auto", family="flux")
     assert resumed["first_step"] == stopped_at(stopped) and resumed["losses"] == straight["losses"][stopped_at(stopped):]
     want, got = final_state(straight_out), final_state(stopped_out)
     assert want.keys() == got.keys() and any(k.startswith("w//transformer.single_transformer_blocks") for k in want)
@@ -151,8 +153,8 @@ def test_stable_cascade_under_fsdp_stops_and_resumes_exactly(family_models, shap
     run's, losses and final state (weights, EMA, Adam moments) bit for bit."""
     straight_out, stopped_out = tmp_path / "straight", tmp_path / "stopped"
     settings = {"family": "stable_cascade", "resolution": 128}
-    straight_config, straight_result = run_config(family_models, shapes_data, straight_out, "fsdp", 2, **settings)
-    stopped_config, stopped_result = run_config(family_models, shapes_data, stopped_out, "fsdp", 2, **settings)
+    straight_config, straight_result = run_config(family_models["stable_cascade"], shapes_data, straight_out, "fsdp", 2, **settings)
+    stopped_config, stopped_result = run_config(family_models["stable_cascade"], shapes_data, stopped_out, "fsdp", 2, **settings)
     launch(2, str(straight_config), str(straight_result), "--then", str(stopped_config), str(stopped_result),
            "--signal-after-step", str(STOP_AFTER))
     straight, stopped = json.loads(straight_result.read_text()), json.loads(stopped_result.read_text())
@@ -169,12 +171,12 @@ def test_stable_cascade_under_fsdp_stops_and_resumes_exactly(family_models, shap
 
 
 @pytest.mark.parametrize("before, after", [(("fsdp", 2), ("single", 1)), (("single", 1), ("fsdp", 2))])
-def test_resume_on_another_number_of_processes(before, after, tiny_models, shapes_data, tmp_path, tmp_path_factory):
+def test_resume_on_another_number_of_processes(before, after, small_sd1, shapes_data, tmp_path, tmp_path_factory):
     """The same global batch (8) on 2 processes x 4 or 1 x 8: the state is resharded, the data position kept."""
-    _, straight = straight_run(before[0], tiny_models, shapes_data, tmp_path_factory)
+    _, straight = straight_run(before[0], small_sd1, shapes_data, tmp_path_factory)
     out = tmp_path / "out"
-    stopped = stopped_run(before[0], tiny_models, shapes_data, tmp_path_factory, out)
-    resumed = run(tiny_models, shapes_data, out, *after, "--resume", "auto")
+    stopped = stopped_run(before[0], small_sd1, shapes_data, tmp_path_factory, out)
+    resumed = run(small_sd1, shapes_data, out, *after, "--resume", "auto")
     assert (stopped["steps"], resumed["first_step"], resumed["steps"]) == (stopped_at(stopped), stopped_at(stopped), STEPS)
     for epoch in ("0", "1", "2"):
         ids = stopped["seen"].get(epoch, []) + resumed["seen"].get(epoch, [])
@@ -184,7 +186,7 @@ def test_resume_on_another_number_of_processes(before, after, tiny_models, shape
     differences = [abs(a - b) for a, b in zip(resumed["losses"], straight["losses"][stopped_at(stopped):], strict=True)]
     assert max(differences) <= 1e-4, differences
     # ... and so do the final weights, EMA and Adam moments, element by element.
-    straight_out, _ = straight_run(before[0], tiny_models, shapes_data, tmp_path_factory)
+    straight_out, _ = straight_run(before[0], small_sd1, shapes_data, tmp_path_factory)
     want, got = final_state(straight_out), final_state(out)
     assert want.keys() == got.keys() and {k.split("/")[0] for k in want} == {"w", "ema", "opt"}
     for kind in {k.rsplit("/", 1)[0] for k in want}:  # w/, ema/, opt/exp_avg, opt/exp_avg_sq
@@ -194,20 +196,19 @@ def test_resume_on_another_number_of_processes(before, after, tiny_models, shape
         assert diff <= 1e-4 * scale, f"{kind}: {diff:.3g} against values up to {scale:.3g}"
 
 
-def test_export_from_a_checkpoint_writes_what_training_wrote(tiny_models, shapes_data, tmp_path_factory, tmp_path):
-    straight_out, _ = straight_run("fsdp", tiny_models, shapes_data, tmp_path_factory)
+def test_export_from_a_checkpoint_writes_what_training_wrote(small_sd1, shapes_data, tmp_path_factory, tmp_path):
+    straight_out, _ = straight_run("fsdp", small_sd1, shapes_data, tmp_path_factory)
     folder = latest_checkpoint(checkpoints_dir(straight_out))  # saved at the end, by 2 fsdp ranks
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run([sys.executable, "-m", "ot_dist", "export", str(folder), "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    # the command as `python -m ot_dist export` runs it, forked from the preloaded server (a fresh interpreter would
+    # add seconds of imports and prove nothing about the export)
+    done = run_ranks("-m", "ot_dist", "export", folder, "--out", tmp_path, nproc=1, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     export_checkpoint(str(folder), None, True, str(tmp_path), log=lambda *_: None)  # --ema, in this process
     for suffix in ("", "_ema"):
         for file in (f"model{suffix}/unet/diffusion_pytorch_model.safetensors", f"model{suffix}.safetensors"):
             want, got = load_file(straight_out / file), load_file(tmp_path / file)
             assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), file
-    bad = subprocess.run([sys.executable, "-m", "ot_dist", "export", str(folder), "--format", "lora"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    bad = run_ranks("-m", "ot_dist", "export", folder, "--format", "lora", nproc=1, timeout=300)
     assert bad.returncode == 2 and "--format lora" in bad.stderr and "diffusers, single-file" in bad.stderr
     assert (folder / MARKER).exists()
 

@@ -70,6 +70,26 @@ def test_zero2_config_overlaps_communication_on_gpu_in_explicit_buckets(family_m
     assert deepspeed_config(validate(raw), 3, 2, "cuda")["timers"] == {"throughput": {"enabled": False}}
 
 
+def test_zero3_engine_build_formats_no_parameter_values(monkeypatch):
+    """ZeRO-3's optimizer formats its constructor's locals() into a debug line it discards, the {parameter: name} map
+    among them: on a GPU every parameter's values would be read to the host to be formatted. While the engine is
+    built a parameter prints as its shape and dtype; afterwards torch's own repr is back."""
+    import torch._tensor_str
+
+    from ot_dist.parallel.deepspeed import parameters_shown_by_shape
+
+    formatted = []
+    original_str = torch._tensor_str._str
+    monkeypatch.setattr(torch._tensor_str, "_str", lambda *a, **k: formatted.append(1) or original_str(*a, **k))
+    names = {torch.nn.Parameter(torch.ones(3, 2)): "w", torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16)): "b"}
+    with parameters_shown_by_shape():
+        line = f"stage3 locals: {locals()}"
+    assert formatted == [], "a parameter's values were formatted"
+    assert "Parameter(shape=(3, 2), dtype=torch.float32)" in line and "dtype=torch.bfloat16" in line
+    assert "1., 1." in repr(next(iter(names)))  # torch's repr is restored
+    assert formatted
+
+
 def test_cuda_runs_initialise_nccl_and_gloo(monkeypatch):
     """On CUDA the process group carries both backends: CPU tensors (a CPU EMA, offloaded shards) go over gloo."""
     import torch

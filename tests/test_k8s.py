@@ -1,13 +1,16 @@
 """Kubernetes: the manifests in k8s/ and those `ot-dist k8s` renders are valid API objects (offline
 schemas), compose under kustomize into exactly what the renderer writes, keep the pod security
-policy, and the command a rendered pod runs, started as two nodes on 127.0.0.1, trains the demo."""
+policy, and the command a rendered pod runs, started as two nodes on 127.0.0.1, trains the demo (the PyTorchJob's;
+the Indexed Job's pods run the same training command after a static rendezvous, which they are shown to meet in)."""
 
 from __future__ import annotations
 
 import copy
 import functools
+import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -411,10 +414,10 @@ def demo_files(small_sd1, shapes_data, tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("flavor", FLAVORS)
-def test_the_pods_command_rendezvouses_as_two_nodes_and_trains_the_demo(flavor, demo_files, tmp_path):
-    """`ot-dist k8s configs/demo.yaml --nodes 2 --gpus-per-node 1`; then each pod's exact command and
-    environment from the rendered manifest, started as node 0 and node 1 on 127.0.0.1 (CPU, gloo)."""
+def pods(flavor: str, demo_files: Path, tmp_path: Path) -> tuple[Path, int, list[tuple[list, dict, Path]]]:
+    """`ot-dist k8s configs/demo.yaml --nodes 2 --gpus-per-node 1`; then each pod's exact command, environment and
+    working directory from the rendered manifest, as node 0 and node 1 on 127.0.0.1 (CPU, gloo): (the workspace
+    volume, the rendezvous port, [(command, env, cwd) of node 0, of node 1])."""
     rendered = render(REPO / "configs" / "demo.yaml", tmp_path / "manifests", 2, 1, flavor,
                       "--set", "max_steps=2", "--set", "log_every_steps=1")  # fmt: skip
     workspace = tmp_path / "workspace"
@@ -432,25 +435,86 @@ def test_the_pods_command_rendezvouses_as_two_nodes_and_trains_the_demo(flavor, 
             volumes[mount].mkdir()
         command, env, cwd = pod_process(rendered, index, volumes, f"127.0.0.1:{port}")
         assert ("--node-rank", str(index)) == tuple(command[command.index("--node-rank"):][:2])
-        nodes.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))  # fmt: skip
-        if index == 0 and flavor == "pytorchjob":
-            # c10d: on one machine both nodes match the endpoint's host; in the cluster only worker 0 does.
-            wait_for_port(port, nodes[0])
+        nodes.append((command, env, cwd))
+    return workspace, port, nodes
+
+
+def run_nodes(nodes: list[tuple[list, dict, Path]], port: int, node_0_first: bool) -> list[str]:
+    """Start node 0 and node 1 (`node_0_first`: node 1 once node 0 listens on the port) and wait for both to exit 0;
+    their outputs."""
+    started = []
+    for command, env, cwd in nodes:
+        started.append(subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True))  # fmt: skip
+        if node_0_first and len(started) == 1:
+            wait_for_port(port, started[0])
     try:
-        outputs = [node.communicate(timeout=240)[0] for node in nodes]
+        outputs = [node.communicate(timeout=240)[0] for node in started]
     finally:
-        for node in nodes:
+        for node in started:
             node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], outputs[0][-3000:] + "\n-----\n" + outputs[1][-3000:]
-    assert "global batch 4 (batch_size 2 x accumulation 1 x 2 processes)" in outputs[0]
-    assert "step 2/2" in outputs[0]
-    run = workspace / "demo_out" / "run"
-    assert (run / "model" / "model_index.json").is_file() and (run / "model.safetensors").is_file()
+    assert [node.returncode for node in started] == [0, 0], outputs[0][-3000:] + "\n-----\n" + outputs[1][-3000:]
+    return outputs
+
+
+def check_node_configs(run: Path, port: int, backend: str) -> None:
+    """The accelerate config each node's `ot-dist launch` wrote (node 1's: the second of 2 machines, node 0's
+    port, the flavor's rendezvous backend)."""
     launch_files = sorted(p.name for p in (run / "launch").iterdir())
     assert launch_files == ["accelerate_fsdp_node0.yaml", "accelerate_fsdp_node1.yaml"]
     node1 = yaml.safe_load((run / "launch" / "accelerate_fsdp_node1.yaml").read_text())
     assert (node1["num_machines"], node1["machine_rank"], node1["main_process_port"]) == (2, 1, port)
-    assert node1["rdzv_backend"] == ("c10d" if flavor == "pytorchjob" else "static")
-    # the elastic policy's restart budget reaches torchrun; the Indexed Job leaves restarts to the Job
-    assert ("--max_restarts 3" in outputs[0]) == (flavor == "pytorchjob")
+    assert node1["rdzv_backend"] == backend
+
+
+def training_command(printed: str, tmp_path: Path) -> list[str]:
+    """What the `accelerate launch` command a node's `ot-dist launch` printed runs in each worker: the pods' training
+    command, the same in both flavors (the config: the ConfigMap's file, mounted)."""
+    launched = shlex.split(next(line for line in printed.splitlines() if line.startswith("accelerate launch ")))
+    worker = launched[launched.index("-m"):]
+    assert worker == ["-m", "ot_dist", "train", str(tmp_path / "configmap" / "train.yaml"), "--resume", "auto"], launched
+    return launched
+
+
+def test_the_pytorchjobs_pods_rendezvous_as_two_nodes_and_train_the_demo(demo_files, tmp_path):
+    """The PyTorchJob's pods, started as two nodes (torchrun's c10d rendezvous at worker 0's endpoint, the elastic
+    policy's restart budget), train the demo. The Indexed Job's pods run the same training command after another
+    rendezvous: test_the_indexed_jobs_pods_rendezvous_as_two_nodes."""
+    workspace, port, nodes = pods("pytorchjob", demo_files, tmp_path)
+    # c10d: on one machine both nodes match the endpoint's host; in the cluster only worker 0 does.
+    outputs = run_nodes(nodes, port, node_0_first=True)
+    assert "global batch 4 (batch_size 2 x accumulation 1 x 2 processes)" in outputs[0]
+    assert "step 2/2" in outputs[0]
+    run = workspace / "demo_out" / "run"
+    assert (run / "model" / "model_index.json").is_file() and (run / "model.safetensors").is_file()
+    check_node_configs(run, port, "c10d")
+    for output in outputs:  # the elastic policy's restart budget reaches torchrun
+        launched = training_command(output, tmp_path)
+        assert launched[launched.index("--max_restarts") + 1] == "3", launched
+
+
+def test_the_indexed_jobs_pods_rendezvous_as_two_nodes(demo_files, tmp_path):
+    """The Indexed Job's pods: node rank from the completion index, a static rendezvous at index 0's pod, no restart
+    budget (the Job restarts pods), and the PyTorchJob's training command, which the test above trains. Each pod's
+    exact command with --dry-run writes its node's accelerate config and prints the `accelerate launch` command it
+    runs; those commands, started as node 0 and node 1, meet in torchrun's static rendezvous with a script in
+    place of the training command (tests/helpers/rendezvous_ranks.py): one process group of 2, node 0's rank 0
+    and node 1's rank 1, started as ot_dist's runtime starts it. (A second two-node training cost ~28 s of CPU and
+    proved again what the PyTorchJob's does.)"""
+    workspace, port, nodes = pods("indexed-job", demo_files, tmp_path)
+    printed = run_nodes([(command + ["--dry-run"], env, cwd) for command, env, cwd in nodes], port, node_0_first=False)
+    run = workspace / "demo_out" / "run"
+    check_node_configs(run, port, "static")
+    met = tmp_path / "rendezvous.json"
+    launches = []
+    for index, ((_, env, cwd), output) in enumerate(zip(nodes, printed, strict=True)):
+        launched = training_command(output, tmp_path)
+        assert "--max_restarts" not in launched  # the Indexed Job leaves restarts to the Job
+        assert launched[2] == "--config_file", launched
+        assert (cwd / launched[3]).resolve() == (run / "launch" / f"accelerate_fsdp_node{index}.yaml").resolve()
+        # the printed command as `ot-dist launch` runs it, up to the training command
+        launches.append(([sys.executable, "-m", "accelerate.commands.launch", *launched[2:launched.index("-m")],
+                          str(REPO / "tests" / "helpers" / "rendezvous_ranks.py"), str(met)], env, cwd))
+    run_nodes(launches, port, node_0_first=False)
+    ranks = json.loads(met.read_text())
+    assert [(r["RANK"], r["GROUP_RANK"], r["WORLD_SIZE"]) for r in ranks] == [("0", "0", "2"), ("1", "1", "2")]

@@ -1,6 +1,7 @@
-"""Every strategy, for real: 2 gloo processes on CPU against 1 process with the same global batch.
-Launched the way users launch (`ot-dist launch`, which goes through `accelerate launch`; plain
-torchrun; a user's own accelerate config), compared on the exported weights."""
+"""Every strategy, for real: 2 gloo processes on CPU against 1 process with the same global batch, compared on the
+exported weights. Launched the way users launch: `ot-dist launch` (which goes through `accelerate launch`) and a
+user's own accelerate config (one spawn, with a failing rank: what the launcher does then); the strategy variants
+are forked ranks (tests/forked_ranks.py)."""
 
 from __future__ import annotations
 
@@ -145,19 +146,33 @@ def exported_weights_of_base(model_dir: Path, method: str, like: dict) -> dict:
     return {k: torch.zeros_like(v) for k, v in like.items() if "lora_B" in k or "lora_up" in k}
 
 
-def test_users_accelerate_config_selects_the_strategy(small_sd1, shapes_data, tmp_path):
-    """`accelerate launch --config_file THEIRS.yaml -m ot_dist train CONFIG` with no strategy in the YAML."""
-    accelerate_config = write_config(tmp_path / "user_accelerate.yaml", {
+@pytest.fixture(scope="module")
+def users_failing_launch(small_sd1, shapes_data, tmp_path_factory):
+    """`accelerate launch --config_file THEIRS.yaml` of the CLI with no strategy in the YAML, rank 1 raising at its
+    third optimizer step (tests/helpers/fail_at_step.py): one spawn for what the user's accelerate config selects and
+    for how a failing rank ends the launch (accelerate's multi-process launch is torchrun's agent, so the failure
+    summary is torchrun's). The selected strategy training to the end is test_two_ranks_equal_one_process's
+    fsdp-shard_grad_op-lora case (the settings this accelerate config selects). -> (result, seconds, output_dir)"""
+    root = tmp_path_factory.mktemp("users-accelerate")
+    accelerate_config = write_config(root / "user_accelerate.yaml", {
         "compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "num_processes": 2, "num_machines": 1,
         "machine_rank": 0, "main_process_ip": "127.0.0.1", "main_process_port": free_port(), "mixed_precision": "no",
         "use_cpu": False, "fsdp_config": {"fsdp_version": 2, "fsdp_reshard_after_forward": False},
     })
-    config = two_rank_config(small_sd1, shapes_data, tmp_path / "out", "lora", max_steps=2)
+    config = two_rank_config(small_sd1, shapes_data, root / "out", "lora", max_steps=4,
+                             **{"distributed.timeout_minutes": 1})
+    start = time.monotonic()
     done = run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(accelerate_config),
-                "-m", "ot_dist", "train", str(config)])
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    assert "strategy fsdp" in done.stdout
-    assert (tmp_path / "out" / "lora.safetensors").is_file()
+                str(REPO / "tests" / "helpers" / "fail_at_step.py"), "train", str(config)],
+               env={**ENV, "FAIL_RANK": "1", "FAIL_STEP": "3"}, timeout=300)
+    return done, time.monotonic() - start, root / "out"
+
+
+def test_users_accelerate_config_selects_the_strategy(users_failing_launch):
+    """`accelerate launch --config_file THEIRS.yaml -m ot_dist train CONFIG` with no strategy in the YAML (the
+    CLI's entry, run by tests/helpers/fail_at_step.py as `-m ot_dist` runs it)."""
+    done, _, _ = users_failing_launch
+    assert "strategy fsdp, global batch 4" in done.stdout, (done.stdout + done.stderr)[-4000:]
 
 
 def test_launcher_environment_is_reconciled_with_the_yaml(small_sd1, shapes_data, tmp_path):
@@ -205,17 +220,11 @@ def test_dry_run_prints_a_valid_accelerate_command_and_config(small_sd1, shapes_
         assert not (tmp_path / "out" / "model").exists()  # dry run trains nothing
 
 
-def test_an_exception_in_one_rank_ends_the_launch(small_sd1, shapes_data, tmp_path):
-    config = two_rank_config(small_sd1, shapes_data, tmp_path / "out", "full", max_steps=6,
-                             **{"distributed.timeout_minutes": 1})
-    env = {**ENV, "FAIL_RANK": "1", "FAIL_STEP": "3"}
-    start = time.monotonic()
-    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-                str(free_port()), str(REPO / "tests" / "helpers" / "fail_at_step.py"), "train", str(config),
-                "--set", "strategy=ddp"], env=env, timeout=300)
+def test_an_exception_in_one_rank_ends_the_launch(users_failing_launch):
+    done, seconds, out = users_failing_launch
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert "injected failure on rank 1 at step 3" in output
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", output), "the launcher's summary names the failing rank"
-    assert time.monotonic() - start < 120
-    assert not (tmp_path / "out" / "model").exists()
+    assert seconds < 120
+    assert not (out / "lora.safetensors").exists() and not (out / "model").exists()

@@ -11,8 +11,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -269,20 +271,82 @@ def test_a_closed_port_costs_nothing_but_a_warning(small_sd1, shapes_data, tmp_p
     assert not outbox.exists()  # delivered: gone
 
 
+class Outage:
+    """The server's address as the trackers see it: a TCP relay in front of the server. `down()` refuses new
+    connections and cuts the open ones, which is what a client sees of a server that went away; `up()` serves on
+    the same port again. (Stopping and restarting `mlflow server` itself costs 6-7 s of CPU and shows the client
+    nothing more: its store is on disk.)"""
+
+    def __init__(self, server: MlflowServer):
+        self.server_address = ("127.0.0.1", server.port)
+        self.port = free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.lock = threading.Lock()
+        self.listener: socket.socket | None = None
+        self.connections: list[socket.socket] = []
+
+    def up(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port))  # SO_REUSEADDR: the port of a moment ago
+        with self.lock:
+            self.listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def down(self) -> None:
+        with self.lock:
+            listener, self.listener, connections, self.connections = self.listener, None, self.connections, []
+        for sock in (listener, *connections):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept() / recv()
+            except OSError:
+                pass
+            sock.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # down()
+                return
+            upstream = socket.create_connection(self.server_address)
+            with self.lock:
+                if self.listener is not listener:  # went down meanwhile
+                    client.close()
+                    upstream.close()
+                    return
+                self.connections += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._relay, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _relay(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for sock in (source, sink):  # one side ended (or down()): the connection ends for both
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 def test_a_server_outage_values_kept_are_sent_when_it_is_back_and_what_a_closed_run_missed_is_replayed(server,
                                                                                                        tmp_path):
-    """One outage of the server (a restart costs seconds) for two runs: "comes-back" keeps logging and is still open
-    when the server is back: everything arrives. "replayed" closes while the server is down: its outbox stays, the
-    warning names it and the replay command, which sends what was missed into the same run."""
+    """One outage of the server for two runs: "comes-back" keeps logging and is still open when the server is back:
+    everything arrives. "replayed" closes while the server is down: its outbox stays, the warning names it and the
+    replay command, which sends what was missed into the same run. (The outage: the Outage relay goes down.)"""
+    outage = Outage(server)
+    outage.up()
     kept = tmp_path / "kept.jsonl"
-    comes_back = MlflowTracker(server.uri, "comes-back", "comes-back", kept, shutdown_timeout=60)
+    comes_back = MlflowTracker(outage.uri, "comes-back", "comes-back", kept, shutdown_timeout=60)
     outbox = tmp_path / "outbox.jsonl"
-    tracker = MlflowTracker(server.uri, "replayed", "replayed", outbox, shutdown_timeout=5)
+    tracker = MlflowTracker(outage.uri, "replayed", "replayed", outbox, shutdown_timeout=5)
     comes_back.log_metrics({"loss": 1.0}, step=1)
     tracker.log_metrics({"loss": 1.0}, step=1)
     wait_for(lambda: comes_back.all_sent() and comes_back.run_id is not None)
     wait_for(lambda: tracker.all_sent() and tracker.run_id is not None)
-    server.stop()
+    outage.down()
     try:
         comes_back.log_metrics({"loss": 2.0}, step=2)
         comes_back.log_metrics({"loss": 3.0}, step=3)
@@ -291,7 +355,7 @@ def test_a_server_outage_values_kept_are_sent_when_it_is_back_and_what_a_closed_
         wait_for(lambda: comes_back.error is not None)
         warnings = tracker.close()  # one last attempt, then the outbox stays
     finally:
-        server.start()
+        outage.up()
 
     kept_warnings = comes_back.close()
     assert not any("could not be sent" in w for w in kept_warnings), kept_warnings
@@ -300,7 +364,7 @@ def test_a_server_outage_values_kept_are_sent_when_it_is_back_and_what_a_closed_
     assert not kept.exists()  # all delivered
 
     (warning,) = [w for w in warnings if "could not be sent" in w]
-    assert warning.startswith(f"MLflow: 1 metric points, 1 artifacts could not be sent to {server.uri}")
+    assert warning.startswith(f"MLflow: 1 metric points, 1 artifacts could not be sent to {outage.uri}")
     assert f"they are kept in {outbox}" in warning and f"python -m ot_dist.tracking.replay {outbox}" in warning
     assert client(server.uri).get_run(tracker.run_id).info.status == "RUNNING"
     # the command in this process (its fresh-process run: test_a_closed_port_costs_nothing_but_a_warning)
@@ -309,6 +373,7 @@ def test_a_server_outage_values_kept_are_sent_when_it_is_back_and_what_a_closed_
     assert client(server.uri).get_run(tracker.run_id).info.status == "FINISHED"
     assert download_text(server.uri, tracker.run_id, "note.txt") == "after the server went away\n"
     assert not outbox.exists()
+    outage.down()
 
 
 def test_a_run_whose_process_dies_still_reaches_the_server(server, tmp_path):

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from ot_dist.errors import ConfigError
-from ot_dist.memory.table import DENOISERS, GIB, SETUPS, Setup, build_components, fsdp_rank_bytes, setup_bytes
+from ot_dist.memory.table import (DENOISERS, GIB, SETUPS, ModelSizes, Setup, build_components, fsdp_rank_bytes,
+                                  model_sizes, setup_bytes)
 
 # GiB for activations (checkpointed, batch 1, native resolution) + CUDA context + allocator slack. Estimates from
 # the activation sizes of the blocks at that resolution (not measured on a GPU yet: docs/performance.md has the
@@ -44,22 +45,32 @@ def _components(reference: str):
     return build_components(reference)  # meta-device modules: parameter counts without memory
 
 
+# The reference models' figures, measured once per process: every candidate setup reads the same counts and shapes.
+@lru_cache(maxsize=None)
+def _sizes(reference: str) -> ModelSizes:
+    return model_sizes(_components(reference), DENOISERS[reference][1])
+
+
+@lru_cache(maxsize=None)
+def _fsdp_rank_bytes(reference: str, gpus: int) -> dict[str, float]:
+    return fsdp_rank_bytes(_components(reference), reference, gpus)
+
+
 def choose(family, method: str, gpu_memory_gib: float, gpus: int) -> Choice:
     reference = family.memory_reference
     if reference is None:
         raise ConfigError(f"--family: {family.name} has no memory reference yet; start from a config in configs/")
-    components = _components(reference)
-    targets = DENOISERS[reference][1]
+    sizes = _sizes(reference)
     activations = ACTIVATIONS_GIB[reference]
     options: list[Choice] = []
     for setup in candidates(method):
         if setup.fused_back_pass and gpus > 1:
             continue  # gradients applied during backward cannot be reduced across GPUs first
-        table = setup_bytes(setup, components, targets) / GIB
+        table = setup_bytes(setup, sizes) / GIB
         options.append(Choice(setup, "ddp" if gpus > 1 else "single", table + activations, table, True, reference))
         if method == "full" and gpus > 1 and setup.optimizer == "ADAMW" and not setup.fused_back_pass:
             # Sharded AdamW keeps the optimizer exact: preferred to 8-bit or factored state when it fits.
-            sharded = fsdp_rank_bytes(components, reference, gpus)
+            sharded = _fsdp_rank_bytes(reference, gpus)
             per_rank = (sharded["sharded_state"] + sharded["gather_peak"]) / GIB
             options.append(Choice(setup, "fsdp", per_rank + activations, per_rank, True, reference))
     for option in options:
