@@ -129,14 +129,15 @@ def in_aligned_memory(pipeline):
 
 
 # With `-n 2 --dist loadfile --no-loadscope-reorder` (README's test command) xdist hands whole files to the two
-# workers in collection order. The files below each take a minute or more (mostly one multi-rank launch serving many
-# assertions); started first, they run side by side with the many short files filling the gaps, instead of one of
-# them starting last and running alone at the end (longest first; measured with --durations, November 2026).
+# workers in collection order. The files below cost the most (15 s to 2 minutes of CPU each, mostly multi-rank
+# launches serving many assertions); started first, they run side by side with the many short files filling the gaps,
+# instead of one of them starting last and running alone at the end (costliest first; measured with
+# tests/cpu_cost_plugin.py over the whole suite, November 2026).
 SLOWEST_FIRST = (
-    "test_checkpoint.py", "test_family_strategies.py", "test_optimizers_distributed.py", "test_tracking.py",
-    "test_strategies.py", "test_checkpoint_safety.py", "test_early_checks.py", "test_bench.py", "test_run_safety.py",
-    "test_cli.py", "test_lora_variants.py", "test_data_shards.py", "test_k8s.py",
-    "test_sharded_prodigy_ema.py", "test_step_guard.py", "test_lora_tools.py", "test_family_flux.py",
+    "test_family_strategies.py", "test_optimizers_distributed.py", "test_checkpoint.py", "test_checkpoint_safety.py",
+    "test_strategies.py", "test_tracking.py", "test_run_safety.py", "test_step_guard.py", "test_k8s.py",
+    "test_optimizers.py", "test_lora_variants.py", "test_cli.py", "test_concepts.py", "test_lora_tools.py",
+    "test_sharded_prodigy_ema.py", "test_sampling.py", "test_early_checks.py", "test_data_shards.py", "test_bench.py",
 )
 
 

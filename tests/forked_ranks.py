@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ot_dist.parallel.runtime import free_port
+from ot_dist.ports import free_port
 
 # Imported once by the fork server. Everything a helper script imports that is not here is imported by each rank.
 PRELOAD = [

@@ -10,7 +10,7 @@ import pytest
 from forked_ranks import run_ranks
 from conftest import base_config
 
-from ot_dist.parallel.runtime import free_port
+from ot_dist.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from ot_dist.cli import main
-from ot_dist.parallel.runtime import free_port
+from ot_dist.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 K8S = REPO / "k8s"

@@ -54,7 +54,7 @@ def test_a_free_port_is_outside_the_range_outgoing_connections_take():
     outgoing connection (other runs' gloo connections) before the rendezvous server binds it (EADDRINUSE)."""
     import socket
 
-    from ot_dist.parallel.runtime import _ephemeral_ports, free_port
+    from ot_dist.ports import _ephemeral_ports, free_port
 
     low, high = _ephemeral_ports()
     ports = {free_port() for _ in range(20)}

@@ -284,7 +284,7 @@ def test_sigterm_to_a_rendered_kubernetes_pod_command_saves_and_exits_0(small_sd
     for mount in ("/tmp", "/home/ot-dist"):
         volumes[mount] = tmp_path / mount.replace("/", "-")
         volumes[mount].mkdir()
-    from ot_dist.parallel.runtime import free_port
+    from ot_dist.ports import free_port
 
     command, env, cwd = pod_process(rendered, 0, volumes, f"127.0.0.1:{free_port()}")
     process = subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from ot_dist.config.load import apply_override, validate
 from ot_dist.errors import ConfigError
 from ot_dist.launcher import reconcile_with_launcher
-from ot_dist.parallel.runtime import free_port
+from ot_dist.ports import free_port
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]

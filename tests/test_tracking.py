@@ -26,7 +26,7 @@ from conftest import base_config
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.optim.schedulers import lr_factor
-from ot_dist.parallel.runtime import free_port
+from ot_dist.ports import free_port
 from ot_dist.tracking import start_sender, start_tracking, tracking_uri
 from ot_dist.tracking.base import Tracker
 from ot_dist.tracking.mlflow_tracker import MlflowTracker

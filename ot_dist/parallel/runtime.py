@@ -16,10 +16,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ot_dist import ports
-
-# Their home is torch-free ot_dist/ports.py (`ot-dist launch` picks a port); callers import them from here too.
-free_port, _ephemeral_ports = ports.free_port, ports._ephemeral_ports
+from ot_dist.ports import free_port
 
 
 @dataclass

@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     from ot_dist.demo import make_demo_dataset
     from ot_dist.models.tiny import make_tiny_model
-    from ot_dist.parallel.runtime import free_port
+    from ot_dist.ports import free_port
 
     work = Path(tempfile.mkdtemp(prefix="bench_memory_"))
     model, data = make_tiny_model(work / "tiny-sd1", "sd1"), make_demo_dataset(work / "shapes", count=16)

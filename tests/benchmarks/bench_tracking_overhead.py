@@ -34,7 +34,7 @@ from conftest import base_config  # noqa: E402
 
 from ot_dist.demo import make_demo_dataset  # noqa: E402
 from ot_dist.models.tiny import make_tiny_model  # noqa: E402
-from ot_dist.parallel.runtime import free_port  # noqa: E402
+from ot_dist.ports import free_port  # noqa: E402
 
 TARGET = 1.10
 
