@@ -28,7 +28,7 @@ class StepFlops:
     train: int  # forward + backward of the batch (what one optimizer step computes, the update aside)
 
 
-class _TotalFlopCounter(FlopCounterMode):
+class TotalFlopCounter(FlopCounterMode):
     """FlopCounterMode without its per-module breakdown, which the bench does not read: its ModuleTracker hooks every
     module call and adds each op's FLOPs to every enclosing module, a third of the counting time on the real-size
     models (the per-op counting and the total are FlopCounterMode's own)."""
@@ -52,7 +52,7 @@ class _GlobalOnly(ModuleTracker):
 def count_step_flops(forward: Callable[[], torch.Tensor], backward: Callable[[torch.Tensor], None]) -> StepFlops:
     """`forward()` returns the loss; `backward(loss)` propagates it. Counted in one pass: the total when the loss is
     there is the forward's, the total after backward the train step's."""
-    counter = _TotalFlopCounter()
+    counter = TotalFlopCounter()
     with counter:
         loss = forward()
         forward_flops = counter.get_total_flops()

@@ -1,11 +1,11 @@
 """Model FLOPs utilisation per log window (issue 21): the FLOPs of the micro steps a window ran, over its seconds
 and the device's peak FLOP/s (`ot_dist.bench.flops.PEAK_FLOPS`, by device name).
 
-The FLOPs of a micro step are counted with torch's FlopCounterMode (as `ot-dist bench` counts them) on the first
-micro step of each batch shape (aspect buckets differ), during that real step (with compiled blocks run eagerly:
-see `uncompiled`): no extra pass, no host sync. Later
-micro steps of a shape add the cached count. With gradient checkpointing the backward re-runs forwards, which the
-counter sees: the value is then hardware FLOPs utilisation and is logged as `hfu`, not `mfu`. On a device with no
+The FLOPs of a micro step are counted with torch's FlopCounterMode, without its per-module hooks (as `ot-dist bench`
+counts them: `TotalFlopCounter`), on the first micro step of each batch shape (aspect buckets differ), during that real
+step (with compiled blocks run eagerly: see `uncompiled`): no extra pass, no host sync. Later micro steps of a shape
+add the cached count. With gradient checkpointing the backward re-runs forwards, which the counter sees: the value is
+then hardware FLOPs utilisation and is logged as `hfu`, not `mfu`. On a device with no
 known peak (CPUs, GPUs missing from the table) nothing is counted and the log says so once."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
-from ot_dist.bench.flops import peak_flops
+from ot_dist.bench.flops import TotalFlopCounter, peak_flops
 
 
 def batch_shape(batch: dict) -> tuple:
@@ -49,7 +48,7 @@ class UtilizationMeter:
         if key in self.flops_of:
             loss = run()
         else:
-            counter = FlopCounterMode(display=False)
+            counter = TotalFlopCounter()  # no per-module hooks on the model that trains
             with uncompiled(self.root), counter:
                 loss = run()
             self.flops_of[key] = counter.get_total_flops()
