@@ -181,20 +181,19 @@ def gib(n: float) -> str:
     return f"{n / GIB:.2f}"
 
 
-def component_rows(models: dict) -> list[str]:
+def component_rows(sizes: dict[str, ModelSizes]) -> list[str]:
     rows = ["| model | component | parameters | float32 GiB | bfloat16 GiB | float8 GiB |", "|---|---|--:|--:|--:|--:|"]
-    for model, components in models.items():
-        for name, module in components.items():
-            n = sum(p.numel() for p in module.parameters())
+    for model, measured in sizes.items():
+        for name, n in measured.counts.items():
             rows.append(f"| {model} | {name} | {n:,} | {gib(4 * n)} | {gib(2 * n)} | {gib(n)} |")
     return rows
 
 
-def trained_rows(models: dict) -> list[str]:
+def trained_rows(sizes: dict[str, ModelSizes]) -> list[str]:
     rows = ["| model | trained | parameters | weights + grads float32 GiB | weights + grads bfloat16 GiB | AdamW state GiB "
             "| 8-bit AdamW state GiB | Adafactor state GiB |", "|---|---|--:|--:|--:|--:|--:|--:|"]
-    for model, components in models.items():
-        for trained, shapes in trained_shapes(components, DENOISERS[model][1]).items():
+    for model, measured in sizes.items():
+        for trained, shapes in measured.trained.items():
             n = sum(math.prod(s) for s in shapes)
             states = [gib(optimizer_state_bytes(shapes, o)) for o in ("ADAMW", "ADAMW_8BIT", "ADAFACTOR")]
             rows.append(f"| {model} | {trained} | {n:,} | {gib(8 * n)} | {gib(4 * n)} | {' | '.join(states)} |")
@@ -239,9 +238,8 @@ def setup_bytes(setup: Setup, sizes: ModelSizes) -> float:
             + optimizer_state_bytes(shapes, setup.optimizer))
 
 
-def setup_rows(models: dict) -> list[str]:
-    names = list(models)
-    sizes = {m: model_sizes(models[m], DENOISERS[m][1]) for m in names}
+def setup_rows(sizes: dict[str, ModelSizes]) -> list[str]:
+    names = list(sizes)
     rows = ["| setup | " + " | ".join(f"{m} GiB" for m in names) + " |", "|---|" + "--:|" * len(names)]
     for setup in SETUPS:
         rows.append(f"| {setup.label} | " + " | ".join(gib(setup_bytes(setup, sizes[m])) for m in names) + " |")
@@ -284,7 +282,8 @@ def fsdp_rows(models: dict, ranks=(8, 64)) -> list[str]:
 
 def main() -> None:
     models = {model: build_components(model) for model in DENOISERS}
-    for rows in (component_rows(models), trained_rows(models), setup_rows(models), fsdp_rows(models)):
+    sizes = {model: model_sizes(components, DENOISERS[model][1]) for model, components in models.items()}
+    for rows in (component_rows(sizes), trained_rows(sizes), setup_rows(sizes), fsdp_rows(models)):
         print("\n".join(rows) + "\n")
 
 
