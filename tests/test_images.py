@@ -328,6 +328,34 @@ def test_heic_is_read_with_the_extra(built):
     assert "iphone.heic" in built["samples"]
 
 
+def test_heic_and_mpo_files_are_images_on_the_first_scan_of_a_process(tmp_path, monkeypatch):
+    """A fresh `ot-dist shard build` lists the folder before anything opened a HEIC: pillow-heif's extensions must
+    be registered before Pillow's list is read, or an iPhone's photos are `not an image`. MPO files (3D cameras)
+    are JPEGs with a second picture: Pillow opens them through its JPEG opener, the first picture is the photo."""
+    from PIL import Image
+
+    from ot_dist.data.concepts import classify_files
+
+    if not image_files.heif_available():
+        pytest.skip("pillow-heif is not installed (pip install ot-dist[heic])")
+    folder = tmp_path / "phone"
+    folder.mkdir()
+    Image.new("RGB", (16, 16), (90, 120, 220)).save(folder / "IMG_0001.HEIC")
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(folder / "DSCF0001.MPO", "MPO", save_all=True,
+                                                   append_images=[Image.new("RGB", (16, 16))])
+    for stem in ("IMG_0001", "DSCF0001"):
+        (folder / f"{stem}.txt").write_text("a photo")
+    for extension, kind in list(Image.registered_extensions().items()):  # as a process that has not used pillow-heif yet
+        if kind == "HEIF":
+            monkeypatch.delitem(Image.EXTENSION, extension)
+    monkeypatch.delitem(Image.OPEN, "HEIF")
+    ((label, concept),) = make_config(folder, tmp_path / "s").data.concept_list()
+    images, unused = classify_files(label, concept)
+    assert [p.name for p in images] == ["DSCF0001.MPO", "IMG_0001.HEIC"] and unused == []
+    first = image_files.open_image(folder / "DSCF0001.MPO").getpixel((8, 8))  # the first picture, not the black one
+    assert np.abs(np.subtract(first, (200, 30, 30))).max() <= 4, first
+
+
 def test_bomb_over_max_bad_fraction_exits_3_naming_it(built, tmp_path):
     """The CLI (a subprocess, as a user runs it): a bomb among a few images is more than the default 1 %."""
     folder = tmp_path / "few"
