@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from PIL import Image
+from PIL import Image, ImageFile
 
 from ot_dist.cli import main
 from ot_dist.config.load import validate
@@ -135,7 +135,7 @@ def test_shard_index_refuses_compressed_tars_missing_files_and_too_many_unreadab
     assert f"{tmp_path}/nothing-*.tar: no tar file matches" in refused(str(tmp_path / "nothing-*.tar"))
     tars = write_tars(tmp_path / "few", sizes=[(16, 16)] * 4)
     err = refused(str(tars / "wds-0000.tar"))
-    assert "wds-0000.tar:broken could not be read: not an image Pillow reads (1 of 6 images unreadable" in err
+    assert "wds-0000.tar:broken could not be read: not an image Pillow reads (1 of 6 samples unreadable" in err
     assert not (tmp_path / "o" / "manifest.json").exists()
     # data.max_image_pixels holds for sizes from the json member (sample 0) and from image headers (sample 1)
     config = tmp_path / "c.yaml"
@@ -144,6 +144,61 @@ def test_shard_index_refuses_compressed_tars_missing_files_and_too_many_unreadab
     err = refused(str(tars / "wds-0000.tar"), "--config", str(config))
     for key in ("000000000", "000000001"):
         assert f"wds-0000.tar:{key} is 16x16 = 256 pixels, over data.max_image_pixels 200" in err
+
+
+def test_shard_index_takes_sizes_upright_from_the_image_and_reads_every_caption_before_training(tmp_path, capsys,
+                                                                                                 monkeypatch):
+    """img2dataset with `resize_mode no` + `skip_reencode` keeps a phone photo's own bytes (EXIF orientation 6) and
+    writes the stored size (OpenCV's, orientation not applied) as the json width / height: the index takes the
+    upright size from the image, as the loader decodes it. A TIFF (Pillow's opener already reports it upright) is not
+    turned twice, a PNG's header is read without decoding its pixels. A json caption without the --caption-field, a caption that is not UTF-8 and an empty image are named
+    by `shard index`, not found in every sample after the model has loaded."""
+    import webdataset as wds
+
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 32x16, shown 16x32
+    photo = encoded(Image.new("RGB", (32, 16), (200, 30, 30)), "JPEG", exif=exif.tobytes())
+    samples = [{"__key__": "portrait", "jpg": photo, "json": b'{"caption": "a portrait", "width": 32, "height": 16}'},
+               {"__key__": "scan", "tiff": encoded(Image.new("RGB", (32, 16)), "TIFF", exif=exif.tobytes()),
+                "txt": b"a scan"},
+               {"__key__": "screenshot", "png": encoded(Image.new("RGB", (32, 16)), "PNG", exif=exif.tobytes()),
+                "txt": b"a png"},
+               {"__key__": "drawing", "png": encoded(Image.new("RGB", (16, 32)), "PNG"), "txt": b"no exif"},
+               {"__key__": "laion", "jpg": photo, "json": b'{"TEXT": "the field is TEXT", "width": 32, "height": 16}'},
+               {"__key__": "latin1", "jpg": photo, "txt": "café".encode("latin-1")},
+               {"__key__": "empty", "jpg": b"", "json": b'{"caption": "no pixels", "width": 32, "height": 16}'}]
+    (tmp_path / "tars").mkdir()
+    with wds.TarWriter(str(tmp_path / "tars" / "t.tar")) as writer:
+        for sample in samples:
+            writer.write(sample)
+    index = ["shard", "index", str(tmp_path / "tars" / "t.tar"), "--resolution", "16", "--bucket-step", "8",
+             "--image-ext", "jpg,tiff,png"]
+    assert main([*index, "--out", str(tmp_path / "refused")]) == 3
+    err = capsys.readouterr().err
+    assert "t.tar:laion: its json member has no 'caption' text (the caption field; ot-dist shard index " \
+           "--caption-field)" in err and "t.tar:latin1: caption member txt is not readable" in err
+    assert "t.tar:empty could not be read" in err and "(3 of 7 samples unreadable" in err
+    monkeypatch.setattr("ot_dist.data.external.NAMED", 1)  # millions named in one line help nobody: the first few
+    assert main([*index, "--out", str(tmp_path / "refused")]) == 3
+    err = capsys.readouterr().err
+    assert "t.tar:laion" in err and "; ... 2 more (3 of 7 samples unreadable" in err and "t.tar:latin1" not in err
+    monkeypatch.undo()
+
+    def no_pixels(image):
+        raise AssertionError(f"shard index decoded the pixels of a {image.format}")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ImageFile.ImageFile, "load", no_pixels)
+        assert main([*index, "--out", str(tmp_path / "set"), "--max-bad-fraction", "0.6"]) == 0
+    manifest = read_manifest(tmp_path / "set")
+    assert [b["file"].rsplit(":", 1)[1] for b in manifest["unreadable_images"]] == ["laion", "latin1", "empty"]
+    dataset = ShardDataset(tmp_path / "set", data_config(tmp_path / "set"))
+    keys = [s["key"] for s in dataset.samples]
+    assert keys == ["portrait", "scan", "screenshot", "drawing"]
+    assert [(int(dataset.index.width[i]), int(dataset.index.height[i])) for i in range(4)] == [(16, 32)] * 4
+    portrait = dataset.load(0, epoch=0)
+    assert portrait["original_size"].tolist() == [32, 16] and portrait["caption"] == "a portrait"
+    assert portrait["pixels"].shape[1] > portrait["pixels"].shape[2]  # trained tall, as the photo is shown
 
 
 def test_a_resume_on_another_world_size_is_exactly_once_on_an_indexed_tar_set(indexed):
