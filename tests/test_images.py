@@ -173,6 +173,9 @@ def camera_folder(folder: Path) -> dict:
     (folder / "orphan.txt").write_text("no image\n")
     (folder / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
     (folder / "orient1.xmp").write_text("<x:xmpmeta/>")
+    # macOS AppleDouble files, as a Finder copy to a USB disk leaves them: metadata named like images and captions
+    for name in ("._orient1.jpg", "._orient1.txt"):
+        (folder / name).write_bytes(b"\0\x05\x16\x07\0\x02\0\0Mac OS X        " + bytes(64))
     return {"expected": expected, "heic": heic_available}
 
 
