@@ -151,8 +151,9 @@ def test_shard_index_takes_sizes_upright_from_the_image_and_reads_every_caption_
     """img2dataset with `resize_mode no` + `skip_reencode` keeps a phone photo's own bytes (EXIF orientation 6) and
     writes the stored size (OpenCV's, orientation not applied) as the json width / height: the index takes the
     upright size from the image, as the loader decodes it. A TIFF (Pillow's opener already reports it upright) is not
-    turned twice, a PNG's header is read without decoding its pixels. A json caption without the --caption-field, a caption that is not UTF-8 and an empty image are named
-    by `shard index`, not found in every sample after the model has loaded."""
+    turned twice, a PNG's header is read without decoding its pixels. A json caption without the --caption-field,
+    a caption that is not UTF-8, an empty image and a sample with two image members (`twice.jpg`, `twice.JPG`) are
+    named by `shard index`, not found in every sample after the model has loaded."""
     import webdataset as wds
 
     exif = Image.Exif()
@@ -166,7 +167,8 @@ def test_shard_index_takes_sizes_upright_from_the_image_and_reads_every_caption_
                {"__key__": "drawing", "png": encoded(Image.new("RGB", (16, 32)), "PNG"), "txt": b"no exif"},
                {"__key__": "laion", "jpg": photo, "json": b'{"TEXT": "the field is TEXT", "width": 32, "height": 16}'},
                {"__key__": "latin1", "jpg": photo, "txt": "café".encode("latin-1")},
-               {"__key__": "empty", "jpg": b"", "json": b'{"caption": "no pixels", "width": 32, "height": 16}'}]
+               {"__key__": "empty", "jpg": b"", "json": b'{"caption": "no pixels", "width": 32, "height": 16}'},
+               {"__key__": "twice", "jpg": photo, "JPG": photo, "txt": b"which one?"}]  # webdataset stops here
     (tmp_path / "tars").mkdir()
     with wds.TarWriter(str(tmp_path / "tars" / "t.tar")) as writer:
         for sample in samples:
@@ -177,11 +179,12 @@ def test_shard_index_takes_sizes_upright_from_the_image_and_reads_every_caption_
     err = capsys.readouterr().err
     assert "t.tar:laion: its json member has no 'caption' text (the caption field; ot-dist shard index " \
            "--caption-field)" in err and "t.tar:latin1: caption member txt is not readable" in err
-    assert "t.tar:empty could not be read" in err and "(3 of 7 samples unreadable" in err
+    assert "t.tar:empty could not be read" in err and "(4 of 8 samples unreadable" in err
+    assert "t.tar:twice has a member more than once: twice.JPG, twice.jpg (suffixes compared lower-case" in err
     monkeypatch.setattr("ot_dist.data.external.NAMED", 1)  # millions named in one line help nobody: the first few
     assert main([*index, "--out", str(tmp_path / "refused")]) == 3
     err = capsys.readouterr().err
-    assert "t.tar:laion" in err and "; ... 2 more (3 of 7 samples unreadable" in err and "t.tar:latin1" not in err
+    assert "t.tar:laion" in err and "; ... 3 more (4 of 8 samples unreadable" in err and "t.tar:latin1" not in err
     monkeypatch.undo()
 
     def no_pixels(image):
@@ -191,7 +194,7 @@ def test_shard_index_takes_sizes_upright_from_the_image_and_reads_every_caption_
         patched.setattr(ImageFile.ImageFile, "load", no_pixels)
         assert main([*index, "--out", str(tmp_path / "set"), "--max-bad-fraction", "0.6"]) == 0
     manifest = read_manifest(tmp_path / "set")
-    assert [b["file"].rsplit(":", 1)[1] for b in manifest["unreadable_images"]] == ["laion", "latin1", "empty"]
+    assert [b["file"].rsplit(":", 1)[1] for b in manifest["unreadable_images"]] == ["laion", "latin1", "empty", "twice"]
     dataset = ShardDataset(tmp_path / "set", data_config(tmp_path / "set"))
     keys = [s["key"] for s in dataset.samples]
     assert keys == ["portrait", "scan", "screenshot", "drawing"]

@@ -12,7 +12,7 @@ the loader workers (reader.py), as ot_dist's own shards are cropped.
 Member names follow webdataset: `<key>.<suffix>`, images `jpg|jpeg|png|webp`, captions `txt|caption|json` (the
 first present, in that order; a json caption is its `caption` field); both lists and the field are configurable.
 A sample whose image header does not open (or is over data.max_image_pixels) or whose caption does not read (not
-UTF-8, a json member without the caption field) is unreadable: counted and named, and more than
+UTF-8, a json member without the caption field) or that holds a member twice is unreadable: counted and named, and more than
 data.max_bad_fraction of them stops the indexing, before any training; a sample with no image or caption member is
 not used, named with the reason. Compressed tars (.tar.gz) cannot be read by offset and are refused.
 """
@@ -142,6 +142,11 @@ class TarIndexer:
                 where = f"{path}:{span.key}"
                 image = first_of(span.members, self.image_suffixes)
                 caption = first_of(span.members, self.caption_suffixes)
+                if span.repeated:  # which of the two would train? webdataset stops on such a tar; here it is named
+                    twins = sorted({f"{span.key}.{s}" for s in span.members if s.lower() in span.repeated})
+                    out.bad.append({"file": where, "error": f"data: sample {where} has a member more than once: "
+                                    f"{', '.join(twins)} (suffixes compared lower-case, as webdataset does); keep one"})
+                    continue
                 if image is None or caption is None:
                     kind, wanted = ("image", self.image_suffixes) if image is None else ("caption", self.caption_suffixes)
                     out.unused.append({"file": where, "reason": f"no {kind} member ({'|'.join(wanted)}); it has "
