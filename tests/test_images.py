@@ -296,6 +296,23 @@ def test_transparency_is_composited_on_the_background(built):
     assert np.abs(palette[:, :28] - (10, 200, 10)).max() <= 1 and np.abs(palette[:, 36:] - BACKGROUND).max() <= 1
 
 
+def test_a_16_bit_png_s_transparent_colour_is_composited_on_the_background(tmp_path):
+    """A 16-bit PNG's tRNS names a 16-bit grey or RGB value; Pillow's RGBA conversion compared it with the 8-bit
+    pixels and left the transparent area opaque. Left half: the transparent value, right half: an opaque one."""
+    def halves(values, colour_type, key):
+        row = b"\0" + struct.pack(f">{8 * len(values[0])}H", *(values[0] * 4 + values[1] * 4))
+        plain = png_bytes(8, 2, 16, colour_type, row * 2)
+        idat = plain.index(b"IDAT") - 4  # tRNS goes before the pixel data
+        path = tmp_path / f"type{colour_type}.png"
+        path.write_bytes(plain[:idat] + png_chunk(b"tRNS", key) + plain[idat:])
+        return np.asarray(image_files.open_image(path, background=BACKGROUND)).astype(int)
+
+    grey = halves(([0x1000], [0xF000]), 0, struct.pack(">H", 0x1000))
+    assert (grey[:, :4] == BACKGROUND).all() and (grey[:, 4:] == round(0xF000 / 257)).all()
+    rgb = halves(([0x1000, 0x2000, 0x3000], [0x9000, 0x2000, 0x3000]), 2, struct.pack(">3H", 0x1000, 0x2000, 0x3000))
+    assert (rgb[:, :4] == BACKGROUND).all() and (rgb[:, 4:] == (0x90, 0x20, 0x30)).all()
+
+
 def test_bomb_tiny_and_unused_files_are_reported(built):
     manifest, log = built["manifest"], built["log"]
     names = set(built["samples"])
