@@ -233,6 +233,33 @@ def test_a_tar_made_by_macos_tar_loads_the_samples_webdataset_reads(tmp_path):
     assert all(np.array_equal(a[2], b[2]) for a, b in zip(ours, theirs))
 
 
+def test_heic_members_index_and_load_through_pillow_heif(tmp_path, monkeypatch):
+    """`--image-ext heic`: pillow-heif registers its opener when first asked, so `shard index` and the loader ask
+    (before, every HEIC member was `not an image Pillow reads` in a process that had not opened one yet)."""
+    import webdataset as wds
+
+    from ot_dist.data.images import heif_available
+    from tests.test_images import as_if_pillow_heif_was_not_registered
+
+    if not heif_available():
+        pytest.skip("pillow-heif is not installed (pip install ot-dist[heic])")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 32x16, shown 16x32
+    (tmp_path / "tars").mkdir()
+    with wds.TarWriter(str(tmp_path / "tars" / "t.tar")) as writer:
+        writer.write({"__key__": "iphone", "heic": encoded(Image.new("RGB", (32, 16), (90, 120, 220)), "HEIF",
+                                                           quality=95, exif=exif.tobytes()), "txt": b"a phone photo"})
+    as_if_pillow_heif_was_not_registered(monkeypatch)
+    assert main(["shard", "index", str(tmp_path / "tars" / "t.tar"), "--out", str(tmp_path / "set"), "--resolution",
+                 "16", "--bucket-step", "8", "--image-ext", "jpg,heic"]) == 0
+    as_if_pillow_heif_was_not_registered(monkeypatch)  # a loader process of its own
+    dataset = ShardDataset(tmp_path / "set", data_config(tmp_path / "set"))
+    loaded = dataset.load(0, epoch=0)
+    assert loaded["original_size"].tolist() == [32, 16] and loaded["caption"] == "a phone photo"
+    colour = (loaded["pixels"].mean((1, 2)) + 1) * 127.5
+    assert (colour - torch.tensor([90, 120, 220])).abs().max() <= 6, colour
+
+
 def test_a_resume_on_another_world_size_is_exactly_once_on_an_indexed_tar_set(indexed):
     """The in-process 2-rank readers (2 loader workers each, sharing the memory-mapped index) stopped after 4
     global batches and resumed on 1 process with the same global batch: the rest of the epoch, each sample once."""

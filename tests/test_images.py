@@ -348,6 +348,15 @@ def test_heic_is_read_with_the_extra(built):
     assert "iphone.heic" in built["samples"]
 
 
+def as_if_pillow_heif_was_not_registered(monkeypatch) -> None:
+    """Pillow's registries as in a fresh process (until the test ends): pillow-heif registers when first asked."""
+    for extension, kind in list(Image.registered_extensions().items()):
+        if kind == "HEIF":
+            monkeypatch.delitem(Image.EXTENSION, extension)
+    monkeypatch.delitem(Image.OPEN, "HEIF", raising=False)
+    monkeypatch.setattr(Image, "ID", [kind for kind in Image.ID if kind != "HEIF"])
+
+
 def test_heic_and_mpo_files_are_images_on_the_first_scan_of_a_process(tmp_path, monkeypatch):
     """A fresh `ot-dist shard build` lists the folder before anything opened a HEIC: pillow-heif's extensions must
     be registered before Pillow's list is read, or an iPhone's photos are `not an image`. MPO files (3D cameras)
@@ -365,10 +374,7 @@ def test_heic_and_mpo_files_are_images_on_the_first_scan_of_a_process(tmp_path, 
                                                    append_images=[Image.new("RGB", (16, 16))])
     for stem in ("IMG_0001", "DSCF0001"):
         (folder / f"{stem}.txt").write_text("a photo")
-    for extension, kind in list(Image.registered_extensions().items()):  # as a process that has not used pillow-heif yet
-        if kind == "HEIF":
-            monkeypatch.delitem(Image.EXTENSION, extension)
-    monkeypatch.delitem(Image.OPEN, "HEIF")
+    as_if_pillow_heif_was_not_registered(monkeypatch)
     ((label, concept),) = make_config(folder, tmp_path / "s").data.concept_list()
     images, unused = classify_files(label, concept)
     assert [p.name for p in images] == ["DSCF0001.MPO", "IMG_0001.HEIC"] and unused == []

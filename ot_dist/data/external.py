@@ -34,7 +34,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size
-from ot_dist.data.images import DEFAULT_MAX_PIXELS, UnreadableImage, to_srgb_rgb
+from ot_dist.data.images import DEFAULT_MAX_PIXELS, HEIF_EXTENSIONS, UnreadableImage, heif_available, to_srgb_rgb
 from ot_dist.data.sample_index import IndexWriter
 from ot_dist.data.tar_members import pread_of, samples_of
 from ot_dist.errors import InputFileError
@@ -107,6 +107,12 @@ def upright_orientation(img: Image.Image) -> int | None:
     return img.getexif().get(_ORIENTATION)
 
 
+def register_openers(image_suffixes) -> None:
+    """pillow-heif's opener, where the image suffixes name HEIC / HEIF (it registers when first asked)."""
+    if any(f".{suffix.lower()}" in HEIF_EXTENSIONS for suffix in image_suffixes):
+        heif_available()
+
+
 def within_limit(width: int, height: int, where: str, max_pixels: int | None) -> tuple[int, int]:
     if max_pixels is not None and width * height > max_pixels:
         raise UnreadableImage(f"data: image {where} is {width}x{height} = {width * height} pixels, over "
@@ -135,6 +141,7 @@ class TarIndexer:
 
     def __call__(self, path: Path) -> TarIndex:
         out = TarIndex()
+        register_openers(self.image_suffixes)
         fd = os.open(path, os.O_RDONLY)
         read = pread_of(fd)
         try:
