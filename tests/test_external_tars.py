@@ -159,7 +159,8 @@ def test_shard_index_takes_sizes_upright_from_the_image_and_reads_every_caption_
     exif = Image.Exif()
     exif[0x0112] = 6  # stored 32x16, shown 16x32
     photo = encoded(Image.new("RGB", (32, 16), (200, 30, 30)), "JPEG", exif=exif.tobytes())
-    samples = [{"__key__": "portrait", "jpg": photo, "json": b'{"caption": "a portrait", "width": 32, "height": 16}'},
+    samples = [{"__key__": "portrait", "jpg": photo,  # json as Windows tools write it: with a UTF-8 BOM
+                "json": b'\xef\xbb\xbf{"caption": "a portrait", "width": 32, "height": 16}'},
                {"__key__": "scan", "tiff": encoded(Image.new("RGB", (32, 16)), "TIFF", exif=exif.tobytes()),
                 "txt": b"a scan"},
                {"__key__": "screenshot", "png": encoded(Image.new("RGB", (32, 16)), "PNG", exif=exif.tobytes()),

@@ -275,13 +275,14 @@ def decode_image(data: bytes, where: str, background: tuple[int, int, int]) -> I
 def caption_text(data: bytes, suffix: str, field: str, where: str) -> str:
     """The caption lines of a `txt` / `caption` member, or the `field` of a json member."""
     try:
-        text = data.decode("utf-8")
         if suffix.lower() == "json":
-            value = json.loads(text).get(field)
+            value = json.loads(data).get(field)  # bytes, as webdataset decodes json: a UTF-8 BOM (Windows) is fine
             if not isinstance(value, str):
                 raise InputFileError(f"{where}: its json member has no {field!r} text (the caption field; "
                                      "ot-dist shard index --caption-field)")
             text = value
+        else:
+            text = data.decode("utf-8")
     except (UnicodeDecodeError, ValueError, AttributeError) as err:
         raise InputFileError(f"{where}: caption member {suffix} is not readable: {err}") from None
     return text.strip()
