@@ -361,11 +361,13 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
             entry["tag_delimiter"] = text.get("tag_delimiter", ",") or ","
             entry["keep_tags_count"] = text.get("keep_tags_count", 1)
         if text.get("tag_dropout_enable"):
-            if text.get("tag_dropout_mode", "FULL") == "FULL" and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
+            mode = text.get("tag_dropout_mode", "FULL")
+            if mode in ("FULL", "RANDOM") and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
                 entry["tag_dropout_probability"] = text.get("tag_dropout_probability", 0.0)
+                entry["tag_dropout_mode"] = mode.lower()
             else:
-                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {text.get('tag_dropout_mode')} / special tags "
-                                        "(ot_dist drops each tag with one probability, OneTrainer's FULL mode)")
+                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {mode} / special tags (ot_dist has "
+                                        "OneTrainer's FULL and RANDOM modes, without special tags)")
         if text.get("caps_randomize_enable"):
             out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
         image = concept.get("image") or {}
