@@ -4,17 +4,17 @@ The tars are read, never rewritten: their headers give each sample's key, member
 and each image's size comes from the image's own header (Pillow reads the size, and the EXIF orientation, without
 decoding the pixels). Not from img2dataset's json `width` / `height`: with `resize_mode no` (or
 `resize_only_if_bigger`) and `skip_reencode` it keeps a photo's own bytes, EXIF orientation included, and records
-the stored size (OpenCV's, orientation not applied), so a portrait phone photo would be bucketed landscape. Each sample
-gets its aspect bucket from that size; the index (sample_index.py) and a manifest with `layout` go to the output
+the stored size (OpenCV's, orientation not applied), so a portrait phone photo would be bucketed landscape. Each
+sample gets its aspect bucket from that size; the index (sample_index.py) and a manifest with `layout` go to the output
 folder, which `data.shards` then names. The images are scaled to cover their bucket and cropped when loaded, on
 the loader workers (reader.py), as ot_dist's own shards are cropped.
 
 Member names follow webdataset: `<key>.<suffix>`, images `jpg|jpeg|png|webp`, captions `txt|caption|json` (the
 first present, in that order; a json caption is its `caption` field); both lists and the field are configurable.
-A sample whose image header does not open (or is over data.max_image_pixels) or whose caption does not read (not
-UTF-8, a json member without the caption field) or that holds a member twice is unreadable: counted and named, and more than
-data.max_bad_fraction of them stops the indexing, before any training; a sample with no image or caption member is
-not used, named with the reason. Compressed tars (.tar.gz) cannot be read by offset and are refused.
+A sample whose image header does not open (or is over data.max_image_pixels), whose caption does not read (not
+UTF-8, a json member without the caption field) or that holds a member twice is unreadable: counted and named, and
+more than data.max_bad_fraction of them stops the indexing, before any training; a sample with no image or caption
+member is not used, named with the reason. Compressed tars (.tar.gz) cannot be read by offset and are refused.
 """
 
 from __future__ import annotations
@@ -218,7 +218,8 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
     if bad:
         # the first NAMED in full (a wrong --caption-field makes every sample of millions unreadable); the manifest
         # lists them all when the index is written
-        names = "; ".join(b["error"] for b in bad[:NAMED]) + (f"; ... {len(bad) - NAMED} more" if len(bad) > NAMED else "")
+        names = "; ".join(b["error"] for b in bad[:NAMED])
+        names += f"; ... {len(bad) - NAMED} more" if len(bad) > NAMED else ""
         if len(bad) > max_bad_fraction * total:
             raise InputFileError(f"{names} ({len(bad)} of {total} samples unreadable, more than data.max_bad_fraction "
                                  f"{max_bad_fraction})")

@@ -50,7 +50,8 @@ def image_extensions() -> set[str]:
     heif = heif_available()  # registers .heic / .heif first: listed before, a fresh process's first scan missed them
     # MPO (cameras' and Android Ultra HDR photos: a JPEG with more pictures after it) is opened by the JPEG opener,
     # so it has no opener of its own in Image.OPEN; Image.open gives its first picture.
-    extensions = {ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN or fmt == "MPO"}
+    extensions = {ext.lower() for ext, fmt in Image.registered_extensions().items()
+                  if fmt in Image.OPEN or fmt == "MPO"}
     return extensions if heif else extensions - HEIF_EXTENSIONS
 
 
