@@ -360,7 +360,8 @@ def as_if_pillow_heif_was_not_registered(monkeypatch) -> None:
 def test_heic_and_mpo_files_are_images_on_the_first_scan_of_a_process(tmp_path, monkeypatch):
     """A fresh `ot-dist shard build` lists the folder before anything opened a HEIC: pillow-heif's extensions must
     be registered before Pillow's list is read, or an iPhone's photos are `not an image`. MPO files (3D cameras)
-    are JPEGs with a second picture: Pillow opens them through its JPEG opener, the first picture is the photo."""
+    are JPEGs with a second picture: Pillow opens them through its JPEG opener, the first picture is the photo. A
+    link to a missing file is listed as not used, not passed over."""
     from PIL import Image
 
     from ot_dist.data.concepts import classify_files
@@ -378,6 +379,8 @@ def test_heic_and_mpo_files_are_images_on_the_first_scan_of_a_process(tmp_path, 
     ((label, concept),) = make_config(folder, tmp_path / "s").data.concept_list()
     images, unused = classify_files(label, concept)
     assert [p.name for p in images] == ["DSCF0001.MPO", "IMG_0001.HEIC"] and unused == []
+    (folder / "on-the-nas.jpg").symlink_to(tmp_path / "unmounted" / "on-the-nas.jpg")  # named, not passed over
+    assert classify_files(label, concept)[1] == [(Path("on-the-nas.jpg"), "a link to a missing file")]
     first = image_files.open_image(folder / "DSCF0001.MPO").getpixel((8, 8))  # the first picture, not the black one
     assert np.abs(np.subtract(first, (200, 30, 30))).max() <= 4, first
 

@@ -154,14 +154,16 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
     if not root.is_dir():
         raise InputFileError(f"{label}: {root.resolve()} is not a folder")
     pattern = "**/*" if concept.include_subdirectories else "*"
-    files = sorted(p for p in root.glob(pattern) if p.is_file())
+    found = sorted(root.glob(pattern))
+    files = [p for p in found if p.is_file()]
     extensions = image_files.image_extensions()
     images = [p for p in files if p.suffix.lower() in extensions and not p.name.endswith(MASK_SUFFIX)
               and not is_sidecar(p)]
     known = set(images) | {p.with_name(p.stem + MASK_SUFFIX) for p in images}
     if concept.caption_source == "txt":
         known |= {p.with_suffix(concept.caption_extension) for p in images}
-    unused = []
+    # a link whose file is gone (an unmounted store, a moved folder) is no file, but it was meant to be one
+    unused = [(p.relative_to(root), "a link to a missing file") for p in found if p.is_symlink() and not p.exists()]
     for path in files:
         if path in known or is_sidecar(path):
             continue
