@@ -23,8 +23,8 @@ from forked_ranks import run_ranks
 import yaml
 from PIL import Image, ImageOps
 
-from icc_profiles import (D50, adobe_rgb_profile, adobe_to_srgb, cmyk_lut_profile, display_p3_profile, p3_to_srgb,
-                          rgb_to_xyz, xyz_d50_to_srgb)
+from icc_profiles import (D50, adobe_rgb_profile, adobe_to_srgb, cmyk_lut_profile, display_p3_profile, grey_profile,
+                          p3_to_srgb, rgb_to_xyz, srgb_encode, xyz_d50_to_srgb)
 from ot_dist.config.load import validate
 from ot_dist.data import images as image_files
 from ot_dist.data.shards import build_shard_set, read_manifest
@@ -284,6 +284,13 @@ def test_stored_pixels_carry_no_profile(built, tmp_path):
         press_xyz, 2))
     img = image_files.open_image(tmp_path / "mismatched.png")
     assert img.getpixel((0, 0)) == (10, 20, 30) and img.info == {}  # the profile that does not fit: ignored
+    # A grey profile on colour pixels (a converter that kept the profile of a grey original) does not fit either: it
+    # turned a red into grey; on grey pixels it holds (gamma 1.8, an old Mac's, re-encoded with sRGB's curve).
+    Image.new("RGB", (8, 8), (220, 30, 30)).save(tmp_path / "colour-grey-profile.png", icc_profile=grey_profile(2.2))
+    assert image_files.open_image(tmp_path / "colour-grey-profile.png").getpixel((0, 0)) == (220, 30, 30)
+    Image.new("L", (8, 8), 100).save(tmp_path / "grey.png", icc_profile=grey_profile(1.8))
+    grey = image_files.open_image(tmp_path / "grey.png").getpixel((0, 0))
+    assert np.abs(np.subtract(grey, srgb_encode((100 / 255) ** 1.8) * 255)).max() <= 1 and grey[0] > 110
 
 
 def test_transparency_is_composited_on_the_background(built):

@@ -164,8 +164,10 @@ def _convert_profile(img: Image.Image, icc: bytes) -> Image.Image | None:
     if mode is None:
         return None
     if img.mode != mode:
-        if mode == "CMYK" or img.mode == "CMYK":
-            return None  # a CMYK profile on RGB pixels (or the reverse) is a broken file: trust the pixels
+        if mode == "CMYK" or img.mode == "CMYK" or (mode == "L" and img.mode not in ("LA", "La", "1")):
+            # a CMYK profile on RGB pixels (or the reverse), a grey one on colour pixels: a broken file, whose
+            # profile viewers ignore; trust the pixels (a grey profile would turn them grey)
+            return None
         img = img.convert(mode)
     try:
         # Relative colorimetric, not ImageCms' default perceptual: LittleCMS forces black point compensation on a
