@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
+from ot_dist.migrate.onetrainer_parts import import_parts
 
 FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "STABLE_DIFFUSION_15": ("sd1", False), "STABLE_DIFFUSION_15_INPAINTING": ("sd1", True),
@@ -22,11 +23,15 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "STABLE_DIFFUSION_XL_10_BASE": ("sdxl", False), "STABLE_DIFFUSION_XL_10_BASE_INPAINTING": ("sdxl", True),
     "STABLE_DIFFUSION_3": ("sd3", False), "STABLE_DIFFUSION_35": ("sd3", False),
     "FLUX_DEV_1": ("flux", False), "CHROMA_1": ("chroma", False),
+    "PIXART_ALPHA": ("pixart_alpha", False), "PIXART_SIGMA": ("pixart_sigma", False),
+    "STABLE_CASCADE_1": ("stable_cascade", False), "WUERSTCHEN_2": ("wuerstchen_v2", False),
 }
 METHODS = {"FINE_TUNE": "full", "LORA": "lora", "EMBEDDING": "embedding"}
 DTYPES = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "FLOAT_16": "float16", "BFLOAT_16": "bfloat16",
           "FLOAT_8": "float8"}
-PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+# Every part section OneTrainer has stored (TrainConfig's TrainModelPartConfig fields).
+PART_SECTIONS = ("unet", "prior", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4",
+                 "vae", "effnet_encoder", "decoder", "decoder_text_encoder", "decoder_vqgan")
 TIMESTEP_DISTRIBUTIONS = {"UNIFORM": "uniform", "LOGIT_NORMAL": "logit_normal"}
 MINUTES = {"SECOND": 1 / 60, "MINUTE": 1, "HOUR": 60}
 
@@ -48,12 +53,15 @@ def read_json(path: Path, what: str):
 
 
 def upgrade(data: dict) -> dict:
-    """OneTrainer's own migrations of the fields read here, from the versions before the nested layout (0-7)."""
+    """OneTrainer's own migrations of the fields read here, keyed on the old fields being there (a built-in preset has
+    no `__version` and is the newest layout): the flat keys of versions 0-1, version 2's min_snr_gamma, version 3's
+    noising_weight, the renames of 5 and 7, version 8's prior -> transformer, and the global weight_dtype (version 9)
+    and gradient_checkpointing (version 10) fanned out to the parts."""
     data = dict(data)
-    for part in ("unet", "text_encoder", "text_encoder_2"):
+    for part in ("unet", "prior", "text_encoder", "text_encoder_2"):
         nested = dict(data.get(part) or {})
         for flat, key in ((f"train_{part}", "train"), (f"{part}_learning_rate", "learning_rate"),
-                          (f"{part}_weight_dtype", "weight_dtype")):
+                          (f"{part}_weight_dtype", "weight_dtype"), (f"{part}_model_name", "model_name")):
             if flat in data:
                 nested[key] = data.pop(flat)
         if f"train_{part}_epochs" in data:
@@ -64,12 +72,35 @@ def upgrade(data: dict) -> dict:
         gamma = data.pop("min_snr_gamma")
         if gamma:
             data["loss_weight_fn"], data["loss_weight_strength"] = "MIN_SNR_GAMMA", gamma
+    if "noising_weight" in data and "timestep_distribution" not in data:  # version 3: a weight meant a sigmoid
+        weight = data["noising_weight"]
+        data["timestep_distribution"] = "SIGMOID" if weight else "UNIFORM"
+        data["noising_bias"] = data.get("noising_bias", 0.5) - 0.5 if weight else 0.0
     if isinstance(data.get("gradient_checkpointing"), bool):  # version 4
         data["gradient_checkpointing"] = "ON" if data["gradient_checkpointing"] else "OFF"
     for old, new in (("save_after", "save_every"), ("save_after_unit", "save_every_unit"),  # version 5
                      ("lora_layers", "layer_filter"), ("lora_layer_preset", "layer_filter_preset")):  # version 7
         if old in data:
             data[new] = data.pop(old)
+    if data.get("layer_filter_preset", "") is None:  # version 6: an old bug saved None
+        data["layer_filter_preset"] = "full"
+    if "prior" in data and "transformer" not in data and data.get("model_type") not in ("STABLE_CASCADE_1",
+                                                                                         "WUERSTCHEN_2"):
+        data["transformer"] = data["prior"]  # version 8: the transformer models kept their settings in `prior`
+    parts = [p for p in PART_SECTIONS if isinstance(data.get(p), dict)]
+    if "weight_dtype" in data:  # version 9: NONE (or nothing) in a part meant the global weight dtype
+        global_dtype = data.pop("weight_dtype")
+        for p in parts:
+            if data[p].get("weight_dtype", "NONE") == "NONE":
+                data[p] = {**data[p], "weight_dtype": global_dtype}
+        data.update({p: {"weight_dtype": global_dtype} for p in PART_SECTIONS if p not in parts})
+    if "gradient_checkpointing" in data:  # version 10: one setting for every part
+        mode = data.pop("gradient_checkpointing")
+        offloaded = mode == "CPU_OFFLOADED"
+        per_part = {"gradient_checkpointing": mode != "OFF",
+                    "activation_offloading": offloaded and data.pop("enable_activation_offloading", True),
+                    "offload_fraction": data.pop("layer_offload_fraction", 0.0) if offloaded else 0.0}
+        data.update({p: {**(data.get(p) or {}), **per_part} for p in PART_SECTIONS})
     return data
 
 
@@ -113,15 +144,11 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     if ot["train_dtype"] == "TFLOAT_32":
         c["tf32"] = True
     c["output_dtype"] = _dtype(ot, "output_dtype", skip) or "float32"
-    weight_dtype = _dtype(ot, "weight_dtype", skip)
-    if weight_dtype:
-        c["weight_dtype"] = weight_dtype
-    c["gradient_checkpointing"] = ot["gradient_checkpointing"] != "OFF"
-    if ot["gradient_checkpointing"] == "CPU_OFFLOADED":
-        skip("gradient_checkpointing: CPU_OFFLOADED keeps checkpoints in CPU memory; ot_dist checkpoints on the device "
-             "(see offload_frozen_components for the frozen parts)")
 
-    _parts(ot, c, family, skip)
+    import_parts(ot, c, family, method, skip)
+    _layer_skip(ot, c, family, skip)
+    if family in ("stable_cascade", "wuerstchen_v2") and (ot.get("decoder") or {}).get("model_name"):
+        c["model"]["decoder"] = ot["decoder"]["model_name"]
     _optimizer(ot, c, skip)
     _scheduler(ot, c, skip)
     _ema(ot, c)
@@ -158,6 +185,9 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     if ot["latent_caching"] and augmented:
         out.notes.append(f"latent_caching: off, because {augmented[0]} augments its images (OneTrainer caches "
                          "image_variations copies; ot_dist encodes each step's augmented image)")
+    elif ot["latent_caching"] and inpainting:
+        out.notes.append("latent_caching: off, because an inpainting model is trained (ot_dist encodes each step's "
+                         "masked image, OneTrainer caches image_variations copies of it)")
     elif ot["latent_caching"]:
         c.setdefault("data", {})["cache_latents"] = True
     c["mlflow"] = {"run_name": destination.stem}
@@ -178,36 +208,19 @@ def _dtype(ot: dict, key: str, skip) -> str | None:
     return DTYPES[value]
 
 
-def _parts(ot: dict, c: dict, family: str, skip) -> None:
+def _layer_skip(ot: dict, c: dict, family: str, skip) -> None:
     from ot_dist.models.families.registry import get_family
 
     fam = get_family(family)
-    own = {fam.denoiser, *fam.text_encoders}
-    for part in PARTS:
-        if part not in ot or not isinstance(ot[part], dict):
-            continue
-        settings = {**defaults.PART, **ot[part]}
-        name = fam.denoiser if part in ("unet", "transformer", "prior") else part
-        if name not in own:
-            continue  # OneTrainer keeps every model's parts in one file; only this family's are read
-        entry = {"train": bool(settings["train"])}
-        if settings["learning_rate"] is not None:
-            entry["learning_rate"] = settings["learning_rate"]
-        unit = settings["stop_training_after_unit"]
-        if settings["stop_training_after"] is not None and unit in ("EPOCH", "STEP"):
-            entry["stop_training_after"] = settings["stop_training_after"]
-            entry["stop_training_after_unit"] = unit.lower()
-        elif settings["stop_training_after"] is not None and unit not in ("NEVER",):
-            skip(f"{part}.stop_training_after_unit: {unit} (ot_dist counts epochs or steps)")
-        if settings["model_name"]:
-            skip(f"{part}.model_name: {settings['model_name']} (a separately loaded {part}) is not supported")
-        c[name] = entry
     for key in ("text_encoder_layer_skip", "text_encoder_2_layer_skip"):  # clip skip, OneTrainer's names
         if ot.get(key):
             if key.removesuffix("_layer_skip") in fam.layer_skip_encoders:
                 c["model"][key] = ot[key]
             else:
                 skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
+    for key in ("text_encoder_3_layer_skip", "text_encoder_4_layer_skip"):
+        if ot.get(key):
+            skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
 
 
 def _optimizer(ot: dict, c: dict, skip) -> None:
@@ -221,14 +234,24 @@ def _optimizer(ot: dict, c: dict, skip) -> None:
         c["optimizer"] = {"name": "ADAMW"}
         return
     options = {"name": name}
+    lacking = defaults.OPTIMIZER_OPTIONS_NOT_IN_OT_DIST.get(name, {})
     for key, value in settings.items():
         if value is None or key.startswith("__"):
             continue
         if key in SPECS[name].defaults:
             options[key] = value
+        elif key in lacking and value == lacking[key]:
+            continue  # OneTrainer's default of an option ot_dist's implementation does not have: the same update
+        elif key not in lacking and _unset_optimizer_option(key, value):
+            continue  # a UI-saved section holds every optimizer's options; one this optimizer has not is unset
         else:
             skip(f"optimizer.{key}: {value!r} is not an option of ot_dist's {name}")
     c["optimizer"] = options
+
+
+def _unset_optimizer_option(key: str, value) -> bool:
+    """TrainOptimizerConfig's default value: None, False, {} or the few True ones."""
+    return value in (False, {}) or (value is True and key in defaults.OPTIMIZER_UNSET_TRUE)
 
 
 def _scheduler(ot: dict, c: dict, skip) -> None:
