@@ -167,16 +167,17 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         _lora_variant(ot, c["lora"], skip)
         if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
+        if ot["lora_model_name"]:  # OneTrainer continues training this LoRA file
+            if c["lora"].get("variant", "lora") == "lora":
+                c["lora"]["init_from"] = ot["lora_model_name"]
+            else:
+                skip(f"lora_model_name: {ot['lora_model_name']}: ot_dist continues plain LoRA files only")
     if method == "embedding":
-        embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
-        c["embedding"] = {"token": embedding["placeholder"], "vectors": embedding["token_count"] or 1,
-                          "init_text": embedding["initial_embedding_text"] or "*"}
-        if ot["embedding_learning_rate"]:
-            c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
+        _embedding(ot, c, skip)
     if ot.get("additional_embeddings"):
         skip("additional_embeddings: training extra embeddings beside a LoRA / finetune is not supported")
 
-    _concepts(ot, c, path, concepts_path, out)
+    crop_jitter = _concepts(ot, c, path, concepts_path, out)
     _samples(ot, c, path, samples_path, out)
     _saving(ot, c, skip)
     from ot_dist.data.augment import AUGMENTATION_FIELDS
@@ -190,9 +191,37 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
                          "masked image, OneTrainer caches image_variations copies of it)")
     elif ot["latent_caching"]:
         c.setdefault("data", {})["cache_latents"] = True
+    if any(crop_jitter) and c["data"].get("cache_latents"):
+        out.notes.append("enable_crop_jitter: the cached latents hold the centre crop (OneTrainer caches one randomly "
+                         "cropped copy per image)")
+    elif any(crop_jitter):  # OneTrainer's default: the crop offset drawn per epoch
+        c["data"]["crop"] = "random"
+        if not all(crop_jitter):
+            skip("concepts[].image.enable_crop_jitter: off for some concepts; ot_dist's data.crop (random) is one "
+                 "setting for all")
     c["mlflow"] = {"run_name": destination.stem}
     out.notes.insert(0, f"imported from {path.name} (OneTrainer config version {version})")
     return out
+
+
+def _embedding(ot: dict, c: dict, skip) -> None:
+    embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
+    c["embedding"] = {"token": embedding["placeholder"], "vectors": embedding["token_count"] or 1,
+                      "init_text": embedding["initial_embedding_text"] or "*"}
+    if ot["embedding_learning_rate"]:
+        c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
+    if embedding["model_name"]:
+        skip(f"embedding.model_name: {embedding['model_name']} (continuing an existing embedding) is not supported; "
+             "it starts from embedding.init_text")
+    if embedding["stop_training_after"] is not None and embedding["stop_training_after_unit"] != "NEVER":
+        skip(f"embedding.stop_training_after: {embedding['stop_training_after']} "
+             f"{embedding['stop_training_after_unit']} is not supported (the embedding trains to the end)")
+    if embedding["is_output_embedding"]:
+        skip("embedding.is_output_embedding: true (an embedding of the text encoder's output) is not supported")
+    if ot["preserve_embedding_norm"]:
+        skip("preserve_embedding_norm: true is not supported")
+    if ot["embedding_weight_dtype"] not in ("FLOAT_32", None):
+        skip(f"embedding_weight_dtype: {ot['embedding_weight_dtype']} (the vectors train in float32) is not supported")
 
 
 def _dtype(ot: dict, key: str, skip) -> str | None:
@@ -291,13 +320,7 @@ def _loss(ot: dict, c: dict, skip) -> None:
         _mapped_if_known(loss, LossConfig, "generalized_offset_noise", True, skip)
     if ot["perturbation_noise_weight"]:
         loss["input_perturbation"] = ot["perturbation_noise_weight"]
-    if ot["timestep_distribution"] in TIMESTEP_DISTRIBUTIONS:
-        loss["timestep_distribution"] = TIMESTEP_DISTRIBUTIONS[ot["timestep_distribution"]]
-    else:
-        skip(f"timestep_distribution: {ot['timestep_distribution']} (ot_dist draws uniform or logit_normal)")
-    if ot["min_noising_strength"] or ot["max_noising_strength"] < 1:
-        loss["min_timestep"] = int(round(ot["min_noising_strength"] * 1000))
-        loss["max_timestep"] = int(round(ot["max_noising_strength"] * 1000))
+    _timesteps(ot, c, loss, skip)
     weight_fn, strength = ot["loss_weight_fn"], ot["loss_weight_strength"]
     if weight_fn == "MIN_SNR_GAMMA":
         loss["min_snr_gamma"] = strength
@@ -328,6 +351,35 @@ def _loss(ot: dict, c: dict, skip) -> None:
                  "model without the LoRA)")
 
 
+FLOW_SHIFTS = {"sd3": "its scheduler's shift (3.0 for SD3 / 3.5)", "flux": "Flux.1 dev's resolution-dependent shift",
+               "chroma": "its scheduler's shift"}
+
+
+def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
+    """OneTrainer's draw: a continuous t in [N min_noising_strength, N max_noising_strength), floored (N: the
+    scheduler's 1000 steps; 10000 for Würstchen / Stable Cascade's continuous time); LOGIT_NORMAL is
+    sigmoid(N(noising_bias, noising_weight + 1)); then t is shifted by timestep_shift (Flux: by the resolution with
+    dynamic_timestep_shifting)."""
+    family = c["model"]["family"]
+    distribution = ot["timestep_distribution"]
+    if distribution in TIMESTEP_DISTRIBUTIONS:
+        loss["timestep_distribution"] = TIMESTEP_DISTRIBUTIONS[distribution]
+    else:
+        skip(f"timestep_distribution: {distribution} (ot_dist draws uniform or logit_normal)")
+    if distribution == "LOGIT_NORMAL" and (ot["noising_bias"] or ot["noising_weight"]):
+        loss["logit_normal_mean"], loss["logit_normal_std"] = ot["noising_bias"], ot["noising_weight"] + 1.0
+    steps = 10000 if family in ("stable_cascade", "wuerstchen_v2") else 1000
+    if ot["min_noising_strength"] or ot["max_noising_strength"] < 1:
+        loss["min_timestep"] = int(steps * ot["min_noising_strength"])
+        loss["max_timestep"] = int(steps * ot["max_noising_strength"]) - 1  # ot_dist's bound is inclusive
+    shift, dynamic = ot["timestep_shift"], ot["dynamic_timestep_shifting"] and family == "flux"
+    if family in FLOW_SHIFTS and not (family == "flux" and dynamic):
+        skip(f"timestep_shift: {shift}{' (dynamic_timestep_shifting off)' if family == 'flux' else ''}: OneTrainer "
+             f"shifts {family} timesteps by it; ot_dist by {FLOW_SHIFTS[family]}")
+    elif family not in FLOW_SHIFTS and shift != 1.0:
+        skip(f"timestep_shift: {shift}: ot_dist does not shift {family} timesteps")
+
+
 def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
     if key in model.model_fields:
         section[key] = value
@@ -335,16 +387,17 @@ def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
         skip(f"{key}: {value} is not supported by this ot_dist version")
 
 
-def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, out: Imported) -> None:
+def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, out: Imported) -> list[bool]:
+    """Converts the concepts into c["data"]; returns each imported training concept's enable_crop_jitter."""
     concepts = ot["concepts"]
     if concepts is None:
         file = Path(concepts_path or ot["concept_file_name"])
         if not file.is_absolute() and not file.exists():
             file = config_path.parent / file
         concepts = read_json(file, "--concepts" if concepts_path else "concept_file_name")
-    converted = []
+    converted, crop_jitter = [], []
     for i, concept in enumerate(concepts):
-        concept = {**defaults.CONCEPT, **concept}
+        concept = {**defaults.CONCEPT, **_upgrade_concept(concept)}
         label = f"concepts[{i}] ({concept['name'] or concept['path']})"
         if not concept["enabled"]:
             out.notes.append(f"{label}: disabled in OneTrainer, not imported")
@@ -412,10 +465,24 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
             if concept[key] != 1:
                 out.not_honoured.append(f"{label}.{key}: {concept[key]} cached variations are not supported")
         converted.append(entry)
+        if concept["type"] == "STANDARD":
+            crop_jitter.append(bool(image.get("enable_crop_jitter", True)))
     if not any(e.get("type") != "validation" for e in converted):
         raise ConfigError("concepts: no enabled standard concept to import (ot_dist needs at least one image folder)")
     c.setdefault("data", {})["concepts"] = converted
     _validation(ot, c, out)
+    return crop_jitter
+
+
+def _upgrade_concept(concept: dict) -> dict:
+    """ConceptConfig's migrations: `repeats` became `balancing` (version 1), `validation_concept` `type` (2)."""
+    concept = dict(concept)
+    if "repeats" in concept:
+        concept.setdefault("balancing", concept.pop("repeats"))
+    if "validation_concept" in concept:
+        validation = concept.pop("validation_concept")
+        concept.setdefault("type", "VALIDATION" if validation else "STANDARD")
+    return concept
 
 
 def _validation(ot: dict, c: dict, out: Imported) -> None:
