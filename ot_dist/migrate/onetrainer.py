@@ -8,8 +8,10 @@ reason it is not honoured, in the written file and on stderr. Nothing is dropped
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
@@ -41,6 +43,25 @@ class Imported:
     config: dict  # the raw ot_dist config
     not_honoured: list[str] = field(default_factory=list)  # "field: reason"
     notes: list[str] = field(default_factory=list)  # mapped, but worth knowing
+
+
+WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
+
+
+def is_windows_path(value: str) -> bool:
+    return os.name != "nt" and ("\\" in value or bool(WINDOWS_DRIVE.match(value)))
+
+
+def local_path(value: str, key: str, out: Imported) -> str:
+    """A path as this machine reads it. OneTrainer configs saved on Windows write backslashes: a relative path is
+    converted; an absolute one (C:\\..., \\\\server\\...) names a file on that machine and is listed."""
+    if not value or not is_windows_path(value):
+        return value
+    windows = PureWindowsPath(value)
+    if windows.drive or windows.root:
+        out.not_honoured.append(f"{key}: {value} is a Windows path; replace it with this machine's path")
+        return value
+    return windows.as_posix()
 
 
 def read_json(path: Path, what: str):
@@ -124,14 +145,15 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         raise ConfigError(f"training_method: {ot['training_method']} is not an ot_dist method (FINE_TUNE, LORA, "
                           "EMBEDDING)")
     method = METHODS[ot["training_method"]]
-    c["model"] = {"family": family, "path": ot["base_model_name"]}
+    c["model"] = {"family": family, "path": local_path(ot["base_model_name"], "base_model_name", out)}
     if inpainting:
         c["model"]["inpainting"] = True
-    if "/" in ot["base_model_name"] and not Path(ot["base_model_name"]).exists():
-        out.notes.append(f"base_model_name: {ot['base_model_name']} is read as a local path; ot_dist does not download "
+    if "/" in c["model"]["path"] and not is_windows_path(c["model"]["path"]) and not Path(c["model"]["path"]).exists():
+        out.notes.append(f"base_model_name: {c['model']['path']} is read as a local path; ot_dist does not download "
                          "(give a diffusers folder or a single file)")
     c["method"] = method
-    destination = Path(ot["output_model_destination"])
+    destination = local_path(ot["output_model_destination"], "output_model_destination", out)
+    destination = PureWindowsPath(destination) if is_windows_path(destination) else Path(destination)
     c["output_dir"] = str(destination.with_suffix(""))
     out.notes.append(f"output_model_destination: {destination} -> output_dir {c['output_dir']} (ot_dist writes "
                      "model/ + model.safetensors, lora.safetensors or embedding.safetensors inside it)")
@@ -148,7 +170,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     import_parts(ot, c, family, method, skip)
     _layer_skip(ot, c, family, skip)
     if family in ("stable_cascade", "wuerstchen_v2") and (ot.get("decoder") or {}).get("model_name"):
-        c["model"]["decoder"] = ot["decoder"]["model_name"]
+        c["model"]["decoder"] = local_path(ot["decoder"]["model_name"], "decoder.model_name", out)
     _optimizer(ot, c, skip)
     _scheduler(ot, c, skip)
     _ema(ot, c)
@@ -169,7 +191,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
         if ot["lora_model_name"]:  # OneTrainer continues training this LoRA file
             if c["lora"].get("variant", "lora") == "lora":
-                c["lora"]["init_from"] = ot["lora_model_name"]
+                c["lora"]["init_from"] = local_path(ot["lora_model_name"], "lora_model_name", out)
             else:
                 skip(f"lora_model_name: {ot['lora_model_name']}: ot_dist continues plain LoRA files only")
     if method == "embedding":
@@ -391,7 +413,7 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
     """Converts the concepts into c["data"]; returns each imported training concept's enable_crop_jitter."""
     concepts = ot["concepts"]
     if concepts is None:
-        file = Path(concepts_path or ot["concept_file_name"])
+        file = Path(concepts_path or local_path(ot["concept_file_name"], "concept_file_name", out))
         if not file.is_absolute() and not file.exists():
             file = config_path.parent / file
         concepts = read_json(file, "--concepts" if concepts_path else "concept_file_name")
@@ -407,7 +429,7 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
                                     "not supported; not imported (type prior_preservation trains class images with "
                                     "their loss_weight, DreamBooth's way)")
             continue
-        entry = {"path": concept["path"], "balancing": concept["balancing"],
+        entry = {"path": local_path(concept["path"], f"{label}.path", out), "balancing": concept["balancing"],
                  "balancing_strategy": str(concept["balancing_strategy"]).lower()}
         if concept["type"] == "VALIDATION":
             entry["type"] = "validation"
@@ -422,7 +444,7 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
         elif source == "filename":
             entry["caption_source"] = "filename"
         elif source == "concept":
-            prompt_file = Path(text["prompt_path"])
+            prompt_file = Path(local_path(text["prompt_path"], f"{label}.text.prompt_path", out))
             if prompt_file.is_file():
                 lines = [line.strip() for line in prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
                 entry["caption_source"], entry["caption_text"] = "text", lines[0] if lines else ""
@@ -501,7 +523,7 @@ def _validation(ot: dict, c: dict, out: Imported) -> None:
 def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:
     samples = ot["samples"]
     if samples is None:
-        file = Path(samples_path or ot["sample_definition_file_name"])
+        file = Path(samples_path or local_path(ot["sample_definition_file_name"], "sample_definition_file_name", out))
         if not file.is_absolute() and not file.exists():
             file = config_path.parent / file
         if not file.exists():
@@ -509,15 +531,24 @@ def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out
                 raise InputFileError(f"--samples: {file} does not exist")
             return  # OneTrainer's default samples file is optional too
         samples = read_json(file, "--samples" if samples_path else "sample_definition_file_name")
-    prompts = []
-    for sample in samples:
-        sample = {**defaults.SAMPLE, **sample}
+    family = c["model"]["family"]
+    prompts, samplers = [], []
+    for i, sample in enumerate(samples):
+        sample = {**defaults.SAMPLE, **defaults.SAMPLE_BY_FAMILY.get(family, {}), **sample}
         if not sample["enabled"]:
             continue
+        if not sample["prompt"].strip():
+            out.not_honoured.append(f"samples[{i}]: an empty prompt is not sampled by ot_dist")
+            continue
+        if sample["random_seed"]:
+            out.not_honoured.append(f"samples[{i}].random_seed: true: ot_dist samples with a fixed seed ({sample['seed']}), "
+                                    "the same image for the same weights")
         prompts.append({"prompt": sample["prompt"], "negative_prompt": sample["negative_prompt"] or "",
-                        "seed": None if sample["random_seed"] else sample["seed"], "width": sample["width"],
-                        "height": sample["height"], "steps": sample["diffusion_steps"],
-                        "guidance_scale": sample["cfg_scale"]})
+                        "seed": sample["seed"], "width": sample["width"], "height": sample["height"],
+                        "steps": sample["diffusion_steps"], "guidance_scale": sample["cfg_scale"]})
+        samplers.append(str(sample["noise_scheduler"]))
+    if prompts and family in SAMPLERS_FROM_NOISE_SCHEDULER:  # the others sample with their own scheduler only
+        _sampler(samplers, c, out)
     if not prompts:
         return
     sampling = {"prompts": prompts}
@@ -528,7 +559,24 @@ def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out
         sampling["every_n_epochs"] = every
     elif unit != "NEVER":
         out.not_honoured.append(f"sample_after_unit: {unit} (ot_dist samples every N steps or epochs, and at the end)")
-    c["sampling"] = sampling
+    c["sampling"] = {**c.get("sampling", {}), **sampling}
+
+
+SAMPLERS_FROM_NOISE_SCHEDULER = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
+NOISE_SCHEDULERS = {"DDIM": "ddim", "EULER": "euler", "EULER_A": "euler_a", "DPMPP": "dpmpp_2m", "UNIPC": "unipc"}
+
+
+def _sampler(samplers: list[str], c: dict, out: Imported) -> None:
+    """OneTrainer's per-sample noise_scheduler; ot_dist has one sampling.sampler (the first sample's)."""
+    first = samplers[0]
+    if first in NOISE_SCHEDULERS:
+        c["sampling"] = {"sampler": NOISE_SCHEDULERS[first]}
+    else:
+        out.not_honoured.append(f"samples[].noise_scheduler: {first} is not an ot_dist sampler (ddim, euler, euler_a, "
+                                "dpmpp_2m, unipc); the model's own scheduler samples")
+    if len(set(samplers)) > 1:
+        out.not_honoured.append(f"samples[].noise_scheduler: {', '.join(sorted(set(samplers)))}: ot_dist samples every "
+                                f"prompt with one sampler, the first's ({first})")
 
 
 def _saving(ot: dict, c: dict, skip) -> None:

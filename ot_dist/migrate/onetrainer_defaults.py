@@ -94,5 +94,20 @@ CONCEPT_IMAGE_OFF = {"enable_random_flip": False, "enable_fixed_flip": False, "e
                      "enable_random_saturation": False, "enable_fixed_saturation": False, "enable_random_hue": False,
                      "enable_fixed_hue": False, "enable_resolution_override": False,
                      "enable_random_circular_mask_shrink": False, "enable_random_mask_rotate_crop": False}
+# SampleConfig's defaults: `_get_model_defaults(model_type)` of SampleConfig.py, by ot_dist family.
 SAMPLE = {"enabled": True, "prompt": "", "negative_prompt": "", "height": 512, "width": 512, "seed": 42,
-          "random_seed": False, "diffusion_steps": 20, "cfg_scale": 7.0}
+          "random_seed": False, "diffusion_steps": 30, "cfg_scale": 7.0, "noise_scheduler": "DDIM"}
+_SIDE_1024 = {"width": 1024, "height": 1024}
+SAMPLE_BY_FAMILY = {
+    "sd1": {"cfg_scale": 7.5, "noise_scheduler": "EULER_A"},
+    "sd2": {"width": 768, "height": 768, "cfg_scale": 7.5},
+    "sdxl": {**_SIDE_1024, "cfg_scale": 7.5, "noise_scheduler": "EULER_A"},
+    "sd3": {**_SIDE_1024, "diffusion_steps": 28},
+    "flux": {**_SIDE_1024, "cfg_scale": 3.5},
+    "chroma": {**_SIDE_1024, "cfg_scale": 3.5, "negative_prompt": (
+        "This low-quality, greyscale, unfinished sketch is inaccurate and flawed. The image is very blurred and lacks "
+        "detail, with excessive chromatic aberrations and artifacts. The image is overly saturated with excessive "
+        "bloom.")},
+    **{name: {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.5} for name in ("pixart_alpha", "pixart_sigma")},
+    **{name: {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0} for name in ("stable_cascade", "wuerstchen_v2")},
+}
