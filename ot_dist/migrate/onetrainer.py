@@ -302,7 +302,7 @@ def _optimizer(ot: dict, c: dict, skip) -> None:
 
 def _unset_optimizer_option(key: str, value) -> bool:
     """TrainOptimizerConfig's default value: None, False, {} or the few True ones."""
-    return value in (False, {}) or (value is True and key in defaults.OPTIMIZER_UNSET_TRUE)
+    return value is False or value == {} or (value is True and key in defaults.OPTIMIZER_UNSET_TRUE)  # 0.0 is set
 
 
 def _scheduler(ot: dict, c: dict, skip) -> None:
@@ -541,8 +541,8 @@ def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out
             out.not_honoured.append(f"samples[{i}]: an empty prompt is not sampled by ot_dist")
             continue
         if sample["random_seed"]:
-            out.not_honoured.append(f"samples[{i}].random_seed: true: ot_dist samples with a fixed seed ({sample['seed']}), "
-                                    "the same image for the same weights")
+            out.not_honoured.append(f"samples[{i}].random_seed: true: ot_dist samples with a fixed seed "
+                                    f"({sample['seed']}), the same image for the same weights")
         prompts.append({"prompt": sample["prompt"], "negative_prompt": sample["negative_prompt"] or "",
                         "seed": sample["seed"], "width": sample["width"], "height": sample["height"],
                         "steps": sample["diffusion_steps"], "guidance_scale": sample["cfg_scale"]})
