@@ -357,3 +357,36 @@ def test_old_concept_files_and_crop_jitter(tmp_path):
 def test_lora_model_name_continues_that_lora(tmp_path):
     config, _ = import_only(tmp_path, {"training_method": "LORA", "lora_model_name": "/loras/start.safetensors"})
     assert config.lora.init_from == "/loras/start.safetensors"
+
+
+@pytest.mark.parametrize("optimizer,schedule,scheduler", [
+    # transformers' AdafactorSchedule only reports the step size: without relative steps the rate is constant
+    ({"optimizer": "ADAFACTOR", "relative_step": False}, "ADAFACTOR", ("CONSTANT", 0)),
+    ({"optimizer": "ADAMW"}, "ADAFACTOR", ("CONSTANT", 0)),
+    ({"optimizer": "ADAFACTOR", "relative_step": True}, "ADAFACTOR", ("ADAFACTOR", 0)),
+    # OneTrainer forces schedule-free optimizers to CONSTANT; SCHEDULE_FREE_ADAMW takes the warmup (200) as its own
+    # count of optimizer steps: 800 micro steps with 4 accumulated
+    ({"optimizer": "SCHEDULE_FREE_ADAMW"}, "COSINE", ("CONSTANT", 800)),
+    ({"optimizer": "PRODIGY_PLUS_SCHEDULE_FREE"}, "LINEAR", ("CONSTANT", 0)),
+])
+def test_schedules_as_onetrainer_builds_them(tmp_path, optimizer, schedule, scheduler):
+    config, _ = import_only(tmp_path, {"training_method": "LORA", "learning_rate_scheduler": schedule,
+                                       "gradient_accumulation_steps": 4, "optimizer": optimizer})
+    assert (config.scheduler.name, config.scheduler.warmup_steps) == scheduler
+
+
+@pytest.mark.parametrize("scaler,factor", [("BATCH", 2.0), ("GRADIENT_ACCUMULATION", 3.0), ("BOTH", 6.0)])
+def test_learning_rate_scaler_is_applied(tmp_path, scaler, factor):
+    """Every parameter group's learning rate times sqrt(batch / accumulation / both), as OneTrainer's groups."""
+    config, _ = import_only(tmp_path, {"training_method": "LORA", "learning_rate": 1e-4, "batch_size": 4,
+                                       "gradient_accumulation_steps": 9, "learning_rate_scaler": scaler,
+                                       "text_encoder": {"learning_rate": 1e-5}})
+    assert (config.learning_rate, config.text_encoder.learning_rate) == pytest.approx((1e-4 * factor, 1e-5 * factor))
+
+
+def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
+    """resolution "WxH" is mgds' one fixed size; PixArt's vb_loss_strength; aspect_ratio_bucketing off is listed."""
+    config, skipped = import_only(tmp_path, {"model_type": "PIXART_SIGMA", "resolution": "1024x768",
+                                             "vb_loss_strength": 0.5, "aspect_ratio_bucketing": False})
+    assert (config.resolution, config.loss.vb_loss_strength) == (896, 0.5)  # a square of about the same area
+    assert {line.split(":")[0] for line in skipped} >= {"resolution", "aspect_ratio_bucketing"}

@@ -16,6 +16,7 @@ from pathlib import Path, PureWindowsPath
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_parts import import_parts
+from ot_dist.optim.registry import SCHEDULE_FREE
 
 FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "STABLE_DIFFUSION_15": ("sd1", False), "STABLE_DIFFUSION_15_INPAINTING": ("sd1", True),
@@ -158,8 +159,10 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     out.notes.append(f"output_model_destination: {destination} -> output_dir {c['output_dir']} (ot_dist writes "
                      "model/ + model.safetensors, lora.safetensors or embedding.safetensors inside it)")
 
-    resolutions = [int(r) for r in str(ot["resolution"]).replace(" ", "").split(",") if r]
-    c["resolution"] = resolutions[0] if len(resolutions) == 1 else resolutions
+    if not ot.get("aspect_ratio_bucketing", True):
+        skip("aspect_ratio_bucketing: false (every image cropped square) is not supported: ot_dist always buckets by "
+             "aspect ratio")
+    c["resolution"] = _resolution(str(ot["resolution"]).replace(" ", ""), family, skip)
     for key in ("batch_size", "gradient_accumulation_steps", "epochs", "learning_rate", "clip_grad_norm"):
         c[key] = ot[key]
     c["train_dtype"] = _dtype(ot, "train_dtype", skip) or "float16"
@@ -221,9 +224,29 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         if not all(crop_jitter):
             skip("concepts[].image.enable_crop_jitter: off for some concepts; ot_dist's data.crop (random) is one "
                  "setting for all")
+    _scale_learning_rates(ot, c, out)
     c["mlflow"] = {"run_name": destination.stem}
     out.notes.insert(0, f"imported from {path.name} (OneTrainer config version {version})")
     return out
+
+
+def _resolution(value: str, family: str, skip) -> int | list[int]:
+    """OneTrainer's `resolution`: sides of square-area buckets ("512" or "512,768"), or one fixed size "WxH" (mgds'
+    AspectBucketing) that every image is cropped to."""
+    from ot_dist.models.families.registry import get_family
+
+    if "x" in value and "," not in value:
+        width, height = (int(side) for side in value.split("x"))
+        step = get_family(family).bucket_step
+        side = max(step, round((width * height) ** 0.5 / step) * step)
+        skip(f"resolution: {value} (every image cropped to {width}x{height}) is not supported: ot_dist buckets by "
+             f"aspect ratio at the area of a {side} px square")
+        return side
+    try:
+        resolutions = [int(r) for r in value.split(",") if r]
+    except ValueError:
+        raise ConfigError(f"resolution: {value!r} is not OneTrainer's '512', '512,768' or '768x512'") from None
+    return resolutions[0] if len(resolutions) == 1 else resolutions
 
 
 def _embedding(ot: dict, c: dict, skip) -> None:
@@ -313,16 +336,49 @@ def _scheduler(ot: dict, c: dict, skip) -> None:
         scheduler["min_factor"] = ot["learning_rate_min_factor"]
     if "RESTARTS" in name:  # the only schedules with cycles (OneTrainer stores the field for all of them)
         scheduler["cycles"] = ot["learning_rate_cycles"]
-    if name == "ADAFACTOR":
+    optimizer = c["optimizer"]["name"]
+    if name == "ADAFACTOR" and not (optimizer == "ADAFACTOR" and c["optimizer"].get("relative_step")):
+        # transformers' AdafactorSchedule only reports the step size: without Adafactor's relative steps it is the
+        # learning rate, constant, and OneTrainer adds no warmup to it
+        skip(f"learning_rate_scheduler: ADAFACTOR reports Adafactor's relative step size; with {optimizer}"
+             f"{' relative_step false' if optimizer == 'ADAFACTOR' else ''} the learning rate stays constant: CONSTANT "
+             "without warmup is written")
+        scheduler = {"name": "CONSTANT", "warmup_steps": 0}
+    elif name == "ADAFACTOR":
         scheduler["warmup_steps"] = 0  # Adafactor's schedule has its own warmup (optimizer.warmup_init)
+    if optimizer in SCHEDULE_FREE:
+        # OneTrainer forces a schedule-free optimizer's schedule to CONSTANT and gives SCHEDULE_FREE_ADAMW / _SGD the
+        # warmup as their own, in optimizer steps (a fraction of 1 or less is then no warmup)
+        if name != "CONSTANT":
+            skip(f"learning_rate_scheduler: {name}: OneTrainer schedules {optimizer} constantly (CONSTANT is written)")
+        own = optimizer != "PRODIGY_PLUS_SCHEDULE_FREE" and warmup > 1
+        scheduler = {"name": "CONSTANT",
+                     "warmup_steps": int(warmup) * c["gradient_accumulation_steps"] if own else 0}
     if name == "CUSTOM":
         scheduler["class_name"] = ot["custom_learning_rate_scheduler"]
         scheduler["params"] = {p["key"]: p["value"] for p in ot["scheduler_params"] or []}
         skip("custom_learning_rate_scheduler: importing a scheduler class runs its code; set scheduler."
              "allow_custom_code: true after reading it")
-    if ot["learning_rate_scaler"] not in (None, "NONE"):
-        skip(f"learning_rate_scaler: {ot['learning_rate_scaler']} (set learning_rate to the scaled value yourself)")
     c["scheduler"] = scheduler
+
+
+def _scale_learning_rates(ot: dict, c: dict, out: Imported) -> None:
+    """OneTrainer's learning_rate_scaler multiplies every parameter group's learning rate by sqrt(scale) (its
+    NamedParameterGroup); the GLOBAL_ ones also count the GPUs, one here."""
+    scaler = ot["learning_rate_scaler"]
+    if scaler in (None, "NONE"):
+        return
+    batch, accumulation = c["batch_size"], c["gradient_accumulation_steps"]
+    scale = {"BATCH": batch, "GLOBAL_BATCH": batch, "GRADIENT_ACCUMULATION": accumulation, "BOTH": batch * accumulation,
+             "GLOBAL_BOTH": batch * accumulation}[scaler]
+    factor = scale ** 0.5
+    for section in (c, *(c.get(p) for p in PART_SECTIONS), c.get("embedding")):
+        if section and section.get("learning_rate"):
+            section["learning_rate"] = section["learning_rate"] * factor
+    out.notes.append(f"learning_rate_scaler: {scaler}: the learning rates are multiplied by sqrt({scale})")
+    if scaler.startswith("GLOBAL"):
+        out.not_honoured.append(f"learning_rate_scaler: {scaler} also counts the GPUs: for N of them multiply the "
+                                "learning rates by sqrt(N)")
 
 
 def _ema(ot: dict, c: dict) -> None:
@@ -354,6 +410,8 @@ def _loss(ot: dict, c: dict, skip) -> None:
                      ("mse_strength", 1.0)):
         if ot.get(key, off) != off:
             skip(f"{key}: {ot[key]} (ot_dist trains with the MSE loss only)")
+    if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
+        loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
         skip(f"loss_scaler: {ot['loss_scaler']} is not supported")
     for key in ("rescale_noise_scheduler_to_zero_terminal_snr", "force_v_prediction", "force_epsilon_prediction"):
