@@ -390,3 +390,21 @@ def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
                                              "vb_loss_strength": 0.5, "aspect_ratio_bucketing": False})
     assert (config.resolution, config.loss.vb_loss_strength) == (896, 0.5)  # a square of about the same area
     assert {line.split(":")[0] for line in skipped} >= {"resolution", "aspect_ratio_bucketing"}
+
+
+@pytest.mark.parametrize("model_type,settings,lora", [
+    # the UI writes the preset's patterns into layer_filter; a built-in preset names only the preset
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "attn-only", "layer_filter": "attn"}, {"preset": "attention"}),
+    ("STABLE_DIFFUSION_XL_10_BASE", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "attn-mlp", "layer_filter": "attentions"}, {"preset": "default"}),
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "full", "layer_filter": ""}, {"preset": "all_linear"}),
+    ("PIXART_SIGMA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
+    ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
+     {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                              "to_add_out", "ff.net.0.proj", "ff.net.2", "proj_mlp"]}),
+])
+def test_lora_layer_filter_as_onetrainer_applies_it(tmp_path, model_type, settings, lora):
+    """OneTrainer adapts the modules whose names contain a layer_filter pattern (its model setups' LAYER_PRESETS)."""
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA", **settings})
+    assert {key: getattr(config.lora, key) for key in lora} == lora
+    assert not [line for line in skipped if line.startswith("layer_filter")]

@@ -15,7 +15,9 @@ from pathlib import Path, PureWindowsPath
 
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
+from ot_dist.migrate.onetrainer_layers import import_layer_filter
 from ot_dist.migrate.onetrainer_parts import import_parts
+from ot_dist.models.families.registry import get_family
 from ot_dist.optim.registry import SCHEDULE_FREE
 
 FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
@@ -180,15 +182,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     _loss(ot, c, skip)
     if method == "lora":
         c["lora"] = {"rank": ot["lora_rank"], "alpha": ot["lora_alpha"], "dropout": ot["dropout_probability"]}
-        preset = ot["layer_filter_preset"]
-        if ot["layer_filter"] or preset not in ("full", "attn-only", "attn-mlp"):
-            skip(f"layer_filter / layer_filter_preset: {ot['layer_filter'] or preset!r}: set lora.unet_targets / "
-                 "lora.transformer_targets by module names")
-        elif preset == "attn-only":
-            c["lora"]["preset"] = "attention"
-        elif preset == "full":
-            c["lora"]["preset"] = "all_linear"
-            out.notes.append("layer_filter_preset: full -> lora.preset all_linear (OneTrainer also adapts convolutions)")
+        import_layer_filter(ot, c["lora"], family, get_family(family).denoiser, out)
         _lora_variant(ot, c["lora"], skip)
         if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
@@ -233,8 +227,6 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
 def _resolution(value: str, family: str, skip) -> int | list[int]:
     """OneTrainer's `resolution`: sides of square-area buckets ("512" or "512,768"), or one fixed size "WxH" (mgds'
     AspectBucketing) that every image is cropped to."""
-    from ot_dist.models.families.registry import get_family
-
     if "x" in value and "," not in value:
         width, height = (int(side) for side in value.split("x"))
         step = get_family(family).bucket_step
@@ -283,8 +275,6 @@ def _dtype(ot: dict, key: str, skip) -> str | None:
 
 
 def _layer_skip(ot: dict, c: dict, family: str, skip) -> None:
-    from ot_dist.models.families.registry import get_family
-
     fam = get_family(family)
     for key in ("text_encoder_layer_skip", "text_encoder_2_layer_skip"):  # clip skip, OneTrainer's names
         if ot.get(key):
