@@ -13,7 +13,8 @@ _CASCADE = {"attn-only": ("attention",), "down-blocks": ("down_blocks",), "up-bl
             "mapper-only": ("mapper",)}
 # LAYER_PRESETS of OneTrainer's model setups, by ot_dist family ("full" is every layer everywhere).
 ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
-                      "sd3": {"attn-only": ("attn",), "blocks": ("transformer_block",)}, "flux": _FLUX, "chroma": _FLUX, "pixart_alpha": _PIXART, "pixart_sigma": _PIXART,
+                      "sd3": {"attn-only": ("attn",), "blocks": ("transformer_block",)}, "flux": _FLUX,
+                      "chroma": _FLUX, "pixart_alpha": _PIXART, "pixart_sigma": _PIXART,
                       "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE}
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
