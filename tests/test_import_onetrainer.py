@@ -408,3 +408,17 @@ def test_lora_layer_filter_as_onetrainer_applies_it(tmp_path, model_type, settin
     config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA", **settings})
     assert {key: getattr(config.lora, key) for key in lora} == lora
     assert not [line for line in skipped if line.startswith("layer_filter")]
+
+
+@pytest.mark.parametrize("settings,checkpoint", [
+    # backups every 30 minutes by default, all kept; saves (save_every) are all kept too
+    ({}, (None, 30, None)),
+    ({"save_every": 500, "save_every_unit": "STEP", "backup_after": 10}, (500, 10, None)),
+    ({"backup_after": 2, "backup_after_unit": "HOUR", "rolling_backup": True, "rolling_backup_count": 5},
+     (None, 120, 5)),
+    ({"backup_after_unit": "NEVER"}, (None, None, None)),
+])
+def test_backups_and_saves_as_checkpoints(tmp_path, settings, checkpoint):
+    config, _ = import_only(tmp_path, settings)
+    saved = config.checkpoint
+    assert (saved.every_n_steps, saved.every_n_minutes, saved.keep_last) == checkpoint
