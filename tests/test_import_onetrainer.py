@@ -422,3 +422,9 @@ def test_backups_and_saves_as_checkpoints(tmp_path, settings, checkpoint):
     config, _ = import_only(tmp_path, settings)
     saved = config.checkpoint
     assert (saved.every_n_steps, saved.every_n_minutes, saved.keep_last) == checkpoint
+
+
+def test_forced_prediction_type(tmp_path):
+    """force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type."""
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True})
+    assert config.model.prediction_type == "v_prediction"

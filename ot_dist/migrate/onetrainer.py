@@ -404,9 +404,15 @@ def _loss(ot: dict, c: dict, skip) -> None:
         loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
         skip(f"loss_scaler: {ot['loss_scaler']} is not supported")
-    for key in ("rescale_noise_scheduler_to_zero_terminal_snr", "force_v_prediction", "force_epsilon_prediction"):
-        if ot[key]:
-            skip(f"{key}: true is not supported (model.prediction_type sets epsilon / v_prediction)")
+    if ot["rescale_noise_scheduler_to_zero_terminal_snr"]:
+        skip("rescale_noise_scheduler_to_zero_terminal_snr: true is not supported")
+    for key, prediction in (("force_v_prediction", "v_prediction"), ("force_epsilon_prediction", "epsilon")):
+        if ot[key] and c["model"]["family"] in ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma"):
+            c["model"]["prediction_type"] = prediction  # OneTrainer overrides the noise scheduler's the same way
+        elif ot[key]:
+            skip(f"{key}: true: {c['model']['family']} has a fixed target")
+    if ot.get("custom_conditioning_image"):
+        skip("custom_conditioning_image: true (an inpainting model's conditioning image from a file) is not supported")
     if loss:
         c["loss"] = loss
     if ot["masked_training"]:
