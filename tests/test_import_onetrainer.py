@@ -428,3 +428,10 @@ def test_forced_prediction_type(tmp_path):
     """force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type."""
     config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True})
     assert config.model.prediction_type == "v_prediction"
+
+
+def test_an_automatic_embedding_token_count_is_listed(tmp_path):
+    """token_count null: OneTrainer sizes the embedding by the initial text's tokens, which needs the tokenizer."""
+    config, skipped = import_only(tmp_path, {"training_method": "EMBEDDING", "latent_caching": False, "embedding": {
+        "placeholder": "<cat>", "token_count": None, "initial_embedding_text": "a grey cat"}})
+    assert config.embedding.vectors == 1 and any(line.startswith("embedding.token_count: null") for line in skipped)

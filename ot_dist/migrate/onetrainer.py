@@ -247,6 +247,9 @@ def _embedding(ot: dict, c: dict, skip) -> None:
                       "init_text": embedding["initial_embedding_text"] or "*"}
     if ot["embedding_learning_rate"]:
         c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
+    if embedding["token_count"] is None:  # OneTrainer's "auto": one vector per token of the initial text
+        skip(f"embedding.token_count: null: OneTrainer makes one vector per token of "
+             f"{embedding['initial_embedding_text']!r}; set embedding.vectors to that count (1 is written)")
     if embedding["model_name"]:
         skip(f"embedding.model_name: {embedding['model_name']} (continuing an existing embedding) is not supported; "
              "it starts from embedding.init_text")
