@@ -257,12 +257,18 @@ def test_older_versions_fan_their_global_settings_out_to_the_parts(tmp_path):
     config, skipped = import_only(tmp_path, {
         "__version": 3, "model_type": "STABLE_DIFFUSION_15", "weight_dtype": "FLOAT_16",
         "gradient_checkpointing": False,
-        "unet": {"train": False, "weight_dtype": "NONE"}, "text_encoder": {"train": True, "weight_dtype": "NONE"}})
+        "unet": {"train": False, "weight_dtype": "NONE"}, "text_encoder": {"train": True, "weight_dtype": "NONE"},
+        "vae": {"weight_dtype": "NONE"}})
     assert (config.weight_dtype, config.gradient_checkpointing) == ("float16", False)
     assert any(line.startswith("text_encoder.weight_dtype: FLOAT_16 (a trained part)") for line in skipped)
     config, _ = import_only(tmp_path, {"__version": 7, "model_type": "STABLE_DIFFUSION_3", "training_method": "LORA",
                                        "prior": {"train": True, "learning_rate": 2e-4}})
     assert config.transformer.learning_rate == 2e-4
+    # version 0: the optimizer's options were flat optimizer_<option> keys, the parts' too (vae_weight_dtype)
+    config, _ = import_only(tmp_path, {"training_method": "LORA", "optimizer": "ADAMW", "optimizer_weight_decay": 0.05,
+                                       "weight_dtype": "FLOAT_16", "unet_weight_dtype": "NONE",
+                                       "text_encoder_weight_dtype": "NONE", "vae_weight_dtype": "FLOAT_32"})
+    assert (config.optimizer.name, config.optimizer.weight_decay, config.weight_dtype) == ("ADAMW", 0.05, "float32")
 
 
 def test_a_ui_saved_optimizer_section_lists_only_what_is_set(tmp_path):

@@ -82,7 +82,12 @@ def upgrade(data: dict) -> dict:
     noising_weight, the renames of 5 and 7, version 8's prior -> transformer, and the global weight_dtype (version 9)
     and gradient_checkpointing (version 10) fanned out to the parts."""
     data = dict(data)
-    for part in ("unet", "prior", "text_encoder", "text_encoder_2"):
+    if isinstance(data.get("optimizer"), str):  # version 0: optimizer_<option> keys beside the optimizer's name
+        options = {key.removeprefix("optimizer_"): data.pop(key) for key in list(data)
+                   if key.startswith("optimizer_") and key != "optimizer_defaults"}
+        data["optimizer"] = {"optimizer": data["optimizer"], **options}
+    for part in ("unet", "prior", "text_encoder", "text_encoder_2", "vae", "effnet_encoder", "decoder",
+                 "decoder_text_encoder", "decoder_vqgan"):
         nested = dict(data.get(part) or {})
         for flat, key in ((f"train_{part}", "train"), (f"{part}_learning_rate", "learning_rate"),
                           (f"{part}_weight_dtype", "weight_dtype"), (f"{part}_model_name", "model_name")):
@@ -112,12 +117,11 @@ def upgrade(data: dict) -> dict:
                                                                                          "WUERSTCHEN_2"):
         data["transformer"] = data["prior"]  # version 8: the transformer models kept their settings in `prior`
     parts = [p for p in PART_SECTIONS if isinstance(data.get(p), dict)]
-    if "weight_dtype" in data:  # version 9: NONE (or nothing) in a part meant the global weight dtype
+    if "weight_dtype" in data:  # version 9: NONE in a part meant the global weight dtype
         global_dtype = data.pop("weight_dtype")
         for p in parts:
-            if data[p].get("weight_dtype", "NONE") == "NONE":
+            if data[p].get("weight_dtype") == "NONE":
                 data[p] = {**data[p], "weight_dtype": global_dtype}
-        data.update({p: {"weight_dtype": global_dtype} for p in PART_SECTIONS if p not in parts})
     if "gradient_checkpointing" in data:  # version 10: one setting for every part
         mode = data.pop("gradient_checkpointing")
         offloaded = mode == "CPU_OFFLOADED"
