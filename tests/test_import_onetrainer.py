@@ -441,3 +441,17 @@ def test_an_automatic_embedding_token_count_is_listed(tmp_path):
     config, skipped = import_only(tmp_path, {"training_method": "EMBEDDING", "latent_caching": False, "embedding": {
         "placeholder": "<cat>", "token_count": None, "initial_embedding_text": "a grey cat"}})
     assert config.embedding.vectors == 1 and any(line.startswith("embedding.token_count: null") for line in skipped)
+
+
+def test_concepts_and_samples_given_on_the_command_line_win(tmp_path):
+    """A packed config holds its concepts and samples; --concepts / --samples name the ones to use instead."""
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "c.json").write_text(json.dumps([{"path": str(tmp_path / "other")}]))
+    (tmp_path / "s.json").write_text(json.dumps([{"prompt": "from the file"}]))
+    (tmp_path / "ot.json").write_text(json.dumps({"concepts": [{"path": str(tmp_path)}],
+                                                  "samples": [{"prompt": "packed"}], "sample_after_unit": "EPOCH"}))
+    config = import_onetrainer(tmp_path / "ot.json", str(tmp_path / "c.json"), str(tmp_path / "s.json")).config
+    assert config["data"]["concepts"][0]["path"] == str(tmp_path / "other")
+    assert config["sampling"]["prompts"][0]["prompt"] == "from the file"

@@ -473,7 +473,7 @@ def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
 def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, out: Imported) -> list[bool]:
     """Converts the concepts into c["data"]; returns each imported training concept's enable_crop_jitter."""
     concepts = ot["concepts"]
-    if concepts is None:
+    if concepts is None or concepts_path:  # --concepts wins over concepts stored in the config
         file = Path(concepts_path or local_path(ot["concept_file_name"], "concept_file_name", out))
         if not file.is_absolute() and not file.exists():
             file = config_path.parent / file
@@ -583,7 +583,7 @@ def _validation(ot: dict, c: dict, out: Imported) -> None:
 
 def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:
     samples = ot["samples"]
-    if samples is None:
+    if samples is None or samples_path:  # --samples wins over samples stored in the config
         file = Path(samples_path or local_path(ot["sample_definition_file_name"], "sample_definition_file_name", out))
         if not file.is_absolute() and not file.exists():
             file = config_path.parent / file
