@@ -44,6 +44,9 @@ def run_bench(options: BenchOptions, output_dir: str = "bench_out", log=print) -
         from ot_dist.precision import set_tf32
 
         set_tf32(config.tf32)
+        from ot_dist.train.cuda_allocator import configure_cuda_allocator
+
+        configure_cuda_allocator(config.performance, device)
 
     flops = None
     if options.count_flops:
