@@ -455,3 +455,11 @@ def test_concepts_and_samples_given_on_the_command_line_win(tmp_path):
     config = import_onetrainer(tmp_path / "ot.json", str(tmp_path / "c.json"), str(tmp_path / "s.json")).config
     assert config["data"]["concepts"][0]["path"] == str(tmp_path / "other")
     assert config["sampling"]["prompts"][0]["prompt"] == "from the file"
+
+
+def test_lokr_rank_is_lokr_dim(tmp_path):
+    """OneTrainer's LoKr modules take lokr_dim as their rank (LoRAModuleWrapper), not lora_rank."""
+    config, skipped = import_only(tmp_path, {"training_method": "LORA", "peft_type": "LOKR", "lora_rank": 16,
+                                             "lokr_dim": 4, "lokr_decompose_factor": 8})
+    assert (config.lora.variant, config.lora.rank) == ("lokr", 4)
+    assert any(line.startswith("lokr_decompose_factor: 8") for line in skipped)

@@ -673,6 +673,9 @@ def _saving(ot: dict, c: dict, skip) -> None:
 
 
 PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr"}
+# TrainConfig's LoKr options (lokr_vec_trick only changes how OneTrainer computes the same product).
+LOKR_DEFAULTS = {"lokr_dim": 16, "lokr_decompose_both": False, "lokr_decompose_factor": -1, "lokr_use_tucker": False,
+                 "lokr_weight_decompose": False, "lokr_full_matrix": False}
 
 
 def _lora_variant(ot: dict, lora: dict, skip) -> None:
@@ -696,3 +699,9 @@ def _lora_variant(ot: dict, lora: dict, skip) -> None:
         if variant in ("loha", "lokr") and lora.get("dropout"):
             skip(f"dropout_probability: {lora['dropout']} (peft's {variant} has no input dropout); 0 instead")
             lora["dropout"] = 0.0
+    if variant == "lokr":
+        lora["rank"] = ot.get("lokr_dim", LOKR_DEFAULTS["lokr_dim"])  # OneTrainer's LoKr rank; lora_rank is not read
+        for key, default in LOKR_DEFAULTS.items():
+            if key != "lokr_dim" and ot.get(key, default) != default:
+                skip(f"{key}: {ot[key]} is not an option of ot_dist's lokr (peft's LoKr: factor -1, w1 whole, no "
+                     "Tucker, no weight decomposition)")
