@@ -82,6 +82,7 @@ def upgrade(data: dict) -> dict:
     noising_weight, the renames of 5 and 7, version 8's prior -> transformer, and the global weight_dtype (version 9)
     and gradient_checkpointing (version 10) fanned out to the parts."""
     data = dict(data)
+    version = data.get("__version", 0)  # absent: version 0, or a built-in preset (then no old field is there)
     if isinstance(data.get("optimizer"), str):  # version 0: optimizer_<option> keys beside the optimizer's name
         options = {key.removeprefix("optimizer_"): data.pop(key) for key in list(data)
                    if key.startswith("optimizer_") and key != "optimizer_defaults"}
@@ -101,7 +102,7 @@ def upgrade(data: dict) -> dict:
         gamma = data.pop("min_snr_gamma")
         if gamma:
             data["loss_weight_fn"], data["loss_weight_strength"] = "MIN_SNR_GAMMA", gamma
-    if "noising_weight" in data and "timestep_distribution" not in data:  # version 3: a weight meant a sigmoid
+    if version < 3 and "noising_weight" in data and "timestep_distribution" not in data:  # 3: a weight was a sigmoid
         weight = data["noising_weight"]
         data["timestep_distribution"] = "SIGMOID" if weight else "UNIFORM"
         data["noising_bias"] = data.get("noising_bias", 0.5) - 0.5 if weight else 0.0
@@ -113,8 +114,8 @@ def upgrade(data: dict) -> dict:
             data[new] = data.pop(old)
     if data.get("layer_filter_preset", "") is None:  # version 6: an old bug saved None
         data["layer_filter_preset"] = "full"
-    if "prior" in data and "transformer" not in data and data.get("model_type") not in ("STABLE_CASCADE_1",
-                                                                                         "WUERSTCHEN_2"):
+    if version < 8 and "prior" in data and "transformer" not in data and data.get("model_type") not in (
+            "STABLE_CASCADE_1", "WUERSTCHEN_2"):
         data["transformer"] = data["prior"]  # version 8: the transformer models kept their settings in `prior`
     parts = [p for p in PART_SECTIONS if isinstance(data.get(p), dict)]
     if "weight_dtype" in data:  # version 9: NONE in a part meant the global weight dtype
