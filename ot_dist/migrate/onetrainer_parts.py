@@ -9,6 +9,7 @@ parts that differ are listed with the dtype used instead."""
 from __future__ import annotations
 
 from ot_dist.migrate import onetrainer_defaults as defaults
+from ot_dist.models.families.registry import get_family
 
 DENOISERS = ("unet", "transformer", "prior")
 # The frozen components besides the denoiser and text encoders, by ot_dist family (OneTrainer's model_parts()).
@@ -25,8 +26,6 @@ def part_settings(ot: dict, part: str) -> dict:
 
 
 def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
-    from ot_dist.models.families.registry import get_family
-
     fam = get_family(family)
     parts = (fam.denoiser, *fam.text_encoders)  # OneTrainer's key of each is ot_dist's section name
     settings = {part: part_settings(ot, part) for part in (*parts, *FROZEN_EXTRA.get(family, ("vae",)))}
@@ -51,8 +50,8 @@ def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
     guidance = settings[fam.denoiser]["guidance_scale"]
     if family == "flux" and guidance != 1.0:
         c["model"]["guidance_scale"] = guidance
-    if settings[fam.denoiser]["attention_mask"]:
-        skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported")
+    if settings[fam.denoiser]["attention_mask"] and family in ("flux", "sd3"):  # Chroma and PixArt always mask
+        skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported for {family}")
     _storage_dtypes(settings, trains, c, skip)
     _checkpointing(settings, active, fam.denoiser, c, skip)
 
