@@ -177,3 +177,56 @@ def test_incomplete_config_source(models, tmp_path):
     with pytest.raises(InputFileError, match="model_index.json") as info:
         load_single_file(path, "sd1", tmp_path)
     assert str(tmp_path) in str(info.value)
+
+
+def _v_prediction(pipe) -> dict:
+    """`pipe`'s components with a v-prediction scheduler (what a run with model.prediction_type: v_prediction
+    exports)."""
+    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type="v_prediction")
+    return {**pipe.components, "scheduler": scheduler}
+
+
+def test_v_prediction_files_carry_the_v_pred_marker_comfyui_and_forge_detect(models, tmp_path):
+    """ComfyUI (supported_models.SDXL.model_type) and Forge tell a v-prediction SDXL checkpoint by a root `v_pred`
+    key, the marker ComfyUI itself writes when it saves one; without it they sample the model as epsilon. An
+    epsilon model's file has no such key. ot_dist reads the marker back the same way (the config folder here says
+    epsilon); model.prediction_type still wins."""
+    folder, pipe, epsilon_path = models["sdxl"]
+    assert pipe.scheduler.config.prediction_type == "epsilon"
+    with safe_open(str(epsilon_path), framework="pt") as fh:
+        assert "v_pred" not in fh.keys()
+
+    path = export_single_file(_v_prediction(pipe), "sdxl", tmp_path / "v.safetensors", dtype=torch.float16)
+    with safe_open(str(path), framework="pt") as fh:
+        assert "v_pred" in fh.keys() and fh.get_slice("v_pred").get_shape() == [0]
+    loaded = load_single_file(path, "sdxl", folder)
+    assert loaded.scheduler.config.prediction_type == "v_prediction"
+    assert load_single_file(path, "sdxl", folder, prediction_type="epsilon").scheduler.config.prediction_type == \
+        "epsilon"
+
+
+def test_a_prediction_type_override_is_what_the_exports_say(models, tmp_path):
+    """A run that trains an epsilon base as v-prediction (model.prediction_type: v_prediction) exports a model that
+    predicts v: the diffusers folder's scheduler says so, the single file carries the v_pred marker, and ot_dist
+    loads both back as v-prediction without being told."""
+    from ot_dist.checkpoint.export import export_diffusers_folder
+    from ot_dist.checkpoint.frozen_source import export_source
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.methods.base import plain_state_dict
+    from ot_dist.models.loading import load_model
+
+    folder = models["sdxl"][0]
+    config = ModelConfig(family="sdxl", path=str(folder), prediction_type="v_prediction")
+    model = load_model(config)
+    assert model.objective.prediction_type == "v_prediction"
+    source = export_source(model, config, {"unet"}, plain_state_dict, write=True)
+    export_diffusers_folder(source.pipeline, tmp_path / "model", torch.float32, source.states, family=model.family)
+    model.family.export_single_file(source.components, source.states, tmp_path / "model.safetensors", torch.float32)
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as fh:
+        assert "v_pred" in fh.keys()
+    for again in (ModelConfig(family="sdxl", path=str(tmp_path / "model")),
+                  ModelConfig(family="sdxl", path=str(tmp_path / "model.safetensors"), config=str(folder))):
+        reloaded = load_model(again)
+        assert reloaded.pipeline.scheduler.config.prediction_type == "v_prediction"
+        assert reloaded.objective.prediction_type == "v_prediction"

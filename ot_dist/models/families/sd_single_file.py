@@ -41,6 +41,10 @@ SD1_TEXT_PREFIX = "cond_stage_model.transformer."
 SD2_TEXT_PREFIX = "cond_stage_model.model."
 SDXL_TEXT_PREFIX = "conditioner.embedders.0.transformer."
 SDXL_TEXT2_PREFIX = "conditioner.embedders.1.model."
+# The marker of a v-prediction model: an empty tensor under this root key. ComfyUI writes it when it saves a
+# v-prediction model, and ComfyUI and Forge read it to tell v-prediction SDXL checkpoints (NoobAI-XL v-pred...) from
+# epsilon ones; the weights alone cannot say. Readers that do not know it ignore it (A1111 and diffusers).
+V_PRED_KEY = "v_pred"
 
 # Keys under a component prefix that real checkpoints carry but no diffusers module has (buffers,
 # OpenCLIP's contrastive temperature); the diffusers loader ignores them as well.
@@ -320,7 +324,8 @@ def export_single_file(
 ) -> Path:
     """Write unet / vae / text_encoder[/ text_encoder_2] as one original-layout `.safetensors` file.
 
-    `components` may be a pipeline's `.components` (tokenizers, scheduler etc. are ignored). `dtype`
+    `components` may be a pipeline's `.components` (tokenizers etc. are ignored); a v-prediction `scheduler` among
+    them adds the `v_pred` marker (V_PRED_KEY) that ComfyUI and Forge detect v-prediction by. `dtype`
     casts floating-point tensors on save. The file is written under a temporary name in the target
     folder and moved into place with os.replace, so readers never see a partial file.
     """
@@ -337,6 +342,8 @@ def export_single_file(
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         tensors[key] = value.contiguous()
+    if prediction_type_of(components) == "v_prediction":
+        tensors[V_PRED_KEY] = torch.tensor([], dtype=dtype or torch.float32)  # present or not: it holds nothing
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -351,6 +358,23 @@ def export_single_file(
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def prediction_type_of(components: Mapping[str, Any]) -> str | None:
+    """What the model predicts, from the scheduler among `components` (None without one)."""
+    scheduler = components.get("scheduler")
+    return None if scheduler is None else scheduler.config.get("prediction_type")
+
+
+def with_prediction_type(pipe, prediction_type: str | None):
+    """`pipe` with its scheduler set to `prediction_type` (None: unchanged): the scheduler is what sampling and every
+    export (the diffusers folder's scheduler config, the single file's `v_pred` marker) take the type from.
+
+    Never through diffusers' `prediction_type=` loading argument: it switches to its deprecated "legacy" scheduler
+    with made-up betas."""
+    if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
+    return pipe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -527,13 +551,16 @@ def load_single_file(
     from the checkpoint) only works if its configs are already in the local Hugging Face cache.
 
     The scheduler comes from `config_source`; `prediction_type` ("epsilon", "v_prediction", "sample")
-    overrides its prediction type (e.g. an SD 2.x 768-v checkpoint with a config that says epsilon).
+    overrides its prediction type (e.g. an SD 2.x 768-v checkpoint with a config that says epsilon). Without one, a
+    file that carries the `v_pred` marker (V_PRED_KEY) is a v-prediction model, as ComfyUI and Forge read it.
     """
     _check_family(family)
     if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
         raise ConfigError(f"prediction_type {prediction_type!r} must be one of {', '.join(PREDICTION_TYPES)}")
     path = Path(path)
     header = _read_header(path)
+    if prediction_type is None and V_PRED_KEY in header:
+        prediction_type = "v_prediction"
     folder = _resolve_config_source(config_source, header)
     _check_config_folder(folder, family)
     _validate_keys(path, header, _expected_shapes(folder, family), family, folder)
@@ -548,8 +575,7 @@ def load_single_file(
             kwargs["text_encoder_2"] = text_encoder_2
     try:
         # config=<local folder> makes diffusers read every component config from it and never touch the
-        # hub; local_files_only guards the sub-loaders. Do NOT pass prediction_type here: diffusers then
-        # switches to its deprecated "legacy" scheduler with made-up betas (see _override_prediction_type).
+        # hub; local_files_only guards the sub-loaders. Do NOT pass prediction_type here (with_prediction_type).
         pipe = pipeline_class.from_single_file(
             str(path), config=str(folder), local_files_only=True, torch_dtype=torch_dtype, **kwargs
         )
@@ -561,9 +587,7 @@ def load_single_file(
         if isinstance(exc, OSError):
             raise InputFileError(f"cannot load {path} with the architecture config {folder}: {exc}") from exc
         raise
-    if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
-        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
-    return pipe
+    return with_prediction_type(pipe, prediction_type)
 
 
 def _sdxl_text_encoder_2_if_ambiguous(path: Path, header, folder: Path, torch_dtype):
@@ -601,4 +625,4 @@ def _sdxl_text_encoder_2_if_ambiguous(path: Path, header, folder: Path, torch_dt
     )
 
 
-__all__ = ["FAMILIES", "export_single_file", "load_single_file", "to_ldm_state_dict"]
+__all__ = ["FAMILIES", "V_PRED_KEY", "export_single_file", "load_single_file", "to_ldm_state_dict", "with_prediction_type"]
