@@ -172,6 +172,20 @@ def test_deleted_and_reshaped_keys(models, tmp_path):
     assert str(damaged) in str(info.value) and reshaped in str(info.value)
 
 
+def test_comfyuis_scaled_fp8_file_is_refused_by_what_it_is(models, tmp_path):
+    """A UNet file in ComfyUI's scaled-fp8 layout (a `.scale_weight` per quantized layer, a `scaled_fp8` marker):
+    the error names the quantization and asks for the unquantized file."""
+    folder, _, path = models["sdxl"]
+    tensors = load_file(str(path))
+    layers = [k[: -len(".weight")] for k, v in tensors.items() if k.startswith("model.diffusion_model.") and v.ndim == 2]
+    tensors |= {f"{layer}.scale_weight": torch.ones(()) for layer in layers}
+    tensors["model.diffusion_model.scaled_fp8"] = torch.empty(0)
+    scaled = tmp_path / "scaled.safetensors"
+    save_file(tensors, str(scaled))
+    with pytest.raises(InputFileError, match="scaled-fp8 quantization.*unquantized"):
+        load_single_file(scaled, "sdxl", folder)
+
+
 def test_incomplete_config_source(models, tmp_path):
     path = models["sd1"][2]
     with pytest.raises(InputFileError, match="model_index.json") as info:

@@ -516,8 +516,11 @@ def _validate_keys(path: Path, header: Mapping[str, tuple[int, ...]], expected: 
         problems.append(f"shape mismatches: {show(mismatched)}")
     guessed = _guess_family(header)
     hint = f" (the file looks like an {guessed} checkpoint)" if guessed and guessed != family else ""
+    from ot_dist.models.families.single_file_keys import quantization_hint
+
     raise InputFileError(
         f"{path} does not match the {family} architecture described by {folder}{hint}: " + "; ".join(problems)
+        + quantization_hint(unexpected)
     )
 
 
