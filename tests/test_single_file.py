@@ -193,11 +193,9 @@ def test_incomplete_config_source(models, tmp_path):
     assert str(tmp_path) in str(info.value)
 
 
-def _v_prediction(pipe) -> dict:
-    """`pipe`'s components with a v-prediction scheduler (what a run with model.prediction_type: v_prediction
-    exports)."""
-    scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type="v_prediction")
-    return {**pipe.components, "scheduler": scheduler}
+def _with_scheduler(pipe, **settings) -> dict:
+    """`pipe`'s components with its scheduler changed (what a run on such a model exports)."""
+    return {**pipe.components, "scheduler": type(pipe.scheduler).from_config(pipe.scheduler.config, **settings)}
 
 
 def test_v_prediction_files_carry_the_v_pred_marker_comfyui_and_forge_detect(models, tmp_path):
@@ -208,15 +206,35 @@ def test_v_prediction_files_carry_the_v_pred_marker_comfyui_and_forge_detect(mod
     folder, pipe, epsilon_path = models["sdxl"]
     assert pipe.scheduler.config.prediction_type == "epsilon"
     with safe_open(str(epsilon_path), framework="pt") as fh:
-        assert "v_pred" not in fh.keys()
+        assert not {"v_pred", "ztsnr"} & set(fh.keys())
 
-    path = export_single_file(_v_prediction(pipe), "sdxl", tmp_path / "v.safetensors", dtype=torch.float16)
+    v = _with_scheduler(pipe, prediction_type="v_prediction")
+    path = export_single_file(v, "sdxl", tmp_path / "v.safetensors", dtype=torch.float16)
     with safe_open(str(path), framework="pt") as fh:
         assert "v_pred" in fh.keys() and fh.get_slice("v_pred").get_shape() == [0]
+        assert "ztsnr" not in fh.keys()
     loaded = load_single_file(path, "sdxl", folder)
     assert loaded.scheduler.config.prediction_type == "v_prediction"
+    assert not loaded.scheduler.config.get("rescale_betas_zero_snr")
     assert load_single_file(path, "sdxl", folder, prediction_type="epsilon").scheduler.config.prediction_type == \
         "epsilon"
+
+
+def test_zero_terminal_snr_files_carry_the_ztsnr_marker(models, tmp_path):
+    """A v-prediction model on a zero-terminal-SNR schedule (NoobAI-XL v-pred) has `v_pred` and `ztsnr`: ComfyUI
+    samples such an SDXL file with zero terminal SNR, Forge any file with `ztsnr`. Exported from the scheduler's
+    rescale_betas_zero_snr; read back, it puts the training schedule at SNR 0 at the last timestep."""
+    from ot_dist.models.objectives import DDPM
+
+    folder, pipe, _ = models["sdxl"]
+    zsnr = _with_scheduler(pipe, prediction_type="v_prediction", rescale_betas_zero_snr=True)
+    path = export_single_file(zsnr, "sdxl", tmp_path / "zsnr.safetensors")
+    with safe_open(str(path), framework="pt") as fh:
+        assert {"v_pred", "ztsnr"} <= set(fh.keys())
+    loaded = load_single_file(path, "sdxl", folder)  # the folder's schedule has no zero terminal SNR
+    assert loaded.scheduler.config.rescale_betas_zero_snr
+    objective = DDPM(loaded.scheduler.config)
+    assert objective.prediction_type == "v_prediction" and objective.zero_terminal_snr()
 
 
 def test_a_prediction_type_override_is_what_the_exports_say(models, tmp_path):

@@ -45,6 +45,9 @@ SDXL_TEXT2_PREFIX = "conditioner.embedders.1.model."
 # v-prediction model, and ComfyUI and Forge read it to tell v-prediction SDXL checkpoints (NoobAI-XL v-pred...) from
 # epsilon ones; the weights alone cannot say. Readers that do not know it ignore it (A1111 and diffusers).
 V_PRED_KEY = "v_pred"
+# Beside it, the marker of a zero-terminal-SNR schedule (diffusers' rescale_betas_zero_snr): ComfyUI samples a v_pred
+# SDXL file that also has it with zero terminal SNR, Forge any file that has it.
+ZTSNR_KEY = "ztsnr"
 
 # Keys under a component prefix that real checkpoints carry but no diffusers module has (buffers,
 # OpenCLIP's contrastive temperature); the diffusers loader ignores them as well.
@@ -325,7 +328,8 @@ def export_single_file(
     """Write unet / vae / text_encoder[/ text_encoder_2] as one original-layout `.safetensors` file.
 
     `components` may be a pipeline's `.components` (tokenizers etc. are ignored); a v-prediction `scheduler` among
-    them adds the `v_pred` marker (V_PRED_KEY) that ComfyUI and Forge detect v-prediction by. `dtype`
+    them adds the `v_pred` marker (V_PRED_KEY) that ComfyUI and Forge detect v-prediction by, a zero-terminal-SNR one
+    (`rescale_betas_zero_snr`) the `ztsnr` marker (ZTSNR_KEY). `dtype`
     casts floating-point tensors on save. The file is written under a temporary name in the target
     folder and moved into place with os.replace, so readers never see a partial file.
     """
@@ -342,8 +346,11 @@ def export_single_file(
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         tensors[key] = value.contiguous()
-    if prediction_type_of(components) == "v_prediction":
-        tensors[V_PRED_KEY] = torch.tensor([], dtype=dtype or torch.float32)  # present or not: it holds nothing
+    scheduler_config = components["scheduler"].config if components.get("scheduler") is not None else {}
+    markers = {V_PRED_KEY: scheduler_config.get("prediction_type") == "v_prediction",
+               ZTSNR_KEY: bool(scheduler_config.get("rescale_betas_zero_snr"))}
+    for key in (k for k, present in markers.items() if present):
+        tensors[key] = torch.tensor([], dtype=dtype or torch.float32)  # present or not: it holds nothing
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -360,12 +367,6 @@ def export_single_file(
     return path
 
 
-def prediction_type_of(components: Mapping[str, Any]) -> str | None:
-    """What the model predicts, from the scheduler among `components` (None without one)."""
-    scheduler = components.get("scheduler")
-    return None if scheduler is None else scheduler.config.get("prediction_type")
-
-
 def with_prediction_type(pipe, prediction_type: str | None):
     """`pipe` with its scheduler set to `prediction_type` (None: unchanged): the scheduler is what sampling and every
     export (the diffusers folder's scheduler config, the single file's `v_pred` marker) take the type from.
@@ -374,6 +375,14 @@ def with_prediction_type(pipe, prediction_type: str | None):
     with made-up betas."""
     if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
         pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
+    return pipe
+
+
+def with_zero_terminal_snr(pipe):
+    """`pipe` with its scheduler's betas rescaled to zero terminal SNR (a file's `ztsnr` marker). Schedulers without
+    the option (PNDM, SD 1.x's default) keep their schedule: diffusers gives them none."""
+    if not pipe.scheduler.config.get("rescale_betas_zero_snr"):
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, rescale_betas_zero_snr=True)
     return pipe
 
 
@@ -555,7 +564,8 @@ def load_single_file(
 
     The scheduler comes from `config_source`; `prediction_type` ("epsilon", "v_prediction", "sample")
     overrides its prediction type (e.g. an SD 2.x 768-v checkpoint with a config that says epsilon). Without one, a
-    file that carries the `v_pred` marker (V_PRED_KEY) is a v-prediction model, as ComfyUI and Forge read it.
+    file that carries the `v_pred` marker (V_PRED_KEY) is a v-prediction model, as ComfyUI and Forge read it; one that
+    carries `ztsnr` (ZTSNR_KEY) was trained on a zero-terminal-SNR schedule, which the scheduler is then given.
     """
     _check_family(family)
     if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
@@ -590,7 +600,8 @@ def load_single_file(
         if isinstance(exc, OSError):
             raise InputFileError(f"cannot load {path} with the architecture config {folder}: {exc}") from exc
         raise
-    return with_prediction_type(pipe, prediction_type)
+    pipe = with_prediction_type(pipe, prediction_type)
+    return with_zero_terminal_snr(pipe) if ZTSNR_KEY in header else pipe
 
 
 def _sdxl_text_encoder_2_if_ambiguous(path: Path, header, folder: Path, torch_dtype):
@@ -628,4 +639,5 @@ def _sdxl_text_encoder_2_if_ambiguous(path: Path, header, folder: Path, torch_dt
     )
 
 
-__all__ = ["FAMILIES", "V_PRED_KEY", "export_single_file", "load_single_file", "to_ldm_state_dict", "with_prediction_type"]
+__all__ = ["FAMILIES", "V_PRED_KEY", "ZTSNR_KEY", "export_single_file", "load_single_file", "to_ldm_state_dict",
+           "with_prediction_type"]
