@@ -29,7 +29,7 @@ class ExportSource:
 
 def single_file_components(model: LoadedModel) -> dict[str, object]:
     """The parts, the latent encoder as "vae", and the scheduler: what the model predicts is part of the single file
-    (the UNet families' v_pred marker, by which ComfyUI and Forge tell v-prediction SDXL models)."""
+    (the UNet families' v_pred and ztsnr markers, by which ComfyUI and Forge tell v-prediction SDXL models)."""
     return {**model.parts(), "vae": model.vae, "scheduler": model.pipeline.scheduler}
 
 
