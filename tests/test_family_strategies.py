@@ -1,7 +1,8 @@
 """The transformer families under every strategy: 2 gloo ranks (batch 2 each) against 1 process (batch 4),
 full finetune and LoRA, with plain SGD and no clipping, so a gradient that is summed instead of averaged
 (or averaged twice) moves the weights by twice (half) the step and fails the comparison. All cases of a
-family run in one launch (tests/helpers/family_cases.py) to pay the process start-up once."""
+family run in one launch (tests/helpers/family_cases.py) to pay the process start-up once. SD3 and Stable Cascade
+add an fsdp case in bfloat16 to their launch (BFLOAT16_FSDP); SD 1.x runs every strategy in bfloat16 and float16."""
 
 from __future__ import annotations
 
