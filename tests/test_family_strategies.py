@@ -1,7 +1,8 @@
 """The transformer families under every strategy: 2 gloo ranks (batch 2 each) against 1 process (batch 4),
 full finetune and LoRA, with plain SGD and no clipping, so a gradient that is summed instead of averaged
 (or averaged twice) moves the weights by twice (half) the step and fails the comparison. All cases of a
-family run in one launch (tests/helpers/family_cases.py) to pay the process start-up once."""
+family run in one launch (tests/helpers/family_cases.py) to pay the process start-up once. SD3 and Stable Cascade
+add an fsdp case in bfloat16 to their launch (BFLOAT16_FSDP); SD 1.x runs every strategy in bfloat16 and float16."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+sys.path.insert(0, str(REPO / "tests" / "helpers"))  # what the launched ranks use too
+from denoiser_inputs import record_denoiser_inputs  # noqa: E402
+from overflow import inject  # noqa: E402
 # Plain SGD (no momentum) keeps no state, so what a third step could show a second shows already: the strategy's own
 # state carried from one step to the next (ZeRO-3's recorded trace and prefetch, ZeRO-1/2's deferred gradient
 # cleanup, FSDP's resharded units). The low-precision cases take 3: a float16 step after the skipped one.
@@ -57,6 +61,14 @@ TEXT_ENCODER_TRAINED = {"sd1"}
 # one rank's shards only, or summed over replicas, scales the step and fails the comparison. SD 1.x only: the
 # strategies' clipping code knows no family.
 CLIPPED = {"family": "sd1", "clip_grad_norm": 0.2, "strategies": ("ddp", "fsdp", "zero2", "zero3")}
+# Families whose denoiser takes a float32 input that bfloat16 would round, changing the prediction: SD3's timestep
+# (near 1000, to a multiple of 4), Stable Cascade's timestep ratio (its sinusoidal embedding scales it by 10000). Each
+# adds one fsdp full finetune in bfloat16 to its family's launch, against one process in bfloat16: the denoiser must
+# receive its inputs in the dtypes the one process gives it, and the weights must end within BFLOAT16_FSDP_NOISE x the
+# distance between the one process's bfloat16 and float32 runs. With FSDP2's default cast of the root's inputs to
+# bfloat16 they ended 5.8x (SD3) and 33x (Stable Cascade) that noise away; without it 0.53x and 0.35x.
+BFLOAT16_FSDP = ("sd3", "stable_cascade")
+BFLOAT16_FSDP_NOISE = 2
 
 
 def settings(family: str, method: str, **extra) -> dict:
@@ -81,6 +93,15 @@ def base_weights(model: Path, family: str, text_encoder: bool = False) -> dict[s
     if text_encoder:
         weights |= {f"text_encoder.{k}": v for k, v in load_file(model / "text_encoder" / "model.safetensors").items()}
     return weights
+
+
+def distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def recorded_inputs(output_dir: Path | str) -> dict[str, str]:
+    """The dtypes the denoiser received at a run's first step (tests/helpers/denoiser_inputs.py)."""
+    return json.loads(Path(f"{output_dir}.inputs.json").read_text())
 
 
 def trained(family: str, method: str) -> dict:
@@ -132,10 +153,31 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
             models[family], shapes_data, tmp_path / f"{family}-{strategy}+clipped-clipped", family=family,
             method="full", batch_size=2, strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy], **trained(family, "full")))
             for strategy in CLIPPED["strategies"]}
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    bfloat16_cases = {}
+    for name in (name for name in families if name in BFLOAT16_FSDP):
+        out = tmp_path / f"ref-{name}-bfloat16"
+        raw = base_config(models[name], shapes_data, out, family=name, method="full", batch_size=4,
+                          train_dtype="bfloat16", **settings(name, "full"))
+        trainer = Trainer(validate(raw), log=lambda *_: None)
+        record_denoiser_inputs(trainer, f"{out}.inputs.json")
+        trainer.train()
+        references[name, "bfloat16"] = exported(out, name, "full")
+        out = tmp_path / f"{name}-fsdp+bfloat16-full"
+        bfloat16_cases[f"{name}/fsdp+bfloat16-full"] = {
+            **base_config(models[name], shapes_data, out, family=name, method="full", batch_size=2, strategy="fsdp",
+                          train_dtype="bfloat16", **settings(name, "full", **STRATEGIES["fsdp"])),
+            "_record_denoiser_inputs": f"{out}.inputs.json"}
+    (tmp_path / "cases.json").write_text(json.dumps(cases | bfloat16_cases))
     done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
                            str(tmp_path / "cases.json"), env=ENV, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    for case, raw in bfloat16_cases.items():
+        name = raw["model"]["family"]
+        noise = distance(references[name, "full"], references[name, "bfloat16"])
+        diff = distance(references[name, "bfloat16"], exported(Path(raw["output_dir"]), name, "full"))
+        print(f"{case}: max diff {diff:.3g} (bfloat16 noise {noise:.3g})")
+        assert recorded_inputs(raw["output_dir"]) == recorded_inputs(tmp_path / f"ref-{name}-bfloat16"), case
+        assert diff <= BFLOAT16_FSDP_NOISE * noise, f"{case}: max abs diff {diff:.3g}, bfloat16 noise {noise:.3g}"
     for case, raw in cases.items():
         name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # kind: full, lora or clipped (a full finetune)
         method = "full" if kind == "clipped" else kind
@@ -175,9 +217,6 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
     update, far beyond it. The exports are the float32 masters (DeepSpeed's modules hold low-precision copies).
     float16 adds loss scaling: step 2 overflows on one rank only, and every rank must skip it as the one process
     does (a rank that steps leaves the model one update away, 10-100x the allowance)."""
-    sys.path.insert(0, str(REPO / "tests" / "helpers"))
-    from overflow import inject
-
     family, model = "sd1", small_sd1  # the 2-level UNet (conftest.py): 13 runs, each paying per module
     base = load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))
     full = settings(family, "full", max_steps=LOW_PRECISION_STEPS)
@@ -187,11 +226,9 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
                           train_dtype=dtype, **full)
         trainer = Trainer(validate(raw), log=lambda *_: None)
         inject(trainer, overflow_at, poison_gradient)
+        record_denoiser_inputs(trainer, f"{tmp_path / name}.inputs.json")
         trainer.train()
         return exported(tmp_path / name, family, "full")
-
-    def distance(a: dict, b: dict) -> float:
-        return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
     fp32 = one_process("ref-fp32", "float32")
     references = {"bfloat16": one_process("ref-bf16", "bfloat16"), "float16": one_process("ref-fp16-skip", "float16",
@@ -217,6 +254,11 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
     cases |= {f"float16+element-{strategy}": {**cases[f"float16-{strategy}"], "output_dir": str(tmp_path / f"element-{strategy}"),
                                               "_overflow_at_step": None, "_inf_gradient_element_at_step": OVERFLOW_AT}
               for strategy in FP16_STRATEGIES}
+    # The denoiser receives its inputs in the dtypes the one process gives it (its weights' storage dtype, float32,
+    # and autocast casting at each matmul / conv): FSDP's MixedPrecisionPolicy must not cast the root's.
+    inputs_checked = {"bfloat16-ddp": "ref-bf16", "bfloat16-fsdp": "ref-bf16", "float16-fsdp": "ref-fp16-skip"}
+    for name in inputs_checked:
+        cases[name]["_record_denoiser_inputs"] = f"{cases[name]['output_dir']}.inputs.json"
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
                            str(tmp_path / "cases.json"), env=ENV, timeout=900)
@@ -229,6 +271,8 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
         allowed = (BF16_STRATEGIES if dtype == "bfloat16" else FP16_STRATEGIES)[strategy] * noise[dtype]
         print(f"{kind} {strategy}: max diff {diff:.3g} (noise {noise[dtype]:.3g}, update {update:.3g})")
         assert diff <= allowed, f"{name}: weights differ by {diff:.3g} > {allowed:.3g} ({dtype} noise {noise[dtype]:.3g})"
+    for name, reference in inputs_checked.items():
+        assert recorded_inputs(cases[name]["output_dir"]) == recorded_inputs(tmp_path / reference), name
 
 
 def test_hybrid_shard_over_two_nodes_of_two_equals_one_process(small_sd1, shapes_data, tmp_path):

@@ -74,23 +74,27 @@ class FSDPStrategy(Strategy):
                 "already (no GPU found), so set fsdp.cpu_offload to false"
             )
         train_dtype = DTYPES[self.config.train_dtype]
-        mp_policy = MixedPrecisionPolicy(
-            param_dtype=None if train_dtype == torch.float32 else train_dtype,
-            reduce_dtype=DTYPES[settings.reduce_dtype],
-        )
+        precision = dict(param_dtype=None if train_dtype == torch.float32 else train_dtype,
+                         reduce_dtype=DTYPES[settings.reduce_dtype])
         offload = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
         self.mesh = self._mesh()
         options = dict(
             mesh=self.mesh,
             reshard_after_forward=settings.sharding != "shard_grad_op",
-            mp_policy=mp_policy,
             offload_policy=offload,
         )
+        # The root of each module gets its inputs as the family passes them, as under single / ddp: FSDP's
+        # default cast of every floating forward input to param_dtype would round the float32 timesteps,
+        # ratios, size conditions and guidance a family hands the denoiser (SD3's t near 1000 to a multiple of
+        # 4). The root's own layers run under the strategy's autocast, which casts at each matmul / conv; the
+        # units inside (blocks) still take their inputs in param_dtype.
+        root_policy = MixedPrecisionPolicy(**precision, cast_forward_inputs=False)
+        unit_policy = MixedPrecisionPolicy(**precision)
         for name, module in self.trained_modules.items():
             units = wrap_units(module, model.family.shard_units.get(name, ()))
             for unit in units:
-                fully_shard(unit, **options)
-            fully_shard(module, **options)
+                fully_shard(unit, mp_policy=unit_policy, **options)
+            fully_shard(module, mp_policy=root_policy, **options)
             if self.runtime.device.type == "cuda":
                 # Issuing the next all-gather early pays on a GPU stream; gloo on the CPU has nothing to overlap it
                 # with, and keeping one collective in flight at a time there avoids gloo's concurrent-op paths.

@@ -3,7 +3,8 @@ the process start-up once for many strategy x method cases). Each case exports t
 test compares those exports with a single process.
 
 CASES_JSON: {"case name": raw config dict, ...}; a dict may carry "_overflow_at_step": N or
-"_inf_gradient_element_at_step": N (tests/helpers/overflow.py)."""
+"_inf_gradient_element_at_step": N (tests/helpers/overflow.py), "_record_denoiser_inputs": PATH (rank 0 writes
+the dtypes the denoiser's forward received there: tests/helpers/denoiser_inputs.py)."""
 
 import json
 import os
@@ -14,6 +15,7 @@ from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(__file__))
+from denoiser_inputs import record_denoiser_inputs  # noqa: E402
 from overflow import inject  # noqa: E402
 
 cases = json.loads(open(sys.argv[1]).read())
@@ -21,8 +23,11 @@ runtime = start_runtime(5, needs_group=True)
 for name, raw in cases.items():
     overflow_at = raw.pop("_overflow_at_step", None)
     poisoned_at = raw.pop("_inf_gradient_element_at_step", None)
+    inputs_record = raw.pop("_record_denoiser_inputs", None)
     trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
     inject(trainer, overflow_at, poisoned_at)
+    if inputs_record and runtime.is_main:
+        record_denoiser_inputs(trainer, inputs_record)
     trainer.train()
     trainer.close()
     if runtime.is_main:
