@@ -89,7 +89,7 @@ class LoraMethod(TrainingMethod):
         targets = {part: sorted(config["target_modules"]) for part, config in adapter_configs.items()}
         metadata = kohya_metadata(lora.rank, lora.alpha, {"ot_dist_lora": json.dumps(
             {"layout": "kohya", "family": family.name, "variant": lora.variant, "rank": lora.rank, "alpha": lora.alpha,
-             "targets": targets})}, variant=lora.variant)
+             "targets": targets})}, variant=lora.variant, base_model_version=family.lora_base_model_version)
         with atomic_path(target) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
 

@@ -87,8 +87,10 @@ class SD(UNetFamily):
 
     memory_reference = "SD 1.5"  # SD 2.x: a UNet of the same size (865 M), a larger text encoder (354 M)
 
-    def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str, native_resolution: int):
+    def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str, native_resolution: int,
+                 lora_base_model_version: str):
         self.name, self.description, self.native_resolution = name, description, native_resolution
+        self.lora_base_model_version = lora_base_model_version
         self.tiny_hidden_act, self.tiny_prediction_type = hidden_act, prediction_type
 
     layer_skip_encoders = ("text_encoder",)
@@ -153,7 +155,7 @@ class SD(UNetFamily):
 
 FAMILIES = {
     "sd1": SD("sd1", "Stable Diffusion 1.x (epsilon)", hidden_act="quick_gelu", prediction_type="epsilon",
-              native_resolution=512),
+              native_resolution=512, lora_base_model_version="sd_v1"),
     "sd2": SD("sd2", "Stable Diffusion 2.x (epsilon or v-prediction)", hidden_act="gelu",
-              prediction_type="v_prediction", native_resolution=768),
+              prediction_type="v_prediction", native_resolution=768, lora_base_model_version="sd_v2"),
 }
