@@ -30,6 +30,26 @@ class UNetFamily(Family):
     pixel_multiple = 8
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
     lora_file_roots = {"text_encoder": "text_model", "text_encoder_2": "text_model"}
+    # kohya sd-scripts' SDXL LoRAs (and some SD 1.x / 2.x ones) name UNet modules by their original LDM / SGM paths
+    # (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`), ComfyUI's own by `diffusion_model.` + the path;
+    # ComfyUI, A1111 / Forge and diffusers read them, and so do `ot-dist lora merge` and `lora.init_from`
+    # (ot_dist/lora_tools/foreign.py, through `denoiser_original_rules`).
+    lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
+
+    def denoiser_original_rules(self, config) -> list:
+        """original (LDM) weight <- diffusers weight for every UNet weight, as the single-file export names them."""
+        from diffusers import UNet2DConditionModel
+
+        from ot_dist.models.families.sd_single_file import _unet_key_mapper
+        from ot_dist.models.families.single_file_keys import Rule
+
+        try:
+            to_original = _unet_key_mapper(config)
+        except ValueError:  # per-level layers_per_block: no original layout
+            return []
+        with torch.device("meta"):  # the weight names of a UNet of this config, nothing allocated
+            names = UNet2DConditionModel.from_config(config).state_dict().keys()
+        return [Rule(to_original(name), (name,)) for name in names if name.endswith(".weight")]
 
     def objective(self, pipeline, model_config) -> DDPM:
         prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type
