@@ -9,7 +9,8 @@
 # (default gpu_check_out), STEPS / WARMUP (timed / untimed steps per bench, default 10 / 3), batch sizes
 # SDXL_LORA_BATCH (8), SDXL_FULL_BATCH (8), FLUX_LORA_BATCH (1), LEVERS (1: also the rows again with each
 # `performance` lever that has not run on a GPU yet: regional compile, float8 matmuls; off by default, they add
-# compile time). Exit status: 0 when every part passed.
+# compile time), PROFILE (steps profiled after the timed ones in each of the three rows, default 2: where the time
+# went, OUT/<run>_profile.md, and a trace; 0 turns it off). Exit status: 0 when every part passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -39,9 +40,10 @@ bench() {  # one row of the table; a failure (e.g. out of memory) is recorded an
         2>&1 | tee -a "$out/bench_log.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "| $* | FAILED (see bench_log.txt) |" >> "$out/bench_failures.md"; failed=1; }
 }
-bench --model sdxl --method lora --batch-size "${SDXL_LORA_BATCH:-8}"
-bench --model sdxl --method full --gradient-checkpointing --batch-size "${SDXL_FULL_BATCH:-8}"
-bench --model flux-dev --method lora --batch-size "${FLUX_LORA_BATCH:-1}"
+profile=(--profile "${PROFILE:-2}")
+bench --model sdxl --method lora --batch-size "${SDXL_LORA_BATCH:-8}" "${profile[@]}"
+bench --model sdxl --method full --gradient-checkpointing --batch-size "${SDXL_FULL_BATCH:-8}" "${profile[@]}"
+bench --model flux-dev --method lora --batch-size "${FLUX_LORA_BATCH:-1}" "${profile[@]}"
 
 if [ "${LEVERS:-0}" = 1 ]; then  # which lever closes the gap to the targets: side by side with the rows above
     bench --model sdxl --method lora --batch-size "${SDXL_LORA_BATCH:-8}" --performance compile=true

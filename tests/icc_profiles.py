@@ -121,6 +121,13 @@ def matrix_trc_profile(primaries, white_xy, curve: float | str, description: str
     return _profile(b"mntr", b"RGB ", b"XYZ ", version, tags)
 
 
+def grey_profile(gamma: float) -> bytes:
+    """A greyscale display profile: one tone curve (`kTRC`), white D50."""
+    trc = b"curv\0\0\0\0" + struct.pack(">IH", 1, round(gamma * 256))
+    return _profile(b"mntr", b"GRAY", b"XYZ ", 2, [(b"desc", _desc_tag("Grey test", 2)), (b"wtpt", _xyz_tag(D50)),
+                                                    (b"kTRC", trc)])
+
+
 def adobe_rgb_profile() -> bytes:
     return matrix_trc_profile(ADOBE_PRIMARIES, D65_XY, ADOBE_GAMMA, "Adobe RGB test")
 

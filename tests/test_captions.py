@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_data_shards import config, make_images, readers, take
@@ -48,6 +50,26 @@ def test_tag_dropout_drops_at_its_rate_and_never_a_kept_tag():
         assert tags[0] == "sks dog"
         kept.append(len(tags) - 1)
     assert sum(kept) / (5 * len(kept)) == pytest.approx(0.7, abs=0.05)
+
+
+def test_full_tag_dropout_leaves_all_tags_or_only_the_kept_ones_as_onetrainer_s_full_mode(tmp_path):
+    """OneTrainer's tag dropout modes (mgds DropTags): FULL, its default, drops every tag after the kept ones at
+    once with the probability; RANDOM drops each on its own. `ot-dist import onetrainer` keeps the mode."""
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    counts = {"all": 0, "kept only": 0}
+    for seed in range(400):
+        tags = draw({"tag_dropout_probability": 0.3, "tag_dropout_mode": "FULL"}, seed).split(", ")
+        assert tags == TAGS.split(", ") or tags == ["sks dog"], tags  # never a few tags left out
+        counts["all" if len(tags) > 1 else "kept only"] += 1
+    assert counts["kept only"] / 400 == pytest.approx(0.3, abs=0.05)
+    text = {"tag_dropout_enable": True, "tag_dropout_probability": 0.3}
+    config = {"__version": 11, "model_type": "STABLE_DIFFUSION_15", "training_method": "LORA", "base_model_name": "m",
+              "concepts": [{"path": str(tmp_path), "text": text},  # OneTrainer's default mode: FULL
+                           {"path": str(tmp_path), "text": {**text, "tag_dropout_mode": "RANDOM"}}]}
+    (tmp_path / "ot.json").write_text(json.dumps(config))
+    imported = import_onetrainer(tmp_path / "ot.json").config["data"]["concepts"]
+    assert [(c["tag_dropout_mode"], c["tag_dropout_probability"]) for c in imported] == [("full", 0.3), ("random", 0.3)]
 
 
 def test_caption_dropout_empties_whole_captions_at_its_rate():

@@ -146,3 +146,31 @@ def test_min_snr_is_refused_by_name_for_flow_matching(family_models, shapes_data
 
     with pytest.raises(ConfigError, match="loss.min_snr_gamma"):
         trainer_for(family_models["sd3"], shapes_data, tmp_path / "o", **{"loss.min_snr_gamma": 5.0})
+
+
+def test_bfloat16_transformer_sees_the_timestep_as_the_pipeline_passes_it():
+    """StableDiffusion3Pipeline (and diffusers' SD3 training scripts) hand the transformer the scheduler's float32
+    timesteps, whatever the transformer's dtype; rounding them to bfloat16 first moves t by up to 2 near 1000 and
+    changes the prediction."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
+
+    from ot_dist.models.families.sd3 import SD3
+
+    torch.manual_seed(0)
+    transformer = SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=16, num_layers=1, attention_head_dim=16, num_attention_heads=2,
+        joint_attention_dim=64, caption_projection_dim=32, pooled_projection_dim=64, out_channels=16,
+        pos_embed_max_size=32).to(torch.bfloat16)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)
+    scheduler.set_timesteps(28)
+    timesteps = scheduler.timesteps[[1, 6]]  # what the pipeline's denoising loop passes, float32
+    assert not torch.equal(timesteps.bfloat16().float(), timesteps)  # bfloat16 would move them
+    g = torch.Generator().manual_seed(0)
+    noisy = torch.randn(2, 16, 8, 8, generator=g).bfloat16()
+    conditioning = {"hidden": torch.randn(2, 5, 64, generator=g).bfloat16(),
+                    "pooled": torch.randn(2, 64, generator=g).bfloat16()}
+    with torch.no_grad():
+        ours = SD3().predict(transformer, noisy, timesteps, conditioning, {})
+        pipeline = transformer(hidden_states=noisy, timestep=timesteps, encoder_hidden_states=conditioning["hidden"],
+                               pooled_projections=conditioning["pooled"], return_dict=False)[0]
+    assert torch.equal(ours, pipeline)

@@ -23,8 +23,8 @@ from forked_ranks import run_ranks
 import yaml
 from PIL import Image, ImageOps
 
-from icc_profiles import (D50, adobe_rgb_profile, adobe_to_srgb, cmyk_lut_profile, display_p3_profile, p3_to_srgb,
-                          rgb_to_xyz, xyz_d50_to_srgb)
+from icc_profiles import (D50, adobe_rgb_profile, adobe_to_srgb, cmyk_lut_profile, display_p3_profile, grey_profile,
+                          p3_to_srgb, rgb_to_xyz, srgb_encode, xyz_d50_to_srgb)
 from ot_dist.config.load import validate
 from ot_dist.data import images as image_files
 from ot_dist.data.shards import build_shard_set, read_manifest
@@ -173,6 +173,9 @@ def camera_folder(folder: Path) -> dict:
     (folder / "orphan.txt").write_text("no image\n")
     (folder / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
     (folder / "orient1.xmp").write_text("<x:xmpmeta/>")
+    # macOS AppleDouble files, as a Finder copy to a USB disk leaves them: metadata named like images and captions
+    for name in ("._orient1.jpg", "._orient1.txt"):
+        (folder / name).write_bytes(b"\0\x05\x16\x07\0\x02\0\0Mac OS X        " + bytes(64))
     return {"expected": expected, "heic": heic_available}
 
 
@@ -281,6 +284,13 @@ def test_stored_pixels_carry_no_profile(built, tmp_path):
         press_xyz, 2))
     img = image_files.open_image(tmp_path / "mismatched.png")
     assert img.getpixel((0, 0)) == (10, 20, 30) and img.info == {}  # the profile that does not fit: ignored
+    # A grey profile on colour pixels (a converter that kept the profile of a grey original) does not fit either: it
+    # turned a red into grey; on grey pixels it holds (gamma 1.8, an old Mac's, re-encoded with sRGB's curve).
+    Image.new("RGB", (8, 8), (220, 30, 30)).save(tmp_path / "colour-grey-profile.png", icc_profile=grey_profile(2.2))
+    assert image_files.open_image(tmp_path / "colour-grey-profile.png").getpixel((0, 0)) == (220, 30, 30)
+    Image.new("L", (8, 8), 100).save(tmp_path / "grey.png", icc_profile=grey_profile(1.8))
+    grey = image_files.open_image(tmp_path / "grey.png").getpixel((0, 0))
+    assert np.abs(np.subtract(grey, srgb_encode((100 / 255) ** 1.8) * 255)).max() <= 1 and grey[0] > 110
 
 
 def test_transparency_is_composited_on_the_background(built):
@@ -291,6 +301,23 @@ def test_transparency_is_composited_on_the_background(built):
     assert np.abs(cutout[:, 28:36] - half).max() <= 2
     palette = built["samples"]["palette.png"]["image"].astype(int)
     assert np.abs(palette[:, :28] - (10, 200, 10)).max() <= 1 and np.abs(palette[:, 36:] - BACKGROUND).max() <= 1
+
+
+def test_a_16_bit_png_s_transparent_colour_is_composited_on_the_background(tmp_path):
+    """A 16-bit PNG's tRNS names a 16-bit grey or RGB value; Pillow's RGBA conversion compared it with the 8-bit
+    pixels and left the transparent area opaque. Left half: the transparent value, right half: an opaque one."""
+    def halves(values, colour_type, key):
+        row = b"\0" + struct.pack(f">{8 * len(values[0])}H", *(values[0] * 4 + values[1] * 4))
+        plain = png_bytes(8, 2, 16, colour_type, row * 2)
+        idat = plain.index(b"IDAT") - 4  # tRNS goes before the pixel data
+        path = tmp_path / f"type{colour_type}.png"
+        path.write_bytes(plain[:idat] + png_chunk(b"tRNS", key) + plain[idat:])
+        return np.asarray(image_files.open_image(path, background=BACKGROUND)).astype(int)
+
+    grey = halves(([0x1000], [0xF000]), 0, struct.pack(">H", 0x1000))
+    assert (grey[:, :4] == BACKGROUND).all() and (grey[:, 4:] == round(0xF000 / 257)).all()
+    rgb = halves(([0x1000, 0x2000, 0x3000], [0x9000, 0x2000, 0x3000]), 2, struct.pack(">3H", 0x1000, 0x2000, 0x3000))
+    assert (rgb[:, :4] == BACKGROUND).all() and (rgb[:, 4:] == (0x90, 0x20, 0x30)).all()
 
 
 def test_bomb_tiny_and_unused_files_are_reported(built):
@@ -326,6 +353,43 @@ def test_heic_is_read_with_the_extra(built):
     if not built["info"]["heic"]:
         pytest.skip("pillow-heif is not installed (pip install ot-dist[heic])")
     assert "iphone.heic" in built["samples"]
+
+
+def as_if_pillow_heif_was_not_registered(monkeypatch) -> None:
+    """Pillow's registries as in a fresh process (until the test ends): pillow-heif registers when first asked."""
+    for extension, kind in list(Image.registered_extensions().items()):
+        if kind == "HEIF":
+            monkeypatch.delitem(Image.EXTENSION, extension)
+    monkeypatch.delitem(Image.OPEN, "HEIF", raising=False)
+    monkeypatch.setattr(Image, "ID", [kind for kind in Image.ID if kind != "HEIF"])
+
+
+def test_heic_and_mpo_files_are_images_on_the_first_scan_of_a_process(tmp_path, monkeypatch):
+    """A fresh `ot-dist shard build` lists the folder before anything opened a HEIC: pillow-heif's extensions must
+    be registered before Pillow's list is read, or an iPhone's photos are `not an image`. MPO files (3D cameras)
+    are JPEGs with a second picture: Pillow opens them through its JPEG opener, the first picture is the photo. A
+    link to a missing file is listed as not used, not passed over."""
+    from PIL import Image
+
+    from ot_dist.data.concepts import classify_files
+
+    if not image_files.heif_available():
+        pytest.skip("pillow-heif is not installed (pip install ot-dist[heic])")
+    folder = tmp_path / "phone"
+    folder.mkdir()
+    Image.new("RGB", (16, 16), (90, 120, 220)).save(folder / "IMG_0001.HEIC")
+    Image.new("RGB", (16, 16), (200, 30, 30)).save(folder / "DSCF0001.MPO", "MPO", save_all=True,
+                                                   append_images=[Image.new("RGB", (16, 16))])
+    for stem in ("IMG_0001", "DSCF0001"):
+        (folder / f"{stem}.txt").write_text("a photo")
+    as_if_pillow_heif_was_not_registered(monkeypatch)
+    ((label, concept),) = make_config(folder, tmp_path / "s").data.concept_list()
+    images, unused = classify_files(label, concept)
+    assert [p.name for p in images] == ["DSCF0001.MPO", "IMG_0001.HEIC"] and unused == []
+    (folder / "on-the-nas.jpg").symlink_to(tmp_path / "unmounted" / "on-the-nas.jpg")  # named, not passed over
+    assert classify_files(label, concept)[1] == [(Path("on-the-nas.jpg"), "a link to a missing file")]
+    first = image_files.open_image(folder / "DSCF0001.MPO").getpixel((8, 8))  # the first picture, not the black one
+    assert np.abs(np.subtract(first, (200, 30, 30))).max() <= 4, first
 
 
 def test_bomb_over_max_bad_fraction_exits_3_naming_it(built, tmp_path):

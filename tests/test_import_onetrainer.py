@@ -141,7 +141,8 @@ def test_version_0_embedding(tiny_models, shapes_data, tmp_path):
     assert (config.embedding.token, config.embedding.vectors, config.embedding.init_text) == ("<shape>", 2, "shape")
     assert config.data.concepts[0].caption_source == "filename"
     assert config.gradient_checkpointing is False
-    assert yaml.safe_load((tmp_path / "emb.yaml").read_text())["unet"]["train"] is False
+    # OneTrainer's EMBEDDING trains the embedding only, whatever its parts' train flags: no part section is written
+    assert not {"unet", "text_encoder"} & set(yaml.safe_load((tmp_path / "emb.yaml").read_text()))
 
 
 @pytest.mark.parametrize("change,message", [({"model_type": "HUNYUAN_VIDEO"}, "model_type: HUNYUAN_VIDEO"),
@@ -167,3 +168,298 @@ def test_masked_prior_preservation_is_imported_for_lora_only(tiny_models, shapes
     code, err = run_import(source, "--out", tmp_path / "full.yaml")
     assert code == 0 and "masked_prior_preservation_weight: 0.5: OneTrainer uses it with LORA only" in err
     assert load_config(tmp_path / "full.yaml").masked_training.prior_preservation_weight == 0.0
+
+
+# --- OneTrainer's own files: presets (only what differs from TrainConfig's defaults, no `__version`: the newest
+# layout), UI-saved configs (every field), older versions. Import and validate only: no model is loaded. ---
+
+def import_only(tmp_path, config, concepts=None, samples=None):
+    """(validated ot_dist config, not-honoured lines) of a OneTrainer config written to tmp_path."""
+    from ot_dist.config.load import validate
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    (tmp_path / "images").mkdir(exist_ok=True)
+    config = {"concepts": [{"path": str(tmp_path / "images")}], **config}
+    if samples is not None:
+        config["samples"] = samples
+    (tmp_path / "ot.json").write_text(json.dumps(config))
+    imported = import_onetrainer(tmp_path / "ot.json")
+    return validate(imported.config), imported.not_honoured
+
+
+# TrainConfig: every part trains by default, the text encoders until epoch 30 (stop_training_after 30, EPOCH).
+@pytest.mark.parametrize("preset,family,trains,stop", [
+    ({"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA", "unet": {"weight_dtype": "FLOAT_16"},
+      "text_encoder": {"weight_dtype": "FLOAT_16"}}, "sd1", {"unet": True, "text_encoder": True}, 30),
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "FINE_TUNE",
+      "text_encoder": {"train": False}}, "sdxl", {"unet": True, "text_encoder": False, "text_encoder_2": True}, 30),
+    ({"model_type": "PIXART_SIGMA", "training_method": "LORA", "text_encoder": {"train": False}}, "pixart_sigma",
+     {"transformer": True, "text_encoder": False}, None),
+    ({"model_type": "STABLE_CASCADE_1", "training_method": "FINE_TUNE", "text_encoder": {"train": False},
+      "decoder": {"model_name": "/models/stable-cascade"}, "loss_weight_fn": "P2", "loss_weight_strength": 1.0},
+     "stable_cascade", {"prior": True, "text_encoder": False}, None),
+    ({"model_type": "WUERSTCHEN_2", "training_method": "LORA", "prior": {"learning_rate": 1e-4}}, "wuerstchen_v2",
+     {"prior": True, "text_encoder": True}, 30),
+])
+def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains, stop):
+    config, _ = import_only(tmp_path, {"base_model_name": "/models/base", **preset})
+    assert config.model.family == family
+    assert {part: config.part_trains(part) for part in trains} == trains
+    encoders = [part for part, on in trains.items() if on and part.startswith("text_encoder")]
+    for part in encoders:
+        assert (getattr(config, part).stop_training_after, getattr(config, part).stop_training_after_unit) == (
+            stop, "epoch")
+    if family == "stable_cascade":
+        assert config.model.decoder == "/models/stable-cascade"
+    if family == "wuerstchen_v2":
+        assert config.prior.learning_rate == 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE"])
+def test_embedding_presets_train_only_the_embedding(tmp_path, model_type):
+    """OneTrainer's EMBEDDING trains the vectors whatever the parts' `train` (true by default) says."""
+    config, _ = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
+                                       "unet": {"weight_dtype": "FLOAT_16"}, "latent_caching": False})
+    assert config.method == "embedding" and not any(config.part_trains(p) for p in config.part_names())
+
+
+def test_inpainting_presets_do_not_cache_latents(tmp_path):
+    """latent_caching is on by default; an inpainting model encodes each step's masked image."""
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15_INPAINTING", "masked_training": True})
+    assert config.model.inpainting and not config.data.cache_latents
+
+
+def test_part_dtypes_and_checkpointing_of_config_version_11(tmp_path):
+    """Since version 9 each part stores its weight_dtype, since 11 its gradient_checkpointing."""
+    lora = {"__version": 11, "model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "LORA",
+            "unet": {"weight_dtype": "BFLOAT_16", "gradient_checkpointing": False},
+            "text_encoder": {"train": False, "weight_dtype": "BFLOAT_16"},
+            "text_encoder_2": {"train": False, "weight_dtype": "BFLOAT_16"}, "vae": {"weight_dtype": "FLOAT_32"}}
+    config, skipped = import_only(tmp_path, lora)
+    assert config.weight_dtype == "float32" and config.gradient_checkpointing is False  # never less precise
+    assert {line.split(":")[0] for line in skipped if "weight_dtype" in line} == {
+        "unet.weight_dtype", "text_encoder.weight_dtype", "text_encoder_2.weight_dtype"}
+    config, skipped = import_only(tmp_path, {**lora, "vae": {"weight_dtype": "BFLOAT_16"}})
+    assert config.weight_dtype == "bfloat16" and not any("weight_dtype" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {**lora, "unet": {"weight_dtype": "FLOAT_8"}, "vae": {}})
+    assert config.weight_dtype == "float32" and any(line.startswith("unet.weight_dtype: FLOAT_8") for line in skipped)
+    config, skipped = import_only(tmp_path, {**lora, "text_encoder": {"train": False, "weight_dtype": "NFLOAT_4"}})
+    assert any(line.startswith("text_encoder.weight_dtype: NFLOAT_4 is not") for line in skipped)
+    finetune = {**lora, "training_method": "FINE_TUNE", "train_dtype": "BFLOAT_16",
+                "vae": {"weight_dtype": "BFLOAT_16"}}
+    config, _ = import_only(tmp_path, finetune)
+    assert (config.trained_weight_dtype, config.weight_dtype) == ("bfloat16", "bfloat16")
+
+
+def test_older_versions_fan_their_global_settings_out_to_the_parts(tmp_path):
+    """Version 9 moved weight_dtype into the parts (NONE meant the global one), 10 gradient_checkpointing, and 8
+    gave the transformer models the settings kept in `prior` until then."""
+    config, skipped = import_only(tmp_path, {
+        "__version": 3, "model_type": "STABLE_DIFFUSION_15", "weight_dtype": "FLOAT_16",
+        "gradient_checkpointing": False,
+        "unet": {"train": False, "weight_dtype": "NONE"}, "text_encoder": {"train": True, "weight_dtype": "NONE"},
+        "vae": {"weight_dtype": "NONE"}})
+    assert (config.weight_dtype, config.gradient_checkpointing) == ("float16", False)
+    assert any(line.startswith("text_encoder.weight_dtype: FLOAT_16 (a trained part)") for line in skipped)
+    config, _ = import_only(tmp_path, {"__version": 7, "model_type": "STABLE_DIFFUSION_3", "training_method": "LORA",
+                                       "prior": {"train": True, "learning_rate": 2e-4}})
+    assert config.transformer.learning_rate == 2e-4
+    # version 0: the optimizer's options were flat optimizer_<option> keys, the parts' too (vae_weight_dtype)
+    config, _ = import_only(tmp_path, {"training_method": "LORA", "optimizer": "ADAMW", "optimizer_weight_decay": 0.05,
+                                       "weight_dtype": "FLOAT_16", "unet_weight_dtype": "NONE",
+                                       "text_encoder_weight_dtype": "NONE", "vae_weight_dtype": "FLOAT_32"})
+    assert (config.optimizer.name, config.optimizer.weight_decay, config.weight_dtype) == ("ADAMW", 0.05, "float32")
+
+
+def test_a_ui_saved_optimizer_section_lists_only_what_is_set(tmp_path):
+    """The UI saves every optimizer's options in one section, unset ones at TrainOptimizerConfig's defaults (None,
+    False, {} and a few True); a preset has no section, which is those defaults too."""
+    saved = {"optimizer": "ADAFACTOR", "adam_w_mode": False, "beta1": None, "eps": 1e-30, "eps2": 0.001,
+             "clip_threshold": 1.0, "decay_rate": -0.8, "relative_step": False, "scale_parameter": False,
+             "warmup_init": False, "weight_decay": 0.0, "stochastic_rounding": True, "use_stableadamw": True,
+             "factored": True, "d_limiter": True, "muon_adam_config": {}, "MuonWithAuxAdam": False, "compile": False}
+    base = {"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA"}
+    config, skipped = import_only(tmp_path, {**base, "optimizer": saved})
+    assert (config.optimizer.name, config.optimizer.eps2) == ("ADAFACTOR", 0.001)
+    assert not [line for line in skipped if line.startswith("optimizer")]
+    _, skipped = import_only(tmp_path, {**base, "optimizer": {**saved, "use_grams": True}})
+    assert [line for line in skipped if line.startswith("optimizer")] == [
+        "optimizer.use_grams: True is not an option of ot_dist's ADAFACTOR"]
+    preset, _ = import_only(tmp_path, base)
+    unset = {key: value for key, value in saved.items() if any(value is v for v in (None, False, True)) or value == {}}
+    saved_adamw, _ = import_only(tmp_path, {**base, "optimizer": {**unset, "optimizer": "ADAMW", "foreach": False,
+                                                                  "fused": False}})
+    assert preset.optimizer == saved_adamw.optimizer
+
+
+@pytest.mark.parametrize("settings,family,loss", [
+    # the draw is floor(t) of t in [1000 min, 1000 max): the last timestep is 1000 max - 1 (ot_dist's is inclusive)
+    ({"min_noising_strength": 0.25, "max_noising_strength": 0.75}, "sd1", {"min_timestep": 250, "max_timestep": 749}),
+    ({"min_noising_strength": 0.25, "max_noising_strength": 0.5}, "stable_cascade",  # 10000 steps of continuous t
+     {"min_timestep": 2500, "max_timestep": 4999}),
+    ({"timestep_distribution": "LOGIT_NORMAL", "noising_bias": 0.5, "noising_weight": 0.2}, "sd1",
+     {"logit_normal_mean": 0.5, "logit_normal_std": 1.2}),  # sigmoid(N(bias, weight + 1))
+])
+def test_timestep_draw_as_onetrainer(tmp_path, settings, family, loss):
+    model_type = {"sd1": "STABLE_DIFFUSION_15", "stable_cascade": "STABLE_CASCADE_1"}[family]
+    config, _ = import_only(tmp_path, {"model_type": model_type, **settings})
+    assert {key: getattr(config.loss, key) for key in loss} == pytest.approx(loss)
+
+
+@pytest.mark.parametrize("settings,listed", [({"model_type": "STABLE_DIFFUSION_3"}, True),
+                                             ({"model_type": "FLUX_DEV_1"}, True),
+                                             ({"model_type": "FLUX_DEV_1", "dynamic_timestep_shifting": True}, False),
+                                             ({"model_type": "STABLE_DIFFUSION_15", "timestep_shift": 2.0}, True),
+                                             ({"model_type": "STABLE_DIFFUSION_15"}, False)])
+def test_a_timestep_shift_ot_dist_does_not_apply_is_listed(tmp_path, settings, listed):
+    """OneTrainer shifts SD3 / Flux / Chroma timesteps by timestep_shift (1.0: none) unless Flux shifts dynamically;
+    ot_dist by the model's scheduler (SD3: 3.0, Flux.1 dev: by the resolution)."""
+    _, skipped = import_only(tmp_path, {"training_method": "LORA", **settings})
+    assert any(line.startswith("timestep_shift") for line in skipped) == listed
+
+
+def test_sample_definitions_with_onetrainers_defaults(tmp_path):
+    """SampleConfig's defaults depend on the model (SDXL: 1024 px, 30 steps, CFG 7.5, EULER_A); random_seed and an
+    empty prompt (both legal in OneTrainer) are listed, not a config error."""
+    samples = [{"prompt": "a cat"}, {"prompt": "a dog", "random_seed": True, "seed": 3}, {"prompt": ""},
+               {"prompt": "a bird", "noise_scheduler": "DDIM"}]
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_XL_10_BASE", "sample_after": 1,
+                                             "sample_after_unit": "EPOCH"}, samples=samples)
+    cat, dog, bird = config.sampling.prompts
+    assert (cat.width, cat.height, cat.steps, cat.guidance_scale, cat.seed) == (1024, 1024, 30, 7.5, 42)
+    assert (dog.prompt, dog.seed, bird.prompt) == ("a dog", 3, "a bird")
+    assert config.sampling.sampler == "euler_a"
+    assert [line.split(":")[0] for line in skipped] == ["samples[1].random_seed", "samples[2]",
+                                                         "samples[].noise_scheduler"]
+
+
+def test_windows_paths(tmp_path):
+    """A config saved on Windows: relative paths are converted, absolute ones listed; the run is named after the
+    file, not the whole Windows path."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "concepts.json").write_text(json.dumps([{"path": "D:\\data\\cats", "name": "cats"},
+                                                                {"path": "images\\dogs"}]))
+    (tmp_path / "images" / "dogs").mkdir(parents=True)
+    config, skipped = import_only(tmp_path, {"concepts": None, "concept_file_name": "cfg\\concepts.json",
+                                             "base_model_name": "C:\\models\\sd15.safetensors",
+                                             "output_model_destination": "C:\\OneTrainer\\models\\my lora.safetensors"})
+    assert config.mlflow.run_name == "my lora"
+    assert config.data.concepts[1].path == "images/dogs"
+    assert {line.split(": ")[0] for line in skipped} == {"base_model_name", "output_model_destination",
+                                                          "concepts[0] (cats).path"}
+
+
+def test_old_concept_files_and_crop_jitter(tmp_path):
+    """ConceptConfig versions 0 / 1 had `repeats` and `validation_concept`; enable_crop_jitter (on by default) is a
+    random crop, here with latent caching off."""
+    images = str(tmp_path / "images")
+    config, _ = import_only(tmp_path, {"latent_caching": False, "validation": True, "concepts": [
+        {"path": images, "repeats": 3.0}, {"path": images, "name": "held", "validation_concept": True}]})
+    trained, held = config.data.concepts
+    assert (trained.balancing, held.type) == (3.0, "validation")
+    assert config.data.crop == "random"
+
+
+def test_lora_model_name_continues_that_lora(tmp_path):
+    config, _ = import_only(tmp_path, {"training_method": "LORA", "lora_model_name": "/loras/start.safetensors"})
+    assert config.lora.init_from == "/loras/start.safetensors"
+
+
+@pytest.mark.parametrize("optimizer,schedule,scheduler", [
+    # transformers' AdafactorSchedule only reports the step size: without relative steps the rate is constant
+    ({"optimizer": "ADAFACTOR", "relative_step": False}, "ADAFACTOR", ("CONSTANT", 0)),
+    ({"optimizer": "ADAMW"}, "ADAFACTOR", ("CONSTANT", 0)),
+    ({"optimizer": "ADAFACTOR", "relative_step": True}, "ADAFACTOR", ("ADAFACTOR", 0)),
+    # OneTrainer forces schedule-free optimizers to CONSTANT; SCHEDULE_FREE_ADAMW takes the warmup (200) as its own
+    # count of optimizer steps: 800 micro steps with 4 accumulated
+    ({"optimizer": "SCHEDULE_FREE_ADAMW"}, "COSINE", ("CONSTANT", 800)),
+    ({"optimizer": "PRODIGY_PLUS_SCHEDULE_FREE"}, "LINEAR", ("CONSTANT", 0)),
+])
+def test_schedules_as_onetrainer_builds_them(tmp_path, optimizer, schedule, scheduler):
+    config, _ = import_only(tmp_path, {"training_method": "LORA", "learning_rate_scheduler": schedule,
+                                       "gradient_accumulation_steps": 4, "optimizer": optimizer})
+    assert (config.scheduler.name, config.scheduler.warmup_steps) == scheduler
+
+
+@pytest.mark.parametrize("scaler,factor", [("BATCH", 2.0), ("GRADIENT_ACCUMULATION", 3.0), ("BOTH", 6.0)])
+def test_learning_rate_scaler_is_applied(tmp_path, scaler, factor):
+    """Every parameter group's learning rate times sqrt(batch / accumulation / both), as OneTrainer's groups."""
+    config, _ = import_only(tmp_path, {"training_method": "LORA", "learning_rate": 1e-4, "batch_size": 4,
+                                       "gradient_accumulation_steps": 9, "learning_rate_scaler": scaler,
+                                       "text_encoder": {"learning_rate": 1e-5}})
+    assert (config.learning_rate, config.text_encoder.learning_rate) == pytest.approx((1e-4 * factor, 1e-5 * factor))
+
+
+def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
+    """resolution "WxH" is mgds' one fixed size; PixArt's vb_loss_strength; aspect_ratio_bucketing off is listed."""
+    config, skipped = import_only(tmp_path, {"model_type": "PIXART_SIGMA", "resolution": "1024x768",
+                                             "vb_loss_strength": 0.5, "aspect_ratio_bucketing": False})
+    assert (config.resolution, config.loss.vb_loss_strength) == (896, 0.5)  # a square of about the same area
+    assert {line.split(":")[0] for line in skipped} >= {"resolution", "aspect_ratio_bucketing"}
+
+
+@pytest.mark.parametrize("model_type,settings,lora", [
+    # the UI writes the preset's patterns into layer_filter; a built-in preset names only the preset
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "attn-only", "layer_filter": "attn"}, {"preset": "attention"}),
+    ("STABLE_DIFFUSION_XL_10_BASE", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "attn-mlp", "layer_filter": "attentions"}, {"preset": "default"}),
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "full", "layer_filter": ""}, {"preset": "all_linear"}),
+    ("PIXART_SIGMA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
+    ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
+     {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
+                              "to_add_out", "ff.net.0.proj", "ff.net.2", "proj_mlp"]}),
+])
+def test_lora_layer_filter_as_onetrainer_applies_it(tmp_path, model_type, settings, lora):
+    """OneTrainer adapts the modules whose names contain a layer_filter pattern (its model setups' LAYER_PRESETS)."""
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA", **settings})
+    assert {key: getattr(config.lora, key) for key in lora} == lora
+    assert not [line for line in skipped if line.startswith("layer_filter")]
+
+
+@pytest.mark.parametrize("settings,checkpoint", [
+    # backups every 30 minutes by default, all kept; saves (save_every) are all kept too
+    ({}, (None, 30, None)),
+    ({"save_every": 500, "save_every_unit": "STEP", "backup_after": 10}, (500, 10, None)),
+    ({"backup_after": 2, "backup_after_unit": "HOUR", "rolling_backup": True, "rolling_backup_count": 5},
+     (None, 120, 5)),
+    ({"backup_after_unit": "NEVER"}, (None, None, None)),
+])
+def test_backups_and_saves_as_checkpoints(tmp_path, settings, checkpoint):
+    config, _ = import_only(tmp_path, settings)
+    saved = config.checkpoint
+    assert (saved.every_n_steps, saved.every_n_minutes, saved.keep_last) == checkpoint
+
+
+def test_forced_prediction_type(tmp_path):
+    """force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type."""
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True})
+    assert config.model.prediction_type == "v_prediction"
+
+
+def test_an_automatic_embedding_token_count_is_listed(tmp_path):
+    """token_count null: OneTrainer sizes the embedding by the initial text's tokens, which needs the tokenizer."""
+    config, skipped = import_only(tmp_path, {"training_method": "EMBEDDING", "latent_caching": False, "embedding": {
+        "placeholder": "<cat>", "token_count": None, "initial_embedding_text": "a grey cat"}})
+    assert config.embedding.vectors == 1 and any(line.startswith("embedding.token_count: null") for line in skipped)
+
+
+def test_concepts_and_samples_given_on_the_command_line_win(tmp_path):
+    """A packed config holds its concepts and samples; --concepts / --samples name the ones to use instead."""
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    (tmp_path / "other").mkdir()
+    (tmp_path / "c.json").write_text(json.dumps([{"path": str(tmp_path / "other")}]))
+    (tmp_path / "s.json").write_text(json.dumps([{"prompt": "from the file"}]))
+    (tmp_path / "ot.json").write_text(json.dumps({"concepts": [{"path": str(tmp_path)}],
+                                                  "samples": [{"prompt": "packed"}], "sample_after_unit": "EPOCH"}))
+    config = import_onetrainer(tmp_path / "ot.json", str(tmp_path / "c.json"), str(tmp_path / "s.json")).config
+    assert config["data"]["concepts"][0]["path"] == str(tmp_path / "other")
+    assert config["sampling"]["prompts"][0]["prompt"] == "from the file"
+
+
+def test_lokr_rank_is_lokr_dim(tmp_path):
+    """OneTrainer's LoKr modules take lokr_dim as their rank (LoRAModuleWrapper), not lora_rank."""
+    config, skipped = import_only(tmp_path, {"training_method": "LORA", "peft_type": "LOKR", "lora_rank": 16,
+                                             "lokr_dim": 4, "lokr_decompose_factor": 8})
+    assert (config.lora.variant, config.lora.rank) == ("lokr", 4)
+    assert any(line.startswith("lokr_decompose_factor: 8") for line in skipped)

@@ -86,3 +86,46 @@ def test_bad_weighting_names_the_key(family, loss, expected):
         validate({"model": {"family": family, "path": "m"}, "method": "lora", "output_dir": "o",
                   "data": {"path": "d"}, "loss": loss})
     assert expected in str(err.value)
+
+
+# A zero-terminal-SNR schedule (diffusers' rescale_betas_zero_snr, SD 2.x v-prediction finetunes): SNR 0 at t = 999.
+ZERO_TERMINAL_SNR = {**SD_SCHEDULER, "rescale_betas_zero_snr": True}
+
+
+@pytest.mark.parametrize("prediction_type", ["epsilon", "v_prediction"])
+def test_min_snr_on_a_zero_terminal_snr_schedule_is_finite_and_diffusers_elsewhere(prediction_type):
+    """min(SNR, gamma) / SNR (epsilon) or / (SNR + 1) (v) with SNR from diffusers' compute_snr, as
+    train_text_to_image.py weights; at SNR 0 the epsilon quotient is 0 / 0 there, and its limit 1 here (every SNR
+    below gamma weighs 1), so the run's loss stays finite when t = 999 is drawn."""
+    from diffusers.training_utils import compute_snr
+
+    objective = DDPM(ZERO_TERMINAL_SNR, prediction_type)
+    t = torch.tensor([0, 10, 500, 990, 998, 999])
+    snr = compute_snr(objective.scheduler, t)
+    clipped = torch.minimum(snr, torch.full_like(snr, 3.0))
+    expected = clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr
+    assert snr[-1] == 0
+    weights = objective.sample_weights(t, LossConfig(min_snr_gamma=3.0))
+    assert torch.isfinite(weights).all()
+    torch.testing.assert_close(weights[:-1], expected[:-1], rtol=1e-5, atol=0)
+    assert weights[-1].item() == (0.0 if prediction_type == "v_prediction" else 1.0)
+
+
+def test_zero_terminal_snr_refuses_what_it_cannot_compute_by_name():
+    """Generalized offset noise's psi_t needs alpha_T > 0 (Algorithm 1 divides by it): refused, where it came out
+    0 at every timestep but NaN at the last. DEBIASED_ESTIMATION's 1 / sqrt(SNR) is infinite there for epsilon."""
+    epsilon, v = DDPM(ZERO_TERMINAL_SNR, "epsilon"), DDPM(ZERO_TERMINAL_SNR, "v_prediction")
+    t = torch.tensor([10, 999])
+    with pytest.raises(ConfigError, match="loss.generalized_offset_noise: this model's noise schedule has zero"):
+        v.offset_noise_psi(t, LossConfig(offset_noise_weight=0.1, generalized_offset_noise=True))
+    with pytest.raises(ConfigError, match="loss.weight_fn: DEBIASED_ESTIMATION .* loss.max_timestep: 998"):
+        epsilon.sample_weights(t, LossConfig(weight_fn="DEBIASED_ESTIMATION"))
+    assert torch.isfinite(v.sample_weights(t, LossConfig(weight_fn="DEBIASED_ESTIMATION"))).all()
+    assert v.offset_noise_psi(t, LossConfig(offset_noise_weight=0.1)) is None  # plain offset noise stays
+
+
+def test_a_prediction_type_ot_dist_does_not_train_is_refused_by_name():
+    """A scheduler config saying `sample` (x0 prediction) trained the epsilon target before."""
+    with pytest.raises(ConfigError, match="model.prediction_type: the model's scheduler config says 'sample'"):
+        DDPM({**SD_SCHEDULER, "prediction_type": "sample"})
+    assert DDPM({**SD_SCHEDULER, "prediction_type": "sample"}, "v_prediction").prediction_type == "v_prediction"

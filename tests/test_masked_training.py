@@ -55,6 +55,21 @@ def test_masked_loss_is_the_hand_computation():
     torch.testing.assert_close(weighted_mse(prediction, target, zero), torch.tensor((5 * 1.25 / 4 + 0) / 2))
 
 
+def test_a_black_mask_with_unmasked_weight_0_adds_nothing_when_normalized():
+    """A sample with nothing to learn (a black mask, or its white part cropped away by the bucket) and unmasked_weight
+    0: normalize_masked_area_loss divides its 0 by an area of 0. OneTrainer's quotient is NaN, which stopped the run;
+    the sample adds 0 and the others keep their normalized loss, with finite gradients."""
+    batch, prediction, target = hand_batch()
+    options = MaskedTrainingConfig(enabled=True, unmasked_probability=0, unmasked_weight=0.0)
+    zero = mask_weights(batch, (2, 2), options, seed=0, epoch=0)
+    assert zero[1].sum() == 0  # sample 1's mask is black
+    prediction = prediction.clone().requires_grad_()
+    loss = weighted_mse(prediction, target, zero, normalize=True)
+    torch.testing.assert_close(loss, torch.tensor((5.0 + 0) / 2))  # sample 0: 5 x 0.3125 / 0.3125
+    loss.backward()
+    assert torch.isfinite(prediction.grad).all() and prediction.grad[1].abs().sum() == 0
+
+
 def test_unmasked_draws_are_per_sample_deterministic_and_at_the_rate():
     draws = [trains_unmasked(i, 0.1, seed=3, epoch=2) for i in range(4000)]
     assert 0.085 < sum(draws) / len(draws) < 0.115

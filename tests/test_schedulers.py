@@ -129,16 +129,23 @@ def test_custom_multisteplr_reproduces_torch_and_the_seed_table():
     assert warmed[9] == pytest.approx([1e-4 * 9 / 10, 1e-3 * 9 / 10])
 
 
-def test_custom_with_warmup_equals_onetrainers_sequential_lr():
+@pytest.mark.parametrize("class_name,params", [
+    ("MultiStepLR", {"milestones": [3, 6], "gamma": 0.5}),
+    ("LinearLR", {"start_factor": 0.5, "total_iters": 3}),  # the class's first lr is not the base lr
+    ("ConstantLR", {"factor": 0.25, "total_iters": 5}),
+    ("CyclicLR", {"base_lr": 1e-5, "max_lr": 1e-3, "step_size_up": 3, "cycle_momentum": False}),  # no closed form
+    ("OneCycleLR", {"max_lr": 1e-3, "total_steps": 14, "cycle_momentum": False}),  # sets initial_lr itself
+])
+def test_custom_with_warmup_equals_onetrainers_sequential_lr(class_name, params):
     """OneTrainer (create.create_lr_scheduler, CUSTOM): the class built with last_epoch -1, then a LambdaLR of
-    lr_lambda_warmup(warmup, constant) and SequentialLR(milestones=[warmup]); here run with torch directly."""
-    custom = {"name": "CUSTOM", "class_name": "torch.optim.lr_scheduler.MultiStepLR",
-              "params": {"milestones": [3, 6], "gamma": 0.5}, "warmup_steps": 8}
+    lr_lambda_warmup(warmup, constant) and SequentialLR(milestones=[warmup]); here run with torch directly. The warmup
+    climbs to each group's initial_lr, and at the milestone the class starts at its step 0."""
+    custom = {"name": "CUSTOM", "class_name": f"torch.optim.lr_scheduler.{class_name}", "params": params,
+              "warmup_steps": 8}
     config = validate({**MINIMAL, "gradient_accumulation_steps": 2, "scheduler": custom})  # 8 micro = 4 steps
     ours = applied_lrs(config, optimizer_with_groups([1e-4, 1e-3]), 14)
     reference_optimizer = optimizer_with_groups([1e-4, 1e-3])
-    inner = torch.optim.lr_scheduler.MultiStepLR(optimizer=reference_optimizer, last_epoch=-1, milestones=[3, 6],
-                                                 gamma=0.5)
+    inner = getattr(torch.optim.lr_scheduler, class_name)(optimizer=reference_optimizer, last_epoch=-1, **params)
     warm = torch.optim.lr_scheduler.LambdaLR(reference_optimizer, lambda s: s / 4 if s < 4 else 1, last_epoch=-1)
     reference = torch.optim.lr_scheduler.SequentialLR(reference_optimizer, [warm, inner], milestones=[4], last_epoch=-1)
     expected = []
@@ -148,8 +155,22 @@ def test_custom_with_warmup_equals_onetrainers_sequential_lr():
         reference.step()
     for step, (row, reference_row) in enumerate(zip(ours, expected, strict=True)):
         assert row == pytest.approx(reference_row, rel=1e-12), step
-    assert [row[0] / 1e-4 for row in ours] == pytest.approx([0, 0.25, 0.5, 0.75, 1, 1, 1, 0.5, 0.5, 0.5, 0.25, 0.25,
-                                                              0.25, 0.25])
+    if class_name == "MultiStepLR":
+        assert [row[0] / 1e-4 for row in ours] == pytest.approx([0, 0.25, 0.5, 0.75, 1, 1, 1, 0.5, 0.5, 0.5, 0.25,
+                                                                  0.25, 0.25, 0.25])
+    if class_name == "LinearLR":  # the warmup reaches the base lr; then LinearLR starts at half of it
+        assert [row[0] / 1e-4 for row in ours[:8]] == pytest.approx([0, 0.25, 0.5, 0.75, 0.5, 2 / 3, 5 / 6, 1])
+
+
+def test_steps_per_epoch_placeholder_counts_batches_before_accumulation():
+    """OneTrainer fills %STEPS_PER_EPOCH% with its data loader's length (create.create_lr_scheduler's
+    approximate_epoch_length): the batches one process draws per epoch, before gradient accumulation, while the
+    schedule steps once per optimizer step. 10 optimizer steps per epoch with accumulation 4 are 40 batches."""
+    custom = {"name": "CUSTOM", "class_name": "torch.optim.lr_scheduler.StepLR",
+              "params": {"step_size": "%STEPS_PER_EPOCH%", "gamma": 0.5}}
+    config = validate({**MINIMAL, "epochs": 5, "gradient_accumulation_steps": 4, "scheduler": custom})
+    lrs = [row[0] for row in applied_lrs(config, optimizer_with_groups([1.0]), 50, StepPlan(160, 4, 10, 50))]
+    assert lrs == [1.0] * 40 + [0.5] * 10
 
 
 def test_custom_placeholders_are_substituted():

@@ -37,6 +37,11 @@ def folder(tmp_path_factory):
     exif = Image.Exif()
     exif[0x0112] = 6  # rotated: the upright pixels differ from the stored ones
     noise(64, 64, 5).save(folder / "jpeg-rotated.jpg", quality=90, exif=exif.tobytes())
+    # Camera and Android Ultra HDR photos: a JPEG with a second picture after it (a preview, a gain map), which
+    # Pillow opens as MPO; a JPEG source all the same.
+    for name, size in (("mpo-as-is.jpg", 64), ("mpo-resized.jpg", 80)):
+        noise(size, size, 7).save(folder / name, "MPO", quality=90, save_all=True, append_images=[noise(16, 16, 8)])
+        assert Image.open(folder / name).format == "MPO"
     translucent = noise(64, 64, 6, "RGBA")
     translucent.save(folder / "png-alpha.png")  # composited on the background: not the file's pixels
     for path in folder.iterdir():
@@ -61,9 +66,10 @@ def test_auto_keeps_source_bytes_where_nothing_changes_and_loads_the_pixels_a_pn
     assert auto.data.image_format == "auto"  # the default
     build_shard_set(auto, tmp_path / "auto", **QUIET)
     stored = members(tmp_path / "auto", auto)
-    for name in ("jpeg-as-is.jpg", "wide-as-is.webp", "png-as-is.png"):
+    for name in ("jpeg-as-is.jpg", "wide-as-is.webp", "png-as-is.png", "mpo-as-is.jpg"):
         suffix = "64." + name.rsplit(".", 1)[1]
         assert stored[name] == {suffix: (folder / name).read_bytes()}, name  # the file's own bytes
+    assert set(stored["mpo-resized.jpg"]) == {"64.jpg"}  # a JPEG source: JPEG q95, not PNG
     assert set(stored["jpeg-resized.jpg"]) == {"64.jpg"} and stored["jpeg-resized.jpg"]["64.jpg"] != \
         (folder / "jpeg-resized.jpg").read_bytes()
     assert Image.open(io.BytesIO(stored["jpeg-resized.jpg"]["64.jpg"])).size == (64, 64)
@@ -80,7 +86,7 @@ def test_auto_keeps_source_bytes_where_nothing_changes_and_loads_the_pixels_a_pn
     assert names == [b.metadata(i)["source"].rsplit("/", 1)[1] for i in range(len(b))]
     for i, name in enumerate(names):
         same = torch.equal(a.load(i, epoch=0)["pixels"], b.load(i, epoch=0)["pixels"])
-        assert same == (name not in ("jpeg-resized.jpg", "jpeg-rotated.jpg")), name  # those two: JPEG q95
+        assert same == (name not in ("jpeg-resized.jpg", "jpeg-rotated.jpg", "mpo-resized.jpg")), name  # JPEG q95
 
 
 @pytest.mark.parametrize("image_format", ["png", "webp", "jpg"])

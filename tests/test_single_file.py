@@ -172,8 +172,93 @@ def test_deleted_and_reshaped_keys(models, tmp_path):
     assert str(damaged) in str(info.value) and reshaped in str(info.value)
 
 
+def test_comfyuis_scaled_fp8_file_is_refused_by_what_it_is(models, tmp_path):
+    """A UNet file in ComfyUI's scaled-fp8 layout (a `.scale_weight` per quantized layer, a `scaled_fp8` marker):
+    the error names the quantization and asks for the unquantized file."""
+    folder, _, path = models["sdxl"]
+    tensors = load_file(str(path))
+    layers = [k[: -len(".weight")] for k, v in tensors.items() if k.startswith("model.diffusion_model.") and v.ndim == 2]
+    tensors |= {f"{layer}.scale_weight": torch.ones(()) for layer in layers}
+    tensors["model.diffusion_model.scaled_fp8"] = torch.empty(0)
+    scaled = tmp_path / "scaled.safetensors"
+    save_file(tensors, str(scaled))
+    with pytest.raises(InputFileError, match="scaled-fp8 quantization.*unquantized"):
+        load_single_file(scaled, "sdxl", folder)
+
+
 def test_incomplete_config_source(models, tmp_path):
     path = models["sd1"][2]
     with pytest.raises(InputFileError, match="model_index.json") as info:
         load_single_file(path, "sd1", tmp_path)
     assert str(tmp_path) in str(info.value)
+
+
+def _with_scheduler(pipe, **settings) -> dict:
+    """`pipe`'s components with its scheduler changed (what a run on such a model exports)."""
+    return {**pipe.components, "scheduler": type(pipe.scheduler).from_config(pipe.scheduler.config, **settings)}
+
+
+def test_v_prediction_files_carry_the_v_pred_marker_comfyui_and_forge_detect(models, tmp_path):
+    """ComfyUI (supported_models.SDXL.model_type) and Forge tell a v-prediction SDXL checkpoint by a root `v_pred`
+    key, the marker ComfyUI itself writes when it saves one; without it they sample the model as epsilon. An
+    epsilon model's file has no such key. ot_dist reads the marker back the same way (the config folder here says
+    epsilon); model.prediction_type still wins."""
+    folder, pipe, epsilon_path = models["sdxl"]
+    assert pipe.scheduler.config.prediction_type == "epsilon"
+    with safe_open(str(epsilon_path), framework="pt") as fh:
+        assert not {"v_pred", "ztsnr"} & set(fh.keys())
+
+    v = _with_scheduler(pipe, prediction_type="v_prediction")
+    path = export_single_file(v, "sdxl", tmp_path / "v.safetensors", dtype=torch.float16)
+    with safe_open(str(path), framework="pt") as fh:
+        assert "v_pred" in fh.keys() and fh.get_slice("v_pred").get_shape() == [0]
+        assert "ztsnr" not in fh.keys()
+    loaded = load_single_file(path, "sdxl", folder)
+    assert loaded.scheduler.config.prediction_type == "v_prediction"
+    assert not loaded.scheduler.config.get("rescale_betas_zero_snr")
+    assert load_single_file(path, "sdxl", folder, prediction_type="epsilon").scheduler.config.prediction_type == \
+        "epsilon"
+
+
+def test_zero_terminal_snr_files_carry_the_ztsnr_marker(models, tmp_path):
+    """A v-prediction model on a zero-terminal-SNR schedule (NoobAI-XL v-pred) has `v_pred` and `ztsnr`: ComfyUI
+    samples such an SDXL file with zero terminal SNR, Forge any file with `ztsnr`. Exported from the scheduler's
+    rescale_betas_zero_snr; read back, it puts the training schedule at SNR 0 at the last timestep."""
+    from ot_dist.models.objectives import DDPM
+
+    folder, pipe, _ = models["sdxl"]
+    zsnr = _with_scheduler(pipe, prediction_type="v_prediction", rescale_betas_zero_snr=True)
+    path = export_single_file(zsnr, "sdxl", tmp_path / "zsnr.safetensors")
+    with safe_open(str(path), framework="pt") as fh:
+        assert {"v_pred", "ztsnr"} <= set(fh.keys())
+    loaded = load_single_file(path, "sdxl", folder)  # the folder's schedule has no zero terminal SNR
+    assert loaded.scheduler.config.rescale_betas_zero_snr
+    objective = DDPM(loaded.scheduler.config)
+    assert objective.prediction_type == "v_prediction" and objective.zero_terminal_snr()
+
+
+def test_a_prediction_type_override_is_what_the_exports_say(models, tmp_path):
+    """A run that trains an epsilon base as v-prediction (model.prediction_type: v_prediction) exports a model that
+    predicts v: the diffusers folder's scheduler says so, the single file carries the v_pred marker, and ot_dist
+    loads both back as v-prediction without being told."""
+    from ot_dist.checkpoint.export import export_diffusers_folder
+    from ot_dist.checkpoint.frozen_source import export_source
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.methods.base import plain_state_dict
+    from ot_dist.models.loading import load_model
+
+    folder = models["sdxl"][0]
+    config = ModelConfig(family="sdxl", path=str(folder), prediction_type="v_prediction")
+    model = load_model(config)
+    assert model.objective.prediction_type == "v_prediction"
+    source = export_source(model, config, {"unet"}, plain_state_dict, write=True)
+    export_diffusers_folder(source.pipeline, tmp_path / "model", torch.float32, source.states, family=model.family)
+    model.family.export_single_file(source.components, source.states, tmp_path / "model.safetensors", torch.float32)
+
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as fh:
+        assert "v_pred" in fh.keys()
+    for again in (ModelConfig(family="sdxl", path=str(tmp_path / "model")),
+                  ModelConfig(family="sdxl", path=str(tmp_path / "model.safetensors"), config=str(folder))):
+        reloaded = load_model(again)
+        assert reloaded.pipeline.scheduler.config.prediction_type == "v_prediction"
+        assert reloaded.objective.prediction_type == "v_prediction"

@@ -320,6 +320,21 @@ def test_validator_names_the_wrong_family():
     assert not vae_report.unexpected and "first_stage_model.encoder.conv_in.weight" in vae_report.missing
 
 
+def test_comfyuis_scaled_fp8_files_are_refused_by_what_they_are():
+    """ComfyUI's `*_fp8_scaled` files (its SD3.5 / Flux downloads) hold the right model with fp8 weights, a
+    `.scale_weight` per layer and a `scaled_fp8` marker (comfy/utils.py convert_old_quants): the error says so and asks
+    for the unquantized file, instead of only calling it not a checkpoint of the model it is."""
+    model = _flux(guidance_embeds=True)
+    header = _header(F.flux_to_original(model.state_dict(), model.config))
+    header |= {k[: -len(".weight")] + ".scale_weight": () for k, shape in header.items() if len(shape) == 2}
+    header["scaled_fp8"] = (0,)
+    message = F.check_flux_header(header, model.config).message()
+    assert "scaled-fp8" in message and "unquantized" in message
+    # an ordinary stray key is no quantization
+    plain = _header(F.flux_to_original(model.state_dict(), model.config)) | {"single_blocks.2.linear2.weight": (32, 160)}
+    assert "scaled-fp8" not in F.check_flux_header(plain, model.config).message()
+
+
 def test_converters_refuse_mismatched_state():
     model = _flux(guidance_embeds=True)
     original = F.flux_to_original(model.state_dict(), model.config)

@@ -29,6 +29,9 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--performance", action="append", default=[], metavar="KEY=VALUE",
                        help="a performance option of the config (repeatable), e.g. compile=true, "
                        "attention_backend=flash, checkpoint_every_n_blocks=2 (configs/REFERENCE.md)")
+    bench.add_argument("--profile", dest="profile_steps", type=int, default=0, metavar="N",
+                       help="after the timed steps, run N more under torch.profiler and write where their time went "
+                       "(<run>_profile.md: time per op category, device busy %%, top ops) and a trace (default 0)")
     bench.add_argument("--out", default="bench_out", metavar="DIR",
                        help="write <run>.json and append the row to DIR/bench.md (default bench_out)")
 
@@ -42,6 +45,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     for name in ("lora_rank", "resolution", "batch_size", "steps"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')}: must be at least 1 (got {getattr(args, name)})")
+    if args.profile_steps < 0:
+        raise ConfigError(f"--profile: must be at least 0 steps (got {args.profile_steps})")
     if args.warmup < 0:
         raise ConfigError(f"--warmup: must be at least 0 (got {args.warmup})")
     performance = []
@@ -55,7 +60,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
         gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, optimizer=args.optimizer,
         device=args.device, peak_tflops=args.peak_tflops, count_flops=args.count_flops,
-        performance=tuple(performance))
+        performance=tuple(performance), profile_steps=args.profile_steps)
     result = run_bench(options, args.out)
     json_path, table = write_report(result, args.out)
     print(HEADER)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+from pathlib import Path
 
 import torch
 
@@ -43,6 +44,9 @@ def run_bench(options: BenchOptions, output_dir: str = "bench_out", log=print) -
         from ot_dist.precision import set_tf32
 
         set_tf32(config.tf32)
+        from ot_dist.train.cuda_allocator import configure_cuda_allocator
+
+        configure_cuda_allocator(config.performance, device)
 
     flops = None
     if options.count_flops:
@@ -61,7 +65,7 @@ def run_bench(options: BenchOptions, output_dir: str = "bench_out", log=print) -
     peak = peak_flops(device, DTYPE_NAMES[options.dtype], options.peak_tflops)
     step_flops = flops.train if flops else None
     mfu = step_flops / times.median / peak if (step_flops and peak) else None
-    return {
+    result = {
         "model": options.model, "family": bench.family, "method": options.method,
         "lora_rank": options.lora_rank if options.method == "lora" else None,
         "resolution": options.resolution, "batch_size": options.batch_size, "dtype": options.dtype,
@@ -79,6 +83,25 @@ def run_bench(options: BenchOptions, output_dir: str = "bench_out", log=print) -
         "peak_flops": peak, "achieved_tflops": step_flops / times.median / 1e12 if step_flops else None,
         "mfu": mfu, "final_loss": times.final_loss,
     }
+    if options.profile_steps:
+        result["profile"] = write_profile(run.step, device, options.profile_steps, result, Path(output_dir), log)
+    return result
+
+
+def write_profile(step, device: torch.device, steps: int, result: dict, out: Path, log) -> dict:
+    """Profile `steps` more steps; write <run>_profile.md (where the time went) and <run>_trace.json.gz
+    (for chrome://tracing or Perfetto) next to the run's JSON."""
+    from ot_dist.bench.profile import profile_steps
+    from ot_dist.bench.report import run_name
+
+    out.mkdir(parents=True, exist_ok=True)
+    name = run_name(result)
+    trace = out / f"{name}_trace.json.gz"
+    profile = profile_steps(step, device, steps, trace)
+    text = out / f"{name}_profile.md"
+    text.write_text(profile.text(f"{name} on {result['device_name']}"))
+    log(f"bench: profile of {steps} more steps in {text} (trace {trace.name})")
+    return {**profile.summary(), "files": [str(text), str(trace)]}
 
 
 def device_name(device: torch.device) -> str:

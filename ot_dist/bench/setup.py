@@ -36,6 +36,7 @@ class BenchOptions:
     peak_tflops: float | None = None
     count_flops: bool = True
     performance: tuple[tuple[str, str], ...] = ()  # (key, value) of the config's performance section
+    profile_steps: int = 0  # steps run under torch.profiler after the timed ones (0: none)
 
 
 def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> TrainConfig:

@@ -23,8 +23,18 @@ def held_as_loaded(module: torch.nn.Module) -> bool:
 @dataclass
 class ExportSource:
     pipeline: object  # what the diffusers folder is written from
-    components: dict[str, torch.nn.Module]  # the single file's components
-    states: dict[str, dict[str, torch.Tensor]]  # their full state dicts
+    components: dict[str, object]  # the single file's components (modules, and the scheduler)
+    states: dict[str, dict[str, torch.Tensor]]  # the modules' full state dicts
+
+
+def single_file_components(model: LoadedModel) -> dict[str, object]:
+    """The parts, the latent encoder as "vae", and the scheduler: what the model predicts is part of the single file
+    (the UNet families' v_pred and ztsnr markers, by which ComfyUI and Forge tell v-prediction SDXL models)."""
+    return {**model.parts(), "vae": model.vae, "scheduler": model.pipeline.scheduler}
+
+
+def _modules(components: dict[str, object]) -> dict[str, torch.nn.Module]:
+    return {name: c for name, c in components.items() if isinstance(c, torch.nn.Module)}
 
 
 def export_source(model: LoadedModel, model_config, trained: set[str], state_dict_of, write: bool) -> ExportSource:
@@ -32,10 +42,10 @@ def export_source(model: LoadedModel, model_config, trained: set[str], state_dic
     to export: `trained` (part names) from `state_dict_of` (a collective under sharding: every rank calls it for the
     same modules), everything else as loaded from `model_config.path`. Only a `write` rank loads the source."""
     parts = model.parts()
-    components = {**parts, "vae": model.vae}
+    components = single_file_components(model)
     frozen = [m for m in model.modules() if not any(m is parts[name] for name in trained)]
     if all(held_as_loaded(m) for m in frozen):  # nothing rounded: the modules in memory are the originals
-        return ExportSource(model.pipeline, components, {n: state_dict_of(m) for n, m in components.items()})
+        return ExportSource(model.pipeline, components, {n: state_dict_of(m) for n, m in _modules(components).items()})
     states = {name: state_dict_of(parts[name]) for name in trained}
     if not write:
         return ExportSource(model.pipeline, components, states)
@@ -48,6 +58,6 @@ def export_source(model: LoadedModel, model_config, trained: set[str], state_dic
         # diffusers re-registers the class of what is set: a wrapped module (FSDP2's FSDPUNet...) would
         # rename it in model_index.json; the loaded class is what loaders must build.
         source.pipeline.register_to_config(**{name: entry})
-    components = {**source.parts(), "vae": source.vae}
-    states.update({name: module.state_dict() for name, module in components.items() if name not in trained})
+    components = single_file_components(source)
+    states.update({name: module.state_dict() for name, module in _modules(components).items() if name not in trained})
     return ExportSource(source.pipeline, components, states)

@@ -112,7 +112,7 @@ class MaskedTrainingConfig(Section):
         default=False,
         description="Divide each sample's loss by the mean of its weights (the mask's area, the rest counted at "
         "unmasked_weight), as OneTrainer: a small mask then counts as much as a large one. Raises the loss for "
-        "masks well under the whole image.",
+        "masks well under the whole image. A sample with nothing to learn (black mask, unmasked_weight 0) adds 0.",
     )
     prior_preservation_weight: float = Field(
         default=0.0, ge=0,

@@ -445,7 +445,8 @@ class SchedulerConfig(Section):
     params: dict[str, Any] | None = Field(
         default=None,
         description="CUSTOM: the class's constructor arguments. A value may be one of %LR% (base learning rate), "
-        "%EPOCHS%, %STEPS_PER_EPOCH%, %TOTAL_STEPS%, %SCHEDULER_STEPS% (total minus warmup).",
+        "%EPOCHS%, %STEPS_PER_EPOCH% (OneTrainer's: the batches each process draws per epoch, before gradient "
+        "accumulation), %TOTAL_STEPS%, %SCHEDULER_STEPS% (total minus warmup; both in optimizer steps).",
     )
     allow_custom_code: bool | None = Field(
         default=None,

@@ -53,6 +53,14 @@ class PerformanceConfig(Section):
         "needs the `float8` extra (torchao); refused elsewhere.",
     )
 
+    expandable_segments: bool = Field(
+        default=True,
+        description="On CUDA, the caching allocator maps memory into segments that grow in place "
+        "(expandable_segments:True) instead of keeping fixed blocks: far less memory reserved but unusable when batch "
+        "shapes change (aspect buckets). Left alone when PYTORCH_ALLOC_CONF or PYTORCH_CUDA_ALLOC_CONF is set: "
+        "the environment's settings win.",
+    )
+
     @property
     def selective_checkpointing(self) -> bool:
         return self.checkpoint_every_n_blocks > 1 or self.checkpoint_only_attention

@@ -226,8 +226,13 @@ class ConceptConfig(Section):
         "keep_tags_count; e.g. the trigger word).",
     )
     tag_dropout_probability: float = Field(
-        default=0.0, ge=0, lt=1, description="Each tag after the kept ones is left out with this probability, drawn "
-        "per epoch (OneTrainer's tag dropout, mode FULL).",
+        default=0.0, ge=0, lt=1, description="Tag dropout's probability, drawn per sample and epoch; what it drops is "
+        "tag_dropout_mode's.",
+    )
+    tag_dropout_mode: Literal["random", "full"] = Field(
+        default="random", description="random: each tag after the kept ones is left out with tag_dropout_probability "
+        "(OneTrainer's RANDOM); full: all of them together, only the kept tags stay (OneTrainer's FULL, its default). "
+        "OneTrainer's upper-case spellings are accepted.",
     )
     caption_dropout_probability: float = Field(
         default=0.0, ge=0, le=1, description="The whole caption is replaced by an empty one with this probability per "
@@ -242,6 +247,11 @@ class ConceptConfig(Section):
             raise ValueError("PRIOR_PREDICTION (OneTrainer: the base model's prediction is the target) is not "
                              "supported; prior_preservation trains the concept's own images with its loss_weight "
                              "(DreamBooth), masked_training.prior_preservation_weight keeps the masked-out area")
+        return value.lower() if isinstance(value, str) else value
+
+    @field_validator("tag_dropout_mode", mode="before")
+    @classmethod
+    def _onetrainer_mode(cls, value):
         return value.lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")

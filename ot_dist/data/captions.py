@@ -1,5 +1,6 @@
 """Caption variation per concept (OneTrainer's text options): tag shuffling that keeps the first tags in place, tag
-dropout, and whole-caption dropout (an empty caption, so the model also learns the unconditional prediction that
+dropout (each tag on its own, or all but the kept ones at once: OneTrainer's RANDOM and FULL modes), and whole-caption
+dropout (an empty caption, so the model also learns the unconditional prediction that
 classifier-free guidance needs). Drawn from a generator keyed by (seed, epoch, sample id), like the noise: the same
 sample gets the same caption in an epoch whatever the number of processes, and a new variation every epoch."""
 
@@ -19,8 +20,11 @@ def vary_caption(caption: str, concept, gen: torch.Generator) -> str:
     keep = min(concept.keep_tags_count, len(tags))
     fixed, rest = tags[:keep], tags[keep:]
     if concept.tag_dropout_probability and rest:
-        draws = torch.rand(len(rest), generator=gen).tolist()
-        rest = [t for t, u in zip(rest, draws) if u >= concept.tag_dropout_probability]
+        if concept.tag_dropout_mode == "full":  # OneTrainer's FULL: all the droppable tags at once, or none
+            rest = [] if float(torch.rand((), generator=gen)) < concept.tag_dropout_probability else rest
+        else:  # OneTrainer's RANDOM: each tag on its own
+            draws = torch.rand(len(rest), generator=gen).tolist()
+            rest = [t for t, u in zip(rest, draws) if u >= concept.tag_dropout_probability]
     if concept.tag_shuffling and len(rest) > 1:
         rest = [rest[i] for i in torch.randperm(len(rest), generator=gen).tolist()]
     joiner = delimiter if delimiter.endswith(" ") or not delimiter.strip() else delimiter + " "

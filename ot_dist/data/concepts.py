@@ -18,6 +18,14 @@ MASK_SUFFIX = "-masklabel.png"
 # Files that sit beside photos and are not samples: not listed as unused.
 SIDECAR_NAMES = {".ds_store", "thumbs.db", "desktop.ini"}
 SIDECAR_SUFFIXES = {".xmp", ".aae"}  # editing sidecars (Lightroom / darktable, iPhone edits)
+# macOS AppleDouble files: `._<name>` beside every file macOS copies to a USB disk, a network share or a Finder zip
+# (`._photo.jpg` holds photo.jpg's metadata, not an image).
+SIDECAR_PREFIX = "._"
+
+
+def is_sidecar(path: Path) -> bool:
+    return (path.name.lower() in SIDECAR_NAMES or path.suffix.lower() in SIDECAR_SUFFIXES
+            or path.name.startswith(SIDECAR_PREFIX))
 
 
 @dataclass(frozen=True)
@@ -146,15 +154,18 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
     if not root.is_dir():
         raise InputFileError(f"{label}: {root.resolve()} is not a folder")
     pattern = "**/*" if concept.include_subdirectories else "*"
-    files = sorted(p for p in root.glob(pattern) if p.is_file())
+    found = sorted(root.glob(pattern))
+    files = [p for p in found if p.is_file()]
     extensions = image_files.image_extensions()
-    images = [p for p in files if p.suffix.lower() in extensions and not p.name.endswith(MASK_SUFFIX)]
+    images = [p for p in files if p.suffix.lower() in extensions and not p.name.endswith(MASK_SUFFIX)
+              and not is_sidecar(p)]
     known = set(images) | {p.with_name(p.stem + MASK_SUFFIX) for p in images}
     if concept.caption_source == "txt":
         known |= {p.with_suffix(concept.caption_extension) for p in images}
-    unused = []
+    # a link whose file is gone (an unmounted store, a moved folder) is no file, but it was meant to be one
+    unused = [(p.relative_to(root), "a link to a missing file") for p in found if p.is_symlink() and not p.exists()]
     for path in files:
-        if path in known or path.name.lower() in SIDECAR_NAMES or path.suffix.lower() in SIDECAR_SUFFIXES:
+        if path in known or is_sidecar(path):
             continue
         if path.suffix.lower() in HEIF_EXTENSIONS and not image_files.heif_available():
             reason = "install ot-dist[heic]"

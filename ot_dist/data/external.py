@@ -1,17 +1,20 @@
 """`ot-dist shard index`: train from existing webdataset tars (img2dataset's, webdataset.ShardWriter's) as they are.
 
 The tars are read, never rewritten: their headers give each sample's key, members and offsets (tar_members.py),
-and each image's size comes from its `json` member's `width` / `height` (img2dataset writes them) or else from the
-image's own header (Pillow reads the size, and the EXIF orientation, without decoding the pixels). Each sample
-gets its aspect bucket from that size; the index (sample_index.py) and a manifest with `layout` go to the output
+and each image's size comes from the image's own header (Pillow reads the size, and the EXIF orientation, without
+decoding the pixels). Not from img2dataset's json `width` / `height`: with `resize_mode no` (or
+`resize_only_if_bigger`) and `skip_reencode` it keeps a photo's own bytes, EXIF orientation included, and records
+the stored size (OpenCV's, orientation not applied), so a portrait phone photo would be bucketed landscape. Each
+sample gets its aspect bucket from that size; the index (sample_index.py) and a manifest with `layout` go to the output
 folder, which `data.shards` then names. The images are scaled to cover their bucket and cropped when loaded, on
 the loader workers (reader.py), as ot_dist's own shards are cropped.
 
 Member names follow webdataset: `<key>.<suffix>`, images `jpg|jpeg|png|webp`, captions `txt|caption|json` (the
 first present, in that order; a json caption is its `caption` field); both lists and the field are configurable.
-A sample whose image does not open (or is over data.max_image_pixels) is unreadable: counted and named, and more
-than data.max_bad_fraction of them stops the indexing; a sample with no image or caption member is not used, named
-with the reason. Compressed tars (.tar.gz) cannot be read by offset and are refused.
+A sample whose image header does not open (or is over data.max_image_pixels), whose caption does not read (not
+UTF-8, a json member without the caption field) or that holds a member twice is unreadable: counted and named, and
+more than data.max_bad_fraction of them stops the indexing, before any training; a sample with no image or caption
+member is not used, named with the reason. Compressed tars (.tar.gz) cannot be read by offset and are refused.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size
-from ot_dist.data.images import DEFAULT_MAX_PIXELS, UnreadableImage, to_srgb_rgb
+from ot_dist.data.images import DEFAULT_MAX_PIXELS, HEIF_EXTENSIONS, UnreadableImage, heif_available, to_srgb_rgb
 from ot_dist.data.sample_index import IndexWriter
 from ot_dist.data.tar_members import pread_of, samples_of
 from ot_dist.errors import InputFileError
@@ -39,6 +42,7 @@ from ot_dist.errors import InputFileError
 LAYOUT = "webdataset"
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
 CAPTION_SUFFIXES = ("txt", "caption", "json")
+NAMED = 20  # unreadable samples named in an error or warning
 HEADER_BYTES = 1 << 16  # read to find an image's size: its header (with EXIF / ICC segments) fits, nearly always
 _ORIENTATION = 0x0112  # EXIF orientation: 5-8 turn the image a quarter, so its upright width is its stored height
 
@@ -79,7 +83,7 @@ def header_size(read, offset: int, size: int, where: str) -> tuple[int, int]:
         try:
             with Image.open(io.BytesIO(data)) as img:
                 width, height = img.size
-                if img.getexif().get(_ORIENTATION) in (5, 6, 7, 8):
+                if upright_orientation(img) in (5, 6, 7, 8):
                     width, height = height, width
             return width, height
         except (OSError, UnidentifiedImageError, ValueError, SyntaxError) as err:
@@ -92,24 +96,28 @@ def header_size(read, offset: int, size: int, where: str) -> tuple[int, int]:
     raise AssertionError("unreachable")
 
 
+def upright_orientation(img: Image.Image) -> int | None:
+    """The EXIF orientation (1-8) still to apply to `img`'s reported size, read from the header alone."""
+    if img.format == "TIFF":
+        return None  # Pillow's TIFF opener reports the upright size already (it turns the pixels as it loads them)
+    if img.format == "PNG":
+        # PngImageFile.getexif decodes the whole image first, to find an eXIf chunk after the pixels; the PNG
+        # extension spec puts it before them, where the header (img.info) has it
+        return Image.Image.getexif(img).get(_ORIENTATION)
+    return img.getexif().get(_ORIENTATION)
+
+
+def register_openers(image_suffixes) -> None:
+    """pillow-heif's opener, where the image suffixes name HEIC / HEIF (it registers when first asked)."""
+    if any(f".{suffix.lower()}" in HEIF_EXTENSIONS for suffix in image_suffixes):
+        heif_available()
+
+
 def within_limit(width: int, height: int, where: str, max_pixels: int | None) -> tuple[int, int]:
     if max_pixels is not None and width * height > max_pixels:
         raise UnreadableImage(f"data: image {where} is {width}x{height} = {width * height} pixels, over "
                               f"data.max_image_pixels {max_pixels} (a decompression bomb, or raise the limit)")
     return width, height
-
-
-def json_size(read, members: dict) -> tuple[int, int] | None:
-    """(width, height) from the sample's json member, where it holds them (img2dataset's)."""
-    suffix = first_of(members, ("json",))
-    if suffix is None:
-        return None
-    try:
-        meta = json.loads(read(*members[suffix]))
-        width, height = int(meta["width"]), int(meta["height"])
-    except (ValueError, KeyError, TypeError):
-        return None
-    return (width, height) if width > 0 and height > 0 else None
 
 
 @dataclass
@@ -129,9 +137,11 @@ class TarIndexer:
     image_suffixes: tuple[str, ...]
     caption_suffixes: tuple[str, ...]
     max_image_pixels: int | None
+    caption_field: str = "caption"
 
     def __call__(self, path: Path) -> TarIndex:
         out = TarIndex()
+        register_openers(self.image_suffixes)
         fd = os.open(path, os.O_RDONLY)
         read = pread_of(fd)
         try:
@@ -139,15 +149,23 @@ class TarIndexer:
                 where = f"{path}:{span.key}"
                 image = first_of(span.members, self.image_suffixes)
                 caption = first_of(span.members, self.caption_suffixes)
+                if span.repeated:  # which of the two would train? webdataset stops on such a tar; here it is named
+                    twins = sorted({f"{span.key}.{s}" for s in span.members if s.lower() in span.repeated})
+                    out.bad.append({"file": where, "error": f"data: sample {where} has a member more than once: "
+                                    f"{', '.join(twins)} (suffixes compared lower-case, as webdataset does); keep one"})
+                    continue
                 if image is None or caption is None:
                     kind, wanted = ("image", self.image_suffixes) if image is None else ("caption", self.caption_suffixes)
                     out.unused.append({"file": where, "reason": f"no {kind} member ({'|'.join(wanted)}); it has "
                                                                 f"{', '.join(sorted(span.members))}"})
                     continue
                 try:
-                    width, height = within_limit(*(json_size(read, span.members) or header_size(
-                        read, *span.members[image], where)), where, self.max_image_pixels)
-                except UnreadableImage as err:
+                    width, height = within_limit(*header_size(read, *span.members[image], where), where,
+                                                 self.max_image_pixels)
+                    # read as the loader will: a json without the caption field (a wrong --caption-field) or text
+                    # that is not UTF-8 is found here, not in every sample once training has started
+                    caption_text(read(*span.members[caption]), caption, self.caption_field, where)
+                except InputFileError as err:  # UnreadableImage is one
                     out.bad.append({"file": where, "error": str(err)})
                     continue
                 bucket = bucket_of(width, height, self.largest, self.bucket_step, self.bucket_assignment)
@@ -185,7 +203,7 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
     (out_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted index leaves a set that is visibly incomplete
     image_suffixes, caption_suffixes = tuple(s.lower() for s in image_suffixes), tuple(s.lower() for s in caption_suffixes)
     indexer = TarIndexer(max(resolutions), bucket_step, bucket_assignment, image_suffixes, caption_suffixes,
-                         max_image_pixels)
+                         max_image_pixels, caption_field)
     writer, shards, bad, unused, start = IndexWriter(), [], [], [], time.perf_counter()
     for number, (path, found) in enumerate(zip(tars, indexed_tars(indexer, tars, workers))):
         per_bucket: Counter = Counter()
@@ -198,11 +216,14 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
                        "bytes": path.stat().st_size, "buckets": {str(b): n for b, n in sorted(per_bucket.items())}})
     total = len(writer) + len(bad)
     if bad:
-        names = "; ".join(b["error"] for b in bad)
+        # the first NAMED in full (a wrong --caption-field makes every sample of millions unreadable); the manifest
+        # lists them all when the index is written
+        names = "; ".join(b["error"] for b in bad[:NAMED])
+        names += f"; ... {len(bad) - NAMED} more" if len(bad) > NAMED else ""
         if len(bad) > max_bad_fraction * total:
-            raise InputFileError(f"{names} ({len(bad)} of {total} images unreadable, more than data.max_bad_fraction "
+            raise InputFileError(f"{names} ({len(bad)} of {total} samples unreadable, more than data.max_bad_fraction "
                                  f"{max_bad_fraction})")
-        log(f"warning: data: {len(bad)} of {total} images unreadable, skipped (within data.max_bad_fraction "
+        log(f"warning: data: {len(bad)} of {total} samples unreadable, skipped (within data.max_bad_fraction "
             f"{max_bad_fraction}): {names}")
     if not len(writer):
         raise InputFileError(f"shard index: no sample with an image ({'|'.join(image_suffixes)}) and a caption "
@@ -255,13 +276,14 @@ def decode_image(data: bytes, where: str, background: tuple[int, int, int]) -> I
 def caption_text(data: bytes, suffix: str, field: str, where: str) -> str:
     """The caption lines of a `txt` / `caption` member, or the `field` of a json member."""
     try:
-        text = data.decode("utf-8")
         if suffix.lower() == "json":
-            value = json.loads(text).get(field)
+            value = json.loads(data).get(field)  # bytes, as webdataset decodes json: a UTF-8 BOM (Windows) is fine
             if not isinstance(value, str):
                 raise InputFileError(f"{where}: its json member has no {field!r} text (the caption field; "
                                      "ot-dist shard index --caption-field)")
             text = value
+        else:
+            text = data.decode("utf-8")
     except (UnicodeDecodeError, ValueError, AttributeError) as err:
         raise InputFileError(f"{where}: caption member {suffix} is not readable: {err}") from None
     return text.strip()

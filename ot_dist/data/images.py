@@ -8,7 +8,8 @@ One job: a file from a camera, a phone or the web becomes the pixels the shard b
   LittleCMS, relative colorimetric (a colour sRGB can show comes out as that colour, the paper or media white as
   sRGB white; out-of-gamut colours are clipped), without black point compensation; CMYK without a profile by
   Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits (Pillow's own conversion clips everything
-  above 255 to white); alpha (RGBA, LA, PA, palette or RGB transparency) composited on `data.image_background`.
+  above 255 to white); alpha (RGBA, LA, PA, palette or RGB transparency, 16-bit ones included) composited on
+  `data.image_background`.
   The result carries no ICC profile (nor any other `info`): its pixels are sRGB.
 - The pixel limit (`data.max_image_pixels`) is checked from the header before anything is decoded; an image
   over it, or one that does not decode, raises `UnreadableImage` naming the file.
@@ -46,8 +47,12 @@ def heif_available() -> bool:
 
 def image_extensions() -> set[str]:
     """Extensions Pillow can open here (with pillow-heif registered when installed)."""
-    extensions = {ext.lower() for ext, fmt in Image.registered_extensions().items() if fmt in Image.OPEN}
-    return extensions if heif_available() else extensions - HEIF_EXTENSIONS
+    heif = heif_available()  # registers .heic / .heif first: listed before, a fresh process's first scan missed them
+    # MPO (cameras' and Android Ultra HDR photos: a JPEG with more pictures after it) is opened by the JPEG opener,
+    # so it has no opener of its own in Image.OPEN; Image.open gives its first picture.
+    extensions = {ext.lower() for ext, fmt in Image.registered_extensions().items()
+                  if fmt in Image.OPEN or fmt == "MPO"}
+    return extensions if heif else extensions - HEIF_EXTENSIONS
 
 
 def parse_colour(value: str) -> tuple[int, int, int]:
@@ -115,7 +120,17 @@ def _to_8bit(img: Image.Image) -> Image.Image:
 def _alpha(img: Image.Image) -> Image.Image | None:
     if img.mode in ("RGBA", "LA", "PA", "RGBa", "La"):
         return img.convert("RGBA").getchannel("A")
-    if "transparency" in img.info and img.mode in ("P", "L", "RGB", "1"):
+    key = img.info.get("transparency")
+    if key is None:
+        return None
+    # A 16-bit PNG's transparent colour (tRNS) is a 16-bit value, which Pillow's RGBA conversion compares with
+    # 8-bit pixels (never equal: the transparent area came out opaque): 16-bit greyscale compares the 16-bit values,
+    # 16-bit RGB (opened as 8 bits, the high bytes) the high bytes of the key.
+    if _is_wide_int(img) and isinstance(key, int):
+        return Image.fromarray(np.where(np.asarray(img.convert("I")) == key, 0, 255).astype(np.uint8), "L")
+    if img.mode == "RGB" and isinstance(key, tuple) and max(key) > 255:
+        return Image.fromarray(np.where((np.asarray(img) == [v >> 8 for v in key]).all(-1), 0, 255).astype(np.uint8))
+    if img.mode in ("P", "L", "RGB", "1"):
         return img.convert("RGBA").getchannel("A")
     return None
 
@@ -149,8 +164,10 @@ def _convert_profile(img: Image.Image, icc: bytes) -> Image.Image | None:
     if mode is None:
         return None
     if img.mode != mode:
-        if mode == "CMYK" or img.mode == "CMYK":
-            return None  # a CMYK profile on RGB pixels (or the reverse) is a broken file: trust the pixels
+        if mode == "CMYK" or img.mode == "CMYK" or (mode == "L" and img.mode not in ("LA", "La", "1")):
+            # a CMYK profile on RGB pixels (or the reverse), a grey one on colour pixels: a broken file, whose
+            # profile viewers ignore; trust the pixels (a grey profile would turn them grey)
+            return None
         img = img.convert(mode)
     try:
         # Relative colorimetric, not ImageCms' default perceptual: LittleCMS forces black point compensation on a

@@ -52,6 +52,8 @@ class ShardDataset:
         # None: ot_dist's own shards (an image per resolution); else tars indexed as they are (external.py): their
         # images are scaled to cover the bucket when loaded, at any resolution
         self.layout = self.manifest.get("layout")
+        if self.layout:
+            external.register_openers(self.layout["image"])
         self.background = parse_colour(config.data.image_background)
         missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
         if missing and not self.layout:

@@ -67,7 +67,9 @@ class KeptSource:
     def __init__(self, path):
         self.data = Path(path).read_bytes()
         with Image.open(io.BytesIO(self.data)) as img:
-            self.format = img.format
+            # MPO is a JPEG with more pictures after the first (camera previews, Android Ultra HDR gain maps): a JPEG
+            # source, whose first picture is the photo; re-encoding it as PNG would add bytes for nothing.
+            self.format = "JPEG" if img.format == "MPO" else img.format
         self.equal: bool | None = None  # decoded once, on the first resolution that needs no resize
 
     def member(self, upright, resized) -> tuple[str, bytes | None]:

@@ -226,6 +226,9 @@ class SampleRecords(Sequence):
         start = int(columns.offset[i])
         members = members_between(self.files.fd(path), start, start + int(columns.span[i]), f"shard {path.name}",
                                   f"#{i}")
+        # members no sample owns (directories, names without a suffix, macOS tar's `._<name>` AppleDouble entries
+        # between a sample's members) are skipped, as the index's scan (tar_members.samples_of) and webdataset do
+        members = [m for m in members if m.key]
         keys = {m.key for m in members}
         if len(keys) != 1:
             raise InputFileError(f"shard {path.name} sample {i}: the index points at members of {sorted(keys)} at byte "

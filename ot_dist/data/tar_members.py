@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import tarfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ot_dist.errors import InputFileError
 
@@ -173,6 +173,7 @@ class SampleSpan:
     start: int
     end: int
     members: dict[str, list[int]]  # suffix -> [data offset, size]
+    repeated: list[str] = field(default_factory=list)  # suffixes met again (lower-case): webdataset refuses those
 
 
 def samples_of(fd: int, where: str):
@@ -183,6 +184,8 @@ def samples_of(fd: int, where: str):
         if not member.key:
             continue
         if current is not None and member.key == current.key:
+            if member.suffix.lower() in {suffix.lower() for suffix in current.members}:
+                current.repeated.append(member.suffix.lower())
             current.members[member.suffix] = [member.data, member.size]
             current.end = member.data + member.size
             continue

@@ -8,11 +8,17 @@ reason it is not honoured, in the written file and on stderr. Nothing is dropped
 from __future__ import annotations
 
 import json
+import os
+import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
+from ot_dist.migrate.onetrainer_layers import import_layer_filter
+from ot_dist.migrate.onetrainer_parts import import_parts
+from ot_dist.models.families.registry import get_family
+from ot_dist.optim.registry import SCHEDULE_FREE
 
 FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "STABLE_DIFFUSION_15": ("sd1", False), "STABLE_DIFFUSION_15_INPAINTING": ("sd1", True),
@@ -22,11 +28,15 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "STABLE_DIFFUSION_XL_10_BASE": ("sdxl", False), "STABLE_DIFFUSION_XL_10_BASE_INPAINTING": ("sdxl", True),
     "STABLE_DIFFUSION_3": ("sd3", False), "STABLE_DIFFUSION_35": ("sd3", False),
     "FLUX_DEV_1": ("flux", False), "CHROMA_1": ("chroma", False),
+    "PIXART_ALPHA": ("pixart_alpha", False), "PIXART_SIGMA": ("pixart_sigma", False),
+    "STABLE_CASCADE_1": ("stable_cascade", False), "WUERSTCHEN_2": ("wuerstchen_v2", False),
 }
 METHODS = {"FINE_TUNE": "full", "LORA": "lora", "EMBEDDING": "embedding"}
 DTYPES = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "FLOAT_16": "float16", "BFLOAT_16": "bfloat16",
           "FLOAT_8": "float8"}
-PARTS = ("unet", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3")
+# Every part section OneTrainer has stored (TrainConfig's TrainModelPartConfig fields).
+PART_SECTIONS = ("unet", "prior", "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4",
+                 "vae", "effnet_encoder", "decoder", "decoder_text_encoder", "decoder_vqgan")
 TIMESTEP_DISTRIBUTIONS = {"UNIFORM": "uniform", "LOGIT_NORMAL": "logit_normal"}
 MINUTES = {"SECOND": 1 / 60, "MINUTE": 1, "HOUR": 60}
 
@@ -36,6 +46,25 @@ class Imported:
     config: dict  # the raw ot_dist config
     not_honoured: list[str] = field(default_factory=list)  # "field: reason"
     notes: list[str] = field(default_factory=list)  # mapped, but worth knowing
+
+
+WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
+
+
+def is_windows_path(value: str) -> bool:
+    return os.name != "nt" and ("\\" in value or bool(WINDOWS_DRIVE.match(value)))
+
+
+def local_path(value: str, key: str, out: Imported) -> str:
+    """A path as this machine reads it. OneTrainer configs saved on Windows write backslashes: a relative path is
+    converted; an absolute one (C:\\..., \\\\server\\...) names a file on that machine and is listed."""
+    if not value or not is_windows_path(value):
+        return value
+    windows = PureWindowsPath(value)
+    if windows.drive or windows.root:
+        out.not_honoured.append(f"{key}: {value} is a Windows path; replace it with this machine's path")
+        return value
+    return windows.as_posix()
 
 
 def read_json(path: Path, what: str):
@@ -48,12 +77,21 @@ def read_json(path: Path, what: str):
 
 
 def upgrade(data: dict) -> dict:
-    """OneTrainer's own migrations of the fields read here, from the versions before the nested layout (0-7)."""
+    """OneTrainer's own migrations of the fields read here, keyed on the old fields being there (a built-in preset has
+    no `__version` and is the newest layout): the flat keys of versions 0-1, version 2's min_snr_gamma, version 3's
+    noising_weight, the renames of 5 and 7, version 8's prior -> transformer, and the global weight_dtype (version 9)
+    and gradient_checkpointing (version 10) fanned out to the parts."""
     data = dict(data)
-    for part in ("unet", "text_encoder", "text_encoder_2"):
+    version = data.get("__version", 0)  # absent: version 0, or a built-in preset (then no old field is there)
+    if isinstance(data.get("optimizer"), str):  # version 0: optimizer_<option> keys beside the optimizer's name
+        options = {key.removeprefix("optimizer_"): data.pop(key) for key in list(data)
+                   if key.startswith("optimizer_") and key != "optimizer_defaults"}
+        data["optimizer"] = {"optimizer": data["optimizer"], **options}
+    for part in ("unet", "prior", "text_encoder", "text_encoder_2", "vae", "effnet_encoder", "decoder",
+                 "decoder_text_encoder", "decoder_vqgan"):
         nested = dict(data.get(part) or {})
         for flat, key in ((f"train_{part}", "train"), (f"{part}_learning_rate", "learning_rate"),
-                          (f"{part}_weight_dtype", "weight_dtype")):
+                          (f"{part}_weight_dtype", "weight_dtype"), (f"{part}_model_name", "model_name")):
             if flat in data:
                 nested[key] = data.pop(flat)
         if f"train_{part}_epochs" in data:
@@ -64,12 +102,34 @@ def upgrade(data: dict) -> dict:
         gamma = data.pop("min_snr_gamma")
         if gamma:
             data["loss_weight_fn"], data["loss_weight_strength"] = "MIN_SNR_GAMMA", gamma
+    if version < 3 and "noising_weight" in data and "timestep_distribution" not in data:  # 3: a weight was a sigmoid
+        weight = data["noising_weight"]
+        data["timestep_distribution"] = "SIGMOID" if weight else "UNIFORM"
+        data["noising_bias"] = data.get("noising_bias", 0.5) - 0.5 if weight else 0.0
     if isinstance(data.get("gradient_checkpointing"), bool):  # version 4
         data["gradient_checkpointing"] = "ON" if data["gradient_checkpointing"] else "OFF"
     for old, new in (("save_after", "save_every"), ("save_after_unit", "save_every_unit"),  # version 5
                      ("lora_layers", "layer_filter"), ("lora_layer_preset", "layer_filter_preset")):  # version 7
         if old in data:
             data[new] = data.pop(old)
+    if data.get("layer_filter_preset", "") is None:  # version 6: an old bug saved None
+        data["layer_filter_preset"] = "full"
+    if version < 8 and "prior" in data and "transformer" not in data and data.get("model_type") not in (
+            "STABLE_CASCADE_1", "WUERSTCHEN_2"):
+        data["transformer"] = data["prior"]  # version 8: the transformer models kept their settings in `prior`
+    parts = [p for p in PART_SECTIONS if isinstance(data.get(p), dict)]
+    if "weight_dtype" in data:  # version 9: NONE in a part meant the global weight dtype
+        global_dtype = data.pop("weight_dtype")
+        for p in parts:
+            if data[p].get("weight_dtype") == "NONE":
+                data[p] = {**data[p], "weight_dtype": global_dtype}
+    if "gradient_checkpointing" in data:  # version 10: one setting for every part
+        mode = data.pop("gradient_checkpointing")
+        offloaded = mode == "CPU_OFFLOADED"
+        per_part = {"gradient_checkpointing": mode != "OFF",
+                    "activation_offloading": offloaded and data.pop("enable_activation_offloading", True),
+                    "offload_fraction": data.pop("layer_offload_fraction", 0.0) if offloaded else 0.0}
+        data.update({p: {**(data.get(p) or {}), **per_part} for p in PART_SECTIONS})
     return data
 
 
@@ -93,63 +153,55 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         raise ConfigError(f"training_method: {ot['training_method']} is not an ot_dist method (FINE_TUNE, LORA, "
                           "EMBEDDING)")
     method = METHODS[ot["training_method"]]
-    c["model"] = {"family": family, "path": ot["base_model_name"]}
+    c["model"] = {"family": family, "path": local_path(ot["base_model_name"], "base_model_name", out)}
     if inpainting:
         c["model"]["inpainting"] = True
-    if "/" in ot["base_model_name"] and not Path(ot["base_model_name"]).exists():
-        out.notes.append(f"base_model_name: {ot['base_model_name']} is read as a local path; ot_dist does not download "
+    if "/" in c["model"]["path"] and not is_windows_path(c["model"]["path"]) and not Path(c["model"]["path"]).exists():
+        out.notes.append(f"base_model_name: {c['model']['path']} is read as a local path; ot_dist does not download "
                          "(give a diffusers folder or a single file)")
     c["method"] = method
-    destination = Path(ot["output_model_destination"])
+    destination = local_path(ot["output_model_destination"], "output_model_destination", out)
+    destination = PureWindowsPath(destination) if is_windows_path(destination) else Path(destination)
     c["output_dir"] = str(destination.with_suffix(""))
     out.notes.append(f"output_model_destination: {destination} -> output_dir {c['output_dir']} (ot_dist writes "
                      "model/ + model.safetensors, lora.safetensors or embedding.safetensors inside it)")
 
-    resolutions = [int(r) for r in str(ot["resolution"]).replace(" ", "").split(",") if r]
-    c["resolution"] = resolutions[0] if len(resolutions) == 1 else resolutions
+    if not ot.get("aspect_ratio_bucketing", True):
+        skip("aspect_ratio_bucketing: false (every image cropped square) is not supported: ot_dist always buckets by "
+             "aspect ratio")
+    c["resolution"] = _resolution(str(ot["resolution"]).replace(" ", ""), family, skip)
     for key in ("batch_size", "gradient_accumulation_steps", "epochs", "learning_rate", "clip_grad_norm"):
         c[key] = ot[key]
     c["train_dtype"] = _dtype(ot, "train_dtype", skip) or "float16"
     if ot["train_dtype"] == "TFLOAT_32":
         c["tf32"] = True
     c["output_dtype"] = _dtype(ot, "output_dtype", skip) or "float32"
-    weight_dtype = _dtype(ot, "weight_dtype", skip)
-    if weight_dtype:
-        c["weight_dtype"] = weight_dtype
-    c["gradient_checkpointing"] = ot["gradient_checkpointing"] != "OFF"
-    if ot["gradient_checkpointing"] == "CPU_OFFLOADED":
-        skip("gradient_checkpointing: CPU_OFFLOADED keeps checkpoints in CPU memory; ot_dist checkpoints on the device "
-             "(see offload_frozen_components for the frozen parts)")
 
-    _parts(ot, c, family, skip)
+    import_parts(ot, c, family, method, skip)
+    _layer_skip(ot, c, family, skip)
+    if family in ("stable_cascade", "wuerstchen_v2") and (ot.get("decoder") or {}).get("model_name"):
+        c["model"]["decoder"] = local_path(ot["decoder"]["model_name"], "decoder.model_name", out)
     _optimizer(ot, c, skip)
     _scheduler(ot, c, skip)
     _ema(ot, c)
     _loss(ot, c, skip)
     if method == "lora":
         c["lora"] = {"rank": ot["lora_rank"], "alpha": ot["lora_alpha"], "dropout": ot["dropout_probability"]}
-        preset = ot["layer_filter_preset"]
-        if ot["layer_filter"] or preset not in ("full", "attn-only", "attn-mlp"):
-            skip(f"layer_filter / layer_filter_preset: {ot['layer_filter'] or preset!r}: set lora.unet_targets / "
-                 "lora.transformer_targets by module names")
-        elif preset == "attn-only":
-            c["lora"]["preset"] = "attention"
-        elif preset == "full":
-            c["lora"]["preset"] = "all_linear"
-            out.notes.append("layer_filter_preset: full -> lora.preset all_linear (OneTrainer also adapts convolutions)")
+        import_layer_filter(ot, c["lora"], family, get_family(family).denoiser, out)
         _lora_variant(ot, c["lora"], skip)
         if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
+        if ot["lora_model_name"]:  # OneTrainer continues training this LoRA file
+            if c["lora"].get("variant", "lora") == "lora":
+                c["lora"]["init_from"] = local_path(ot["lora_model_name"], "lora_model_name", out)
+            else:
+                skip(f"lora_model_name: {ot['lora_model_name']}: ot_dist continues plain LoRA files only")
     if method == "embedding":
-        embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
-        c["embedding"] = {"token": embedding["placeholder"], "vectors": embedding["token_count"] or 1,
-                          "init_text": embedding["initial_embedding_text"] or "*"}
-        if ot["embedding_learning_rate"]:
-            c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
+        _embedding(ot, c, skip)
     if ot.get("additional_embeddings"):
         skip("additional_embeddings: training extra embeddings beside a LoRA / finetune is not supported")
 
-    _concepts(ot, c, path, concepts_path, out)
+    crop_jitter = _concepts(ot, c, path, concepts_path, out)
     _samples(ot, c, path, samples_path, out)
     _saving(ot, c, skip)
     from ot_dist.data.augment import AUGMENTATION_FIELDS
@@ -158,11 +210,63 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     if ot["latent_caching"] and augmented:
         out.notes.append(f"latent_caching: off, because {augmented[0]} augments its images (OneTrainer caches "
                          "image_variations copies; ot_dist encodes each step's augmented image)")
+    elif ot["latent_caching"] and inpainting:
+        out.notes.append("latent_caching: off, because an inpainting model is trained (ot_dist encodes each step's "
+                         "masked image, OneTrainer caches image_variations copies of it)")
     elif ot["latent_caching"]:
         c.setdefault("data", {})["cache_latents"] = True
+    if any(crop_jitter) and c["data"].get("cache_latents"):
+        out.notes.append("enable_crop_jitter: the cached latents hold the centre crop (OneTrainer caches one randomly "
+                         "cropped copy per image)")
+    elif any(crop_jitter):  # OneTrainer's default: the crop offset drawn per epoch
+        c["data"]["crop"] = "random"
+        if not all(crop_jitter):
+            skip("concepts[].image.enable_crop_jitter: off for some concepts; ot_dist's data.crop (random) is one "
+                 "setting for all")
+    _scale_learning_rates(ot, c, out)
     c["mlflow"] = {"run_name": destination.stem}
     out.notes.insert(0, f"imported from {path.name} (OneTrainer config version {version})")
     return out
+
+
+def _resolution(value: str, family: str, skip) -> int | list[int]:
+    """OneTrainer's `resolution`: sides of square-area buckets ("512" or "512,768"), or one fixed size "WxH" (mgds'
+    AspectBucketing) that every image is cropped to."""
+    if "x" in value and "," not in value:
+        width, height = (int(side) for side in value.split("x"))
+        step = get_family(family).bucket_step
+        side = max(step, round((width * height) ** 0.5 / step) * step)
+        skip(f"resolution: {value} (every image cropped to {width}x{height}) is not supported: ot_dist buckets by "
+             f"aspect ratio at the area of a {side} px square")
+        return side
+    try:
+        resolutions = [int(r) for r in value.split(",") if r]
+    except ValueError:
+        raise ConfigError(f"resolution: {value!r} is not OneTrainer's '512', '512,768' or '768x512'") from None
+    return resolutions[0] if len(resolutions) == 1 else resolutions
+
+
+def _embedding(ot: dict, c: dict, skip) -> None:
+    embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
+    c["embedding"] = {"token": embedding["placeholder"], "vectors": embedding["token_count"] or 1,
+                      "init_text": embedding["initial_embedding_text"] or "*"}
+    if ot["embedding_learning_rate"]:
+        c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
+    if embedding["token_count"] is None:  # OneTrainer's "auto": one vector per token of the initial text
+        skip(f"embedding.token_count: null: OneTrainer makes one vector per token of "
+             f"{embedding['initial_embedding_text']!r}; set embedding.vectors to that count (1 is written)")
+    if embedding["model_name"]:
+        skip(f"embedding.model_name: {embedding['model_name']} (continuing an existing embedding) is not supported; "
+             "it starts from embedding.init_text")
+    if embedding["stop_training_after"] is not None and embedding["stop_training_after_unit"] != "NEVER":
+        skip(f"embedding.stop_training_after: {embedding['stop_training_after']} "
+             f"{embedding['stop_training_after_unit']} is not supported (the embedding trains to the end)")
+    if embedding["is_output_embedding"]:
+        skip("embedding.is_output_embedding: true (an embedding of the text encoder's output) is not supported")
+    if ot["preserve_embedding_norm"]:
+        skip("preserve_embedding_norm: true is not supported")
+    if ot["embedding_weight_dtype"] not in ("FLOAT_32", None):
+        skip(f"embedding_weight_dtype: {ot['embedding_weight_dtype']} (the vectors train in float32) is not supported")
 
 
 def _dtype(ot: dict, key: str, skip) -> str | None:
@@ -178,36 +282,17 @@ def _dtype(ot: dict, key: str, skip) -> str | None:
     return DTYPES[value]
 
 
-def _parts(ot: dict, c: dict, family: str, skip) -> None:
-    from ot_dist.models.families.registry import get_family
-
+def _layer_skip(ot: dict, c: dict, family: str, skip) -> None:
     fam = get_family(family)
-    own = {fam.denoiser, *fam.text_encoders}
-    for part in PARTS:
-        if part not in ot or not isinstance(ot[part], dict):
-            continue
-        settings = {**defaults.PART, **ot[part]}
-        name = fam.denoiser if part in ("unet", "transformer", "prior") else part
-        if name not in own:
-            continue  # OneTrainer keeps every model's parts in one file; only this family's are read
-        entry = {"train": bool(settings["train"])}
-        if settings["learning_rate"] is not None:
-            entry["learning_rate"] = settings["learning_rate"]
-        unit = settings["stop_training_after_unit"]
-        if settings["stop_training_after"] is not None and unit in ("EPOCH", "STEP"):
-            entry["stop_training_after"] = settings["stop_training_after"]
-            entry["stop_training_after_unit"] = unit.lower()
-        elif settings["stop_training_after"] is not None and unit not in ("NEVER",):
-            skip(f"{part}.stop_training_after_unit: {unit} (ot_dist counts epochs or steps)")
-        if settings["model_name"]:
-            skip(f"{part}.model_name: {settings['model_name']} (a separately loaded {part}) is not supported")
-        c[name] = entry
     for key in ("text_encoder_layer_skip", "text_encoder_2_layer_skip"):  # clip skip, OneTrainer's names
         if ot.get(key):
             if key.removesuffix("_layer_skip") in fam.layer_skip_encoders:
                 c["model"][key] = ot[key]
             else:
                 skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
+    for key in ("text_encoder_3_layer_skip", "text_encoder_4_layer_skip"):
+        if ot.get(key):
+            skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
 
 
 def _optimizer(ot: dict, c: dict, skip) -> None:
@@ -221,14 +306,24 @@ def _optimizer(ot: dict, c: dict, skip) -> None:
         c["optimizer"] = {"name": "ADAMW"}
         return
     options = {"name": name}
+    lacking = defaults.OPTIMIZER_OPTIONS_NOT_IN_OT_DIST.get(name, {})
     for key, value in settings.items():
         if value is None or key.startswith("__"):
             continue
         if key in SPECS[name].defaults:
             options[key] = value
+        elif key in lacking and value == lacking[key]:
+            continue  # OneTrainer's default of an option ot_dist's implementation does not have: the same update
+        elif key not in lacking and _unset_optimizer_option(key, value):
+            continue  # a UI-saved section holds every optimizer's options; one this optimizer has not is unset
         else:
             skip(f"optimizer.{key}: {value!r} is not an option of ot_dist's {name}")
     c["optimizer"] = options
+
+
+def _unset_optimizer_option(key: str, value) -> bool:
+    """TrainOptimizerConfig's default value: None, False, {} or the few True ones."""
+    return value is False or value == {} or (value is True and key in defaults.OPTIMIZER_UNSET_TRUE)  # 0.0 is set
 
 
 def _scheduler(ot: dict, c: dict, skip) -> None:
@@ -239,16 +334,49 @@ def _scheduler(ot: dict, c: dict, skip) -> None:
         scheduler["min_factor"] = ot["learning_rate_min_factor"]
     if "RESTARTS" in name:  # the only schedules with cycles (OneTrainer stores the field for all of them)
         scheduler["cycles"] = ot["learning_rate_cycles"]
-    if name == "ADAFACTOR":
+    optimizer = c["optimizer"]["name"]
+    if name == "ADAFACTOR" and not (optimizer == "ADAFACTOR" and c["optimizer"].get("relative_step")):
+        # transformers' AdafactorSchedule only reports the step size: without Adafactor's relative steps it is the
+        # learning rate, constant, and OneTrainer adds no warmup to it
+        skip(f"learning_rate_scheduler: ADAFACTOR reports Adafactor's relative step size; with {optimizer}"
+             f"{' relative_step false' if optimizer == 'ADAFACTOR' else ''} the learning rate stays constant: CONSTANT "
+             "without warmup is written")
+        scheduler = {"name": "CONSTANT", "warmup_steps": 0}
+    elif name == "ADAFACTOR":
         scheduler["warmup_steps"] = 0  # Adafactor's schedule has its own warmup (optimizer.warmup_init)
+    if optimizer in SCHEDULE_FREE:
+        # OneTrainer forces a schedule-free optimizer's schedule to CONSTANT and gives SCHEDULE_FREE_ADAMW / _SGD the
+        # warmup as their own, in optimizer steps (a fraction of 1 or less is then no warmup)
+        if name != "CONSTANT":
+            skip(f"learning_rate_scheduler: {name}: OneTrainer schedules {optimizer} constantly (CONSTANT is written)")
+        own = optimizer != "PRODIGY_PLUS_SCHEDULE_FREE" and warmup > 1
+        scheduler = {"name": "CONSTANT",
+                     "warmup_steps": int(warmup) * c["gradient_accumulation_steps"] if own else 0}
     if name == "CUSTOM":
         scheduler["class_name"] = ot["custom_learning_rate_scheduler"]
         scheduler["params"] = {p["key"]: p["value"] for p in ot["scheduler_params"] or []}
         skip("custom_learning_rate_scheduler: importing a scheduler class runs its code; set scheduler."
              "allow_custom_code: true after reading it")
-    if ot["learning_rate_scaler"] not in (None, "NONE"):
-        skip(f"learning_rate_scaler: {ot['learning_rate_scaler']} (set learning_rate to the scaled value yourself)")
     c["scheduler"] = scheduler
+
+
+def _scale_learning_rates(ot: dict, c: dict, out: Imported) -> None:
+    """OneTrainer's learning_rate_scaler multiplies every parameter group's learning rate by sqrt(scale) (its
+    NamedParameterGroup); the GLOBAL_ ones also count the GPUs, one here."""
+    scaler = ot["learning_rate_scaler"]
+    if scaler in (None, "NONE"):
+        return
+    batch, accumulation = c["batch_size"], c["gradient_accumulation_steps"]
+    scale = {"BATCH": batch, "GLOBAL_BATCH": batch, "GRADIENT_ACCUMULATION": accumulation, "BOTH": batch * accumulation,
+             "GLOBAL_BOTH": batch * accumulation}[scaler]
+    factor = scale ** 0.5
+    for section in (c, *(c.get(p) for p in PART_SECTIONS), c.get("embedding")):
+        if section and section.get("learning_rate"):
+            section["learning_rate"] = section["learning_rate"] * factor
+    out.notes.append(f"learning_rate_scaler: {scaler}: the learning rates are multiplied by sqrt({scale})")
+    if scaler.startswith("GLOBAL"):
+        out.not_honoured.append(f"learning_rate_scaler: {scaler} also counts the GPUs: for N of them multiply the "
+                                "learning rates by sqrt(N)")
 
 
 def _ema(ot: dict, c: dict) -> None:
@@ -268,13 +396,7 @@ def _loss(ot: dict, c: dict, skip) -> None:
         _mapped_if_known(loss, LossConfig, "generalized_offset_noise", True, skip)
     if ot["perturbation_noise_weight"]:
         loss["input_perturbation"] = ot["perturbation_noise_weight"]
-    if ot["timestep_distribution"] in TIMESTEP_DISTRIBUTIONS:
-        loss["timestep_distribution"] = TIMESTEP_DISTRIBUTIONS[ot["timestep_distribution"]]
-    else:
-        skip(f"timestep_distribution: {ot['timestep_distribution']} (ot_dist draws uniform or logit_normal)")
-    if ot["min_noising_strength"] or ot["max_noising_strength"] < 1:
-        loss["min_timestep"] = int(round(ot["min_noising_strength"] * 1000))
-        loss["max_timestep"] = int(round(ot["max_noising_strength"] * 1000))
+    _timesteps(ot, c, loss, skip)
     weight_fn, strength = ot["loss_weight_fn"], ot["loss_weight_strength"]
     if weight_fn == "MIN_SNR_GAMMA":
         loss["min_snr_gamma"] = strength
@@ -286,11 +408,19 @@ def _loss(ot: dict, c: dict, skip) -> None:
                      ("mse_strength", 1.0)):
         if ot.get(key, off) != off:
             skip(f"{key}: {ot[key]} (ot_dist trains with the MSE loss only)")
+    if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
+        loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
         skip(f"loss_scaler: {ot['loss_scaler']} is not supported")
-    for key in ("rescale_noise_scheduler_to_zero_terminal_snr", "force_v_prediction", "force_epsilon_prediction"):
-        if ot[key]:
-            skip(f"{key}: true is not supported (model.prediction_type sets epsilon / v_prediction)")
+    if ot["rescale_noise_scheduler_to_zero_terminal_snr"]:
+        skip("rescale_noise_scheduler_to_zero_terminal_snr: true is not supported")
+    for key, prediction in (("force_v_prediction", "v_prediction"), ("force_epsilon_prediction", "epsilon")):
+        if ot[key] and c["model"]["family"] in ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma"):
+            c["model"]["prediction_type"] = prediction  # OneTrainer overrides the noise scheduler's the same way
+        elif ot[key]:
+            skip(f"{key}: true: {c['model']['family']} has a fixed target")
+    if ot.get("custom_conditioning_image"):
+        skip("custom_conditioning_image: true (an inpainting model's conditioning image from a file) is not supported")
     if loss:
         c["loss"] = loss
     if ot["masked_training"]:
@@ -305,6 +435,35 @@ def _loss(ot: dict, c: dict, skip) -> None:
                  "model without the LoRA)")
 
 
+FLOW_SHIFTS = {"sd3": "its scheduler's shift (3.0 for SD3 / 3.5)", "flux": "Flux.1 dev's resolution-dependent shift",
+               "chroma": "its scheduler's shift"}
+
+
+def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
+    """OneTrainer's draw: a continuous t in [N min_noising_strength, N max_noising_strength), floored (N: the
+    scheduler's 1000 steps; 10000 for Würstchen / Stable Cascade's continuous time); LOGIT_NORMAL is
+    sigmoid(N(noising_bias, noising_weight + 1)); then t is shifted by timestep_shift (Flux: by the resolution with
+    dynamic_timestep_shifting)."""
+    family = c["model"]["family"]
+    distribution = ot["timestep_distribution"]
+    if distribution in TIMESTEP_DISTRIBUTIONS:
+        loss["timestep_distribution"] = TIMESTEP_DISTRIBUTIONS[distribution]
+    else:
+        skip(f"timestep_distribution: {distribution} (ot_dist draws uniform or logit_normal)")
+    if distribution == "LOGIT_NORMAL" and (ot["noising_bias"] or ot["noising_weight"]):
+        loss["logit_normal_mean"], loss["logit_normal_std"] = ot["noising_bias"], ot["noising_weight"] + 1.0
+    steps = 10000 if family in ("stable_cascade", "wuerstchen_v2") else 1000
+    if ot["min_noising_strength"] or ot["max_noising_strength"] < 1:
+        loss["min_timestep"] = int(steps * ot["min_noising_strength"])
+        loss["max_timestep"] = int(steps * ot["max_noising_strength"]) - 1  # ot_dist's bound is inclusive
+    shift, dynamic = ot["timestep_shift"], ot["dynamic_timestep_shifting"] and family == "flux"
+    if family in FLOW_SHIFTS and not (family == "flux" and dynamic):
+        skip(f"timestep_shift: {shift}{' (dynamic_timestep_shifting off)' if family == 'flux' else ''}: OneTrainer "
+             f"shifts {family} timesteps by it; ot_dist by {FLOW_SHIFTS[family]}")
+    elif family not in FLOW_SHIFTS and shift != 1.0:
+        skip(f"timestep_shift: {shift}: ot_dist does not shift {family} timesteps")
+
+
 def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
     if key in model.model_fields:
         section[key] = value
@@ -312,16 +471,17 @@ def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
         skip(f"{key}: {value} is not supported by this ot_dist version")
 
 
-def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, out: Imported) -> None:
+def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, out: Imported) -> list[bool]:
+    """Converts the concepts into c["data"]; returns each imported training concept's enable_crop_jitter."""
     concepts = ot["concepts"]
-    if concepts is None:
-        file = Path(concepts_path or ot["concept_file_name"])
+    if concepts is None or concepts_path:  # --concepts wins over concepts stored in the config
+        file = Path(concepts_path or local_path(ot["concept_file_name"], "concept_file_name", out))
         if not file.is_absolute() and not file.exists():
             file = config_path.parent / file
         concepts = read_json(file, "--concepts" if concepts_path else "concept_file_name")
-    converted = []
+    converted, crop_jitter = [], []
     for i, concept in enumerate(concepts):
-        concept = {**defaults.CONCEPT, **concept}
+        concept = {**defaults.CONCEPT, **_upgrade_concept(concept)}
         label = f"concepts[{i}] ({concept['name'] or concept['path']})"
         if not concept["enabled"]:
             out.notes.append(f"{label}: disabled in OneTrainer, not imported")
@@ -331,7 +491,7 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
                                     "not supported; not imported (type prior_preservation trains class images with "
                                     "their loss_weight, DreamBooth's way)")
             continue
-        entry = {"path": concept["path"], "balancing": concept["balancing"],
+        entry = {"path": local_path(concept["path"], f"{label}.path", out), "balancing": concept["balancing"],
                  "balancing_strategy": str(concept["balancing_strategy"]).lower()}
         if concept["type"] == "VALIDATION":
             entry["type"] = "validation"
@@ -346,7 +506,7 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
         elif source == "filename":
             entry["caption_source"] = "filename"
         elif source == "concept":
-            prompt_file = Path(text["prompt_path"])
+            prompt_file = Path(local_path(text["prompt_path"], f"{label}.text.prompt_path", out))
             if prompt_file.is_file():
                 lines = [line.strip() for line in prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
                 entry["caption_source"], entry["caption_text"] = "text", lines[0] if lines else ""
@@ -361,11 +521,13 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
             entry["tag_delimiter"] = text.get("tag_delimiter", ",") or ","
             entry["keep_tags_count"] = text.get("keep_tags_count", 1)
         if text.get("tag_dropout_enable"):
-            if text.get("tag_dropout_mode", "FULL") == "FULL" and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
+            mode = text.get("tag_dropout_mode", "FULL")
+            if mode in ("FULL", "RANDOM") and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
                 entry["tag_dropout_probability"] = text.get("tag_dropout_probability", 0.0)
+                entry["tag_dropout_mode"] = mode.lower()
             else:
-                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {text.get('tag_dropout_mode')} / special tags "
-                                        "(ot_dist drops each tag with one probability, OneTrainer's FULL mode)")
+                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {mode} / special tags (ot_dist has "
+                                        "OneTrainer's FULL and RANDOM modes, without special tags)")
         if text.get("caps_randomize_enable"):
             out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
         image = concept.get("image") or {}
@@ -389,10 +551,24 @@ def _concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None, o
             if concept[key] != 1:
                 out.not_honoured.append(f"{label}.{key}: {concept[key]} cached variations are not supported")
         converted.append(entry)
+        if concept["type"] == "STANDARD":
+            crop_jitter.append(bool(image.get("enable_crop_jitter", True)))
     if not any(e.get("type") != "validation" for e in converted):
         raise ConfigError("concepts: no enabled standard concept to import (ot_dist needs at least one image folder)")
     c.setdefault("data", {})["concepts"] = converted
     _validation(ot, c, out)
+    return crop_jitter
+
+
+def _upgrade_concept(concept: dict) -> dict:
+    """ConceptConfig's migrations: `repeats` became `balancing` (version 1), `validation_concept` `type` (2)."""
+    concept = dict(concept)
+    if "repeats" in concept:
+        concept.setdefault("balancing", concept.pop("repeats"))
+    if "validation_concept" in concept:
+        validation = concept.pop("validation_concept")
+        concept.setdefault("type", "VALIDATION" if validation else "STANDARD")
+    return concept
 
 
 def _validation(ot: dict, c: dict, out: Imported) -> None:
@@ -410,8 +586,8 @@ def _validation(ot: dict, c: dict, out: Imported) -> None:
 
 def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:
     samples = ot["samples"]
-    if samples is None:
-        file = Path(samples_path or ot["sample_definition_file_name"])
+    if samples is None or samples_path:  # --samples wins over samples stored in the config
+        file = Path(samples_path or local_path(ot["sample_definition_file_name"], "sample_definition_file_name", out))
         if not file.is_absolute() and not file.exists():
             file = config_path.parent / file
         if not file.exists():
@@ -419,15 +595,24 @@ def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out
                 raise InputFileError(f"--samples: {file} does not exist")
             return  # OneTrainer's default samples file is optional too
         samples = read_json(file, "--samples" if samples_path else "sample_definition_file_name")
-    prompts = []
-    for sample in samples:
-        sample = {**defaults.SAMPLE, **sample}
+    family = c["model"]["family"]
+    prompts, samplers = [], []
+    for i, sample in enumerate(samples):
+        sample = {**defaults.SAMPLE, **defaults.SAMPLE_BY_FAMILY.get(family, {}), **sample}
         if not sample["enabled"]:
             continue
+        if not sample["prompt"].strip():
+            out.not_honoured.append(f"samples[{i}]: an empty prompt is not sampled by ot_dist")
+            continue
+        if sample["random_seed"]:
+            out.not_honoured.append(f"samples[{i}].random_seed: true: ot_dist samples with a fixed seed "
+                                    f"({sample['seed']}), the same image for the same weights")
         prompts.append({"prompt": sample["prompt"], "negative_prompt": sample["negative_prompt"] or "",
-                        "seed": None if sample["random_seed"] else sample["seed"], "width": sample["width"],
-                        "height": sample["height"], "steps": sample["diffusion_steps"],
-                        "guidance_scale": sample["cfg_scale"]})
+                        "seed": sample["seed"], "width": sample["width"], "height": sample["height"],
+                        "steps": sample["diffusion_steps"], "guidance_scale": sample["cfg_scale"]})
+        samplers.append(str(sample["noise_scheduler"]))
+    if prompts and family in SAMPLERS_FROM_NOISE_SCHEDULER:  # the others sample with their own scheduler only
+        _sampler(samplers, c, out)
     if not prompts:
         return
     sampling = {"prompts": prompts}
@@ -438,24 +623,62 @@ def _samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out
         sampling["every_n_epochs"] = every
     elif unit != "NEVER":
         out.not_honoured.append(f"sample_after_unit: {unit} (ot_dist samples every N steps or epochs, and at the end)")
-    c["sampling"] = sampling
+    c["sampling"] = {**c.get("sampling", {}), **sampling}
+
+
+SAMPLERS_FROM_NOISE_SCHEDULER = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
+NOISE_SCHEDULERS = {"DDIM": "ddim", "EULER": "euler", "EULER_A": "euler_a", "DPMPP": "dpmpp_2m", "UNIPC": "unipc"}
+
+
+def _sampler(samplers: list[str], c: dict, out: Imported) -> None:
+    """OneTrainer's per-sample noise_scheduler; ot_dist has one sampling.sampler (the first sample's)."""
+    first = samplers[0]
+    if first in NOISE_SCHEDULERS:
+        c["sampling"] = {"sampler": NOISE_SCHEDULERS[first]}
+    else:
+        out.not_honoured.append(f"samples[].noise_scheduler: {first} is not an ot_dist sampler (ddim, euler, euler_a, "
+                                "dpmpp_2m, unipc); the model's own scheduler samples")
+    if len(set(samplers)) > 1:
+        out.not_honoured.append(f"samples[].noise_scheduler: {', '.join(sorted(set(samplers)))}: ot_dist samples every "
+                                f"prompt with one sampler, the first's ({first})")
 
 
 def _saving(ot: dict, c: dict, skip) -> None:
-    unit, every = ot["save_every_unit"], ot["save_every"]
-    if unit == "NEVER" or not every:
-        return
-    if unit == "STEP":
-        c["checkpoint"] = {"every_n_steps": every}
-    elif unit == "EPOCH":
-        c["checkpoint"] = {"every_n_epochs": every}
-    elif unit in MINUTES:
-        c["checkpoint"] = {"every_n_minutes": every * MINUTES[unit]}
-    else:
-        skip(f"save_every_unit: {unit} is not supported")
+    """OneTrainer writes two things on a clock: backups (resumable; backup_after, default every 30 minutes, all kept
+    unless rolling_backup keeps rolling_backup_count) and saves (the model, save_every, all kept). ot_dist writes
+    resumable checkpoints (`ot-dist export` makes the model files of any of them): one interval of each kind, and a
+    save interval keeps every checkpoint."""
+    checkpoint = {}
+    intervals = (("save_every", ot["save_every_unit"], ot["save_every"]),
+                 ("backup_after", ot["backup_after_unit"], ot["backup_after"]))
+    for key, unit, every in intervals:
+        if unit == "NEVER" or not every:
+            continue
+        if unit in MINUTES:
+            setting, value = "every_n_minutes", every * MINUTES[unit]
+        elif unit in ("STEP", "EPOCH"):
+            setting, value = f"every_n_{unit.lower()}s", int(every)
+        else:
+            skip(f"{key}_unit: {unit} is not supported")
+            continue
+        if setting in checkpoint and checkpoint[setting] != value:
+            skip(f"{key}: {every} {unit}: ot_dist has one {setting}; the save interval ({checkpoint[setting]}) is used")
+            continue
+        checkpoint[setting] = value
+    if "every_n_minutes" not in checkpoint:
+        checkpoint["every_n_minutes"] = None  # no time-based backups (ot_dist's default is 30 minutes)
+    saves = ot["save_every_unit"] != "NEVER" and ot["save_every"]
+    checkpoint["keep_last"] = ot["rolling_backup_count"] if ot["rolling_backup"] and not saves else None
+    for key in ("save_skip_first", "save_filename_prefix"):
+        if ot.get(key):
+            skip(f"{key}: {ot[key]!r} is not supported")
+    c["checkpoint"] = checkpoint
 
 
 PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr"}
+# TrainConfig's LoKr options (lokr_vec_trick only changes how OneTrainer computes the same product).
+LOKR_DEFAULTS = {"lokr_dim": 16, "lokr_decompose_both": False, "lokr_decompose_factor": -1, "lokr_use_tucker": False,
+                 "lokr_weight_decompose": False, "lokr_full_matrix": False}
 
 
 def _lora_variant(ot: dict, lora: dict, skip) -> None:
@@ -479,3 +702,9 @@ def _lora_variant(ot: dict, lora: dict, skip) -> None:
         if variant in ("loha", "lokr") and lora.get("dropout"):
             skip(f"dropout_probability: {lora['dropout']} (peft's {variant} has no input dropout); 0 instead")
             lora["dropout"] = 0.0
+    if variant == "lokr":
+        lora["rank"] = ot.get("lokr_dim", LOKR_DEFAULTS["lokr_dim"])  # OneTrainer's LoKr rank; lora_rank is not read
+        for key, default in LOKR_DEFAULTS.items():
+            if key != "lokr_dim" and ot.get(key, default) != default:
+                skip(f"{key}: {ot[key]} is not an option of ot_dist's lokr (peft's LoKr: factor -1, w1 whole, no "
+                     "Tucker, no weight decomposition)")

@@ -20,14 +20,70 @@ TRAIN = {
     "text_encoder_layer_skip": 0, "text_encoder_2_layer_skip": 0, "lora_rank": 16, "lora_alpha": 1.0, "dropout_probability": 0.0,
     "layer_filter_preset": "full", "layer_filter": "", "embedding_learning_rate": None,
     "sample_definition_file_name": "training_samples/samples.json", "samples": None, "sample_after": 10,
-    "sample_after_unit": "MINUTE", "save_every": 0, "save_every_unit": "NEVER", "gradient_checkpointing": "ON",
-    "weight_dtype": "FLOAT_32", "rescale_noise_scheduler_to_zero_terminal_snr": False,
-    "force_v_prediction": False, "force_epsilon_prediction": False,
+    "sample_after_unit": "MINUTE", "save_every": 0, "save_every_unit": "NEVER", "save_skip_first": 0,
+    "save_filename_prefix": "", "backup_after": 30, "backup_after_unit": "MINUTE", "rolling_backup": False,
+    "rolling_backup_count": 3,
+    "rescale_noise_scheduler_to_zero_terminal_snr": False, "force_v_prediction": False,
+    "force_epsilon_prediction": False, "noising_weight": 0.0, "noising_bias": 0.0, "timestep_shift": 1.0,
+    "dynamic_timestep_shifting": False, "lora_model_name": "", "embedding_weight_dtype": "FLOAT_32",
+    "preserve_embedding_norm": False,
 }
+# TrainModelPartConfig's defaults (config version 11 keeps weight_dtype and gradient checkpointing per part) ...
 PART = {"train": True, "learning_rate": None, "stop_training_after": None, "stop_training_after_unit": "NEVER",
-        "weight_dtype": "FLOAT_32", "model_name": ""}
-OPTIMIZER = {"optimizer": "ADAMW"}
-EMBEDDING = {"placeholder": "<embedding>", "token_count": 1, "initial_embedding_text": "*", "train": True}
+        "weight_dtype": "FLOAT_32", "model_name": "", "include": True, "dropout_probability": 0.0,
+        "train_embedding": True, "attention_mask": False, "guidance_scale": 1.0, "gradient_checkpointing": True,
+        "offload_fraction": 0.0, "activation_offloading": False}
+# ... and what TrainConfig sets on top for each part: the text encoders stop training after 30 epochs, so a preset
+# that leaves them out (or names only their dtype) trains them for 30 epochs in OneTrainer.
+PART_OVERRIDES = {"unet": {"stop_training_after": 0}, "prior": {"stop_training_after": 0},
+                  "transformer": {"stop_training_after": 0},
+                  **{f"text_encoder{n}": {"stop_training_after": 30, "stop_training_after_unit": "EPOCH"}
+                     for n in ("", "_2", "_3", "_4")}}
+# TrainOptimizerConfig's defaults (of the options some ot_dist optimizer has): what OneTrainer runs for a preset
+# without an optimizer section (the per-optimizer table of optimizer_util applies only when one is chosen in the UI).
+OPTIMIZER = {"optimizer": "ADAMW", "amsgrad": False, "capturable": False, "centered": False, "decouple": False,
+             "differentiable": False, "foreach": False, "fsdp_in_use": False, "fused": False, "fused_back_pass": False,
+             "is_paged": False, "maximize": False, "nesterov": False, "no_prox": False, "relative_step": False,
+             "safeguard_warmup": False, "scale_parameter": False, "stochastic_rounding": True,
+             "use_bias_correction": False, "warmup_init": False, "decoupled_decay": False, "fixed_decay": False,
+             "rectify": False, "degenerated_to_sgd": False, "cautious": False, "weight_decay_by_lr": True,
+             "use_speed": False, "split_groups": True, "split_groups_mean": True, "factored": True,
+             "factored_fp32": True, "use_stableadamw": True, "use_cautious": False, "use_grams": False,
+             "use_adopt": False, "d_limiter": True, "use_schedulefree": True, "use_orthograd": False}
+EMBEDDING = {"placeholder": "<embedding>", "token_count": 1, "initial_embedding_text": "*", "train": True,
+             "model_name": "", "stop_training_after": None, "stop_training_after_unit": "NEVER",
+             "is_output_embedding": False}
+# TrainOptimizerConfig's own defaults of the options whose default is not None / False / {}: a UI-saved config carries
+# every option of every optimizer at these "unset" values, which no optimizer then reads.
+OPTIMIZER_UNSET_TRUE = ("stochastic_rounding", "weight_decay_by_lr", "split_groups", "split_groups_mean", "factored",
+                        "factored_fp32", "use_stableadamw", "d_limiter", "use_schedulefree", "rms_rescaling")
+# Options OneTrainer's optimizer_util.OPTIMIZER_DEFAULT_PARAMETERS gives an optimizer ot_dist also has, that ot_dist's
+# implementation lacks, with OneTrainer's default: at that default they change nothing ot_dist would do differently.
+OPTIMIZER_OPTIONS_NOT_IN_OT_DIST = {
+    "ADAGRAD": {"optim_bits": 32, "min_8bit_size": 4096, "percentile_clipping": 100, "block_wise": True},
+    "ADAGRAD_8BIT": {"lr_decay": 0, "initial_accumulator_value": 0, "optim_bits": 8, "percentile_clipping": 100,
+                     "block_wise": True, "fused_back_pass": False},
+    "ADAM_8BIT": {"amsgrad": False, "optim_bits": 32, "percentile_clipping": 100, "block_wise": True},
+    "ADAMW_8BIT": {"amsgrad": False, "optim_bits": 32, "percentile_clipping": 100, "block_wise": True},
+    "AdEMAMix": {"optim_bits": 32, "min_8bit_size": 4096},
+    "LAMB": {"bias_correction": True, "amsgrad": False, "adam_w_mode": True, "optim_bits": 32, "min_8bit_size": 4096,
+             "percentile_clipping": 100, "block_wise": False},
+    "LAMB_8BIT": {"bias_correction": True, "amsgrad": False, "adam_w_mode": True, "percentile_clipping": 100,
+                  "block_wise": False, "max_unorm": 1.0},
+    "LARS": {"dampening": 0, "nesterov": False, "optim_bits": 32, "min_8bit_size": 4096, "percentile_clipping": 100},
+    "LARS_8BIT": {"dampening": 0, "nesterov": False, "percentile_clipping": 100},
+    "LION": {"use_triton": False},
+    "LION_8BIT": {"percentile_clipping": 100, "block_wise": True},
+    "RMSPROP": {"optim_bits": 32, "min_8bit_size": 4096, "percentile_clipping": 100, "block_wise": True},
+    "RMSPROP_8BIT": {"momentum": 0, "centered": False, "percentile_clipping": 100, "block_wise": True},
+    "SGD_8BIT": {"dampening": 0, "nesterov": False, "percentile_clipping": 100, "block_wise": True},
+    "PRODIGY_PLUS_SCHEDULE_FREE": {"fused_back_pass": False},
+    "CAME": {"use_cautious": False, "fused_back_pass": False},
+    "CAME_8BIT": {"fused_back_pass": False},
+    "YOGI": {"r": 0.95, "adanorm": False, "adam_debias": False},
+    "MUON": {"MuonWithAuxAdam": True, "muon_hidden_layers": None, "muon_adam_regex": False, "muon_te1_adam_lr": None,
+             "muon_te2_adam_lr": None, "muon_adam_config": {}},
+}
 CONCEPT = {"name": "", "path": "", "enabled": True, "type": "STANDARD", "include_subdirectories": False,
            "balancing": 1.0, "balancing_strategy": "REPEATS", "loss_weight": 1.0, "image_variations": 1,
            "text_variations": 1}
@@ -40,5 +96,20 @@ CONCEPT_IMAGE_OFF = {"enable_random_flip": False, "enable_fixed_flip": False, "e
                      "enable_random_saturation": False, "enable_fixed_saturation": False, "enable_random_hue": False,
                      "enable_fixed_hue": False, "enable_resolution_override": False,
                      "enable_random_circular_mask_shrink": False, "enable_random_mask_rotate_crop": False}
+# SampleConfig's defaults: `_get_model_defaults(model_type)` of SampleConfig.py, by ot_dist family.
 SAMPLE = {"enabled": True, "prompt": "", "negative_prompt": "", "height": 512, "width": 512, "seed": 42,
-          "random_seed": False, "diffusion_steps": 20, "cfg_scale": 7.0}
+          "random_seed": False, "diffusion_steps": 30, "cfg_scale": 7.0, "noise_scheduler": "DDIM"}
+_SIDE_1024 = {"width": 1024, "height": 1024}
+SAMPLE_BY_FAMILY = {
+    "sd1": {"cfg_scale": 7.5, "noise_scheduler": "EULER_A"},
+    "sd2": {"width": 768, "height": 768, "cfg_scale": 7.5},
+    "sdxl": {**_SIDE_1024, "cfg_scale": 7.5, "noise_scheduler": "EULER_A"},
+    "sd3": {**_SIDE_1024, "diffusion_steps": 28},
+    "flux": {**_SIDE_1024, "cfg_scale": 3.5},
+    "chroma": {**_SIDE_1024, "cfg_scale": 3.5, "negative_prompt": (
+        "This low-quality, greyscale, unfinished sketch is inaccurate and flawed. The image is very blurred and lacks "
+        "detail, with excessive chromatic aberrations and artifacts. The image is overly saturated with excessive "
+        "bloom.")},
+    **{name: {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.5} for name in ("pixart_alpha", "pixart_sigma")},
+    **{name: {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0} for name in ("stable_cascade", "wuerstchen_v2")},
+}

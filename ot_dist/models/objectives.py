@@ -61,6 +61,13 @@ class DDPM(Objective):
             config["prediction_type"] = prediction_type
         self.scheduler = DDPMScheduler.from_config(config)
         self.prediction_type = self.scheduler.config.prediction_type
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            from ot_dist.errors import ConfigError
+
+            # `target` knows these two; any other would silently train the epsilon target
+            raise ConfigError(f"model.prediction_type: the model's scheduler config says {self.prediction_type!r}; "
+                              "ot_dist trains epsilon or v_prediction (set model.prediction_type to the one the "
+                              "model predicts)")
         self.num_timesteps = self.scheduler.config.num_train_timesteps
 
     def draw(self, g, options, latent_shape):
@@ -74,13 +81,32 @@ class DDPM(Objective):
             return self.scheduler.get_velocity(latents, noise, timesteps)
         return noise
 
+    def zero_terminal_snr(self) -> bool:
+        """The schedule ends in pure noise (rescale_betas_zero_snr): SNR 0 at the last timestep."""
+        return bool(self.scheduler.alphas_cumprod[-1] == 0)
+
     def sample_weights(self, timesteps, options):
         name, strength = options.weighting()
+        if name == "DEBIASED_ESTIMATION" and self.prediction_type == "epsilon" and self.zero_terminal_snr():
+            from ot_dist.errors import ConfigError
+
+            raise ConfigError("loss.weight_fn: DEBIASED_ESTIMATION weights epsilon prediction by 1 / sqrt(SNR), "
+                              "infinite at the last timestep of this model's zero-terminal-SNR schedule (the loss "
+                              "would become inf / NaN whenever it is drawn); train with v_prediction, or set "
+                              f"loss.max_timestep: {self.num_timesteps - 2}")
         return ddpm_weights(name, strength, self.scheduler.alphas_cumprod, timesteps, self.prediction_type)
 
     def offset_noise_psi(self, timesteps, options):
         if not options.generalized_offset_noise:
             return None
+        if self.zero_terminal_snr():
+            from ot_dist.errors import ConfigError
+
+            # alpha_T = 0 makes the last C_t of Algorithm 1 infinite: psi_t comes out 0 before T and NaN at T
+            raise ConfigError("loss.generalized_offset_noise: this model's noise schedule has zero terminal SNR "
+                              "(alphas_cumprod at the last timestep is 0), where psi_t is 0 at every timestep but the "
+                              "last and undefined there, so no offset would be trained; use loss.offset_noise_weight "
+                              "alone (plain offset noise)")
         if getattr(self, "_psi", None) is None:
             self._psi = generalized_offset_psi(self.scheduler.betas)
         return self._psi.to(timesteps.device)[timesteps]

@@ -1,14 +1,19 @@
-"""CAME_8BIT: pytorch-optimizer's CAME with its first moment kept in 8 bits between steps.
+"""CAME_8BIT: CAME with its first moment kept in 8 bits between steps, as OneTrainer's CAME_8BIT
+(modules/util/optimizer/CAME8bit.py, after "Memory-Efficient CAME-8bit Optimizer", SANA 1.5 section 2.3) steps it.
 
-What is quantised follows OneTrainer's CAME_8BIT (modules/util/optimizer/CAME8bit.py, after "Memory-Efficient
-CAME-8bit Optimizer", SANA 1.5 section 2.3): only the first moment `exp_avg`, and only of the tensors whose second
-moment is factored (weight matrices) with more than `min_8bit_size` elements; the factored row / column statistics
-are small and stay in 32 bits, and so does everything of smaller tensors. The quantisation itself is bitsandbytes'
-block-wise dynamic 8-bit code (`quantize_blockwise`: one absmax per block of `quant_block_size` elements; it runs on
-CPU and CUDA) instead of OneTrainer's own min/max code.
+Which tensors are factored follows OneTrainer's CAME_8BIT, which differs from its CAME there: a weight matrix, and a
+1x1 convolution as its (out, in) matrix, keep factored row / column statistics and take the confidence factor; every
+other tensor (a bias, a norm scale, a 3x3 convolution kernel) keeps a full second moment and steps by its momentum
+alone, as CAME steps a vector. (CAME and pytorch-optimizer factor anything of 2 dimensions and up over its last two.)
 
-The update is pytorch-optimizer's CAME (its per-tensor path, the one `CAME` in this registry runs), so with nothing
-quantised CAME_8BIT steps exactly as CAME does. Each tensor's moment is dequantised, updated and quantised again in
+What is quantised follows it too: only the first moment `exp_avg`, and only of the factored tensors with more than
+`min_8bit_size` elements; the row / column statistics are small and stay in 32 bits, and so does everything of the
+other tensors. The quantisation itself is bitsandbytes' block-wise dynamic 8-bit code (`quantize_blockwise`: one
+absmax per block of `quant_block_size` elements; it runs on CPU and CUDA) instead of OneTrainer's own min/max code.
+
+The arithmetic is pytorch-optimizer's CAME (its per-tensor path, the one `CAME` in this registry runs): with nothing
+quantised, a matrix or a vector steps exactly as CAME steps it, a 1x1 convolution as CAME steps its (out, in) matrix
+and any other tensor as CAME steps it flattened. Each tensor's moment is dequantised, updated and quantised again in
 turn, so at most one tensor's 32-bit moment exists at a time.
 
 State per quantised tensor: `exp_avg_8bit` (uint8, the parameter's shape) and `exp_avg_absmax` (float32, one per
@@ -56,9 +61,19 @@ def came8bit_class() -> type:
             return "CAME_8BIT"
 
         @staticmethod
-        def quantised(p: torch.Tensor, group) -> bool:
-            """OneTrainer's rule: a factored matrix with more than min_8bit_size elements."""
-            return CAME.get_options(p.shape) and p.numel() > group["min_8bit_size"]
+        def matrix_shape(shape: torch.Size) -> tuple[int, int] | None:
+            """The (rows, columns) OneTrainer's CAME_8BIT factors a tensor as: a matrix, or a 1x1 convolution as its
+            (out, in) matrix; None for any other tensor (full second moment, no confidence factor)."""
+            if len(shape) == 2:
+                return shape[0], shape[1]
+            if len(shape) == 4 and shape[2] == 1 and shape[3] == 1:
+                return shape[0], shape[1]
+            return None
+
+        @classmethod
+        def quantised(cls, p: torch.Tensor, group) -> bool:
+            """OneTrainer's rule: a factored tensor with more than min_8bit_size elements."""
+            return cls.matrix_shape(p.shape) is not None and p.numel() > group["min_8bit_size"]
 
         def _code(self, device: torch.device) -> torch.Tensor:
             if device not in self._codes:
@@ -86,12 +101,11 @@ def came8bit_class() -> type:
                 self._store(state, torch.zeros_like(p, dtype=torch.float32), group["quant_block_size"])
             else:
                 state["exp_avg"] = torch.zeros_like(p)
-            if CAME.get_options(grad.shape):
-                shape = grad.shape
+            matrix = self.matrix_shape(grad.shape)
+            if matrix is not None:
                 for kind in ("sq", "res"):
-                    state[f"exp_avg_{kind}_row"] = torch.zeros(shape[:-1], dtype=grad.dtype, device=grad.device)
-                    state[f"exp_avg_{kind}_col"] = torch.zeros(shape[:-2] + shape[-1:], dtype=grad.dtype,
-                                                               device=grad.device)
+                    state[f"exp_avg_{kind}_row"] = torch.zeros(matrix[0], dtype=grad.dtype, device=grad.device)
+                    state[f"exp_avg_{kind}_col"] = torch.zeros(matrix[1], dtype=grad.dtype, device=grad.device)
             else:
                 state["exp_avg_sq"] = torch.zeros_like(grad)
             state["RMS"] = 0.0
@@ -116,14 +130,20 @@ def came8bit_class() -> type:
         def _step_one(self, p: torch.Tensor, group, beta1: float, beta2: float, beta3: float) -> None:
             grad, state = p.grad, self.state[p]
             self.maximize_gradient(grad, maximize=self.maximize)
-            factored = CAME.get_options(grad.shape)
+            matrix = self.matrix_shape(grad.shape)
+            if (matrix is not None) != ("exp_avg_sq_row" in state):
+                raise RuntimeError(
+                    f"CAME_8BIT: the state of a {tuple(grad.shape)} tensor was saved by an earlier ot_dist, which "
+                    "factored every tensor of 2 dimensions and up; it cannot resume with OneTrainer's rule (matrices "
+                    "and 1x1 convolutions only). Resume with that ot_dist, or start the optimizer afresh")
             quantised = "exp_avg_8bit" in state
             state["RMS"] = self.get_rms(p)
             self.apply_weight_decay(p=p, grad=grad, lr=group["lr"], weight_decay=group["weight_decay"],
                                     weight_decouple=group["weight_decouple"], fixed_decay=group["fixed_decay"])
 
-            update = torch.mul(grad, grad).add_(self.eps1)
-            if factored:
+            g = grad.reshape(matrix) if matrix is not None else grad  # a 1x1 convolution as its (out, in) matrix
+            update = torch.mul(g, g).add_(self.eps1)
+            if matrix is not None:
                 row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
                 row.mul_(beta2).add_(update.mean(dim=-1), alpha=1.0 - beta2)
                 col.mul_(beta2).add_(update.mean(dim=-2), alpha=1.0 - beta2)
@@ -132,21 +152,22 @@ def came8bit_class() -> type:
                 exp_avg_sq = state["exp_avg_sq"]
                 exp_avg_sq.mul_(beta2).add_(update, alpha=1.0 - beta2)
                 torch.rsqrt(exp_avg_sq, out=update)
-            update.mul_(grad)
+            update.mul_(g)
             update.div_((self.get_rms(update) / self.clip_threshold).clamp_(min=1.0))
 
             exp_avg = self._load(state, group["quant_block_size"], update.dtype) if quantised else state["exp_avg"]
-            exp_avg.lerp_(update, weight=1.0 - beta1)
-            if factored:
-                res = (update - exp_avg).pow_(2).add_(self.eps2)
+            momentum = exp_avg.view(update.shape)  # the same storage, in the shape the update is computed in
+            momentum.lerp_(update, weight=1.0 - beta1)
+            if matrix is not None:
+                res = (update - momentum).pow_(2).add_(self.eps2)
                 row, col = state["exp_avg_res_row"], state["exp_avg_res_col"]
                 row.mul_(beta3).add_(res.mean(dim=-1), alpha=1.0 - beta3)
                 col.mul_(beta3).add_(res.mean(dim=-2), alpha=1.0 - beta3)
                 self.approximate_sq_grad(row, col, update)
-                update.mul_(exp_avg)
+                update.mul_(momentum)
             else:
-                update = exp_avg
-            p.add_(update, alpha=-group["lr"])
+                update = momentum
+            p.add_(update.view(p.shape), alpha=-group["lr"])
             if quantised:
                 self._store(state, exp_avg, group["quant_block_size"])
 

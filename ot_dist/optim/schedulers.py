@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -102,22 +103,28 @@ def adafactor_relative_step(step: int, warmup_init: bool) -> float:
 
 class WarmupThen:
     """Linear warmup, then a torch LRScheduler that starts where the warmup ends (its step 0 is the first
-    step after warmup). Built at step 0 so it sees the groups' base learning rates."""
+    step after warmup), as OneTrainer composes them: a LambdaLR of step / warmup on each group's `initial_lr`, then the
+    class (torch's SequentialLR with the milestone at the warmup). Built at step 0, after the class, so the warmup
+    climbs to the `initial_lr` the class left (OneCycleLR sets its own), not to the class's first learning rate."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, warmup: int, inner):
         self.optimizer, self.warmup, self.inner = optimizer, warmup, inner
-        self.start_lrs = [group["lr"] for group in optimizer.param_groups]  # the inner schedule's step 0
+        self.start_lrs = [group["initial_lr"] for group in optimizer.param_groups]  # what the warmup climbs to
         self.last_epoch = 0
         self._apply()
 
     def _apply(self) -> None:
         step, groups = self.last_epoch, self.optimizer.param_groups
-        if step < self.warmup:  # OneTrainer: a LambdaLR of step / warmup, then the class (SequentialLR)
+        if step < self.warmup:
             for group, lr in zip(groups, self.start_lrs):
                 group["lr"] = lr * float(step) / float(self.warmup)
         elif step == self.warmup:
-            for group, lr in zip(groups, self.start_lrs):
-                group["lr"] = lr
+            if self.warmup:  # without a warmup the class's construction made its step 0
+                # SequentialLR starts the class at its milestone as step(0) does: the closed form at 0 where the
+                # class has one, else its get_lr() from the learning rates the warmup left (CyclicLR: base_lr)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # step(epoch) is deprecated; it is what SequentialLR does
+                    self.inner.step(0)
         else:
             self.inner.step()
 
@@ -151,11 +158,16 @@ class AdafactorStepSize(torch.optim.lr_scheduler.LRScheduler):
 
 
 def placeholder_values(config, plan: StepPlan) -> dict[str, Any]:
-    warmup = config.scheduler.resolved_warmup(plan.total_steps, config.gradient_accumulation_steps)
+    """CUSTOM's placeholders, as OneTrainer fills them (create.create_lr_scheduler): %STEPS_PER_EPOCH% is the length
+    of its data loader, the batches one process draws in an epoch, before gradient accumulation, while the
+    schedule is stepped once per optimizer step (so StepLR(step_size=%STEPS_PER_EPOCH%) with accumulation 4 steps
+    every 4 epochs, in OneTrainer and here); %TOTAL_STEPS% and %SCHEDULER_STEPS% count optimizer steps."""
+    accumulation = config.gradient_accumulation_steps
+    warmup = config.scheduler.resolved_warmup(plan.total_steps, accumulation)
     values = {
         "%LR%": config.learning_rate,
         "%EPOCHS%": config.epochs,
-        "%STEPS_PER_EPOCH%": plan.steps_per_epoch,
+        "%STEPS_PER_EPOCH%": plan.steps_per_epoch * accumulation,
         "%TOTAL_STEPS%": plan.total_steps,
         "%SCHEDULER_STEPS%": max(1, plan.total_steps - warmup),
     }

@@ -145,13 +145,15 @@ def inpainting_condition(model: LoadedModel, batch: dict, latent_shape: torch.Si
 def per_sample_mean(values: torch.Tensor, element_weights: torch.Tensor | None = None,
                     normalize: bool = False) -> torch.Tensor:
     """Each sample's mean of element_weights x an elementwise loss (`normalize`: divided by the mean of its element
-    weights, the masked area)."""
+    weights, the masked area; a sample whose weights are all 0, a black mask with unmasked_weight 0, adds 0 where
+    OneTrainer divides 0 by 0)."""
     if element_weights is not None:
         element_weights = element_weights.to(values)
         values = values * element_weights
     per_sample = values.mean(dim=tuple(range(1, values.dim())))
     if element_weights is not None and normalize:
-        per_sample = per_sample / element_weights.mean(dim=tuple(range(1, element_weights.dim())))
+        area = element_weights.mean(dim=tuple(range(1, element_weights.dim())))
+        per_sample = torch.where(area > 0, per_sample / area.clamp(min=1e-12), torch.zeros_like(per_sample))
     return per_sample
 
 

@@ -103,8 +103,11 @@ def ddpm_weights(name: str, strength: float, alphas_cumprod: torch.Tensor, times
 
 def min_snr_weights(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, gamma: float,
                     prediction_type: str) -> torch.Tensor:
-    """Per-sample loss weights min(SNR, gamma) / SNR (epsilon) or / (SNR + 1) (v-prediction)."""
+    """Per-sample loss weights min(SNR, gamma) / SNR (epsilon) or / (SNR + 1) (v-prediction). For epsilon it is
+    computed as min(1, gamma / SNR), the same value, which at SNR 0 (a zero-terminal-SNR schedule's last timestep)
+    is its limit 1 where the quotient is 0 / 0 = NaN."""
     alpha_bar = alphas_cumprod.to(timesteps.device)[timesteps].double()
     snr = alpha_bar / (1 - alpha_bar)
-    clipped = snr.clamp(max=gamma)
-    return (clipped / (snr + 1) if prediction_type == "v_prediction" else clipped / snr).float()
+    if prediction_type == "v_prediction":
+        return (snr.clamp(max=gamma) / (snr + 1)).float()
+    return (gamma / snr).clamp(max=1.0).float()

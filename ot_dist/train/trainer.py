@@ -33,6 +33,7 @@ from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import DTYPES, set_tf32
+from ot_dist.train.cuda_allocator import configure_cuda_allocator
 from ot_dist.train.checkpointing import enable_gradient_checkpointing
 from ot_dist.train.ema import ShardedEMA
 from ot_dist.train.fast_path import apply_performance, attention_kernel, check_performance, selective_checkpointing
@@ -87,6 +88,7 @@ class Trainer:
             self.log(f"warning: {space}")
         check_input_paths(config)  # a missing model is named before shards are built
         check_performance(config.performance, self.device)
+        configure_cuda_allocator(config.performance, self.device)  # before anything is placed on the device
         for warning in setup_warnings(config, self.runtime.world_size):
             self.log(f"warning: {warning}")
         self.tracking_sender = start_sender(config, self.runtime.is_main, self.log)  # MLflow loads meanwhile, elsewhere

@@ -64,5 +64,7 @@ def validate_cascade_file(path: Path, config: dict) -> None:
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
     if missing or unexpected or wrong:
+        from ot_dist.models.families.single_file_keys import quantization_hint
+
         raise InputFileError(f"model.path: {path} is not a stage C of this prior config: missing {missing[:3]}, "
-                             f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]}")
+                             f"unexpected {unexpected[:3]}, wrong shapes {wrong[:3]}" + quantization_hint(unexpected))

@@ -58,6 +58,14 @@ class UNetFamily(Family):
     def objective_kind(self) -> str:
         return "ddpm"
 
+    def complete_pipeline(self, pipeline, path: Path, model_config):
+        # model.prediction_type names what the UNet is trained to predict: the scheduler must say so too, since the
+        # exports take it from there (the diffusers folder's scheduler config, the single file's v_pred marker).
+        from ot_dist.models.families.sd_single_file import with_prediction_type
+
+        return with_prediction_type(pipeline, None if model_config.prediction_type == "auto" else
+                                    model_config.prediction_type)
+
     samplers = ("ddim", "euler", "euler_a", "dpmpp_2m", "unipc")
 
     def sampling_overrides(self, objective: DDPM) -> dict:

@@ -72,7 +72,9 @@ class SD3(Family):
         return {"hidden": torch.cat([clip, t5_hidden.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
-        return denoiser(hidden_states=noisy, timestep=timesteps.to(noisy.dtype),
+        # The timestep stays float32, as StableDiffusion3Pipeline and diffusers' SD3 training scripts pass it: its
+        # sinusoidal embedding is computed in float32, and bfloat16 would round t near 1000 to a multiple of 4.
+        return denoiser(hidden_states=noisy, timestep=timesteps.float(),
                         encoder_hidden_states=conditioning["hidden"], pooled_projections=conditioning["pooled"],
                         return_dict=False)[0]
 

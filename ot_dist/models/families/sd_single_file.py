@@ -41,6 +41,13 @@ SD1_TEXT_PREFIX = "cond_stage_model.transformer."
 SD2_TEXT_PREFIX = "cond_stage_model.model."
 SDXL_TEXT_PREFIX = "conditioner.embedders.0.transformer."
 SDXL_TEXT2_PREFIX = "conditioner.embedders.1.model."
+# The marker of a v-prediction model: an empty tensor under this root key. ComfyUI writes it when it saves a
+# v-prediction model, and ComfyUI and Forge read it to tell v-prediction SDXL checkpoints (NoobAI-XL v-pred...) from
+# epsilon ones; the weights alone cannot say. Readers that do not know it ignore it (A1111 and diffusers).
+V_PRED_KEY = "v_pred"
+# Beside it, the marker of a zero-terminal-SNR schedule (diffusers' rescale_betas_zero_snr): ComfyUI samples a v_pred
+# SDXL file that also has it with zero terminal SNR, Forge any file that has it.
+ZTSNR_KEY = "ztsnr"
 
 # Keys under a component prefix that real checkpoints carry but no diffusers module has (buffers,
 # OpenCLIP's contrastive temperature); the diffusers loader ignores them as well.
@@ -320,7 +327,9 @@ def export_single_file(
 ) -> Path:
     """Write unet / vae / text_encoder[/ text_encoder_2] as one original-layout `.safetensors` file.
 
-    `components` may be a pipeline's `.components` (tokenizers, scheduler etc. are ignored). `dtype`
+    `components` may be a pipeline's `.components` (tokenizers etc. are ignored); a v-prediction `scheduler` among
+    them adds the `v_pred` marker (V_PRED_KEY) that ComfyUI and Forge detect v-prediction by, a zero-terminal-SNR one
+    (`rescale_betas_zero_snr`) the `ztsnr` marker (ZTSNR_KEY). `dtype`
     casts floating-point tensors on save. The file is written under a temporary name in the target
     folder and moved into place with os.replace, so readers never see a partial file.
     """
@@ -337,6 +346,11 @@ def export_single_file(
         if dtype is not None and value.is_floating_point():
             value = value.to(dtype)
         tensors[key] = value.contiguous()
+    scheduler_config = components["scheduler"].config if components.get("scheduler") is not None else {}
+    markers = {V_PRED_KEY: scheduler_config.get("prediction_type") == "v_prediction",
+               ZTSNR_KEY: bool(scheduler_config.get("rescale_betas_zero_snr"))}
+    for key in (k for k, present in markers.items() if present):
+        tensors[key] = torch.tensor([], dtype=dtype or torch.float32)  # present or not: it holds nothing
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
@@ -351,6 +365,25 @@ def export_single_file(
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def with_prediction_type(pipe, prediction_type: str | None):
+    """`pipe` with its scheduler set to `prediction_type` (None: unchanged): the scheduler is what sampling and every
+    export (the diffusers folder's scheduler config, the single file's `v_pred` marker) take the type from.
+
+    Never through diffusers' `prediction_type=` loading argument: it switches to its deprecated "legacy" scheduler
+    with made-up betas."""
+    if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
+    return pipe
+
+
+def with_zero_terminal_snr(pipe):
+    """`pipe` with its scheduler's betas rescaled to zero terminal SNR (a file's `ztsnr` marker). Schedulers without
+    the option (PNDM, SD 1.x's default) keep their schedule: diffusers gives them none."""
+    if not pipe.scheduler.config.get("rescale_betas_zero_snr"):
+        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, rescale_betas_zero_snr=True)
+    return pipe
 
 
 # ----------------------------------------------------------------------------------------------
@@ -492,8 +525,11 @@ def _validate_keys(path: Path, header: Mapping[str, tuple[int, ...]], expected: 
         problems.append(f"shape mismatches: {show(mismatched)}")
     guessed = _guess_family(header)
     hint = f" (the file looks like an {guessed} checkpoint)" if guessed and guessed != family else ""
+    from ot_dist.models.families.single_file_keys import quantization_hint
+
     raise InputFileError(
         f"{path} does not match the {family} architecture described by {folder}{hint}: " + "; ".join(problems)
+        + quantization_hint(unexpected)
     )
 
 
@@ -527,13 +563,17 @@ def load_single_file(
     from the checkpoint) only works if its configs are already in the local Hugging Face cache.
 
     The scheduler comes from `config_source`; `prediction_type` ("epsilon", "v_prediction", "sample")
-    overrides its prediction type (e.g. an SD 2.x 768-v checkpoint with a config that says epsilon).
+    overrides its prediction type (e.g. an SD 2.x 768-v checkpoint with a config that says epsilon). Without one, a
+    file that carries the `v_pred` marker (V_PRED_KEY) is a v-prediction model, as ComfyUI and Forge read it; one that
+    carries `ztsnr` (ZTSNR_KEY) was trained on a zero-terminal-SNR schedule, which the scheduler is then given.
     """
     _check_family(family)
     if prediction_type is not None and prediction_type not in PREDICTION_TYPES:
         raise ConfigError(f"prediction_type {prediction_type!r} must be one of {', '.join(PREDICTION_TYPES)}")
     path = Path(path)
     header = _read_header(path)
+    if prediction_type is None and V_PRED_KEY in header:
+        prediction_type = "v_prediction"
     folder = _resolve_config_source(config_source, header)
     _check_config_folder(folder, family)
     _validate_keys(path, header, _expected_shapes(folder, family), family, folder)
@@ -548,8 +588,7 @@ def load_single_file(
             kwargs["text_encoder_2"] = text_encoder_2
     try:
         # config=<local folder> makes diffusers read every component config from it and never touch the
-        # hub; local_files_only guards the sub-loaders. Do NOT pass prediction_type here: diffusers then
-        # switches to its deprecated "legacy" scheduler with made-up betas (see _override_prediction_type).
+        # hub; local_files_only guards the sub-loaders. Do NOT pass prediction_type here (with_prediction_type).
         pipe = pipeline_class.from_single_file(
             str(path), config=str(folder), local_files_only=True, torch_dtype=torch_dtype, **kwargs
         )
@@ -561,9 +600,8 @@ def load_single_file(
         if isinstance(exc, OSError):
             raise InputFileError(f"cannot load {path} with the architecture config {folder}: {exc}") from exc
         raise
-    if prediction_type is not None and pipe.scheduler.config.get("prediction_type") != prediction_type:
-        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type=prediction_type)
-    return pipe
+    pipe = with_prediction_type(pipe, prediction_type)
+    return with_zero_terminal_snr(pipe) if ZTSNR_KEY in header else pipe
 
 
 def _sdxl_text_encoder_2_if_ambiguous(path: Path, header, folder: Path, torch_dtype):
@@ -601,4 +639,5 @@ def _sdxl_text_encoder_2_if_ambiguous(path: Path, header, folder: Path, torch_dt
     )
 
 
-__all__ = ["FAMILIES", "export_single_file", "load_single_file", "to_ldm_state_dict"]
+__all__ = ["FAMILIES", "V_PRED_KEY", "ZTSNR_KEY", "export_single_file", "load_single_file", "to_ldm_state_dict",
+           "with_prediction_type"]

@@ -77,6 +77,19 @@ def full_config(cls: type, config: Any) -> dict:
     return merged
 
 
+# Keys that only ComfyUI's quantized files have (comfy/utils.py convert_old_quants: a `scaled_fp8` marker and per layer
+# `.scale_weight` / `.scale_input`; its newer mixed-precision files: `.weight_scale`, `.input_scale`, `.comfy_quant`).
+_QUANTIZATION_SUFFIXES = ("scaled_fp8", ".scale_weight", ".scale_input", ".weight_scale", ".input_scale", ".comfy_quant")
+
+
+def quantization_hint(unexpected: Iterable[str]) -> str:
+    """Why a file of the right model has keys too many, when they are ComfyUI's fp8 scales (its `*_fp8_scaled` files)."""
+    if any(k.endswith(_QUANTIZATION_SUFFIXES) for k in unexpected):
+        return (" (the extra keys are ComfyUI's scaled-fp8 quantization, which ot_dist does not read: train from the "
+                "unquantized bf16 / fp16 / fp32 file)")
+    return ""
+
+
 def _names(keys: Sequence[str]) -> str:
     keys = sorted(keys)
     shown = ", ".join(keys[:_MAX_NAMED])
@@ -215,7 +228,7 @@ class HeaderReport:
         text = f"not a {self.what} checkpoint for this config: " + "; ".join(parts)
         if self.looks_like and self.looks_like != self.what:
             text += f" (the keys look like a {self.looks_like} checkpoint)"
-        return text
+        return text + quantization_hint(self.unexpected)
 
     def raise_if_bad(self, path: str | Path | None = None) -> None:
         if not self.ok:

@@ -1,0 +1,50 @@
+"""OneTrainer's LoRA layer filter as ot_dist's lora.preset / lora.<denoiser>_targets.
+
+OneTrainer adapts the modules whose name contains one of the comma-separated `layer_filter` patterns (every layer
+when it is empty). Its UI fills `layer_filter` from the chosen `layer_filter_preset` (the model setup's
+LAYER_PRESETS), so a UI-saved config holds both and a built-in preset only the preset name."""
+
+from __future__ import annotations
+
+_SD = {"attn-mlp": ("attentions",), "attn-only": ("attn",)}
+_FLUX = {"attn-mlp": ("attn", "ff.net", "proj_mlp"), "attn-only": ("attn",), "blocks": ("transformer_block",)}
+_PIXART = {"attn-mlp": ("attn1", "attn2", "ff.net"), "attn-only": ("attn1", "attn2"), "blocks": ("transformer_block",)}
+_CASCADE = {"attn-only": ("attention",), "down-blocks": ("down_blocks",), "up-blocks": ("up_blocks",),
+            "mapper-only": ("mapper",)}
+# LAYER_PRESETS of OneTrainer's model setups, by ot_dist family ("full" is every layer everywhere).
+ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
+                      "sd3": {"attn-only": ("attn",), "blocks": ("transformer_block",)}, "flux": _FLUX,
+                      "chroma": _FLUX, "pixart_alpha": _PIXART, "pixart_sigma": _PIXART,
+                      "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE}
+# Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
+# input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
+FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                 "ff.net.0.proj", "ff.net.2", "proj_mlp")
+
+
+def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -> None:
+    presets = ONETRAINER_PRESETS.get(family, {})
+    text = (ot.get("layer_filter") or "").strip()
+    if text:
+        patterns = tuple(p.strip() for p in text.split(","))
+    else:
+        patterns = presets.get(ot.get("layer_filter_preset") or "full", ())
+    named = next((name for name, value in presets.items() if value == patterns), None)
+    if not any(patterns):
+        lora["preset"] = "all_linear"
+        out.notes.append("layer_filter: every layer -> lora.preset all_linear (OneTrainer also adapts convolutions)")
+    elif ot.get("layer_filter_regex"):
+        out.not_honoured.append(f"layer_filter: {text!r} (regular expressions): set lora.{denoiser}_targets by "
+                                "module names")
+    elif named == "attn-only":
+        lora["preset"] = "attention"
+    elif named == "attn-mlp" and family in ("sd1", "sd2", "sdxl"):
+        pass  # ot_dist's default: the Linear / 1x1 Conv layers of the UNet's attention (Transformer2D) blocks
+    elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma"):
+        lora["preset"] = "attention_mlp"
+    elif named == "attn-mlp":
+        lora[f"{denoiser}_targets"] = list(FLUX_ATTN_MLP)
+    else:
+        out.not_honoured.append(f"layer_filter: {','.join(patterns)!r}"
+                                f"{f' (layer_filter_preset {named})' if named else ''}: set lora.{denoiser}_targets by "
+                                "module names (ot_dist's lora.preset all_linear adapts every layer)")

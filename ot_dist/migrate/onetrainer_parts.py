@@ -1,0 +1,120 @@
+"""OneTrainer's per-part sections (`unet` / `transformer` / `prior`, `text_encoder`..., `vae`, ...) as ot_dist's part
+sections and its single `weight_dtype`, `trained_weight_dtype` and `gradient_checkpointing`.
+
+Since config version 9 OneTrainer stores the weight dtype of each part, and since version 11 its gradient
+checkpointing; a preset names only what differs from TrainConfig's defaults, in which every part trains and the text
+encoders stop after 30 epochs. ot_dist has one storage dtype for the frozen parts and one for the trained ones, so
+parts that differ are listed with the dtype used instead."""
+
+from __future__ import annotations
+
+from ot_dist.migrate import onetrainer_defaults as defaults
+from ot_dist.models.families.registry import get_family
+
+DENOISERS = ("unet", "transformer", "prior")
+# The frozen components besides the denoiser and text encoders, by ot_dist family (OneTrainer's model_parts()).
+FROZEN_EXTRA = {"stable_cascade": ("effnet_encoder", "decoder", "decoder_vqgan"),
+                "wuerstchen_v2": ("effnet_encoder", "decoder", "decoder_text_encoder", "decoder_vqgan")}
+STORAGE = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "BFLOAT_16": "bfloat16", "FLOAT_16": "float16",
+           "FLOAT_8": "float8"}
+WIDEST_FIRST = ("float32", "bfloat16", "float16", "float8")  # the choice when frozen parts differ: never less precise
+
+
+def part_settings(ot: dict, part: str) -> dict:
+    """A part as OneTrainer reads it: TrainModelPartConfig's defaults, TrainConfig's for that part, the file's."""
+    return {**defaults.PART, **defaults.PART_OVERRIDES.get(part, {}), **(ot.get(part) or {})}
+
+
+def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
+    fam = get_family(family)
+    parts = (fam.denoiser, *fam.text_encoders)  # OneTrainer's key of each is ot_dist's section name
+    settings = {part: part_settings(ot, part) for part in (*parts, *FROZEN_EXTRA.get(family, ("vae",)))}
+    trains, active = {}, {}
+    for part in parts:
+        entry = _train_entry(part, settings[part], method, skip)
+        if entry:
+            c[part] = entry
+        active[part] = entry.get("train", False)
+        trains[part] = active[part] and method == "full"
+        if not settings[part]["include"]:
+            skip(f"{part}.include: false (the model without its {part}) is not supported; it is loaded")
+        if settings[part]["dropout_probability"]:
+            skip(f"{part}.dropout_probability: {settings[part]['dropout_probability']} (OneTrainer drops this "
+                 "encoder's output) is not supported; data.concepts[].caption_dropout_probability drops whole captions")
+        if method == "embedding" and not settings[part]["train_embedding"] and part in fam.embedding_keys:
+            skip(f"{part}.train_embedding: false: ot_dist trains the embedding in every encoder that takes one")
+    for part, value in settings.items():
+        if value["model_name"] and not (part == "decoder" and family in FROZEN_EXTRA):
+            skip(f"{part}.model_name: {value['model_name']} (a separately loaded {part}) is not supported"
+                 + ("; put effnet_encoder.safetensors into model.path" if part == "effnet_encoder" else ""))
+    guidance = settings[fam.denoiser]["guidance_scale"]
+    if family == "flux" and guidance != 1.0:
+        c["model"]["guidance_scale"] = guidance
+    if settings[fam.denoiser]["attention_mask"] and family in ("flux", "sd3"):  # Chroma and PixArt always mask
+        skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported for {family}")
+    _storage_dtypes(settings, trains, c, skip)
+    _checkpointing(settings, active, fam.denoiser, c, skip)
+
+
+def _train_entry(part: str, settings: dict, method: str, skip) -> dict:
+    """The part's section (LoRA trains adapters on the part, its own weights stay frozen)."""
+    if method == "embedding":
+        return {}  # OneTrainer's EMBEDDING trains the embedding only, whatever the parts' train flags say
+    unit, after = settings["stop_training_after_unit"], settings["stop_training_after"]
+    entry = {"train": bool(settings["train"]) and unit != "ALWAYS"}  # ALWAYS: stopped from the start
+    if settings["learning_rate"] is not None:
+        entry["learning_rate"] = settings["learning_rate"]
+    if not entry["train"]:
+        return entry
+    if after is not None and unit in ("EPOCH", "STEP"):
+        entry["stop_training_after"], entry["stop_training_after_unit"] = after, unit.lower()
+    elif after is not None and unit != "NEVER":
+        skip(f"{part}.stop_training_after_unit: {unit} (ot_dist counts epochs or steps)")
+    return entry
+
+
+def _storage_dtypes(settings: dict, trains: dict, c: dict, skip) -> None:
+    frozen = {part: s["weight_dtype"] for part, s in settings.items() if not trains.get(part)}
+    trained = {part: settings[part]["weight_dtype"] for part, on in trains.items() if on}
+    supported = {}
+    for part, value in frozen.items():
+        if value in STORAGE:
+            supported[part] = STORAGE[value]
+        else:
+            skip(f"{part}.weight_dtype: {value} is not an ot_dist storage dtype (float32, bfloat16, float16, float8)")
+    if supported:
+        chosen = next(d for d in WIDEST_FIRST if d in supported.values())
+        c["weight_dtype"] = chosen
+        for part, value in supported.items():
+            if value != chosen:
+                skip(f"{part}.weight_dtype: {frozen[part]}: ot_dist stores every frozen part in one weight_dtype, "
+                     f"here {chosen} ({', '.join(p for p, v in supported.items() if v == chosen)})")
+    kinds = {STORAGE.get(value, value) for value in trained.values()}
+    if kinds == {"bfloat16"} and c["train_dtype"] == "bfloat16":
+        c["trained_weight_dtype"] = "bfloat16"
+        return
+    for part, value in trained.items():
+        if STORAGE.get(value) == "float32":
+            continue
+        if value != "BFLOAT_16":
+            why = "ot_dist trains float32 or bfloat16 weights"
+        elif c["train_dtype"] != "bfloat16":
+            why = "bfloat16 weights need train_dtype BFLOAT_16 in ot_dist"
+        else:
+            why = "ot_dist has one trained_weight_dtype and another trained part is float32"
+        skip(f"{part}.weight_dtype: {value} (a trained part): {why}; float32 master weights instead")
+
+
+def _checkpointing(settings: dict, active: dict, denoiser: str, c: dict, skip) -> None:
+    """One switch in ot_dist: the denoiser's (it backpropagates whenever anything trains); trained parts that
+    differ and OneTrainer's activation / layer offloading are listed."""
+    c["gradient_checkpointing"] = bool(settings[denoiser]["gradient_checkpointing"])
+    for part, on in active.items():
+        if on and part != denoiser and bool(settings[part]["gradient_checkpointing"]) != c["gradient_checkpointing"]:
+            skip(f"{part}.gradient_checkpointing: {settings[part]['gradient_checkpointing']}: ot_dist's one "
+                 f"gradient_checkpointing follows {denoiser}'s ({c['gradient_checkpointing']})")
+    offloaded = [p for p in active if settings[p]["activation_offloading"] or settings[p]["offload_fraction"]]
+    if offloaded:
+        skip(f"{', '.join(offloaded)}: activation_offloading / offload_fraction (gradient_checkpointing CPU_OFFLOADED "
+             "before config version 11): ot_dist keeps activations "
+             "and layers on the device (offload_frozen_components moves the frozen parts)")
