@@ -169,6 +169,23 @@ def test_comfyui_recognises_every_module_and_leaves_nothing(trained, family):
     assert "lora_adapter_metadata" not in metadata  # diffusers would read the kohya keys as peft ones
 
 
+# kohya's model version keys (sd-scripts: model_util.get_model_version_str_for_sd1_sd2, sdxl_model_util
+# MODEL_VERSION_SDXL_BASE_V1_0, `ss_v2` = its --v2 flag)
+KOHYA_VERSIONS = {"sd1": ("sd_v1", "False"), "sd2": ("sd_v2", "True"), "sdxl": ("sdxl_base_v1-0", "False")}
+
+
+@pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
+def test_metadata_names_the_base_model_version_as_kohya_writes_it(trained, family):
+    """A1111 knows a LoRA's model version from `ss_base_model_version` ("sdxl_..." -> SDXL) and `ss_v2` ("True" ->
+    SD 2.x) only; any other file with metadata counts as SD 1.x (extensions-builtin/Lora/network.py
+    detect_version), and its Lora page hides LoRAs of another version than the loaded checkpoint's (`lora_show_all`
+    is off by default): without these keys an SDXL or SD 2.x LoRA was missing from the page of its own model."""
+    _, out = trained(family)
+    with safe_open(out / "lora.safetensors", "pt") as f:
+        metadata = f.metadata()
+    assert (metadata.get("ss_base_model_version"), metadata.get("ss_v2")) == KOHYA_VERSIONS[family]
+
+
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
 def test_all_linear_modules_load_in_comfyui_and_diffusers(tiny_models, shapes_data, tmp_path, family):
     """Every nn.Linear of the UNet (time / added-condition embeddings, resnet projections too) has a name ComfyUI

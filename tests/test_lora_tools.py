@@ -147,6 +147,41 @@ def test_a_kohya_lora_from_another_trainer_merges_like_diffusers(tiny_models, tm
     assert_same_weights(DiffusionPipeline.from_pretrained(tmp_path / "merged"), diffusers_fused(base, lora, 1.0), pipe)
 
 
+def test_a_kohya_sdxl_lora_with_original_unet_names_merges_like_diffusers(request, shapes_data, tmp_path):
+    """kohya sd-scripts names SDXL's UNet modules by their original (SGM) paths (networks/lora.py over
+    library/sdxl_original_unet.py: `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`), the SDXL LoRA
+    layout ComfyUI, A1111 / Forge and diffusers read. merge applies such a file as diffusers does (it skipped every
+    UNet module of it before, with a warning). The original names are the ones ot_dist's single-file export gives
+    the same weights."""
+    from ot_dist.models.families.registry import get_family
+
+    base = model_dir(request, "sdxl")
+    ours = random_lora_file(request, "sdxl", shapes_data, tmp_path / "o")
+    pipe = DiffusionPipeline.from_pretrained(base)
+    components = {name: pipe.components[name] for name in ("unet", "vae", "text_encoder", "text_encoder_2")}
+    get_family("sdxl").export_single_file(components, {n: m.state_dict() for n, m in components.items()},
+                                          tmp_path / "sdxl.safetensors", torch.float32)
+    prefix = "model.diffusion_model."
+    original_of = {value.numpy().tobytes(): key[len(prefix):-len(".weight")]
+                   for key, value in load_file(tmp_path / "sdxl.safetensors").items()
+                   if key.startswith(prefix) and key.endswith(".weight") and value.dim() > 1}
+    names = {"lora_unet_" + path.replace(".", "_"): original_of[module.weight.detach().numpy().tobytes()]
+             for path, module in pipe.unet.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))}
+    tensors = {}
+    for key, value in load_file(ours).items():
+        name, suffix = key.split(".", 1)
+        if name in names:
+            name = "lora_unet_" + names[name].replace(".", "_")
+        tensors[f"{name}.{suffix}"] = value
+    assert any(key.startswith("lora_unet_input_blocks_") for key in tensors)
+    lora = tmp_path / "kohya_sdxl.safetensors"
+    save_file(tensors, str(lora))
+    done = run_cli("lora", "merge", base, lora, "--family", "sdxl", "--out", tmp_path / "merged", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert "warning" not in done.stdout, done.stdout
+    assert_same_weights(DiffusionPipeline.from_pretrained(tmp_path / "merged"), diffusers_fused(base, lora, 1.0), pipe)
+
+
 def test_a_lora_file_starts_training_where_it_left_off(tiny_models, shapes_data, tmp_path):
     """lora.init_from: the adapters start as the file's (kohya file of another trainer, rank 2, alpha 1.5): the
     model before the first step computes what the merged model computes."""

@@ -113,6 +113,9 @@ def test_extract_at_full_rank_reproduces_a_full_finetune(request, tmp_path, fami
             if key.removesuffix(".weight") in modules and key.endswith(".weight"):
                 assert not torch.equal(value, original[key]), f"{name}.{key} was not extracted"
     if family == "sd2":  # diffusers' own reading of the extracted file gives the finetune too
+        # and A1111 files it under SD 2.x (ss_v2; without it: SD 1.x, hidden under an SD 2.x checkpoint)
+        metadata = read_lora_file(tmp_path / "x.safetensors").metadata
+        assert (metadata["ss_base_model_version"], metadata["ss_v2"]) == ("sd_v2", "True")
         fused = diffusers_fused(base, tmp_path / "x.safetensors", 1.0)
         for name in ("unet", "text_encoder"):
             expected = getattr(tuned.pipeline, name).state_dict()

@@ -33,7 +33,8 @@ VARIANTS = ("dora", "loha", "lokr")
 #   comfy/lora.py load_lora: per mapped module name x, `x.alpha` (.item()) and `x.dora_scale` are read, then each
 #     adapter's `load` takes its tensors; every key no adapter took is a "lora key not loaded" warning.
 #   comfy/weight_adapter/lora.py @ 0323d8746da9beb8f3face4b77305af8d58319d6: x.lora_up.weight / x.lora_down.weight
-#     (+ x.lora_mid.weight); change = alpha / rank (rank = down.shape[0]; 1.0 without alpha) x up @ down.
+#     (+ x.lora_mid.weight), or ("diffusers2") x.lora_B.weight / x.lora_A.weight; change = alpha / rank
+#     (rank = down.shape[0]; 1.0 without alpha) x up @ down.
 #   comfy/weight_adapter/loha.py @ 17adbb5cacc2d08310dad408e043a5d18e3ec013: x.hada_w1_a, x.hada_w1_b, x.hada_w2_a,
 #     x.hada_w2_b (+ hada_t1 / hada_t2); change = alpha / w1_b.shape[0] x (w1_a @ w1_b) * (w2_a @ w2_b).
 #   comfy/weight_adapter/lokr.py @ 179c2d35c84beb3d9761fcd146ffcba77273413e: x.lokr_w1 or x.lokr_w1_a / _b,
@@ -55,18 +56,19 @@ def comfy_load(tensors: dict[str, torch.Tensor], key_map: dict) -> tuple[dict, s
         alpha = tensors[f"{name}.alpha"].item() if f"{name}.alpha" in tensors else None
         dora = tensors.get(f"{name}.dora_scale")
         found = None
-        if f"{name}.lora_up.weight" in tensors:
-            found = ("lora", ("lora_up.weight", "lora_down.weight"))
-        elif f"{name}.hada_w1_a" in tensors:
-            found = ("loha", HADA)
-        elif any(f"{name}.{s}" in tensors for s in LOKR):
-            found = ("lokr", tuple(s for s in LOKR if f"{name}.{s}" in tensors))
+        for up, down in (("lora_up.weight", "lora_down.weight"), ("lora_B.weight", "lora_A.weight")):
+            if f"{name}.{up}" in tensors and found is None:
+                found = ("lora", {"lora_up.weight": up, "lora_down.weight": down})
+        if found is None and f"{name}.hada_w1_a" in tensors:
+            found = ("loha", {s: s for s in HADA})
+        elif found is None and any(f"{name}.{s}" in tensors for s in LOKR):
+            found = ("lokr", {s: s for s in LOKR if f"{name}.{s}" in tensors})
         if found is None:
             continue
-        kind, suffixes = found
-        patches[target] = (kind, {s: tensors[f"{name}.{s}"] for s in suffixes}, alpha, dora)
-        loaded |= {f"{name}.{s}" for s in suffixes} | {f"{name}.{s}" for s in ("alpha", "dora_scale")
-                                                        if f"{name}.{s}" in tensors}
+        kind, names = found
+        patches[target] = (kind, {s: tensors[f"{name}.{f}"] for s, f in names.items()}, alpha, dora)
+        loaded |= {f"{name}.{f}" for f in names.values()} | {f"{name}.{s}" for s in ("alpha", "dora_scale")
+                                                               if f"{name}.{s}" in tensors}
     return patches, set(tensors) - loaded
 
 
@@ -397,6 +399,32 @@ def test_flux_dora_file_loads_in_diffusers_as_ot_dist_merges_it(family_models, s
     for (name, module_path), weight in expected.items():
         torch.testing.assert_close(getattr(merged, name).get_submodule(module_path).weight.float(), weight,
                                    rtol=1e-5, atol=1e-6)
+
+
+def test_flux_dora_file_gives_comfyui_its_magnitude(family_models, shapes_data, tmp_path):
+    """ComfyUI (and Forge) read DoRA's magnitude only as `<module>.dora_scale` (load_lora above): the diffusers-layout
+    file (Flux's here; SD3's, Chroma's and PixArt's are written alike) carries it beside peft's
+    `lora_magnitude_vector.weight`, which diffusers reads, so ComfyUI applies DoRA on every module: the trained
+    weight, with the output-axis norm of W + change (#15458; until then each row is off by ||W + change|| / ||W||).
+    With the magnitude vector alone ComfyUI applied the plain LoRA part, without the magnitude or the norm."""
+    from test_lora_t5 import comfy_key_map as flux_key_map
+    from test_lora_t5 import layer_at
+
+    model, lora = moved_flux_lora(family_models, shapes_data, tmp_path / "o", "dora", 0.05,
+                                  **{"text_encoder.train": True, "text_encoder_2.train": True})
+    tensors = load_file(lora)
+    patches, left_over = comfy_load(tensors, flux_key_map("flux", model))
+    # peft's name for the magnitude is left to diffusers (ComfyUI: "lora key not loaded")
+    assert left_over == {k for k in tensors if k.endswith(".lora_magnitude_vector.weight")}
+    expected = trained_weights(model)
+    assert {part for part, _ in patches} == {"transformer", "text_encoder", "text_encoder_2"}
+    assert len(patches) == len(expected)
+    for (part, path), patch in patches.items():
+        assert patch[3] is not None, f"{part}.{path}: no dora_scale"
+        layer = layer_at(model.parts()[part], path)
+        key = next(k for k in expected if k[0] == part and layer_at(model.parts()[part], k[1]) is layer)
+        torch.testing.assert_close(comfy_weight(patch, layer.get_base_layer().weight, dora_norm_of_adapted=True),
+                                   expected[key], rtol=1e-5, atol=1e-6, msg=f"{part}.{path}")
 
 
 @pytest.mark.parametrize("variant", ["loha", "lokr"])

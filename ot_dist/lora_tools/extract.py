@@ -13,6 +13,7 @@ from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.lora_tools.files import write_lora_file
 from ot_dist.lora_tools.lowrank import low_rank_pair
 from ot_dist.lora_tools.matching import adaptable_modules, module_index
+from ot_dist.methods.lora_layouts import kohya_metadata
 
 
 @torch.no_grad()
@@ -49,7 +50,8 @@ def extract_command(base_path: str, tuned_path: str, family: str, rank: int, out
 
     if rank < 1:
         raise ConfigError(f"--rank: {rank} is not a rank (at least 1)")
-    layout = "kohya" if get_family(family).lora_file_prefixes else "diffusers"
+    family_spec = get_family(family)
+    layout = "kohya" if family_spec.lora_file_prefixes else "diffusers"
     base = load_model(ModelConfig(family=family, path=base_path))
     tuned = load_model(ModelConfig(family=family, path=tuned_path))
     pairs, kept = extract_pairs(base, tuned, layout, rank, min_change)
@@ -58,7 +60,7 @@ def extract_command(base_path: str, tuned_path: str, family: str, rank: int, out
     metadata = {"ot_dist_lora": json.dumps({"layout": layout, "family": family, "rank": rank, "alpha": float(rank),
                                             "extracted_from": Path(tuned_path).name})}
     if layout == "kohya":
-        metadata.update(ss_network_module="networks.lora", ss_network_dim=str(rank), ss_network_alpha=str(float(rank)))
+        metadata.update(kohya_metadata(rank, float(rank), base_model_version=family_spec.lora_base_model_version))
     write_lora_file(out, layout, pairs, metadata, DTYPES[dtype_name])
     values = sorted(kept.values())
     log(f"extracted {len(pairs)} changed modules at rank {rank}: energy kept min {values[0]:.4f}, "

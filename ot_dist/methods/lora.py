@@ -89,7 +89,7 @@ class LoraMethod(TrainingMethod):
         targets = {part: sorted(config["target_modules"]) for part, config in adapter_configs.items()}
         metadata = kohya_metadata(lora.rank, lora.alpha, {"ot_dist_lora": json.dumps(
             {"layout": "kohya", "family": family.name, "variant": lora.variant, "rank": lora.rank, "alpha": lora.alpha,
-             "targets": targets})}, variant=lora.variant)
+             "targets": targets})}, variant=lora.variant, base_model_version=family.lora_base_model_version)
         with atomic_path(target) as tmp:
             save_file(tensors, str(tmp), metadata=metadata)
 
@@ -110,6 +110,7 @@ class LoraMethod(TrainingMethod):
             # DoRA's magnitude as the parameter it is (`.lora_magnitude_vector.weight`): transformers' load_adapter
             # (diffusers' text-encoder path) maps only that name onto the parameter and silently skips the bare one
             state = {k + ".weight" if k.endswith(".lora_magnitude_vector") else k: v for k, v in state.items()}
+            state = with_dora_scale(state)
             state = with_file_root(state, model.family.lora_file_roots.get(part, ""), model.part(part))
             if isinstance(metadata.get("target_modules"), (set, list, tuple)):
                 # peft keeps them in a set: its order changes with each process's hash seed, and so would the file
@@ -193,6 +194,21 @@ def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
     if settings.preset == "all_linear":
         return "lora.preset", [name for name, sub in module.named_modules() if isinstance(sub, torch.nn.Linear)]
     return "lora.preset", list(family.denoiser_lora_presets[settings.preset])
+
+
+def with_dora_scale(state: dict) -> dict:
+    """DoRA's magnitude also as `<module>.dora_scale` ([out, 1] / [out, 1, 1, 1], output axis), the only name ComfyUI
+    and Forge read it by (comfy/lora.py load_lora): with peft's `lora_magnitude_vector.weight` alone they applied the
+    plain LoRA part without DoRA's normalisation and magnitude. diffusers drops `dora_scale` keys (with a warning,
+    lora_pipeline `lora_state_dict`) and reads the magnitude vector; ot_dist's readers take either."""
+    suffix = ".lora_magnitude_vector.weight"
+    scales = {}
+    for key, magnitude in state.items():
+        if key.endswith(suffix):
+            path = key[: -len(suffix)]
+            ndim = state[path + ".lora_A.weight"].dim()
+            scales[path + ".dora_scale"] = magnitude.reshape(-1, *[1] * (ndim - 1)).clone()
+    return {**state, **scales}
 
 
 def with_file_root(state: dict, root: str, module: torch.nn.Module) -> dict:

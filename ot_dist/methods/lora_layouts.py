@@ -106,9 +106,21 @@ def _rank_of(factors: dict[str, torch.Tensor], path: str) -> int:
     raise ValueError(f"{path}: the rank of a LoKr module with two full factors is not in its tensors; pass rank")
 
 
-def kohya_metadata(rank: int, alpha: float, extra: dict[str, str] | None = None, variant: str = "lora") -> dict[str, str]:
+def kohya_metadata(rank: int, alpha: float, extra: dict[str, str] | None = None, variant: str = "lora",
+                   base_model_version: str | None = None) -> dict[str, str]:
     """safetensors metadata of a kohya-layout file: kohya's own `ss_network_*` keys (A1111 / Forge show them), with
-    LyCORIS's network module and `algo` for the variants."""
+    LyCORIS's network module and `algo` for the variants, and the base model's version (`model_version_metadata`)."""
     from ot_dist.methods.lora_variants import network_metadata
 
-    return {**network_metadata(variant), "ss_network_dim": str(rank), "ss_network_alpha": str(alpha), **(extra or {})}
+    return {**network_metadata(variant), "ss_network_dim": str(rank), "ss_network_alpha": str(alpha),
+            **model_version_metadata(base_model_version), **(extra or {})}
+
+
+def model_version_metadata(base_model_version: str | None) -> dict[str, str]:
+    """kohya's `ss_base_model_version` and `ss_v2` ("True" for SD 2.x, as kohya's `--v2`) for a family's
+    `lora_base_model_version`. A1111 reads a LoRA's model version from these alone ("sdxl_..." -> SDXL, ss_v2 "True"
+    -> SD 2.x, any other file with metadata -> SD 1.x), and its Lora page hides LoRAs of another version than the
+    loaded checkpoint's (`lora_show_all` is off by default): without them an SDXL or SD 2.x file is hidden there."""
+    if base_model_version is None:
+        return {}
+    return {"ss_base_model_version": base_model_version, "ss_v2": str(base_model_version.startswith("sd_v2"))}

@@ -250,6 +250,10 @@ class Family:
     # The kohya-style prefix of each component's modules in a LoRA file (ComfyUI, A1111 / Forge, kohya read
     # these); None = the family writes the diffusers layout only. See ot_dist/methods/lora_layouts.py.
     lora_file_prefixes: dict[str, str] | None = None
+    # kohya's `ss_base_model_version` for the family's kohya-layout files ("sd_v1", "sd_v2", "sdxl_base_v1-0"; with
+    # `ss_v2`): A1111 sorts LoRAs by it (extensions-builtin/Lora/network.py `detect_version`) and takes a file whose
+    # metadata names no version for SD 1.x, which its Lora page hides while an SDXL or SD 2.x checkpoint is loaded.
+    lora_base_model_version: str | None = None
     # Per component, a module level the file's names carry that the loaded module may lack (transformers 5's
     # CLIPTextModel has no `text_model.`); inserted only where the module has no child of that name.
     lora_file_roots: dict[str, str] = {}

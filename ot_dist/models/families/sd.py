@@ -30,6 +30,26 @@ class UNetFamily(Family):
     pixel_multiple = 8
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
     lora_file_roots = {"text_encoder": "text_model", "text_encoder_2": "text_model"}
+    # kohya sd-scripts' SDXL LoRAs (and some SD 1.x / 2.x ones) name UNet modules by their original LDM / SGM paths
+    # (`lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`), ComfyUI's own by `diffusion_model.` + the path;
+    # ComfyUI, A1111 / Forge and diffusers read them, and so do `ot-dist lora merge` and `lora.init_from`
+    # (ot_dist/lora_tools/foreign.py, through `denoiser_original_rules`).
+    lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
+
+    def denoiser_original_rules(self, config) -> list:
+        """original (LDM) weight <- diffusers weight for every UNet weight, as the single-file export names them."""
+        from diffusers import UNet2DConditionModel
+
+        from ot_dist.models.families.sd_single_file import _unet_key_mapper
+        from ot_dist.models.families.single_file_keys import Rule
+
+        try:
+            to_original = _unet_key_mapper(config)
+        except ValueError:  # per-level layers_per_block: no original layout
+            return []
+        with torch.device("meta"):  # the weight names of a UNet of this config, nothing allocated
+            names = UNet2DConditionModel.from_config(config).state_dict().keys()
+        return [Rule(to_original(name), (name,)) for name in names if name.endswith(".weight")]
 
     def objective(self, pipeline, model_config) -> DDPM:
         prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type
@@ -95,8 +115,10 @@ class SD(UNetFamily):
 
     memory_reference = "SD 1.5"  # SD 2.x: a UNet of the same size (865 M), a larger text encoder (354 M)
 
-    def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str, native_resolution: int):
+    def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str, native_resolution: int,
+                 lora_base_model_version: str):
         self.name, self.description, self.native_resolution = name, description, native_resolution
+        self.lora_base_model_version = lora_base_model_version
         self.tiny_hidden_act, self.tiny_prediction_type = hidden_act, prediction_type
 
     layer_skip_encoders = ("text_encoder",)
@@ -161,7 +183,7 @@ class SD(UNetFamily):
 
 FAMILIES = {
     "sd1": SD("sd1", "Stable Diffusion 1.x (epsilon)", hidden_act="quick_gelu", prediction_type="epsilon",
-              native_resolution=512),
+              native_resolution=512, lora_base_model_version="sd_v1"),
     "sd2": SD("sd2", "Stable Diffusion 2.x (epsilon or v-prediction)", hidden_act="gelu",
-              prediction_type="v_prediction", native_resolution=768),
+              prediction_type="v_prediction", native_resolution=768, lora_base_model_version="sd_v2"),
 }

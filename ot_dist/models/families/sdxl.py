@@ -19,6 +19,7 @@ class SDXL(UNetFamily):
     tokenizers = ("tokenizer", "tokenizer_2")
     embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
+    lora_base_model_version = "sdxl_base_v1-0"  # kohya's sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0
     # diffusers reads lora_unet_add_embedding_linear_1 as add_embedding.linear and drops it; the original names load
     # in diffusers, ComfyUI and A1111 alike (kohya's SDXL LoRAs use them).
     lora_file_renames = {"unet": {"add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}}
