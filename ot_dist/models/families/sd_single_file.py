@@ -15,7 +15,8 @@ The mapping follows diffusers' ``scripts/convert_diffusers_to_original_stable_di
 configs (layers_per_block, number of levels, which levels have attention) instead of hard-coding the
 real SD widths, so it also works for the tiny test models. The inverse is diffusers' own loader
 (``diffusers.loaders.single_file_utils``), which `load_single_file` uses through ``from_single_file``
--- the code path a user's A1111 / civitai checkpoint takes.
+-- the code path a user's A1111 / civitai checkpoint takes; text-encoder keys in an older form that A1111 and
+ComfyUI accept are renamed to the current one first (`_LEGACY_TEXT_PREFIXES`).
 
 Nothing here ever unpickles: only `.safetensors` files are read.
 """
