@@ -186,6 +186,59 @@ def test_comfyuis_scaled_fp8_file_is_refused_by_what_it_is(models, tmp_path):
         load_single_file(scaled, "sdxl", folder)
 
 
+def _in_an_older_text_layout(family: str, tensors: dict) -> dict:
+    """The export's text-encoder keys as older files have them, which A1111 / Forge and ComfyUI load.
+
+    sd1: CLIP-L without the `text_model.` level (transformers' layout before CLIPTextModel wrapped it: many older
+    SD 1.x finetunes), with a float32 `position_ids` a little off the integers as older merges carry it.
+    sd2: OpenCLIP-H under SGM's `conditioner.embedders.0.model.` (Stability's SD 2.1 Turbo file), with the
+    `text_projection` SD 2 never uses."""
+    if family == "sd1":
+        current = "cond_stage_model.transformer.text_model."
+        out = {("cond_stage_model.transformer." + k[len(current):] if k.startswith(current) else k): v
+               for k, v in tensors.items()}
+        width = out["cond_stage_model.transformer.embeddings.position_embedding.weight"].shape[0]
+        out["cond_stage_model.transformer.embeddings.position_ids"] = torch.arange(width)[None].float() - 1e-4
+        return out
+    current = "cond_stage_model.model."
+    out = {("conditioner.embedders.0.model." + k[len(current):] if k.startswith(current) else k): v
+           for k, v in tensors.items()}
+    width = out["conditioner.embedders.0.model.ln_final.weight"].shape[0]
+    out["conditioner.embedders.0.model.text_projection"] = torch.randn(width, width)
+    return out
+
+
+@pytest.mark.parametrize("family", ["sd1", "sd2"])
+def test_older_text_encoder_key_layouts_load_as_the_current_one(models, family, tmp_path):
+    folder, pipe, path = models[family]
+    older = tmp_path / "older.safetensors"
+    save_file(_in_an_older_text_layout(family, load_file(str(path))), str(older))
+    with safe_open(str(older), framework="pt") as fh:
+        assert not any(k.startswith(("cond_stage_model.transformer.text_model.", "cond_stage_model.model."))
+                       for k in fh.keys())
+
+    loaded = load_single_file(older, family, folder)
+    _assert_same_weights(pipe, loaded, family)
+    tokens = torch.tensor([[0, 5, 9, 3, 1, 1]])
+    with torch.no_grad():
+        want = load_single_file(path, family, folder).text_encoder(tokens)
+        got = loaded.text_encoder(tokens)
+    assert torch.equal(got.last_hidden_state, want.last_hidden_state)
+    assert torch.equal(got.pooler_output, want.pooler_output)
+
+
+def test_text_encoder_keys_in_both_layouts_are_refused_by_name(models, tmp_path):
+    """Which copy a file with both forms means cannot be told (the UIs keep whichever they read last)."""
+    folder, _, path = models["sd1"]
+    tensors = load_file(str(path))
+    both = tmp_path / "both.safetensors"
+    older = {k: v.clone() for k, v in _in_an_older_text_layout("sd1", tensors).items() if k not in tensors}
+    save_file(tensors | older, str(both))
+    with pytest.raises(InputFileError, match="twice.*cond_stage_model.transformer.text_model.") as info:
+        load_single_file(both, "sd1", folder)
+    assert str(both) in str(info.value)
+
+
 def test_incomplete_config_source(models, tmp_path):
     path = models["sd1"][2]
     with pytest.raises(InputFileError, match="model_index.json") as info:

@@ -15,7 +15,8 @@ The mapping follows diffusers' ``scripts/convert_diffusers_to_original_stable_di
 configs (layers_per_block, number of levels, which levels have attention) instead of hard-coding the
 real SD widths, so it also works for the tiny test models. The inverse is diffusers' own loader
 (``diffusers.loaders.single_file_utils``), which `load_single_file` uses through ``from_single_file``
--- the code path a user's A1111 / civitai checkpoint takes.
+-- the code path a user's A1111 / civitai checkpoint takes; text-encoder keys in an older form that A1111 and
+ComfyUI accept are renamed to the current one first (`_LEGACY_TEXT_PREFIXES`).
 
 Nothing here ever unpickles: only `.safetensors` files are read.
 """
@@ -533,6 +534,54 @@ def _validate_keys(path: Path, header: Mapping[str, tuple[int, ...]], expected: 
     )
 
 
+# Older text-encoder key forms that A1111 / Forge and ComfyUI rename on load (A1111's sd_models.py
+# checkpoint_dict_replacements_sd1 / _sd2_turbo, ComfyUI's SD15 / SD20 process_clip_state_dict): file prefix -> the
+# prefix the current layout (what diffusers' loader and ot_dist's export use) has there.
+_LEGACY_TEXT_PREFIXES = {
+    # CLIP-L saved by transformers before CLIPTextModel gained its `text_model` level (many SD 1.x finetunes).
+    "sd1": {
+        SD1_TEXT_PREFIX + part: SD1_TEXT_PREFIX + "text_model." + part
+        for part in ("embeddings.", "encoder.", "final_layer_norm.")
+    },
+    # OpenCLIP-H under the SGM prefix (Stability's SD 2.1 Turbo file).
+    "sd2": {"conditioner.embedders.0.model.": SD2_TEXT_PREFIX},
+}
+
+
+def _legacy_text_key_renames(path: Path, family: str, header: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
+    """file key -> current-layout key for the file's text-encoder keys in an older form (empty: nothing to rename)."""
+    renames = {}
+    for key in header:
+        for old, new in _LEGACY_TEXT_PREFIXES.get(family, {}).items():
+            if key.startswith(old):
+                renames[key] = new + key[len(old) :]
+    both = sorted(new for new in renames.values() if new in header)
+    if both:
+        # The peers would keep whichever copy they read last; which one the file means cannot be told.
+        more = f", ... ({len(both)} in total)" if len(both) > _MAX_KEYS_IN_MESSAGE else ""
+        raise InputFileError(f"{path} holds text-encoder weights twice, in the older and the current key form: "
+                             + ", ".join(both[:_MAX_KEYS_IN_MESSAGE]) + more)
+    return renames
+
+
+def _text_encoder_from_renamed_keys(path: Path, renames: Mapping[str, str], family: str, folder: Path, torch_dtype):
+    """The text encoder of a file whose keys are in an older form, read by diffusers' own converter once renamed
+    (diffusers' loader only knows the current form; its pipeline takes a text encoder given to it as it is)."""
+    from safetensors import safe_open
+    from transformers import CLIPTextModel
+
+    from diffusers.loaders.single_file_utils import create_diffusers_clip_model_from_ldm
+
+    prefix = SD1_TEXT_PREFIX if family == "sd1" else SD2_TEXT_PREFIX
+    with safe_open(str(path), framework="pt") as handle:
+        checkpoint = {renames.get(k, k): handle.get_tensor(k) for k in handle.keys()
+                      if renames.get(k, k).startswith(prefix)}
+    return create_diffusers_clip_model_from_ldm(
+        CLIPTextModel, checkpoint=checkpoint, config=str(folder), subfolder="text_encoder", torch_dtype=torch_dtype,
+        local_files_only=True,
+    )
+
+
 def _guess_family(header: Mapping[str, tuple[int, ...]]) -> str | None:
     """Which family's text-encoder layout the file uses, for error messages."""
     if any(k.startswith(SDXL_TEXT2_PREFIX) for k in header):
@@ -574,6 +623,8 @@ def load_single_file(
     header = _read_header(path)
     if prediction_type is None and V_PRED_KEY in header:
         prediction_type = "v_prediction"
+    renames = _legacy_text_key_renames(path, family, header)
+    header = {renames.get(k, k): shape for k, shape in header.items()}
     folder = _resolve_config_source(config_source, header)
     _check_config_folder(folder, family)
     _validate_keys(path, header, _expected_shapes(folder, family), family, folder)
@@ -582,6 +633,8 @@ def load_single_file(
 
     pipeline_class = StableDiffusionXLPipeline if family == "sdxl" else StableDiffusionPipeline
     kwargs: dict[str, Any] = {}
+    if renames:
+        kwargs["text_encoder"] = _text_encoder_from_renamed_keys(path, renames, family, folder, torch_dtype)
     if family == "sdxl":
         text_encoder_2 = _sdxl_text_encoder_2_if_ambiguous(path, header, folder, torch_dtype)
         if text_encoder_2 is not None:
