@@ -313,9 +313,27 @@ def test_variants_in_the_diffusers_layout_merge(trained, tmp_path, variant):
     assert not any(k.endswith(".alpha") for k in load_file(path))
     base = load_model(config.model)
     merge_into(base, read_lora_file(path, (variant,)), 1.0, str(path))
-    for (name, module_path), weight in trained_weights(trainer.model).items():
+    expected = trained_weights(trainer.model)
+    for (name, module_path), weight in expected.items():
         torch.testing.assert_close(base.parts()[name].get_submodule(module_path).weight.float(), weight,
                                    rtol=1e-5, atol=1e-6)
+    if variant == "lokr":  # read back by peft: diffusers' load_lora_adapter makes a LoKrConfig of the file's metadata
+        import json
+
+        from diffusers import UNet2DConditionModel
+
+        tensors = load_file(path)
+        with safe_open(path, "pt") as f:
+            metadata = json.loads(f.metadata()["lora_adapter_metadata"])
+        unet = UNet2DConditionModel.from_pretrained(config.model.path, subfolder="unet")
+        unet.load_lora_adapter({k.removeprefix("unet."): v for k, v in tensors.items() if k.startswith("unet.")},
+                               metadata={k.removeprefix("unet."): v for k, v in metadata.items()
+                                         if k.startswith("unet.")}, prefix=None)
+        unet.fuse_lora()
+        for (name, module_path), weight in expected.items():
+            if name == "unet":
+                torch.testing.assert_close(unet.get_submodule(module_path).get_base_layer().weight.float(), weight,
+                                           rtol=1e-5, atol=1e-6)
 
 
 def test_tools_other_than_merge_refuse_variants(trained, tmp_path):

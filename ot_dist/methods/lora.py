@@ -225,8 +225,8 @@ def scale_baked_in(state: dict, metadata: dict) -> tuple[dict, dict]:
     """The adapter with its scale (alpha / rank, or alpha / sqrt(rank) for rsLoRA; 1.0 for a LoKr module with two full
     factors, as trained) multiplied into one factor of each module's product (LoRA / DoRA: the up matrix; LoHa:
     hada_w1_a; LoKr: lokr_w1 or lokr_w1_a) and alpha written as the rank, so that peft (diffusers' loader) applies
-    1.0 to every module. Loaders disagree on where alpha lives (diffusers: the file's metadata; ComfyUI, A1111 / Forge: an
-    `.alpha` tensor per module, strength 1.0 without one); with the scale inside the weights every one of them
+    1.0 to every module. Loaders disagree on where alpha lives (diffusers: the file's metadata; ComfyUI, A1111 /
+    Forge: an `.alpha` tensor per module, strength 1.0 without one); with the scale inside the weights every one of them
     applies exactly the change training made."""
     from ot_dist.methods.lora_variants import baked_factors, config_scale, full_kronecker, split_modules
 
