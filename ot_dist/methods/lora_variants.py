@@ -84,8 +84,8 @@ def match_lycoris_scale(module: torch.nn.Module, adapter: str) -> int:
 def file_factors(factors: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
     """One module's peft tensors as written beside an `.alpha` tensor of value `alpha`: as trained (each module trains
     at the scale readers apply from that alpha: alpha / rank, 1.0 where `full_kronecker`); DoRA's magnitude shaped
-    for the output axis ([out, 1] for a Linear, [out, 1, 1, 1] for a conv: ComfyUI takes a dora_scale whose first dimension is the
-    weight's output size as output-axis magnitude)."""
+    for the output axis ([out, 1] for a Linear, [out, 1, 1, 1] for a conv: ComfyUI takes a dora_scale whose first
+    dimension is the weight's output size as output-axis magnitude)."""
     out = dict(factors)
     if ".lora_magnitude_vector" in out:
         ndim = out[".lora_A.weight"].dim()
