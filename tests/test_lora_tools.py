@@ -313,3 +313,29 @@ def test_flux_clip_lora_is_named_as_comfyui_reads_it(request, shapes_data, tmp_p
     modules = {k.rsplit(".lora_", 1)[0] for k in load_file(lora) if k.startswith("text_encoder.")}
     comfy = {f"text_encoder.text_model.encoder.layers.{b}.{c}" for b in range(32) for c in COMFY_CLIP_MODULES}
     assert modules and modules <= comfy, sorted(modules - comfy)[:3]
+
+
+def test_a_merged_single_file_keeps_the_v_pred_and_ztsnr_markers(tmp_path):
+    """`ot-dist lora merge --format single-file` into a v-prediction, zero-terminal-SNR model: the merged file carries
+    `v_pred` and `ztsnr` (what ComfyUI and Forge choose the sampling by; tests/test_single_file.py), as a training
+    export of the same model does. One kohya-named module stands in for a LoRA."""
+    import json
+
+    from safetensors import safe_open
+
+    from ot_dist.lora_tools.merge import merge_command
+    from ot_dist.models.tiny import make_tiny_model
+
+    base = make_tiny_model(tmp_path / "v", "sd1", prediction_type="v_prediction")
+    scheduler_file = base / "scheduler" / "scheduler_config.json"
+    scheduler_file.write_text(json.dumps({**json.loads(scheduler_file.read_text()), "rescale_betas_zero_snr": True}))
+    path = "down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    weight = DiffusionPipeline.from_pretrained(base).unet.get_submodule(path).weight
+    name = "lora_unet_" + path.replace(".", "_")
+    save_file({f"{name}.lora_down.weight": torch.full((2, weight.shape[1]), 0.1),
+               f"{name}.lora_up.weight": torch.full((weight.shape[0], 2), 0.1), f"{name}.alpha": torch.tensor(2.0)},
+              str(tmp_path / "lora.safetensors"))
+    out = merge_command(str(base), "sd1", [str(tmp_path / "lora.safetensors")], [1.0], str(tmp_path / "m.safetensors"),
+                        "single-file", None, "float32", log=lambda *_: None)
+    with safe_open(str(out), framework="pt") as fh:
+        assert {"v_pred", "ztsnr"} <= set(fh.keys())

@@ -201,9 +201,30 @@ def test_comfyui_loads_every_tensor_and_applies_the_trained_change(trained, vari
     assert metadata["ss_network_module"] == "lycoris.kohya"
 
 
-def test_lokr_scale_where_comfyui_reads_no_rank(tiny_models, shapes_data, tmp_path):
-    """LoKr modules whose factors are both full matrices: ComfyUI applies them at 1.0 whatever alpha, peft at
-    alpha / rank; the file carries the scale in lokr_w1. Random factors stand in for training."""
+# LyCORIS's LoKr rule (lycoris/modules/lokr.py, the reference LoKr; OneTrainer's LoKrModule sets alpha to the rank
+# when both factors are full, modules/module/LoRAModule.py; ComfyUI's lokr.py above; diffusers' _bake_lokr_alpha_):
+# delta W = kron(w1, w2) when both factors are full matrices (no rank in them), alpha / rank x kron(w1, w2) when one is
+# split into _a @ _b (rank: that split's inner size).
+def lycoris_delta(layer) -> torch.Tensor:
+    """The change LyCORIS's rule makes of a peft LoKr layer's factors (adapter ADAPTER), shaped as its weight."""
+    def factor(name):
+        if ADAPTER in getattr(layer, f"lokr_{name}"):
+            return getattr(layer, f"lokr_{name}")[ADAPTER].float(), None
+        a, b = getattr(layer, f"lokr_{name}_a")[ADAPTER].float(), getattr(layer, f"lokr_{name}_b")[ADAPTER].float()
+        return a @ b.flatten(1), b.shape[0]
+
+    (w1, rank1), (w2, rank2) = factor("w1"), factor("w2")
+    rank = rank2 or rank1
+    scale = 1.0 if rank is None else layer.alpha[ADAPTER] / rank
+    weight = layer.get_base_layer().weight
+    return (torch.kron(w1, w2.flatten(1)) * scale).reshape(weight.shape)
+
+
+def test_lokr_trains_at_lycoris_scale_and_files_keep_it(tiny_models, shapes_data, tmp_path):
+    """LoKr modules whose factors are both full matrices train at 1.0 whatever alpha (LyCORIS's and OneTrainer's
+    scale; peft's own layer applies alpha / rank, here 1/2), the others at alpha / rank: the adapted layer's output
+    is the base layer's plus the rule's change. The kohya file holds the factors as trained, and ComfyUI's rule
+    applies them at the trained change. Random factors stand in for training."""
     config = variant_config(tiny_models, shapes_data, tmp_path / "out", "lokr")
     model = load_model(config.model)
     method = LoraMethod(config)
@@ -214,19 +235,34 @@ def test_lokr_scale_where_comfyui_reads_no_rank(tiny_models, shapes_data, tmp_pa
             for name, p in part.named_parameters():
                 if "lokr_" in name:
                     p.normal_(0, 0.3)
+    kinds = set()
+    with torch.no_grad():
+        for name, part in model.parts().items():
+            for path, layer in adapted_layers(part).items():
+                base = layer.get_base_layer()
+                probe = copy.deepcopy(base)  # the base layer computing with the rule's change as its weight, no bias
+                probe.weight.data, probe.bias = lycoris_delta(layer), None
+                x = torch.randn(2, base.in_features) if isinstance(base, torch.nn.Linear) else \
+                    torch.randn(1, base.in_channels, 8, 8)
+                torch.testing.assert_close(layer(x), base(x) + probe(x), rtol=1e-5, atol=1e-5,
+                                           msg=f"{name}.{path}")
+                kinds.add(ADAPTER in layer.lokr_w1 and ADAPTER in layer.lokr_w2)
+    assert kinds == {True, False}  # rank 4 on these sizes: peft makes full and split factors
     [path] = method.export(model, tmp_path / "out")
     tensors = load_file(path)
     patches, left_over = comfy_load(tensors, comfy_key_map("sd1", model.denoiser))
     assert not left_over
     full = [p for p in patches.values() if "lokr_w1" in p[1] and "lokr_w2" in p[1]]
     decomposed = [p for p in patches.values() if "lokr_w2_a" in p[1]]
-    assert full and decomposed  # rank 4 on these sizes: peft makes both kinds
+    assert full and decomposed
     expected = trained_weights(model)
     for (name, module_path), patch in patches.items():
         layer = in_memory_module(model.parts()[name], module_path)
         key = (name, module_path.removeprefix("text_model.") if (name, module_path) not in expected else module_path)
         torch.testing.assert_close(comfy_weight(patch, layer.get_base_layer().weight), expected[key],
                                    rtol=1e-5, atol=1e-6)
+        if "lokr_w1" in patch[1]:  # written as trained: no scale moved into it
+            torch.testing.assert_close(patch[1]["lokr_w1"], layer.lokr_w1[ADAPTER].detach())
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -277,9 +313,27 @@ def test_variants_in_the_diffusers_layout_merge(trained, tmp_path, variant):
     assert not any(k.endswith(".alpha") for k in load_file(path))
     base = load_model(config.model)
     merge_into(base, read_lora_file(path, (variant,)), 1.0, str(path))
-    for (name, module_path), weight in trained_weights(trainer.model).items():
+    expected = trained_weights(trainer.model)
+    for (name, module_path), weight in expected.items():
         torch.testing.assert_close(base.parts()[name].get_submodule(module_path).weight.float(), weight,
                                    rtol=1e-5, atol=1e-6)
+    if variant == "lokr":  # read back by peft: diffusers' load_lora_adapter makes a LoKrConfig of the file's metadata
+        import json
+
+        from diffusers import UNet2DConditionModel
+
+        tensors = load_file(path)
+        with safe_open(path, "pt") as f:
+            metadata = json.loads(f.metadata()["lora_adapter_metadata"])
+        unet = UNet2DConditionModel.from_pretrained(config.model.path, subfolder="unet")
+        unet.load_lora_adapter({k.removeprefix("unet."): v for k, v in tensors.items() if k.startswith("unet.")},
+                               metadata={k.removeprefix("unet."): v for k, v in metadata.items()
+                                         if k.startswith("unet.")}, prefix=None)
+        unet.fuse_lora()
+        for (name, module_path), weight in expected.items():
+            if name == "unet":
+                torch.testing.assert_close(unet.get_submodule(module_path).get_base_layer().weight.float(), weight,
+                                           rtol=1e-5, atol=1e-6)
 
 
 def test_tools_other_than_merge_refuse_variants(trained, tmp_path):

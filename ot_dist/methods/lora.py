@@ -23,7 +23,7 @@ class LoraMethod(TrainingMethod):
     formats = ("lora",)
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
-        from ot_dist.methods.lora_variants import peft_config
+        from ot_dist.methods.lora_variants import match_lycoris_scale, peft_config
 
         freeze_all(model)
         groups = []
@@ -38,6 +38,8 @@ class LoraMethod(TrainingMethod):
                 add_adapter(module, lora_config)
             except ValueError as err:
                 raise ConfigError(f"{key}: {targets} do not match modules of the {part}: {err}") from None
+            if lora.variant == "lokr":  # LyCORIS's scale (1.0) where both Kronecker factors are full matrices
+                match_lycoris_scale(module, ADAPTER)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:
@@ -220,15 +222,17 @@ def with_file_root(state: dict, root: str, module: torch.nn.Module) -> dict:
 
 
 def scale_baked_in(state: dict, metadata: dict) -> tuple[dict, dict]:
-    """The adapter with its scale (alpha / rank, or alpha / sqrt(rank) for rsLoRA) multiplied into one factor of each
-    module's product (LoRA / DoRA: the up matrix; LoHa: hada_w1_a; LoKr: lokr_w1 or lokr_w1_a) and alpha written as
-    the rank. Loaders disagree on where alpha lives (diffusers: the file's metadata; ComfyUI, A1111 / Forge: an
-    `.alpha` tensor per module, strength 1.0 without one); with the scale inside the weights every one of them
+    """The adapter with its scale (alpha / rank, or alpha / sqrt(rank) for rsLoRA; 1.0 for a LoKr module with two full
+    factors, as trained) multiplied into one factor of each module's product (LoRA / DoRA: the up matrix; LoHa:
+    hada_w1_a; LoKr: lokr_w1 or lokr_w1_a) and alpha written as the rank, so that peft (diffusers' loader) applies
+    1.0 to every module. Loaders disagree on where alpha lives (diffusers: the file's metadata; ComfyUI, A1111 /
+    Forge: an `.alpha` tensor per module, strength 1.0 without one); with the scale inside the weights every one of them
     applies exactly the change training made."""
-    from ot_dist.methods.lora_variants import baked_factors, config_scale, split_modules
+    from ot_dist.methods.lora_variants import baked_factors, config_scale, full_kronecker, split_modules
 
     scale, metadata = config_scale(metadata)
     baked = {}
     for path, factors in split_modules(state).items():
-        baked.update({path + suffix: t for suffix, t in baked_factors(factors, scale).items()})
+        trained = 1.0 if full_kronecker(factors) else scale
+        baked.update({path + suffix: t for suffix, t in baked_factors(factors, trained).items()})
     return baked, metadata

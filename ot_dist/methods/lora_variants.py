@@ -9,10 +9,11 @@ named and scaled in the files loaders read.
 | lokr | LoKrConfig | lokr_w1 (or lokr_w1_a / lokr_w1_b), lokr_w2 (or lokr_w2_a / lokr_w2_b), alpha |
 
 Each adapter's change is scale x its product (up @ down; (w1a @ w1b) * (w2a @ w2b); kron(w1, w2)) with
-scale = alpha / rank in peft, and in ComfyUI (comfy/weight_adapter/*.py) alpha / rank too, except for a LoKr module
-whose two factors are both full matrices: ComfyUI (like LyCORIS) applies it at 1.0 there, while peft applies
-alpha / rank. For those modules the scale is multiplied into lokr_w1 before writing (`file_factors`), so every reader
-applies the trained change.
+scale = alpha / rank, except for a LoKr module whose two factors are both full matrices (no rank in them): LyCORIS
+(the reference LoKr), OneTrainer (modules/module/LoRAModule.py: alpha set to the rank there), ComfyUI
+(comfy/weight_adapter/lokr.py) and diffusers (`_bake_lokr_alpha_`) apply those at 1.0 whatever alpha. peft's LoKr
+layer applies alpha / rank to every module, so ot_dist sets those modules' peft scale to 1.0 after adding the adapter
+(`match_lycoris_scale`): they train at the scale every reader applies, and the files hold the factors as trained.
 """
 
 from __future__ import annotations
@@ -60,23 +61,32 @@ def split_modules(peft_state: dict[str, torch.Tensor]) -> dict[str, dict[str, to
     return modules
 
 
-def loader_scale(factors: dict[str, torch.Tensor], rank: int, alpha: float) -> float:
-    """The scale ComfyUI (and LyCORIS) apply to this module from its alpha: alpha / rank, or 1.0 for a LoKr module
-    with two full factors (no rank to divide by)."""
-    if ".lokr_w1" in factors and ".lokr_w2" in factors:
-        return 1.0
-    return alpha / rank
+def full_kronecker(factors) -> bool:
+    """A LoKr module whose two Kronecker factors are full matrices (lokr_w1 and lokr_w2, neither split into _a / _b).
+    `factors`: peft suffix -> tensor (or any container of the suffixes)."""
+    return ".lokr_w1" in factors and ".lokr_w2" in factors
+
+
+def match_lycoris_scale(module: torch.nn.Module, adapter: str) -> int:
+    """Set the peft scale of `module`'s LoKr layers with two full factors to 1.0 (peft: alpha / rank), LyCORIS's rule:
+    with OneTrainer's defaults (alpha 1, rank 16) peft trained them at 1/16 of OneTrainer's change. Returns how many
+    layers were set. To be called once the adapter exists, before training or loading its state."""
+    from peft.tuners.lokr.layer import LoKrLayer
+
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, LoKrLayer) and adapter in layer.lokr_w1 and adapter in layer.lokr_w2:
+            layer.scaling[adapter] = 1.0
+            count += 1
+    return count
 
 
 def file_factors(factors: dict[str, torch.Tensor], rank: int, alpha: float) -> dict[str, torch.Tensor]:
-    """One module's peft tensors as written beside an `.alpha` tensor of value `alpha`: the peft scale (alpha / rank)
-    multiplied into lokr_w1 where loaders apply 1.0 instead; DoRA's magnitude shaped for the output axis
-    ([out, 1] for a Linear, [out, 1, 1, 1] for a conv: ComfyUI takes a dora_scale whose first dimension is the
-    weight's output size as output-axis magnitude)."""
+    """One module's peft tensors as written beside an `.alpha` tensor of value `alpha`: as trained (each module trains
+    at the scale readers apply from that alpha: alpha / rank, 1.0 where `full_kronecker`); DoRA's magnitude shaped
+    for the output axis ([out, 1] for a Linear, [out, 1, 1, 1] for a conv: ComfyUI takes a dora_scale whose first
+    dimension is the weight's output size as output-axis magnitude)."""
     out = dict(factors)
-    missing = (alpha / rank) / loader_scale(factors, rank, alpha)
-    if missing != 1.0:
-        out[".lokr_w1"] = out[".lokr_w1"].float() * missing
     if ".lora_magnitude_vector" in out:
         ndim = out[".lora_A.weight"].dim()
         out[".lora_magnitude_vector"] = out[".lora_magnitude_vector"].reshape(-1, *[1] * (ndim - 1))
