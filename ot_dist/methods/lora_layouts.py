@@ -29,6 +29,7 @@ The converter knows no family. A family declares, as data on its `Family` (ot_di
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -46,12 +47,19 @@ class KohyaNames:
     root: str = ""  # a module level put in front of every path ("text_model"), "" for none
     renames: tuple[tuple[str, str], ...] = ()  # (module path, the path the file uses), whole modules only
 
+    @cached_property
+    def _exact(self) -> dict[str, str]:  # a whole UNet's renames (SDXL): looked up once per module
+        return dict(self.renames)
+
+    @cached_property
+    def _endings(self) -> tuple[tuple[str, str], ...]:
+        return tuple((old[1:], new[1:]) for old, new in self.renames if old.startswith("*."))
+
     def module_name(self, path: str) -> str:
-        renames = dict(self.renames)
-        path = renames.get(path, path)
-        for old, new in renames.items():  # "*.a.b" -> "*.c": every module path ending in .a.b
-            if old.startswith("*.") and path.endswith(old[1:]):
-                path = path[: -len(old) + 1] + new[1:]
+        path = self._exact.get(path, path)
+        for old, new in self._endings:  # "*.a.b" -> "*.c": every module path ending in .a.b
+            if path.endswith(old):
+                path = path[: -len(old)] + new
                 break
         full = f"{self.root}.{path}" if self.root else path
         return f"{self.prefix}_{full.replace('.', '_')}"
