@@ -257,8 +257,8 @@ class Family:
     # Per component, a module level the file's names carry that the loaded module may lack (transformers 5's
     # CLIPTextModel has no `text_model.`); inserted only where the module has no child of that name.
     lora_file_roots: dict[str, str] = {}
-    # Per component, {module path: the path the file names instead} for modules whose plain kohya name a loader
-    # misreads (SDXL's add_embedding.linear_1 -> its original label_emb.0.0).
+    # Per component, {module path: the path the file names instead} for modules whose kohya name is not their
+    # diffusers path (Stable Cascade's `*.attention.to_q` -> `*.attention.attn.to_q`).
     lora_file_renames: dict[str, dict[str, str]] = {}
 
     def lora_file_module_renames(self, component: str, module: torch.nn.Module) -> dict[str, str]:
