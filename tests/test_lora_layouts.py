@@ -33,8 +33,8 @@ RANK, ALPHA = 4, 2.0  # alpha != rank: a loader that ignores alpha applies 2x th
 # unet_to_diffusers produces: resnets (conv1, conv2, time_emb_proj, conv_shortcut, norm1, norm2), attentions
 # (proj_in, proj_out, norm), their transformer_blocks (norm1-3, attn1/attn2 to_q/to_k/to_v/to_out.0,
 # ff.net.0.proj, ff.net.2), down/upsampler convs, and conv_in, conv_out, conv_norm_out, time_embedding.linear_1/2,
-# add_embedding.linear_1/2, class_embedding.linear_1/2. It also takes "lora_unet_" + every original (ldm) weight
-# name; of those only UNET_MAP_BASIC's are modelled here (SDXL's LoRA names add_embedding by label_emb.0.0 / 0.2).
+# add_embedding.linear_1/2, class_embedding.linear_1/2. It also takes "lora_unet_" + every original (ldm / sgm)
+# weight name of its model, i.e. the weight's key in the original single file (`original_unet_paths`).
 # ("unet.<name>" with ".processor.to_*" for attention is a third form; ot_dist does not write it.)
 _BLOCK = r"(down_blocks\.\d+|up_blocks\.\d+|mid_block)"
 COMFY_UNET_NAMES = re.compile(
@@ -45,10 +45,6 @@ COMFY_UNET_NAMES = re.compile(
     r"|down_blocks\.\d+\.downsamplers\.0\.conv|up_blocks\.\d+\.upsamplers\.0\.conv"
     r"|conv_in|conv_out|conv_norm_out|(time_embedding|add_embedding|class_embedding)\.linear_[12]"
 )
-COMFY_UNET_BASIC = {"label_emb.0.0": ("add_embedding.linear_1", "class_embedding.linear_1"),
-                    "label_emb.0.2": ("add_embedding.linear_2", "class_embedding.linear_2"),
-                    "input_blocks.0.0": ("conv_in",), "out.0": ("conv_norm_out",), "out.2": ("conv_out",),
-                    "time_embed.0": ("time_embedding.linear_1",), "time_embed.2": ("time_embedding.linear_2",)}
 # CLIP: LORA_CLIP_MAP's six modules of encoder layers 0-31, named "<prefix>_text_model_encoder_layers_<i>_<m>"
 # with m in mlp_fc1, mlp_fc2, self_attn_q_proj / k_proj / v_proj / out_proj. Prefixes: SD 1.x (clip_l) and
 # SD 2.x (clip_h): lora_te and lora_te1; SDXL: clip_l lora_te / lora_te1, clip_g (with clip_l present) lora_te2,
@@ -61,16 +57,45 @@ COMFY_CLIP_PREFIXES = {"sd1": {"lora_te": "text_encoder", "lora_te1": "text_enco
                        "sdxl": {"lora_te": "text_encoder", "lora_te1": "text_encoder", "lora_te2": "text_encoder_2"}}
 
 
-def comfy_key_map(family: str, unet: torch.nn.Module) -> dict[str, tuple[str, str]]:
-    """ComfyUI's name -> (diffusers component, module path in the original transformers-4 / diffusers naming)."""
+_ORIGINAL_PATHS = {}
+
+
+def original_unet_paths(model_path, family: str) -> dict[str, str]:
+    """diffusers UNet module path -> its path in the original (ldm / sgm) UNet: the key of its weight in the
+    original single file (what ComfyUI's model and kohya's SDXL UNet hold), less `model.diffusion_model.` and
+    `.weight`; matched by value (random weights, each unique)."""
+    if family not in _ORIGINAL_PATHS:
+        import tempfile
+        from pathlib import Path
+
+        from ot_dist.models.families.registry import get_family
+
+        pipe = DiffusionPipeline.from_pretrained(model_path)
+        components = {n: pipe.components[n] for n in ("unet", "vae", *TEXT_PARTS[family])}
+        with tempfile.TemporaryDirectory() as folder:
+            single = Path(folder) / "model.safetensors"
+            get_family(family).export_single_file(components, {n: m.state_dict() for n, m in components.items()},
+                                                  single, torch.float32)
+            prefix = "model.diffusion_model."
+            original_of = {value.numpy().tobytes(): key[len(prefix):-len(".weight")]
+                           for key, value in load_file(single).items()
+                           if key.startswith(prefix) and key.endswith(".weight")}
+        _ORIGINAL_PATHS[family] = {path: original_of[m.weight.detach().numpy().tobytes()]
+                                   for path, m in pipe.unet.named_modules()
+                                   if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+    return _ORIGINAL_PATHS[family]
+
+
+def comfy_key_map(family: str, unet: torch.nn.Module,
+                  originals: dict[str, str] | None = None) -> dict[str, tuple[str, str]]:
+    """ComfyUI's name -> (diffusers component, module path in the original transformers-4 / diffusers naming).
+    `originals`: the UNet's original module paths (`original_unet_paths`), for files that use them."""
     names = {}
     for path, module in unet.named_modules():
         if COMFY_UNET_NAMES.fullmatch(path) and getattr(module, "weight", None) is not None:
             names["lora_unet_" + path.replace(".", "_")] = ("unet", path)
-    for original, diffusers_names in COMFY_UNET_BASIC.items():
-        for path in diffusers_names:
-            if path in dict(unet.named_modules()):
-                names["lora_unet_" + original.replace(".", "_")] = ("unet", path)
+    for path, original in (originals or {}).items():
+        names["lora_unet_" + original.replace(".", "_")] = ("unet", path)
     for prefix, component in COMFY_CLIP_PREFIXES[family].items():
         for layer in range(32):
             for short, path in CLIP_MODULES.items():
@@ -151,10 +176,10 @@ def original_path(component_name: str, component: torch.nn.Module, path: str) ->
 
 # ---- tests ----------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])
-def test_comfyui_recognises_every_module_and_leaves_nothing(trained, family):
+def test_comfyui_recognises_every_module_and_leaves_nothing(trained, tiny_models, family):
     trainer, out = trained(family)
     tensors = load_file(out / "lora.safetensors")
-    key_map = comfy_key_map(family, trainer.model.denoiser)
+    key_map = comfy_key_map(family, trainer.model.denoiser, original_unet_paths(tiny_models[family], family))
     patches, left_over = comfy_load(tensors, key_map)
     assert not left_over, f"ComfyUI would not load {sorted(left_over)[:5]}"
     # Every adapted module of every trained part is in the file, with its alpha.
@@ -203,7 +228,8 @@ def test_all_linear_modules_load_in_comfyui_and_diffusers(tiny_models, shapes_da
                 if "lora_B" in name:
                     p.normal_(0, 0.05)
     [path] = method.export(model, tmp_path / "out")
-    patches, left_over = comfy_load(load_file(path), comfy_key_map(family, model.denoiser))
+    originals = original_unet_paths(tiny_models[family], family)
+    patches, left_over = comfy_load(load_file(path), comfy_key_map(family, model.denoiser, originals))
     assert not left_over, f"ComfyUI would not load {sorted(left_over)[:5]}"
     linears = {p.removesuffix(".base_layer") for p, m in model.denoiser.named_modules()
                if isinstance(m, torch.nn.Linear) and "lora_" not in p}
@@ -217,10 +243,11 @@ def test_all_linear_modules_load_in_comfyui_and_diffusers(tiny_models, shapes_da
 
 
 @pytest.mark.parametrize("family", ["sd1", "sdxl"])
-def test_comfyui_applies_the_trained_change(trained, family):
+def test_comfyui_applies_the_trained_change(trained, tiny_models, family):
     """W + alpha / rank x up @ down (ComfyUI; 1.0 without an alpha tensor) equals peft's change, every weight."""
     trainer, out = trained(family)
-    patches, _ = comfy_load(load_file(out / "lora.safetensors"), comfy_key_map(family, trainer.model.denoiser))
+    key_map = comfy_key_map(family, trainer.model.denoiser, original_unet_paths(tiny_models[family], family))
+    patches, _ = comfy_load(load_file(out / "lora.safetensors"), key_map)
     parts = trainer.model.parts()
     checked, moved = 0, set()
     for (part, path), patch in patches.items():
@@ -234,6 +261,73 @@ def test_comfyui_applies_the_trained_change(trained, family):
     assert checked == sum(len(peft_layers(m)) for m in parts.values())
     # (SDXL's first encoder feeds its penultimate layer: its last layer's LoRA gets no gradient.)
     assert moved == set(parts), f"parts whose LoRA did not train: {set(parts) - moved}"
+
+
+# ---- kohya sd-scripts' names -----------------------------------------------------------------------------------
+# kohya's SDXL UNet is the original SGM implementation (library/sdxl_original_unet.py, which loads the original
+# checkpoint's keys as they are), and networks/lora.py names a LoRA module "lora_unet_" + its path in that UNet with
+# "." -> "_". Its SD 1.x / 2.x UNet (library/original_unet.py) is diffusers-derived: there the path is diffusers'.
+# Its scripts load a LoRA by these names only (`--network_weights`: load_state_dict(strict=False); sdxl_merge_lora.py
+# skips a name it has no module for), so a UNet module named otherwise silently does nothing there.
+@pytest.mark.parametrize("family", ["sd1", "sdxl"])
+def test_unet_modules_are_named_as_kohya_sd_scripts_names_them(trained, tiny_models, family):
+    trainer, out = trained(family)
+    originals = original_unet_paths(tiny_models[family], family) if family == "sdxl" else {}
+    expected = {"lora_unet_" + originals.get(path, path).replace(".", "_")
+                for path in peft_layers(trainer.model.denoiser)}
+    names = {key.split(".")[0] for key in load_file(out / "lora.safetensors") if key.startswith("lora_unet_")}
+    assert names == expected
+
+
+# stabilityai/stable-diffusion-xl-base-1.0's unet/config.json (what differs from diffusers' defaults)
+SDXL_UNET = {"addition_embed_type": "text_time", "addition_embed_type_num_heads": 64, "addition_time_embed_dim": 256,
+             "attention_head_dim": [5, 10, 20], "block_out_channels": [320, 640, 1280], "cross_attention_dim": 2048,
+             "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+             "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+             "projection_class_embeddings_input_dim": 2816, "sample_size": 128,
+             "transformer_layers_per_block": [1, 2, 10], "use_linear_projection": True}
+# Module names in kohya's SDXL UNet (sgm: input_blocks 0 = conv_in, then per level 2 x (resnet .0, attention .1) and
+# a downsampler `.0.op`; middle_block resnet / attention / resnet; output_blocks per level 3 x (resnet, attention)
+# with the upsampler after the third; resnets' in_layers.2 / out_layers.3 / emb_layers.1 / skip_connection).
+KOHYA_SDXL_NAMES = {
+    "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q": "input_blocks_4_1_transformer_blocks_0_attn1_to_q",
+    "down_blocks.2.attentions.1.transformer_blocks.9.ff.net.2": "input_blocks_8_1_transformer_blocks_9_ff_net_2",
+    "mid_block.attentions.0.proj_in": "middle_block_1_proj_in",
+    "up_blocks.0.attentions.2.transformer_blocks.0.attn2.to_k": "output_blocks_2_1_transformer_blocks_0_attn2_to_k",
+    "up_blocks.1.attentions.2.proj_out": "output_blocks_5_1_proj_out",
+    "up_blocks.0.upsamplers.0.conv": "output_blocks_2_2_conv",
+    "up_blocks.1.upsamplers.0.conv": "output_blocks_5_2_conv",
+    "down_blocks.0.downsamplers.0.conv": "input_blocks_3_0_op",
+    "down_blocks.0.resnets.0.conv1": "input_blocks_1_0_in_layers_2",
+    "up_blocks.2.resnets.0.conv_shortcut": "output_blocks_6_0_skip_connection",
+    "mid_block.resnets.1.time_emb_proj": "middle_block_2_emb_layers_1",
+    "up_blocks.2.resnets.2.conv2": "output_blocks_8_0_out_layers_3",
+    "conv_in": "input_blocks_0_0", "time_embedding.linear_2": "time_embed_2", "add_embedding.linear_1": "label_emb_0_0",
+    "conv_out": "out_2"}
+
+
+def test_the_real_sdxl_unet_gets_kohya_sd_scripts_names():
+    """On the real SDXL UNet (meta device): kohya's names for its modules, one name per module, and as many default
+    targets as kohya's SDXL network adapts (its log: "create LoRA for U-Net: 722 modules")."""
+    from diffusers import UNet2DConditionModel
+
+    from ot_dist.lora_tools.matching import adaptable_modules
+    from ot_dist.methods.lora_layouts import kohya_names
+    from ot_dist.models.families.registry import get_family
+    from ot_dist.models.families.sd import UNET_LORA_TARGETS
+
+    family = get_family("sdxl")
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(**SDXL_UNET)
+    names = kohya_names(family.lora_file_prefixes, family.lora_file_roots, {"unet": unet},
+                        {"unet": family.lora_file_module_renames("unet", unet)})["unet"]
+    paths = adaptable_modules(unet)
+    named = {path: names.module_name(path) for path in paths}
+    assert {named[path] for path in KOHYA_SDXL_NAMES} == {"lora_unet_" + n for n in KOHYA_SDXL_NAMES.values()}
+    assert len(set(named.values())) == len(paths)
+    blocks = re.compile(r"lora_unet_(input_blocks|middle_block|output_blocks|time_embed|label_emb|out)_\d.*")
+    assert all(blocks.fullmatch(name) for name in named.values())
+    assert sum(path.endswith(tuple("." + t for t in UNET_LORA_TARGETS)) for path in paths) == 722
 
 
 @pytest.mark.parametrize("family", ["sd1", "sd2", "sdxl"])

@@ -147,11 +147,13 @@ def test_a_kohya_lora_from_another_trainer_merges_like_diffusers(tiny_models, tm
     assert_same_weights(DiffusionPipeline.from_pretrained(tmp_path / "merged"), diffusers_fused(base, lora, 1.0), pipe)
 
 
-def test_a_kohya_sdxl_lora_with_original_unet_names_merges_like_diffusers(request, shapes_data, tmp_path):
+@pytest.mark.parametrize("unet_names", ["original", "diffusers"])
+def test_a_kohya_sdxl_lora_merges_like_diffusers_with_either_unet_names(request, shapes_data, tmp_path, unet_names):
     """kohya sd-scripts names SDXL's UNet modules by their original (SGM) paths (networks/lora.py over
-    library/sdxl_original_unet.py: `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`), the SDXL LoRA
-    layout ComfyUI, A1111 / Forge and diffusers read. merge applies such a file as diffusers does (it skipped every
-    UNet module of it before, with a warning). The original names are the ones ot_dist's single-file export gives
+    library/sdxl_original_unet.py: `lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q`), as ot_dist writes
+    them; ot_dist's earlier files and diffusers-based scripts use the diffusers paths
+    (`lora_unet_down_blocks_1_attentions_0_...`). ComfyUI, A1111 / Forge and diffusers read both; merge applies
+    either as diffusers does, without a warning. The original names are the ones ot_dist's single-file export gives
     the same weights."""
     from ot_dist.models.families.registry import get_family
 
@@ -165,15 +167,14 @@ def test_a_kohya_sdxl_lora_with_original_unet_names_merges_like_diffusers(reques
     original_of = {value.numpy().tobytes(): key[len(prefix):-len(".weight")]
                    for key, value in load_file(tmp_path / "sdxl.safetensors").items()
                    if key.startswith(prefix) and key.endswith(".weight") and value.dim() > 1}
-    names = {"lora_unet_" + path.replace(".", "_"): original_of[module.weight.detach().numpy().tobytes()]
+    names = {"lora_unet_" + original_of[module.weight.detach().numpy().tobytes()].replace(".", "_"): path
              for path, module in pipe.unet.named_modules() if isinstance(module, (torch.nn.Linear, torch.nn.Conv2d))}
-    tensors = {}
-    for key, value in load_file(ours).items():
-        name, suffix = key.split(".", 1)
-        if name in names:
-            name = "lora_unet_" + names[name].replace(".", "_")
-        tensors[f"{name}.{suffix}"] = value
-    assert any(key.startswith("lora_unet_input_blocks_") for key in tensors)
+    tensors = load_file(ours)
+    assert {key.split(".")[0] for key in tensors if key.startswith("lora_unet_")} <= set(names)  # written as kohya's
+    if unet_names == "diffusers":
+        tensors = {"lora_unet_" + names[name].replace(".", "_") + "." + suffix if name in names else key: value
+                   for key, value in tensors.items() for name, suffix in [key.split(".", 1)]}
+        assert any(key.startswith("lora_unet_down_blocks_") for key in tensors)
     lora = tmp_path / "kohya_sdxl.safetensors"
     save_file(tensors, str(lora))
     done = run_cli("lora", "merge", base, lora, "--family", "sdxl", "--out", tmp_path / "merged", "--dtype", "float32")

@@ -1,5 +1,5 @@
 """Which module of a loaded model each name in a LoRA file means, using only what the family declares
-(`lora_file_prefixes`, `lora_file_roots`, `lora_file_renames`, `lora_file_kohya_components`): no family is named
+(`lora_file_prefixes`, `lora_file_roots`, `lora_file_module_renames`, `lora_file_kohya_components`): no family is named
 here."""
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def module_index(model, layout: str, parts: dict[str, torch.nn.Module] | None = 
             raise InputFileError(f"a kohya-layout LoRA (lora_unet_*) has no meaning for {family.name}: its LoRA files "
                                  "use the diffusers layout (<component>.<module>.lora_A.weight)")
         known = {p: m for p, m in parts.items() if p in family.lora_file_prefixes}
-        names = kohya_names(family.lora_file_prefixes, family.lora_file_roots, known, family.lora_file_renames)
+        names = kohya_names(family.lora_file_prefixes, family.lora_file_roots, known,
+                            {p: family.lora_file_module_renames(p, m) for p, m in known.items()})
         for part, module in known.items():
             for path, sub in adaptable_modules(module).items():
                 index[names[part].module_name(path)] = Target(part, path, sub)

@@ -83,8 +83,9 @@ class LoraMethod(TrainingMethod):
         from ot_dist.methods.lora_layouts import kohya_metadata, kohya_names, to_kohya
 
         family, lora = model.family, self.config.lora
-        names = kohya_names(family.lora_file_prefixes, family.lora_file_roots, {p: model.part(p) for p in states},
-                            family.lora_file_renames)
+        parts = {p: model.part(p) for p in states}
+        names = kohya_names(family.lora_file_prefixes, family.lora_file_roots, parts,
+                            {p: family.lora_file_module_renames(p, m) for p, m in parts.items()})
         tensors = {}
         for part, state in states.items():
             tensors.update(to_kohya(state, names[part], lora.alpha, dtype, rank=lora.rank))

@@ -19,16 +19,17 @@ The converter knows no family. A family declares, as data on its `Family` (ot_di
   level is inserted only when the module has no child of that name, so a module that still has it
   (`CLIPTextModelWithProjection.text_model`) keeps its own paths, and its top-level `text_projection` stays
   outside the level as in the original model;
-- `lora_file_renames`: component -> {module path: the path the file names instead}, for the few modules whose
-  kohya names a loader cannot read back (diffusers turns `lora_unet_add_embedding_linear_1` into
-  `add_embedding.linear` and drops it; SDXL names it by its original `label_emb.0.0`, as kohya does). A path
-  `*.a.b` -> `*.c` renames the end of every module path ending in `.a.b` (Stable Cascade's diffusers attention
-  `attention.to_out.0` is the original `attention.attn.out_proj` in every block).
+- `lora_file_renames`: component -> {module path: the path the file names instead}, for modules whose kohya name
+  is not their diffusers path. A path `*.a.b` -> `*.c` renames the end of every module path ending in `.a.b`
+  (Stable Cascade's diffusers attention `attention.to_out.0` is the original `attention.attn.out_proj` in every
+  block). `Family.lora_file_module_renames` gives them per loaded component: SDXL computes its whole UNet's there,
+  each module's original SGM path (kohya sd-scripts' SDXL UNet is the original one, and its names are those paths).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -46,12 +47,19 @@ class KohyaNames:
     root: str = ""  # a module level put in front of every path ("text_model"), "" for none
     renames: tuple[tuple[str, str], ...] = ()  # (module path, the path the file uses), whole modules only
 
+    @cached_property
+    def _exact(self) -> dict[str, str]:  # a whole UNet's renames (SDXL): looked up once per module
+        return dict(self.renames)
+
+    @cached_property
+    def _endings(self) -> tuple[tuple[str, str], ...]:
+        return tuple((old[1:], new[1:]) for old, new in self.renames if old.startswith("*."))
+
     def module_name(self, path: str) -> str:
-        renames = dict(self.renames)
-        path = renames.get(path, path)
-        for old, new in renames.items():  # "*.a.b" -> "*.c": every module path ending in .a.b
-            if old.startswith("*.") and path.endswith(old[1:]):
-                path = path[: -len(old) + 1] + new[1:]
+        path = self._exact.get(path, path)
+        for old, new in self._endings:  # "*.a.b" -> "*.c": every module path ending in .a.b
+            if path.endswith(old):
+                path = path[: -len(old)] + new
                 break
         full = f"{self.root}.{path}" if self.root else path
         return f"{self.prefix}_{full.replace('.', '_')}"

@@ -257,9 +257,14 @@ class Family:
     # Per component, a module level the file's names carry that the loaded module may lack (transformers 5's
     # CLIPTextModel has no `text_model.`); inserted only where the module has no child of that name.
     lora_file_roots: dict[str, str] = {}
-    # Per component, {module path: the path the file names instead} for modules whose plain kohya name a loader
-    # misreads (SDXL's add_embedding.linear_1 -> its original label_emb.0.0).
+    # Per component, {module path: the path the file names instead} for modules whose kohya name is not their
+    # diffusers path (Stable Cascade's `*.attention.to_q` -> `*.attention.attn.to_q`).
     lora_file_renames: dict[str, dict[str, str]] = {}
+
+    def lora_file_module_renames(self, component: str, module: torch.nn.Module) -> dict[str, str]:
+        """`lora_file_renames` for one loaded component; a family whose kohya names depend on the component's
+        config (SDXL's original UNet paths) computes them here."""
+        return dict(self.lora_file_renames.get(component, {}))
     # Per component, in a diffusers-layout file: a kohya-style name prefix under which that component's modules are
     # written instead of `<component>.<path>` (`<prefix>_<path with "_">.lora_A.weight` / `.lora_B.weight` and an
     # `.alpha` tensor). ComfyUI maps T5-XXL LoRA modules only by such names (comfy/lora.py model_lora_keys_clip:

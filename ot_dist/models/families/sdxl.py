@@ -20,9 +20,20 @@ class SDXL(UNetFamily):
     embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
     lora_base_model_version = "sdxl_base_v1-0"  # kohya's sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0
-    # diffusers reads lora_unet_add_embedding_linear_1 as add_embedding.linear and drops it; the original names load
-    # in diffusers, ComfyUI and A1111 alike (kohya's SDXL LoRAs use them).
-    lora_file_renames = {"unet": {"add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}}
+    # Files written with the UNet's diffusers paths (ot_dist before, diffusers' conversion scripts) still read.
+    lora_foreign_prefixes = {"unet": ("lora_unet",)}
+
+    def lora_file_module_renames(self, component, module):
+        """kohya sd-scripts' SDXL UNet is the original SGM one (library/sdxl_original_unet.py): its LoRA names are
+        `lora_unet_` + the original module path (`input_blocks.4.1.transformer_blocks.0.attn1.to_q`), and its scripts
+        (`--network_weights`, sdxl_merge_lora.py) load a file by those names only. ComfyUI, A1111 / Forge and
+        diffusers read them too; A1111 misplaces the diffusers-named `up_blocks.0.upsamplers.0.conv`, and diffusers
+        drops `add_embedding.linear_1` by its diffusers name. The paths are the single-file export's key map."""
+        if component != self.denoiser:
+            return super().lora_file_module_renames(component, module)
+        weight = ".weight"
+        return {rule.diffusers[0][: -len(weight)]: rule.original[: -len(weight)]
+                for rule in self.denoiser_original_rules(module.config)}
 
     layer_skip_encoders = ("text_encoder", "text_encoder_2")
 
