@@ -216,3 +216,25 @@ def test_validation_concepts_of_the_same_folder_name_get_their_own_metric():
     assert table.validation_names() == {1: "held out _a_", 2: "held out _a_-2"}
     assert table.epoch_sizes() == {0: 1}  # only the standard concept's sample is drawn
     assert "logged as validation/loss/held out _a_-2" in bucket_report(table, 1, 1, [64], 8)[-1]
+
+
+def test_unreadable_images_of_concept_folders_are_named_up_to_a_limit():
+    """A folder on an unmounted store can make every image unreadable: the message names the first 20 and counts
+    the rest, both when it stops the build and when it only warns."""
+    from types import SimpleNamespace
+
+    from ot_dist.data.concepts import check_bad_fraction
+    from ot_dist.errors import InputFileError
+
+    bad = [(Path(f"/photos/{i}.jpg"), f"/photos/{i}.jpg: not readable") for i in range(25)]
+    with pytest.raises(InputFileError) as stopped:
+        check_bad_fraction(SimpleNamespace(max_bad_fraction=0.1), bad, 100)
+    message = str(stopped.value)
+    assert "/photos/19.jpg: not readable; ... 5 more (25 of 100 images unreadable" in message
+    assert "/photos/20.jpg" not in message
+    warnings = []
+    check_bad_fraction(SimpleNamespace(max_bad_fraction=0.5), bad, 100, log=warnings.append)
+    [warning] = warnings
+    assert warning.startswith("warning: data: 25 of 100 images unreadable, skipped") and warning.endswith("... 5 more")
+    check_bad_fraction(SimpleNamespace(max_bad_fraction=0.5), bad[:3], 100, log=warnings.append)
+    assert warnings[-1].endswith("/photos/2.jpg: not readable")  # a few are all named, nothing counted

@@ -182,7 +182,7 @@ def test_shard_index_takes_sizes_upright_from_the_image_and_reads_every_caption_
            "--caption-field)" in err and "t.tar:latin1: caption member txt is not readable" in err
     assert "t.tar:empty could not be read" in err and "(4 of 8 samples unreadable" in err
     assert "t.tar:twice has a member more than once: twice.JPG, twice.jpg (suffixes compared lower-case" in err
-    monkeypatch.setattr("ot_dist.data.external.NAMED", 1)  # millions named in one line help nobody: the first few
+    monkeypatch.setattr("ot_dist.data.unreadable.NAMED", 1)  # millions named in one line help nobody: the first few
     assert main([*index, "--out", str(tmp_path / "refused")]) == 3
     err = capsys.readouterr().err
     assert "t.tar:laion" in err and "; ... 3 more (4 of 8 samples unreadable" in err and "t.tar:latin1" not in err

@@ -12,6 +12,7 @@ from pathlib import Path
 from ot_dist.config.schema import ConceptConfig, DataConfig
 from ot_dist.data import images as image_files
 from ot_dist.data.images import HEIF_EXTENSIONS, UnreadableImage, open_image
+from ot_dist.data.unreadable import check_unreadable
 from ot_dist.errors import InputFileError
 
 MASK_SUFFIX = "-masklabel.png"
@@ -133,14 +134,7 @@ def part_range(images: int, part: int, parts: int) -> tuple[int, int]:
 
 def check_bad_fraction(data: DataConfig, bad: list[tuple], total: int, log=print) -> None:
     """Stop (exit 3) when more than data.max_bad_fraction of the `total` images are unreadable; warn for fewer."""
-    if not bad:
-        return
-    names = "; ".join(str(error) for _, error in bad)
-    if len(bad) > data.max_bad_fraction * total:
-        raise InputFileError(f"{names} ({len(bad)} of {total} images unreadable, more than data.max_bad_fraction "
-                             f"{data.max_bad_fraction})")
-    log(f"warning: data: {len(bad)} of {total} images unreadable, skipped (within data.max_bad_fraction "
-        f"{data.max_bad_fraction}): {names}")
+    check_unreadable([str(error) for _, error in bad], total, data.max_bad_fraction, "images", log)
 
 
 def list_images(label: str, concept: ConceptConfig) -> list[Path]:

@@ -37,12 +37,12 @@ from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size
 from ot_dist.data.images import DEFAULT_MAX_PIXELS, HEIF_EXTENSIONS, UnreadableImage, heif_available, to_srgb_rgb
 from ot_dist.data.sample_index import IndexWriter
 from ot_dist.data.tar_members import pread_of, samples_of
+from ot_dist.data.unreadable import check_unreadable
 from ot_dist.errors import InputFileError
 
 LAYOUT = "webdataset"
 IMAGE_SUFFIXES = ("jpg", "jpeg", "png", "webp")
 CAPTION_SUFFIXES = ("txt", "caption", "json")
-NAMED = 20  # unreadable samples named in an error or warning
 HEADER_BYTES = 1 << 16  # read to find an image's size: its header (with EXIF / ICC segments) fits, nearly always
 _ORIENTATION = 0x0112  # EXIF orientation: 5-8 turn the image a quarter, so its upright width is its stored height
 
@@ -215,16 +215,7 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
         shards.append({"file": os.path.relpath(path.resolve(), out_dir.resolve()), "samples": len(found.rows),
                        "bytes": path.stat().st_size, "buckets": {str(b): n for b, n in sorted(per_bucket.items())}})
     total = len(writer) + len(bad)
-    if bad:
-        # the first NAMED in full (a wrong --caption-field makes every sample of millions unreadable); the manifest
-        # lists them all when the index is written
-        names = "; ".join(b["error"] for b in bad[:NAMED])
-        names += f"; ... {len(bad) - NAMED} more" if len(bad) > NAMED else ""
-        if len(bad) > max_bad_fraction * total:
-            raise InputFileError(f"{names} ({len(bad)} of {total} samples unreadable, more than data.max_bad_fraction "
-                                 f"{max_bad_fraction})")
-        log(f"warning: data: {len(bad)} of {total} samples unreadable, skipped (within data.max_bad_fraction "
-            f"{max_bad_fraction}): {names}")
+    check_unreadable([b["error"] for b in bad], total, max_bad_fraction, "samples", log)
     if not len(writer):
         raise InputFileError(f"shard index: no sample with an image ({'|'.join(image_suffixes)}) and a caption "
                              f"({'|'.join(caption_suffixes)}) in {len(tars)} tar(s)"
