@@ -306,16 +306,26 @@ def test_timestep_draw_as_onetrainer(tmp_path, settings, family, loss):
     assert {key: getattr(config.loss, key) for key in loss} == pytest.approx(loss)
 
 
-@pytest.mark.parametrize("settings,listed", [({"model_type": "STABLE_DIFFUSION_3"}, True),
-                                             ({"model_type": "FLUX_DEV_1"}, True),
-                                             ({"model_type": "FLUX_DEV_1", "dynamic_timestep_shifting": True}, False),
-                                             ({"model_type": "STABLE_DIFFUSION_15", "timestep_shift": 2.0}, True),
-                                             ({"model_type": "STABLE_DIFFUSION_15"}, False)])
-def test_a_timestep_shift_ot_dist_does_not_apply_is_listed(tmp_path, settings, listed):
-    """OneTrainer shifts SD3 / Flux / Chroma timesteps by timestep_shift (1.0: none) unless Flux shifts dynamically;
-    ot_dist by the model's scheduler (SD3: 3.0, Flux.1 dev: by the resolution)."""
-    _, skipped = import_only(tmp_path, {"training_method": "LORA", **settings})
-    assert any(line.startswith("timestep_shift") for line in skipped) == listed
+@pytest.mark.parametrize("settings,shift,dynamic", [
+    ({"model_type": "STABLE_DIFFUSION_3"}, 1.0, "auto"),  # OneTrainer's default: unshifted, not the scheduler's 3.0
+    ({"model_type": "STABLE_DIFFUSION_35", "timestep_shift": 3.0}, 3.0, "auto"),
+    ({"model_type": "CHROMA_1", "timestep_shift": 2.5, "dynamic_timestep_shifting": True}, 2.5, "auto"),  # ignored
+    ({"model_type": "FLUX_DEV_1"}, 1.0, "auto"),  # dynamic shifting off: unshifted, not by the resolution
+    ({"model_type": "FLUX_DEV_1", "timestep_shift": 2.0, "dynamic_timestep_shifting": True}, "auto", True),
+    ({"model_type": "STABLE_DIFFUSION_15"}, "auto", "auto")])
+def test_the_timestep_shift_is_mapped(tmp_path, settings, shift, dynamic):
+    """OneTrainer shifts SD3 / Flux / Chroma timesteps by timestep_shift (1.0: none), Flux by the resolution with
+    dynamic_timestep_shifting (its SD3 / Chroma setups ignore that switch, its Flux setup then timestep_shift)."""
+    config, skipped = import_only(tmp_path, {"training_method": "LORA", **settings})
+    assert (config.loss.timestep_shift, config.loss.dynamic_timestep_shifting) == (shift, dynamic)
+    assert not any(line.startswith(("timestep_shift", "dynamic_timestep_shifting")) for line in skipped)
+
+
+def test_a_timestep_shift_of_a_ddpm_family_is_listed(tmp_path):
+    """ot_dist shifts only flow-matching timesteps."""
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "timestep_shift": 2.0})
+    assert config.loss.timestep_shift == "auto"
+    assert any(line.startswith("timestep_shift: 2.0") for line in skipped)
 
 
 def test_sample_definitions_with_onetrainers_defaults(tmp_path):

@@ -4,6 +4,8 @@ the section, bit for bit (ot_dist/train/loss_options.py, ot_dist/train/masking.p
 
 from __future__ import annotations
 
+import math
+
 from typing import Literal
 
 from pydantic import Field, model_validator
@@ -68,6 +70,21 @@ class LossConfig(Section):
         "epsilon MSE. null = the family's default: 1.0 for PixArt, as OneTrainer (vb_loss_strength); 0 = off (the "
         "variance channels then do not train). Families without a variance output ignore it.",
     )
+    timestep_shift: Literal["auto"] | float = Field(
+        default="auto",
+        description="Flow-matching families (SD3, Flux, Chroma): the shift k applied to each drawn time u, sigma = "
+        "k u / (1 + (k - 1) u), as OneTrainer's timestep_shift (whose default 1.0 is no shift). auto: the model "
+        "scheduler's shift (SD3 / 3.5: 3.0; Flux.1 dev: its resolution-dependent one). An explicit value is a fixed "
+        "shift, also for Flux, unless dynamic_timestep_shifting is true.",
+    )
+    dynamic_timestep_shifting: Literal["auto"] | bool = Field(
+        default="auto",
+        description="Flow-matching families: true = the resolution-dependent shift k = e^mu, mu interpolated in the "
+        "number of image tokens between the scheduler config's base_shift and max_shift (diffusers' defaults 0.5 / "
+        "1.15 over 256 .. 4096 tokens where it has none), as OneTrainer's dynamic_timestep_shifting and diffusers' "
+        "calculate_shift; false = the fixed shift (timestep_shift, auto: the scheduler's `shift`); auto = as the "
+        "scheduler config says (use_dynamic_shifting), fixed when timestep_shift is a number.",
+    )
     logit_normal_mean: float = Field(default=0.0, description="Mean of the normal under the sigmoid (logit_normal).")
     logit_normal_std: float = Field(default=1.0, gt=0, description="Std of the normal under the sigmoid (logit_normal).")
 
@@ -81,10 +98,20 @@ class LossConfig(Section):
                              "and P2 do)")
         if self.generalized_offset_noise and not self.offset_noise_weight:
             raise ValueError("loss.generalized_offset_noise: scales the offset noise; set loss.offset_noise_weight > 0")
+        if self.timestep_shift != "auto" and not 0 < self.timestep_shift < math.inf:
+            raise ValueError(f"loss.timestep_shift: {self.timestep_shift} must be a finite number > 0 (1.0 = no shift) or auto")
+        if self.dynamic_timestep_shifting is True and self.timestep_shift != "auto":
+            raise ValueError(f"loss.timestep_shift: {self.timestep_shift} is a fixed shift, but "
+                             "loss.dynamic_timestep_shifting: true computes the shift from the resolution; leave "
+                             "timestep_shift at auto (or set dynamic_timestep_shifting: false)")
         if self.max_timestep is not None and self.max_timestep < self.min_timestep:
             raise ValueError(f"loss.max_timestep ({self.max_timestep}) is below loss.min_timestep ({self.min_timestep})")
         return self
 
+
+    def flow_shift_is_default(self) -> bool:
+        """Both flow-matching shift options at auto (the model scheduler's shift)."""
+        return self.timestep_shift == "auto" and self.dynamic_timestep_shifting == "auto"
 
     def weighting(self) -> tuple[str, float]:
         """(weight function, strength), min_snr_gamma folded in."""

@@ -667,9 +667,14 @@ class TrainConfig(Section):
             if self.model.prediction_type != "auto":
                 raise ValueError(f"model.prediction_type: {self.model.family} trains with flow matching, whose "
                                  "target is always noise - latents; leave it at auto")
-        elif weight_fn == "SIGMA":
-            raise ValueError(f"loss.weight_fn: SIGMA weights by the flow-matching noise level; {self.model.family} is "
-                             "a DDPM family (MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION or CONSTANT)")
+        else:
+            if weight_fn == "SIGMA":
+                raise ValueError(f"loss.weight_fn: SIGMA weights by the flow-matching noise level; {self.model.family} "
+                                 "is a DDPM family (MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION or CONSTANT)")
+            for key in ("timestep_shift", "dynamic_timestep_shifting"):
+                if getattr(self.loss, key) != "auto":
+                    raise ValueError(f"loss.{key}: shifts flow-matching timesteps; {self.model.family} is not a "
+                                     "flow-matching family (leave it at auto)")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.prompts and not family.samplers:

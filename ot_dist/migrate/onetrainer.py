@@ -435,8 +435,7 @@ def _loss(ot: dict, c: dict, skip) -> None:
                  "model without the LoRA)")
 
 
-FLOW_SHIFTS = {"sd3": "its scheduler's shift (3.0 for SD3 / 3.5)", "flux": "Flux.1 dev's resolution-dependent shift",
-               "chroma": "its scheduler's shift"}
+FLOW_FAMILIES = ("sd3", "flux", "chroma")  # shifted by OneTrainer's timestep_shift; Flux also dynamically
 
 
 def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
@@ -456,11 +455,12 @@ def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
     if ot["min_noising_strength"] or ot["max_noising_strength"] < 1:
         loss["min_timestep"] = int(steps * ot["min_noising_strength"])
         loss["max_timestep"] = int(steps * ot["max_noising_strength"]) - 1  # ot_dist's bound is inclusive
-    shift, dynamic = ot["timestep_shift"], ot["dynamic_timestep_shifting"] and family == "flux"
-    if family in FLOW_SHIFTS and not (family == "flux" and dynamic):
-        skip(f"timestep_shift: {shift}{' (dynamic_timestep_shifting off)' if family == 'flux' else ''}: OneTrainer "
-             f"shifts {family} timesteps by it; ot_dist by {FLOW_SHIFTS[family]}")
-    elif family not in FLOW_SHIFTS and shift != 1.0:
+    shift = ot["timestep_shift"]
+    if family == "flux" and ot["dynamic_timestep_shifting"]:  # OneTrainer's SD3 / Chroma setups ignore it
+        loss["dynamic_timestep_shifting"] = True  # and then ignore timestep_shift
+    elif family in FLOW_FAMILIES:
+        loss["timestep_shift"] = shift  # 1.0 included: unshifted, where the family's scheduler would shift
+    elif shift != 1.0:
         skip(f"timestep_shift: {shift}: ot_dist does not shift {family} timesteps")
 
 

@@ -5,7 +5,8 @@ target. No family names inside: a family picks an objective and its convention (
 - `FlowMatching`: rectified flow, x_t = (1 - s) x + s n with target n - x (SD3, Flux, Chroma, ...), where the
   noise level s is a draw u in [0, 1) pushed through the family's shift: a fixed one (SD3: s = k u / (1 + (k - 1) u),
   k = 3) or a resolution-dependent one (Flux: s = e^mu / (e^mu + 1/u - 1), mu interpolated in the number of image
-  tokens between base_shift and max_shift).
+  tokens between base_shift and max_shift); loss.timestep_shift / loss.dynamic_timestep_shifting replace the
+  family's shift with OneTrainer's settings.
 
 Every draw comes from the sample's own generator (seed, epoch, sample id), so a sample trains the same in any
 batch, on any rank, at any world size.
@@ -135,9 +136,11 @@ class FlowMatching(Objective):
     kind = "flow"
 
     def __init__(self, shift: float = 1.0, dynamic: DynamicShift | None = None, num_timesteps: int = 1000,
-                 patch_size: int = 1):
+                 patch_size: int = 1, resolution_shift: DynamicShift | None = None):
         self.shift, self.dynamic, self.num_timesteps = shift, dynamic, num_timesteps
         self.patch_size = patch_size  # latent pixels per image token along each side (Flux packs 2x2)
+        # what loss.dynamic_timestep_shifting: true uses, also where the scheduler shifts by a fixed amount
+        self.resolution_shift = resolution_shift or dynamic or DynamicShift()
 
     @classmethod
     def from_scheduler_config(cls, config: dict, patch_size: int = 1, shift: float | None = None,
@@ -145,23 +148,36 @@ class FlowMatching(Objective):
         """The shift a FlowMatchEulerDiscreteScheduler config describes (`shift`, or `use_dynamic_shifting` with
         its base / max shift and sequence lengths); `shift` / `dynamic` override it."""
         use_dynamic = config.get("use_dynamic_shifting", False) if dynamic is None else dynamic
-        dynamic_shift = None
-        if use_dynamic:
-            defaults = DynamicShift()
-            dynamic_shift = DynamicShift(**{k: config.get(k) if config.get(k) is not None else getattr(defaults, k)
-                                            for k in ("base_image_seq_len", "max_image_seq_len", "base_shift", "max_shift")})
-        return cls(shift=config.get("shift", 1.0) if shift is None else shift, dynamic=dynamic_shift,
-                   num_timesteps=config.get("num_train_timesteps", 1000), patch_size=patch_size)
+        defaults = DynamicShift()
+        resolution_shift = DynamicShift(**{k: config.get(k) if config.get(k) is not None else getattr(defaults, k)
+                                           for k in ("base_image_seq_len", "max_image_seq_len", "base_shift",
+                                                     "max_shift")})
+        return cls(shift=config.get("shift", 1.0) if shift is None else shift,
+                   dynamic=resolution_shift if use_dynamic else None,
+                   num_timesteps=config.get("num_train_timesteps", 1000), patch_size=patch_size,
+                   resolution_shift=resolution_shift)
 
     def image_tokens(self, latent_shape: torch.Size) -> int:
         return (latent_shape[-2] // self.patch_size) * (latent_shape[-1] // self.patch_size)
 
-    def shifted(self, u: torch.Tensor, latent_shape: torch.Size) -> torch.Tensor:
+    def shift_for(self, options: LossConfig) -> tuple[float, DynamicShift | None]:
+        """(fixed shift, resolution-dependent shift or None) of a draw: the scheduler's while loss.timestep_shift
+        and loss.dynamic_timestep_shifting are auto, else theirs as OneTrainer applies them (an explicit
+        timestep_shift is a fixed shift; dynamic true the resolution's)."""
+        fixed, dynamic = options.timestep_shift, options.dynamic_timestep_shifting
+        if dynamic is True:
+            return self.shift, self.resolution_shift
+        if dynamic is False or fixed != "auto":
+            return (self.shift if fixed == "auto" else fixed), None
+        return self.shift, self.dynamic
+
+    def shifted(self, u: torch.Tensor, latent_shape: torch.Size, options: LossConfig | None = None) -> torch.Tensor:
         """The noise level sigma for a uniform-scale draw u in (0, 1)."""
-        if self.dynamic is not None:
-            mu = self.dynamic.mu(self.image_tokens(latent_shape))
+        shift, dynamic = self.shift_for(options or LossConfig())
+        if dynamic is not None:
+            mu = dynamic.mu(self.image_tokens(latent_shape))
             return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
-        return self.shift * u / (1 + (self.shift - 1) * u)
+        return shift * u / (1 + (shift - 1) * u)
 
     def draw(self, g, options, latent_shape):
         options = options or LossConfig()
@@ -175,7 +191,7 @@ class FlowMatching(Objective):
             unit = torch.rand(1, generator=g, dtype=torch.float64)
         u = (low + unit * (high + 1 - low)) / self.num_timesteps
         u = u.clamp(min=1e-6, max=1 - 1e-6)  # sigma 0 or 1 exactly has no noise or no signal to learn from
-        return (self.shifted(u, latent_shape) * self.num_timesteps).float()
+        return (self.shifted(u, latent_shape, options) * self.num_timesteps).float()
 
     def sigmas(self, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return (timesteps.float() / self.num_timesteps).to(like).view(-1, *([1] * (like.dim() - 1)))
