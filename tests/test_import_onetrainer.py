@@ -321,11 +321,17 @@ def test_the_timestep_shift_is_mapped(tmp_path, settings, shift, dynamic):
     assert not any(line.startswith(("timestep_shift", "dynamic_timestep_shifting")) for line in skipped)
 
 
-def test_a_timestep_shift_of_a_ddpm_family_is_listed(tmp_path):
-    """ot_dist shifts only flow-matching timesteps."""
-    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "timestep_shift": 2.0})
-    assert config.loss.timestep_shift == "auto"
-    assert any(line.startswith("timestep_shift: 2.0") for line in skipped)
+@pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE", "PIXART_ALPHA",
+                                        "STABLE_CASCADE_1"])
+@pytest.mark.parametrize("settings,shift", [({"timestep_shift": 2.0}, 2.0), ({"timestep_shift": 0.5}, 0.5),
+                                            ({"timestep_shift": 1.0}, "auto"),
+                                            ({"timestep_shift": 3.0, "dynamic_timestep_shifting": True}, 3.0)])
+def test_a_timestep_shift_of_a_ddpm_family_is_mapped(tmp_path, model_type, settings, shift):
+    """OneTrainer shifts the discrete draw of SD / SDXL / PixArt and Würstchen / Stable Cascade by timestep_shift
+    (1.0: none, as ot_dist's auto) and ignores dynamic_timestep_shifting there."""
+    config, skipped = import_only(tmp_path, {"model_type": model_type, **settings})
+    assert (config.loss.timestep_shift, config.loss.dynamic_timestep_shifting) == (shift, "auto")
+    assert not any(line.startswith(("timestep_shift", "dynamic_timestep_shifting")) for line in skipped)
 
 
 def test_sample_definitions_with_onetrainers_defaults(tmp_path):

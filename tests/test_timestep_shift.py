@@ -1,6 +1,7 @@
 """loss.timestep_shift / loss.dynamic_timestep_shifting (OneTrainer's timestep_shift / dynamic_timestep_shifting):
 an explicit shift k draws sigma = k u / (1 + (k - 1) u) from the uniform-scale draw u, the dynamic one diffusers'
-FlowMatchEulerDiscreteScheduler time_shift with calculate_shift's mu; auto keeps the family scheduler's shift."""
+FlowMatchEulerDiscreteScheduler time_shift with calculate_shift's mu; auto keeps the family scheduler's shift.
+DDPM families and Würstchen / Stable Cascade take the fixed shift on their discrete draw, as OneTrainer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from ot_dist.config.load import validate
 from ot_dist.config.loss import LossConfig
 from ot_dist.errors import ConfigError
-from ot_dist.models.objectives import FlowMatching
+from ot_dist.models.objectives import DDPM, ContinuousCosine, FlowMatching
 
 SD3_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
 # Flux.1 dev's scheduler, its base / max shift moved off diffusers' defaults so that the test sees them used
@@ -77,12 +78,102 @@ def test_auto_is_the_schedulers_shift():
 RAW = {"method": "full", "output_dir": "o", "data": {"path": "d"}}
 
 
-@pytest.mark.parametrize("loss,key", [({"timestep_shift": 2.0}, "loss.timestep_shift"),
-                                      ({"dynamic_timestep_shifting": False}, "loss.dynamic_timestep_shifting")])
-def test_a_ddpm_family_refuses_the_shift_by_name(loss, key):
-    with pytest.raises(ConfigError, match=f"{key}: shifts flow-matching timesteps; sd1 is not"):
-        validate({**RAW, "model": {"family": "sd1", "path": "m"}, "loss": loss})
+NON_FLOW = ["sd1", "sdxl", "pixart_alpha", "stable_cascade", "wuerstchen_v2"]
+
+
+@pytest.mark.parametrize("family", NON_FLOW)
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_a_non_flow_family_refuses_dynamic_shifting_by_name(family, dynamic):
+    """OneTrainer's SD / SDXL / PixArt / Würstchen setups shift by timestep_shift alone."""
+    loss = {"dynamic_timestep_shifting": dynamic}
+    with pytest.raises(ConfigError, match=f"loss.dynamic_timestep_shifting: shifts flow-matching timesteps by the "
+                                          f"resolution; {family} is not"):
+        validate({**RAW, "model": {"family": family, "path": "m"}, "loss": loss})
     assert validate({**RAW, "model": {"family": "sd3", "path": "m"}, "loss": loss}).loss == LossConfig(**loss)
+
+
+@pytest.mark.parametrize("family", NON_FLOW)
+def test_a_non_flow_family_takes_a_fixed_shift(family):
+    config = validate({**RAW, "model": {"family": family, "path": "m"}, "loss": {"timestep_shift": 2.0}})
+    assert config.loss.timestep_shift == 2.0
+
+
+# OneTrainer's own _get_timestep_discrete (ModelSetupNoiseMixin, run on a batch of 1 from
+# torch.Generator().manual_seed(seed), seeds 0, 1, 2; min / max_noising_strength 0 / 1 and 0.25 / 0.5, i.e.
+# ot_dist's bounds [0, 999] and [250, 499]): the timesteps it returns for SD-style 1000-step schedules.
+ONETRAINER_SHIFTED = {
+    (3.0, "uniform", 0, 999): [747, 903, 827], (3.0, "uniform", 250, 499): [641, 701, 670],
+    (0.5, "uniform", 0, 999): [330, 609, 443], (6.0, "logit_normal", 0, 999): [965, 920, 898],
+    (2.0, "logit_normal", 250, 499): [626, 586, 570]}
+
+
+def ddpm() -> DDPM:
+    return DDPM({"num_train_timesteps": 1000, "prediction_type": "epsilon"})
+
+
+def ddpm_draws(objective, options: LossConfig, seeds=SEEDS) -> torch.Tensor:
+    return torch.cat([objective.draw(torch.Generator().manual_seed(seed), options, None) for seed in seeds])
+
+
+@pytest.mark.parametrize("case,expected", ONETRAINER_SHIFTED.items())
+def test_a_ddpm_shift_draws_onetrainers_timesteps(case, expected):
+    shift, distribution, low, high = case
+    options = LossConfig(timestep_shift=shift, timestep_distribution=distribution, min_timestep=low,
+                         max_timestep=high)
+    assert ddpm_draws(ddpm(), options, range(3)).tolist() == expected
+
+
+def shifted_floor(u: torch.Tensor, shift: float, low: int, high: int, n: int) -> torch.Tensor:
+    """The published rule: t = low + u (high + 1 - low), then floor(N k t / ((k - 1) t + N)), in float32 as
+    OneTrainer draws."""
+    t = low + (high + 1 - low) * u.float()
+    return (n * shift * t / ((shift - 1) * t + n)).long()
+
+
+def float32_units(distribution: str, options: LossConfig) -> torch.Tensor:
+    if distribution == "uniform":
+        return torch.cat([torch.rand(1, generator=torch.Generator().manual_seed(seed)) for seed in SEEDS])
+    normal = torch.cat([torch.randn(1, generator=torch.Generator().manual_seed(seed)) for seed in SEEDS])
+    return torch.sigmoid(normal * options.logit_normal_std + options.logit_normal_mean)
+
+
+@pytest.mark.parametrize("shift", [0.5, 2.0, 3.0])
+@pytest.mark.parametrize("distribution", ["uniform", "logit_normal"])
+@pytest.mark.parametrize("low,high", [(0, None), (100, 899)])
+def test_a_ddpm_shift_is_the_published_formula(shift, distribution, low, high):
+    """DDPM over its 1000 steps, Würstchen / Stable Cascade over OneTrainer's 10000 (t = (i + 1) / 10000, then
+    its scale and offset)."""
+    options = LossConfig(timestep_shift=shift, timestep_distribution=distribution, min_timestep=low,
+                         max_timestep=high, logit_normal_mean=0.3, logit_normal_std=1.5)
+    u = float32_units(distribution, options)
+    expected = shifted_floor(u, shift, low, 999 if high is None else high, 1000)
+    assert torch.equal(ddpm_draws(ddpm(), options), expected)
+    cascade = ContinuousCosine(scale=1.0)
+    options = options.model_copy(update={"max_timestep": None if high is None else 8999, "min_timestep": low * 10})
+    steps = shifted_floor(u, shift, low * 10, 9999 if high is None else 8999, 10000)
+    expected = ((steps.double() + 1) / 10000 + 0.001).clamp(0.001, 1.0).float()
+    assert torch.equal(ddpm_draws(cascade, options), expected)
+
+
+def test_a_ddpm_shift_never_draws_past_the_last_timestep():
+    """A t just below N shifts to a value float32 rounds up to N itself, one past the schedule."""
+    options = LossConfig(timestep_shift=1e6, timestep_distribution="uniform", min_timestep=999)
+    assert ddpm_draws(ddpm(), options).max() == 999
+
+
+@pytest.mark.parametrize("distribution", ["uniform", "logit_normal"])
+def test_auto_and_1_leave_the_ddpm_draw_unchanged(distribution):
+    """auto (and 1.0, OneTrainer's no-shift) draw the same timesteps as a config without the key, from the same
+    generator calls as before the option existed."""
+    unshifted = {"timestep_distribution": distribution, "min_timestep": 100, "max_timestep": 899}
+    for objective in (ddpm(), ContinuousCosine(scale=1.08)):
+        before = ddpm_draws(objective, LossConfig(**unshifted))
+        for shift in ("auto", 1.0):
+            assert torch.equal(ddpm_draws(objective, LossConfig(timestep_shift=shift, **unshifted)), before)
+    expected = (torch.cat([torch.randint(100, 900, (1,), generator=torch.Generator().manual_seed(seed))
+                           for seed in SEEDS]) if distribution == "uniform" else
+                100 + (float32_units(distribution, LossConfig()) * 800).long())
+    assert torch.equal(ddpm_draws(ddpm(), LossConfig(**unshifted)), expected)
 
 
 @pytest.mark.parametrize("loss,message", [

@@ -75,7 +75,10 @@ class LossConfig(Section):
         description="Flow-matching families (SD3, Flux, Chroma): the shift k applied to each drawn time u, sigma = "
         "k u / (1 + (k - 1) u), as OneTrainer's timestep_shift (whose default 1.0 is no shift). auto: the model "
         "scheduler's shift (SD3 / 3.5: 3.0; Flux.1 dev: its resolution-dependent one). An explicit value is a fixed "
-        "shift, also for Flux, unless dynamic_timestep_shifting is true.",
+        "shift, also for Flux, unless dynamic_timestep_shifting is true. DDPM families (SD 1.x / 2.x / SDXL, "
+        "PixArt) and Würstchen / Stable Cascade (over its 10000 steps), as OneTrainer: a continuous t drawn in "
+        "[min_timestep, max_timestep + 1) becomes N k t / ((k - 1) t + N), floored (the bounds move with the shift); "
+        "auto and 1.0 = unshifted.",
     )
     dynamic_timestep_shifting: Literal["auto"] | bool = Field(
         default="auto",
@@ -83,7 +86,8 @@ class LossConfig(Section):
         "number of image tokens between the scheduler config's base_shift and max_shift (diffusers' defaults 0.5 / "
         "1.15 over 256 .. 4096 tokens where it has none), as OneTrainer's dynamic_timestep_shifting and diffusers' "
         "calculate_shift; false = the fixed shift (timestep_shift, auto: the scheduler's `shift`); auto = as the "
-        "scheduler config says (use_dynamic_shifting), fixed when timestep_shift is a number.",
+        "scheduler config says (use_dynamic_shifting), fixed when timestep_shift is a number. Refused for the other "
+        "families (OneTrainer's setups of those ignore it).",
     )
     logit_normal_mean: float = Field(default=0.0, description="Mean of the normal under the sigmoid (logit_normal).")
     logit_normal_std: float = Field(default=1.0, gt=0, description="Std of the normal under the sigmoid (logit_normal).")

@@ -671,10 +671,10 @@ class TrainConfig(Section):
             if weight_fn == "SIGMA":
                 raise ValueError(f"loss.weight_fn: SIGMA weights by the flow-matching noise level; {self.model.family} "
                                  "is a DDPM family (MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION or CONSTANT)")
-            for key in ("timestep_shift", "dynamic_timestep_shifting"):
-                if getattr(self.loss, key) != "auto":
-                    raise ValueError(f"loss.{key}: shifts flow-matching timesteps; {self.model.family} is not a "
-                                     "flow-matching family (leave it at auto)")
+            if self.loss.dynamic_timestep_shifting != "auto":  # OneTrainer's DDPM / Würstchen setups ignore it
+                raise ValueError(f"loss.dynamic_timestep_shifting: shifts flow-matching timesteps by the resolution; "
+                                 f"{self.model.family} is not a flow-matching family (leave it at auto; "
+                                 "loss.timestep_shift shifts its draw by a fixed k)")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.prompts and not family.samplers:

@@ -442,7 +442,7 @@ def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
     """OneTrainer's draw: a continuous t in [N min_noising_strength, N max_noising_strength), floored (N: the
     scheduler's 1000 steps; 10000 for Würstchen / Stable Cascade's continuous time); LOGIT_NORMAL is
     sigmoid(N(noising_bias, noising_weight + 1)); then t is shifted by timestep_shift (Flux: by the resolution with
-    dynamic_timestep_shifting)."""
+    dynamic_timestep_shifting; the DDPM / Würstchen setups ignore that switch)."""
     family = c["model"]["family"]
     distribution = ot["timestep_distribution"]
     if distribution in TIMESTEP_DISTRIBUTIONS:
@@ -460,8 +460,8 @@ def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
         loss["dynamic_timestep_shifting"] = True  # and then ignore timestep_shift
     elif family in FLOW_FAMILIES:
         loss["timestep_shift"] = shift  # 1.0 included: unshifted, where the family's scheduler would shift
-    elif shift != 1.0:
-        skip(f"timestep_shift: {shift}: ot_dist does not shift {family} timesteps")
+    elif shift != 1.0:  # DDPM and Würstchen's discretized continuous draw: 1.0 is unshifted there as ot_dist's auto
+        loss["timestep_shift"] = shift
 
 
 def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:

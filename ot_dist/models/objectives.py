@@ -1,7 +1,8 @@
 """Training objectives: how a clean latent, its noise and a drawn time become the denoiser's input and
 target. No family names inside: a family picks an objective and its convention (ot_dist/models/families/).
 
-- `DDPM`: epsilon or v-prediction over a discrete noise schedule (SD 1.x / 2.x / SDXL, PixArt, ...).
+- `DDPM`: epsilon or v-prediction over a discrete noise schedule (SD 1.x / 2.x / SDXL, PixArt, ...); its draw
+  (and `ContinuousCosine`'s) takes loss.timestep_shift as OneTrainer does (ot_dist/train/loss_options.py).
 - `FlowMatching`: rectified flow, x_t = (1 - s) x + s n with target n - x (SD3, Flux, Chroma, ...), where the
   noise level s is a draw u in [0, 1) pushed through the family's shift: a fixed one (SD3: s = k u / (1 + (k - 1) u),
   k = 3) or a resolution-dependent one (Flux: s = e^mu / (e^mu + 1/u - 1), mu interpolated in the number of image

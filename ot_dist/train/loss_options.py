@@ -30,10 +30,29 @@ def draw_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig | 
     if options is None:
         return torch.randint(0, num_timesteps, (1,), generator=g)
     low, high = timestep_bounds(options, num_timesteps)
+    shift = options.timestep_shift
+    if shift not in ("auto", 1.0):
+        return shifted_timestep(g, num_timesteps, options, low, high, shift)
     if options.timestep_distribution in ("uniform", "auto"):
         return torch.randint(low, high + 1, (1,), generator=g)  # the defaults make the call above
     u = torch.sigmoid(torch.randn(1, generator=g) * options.logit_normal_std + options.logit_normal_mean)
     return (low + (u * (high - low + 1)).long()).clamp(max=high)
+
+
+def shifted_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig, low: int, high: int,
+                     shift: float) -> torch.Tensor:
+    """OneTrainer's shifted discrete draw (timestep_shift on a DDPM family): a continuous t in [low, high + 1)
+    (uniform, or low + sigmoid(normal) x (high + 1 - low)), shifted as a share of the whole schedule,
+    t' = N k t / ((k - 1) t + N), then floored. The bounds hold for t, not t': a shift moves them as OneTrainer's
+    min / max_noising_strength move. float32 as OneTrainer's draw, so the same u floors to the same timestep."""
+    if options.timestep_distribution in ("uniform", "auto"):
+        unit = torch.rand(1, generator=g)
+    else:
+        unit = torch.sigmoid(torch.randn(1, generator=g) * options.logit_normal_std + options.logit_normal_mean)
+    t = low + (high + 1 - low) * unit
+    t = num_timesteps * shift * t / ((shift - 1) * t + num_timesteps)
+    # float32 can round t' of a u just below 1 up to N itself, one past the schedule's last timestep
+    return t.long().clamp(max=num_timesteps - 1)
 
 
 def per_sample_normal(sample_ids: list[int], shape: tuple[int, ...], seed: int, epoch: int, purpose: str) -> torch.Tensor:
