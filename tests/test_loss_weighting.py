@@ -118,8 +118,16 @@ def test_zero_terminal_snr_refuses_what_it_cannot_compute_by_name():
     t = torch.tensor([10, 999])
     with pytest.raises(ConfigError, match="loss.generalized_offset_noise: this model's noise schedule has zero"):
         v.offset_noise_psi(t, LossConfig(offset_noise_weight=0.1, generalized_offset_noise=True))
-    with pytest.raises(ConfigError, match="loss.weight_fn: DEBIASED_ESTIMATION .* loss.max_timestep: 998"):
+    with pytest.raises(ConfigError, match="loss.weight_fn: DEBIASED_ESTIMATION .* timestep 999 is never drawn .998"):
         epsilon.sample_weights(t, LossConfig(weight_fn="DEBIASED_ESTIMATION"))
+    # The way out the message gives works: with the last timestep out of reach the weights are finite ...
+    kept_away = LossConfig(weight_fn="DEBIASED_ESTIMATION", max_timestep=998)
+    assert torch.isfinite(epsilon.sample_weights(torch.tensor([10, 998]), kept_away)).all()
+    # ... but a timestep_shift moves the bound back onto it (998 + 1 shifted by 2 is past 999), so it is refused again
+    with pytest.raises(ConfigError, match="DEBIASED_ESTIMATION"):
+        epsilon.sample_weights(t, kept_away.model_copy(update={"timestep_shift": 2.0}))
+    assert torch.isfinite(epsilon.sample_weights(
+        torch.tensor([10, 990]), LossConfig(weight_fn="DEBIASED_ESTIMATION", max_timestep=600, timestep_shift=2.0))).all()
     assert torch.isfinite(v.sample_weights(t, LossConfig(weight_fn="DEBIASED_ESTIMATION"))).all()
     assert v.offset_noise_psi(t, LossConfig(offset_noise_weight=0.1)) is None  # plain offset noise stays
 

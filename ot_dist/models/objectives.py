@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ot_dist.config.loss import LossConfig
-from ot_dist.train.loss_options import ddpm_weights, draw_timestep, generalized_offset_psi, timestep_bounds
+from ot_dist.train.loss_options import (ddpm_weights, draw_timestep, generalized_offset_psi, last_timestep_drawn,
+                                       timestep_bounds)
 
 
 class Objective:
@@ -89,13 +90,15 @@ class DDPM(Objective):
 
     def sample_weights(self, timesteps, options):
         name, strength = options.weighting()
-        if name == "DEBIASED_ESTIMATION" and self.prediction_type == "epsilon" and self.zero_terminal_snr():
+        if (name == "DEBIASED_ESTIMATION" and self.prediction_type == "epsilon" and self.zero_terminal_snr()
+                and last_timestep_drawn(options, self.num_timesteps)):
             from ot_dist.errors import ConfigError
 
             raise ConfigError("loss.weight_fn: DEBIASED_ESTIMATION weights epsilon prediction by 1 / sqrt(SNR), "
                               "infinite at the last timestep of this model's zero-terminal-SNR schedule (the loss "
-                              "would become inf / NaN whenever it is drawn); train with v_prediction, or set "
-                              f"loss.max_timestep: {self.num_timesteps - 2}")
+                              "would become inf / NaN whenever it is drawn); train with v_prediction, or lower "
+                              f"loss.max_timestep so that timestep {self.num_timesteps - 1} is never drawn "
+                              f"({self.num_timesteps - 2} without loss.timestep_shift; a shift moves the bound)")
         return ddpm_weights(name, strength, self.scheduler.alphas_cumprod, timesteps, self.prediction_type)
 
     def offset_noise_psi(self, timesteps, options):

@@ -39,6 +39,17 @@ def draw_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig | 
     return (low + (u * (high - low + 1)).long()).clamp(max=high)
 
 
+def last_timestep_drawn(options: LossConfig, num_timesteps: int) -> bool:
+    """Whether the draw can reach the schedule's last timestep: the bounds' top one, or, with a timestep_shift
+    (which moves the bounds), any t in [low, high + 1) whose shifted value reaches it."""
+    low, high = timestep_bounds(options, num_timesteps)
+    shift = options.timestep_shift
+    if shift in ("auto", 1.0):
+        return high == num_timesteps - 1
+    top = high + 1  # the draw's exclusive upper end; the shift is increasing in t
+    return num_timesteps * shift * top / ((shift - 1) * top + num_timesteps) > num_timesteps - 1
+
+
 def shifted_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig, low: int, high: int,
                      shift: float) -> torch.Tensor:
     """OneTrainer's shifted discrete draw (timestep_shift on a DDPM family): a continuous t in [low, high + 1)
