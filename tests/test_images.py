@@ -23,8 +23,9 @@ from forked_ranks import run_ranks
 import yaml
 from PIL import Image, ImageOps
 
-from icc_profiles import (D50, adobe_rgb_profile, adobe_to_srgb, cmyk_lut_profile, display_p3_profile, grey_profile,
-                          p3_to_srgb, rgb_to_xyz, srgb_encode, xyz_d50_to_srgb)
+from icc_profiles import (D50, D65_XY, adobe_rgb_profile, adobe_to_srgb, cmyk_lut_profile, display_p3_profile,
+                          grey_profile, p3_to_srgb, rgb_to_xyz, srgb_decode, srgb_encode, xyz_d50_to_srgb,
+                          xyz_d65_to_srgb8)
 from ot_dist.config.load import validate
 from ot_dist.data import images as image_files
 from ot_dist.data.shards import build_shard_set, read_manifest
@@ -347,6 +348,60 @@ def test_skip_small_images_and_heic_without_the_extra(built, tmp_path, monkeypat
     assert unused["tiny.png"].startswith("too small: 8x8") and "data.skip_small_images" in unused["tiny.png"]
     if built["info"]["heic"]:
         assert unused["iphone.heic"] == unused["iphone-p3.heic"] == "install ot-dist[heic]"
+
+
+# ---- colour given by an nclx box (H.273 code points), no ICC profile: AVIF / HEIC from phones and encoders ----
+
+BT2020_PRIMARIES = [(0.708, 0.292), (0.170, 0.797), (0.131, 0.046)]  # ITU-R BT.2020, D65 white
+BT2020_PATCHES = [(200, 150, 120), (140, 150, 190), (128, 128, 128), (140, 180, 120)]  # inside sRGB's gamut
+
+
+def nclx_avif(path: Path, img: Image.Image, primaries: int, transfer: int) -> Path:
+    """An AVIF whose colr box says nclx `primaries` / `transfer` (Pillow's writer always says BT.709 / sRGB: the
+    two 16-bit code points are patched in the written box)."""
+    out = io.BytesIO()
+    img.save(out, "AVIF", quality=100, subsampling="4:4:4")
+    data = bytearray(out.getvalue())
+    at = data.index(b"colrnclx") + 8
+    assert data[at:at + 4] == struct.pack(">HH", 1, 13)
+    data[at:at + 4] = struct.pack(">HH", primaries, transfer)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def nclx_heic(path: Path, img: Image.Image, primaries: int, transfer: int) -> Path:
+    pytest.importorskip("pillow_heif")
+    image_files.heif_available()
+    img.save(path, "HEIF", quality=-1, color_primaries=primaries, transfer_characteristics=transfer,
+             matrix_coefficients=6, full_range_flag=1)
+    return path
+
+
+@pytest.mark.parametrize("write", [nclx_avif, nclx_heic], ids=["avif", "heic"])
+def test_nclx_display_p3_and_bt2020_give_the_known_srgb_colours(write, tmp_path):
+    """Decoders leave the primaries alone: a P3 (12) or BT.2020 (9) file with the sRGB curve (13) or BT.709's (1,
+    read as sRGB's, as Chromium does) is converted in linear light, the reference computed from the primaries."""
+    p3 = write(tmp_path / "p3.img", quarters("RGB", P3_PATCHES), 12, 13)
+    bt2020 = write(tmp_path / "bt2020.img", quarters("RGB", BT2020_PATCHES), 9, 1)
+    for path, colours, to_srgb in ((p3, P3_PATCHES, p3_to_srgb), (bt2020, BT2020_PATCHES, lambda c: xyz_d65_to_srgb8(
+            rgb_to_xyz(BT2020_PRIMARIES, D65_XY) @ srgb_decode(np.array(c) / 255.0)))):
+        patches = quarter_colours(np.asarray(image_files.open_image(path), dtype=float))
+        with Image.open(path) as raw:  # the decoder's numbers, still in the file's primaries (lossy: near `colours`)
+            decoded = quarter_colours(np.asarray(raw.convert("RGB"), dtype=float))
+        for patch, colour, numbers in zip(patches, colours, decoded):
+            assert np.abs(numbers - colour).max() <= 3, (path.name, colour, numbers.mean(0))
+            reference = to_srgb(numbers[0])  # flat quarters: every pixel is the same
+            assert (reference < 253).all(), (colour, reference)  # no channel over white (the sky blue clips at 0)
+            assert np.abs(patch - reference).max() <= 1, (path.name, colour, patch.mean(0), reference)
+        assert max(np.abs(np.array(c) - to_srgb(c)).max() for c in colours) > 20  # read as sRGB: far off
+
+
+@pytest.mark.parametrize("write", [nclx_avif, nclx_heic], ids=["avif", "heic"])
+def test_nclx_hdr_pq_and_hlg_are_refused_by_name(write, tmp_path):
+    for transfer, name in ((16, "PQ"), (18, "HLG")):
+        path = write(tmp_path / f"hdr{transfer}.img", quarters("RGB", P3_PATCHES), 9, transfer)
+        with pytest.raises(image_files.UnreadableImage, match=rf"hdr{transfer}\.img.*HDR.*{name}"):
+            image_files.open_image(path)
 
 
 def test_heic_is_read_with_the_extra(built):

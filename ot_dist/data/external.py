@@ -34,7 +34,8 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size
-from ot_dist.data.images import DEFAULT_MAX_PIXELS, HEIF_EXTENSIONS, UnreadableImage, heif_available, to_srgb_rgb
+from ot_dist.data.images import (DEFAULT_MAX_PIXELS, HEIF_EXTENSIONS, UnreadableImage, heif_available, note_nclx,
+                                 to_srgb_rgb)
 from ot_dist.data.sample_index import IndexWriter
 from ot_dist.data.tar_members import pread_of, samples_of
 from ot_dist.data.unreadable import check_unreadable
@@ -257,6 +258,7 @@ def decode_image(data: bytes, where: str, background: tuple[int, int, int]) -> I
     limit, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # `shard index` checked data.max_image_pixels
     try:
         with Image.open(io.BytesIO(data)) as img:
+            note_nclx(img)
             return to_srgb_rgb(ImageOps.exif_transpose(img), background)
     except (OSError, UnidentifiedImageError, ValueError, SyntaxError, EOFError) as err:
         raise InputFileError(f"{where}: image could not be decoded: {err}") from None

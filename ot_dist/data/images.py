@@ -10,6 +10,9 @@ One job: a file from a camera, a phone or the web becomes the pixels the shard b
   Pillow's conversion; 16-bit greyscale (`I;16`, `I`) scaled to 8 bits (Pillow's own conversion clips everything
   above 255 to white); alpha (RGBA, LA, PA, palette or RGB transparency, 16-bit ones included) composited on
   `data.image_background`.
+- An AVIF / HEIC without an ICC profile whose colour is given by its nclx box (ITU-T H.273 code points) and has
+  primaries other than sRGB's (Display P3, BT.2020, ...) is converted to sRGB in linear light (see `nclx.py`); an
+  HDR one (PQ, HLG transfer) raises `UnreadableImage`: it has no faithful SDR reading.
   The result carries no ICC profile (nor any other `info`): its pixels are sRGB.
 - The pixel limit (`data.max_image_pixels`) is checked from the header before anything is decoded; an image
   over it, or one that does not decode, raises `UnreadableImage` naming the file.
@@ -23,6 +26,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageCms, ImageColor, ImageOps, UnidentifiedImageError
 
+from ot_dist.data.nclx import avif_nclx, nclx_to_srgb
 from ot_dist.errors import InputFileError
 
 DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS  # Pillow's own limit (89,478,485 px), read before anyone changes it
@@ -64,6 +68,7 @@ def open_image(path: Path, max_pixels: int | None = DEFAULT_MAX_PIXELS,
                background: tuple[int, int, int] = (255, 255, 255)) -> Image.Image:
     """The upright sRGB RGB pixels of `path`. Raises UnreadableImage (naming the file) when it cannot be used."""
     with _opened(path, max_pixels) as img:
+        note_nclx(img)
         try:
             return to_srgb_rgb(ImageOps.exif_transpose(img), background)
         except (OSError, ValueError, SyntaxError, EOFError) as err:  # truncated data shows up while decoding
@@ -107,6 +112,22 @@ class _opened:
         self.img.close()
 
 
+def note_nclx(img: Image.Image) -> None:
+    """An AVIF's nclx colour box into `info["nclx_profile"]`, as pillow-heif puts a HEIC's (Pillow does not read it).
+
+    Called on the freshly opened file, before anything decodes (the bytes are read again from its start)."""
+    if img.format != "AVIF" or "icc_profile" in img.info or img.fp is None:
+        return
+    position = img.fp.tell()
+    img.fp.seek(0)
+    try:
+        nclx = avif_nclx(img.fp.read())
+    finally:
+        img.fp.seek(position)
+    if nclx is not None:
+        img.info["nclx_profile"] = nclx
+
+
 def _is_wide_int(img: Image.Image) -> bool:
     return img.mode == "I" or img.mode.startswith("I;16")
 
@@ -145,6 +166,8 @@ def to_srgb_rgb(img: Image.Image, background: tuple[int, int, int]) -> Image.Ima
     rgb = _convert_profile(img, icc) if icc else None
     if rgb is None:
         rgb = img.convert("RGB")  # CMYK, YCbCr, L, P ... by Pillow's conversions (sRGB assumed)
+        if not icc and img.info.get("nclx_profile"):  # an ICC profile, even one ignored, wins over nclx (as in browsers)
+            rgb = nclx_to_srgb(rgb, img.info["nclx_profile"])
     if alpha is not None:
         rgb = Image.composite(rgb, Image.new("RGB", rgb.size, background), alpha)
     # Only pixels: no ICC profile (LittleCMS' sRGB, whose header holds the time it was made, or the source's own
