@@ -404,6 +404,17 @@ def test_nclx_hdr_pq_and_hlg_are_refused_by_name(write, tmp_path):
             image_files.open_image(path)
 
 
+def test_nclx_avif_in_a_webdataset_tar_is_converted_as_a_file_is(tmp_path):
+    """`shard index` decodes tar members from bytes: the AVIF's nclx box is read from them too."""
+    from ot_dist.data.external import decode_image
+
+    path = nclx_avif(tmp_path / "p3.avif", quarters("RGB", P3_PATCHES), 12, 13)
+    from_file = np.asarray(image_files.open_image(path))
+    assert np.array_equal(np.asarray(decode_image(path.read_bytes(), "tar member", (255, 255, 255))), from_file)
+    with Image.open(path) as raw:
+        assert np.abs(np.asarray(raw.convert("RGB"), dtype=int) - from_file).max() > 20  # converted, not as decoded
+
+
 def test_heic_is_read_with_the_extra(built):
     if not built["info"]["heic"]:
         pytest.skip("pillow-heif is not installed (pip install ot-dist[heic])")
