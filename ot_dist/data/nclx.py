@@ -53,8 +53,9 @@ def nclx_to_srgb(rgb: Image.Image, nclx: dict) -> Image.Image:
     primaries = nclx.get("color_primaries")
     if primaries == 1 or primaries not in D65_PRIMARIES:
         return rgb
-    linear = _srgb_decode(np.asarray(rgb, dtype=np.float64) / 255.0)
-    srgb = np.clip(linear @ to_srgb_matrix(primaries).T, 0.0, 1.0)  # out-of-gamut colours clipped
+    # float32 and a 256-entry decoding table: a 12-megapixel phone photo needs ~150 MB per array, not twice that
+    linear = _srgb_decode(np.arange(256) / 255.0).astype(np.float32)[np.asarray(rgb)]
+    srgb = np.clip(linear @ to_srgb_matrix(primaries).T.astype(np.float32), 0.0, 1.0)  # out-of-gamut colours clipped
     return Image.fromarray(np.round(_srgb_encode(srgb) * 255.0).astype(np.uint8), "RGB")
 
 
