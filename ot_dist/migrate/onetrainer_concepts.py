@@ -1,0 +1,150 @@
+"""OneTrainer's concepts (inline or in their concept file) as ot_dist's `data.concepts`, with their captions, tag
+options and augmentations, the validation interval of its validation concepts, and the latent caching and crop
+settings that depend on what the concepts augment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ot_dist.errors import ConfigError
+from ot_dist.migrate import onetrainer_defaults as defaults
+from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
+
+
+def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None,
+                    out: Imported) -> list[bool]:
+    """Converts the concepts into c["data"]; returns each imported training concept's enable_crop_jitter."""
+    concepts = ot["concepts"]
+    if concepts is None or concepts_path:  # --concepts wins over concepts stored in the config
+        file = Path(concepts_path or local_path(ot["concept_file_name"], "concept_file_name", out))
+        if not file.is_absolute() and not file.exists():
+            file = config_path.parent / file
+        concepts = read_json(file, "--concepts" if concepts_path else "concept_file_name")
+    converted, crop_jitter = [], []
+    for i, concept in enumerate(concepts):
+        concept = {**defaults.CONCEPT, **_upgrade_concept(concept)}
+        label = f"concepts[{i}] ({concept['name'] or concept['path']})"
+        if not concept["enabled"]:
+            out.notes.append(f"{label}: disabled in OneTrainer, not imported")
+            continue
+        if concept["type"] not in ("STANDARD", "VALIDATION"):
+            out.not_honoured.append(f"{label}.type: {concept['type']} (the base model's prediction as the target) is "
+                                    "not supported; not imported (type prior_preservation trains class images with "
+                                    "their loss_weight, DreamBooth's way)")
+            continue
+        entry = {"path": local_path(concept["path"], f"{label}.path", out), "balancing": concept["balancing"],
+                 "balancing_strategy": str(concept["balancing_strategy"]).lower()}
+        if concept["type"] == "VALIDATION":
+            entry["type"] = "validation"
+        if concept["name"]:
+            entry["name"] = concept["name"]
+        if concept["include_subdirectories"]:
+            entry["include_subdirectories"] = True
+        text = {**defaults.CONCEPT_TEXT, **(concept.get("text") or {})}
+        source = text["prompt_source"]
+        if source == "sample":
+            entry["caption_source"] = "txt"
+        elif source == "filename":
+            entry["caption_source"] = "filename"
+        elif source == "concept":
+            prompt_file = Path(local_path(text["prompt_path"], f"{label}.text.prompt_path", out))
+            if prompt_file.is_file():
+                lines = [line.strip() for line in prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
+                entry["caption_source"], entry["caption_text"] = "text", lines[0] if lines else ""
+                if len(lines) > 1:
+                    out.not_honoured.append(f"{label}.text.prompt_path: {len(lines)} lines, drawn per step in "
+                                            "OneTrainer; the first is used for every image")
+            else:
+                out.not_honoured.append(f"{label}.text.prompt_path: {prompt_file} not found; captions from .txt files")
+        if text.get("enable_tag_shuffling"):
+            entry["tag_shuffling"] = True
+        if text.get("enable_tag_shuffling") or text.get("tag_dropout_enable"):
+            entry["tag_delimiter"] = text.get("tag_delimiter", ",") or ","
+            entry["keep_tags_count"] = text.get("keep_tags_count", 1)
+        if text.get("tag_dropout_enable"):
+            mode = text.get("tag_dropout_mode", "FULL")
+            if mode in ("FULL", "RANDOM") and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
+                entry["tag_dropout_probability"] = text.get("tag_dropout_probability", 0.0)
+                entry["tag_dropout_mode"] = mode.lower()
+            else:
+                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {mode} / special tags (ot_dist has "
+                                        "OneTrainer's FULL and RANDOM modes, without special tags)")
+        if text.get("caps_randomize_enable"):
+            out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
+        image = concept.get("image") or {}
+        mapped = {"enable_random_flip": ("flip_probability", lambda: 0.5),  # OneTrainer flips half the time
+                  "enable_random_rotate": ("rotation_degrees", lambda: image.get("random_rotate_max_angle", 0.0)),
+                  "enable_random_brightness": ("brightness", lambda: image.get("random_brightness_max_strength", 0.0)),
+                  "enable_random_contrast": ("contrast", lambda: image.get("random_contrast_max_strength", 0.0)),
+                  "enable_random_saturation": ("saturation", lambda: image.get("random_saturation_max_strength", 0.0)),
+                  "enable_random_hue": ("hue", lambda: image.get("random_hue_max_strength", 0.0))}
+        for key, off in defaults.CONCEPT_IMAGE_OFF.items():
+            if image.get(key, off) == off:
+                continue
+            if key in mapped:
+                entry[mapped[key][0]] = mapped[key][1]()
+            else:
+                out.not_honoured.append(f"{label}.image.{key}: not supported (ot_dist's augmentations are random flip, "
+                                        "rotation and colour jitter)")
+        if concept["loss_weight"] != 1.0:
+            entry["loss_weight"] = concept["loss_weight"]
+        for key in ("image_variations", "text_variations"):
+            if concept[key] != 1:
+                out.not_honoured.append(f"{label}.{key}: {concept[key]} cached variations are not supported")
+        converted.append(entry)
+        if concept["type"] == "STANDARD":
+            crop_jitter.append(bool(image.get("enable_crop_jitter", True)))
+    if not any(e.get("type") != "validation" for e in converted):
+        raise ConfigError("concepts: no enabled standard concept to import (ot_dist needs at least one image folder)")
+    c.setdefault("data", {})["concepts"] = converted
+    _validation(ot, c, out)
+    return crop_jitter
+
+
+def _upgrade_concept(concept: dict) -> dict:
+    """ConceptConfig's migrations: `repeats` became `balancing` (version 1), `validation_concept` `type` (2)."""
+    concept = dict(concept)
+    if "repeats" in concept:
+        concept.setdefault("balancing", concept.pop("repeats"))
+    if "validation_concept" in concept:
+        validation = concept.pop("validation_concept")
+        concept.setdefault("type", "VALIDATION" if validation else "STANDARD")
+    return concept
+
+
+def _validation(ot: dict, c: dict, out: Imported) -> None:
+    """OneTrainer's validation / validate_after / validate_after_unit: the interval of the validation loss."""
+    if not ot.get("validation") or not any(e.get("type") == "validation" for e in c["data"]["concepts"]):
+        return
+    every, unit = ot.get("validate_after", 1), str(ot.get("validate_after_unit", "EPOCH"))
+    if unit in ("STEP", "EPOCH") and float(every).is_integer() and every >= 1:
+        key = "every_n_steps" if unit == "STEP" else "every_n_epochs"
+        c["validation"] = {key: int(every)} | ({"every_n_epochs": None} if unit == "STEP" else {})
+    else:
+        out.not_honoured.append(f"validate_after: {every} {unit}: ot_dist validates every N steps or epochs; "
+                                "validation.every_n_epochs 1 is used")
+
+
+def import_latent_caching(ot: dict, c: dict, inpainting: bool, crop_jitter: list[bool], out: Imported) -> None:
+    """OneTrainer's latent_caching and the concepts' enable_crop_jitter: ot_dist caches a latent only when no step
+    changes the image it encodes, so this is decided after the concepts (and listed after the other sections)."""
+    skip = out.not_honoured.append
+    from ot_dist.data.augment import AUGMENTATION_FIELDS
+
+    augmented = [e["path"] for e in c.get("data", {}).get("concepts", []) if any(e.get(k) for k in AUGMENTATION_FIELDS)]
+    if ot["latent_caching"] and augmented:
+        out.notes.append(f"latent_caching: off, because {augmented[0]} augments its images (OneTrainer caches "
+                         "image_variations copies; ot_dist encodes each step's augmented image)")
+    elif ot["latent_caching"] and inpainting:
+        out.notes.append("latent_caching: off, because an inpainting model is trained (ot_dist encodes each step's "
+                         "masked image, OneTrainer caches image_variations copies of it)")
+    elif ot["latent_caching"]:
+        c.setdefault("data", {})["cache_latents"] = True
+    if any(crop_jitter) and c["data"].get("cache_latents"):
+        out.notes.append("enable_crop_jitter: the cached latents hold the centre crop (OneTrainer caches one randomly "
+                         "cropped copy per image)")
+    elif any(crop_jitter):  # OneTrainer's default: the crop offset drawn per epoch
+        c["data"]["crop"] = "random"
+        if not all(crop_jitter):
+            skip("concepts[].image.enable_crop_jitter: off for some concepts; ot_dist's data.crop (random) is one "
+                 "setting for all")

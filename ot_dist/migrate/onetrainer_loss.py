@@ -1,0 +1,91 @@
+"""OneTrainer's loss settings (offset noise, loss weighting, prediction overrides), its timestep draw and its masked
+training as ot_dist's `loss` and `masked_training` sections: what each step's objective is."""
+
+from __future__ import annotations
+
+TIMESTEP_DISTRIBUTIONS = {"UNIFORM": "uniform", "LOGIT_NORMAL": "logit_normal"}
+
+
+def import_loss(ot: dict, c: dict, skip) -> None:
+    from ot_dist.config.loss import LossConfig
+
+    loss = {}
+    if ot["offset_noise_weight"]:
+        loss["offset_noise_weight"] = ot["offset_noise_weight"]
+    if ot["generalized_offset_noise"]:
+        _mapped_if_known(loss, LossConfig, "generalized_offset_noise", True, skip)
+    if ot["perturbation_noise_weight"]:
+        loss["input_perturbation"] = ot["perturbation_noise_weight"]
+    _timesteps(ot, c, loss, skip)
+    weight_fn, strength = ot["loss_weight_fn"], ot["loss_weight_strength"]
+    if weight_fn == "MIN_SNR_GAMMA":
+        loss["min_snr_gamma"] = strength
+    elif weight_fn != "CONSTANT":
+        _mapped_if_known(loss, LossConfig, "weight_fn", weight_fn, skip)
+        if "weight_fn" in loss:
+            loss["weight_strength"] = strength
+    for key, off in (("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0),
+                     ("mse_strength", 1.0)):
+        if ot.get(key, off) != off:
+            skip(f"{key}: {ot[key]} (ot_dist trains with the MSE loss only)")
+    if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
+        loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
+    if ot["loss_scaler"] not in (None, "NONE"):
+        skip(f"loss_scaler: {ot['loss_scaler']} is not supported")
+    if ot["rescale_noise_scheduler_to_zero_terminal_snr"]:
+        skip("rescale_noise_scheduler_to_zero_terminal_snr: true is not supported")
+    for key, prediction in (("force_v_prediction", "v_prediction"), ("force_epsilon_prediction", "epsilon")):
+        if ot[key] and c["model"]["family"] in ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma"):
+            c["model"]["prediction_type"] = prediction  # OneTrainer overrides the noise scheduler's the same way
+        elif ot[key]:
+            skip(f"{key}: true: {c['model']['family']} has a fixed target")
+    if ot.get("custom_conditioning_image"):
+        skip("custom_conditioning_image: true (an inpainting model's conditioning image from a file) is not supported")
+    if loss:
+        c["loss"] = loss
+    if ot["masked_training"]:
+        c["masked_training"] = {"enabled": True, "unmasked_probability": ot["unmasked_probability"],
+                                "unmasked_weight": ot["unmasked_weight"],
+                                "normalize_masked_area_loss": ot["normalize_masked_area_loss"]}
+        prior = ot.get("masked_prior_preservation_weight") or 0.0
+        if prior and c.get("method") == "lora":
+            c["masked_training"]["prior_preservation_weight"] = prior
+        elif prior:
+            skip(f"masked_prior_preservation_weight: {prior}: OneTrainer uses it with LORA only (the prior is the "
+                 "model without the LoRA)")
+
+
+FLOW_FAMILIES = ("sd3", "flux", "chroma")  # shifted by OneTrainer's timestep_shift; Flux also dynamically
+
+
+def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
+    """OneTrainer's draw: a continuous t in [N min_noising_strength, N max_noising_strength), floored (N: the
+    scheduler's 1000 steps; 10000 for Würstchen / Stable Cascade's continuous time); LOGIT_NORMAL is
+    sigmoid(N(noising_bias, noising_weight + 1)); then t is shifted by timestep_shift (Flux: by the resolution with
+    dynamic_timestep_shifting; the DDPM / Würstchen setups ignore that switch)."""
+    family = c["model"]["family"]
+    distribution = ot["timestep_distribution"]
+    if distribution in TIMESTEP_DISTRIBUTIONS:
+        loss["timestep_distribution"] = TIMESTEP_DISTRIBUTIONS[distribution]
+    else:
+        skip(f"timestep_distribution: {distribution} (ot_dist draws uniform or logit_normal)")
+    if distribution == "LOGIT_NORMAL" and (ot["noising_bias"] or ot["noising_weight"]):
+        loss["logit_normal_mean"], loss["logit_normal_std"] = ot["noising_bias"], ot["noising_weight"] + 1.0
+    steps = 10000 if family in ("stable_cascade", "wuerstchen_v2") else 1000
+    if ot["min_noising_strength"] or ot["max_noising_strength"] < 1:
+        loss["min_timestep"] = int(steps * ot["min_noising_strength"])
+        loss["max_timestep"] = int(steps * ot["max_noising_strength"]) - 1  # ot_dist's bound is inclusive
+    shift = ot["timestep_shift"]
+    if family == "flux" and ot["dynamic_timestep_shifting"]:  # OneTrainer's SD3 / Chroma setups ignore it
+        loss["dynamic_timestep_shifting"] = True  # and then ignore timestep_shift
+    elif family in FLOW_FAMILIES:
+        loss["timestep_shift"] = shift  # 1.0 included: unshifted, where the family's scheduler would shift
+    elif shift != 1.0:  # DDPM and Würstchen's discretized continuous draw: 1.0 is unshifted there as ot_dist's auto
+        loss["timestep_shift"] = shift
+
+
+def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:
+    if key in model.model_fields:
+        section[key] = value
+    else:
+        skip(f"{key}: {value} is not supported by this ot_dist version")

@@ -1,0 +1,100 @@
+"""OneTrainer's optimizer, learning-rate schedule, learning_rate_scaler and EMA as ot_dist's `optimizer`,
+`scheduler` and `ema` sections: what decides how the trained weights move. ot_dist uses OneTrainer's optimizer and
+scheduler names and counts (warmup in OneTrainer's steps), so most fields map one to one; the rest are listed."""
+
+from __future__ import annotations
+
+from ot_dist.migrate import onetrainer_defaults as defaults
+from ot_dist.migrate.onetrainer_common import PART_SECTIONS, Imported
+from ot_dist.optim.registry import SCHEDULE_FREE
+
+
+def import_optimizer(ot: dict, c: dict, skip) -> None:
+    from ot_dist.config.optim import OPTIMIZER_NAMES
+    from ot_dist.optim.registry import SPECS
+
+    settings = {**defaults.OPTIMIZER, **(ot.get("optimizer") or {})}
+    name = settings.pop("optimizer")
+    if name not in OPTIMIZER_NAMES:
+        skip(f"optimizer: {name} is not in ot_dist's optimizer stack; ADAMW is written instead")
+        c["optimizer"] = {"name": "ADAMW"}
+        return
+    options = {"name": name}
+    lacking = defaults.OPTIMIZER_OPTIONS_NOT_IN_OT_DIST.get(name, {})
+    for key, value in settings.items():
+        if value is None or key.startswith("__"):
+            continue
+        if key in SPECS[name].defaults:
+            options[key] = value
+        elif key in lacking and value == lacking[key]:
+            continue  # OneTrainer's default of an option ot_dist's implementation does not have: the same update
+        elif key not in lacking and _unset_optimizer_option(key, value):
+            continue  # a UI-saved section holds every optimizer's options; one this optimizer has not is unset
+        else:
+            skip(f"optimizer.{key}: {value!r} is not an option of ot_dist's {name}")
+    c["optimizer"] = options
+
+
+def _unset_optimizer_option(key: str, value) -> bool:
+    """TrainOptimizerConfig's default value: None, False, {} or the few True ones."""
+    return value is False or value == {} or (value is True and key in defaults.OPTIMIZER_UNSET_TRUE)  # 0.0 is set
+
+
+def import_scheduler(ot: dict, c: dict, skip) -> None:
+    name = ot["learning_rate_scheduler"]
+    warmup = ot["learning_rate_warmup_steps"]
+    scheduler = {"name": name, "warmup_steps": int(warmup) if float(warmup).is_integer() and warmup > 1 else warmup}
+    if name not in ("CONSTANT", "ADAFACTOR", "CUSTOM"):  # the decaying schedules take a floor
+        scheduler["min_factor"] = ot["learning_rate_min_factor"]
+    if "RESTARTS" in name:  # the only schedules with cycles (OneTrainer stores the field for all of them)
+        scheduler["cycles"] = ot["learning_rate_cycles"]
+    optimizer = c["optimizer"]["name"]
+    if name == "ADAFACTOR" and not (optimizer == "ADAFACTOR" and c["optimizer"].get("relative_step")):
+        # transformers' AdafactorSchedule only reports the step size: without Adafactor's relative steps it is the
+        # learning rate, constant, and OneTrainer adds no warmup to it
+        skip(f"learning_rate_scheduler: ADAFACTOR reports Adafactor's relative step size; with {optimizer}"
+             f"{' relative_step false' if optimizer == 'ADAFACTOR' else ''} the learning rate stays constant: CONSTANT "
+             "without warmup is written")
+        scheduler = {"name": "CONSTANT", "warmup_steps": 0}
+    elif name == "ADAFACTOR":
+        scheduler["warmup_steps"] = 0  # Adafactor's schedule has its own warmup (optimizer.warmup_init)
+    if optimizer in SCHEDULE_FREE:
+        # OneTrainer forces a schedule-free optimizer's schedule to CONSTANT and gives SCHEDULE_FREE_ADAMW / _SGD the
+        # warmup as their own, in optimizer steps (a fraction of 1 or less is then no warmup)
+        if name != "CONSTANT":
+            skip(f"learning_rate_scheduler: {name}: OneTrainer schedules {optimizer} constantly (CONSTANT is written)")
+        own = optimizer != "PRODIGY_PLUS_SCHEDULE_FREE" and warmup > 1
+        scheduler = {"name": "CONSTANT",
+                     "warmup_steps": int(warmup) * c["gradient_accumulation_steps"] if own else 0}
+    if name == "CUSTOM":
+        scheduler["class_name"] = ot["custom_learning_rate_scheduler"]
+        scheduler["params"] = {p["key"]: p["value"] for p in ot["scheduler_params"] or []}
+        skip("custom_learning_rate_scheduler: importing a scheduler class runs its code; set scheduler."
+             "allow_custom_code: true after reading it")
+    c["scheduler"] = scheduler
+
+
+def scale_learning_rates(ot: dict, c: dict, out: Imported) -> None:
+    """OneTrainer's learning_rate_scaler multiplies every parameter group's learning rate by sqrt(scale) (its
+    NamedParameterGroup); the GLOBAL_ ones also count the GPUs, one here."""
+    scaler = ot["learning_rate_scaler"]
+    if scaler in (None, "NONE"):
+        return
+    batch, accumulation = c["batch_size"], c["gradient_accumulation_steps"]
+    scale = {"BATCH": batch, "GLOBAL_BATCH": batch, "GRADIENT_ACCUMULATION": accumulation, "BOTH": batch * accumulation,
+             "GLOBAL_BOTH": batch * accumulation}[scaler]
+    factor = scale ** 0.5
+    for section in (c, *(c.get(p) for p in PART_SECTIONS), c.get("embedding")):
+        if section and section.get("learning_rate"):
+            section["learning_rate"] = section["learning_rate"] * factor
+    out.notes.append(f"learning_rate_scaler: {scaler}: the learning rates are multiplied by sqrt({scale})")
+    if scaler.startswith("GLOBAL"):
+        out.not_honoured.append(f"learning_rate_scaler: {scaler} also counts the GPUs: for N of them multiply the "
+                                "learning rates by sqrt(N)")
+
+
+def import_ema(ot: dict, c: dict) -> None:
+    if ot["ema"] == "OFF":
+        return
+    c["ema"] = {"enabled": True, "decay": ot["ema_decay"], "update_step_interval": ot["ema_update_step_interval"],
+                "device": "cpu" if ot["ema"] == "CPU" else "accelerator"}
