@@ -479,3 +479,39 @@ def test_lokr_rank_is_lokr_dim(tmp_path):
                                              "lokr_dim": 4, "lokr_decompose_factor": 8})
     assert (config.lora.variant, config.lora.rank) == ("lokr", 4)
     assert any(line.startswith("lokr_decompose_factor: 8") for line in skipped)
+
+
+@pytest.mark.parametrize("settings,weighting,offset,listed", [
+    # OneTrainer stores a strength for every weight function (5.0 by default); only P2 and MIN_SNR_GAMMA use it
+    ({"model_type": "STABLE_DIFFUSION_15", "loss_weight_fn": "DEBIASED_ESTIMATION"},
+     ("DEBIASED_ESTIMATION", 5.0), False, None),
+    ({"model_type": "STABLE_DIFFUSION_3", "loss_weight_fn": "SIGMA", "loss_weight_strength": 2.0},
+     ("SIGMA", 5.0), False, None),
+    ({"model_type": "STABLE_DIFFUSION_15", "loss_weight_fn": "P2", "loss_weight_strength": 1.5}, ("P2", 1.5),
+     False, None),
+    ({"model_type": "STABLE_DIFFUSION_15", "loss_weight_fn": "MIN_SNR_GAMMA", "loss_weight_strength": 3.0},
+     ("MIN_SNR_GAMMA", 3.0), False, None),
+    # what OneTrainer stops on at its first step is listed, and the rest of the config imports
+    ({"model_type": "FLUX_DEV_1", "loss_weight_fn": "MIN_SNR_GAMMA"}, ("CONSTANT", 5.0), False,
+     "loss_weight_fn: MIN_SNR_GAMMA is not defined for flux"),
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "loss_weight_fn": "SIGMA"}, ("CONSTANT", 5.0), False,
+     "loss_weight_fn: SIGMA is not defined for sdxl"),
+    # generalized offset noise: plain offset noise on a flow model (as OneTrainer falls back), nothing without an offset
+    ({"model_type": "FLUX_DEV_1", "generalized_offset_noise": True, "offset_noise_weight": 0.1}, ("CONSTANT", 5.0),
+     False, "generalized_offset_noise: true needs DDPM betas"),
+    ({"model_type": "STABLE_DIFFUSION_15", "generalized_offset_noise": True}, ("CONSTANT", 5.0), False,
+     "generalized_offset_noise: true scales the offset noise, and offset_noise_weight is 0"),
+    ({"model_type": "STABLE_DIFFUSION_15", "generalized_offset_noise": True, "offset_noise_weight": 0.1},
+     ("CONSTANT", 5.0), True, None),
+])
+def test_loss_weighting_and_offset_noise_import_as_onetrainer_applies_them(tmp_path, settings, weighting, offset,
+                                                                            listed):
+    """Each imports to a config that validates (a strength on DEBIASED_ESTIMATION / SIGMA, or an SNR weight on a
+    flow model, made the whole import fail before)."""
+    config, skipped = import_only(tmp_path, {"training_method": "LORA", **settings})
+    assert config.loss.weighting() == weighting
+    assert config.loss.generalized_offset_noise is offset
+    if listed:
+        assert any(line.startswith(listed) for line in skipped), skipped
+    else:
+        assert not any(line.startswith(("loss_weight_fn", "generalized_offset_noise")) for line in skipped)

@@ -12,17 +12,29 @@ def import_loss(ot: dict, c: dict, skip) -> None:
     loss = {}
     if ot["offset_noise_weight"]:
         loss["offset_noise_weight"] = ot["offset_noise_weight"]
+    flow = c["model"]["family"] in FLOW_FAMILIES
     if ot["generalized_offset_noise"]:
-        _mapped_if_known(loss, LossConfig, "generalized_offset_noise", True, skip)
+        # OneTrainer falls back to plain offset noise on a flow family, and scales nothing without an offset
+        if flow:
+            skip("generalized_offset_noise: true needs DDPM betas; on a flow-matching model OneTrainer applies plain "
+                 "offset noise, which offset_noise_weight gives")
+        elif not ot["offset_noise_weight"]:
+            skip("generalized_offset_noise: true scales the offset noise, and offset_noise_weight is 0")
+        else:
+            _mapped_if_known(loss, LossConfig, "generalized_offset_noise", True, skip)
     if ot["perturbation_noise_weight"]:
         loss["input_perturbation"] = ot["perturbation_noise_weight"]
     _timesteps(ot, c, loss, skip)
     weight_fn, strength = ot["loss_weight_fn"], ot["loss_weight_strength"]
-    if weight_fn == "MIN_SNR_GAMMA":
+    if weight_fn != "CONSTANT" and (weight_fn == "SIGMA") != flow:
+        # OneTrainer stops at the first step there (NotImplementedError): SNR weights need DDPM, SIGMA flow matching
+        skip(f"loss_weight_fn: {weight_fn} is not defined for {c['model']['family']} "
+             f"({'flow matching: SIGMA or CONSTANT' if flow else 'DDPM: MIN_SNR_GAMMA, P2, DEBIASED_ESTIMATION'})")
+    elif weight_fn == "MIN_SNR_GAMMA":
         loss["min_snr_gamma"] = strength
     elif weight_fn != "CONSTANT":
         _mapped_if_known(loss, LossConfig, "weight_fn", weight_fn, skip)
-        if "weight_fn" in loss:
+        if "weight_fn" in loss and weight_fn == "P2":  # OneTrainer stores a strength for every function; P2 uses it
             loss["weight_strength"] = strength
     for key, off in (("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0),
                      ("mse_strength", 1.0)):
