@@ -112,11 +112,6 @@ class LossConfig(Section):
             raise ValueError(f"loss.max_timestep ({self.max_timestep}) is below loss.min_timestep ({self.min_timestep})")
         return self
 
-
-    def flow_shift_is_default(self) -> bool:
-        """Both flow-matching shift options at auto (the model scheduler's shift)."""
-        return self.timestep_shift == "auto" and self.dynamic_timestep_shifting == "auto"
-
     def weighting(self) -> tuple[str, float]:
         """(weight function, strength), min_snr_gamma folded in."""
         if self.min_snr_gamma is not None:

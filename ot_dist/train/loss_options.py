@@ -47,7 +47,13 @@ def last_timestep_drawn(options: LossConfig, num_timesteps: int) -> bool:
     if shift in ("auto", 1.0):
         return high == num_timesteps - 1
     top = high + 1  # the draw's exclusive upper end; the shift is increasing in t
-    return num_timesteps * shift * top / ((shift - 1) * top + num_timesteps) > num_timesteps - 1
+    return shifted_time(top, shift, num_timesteps) > num_timesteps - 1
+
+
+def shifted_time(t, shift: float, num_timesteps: int):
+    """t in [0, N) shifted as a share of the whole schedule, N k t / ((k - 1) t + N): OneTrainer's expression, in
+    the dtype of t (float32 for a draw, so the same u floors to the same timestep)."""
+    return num_timesteps * shift * t / ((shift - 1) * t + num_timesteps)
 
 
 def shifted_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig, low: int, high: int,
@@ -60,8 +66,7 @@ def shifted_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig
         unit = torch.rand(1, generator=g)
     else:
         unit = torch.sigmoid(torch.randn(1, generator=g) * options.logit_normal_std + options.logit_normal_mean)
-    t = low + (high + 1 - low) * unit
-    t = num_timesteps * shift * t / ((shift - 1) * t + num_timesteps)
+    t = shifted_time(low + (high + 1 - low) * unit, shift, num_timesteps)
     # float32 can round t' of a u just below 1 up to N itself, one past the schedule's last timestep
     return t.long().clamp(max=num_timesteps - 1)
 
