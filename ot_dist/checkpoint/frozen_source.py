@@ -33,7 +33,8 @@ def single_file_components(model: LoadedModel) -> dict[str, object]:
     return {**model.parts(), "vae": model.vae, "scheduler": model.pipeline.scheduler}
 
 
-def _modules(components: dict[str, object]) -> dict[str, torch.nn.Module]:
+def module_components(components: dict[str, object]) -> dict[str, torch.nn.Module]:
+    """The single file's components that hold weights (all but the scheduler)."""
     return {name: c for name, c in components.items() if isinstance(c, torch.nn.Module)}
 
 
@@ -45,7 +46,8 @@ def export_source(model: LoadedModel, model_config, trained: set[str], state_dic
     components = single_file_components(model)
     frozen = [m for m in model.modules() if not any(m is parts[name] for name in trained)]
     if all(held_as_loaded(m) for m in frozen):  # nothing rounded: the modules in memory are the originals
-        return ExportSource(model.pipeline, components, {n: state_dict_of(m) for n, m in _modules(components).items()})
+        return ExportSource(model.pipeline, components,
+                            {n: state_dict_of(m) for n, m in module_components(components).items()})
     states = {name: state_dict_of(parts[name]) for name in trained}
     if not write:
         return ExportSource(model.pipeline, components, states)
@@ -59,5 +61,6 @@ def export_source(model: LoadedModel, model_config, trained: set[str], state_dic
         # rename it in model_index.json; the loaded class is what loaders must build.
         source.pipeline.register_to_config(**{name: entry})
     components = single_file_components(source)
-    states.update({name: module.state_dict() for name, module in _modules(components).items() if name not in trained})
+    states.update({name: module.state_dict() for name, module in module_components(components).items()
+                   if name not in trained})
     return ExportSource(source.pipeline, components, states)

@@ -56,12 +56,12 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
         # with what complete_pipeline reads back beside diffusers' files (Stable Cascade's EfficientNet)
         export_diffusers_folder(model.pipeline, target, dtype, family=model.family)
     else:
-        from ot_dist.checkpoint.frozen_source import single_file_components
+        from ot_dist.checkpoint.frozen_source import module_components, single_file_components
 
         # with the scheduler, as training exports: a v-prediction / zero-terminal-SNR model keeps its v_pred / ztsnr
         # markers, by which ComfyUI and Forge choose how to sample it
         components = single_file_components(model)
-        states = {n: c.state_dict() for n, c in components.items() if isinstance(c, torch.nn.Module)}
+        states = {n: m.state_dict() for n, m in module_components(components).items()}
         model.family.export_single_file(components, states, target, dtype)
     log(f"wrote {target}")
     return target
