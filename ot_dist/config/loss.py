@@ -13,10 +13,9 @@ from pydantic import Field, model_validator
 from ot_dist.config.section import Section
 
 
-# OneTrainer's TimestepDistribution: the continuous ones draw u in [0, 1] that is spread over the range and shifted;
-# the weighted ones pick a timestep of the range by weights with the shift built in
+# OneTrainer's TimestepDistribution: the continuous ones (uniform, logit_normal, heavy_tail) draw u in [0, 1] that is
+# spread over the range and shifted; the weighted ones pick a timestep of the range by weights with the shift built in
 # (ot_dist/train/timestep_distributions.py)
-CONTINUOUS_DISTRIBUTIONS = ("uniform", "logit_normal", "heavy_tail")
 WEIGHTED_DISTRIBUTIONS = ("sigmoid", "cos_map", "inverted_parabola")
 # which of OneTrainer's noising_weight / noising_bias each distribution reads
 SHAPE_FIELDS = {"sigmoid": ("noising_weight", "noising_bias"), "heavy_tail": ("noising_weight",),
