@@ -382,6 +382,27 @@ def test_sample_definitions_with_onetrainers_defaults(tmp_path):
                                                          "samples[].noise_scheduler"]
 
 
+@pytest.mark.parametrize("model_type,sizes", [
+    ("STABLE_DIFFUSION_3", (512, 992)), ("FLUX_DEV_1", (512, 1024)), ("STABLE_DIFFUSION_XL_10_BASE", (512, 1024)),
+    ("STABLE_DIFFUSION_15", (520, 1000))])
+def test_sample_sizes_are_the_ones_onetrainer_samples(tmp_path, model_type, sizes):
+    """OneTrainer's samplers round width and height to their model's grid (round(side / q) x q: 16 for SD3, 64 for
+    SDXL and Flux, 8 for SD 1.x): the imported prompt samples that size, which the pipeline accepts."""
+    config, _ = import_only(tmp_path, {"model_type": model_type}, samples=[{"prompt": "a cat", "width": 520,
+                                                                             "height": 1000}])
+    [cat] = config.sampling.prompts
+    assert (cat.width, cat.height) == sizes
+
+
+def test_random_hue_turns_by_half_the_max_strength(tmp_path):
+    """mgds RandomHue shifts the hue by uniform(-s/2, s/2) of a turn for random_hue_max_strength s; ot_dist's `hue`
+    is the turn's bound itself."""
+    concepts = [{"path": str(tmp_path / "images"), "image": {"enable_random_hue": True,
+                                                             "random_hue_max_strength": 0.4}}]
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "concepts": concepts})
+    assert config.data.concepts[0].hue == 0.2
+
+
 def test_windows_paths(tmp_path):
     """A config saved on Windows: relative paths are converted, absolute ones listed; the run is named after the
     file, not the whole Windows path."""

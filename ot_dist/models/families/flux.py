@@ -61,6 +61,7 @@ class FlowTransformerFamily(Family):
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     denoiser_lora_presets = {"default": FLUX_LORA_TARGETS, "attention": ATTENTION_TARGETS}
     samplers = ("flow_euler",)
+    sample_guidance_scale = 3.5  # OneTrainer's for Flux.1 and Chroma; FluxPipeline's default too
     t5_tokenizer = "tokenizer_2"
 
     def objective(self, pipeline, model_config) -> FlowMatching:
