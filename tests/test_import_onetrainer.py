@@ -394,6 +394,14 @@ def test_sample_sizes_are_the_ones_onetrainer_samples(tmp_path, model_type, size
     assert (cat.width, cat.height) == sizes
 
 
+def test_a_flux_samples_negative_prompt_is_listed_not_kept(tmp_path):
+    """OneTrainer's Flux sampler takes a negative prompt and ignores it (no classifier-free guidance pass)."""
+    config, skipped = import_only(tmp_path, {"model_type": "FLUX_DEV_1"},
+                                  samples=[{"prompt": "a cat", "negative_prompt": "blurry"}])
+    assert config.sampling.prompts[0].negative_prompt == ""
+    assert any(line.startswith("samples[0].negative_prompt: flux samples without") for line in skipped)
+
+
 def test_random_hue_turns_by_half_the_max_strength(tmp_path):
     """mgds RandomHue shifts the hue by uniform(-s/2, s/2) of a turn for random_hue_max_strength s; ot_dist's `hue`
     is the turn's bound itself."""

@@ -270,6 +270,18 @@ def test_sample_sides_are_on_the_familys_grid_and_guidance_defaults_to_onetraine
             sampled(RED, off_grid)
 
 
+def test_a_negative_prompt_flux_would_ignore_is_an_error():
+    """FluxPipeline uses negative_prompt only with true_cfg_scale > 1 (Flux.1 dev samples with its distilled guidance):
+    a Flux prompt's negative prompt is refused instead of dropped in silence; Chroma's true CFG takes it."""
+    raw = {"model": {"family": "flux", "path": "m"}, "method": "lora", "output_dir": "out", "data": {"path": "data"},
+           "resolution": 512, "sampling": {"prompts": [RED, BLUE]}}
+    with pytest.raises(ConfigError, match=r"sampling.prompts\[1\].negative_prompt: flux samples without "
+                                          "classifier-free guidance"):
+        validate(raw)
+    raw["model"]["family"] = "chroma"
+    assert validate(raw).sampling.prompts[1].negative_prompt == "red"
+
+
 def test_each_sampler_draws_from_the_trained_model(ema_run, tmp_path, monkeypatch):
     """Every sampler builds its scheduler from the model's config and draws an image."""
     trainer, _, _ = ema_run

@@ -27,7 +27,8 @@ class SamplePrompt(Section):
 
     prompt: str = Field(min_length=1, description="The prompt. With method embedding, write the embedding's token "
                         "where it belongs (as in a prompt for the exported embedding).")
-    negative_prompt: str = Field(default="", description="What the image should not show (classifier-free guidance).")
+    negative_prompt: str = Field(default="", description="What the image should not show (classifier-free guidance; "
+                                 "not for Flux.1, whose pipeline samples without it).")
     seed: int = Field(default=42, ge=0, description="Seed of the starting noise: same seed and weights, same image.")
     width: int | None = Field(default=None, description="Width in pixels, a multiple of the family's pixel grid (8; "
                               "16 for SD3, Flux, Chroma, PixArt); null = the (largest) training resolution.")

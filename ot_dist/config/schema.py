@@ -609,7 +609,8 @@ class TrainConfig(Section):
 
     def _check_sample_prompts(self, family) -> None:
         """Each sample prompt's sides on the family's pixel grid (else its pipeline refuses, fails or resizes them,
-        after training has run up to the first sampling point) and its guidance scale, the family's when unset."""
+        after training has run up to the first sampling point), a negative prompt only where the pipeline uses one,
+        and its guidance scale, the family's when unset."""
         multiple = family.sample_pixel_multiple or family.pixel_multiple
         for i, prompt in enumerate(self.sampling.prompts):
             for key in ("width", "height"):
@@ -618,6 +619,9 @@ class TrainConfig(Section):
                     nearest = max(multiple, round(value / multiple) * multiple)
                     raise ValueError(f"sampling.prompts[{i}].{key}: {value} is not a multiple of {multiple}, the pixel "
                                      f"grid of {self.model.family} samples; use {nearest}")
+            if prompt.negative_prompt and not family.sample_negative_prompt:
+                raise ValueError(f"sampling.prompts[{i}].negative_prompt: {self.model.family} samples without "
+                                 "classifier-free guidance (its pipeline would ignore the negative prompt); remove it")
             if prompt.guidance_scale is None:
                 prompt.guidance_scale = family.sample_guidance_scale
 

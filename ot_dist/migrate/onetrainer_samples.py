@@ -8,6 +8,7 @@ from pathlib import Path
 from ot_dist.errors import InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
+from ot_dist.models.families.registry import get_family
 
 SAMPLERS_FROM_NOISE_SCHEDULER = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
 NOISE_SCHEDULERS = {"DDIM": "ddim", "EULER": "euler", "EULER_A": "euler_a", "DPMPP": "dpmpp_2m", "UNIPC": "unipc"}
@@ -41,7 +42,12 @@ def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | Non
             out.not_honoured.append(f"samples[{i}].random_seed: true: ot_dist samples with a fixed seed "
                                     f"({sample['seed']}), the same image for the same weights")
         width, height = (_quantized(sample[key], family, f"samples[{i}].{key}", out) for key in ("width", "height"))
-        prompts.append({"prompt": sample["prompt"], "negative_prompt": sample["negative_prompt"] or "",
+        negative = sample["negative_prompt"] or ""
+        if negative and not get_family(family).sample_negative_prompt:
+            out.not_honoured.append(f"samples[{i}].negative_prompt: {family} samples without classifier-free "
+                                    "guidance; OneTrainer ignores it too")
+            negative = ""
+        prompts.append({"prompt": sample["prompt"], "negative_prompt": negative,
                         "seed": sample["seed"], "width": width, "height": height,
                         "steps": sample["diffusion_steps"], "guidance_scale": sample["cfg_scale"]})
         samplers.append(str(sample["noise_scheduler"]))

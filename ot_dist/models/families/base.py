@@ -96,6 +96,9 @@ class Family:
     # The classifier-free guidance scale of a sample prompt that sets none: OneTrainer's sample default for the
     # family (modules/util/config/SampleConfig.py: 7.0 for SD3; for Flux.1 dev its distilled guidance, 3.5).
     sample_guidance_scale: float = 7.0
+    # Whether the sampling pipeline uses a sample prompt's negative_prompt (classifier-free guidance); FluxPipeline
+    # ignores it at its default true_cfg_scale of 1 (Flux.1 dev's guidance is distilled, schnell has none).
+    sample_negative_prompt: bool = True
     # The default data.bucket_step: bucket sides are multiples of it (OneTrainer's aspect_bucketing_quantization for
     # the family: 64 for SDXL, SD3, Flux, Chroma; 8 for SD 1.x / 2.x).
     bucket_step: int = 64

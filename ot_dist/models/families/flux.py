@@ -121,6 +121,8 @@ class Flux(FlowTransformerFamily):
     lora_foreign_prefixes = {"transformer": ("lora_transformer", "lycoris"), "text_encoder": ("lora_te1",),
                              "text_encoder_2": ("lora_te2",)}
 
+    sample_negative_prompt = False  # FluxPipeline samples with the distilled guidance, without a negative pass
+
     def denoiser_original_rules(self, config) -> list:
         from ot_dist.models.families.flux_single_file import flux_rules
 
