@@ -167,6 +167,27 @@ def test_hue_shift_keeps_every_colour_but_its_hue():
     assert np.abs(np.asarray(shift_hue(image, 0.05)).astype(int) - expected).max() <= 1
 
 
+def test_jitter_strengths_of_1_or_more_clamp_the_factor_at_0_as_onetrainer():
+    """mgds RandomBrightness / RandomContrast / RandomSaturation draw a factor in [1-s, 1+s] and take max(0, factor):
+    a strength of 1 or more is legal there (and `ot-dist import onetrainer` of it was a config error here). A factor
+    clamped at 0 is the mean grey for contrast, not the inverted image a negative factor gives."""
+    import numpy as np
+    from PIL import Image, ImageEnhance
+
+    from ot_dist.data.augment import augment
+
+    concept = ConceptConfig(path="x", contrast=3.0)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    clamped = 0
+    for seed in range(12):
+        draws = torch.rand(6, generator=torch.Generator().manual_seed(seed)).tolist()
+        factor = max(0.0, 1 + (2 * draws[3] - 1) * 3.0)
+        out, _ = augment(image, None, concept, torch.Generator().manual_seed(seed))
+        assert np.array_equal(np.asarray(out), np.asarray(ImageEnhance.Contrast(image).enhance(factor)))
+        clamped += factor == 0.0
+    assert clamped  # some draws fell below 0
+
+
 def test_cached_latents_cannot_hold_augmented_images():
     from ot_dist.config.load import validate
 

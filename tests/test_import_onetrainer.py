@@ -411,6 +411,15 @@ def test_random_hue_turns_by_half_the_max_strength(tmp_path):
     assert config.data.concepts[0].hue == 0.2
 
 
+def test_jitter_strengths_of_1_or_more_import(tmp_path):
+    """OneTrainer takes any max strength (mgds clamps the drawn factor at 0); the import was a config error at 1."""
+    image = {"enable_random_brightness": True, "random_brightness_max_strength": 1.0,
+             "enable_random_contrast": True, "random_contrast_max_strength": 1.5}
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15",
+                                       "concepts": [{"path": str(tmp_path / "images"), "image": image}]})
+    assert (config.data.concepts[0].brightness, config.data.concepts[0].contrast) == (1.0, 1.5)
+
+
 def test_windows_paths(tmp_path):
     """A config saved on Windows: relative paths are converted, absolute ones listed; the run is named after the
     file, not the whole Windows path."""

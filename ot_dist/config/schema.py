@@ -213,9 +213,12 @@ class ConceptConfig(Section):
         default=0.0, ge=0, le=180, description="Rotate by an angle drawn in [-d, d] per sample and epoch; the corners "
         "that leave the image are masked out of the loss.",
     )
-    brightness: float = Field(default=0.0, ge=0, lt=1, description="Brightness jitter: a factor in [1-s, 1+s].")
-    contrast: float = Field(default=0.0, ge=0, lt=1, description="Contrast jitter: a factor in [1-s, 1+s].")
-    saturation: float = Field(default=0.0, ge=0, lt=1, description="Saturation jitter: a factor in [1-s, 1+s].")
+    brightness: float = Field(default=0.0, ge=0, description="Brightness jitter: a factor drawn in [1-s, 1+s], "
+                              "below 0 taken as 0 (black), as OneTrainer's random_brightness_max_strength.")
+    contrast: float = Field(default=0.0, ge=0, description="Contrast jitter: a factor drawn in [1-s, 1+s], below 0 "
+                            "taken as 0 (the mean grey), as OneTrainer's random_contrast_max_strength.")
+    saturation: float = Field(default=0.0, ge=0, description="Saturation jitter: a factor drawn in [1-s, 1+s], below 0 "
+                              "taken as 0 (greyscale), as OneTrainer's random_saturation_max_strength.")
     hue: float = Field(default=0.0, ge=0, le=0.5, description="Hue jitter: a turn of the colour circle in [-s, s].")
     tag_shuffling: bool = Field(
         default=False, description="Shuffle the caption's tags (split at tag_delimiter) every epoch, keeping the first "

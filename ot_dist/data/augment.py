@@ -36,8 +36,8 @@ def augment(image: Image.Image, mask: Image.Image | None, concept, gen: torch.Ge
     for factor, enhancer, draw in ((concept.brightness, ImageEnhance.Brightness, u[2]),
                                    (concept.contrast, ImageEnhance.Contrast, u[3]),
                                    (concept.saturation, ImageEnhance.Color, u[4])):
-        if factor:
-            image = enhancer(image).enhance(1 + (2 * draw - 1) * factor)
+        if factor:  # a strength of 1 or more: the factors below 0 are 0, as mgds clamps them (max(0, factor))
+            image = enhancer(image).enhance(max(0.0, 1 + (2 * draw - 1) * factor))
     if concept.hue:
         image = shift_hue(image, (2 * u[5] - 1) * concept.hue)
     return image, mask
