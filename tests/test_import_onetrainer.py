@@ -382,6 +382,44 @@ def test_sample_definitions_with_onetrainers_defaults(tmp_path):
                                                          "samples[].noise_scheduler"]
 
 
+@pytest.mark.parametrize("model_type,sizes", [
+    ("STABLE_DIFFUSION_3", (512, 992)), ("FLUX_DEV_1", (512, 1024)), ("STABLE_DIFFUSION_XL_10_BASE", (512, 1024)),
+    ("STABLE_DIFFUSION_15", (520, 1000))])
+def test_sample_sizes_are_the_ones_onetrainer_samples(tmp_path, model_type, sizes):
+    """OneTrainer's samplers round width and height to their model's grid (round(side / q) x q: 16 for SD3, 64 for
+    SDXL and Flux, 8 for SD 1.x): the imported prompt samples that size, which the pipeline accepts."""
+    config, _ = import_only(tmp_path, {"model_type": model_type}, samples=[{"prompt": "a cat", "width": 520,
+                                                                             "height": 1000}])
+    [cat] = config.sampling.prompts
+    assert (cat.width, cat.height) == sizes
+
+
+def test_a_flux_samples_negative_prompt_is_listed_not_kept(tmp_path):
+    """OneTrainer's Flux sampler takes a negative prompt and ignores it (no classifier-free guidance pass)."""
+    config, skipped = import_only(tmp_path, {"model_type": "FLUX_DEV_1"},
+                                  samples=[{"prompt": "a cat", "negative_prompt": "blurry"}])
+    assert config.sampling.prompts[0].negative_prompt == ""
+    assert any(line.startswith("samples[0].negative_prompt: flux samples without") for line in skipped)
+
+
+def test_random_hue_turns_by_half_the_max_strength(tmp_path):
+    """mgds RandomHue shifts the hue by uniform(-s/2, s/2) of a turn for random_hue_max_strength s; ot_dist's `hue`
+    is the turn's bound itself."""
+    concepts = [{"path": str(tmp_path / "images"), "image": {"enable_random_hue": True,
+                                                             "random_hue_max_strength": 0.4}}]
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "concepts": concepts})
+    assert config.data.concepts[0].hue == 0.2
+
+
+def test_jitter_strengths_of_1_or_more_import(tmp_path):
+    """OneTrainer takes any max strength (mgds clamps the drawn factor at 0); the import was a config error at 1."""
+    image = {"enable_random_brightness": True, "random_brightness_max_strength": 1.0,
+             "enable_random_contrast": True, "random_contrast_max_strength": 1.5}
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15",
+                                       "concepts": [{"path": str(tmp_path / "images"), "image": image}]})
+    assert (config.data.concepts[0].brightness, config.data.concepts[0].contrast) == (1.0, 1.5)
+
+
 def test_windows_paths(tmp_path):
     """A config saved on Windows: relative paths are converted, absolute ones listed; the run is named after the
     file, not the whole Windows path."""

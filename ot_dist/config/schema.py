@@ -6,6 +6,7 @@ Names follow OneTrainer's where one exists, so its users feel at home.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -212,9 +213,12 @@ class ConceptConfig(Section):
         default=0.0, ge=0, le=180, description="Rotate by an angle drawn in [-d, d] per sample and epoch; the corners "
         "that leave the image are masked out of the loss.",
     )
-    brightness: float = Field(default=0.0, ge=0, lt=1, description="Brightness jitter: a factor in [1-s, 1+s].")
-    contrast: float = Field(default=0.0, ge=0, lt=1, description="Contrast jitter: a factor in [1-s, 1+s].")
-    saturation: float = Field(default=0.0, ge=0, lt=1, description="Saturation jitter: a factor in [1-s, 1+s].")
+    brightness: float = Field(default=0.0, ge=0, description="Brightness jitter: a factor drawn in [1-s, 1+s], "
+                              "below 0 taken as 0 (black), as OneTrainer's random_brightness_max_strength.")
+    contrast: float = Field(default=0.0, ge=0, description="Contrast jitter: a factor drawn in [1-s, 1+s], below 0 "
+                            "taken as 0 (the mean grey), as OneTrainer's random_contrast_max_strength.")
+    saturation: float = Field(default=0.0, ge=0, description="Saturation jitter: a factor drawn in [1-s, 1+s], below 0 "
+                              "taken as 0 (greyscale), as OneTrainer's random_saturation_max_strength.")
     hue: float = Field(default=0.0, ge=0, le=0.5, description="Hue jitter: a turn of the colour circle in [-s, s].")
     tag_shuffling: bool = Field(
         default=False, description="Shuffle the caption's tags (split at tag_delimiter) every epoch, keeping the first "
@@ -585,6 +589,13 @@ class TrainConfig(Section):
     @field_validator("resolution", mode="before")
     @classmethod
     def _parse_resolutions(cls, value):
+        fixed = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", value) if isinstance(value, str) else None
+        if fixed:  # OneTrainer's fixed size: pydantic alone would only say it is not an integer
+            width, height = int(fixed[1]), int(fixed[2])
+            raise ValueError(f"resolution: {value!r} is a fixed width x height (OneTrainer's: every image cropped to "
+                             f"it); ot_dist trains aspect-ratio buckets of the area of a square: give the square's side "
+                             f"(about {(width * height) ** 0.5:.0f} for {width}x{height}), a multiple of "
+                             "data.bucket_step")
         if isinstance(value, str) and "," in value:
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
@@ -598,6 +609,24 @@ class TrainConfig(Section):
         if isinstance(value, list) and not value:
             raise ValueError("resolution: give at least one")
         return value
+
+    def _check_sample_prompts(self, family) -> None:
+        """Each sample prompt's sides on the family's pixel grid (else its pipeline refuses, fails or resizes them,
+        after training has run up to the first sampling point), a negative prompt only where the pipeline uses one,
+        and its guidance scale, the family's when unset."""
+        multiple = family.sample_pixel_multiple or family.pixel_multiple
+        for i, prompt in enumerate(self.sampling.prompts):
+            for key in ("width", "height"):
+                value = getattr(prompt, key)
+                if value is not None and value % multiple:
+                    nearest = max(multiple, round(value / multiple) * multiple)
+                    raise ValueError(f"sampling.prompts[{i}].{key}: {value} is not a multiple of {multiple}, the pixel "
+                                     f"grid of {self.model.family} samples; use {nearest}")
+            if prompt.negative_prompt and not family.sample_negative_prompt:
+                raise ValueError(f"sampling.prompts[{i}].negative_prompt: {self.model.family} samples without "
+                                 "classifier-free guidance (its pipeline would ignore the negative prompt); remove it")
+            if prompt.guidance_scale is None:
+                prompt.guidance_scale = family.sample_guidance_scale
 
     def resolutions(self) -> list[int]:
         return sorted(set(self.resolution)) if isinstance(self.resolution, list) else [self.resolution]
@@ -686,6 +715,7 @@ class TrainConfig(Section):
         if self.sampling.prompts and family.decoder_pipeline_class and self.model.decoder is None:
             raise ValueError(f"model.decoder: sampling {self.model.family} needs its decoder stages: set it to a "
                              f"{family.decoder_pipeline_class} folder (or remove sampling.prompts)")
+        self._check_sample_prompts(family)
         if self.sampling.sampler not in ("auto", *family.samplers):
             raise ValueError(f"sampling.sampler: {self.sampling.sampler} does not fit {self.model.family} "
                              f"(allowed: auto, {', '.join(family.samplers)})")

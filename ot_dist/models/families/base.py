@@ -89,6 +89,16 @@ class Family:
     # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching (a UNet
     # pads odd sizes itself). data.bucket_step must be a multiple of it.
     pixel_multiple: int = 8
+    # Sample image sides (sampling.prompts[].width / height) must be multiples of this: SD3's pipeline refuses other
+    # sides, PixArt's fails mid-sampling, Flux's and Chroma's resize them with a warning. The training grid for
+    # every family but Stable Cascade, whose combined pipeline takes any side.
+    sample_pixel_multiple: int | None = None  # None: pixel_multiple
+    # The classifier-free guidance scale of a sample prompt that sets none: OneTrainer's sample default for the
+    # family (modules/util/config/SampleConfig.py: 7.0 for SD3; for Flux.1 dev its distilled guidance, 3.5).
+    sample_guidance_scale: float = 7.0
+    # Whether the sampling pipeline uses a sample prompt's negative_prompt (classifier-free guidance); FluxPipeline
+    # ignores it at its default true_cfg_scale of 1 (Flux.1 dev's guidance is distilled, schnell has none).
+    sample_negative_prompt: bool = True
     # The default data.bucket_step: bucket sides are multiples of it (OneTrainer's aspect_bucketing_quantization for
     # the family: 64 for SDXL, SD3, Flux, Chroma; 8 for SD 1.x / 2.x).
     bucket_step: int = 64

@@ -61,6 +61,7 @@ class FlowTransformerFamily(Family):
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     denoiser_lora_presets = {"default": FLUX_LORA_TARGETS, "attention": ATTENTION_TARGETS}
     samplers = ("flow_euler",)
+    sample_guidance_scale = 3.5  # OneTrainer's for Flux.1 and Chroma; FluxPipeline's default too
     t5_tokenizer = "tokenizer_2"
 
     def objective(self, pipeline, model_config) -> FlowMatching:
@@ -119,6 +120,8 @@ class Flux(FlowTransformerFamily):
     # SimpleTuner's LyCORIS files: lycoris_<diffusers path> (ComfyUI's comfy/lora.py maps it for Flux)
     lora_foreign_prefixes = {"transformer": ("lora_transformer", "lycoris"), "text_encoder": ("lora_te1",),
                              "text_encoder_2": ("lora_te2",)}
+
+    sample_negative_prompt = False  # FluxPipeline samples with the distilled guidance, without a negative pass
 
     def denoiser_original_rules(self, config) -> list:
         from ot_dist.models.families.flux_single_file import flux_rules

@@ -45,6 +45,7 @@ class PixArt(Family):
     pixel_multiple = 16  # VAE x8, 2x2 patches
     # PixArt ships DPMSolverMultistepScheduler (dpmpp_2m) for sampling; the DDPM samplers all fit.
     samplers = ("dpmpp_2m", "ddim", "euler", "euler_a", "unipc")
+    sample_guidance_scale = 4.5  # OneTrainer's and the PixArt pipelines' default
     lora_file_prefixes = None  # the diffusers layout: ComfyUI maps transformer.<diffusers module> for PixArt
     # ComfyUI's PixArt text encoder is T5-XXL alone: its LoRA modules are lora_te1_<T5 path> (comfy/lora.py)
     lora_file_kohya_components = {"text_encoder": "lora_te1"}

@@ -28,6 +28,7 @@ class UNetFamily(Family):
     denoiser_lora_presets = {"default": UNET_LORA_TARGETS, "attention": ("to_q", "to_k", "to_v", "to_out.0")}
     shard_units = {"unet": UNET_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS}
     pixel_multiple = 8
+    sample_guidance_scale = 7.5  # OneTrainer's for SD 1.x, 2.x and SDXL (StableDiffusionPipeline's too)
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
     lora_file_roots = {"text_encoder": "text_model", "text_encoder_2": "text_model"}
     # kohya sd-scripts' SDXL LoRAs (and some SD 1.x / 2.x ones) name UNet modules by their original LDM / SGM paths

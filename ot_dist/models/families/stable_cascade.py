@@ -58,6 +58,8 @@ class StableCascade(Family):
     shard_units = {"prior": ("down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1"),
                    "text_encoder": ("text_model.encoder.layers",)}
     pixel_multiple = 128  # x 3/4 / 32: whole latents (a 128 px side -> 3)
+    sample_pixel_multiple = 8  # the combined pipeline samples any side (docs/sampling.md: 64 px -> 84 px)
+    sample_guidance_scale = 4.0  # OneTrainer's and StableCascadeCombinedPipeline's prior guidance
     bucket_step = 128
     latent_encoder = "effnet"
     samplers = ("wuerstchen",)  # the prior's DDPMWuerstchenScheduler; the decoder stages keep their own
