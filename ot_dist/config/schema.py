@@ -415,6 +415,10 @@ class DeepSpeedConfig(Section):
     config_file: str | None = Field(
         default=None, description="A DeepSpeed JSON whose keys override the generated DeepSpeed config."
     )
+    mixed_precision: Literal["engine", "autocast"] = Field(
+        default="engine",
+        description="How train_dtype bfloat16 / float16 computes. engine: DeepSpeed's bf16 / fp16 engine.",
+    )
 
 
 class EMAConfig(Section):

@@ -58,7 +58,9 @@ def deepspeed_config(config, stage: int, world_size: int, device_type: str = "cp
         if stage != 3:
             raise ConfigError("deepspeed.offload_params: parameter offload needs strategy zero3")
         ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    if config.train_dtype == "bfloat16":
+    if config.train_dtype != "float32" and settings.mixed_precision == "autocast":
+        ds["torch_autocast"] = {"enabled": True, "dtype": config.train_dtype}
+    elif config.train_dtype == "bfloat16":
         ds["bf16"] = {"enabled": True}
     elif config.train_dtype == "float16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
@@ -230,6 +232,8 @@ class DeepSpeedStrategy(Strategy):
         self.engine = self.engine_optimizer = None
 
     def autocast(self):
+        if self.config.deepspeed.mixed_precision == "autocast":
+            return super().autocast()
         # DeepSpeed's bf16 / fp16 modes own the compute dtype (weights held in it, fp32 master copy).
         return contextlib.nullcontext()
 
