@@ -255,8 +255,11 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
                                               "_overflow_at_step": None, "_inf_gradient_element_at_step": OVERFLOW_AT}
               for strategy in FP16_STRATEGIES}
     # The denoiser receives its inputs in the dtypes the one process gives it (its weights' storage dtype, float32,
-    # and autocast casting at each matmul / conv): FSDP's MixedPrecisionPolicy must not cast the root's.
-    inputs_checked = {"bfloat16-ddp": "ref-bf16", "bfloat16-fsdp": "ref-bf16", "float16-fsdp": "ref-fp16-skip"}
+    # and autocast casting at each matmul / conv): FSDP's MixedPrecisionPolicy must not cast the root's, and ZeRO
+    # must compute under autocast over float32 weights (deepspeed.mixed_precision auto), not in DeepSpeed's bf16
+    # engine, whose weights and so every input the family derives come in bfloat16.
+    inputs_checked = {"bfloat16-ddp": "ref-bf16", "bfloat16-fsdp": "ref-bf16", "float16-fsdp": "ref-fp16-skip",
+                      "bfloat16-zero2": "ref-bf16", "bfloat16-zero3": "ref-bf16"}
     for name in inputs_checked:
         cases[name]["_record_denoiser_inputs"] = f"{cases[name]['output_dir']}.inputs.json"
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -273,6 +276,31 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
         assert diff <= allowed, f"{name}: weights differ by {diff:.3g} > {allowed:.3g} ({dtype} noise {noise[dtype]:.3g})"
     for name, reference in inputs_checked.items():
         assert recorded_inputs(cases[name]["output_dir"]) == recorded_inputs(tmp_path / reference), name
+
+
+def test_zero_low_precision_recipe_follows_deepspeed_mixed_precision(small_sd1, shapes_data, tmp_path):
+    """The DeepSpeed config each deepspeed.mixed_precision gives (the launches above train the bfloat16 default):
+    torch autocast over float32 weights for bfloat16 unless the engine is asked for, by the setting or by a
+    config_file that enables bf16 / fp16; float16's default is the fp16 engine, and autocast float16 is refused."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.parallel.deepspeed import deepspeed_config
+
+    def ds(dtype: str, mode: str | None = None, **more) -> dict:
+        raw = base_config(small_sd1, shapes_data, tmp_path / "out", strategy="zero2", train_dtype=dtype, **more,
+                          **({"deepspeed.mixed_precision": mode} if mode else {}))
+        config = deepspeed_config(validate(raw), 2, 2)
+        return {k: config[k] for k in ("bf16", "fp16", "torch_autocast") if k in config}
+
+    autocast = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    assert ds("bfloat16") == ds("bfloat16", "autocast") == autocast
+    assert ds("bfloat16", "engine") == {"bf16": {"enabled": True}}
+    assert ds("float16") == ds("float16", "engine") == {"fp16": {"enabled": True, "initial_scale_power": 16}}
+    assert ds("float32", "autocast") == {}
+    theirs = tmp_path / "ds.json"
+    theirs.write_text(json.dumps({"bf16": {"enabled": True}}))
+    assert ds("bfloat16", **{"deepspeed.config_file": str(theirs)}) == {"bf16": {"enabled": True}}
+    with pytest.raises(ConfigError, match="deepspeed.mixed_precision: autocast with train_dtype float16"):
+        ds("float16", "autocast")
 
 
 def test_hybrid_shard_over_two_nodes_of_two_equals_one_process(small_sd1, shapes_data, tmp_path):
