@@ -7,7 +7,8 @@ strategy's run and the one process's bfloat16 run, divided by the distance betwe
 float32 runs (the "bf16 noise"), with the dtypes the denoiser received.
 
     PYTHONPATH=$PWD:$PWD/tests python tests/benchmarks/bench_low_precision_distance.py \\
-        [--families sdxl,sd3,...] [--strategies zero2,fsdp] [--set deepspeed.mixed_precision=autocast] [--json FILE]
+        [--families sdxl,sd3,...] [--strategies zero2,fsdp] [--method full|lora] \\
+        [--set 'deepspeed.mixed_precision="engine"'] [--json FILE]
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def main() -> None:
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--strategies", default="zero2")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--set", action="append", default=[], help="KEY=JSON for the multi-rank runs")
+    parser.add_argument("--method", default="full", choices=("full", "lora"))
+    parser.add_argument("--set", action="append", default=[], help="KEY=JSON value, for the multi-rank runs")
     parser.add_argument("--json")
     args = parser.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -56,6 +58,8 @@ def main() -> None:
     data = make_demo_dataset(root / "data", count=16)
 
     def exported(out: Path, family: str) -> dict:
+        if args.method == "lora":
+            return load_file(out / "lora.safetensors")
         denoiser = get_family(family).denoiser
         return load_file(out / "model" / denoiser / "diffusion_pytorch_model.safetensors")
 
@@ -63,8 +67,11 @@ def main() -> None:
         return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
     def config(family, model, out, dtype, batch_size, **more):
-        return base_config(model, data, out, family=family, method="full", batch_size=batch_size, train_dtype=dtype,
-                           max_steps=STEPS, **{"optimizer.name": "SGD", "clip_grad_norm": None, "learning_rate": 0.05},
+        method = {"learning_rate": 0.05} if args.method == "full" else {"learning_rate": 0.5, "lora.rank": 4,
+                                                                         "lora.alpha": 8}
+        return base_config(model, data, out, family=family, method=args.method, batch_size=batch_size,
+                           train_dtype=dtype, max_steps=STEPS, **{"optimizer.name": "SGD", "clip_grad_norm": None},
+                           **method,
                            **FAMILY_SETTINGS.get(family, {}), **more)
 
     families = args.families.split(",")
