@@ -309,6 +309,31 @@ def test_zero_low_precision_recipe_follows_deepspeed_mixed_precision(small_sd1, 
         ds("float16", "autocast")
 
 
+def test_size_conditions_reach_the_denoiser_in_float32_from_bfloat16_latents():
+    """Under DeepSpeed's bf16 engine (deepspeed.mixed_precision: engine) the latents and text come in bfloat16; SDXL's
+    time ids and PixArt-α's size conditions stay float32 (their embeddings take float32 and cast their output), where
+    bfloat16 would round an original size of 6000 px to 6016 and an aspect of 4:3 to 1.336."""
+    bf16 = torch.bfloat16
+    sizes = torch.tensor([[6000, 4500]])
+    batch = {"original_size": sizes, "crop_top_left": torch.tensor([[3, 5]]), "target_size": sizes}
+    conditioning = {"hidden": torch.zeros(1, 4, 8, dtype=bf16), "pooled": torch.zeros(1, 8, dtype=bf16)}
+    time_ids = get_family("sdxl").unet_inputs(conditioning, batch)["added_cond_kwargs"]["time_ids"]
+    assert time_ids.dtype == torch.float32 and time_ids[0, 0].item() == 6000
+
+    seen = {}
+
+    def transformer(noisy, **kwargs):
+        seen.update(kwargs["added_cond_kwargs"])
+        return (torch.zeros_like(noisy),)
+
+    transformer.use_additional_conditions = True
+    pixart = get_family("pixart_alpha")
+    pixart.transformer_output(transformer, torch.zeros(1, 4, 96, 72, dtype=bf16), torch.tensor([500]),
+                              {"hidden": conditioning["hidden"], "mask": torch.ones(1, 4)})
+    assert seen["resolution"].dtype == seen["aspect_ratio"].dtype == torch.float32
+    assert seen["aspect_ratio"].item() == pytest.approx(4 / 3) and seen["resolution"].tolist() == [[768, 576]]
+
+
 def test_hybrid_shard_over_two_nodes_of_two_equals_one_process(small_sd1, shapes_data, tmp_path):
     """A real hybrid mesh: 2 "nodes" of 2 ranks each (the environment torchrun --nnodes 2 --nproc-per-node 2 gives
     its ranks: LOCAL_WORLD_SIZE 2, GROUP_RANK 0 / 1), so the weights are sharded within a node and replicated across
