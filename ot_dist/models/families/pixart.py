@@ -90,8 +90,10 @@ class PixArt(Family):
         added = {"resolution": None, "aspect_ratio": None}
         if denoiser.use_additional_conditions:  # α-1024: the image's pixel size and aspect, as the pipeline passes
             b, height, width = noisy.shape[0], noisy.shape[-2] * VAE_FACTOR, noisy.shape[-1] * VAE_FACTOR
-            added = {"resolution": torch.tensor([[height, width]], device=noisy.device, dtype=noisy.dtype).repeat(b, 1),
-                     "aspect_ratio": torch.full((b, 1), height / width, device=noisy.device, dtype=noisy.dtype)}
+            # float32 whatever the latents' dtype (zero's bf16 / fp16 engine): the size embedding projects them in
+            # float32 and casts its output to the transformer's dtype; bfloat16 would round an aspect of 4:3 to 1.336.
+            added = {"resolution": torch.tensor([[height, width]], device=noisy.device, dtype=torch.float32).repeat(b, 1),
+                     "aspect_ratio": torch.full((b, 1), height / width, device=noisy.device, dtype=torch.float32)}
         return denoiser(noisy, encoder_hidden_states=conditioning["hidden"],
                         encoder_attention_mask=conditioning["mask"], timestep=timesteps, added_cond_kwargs=added,
                         return_dict=False)[0]
