@@ -12,8 +12,10 @@ A family declares where each component sits (`FullCheckpoint`); ComfyUI's own pr
 
 Under its prefix a text encoder keeps transformers' own names, which are ComfyUI's: a CLIP with its ``text_model.``
 level (transformers >= 5.6 dropped it from CLIPTextModel, the original files always have it) and its
-``text_projection.weight`` where it has one; a T5 without the tied copy ``encoder.embed_tokens.weight`` (ComfyUI's T5
-holds ``shared.weight`` alone, as transformers' save_pretrained does).
+``text_projection.weight`` where it has one; a T5 with ``shared.weight`` and also its tied copy
+``encoder.embed_tokens.weight``: diffusers 0.42's single-file T5 reader sets each tensor the file names and does not tie
+them again, so without the copy its T5 keeps a meta-device input embedding; ComfyUI's T5 has no such weight and only
+logs the key at debug level ("clip unexpected"). Files without the copy (ComfyUI's Save Checkpoint) load too.
 
 Reading back: a component whose keys the file holds is taken from the file (checked key by key and shape by shape
 against the `model.config` folder's component first); one the file lacks comes from the folder, as before. So a
@@ -76,15 +78,18 @@ def _tied_copies(module: torch.nn.Module) -> set[str]:
     return set(tied) if isinstance(tied, Mapping) else set()
 
 
+def _original_names(module: torch.nn.Module, keys) -> dict[str, str]:
+    """module key -> the name its original (ComfyUI) file uses, without the prefix; buffers no file needs left out."""
+    root = _clip_root(module)
+    return {key: key if key.startswith(("text_model.", "text_projection.")) or not root else root + key
+            for key in keys if not key.endswith(_IGNORED_SUFFIXES)}
+
+
 def original_text_keys(module: torch.nn.Module, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """A transformers text encoder's state dict in the names its original (ComfyUI) file uses, without the prefix."""
-    root, tied = _clip_root(module), _tied_copies(module)
-    out = {}
-    for key, value in state.items():
-        if key in tied or key.endswith(_IGNORED_SUFFIXES):
-            continue
-        out[key if key.startswith(("text_model.", "text_projection.")) or not root else root + key] = value
-    return out
+    tied = _tied_copies(module)
+    # a tied copy gets its own storage: safetensors refuses two names for one
+    return {name: state[key].clone() if key in tied else state[key] for key, name in _original_names(module, state).items()}
 
 
 def _module_key(module: torch.nn.Module, key: str) -> str:
@@ -106,10 +111,11 @@ def _names(keys) -> str:
 
 def check_text_encoder(path: Path, prefix: str, found: Mapping[str, tuple[int, ...]], module: torch.nn.Module) -> None:
     """InputFileError naming the keys under `prefix` that do not fit the folder's text encoder."""
-    expected = {k: tuple(v.shape) for k, v in original_text_keys(module, module.state_dict()).items()}
-    tied = {k for k in _tied_copies(module)}
-    found = {k: v for k, v in found.items() if not k.endswith(_IGNORED_SUFFIXES) and k not in tied}
-    missing, unexpected = set(expected) - set(found), set(found) - set(expected)
+    own = module.state_dict()
+    expected = {name: tuple(own[key].shape) for key, name in _original_names(module, own).items()}
+    found = {k: v for k, v in found.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    missing = set(expected) - set(found) - _tied_copies(module)  # a tied copy may be left out (ComfyUI's files)
+    unexpected = set(found) - set(expected)
     wrong = [f"{prefix}{k} is {list(found[k])}, expected {list(expected[k])}"
              for k in sorted(set(expected) & set(found)) if tuple(found[k]) != expected[k]]
     parts = ([f"missing {_names(prefix + k for k in missing)}"] if missing else []) + \
@@ -137,7 +143,9 @@ def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None) ->
                 continue  # this encoder comes from the folder
             module = getattr(pipeline, name)
             check_text_encoder(path, prefix, found, module)
-            state = {_module_key(module, k): f.get_tensor(prefix + k) for k in original_text_keys(module, found)}
+            # a tied copy is not read: the module shares it with the weight it copies
+            state = {_module_key(module, k): f.get_tensor(prefix + k) for k in found
+                     if not k.endswith(_IGNORED_SUFFIXES) and _module_key(module, k) not in _tied_copies(module)}
             _load_strict(module, state, path, prefix)
             read.append(name)
         # the layout's own prefix first, then the other one diffusers reads a VAE from
