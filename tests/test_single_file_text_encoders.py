@@ -166,6 +166,21 @@ def test_diffusers_from_single_file_reads_the_trained_flux_text_encoders(trained
         assert torch.equal(pipe.vae.state_dict()[key], value), f"vae.{key}"
 
 
+def test_an_sd3_file_without_clip_ls_projection_keeps_the_folders(trained, family_models, tmp_path):
+    """SD3's CLIP-L projection is not applied by the SD3 reference; a file may leave it out (ComfyUI does not warn)."""
+    trainer, path = trained("sd3")
+    tensors = load_file(path)
+    del tensors["text_encoders.clip_l.transformer.text_projection.weight"]
+    save_file(tensors, tmp_path / "no_projection.safetensors")
+    folder = str(family_models["sd3"])
+    again = load_model(ModelConfig(family="sd3", path=str(tmp_path / "no_projection.safetensors"), config=folder))
+    base = load_model(ModelConfig(family="sd3", path=folder))
+    loaded = again.text_encoders["text_encoder"].state_dict()
+    assert torch.equal(loaded["text_projection.weight"], base.text_encoders["text_encoder"].text_projection.weight)
+    for key, value in trainer.model.text_encoders["text_encoder"].state_dict().items():
+        assert key == "text_projection.weight" or torch.equal(loaded[key], value), key
+
+
 def test_a_t5_without_its_tied_copy_loads_as_comfyui_saves_it(trained, family_models, tmp_path):
     """ComfyUI's Save Checkpoint writes its T5 as it holds it: `shared.weight` without `encoder.embed_tokens.weight`."""
     trainer, path = trained("chroma")

@@ -37,6 +37,10 @@ Tensor = torch.Tensor
 DENOISER_PREFIX = "model.diffusion_model."  # comfy/model_detection.py unet_prefix_from_state_dict
 LDM_VAE_PREFIXES = ("first_stage_model.", "vae.")  # what diffusers' from_single_file reads a VAE from (LDM_VAE_KEYS)
 _IGNORED_SUFFIXES = ("position_ids",)  # buffers some files carry; the models count positions themselves
+# Weights a file may leave out, the folder's then kept: a CLIP's projection, as ComfyUI's checkpoint loader tolerates
+# (its "clip missing" warning leaves out `.transformer.text_projection.weight`); SD3's CLIP-L projection is never
+# applied by the SD3 reference (ComfyUI pools CLIP-L without it, diffusers' from_single_file sets it to the identity).
+_OPTIONAL = ("text_projection.weight",)
 _MAX_NAMED = 5
 
 
@@ -114,7 +118,8 @@ def check_text_encoder(path: Path, prefix: str, found: Mapping[str, tuple[int, .
     own = module.state_dict()
     expected = {name: tuple(own[key].shape) for key, name in _original_names(module, own).items()}
     found = {k: v for k, v in found.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    missing = set(expected) - set(found) - _tied_copies(module)  # a tied copy may be left out (ComfyUI's files)
+    # a tied copy may be left out (ComfyUI's files), and the optional weights
+    missing = set(expected) - set(found) - _tied_copies(module) - set(_OPTIONAL)
     unexpected = set(found) - set(expected)
     wrong = [f"{prefix}{k} is {list(found[k])}, expected {list(expected[k])}"
              for k in sorted(set(expected) & set(found)) if tuple(found[k]) != expected[k]]
@@ -165,7 +170,8 @@ def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None) ->
 def _load_strict(module: torch.nn.Module, state: dict[str, Tensor], path: Path, prefix: str) -> None:
     """Copy the file's tensors into the module (its dtype kept); every parameter but a tied copy must be given."""
     own = module.state_dict()
-    missing = set(own) - set(state) - _tied_copies(module) - {k for k in own if k.endswith(_IGNORED_SUFFIXES)}
+    missing = set(own) - set(state) - _tied_copies(module) - set(_OPTIONAL) - {k for k in own
+                                                                               if k.endswith(_IGNORED_SUFFIXES)}
     if missing:
         raise InputFileError(f"model.path: {path}: {prefix} lacks {_names(missing)}")
     with torch.no_grad():
