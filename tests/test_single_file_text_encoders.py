@@ -2,7 +2,7 @@
 full checkpoint ComfyUI's Load Checkpoint reads (docs/checkpoints.md, "What the single file holds"), and ot_dist reads
 them back from it with the base model's folder as `model.config`, the way a user loads the file.
 
-The key rules, from ComfyUI (comfy/supported_models.py: each model's `text_encoder_key_prefix` / `vae_key_prefix`, the
+The key rules, from ComfyUI (github.com/Comfy-Org/ComfyUI @ a125cd84b054a57729b5eecab930ca9408719832, comfy/supported_models.py: each model's `text_encoder_key_prefix` / `vae_key_prefix`, the
 text-encoder model its `clip_target` builds: SD3ClipModel clip_l / clip_g / t5xxl, FluxClipModel clip_l / t5xxl,
 Chroma's PixArt-style t5xxl, Stable Cascade's clip_g; comfy/model_detection.py: a checkpoint's denoiser sits under
 `model.diffusion_model.`), and diffusers 0.42 (loaders/single_file_utils.py: `text_encoders.clip_l.transformer.`,

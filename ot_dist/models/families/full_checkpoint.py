@@ -1,7 +1,8 @@
 """Full checkpoints of the transformer families: the denoiser, the VAE and every text encoder in one file, the layout
 ComfyUI's Load Checkpoint reads (comfy/sd.py `load_state_dict_guess_config`) and its Save Checkpoint node writes.
 
-A family declares where each component sits (`FullCheckpoint`); ComfyUI's own prefixes (comfy/supported_models.py,
+A family declares where each component sits (`FullCheckpoint`); ComfyUI's own prefixes (read at Comfy-Org/ComfyUI
+a125cd84b054a57729b5eecab930ca9408719832: comfy/supported_models.py,
 `text_encoder_key_prefix` / `vae_key_prefix` and the CLIP model of each `clip_target`):
 
 * the denoiser under ``model.diffusion_model.`` (the prefix by which ComfyUI tells a checkpoint from a bare
