@@ -252,9 +252,15 @@ class Family:
         raise NotImplementedError(f"model.path: {self.name} models load from a diffusers folder only")
 
     def export_single_file(self, components: dict[str, torch.nn.Module], states: dict[str, dict],
-                           path: Path, dtype: torch.dtype) -> None:
-        """Write the trained model as one file in the family's original layout (what from_single_file reads)."""
+                           path: Path, dtype: torch.dtype, with_text_encoders: bool = False) -> None:
+        """Write the trained model as one file in the family's original layout (what from_single_file reads).
+        `with_text_encoders` (a run that trained a text encoder, a merge that changed one): the file must carry the
+        text encoders, as a full checkpoint where the family's own file is the denoiser alone (`full_checkpoint`)."""
         raise NotImplementedError
+
+    # Where a full checkpoint (ComfyUI's Load Checkpoint: denoiser, VAE, text encoders in one file) holds each
+    # component, for the families whose own single file is the denoiser (ot_dist/models/families/full_checkpoint.py).
+    full_checkpoint = None
 
     # -- LoRA files -------------------------------------------------------------------------------------
     # The kohya-style prefix of each component's modules in a LoRA file (ComfyUI, A1111 / Forge, kohya read

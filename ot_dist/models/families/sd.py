@@ -89,7 +89,8 @@ class UNetFamily(Family):
         prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type
         return load_single_file(path, self.name, config_folder, prediction_type=prediction)
 
-    def export_single_file(self, components, states, path, dtype):
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
+        """The checkpoint layout, which always holds the text encoders (trained or not)."""
         from ot_dist.models.families.sd_single_file import export_single_file
 
         export_single_file(components, self.name, path, dtype=dtype, states=states)
