@@ -53,6 +53,18 @@ class ModelConfig(Section):
         description="What a DDPM denoiser (UNet families) predicts. auto = what the model's scheduler config says. "
         "Flow-matching families always predict noise - latents.",
     )
+    zero_terminal_snr: bool = Field(
+        default=False,
+        description="Train on the noise schedule rescaled to zero terminal SNR (Lin et al. 2023, 'Common Diffusion "
+        "Noise Schedules and Sample Steps are Flawed'; diffusers' rescale_betas_zero_snr, OneTrainer's "
+        "rescale_noise_scheduler_to_zero_terminal_snr): sqrt(alphas_cumprod) shifted so that the last timestep is "
+        "pure noise and scaled so that the first keeps its value, which lets the model learn very dark and bright "
+        "images. As OneTrainer and the paper, it trains v-prediction (prediction_type auto becomes v_prediction; "
+        "epsilon is refused: at SNR 0 the input is the noise itself). The exports carry it (the diffusers folder's "
+        "scheduler config, with timestep_spacing trailing; the single file's `ztsnr` and `v_pred` markers) and the "
+        "samples use it (from the last timestep, guidance rescaled by 0.7 as OneTrainer). false = the schedule the "
+        "model's scheduler config describes. UNet families (SD 1.x / 2.x / SDXL).",
+    )
     guidance_scale: float | None = Field(
         default=None, ge=0,
         description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
@@ -74,6 +86,22 @@ class ModelConfig(Section):
         "image's `-masklabel.png` (white = repaint) or, without one, a random rectangle, brush strokes or the whole "
         "image, drawn per sample and epoch. Needs the images (not data.cache_latents).",
     )
+
+    @model_validator(mode="after")
+    def _zero_terminal_snr_predicts_v(self) -> "ModelConfig":
+        if self.zero_terminal_snr and self.prediction_type == "epsilon":
+            raise ValueError("model.prediction_type: epsilon cannot be trained with model.zero_terminal_snr: at the "
+                             "last timestep (SNR 0) the noisy input is the noise itself, so an epsilon prediction says "
+                             "nothing of the image; use v_prediction (or auto, which zero_terminal_snr makes "
+                             "v_prediction, as OneTrainer does)")
+        return self
+
+    def training_prediction_type(self) -> str | None:
+        """What the denoiser is trained to predict where the config decides it (None: the scheduler config's):
+        prediction_type, or v_prediction on a schedule rescaled to zero terminal SNR."""
+        if self.prediction_type != "auto":
+            return self.prediction_type
+        return "v_prediction" if self.zero_terminal_snr else None
 
 
 class PartConfig(Section):
@@ -675,6 +703,9 @@ class TrainConfig(Section):
                 raise ValueError(f"loss.dynamic_timestep_shifting: shifts flow-matching timesteps by the resolution; "
                                  f"{self.model.family} is not a flow-matching family (leave it at auto; "
                                  "loss.timestep_shift shifts its draw by a fixed k)")
+        if self.model.zero_terminal_snr and family.zero_terminal_snr_refusal:
+            raise ValueError(f"model.zero_terminal_snr: rescales the DDPM betas of a UNet family (SD 1.x / 2.x / "
+                             f"SDXL); {self.model.family} {family.zero_terminal_snr_refusal}")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.prompts and not family.samplers:
