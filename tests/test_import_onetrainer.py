@@ -515,3 +515,19 @@ def test_loss_weighting_and_offset_noise_import_as_onetrainer_applies_them(tmp_p
         assert any(line.startswith(listed) for line in skipped), skipped
     else:
         assert not any(line.startswith(("loss_weight_fn", "generalized_offset_noise")) for line in skipped)
+
+
+@pytest.mark.parametrize("settings,zero_terminal_snr,prediction", [
+    # OneTrainer's SD / SDXL setups rescale the schedule and force v-prediction, force_epsilon_prediction or not
+    ({"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA"}, True, "v_prediction"),
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "force_epsilon_prediction": True}, True, "v_prediction"),
+    # its PixArt setups ignore the switch: listed, and the model trains as OneTrainer trains it
+    ({"model_type": "PIXART_SIGMA"}, False, "auto"),
+])
+def test_zero_terminal_snr_as_onetrainer_applies_it(tmp_path, settings, zero_terminal_snr, prediction):
+    config, skipped = import_only(tmp_path, {"rescale_noise_scheduler_to_zero_terminal_snr": True, **settings})
+    assert config.model.zero_terminal_snr is zero_terminal_snr
+    assert config.model.prediction_type == "auto"
+    assert (config.model.training_prediction_type() or "auto") == prediction
+    listed = [line for line in skipped if line.startswith("rescale_noise_scheduler_to_zero_terminal_snr")]
+    assert bool(listed) is not zero_terminal_snr, listed
