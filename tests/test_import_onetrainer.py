@@ -531,3 +531,9 @@ def test_zero_terminal_snr_as_onetrainer_applies_it(tmp_path, settings, zero_ter
     assert (config.model.training_prediction_type() or "auto") == prediction
     listed = [line for line in skipped if line.startswith("rescale_noise_scheduler_to_zero_terminal_snr")]
     assert bool(listed) is not zero_terminal_snr, listed
+
+
+@pytest.mark.parametrize("scaler", ["BATCH", "GLOBAL_BATCH", "GRADIENT_ACCUMULATION", "BOTH", "GLOBAL_BOTH"])
+def test_loss_scaler_is_imported(tmp_path, scaler):
+    config, skipped = import_only(tmp_path, {"loss_scaler": scaler})
+    assert config.loss.scaler == scaler and not any(line.startswith("loss_scaler") for line in skipped)

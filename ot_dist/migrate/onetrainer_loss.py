@@ -43,7 +43,7 @@ def import_loss(ot: dict, c: dict, skip) -> None:
     if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
         loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
-        skip(f"loss_scaler: {ot['loss_scaler']} is not supported")
+        _mapped_if_known(loss, LossConfig, "scaler", ot["loss_scaler"], skip)  # the same names and factors
     rescale = ot["rescale_noise_scheduler_to_zero_terminal_snr"]
     if rescale and c["model"]["family"] in ZERO_TERMINAL_SNR_FAMILIES:
         # OneTrainer's setups rescale the schedule and force v-prediction (over force_epsilon_prediction), as
