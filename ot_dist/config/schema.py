@@ -205,13 +205,16 @@ class ConceptConfig(Section):
     path: str = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
     name: str | None = Field(default=None, description="Name in reports and sample keys; unset = the folder name.")
-    type: Literal["standard", "validation", "prior_preservation"] = Field(
+    type: Literal["standard", "validation", "prior_preservation", "prior_prediction"] = Field(
         default="standard",
         description="standard: trained. validation: never trained; its loss at fixed noise and timesteps (the same "
         "every time) is computed on all ranks at `validation`'s interval and logged as validation/loss/<concept name> "
         "(OneTrainer's VALIDATION). prior_preservation: regularisation images (the class images of DreamBooth), "
-        "trained with this concept's loss_weight as DreamBooth's prior_loss_weight. OneTrainer's PRIOR_PREDICTION "
-        "(the base model's output as the target) is not this; for the masked-out area it is "
+        "trained with this concept's loss_weight as DreamBooth's prior_loss_weight. prior_prediction (OneTrainer's "
+        "PRIOR_PREDICTION, method lora): its samples are trained towards the model's own prediction without the LoRA "
+        "(same noisy input, timestep and caption) instead of the image's target, so the LoRA learns to leave what "
+        "they show as the base model draws it; a run with such a concept costs one more denoiser forward per micro "
+        "batch (no gradients). For the masked-out area of masked training see "
         "masked_training.prior_preservation_weight.",
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
@@ -270,11 +273,7 @@ class ConceptConfig(Section):
     @field_validator("type", mode="before")
     @classmethod
     def _onetrainer_type(cls, value):
-        """OneTrainer's spellings (STANDARD, VALIDATION) are accepted; its PRIOR_PREDICTION is another method."""
-        if isinstance(value, str) and value.upper() == "PRIOR_PREDICTION":
-            raise ValueError("PRIOR_PREDICTION (OneTrainer: the base model's prediction is the target) is not "
-                             "supported; prior_preservation trains the concept's own images with its loss_weight "
-                             "(DreamBooth), masked_training.prior_preservation_weight keeps the masked-out area")
+        """OneTrainer's spellings (STANDARD, VALIDATION, PRIOR_PREDICTION) are accepted."""
         return value.lower() if isinstance(value, str) else value
 
     @field_validator("tag_dropout_mode", mode="before")
@@ -677,6 +676,11 @@ class TrainConfig(Section):
                 takes = ", ".join(f"model.{e}_layer_skip" for e in family.layer_skip_encoders) or "none"
                 raise ValueError(f"model.{encoder}_layer_skip: {self.model.family} has no layer skip for {encoder} "
                                  f"(it takes: {takes})")
+        prior_concepts = [f"data.concepts[{i}]" for i, concept in enumerate(self.data.concepts)
+                          if concept.type == "prior_prediction"]
+        if prior_concepts and self.method != "lora":
+            raise ValueError(f"{prior_concepts[0]}.type: prior_prediction trains towards the model's prediction "
+                             f"without its LoRA; method {self.method} has no such model (it needs method lora)")
         if self.masked_training.prior_preservation_weight and not (self.masked_training.enabled
                                                                     and self.method == "lora"):
             raise ValueError("masked_training.prior_preservation_weight: the prior is the model without its LoRA; it "
