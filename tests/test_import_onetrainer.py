@@ -106,10 +106,11 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert (config.loss.weight_fn, config.loss.weight_strength) == ("P2", 1.0)
     te = config.text_encoder
     assert (te.train, te.learning_rate, te.stop_training_after, te.stop_training_after_unit) == (True, 5e-5, 1, "epoch")
-    concept, held = config.data.concepts  # the disabled one is not imported, nor OneTrainer's PRIOR_PREDICTION
+    concept, held, distill = config.data.concepts  # the disabled one is not imported
     assert (held.name, held.type) == ("held", "validation") and concept.type == "standard"
+    assert (distill.name, distill.type) == ("distill", "prior_prediction")  # a LoRA trains it towards its base model
     assert (config.validation.every_n_steps, config.validation.every_n_epochs) == (3, None)
-    assert "PRIOR_PREDICTION" in err and "distill" in err
+    assert "PRIOR_PREDICTION" not in err
     assert (concept.balancing, concept.caption_source) == (2.0, "txt")
     assert (concept.tag_shuffling, concept.keep_tags_count) == (True, 2)
     [prompt] = config.sampling.prompts
@@ -537,3 +538,13 @@ def test_zero_terminal_snr_as_onetrainer_applies_it(tmp_path, settings, zero_ter
 def test_loss_scaler_is_imported(tmp_path, scaler):
     config, skipped = import_only(tmp_path, {"loss_scaler": scaler})
     assert config.loss.scaler == scaler and not any(line.startswith("loss_scaler") for line in skipped)
+
+
+def test_prior_prediction_concepts_of_other_methods_are_listed(tmp_path):
+    """OneTrainer's prior model is the model without its LoRA ("only available with LoRA training")."""
+    concepts = [{"path": str(tmp_path / "images")}, {"name": "distill", "path": str(tmp_path / "images"),
+                                                    "type": "PRIOR_PREDICTION"}]
+    config, skipped = import_only(tmp_path, {"training_method": "FINE_TUNE", "concepts": concepts})
+    assert [c.type for c in config.data.concepts] == ["standard"]
+    assert any(line.startswith("concepts[1] (distill).type: PRIOR_PREDICTION") and "LORA only" in line
+               for line in skipped), skipped
