@@ -59,6 +59,13 @@ def test_onetrainer_spellings_and_prior_prediction_needs_lora():
             concepts(method, "prior_prediction")
 
 
+def prior_prediction_config(models, folders, out, **overrides):
+    """dog (standard) and class (prior_prediction) concepts, method lora."""
+    raw = concepts_config(models, folders, out, with_validation=False, method="lora", **{"lora.rank": 4, **overrides})
+    raw["data"]["concepts"][1] = {"path": str(folders["class"]), "name": "class", "type": "prior_prediction"}
+    return raw
+
+
 def test_prior_prediction_targets_the_model_without_its_lora(tiny_models, folders, tmp_path):
     """OneTrainer's PRIOR_PREDICTION (GenericTrainer: the prior model's prediction replaces the target of those
     samples): a batch of one dog and one prior-prediction class image has the loss (loss_dog + m) / 2, m the mean of
@@ -67,10 +74,7 @@ def test_prior_prediction_targets_the_model_without_its_lora(tiny_models, folder
     from ot_dist.train.loss import adapters_disabled, draw_sample_noise, encode_latents, latent_shape_of, \
         text_conditioning
 
-    raw = concepts_config(tiny_models, folders, tmp_path / "o", with_validation=False, method="lora",
-                          **{"lora.rank": 4})
-    raw["data"]["concepts"][1] = {"path": str(folders["class"]), "name": "class", "type": "prior_prediction"}
-    trainer = Trainer(validate(raw), log=QUIET)
+    trainer = Trainer(validate(prior_prediction_config(tiny_models, folders, tmp_path / "o")), log=QUIET)
     dataset, model, seed = trainer.dataset, trainer.model, trainer.config.seed
     dog = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 0)
     reg = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 1)
@@ -209,8 +213,16 @@ def test_two_rank_launch(small_sd1, folders, tmp_path):
         for concept in augmented[name]["data"]["concepts"]:
             concept.update(options)
     augmented_losses = {name: Trainer(validate(augmented[name]), log=QUIET).train().losses for name in ("plain", "single")}
+    # prior_prediction under fsdp: a rank whose micro batch holds no such sample runs the model without its LoRA too
+    # (each fsdp forward gathers weights: a forward on one rank only would hang both); 1 x 2 = 2 x 1
+    prior = {name: prior_prediction_config(models, folders, tmp_path / f"prior-{name}", batch_size=batch, max_steps=3,
+                                           **({"strategy": "fsdp"} if name == "fsdp" else {}))
+             for name, batch in (("single", 2), ("fsdp", 1))}
+    prior_losses = Trainer(validate(prior["single"]), log=QUIET).train().losses
     got = launch_cases({"validation": ranked, "validation fsdp": sharded, "validation zero3": zero3,
-                        "small buckets": issue, "augmented": augmented["ddp"]}, tmp_path)
+                        "small buckets": issue, "augmented": augmented["ddp"], "prior fsdp": prior["fsdp"]}, tmp_path)
+    for rank in (0, 1):
+        assert got[rank]["prior fsdp"]["losses"] == pytest.approx(prior_losses, rel=1e-5)
 
     assert augmented_losses["single"] != augmented_losses["plain"]  # the options change what trains
     for rank in (0, 1):
