@@ -447,10 +447,20 @@ def test_backups_and_saves_as_checkpoints(tmp_path, settings, checkpoint):
     assert (saved.every_n_steps, saved.every_n_minutes, saved.keep_last) == checkpoint
 
 
-def test_forced_prediction_type(tmp_path):
-    """force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type."""
-    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True})
-    assert config.model.prediction_type == "v_prediction"
+@pytest.mark.parametrize("settings,prediction", [
+    # force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type; v wins over
+    # epsilon where both are set (StableDiffusionFineTuneSetup: elif)
+    ({"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True}, "v_prediction"),
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "force_v_prediction": True, "force_epsilon_prediction": True},
+     "v_prediction"),
+    # only OneTrainer's SD / SDXL FINE_TUNE setups read the switches: its LoRA, embedding and PixArt training ignore them
+    ({"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True, "training_method": "LORA"}, "auto"),
+    ({"model_type": "PIXART_SIGMA", "force_epsilon_prediction": True}, "auto"),
+])
+def test_forced_prediction_type(tmp_path, settings, prediction):
+    config, skipped = import_only(tmp_path, settings)
+    assert config.model.prediction_type == prediction
+    assert any(line.startswith("force_") for line in skipped) is (prediction == "auto"), skipped
 
 
 def test_an_automatic_embedding_token_count_is_listed(tmp_path):

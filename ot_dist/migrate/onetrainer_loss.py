@@ -55,8 +55,12 @@ def import_loss(ot: dict, c: dict, skip) -> None:
     for key, prediction in (("force_v_prediction", "v_prediction"), ("force_epsilon_prediction", "epsilon")):
         if ot[key] and c["model"].get("zero_terminal_snr"):
             continue  # v-prediction, whichever is forced
-        if ot[key] and c["model"]["family"] in ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma"):
+        if ot[key] and c["model"]["family"] in ZERO_TERMINAL_SNR_FAMILIES and c.get("method") == "full":
             c["model"]["prediction_type"] = prediction  # OneTrainer overrides the noise scheduler's the same way
+            break  # the first wins (its FineTuneSetups: elif)
+        elif ot[key] and c["model"]["family"] in FORCED_PREDICTION_IGNORED:
+            skip(f"{key}: true: OneTrainer's {c['model']['family']} {c.get('method')} training ignores it (only its "
+                 "SD 1.x / 2.x / SDXL FINE_TUNE setups force a prediction type); the model's own is trained")
         elif ot[key]:
             skip(f"{key}: true: {c['model']['family']} has a fixed target")
     if ot.get("custom_conditioning_image"):
@@ -76,6 +80,9 @@ def import_loss(ot: dict, c: dict, skip) -> None:
 
 
 ZERO_TERMINAL_SNR_FAMILIES = ("sd1", "sd2", "sdxl")  # OneTrainer's StableDiffusion(XL) *Setup.py rescale
+# DDPM families whose OneTrainer setups do not read force_v_prediction / force_epsilon_prediction: PixArt's, and SD's /
+# SDXL's LoRA and embedding setups (only StableDiffusion(XL)FineTuneSetup.py calls force_*_prediction)
+FORCED_PREDICTION_IGNORED = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
 FLOW_FAMILIES = ("sd3", "flux", "chroma")  # shifted by OneTrainer's timestep_shift; Flux also dynamically
 
 
