@@ -60,6 +60,7 @@ def test_exports_and_samples_carry_the_schedule(tiny_models, rescaled, tmp_path)
     from ot_dist.checkpoint.export import export_diffusers_folder
     from ot_dist.checkpoint.frozen_source import export_source
     from ot_dist.config.load import validate
+    from ot_dist.config.sampling import SamplePrompt
     from ot_dist.config.schema import ModelConfig
     from ot_dist.methods.base import plain_state_dict
     from ot_dist.models.loading import load_model
@@ -87,6 +88,9 @@ def test_exports_and_samples_carry_the_schedule(tiny_models, rescaled, tmp_path)
     assert pipeline.scheduler.timesteps[0] == 999 and pipeline.scheduler.alphas_cumprod[-1] == 0
     assert pipeline.scheduler.config.prediction_type == "v_prediction"
     assert model.family.sampling_arguments(pipeline, {"prompt": "a"})["guidance_rescale"] == 0.7
+    image = Sampler(train_config, model).generate(pipeline, SamplePrompt(prompt="a square", steps=2, width=64,
+                                                                          height=64))
+    assert image.size == (64, 64) and len(set(image.getdata())) > 1  # the pipeline takes the arguments (no NaN)
 
 
 def test_a_scheduler_without_the_option_becomes_ddim():
