@@ -300,11 +300,44 @@ def test_a_ui_saved_optimizer_section_lists_only_what_is_set(tmp_path):
      {"min_timestep": 2500, "max_timestep": 4999}),
     ({"timestep_distribution": "LOGIT_NORMAL", "noising_bias": 0.5, "noising_weight": 0.2}, "sd1",
      {"logit_normal_mean": 0.5, "logit_normal_std": 1.2}),  # sigmoid(N(bias, weight + 1))
+    # the other shapes read noising_weight / noising_bias as they are (0, OneTrainer's default, is ot_dist's null)
+    ({"timestep_distribution": "SIGMOID", "noising_weight": 6.0, "noising_bias": -0.2}, "sd1",
+     {"timestep_distribution": "sigmoid", "noising_weight": 6.0, "noising_bias": -0.2}),
+    ({"timestep_distribution": "HEAVY_TAIL", "noising_weight": 1.2, "noising_bias": 0.3}, "flux",  # bias unread
+     {"timestep_distribution": "heavy_tail", "noising_weight": 1.2, "noising_bias": None}),
+    ({"timestep_distribution": "COS_MAP", "noising_weight": 2.0, "timestep_shift": 3.0}, "sd3",
+     {"timestep_distribution": "cos_map", "noising_weight": None, "timestep_shift": 3.0}),
+    ({"timestep_distribution": "INVERTED_PARABOLA", "noising_weight": 3.0, "min_noising_strength": 0.25,
+      "max_noising_strength": 0.5}, "stable_cascade", {"timestep_distribution": "inverted_parabola",
+                                                       "noising_weight": 3.0, "noising_bias": None,
+                                                       "min_timestep": 2500, "max_timestep": 4999}),
+    # version 2: a noising_weight was a sigmoid centred on noising_bias (OneTrainer's own migration: bias - 0.5)
+    ({"__version": 2, "noising_weight": 4.0, "noising_bias": 0.75}, "sd1",
+     {"timestep_distribution": "sigmoid", "noising_weight": 4.0, "noising_bias": 0.25}),
 ])
 def test_timestep_draw_as_onetrainer(tmp_path, settings, family, loss):
-    model_type = {"sd1": "STABLE_DIFFUSION_15", "stable_cascade": "STABLE_CASCADE_1"}[family]
-    config, _ = import_only(tmp_path, {"model_type": model_type, **settings})
+    model_type = {"sd1": "STABLE_DIFFUSION_15", "stable_cascade": "STABLE_CASCADE_1", "flux": "FLUX_DEV_1",
+                  "sd3": "STABLE_DIFFUSION_3"}[family]
+    config, skipped = import_only(tmp_path, {"model_type": model_type, **settings})
     assert {key: getattr(config.loss, key) for key in loss} == pytest.approx(loss)
+    assert not any(line.startswith("timestep_distribution") for line in skipped)
+
+
+@pytest.mark.parametrize("settings,listed", [
+    ({"timestep_distribution": "BETA", "noising_weight": 0.5, "noising_bias": 1.0}, "timestep_distribution: BETA"),
+    # a heavy-tail scale outside [-1, 2 / (pi - 2)] draws outside the noising strengths' range
+    ({"timestep_distribution": "HEAVY_TAIL", "noising_weight": 3.0},
+     "timestep_distribution: HEAVY_TAIL with noising_weight 3.0, noising_bias 0.0: loss.noising_weight: 3.0 is "
+     "outside [-1, 1.7519]"),
+    # std noising_weight + 1 = 0: the import wrote logit_normal_std 0, and the whole config failed validation
+    ({"timestep_distribution": "LOGIT_NORMAL", "noising_weight": -1.0},
+     "timestep_distribution: LOGIT_NORMAL with noising_weight -1.0, noising_bias 0.0: loss.logit_normal_std: Input "
+     "should be greater than 0")])
+def test_a_timestep_draw_ot_dist_refuses_is_listed(tmp_path, settings, listed):
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", **settings})
+    lines = [line for line in skipped if line.startswith("timestep_distribution")]
+    assert len(lines) == 1 and lines[0].startswith(listed)
+    assert config.loss.timestep_distribution == "auto"
 
 
 @pytest.mark.parametrize("settings,shift,dynamic", [
