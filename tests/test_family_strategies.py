@@ -61,6 +61,10 @@ TEXT_ENCODER_TRAINED = {"sd1"}
 # one rank's shards only, or summed over replicas, scales the step and fails the comparison. SD 1.x only: the
 # strategies' clipping code knows no family.
 CLIPPED = {"family": "sd1", "clip_grad_norm": 0.2, "strategies": ("ddp", "fsdp", "zero2", "zero3")}
+# loss.scaler GLOBAL_BOTH (OneTrainer's loss_scaler) multiplies the loss by the global batch: batch 1 x 2 micro steps x 2
+# ranks against one process of batch 4, both x 4, with SGD (a factor counted per rank, or without the accumulation,
+# scales the step and fails the comparison). SD 1.x only: the trainer applies it, the strategies know nothing of it.
+SCALED = {"family": "sd1", "loss.scaler": "GLOBAL_BOTH", "strategies": ("ddp", "fsdp", "zero2")}
 # Families whose denoiser takes a float32 input that bfloat16 would round, changing the prediction: SD3's timestep
 # (near 1000, to a multiple of 4), Stable Cascade's timestep ratio (its sinusoidal embedding scales it by 10000). Each
 # adds full finetunes in bfloat16 to its family's launch, against one process in bfloat16: the denoiser must receive
@@ -155,6 +159,20 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
             models[family], shapes_data, tmp_path / f"{family}-{strategy}+clipped-clipped", family=family,
             method="full", batch_size=2, strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy], **trained(family, "full")))
             for strategy in CLIPPED["strategies"]}
+    if family == SCALED["family"]:
+        scaled = {"loss.scaler": SCALED["loss.scaler"]}
+        out = tmp_path / f"ref-{family}-scaled"
+        raw = base_config(models[family], shapes_data, out, family=family, method="full", batch_size=4,
+                          **settings(family, "full", **scaled, **trained(family, "full")))
+        Trainer(validate(raw), log=lambda *_: None).train()
+        references[family, "scaled"] = exported(out, family, "full", bool(trained(family, "full")))
+        unscaled = references[family, "full"]
+        assert distance(references[family, "scaled"], unscaled) > 100 * TOLERANCE, "the scaler changed nothing"
+        cases |= {f"{family}/{strategy}+scaled-scaled": base_config(
+            models[family], shapes_data, tmp_path / f"{family}-{strategy}+scaled-scaled", family=family,
+            method="full", batch_size=1, gradient_accumulation_steps=2, strategy=strategy,
+            **settings(family, "full", **scaled, **STRATEGIES[strategy], **trained(family, "full")))
+            for strategy in SCALED["strategies"]}
     bfloat16_cases = {}
     for name in (name for name in families if name in BFLOAT16_CASES):
         out = tmp_path / f"ref-{name}-bfloat16"
@@ -183,9 +201,9 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
         assert recorded_inputs(raw["output_dir"]) == recorded_inputs(tmp_path / f"ref-{name}-bfloat16"), case
         assert diff <= BFLOAT16_NOISE * noise, f"{case}: max abs diff {diff:.3g}, bfloat16 noise {noise:.3g}"
     for case, raw in cases.items():
-        name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # kind: full, lora or clipped (a full finetune)
-        method = "full" if kind == "clipped" else kind
-        with_text_encoder = bool(trained(name, method))  # the same for the clipped cases
+        name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # full, lora, clipped or scaled (a full finetune)
+        method = "full" if kind in ("clipped", "scaled") else kind
+        with_text_encoder = bool(trained(name, method))  # the same for the clipped and scaled cases
         reference, got = references[name, kind], exported(Path(raw["output_dir"]), name, method, with_text_encoder)
         assert reference.keys() == got.keys(), case
         diff = max((reference[k].float() - got[k].float()).abs().max().item() for k in reference)

@@ -106,10 +106,11 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert (config.loss.weight_fn, config.loss.weight_strength) == ("P2", 1.0)
     te = config.text_encoder
     assert (te.train, te.learning_rate, te.stop_training_after, te.stop_training_after_unit) == (True, 5e-5, 1, "epoch")
-    concept, held = config.data.concepts  # the disabled one is not imported, nor OneTrainer's PRIOR_PREDICTION
+    concept, held, distill = config.data.concepts  # the disabled one is not imported
     assert (held.name, held.type) == ("held", "validation") and concept.type == "standard"
+    assert (distill.name, distill.type) == ("distill", "prior_prediction")  # a LoRA trains it towards its base model
     assert (config.validation.every_n_steps, config.validation.every_n_epochs) == (3, None)
-    assert "PRIOR_PREDICTION" in err and "distill" in err
+    assert "PRIOR_PREDICTION" not in err
     assert (concept.balancing, concept.caption_source) == (2.0, "txt")
     assert (concept.tag_shuffling, concept.keep_tags_count) == (True, 2)
     [prompt] = config.sampling.prompts
@@ -517,10 +518,20 @@ def test_backups_and_saves_as_checkpoints(tmp_path, settings, checkpoint):
     assert (saved.every_n_steps, saved.every_n_minutes, saved.keep_last) == checkpoint
 
 
-def test_forced_prediction_type(tmp_path):
-    """force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type."""
-    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True})
-    assert config.model.prediction_type == "v_prediction"
+@pytest.mark.parametrize("settings,prediction", [
+    # force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type; v wins over
+    # epsilon where both are set (StableDiffusionFineTuneSetup: elif)
+    ({"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True}, "v_prediction"),
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "force_v_prediction": True, "force_epsilon_prediction": True},
+     "v_prediction"),
+    # only OneTrainer's SD / SDXL FINE_TUNE setups read the switches: its LoRA, embedding and PixArt training ignore them
+    ({"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True, "training_method": "LORA"}, "auto"),
+    ({"model_type": "PIXART_SIGMA", "force_epsilon_prediction": True}, "auto"),
+])
+def test_forced_prediction_type(tmp_path, settings, prediction):
+    config, skipped = import_only(tmp_path, settings)
+    assert config.model.prediction_type == prediction
+    assert any(line.startswith("force_") for line in skipped) is (prediction == "auto"), skipped
 
 
 def test_an_automatic_embedding_token_count_is_listed(tmp_path):
@@ -586,3 +597,35 @@ def test_loss_weighting_and_offset_noise_import_as_onetrainer_applies_them(tmp_p
         assert any(line.startswith(listed) for line in skipped), skipped
     else:
         assert not any(line.startswith(("loss_weight_fn", "generalized_offset_noise")) for line in skipped)
+
+
+@pytest.mark.parametrize("settings,zero_terminal_snr,prediction", [
+    # OneTrainer's SD / SDXL setups rescale the schedule and force v-prediction, force_epsilon_prediction or not
+    ({"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA"}, True, "v_prediction"),
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "force_epsilon_prediction": True}, True, "v_prediction"),
+    # its PixArt setups ignore the switch: listed, and the model trains as OneTrainer trains it
+    ({"model_type": "PIXART_SIGMA"}, False, "auto"),
+])
+def test_zero_terminal_snr_as_onetrainer_applies_it(tmp_path, settings, zero_terminal_snr, prediction):
+    config, skipped = import_only(tmp_path, {"rescale_noise_scheduler_to_zero_terminal_snr": True, **settings})
+    assert config.model.zero_terminal_snr is zero_terminal_snr
+    assert config.model.prediction_type == "auto"
+    assert (config.model.training_prediction_type() or "auto") == prediction
+    listed = [line for line in skipped if line.startswith("rescale_noise_scheduler_to_zero_terminal_snr")]
+    assert bool(listed) is not zero_terminal_snr, listed
+
+
+@pytest.mark.parametrize("scaler", ["BATCH", "GLOBAL_BATCH", "GRADIENT_ACCUMULATION", "BOTH", "GLOBAL_BOTH"])
+def test_loss_scaler_is_imported(tmp_path, scaler):
+    config, skipped = import_only(tmp_path, {"loss_scaler": scaler})
+    assert config.loss.scaler == scaler and not any(line.startswith("loss_scaler") for line in skipped)
+
+
+def test_prior_prediction_concepts_of_other_methods_are_listed(tmp_path):
+    """OneTrainer's prior model is the model without its LoRA ("only available with LoRA training")."""
+    concepts = [{"path": str(tmp_path / "images")}, {"name": "distill", "path": str(tmp_path / "images"),
+                                                    "type": "PRIOR_PREDICTION"}]
+    config, skipped = import_only(tmp_path, {"training_method": "FINE_TUNE", "concepts": concepts})
+    assert [c.type for c in config.data.concepts] == ["standard"]
+    assert any(line.startswith("concepts[1] (distill).type: PRIOR_PREDICTION") and "LORA only" in line
+               for line in skipped), skipped

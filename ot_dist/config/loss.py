@@ -120,6 +120,16 @@ class LossConfig(Section):
         "scheduler config says (use_dynamic_shifting), fixed when timestep_shift is a number. Refused for the other "
         "families (OneTrainer's setups of those ignore it).",
     )
+    scaler: Literal["NONE", "BATCH", "GLOBAL_BATCH", "GRADIENT_ACCUMULATION", "BOTH", "GLOBAL_BOTH"] = Field(
+        default="NONE",
+        description="OneTrainer's loss_scaler: the loss that is backpropagated is multiplied by a constant, so the "
+        "gradient is closer to a sum over samples than a mean: BATCH batch_size (per process, as OneTrainer's), "
+        "GLOBAL_BATCH batch_size x processes, GRADIENT_ACCUMULATION gradient_accumulation_steps, BOTH batch_size x "
+        "gradient_accumulation_steps, GLOBAL_BOTH the global batch (batch_size x accumulation x processes). The "
+        "GLOBAL ones give the same update for the same global batch at any number of processes; BATCH and BOTH "
+        "change with the split (a warning says so). Scales the gradients (plain SGD's step, the gradient norm that "
+        "clip_grad_norm compares), not the logged loss. NONE = off.",
+    )
     logit_normal_mean: float = Field(default=0.0, description="Mean of the normal under the sigmoid (logit_normal).")
     logit_normal_std: float = Field(default=1.0, gt=0, description="Std of the normal under the sigmoid (logit_normal).")
 
@@ -167,6 +177,13 @@ class LossConfig(Section):
             raise ValueError(f"loss.noising_bias: {bias} puts inverted_parabola's centre 0.5 + b so far outside the "
                              f"range that max(0, 2 - {weight} (x - 0.5 - b)^2) is 0 on all of it; move it towards 0 "
                              "or lower loss.noising_weight")
+
+    def scale(self, batch_size: int, accumulation: int, processes: int) -> int:
+        """The factor loss.scaler puts on the backpropagated loss (OneTrainer's LossScaler.get_scale, whose
+        batch_size is the per-process one and whose GLOBAL_ variants multiply by the world size)."""
+        return {"NONE": 1, "BATCH": batch_size, "GLOBAL_BATCH": batch_size * processes,
+                "GRADIENT_ACCUMULATION": accumulation, "BOTH": batch_size * accumulation,
+                "GLOBAL_BOTH": batch_size * accumulation * processes}[self.scaler]
 
     def weighting(self) -> tuple[str, float]:
         """(weight function, strength), min_snr_gamma folded in."""

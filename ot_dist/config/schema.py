@@ -54,6 +54,18 @@ class ModelConfig(Section):
         description="What a DDPM denoiser (UNet families) predicts. auto = what the model's scheduler config says. "
         "Flow-matching families always predict noise - latents.",
     )
+    zero_terminal_snr: bool = Field(
+        default=False,
+        description="Train on the noise schedule rescaled to zero terminal SNR (Lin et al. 2023, 'Common Diffusion "
+        "Noise Schedules and Sample Steps are Flawed'; diffusers' rescale_betas_zero_snr, OneTrainer's "
+        "rescale_noise_scheduler_to_zero_terminal_snr): sqrt(alphas_cumprod) shifted so that the last timestep is "
+        "pure noise and scaled so that the first keeps its value, which lets the model learn very dark and bright "
+        "images. As OneTrainer and the paper, it trains v-prediction (prediction_type auto becomes v_prediction; "
+        "epsilon is refused: at SNR 0 the input is the noise itself). The exports carry it (the diffusers folder's "
+        "scheduler config, with timestep_spacing trailing; the single file's `ztsnr` and `v_pred` markers) and the "
+        "samples use it (from the last timestep, guidance rescaled by 0.7 as OneTrainer). false = the schedule the "
+        "model's scheduler config describes. UNet families (SD 1.x / 2.x / SDXL).",
+    )
     guidance_scale: float | None = Field(
         default=None, ge=0,
         description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
@@ -75,6 +87,22 @@ class ModelConfig(Section):
         "image's `-masklabel.png` (white = repaint) or, without one, a random rectangle, brush strokes or the whole "
         "image, drawn per sample and epoch. Needs the images (not data.cache_latents).",
     )
+
+    @model_validator(mode="after")
+    def _zero_terminal_snr_predicts_v(self) -> "ModelConfig":
+        if self.zero_terminal_snr and self.prediction_type == "epsilon":
+            raise ValueError("model.prediction_type: epsilon cannot be trained with model.zero_terminal_snr: at the "
+                             "last timestep (SNR 0) the noisy input is the noise itself, so an epsilon prediction says "
+                             "nothing of the image; use v_prediction (or auto, which zero_terminal_snr makes "
+                             "v_prediction, as OneTrainer does)")
+        return self
+
+    def training_prediction_type(self) -> str | None:
+        """What the denoiser is trained to predict where the config decides it (None: the scheduler config's):
+        prediction_type, or v_prediction on a schedule rescaled to zero terminal SNR."""
+        if self.prediction_type != "auto":
+            return self.prediction_type
+        return "v_prediction" if self.zero_terminal_snr else None
 
 
 class PartConfig(Section):
@@ -178,13 +206,16 @@ class ConceptConfig(Section):
     path: str = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
     name: str | None = Field(default=None, description="Name in reports and sample keys; unset = the folder name.")
-    type: Literal["standard", "validation", "prior_preservation"] = Field(
+    type: Literal["standard", "validation", "prior_preservation", "prior_prediction"] = Field(
         default="standard",
         description="standard: trained. validation: never trained; its loss at fixed noise and timesteps (the same "
         "every time) is computed on all ranks at `validation`'s interval and logged as validation/loss/<concept name> "
         "(OneTrainer's VALIDATION). prior_preservation: regularisation images (the class images of DreamBooth), "
-        "trained with this concept's loss_weight as DreamBooth's prior_loss_weight. OneTrainer's PRIOR_PREDICTION "
-        "(the base model's output as the target) is not this; for the masked-out area it is "
+        "trained with this concept's loss_weight as DreamBooth's prior_loss_weight. prior_prediction (OneTrainer's "
+        "PRIOR_PREDICTION, method lora): its samples are trained towards the model's own prediction without the LoRA "
+        "(same noisy input, timestep and caption) instead of the image's target, so the LoRA learns to leave what "
+        "they show as the base model draws it; a run with such a concept costs one more denoiser forward per micro "
+        "batch (no gradients). For the masked-out area of masked training see "
         "masked_training.prior_preservation_weight.",
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
@@ -246,11 +277,7 @@ class ConceptConfig(Section):
     @field_validator("type", mode="before")
     @classmethod
     def _onetrainer_type(cls, value):
-        """OneTrainer's spellings (STANDARD, VALIDATION) are accepted; its PRIOR_PREDICTION is another method."""
-        if isinstance(value, str) and value.upper() == "PRIOR_PREDICTION":
-            raise ValueError("PRIOR_PREDICTION (OneTrainer: the base model's prediction is the target) is not "
-                             "supported; prior_preservation trains the concept's own images with its loss_weight "
-                             "(DreamBooth), masked_training.prior_preservation_weight keeps the masked-out area")
+        """OneTrainer's spellings (STANDARD, VALIDATION, PRIOR_PREDICTION) are accepted."""
         return value.lower() if isinstance(value, str) else value
 
     @field_validator("tag_dropout_mode", mode="before")
@@ -688,6 +715,11 @@ class TrainConfig(Section):
                 takes = ", ".join(f"model.{e}_layer_skip" for e in family.layer_skip_encoders) or "none"
                 raise ValueError(f"model.{encoder}_layer_skip: {self.model.family} has no layer skip for {encoder} "
                                  f"(it takes: {takes})")
+        prior_concepts = [f"data.concepts[{i}]" for i, concept in enumerate(self.data.concepts)
+                          if concept.type == "prior_prediction"]
+        if prior_concepts and self.method != "lora":
+            raise ValueError(f"{prior_concepts[0]}.type: prior_prediction trains towards the model's prediction "
+                             f"without its LoRA; method {self.method} has no such model (it needs method lora)")
         if self.masked_training.prior_preservation_weight and not (self.masked_training.enabled
                                                                     and self.method == "lora"):
             raise ValueError("masked_training.prior_preservation_weight: the prior is the model without its LoRA; it "
@@ -714,6 +746,9 @@ class TrainConfig(Section):
                 raise ValueError(f"loss.dynamic_timestep_shifting: shifts flow-matching timesteps by the resolution; "
                                  f"{self.model.family} is not a flow-matching family (leave it at auto; "
                                  "loss.timestep_shift shifts its draw by a fixed k)")
+        if self.model.zero_terminal_snr and family.zero_terminal_snr_refusal:
+            raise ValueError(f"model.zero_terminal_snr: rescales the DDPM betas of a UNet family (SD 1.x / 2.x / "
+                             f"SDXL); {self.model.family} {family.zero_terminal_snr_refusal}")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.prompts and not family.samplers:

@@ -44,12 +44,24 @@ def import_loss(ot: dict, c: dict, skip) -> None:
     if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
         loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
-        skip(f"loss_scaler: {ot['loss_scaler']} is not supported")
-    if ot["rescale_noise_scheduler_to_zero_terminal_snr"]:
-        skip("rescale_noise_scheduler_to_zero_terminal_snr: true is not supported")
+        _mapped_if_known(loss, LossConfig, "scaler", ot["loss_scaler"], skip)  # the same names and factors
+    rescale = ot["rescale_noise_scheduler_to_zero_terminal_snr"]
+    if rescale and c["model"]["family"] in ZERO_TERMINAL_SNR_FAMILIES:
+        # OneTrainer's setups rescale the schedule and force v-prediction (over force_epsilon_prediction), as
+        # model.zero_terminal_snr does with prediction_type auto
+        c["model"]["zero_terminal_snr"] = True
+    elif rescale:
+        skip(f"rescale_noise_scheduler_to_zero_terminal_snr: true: OneTrainer's {c['model']['family']} training "
+             "ignores it (only its SD 1.x / 2.x / SDXL setups rescale the schedule)")
     for key, prediction in (("force_v_prediction", "v_prediction"), ("force_epsilon_prediction", "epsilon")):
-        if ot[key] and c["model"]["family"] in ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma"):
+        if ot[key] and c["model"].get("zero_terminal_snr"):
+            continue  # v-prediction, whichever is forced
+        if ot[key] and c["model"]["family"] in ZERO_TERMINAL_SNR_FAMILIES and c.get("method") == "full":
             c["model"]["prediction_type"] = prediction  # OneTrainer overrides the noise scheduler's the same way
+            break  # the first wins (its FineTuneSetups: elif)
+        elif ot[key] and c["model"]["family"] in FORCED_PREDICTION_IGNORED:
+            skip(f"{key}: true: OneTrainer's {c['model']['family']} {c.get('method')} training ignores it (only its "
+                 "SD 1.x / 2.x / SDXL FINE_TUNE setups force a prediction type); the model's own is trained")
         elif ot[key]:
             skip(f"{key}: true: {c['model']['family']} has a fixed target")
     if ot.get("custom_conditioning_image"):
@@ -68,6 +80,10 @@ def import_loss(ot: dict, c: dict, skip) -> None:
                  "model without the LoRA)")
 
 
+ZERO_TERMINAL_SNR_FAMILIES = ("sd1", "sd2", "sdxl")  # OneTrainer's StableDiffusion(XL) *Setup.py rescale
+# DDPM families whose OneTrainer setups do not read force_v_prediction / force_epsilon_prediction: PixArt's, and SD's /
+# SDXL's LoRA and embedding setups (only StableDiffusion(XL)FineTuneSetup.py calls force_*_prediction)
+FORCED_PREDICTION_IGNORED = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
 FLOW_FAMILIES = ("sd3", "flux", "chroma")  # shifted by OneTrainer's timestep_shift; Flux also dynamically
 
 

@@ -141,6 +141,10 @@ class Family:
         """"ddpm" or "flow", known without loading anything: config validation refuses options that do not apply."""
         raise NotImplementedError
 
+    # Why model.zero_terminal_snr does not apply to the family (None: its DDPM betas are rescaled, as diffusers'
+    # rescale_betas_zero_snr does; the family's loaders apply it), checked when the config is validated.
+    zero_terminal_snr_refusal: str | None = "has no discrete DDPM beta schedule to rescale"
+
     # -- sampling ---------------------------------------------------------------------------------------
     samplers: tuple[str, ...] = ("flow_euler",)  # sampling.sampler values that fit the objective; the first is auto
 

@@ -53,6 +53,10 @@ class PixArt(Family):
     # PixArt's original checkpoint layout (blocks.N.attn.qkv, ...) is not written yet: the full method exports the
     # diffusers folder (what PixArtAlphaPipeline / PixArtSigmaPipeline.from_pretrained read).
     single_file = False
+    # Its learned variance's VB loss divides by sqrt(alphas_cumprod), 0 at the last timestep of such a schedule, and
+    # predicts epsilon; OneTrainer's PixArt setups ignore rescale_noise_scheduler_to_zero_terminal_snr.
+    zero_terminal_snr_refusal = ("learns its variance with a VB loss that needs alphas_cumprod > 0 at every timestep "
+                                 "(OneTrainer's PixArt training ignores the option too)")
 
     def objective(self, pipeline, model_config) -> DDPM:
         prediction_type = None if model_config.prediction_type == "auto" else model_config.prediction_type
