@@ -120,6 +120,11 @@ class Flux(FlowTransformerFamily):
     # SimpleTuner's LyCORIS files: lycoris_<diffusers path> (ComfyUI's comfy/lora.py maps it for Flux)
     lora_foreign_prefixes = {"transformer": ("lora_transformer", "lycoris"), "text_encoder": ("lora_te1",),
                              "text_encoder_2": ("lora_te2",)}
+    modelspec_implementation = "https://github.com/black-forest-labs/flux"  # kohya's IMPL_FLUX
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        """kohya's ids (SwarmUI maps both onto its Flux.1 classes): dev has the guidance embedding, schnell none."""
+        return "flux-1-dev" if denoiser_config.get("guidance_embeds") else "flux-1-schnell"
 
     sample_negative_prompt = False  # FluxPipeline samples with the distilled guidance, without a negative pass
 
@@ -154,12 +159,13 @@ class Flux(FlowTransformerFamily):
 
         return load_transformer_file(path, config_folder, self, flux_from_original, validate_flux_file)
 
-    def export_single_file(self, components, states, path, dtype):
+    def export_single_file(self, components, states, path, dtype, metadata=None):
         from ot_dist.models.families.flux_single_file import flux_to_original
         from ot_dist.models.families.transformer_single_file import write_transformer_file
 
         transformer = components["transformer"]
-        write_transformer_file(flux_to_original(states["transformer"], dict(transformer.config)), path, dtype)
+        write_transformer_file(flux_to_original(states["transformer"], dict(transformer.config)), path, dtype,
+                               metadata)
 
     def build_tiny(self, seed: int = 0, variant: str = "dev", **_):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -200,6 +206,8 @@ class Chroma(FlowTransformerFamily):
     lora_file_kohya_components = {"text_encoder": "lora_te1"}
     # OneTrainer (modules/util/convert/lora/convert_chroma_lora.py): lora_transformer_ and lora_te_ (its T5)
     lora_foreign_prefixes = {"transformer": ("lora_transformer",), "text_encoder": ("lora_te",)}
+    modelspec_architecture = "chroma"  # kohya's ARCH_FLUX_1_CHROMA, SwarmUI's id
+    modelspec_implementation = "https://huggingface.co/lodestones/Chroma"  # kohya's IMPL_CHROMA
 
     def denoiser_original_rules(self, config) -> list:
         from ot_dist.models.families.flux_single_file import chroma_rules
@@ -235,12 +243,13 @@ class Chroma(FlowTransformerFamily):
 
         return load_transformer_file(path, config_folder, self, chroma_from_original, validate_chroma_file)
 
-    def export_single_file(self, components, states, path, dtype):
+    def export_single_file(self, components, states, path, dtype, metadata=None):
         from ot_dist.models.families.flux_single_file import chroma_to_original
         from ot_dist.models.families.transformer_single_file import write_transformer_file
 
         transformer = components["transformer"]
-        write_transformer_file(chroma_to_original(states["transformer"], dict(transformer.config)), path, dtype)
+        write_transformer_file(chroma_to_original(states["transformer"], dict(transformer.config)), path, dtype,
+                               metadata)
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler

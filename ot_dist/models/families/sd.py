@@ -18,6 +18,7 @@ UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", 
 # conv_in / conv_out stay with the root (~1.3 %).
 UNET_SHARD_UNITS = ("resnets", "transformer_blocks", "downsamplers", "upsamplers")
 CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+STABILITY_GENERATIVE_MODELS = "https://github.com/Stability-AI/generative-models"
 
 
 class UNetFamily(Family):
@@ -36,6 +37,17 @@ class UNetFamily(Family):
     # ComfyUI, A1111 / Forge and diffusers read them, and so do `ot-dist lora merge` and `lora.init_from`
     # (ot_dist/lora_tools/foreign.py, through `denoiser_original_rules`).
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
+    # kohya sd-scripts' IMPL_STABILITY_AI: what it writes for SD checkpoints, embeddings and SDXL LoRAs (ComfyUI
+    # writes "sgm", the same codebase's short name)
+    modelspec_implementation = STABILITY_GENERATIVE_MODELS
+    # The architecture id's suffix per prediction type (SD 2.x: the spec's `v2-512` / `v2-768-v`, as kohya picks them
+    # by --v_parameterization); a 9-channel inpainting UNet is the spec's `<base>-inpainting` instead.
+    modelspec_prediction_suffixes: dict[str, str] = {}
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        if inpainting:
+            return f"{self.modelspec_architecture}-inpainting"
+        return self.modelspec_architecture + self.modelspec_prediction_suffixes.get(prediction_type, "")
 
     def denoiser_original_rules(self, config) -> list:
         """original (LDM) weight <- diffusers weight for every UNet weight, as the single-file export names them."""
@@ -89,10 +101,10 @@ class UNetFamily(Family):
         prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type
         return load_single_file(path, self.name, config_folder, prediction_type=prediction)
 
-    def export_single_file(self, components, states, path, dtype):
+    def export_single_file(self, components, states, path, dtype, metadata=None):
         from ot_dist.models.families.sd_single_file import export_single_file
 
-        export_single_file(components, self.name, path, dtype=dtype, states=states)
+        export_single_file(components, self.name, path, dtype=dtype, states=states, metadata=metadata)
 
 
 def skipped_layer(hidden_states: tuple, default: int, skip: int, encoder: str) -> torch.Tensor:
@@ -117,9 +129,12 @@ class SD(UNetFamily):
     memory_reference = "SD 1.5"  # SD 2.x: a UNet of the same size (865 M), a larger text encoder (354 M)
 
     def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str, native_resolution: int,
-                 lora_base_model_version: str):
+                 lora_base_model_version: str, modelspec_architecture: str,
+                 modelspec_prediction_suffixes: dict[str, str] | None = None):
         self.name, self.description, self.native_resolution = name, description, native_resolution
         self.lora_base_model_version = lora_base_model_version
+        self.modelspec_architecture = modelspec_architecture
+        self.modelspec_prediction_suffixes = modelspec_prediction_suffixes or {}
         self.tiny_hidden_act, self.tiny_prediction_type = hidden_act, prediction_type
 
     layer_skip_encoders = ("text_encoder",)
@@ -184,7 +199,9 @@ class SD(UNetFamily):
 
 FAMILIES = {
     "sd1": SD("sd1", "Stable Diffusion 1.x (epsilon)", hidden_act="quick_gelu", prediction_type="epsilon",
-              native_resolution=512, lora_base_model_version="sd_v1"),
+              native_resolution=512, lora_base_model_version="sd_v1", modelspec_architecture="stable-diffusion-v1"),
     "sd2": SD("sd2", "Stable Diffusion 2.x (epsilon or v-prediction)", hidden_act="gelu",
-              prediction_type="v_prediction", native_resolution=768, lora_base_model_version="sd_v2"),
+              prediction_type="v_prediction", native_resolution=768, lora_base_model_version="sd_v2",
+              modelspec_architecture="stable-diffusion-v2",
+              modelspec_prediction_suffixes={"epsilon": "-512", "v_prediction": "-768-v"}),
 }

@@ -43,6 +43,17 @@ class SD3(Family):
                              "text_encoder_2": ("lora_te2",)}
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     samplers = ("flow_euler",)
+    modelspec_implementation = "https://github.com/Stability-AI/generative-models"  # kohya's, for SD3 checkpoints
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        """The spec lists `stable-diffusion-v3-medium` (ComfyUI and OneTrainer write it for SD3); SD 3.5 follows that
+        pattern as SwarmUI names it (`stable-diffusion-v3.5-large` / `-medium`). The variant is kohya's test on the
+        weights (library/sd3_utils.py): qk norms = 3.5, dual-attention layers besides = 3.5 medium. kohya writes
+        `stable-diffusion-3-medium` / `-3-5-large` instead, which neither the spec nor SwarmUI knows."""
+        if not denoiser_config.get("qk_norm"):
+            return "stable-diffusion-v3-medium"
+        return "stable-diffusion-v3.5-medium" if denoiser_config.get("dual_attention_layers") else \
+            "stable-diffusion-v3.5-large"
 
     def objective(self, pipeline, model_config) -> FlowMatching:
         return FlowMatching.from_scheduler_config(pipeline.scheduler.config, patch_size=2)
@@ -89,7 +100,7 @@ class SD3(Family):
 
         return load_transformer_file(path, config_folder, self, sd3_from_original, validate_sd3_file)
 
-    def export_single_file(self, components, states, path, dtype):
+    def export_single_file(self, components, states, path, dtype, metadata=None):
         """Stability's layout: the transformer under model.diffusion_model. and the VAE under first_stage_model.
         (what StableDiffusion3Pipeline.from_single_file and ComfyUI read; the text encoders ship separately)."""
         from ot_dist.models.families.sd3_single_file import sd3_to_original, sd3_vae_to_original
@@ -98,7 +109,7 @@ class SD3(Family):
         transformer, vae = components["transformer"], components["vae"]
         state = sd3_to_original(states["transformer"], dict(transformer.config))
         state |= sd3_vae_to_original(states["vae"], dict(vae.config))
-        write_transformer_file(state, path, dtype)
+        write_transformer_file(state, path, dtype, metadata)
 
     def build_tiny(self, seed: int = 0, variant: str = "sd3", **_):
         """variant: sd3 (SD3 medium's layout), sd35 (3.5: qk RMS norm and a dual-attention layer)."""
