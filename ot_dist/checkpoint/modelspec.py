@@ -9,8 +9,9 @@ and shows the title, author, description and date. The spec's rules this module 
 - MUST: `sai_model_spec` (the spec's version), `architecture` (the base model's id, a file kind after a `/`:
   `/lora`, `/textual-inversion`), `implementation` (the codebase whose names the file's keys follow), `title`, and
   for image models `resolution` as `<width>x<height>`.
-- SHOULD: `date`, ISO-8601. CAN: `prediction_type` (`epsilon` / `v`; left out for flow matching, as kohya leaves it
-  out for Flux), `timestep_range` (`<min>,<max>`, when a run trained a part of them), `encoder_layer` (clip skip),
+- SHOULD: `date`, ISO-8601. CAN: `prediction_type` (`epsilon` / `v`; `v-zsnr` for a zero-terminal-SNR schedule,
+  SwarmUI's value, without which SwarmUI samples such a model on the ordinary schedule; left out for flow matching,
+  as kohya leaves it out for Flux), `timestep_range` (`<min>,<max>`, when a run trained a part of them), `encoder_layer` (clip skip),
   `author`, `description`, `license`, `tags`, `merged_from`.
 - every value is a string (a safetensors header's metadata holds strings only).
 
@@ -30,6 +31,10 @@ SPEC_VERSION = "1.0.1"  # the spec's current version, which kohya writes
 # file kind -> the architecture id's suffix (the spec's `<base>/lora`, `<base>/textual-inversion`)
 KIND_SUFFIXES = {"checkpoint": "", "lora": "/lora", "embedding": "/textual-inversion"}
 PREDICTION_NAMES = {"epsilon": "epsilon", "v_prediction": "v"}  # diffusers' name -> the spec's
+# SwarmUI's word for v-prediction on a zero-terminal-SNR schedule: it reads `modelspec.prediction_type` into ComfyUI's
+# ModelSamplingDiscrete(sampling, zsnr) node (WorkflowGeneratorModelSupport.cs), so "v" there would put such a model
+# on the ordinary schedule (overriding ComfyUI's own `ztsnr` marker detection); "v-zsnr" sets zsnr.
+V_ZERO_TERMINAL_SNR = "v-zsnr"
 DIFFUSERS = "diffusers"
 
 
@@ -79,6 +84,11 @@ def trained_prediction(model) -> str | None:
     return getattr(model.objective, "prediction_type", "epsilon")  # Würstchen's cosine schedule: epsilon
 
 
+def trained_zero_terminal_snr(model) -> bool:
+    zero_terminal_snr = getattr(model.objective, "zero_terminal_snr", None)
+    return bool(zero_terminal_snr()) if zero_terminal_snr is not None else False
+
+
 def implementation_of(family, kind: str, lora_layout: str | None) -> str:
     """The codebase whose names the file's keys follow: the original layout's for single files and embeddings (kohya:
     Stability's for SD checkpoints and embeddings), the module paths a kohya-layout LoRA names (diffusers' for SD 1.x /
@@ -89,10 +99,10 @@ def implementation_of(family, kind: str, lora_layout: str | None) -> str:
 
 
 def modelspec_header(family, kind: str, denoiser_config, prediction_type: str | None, facts: FileFacts,
-                     lora_layout: str | None = None, inpainting: bool = False,
-                     num_train_timesteps: int = 1000) -> dict[str, str]:
+                     lora_layout: str | None = None, inpainting: bool = False, num_train_timesteps: int = 1000,
+                     zero_terminal_snr: bool = False) -> dict[str, str]:
     """The `modelspec.*` keys of one file. `kind`: checkpoint, lora or embedding; `prediction_type`: diffusers'
-    `epsilon` / `v_prediction`, None for flow matching."""
+    `epsilon` / `v_prediction`, None for flow matching; `zero_terminal_snr`: the schedule ends at SNR 0."""
     if kind not in KIND_SUFFIXES:
         raise ValueError(f"modelspec: unknown file kind {kind!r}; known: {', '.join(KIND_SUFFIXES)}")
     architecture = family.modelspec_architecture_of(denoiser_config, prediction_type, inpainting)
@@ -104,7 +114,9 @@ def modelspec_header(family, kind: str, denoiser_config, prediction_type: str | 
         "resolution": f"{facts.resolution}x{facts.resolution}",
         "date": datetime.fromtimestamp(int(facts.created), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
-    if prediction_type is not None:
+    if prediction_type == "v_prediction" and zero_terminal_snr:
+        header["prediction_type"] = V_ZERO_TERMINAL_SNR
+    elif prediction_type is not None:
         header["prediction_type"] = PREDICTION_NAMES.get(prediction_type, prediction_type)
     if facts.timesteps is not None:
         low, high = facts.timesteps
@@ -123,4 +135,5 @@ def header_for(model, kind: str, facts: FileFacts, lora_layout: str | None = Non
     scheduler = getattr(model.pipeline, "scheduler", None)
     steps = getattr(getattr(scheduler, "config", None), "get", lambda *_: None)("num_train_timesteps") or 1000
     return modelspec_header(model.family, kind, model.denoiser.config, trained_prediction(model), facts,
-                            lora_layout=lora_layout, inpainting=model.inpainting, num_train_timesteps=steps)
+                            lora_layout=lora_layout, inpainting=model.inpainting, num_train_timesteps=steps,
+                            zero_terminal_snr=trained_zero_terminal_snr(model))

@@ -331,7 +331,8 @@ def export_single_file(
 
     `components` may be a pipeline's `.components` (tokenizers etc. are ignored); a v-prediction `scheduler` among
     them adds the `v_pred` marker (V_PRED_KEY) that ComfyUI and Forge detect v-prediction by, a zero-terminal-SNR one
-    (`rescale_betas_zero_snr`) the `ztsnr` marker (ZTSNR_KEY). `dtype`
+    (`rescale_betas_zero_snr`) the `ztsnr` marker (ZTSNR_KEY); `metadata` (the ModelSpec header) joins the header's
+    own keys. `dtype`
     casts floating-point tensors on save. The file is written under a temporary name in the target
     folder and moved into place with os.replace, so readers never see a partial file.
     """
