@@ -120,6 +120,8 @@ def test_the_run_gives_title_resolution_date_timesteps_and_clip_skip(tiny_models
     assert (header["modelspec.title"], header["modelspec.author"], header["modelspec.tags"]) == \
         ("Portrait v3", "me", "Person,Style")
     assert header["modelspec.timestep_range"] == "0,499"
+    ema = modelspec_header(sd1, "lora", {}, "epsilon", run_facts(named, suffix="_ema"), lora_layout="kohya")
+    assert ema["modelspec.title"] == "Portrait v3_ema"  # another model, another title
     assert "modelspec.encoder_layer" not in header and "modelspec.description" not in header
     assert_follows_the_spec(header)
 

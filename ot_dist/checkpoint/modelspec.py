@@ -56,12 +56,12 @@ class FileFacts:
 
 def run_facts(config, created: float | None = None, suffix: str = "") -> FileFacts:
     """The facts of a training run's exports: `created` is the run's start (None: now), `suffix` the export's
-    ("_ema"), added to the default title as to the file's name."""
+    ("_ema"), added to the title as to the file's name (the spec wants a title unique to the model)."""
     loss, meta = config.loss, config.metadata
     limited = loss.min_timestep > 0 or loss.max_timestep is not None
     skip = config.model.text_encoder_layer_skip
     return FileFacts(
-        title=meta.title or f"{Path(config.output_dir).name}{suffix}",
+        title=(meta.title or Path(config.output_dir).name) + suffix,
         resolution=max(config.resolutions()),
         created=time.time() if created is None else created,
         timesteps=(loss.min_timestep, loss.max_timestep) if limited else None,

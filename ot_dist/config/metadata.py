@@ -13,8 +13,8 @@ class MetadataConfig(Section):
     writes, which SwarmUI and other model browsers show. Architecture, resolution, prediction type and date come
     from the run; these are the words only the user knows. null = left out (the title: the name of output_dir)."""
 
-    title: str | None = Field(default=None, description="`modelspec.title`; null = the name of output_dir (an EMA "
-                              "export adds `_ema`).")
+    title: str | None = Field(default=None, description="`modelspec.title`; null = the name of output_dir. The EMA "
+                              "export's title ends in `_ema`, as its file name does.")
     author: str | None = Field(default=None, description="`modelspec.author`.")
     description: str | None = Field(default=None, description="`modelspec.description` (markdown).")
     license: str | None = Field(default=None, description="`modelspec.license`.")
