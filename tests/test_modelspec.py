@@ -89,7 +89,8 @@ def test_each_family_and_file_kind_writes_the_documented_ids(family, config, pre
     assert header["modelspec.architecture"] == architecture
     assert header["modelspec.implementation"] == implementation
     # the spec's words for what a DDPM denoiser predicts; flow matching has none (kohya leaves it out for Flux)
-    assert header.get("modelspec.prediction_type") == {"epsilon": "epsilon", "v_prediction": "v", None: None}[prediction]
+    spec_word = {"epsilon": "epsilon", "v_prediction": "v", None: None}[prediction]
+    assert header.get("modelspec.prediction_type") == spec_word
     assert_follows_the_spec(header)
 
 

@@ -11,8 +11,8 @@ and shows the title, author, description and date. The spec's rules this module 
   for image models `resolution` as `<width>x<height>`.
 - SHOULD: `date`, ISO-8601. CAN: `prediction_type` (`epsilon` / `v`; `v-zsnr` for a zero-terminal-SNR schedule,
   SwarmUI's value, without which SwarmUI samples such a model on the ordinary schedule; left out for flow matching,
-  as kohya leaves it out for Flux), `timestep_range` (`<min>,<max>`, when a run trained a part of them), `encoder_layer` (clip skip),
-  `author`, `description`, `license`, `tags`, `merged_from`.
+  as kohya leaves it out for Flux), `timestep_range` (`<min>,<max>`, when a run trained a part of them),
+  `encoder_layer` (clip skip), `author`, `description`, `license`, `tags`, `merged_from`.
 - every value is a string (a safetensors header's metadata holds strings only).
 
 The family declares its identity (`modelspec_architecture_of`, `modelspec_implementation`, ...:
