@@ -127,6 +127,27 @@ def test_the_run_gives_title_resolution_date_timesteps_and_clip_skip(tiny_models
     assert_follows_the_spec(header)
 
 
+def test_a_run_dates_its_exports_by_its_start(tiny_models, shapes_data, tmp_path):
+    """Through the trainer: the LoRA and its EMA copy say the run's start (run.json, which a resume keeps) and their
+    titles; `ot-dist export` of the run's checkpoint writes the same header (tests/test_frozen_export.py: the same
+    bytes)."""
+    import json
+
+    from ot_dist.train.trainer import Trainer
+
+    out = tmp_path / "style-lora"
+    raw = base_config(tiny_models["sd1"], shapes_data, out, method="lora", max_steps=1,
+                      **{"ema.enabled": True, "checkpoint.at_end": False})
+    Trainer(validate(raw), log=lambda *_: None).train()
+    started = json.loads((out / "run.json").read_text())["started_at"]
+    date = datetime.fromtimestamp(int(started)).astimezone().strftime("%Y-%m-%dT%H:%M:%S")
+    for name, title in (("lora.safetensors", "style-lora"), ("lora_ema.safetensors", "style-lora_ema")):
+        metadata = metadata_of(out / name)
+        assert metadata["modelspec.title"] == title
+        assert datetime.fromisoformat(metadata["modelspec.date"]).astimezone().strftime("%Y-%m-%dT%H:%M:%S") == date
+        assert metadata["modelspec.architecture"] == "stable-diffusion-v1/lora"
+
+
 def metadata_of(path: Path) -> dict[str, str]:
     with safe_open(str(path), framework="pt") as f:
         return f.metadata() or {}
