@@ -35,7 +35,9 @@ def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str 
     load_trained_weights(model, trained, folder)
     target = Path(out) if out else default_export_dir(folder)
     kwargs = {"formats": chosen} if config.method == "full" else {}
-    exported = method.export(model, target, suffix="_ema" if ema else "", **kwargs)
+    # the run's start, as training dated its exports (checkpoints from before it was recorded: their save time)
+    created = state.get("run_started_at") or state.get("saved_at")
+    exported = method.export(model, target, suffix="_ema" if ema else "", created=created, **kwargs)
     for p in exported:
         log(f"exported {p}")
     return exported

@@ -93,6 +93,13 @@ def move_aside(output_dir: str | Path) -> Path:
     return target
 
 
+def read_started_at(output_dir: str | Path) -> float | None:
+    try:
+        return float(json.loads((Path(output_dir) / RUN_FILE).read_text())["started_at"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def read_run_id(output_dir: str | Path) -> str | None:
     try:
         return json.loads((Path(output_dir) / RUN_FILE).read_text())["run_id"]
@@ -139,6 +146,7 @@ class RunFolder:
     run_id: str
     resume_from: Path | None  # the committed checkpoint to continue from, or None (step 0)
     moved_to: Path | None = None  # --overwrite: where the earlier run went
+    started_at: float | None = None  # run.json's: when the run first started (the exports' ModelSpec date)
 
 
 def prepare_run_folder(output_dir: str | Path, resume: str | None, overwrite: bool, runtime,
@@ -162,7 +170,7 @@ def prepare_run_folder(output_dir: str | Path, resume: str | None, overwrite: bo
     run_id = (checkpoint_run_id(folder) if folder else None) or read_run_id(out)
     if run_id is None:
         raise InputFileError(f"output_dir {out}: {RUN_FILE} is unreadable; is output_dir shared by every rank?")
-    return RunFolder(out, run_id, folder, moved)
+    return RunFolder(out, run_id, folder, moved, read_started_at(out))
 
 
 def estimated_free_space_warning(output_dir: str | Path, model_path: str | None, method: str) -> str | None:

@@ -122,6 +122,8 @@ class Checkpointer:
             "ema": t.ema is not None,
             "reason": reason,
             "saved_at": time.time(),
+            # the run's start (run.json): `ot-dist export` dates the files' ModelSpec header as training did
+            "run_started_at": getattr(getattr(t, "run", None), "started_at", None),
             "config": t.config.model_dump(mode="json"),
         }
 

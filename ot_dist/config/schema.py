@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 from ot_dist.config.checkpoint import CheckpointConfig
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
+from ot_dist.config.metadata import MetadataConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
 from ot_dist.config.sampling import SamplingConfig
 from ot_dist.config.section import Section
@@ -615,6 +616,7 @@ class TrainConfig(Section):
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+    metadata: MetadataConfig = Field(default_factory=MetadataConfig)
 
     @field_validator("train_dtype")
     @classmethod

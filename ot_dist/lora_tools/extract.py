@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ot_dist.checkpoint.modelspec import header_for, tool_facts
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.lora_tools.files import write_lora_file
 from ot_dist.lora_tools.lowrank import low_rank_pair
@@ -61,6 +62,7 @@ def extract_command(base_path: str, tuned_path: str, family: str, rank: int, out
                                             "extracted_from": Path(tuned_path).name})}
     if layout == "kohya":
         metadata.update(kohya_metadata(rank, float(rank), base_model_version=family_spec.lora_base_model_version))
+    metadata.update(header_for(tuned, "lora", tool_facts(tuned.family, out), lora_layout=layout))
     write_lora_file(out, layout, pairs, metadata, DTYPES[dtype_name])
     values = sorted(kept.values())
     log(f"extracted {len(pairs)} changed modules at rank {rank}: energy kept min {values[0]:.4f}, "

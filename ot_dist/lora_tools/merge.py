@@ -45,6 +45,19 @@ def merge_into(model, lora: LoraFile, weight: float, source: str) -> tuple[int, 
     return len(matched), missing
 
 
+def title_of(model_path: str) -> str:
+    """A base model's name in `merged_from`: a single file's own ModelSpec title, else its file or folder name."""
+    path = Path(model_path)
+    if path.suffix == ".safetensors" and path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            title = (f.metadata() or {}).get("modelspec.title")
+        if title:
+            return title
+    return path.stem if path.suffix == ".safetensors" else path.name
+
+
 def merge_command(base: str, family: str, lora_paths: list[str], weights: list[float], out: str, fmt: str,
                   config_folder: str | None, dtype_name: str, log=print) -> Path:
     from ot_dist.checkpoint.export import export_diffusers_folder
@@ -54,9 +67,11 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
 
     model = load_model(ModelConfig(family=family, path=base, config=config_folder))
     changed: set[str] = set()
+    titles = [title_of(base)]  # the single file's ModelSpec `merged_from`, as kohya's merge scripts write it
     for path, weight in zip(lora_paths, weights):
         lora = read_lora_file(path, ALL_VARIANTS, 'ot-dist lora merge')
         changed |= changed_parts(model, lora, path)
+        titles.append(lora.metadata.get("modelspec.title") or Path(path).stem)
         merged, missing = merge_into(model, lora, weight, path)
         log(f"{path}: merged {merged} modules at weight {weight}")
         if missing:
@@ -74,8 +89,11 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
         # markers, by which ComfyUI and Forge choose how to sample it
         components = single_file_components(model)
         states = {n: m.state_dict() for n, m in module_components(components).items()}
+        from ot_dist.checkpoint.modelspec import header_for, tool_facts
+
+        header = header_for(model, "checkpoint", tool_facts(model.family, target, merged_from=titles))
         # a LoRA that changed a text encoder: the file carries the text encoders, as a trained full finetune's does
         model.family.export_single_file(components, states, target, dtype,
-                                        with_text_encoders=bool(changed & set(model.text_encoders)))
+                                        with_text_encoders=bool(changed & set(model.text_encoders)), metadata=header)
     log(f"wrote {target}")
     return target

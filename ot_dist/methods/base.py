@@ -34,12 +34,21 @@ class TrainingMethod:
         return caption
 
     def export(
-        self, model: LoadedModel, output_dir: Path, state_dict_of=None, write: bool = True, suffix: str = ""
+        self, model: LoadedModel, output_dir: Path, state_dict_of=None, write: bool = True, suffix: str = "",
+        created: float | None = None,
     ) -> list[Path]:
         """Save what was trained. `state_dict_of(module)` returns a module's full state dict (a
         collective under sharding strategies, so every rank calls export); only `write` ranks write.
-        `suffix` goes after the file / folder stem ("_ema": model_ema/, lora_ema.safetensors)."""
+        `suffix` goes after the file / folder stem ("_ema": model_ema/, lora_ema.safetensors). `created`: the run's
+        start, the date of the files' ModelSpec header (ot_dist/checkpoint/modelspec.py; None = now)."""
         raise NotImplementedError
+
+    def modelspec(self, model: LoadedModel, kind: str, created: float | None, suffix: str,
+                  lora_layout: str | None = None) -> dict[str, str]:
+        """The `modelspec.*` header of one exported file of this run."""
+        from ot_dist.checkpoint.modelspec import header_for, run_facts
+
+        return header_for(model, kind, run_facts(self.config, created, suffix), lora_layout)
 
 
 def plain_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:

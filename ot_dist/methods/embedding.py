@@ -92,7 +92,8 @@ class EmbeddingMethod(TrainingMethod):
         return vectors
 
     def export(
-        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix=""
+        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix="",
+        created: float | None = None,
     ) -> list[Path]:
         dtype = DTYPES[self.config.output_dtype]
         vectors = self.vectors(model, state_dict_of)
@@ -100,6 +101,7 @@ class EmbeddingMethod(TrainingMethod):
         if not write:
             return [target]
         tensors = {key: v.detach().to("cpu", dtype).contiguous() for key, v in vectors.items()}
+        metadata = {"token": self.config.embedding.token, **self.modelspec(model, "embedding", created, suffix)}
         with atomic_path(target) as tmp:
-            save_file(tensors, tmp, metadata={"token": self.config.embedding.token})
+            save_file(tensors, tmp, metadata=metadata)
         return [target]

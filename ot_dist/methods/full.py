@@ -29,7 +29,7 @@ class FullFinetune(TrainingMethod):
 
     def export(
         self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix="",
-        formats: tuple[str, ...] = formats,
+        created: float | None = None, formats: tuple[str, ...] = formats,
     ) -> list[Path]:
         """`formats`: "diffusers" (a folder from_pretrained loads) and / or "single-file" (one .safetensors)."""
         if "single-file" in formats and not model.family.single_file:
@@ -48,5 +48,6 @@ class FullFinetune(TrainingMethod):
         if write and "single-file" in formats:
             # Trained text encoders belong in the file (for the transformer families a full checkpoint then).
             model.family.export_single_file(source.components, source.states, single, dtype,
-                                            with_text_encoders=bool(trained & set(model.text_encoders)))
+                                            with_text_encoders=bool(trained & set(model.text_encoders)),
+                                            metadata=self.modelspec(model, "checkpoint", created, suffix))
         return [path for path, name in ((folder, "diffusers"), (single, "single-file")) if name in formats]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ot_dist.checkpoint.canonical import with_metadata
 from ot_dist.checkpoint.export import atomic_path
 from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict, trainable
@@ -53,7 +54,8 @@ class LoraMethod(TrainingMethod):
         return groups
 
     def export(
-        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix=""
+        self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix="",
+        created: float | None = None,
     ) -> list[Path]:
         from peft.utils import get_peft_model_state_dict
 
@@ -69,13 +71,15 @@ class LoraMethod(TrainingMethod):
         if not write:
             return [target]
         output_dir.mkdir(parents=True, exist_ok=True)
-        if self.config.lora_file_layout() == "kohya":
-            self._write_kohya(model, states, adapter_configs, target, dtype)
+        layout = self.config.lora_file_layout()
+        modelspec = self.modelspec(model, "lora", created, suffix, lora_layout=layout)
+        if layout == "kohya":
+            self._write_kohya(model, states, adapter_configs, target, dtype, modelspec)
         else:
-            self._write_diffusers(model, states, adapter_configs, target, dtype)
+            self._write_diffusers(model, states, adapter_configs, target, dtype, modelspec)
         return [target]
 
-    def _write_kohya(self, model, states, adapter_configs, target: Path, dtype) -> None:
+    def _write_kohya(self, model, states, adapter_configs, target: Path, dtype, modelspec: dict[str, str]) -> None:
         import json
 
         from safetensors.torch import save_file
@@ -94,9 +98,9 @@ class LoraMethod(TrainingMethod):
             {"layout": "kohya", "family": family.name, "variant": lora.variant, "rank": lora.rank, "alpha": lora.alpha,
              "targets": targets})}, variant=lora.variant, base_model_version=family.lora_base_model_version)
         with atomic_path(target) as tmp:
-            save_file(tensors, str(tmp), metadata=metadata)
+            save_file(tensors, str(tmp), metadata={**metadata, **modelspec})
 
-    def _write_diffusers(self, model, states, adapter_configs, target: Path, dtype) -> None:
+    def _write_diffusers(self, model, states, adapter_configs, target: Path, dtype, modelspec: dict[str, str]) -> None:
         # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together with the
         # adapter config (rank, targets) it finds in the file's metadata; the scale is inside the weights.
         # Components the family names kohya-style (T5-XXL) go in under those names, with their alpha tensors.
@@ -122,10 +126,12 @@ class LoraMethod(TrainingMethod):
             kwargs[f"{part}_lora_adapter_metadata"] = metadata
         pipeline_cls = model.family.pipeline_cls()
         if named or not saves_lora_of(pipeline_cls, kwargs):  # kohya-named parts, or no LoRA saver for these parts
-            write_peft_layout(kwargs, target, named)
+            write_peft_layout(kwargs, target, named, modelspec)
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as staging, atomic_path(target) as tmp:
             pipeline_cls.save_lora_weights(staging, weight_name=target.name, **kwargs)
+            # diffusers' saver takes no metadata of ours: added to its header (a LoRA's, small to rewrite)
+            with_metadata(Path(staging) / target.name, modelspec)
             os.replace(Path(staging) / target.name, tmp)
 
 
@@ -158,7 +164,8 @@ def add_adapter(module: torch.nn.Module, lora_config) -> None:
         module.peft_config = {ADAPTER: lora_config}
 
 
-def write_peft_layout(parts: dict, target: Path, named: dict[str, torch.Tensor] | None = None) -> None:
+def write_peft_layout(parts: dict, target: Path, named: dict[str, torch.Tensor] | None = None,
+                      extra_metadata: dict[str, str] | None = None) -> None:
     """What `save_lora_weights` writes, for a pipeline without it: every component's peft keys under its name
     (`transformer.<module>.lora_A.weight`) and the adapter configs as diffusers' `lora_adapter_metadata`.
 
@@ -179,7 +186,7 @@ def write_peft_layout(parts: dict, target: Path, named: dict[str, torch.Tensor] 
             component = key[: -len("_lora_adapter_metadata")]
             adapter_metadata.update({f"{component}.{k}": list(v) if isinstance(v, (set, tuple)) else v
                                      for k, v in value.items()})
-    metadata = {"format": "pt"}
+    metadata = {"format": "pt", **(extra_metadata or {})}
     if not named:
         metadata["lora_adapter_metadata"] = json.dumps(adapter_metadata, sort_keys=True)
     with atomic_path(target) as tmp:

@@ -366,10 +366,12 @@ class Trainer:
 
     def _export(self, output_dir: Path) -> list[Path]:
         write = self.runtime.is_main
-        exported = self.method.export(self.model, output_dir, self.trained_state_dict_of(), write=write)
+        created = self.run.started_at  # the files' ModelSpec date: the run's, also in its checkpoints
+        exported = self.method.export(self.model, output_dir, self.trained_state_dict_of(), write=write,
+                                      created=created)
         if self.ema:
             exported += self.method.export(self.model, output_dir, self.overlaid_state_dict_of(self.ema.full_weights()),
-                                           write=write, suffix="_ema")
+                                           write=write, suffix="_ema", created=created)
         self.runtime.barrier()  # nobody leaves before the export is on disk
         for path in exported:
             self.log(f"exported {path}")

@@ -256,8 +256,10 @@ class Family:
         raise NotImplementedError(f"model.path: {self.name} models load from a diffusers folder only")
 
     def export_single_file(self, components: dict[str, torch.nn.Module], states: dict[str, dict],
-                           path: Path, dtype: torch.dtype, with_text_encoders: bool = False) -> None:
-        """Write the trained model as one file in the family's original layout (what from_single_file reads).
+                           path: Path, dtype: torch.dtype, with_text_encoders: bool = False,
+                           metadata: dict[str, str] | None = None) -> None:
+        """Write the trained model as one file in the family's original layout (what from_single_file reads), with
+        `metadata` (its ModelSpec header) in the file's header beside the layout's own keys.
         `with_text_encoders` (a run that trained a text encoder, a merge that changed one): the file must carry the
         text encoders, as a full checkpoint where the family's own file is the denoiser alone (`full_checkpoint`)."""
         raise NotImplementedError
@@ -303,6 +305,22 @@ class Family:
         """The single-file key rules (ot_dist/models/families/single_file_keys.py `Rule`) of a denoiser with this
         config: original key <- diffusers key(s). Empty for families without an original layout."""
         return []
+
+    # -- ModelSpec identity ------------------------------------------------------------------------------
+    # What the `modelspec.*` header of every file ot_dist writes says about the base model (Stability AI's model
+    # metadata spec, which kohya sd-scripts, ComfyUI and OneTrainer write and SwarmUI / model browsers read; see
+    # ot_dist/checkpoint/modelspec.py). `modelspec_architecture`: the base model's architecture id (kohya's or the
+    # spec's string; a file kind adds `/lora` or `/textual-inversion`). `modelspec_implementation`: the codebase whose
+    # names the family's original single-file keys follow. `modelspec_kohya_lora_implementation`: the codebase whose
+    # module paths the family's kohya-layout LoRA names carry (diffusers' for SD 1.x / 2.x, as kohya says).
+    modelspec_architecture: str = ""
+    modelspec_implementation: str = "diffusers"
+    modelspec_kohya_lora_implementation: str = "diffusers"
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type: str | None, inpainting: bool) -> str:
+        """The architecture id of a loaded model: a family whose variants differ in what inference must do (SD 2.x
+        v / epsilon, SD 3 / 3.5, Flux dev / schnell) tells them apart by the denoiser's config here."""
+        return self.modelspec_architecture
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **options):

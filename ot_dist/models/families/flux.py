@@ -87,7 +87,7 @@ class FlowTransformerFamily(Family):
         """The transformer's state dict in its original (BFL / lodestones) keys under `prefix`."""
         raise NotImplementedError
 
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare keys, as Black Forest Labs / lodestones ship it; when a run trained a text
         encoder, a full checkpoint as ComfyUI saves one (the transformer under model.diffusion_model., the VAE and
         every text encoder under the family's prefixes)."""
@@ -95,10 +95,12 @@ class FlowTransformerFamily(Family):
 
         config = dict(components["transformer"].config)
         if not with_text_encoders:
-            write_transformer_file(self.transformer_to_original(states["transformer"], config, ""), path, dtype)
+            write_transformer_file(self.transformer_to_original(states["transformer"], config, ""), path, dtype,
+                                   metadata)
             return
         state = self.transformer_to_original(states["transformer"], config, DENOISER_PREFIX)
-        write_transformer_file(state | self.full_checkpoint.component_keys(components, states), path, dtype)
+        write_transformer_file(state | self.full_checkpoint.component_keys(components, states), path, dtype,
+                               metadata)
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         h, w = noisy.shape[-2:]
@@ -144,6 +146,11 @@ class Flux(FlowTransformerFamily):
     full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "text_encoders.clip_l.transformer.",
                                                     "text_encoder_2": "text_encoders.t5xxl.transformer."},
                                      vae="vae.")
+    modelspec_implementation = "https://github.com/black-forest-labs/flux"  # kohya's IMPL_FLUX
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        """kohya's ids (SwarmUI maps both onto its Flux.1 classes): dev has the guidance embedding, schnell none."""
+        return "flux-1-dev" if denoiser_config.get("guidance_embeds") else "flux-1-schnell"
 
     sample_negative_prompt = False  # FluxPipeline samples with the distilled guidance, without a negative pass
 
@@ -226,6 +233,8 @@ class Chroma(FlowTransformerFamily):
     # cond_stage_model. with its PixArt-style T5 model named t5xxl. diffusers reads no Chroma text encoder from a file.
     full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "cond_stage_model.t5xxl.transformer."},
                                      vae="first_stage_model.")
+    modelspec_architecture = "chroma"  # kohya's ARCH_FLUX_1_CHROMA, SwarmUI's id
+    modelspec_implementation = "https://huggingface.co/lodestones/Chroma"  # kohya's IMPL_CHROMA
 
     def denoiser_original_rules(self, config) -> list:
         from ot_dist.models.families.flux_single_file import chroma_rules

@@ -152,6 +152,9 @@ class PixArtAlpha(PixArt):
     pipeline_class = "PixArtAlphaPipeline"
     max_sequence_length = 120
     vae_scale = 0.18215  # the SD VAE
+    # kohya and ComfyUI write no PixArt ids: OneTrainer's (resources/sd_model_spec/pixart_alpha_1.0*.json)
+    modelspec_architecture = "pixart-alpha"
+    modelspec_implementation = "https://github.com/PixArt-alpha/PixArt-alpha"
 
     def micro_conditioning(self, sample_size):
         return sample_size == 128  # the α-1024 config (diffusers' rule when the config leaves it unset)
@@ -163,6 +166,8 @@ class PixArtSigma(PixArt):
     pipeline_class = "PixArtSigmaPipeline"
     max_sequence_length = 300
     vae_scale = 0.13025  # the SDXL VAE
+    modelspec_architecture = "pixart-sigma"  # OneTrainer's, as PixArt-α's (SwarmUI's class: pixart-ms-sigma-xl-2)
+    modelspec_implementation = "https://github.com/PixArt-alpha/PixArt-sigma"
 
     def micro_conditioning(self, sample_size):
         return False  # the Σ configs set use_additional_conditions false

@@ -20,6 +20,7 @@ UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", 
 UNET_SHARD_UNITS = ("resnets", "transformer_blocks", "downsamplers", "upsamplers")
 CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
 ZERO_TERMINAL_SNR_GUIDANCE_RESCALE = 0.7  # OneTrainer's cfg_rescale with the option on, the paper's choice
+STABILITY_GENERATIVE_MODELS = "https://github.com/Stability-AI/generative-models"
 
 
 class UNetFamily(Family):
@@ -38,6 +39,17 @@ class UNetFamily(Family):
     # ComfyUI, A1111 / Forge and diffusers read them, and so do `ot-dist lora merge` and `lora.init_from`
     # (ot_dist/lora_tools/foreign.py, through `denoiser_original_rules`).
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
+    # kohya sd-scripts' IMPL_STABILITY_AI: what it writes for SD checkpoints, embeddings and SDXL LoRAs (ComfyUI
+    # writes "sgm", the same codebase's short name)
+    modelspec_implementation = STABILITY_GENERATIVE_MODELS
+    # The architecture id's suffix per prediction type (SD 2.x: the spec's `v2-512` / `v2-768-v`, as kohya picks them
+    # by --v_parameterization); a 9-channel inpainting UNet is the spec's `<base>-inpainting` instead.
+    modelspec_prediction_suffixes: dict[str, str] = {}
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        if inpainting:
+            return f"{self.modelspec_architecture}-inpainting"
+        return self.modelspec_architecture + self.modelspec_prediction_suffixes.get(prediction_type, "")
 
     def denoiser_original_rules(self, config) -> list:
         """original (LDM) weight <- diffusers weight for every UNet weight, as the single-file export names them."""
@@ -104,11 +116,11 @@ class UNetFamily(Family):
 
         return self.with_training_schedule(load_single_file(path, self.name, config_folder), model_config)
 
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The checkpoint layout, which always holds the text encoders (trained or not)."""
         from ot_dist.models.families.sd_single_file import export_single_file
 
-        export_single_file(components, self.name, path, dtype=dtype, states=states)
+        export_single_file(components, self.name, path, dtype=dtype, states=states, metadata=metadata)
 
 
 def skipped_layer(hidden_states: tuple, default: int, skip: int, encoder: str) -> torch.Tensor:
@@ -133,9 +145,12 @@ class SD(UNetFamily):
     memory_reference = "SD 1.5"  # SD 2.x: a UNet of the same size (865 M), a larger text encoder (354 M)
 
     def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str, native_resolution: int,
-                 lora_base_model_version: str):
+                 lora_base_model_version: str, modelspec_architecture: str,
+                 modelspec_prediction_suffixes: dict[str, str] | None = None):
         self.name, self.description, self.native_resolution = name, description, native_resolution
         self.lora_base_model_version = lora_base_model_version
+        self.modelspec_architecture = modelspec_architecture
+        self.modelspec_prediction_suffixes = modelspec_prediction_suffixes or {}
         self.tiny_hidden_act, self.tiny_prediction_type = hidden_act, prediction_type
 
     layer_skip_encoders = ("text_encoder",)
@@ -200,7 +215,9 @@ class SD(UNetFamily):
 
 FAMILIES = {
     "sd1": SD("sd1", "Stable Diffusion 1.x (epsilon)", hidden_act="quick_gelu", prediction_type="epsilon",
-              native_resolution=512, lora_base_model_version="sd_v1"),
+              native_resolution=512, lora_base_model_version="sd_v1", modelspec_architecture="stable-diffusion-v1"),
     "sd2": SD("sd2", "Stable Diffusion 2.x (epsilon or v-prediction)", hidden_act="gelu",
-              prediction_type="v_prediction", native_resolution=768, lora_base_model_version="sd_v2"),
+              prediction_type="v_prediction", native_resolution=768, lora_base_model_version="sd_v2",
+              modelspec_architecture="stable-diffusion-v2",
+              modelspec_prediction_suffixes={"epsilon": "-512", "v_prediction": "-768-v"}),
 }

@@ -44,6 +44,17 @@ class SD3(Family):
                              "text_encoder_2": ("lora_te2",)}
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     samplers = ("flow_euler",)
+    modelspec_implementation = "https://github.com/Stability-AI/generative-models"  # kohya's, for SD3 checkpoints
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        """The spec lists `stable-diffusion-v3-medium` (ComfyUI and OneTrainer write it for SD3); SD 3.5 follows that
+        pattern as SwarmUI names it (`stable-diffusion-v3.5-large` / `-medium`). The variant is kohya's test on the
+        weights (library/sd3_utils.py): qk norms = 3.5, dual-attention layers besides = 3.5 medium. kohya writes
+        `stable-diffusion-3-medium` / `-3-5-large` instead, which neither the spec nor SwarmUI knows."""
+        if not denoiser_config.get("qk_norm"):
+            return "stable-diffusion-v3-medium"
+        return "stable-diffusion-v3.5-medium" if denoiser_config.get("dual_attention_layers") else \
+            "stable-diffusion-v3.5-large"
 
     def objective(self, pipeline, model_config) -> FlowMatching:
         return FlowMatching.from_scheduler_config(pipeline.scheduler.config, patch_size=2)
@@ -98,7 +109,7 @@ class SD3(Family):
                                                     "text_encoder_3": "text_encoders.t5xxl.transformer."},
                                      vae="first_stage_model.")
 
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """Stability's layout: the transformer under model.diffusion_model. and the VAE under first_stage_model.
         (what StableDiffusion3Pipeline.from_single_file and ComfyUI read); with the three text encoders when a run
         trained any (the text encoders otherwise ship separately, as with Stability's sd3.5_large.safetensors)."""
@@ -109,7 +120,7 @@ class SD3(Family):
         layout = self.full_checkpoint
         state |= layout.component_keys(components, states) if with_text_encoders else \
             FullCheckpoint(vae=layout.vae).component_keys(components, states)
-        write_transformer_file(state, path, dtype)
+        write_transformer_file(state, path, dtype, metadata)
 
     def build_tiny(self, seed: int = 0, variant: str = "sd3", **_):
         """variant: sd3 (SD3 medium's layout), sd35 (3.5: qk RMS norm and a dual-attention layer)."""

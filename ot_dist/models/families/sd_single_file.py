@@ -325,12 +325,14 @@ def export_single_file(
     path: str | os.PathLike,
     dtype: torch.dtype | None = None,
     states: Mapping[str, Mapping[str, torch.Tensor]] | None = None,
+    metadata: Mapping[str, str] | None = None,
 ) -> Path:
     """Write unet / vae / text_encoder[/ text_encoder_2] as one original-layout `.safetensors` file.
 
     `components` may be a pipeline's `.components` (tokenizers etc. are ignored); a v-prediction `scheduler` among
     them adds the `v_pred` marker (V_PRED_KEY) that ComfyUI and Forge detect v-prediction by, a zero-terminal-SNR one
-    (`rescale_betas_zero_snr`) the `ztsnr` marker (ZTSNR_KEY). `dtype`
+    (`rescale_betas_zero_snr`) the `ztsnr` marker (ZTSNR_KEY); `metadata` (the ModelSpec header) joins the header's
+    own keys. `dtype`
     casts floating-point tensors on save. The file is written under a temporary name in the target
     folder and moved into place with os.replace, so readers never see a partial file.
     """
@@ -356,7 +358,7 @@ def export_single_file(
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        save_file(tensors, str(tmp), metadata={"format": "pt", "ot_dist.family": family})
+        save_file(tensors, str(tmp), metadata={"format": "pt", "ot_dist.family": family, **(metadata or {})})
         make_canonical(tmp)  # the same bytes whichever process writes the same tensors (metadata order)
         share_with_umask(tmp)  # save_file writes 0600
         with open(tmp, "rb+") as fh:

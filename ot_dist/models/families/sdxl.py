@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.models.families.sd import UNetFamily, skipped_layer
+from ot_dist.models.families.sd import STABILITY_GENERATIVE_MODELS, UNetFamily, skipped_layer
 from ot_dist.train.transfer import to_device
 
 
@@ -20,6 +20,9 @@ class SDXL(UNetFamily):
     embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
     lora_base_model_version = "sdxl_base_v1-0"  # kohya's sdxl_model_util.MODEL_VERSION_SDXL_BASE_V1_0
+    modelspec_architecture = "stable-diffusion-xl-v1-base"  # kohya's and ComfyUI's
+    # its kohya-layout LoRA names the original SGM UNet's paths (kohya writes IMPL_STABILITY_AI for SDXL LoRAs)
+    modelspec_kohya_lora_implementation = STABILITY_GENERATIVE_MODELS
     # Files written with the UNet's diffusers paths (ot_dist before, diffusers' conversion scripts) still read.
     lora_foreign_prefixes = {"unet": ("lora_unet",)}
 

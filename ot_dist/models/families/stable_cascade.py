@@ -85,6 +85,11 @@ class StableCascade(Family):
     # StableCascadeClipModel names CLIP-G clip_g; the layout of a stage C checkpoint ComfyUI's Load Checkpoint reads.
     full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "text_encoder.clip_g.transformer."})
     time_scale = 1.0  # ContinuousCosine's scale (Würstchen v2: 1.08)
+    # The spec's own id for stage C (`stable-cascade-v1-stage-a` / `b` / `c`; SwarmUI's class); the single file and the
+    # kohya-layout LoRA name the modules of Stability's StableCascade code (its Attention2D's `attn.out_proj`).
+    modelspec_architecture = "stable-cascade-v1-stage-c"
+    modelspec_implementation = "https://github.com/Stability-AI/StableCascade"
+    modelspec_kohya_lora_implementation = "https://github.com/Stability-AI/StableCascade"
     effnet_affine = False  # Stable Cascade's mapper BatchNorm has no weight / bias
 
     def objective(self, pipeline, model_config) -> ContinuousCosine:
@@ -148,7 +153,7 @@ class StableCascade(Family):
         pipeline = load_transformer_file(path, config_folder, self, cascade_from_original, validate_cascade_file)
         return self.complete_pipeline(pipeline, Path(config_folder), model_config)
 
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The prior alone, bare keys, as Stability ships stage_c.safetensors; when a run trained the text encoder, a
         checkpoint as ComfyUI's Load Checkpoint reads one: the prior under model.diffusion_model., CLIP-G beside it
         (no VAE: stage C's EfficientNet / previewer come from their own files, as with the bare stage C)."""
@@ -160,7 +165,7 @@ class StableCascade(Family):
         if with_text_encoders:
             state = {DENOISER_PREFIX + k: v for k, v in state.items()}
             state |= self.full_checkpoint.component_keys(components, states)
-        write_transformer_file(state, path, dtype)
+        write_transformer_file(state, path, dtype, metadata)
 
     # -- latents ----------------------------------------------------------------------------------------
     def latent_shape(self, vae, pixel_height, pixel_width):
@@ -256,7 +261,9 @@ class WuerstchenV2(StableCascade):
                              "attention_mlp": CASCADE_ATTENTION_MLP}
     shard_units = {"prior": ("blocks",), "text_encoder": ("text_model.encoder.layers",)}
     single_file = False  # no original single-file layout of Würstchen v2's prior in ot_dist
-    full_checkpoint = None
+    # no kohya / ComfyUI / spec id: OneTrainer's (resources/sd_model_spec/wuerstchen_2.0*.json), diffusers' names
+    modelspec_architecture = "wuerstchen-v2-prior"
+    modelspec_implementation = "diffusers"
     lora_file_prefixes = None  # no UI reads Würstchen v2 LoRAs by kohya names: the diffusers layout
     lora_file_renames = {}
     memory_reference = "Würstchen v2"  # the 1 B prior (warp-ai/wuerstchen-prior)

@@ -49,8 +49,10 @@ def load_transformer_file(path: Path, config_folder: str | None, family, from_or
     return pipeline
 
 
-def write_transformer_file(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
-    """Write an original-layout state dict as one safetensors file, atomically, readable per the umask."""
+def write_transformer_file(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype,
+                           metadata: dict[str, str] | None = None) -> None:
+    """Write an original-layout state dict as one safetensors file, atomically, readable per the umask, with
+    `metadata` (the ModelSpec header) beside `format`."""
     from safetensors.torch import save_file
 
     from ot_dist.checkpoint.export import atomic_path
@@ -58,4 +60,4 @@ def write_transformer_file(state: dict[str, torch.Tensor], path: Path, dtype: to
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()}
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata={"format": "pt"})
+        save_file(tensors, tmp, metadata={"format": "pt", **(metadata or {})})
