@@ -190,10 +190,12 @@ class ConceptConfig(Section):
     caption_source: Literal["txt", "filename", "text"] = Field(
         default="txt",
         description="txt: a same-name caption file (one caption per line; a line is drawn per epoch); filename: the "
-        "image file name without extension; text: caption_text for every image.",
+        "image file name without extension; text: caption_text for every image (one caption per line, as in a file).",
     )
-    caption_extension: str = Field(default=".txt", description="Extension of the caption files (caption_source txt).")
-    caption_text: str | None = Field(default=None, description="The caption of every image (caption_source text).")
+    caption_extension: str = Field(default=".txt", min_length=1, description="Extension of the caption files "
+                                   "(caption_source txt); `txt` is read as `.txt`.")
+    caption_text: str | None = Field(default=None, description="The caption of every image (caption_source text); "
+                                     "several lines are several captions, a line drawn per image and epoch.")
     caption_prefix: str = Field(default="", description="Text put before every caption of this concept.")
     balancing: float = Field(
         default=1.0, gt=0, description="repeats: times each image is seen per epoch (fractions pick a random part); "
@@ -226,7 +228,7 @@ class ConceptConfig(Section):
         "keep_tags_count; e.g. the trigger word).",
     )
     tag_dropout_probability: float = Field(
-        default=0.0, ge=0, lt=1, description="Tag dropout's probability, drawn per sample and epoch; what it drops is "
+        default=0.0, ge=0, le=1, description="Tag dropout's probability, drawn per sample and epoch; what it drops is "
         "tag_dropout_mode's.",
     )
     tag_dropout_mode: Literal["random", "full"] = Field(
@@ -248,6 +250,12 @@ class ConceptConfig(Section):
                              "supported; prior_preservation trains the concept's own images with its loss_weight "
                              "(DreamBooth), masked_training.prior_preservation_weight keeps the masked-out area")
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _leading_dot(cls, value: str) -> str:
+        """`txt` (the spelling of `ot-dist shard index --caption-ext`) names the same files as `.txt`."""
+        return value if value.startswith(".") else "." + value
 
     @field_validator("tag_dropout_mode", mode="before")
     @classmethod
