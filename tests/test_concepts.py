@@ -238,3 +238,26 @@ def test_unreadable_images_of_concept_folders_are_named_up_to_a_limit():
     assert warning.startswith("warning: data: 25 of 100 images unreadable, skipped") and warning.endswith("... 5 more")
     check_bad_fraction(SimpleNamespace(max_bad_fraction=0.5), bad[:3], 100, log=warnings.append)
     assert warnings[-1].endswith("/photos/2.jpg: not readable")  # a few are all named, nothing counted
+
+
+@pytest.mark.parametrize("buckets,balancing,per_epoch", [
+    # OneTrainer draws floor(images x repeats) samples of a concept per epoch, or int(samples) (mgds DiskCache)
+    ((0, 0, 0, 1, 1, 1, 2, 2, 2, 2), (1.5, "repeats"), 15),  # shares 4.5, 4.5, 6 were rounded to 4 + 4 + 6
+    (tuple(range(10)), (0.4, "repeats"), 4),  # ten aspect ratios, one image each: every share 0.4 was rounded to 0
+    (tuple(i // 5 for i in range(100)), (10, "samples"), 10),  # regularisation images over 20 buckets: 20 x 0.5 -> 0
+    ((0, 0, 1), (0.35, "samples"), 0), ((0, 0, 1), (7.9, "samples"), 7),
+])
+def test_balancing_draws_onetrainers_number_of_samples_per_epoch(buckets, balancing, per_epoch):
+    """A concept spread over many buckets drew far fewer samples than its balancing says, or none at all: each
+    bucket's share was rounded on its own. The total is OneTrainer's, the same every epoch, and each bucket
+    gives its share of it (the whole part, the rest to the largest fractions)."""
+    from ot_dist.data.plan import SampleTable, plan_epoch
+
+    table = SampleTable(buckets, (0,) * len(buckets), (balancing,), ("c",))
+    sizes = table.epoch_sizes()
+    assert sum(sizes.values()) == per_epoch
+    for bucket, n in sizes.items():
+        share = per_epoch * buckets.count(bucket) / len(buckets)
+        assert int(share) <= n <= int(share) + 1
+    for epoch in (0, 1):
+        assert sum(len(batch.samples) for batch in plan_epoch(table, 1, [64], 0, epoch)) == per_epoch

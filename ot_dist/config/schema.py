@@ -198,8 +198,9 @@ class ConceptConfig(Section):
                                      "several lines are several captions, a line drawn per image and epoch.")
     caption_prefix: str = Field(default="", description="Text put before every caption of this concept.")
     balancing: float = Field(
-        default=1.0, gt=0, description="repeats: times each image is seen per epoch (fractions pick a random part); "
-        "samples: images drawn from this concept per epoch.",
+        default=1.0, gt=0, description="repeats: times each image is seen per epoch (fractions pick a random part; "
+        "floor(images x repeats) samples per epoch, as OneTrainer); samples: images drawn from this concept per epoch "
+        "(the whole part).",
     )
     balancing_strategy: Literal["repeats", "samples"] = Field(default="repeats", description="How balancing counts.")
     loss_weight: float = Field(
