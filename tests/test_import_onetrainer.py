@@ -138,7 +138,7 @@ def test_sdxl_preset_takes_onetrainers_defaults_and_the_concept_file(tiny_models
 def test_version_0_embedding(tiny_models, shapes_data, tmp_path):
     config, _, _ = import_and_train(tmp_path, "emb", sd15_embedding_v0(tiny_models["sd1"], shapes_data))
     assert config.method == "embedding"
-    assert (config.embedding.token, config.embedding.vectors, config.embedding.init_text) == ("<shape>", 2, "shape")
+    assert (config.embedding.token, config.embedding.vectors, config.embedding.init_text) == ("<shape>", 2, "shape *")
     assert config.data.concepts[0].caption_source == "filename"
     assert config.gradient_checkpointing is False
     # OneTrainer's EMBEDDING trains the embedding only, whatever its parts' train flags: no part section is written
@@ -530,3 +530,21 @@ def test_concept_prompt_files_tag_dropout_one_and_lowercasing(tmp_path):
     assert (concept.tag_dropout_mode, concept.tag_dropout_probability) == ("full", 1.0)
     assert [line.split(":")[0] for line in skipped] == ["concepts[0] (" + str(tmp_path / "images") + ")"
                                                         ".text.caps_randomize_lowercase"]
+
+
+@pytest.mark.parametrize("text,count,expected", [
+    ("red circle", 4, ["red", "circle", "*", "*"]),  # ot_dist alone repeats the text: red circle red circle
+    ("red circle on grass", 2, ["red", "circle"]),
+    ("", 3, ["*", "*", "*"]), ("*", 2, ["*", "*"]), ("red", 1, ["red"]),
+])
+def test_an_imported_embedding_starts_from_onetrainers_rows(tmp_path, text, count, expected):
+    """OneTrainer starts the vectors at the rows of the initial text's tokens, cut at token_count, and fills the rest
+    with the token of "*" (ModelSetupEmbeddingMixin._create_new_embedding)."""
+    from ot_dist.methods.embedding import init_token_ids
+    from ot_dist.models.tiny import tiny_clip_tokenizer
+
+    config, _ = import_only(tmp_path, {"training_method": "EMBEDDING", "latent_caching": False, "embedding": {
+        "placeholder": "<cat>", "token_count": count, "initial_embedding_text": text}})
+    tokenizer = tiny_clip_tokenizer()
+    rows = [tokenizer(word, add_special_tokens=False).input_ids[0] for word in expected]
+    assert init_token_ids(tokenizer, config.embedding.init_text, config.embedding.vectors) == rows

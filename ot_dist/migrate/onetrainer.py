@@ -141,8 +141,12 @@ def _resolution(value: str, family: str, skip) -> int | list[int]:
 
 def _embedding(ot: dict, c: dict, skip) -> None:
     embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
-    c["embedding"] = {"token": embedding["placeholder"], "vectors": embedding["token_count"] or 1,
-                      "init_text": embedding["initial_embedding_text"] or "*"}
+    vectors, init_text = embedding["token_count"] or 1, (embedding["initial_embedding_text"] or "").strip() or "*"
+    # OneTrainer fills the vectors the initial text's tokens leave with the token of "*" (ModelSetupEmbeddingMixin);
+    # ot_dist repeats the text's tokens (kohya's way). A "*" per vector after the text gives OneTrainer's rows: the
+    # text's tokens first, then "*"s, cut at the vector count.
+    c["embedding"] = {"token": embedding["placeholder"], "vectors": vectors,
+                      "init_text": init_text + " *" * (vectors - 1) if init_text != "*" else init_text}
     if ot["embedding_learning_rate"]:
         c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
     if embedding["token_count"] is None:  # OneTrainer's "auto": one vector per token of the initial text
