@@ -548,3 +548,17 @@ def test_an_imported_embedding_starts_from_onetrainers_rows(tmp_path, text, coun
     tokenizer = tiny_clip_tokenizer()
     rows = [tokenizer(word, add_special_tokens=False).input_ids[0] for word in expected]
     assert init_token_ids(tokenizer, config.embedding.init_text, config.embedding.vectors) == rows
+
+
+def test_an_upper_case_placeholder_of_several_vectors_is_imported_lower_case(tmp_path):
+    """OneTrainer swaps its placeholder for its own tokens whatever their case; ot_dist needs a token of several
+    vectors in lower case (diffusers expands only that), and matches it in captions in any case."""
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "ot.json").write_text(json.dumps({"training_method": "EMBEDDING", "latent_caching": False,
+                                                  "concepts": [{"path": str(tmp_path / "images")}],
+                                                  "embedding": {"placeholder": "<MyChar>", "token_count": 2}}))
+    imported = import_onetrainer(tmp_path / "ot.json")
+    assert imported.config["embedding"]["token"] == "<mychar>"
+    assert any(note.startswith("embedding.placeholder: <MyChar> is written <mychar>") for note in imported.notes)

@@ -159,8 +159,8 @@ class EmbeddingConfig(Section):
     token: str = Field(
         default="<ot-embedding>",
         min_length=1,
-        description="The placeholder token. Captions that contain it train it in place; captions without it "
-        "get it prepended.",
+        description="The placeholder token. Captions that contain it (in any case, as CLIP tokenizers read it) train it "
+        "in place; captions without it get it prepended. Lower case when vectors > 1.",
     )
     vectors: int = Field(default=1, ge=1, description="Number of embedding vectors (tokens) it expands to.")
     init_text: str = Field(
@@ -169,6 +169,17 @@ class EmbeddingConfig(Section):
     learning_rate: float | None = Field(
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
     )
+
+    @model_validator(mode="after")
+    def _lower_case_for_several_vectors(self) -> "EmbeddingConfig":
+        # CLIP tokenizers lower-case the prompt, and diffusers expands TOKEN to TOKEN TOKEN_1 ... only when the
+        # lower-cased word is the registered one (loaders/textual_inversion.py `maybe_convert_prompt`): an upper-case
+        # token would train all its vectors but give one in diffusers' pipelines and in ot_dist's own samples.
+        if self.vectors > 1 and self.token != self.token.lower():
+            raise ValueError(f"embedding.token: {self.token!r} with {self.vectors} vectors must be lower case "
+                             f"({self.token.lower()!r}): CLIP tokenizers lower-case the prompt, so diffusers' "
+                             "pipelines would expand an upper-case token to its first vector only")
+        return self
 
 
 class ConceptConfig(Section):

@@ -11,6 +11,7 @@ itself) and {"clip_l": ..., "clip_g": ...} for SDXL / SD3 (A1111's SDXL layout; 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -60,9 +61,10 @@ class EmbeddingMethod(TrainingMethod):
 
     def caption(self, caption: str) -> str:
         expanded = " ".join(self.token_strings())
-        token = self.config.embedding.token
-        if token in caption:
-            return caption.replace(token, expanded)
+        # In any case: the tokenizer lower-cases the caption, so `<Sks>` would read as the token's first vector
+        in_caption = re.compile(re.escape(self.config.embedding.token), re.IGNORECASE)
+        if in_caption.search(caption):
+            return in_caption.sub(lambda _: expanded, caption)
         return f"{expanded} {caption}".strip()
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
