@@ -562,3 +562,13 @@ def test_an_upper_case_placeholder_of_several_vectors_is_imported_lower_case(tmp
     imported = import_onetrainer(tmp_path / "ot.json")
     assert imported.config["embedding"]["token"] == "<mychar>"
     assert any(note.startswith("embedding.placeholder: <MyChar> is written <mychar>") for note in imported.notes)
+
+
+@pytest.mark.parametrize("strength,hue", [(0.4, 0.2), (1.0, 0.5)])
+def test_random_hue_turns_as_far_as_onetrainers(tmp_path, strength, hue):
+    """mgds RandomHue draws the turn in [-s/2, s/2] of the colour circle for random_hue_max_strength s; ot_dist's hue
+    is the turn's bound itself. s was copied: twice OneTrainer's shift, and s above 0.5 (OneTrainer's 1.0: half a
+    turn) failed the import."""
+    config, _ = import_only(tmp_path, {"concepts": [{"path": str(tmp_path / "images"), "image": {
+        "enable_random_hue": True, "random_hue_max_strength": strength}}]})
+    assert config.data.concepts[0].hue == hue

@@ -81,7 +81,8 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
                   "enable_random_brightness": ("brightness", lambda: image.get("random_brightness_max_strength", 0.0)),
                   "enable_random_contrast": ("contrast", lambda: image.get("random_contrast_max_strength", 0.0)),
                   "enable_random_saturation": ("saturation", lambda: image.get("random_saturation_max_strength", 0.0)),
-                  "enable_random_hue": ("hue", lambda: image.get("random_hue_max_strength", 0.0))}
+                  # mgds RandomHue turns the hue by up to half its strength (uniform(-s/2, s/2) of a full circle)
+                  "enable_random_hue": ("hue", lambda: image.get("random_hue_max_strength", 0.0) / 2)}
         for key, off in defaults.CONCEPT_IMAGE_OFF.items():
             if image.get(key, off) == off:
                 continue
