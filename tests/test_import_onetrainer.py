@@ -43,7 +43,8 @@ def sd15_lora(model, data) -> dict:
         "concepts": [{"name": "shapes", "path": str(data), "enabled": True, "type": "STANDARD", "balancing": 2.0,
                       "balancing_strategy": "REPEATS",
                       "text": {"prompt_source": "sample", "enable_tag_shuffling": True, "keep_tags_count": 2},
-                      "image": {"enable_random_flip": True, "enable_fixed_flip": True}},
+                      "image": {"enable_random_flip": True, "enable_fixed_flip": True, "enable_fixed_rotate": True,
+                                "random_rotate_max_angle": 10.0}},
                      {"name": "off", "path": str(data), "enabled": False},
                      {"name": "held", "path": str(data), "type": "VALIDATION"},
                      {"name": "distill", "path": str(data), "type": "PRIOR_PREDICTION"}],
@@ -117,8 +118,10 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert config.sampling.every_n_epochs == 2
     assert config.output_dir == "models/my_lora"
     assert concept.flip_probability == 0.5  # OneTrainer's random flip
-    # a fixed flip has no ot_dist equivalent: said in the file and on stderr
-    assert "enable_fixed_flip" in err and "NOT HONOURED" in text and "enable_fixed_flip" in text
+    # a fixed rotation has no ot_dist equivalent: said in the file and on stderr; a fixed flip beside the random one
+    # is not said: mgds RandomFlip ignores it then
+    assert "enable_fixed_rotate" in err and "NOT HONOURED" in text and "enable_fixed_rotate" in text
+    assert "enable_fixed_flip" not in err and concept.rotation_degrees == 0
 
 
 def test_sdxl_preset_takes_onetrainers_defaults_and_the_concept_file(tiny_models, shapes_data, tmp_path):

@@ -86,6 +86,8 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
         for key, off in defaults.CONCEPT_IMAGE_OFF.items():
             if image.get(key, off) == off:
                 continue
+            if key.startswith("enable_fixed_") and image.get(key.replace("_fixed_", "_random_")):
+                continue  # mgds applies the fixed transform only when its random one is off
             if key in mapped:
                 entry[mapped[key][0]] = mapped[key][1]()
             else:
