@@ -183,3 +183,14 @@ def test_tag_dropout_probability_one_keeps_only_the_kept_tags():
     for mode in ("random", "full"):
         assert draw({"tag_dropout_probability": 1.0, "tag_dropout_mode": mode, "keep_tags_count": 2}, 0) == \
             "sks dog, red collar"
+
+
+@pytest.mark.parametrize("prefix,caption", [("sks", "sks a dog, grass"), ("sks,", "sks, a dog, grass"),
+                                            ("photo of sks, ", "photo of sks, a dog, grass"), ("", "a dog, grass")])
+def test_caption_prefix_is_followed_by_a_space_as_kohyas(tmp_path, prefix, caption):
+    """kohya's sd-scripts (train_util.py process_caption) put `caption_prefix + " " + caption`; a prefix written
+    without its space glued the trigger word to the caption's first word (`sksa dog`)."""
+    from ot_dist.data.concepts import read_caption
+
+    (tmp_path / "a.txt").write_text("a dog, grass\n")
+    assert read_caption(concept(caption_prefix=prefix), tmp_path / "a.png") == caption

@@ -207,7 +207,8 @@ class ConceptConfig(Section):
                                    "(caption_source txt); `txt` is read as `.txt`.")
     caption_text: str | None = Field(default=None, description="The caption of every image (caption_source text); "
                                      "several lines are several captions, a line drawn per image and epoch.")
-    caption_prefix: str = Field(default="", description="Text put before every caption of this concept.")
+    caption_prefix: str = Field(default="", description="Text put before every caption of this concept, and a space "
+                                "unless it ends with one (kohya's caption_prefix: `sks` + `a dog` is `sks a dog`).")
     balancing: float = Field(
         default=1.0, gt=0, description="repeats: times each image is seen per epoch (fractions pick a random part; "
         "floor(images x repeats) samples per epoch, as OneTrainer); samples: images drawn from this concept per epoch "

@@ -201,7 +201,11 @@ def read_caption(concept: ConceptConfig, image: Path) -> str:
         except UnicodeDecodeError as err:
             raise InputFileError(f"data: caption {caption_file} is not UTF-8 text: {err}") from None
         captions = caption_lines(text)
-    return "\n".join(concept.caption_prefix + c for c in captions)
+    prefix = concept.caption_prefix
+    # kohya's caption_prefix is followed by a space: `sks` + `a dog` is `sks a dog`, never `sksa dog`
+    if prefix and not prefix[-1].isspace():
+        prefix += " "
+    return "\n".join((prefix + c).rstrip() if prefix else c for c in captions)
 
 
 def caption_lines(text: str) -> list[str]:
