@@ -127,11 +127,6 @@ class SampleTable:
             names[concept] = name if name not in names.values() else f"{name}-{concept}"
         return names
 
-    @cached_property
-    def concept_sizes(self) -> dict[int, int]:
-        counts = np.bincount(self.concepts.array) if len(self) else np.zeros(0, np.int64)
-        return {c: int(n) for c, n in enumerate(counts) if n}
-
     @property
     def members(self) -> dict[int, dict[int, np.ndarray]]:
         """bucket -> concept -> sample indices (ascending numpy array), of the concepts that train. Buckets in
