@@ -143,14 +143,14 @@ def _embedding(ot: dict, c: dict, out: Imported) -> None:
     skip = out.not_honoured.append
     embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
     vectors, init_text = embedding["token_count"] or 1, (embedding["initial_embedding_text"] or "").strip() or "*"
-    # OneTrainer fills the vectors the initial text's tokens leave with the token of "*" (ModelSetupEmbeddingMixin);
-    # ot_dist repeats the text's tokens (kohya's way). A "*" per vector after the text gives OneTrainer's rows: the
-    # text's tokens first, then "*"s, cut at the vector count.
     token = embedding["placeholder"]
     if vectors > 1 and token != token.lower():  # OneTrainer swaps the placeholder for its own tokens, in any case
         out.notes.append(f"embedding.placeholder: {token} is written {token.lower()} (a token of several vectors "
                          "must be lower case, as CLIP tokenizers read the prompt; captions match it in any case)")
         token = token.lower()
+    # OneTrainer fills the vectors the initial text's tokens leave with the token of "*" (ModelSetupEmbeddingMixin);
+    # ot_dist repeats the text's tokens (kohya's way). A "*" per vector after the text gives OneTrainer's rows: the
+    # text's tokens first, then "*"s, cut at the vector count.
     c["embedding"] = {"token": token, "vectors": vectors,
                       "init_text": init_text + " *" * (vectors - 1) if init_text != "*" else init_text}
     if ot["embedding_learning_rate"]:
