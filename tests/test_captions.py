@@ -161,6 +161,8 @@ def test_caption_text_reads_as_a_caption_file_one_caption_per_line(tmp_path):
     folded = yaml.safe_load("path: x\ncaption_source: text\ncaption_prefix: 'sks, '\ncaption_text: >\n  photo of\n"
                             "  a dog\n")
     assert folded["caption_text"] == "photo of a dog\n"
+    # normalised in the config, so a shard set built from the old reading has another fingerprint and is rebuilt
+    assert ConceptConfig(**folded).caption_text == "photo of a dog"
     assert read_caption(ConceptConfig(**folded), tmp_path / "a.png") == "sks, photo of a dog"
     lines = concept(caption_source="text", caption_prefix="sks, ", caption_text="a dog\n\n  on grass \n")
     assert read_caption(lines, tmp_path / "a.png") == "sks, a dog\nsks, on grass"
@@ -194,3 +196,5 @@ def test_caption_prefix_is_followed_by_a_space_as_kohyas(tmp_path, prefix, capti
 
     (tmp_path / "a.txt").write_text("a dog, grass\n")
     assert read_caption(concept(caption_prefix=prefix), tmp_path / "a.png") == caption
+    # the config holds the prefix with its space: a shard set built with the glued prefix is rebuilt, not reused
+    assert concept(caption_prefix=prefix).caption_prefix == caption.removesuffix("a dog, grass")

@@ -270,6 +270,21 @@ class ConceptConfig(Section):
         """`txt` (the spelling of `ot-dist shard index --caption-ext`) names the same files as `.txt`."""
         return value if value.startswith(".") else "." + value
 
+    # The two below are normalised here rather than where captions are read, so that the shard fingerprint (the
+    # concepts' settings) changes for a set whose stored captions they change: it is rebuilt, not reused.
+    @field_validator("caption_prefix")
+    @classmethod
+    def _prefix_and_a_space(cls, value: str) -> str:
+        """kohya's caption_prefix is followed by a space: `sks` + `a dog` is `sks a dog`, never `sksa dog`."""
+        return value + " " if value and not value[-1].isspace() else value
+
+    @field_validator("caption_text")
+    @classmethod
+    def _caption_lines(cls, value: str | None) -> str | None:
+        """Lines as in a caption file: a YAML block scalar (`caption_text: >`) ends with a newline, which is no
+        empty caption to draw every other epoch."""
+        return value if value is None else "\n".join(line.strip() for line in value.splitlines() if line.strip())
+
     @field_validator("tag_dropout_mode", mode="before")
     @classmethod
     def _onetrainer_mode(cls, value):

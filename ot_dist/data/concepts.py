@@ -185,9 +185,7 @@ def mask_of(image: Path) -> Path | None:
 def read_caption(concept: ConceptConfig, image: Path) -> str:
     if concept.caption_source == "filename":
         captions = [image.stem]
-    elif concept.caption_source == "text":
-        # Lines as in a caption file: a YAML block scalar (`caption_text: >`) ends with a newline, which must not
-        # become an empty caption drawn every other epoch, and each line of a multi-line text gets the prefix.
+    elif concept.caption_source == "text":  # one caption per line, as in a file, each with the prefix
         captions = caption_lines(concept.caption_text or "")
     else:
         caption_file = image.with_suffix(concept.caption_extension)
@@ -201,11 +199,7 @@ def read_caption(concept: ConceptConfig, image: Path) -> str:
         except UnicodeDecodeError as err:
             raise InputFileError(f"data: caption {caption_file} is not UTF-8 text: {err}") from None
         captions = caption_lines(text)
-    prefix = concept.caption_prefix
-    # kohya's caption_prefix is followed by a space: `sks` + `a dog` is `sks a dog`, never `sksa dog`
-    if prefix and not prefix[-1].isspace():
-        prefix += " "
-    return "\n".join((prefix + c).rstrip() if prefix else c for c in captions)
+    return "\n".join((concept.caption_prefix + c).rstrip() if concept.caption_prefix else c for c in captions)
 
 
 def caption_lines(text: str) -> list[str]:
