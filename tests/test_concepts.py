@@ -197,13 +197,22 @@ def test_two_rank_launch(small_sd1, folders, tmp_path):
 def test_the_type_and_small_buckets_are_read_time_options(tiny_models, folders, tmp_path):
     """They change no shard: a shard set stays current when a concept becomes a validation concept or small buckets
     change policy; an option that changes what shards hold (the caption prefix) rebuilds it."""
-    from ot_dist.data.shards import source_fingerprint
+    from ot_dist.data.shards import default_shard_dir, source_fingerprint
 
     raw = concepts_config(tiny_models, folders, tmp_path / "o")
     base = source_fingerprint(validate(raw))
     raw["data"]["concepts"][0]["type"] = "validation"
     raw["data"]["small_buckets"] = "drop"
     assert source_fingerprint(validate(raw)) == base
+    # nor the options applied as samples are read: each change of them built (and cached) a whole new copy of the set
+    read_time = {"loss_weight": 2.0, "tag_shuffling": True, "tag_delimiter": ";", "keep_tags_count": 2,
+                 "tag_dropout_probability": 0.5, "tag_dropout_mode": "full", "caption_dropout_probability": 0.1,
+                 "flip_probability": 0.5, "rotation_degrees": 5.0, "brightness": 0.1, "contrast": 0.1,
+                 "saturation": 0.1, "hue": 0.1}
+    raw["data"]["concepts"][1].update(read_time)
+    config = validate(raw)
+    assert source_fingerprint(config) == base
+    assert default_shard_dir(config) == default_shard_dir(validate(concepts_config(tiny_models, folders, tmp_path / "o")))
     raw["data"]["concepts"][0]["caption_prefix"] = "sks, "
     assert source_fingerprint(validate(raw)) != base
 
