@@ -46,4 +46,9 @@ def setup_warnings(config, world_size: int) -> list[str]:
             f"strategy: {config.strategy} on one process shards nothing (one rank holds every shard): it costs the "
             "sharding's gathers and saves no memory; use strategy single, or launch several processes "
             "(ot-dist launch --nproc-per-node N)")
+    if config.loss.scaler in ("BATCH", "BOTH") and world_size > 1:
+        warnings.append(
+            f"loss.scaler: {config.loss.scaler} multiplies the loss by the per-process batch_size (OneTrainer's "
+            "rule), so the same global batch trains with another step on another number of processes; "
+            f"GLOBAL_{config.loss.scaler} multiplies by the global batch and trains the same at any world size")
     return warnings

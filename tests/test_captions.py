@@ -143,6 +143,51 @@ def test_hue_shift_turns_red_to_green():
     assert g > 200 and r < 40 and b < 40
 
 
+def test_hue_shift_keeps_every_colour_but_its_hue():
+    """The hue turns in floating point, as torchvision's adjust_hue that OneTrainer applies: no turn leaves every pixel
+    as it was, a third of a turn is the channel rotation R -> G -> B, any turn is colorsys' HSV rotation within the
+    last 8-bit rounding (Pillow's 8-bit HSV round trip was up to 6 levels off with no turn, 11 at a third)."""
+    import colorsys
+
+    import numpy as np
+    from PIL import Image
+
+    from ot_dist.data.augment import shift_hue
+
+    pixels = np.random.default_rng(0).integers(0, 256, (16, 16, 3), dtype=np.uint8)
+    image = Image.fromarray(pixels)
+    assert np.array_equal(np.asarray(shift_hue(image, 0.0)), pixels)
+    assert np.array_equal(np.asarray(shift_hue(image, 1 / 3)), pixels[..., [2, 0, 1]])
+
+    def turned(rgb, turn):
+        hue, saturation, value = colorsys.rgb_to_hsv(*(rgb / 255))
+        return colorsys.hsv_to_rgb((hue + turn) % 1.0, saturation, value)
+
+    expected = np.rint(np.array([[turned(rgb, 0.05) for rgb in row] for row in pixels.astype(float)]) * 255)
+    assert np.abs(np.asarray(shift_hue(image, 0.05)).astype(int) - expected).max() <= 1
+
+
+def test_jitter_strengths_of_1_or_more_clamp_the_factor_at_0_as_onetrainer():
+    """mgds RandomBrightness / RandomContrast / RandomSaturation draw a factor in [1-s, 1+s] and take max(0, factor):
+    a strength of 1 or more is legal there (and `ot-dist import onetrainer` of it was a config error here). A factor
+    clamped at 0 is the mean grey for contrast, not the inverted image a negative factor gives."""
+    import numpy as np
+    from PIL import Image, ImageEnhance
+
+    from ot_dist.data.augment import augment
+
+    concept = ConceptConfig(path="x", contrast=3.0)
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8))
+    clamped = 0
+    for seed in range(12):
+        draws = torch.rand(6, generator=torch.Generator().manual_seed(seed)).tolist()
+        factor = max(0.0, 1 + (2 * draws[3] - 1) * 3.0)
+        out, _ = augment(image, None, concept, torch.Generator().manual_seed(seed))
+        assert np.array_equal(np.asarray(out), np.asarray(ImageEnhance.Contrast(image).enhance(factor)))
+        clamped += factor == 0.0
+    assert clamped  # some draws fell below 0
+
+
 def test_cached_latents_cannot_hold_augmented_images():
     from ot_dist.config.load import validate
 

@@ -47,13 +47,65 @@ def concepts_config(models, folders, out, with_validation=True, **overrides):
     return raw
 
 
-def test_onetrainer_spellings_and_prior_prediction_refused():
-    concept = validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
-                        "data": {"concepts": [{"path": "x", "type": "VALIDATION"}]}}).data.concepts[0]
-    assert concept.type == "validation"
-    with pytest.raises(ConfigError, match="PRIOR_PREDICTION"):
-        validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
-                  "data": {"concepts": [{"path": "x", "type": "PRIOR_PREDICTION"}]}})
+def test_onetrainer_spellings_and_prior_prediction_needs_lora():
+    def concepts(method, kind):
+        return validate({"model": {"family": "sd1", "path": "m"}, "method": method, "output_dir": "o",
+                         "data": {"concepts": [{"path": "x"}, {"path": "y", "type": kind}]}}).data.concepts
+
+    assert concepts("full", "VALIDATION")[1].type == "validation"
+    assert concepts("lora", "PRIOR_PREDICTION")[1].type == "prior_prediction"
+    for method in ("full", "embedding"):
+        with pytest.raises(ConfigError, match=rf"data.concepts\[1\].type: prior_prediction .* method {method} has no "):
+            concepts(method, "prior_prediction")
+
+
+def prior_prediction_config(models, folders, out, **overrides):
+    """dog (standard) and class (prior_prediction) concepts, method lora."""
+    raw = concepts_config(models, folders, out, with_validation=False, method="lora", **{"lora.rank": 4, **overrides})
+    raw["data"]["concepts"][1] = {"path": str(folders["class"]), "name": "class", "type": "prior_prediction"}
+    return raw
+
+
+def test_prior_prediction_targets_the_model_without_its_lora(tiny_models, folders, tmp_path):
+    """OneTrainer's PRIOR_PREDICTION (GenericTrainer: the prior model's prediction replaces the target of those
+    samples): a batch of one dog and one prior-prediction class image has the loss (loss_dog + m) / 2, m the mean of
+    (prediction - prediction without the LoRA)^2 of the class image at its own noise, timestep and caption, computed
+    here from the objective's parts; with the LoRA at zero that term is exactly 0."""
+    from ot_dist.train.loss import adapters_disabled, draw_sample_noise, encode_latents, latent_shape_of, \
+        text_conditioning
+
+    trainer = Trainer(validate(prior_prediction_config(tiny_models, folders, tmp_path / "o")), log=QUIET)
+    dataset, model, seed = trainer.dataset, trainer.model, trainer.config.seed
+    dog = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 0)
+    reg = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 1)
+    samples = [dataset.load(dog, 0), dataset.load(reg, 0)]
+    assert [bool(s["prior_prediction"]) for s in samples] == [False, True]
+
+    def loss(chosen, flags=True):
+        batch = collate([s if flags else {k: v for k, v in s.items() if k != "prior_prediction"} for s in chosen])
+        return float(diffusion_loss(model, trainer.tokenize(batch), seed, 0))
+
+    def prior_term(sample):
+        batch = trainer.tokenize(collate([sample]))
+        shape = latent_shape_of(model, batch)
+        vae_eps, noise, timesteps = draw_sample_noise(batch, shape, model.objective, seed, 0, trainer.config.loss)
+        latents = encode_latents(model.family, model.vae, batch, vae_eps)
+        noisy = model.objective.noisy(latents, noise, timesteps)
+        predict = lambda: model.family.predict(model.denoiser, noisy, timesteps,  # noqa: E731
+                                               text_conditioning(model, batch, latents.device, latents.dtype), batch)
+        with adapters_disabled(model):
+            prior = predict()
+        return float(((predict() - prior) ** 2).mean())
+
+    with torch.no_grad():
+        assert loss([samples[1]]) == 0.0 < loss([samples[1]], flags=False)  # a zero LoRA predicts the prior itself
+        for name, param in model.denoiser.named_parameters():  # a LoRA that has learnt something
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param, generator=torch.Generator().manual_seed(7)) * 0.05)
+        term = prior_term(samples[1])
+        assert term > 0
+        assert loss([samples[1]]) == pytest.approx(term, rel=1e-5)
+        assert loss(samples) == pytest.approx((loss([samples[0]]) + term) / 2, rel=1e-5)
 
 
 def test_a_validation_concept_is_never_trained_and_its_loss_reaches_mlflow(tiny_models, folders, tmp_path):
@@ -161,8 +213,16 @@ def test_two_rank_launch(small_sd1, folders, tmp_path):
         for concept in augmented[name]["data"]["concepts"]:
             concept.update(options)
     augmented_losses = {name: Trainer(validate(augmented[name]), log=QUIET).train().losses for name in ("plain", "single")}
+    # prior_prediction under fsdp: a rank whose micro batch holds no such sample runs the model without its LoRA too
+    # (each fsdp forward gathers weights: a forward on one rank only would hang both); 1 x 2 = 2 x 1
+    prior = {name: prior_prediction_config(models, folders, tmp_path / f"prior-{name}", batch_size=batch, max_steps=3,
+                                           **({"strategy": "fsdp"} if name == "fsdp" else {}))
+             for name, batch in (("single", 2), ("fsdp", 1))}
+    prior_losses = Trainer(validate(prior["single"]), log=QUIET).train().losses
     got = launch_cases({"validation": ranked, "validation fsdp": sharded, "validation zero3": zero3,
-                        "small buckets": issue, "augmented": augmented["ddp"]}, tmp_path)
+                        "small buckets": issue, "augmented": augmented["ddp"], "prior fsdp": prior["fsdp"]}, tmp_path)
+    for rank in (0, 1):
+        assert got[rank]["prior fsdp"]["losses"] == pytest.approx(prior_losses, rel=1e-5)
 
     assert augmented_losses["single"] != augmented_losses["plain"]  # the options change what trains
     for rank in (0, 1):

@@ -81,6 +81,8 @@ def test_set_overrides_are_yaml_typed(tmp_path):
         ({"method": "embedding", "unet": {"train": True}}, ["unet.train: method embedding trains only"]),
         ({"method": "full", "unet": {"train": False}}, ["nothing to train"]),
         ({"resolution": 500}, ["resolution:", "multiple of 8"]),
+        # OneTrainer's fixed size: not "Input should be a valid integer" twice, but what ot_dist takes instead
+        ({"resolution": "1024x768"}, ["resolution: '1024x768' is a fixed width x height", "about 887 for 1024x768"]),
         ({"output_dir": None}, ["output_dir:"]),
     ],
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import base_config
+from safetensors.torch import load_file
 
 from ot_dist.config.load import validate
 from ot_dist.config.schema import ModelConfig
@@ -62,13 +63,16 @@ def test_the_full_export_loads_back_into_ot_dist_as_the_trained_model(family, fa
     if trainer.model.family.single_file:  # the original layout, read with the export folder as model.config
         again = load_model(ModelConfig(family=family, path=str(single), config=str(folder)))
         assert_same_weights(components(again), trained)
+        # only the denoiser trained: the transformer families' file stays the denoiser's own (no full checkpoint)
+        layout = trainer.model.family.full_checkpoint
+        if layout is not None:
+            assert not any(k.startswith(tuple(layout.text_encoders.values())) for k in load_file(single))
 
 
 @pytest.mark.parametrize("family", CASCADE)
 def test_stage_c_exports_continue_training_and_extract_a_lora(family, family_models, shapes_data, tmp_path):
     """The folder (and the EMA one) holds the EfficientNet the loader needs: training goes on from the export, and
     `ot-dist lora extract BASE EXPORT` reads it."""
-    from safetensors.torch import load_file
 
     from ot_dist.lora_tools.extract import extract_command
 

@@ -2,7 +2,7 @@
 full finetune and LoRA, with plain SGD and no clipping, so a gradient that is summed instead of averaged
 (or averaged twice) moves the weights by twice (half) the step and fails the comparison. All cases of a
 family run in one launch (tests/helpers/family_cases.py) to pay the process start-up once. SD3 and Stable Cascade
-add an fsdp case in bfloat16 to their launch (BFLOAT16_FSDP); SD 1.x runs every strategy in bfloat16 and float16."""
+add bfloat16 cases to their launch (BFLOAT16_CASES); SD 1.x runs every strategy in bfloat16 and float16."""
 
 from __future__ import annotations
 
@@ -61,14 +61,20 @@ TEXT_ENCODER_TRAINED = {"sd1"}
 # one rank's shards only, or summed over replicas, scales the step and fails the comparison. SD 1.x only: the
 # strategies' clipping code knows no family.
 CLIPPED = {"family": "sd1", "clip_grad_norm": 0.2, "strategies": ("ddp", "fsdp", "zero2", "zero3")}
+# loss.scaler GLOBAL_BOTH (OneTrainer's loss_scaler) multiplies the loss by the global batch: batch 1 x 2 micro steps x 2
+# ranks against one process of batch 4, both x 4, with SGD (a factor counted per rank, or without the accumulation,
+# scales the step and fails the comparison). SD 1.x only: the trainer applies it, the strategies know nothing of it.
+SCALED = {"family": "sd1", "loss.scaler": "GLOBAL_BOTH", "strategies": ("ddp", "fsdp", "zero2")}
 # Families whose denoiser takes a float32 input that bfloat16 would round, changing the prediction: SD3's timestep
 # (near 1000, to a multiple of 4), Stable Cascade's timestep ratio (its sinusoidal embedding scales it by 10000). Each
-# adds one fsdp full finetune in bfloat16 to its family's launch, against one process in bfloat16: the denoiser must
-# receive its inputs in the dtypes the one process gives it, and the weights must end within BFLOAT16_FSDP_NOISE x the
-# distance between the one process's bfloat16 and float32 runs. With FSDP2's default cast of the root's inputs to
-# bfloat16 they ended 5.8x (SD3) and 33x (Stable Cascade) that noise away; without it 0.53x and 0.35x.
-BFLOAT16_FSDP = ("sd3", "stable_cascade")
-BFLOAT16_FSDP_NOISE = 2
+# adds full finetunes in bfloat16 to its family's launch, against one process in bfloat16: the denoiser must receive
+# its inputs in the dtypes (and under the autocast) the one process gives it, and the weights must end within
+# BFLOAT16_NOISE x the distance between the one process's bfloat16 and float32 runs. fsdp: with FSDP2's default cast
+# of the root's inputs to bfloat16 they ended 5.8x (SD3) and 33x (Stable Cascade) that noise away; without it 0.53x
+# and 0.35x. zero2: in DeepSpeed's bf16 engine (deepspeed.mixed_precision: engine; weights, and so the ratio, in
+# bfloat16) Stable Cascade ended 31x away; under autocast over float32 weights, the default, 0.46x.
+BFLOAT16_CASES = {"sd3": ("fsdp",), "stable_cascade": ("fsdp", "zero2")}
+BFLOAT16_NOISE = 2
 
 
 def settings(family: str, method: str, **extra) -> dict:
@@ -153,8 +159,22 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
             models[family], shapes_data, tmp_path / f"{family}-{strategy}+clipped-clipped", family=family,
             method="full", batch_size=2, strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy], **trained(family, "full")))
             for strategy in CLIPPED["strategies"]}
+    if family == SCALED["family"]:
+        scaled = {"loss.scaler": SCALED["loss.scaler"]}
+        out = tmp_path / f"ref-{family}-scaled"
+        raw = base_config(models[family], shapes_data, out, family=family, method="full", batch_size=4,
+                          **settings(family, "full", **scaled, **trained(family, "full")))
+        Trainer(validate(raw), log=lambda *_: None).train()
+        references[family, "scaled"] = exported(out, family, "full", bool(trained(family, "full")))
+        unscaled = references[family, "full"]
+        assert distance(references[family, "scaled"], unscaled) > 100 * TOLERANCE, "the scaler changed nothing"
+        cases |= {f"{family}/{strategy}+scaled-scaled": base_config(
+            models[family], shapes_data, tmp_path / f"{family}-{strategy}+scaled-scaled", family=family,
+            method="full", batch_size=1, gradient_accumulation_steps=2, strategy=strategy,
+            **settings(family, "full", **scaled, **STRATEGIES[strategy], **trained(family, "full")))
+            for strategy in SCALED["strategies"]}
     bfloat16_cases = {}
-    for name in (name for name in families if name in BFLOAT16_FSDP):
+    for name in (name for name in families if name in BFLOAT16_CASES):
         out = tmp_path / f"ref-{name}-bfloat16"
         raw = base_config(models[name], shapes_data, out, family=name, method="full", batch_size=4,
                           train_dtype="bfloat16", **settings(name, "full"))
@@ -162,11 +182,13 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
         record_denoiser_inputs(trainer, f"{out}.inputs.json")
         trainer.train()
         references[name, "bfloat16"] = exported(out, name, "full")
-        out = tmp_path / f"{name}-fsdp+bfloat16-full"
-        bfloat16_cases[f"{name}/fsdp+bfloat16-full"] = {
-            **base_config(models[name], shapes_data, out, family=name, method="full", batch_size=2, strategy="fsdp",
-                          train_dtype="bfloat16", **settings(name, "full", **STRATEGIES["fsdp"])),
-            "_record_denoiser_inputs": f"{out}.inputs.json"}
+        for strategy in BFLOAT16_CASES[name]:
+            out = tmp_path / f"{name}-{strategy}+bfloat16-full"
+            bfloat16_cases[f"{name}/{strategy}+bfloat16-full"] = {
+                **base_config(models[name], shapes_data, out, family=name, method="full", batch_size=2,
+                              strategy=strategy, train_dtype="bfloat16",
+                              **settings(name, "full", **STRATEGIES[strategy])),
+                "_record_denoiser_inputs": f"{out}.inputs.json"}
     (tmp_path / "cases.json").write_text(json.dumps(cases | bfloat16_cases))
     done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
                            str(tmp_path / "cases.json"), env=ENV, timeout=900)
@@ -177,11 +199,11 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
         diff = distance(references[name, "bfloat16"], exported(Path(raw["output_dir"]), name, "full"))
         print(f"{case}: max diff {diff:.3g} (bfloat16 noise {noise:.3g})")
         assert recorded_inputs(raw["output_dir"]) == recorded_inputs(tmp_path / f"ref-{name}-bfloat16"), case
-        assert diff <= BFLOAT16_FSDP_NOISE * noise, f"{case}: max abs diff {diff:.3g}, bfloat16 noise {noise:.3g}"
+        assert diff <= BFLOAT16_NOISE * noise, f"{case}: max abs diff {diff:.3g}, bfloat16 noise {noise:.3g}"
     for case, raw in cases.items():
-        name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # kind: full, lora or clipped (a full finetune)
-        method = "full" if kind == "clipped" else kind
-        with_text_encoder = bool(trained(name, method))  # the same for the clipped cases
+        name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # full, lora, clipped or scaled (a full finetune)
+        method = "full" if kind in ("clipped", "scaled") else kind
+        with_text_encoder = bool(trained(name, method))  # the same for the clipped and scaled cases
         reference, got = references[name, kind], exported(Path(raw["output_dir"]), name, method, with_text_encoder)
         assert reference.keys() == got.keys(), case
         diff = max((reference[k].float() - got[k].float()).abs().max().item() for k in reference)
@@ -199,11 +221,12 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
             assert te_moved > 100 * TOLERANCE, f"{case}: the text encoder moved only {te_moved:.3g}"
 
 
-# strategy -> allowance in units of the measured bf16 / fp16 noise. DDP and FSDP compute under autocast, as the one
-# process does; DeepSpeed's bf16 / fp16 modes hold weights and gradients in the low precision (norms and softmax
-# too, the reduction as well), a coarser recipe measured at 4.2-4.3x the noise in bf16 (ddp, fsdp: under 1x; float16
-# 0.8-1.2x). A 2x gradient error is far beyond: ddp summing instead of averaging ended 160x the bf16 noise away.
-BF16_STRATEGIES = {"ddp": 4, "fsdp": 4, "zero2": 10, "zero3": 10}
+# strategy -> allowance in units of the measured bf16 / fp16 noise. DDP, FSDP and (in bfloat16, deepspeed.mixed_precision
+# auto) ZeRO compute under autocast over float32 weights, as the one process does: measured 0.65 (ddp), 0.79 (fsdp),
+# 0.74 (zero2), 1.03 (zero3) x the bf16 noise; float16 0.8-1.2x. DeepSpeed's bf16 engine (mixed_precision: engine:
+# weights, gradients, norms and softmax in bfloat16) ended 4.2 (zero2) and 4.3 (zero3) x away. A 2x gradient error is
+# far beyond: ddp summing instead of averaging ended 160x the bf16 noise away.
+BF16_STRATEGIES = {"ddp": 4, "fsdp": 4, "zero2": 2, "zero3": 2}
 # DeepSpeed's fp16 engine is refused by its CPU accelerator ("Type fp16 is not supported on your device"), so
 # on CPU float16 runs under ddp and fsdp; ZeRO's own loss scaler (it all-reduces the overflow flag) needs a GPU.
 FP16_STRATEGIES = {"ddp": 4, "fsdp": 4}
@@ -211,10 +234,11 @@ OVERFLOW_AT = 2  # float16 runs: this step's gradients overflow on the last rank
 
 
 def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, shapes_data, tmp_path):
-    """FSDP's MixedPrecisionPolicy, DeepSpeed's bf16 / fp16 engines and DDP under autocast, against one process in
-    the same dtype. Rounding makes them differ; the allowance is measured, not guessed: a multiple of the distance
-    between the one-process low-precision and float32 runs. A gradient off by 2x moves the weights by ~half an
-    update, far beyond it. The exports are the float32 masters (DeepSpeed's modules hold low-precision copies).
+    """FSDP's MixedPrecisionPolicy, DeepSpeed's ZeRO under torch autocast (bfloat16's deepspeed.mixed_precision
+    default) and DDP under autocast, against one process in the same dtype. Rounding makes them differ; the
+    allowance is measured, not guessed: a multiple of the distance between the one-process low-precision and float32
+    runs. A gradient off by 2x moves the weights by ~half an update, far beyond it. The exports are the float32
+    masters (DeepSpeed's bf16 / fp16 engine's modules would hold low-precision copies).
     float16 adds loss scaling: step 2 overflows on one rank only, and every rank must skip it as the one process
     does (a rank that steps leaves the model one update away, 10-100x the allowance)."""
     family, model = "sd1", small_sd1  # the 2-level UNet (conftest.py): 13 runs, each paying per module
@@ -255,8 +279,11 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
                                               "_overflow_at_step": None, "_inf_gradient_element_at_step": OVERFLOW_AT}
               for strategy in FP16_STRATEGIES}
     # The denoiser receives its inputs in the dtypes the one process gives it (its weights' storage dtype, float32,
-    # and autocast casting at each matmul / conv): FSDP's MixedPrecisionPolicy must not cast the root's.
-    inputs_checked = {"bfloat16-ddp": "ref-bf16", "bfloat16-fsdp": "ref-bf16", "float16-fsdp": "ref-fp16-skip"}
+    # and autocast casting at each matmul / conv): FSDP's MixedPrecisionPolicy must not cast the root's, and ZeRO
+    # must compute under autocast over float32 weights (deepspeed.mixed_precision auto), not in DeepSpeed's bf16
+    # engine, whose weights and so every input the family derives come in bfloat16.
+    inputs_checked = {"bfloat16-ddp": "ref-bf16", "bfloat16-fsdp": "ref-bf16", "float16-fsdp": "ref-fp16-skip",
+                      "bfloat16-zero2": "ref-bf16", "bfloat16-zero3": "ref-bf16"}
     for name in inputs_checked:
         cases[name]["_record_denoiser_inputs"] = f"{cases[name]['output_dir']}.inputs.json"
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -273,6 +300,56 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
         assert diff <= allowed, f"{name}: weights differ by {diff:.3g} > {allowed:.3g} ({dtype} noise {noise[dtype]:.3g})"
     for name, reference in inputs_checked.items():
         assert recorded_inputs(cases[name]["output_dir"]) == recorded_inputs(tmp_path / reference), name
+
+
+def test_zero_low_precision_recipe_follows_deepspeed_mixed_precision(small_sd1, shapes_data, tmp_path):
+    """The DeepSpeed config each deepspeed.mixed_precision gives (the launches above train the bfloat16 default):
+    torch autocast over float32 weights for bfloat16 unless the engine is asked for, by the setting or by a
+    config_file that enables bf16 / fp16; float16's default is the fp16 engine, and autocast float16 is refused."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.parallel.deepspeed import deepspeed_config
+
+    def ds(dtype: str, mode: str | None = None, **more) -> dict:
+        raw = base_config(small_sd1, shapes_data, tmp_path / "out", strategy="zero2", train_dtype=dtype, **more,
+                          **({"deepspeed.mixed_precision": mode} if mode else {}))
+        config = deepspeed_config(validate(raw), 2, 2)
+        return {k: config[k] for k in ("bf16", "fp16", "torch_autocast") if k in config}
+
+    autocast = {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}}
+    assert ds("bfloat16") == ds("bfloat16", "autocast") == autocast
+    assert ds("bfloat16", "engine") == {"bf16": {"enabled": True}}
+    assert ds("float16") == ds("float16", "engine") == {"fp16": {"enabled": True, "initial_scale_power": 16}}
+    assert ds("float32", "autocast") == {}
+    theirs = tmp_path / "ds.json"
+    theirs.write_text(json.dumps({"bf16": {"enabled": True}}))
+    assert ds("bfloat16", **{"deepspeed.config_file": str(theirs)}) == {"bf16": {"enabled": True}}
+    with pytest.raises(ConfigError, match="deepspeed.mixed_precision: autocast with train_dtype float16"):
+        ds("float16", "autocast")
+
+
+def test_size_conditions_reach_the_denoiser_in_float32_from_bfloat16_latents():
+    """Under DeepSpeed's bf16 engine (deepspeed.mixed_precision: engine) the latents and text come in bfloat16; SDXL's
+    time ids and PixArt-α's size conditions stay float32 (their embeddings take float32 and cast their output), where
+    bfloat16 would round an original size of 6000 px to 6016 and an aspect of 4:3 to 1.336."""
+    bf16 = torch.bfloat16
+    sizes = torch.tensor([[6000, 4500]])
+    batch = {"original_size": sizes, "crop_top_left": torch.tensor([[3, 5]]), "target_size": sizes}
+    conditioning = {"hidden": torch.zeros(1, 4, 8, dtype=bf16), "pooled": torch.zeros(1, 8, dtype=bf16)}
+    time_ids = get_family("sdxl").unet_inputs(conditioning, batch)["added_cond_kwargs"]["time_ids"]
+    assert time_ids.dtype == torch.float32 and time_ids[0, 0].item() == 6000
+
+    seen = {}
+
+    def transformer(noisy, **kwargs):
+        seen.update(kwargs["added_cond_kwargs"])
+        return (torch.zeros_like(noisy),)
+
+    transformer.use_additional_conditions = True
+    pixart = get_family("pixart_alpha")
+    pixart.transformer_output(transformer, torch.zeros(1, 4, 96, 72, dtype=bf16), torch.tensor([500]),
+                              {"hidden": conditioning["hidden"], "mask": torch.ones(1, 4)})
+    assert seen["resolution"].dtype == seen["aspect_ratio"].dtype == torch.float32
+    assert seen["aspect_ratio"].item() == pytest.approx(4 / 3) and seen["resolution"].tolist() == [[768, 576]]
 
 
 def test_hybrid_shard_over_two_nodes_of_two_equals_one_process(small_sd1, shapes_data, tmp_path):

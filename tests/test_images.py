@@ -334,6 +334,24 @@ def test_bomb_tiny_and_unused_files_are_reported(built):
     assert "2 files not used: notes.pdf (not an image), orphan.txt (a caption without its image)" in log
 
 
+def test_onetrainers_conditioning_images_and_non_png_masks_are_not_samples(tmp_path):
+    """OneTrainer's collector leaves out every file whose name before the extension ends in -masklabel or -condlabel
+    (mgds CollectPaths' exclude_postfix): a conditioning image beside its photo, or a mask saved as JPEG, is no sample
+    (before: trained as an image, or the build stopped on its missing caption). Both are listed as not used."""
+    from ot_dist.data.concepts import classify_files
+
+    for name in ("a.png", "a-masklabel.png", "b.jpg", "b-condlabel.png", "b-masklabel.jpg"):
+        Image.new("RGB", (16, 16)).save(tmp_path / name)
+    for stem in ("a", "b"):
+        (tmp_path / f"{stem}.txt").write_text("a photo")
+    ((label, concept),) = make_config(tmp_path, tmp_path / "s").data.concept_list()
+    images, unused = classify_files(label, concept)
+    assert [p.name for p in images] == ["a.png", "b.jpg"]
+    assert dict(unused) == {
+        Path("b-condlabel.png"): "OneTrainer's conditioning image of its image (custom_conditioning_image), not a sample",
+        Path("b-masklabel.jpg"): "a mask that is not a PNG (masks are <image name>-masklabel.png)"}
+
+
 def test_skip_small_images_and_heic_without_the_extra(built, tmp_path, monkeypatch):
     folder = built["root"] / "photos"
     monkeypatch.setattr(image_files, "heif_available", lambda: False)

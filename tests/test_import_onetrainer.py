@@ -107,10 +107,11 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert (config.loss.weight_fn, config.loss.weight_strength) == ("P2", 1.0)
     te = config.text_encoder
     assert (te.train, te.learning_rate, te.stop_training_after, te.stop_training_after_unit) == (True, 5e-5, 1, "epoch")
-    concept, held = config.data.concepts  # the disabled one is not imported, nor OneTrainer's PRIOR_PREDICTION
+    concept, held, distill = config.data.concepts  # the disabled one is not imported
     assert (held.name, held.type) == ("held", "validation") and concept.type == "standard"
+    assert (distill.name, distill.type) == ("distill", "prior_prediction")  # a LoRA trains it towards its base model
     assert (config.validation.every_n_steps, config.validation.every_n_epochs) == (3, None)
-    assert "PRIOR_PREDICTION" in err and "distill" in err
+    assert "PRIOR_PREDICTION" not in err
     assert (concept.balancing, concept.caption_source) == (2.0, "txt")
     assert (concept.tag_shuffling, concept.keep_tags_count) == (True, 2)
     [prompt] = config.sampling.prompts
@@ -302,11 +303,44 @@ def test_a_ui_saved_optimizer_section_lists_only_what_is_set(tmp_path):
      {"min_timestep": 2500, "max_timestep": 4999}),
     ({"timestep_distribution": "LOGIT_NORMAL", "noising_bias": 0.5, "noising_weight": 0.2}, "sd1",
      {"logit_normal_mean": 0.5, "logit_normal_std": 1.2}),  # sigmoid(N(bias, weight + 1))
+    # the other shapes read noising_weight / noising_bias as they are (0, OneTrainer's default, is ot_dist's null)
+    ({"timestep_distribution": "SIGMOID", "noising_weight": 6.0, "noising_bias": -0.2}, "sd1",
+     {"timestep_distribution": "sigmoid", "noising_weight": 6.0, "noising_bias": -0.2}),
+    ({"timestep_distribution": "HEAVY_TAIL", "noising_weight": 1.2, "noising_bias": 0.3}, "flux",  # bias unread
+     {"timestep_distribution": "heavy_tail", "noising_weight": 1.2, "noising_bias": None}),
+    ({"timestep_distribution": "COS_MAP", "noising_weight": 2.0, "timestep_shift": 3.0}, "sd3",
+     {"timestep_distribution": "cos_map", "noising_weight": None, "timestep_shift": 3.0}),
+    ({"timestep_distribution": "INVERTED_PARABOLA", "noising_weight": 3.0, "min_noising_strength": 0.25,
+      "max_noising_strength": 0.5}, "stable_cascade", {"timestep_distribution": "inverted_parabola",
+                                                       "noising_weight": 3.0, "noising_bias": None,
+                                                       "min_timestep": 2500, "max_timestep": 4999}),
+    # version 2: a noising_weight was a sigmoid centred on noising_bias (OneTrainer's own migration: bias - 0.5)
+    ({"__version": 2, "noising_weight": 4.0, "noising_bias": 0.75}, "sd1",
+     {"timestep_distribution": "sigmoid", "noising_weight": 4.0, "noising_bias": 0.25}),
 ])
 def test_timestep_draw_as_onetrainer(tmp_path, settings, family, loss):
-    model_type = {"sd1": "STABLE_DIFFUSION_15", "stable_cascade": "STABLE_CASCADE_1"}[family]
-    config, _ = import_only(tmp_path, {"model_type": model_type, **settings})
+    model_type = {"sd1": "STABLE_DIFFUSION_15", "stable_cascade": "STABLE_CASCADE_1", "flux": "FLUX_DEV_1",
+                  "sd3": "STABLE_DIFFUSION_3"}[family]
+    config, skipped = import_only(tmp_path, {"model_type": model_type, **settings})
     assert {key: getattr(config.loss, key) for key in loss} == pytest.approx(loss)
+    assert not any(line.startswith("timestep_distribution") for line in skipped)
+
+
+@pytest.mark.parametrize("settings,listed", [
+    ({"timestep_distribution": "BETA", "noising_weight": 0.5, "noising_bias": 1.0}, "timestep_distribution: BETA"),
+    # a heavy-tail scale outside [-1, 2 / (pi - 2)] draws outside the noising strengths' range
+    ({"timestep_distribution": "HEAVY_TAIL", "noising_weight": 3.0},
+     "timestep_distribution: HEAVY_TAIL with noising_weight 3.0, noising_bias 0.0: loss.noising_weight: 3.0 is "
+     "outside [-1, 1.7519]"),
+    # std noising_weight + 1 = 0: the import wrote logit_normal_std 0, and the whole config failed validation
+    ({"timestep_distribution": "LOGIT_NORMAL", "noising_weight": -1.0},
+     "timestep_distribution: LOGIT_NORMAL with noising_weight -1.0, noising_bias 0.0: loss.logit_normal_std: Input "
+     "should be greater than 0")])
+def test_a_timestep_draw_ot_dist_refuses_is_listed(tmp_path, settings, listed):
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", **settings})
+    lines = [line for line in skipped if line.startswith("timestep_distribution")]
+    assert len(lines) == 1 and lines[0].startswith(listed)
+    assert config.loss.timestep_distribution == "auto"
 
 
 @pytest.mark.parametrize("settings,shift,dynamic", [
@@ -350,6 +384,44 @@ def test_sample_definitions_with_onetrainers_defaults(tmp_path):
     assert config.sampling.sampler == "euler_a"
     assert [line.split(":")[0] for line in skipped] == ["samples[1].random_seed", "samples[2]",
                                                          "samples[].noise_scheduler"]
+
+
+@pytest.mark.parametrize("model_type,sizes", [
+    ("STABLE_DIFFUSION_3", (512, 992)), ("FLUX_DEV_1", (512, 1024)), ("STABLE_DIFFUSION_XL_10_BASE", (512, 1024)),
+    ("STABLE_DIFFUSION_15", (520, 1000))])
+def test_sample_sizes_are_the_ones_onetrainer_samples(tmp_path, model_type, sizes):
+    """OneTrainer's samplers round width and height to their model's grid (round(side / q) x q: 16 for SD3, 64 for
+    SDXL and Flux, 8 for SD 1.x): the imported prompt samples that size, which the pipeline accepts."""
+    config, _ = import_only(tmp_path, {"model_type": model_type}, samples=[{"prompt": "a cat", "width": 520,
+                                                                             "height": 1000}])
+    [cat] = config.sampling.prompts
+    assert (cat.width, cat.height) == sizes
+
+
+def test_a_flux_samples_negative_prompt_is_listed_not_kept(tmp_path):
+    """OneTrainer's Flux sampler takes a negative prompt and ignores it (no classifier-free guidance pass)."""
+    config, skipped = import_only(tmp_path, {"model_type": "FLUX_DEV_1"},
+                                  samples=[{"prompt": "a cat", "negative_prompt": "blurry"}])
+    assert config.sampling.prompts[0].negative_prompt == ""
+    assert any(line.startswith("samples[0].negative_prompt: flux samples without") for line in skipped)
+
+
+def test_random_hue_turns_by_half_the_max_strength(tmp_path):
+    """mgds RandomHue shifts the hue by uniform(-s/2, s/2) of a turn for random_hue_max_strength s; ot_dist's `hue`
+    is the turn's bound itself."""
+    concepts = [{"path": str(tmp_path / "images"), "image": {"enable_random_hue": True,
+                                                             "random_hue_max_strength": 0.4}}]
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "concepts": concepts})
+    assert config.data.concepts[0].hue == 0.2
+
+
+def test_jitter_strengths_of_1_or_more_import(tmp_path):
+    """OneTrainer takes any max strength (mgds clamps the drawn factor at 0); the import was a config error at 1."""
+    image = {"enable_random_brightness": True, "random_brightness_max_strength": 1.0,
+             "enable_random_contrast": True, "random_contrast_max_strength": 1.5}
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15",
+                                       "concepts": [{"path": str(tmp_path / "images"), "image": image}]})
+    assert (config.data.concepts[0].brightness, config.data.concepts[0].contrast) == (1.0, 1.5)
 
 
 def test_windows_paths(tmp_path):
@@ -449,10 +521,20 @@ def test_backups_and_saves_as_checkpoints(tmp_path, settings, checkpoint):
     assert (saved.every_n_steps, saved.every_n_minutes, saved.keep_last) == checkpoint
 
 
-def test_forced_prediction_type(tmp_path):
-    """force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type."""
-    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True})
-    assert config.model.prediction_type == "v_prediction"
+@pytest.mark.parametrize("settings,prediction", [
+    # force_v_prediction trains an SD 2.x base (epsilon) model as v-prediction: model.prediction_type; v wins over
+    # epsilon where both are set (StableDiffusionFineTuneSetup: elif)
+    ({"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True}, "v_prediction"),
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "force_v_prediction": True, "force_epsilon_prediction": True},
+     "v_prediction"),
+    # only OneTrainer's SD / SDXL FINE_TUNE setups read the switches: its LoRA, embedding and PixArt training ignore them
+    ({"model_type": "STABLE_DIFFUSION_21_BASE", "force_v_prediction": True, "training_method": "LORA"}, "auto"),
+    ({"model_type": "PIXART_SIGMA", "force_epsilon_prediction": True}, "auto"),
+])
+def test_forced_prediction_type(tmp_path, settings, prediction):
+    config, skipped = import_only(tmp_path, settings)
+    assert config.model.prediction_type == prediction
+    assert any(line.startswith("force_") for line in skipped) is (prediction == "auto"), skipped
 
 
 def test_an_automatic_embedding_token_count_is_listed(tmp_path):
@@ -520,6 +602,38 @@ def test_loss_weighting_and_offset_noise_import_as_onetrainer_applies_them(tmp_p
         assert not any(line.startswith(("loss_weight_fn", "generalized_offset_noise")) for line in skipped)
 
 
+@pytest.mark.parametrize("settings,zero_terminal_snr,prediction", [
+    # OneTrainer's SD / SDXL setups rescale the schedule and force v-prediction, force_epsilon_prediction or not
+    ({"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA"}, True, "v_prediction"),
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "force_epsilon_prediction": True}, True, "v_prediction"),
+    # its PixArt setups ignore the switch: listed, and the model trains as OneTrainer trains it
+    ({"model_type": "PIXART_SIGMA"}, False, "auto"),
+])
+def test_zero_terminal_snr_as_onetrainer_applies_it(tmp_path, settings, zero_terminal_snr, prediction):
+    config, skipped = import_only(tmp_path, {"rescale_noise_scheduler_to_zero_terminal_snr": True, **settings})
+    assert config.model.zero_terminal_snr is zero_terminal_snr
+    assert config.model.prediction_type == "auto"
+    assert (config.model.training_prediction_type() or "auto") == prediction
+    listed = [line for line in skipped if line.startswith("rescale_noise_scheduler_to_zero_terminal_snr")]
+    assert bool(listed) is not zero_terminal_snr, listed
+
+
+@pytest.mark.parametrize("scaler", ["BATCH", "GLOBAL_BATCH", "GRADIENT_ACCUMULATION", "BOTH", "GLOBAL_BOTH"])
+def test_loss_scaler_is_imported(tmp_path, scaler):
+    config, skipped = import_only(tmp_path, {"loss_scaler": scaler})
+    assert config.loss.scaler == scaler and not any(line.startswith("loss_scaler") for line in skipped)
+
+
+def test_prior_prediction_concepts_of_other_methods_are_listed(tmp_path):
+    """OneTrainer's prior model is the model without its LoRA ("only available with LoRA training")."""
+    concepts = [{"path": str(tmp_path / "images")}, {"name": "distill", "path": str(tmp_path / "images"),
+                                                    "type": "PRIOR_PREDICTION"}]
+    config, skipped = import_only(tmp_path, {"training_method": "FINE_TUNE", "concepts": concepts})
+    assert [c.type for c in config.data.concepts] == ["standard"]
+    assert any(line.startswith("concepts[1] (distill).type: PRIOR_PREDICTION") and "LORA only" in line
+               for line in skipped), skipped
+
+
 def test_concept_prompt_files_tag_dropout_one_and_lowercasing(tmp_path):
     """prompt_source concept: OneTrainer draws one of the prompt file's lines per image (mgds SelectRandomText), so
     every line is a caption (the first alone was used); tag dropout probability 1 (its UI: 0 to 1) imports; Force
@@ -566,12 +680,3 @@ def test_an_upper_case_placeholder_of_several_vectors_is_imported_lower_case(tmp
     assert imported.config["embedding"]["token"] == "<mychar>"
     assert any(note.startswith("embedding.placeholder: <MyChar> is written <mychar>") for note in imported.notes)
 
-
-@pytest.mark.parametrize("strength,hue", [(0.4, 0.2), (1.0, 0.5)])
-def test_random_hue_turns_as_far_as_onetrainers(tmp_path, strength, hue):
-    """mgds RandomHue draws the turn in [-s/2, s/2] of the colour circle for random_hue_max_strength s; ot_dist's hue
-    is the turn's bound itself. s was copied: twice OneTrainer's shift, and s above 0.5 (OneTrainer's 1.0: half a
-    turn) failed the import."""
-    config, _ = import_only(tmp_path, {"concepts": [{"path": str(tmp_path / "images"), "image": {
-        "enable_random_hue": True, "random_hue_max_strength": strength}}]})
-    assert config.data.concepts[0].hue == hue

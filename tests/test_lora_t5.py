@@ -323,3 +323,22 @@ def test_text_encoder_modules_are_named_as_forge_reads_them_at_the_trained_stren
         torch.testing.assert_close(comfy_weight_change(patch), layer.get_delta_weight(ADAPTER), rtol=1e-5, atol=1e-7)
         if component == t5:
             assert patch[2] == ALPHA
+
+
+def test_a_merged_single_file_carries_the_merged_text_encoder(trained, family_models, tmp_path):
+    """`ot-dist lora merge --format single-file` of a LoRA with T5 modules: the file is Chroma's full checkpoint (as a
+    full finetune that trained the T5 writes, docs/checkpoints.md), and its T5 is the merged one when read back with the
+    base folder as model.config."""
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.lora_tools.merge import merge_command
+    from ot_dist.models.loading import load_model
+
+    trainer, path = trained("chroma")
+    out = merge_command(str(family_models["chroma"]), "chroma", [str(path)], [1.0], str(tmp_path / "m.safetensors"),
+                        "single-file", None, "float32", log=lambda *_: None)
+    assert any(k.startswith("cond_stage_model.t5xxl.transformer.") for k in load_file(out))
+    merged = load_model(ModelConfig(family="chroma", path=str(out), config=str(family_models["chroma"])))
+    t5 = dict(merged.text_encoders["text_encoder"].named_modules())
+    for module_path, layer in peft_layers(trainer.model.text_encoders["text_encoder"]).items():
+        expected = layer.base_layer.weight.float() + layer.get_delta_weight(ADAPTER)
+        torch.testing.assert_close(t5[module_path].weight.float(), expected, rtol=1e-5, atol=1e-6)

@@ -137,3 +137,21 @@ def test_a_prediction_type_ot_dist_does_not_train_is_refused_by_name():
     with pytest.raises(ConfigError, match="model.prediction_type: the model's scheduler config says 'sample'"):
         DDPM({**SD_SCHEDULER, "prediction_type": "sample"})
     assert DDPM({**SD_SCHEDULER, "prediction_type": "sample"}, "v_prediction").prediction_type == "v_prediction"
+
+
+# OneTrainer's LossScaler.get_scale(batch_size=2, accumulation_steps=5) with multi_gpu_util.world_size() = 3, run from
+# its modules/util/enum/LossScaler.py in a scratch folder (OneTrainer 23df383): its batch_size is the per-process one.
+ONETRAINER_LOSS_SCALES = {"NONE": 1, "BATCH": 2, "GLOBAL_BATCH": 6, "GRADIENT_ACCUMULATION": 5, "BOTH": 10,
+                          "GLOBAL_BOTH": 30}
+
+
+def test_loss_scaler_factors_are_onetrainers():
+    from ot_dist.early_checks import setup_warnings
+
+    assert {name: LossConfig(scaler=name).scale(batch_size=2, accumulation=5, processes=3)
+            for name in ONETRAINER_LOSS_SCALES} == ONETRAINER_LOSS_SCALES
+    # the per-process ones train another step when the same global batch is split otherwise: said at the start
+    config = validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
+                       "data": {"path": "d"}, "loss": {"scaler": "BOTH"}})
+    assert any(line.startswith("loss.scaler: BOTH") for line in setup_warnings(config, 2))
+    assert not any(line.startswith("loss.scaler") for line in setup_warnings(config, 1))

@@ -61,7 +61,7 @@ def diffusers_sample(model_dir: Path, prompt: dict, lora: Path | None = None, em
         pipe.load_textual_inversion(embedding, token=token)
     image = pipe(prompt["prompt"], negative_prompt=prompt.get("negative_prompt") or None, width=prompt["width"],
                  height=prompt["height"], num_inference_steps=prompt["steps"],
-                 guidance_scale=prompt.get("guidance_scale", 7.0),
+                 guidance_scale=prompt.get("guidance_scale", 7.5),  # a prompt without one: SD 1.x's default
                  generator=torch.Generator().manual_seed(prompt["seed"])).images[0]
     return np.asarray(image.convert("RGB"))
 
@@ -243,6 +243,43 @@ def test_sampling_config_errors_name_the_field(tiny_models, shapes_data, tmp_pat
     assert SamplingConfig(prompts=[RED]).samples_at_end() is True
     assert SamplingConfig(prompts=[RED], at_end=False).samples_at_end() is False
     assert set(SAMPLERS) | {"auto"} == set(SamplingConfig.model_fields["sampler"].annotation.__args__)
+
+
+# OneTrainer's sample defaults per model (modules/util/config/SampleConfig.py: cfg_scale) and the side its samplers
+# round to (quantize_resolution in modules/modelSampler/*Sampler.py; SD3 and PixArt 16, the VAE x 2x2 patches).
+# A side off the grid: StableDiffusion3Pipeline raises, the PixArt pipelines fail mid-sampling, FluxPipeline and
+# ChromaPipeline resize it with a warning; Stable Cascade's combined pipeline takes any side.
+@pytest.mark.parametrize("family,guidance,grid", [
+    ("sd1", 7.5, 8), ("sd2", 7.5, 8), ("sdxl", 7.5, 8), ("sd3", 7.0, 16), ("flux", 3.5, 16), ("chroma", 3.5, 16),
+    ("pixart_alpha", 4.5, 16), ("pixart_sigma", 4.5, 16), ("stable_cascade", 4.0, 8), ("wuerstchen_v2", 4.0, 8)])
+def test_sample_sides_are_on_the_familys_grid_and_guidance_defaults_to_onetrainers(family, guidance, grid):
+    decoder = {"decoder": "d"} if family in ("stable_cascade", "wuerstchen_v2") else {}
+    raw = {"model": {"family": family, "path": "m", **decoder}, "method": "lora", "output_dir": "out",
+           "data": {"path": "data"}, "resolution": 512}
+
+    def sampled(*prompts):
+        return validate({**raw, "sampling": {"prompts": list(prompts)}}).sampling.prompts
+
+    assert [p.guidance_scale for p in sampled(RED, {**RED, "guidance_scale": 2.0})] == [guidance, 2.0]
+    off_grid = {**RED, "height": 56}  # a multiple of 8, not of 16
+    if grid == 8:
+        assert sampled(RED, off_grid)[1].height == 56
+    else:
+        with pytest.raises(ConfigError, match=rf"sampling.prompts\[1\].height: 56 is not a multiple of {grid}, the "
+                                              rf"pixel grid of {family} samples; use 64"):
+            sampled(RED, off_grid)
+
+
+def test_a_negative_prompt_flux_would_ignore_is_an_error():
+    """FluxPipeline uses negative_prompt only with true_cfg_scale > 1 (Flux.1 dev samples with its distilled guidance):
+    a Flux prompt's negative prompt is refused instead of dropped in silence; Chroma's true CFG takes it."""
+    raw = {"model": {"family": "flux", "path": "m"}, "method": "lora", "output_dir": "out", "data": {"path": "data"},
+           "resolution": 512, "sampling": {"prompts": [RED, BLUE]}}
+    with pytest.raises(ConfigError, match=r"sampling.prompts\[1\].negative_prompt: flux samples without "
+                                          "classifier-free guidance"):
+        validate(raw)
+    raw["model"]["family"] = "chroma"
+    assert validate(raw).sampling.prompts[1].negative_prompt == "red"
 
 
 def test_each_sampler_draws_from_the_trained_model(ema_run, tmp_path, monkeypatch):

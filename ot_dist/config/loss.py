@@ -13,6 +13,18 @@ from pydantic import Field, model_validator
 from ot_dist.config.section import Section
 
 
+# OneTrainer's TimestepDistribution: the continuous ones (uniform, logit_normal, heavy_tail) draw u in [0, 1] that is
+# spread over the range and shifted; the weighted ones pick a timestep of the range by weights with the shift built in
+# (ot_dist/train/timestep_distributions.py)
+WEIGHTED_DISTRIBUTIONS = ("sigmoid", "cos_map", "inverted_parabola")
+# which of OneTrainer's noising_weight / noising_bias each distribution reads
+SHAPE_FIELDS = {"sigmoid": ("noising_weight", "noising_bias"), "heavy_tail": ("noising_weight",),
+                "inverted_parabola": ("noising_weight", "noising_bias")}
+# Where the heavy-tail map 1 - u - s (cos^2(pi u / 2) - 1 + u) is a decreasing bijection of [0, 1] (Esser et al.
+# 2024, "Scaling Rectified Flow Transformers", section 3.1, mode sampling); outside it the draw leaves the range.
+HEAVY_TAIL_SCALES = (-1.0, 2.0 / (math.pi - 2.0))
+
+
 class LossConfig(Section):
     """Loss weighting, noise and timestep options (OneTrainer's), each off by default."""
 
@@ -56,12 +68,31 @@ class LossConfig(Section):
         default=None, ge=0,
         description="Largest timestep trained (inclusive); null = the scheduler's last (num_train_timesteps - 1).",
     )
-    timestep_distribution: Literal["auto", "uniform", "logit_normal"] = Field(
+    timestep_distribution: Literal["auto", "uniform", "logit_normal", "heavy_tail", "sigmoid", "cos_map",
+                                   "inverted_parabola"] = Field(
         default="auto",
-        description="How timesteps are drawn in [min_timestep, max_timestep]. logit_normal: sigmoid of "
-        "N(logit_normal_mean, logit_normal_std), concentrating on the middle of the range (SD3's choice). auto: "
-        "uniform for DDPM families (SD 1.x / 2.x / SDXL), logit_normal for flow-matching ones (SD3, Flux, Chroma), "
-        "as their training scripts do; a flow family's shift is applied after the draw.",
+        description="How timesteps are drawn in [min_timestep, max_timestep] (OneTrainer's timestep_distribution, "
+        "w = noising_weight, b = noising_bias). Continuous ones draw u in [0, 1], spread over the range, then "
+        "shifted (timestep_shift; a flow family's shift): uniform; logit_normal: sigmoid of N(logit_normal_mean, "
+        "logit_normal_std), concentrating on the middle of the range (SD3's choice); heavy_tail: 1 - u - w "
+        "(cos^2(pi u / 2) - 1 + u) of a uniform u (SD3 paper's mode sampling; w in [-1, 1.75], 0 = uniform). "
+        "Weighted ones pick one of the range's timesteps by a weight over x = 0 .. 1 across the range, the shift k "
+        "built into the weights (read at the inverse shift, times its derivative): sigmoid 1 / (1 + exp(-w (x - 0.5 "
+        "- b))); cos_map 2 / (pi (1 - 2 x + 2 x^2)) (Esser et al.'s CosMap); inverted_parabola max(0, 2 - w (x - 0.5 "
+        "- b)^2). auto: uniform for DDPM families (SD 1.x / 2.x / SDXL), logit_normal for flow-matching ones (SD3, "
+        "Flux, Chroma), as their training scripts do; a flow family's shift is applied after the draw.",
+    )
+    noising_weight: float | None = Field(
+        default=None, allow_inf_nan=False,
+        description="OneTrainer's noising_weight, the shape w of timestep_distribution sigmoid (steepness), "
+        "heavy_tail (scale, in [-1, 2 / (pi - 2)]) and inverted_parabola (curvature); null = 0. logit_normal takes "
+        "logit_normal_std instead (OneTrainer's noising_weight + 1).",
+    )
+    noising_bias: float | None = Field(
+        default=None, allow_inf_nan=False,
+        description="OneTrainer's noising_bias, the centre 0.5 + b of timestep_distribution sigmoid and "
+        "inverted_parabola over the range; null = 0. logit_normal takes logit_normal_mean instead (OneTrainer's "
+        "noising_bias).",
     )
     vb_loss_strength: float | None = Field(
         default=None, ge=0,
@@ -89,6 +120,16 @@ class LossConfig(Section):
         "scheduler config says (use_dynamic_shifting), fixed when timestep_shift is a number. Refused for the other "
         "families (OneTrainer's setups of those ignore it).",
     )
+    scaler: Literal["NONE", "BATCH", "GLOBAL_BATCH", "GRADIENT_ACCUMULATION", "BOTH", "GLOBAL_BOTH"] = Field(
+        default="NONE",
+        description="OneTrainer's loss_scaler: the loss that is backpropagated is multiplied by a constant, so the "
+        "gradient is closer to a sum over samples than a mean: BATCH batch_size (per process, as OneTrainer's), "
+        "GLOBAL_BATCH batch_size x processes, GRADIENT_ACCUMULATION gradient_accumulation_steps, BOTH batch_size x "
+        "gradient_accumulation_steps, GLOBAL_BOTH the global batch (batch_size x accumulation x processes). The "
+        "GLOBAL ones give the same update for the same global batch at any number of processes; BATCH and BOTH "
+        "change with the split (a warning says so). Scales the gradients (plain SGD's step, the gradient norm that "
+        "clip_grad_norm compares), not the logged loss. NONE = off.",
+    )
     logit_normal_mean: float = Field(default=0.0, description="Mean of the normal under the sigmoid (logit_normal).")
     logit_normal_std: float = Field(default=1.0, gt=0, description="Std of the normal under the sigmoid (logit_normal).")
 
@@ -108,9 +149,41 @@ class LossConfig(Section):
             raise ValueError(f"loss.timestep_shift: {self.timestep_shift} is a fixed shift, but "
                              "loss.dynamic_timestep_shifting: true computes the shift from the resolution; leave "
                              "timestep_shift at auto (or set dynamic_timestep_shifting: false)")
+        self._check_distribution_shape()
         if self.max_timestep is not None and self.max_timestep < self.min_timestep:
             raise ValueError(f"loss.max_timestep ({self.max_timestep}) is below loss.min_timestep ({self.min_timestep})")
         return self
+
+    def _check_distribution_shape(self) -> None:
+        """noising_weight / noising_bias only where the distribution reads them, and values it can draw with."""
+        distribution = self.timestep_distribution
+        takes = SHAPE_FIELDS.get(distribution, ())
+        for name in ("noising_weight", "noising_bias"):
+            if getattr(self, name) is not None and name not in takes:
+                users = ", ".join(d for d, fields in SHAPE_FIELDS.items() if name in fields)
+                instead = {"noising_weight": " (its std is logit_normal_std, OneTrainer's noising_weight + 1)",
+                           "noising_bias": " (its mean is logit_normal_mean, OneTrainer's noising_bias)"}
+                raise ValueError(f"loss.{name}: timestep_distribution {distribution} does not use it"
+                                 f"{instead[name] if distribution == 'logit_normal' else ''}; {users} do")
+        weight, bias = self.noising_weight or 0.0, self.noising_bias or 0.0
+        low, high = HEAVY_TAIL_SCALES
+        if distribution == "heavy_tail" and not low <= weight <= high:
+            raise ValueError(f"loss.noising_weight: {weight} is outside [-1, {high:.4f}], where heavy_tail's "
+                             "1 - u - w (cos^2(pi u / 2) - 1 + u) maps [0, 1] onto itself (beyond it timesteps "
+                             "leave the range)")
+        # the weights over x in [0, 1] (0 and 1 always among them): a centre outside with nothing above 0 there
+        outside = max(0.0, -(0.5 + bias), (0.5 + bias) - 1.0)
+        if distribution == "inverted_parabola" and weight > 0 and 2 - weight * outside ** 2 <= 0:
+            raise ValueError(f"loss.noising_bias: {bias} puts inverted_parabola's centre 0.5 + b so far outside the "
+                             f"range that max(0, 2 - {weight} (x - 0.5 - b)^2) is 0 on all of it; move it towards 0 "
+                             "or lower loss.noising_weight")
+
+    def scale(self, batch_size: int, accumulation: int, processes: int) -> int:
+        """The factor loss.scaler puts on the backpropagated loss (OneTrainer's LossScaler.get_scale, whose
+        batch_size is the per-process one and whose GLOBAL_ variants multiply by the world size)."""
+        return {"NONE": 1, "BATCH": batch_size, "GLOBAL_BATCH": batch_size * processes,
+                "GRADIENT_ACCUMULATION": accumulation, "BOTH": batch_size * accumulation,
+                "GLOBAL_BOTH": batch_size * accumulation * processes}[self.scaler]
 
     def weighting(self) -> tuple[str, float]:
         """(weight function, strength), min_snr_gamma folded in."""

@@ -27,14 +27,18 @@ class SamplePrompt(Section):
 
     prompt: str = Field(min_length=1, description="The prompt. With method embedding, write the embedding's token "
                         "where it belongs (as in a prompt for the exported embedding).")
-    negative_prompt: str = Field(default="", description="What the image should not show (classifier-free guidance).")
+    negative_prompt: str = Field(default="", description="What the image should not show (classifier-free guidance; "
+                                 "not for Flux.1, whose pipeline samples without it).")
     seed: int = Field(default=42, ge=0, description="Seed of the starting noise: same seed and weights, same image.")
-    width: int | None = Field(default=None, description="Width in pixels, a multiple of 8; null = the (largest) "
-                              "training resolution.")
-    height: int | None = Field(default=None, description="Height in pixels, a multiple of 8; null = the (largest) "
-                               "training resolution.")
+    width: int | None = Field(default=None, description="Width in pixels, a multiple of the family's pixel grid (8; "
+                              "16 for SD3, Flux, Chroma, PixArt); null = the (largest) training resolution.")
+    height: int | None = Field(default=None, description="Height in pixels, a multiple of the family's pixel grid "
+                               "(8; 16 for SD3, Flux, Chroma, PixArt); null = the (largest) training resolution.")
     steps: int = Field(default=20, ge=1, description="Denoising steps.")
-    guidance_scale: float = Field(default=7.0, ge=0, description="Classifier-free guidance scale (1 or less = off).")
+    guidance_scale: float | None = Field(
+        default=None, ge=0, description="Classifier-free guidance scale (1 or less = off; Flux.1 dev: its distilled "
+        "guidance). null = OneTrainer's sample default for the family: 7.5 SD 1.x / 2.x / SDXL, 7.0 SD3, 3.5 Flux / "
+        "Chroma, 4.5 PixArt, 4.0 Stable Cascade / Würstchen v2.")
 
 
 class SamplingConfig(Section):

@@ -6,6 +6,7 @@ Names follow OneTrainer's where one exists, so its users feel at home.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -53,6 +54,18 @@ class ModelConfig(Section):
         description="What a DDPM denoiser (UNet families) predicts. auto = what the model's scheduler config says. "
         "Flow-matching families always predict noise - latents.",
     )
+    zero_terminal_snr: bool = Field(
+        default=False,
+        description="Train on the noise schedule rescaled to zero terminal SNR (Lin et al. 2023, 'Common Diffusion "
+        "Noise Schedules and Sample Steps are Flawed'; diffusers' rescale_betas_zero_snr, OneTrainer's "
+        "rescale_noise_scheduler_to_zero_terminal_snr): sqrt(alphas_cumprod) shifted so that the last timestep is "
+        "pure noise and scaled so that the first keeps its value, which lets the model learn very dark and bright "
+        "images. As OneTrainer and the paper, it trains v-prediction (prediction_type auto becomes v_prediction; "
+        "epsilon is refused: at SNR 0 the input is the noise itself). The exports carry it (the diffusers folder's "
+        "scheduler config, with timestep_spacing trailing; the single file's `ztsnr` and `v_pred` markers) and the "
+        "samples use it (from the last timestep, guidance rescaled by 0.7 as OneTrainer). false = the schedule the "
+        "model's scheduler config describes. UNet families (SD 1.x / 2.x / SDXL).",
+    )
     guidance_scale: float | None = Field(
         default=None, ge=0,
         description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
@@ -74,6 +87,22 @@ class ModelConfig(Section):
         "image's `-masklabel.png` (white = repaint) or, without one, a random rectangle, brush strokes or the whole "
         "image, drawn per sample and epoch. Needs the images (not data.cache_latents).",
     )
+
+    @model_validator(mode="after")
+    def _zero_terminal_snr_predicts_v(self) -> "ModelConfig":
+        if self.zero_terminal_snr and self.prediction_type == "epsilon":
+            raise ValueError("model.prediction_type: epsilon cannot be trained with model.zero_terminal_snr: at the "
+                             "last timestep (SNR 0) the noisy input is the noise itself, so an epsilon prediction says "
+                             "nothing of the image; use v_prediction (or auto, which zero_terminal_snr makes "
+                             "v_prediction, as OneTrainer does)")
+        return self
+
+    def training_prediction_type(self) -> str | None:
+        """What the denoiser is trained to predict where the config decides it (None: the scheduler config's):
+        prediction_type, or v_prediction on a schedule rescaled to zero terminal SNR."""
+        if self.prediction_type != "auto":
+            return self.prediction_type
+        return "v_prediction" if self.zero_terminal_snr else None
 
 
 class PartConfig(Section):
@@ -188,13 +217,16 @@ class ConceptConfig(Section):
     path: str = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
     name: str | None = Field(default=None, description="Name in reports and sample keys; unset = the folder name.")
-    type: Literal["standard", "validation", "prior_preservation"] = Field(
+    type: Literal["standard", "validation", "prior_preservation", "prior_prediction"] = Field(
         default="standard",
         description="standard: trained. validation: never trained; its loss at fixed noise and timesteps (the same "
         "every time) is computed on all ranks at `validation`'s interval and logged as validation/loss/<concept name> "
         "(OneTrainer's VALIDATION). prior_preservation: regularisation images (the class images of DreamBooth), "
-        "trained with this concept's loss_weight as DreamBooth's prior_loss_weight. OneTrainer's PRIOR_PREDICTION "
-        "(the base model's output as the target) is not this; for the masked-out area it is "
+        "trained with this concept's loss_weight as DreamBooth's prior_loss_weight. prior_prediction (OneTrainer's "
+        "PRIOR_PREDICTION, method lora): its samples are trained towards the model's own prediction without the LoRA "
+        "(same noisy input, timestep and caption) instead of the image's target, so the LoRA learns to leave what "
+        "they show as the base model draws it; a run with such a concept costs one more denoiser forward per micro "
+        "batch (no gradients). For the masked-out area of masked training see "
         "masked_training.prior_preservation_weight.",
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
@@ -227,9 +259,12 @@ class ConceptConfig(Section):
         default=0.0, ge=0, le=180, description="Rotate by an angle drawn in [-d, d] per sample and epoch; the corners "
         "that leave the image are masked out of the loss.",
     )
-    brightness: float = Field(default=0.0, ge=0, lt=1, description="Brightness jitter: a factor in [1-s, 1+s].")
-    contrast: float = Field(default=0.0, ge=0, lt=1, description="Contrast jitter: a factor in [1-s, 1+s].")
-    saturation: float = Field(default=0.0, ge=0, lt=1, description="Saturation jitter: a factor in [1-s, 1+s].")
+    brightness: float = Field(default=0.0, ge=0, description="Brightness jitter: a factor drawn in [1-s, 1+s], "
+                              "below 0 taken as 0 (black), as OneTrainer's random_brightness_max_strength.")
+    contrast: float = Field(default=0.0, ge=0, description="Contrast jitter: a factor drawn in [1-s, 1+s], below 0 "
+                            "taken as 0 (the mean grey), as OneTrainer's random_contrast_max_strength.")
+    saturation: float = Field(default=0.0, ge=0, description="Saturation jitter: a factor drawn in [1-s, 1+s], below 0 "
+                              "taken as 0 (greyscale), as OneTrainer's random_saturation_max_strength.")
     hue: float = Field(default=0.0, ge=0, le=0.5, description="Hue jitter: a turn of the colour circle in [-s, s].")
     tag_shuffling: bool = Field(
         default=False, description="Shuffle the caption's tags (split at tag_delimiter) every epoch, keeping the first "
@@ -257,11 +292,7 @@ class ConceptConfig(Section):
     @field_validator("type", mode="before")
     @classmethod
     def _onetrainer_type(cls, value):
-        """OneTrainer's spellings (STANDARD, VALIDATION) are accepted; its PRIOR_PREDICTION is another method."""
-        if isinstance(value, str) and value.upper() == "PRIOR_PREDICTION":
-            raise ValueError("PRIOR_PREDICTION (OneTrainer: the base model's prediction is the target) is not "
-                             "supported; prior_preservation trains the concept's own images with its loss_weight "
-                             "(DreamBooth), masked_training.prior_preservation_weight keeps the masked-out area")
+        """OneTrainer's spellings (STANDARD, VALIDATION, PRIOR_PREDICTION) are accepted."""
         return value.lower() if isinstance(value, str) else value
 
     @field_validator("caption_extension")
@@ -451,6 +482,16 @@ class DeepSpeedConfig(Section):
     config_file: str | None = Field(
         default=None, description="A DeepSpeed JSON whose keys override the generated DeepSpeed config."
     )
+    mixed_precision: Literal["auto", "autocast", "engine"] = Field(
+        default="auto",
+        description="How train_dtype bfloat16 / float16 computes under zero1/2/3. autocast: float32 weights and "
+        "torch autocast in train_dtype, as single, ddp and fsdp compute (DeepSpeed's torch_autocast; Linear and Conv "
+        "weights are all-gathered (zero3) and their gradients reduced in train_dtype): ends within about 1x the "
+        "bfloat16 noise of one process. engine: DeepSpeed's bf16 / fp16 engine, the weights held in train_dtype and "
+        "no autocast: half the bytes of the weights zero1/2 replicate on every rank and zero3 gathers, but a coarser "
+        "recipe (up to 56x the bfloat16 noise from one process, docs/parallel.md). auto: autocast with bfloat16, engine "
+        "with float16 (autocast float16 is refused: DeepSpeed 0.19's ZeRO clips the still-scaled gradients).",
+    )
 
 
 class EMAConfig(Section):
@@ -621,6 +662,13 @@ class TrainConfig(Section):
     @field_validator("resolution", mode="before")
     @classmethod
     def _parse_resolutions(cls, value):
+        fixed = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", value) if isinstance(value, str) else None
+        if fixed:  # OneTrainer's fixed size: pydantic alone would only say it is not an integer
+            width, height = int(fixed[1]), int(fixed[2])
+            raise ValueError(f"resolution: {value!r} is a fixed width x height (OneTrainer's: every image cropped to "
+                             f"it); ot_dist trains aspect-ratio buckets of the area of a square: give the square's side "
+                             f"(about {(width * height) ** 0.5:.0f} for {width}x{height}), a multiple of "
+                             "data.bucket_step")
         if isinstance(value, str) and "," in value:
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
@@ -634,6 +682,24 @@ class TrainConfig(Section):
         if isinstance(value, list) and not value:
             raise ValueError("resolution: give at least one")
         return value
+
+    def _check_sample_prompts(self, family) -> None:
+        """Each sample prompt's sides on the family's pixel grid (else its pipeline refuses, fails or resizes them,
+        after training has run up to the first sampling point), a negative prompt only where the pipeline uses one,
+        and its guidance scale, the family's when unset."""
+        multiple = family.sample_pixel_multiple or family.pixel_multiple
+        for i, prompt in enumerate(self.sampling.prompts):
+            for key in ("width", "height"):
+                value = getattr(prompt, key)
+                if value is not None and value % multiple:
+                    nearest = max(multiple, round(value / multiple) * multiple)
+                    raise ValueError(f"sampling.prompts[{i}].{key}: {value} is not a multiple of {multiple}, the pixel "
+                                     f"grid of {self.model.family} samples; use {nearest}")
+            if prompt.negative_prompt and not family.sample_negative_prompt:
+                raise ValueError(f"sampling.prompts[{i}].negative_prompt: {self.model.family} samples without "
+                                 "classifier-free guidance (its pipeline would ignore the negative prompt); remove it")
+            if prompt.guidance_scale is None:
+                prompt.guidance_scale = family.sample_guidance_scale
 
     def resolutions(self) -> list[int]:
         return sorted(set(self.resolution)) if isinstance(self.resolution, list) else [self.resolution]
@@ -685,6 +751,11 @@ class TrainConfig(Section):
                 takes = ", ".join(f"model.{e}_layer_skip" for e in family.layer_skip_encoders) or "none"
                 raise ValueError(f"model.{encoder}_layer_skip: {self.model.family} has no layer skip for {encoder} "
                                  f"(it takes: {takes})")
+        prior_concepts = [f"data.concepts[{i}]" for i, concept in enumerate(self.data.concepts)
+                          if concept.type == "prior_prediction"]
+        if prior_concepts and self.method != "lora":
+            raise ValueError(f"{prior_concepts[0]}.type: prior_prediction trains towards the model's prediction "
+                             f"without its LoRA; method {self.method} has no such model (it needs method lora)")
         if self.masked_training.prior_preservation_weight and not (self.masked_training.enabled
                                                                     and self.method == "lora"):
             raise ValueError("masked_training.prior_preservation_weight: the prior is the model without its LoRA; it "
@@ -711,6 +782,9 @@ class TrainConfig(Section):
                 raise ValueError(f"loss.dynamic_timestep_shifting: shifts flow-matching timesteps by the resolution; "
                                  f"{self.model.family} is not a flow-matching family (leave it at auto; "
                                  "loss.timestep_shift shifts its draw by a fixed k)")
+        if self.model.zero_terminal_snr and family.zero_terminal_snr_refusal:
+            raise ValueError(f"model.zero_terminal_snr: rescales the DDPM betas of a UNet family (SD 1.x / 2.x / "
+                             f"SDXL); {self.model.family} {family.zero_terminal_snr_refusal}")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
         if self.sampling.prompts and not family.samplers:
@@ -722,6 +796,7 @@ class TrainConfig(Section):
         if self.sampling.prompts and family.decoder_pipeline_class and self.model.decoder is None:
             raise ValueError(f"model.decoder: sampling {self.model.family} needs its decoder stages: set it to a "
                              f"{family.decoder_pipeline_class} folder (or remove sampling.prompts)")
+        self._check_sample_prompts(family)
         if self.sampling.sampler not in ("auto", *family.samplers):
             raise ValueError(f"sampling.sampler: {self.sampling.sampler} does not fit {self.model.family} "
                              f"(allowed: auto, {', '.join(family.samplers)})")
@@ -744,8 +819,8 @@ class TrainConfig(Section):
                 why = (
                     "FSDP2 owns the storage of its parameter shards, so the float32 update cannot be swapped in"
                     if self.strategy == "fsdp"
-                    else "DeepSpeed keeps float32 master partitions itself (train_dtype bfloat16 already gives "
-                    "bfloat16 weights for compute)"
+                    else "DeepSpeed keeps float32 master partitions itself (deepspeed.mixed_precision: engine holds "
+                    "the weights in bfloat16)"
                 )
                 raise ValueError(f"trained_weight_dtype: bfloat16 is not supported with strategy {self.strategy}: {why}")
         if self.method == "embedding":
@@ -758,6 +833,14 @@ class TrainConfig(Section):
         elif not any(self.part_trains(name) for name in self.part_names()):
             raise ValueError(
                 f"method {self.method}: nothing to train; set {family.denoiser}.train or a text encoder's train to true"
+            )
+        if (self.strategy.startswith("zero") and self.train_dtype == "float16"
+                and self.deepspeed.mixed_precision == "autocast"):
+            raise ValueError(
+                "deepspeed.mixed_precision: autocast with train_dtype float16 is not supported: DeepSpeed 0.19's ZeRO "
+                "clips the gradients by their norm before its GradScaler unscales them, and skips an overflowing step "
+                "without lowering the GradScaler's scale (every later step overflows too); use engine (DeepSpeed's "
+                "fp16 engine) or train_dtype bfloat16"
             )
         if self.weight_dtype == "float8" and self.strategy not in ("single", "ddp"):
             raise ValueError(f"weight_dtype: float8 storage is supported with strategy single or ddp, not "

@@ -36,15 +36,25 @@ def augment(image: Image.Image, mask: Image.Image | None, concept, gen: torch.Ge
     for factor, enhancer, draw in ((concept.brightness, ImageEnhance.Brightness, u[2]),
                                    (concept.contrast, ImageEnhance.Contrast, u[3]),
                                    (concept.saturation, ImageEnhance.Color, u[4])):
-        if factor:
-            image = enhancer(image).enhance(1 + (2 * draw - 1) * factor)
+        if factor:  # a strength of 1 or more: the factors below 0 are 0, as mgds clamps them (max(0, factor))
+            image = enhancer(image).enhance(max(0.0, 1 + (2 * draw - 1) * factor))
     if concept.hue:
         image = shift_hue(image, (2 * u[5] - 1) * concept.hue)
     return image, mask
 
 
 def shift_hue(image: Image.Image, turn: float) -> Image.Image:
-    """Rotate every pixel's hue by `turn` of a full circle (-0.5 .. 0.5)."""
-    hsv = np.asarray(image.convert("HSV"), dtype=np.uint8).copy()
-    hsv[..., 0] = (hsv[..., 0].astype(np.int16) + round(turn * 256)) % 256
-    return Image.fromarray(hsv, "HSV").convert("RGB")
+    """Rotate every pixel's hue by `turn` of a full circle (-0.5 .. 0.5), saturation and value kept: the HSV
+    rotation of torchvision's adjust_hue (what OneTrainer applies), in floating point and rounded to 8 bits once.
+    (Pillow's 8-bit HSV round trip moved colours by up to 11 levels, 6 with no turn at all.)"""
+    rgb = np.asarray(image.convert("RGB"), dtype=np.float32)
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    high, low = rgb.max(axis=-1), rgb.min(axis=-1)
+    chroma = high - low  # the turn keeps each pixel's largest and smallest channel
+    span = np.where(chroma > 0, chroma, 1)  # a grey pixel has no hue and stays grey
+    sixths = np.where(high == r, (g - b) / span, np.where(high == g, 2 + (b - r) / span, 4 + (r - g) / span))
+    sixths = (sixths + 6 * turn) % 6  # the hue in sixths of a turn: 0 red, 2 green, 4 blue
+    # each channel's share of the chroma along the colour circle (the HSV hexcone)
+    shares = (np.abs(sixths - 3) - 1, 2 - np.abs(sixths - 2), 2 - np.abs(sixths - 4))
+    out = np.stack([low + chroma * np.clip(share, 0, 1) for share in shares], axis=-1)
+    return Image.fromarray(np.clip(np.rint(out), 0, 255).astype(np.uint8), "RGB")

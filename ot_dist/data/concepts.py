@@ -16,6 +16,11 @@ from ot_dist.data.unreadable import check_unreadable
 from ot_dist.errors import InputFileError
 
 MASK_SUFFIX = "-masklabel.png"
+# OneTrainer's collector leaves out every image whose name before the extension ends in one of these, whatever the
+# extension (mgds CollectPaths, exclude_postfix): its masks (read only as `<stem>-masklabel.png`) and its custom
+# conditioning images (`<stem>-condlabel.png`). They are not samples; -> why ot_dist does not use them.
+NOT_SAMPLES = {"-masklabel": "a mask that is not a PNG (masks are <image name>-masklabel.png)",
+               "-condlabel": "OneTrainer's conditioning image of its image (custom_conditioning_image), not a sample"}
 # Files that sit beside photos and are not samples: not listed as unused.
 SIDECAR_NAMES = {".ds_store", "thumbs.db", "desktop.ini"}
 SIDECAR_SUFFIXES = {".xmp", ".aae"}  # editing sidecars (Lightroom / darktable, iPhone edits)
@@ -151,7 +156,7 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
     found = sorted(root.glob(pattern))
     files = [p for p in found if p.is_file()]
     extensions = image_files.image_extensions()
-    images = [p for p in files if p.suffix.lower() in extensions and not p.name.endswith(MASK_SUFFIX)
+    images = [p for p in files if p.suffix.lower() in extensions and not p.stem.endswith(tuple(NOT_SAMPLES))
               and not is_sidecar(p)]
     known = set(images) | {p.with_name(p.stem + MASK_SUFFIX) for p in images}
     if concept.caption_source == "txt":
@@ -165,6 +170,8 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
             reason = "install ot-dist[heic]"
         elif path.name.endswith(MASK_SUFFIX):
             reason = "a mask without its image"
+        elif path.stem.endswith(tuple(NOT_SAMPLES)):
+            reason = next(why for ending, why in NOT_SAMPLES.items() if path.stem.endswith(ending))
         elif concept.caption_source == "txt" and path.suffix == concept.caption_extension:
             reason = "a caption without its image"
         else:

@@ -49,6 +49,9 @@ class ShardDataset:
         self.concepts = {i: c for i, (_, c) in enumerate(config.data.concept_list())}
         # per-sample loss weights travel in the batch only when some concept has one: without, the loss stays MSE
         self.weighted = any(c.loss_weight != 1.0 for c in self.concepts.values())
+        # per-sample prior-prediction flags travel in every batch of a run with such a concept (all ranks alike: the
+        # loss then runs the model without its LoRA on every micro batch, the same forwards on every rank)
+        self.prior_prediction = any(c.type == "prior_prediction" for c in self.concepts.values())
         # None: ot_dist's own shards (an image per resolution); else tars indexed as they are (external.py): their
         # images are scaled to cover the bucket when loaded, at any resolution
         self.layout = self.manifest.get("layout")
@@ -205,6 +208,8 @@ class ShardDataset:
             out |= {f"text_{k.rsplit('_', 1)[0]}": v for k, v in text.items() if _line_of(k) == line}
         if self.weighted:
             out["loss_weight"] = torch.tensor(self.concepts[sample["concept"]].loss_weight, dtype=torch.float32)
+        if self.prior_prediction:
+            out["prior_prediction"] = torch.tensor(self.concepts[sample["concept"]].type == "prior_prediction")
         out |= {
             "caption": caption,
             "sample_id": sample_id,
@@ -246,7 +251,8 @@ def _line_of(member_key: str) -> int:
 def collate(samples: list[dict]) -> dict:
     keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask", "mask_given") if k in samples[0]]
     keys += sorted(k for k in samples[0] if k.startswith("text_"))  # cached text conditioning
-    keys += ["original_size", "crop_top_left", "target_size"] + (["loss_weight"] if "loss_weight" in samples[0] else [])
+    keys += ["original_size", "crop_top_left", "target_size"]
+    keys += [key for key in ("loss_weight", "prior_prediction") if key in samples[0]]
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]
     batch["sample_id"] = torch.tensor([s["sample_id"] for s in samples])

@@ -13,6 +13,15 @@ from ot_dist.lora_tools.files import ALL_VARIANTS, LoraFile, Pair, read_lora_fil
 from ot_dist.lora_tools.matching import check_shape, match, module_index
 
 
+def changed_parts(model, lora: LoraFile, source: str) -> set[str]:
+    """The model's parts (denoiser, text encoders) that the file has modules of."""
+    from ot_dist.lora_tools.foreign import in_family_names
+
+    lora = in_family_names(model, lora, source)
+    matched, _ = match(lora.pairs, module_index(model, lora.layout), source)
+    return {target.part for target in matched.values()}
+
+
 @torch.no_grad()
 def merge_into(model, lora: LoraFile, weight: float, source: str) -> tuple[int, list[str]]:
     """Add the file's changes to the model in place (in float32, stored back in each weight's dtype).
@@ -44,8 +53,11 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
     from ot_dist.precision import DTYPES
 
     model = load_model(ModelConfig(family=family, path=base, config=config_folder))
+    changed: set[str] = set()
     for path, weight in zip(lora_paths, weights):
-        merged, missing = merge_into(model, read_lora_file(path, ALL_VARIANTS, 'ot-dist lora merge'), weight, path)
+        lora = read_lora_file(path, ALL_VARIANTS, 'ot-dist lora merge')
+        changed |= changed_parts(model, lora, path)
+        merged, missing = merge_into(model, lora, weight, path)
         log(f"{path}: merged {merged} modules at weight {weight}")
         if missing:
             log(f"warning: {path}: {len(missing)} modules are not in the model and were skipped: "
@@ -62,6 +74,8 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
         # markers, by which ComfyUI and Forge choose how to sample it
         components = single_file_components(model)
         states = {n: m.state_dict() for n, m in module_components(components).items()}
-        model.family.export_single_file(components, states, target, dtype)
+        # a LoRA that changed a text encoder: the file carries the text encoders, as a trained full finetune's does
+        model.family.export_single_file(components, states, target, dtype,
+                                        with_text_encoders=bool(changed & set(model.text_encoders)))
     log(f"wrote {target}")
     return target

@@ -46,5 +46,7 @@ class FullFinetune(TrainingMethod):
         if write and "diffusers" in formats:
             export_diffusers_folder(source.pipeline, folder, dtype, source.states, family=model.family)
         if write and "single-file" in formats:
-            model.family.export_single_file(source.components, source.states, single, dtype)
+            # Trained text encoders belong in the file (for the transformer families a full checkpoint then).
+            model.family.export_single_file(source.components, source.states, single, dtype,
+                                            with_text_encoders=bool(trained & set(model.text_encoders)))
         return [path for path, name in ((folder, "diffusers"), (single, "single-file")) if name in formats]

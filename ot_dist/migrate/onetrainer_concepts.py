@@ -12,6 +12,9 @@ from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
 
 
+CONCEPT_TYPES = {"STANDARD": "standard", "VALIDATION": "validation", "PRIOR_PREDICTION": "prior_prediction"}
+
+
 def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | None,
                     out: Imported) -> list[bool]:
     """Converts the concepts into c["data"]; returns each imported training concept's enable_crop_jitter."""
@@ -28,15 +31,19 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
         if not concept["enabled"]:
             out.notes.append(f"{label}: disabled in OneTrainer, not imported")
             continue
-        if concept["type"] not in ("STANDARD", "VALIDATION"):
-            out.not_honoured.append(f"{label}.type: {concept['type']} (the base model's prediction as the target) is "
-                                    "not supported; not imported (type prior_preservation trains class images with "
-                                    "their loss_weight, DreamBooth's way)")
+        if concept["type"] == "PRIOR_PREDICTION" and c.get("method") != "lora":
+            # OneTrainer stops at the first step there (its prior_model: "only available with LoRA training")
+            out.not_honoured.append(f"{label}.type: PRIOR_PREDICTION trains towards the model without its LoRA; "
+                                    f"OneTrainer has it for LORA only, this config trains {c.get('method')}: not "
+                                    "imported")
+            continue
+        if concept["type"] not in CONCEPT_TYPES:
+            out.not_honoured.append(f"{label}.type: {concept['type']} is not an ot_dist concept type; not imported")
             continue
         entry = {"path": local_path(concept["path"], f"{label}.path", out), "balancing": concept["balancing"],
                  "balancing_strategy": str(concept["balancing_strategy"]).lower()}
-        if concept["type"] == "VALIDATION":
-            entry["type"] = "validation"
+        if concept["type"] != "STANDARD":
+            entry["type"] = CONCEPT_TYPES[concept["type"]]
         if concept["name"]:
             entry["name"] = concept["name"]
         if concept["include_subdirectories"]:
@@ -81,8 +88,9 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
                   "enable_random_brightness": ("brightness", lambda: image.get("random_brightness_max_strength", 0.0)),
                   "enable_random_contrast": ("contrast", lambda: image.get("random_contrast_max_strength", 0.0)),
                   "enable_random_saturation": ("saturation", lambda: image.get("random_saturation_max_strength", 0.0)),
-                  # mgds RandomHue turns the hue by up to half its strength (uniform(-s/2, s/2) of a full circle)
-                  "enable_random_hue": ("hue", lambda: image.get("random_hue_max_strength", 0.0) / 2)}
+                  # mgds RandomHue turns the hue by up to half its max strength (clamped to half a turn);
+                  # ot_dist's `hue` is the turn itself
+                  "enable_random_hue": ("hue", lambda: min(0.5, image.get("random_hue_max_strength", 0.0) / 2))}
         for key, off in defaults.CONCEPT_IMAGE_OFF.items():
             if image.get(key, off) == off:
                 continue

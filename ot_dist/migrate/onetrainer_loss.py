@@ -3,7 +3,8 @@ training as ot_dist's `loss` and `masked_training` sections: what each step's ob
 
 from __future__ import annotations
 
-TIMESTEP_DISTRIBUTIONS = {"UNIFORM": "uniform", "LOGIT_NORMAL": "logit_normal"}
+TIMESTEP_DISTRIBUTIONS = {"UNIFORM": "uniform", "LOGIT_NORMAL": "logit_normal", "HEAVY_TAIL": "heavy_tail",
+                          "SIGMOID": "sigmoid", "COS_MAP": "cos_map", "INVERTED_PARABOLA": "inverted_parabola"}
 
 
 def import_loss(ot: dict, c: dict, skip) -> None:
@@ -43,12 +44,24 @@ def import_loss(ot: dict, c: dict, skip) -> None:
     if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
         loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
-        skip(f"loss_scaler: {ot['loss_scaler']} is not supported")
-    if ot["rescale_noise_scheduler_to_zero_terminal_snr"]:
-        skip("rescale_noise_scheduler_to_zero_terminal_snr: true is not supported")
+        _mapped_if_known(loss, LossConfig, "scaler", ot["loss_scaler"], skip)  # the same names and factors
+    rescale = ot["rescale_noise_scheduler_to_zero_terminal_snr"]
+    if rescale and c["model"]["family"] in ZERO_TERMINAL_SNR_FAMILIES:
+        # OneTrainer's setups rescale the schedule and force v-prediction (over force_epsilon_prediction), as
+        # model.zero_terminal_snr does with prediction_type auto
+        c["model"]["zero_terminal_snr"] = True
+    elif rescale:
+        skip(f"rescale_noise_scheduler_to_zero_terminal_snr: true: OneTrainer's {c['model']['family']} training "
+             "ignores it (only its SD 1.x / 2.x / SDXL setups rescale the schedule)")
     for key, prediction in (("force_v_prediction", "v_prediction"), ("force_epsilon_prediction", "epsilon")):
-        if ot[key] and c["model"]["family"] in ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma"):
+        if ot[key] and c["model"].get("zero_terminal_snr"):
+            continue  # v-prediction, whichever is forced
+        if ot[key] and c["model"]["family"] in ZERO_TERMINAL_SNR_FAMILIES and c.get("method") == "full":
             c["model"]["prediction_type"] = prediction  # OneTrainer overrides the noise scheduler's the same way
+            break  # the first wins (its FineTuneSetups: elif)
+        elif ot[key] and c["model"]["family"] in FORCED_PREDICTION_IGNORED:
+            skip(f"{key}: true: OneTrainer's {c['model']['family']} {c.get('method')} training ignores it (only its "
+                 "SD 1.x / 2.x / SDXL FINE_TUNE setups force a prediction type); the model's own is trained")
         elif ot[key]:
             skip(f"{key}: true: {c['model']['family']} has a fixed target")
     if ot.get("custom_conditioning_image"):
@@ -67,6 +80,10 @@ def import_loss(ot: dict, c: dict, skip) -> None:
                  "model without the LoRA)")
 
 
+ZERO_TERMINAL_SNR_FAMILIES = ("sd1", "sd2", "sdxl")  # OneTrainer's StableDiffusion(XL) *Setup.py rescale
+# DDPM families whose OneTrainer setups do not read force_v_prediction / force_epsilon_prediction: PixArt's, and SD's /
+# SDXL's LoRA and embedding setups (only StableDiffusion(XL)FineTuneSetup.py calls force_*_prediction)
+FORCED_PREDICTION_IGNORED = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
 FLOW_FAMILIES = ("sd3", "flux", "chroma")  # shifted by OneTrainer's timestep_shift; Flux also dynamically
 
 
@@ -74,15 +91,11 @@ def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
     """OneTrainer's draw: a continuous t in [N min_noising_strength, N max_noising_strength), floored (N: the
     scheduler's 1000 steps; 10000 for Würstchen / Stable Cascade's continuous time); LOGIT_NORMAL is
     sigmoid(N(noising_bias, noising_weight + 1)); then t is shifted by timestep_shift (Flux: by the resolution with
-    dynamic_timestep_shifting; the DDPM / Würstchen setups ignore that switch)."""
+    dynamic_timestep_shifting; the DDPM / Würstchen setups ignore that switch). SIGMOID, COS_MAP and
+    INVERTED_PARABOLA pick a step of [N min, N max) by weights with that shift in them: the same window and shift
+    settings."""
     family = c["model"]["family"]
-    distribution = ot["timestep_distribution"]
-    if distribution in TIMESTEP_DISTRIBUTIONS:
-        loss["timestep_distribution"] = TIMESTEP_DISTRIBUTIONS[distribution]
-    else:
-        skip(f"timestep_distribution: {distribution} (ot_dist draws uniform or logit_normal)")
-    if distribution == "LOGIT_NORMAL" and (ot["noising_bias"] or ot["noising_weight"]):
-        loss["logit_normal_mean"], loss["logit_normal_std"] = ot["noising_bias"], ot["noising_weight"] + 1.0
+    _distribution(ot, loss, skip)
     steps = 10000 if family in ("stable_cascade", "wuerstchen_v2") else 1000
     if ot["min_noising_strength"] or ot["max_noising_strength"] < 1:
         loss["min_timestep"] = int(steps * ot["min_noising_strength"])
@@ -94,6 +107,36 @@ def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
         loss["timestep_shift"] = shift  # 1.0 included: unshifted, where the family's scheduler would shift
     elif shift != 1.0:  # DDPM and Würstchen's discretized continuous draw: 1.0 is unshifted there as ot_dist's auto
         loss["timestep_shift"] = shift
+
+
+def _distribution(ot: dict, loss: dict, skip) -> None:
+    """timestep_distribution with the noising_weight / noising_bias it reads (LOGIT_NORMAL: as the normal's mean and
+    std - 1); settings ot_dist refuses (a draw that leaves the range, weights that are 0 everywhere) are listed."""
+    from pydantic import ValidationError
+
+    from ot_dist.config.loss import SHAPE_FIELDS, LossConfig
+
+    distribution, weight, bias = ot["timestep_distribution"], ot["noising_weight"], ot["noising_bias"]
+    if distribution not in TIMESTEP_DISTRIBUTIONS:
+        skip(f"timestep_distribution: {distribution} (ot_dist draws {', '.join(TIMESTEP_DISTRIBUTIONS)})")
+        return
+    name = TIMESTEP_DISTRIBUTIONS[distribution]
+    drawn = {"timestep_distribution": name}
+    if name == "logit_normal" and (bias or weight):
+        drawn["logit_normal_mean"], drawn["logit_normal_std"] = bias, weight + 1.0
+    for key, value in (("noising_weight", weight), ("noising_bias", bias)):
+        if value and key in SHAPE_FIELDS.get(name, ()):  # 0, OneTrainer's default, is ot_dist's null
+            drawn[key] = value
+    try:
+        LossConfig(**drawn)
+    except ValidationError as error:
+        first = error.errors()[0]
+        reason = first["msg"].removeprefix("Value error, ")
+        if first["loc"]:  # a field's own check (logit_normal_std > 0): name it as the model validator's messages do
+            reason = f"loss.{'.'.join(map(str, first['loc']))}: {reason}"
+        skip(f"timestep_distribution: {distribution} with noising_weight {weight}, noising_bias {bias}: {reason}")
+        return
+    loss.update(drawn)
 
 
 def _mapped_if_known(section: dict, model, key: str, value, skip) -> None:

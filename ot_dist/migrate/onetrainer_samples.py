@@ -8,9 +8,14 @@ from pathlib import Path
 from ot_dist.errors import InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
+from ot_dist.models.families.registry import get_family
 
 SAMPLERS_FROM_NOISE_SCHEDULER = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
 NOISE_SCHEDULERS = {"DDIM": "ddim", "EULER": "euler", "EULER_A": "euler_a", "DPMPP": "dpmpp_2m", "UNIPC": "unipc"}
+# The grid OneTrainer's samplers round a sample's width and height to (round(side / q) x q, their
+# quantize_resolution calls in modules/modelSampler/*Sampler.py): the size OneTrainer actually samples.
+SAMPLE_QUANTIZATION = {"sd1": 8, "sd2": 8, "sdxl": 64, "sd3": 16, "flux": 64, "chroma": 64, "pixart_alpha": 16,
+                       "pixart_sigma": 16, "stable_cascade": 128, "wuerstchen_v2": 128}
 
 
 def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:
@@ -36,8 +41,14 @@ def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | Non
         if sample["random_seed"]:
             out.not_honoured.append(f"samples[{i}].random_seed: true: ot_dist samples with a fixed seed "
                                     f"({sample['seed']}), the same image for the same weights")
-        prompts.append({"prompt": sample["prompt"], "negative_prompt": sample["negative_prompt"] or "",
-                        "seed": sample["seed"], "width": sample["width"], "height": sample["height"],
+        width, height = (_quantized(sample[key], family, f"samples[{i}].{key}", out) for key in ("width", "height"))
+        negative = sample["negative_prompt"] or ""
+        if negative and not get_family(family).sample_negative_prompt:
+            out.not_honoured.append(f"samples[{i}].negative_prompt: {family} samples without classifier-free "
+                                    "guidance; OneTrainer ignores it too")
+            negative = ""
+        prompts.append({"prompt": sample["prompt"], "negative_prompt": negative,
+                        "seed": sample["seed"], "width": width, "height": height,
                         "steps": sample["diffusion_steps"], "guidance_scale": sample["cfg_scale"]})
         samplers.append(str(sample["noise_scheduler"]))
     if prompts and family in SAMPLERS_FROM_NOISE_SCHEDULER:  # the others sample with their own scheduler only
@@ -54,6 +65,15 @@ def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | Non
         out.not_honoured.append(f"sample_after_unit: {unit} (ot_dist samples every N steps or epochs, and at the end)")
     c["sampling"] = {**c.get("sampling", {}), **sampling}
 
+
+def _quantized(side: int, family: str, label: str, out: Imported) -> int:
+    """A sample side as OneTrainer's sampler for the family rounds it (noted when that changes it)."""
+    step = SAMPLE_QUANTIZATION[family]
+    rounded = max(step, round(side / step) * step)
+    if rounded != side:
+        out.notes.append(f"{label}: {side} px, sampled at {rounded} px as OneTrainer's sampler rounds it (a multiple "
+                         f"of {step} for {family})")
+    return rounded
 
 
 def _sampler(samplers: list[str], c: dict, out: Imported) -> None:

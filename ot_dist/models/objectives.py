@@ -7,7 +7,8 @@ target. No family names inside: a family picks an objective and its convention (
   noise level s is a draw u in [0, 1) pushed through the family's shift: a fixed one (SD3: s = k u / (1 + (k - 1) u),
   k = 3) or a resolution-dependent one (Flux: s = e^mu / (e^mu + 1/u - 1), mu interpolated in the number of image
   tokens between base_shift and max_shift); loss.timestep_shift / loss.dynamic_timestep_shifting replace the
-  family's shift with OneTrainer's settings.
+  family's shift with OneTrainer's settings. A weighted loss.timestep_distribution (sigmoid, cos_map,
+  inverted_parabola) picks a step i of the range with that shift in its weights, s = (i + 1) / N, as OneTrainer.
 
 Every draw comes from the sample's own generator (seed, epoch, sample id), so a sample trains the same in any
 batch, on any rank, at any world size.
@@ -20,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ot_dist.config.loss import LossConfig
+from ot_dist.config.loss import WEIGHTED_DISTRIBUTIONS, LossConfig
 from ot_dist.train.loss_options import (ddpm_weights, draw_timestep, generalized_offset_psi, last_timestep_drawn,
                                        timestep_bounds)
+from ot_dist.train.timestep_distributions import unit_draw, weighted_index
 
 
 class Objective:
@@ -183,16 +185,24 @@ class FlowMatching(Objective):
             return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
         return shift * u / (1 + (shift - 1) * u)
 
+    def shift_value(self, latent_shape: torch.Size, options: LossConfig) -> float:
+        """The shift k of a draw as one number: the fixed one, or e^mu of the resolution's (OneTrainer's
+        calculate_timestep_shift)."""
+        shift, dynamic = self.shift_for(options)
+        return math.exp(dynamic.mu(self.image_tokens(latent_shape))) if dynamic is not None else shift
+
     def draw(self, g, options, latent_shape):
         options = options or LossConfig()
         low, high = timestep_bounds(options, self.num_timesteps)
+        distribution = "logit_normal" if options.timestep_distribution == "auto" else options.timestep_distribution
+        if distribution in WEIGHTED_DISTRIBUTIONS:
+            # OneTrainer's pick i of the range, its shift in the weights, is the noise level sigma = (i + 1) / N
+            index = low + weighted_index(g, options, high + 1 - low, self.shift_value(latent_shape, options))
+            sigma = ((index.double() + 1) / self.num_timesteps).clamp(max=1 - 1e-6)  # as the clamp below
+            return (sigma * self.num_timesteps).float()
         # u covers [low, high + 1) / num_timesteps: the same share of the range that the integer timesteps
         # low..high cover in DDPM, so min_timestep / max_timestep mean the same thing for both objectives.
-        if options.timestep_distribution in ("logit_normal", "auto"):
-            unit = torch.sigmoid(torch.randn(1, generator=g, dtype=torch.float64) * options.logit_normal_std
-                                 + options.logit_normal_mean)
-        else:
-            unit = torch.rand(1, generator=g, dtype=torch.float64)
+        unit = unit_draw(g, distribution, options, torch.float64)
         u = (low + unit * (high + 1 - low)) / self.num_timesteps
         u = u.clamp(min=1e-6, max=1 - 1e-6)  # sigma 0 or 1 exactly has no noise or no signal to learn from
         return (self.shifted(u, latent_shape, options) * self.num_timesteps).float()

@@ -58,7 +58,11 @@ def deepspeed_config(config, stage: int, world_size: int, device_type: str = "cp
         if stage != 3:
             raise ConfigError("deepspeed.offload_params: parameter offload needs strategy zero3")
         ds["zero_optimization"]["offload_param"] = {"device": "cpu"}
-    if config.train_dtype == "bfloat16":
+    if computes_under_autocast(config):
+        # DeepSpeed's default lower_precision_safe_modules (Linear, Conv1d/2d/3d): their weights are all-gathered
+        # (ZeRO-3) and their gradients reduced in train_dtype, every other parameter in float32.
+        ds["torch_autocast"] = {"enabled": True, "dtype": config.train_dtype}
+    elif config.train_dtype == "bfloat16":
         ds["bf16"] = {"enabled": True}
     elif config.train_dtype == "float16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
@@ -69,7 +73,25 @@ def deepspeed_config(config, stage: int, world_size: int, device_type: str = "cp
         except (OSError, json.JSONDecodeError) as err:
             raise ConfigError(f"deepspeed.config_file: cannot read {path}: {err}") from None
         ds = merge(ds, user)
+        if "torch_autocast" not in user and any(isinstance(user.get(k), dict) and user[k].get("enabled")
+                                                for k in ("bf16", "fp16")):
+            ds.pop("torch_autocast", None)  # their file asks for DeepSpeed's bf16 / fp16 engine
     return ds
+
+
+def computes_under_autocast(config) -> bool:
+    """Whether a low-precision train_dtype runs as float32 weights under torch autocast (DeepSpeed's torch_autocast),
+    as single, ddp and fsdp run it, instead of in DeepSpeed's bf16 / fp16 engine (deepspeed.mixed_precision).
+
+    The engine holds the weights in train_dtype and computes without autocast: every norm, softmax and residual sum
+    rounds to bfloat16, and so does each float input the denoiser gets (the families derive them from the latents'
+    dtype, as the half-precision pipelines do: Stable Cascade's timestep ratio, which its embedding scales by 10000).
+    Measured on the tiny models, zero2 against one process in bfloat16 (3 SGD steps, in units of the one process's
+    bfloat16-to-float32 distance): engine 4.3 (SDXL) to 56 (Wuerstchen v2), autocast 0.03-1.1 (docs/parallel.md)."""
+    mode = config.deepspeed.mixed_precision
+    if config.train_dtype == "float32":
+        return False
+    return mode == "autocast" or (mode == "auto" and config.train_dtype == "bfloat16")
 
 
 def zero_communication(settings, stage: int, device_type: str) -> dict:
@@ -182,6 +204,7 @@ class DeepSpeedStrategy(Strategy):
         self.stage = stage
         self.name = f"zero{stage}"
         self.engine = None
+        self.under_autocast = computes_under_autocast(config)  # as deepspeed_config decides, a config_file aside
 
     def wrap(self, model, groups):
         groups = super().wrap(model, groups)
@@ -200,12 +223,11 @@ class DeepSpeedStrategy(Strategy):
             register_embeddings_as_external(container)
             register_adapter_reads_as_external(container)
         skip_shared_memory_op_build()
+        ds_config = deepspeed_config(self.config, self.stage, self.runtime.world_size, self.runtime.device.type)
+        self.under_autocast = bool(ds_config.get("torch_autocast", {}).get("enabled"))
         with parameters_shown_by_shape() if self.stage == 3 else contextlib.nullcontext():
             self.engine, engine_optimizer, _, _ = deepspeed.initialize(
-                model=container,
-                optimizer=optimizer,
-                config=deepspeed_config(self.config, self.stage, self.runtime.world_size, self.runtime.device.type),
-                dist_init_required=False,
+                model=container, optimizer=optimizer, config=ds_config, dist_init_required=False,
             )
         self.optimizer = optimizer  # our optimizer: its param_groups carry the scheduled learning rates
         self.engine_optimizer = engine_optimizer
@@ -230,7 +252,9 @@ class DeepSpeedStrategy(Strategy):
         self.engine = self.engine_optimizer = None
 
     def autocast(self):
-        # DeepSpeed's bf16 / fp16 modes own the compute dtype (weights held in it, fp32 master copy).
+        if self.under_autocast:
+            return super().autocast()  # ot_dist calls the components, not the engine's forward, which would enter it
+        # DeepSpeed's bf16 / fp16 engine owns the compute dtype (weights held in it, fp32 master copy).
         return contextlib.nullcontext()
 
     def prepare_micro_step(self, last_micro_step):

@@ -97,10 +97,14 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
                                                    objective, options)
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
     prior = None
-    if weights is not None and masking.prior_preservation_weight:
+    prior_targets = batch.get("prior_prediction")  # per sample: a prior_prediction concept's
+    if prior_targets is not None or (weights is not None and masking.prior_preservation_weight):
         with torch.no_grad(), adapters_disabled(model):  # OneTrainer's prior model: the same inputs, no LoRA
             prior_conditioning = text_conditioning(model, batch, device, dtype)
             prior = family.predict(denoiser, noisy.to(dtype), timesteps, prior_conditioning, batch).float()
+    if prior_targets is not None:  # OneTrainer's PRIOR_PREDICTION: those samples learn the prior's prediction
+        chosen = to_device(prior_targets, device).view(-1, *([1] * (target.dim() - 1)))
+        target = torch.where(chosen, prior, target.float())
     sample_weights = objective.sample_weights(timesteps, options)
     if "loss_weight" in batch:  # the samples' concepts' loss_weight
         concept_weights = to_device(batch["loss_weight"], device)

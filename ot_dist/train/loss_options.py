@@ -1,5 +1,6 @@
-"""The `loss` options, each a few lines: timestep range and distribution, offset noise (plain and
-generalized), input perturbation, timestep weighting (min-SNR-gamma, P2, debiased estimation).
+"""The `loss` options, each a few lines: timestep range and distribution (its shapes: timestep_distributions.py),
+offset noise (plain and generalized), input perturbation, timestep weighting (min-SNR-gamma, P2, debiased
+estimation).
 
 Extra randomness comes from generators keyed by (seed, epoch, sample id, what it is for), like the
 noise itself: a sample gets the same draws in any batch, on any rank. Options that are off draw
@@ -10,9 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.config.loss import LossConfig
+from ot_dist.config.loss import WEIGHTED_DISTRIBUTIONS, LossConfig
 from ot_dist.errors import ConfigError
 from ot_dist.randomness import generator
+from ot_dist.train.timestep_distributions import shape_values, timestep_weights, unit_draw, weighted_index
 
 
 def timestep_bounds(options: LossConfig, num_timesteps: int) -> tuple[int, int]:
@@ -30,21 +32,38 @@ def draw_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig | 
     if options is None:
         return torch.randint(0, num_timesteps, (1,), generator=g)
     low, high = timestep_bounds(options, num_timesteps)
-    shift = options.timestep_shift
-    if shift not in ("auto", 1.0):
-        return shifted_timestep(g, num_timesteps, options, low, high, shift)
-    if options.timestep_distribution in ("uniform", "auto"):
+    distribution = drawn_distribution(options)
+    if distribution in WEIGHTED_DISTRIBUTIONS:  # the shift is in the weights: the pick stays in [low, high]
+        return low + weighted_index(g, options, high + 1 - low, discrete_shift(options))
+    if distribution == "heavy_tail" or discrete_shift(options) != 1.0:
+        return shifted_timestep(g, num_timesteps, options, low, high, discrete_shift(options))
+    if distribution == "uniform":
         return torch.randint(low, high + 1, (1,), generator=g)  # the defaults make the call above
-    u = torch.sigmoid(torch.randn(1, generator=g) * options.logit_normal_std + options.logit_normal_mean)
+    u = unit_draw(g, distribution, options, torch.float32)
     return (low + (u * (high - low + 1)).long()).clamp(max=high)
 
 
+def drawn_distribution(options: LossConfig) -> str:
+    """The distribution of a DDPM draw: auto is uniform."""
+    return "uniform" if options.timestep_distribution == "auto" else options.timestep_distribution
+
+
+def discrete_shift(options: LossConfig) -> float:
+    """The shift k of a DDPM / Würstchen draw: loss.timestep_shift, auto = 1.0 (none), as OneTrainer's default."""
+    return 1.0 if options.timestep_shift == "auto" else options.timestep_shift
+
+
 def last_timestep_drawn(options: LossConfig, num_timesteps: int) -> bool:
-    """Whether the draw can reach the schedule's last timestep: the bounds' top one, or, with a timestep_shift
-    (which moves the bounds), any t in [low, high + 1) whose shifted value reaches it."""
+    """Whether the draw can reach the schedule's last timestep: a weighted distribution's when it is in the range
+    with a weight above 0; a continuous one's when the bounds' top one is, or, with a timestep_shift (which moves
+    the bounds), when any t in [low, high + 1) shifts onto it."""
     low, high = timestep_bounds(options, num_timesteps)
-    shift = options.timestep_shift
-    if shift in ("auto", 1.0):
+    shift = discrete_shift(options)
+    if drawn_distribution(options) in WEIGHTED_DISTRIBUTIONS:
+        weight, bias = shape_values(options)
+        weights = timestep_weights(options.timestep_distribution, weight, bias, high + 1 - low, shift)
+        return high == num_timesteps - 1 and bool(weights[-1] > 0)
+    if shift == 1.0:
         return high == num_timesteps - 1
     top = high + 1  # the draw's exclusive upper end; the shift is increasing in t
     return shifted_time(top, shift, num_timesteps) > num_timesteps - 1
@@ -58,15 +77,16 @@ def shifted_time(t, shift: float, num_timesteps: int):
 
 def shifted_timestep(g: torch.Generator, num_timesteps: int, options: LossConfig, low: int, high: int,
                      shift: float) -> torch.Tensor:
-    """OneTrainer's shifted discrete draw (timestep_shift on a DDPM family): a continuous t in [low, high + 1)
-    (uniform, or low + sigmoid(normal) x (high + 1 - low)), shifted as a share of the whole schedule,
-    t' = N k t / ((k - 1) t + N), then floored. The bounds hold for t, not t': a shift moves them as OneTrainer's
-    min / max_noising_strength move. float32 as OneTrainer's draw, so the same u floors to the same timestep."""
-    if options.timestep_distribution in ("uniform", "auto"):
-        unit = torch.rand(1, generator=g)
-    else:
-        unit = torch.sigmoid(torch.randn(1, generator=g) * options.logit_normal_std + options.logit_normal_mean)
-    t = shifted_time(low + (high + 1 - low) * unit, shift, num_timesteps)
+    """OneTrainer's continuous discrete draw: t = low + u (high + 1 - low) of a continuous unit draw u (uniform,
+    logit_normal, heavy_tail), shifted as a share of the whole schedule, t' = N k t / ((k - 1) t + N) (k = 1: t),
+    then floored. The bounds hold for t, not t': a shift moves them as OneTrainer's min / max_noising_strength move.
+    float32 as OneTrainer's draw, so the same u floors to the same timestep."""
+    unit = unit_draw(g, drawn_distribution(options), options, torch.float32)
+    t = low + (high + 1 - low) * unit
+    # t stays below high + 1: u can be 1 itself (heavy_tail at u = 0, a sigmoid that rounds up), and float32 can
+    # round t up to it, where OneTrainer draws one step past its range
+    t = t.clamp(max=torch.nextafter(torch.tensor(high + 1.0), torch.tensor(0.0)).item())
+    t = shifted_time(t, shift, num_timesteps)
     # float32 can round t' of a u just below 1 up to N itself, one past the schedule's last timestep
     return t.long().clamp(max=num_timesteps - 1)
 

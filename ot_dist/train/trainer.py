@@ -102,6 +102,8 @@ class Trainer:
         sizes = self.reader.table.epoch_sizes().values()
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
         self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
+        self.loss_scale = config.loss.scale(config.batch_size, config.gradient_accumulation_steps,
+                                            self.runtime.world_size)  # loss.scaler's factor (1: off)
         self.total_steps = self.plan.total_steps
         self.validation = ValidationLoss(config, self.reader.table, self.runtime, self.log)
         self.model: LoadedModel = load_model(config.model)
@@ -421,8 +423,9 @@ class Trainer:
                 # backward too: it may recompute attention
                 with self.strategy.autocast():
                     loss = self.loss(batch, epoch)
-                self.strategy.backward(loss, accumulation, last_micro_step)
-            return loss.detach()
+                self.strategy.backward(loss * self.loss_scale if self.loss_scale != 1 else loss, accumulation,
+                                       last_micro_step)
+            return loss.detach()  # logged before loss.scaler
 
         return self.utilization.micro_step(batch, forward_backward) if self.utilization else forward_backward()
 

@@ -63,6 +63,7 @@ class ValidationLoss:
                 k = slot * world + rank
                 sample = self.samples[k if k < len(self.samples) else 0]
                 batch = trainer.tokenize(collate([trainer.dataset.load(sample, EVAL_EPOCH, self.resolution)]))
+                batch.pop("prior_prediction", None)  # a validation concept is none: no forward without the LoRA
                 with trainer.strategy.autocast():
                     loss = trainer.loss(batch, EVAL_EPOCH)
                 if k < len(self.samples):

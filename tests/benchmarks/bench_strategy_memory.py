@@ -5,7 +5,10 @@ For every strategy it launches 2 gloo ranks on CPU (torchrun) training the tiny 
 for training: parameters, gradients and optimizer state (DTensor local shards, DeepSpeed partitions
 and flat buffers), de-duplicated by storage. The figures are exact, not sampled: no timing noise.
 
-    python tests/benchmarks/bench_strategy_memory.py [--json FILE]
+    python tests/benchmarks/bench_strategy_memory.py [--json FILE] [--set KEY=VALUE ...] [--strategies zero2,zero3]
+
+--set applies to every strategy's run (e.g. train_dtype=bfloat16 deepspeed.mixed_precision=autocast); the targets
+are checked on the full default table only.
 
 Targets: zero3 and fsdp full-shard total <= 0.55 x ddp; zero2 and fsdp shard-grad-op optimizer
 state <= 0.55 x ddp's.
@@ -72,6 +75,8 @@ sys.exit(main())
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--set", action="append", default=[], help="KEY=VALUE for every strategy's run")
+    parser.add_argument("--strategies", help="comma-separated names of STRATEGIES (default: all)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
     from ot_dist.demo import make_demo_dataset
@@ -89,7 +94,9 @@ def main(argv=None) -> int:
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     results = {}
-    for name, sets in STRATEGIES.items():
+    chosen = args.strategies.split(",") if args.strategies else list(STRATEGIES)
+    for name in chosen:
+        sets = STRATEGIES[name] + args.set
         out = work / name.replace(" ", "_").replace("(", "").replace(")", "")
         out.mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
@@ -103,6 +110,12 @@ def main(argv=None) -> int:
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
         results[name] = {kind: max(r[kind] for r in ranks) for kind in KINDS}  # the fuller rank
         results[name]["total"] = sum(results[name][k] for k in KINDS)
+    if "ddp" not in results:
+        for name, r in results.items():
+            print(f"{name:<22}" + "".join(f"{r[k] / 2**20:>15.2f} MiB" for k in (*KINDS, "total")))
+        if args.json:
+            args.json.write_text(json.dumps({"results": results}, indent=2))
+        return 0
     base = results["ddp"]
     print(f"{'strategy':<22}" + "".join(f"{k:>18}" for k in (*KINDS, "total")) + f"{'total/ddp':>11}{'optim/ddp':>11}")
     for name, r in results.items():

@@ -25,11 +25,19 @@ def floating_inputs(args: tuple, kwargs: dict, prefix: str = "") -> dict[str, to
     return found
 
 
+def autocast_state(device_type: str) -> str:
+    """The autocast dtype in force ("torch.bfloat16"), or "off"."""
+    return str(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else "off"
+
+
 def record_denoiser_inputs(trainer, path: str) -> None:
-    """Write {input name: dtype} of the denoiser's first call in `trainer` to `path` (JSON)."""
+    """Write {input name: dtype} of the denoiser's first call in `trainer` to `path` (JSON), and under "(autocast)"
+    the autocast the call ran under: inputs in float32 with autocast off would be a float32 forward."""
     def record(module, args, kwargs):
         handle.remove()
+        inputs = floating_inputs(args, kwargs)
+        device_type = next(iter(inputs.values())).device.type
         with open(path, "w") as f:
-            json.dump({k: str(v.dtype) for k, v in floating_inputs(args, kwargs).items()}, f)
+            json.dump({k: str(v.dtype) for k, v in inputs.items()} | {"(autocast)": autocast_state(device_type)}, f)
 
     handle = trainer.model.denoiser.register_forward_pre_hook(record, with_kwargs=True)

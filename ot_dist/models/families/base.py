@@ -89,6 +89,16 @@ class Family:
     # Image sides must be multiples of this many pixels: VAE downsampling x the denoiser's own patching (a UNet
     # pads odd sizes itself). data.bucket_step must be a multiple of it.
     pixel_multiple: int = 8
+    # Sample image sides (sampling.prompts[].width / height) must be multiples of this: SD3's pipeline refuses other
+    # sides, PixArt's fails mid-sampling, Flux's and Chroma's resize them with a warning. The training grid for
+    # every family but Stable Cascade, whose combined pipeline takes any side.
+    sample_pixel_multiple: int | None = None  # None: pixel_multiple
+    # The classifier-free guidance scale of a sample prompt that sets none: OneTrainer's sample default for the
+    # family (modules/util/config/SampleConfig.py: 7.0 for SD3; for Flux.1 dev its distilled guidance, 3.5).
+    sample_guidance_scale: float = 7.0
+    # Whether the sampling pipeline uses a sample prompt's negative_prompt (classifier-free guidance); FluxPipeline
+    # ignores it at its default true_cfg_scale of 1 (Flux.1 dev's guidance is distilled, schnell has none).
+    sample_negative_prompt: bool = True
     # The default data.bucket_step: bucket sides are multiples of it (OneTrainer's aspect_bucketing_quantization for
     # the family: 64 for SDXL, SD3, Flux, Chroma; 8 for SD 1.x / 2.x).
     bucket_step: int = 64
@@ -130,6 +140,10 @@ class Family:
     def objective_kind(self) -> str:
         """"ddpm" or "flow", known without loading anything: config validation refuses options that do not apply."""
         raise NotImplementedError
+
+    # Why model.zero_terminal_snr does not apply to the family (None: its DDPM betas are rescaled, as diffusers'
+    # rescale_betas_zero_snr does; the family's loaders apply it), checked when the config is validated.
+    zero_terminal_snr_refusal: str | None = "has no discrete DDPM beta schedule to rescale"
 
     # -- sampling ---------------------------------------------------------------------------------------
     samplers: tuple[str, ...] = ("flow_euler",)  # sampling.sampler values that fit the objective; the first is auto
@@ -242,9 +256,15 @@ class Family:
         raise NotImplementedError(f"model.path: {self.name} models load from a diffusers folder only")
 
     def export_single_file(self, components: dict[str, torch.nn.Module], states: dict[str, dict],
-                           path: Path, dtype: torch.dtype) -> None:
-        """Write the trained model as one file in the family's original layout (what from_single_file reads)."""
+                           path: Path, dtype: torch.dtype, with_text_encoders: bool = False) -> None:
+        """Write the trained model as one file in the family's original layout (what from_single_file reads).
+        `with_text_encoders` (a run that trained a text encoder, a merge that changed one): the file must carry the
+        text encoders, as a full checkpoint where the family's own file is the denoiser alone (`full_checkpoint`)."""
         raise NotImplementedError
+
+    # Where a full checkpoint (ComfyUI's Load Checkpoint: denoiser, VAE, text encoders in one file) holds each
+    # component, for the families whose own single file is the denoiser (ot_dist/models/families/full_checkpoint.py).
+    full_checkpoint = None
 
     # -- LoRA files -------------------------------------------------------------------------------------
     # The kohya-style prefix of each component's modules in a LoRA file (ComfyUI, A1111 / Forge, kohya read

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from ot_dist.errors import InputFileError
+from ot_dist.models.families.full_checkpoint import DENOISER_PREFIX
+from ot_dist.models.families.single_file_keys import strip_prefix
 
 QKV = ("to_q", "to_k", "to_v")
 
@@ -35,6 +37,8 @@ def cascade_to_original(state: dict[str, torch.Tensor], config: dict | None = No
 
 
 def cascade_from_original(state: dict[str, torch.Tensor], config: dict | None = None) -> dict[str, torch.Tensor]:
+    """Stage C's own keys (bare, or under model.diffusion_model. in a checkpoint with its text encoder) -> diffusers."""
+    _, state = strip_prefix(state, (DENOISER_PREFIX,))
     out = {}
     for key, value in state.items():
         head, sep, tail = key.rpartition(".attention.attn.")
@@ -60,7 +64,7 @@ def validate_cascade_file(path: Path, config: dict) -> None:
         expected = {k: tuple(v.shape) for k, v in cascade_to_original(
             StableCascadeUNet.from_config(config).state_dict()).items()}
     with safe_open(str(path), "pt") as f:
-        found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        _, found = strip_prefix({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, (DENOISER_PREFIX,))
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     wrong = sorted(k for k in set(expected) & set(found) if expected[k] != found[k])
     if missing or unexpected or wrong:

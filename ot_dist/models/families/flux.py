@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
+from ot_dist.models.families.full_checkpoint import DENOISER_PREFIX, FullCheckpoint
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
 
@@ -61,6 +62,7 @@ class FlowTransformerFamily(Family):
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     denoiser_lora_presets = {"default": FLUX_LORA_TARGETS, "attention": ATTENTION_TARGETS}
     samplers = ("flow_euler",)
+    sample_guidance_scale = 3.5  # OneTrainer's for Flux.1 and Chroma; FluxPipeline's default too
     t5_tokenizer = "tokenizer_2"
 
     def objective(self, pipeline, model_config) -> FlowMatching:
@@ -80,6 +82,23 @@ class FlowTransformerFamily(Family):
     def transformer_inputs(self, denoiser, conditioning: dict, noisy: torch.Tensor) -> dict:
         """The family's own keyword arguments of the transformer call."""
         raise NotImplementedError
+
+    def transformer_to_original(self, state: dict, config: dict, prefix: str) -> dict:
+        """The transformer's state dict in its original (BFL / lodestones) keys under `prefix`."""
+        raise NotImplementedError
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
+        """The transformer alone with bare keys, as Black Forest Labs / lodestones ship it; when a run trained a text
+        encoder, a full checkpoint as ComfyUI saves one (the transformer under model.diffusion_model., the VAE and
+        every text encoder under the family's prefixes)."""
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        config = dict(components["transformer"].config)
+        if not with_text_encoders:
+            write_transformer_file(self.transformer_to_original(states["transformer"], config, ""), path, dtype)
+            return
+        state = self.transformer_to_original(states["transformer"], config, DENOISER_PREFIX)
+        write_transformer_file(state | self.full_checkpoint.component_keys(components, states), path, dtype)
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         h, w = noisy.shape[-2:]
@@ -119,6 +138,14 @@ class Flux(FlowTransformerFamily):
     # SimpleTuner's LyCORIS files: lycoris_<diffusers path> (ComfyUI's comfy/lora.py maps it for Flux)
     lora_foreign_prefixes = {"transformer": ("lora_transformer", "lycoris"), "text_encoder": ("lora_te1",),
                              "text_encoder_2": ("lora_te2",)}
+    # Comfy-Org's Flux checkpoints (flux1-dev-fp8.safetensors) and ComfyUI's Save Checkpoint: comfy/supported_models.py
+    # Flux (vae_key_prefix "vae.", text_encoder_key_prefix "text_encoders.", FluxClipModel's clip_l and t5xxl);
+    # diffusers' from_single_file reads the same text-encoder prefixes.
+    full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "text_encoders.clip_l.transformer.",
+                                                    "text_encoder_2": "text_encoders.t5xxl.transformer."},
+                                     vae="vae.")
+
+    sample_negative_prompt = False  # FluxPipeline samples with the distilled guidance, without a negative pass
 
     def denoiser_original_rules(self, config) -> list:
         from ot_dist.models.families.flux_single_file import flux_rules
@@ -151,12 +178,10 @@ class Flux(FlowTransformerFamily):
 
         return load_transformer_file(path, config_folder, self, flux_from_original, validate_flux_file)
 
-    def export_single_file(self, components, states, path, dtype):
+    def transformer_to_original(self, state, config, prefix):
         from ot_dist.models.families.flux_single_file import flux_to_original
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
 
-        transformer = components["transformer"]
-        write_transformer_file(flux_to_original(states["transformer"], dict(transformer.config)), path, dtype)
+        return flux_to_original(state, config, prefix)
 
     def build_tiny(self, seed: int = 0, variant: str = "dev", **_):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
@@ -197,6 +222,10 @@ class Chroma(FlowTransformerFamily):
     lora_file_kohya_components = {"text_encoder": "lora_te1"}
     # OneTrainer (modules/util/convert/lora/convert_chroma_lora.py): lora_transformer_ and lora_te_ (its T5)
     lora_foreign_prefixes = {"transformer": ("lora_transformer",), "text_encoder": ("lora_te",)}
+    # ComfyUI's Chroma (comfy/supported_models.py) keeps the base prefixes: VAE first_stage_model., text encoder
+    # cond_stage_model. with its PixArt-style T5 model named t5xxl. diffusers reads no Chroma text encoder from a file.
+    full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "cond_stage_model.t5xxl.transformer."},
+                                     vae="first_stage_model.")
 
     def denoiser_original_rules(self, config) -> list:
         from ot_dist.models.families.flux_single_file import chroma_rules
@@ -232,12 +261,10 @@ class Chroma(FlowTransformerFamily):
 
         return load_transformer_file(path, config_folder, self, chroma_from_original, validate_chroma_file)
 
-    def export_single_file(self, components, states, path, dtype):
+    def transformer_to_original(self, state, config, prefix):
         from ot_dist.models.families.flux_single_file import chroma_to_original
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
 
-        transformer = components["transformer"]
-        write_transformer_file(chroma_to_original(states["transformer"], dict(transformer.config)), path, dtype)
+        return chroma_to_original(state, config, prefix)
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler

@@ -45,6 +45,7 @@ class PixArt(Family):
     pixel_multiple = 16  # VAE x8, 2x2 patches
     # PixArt ships DPMSolverMultistepScheduler (dpmpp_2m) for sampling; the DDPM samplers all fit.
     samplers = ("dpmpp_2m", "ddim", "euler", "euler_a", "unipc")
+    sample_guidance_scale = 4.5  # OneTrainer's and the PixArt pipelines' default
     lora_file_prefixes = None  # the diffusers layout: ComfyUI maps transformer.<diffusers module> for PixArt
     # ComfyUI's PixArt text encoder is T5-XXL alone: its LoRA modules are lora_te1_<T5 path> (comfy/lora.py)
     lora_file_kohya_components = {"text_encoder": "lora_te1"}
@@ -52,6 +53,10 @@ class PixArt(Family):
     # PixArt's original checkpoint layout (blocks.N.attn.qkv, ...) is not written yet: the full method exports the
     # diffusers folder (what PixArtAlphaPipeline / PixArtSigmaPipeline.from_pretrained read).
     single_file = False
+    # Its learned variance's VB loss divides by sqrt(alphas_cumprod), 0 at the last timestep of such a schedule, and
+    # predicts epsilon; OneTrainer's PixArt setups ignore rescale_noise_scheduler_to_zero_terminal_snr.
+    zero_terminal_snr_refusal = ("learns its variance with a VB loss that needs alphas_cumprod > 0 at every timestep "
+                                 "(OneTrainer's PixArt training ignores the option too)")
 
     def objective(self, pipeline, model_config) -> DDPM:
         prediction_type = None if model_config.prediction_type == "auto" else model_config.prediction_type
@@ -89,8 +94,10 @@ class PixArt(Family):
         added = {"resolution": None, "aspect_ratio": None}
         if denoiser.use_additional_conditions:  # α-1024: the image's pixel size and aspect, as the pipeline passes
             b, height, width = noisy.shape[0], noisy.shape[-2] * VAE_FACTOR, noisy.shape[-1] * VAE_FACTOR
-            added = {"resolution": torch.tensor([[height, width]], device=noisy.device, dtype=noisy.dtype).repeat(b, 1),
-                     "aspect_ratio": torch.full((b, 1), height / width, device=noisy.device, dtype=noisy.dtype)}
+            # float32 whatever the latents' dtype (zero's bf16 / fp16 engine): the size embedding projects them in
+            # float32 and casts its output to the transformer's dtype; bfloat16 would round an aspect of 4:3 to 1.336.
+            added = {"resolution": torch.tensor([[height, width]], device=noisy.device, dtype=torch.float32).repeat(b, 1),
+                     "aspect_ratio": torch.full((b, 1), height / width, device=noisy.device, dtype=torch.float32)}
         return denoiser(noisy, encoder_hidden_states=conditioning["hidden"],
                         encoder_attention_mask=conditioning["mask"], timestep=timesteps, added_cond_kwargs=added,
                         return_dict=False)[0]

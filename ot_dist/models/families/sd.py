@@ -4,6 +4,7 @@ hidden state as cross-attention context, epsilon (1.x) or v-prediction (2.x) on 
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", 
 # conv_in / conv_out stay with the root (~1.3 %).
 UNET_SHARD_UNITS = ("resnets", "transformer_blocks", "downsamplers", "upsamplers")
 CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+ZERO_TERMINAL_SNR_GUIDANCE_RESCALE = 0.7  # OneTrainer's cfg_rescale with the option on, the paper's choice
 
 
 class UNetFamily(Family):
@@ -28,6 +30,7 @@ class UNetFamily(Family):
     denoiser_lora_presets = {"default": UNET_LORA_TARGETS, "attention": ("to_q", "to_k", "to_v", "to_out.0")}
     shard_units = {"unet": UNET_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS}
     pixel_multiple = 8
+    sample_guidance_scale = 7.5  # OneTrainer's for SD 1.x, 2.x and SDXL (StableDiffusionPipeline's too)
     lora_file_prefixes = {"unet": "lora_unet", "text_encoder": "lora_te"}
     lora_file_roots = {"text_encoder": "text_model", "text_encoder_2": "text_model"}
     # kohya sd-scripts' SDXL LoRAs (and some SD 1.x / 2.x ones) name UNet modules by their original LDM / SGM paths
@@ -52,24 +55,38 @@ class UNetFamily(Family):
         return [Rule(to_original(name), (name,)) for name in names if name.endswith(".weight")]
 
     def objective(self, pipeline, model_config) -> DDPM:
-        prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type
-        return DDPM(pipeline.scheduler.config, prediction)
+        return DDPM(pipeline.scheduler.config, model_config.training_prediction_type())
 
     def objective_kind(self) -> str:
         return "ddpm"
 
-    def complete_pipeline(self, pipeline, path: Path, model_config):
-        # model.prediction_type names what the UNet is trained to predict: the scheduler must say so too, since the
-        # exports take it from there (the diffusers folder's scheduler config, the single file's v_pred marker).
-        from ot_dist.models.families.sd_single_file import with_prediction_type
+    zero_terminal_snr_refusal = None
 
-        return with_prediction_type(pipeline, None if model_config.prediction_type == "auto" else
-                                    model_config.prediction_type)
+    def complete_pipeline(self, pipeline, path: Path, model_config):
+        return self.with_training_schedule(pipeline, model_config)
+
+    def with_training_schedule(self, pipeline, model_config):
+        """The pipeline with its scheduler saying what training does: what the UNet predicts (model.prediction_type)
+        and on which schedule (model.zero_terminal_snr). The objective, the samples and the exports (the diffusers
+        folder's scheduler config, the single file's v_pred / ztsnr markers) all take it from there."""
+        from ot_dist.models.families.sd_single_file import with_prediction_type, with_zero_terminal_snr
+
+        pipeline = with_prediction_type(pipeline, model_config.training_prediction_type())
+        return with_zero_terminal_snr(pipeline) if model_config.zero_terminal_snr else pipeline
 
     samplers = ("ddim", "euler", "euler_a", "dpmpp_2m", "unipc")
 
     def sampling_overrides(self, objective: DDPM) -> dict:
         return {"prediction_type": objective.prediction_type}
+
+    def sampling_arguments(self, pipeline, arguments: dict) -> dict:
+        arguments = super().sampling_arguments(pipeline, arguments)
+        # On a zero-terminal-SNR schedule the paper (section 3.4) and OneTrainer's samples rescale the guided
+        # prediction by 0.7 (diffusers' guidance_rescale; SD's inpainting pipeline has none), against over-exposure.
+        if pipeline.scheduler.config.get("rescale_betas_zero_snr") and "guidance_rescale" in inspect.signature(
+                pipeline.__call__).parameters:
+            arguments.setdefault("guidance_rescale", ZERO_TERMINAL_SNR_GUIDANCE_RESCALE)
+        return arguments
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         return denoiser(noisy, timesteps, **self.unet_inputs(conditioning, batch), return_dict=False)[0]
@@ -85,10 +102,10 @@ class UNetFamily(Family):
     def load_single_file(self, path: Path, config_folder, model_config):
         from ot_dist.models.families.sd_single_file import load_single_file
 
-        prediction = None if model_config.prediction_type == "auto" else model_config.prediction_type
-        return load_single_file(path, self.name, config_folder, prediction_type=prediction)
+        return self.with_training_schedule(load_single_file(path, self.name, config_folder), model_config)
 
-    def export_single_file(self, components, states, path, dtype):
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
+        """The checkpoint layout, which always holds the text encoders (trained or not)."""
         from ot_dist.models.families.sd_single_file import export_single_file
 
         export_single_file(components, self.name, path, dtype=dtype, states=states)

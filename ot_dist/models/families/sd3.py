@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
+from ot_dist.models.families.full_checkpoint import FullCheckpoint
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
 
@@ -89,15 +90,25 @@ class SD3(Family):
 
         return load_transformer_file(path, config_folder, self, sd3_from_original, validate_sd3_file)
 
-    def export_single_file(self, components, states, path, dtype):
+    # Stability's all-in-one files (sd3_medium_incl_clips_t5xxlfp16) and ComfyUI's SD3 checkpoints: comfy/
+    # supported_models.py SD3 (text_encoder_key_prefix "text_encoders.", its SD3ClipModel's clip_l / clip_g / t5xxl),
+    # diffusers' from_single_file (single_file_utils: text_encoders.clip_l / clip_g / t5xxl .transformer.).
+    full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "text_encoders.clip_l.transformer.",
+                                                    "text_encoder_2": "text_encoders.clip_g.transformer.",
+                                                    "text_encoder_3": "text_encoders.t5xxl.transformer."},
+                                     vae="first_stage_model.")
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
         """Stability's layout: the transformer under model.diffusion_model. and the VAE under first_stage_model.
-        (what StableDiffusion3Pipeline.from_single_file and ComfyUI read; the text encoders ship separately)."""
-        from ot_dist.models.families.sd3_single_file import sd3_to_original, sd3_vae_to_original
+        (what StableDiffusion3Pipeline.from_single_file and ComfyUI read); with the three text encoders when a run
+        trained any (the text encoders otherwise ship separately, as with Stability's sd3.5_large.safetensors)."""
+        from ot_dist.models.families.sd3_single_file import sd3_to_original
         from ot_dist.models.families.transformer_single_file import write_transformer_file
 
-        transformer, vae = components["transformer"], components["vae"]
-        state = sd3_to_original(states["transformer"], dict(transformer.config))
-        state |= sd3_vae_to_original(states["vae"], dict(vae.config))
+        state = sd3_to_original(states["transformer"], dict(components["transformer"].config))
+        layout = self.full_checkpoint
+        state |= layout.component_keys(components, states) if with_text_encoders else \
+            FullCheckpoint(vae=layout.vae).component_keys(components, states)
         write_transformer_file(state, path, dtype)
 
     def build_tiny(self, seed: int = 0, variant: str = "sd3", **_):

@@ -380,10 +380,20 @@ def with_prediction_type(pipe, prediction_type: str | None):
 
 
 def with_zero_terminal_snr(pipe):
-    """`pipe` with its scheduler's betas rescaled to zero terminal SNR (a file's `ztsnr` marker). Schedulers without
-    the option (PNDM, SD 1.x's default) keep their schedule: diffusers gives them none."""
-    if not pipe.scheduler.config.get("rescale_betas_zero_snr"):
-        pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, rescale_betas_zero_snr=True)
+    """`pipe` with its scheduler's betas rescaled to zero terminal SNR (a file's `ztsnr` marker, model.zero_terminal_snr)
+    and its timesteps spaced `trailing`, so that sampling starts at the last timestep, pure noise (Lin et al. 2023,
+    section 3.3: `leading` never samples it; ComfyUI and Forge start there too). A scheduler class without the option
+    (PNDM, SD 1.x's default, would drop it silently) becomes DDIM, the paper's sampler, on the same betas."""
+    import inspect
+
+    from diffusers import DDIMScheduler
+
+    scheduler_cls = type(pipe.scheduler)
+    options = {"rescale_betas_zero_snr": True, "timestep_spacing": "trailing"}
+    if "rescale_betas_zero_snr" not in inspect.signature(scheduler_cls.__init__).parameters:
+        scheduler_cls, options["clip_sample"] = DDIMScheduler, False  # latents are not clipped to [-1, 1]
+    if any(pipe.scheduler.config.get(key) != value for key, value in options.items()):
+        pipe.scheduler = scheduler_cls.from_config(pipe.scheduler.config, **options)
     return pipe
 
 

@@ -56,7 +56,9 @@ class SDXL(UNetFamily):
         hidden = conditioning["hidden"]
         # [original_h, original_w, crop_top, crop_left, target_h, target_w] per sample.
         time_ids = torch.cat([batch["original_size"], batch["crop_top_left"], batch["target_size"]], dim=1)
-        time_ids = to_device(time_ids, hidden.device, hidden.dtype)
+        # float32 whatever the conditioning's dtype (zero's bf16 / fp16 engine): the UNet embeds them in float32 and
+        # casts the embedding to its own dtype; bfloat16 would round an original size of 6000 px to 6016.
+        time_ids = to_device(time_ids, hidden.device, torch.float32)
         return {"encoder_hidden_states": hidden,
                 "added_cond_kwargs": {"text_embeds": conditioning["pooled"], "time_ids": time_ids}}
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ot_dist.models.families.base import Family
+from ot_dist.models.families.full_checkpoint import FullCheckpoint
 from ot_dist.models.objectives import ContinuousCosine
 from ot_dist.train.transfer import to_device
 
@@ -58,6 +59,8 @@ class StableCascade(Family):
     shard_units = {"prior": ("down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1"),
                    "text_encoder": ("text_model.encoder.layers",)}
     pixel_multiple = 128  # x 3/4 / 32: whole latents (a 128 px side -> 3)
+    sample_pixel_multiple = 8  # the combined pipeline samples any side (docs/sampling.md: 64 px -> 84 px)
+    sample_guidance_scale = 4.0  # OneTrainer's and StableCascadeCombinedPipeline's prior guidance
     bucket_step = 128
     latent_encoder = "effnet"
     samplers = ("wuerstchen",)  # the prior's DDPMWuerstchenScheduler; the decoder stages keep their own
@@ -78,6 +81,9 @@ class StableCascade(Family):
                                    "*.attention.to_k": "*.attention.attn.to_k",
                                    "*.attention.to_v": "*.attention.attn.to_v",
                                    "*.attention.to_out.0": "*.attention.attn.out_proj"}}
+    # ComfyUI's Stable_Cascade_C (comfy/supported_models.py): text_encoder_key_prefix "text_encoder.", its
+    # StableCascadeClipModel names CLIP-G clip_g; the layout of a stage C checkpoint ComfyUI's Load Checkpoint reads.
+    full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "text_encoder.clip_g.transformer."})
     time_scale = 1.0  # ContinuousCosine's scale (Würstchen v2: 1.08)
     effnet_affine = False  # Stable Cascade's mapper BatchNorm has no weight / bias
 
@@ -142,12 +148,19 @@ class StableCascade(Family):
         pipeline = load_transformer_file(path, config_folder, self, cascade_from_original, validate_cascade_file)
         return self.complete_pipeline(pipeline, Path(config_folder), model_config)
 
-    def export_single_file(self, components, states, path, dtype):
-        """The prior alone, bare keys, as Stability ships stage_c.safetensors."""
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False):
+        """The prior alone, bare keys, as Stability ships stage_c.safetensors; when a run trained the text encoder, a
+        checkpoint as ComfyUI's Load Checkpoint reads one: the prior under model.diffusion_model., CLIP-G beside it
+        (no VAE: stage C's EfficientNet / previewer come from their own files, as with the bare stage C)."""
         from ot_dist.models.families.cascade_single_file import cascade_to_original
+        from ot_dist.models.families.full_checkpoint import DENOISER_PREFIX
         from ot_dist.models.families.transformer_single_file import write_transformer_file
 
-        write_transformer_file(cascade_to_original(states["prior"]), path, dtype)
+        state = cascade_to_original(states["prior"])
+        if with_text_encoders:
+            state = {DENOISER_PREFIX + k: v for k, v in state.items()}
+            state |= self.full_checkpoint.component_keys(components, states)
+        write_transformer_file(state, path, dtype)
 
     # -- latents ----------------------------------------------------------------------------------------
     def latent_shape(self, vae, pixel_height, pixel_width):
@@ -243,6 +256,7 @@ class WuerstchenV2(StableCascade):
                              "attention_mlp": CASCADE_ATTENTION_MLP}
     shard_units = {"prior": ("blocks",), "text_encoder": ("text_model.encoder.layers",)}
     single_file = False  # no original single-file layout of Würstchen v2's prior in ot_dist
+    full_checkpoint = None
     lora_file_prefixes = None  # no UI reads Würstchen v2 LoRAs by kohya names: the diffusers layout
     lora_file_renames = {}
     memory_reference = "Würstchen v2"  # the 1 B prior (warp-ai/wuerstchen-prior)

@@ -1,6 +1,7 @@
-"""Loading and writing a transformer-only single file (Flux / Chroma from Black Forest Labs / lodestones, SD3
-from Stability): the file holds the denoiser in its original layout; the other components (VAE, text encoders,
-tokenizers, scheduler) come from a diffusers folder named by `model.config`, weights included."""
+"""Loading and writing a transformer family's single file (Flux / Chroma from Black Forest Labs / lodestones, SD3
+from Stability, Stable Cascade's stage C): the file holds the denoiser in its original layout, and may hold the VAE
+and text encoders as a full checkpoint does (full_checkpoint.py); the components it lacks (and the tokenizers,
+scheduler and every config) come from a diffusers folder named by `model.config`, weights included."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Callable
 import torch
 
 from ot_dist.errors import InputFileError
+from ot_dist.models.families.full_checkpoint import load_file_components
 
 
 def load_transformer_file(path: Path, config_folder: str | None, family, from_original: Callable,
@@ -37,10 +39,14 @@ def load_transformer_file(path: Path, config_folder: str | None, family, from_or
         raise InputFileError(f"model.path: {path} does not fit {config_file}: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
     try:
-        return family.pipeline_cls().from_pretrained(folder, **{family.denoiser: denoiser}, dtype=torch.float32,
-                                                     use_safetensors=True, local_files_only=True)
+        pipeline = family.pipeline_cls().from_pretrained(folder, **{family.denoiser: denoiser}, dtype=torch.float32,
+                                                         use_safetensors=True, local_files_only=True)
     except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason
         raise InputFileError(f"model.config: could not load the other components from {folder}: {err}") from None
+    # A full checkpoint's own text encoders and VAE replace the folder's (ot_dist's exports of a run that trained
+    # text encoders, Stability's SD3 files with their CLIPs, ComfyUI-saved checkpoints).
+    load_file_components(path, pipeline, family.full_checkpoint)
+    return pipeline
 
 
 def write_transformer_file(state: dict[str, torch.Tensor], path: Path, dtype: torch.dtype) -> None:
