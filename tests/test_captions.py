@@ -19,7 +19,7 @@ TAGS = "sks dog, red collar, grass, sunny day, park, bokeh"
 
 
 def concept(**options) -> ConceptConfig:
-    return ConceptConfig(path="x", **options)
+    return ConceptConfig(**{"path": "x", **options})
 
 
 def draw(options, seed) -> str:
@@ -194,3 +194,52 @@ def test_cached_latents_cannot_hold_augmented_images():
     with pytest.raises(ConfigError, match=r"data.cache_latents: data.concepts\[0\] augments its images"):
         validate({"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o",
                   "data": {"concepts": [{"path": "x", "flip_probability": 0.5}], "cache_latents": True}})
+
+
+def test_caption_text_reads_as_a_caption_file_one_caption_per_line(tmp_path):
+    """A YAML block scalar (`caption_text: >`) ends with a newline: it is one caption, not that caption and an empty
+    one drawn every other epoch; several lines are several captions, each with the prefix."""
+    import yaml
+
+    from ot_dist.data.concepts import read_caption
+
+    folded = yaml.safe_load("path: x\ncaption_source: text\ncaption_prefix: 'sks, '\ncaption_text: >\n  photo of\n"
+                            "  a dog\n")
+    assert folded["caption_text"] == "photo of a dog\n"
+    # normalised in the config, so a shard set built from the old reading has another fingerprint and is rebuilt
+    assert ConceptConfig(**folded).caption_text == "photo of a dog"
+    assert read_caption(ConceptConfig(**folded), tmp_path / "a.png") == "sks, photo of a dog"
+    lines = concept(caption_source="text", caption_prefix="sks, ", caption_text="a dog\n\n  on grass \n")
+    assert read_caption(lines, tmp_path / "a.png") == "sks, a dog\nsks, on grass"
+
+
+def test_caption_extension_without_its_dot_names_the_same_files(tmp_path):
+    """`txt` (how `ot-dist shard index --caption-ext` spells it) was a ValueError traceback from pathlib."""
+    from ot_dist.data.concepts import classify_files, read_caption
+
+    (tmp_path / "a.png").write_bytes(b"")
+    (tmp_path / "a.caption").write_text("a red circle\n")
+    spelled = concept(path=str(tmp_path), caption_extension="caption")
+    assert spelled.caption_extension == ".caption"
+    assert classify_files("concepts[0]", spelled) == ([tmp_path / "a.png"], [])
+    assert read_caption(spelled, tmp_path / "a.png") == "a red circle"
+
+
+def test_tag_dropout_probability_one_keeps_only_the_kept_tags():
+    """OneTrainer's tag dropout probability runs "from 0 to 1" (its UI); 1 was refused, also on import."""
+    for mode in ("random", "full"):
+        assert draw({"tag_dropout_probability": 1.0, "tag_dropout_mode": mode, "keep_tags_count": 2}, 0) == \
+            "sks dog, red collar"
+
+
+@pytest.mark.parametrize("prefix,caption", [("sks", "sks a dog, grass"), ("sks,", "sks, a dog, grass"),
+                                            ("photo of sks, ", "photo of sks, a dog, grass"), ("", "a dog, grass")])
+def test_caption_prefix_is_followed_by_a_space_as_kohyas(tmp_path, prefix, caption):
+    """kohya's sd-scripts (train_util.py process_caption) put `caption_prefix + " " + caption`; a prefix written
+    without its space glued the trigger word to the caption's first word (`sksa dog`)."""
+    from ot_dist.data.concepts import read_caption
+
+    (tmp_path / "a.txt").write_text("a dog, grass\n")
+    assert read_caption(concept(caption_prefix=prefix), tmp_path / "a.png") == caption
+    # the config holds the prefix with its space: a shard set built with the glued prefix is rebuilt, not reused
+    assert concept(caption_prefix=prefix).caption_prefix == caption.removesuffix("a dog, grass")

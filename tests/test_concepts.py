@@ -257,13 +257,22 @@ def test_two_rank_launch(small_sd1, folders, tmp_path):
 def test_the_type_and_small_buckets_are_read_time_options(tiny_models, folders, tmp_path):
     """They change no shard: a shard set stays current when a concept becomes a validation concept or small buckets
     change policy; an option that changes what shards hold (the caption prefix) rebuilds it."""
-    from ot_dist.data.shards import source_fingerprint
+    from ot_dist.data.shards import default_shard_dir, source_fingerprint
 
     raw = concepts_config(tiny_models, folders, tmp_path / "o")
     base = source_fingerprint(validate(raw))
     raw["data"]["concepts"][0]["type"] = "validation"
     raw["data"]["small_buckets"] = "drop"
     assert source_fingerprint(validate(raw)) == base
+    # nor the options applied as samples are read: each change of them built (and cached) a whole new copy of the set
+    read_time = {"loss_weight": 2.0, "tag_shuffling": True, "tag_delimiter": ";", "keep_tags_count": 2,
+                 "tag_dropout_probability": 0.5, "tag_dropout_mode": "full", "caption_dropout_probability": 0.1,
+                 "flip_probability": 0.5, "rotation_degrees": 5.0, "brightness": 0.1, "contrast": 0.1,
+                 "saturation": 0.1, "hue": 0.1}
+    raw["data"]["concepts"][1].update(read_time)
+    config = validate(raw)
+    assert source_fingerprint(config) == base
+    assert default_shard_dir(config) == default_shard_dir(validate(concepts_config(tiny_models, folders, tmp_path / "o")))
     raw["data"]["concepts"][0]["caption_prefix"] = "sks, "
     assert source_fingerprint(validate(raw)) != base
 
@@ -298,3 +307,26 @@ def test_unreadable_images_of_concept_folders_are_named_up_to_a_limit():
     assert warning.startswith("warning: data: 25 of 100 images unreadable, skipped") and warning.endswith("... 5 more")
     check_bad_fraction(SimpleNamespace(max_bad_fraction=0.5), bad[:3], 100, log=warnings.append)
     assert warnings[-1].endswith("/photos/2.jpg: not readable")  # a few are all named, nothing counted
+
+
+@pytest.mark.parametrize("buckets,balancing,per_epoch", [
+    # OneTrainer draws floor(images x repeats) samples of a concept per epoch, or int(samples) (mgds DiskCache)
+    ((0, 0, 0, 1, 1, 1, 2, 2, 2, 2), (1.5, "repeats"), 15),  # shares 4.5, 4.5, 6 were rounded to 4 + 4 + 6
+    (tuple(range(10)), (0.4, "repeats"), 4),  # ten aspect ratios, one image each: every share 0.4 was rounded to 0
+    (tuple(i // 5 for i in range(100)), (10, "samples"), 10),  # regularisation images over 20 buckets: 20 x 0.5 -> 0
+    ((0, 0, 1), (0.35, "samples"), 0), ((0, 0, 1), (7.9, "samples"), 7),
+])
+def test_balancing_draws_onetrainers_number_of_samples_per_epoch(buckets, balancing, per_epoch):
+    """A concept spread over many buckets drew far fewer samples than its balancing says, or none at all: each
+    bucket's share was rounded on its own. The total is OneTrainer's, the same every epoch, and each bucket
+    gives its share of it (the whole part, the rest to the largest fractions)."""
+    from ot_dist.data.plan import SampleTable, plan_epoch
+
+    table = SampleTable(buckets, (0,) * len(buckets), (balancing,), ("c",))
+    sizes = table.epoch_sizes()
+    assert sum(sizes.values()) == per_epoch
+    for bucket, n in sizes.items():
+        share = per_epoch * buckets.count(bucket) / len(buckets)
+        assert int(share) <= n <= int(share) + 1
+    for epoch in (0, 1):
+        assert sum(len(batch.samples) for batch in plan_epoch(table, 1, [64], 0, epoch)) == per_epoch

@@ -43,6 +43,8 @@ def doc_blocks(page: str, section: str) -> list[str]:
 #   ("diffuser concepts"); the prompt word is the file name.
 # - ComfyUI comfy/sd1_clip.py `load_embed`: `string_to_param`, `clip_l` / `clip_g` by the encoder's key, else the
 #   first (only) tensor.
+# - OneTrainer modules/modelSetup/Base*Setup.py `_setup_embeddings`: SD 1.x / 2.x `emp_params(_out)` only, SDXL / SD3
+#   `clip_l` / `clip_g` (`t5` optional), Flux `clip_l`, Würstchen / Stable Cascade `clip_g` (each `_out` first).
 
 
 def run_embedding(family: str, model: Path, data: Path, out: Path, **extra):
@@ -90,6 +92,10 @@ def test_sd_embedding_loads_with_the_plain_call_in_the_docs(tiny_models, shapes_
     torch.testing.assert_close(rows, saved["<shape>"].to(rows.dtype))
     assert not torch.allclose(prompt_states(pipe, prompt), before_states)  # the trained token reaches the prompt
     assert abs(image(pipe, prompt) - before_image).max() > 1e-3  # ... and the image
+    # OneTrainer's SD setups read `emp_params` (or `emp_params_out`) and nothing else: the documented copy has it
+    exec(doc_blocks("checkpoints.md", "Loading an exported embedding")[3].replace("OUT/", f"{tmp_path / 'out'}/"), {})
+    copy = load_file(tmp_path / "out" / "embedding-onetrainer.safetensors")
+    assert torch.equal(copy.get("emp_params_out", copy.get("emp_params")), saved["<shape>"])
 
 
 def test_sdxl_embedding_loads_with_the_documented_calls(tiny_models, shapes_data, tmp_path):

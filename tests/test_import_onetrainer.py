@@ -43,7 +43,8 @@ def sd15_lora(model, data) -> dict:
         "concepts": [{"name": "shapes", "path": str(data), "enabled": True, "type": "STANDARD", "balancing": 2.0,
                       "balancing_strategy": "REPEATS",
                       "text": {"prompt_source": "sample", "enable_tag_shuffling": True, "keep_tags_count": 2},
-                      "image": {"enable_random_flip": True, "enable_fixed_flip": True}},
+                      "image": {"enable_random_flip": True, "enable_fixed_flip": True, "enable_fixed_rotate": True,
+                                "random_rotate_max_angle": 10.0}},
                      {"name": "off", "path": str(data), "enabled": False},
                      {"name": "held", "path": str(data), "type": "VALIDATION"},
                      {"name": "distill", "path": str(data), "type": "PRIOR_PREDICTION"}],
@@ -118,8 +119,10 @@ def test_sd15_lora_keeps_its_settings_and_lists_what_it_drops(tiny_models, shape
     assert config.sampling.every_n_epochs == 2
     assert config.output_dir == "models/my_lora"
     assert concept.flip_probability == 0.5  # OneTrainer's random flip
-    # a fixed flip has no ot_dist equivalent: said in the file and on stderr
-    assert "enable_fixed_flip" in err and "NOT HONOURED" in text and "enable_fixed_flip" in text
+    # a fixed rotation has no ot_dist equivalent: said in the file and on stderr; a fixed flip beside the random one
+    # is not said: mgds RandomFlip ignores it then
+    assert "enable_fixed_rotate" in err and "NOT HONOURED" in text and "enable_fixed_rotate" in text
+    assert "enable_fixed_flip" not in err and concept.rotation_degrees == 0
 
 
 def test_sdxl_preset_takes_onetrainers_defaults_and_the_concept_file(tiny_models, shapes_data, tmp_path):
@@ -139,7 +142,7 @@ def test_sdxl_preset_takes_onetrainers_defaults_and_the_concept_file(tiny_models
 def test_version_0_embedding(tiny_models, shapes_data, tmp_path):
     config, _, _ = import_and_train(tmp_path, "emb", sd15_embedding_v0(tiny_models["sd1"], shapes_data))
     assert config.method == "embedding"
-    assert (config.embedding.token, config.embedding.vectors, config.embedding.init_text) == ("<shape>", 2, "shape")
+    assert (config.embedding.token, config.embedding.vectors, config.embedding.init_text) == ("<shape>", 2, "shape *")
     assert config.data.concepts[0].caption_source == "filename"
     assert config.gradient_checkpointing is False
     # OneTrainer's EMBEDDING trains the embedding only, whatever its parts' train flags: no part section is written
@@ -629,3 +632,51 @@ def test_prior_prediction_concepts_of_other_methods_are_listed(tmp_path):
     assert [c.type for c in config.data.concepts] == ["standard"]
     assert any(line.startswith("concepts[1] (distill).type: PRIOR_PREDICTION") and "LORA only" in line
                for line in skipped), skipped
+
+
+def test_concept_prompt_files_tag_dropout_one_and_lowercasing(tmp_path):
+    """prompt_source concept: OneTrainer draws one of the prompt file's lines per image (mgds SelectRandomText), so
+    every line is a caption (the first alone was used); tag dropout probability 1 (its UI: 0 to 1) imports; Force
+    Lowercase (caps_randomize_lowercase) lower-cases even with randomisation off, and is listed."""
+    (tmp_path / "prompts.txt").write_text("a photo of sks\n\n  sks on grass \n")
+    config, skipped = import_only(tmp_path, {"concepts": [{"path": str(tmp_path / "images"), "text": {
+        "prompt_source": "concept", "prompt_path": str(tmp_path / "prompts.txt"), "tag_dropout_enable": True,
+        "tag_dropout_probability": 1.0, "caps_randomize_lowercase": True}}]})
+    concept = config.data.concepts[0]
+    assert (concept.caption_source, concept.caption_text) == ("text", "a photo of sks\nsks on grass")
+    assert (concept.tag_dropout_mode, concept.tag_dropout_probability) == ("full", 1.0)
+    assert [line.split(":")[0] for line in skipped] == ["concepts[0] (" + str(tmp_path / "images") + ")"
+                                                        ".text.caps_randomize_lowercase"]
+
+
+@pytest.mark.parametrize("text,count,expected", [
+    ("red circle", 4, ["red", "circle", "*", "*"]),  # ot_dist alone repeats the text: red circle red circle
+    ("red circle on grass", 2, ["red", "circle"]),
+    ("", 3, ["*", "*", "*"]), ("*", 2, ["*", "*"]), ("red", 1, ["red"]),
+])
+def test_an_imported_embedding_starts_from_onetrainers_rows(tmp_path, text, count, expected):
+    """OneTrainer starts the vectors at the rows of the initial text's tokens, cut at token_count, and fills the rest
+    with the token of "*" (ModelSetupEmbeddingMixin._create_new_embedding)."""
+    from ot_dist.methods.embedding import init_token_ids
+    from ot_dist.models.tiny import tiny_clip_tokenizer
+
+    config, _ = import_only(tmp_path, {"training_method": "EMBEDDING", "latent_caching": False, "embedding": {
+        "placeholder": "<cat>", "token_count": count, "initial_embedding_text": text}})
+    tokenizer = tiny_clip_tokenizer()
+    rows = [tokenizer(word, add_special_tokens=False).input_ids[0] for word in expected]
+    assert init_token_ids(tokenizer, config.embedding.init_text, config.embedding.vectors) == rows
+
+
+def test_an_upper_case_placeholder_of_several_vectors_is_imported_lower_case(tmp_path):
+    """OneTrainer swaps its placeholder for its own tokens whatever their case; ot_dist needs a token of several
+    vectors in lower case (diffusers expands only that), and matches it in captions in any case."""
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    (tmp_path / "images").mkdir()
+    (tmp_path / "ot.json").write_text(json.dumps({"training_method": "EMBEDDING", "latent_caching": False,
+                                                  "concepts": [{"path": str(tmp_path / "images")}],
+                                                  "embedding": {"placeholder": "<MyChar>", "token_count": 2}}))
+    imported = import_onetrainer(tmp_path / "ot.json")
+    assert imported.config["embedding"]["token"] == "<mychar>"
+    assert any(note.startswith("embedding.placeholder: <MyChar> is written <mychar>") for note in imported.notes)
+

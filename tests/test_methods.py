@@ -124,3 +124,30 @@ def base_embedding_rows(model_path, family, text):
     pipe = DiffusionPipeline.from_pretrained(model_path)
     ids = pipe.tokenizer(text, add_special_tokens=False).input_ids
     return pipe.text_encoder.get_input_embeddings().weight[ids[0]].detach()
+
+
+def test_a_token_of_several_vectors_is_lower_case_and_matched_in_any_case(tmp_path):
+    """CLIP tokenizers lower-case the prompt; diffusers' maybe_convert_prompt expands TOKEN to TOKEN TOKEN_1 ... only
+    when the lower-cased word is the registered token. `<MyTok>` with 3 vectors trained all 3 but gave diffusers'
+    pipelines (and ot_dist's own samples) the first alone: it is refused. A caption writing the token in another case
+    reads as the token (the tokenizer matches it so), so it is expanded there too, not prepended a second time."""
+    from diffusers.loaders.textual_inversion import TextualInversionLoaderMixin
+
+    from ot_dist.errors import ConfigError
+    from ot_dist.methods.embedding import EmbeddingMethod
+    from ot_dist.models.tiny import tiny_clip_tokenizer
+
+    raw = base_config(tmp_path, tmp_path, tmp_path / "o", method="embedding", **{"embedding.vectors": 3})
+    tokenizer = tiny_clip_tokenizer()
+    tokenizer.add_tokens(["<MyTok>", "<MyTok>_1", "<MyTok>_2"])
+    assert TextualInversionLoaderMixin._maybe_convert_prompt(None, "a <MyTok>", tokenizer) == "a <MyTok>"
+    with pytest.raises(ConfigError, match="embedding.token: '<MyTok>' with 3 vectors must be lower case"):
+        validate({**raw, "embedding": {**raw["embedding"], "token": "<MyTok>"}})
+    validate({**raw, "embedding": {"token": "<MyTok>", "vectors": 1}})  # one vector: nothing to expand
+
+    method = EmbeddingMethod(validate({**raw, "embedding": {**raw["embedding"], "token": "<mytok>"}}))
+    tokenizer = tiny_clip_tokenizer()
+    tokenizer.add_tokens(method.token_strings())
+    for prompt in ("a photo of <mytok>, red", "a photo of <MyTok>, red"):
+        expanded = TextualInversionLoaderMixin._maybe_convert_prompt(None, prompt.lower(), tokenizer)
+        assert method.caption(prompt) == expanded == "a photo of <mytok> <mytok>_1 <mytok>_2, red"

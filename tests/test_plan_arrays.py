@@ -3,14 +3,16 @@
 `reference_plan` below is the earlier implementation (tuples and lists of Python ints), kept here as the
 specification: the same seed gives the same global batches, order, resolutions, per-rank micro batches and
 resume position, with balancing (whole and fractional repeats, samples), validation concepts, moved small
-buckets and pooled remainders, at world sizes 1, 2 and 3.
+buckets and pooled remainders, at world sizes 1, 2 and 3. (Balancing's per-bucket counts are OneTrainer's totals
+shared over the buckets since the balancing audit, `ref_copies`; the rest of the reference is unchanged.)
 """
 
 from __future__ import annotations
 
 import math
 import random
-from collections import Counter, defaultdict
+from collections import defaultdict
+from fractions import Fraction
 
 import pytest
 import torch
@@ -31,16 +33,24 @@ def ref_members(buckets, concepts, kinds):
     return {b: dict(c) for b, c in sorted(out.items())}
 
 
-def ref_copies(balancing, concepts, concept, in_bucket):
+def ref_copies(balancing, members, concept, bucket):
+    """OneTrainer's samples per concept and epoch (floor(images x repeats), int(samples)), shared over the concept's
+    buckets by their share of its images: the whole parts, then one more for the largest fractions (lower bucket
+    first)."""
+    sizes = {b: len(by[concept]) for b, by in members.items() if concept in by}
     value, strategy = balancing[concept]
-    if strategy == "samples":
-        return round(value * in_bucket / Counter(concepts)[concept])
-    return round(value * in_bucket)
+    images = sum(sizes.values())
+    total = int(value) if strategy == "samples" else math.floor(images * value)
+    quota = {b: Fraction(total * n, images) for b, n in sizes.items()}
+    counts = {b: math.floor(q) for b, q in quota.items()}
+    for b in sorted(quota, key=lambda b: (counts[b] - quota[b], b))[:total - sum(counts.values())]:
+        counts[b] += 1
+    return counts[bucket]
 
 
 def ref_sizes(buckets, concepts, balancing, kinds):
-    return {b: sum(ref_copies(balancing, concepts, c, len(ix)) for c, ix in by.items())
-            for b, by in ref_members(buckets, concepts, kinds).items()}
+    members = ref_members(buckets, concepts, kinds)
+    return {b: sum(ref_copies(balancing, members, c, b) for c in by) for b, by in members.items()}
 
 
 def ref_move(buckets, concepts, balancing, kinds, global_batch):
@@ -69,10 +79,11 @@ def ref_pool(remainders, global_batch, seed, epoch):
 def reference_plan(buckets, concepts, balancing, kinds, global_batch, resolutions, seed, epoch, pool):
     count = len(buckets)
     groups, remainders = [], []
-    for bucket, by_concept in ref_members(buckets, concepts, kinds).items():
+    members = ref_members(buckets, concepts, kinds)
+    for bucket, by_concept in members.items():
         drawn = []
         for concept, indices in by_concept.items():
-            full, rest = divmod(ref_copies(balancing, concepts, concept, len(indices)), len(indices))
+            full, rest = divmod(ref_copies(balancing, members, concept, bucket), len(indices))
             for copy in range(full):
                 drawn += [i + copy * count for i in indices]
             if rest:

@@ -189,8 +189,8 @@ class EmbeddingConfig(Section):
     token: str = Field(
         default="<ot-embedding>",
         min_length=1,
-        description="The placeholder token. Captions that contain it train it in place; captions without it "
-        "get it prepended.",
+        description="The placeholder token. Captions that contain it (in any case, as CLIP tokenizers read it) train it "
+        "in place; captions without it get it prepended. Lower case when vectors > 1.",
     )
     vectors: int = Field(default=1, ge=1, description="Number of embedding vectors (tokens) it expands to.")
     init_text: str = Field(
@@ -199,6 +199,17 @@ class EmbeddingConfig(Section):
     learning_rate: float | None = Field(
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
     )
+
+    @model_validator(mode="after")
+    def _lower_case_for_several_vectors(self) -> "EmbeddingConfig":
+        # CLIP tokenizers lower-case the prompt, and diffusers expands TOKEN to TOKEN TOKEN_1 ... only when the
+        # lower-cased word is the registered one (loaders/textual_inversion.py `maybe_convert_prompt`): an upper-case
+        # token would train all its vectors but give one in diffusers' pipelines and in ot_dist's own samples.
+        if self.vectors > 1 and self.token != self.token.lower():
+            raise ValueError(f"embedding.token: {self.token!r} with {self.vectors} vectors must be lower case "
+                             f"({self.token.lower()!r}): CLIP tokenizers lower-case the prompt, so diffusers' "
+                             "pipelines would expand an upper-case token to its first vector only")
+        return self
 
 
 class ConceptConfig(Section):
@@ -223,14 +234,18 @@ class ConceptConfig(Section):
     caption_source: Literal["txt", "filename", "text"] = Field(
         default="txt",
         description="txt: a same-name caption file (one caption per line; a line is drawn per epoch); filename: the "
-        "image file name without extension; text: caption_text for every image.",
+        "image file name without extension; text: caption_text for every image (one caption per line, as in a file).",
     )
-    caption_extension: str = Field(default=".txt", description="Extension of the caption files (caption_source txt).")
-    caption_text: str | None = Field(default=None, description="The caption of every image (caption_source text).")
-    caption_prefix: str = Field(default="", description="Text put before every caption of this concept.")
+    caption_extension: str = Field(default=".txt", min_length=1, description="Extension of the caption files "
+                                   "(caption_source txt); `txt` is read as `.txt`.")
+    caption_text: str | None = Field(default=None, description="The caption of every image (caption_source text); "
+                                     "several lines are several captions, a line drawn per image and epoch.")
+    caption_prefix: str = Field(default="", description="Text put before every caption of this concept, and a space "
+                                "unless it ends with one (kohya's caption_prefix: `sks` + `a dog` is `sks a dog`).")
     balancing: float = Field(
-        default=1.0, gt=0, description="repeats: times each image is seen per epoch (fractions pick a random part); "
-        "samples: images drawn from this concept per epoch.",
+        default=1.0, gt=0, description="repeats: times each image is seen per epoch (fractions pick a random part; "
+        "floor(images x repeats) samples per epoch, as OneTrainer); samples: images drawn from this concept per epoch "
+        "(the whole part).",
     )
     balancing_strategy: Literal["repeats", "samples"] = Field(default="repeats", description="How balancing counts.")
     loss_weight: float = Field(
@@ -262,7 +277,7 @@ class ConceptConfig(Section):
         "keep_tags_count; e.g. the trigger word).",
     )
     tag_dropout_probability: float = Field(
-        default=0.0, ge=0, lt=1, description="Tag dropout's probability, drawn per sample and epoch; what it drops is "
+        default=0.0, ge=0, le=1, description="Tag dropout's probability, drawn per sample and epoch; what it drops is "
         "tag_dropout_mode's.",
     )
     tag_dropout_mode: Literal["random", "full"] = Field(
@@ -280,6 +295,27 @@ class ConceptConfig(Section):
     def _onetrainer_type(cls, value):
         """OneTrainer's spellings (STANDARD, VALIDATION, PRIOR_PREDICTION) are accepted."""
         return value.lower() if isinstance(value, str) else value
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _leading_dot(cls, value: str) -> str:
+        """`txt` (the spelling of `ot-dist shard index --caption-ext`) names the same files as `.txt`."""
+        return value if value.startswith(".") else "." + value
+
+    # The two below are normalised here rather than where captions are read, so that the shard fingerprint (the
+    # concepts' settings) changes for a set whose stored captions they change: it is rebuilt, not reused.
+    @field_validator("caption_prefix")
+    @classmethod
+    def _prefix_and_a_space(cls, value: str) -> str:
+        """kohya's caption_prefix is followed by a space: `sks` + `a dog` is `sks a dog`, never `sksa dog`."""
+        return value + " " if value and not value[-1].isspace() else value
+
+    @field_validator("caption_text")
+    @classmethod
+    def _caption_lines(cls, value: str | None) -> str | None:
+        """Lines as in a caption file: a YAML block scalar (`caption_text: >`) ends with a newline, which is no
+        empty caption to draw every other epoch."""
+        return value if value is None else "\n".join(line.strip() for line in value.splitlines() if line.strip())
 
     @field_validator("tag_dropout_mode", mode="before")
     @classmethod

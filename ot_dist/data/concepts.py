@@ -192,8 +192,8 @@ def mask_of(image: Path) -> Path | None:
 def read_caption(concept: ConceptConfig, image: Path) -> str:
     if concept.caption_source == "filename":
         captions = [image.stem]
-    elif concept.caption_source == "text":
-        captions = [concept.caption_text or ""]
+    elif concept.caption_source == "text":  # one caption per line, as in a file, each with the prefix
+        captions = caption_lines(concept.caption_text or "")
     else:
         caption_file = image.with_suffix(concept.caption_extension)
         if not caption_file.is_file():
@@ -205,5 +205,10 @@ def read_caption(concept: ConceptConfig, image: Path) -> str:
             text = caption_file.read_text(encoding="utf-8")
         except UnicodeDecodeError as err:
             raise InputFileError(f"data: caption {caption_file} is not UTF-8 text: {err}") from None
-        captions = [line.strip() for line in text.splitlines() if line.strip()] or [""]
-    return "\n".join(concept.caption_prefix + c for c in captions)
+        captions = caption_lines(text)
+    return "\n".join((concept.caption_prefix + c).rstrip() if concept.caption_prefix else c for c in captions)
+
+
+def caption_lines(text: str) -> list[str]:
+    """The captions of a text, one per non-blank line, stripped (OneTrainer's LoadMultipleTexts); [""] when none."""
+    return [line.strip() for line in text.splitlines() if line.strip()] or [""]

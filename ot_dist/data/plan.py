@@ -6,7 +6,8 @@ resolution. Ranks then take their slice of each global batch, so no communicatio
 rank runs the same number of steps, and a position in the epoch is just the global-batch index:
 independent of the world size, which is what makes resume exact on a different number of ranks.
 
-Balancing (OneTrainer's repeats / samples per concept) is applied within each bucket, so the
+Balancing (OneTrainer's repeats / samples per concept) draws OneTrainer's number of samples per concept and epoch
+(floor(images x repeats), or `samples`), shared over the concept's buckets in proportion to their images, so the
 number of samples per bucket, hence the step count and the bucket report, is the same every epoch.
 A repeated sample's copies get distinct sample ids (index + copy x number of samples), so their
 noise and timesteps differ.
@@ -14,6 +15,7 @@ noise and timesteps differ.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -125,11 +127,6 @@ class SampleTable:
             names[concept] = name if name not in names.values() else f"{name}-{concept}"
         return names
 
-    @cached_property
-    def concept_sizes(self) -> dict[int, int]:
-        counts = np.bincount(self.concepts.array) if len(self) else np.zeros(0, np.int64)
-        return {c: int(n) for c, n in enumerate(counts) if n}
-
     @property
     def members(self) -> dict[int, dict[int, np.ndarray]]:
         """bucket -> concept -> sample indices (ascending numpy array), of the concepts that train. Buckets in
@@ -148,12 +145,32 @@ class SampleTable:
         return {b: {c: group for _, c, group in sorted(groups, key=lambda g: g[0])}
                 for b, groups in sorted(out.items())}
 
-    def copies(self, concept: int, in_bucket: int) -> int:
-        """How many times the concept's `in_bucket` samples of one bucket are drawn per epoch."""
-        value, strategy = self.balancing[concept]
-        if strategy == "samples":
-            return round(value * in_bucket / self.concept_sizes[concept])
-        return round(value * in_bucket)
+    def copies(self, bucket: int, concept: int) -> int:
+        """How many samples of the concept are drawn from one bucket per epoch."""
+        return self.drawn[concept][bucket]
+
+    @cached_property
+    def drawn(self) -> dict[int, dict[int, int]]:
+        """concept -> bucket -> samples drawn per epoch. A concept's total is OneTrainer's (mgds DiskCache:
+        floor(images x repeats), or int(samples)), shared over its buckets by their share of its images: each
+        gets the whole part of its share, and the samples left by rounding down go to the buckets with the largest
+        fractions (ties: the lower bucket). Rounding each bucket's share on its own drew other totals, and none at
+        all from a concept spread over buckets whose shares are all below one half."""
+        per_concept: dict[int, dict[int, int]] = defaultdict(dict)
+        for bucket, by_concept in self.group_sizes.items():
+            for concept, n in by_concept.items():
+                per_concept[concept][bucket] = n
+        out = {}
+        for concept, sizes in per_concept.items():
+            value, strategy = self.balancing[concept]
+            images = sum(sizes.values())
+            total = int(value) if strategy == "samples" else math.floor(images * value)
+            share = {b: divmod(total * n, images) for b, n in sizes.items()}  # (whole, fraction x images)
+            counts = {b: whole for b, (whole, _) in share.items()}
+            for b in sorted(share, key=lambda b: (-share[b][1], b))[:total - sum(counts.values())]:
+                counts[b] += 1
+            out[concept] = counts
+        return out
 
     @cached_property
     def group_sizes(self) -> dict[int, dict[int, int]]:
@@ -170,7 +187,7 @@ class SampleTable:
 
     def epoch_sizes(self) -> dict[int, int]:
         """bucket -> samples drawn from it per epoch (after balancing)."""
-        return {b: sum(self.copies(c, n) for c, n in by_concept.items()) for b, by_concept in self.group_sizes.items()}
+        return {b: sum(self.copies(b, c) for c in by_concept) for b, by_concept in self.group_sizes.items()}
 
 
 @dataclass(frozen=True)
@@ -237,7 +254,7 @@ def plan_epoch(table: SampleTable, global_batch: int, resolutions: list[int], se
     """The epoch's global batches in training order. Pure function of its arguments. `pool`: the buckets'
     remainders train in global batches of neighbouring aspects (data.small_buckets move) instead of being dropped."""
     count, members = len(table), table.members
-    copies = {(b, c): table.copies(c, len(ix)) for b, by_concept in members.items() for c, ix in by_concept.items()}
+    copies = {(b, c): table.copies(b, c) for b, by_concept in members.items() for c in by_concept}
     most = max([-(-n // len(members[b][c])) for (b, c), n in copies.items()] + [1])
     dtype = np.int32 if (most + 1) * count < np.iinfo(np.int32).max else np.int64  # sample ids: index + copy x count
     sizes = {b: sum(copies[b, c] for c in by_concept) for b, by_concept in members.items()}

@@ -24,7 +24,8 @@ from pathlib import Path
 
 from PIL import Image
 
-from ot_dist.config.schema import TrainConfig
+from ot_dist.config.schema import ConceptConfig, TrainConfig
+from ot_dist.data.augment import AUGMENTATION_FIELDS
 from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of
 from ot_dist.data.concepts import classify_files, concept_name, mask_of, scan_folders
 from ot_dist.data.images import open_mask
@@ -50,11 +51,20 @@ def default_shard_dir(config: TrainConfig) -> Path:
     return legacy if (legacy / MANIFEST).is_file() else sets_dir(cache_root(config)) / name
 
 
+# Concept options applied as samples are read (reader.py: caption variation, augmentation, loss weight): no shard
+# depends on them. They enter the settings at their defaults, so that sets built with the defaults keep their
+# fingerprint and folder name, and a change of them neither rebuilds a set nor writes a new copy of it.
+READ_TIME_CONCEPT_FIELDS = ("loss_weight", "tag_shuffling", "tag_delimiter", "keep_tags_count", "tag_dropout_probability",
+                            "tag_dropout_mode", "caption_dropout_probability", *AUGMENTATION_FIELDS)
+
+
 def build_settings(config: TrainConfig) -> dict:
     """What the shard content depends on besides the source files (balancing and the concept type do not: they are
-    read-time; data.small_buckets neither: it is a plan of the epoch)."""
+    read-time, as READ_TIME_CONCEPT_FIELDS; data.small_buckets neither: it is a plan of the epoch)."""
     data = config.data
-    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy", "type"}) for _, c in data.concept_list()]
+    defaults = {name: ConceptConfig.model_fields[name].default for name in READ_TIME_CONCEPT_FIELDS}
+    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy", "type"}) | defaults
+                for _, c in data.concept_list()]
     return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step,
             "bucket_assignment": data.bucket_assignment, "image_format": data.image_format,
             "max_image_pixels": data.max_image_pixels, "image_background": data.image_background,

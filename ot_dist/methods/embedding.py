@@ -11,6 +11,7 @@ itself) and {"clip_l": ..., "clip_g": ...} for SDXL / SD3 (A1111's SDXL layout; 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -40,6 +41,16 @@ class ExtendedTokenEmbedding(torch.nn.Module):
         return F.embedding(input_ids, self.weight)
 
 
+def init_token_ids(tokenizer, text: str, count: int) -> list[int]:
+    """The vocabulary rows that start the `count` vectors: the text's tokens, repeated up to the count (kohya's
+    way) and cut at it. `ot-dist import onetrainer` appends a "*" per vector to OneTrainer's initial text, which
+    gives OneTrainer's rows (the text's tokens, then the token of "*")."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if not ids:
+        raise ConfigError(f"embedding.init_text: {text!r} has no tokens")
+    return (ids * -(-count // len(ids)))[:count]
+
+
 class EmbeddingMethod(TrainingMethod):
     formats = ("embedding",)
 
@@ -50,9 +61,10 @@ class EmbeddingMethod(TrainingMethod):
 
     def caption(self, caption: str) -> str:
         expanded = " ".join(self.token_strings())
-        token = self.config.embedding.token
-        if token in caption:
-            return caption.replace(token, expanded)
+        # In any case: the tokenizer lower-cases the caption, so `<Sks>` would read as the token's first vector
+        in_caption = re.compile(re.escape(self.config.embedding.token), re.IGNORECASE)
+        if in_caption.search(caption):
+            return in_caption.sub(lambda _: expanded, caption)
         return f"{expanded} {caption}".strip()
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
@@ -63,9 +75,7 @@ class EmbeddingMethod(TrainingMethod):
             if encoder_name not in model.family.embedding_keys:
                 continue  # an encoder that takes no embedding (T5) reads the new words as ordinary text
             tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
-            init_ids = tokenizer(self.config.embedding.init_text, add_special_tokens=False).input_ids
-            if not init_ids:
-                raise ConfigError(f"embedding.init_text: {self.config.embedding.init_text!r} has no tokens")
+            init_ids = init_token_ids(tokenizer, self.config.embedding.init_text, len(tokens))
             if tokenizer.convert_tokens_to_ids(tokens[0]) != tokenizer.unk_token_id:
                 raise ConfigError(f"embedding.token: {tokens[0]!r} is already in the {tokenizer_name} vocabulary")
             base = encoder.get_input_embeddings()
@@ -76,8 +86,7 @@ class EmbeddingMethod(TrainingMethod):
                     f"embedding.token: {tokenizer_name} ({len(tokenizer)} tokens) and {encoder_name} "
                     f"({base.num_embeddings} embeddings) disagree on the vocabulary size"
                 )
-            init = base.weight.detach()[torch.tensor(init_ids)]
-            extra = init.repeat((len(tokens) + len(init_ids) - 1) // len(init_ids), 1)[: len(tokens)].clone()
+            extra = base.weight.detach()[torch.tensor(init_ids)].clone()
             extended = ExtendedTokenEmbedding(base, extra)
             encoder.set_input_embeddings(extended)
             params.append(extended.extra)

@@ -108,7 +108,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
             else:
                 skip(f"lora_model_name: {ot['lora_model_name']}: ot_dist continues plain LoRA files only")
     if method == "embedding":
-        _embedding(ot, c, skip)
+        _embedding(ot, c, out)
     if ot.get("additional_embeddings"):
         skip("additional_embeddings: training extra embeddings beside a LoRA / finetune is not supported")
 
@@ -139,10 +139,20 @@ def _resolution(value: str, family: str, skip) -> int | list[int]:
     return resolutions[0] if len(resolutions) == 1 else resolutions
 
 
-def _embedding(ot: dict, c: dict, skip) -> None:
+def _embedding(ot: dict, c: dict, out: Imported) -> None:
+    skip = out.not_honoured.append
     embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
-    c["embedding"] = {"token": embedding["placeholder"], "vectors": embedding["token_count"] or 1,
-                      "init_text": embedding["initial_embedding_text"] or "*"}
+    vectors, init_text = embedding["token_count"] or 1, (embedding["initial_embedding_text"] or "").strip() or "*"
+    token = embedding["placeholder"]
+    if vectors > 1 and token != token.lower():  # OneTrainer swaps the placeholder for its own tokens, in any case
+        out.notes.append(f"embedding.placeholder: {token} is written {token.lower()} (a token of several vectors "
+                         "must be lower case, as CLIP tokenizers read the prompt; captions match it in any case)")
+        token = token.lower()
+    # OneTrainer fills the vectors the initial text's tokens leave with the token of "*" (ModelSetupEmbeddingMixin);
+    # ot_dist repeats the text's tokens (kohya's way). A "*" per vector after the text gives OneTrainer's rows: the
+    # text's tokens first, then "*"s, cut at the vector count.
+    c["embedding"] = {"token": token, "vectors": vectors,
+                      "init_text": init_text + " *" * (vectors - 1) if init_text != "*" else init_text}
     if ot["embedding_learning_rate"]:
         c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
     if embedding["token_count"] is None:  # OneTrainer's "auto": one vector per token of the initial text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ot_dist.data.concepts import caption_lines
 from ot_dist.errors import ConfigError
 from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
@@ -55,12 +56,12 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
             entry["caption_source"] = "filename"
         elif source == "concept":
             prompt_file = Path(local_path(text["prompt_path"], f"{label}.text.prompt_path", out))
-            if prompt_file.is_file():
-                lines = [line.strip() for line in prompt_file.read_text(encoding="utf-8").splitlines() if line.strip()]
-                entry["caption_source"], entry["caption_text"] = "text", lines[0] if lines else ""
-                if len(lines) > 1:
-                    out.not_honoured.append(f"{label}.text.prompt_path: {len(lines)} lines, drawn per step in "
-                                            "OneTrainer; the first is used for every image")
+            lines = caption_lines(prompt_file.read_text(encoding="utf-8")) if prompt_file.is_file() else [""]
+            if lines != [""]:  # one line drawn per image and epoch, as OneTrainer draws one of the file's lines
+                entry["caption_source"], entry["caption_text"] = "text", "\n".join(lines)
+            elif prompt_file.is_file():
+                out.not_honoured.append(f"{label}.text.prompt_path: {prompt_file} has no text (OneTrainer trains "
+                                        "with an empty caption); captions from .txt files")
             else:
                 out.not_honoured.append(f"{label}.text.prompt_path: {prompt_file} not found; captions from .txt files")
         if text.get("enable_tag_shuffling"):
@@ -78,6 +79,9 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
                                         "OneTrainer's FULL and RANDOM modes, without special tags)")
         if text.get("caps_randomize_enable"):
             out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
+        if text.get("caps_randomize_lowercase"):  # mgds CapitalizeTags lowercases even with randomisation off
+            out.not_honoured.append(f"{label}.text.caps_randomize_lowercase: captions are not lower-cased (CLIP "
+                                    "tokenizers lower-case text themselves, T5 and other tokenizers do not)")
         image = concept.get("image") or {}
         mapped = {"enable_random_flip": ("flip_probability", lambda: 0.5),  # OneTrainer flips half the time
                   "enable_random_rotate": ("rotation_degrees", lambda: image.get("random_rotate_max_angle", 0.0)),
@@ -90,6 +94,8 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
         for key, off in defaults.CONCEPT_IMAGE_OFF.items():
             if image.get(key, off) == off:
                 continue
+            if key.startswith("enable_fixed_") and image.get(key.replace("_fixed_", "_random_")):
+                continue  # mgds applies the fixed transform only when its random one is off
             if key in mapped:
                 entry[mapped[key][0]] = mapped[key][1]()
             else:
