@@ -9,7 +9,7 @@ from pathlib import Path
 from ot_dist.data.concepts import caption_lines
 from ot_dist.errors import ConfigError
 from ot_dist.migrate import onetrainer_defaults as defaults
-from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
+from ot_dist.migrate.common import Imported, local_path, read_json
 
 
 CONCEPT_TYPES = {"STANDARD": "standard", "VALIDATION": "validation", "PRIOR_PREDICTION": "prior_prediction"}
