@@ -20,6 +20,8 @@ class Imported:
     config: dict  # the raw ot_dist config
     not_honoured: list[str] = field(default_factory=list)  # "field: reason"
     notes: list[str] = field(default_factory=list)  # mapped, but worth knowing
+    # ot_dist key (or the section above it) -> the other trainer's setting it came from, named in validation errors
+    origins: dict[str, str] = field(default_factory=dict)
 
 
 WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
@@ -66,6 +68,22 @@ def _read(path: Path, what: str, parse, kind: str, error: type[Exception]):
         raise InputFileError(f"{what}: {path} is not {kind} ({err})") from None
 
 
+ERROR_KEY = re.compile(r"^(\s*-\s*)([\w.\[\]]+):")
+
+
+def with_origins(message: str, origins: dict[str, str]) -> str:
+    """A validation error whose lines name ot_dist keys (`  - data.bucket_step: ...`), each with the setting of the
+    other trainer it was imported from (the key's own or its nearest section's)."""
+    lines = []
+    for line in message.splitlines():
+        match = ERROR_KEY.match(line)
+        key = match.group(2) if match else ""
+        while key and key not in origins:
+            key = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", key) if re.search(r"[.\[]", key) else ""
+        lines.append(f"{match.group(1)}{match.group(2)} (from {origins[key]}):{line[match.end():]}" if key else line)
+    return "\n".join(lines)
+
+
 def write_imported(imported: Imported, out: Path, force: bool, what: str) -> None:
     """Validates the imported config and writes it with its notes and NOT HONOURED lines as a comment header (the
     lines go to stderr too). `what` names the other trainer's settings in those lines ("OneTrainer fields")."""
@@ -75,7 +93,10 @@ def write_imported(imported: Imported, out: Path, force: bool, what: str) -> Non
 
     if out.exists() and not force:
         raise ConfigError(f"--out: {out} exists (--force replaces it)")
-    validate(imported.config)  # what is written is a config ot_dist accepts, or nothing is written
+    try:
+        validate(imported.config)  # what is written is a config ot_dist accepts, or nothing is written
+    except ConfigError as err:
+        raise ConfigError(with_origins(str(err), imported.origins)) from None
     header = [f"# {line}" for line in imported.notes]
     if imported.not_honoured:
         header.append(f"# NOT HONOURED ({what} this config does not reproduce):")

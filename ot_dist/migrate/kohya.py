@@ -57,11 +57,35 @@ NO_EFFECT = {
     "cache_info": "image size cache", "text_encoder_batch_size": "text caching batch",
 }
 
+# Where each ot_dist key comes from, named in a validation error (data.concepts[i] and sampling.prompts[i] are added
+# by their modules).
+ORIGINS = {
+    "model.path": "pretrained_model_name_or_path", "model.text_encoder_layer_skip": "clip_skip",
+    "model.guidance_scale": "guidance_scale", "output_dir": "output_dir / output_name",
+    "epochs": "max_train_epochs / max_train_steps", "max_steps": "max_train_steps",
+    "gradient_accumulation_steps": "gradient_accumulation_steps", "clip_grad_norm": "max_grad_norm", "seed": "seed",
+    "train_dtype": "mixed_precision", "output_dtype": "save_precision", "learning_rate": "learning_rate",
+    "lora": "network_module / network_args", "lora.rank": "network_dim", "lora.alpha": "network_alpha",
+    "unet.learning_rate": "unet_lr", "transformer.learning_rate": "unet_lr", "text_encoder": "text_encoder_lr",
+    "text_encoder_2": "text_encoder_lr", "text_encoder_3": "text_encoder_lr",
+    "optimizer": "optimizer_type / optimizer_args", "scheduler": "lr_scheduler / lr_scheduler_type",
+    "scheduler.warmup_steps": "lr_warmup_steps", "scheduler.cycles": "lr_scheduler_num_cycles",
+    "scheduler.min_factor": "lr_scheduler_min_lr_ratio", "scheduler.params": "lr_scheduler_args",
+    "loss": "the loss arguments", "loss.offset_noise_weight": "noise_offset", "loss.input_perturbation": "ip_noise_gamma",
+    "loss.min_snr_gamma": "min_snr_gamma", "loss.min_timestep": "min_timestep", "loss.max_timestep": "max_timestep",
+    "loss.timestep_shift": "discrete_flow_shift / training_shift", "loss.logit_normal_mean": "logit_mean",
+    "loss.logit_normal_std": "sigmoid_scale / logit_std", "loss.noising_weight": "mode_scale",
+    "resolution": "resolution", "batch_size": "train_batch_size / batch_size", "data.bucket_step": "bucket_reso_steps",
+    "checkpoint.every_n_steps": "save_every_n_steps", "checkpoint.every_n_epochs": "save_every_n_epochs",
+    "checkpoint.keep_last": "save_last_n_epochs / save_last_n_steps", "sampling": "sample_prompts",
+    "sampling.every_n_steps": "sample_every_n_steps", "sampling.every_n_epochs": "sample_every_n_epochs",
+}
+
 
 def import_kohya(config_file: str | None = None, command: str | None = None, script: str | None = None,
                  dataset_config: str | None = None, sample_prompts: str | None = None) -> Imported:
     args = read_args(config_file, command, script)
-    out = Imported({})
+    out = Imported({}, origins=dict(ORIGINS))
     c = out.config
     if args.script not in SCRIPTS:
         raise ConfigError(f"--script: {args.script} is not a kohya script ot_dist imports ({', '.join(SCRIPTS)})")

@@ -66,7 +66,8 @@ class Lookup:
 
 def import_dataset(args: KohyaArgs, c: dict, family: str, dataset_config: str | None, out: Imported) -> None:
     skip = out.not_honoured.append
-    path = dataset_config or args["dataset_config"]
+    path = args["dataset_config"]  # read either way: an option given here wins over it
+    path = dataset_config or path
     if path:
         toml = read_toml(Path(local_path(str(path), "dataset_config", out)), "dataset_config")
         general = toml.get("general", {})
@@ -98,6 +99,7 @@ def import_dataset(args: KohyaArgs, c: dict, family: str, dataset_config: str | 
             entry, samples = _subset(sub, label, args, out)
             if entry is None:
                 continue
+            out.origins[f"data.concepts[{len(concepts)}]"] = f"{label}, image_dir {entry['path']}"
             concepts.append(entry)
             if sub["is_reg"]:
                 regs.append((entry, samples))

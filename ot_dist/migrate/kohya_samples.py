@@ -59,7 +59,8 @@ def read_prompts(path: Path) -> list[dict]:
 
 def import_samples(args: KohyaArgs, c: dict, prompts_path: str | None, out: Imported) -> None:
     skip = out.not_honoured.append
-    path = prompts_path or args["sample_prompts"]
+    path = args["sample_prompts"]  # read either way: an option given here wins over it
+    path = prompts_path or path
     family = c["model"]["family"]
     every_steps, every_epochs, sampler = args["sample_every_n_steps"], args["sample_every_n_epochs"], args["sample_sampler"]
     if args["sample_at_first"]:
@@ -68,8 +69,10 @@ def import_samples(args: KohyaArgs, c: dict, prompts_path: str | None, out: Impo
         return
     prompts = []
     for i, raw in enumerate(read_prompts(Path(local_path(str(path), "sample_prompts", out)))):
-        prompts.append(_prompt(raw, family, f"sample_prompts[{i}]", out))
-    prompts = [p for p in prompts if p]
+        prompt = _prompt(raw, family, f"sample_prompts[{i}]", out)
+        if prompt:
+            out.origins[f"sampling.prompts[{len(prompts)}]"] = f"sample_prompts[{i}] ({raw['prompt'][:40]!r})"
+            prompts.append(prompt)
     if not prompts:
         return
     sampling = {"prompts": prompts, "at_end": False}  # kohya samples at its intervals only
