@@ -134,6 +134,12 @@ def _model_path(args: KohyaArgs, out: Imported) -> str:
                           ".safetensors file)")
     path = local_path(str(path), "pretrained_model_name_or_path", out)
     note_local_model(path, "pretrained_model_name_or_path", out)
+    for key in ("clip_l", "clip_g", "t5xxl", "ae"):  # Flux / SD3: kohya loads each from its own file
+        if args[key]:
+            out.not_honoured.append(f"{key}: {args[key]}: ot_dist reads the text encoders and the VAE beside a "
+                                    "single-file transformer from model.config (a diffusers folder); set it")
+    if args["vae"]:
+        out.not_honoured.append(f"vae: {args['vae']}: a replacement VAE is not supported (the model's own is used)")
     return path
 
 

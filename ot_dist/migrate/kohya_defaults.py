@@ -1,7 +1,7 @@
 """kohya sd-scripts' training arguments and their defaults: every argparse dest of train_network.py,
 sdxl_train_network.py, sdxl_train.py, train_db.py, flux_train_network.py and sd3_train_network.py (sd-scripts of
 February 2026, `setup_parser().parse_args([])` of each; a key has the same default in every script that has it, except
-save_model_as: "safetensors" in the network scripts). What kohya trains with for a key a config leaves out; a key at
+save_model_as: "safetensors" in the network scripts, and t5xxl_max_token_length: 256 in sd3_train_network.py). What kohya trains with for a key a config leaves out; a key at
 its default is not set by the user (kohya's --output_config writes only the others)."""
 
 from __future__ import annotations
