@@ -101,6 +101,8 @@ clip_skip = 2                      # the penultimate layer of CLIP
 seed = 1234
 noise_offset = 0.0357
 min_snr_gamma = 5
+min_timestep = 100
+max_timestep = 900                 # timesteps drawn by randint(100, 900): 899 is the largest
 cache_latents = true
 xformers = true
 """, "--script", "train_network.py")
@@ -118,7 +120,8 @@ xformers = true
     assert (config["train_dtype"], config["weight_dtype"], config["output_dtype"]) == ("float16",) * 3
     assert config["gradient_checkpointing"] is True
     assert config["checkpoint"] == {"every_n_minutes": None, "every_n_epochs": 2, "keep_last": 3}
-    assert config["loss"] == {"offset_noise_weight": 0.0357, "min_snr_gamma": 5}
+    assert config["loss"] == {"offset_noise_weight": 0.0357, "min_snr_gamma": 5, "min_timestep": 100,
+                              "max_timestep": 899}
     assert (config["resolution"], config["batch_size"]) == (768, 4)
     assert config["data"]["bucket_step"] == 64
     assert config["data"]["concepts"] == [{
