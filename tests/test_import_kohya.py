@@ -34,6 +34,13 @@ def images(folder: Path, count: int, captions: dict[int, str] | None = None, ext
     return folder
 
 
+def minimal(tmp_path, resolution: int = 512, bucket: bool = True) -> str:
+    """The arguments every kohya setup below shares: a model, an output folder, the DreamBooth folder d/."""
+    folder = tmp_path / "d"
+    return (f'pretrained_model_name_or_path = "m"\noutput_dir = "o"\ntrain_data_dir = "{folder}"\n'
+            f"resolution = {resolution}\n" + ("enable_bucket = true\n" if bucket else ""))
+
+
 def imported(tmp_path, toml: str, *extra) -> tuple[dict, str, str]:
     (tmp_path / "args.toml").write_text(toml, encoding="utf-8")
     out = tmp_path / "out.yaml"
@@ -172,14 +179,8 @@ network_module = "networks.lora"
 
 def test_missing_captions_and_first_lines_are_listed(tmp_path):
     images(tmp_path / "d" / "5_x", 2, {0: "first line\nsecond line"})
-    _, text, err = imported(tmp_path, f"""
-pretrained_model_name_or_path = "m"
-output_dir = "o"
-train_data_dir = "{tmp_path / 'd'}"
-resolution = 512
-enable_bucket = true
-network_module = "networks.lora"
-""", "--script", "train_network.py")
+    _, text, err = imported(tmp_path, minimal(tmp_path) + 'network_module = "networks.lora"\n', "--script",
+                            "train_network.py")
     assert "1 of 2 images have no .caption file (kohya trains them with the class tokens 'x')" in err
     assert "kohya reads the first line only" in err
 
@@ -194,13 +195,7 @@ def test_sample_prompt_lines(tmp_path):
                                        "width": 772, "height": 1024, "sample_steps": 28, "scale": 6.5, "seed": 42}
     images(tmp_path / "d" / "1_x", 1)
     (tmp_path / "prompts.txt").write_text(f"# a comment\n{line}\n\na dog --zz 3\n", encoding="utf-8")
-    config, _, err = imported(tmp_path, f"""
-pretrained_model_name_or_path = "m"
-output_dir = "o"
-train_data_dir = "{tmp_path / 'd'}"
-resolution = 512
-enable_bucket = true
-network_module = "networks.lora"
+    config, _, err = imported(tmp_path, minimal(tmp_path) + f"""network_module = "networks.lora"
 sample_prompts = "{tmp_path / 'prompts.txt'}"
 sample_every_n_steps = 100
 sample_sampler = "k_euler_a"
@@ -250,13 +245,7 @@ def test_flux_and_sd3_defaults_kohya_trains_with(tmp_path):
     shifted by discrete_flow_shift 3.0 (timestep_sampling sigma) and compares a sigma-scaled prediction; SD3 trains
     unshifted (training_shift 1.0)."""
     images(tmp_path / "d" / "1_x", 1)
-    common = f"""
-pretrained_model_name_or_path = "m"
-output_dir = "o"
-train_data_dir = "{tmp_path / 'd'}"
-resolution = 1024
-enable_bucket = true
-"""
+    common = minimal(tmp_path, 1024)
     flux, _, err = imported(tmp_path, common + 'network_module = "networks.lora_flux"\n', "--script",
                             "flux_train_network.py")
     assert flux["model"]["guidance_scale"] == 3.5
@@ -276,14 +265,7 @@ def test_optimizer_and_schedule_defaults(tmp_path):
     """Adafactor: kohya turns relative steps on unless told (and then schedules with Adafactor's own step);
     Lion8bit keeps bitsandbytes' betas (0.9, 0.99); polynomial power 1 decays linearly to diffusers' lr_end 1e-7."""
     images(tmp_path / "d" / "1_x", 1)
-    common = f"""
-pretrained_model_name_or_path = "m"
-output_dir = "o"
-train_data_dir = "{tmp_path / 'd'}"
-resolution = 512
-enable_bucket = true
-network_module = "networks.lora"
-"""
+    common = minimal(tmp_path) + 'network_module = "networks.lora"\n'
     config, _, _ = imported(tmp_path, common + 'optimizer_type = "Adafactor"\n', "--script", "train_network.py")
     assert config["optimizer"] == {"name": "ADAFACTOR", "relative_step": True, "scale_parameter": True}
     assert config["scheduler"] == {"name": "ADAFACTOR", "warmup_steps": 0}
@@ -296,12 +278,7 @@ network_module = "networks.lora"
 
 def test_refusals_and_what_is_listed(tmp_path):
     images(tmp_path / "d" / "1_x", 1)
-    common = f"""
-pretrained_model_name_or_path = "m"
-output_dir = "o"
-train_data_dir = "{tmp_path / 'd'}"
-resolution = 512
-"""
+    common = minimal(tmp_path, bucket=False)
     for module, args, message in (("networks.dylora", "", "DyLoRA"),
                                   ("lycoris.kohya", 'network_args = ["algo=ia3"]', "algo=ia3"),
                                   ("networks.oft", "", "networks.oft is not a network")):
@@ -328,15 +305,8 @@ no_such_argument = 3
 
 def test_validation_error_names_the_kohya_argument(tmp_path):
     images(tmp_path / "d" / "1_x", 1)
-    (tmp_path / "args.toml").write_text(f"""
-pretrained_model_name_or_path = "m"
-output_dir = "o"
-train_data_dir = "{tmp_path / 'd'}"
-resolution = 512
-enable_bucket = true
-bucket_reso_steps = 60
-network_module = "networks.lora"
-""", encoding="utf-8")
+    (tmp_path / "args.toml").write_text(minimal(tmp_path) + 'bucket_reso_steps = 60\nnetwork_module = "networks.lora"\n',
+                                        encoding="utf-8")
     code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_network.py",
                            "--out", tmp_path / "x.yaml")
     assert code == 2 and "data.bucket_step (from bucket_reso_steps)" in err and not (tmp_path / "x.yaml").exists()
