@@ -316,28 +316,42 @@ def test_validation_error_names_the_kohya_argument(tmp_path):
         import_kohya(tmp_path / "args.toml")
 
 
-def test_conv_dim_adapts_the_modules_kohya_adds():
+def test_conv_dim_and_lycoris_full_adapt_the_modules_they_name(tmp_path):
     """kohya's networks.lora with conv_dim adapts, besides every Linear / 1x1 conv of the Transformer2DModel blocks,
-    every Linear and Conv2d of the ResnetBlock2D, Downsample2D and Upsample2D blocks (its target classes): the
-    targets written adapt exactly those modules of a diffusers UNet."""
+    every Linear and Conv2d of the ResnetBlock2D, Downsample2D and Upsample2D blocks (its target classes); LyCORIS'
+    preset full (its default, convolutions at network_dim / network_alpha unless told) those and conv_in, conv_out,
+    time_embedding.linear_1 / _2 by name. The targets written adapt exactly those modules of a diffusers UNet, the
+    names kohya's SD 1.x UNet has."""
     import torch
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig, inject_adapter_in_model
 
-    from ot_dist.migrate.kohya_network import RESNET_CONV, RESNET_LINEAR
-    from ot_dist.models.families.registry import get_family
-
-    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, cross_attention_dim=8,
-                                attention_head_dim=2, norm_num_groups=4, sample_size=8,
-                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    images(tmp_path / "d" / "1_x", 1)
     kohya_blocks = ("Transformer2DModel", "ResnetBlock2D", "Downsample2D", "Upsample2D")
-    expected = set()
-    for name, block in unet.named_modules():
-        if type(block).__name__ in kohya_blocks:
-            expected |= {f"{name}.{child}" for child, m in block.named_modules()
-                         if child and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
-    targets = [*get_family("sd1").denoiser_lora_presets["default"], *RESNET_LINEAR, *RESNET_CONV]
-    inject_adapter_in_model(LoraConfig(r=2, target_modules=targets), unet)
-    adapted = {name.removesuffix(".lora_A") for name, _ in unet.named_modules() if name.endswith(".lora_A")}
-    assert adapted == expected
+    lycoris_names = ("conv_in", "conv_out", "time_embedding.linear_1", "time_embedding.linear_2")
+    for network, names in (('network_module = "networks.lora"\nnetwork_args = ["conv_dim=4", "conv_alpha=1"]', ()),
+                           ('network_module = "lycoris.kohya"\nnetwork_args = ["algo=locon"]', lycoris_names)):
+        config, _, _ = imported(tmp_path, minimal(tmp_path) + network + "\n", "--script", "train_network.py")
+        unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, cross_attention_dim=8,
+                                    attention_head_dim=2, norm_num_groups=4, sample_size=8,
+                                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+        expected = set(names)
+        for name, block in unet.named_modules():
+            if type(block).__name__ in kohya_blocks:
+                expected |= {f"{name}.{child}" for child, m in block.named_modules()
+                             if child and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+        inject_adapter_in_model(LoraConfig(r=2, target_modules=config["lora"]["unet_targets"]), unet)
+        adapted = {name.removesuffix(".lora_A") for name, _ in unet.named_modules() if name.endswith(".lora_A")}
+        assert adapted == expected, network
+
+
+def test_lycoris_presets(tmp_path):
+    """LyCORIS' attn-only is ot_dist's attention preset; attn-mlp leaves SD 1.x's 1x1-conv proj_in / proj_out out."""
+    images(tmp_path / "d" / "1_x", 1)
+    base = minimal(tmp_path) + 'network_module = "lycoris.kohya"\n'
+    config, _, _ = imported(tmp_path, base + 'network_args = ["algo=loha", "preset=attn-only"]\n', "--script",
+                            "train_network.py")
+    assert config["lora"] == {"rank": 4, "alpha": 1, "variant": "loha", "preset": "attention"}
+    config, _, _ = imported(tmp_path, base + 'network_args = ["preset=attn-mlp"]\n', "--script", "train_network.py")
+    assert config["lora"]["unet_targets"] == ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
