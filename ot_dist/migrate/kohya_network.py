@@ -6,19 +6,28 @@ attentions, their feed-forward and proj_in / proj_out: ot_dist's default targets
 and MLP layers, at network_dim (default 4) and network_alpha (default 1); with network_args conv_dim it also adapts
 the ResNet blocks and the down / up samplers (their linear and 1x1 layers at network_dim, their 3x3 convolutions at
 conv_dim / conv_alpha). LyCORIS (lycoris.kohya) algo lora / locon, loha, lokr are ot_dist's variants lora, loha,
-lokr."""
+lokr, with the modules of its preset (LyCORIS' config.py PRESET)."""
 
 from __future__ import annotations
 
 from ot_dist.errors import ConfigError
 from ot_dist.migrate.common import Imported
 from ot_dist.migrate.kohya_args import KohyaArgs
+from ot_dist.models.families.registry import get_family
 
 PLAIN = {"networks.lora": ("sd1", "sd2", "sdxl"), "networks.lora_flux": ("flux",), "networks.lora_sd3": ("sd3",)}
 LYCORIS_ALGOS = {"lora": "lora", "locon": "lora", "loha": "loha", "lokr": "lokr"}
 # The UNet modules kohya's conv_dim adds (ResnetBlock2D, Downsample2D, Upsample2D): 1x1 / linear ones and 3x3 ones.
 RESNET_LINEAR = ("time_emb_proj", "conv_shortcut")
 RESNET_CONV = ("conv1", "conv2", "conv")  # `conv`: the samplers' (down_blocks.N.downsamplers.0.conv, ...)
+CONV_1X1 = ("proj_in", "proj_out")  # the transformer blocks' 1x1 convolutions in SD 1.x / 2.x (SDXL: linear layers)
+UNET_FAMILIES = ("sd1", "sd2", "sdxl")
+# LyCORIS' names outside the blocks, as kohya's SD 1.x / 2.x UNet (diffusers' names) has them; its SDXL UNet names them
+# otherwise (time_embed, input_blocks.0.0, out.2), so LyCORIS adapts none of them there.
+TIME_EMBEDDING = {"sd1": ("time_embedding.linear_1", "time_embedding.linear_2"),
+                  "sd2": ("time_embedding.linear_1", "time_embedding.linear_2")}
+CONV_IN_OUT = {"sd1": ("conv_in", "conv_out"), "sd2": ("conv_in", "conv_out")}
+LYCORIS_PRESETS = ("full", "full-lin", "attn-mlp", "attn-only")
 # The encoders kohya's scripts adapt besides the denoiser (by ot_dist part), and the T5 that network_args
 # train_t5xxl adds.
 TEXT_ENCODERS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2"),
@@ -63,7 +72,7 @@ def import_network(args: KohyaArgs, c: dict, family: str, out: Imported) -> None
     else:
         raise ConfigError(f"network_module: {module} is not a network ot_dist trains (networks.lora, lora_flux, "
                           "lora_sd3, lycoris.kohya with algo locon / loha / lokr)")
-    _conv(extra, lora, family, module, skip)
+    _targets(extra, lora, family, module, skip)
     if args["network_dropout"]:
         skip(f"network_dropout: {args['network_dropout']}: kohya drops the LoRA's hidden (rank) values; ot_dist's "
              "lora.dropout drops its input, another regulariser: not written")
@@ -97,32 +106,65 @@ def _lycoris_options(extra: dict, lora: dict, skip) -> None:
         extra.pop(key, None)
 
 
-def _conv(extra: dict, lora: dict, family: str, module: str, skip) -> None:
-    """conv_dim / conv_alpha: the ResNet blocks and samplers too (LoCon). ot_dist has one rank and alpha for every
-    module, so the convolutions are adapted only when kohya's conv rank and alpha are the linear layers'."""
+def _targets(extra: dict, lora: dict, family: str, module: str, skip) -> None:
+    """Which denoiser modules carry adapters. networks.lora: the transformer blocks, and with conv_dim the ResNet
+    blocks and samplers too (LoCon). LyCORIS' preset full (its default) adapts those and, on kohya's SD 1.x / 2.x UNet,
+    conv_in, conv_out and the time embedding, its convolutions at conv_dim / conv_alpha (default: network_dim /
+    network_alpha); attn-mlp, full-lin and attn-only leave the convolutions out. ot_dist has one rank and alpha for
+    every module, so the convolutions are adapted only when their rank and alpha are the linear layers'."""
+    lycoris = module == "lycoris.kohya"
+    preset = extra.pop("preset", "full") if lycoris else "kohya"
     conv_dim, conv_alpha = extra.pop("conv_dim", None), extra.pop("conv_alpha", None)
-    if conv_dim is None:
+    if lycoris:
+        conv_dim, conv_alpha = int(conv_dim or lora["rank"]), float(conv_alpha or lora["alpha"])
+    elif conv_dim is not None:
+        conv_dim, conv_alpha = int(conv_dim), float(conv_alpha) if conv_alpha is not None else 1.0
+    if family not in UNET_FAMILIES:
+        _transformer_layout(lora, family, module, preset, skip)
+        if conv_dim is not None and not lycoris:
+            skip(f"network_args conv_dim={conv_dim}: {family}'s transformer has no convolutions to adapt")
         return
-    conv_dim, conv_alpha = int(conv_dim), float(conv_alpha) if conv_alpha is not None else 1.0
-    if family not in ("sd1", "sd2", "sdxl"):
-        skip(f"network_args conv_dim={conv_dim}: {family}'s transformer has no convolutions to adapt")
+    default = get_family(family).denoiser_lora_presets["default"]
+    linear = [t for t in default if family == "sdxl" or t not in CONV_1X1]  # SD 1.x / 2.x: proj_in / proj_out are convs
+    if preset not in ("kohya", *LYCORIS_PRESETS):
+        skip(f"network_args preset={preset}: not one of LyCORIS' presets ot_dist has ({', '.join(LYCORIS_PRESETS)}); "
+             "full is written")
+        preset = "full"
+    if preset == "attn-only":
+        lora["preset"] = "attention"
         return
+    if preset in ("attn-mlp", "full-lin"):
+        extras = ("time_emb_proj", *TIME_EMBEDDING.get(family, ())) if preset == "full-lin" else ()
+        targets = [*linear, *extras]
+        if targets != list(default):
+            lora["unet_targets"] = targets
+        return
+    if conv_dim is None:  # networks.lora without conv_dim
+        return
+    extras = TIME_EMBEDDING.get(family, ()) + CONV_IN_OUT.get(family, ()) if lycoris else ()
     if (conv_dim, conv_alpha) != (lora["rank"], float(lora["alpha"])):
         skip(f"network_args conv_dim={conv_dim} conv_alpha={conv_alpha}: ot_dist adapts every module at one rank and "
              f"alpha ({lora['rank']}, {lora['alpha']}); the ResNet blocks and samplers are not adapted (set conv_dim "
              "and conv_alpha to network_dim and network_alpha to have them)")
         return
-    from ot_dist.models.families.registry import get_family
+    lora["unet_targets"] = [*default, *RESNET_LINEAR, *RESNET_CONV, *extras]
 
-    lora["unet_targets"] = [*get_family(family).denoiser_lora_presets["default"], *RESNET_LINEAR, *RESNET_CONV]
+
+def _transformer_layout(lora: dict, family: str, module: str, preset: str, skip) -> None:
+    """kohya's Flux and SD3 networks adapt every linear layer of the blocks in the original layout: one adapter on
+    the fused qkv (and Flux's single blocks' fused input), the modulation layers too; ot_dist's targets are diffusers'
+    separate q, k, v, attention outputs and feed-forward layers."""
+    if family == "sd3":
+        lora["preset"] = "attention_mlp"
+    skip(f"network_module {module}{' preset ' + preset if preset != 'kohya' else ''}: kohya adapts {family}'s fused "
+         "qkv projections with one adapter each and the modulation layers too; ot_dist adapts diffusers' separate q, "
+         f"k, v, the attention outputs and the feed-forward layers (lora.preset {lora.get('preset', 'default')})")
 
 
 def _parts(args: KohyaArgs, c: dict, family: str, train_t5: bool, skip) -> None:
     """Which parts carry adapters, at which learning rate. kohya: unet_lr / text_encoder_lr default to
     learning_rate, a learning rate of 0 leaves the part out; network_train_unet_only / _text_encoder_only; the text
     encoders of SDXL, Flux and SD3 are not adapted when their outputs are cached."""
-    from ot_dist.models.families.registry import get_family
-
     denoiser = get_family(family).denoiser
     unet_lr = args["unet_lr"]
     if args["network_train_text_encoder_only"] or unet_lr == 0:
