@@ -246,11 +246,12 @@ def test_flux_and_sd3_defaults_kohya_trains_with(tmp_path):
     unshifted (training_shift 1.0)."""
     images(tmp_path / "d" / "1_x", 1)
     common = minimal(tmp_path, 1024)
-    flux, _, err = imported(tmp_path, common + 'network_module = "networks.lora_flux"\n', "--script",
-                            "flux_train_network.py")
+    flux, _, err = imported(tmp_path, common + 'network_module = "networks.lora_flux"\nnoise_offset = 0.1\n',
+                            "--script", "flux_train_network.py")
     assert flux["model"]["guidance_scale"] == 3.5
     assert flux["loss"] == {"timestep_distribution": "uniform", "timestep_shift": 3.0}
     assert "model_prediction_type: sigma_scaled" in err
+    assert "noise_offset: 0.1: kohya's flux training ignores it" in err  # its noise has no offset
     flux, _, err = imported(tmp_path, common + 'network_module = "networks.lora_flux"\ntimestep_sampling = "shift"\n'
                             'sigmoid_scale = 1.5\nmodel_prediction_type = "raw"\n', "--script", "flux_train_network.py")
     assert flux["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_std": 1.5, "timestep_shift": 3.0}

@@ -15,7 +15,9 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
     skip = out.not_honoured.append
     loss = {}
     v_prediction = c["model"].get("prediction_type") == "v_prediction"
-    if args["noise_offset"]:
+    if args["noise_offset"] and family in FLOW:  # flux / sd3_train_network.py draw plain N(0, 1) noise
+        skip(f"noise_offset: {args['noise_offset']}: kohya's {family} training ignores it")
+    elif args["noise_offset"]:
         loss["offset_noise_weight"] = args["noise_offset"]  # kohya: offset x N(0, 1) per sample and channel
     for key, reason in (("noise_offset_random_strength", "an offset strength drawn in [0, noise_offset]"),
                         ("adaptive_noise_scale", "an offset that grows with the latents' mean"),
@@ -30,7 +32,9 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
             skip(f"{key}: {args[key]}: {reason} is not supported")
     if args["multires_noise_discount"] != 0.3 and not args["multires_noise_iterations"]:
         out.notes.append("multires_noise_discount: ignored without multires_noise_iterations, as in kohya")
-    if args["ip_noise_gamma"]:
+    if args["ip_noise_gamma"] and family == "sd3":  # sd3_train_utils' noisy input has no perturbation
+        skip(f"ip_noise_gamma: {args['ip_noise_gamma']}: kohya's sd3 training ignores it")
+    elif args["ip_noise_gamma"]:
         loss["input_perturbation"] = args["ip_noise_gamma"]
     if args["min_snr_gamma"]:
         if family in FLOW:
@@ -79,6 +83,9 @@ def _flow(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
         skip(f"zero_terminal_snr: {family} trains flow matching, which ends in pure noise already")
     if family == "flux":
         _flux(args, c, loss, skip)
+        for key in ("min_timestep", "max_timestep"):
+            if args[key] is not None:
+                skip(f"{key}: {args[key]}: kohya's flux training ignores it (timestep_sampling decides)")
     else:
         _sd3(args, loss, skip)
 
