@@ -273,9 +273,11 @@ def _caches(args: KohyaArgs, c: dict, out: Imported) -> None:
     data = c["data"]
     if args["cache_latents"]:
         augmented = [e["path"] for e in data["concepts"] if any(e.get(k) for k in AUGMENTATION_FIELDS)]
-        if augmented or data.get("crop") == "random":
-            out.notes.append("cache_latents: off, because the images are augmented or randomly cropped (kohya "
-                             "refuses that combination too)")
+        if data.get("crop") == "random":  # kohya refuses it too (is_latent_cacheable)
+            out.notes.append("cache_latents: off, because random_crop crops each image anew every epoch")
+        elif augmented:
+            out.notes.append(f"cache_latents: off, because {augmented[0]} flips its images (kohya caches a flipped "
+                             "latent beside each; ot_dist encodes each step's image)")
         else:
             data["cache_latents"] = True
     if args["cache_text_encoder_outputs"]:
