@@ -132,7 +132,7 @@ xformers = true
     assert (config["resolution"], config["batch_size"]) == (768, 4)
     assert config["data"]["bucket_step"] == 64
     assert config["data"]["concepts"] == [{
-        "path": str(data), "name": "img", "balancing": 3, "caption_extension": ".txt", "tag_delimiter": ",",
+        "path": str(data), "balancing": 3, "caption_extension": ".txt", "tag_delimiter": ",",
         "keep_tags_count": 1, "tag_shuffling": True, "tag_dropout_probability": 0.1, "tag_dropout_mode": "random",
         "caption_dropout_probability": 0.05, "flip_probability": 0.5}]
     assert "cache_latents" not in config["data"]  # the flip changes the image every epoch
@@ -162,12 +162,12 @@ enable_bucket = true
 network_module = "networks.lora"
 """, "--script", "train_network.py")
     concepts = config["data"]["concepts"]
-    assert concepts[0] == {"path": str(train / "10_sks dog"), "name": "10_sks dog", "balancing": 10,
+    assert concepts[0] == {"path": str(train / "10_sks dog"), "balancing": 10,
                            "caption_source": "text", "caption_text": "sks dog"}
-    assert concepts[1] == {"path": str(train / "2_sks_cat"), "name": "2_sks_cat", "balancing": 2,
+    assert concepts[1] == {"path": str(train / "2_sks_cat"), "balancing": 2,
                            "caption_extension": ".caption"}
     # 3 x 10 + 2 x 2 = 34 training samples per epoch: as many regularisation samples
-    assert concepts[2] == {"path": str(reg / "1_dog"), "name": "1_dog", "type": "prior_preservation",
+    assert concepts[2] == {"path": str(reg / "1_dog"), "type": "prior_preservation",
                            "loss_weight": 0.5, "caption_source": "text", "caption_text": "dog", "balancing": 34,
                            "balancing_strategy": "samples"}
     assert len(concepts) == 3 and "misc has no `<repeats>_` prefix" in text

@@ -183,7 +183,7 @@ def _subset(sub: Lookup, label: str, args: KohyaArgs, out: Imported) -> tuple[di
         out.notes.append(f"{label}: num_repeats {repeats}: kohya ignores the subset, so does this import")
         return None, None
     path = local_path(str(sub["image_dir"]), f"{label}.image_dir", out)
-    entry = {"path": path, "name": Path(path).name}
+    entry = {"path": path}  # named by its folder, as kohya names a subset
     if sub["is_reg"]:
         entry["type"] = "prior_preservation"
         if args["prior_loss_weight"] != 1.0:
