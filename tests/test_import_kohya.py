@@ -356,3 +356,19 @@ def test_lycoris_presets(tmp_path):
     assert config["lora"] == {"rank": 4, "alpha": 1, "variant": "loha", "preset": "attention"}
     config, _, _ = imported(tmp_path, base + 'network_args = ["preset=attn-mlp"]\n', "--script", "train_network.py")
     assert config["lora"]["unet_targets"] == ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
+
+
+def test_train_db_full_finetune(tmp_path):
+    """train_db.py trains the whole model and the text encoder until stop_text_encoder_training steps, at
+    learning_rate_te; D-Adaptation takes one learning rate for every group (kohya: only the first group's counts)."""
+    images(tmp_path / "d" / "1_x", 1)
+    config, _, err = imported(tmp_path, minimal(tmp_path) + "stop_text_encoder_training = 500\nlearning_rate_te = 1e-6\n"
+                              'mixed_precision = "fp16"\nno_half_vae = true\n', "--script", "train_db.py")
+    assert config["method"] == "full" and config["weight_dtype"] == "float16"
+    assert config["text_encoder"] == {"train": True, "learning_rate": 1e-6, "stop_training_after": 500,
+                                      "stop_training_after_unit": "step"}
+    assert "no_half_vae: kohya keeps the VAE in float32" in err
+    config, _, err = imported(tmp_path, minimal(tmp_path) + 'learning_rate_te = 1e-6\noptimizer_type = "DAdaptLion"\n'
+                              "learning_rate = 1.0\n", "--script", "train_db.py")
+    assert config["optimizer"] == {"name": "DADAPT_LION", "beta2": 0.99} and config["text_encoder"] == {"train": True}
+    assert "text_encoder learning rate 1e-06: DADAPT_LION takes one learning rate" in err

@@ -186,6 +186,9 @@ def _precision(args: KohyaArgs, c: dict, method: str, out: Imported) -> None:
         if args["fp8_base_unet"] and not args["fp8_base"]:
             out.notes.append("fp8_base_unet: every frozen component is stored in float8 (ot_dist's one weight_dtype), "
                              "not the denoiser only")
+    if args["no_half_vae"] and c.get("weight_dtype") in ("float16", "bfloat16"):
+        out.not_honoured.append(f"no_half_vae: kohya keeps the VAE in float32 while the other frozen parts are "
+                                f"{c['weight_dtype']}; ot_dist stores every frozen part in weight_dtype")
     if args["save_precision"]:
         c["output_dtype"] = SAVE_PRECISION[str(args["save_precision"])]
     if args["seed"] is None:

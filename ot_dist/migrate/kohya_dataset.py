@@ -131,8 +131,8 @@ def _dataset_settings(first: Lookup, c: dict, family: str, out: Imported) -> Non
     else:  # kohya's buckets hold at most width x height pixels; ot_dist's the area of a square's
         side = max(step, round((width * height) ** 0.5 / step) * step)
         c["resolution"] = side
-        skip(f"resolution: {width},{height}: ot_dist's buckets have the area of a {side} px square (not honoured: "
-             "the exact width and height)")
+        skip(f"resolution: {width},{height}: ot_dist buckets by the area of a {side} px square; the width and "
+             "height themselves are not kept")
     c["batch_size"] = first["batch_size"]
     if not first["enable_bucket"]:
         skip("enable_bucket: false (kohya crops every image to the resolution) is not supported: ot_dist always "

@@ -54,7 +54,9 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
         skip(f"loss_type: {loss_type} (with huber_schedule / huber_c) is not supported: ot_dist trains with the MSE "
              "(l2) loss only")
     for key in ("huber_schedule", "huber_c", "huber_scale"):
-        args[key]  # read: they shape the huber / smooth_l1 loss only, listed with loss_type
+        if args.given(key) and loss_type == "l2":
+            out.notes.append(f"{key}: {args[key]} shapes the huber / smooth_l1 loss only; with l2 kohya ignores it")
+        args[key]  # read: with huber / smooth_l1 they are listed with loss_type
     if family in FLOW:
         _flow(args, c, family, loss, skip)
     else:

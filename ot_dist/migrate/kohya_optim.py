@@ -91,10 +91,23 @@ def import_optimizer(args: KohyaArgs, c: dict, out: Imported) -> None:
         skip("optimizer_type: SGDNesterov8bit: ot_dist's SGD_8BIT has no Nesterov momentum; SGD_8BIT is written")
     if name == "ADAFACTOR" and options.get("warmup_init"):
         options["relative_step"] = True  # kohya turns relative steps on for warmup_init
+    if spec.adaptive:
+        _one_learning_rate(c, name, skip)
     if "." in kind:
         out.notes.append(f"optimizer_type: {kind} is ot_dist's {name}; options optimizer_args leaves out take "
                          "ot_dist's defaults (OneTrainer's), which may differ from the class's own")
     c["optimizer"] = options
+
+
+def _one_learning_rate(c: dict, name: str, skip) -> None:
+    """D-Adaptation and Prodigy estimate one step size for all parameter groups (ot_dist refuses groups with other
+    learning rates; kohya warns that only the first group's counts)."""
+    from ot_dist.config.schema import PART_FIELDS
+
+    parts = [p for p in PART_FIELDS if (c.get(p) or {}).get("learning_rate") not in (None, c["learning_rate"])]
+    for part in parts:
+        skip(f"{part} learning rate {c[part].pop('learning_rate')}: {name} takes one learning rate for every part "
+             f"(learning_rate {c['learning_rate']} is used)")
 
 
 def _by_class(kind: str, specs) -> tuple[str | None, dict]:
