@@ -372,3 +372,31 @@ def test_train_db_full_finetune(tmp_path):
                               "learning_rate = 1.0\n", "--script", "train_db.py")
     assert config["optimizer"] == {"name": "DADAPT_LION", "beta2": 0.99} and config["text_encoder"] == {"train": True}
     assert "text_encoder learning rate 1e-06: DADAPT_LION takes one learning rate" in err
+
+
+def test_sample_prompts_toml_and_json(tmp_path):
+    """kohya's .toml prompts: [prompt] settings shared by each [[prompt.subset]] (a key in both is an error in
+    kohya: dict(**prompt, **subset)); .json: a list of dicts or lines."""
+    from ot_dist.migrate.kohya_samples import read_prompts
+
+    (tmp_path / "p.toml").write_text("""
+[prompt]
+width = 1024
+height = 1024
+sample_steps = 20
+scale = 5.0
+
+  [[prompt.subset]]
+  prompt = "a cat"
+  seed = 1
+
+  [[prompt.subset]]
+  prompt = "a dog"
+  negative_prompt = "blurry"
+""", encoding="utf-8")
+    assert read_prompts(tmp_path / "p.toml") == [
+        {"width": 1024, "height": 1024, "sample_steps": 20, "scale": 5.0, "prompt": "a cat", "seed": 1},
+        {"width": 1024, "height": 1024, "sample_steps": 20, "scale": 5.0, "prompt": "a dog",
+         "negative_prompt": "blurry"}]
+    (tmp_path / "p.json").write_text('[{"prompt": "a cat", "seed": 3}, "a dog --d 4"]', encoding="utf-8")
+    assert read_prompts(tmp_path / "p.json") == [{"prompt": "a cat", "seed": 3}, {"prompt": "a dog", "seed": 4}]
