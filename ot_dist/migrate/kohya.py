@@ -119,9 +119,8 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     import_samples(args, c, sample_prompts, out)
     _saves(args, c, out)
     _left_over(args, out)
-    launch = getattr(args, "launch", [])
-    if len(launch) > 1:
-        out.notes.append(f"the launcher's options ({' '.join(launch)}) are the launch's: `ot-dist launch` or "
+    if len(args.launch) > 1:
+        out.notes.append(f"the launcher's options ({' '.join(args.launch)}) are the launch's: `ot-dist launch` or "
                          "accelerate / torchrun start ot_dist's processes")
     out.notes.insert(0, f"imported from kohya sd-scripts' {args.script} arguments")
     return out

@@ -20,8 +20,9 @@ CONTINUATION = re.compile(r"[\\^`][ \t]*\r?\n")
 
 
 class KohyaArgs:
-    def __init__(self, values: dict[str, Any], script: str):
+    def __init__(self, values: dict[str, Any], script: str, launch: list[str] | None = None):
         self.values, self.script, self.read = values, script, set()
+        self.launch = launch or []  # a saved command line's words before the script (accelerate launch ...)
 
     def __getitem__(self, key: str) -> Any:
         self.read.add(key)
@@ -59,8 +60,7 @@ def read_args(config_file: str | None, command: str | None, script: str | None) 
         raise ConfigError("--script: which kohya script does this setup run (train_network.py, sdxl_train_network.py, "
                           "sdxl_train.py, train_db.py, flux_train_network.py, sd3_train_network.py)? The TOML does not "
                           "say; give --script or a --command_line that names it")
-    args = KohyaArgs(values, script)
-    args.launch = launch
+    args = KohyaArgs(values, script, launch)
     for key in ("config_file", "output_config"):
         args.read.add(key)
     return args
