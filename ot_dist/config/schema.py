@@ -374,36 +374,31 @@ class ConceptConfig(Section):
         """OneTrainer's field is one string, `capslock, title, first, random`."""
         return [m.strip() for m in value.split(",") if m.strip()] if isinstance(value, str) else value
 
-    @field_validator("tag_dropout_special_tags")
-    @classmethod
-    def _special_tags_file(cls, value):
-        from ot_dist.data.captions import special_tags_file_missing
-
-        if (missing := special_tags_file_missing(value)) is not None:
-            raise ValueError(f"{value!r} names a special tags file ({missing.suffix}) that does not exist; give the "
-                             "file's path, or the tags as a list")
-        return value
-
     @model_validator(mode="after")
     def _tag_options(self) -> "ConceptConfig":
-        from ot_dist.data.captions import special_patterns, special_tags
+        from ot_dist.data.captions import special_patterns, special_tags, special_tags_file_missing
 
-        mode, tags = self.tag_dropout_special_tags_mode, special_tags(self.tag_dropout_special_tags, self.tag_delimiter)
+        label, value = f"concept {self.path}", self.tag_dropout_special_tags
+        if (missing := special_tags_file_missing(value)) is not None:
+            raise ValueError(f"{label}: tag_dropout_special_tags: {value!r} names a special tags file "
+                             f"({missing.suffix}) that does not exist; give the file's path, or the tags as a list")
+        mode, tags = self.tag_dropout_special_tags_mode, special_tags(value, self.tag_delimiter)
         if mode != "none" and not tags:
-            raise ValueError(f"tag_dropout_special_tags_mode: {mode} needs tag_dropout_special_tags")
+            raise ValueError(f"{label}: tag_dropout_special_tags_mode: {mode} needs tag_dropout_special_tags")
         if mode == "none" and tags:
-            raise ValueError("tag_dropout_special_tags: set, but tag_dropout_special_tags_mode is none (whitelist: "
-                             "never dropped; blacklist: the only ones dropped)")
+            raise ValueError(f"{label}: tag_dropout_special_tags: set, but tag_dropout_special_tags_mode is none "
+                             "(whitelist: never dropped; blacklist: the only ones dropped)")
         try:
             special_patterns(tags, self.tag_dropout_special_tags_regex)
         except re.error as err:
-            raise ValueError(f"tag_dropout_special_tags: {err.pattern!r} is no regular expression ({err})") from None
+            raise ValueError(f"{label}: tag_dropout_special_tags: {err.pattern!r} is no regular expression "
+                             f"({err})") from None
         for name in ("keep_tags_separator", "secondary_separator"):
-            value = getattr(self, name)
-            if value and value.strip() == self.tag_delimiter.strip():
-                raise ValueError(f"{name}: {value!r} is the tag_delimiter; it marks something else in a caption")
+            separator = getattr(self, name)
+            if separator and separator.strip() == self.tag_delimiter.strip():
+                raise ValueError(f"{label}: {name}: {separator!r} is the tag_delimiter; it must mark something else")
         if self.keep_tags_separator and self.keep_tags_separator == self.secondary_separator:
-            raise ValueError("secondary_separator: the same as keep_tags_separator")
+            raise ValueError(f"{label}: secondary_separator: the same as keep_tags_separator")
         return self
 
     @model_validator(mode="after")
