@@ -56,10 +56,6 @@ def caption_options(concept) -> list[str]:
     return [name for name in CAPTION_OPTIONS if getattr(concept, name)]
 
 
-def has_variation(concept) -> bool:
-    return bool(caption_options(concept))
-
-
 def _caption_dropped(concept, gen: torch.Generator, epoch: int) -> bool:
     p = concept.caption_dropout_probability
     if p and float(torch.rand((), generator=gen)) < p:
