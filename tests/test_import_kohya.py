@@ -72,6 +72,9 @@ bucket_reso_steps = 64          # bucket sides are multiples of 64
   flip_aug = true               # random horizontal flip
   caption_dropout_rate = 0.05   # the whole caption dropped 5% of the time
   caption_tag_dropout_rate = 0.1  # each tag after the kept ones dropped 10% of the time
+  keep_tokens_separator = "|||"   # in a caption holding it, the tags before it stay
+  secondary_separator = ";;;"     # parts joined by it count as one tag
+  caption_dropout_every_n_epochs = 4  # every 4th epoch trains without captions
 """, encoding="utf-8")
     config, text, _ = imported(tmp_path, f"""
 [model_arguments]
@@ -134,7 +137,8 @@ xformers = true
     assert config["data"]["concepts"] == [{
         "path": str(data), "balancing": 3, "caption_extension": ".txt", "tag_delimiter": ",",
         "keep_tags_count": 1, "tag_shuffling": True, "tag_dropout_probability": 0.1, "tag_dropout_mode": "random",
-        "caption_dropout_probability": 0.05, "flip_probability": 0.5}]
+        "keep_tags_separator": "|||", "secondary_separator": ";;;", "caption_dropout_probability": 0.05,
+        "caption_dropout_every_n_epochs": 4, "flip_probability": 0.5}]
     assert "cache_latents" not in config["data"]  # the flip changes the image every epoch
     assert "xformers: True is ignored" in text
     (tmp_path / "ok.yaml").write_text(text, encoding="utf-8")

@@ -36,9 +36,7 @@ ARGPARSE_NAMES = {"batch_size": "train_batch_size", "num_repeats": "dataset_repe
 # Subset settings that change the samples and that ot_dist has no counterpart for, with what they do in kohya.
 UNSUPPORTED = {
     "color_aug": "a hue shift of up to 8/180 or a gamma in [0.95, 1.05], a third of the time",
-    "face_crop_aug_range": "crops around a face", "keep_tokens_separator": "tokens kept up to a separator",
-    "secondary_separator": "tokens shuffled as one", "caption_suffix": "text after every caption",
-    "caption_dropout_every_n_epochs": "every caption dropped every N-th epoch",
+    "face_crop_aug_range": "crops around a face", "caption_suffix": "text after every caption",
     "token_warmup_step": "captions that grow over the first steps", "token_warmup_min": "captions that grow",
     "alpha_mask": "the image's alpha as the loss mask", "custom_attributes": "custom attributes",
     "metadata_file": "captions from a fine-tuning metadata JSON", "conditioning_data_dir": "conditioning images",
@@ -199,8 +197,11 @@ def _subset(sub: Lookup, label: str, args: KohyaArgs, out: Imported) -> tuple[di
             entry["tag_shuffling"] = True
         if sub["caption_tag_dropout_rate"]:  # each tag after the kept ones, alone: ot_dist's random mode
             entry |= {"tag_dropout_probability": sub["caption_tag_dropout_rate"], "tag_dropout_mode": "random"}
-    if sub["caption_dropout_rate"]:
-        entry["caption_dropout_probability"] = sub["caption_dropout_rate"]
+    for kohya, ours in (("keep_tokens_separator", "keep_tags_separator"), ("secondary_separator", "secondary_separator"),
+                        ("caption_dropout_rate", "caption_dropout_probability"),
+                        ("caption_dropout_every_n_epochs", "caption_dropout_every_n_epochs")):
+        if sub[kohya]:  # the same rules (docs/data.md: kohya's options in ot_dist's terms)
+            entry[ours] = sub[kohya]
     if sub["caption_prefix"]:
         entry["caption_prefix"] = sub["caption_prefix"]  # kohya: prefix, a space, the caption
     if sub["flip_aug"]:
@@ -283,7 +284,8 @@ def _caches(args: KohyaArgs, c: dict, out: Imported) -> None:
     if args["cache_text_encoder_outputs"]:
         trained = [p for p in ("text_encoder", "text_encoder_2", "text_encoder_3") if c.get(p, {}).get("train")]
         if trained or any(e.get(k) for e in data["concepts"] for k in ("tag_shuffling", "tag_dropout_probability",
-                                                                      "caption_dropout_probability")):
+                                                                      "caption_dropout_probability",
+                                                                      "caption_dropout_every_n_epochs")):
             out.notes.append("cache_text_encoder_outputs: off (text encoders trained, or captions change per epoch)")
         else:
             data["cache_text"] = True
