@@ -11,7 +11,7 @@ from ot_dist.data.captions import CAPS_MODES, SPECIAL_TAG_FILES, special_pattern
 from ot_dist.data.concepts import caption_lines
 from ot_dist.errors import ConfigError
 from ot_dist.migrate import onetrainer_defaults as defaults
-from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
+from ot_dist.migrate.common import Imported, local_path, read_json
 
 
 CONCEPT_TYPES = {"STANDARD": "standard", "VALIDATION": "validation", "PRIOR_PREDICTION": "prior_prediction"}
