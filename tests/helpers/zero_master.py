@@ -1,0 +1,36 @@
+"""Inside a launch: ZeRO-1/2 over float32 weights step no second copy of them.
+
+DeepSpeed's ZeRO-1/2 optimizer clones this rank's partition of the flat weights into a float32 master copy; when the
+weights are float32 (train_dtype float32, or bfloat16 under torch autocast) ot_dist makes that master a view of the
+partition instead (parallel/deepspeed.py `share_fp32_master_with_flat_weights`). Lost, the runs still train alike
+(DeepSpeed copies the master into the weights after each step): only the bytes tell, 4/N per parameter per rank.
+Checked after training, so that what the steps, a checkpoint load or an optimizer did to the master is covered."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def master_should_share(trainer) -> bool:
+    """Whether the run holds float32 weights under ZeRO-1/2 with the master on their device (no optimizer offload)."""
+    config, strategy = trainer.config, trainer.strategy
+    float32_weights = config.train_dtype == "float32" or getattr(strategy, "under_autocast", False)
+    return strategy.name in ("zero1", "zero2") and float32_weights and not config.deepspeed.offload_optimizer
+
+
+def assert_master_shares_the_weights(trainer) -> None:
+    """Each group's master partition is this rank's slice of the flat weights, and DeepSpeed's per-parameter views
+    of the master (`_hp_mapping.hp_fragment`) point into the flat weights too (a view of the constructor's clone
+    would keep the clone alive)."""
+    if not master_should_share(trainer):
+        return
+    zero = trainer.strategy.engine_optimizer
+    for group, master in enumerate(zero.single_partition_of_fp32_groups):
+        flat = zero.bit16_groups_flat[group].untyped_storage().data_ptr()
+        rank = dist.get_rank(group=zero.real_dp_process_group[group])
+        partition = zero.parallel_partitioned_bit16_groups[group][rank]
+        assert master.untyped_storage().data_ptr() == flat and master.data_ptr() == partition.data_ptr(), (
+            f"{trainer.config.output_dir}: group {group}'s fp32 master is a copy of the flat weights, not a view")
+        fragments = [p._hp_mapping.hp_fragment for p in zero.bit16_groups[group] if getattr(p, "_hp_mapping", None)]
+        assert fragments and all(f.untyped_storage().data_ptr() == flat for f in fragments), (
+            f"{trainer.config.output_dir}: group {group}'s parameter mappings still view the master's old copy")
