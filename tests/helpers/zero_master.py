@@ -18,19 +18,26 @@ def master_should_share(trainer) -> bool:
     return strategy.name in ("zero1", "zero2") and float32_weights and not config.deepspeed.offload_optimizer
 
 
-def assert_master_shares_the_weights(trainer) -> None:
-    """Each group's master partition is this rank's slice of the flat weights, and DeepSpeed's per-parameter views
-    of the master (`_hp_mapping.hp_fragment`) point into the flat weights too (a view of the constructor's clone
+def master_copies(trainer) -> list[str]:
+    """Where a ZeRO-1/2 run over float32 weights holds a second copy of them (empty: nowhere, or not such a run).
+    Each group's master partition must be this rank's slice of the flat weights, and DeepSpeed's per-parameter views
+    of the master (`_hp_mapping.hp_fragment`) must point into the flat weights too (a view of the constructor's clone
     would keep the clone alive)."""
     if not master_should_share(trainer):
-        return
-    zero = trainer.strategy.engine_optimizer
+        return []
+    zero, copies = trainer.strategy.engine_optimizer, []
     for group, master in enumerate(zero.single_partition_of_fp32_groups):
         flat = zero.bit16_groups_flat[group].untyped_storage().data_ptr()
         rank = dist.get_rank(group=zero.real_dp_process_group[group])
         partition = zero.parallel_partitioned_bit16_groups[group][rank]
-        assert master.untyped_storage().data_ptr() == flat and master.data_ptr() == partition.data_ptr(), (
-            f"{trainer.config.output_dir}: group {group}'s fp32 master is a copy of the flat weights, not a view")
+        if master.untyped_storage().data_ptr() != flat or master.data_ptr() != partition.data_ptr():
+            copies.append(f"group {group}: the fp32 master is a copy of the flat weights, not a view")
         fragments = [p._hp_mapping.hp_fragment for p in zero.bit16_groups[group] if getattr(p, "_hp_mapping", None)]
-        assert fragments and all(f.untyped_storage().data_ptr() == flat for f in fragments), (
-            f"{trainer.config.output_dir}: group {group}'s parameter mappings still view the master's old copy")
+        if not fragments or any(f.untyped_storage().data_ptr() != flat for f in fragments):
+            copies.append(f"group {group}: the parameters' views of the master are not views of the flat weights")
+    return copies
+
+
+def assert_master_shares_the_weights(trainer) -> None:
+    copies = master_copies(trainer)
+    assert not copies, f"{trainer.config.output_dir}: {'; '.join(copies)}"
