@@ -152,7 +152,8 @@ def share_fp32_master_with_flat_weights(zero_optimizer) -> None:
     that slice, so the optimizer steps the weights in place and what DeepSpeed does with the master stays right:
     the copy into the partition after a step (and `update_lp_params` after a checkpoint load) is a copy onto
     itself, the all-gather sends the stepped slice as before, a skipped step leaves both unchanged, clipping
-    scales the master's gradient only. Not under optimizer offload: the master lives on the CPU there.
+    scales the master's gradient only. Not under optimizer offload (asked for by ot_dist's setting or by the user's
+    config_file): the master lives on the CPU there, beside the step's CPU gradient buffers.
 
     The master keeps its identity (the optimizer's param and state key, ot_dist's ownership); only its storage
     changes. DeepSpeed's per-parameter views of the master (`_hp_mapping`, from `_link_all_hp_params` in the
@@ -160,6 +161,8 @@ def share_fp32_master_with_flat_weights(zero_optimizer) -> None:
     does when it moves the master (reload_states)."""
     import torch.distributed as dist
 
+    if getattr(zero_optimizer, "cpu_offload", False):
+        return
     shared = False
     for group, master in enumerate(zero_optimizer.single_partition_of_fp32_groups):
         rank = dist.get_rank(group=zero_optimizer.real_dp_process_group[group])

@@ -38,6 +38,19 @@ def master_copies(trainer) -> list[str]:
     return copies
 
 
+def offloaded_master_on_the_weights(trainer) -> bool:
+    """Whether a ZeRO-1/2 run with optimizer offload steps its master in the weights' storage: it must not, the
+    offloaded step keeps the master apart (CPU buffers, pinned on a GPU host) and copies it into the weights itself.
+    On the CPU both sit on one device, so only this tells."""
+    strategy = trainer.strategy
+    if strategy.name not in ("zero1", "zero2") or not trainer.config.deepspeed.offload_optimizer:
+        return False
+    zero = strategy.engine_optimizer
+    return any(master.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+               for master, flat in zip(zero.single_partition_of_fp32_groups, zero.bit16_groups_flat))
+
+
 def assert_master_shares_the_weights(trainer) -> None:
     copies = master_copies(trainer)
     assert not copies, f"{trainer.config.output_dir}: {'; '.join(copies)}"
+    assert not offloaded_master_on_the_weights(trainer), f"{trainer.config.output_dir}: offloaded master in the weights"
