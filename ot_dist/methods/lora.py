@@ -24,7 +24,7 @@ class LoraMethod(TrainingMethod):
     formats = ("lora",)
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
-        from ot_dist.methods.lora_variants import match_lycoris_scale, peft_config
+        from ot_dist.methods.lora_variants import init_loha_as_lycoris, match_lycoris_scale, peft_config
 
         freeze_all(model)
         groups = []
@@ -41,6 +41,8 @@ class LoraMethod(TrainingMethod):
                 raise ConfigError(f"{key}: {targets} do not match modules of the {part}: {err}") from None
             if lora.variant == "lokr":  # LyCORIS's scale (1.0) where both Kronecker factors are full matrices
                 match_lycoris_scale(module, ADAPTER)
+            if lora.variant == "loha":  # LyCORIS's initial factors (peft's start ~1000x smaller products)
+                init_loha_as_lycoris(module, ADAPTER)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:

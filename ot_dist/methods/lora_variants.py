@@ -14,6 +14,13 @@ scale = alpha / rank, except for a LoKr module whose two factors are both full m
 (comfy/weight_adapter/lokr.py) and diffusers (`_bake_lokr_alpha_`) apply those at 1.0 whatever alpha. peft's LoKr
 layer applies alpha / rank to every module, so ot_dist sets those modules' peft scale to 1.0 after adding the adapter
 (`match_lycoris_scale`): they train at the scale every reader applies, and the files hold the factors as trained.
+
+LoHa and LoKr start from LyCORIS's initial factors, which OneTrainer's LoHaModule / LoKrModule copy, not peft's
+defaults: LoHa hada_w1_a ~ N(0, 0.1), hada_w1_b and hada_w2_b ~ N(0, 1), hada_w2_a = 0 (peft: Kaiming-uniform
+factors, of std ~1 / sqrt(3 fan_in), and hada_w2_b = 0: at the same learning rate its first AdamW steps changed a
+320- to 3072-wide layer's output 130 - 270x less than OneTrainer's); LoKr lokr_w1 (or lokr_w1_a / _b) and lokr_w2_a
+Kaiming-uniform, lokr_w2 or lokr_w2_b zero (peft's default zeroes the other factor, lokr_w1, and moved ~0.89x as
+far; its `init_weights="lycoris"` is LyCORIS's: with the same seed the same factors as OneTrainer's).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ def peft_config(variant: str, rank: int, alpha: float, dropout: float, targets: 
     if variant == "lokr":
         from peft import LoKrConfig
 
-        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets)
+        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, init_weights="lycoris")
     raise ValueError(f"lora.variant: {variant!r} is not one of {', '.join(VARIANTS)}")
 
 
@@ -77,6 +84,25 @@ def match_lycoris_scale(module: torch.nn.Module, adapter: str) -> int:
     for layer in module.modules():
         if isinstance(layer, LoKrLayer) and adapter in layer.lokr_w1 and adapter in layer.lokr_w2:
             layer.scaling[adapter] = 1.0
+            count += 1
+    return count
+
+
+@torch.no_grad()
+def init_loha_as_lycoris(module: torch.nn.Module, adapter: str) -> int:
+    """LyCORIS's (and OneTrainer's) initial LoHa factors on every peft LoHa layer of `module`: hada_w1_a ~ N(0, 0.1),
+    hada_w1_b ~ N(0, 1), hada_w2_a = 0, hada_w2_b ~ N(0, 1); the product is zero, and the zero factor is the one
+    beside the larger ones (peft's own init has no such option). Returns how many layers were set. To be called
+    once the adapter exists, before training or loading its state."""
+    from peft.tuners.loha.layer import LoHaLayer
+
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, LoHaLayer) and adapter in layer.hada_w1_a:
+            layer.hada_w1_a[adapter].normal_(0, 0.1)
+            layer.hada_w1_b[adapter].normal_(0, 1)
+            layer.hada_w2_a[adapter].zero_()
+            layer.hada_w2_b[adapter].normal_(0, 1)
             count += 1
     return count
 
