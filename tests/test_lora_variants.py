@@ -393,6 +393,49 @@ def test_config_refusals(tiny_models, shapes_data, tmp_path):
     assert variant_config(tiny_models, shapes_data, tmp_path, "dora", **{"lora.dropout": 0.1}).lora.variant == "dora"
 
 
+def lora_b_inputs(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the layer's up matrix receives in its forward, the down matrix's output for the undropped x)."""
+    seen = []
+    handle = layer.lora_B[ADAPTER].register_forward_pre_hook(lambda _, args: seen.append(args[0].detach()))
+    try:
+        layer(x)
+    finally:
+        handle.remove()
+    return seen[0], torch.nn.functional.linear(x, layer.lora_A[ADAPTER].weight).detach()
+
+
+def test_lora_dropout_drops_the_rank_features_as_onetrainer_and_kohya(tiny_models, shapes_data, tmp_path):
+    """`lora.dropout` on plain LoRA drops the down projection's output in train mode (OneTrainer's LoRAModule:
+    lora_up(dropout(lora_down(x))) with its dropout_probability; kohya's network_dropout), each rank feature zero
+    or scaled by 1 / (1 - p), and nothing in eval mode; peft's lora_dropout dropped input features instead. DoRA
+    keeps the input dropout (OneTrainer's DoRA drops the input too)."""
+    p = 0.5
+    config = variant_config(tiny_models, shapes_data, tmp_path / "out", "lora", **{"lora.dropout": p})
+    model = load_model(config.model)
+    LoraMethod(config).prepare(model)
+    layers = [layer for layer in adapted_layers(model.denoiser).values()
+              if isinstance(layer.get_base_layer(), torch.nn.Linear)]
+    assert layers
+    torch.manual_seed(0)
+    dropped = total = 0
+    for layer in layers:
+        assert isinstance(layer.lora_dropout[ADAPTER], torch.nn.Identity)  # the input is not dropped
+        x = torch.randn(8, layer.get_base_layer().in_features)
+        layer.train()
+        received, down = lora_b_inputs(layer, x)
+        zero = received == 0
+        torch.testing.assert_close(received[~zero], down[~zero] / (1 - p))
+        dropped, total = dropped + int(zero.sum()), total + zero.numel()
+        layer.eval()
+        received, down = lora_b_inputs(layer, x)
+        torch.testing.assert_close(received, down)
+    assert total > 1000 and abs(dropped / total - p) < 0.05
+    dora = variant_config(tiny_models, shapes_data, tmp_path / "dora", "dora", **{"lora.dropout": p})
+    model = load_model(dora.model)
+    LoraMethod(dora).prepare(model)
+    assert all(layer.lora_dropout[ADAPTER].p == p for layer in adapted_layers(model.denoiser).values())
+
+
 # ---- strategies ---------------------------------------------------------------------------------------------------
 def test_variants_train_on_two_ranks_as_in_one_process(small_sd1, shapes_data, tmp_path):
     """fsdp and zero3 for every variant, in one 2-process gloo launch (batch 2 each), equal to one process with batch

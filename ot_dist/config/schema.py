@@ -135,7 +135,9 @@ class PartConfig(Section):
 class LoraConfig(Section):
     rank: int = Field(default=16, ge=1, description="LoRA rank.")
     alpha: float = Field(default=1.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input (variants lora, dora).")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="LoRA dropout while training: lora drops the rank "
+                           "features (the down projection's output), as OneTrainer's dropout_probability and kohya's "
+                           "network_dropout; dora drops the adapted layer's input (peft's, OneTrainer's DoRA).")
     variant: Literal["lora", "dora", "loha", "lokr"] = Field(
         default="lora",
         description="The adapter, trained through peft: lora (up @ down); dora (LoRA with a trained magnitude per "

@@ -24,7 +24,8 @@ class LoraMethod(TrainingMethod):
     formats = ("lora",)
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
-        from ot_dist.methods.lora_variants import init_loha_as_lycoris, match_lycoris_scale, peft_config
+        from ot_dist.methods.lora_variants import (drop_down_output, init_loha_as_lycoris, match_lycoris_scale,
+                                                   peft_config)
 
         freeze_all(model)
         groups = []
@@ -41,8 +42,10 @@ class LoraMethod(TrainingMethod):
                 raise ConfigError(f"{key}: {targets} do not match modules of the {part}: {err}") from None
             if lora.variant == "lokr":  # LyCORIS's scale (1.0) where both Kronecker factors are full matrices
                 match_lycoris_scale(module, ADAPTER)
-            if lora.variant == "loha":  # LyCORIS's initial factors (peft's start ~1000x smaller products)
+            if lora.variant == "loha":  # LyCORIS's initial factors (peft's trained 130-270x slower at first)
                 init_loha_as_lycoris(module, ADAPTER)
+            if lora.variant == "lora" and lora.dropout:  # on the rank features, as OneTrainer and kohya drop
+                drop_down_output(module, ADAPTER, lora.dropout)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:

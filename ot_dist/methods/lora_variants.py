@@ -40,12 +40,14 @@ PEFT_TO_KOHYA = {
 
 
 def peft_config(variant: str, rank: int, alpha: float, dropout: float, targets: list[str]):
-    """The peft config that trains `variant` on `targets` (module-name suffixes)."""
+    """The peft config that trains `variant` on `targets` (module-name suffixes). peft's `lora_dropout` drops the
+    adapter's input, which is where OneTrainer's DoRA drops (DoRA's own code); a plain LoRA's dropout is added on
+    its down projection's output instead (`drop_down_output`)."""
     if variant in ("lora", "dora"):
         from peft import LoraConfig
 
-        return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                          use_dora=variant == "dora")
+        return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout if variant == "dora" else 0.0,
+                          target_modules=targets, use_dora=variant == "dora")
     if variant == "loha":
         from peft import LoHaConfig
 
@@ -86,6 +88,27 @@ def match_lycoris_scale(module: torch.nn.Module, adapter: str) -> int:
             layer.scaling[adapter] = 1.0
             count += 1
     return count
+
+
+def drop_down_output(module: torch.nn.Module, adapter: str, p: float) -> int:
+    """Dropout at rate `p` on the output of every peft LoRA layer's down projection (lora_A) in `module`, in train
+    mode only: the rank features, where OneTrainer's LoRAModule (`lora_up(dropout(lora_down(x)))`, its
+    `dropout_probability`) and kohya's LoRAModule (`--network_dropout`) drop. peft's `lora_dropout` drops the input
+    x instead: another regulariser (in_features features dropped instead of rank ones). Returns how many layers."""
+    import functools
+
+    from peft.tuners.lora.layer import LoraLayer
+
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, LoraLayer) and adapter in layer.lora_A:
+            layer.lora_A[adapter].register_forward_hook(functools.partial(_dropout_hook, p))
+            count += 1
+    return count
+
+
+def _dropout_hook(p: float, module: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.dropout(output, p, training=module.training)
 
 
 @torch.no_grad()
