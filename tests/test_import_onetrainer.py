@@ -494,7 +494,9 @@ def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
     ("STABLE_DIFFUSION_15", {"layer_filter_preset": "attn-only", "layer_filter": "attn"}, {"preset": "attention"}),
     ("STABLE_DIFFUSION_XL_10_BASE", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
     ("STABLE_DIFFUSION_15", {"layer_filter_preset": "attn-mlp", "layer_filter": "attentions"}, {"preset": "default"}),
-    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "full", "layer_filter": ""}, {"preset": "all_linear"}),
+    # "full" (OneTrainer's default): every Linear and Conv2d (test_lora_layouts.py: all_layers adapts those)
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "full", "layer_filter": ""}, {"preset": "all_layers"}),
+    ("STABLE_DIFFUSION_XL_10_BASE", {}, {"preset": "all_layers"}),
     ("PIXART_SIGMA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
     ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
      {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",

@@ -151,7 +151,8 @@ class LoraConfig(Section):
     preset: str = Field(
         default="default",
         description="The denoiser modules to adapt: default (the family's diffusers training script's list), "
-        "attention (attention projections only), all_linear (every linear layer), or another preset the family "
+        "attention (attention projections only), all_linear (every Linear layer), all_layers (every Linear and "
+        "Conv2d layer but grouped convolutions: OneTrainer's full layer filter), or another preset the family "
         "names. unet_targets / transformer_targets override it.",
     )
     unet_targets: list[str] | None = Field(
@@ -746,7 +747,7 @@ class TrainConfig(Section):
         if self.lora.variant != "lora" and self.lora.init_from:
             raise ValueError(f"lora.init_from: starts plain LoRA adapters from a file; lora.variant {self.lora.variant} "
                              "cannot start from one (use variant lora, or start from zero)")
-        presets = ("all_linear", *family.denoiser_lora_presets)
+        presets = ("all_linear", "all_layers", *family.denoiser_lora_presets)
         if self.lora.preset not in presets:
             raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "
                              f"(allowed: {', '.join(presets)})")

@@ -206,9 +206,20 @@ def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
     key = f"{part}_targets"
     if getattr(settings, key, None):
         return f"lora.{key}", list(getattr(settings, key))
-    if settings.preset == "all_linear":
-        return "lora.preset", [name for name, sub in module.named_modules() if isinstance(sub, torch.nn.Linear)]
+    if settings.preset in WHOLE_MODULE_PRESETS:
+        takes = WHOLE_MODULE_PRESETS[settings.preset]
+        return "lora.preset", [name for name, sub in module.named_modules() if takes(sub)]
     return "lora.preset", list(family.denoiser_lora_presets[settings.preset])
+
+
+# Presets derived from the module: every layer of a kind. all_layers is OneTrainer's "full" layer filter (every
+# Linear and Conv2d, 3x3 convolutions LoCon-style as kohya's conv_dim), but grouped (depthwise) convolutions, which
+# peft adapts only at a rank divisible by the groups.
+WHOLE_MODULE_PRESETS = {
+    "all_linear": lambda sub: isinstance(sub, torch.nn.Linear),
+    "all_layers": lambda sub: isinstance(sub, torch.nn.Linear) or (isinstance(sub, torch.nn.Conv2d)
+                                                                    and sub.groups == 1),
+}
 
 
 def with_dora_scale(state: dict) -> dict:

@@ -31,8 +31,10 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         patterns = presets.get(ot.get("layer_filter_preset") or "full", ())
     named = next((name for name, value in presets.items() if value == patterns), None)
     if not any(patterns):
-        lora["preset"] = "all_linear"
-        out.notes.append("layer_filter: every layer -> lora.preset all_linear (OneTrainer also adapts convolutions)")
+        lora["preset"] = "all_layers"  # every Linear and Conv2d, as OneTrainer's empty filter selects
+        if family in ("stable_cascade", "wuerstchen_v2"):
+            out.notes.append("layer_filter: every layer -> lora.preset all_layers, without the prior's depthwise "
+                             "convolutions, which OneTrainer also adapts (peft: rank divisible by their groups)")
     elif ot.get("layer_filter_regex"):
         out.not_honoured.append(f"layer_filter: {text!r} (regular expressions): set lora.{denoiser}_targets by "
                                 "module names")
@@ -47,4 +49,4 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
     else:
         out.not_honoured.append(f"layer_filter: {','.join(patterns)!r}"
                                 f"{f' (layer_filter_preset {named})' if named else ''}: set lora.{denoiser}_targets by "
-                                "module names (ot_dist's lora.preset all_linear adapts every layer)")
+                                "module names (ot_dist's lora.preset all_layers adapts every layer)")
