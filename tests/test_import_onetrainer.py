@@ -456,6 +456,22 @@ def test_lora_model_name_continues_that_lora(tmp_path):
     assert config.lora.init_from == "/loras/start.safetensors"
 
 
+def test_a_continued_lora_trains_at_the_files_alpha_as_in_onetrainer(tmp_path):
+    """OneTrainer loads the continued file's `.alpha` tensors into its LoRA modules (a buffer each), so it trains and
+    saves them at the file's alpha / rank, not lora_alpha's: the import takes the file's alpha as lora.alpha."""
+    import torch
+    from safetensors.torch import save_file
+
+    start = tmp_path / "start.safetensors"
+    save_file({"lora_unet_a.lora_down.weight": torch.randn(4, 8), "lora_unet_a.lora_up.weight": torch.randn(8, 4),
+               "lora_unet_a.alpha": torch.tensor(8.0)}, str(start))
+    settings = {"training_method": "LORA", "lora_rank": 4, "lora_alpha": 1.0}
+    config, _ = import_only(tmp_path, {**settings, "lora_model_name": str(start)})
+    assert (config.lora.init_from, config.lora.alpha) == (str(start), 8.0)
+    config, _ = import_only(tmp_path, {**settings, "lora_model_name": str(tmp_path / "elsewhere.safetensors")})
+    assert config.lora.alpha == 1.0  # not on this machine: kept, with a note
+
+
 @pytest.mark.parametrize("optimizer,schedule,scheduler", [
     # transformers' AdafactorSchedule only reports the step size: without relative steps the rate is constant
     ({"optimizer": "ADAFACTOR", "relative_step": False}, "ADAFACTOR", ("CONSTANT", 0)),

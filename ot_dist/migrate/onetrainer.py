@@ -105,6 +105,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         if ot["lora_model_name"]:  # OneTrainer continues training this LoRA file
             if c["lora"].get("variant", "lora") == "lora":
                 c["lora"]["init_from"] = local_path(ot["lora_model_name"], "lora_model_name", out)
+                _continued_alpha(c["lora"], out)
             else:
                 skip(f"lora_model_name: {ot['lora_model_name']}: ot_dist continues plain LoRA files only")
     if method == "embedding":
@@ -196,6 +197,28 @@ def _layer_skip(ot: dict, c: dict, family: str, skip) -> None:
     for key in ("text_encoder_3_layer_skip", "text_encoder_4_layer_skip"):
         if ot.get(key):
             skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
+
+
+def _continued_alpha(lora: dict, out: Imported) -> None:
+    """OneTrainer loads a continued LoRA's `.alpha` tensors into its modules (a buffer of each LoRAModule), so they
+    train, and are saved, at the file's alpha / rank whatever lora_alpha; ot_dist trains at lora.alpha from the file's
+    starting change. The file's alpha becomes lora.alpha where the file is on this machine and has one."""
+    from ot_dist.lora_tools.files import read_lora_file
+
+    path = Path(lora["init_from"])
+    what = f"lora_model_name: OneTrainer trains a continued LoRA at the file's alpha (its .alpha tensors replace " \
+           f"lora_alpha {lora['alpha']})"
+    if not path.is_file():
+        out.notes.append(f"{what}; {path} is not on this machine: set lora.alpha to the file's alpha")
+        return
+    alphas = {pair.alpha for pair in read_lora_file(path, tool="lora_model_name").pairs.values()}
+    if len(alphas) != 1 or None in alphas:
+        out.notes.append(f"{what}; {path} has no single alpha ({sorted(map(str, alphas))}): lora.alpha is kept")
+        return
+    [alpha] = alphas
+    if alpha != lora["alpha"]:
+        out.notes.append(f"{what}: lora.alpha {alpha}, the file's")
+        lora["alpha"] = alpha
 
 
 PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr"}
