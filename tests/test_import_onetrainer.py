@@ -525,6 +525,21 @@ def test_lora_layer_filter_as_onetrainer_applies_it(tmp_path, model_type, settin
     assert not [line for line in skipped if line.startswith("layer_filter")]
 
 
+@pytest.mark.parametrize("model_type,parts,targets", [
+    ("STABLE_DIFFUSION_XL_10_BASE", {"text_encoder_2": {"train": True}},
+     ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "text_projection"]),
+    ("STABLE_DIFFUSION_XL_10_BASE", {"text_encoder": {"train": True}, "text_encoder_2": {"train": False}}, None),
+    ("STABLE_DIFFUSION_3", {"text_encoder": {"train": True}, "text_encoder_3": {"train": True}}, None),
+])
+def test_trained_clip_with_projection_adapts_it_as_onetrainer(tmp_path, model_type, parts, targets):
+    """OneTrainer adapts every Linear of a trained text encoder: a CLIP with projection (SDXL's second, SD3's, Stable
+    Cascade's) also its text_projection, which makes the pooled embedding. With a T5 training beside (one
+    lora.text_encoder_targets list for every encoder) it is listed instead."""
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA", **parts})
+    assert config.lora.text_encoder_targets == targets
+    assert any(line.startswith("text_encoder.text_projection") for line in skipped) == (model_type.endswith("_3"))
+
+
 @pytest.mark.parametrize("settings,checkpoint", [
     # backups every 30 minutes by default, all kept; saves (save_every) are all kept too
     ({}, (None, 30, None)),

@@ -20,7 +20,7 @@ from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_checkpoint import import_checkpoint
 from ot_dist.migrate.onetrainer_common import Imported, is_windows_path, local_path, read_json
 from ot_dist.migrate.onetrainer_concepts import import_concepts, import_latent_caching
-from ot_dist.migrate.onetrainer_layers import import_layer_filter
+from ot_dist.migrate.onetrainer_layers import import_layer_filter, import_text_encoder_layers
 from ot_dist.migrate.onetrainer_loss import import_loss
 from ot_dist.migrate.onetrainer_optim import import_ema, import_optimizer, import_scheduler, scale_learning_rates
 from ot_dist.migrate.onetrainer_parts import import_parts
@@ -99,6 +99,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     if method == "lora":
         c["lora"] = {"rank": ot["lora_rank"], "alpha": ot["lora_alpha"], "dropout": ot["dropout_probability"]}
         import_layer_filter(ot, c["lora"], family, get_family(family).denoiser, out)
+        import_text_encoder_layers(c, family, out)
         _lora_variant(ot, c["lora"], skip)
         if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
