@@ -212,7 +212,11 @@ def _continued_alpha(lora: dict, out: Imported) -> None:
     if not path.is_file():
         out.notes.append(f"{what}; {path} is not on this machine: set lora.alpha to the file's alpha")
         return
-    alphas = {pair.alpha for pair in read_lora_file(path, tool="lora_model_name").pairs.values()}
+    try:
+        alphas = {pair.alpha for pair in read_lora_file(path, tool="lora_model_name").pairs.values()}
+    except InputFileError as err:  # training says it again, at lora.init_from
+        out.notes.append(f"{what}; {err}")
+        return
     if len(alphas) != 1 or None in alphas:
         out.notes.append(f"{what}; {path} has no single alpha ({sorted(map(str, alphas))}): lora.alpha is kept")
         return
