@@ -277,3 +277,16 @@ def test_a_resume_that_cannot_be_honoured_names_the_difference(tiny_models, shap
         other = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1, **change)
         with pytest.raises(InputFileError, match=message):
             Trainer(validate(other), log=quiet, resume="auto")
+
+
+def test_a_lora_resumes_only_at_its_alpha(tiny_models, shapes_data, tmp_path):
+    """The adapters resume as saved: another lora.alpha would scale the change training made by new / saved alpha
+    (the model jumps at the resume; OneTrainer keeps the saved alpha). Refused, naming it; the same alpha resumes."""
+    lora = {"method": "lora", "lora.rank": 4, "lora.alpha": 2.0}
+    Trainer(validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1, **lora)),
+            log=quiet).train()
+    other = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=2, **{**lora, "lora.alpha": 8.0})
+    with pytest.raises(InputFileError, match=r"lora.alpha is 8.0, the checkpoint was trained with 2.0.*scaled by 4"):
+        Trainer(validate(other), log=quiet, resume="auto")
+    same = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=2, **lora)
+    assert Trainer(validate(same), log=quiet, resume="auto").train().steps == 2

@@ -456,6 +456,22 @@ def test_lora_model_name_continues_that_lora(tmp_path):
     assert config.lora.init_from == "/loras/start.safetensors"
 
 
+def test_a_continued_lora_trains_at_the_files_alpha_as_in_onetrainer(tmp_path):
+    """OneTrainer loads the continued file's `.alpha` tensors into its LoRA modules (a buffer each), so it trains and
+    saves them at the file's alpha / rank, not lora_alpha's: the import takes the file's alpha as lora.alpha."""
+    import torch
+    from safetensors.torch import save_file
+
+    start = tmp_path / "start.safetensors"
+    save_file({"lora_unet_a.lora_down.weight": torch.randn(4, 8), "lora_unet_a.lora_up.weight": torch.randn(8, 4),
+               "lora_unet_a.alpha": torch.tensor(8.0)}, str(start))
+    settings = {"training_method": "LORA", "lora_rank": 4, "lora_alpha": 1.0}
+    config, _ = import_only(tmp_path, {**settings, "lora_model_name": str(start)})
+    assert (config.lora.init_from, config.lora.alpha) == (str(start), 8.0)
+    config, _ = import_only(tmp_path, {**settings, "lora_model_name": str(tmp_path / "elsewhere.safetensors")})
+    assert config.lora.alpha == 1.0  # not on this machine: kept, with a note
+
+
 @pytest.mark.parametrize("optimizer,schedule,scheduler", [
     # transformers' AdafactorSchedule only reports the step size: without relative steps the rate is constant
     ({"optimizer": "ADAFACTOR", "relative_step": False}, "ADAFACTOR", ("CONSTANT", 0)),
@@ -494,7 +510,9 @@ def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
     ("STABLE_DIFFUSION_15", {"layer_filter_preset": "attn-only", "layer_filter": "attn"}, {"preset": "attention"}),
     ("STABLE_DIFFUSION_XL_10_BASE", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
     ("STABLE_DIFFUSION_15", {"layer_filter_preset": "attn-mlp", "layer_filter": "attentions"}, {"preset": "default"}),
-    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "full", "layer_filter": ""}, {"preset": "all_linear"}),
+    # "full" (OneTrainer's default): every Linear and Conv2d (test_lora_layouts.py: all_layers adapts those)
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "full", "layer_filter": ""}, {"preset": "all_layers"}),
+    ("STABLE_DIFFUSION_XL_10_BASE", {}, {"preset": "all_layers"}),
     ("PIXART_SIGMA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
     ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
      {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
@@ -505,6 +523,21 @@ def test_lora_layer_filter_as_onetrainer_applies_it(tmp_path, model_type, settin
     config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA", **settings})
     assert {key: getattr(config.lora, key) for key in lora} == lora
     assert not [line for line in skipped if line.startswith("layer_filter")]
+
+
+@pytest.mark.parametrize("model_type,parts,targets", [
+    ("STABLE_DIFFUSION_XL_10_BASE", {"text_encoder_2": {"train": True}},
+     ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2", "text_projection"]),
+    ("STABLE_DIFFUSION_XL_10_BASE", {"text_encoder": {"train": True}, "text_encoder_2": {"train": False}}, None),
+    ("STABLE_DIFFUSION_3", {"text_encoder": {"train": True}, "text_encoder_3": {"train": True}}, None),
+])
+def test_trained_clip_with_projection_adapts_it_as_onetrainer(tmp_path, model_type, parts, targets):
+    """OneTrainer adapts every Linear of a trained text encoder: a CLIP with projection (SDXL's second, SD3's, Stable
+    Cascade's) also its text_projection, which makes the pooled embedding. With a T5 training beside (one
+    lora.text_encoder_targets list for every encoder) it is listed instead."""
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA", **parts})
+    assert config.lora.text_encoder_targets == targets
+    assert any(line.startswith("text_encoder.text_projection") for line in skipped) == (model_type.endswith("_3"))
 
 
 @pytest.mark.parametrize("settings,checkpoint", [

@@ -211,13 +211,16 @@ def test_metadata_names_the_base_model_version_as_kohya_writes_it(trained, famil
     assert (metadata.get("ss_base_model_version"), metadata.get("ss_v2")) == KOHYA_VERSIONS[family]
 
 
-@pytest.mark.parametrize("family", ["sd1", "sdxl"])
-def test_all_linear_modules_load_in_comfyui_and_diffusers(tiny_models, shapes_data, tmp_path, family):
+@pytest.mark.parametrize("family, preset", [("sd1", "all_linear"), ("sdxl", "all_linear"), ("sd1", "all_layers"),
+                                            ("sdxl", "all_layers")])
+def test_all_linear_modules_load_in_comfyui_and_diffusers(tiny_models, shapes_data, tmp_path, family, preset):
     """Every nn.Linear of the UNet (time / added-condition embeddings, resnet projections too) has a name ComfyUI
-    maps and diffusers reads back. Untrained: random up matrices stand in for training."""
+    maps and diffusers reads back; with all_layers (OneTrainer's "full" layer filter) every nn.Conv2d too (conv_in /
+    conv_out, the resnets' 3x3 and shortcut, the samplers, SD 1.x's 1x1 proj_in / proj_out). Untrained: random up
+    matrices stand in for training."""
     from ot_dist.models.loading import load_model
 
-    config = lora_config(tiny_models, shapes_data, tmp_path / "out", family, **{"lora.preset": "all_linear"})
+    config = lora_config(tiny_models, shapes_data, tmp_path / "out", family, **{"lora.preset": preset})
     model = load_model(config.model)
     method = LoraMethod(config)
     method.prepare(model)
@@ -231,9 +234,10 @@ def test_all_linear_modules_load_in_comfyui_and_diffusers(tiny_models, shapes_da
     originals = original_unet_paths(tiny_models[family], family)
     patches, left_over = comfy_load(load_file(path), comfy_key_map(family, model.denoiser, originals))
     assert not left_over, f"ComfyUI would not load {sorted(left_over)[:5]}"
-    linears = {p.removesuffix(".base_layer") for p, m in model.denoiser.named_modules()
-               if isinstance(m, torch.nn.Linear) and "lora_" not in p}
-    assert {path for part, path in patches if part == "unet"} == linears
+    kinds = (torch.nn.Linear, torch.nn.Conv2d) if preset == "all_layers" else torch.nn.Linear
+    layers = {p.removesuffix(".base_layer") for p, m in model.denoiser.named_modules()
+              if isinstance(m, kinds) and "lora_" not in p}
+    assert {path for part, path in patches if part == "unet"} == layers
     for (part, module_path), patch in patches.items():
         layer = in_memory_module(model.parts()[part], module_path)
         torch.testing.assert_close(comfy_weight_change(patch, layer.base_layer.weight),

@@ -265,6 +265,45 @@ def test_lokr_trains_at_lycoris_scale_and_files_keep_it(tiny_models, shapes_data
             torch.testing.assert_close(patch[1]["lokr_w1"], layer.lokr_w1[ADAPTER].detach())
 
 
+def prepared_factors(tiny_models, shapes_data, out, variant) -> dict[str, list[torch.Tensor]]:
+    """factor name (hada_w1_a, lokr_w2, ...) -> that factor of every adapted module, as prepare leaves them."""
+    config = variant_config(tiny_models, shapes_data, out, variant)
+    model = load_model(config.model)
+    torch.manual_seed(0)
+    LoraMethod(config).prepare(model)
+    factors = {}
+    for part in model.parts().values():
+        for name, p in part.named_parameters():
+            if f".{ADAPTER}" in name and ("hada_" in name or "lokr_" in name):
+                factors.setdefault(name.split(".")[-2], []).append(p.detach())
+    return factors
+
+
+def test_loha_starts_from_lycoris_and_onetrainers_factors(tiny_models, shapes_data, tmp_path):
+    """LyCORIS's LoHa init, which OneTrainer's LoHaModule copies: hada_w1_a ~ N(0, 0.1), hada_w1_b and hada_w2_b
+    ~ N(0, 1), hada_w2_a zero. peft's own (Kaiming-uniform factors, hada_w2_b zero) started products ~100x smaller,
+    so at OneTrainer's learning rate the change grew 130 - 270x slower in the first steps."""
+    factors = prepared_factors(tiny_models, shapes_data, tmp_path / "out", "loha")
+    assert all(bool((t == 0).all()) for t in factors["hada_w2_a"])
+    for name, std in (("hada_w1_a", 0.1), ("hada_w1_b", 1.0), ("hada_w2_b", 1.0)):
+        values = torch.cat([t.flatten() for t in factors[name]])
+        assert values.numel() > 1000 and abs(values.std().item() - std) < 0.05 * std, name
+        assert abs(values.mean().item()) < 0.1 * std, name
+
+
+def test_lokr_starts_from_lycoris_and_onetrainers_factors(tiny_models, shapes_data, tmp_path):
+    """LyCORIS's (and OneTrainer's LoKrModule's) LoKr init: the second Kronecker factor (lokr_w2, or lokr_w2_b of a
+    split one) zero, the first and lokr_w2_a Kaiming-uniform (peft's default zeroes lokr_w1 instead)."""
+    factors = prepared_factors(tiny_models, shapes_data, tmp_path / "out", "lokr")
+    assert factors.get("lokr_w2") and factors.get("lokr_w2_b")  # rank 4 on these sizes: full and split factors
+    for name in ("lokr_w2", "lokr_w2_b"):
+        assert all(bool((t == 0).all()) for t in factors[name]), name
+    for name in ("lokr_w1", "lokr_w2_a"):
+        for t in factors[name]:  # Kaiming-uniform (a = sqrt(5)): U(-1 / sqrt(fan_in), 1 / sqrt(fan_in))
+            bound = 1 / t.flatten(1).shape[1] ** 0.5
+            assert t.abs().max() <= bound and t.abs().max() > bound / 2, name
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_merge_applies_the_trained_change(trained, variant):
     """`ot-dist lora merge` of the exported file into a fresh base equals peft's own merge of the trained model,
@@ -352,6 +391,49 @@ def test_config_refusals(tiny_models, shapes_data, tmp_path):
     for variant in ("lora", *VARIANTS):  # ZeRO-3 gathers what the variant layers read (tested on 2 ranks below)
         assert variant_config(tiny_models, shapes_data, tmp_path, variant, strategy="zero3").strategy == "zero3"
     assert variant_config(tiny_models, shapes_data, tmp_path, "dora", **{"lora.dropout": 0.1}).lora.variant == "dora"
+
+
+def lora_b_inputs(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what the layer's up matrix receives in its forward, the down matrix's output for the undropped x)."""
+    seen = []
+    handle = layer.lora_B[ADAPTER].register_forward_pre_hook(lambda _, args: seen.append(args[0].detach()))
+    try:
+        layer(x)
+    finally:
+        handle.remove()
+    return seen[0], torch.nn.functional.linear(x, layer.lora_A[ADAPTER].weight).detach()
+
+
+def test_lora_dropout_drops_the_rank_features_as_onetrainer_and_kohya(tiny_models, shapes_data, tmp_path):
+    """`lora.dropout` on plain LoRA drops the down projection's output in train mode (OneTrainer's LoRAModule:
+    lora_up(dropout(lora_down(x))) with its dropout_probability; kohya's network_dropout), each rank feature zero
+    or scaled by 1 / (1 - p), and nothing in eval mode; peft's lora_dropout dropped input features instead. DoRA
+    keeps the input dropout (OneTrainer's DoRA drops the input too)."""
+    p = 0.5
+    config = variant_config(tiny_models, shapes_data, tmp_path / "out", "lora", **{"lora.dropout": p})
+    model = load_model(config.model)
+    LoraMethod(config).prepare(model)
+    layers = [layer for layer in adapted_layers(model.denoiser).values()
+              if isinstance(layer.get_base_layer(), torch.nn.Linear)]
+    assert layers
+    torch.manual_seed(0)
+    dropped = total = 0
+    for layer in layers:
+        assert isinstance(layer.lora_dropout[ADAPTER], torch.nn.Identity)  # the input is not dropped
+        x = torch.randn(8, layer.get_base_layer().in_features)
+        layer.train()
+        received, down = lora_b_inputs(layer, x)
+        zero = received == 0
+        torch.testing.assert_close(received[~zero], down[~zero] / (1 - p))
+        dropped, total = dropped + int(zero.sum()), total + zero.numel()
+        layer.eval()
+        received, down = lora_b_inputs(layer, x)
+        torch.testing.assert_close(received, down)
+    assert total > 1000 and abs(dropped / total - p) < 0.05
+    dora = variant_config(tiny_models, shapes_data, tmp_path / "dora", "dora", **{"lora.dropout": p})
+    model = load_model(dora.model)
+    LoraMethod(dora).prepare(model)
+    assert all(layer.lora_dropout[ADAPTER].p == p for layer in adapted_layers(model.denoiser).values())
 
 
 # ---- strategies ---------------------------------------------------------------------------------------------------

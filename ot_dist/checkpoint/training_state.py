@@ -170,6 +170,14 @@ def check_compatible(state: dict, trainer, folder: Path) -> None:
         if saved != now:
             raise InputFileError(f"--resume {folder}: {field} is {now}, the checkpoint was trained with {saved}; "
                                  "resume with the same value or start a new run")
+    saved_alpha = (state["config"].get("lora") or {}).get("alpha")
+    if config.method == "lora" and saved_alpha is not None and saved_alpha != config.lora.alpha:
+        # the adapters' tensors resume as saved, so alpha / rank would scale the change training made by the ratio
+        # (OneTrainer resumes at the saved alpha, a buffer of each LoRA module)
+        raise InputFileError(f"--resume {folder}: lora.alpha is {config.lora.alpha}, the checkpoint was trained with "
+                             f"{saved_alpha}: its LoRA's change would be scaled by {config.lora.alpha / saved_alpha:g}; "
+                             f"resume with lora.alpha {saved_alpha}, or start a new run from its exported LoRA "
+                             "(lora.init_from keeps the change at any alpha)")
     shapes = {name: list(shape) for name, shape in trainer.ownership.shapes.items()}
     if shapes != state["shapes"]:
         missing = sorted(set(state["shapes"]) ^ set(shapes))

@@ -135,7 +135,9 @@ class PartConfig(Section):
 class LoraConfig(Section):
     rank: int = Field(default=16, ge=1, description="LoRA rank.")
     alpha: float = Field(default=1.0, gt=0, description="LoRA alpha; the update is scaled by alpha / rank.")
-    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the LoRA input (variants lora, dora).")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="LoRA dropout while training: lora drops the rank "
+                           "features (the down projection's output), as OneTrainer's dropout_probability and kohya's "
+                           "network_dropout; dora drops the adapted layer's input (peft's, OneTrainer's DoRA).")
     variant: Literal["lora", "dora", "loha", "lokr"] = Field(
         default="lora",
         description="The adapter, trained through peft: lora (up @ down); dora (LoRA with a trained magnitude per "
@@ -149,7 +151,8 @@ class LoraConfig(Section):
     preset: str = Field(
         default="default",
         description="The denoiser modules to adapt: default (the family's diffusers training script's list), "
-        "attention (attention projections only), all_linear (every linear layer), or another preset the family "
+        "attention (attention projections only), all_linear (every Linear layer), all_layers (every Linear and "
+        "Conv2d layer but grouped convolutions: OneTrainer's full layer filter), or another preset the family "
         "names. unet_targets / transformer_targets override it.",
     )
     unet_targets: list[str] | None = Field(
@@ -823,7 +826,7 @@ class TrainConfig(Section):
         if self.lora.variant != "lora" and self.lora.init_from:
             raise ValueError(f"lora.init_from: starts plain LoRA adapters from a file; lora.variant {self.lora.variant} "
                              "cannot start from one (use variant lora, or start from zero)")
-        presets = ("all_linear", *family.denoiser_lora_presets)
+        presets = ("all_linear", "all_layers", *family.denoiser_lora_presets)
         if self.lora.preset not in presets:
             raise ValueError(f"lora.preset: {self.lora.preset!r} is not a preset of {self.model.family} "
                              f"(allowed: {', '.join(presets)})")

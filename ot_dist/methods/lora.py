@@ -24,7 +24,8 @@ class LoraMethod(TrainingMethod):
     formats = ("lora",)
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
-        from ot_dist.methods.lora_variants import match_lycoris_scale, peft_config
+        from ot_dist.methods.lora_variants import (drop_down_output, init_loha_as_lycoris, match_lycoris_scale,
+                                                   peft_config)
 
         freeze_all(model)
         groups = []
@@ -41,6 +42,10 @@ class LoraMethod(TrainingMethod):
                 raise ConfigError(f"{key}: {targets} do not match modules of the {part}: {err}") from None
             if lora.variant == "lokr":  # LyCORIS's scale (1.0) where both Kronecker factors are full matrices
                 match_lycoris_scale(module, ADAPTER)
+            if lora.variant == "loha":  # LyCORIS's initial factors (peft's trained 130-270x slower at first)
+                init_loha_as_lycoris(module, ADAPTER)
+            if lora.variant == "lora" and lora.dropout:  # on the rank features, as OneTrainer and kohya drop
+                drop_down_output(module, ADAPTER, lora.dropout)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:
@@ -201,9 +206,20 @@ def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
     key = f"{part}_targets"
     if getattr(settings, key, None):
         return f"lora.{key}", list(getattr(settings, key))
-    if settings.preset == "all_linear":
-        return "lora.preset", [name for name, sub in module.named_modules() if isinstance(sub, torch.nn.Linear)]
+    if settings.preset in WHOLE_MODULE_PRESETS:
+        takes = WHOLE_MODULE_PRESETS[settings.preset]
+        return "lora.preset", [name for name, sub in module.named_modules() if takes(sub)]
     return "lora.preset", list(family.denoiser_lora_presets[settings.preset])
+
+
+# Presets derived from the module: every layer of a kind. all_layers is OneTrainer's "full" layer filter (every
+# Linear and Conv2d, 3x3 convolutions LoCon-style as kohya's conv_dim), but grouped (depthwise) convolutions, which
+# peft adapts only at a rank divisible by the groups.
+WHOLE_MODULE_PRESETS = {
+    "all_linear": lambda sub: isinstance(sub, torch.nn.Linear),
+    "all_layers": lambda sub: isinstance(sub, torch.nn.Linear) or (isinstance(sub, torch.nn.Conv2d)
+                                                                    and sub.groups == 1),
+}
 
 
 def with_dora_scale(state: dict) -> dict:

@@ -14,6 +14,13 @@ scale = alpha / rank, except for a LoKr module whose two factors are both full m
 (comfy/weight_adapter/lokr.py) and diffusers (`_bake_lokr_alpha_`) apply those at 1.0 whatever alpha. peft's LoKr
 layer applies alpha / rank to every module, so ot_dist sets those modules' peft scale to 1.0 after adding the adapter
 (`match_lycoris_scale`): they train at the scale every reader applies, and the files hold the factors as trained.
+
+LoHa and LoKr start from LyCORIS's initial factors, which OneTrainer's LoHaModule / LoKrModule copy, not peft's
+defaults: LoHa hada_w1_a ~ N(0, 0.1), hada_w1_b and hada_w2_b ~ N(0, 1), hada_w2_a = 0 (peft: Kaiming-uniform
+factors, of std ~1 / sqrt(3 fan_in), and hada_w2_b = 0: at the same learning rate its first AdamW steps changed a
+320- to 3072-wide layer's output 130 - 270x less than OneTrainer's); LoKr lokr_w1 (or lokr_w1_a / _b) and lokr_w2_a
+Kaiming-uniform, lokr_w2 or lokr_w2_b zero (peft's default zeroes the other factor, lokr_w1, and moved ~0.89x as
+far; its `init_weights="lycoris"` is LyCORIS's: with the same seed the same factors as OneTrainer's).
 """
 
 from __future__ import annotations
@@ -33,12 +40,14 @@ PEFT_TO_KOHYA = {
 
 
 def peft_config(variant: str, rank: int, alpha: float, dropout: float, targets: list[str]):
-    """The peft config that trains `variant` on `targets` (module-name suffixes)."""
+    """The peft config that trains `variant` on `targets` (module-name suffixes). peft's `lora_dropout` drops the
+    adapter's input, which is where OneTrainer's DoRA drops (DoRA's own code); a plain LoRA's dropout is added on
+    its down projection's output instead (`drop_down_output`)."""
     if variant in ("lora", "dora"):
         from peft import LoraConfig
 
-        return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
-                          use_dora=variant == "dora")
+        return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout if variant == "dora" else 0.0,
+                          target_modules=targets, use_dora=variant == "dora")
     if variant == "loha":
         from peft import LoHaConfig
 
@@ -46,7 +55,7 @@ def peft_config(variant: str, rank: int, alpha: float, dropout: float, targets: 
     if variant == "lokr":
         from peft import LoKrConfig
 
-        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets)
+        return LoKrConfig(r=rank, alpha=alpha, target_modules=targets, init_weights="lycoris")
     raise ValueError(f"lora.variant: {variant!r} is not one of {', '.join(VARIANTS)}")
 
 
@@ -77,6 +86,46 @@ def match_lycoris_scale(module: torch.nn.Module, adapter: str) -> int:
     for layer in module.modules():
         if isinstance(layer, LoKrLayer) and adapter in layer.lokr_w1 and adapter in layer.lokr_w2:
             layer.scaling[adapter] = 1.0
+            count += 1
+    return count
+
+
+def drop_down_output(module: torch.nn.Module, adapter: str, p: float) -> int:
+    """Dropout at rate `p` on the output of every peft LoRA layer's down projection (lora_A) in `module`, in train
+    mode only: the rank features, where OneTrainer's LoRAModule (`lora_up(dropout(lora_down(x)))`, its
+    `dropout_probability`) and kohya's LoRAModule (`--network_dropout`) drop. peft's `lora_dropout` drops the input
+    x instead: another regulariser (in_features features dropped instead of rank ones). Returns how many layers."""
+    import functools
+
+    from peft.tuners.lora.layer import LoraLayer
+
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, LoraLayer) and adapter in layer.lora_A:
+            layer.lora_A[adapter].register_forward_hook(functools.partial(_dropout_hook, p))
+            count += 1
+    return count
+
+
+def _dropout_hook(p: float, module: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.dropout(output, p, training=module.training)
+
+
+@torch.no_grad()
+def init_loha_as_lycoris(module: torch.nn.Module, adapter: str) -> int:
+    """LyCORIS's (and OneTrainer's) initial LoHa factors on every peft LoHa layer of `module`: hada_w1_a ~ N(0, 0.1),
+    hada_w1_b ~ N(0, 1), hada_w2_a = 0, hada_w2_b ~ N(0, 1); the product is zero, and the zero factor is the one
+    beside the larger ones (peft's own init has no such option). Returns how many layers were set. To be called
+    once the adapter exists, before training or loading its state."""
+    from peft.tuners.loha.layer import LoHaLayer
+
+    count = 0
+    for layer in module.modules():
+        if isinstance(layer, LoHaLayer) and adapter in layer.hada_w1_a:
+            layer.hada_w1_a[adapter].normal_(0, 0.1)
+            layer.hada_w1_b[adapter].normal_(0, 1)
+            layer.hada_w2_a[adapter].zero_()
+            layer.hada_w2_b[adapter].normal_(0, 1)
             count += 1
     return count
 

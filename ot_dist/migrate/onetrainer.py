@@ -20,7 +20,7 @@ from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_checkpoint import import_checkpoint
 from ot_dist.migrate.common import Imported, is_windows_path, local_path, note_local_model, read_json
 from ot_dist.migrate.onetrainer_concepts import import_concepts, import_latent_caching
-from ot_dist.migrate.onetrainer_layers import import_layer_filter
+from ot_dist.migrate.onetrainer_layers import import_layer_filter, import_text_encoder_layers
 from ot_dist.migrate.onetrainer_loss import import_loss
 from ot_dist.migrate.onetrainer_optim import import_ema, import_optimizer, import_scheduler, scale_learning_rates
 from ot_dist.migrate.onetrainer_parts import import_parts
@@ -97,12 +97,14 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     if method == "lora":
         c["lora"] = {"rank": ot["lora_rank"], "alpha": ot["lora_alpha"], "dropout": ot["dropout_probability"]}
         import_layer_filter(ot, c["lora"], family, get_family(family).denoiser, out)
+        import_text_encoder_layers(c, family, out)
         _lora_variant(ot, c["lora"], skip)
         if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
         if ot["lora_model_name"]:  # OneTrainer continues training this LoRA file
             if c["lora"].get("variant", "lora") == "lora":
                 c["lora"]["init_from"] = local_path(ot["lora_model_name"], "lora_model_name", out)
+                _continued_alpha(c["lora"], out)
             else:
                 skip(f"lora_model_name: {ot['lora_model_name']}: ot_dist continues plain LoRA files only")
     if method == "embedding":
@@ -194,6 +196,32 @@ def _layer_skip(ot: dict, c: dict, family: str, skip) -> None:
     for key in ("text_encoder_3_layer_skip", "text_encoder_4_layer_skip"):
         if ot.get(key):
             skip(f"{key}: {ot[key]}: {family} takes no layer skip for that encoder")
+
+
+def _continued_alpha(lora: dict, out: Imported) -> None:
+    """OneTrainer loads a continued LoRA's `.alpha` tensors into its modules (a buffer of each LoRAModule), so they
+    train, and are saved, at the file's alpha / rank whatever lora_alpha; ot_dist trains at lora.alpha from the file's
+    starting change. The file's alpha becomes lora.alpha where the file is on this machine and has one."""
+    from ot_dist.lora_tools.files import read_lora_file
+
+    path = Path(lora["init_from"])
+    what = f"lora_model_name: OneTrainer trains a continued LoRA at the file's alpha (its .alpha tensors replace " \
+           f"lora_alpha {lora['alpha']})"
+    if not path.is_file():
+        out.notes.append(f"{what}; {path} is not on this machine: set lora.alpha to the file's alpha")
+        return
+    try:
+        alphas = {pair.alpha for pair in read_lora_file(path, tool="lora_model_name").pairs.values()}
+    except InputFileError as err:  # training says it again, at lora.init_from
+        out.notes.append(f"{what}; {err}")
+        return
+    if len(alphas) != 1 or None in alphas:
+        out.notes.append(f"{what}; {path} has no single alpha ({sorted(map(str, alphas))}): lora.alpha is kept")
+        return
+    [alpha] = alphas
+    if alpha != lora["alpha"]:
+        out.notes.append(f"{what}: lora.alpha {alpha}, the file's")
+        lora["alpha"] = alpha
 
 
 PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr"}

@@ -6,6 +6,8 @@ LAYER_PRESETS), so a UI-saved config holds both and a built-in preset only the p
 
 from __future__ import annotations
 
+from ot_dist.models.families.registry import get_family
+
 _SD = {"attn-mlp": ("attentions",), "attn-only": ("attn",)}
 _FLUX = {"attn-mlp": ("attn", "ff.net", "proj_mlp"), "attn-only": ("attn",), "blocks": ("transformer_block",)}
 _PIXART = {"attn-mlp": ("attn1", "attn2", "ff.net"), "attn-only": ("attn1", "attn2"), "blocks": ("transformer_block",)}
@@ -31,8 +33,10 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         patterns = presets.get(ot.get("layer_filter_preset") or "full", ())
     named = next((name for name, value in presets.items() if value == patterns), None)
     if not any(patterns):
-        lora["preset"] = "all_linear"
-        out.notes.append("layer_filter: every layer -> lora.preset all_linear (OneTrainer also adapts convolutions)")
+        lora["preset"] = "all_layers"  # every Linear and Conv2d, as OneTrainer's empty filter selects
+        if family in ("stable_cascade", "wuerstchen_v2"):
+            out.notes.append("layer_filter: every layer -> lora.preset all_layers, without the prior's depthwise "
+                             "convolutions, which OneTrainer also adapts (peft: rank divisible by their groups)")
     elif ot.get("layer_filter_regex"):
         out.not_honoured.append(f"layer_filter: {text!r} (regular expressions): set lora.{denoiser}_targets by "
                                 "module names")
@@ -47,4 +51,26 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
     else:
         out.not_honoured.append(f"layer_filter: {','.join(patterns)!r}"
                                 f"{f' (layer_filter_preset {named})' if named else ''}: set lora.{denoiser}_targets by "
-                                "module names (ot_dist's lora.preset all_linear adapts every layer)")
+                                "module names (ot_dist's lora.preset all_layers adapts every layer)")
+
+
+# Trained text encoders whose Linear layers include a `text_projection` (CLIPTextModelWithProjection: it makes the
+# pooled embedding), by family. OneTrainer adapts every Linear of a trained text encoder (no layer filter there),
+# ot_dist's default text targets are kohya's (attention and MLP).
+PROJECTED_ENCODERS = {"sdxl": ("text_encoder_2",), "sd3": ("text_encoder", "text_encoder_2"),
+                      "stable_cascade": ("text_encoder",)}
+
+
+def import_text_encoder_layers(c: dict, family: str, out) -> None:
+    fam = get_family(family)
+    trained = [part for part in fam.text_encoders if (c.get(part) or {}).get("train")]
+    projected = [part for part in trained if part in PROJECTED_ENCODERS.get(family, ())]
+    if not projected:
+        return
+    defaults = {fam.text_lora_default_targets(part) for part in trained}
+    if len(defaults) > 1:  # a T5 trains beside: lora.text_encoder_targets is one list for every encoder
+        out.not_honoured.append(f"{', '.join(p + '.text_projection' for p in projected)}: OneTrainer adapts every "
+                                "Linear of a trained text encoder; lora.text_encoder_targets (one list for all "
+                                "encoders, and a T5 trains too) cannot add it")
+        return
+    c["lora"]["text_encoder_targets"] = [*defaults.pop(), "text_projection"]

@@ -48,7 +48,8 @@ class Family:
 
     # -- LoRA -------------------------------------------------------------------------------------------
     # Module-name suffixes peft adapts, per preset; "default" is what the family's diffusers training script
-    # targets. "all_linear" is derived from the module (every nn.Linear) and needs no entry.
+    # targets. "all_linear" and "all_layers" are derived from the module (every nn.Linear; and every nn.Conv2d) and
+    # need no entry.
     denoiser_lora_presets: dict[str, tuple[str, ...]] = {}
     text_lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2")
     # Per text encoder whose modules differ from text_lora_targets' (a T5 beside CLIPs): its own default targets.
