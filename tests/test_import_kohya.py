@@ -84,6 +84,7 @@ pretrained_model_name_or_path = "{tmp_path / 'sd15.safetensors'}"
 network_module = "networks.lora"   # kohya's LoRA
 network_dim = 32                   # rank 32
 network_alpha = 16                 # the update is scaled by alpha / rank
+network_dropout = 0.1              # drops the rank features after lora_down, in training
 unet_lr = 1e-4                     # the U-Net's learning rate
 text_encoder_lr = 5e-5             # the text encoder's
 
@@ -119,7 +120,7 @@ xformers = true
     assert config["model"] == {"family": "sd1", "path": str(tmp_path / "sd15.safetensors"),
                                "text_encoder_layer_skip": 1}
     assert config["method"] == "lora" and config["output_dir"] == str(tmp_path / "models" / "cat")
-    assert config["lora"] == {"rank": 32, "alpha": 16}
+    assert config["lora"] == {"rank": 32, "alpha": 16, "dropout": 0.1}
     assert config["unet"] == {"learning_rate": 1e-4}
     assert config["text_encoder"] == {"train": True, "learning_rate": 5e-5}
     assert config["optimizer"] == {"name": "ADAMW_8BIT"} and config["learning_rate"] == 1e-4
@@ -294,6 +295,7 @@ def test_refusals_and_what_is_listed(tmp_path):
     config, text, err = imported(tmp_path, common + """
 network_module = "lycoris.kohya"
 network_args = ["algo=loha", "conv_dim=8", "module_dropout=0.1"]
+network_dropout = 0.2
 v_pred_like_loss = 0.1
 loss_type = "huber"
 full_fp16 = true
@@ -301,6 +303,7 @@ color_aug = true
 no_such_argument = 3
 """, "--script", "train_network.py")
     assert config["lora"]["variant"] == "loha" and "unet_targets" not in config["lora"]
+    assert "dropout" not in config["lora"] and "network_dropout: 0.2" in err
     for line in ("enable_bucket: false", "v_pred_like_loss: 0.1", "loss_type: huber", "full_fp16",
                  "color_aug: True", "no_such_argument: 3 is not an argument of kohya's training scripts",
                  "network_args module_dropout=0.1", "conv_dim=8 conv_alpha=1.0: ot_dist adapts every module at one rank"):

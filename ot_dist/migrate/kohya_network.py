@@ -73,9 +73,12 @@ def import_network(args: KohyaArgs, c: dict, family: str, out: Imported) -> None
         raise ConfigError(f"network_module: {module} is not a network ot_dist trains (networks.lora, lora_flux, "
                           "lora_sd3, lycoris.kohya with algo locon / loha / lokr)")
     _targets(extra, lora, family, module, skip)
-    if args["network_dropout"]:
-        skip(f"network_dropout: {args['network_dropout']}: kohya drops the LoRA's hidden (rank) values; ot_dist's "
-             "lora.dropout drops its input, another regulariser: not written")
+    if args["network_dropout"] and lora.get("variant", "lora") == "lora":
+        # both drop the rank features after lora_down, in training only (kohya's LoRAModule.forward)
+        lora["dropout"] = float(args["network_dropout"])
+    elif args["network_dropout"]:
+        skip(f"network_dropout: {args['network_dropout']}: ot_dist's lora.dropout drops a plain LoRA's rank "
+             f"features; for {lora['variant']} it is another regulariser than LyCORIS': not written")
     for key in ("rank_dropout", "module_dropout"):
         if key in extra:
             skip(f"network_args {key}={extra.pop(key)}: not supported (ot_dist drops no ranks or whole modules)")
