@@ -147,6 +147,9 @@ class Family:
 
     # -- sampling ---------------------------------------------------------------------------------------
     samplers: tuple[str, ...] = ("flow_euler",)  # sampling.sampler values that fit the objective; the first is auto
+    # Whether the sampling pipeline's call takes guidance_rescale (sampling.prompts[].guidance_rescale): diffusers'
+    # SD and SDXL pipelines do; SD3's, Flux's, Chroma's, PixArt's and Stable Cascade's do not.
+    sample_guidance_rescale: bool = False
 
     def sampling_overrides(self, objective: Objective) -> dict:
         """Scheduler config entries that make sampling match training (e.g. the prediction type)."""

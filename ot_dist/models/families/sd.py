@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ot_dist.config.sampling import DDPM_SAMPLERS
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY, Family
 from ot_dist.models.objectives import DDPM
 from ot_dist.train.transfer import to_device
@@ -86,7 +87,8 @@ class UNetFamily(Family):
         pipeline = with_prediction_type(pipeline, model_config.training_prediction_type())
         return with_zero_terminal_snr(pipeline) if model_config.zero_terminal_snr else pipeline
 
-    samplers = ("ddim", "euler", "euler_a", "dpmpp_2m", "unipc")
+    samplers = DDPM_SAMPLERS
+    sample_guidance_rescale = True  # StableDiffusionPipeline and the SDXL pipelines take guidance_rescale
 
     def sampling_overrides(self, objective: DDPM) -> dict:
         return {"prediction_type": objective.prediction_type}
