@@ -90,6 +90,7 @@ class Sampler:
                     name: inference_copy(self.templates[name], state_dict_of(module), runtime.device)
                     for name, module in trainer.strategy.trained_modules.items()
                 }
+                del state_dict_of  # it may hold the gathered set (the EMA's): only `modules` keeps it now
             if mine:
                 pipelines = {}  # one per sampler the prompts name, around the same modules
                 with isolated_randomness(runtime.device), trainer.precision.autocast():
@@ -153,7 +154,9 @@ class Sampler:
             width=prompt.width or self.default_size,
             height=prompt.height or self.default_size,
             num_inference_steps=prompt.steps,
-            guidance_scale=prompt.guidance_scale,
+            # Config validation fills the family's default in; a prompt built without it (a SamplePrompt in code) too.
+            guidance_scale=self.model.family.sample_guidance_scale if prompt.guidance_scale is None else
+            prompt.guidance_scale,
             generator=torch.Generator().manual_seed(prompt.seed),  # CPU: the same noise on any device
             output_type="pil",
         )
