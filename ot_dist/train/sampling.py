@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import io
 import itertools
 import random
@@ -32,6 +33,7 @@ import torch
 
 from ot_dist.config.sampling import SAMPLERS, SamplePrompt
 from ot_dist.config.schema import TrainConfig
+from ot_dist.errors import ConfigError
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import trained_modules
 from ot_dist.parallel.runtime import Runtime
@@ -50,7 +52,17 @@ class Sampler:
         self.templates = {}
         if self.settings.prompts:
             self.templates = {name: meta_structure(module) for name, module in trained_modules(model).items()}
+            self.check_guidance_rescale()
         self.sampled_steps: set[int] = set()
+
+    def check_guidance_rescale(self) -> None:
+        """A guidance_rescale the sampling pipeline cannot take, refused before training: the config allows it for
+        SD 1.x / 2.x, whose inpainting models (known once loaded) sample through a pipeline without it."""
+        pipeline_cls = self.model.family.sampling_pipeline_cls(self.model.pipeline)
+        for i, prompt in enumerate(self.settings.prompts):
+            if prompt.guidance_rescale and not takes_guidance_rescale(pipeline_cls):
+                raise ConfigError(f"sampling.prompts[{i}].guidance_rescale: this model samples through "
+                                  f"{pipeline_cls.__name__}, which has no guidance_rescale; remove it")
 
     def due(self, step: int, steps_per_epoch: int) -> bool:
         every_steps, every_epochs = self.settings.every_n_steps, self.settings.every_n_epochs
@@ -160,10 +172,15 @@ class Sampler:
             generator=torch.Generator().manual_seed(prompt.seed),  # CPU: the same noise on any device
             output_type="pil",
         )
-        if prompt.guidance_rescale is not None and self.model.family.sample_guidance_rescale:
-            # Set (0 too: it overrides the zero-terminal-SNR default); the config refused it for other families.
+        if prompt.guidance_rescale is not None and takes_guidance_rescale(pipeline):
+            # Set (0 too: it overrides the zero-terminal-SNR default); above 0 it was refused where not taken.
             arguments["guidance_rescale"] = prompt.guidance_rescale
         return pipeline(**self.model.family.sampling_arguments(pipeline, arguments)).images[0]
+
+
+def takes_guidance_rescale(pipeline) -> bool:
+    """Whether a pipeline (or pipeline class) takes guidance_rescale: diffusers' SD / SDXL ones, but SD inpainting."""
+    return "guidance_rescale" in inspect.signature(pipeline.__call__).parameters
 
 
 def meta_structure(module: torch.nn.Module) -> torch.nn.Module:

@@ -100,6 +100,14 @@ class UNetFamily(Family):
         if pipeline.scheduler.config.get("rescale_betas_zero_snr") and "guidance_rescale" in inspect.signature(
                 pipeline.__call__).parameters:
             arguments.setdefault("guidance_rescale", ZERO_TERMINAL_SNR_GUIDANCE_RESCALE)
+        if type(pipeline).__name__ == self.inpaint_pipeline_class:
+            # An inpainting model samples as OneTrainer samples one (sample_inpainting off): the whole image repainted
+            # from pure noise, its conditioning a blank masked image (the pipeline zeroes the image under a full mask).
+            from PIL import Image
+
+            size = (arguments["width"], arguments["height"])
+            arguments.update(image=Image.new("RGB", size, (128, 128, 128)), mask_image=Image.new("L", size, 255),
+                             strength=1.0)
         return arguments
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
