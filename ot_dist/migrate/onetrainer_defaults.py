@@ -98,7 +98,8 @@ CONCEPT_IMAGE_OFF = {"enable_random_flip": False, "enable_fixed_flip": False, "e
                      "enable_random_circular_mask_shrink": False, "enable_random_mask_rotate_crop": False}
 # SampleConfig's defaults: `_get_model_defaults(model_type)` of SampleConfig.py, by ot_dist family.
 SAMPLE = {"enabled": True, "prompt": "", "negative_prompt": "", "height": 512, "width": 512, "seed": 42,
-          "random_seed": False, "diffusion_steps": 30, "cfg_scale": 7.0, "noise_scheduler": "DDIM"}
+          "random_seed": False, "diffusion_steps": 30, "cfg_scale": 7.0, "noise_scheduler": "DDIM",
+          "sample_inpainting": False}
 _SIDE_1024 = {"width": 1024, "height": 1024}
 SAMPLE_BY_FAMILY = {
     "sd1": {"cfg_scale": 7.5, "noise_scheduler": "EULER_A"},

@@ -48,6 +48,9 @@ def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | Non
         if sample["random_seed"]:
             out.not_honoured.append(f"samples[{i}].random_seed: true: ot_dist samples with a fixed seed "
                                     f"({sample['seed']}), the same image for the same weights")
+        if sample["sample_inpainting"]:
+            out.not_honoured.append(f"samples[{i}].sample_inpainting: true: ot_dist samples an inpainting model "
+                                    "repainting the whole image (OneTrainer's samples without a base image and mask)")
         width, height = (_quantized(sample[key], family, f"samples[{i}].{key}", out) for key in ("width", "height"))
         negative = sample["negative_prompt"] or ""
         if negative and not get_family(family).sample_negative_prompt:
