@@ -422,13 +422,13 @@ def test_cfg_rescale_and_non_ema_sampling_are_carried(tmp_path, settings, rescal
     assert not any(line.startswith(("samples", "non_ema")) for line in skipped), skipped
 
 
-def test_a_noise_scheduler_ot_dist_lacks_and_sample_inpainting_are_listed(tmp_path):
+def test_a_noise_scheduler_ot_dist_lacks_sample_inpainting_and_skip_first_are_listed(tmp_path):
     samples = [{"prompt": "a cat", "noise_scheduler": "LCM"},
                {"prompt": "a dog", "sample_inpainting": True, "base_image_path": "b.png", "mask_image_path": "m.png"}]
-    config, skipped = import_only(tmp_path, {}, samples=samples)
+    config, skipped = import_only(tmp_path, {"sample_skip_first": 2, "sample_after_unit": "EPOCH"}, samples=samples)
     assert config.sampling.prompts[0].sampler is None
-    assert [line.split(":")[0] for line in skipped if line.startswith("samples")] == [
-        "samples[0].noise_scheduler", "samples[1].sample_inpainting"]
+    assert [line.split(":")[0] for line in skipped if line.startswith("sample")] == [
+        "samples[0].noise_scheduler", "samples[1].sample_inpainting", "sample_skip_first"]
     assert any(line.startswith("samples[0].noise_scheduler: LCM is not an ot_dist sampler") for line in skipped)
 
 

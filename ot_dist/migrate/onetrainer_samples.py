@@ -77,6 +77,9 @@ def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | Non
         sampling["every_n_epochs"] = every
     elif unit != "NEVER":
         out.not_honoured.append(f"sample_after_unit: {unit} (ot_dist samples every N steps or epochs, and at the end)")
+    if ot["sample_skip_first"] and unit != "NEVER":
+        out.not_honoured.append(f"sample_skip_first: {ot['sample_skip_first']}: ot_dist samples from the first "
+                                "interval on")
     c["sampling"] = {**c.get("sampling", {}), **sampling}
 
 
