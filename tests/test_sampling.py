@@ -355,6 +355,10 @@ def test_each_prompts_sampler_and_guidance_rescale_equal_the_diffusers_pipeline(
         assert np.array_equal(image, expected), (name, rescale)
     # other samplers and rescales, other images (the comparisons above tell them apart)
     assert len({image.tobytes() for image in images}) == len(cases)
+    # a prompt without a sampler takes sampling.sampler; a prompt's auto is the family's first (ddim)
+    monkeypatch.setattr(trainer.config.sampling, "sampler", "euler")
+    assert [trainer.sampler.sampler_of(SamplePrompt(**prompt, sampler=name)) for name in (None, "auto", "unipc")] == [
+        "euler", "ddim", "unipc"]
 
 
 def test_per_prompt_sampler_and_guidance_rescale_only_where_the_family_takes_them():

@@ -63,8 +63,8 @@ class SamplePrompt(Section):
         "guidance). null = OneTrainer's sample default for the family: 7.5 SD 1.x / 2.x / SDXL, 7.0 SD3, 3.5 Flux / "
         "Chroma, 4.5 PixArt, 4.0 Stable Cascade / Würstchen v2.")
     sampler: Literal["auto", SamplerName] | None = Field(
-        default=None, description="This prompt's sampler (as sampling.sampler, which null takes): one the family's "
-        "objective allows.")
+        default=None, description="This prompt's sampler, one the family's objective allows (the names of "
+        "sampling.sampler; auto = the family's first); null = sampling.sampler.")
     guidance_rescale: float | None = Field(
         default=None, ge=0, le=1, description="Rescales the guided prediction toward the standard deviation of the "
         "prompt's own (Lin et al. 2023, section 3.4; diffusers' guidance_rescale, OneTrainer's cfg_rescale): 0 = off, "

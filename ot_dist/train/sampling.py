@@ -133,7 +133,7 @@ class Sampler:
 
     def sampler_of(self, prompt: SamplePrompt) -> str:
         """The sampler name a prompt samples with: its own, else sampling.sampler; auto = the family's first."""
-        name = prompt.sampler if prompt.sampler not in (None, "auto") else self.settings.sampler
+        name = self.settings.sampler if prompt.sampler is None else prompt.sampler
         return self.model.family.samplers[0] if name == "auto" else name
 
     def pipeline(self, modules: dict[str, torch.nn.Module], sampler: str | None = None):
