@@ -23,7 +23,7 @@ def concept(**options) -> ConceptConfig:
 
 
 def draw(options, seed) -> str:
-    return vary_caption(TAGS, concept(**options), torch.Generator().manual_seed(seed))
+    return vary_caption(TAGS, concept(**options), torch.Generator().manual_seed(seed), 0)
 
 
 def test_no_option_leaves_the_caption_alone():

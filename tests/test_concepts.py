@@ -268,7 +268,10 @@ def test_the_type_and_small_buckets_are_read_time_options(tiny_models, folders, 
     read_time = {"loss_weight": 2.0, "tag_shuffling": True, "tag_delimiter": ";", "keep_tags_count": 2,
                  "tag_dropout_probability": 0.5, "tag_dropout_mode": "full", "caption_dropout_probability": 0.1,
                  "flip_probability": 0.5, "rotation_degrees": 5.0, "brightness": 0.1, "contrast": 0.1,
-                 "saturation": 0.1, "hue": 0.1}
+                 "saturation": 0.1, "hue": 0.1, "tag_dropout_special_tags_mode": "whitelist",
+                 "tag_dropout_special_tags": ["a.*"], "tag_dropout_special_tags_regex": True,
+                 "caps_randomize_probability": 0.2, "caps_randomize_mode": ["title"], "lowercase_caption": True,
+                 "keep_tags_separator": "|||", "secondary_separator": ";;;", "caption_dropout_every_n_epochs": 3}
     raw["data"]["concepts"][1].update(read_time)
     config = validate(raw)
     assert source_fingerprint(config) == base

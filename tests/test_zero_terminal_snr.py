@@ -60,7 +60,6 @@ def test_exports_and_samples_carry_the_schedule(tiny_models, rescaled, tmp_path)
     from ot_dist.checkpoint.export import export_diffusers_folder
     from ot_dist.checkpoint.frozen_source import export_source
     from ot_dist.config.load import validate
-    from ot_dist.config.sampling import SamplePrompt
     from ot_dist.config.schema import ModelConfig
     from ot_dist.methods.base import plain_state_dict
     from ot_dist.models.loading import load_model
@@ -82,14 +81,15 @@ def test_exports_and_samples_carry_the_schedule(tiny_models, rescaled, tmp_path)
         assert torch.equal(reloaded.scheduler.alphas_cumprod, model.objective.scheduler.alphas_cumprod)
 
     train_config = validate({"model": config.model_dump(), "method": "full", "output_dir": str(tmp_path / "run"),
-                             "data": {"path": str(tmp_path)}, "sampling": {"prompts": [{"prompt": "a square"}]}})
+                             "data": {"path": str(tmp_path)}, "sampling": {"prompts": [{"prompt": "a square", "steps": 2, "width": 64,
+                                                                  "height": 64}]}})
     pipeline = Sampler(train_config, model).pipeline({})
     pipeline.scheduler.set_timesteps(4)
     assert pipeline.scheduler.timesteps[0] == 999 and pipeline.scheduler.alphas_cumprod[-1] == 0
     assert pipeline.scheduler.config.prediction_type == "v_prediction"
     assert model.family.sampling_arguments(pipeline, {"prompt": "a"})["guidance_rescale"] == 0.7
-    image = Sampler(train_config, model).generate(pipeline, SamplePrompt(prompt="a square", steps=2, width=64,
-                                                                          height=64))
+    # the validated prompt: its guidance_scale is the family's default (None until the config is validated)
+    image = Sampler(train_config, model).generate(pipeline, train_config.sampling.prompts[0])
     assert image.size == (64, 64) and len(set(image.getdata())) > 1  # the pipeline takes the arguments (no NaN)
 
 

@@ -41,7 +41,8 @@ def _rows(model: type[BaseModel], prefix: str, sections: list):
             default = f"`{field.default_factory()!r}`"
         else:
             default = f"`{field.default!r}`" if field.default is not None else "`null`"
-        rows.append(f"| `{key}` | {_type_name(annotation)} | {default} | {field.description or ''} |")
+        description = (field.description or "").replace("|", "\\|")  # a `|||` in a text is no column of the table
+        rows.append(f"| `{key}` | {_type_name(annotation)} | {default} | {description} |")
     return rows
 
 

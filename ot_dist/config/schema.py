@@ -280,14 +280,60 @@ class ConceptConfig(Section):
         default=0.0, ge=0, le=1, description="Tag dropout's probability, drawn per sample and epoch; what it drops is "
         "tag_dropout_mode's.",
     )
-    tag_dropout_mode: Literal["random", "full"] = Field(
+    tag_dropout_mode: Literal["random", "random_weighted", "full"] = Field(
         default="random", description="random: each tag after the kept ones is left out with tag_dropout_probability "
-        "(OneTrainer's RANDOM); full: all of them together, only the kept tags stay (OneTrainer's FULL, its default). "
-        "OneTrainer's upper-case spellings are accepted.",
+        "(OneTrainer's RANDOM, kohya's caption_tag_dropout_rate); random_weighted: the i-th of the n droppable tags "
+        "(from 1) with tag_dropout_probability x i / n, so the last tags go most often (OneTrainer's RANDOM WEIGHTED); "
+        "full: all of them together, only the kept tags stay (OneTrainer's FULL, its default). OneTrainer's spellings "
+        "(`RANDOM WEIGHTED`) are accepted.",
+    )
+    tag_dropout_special_tags_mode: Literal["none", "whitelist", "blacklist"] = Field(
+        default="none", description="OneTrainer's special tags for tag dropout: whitelist: the special tags are never "
+        "dropped; blacklist: only the special tags can be (the others always stay). OneTrainer's upper-case spellings "
+        "are accepted.",
+    )
+    tag_dropout_special_tags: str | list[str] = Field(
+        default="", description="The special tags: a list, a string split at tag_delimiter, or the path of a .txt "
+        "file (one tag a line) or a .csv file (its first column). Matched before any case change.",
+    )
+    tag_dropout_special_tags_regex: bool = Field(
+        default=False, description="A special tag holding a regex character (`.^$*+?{}[]|()\\`) is a pattern that "
+        "must match a whole tag; any special tag also matches a tag written in parentheses, `(red hair)` "
+        "(OneTrainer's tag_dropout_special_tags_regex).",
+    )
+    caps_randomize_probability: float = Field(
+        default=0.0, ge=0, le=1, description="Each tag (the kept ones too) gets one of caps_randomize_mode's "
+        "capitalisations with this probability per sample and epoch, after tag dropout and before shuffling "
+        "(OneTrainer's caps_randomize_enable / caps_randomize_probability). As in OneTrainer, the tags are then "
+        "joined by the bare tag_delimiter (`a,B`) unless tag_shuffling re-joins them.",
+    )
+    caps_randomize_mode: list[Literal["capslock", "title", "first", "random"]] = Field(
+        default_factory=lambda: ["capslock", "title", "first", "random"], min_length=1,
+        description="The capitalisations drawn from, each as likely (one listed twice twice as likely): capslock (ALL "
+        "CAPS), title (Each Word Capitalised), first (First word capitalised, the rest lower case), random (each "
+        "letter upper or lower case at random). OneTrainer's comma-separated string is accepted.",
+    )
+    lowercase_caption: bool = Field(
+        default=False, description="Lower-case the caption, after tag dropout and before caps randomisation "
+        "(OneTrainer's caps_randomize_lowercase, Force Lowercase, which applies with randomisation off too).",
+    )
+    keep_tags_separator: str = Field(
+        default="", description="kohya's keep_tokens_separator (e.g. `|||`): in a caption holding it, the tags before "
+        "it stay in place and are never dropped (keep_tags_count is not used for that caption), the tags after it are "
+        "shuffled and dropped, and the tags after a second one stay at the end. The separator itself never reaches the "
+        "text encoder (kohya leaves it in the caption when neither shuffling nor tag dropout is on).",
+    )
+    secondary_separator: str = Field(
+        default="", description="kohya's secondary_separator (e.g. `;;;`): the parts it joins count as one tag for "
+        "shuffling and dropout; afterwards it becomes the bare tag_delimiter (`a;;;b` is `a,b`).",
     )
     caption_dropout_probability: float = Field(
         default=0.0, ge=0, le=1, description="The whole caption is replaced by an empty one with this probability per "
         "sample and epoch, so the model also learns the unconditional prediction classifier-free guidance uses.",
+    )
+    caption_dropout_every_n_epochs: int = Field(
+        default=0, ge=0, description="Every caption is empty in the n-th, 2n-th, ... epoch (counted from 1, as kohya's "
+        "caption_dropout_every_n_epochs); 0: never. Validation losses are not affected.",
     )
 
     @field_validator("type", mode="before")
@@ -317,10 +363,43 @@ class ConceptConfig(Section):
         empty caption to draw every other epoch."""
         return value if value is None else "\n".join(line.strip() for line in value.splitlines() if line.strip())
 
-    @field_validator("tag_dropout_mode", mode="before")
+    @field_validator("tag_dropout_mode", "tag_dropout_special_tags_mode", mode="before")
     @classmethod
     def _onetrainer_mode(cls, value):
-        return value.lower() if isinstance(value, str) else value
+        return value.lower().replace(" ", "_") if isinstance(value, str) else value
+
+    @field_validator("caps_randomize_mode", mode="before")
+    @classmethod
+    def _onetrainer_caps_modes(cls, value):
+        """OneTrainer's field is one string, `capslock, title, first, random`."""
+        return [m.strip() for m in value.split(",") if m.strip()] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _tag_options(self) -> "ConceptConfig":
+        from ot_dist.data.captions import special_patterns, special_tags, special_tags_file_missing
+
+        label, value = f"concept {self.path}", self.tag_dropout_special_tags
+        if (missing := special_tags_file_missing(value)) is not None:
+            raise ValueError(f"{label}: tag_dropout_special_tags: {value!r} names a special tags file "
+                             f"({missing.suffix}) that does not exist; give the file's path, or the tags as a list")
+        mode, tags = self.tag_dropout_special_tags_mode, special_tags(value, self.tag_delimiter)
+        if mode != "none" and not tags:
+            raise ValueError(f"{label}: tag_dropout_special_tags_mode: {mode} needs tag_dropout_special_tags")
+        if mode == "none" and tags:
+            raise ValueError(f"{label}: tag_dropout_special_tags: set, but tag_dropout_special_tags_mode is none "
+                             "(whitelist: never dropped; blacklist: the only ones dropped)")
+        try:
+            special_patterns(tags, self.tag_dropout_special_tags_regex)
+        except re.error as err:
+            raise ValueError(f"{label}: tag_dropout_special_tags: {err.pattern!r} is no regular expression "
+                             f"({err})") from None
+        for name in ("keep_tags_separator", "secondary_separator"):
+            separator = getattr(self, name)
+            if separator and separator.strip() == self.tag_delimiter.strip():
+                raise ValueError(f"{label}: {name}: {separator!r} is the tag_delimiter; it must mark something else")
+        if self.keep_tags_separator and self.keep_tags_separator == self.secondary_separator:
+            raise ValueError(f"{label}: secondary_separator: the same as keep_tags_separator")
+        return self
 
     @model_validator(mode="after")
     def _caption_text(self) -> "ConceptConfig":
@@ -862,13 +941,14 @@ class TrainConfig(Section):
             raise ValueError("data.cache_text: the text encoders' outputs change while they (or an embedding) train; "
                              "turn cache_text off or freeze the text encoders")
         if self.data.cache_text:
-            from ot_dist.data.captions import has_variation
+            from ot_dist.data.captions import caption_options
 
-            varied = [label for label, c in self.data.concept_list() if has_variation(c)]
+            varied = [(label, options) for label, c in self.data.concept_list() if (options := caption_options(c))]
             if varied:
-                raise ValueError(f"data.cache_text: {varied[0]} varies its captions every epoch (tag shuffling / tag or "
-                                 "caption dropout), which a cache of each caption's encoding cannot follow; turn "
-                                 "cache_text off or the variation off")
+                label, options = varied[0]
+                raise ValueError(f"data.cache_text: {label} varies its captions every epoch or changes them as they "
+                                 f"are read ({label}.{options[0]}), which a cache of each stored caption's encoding "
+                                 "cannot follow; turn cache_text off or the option off")
         if (self.checkpoint.on_nonfinite_loss == "skip_step" and self.strategy.startswith("zero")
                 and self.checkpoint.step_guard != "lagged"):
             raise ValueError(

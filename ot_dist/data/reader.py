@@ -201,7 +201,7 @@ class ShardDataset:
         captions = self.captions(sample_id)
         line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
         caption = vary_caption(captions[line], self.concepts.get(sample["concept"]),
-                               generator(self.seed, epoch, sample_id, "caption variation"))
+                               generator(self.seed, epoch, sample_id, "caption variation"), epoch)
         if "text" in self.caches and use_cache:
             text = self._read_cached("text", sample_id, sample["key"], "text.safetensors")
             # The family's conditioning dict for this caption line, keys as `text_<key>` (ot_dist/data/caches.py).

@@ -51,19 +51,24 @@ def default_shard_dir(config: TrainConfig) -> Path:
     return legacy if (legacy / MANIFEST).is_file() else sets_dir(cache_root(config)) / name
 
 
-# Concept options applied as samples are read (reader.py: caption variation, augmentation, loss weight): no shard
-# depends on them. They enter the settings at their defaults, so that sets built with the defaults keep their
-# fingerprint and folder name, and a change of them neither rebuilds a set nor writes a new copy of it.
-READ_TIME_CONCEPT_FIELDS = ("loss_weight", "tag_shuffling", "tag_delimiter", "keep_tags_count", "tag_dropout_probability",
-                            "tag_dropout_mode", "caption_dropout_probability", *AUGMENTATION_FIELDS)
+# Concept options applied as samples are read (reader.py: caption processing, augmentation, loss weight): no shard
+# depends on them. The first ones enter the settings at their defaults, so that sets built with the defaults keep their
+# fingerprint and folder name, and a change of them neither rebuilds a set nor writes a new copy of it; the ones added
+# later (SETTINGS_WITHOUT) are left out of the settings, so that adding them kept every existing set's fingerprint too.
+READ_TIME_AT_DEFAULTS = ("loss_weight", "tag_shuffling", "tag_delimiter", "keep_tags_count", "tag_dropout_probability",
+                         "tag_dropout_mode", "caption_dropout_probability", *AUGMENTATION_FIELDS)
+SETTINGS_WITHOUT = ("tag_dropout_special_tags_mode", "tag_dropout_special_tags", "tag_dropout_special_tags_regex",
+                    "caps_randomize_probability", "caps_randomize_mode", "lowercase_caption", "keep_tags_separator",
+                    "secondary_separator", "caption_dropout_every_n_epochs")
+READ_TIME_CONCEPT_FIELDS = READ_TIME_AT_DEFAULTS + SETTINGS_WITHOUT
 
 
 def build_settings(config: TrainConfig) -> dict:
     """What the shard content depends on besides the source files (balancing and the concept type do not: they are
     read-time, as READ_TIME_CONCEPT_FIELDS; data.small_buckets neither: it is a plan of the epoch)."""
     data = config.data
-    defaults = {name: ConceptConfig.model_fields[name].default for name in READ_TIME_CONCEPT_FIELDS}
-    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy", "type"}) | defaults
+    defaults = {name: ConceptConfig.model_fields[name].default for name in READ_TIME_AT_DEFAULTS}
+    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy", "type", *SETTINGS_WITHOUT}) | defaults
                 for _, c in data.concept_list()]
     return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step,
             "bucket_assignment": data.bucket_assignment, "image_format": data.image_format,

@@ -1,12 +1,10 @@
-"""`ot-dist import onetrainer`: parse, convert, validate, write the commented YAML, list what is not honoured."""
+"""`ot-dist import onetrainer | kohya`: parse, convert, validate, write the commented YAML, list what is not
+honoured (ot_dist/migrate/common.py: write_imported)."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
-
-from ot_dist.errors import ConfigError
 
 
 def add_import_parser(sub) -> None:
@@ -17,28 +15,37 @@ def add_import_parser(sub) -> None:
     ot.add_argument("--concepts", default=None, help="its concepts file, when not inline (default: the config's "
                     "concept_file_name)")
     ot.add_argument("--samples", default=None, help="its sample prompts file (default: sample_definition_file_name)")
-    ot.add_argument("--out", required=True, help="the ot_dist config to write (YAML)")
-    ot.add_argument("--force", action="store_true", help="replace --out when it exists")
+    _output(ot)
+    ko = sources.add_parser("kohya", help="a kohya sd-scripts training setup (--config_file TOML and / or a saved "
+                            "command line, with its --dataset_config or --train_data_dir)")
+    ko.add_argument("--config_file", default=None, help="the training arguments as a TOML (kohya's --config_file)")
+    ko.add_argument("--command_line", default=None, help="a file holding the saved command line (`accelerate launch ... "
+                    "sdxl_train_network.py --network_dim 16 ...`); its arguments win over --config_file's, as in kohya")
+    ko.add_argument("--script", default=None, help="the kohya script the setup runs (train_network.py, "
+                    "sdxl_train_network.py, sdxl_train.py, train_db.py, flux_train_network.py, sd3_train_network.py); "
+                    "default: the one --command_line names")
+    ko.add_argument("--dataset_config", default=None, help="the dataset TOML (default: the arguments' dataset_config)")
+    ko.add_argument("--sample_prompts", default=None, help="the sample prompts file (default: the arguments' "
+                    "sample_prompts)")
+    _output(ko)
+
+
+def _output(parser) -> None:
+    parser.add_argument("--out", required=True, help="the ot_dist config to write (YAML)")
+    parser.add_argument("--force", action="store_true", help="replace --out when it exists")
 
 
 def run_import(args: argparse.Namespace) -> int:
-    import yaml
+    from ot_dist.migrate.common import write_imported
 
-    from ot_dist.config.load import validate
+    if args.import_source == "kohya":
+        from ot_dist.migrate.kohya import import_kohya
+
+        imported = import_kohya(args.config_file, args.command_line, args.script, args.dataset_config, args.sample_prompts)
+        write_imported(imported, Path(args.out), args.force, "kohya arguments")
+        return 0
     from ot_dist.migrate.onetrainer import import_onetrainer
 
-    out = Path(args.out)
-    if out.exists() and not args.force:
-        raise ConfigError(f"--out: {out} exists (--force replaces it)")
     imported = import_onetrainer(args.config, args.concepts, args.samples)
-    validate(imported.config)  # what is written is a config ot_dist accepts, or nothing is written
-    header = [f"# {line}" for line in imported.notes]
-    if imported.not_honoured:
-        header.append("# NOT HONOURED (OneTrainer fields this config does not reproduce):")
-        header += [f"#   - {line}" for line in imported.not_honoured]
-    body = yaml.safe_dump(imported.config, sort_keys=False, allow_unicode=True)
-    out.write_text("\n".join(header) + "\n" + body, encoding="utf-8")
-    for line in imported.not_honoured:
-        print(f"not honoured: {line}", file=sys.stderr)
-    print(f"wrote {out} ({len(imported.not_honoured)} OneTrainer fields not honoured, listed in it)", file=sys.stderr)
+    write_imported(imported, Path(args.out), args.force, "OneTrainer fields")
     return 0

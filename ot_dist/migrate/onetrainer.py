@@ -18,7 +18,7 @@ from pathlib import Path, PureWindowsPath
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_checkpoint import import_checkpoint
-from ot_dist.migrate.onetrainer_common import Imported, is_windows_path, local_path, read_json
+from ot_dist.migrate.common import Imported, is_windows_path, local_path, note_local_model, read_json
 from ot_dist.migrate.onetrainer_concepts import import_concepts, import_latent_caching
 from ot_dist.migrate.onetrainer_layers import import_layer_filter
 from ot_dist.migrate.onetrainer_loss import import_loss
@@ -67,9 +67,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     c["model"] = {"family": family, "path": local_path(ot["base_model_name"], "base_model_name", out)}
     if inpainting:
         c["model"]["inpainting"] = True
-    if "/" in c["model"]["path"] and not is_windows_path(c["model"]["path"]) and not Path(c["model"]["path"]).exists():
-        out.notes.append(f"base_model_name: {c['model']['path']} is read as a local path; ot_dist does not download "
-                         "(give a diffusers folder or a single file)")
+    note_local_model(c["model"]["path"], "base_model_name", out)
     c["method"] = method
     destination = local_path(ot["output_model_destination"], "output_model_destination", out)
     destination = PureWindowsPath(destination) if is_windows_path(destination) else Path(destination)

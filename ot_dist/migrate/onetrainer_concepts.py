@@ -4,12 +4,14 @@ settings that depend on what the concepts augment."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from ot_dist.data.captions import CAPS_MODES, SPECIAL_TAG_FILES, special_patterns, special_tags
 from ot_dist.data.concepts import caption_lines
 from ot_dist.errors import ConfigError
 from ot_dist.migrate import onetrainer_defaults as defaults
-from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
+from ot_dist.migrate.common import Imported, local_path, read_json
 
 
 CONCEPT_TYPES = {"STANDARD": "standard", "VALIDATION": "validation", "PRIOR_PREDICTION": "prior_prediction"}
@@ -64,24 +66,7 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
                                         "with an empty caption); captions from .txt files")
             else:
                 out.not_honoured.append(f"{label}.text.prompt_path: {prompt_file} not found; captions from .txt files")
-        if text.get("enable_tag_shuffling"):
-            entry["tag_shuffling"] = True
-        if text.get("enable_tag_shuffling") or text.get("tag_dropout_enable"):
-            entry["tag_delimiter"] = text.get("tag_delimiter", ",") or ","
-            entry["keep_tags_count"] = text.get("keep_tags_count", 1)
-        if text.get("tag_dropout_enable"):
-            mode = text.get("tag_dropout_mode", "FULL")
-            if mode in ("FULL", "RANDOM") and text.get("tag_dropout_special_tags_mode", "NONE") == "NONE":
-                entry["tag_dropout_probability"] = text.get("tag_dropout_probability", 0.0)
-                entry["tag_dropout_mode"] = mode.lower()
-            else:
-                out.not_honoured.append(f"{label}.text.tag_dropout_mode: {mode} / special tags (ot_dist has "
-                                        "OneTrainer's FULL and RANDOM modes, without special tags)")
-        if text.get("caps_randomize_enable"):
-            out.not_honoured.append(f"{label}.text.caps_randomize_enable: caps randomisation is not supported")
-        if text.get("caps_randomize_lowercase"):  # mgds CapitalizeTags lowercases even with randomisation off
-            out.not_honoured.append(f"{label}.text.caps_randomize_lowercase: captions are not lower-cased (CLIP "
-                                    "tokenizers lower-case text themselves, T5 and other tokenizers do not)")
+        _import_tag_options(text, entry, label, out)
         image = concept.get("image") or {}
         mapped = {"enable_random_flip": ("flip_probability", lambda: 0.5),  # OneTrainer flips half the time
                   "enable_random_rotate": ("rotation_degrees", lambda: image.get("random_rotate_max_angle", 0.0)),
@@ -114,6 +99,68 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
     c.setdefault("data", {})["concepts"] = converted
     _validation(ot, c, out)
     return crop_jitter
+
+
+def _import_tag_options(text: dict, entry: dict, label: str, out: Imported) -> None:
+    """OneTrainer's tag shuffling, tag dropout (its modes and special tags) and caps options (mgds DropTags,
+    CapitalizeTags, ShuffleTags), which ot_dist applies in the same order."""
+    dropout = text.get("tag_dropout_enable") and text.get("tag_dropout_probability", 0.0) > 0
+    caps = text.get("caps_randomize_enable") and text.get("caps_randomize_probability", 0.0) > 0
+    if text.get("enable_tag_shuffling"):
+        entry["tag_shuffling"] = True
+    if text.get("enable_tag_shuffling") or dropout or caps:
+        entry["tag_delimiter"] = text.get("tag_delimiter", ",") or ","
+        entry["keep_tags_count"] = text.get("keep_tags_count", 1)
+    if dropout:
+        mode = text.get("tag_dropout_mode", "FULL")
+        if mode in ("FULL", "RANDOM", "RANDOM WEIGHTED"):
+            entry["tag_dropout_probability"] = text["tag_dropout_probability"]
+            entry["tag_dropout_mode"] = mode.lower().replace(" ", "_")
+            _import_special_tags(text, entry, label, out)
+        else:  # mgds DropTags drops nothing in a mode it does not know
+            out.not_honoured.append(f"{label}.text.tag_dropout_mode: {mode} is no OneTrainer mode (FULL, RANDOM, "
+                                    "RANDOM WEIGHTED); OneTrainer drops no tag with it, nor does this config")
+    if caps:
+        modes = [m.strip() for m in str(text.get("caps_randomize_mode", "")).split(",")]
+        known = [m for m in modes if m in CAPS_MODES]
+        if known:
+            entry["caps_randomize_probability"] = text["caps_randomize_probability"]
+            entry["caps_randomize_mode"] = known
+        if len(known) < len(modes):  # mgds leaves a tag as it is when it draws a name it does not know
+            out.not_honoured.append(f"{label}.text.caps_randomize_mode: {', '.join(m for m in modes if m not in known)}"
+                                    f" not among {', '.join(CAPS_MODES)} (OneTrainer leaves the tag as it is when it "
+                                    "draws one); " + ("left out" if known else "caps randomisation not imported"))
+    if text.get("caps_randomize_lowercase"):  # mgds CapitalizeTags lowercases even with randomisation off
+        entry["lowercase_caption"] = True
+
+
+def _import_special_tags(text: dict, entry: dict, label: str, out: Imported) -> None:
+    """tag_dropout_special_tags: a .txt / .csv file when one is there, otherwise (as mgds DropTags reads it) tags
+    split at the delimiter, written as a list so that a name ending in .txt stays a tag."""
+    mode = str(text.get("tag_dropout_special_tags_mode", "NONE"))
+    value = text.get("tag_dropout_special_tags", "") or ""
+    if mode not in ("WHITELIST", "BLACKLIST"):
+        return
+    delimiter = entry["tag_delimiter"]
+    if value.endswith(SPECIAL_TAG_FILES) and Path(local_path(value, f"{label}.text.tag_dropout_special_tags", out)).is_file():
+        tags = local_path(value, f"{label}.text.tag_dropout_special_tags", out)
+    else:
+        tags = [t.strip() for t in value.split(delimiter) if t.strip()]
+    if not tags:
+        out.notes.append(f"{label}.text.tag_dropout_special_tags_mode: {mode} without special tags (OneTrainer drops "
+                         "as without them)")
+        return
+    regex = bool(text.get("tag_dropout_special_tags_regex"))
+    try:
+        special_patterns(special_tags(tags, delimiter), regex)
+    except re.error as err:
+        out.not_honoured.append(f"{label}.text.tag_dropout_special_tags: {err.pattern!r} is no regular expression "
+                                "(OneTrainer compares it as a plain tag); special tags not imported")
+        return
+    entry["tag_dropout_special_tags_mode"] = mode.lower()
+    entry["tag_dropout_special_tags"] = tags
+    if regex:
+        entry["tag_dropout_special_tags_regex"] = True
 
 
 def _upgrade_concept(concept: dict) -> dict:

@@ -5,7 +5,8 @@ scheduler names and counts (warmup in OneTrainer's steps), so most fields map on
 from __future__ import annotations
 
 from ot_dist.migrate import onetrainer_defaults as defaults
-from ot_dist.migrate.onetrainer_common import PART_SECTIONS, Imported
+from ot_dist.migrate.common import Imported
+from ot_dist.migrate.onetrainer_common import PART_SECTIONS
 from ot_dist.optim.registry import SCHEDULE_FREE
 
 

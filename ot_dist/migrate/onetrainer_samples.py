@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ot_dist.errors import InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
-from ot_dist.migrate.onetrainer_common import Imported, local_path, read_json
+from ot_dist.migrate.common import Imported, local_path, read_json
 from ot_dist.models.families.registry import get_family
 
 # The families whose OneTrainer sampler builds the sample's noise_scheduler (create_noise_scheduler in its

@@ -144,6 +144,41 @@ def share_fp32_master_with_partitions(zero_optimizer) -> None:
             master.data = partition.data
 
 
+def share_fp32_master_with_flat_weights(zero_optimizer) -> None:
+    """ZeRO-1/2 step a master copy of this rank's partition of each group's flat weights: a float32 clone of
+    `parallel_partitioned_bit16_groups[g][rank]` (stage_1_and_2.py `single_partition_of_fp32_groups`). When the
+    weights are float32 themselves (float32 runs; bfloat16 under torch_autocast) that clone holds the same numbers as
+    the slice it was cloned from: 4/N bytes per parameter on every rank for nothing. The master becomes a view of
+    that slice, so the optimizer steps the weights in place and what DeepSpeed does with the master stays right:
+    the copy into the partition after a step (and `update_lp_params` after a checkpoint load) is a copy onto
+    itself, the all-gather sends the stepped slice as before, a skipped step leaves both unchanged, clipping
+    scales the master's gradient only. Not under optimizer offload (asked for by ot_dist's setting or by the user's
+    config_file): the master lives on the CPU there, beside the step's CPU gradient buffers.
+
+    The master keeps its identity (the optimizer's param and state key, ot_dist's ownership); only its storage
+    changes. DeepSpeed's per-parameter views of the master (`_hp_mapping`, from `_link_all_hp_params` in the
+    constructor) still point into the clone and would keep it alive, so they are made again, as DeepSpeed itself
+    does when it moves the master (reload_states)."""
+    import torch.distributed as dist
+
+    if getattr(zero_optimizer, "cpu_offload", False):
+        return
+    shared = False
+    for group, master in enumerate(zero_optimizer.single_partition_of_fp32_groups):
+        rank = dist.get_rank(group=zero_optimizer.real_dp_process_group[group])
+        partition = zero_optimizer.parallel_partitioned_bit16_groups[group][rank]
+        if (
+            master.data_ptr() != partition.data_ptr()
+            and master.dtype == partition.dtype
+            and master.device == partition.device
+            and master.shape == partition.shape
+        ):
+            master.data = partition.data
+            shared = True
+    if shared:
+        zero_optimizer._link_all_hp_params()
+
+
 def skip_shared_memory_op_build() -> None:
     """DeepSpeed's torch comm backend compiles its shared-memory all-reduce (the C++ op deepspeed_shm_comm, about
     a minute on a small CPU) when it starts on the CPU accelerator, in every fresh container or torch extensions
@@ -231,8 +266,11 @@ class DeepSpeedStrategy(Strategy):
             )
         self.optimizer = optimizer  # our optimizer: its param_groups carry the scheduled learning rates
         self.engine_optimizer = engine_optimizer
-        if self.stage == 3 and not self.config.deepspeed.offload_optimizer:
-            share_fp32_master_with_partitions(engine_optimizer)
+        if not self.config.deepspeed.offload_optimizer:
+            if self.stage == 3:
+                share_fp32_master_with_partitions(engine_optimizer)
+            else:
+                share_fp32_master_with_flat_weights(engine_optimizer)
         if self.stage == 3 and self.config.optimizer.adaptive and len(engine_optimizer.fp16_groups) > 1:
             raise ConfigError(
                 f"deepspeed.config_file: zero_optimization.sub_group_size splits the parameters into "

@@ -17,6 +17,7 @@ from ot_dist.train.trainer import Trainer
 sys.path.insert(0, os.path.dirname(__file__))
 from denoiser_inputs import record_denoiser_inputs  # noqa: E402
 from overflow import inject  # noqa: E402
+from zero_master import assert_master_shares_the_weights  # noqa: E402
 
 cases = json.loads(open(sys.argv[1]).read())
 runtime = start_runtime(5, needs_group=True)
@@ -29,6 +30,7 @@ for name, raw in cases.items():
     if inputs_record and runtime.is_main:
         record_denoiser_inputs(trainer, inputs_record)
     trainer.train()
+    assert_master_shares_the_weights(trainer)  # zero1/2 over float32 weights: no second copy of them
     trainer.close()
     if runtime.is_main:
         print(f"case done: {name}", flush=True)

@@ -18,8 +18,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 from conftest import base_config  # noqa: E402
 from test_optimizers import settings  # noqa: E402  (what a user sets to train with each optimizer)
+from zero_master import master_copies  # noqa: E402
 
 from ot_dist.config.load import validate  # noqa: E402
 from ot_dist.errors import ConfigError  # noqa: E402
@@ -66,6 +68,7 @@ def run(strategy: str, name: str, train: bool = True) -> dict:
     except Exception as err:  # recorded, so one failing optimizer does not hide the others
         return {"error": f"{type(err).__name__}: {err}"[:300]}
     after = [local(p).detach().clone() for p in trainer.params]
+    copies = master_copies(trainer)  # zero1/2: the optimizer stepped the weights in place (no second copy kept)
     trainer.close()
     changed = sum(not torch.equal(b, a) for b, a in zip(before, after))
     return {
@@ -74,6 +77,7 @@ def run(strategy: str, name: str, train: bool = True) -> dict:
         "finite": all(math.isfinite(x) for x in result.losses) and all(torch.isfinite(a).all() for a in after),
         "changed": changed,
         "tensors": len(after),
+        "master_copies": copies,
         **({"config": raw} if compare else {}),
     }
 

@@ -23,6 +23,9 @@ from ot_dist.config.load import validate
 from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.trainer import Trainer
 
+sys.path.insert(0, os.path.dirname(__file__))
+from zero_master import assert_master_shares_the_weights  # noqa: E402
+
 
 def parse(argv: list[str]) -> list[argparse.Namespace]:
     parser = argparse.ArgumentParser()
@@ -63,6 +66,7 @@ def one_run(args: argparse.Namespace, runtime) -> None:
 
         trainer.optimizer.register_step_post_hook(after_step)
     result = trainer.train()
+    assert_master_shares_the_weights(trainer)  # zero1/2: still no second copy of the weights, a resume included
     trainer.close()
     everyone = [None] * runtime.world_size
     if runtime.distributed:

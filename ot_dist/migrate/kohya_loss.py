@@ -1,0 +1,147 @@
+"""kohya's loss and noise arguments (noise_offset, ip_noise_gamma, min_snr_gamma, debiased_estimation_loss,
+min / max_timestep, zero_terminal_snr, loss_type, ...) and the flow-matching scripts' timestep draw (Flux:
+timestep_sampling with sigmoid_scale, discrete_flow_shift, model_prediction_type; SD3: weighting_scheme with
+logit_mean / logit_std / mode_scale, training_shift) as ot_dist's `loss` section."""
+
+from __future__ import annotations
+
+from ot_dist.migrate.common import Imported
+from ot_dist.migrate.kohya_args import KohyaArgs
+
+FLOW = ("flux", "sd3")
+
+
+def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
+    skip = out.not_honoured.append
+    loss = {}
+    v_prediction = c["model"].get("prediction_type") == "v_prediction"
+    if args["noise_offset"] and family in FLOW:  # flux / sd3_train_network.py draw plain N(0, 1) noise
+        skip(f"noise_offset: {args['noise_offset']}: kohya's {family} training ignores it")
+    elif args["noise_offset"]:
+        loss["offset_noise_weight"] = args["noise_offset"]  # kohya: offset x N(0, 1) per sample and channel
+    for key, reason in (("noise_offset_random_strength", "an offset strength drawn in [0, noise_offset]"),
+                        ("adaptive_noise_scale", "an offset that grows with the latents' mean"),
+                        ("multires_noise_iterations", "multi-resolution (pyramid) noise"),
+                        ("ip_noise_gamma_random_strength", "an input perturbation strength drawn in [0, gamma]"),
+                        ("scale_v_pred_loss_like_noise_pred", "the v-prediction loss scaled like the noise one"),
+                        ("v_pred_like_loss", "a v-prediction-like loss added to the noise one"),
+                        ("masked_loss", "masks from conditioning_data_dir / alpha_mask (ot_dist reads -masklabel.png "
+                         "files: masked_training)"),
+                        ("weighted_captions", "prompt weighting in captions")):
+        if args[key]:
+            skip(f"{key}: {args[key]}: {reason} is not supported")
+    if args["multires_noise_discount"] != 0.3 and not args["multires_noise_iterations"]:
+        out.notes.append("multires_noise_discount: ignored without multires_noise_iterations, as in kohya")
+    if args["ip_noise_gamma"] and family == "sd3":  # sd3_train_utils' noisy input has no perturbation
+        skip(f"ip_noise_gamma: {args['ip_noise_gamma']}: kohya's sd3 training ignores it")
+    elif args["ip_noise_gamma"]:
+        loss["input_perturbation"] = args["ip_noise_gamma"]
+    if args["min_snr_gamma"]:
+        if family in FLOW:
+            skip(f"min_snr_gamma: {args['min_snr_gamma']}: kohya's {family} training ignores it")
+        else:
+            loss["min_snr_gamma"] = args["min_snr_gamma"]  # min(SNR, g) / SNR, / (SNR + 1) for v: kohya's formulas
+    if args["debiased_estimation_loss"]:
+        if family in FLOW:
+            skip(f"debiased_estimation_loss: kohya's {family} training ignores it")
+        elif v_prediction:  # kohya weighs v by 1 / (SNR + 1), ot_dist (OneTrainer) by 1 / sqrt(SNR + 1)
+            skip("debiased_estimation_loss: kohya's v-prediction weight 1 / (SNR + 1) differs from ot_dist's "
+                 "DEBIASED_ESTIMATION (1 / sqrt(SNR + 1)); not written")
+        else:
+            loss["weight_fn"] = "DEBIASED_ESTIMATION"  # 1 / sqrt(min(SNR, 1000)) in both
+    loss_type = args["loss_type"]
+    if loss_type != "l2":
+        skip(f"loss_type: {loss_type} (with huber_schedule / huber_c) is not supported: ot_dist trains with the MSE "
+             "(l2) loss only")
+    for key in ("huber_schedule", "huber_c", "huber_scale"):
+        if args.given(key) and loss_type == "l2":
+            out.notes.append(f"{key}: {args[key]} shapes the huber / smooth_l1 loss only; with l2 kohya ignores it")
+        args[key]  # read: with huber / smooth_l1 they are listed with loss_type
+    if family in FLOW:
+        _flow(args, c, family, loss, skip)
+    else:
+        _timestep_range(args, loss)
+        if args["zero_terminal_snr"]:
+            if v_prediction:
+                c["model"]["zero_terminal_snr"] = True
+            else:
+                skip("zero_terminal_snr: with epsilon prediction (kohya trains it so) ot_dist refuses it; it trains "
+                     "v-prediction on a zero-terminal-SNR schedule: add v_parameterization")
+    if loss:
+        c["loss"] = loss
+
+
+def _timestep_range(args: KohyaArgs, loss: dict) -> None:
+    """kohya draws randint(min_timestep, max_timestep): the maximum is excluded; ot_dist's is included."""
+    low, high = args["min_timestep"], args["max_timestep"]
+    if low:
+        loss["min_timestep"] = low
+    if high is not None and high < 1000:
+        loss["max_timestep"] = max(high - 1, low or 0)
+
+
+def _flow(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
+    if args["zero_terminal_snr"]:
+        skip(f"zero_terminal_snr: {family} trains flow matching, which ends in pure noise already")
+    if family == "flux":
+        _flux(args, c, loss, skip)
+        for key in ("min_timestep", "max_timestep"):
+            if args[key] is not None:
+                skip(f"{key}: {args[key]}: kohya's flux training ignores it (timestep_sampling decides)")
+    else:
+        _sd3(args, loss, skip)
+
+
+def _flux(args: KohyaArgs, c: dict, loss: dict, skip) -> None:
+    """flux_train_network.py: sigma (default: the scheduler's 1000 steps, shifted by discrete_flow_shift, drawn by
+    weighting_scheme), uniform, sigmoid (sigmoid of N(0, sigmoid_scale)), shift (that, shifted by discrete_flow_shift)
+    or flux_shift (that, shifted by the resolution as Flux's scheduler does)."""
+    c["model"]["guidance_scale"] = args["guidance_scale"]  # kohya shows the transformer 3.5 unless told (ot_dist: 1)
+    sampling, scale, shift = args["timestep_sampling"], args["sigmoid_scale"], args["discrete_flow_shift"]
+    if sampling == "sigma":
+        _weighting_scheme(args, loss, skip)
+        loss["timestep_shift"] = shift
+    elif sampling == "uniform":
+        loss |= {"timestep_distribution": "uniform", "timestep_shift": 1.0}
+    elif sampling in ("sigmoid", "shift", "flux_shift"):
+        loss |= {"timestep_distribution": "logit_normal", "logit_normal_std": scale}
+        if sampling == "flux_shift":
+            loss["dynamic_timestep_shifting"] = True
+        else:
+            loss["timestep_shift"] = shift if sampling == "shift" else 1.0
+    else:
+        skip(f"timestep_sampling: {sampling} is not one of kohya's (sigma, uniform, sigmoid, shift, flux_shift)")
+    prediction = args["model_prediction_type"]
+    if prediction != "raw":
+        skip(f"model_prediction_type: {prediction}: kohya compares "
+             f"{'noisy input - sigma x prediction' if prediction == 'sigma_scaled' else 'noisy input + prediction'} "
+             "with noise - latents; ot_dist trains the plain flow-matching prediction (kohya's raw)")
+    if sampling != "sigma":
+        for key in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale"):
+            args[key]  # kohya reads them only for timestep_sampling sigma
+
+
+def _sd3(args: KohyaArgs, loss: dict, skip) -> None:
+    """sd3_train_network.py: u drawn by weighting_scheme, shifted by training_shift (default 1.0: unshifted, where
+    ot_dist's auto takes the scheduler's 3.0), over [min_timestep, max_timestep)."""
+    _weighting_scheme(args, loss, skip)
+    loss["timestep_shift"] = args["training_shift"]
+    if args["min_timestep"] or args["max_timestep"] is not None:
+        _timestep_range(args, loss)
+
+
+def _weighting_scheme(args: KohyaArgs, loss: dict, skip) -> None:
+    """diffusers' compute_density_for_timestep_sampling (kohya's copy): the draw; sigma_sqrt and cosmap weight the
+    loss instead (compute_loss_weighting_for_sd3)."""
+    scheme = args["weighting_scheme"]
+    if scheme in ("uniform", "none"):
+        loss["timestep_distribution"] = "uniform"
+    elif scheme == "logit_normal":
+        loss |= {"timestep_distribution": "logit_normal", "logit_normal_mean": args["logit_mean"],
+                 "logit_normal_std": args["logit_std"]}
+    elif scheme == "mode":  # 1 - u - s (cos^2(pi u / 2) - 1 + u): ot_dist's heavy_tail with noising_weight s
+        loss |= {"timestep_distribution": "heavy_tail", "noising_weight": args["mode_scale"]}
+    else:
+        loss["timestep_distribution"] = "uniform"
+        skip(f"weighting_scheme: {scheme} weighs the loss by sigma (kohya's compute_loss_weighting_for_sd3); ot_dist "
+             "has no such weight: uniform timesteps, unweighted")

@@ -1,0 +1,406 @@
+"""`ot-dist import kohya`: kohya sd-scripts setups (training arguments as its --config_file TOML or a saved command
+line, the --dataset_config TOML or DreamBooth folders, sample prompt files) become ot_dist configs that validate and
+keep each setting's meaning, with everything ot_dist cannot honour listed. Each TOML below states, per key, what
+kohya's documentation (docs/train_network_README, config_README, train_README) says it does; no process is launched."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from ot_dist.cli import main
+from ot_dist.config.load import load_config
+from ot_dist.errors import ConfigError
+
+
+def run_import(*args) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["import", "kohya", *map(str, args)])
+    return code, err.getvalue()
+
+
+def images(folder: Path, count: int, captions: dict[int, str] | None = None, extension: str = ".caption") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        Image.new("RGB", (32, 32), (i * 40, 0, 0)).save(folder / f"{i}.png")
+        if captions and i in captions:
+            (folder / f"{i}{extension}").write_text(captions[i], encoding="utf-8")
+    return folder
+
+
+def minimal(tmp_path, resolution: int = 512, bucket: bool = True) -> str:
+    """The arguments every kohya setup below shares: a model, an output folder, the DreamBooth folder d/."""
+    folder = tmp_path / "d"
+    return (f'pretrained_model_name_or_path = "m"\noutput_dir = "o"\ntrain_data_dir = "{folder}"\n'
+            f"resolution = {resolution}\n" + ("enable_bucket = true\n" if bucket else ""))
+
+
+def imported(tmp_path, toml: str, *extra) -> tuple[dict, str, str]:
+    (tmp_path / "args.toml").write_text(toml, encoding="utf-8")
+    out = tmp_path / "out.yaml"
+    code, err = run_import("--config_file", tmp_path / "args.toml", "--out", out, "--force", *extra)
+    assert code == 0, err
+    text = out.read_text(encoding="utf-8")
+    return yaml.safe_load(text), text, err
+
+
+def test_sd15_lora_example_with_a_dataset_config(tmp_path):
+    """kohya's train_network.py example (a LoRA of SD 1.5 from a dataset TOML) maps key by key, and the written
+    file loads as an ot_dist config."""
+    data = images(tmp_path / "img", 2, {0: "a cat, sitting, indoors", 1: "a cat, lying"})
+    (tmp_path / "data.toml").write_text(f"""
+[general]
+shuffle_caption = true          # shuffle the comma-separated tags of each caption every epoch
+caption_extension = ".txt"      # the captions are img.txt beside img.png
+keep_tokens = 1                 # the first tag stays in place
+
+[[datasets]]
+resolution = 768                # buckets of about 768 x 768 pixels
+batch_size = 4                  # images per step
+enable_bucket = true            # aspect-ratio buckets
+bucket_reso_steps = 64          # bucket sides are multiples of 64
+
+  [[datasets.subsets]]
+  image_dir = '{data}'
+  num_repeats = 3               # every image 3 times per epoch
+  flip_aug = true               # random horizontal flip
+  caption_dropout_rate = 0.05   # the whole caption dropped 5% of the time
+  caption_tag_dropout_rate = 0.1  # each tag after the kept ones dropped 10% of the time
+  keep_tokens_separator = "|||"   # in a caption holding it, the tags before it stay
+  secondary_separator = ";;;"     # parts joined by it count as one tag
+  caption_dropout_every_n_epochs = 4  # every 4th epoch trains without captions
+""", encoding="utf-8")
+    config, text, _ = imported(tmp_path, f"""
+[model_arguments]
+pretrained_model_name_or_path = "{tmp_path / 'sd15.safetensors'}"
+
+[additional_network_arguments]
+network_module = "networks.lora"   # kohya's LoRA
+network_dim = 32                   # rank 32
+network_alpha = 16                 # the update is scaled by alpha / rank
+unet_lr = 1e-4                     # the U-Net's learning rate
+text_encoder_lr = 5e-5             # the text encoder's
+
+[optimizer_arguments]
+optimizer_type = "AdamW8bit"
+learning_rate = 1e-4
+lr_scheduler = "cosine"
+lr_warmup_steps = 50               # optimizer steps
+max_grad_norm = 0                  # 0 turns clipping off
+
+[dataset_arguments]
+dataset_config = "{tmp_path / 'data.toml'}"
+
+[training_arguments]
+output_dir = "{tmp_path / 'models'}"
+output_name = "cat"
+max_train_epochs = 10
+gradient_accumulation_steps = 2
+mixed_precision = "fp16"
+save_precision = "fp16"
+save_every_n_epochs = 2
+save_last_n_epochs = 3             # older epoch saves are removed
+gradient_checkpointing = true
+clip_skip = 2                      # the penultimate layer of CLIP
+seed = 1234
+noise_offset = 0.0357
+min_snr_gamma = 5
+min_timestep = 100
+max_timestep = 900                 # timesteps drawn by randint(100, 900): 899 is the largest
+cache_latents = true
+xformers = true
+""", "--script", "train_network.py")
+    assert config["model"] == {"family": "sd1", "path": str(tmp_path / "sd15.safetensors"),
+                               "text_encoder_layer_skip": 1}
+    assert config["method"] == "lora" and config["output_dir"] == str(tmp_path / "models" / "cat")
+    assert config["lora"] == {"rank": 32, "alpha": 16}
+    assert config["unet"] == {"learning_rate": 1e-4}
+    assert config["text_encoder"] == {"train": True, "learning_rate": 5e-5}
+    assert config["optimizer"] == {"name": "ADAMW_8BIT"} and config["learning_rate"] == 1e-4
+    # 50 optimizer steps of 2 micro steps: ot_dist counts a warmup above 1 in micro steps
+    assert config["scheduler"] == {"name": "COSINE", "warmup_steps": 100}
+    assert config["clip_grad_norm"] is None
+    assert (config["epochs"], config["gradient_accumulation_steps"], config["seed"]) == (10, 2, 1234)
+    assert (config["train_dtype"], config["weight_dtype"], config["output_dtype"]) == ("float16",) * 3
+    assert config["gradient_checkpointing"] is True
+    assert config["checkpoint"] == {"every_n_minutes": None, "every_n_epochs": 2, "keep_last": 3}
+    assert config["loss"] == {"offset_noise_weight": 0.0357, "min_snr_gamma": 5, "min_timestep": 100,
+                              "max_timestep": 899}
+    assert (config["resolution"], config["batch_size"]) == (768, 4)
+    assert config["data"]["bucket_step"] == 64
+    assert config["data"]["concepts"] == [{
+        "path": str(data), "balancing": 3, "caption_extension": ".txt", "tag_delimiter": ",",
+        "keep_tags_count": 1, "tag_shuffling": True, "tag_dropout_probability": 0.1, "tag_dropout_mode": "random",
+        "keep_tags_separator": "|||", "secondary_separator": ";;;", "caption_dropout_probability": 0.05,
+        "caption_dropout_every_n_epochs": 4, "flip_probability": 0.5}]
+    assert "cache_latents" not in config["data"]  # the flip changes the image every epoch
+    assert "xformers: True is ignored" in text
+    (tmp_path / "ok.yaml").write_text(text, encoding="utf-8")
+    loaded = load_config(tmp_path / "ok.yaml")
+    assert loaded.data.concepts[0].keep_tags_count == 1 and loaded.scheduler.warmup_steps == 100
+
+
+def test_dreambooth_folders_and_regularisation_images(tmp_path):
+    """--train_data_dir's `<repeats>_<class tokens>` folders: the number is the repeats, the rest the caption of an
+    image without a caption file; --reg_data_dir's give regularisation images, which kohya repeats to as many samples
+    per epoch as the training images and weighs by prior_loss_weight."""
+    train, reg = tmp_path / "train", tmp_path / "reg"
+    images(train / "10_sks dog", 3)                         # no captions: every image is "sks dog"
+    images(train / "2_sks_cat", 2, {0: "sks cat on a bed", 1: "sks cat"})  # captions: theirs
+    images(train / "misc", 1)                               # no repeats: kohya skips it
+    images(reg / "1_dog", 4)
+    config, text, _ = imported(tmp_path, f"""
+pretrained_model_name_or_path = "{tmp_path / 'model'}"
+output_dir = "{tmp_path / 'out'}"
+train_data_dir = "{train}"
+reg_data_dir = "{reg}"
+prior_loss_weight = 0.5
+resolution = "512"
+enable_bucket = true
+network_module = "networks.lora"
+""", "--script", "train_network.py")
+    concepts = config["data"]["concepts"]
+    assert concepts[0] == {"path": str(train / "10_sks dog"), "balancing": 10,
+                           "caption_source": "text", "caption_text": "sks dog"}
+    assert concepts[1] == {"path": str(train / "2_sks_cat"), "balancing": 2,
+                           "caption_extension": ".caption"}
+    # 3 x 10 + 2 x 2 = 34 training samples per epoch: as many regularisation samples
+    assert concepts[2] == {"path": str(reg / "1_dog"), "type": "prior_preservation",
+                           "loss_weight": 0.5, "caption_source": "text", "caption_text": "dog", "balancing": 34,
+                           "balancing_strategy": "samples"}
+    assert len(concepts) == 3 and "misc has no `<repeats>_` prefix" in text
+    # kohya's defaults where ot_dist's differ: rank 4, alpha 1, learning rate 2e-6, 1600 steps, bucket step 64
+    assert config["lora"] == {"rank": 4, "alpha": 1}
+    assert config["learning_rate"] == 2e-6 and config["max_steps"] == 1600
+    assert config["data"]["bucket_step"] == 64
+
+
+def test_missing_captions_and_first_lines_are_listed(tmp_path):
+    images(tmp_path / "d" / "5_x", 2, {0: "first line\nsecond line"})
+    _, text, err = imported(tmp_path, minimal(tmp_path) + 'network_module = "networks.lora"\n', "--script",
+                            "train_network.py")
+    assert "1 of 2 images have no .caption file (kohya trains them with the class tokens 'x')" in err
+    assert "kohya reads the first line only" in err
+
+
+def test_sample_prompt_lines(tmp_path):
+    """kohya's prompt syntax: `--n` negative prompt, `--w` / `--h` size (floored to a multiple of 8), `--s` steps,
+    `--l` CFG scale, `--d` seed; a missing option takes kohya's default (512, 30 steps, CFG 7.5)."""
+    from ot_dist.migrate.kohya_samples import parse_prompt_line
+
+    line = "masterpiece, a girl --n low quality, blurry --w 772 --h 1024 --s 28 --l 6.5 --d 42"
+    assert parse_prompt_line(line) == {"prompt": "masterpiece, a girl", "negative_prompt": "low quality, blurry",
+                                       "width": 772, "height": 1024, "sample_steps": 28, "scale": 6.5, "seed": 42}
+    images(tmp_path / "d" / "1_x", 1)
+    (tmp_path / "prompts.txt").write_text(f"# a comment\n{line}\n\na dog --zz 3\n", encoding="utf-8")
+    config, _, err = imported(tmp_path, minimal(tmp_path) + f"""network_module = "networks.lora"
+sample_prompts = "{tmp_path / 'prompts.txt'}"
+sample_every_n_steps = 100
+sample_sampler = "k_euler_a"
+""", "--script", "train_network.py")
+    assert config["sampling"] == {
+        "prompts": [{"prompt": "masterpiece, a girl", "width": 768, "height": 1024, "steps": 28, "guidance_scale": 6.5,
+                     "negative_prompt": "low quality, blurry", "seed": 42},
+                    {"prompt": "a dog", "width": 512, "height": 512, "steps": 30, "guidance_scale": 7.5}],
+        "at_end": False, "every_n_steps": 100, "sampler": "euler_a"}
+    assert "sample_prompts[1] --zz 3: not an option" in err
+
+
+def test_saved_command_line_wins_over_the_toml(tmp_path):
+    """A command line (`accelerate launch ... sdxl_train_network.py --key value ...`, continued lines included) names
+    the script; its arguments win over its --config_file's, flags take no value, network_args take several."""
+    images(tmp_path / "d" / "3_x", 1)
+    (tmp_path / "base.toml").write_text(f"""
+pretrained_model_name_or_path = "sdxl.safetensors"
+output_dir = "o"
+network_module = "networks.lora"
+network_dim = 8
+train_data_dir = "{tmp_path / 'd'}"
+resolution = 1024
+enable_bucket = true
+""", encoding="utf-8")
+    (tmp_path / "cmd.sh").write_text(
+        "accelerate launch --num_processes 2 sdxl_train_network.py \\\n"
+        f"  --config_file {tmp_path / 'base.toml'} --network_dim=32 --network_alpha 32 \\\n"
+        '  --network_args "conv_dim=32" "conv_alpha=32" --network_train_unet_only \\\n'
+        "  --optimizer_type Prodigy --optimizer_args d_coef=2 weight_decay=0.01 --learning_rate 1 --lr_warmup_steps 0.1\n",
+        encoding="utf-8")
+    out = tmp_path / "out.yaml"
+    code, err = run_import("--command_line", tmp_path / "cmd.sh", "--out", out)
+    assert code == 0, err
+    config = yaml.safe_load(out.read_text(encoding="utf-8"))
+    assert config["model"]["family"] == "sdxl" and config["lora"]["rank"] == 32 and config["lora"]["alpha"] == 32
+    assert {"conv1", "conv2", "conv", "time_emb_proj", "conv_shortcut"} <= set(config["lora"]["unet_targets"])
+    assert "text_encoder" not in config and "text_encoder_2" not in config  # --network_train_unet_only
+    # prodigyopt's own slice_p 1 (ot_dist's default is OneTrainer's 11), the options given
+    assert config["optimizer"] == {"name": "PRODIGY", "slice_p": 1, "d_coef": 2, "weight_decay": 0.01}
+    assert config["scheduler"] == {"name": "CONSTANT", "warmup_steps": 0.1}
+    assert "the launcher's options (accelerate launch --num_processes 2)" in out.read_text(encoding="utf-8")
+
+
+def test_flux_and_sd3_defaults_kohya_trains_with(tmp_path):
+    """Where kohya's flow-matching defaults are not ot_dist's: Flux trains at distilled guidance 3.5 with timesteps
+    shifted by discrete_flow_shift 3.0 (timestep_sampling sigma) and compares a sigma-scaled prediction; SD3 trains
+    unshifted (training_shift 1.0)."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024)
+    flux, _, err = imported(tmp_path, common + 'network_module = "networks.lora_flux"\nnoise_offset = 0.1\n',
+                            "--script", "flux_train_network.py")
+    assert flux["model"]["guidance_scale"] == 3.5
+    assert flux["loss"] == {"timestep_distribution": "uniform", "timestep_shift": 3.0}
+    assert "model_prediction_type: sigma_scaled" in err
+    assert "noise_offset: 0.1: kohya's flux training ignores it" in err  # its noise has no offset
+    flux, _, err = imported(tmp_path, common + 'network_module = "networks.lora_flux"\ntimestep_sampling = "shift"\n'
+                            'sigmoid_scale = 1.5\nmodel_prediction_type = "raw"\n', "--script", "flux_train_network.py")
+    assert flux["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_std": 1.5, "timestep_shift": 3.0}
+    assert "model_prediction_type" not in err
+    sd3, _, _ = imported(tmp_path, common + 'network_module = "networks.lora_sd3"\nweighting_scheme = "logit_normal"\n',
+                         "--script", "sd3_train_network.py")
+    assert sd3["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                           "logit_normal_std": 1.0, "timestep_shift": 1.0}
+
+
+def test_optimizer_and_schedule_defaults(tmp_path):
+    """Adafactor: kohya turns relative steps on unless told (and then schedules with Adafactor's own step);
+    Lion8bit keeps bitsandbytes' betas (0.9, 0.99); polynomial power 1 decays linearly to diffusers' lr_end 1e-7."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path) + 'network_module = "networks.lora"\n'
+    config, _, _ = imported(tmp_path, common + 'optimizer_type = "Adafactor"\n', "--script", "train_network.py")
+    assert config["optimizer"] == {"name": "ADAFACTOR", "relative_step": True, "scale_parameter": True}
+    assert config["scheduler"] == {"name": "ADAFACTOR", "warmup_steps": 0}
+    config, _, _ = imported(tmp_path, common + 'optimizer_type = "Lion8bit"\nlr_scheduler = "polynomial"\n'
+                            "learning_rate = 1e-4\nlr_warmup_steps = 1\ngradient_accumulation_steps = 3\n",
+                            "--script", "train_network.py")
+    assert config["optimizer"] == {"name": "LION_8BIT", "beta2": 0.99}
+    assert config["scheduler"] == {"name": "LINEAR", "warmup_steps": 3, "min_factor": pytest.approx(1e-3)}
+
+
+def test_refusals_and_what_is_listed(tmp_path):
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, bucket=False)
+    for module, args, message in (("networks.dylora", "", "DyLoRA"),
+                                  ("lycoris.kohya", 'network_args = ["algo=ia3"]', "algo=ia3"),
+                                  ("networks.oft", "", "networks.oft is not a network")):
+        (tmp_path / "args.toml").write_text(common + f'network_module = "{module}"\n{args}\n', encoding="utf-8")
+        code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_network.py",
+                               "--out", tmp_path / "x.yaml")
+        assert code == 2 and message in err and not (tmp_path / "x.yaml").exists()
+    config, text, err = imported(tmp_path, common + """
+network_module = "lycoris.kohya"
+network_args = ["algo=loha", "conv_dim=8", "module_dropout=0.1"]
+v_pred_like_loss = 0.1
+loss_type = "huber"
+full_fp16 = true
+color_aug = true
+no_such_argument = 3
+""", "--script", "train_network.py")
+    assert config["lora"]["variant"] == "loha" and "unet_targets" not in config["lora"]
+    for line in ("enable_bucket: false", "v_pred_like_loss: 0.1", "loss_type: huber", "full_fp16",
+                 "color_aug: True", "no_such_argument: 3 is not an argument of kohya's training scripts",
+                 "network_args module_dropout=0.1", "conv_dim=8 conv_alpha=1.0: ot_dist adapts every module at one rank"):
+        assert line in err, line
+    assert "NOT HONOURED (kohya arguments this config does not reproduce)" in text
+
+
+def test_validation_error_names_the_kohya_argument(tmp_path):
+    images(tmp_path / "d" / "1_x", 1)
+    (tmp_path / "args.toml").write_text(minimal(tmp_path) + 'bucket_reso_steps = 60\nnetwork_module = "networks.lora"\n',
+                                        encoding="utf-8")
+    code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_network.py",
+                           "--out", tmp_path / "x.yaml")
+    assert code == 2 and "data.bucket_step (from bucket_reso_steps)" in err and not (tmp_path / "x.yaml").exists()
+    with pytest.raises(ConfigError, match="--script"):
+        from ot_dist.migrate.kohya import import_kohya
+
+        import_kohya(tmp_path / "args.toml")
+
+
+def test_conv_dim_and_lycoris_full_adapt_the_modules_they_name(tmp_path):
+    """kohya's networks.lora with conv_dim adapts, besides every Linear / 1x1 conv of the Transformer2DModel blocks,
+    every Linear and Conv2d of the ResnetBlock2D, Downsample2D and Upsample2D blocks (its target classes); LyCORIS'
+    preset full (its default, convolutions at network_dim / network_alpha unless told) those and conv_in, conv_out,
+    time_embedding.linear_1 / _2 by name. The targets written adapt exactly those modules of a diffusers UNet, the
+    names kohya's SD 1.x UNet has."""
+    import torch
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig, inject_adapter_in_model
+
+    images(tmp_path / "d" / "1_x", 1)
+    kohya_blocks = ("Transformer2DModel", "ResnetBlock2D", "Downsample2D", "Upsample2D")
+    lycoris_names = ("conv_in", "conv_out", "time_embedding.linear_1", "time_embedding.linear_2")
+    for network, names in (('network_module = "networks.lora"\nnetwork_args = ["conv_dim=4", "conv_alpha=1"]', ()),
+                           ('network_module = "lycoris.kohya"\nnetwork_args = ["algo=locon"]', lycoris_names)):
+        config, _, _ = imported(tmp_path, minimal(tmp_path) + network + "\n", "--script", "train_network.py")
+        unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, cross_attention_dim=8,
+                                    attention_head_dim=2, norm_num_groups=4, sample_size=8,
+                                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+        expected = set(names)
+        for name, block in unet.named_modules():
+            if type(block).__name__ in kohya_blocks:
+                expected |= {f"{name}.{child}" for child, m in block.named_modules()
+                             if child and isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+        inject_adapter_in_model(LoraConfig(r=2, target_modules=config["lora"]["unet_targets"]), unet)
+        adapted = {name.removesuffix(".lora_A") for name, _ in unet.named_modules() if name.endswith(".lora_A")}
+        assert adapted == expected, network
+
+
+def test_lycoris_presets(tmp_path):
+    """LyCORIS' attn-only is ot_dist's attention preset; attn-mlp leaves SD 1.x's 1x1-conv proj_in / proj_out out."""
+    images(tmp_path / "d" / "1_x", 1)
+    base = minimal(tmp_path) + 'network_module = "lycoris.kohya"\n'
+    config, _, _ = imported(tmp_path, base + 'network_args = ["algo=loha", "preset=attn-only"]\n', "--script",
+                            "train_network.py")
+    assert config["lora"] == {"rank": 4, "alpha": 1, "variant": "loha", "preset": "attention"}
+    config, _, _ = imported(tmp_path, base + 'network_args = ["preset=attn-mlp"]\n', "--script", "train_network.py")
+    assert config["lora"]["unet_targets"] == ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
+
+
+def test_train_db_full_finetune(tmp_path):
+    """train_db.py trains the whole model and the text encoder until stop_text_encoder_training steps, at
+    learning_rate_te; D-Adaptation takes one learning rate for every group (kohya: only the first group's counts)."""
+    images(tmp_path / "d" / "1_x", 1)
+    config, _, err = imported(tmp_path, minimal(tmp_path) + "stop_text_encoder_training = 500\nlearning_rate_te = 1e-6\n"
+                              'mixed_precision = "fp16"\nno_half_vae = true\n', "--script", "train_db.py")
+    assert config["method"] == "full" and config["weight_dtype"] == "float16"
+    assert config["text_encoder"] == {"train": True, "learning_rate": 1e-6, "stop_training_after": 500,
+                                      "stop_training_after_unit": "step"}
+    assert "no_half_vae: kohya keeps the VAE in float32" in err
+    config, _, err = imported(tmp_path, minimal(tmp_path) + 'learning_rate_te = 1e-6\noptimizer_type = "DAdaptLion"\n'
+                              "learning_rate = 1.0\n", "--script", "train_db.py")
+    assert config["optimizer"] == {"name": "DADAPT_LION", "beta2": 0.99} and config["text_encoder"] == {"train": True}
+    assert "text_encoder learning rate 1e-06: DADAPT_LION takes one learning rate" in err
+
+
+def test_sample_prompts_toml_and_json(tmp_path):
+    """kohya's .toml prompts: [prompt] settings shared by each [[prompt.subset]] (a key in both is an error in
+    kohya: dict(**prompt, **subset)); .json: a list of dicts or lines."""
+    from ot_dist.migrate.kohya_samples import read_prompts
+
+    (tmp_path / "p.toml").write_text("""
+[prompt]
+width = 1024
+height = 1024
+sample_steps = 20
+scale = 5.0
+
+  [[prompt.subset]]
+  prompt = "a cat"
+  seed = 1
+
+  [[prompt.subset]]
+  prompt = "a dog"
+  negative_prompt = "blurry"
+""", encoding="utf-8")
+    assert read_prompts(tmp_path / "p.toml") == [
+        {"width": 1024, "height": 1024, "sample_steps": 20, "scale": 5.0, "prompt": "a cat", "seed": 1},
+        {"width": 1024, "height": 1024, "sample_steps": 20, "scale": 5.0, "prompt": "a dog",
+         "negative_prompt": "blurry"}]
+    (tmp_path / "p.json").write_text('[{"prompt": "a cat", "seed": 3}, "a dog --d 4"]', encoding="utf-8")
+    assert read_prompts(tmp_path / "p.json") == [{"prompt": "a cat", "seed": 3}, {"prompt": "a dog", "seed": 4}]
