@@ -166,9 +166,7 @@ class Sampler:
             width=prompt.width or self.default_size,
             height=prompt.height or self.default_size,
             num_inference_steps=prompt.steps,
-            # Config validation fills the family's default in; a prompt built without it (a SamplePrompt in code) too.
-            guidance_scale=self.model.family.sample_guidance_scale if prompt.guidance_scale is None else
-            prompt.guidance_scale,
+            guidance_scale=prompt.guidance_scale,
             generator=torch.Generator().manual_seed(prompt.seed),  # CPU: the same noise on any device
             output_type="pil",
         )
