@@ -133,8 +133,10 @@ class Sampler:
 
     def sampler_of(self, prompt: SamplePrompt) -> str:
         """The sampler name a prompt samples with: its own, else sampling.sampler; auto = the family's first."""
-        name = self.settings.sampler if prompt.sampler is None else prompt.sampler
-        return self.model.family.samplers[0] if name == "auto" else name
+        return self.resolved(self.settings.sampler if prompt.sampler is None else prompt.sampler)
+
+    def resolved(self, sampler: str) -> str:
+        return self.model.family.samplers[0] if sampler == "auto" else sampler
 
     def pipeline(self, modules: dict[str, torch.nn.Module], sampler: str | None = None):
         """The family's sampling pipeline: the gathered copies of the trained modules, the shared frozen
@@ -142,9 +144,7 @@ class Sampler:
         scheduler's config)."""
         components = {**self.model.pipeline.components, **modules}
         family = self.model.family
-        if sampler in (None, "auto"):
-            sampler = family.samplers[0] if self.settings.sampler == "auto" else self.settings.sampler
-        components["scheduler"] = self.scheduler(sampler)
+        components["scheduler"] = self.scheduler(self.resolved(self.settings.sampler if sampler is None else sampler))
         pipeline = family.sampling_pipeline(components, self.model.pipeline)
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
