@@ -381,9 +381,55 @@ def test_sample_definitions_with_onetrainers_defaults(tmp_path):
     cat, dog, bird = config.sampling.prompts
     assert (cat.width, cat.height, cat.steps, cat.guidance_scale, cat.seed) == (1024, 1024, 30, 7.5, 42)
     assert (dog.prompt, dog.seed, bird.prompt) == ("a dog", 3, "a bird")
-    assert config.sampling.sampler == "euler_a"
-    assert [line.split(":")[0] for line in skipped] == ["samples[1].random_seed", "samples[2]",
-                                                         "samples[].noise_scheduler"]
+    # each prompt carries its own sampler (SDXL's default EULER_A; bird's DDIM) and OneTrainer's cfg_rescale (0: the
+    # schedule is not zero-terminal-SNR), explicitly, whatever ot_dist's defaults are
+    assert [(p.sampler, p.guidance_rescale) for p in (cat, dog, bird)] == [("euler_a", 0.0), ("euler_a", 0.0),
+                                                                             ("ddim", 0.0)]
+    assert config.sampling.sampler == "auto" and config.sampling.non_ema_samples is False  # EMA off
+    assert [line.split(":")[0] for line in skipped] == ["samples[1].random_seed", "samples[2]"]
+
+
+# OneTrainer's NoiseScheduler (modules/util/enum/NoiseScheduler.py) -> the scheduler create_noise_scheduler builds.
+NOISE_SCHEDULERS = {"DDIM": "ddim", "EULER": "euler", "EULER_A": "euler_a", "DPMPP": "dpmpp_2m", "DPMPP_SDE": "dpmpp_sde",
+                    "UNIPC": "unipc", "EULER_KARRAS": "euler_karras", "DPMPP_KARRAS": "dpmpp_2m_karras",
+                    "DPMPP_SDE_KARRAS": "dpmpp_sde_karras", "UNIPC_KARRAS": "unipc_karras"}
+
+
+@pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "PIXART_SIGMA"])
+def test_every_noise_scheduler_is_the_prompts_sampler(tmp_path, model_type):
+    """OneTrainer's SD / SDXL / PixArt samplers build each sample's noise_scheduler: every value becomes that prompt's
+    sampler, none is listed."""
+    samples = [{"prompt": f"a cat {name}", "noise_scheduler": name} for name in NOISE_SCHEDULERS]
+    config, skipped = import_only(tmp_path, {"model_type": model_type}, samples=samples)
+    assert [p.sampler for p in config.sampling.prompts] == list(NOISE_SCHEDULERS.values())
+    assert not any("noise_scheduler" in line for line in skipped), skipped
+
+
+@pytest.mark.parametrize("settings,rescale,non_ema", [
+    # OneTrainer's SD samplers: cfg_rescale 0.7 with the zero-terminal-SNR schedule (force_last_timestep), else 0
+    ({"model_type": "STABLE_DIFFUSION_XL_10_BASE", "rescale_noise_scheduler_to_zero_terminal_snr": True}, 0.7, False),
+    # with the EMA on, non_ema_sampling (on by default) samples the trained weights too
+    ({"model_type": "STABLE_DIFFUSION_15", "ema": "GPU"}, 0.0, True),
+    ({"model_type": "STABLE_DIFFUSION_15", "ema": "CPU", "non_ema_sampling": False}, 0.0, False),
+    # Flux: its own scheduler (noise_scheduler ignored, not listed) and no cfg_rescale
+    ({"model_type": "FLUX_DEV_1", "ema": "GPU"}, None, True),
+])
+def test_cfg_rescale_and_non_ema_sampling_are_carried(tmp_path, settings, rescale, non_ema):
+    config, skipped = import_only(tmp_path, settings, samples=[{"prompt": "a cat", "noise_scheduler": "EULER"}])
+    [cat] = config.sampling.prompts
+    assert cat.guidance_rescale == rescale and config.sampling.non_ema_samples is non_ema
+    assert cat.sampler == (None if settings["model_type"] == "FLUX_DEV_1" else "euler")
+    assert not any(line.startswith(("samples", "non_ema")) for line in skipped), skipped
+
+
+def test_a_noise_scheduler_ot_dist_lacks_sample_inpainting_and_skip_first_are_listed(tmp_path):
+    samples = [{"prompt": "a cat", "noise_scheduler": "LCM"},
+               {"prompt": "a dog", "sample_inpainting": True, "base_image_path": "b.png", "mask_image_path": "m.png"}]
+    config, skipped = import_only(tmp_path, {"sample_skip_first": 2, "sample_after_unit": "EPOCH"}, samples=samples)
+    assert config.sampling.prompts[0].sampler is None
+    assert [line.split(":")[0] for line in skipped if line.startswith("sample")] == [
+        "samples[0].noise_scheduler", "samples[1].sample_inpainting", "sample_skip_first"]
+    assert any(line.startswith("samples[0].noise_scheduler: LCM is not an ot_dist sampler") for line in skipped)
 
 
 @pytest.mark.parametrize("model_type,sizes", [

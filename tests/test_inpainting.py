@@ -102,8 +102,9 @@ def test_a_tiny_inpainting_model_trains_and_exports_a_pipeline_diffusers_runs(
     import diffusers
 
     out = tmp_path / "out"
+    sample = {"prompt": "a red circle", "seed": 3, "steps": 2, "width": 64, "height": 48, "guidance_scale": 5.0}
     raw = base_config(inpainting_models[family], partly_masked_data, out, family=family, max_steps=3,
-                      **{"model.inpainting": True})
+                      **{"model.inpainting": True, "sampling.prompts": [sample]})
     trainer = Trainer(validate(raw), log=print)
     assert trainer.model.inpainting and trainer.model.denoiser.config.in_channels == 9
     result = trainer.train()
@@ -126,6 +127,16 @@ def test_a_tiny_inpainting_model_trains_and_exports_a_pipeline_diffusers_runs(
                   generator=torch.Generator().manual_seed(0), output_type="np", **kwargs).images
     assert output.shape == (1, 64, 64, 3) and np.isfinite(output).all()
 
+    # The sample of the end is the inpainting pipeline's, the whole image repainted as OneTrainer samples an
+    # inpainting model without a sample image (a full mask, so a blank masked image), from pure noise (strength 1).
+    pipe.scheduler = diffusers.DDIMScheduler.from_config(pipe.scheduler.config)
+    blank, full = Image.new("RGB", (64, 48), (40, 200, 90)), Image.new("L", (64, 48), 255)
+    expected = pipe(sample["prompt"], image=blank, mask_image=full, strength=1.0, height=48, width=64,
+                    num_inference_steps=2, guidance_scale=5.0, generator=torch.Generator().manual_seed(3)).images[0]
+    (written,) = (out / "samples" / "step-3").glob("*.png")
+    difference = np.abs(np.asarray(Image.open(written).convert("RGB")).astype(int) - np.asarray(expected).astype(int))
+    assert difference.max() <= 1 and np.count_nonzero(difference) <= difference.size // 1000, difference.max()
+
 
 def test_inpainting_option_and_cached_latents_errors(tiny_models, inpainting_models, shapes_data, tmp_path):
     with pytest.raises(ConfigError, match=r"model.inpainting: true, but the UNet of model.path has 4 input channels"):
@@ -138,3 +149,22 @@ def test_inpainting_option_and_cached_latents_errors(tiny_models, inpainting_mod
         Trainer(validate(raw), log=print)
     with pytest.raises(ConfigError, match=r"data.cache_latents: an inpainting finetune"):
         validate({**raw, "model": {**raw["model"], "inpainting": True}})
+
+
+def test_a_guidance_rescale_the_inpainting_pipeline_cannot_take_is_refused_before_training(inpainting_models,
+                                                                                            shapes_data, tmp_path):
+    """SD 1.x samples take guidance_rescale, but StableDiffusionInpaintPipeline has none: known once the model is
+    loaded (model.inpainting null detects it), refused then, not at the first sampling point. SDXL's takes it."""
+    from ot_dist.models.loading import load_model
+    from ot_dist.train.sampling import Sampler
+
+    for family in ("sd1", "sdxl"):
+        config = validate(base_config(inpainting_models[family], shapes_data, tmp_path, family=family, **{
+            "sampling.prompts": [{"prompt": "a red circle"}, {"prompt": "a red circle", "guidance_rescale": 0.7}]}))
+        model = load_model(config.model)
+        if family == "sdxl":
+            Sampler(config, model)
+            continue
+        with pytest.raises(ConfigError, match=r"sampling.prompts\[1\].guidance_rescale: this model samples through "
+                                              "StableDiffusionInpaintPipeline, which has no guidance_rescale"):
+            Sampler(config, model)

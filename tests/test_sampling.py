@@ -18,7 +18,7 @@ from conftest import base_config, in_aligned_memory
 from PIL import Image
 
 from ot_dist.config.load import validate
-from ot_dist.config.sampling import SAMPLERS, SamplingConfig
+from ot_dist.config.sampling import SAMPLERS, SamplePrompt, SamplingConfig
 from ot_dist.errors import ConfigError
 from ot_dist.tracking import local_store_uri
 from ot_dist.train import sampling
@@ -43,27 +43,39 @@ def images_of(folder: Path) -> dict[str, np.ndarray]:
     return {p.name: pixels(p) for p in sorted(folder.glob("*.png"))}
 
 
-def diffusers_sample(model_dir: Path, prompt: dict, lora: Path | None = None, embedding: Path | None = None,
-                     token: str | None = None) -> np.ndarray:
-    """The image a user gets from an export with plain diffusers (DDIM, the default sampler)."""
-    from diffusers import DDIMScheduler, DiffusionPipeline
+def diffusers_pipeline(model_dir: Path, scheduler: str = "DDIMScheduler", **scheduler_options):
+    """The export loaded with plain diffusers, its scheduler replaced as diffusers' docs do it:
+    `Scheduler.from_config(pipe.scheduler.config, **options)` (DDIM: ot_dist's default sampler)."""
+    import diffusers
+    from diffusers import DiffusionPipeline
 
     options = {}
     if json.loads((Path(model_dir) / "model_index.json").read_text())["_class_name"] == "StableDiffusionPipeline":
         options = {"safety_checker": None, "requires_safety_checker": False}
     pipe = in_aligned_memory(DiffusionPipeline.from_pretrained(model_dir, local_files_only=True, **options))
-    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config)
+    pipe.scheduler = getattr(diffusers, scheduler).from_config(pipe.scheduler.config, **scheduler_options)
     pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def draw(pipe, prompt: dict, **extra) -> np.ndarray:
+    image = pipe(prompt["prompt"], negative_prompt=prompt.get("negative_prompt") or None, width=prompt["width"],
+                 height=prompt["height"], num_inference_steps=prompt["steps"],
+                 guidance_scale=prompt.get("guidance_scale", 7.5),  # a prompt without one: SD 1.x's default
+                 generator=torch.Generator().manual_seed(prompt["seed"]), **extra).images[0]
+    return np.asarray(image.convert("RGB"))
+
+
+def diffusers_sample(model_dir: Path, prompt: dict, lora: Path | None = None, embedding: Path | None = None,
+                     token: str | None = None) -> np.ndarray:
+    """The image a user gets from an export with plain diffusers (DDIM, the default sampler)."""
+    pipe = diffusers_pipeline(model_dir)
     if lora is not None:
         pipe.load_lora_weights(lora.parent, weight_name=lora.name)
         pipe.unet.eval()  # the loader leaves the new LoRA layers in training mode: their dropout would act
     if embedding is not None:
         pipe.load_textual_inversion(embedding, token=token)
-    image = pipe(prompt["prompt"], negative_prompt=prompt.get("negative_prompt") or None, width=prompt["width"],
-                 height=prompt["height"], num_inference_steps=prompt["steps"],
-                 guidance_scale=prompt.get("guidance_scale", 7.5),  # a prompt without one: SD 1.x's default
-                 generator=torch.Generator().manual_seed(prompt["seed"])).images[0]
-    return np.asarray(image.convert("RGB"))
+    return draw(pipe, prompt)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +128,27 @@ def test_the_samples_come_from_the_ema_weights_or_the_trained_ones(ema_run, tmp_
     monkeypatch.setattr(trainer.config.sampling, "use_ema", False)
     (red, _) = trainer.sampler.sample(trainer, 8)
     assert np.array_equal(pixels(red), trained)
+
+
+def no_ema(name: str) -> str:
+    return name.replace(".png", "-no-ema.png")
+
+
+def test_non_ema_samples_are_the_trained_weights_beside_the_ema_ones(ema_run, tmp_path, monkeypatch):
+    """sampling.non_ema_samples (OneTrainer's non_ema_sampling): each prompt from the EMA and from the trained weights,
+    the latter named apart; the EMA ones as without the option."""
+    trainer, _, out = ema_run
+    monkeypatch.setattr(trainer.sampler, "output_dir", tmp_path)
+    monkeypatch.setattr(trainer.config.sampling, "non_ema_samples", True)
+    written = trainer.sampler.sample(trainer, 8)
+    assert [p.name for p in written] == FILES + [no_ema(name) for name in FILES]
+    for prompt, name in zip([RED, BLUE], FILES):
+        ema, trained = pixels(tmp_path / "samples/step-8" / name), pixels(tmp_path / "samples/step-8" / no_ema(name))
+        assert np.array_equal(ema, pixels(out / "samples/step-8" / name))
+        assert np.array_equal(trained, diffusers_sample(out / "model", prompt))
+        assert not np.array_equal(ema, trained)
+    monkeypatch.setattr(trainer.config.sampling, "use_ema", False)  # the trained weights only: no second set
+    assert [p.name for p in trainer.sampler.sample(trainer, 9)] == FILES
 
 
 def test_same_seed_and_weights_give_identical_images(ema_run, tmp_path, monkeypatch):
@@ -203,7 +236,7 @@ def test_two_ranks_generate_one_prompt_each_and_match_one_process(small_sd1, sha
     out = tmp_path / "out"
     raw = base_config(small_sd1, shapes_data, out, batch_size=2, max_steps=4, strategy="fsdp", **{
         "ema.enabled": True, "ema.decay": 0.9, "ema.update_step_interval": 1,
-        "sampling.prompts": [RED, BLUE], "sampling.every_n_steps": 2,
+        "sampling.prompts": [RED, BLUE], "sampling.every_n_steps": 2, "sampling.non_ema_samples": True,
     })
     (tmp_path / "config.json").write_text(json.dumps(raw))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
@@ -211,20 +244,24 @@ def test_two_ranks_generate_one_prompt_each_and_match_one_process(small_sd1, sha
         env=env, timeout=300,
     )
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-    # prompt i on rank i mod 2, at steps 2 and 4 (the end: sampled once)
-    assert json.loads((tmp_path / "rank-0.json").read_text()) == [RED["prompt"]] * 2
-    assert json.loads((tmp_path / "rank-1.json").read_text()) == [BLUE["prompt"]] * 2
+    # prompt i on rank i mod 2, at steps 2 and 4 (the end: sampled once), from the EMA and the trained weights
+    assert json.loads((tmp_path / "rank-0.json").read_text()) == [RED["prompt"]] * 4
+    assert json.loads((tmp_path / "rank-1.json").read_text()) == [BLUE["prompt"]] * 4
     assert sorted(p.name for p in (out / "samples").iterdir()) == ["step-2", "step-4"]
     final = images_of(out / "samples" / "step-4")
-    assert list(final) == FILES
+    assert sorted(final) == sorted(FILES + [no_ema(name) for name in FILES])
     # Each image is what one process makes of the gathered (EMA) weights the run exported. The weights are
     # the same bit for bit (checked while writing this test), but another process computes them with its
     # own float rounding: measured, at most 2 of 12288 values differ, by 1 level.
     for prompt, name in zip([RED, BLUE], FILES):
         difference = np.abs(final[name].astype(int) - diffusers_sample(out / "model_ema", prompt))
         assert difference.max() <= 1 and (difference > 0).mean() < 1e-3, name
-    # a bound that tells weights apart: the trained (not averaged) weights give a visibly other image
-    assert np.abs(final[FILES[0]].astype(int) - diffusers_sample(out / "model", RED)).max() > 1
+    # a bound that tells weights apart: the trained (not averaged) weights give a visibly other image ...
+    trained = diffusers_sample(out / "model", RED)
+    assert np.abs(final[FILES[0]].astype(int) - trained).max() > 1
+    # ... which the non-EMA samples are: the gathered fsdp shards of the trained weights
+    difference = np.abs(final[no_ema(FILES[0])].astype(int) - trained)
+    assert difference.max() <= 1 and (difference > 0).mean() < 1e-3
 
 
 def test_sampling_config_errors_name_the_field(tiny_models, shapes_data, tmp_path):
@@ -243,6 +280,7 @@ def test_sampling_config_errors_name_the_field(tiny_models, shapes_data, tmp_pat
     assert SamplingConfig(prompts=[RED]).samples_at_end() is True
     assert SamplingConfig(prompts=[RED], at_end=False).samples_at_end() is False
     assert set(SAMPLERS) | {"auto"} == set(SamplingConfig.model_fields["sampler"].annotation.__args__)
+    assert set(SamplePrompt.model_fields["sampler"].annotation.__args__[0].__args__) == set(SAMPLERS) | {"auto"}
 
 
 # OneTrainer's sample defaults per model (modules/util/config/SampleConfig.py: cfg_scale) and the side its samplers
@@ -282,15 +320,65 @@ def test_a_negative_prompt_flux_would_ignore_is_an_error():
     assert validate(raw).sampling.prompts[1].negative_prompt == "red"
 
 
-def test_each_sampler_draws_from_the_trained_model(ema_run, tmp_path, monkeypatch):
-    """Every sampler builds its scheduler from the model's config and draws an image."""
-    trainer, _, _ = ema_run
+# OneTrainer's NoiseScheduler values (create_noise_scheduler) as diffusers schedulers on the model's scheduler config.
+DDPM_SCHEDULERS = {
+    "ddim": ("DDIMScheduler", {}),
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", {}),
+    "dpmpp_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++"}),
+    "unipc": ("UniPCMultistepScheduler", {}),
+    "euler_karras": ("EulerDiscreteScheduler", {"use_karras_sigmas": True}),
+    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
+    "dpmpp_sde_karras": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "use_karras_sigmas": True}),
+    "unipc_karras": ("UniPCMultistepScheduler", {"use_karras_sigmas": True}),
+}
+
+
+def test_each_prompts_sampler_and_guidance_rescale_equal_the_diffusers_pipeline(ema_run, tmp_path, monkeypatch):
+    """Every sampler of the family, each on its own prompt in one sampling point, and a guidance rescale: the image
+    diffusers' pipeline draws from the exported (EMA) weights with that scheduler, seed and guidance_rescale."""
+    trainer, _, out = ema_run
+    assert set(trainer.model.family.samplers) == set(DDPM_SCHEDULERS)  # OneTrainer's ten, for SD 1.x
+    prompt = {**BLUE, "steps": 3}  # 2 steps: Karras sigmas and linear ones are the same two
+    cases = [(name, None) for name in DDPM_SCHEDULERS] + [("ddim", 0.5), ("dpmpp_sde_karras", 1.0)]
     monkeypatch.setattr(trainer.sampler, "output_dir", tmp_path)
-    monkeypatch.setattr(trainer.config.sampling, "prompts", [trainer.config.sampling.prompts[1]])
-    images = []
-    for i, name in enumerate(trainer.model.family.samplers):  # the samplers that fit this family
-        monkeypatch.setattr(trainer.config.sampling, "sampler", name)
-        (written,) = trainer.sampler.sample(trainer, i)
-        images.append(pixels(written))
-        assert images[-1].shape == (48, 64, 3)
-    assert not np.array_equal(images[0], images[1])  # ddim and euler: other schedules, other images
+    monkeypatch.setattr(trainer.config.sampling, "prompts", [
+        SamplePrompt(**prompt, sampler=name, guidance_rescale=rescale) for name, rescale in cases])
+    written = trainer.sampler.sample(trainer, 8)
+    images = [pixels(path) for path in written]
+    assert len(images) == len(cases)
+    for (name, rescale), image in zip(cases, images):
+        scheduler, options = DDPM_SCHEDULERS[name]
+        expected = draw(diffusers_pipeline(out / "model_ema", scheduler, **options), prompt,
+                        **({} if rescale is None else {"guidance_rescale": rescale}))
+        assert np.array_equal(image, expected), (name, rescale)
+    # other samplers and rescales, other images (the comparisons above tell them apart)
+    assert len({image.tobytes() for image in images}) == len(cases)
+    # a prompt without a sampler takes sampling.sampler; a prompt's auto is the family's first (ddim)
+    monkeypatch.setattr(trainer.config.sampling, "sampler", "euler")
+    assert [trainer.sampler.sampler_of(SamplePrompt(**prompt, sampler=name)) for name in (None, "auto", "unipc")] == [
+        "euler", "ddim", "unipc"]
+
+
+def test_per_prompt_sampler_and_guidance_rescale_only_where_the_family_takes_them():
+    """A prompt's sampler must fit the family's objective, and guidance_rescale needs a pipeline that takes it (SD 1.x
+    / 2.x / SDXL): otherwise a config error naming the prompt, not a failure at the first sampling point."""
+    def config(family, **prompt):
+        return validate({"model": {"family": family, "path": "m"}, "method": "lora", "output_dir": "out",
+                         "data": {"path": "data"}, "resolution": 512, "sampling": {"prompts": [RED, {**RED, **prompt}]}})
+
+    assert config("sdxl", sampler="dpmpp_sde_karras", guidance_rescale=0.7).sampling.prompts[1].sampler == (
+        "dpmpp_sde_karras")
+    assert config("pixart_sigma", sampler="euler_karras").sampling.prompts[1].sampler == "euler_karras"
+    assert config("flux", sampler="flow_euler", guidance_rescale=0.0).sampling.prompts[1].sampler == "flow_euler"
+    with pytest.raises(ConfigError, match=r"sampling.prompts\[1\].sampler: ddim does not fit flux \(allowed: auto, "
+                                          r"flow_euler\)"):
+        config("flux", sampler="ddim")
+    with pytest.raises(ConfigError, match=r"sampling.prompts\[1\].guidance_rescale: pixart_sigma's pipeline "
+                                          r"\(PixArtSigmaPipeline\) has no guidance_rescale"):
+        config("pixart_sigma", guidance_rescale=0.7)
+    with pytest.raises(ConfigError, match=r"sampling.prompts.1.guidance_rescale"):  # 0 (off) to 1 (fully rescaled)
+        config("sd1", guidance_rescale=1.5)
+    with pytest.raises(ConfigError, match=r"sampling.prompts.1.sampler"):
+        config("sd1", sampler="heun")

@@ -89,7 +89,8 @@ def max_relative(a: list[float], b: list[float]) -> float:
 @pytest.mark.parametrize("strategy", list(STRATEGY_CASES))
 def test_two_ranks_reproduce_one_process(strategy, references, small_sd1, shapes_data, tmp_path):
     cases = {
-        case: {"config": raw_config(small_sd1, shapes_data, tmp_path / case, case, batch_size=2, strategy=strategy)}
+        case: {"config": raw_config(small_sd1, shapes_data, tmp_path / case, case, batch_size=2, strategy=strategy,
+                                    **(SAMPLED if (strategy, case) == ("zero2", "ema") else {}))}
         for case in STRATEGY_CASES[strategy]
     }
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -123,3 +124,27 @@ def test_two_ranks_reproduce_one_process(strategy, references, small_sd1, shapes
             assert max((ref_ema[k] - ref_weights[k]).abs().max().item() for k in ref_ema) > 100 * EMA_TOLERANCE
             for per_rank in got["ema_bytes"]:  # each rank averages its half (ZeRO pads a little)
                 assert abs(per_rank - ref["ema_bytes"] / 2) <= 0.05 * ref["ema_bytes"] / 2, (got["ema_bytes"], ref)
+    if strategy == "zero2":
+        check_ema_and_non_ema_samples(tmp_path / "ema")
+
+
+# The zero2 EMA case samples at its end, from the EMA and the trained weights (sampling.non_ema_samples): one prompt,
+# so rank 1 samples nothing yet takes part in both gatherings. tests/test_sampling.py covers fsdp.
+SAMPLE = {"prompt": "a red circle", "seed": 1, "steps": 2, "width": 64, "height": 64}
+SAMPLED = {"sampling.prompts": [SAMPLE], "sampling.non_ema_samples": True}
+
+
+def check_ema_and_non_ema_samples(out: Path) -> None:
+    import numpy as np
+    from PIL import Image
+    from test_sampling import diffusers_sample
+
+    folder = out / "samples" / "step-8"
+    assert sorted(p.name for p in folder.iterdir()) == ["0-a-red-circle-no-ema.png", "0-a-red-circle.png"]
+    ema, trained = (np.asarray(Image.open(folder / name).convert("RGB")).astype(int)
+                    for name in ("0-a-red-circle.png", "0-a-red-circle-no-ema.png"))
+    # each the image one process draws from the export of those weights (float rounding: at most 1 level, rarely)
+    for image, export in ((ema, "model_ema"), (trained, "model")):
+        difference = np.abs(image - diffusers_sample(out / export, {**SAMPLE, "guidance_scale": 7.5}))
+        assert difference.max() <= 1 and (difference > 0).mean() < 1e-3, export
+    assert np.abs(ema - trained).max() > 1

@@ -9,17 +9,37 @@ from pydantic import Field, model_validator
 
 from ot_dist.config.section import Section
 
-# Sampler name -> diffusers scheduler class, made from the model's own scheduler config (its betas and
-# prediction type), so a v-prediction model samples as one.
-SAMPLERS = {
-    "ddim": "DDIMScheduler",
-    "euler": "EulerDiscreteScheduler",
-    "euler_a": "EulerAncestralDiscreteScheduler",
-    "dpmpp_2m": "DPMSolverMultistepScheduler",
-    "unipc": "UniPCMultistepScheduler",
-    "flow_euler": "FlowMatchEulerDiscreteScheduler",  # flow-matching families (SD3, Flux, Chroma)
-    "wuerstchen": "DDPMWuerstchenScheduler",  # Würstchen's continuous cosine schedule (Stable Cascade, Würstchen v2)
+# Sampler name -> (diffusers scheduler class, config entries it is given), made from the model's own scheduler config
+# (its betas, spacing, offsets and prediction type, as diffusers' `Scheduler.from_config(pipe.scheduler.config)`), so
+# a v-prediction model samples as one. The entries set what the name promises whatever the model's config says (a
+# DPMSolver config with use_karras_sigmas or the SDE variant stays what the name says). The DDPM samplers are
+# OneTrainer's NoiseScheduler choices (modules/util/create.py create_noise_scheduler).
+KARRAS = {"use_karras_sigmas": True}
+PLAIN = {"use_karras_sigmas": False}
+SAMPLERS: dict[str, tuple[str, dict]] = {
+    "ddim": ("DDIMScheduler", {}),
+    "euler": ("EulerDiscreteScheduler", PLAIN),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", {**PLAIN, "algorithm_type": "dpmsolver++"}),
+    "dpmpp_sde": ("DPMSolverMultistepScheduler", {**PLAIN, "algorithm_type": "sde-dpmsolver++"}),
+    "unipc": ("UniPCMultistepScheduler", PLAIN),
+    "euler_karras": ("EulerDiscreteScheduler", KARRAS),
+    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {**KARRAS, "algorithm_type": "dpmsolver++"}),
+    "dpmpp_sde_karras": ("DPMSolverMultistepScheduler", {**KARRAS, "algorithm_type": "sde-dpmsolver++"}),
+    "unipc_karras": ("UniPCMultistepScheduler", KARRAS),
+    "flow_euler": ("FlowMatchEulerDiscreteScheduler", {}),  # flow-matching families (SD3, Flux, Chroma)
+    # Würstchen's continuous cosine schedule (Stable Cascade, Würstchen v2)
+    "wuerstchen": ("DDPMWuerstchenScheduler", {}),
 }
+# The samplers of a DDPM (epsilon / v) family, in OneTrainer's NoiseScheduler order.
+DDPM_SAMPLERS = ("ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_sde", "unipc", "euler_karras", "dpmpp_2m_karras",
+                 "dpmpp_sde_karras", "unipc_karras")
+SamplerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_sde", "unipc", "euler_karras", "dpmpp_2m_karras",
+                      "dpmpp_sde_karras", "unipc_karras", "flow_euler", "wuerstchen"]
+SAMPLER_HELP = ("ddim, euler, euler_a, dpmpp_2m, dpmpp_sde (DPM++ SDE: DPMSolverMultistepScheduler's sde-dpmsolver++), "
+                "unipc and their Karras-sigma forms euler_karras, dpmpp_2m_karras, dpmpp_sde_karras, unipc_karras "
+                "(OneTrainer's DDIM ... UNIPC_KARRAS) for SD 1.x / 2.x / SDXL / PixArt; flow_euler for SD3 / Flux / "
+                "Chroma; wuerstchen for Stable Cascade / Würstchen v2")
 
 
 class SamplePrompt(Section):
@@ -34,11 +54,22 @@ class SamplePrompt(Section):
                               "16 for SD3, Flux, Chroma, PixArt); null = the (largest) training resolution.")
     height: int | None = Field(default=None, description="Height in pixels, a multiple of the family's pixel grid "
                                "(8; 16 for SD3, Flux, Chroma, PixArt); null = the (largest) training resolution.")
-    steps: int = Field(default=20, ge=1, description="Denoising steps.")
+    steps: int = Field(default=20, ge=1, description="Denoising steps. 20 for every family: a preview's cost, and "
+                       "enough for the default samplers; OneTrainer's sample defaults are 30 (SD 1.x / 2.x / SDXL, "
+                       "Flux, Chroma), 28 (SD3), 25 (PixArt, Stable Cascade), the diffusers pipelines' 50 (SD, SDXL), "
+                       "28 (SD3, Flux), 35 (Chroma), 20 (PixArt). `ot-dist import onetrainer` writes OneTrainer's.")
     guidance_scale: float | None = Field(
         default=None, ge=0, description="Classifier-free guidance scale (1 or less = off; Flux.1 dev: its distilled "
         "guidance). null = OneTrainer's sample default for the family: 7.5 SD 1.x / 2.x / SDXL, 7.0 SD3, 3.5 Flux / "
         "Chroma, 4.5 PixArt, 4.0 Stable Cascade / Würstchen v2.")
+    sampler: Literal["auto", SamplerName] | None = Field(
+        default=None, description="This prompt's sampler, one the family's objective allows (the names of "
+        "sampling.sampler; auto = the family's first); null = sampling.sampler.")
+    guidance_rescale: float | None = Field(
+        default=None, ge=0, le=1, description="Rescales the guided prediction toward the standard deviation of the "
+        "prompt's own (Lin et al. 2023, section 3.4; diffusers' guidance_rescale, OneTrainer's cfg_rescale): 0 = off, "
+        "0.7 the paper's choice. SD 1.x / 2.x / SDXL only (their pipelines take it; another family's refuse it). null = "
+        "OneTrainer's: 0.7 on a zero-terminal-SNR schedule (model.zero_terminal_snr), else 0.")
 
 
 class SamplingConfig(Section):
@@ -56,11 +87,18 @@ class SamplingConfig(Section):
                                 "prompts.")
     use_ema: bool = Field(default=True, description="Sample with the EMA weights when ema.enabled; false = the "
                           "trained weights.")
-    sampler: Literal["auto", "ddim", "euler", "euler_a", "dpmpp_2m", "unipc", "flow_euler", "wuerstchen"] = Field(
-        default="auto", description="The diffusers scheduler that samples, configured from the model's scheduler. "
-        "auto = the family's first: ddim for SD 1.x / 2.x / SDXL, flow_euler (flow-matching Euler) for SD3 / Flux / "
-        "Chroma, wuerstchen (DDPMWuerstchenScheduler, the prior's steps) for Stable Cascade / Würstchen v2. Flow-matching "
-        "families sample with flow_euler only.",
+    non_ema_samples: bool = Field(
+        default=False, description="With ema.enabled and use_ema: also sample the trained (non-EMA) weights at each "
+        "sampling point, written beside the EMA samples as I-PROMPT-no-ema.png (OneTrainer's non_ema_sampling, on by "
+        "default there; off here, as it doubles the time and the gathering of every sampling point; `ot-dist import "
+        "onetrainer` carries OneTrainer's value).")
+    sampler: Literal["auto", SamplerName] = Field(
+        default="auto", description="The diffusers scheduler that samples (each prompt's `sampler` can name "
+        "another), configured from the model's scheduler config as diffusers' from_config does: " + SAMPLER_HELP +
+        ". auto = the family's first: ddim for SD 1.x / 2.x / SDXL (OneTrainer's default: EULER_A for SD 1.x and "
+        "SDXL, DDIM for SD 2.x and PixArt), dpmpp_2m for PixArt (the scheduler its pipelines ship), flow_euler "
+        "(flow-matching Euler) for SD3 / Flux / Chroma, wuerstchen (DDPMWuerstchenScheduler, the prior's steps) for "
+        "Stable Cascade / Würstchen v2. Flow-matching and Würstchen-style families sample with their one sampler.",
     )
 
     @model_validator(mode="after")

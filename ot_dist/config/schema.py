@@ -769,8 +769,8 @@ class TrainConfig(Section):
 
     def _check_sample_prompts(self, family) -> None:
         """Each sample prompt's sides on the family's pixel grid (else its pipeline refuses, fails or resizes them,
-        after training has run up to the first sampling point), a negative prompt only where the pipeline uses one,
-        and its guidance scale, the family's when unset."""
+        after training has run up to the first sampling point), a negative prompt, a sampler and a guidance rescale
+        only where the pipeline uses them, and its guidance scale, the family's when unset."""
         multiple = family.sample_pixel_multiple or family.pixel_multiple
         for i, prompt in enumerate(self.sampling.prompts):
             for key in ("width", "height"):
@@ -784,6 +784,13 @@ class TrainConfig(Section):
                                  "classifier-free guidance (its pipeline would ignore the negative prompt); remove it")
             if prompt.guidance_scale is None:
                 prompt.guidance_scale = family.sample_guidance_scale
+            if prompt.sampler not in (None, "auto", *family.samplers):
+                raise ValueError(f"sampling.prompts[{i}].sampler: {prompt.sampler} does not fit {self.model.family} "
+                                 f"(allowed: auto, {', '.join(family.samplers)})")
+            if prompt.guidance_rescale and not family.sample_guidance_rescale:
+                raise ValueError(f"sampling.prompts[{i}].guidance_rescale: {self.model.family}'s pipeline "
+                                 f"({family.pipeline_class}) has no guidance_rescale; remove it (SD 1.x / 2.x / SDXL "
+                                 "only)")
 
     def resolutions(self) -> list[int]:
         return sorted(set(self.resolution)) if isinstance(self.resolution, list) else [self.resolution]

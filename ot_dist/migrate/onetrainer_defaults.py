@@ -20,7 +20,7 @@ TRAIN = {
     "text_encoder_layer_skip": 0, "text_encoder_2_layer_skip": 0, "lora_rank": 16, "lora_alpha": 1.0, "dropout_probability": 0.0,
     "layer_filter_preset": "full", "layer_filter": "", "embedding_learning_rate": None,
     "sample_definition_file_name": "training_samples/samples.json", "samples": None, "sample_after": 10,
-    "sample_after_unit": "MINUTE", "save_every": 0, "save_every_unit": "NEVER", "save_skip_first": 0,
+    "sample_after_unit": "MINUTE", "sample_skip_first": 0, "non_ema_sampling": True, "save_every": 0, "save_every_unit": "NEVER", "save_skip_first": 0,
     "save_filename_prefix": "", "backup_after": 30, "backup_after_unit": "MINUTE", "rolling_backup": False,
     "rolling_backup_count": 3,
     "rescale_noise_scheduler_to_zero_terminal_snr": False, "force_v_prediction": False,
@@ -98,7 +98,8 @@ CONCEPT_IMAGE_OFF = {"enable_random_flip": False, "enable_fixed_flip": False, "e
                      "enable_random_circular_mask_shrink": False, "enable_random_mask_rotate_crop": False}
 # SampleConfig's defaults: `_get_model_defaults(model_type)` of SampleConfig.py, by ot_dist family.
 SAMPLE = {"enabled": True, "prompt": "", "negative_prompt": "", "height": 512, "width": 512, "seed": 42,
-          "random_seed": False, "diffusion_steps": 30, "cfg_scale": 7.0, "noise_scheduler": "DDIM"}
+          "random_seed": False, "diffusion_steps": 30, "cfg_scale": 7.0, "noise_scheduler": "DDIM",
+          "sample_inpainting": False}
 _SIDE_1024 = {"width": 1024, "height": 1024}
 SAMPLE_BY_FAMILY = {
     "sd1": {"cfg_scale": 7.5, "noise_scheduler": "EULER_A"},

@@ -8,6 +8,8 @@ How, under any strategy:
 - At a sampling point every rank gathers the full weights once (`state_dict_of`: a collective under
   fsdp / zero3, called for the same modules in the same order everywhere; the EMA weights when the EMA
   is on) into a fresh copy of that structure, and builds the family's diffusers pipeline around it.
+- With sampling.non_ema_samples the trained weights are sampled too, after the EMA's copy is freed:
+  the same gathering (`trainer.trained_state_dict_of`, as exports use) into the same structure.
 - Prompt i is generated on rank i mod world size from a CPU generator seeded with the prompt's seed,
   so an image depends on the seed and the weights only, not on the rank or the world size.
 - The PNGs travel to rank 0 in one reduce; rank 0 writes them and hands them to the tracker.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import io
 import itertools
 import random
@@ -30,9 +33,13 @@ import torch
 
 from ot_dist.config.sampling import SAMPLERS, SamplePrompt
 from ot_dist.config.schema import TrainConfig
+from ot_dist.errors import ConfigError
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import trained_modules
 from ot_dist.parallel.runtime import Runtime
+
+
+NON_EMA_SUFFIX = "-no-ema"  # the file suffix of the trained weights' samples beside the EMA ones
 
 
 class Sampler:
@@ -45,7 +52,17 @@ class Sampler:
         self.templates = {}
         if self.settings.prompts:
             self.templates = {name: meta_structure(module) for name, module in trained_modules(model).items()}
+            self.check_guidance_rescale()
         self.sampled_steps: set[int] = set()
+
+    def check_guidance_rescale(self) -> None:
+        """A guidance_rescale the sampling pipeline cannot take, refused before training: the config allows it for
+        SD 1.x / 2.x, whose inpainting models (known once loaded) sample through a pipeline without it."""
+        pipeline_cls = self.model.family.sampling_pipeline_cls(self.model.pipeline)
+        for i, prompt in enumerate(self.settings.prompts):
+            if prompt.guidance_rescale and not takes_guidance_rescale(pipeline_cls):
+                raise ConfigError(f"sampling.prompts[{i}].guidance_rescale: this model samples through "
+                                  f"{pipeline_cls.__name__}, which has no guidance_rescale; remove it")
 
     def due(self, step: int, steps_per_epoch: int) -> bool:
         every_steps, every_epochs = self.settings.every_n_steps, self.settings.every_n_epochs
@@ -66,55 +83,80 @@ class Sampler:
         """Every rank calls this at the same step. Returns the files written (on rank 0)."""
         runtime: Runtime = trainer.runtime
         use_ema = self.settings.use_ema and trainer.ema is not None
-        with trainer.averaged_weights():  # copied out, so training goes on meanwhile untouched
-            state_dict_of = trainer.ema_state_dict_of() if use_ema else trainer.trained_state_dict_of()
-            # The one gathering of full weights; the same modules in the same order on every rank.
-            modules = {
-                name: inference_copy(self.templates[name], state_dict_of(module), runtime.device)
-                for name, module in trainer.strategy.trained_modules.items()
-            }
+        # The weight sets sampled, each under its file suffix: the EMA (or the trained weights), and with
+        # non_ema_samples the trained weights beside the EMA (OneTrainer's non_ema_sampling).
+        weight_sets = [("ema" if use_ema else "trained", "")]
+        if use_ema and self.settings.non_ema_samples:
+            weight_sets.append(("trained", NON_EMA_SUFFIX))
         prompts = self.settings.prompts
         mine = [i for i in range(len(prompts)) if i % runtime.world_size == runtime.rank]
-        images: dict[int, bytes] = {}
+        images: dict[int, bytes] = {}  # set s, prompt i -> key s x len(prompts) + i
         started = time.perf_counter()
-        if mine:
-            pipeline = self.pipeline(modules)
-            with isolated_randomness(runtime.device), trainer.precision.autocast():
-                for i in mine:
-                    images[i] = png_bytes(self.generate(pipeline, prompts[i]))
-            del pipeline
-        del modules  # the gathered weights are freed before training goes on
-        images = gather_to_main(images, len(prompts), runtime)
+        for s, (weights, _) in enumerate(weight_sets):
+            # One set at a time: its full weights are gathered once, sampled, and freed before the next is
+            # gathered, so non-EMA samples hold no more memory than the EMA ones.
+            with trainer.averaged_weights():  # copied out, so training goes on meanwhile untouched
+                state_dict_of = trainer.ema_state_dict_of() if weights == "ema" else trainer.trained_state_dict_of()
+                # The one gathering of these full weights; the same modules in the same order on every rank.
+                modules = {
+                    name: inference_copy(self.templates[name], state_dict_of(module), runtime.device)
+                    for name, module in trainer.strategy.trained_modules.items()
+                }
+                del state_dict_of  # it may hold the gathered set (the EMA's): only `modules` keeps it now
+            if mine:
+                pipelines = {}  # one per sampler the prompts name, around the same modules
+                with isolated_randomness(runtime.device), trainer.precision.autocast():
+                    for i in mine:
+                        sampler = self.sampler_of(prompts[i])
+                        if sampler not in pipelines:
+                            pipelines[sampler] = self.pipeline(modules, sampler)
+                        images[s * len(prompts) + i] = png_bytes(self.generate(pipelines[sampler], prompts[i]))
+                del pipelines
+            del modules  # the gathered weights are freed before training (or the next set) goes on
+        images = gather_to_main(images, len(weight_sets) * len(prompts), runtime)
         self.sampled_steps.add(step)
         if not runtime.is_main:
             return []
         folder = self.output_dir / "samples" / f"step-{step}"
         folder.mkdir(parents=True, exist_ok=True)
         written = []
-        for i, data in sorted(images.items()):
-            path = folder / f"{i}-{slug(prompts[i].prompt)}.png"
+        for key, data in sorted(images.items()):
+            s, i = divmod(key, len(prompts))
+            path = folder / f"{i}-{slug(prompts[i].prompt)}{weight_sets[s][1]}.png"
             path.write_bytes(data)
             trainer.tracker.log_artifact(path, f"samples/step-{step}")
             written.append(path)
-        trainer.log(f"samples at step {step} ({'EMA' if use_ema else 'trained'} weights): {len(written)} images in "
+        names = " and ".join("EMA" if weights == "ema" else "trained" for weights, _ in weight_sets)
+        trainer.log(f"samples at step {step} ({names} weights): {len(written)} images in "
                     f"{folder} ({time.perf_counter() - started:.1f}s)")
         return written
 
-    def pipeline(self, modules: dict[str, torch.nn.Module]):
-        """The family's sampling pipeline: the gathered copies of the trained modules, the shared frozen
-        ones, a fresh scheduler of the configured kind (the pipeline adjusts its scheduler's config)."""
-        import diffusers
+    def sampler_of(self, prompt: SamplePrompt) -> str:
+        """The sampler name a prompt samples with: its own, else sampling.sampler; auto = the family's first."""
+        return self.resolved(self.settings.sampler if prompt.sampler is None else prompt.sampler)
 
+    def resolved(self, sampler: str) -> str:
+        return self.model.family.samplers[0] if sampler == "auto" else sampler
+
+    def pipeline(self, modules: dict[str, torch.nn.Module], sampler: str | None = None):
+        """The family's sampling pipeline: the gathered copies of the trained modules, the shared frozen
+        ones, a fresh scheduler of the `sampler` kind (None: sampling.sampler; the pipeline adjusts its
+        scheduler's config)."""
         components = {**self.model.pipeline.components, **modules}
         family = self.model.family
-        sampler = family.samplers[0] if self.settings.sampler == "auto" else self.settings.sampler
-        scheduler_cls = getattr(diffusers, SAMPLERS[sampler])
-        # The model's own scheduler config (its betas, spacing, offsets, shift), with what training predicts.
-        scheduler_config = {**self.model.pipeline.scheduler.config, **family.sampling_overrides(self.model.objective)}
-        components["scheduler"] = scheduler_cls.from_config(scheduler_config)
+        components["scheduler"] = self.scheduler(self.resolved(self.settings.sampler if sampler is None else sampler))
         pipeline = family.sampling_pipeline(components, self.model.pipeline)
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
+
+    def scheduler(self, sampler: str):
+        """A scheduler of `sampler`'s kind on the model's own scheduler config (its betas, spacing, offsets,
+        shift), with what training predicts and what the sampler's name promises (Karras sigmas, SDE)."""
+        import diffusers
+
+        class_name, options = SAMPLERS[sampler]
+        config = {**self.model.pipeline.scheduler.config, **self.model.family.sampling_overrides(self.model.objective)}
+        return getattr(diffusers, class_name).from_config(config, **options)
 
     def generate(self, pipeline, prompt: SamplePrompt):
         arguments = dict(
@@ -128,7 +170,15 @@ class Sampler:
             generator=torch.Generator().manual_seed(prompt.seed),  # CPU: the same noise on any device
             output_type="pil",
         )
+        if prompt.guidance_rescale is not None and takes_guidance_rescale(pipeline):
+            # Set (0 too: it overrides the zero-terminal-SNR default); above 0 it was refused where not taken.
+            arguments["guidance_rescale"] = prompt.guidance_rescale
         return pipeline(**self.model.family.sampling_arguments(pipeline, arguments)).images[0]
+
+
+def takes_guidance_rescale(pipeline) -> bool:
+    """Whether a pipeline (or pipeline class) takes guidance_rescale: diffusers' SD / SDXL ones, but SD inpainting."""
+    return "guidance_rescale" in inspect.signature(pipeline.__call__).parameters
 
 
 def meta_structure(module: torch.nn.Module) -> torch.nn.Module:

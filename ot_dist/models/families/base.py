@@ -148,6 +148,9 @@ class Family:
 
     # -- sampling ---------------------------------------------------------------------------------------
     samplers: tuple[str, ...] = ("flow_euler",)  # sampling.sampler values that fit the objective; the first is auto
+    # Whether the sampling pipeline's call takes guidance_rescale (sampling.prompts[].guidance_rescale): diffusers'
+    # SD and SDXL pipelines do; SD3's, Flux's, Chroma's, PixArt's and Stable Cascade's do not.
+    sample_guidance_rescale: bool = False
 
     def sampling_overrides(self, objective: Objective) -> dict:
         """Scheduler config entries that make sampling match training (e.g. the prediction type)."""
@@ -178,13 +181,20 @@ class Family:
         force_zeros_for_empty_prompt); samples show what the model learnt: no safety checker, no watermark."""
         import inspect
 
-        pipeline_cls = self.pipeline_cls()
+        pipeline_cls = self.sampling_pipeline_cls(loaded_pipeline)
         accepted = inspect.signature(pipeline_cls.__init__).parameters
         options = {k: v for k, v in loaded_pipeline.config.items() if k in accepted and k not in components}
         options.update(requires_safety_checker=False, add_watermarker=False)
         if "safety_checker" in components:
             components = {**components, "safety_checker": None}
         return pipeline_cls(**{k: v for k, v in {**components, **options}.items() if k in accepted})
+
+    def sampling_pipeline_cls(self, loaded_pipeline):
+        """The pipeline class that samples: the family's text-to-image one, or its inpainting one for an inpainting
+        model (loaded as one: a 9-channel UNet cannot sample through the text-to-image pipeline)."""
+        if type(loaded_pipeline).__name__ == self.inpaint_pipeline_class:
+            return type(loaded_pipeline)
+        return self.pipeline_cls()
 
     def sampling_arguments(self, pipeline, arguments: dict) -> dict:
         """The keyword arguments of the sampling pipeline's call, from the generic ones (prompt, negative_prompt,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ot_dist.config.sampling import DDPM_SAMPLERS
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import DDPM
 from ot_dist.train.transfer import to_device
@@ -44,7 +45,7 @@ class PixArt(Family):
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": T5_SHARD_UNITS}
     pixel_multiple = 16  # VAE x8, 2x2 patches
     # PixArt ships DPMSolverMultistepScheduler (dpmpp_2m) for sampling; the DDPM samplers all fit.
-    samplers = ("dpmpp_2m", "ddim", "euler", "euler_a", "unipc")
+    samplers = ("dpmpp_2m", *(name for name in DDPM_SAMPLERS if name != "dpmpp_2m"))
     sample_guidance_scale = 4.5  # OneTrainer's and the PixArt pipelines' default
     lora_file_prefixes = None  # the diffusers layout: ComfyUI maps transformer.<diffusers module> for PixArt
     # ComfyUI's PixArt text encoder is T5-XXL alone: its LoRA modules are lora_te1_<T5 path> (comfy/lora.py)

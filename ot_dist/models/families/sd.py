@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ot_dist.config.sampling import DDPM_SAMPLERS
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY, Family
 from ot_dist.models.objectives import DDPM
 from ot_dist.train.transfer import to_device
@@ -86,7 +87,8 @@ class UNetFamily(Family):
         pipeline = with_prediction_type(pipeline, model_config.training_prediction_type())
         return with_zero_terminal_snr(pipeline) if model_config.zero_terminal_snr else pipeline
 
-    samplers = ("ddim", "euler", "euler_a", "dpmpp_2m", "unipc")
+    samplers = DDPM_SAMPLERS
+    sample_guidance_rescale = True  # StableDiffusionPipeline and the SDXL pipelines take guidance_rescale
 
     def sampling_overrides(self, objective: DDPM) -> dict:
         return {"prediction_type": objective.prediction_type}
@@ -98,6 +100,14 @@ class UNetFamily(Family):
         if pipeline.scheduler.config.get("rescale_betas_zero_snr") and "guidance_rescale" in inspect.signature(
                 pipeline.__call__).parameters:
             arguments.setdefault("guidance_rescale", ZERO_TERMINAL_SNR_GUIDANCE_RESCALE)
+        if type(pipeline).__name__ == self.inpaint_pipeline_class:
+            # An inpainting model samples as OneTrainer samples one (sample_inpainting off): the whole image repainted
+            # from pure noise, its conditioning a blank masked image (the pipeline zeroes the image under a full mask).
+            from PIL import Image
+
+            size = (arguments["width"], arguments["height"])
+            arguments.update(image=Image.new("RGB", size, (128, 128, 128)), mask_image=Image.new("L", size, 255),
+                             strength=1.0)
         return arguments
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
