@@ -199,7 +199,8 @@ def test_sample_prompt_lines(tmp_path):
     assert parse_prompt_line(line) == {"prompt": "masterpiece, a girl", "negative_prompt": "low quality, blurry",
                                        "width": 772, "height": 1024, "sample_steps": 28, "scale": 6.5, "seed": 42}
     images(tmp_path / "d" / "1_x", 1)
-    (tmp_path / "prompts.txt").write_text(f"# a comment\n{line}\n\na dog --zz 3\n", encoding="utf-8")
+    (tmp_path / "prompts.txt").write_text(f"# a comment\n{line}\n\na dog --zz 3 --ss dpmsolver++\na cat --ss heun\n",
+                                          encoding="utf-8")
     config, _, err = imported(tmp_path, minimal(tmp_path) + f"""network_module = "networks.lora"
 sample_prompts = "{tmp_path / 'prompts.txt'}"
 sample_every_n_steps = 100
@@ -208,9 +209,12 @@ sample_sampler = "k_euler_a"
     assert config["sampling"] == {
         "prompts": [{"prompt": "masterpiece, a girl", "width": 768, "height": 1024, "steps": 28, "guidance_scale": 6.5,
                      "negative_prompt": "low quality, blurry", "seed": 42},
-                    {"prompt": "a dog", "width": 512, "height": 512, "steps": 30, "guidance_scale": 7.5}],
+                    {"prompt": "a dog", "width": 512, "height": 512, "steps": 30, "guidance_scale": 7.5,
+                     "sampler": "dpmpp_2m"},  # a prompt's own --ss
+                    {"prompt": "a cat", "width": 512, "height": 512, "steps": 30, "guidance_scale": 7.5}],
         "at_end": False, "every_n_steps": 100, "sampler": "euler_a"}
     assert "sample_prompts[1] --zz 3: not an option" in err
+    assert "sampling.prompts[2] --ss heun is not an ot_dist sampler" in err
 
 
 def test_saved_command_line_wins_over_the_toml(tmp_path):

@@ -89,10 +89,17 @@ def import_samples(args: KohyaArgs, c: dict, prompts_path: str | None, out: Impo
     else:
         skip(f"sample_sampler: {sampler} is not an ot_dist sampler (ddim, euler, euler_a, dpmsolver++ as dpmpp_2m); "
              "ddim is used")
-    chosen = {str(p.pop("_sampler")) for p in prompts if "_sampler" in p}
-    if chosen:
-        skip(f"sample_prompts --ss {', '.join(sorted(chosen))}: ot_dist samples every prompt with one sampler "
-             f"(sampling.sampler)")
+    for i, prompt in enumerate(prompts):  # a prompt's own --ss: its `sampler`
+        own = prompt.pop("_sampler", None)
+        if own is None:
+            continue
+        if family in ("flux", "sd3"):
+            out.notes.append(f"sampling.prompts[{i}] --ss {own}: kohya's {family} samples with its flow-matching "
+                             "Euler sampler, as ot_dist's flow_euler")
+        elif own in SAMPLERS:
+            prompt["sampler"] = SAMPLERS[own]
+        else:
+            skip(f"sampling.prompts[{i}] --ss {own} is not an ot_dist sampler; the run's sampler is used")
     c["sampling"] = sampling
 
 
@@ -122,7 +129,7 @@ def _prompt(raw: dict, family: str, label: str, out: Imported) -> dict | None:
     else:
         out.notes.append(f"{label}: no --d seed (kohya draws one each time); ot_dist samples with seed 42")
     if raw.get("sample_sampler"):
-        prompt["_sampler"] = raw["sample_sampler"]
+        prompt["_sampler"] = str(raw["sample_sampler"]).lower()
     for option in raw.get("unknown", []) + [f"{k}" for k in raw if k not in (*OPTIONS.values(), "prompt", "unknown")]:
         skip(f"{label} {option}: not an option ot_dist samples with")
     return prompt
