@@ -1,7 +1,7 @@
 """`ot-dist import kohya`: a kohya sd-scripts training setup (the arguments of train_network.py,
-sdxl_train_network.py, sdxl_train.py, train_db.py, flux_train_network.py or sd3_train_network.py as a `--config_file`
-TOML and / or a saved command line, with the dataset TOML or a DreamBooth `--train_data_dir`) as an ot_dist config
-that validates.
+sdxl_train_network.py, sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py or sd3_train_network.py as a
+`--config_file` TOML and / or a saved command line, with the dataset TOML, a DreamBooth `--train_data_dir` or a
+fine-tuning `--in_json`) as an ot_dist config that validates.
 
 Every argument the setup sets either maps to an ot_dist key with the same meaning, is noted as one that changes
 nothing ot_dist trains (attention kernels, loader workers, logging), or is listed with the reason it is not honoured,
@@ -27,7 +27,7 @@ from ot_dist.migrate.kohya_optim import import_optimizer, import_scheduler
 from ot_dist.migrate.kohya_samples import import_samples
 
 SCRIPTS = {  # kohya script -> (family, None: sd1 or sd2 by --v2; method)
-    "train_network.py": (None, "lora"), "train_db.py": (None, "full"),
+    "train_network.py": (None, "lora"), "train_db.py": (None, "full"), "fine_tune.py": (None, "full"),
     "sdxl_train_network.py": ("sdxl", "lora"), "sdxl_train.py": ("sdxl", "full"),
     "flux_train_network.py": ("flux", "lora"), "sd3_train_network.py": ("sd3", "lora"),
 }
@@ -83,7 +83,8 @@ ORIGINS = {
 
 
 def import_kohya(config_file: str | None = None, command: str | None = None, script: str | None = None,
-                 dataset_config: str | None = None, sample_prompts: str | None = None) -> Imported:
+                 dataset_config: str | None = None, sample_prompts: str | None = None,
+                 captions_folder: str | None = None) -> Imported:
     args = read_args(config_file, command, script)
     out = Imported({}, origins=dict(ORIGINS))
     c = out.config
@@ -115,7 +116,7 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     import_optimizer(args, c, out)
     import_scheduler(args, c, out)
     import_loss(args, c, family, out)
-    import_dataset(args, c, family, dataset_config, out)
+    import_dataset(args, c, family, dataset_config, out, captions_folder)
     import_samples(args, c, sample_prompts, out)
     _saves(args, c, out)
     _left_over(args, out)
@@ -210,7 +211,8 @@ def _clip_skip(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
 
 def _full_text_encoders(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
     """train_db.py trains the text encoder unless stop_text_encoder_training is negative (until that step when set);
-    sdxl_train.py trains both only with --train_text_encoder (a learning rate of 0 freezes one)."""
+    sdxl_train.py trains both only with --train_text_encoder (a learning rate of 0 freezes one); fine_tune.py trains
+    it only with --train_text_encoder, at learning_rate_te (else learning_rate)."""
     if family == "sdxl":
         lrs = {"text_encoder": args["learning_rate_te1"], "text_encoder_2": args["learning_rate_te2"]}
         if not args["train_text_encoder"]:
@@ -219,6 +221,11 @@ def _full_text_encoders(args: KohyaArgs, c: dict, family: str, out: Imported) ->
             if lr == 0:
                 continue
             c[part] = {"train": True} | ({"learning_rate": lr} if lr else {})
+        return
+    if args.script == "fine_tune.py":
+        if args["train_text_encoder"]:
+            c["text_encoder"] = {"train": True} | ({"learning_rate": args["learning_rate_te"]}
+                                                   if args["learning_rate_te"] is not None else {})
         return
     stop, lr = args["stop_text_encoder_training"], args["learning_rate_te"]
     if stop is not None and stop < 0:
