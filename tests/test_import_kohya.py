@@ -510,3 +510,40 @@ def test_fine_tune_script(tmp_path):
     code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "fine_tune.py",
                            "--out", tmp_path / "x.yaml")
     assert code == 2 and "fine_tune.py trains a fine-tuning dataset only" in err
+
+
+def test_textual_inversion(tmp_path):
+    """kohya's train_textual_inversion.py / sdxl_train_textual_inversion.py (docs/train_textual_inversion.md):
+    --token_string is the new word (the output file's name when output_name is not set), --num_vectors_per_token its
+    vectors, --init_word the text whose token embeddings start them: ot_dist's method embedding with token, vectors and
+    init_text. Templates (captions replaced by kohya's built-in ones) and --weights (continue from a file) are refused
+    by name; no init_word is listed (kohya starts from the new rows the text encoder's resize adds)."""
+    images(tmp_path / "d" / "5_mychar", 1)
+    common = minimal(tmp_path) + 'token_string = "mychar"\n'
+    config, text, err = imported(tmp_path, common + 'init_word = "girl"\nnum_vectors_per_token = 4\n'
+                                 'mixed_precision = "bf16"\ncache_latents = true\n', "--script",
+                                 "sdxl_train_textual_inversion.py")
+    assert config["method"] == "embedding" and config["model"]["family"] == "sdxl"
+    assert config["embedding"] == {"token": "mychar", "vectors": 4, "init_text": "girl"}
+    assert config["output_dir"] == "o/mychar" and "text_encoder" not in config and "lora" not in config
+    assert "not honoured:" not in err and config["data"]["cache_latents"] is True
+    (tmp_path / "ok.yaml").write_text(text, encoding="utf-8")
+    assert load_config(tmp_path / "ok.yaml").embedding.vectors == 4
+    config, _, err = imported(tmp_path, common, "--script", "train_textual_inversion.py")
+    assert config["embedding"] == {"token": "mychar", "vectors": 1, "init_text": "*"}
+    assert "init_word: not set" in err
+    for extra, message in (("use_object_template = true\n", "use_object_template: kohya ignores the captions"),
+                           ("use_style_template = true\n", "use_style_template: kohya ignores the captions"),
+                           ('weights = "old.safetensors"\n', "weights: old.safetensors: continuing"),
+                           ('token_string = ""\n', "token_string: not set")):
+        (tmp_path / "args.toml").write_text(minimal(tmp_path) + extra + ("" if "token_string" in extra else
+                                                                        'token_string = "mychar"\n'), encoding="utf-8")
+        code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_textual_inversion.py",
+                               "--out", tmp_path / "x.yaml")
+        assert code == 2 and message in err and not (tmp_path / "x.yaml").exists()
+    # ot_dist's lower-case rule for several vectors names kohya's argument
+    (tmp_path / "args.toml").write_text(minimal(tmp_path) + 'token_string = "MyChar"\nnum_vectors_per_token = 2\n',
+                                        encoding="utf-8")
+    code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_textual_inversion.py",
+                           "--out", tmp_path / "x.yaml")
+    assert code == 2 and "embedding" in err and "token_string" in err

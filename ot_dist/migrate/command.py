@@ -23,7 +23,7 @@ def add_import_parser(sub) -> None:
                     "sdxl_train_network.py --network_dim 16 ...`); its arguments win over --config_file's, as in kohya")
     ko.add_argument("--script", default=None, help="the kohya script the setup runs (train_network.py, "
                     "sdxl_train_network.py, sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, "
-                    "sd3_train_network.py); "
+                    "sd3_train_network.py, train_textual_inversion.py, sdxl_train_textual_inversion.py); "
                     "default: the one --command_line names")
     ko.add_argument("--dataset_config", default=None, help="the dataset TOML (default: the arguments' dataset_config)")
     ko.add_argument("--sample_prompts", default=None, help="the sample prompts file (default: the arguments' "

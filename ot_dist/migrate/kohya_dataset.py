@@ -302,9 +302,10 @@ def _caches(args: KohyaArgs, c: dict, out: Imported) -> None:
             data["cache_latents"] = True
     if args["cache_text_encoder_outputs"]:
         trained = [p for p in ("text_encoder", "text_encoder_2", "text_encoder_3") if c.get(p, {}).get("train")]
-        if trained or any(e.get(k) for e in data["concepts"] for k in ("tag_shuffling", "tag_dropout_probability",
-                                                                      "caption_dropout_probability",
-                                                                      "caption_dropout_every_n_epochs")):
-            out.notes.append("cache_text_encoder_outputs: off (text encoders trained, or captions change per epoch)")
+        changing = ("tag_shuffling", "tag_dropout_probability", "caption_dropout_probability",
+                    "caption_dropout_every_n_epochs")
+        if trained or c["method"] == "embedding" or any(e.get(k) for e in data["concepts"] for k in changing):
+            out.notes.append("cache_text_encoder_outputs: off (text encoders or an embedding trained, or captions "
+                             "change per epoch)")
         else:
             data["cache_text"] = True
