@@ -418,7 +418,7 @@ def test_finetuning_metadata_json_becomes_a_folder_of_captions(tmp_path):
     once the config validates; the user's image folder is not changed."""
     import json
 
-    data = images(tmp_path / "train", 3)
+    data = images(tmp_path / "d", 3)  # minimal()'s train_data_dir
     (data / "1.webp").write_bytes(b"")  # not an image of the metadata: the key "1" is 1.png, found by extension
     (tmp_path / "meta.json").write_text(json.dumps({
         "0": {"caption": "a cat on a bed", "tags": "cat, bed", "train_resolution": [512, 512]},
@@ -428,15 +428,8 @@ def test_finetuning_metadata_json_becomes_a_folder_of_captions(tmp_path):
     }), encoding="utf-8")
     before = sorted(p.name for p in data.iterdir())
     captions = tmp_path / "captions"
-    config, text, err = imported(tmp_path, f"""
-pretrained_model_name_or_path = "m"
-output_dir = "o"
-in_json = "{tmp_path / 'meta.json'}"
-train_data_dir = "{data}"
-dataset_repeats = 4
-resolution = 1024
-enable_bucket = true
-""", "--script", "sdxl_train.py", "--captions_folder", captions)
+    config, text, err = imported(tmp_path, minimal(tmp_path, 1024) + f'in_json = "{tmp_path / "meta.json"}"\n'
+                                 "dataset_repeats = 4\n", "--script", "sdxl_train.py", "--captions_folder", captions)
     folder = captions / "0_meta"
     assert config["data"]["concepts"] == [{"path": str(folder), "caption_extension": ".txt", "balancing": 4}]
     written = {p.name: p.read_text(encoding="utf-8") for p in folder.glob("*.txt")}
