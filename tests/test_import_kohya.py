@@ -411,3 +411,136 @@ scale = 5.0
          "negative_prompt": "blurry"}]
     (tmp_path / "p.json").write_text('[{"prompt": "a cat", "seed": 3}, "a dog --d 4"]', encoding="utf-8")
     assert read_prompts(tmp_path / "p.json") == [{"prompt": "a cat", "seed": 3}, {"prompt": "a dog", "seed": 4}]
+
+
+def test_finetuning_metadata_json_becomes_a_folder_of_captions(tmp_path):
+    """kohya's fine-tuning dataset (sdxl_train.py --in_json with --train_data_dir, kohya's fine_tune docs): the
+    metadata JSON made by finetune/merge_captions_to_metadata.py and merge_dd_tags_to_metadata.py maps each image's
+    key (its file name without extension unless --full_path, relative to train_data_dir) to a `caption` and `tags`;
+    kohya trains the caption, caption_separator (default ","), then the tags; --dataset_repeats repeats every image.
+    ot_dist reads a caption file beside each image, so the import writes links and captions into --captions_folder,
+    once the config validates; the user's image folder is not changed."""
+    import json
+
+    data = images(tmp_path / "d", 3)  # minimal()'s train_data_dir
+    (data / "1.webp").write_bytes(b"")  # not an image of the metadata: the key "1" is 1.png, found by extension
+    (tmp_path / "meta.json").write_text(json.dumps({
+        "0": {"caption": "a cat on a bed", "tags": "cat, bed", "train_resolution": [512, 512]},
+        "1": {"tags": "cat, outdoors"},                          # tags only: the tags
+        str(data / "2.png"): {"caption": "a red square"},         # a --full_path key
+        "gone": {"caption": "no such image"},                    # kohya trains it from its latent cache only
+    }), encoding="utf-8")
+    before = sorted(p.name for p in data.iterdir())
+    captions = tmp_path / "captions"
+    config, text, err = imported(tmp_path, minimal(tmp_path, 1024) + f'in_json = "{tmp_path / "meta.json"}"\n'
+                                 "dataset_repeats = 4\n", "--script", "sdxl_train.py", "--captions_folder", captions)
+    folder = captions / "0_meta"
+    assert config["data"]["concepts"] == [{"path": str(folder), "caption_extension": ".txt", "balancing": 4}]
+    written = {p.name: p.read_text(encoding="utf-8") for p in folder.glob("*.txt")}
+    assert written == {"0.txt": "a cat on a bed,cat, bed", "1.txt": "cat, outdoors", "2.txt": "a red square"}
+    assert all((folder / f"{i}.png").resolve() == (data / f"{i}.png").resolve() for i in range(3))
+    assert "1 of 4 images of meta.json are not found here (gone" in err
+    assert sorted(p.name for p in data.iterdir()) == before
+    (tmp_path / "ok.yaml").write_text(text, encoding="utf-8")
+    load_config(tmp_path / "ok.yaml")
+    # what ot_dist will train: the images' captions read from the folder, as kohya joins them
+    from ot_dist.config.schema import ConceptConfig
+    from ot_dist.data.concepts import list_images, read_caption
+
+    concept = ConceptConfig(**config["data"]["concepts"][0])
+    assert {p.name: read_caption(concept, p) for p in list_images(str(folder), concept)} == {
+        "0.png": "a cat on a bed,cat, bed", "1.png": "cat, outdoors", "2.png": "a red square"}
+
+
+def test_finetuning_subset_of_a_dataset_toml_and_without_a_captions_folder(tmp_path):
+    """A dataset TOML subset with metadata_file (kohya's config_README: a fine-tuning subset; image_dir optional when
+    the keys are absolute) in kohya's JSONL form (image_path, caption, tags). With enable_wildcard every line of the
+    caption gets the tags. Without --captions_folder nothing is written: the subset is refused naming the option."""
+    import json
+
+    data = images(tmp_path / "img", 1)
+    (tmp_path / "m.jsonl").write_text(json.dumps({"image_path": str(data / "0.png"), "caption": "a cat\nthe cat",
+                                                  "tags": "sitting"}) + "\n", encoding="utf-8")
+    (tmp_path / "data.toml").write_text(f"""
+[general]
+caption_separator = "; "
+enable_wildcard = true
+[[datasets]]
+resolution = 512
+[[datasets.subsets]]
+metadata_file = "{tmp_path / 'm.jsonl'}"
+num_repeats = 2
+""", encoding="utf-8")
+    args = 'pretrained_model_name_or_path = "m"\noutput_dir = "o"\nnetwork_module = "networks.lora"\n'
+    config, _, _ = imported(tmp_path, args, "--script", "train_network.py", "--dataset_config", tmp_path / "data.toml",
+                            "--captions_folder", tmp_path / "c")
+    assert config["data"]["concepts"][0]["balancing"] == 2
+    assert (tmp_path / "c" / "0_m" / "0.txt").read_text(encoding="utf-8") == "a cat; sitting\nthe cat; sitting"
+    (tmp_path / "args.toml").write_text(args, encoding="utf-8")
+    code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_network.py",
+                           "--dataset_config", tmp_path / "data.toml", "--out", tmp_path / "x.yaml")
+    assert code == 2 and "--captions_folder DIR" in err and not (tmp_path / "x.yaml").exists()
+    # a config that does not validate writes no caption folder either
+    (tmp_path / "args.toml").write_text(args + "bucket_reso_steps = 60\n", encoding="utf-8")
+    code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_network.py",
+                           "--dataset_config", tmp_path / "data.toml", "--captions_folder", tmp_path / "c2",
+                           "--out", tmp_path / "x.yaml")
+    assert code == 2 and "bucket_step" in err and not (tmp_path / "c2").exists()
+
+
+def test_fine_tune_script(tmp_path):
+    """fine_tune.py (SD 1.x / 2.x) trains the whole UNet, and the text encoder only with --train_text_encoder, at
+    --learning_rate_te when given; it reads only fine-tuning datasets (kohya's ConfigSanitizer without DreamBooth)."""
+    import json
+
+    data = images(tmp_path / "train", 1)
+    (tmp_path / "meta.json").write_text(json.dumps({"0": {"caption": "a cat"}}), encoding="utf-8")
+    common = f'pretrained_model_name_or_path = "m"\noutput_dir = "o"\ntrain_data_dir = "{data}"\nresolution = 512\n'
+    json_args = f'in_json = "{tmp_path / "meta.json"}"\n'
+    config, _, _ = imported(tmp_path, common + json_args + "train_text_encoder = true\nlearning_rate_te = 1e-6\n",
+                            "--script", "fine_tune.py", "--captions_folder", tmp_path / "c")
+    assert config["method"] == "full" and config["text_encoder"] == {"train": True, "learning_rate": 1e-6}
+    config, _, _ = imported(tmp_path, common + json_args, "--script", "fine_tune.py", "--captions_folder",
+                            tmp_path / "c2")
+    assert "text_encoder" not in config
+    (tmp_path / "args.toml").write_text(common, encoding="utf-8")
+    code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "fine_tune.py",
+                           "--out", tmp_path / "x.yaml")
+    assert code == 2 and "fine_tune.py trains a fine-tuning dataset only" in err
+
+
+def test_textual_inversion(tmp_path):
+    """kohya's train_textual_inversion.py / sdxl_train_textual_inversion.py (docs/train_textual_inversion.md):
+    --token_string is the new word (the output file's name when output_name is not set), --num_vectors_per_token its
+    vectors, --init_word the text whose token embeddings start them: ot_dist's method embedding with token, vectors and
+    init_text. Templates (captions replaced by kohya's built-in ones) and --weights (continue from a file) are refused
+    by name; no init_word is listed (kohya starts from the new rows the text encoder's resize adds)."""
+    images(tmp_path / "d" / "5_mychar", 1)
+    common = minimal(tmp_path) + 'token_string = "mychar"\n'
+    config, text, err = imported(tmp_path, common + 'init_word = "girl"\nnum_vectors_per_token = 4\n'
+                                 'mixed_precision = "bf16"\ncache_latents = true\n', "--script",
+                                 "sdxl_train_textual_inversion.py")
+    assert config["method"] == "embedding" and config["model"]["family"] == "sdxl"
+    assert config["embedding"] == {"token": "mychar", "vectors": 4, "init_text": "girl"}
+    assert config["output_dir"] == "o/mychar" and "text_encoder" not in config and "lora" not in config
+    assert "not honoured:" not in err and config["data"]["cache_latents"] is True
+    (tmp_path / "ok.yaml").write_text(text, encoding="utf-8")
+    assert load_config(tmp_path / "ok.yaml").embedding.vectors == 4
+    config, _, err = imported(tmp_path, common, "--script", "train_textual_inversion.py")
+    assert config["embedding"] == {"token": "mychar", "vectors": 1, "init_text": "*"}
+    assert "init_word: not set" in err
+    for extra, message in (("use_object_template = true\n", "use_object_template: kohya ignores the captions"),
+                           ("use_style_template = true\n", "use_style_template: kohya ignores the captions"),
+                           ('weights = "old.safetensors"\n', "weights: old.safetensors: continuing"),
+                           ('token_string = ""\n', "token_string: not set")):
+        (tmp_path / "args.toml").write_text(minimal(tmp_path) + extra + ("" if "token_string" in extra else
+                                                                        'token_string = "mychar"\n'), encoding="utf-8")
+        code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_textual_inversion.py",
+                               "--out", tmp_path / "x.yaml")
+        assert code == 2 and message in err and not (tmp_path / "x.yaml").exists()
+    # ot_dist's lower-case rule for several vectors names kohya's argument
+    (tmp_path / "args.toml").write_text(minimal(tmp_path) + 'token_string = "MyChar"\nnum_vectors_per_token = 2\n',
+                                        encoding="utf-8")
+    code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_textual_inversion.py",
+                           "--out", tmp_path / "x.yaml")
+    assert code == 2 and "embedding" in err and "token_string" in err

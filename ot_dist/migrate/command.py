@@ -22,11 +22,15 @@ def add_import_parser(sub) -> None:
     ko.add_argument("--command_line", default=None, help="a file holding the saved command line (`accelerate launch ... "
                     "sdxl_train_network.py --network_dim 16 ...`); its arguments win over --config_file's, as in kohya")
     ko.add_argument("--script", default=None, help="the kohya script the setup runs (train_network.py, "
-                    "sdxl_train_network.py, sdxl_train.py, train_db.py, flux_train_network.py, sd3_train_network.py); "
+                    "sdxl_train_network.py, sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, "
+                    "sd3_train_network.py, train_textual_inversion.py, sdxl_train_textual_inversion.py); "
                     "default: the one --command_line names")
     ko.add_argument("--dataset_config", default=None, help="the dataset TOML (default: the arguments' dataset_config)")
     ko.add_argument("--sample_prompts", default=None, help="the sample prompts file (default: the arguments' "
                     "sample_prompts)")
+    ko.add_argument("--captions_folder", default=None, help="a new folder for a fine-tuning dataset's captions "
+                    "(--in_json / metadata_file): a link to each image and its caption beside it (ot_dist reads a "
+                    "caption file per image; the image folder is not touched)")
     _output(ko)
 
 
@@ -41,7 +45,8 @@ def run_import(args: argparse.Namespace) -> int:
     if args.import_source == "kohya":
         from ot_dist.migrate.kohya import import_kohya
 
-        imported = import_kohya(args.config_file, args.command_line, args.script, args.dataset_config, args.sample_prompts)
+        imported = import_kohya(args.config_file, args.command_line, args.script, args.dataset_config,
+                                args.sample_prompts, captions_folder=args.captions_folder)
         write_imported(imported, Path(args.out), args.force, "kohya arguments")
         return 0
     from ot_dist.migrate.onetrainer import import_onetrainer

@@ -10,6 +10,7 @@ import tomllib
 import re
 import sys
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path, PureWindowsPath
 
 from ot_dist.errors import ConfigError, InputFileError
@@ -22,6 +23,8 @@ class Imported:
     notes: list[str] = field(default_factory=list)  # mapped, but worth knowing
     # ot_dist key (or the section above it) -> the other trainer's setting it came from, named in validation errors
     origins: dict[str, str] = field(default_factory=dict)
+    # files the config needs beside it (kohya's fine-tuning captions), written once it validates
+    after_validation: list[Callable[[], None]] = field(default_factory=list)
 
 
 WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
@@ -97,6 +100,8 @@ def write_imported(imported: Imported, out: Path, force: bool, what: str) -> Non
         validate(imported.config)  # what is written is a config ot_dist accepts, or nothing is written
     except ConfigError as err:
         raise ConfigError(with_origins(str(err), imported.origins)) from None
+    for write in imported.after_validation:
+        write()
     header = [f"# {line}" for line in imported.notes]
     if imported.not_honoured:
         header.append(f"# NOT HONOURED ({what} this config does not reproduce):")

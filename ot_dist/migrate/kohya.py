@@ -1,17 +1,18 @@
-"""`ot-dist import kohya`: a kohya sd-scripts training setup (the arguments of train_network.py,
-sdxl_train_network.py, sdxl_train.py, train_db.py, flux_train_network.py or sd3_train_network.py as a `--config_file`
-TOML and / or a saved command line, with the dataset TOML or a DreamBooth `--train_data_dir`) as an ot_dist config
-that validates.
+"""`ot-dist import kohya`: a kohya sd-scripts training setup (the arguments of train_network.py, sdxl_train_network.py,
+sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, sd3_train_network.py or the textual-inversion scripts
+as a `--config_file` TOML and / or a saved command line, with the dataset TOML, a DreamBooth `--train_data_dir` or a
+fine-tuning `--in_json`) as an ot_dist config that validates.
 
-Every argument the setup sets either maps to an ot_dist key with the same meaning, is noted as one that changes
-nothing ot_dist trains (attention kernels, loader workers, logging), or is listed with the reason it is not honoured,
-in the written file and on stderr: `KohyaArgs` remembers what the sections read, and whatever is left is listed.
-Where kohya's default differs from ot_dist's (bucket step 64, caption extension .caption, Flux's training guidance
-3.5, SD3's unshifted timesteps, Prodigy's slice_p 1, Adafactor's relative step) kohya's value is written.
+Every argument the setup sets either maps to an ot_dist key with the same meaning, is noted as one that changes nothing
+ot_dist trains (attention kernels, loader workers, logging), or is listed with the reason it is not honoured, in the
+written file and on stderr: `KohyaArgs` remembers what the sections read, and whatever is left is listed. Where kohya's
+default differs from ot_dist's (bucket step 64, caption extension .caption, Flux's training guidance 3.5, SD3's
+unshifted timesteps, Prodigy's slice_p 1, Adafactor's relative step) kohya's value is written.
 
 This module drives the import and maps the script (family, method), the model, the precision, the run's length and
 saves; the other groups have their own modules: kohya_network (LoRA), kohya_optim, kohya_loss, kohya_dataset,
-kohya_samples; kohya_args reads the arguments, kohya_defaults holds kohya's defaults."""
+kohya_samples, kohya_metadata (fine-tuning captions), kohya_embedding (textual inversion); kohya_args reads the
+arguments, kohya_defaults holds kohya's defaults."""
 
 from __future__ import annotations
 
@@ -21,15 +22,17 @@ from ot_dist.errors import ConfigError
 from ot_dist.migrate.common import Imported, local_path, note_local_model
 from ot_dist.migrate.kohya_args import KohyaArgs, read_args
 from ot_dist.migrate.kohya_dataset import import_dataset
+from ot_dist.migrate.kohya_embedding import import_embedding
 from ot_dist.migrate.kohya_loss import import_loss
 from ot_dist.migrate.kohya_network import import_network
 from ot_dist.migrate.kohya_optim import import_optimizer, import_scheduler
 from ot_dist.migrate.kohya_samples import import_samples
 
 SCRIPTS = {  # kohya script -> (family, None: sd1 or sd2 by --v2; method)
-    "train_network.py": (None, "lora"), "train_db.py": (None, "full"),
+    "train_network.py": (None, "lora"), "train_db.py": (None, "full"), "fine_tune.py": (None, "full"),
     "sdxl_train_network.py": ("sdxl", "lora"), "sdxl_train.py": ("sdxl", "full"),
     "flux_train_network.py": ("flux", "lora"), "sd3_train_network.py": ("sd3", "lora"),
+    "train_textual_inversion.py": (None, "embedding"), "sdxl_train_textual_inversion.py": ("sdxl", "embedding"),
 }
 PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SAVE_PRECISION = {"float": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -75,7 +78,9 @@ ORIGINS = {
     "loss.min_snr_gamma": "min_snr_gamma", "loss.min_timestep": "min_timestep", "loss.max_timestep": "max_timestep",
     "loss.timestep_shift": "discrete_flow_shift / training_shift", "loss.logit_normal_mean": "logit_mean",
     "loss.logit_normal_std": "sigmoid_scale / logit_std", "loss.noising_weight": "mode_scale",
-    "resolution": "resolution", "batch_size": "train_batch_size / batch_size", "data.bucket_step": "bucket_reso_steps",
+    "embedding.token": "token_string", "embedding.vectors": "num_vectors_per_token",
+    "embedding.init_text": "init_word", "resolution": "resolution", "batch_size": "train_batch_size / batch_size",
+    "data.bucket_step": "bucket_reso_steps",
     "checkpoint.every_n_steps": "save_every_n_steps", "checkpoint.every_n_epochs": "save_every_n_epochs",
     "checkpoint.keep_last": "save_last_n_epochs / save_last_n_steps", "sampling": "sample_prompts",
     "sampling.every_n_steps": "sample_every_n_steps", "sampling.every_n_epochs": "sample_every_n_epochs",
@@ -83,7 +88,8 @@ ORIGINS = {
 
 
 def import_kohya(config_file: str | None = None, command: str | None = None, script: str | None = None,
-                 dataset_config: str | None = None, sample_prompts: str | None = None) -> Imported:
+                 dataset_config: str | None = None, sample_prompts: str | None = None,
+                 captions_folder: str | None = None) -> Imported:
     args = read_args(config_file, command, script)
     out = Imported({}, origins=dict(ORIGINS))
     c = out.config
@@ -110,12 +116,14 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     _clip_skip(args, c, family, out)
     if method == "lora":
         import_network(args, c, family, out)
+    elif method == "embedding":
+        import_embedding(args, c, out)
     else:
         _full_text_encoders(args, c, family, out)
     import_optimizer(args, c, out)
     import_scheduler(args, c, out)
     import_loss(args, c, family, out)
-    import_dataset(args, c, family, dataset_config, out)
+    import_dataset(args, c, family, dataset_config, out, captions_folder)
     import_samples(args, c, sample_prompts, out)
     _saves(args, c, out)
     _left_over(args, out)
@@ -147,7 +155,7 @@ def _output(args: KohyaArgs, c: dict, out: Imported) -> None:
     if not args["output_dir"]:
         raise ConfigError("output_dir: not set (where kohya writes the trained file)")
     output_dir = Path(local_path(str(args["output_dir"]), "output_dir", out))
-    name = args["output_name"]
+    name = args["output_name"] or (args["token_string"] if "textual_inversion" in args.script else None)
     c["output_dir"] = str(output_dir / str(name)) if name else str(output_dir)
     c["mlflow"] = {"run_name": str(name) if name else output_dir.name}
     out.notes.append(f"output_dir / output_name -> output_dir {c['output_dir']} (ot_dist writes model/, "
@@ -210,7 +218,8 @@ def _clip_skip(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
 
 def _full_text_encoders(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
     """train_db.py trains the text encoder unless stop_text_encoder_training is negative (until that step when set);
-    sdxl_train.py trains both only with --train_text_encoder (a learning rate of 0 freezes one)."""
+    sdxl_train.py trains both only with --train_text_encoder (a learning rate of 0 freezes one); fine_tune.py trains
+    it only with --train_text_encoder, at learning_rate_te (else learning_rate)."""
     if family == "sdxl":
         lrs = {"text_encoder": args["learning_rate_te1"], "text_encoder_2": args["learning_rate_te2"]}
         if not args["train_text_encoder"]:
@@ -219,6 +228,11 @@ def _full_text_encoders(args: KohyaArgs, c: dict, family: str, out: Imported) ->
             if lr == 0:
                 continue
             c[part] = {"train": True} | ({"learning_rate": lr} if lr else {})
+        return
+    if args.script == "fine_tune.py":
+        if args["train_text_encoder"]:
+            c["text_encoder"] = {"train": True} | ({"learning_rate": args["learning_rate_te"]}
+                                                   if args["learning_rate_te"] is not None else {})
         return
     stop, lr = args["stop_text_encoder_training"], args["learning_rate_te"]
     if stop is not None and stop < 0:

@@ -17,6 +17,7 @@ from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate.common import Imported, local_path, read_toml
 from ot_dist.migrate.kohya_args import KohyaArgs
 from ot_dist.migrate.kohya_defaults import ARGS
+from ot_dist.migrate.kohya_metadata import finetuning_concept
 
 # The dataset and subset keys kohya's config_util reads, with the defaults of its *Params dataclasses where they are
 # not the training arguments' (argparse names differ for two: train_batch_size, dataset_repeats).
@@ -39,7 +40,7 @@ UNSUPPORTED = {
     "face_crop_aug_range": "crops around a face", "caption_suffix": "text after every caption",
     "token_warmup_step": "captions that grow over the first steps", "token_warmup_min": "captions that grow",
     "alpha_mask": "the image's alpha as the loss mask", "custom_attributes": "custom attributes",
-    "metadata_file": "captions from a fine-tuning metadata JSON", "conditioning_data_dir": "conditioning images",
+    "conditioning_data_dir": "conditioning images",
     "resize_interpolation": "the resize filter", "validation_split": "a validation split",
     "network_multiplier": "a LoRA multiplier per dataset", "bucket_no_upscale": "small images kept small (ot_dist "
     "scales every image to cover its bucket)",
@@ -62,7 +63,8 @@ class Lookup:
         return {**DATASET_DEFAULTS, **SUBSET_DEFAULTS}[key]
 
 
-def import_dataset(args: KohyaArgs, c: dict, family: str, dataset_config: str | None, out: Imported) -> None:
+def import_dataset(args: KohyaArgs, c: dict, family: str, dataset_config: str | None, out: Imported,
+                   captions_folder: str | None = None) -> None:
     skip = out.not_honoured.append
     path = args["dataset_config"]  # read either way: an option given here wins over it
     path = dataset_config or path
@@ -70,9 +72,16 @@ def import_dataset(args: KohyaArgs, c: dict, family: str, dataset_config: str | 
         toml = read_toml(Path(local_path(str(path), "dataset_config", out)), "dataset_config")
         general = toml.get("general", {})
         datasets = toml.get("datasets") or []
-        for key in ("train_data_dir", "reg_data_dir"):
+        for key in ("train_data_dir", "reg_data_dir", "in_json"):
             if args[key]:
                 out.notes.append(f"{key}: ignored, as kohya ignores it when dataset_config is given")
+    elif args["in_json"]:  # kohya's fine-tuning dataset: one subset, its images under train_data_dir
+        general, datasets = {}, [{"subsets": [{"image_dir": args["train_data_dir"], "metadata_file": args["in_json"]}]}]
+        if args["reg_data_dir"]:
+            out.not_honoured.append("reg_data_dir: kohya does not read it with in_json (a fine-tuning dataset)")
+    elif args.script == "fine_tune.py":
+        raise ConfigError("in_json: fine_tune.py trains a fine-tuning dataset only (the metadata JSON, or a "
+                          "dataset_config whose subsets have metadata_file)")
     elif args["train_data_dir"]:
         general, datasets = {}, [{"subsets": _dreambooth_folders(args, out)}]
     else:
@@ -94,7 +103,7 @@ def import_dataset(args: KohyaArgs, c: dict, family: str, dataset_config: str | 
     for d, subsets in enumerate(lookups):
         for s, sub in enumerate(subsets):
             label = f"datasets[{d}].subsets[{s}]"
-            entry, samples = _subset(sub, label, args, out)
+            entry, samples = _subset(sub, label, args, out, captions_folder, len(concepts))
             if entry is None:
                 continue
             out.origins[f"data.concepts[{len(concepts)}]"] = f"{label}, image_dir {entry['path']}"
@@ -105,7 +114,9 @@ def import_dataset(args: KohyaArgs, c: dict, family: str, dataset_config: str | 
                 train_samples += samples or 0
     _regularisation(regs, train_samples, args, out)
     if not any(e.get("type") != "prior_preservation" for e in concepts):
-        raise ConfigError("dataset: no training subset (only regularisation images)")
+        listed = [line for line in out.not_honoured if "metadata_file" in line]
+        raise ConfigError("dataset: no training subset (only regularisation images)" if not listed else
+                          f"dataset: no training subset: {listed[0]}")
     crops = {bool(sub["random_crop"]) for subsets in lookups for sub in subsets}
     c["data"]["concepts"] = concepts
     if True in crops:
@@ -170,26 +181,34 @@ def _dreambooth_folders(args: KohyaArgs, out: Imported) -> list[dict]:
     return subsets
 
 
-def _subset(sub: Lookup, label: str, args: KohyaArgs, out: Imported) -> tuple[dict | None, int | None]:
+def _subset(sub: Lookup, label: str, args: KohyaArgs, out: Imported, captions_folder: str | None,
+            index: int) -> tuple[dict | None, int | None]:
     """The concept of one subset, and its samples per epoch (images x repeats; None when its folder is not here)."""
     skip = out.not_honoured.append
-    if not sub["image_dir"]:
-        skip(f"{label}: no image_dir (a fine-tuning subset with metadata_file only) is not supported")
-        return None, None
-    repeats = sub["num_repeats"]
+    finetuning = bool(sub["metadata_file"])  # kohya: a subset with metadata_file is a fine-tuning one
+    if not finetuning and not sub["image_dir"]:
+        raise ConfigError(f"{label}: no image_dir and no metadata_file (kohya needs one)")
+    repeats = sub["num_repeats"]  # a fine-tuning dataset's from --dataset_repeats (kohya's argparse name)
     if repeats < 1:
         out.notes.append(f"{label}: num_repeats {repeats}: kohya ignores the subset, so does this import")
         return None, None
-    path = local_path(str(sub["image_dir"]), f"{label}.image_dir", out)
-    entry = {"path": path}  # named by its folder, as kohya names a subset
+    if finetuning:
+        entry, images = finetuning_concept(sub, label, captions_folder, index, out)
+        if entry is None:
+            return None, None
+        path = entry["path"]
+    else:
+        path = local_path(str(sub["image_dir"]), f"{label}.image_dir", out)
+        entry = {"path": path}  # named by its folder, as kohya names a subset
     if sub["is_reg"]:
         entry["type"] = "prior_preservation"
         if args["prior_loss_weight"] != 1.0:
             entry["loss_weight"] = args["prior_loss_weight"]
     else:
         entry["balancing"] = repeats  # kohya's repeats: every image that many times per epoch
-    images = _images(path)
-    _captions(sub, entry, images, label, out)
+    if not finetuning:
+        images = _images(path)
+        _captions(sub, entry, images, label, out)
     if sub["shuffle_caption"] or sub["caption_tag_dropout_rate"]:
         entry["tag_delimiter"] = sub["caption_separator"]
         entry["keep_tags_count"] = sub["keep_tokens"]  # kohya's default 0, ot_dist's 1
@@ -283,9 +302,10 @@ def _caches(args: KohyaArgs, c: dict, out: Imported) -> None:
             data["cache_latents"] = True
     if args["cache_text_encoder_outputs"]:
         trained = [p for p in ("text_encoder", "text_encoder_2", "text_encoder_3") if c.get(p, {}).get("train")]
-        if trained or any(e.get(k) for e in data["concepts"] for k in ("tag_shuffling", "tag_dropout_probability",
-                                                                      "caption_dropout_probability",
-                                                                      "caption_dropout_every_n_epochs")):
-            out.notes.append("cache_text_encoder_outputs: off (text encoders trained, or captions change per epoch)")
+        changing = ("tag_shuffling", "tag_dropout_probability", "caption_dropout_probability",
+                    "caption_dropout_every_n_epochs")
+        if trained or c["method"] == "embedding" or any(e.get(k) for e in data["concepts"] for k in changing):
+            out.notes.append("cache_text_encoder_outputs: off (text encoders or an embedding trained, or captions "
+                             "change per epoch)")
         else:
             data["cache_text"] = True

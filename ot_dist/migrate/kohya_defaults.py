@@ -71,6 +71,12 @@ ARGS = {'adaptive_noise_scale': None, 'ae': None, 'alpha_mask': False, 'apply_lg
         'wandb_run_name': None, 'weighted_captions': False, 'weighting_scheme': 'uniform', 'xformers': False,
         'zero3_init_flag': False, 'zero3_save_16bit_model': False, 'zero_stage': 2, 'zero_terminal_snr': False}
 
+# The textual-inversion scripts' own arguments (train_textual_inversion.py's argparse; sdxl_train_textual_inversion.py
+# adds none): the other arguments they take are the ones above.
+TEXTUAL_INVERSION = {'token_string': None, 'init_word': None, 'num_vectors_per_token': 1, 'weights': None,
+                     'use_object_template': False, 'use_style_template': False}
+ARGS |= TEXTUAL_INVERSION
+
 # store_true flags (a flag on a saved command line takes no value) and the arguments that take several values
 FLAGS = frozenset(key for key, value in ARGS.items() if value is False)
 SEVERAL_VALUES = frozenset({"optimizer_args", "lr_scheduler_args", "network_args", "base_weights",
