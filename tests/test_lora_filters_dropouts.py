@@ -76,3 +76,108 @@ def test_layer_filter_errors_name_the_field(tiny_models, shapes_data, tmp_path):
                                                                       "lora.unet_targets": ["to_q"]})
     with pytest.raises(Exception, match=r"lora\.layer_filter_regex"):
         variant_config(tiny_models, shapes_data, tmp_path, "lora", **{"lora.layer_filter_regex": True})
+
+
+# ---- kohya's rank_dropout / module_dropout ------------------------------------------------------------------------
+def down_and_received(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the down projection's output for x, what the up projection receives in the layer's forward)."""
+    seen = []
+    handle = layer.lora_B[ADAPTER].register_forward_pre_hook(lambda _, args: seen.append(args[0].detach()))
+    try:
+        layer(x)
+    finally:
+        handle.remove()
+    down = layer.lora_A[ADAPTER]
+    return down._conv_forward(x, down.weight, None).detach() if isinstance(down, torch.nn.Conv2d) else \
+        torch.nn.functional.linear(x, down.weight).detach(), seen[0]
+
+
+def kohya_rank_features(lx: torch.Tensor, rank_dropout: float) -> torch.Tensor:
+    """kohya's networks/lora.py LoRAModule.forward, rank dropout (drawn after its module dropout): a mask of
+    rand(batch, rank) > p, unsqueezed at dim 1 for [B, T, r] and at the end for a conv's [B, r, H, W], and the
+    product scaled by 1 / (1 - p)."""
+    mask = torch.rand((lx.size(0), lx.size(1) if lx.dim() == 4 else lx.size(-1))) > rank_dropout
+    mask = mask.unsqueeze(-1).unsqueeze(-1) if lx.dim() == 4 else mask.unsqueeze(1) if lx.dim() == 3 else mask
+    return lx * mask / (1 - rank_dropout)
+
+
+def sample_input(layer) -> torch.Tensor:
+    base = layer.get_base_layer()
+    return torch.randn(3, base.in_channels, 5, 5) if isinstance(base, torch.nn.Conv2d) else \
+        torch.randn(3, 7, base.in_features)
+
+
+@pytest.fixture
+def rank_dropped_layers(tiny_models, shapes_data, tmp_path):
+    config = variant_config(tiny_models, shapes_data, tmp_path, "lora", **{
+        "lora.rank_dropout": 0.25, "lora.module_dropout": 0.4, "lora.preset": "all_layers", "text_encoder.train": False})
+    model = load_model(config.model)
+    LoraMethod(config).prepare(model)
+    layers = list(adapted_layers(model.denoiser).values())
+    assert {type(layer.get_base_layer()) for layer in layers} == {torch.nn.Linear, torch.nn.Conv2d}
+    return layers
+
+
+def test_rank_and_module_dropout_are_kohyas_forward_with_the_same_draws(rank_dropped_layers):
+    """With the same seed each layer drops what kohya's LoRAModule drops: the whole adapter when torch.rand(1) < 0.4,
+    else the rank features of kohya's mask, scaled; about 40% of the forwards skip the adapter; in eval mode nothing
+    is dropped."""
+    skipped = forwards = 0
+    for i, layer in enumerate(rank_dropped_layers[::6]):
+        x = sample_input(layer)
+        layer.train()
+        for seed in range(6 * i, 6 * i + 6):
+            torch.manual_seed(seed)
+            down, received = down_and_received(layer, x)
+            torch.manual_seed(seed)
+            if torch.rand(1) < 0.4:
+                expected = torch.zeros_like(down)
+                skipped += 1
+            else:
+                expected = kohya_rank_features(down, 0.25)
+            torch.testing.assert_close(received, expected)
+            forwards += 1
+        layer.eval()
+        down, received = down_and_received(layer, x)
+        torch.testing.assert_close(received, down)
+    assert forwards > 100 and abs(skipped / forwards - 0.4) < 0.1
+
+
+def test_rank_dropout_keeps_the_mean_and_one_mask_per_sample(rank_dropped_layers):
+    """Statistics, without kohya's draws: a kept rank feature keeps every token of its sample (one mask per sample,
+    over tokens and pixels), about 75% are kept, and the scale keeps the mean change (E = the undropped one)."""
+    layer = next(layer for layer in rank_dropped_layers if isinstance(layer.get_base_layer(), torch.nn.Linear))
+    layer.train()
+    x = torch.randn(400, 7, layer.get_base_layer().in_features)
+    torch.manual_seed(0)
+    kept = []
+    for _ in range(50):
+        down, received = down_and_received(layer, x)
+        if received.abs().sum() == 0:  # a forward module dropout skipped
+            continue
+        keep = received != 0
+        assert (keep == keep[:, :1, :]).all()  # the same ranks for every token of a sample
+        torch.testing.assert_close(received[keep], down[keep] / 0.75)
+        kept.append(keep[:, 0, :].float().mean())
+    assert 15 < len(kept) < 45 and abs(torch.stack(kept).mean() - 0.75) < 0.02
+
+
+def test_rank_and_module_dropout_are_refused_for_the_variants(tiny_models, shapes_data, tmp_path):
+    for variant in ("dora", "loha", "lokr"):
+        for key in ("rank_dropout", "module_dropout"):
+            with pytest.raises(Exception, match=rf"lora\.{key}: .*variant {variant}"):
+                variant_config(tiny_models, shapes_data, tmp_path, variant, **{f"lora.{key}": 0.1})
+
+
+def test_kohya_import_maps_rank_and_module_dropout_of_networks_lora(tmp_path):
+    from test_import_kohya import imported, images, minimal
+
+    images(tmp_path / "d" / "1_x", 1)
+    config, _, err = imported(tmp_path, minimal(tmp_path) + 'network_module = "networks.lora"\n'
+                              'network_args = ["rank_dropout=0.1", "module_dropout=0.2"]\n', "--script",
+                              "train_network.py")
+    assert (config["lora"]["rank_dropout"], config["lora"]["module_dropout"]) == (0.1, 0.2)
+    assert "rank_dropout" not in err and "module_dropout" not in err
+    config, _, err = imported(tmp_path, minimal(tmp_path) + 'network_module = "lycoris.kohya"\n'
+                              'network_args = ["algo=locon", "rank_dropout=0.1"]\n', "--script", "train_network.py")
+    assert "rank_dropout" not in config["lora"] and "network_args rank_dropout=0.1: LyCORIS'" in err

@@ -138,6 +138,12 @@ class LoraConfig(Section):
     dropout: float = Field(default=0.0, ge=0, lt=1, description="LoRA dropout while training: lora drops the rank "
                            "features (the down projection's output), as OneTrainer's dropout_probability and kohya's "
                            "network_dropout; dora drops the adapted layer's input (peft's, OneTrainer's DoRA).")
+    rank_dropout: float = Field(default=0.0, ge=0, lt=1, description="kohya's rank_dropout (variant lora): while "
+                                "training, each sample keeps each rank feature with probability 1 - p and the kept "
+                                "ones are scaled by 1 / (1 - p); one mask per sample, over all its tokens / pixels.")
+    module_dropout: float = Field(default=0.0, ge=0, lt=1, description="kohya's module_dropout (variant lora): while "
+                                  "training, each adapted layer leaves its adapter out of a forward with probability "
+                                  "p (drawn per layer and forward).")
     variant: Literal["lora", "dora", "loha", "lokr"] = Field(
         default="lora",
         description="The adapter, trained through peft: lora (up @ down); dora (LoRA with a trained magnitude per "
@@ -854,6 +860,10 @@ class TrainConfig(Section):
         if self.lora.variant in ("loha", "lokr") and self.lora.dropout:
             raise ValueError(f"lora.dropout: peft's {self.lora.variant} has no dropout on the adapter input (only rank / "
                              "module dropout, another regularizer); set it to 0 or use variant lora / dora")
+        for key in ("rank_dropout", "module_dropout"):
+            if self.lora.variant != "lora" and getattr(self.lora, key):
+                raise ValueError(f"lora.{key}: kohya's {key} of a plain LoRA (networks.lora); lora.variant "
+                                 f"{self.lora.variant} has no such dropout here (set it to 0 or use variant lora)")
         if self.lora.variant != "lora" and self.lora.init_from:
             raise ValueError(f"lora.init_from: starts plain LoRA adapters from a file; lora.variant {self.lora.variant} "
                              "cannot start from one (use variant lora, or start from zero)")

@@ -46,8 +46,9 @@ class LoraMethod(TrainingMethod):
                 match_lycoris_scale(module, ADAPTER)
             if lora.variant == "loha":  # LyCORIS's initial factors (peft's trained 130-270x slower at first)
                 init_loha_as_lycoris(module, ADAPTER)
-            if lora.variant == "lora" and lora.dropout:  # on the rank features, as OneTrainer and kohya drop
-                drop_down_output(module, ADAPTER, lora.dropout)
+            if lora.variant == "lora" and (lora.dropout or lora.rank_dropout or lora.module_dropout):
+                # on the rank features, as OneTrainer and kohya drop
+                drop_down_output(module, ADAPTER, lora.dropout, lora.rank_dropout, lora.module_dropout)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:
