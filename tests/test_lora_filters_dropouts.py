@@ -64,6 +64,14 @@ def test_layer_filter_takes_exactly_the_selected_paths_not_their_suffix_namesake
     assert set(adapted_layers(toy)) == {"proj_out"}
 
 
+def test_flux_filter_on_the_top_level_proj_out_adapts_it_alone(family_models, shapes_data, tmp_path):
+    """The wiring of the above: Flux's single blocks have a proj_out each, which peft took too."""
+    config = variant_config(family_models, shapes_data, tmp_path, "lora", family="flux", **{
+        "lora.layer_filter": ["^proj_out$"], "lora.layer_filter_regex": True, "text_encoder.train": False})
+    got, expected = adapted(config, lambda denoiser: onetrainer_rule(denoiser, ["^proj_out$"], True))
+    assert got == expected == {"proj_out"}
+
+
 def test_layer_filter_errors_name_the_field(tiny_models, shapes_data, tmp_path):
     with pytest.raises(Exception, match=r"lora\.layer_filter\[1\]: .*not a regular expression"):
         variant_config(tiny_models, shapes_data, tmp_path, "lora", **{
