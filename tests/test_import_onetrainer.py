@@ -563,6 +563,13 @@ def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
     ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
      {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
                               "to_add_out", "ff.net.0.proj", "ff.net.2", "proj_mlp"]}),
+    # no preset is the same set: OneTrainer's own rule (lora.layer_filter; test_lora_filters_dropouts.py)
+    ("FLUX_DEV_1", {"layer_filter_preset": "blocks"}, {"layer_filter": ["transformer_block"], "preset": "default"}),
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "custom", "layer_filter": r" up_blocks\.[01]\..*to_q$ ,conv1",
+                             "layer_filter_regex": True},
+     {"layer_filter": [r"up_blocks\.[01]\..*to_q$", "conv1"], "layer_filter_regex": True}),
+    ("STABLE_DIFFUSION_15", {"layer_filter_preset": "custom", "layer_filter": "attn1, time_emb"},
+     {"layer_filter": ["attn1", "time_emb"], "layer_filter_regex": False}),
 ])
 def test_lora_layer_filter_as_onetrainer_applies_it(tmp_path, model_type, settings, lora):
     """OneTrainer adapts the modules whose names contain a layer_filter pattern (its model setups' LAYER_PRESETS)."""

@@ -138,6 +138,12 @@ class LoraConfig(Section):
     dropout: float = Field(default=0.0, ge=0, lt=1, description="LoRA dropout while training: lora drops the rank "
                            "features (the down projection's output), as OneTrainer's dropout_probability and kohya's "
                            "network_dropout; dora drops the adapted layer's input (peft's, OneTrainer's DoRA).")
+    rank_dropout: float = Field(default=0.0, ge=0, lt=1, description="kohya's rank_dropout (variant lora): while "
+                                "training, each sample keeps each rank feature with probability 1 - p and the kept "
+                                "ones are scaled by 1 / (1 - p); one mask per sample, over all its tokens / pixels.")
+    module_dropout: float = Field(default=0.0, ge=0, lt=1, description="kohya's module_dropout (variant lora): while "
+                                  "training, each adapted layer leaves its adapter out of a forward with probability "
+                                  "p (drawn per layer and forward).")
     variant: Literal["lora", "dora", "loha", "lokr"] = Field(
         default="lora",
         description="The adapter, trained through peft: lora (up @ down); dora (LoRA with a trained magnitude per "
@@ -163,6 +169,18 @@ class LoraConfig(Section):
     )
     prior_targets: list[str] | None = Field(
         default=None, description="Stable Cascade / Würstchen v2 prior (stage C) module names to adapt; unset = lora.preset."
+    )
+    layer_filter: list[str] | None = Field(
+        default=None, min_length=1,
+        description="OneTrainer's layer filter, on the denoiser: adapt every Linear and Conv2d layer whose module "
+        "path in the denoiser (the diffusers path, e.g. down_blocks.1.attentions.0.proj_in) contains one of these "
+        "patterns (with layer_filter_regex: in which one of these regular expressions is found, Python's re.search); "
+        "an empty pattern selects every such layer. Replaces lora.preset; each pattern must select a layer. "
+        "OneTrainer's comma-separated layer_filter is this list.",
+    )
+    layer_filter_regex: bool = Field(
+        default=False, description="Read lora.layer_filter's patterns as regular expressions (OneTrainer's "
+        "layer_filter_regex) instead of substrings.",
     )
     text_encoder_targets: list[str] | None = Field(
         default=None, description="Text encoder module names to adapt, in every trained text encoder; unset = each "
@@ -767,6 +785,24 @@ class TrainConfig(Section):
             raise ValueError("resolution: give at least one")
         return value
 
+    def _check_layer_filter(self, denoiser_targets: str) -> None:
+        lora = self.lora
+        if lora.layer_filter is None:
+            if lora.layer_filter_regex:
+                raise ValueError("lora.layer_filter_regex: reads lora.layer_filter's patterns, which is not set")
+            return
+        if getattr(lora, denoiser_targets) is not None:
+            raise ValueError(f"lora.layer_filter: chooses the {denoiser_targets[:-len('_targets')]} modules, and so "
+                             f"does lora.{denoiser_targets}; set one of them")
+        if "preset" in lora.model_fields_set and lora.preset != "default":
+            raise ValueError(f"lora.layer_filter: replaces lora.preset ({lora.preset!r}); set one of them")
+        for i, pattern in enumerate(lora.layer_filter if lora.layer_filter_regex else ()):
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"lora.layer_filter[{i}]: {pattern!r} is not a regular expression "
+                                 f"(lora.layer_filter_regex is true): {err}") from None
+
     def _check_sample_prompts(self, family) -> None:
         """Each sample prompt's sides on the family's pixel grid (else its pipeline refuses, fails or resizes them,
         after training has run up to the first sampling point), a negative prompt, a sampler and a guidance rescale
@@ -827,9 +863,14 @@ class TrainConfig(Section):
                                  f"use lora.{denoiser_targets}")
         if self.lora.file_layout == "kohya" and family.lora_file_prefixes is None:
             raise ValueError(f"lora.file_layout: {self.model.family} has no kohya LoRA names yet; use diffusers")
+        self._check_layer_filter(denoiser_targets)
         if self.lora.variant in ("loha", "lokr") and self.lora.dropout:
             raise ValueError(f"lora.dropout: peft's {self.lora.variant} has no dropout on the adapter input (only rank / "
                              "module dropout, another regularizer); set it to 0 or use variant lora / dora")
+        for key in ("rank_dropout", "module_dropout"):
+            if self.lora.variant != "lora" and getattr(self.lora, key):
+                raise ValueError(f"lora.{key}: kohya's {key} of a plain LoRA (networks.lora); lora.variant "
+                                 f"{self.lora.variant} has no such dropout here (set it to 0 or use variant lora)")
         if self.lora.variant != "lora" and self.lora.init_from:
             raise ValueError(f"lora.init_from: starts plain LoRA adapters from a file; lora.variant {self.lora.variant} "
                              "cannot start from one (use variant lora, or start from zero)")

@@ -36,6 +36,8 @@ class LoraMethod(TrainingMethod):
             key, targets = lora_targets(self.config.lora, model.family, part, module)
             lora = self.config.lora
             lora_config = peft_config(lora.variant, lora.rank, lora.alpha, lora.dropout, targets)
+            if key == "lora.layer_filter":  # exactly the selected paths: peft also takes a target as a path suffix
+                lora_config.exclude_modules = suffix_matched_extras(module, targets) or None
             try:
                 add_adapter(module, lora_config)
             except ValueError as err:
@@ -44,8 +46,9 @@ class LoraMethod(TrainingMethod):
                 match_lycoris_scale(module, ADAPTER)
             if lora.variant == "loha":  # LyCORIS's initial factors (peft's trained 130-270x slower at first)
                 init_loha_as_lycoris(module, ADAPTER)
-            if lora.variant == "lora" and lora.dropout:  # on the rank features, as OneTrainer and kohya drop
-                drop_down_output(module, ADAPTER, lora.dropout)
+            if lora.variant == "lora" and (lora.dropout or lora.rank_dropout or lora.module_dropout):
+                # on the rank features, as OneTrainer and kohya drop
+                drop_down_output(module, ADAPTER, lora.dropout, lora.rank_dropout, lora.module_dropout)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:
@@ -206,6 +209,8 @@ def lora_targets(settings, family, part: str, module) -> tuple[str, list[str]]:
     key = f"{part}_targets"
     if getattr(settings, key, None):
         return f"lora.{key}", list(getattr(settings, key))
+    if getattr(settings, "layer_filter", None) is not None:
+        return "lora.layer_filter", layer_filter_targets(settings.layer_filter, settings.layer_filter_regex, module)
     if settings.preset in WHOLE_MODULE_PRESETS:
         takes = WHOLE_MODULE_PRESETS[settings.preset]
         return "lora.preset", [name for name, sub in module.named_modules() if takes(sub)]
@@ -220,6 +225,32 @@ WHOLE_MODULE_PRESETS = {
     "all_layers": lambda sub: isinstance(sub, torch.nn.Linear) or (isinstance(sub, torch.nn.Conv2d)
                                                                     and sub.groups == 1),
 }
+
+
+def layer_filter_targets(patterns: list[str], regex: bool, module: torch.nn.Module) -> list[str]:
+    """The paths of `module`'s Linear and Conv2d layers that OneTrainer's layer filter selects (its LoRAModuleWrapper
+    with ModuleFilter): a path is taken when one pattern is found in it, as a substring or, with `regex`, by
+    re.search; an empty pattern takes every such layer. Layers of other kinds are never adapted. A pattern that
+    selects nothing is an error (OneTrainer's too), naming it."""
+    import re
+
+    found = [(lambda path, p=re.compile(p): p.search(path) is not None) if regex and p else
+             (lambda path, p=p: p in path) for p in patterns]
+    layers = [path for path, sub in module.named_modules() if isinstance(sub, (torch.nn.Linear, torch.nn.Conv2d))]
+    for i, (pattern, matches) in enumerate(zip(patterns, found)):
+        if not any(matches(path) for path in layers):
+            raise ConfigError(f"lora.layer_filter[{i}]: {pattern!r} selects no Linear or Conv2d layer of the "
+                              f"{type(module).__name__} (paths such as {layers[0] if layers else '-'!r}; "
+                              f"lora.layer_filter_regex is {str(regex).lower()})")
+    return [path for path in layers if any(matches(path) for matches in found)]
+
+
+def suffix_matched_extras(module: torch.nn.Module, paths: list[str]) -> list[str]:
+    """The module paths peft would adapt beside `paths` because they end in ".<one of paths>" (a top-level
+    proj_out and Flux's single_transformer_blocks.0.proj_out), to pass as its exclude_modules."""
+    chosen = set(paths)
+    return sorted(name for name, _ in module.named_modules()
+                  if name not in chosen and any(name.endswith("." + path) for path in chosen))
 
 
 def with_dora_scale(state: dict) -> dict:

@@ -90,11 +90,18 @@ def match_lycoris_scale(module: torch.nn.Module, adapter: str) -> int:
     return count
 
 
-def drop_down_output(module: torch.nn.Module, adapter: str, p: float) -> int:
-    """Dropout at rate `p` on the output of every peft LoRA layer's down projection (lora_A) in `module`, in train
-    mode only: the rank features, where OneTrainer's LoRAModule (`lora_up(dropout(lora_down(x)))`, its
-    `dropout_probability`) and kohya's LoRAModule (`--network_dropout`) drop. peft's `lora_dropout` drops the input
-    x instead: another regulariser (in_features features dropped instead of rank ones). Returns how many layers."""
+def drop_down_output(module: torch.nn.Module, adapter: str, p: float, rank_p: float = 0.0,
+                     module_p: float = 0.0) -> int:
+    """Dropout on the output of every peft LoRA layer's down projection (lora_A) in `module`, in train mode only,
+    where OneTrainer's LoRAModule (`lora_up(dropout(lora_down(x)))`, its `dropout_probability`) and kohya's
+    LoRAModule (networks/lora.py `forward`) drop. peft's `lora_dropout` drops the input x instead: another
+    regulariser (in_features features dropped instead of rank ones). Returns how many layers.
+
+    In kohya's order, each drawn only when its rate is set: `module_p` (kohya's module_dropout) skips the adapter for
+    this forward when torch.rand(1) < module_p (its output zeroed, so lora_up adds nothing; the adapter gets a zero
+    gradient rather than none); `p` (network_dropout) drops each rank feature; `rank_p` (rank_dropout) keeps a rank
+    where rand(batch, rank) > rank_p, one mask per sample over every token / pixel, and scales by 1 / (1 - rank_p)
+    (kohya scales lora_up's output, the same as lora_up has no bias)."""
     import functools
 
     from peft.tuners.lora.layer import LoraLayer
@@ -102,13 +109,27 @@ def drop_down_output(module: torch.nn.Module, adapter: str, p: float) -> int:
     count = 0
     for layer in module.modules():
         if isinstance(layer, LoraLayer) and adapter in layer.lora_A:
-            layer.lora_A[adapter].register_forward_hook(functools.partial(_dropout_hook, p))
+            down = layer.lora_A[adapter]
+            rank_axis = 1 if isinstance(down, torch.nn.Conv2d) else -1
+            down.register_forward_hook(functools.partial(_dropout_hook, p, rank_p, module_p, rank_axis))
             count += 1
     return count
 
 
-def _dropout_hook(p: float, module: torch.nn.Module, args, output: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.dropout(output, p, training=module.training)
+def _dropout_hook(p: float, rank_p: float, module_p: float, rank_axis: int, module: torch.nn.Module, args,
+                  output: torch.Tensor) -> torch.Tensor:
+    if not module.training:
+        return output
+    if module_p and torch.rand(1) < module_p:
+        return output * 0
+    if p:
+        output = torch.nn.functional.dropout(output, p)
+    if rank_p:
+        keep = torch.rand((output.size(0), output.size(rank_axis)), device=output.device) > rank_p
+        shape = [output.size(0)] + [1] * (output.dim() - 1)
+        shape[rank_axis] = output.size(rank_axis)
+        output = output * keep.reshape(shape) / (1 - rank_p)
+    return output
 
 
 @torch.no_grad()

@@ -80,8 +80,10 @@ def import_network(args: KohyaArgs, c: dict, family: str, out: Imported) -> None
         skip(f"network_dropout: {args['network_dropout']}: ot_dist's lora.dropout drops a plain LoRA's rank "
              f"features; for {lora['variant']} it is another regulariser than LyCORIS': not written")
     for key in ("rank_dropout", "module_dropout"):
-        if key in extra:
-            skip(f"network_args {key}={extra.pop(key)}: not supported (ot_dist drops no ranks or whole modules)")
+        if key in extra and module in PLAIN:  # kohya's LoRAModule.forward: lora.rank_dropout / module_dropout's rule
+            lora[key] = float(extra.pop(key))
+        elif key in extra:  # LyCORIS' rank dropout rescales only with rank_dropout_scale
+            skip(f"network_args {key}={extra.pop(key)}: LyCORIS' {key} is not ot_dist's (kohya networks.lora's)")
     train_t5 = extra.pop("train_t5xxl", "False").lower() == "true"
     for key, value in extra.items():
         skip(f"network_args {key}={value}: not supported by ot_dist's LoRA")

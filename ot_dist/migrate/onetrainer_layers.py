@@ -1,4 +1,5 @@
-"""OneTrainer's LoRA layer filter as ot_dist's lora.preset / lora.<denoiser>_targets.
+"""OneTrainer's LoRA layer filter as ot_dist's lora.preset / lora.<denoiser>_targets, or as lora.layer_filter
+(OneTrainer's matching rule) where no preset is the same set.
 
 OneTrainer adapts the modules whose name contains one of the comma-separated `layer_filter` patterns (every layer
 when it is empty). Its UI fills `layer_filter` from the chosen `layer_filter_preset` (the model setup's
@@ -38,8 +39,7 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
             out.notes.append("layer_filter: every layer -> lora.preset all_layers, without the prior's depthwise "
                              "convolutions, which OneTrainer also adapts (peft: rank divisible by their groups)")
     elif ot.get("layer_filter_regex"):
-        out.not_honoured.append(f"layer_filter: {text!r} (regular expressions): set lora.{denoiser}_targets by "
-                                "module names")
+        lora.update(layer_filter=list(patterns), layer_filter_regex=True)
     elif named == "attn-only":
         lora["preset"] = "attention"
     elif named == "attn-mlp" and family in ("sd1", "sd2", "sdxl"):
@@ -48,10 +48,8 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         lora["preset"] = "attention_mlp"
     elif named == "attn-mlp":
         lora[f"{denoiser}_targets"] = list(FLUX_ATTN_MLP)
-    else:
-        out.not_honoured.append(f"layer_filter: {','.join(patterns)!r}"
-                                f"{f' (layer_filter_preset {named})' if named else ''}: set lora.{denoiser}_targets by "
-                                "module names (ot_dist's lora.preset all_layers adapts every layer)")
+    else:  # blocks, the Cascade presets, custom patterns: OneTrainer's own rule (lora.layer_filter)
+        lora["layer_filter"] = list(patterns)
 
 
 # Trained text encoders whose Linear layers include a `text_projection` (CLIPTextModelWithProjection: it makes the
