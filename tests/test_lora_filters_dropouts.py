@@ -6,10 +6,10 @@ import re
 
 import pytest
 import torch
-from test_lora_variants import adapted_layers, variant_config
+from test_lora_variants import adapted_layers, lora_b_inputs, variant_config
 
 from ot_dist.errors import ConfigError
-from ot_dist.methods.lora import ADAPTER, LoraMethod, add_adapter, suffix_matched_extras
+from ot_dist.methods.lora import LoraMethod, add_adapter, suffix_matched_extras
 from ot_dist.methods.lora_variants import peft_config
 from ot_dist.models.loading import load_model
 
@@ -87,19 +87,6 @@ def test_layer_filter_errors_name_the_field(tiny_models, shapes_data, tmp_path):
 
 
 # ---- kohya's rank_dropout / module_dropout ------------------------------------------------------------------------
-def down_and_received(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the down projection's output for x, what the up projection receives in the layer's forward)."""
-    seen = []
-    handle = layer.lora_B[ADAPTER].register_forward_pre_hook(lambda _, args: seen.append(args[0].detach()))
-    try:
-        layer(x)
-    finally:
-        handle.remove()
-    down = layer.lora_A[ADAPTER]
-    return down._conv_forward(x, down.weight, None).detach() if isinstance(down, torch.nn.Conv2d) else \
-        torch.nn.functional.linear(x, down.weight).detach(), seen[0]
-
-
 def kohya_rank_features(lx: torch.Tensor, rank_dropout: float) -> torch.Tensor:
     """kohya's networks/lora.py LoRAModule.forward, rank dropout (drawn after its module dropout): a mask of
     rand(batch, rank) > p, unsqueezed at dim 1 for [B, T, r] and at the end for a conv's [B, r, H, W], and the
@@ -136,7 +123,7 @@ def test_rank_and_module_dropout_are_kohyas_forward_with_the_same_draws(rank_dro
         layer.train()
         for seed in range(6 * i, 6 * i + 6):
             torch.manual_seed(seed)
-            down, received = down_and_received(layer, x)
+            received, down = lora_b_inputs(layer, x)
             torch.manual_seed(seed)
             if torch.rand(1) < 0.4:
                 expected = torch.zeros_like(down)
@@ -146,7 +133,7 @@ def test_rank_and_module_dropout_are_kohyas_forward_with_the_same_draws(rank_dro
             torch.testing.assert_close(received, expected)
             forwards += 1
         layer.eval()
-        down, received = down_and_received(layer, x)
+        received, down = lora_b_inputs(layer, x)
         torch.testing.assert_close(received, down)
     assert forwards > 100 and abs(skipped / forwards - 0.4) < 0.1
 
@@ -160,7 +147,7 @@ def test_rank_dropout_keeps_the_mean_and_one_mask_per_sample(rank_dropped_layers
     torch.manual_seed(0)
     kept = []
     for _ in range(50):
-        down, received = down_and_received(layer, x)
+        received, down = lora_b_inputs(layer, x)
         if received.abs().sum() == 0:  # a forward module dropout skipped
             continue
         keep = received != 0

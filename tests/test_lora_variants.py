@@ -401,7 +401,10 @@ def lora_b_inputs(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         layer(x)
     finally:
         handle.remove()
-    return seen[0], torch.nn.functional.linear(x, layer.lora_A[ADAPTER].weight).detach()
+    down = layer.lora_A[ADAPTER]
+    undropped = down._conv_forward(x, down.weight, None) if isinstance(down, torch.nn.Conv2d) else \
+        torch.nn.functional.linear(x, down.weight)
+    return seen[0], undropped.detach()
 
 
 def test_lora_dropout_drops_the_rank_features_as_onetrainer_and_kohya(tiny_models, shapes_data, tmp_path):
