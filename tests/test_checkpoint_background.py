@@ -25,7 +25,7 @@ from ot_dist.train.trainer import Trainer
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 3
 # What differs between two runs by design: where they write and when, their run ids.
-PER_RUN = {"run_id", "saved_at", "tracking_outbox", "config"}
+PER_RUN = {"run_id", "saved_at", "run_started_at", "tracking_outbox", "config"}
 WRITE_RANK_STATE = writer.write_rank_state
 
 

@@ -98,7 +98,7 @@ def test_attention_backend_is_the_only_kernel_during_the_step(sd1):
                                backward=lambda loss, accumulation, last: None)
     strategy.autocast = lambda: torch.autocast("cpu", enabled=False)
     for backend, expected in (("math", (False, True, False)), ("flash", (True, False, False))):
-        fake = SimpleNamespace(strategy=strategy, loss=loss, utilization=None, device=torch.device("cpu"),
+        fake = SimpleNamespace(strategy=strategy, loss=loss, utilization=None, device=torch.device("cpu"), loss_scale=1,
                                model=SimpleNamespace(family=SimpleNamespace(attention_kernels_avoided=())),
                                config=SimpleNamespace(performance=options(config, attention_backend=backend)))
         Trainer.micro_step(fake, {}, 0, 1)
