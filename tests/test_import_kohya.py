@@ -577,3 +577,28 @@ def test_network_args_that_are_no_number_name_the_argument(tmp_path):
         code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_network.py",
                                "--out", tmp_path / "x.yaml")
         assert code == 2 and f"network_args: {word}" in err and not (tmp_path / "x.yaml").exists(), err
+
+
+def test_caption_prefix_and_suffix(tmp_path):
+    """A subset's caption_prefix and caption_suffix (kohya: prefix, a space, the caption, a space, suffix) become the
+    concept's; the suffix was listed as not honoured."""
+    data = images(tmp_path / "img", 1, {0: "a cat"}, extension=".txt")
+    (tmp_path / "data.toml").write_text(f"""
+[[datasets]]
+resolution = 512
+  [[datasets.subsets]]
+  image_dir = '{data}'
+  caption_extension = ".txt"
+  caption_prefix = "photo of"
+  caption_suffix = ", sks style"
+""", encoding="utf-8")
+    config, text, err = imported(tmp_path, minimal(tmp_path) + f'network_module = "networks.lora"\n'
+                                 f'dataset_config = "{tmp_path / "data.toml"}"\n', "--script", "train_network.py")
+    concept = config["data"]["concepts"][0]
+    assert (concept["caption_prefix"], concept["caption_suffix"]) == ("photo of", ", sks style")
+    assert "caption_suffix" not in err
+    (tmp_path / "ok.yaml").write_text(text, encoding="utf-8")
+    from ot_dist.data.concepts import read_caption
+
+    assert read_caption(load_config(tmp_path / "ok.yaml").data.concepts[0], data / "0.png") == \
+        "photo of a cat , sks style"
