@@ -243,3 +243,36 @@ def test_caption_prefix_is_followed_by_a_space_as_kohyas(tmp_path, prefix, capti
     assert read_caption(concept(caption_prefix=prefix), tmp_path / "a.png") == caption
     # the config holds the prefix with its space: a shard set built with the glued prefix is rebuilt, not reused
     assert concept(caption_prefix=prefix).caption_prefix == caption.removesuffix("a dog, grass")
+
+
+@pytest.mark.parametrize("suffix,caption", [("sks", "a dog, grass sks"), (", sks", "a dog, grass , sks"),
+                                            ("", "a dog, grass")])
+def test_caption_suffix_follows_a_space_before_shuffling_as_kohyas(tmp_path, suffix, caption):
+    """kohya's process_caption puts `caption + " " + caption_suffix` (after the prefix), before dropout and
+    shuffling: the suffix is one more tag to shuffle, unless the keep-tags separator keeps it in the tail."""
+    from ot_dist.data.concepts import read_caption
+
+    (tmp_path / "a.txt").write_text("a dog, grass\n")
+    assert read_caption(concept(caption_suffix=suffix, caption_prefix="p"), tmp_path / "a.png") == "p " + caption
+    (tmp_path / "a.txt").write_text("\n")  # an empty caption is the suffix alone, no space before it
+    assert read_caption(concept(caption_suffix=suffix), tmp_path / "a.png") == suffix.lstrip()
+    if suffix == ", sks":  # stored with the caption: shuffling moves it like any free tag
+        (tmp_path / "a.txt").write_text("a, b, c, d\n")
+        stored = read_caption(concept(caption_suffix=suffix), tmp_path / "a.png")
+        shuffle = concept(caption_suffix=suffix, tag_shuffling=True, keep_tags_count=0)
+        firsts = {vary_caption(stored, shuffle, torch.Generator().manual_seed(seed), 0).split(", ")[0]
+                  for seed in range(20)}
+        assert "sks" in firsts and len(firsts) > 2
+
+
+def test_caption_suffix_is_in_the_shard_settings_only_when_set():
+    """The suffix is stored in the shards: a set is rebuilt when it changes; sets built before the option existed
+    (no suffix) keep their fingerprint, so it is not in their settings at all."""
+    from test_data_shards import config as train_config
+
+    from ot_dist.data.shards import build_settings
+
+    def settings(**options):
+        return build_settings(train_config({"concepts": [{"path": "x", **options}]}))["concepts"][0]
+
+    assert "caption_suffix" not in settings() and settings(caption_suffix="sks")["caption_suffix"] == " sks"

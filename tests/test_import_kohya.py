@@ -544,3 +544,61 @@ def test_textual_inversion(tmp_path):
     code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_textual_inversion.py",
                            "--out", tmp_path / "x.yaml")
     assert code == 2 and "embedding" in err and "token_string" in err
+
+
+def test_sdxl_train_text_encoders(tmp_path):
+    """sdxl_train.py trains the text encoders only with --train_text_encoder, each at learning_rate_te1 / _te2 (None:
+    learning_rate; 0: that encoder frozen)."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, resolution=1024) + "learning_rate = 1e-5\n"
+    for extra, te1, te2 in (("", False, False), ("train_text_encoder = true\n", None, None),
+                            ("train_text_encoder = true\nlearning_rate_te1 = 3e-6\nlearning_rate_te2 = 0\n", 3e-6, False),
+                            ("learning_rate_te1 = 3e-6\n", False, False)):
+        config, text, _ = imported(tmp_path, common + extra, "--script", "sdxl_train.py")
+        assert config["model"]["family"] == "sdxl" and config["method"] == "full"
+        (tmp_path / "ok.yaml").write_text(text, encoding="utf-8")
+        loaded = load_config(tmp_path / "ok.yaml")
+        for part, expected in (("text_encoder", te1), ("text_encoder_2", te2)):
+            trains = bool(getattr(loaded, part).train)  # None: a text encoder does not train
+            assert trains == (expected is not False), (extra, part)
+            if trains:  # a learning rate of its own, or the global one
+                assert getattr(loaded, part).learning_rate == expected, (extra, part)
+
+
+def test_network_args_that_are_no_number_name_the_argument(tmp_path):
+    """kohya's networks read conv_dim with int(), conv_alpha / rank_dropout / module_dropout with float(): a word that
+    is no number was a bare ValueError (a traceback); it is an import error naming the argument (exit 2)."""
+    images(tmp_path / "d" / "1_x", 1)
+    for module, words in (("networks.lora", ["rank_dropout=abc"]), ("networks.lora", ["conv_dim=x"]),
+                          ("networks.lora", ["conv_dim=4", "conv_alpha=half"]), ("lycoris.kohya", ["conv_dim=4.5"])):
+        word = words[-1]
+        (tmp_path / "args.toml").write_text(minimal(tmp_path) + f'network_module = "{module}"\n'
+                                            f"network_args = {words!r}\n".replace("'", '"'), encoding="utf-8")
+        code, err = run_import("--config_file", tmp_path / "args.toml", "--script", "train_network.py",
+                               "--out", tmp_path / "x.yaml")
+        assert code == 2 and f"network_args: {word}" in err and not (tmp_path / "x.yaml").exists(), err
+
+
+def test_caption_prefix_and_suffix(tmp_path):
+    """A subset's caption_prefix and caption_suffix (kohya: prefix, a space, the caption, a space, suffix) become the
+    concept's; the suffix was listed as not honoured."""
+    data = images(tmp_path / "img", 1, {0: "a cat"}, extension=".txt")
+    (tmp_path / "data.toml").write_text(f"""
+[[datasets]]
+resolution = 512
+  [[datasets.subsets]]
+  image_dir = '{data}'
+  caption_extension = ".txt"
+  caption_prefix = "photo of"
+  caption_suffix = ", sks style"
+""", encoding="utf-8")
+    config, text, err = imported(tmp_path, minimal(tmp_path) + f'network_module = "networks.lora"\n'
+                                 f'dataset_config = "{tmp_path / "data.toml"}"\n', "--script", "train_network.py")
+    concept = config["data"]["concepts"][0]
+    assert (concept["caption_prefix"], concept["caption_suffix"]) == ("photo of", ", sks style")
+    assert "caption_suffix" not in err
+    (tmp_path / "ok.yaml").write_text(text, encoding="utf-8")
+    from ot_dist.data.concepts import read_caption
+
+    assert read_caption(load_config(tmp_path / "ok.yaml").data.concepts[0], data / "0.png") == \
+        "photo of a cat , sks style"

@@ -263,6 +263,9 @@ class ConceptConfig(Section):
                                      "several lines are several captions, a line drawn per image and epoch.")
     caption_prefix: str = Field(default="", description="Text put before every caption of this concept, and a space "
                                 "unless it ends with one (kohya's caption_prefix: `sks` + `a dog` is `sks a dog`).")
+    caption_suffix: str = Field(default="", description="Text put after every caption of this concept, after a space "
+                                "unless it starts with one (kohya's caption_suffix: `a dog` + `sks` is `a dog sks`); "
+                                "like the prefix, stored with the caption, so shuffling and dropout see it.")
     balancing: float = Field(
         default=1.0, gt=0, description="repeats: times each image is seen per epoch (fractions pick a random part; "
         "floor(images x repeats) samples per epoch, as OneTrainer); samples: images drawn from this concept per epoch "
@@ -369,13 +372,19 @@ class ConceptConfig(Section):
         """`txt` (the spelling of `ot-dist shard index --caption-ext`) names the same files as `.txt`."""
         return value if value.startswith(".") else "." + value
 
-    # The two below are normalised here rather than where captions are read, so that the shard fingerprint (the
+    # The three below are normalised here rather than where captions are read, so that the shard fingerprint (the
     # concepts' settings) changes for a set whose stored captions they change: it is rebuilt, not reused.
     @field_validator("caption_prefix")
     @classmethod
     def _prefix_and_a_space(cls, value: str) -> str:
         """kohya's caption_prefix is followed by a space: `sks` + `a dog` is `sks a dog`, never `sksa dog`."""
         return value + " " if value and not value[-1].isspace() else value
+
+    @field_validator("caption_suffix")
+    @classmethod
+    def _a_space_and_suffix(cls, value: str) -> str:
+        """kohya's caption_suffix comes after a space: `a dog` + `sks` is `a dog sks`, never `a dogsks`."""
+        return " " + value if value and not value[0].isspace() else value
 
     @field_validator("caption_text")
     @classmethod

@@ -206,7 +206,14 @@ def read_caption(concept: ConceptConfig, image: Path) -> str:
         except UnicodeDecodeError as err:
             raise InputFileError(f"data: caption {caption_file} is not UTF-8 text: {err}") from None
         captions = caption_lines(text)
-    return "\n".join((concept.caption_prefix + c).rstrip() if concept.caption_prefix else c for c in captions)
+    return "\n".join(framed(concept, c) for c in captions)
+
+
+def framed(concept: ConceptConfig, caption: str) -> str:
+    """The caption between the concept's prefix and suffix, as kohya's process_caption joins them before any dropout
+    or shuffling (the validators put the spaces in); an empty caption gets no space before the suffix."""
+    text = (concept.caption_prefix + caption).rstrip()
+    return text + concept.caption_suffix if text else concept.caption_suffix.lstrip()
 
 
 def caption_lines(text: str) -> list[str]:

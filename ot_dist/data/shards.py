@@ -61,6 +61,9 @@ SETTINGS_WITHOUT = ("tag_dropout_special_tags_mode", "tag_dropout_special_tags",
                     "caps_randomize_probability", "caps_randomize_mode", "lowercase_caption", "keep_tags_separator",
                     "secondary_separator", "caption_dropout_every_n_epochs")
 READ_TIME_CONCEPT_FIELDS = READ_TIME_AT_DEFAULTS + SETTINGS_WITHOUT
+# Options stored in the shards (they change the caption a shard holds) that were added later: in the settings only when
+# set (not empty), so that sets built before they existed keep their fingerprint.
+STORED_ADDED_LATER = {"caption_suffix"}
 
 
 def build_settings(config: TrainConfig) -> dict:
@@ -68,7 +71,8 @@ def build_settings(config: TrainConfig) -> dict:
     read-time, as READ_TIME_CONCEPT_FIELDS; data.small_buckets neither: it is a plan of the epoch)."""
     data = config.data
     defaults = {name: ConceptConfig.model_fields[name].default for name in READ_TIME_AT_DEFAULTS}
-    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy", "type", *SETTINGS_WITHOUT}) | defaults
+    concepts = [c.model_dump(exclude={"balancing", "balancing_strategy", "type", *SETTINGS_WITHOUT,
+                                      *(n for n in STORED_ADDED_LATER if not getattr(c, n))}) | defaults
                 for _, c in data.concept_list()]
     return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step,
             "bucket_assignment": data.bucket_assignment, "image_format": data.image_format,

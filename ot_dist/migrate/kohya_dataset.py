@@ -37,7 +37,7 @@ ARGPARSE_NAMES = {"batch_size": "train_batch_size", "num_repeats": "dataset_repe
 # Subset settings that change the samples and that ot_dist has no counterpart for, with what they do in kohya.
 UNSUPPORTED = {
     "color_aug": "a hue shift of up to 8/180 or a gamma in [0.95, 1.05], a third of the time",
-    "face_crop_aug_range": "crops around a face", "caption_suffix": "text after every caption",
+    "face_crop_aug_range": "crops around a face",
     "token_warmup_step": "captions that grow over the first steps", "token_warmup_min": "captions that grow",
     "alpha_mask": "the image's alpha as the loss mask", "custom_attributes": "custom attributes",
     "conditioning_data_dir": "conditioning images",
@@ -223,6 +223,8 @@ def _subset(sub: Lookup, label: str, args: KohyaArgs, out: Imported, captions_fo
             entry[ours] = sub[kohya]
     if sub["caption_prefix"]:
         entry["caption_prefix"] = sub["caption_prefix"]  # kohya: prefix, a space, the caption
+    if sub["caption_suffix"]:
+        entry["caption_suffix"] = sub["caption_suffix"]  # kohya: the caption, a space, suffix
     if sub["flip_aug"]:
         entry["flip_probability"] = 0.5  # kohya flips half the time
     for key, what in UNSUPPORTED.items():

@@ -46,6 +46,16 @@ def network_args(args: KohyaArgs) -> dict[str, str]:
     return parsed
 
 
+def _number(key: str, value, kind: type = float):
+    """A network_args value as kohya's networks read it (int(conv_dim), float(rank_dropout), ...); a word that is no
+    number is an error naming the argument, not a bare ValueError."""
+    try:
+        return kind(value)
+    except (TypeError, ValueError):
+        what = "a whole number" if kind is int else "a number"
+        raise ConfigError(f"network_args: {key}={value}: kohya reads {key} as {what}") from None
+
+
 def import_network(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
     skip = out.not_honoured.append
     module, extra = str(args["network_module"] or ""), network_args(args)
@@ -81,7 +91,7 @@ def import_network(args: KohyaArgs, c: dict, family: str, out: Imported) -> None
              f"features; for {lora['variant']} it is another regulariser than LyCORIS': not written")
     for key in ("rank_dropout", "module_dropout"):
         if key in extra and module in PLAIN:  # kohya's LoRAModule.forward: lora.rank_dropout / module_dropout's rule
-            lora[key] = float(extra.pop(key))
+            lora[key] = _number(key, extra.pop(key))
         elif key in extra:  # LyCORIS' rank dropout rescales only with rank_dropout_scale
             skip(f"network_args {key}={extra.pop(key)}: LyCORIS' {key} is not ot_dist's (kohya networks.lora's)")
     train_t5 = extra.pop("train_t5xxl", "False").lower() == "true"
@@ -121,9 +131,11 @@ def _targets(extra: dict, lora: dict, family: str, module: str, skip) -> None:
     preset = extra.pop("preset", "full") if lycoris else "kohya"
     conv_dim, conv_alpha = extra.pop("conv_dim", None), extra.pop("conv_alpha", None)
     if lycoris:
-        conv_dim, conv_alpha = int(conv_dim or lora["rank"]), float(conv_alpha or lora["alpha"])
+        conv_dim = _number("conv_dim", conv_dim, int) if conv_dim else lora["rank"]
+        conv_alpha = _number("conv_alpha", conv_alpha) if conv_alpha else float(lora["alpha"])
     elif conv_dim is not None:
-        conv_dim, conv_alpha = int(conv_dim), float(conv_alpha) if conv_alpha is not None else 1.0
+        conv_dim = _number("conv_dim", conv_dim, int)
+        conv_alpha = _number("conv_alpha", conv_alpha) if conv_alpha is not None else 1.0
     if family not in UNET_FAMILIES:
         _transformer_layout(lora, family, module, preset, skip)
         if conv_dim is not None and not lycoris:
