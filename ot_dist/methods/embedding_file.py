@@ -70,8 +70,9 @@ def read_embedding_file(path: str | Path, family_keys: dict[str, str],
         for name, shape in shapes.items():
             width = (widths or {}).get(name)
             if shape is None or (width is not None and shape[1] != width):
-                raise ConfigError(f"embedding.init_from: {path} key {found[name]!r} has shape "
-                                  f"{f.get_slice(found[name]).get_shape()}; the {name} takes [vectors, {width or 'width'}]")
+                raw = f.get_slice(found[name]).get_shape()
+                raise ConfigError(f"embedding.init_from: {path} key {found[name]!r} has shape {raw}; the {name} "
+                                  f"takes [vectors, {width or 'width'}]")
         counts = {shape[0] for shape in shapes.values()}
         if len(counts) > 1:
             raise ConfigError(f"embedding.init_from: {path} has different vector counts per encoder: "
