@@ -103,3 +103,13 @@ def test_refusals(tiny_models, tmp_path):
     save_file({"a": torch.randn(1, TEXT_HIDDEN), "b": torch.randn(1, TEXT_HIDDEN)}, ambiguous)
     with pytest.raises(ConfigError, match=r"two.safetensors has \['a', 'b'\]"):
         prepared(tmp_path, sd1, init_from=str(ambiguous))
+
+
+def test_a_missing_file_is_named_before_the_run_starts(tiny_models, tmp_path):
+    from ot_dist.early_checks import check_input_paths
+    from ot_dist.errors import InputFileError
+
+    raw = base_config(tiny_models["sd1"], tmp_path, tmp_path / "out", method="embedding",
+                      **{"embedding.init_from": str(tmp_path / "gone.safetensors")})
+    with pytest.raises(InputFileError, match=r"embedding.init_from: .*gone.safetensors is not a file"):
+        check_input_paths(validate(raw))
