@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.methods.embedding import EmbeddingMethod
+from ot_dist.methods.embedding_file import read_embedding_file
 from ot_dist.models.loading import load_model
 from ot_dist.models.tiny import TEXT_HIDDEN
 
@@ -80,7 +81,10 @@ def test_refusals(tiny_models, tmp_path):
     pickle = tmp_path / "old.pt"
     torch.save({"string_to_param": {"*": torch.randn(1, TEXT_HIDDEN)}}, pickle)
     with pytest.raises(ConfigError, match=r"old\.pt is not a \.safetensors file.*pickle"):
-        prepared(tmp_path, sd1, init_from=str(pickle))
+        validate(base_config(sd1, tmp_path, tmp_path / "o", method="embedding",  # by the config: before any load
+                             **{"embedding.init_from": str(pickle)}))
+    with pytest.raises(ConfigError, match=r"old\.pt is not a \.safetensors file.*pickle"):
+        read_embedding_file(pickle, {"text_encoder": "{token}"})  # and by the reader itself
 
     three = tmp_path / "three.safetensors"
     save_file({"emp_params": torch.randn(3, TEXT_HIDDEN)}, three)

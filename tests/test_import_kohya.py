@@ -534,6 +534,7 @@ def test_textual_inversion(tmp_path):
     assert config["embedding"] == {"token": "mychar", "vectors": 2, "init_text": "*", "init_from": "old.safetensors"}
     for extra, message in (("use_object_template = true\n", "use_object_template: kohya ignores the captions"),
                            ("use_style_template = true\n", "use_style_template: kohya ignores the captions"),
+                           ('weights = "old.pt"\n', "embedding.init_from: old.pt is not a .safetensors file"),
                            ('token_string = ""\n', "token_string: not set")):
         (tmp_path / "args.toml").write_text(minimal(tmp_path) + extra + ("" if "token_string" in extra else
                                                                         'token_string = "mychar"\n'), encoding="utf-8")

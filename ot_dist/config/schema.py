@@ -229,6 +229,15 @@ class EmbeddingConfig(Section):
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
     )
 
+    @field_validator("init_from")
+    @classmethod
+    def _safetensors_only(cls, value: str | None) -> str | None:
+        # .pt / .bin embeddings (A1111's, kohya's, OneTrainer's old ones) are pickles, which can run code when loaded
+        if value is not None and not value.lower().endswith(".safetensors"):
+            raise ValueError(f"embedding.init_from: {value} is not a .safetensors file; .pt / .bin embeddings are "
+                             "Python pickles, which can run code when loaded (convert it to .safetensors first)")
+        return value
+
     @model_validator(mode="after")
     def _lower_case_for_several_vectors(self) -> "EmbeddingConfig":
         # CLIP tokenizers lower-case the prompt, and diffusers expands TOKEN to TOKEN TOKEN_1 ... only when the
