@@ -236,6 +236,9 @@ def test_embedding_model_name_continues_that_embedding(tmp_path):
     assert config.embedding.init_from == "emb/old.safetensors" and "vectors" not in config.embedding.model_fields_set
     assert config.embedding.token == "<shape>"  # lower case: the file may hold several vectors
     assert not any(line.startswith("embedding.model_name") for line in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<shape>", "model_name": "emb/old.pt"}})
+    assert config.embedding.init_from is None and "embedding.model_name: emb/old.pt is not a .safetensors" in skipped[0]
 
 
 def test_inpainting_presets_do_not_cache_latents(tmp_path):

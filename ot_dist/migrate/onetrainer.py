@@ -145,6 +145,10 @@ def _embedding(ot: dict, c: dict, out: Imported) -> None:
     vectors, init_text = embedding["token_count"] or 1, (embedding["initial_embedding_text"] or "").strip() or "*"
     token = embedding["placeholder"]
     continued = embedding["model_name"]  # OneTrainer continues this file; its vector count is the file's
+    if continued and not continued.lower().endswith(".safetensors"):
+        skip(f"embedding.model_name: {continued} is not a .safetensors file (a .pt / .bin is a pickle, which can run "
+             "code when loaded: convert it to continue it); the vectors start from embedding.init_text")
+        continued = ""
     if (vectors > 1 or continued) and token != token.lower():  # OneTrainer swaps the placeholder, in any case
         out.notes.append(f"embedding.placeholder: {token} is written {token.lower()} (a token of several vectors "
                          "must be lower case, as CLIP tokenizers read the prompt; captions match it in any case)")
