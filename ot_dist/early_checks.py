@@ -30,6 +30,10 @@ def check_input_paths(config) -> None:
     init_from = getattr(config.lora, "init_from", None) if config.method == "lora" else None
     if init_from and not shown(init_from).is_file():
         raise InputFileError(f"lora.init_from: {shown(init_from)} is not a file (a LoRA .safetensors to start from)")
+    embedding_from = config.embedding.init_from if config.method == "embedding" else None
+    if embedding_from and not shown(embedding_from).is_file():
+        raise InputFileError(f"embedding.init_from: {shown(embedding_from)} is not a file (an embedding .safetensors "
+                             "to start from)")
     for label, concept in config.data.concept_list():
         if not shown(concept.path).is_dir():
             raise InputFileError(f"{label}: {shown(concept.path)} is not a folder")

@@ -513,8 +513,8 @@ def test_textual_inversion(tmp_path):
     """kohya's train_textual_inversion.py / sdxl_train_textual_inversion.py (docs/train_textual_inversion.md):
     --token_string is the new word (the output file's name when output_name is not set), --num_vectors_per_token its
     vectors, --init_word the text whose token embeddings start them: ot_dist's method embedding with token, vectors and
-    init_text. Templates (captions replaced by kohya's built-in ones) and --weights (continue from a file) are refused
-    by name; no init_word is listed (kohya starts from the new rows the text encoder's resize adds)."""
+    init_text, --weights (continue from a file) embedding.init_from. Templates (captions replaced by kohya's
+    built-in ones) are refused by name; no init_word is listed (kohya starts from the new rows the resize adds)."""
     images(tmp_path / "d" / "5_mychar", 1)
     common = minimal(tmp_path) + 'token_string = "mychar"\n'
     config, text, err = imported(tmp_path, common + 'init_word = "girl"\nnum_vectors_per_token = 4\n'
@@ -529,9 +529,12 @@ def test_textual_inversion(tmp_path):
     config, _, err = imported(tmp_path, common, "--script", "train_textual_inversion.py")
     assert config["embedding"] == {"token": "mychar", "vectors": 1, "init_text": "*"}
     assert "init_word: not set" in err
+    config, _, _ = imported(tmp_path, common + 'weights = "old.safetensors"\nnum_vectors_per_token = 2\n', "--script",
+                            "train_textual_inversion.py")  # --weights continues that file
+    assert config["embedding"] == {"token": "mychar", "vectors": 2, "init_text": "*", "init_from": "old.safetensors"}
     for extra, message in (("use_object_template = true\n", "use_object_template: kohya ignores the captions"),
                            ("use_style_template = true\n", "use_style_template: kohya ignores the captions"),
-                           ('weights = "old.safetensors"\n', "weights: old.safetensors: continuing"),
+                           ('weights = "old.pt"\n', "embedding.init_from: old.pt is not a .safetensors file"),
                            ('token_string = ""\n', "token_string: not set")):
         (tmp_path / "args.toml").write_text(minimal(tmp_path) + extra + ("" if "token_string" in extra else
                                                                         'token_string = "mychar"\n'), encoding="utf-8")

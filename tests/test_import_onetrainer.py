@@ -227,6 +227,20 @@ def test_embedding_presets_train_only_the_embedding(tmp_path, model_type):
     assert config.method == "embedding" and not any(config.part_trains(p) for p in config.part_names())
 
 
+def test_embedding_model_name_continues_that_embedding(tmp_path):
+    """OneTrainer's embedding.model_name starts the vectors from that file, whose vector count is used (BaseModel's
+    token_count = the vector's rows): embedding.init_from, with no vectors written (the file sets them)."""
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<Shape>", "token_count": 2,
+                                                           "model_name": "emb/old.safetensors"}})
+    assert config.embedding.init_from == "emb/old.safetensors" and "vectors" not in config.embedding.model_fields_set
+    assert config.embedding.token == "<shape>"  # lower case: the file may hold several vectors
+    assert not any(line.startswith("embedding.model_name") for line in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<shape>", "model_name": "emb/old.pt"}})
+    assert config.embedding.init_from is None and "embedding.model_name: emb/old.pt is not a .safetensors" in skipped[0]
+
+
 def test_inpainting_presets_do_not_cache_latents(tmp_path):
     """latent_caching is on by default; an inpainting model encodes each step's masked image."""
     config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15_INPAINTING", "masked_training": True})

@@ -213,13 +213,30 @@ class EmbeddingConfig(Section):
         description="The placeholder token. Captions that contain it (in any case, as CLIP tokenizers read it) train it "
         "in place; captions without it get it prepended. Lower case when vectors > 1.",
     )
-    vectors: int = Field(default=1, ge=1, description="Number of embedding vectors (tokens) it expands to.")
+    vectors: int = Field(default=1, ge=1, description="Number of embedding vectors (tokens) it expands to. With "
+                         "init_from the file sets it (a different value here is an error).")
     init_text: str = Field(
-        default="*", min_length=1, description="Text whose token embeddings initialise the vectors."
+        default="*", min_length=1, description="Text whose token embeddings initialise the vectors (unless init_from)."
+    )
+    init_from: str | None = Field(
+        default=None,
+        description="An embedding .safetensors to continue: the vectors start from it instead of init_text. Layouts: "
+        "ot_dist's / ComfyUI's / A1111-Forge SDXL (clip_l, clip_g), OneTrainer's (emp_params for SD 1.x/2.x; "
+        "clip_l / clip_g, t5 unused), A1111 (string_to_param.*), diffusers ({token: tensor}). .pt / .bin (pickle) "
+        "files are refused.",
     )
     learning_rate: float | None = Field(
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
     )
+
+    @field_validator("init_from")
+    @classmethod
+    def _safetensors_only(cls, value: str | None) -> str | None:
+        # .pt / .bin embeddings (A1111's, kohya's, OneTrainer's old ones) are pickles, which can run code when loaded
+        if value is not None and not value.lower().endswith(".safetensors"):
+            raise ValueError(f"embedding.init_from: {value} is not a .safetensors file; .pt / .bin embeddings are "
+                             "Python pickles, which can run code when loaded (convert it to .safetensors first)")
+        return value
 
     @model_validator(mode="after")
     def _lower_case_for_several_vectors(self) -> "EmbeddingConfig":

@@ -21,6 +21,8 @@ from safetensors.torch import save_file
 from ot_dist.checkpoint.export import atomic_path
 from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict
+from ot_dist.methods.embedding_file import read_embedding_file, vector_count
+from ot_dist.models.families.registry import get_family
 from ot_dist.models.loading import LoadedModel
 from ot_dist.precision import DTYPES
 
@@ -54,8 +56,22 @@ def init_token_ids(tokenizer, text: str, count: int) -> list[int]:
 class EmbeddingMethod(TrainingMethod):
     formats = ("embedding",)
 
+    def vector_count(self) -> int:
+        """embedding.vectors, or with embedding.init_from the file's count (a configured count must equal it)."""
+        embedding = self.config.embedding
+        if not embedding.init_from:
+            return embedding.vectors
+        if getattr(self, "_file_count", None) is None:
+            configured = embedding.vectors if "vectors" in embedding.model_fields_set else None
+            self._file_count = vector_count(embedding.init_from, get_family(self.config.model.family).embedding_keys,
+                                            configured)
+            if self._file_count > 1 and embedding.token != embedding.token.lower():
+                raise ConfigError(f"embedding.token: {embedding.token!r}: embedding.init_from holds "
+                                  f"{self._file_count} vectors, so the token must be lower case (see embedding.token)")
+        return self._file_count
+
     def token_strings(self) -> list[str]:
-        token, n = self.config.embedding.token, self.config.embedding.vectors
+        token, n = self.config.embedding.token, self.vector_count()
         # The multi-vector naming diffusers' load_textual_inversion uses: tok, tok_1, tok_2, ...
         return [token] + [f"{token}_{i}" for i in range(1, n)]
 
@@ -70,6 +86,7 @@ class EmbeddingMethod(TrainingMethod):
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         freeze_all(model)
         tokens = self.token_strings()
+        start = self._start_vectors(model)
         params = []
         for encoder_name, tokenizer_name in zip(model.family.text_encoders, model.family.tokenizers):
             if encoder_name not in model.family.embedding_keys:
@@ -86,11 +103,20 @@ class EmbeddingMethod(TrainingMethod):
                     f"embedding.token: {tokenizer_name} ({len(tokenizer)} tokens) and {encoder_name} "
                     f"({base.num_embeddings} embeddings) disagree on the vocabulary size"
                 )
-            extra = base.weight.detach()[torch.tensor(init_ids)].clone()
+            extra = start[encoder_name] if start else base.weight.detach()[torch.tensor(init_ids)].clone()
             extended = ExtendedTokenEmbedding(base, extra)
             encoder.set_input_embeddings(extended)
             params.append(extended.extra)
         return [ParamGroup("embedding", params, self.config.part_learning_rate("embedding"))]
+
+    def _start_vectors(self, model: LoadedModel) -> dict[str, torch.Tensor] | None:
+        """embedding.init_from's vectors per encoder, checked against each encoder's embedding width."""
+        path = self.config.embedding.init_from
+        if not path:
+            return None
+        keys = model.family.embedding_keys
+        widths = {name: model.text_encoders[name].get_input_embeddings().embedding_dim for name in keys}
+        return read_embedding_file(path, keys, widths)
 
     def vectors(self, model: LoadedModel, state_dict_of=plain_state_dict) -> dict[str, torch.Tensor]:
         vectors = {}

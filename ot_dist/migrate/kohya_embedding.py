@@ -24,11 +24,10 @@ def import_embedding(args: KohyaArgs, c: dict, out: Imported) -> None:
             raise ConfigError(f"{key}: kohya ignores the captions and draws one of its built-in templates around the "
                               "token per sample; ot_dist has no built-in templates (write the lines you want as a "
                               "concept's caption_text, caption_source text: a line is drawn per image and epoch)")
-    if args["weights"]:
-        raise ConfigError(f"weights: {args['weights']}: continuing from an embedding file is not supported (ot_dist "
-                          "starts the vectors from embedding.init_text; ot_dist's own checkpoints resume)")
     vectors = args["num_vectors_per_token"]
     c["embedding"] = {"token": token, "vectors": vectors}
+    if args["weights"]:  # kohya continues this file (its vectors must number num_vectors_per_token, as here)
+        c["embedding"]["init_from"] = args["weights"]
     if args["init_word"]:
         c["embedding"]["init_text"] = args["init_word"]
     else:

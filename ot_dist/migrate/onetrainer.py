@@ -144,7 +144,12 @@ def _embedding(ot: dict, c: dict, out: Imported) -> None:
     embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
     vectors, init_text = embedding["token_count"] or 1, (embedding["initial_embedding_text"] or "").strip() or "*"
     token = embedding["placeholder"]
-    if vectors > 1 and token != token.lower():  # OneTrainer swaps the placeholder for its own tokens, in any case
+    continued = embedding["model_name"]  # OneTrainer continues this file; its vector count is the file's
+    if continued and not continued.lower().endswith(".safetensors"):
+        skip(f"embedding.model_name: {continued} is not a .safetensors file (a .pt / .bin is a pickle, which can run "
+             "code when loaded: convert it to continue it); the vectors start from embedding.init_text")
+        continued = ""
+    if (vectors > 1 or continued) and token != token.lower():  # OneTrainer swaps the placeholder, in any case
         out.notes.append(f"embedding.placeholder: {token} is written {token.lower()} (a token of several vectors "
                          "must be lower case, as CLIP tokenizers read the prompt; captions match it in any case)")
         token = token.lower()
@@ -153,14 +158,14 @@ def _embedding(ot: dict, c: dict, out: Imported) -> None:
     # text's tokens first, then "*"s, cut at the vector count.
     c["embedding"] = {"token": token, "vectors": vectors,
                       "init_text": init_text + " *" * (vectors - 1) if init_text != "*" else init_text}
+    if continued:
+        del c["embedding"]["vectors"]
+        c["embedding"]["init_from"] = local_path(continued, "embedding.model_name", out)
     if ot["embedding_learning_rate"]:
         c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
-    if embedding["token_count"] is None:  # OneTrainer's "auto": one vector per token of the initial text
+    if embedding["token_count"] is None and not continued:  # OneTrainer's "auto": a vector per token of the text
         skip(f"embedding.token_count: null: OneTrainer makes one vector per token of "
              f"{embedding['initial_embedding_text']!r}; set embedding.vectors to that count (1 is written)")
-    if embedding["model_name"]:
-        skip(f"embedding.model_name: {embedding['model_name']} (continuing an existing embedding) is not supported; "
-             "it starts from embedding.init_text")
     if embedding["stop_training_after"] is not None and embedding["stop_training_after_unit"] != "NEVER":
         skip(f"embedding.stop_training_after: {embedding['stop_training_after']} "
              f"{embedding['stop_training_after_unit']} is not supported (the embedding trains to the end)")
