@@ -128,6 +128,23 @@ def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: 
             if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
     return cases
 
+def full_variant(kind: str, setting: dict, strategies, family: str, model: Path, data: Path, out: Path,
+                 references: dict, **split) -> dict[str, dict]:
+    """A full finetune with `setting`: one process's run (batch 4) as references[family, kind], checked to differ
+    from the plain full finetune's (the comparison can fail), and its 2-rank cases under `strategies`, each rank's
+    global-batch share given by `split` (batch_size, gradient_accumulation_steps)."""
+    ref = out / f"ref-{family}-{kind}"
+    raw = base_config(model, data, ref, family=family, method="full", batch_size=4,
+                      **settings(family, "full", **setting, **trained(family, "full")))
+    Trainer(validate(raw), log=lambda *_: None).train()
+    references[family, kind] = exported(ref, family, "full", bool(trained(family, "full")))
+    assert distance(references[family, kind], references[family, "full"]) > 100 * TOLERANCE, \
+        f"{setting} changed nothing"
+    return {f"{family}/{strategy}+{kind}-{kind}": base_config(
+        model, data, out / f"{family}-{strategy}+{kind}-{kind}", family=family, method="full", strategy=strategy,
+        **split, **settings(family, "full", **setting, **STRATEGIES[strategy], **trained(family, "full")))
+        for strategy in strategies}
+
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_data, tmp_path):
@@ -146,33 +163,12 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
     for name in families:
         cases |= family_cases(name, models[name], shapes_data, tmp_path, accumulation=name == family)
     if family == CLIPPED["family"]:
-        clipped = {"clip_grad_norm": CLIPPED["clip_grad_norm"]}
-        out = tmp_path / f"ref-{family}-clipped"
-        raw = base_config(models[family], shapes_data, out, family=family, method="full", batch_size=4,
-                          **settings(family, "full", **clipped, **trained(family, "full")))
-        Trainer(validate(raw), log=lambda *_: None).train()
-        references[family, "clipped"] = exported(out, family, "full", bool(trained(family, "full")))
-        unclipped = references[family, "full"]
-        assert max((references[family, "clipped"][k] - unclipped[k]).abs().max().item() for k in unclipped) > 100 * TOLERANCE, \
-            f"clipping at {CLIPPED['clip_grad_norm']} changed nothing"
-        cases |= {f"{family}/{strategy}+clipped-clipped": base_config(
-            models[family], shapes_data, tmp_path / f"{family}-{strategy}+clipped-clipped", family=family,
-            method="full", batch_size=2, strategy=strategy, **settings(family, "full", **clipped, **STRATEGIES[strategy], **trained(family, "full")))
-            for strategy in CLIPPED["strategies"]}
+        cases |= full_variant("clipped", {"clip_grad_norm": CLIPPED["clip_grad_norm"]}, CLIPPED["strategies"],
+                              family, models[family], shapes_data, tmp_path, references, batch_size=2)
     if family == SCALED["family"]:
-        scaled = {"loss.scaler": SCALED["loss.scaler"]}
-        out = tmp_path / f"ref-{family}-scaled"
-        raw = base_config(models[family], shapes_data, out, family=family, method="full", batch_size=4,
-                          **settings(family, "full", **scaled, **trained(family, "full")))
-        Trainer(validate(raw), log=lambda *_: None).train()
-        references[family, "scaled"] = exported(out, family, "full", bool(trained(family, "full")))
-        unscaled = references[family, "full"]
-        assert distance(references[family, "scaled"], unscaled) > 100 * TOLERANCE, "the scaler changed nothing"
-        cases |= {f"{family}/{strategy}+scaled-scaled": base_config(
-            models[family], shapes_data, tmp_path / f"{family}-{strategy}+scaled-scaled", family=family,
-            method="full", batch_size=1, gradient_accumulation_steps=2, strategy=strategy,
-            **settings(family, "full", **scaled, **STRATEGIES[strategy], **trained(family, "full")))
-            for strategy in SCALED["strategies"]}
+        cases |= full_variant("scaled", {"loss.scaler": SCALED["loss.scaler"]}, SCALED["strategies"], family,
+                              models[family], shapes_data, tmp_path, references, batch_size=1,
+                              gradient_accumulation_steps=2)
     bfloat16_cases = {}
     for name in (name for name in families if name in BFLOAT16_CASES):
         out = tmp_path / f"ref-{name}-bfloat16"
