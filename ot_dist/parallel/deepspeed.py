@@ -135,13 +135,21 @@ def share_fp32_master_with_partitions(zero_optimizer) -> None:
     partitions = getattr(zero_optimizer, "fp16_partitioned_groups_flat", None) or []
     masters = getattr(zero_optimizer, "fp32_partitioned_groups_flat", None) or []
     for partition, master in zip(partitions, masters):
-        if (
-            master is not partition
-            and master.dtype == partition.dtype
-            and master.device == partition.device
-            and master.shape == partition.shape
-        ):
-            master.data = partition.data
+        store_master_in(master, partition)
+
+
+def store_master_in(master: torch.Tensor, partition: torch.Tensor) -> bool:
+    """Make the fp32 master a view of the weights' partition when it can be one (same dtype, device and shape) and
+    is not already; True when it became one. The master keeps its identity, only its storage changes."""
+    if (
+        master.data_ptr() == partition.data_ptr()
+        or master.dtype != partition.dtype
+        or master.device != partition.device
+        or master.shape != partition.shape
+    ):
+        return False
+    master.data = partition.data
+    return True
 
 
 def share_fp32_master_with_flat_weights(zero_optimizer) -> None:
@@ -167,14 +175,7 @@ def share_fp32_master_with_flat_weights(zero_optimizer) -> None:
     for group, master in enumerate(zero_optimizer.single_partition_of_fp32_groups):
         rank = dist.get_rank(group=zero_optimizer.real_dp_process_group[group])
         partition = zero_optimizer.parallel_partitioned_bit16_groups[group][rank]
-        if (
-            master.data_ptr() != partition.data_ptr()
-            and master.dtype == partition.dtype
-            and master.device == partition.device
-            and master.shape == partition.shape
-        ):
-            master.data = partition.data
-            shared = True
+        shared |= store_master_in(master, partition)
     if shared:
         zero_optimizer._link_all_hp_params()
 
