@@ -12,6 +12,8 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from ot_dist.config.checkpoint import CheckpointConfig
+from ot_dist.config.embeddings import (AdditionalEmbeddingConfig, check_additional_embeddings,
+                                       lower_case_for_several_vectors, safetensors_only)
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.metadata import MetadataConfig
@@ -232,21 +234,11 @@ class EmbeddingConfig(Section):
     @field_validator("init_from")
     @classmethod
     def _safetensors_only(cls, value: str | None) -> str | None:
-        # .pt / .bin embeddings (A1111's, kohya's, OneTrainer's old ones) are pickles, which can run code when loaded
-        if value is not None and not value.lower().endswith(".safetensors"):
-            raise ValueError(f"embedding.init_from: {value} is not a .safetensors file; .pt / .bin embeddings are "
-                             "Python pickles, which can run code when loaded (convert it to .safetensors first)")
-        return value
+        return safetensors_only(value, "embedding.init_from")
 
     @model_validator(mode="after")
     def _lower_case_for_several_vectors(self) -> "EmbeddingConfig":
-        # CLIP tokenizers lower-case the prompt, and diffusers expands TOKEN to TOKEN TOKEN_1 ... only when the
-        # lower-cased word is the registered one (loaders/textual_inversion.py `maybe_convert_prompt`): an upper-case
-        # token would train all its vectors but give one in diffusers' pipelines and in ot_dist's own samples.
-        if self.vectors > 1 and self.token != self.token.lower():
-            raise ValueError(f"embedding.token: {self.token!r} with {self.vectors} vectors must be lower case "
-                             f"({self.token.lower()!r}): CLIP tokenizers lower-case the prompt, so diffusers' "
-                             "pipelines would expand an upper-case token to its first vector only")
+        lower_case_for_several_vectors(self.token, self.vectors, "embedding.token")
         return self
 
 
@@ -778,6 +770,22 @@ class TrainConfig(Section):
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+    additional_embeddings: list[AdditionalEmbeddingConfig] = Field(
+        default_factory=list,
+        description="New tokens trained together with the method's weights (pivotal tuning; OneTrainer's additional "
+        "embeddings): each in its own parameter group, its token expanded where captions (and sample prompts) have "
+        "it. Written as output_dir/embeddings/<token>.safetensors (the layout of method embedding's file: diffusers' "
+        "load_textual_inversion, A1111, ComfyUI) and, with bundle_additional_embeddings, inside the LoRA file too. "
+        "Families with a CLIP text encoder (not PixArt / Chroma, T5 only); not with data.cache_text.",
+    )
+    bundle_additional_embeddings: bool = Field(
+        default=False,
+        description="Method lora: also write the additional embeddings into lora.safetensors as "
+        "bundle_emb.<token>.<key> tensors (A1111's bundled embeddings; OneTrainer's default). Off by default: "
+        "diffusers' load_lora_weights refuses a kohya-layout file with such keys (\"keys have not been correctly "
+        "renamed\"), ComfyUI loads the LoRA but warns \"lora key not loaded\" for each, and Forge (since its 2024 "
+        "LoRA rework) ignores them; the separate files are written either way.",
+    )
     metadata: MetadataConfig = Field(default_factory=MetadataConfig)
 
     @field_validator("train_dtype")
@@ -960,6 +968,7 @@ class TrainConfig(Section):
                              f"(allowed: auto, {', '.join(family.samplers)})")
         if self.method == "embedding" and not family.embedding_keys:
             raise ValueError(f"method: model family {self.model.family} has no text encoder that takes embeddings")
+        check_additional_embeddings(self, family)
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():
                 if getattr(self, name).stop_training_after is not None:
@@ -1075,3 +1084,13 @@ class TrainConfig(Section):
 
     def part_learning_rate(self, name: str) -> float:
         return getattr(self, name).learning_rate or self.learning_rate
+
+    def additional_learning_rate(self, entry: AdditionalEmbeddingConfig) -> float:
+        return entry.learning_rate or self.embedding.learning_rate or self.learning_rate
+
+    def stop_rule(self, group: str):
+        """The config section whose `stopped(epoch, step)` applies to parameter group `group` (a part, an additional
+        embedding's "embedding/<token>"), or None."""
+        if group in self.part_names():
+            return getattr(self, group)
+        return next((e for e in self.additional_embeddings if e.group_name() == group), None)

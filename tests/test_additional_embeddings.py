@@ -1,0 +1,201 @@
+"""additional_embeddings (pivotal tuning): new token vectors trained together with a LoRA or a full finetune, on the
+tiny SD 1.x model (SDXL's file keys from a prepared model, no training). What is checked:
+- training moves the vectors and the LoRA and nothing else (base weights, a frozen embedding);
+- the separate file loads through diffusers' load_textual_inversion and encodes as the trained encoder does;
+- the bundled keys follow A1111 / Forge's rule for `bundle_emb` (written down below from its source), and ComfyUI's
+  LoRA loader (tests/test_lora_layouts.py's oracle) loads every other key, leaving exactly the bundled ones;
+- a full finetune exports the model with its own vocabulary and tokenizer, the vectors beside it;
+- the config's refusals name the entry.
+The 2-rank fsdp run is tests/test_strategies.py's lora case, which carries an additional embedding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import base_config
+from diffusers import DiffusionPipeline
+from safetensors.torch import load_file
+
+from ot_dist.config.load import validate
+from ot_dist.errors import ConfigError
+from ot_dist.train.trainer import Trainer
+
+QUIET = lambda *_: None  # noqa: E731
+
+
+def pivotal_config(model, data, out, method="lora", **extra):
+    raw = base_config(model, None, out, method=method, **{"batch_size": 4, "max_steps": 3, "learning_rate": 5e-2,
+                                                          **extra})
+    # the token in every caption (a concept's caption_prefix); "<tok>" trains, "<old>" is used frozen
+    raw["data"] = {"concepts": [{"path": str(data), "caption_prefix": "<tok> with <old>"}], "shards": f"{out}-shards"}
+    return raw
+
+
+@pytest.fixture(scope="module")
+def frozen_file(tmp_path_factory):
+    from ot_dist.models.tiny import TEXT_HIDDEN
+
+    path = tmp_path_factory.mktemp("emb") / "old.safetensors"
+    torch.manual_seed(3)
+    from safetensors.torch import save_file
+
+    save_file({"emp_params": torch.randn(1, TEXT_HIDDEN)}, path)  # OneTrainer's SD layout
+    return path
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_models, shapes_data, frozen_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pivotal") / "out"
+    raw = pivotal_config(tiny_models["sd1"], shapes_data, out, **{
+        "lora.rank": 4, "bundle_additional_embeddings": True,
+        "additional_embeddings": [{"token": "<tok>", "vectors": 2, "init_text": "a cat"},
+                                  {"token": "<old>", "init_from": str(frozen_file), "train": False}]})
+    trainer = Trainer(validate(raw), log=QUIET)
+    unet_before = {k: v.clone() for k, v in trainer.model.denoiser.state_dict().items()}
+    text_before = {k: v.clone() for k, v in trainer.model.text_encoders["text_encoder"].state_dict().items()}
+    result = trainer.train()
+    return trainer, result, out, unet_before, text_before
+
+
+def test_the_vectors_and_the_lora_train_and_nothing_else(lora_run, frozen_file):
+    trainer, result, out, unet_before, text_before = lora_run
+    assert [g.name for g in trainer.groups] == ["unet", "embedding/<tok>"]
+    assert trainer.method.caption("a red circle, <TOK> with <old>") == "a red circle, <tok> <tok>_1 with <old>"
+    unet = trainer.model.denoiser.state_dict()
+    moved = {k for k in unet if not torch.equal(unet[k], unet_before[k])}
+    assert moved and all("lora_" in k for k in moved), sorted(moved)[:5]
+    text = trainer.model.text_encoders["text_encoder"].state_dict()
+    moved = {k for k in text if not torch.equal(text[k], text_before[k])}
+    assert moved == {"embeddings.token_embedding.additional.0"}  # transformers 5: no text_model.
+    files = {p.name for p in result.exported}
+    assert files == {"lora.safetensors", "tok.safetensors", "old.safetensors"}
+    assert torch.equal(load_file(out / "embeddings" / "old.safetensors")["<old>"],
+                       load_file(frozen_file)["emp_params"])  # used, not trained
+
+
+def test_the_embedding_file_loads_in_diffusers(lora_run, tiny_models):
+    trainer, _, out, _, _ = lora_run
+    pipe = DiffusionPipeline.from_pretrained(tiny_models["sd1"])
+    pipe.load_textual_inversion(out / "embeddings" / "tok.safetensors")  # the file names its token
+    prompt = "a photo of <tok> on a white background"
+    expanded = pipe.maybe_convert_prompt(prompt, pipe.tokenizer)
+    assert expanded == trainer.method.caption(prompt)  # diffusers expands the words as training did
+    ids = lambda t: t(expanded, padding="max_length", max_length=77, return_tensors="pt").input_ids  # noqa: E731
+    mine, theirs = ids(trainer.model.tokenizers["tokenizer"]), ids(pipe.tokenizer)
+    assert torch.equal(mine, theirs)
+    with torch.no_grad():
+        got = pipe.text_encoder(theirs).last_hidden_state
+        want = trainer.model.text_encoders["text_encoder"](mine).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ---- A1111 / Forge's bundled embeddings -----------------------------------------------------------------------
+# Read from lllyasviel/stable-diffusion-webui-forge (A1111's code before Forge's 2024 rework):
+#   extensions-builtin/Lora/networks.py @ 9f1eb409^ load_network: key.partition(".") == "bundle_emb" ->
+#     emb_name, vec_name = rest.split(".", 1); vec_name "string_to_param.<k>" -> data["string_to_param"] = {k: t},
+#     else data[vec_name] = t; each name becomes an embedding (textual_inversion.create_embedding_from_data)
+#   modules/textual_inversion/textual_inversion.py create_embedding_from_data: string_to_param with one tensor, or
+#     clip_g + clip_l (SDXL), or one tensor of any name; else "Couldn't identify".
+def forge_bundled_embeddings(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | dict]:
+    bundles = {}
+    for key, value in tensors.items():
+        first, _, rest = key.partition(".")
+        if first != "bundle_emb":
+            continue
+        name, vec_name = rest.split(".", 1)
+        data = bundles.setdefault(name, {})
+        if vec_name.split(".")[0] == "string_to_param":
+            data["string_to_param"] = {vec_name.split(".", 1)[1]: value}
+        else:
+            data[vec_name] = value
+    embeddings = {}
+    for name, data in bundles.items():
+        if "string_to_param" in data:
+            (vectors,) = data["string_to_param"].values()
+        elif "clip_g" in data and "clip_l" in data:
+            vectors = {k: data[k] for k in ("clip_l", "clip_g")}
+        elif len(data) == 1:
+            vectors = next(iter(data.values()))
+        else:
+            raise AssertionError(f"Forge could not identify {name}: {sorted(data)}")
+        embeddings[name] = vectors
+    return embeddings
+
+
+def test_the_bundled_embeddings_follow_forge_and_comfyui_loads_the_rest(lora_run, tiny_models):
+    from test_lora_layouts import comfy_key_map, comfy_load
+
+    trainer, _, out, _, _ = lora_run
+    tensors = load_file(out / "lora.safetensors")
+    bundled = forge_bundled_embeddings(tensors)
+    assert set(bundled) == {"<tok>", "<old>"}
+    for token in bundled:
+        stem = token.strip("<>")
+        torch.testing.assert_close(bundled[token], load_file(out / "embeddings" / f"{stem}.safetensors")[token])
+    assert bundled["<tok>"].shape[0] == 2
+    key_map = comfy_key_map("sd1", trainer.model.denoiser)
+    patches, left = comfy_load(tensors, key_map)
+    assert patches and left == {k for k in tensors if k.startswith("bundle_emb.")}  # ComfyUI: "lora key not loaded"
+
+
+def test_sdxl_bundles_clip_l_and_clip_g(tiny_models, shapes_data, tmp_path):
+    from ot_dist.methods.registry import build_method
+    from ot_dist.models.loading import load_model
+
+    raw = pivotal_config(tiny_models["sdxl"], shapes_data, tmp_path / "o", family="sdxl",
+                         **{"bundle_additional_embeddings": True, "additional_embeddings": [{"token": "<x>"}]})
+    raw["model"]["family"] = "sdxl"
+    config = validate(raw)
+    method, model = build_method(config), load_model(config.model)
+    method.prepare(model)
+    method.export(model, tmp_path)
+    bundled = forge_bundled_embeddings(load_file(tmp_path / "lora.safetensors"))
+    own = load_file(tmp_path / "embeddings" / "x.safetensors")
+    assert set(bundled["<x>"]) == set(own) == {"clip_l", "clip_g"}
+    for key in own:
+        assert torch.equal(bundled["<x>"][key], own[key])
+
+
+def test_a_full_finetune_exports_the_model_as_loaded_and_the_vectors_beside_it(tiny_models, shapes_data, tmp_path):
+    out = tmp_path / "out"
+    raw = pivotal_config(tiny_models["sd1"], shapes_data, out, method="full", max_steps=2, learning_rate=1e-3,
+                         **{"text_encoder.train": True, "additional_embeddings": [{"token": "<tok>"}]})
+    raw["data"]["concepts"][0]["caption_prefix"] = "<tok>"
+    trainer = Trainer(validate(raw), log=QUIET)
+    start = trainer.model.text_encoders["text_encoder"].get_input_embeddings().additional[0].detach().clone()
+    result = trainer.train()
+    assert {p.name for p in result.exported} == {"model", "model.safetensors", "tok.safetensors"}
+    assert [g.name for g in trainer.groups] == ["unet", "text_encoder", "embedding/<tok>"]
+    loaded = DiffusionPipeline.from_pretrained(out / "model")
+    base = DiffusionPipeline.from_pretrained(tiny_models["sd1"])
+    assert len(loaded.tokenizer) == len(base.tokenizer)  # the exported tokenizer knows no new token
+    encoder = trainer.model.text_encoders["text_encoder"]
+    assert torch.equal(loaded.text_encoder.get_input_embeddings().weight, encoder.get_input_embeddings().base.weight)
+    vectors = load_file(out / "embeddings" / "tok.safetensors")["<tok>"]
+    assert torch.equal(vectors, encoder.get_input_embeddings().additional[0].detach())
+    assert not torch.allclose(vectors, start, atol=1e-4), "the vectors did not train"
+
+
+def test_refusals(tiny_models, tmp_path):
+    def check(match, method="lora", family="sd1", **extra):
+        raw = base_config(tiny_models.get(family, tmp_path), tmp_path, tmp_path / "o", family=family, method=method,
+                          **extra)
+        with pytest.raises(ConfigError, match=match):
+            validate(raw)
+
+    two = [{"token": "<a>"}, {"token": "<A>"}]
+    check(r"additional_embeddings\[1\].token: '<A>' and additional_embeddings\[0\].token '<a>' overlap",
+          additional_embeddings=two)
+    check(r"additional_embeddings\[0\].token: 'sks' and embedding.token 'sks' overlap", method="embedding",
+          **{"embedding.token": "sks", "additional_embeddings": [{"token": "sks"}]})
+    check("additional_embeddings: model family pixart_alpha has no text encoder that takes embeddings",
+          family="pixart_alpha", additional_embeddings=[{"token": "<a>"}])
+    check("data.cache_text: the additional embeddings", additional_embeddings=[{"token": "<a>"}],
+          **{"data.cache_text": True})
+    check("bundle_additional_embeddings: bundles them into the LoRA file; method full", method="full",
+          additional_embeddings=[{"token": "<a>"}], bundle_additional_embeddings=True)
+    check(r"has a '\.'", additional_embeddings=[{"token": "a.b"}])
+    check("must be lower case", additional_embeddings=[{"token": "<A>", "vectors": 2}])
+    check("train false keeps the vectors", additional_embeddings=[{"token": "<a>", "train": False}])
+    check(r"additional_embeddings\[0\].stop_training_after: not supported with strategy fsdp", strategy="fsdp",
+          additional_embeddings=[{"token": "<a>", "stop_training_after": 1}])
