@@ -779,3 +779,32 @@ def test_an_upper_case_placeholder_of_several_vectors_is_imported_lower_case(tmp
     assert imported.config["embedding"]["token"] == "<mychar>"
     assert any(note.startswith("embedding.placeholder: <MyChar> is written <mychar>") for note in imported.notes)
 
+
+
+def test_additional_embeddings_are_imported_and_bundled_by_default(tmp_path):
+    """OneTrainer's additional_embeddings (TrainEmbeddingConfig each, one embedding_learning_rate for all) become
+    additional_embeddings entries; bundle_additional_embeddings (OneTrainer's default: true) is kept for LoRA; an
+    output embedding is refused by name, a .pt continued file listed, a placeholder with a space rewritten."""
+    embeddings = [
+        {"placeholder": "<Cat Toy>", "token_count": 2, "initial_embedding_text": "cat", "stop_training_after": 3,
+         "stop_training_after_unit": "STEP"},
+        {"placeholder": "<style>", "model_name": "emb/style.safetensors", "train": False},
+        {"placeholder": "<out>", "is_output_embedding": True},
+        {"placeholder": "<old>", "model_name": "emb/old.pt"},
+    ]
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA",
+                                             "embedding_learning_rate": 3e-3, "additional_embeddings": embeddings})
+    first, style, old = config.additional_embeddings
+    assert (first.token, first.vectors, first.init_text, first.learning_rate) == ("<cat_toy>", 2, "cat *", 3e-3)
+    assert (first.stop_training_after, first.stop_training_after_unit) == (3, "step")
+    assert (style.token, style.init_from, style.train) == ("<style>", "emb/style.safetensors", False)
+    assert (old.token, old.init_from, old.init_text) == ("<old>", None, "*")
+    assert config.bundle_additional_embeddings is True
+    assert any(s.startswith("additional_embeddings[2].is_output_embedding: true") for s in skipped)
+    assert any(s.startswith("additional_embeddings[3].model_name: emb/old.pt") for s in skipped)
+
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "FINE_TUNE",
+                                       "bundle_additional_embeddings": True,
+                                       "additional_embeddings": [{"placeholder": "<a>"}]})
+    assert [e.token for e in config.additional_embeddings] == ["<a>"]
+    assert config.bundle_additional_embeddings is False  # OneTrainer bundles into LoRA files only
