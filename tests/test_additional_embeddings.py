@@ -199,3 +199,25 @@ def test_refusals(tiny_models, tmp_path):
     check("train false keeps the vectors", additional_embeddings=[{"token": "<a>", "train": False}])
     check(r"additional_embeddings\[0\].stop_training_after: not supported with strategy fsdp", strategy="fsdp",
           additional_embeddings=[{"token": "<a>", "stop_training_after": 1}])
+
+
+def test_beside_method_embedding_each_token_has_its_own_rows_and_file(tiny_models, shapes_data, tmp_path):
+    from ot_dist.methods.registry import build_method
+    from ot_dist.models.loading import load_model
+
+    raw = pivotal_config(tiny_models["sd1"], shapes_data, tmp_path / "o", method="embedding",
+                         **{"embedding.token": "<main>", "additional_embeddings": [{"token": "<tok>", "vectors": 2}]})
+    config = validate(raw)
+    method, model = build_method(config), load_model(config.model)
+    groups = method.prepare(model)
+    assert [g.name for g in groups] == ["embedding", "embedding/<tok>"]
+    assert method.caption("a <tok> cat") == "<main> a <tok> <tok>_1 cat"
+    with torch.no_grad():
+        groups[1].params[0].fill_(0.5)
+    paths = method.export(model, tmp_path)
+    assert [p.name for p in paths] == ["embedding.safetensors", "tok.safetensors"]
+    assert torch.equal(load_file(paths[1])["<tok>"], torch.full_like(groups[1].params[0], 0.5))
+    assert not torch.equal(load_file(paths[0])["<main>"][0], load_file(paths[1])["<tok>"][0])
+    ids = model.tokenizers["tokenizer"]("<main> <tok> <tok>_1", add_special_tokens=False).input_ids
+    size = model.text_encoders["text_encoder"].get_input_embeddings().base.num_embeddings
+    assert ids == [size, size + 1, size + 2]  # the rows follow in the order the tokens were added

@@ -756,7 +756,7 @@ def test_concept_prompt_files_tag_dropout_one_and_lowercasing(tmp_path):
 def test_an_imported_embedding_starts_from_onetrainers_rows(tmp_path, text, count, expected):
     """OneTrainer starts the vectors at the rows of the initial text's tokens, cut at token_count, and fills the rest
     with the token of "*" (ModelSetupEmbeddingMixin._create_new_embedding)."""
-    from ot_dist.methods.embedding import init_token_ids
+    from ot_dist.methods.token_vectors import init_token_ids
     from ot_dist.models.tiny import tiny_clip_tokenizer
 
     config, _ = import_only(tmp_path, {"training_method": "EMBEDDING", "latent_caching": False, "embedding": {

@@ -12,8 +12,7 @@ import torch
 from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict
 from ot_dist.methods.embedding_file import read_embedding_file, vector_count
-from ot_dist.methods.token_vectors import (ExtendedTokenEmbedding, add_vectors, init_token_ids,  # noqa: F401 (re-exported)
-                                          rows_in_state, token_strings, write_embedding_file)
+from ot_dist.methods.token_vectors import add_vectors, rows_in_state, token_strings, write_embedding_file
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.loading import LoadedModel
 from ot_dist.precision import DTYPES
