@@ -10,6 +10,7 @@ The 2-rank fsdp run is tests/test_strategies.py's lora case, which carries an ad
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import base_config
@@ -21,6 +22,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.train.trainer import Trainer
 
 QUIET = lambda *_: None  # noqa: E731
+SAMPLE = {"prompt": "a photo of <tok> with <old>", "seed": 1, "steps": 2, "width": 64, "height": 64}
 
 
 def pivotal_config(model, data, out, method="lora", **extra):
@@ -47,7 +49,7 @@ def frozen_file(tmp_path_factory):
 def lora_run(tiny_models, shapes_data, frozen_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("pivotal") / "out"
     raw = pivotal_config(tiny_models["sd1"], shapes_data, out, **{
-        "lora.rank": 4, "bundle_additional_embeddings": True,
+        "lora.rank": 4, "bundle_additional_embeddings": True, "sampling.prompts": [SAMPLE],
         "additional_embeddings": [{"token": "<tok>", "vectors": 2, "init_text": "a cat"},
                                   {"token": "<old>", "init_from": str(frozen_file), "train": False}]})
     trainer = Trainer(validate(raw), log=QUIET)
@@ -87,6 +89,28 @@ def test_the_embedding_file_loads_in_diffusers(lora_run, tiny_models):
         got = pipe.text_encoder(theirs).last_hidden_state
         want = trainer.model.text_encoders["text_encoder"](mine).last_hidden_state
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_samples_use_the_embeddings_and_diffusers_refuses_the_bundled_file(lora_run, tiny_models, tmp_path):
+    """The sample at the end is what diffusers draws with the LoRA and both embedding files loaded. diffusers'
+    load_lora_weights refuses the kohya file with bundle_emb keys (why bundling is off by default): loaded here
+    from a copy without them."""
+    from safetensors.torch import save_file
+    from test_sampling import diffusers_pipeline, draw, pixels
+
+    _, result, out, _, _ = lora_run
+    (sample,) = (out / "samples" / f"step-{result.steps}").glob("*.png")
+    pipe = diffusers_pipeline(tiny_models["sd1"])
+    with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
+        pipe.load_lora_weights(out, weight_name="lora.safetensors")
+    plain = {k: v for k, v in load_file(out / "lora.safetensors").items() if not k.startswith("bundle_emb.")}
+    save_file(plain, tmp_path / "plain.safetensors")
+    pipe = diffusers_pipeline(tiny_models["sd1"])
+    pipe.load_lora_weights(tmp_path, weight_name="plain.safetensors")
+    pipe.unet.eval()
+    for name in ("tok", "old"):
+        pipe.load_textual_inversion(out / "embeddings" / f"{name}.safetensors")
+    assert np.array_equal(pixels(sample), draw(pipe, SAMPLE))
 
 
 # ---- A1111 / Forge's bundled embeddings -----------------------------------------------------------------------

@@ -782,9 +782,9 @@ class TrainConfig(Section):
         default=False,
         description="Method lora: also write the additional embeddings into lora.safetensors as "
         "bundle_emb.<token>.<key> tensors (A1111's bundled embeddings; OneTrainer's default). Off by default: "
-        "diffusers' load_lora_weights refuses a kohya-layout file with such keys (\"keys have not been correctly "
-        "renamed\"), ComfyUI loads the LoRA but warns \"lora key not loaded\" for each, and Forge (since its 2024 "
-        "LoRA rework) ignores them; the separate files are written either way.",
+        "diffusers' load_lora_weights refuses a LoRA file with such keys (\"Invalid LoRA checkpoint\"), ComfyUI "
+        "loads the LoRA but warns \"lora key not loaded\" for each, and Forge (since its 2024 LoRA rework) ignores "
+        "them; the separate files are written either way.",
     )
     metadata: MetadataConfig = Field(default_factory=MetadataConfig)
 
