@@ -50,9 +50,12 @@ def lora_run(tiny_models, shapes_data, frozen_file, tmp_path_factory):
     out = tmp_path_factory.mktemp("pivotal") / "out"
     raw = pivotal_config(tiny_models["sd1"], shapes_data, out, **{
         "lora.rank": 4, "bundle_additional_embeddings": True, "sampling.prompts": [SAMPLE],
-        "additional_embeddings": [{"token": "<tok>", "vectors": 2, "init_text": "a cat"},
+        "additional_embeddings": [{"token": "<tok>", "vectors": 2, "init_text": "a cat", "stop_training_after": 2,
+                                   "stop_training_after_unit": "step"},
                                   {"token": "<old>", "init_from": str(frozen_file), "train": False}]})
-    trainer = Trainer(validate(raw), log=QUIET)
+    lines = []
+    trainer = Trainer(validate(raw), log=lines.append)
+    trainer.log_lines = lines
     unet_before = {k: v.clone() for k, v in trainer.model.denoiser.state_dict().items()}
     text_before = {k: v.clone() for k, v in trainer.model.text_encoders["text_encoder"].state_dict().items()}
     result = trainer.train()
@@ -71,6 +74,8 @@ def test_the_vectors_and_the_lora_train_and_nothing_else(lora_run, frozen_file):
     assert moved == {"embeddings.token_embedding.additional.0"}  # transformers 5: no text_model.
     files = {p.name for p in result.exported}
     assert files == {"lora.safetensors", "tok.safetensors", "old.safetensors"}
+    assert "embedding/<tok>: stopped training after 2 steps" in trainer.log_lines
+    assert not trainer.groups[1].params[0].requires_grad
     assert torch.equal(load_file(out / "embeddings" / "old.safetensors")["<old>"],
                        load_file(frozen_file)["emp_params"])  # used, not trained
 
@@ -198,6 +203,20 @@ def test_a_full_finetune_exports_the_model_as_loaded_and_the_vectors_beside_it(t
     vectors = load_file(out / "embeddings" / "tok.safetensors")["<tok>"]
     assert torch.equal(vectors, encoder.get_input_embeddings().additional[0].detach())
     assert not torch.allclose(vectors, start, atol=1e-4), "the vectors did not train"
+
+
+def test_the_schedule_shows_a_stopped_embedding_at_lr_0(tmp_path):
+    from ot_dist.optim.preview import compute_schedule
+    from ot_dist.train.steps import StepPlan
+
+    raw = base_config("m", tmp_path, tmp_path / "o", method="lora", learning_rate=1e-4, **{
+        "embedding.learning_rate": 5e-3,
+        "additional_embeddings": [{"token": "<a>", "stop_training_after": 2, "stop_training_after_unit": "step"},
+                                  {"token": "<b>", "learning_rate": 1e-3}]})
+    plan = StepPlan(global_batch=1, steps_per_epoch=4, total_steps=4, dataset_size=4)
+    schedule = compute_schedule(validate(raw), plan)
+    assert schedule.groups == ["unet", "embedding/<a>", "embedding/<b>"]
+    assert [row[1:] for row in schedule.rows] == [[5e-3, 1e-3], [5e-3, 1e-3], [0.0, 1e-3], [0.0, 1e-3]]
 
 
 def test_refusals(tiny_models, tmp_path):
