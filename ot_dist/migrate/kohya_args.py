@@ -12,36 +12,18 @@ from pathlib import Path
 from typing import Any
 
 from ot_dist.errors import ConfigError, InputFileError
-from ot_dist.migrate.common import read_toml
+from ot_dist.migrate.common import TrackedArgs, read_toml
 from ot_dist.migrate.kohya_defaults import ARGS, FLAGS, SEVERAL_VALUES
 
 # A line continued on the next: `\` (POSIX shells), `^` (cmd.exe), a backtick (PowerShell).
 CONTINUATION = re.compile(r"[\\^`][ \t]*\r?\n")
 
 
-class KohyaArgs:
+class KohyaArgs(TrackedArgs):
     def __init__(self, values: dict[str, Any], script: str, launch: list[str] | None = None):
-        self.values, self.script, self.read = values, script, set()
+        super().__init__(values, ARGS)
+        self.script = script
         self.launch = launch or []  # a saved command line's words before the script (accelerate launch ...)
-
-    def __getitem__(self, key: str) -> Any:
-        self.read.add(key)
-        return self.values.get(key, ARGS.get(key))
-
-    def given(self, key: str) -> bool:
-        """Whether the setup sets `key` to something other than kohya's default (read or not)."""
-        return key in self.values and not _same(self.values[key], ARGS.get(key))
-
-    def unread(self) -> list[str]:
-        return [key for key in self.values if key not in self.read and self.given(key)]
-
-
-def _unset(value) -> bool:
-    return value is None or value is False or (isinstance(value, (str, list)) and not value)
-
-
-def _same(value, default) -> bool:
-    return (_unset(value) and _unset(default)) or (value == default and isinstance(value, bool) == isinstance(default, bool))
 
 
 def read_args(config_file: str | None, command: str | None, script: str | None) -> KohyaArgs:
