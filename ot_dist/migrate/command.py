@@ -1,4 +1,4 @@
-"""`ot-dist import onetrainer | kohya`: parse, convert, validate, write the commented YAML, list what is not
+"""`ot-dist import onetrainer | kohya | simpletuner`: parse, convert, validate, write the commented YAML, list what is not
 honoured (ot_dist/migrate/common.py: write_imported)."""
 
 from __future__ import annotations
@@ -32,6 +32,19 @@ def add_import_parser(sub) -> None:
                     "(--in_json / metadata_file): a link to each image and its caption beside it (ot_dist reads a "
                     "caption file per image; the image folder is not touched)")
     _output(ko)
+    st = sources.add_parser("simpletuner", help="a SimpleTuner setup (config.json / config.toml / config.env with its "
+                            "multidatabackend.json)")
+    st.add_argument("config", help="SimpleTuner's config/config.json, config.toml or config.env (or the folder "
+                    "holding one)")
+    st.add_argument("--databackend", default=None, help="its multidatabackend.json (default: the config's "
+                    "data_backend_config)")
+    st.add_argument("--lycoris_config", default=None, help="its lycoris_config.json (default: the config's "
+                    "lycoris_config)")
+    st.add_argument("--user_prompt_library", default=None, help="its prompt library JSON (default: the config's "
+                    "user_prompt_library)")
+    st.add_argument("--root", default=None, help="the folder SimpleTuner runs in, where its relative paths start "
+                    "(default: the folder above config/ when the config lies in one, else the config's folder)")
+    _output(st)
 
 
 def _output(parser) -> None:
@@ -48,6 +61,13 @@ def run_import(args: argparse.Namespace) -> int:
         imported = import_kohya(args.config_file, args.command_line, args.script, args.dataset_config,
                                 args.sample_prompts, captions_folder=args.captions_folder)
         write_imported(imported, Path(args.out), args.force, "kohya arguments")
+        return 0
+    if args.import_source == "simpletuner":
+        from ot_dist.migrate.simpletuner import import_simpletuner
+
+        imported = import_simpletuner(args.config, args.databackend, args.lycoris_config, args.user_prompt_library,
+                                      args.root)
+        write_imported(imported, Path(args.out), args.force, "SimpleTuner arguments")
         return 0
     from ot_dist.migrate.onetrainer import import_onetrainer
 
