@@ -34,6 +34,8 @@ FAMILIES = {
     "pixart": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
     "pixart_sigma": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
 }
+LORA_KEYS = ("lora_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_init_type", "use_dora", "lycoris_config",
+             "flux_lora_target", "peft_lora_target_modules", "init_lora")
 PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
 FLOAT8 = ("fp8-torchao", "fp8-quanto", "fp8uz-quanto", "fp8-sdnq")
 # Arguments that change how SimpleTuner runs, not what it trains: noted, not listed as not honoured.
@@ -74,6 +76,8 @@ def import_simpletuner(config: str, backend_file: str | None = None, lycoris_fil
     c["gradient_checkpointing"] = bool(args["gradient_checkpointing"])  # SimpleTuner's default: on
     if method == "lora":
         import_network(args, c, family, denoiser, out, lycoris_file)
+    else:
+        _unused(args, LORA_KEYS, "with model_type full", out)
     _text_encoders(args, c, family, method, out)
     import_optimizer(args, c, out)
     if c.get("trained_weight_dtype") == "bfloat16":
@@ -133,6 +137,16 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
         path = default_path
         out.notes.append(f"pretrained_model_name_or_path: not set: SimpleTuner's default flavour of {name}, "
                          f"{default_path}, is written")
+    elif args["model_flavour"]:
+        out.notes.append(f"model_flavour: {args['model_flavour']}: the model is pretrained_model_name_or_path's")
+    if name == "flux" and args["model_flavour"] in ("schnell", "kontext"):
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains it with "
+                                f"{'an assistant LoRA' if args['model_flavour'] == 'schnell' else 'image conditioning'}"
+                                ", which ot_dist does not")
+    if args.given("aspect_bucket_alignment"):
+        out.notes.append("aspect_bucket_alignment: SimpleTuner's image models align buckets to 64 pixels whatever "
+                         "it says; data.bucket_step 64 is written")
+    args["aspect_bucket_alignment"]
     path = local_path(str(path), "pretrained_model_name_or_path", out)
     note_local_model(path, "pretrained_model_name_or_path", out)
     c["model"] = {"family": family, "path": path}
@@ -141,8 +155,9 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
             out.not_honoured.append(f"{key}: {args[key]}: a separate denoiser is not supported (model.path's is used)")
     vae = args["pretrained_vae_model_name_or_path"]
     if vae and (family in ("sdxl", "pixart_sigma") or "sdxl" not in str(vae)):  # SimpleTuner drops an SDXL VAE
-        out.not_honoured.append(f"pretrained_vae_model_name_or_path: {vae}: a replacement VAE is not supported "
-                                "(model.path's own VAE is used)")
+        default = "" if args.given("pretrained_vae_model_name_or_path") else " (SimpleTuner's default for SDXL / PixArt)"
+        out.not_honoured.append(f"pretrained_vae_model_name_or_path: {vae}{default}: a replacement VAE is not "
+                                "supported (model.path's own VAE is used)")
     _prediction(args, c, family, out)
     if family == "flux":
         c["model"]["guidance_scale"] = float(args["flux_guidance_value"])  # SimpleTuner's 1.0, as ot_dist's default
@@ -251,6 +266,8 @@ def _gradient_clip(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -
 def _ema(args: SimpleTunerArgs, c: dict, out: Imported) -> None:
     """SimpleTuner's EMAModel (diffusers'): decay min((1 + n) / (10 + n), ema_decay), as ot_dist's."""
     if not args["use_ema"]:
+        _unused(args, ("ema_decay", "ema_update_interval", "ema_device", "ema_cpu_only", "ema_validation"),
+                "without use_ema", out)
         return
     device = "cpu" if args["ema_cpu_only"] or args["ema_device"] == "cpu" else "accelerator"
     c["ema"] = {"enabled": True, "decay": float(args["ema_decay"]),
@@ -258,6 +275,14 @@ def _ema(args: SimpleTunerArgs, c: dict, out: Imported) -> None:
     if args["use_ema_warmup"]:
         out.not_honoured.append("use_ema_warmup: diffusers' inverse-gamma EMA warmup is not supported (ot_dist "
                                 "warms up as (1 + n) / (10 + n))")
+
+
+def _unused(args: SimpleTunerArgs, keys, why: str, out: Imported) -> None:
+    """Keys SimpleTuner reads only in a setting this setup does not have: noted, not listed."""
+    for key in keys:
+        if args.given(key):
+            out.notes.append(f"{key}: {args[key]!r} is not used {why}, as in SimpleTuner")
+        args[key]
 
 
 def _saves(args: SimpleTunerArgs, c: dict) -> None:

@@ -25,6 +25,10 @@ def import_loss(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -> N
                  "the steps; ot_dist to every step; not written (set noise_offset_probability 1.0 to keep it)")
         else:
             loss["offset_noise_weight"] = offset
+    else:
+        for key in ("noise_offset", "noise_offset_probability"):
+            if args.given(key):
+                out.notes.append(f"{key}: {args[key]} is not used without offset_noise, as in SimpleTuner")
     if args["input_perturbation"]:
         loss["input_perturbation"] = args["input_perturbation"]
     if args["snr_gamma"]:

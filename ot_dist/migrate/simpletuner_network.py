@@ -34,6 +34,9 @@ def import_network(args: SimpleTunerArgs, c: dict, family: str, denoiser: str, o
         return
     if lora_type != "standard":
         raise ConfigError(f"lora_type: {lora_type} is not standard or lycoris")
+    if args.given("lycoris_config"):
+        out.notes.append("lycoris_config: not read with lora_type standard, as in SimpleTuner")
+    args["lycoris_config"]
     rank = int(args["lora_rank"])
     alpha = args["lora_alpha"]
     lora = {"rank": rank, "alpha": float(alpha if alpha is not None else rank)}  # SimpleTuner: unset alpha = rank

@@ -124,4 +124,6 @@ def import_scheduler(args: SimpleTunerArgs, c: dict, out: Imported) -> None:
         scheduler["warmup_steps"] = 0
     elif name not in SCHEDULES:
         skip(f"lr_scheduler: {name} has no ot_dist schedule; CONSTANT is written")
+    for key in ("lr_end", "lr_power", "lr_num_cycles"):
+        args[key]  # read by the schedules above that use them; the others ignore them, as SimpleTuner's do
     c["scheduler"] = scheduler

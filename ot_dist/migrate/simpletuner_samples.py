@@ -12,6 +12,10 @@ from ot_dist.migrate.simpletuner_args import SimpleTunerArgs
 
 SAMPLERS = {"ddim": "ddim", "euler": "euler", "euler-a": "euler_a", "unipc": "unipc", "dpm++": "dpmpp_2m"}
 GRID_16 = ("sd3", "flux", "chroma", "pixart_sigma")
+UNUSED_WITHOUT_PROMPTS = ("validation_resolution", "validation_seed", "validation_num_inference_steps",
+                          "validation_guidance", "validation_negative_prompt", "validation_guidance_rescale",
+                          "validation_step_interval", "validation_epoch_interval", "validation_noise_scheduler",
+                          "validation_guidance_real", "num_validation_images", "ema_validation")
 EMA_VALIDATION = {"comparison": (True, True), "ema_only": (True, False), "none": (False, False)}
 
 
@@ -20,6 +24,8 @@ def import_samples(args: SimpleTunerArgs, c: dict, library_file: str | None, out
     family = c["model"]["family"]
     texts = _prompts(args, library_file, out)
     if args["validation_disable"] or not texts:
+        for key in UNUSED_WITHOUT_PROMPTS:
+            args[key]  # SimpleTuner validates nothing either
         return
     sizes = [_size(value.strip(), family) for value in str(args["validation_resolution"]).split(",")]
     seed = args["validation_seed"] if args["validation_seed"] is not None else args["seed"]
@@ -27,6 +33,8 @@ def import_samples(args: SimpleTunerArgs, c: dict, library_file: str | None, out
               "guidance_scale": float(args["validation_guidance"])}
     if seed is not None:
         common["seed"] = int(seed)
+    else:
+        out.notes.append("validation_seed / seed: not set (SimpleTuner draws one); the samples use seed 42")
     if family == "flux":  # SimpleTuner's Flux uses the negative prompt only with true CFG (validation_guidance_real)
         if args["validation_guidance_real"] > 1.0:
             skip(f"validation_guidance_real: {args['validation_guidance_real']}: true classifier-free guidance on "
