@@ -274,3 +274,23 @@ def test_env_and_toml_read_as_the_json(tmp_path):
         assert code == 0, err
         assert yaml.safe_load(out.read_text(encoding="utf-8")) == json_config, name
     assert "CUDA_VISIBLE_DEVICES stand for no SimpleTuner argument" in (tmp_path / "config.env.yaml").read_text()
+
+
+def test_files_named_on_the_command_line_win_and_area_resolutions(tmp_path):
+    """--databackend / --lycoris_config / --user_prompt_library name files here (relative to the working folder) over
+    the config's settings, which start in SimpleTuner's folder; resolution_type area is megapixels, written as the
+    side of the square of that area at SimpleTuner's 64-pixel alignment."""
+    images(tmp_path / "elsewhere" / "imgs", ["a"], {"a": "a cat"})
+    other = tmp_path / "elsewhere" / "backends.json"
+    other.write_text(json.dumps([{"id": "mp", "type": "local", "instance_data_dir": str(other.parent / "imgs"),
+                                  "caption_strategy": "textfile", "resolution": 0.5, "resolution_type": "area"}]),
+                     encoding="utf-8")
+    library = tmp_path / "elsewhere" / "library.json"
+    library.write_text(json.dumps({"x": "a cat on a mat"}), encoding="utf-8")
+    config, text = imported(tmp_path, {"--model_family": "sd1x"}, None, "--databackend", other,
+                            "--user_prompt_library", library)
+    assert config["data"]["concepts"][0]["name"] == "mp"
+    assert config["resolution"] == 704  # sqrt(0.5e6) = 707 px, at the 64-pixel alignment
+    assert "is a square of 707.107 px; 704" in text
+    assert [p["prompt"] for p in config["sampling"]["prompts"]] == ["a cat on a mat"]
+    assert "data_backend_config" not in text.split("NOT HONOURED")[-1]

@@ -37,6 +37,16 @@ class SimpleTunerArgs(TrackedArgs):
         path = Path(value).expanduser()
         return path if path.is_absolute() else self.root / path
 
+    def file(self, given: str | None, key: str, out) -> Path | None:
+        """A file named on ot-dist's command line (relative to here) or else by the setting `key` (relative to
+        SimpleTuner's folder); the setting is read either way, so it is not listed."""
+        from ot_dist.migrate.common import local_path
+
+        setting = self[key]
+        if given:
+            return Path(given)
+        return self.path(local_path(str(setting), key, out)) if setting else None
+
 
 def read_args(config: str, root: str | None = None) -> SimpleTunerArgs:
     """config: config.json / config.toml / config.env, or the folder holding one (json first, as SimpleTuner looks)."""

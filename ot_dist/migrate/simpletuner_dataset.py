@@ -33,10 +33,9 @@ READ = {"instance_data_dir", "caption_strategy", "instance_prompt", "prepend_ins
 
 
 def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: str | None, out: Imported) -> None:
-    setting = backend_file or args["data_backend_config"]
-    if not setting:
+    path = args.file(backend_file, "data_backend_config", out)
+    if path is None:
         raise ConfigError("data_backend_config: not set (SimpleTuner's multidatabackend.json, the datasets)")
-    path = args.path(local_path(str(setting), "data_backend_config", out))
     backends = read_json(path, "data_backend_config")
     if not isinstance(backends, list):
         raise ConfigError(f"data_backend_config: {path} is not a list of backends")
@@ -132,6 +131,9 @@ def _captions(args: SimpleTunerArgs, backend: dict, where: str, folder: Path, ou
         if not prompt:
             raise ConfigError(f"{where}.instance_prompt: not set, which prepend_instance_prompt needs")
         captions["caption_prefix"] = str(prompt)
+    if strategy == "textfile" and parse_value("disable_multiline_split", backend.get("disable_multiline_split", False)):
+        out.not_honoured.append(f"{where}.disable_multiline_split: SimpleTuner trains a caption file's lines as one "
+                                "caption; ot_dist draws one line per epoch")
     if strategy == "filename" and _underscored(folder):
         out.not_honoured.append(f"{where}.caption_strategy: filename: SimpleTuner reads the underscores of a file "
                                 "name as spaces; ot_dist reads the name as it is (rename the files or write .txt "
@@ -150,15 +152,20 @@ def _side(args: SimpleTunerArgs, backend: dict, where: str, out: Imported) -> in
     """ot_dist's resolution: the side of a square of the bucket's area."""
     resolution = parse_value("resolution", backend.get("resolution", args["resolution"]))
     kind = backend.get("resolution_type", args["resolution_type"])
-    if kind == "pixel_area":
-        return int(resolution)
     if kind == "area":  # megapixels
-        return int(round(math.sqrt(float(resolution) * 1_000_000) / 64) * 64)
+        side = math.sqrt(float(resolution) * 1_000_000)
+    elif kind in ("pixel_area", "pixel"):
+        side = float(resolution)
+    else:
+        raise ConfigError(f"{where}.resolution_type: {kind} is not pixel, area or pixel_area")
     if kind == "pixel":
         out.not_honoured.append(f"{where}.resolution_type: pixel: SimpleTuner scales the shorter edge to "
                                 f"{resolution} px; ot_dist's buckets have about {resolution} x {resolution} pixels")
-        return int(resolution)
-    raise ConfigError(f"{where}.resolution_type: {kind} is not pixel, area or pixel_area")
+    aligned = max(64, int(round(side / 64)) * 64)  # ot_dist's resolution is a multiple of the bucket step
+    if aligned != side:
+        out.notes.append(f"{where}.resolution: {resolution} ({kind}) is a square of {side:g} px; {aligned}, the "
+                         "nearest multiple of 64 (SimpleTuner's bucket alignment), is written")
+    return aligned
 
 
 def _crop(backend: dict, where: str, out: Imported) -> str:

@@ -77,8 +77,7 @@ def _targets(args: SimpleTunerArgs, family: str, out: Imported) -> list[str]:
 
 def _lycoris(args: SimpleTunerArgs, out: Imported, lycoris_file: str | None) -> dict:
     skip = out.not_honoured.append
-    setting = lycoris_file or args["lycoris_config"]
-    path = args.path(local_path(str(setting), "lycoris_config", out))
+    path = args.file(lycoris_file, "lycoris_config", out)
     config = read_json(path, "lycoris_config")
     algo = str(config.get("algo", "lora")).lower()
     if algo not in LYCORIS_ALGOS:

@@ -7,7 +7,7 @@ validation_guidance_rescale, every validation_step_interval steps / validation_e
 from __future__ import annotations
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported, local_path, read_json
+from ot_dist.migrate.common import Imported, read_json
 from ot_dist.migrate.simpletuner_args import SimpleTunerArgs
 
 SAMPLERS = {"ddim": "ddim", "euler": "euler", "euler-a": "euler_a", "unipc": "unipc", "dpm++": "dpmpp_2m"}
@@ -70,9 +70,8 @@ def _prompts(args: SimpleTunerArgs, library_file: str | None, out: Imported) -> 
     texts = []
     if args["validation_prompt"]:
         texts.append(("validation_prompt", str(args["validation_prompt"])))
-    setting = library_file or args["user_prompt_library"]
-    if setting:
-        path = args.path(local_path(str(setting), "user_prompt_library", out))
+    path = args.file(library_file, "user_prompt_library", out)
+    if path is not None:
         library = read_json(path, "user_prompt_library")
         if not isinstance(library, dict):
             raise ConfigError(f"user_prompt_library: {path} is not an object of shortname -> prompt")
