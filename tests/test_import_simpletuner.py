@@ -294,3 +294,15 @@ def test_files_named_on_the_command_line_win_and_area_resolutions(tmp_path):
     assert "is a square of 707.107 px; 704" in text
     assert [p["prompt"] for p in config["sampling"]["prompts"]] == ["a cat on a mat"]
     assert "data_backend_config" not in text.split("NOT HONOURED")[-1]
+
+
+def test_one_folder_at_several_resolutions(tmp_path):
+    """SimpleTuner's multi-resolution example: one folder in a dataset per resolution. ot_dist writes its
+    multi-resolution list (one drawn per step for all datasets, listed: SimpleTuner trains each at its own)."""
+    images(tmp_path / "data" / "db", ["a"], {"a": "sks dog"})
+    backends = [{"id": f"db-{side}", "type": "local", "instance_data_dir": "data/db", "caption_strategy": "textfile",
+                 "resolution": side, "resolution_type": "pixel_area", "repeats": 10} for side in (1024, 512)]
+    config, text = imported(tmp_path, {"--model_family": "sdxl"}, backends)
+    assert config["resolution"] == [512, 1024]
+    assert [c["balancing"] for c in config["data"]["concepts"]] == [11, 11]
+    assert "the datasets train at [512, 1024] px, each at its own" in text.split("NOT HONOURED")[1]

@@ -7,7 +7,8 @@ with prepend_instance_prompt / only_instance_prompt, repeats (SimpleTuner shows 
 is_regularisation_data (a LoRA's regularisation images are trained towards the base model's prediction: ot_dist's
 prior_prediction; a full finetune trains them as they are: prior_preservation) and the global
 caption_dropout_probability. The resolution (pixel_area: a square's side of the same area, ot_dist's own meaning;
-area: megapixels; pixel: the shorter edge) is ot_dist's one training resolution. text_embeds / image_embeds backends
+area: megapixels; pixel: the shorter edge) is ot_dist's training resolution (several datasets at several: ot_dist's
+multi-resolution list, drawn per step for all of them). text_embeds / image_embeds backends
 are caches: ot_dist keeps its caches in the shard set."""
 
 from __future__ import annotations
@@ -52,11 +53,11 @@ def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: st
     if not concepts:
         raise ConfigError(f"data_backend_config: {path} has no local image dataset ot_dist can train")
     c["data"] = {"concepts": concepts, "bucket_step": 64}  # SimpleTuner's models align buckets to 64 pixels
-    c["resolution"] = sides[0][0]
-    for side, where in sides[1:]:
-        if side != sides[0][0]:
-            out.not_honoured.append(f"{where}.resolution: {side} px: ot_dist trains every dataset at one resolution "
-                                    f"({sides[0][0]}, the first dataset's)")
+    distinct = sorted({side for side, _ in sides})
+    c["resolution"] = distinct[0] if len(distinct) == 1 else distinct
+    if len(distinct) > 1:  # SimpleTuner's multi-resolution setup: one folder in several datasets
+        out.not_honoured.append(f"resolution: the datasets train at {distinct} px, each at its own; ot_dist draws one "
+                                "of these resolutions per step for every dataset (resolution: a list)")
     c["data"]["crop"] = "random" if crops == {"random"} else "center"
     if len(crops) > 1:
         out.not_honoured.append("crop_style: the datasets crop differently; ot_dist crops every dataset alike "
