@@ -169,3 +169,27 @@ def write_imported(imported: Imported, out: Path, force: bool, what: str) -> Non
     for line in imported.not_honoured:
         print(f"not honoured: {line}", file=sys.stderr)
     print(f"wrote {out} ({len(imported.not_honoured)} {what} not honoured, listed in it)", file=sys.stderr)
+
+
+# A line continued on the next: `\` (POSIX shells), `^` (cmd.exe), a backtick (PowerShell).
+CONTINUATION = re.compile(r"[\\^`][ \t]*\r?\n")
+
+
+def split_command_line(path: Path, what: str = "--command_line") -> tuple[str | None, list[str], list[str]]:
+    """(the script, its words, the launcher's words before it) of a saved command line (`accelerate launch ...
+    train.py --key value ...`, continued over lines); the script is the first word ending in .py."""
+    import shlex
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputFileError(f"{what}: {path} does not exist") from None
+    try:
+        words = shlex.split(CONTINUATION.sub(" ", text), comments=False)
+    except ValueError as err:
+        raise InputFileError(f"{what}: {path} is not a command line ({err})") from None
+    at = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
+    if at is None:
+        return None, words, []
+    return words[at], words[at + 1:], words[:at]
+
