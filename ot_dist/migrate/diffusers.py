@@ -271,8 +271,15 @@ def _scheduler(args: DiffusersArgs, c: dict, out: Imported) -> None:
     warmup whatever lr_warmup_steps says; the warmup is in optimizer steps (ot_dist counts micro steps above 1)."""
     skip = out.not_honoured.append
     name, warmup, accumulation = str(args["lr_scheduler"]), args["lr_warmup_steps"], c["gradient_accumulation_steps"]
-    if args.script == "train_text_to_image_sdxl.py":  # it passes the warmup x accumulation, not x processes
-        warmup = warmup * accumulation // max(1, args.launch["num_processes"])
+    if args.script == "train_text_to_image_sdxl.py":
+        # it gives get_scheduler the warmup and the run's length x accumulation, not x processes (accelerate steps the
+        # schedule once per process and optimizer step): lengths x accumulation / processes in optimizer steps
+        processes = max(1, args.launch["num_processes"])
+        warmup = warmup * accumulation // processes
+        if name not in ("constant", "constant_with_warmup") and accumulation != processes:
+            skip(f"lr_scheduler: {name}: train_text_to_image_sdxl.py decays over max_train_steps x "
+                 f"{accumulation} (accumulation) / {processes} (processes) optimizer steps; ot_dist decays over "
+                 "the run")
     cycles = args["lr_num_cycles"] if "lr_num_cycles" in args.defaults else 1
     power = args["lr_power"] if "lr_power" in args.defaults else 1.0
     scheduler = {"name": SCHEDULES.get(name, "CONSTANT")}
@@ -374,6 +381,9 @@ def _validation(args: DiffusersArgs, c: dict, out: Imported) -> None:
         sampling["every_n_epochs"] = args["validation_epochs"] or 1
     if args.given("validation_scheduler"):
         out.notes.append(f"validation_scheduler: {args['validation_scheduler']}: samples use sampling.sampler (auto)")
+    if "every_n_epochs" in sampling and sampling["every_n_epochs"] > 1:
+        out.notes.append(f"validation_epochs: {sampling['every_n_epochs']}: the script also validates after the first "
+                         "epoch (epoch 0 % n == 0); ot_dist after every n-th")
     out.notes.append(f"validation_prompt: {count} samples with seeds {seed}..{seed + count - 1} (the script draws "
                      f"{count} images from one generator seeded by --seed: other noise, same prompt)")
     c["sampling"] = sampling

@@ -58,9 +58,12 @@ def import_dataset(args: DiffusersArgs, c: dict, kind: str, out: Imported, capti
     else:
         concepts = [_imagefolder(args, out, captions_folder, kind)]
     flip = 0.5 if kind == "textual_inversion" or args["random_flip"] else 0.0  # textual_inversion.py always flips
+    empty = args["proportion_empty_prompts"]  # train_text_to_image_sdxl.py: captions replaced by "" at this rate
     for concept in concepts:
         if flip:
             concept["flip_probability"] = flip
+        if empty:
+            concept["caption_dropout_probability"] = empty
     c["data"]["concepts"] = concepts
     if args["dataloader_num_workers"]:
         c["data"]["loader_workers"] = args["dataloader_num_workers"]
@@ -125,7 +128,7 @@ def _imagefolder(args: DiffusersArgs, out: Imported, captions_folder: str | None
     out.after_validation.append(lambda: write_caption_folder(target, captions))
     out.notes.append(f"{key}: {len(captions)} images and their {column!r} captions -> {target} (a link to each image "
                      "and a .txt caption beside it)")
-    out.origins[f"data.concepts[0]"] = f"{key} {folder}"
+    out.origins["data.concepts[0]"] = f"{key} {folder}"
     return {"path": str(target), "caption_extension": ".txt"} | (_repeats(args) if kind == "dreambooth" else {})
 
 
