@@ -97,6 +97,8 @@ def test_each_script_maps_with_the_scripts_defaults(tmp_path, script):
     if c["method"] == "lora":
         assert c["lora"]["rank"] == 4
         assert c["lora"]["alpha"] == (4.0 if script != "train_dreambooth_lora_flux.py" else d["lora_alpha"])
+    if c["model"]["family"] in ("sd3", "flux") and c["method"] == "lora":  # the scripts' lists, not ot_dist's default
+        assert "proj_mlp" not in c["lora"]["transformer_targets"] and "attn.to_k" in c["lora"]["transformer_targets"]
     if SCRIPTS[script][2] == "dreambooth":
         assert c["data"]["concepts"][0]["caption_text"] == "a photo of sks dog"
     if c["model"]["family"] == "flux":
@@ -183,6 +185,15 @@ def test_prodigy_lora_options_and_what_is_listed(tmp_path):
     for key in ("resume_from_checkpoint", "max_sequence_length", "variant"):
         assert any(line.startswith(key) for line in listed), key
     assert "report_to: 'wandb' is ignored" in text
+
+
+def test_sd3_lora_blocks_and_dropout(tmp_path):
+    c, text, _ = run_import(tmp_path, f"accelerate launch train_dreambooth_lora_sd3.py --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, 'train_dreambooth_lora_sd3.py')} --lora_layers attn.to_k,attn.to_q "
+                                      "--lora_blocks 0,12 --lora_dropout 0.1 --output_dir o")
+    assert c["lora"]["transformer_targets"] == ["transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_q",
+                                                "transformer_blocks.12.attn.to_k", "transformer_blocks.12.attn.to_q"]
+    assert "dropout" not in c["lora"] and any(line.startswith("lora_dropout") for line in not_honoured(text))
 
 
 def test_ema_of_the_full_finetune_and_sdxl_empty_prompts(tmp_path):

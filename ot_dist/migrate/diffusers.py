@@ -41,6 +41,12 @@ VALIDATION_BY_STEPS = ("train_dreambooth.py", "textual_inversion.py")
 # encoders' (every LoRA script with --train_text_encoder).
 UNET_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 TEXT_ENCODER_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
+# The transformer modules the SD3 / Flux LoRA scripts adapt without --lora_layers (peft suffixes, as ot_dist's
+# transformer_targets; ot_dist's preset default differs: SD3's attn2 of 3.5's dual attention, Flux's proj_mlp)
+ATTENTION = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
+             "attn.add_v_proj", "attn.to_add_out"]
+TRANSFORMER_LORA_TARGETS = {"sd3": ATTENTION, "flux": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                                                   "ff_context.net.2"]}
 # Arguments that change how the script runs, not what it trains: noted, not listed as not honoured.
 NO_EFFECT = {
     "enable_xformers_memory_efficient_attention": "attention kernel", "enable_npu_flash_attention": "attention kernel",
@@ -200,17 +206,25 @@ def _lora(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
     rank = args["rank"]
     alpha = args["lora_alpha"] if "lora_alpha" in args.defaults else rank
     lora = {"rank": rank, "alpha": float(alpha)}
-    if args["lora_dropout"]:
-        lora["dropout"] = args["lora_dropout"]
     if args["use_dora"]:
         lora["variant"] = "dora"
+    if args["lora_dropout"] and args["use_dora"]:
+        lora["dropout"] = args["lora_dropout"]  # peft's: the adapted layer's input, as ot_dist's DoRA drops
+    elif args["lora_dropout"]:
+        out.not_honoured.append(f"lora_dropout: {args['lora_dropout']}: peft drops the adapted layer's input; "
+                                "ot_dist's lora.dropout drops the rank features (kohya's network_dropout); not written")
     if family in ("sd1", "sd2", "sdxl"):
         lora["unet_targets"] = list(UNET_LORA_TARGETS)
-    elif args["lora_layers"]:
-        lora["transformer_targets"] = [layer.strip() for layer in str(args["lora_layers"]).split(",")]
-    if args["lora_blocks"]:
-        out.not_honoured.append(f"lora_blocks: {args['lora_blocks']}: the transformer blocks to adapt are not "
-                                "selected by number (lora.layer_filter takes module paths)")
+    else:
+        layers = args["lora_layers"]
+        targets = [t.strip() for t in str(layers).split(",")] if layers else list(TRANSFORMER_LORA_TARGETS[family])
+        if args["lora_blocks"]:  # the SD3 script: its modules in the numbered blocks only
+            try:
+                blocks = [int(b) for b in str(args["lora_blocks"]).split(",")]
+            except ValueError:
+                raise ConfigError(f"lora_blocks: {args['lora_blocks']} is not block numbers (0,1,2)") from None
+            targets = [f"transformer_blocks.{b}.{t}" for b in blocks for t in targets]
+        lora["transformer_targets"] = targets
     if "train_text_encoder" in args.defaults and args["train_text_encoder"]:
         parts = ("text_encoder", "text_encoder_2") if family in ("sdxl", "sd3") else ("text_encoder",)
         lr = args["text_encoder_lr"] if "text_encoder_lr" in args.defaults else None
