@@ -187,6 +187,15 @@ def test_prodigy_lora_options_and_what_is_listed(tmp_path):
     assert "report_to: 'wandb' is ignored" in text
 
 
+def test_sd2_is_told_by_the_model_folder(tmp_path):
+    model = tmp_path / "model"
+    (model / "text_encoder").mkdir(parents=True)
+    (model / "text_encoder" / "config.json").write_text('{"hidden_size": 1024}', encoding="utf-8")
+    c, _, _ = run_import(tmp_path, f"accelerate launch train_dreambooth_lora.py --pretrained_model_name_or_path "
+                                   f"{model} {data_args(tmp_path, 'train_dreambooth_lora.py')} --output_dir o")
+    assert c["model"] == {"family": "sd2", "path": str(model)}
+
+
 def test_sd3_lora_blocks_and_dropout(tmp_path):
     c, text, _ = run_import(tmp_path, f"accelerate launch train_dreambooth_lora_sd3.py --pretrained_model_name_or_path m "
                                       f"{data_args(tmp_path, 'train_dreambooth_lora_sd3.py')} --lora_layers attn.to_k,attn.to_q "

@@ -38,7 +38,7 @@ class DiffusersArgs:
 
 
 def read_args(command_line: str, script: str | None, accelerate_config: str | None) -> DiffusersArgs:
-    named, words, launch_words = split_command_line(Path(command_line))
+    named, words, launch_words = split_command_line(Path(command_line), "command_line")
     script = Path(script or named or "").name
     if script not in SCRIPT_ARGS:
         raise ConfigError(f"--script: {script or 'no script'} is not a diffusers example script ot_dist imports "
@@ -67,9 +67,9 @@ def parse_words(words: list[str], script: str) -> dict[str, Any]:
     try:
         parsed, unknown = parser.parse_known_args(words)
     except argparse.ArgumentError as err:  # a value argparse cannot type, or a missing value
-        raise InputFileError(f"--command_line: {err}") from None
+        raise InputFileError(f"command_line: {err}") from None
     if unknown:
-        raise InputFileError(f"--command_line: {unknown[0]} is not an argument of {script}")
+        raise InputFileError(f"command_line: {unknown[0]} is not an argument of {script}")
     return vars(parsed)
 
 
