@@ -14,7 +14,7 @@ embedding, EMA, saves and validation; diffusers_dataset maps the data, diffusers
 from __future__ import annotations
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported, local_path, note_local_model, warmup_micro_steps
+from ot_dist.migrate.common import Imported, list_unread, local_path, note_local_model, warmup_micro_steps
 from ot_dist.migrate.diffusers_args import DiffusersArgs, read_args
 from ot_dist.migrate.diffusers_dataset import import_dataset
 from ot_dist.migrate.kohya_loss import weighting_scheme
@@ -96,7 +96,7 @@ def import_diffusers(command_line: str, script: str | None = None, accelerate_co
     _ema(args, c, out)
     _saves(args, c, out)
     _validation(args, c, out)
-    _left_over(args, out)
+    list_unread(args, out, NO_EFFECT, args.script)
     out.origins.update(ORIGINS)
     out.notes.insert(0, f"imported from the diffusers example script {args.script}'s arguments")
     return out
@@ -401,13 +401,3 @@ def _validation(args: DiffusersArgs, c: dict, out: Imported) -> None:
     out.notes.append(f"validation_prompt: {count} samples with seeds {seed}..{seed + count - 1} (the script draws "
                      f"{count} images from one generator seeded by --seed: other noise, same prompt)")
     c["sampling"] = sampling
-
-
-def _left_over(args: DiffusersArgs, out: Imported) -> None:
-    for key in args.unread():
-        value = args.values[key]
-        if key in NO_EFFECT:
-            if NO_EFFECT[key]:
-                out.notes.append(f"{key}: {value!r} is ignored ({NO_EFFECT[key]}: it does not change what trains)")
-        else:
-            out.not_honoured.append(f"{key}: {value!r} has no ot_dist counterpart")

@@ -2,8 +2,8 @@
 launch [its options] train_dreambooth_lora.py --key value ...`) parsed by an argparse parser built from the script's
 own arguments (diffusers_defaults: names, defaults, store_true / int / float / list), and the launcher's settings
 that change what trains (mixed precision, number of processes) from its options or the accelerate config file.
-`DiffusersArgs` remembers which keys the import read, so that every argument a user set and nothing read is listed
-at the end: nothing is dropped without a line."""
+`DiffusersArgs` (common.TrackedArgs) remembers which keys the import read, so that every argument a user set and
+nothing read is listed at the end: nothing is dropped without a line."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ot_dist.errors import ConfigError, InputFileError
-from ot_dist.migrate.common import split_command_line
+from ot_dist.migrate.common import TrackedArgs, split_command_line
 from ot_dist.migrate.diffusers_defaults import KINDS, SCRIPT_ARGS, defaults
 
 # accelerate launch's options that take no value (the others take one)
@@ -20,21 +20,10 @@ LAUNCH_FLAGS = frozenset({"--multi_gpu", "--cpu", "--use_deepspeed", "--use_fsdp
                           "--quiet", "-q", "--debug", "--no_python", "-m", "--module", "--rdzv_conf"})
 
 
-class DiffusersArgs:
+class DiffusersArgs(TrackedArgs):
     def __init__(self, values: dict[str, Any], script: str, launch: dict[str, Any]):
-        self.values, self.script, self.launch, self.read = values, script, launch, set()
-        self.defaults = defaults(script)
-
-    def __getitem__(self, key: str) -> Any:
-        self.read.add(key)
-        return self.values[key] if key in self.values else self.defaults.get(key)
-
-    def given(self, key: str) -> bool:
-        """Whether the command line sets `key` to something other than the script's default."""
-        return key in self.values and self.values[key] != self.defaults.get(key)
-
-    def unread(self) -> list[str]:
-        return [key for key in self.values if key not in self.read and self.given(key)]
+        super().__init__(values, defaults(script))
+        self.script, self.launch = script, launch  # launch: the launcher's settings (_launch)
 
 
 def read_args(command_line: str, script: str | None, accelerate_config: str | None) -> DiffusersArgs:
