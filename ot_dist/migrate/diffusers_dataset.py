@@ -92,8 +92,8 @@ def _imagefolder(args: DiffusersArgs, out: Imported, captions_folder: str | None
     if name:
         if not Path(local_path(str(name), "dataset_name", out)).is_dir():
             raise ConfigError(f"dataset_name: {name} is a Hugging Face Hub dataset; ot_dist trains offline from local "
-                              "folders (download it, save it as an image folder with a metadata.jsonl of file_name and the caption "
-                              "column, and give that folder as --dataset_name or --train_data_dir)")
+                              "folders (download it, save it as an image folder with a metadata.jsonl of file_name "
+                              "and the caption column, and give that folder as --dataset_name or --train_data_dir)")
         key, folder = "dataset_name", _folder(name, "dataset_name", out)
         if args["dataset_config_name"]:
             out.not_honoured.append(f"dataset_config_name: {args['dataset_config_name']}: a local image folder has "
