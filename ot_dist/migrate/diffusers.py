@@ -28,7 +28,8 @@ SCRIPTS = {
     "train_text_to_image_lora_sdxl.py": ("sdxl", "lora", "text_to_image"),
     "train_dreambooth.py": (None, "full", "dreambooth"), "train_dreambooth_lora.py": (None, "lora", "dreambooth"),
     "train_dreambooth_lora_sdxl.py": ("sdxl", "lora", "dreambooth"),
-    "train_dreambooth_sd3.py": ("sd3", "full", "dreambooth"), "train_dreambooth_lora_sd3.py": ("sd3", "lora", "dreambooth"),
+    "train_dreambooth_sd3.py": ("sd3", "full", "dreambooth"),
+    "train_dreambooth_lora_sd3.py": ("sd3", "lora", "dreambooth"),
     "train_dreambooth_flux.py": ("flux", "full", "dreambooth"),
     "train_dreambooth_lora_flux.py": ("flux", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
@@ -56,7 +57,8 @@ NO_EFFECT = {
     "foreach_ema": "EMA kernel", "no_safe_serialization": "file format (ot_dist writes safetensors)",
     "sample_batch_size": "class image generation batch", "prior_generation_precision": "class image generation",
     "upcast_before_saving": "saved dtype (output_dtype)",
-    "save_as_full_pipeline": "export layout (`ot-dist export`)", "output_kohya_format": "export layout (lora.file_layout)",
+    "save_as_full_pipeline": "export layout (`ot-dist export`)",
+    "output_kohya_format": "export layout (lora.file_layout)",
     "cache_latents": "latents cached or not (data.cache_latents: the same training)",
 }
 
@@ -193,8 +195,9 @@ def _full_text_encoders(args: DiffusersArgs, c: dict, family: str, out: Imported
 
 
 def _text_encoder_weight_decay(args: DiffusersArgs, out: Imported) -> None:
-    if "adam_weight_decay_text_encoder" in args.defaults and args["adam_weight_decay_text_encoder"] != args["adam_weight_decay"]:
-        out.not_honoured.append(f"adam_weight_decay_text_encoder: {args['adam_weight_decay_text_encoder']}: ot_dist "
+    decay = args["adam_weight_decay_text_encoder"] if "adam_weight_decay_text_encoder" in args.defaults else None
+    if decay is not None and decay != args["adam_weight_decay"]:
+        out.not_honoured.append(f"adam_weight_decay_text_encoder: {decay}: ot_dist "
                                 f"takes one weight decay for every part (adam_weight_decay {args['adam_weight_decay']} "
                                 "is used)")
 
