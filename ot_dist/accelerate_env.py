@@ -106,7 +106,7 @@ def parallelism_requests(env: Mapping[str, str]) -> list[Request]:
     if sizes["dp_replicate"] <= 1:
         return []
     per_node = env.get("LOCAL_WORLD_SIZE")
-    if per_node is not None and sizes["dp_shard"] not in (int(per_node), -1):
+    if per_node is not None and sizes["dp_shard"] != int(per_node):
         raise ConfigError(
             f"accelerate config parallelism_config: dp_replicate_size {sizes['dp_replicate']} x dp_shard_size "
             f"{sizes['dp_shard']}; ot_dist's hybrid_shard shards within a node ({per_node} processes here): set "
