@@ -42,9 +42,14 @@ def render_accelerate_config(
             raise ConfigError(f"{flag}: must be at least {least}, got {value}")
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank: must be in 0 .. {nnodes - 1} (--nnodes {nnodes}), got {node_rank}")
-    host, _, port = (rdzv_endpoint or "").partition(":")
+    host, colon, port = (rdzv_endpoint or "").rpartition(":")  # the last colon: an IPv6 [host] has its own
+    if not colon:
+        host, port = rdzv_endpoint or "", ""
     if nnodes > 1 and not rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (the node-rank-0 machine)")
+    if (nnodes > 1 and not port) or (port and not port.isdigit()):
+        # Without one each node would pick a free port of its own, and the nodes would never meet.
+        raise ConfigError(f"--rdzv-endpoint: {rdzv_endpoint} needs HOST:PORT with a port number (every node the same)")
     backend = rdzv_backend if nnodes > 1 else "static"  # one node has no other node to meet
     strategy = config.strategy
     world = nproc_per_node * nnodes

@@ -200,3 +200,12 @@ def test_ot_dist_launch_renders_an_accelerate_config_its_workers_read_back_uncha
     path.write_text(yaml.safe_dump(render_accelerate_config(config, 2)))
     again = reconcile_with_launcher(config, worker_environment(str(path)))
     assert again.model_dump() == config.model_dump()
+
+
+def test_a_multi_node_rendezvous_endpoint_without_a_port_is_refused(tmp_path):
+    """Without a port each node's `ot-dist launch` wrote a free port of its own machine: the nodes never met."""
+    config = validate({**MINIMAL, "strategy": "ddp"})
+    with pytest.raises(ConfigError, match="--rdzv-endpoint: node0.cluster needs HOST:PORT"):
+        render_accelerate_config(config, 2, nnodes=2, node_rank=1, rdzv_endpoint="node0.cluster")
+    rendered = render_accelerate_config(config, 2, nnodes=2, node_rank=1, rdzv_endpoint="[fd00::1]:29400")
+    assert (rendered["main_process_ip"], rendered["main_process_port"]) == ("[fd00::1]", 29400)
