@@ -231,6 +231,10 @@ def reconcile_with_launcher(config: TrainConfig, env: Mapping[str, str] = os.env
         requests = [r for r in requests if r.key == "train_dtype"]  # the settings of another strategy do not apply
     if config.strategy == "single" and world > 1 and explicit:
         raise ConfigError(f"strategy: single runs one process, but the launcher started {world}")
+    for first, second in zip(requests, requests[1:]):
+        if first.key == second.key and first.value != second.value:  # two fields of the accelerate config disagree
+            raise ConfigError(f"accelerate config: {first.field} asks for {first.key} {first.value}, {second.field} for "
+                              f"{second.value}; keep one")
     raw = config.model_dump(exclude_unset=True)
     if not (explicit and strategy == "ddp"):
         raw["strategy"] = strategy

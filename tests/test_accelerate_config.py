@@ -122,6 +122,9 @@ def test_fsdp2_parallelism_config_is_hybrid_shard_or_refused(tmp_path):
                                                      **fsdp))
     assert env["LOCAL_WORLD_SIZE"] == "2"
     assert reconcile_with_launcher(validate(MINIMAL), env).fsdp.sharding == "hybrid_shard"
+    with pytest.raises(ConfigError, match="fsdp_reshard_after_forward .* asks for fsdp.sharding shard_grad_op, "
+                                          "parallelism_config.* for hybrid_shard"):
+        reconcile_with_launcher(validate(MINIMAL), {**env, "FSDP_RESHARD_AFTER_FORWARD": "false"})
     with pytest.raises(ConfigError, match="parallelism_config_tp_size: 2 is not supported"):
         reconciled(tmp_path, parallelism_config={"parallelism_config_tp_size": 2}, **fsdp)
 
