@@ -607,7 +607,10 @@ class DeepSpeedConfig(Section):
         default=200_000_000, gt=0, description="Elements per all-gather of the updated parameters (ZeRO-1/2)."
     )
     config_file: str | None = Field(
-        default=None, description="A DeepSpeed JSON whose keys override the generated DeepSpeed config."
+        default=None,
+        description="A DeepSpeed JSON whose keys override the generated DeepSpeed config. \"auto\" (HF's convention) "
+        "takes ot_dist's value for the key; an optimizer or scheduler section, or batch sizes, accumulation or a ZeRO "
+        "stage other than this config's, are refused (docs/parallel.md).",
     )
     mixed_precision: Literal["auto", "autocast", "engine"] = Field(
         default="auto",
