@@ -204,3 +204,23 @@ def test_the_refusals_point_to_the_variations_and_variations_lift_them():
     # whole epochs of empty captions are an epoch's choice, not a draw a cached version could hold
     with pytest.raises(ConfigError, match=r"caption_dropout_every_n_epochs empties the captions of given epochs"):
         validate(config({"caption_dropout_every_n_epochs": 2, "text_variations": 2}, cache_text=True))
+
+
+def test_a_run_trains_from_cached_versions_and_a_rerun_reads_them(built, tmp_path):
+    from conftest import base_config
+
+    from ot_dist.train.trainer import Trainer
+
+    concepts = built[1]["data"]["concepts"]  # 2 image versions, 3 caption versions
+    raw = base_config(built[1]["model"]["path"], concepts[0]["path"], tmp_path / "run", seed=7, epochs=2, max_steps=4)
+    raw["data"] = {"concepts": concepts, "shards": raw["data"]["shards"], "cache_latents": True, "cache_text": True}
+    lines = []
+    trainer = Trainer(validate(raw), log=lines.append)
+    batches = [trainer.tokenize(next(iter(trainer.epoch_batches(e)))) for e in (0, 1)]
+    assert all("pixels" not in b and "latent_mean" in b and "text_hidden" in b for b in batches)
+    assert trainer.train().steps == 4
+    assert any("latents cache holds 24 versions of 12 samples" in line for line in lines)
+    assert any("text cache holds 36 versions of 12 samples" in line for line in lines)
+    lines.clear()
+    Trainer(validate(raw), log=lines.append, overwrite=True)
+    assert not any("data: caching" in line for line in lines)
