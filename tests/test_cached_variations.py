@@ -25,14 +25,14 @@ from ot_dist.models.loading import load_model
 from ot_dist.parallel.runtime import Runtime
 
 CHUNK = 5  # 12 samples: chunks of 5, 5 and 2
-VARIED = {"flip_probability": 0.5, "brightness": 0.4, "image_variations": 2,
+VARIED = {"flip_probability": 0.5, "rotation_degrees": 10.0, "brightness": 0.4, "image_variations": 2,
           "tag_shuffling": True, "keep_tags_count": 0, "text_variations": 3}
 
 
 @pytest.fixture(scope="module")
 def built(tiny_models, shapes_data, tmp_path_factory):
-    """12 images with tag captions (two lines for some) in one augmenting concept whose captions shuffle, its shard
-    set, the raw config and the tiny SD 1.x model."""
+    """12 images with tag captions (two lines for some), half of them masked, in one augmenting concept whose
+    captions shuffle; its shard set, the raw config and the tiny SD 1.x model."""
     from conftest import base_config
 
     root = tmp_path_factory.mktemp("variations")
@@ -42,6 +42,10 @@ def built(tiny_models, shapes_data, tmp_path_factory):
         shutil.copy(shapes_data / f"{i:04d}.png", data / f"{i:04d}.png")
         tags = ", ".join(f"tag{i}-{t}" for t in range(5))
         (data / f"{i:04d}.txt").write_text(tags + (f"\nother{i}, more, words, here" if i % 3 == 0 else ""))
+        if i % 2:  # a mask on every other image: the versions' masks are augmented as their images
+            mask = np.zeros((64, 64), np.uint8)
+            mask[8:40, 4 + i:30 + i] = 255
+            Image.fromarray(mask, "L").save(data / f"{i:04d}-masklabel.png")
     raw = base_config(tiny_models["sd1"], data, root / "out", seed=7)
     raw["data"] = {"concepts": [{"path": str(data), **VARIED}], "shards": str(root / "set")}
     cfg = validate(raw)
@@ -68,19 +72,22 @@ def test_epochs_read_the_versions_in_turn_each_the_uncached_epochs_image(built, 
     assert "the latents cache holds 24 versions of 12 samples (2.00x the size without variations" in lines[0]
     manifest = json.loads((cache_of(dataset, "latents") / "manifest.json").read_text())
     assert manifest["members"] == ["64.latent.safetensors", "64.latent.v1.safetensors"]
-    assert manifest["variations"]["concepts"] == [[2, {"flip_probability": 0.5, "rotation_degrees": 0.0,
+    assert manifest["variations"]["concepts"] == [[2, {"flip_probability": 0.5, "rotation_degrees": 10.0,
                                                        "brightness": 0.4, "contrast": 0.0, "saturation": 0.0,
                                                        "hue": 0.0}]]
     differ = 0
     with torch.no_grad():
         for i in range(0, 12, 3):
-            epochs = [dataset.load(i, e)["latent_mean"] for e in range(3)]
-            differ += not torch.equal(epochs[0], epochs[1])
-            assert torch.equal(epochs[2], epochs[0])  # 2 versions: epoch 2 reads version 0 again
-            for version in (0, 1):  # version v: the image the uncached pipeline augments in epoch v
-                pixels = dataset.load(i, version, use_cache=False)["pixels"]
-                torch.testing.assert_close(epochs[version], vae.encode(pixels[None]).latent_dist.mean[0],
+            epochs = [dataset.load(i, e) for e in range(3)]
+            differ += not torch.equal(epochs[0]["latent_mean"], epochs[1]["latent_mean"])
+            for key in ("latent_mean", "mask"):  # 2 versions: epoch 2 reads version 0 again
+                assert torch.equal(epochs[2][key], epochs[0][key])
+            for version in (0, 1):  # version v: the image (and mask) the uncached pipeline augments in epoch v
+                uncached = dataset.load(i, version, use_cache=False)
+                torch.testing.assert_close(epochs[version]["latent_mean"],
+                                           vae.encode(uncached["pixels"][None]).latent_dist.mean[0],
                                            rtol=1e-5, atol=1e-5)
+                assert torch.equal(epochs[version]["mask"], uncached["mask"])
     assert differ == 4  # brightness drawn per version: no two versions alike
 
 
@@ -159,7 +166,7 @@ def test_a_rerun_reuses_the_cache_and_other_versions_are_another_cache(built, tm
 def test_without_versions_the_cache_keeps_its_key_members_and_record(built, tmp_path):
     """A concept that does not augment (or image_variations 1 without augmentation): the cache is the one ot_dist
     computed before variations existed, in the folder of the VAE's key, its manifest without a variations field."""
-    plain = {name: 0.0 for name in ("flip_probability", "brightness")}
+    plain = {name: 0.0 for name in ("flip_probability", "rotation_degrees", "brightness")}
     for concept in ({**plain, "image_variations": 1}, {**plain, "image_variations": 4}):
         dataset = fresh(built, tmp_path / f"set{concept['image_variations']}", **concept)
         lines = []
