@@ -808,3 +808,32 @@ def test_additional_embeddings_are_imported_and_bundled_by_default(tmp_path):
                                        "additional_embeddings": [{"placeholder": "<a>"}]})
     assert [e.token for e in config.additional_embeddings] == ["<a>"]
     assert config.bundle_additional_embeddings is False  # OneTrainer bundles into LoRA files only
+
+
+def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
+    """OneTrainer caches image_variations augmented versions of each image (mgds DiskCache) and text_variations
+    versions of each caption: the concepts keep their numbers, and latent caching stays on where they make the
+    augmentation cacheable; an augmenting concept with one variation still turns it off (ot_dist refuses one fixed
+    augmented version)."""
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    images = str(tmp_path / "images")
+    flip = {"enable_random_flip": True}
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "concepts": [
+        {"path": images, "image": flip, "image_variations": 3, "text_variations": 2},
+        {"path": images, "name": "plain", "image": {"enable_crop_jitter": False}}]})
+    varied, plain = config.data.concepts
+    assert (varied.image_variations, varied.text_variations, varied.flip_probability) == (3, 2, 0.5)
+    assert (plain.image_variations, plain.text_variations) == (1, 1)
+    assert config.data.cache_latents and not config.data.cache_text
+    assert not any("variations" in line for line in skipped)
+    imported = import_onetrainer(tmp_path / "ot.json")
+    assert any(note.startswith("text_variations: ") for note in imported.notes)
+
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "concepts": [
+        {"path": images, "image": flip, "image_variations": 3}, {"path": images, "image": flip}]})
+    assert not config.data.cache_latents  # the second concept has one variation
+    (tmp_path / "ot.json").write_text(json.dumps({"model_type": "STABLE_DIFFUSION_15", "concepts": [
+        {"path": images, "image": flip}]}))
+    assert any("image_variations > 1 caches that many versions" in note
+               for note in import_onetrainer(tmp_path / "ot.json").notes)

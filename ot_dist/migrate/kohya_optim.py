@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported
+from ot_dist.migrate.common import Imported, warmup_micro_steps
 from ot_dist.migrate.kohya_args import KohyaArgs
 
 # kohya's optimizer_type (lower case, as it compares) -> (ot_dist optimizer, options kohya's get_optimizer sets)
@@ -155,7 +155,8 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
         return
     for key, value in lr_args.items():
         skip(f"lr_scheduler_args {key}={value!r}: not an option of ot_dist's schedules")
-    scheduler = {"name": SCHEDULES.get(name, "CONSTANT"), "warmup_steps": _warmup(warmup, accumulation, skip)}
+    scheduler = {"name": SCHEDULES.get(name, "CONSTANT"), "warmup_steps": warmup_micro_steps(warmup, accumulation,
+                                                                                          "lr_warmup_steps", skip)}
     if name not in SCHEDULES:
         skip(f"lr_scheduler: {name} has no ot_dist schedule (constant, linear, cosine, cosine_with_restarts, "
              "polynomial with power 1, cosine_with_min_lr); CONSTANT is written")
@@ -177,16 +178,3 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
         scheduler["min_factor"] = min_ratio or 0.0
     c["scheduler"] = scheduler
 
-
-def _warmup(warmup, accumulation: int, skip) -> int | float:
-    """kohya's lr_warmup_steps (optimizer steps, or a ratio below 1) in ot_dist's count (micro steps above 1)."""
-    if not warmup:
-        return 0
-    if isinstance(warmup, float) and warmup < 1:
-        return warmup
-    micro = int(warmup) * accumulation
-    if micro == 1:  # ot_dist reads 1 as the whole run
-        skip("lr_warmup_steps: 1 (the first step at learning rate 0) cannot be written (ot_dist reads a warmup of 1 "
-             "as the whole run); no warmup")
-        return 0
-    return micro
