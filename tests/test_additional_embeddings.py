@@ -80,6 +80,18 @@ def test_the_vectors_and_the_lora_train_and_nothing_else(lora_run, frozen_file):
                        load_file(frozen_file)["emp_params"])  # used, not trained
 
 
+def test_ot_dist_export_of_the_checkpoint_writes_the_same_files(lora_run, tmp_path):
+    from ot_dist.checkpoint.export_command import export_checkpoint
+
+    _, result, out, _, _ = lora_run
+    exported = export_checkpoint(str(result.checkpoint), None, False, str(tmp_path), log=QUIET)
+    assert {p.relative_to(tmp_path) for p in exported} == {p.relative_to(out) for p in result.exported}
+    for path in exported:
+        assert load_file(path).keys() == load_file(out / path.relative_to(tmp_path)).keys()
+        for key, value in load_file(path).items():
+            assert torch.equal(value, load_file(out / path.relative_to(tmp_path))[key]), (path.name, key)
+
+
 def test_the_embedding_file_loads_in_diffusers(lora_run, tiny_models):
     trainer, _, out, _, _ = lora_run
     pipe = DiffusionPipeline.from_pretrained(tiny_models["sd1"])
