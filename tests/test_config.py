@@ -131,6 +131,36 @@ def test_config_errors_exit_2_without_traceback(tmp_path, capsys, text, expected
     assert expected in err and "Traceback" not in err
 
 
+def test_a_key_written_twice_is_refused_naming_it_and_its_lines(tmp_path, capsys):
+    """PyYAML keeps the last of two equal keys: a second `data:` section at the end would drop the first one's
+    path without a word. Keys a merge (`<<:`) brings in may still be overridden."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {family: sd1, path: m}\nmethod: lora\noutput_dir: o\ndata:\n  path: d\n"
+                    "seed: 1\ndata:\n  cache_latents: true\n")
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "key 'data' appears twice in one section (lines 4 and 7)" in err and "Traceback" not in err
+    from ot_dist.config.load import read_yaml
+
+    path.write_text("base: &b {seed: 1, epochs: 2}\nover:\n  <<: *b\n  seed: 3\n")
+    assert read_yaml(path)["over"] == {"seed": 3, "epochs": 2}
+
+
+def test_a_utf16_config_is_read_and_other_bytes_are_named(tmp_path, capsys):
+    """Windows PowerShell 5's `>` writes UTF-16 with a byte order mark; Latin-1 bytes are no YAML text. Neither
+    may end in a UnicodeDecodeError's traceback."""
+    (tmp_path / "m").mkdir(), (tmp_path / "d").mkdir()
+    text = f"model: {{family: sd1, path: {tmp_path / 'm'}}}\nmethod: lora\noutput_dir: o\ndata: {{path: {tmp_path / 'd'}}}\n"
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text.encode("utf-16"))
+    assert main(["config", "check", str(path)]) == 0
+    assert "family: sd1" in capsys.readouterr().out
+    path.write_bytes(text.encode() + "seed: caf\xe9\n".encode("latin-1"))
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: not UTF-8 text" in err and "Traceback" not in err
+
+
 def test_missing_config_file(capsys):
     assert main(["config", "check", "/nonexistent/config.yaml"]) == 2
     assert "config file not found: /nonexistent/config.yaml" in capsys.readouterr().err
