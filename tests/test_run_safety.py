@@ -114,6 +114,20 @@ def test_checkpoints_carry_the_run_id_and_a_resume_keeps_it(finished_run, tiny_m
     assert trainer.run.run_id == run_id and trainer.position.step == 4
 
 
+def test_resuming_a_finished_run_leaves_its_committed_checkpoint_as_it_was(finished_run, tiny_models, shapes_data,
+                                                                           tmp_path):
+    """`--resume auto` on a finished run trains no step: its last checkpoint already holds that state, so it is not
+    written and committed again in place (a kill during that would have put the finished run's checkpoint at risk)."""
+    out = copy_run(finished_run, tmp_path / "out")
+    last = checkpoints_dir(out) / "step-00000004"
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in last.iterdir()}
+    result = Trainer(validate(base_config(tiny_models["sd1"], shapes_data, out, **settings())), log=quiet,
+                     resume="auto").train()
+    assert result.steps == 4 and result.checkpoint == last
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in last.iterdir()} == before
+    assert (out / "model.safetensors").is_file()  # the exports are written (again) as at the end of training
+
+
 # -- 3. a damaged latest checkpoint is named ------------------------------------------------------------
 
 
