@@ -174,6 +174,22 @@ def test_export_of_a_moved_run_writes_beside_the_checkpoint(finished_run, tmp_pa
     assert sorted(p for p in recorded.rglob("*")) == before  # nothing written into the recorded output_dir
 
 
+def test_export_to_an_unwritable_out_or_of_no_checkpoint_is_named_before_the_model_loads(finished_run, tmp_path,
+                                                                                          monkeypatch):
+    import ot_dist.models.loading
+
+    def no_loading(*_args):
+        raise AssertionError("the model was loaded before the bad input was found")
+
+    monkeypatch.setattr(ot_dist.models.loading, "load_model", no_loading)
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with pytest.raises(InputFileError, match=f"--out {tmp_path / 'taken' / 'x'} cannot be created: "
+                                             f"{tmp_path / 'taken'} is not a folder"):
+        export_checkpoint(str(finished_run), None, False, str(tmp_path / "taken" / "x"), log=quiet)
+    with pytest.raises(InputFileError, match=f"^export {tmp_path}: not a committed checkpoint"):  # no --resume here
+        export_checkpoint(str(tmp_path), None, False, None, log=quiet)
+
+
 # -- 5. a bad output_dir is found before any model loads ------------------------------------------------
 
 

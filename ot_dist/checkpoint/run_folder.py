@@ -61,22 +61,23 @@ def refusal(output_dir: str | Path, found: list[str], why: str = "") -> ConfigEr
     )
 
 
-def check_writable(output_dir: str | Path) -> Path:
-    """Create `output_dir` if needed and prove that a file can be written there; exit 3 naming the resolved path."""
+def check_writable(output_dir: str | Path, key: str = "output_dir") -> Path:
+    """Create `output_dir` if needed and prove that a file can be written there; exit 3 naming `key` and the
+    resolved path."""
     path = resolved(output_dir)
     ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         what = "is not a folder" if ancestor == path else f"cannot be created: {ancestor} is not a folder"
-        raise InputFileError(f"output_dir {path} {what}")
+        raise InputFileError(f"{key} {path} {what}")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as err:
-        raise InputFileError(f"output_dir {path} is not writable: {err.strerror or err}") from None
+        raise InputFileError(f"{key} {path} is not writable: {err.strerror or err}") from None
     return path
 
 
