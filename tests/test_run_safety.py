@@ -128,6 +128,39 @@ def test_resuming_a_finished_run_leaves_its_committed_checkpoint_as_it_was(finis
     assert (out / "model.safetensors").is_file()  # the exports are written (again) as at the end of training
 
 
+LOCK_HOLDER = """
+import fcntl, sys, time
+file = open(sys.argv[1], "a+")
+fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises when another process holds it
+file.truncate(0)
+file.write("pid 4242 on node-7, since 2026-11-26 20:00:00")
+file.flush()
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_before_loading(finished_run, tiny_models, shapes_data, tmp_path):
+    """Two `--resume auto` at once in one output_dir both trained and wrote the same checkpoint folders, until one
+    died at a later save on the other's files. The folder's lock (held by the running run's rank 0, released by the
+    kernel however that process ends) refuses the second one."""
+    out = copy_run(finished_run, tmp_path / "out")
+    lock = out / ".ot_dist.lock"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(lock), "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        raw = base_config(tiny_models["sd1"], shapes_data, out, **settings())
+        with pytest.raises(ConfigError, match=f"output_dir {out.resolve()} is in use by another run \\(pid 4242 on "
+                                              "node-7"):
+            Trainer(validate(raw), log=quiet, resume="auto")
+    finally:
+        holder.kill()
+        holder.wait()
+    Trainer(validate(raw), log=quiet, resume="auto").train()  # the holder is gone: the folder is free again
+    released = subprocess.run([sys.executable, "-c", LOCK_HOLDER, str(lock), "0"], capture_output=True, text=True)
+    assert released.returncode == 0, released.stderr  # and a finished run holds it no longer
+
+
 # -- 3. a damaged latest checkpoint is named ------------------------------------------------------------
 
 
