@@ -16,11 +16,12 @@ blocks) only loads into the same layout, and anything else is an error naming th
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
@@ -92,8 +93,20 @@ def rank_state(ownership: Ownership, optimizer, ema, writes_owned: bool, extra_t
 
 def write_rank_state(folder: Path, rank: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """rank-<r>.safetensors and rank-<r>.json in `folder`, from `rank_state`'s host copies."""
-    save_file(tensors, folder / f"{rank_stem(rank)}.safetensors")
+    path = folder / f"{rank_stem(rank)}.safetensors"
+    try:
+        save_file(tensors, path)
+    except SafetensorError as err:
+        raise as_os_error(err, path) from err
     (folder / f"{rank_stem(rank)}.json").write_text(json.dumps({"rank": rank, **meta}))
+
+
+def as_os_error(err: SafetensorError, path: Path) -> Exception:
+    """safetensors reports a failed write (disk full, quota, file size limit) as a SafetensorError that carries the
+    OS error in its text ("I/O error: No space left on device (os error 28)"): that is the disk, which the commit
+    protocol reports as exit 3 (checkpoint/writer.py), not a defect. Anything else stays as it is."""
+    found = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(err))
+    return OSError(int(found.group(2)), found.group(1), str(path)) if found else err
 
 
 def jsonable(value, what: str):
