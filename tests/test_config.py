@@ -164,3 +164,22 @@ def test_a_utf16_config_is_read_and_other_bytes_are_named(tmp_path, capsys):
 def test_missing_config_file(capsys):
     assert main(["config", "check", "/nonexistent/config.yaml"]) == 2
     assert "config file not found: /nonexistent/config.yaml" in capsys.readouterr().err
+
+
+def test_a_path_under_the_home_folder_is_read_there_by_every_part(tmp_path, monkeypatch):
+    """`~` in a YAML path is a literal character: the early checks expanded it (and passed), the shard build then
+    looked for `./~/...` and training wrote its cache into a folder named `~` in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    raw = {"model": {"family": "sd1", "path": "~/m", "config": "~/c"}, "method": "lora", "output_dir": "~/out",
+           "lora": {"init_from": "~/l.safetensors"},
+           "data": {"path": "~/d", "shards": "~/s", "cache_dir": "~/cache"}}
+    config = validate(raw)
+    assert (config.model.path, config.model.config, config.output_dir, config.lora.init_from) == (
+        f"{tmp_path}/m", f"{tmp_path}/c", f"{tmp_path}/out", f"{tmp_path}/l.safetensors")
+    assert (config.data.shards, config.data.cache_dir) == (f"{tmp_path}/s", f"{tmp_path}/cache")
+    assert [concept.path for _, concept in config.data.concept_list()] == [f"{tmp_path}/d"]
+    raw["data"] = {"concepts": [{"path": "~/a"}]}
+    assert validate(raw).data.concepts[0].path == f"{tmp_path}/a"
+    raw.update(method="embedding", embedding={"token": "sks", "init_from": "~/e.safetensors"})
+    raw.pop("lora")
+    assert validate(raw).embedding.init_from == f"{tmp_path}/e.safetensors"
