@@ -21,7 +21,7 @@ from conftest import base_config
 from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.export_command import export_checkpoint
 from ot_dist.checkpoint.layout import checkpoints_dir, latest_checkpoint
-from ot_dist.checkpoint.run_folder import check_writable, read_run_id
+from ot_dist.checkpoint.run_folder import check_before_start, check_writable, read_run_id
 from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError, InputFileError
@@ -84,6 +84,20 @@ def test_starting_over_a_finished_run_is_refused_and_overwrite_moves_it_aside(fi
     assert trainer.run.run_id == read_run_id(out) and trainer.run.moved_to == moved
     with pytest.raises(ConfigError, match="--overwrite starts a new run and --resume auto continues"):
         Trainer(validate(raw), log=quiet, overwrite=True, resume="auto")
+
+
+def test_a_run_stopped_by_bad_input_does_not_block_the_corrected_command(tiny_models, shapes_data, tmp_path):
+    """The checks after the folder is prepared (a mistyped model.path, unreadable images) stop a run that leaves
+    only run.json: nothing to lose, so the corrected command starts, without --overwrite."""
+    out = tmp_path / "out"
+    with pytest.raises(InputFileError, match="model.path: .* does not exist"):
+        Trainer(validate(base_config(tmp_path / "mistyped", shapes_data, out, **settings())), log=quiet)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["run.json"]
+    assert check_before_start(out, None, False) == (None, False)
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "step-00000002").mkdir()
+    with pytest.raises(ConfigError, match="already holds a run"):  # anything more is a run's work
+        check_before_start(out, None, False)
 
 
 def test_keep_last_prunes_only_checkpoints_of_the_current_run(tmp_path):

@@ -53,7 +53,10 @@ def earlier_run(output_dir: str | Path) -> list[str]:
                 found.append("checkpoints/")
         elif path.exists():
             found.append(name + ("/" if path.is_dir() else ""))
-    return found
+    # run.json alone: a run stopped before it saved or exported anything (bad input found by the checks after the
+    # folder was prepared: a mistyped model.path, unreadable images). It has nothing to lose, and refusing the
+    # corrected command as "already holds a run" would send the user to --overwrite for nothing.
+    return [] if found == [RUN_FILE] else found
 
 
 def refusal(output_dir: str | Path, found: list[str], why: str = "") -> ConfigError:
