@@ -228,6 +228,9 @@ def run(args: argparse.Namespace) -> int:
         if not config.data.concept_list():
             raise ConfigError("data: shard build needs data.path or data.concepts (the image folders)")
         out = args.out or shard_dir_of(config)
+        from ot_dist.checkpoint.run_folder import check_writable
+
+        check_writable(out, "--out" if args.out else "the shard set folder")  # before any image is read
         if args.shard_command == "merge":
             from ot_dist.data.shard_parts import merge_parts
 
