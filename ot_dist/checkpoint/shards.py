@@ -16,7 +16,6 @@ blocks) only loads into the same layout, and anything else is an error naming th
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from ot_dist.errors import InputFileError
+from ot_dist.errors import InputFileError, os_error_of
 from ot_dist.parallel.ownership import Fragment, Ownership, local
 
 
@@ -105,8 +104,8 @@ def as_os_error(err: SafetensorError, path: Path) -> Exception:
     """safetensors reports a failed write (disk full, quota, file size limit) as a SafetensorError that carries the
     OS error in its text ("I/O error: No space left on device (os error 28)"): that is the disk, which the commit
     protocol reports as exit 3 (checkpoint/writer.py), not a defect. Anything else stays as it is."""
-    found = re.search(r"I/O error: (.*) \(os error (\d+)\)", str(err))
-    return OSError(int(found.group(2)), found.group(1), str(path)) if found else err
+    found = os_error_of(err)
+    return OSError(found.errno, found.strerror, str(path)) if found else err
 
 
 def jsonable(value, what: str):
