@@ -230,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         out = args.out or shard_dir_of(config)
         from ot_dist.checkpoint.run_folder import check_writable
 
-        check_writable(out, "--out" if args.out else "the shard set folder")  # before any image is read
+        if args.shard_command != "merge":  # a merge writes into the parts' folder, which exists or is named missing
+            check_writable(out, "--out" if args.out else "the shard set folder")  # before any image is read
         if args.shard_command == "merge":
             from ot_dist.data.shard_parts import merge_parts
 
