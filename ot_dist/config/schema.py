@@ -6,10 +6,11 @@ Names follow OneTrainer's where one exists, so its users feel at home.
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from ot_dist.config.checkpoint import CheckpointConfig
 from ot_dist.config.embeddings import (AdditionalEmbeddingConfig, check_additional_embeddings,
@@ -25,6 +26,9 @@ from ot_dist.models.families.registry import FAMILY_NAMES, get_family
 from ot_dist.optim.registry import SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# A path as a shell reads it: YAML keeps `~` literal and Python's file calls do not expand it, so without this the
+# early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
+UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
 PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -35,12 +39,12 @@ class ModelConfig(Section):
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
         "prior), wuerstchen_v2 (its prior); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
-    path: str = Field(
+    path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
         "Flux, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config)."
     )
-    config: str | None = Field(
+    config: UserPath | None = Field(
         default=None,
         description="For a single-file checkpoint: a diffusers-format folder (or hub id when online) whose "
         "component configs describe the architecture. Needed offline.",
@@ -199,7 +203,7 @@ class LoraConfig(Section):
         "whose T5-XXL modules are named as ComfyUI reads them: lora_te3_* / lora_te1_* with .alpha tensors; "
         "PixArt's pipelines have no load_lora_weights: ot_dist.lora_tools.peft_load.load_peft_lora loads the file).",
     )
-    init_from: str | None = Field(
+    init_from: UserPath | None = Field(
         default=None,
         description="A LoRA .safetensors file to start from instead of zero (continue a LoRA, ot_dist's or another "
         "trainer's: kohya or diffusers layout). Its rank must equal lora.rank; its alpha is honoured (the starting "
@@ -220,7 +224,7 @@ class EmbeddingConfig(Section):
     init_text: str = Field(
         default="*", min_length=1, description="Text whose token embeddings initialise the vectors (unless init_from)."
     )
-    init_from: str | None = Field(
+    init_from: UserPath | None = Field(
         default=None,
         description="An embedding .safetensors to continue: the vectors start from it instead of init_text. Layouts: "
         "ot_dist's / ComfyUI's / A1111-Forge SDXL (clip_l, clip_g), OneTrainer's (emp_params for SD 1.x/2.x; "
@@ -245,7 +249,7 @@ class EmbeddingConfig(Section):
 class ConceptConfig(Section):
     """One concept (OneTrainer's term): a folder of images with captions and optional masks."""
 
-    path: str = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
+    path: UserPath = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
     name: str | None = Field(default=None, description="Name in reports and sample keys; unset = the folder name.")
     type: Literal["standard", "validation", "prior_preservation", "prior_prediction"] = Field(
@@ -463,17 +467,17 @@ class ConceptConfig(Section):
 
 
 class DataConfig(Section):
-    path: str | None = Field(
+    path: UserPath | None = Field(
         default=None, description="Shorthand for one concept with default settings: `concepts: [{path: ...}]`."
     )
     concepts: list[ConceptConfig] = Field(default_factory=list, description="The training concepts (see below).")
-    shards: str | None = Field(
+    shards: UserPath | None = Field(
         default=None,
         description="The shard set folder (`ot-dist shard build`). Unset: <cache_dir>/shards/<name from the concepts "
         "and settings>, built at train start when missing or stale (`ot-dist shard list | prune` show and remove old "
         "ones). Set without concepts: train from an existing shard set.",
     )
-    cache_dir: str | None = Field(
+    cache_dir: UserPath | None = Field(
         default=None,
         description="The cache folder of shard sets when data.shards is unset. Unset: the environment's OT_DIST_CACHE, "
         "else ot_dist-cache beside output_dir (in its parent folder, which every node of a run shares).",
@@ -717,7 +721,7 @@ class TrainConfig(Section):
         description="full = finetune the weights; lora = train LoRA adapters (peft); "
         "embedding = textual inversion."
     )
-    output_dir: str = Field(description="Where exports, checkpoints (output_dir/checkpoints) and the local MLflow store go.")
+    output_dir: UserPath = Field(description="Where exports, checkpoints (output_dir/checkpoints) and the local MLflow store go.")
     data: DataConfig
     seed: int = Field(default=42, description="Seeds shuffling, noise and timesteps (per sample).")
     resolution: int | list[int] = Field(

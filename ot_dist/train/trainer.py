@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ot_dist.checkpoint.layout import checkpoints_dir
-from ot_dist.checkpoint.run_folder import prepare_run_folder, estimated_free_space_warning
+from ot_dist.checkpoint.run_folder import estimated_free_space_warning, prepare_run_folder, release_output_dir
 from ot_dist.checkpoint.training_state import Checkpointer, Position
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
@@ -198,8 +198,10 @@ class Trainer:
             raise  # a second Ctrl-C interrupts at once; a checkpoint being written stays uncommitted, the last holds
         except BaseException:
             self._commit_written_checkpoint()
+            release_output_dir(self.config.output_dir)
             raise
         self.checkpointer.wait()  # a checkpoint written in the background is committed before training returns
+        release_output_dir(self.config.output_dir)  # the run is over: another may start in its folder
         return result
 
     def _commit_written_checkpoint(self) -> None:
