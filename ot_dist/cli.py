@@ -329,6 +329,10 @@ def _main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ot-dist: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `ot-dist schedule ... | head`: the reader is gone, nothing is wrong
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
+        return 141
     except Exception as err:  # noqa: BLE001 - only the storage's refusals are answered here
         refused = os_error_of(err)
         if refused is None or refused.errno not in STORAGE_ERRNOS:
@@ -338,10 +342,6 @@ def _main(argv: list[str] | None = None) -> int:
         print(f"ot-dist: error: a write failed: {refused} (free space, quota or file size limit); the committed "
               "checkpoints are as they were", file=sys.stderr)
         return 3
-    except BrokenPipeError:  # `ot-dist schedule ... | head`: the reader is gone, nothing is wrong
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
-        return 141
 
 
 def entry() -> None:
