@@ -28,7 +28,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.optim.schedulers import lr_factor
 from ot_dist.ports import free_port
 from ot_dist.tracking import start_sender, start_tracking, tracking_uri
-from ot_dist.tracking.base import Tracker
+from ot_dist.tracking.base import Tracker, metric_name
 from ot_dist.tracking.mlflow_tracker import MlflowTracker
 from ot_dist.tracking.progress import Progress
 from ot_dist.tracking.replay import main as replay_main
@@ -455,3 +455,65 @@ def test_a_terminal_gets_a_progress_bar():
     assert "<" in shown  # tqdm's elapsed<remaining: the ETA
     assert not lines  # no plain lines on a terminal
 
+
+
+def test_metric_names_pass_mlflows_own_check():
+    """Concept names become metric keys after `validation/loss/`: whatever the name, MLflow takes the key (its
+    characters and its path check: no empty part, no part of dots alone), and plain names are kept."""
+    from mlflow.utils.validation import _validate_metric_name
+
+    awkward = ["faces/", "/faces", "a//b", "..", ".", "a/./b", "", "Style: Anime", "café", "x" * 3]
+    for name in awkward:
+        _validate_metric_name(f"validation/loss/{metric_name(name)}")  # raises MlflowException if refused
+    assert [metric_name(n) for n in ("faces", "close-up v1.5", "styles/anime")] == ["faces", "close-up v1.5",
+                                                                                     "styles/anime"]
+
+
+def test_a_refused_value_costs_only_its_own_record(server, tmp_path):
+    """MLflow refuses a whole log_batch for one bad value; the steps and params that shared the request with it
+    still arrive, and only the bad record is kept in FILE.refused."""
+    from ot_dist.tracking.delivery import Delivery
+    from ot_dist.tracking.outbox import OutboxWriter, read_records, refused_path
+
+    outbox = tmp_path / "outbox.jsonl"
+    writer = OutboxWriter(outbox)
+    writer.add({"kind": "run", "uri": server.uri, "experiment": "refusals", "run_name": "one-bad", "run_id": None,
+                "artifact_location": None})
+    writer.add({"kind": "metrics", "step": 1, "timestamp_ms": 1000, "values": {"loss": 0.5}})
+    writer.add_values("params", {"seed": "1"})
+    writer.add({"kind": "metrics", "step": 2, "timestamp_ms": 2000, "values": {"validation/loss/faces/": 0.1}})
+    writer.add({"kind": "metrics", "step": 2, "timestamp_ms": 2000, "values": {"loss": 0.25}})
+    writer.close()
+    notices = []
+    delivery = Delivery(outbox, server.uri, notify=notices.append)
+    delivery.deliver(read_records(outbox, 0))
+    assert history(server.uri, delivery.run_id, "loss") == [(1, 0.5), (2, 0.25)]
+    assert client(server.uri).get_run(delivery.run_id).data.params == {"seed": "1"}
+    (kept,) = [json.loads(line) for line in refused_path(outbox).read_text().splitlines()]
+    assert kept["values"] == {"validation/loss/faces/": 0.1} and "faces" in kept["refused"]
+    assert len(notices) == 1 and "1 metric points" in notices[0]
+
+
+class Recording(Tracker):
+    def __init__(self):
+        self.closed_as: list[str] = []
+
+    def close(self, status="FINISHED"):
+        self.closed_as.append(status)
+        return []
+
+    def close_failed(self):
+        self.closed_as.append("FAILED (close_failed)")
+
+
+def test_a_run_stopped_by_a_signal_ends_killed(tiny_models, shapes_data, tmp_path, monkeypatch):
+    """MLflow's statuses: a run a signal stopped (preemption: saved, exit 0, to be resumed) is KILLED, not
+    FINISHED; `search_runs(filter_string="attributes.status = 'FINISHED'")` finds only completed runs."""
+    recording = Recording()
+    monkeypatch.setattr("ot_dist.train.trainer.start_tracking", lambda *args, **kwargs: recording)
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=4)
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    trainer.optimizer.register_step_post_hook(lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    result = trainer.train()
+    assert result.stopped_by == "SIGTERM" and result.steps < 4  # stopped early, saved
+    assert recording.closed_as == ["KILLED"]

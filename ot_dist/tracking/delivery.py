@@ -25,6 +25,11 @@ def refused(err: Exception) -> bool:
     return 400 <= status < 500 and status not in (408, 429)
 
 
+def bad_value(err: Exception) -> bool:
+    """MLflow's answer to a request with an invalid value in it (as opposed to no permission or no such run)."""
+    return getattr(err, "error_code", None) == "INVALID_PARAMETER_VALUE"
+
+
 def describe(err: Exception) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= 300 else text[:297] + "..."
@@ -77,8 +82,25 @@ class Delivery:
                     raise
                 if batch[0][1]["kind"] == "run":
                     raise RunRefused(describe(err)) from err
-                self._set_aside(batch, err)
+                if len(batch) > 1 and bad_value(err):
+                    self._send_one_by_one(batch)
+                else:
+                    self._set_aside(batch, err)
             self.offset = batch[-1][0]
+            write_sent(self.path, self.uri, self.run_id, self.offset)
+
+    def _send_one_by_one(self, batch: list[Entry]) -> None:
+        """A batch refused for a bad value (a name MLflow rejects, a param whose value changed): MLflow refuses
+        the whole request, so each record goes alone and only the bad ones are set aside, not the other steps'
+        values that happened to share the request."""
+        for entry in batch:
+            try:
+                self._send([entry[1]])
+            except Exception as err:  # noqa: BLE001
+                if not refused(err):
+                    raise  # the server went away: the next attempt resumes after the last record sent
+                self._set_aside([entry], err)
+            self.offset = entry[0]
             write_sent(self.path, self.uri, self.run_id, self.offset)
 
     def end_run(self, status: str) -> None:

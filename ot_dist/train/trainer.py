@@ -194,8 +194,10 @@ class Trainer:
         try:
             result = self._train()
         except KeyboardInterrupt:
+            self.tracker.close_failed()
             raise  # a second Ctrl-C interrupts at once; a checkpoint being written stays uncommitted, the last holds
         except BaseException:
+            self.tracker.close_failed()  # now, not at the interpreter's exit (a notebook, a library caller)
             self._commit_written_checkpoint()
             raise
         self.checkpointer.wait()  # a checkpoint written in the background is committed before training returns
@@ -311,7 +313,9 @@ class Trainer:
             result.exported = self.export(Path(config.output_dir))
             self.tracker.set_tags({"exported": " ".join(str(p) for p in result.exported)})
             self.tracker.log_text("".join(f"{p}\n" for p in result.exported), "exported_paths.txt")
-        for warning in self.tracker.close():
+        # MLflow's statuses: a run a signal stopped (preemption, Ctrl-C) was killed, not finished; its resume
+        # continues the same run
+        for warning in self.tracker.close("KILLED" if result.stopped_by else "FINISHED"):
             self.log(f"warning: {warning}")
         return result
 
@@ -343,7 +347,7 @@ class Trainer:
         position is past the bad batch, so a resume (with a lower learning rate, say) goes on after it."""
         self.optimizer.zero_grad(set_to_none=True)
         path = self._save(step, epoch, "non-finite loss")
-        for warning in self.tracker.close():
+        for warning in self.tracker.close("FAILED"):  # training stops with an error (exit code 4)
             self.log(f"warning: {warning}")
         if bad_step is None:
             applied = f"that step was not applied and the weights after step {step} are saved in {path}"
