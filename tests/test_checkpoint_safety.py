@@ -140,6 +140,9 @@ def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, t
             closed_as.append(status)
             return []
 
+        def close_failed(self):  # what train() calls on any error (a no-op once closed)
+            closed_as.append("close_failed")
+
     monkeypatch.setattr("ot_dist.train.trainer.start_tracking", lambda *args, **kwargs: Recording())
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=6, **{"optimizer.name": "ADAMW"})
     trainer = Trainer(validate(raw), log=quiet)
@@ -154,7 +157,7 @@ def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, t
     with pytest.raises(TrainingHalted, match="step 3") as halted:
         trainer.train()
     assert halted.value.exit_code == 4 and len(second) == 2  # the poisoned step was not applied
-    assert closed_as == ["FAILED"]
+    assert closed_as == ["FAILED", "close_failed"]
     folder = latest_checkpoint(checkpoints_dir(tmp_path / "out"))
     state = read_trainer_state(folder)
     assert state["step"] == 2 and state["reason"] == "non-finite loss"
