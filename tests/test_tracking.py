@@ -9,6 +9,7 @@ import getpass
 import io
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -517,3 +518,42 @@ def test_a_run_stopped_by_a_signal_ends_killed(tiny_models, shapes_data, tmp_pat
     result = trainer.train()
     assert result.stopped_by == "SIGTERM" and result.steps < 4  # stopped early, saved
     assert recording.closed_as == ["KILLED"]
+
+
+class OutboxOnly:
+    """A sender that sends nothing: the test delivers the outbox itself, in this process."""
+
+    def __init__(self, uri: str, outbox: Path):
+        self.uri, self.outbox, self.run_id, self.sent, self.outcome = uri, outbox, None, 0, None
+        self.notices = queue.SimpleQueue()
+
+    def close(self, seconds):
+        return True
+
+
+def test_a_run_the_caller_created_in_mlflow_run_id_is_the_one_tracked(server, tiny_models, shapes_data, tmp_path,
+                                                                       monkeypatch):
+    """`mlflow run` (MLflow Projects) and job schedulers create the run and pass it in MLFLOW_RUN_ID, as MLflow's own
+    start_run takes it: the values, params and config go there (not to a second run of the `ot_dist` experiment),
+    and the run keeps its source tags."""
+    from ot_dist.tracking.delivery import Delivery
+    from ot_dist.tracking.outbox import read_records
+
+    experiment_id = client(server.uri).create_experiment("a-project")
+    callers = client(server.uri).create_run(experiment_id, tags={"mlflow.source.name": "https://git.example/project",
+                                                                 "mlflow.source.type": "PROJECT"}).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", callers)
+    config = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "out",
+                                  **{"mlflow.enabled": True, "mlflow.tracking_uri": server.uri}))
+    outbox = tmp_path / "outbox.jsonl"
+    tracker = start_tracking(config, is_main=True, world_size=1, sender=OutboxOnly(server.uri, outbox))
+    assert tracker.run_id == callers  # what a checkpoint keeps for a resume
+    tracker.log_metrics({"loss": 0.5}, step=1)
+    tracker.close()
+    Delivery(outbox, server.uri).deliver(read_records(outbox, 0))
+    run = client(server.uri).get_run(callers)
+    assert run.info.status == "FINISHED" and history(server.uri, callers, "loss") == [(1, 0.5)]
+    assert run.data.params["learning_rate"] == "0.0003" and run.data.tags["method"] == "full"
+    assert run.data.tags["mlflow.source.name"] == "https://git.example/project"
+    assert "config.yaml" in {a.path for a in client(server.uri).list_artifacts(callers)}
+    assert client(server.uri).get_experiment_by_name("ot_dist") is None  # no second run elsewhere
