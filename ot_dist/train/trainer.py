@@ -237,7 +237,8 @@ class Trainer:
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host
         if step == 0:
-            self.validation.maybe_run(self, step)
+            with window.paused():
+                self.validation.maybe_run(self, step)
         every, epoch = config.checkpoint, self.position.epoch
         with StopSignals(every.on_signal) as signals:
             guard = (LaggedStepGuard if self.lagged_guard else StepGuard)(
@@ -278,23 +279,26 @@ class Trainer:
                     progress.step(step)
                     if step % config.log_every_steps == 0 or step == self.total_steps:
                         self._take_window(result, self._log_window(window, progress))
-                    if step in snapshots:
-                        self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
-                    self.sampler.after_step(self, step)
-                    self.validation.maybe_run(self, step)
-                    if verdict.stop:
-                        result.stopped_by = signals.received or "a signal on another rank"
-                        result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
-                        break
-                    reason = ("step interval" if every.every_n_steps and step % every.every_n_steps == 0
-                              else "cycle low" if step in checkpoint_lows else "time interval" if verdict.save_due else None)
-                    if reason:
-                        result.checkpoint = self._save(step, epoch, reason)
+                    with window.paused():  # not training: out of the window's samples_per_s and mfu
+                        if step in snapshots:
+                            self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
+                        self.sampler.after_step(self, step)
+                        self.validation.maybe_run(self, step)
+                        if verdict.stop:
+                            result.stopped_by = signals.received or "a signal on another rank"
+                            result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
+                            break
+                        reason = ("step interval" if every.every_n_steps and step % every.every_n_steps == 0
+                                  else "cycle low" if step in checkpoint_lows else "time interval" if verdict.save_due
+                                  else None)
+                        if reason:
+                            result.checkpoint = self._save(step, epoch, reason)
                     self._update_part_activity(epoch, step)
                     if step >= self.total_steps:
                         break
                 if every.every_n_epochs and (epoch + 1) % every.every_n_epochs == 0 and not result.stopped_by:
-                    result.checkpoint = self._save(step, epoch, "epoch end")
+                    with window.paused():
+                        result.checkpoint = self._save(step, epoch, "epoch end")
             last = guard.settle()  # the lagged guard: the last step's verdict, before the end's saves and exports
             if last is not None and last.nonfinite:
                 self._skipped_on_device(result, step, epoch)
