@@ -557,3 +557,37 @@ def test_a_run_the_caller_created_in_mlflow_run_id_is_the_one_tracked(server, ti
     assert run.data.tags["mlflow.source.name"] == "https://git.example/project"
     assert "config.yaml" in {a.path for a in client(server.uri).list_artifacts(callers)}
     assert client(server.uri).get_experiment_by_name("ot_dist") is None  # no second run elsewhere
+
+
+def test_a_resumed_run_missing_from_the_store_continues_in_a_new_run_with_its_params(server, tiny_models,
+                                                                                     shapes_data, tmp_path):
+    """A resume continues its MLflow run without sending its params again (MLflow refuses a changed value, and
+    a resume may raise max_steps); a run that is not in the store (tracked in another one before the resume)
+    is no reason to track nothing: a new run gets the values, with the params, tagged with the run it continues."""
+    from ot_dist.tracking.delivery import Delivery
+    from ot_dist.tracking.outbox import read_records, refused_path
+
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=6,
+                      **{"mlflow.enabled": True, "mlflow.tracking_uri": server.uri, "mlflow.experiment": "resumes"})
+    first = start_tracking(validate(raw), True, 1, sender=OutboxOnly(server.uri, tmp_path / "first.jsonl"))
+    first.close()
+    delivery = Delivery(first.outbox.path, server.uri)
+    delivery.deliver(read_records(first.outbox.path, 0))
+    existing = delivery.run_id
+    raw["max_steps"] = 9
+    missing = "0123456789abcdef0123456789abcdef"
+    for run_id, outbox in ((existing, tmp_path / "resumed.jsonl"), (missing, tmp_path / "elsewhere.jsonl")):
+        tracker = start_tracking(validate(raw), True, 1, run_id=run_id, resumed_at_step=6,
+                                 sender=OutboxOnly(server.uri, outbox))
+        tracker.log_metrics({"loss": 0.5}, step=7)
+        tracker.close()
+        notices = []
+        delivery = Delivery(outbox, server.uri, notify=notices.append)
+        delivery.deliver(read_records(outbox, 0))
+        assert not refused_path(outbox).exists(), refused_path(outbox).read_text()
+        run = client(server.uri).get_run(delivery.run_id)
+        assert history(server.uri, delivery.run_id, "loss") == [(7, 0.5)] and run.info.status == "FINISHED"
+    assert client(server.uri).get_run(existing).data.params["max_steps"] == "6"  # kept: not sent again
+    assert run.data.params["max_steps"] == "9" and run.data.tags["ot_dist.continues_run"] == missing
+    assert notices == [f"MLflow: the run {missing} to continue is not in {server.uri}; the values go to a new run "
+                       "of the experiment"]

@@ -85,9 +85,11 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
     )
     config_yaml = config_text(config)
     if run_id is None:
-        tracker.log_params(flat_params(config))  # a resumed run has them (and MLflow params never change)
+        tracker.log_params(flat_params(config))
         tracker.log_text(config_yaml, "config.yaml")
     else:
+        # a resumed run has them (and MLflow params never change), unless it is not in the store any more
+        tracker.log_params(flat_params(config), new_run_only=True)
         at = step_offset if resumed_at_step is None else resumed_at_step
         tracker.log_text(config_yaml, f"config-resumed-at-step-{at}.yaml")
     tags = run_tags(config, world_size)

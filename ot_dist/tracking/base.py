@@ -14,8 +14,8 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int, wall_time: float | None = None) -> None:
         """Values of one optimizer step (`step` counts from 1 within this run; resumed runs add an offset)."""
 
-    def log_params(self, params: dict[str, str]) -> None:
-        pass
+    def log_params(self, params: dict[str, str], new_run_only: bool = False) -> None:
+        """`new_run_only`: a resumed run's params, sent only where its run is not found and a new one is made."""
 
     def set_tags(self, tags: dict[str, str]) -> None:
         pass

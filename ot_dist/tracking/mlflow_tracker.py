@@ -129,8 +129,8 @@ class MlflowTracker(Tracker):
         self.outbox.add({"kind": "metrics", "step": step + self.step_offset, "timestamp_ms": timestamp,
                          "values": {key: float(value) for key, value in metrics.items()}})
 
-    def log_params(self, params: dict[str, str]) -> None:
-        self.outbox.add_values("params", params)
+    def log_params(self, params: dict[str, str], new_run_only: bool = False) -> None:
+        self.outbox.add_values("params", params, new_run_only)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.outbox.add_values("tags", tags)
