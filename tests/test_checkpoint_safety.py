@@ -26,6 +26,7 @@ from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
 from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError, InputFileError, TrainingHalted
+from ot_dist.tracking.base import Tracker
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -162,7 +163,18 @@ def poison_third_step(trainer: Trainer) -> None:
     trainer.loss = loss
 
 
-def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, tmp_path):
+def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, tmp_path, monkeypatch):
+    closed_as = []  # the tracked run's end: FAILED, as MLflow ends a run that an error stops
+
+    class Recording(Tracker):
+        def close(self, status="FINISHED"):
+            closed_as.append(status)
+            return []
+
+        def close_failed(self):  # what train() calls on any error (a no-op once closed)
+            closed_as.append("close_failed")
+
+    monkeypatch.setattr("ot_dist.train.trainer.start_tracking", lambda *args, **kwargs: Recording())
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=6, **{"optimizer.name": "ADAMW"})
     trainer = Trainer(validate(raw), log=quiet)
     poison_third_step(trainer)
@@ -176,6 +188,7 @@ def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, t
     with pytest.raises(TrainingHalted, match="step 3") as halted:
         trainer.train()
     assert halted.value.exit_code == 4 and len(second) == 2  # the poisoned step was not applied
+    assert closed_as == ["FAILED", "close_failed"]
     folder = latest_checkpoint(checkpoints_dir(tmp_path / "out"))
     state = read_trainer_state(folder)
     assert state["step"] == 2 and state["reason"] == "non-finite loss"

@@ -195,8 +195,10 @@ class Trainer:
         try:
             result = self._train()
         except KeyboardInterrupt:
+            self.tracker.close_failed()
             raise  # a second Ctrl-C interrupts at once; a checkpoint being written stays uncommitted, the last holds
         except BaseException:
+            self.tracker.close_failed()  # now, not at the interpreter's exit (a notebook, a library caller)
             self._commit_written_checkpoint()
             release_output_dir(self.config.output_dir)
             raise
@@ -238,7 +240,8 @@ class Trainer:
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host
         if step == 0:
-            self.validation.maybe_run(self, step)
+            with window.paused():
+                self.validation.maybe_run(self, step)
         every, epoch = config.checkpoint, self.position.epoch
         with StopSignals(every.on_signal) as signals:
             guard = (LaggedStepGuard if self.lagged_guard else StepGuard)(
@@ -279,23 +282,26 @@ class Trainer:
                     progress.step(step)
                     if step % config.log_every_steps == 0 or step == self.total_steps:
                         self._take_window(result, self._log_window(window, progress))
-                    if step in snapshots:
-                        self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
-                    self.sampler.after_step(self, step)
-                    self.validation.maybe_run(self, step)
-                    if verdict.stop:
-                        result.stopped_by = signals.received or "a signal on another rank"
-                        result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
-                        break
-                    reason = ("step interval" if every.every_n_steps and step % every.every_n_steps == 0
-                              else "cycle low" if step in checkpoint_lows else "time interval" if verdict.save_due else None)
-                    if reason:
-                        result.checkpoint = self._save(step, epoch, reason)
+                    with window.paused():  # not training: out of the window's samples_per_s and mfu
+                        if step in snapshots:
+                            self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
+                        self.sampler.after_step(self, step)
+                        self.validation.maybe_run(self, step)
+                        if verdict.stop:
+                            result.stopped_by = signals.received or "a signal on another rank"
+                            result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
+                            break
+                        reason = ("step interval" if every.every_n_steps and step % every.every_n_steps == 0
+                                  else "cycle low" if step in checkpoint_lows else "time interval" if verdict.save_due
+                                  else None)
+                        if reason:
+                            result.checkpoint = self._save(step, epoch, reason)
                     self._update_part_activity(epoch, step)
                     if step >= self.total_steps:
                         break
                 if every.every_n_epochs and (epoch + 1) % every.every_n_epochs == 0 and not result.stopped_by:
-                    result.checkpoint = self._save(step, epoch, "epoch end")
+                    with window.paused():
+                        result.checkpoint = self._save(step, epoch, "epoch end")
             last = guard.settle()  # the lagged guard: the last step's verdict, before the end's saves and exports
             if last is not None and last.nonfinite:
                 self._skipped_on_device(result, step, epoch)
@@ -314,7 +320,9 @@ class Trainer:
             result.exported = self.export(Path(config.output_dir))
             self.tracker.set_tags({"exported": " ".join(str(p) for p in result.exported)})
             self.tracker.log_text("".join(f"{p}\n" for p in result.exported), "exported_paths.txt")
-        for warning in self.tracker.close():
+        # MLflow's statuses: a run a signal stopped (preemption, Ctrl-C) was killed, not finished; its resume
+        # continues the same run
+        for warning in self.tracker.close("KILLED" if result.stopped_by else "FINISHED"):
             self.log(f"warning: {warning}")
         return result
 
@@ -346,7 +354,7 @@ class Trainer:
         position is past the bad batch, so a resume (with a lower learning rate, say) goes on after it."""
         self.optimizer.zero_grad(set_to_none=True)
         path = self._save(step, epoch, "non-finite loss")
-        for warning in self.tracker.close():
+        for warning in self.tracker.close("FAILED"):  # training stops with an error (exit code 4)
             self.log(f"warning: {warning}")
         if bad_step is None:
             applied = f"that step was not applied and the weights after step {step} are saved in {path}"
