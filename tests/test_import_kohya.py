@@ -605,3 +605,32 @@ resolution = 512
 
     assert read_caption(load_config(tmp_path / "ok.yaml").data.concepts[0], data / "0.png") == \
         "photo of a cat , sks style"
+
+
+def test_loss_weights_kohya_combines_or_takes_from_another_schedule(tmp_path):
+    """kohya's post_process_loss multiplies min_snr_gamma's weight by debiased_estimation_loss's when both are set;
+    ot_dist weighs by one function, so the import keeps min_snr_gamma and lists the other (it wrote both, which the
+    config refused). With zero_terminal_snr kohya's get_noise_scheduler computes the SNR table (prepare_scheduler_for_
+    custom_training) before it rescales the betas, so its min-SNR weights are the original schedule's: listed."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path) + 'network_module = "networks.lora"\nmin_snr_gamma = 5\n'
+    config, _, err = imported(tmp_path, common + "debiased_estimation_loss = true\n", "--script", "train_network.py")
+    assert config["loss"] == {"min_snr_gamma": 5}
+    assert "debiased_estimation_loss: kohya multiplies its weight" in err
+    config, _, err = imported(tmp_path, common + "v_parameterization = true\nzero_terminal_snr = true\n",
+                              "--script", "train_network.py")
+    assert config["model"]["zero_terminal_snr"] and config["loss"] == {"min_snr_gamma": 5}
+    assert "min_snr_gamma: 5 with zero_terminal_snr: kohya weighs by the SNR of the schedule before the rescale" in err
+    _, _, err = imported(tmp_path, common + "v_parameterization = true\n", "--script", "train_network.py")
+    assert "min_snr_gamma" not in err
+
+
+def test_network_alpha_0_is_the_rank(tmp_path):
+    """kohya's LoRAModule (and LyCORIS' modules): "if alpha == 0 or None, alpha is rank (no scaling)"; conv_alpha 0
+    likewise is conv_dim. ot_dist's alpha must be > 0, so 0 was a config error."""
+    images(tmp_path / "d" / "1_x", 1)
+    config, _, err = imported(tmp_path, minimal(tmp_path) + 'network_module = "networks.lora"\nnetwork_dim = 16\n'
+                              'network_alpha = 0\nnetwork_args = ["conv_dim=16", "conv_alpha=0"]\n',
+                              "--script", "train_network.py")
+    assert (config["lora"]["rank"], config["lora"]["alpha"]) == (16, 16)
+    assert "conv1" in config["lora"]["unet_targets"] and "conv_dim" not in err  # the ResNet blocks at the same scale
