@@ -634,3 +634,18 @@ def test_network_alpha_0_is_the_rank(tmp_path):
                               "--script", "train_network.py")
     assert (config["lora"]["rank"], config["lora"]["alpha"]) == (16, 16)
     assert "conv1" in config["lora"]["unet_targets"] and "conv_dim" not in err  # the ResNet blocks at the same scale
+
+
+def test_lr_warmup_float_is_a_ratio_up_to_1(tmp_path):
+    """kohya's get_scheduler_fix reads any float lr_warmup_steps as a ratio of the training steps: 1.0 (TOML) or
+    "100%" (its int_or_float) warms up over the whole run; ot_dist reads a warmup <= 1 as the same ratio. It was
+    written as one optimizer step (in micro steps), or no warmup without accumulation."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path) + 'network_module = "networks.lora"\nlr_scheduler = "cosine"\n'
+    for accumulation in (1, 3):
+        config, _, err = imported(tmp_path, common + "lr_warmup_steps = 1.0\n"
+                                  f"gradient_accumulation_steps = {accumulation}\n", "--script", "train_network.py")
+        assert config["scheduler"] == {"name": "COSINE", "warmup_steps": 1.0} and "lr_warmup_steps" not in err
+    config, _, _ = imported(tmp_path, common + "lr_warmup_steps = 4\ngradient_accumulation_steps = 3\n",
+                            "--script", "train_network.py")
+    assert config["scheduler"]["warmup_steps"] == 12  # whole optimizer steps: ot_dist counts micro steps above 1

@@ -6,7 +6,7 @@ kohya builds each optimizer with the library's own defaults for the options opti
 defaults are OneTrainer's, so where they differ the library's value is written (LIBRARY_DEFAULTS). kohya's schedules
 are diffusers' (get_scheduler), stepped once per optimizer step: linear, cosine and cosine_with_restarts (diffusers'
 hard restarts) have ot_dist's shapes; the warmup is in optimizer steps (ot_dist counts a warmup > 1 in micro steps,
-so it is multiplied by the accumulation), a value below 1 a ratio of the steps in both."""
+so it is multiplied by the accumulation), a float up to 1 ("10%", "100%") a ratio of the steps in both."""
 
 from __future__ import annotations
 
@@ -179,10 +179,11 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
 
 
 def _warmup(warmup, accumulation: int, skip) -> int | float:
-    """kohya's lr_warmup_steps (optimizer steps, or a ratio below 1) in ot_dist's count (micro steps above 1)."""
+    """kohya's lr_warmup_steps (optimizer steps, or a ratio up to 1: a float) in ot_dist's count (micro steps
+    above 1, a ratio up to 1)."""
     if not warmup:
         return 0
-    if isinstance(warmup, float) and warmup < 1:
+    if isinstance(warmup, float) and warmup <= 1:  # get_scheduler_fix: any float is a ratio ("100%": 1.0, the run)
         return warmup
     micro = int(warmup) * accumulation
     if micro == 1:  # ot_dist reads 1 as the whole run
