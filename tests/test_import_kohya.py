@@ -649,3 +649,24 @@ def test_lr_warmup_float_is_a_ratio_up_to_1(tmp_path):
     config, _, _ = imported(tmp_path, common + "lr_warmup_steps = 4\ngradient_accumulation_steps = 3\n",
                             "--script", "train_network.py")
     assert config["scheduler"]["warmup_steps"] == 12  # whole optimizer steps: ot_dist counts micro steps above 1
+
+
+def test_warmup_on_several_processes(tmp_path):
+    """accelerate's AcceleratedScheduler (installed accelerate, split_batches off) steps kohya's schedule once per
+    process at each optimizer step, and kohya sizes it max_train_steps x processes: on `--num_processes 2` a warmup of
+    10 ends after 5 optimizer steps. A ratio is the same share on any number of processes."""
+    import inspect
+
+    from accelerate.scheduler import AcceleratedScheduler
+
+    assert "for _ in range(num_processes)" in inspect.getsource(AcceleratedScheduler.step)
+    images(tmp_path / "d" / "1_x", 1)
+    launch = ("accelerate launch --num_processes 2 train_network.py --pretrained_model_name_or_path m --output_dir o "
+              f"--train_data_dir {tmp_path / 'd'} --resolution 512 --enable_bucket --network_module networks.lora "
+              "--lr_scheduler cosine --gradient_accumulation_steps 3 --lr_warmup_steps ")
+    for warmup, written in (("10", 15), ("11", 18), ("0.1", 0.1)):
+        (tmp_path / "cmd.sh").write_text(launch + warmup + "\n", encoding="utf-8")
+        code, err = run_import("--command_line", tmp_path / "cmd.sh", "--out", tmp_path / "out.yaml", "--force")
+        assert code == 0, err
+        config = yaml.safe_load((tmp_path / "out.yaml").read_text(encoding="utf-8"))
+        assert config["scheduler"] == {"name": "COSINE", "warmup_steps": written}, warmup

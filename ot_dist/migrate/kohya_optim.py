@@ -131,6 +131,15 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
     custom, lr_args = args["lr_scheduler_type"], optimizer_args(args, "lr_scheduler_args")
     cycles, power, min_ratio = (args["lr_scheduler_num_cycles"], args["lr_scheduler_power"],
                                 args["lr_scheduler_min_lr_ratio"])
+    processes = launch_processes(args.launch)
+    if processes > 1 and warmup and not (isinstance(warmup, float) and warmup <= 1):
+        # accelerate's AcceleratedScheduler steps the schedule once per process at each optimizer step, and
+        # get_scheduler_fix sizes it max_train_steps x processes: the decay spans the run, a warmup in steps shrinks
+        steps = -(-int(warmup) // processes)
+        out.notes.append(f"lr_warmup_steps: {warmup} on {processes} processes (the launcher's --num_processes): "
+                         f"kohya's warmup ends after {steps} optimizer steps (accelerate steps its schedule once per "
+                         f"process); {steps} is written{' (rounded up)' if int(warmup) % processes else ''}")
+        warmup = steps
     for key in ("lr_decay_steps", "lr_scheduler_timescale"):
         if args[key] and name not in ("warmup_stable_decay", "inverse_sqrt", "piecewise_constant"):
             out.notes.append(f"{key}: {args[key]} is not read by kohya's {name}")
@@ -176,6 +185,16 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
             skip("lr_scheduler_min_lr_ratio: not set, which kohya's cosine_with_min_lr refuses; 0 is written")
         scheduler["min_factor"] = min_ratio or 0.0
     c["scheduler"] = scheduler
+
+
+def launch_processes(launch: list[str]) -> int:
+    """The process count a saved command line's `accelerate launch --num_processes N` gives (1 without one)."""
+    for i, word in enumerate(launch):
+        key, sep, value = word.partition("=")
+        if key == "--num_processes":
+            value = value if sep else (launch[i + 1] if i + 1 < len(launch) else "")
+            return int(value) if value.isdigit() else 1
+    return 1
 
 
 def _warmup(warmup, accumulation: int, skip) -> int | float:
