@@ -670,3 +670,18 @@ def test_warmup_on_several_processes(tmp_path):
         assert code == 0, err
         config = yaml.safe_load((tmp_path / "out.yaml").read_text(encoding="utf-8"))
         assert config["scheduler"] == {"name": "COSINE", "warmup_steps": written}, warmup
+
+
+def test_conv_dim_of_another_rank_keeps_the_resnet_linear_layers(tmp_path):
+    """networks.lora with conv_dim: the ResNet blocks' linear and 1x1 layers (time_emb_proj, conv_shortcut) are
+    adapted at network_dim / network_alpha, conv_dim / conv_alpha apply to the 3x3 convolutions only (kohya's
+    create_modules: `is_linear or is_conv2d_1x1` take the network's dim). With conv_dim other than the rank only the 3x3
+    convolutions are left out (listed)."""
+    images(tmp_path / "d" / "1_x", 1)
+    config, _, err = imported(tmp_path, minimal(tmp_path) + 'network_module = "networks.lora"\nnetwork_dim = 8\n'
+                              'network_alpha = 4\nnetwork_args = ["conv_dim=4", "conv_alpha=1"]\n',
+                              "--script", "train_network.py")
+    targets = config["lora"]["unet_targets"]
+    assert {"time_emb_proj", "conv_shortcut", "to_q", "proj_in"} <= set(targets)
+    assert not {"conv1", "conv2", "conv"} & set(targets)
+    assert "the 3x3 convolutions of the ResNet blocks and samplers are not adapted" in err

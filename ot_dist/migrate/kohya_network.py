@@ -165,9 +165,18 @@ def _targets(extra: dict, lora: dict, family: str, module: str, skip) -> None:
         return
     extras = TIME_EMBEDDING.get(family, ()) + CONV_IN_OUT.get(family, ()) if lycoris else ()
     if (conv_dim, conv_alpha) != (lora["rank"], float(lora["alpha"])):
+        if lycoris:
+            skip(f"network_args conv_dim={conv_dim} conv_alpha={conv_alpha}: ot_dist adapts every module at one rank "
+                 f"and alpha ({lora['rank']}, {lora['alpha']}); the ResNet blocks and samplers are not adapted (set "
+                 "conv_dim and conv_alpha to network_dim and network_alpha to have them)")
+            return
+        # networks.lora adapts the ResNet blocks' linear and 1x1 layers at network_dim / network_alpha, conv_dim
+        # applies to the 3x3 convolutions only
         skip(f"network_args conv_dim={conv_dim} conv_alpha={conv_alpha}: ot_dist adapts every module at one rank and "
-             f"alpha ({lora['rank']}, {lora['alpha']}); the ResNet blocks and samplers are not adapted (set conv_dim "
-             "and conv_alpha to network_dim and network_alpha to have them)")
+             f"alpha ({lora['rank']}, {lora['alpha']}); the 3x3 convolutions of the ResNet blocks and samplers are not "
+             "adapted, their time_emb_proj and 1x1 conv_shortcut are, at network_dim as in kohya (set conv_dim and "
+             "conv_alpha to network_dim and network_alpha to have the convolutions too)")
+        lora["unet_targets"] = [*default, *RESNET_LINEAR]
         return
     lora["unet_targets"] = [*default, *RESNET_LINEAR, *RESNET_CONV, *extras]
 
