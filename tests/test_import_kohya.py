@@ -685,3 +685,14 @@ def test_conv_dim_of_another_rank_keeps_the_resnet_linear_layers(tmp_path):
     assert {"time_emb_proj", "conv_shortcut", "to_q", "proj_in"} <= set(targets)
     assert not {"conv1", "conv2", "conv"} & set(targets)
     assert "the 3x3 convolutions of the ResNet blocks and samplers are not adapted" in err
+
+
+def test_min_timestep_not_below_max_trains_the_maximum(tmp_path):
+    """kohya's get_timesteps draws randint(min_timestep, max_timestep) and, when min_timestep is not below
+    max_timestep, trains max_timestep alone (it accepts min 600 / max 500: every step at 500)."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path) + 'network_module = "networks.lora"\n'
+    for low, high, written in ((600, 500, (500, 500)), (500, 500, (500, 500)), (100, 500, (100, 499))):
+        config, _, _ = imported(tmp_path, common + f"min_timestep = {low}\nmax_timestep = {high}\n",
+                                "--script", "train_network.py")
+        assert (config["loss"]["min_timestep"], config["loss"]["max_timestep"]) == written

@@ -69,7 +69,7 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
     if family in FLOW:
         _flow(args, c, family, loss, skip)
     else:
-        _timestep_range(args, loss)
+        _ddpm_timesteps(args, loss)
         if args["zero_terminal_snr"]:
             if v_prediction:
                 c["model"]["zero_terminal_snr"] = True
@@ -78,6 +78,16 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
                      "v-prediction on a zero-terminal-SNR schedule: add v_parameterization")
     if loss:
         c["loss"] = loss
+
+
+def _ddpm_timesteps(args: KohyaArgs, loss: dict) -> None:
+    """kohya's get_timesteps: randint(min_timestep, max_timestep), or max_timestep alone when min_timestep is not
+    below it (kohya accepts a minimum above the maximum)."""
+    low, high = args["min_timestep"] or 0, args["max_timestep"]
+    if high is not None and low >= high:
+        loss["min_timestep"] = loss["max_timestep"] = high
+        return
+    _timestep_range(args, loss)
 
 
 def _timestep_range(args: KohyaArgs, loss: dict) -> None:
