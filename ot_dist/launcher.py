@@ -18,6 +18,7 @@ from pathlib import Path
 
 import yaml
 
+from ot_dist.accelerate_env import ANY_ZERO_STAGE, strategy_from_environment
 from ot_dist.config.load import validate
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
@@ -41,9 +42,14 @@ def render_accelerate_config(
             raise ConfigError(f"{flag}: must be at least {least}, got {value}")
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank: must be in 0 .. {nnodes - 1} (--nnodes {nnodes}), got {node_rank}")
-    host, _, port = (rdzv_endpoint or "").partition(":")
+    host, colon, port = (rdzv_endpoint or "").rpartition(":")  # the last colon: an IPv6 [host] has its own
+    if not colon:
+        host, port = rdzv_endpoint or "", ""
     if nnodes > 1 and not rdzv_endpoint:
         raise ConfigError("--rdzv-endpoint HOST:PORT is required with --nnodes > 1 (the node-rank-0 machine)")
+    if (nnodes > 1 and not port) or (port and not port.isdigit()):
+        # Without one each node would pick a free port of its own, and the nodes would never meet.
+        raise ConfigError(f"--rdzv-endpoint: {rdzv_endpoint} needs HOST:PORT with a port number (every node the same)")
     backend = rdzv_backend if nnodes > 1 else "static"  # one node has no other node to meet
     strategy = config.strategy
     world = nproc_per_node * nnodes
@@ -75,6 +81,7 @@ def render_accelerate_config(
             "fsdp_auto_wrap_policy": "NO_WRAP",  # ot_dist wraps block by block from the family spec
             "fsdp_state_dict_type": "FULL_STATE_DICT",
             "fsdp_cpu_ram_efficient_loading": False,
+            "fsdp_activation_checkpointing": config.gradient_checkpointing,
         }
     elif strategy.startswith("zero"):
         rendered["distributed_type"] = "DEEPSPEED"
@@ -139,6 +146,10 @@ def run_launch(args, log=print) -> int:
     rendered = render_accelerate_config(
         config, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint, args.rdzv_backend
     )
+    if config.strategy.startswith("zero"):
+        from ot_dist.parallel.deepspeed_file import check_against_config
+
+        check_against_config(config, args.nproc_per_node * args.nnodes)  # refused here, not in every worker
     if args.node_rank == 0 and not args.dry_run:  # the other nodes' workers check again, together
         check_output_dir(config, args.resume, getattr(args, "overwrite", False), log)
     launch_dir = Path(config.output_dir) / "launch"
@@ -180,44 +191,36 @@ def check_output_dir(config: TrainConfig, resume: str | None, overwrite: bool, l
 # --------------------------------------------------------------------------------------------------
 
 
-def strategy_from_environment(env: Mapping[str, str]) -> tuple[str | None, dict]:
-    """The strategy (and its settings) that accelerate's environment selects, or None."""
-    if env.get("ACCELERATE_USE_FSDP", "").lower() == "true":
-        sharding = "full_shard"
-        if env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() == "false" or env.get(
-            "FSDP_SHARDING_STRATEGY", ""
-        ).upper() in ("SHARD_GRAD_OP", "2"):
-            sharding = "shard_grad_op"
-        if env.get("FSDP_SHARDING_STRATEGY", "").upper() in ("HYBRID_SHARD", "4"):
-            sharding = "hybrid_shard"
-        return "fsdp", {
-            "fsdp": {"sharding": sharding, "cpu_offload": env.get("FSDP_OFFLOAD_PARAMS", "false").lower() == "true"}
-        }
-    if env.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true":
-        settings: dict = {}
-        stage = env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE")
-        config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-        if config_file:
-            settings["config_file"] = config_file
-            if stage is None:
-                import json
+def explicit_value(config: TrainConfig, key: str) -> tuple[bool, object]:
+    """Whether the YAML (or --set) sets `key` (dotted), and the value the config holds."""
+    node, parts = config, key.split(".")
+    for part in parts[:-1]:
+        if part not in node.model_fields_set:
+            return False, None
+        node = getattr(node, part)
+    return parts[-1] in node.model_fields_set, getattr(node, parts[-1])
 
-                stage = str(json.loads(Path(config_file).read_text()).get("zero_optimization", {}).get("stage", 2))
-        settings["offload_optimizer"] = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none") == "cpu"
-        settings["offload_params"] = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none") == "cpu"
-        return f"zero{stage or 2}", {"deepspeed": settings}
-    if int(env.get("WORLD_SIZE", "1")) > 1:
-        return "ddp", {}
-    return None, {}
+
+def agrees(key: str, ours, theirs) -> bool:
+    if key == "deepspeed.config_file":  # `ot-dist launch` writes it resolved into the accelerate config
+        return Path(ours).expanduser().resolve() == Path(theirs).expanduser().resolve()
+    return ours == theirs
 
 
 def reconcile_with_launcher(config: TrainConfig, env: Mapping[str, str] = os.environ) -> TrainConfig:
-    """Adopt the launcher's strategy when the YAML does not set one; refuse a contradiction."""
-    strategy, settings = strategy_from_environment(env)
+    """Adopt the launcher's strategy and what its accelerate config asks for where the YAML leaves them unset; refuse
+    a contradiction, naming both (ot_dist/accelerate_env.py: which accelerate fields are requests)."""
+    strategy, requests = strategy_from_environment(env)
     world = int(env.get("WORLD_SIZE", "1"))
     explicit = "strategy" in config.model_fields_set
     if strategy is None:
         return config
+    if strategy == ANY_ZERO_STAGE:
+        if not config.strategy.startswith("zero"):
+            raise ConfigError(f"strategy: the accelerate config's DeepSpeed file ({env['ACCELERATE_DEEPSPEED_CONFIG_FILE']}) "
+                              f"sets no zero_optimization.stage and the config says {config.strategy}; set the stage "
+                              "in the file or strategy zero1 / zero2 / zero3 in the config")
+        strategy = config.strategy
     if explicit and config.strategy != strategy:
         compatible = strategy == "ddp" and config.strategy != "single"  # a plain torchrun / multi-GPU launch
         if not compatible:
@@ -225,20 +228,32 @@ def reconcile_with_launcher(config: TrainConfig, env: Mapping[str, str] = os.env
                 f"strategy: the config says {config.strategy}, but the launcher selected {strategy} "
                 f"(accelerate config / environment); make them agree or drop one"
             )
-        return config
+        requests = [r for r in requests if r.key == "train_dtype"]  # the settings of another strategy do not apply
     if config.strategy == "single" and world > 1 and explicit:
         raise ConfigError(f"strategy: single runs one process, but the launcher started {world}")
-    precision = env.get("ACCELERATE_MIXED_PRECISION")
+    for first, second in zip(requests, requests[1:]):
+        if first.key == second.key and first.value != second.value:  # two fields of the accelerate config disagree
+            raise ConfigError(f"accelerate config: {first.field} asks for {first.key} {first.value}, {second.field} for "
+                              f"{second.value}; keep one")
     raw = config.model_dump(exclude_unset=True)
-    raw["strategy"] = strategy
-    for section, values in settings.items():
-        raw[section] = {**raw.get(section, {}), **values}
-    if precision and precision != "no":
-        dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(precision)
-        if "train_dtype" in config.model_fields_set and dtype and config.train_dtype != dtype:
-            raise ConfigError(
-                f"train_dtype: the config says {config.train_dtype}, the accelerate config mixed_precision {precision}"
-            )
-        if dtype:
-            raw["train_dtype"] = dtype
-    return validate(raw, source="config + launcher environment")
+    if not (explicit and strategy == "ddp"):
+        raw["strategy"] = strategy
+    for request in requests:
+        is_set, value = explicit_value(config, request.key)
+        if is_set and not agrees(request.key, value, request.value):
+            shown = "null" if value is None else value
+            raise ConfigError(f"{request.key}: the config says {shown}, the accelerate config "
+                              f"{request.field} {request.value}; make them agree or drop one")
+        if is_set:
+            continue  # the YAML's own spelling of the same value
+        section = raw
+        *parents, last = request.key.split(".")
+        for part in parents:
+            section = section.setdefault(part, {})
+        section[last] = request.value
+    reconciled = validate(raw, source="config + launcher environment")
+    if reconciled.strategy.startswith("zero"):
+        from ot_dist.parallel.deepspeed_file import check_against_config
+
+        check_against_config(reconciled, world)  # the DeepSpeed config and the user's JSON, before the process group
+    return reconciled

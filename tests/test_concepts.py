@@ -271,7 +271,8 @@ def test_the_type_and_small_buckets_are_read_time_options(tiny_models, folders, 
                  "saturation": 0.1, "hue": 0.1, "tag_dropout_special_tags_mode": "whitelist",
                  "tag_dropout_special_tags": ["a.*"], "tag_dropout_special_tags_regex": True,
                  "caps_randomize_probability": 0.2, "caps_randomize_mode": ["title"], "lowercase_caption": True,
-                 "keep_tags_separator": "|||", "secondary_separator": ";;;", "caption_dropout_every_n_epochs": 3}
+                 "keep_tags_separator": "|||", "secondary_separator": ";;;", "caption_dropout_every_n_epochs": 3,
+                 "image_variations": 3, "text_variations": 2}  # the caches' versions, not the shards'
     raw["data"]["concepts"][1].update(read_time)
     config = validate(raw)
     assert source_fingerprint(config) == base

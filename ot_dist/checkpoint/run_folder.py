@@ -28,7 +28,7 @@ RUN_FILE = "run.json"
 # What a run leaves in output_dir (the methods' exports, their EMA twins, checkpoints, snapshots).
 RUN_ENTRIES = (RUN_FILE, "checkpoints", "snapshots", "exports", "model", "model.safetensors", "lora.safetensors",
                "embedding.safetensors", "model_ema", "model_ema.safetensors", "lora_ema.safetensors",
-               "embedding_ema.safetensors")
+               "embedding_ema.safetensors", "embeddings", "embeddings_ema")
 EXPORTS = RUN_ENTRIES[5:]
 
 

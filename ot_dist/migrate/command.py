@@ -1,5 +1,5 @@
-"""`ot-dist import onetrainer | kohya`: parse, convert, validate, write the commented YAML, list what is not
-honoured (ot_dist/migrate/common.py: write_imported)."""
+"""`ot-dist import onetrainer | kohya | simpletuner | diffusers`: parse, convert, validate, write the commented YAML,
+list what is not honoured (ot_dist/migrate/common.py: write_imported)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,30 @@ def add_import_parser(sub) -> None:
                     "(--in_json / metadata_file): a link to each image and its caption beside it (ot_dist reads a "
                     "caption file per image; the image folder is not touched)")
     _output(ko)
+    st = sources.add_parser("simpletuner", help="a SimpleTuner setup (config.json / config.toml / config.env with its "
+                            "multidatabackend.json)")
+    st.add_argument("config", help="SimpleTuner's config/config.json, config.toml or config.env (or the folder "
+                    "holding one)")
+    st.add_argument("--databackend", default=None, help="its multidatabackend.json (default: the config's "
+                    "data_backend_config)")
+    st.add_argument("--lycoris_config", default=None, help="its lycoris_config.json (default: the config's "
+                    "lycoris_config)")
+    st.add_argument("--user_prompt_library", default=None, help="its prompt library JSON (default: the config's "
+                    "user_prompt_library)")
+    st.add_argument("--root", default=None, help="the folder SimpleTuner runs in, where its relative paths start "
+                    "(default: the folder above config/ when the config lies in one, else the config's folder)")
+    _output(st)
+    di = sources.add_parser("diffusers", help="a diffusers example-script training command (train_text_to_image*.py, "
+                            "train_dreambooth*.py, textual_inversion.py) as a saved command line")
+    di.add_argument("command_line", help="a file holding the saved command line (`accelerate launch ... "
+                    "train_dreambooth_lora.py --rank 16 ...`, continued over lines with \\)")
+    di.add_argument("--script", default=None, help="the script the command runs, when the line does not name it")
+    di.add_argument("--accelerate_config", default=None, help="the accelerate config file the launch used (default: "
+                    "the command line's --config_file): its mixed_precision, num_processes and distributed_type")
+    di.add_argument("--captions_folder", default=None, help="a new folder for an image folder's metadata.jsonl "
+                    "captions: a link to each image and its caption beside it (ot_dist reads a caption file per "
+                    "image; the image folder is not touched)")
+    _output(di)
 
 
 def _output(parser) -> None:
@@ -42,12 +66,25 @@ def _output(parser) -> None:
 def run_import(args: argparse.Namespace) -> int:
     from ot_dist.migrate.common import write_imported
 
+    if args.import_source == "diffusers":
+        from ot_dist.migrate.diffusers import import_diffusers
+
+        imported = import_diffusers(args.command_line, args.script, args.accelerate_config, args.captions_folder)
+        write_imported(imported, Path(args.out), args.force, "diffusers script arguments")
+        return 0
     if args.import_source == "kohya":
         from ot_dist.migrate.kohya import import_kohya
 
         imported = import_kohya(args.config_file, args.command_line, args.script, args.dataset_config,
                                 args.sample_prompts, captions_folder=args.captions_folder)
         write_imported(imported, Path(args.out), args.force, "kohya arguments")
+        return 0
+    if args.import_source == "simpletuner":
+        from ot_dist.migrate.simpletuner import import_simpletuner
+
+        imported = import_simpletuner(args.config, args.databackend, args.lycoris_config, args.user_prompt_library,
+                                      args.root)
+        write_imported(imported, Path(args.out), args.force, "SimpleTuner arguments")
         return 0
     from ot_dist.migrate.onetrainer import import_onetrainer
 

@@ -1,6 +1,8 @@
-"""What every importer (`ot-dist import onetrainer`, `ot-dist import kohya`) shares: the result it fills
-(`Imported`: the raw ot_dist config, what is not honoured and why, notes), paths written on another machine, and
-writing the result: validated first, so a file that is written is a config ot_dist accepts."""
+"""What every importer (`ot-dist import onetrainer`, `ot-dist import kohya`, `ot-dist import simpletuner`) shares:
+the result it fills (`Imported`: the raw ot_dist config, what is not honoured and why, notes), the other trainer's
+arguments over its defaults with a record of what was read (`TrackedArgs`: whatever a user set and no section read
+is listed, `list_unread`), the warmup in ot_dist's count, paths written on another machine, and writing the result:
+validated first, so a file that is written is a config ot_dist accepts."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import tomllib
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 from pathlib import Path, PureWindowsPath
 
 from ot_dist.errors import ConfigError, InputFileError
@@ -25,6 +27,62 @@ class Imported:
     origins: dict[str, str] = field(default_factory=dict)
     # files the config needs beside it (kohya's fine-tuning captions), written once it validates
     after_validation: list[Callable[[], None]] = field(default_factory=list)
+
+
+class TrackedArgs:
+    """Another trainer's arguments (`values`, as its config sets them) over its own defaults, remembering which keys
+    the import read, so that every key a user set and no section read is listed at the end: nothing is dropped
+    without a line."""
+
+    def __init__(self, values: dict[str, Any], defaults: dict[str, Any]):
+        self.values, self.defaults, self.read = values, defaults, set()
+
+    def __getitem__(self, key: str) -> Any:
+        self.read.add(key)
+        return self.values.get(key, self.defaults.get(key))
+
+    def given(self, key: str) -> bool:
+        """Whether the setup sets `key` to something other than the trainer's default (read or not)."""
+        return key in self.values and not _same(self.values[key], self.defaults.get(key))
+
+    def unread(self) -> list[str]:
+        return [key for key in self.values if key not in self.read and self.given(key)]
+
+
+def _unset(value) -> bool:
+    return value is None or value is False or (isinstance(value, (str, list)) and not value)
+
+
+def _same(value, default) -> bool:
+    return (_unset(value) and _unset(default)) or (value == default and isinstance(value, bool) == isinstance(default, bool))
+
+
+def list_unread(args: TrackedArgs, out: Imported, no_effect: dict[str, str], trainer: str) -> None:
+    """Every key set and not read: noted when it changes how the other trainer runs but not what it trains
+    (`no_effect`: key -> what it changes), else listed as not honoured."""
+    for key in args.unread():
+        value = args.values[key]
+        if key in no_effect:
+            out.notes.append(f"{key}: {value!r} is ignored ({no_effect[key]}: it does not change what trains)")
+        elif key not in args.defaults:
+            out.not_honoured.append(f"{key}: {value!r} is not an argument of {trainer}")
+        else:
+            out.not_honoured.append(f"{key}: {value!r} has no ot_dist counterpart")
+
+
+def warmup_micro_steps(warmup, accumulation: int, key: str, skip) -> int | float:
+    """A warmup in optimizer steps (or a ratio below 1) as ot_dist's scheduler.warmup_steps, which counts micro steps
+    above 1 (OneTrainer's unit)."""
+    if not warmup:
+        return 0
+    if isinstance(warmup, float) and warmup < 1:
+        return warmup
+    micro = int(warmup) * accumulation
+    if micro == 1:  # ot_dist reads 1 as the whole run
+        skip(f"{key}: 1 (the first step at learning rate 0) cannot be written (ot_dist reads a warmup of 1 as the "
+             "whole run); no warmup")
+        return 0
+    return micro
 
 
 WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
@@ -111,3 +169,27 @@ def write_imported(imported: Imported, out: Path, force: bool, what: str) -> Non
     for line in imported.not_honoured:
         print(f"not honoured: {line}", file=sys.stderr)
     print(f"wrote {out} ({len(imported.not_honoured)} {what} not honoured, listed in it)", file=sys.stderr)
+
+
+# A line continued on the next: `\` (POSIX shells), `^` (cmd.exe), a backtick (PowerShell).
+CONTINUATION = re.compile(r"[\\^`][ \t]*\r?\n")
+
+
+def split_command_line(path: Path, what: str = "--command_line") -> tuple[str | None, list[str], list[str]]:
+    """(the script, its words, the launcher's words before it) of a saved command line (`accelerate launch ...
+    train.py --key value ...`, continued over lines); the script is the first word ending in .py."""
+    import shlex
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputFileError(f"{what}: {path} does not exist") from None
+    try:
+        words = shlex.split(CONTINUATION.sub(" ", text), comments=False)
+    except ValueError as err:
+        raise InputFileError(f"{what}: {path} is not a command line ({err})") from None
+    at = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
+    if at is None:
+        return None, words, []
+    return words[at], words[at + 1:], words[:at]
+

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported, local_path, note_local_model
+from ot_dist.migrate.common import Imported, list_unread, local_path, note_local_model
 from ot_dist.migrate.kohya_args import KohyaArgs, read_args
 from ot_dist.migrate.kohya_dataset import import_dataset
 from ot_dist.migrate.kohya_embedding import import_embedding
@@ -274,13 +274,4 @@ def _saves(args: KohyaArgs, c: dict, out: Imported) -> None:
 
 
 def _left_over(args: KohyaArgs, out: Imported) -> None:
-    from ot_dist.migrate.kohya_defaults import ARGS
-
-    for key in args.unread():
-        value = args.values[key]
-        if key in NO_EFFECT:
-            out.notes.append(f"{key}: {value!r} is ignored ({NO_EFFECT[key]}: it does not change what trains)")
-        elif key not in ARGS:
-            out.not_honoured.append(f"{key}: {value!r} is not an argument of kohya's training scripts")
-        else:
-            out.not_honoured.append(f"{key}: {value!r} has no ot_dist counterpart")
+    list_unread(args, out, NO_EFFECT, "kohya's training scripts")

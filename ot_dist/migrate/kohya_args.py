@@ -6,42 +6,19 @@ section read is listed at the end: nothing is dropped without a line."""
 
 from __future__ import annotations
 
-import re
-import shlex
 from pathlib import Path
 from typing import Any
 
 from ot_dist.errors import ConfigError, InputFileError
-from ot_dist.migrate.common import read_toml
+from ot_dist.migrate.common import TrackedArgs, read_toml, split_command_line
 from ot_dist.migrate.kohya_defaults import ARGS, FLAGS, SEVERAL_VALUES
 
-# A line continued on the next: `\` (POSIX shells), `^` (cmd.exe), a backtick (PowerShell).
-CONTINUATION = re.compile(r"[\\^`][ \t]*\r?\n")
 
-
-class KohyaArgs:
+class KohyaArgs(TrackedArgs):
     def __init__(self, values: dict[str, Any], script: str, launch: list[str] | None = None):
-        self.values, self.script, self.read = values, script, set()
+        super().__init__(values, ARGS)
+        self.script = script
         self.launch = launch or []  # a saved command line's words before the script (accelerate launch ...)
-
-    def __getitem__(self, key: str) -> Any:
-        self.read.add(key)
-        return self.values.get(key, ARGS.get(key))
-
-    def given(self, key: str) -> bool:
-        """Whether the setup sets `key` to something other than kohya's default (read or not)."""
-        return key in self.values and not _same(self.values[key], ARGS.get(key))
-
-    def unread(self) -> list[str]:
-        return [key for key in self.values if key not in self.read and self.given(key)]
-
-
-def _unset(value) -> bool:
-    return value is None or value is False or (isinstance(value, (str, list)) and not value)
-
-
-def _same(value, default) -> bool:
-    return (_unset(value) and _unset(default)) or (value == default and isinstance(value, bool) == isinstance(default, bool))
 
 
 def read_args(config_file: str | None, command: str | None, script: str | None) -> KohyaArgs:
@@ -80,17 +57,7 @@ def flatten(toml: dict) -> dict:
 
 def parse_command_line(path: Path) -> tuple[str | None, dict, list[str]]:
     """(the script, its arguments, the launcher's words before it) of a saved command line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputFileError(f"--command_line: {path} does not exist") from None
-    try:
-        words = shlex.split(CONTINUATION.sub(" ", text), comments=False)
-    except ValueError as err:
-        raise InputFileError(f"--command_line: {path} is not a command line ({err})") from None
-    at = next((i for i, word in enumerate(words) if word.endswith(".py")), None)
-    script, launch = (words[at], words[:at]) if at is not None else (None, [])
-    words = words[at + 1:] if at is not None else words
+    script, words, launch = split_command_line(path)
     values, i = {}, 0
     while i < len(words):
         word = words[i]

@@ -118,7 +118,7 @@ def _flux(args: KohyaArgs, c: dict, loss: dict, skip) -> None:
     c["model"]["guidance_scale"] = args["guidance_scale"]  # kohya shows the transformer 3.5 unless told (ot_dist: 1)
     sampling, scale, shift = args["timestep_sampling"], args["sigmoid_scale"], args["discrete_flow_shift"]
     if sampling == "sigma":
-        _weighting_scheme(args, loss, skip)
+        weighting_scheme(args, loss, skip)
         loss["timestep_shift"] = shift
     elif sampling == "uniform":
         loss |= {"timestep_distribution": "uniform", "timestep_shift": 1.0}
@@ -143,14 +143,15 @@ def _flux(args: KohyaArgs, c: dict, loss: dict, skip) -> None:
 def _sd3(args: KohyaArgs, loss: dict, skip) -> None:
     """sd3_train_network.py: u drawn by weighting_scheme, shifted by training_shift (default 1.0: unshifted, where
     ot_dist's auto takes the scheduler's 3.0), over [min_timestep, max_timestep)."""
-    _weighting_scheme(args, loss, skip)
+    weighting_scheme(args, loss, skip)
     loss["timestep_shift"] = args["training_shift"]
     if args["min_timestep"] or args["max_timestep"] is not None:
         _timestep_range(args, loss)
 
 
-def _weighting_scheme(args: KohyaArgs, loss: dict, skip) -> None:
-    """diffusers' compute_density_for_timestep_sampling (kohya's copy): the draw; sigma_sqrt and cosmap weight the
+def weighting_scheme(args: KohyaArgs, loss: dict, skip) -> None:
+    """diffusers' compute_density_for_timestep_sampling (kohya's copy; `ot-dist import diffusers` reads the diffusers
+    scripts' own arguments of the same names through it): the draw; sigma_sqrt and cosmap weight the
     loss instead (compute_loss_weighting_for_sd3)."""
     scheme = args["weighting_scheme"]
     if scheme in ("uniform", "none"):

@@ -97,13 +97,13 @@ def finetuning_concept(sub, label: str, captions_folder: str | None, index: int,
         skip(f"{label}: none of the images of {metadata_path.name} is found here; the subset is left out")
         return None, []
     folder = Path(captions_folder) / f"{index}_{metadata_path.stem}"
-    out.after_validation.append(lambda: _write_folder(folder, found))
+    out.after_validation.append(lambda: write_caption_folder(folder, found))
     out.notes.append(f"{label}: {len(found)} images of {metadata_path.name} -> {folder} (a link to each image and "
                      f"its caption in a {CAPTION_EXTENSION} file: caption, caption_separator {separator!r}, tags)")
     return {"path": str(folder), "caption_extension": CAPTION_EXTENSION}, [image for _, image, _ in found]
 
 
-def _write_folder(folder: Path, found: list[tuple[str, Path, str]]) -> None:
+def write_caption_folder(folder: Path, found: list[tuple[str, Path, str]]) -> None:
     if folder.exists() and any(folder.iterdir()):
         raise InputFileError(f"--captions_folder: {folder} exists and is not empty (remove it, or name another)")
     folder.mkdir(parents=True, exist_ok=True)

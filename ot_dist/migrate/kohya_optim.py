@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported
+from ot_dist.migrate.common import Imported, warmup_micro_steps
 from ot_dist.migrate.kohya_args import KohyaArgs
 
 # kohya's optimizer_type (lower case, as it compares) -> (ot_dist optimizer, options kohya's get_optimizer sets)
@@ -164,7 +164,10 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
         return
     for key, value in lr_args.items():
         skip(f"lr_scheduler_args {key}={value!r}: not an option of ot_dist's schedules")
-    scheduler = {"name": SCHEDULES.get(name, "CONSTANT"), "warmup_steps": _warmup(warmup, accumulation, skip)}
+    # get_scheduler_fix reads any float as a ratio of the run ("100%", 1.0: all of it), as ot_dist reads one up to 1
+    ratio = isinstance(warmup, float) and warmup <= 1
+    scheduler = {"name": SCHEDULES.get(name, "CONSTANT"),
+                 "warmup_steps": warmup if ratio else warmup_micro_steps(warmup, accumulation, "lr_warmup_steps", skip)}
     if name not in SCHEDULES:
         skip(f"lr_scheduler: {name} has no ot_dist schedule (constant, linear, cosine, cosine_with_restarts, "
              "polynomial with power 1, cosine_with_min_lr); CONSTANT is written")
@@ -196,17 +199,3 @@ def launch_processes(launch: list[str]) -> int:
             return int(value) if value.isdigit() else 1
     return 1
 
-
-def _warmup(warmup, accumulation: int, skip) -> int | float:
-    """kohya's lr_warmup_steps (optimizer steps, or a ratio up to 1: a float) in ot_dist's count (micro steps
-    above 1, a ratio up to 1)."""
-    if not warmup:
-        return 0
-    if isinstance(warmup, float) and warmup <= 1:  # get_scheduler_fix: any float is a ratio ("100%": 1.0, the run)
-        return warmup
-    micro = int(warmup) * accumulation
-    if micro == 1:  # ot_dist reads 1 as the whole run
-        skip("lr_warmup_steps: 1 (the first step at learning rate 0) cannot be written (ot_dist reads a warmup of 1 "
-             "as the whole run); no warmup")
-        return 0
-    return micro

@@ -10,14 +10,13 @@ ZeRO-3's gather hooks on every sub-module. What DeepSpeed does at the start of i
 from __future__ import annotations
 
 import contextlib
-import json
-from pathlib import Path
 
 import torch
 
 from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup
 from ot_dist.parallel.base import Strategy
+from ot_dist.parallel.deepspeed_file import users_deepspeed_config
 from ot_dist.parallel.ownership import Fragment, Owned, Ownership
 from ot_dist.parallel.zero_skip import norm_checks_on_device
 
@@ -67,11 +66,7 @@ def deepspeed_config(config, stage: int, world_size: int, device_type: str = "cp
     elif config.train_dtype == "float16":
         ds["fp16"] = {"enabled": True, "initial_scale_power": 16}
     if settings.config_file:
-        path = Path(settings.config_file)
-        try:
-            user = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"deepspeed.config_file: cannot read {path}: {err}") from None
+        user = users_deepspeed_config(settings.config_file, ds)  # "auto" resolved; what the loop cannot follow refused
         ds = merge(ds, user)
         if "torch_autocast" not in user and any(isinstance(user.get(k), dict) and user[k].get("enabled")
                                                 for k in ("bf16", "fp16")):

@@ -179,16 +179,17 @@ class Trainer:
         apply_performance(self.model, performance, self.device, self.config.strategy, self.log)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
-        """Honour `<part>.stop_training_after`: a stopped part no longer gets gradients or updates."""
+        """Honour `<part>.stop_training_after` (and an additional embedding's): a stopped group no longer gets
+        gradients or updates."""
         for group in self.groups:
-            if group.part is None:
+            part = self.config.stop_rule(group.name)
+            if part is None:
                 continue
-            part = getattr(self.config, group.part)
             if part.stopped(epoch, step) and group.params[0].requires_grad:
                 for p in group.params:
                     p.requires_grad_(False)
                     p.grad = None
-                self.log(f"{group.part}: stopped training after {part.stop_training_after} {part.stop_training_after_unit}s")
+                self.log(f"{group.name}: stopped training after {part.stop_training_after} {part.stop_training_after_unit}s")
 
     def train(self) -> TrainResult:
         try:
@@ -439,7 +440,7 @@ class Trainer:
         for adaptive optimizers: the d x lr the step used) and the gradient norm before clipping."""
         rates = applied_learning_rates(self.optimizer)  # the scheduler moves them right after the step
         for group in self.groups:  # a stopped part takes no step: it applies nothing, whatever its group's lr
-            if group.part is not None and not group.params[0].requires_grad:
+            if not group.params[0].requires_grad:
                 rates.update({key: 0.0 for key in (f"lr/{group.name}", f"d_lr/{group.name}") if key in rates})
         grad_norm = self.strategy.step(self.optimizer, self.params)  # sync, clip, step, zero grads
         self.scheduler.step()

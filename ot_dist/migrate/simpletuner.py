@@ -1,0 +1,298 @@
+"""`ot-dist import simpletuner`: a SimpleTuner setup (config/config.json, config.toml or config.env, with its
+multidatabackend.json, lycoris_config.json and user_prompt_library) as an ot_dist config that validates.
+
+Every argument the setup sets either maps to an ot_dist key with the same meaning, is noted as one that changes how
+SimpleTuner runs but not what it trains (attention kernels, caches, trackers, uploads), or is listed with the reason
+it is not honoured, in the written file and on stderr. An argument the setup leaves out takes SimpleTuner's default
+(simpletuner_defaults.ARGS, read from its own parser), so where SimpleTuner's default differs from ot_dist's its value
+is written: learning rate 4e-7, batch 4, one epoch, gradient checkpointing, a 10% caption dropout, LoRA rank 16 with
+alpha = rank, checkpoints every 500 steps (5 kept), Flux's guidance 1.0 and the flow models' shift 3.0.
+
+This module drives the import and maps the model, the method, the precision, the run's length, the gradient clip,
+EMA and saves; the other groups have their own modules: simpletuner_network (LoRA / LyCORIS), simpletuner_optim,
+simpletuner_loss, simpletuner_dataset (multidatabackend.json), simpletuner_samples (validation images);
+simpletuner_args reads the config, simpletuner_defaults holds SimpleTuner's defaults."""
+
+from __future__ import annotations
+
+from ot_dist.errors import ConfigError
+from ot_dist.migrate.common import Imported, list_unread, local_path, note_local_model
+from ot_dist.migrate.simpletuner_args import SimpleTunerArgs, read_args
+from ot_dist.migrate.simpletuner_dataset import import_dataset
+from ot_dist.migrate.simpletuner_loss import import_loss
+from ot_dist.migrate.simpletuner_network import import_network
+from ot_dist.migrate.simpletuner_optim import import_optimizer, import_scheduler
+from ot_dist.migrate.simpletuner_samples import import_samples
+
+# SimpleTuner's model_family -> (ot_dist's family, its denoiser part, the default flavour's model: HUGGINGFACE_PATHS)
+FAMILIES = {
+    "sd1x": ("sd1", "unet", "Lykon/dreamshaper-8"), "sd2x": ("sd2", "unet", "bghira/pseudo-flex-v2"),
+    "sdxl": ("sdxl", "unet", "stabilityai/stable-diffusion-xl-base-1.0"),
+    "sd3": ("sd3", "transformer", "stabilityai/stable-diffusion-3.5-medium"),
+    "flux": ("flux", "transformer", "black-forest-labs/flux.1-krea-dev"),
+    "chroma": ("chroma", "transformer", "lodestones/Chroma1-Base"),
+    "pixart": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
+    "pixart_sigma": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
+}
+LORA_KEYS = ("lora_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_init_type", "use_dora", "lycoris_config",
+             "flux_lora_target", "peft_lora_target_modules", "init_lora")
+PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
+FLOAT8 = ("fp8-torchao", "fp8-quanto", "fp8uz-quanto", "fp8-sdnq")
+# Arguments that change how SimpleTuner runs, not what it trains: noted, not listed as not honoured.
+NO_EFFECT = {
+    "report_to": "logging (ot_dist: MLflow)", "tracker_project_name": "logging", "tracker_run_name": "logging",
+    "tracker_image_layout": "logging", "logging_dir": "logging", "push_to_hub": "upload", "hub_model_id": "upload",
+    "push_checkpoints_to_hub": "upload", "push_to_hub_background": "upload", "model_card_safe_for_work": "upload",
+    "model_card_note": "upload", "resume_from_checkpoint": "resuming (`ot-dist train --resume`)",
+    "disable_benchmark": "the first validation", "validation_torch_compile": "compilation",
+    "enable_xformers_memory_efficient_attention": "attention kernel", "attention_mechanism": "attention kernel",
+    "vae_cache_ondemand": "latent cache", "vae_cache_scan_behaviour": "latent cache", "vae_batch_size": "latent cache",
+    "text_encoder_batch_size": "text cache", "write_batch_size": "caching", "read_batch_size": "caching",
+    "aspect_bucket_worker_count": "bucketing workers", "image_processing_batch_size": "image loading",
+    "metadata_update_interval": "metadata", "dataloader_prefetch": "loader", "dataloader_prefetch_qlen": "loader",
+    "torch_num_threads": "threads", "aws_max_pool_connections": "uploads", "allow_tf32": "TF32 (ot_dist: tf32)",
+    "disable_tf32": "TF32 (ot_dist: tf32)", "num_processes": "the launch (`ot-dist launch`)",
+    "num_machines": "the launch (`ot-dist launch`)", "accelerate_config": "the launch",
+    "accelerate_extra_args": "the launch", "dynamo_backend": "compilation", "webhook_config": "notifications",
+    "aspect_bucket_rounding": "the aspect rounding of bucket keys",
+    "validation_seed_source": "validation noise device", "hub_model_name": "upload", "webhook_reporting_interval":
+    "notifications", "quantize_via": "where weights are quantised",
+}
+
+
+def import_simpletuner(config: str, backend_file: str | None = None, lycoris_file: str | None = None,
+                       library_file: str | None = None, root: str | None = None) -> Imported:
+    args = read_args(config, root)
+    out = Imported({}, origins={})
+    c = out.config
+    family, denoiser = _model(args, c, out)
+    method = str(args["model_type"])
+    if method not in ("lora", "full"):
+        raise ConfigError(f"model_type: {method} is not lora or full")
+    c["method"] = method
+    c["output_dir"] = str(args.path(local_path(str(args["output_dir"]), "output_dir", out)))
+    _length(args, c, out)
+    _precision(args, c, method, out)
+    c["gradient_checkpointing"] = bool(args["gradient_checkpointing"])  # SimpleTuner's default: on
+    if method == "lora":
+        import_network(args, c, family, denoiser, out, lycoris_file)
+    else:
+        _unused(args, LORA_KEYS, "with model_type full", out)
+    _text_encoders(args, c, family, method, out)
+    import_optimizer(args, c, out)
+    if c.get("trained_weight_dtype") == "bfloat16":
+        c["optimizer"]["stochastic_rounding"] = True
+    import_scheduler(args, c, out)
+    _gradient_clip(args, c, family, out)
+    import_loss(args, c, family, out)
+    import_dataset(args, c, method, backend_file, out)
+    _ema(args, c, out)
+    import_samples(args, c, library_file, out)
+    _saves(args, c)
+    list_unread(args, out, NO_EFFECT, "SimpleTuner")
+    if args.other_variables:
+        out.notes.append(f"config.env: {', '.join(args.other_variables)} stand for no SimpleTuner argument (the "
+                         "environment of its run); ignored")
+    out.origins |= _origins(denoiser)
+    out.notes.insert(0, f"imported from SimpleTuner's {args.source.name}")
+    return out
+
+
+def _origins(denoiser: str) -> dict[str, str]:
+    """Where each ot_dist key comes from, named in a validation error (data.concepts[i] and sampling.prompts[i] are
+    added by their modules)."""
+    return {"model": "model_family", "model.path": "pretrained_model_name_or_path", "output_dir": "output_dir",
+            "model.guidance_scale": "flux_guidance_value", "model.prediction_type": "prediction_type",
+            "epochs": "num_train_epochs / max_train_steps", "max_steps": "max_train_steps",
+            "batch_size": "train_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
+            "learning_rate": "learning_rate", "train_dtype": "mixed_precision", "weight_dtype": "base_model_precision",
+            "clip_grad_norm": "max_grad_norm", "seed": "seed", "optimizer": "optimizer / optimizer_config",
+            "scheduler": "lr_scheduler", "scheduler.warmup_steps": "lr_warmup_steps", "lora": "lora_type",
+            "lora.rank": "lora_rank / linear_dim", "lora.alpha": "lora_alpha / linear_alpha",
+            f"lora.{denoiser}_targets": "flux_lora_target / peft_lora_target_modules", "lora.init_from": "init_lora",
+            "loss": "the loss arguments", "loss.offset_noise_weight": "noise_offset", "loss.min_snr_gamma": "snr_gamma",
+            "loss.timestep_shift": "flow_schedule_shift", "loss.logit_normal_std": "flow_sigmoid_scale",
+            "loss.input_perturbation": "input_perturbation", "resolution": "resolution / resolution_type",
+            "data": "data_backend_config", "ema": "use_ema", "ema.decay": "ema_decay",
+            "ema.update_step_interval": "ema_update_interval", "sampling": "validation_prompt / user_prompt_library",
+            "sampling.every_n_steps": "validation_step_interval", "sampling.every_n_epochs": "validation_epoch_interval",
+            "checkpoint.every_n_steps": "checkpoint_step_interval",
+            "checkpoint.every_n_epochs": "checkpoint_epoch_interval", "checkpoint.keep_last": "checkpoints_total_limit",
+            "text_encoder": "train_text_encoder / text_encoder_lr", "text_encoder_2": "train_text_encoder"}
+
+
+def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
+    name = args["model_family"]
+    if not name:
+        raise ConfigError(f"model_family: not set (SimpleTuner needs it: {', '.join(FAMILIES)} are the families "
+                          "ot_dist trains)")
+    if name not in FAMILIES:
+        raise ConfigError(f"model_family: {name} is not a model family ot_dist trains ({', '.join(FAMILIES)})")
+    family, denoiser, default_path = FAMILIES[name]
+    path = args["pretrained_model_name_or_path"]
+    if not path:
+        if args["model_flavour"]:
+            raise ConfigError(f"pretrained_model_name_or_path: not set; model_flavour {args['model_flavour']} names "
+                              "a hub model SimpleTuner downloads: give its local copy")
+        path = default_path
+        out.notes.append(f"pretrained_model_name_or_path: not set: SimpleTuner's default flavour of {name}, "
+                         f"{default_path}, is written")
+    elif args["model_flavour"]:
+        out.notes.append(f"model_flavour: {args['model_flavour']}: the model is pretrained_model_name_or_path's")
+    if name == "flux" and args["model_flavour"] in ("schnell", "kontext"):
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains it with "
+                                f"{'an assistant LoRA' if args['model_flavour'] == 'schnell' else 'image conditioning'}"
+                                ", which ot_dist does not")
+    if args.given("aspect_bucket_alignment"):
+        out.notes.append("aspect_bucket_alignment: SimpleTuner's image models align buckets to 64 pixels whatever "
+                         "it says; data.bucket_step 64 is written")
+    args["aspect_bucket_alignment"]
+    path = local_path(str(path), "pretrained_model_name_or_path", out)
+    note_local_model(path, "pretrained_model_name_or_path", out)
+    c["model"] = {"family": family, "path": path}
+    for key in ("pretrained_transformer_model_name_or_path", "pretrained_unet_model_name_or_path"):
+        if args[key]:
+            out.not_honoured.append(f"{key}: {args[key]}: a separate denoiser is not supported (model.path's is used)")
+    vae = args["pretrained_vae_model_name_or_path"]
+    if vae and (family in ("sdxl", "pixart_sigma") or "sdxl" not in str(vae)):  # SimpleTuner drops an SDXL VAE
+        default = "" if args.given("pretrained_vae_model_name_or_path") else " (SimpleTuner's default for SDXL / PixArt)"
+        out.not_honoured.append(f"pretrained_vae_model_name_or_path: {vae}{default}: a replacement VAE is not "
+                                "supported (model.path's own VAE is used)")
+    _prediction(args, c, family, out)
+    if family == "flux":
+        c["model"]["guidance_scale"] = float(args["flux_guidance_value"])  # SimpleTuner's 1.0, as ot_dist's default
+        if args["flux_guidance_mode"] != "constant":
+            out.not_honoured.append(f"flux_guidance_mode: {args['flux_guidance_mode']}: a guidance drawn per step is "
+                                    "not supported; flux_guidance_value is written")
+    return family, denoiser
+
+
+def _prediction(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -> None:
+    """prediction_type (UNet families) and rescale_betas_zero_snr, which SimpleTuner turns on for SD 2.x."""
+    prediction, zero_snr = args["prediction_type"], args["rescale_betas_zero_snr"] or family == "sd2"
+    if family not in ("sd1", "sd2", "sdxl"):
+        if prediction not in (None, "flow_matching", "epsilon") or args["rescale_betas_zero_snr"]:
+            out.not_honoured.append(f"prediction_type / rescale_betas_zero_snr: {family} trains as its model does")
+        return
+    if prediction in ("epsilon", "v_prediction"):
+        c["model"]["prediction_type"] = prediction
+    elif prediction:
+        out.not_honoured.append(f"prediction_type: {prediction} is not epsilon or v_prediction")
+    if zero_snr:
+        if prediction == "epsilon":
+            out.not_honoured.append("rescale_betas_zero_snr: with epsilon prediction ot_dist refuses it (at SNR 0 the "
+                                    "input is the noise itself); it trains v-prediction on that schedule")
+        else:
+            c["model"]["zero_terminal_snr"] = True
+
+
+def _length(args: SimpleTunerArgs, c: dict, out: Imported) -> None:
+    """SimpleTuner trains max_train_steps optimizer steps when set (num_train_epochs must then be 0), else
+    num_train_epochs epochs (default 1)."""
+    steps, epochs = args["max_train_steps"], args["num_train_epochs"]
+    c["batch_size"] = int(args["train_batch_size"])
+    c["gradient_accumulation_steps"] = int(args["gradient_accumulation_steps"])
+    if steps:
+        if epochs:
+            raise ConfigError(f"max_train_steps: {steps} with num_train_epochs {epochs}: SimpleTuner refuses both; "
+                              "set num_train_epochs 0")
+        c["max_steps"] = int(steps)
+        c["epochs"] = int(steps)  # every epoch takes at least one step: max_steps ends the run
+        return
+    if not epochs:
+        raise ConfigError("num_train_epochs / max_train_steps: neither is set to a positive number")
+    c["epochs"] = int(epochs)
+
+
+def _precision(args: SimpleTunerArgs, c: dict, method: str, out: Imported) -> None:
+    """mixed_precision is the compute dtype, and the dtype SimpleTuner loads the frozen weights in (no_change);
+    base_model_precision quantises the frozen denoiser."""
+    mixed = str(args["mixed_precision"])
+    if mixed not in PRECISION:
+        out.not_honoured.append(f"mixed_precision: {mixed}: ot_dist computes in float32, bfloat16 or float16; "
+                                "bfloat16 is written")
+    c["train_dtype"] = PRECISION.get(mixed, "bfloat16")
+    if c["train_dtype"] != "float32":
+        c["weight_dtype"] = c["train_dtype"]
+    base = str(args["base_model_precision"])
+    if base in FLOAT8:
+        c["weight_dtype"] = "float8"
+        out.notes.append(f"base_model_precision: {base}: ot_dist's float8 stores every frozen part in one byte per "
+                         "weight with a per-tensor scale")
+    elif base != "no_change":
+        out.not_honoured.append(f"base_model_precision: {base}: integer / 4-bit quantisation is not supported "
+                                f"(weight_dtype {c.get('weight_dtype', 'float32')} is written)")
+    if method == "full" and args["optimizer"] == "adamw_bf16" and c["train_dtype"] == "bfloat16":
+        c["trained_weight_dtype"] = "bfloat16"  # AdamWBF16 steps bfloat16 weights (ot_dist: stochastic rounding)
+    if args["seed"] is None:
+        out.notes.append("seed: not set (SimpleTuner draws one per run); seed 42 is written")
+    else:
+        c["seed"] = int(args["seed"])
+
+
+def _text_encoders(args: SimpleTunerArgs, c: dict, family: str, method: str, out: Imported) -> None:
+    if not args["train_text_encoder"]:
+        if args["text_encoder_lr"] is not None:
+            out.notes.append("text_encoder_lr: not read without train_text_encoder, as in SimpleTuner")
+        return
+    if method == "lora" or family not in ("sd1", "sd2", "sdxl"):
+        out.not_honoured.append(f"train_text_encoder: SimpleTuner's text encoder training of a {family} {method} is "
+                                "not mapped; the text encoders stay frozen")
+        return
+    lr = args["text_encoder_lr"]
+    for part in ("text_encoder", "text_encoder_2") if family == "sdxl" else ("text_encoder",):
+        c[part] = {"train": True} | ({"learning_rate": lr} if lr is not None else {})
+
+
+def _gradient_clip(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -> None:
+    """SimpleTuner clips at max_grad_norm (2.0; PixArt: 0.01) by value (grad_clip_method's default) or by norm, and
+    not at all for prodigy and optimi-stableadamw or at 0."""
+    limit = args["max_grad_norm"]
+    if family == "pixart_sigma" and (not args.given("max_grad_norm") or limit > 0.01):
+        limit = 0.01  # SimpleTuner's PixArt overrides it unless i_know_what_i_am_doing
+        if args["i_know_what_i_am_doing"]:
+            limit = args["max_grad_norm"]
+    if not limit or args["optimizer"] in ("prodigy", "optimi-stableadamw"):
+        c["clip_grad_norm"] = None
+    elif args["grad_clip_method"] == "norm":
+        c["clip_grad_norm"] = float(limit)
+    else:
+        c["clip_grad_norm"] = None
+        out.not_honoured.append(f"grad_clip_method: {args['grad_clip_method']} (SimpleTuner's default): each "
+                                f"gradient element is clipped to +-{limit}; ot_dist clips the norm only; no clipping "
+                                "is written (grad_clip_method norm maps)")
+
+
+def _ema(args: SimpleTunerArgs, c: dict, out: Imported) -> None:
+    """SimpleTuner's EMAModel (diffusers'): decay min((1 + n) / (10 + n), ema_decay), as ot_dist's."""
+    if not args["use_ema"]:
+        _unused(args, ("ema_decay", "ema_update_interval", "ema_device", "ema_cpu_only", "ema_validation"),
+                "without use_ema", out)
+        return
+    device = "cpu" if args["ema_cpu_only"] or args["ema_device"] == "cpu" else "accelerator"
+    c["ema"] = {"enabled": True, "decay": float(args["ema_decay"]),
+                "update_step_interval": int(args["ema_update_interval"]), "device": device}
+    if args["use_ema_warmup"]:
+        out.not_honoured.append("use_ema_warmup: diffusers' inverse-gamma EMA warmup is not supported (ot_dist "
+                                "warms up as (1 + n) / (10 + n))")
+
+
+def _unused(args: SimpleTunerArgs, keys, why: str, out: Imported) -> None:
+    """Keys SimpleTuner reads only in a setting this setup does not have: noted, not listed."""
+    for key in keys:
+        if args.given(key):
+            out.notes.append(f"{key}: {args[key]!r} is not used {why}, as in SimpleTuner")
+        args[key]
+
+
+def _saves(args: SimpleTunerArgs, c: dict) -> None:
+    """SimpleTuner saves every checkpoint_step_interval steps (500) and / or checkpoint_epoch_interval epochs, keeping
+    checkpoints_total_limit (5); it has no saves on a clock (ot_dist's default: every 30 minutes)."""
+    checkpoint = {"every_n_minutes": None}
+    if args["checkpoint_step_interval"]:
+        checkpoint["every_n_steps"] = int(args["checkpoint_step_interval"])
+    if args["checkpoint_epoch_interval"]:
+        checkpoint["every_n_epochs"] = int(args["checkpoint_epoch_interval"])
+    limit = args["checkpoints_total_limit"]
+    checkpoint["keep_last"] = int(limit) if limit else None
+    c["checkpoint"] = checkpoint

@@ -1,0 +1,264 @@
+"""`ot-dist import diffusers`: a saved diffusers example-script command (`accelerate launch ... train_*.py --key value
+...`) becomes an ot_dist config that validates and keeps each argument's meaning (as the script's parse_args and
+training loop read it), with everything ot_dist cannot honour listed. The defaults a command leaves out are the
+scripts' own (ot_dist/migrate/diffusers_defaults.py, built from their parsers; defaults that differ between scripts
+are pinned below). No process is launched."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from ot_dist.cli import main
+from ot_dist.config.load import load_config
+from ot_dist.errors import ConfigError, InputFileError
+from ot_dist.migrate.diffusers import SCRIPTS, import_diffusers
+from ot_dist.migrate.diffusers_defaults import defaults
+
+def images(folder: Path, count: int) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        Image.new("RGB", (32, 32), (i * 40, 0, 0)).save(folder / f"{i}.png")
+    return folder
+
+
+def data_args(tmp_path: Path, script: str) -> str:
+    """The dataset arguments each kind of script needs, with its folders made."""
+    kind = SCRIPTS[script][2]
+    if kind == "dreambooth":
+        return f'--instance_data_dir {images(tmp_path / "inst", 3)} --instance_prompt "a photo of sks dog"'
+    if kind == "textual_inversion":
+        return f"--train_data_dir {images(tmp_path / 'ti', 2)} --placeholder_token '<cat-toy>' --initializer_token toy"
+    folder = images(tmp_path / "imgs", 2)
+    rows = [{"file_name": f"{i}.png", "text": f"caption {i}"} for i in range(2)]
+    (folder / "metadata.jsonl").write_text("\n".join(json.dumps(r) for r in rows), encoding="utf-8")
+    return f"--train_data_dir {folder}"
+
+
+def run_import(tmp_path: Path, command: str, *extra) -> tuple[dict, str, str]:
+    (tmp_path / "cmd.sh").write_text(command, encoding="utf-8")
+    out = tmp_path / "out.yaml"
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["import", "diffusers", str(tmp_path / "cmd.sh"), "--out", str(out), "--force",
+                     "--captions_folder", str(tmp_path / "captions"), *map(str, extra)])
+    assert code == 0, err.getvalue()
+    text = out.read_text(encoding="utf-8")
+    load_config(out)  # what is written is a config ot_dist accepts
+    return yaml.safe_load(text), text, err.getvalue()
+
+
+def not_honoured(text: str) -> list[str]:
+    lines = text.split("# NOT HONOURED", 1)[1].splitlines()[1:] if "# NOT HONOURED" in text else []
+    return [line[len("#   - "):] for line in lines if line.startswith("#   - ")]
+
+
+FAMILY_METHOD = {
+    "train_text_to_image.py": ("sd1", "full"), "train_text_to_image_lora.py": ("sd1", "lora"),
+    "train_text_to_image_sdxl.py": ("sdxl", "full"), "train_text_to_image_lora_sdxl.py": ("sdxl", "lora"),
+    "train_dreambooth.py": ("sd1", "full"), "train_dreambooth_lora.py": ("sd1", "lora"),
+    "train_dreambooth_lora_sdxl.py": ("sdxl", "lora"), "train_dreambooth_sd3.py": ("sd3", "full"),
+    "train_dreambooth_lora_sd3.py": ("sd3", "lora"), "train_dreambooth_flux.py": ("flux", "full"),
+    "train_dreambooth_lora_flux.py": ("flux", "lora"), "textual_inversion.py": ("sd1", "embedding"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(FAMILY_METHOD))
+def test_each_script_maps_with_the_scripts_defaults(tmp_path, script):
+    """A minimal command of each script: its family and method, and the defaults it trains with where ot_dist's
+    differ (the table's values, which test_default_table_is_the_scripts_parsers checks against the scripts)."""
+    d = defaults(script)
+    command = (f"accelerate launch {script} \\\n  --pretrained_model_name_or_path m \\\n  {data_args(tmp_path, script)} "
+               f"--output_dir {tmp_path / 'o'}")
+    c, text, _ = run_import(tmp_path, command)
+    assert (c["model"]["family"], c["method"]) == FAMILY_METHOD[script]
+    assert c["learning_rate"] == d["learning_rate"]
+    assert c["resolution"] == d["resolution"]
+    assert c["batch_size"] == d["train_batch_size"]
+    assert c["optimizer"] == {"name": "ADAMW", "beta1": 0.9, "beta2": 0.999, "weight_decay": d["adam_weight_decay"],
+                              "eps": 1e-8}
+    assert c["scheduler"] == {"name": "CONSTANT", "warmup_steps": 0}  # diffusers' constant ignores the 500 warmup
+    assert c["checkpoint"] == {"every_n_steps": 500, "every_n_minutes": None, "keep_last": None}
+    assert c["train_dtype"] == "float32" and "weight_dtype" not in c
+    assert c["data"]["crop"] == "random"  # center_crop off: RandomCrop
+    if d["max_train_steps"]:
+        assert c["max_steps"] == d["max_train_steps"]  # textual_inversion.py: 5000
+    else:
+        assert c["epochs"] == d["num_train_epochs"] and "max_steps" not in c
+    if c["method"] == "lora":
+        assert c["lora"]["rank"] == 4
+        assert c["lora"]["alpha"] == (4.0 if script != "train_dreambooth_lora_flux.py" else d["lora_alpha"])
+    if c["model"]["family"] in ("sd3", "flux") and c["method"] == "lora":  # the scripts' lists, not ot_dist's default
+        assert "proj_mlp" not in c["lora"]["transformer_targets"] and "attn.to_k" in c["lora"]["transformer_targets"]
+    if SCRIPTS[script][2] == "dreambooth":
+        assert c["data"]["concepts"][0]["caption_text"] == "a photo of sks dog"
+    if c["model"]["family"] == "flux":
+        assert c["model"]["guidance_scale"] == 3.5 and c["loss"]["timestep_shift"] == 1.0
+        assert c["loss"]["timestep_distribution"] == "uniform"  # weighting_scheme none
+    if c["model"]["family"] == "sd3":
+        assert c["loss"]["timestep_distribution"] == "logit_normal"
+        assert any(line.startswith("precondition_outputs") for line in not_honoured(text))
+    assert any(line.startswith("resolution") for line in not_honoured(text))  # square crops vs buckets
+
+
+def test_textual_inversion_templates_and_repeats(tmp_path):
+    c, _, _ = run_import(tmp_path, f"python textual_inversion.py --pretrained_model_name_or_path m "
+                                   f"{data_args(tmp_path, 'textual_inversion.py')} --num_vectors 2 "
+                                   f"--learnable_property style --output_dir o")
+    assert c["embedding"] == {"token": "<cat-toy>", "vectors": 2, "init_text": "toy"}
+    concept = c["data"]["concepts"][0]
+    assert concept["balancing"] == 100 and concept["flip_probability"] == 0.5  # the script's repeats, flip_p
+    lines = concept["caption_text"].splitlines()
+    assert len(lines) == 19 and lines[0] == "a painting in the style of <cat-toy>"
+
+
+def test_imagefolder_captions_are_written_beside_links(tmp_path):
+    c, _, _ = run_import(tmp_path, f"accelerate launch train_text_to_image_lora.py --pretrained_model_name_or_path m "
+                                   f"{data_args(tmp_path, 'train_text_to_image_lora.py')} --random_flip "
+                                   f"--center_crop --snr_gamma 5 --noise_offset 0.05 --output_dir o")
+    concept = c["data"]["concepts"][0]
+    folder = Path(concept["path"])
+    assert (folder / "1.txt").read_text(encoding="utf-8") == "caption 1"
+    assert (folder / "1.png").is_symlink()
+    assert concept["flip_probability"] == 0.5 and c["data"]["crop"] == "center"
+    assert c["loss"] == {"min_snr_gamma": 5.0, "offset_noise_weight": 0.05}
+
+
+def test_prior_preservation_balances_and_weighs_as_the_script(tmp_path):
+    """DreamBoothDataset: max(instance x repeats, class) items an epoch, each one instance and one class image; the
+    loss is instance mean + prior_loss_weight x class mean, i.e. twice ot_dist's weighted batch mean."""
+    cls = images(tmp_path / "cls", 5)
+    c, text, _ = run_import(tmp_path, f"accelerate launch train_dreambooth.py --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, 'train_dreambooth.py')} --with_prior_preservation "
+                                      f"--class_data_dir {cls} --class_prompt 'a photo of dog' --num_class_images 8 "
+                                      f"--prior_loss_weight 0.5 --train_batch_size 2 --output_dir o")
+    instance, regularisation = c["data"]["concepts"]
+    assert c["batch_size"] == 4
+    assert (instance["balancing"], instance["loss_weight"]) == (5, 2.0)
+    assert regularisation == {"path": str(cls), "type": "prior_preservation", "caption_source": "text",
+                              "caption_text": "a photo of dog", "balancing": 5, "balancing_strategy": "samples",
+                              "loss_weight": 1.0}
+    assert any("generates the missing class images" in line for line in not_honoured(text))
+
+
+def test_accelerate_config_precision_processes_and_scale_lr(tmp_path):
+    (tmp_path / "acc.yaml").write_text("distributed_type: MULTI_GPU\nmixed_precision: fp16\nnum_processes: 4\n",
+                                       encoding="utf-8")
+    c, _, _ = run_import(tmp_path, f"accelerate launch --config_file {tmp_path / 'acc.yaml'} train_dreambooth_lora.py "
+                                   f"--pretrained_model_name_or_path m {data_args(tmp_path, 'train_dreambooth_lora.py')} "
+                                   "--scale_lr --gradient_accumulation_steps 2 --lr_scheduler cosine_with_restarts "
+                                   "--lr_num_cycles 3 --lr_warmup_steps 10 --output_dir o")
+    assert (c["train_dtype"], c["weight_dtype"], c["strategy"]) == ("float16", "float16", "ddp")
+    assert c["learning_rate"] == pytest.approx(5e-4 * 4 * 2 * 4)  # lr x batch x accumulation x processes
+    assert c["scheduler"] == {"name": "COSINE_WITH_HARD_RESTARTS", "warmup_steps": 20, "cycles": 3}
+    # the script's own --mixed_precision wins over accelerate's
+    c, _, _ = run_import(tmp_path, f"accelerate launch --config_file {tmp_path / 'acc.yaml'} train_dreambooth_lora.py "
+                                   f"--pretrained_model_name_or_path m {data_args(tmp_path, 'train_dreambooth_lora.py')} "
+                                   "--mixed_precision bf16 --output_dir o")
+    assert c["train_dtype"] == "bfloat16"
+
+
+def test_prodigy_lora_options_and_what_is_listed(tmp_path):
+    c, text, _ = run_import(
+        tmp_path, f"accelerate launch train_dreambooth_lora_flux.py --pretrained_model_name_or_path m "
+                  f"{data_args(tmp_path, 'train_dreambooth_lora_flux.py')} --optimizer prodigy --learning_rate 1 "
+                  "--prodigy_safeguard_warmup False --rank 16 --lora_alpha 8 --lora_layers to_q,to_k "
+                  "--train_text_encoder --resume_from_checkpoint latest --max_sequence_length 256 --variant fp16 "
+                  "--validation_prompt 'sks dog' --num_validation_images 2 --seed 7 --report_to wandb --output_dir o")
+    options = c["optimizer"]
+    assert options["name"] == "PRODIGY" and options["slice_p"] == 1
+    assert options["safeguard_warmup"] is True  # argparse's type=bool reads "False" as True, as the script does
+    assert c["lora"]["rank"] == 16 and c["lora"]["alpha"] == 8.0 and c["lora"]["transformer_targets"] == ["to_q", "to_k"]
+    assert c["text_encoder"] == {"train": True}  # prodigy: the script gives the text encoder learning_rate
+    assert c["sampling"]["prompts"] == [{"prompt": "sks dog", "seed": 7}, {"prompt": "sks dog", "seed": 8}]
+    assert c["sampling"]["every_n_epochs"] == 50
+    listed = not_honoured(text)
+    for key in ("resume_from_checkpoint", "max_sequence_length", "variant"):
+        assert any(line.startswith(key) for line in listed), key
+    assert "report_to: 'wandb' is ignored" in text
+
+
+def test_sd2_is_told_by_the_model_folder(tmp_path):
+    model = tmp_path / "model"
+    (model / "text_encoder").mkdir(parents=True)
+    (model / "text_encoder" / "config.json").write_text('{"hidden_size": 1024}', encoding="utf-8")
+    c, _, _ = run_import(tmp_path, f"accelerate launch train_dreambooth_lora.py --pretrained_model_name_or_path "
+                                   f"{model} {data_args(tmp_path, 'train_dreambooth_lora.py')} --output_dir o")
+    assert c["model"] == {"family": "sd2", "path": str(model)}
+
+
+def test_sd3_lora_blocks_and_dropout(tmp_path):
+    c, text, _ = run_import(tmp_path, f"accelerate launch train_dreambooth_lora_sd3.py --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, 'train_dreambooth_lora_sd3.py')} --lora_layers attn.to_k,attn.to_q "
+                                      "--lora_blocks 0,12 --lora_dropout 0.1 --output_dir o")
+    assert c["lora"]["transformer_targets"] == ["transformer_blocks.0.attn.to_k", "transformer_blocks.0.attn.to_q",
+                                                "transformer_blocks.12.attn.to_k", "transformer_blocks.12.attn.to_q"]
+    assert "dropout" not in c["lora"] and any(line.startswith("lora_dropout") for line in not_honoured(text))
+
+
+def test_ema_of_the_full_finetune_and_sdxl_empty_prompts(tmp_path):
+    c, _, _ = run_import(tmp_path, f"accelerate launch train_text_to_image_sdxl.py --pretrained_model_name_or_path m "
+                                   f"{data_args(tmp_path, 'train_text_to_image_sdxl.py')} --use_ema "
+                                   "--max_train_steps 100 --checkpoints_total_limit 2 --proportion_empty_prompts 0.1 "
+                                   "--lr_scheduler linear --lr_warmup_steps 10 --gradient_accumulation_steps 2 "
+                                   "--output_dir o")
+    assert c["ema"] == {"enabled": True, "decay": 0.9999, "update_step_interval": 1}
+    assert (c["max_steps"], c["checkpoint"]["keep_last"]) == (100, 2)
+    assert c["data"]["concepts"][0]["caption_dropout_probability"] == 0.1
+    # the SDXL script's warmup: 10 x 2 scheduler steps, one per process and optimizer step: 20 optimizer steps on one
+    # process, 40 micro steps in ot_dist's count
+    assert c["scheduler"] == {"name": "LINEAR", "warmup_steps": 40}
+
+
+@pytest.mark.parametrize("args, names", [
+    ("--dataset_name lambdalabs/naruto-blip-captions", "dataset_name"),
+    ("--instance_data_dir {inst}", "instance_prompt"),
+    ("--instance_data_dir {inst} --instance_prompt x --with_prior_preservation", "class_data_dir"),
+    ("--instance_data_dir {inst} --instance_prompt x --no_such_flag", "--no_such_flag"),
+    ("--instance_data_dir {inst} --instance_prompt x --rank four", "--rank"),
+    ("--instance_data_dir {inst} --instance_prompt x --mixed_precision fp8", "mixed_precision"),
+])
+def test_errors_name_the_argument(tmp_path, args, names):
+    inst = images(tmp_path / "inst", 1)
+    (tmp_path / "cmd.sh").write_text(f"accelerate launch train_dreambooth_lora.py --pretrained_model_name_or_path m "
+                                     f"--output_dir o {args.format(inst=inst)}", encoding="utf-8")
+    with pytest.raises((ConfigError, InputFileError)) as err:
+        import_diffusers(str(tmp_path / "cmd.sh"))
+    assert names in str(err.value)
+
+
+def test_caption_column_and_validation_errors_name_the_argument(tmp_path):
+    data = data_args(tmp_path, "train_text_to_image.py")
+    (tmp_path / "cmd.sh").write_text(f"train_text_to_image.py --pretrained_model_name_or_path m {data} "
+                                     "--caption_column prompt", encoding="utf-8")
+    with pytest.raises(ConfigError, match="caption_column: 'prompt'"):
+        import_diffusers(str(tmp_path / "cmd.sh"), captions_folder=str(tmp_path / "c"))
+    (tmp_path / "cmd.sh").write_text(f"train_text_to_image.py --pretrained_model_name_or_path m {data} "
+                                     "--train_batch_size 0", encoding="utf-8")
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["import", "diffusers", str(tmp_path / "cmd.sh"), "--out", str(tmp_path / "x.yaml"),
+                     "--captions_folder", str(tmp_path / "c2")])
+    assert code != 0 and "from train_batch_size" in err.getvalue()
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_defaults_that_differ_between_the_scripts():
+    """A few defaults read off the scripts' parse_args by hand; each differs between scripts, so a table keyed
+    wrongly shows here."""
+    assert defaults("train_dreambooth.py")["learning_rate"] == 5e-6
+    assert defaults("train_dreambooth_lora.py")["learning_rate"] == 5e-4
+    assert defaults("train_text_to_image.py")["train_batch_size"] == 16
+    assert defaults("train_dreambooth_lora_sdxl.py")["resolution"] == 1024
+    assert defaults("train_dreambooth_lora_sdxl.py")["adam_weight_decay"] == 1e-4
+    assert defaults("textual_inversion.py")["max_train_steps"] == 5000
+    assert defaults("textual_inversion.py")["mixed_precision"] == "no"
+    assert defaults("train_dreambooth_lora_flux.py")["max_sequence_length"] == 512
+    assert defaults("train_dreambooth_flux.py")["weighting_scheme"] == "none"
+    assert defaults("train_dreambooth_sd3.py")["weighting_scheme"] == "logit_normal"

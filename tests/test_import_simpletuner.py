@@ -1,0 +1,308 @@
+"""`ot-dist import simpletuner`: SimpleTuner setups (config.json with `--flag` keys, config.toml, config.env, the
+multidatabackend.json of its datasets, lycoris_config.json, a user prompt library) become ot_dist configs that
+validate and keep each setting's meaning, with everything ot_dist cannot honour listed. Each config below states, per
+key, what SimpleTuner's documentation (documentation/OPTIONS.md, DATALOADER.md) says it does; no process is
+launched. SimpleTuner's defaults are its parser's (`get_argument_parser()` of SimpleTuner bc8e6ab, August 2026, as
+ot_dist/migrate/simpletuner_defaults.py records them)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from ot_dist.cli import main
+from ot_dist.config.load import load_config
+
+
+def run_import(*args) -> tuple[int, str]:
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        code = main(["import", "simpletuner", *map(str, args)])
+    return code, err.getvalue()
+
+
+def images(folder: Path, names: list[str], captions: dict[str, str] | None = None) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for i, name in enumerate(names):
+        Image.new("RGB", (32, 32), (i * 40, 0, 0)).save(folder / f"{name}.png")
+        if captions and name in captions:
+            (folder / f"{name}.txt").write_text(captions[name], encoding="utf-8")
+    return folder
+
+
+def setup(tmp_path: Path, config: dict, backends: list[dict] | None = None) -> Path:
+    """SimpleTuner's layout: config/config.json and config/multidatabackend.json below the folder it runs in."""
+    (tmp_path / "config").mkdir(exist_ok=True)
+    if backends is None:
+        images(tmp_path / "data" / "cats", ["cat"], {"cat": "a cat"})
+        backends = [{"id": "cats", "type": "local", "instance_data_dir": "data/cats", "caption_strategy": "textfile"}]
+    (tmp_path / "config" / "multidatabackend.json").write_text(json.dumps(backends), encoding="utf-8")
+    config = {"--data_backend_config": "config/multidatabackend.json", "--pretrained_model_name_or_path": "model",
+              **config}
+    path = tmp_path / "config" / "config.json"
+    path.write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
+def imported(tmp_path: Path, config: dict, backends: list[dict] | None = None, *extra) -> tuple[dict, str]:
+    out = tmp_path / "out.yaml"
+    code, err = run_import(setup(tmp_path, config, backends), "--out", out, "--force", *extra)
+    assert code == 0, err
+    text = out.read_text(encoding="utf-8")
+    load_config(out)  # what is written is a config ot_dist accepts
+    return yaml.safe_load(text), text
+
+
+def test_lora_config_with_several_datasets(tmp_path):
+    """An SDXL LoRA over four datasets maps key by key, each dataset a concept, and the file loads."""
+    images(tmp_path / "data" / "dogs", ["dog"], {"dog": "a dog\na dog on grass"})
+    images(tmp_path / "data" / "named", ["a red car"])
+    images(tmp_path / "data" / "reg", ["r0", "r1"])
+    images(tmp_path / "data" / "sub" / "deeper", ["x"], {"x": "deep"})
+    backends = [
+        {"id": "dogs", "type": "local", "instance_data_dir": "data/dogs",
+         "caption_strategy": "textfile",          # img.txt beside img.png, each line a caption
+         "prepend_instance_prompt": True, "instance_prompt": "sks",  # "sks " before every caption
+         "repeats": 2,                             # every image 2 more times per epoch
+         "cache_dir_vae": "cache/vae/dogs"},       # where SimpleTuner keeps its latents
+        {"id": "named", "type": "local", "instance_data_dir": "data/named",
+         "caption_strategy": "filename"},          # the file name is the caption
+        {"id": "reg", "type": "local", "instance_data_dir": "data/reg",
+         "caption_strategy": "instanceprompt", "instance_prompt": "a photo of a dog",  # one caption for all
+         "is_regularisation_data": True},          # LoRA: trained towards the base model's prediction
+        {"id": "nested", "type": "local", "instance_data_dir": "data/sub", "caption_strategy": "textfile"},
+        {"id": "off", "type": "local", "instance_data_dir": "data/none", "disabled": True},  # left out
+        {"id": "embeds", "dataset_type": "text_embeds", "default": True, "type": "local", "cache_dir": "cache/te"},
+    ]
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "prompts.json").write_text(json.dumps(
+        {"dog": "a dog in the snow", "car": {"prompt": "a red car"}}), encoding="utf-8")
+    config, text = imported(tmp_path, {
+        "--model_family": "sdxl", "--model_type": "lora",
+        "--lora_rank": 32, "--lora_alpha": "16",   # the update scaled by alpha / rank
+        "--lora_dropout": 0.0,
+        "--learning_rate": "1e-4", "--train_batch_size": 2, "--gradient_accumulation_steps": 2,
+        "--max_train_steps": 3000, "--num_train_epochs": 0,  # steps, not epochs
+        "--optimizer": "bnb-adamw8bit", "--optimizer_config": "weight_decay=0.02,eps=1e-8",
+        "--lr_scheduler": "linear", "--lr_warmup_steps": 100,  # optimizer steps
+        "--checkpointing_steps": 250,              # the old name of checkpoint_step_interval
+        "--checkpoints_total_limit": 3,
+        "--validation_prompt": "a dog", "--user_prompt_library": "config/prompts.json",
+        "--validation_resolution": "1024,832x1216", "--validation_step_interval": 200,
+        "--validation_guidance": 5.0, "--validation_num_inference_steps": "25", "--validation_seed": 7,
+        "--mixed_precision": "bf16", "--seed": 3, "--resolution": 1024, "--resolution_type": "pixel_area",
+        "--snr_gamma": 5, "--use_ema": "true", "--ema_decay": 0.999,
+        "--report_to": "wandb",                     # logging: noted, changes nothing trained
+    }, backends)
+    assert config["model"] == {"family": "sdxl", "path": "model"}
+    assert config["method"] == "lora"
+    assert config["lora"] == {"rank": 32, "alpha": 16.0, "unet_targets": ["to_k", "to_q", "to_v", "to_out.0"]}
+    assert (config["learning_rate"], config["batch_size"], config["gradient_accumulation_steps"]) == (1e-4, 2, 2)
+    assert (config["max_steps"], config["seed"], config["train_dtype"], config["weight_dtype"]) == \
+        (3000, 3, "bfloat16", "bfloat16")
+    assert config["optimizer"] == {"name": "ADAMW_8BIT", "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.02,
+                                   "eps": 1e-8}
+    assert config["scheduler"] == {"name": "LINEAR", "warmup_steps": 200}  # x accumulation: ot_dist's micro steps
+    assert config["checkpoint"] == {"every_n_minutes": None, "every_n_steps": 250, "keep_last": 3}
+    assert config["loss"] == {"min_snr_gamma": 5}
+    assert config["ema"] == {"enabled": True, "decay": 0.999, "update_step_interval": 1, "device": "cpu"}
+    assert (config["resolution"], config["data"]["bucket_step"], config["data"]["crop"]) == (1024, 64, "center")
+    dogs, named, reg, nested = config["data"]["concepts"]
+    assert dogs == {"path": str(tmp_path / "data" / "dogs"), "name": "dogs", "include_subdirectories": True,
+                    "caption_source": "txt", "caption_extension": ".txt", "caption_prefix": "sks", "balancing": 3,
+                    "caption_dropout_probability": 0.1}
+    assert named["caption_source"] == "filename" and "balancing" not in named
+    assert reg["type"] == "prior_prediction" and reg["caption_source"] == "text"
+    assert reg["caption_text"] == "a photo of a dog"
+    assert nested["include_subdirectories"] is True
+    prompts = config["sampling"]["prompts"]
+    assert [(p["prompt"], p["width"], p["height"]) for p in prompts] == [
+        ("a dog", 1024, 1024), ("a dog", 832, 1216), ("a dog in the snow", 1024, 1024),
+        ("a dog in the snow", 832, 1216), ("a red car", 1024, 1024), ("a red car", 832, 1216)]
+    assert {(p["steps"], p["guidance_scale"], p["seed"], p["negative_prompt"]) for p in prompts} == \
+        {(25, 5.0, 7, "blurry, cropped, ugly")}
+    assert config["sampling"]["every_n_steps"] == 200
+    assert config["sampling"]["use_ema"] is True and config["sampling"]["non_ema_samples"] is True  # comparison
+    assert "report_to: 'wandb' is ignored" in text
+    assert "[off]: disabled" in text and "[embeds]: a text_embeds cache" in text
+
+
+def test_defaults_are_simpletuners(tmp_path):
+    """A setup that sets only the model and the data trains as SimpleTuner's parser defaults say, not as ot_dist's:
+    a full finetune, learning rate 4e-7, batch 4, one epoch, bf16 with AdamW on bfloat16 weights (eps 1e-6, weight
+    decay 1e-2), constant schedule, gradient checkpointing, 10% caption dropout, a checkpoint every 500 steps (5
+    kept), 1024 px pixel_area, and its gradient clip by value (listed)."""
+    from ot_dist.migrate.simpletuner_defaults import ARGS
+
+    # SimpleTuner's own parser defaults (documentation/OPTIONS.md agrees), as recorded from it
+    assert {k: ARGS[k] for k in ("model_type", "learning_rate", "train_batch_size", "num_train_epochs",
+                                 "max_train_steps", "optimizer", "lr_scheduler", "mixed_precision", "lora_rank",
+                                 "lora_alpha", "lora_dropout", "gradient_checkpointing", "caption_dropout_probability",
+                                 "checkpoint_step_interval", "checkpoints_total_limit", "max_grad_norm",
+                                 "grad_clip_method", "flow_schedule_shift", "flux_guidance_value", "resolution",
+                                 "resolution_type", "caption_strategy", "ema_decay")} == {
+        "model_type": "full", "learning_rate": 4e-07, "train_batch_size": 4, "num_train_epochs": 1,
+        "max_train_steps": None, "optimizer": "adamw_bf16", "lr_scheduler": "constant_with_warmup",
+        "mixed_precision": "bf16", "lora_rank": 16, "lora_alpha": None, "lora_dropout": 0.1,
+        "gradient_checkpointing": True, "caption_dropout_probability": 0.1, "checkpoint_step_interval": 500,
+        "checkpoints_total_limit": 5, "max_grad_norm": 2.0, "grad_clip_method": "value", "flow_schedule_shift": 3.0,
+        "flux_guidance_value": 1.0, "resolution": 1024, "resolution_type": "pixel_area", "caption_strategy": "filename",
+        "ema_decay": 0.995}
+    config, text = imported(tmp_path, {"--model_family": "sdxl"})
+    assert config["method"] == "full"
+    assert (config["learning_rate"], config["batch_size"], config["epochs"]) == (4e-7, 4, 1)
+    assert "max_steps" not in config
+    assert (config["train_dtype"], config["trained_weight_dtype"]) == ("bfloat16", "bfloat16")
+    assert config["optimizer"] == {"name": "ADAMW", "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.01, "eps": 1e-6,
+                                   "stochastic_rounding": True}
+    assert config["scheduler"] == {"name": "CONSTANT", "warmup_steps": 0}
+    assert config["gradient_checkpointing"] is True
+    assert config["data"]["concepts"][0]["caption_dropout_probability"] == 0.1
+    assert config["checkpoint"] == {"every_n_minutes": None, "every_n_steps": 500, "keep_last": 5}
+    assert config["resolution"] == 1024 and config["clip_grad_norm"] is None
+    assert "grad_clip_method: value (SimpleTuner's default)" in text
+    assert "seed: not set (SimpleTuner draws one per run)" in text
+    assert "sampling" not in config and "ema" not in config and "loss" not in config
+
+
+def test_lora_and_flux_defaults(tmp_path):
+    """A Flux LoRA with SimpleTuner's defaults: rank 16 with alpha = rank, flux_lora_target all (its attention
+    projections), the transformer shown guidance 1.0, timesteps drawn as sigmoid(N(0, 1)) shifted by 3.0; peft's
+    lora_dropout 0.1 drops the layer input, which ot_dist's lora.dropout does not: listed."""
+    config, text = imported(tmp_path, {"--model_family": "flux", "--model_type": "lora"})
+    assert config["lora"] == {"rank": 16, "alpha": 16.0, "transformer_targets": [
+        "to_k", "to_q", "to_v", "add_k_proj", "add_q_proj", "add_v_proj", "to_out.0", "to_add_out"]}
+    assert config["model"]["guidance_scale"] == 1.0
+    assert config["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                              "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert "lora_dropout: 0.1" in text.split("NOT HONOURED")[1]
+    auto, _ = imported(tmp_path, {"--model_family": "flux", "--model_type": "lora", "--flow_schedule_shift": 0,
+                                  "--flow_schedule_auto_shift": True, "--flux_lora_target": "all+ffs",
+                                  "--use_dora": True, "--flow_use_uniform_schedule": True})
+    assert auto["loss"] == {"timestep_distribution": "uniform", "dynamic_timestep_shifting": True}
+    assert auto["lora"]["variant"] == "dora" and auto["lora"]["dropout"] == 0.1
+    assert "ff.net.0.proj" in auto["lora"]["transformer_targets"]
+
+
+def test_lycoris_config(tmp_path):
+    """lora_type lycoris reads lycoris_config.json: algo loha with linear_dim / linear_alpha; LoKr's factor and
+    LyCORIS' module classes other than Attention are listed."""
+    setup(tmp_path, {})
+    (tmp_path / "config" / "lycoris_config.json").write_text(json.dumps(
+        {"algo": "loha", "multiplier": 1.0, "linear_dim": 8, "linear_alpha": 4}), encoding="utf-8")
+    config, _ = imported(tmp_path, {"--model_family": "sd1x", "--model_type": "lora", "--lora_type": "lycoris",
+                                    "--lycoris_config": "config/lycoris_config.json"})
+    assert config["lora"] == {"rank": 8, "alpha": 4.0, "variant": "loha", "preset": "attention"}
+    (tmp_path / "config" / "lokr.json").write_text(json.dumps(
+        {"algo": "lokr", "factor": 16, "apply_preset": {"target_module": ["Attention", "FeedForward"]}}),
+        encoding="utf-8")
+    config, text = imported(tmp_path, {"--model_family": "sd3", "--model_type": "lora", "--lora_type": "lycoris",
+                                       "--lycoris_config": "config/lokr.json"})
+    assert config["lora"] == {"rank": 4, "alpha": 1.0, "variant": "lokr", "preset": "attention"}  # trainer defaults
+    listed = text.split("NOT HONOURED")[1]
+    assert "lycoris_config factor: 16" in listed and "['Attention', 'FeedForward']" in listed
+
+
+def test_what_is_not_honoured_is_listed(tmp_path):
+    """Each setting ot_dist does not reproduce is listed with its reason (and the config still validates)."""
+    images(tmp_path / "data" / "a", ["my_image"])
+    backends = [{"id": "a", "type": "local", "instance_data_dir": "data/a", "probability": 0.5,
+                 "resolution": 512, "resolution_type": "pixel", "crop": True, "crop_style": "corner",
+                 "crop_aspect": "square", "minimum_image_size": 256, "caption_filter_list": "filters.txt"},
+                {"id": "s3", "type": "aws", "aws_bucket_name": "b", "instance_data_dir": "x"}]
+    config, text = imported(tmp_path, {
+        "--model_family": "flux", "--model_type": "lora", "--lora_dropout": 0,
+        "--offset_noise": True,                     # flow models: SimpleTuner adds none
+        "--snr_gamma": 5, "--lr_scheduler": "cosine", "--lr_warmup_steps": 500,
+        "--base_model_precision": "int8-quanto", "--made_up_flag": 1,
+        "--mixed_precision": "fp8", "--lr_scale": True,
+    }, backends)
+    listed = text.split("NOT HONOURED")[1]
+    for line in ("a].probability: 0.5", "a].resolution_type: pixel", "a].crop_style: corner",
+                 "a].crop_aspect: square", "a].minimum_image_size: 256", "a].caption_filter_list",
+                 "s3].type: aws", "a].caption_strategy: filename: SimpleTuner reads the underscores",
+                 "offset_noise: SimpleTuner adds no offset noise", "snr_gamma: 5", "lr_scheduler: cosine",
+                 "base_model_precision: int8-quanto", "made_up_flag: 1 is not an argument of SimpleTuner",
+                 "mixed_precision: fp8", "lr_scale:"):
+        assert line in listed, line
+    assert len(config["data"]["concepts"]) == 1 and config["resolution"] == 512
+    assert config["scheduler"] == {"name": "CONSTANT", "warmup_steps": 0}
+
+
+@pytest.mark.parametrize("config, backend, message", [
+    ({}, None, "model_family: not set"),
+    ({"--model_family": "wan"}, None, "model_family: wan is not a model family ot_dist trains"),
+    ({"--model_family": "sdxl", "--max_train_steps": 100, "--num_train_epochs": 3}, None,
+     "max_train_steps: 100 with num_train_epochs 3"),
+    ({"--model_family": "sdxl"}, [{"id": "x", "type": "local", "instance_data_dir": "data/x",
+                                   "caption_strategy": "instanceprompt"}], "multidatabackend.json[x].instance_prompt"),
+    ({"--model_family": "sdxl"}, [{"id": "x", "type": "local", "instance_data_dir": "data/x",
+                                   "caption_strategy": "parquet"}], "multidatabackend.json[x].caption_strategy"),
+    ({"--model_family": "sdxl", "--train_batch_size": 0}, None, "batch_size (from train_batch_size)"),
+    ({"--model_family": "sdxl", "--model_type": "lora", "--lora_rank": 0}, None, "(from lora_rank / linear_dim)"),
+])
+def test_errors_name_the_simpletuner_field(tmp_path, config, backend, message):
+    code, err = run_import(setup(tmp_path, config, backend), "--out", tmp_path / "o.yaml")
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "o.yaml").exists()
+
+
+def test_env_and_toml_read_as_the_json(tmp_path):
+    """config.env (`export VAR=value`, each variable a flag, TRAINER_EXTRA_ARGS more flags) and config.toml give the
+    config config.json gives."""
+    json_config, _ = imported(tmp_path, {"--model_family": "sdxl", "--model_type": "lora", "--lora_rank": 8,
+                                         "--learning_rate": 1e-4, "--use_ema": True, "--seed": 5})
+    config_dir = tmp_path / "config"
+    (config_dir / "config.env").write_text(
+        "export MODEL_FAMILY=sdxl\nexport MODEL_TYPE='lora'\nexport MODEL_NAME=model\nLEARNING_RATE=1e-4\n"
+        "export USE_EMA=true\nexport TRAINING_SEED=5\nexport DATALOADER_CONFIG=config/multidatabackend.json\n"
+        "export PUSH_TO_HUB=false\nexport CUDA_VISIBLE_DEVICES=0\nexport TRAINER_EXTRA_ARGS='--lora_rank=8'\n",
+        encoding="utf-8")
+    (config_dir / "config.toml").write_text(
+        'model_family = "sdxl"\nmodel_type = "lora"\npretrained_model_name_or_path = "model"\nlora_rank = 8\n'
+        'learning_rate = "1e-4"\nuse_ema = "true"\nseed = 5\n'
+        'data_backend_config = "config/multidatabackend.json"\n', encoding="utf-8")
+    for name in ("config.env", "config.toml"):
+        out = tmp_path / f"{name}.yaml"
+        code, err = run_import(config_dir / name, "--out", out)
+        assert code == 0, err
+        assert yaml.safe_load(out.read_text(encoding="utf-8")) == json_config, name
+    assert "CUDA_VISIBLE_DEVICES stand for no SimpleTuner argument" in (tmp_path / "config.env.yaml").read_text()
+
+
+def test_files_named_on_the_command_line_win_and_area_resolutions(tmp_path):
+    """--databackend / --lycoris_config / --user_prompt_library name files here (relative to the working folder) over
+    the config's settings, which start in SimpleTuner's folder; resolution_type area is megapixels, written as the
+    side of the square of that area at SimpleTuner's 64-pixel alignment."""
+    images(tmp_path / "elsewhere" / "imgs", ["a"], {"a": "a cat"})
+    other = tmp_path / "elsewhere" / "backends.json"
+    other.write_text(json.dumps([{"id": "mp", "type": "local", "instance_data_dir": str(other.parent / "imgs"),
+                                  "caption_strategy": "textfile", "resolution": 0.5, "resolution_type": "area"}]),
+                     encoding="utf-8")
+    library = tmp_path / "elsewhere" / "library.json"
+    library.write_text(json.dumps({"x": "a cat on a mat"}), encoding="utf-8")
+    config, text = imported(tmp_path, {"--model_family": "sd1x"}, None, "--databackend", other,
+                            "--user_prompt_library", library)
+    assert config["data"]["concepts"][0]["name"] == "mp"
+    assert config["resolution"] == 704  # sqrt(0.5e6) = 707 px, at the 64-pixel alignment
+    assert "is a square of 707.107 px; 704" in text
+    assert [p["prompt"] for p in config["sampling"]["prompts"]] == ["a cat on a mat"]
+    assert "data_backend_config" not in text.split("NOT HONOURED")[-1]
+
+
+def test_one_folder_at_several_resolutions(tmp_path):
+    """SimpleTuner's multi-resolution example: one folder in a dataset per resolution. ot_dist writes its
+    multi-resolution list (one drawn per step for all datasets, listed: SimpleTuner trains each at its own)."""
+    images(tmp_path / "data" / "db", ["a"], {"a": "sks dog"})
+    backends = [{"id": f"db-{side}", "type": "local", "instance_data_dir": "data/db", "caption_strategy": "textfile",
+                 "resolution": side, "resolution_type": "pixel_area", "repeats": 10} for side in (1024, 512)]
+    config, text = imported(tmp_path, {"--model_family": "sdxl"}, backends)
+    assert config["resolution"] == [512, 1024]
+    assert [c["balancing"] for c in config["data"]["concepts"]] == [11, 11]
+    assert "the datasets train at [512, 1024] px, each at its own" in text.split("NOT HONOURED")[1]
