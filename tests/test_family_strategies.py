@@ -53,6 +53,11 @@ FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"res
 # larger step moves the LoRA weights well beyond the tolerance.
 FAMILY_METHOD_SETTINGS = {("wuerstchen_v2", "lora"): {"learning_rate": 10.0}}
 METHODS = {"full": {"learning_rate": 0.05}, "lora": {"learning_rate": 0.5, "lora.rank": 4, "lora.alpha": 8}}
+# SD 1.x's LoRA cases train an additional embedding too (pivotal tuning), bundled into lora.safetensors so that the
+# comparison covers its vectors under every strategy: rows appended to the text encoder's token embedding, which
+# ZeRO-3 partitions with the encoder and gathers for the forward and the export. Its token is in every caption.
+PIVOTAL = {"family": "sd1", "token": "<tok>", "vectors": 2}
+BUNDLED = f"bundle_emb.{PIVOTAL['token']}.string_to_param.*"
 # SD 1.x's full finetunes (and their accumulation and clipped cases) train its text encoder too: two trained modules under every
 # strategy (FSDP shards both, DeepSpeed's container holds both), compared on both exports. (tests/test_strategies.py
 # relies on these cases for the plain strategies and keeps only the variants: sharding modes, offload.)
@@ -80,6 +85,26 @@ BFLOAT16_NOISE = 2
 def settings(family: str, method: str, **extra) -> dict:
     return {"max_steps": STEPS, "optimizer.name": "SGD", "clip_grad_norm": None, **METHODS[method],
             **FAMILY_SETTINGS.get(family, {}), **FAMILY_METHOD_SETTINGS.get((family, method), {}), **extra}
+
+
+def with_pivotal(raw: dict) -> dict:
+    """`raw` with PIVOTAL's embedding where it applies (SD 1.x's LoRA): the entry, bundled, its token in the captions."""
+    if (raw["model"]["family"], raw["method"]) != (PIVOTAL["family"], "lora"):
+        return raw
+    data = raw["data"]
+    return {**raw, "bundle_additional_embeddings": True,
+            "additional_embeddings": [{"token": PIVOTAL["token"], "vectors": PIVOTAL["vectors"]}],
+            "data": {"concepts": [{"path": data["path"], "caption_prefix": PIVOTAL["token"]}], "shards": data["shards"]}}
+
+
+def pivotal_start(model: Path) -> torch.Tensor:
+    """The bundled vectors' start: init_text "*"'s row of the token table, once per vector."""
+    from transformers import CLIPTokenizer
+
+    (row,) = CLIPTokenizer.from_pretrained(model / "tokenizer")("*", add_special_tokens=False).input_ids
+    (table,) = [v for k, v in load_file(model / "text_encoder" / "model.safetensors").items()
+                if k.endswith("token_embedding.weight")]
+    return table[row].expand(PIVOTAL["vectors"], -1)
 
 
 def exported(out: Path, family: str, method: str, text_encoder: bool = False) -> dict[str, torch.Tensor]:
@@ -115,9 +140,9 @@ def trained(family: str, method: str) -> dict:
 
 
 def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: bool = True) -> dict[str, dict]:
-    cases = {f"{family}/{strategy}-{method}": base_config(
+    cases = {f"{family}/{strategy}-{method}": with_pivotal(base_config(
         model, data, out / f"{family}-{strategy}-{method}", family=family, method=method, batch_size=2,
-        strategy=strategy, **settings(family, method, **extra, **trained(family, method)))
+        strategy=strategy, **settings(family, method, **extra, **trained(family, method))))
         for strategy, extra in STRATEGIES.items() for method in METHODS
         if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
     if accumulation:
@@ -155,8 +180,8 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
     for name in families:
         for method in METHODS:
             out = tmp_path / f"ref-{name}-{method}"
-            raw = base_config(models[name], shapes_data, out, family=name, method=method, batch_size=4,
-                              **settings(name, method, **trained(name, method)))
+            raw = with_pivotal(base_config(models[name], shapes_data, out, family=name, method=method, batch_size=4,
+                                           **settings(name, method, **trained(name, method))))
             Trainer(validate(raw), log=lambda *_: None).train()
             references[name, method] = exported(out, name, method, bool(trained(name, method)))
     cases = {}
@@ -211,6 +236,9 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
             start = {k: torch.zeros_like(v) for k, v in got.items() if "lora_B" in k or "lora_up" in k}
         moved = max((start[k].float() - got[k].float()).abs().max().item() for k in start)
         assert moved > 100 * TOLERANCE, f"{case}: weights moved only {moved:.3g}"
+        if BUNDLED in got:  # the embedding's own update was compared, not its start
+            emb_moved = (got[BUNDLED] - pivotal_start(models[name])).abs().max().item()
+            assert emb_moved > 100 * TOLERANCE, f"{case}: the embedding moved only {emb_moved:.3g}"
         if with_text_encoder:  # the text encoder's own update was compared, not its start
             te_moved = max((start[k].float() - got[k].float()).abs().max().item() for k in start
                            if k.startswith("text_encoder."))
