@@ -6,7 +6,9 @@ tiny SD 1.x model (SDXL's file keys from a prepared model, no training). What is
   LoRA loader (tests/test_lora_layouts.py's oracle) loads every other key, leaving exactly the bundled ones;
 - a full finetune exports the model with its own vocabulary and tokenizer, the vectors beside it;
 - the config's refusals name the entry.
-The 2-rank fsdp run is tests/test_strategies.py's lora case, which carries an additional embedding."""
+The 2-rank runs are tests/test_strategies.py's fsdp lora case and tests/test_family_strategies.py's SD 1.x LoRA cases
+(ddp, fsdp, zero1/2/3; zero3's with an EMA and a sample), which carry an additional embedding; the prior of
+prior_prediction concepts keeping the vectors is tests/test_concepts.py's."""
 
 from __future__ import annotations
 
