@@ -6,7 +6,9 @@ tiny SD 1.x model (SDXL's file keys from a prepared model, no training). What is
   LoRA loader (tests/test_lora_layouts.py's oracle) loads every other key, leaving exactly the bundled ones;
 - a full finetune exports the model with its own vocabulary and tokenizer, the vectors beside it;
 - the config's refusals name the entry.
-The 2-rank fsdp run is tests/test_strategies.py's lora case, which carries an additional embedding."""
+The 2-rank runs are tests/test_strategies.py's fsdp lora case and tests/test_family_strategies.py's SD 1.x LoRA cases
+(ddp, fsdp, zero1/2/3; zero3's with an EMA and a sample), which carry an additional embedding; the prior of
+prior_prediction concepts keeping the vectors is tests/test_concepts.py's."""
 
 from __future__ import annotations
 
@@ -128,6 +130,52 @@ def test_samples_use_the_embeddings_and_diffusers_refuses_the_bundled_file(lora_
     for name in ("tok", "old"):
         pipe.load_textual_inversion(out / "embeddings" / f"{name}.safetensors")
     assert np.array_equal(pixels(sample), draw(pipe, SAMPLE))
+
+
+def test_the_samples_read_the_trained_vectors(lora_run):
+    """The sample taken at the end of training, drawn again by the run's sampler, and with each of <tok>'s two trained
+    vectors zeroed in turn: each changes the image, so the samples read the trained rows, both of them (the prompt's
+    <tok> expanded to its two words)."""
+    from test_sampling import pixels
+
+    trainer, result, out, _, _ = lora_run
+    (taken,) = (out / "samples" / f"step-{result.steps}").glob("*.png")
+
+    def drawn(step: int) -> np.ndarray:
+        (path,) = trainer.sampler.sample(trainer, step)
+        return pixels(path)
+
+    assert np.array_equal(drawn(1000), pixels(taken))
+    vectors = trainer.groups[1].params[0]
+    trained = vectors.detach().clone()
+    try:
+        for row in range(2):
+            with torch.no_grad():
+                vectors.copy_(trained)
+                vectors[row] = 0
+            assert not np.array_equal(drawn(1001 + row), pixels(taken)), f"vector {row} zeroed drew the same image"
+    finally:
+        with torch.no_grad():
+            vectors.copy_(trained)
+
+
+def test_a_trained_token_in_no_caption_is_refused(shapes_data, tiny_models, frozen_file, tmp_path):
+    """A trained token that no training caption holds would leave the run untrained: refused before the model loads,
+    naming the entry. A used one (train: false) may be in no caption: sample prompts may be its only use. The captions
+    are read only until every token is found."""
+    from ot_dist.methods.additional_embeddings import check_tokens_in_captions
+
+    raw = pivotal_config(tiny_models["sd1"], shapes_data, tmp_path / "o", **{"additional_embeddings": [
+        {"token": "<tok>"}, {"token": "<none>"}, {"token": "<unused>", "init_from": str(frozen_file), "train": False}]})
+    with pytest.raises(ConfigError, match=r"additional_embeddings\[1\].token: '<none>' is in no caption"):
+        Trainer(validate(raw), log=QUIET)
+    entries = validate(raw).additional_embeddings[:1]
+
+    def captions():
+        yield "a photo of <TOK>"  # in any case, as captions expand it
+        raise AssertionError("read past the caption that held every token")
+
+    check_tokens_in_captions(entries, captions())
 
 
 # ---- A1111 / Forge's bundled embeddings -----------------------------------------------------------------------

@@ -11,11 +11,13 @@ bundle_additional_embeddings the same vectors inside the LoRA file as `bundle_em
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from ot_dist.config.embeddings import AdditionalEmbeddingConfig, file_stem
+from ot_dist.errors import ConfigError
 from ot_dist.methods.embedding_file import read_embedding_file, vector_count
 from ot_dist.methods.token_vectors import add_vectors, rows_in_state, token_strings, write_embedding_file
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY
@@ -110,3 +112,25 @@ class AdditionalEmbeddings:
                 header = header_for(model, "embedding", run_facts(self.config, created, suffix), None)
                 write_embedding_file(target, rows, entry.token, dtype, header)
         return targets
+
+
+def check_tokens_in_captions(entries: list[AdditionalEmbeddingConfig], captions: Iterable[str]) -> None:
+    """Refuse a trained embedding whose token no training caption holds: nothing would read its vectors, so they
+    would leave the run as they started, written as if trained (OneTrainer trains such a token silently). Matched as
+    the captions expand it (any case; the config refuses tokens inside one another); `captions` is read only until
+    every token was found, which is the first caption when a concept's caption_prefix holds them."""
+    missing = {entry.token.lower(): i for i, entry in enumerate(entries) if entry.train}
+    if not missing:
+        return
+    for caption in captions:
+        lower = caption.lower()
+        for token in [token for token in missing if token in lower]:
+            del missing[token]
+        if not missing:
+            return
+    i, *others = missing.values()
+    raise ConfigError(
+        f"additional_embeddings[{i}].token: {entries[i].token!r} is in no caption of the training concepts"
+        + (f" (nor are {', '.join(repr(entries[j].token) for j in others)})" if others else "")
+        + ", so its vectors would not train: write it into the captions (a concept's caption_prefix does), or set "
+        "train: false for a token the sample prompts use only")

@@ -18,9 +18,10 @@ from ot_dist.checkpoint.training_state import Checkpointer, Position
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
-from ot_dist.data.training_data import open_training_data, report_lines
+from ot_dist.data.training_data import open_training_data, report_lines, training_captions
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role
+from ot_dist.methods.additional_embeddings import check_tokens_in_captions
 from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
 from ot_dist.early_checks import check_input_paths, setup_warnings
@@ -99,6 +100,7 @@ class Trainer:
         for line in self.bucket_report:
             self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
+        check_tokens_in_captions(config.additional_embeddings, training_captions(self.dataset, self.reader.table))
         sizes = self.reader.table.epoch_sizes().values()
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
         self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
