@@ -158,8 +158,19 @@ def test_lora_file_loads_into_the_pipeline_with_the_trained_outputs(family_model
     saved = load_file(tmp_path / "o" / "lora.safetensors")
     modules = {k.rsplit(".lora_", 1)[0] for k in saved}
     assert {m.rsplit(".", 1)[-1] for m in modules} == {"to_q", "to_k", "to_v", "0"}  # to_out.0: the script's set
-    assert all(m.startswith("transformer.transformer_blocks.") for m in modules)
+    # ComfyUI's Qwen-Image LoRA rule (comfy/lora.py model_lora_keys_unet): transformer.<k> for each key k of its model,
+    # whose module names are diffusers' (comfy/ldm/qwen_image/model.py); no .alpha: it applies up @ down at strength 1
+    keys = {f"transformer.{k[:-len('.weight')]}" for k in
+            load_file(base / "transformer" / "diffusion_pytorch_model.safetensors") if k.endswith(".weight")}
+    assert all(m.startswith("transformer.transformer_blocks.") for m in modules) and modules <= keys
+    assert not any(k.endswith(".alpha") for k in saved)
     model = trainer.model
+    layers = dict(model.denoiser.named_modules())
+    for module in modules:
+        layer = layers[module[len("transformer."):]]
+        change = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+        comfy = saved[f"{module}.lora_B.weight"] @ saved[f"{module}.lora_A.weight"]
+        torch.testing.assert_close(comfy, change.detach(), rtol=1e-5, atol=1e-7)
     trained = transformer_prediction(model.family, model.denoiser, model.text_encoders["text_encoder"],
                                      model.tokenizers["tokenizer"])
     pipe = QwenImagePipeline.from_pretrained(base, local_files_only=True)
