@@ -133,7 +133,8 @@ class QwenImage(Family):
             encoder_hidden_states=hidden,
             # no mask when nothing is padded, as the pipeline passes (SDPA then keeps its fastest kernels)
             encoder_hidden_states_mask=None if min(lengths) == longest else mask,
-            timestep=(timesteps / 1000).to(noisy.dtype),
+            # float32, as diffusers' training script passes it (the transformer casts it to its own dtype)
+            timestep=timesteps.float() / 1000,
             img_shapes=[(1, h // 2, w // 2)] * b,
             return_dict=False,
         )[0]
