@@ -196,14 +196,15 @@ def test_lora_file_loads_into_the_pipeline_with_the_trained_outputs(family_model
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
 
 
-def test_cached_latents_train_as_the_images_do(family_models, shapes_data, tmp_path):
-    """data.cache_latents encodes through the family's one-frame VAE call: the first step's loss is the uncached one."""
+def test_cached_latents_and_text_train_as_the_images_and_captions_do(family_models, shapes_data, tmp_path):
+    """data.cache_latents encodes through the family's one-frame VAE call, data.cache_text stores the padded hidden
+    states and mask: the first step's loss is the uncached one."""
     losses = {}
     for cache in (False, True):
         trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / f"o{cache}",
-                              **{"data.cache_latents": cache})
+                              **{"data.cache_latents": cache, "data.cache_text": cache})
         batch = first_batch(trainer)
-        assert ("latent_mean" in batch) == cache
+        assert ("latent_mean" in batch) == cache and ("text_mask" in batch) == cache
         with torch.no_grad():
             losses[cache] = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
