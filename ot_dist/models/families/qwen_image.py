@@ -46,7 +46,7 @@ QWEN_ATTENTION_MLP_TARGETS = QWEN_ATTENTION_TARGETS + ("img_mlp.net.0.proj", "im
 # The language model's attention only: the MLP names (gate_proj, up_proj, down_proj) are also the vision tower's,
 # which text-only training never runs (its adapters would get no gradient).
 QWEN_TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-# The published Qwen/Qwen-Image scheduler config.
+# The published Qwen/Qwen-Image scheduler config (SimpleTuner writes it out: helpers/models/qwen_image/model.py).
 QWEN_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                       base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
                       time_shift_type="exponential")
