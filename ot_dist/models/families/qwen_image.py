@@ -67,7 +67,8 @@ class QwenImage(Family):
     # Qwen2_5_VLForConditionalGeneration: model.language_model.layers (the vision tower never runs: left whole)
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("language_model.layers",)}
     pixel_multiple = 16  # VAE x8, then 2x2 packing
-    sample_guidance_scale = 4.0  # QwenImagePipeline's true_cfg_scale default
+    # OneTrainer's sample default for Qwen (modules/util/config/SampleConfig.py); it becomes true_cfg_scale
+    sample_guidance_scale = 3.5
     samplers = ("flow_euler",)
     lora_file_prefixes = None  # the diffusers layout: what ComfyUI maps for Qwen-Image
     single_file = False  # ComfyUI's qwen_image_*.safetensors layout is not written yet: exports are diffusers folders
