@@ -116,7 +116,7 @@ class Trainer:
         self._place_modules()
         if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log,
-                                workers=config.data.loader_workers)
+                                workers=config.data.loader_workers, posterior=self.model.family.encode_posterior)
         if config.data.cache_text:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
         self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
