@@ -150,6 +150,37 @@ def test_a_kill_while_an_earlier_resume_moves_the_later_history_aside_never_brea
     assert kills >= 5  # 2 snapshots, 2 checkpoints and `latest` were each interrupted once
 
 
+def test_only_rank_0_moves_the_later_history_and_between_the_barriers(tmp_path, monkeypatch):
+    """With several ranks, every rank resolves the checkpoint first (first barrier), rank 0 alone moves the later
+    history aside, and the others read the folder only after the second barrier."""
+    from ot_dist.checkpoint import run_folder
+
+    out = tmp_path / "out"
+    for step in (2, 4, 6):
+        fake_checkpoint(checkpoints_dir(out), step)
+    (out / run_folder.RUN_FILE).write_text(json.dumps({"run_id": "r", "started_at": 0}))
+    events = []
+
+    class Rank:
+        def __init__(self, is_main):
+            self.is_main = is_main
+
+        def barrier(self):
+            events.append("barrier")
+
+    monkeypatch.setattr(run_folder, "abandon_later_history", lambda *a, **k: events.append("move"))
+    monkeypatch.setattr(run_folder, "lock_output_dir", lambda out: None)
+    chosen = str(checkpoints_dir(out) / "step-00000004")
+    run_folder.prepare_run_folder(out, chosen, False, Rank(is_main=False), log=quiet)
+    assert events == ["barrier", "barrier"]
+    events.clear()
+    run_folder.prepare_run_folder(out, chosen, False, Rank(is_main=True), log=quiet)
+    assert events == ["barrier", "move", "barrier"]
+    events.clear()
+    run_folder.prepare_run_folder(out, "auto", False, Rank(is_main=True), log=quiet)
+    assert events == ["barrier", "barrier"]  # `auto` is the newest: nothing later to move
+
+
 def test_a_crash_before_the_commit_keeps_the_previous_checkpoint(tiny_models, shapes_data, tmp_path):
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1,
                       **{"optimizer.name": "ADAMW", "ema.enabled": True})
