@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
 def add_resume_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="continue from a checkpoint: auto = the latest committed one in output_dir (or start fresh "
-                   "if there is none), or a checkpoint folder. A restarted worker group (torchrun --max-restarts) "
-                   "always resumes auto.")
+                   "if there is none), or a checkpoint folder (an earlier one than the newest: the later checkpoints move "
+                   "to OUTPUT_DIR/abandoned/, so auto continues the new line). A restarted worker group (torchrun "
+                   "--max-restarts) always resumes auto.")
 
 
 def add_overwrite_arg(p: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.file_modes import share_with_umask
+from ot_dist.tracking.base import Tracker
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -154,9 +155,17 @@ def test_resuming_an_earlier_checkpoint_moves_the_later_history_aside_for_auto_a
     old_files = sorted(p.name for p in old.iterdir())
     raw = base_config(tiny_models["sd1"], shapes_data, out,
                       **{**settings(learning_rate=5e-4, **{"checkpoint.keep_last": 2}), "max_steps": 3})
-    lines = []
+    lines, tags = [], {}
+
+    class Recording(Tracker):  # the MLflow run resumed keeps steps 3-4's points: the run is tagged with the rewind
+        def set_tags(self, values):
+            tags.update(values)
+
+    monkeypatch.setattr("ot_dist.train.trainer.start_tracking", lambda *a, **k: Recording())
     result = Trainer(validate(raw), log=lines.append, resume=str(chosen)).train()
     assert result.first_step == 2 and result.checkpoint.name == "step-00000003"
+    assert tags["ot_dist.rewound"].startswith("to step 2, the later history moved to ") and "MLflow keeps" in tags[
+        "ot_dist.rewound"]
     assert [p.name for p in layout.committed_checkpoints(checkpoints_dir(out))] == ["step-00000002", "step-00000003"]
     (moved,) = (out / "abandoned").glob("*-resumed-from-step-2/checkpoints/step-00000004")
     assert layout.is_committed(moved) and sorted(p.name for p in moved.iterdir()) == old_files
