@@ -163,13 +163,22 @@ def add_overwrite_arg(p: argparse.ArgumentParser) -> None:
                    "(without this, or --resume, starting over an earlier run is refused)")
 
 
+def restarted_by_torchrun() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def overwrite_choice(args: argparse.Namespace) -> bool:
+    # The first attempt's --overwrite already moved the old run aside; a restarted group continues the new run
+    # (resume_choice gives it `auto`), which --overwrite together with `auto` is refused as contradictory.
+    return bool(args.overwrite) and not restarted_by_torchrun()
+
+
 def resume_choice(args: argparse.Namespace, output_dir: str | None = None) -> str | None:
     # torchrun restarts the whole worker group after a failure: it must continue, not start over. With --resume PATH
     # too: the first attempt resumed from PATH (and moved any later history aside); a restart that took PATH again
     # would throw away the steps trained since and move them aside in turn. Only while output_dir holds no committed
     # checkpoint yet (PATH lies elsewhere, nothing saved since) is PATH still the place to continue from.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if not restarted:
+    if not restarted_by_torchrun():
         return args.resume
     if args.resume in (None, "auto") or output_dir is None:
         return "auto"
@@ -210,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         config = reconcile_with_launcher(load_config(args.config, args.overrides))
         from ot_dist.train.trainer import train
 
-        result = train(config, resume=resume_choice(args, config.output_dir), overwrite=args.overwrite)
+        result = train(config, resume=resume_choice(args, config.output_dir), overwrite=overwrite_choice(args))
         if int(os.environ.get("RANK", "0")) == 0 and not result.stopped_by:  # a stop was reported by the trainer
             print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
         return 0

@@ -180,6 +180,20 @@ def test_resuming_an_earlier_checkpoint_moves_the_later_history_aside_for_auto_a
     assert resume_choice(args, str(tmp_path / "empty")) == str(chosen)  # nothing saved since: PATH still holds
 
 
+def test_a_restarted_group_of_an_overwrite_run_continues_it(tmp_path, monkeypatch):
+    """`ot-dist train --overwrite` restarted by torchrun: the first attempt moved the old run aside, the restart
+    continues the new one (`auto`) instead of failing on `--overwrite` + `--resume auto`."""
+    from ot_dist.cli import overwrite_choice, resume_choice
+
+    args = type("Args", (), {"resume": None, "overwrite": True})()
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert (resume_choice(args, str(tmp_path)), overwrite_choice(args)) == (None, True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    resume, overwrite = resume_choice(args, str(tmp_path)), overwrite_choice(args)
+    assert (resume, overwrite) == ("auto", False)
+    check_before_start(tmp_path, resume, overwrite)  # refused ("give one of them") when the restart kept --overwrite
+
+
 LOCK_HOLDER = """
 import fcntl, sys, time
 file = open(sys.argv[1], "a+")
