@@ -32,6 +32,7 @@ from ot_dist.data.buckets import bucket_size
 from ot_dist.data.cache_index import MANIFEST, CacheIndex, ChunkWriter
 from ot_dist.errors import InputFileError
 from ot_dist.memory.float8 import compute_dtype
+from ot_dist.models.latent_posterior import encode_posterior
 
 FORMAT = "ot_dist.cache/2"  # chunks + columnar index (format 1: one part per rank, a JSON dict per sample)
 CHUNK_SAMPLES = 1024  # samples a chunk: the unit of work a resumed run skips or computes
@@ -105,8 +106,7 @@ class LatentEncoder:
         out: list[dict[str, bytes]] = [{} for _ in ids]
         for resolution in self.dataset.resolutions:
             batch = pixels[resolution].to(device=reference.device, dtype=compute_dtype(self.vae))
-            posterior = self.vae.encode(batch).latent_dist
-            mean, std = posterior.mean.float().cpu(), posterior.std.float().cpu()
+            mean, std = (t.float().cpu() for t in encode_posterior(self.vae, batch))
             for n, members in enumerate(out):
                 members[f"{resolution}.latent.safetensors"] = save({"mean": _own(mean[n]), "std": _own(std[n])})
         return out

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.memory.float8 import compute_dtype
 from ot_dist.models.families.base import Family
+from ot_dist.models.latent_posterior import encode_posterior
 from ot_dist.models.loading import LoadedModel
 from ot_dist.models.objectives import Objective
 from ot_dist.randomness import generator
@@ -47,8 +48,7 @@ def encode_latents(family: Family, vae: torch.nn.Module, batch: dict, eps: torch
         if "latent_mean" in batch:
             mean, std = (to_device(batch[k], device, dtype) for k in ("latent_mean", "latent_std"))
         else:
-            posterior = vae.encode(to_device(batch["pixels"], device, dtype)).latent_dist
-            mean, std = posterior.mean, posterior.std
+            mean, std = encode_posterior(vae, to_device(batch["pixels"], device, dtype))
         latents = mean + std * to_device(eps, mean.device, mean.dtype)
         return family.normalize_latents(vae, latents).float()
 

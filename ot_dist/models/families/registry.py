@@ -17,6 +17,7 @@ FAMILY_MODULES: dict[str, str] = {
     "pixart_sigma": "ot_dist.models.families.pixart",
     "stable_cascade": "ot_dist.models.families.stable_cascade",
     "wuerstchen_v2": "ot_dist.models.families.stable_cascade",
+    "sana": "ot_dist.models.families.sana",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
