@@ -204,6 +204,9 @@ def import_only(tmp_path, config, concepts=None, samples=None):
      "stable_cascade", {"prior": True, "text_encoder": False}, None),
     ({"model_type": "WUERSTCHEN_2", "training_method": "LORA", "prior": {"learning_rate": 1e-4}}, "wuerstchen_v2",
      {"prior": True, "text_encoder": True}, 30),
+    # training_presets/Sana/#sana 1.6b.json
+    ({"model_type": "SANA", "training_method": "FINE_TUNE", "text_encoder": {"train": False, "weight_dtype": "BFLOAT_16"},
+      "train_dtype": "BFLOAT_16", "resolution": "1024"}, "sana", {"transformer": True, "text_encoder": False}, None),
 ])
 def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains, stop):
     config, _ = import_only(tmp_path, {"base_model_name": "/models/base", **preset})
@@ -362,6 +365,7 @@ def test_a_timestep_draw_ot_dist_refuses_is_listed(tmp_path, settings, listed):
     ({"model_type": "STABLE_DIFFUSION_35", "timestep_shift": 3.0}, 3.0, "auto"),
     ({"model_type": "CHROMA_1", "timestep_shift": 2.5, "dynamic_timestep_shifting": True}, 2.5, "auto"),  # ignored
     ({"model_type": "FLUX_DEV_1"}, 1.0, "auto"),  # dynamic shifting off: unshifted, not by the resolution
+    ({"model_type": "SANA"}, 1.0, "auto"),  # OneTrainer's default: unshifted, not the model's flow_shift
     ({"model_type": "FLUX_DEV_1", "timestep_shift": 2.0, "dynamic_timestep_shifting": True}, "auto", True),
     ({"model_type": "STABLE_DIFFUSION_15"}, "auto", "auto")])
 def test_the_timestep_shift_is_mapped(tmp_path, settings, shift, dynamic):
