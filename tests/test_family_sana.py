@@ -141,3 +141,22 @@ def test_lora_file_loads_in_the_pipeline_and_samples_equal_it(family_models, sha
                  use_resolution_binning=False, output_type="pil").images[0]
     ours = np.asarray(Image.open(sample).convert("RGB")).astype(int)
     assert np.abs(ours - np.asarray(image).astype(int)).max() <= 1
+
+
+def test_gemma_lora_loads_back_through_peft(family_models, shapes_data, tmp_path):
+    """SanaPipeline's LoRA loader reads the transformer only; a file with a trained Gemma LoRA holds it under
+    `text_encoder.`, which load_peft_lora applies: the pipeline then gives the trained model's outputs."""
+    from diffusers import SanaPipeline
+
+    from ot_dist.lora_tools.peft_load import load_peft_lora
+
+    trainer = trainer_for(family_models["sana"], shapes_data, tmp_path / "o", method="lora", max_steps=2,
+                          learning_rate=1e-2, **{"text_encoder.train": True})
+    trainer.train()
+    model = trainer.model
+    model.text_encoders["text_encoder"].eval()
+    trained = outputs(model.denoiser, model.text_encoders["text_encoder"], model.tokenizers["tokenizer"], model.family)
+    pipe = SanaPipeline.from_pretrained(family_models["sana"], local_files_only=True)
+    assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder", "transformer"]
+    again = outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, model.family)
+    torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
