@@ -52,7 +52,8 @@ class Sana(Family):
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("layers",)}
     pixel_multiple = 32  # DC-AE x32, 1x1 patches
     samplers = ("flow_euler",)
-    sample_guidance_scale = 4.5  # SanaPipeline's default
+    # OneTrainer's sample default (SampleConfig.py has no Sana branch: its 7.0); SanaPipeline's own default is 4.5
+    sample_guidance_scale = 7.0
     lora_file_prefixes = None  # the diffusers layout
     single_file = False
     modelspec_architecture = "sana"  # OneTrainer's (resources/sd_model_spec/sana.json)
