@@ -32,11 +32,13 @@ def trainer_for(model, data, out, method="full", **overrides):
 
 
 def test_text_conditioning_equals_the_pipelines_encode_prompt(family_models, shapes_data, tmp_path):
-    """Captions lowercased as the pipeline does (Gemma's tokens are case-sensitive), right-padded with the mask."""
+    """Captions lowercased as the pipeline does (Gemma's tokens are case-sensitive), right-padded with the mask (the
+    pipeline sets padding_side itself, whatever the tokenizer's config says)."""
     model = trainer_for(family_models["sana"], shapes_data, tmp_path / "o").model
     captions = ["A Red Circle", "a big green square on a white background"]
     options = model.family.pipeline_call_options(model.pipeline)
     assert options["max_sequence_length"] == 32 and options["complex_human_instruction"] is None
+    model.tokenizers["tokenizer"].padding_side = "left"  # as some tokenizer configs say: Sana pads right regardless
     with torch.no_grad():
         tokens = model.family.tokenize(model.tokenizers, captions)
         ours = model.family.encode_text(model.text_encoders, tokens)
@@ -74,6 +76,25 @@ def test_objective_follows_the_diffusers_training_script(family_models, shapes_d
         out = model.denoiser(hidden_states=(1 - sigma) * x + sigma * noise, encoder_hidden_states=hidden,
                              encoder_attention_mask=mask, timestep=sigma.flatten() * 1000, return_dict=False)[0]
     torch.testing.assert_close(loss.detach(), torch.nn.functional.mse_loss(out, noise - x), rtol=1e-5, atol=1e-6)
+
+
+def test_every_sharding_unit_of_sana_1600m_is_a_few_percent():
+    """Sana 1600M's published transformer config on the meta device, wrapped with the family's shard_units as the
+    fsdp strategy does: 20 blocks of under 5 % each, the root's remainder (embedders, caption projection) under 3 %."""
+    from diffusers import SanaTransformer2DModel
+
+    from ot_dist.memory.sharding import sharding
+    from ot_dist.models.families.registry import get_family
+
+    with torch.device("meta"):
+        transformer = SanaTransformer2DModel(
+            in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
+            num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
+            caption_channels=2304, mlp_ratio=2.5, sample_size=32)
+    units = sharding(transformer, get_family("sana").shard_units["transformer"])
+    assert abs(units.parameters - 1.6e9) / 1.6e9 < 0.01  # the model card's 1.6 B
+    assert len(units.unit_parameters) == 20 and units.largest_fraction < 0.05
+    assert units.root_parameters / units.parameters < 0.03
 
 
 def test_bucket_step_must_follow_the_32_px_grid(family_models, shapes_data, tmp_path):
