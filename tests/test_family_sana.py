@@ -181,3 +181,47 @@ def test_gemma_lora_loads_back_through_peft(family_models, shapes_data, tmp_path
     assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder", "transformer"]
     again = outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, model.family)
     torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
+
+
+def test_layer_skip_takes_an_earlier_gemma_layer_through_the_final_norm_in_training_and_samples(
+        family_models, shapes_data, tmp_path):
+    """model.text_encoder_layer_skip: 1 (OneTrainer's text_encoder_layer_skip): the conditioning of Gemma cut after
+    its first layer, then its final norm; samples get that conditioning too (SanaPipeline knows no layer skip): the
+    sample equals the pipeline fed the cut model's prompt embeddings."""
+    import copy
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline
+    from PIL import Image
+
+    prompt = {"prompt": "a red circle", "seed": 3, "steps": 2, "guidance_scale": 4.0, "width": 64, "height": 64}
+    trainer = trainer_for(family_models["sana"], shapes_data, tmp_path / "o", method="lora", max_steps=1,
+                          learning_rate=1e-2, **{"model.text_encoder_layer_skip": 1, "sampling.prompts": [prompt]})
+    trainer.train()
+    model = trainer.model
+    pipe = SanaPipeline.from_pretrained(family_models["sana"], local_files_only=True)
+    pipe.load_lora_weights(tmp_path / "o" / "lora.safetensors")
+    cut = copy.deepcopy(pipe.text_encoder)
+    cut.layers, cut.config.num_hidden_layers = cut.layers[:1], 1  # the tiny Gemma has 2
+
+    def encoded(text):
+        tokens = model.family.tokenize(model.tokenizers, [text])
+        with torch.no_grad():
+            hidden = cut(tokens["text_encoder"], attention_mask=tokens["text_encoder_mask"], use_cache=False)[0]
+        return hidden, tokens["text_encoder_mask"]
+
+    hidden, mask = encoded("a red circle")
+    ours = model.family.encode_text({"text_encoder": pipe.text_encoder}, model.family.tokenize(model.tokenizers,
+                                                                                               ["a red circle"]))
+    torch.testing.assert_close(ours["hidden"], hidden)
+    with torch.no_grad():  # the skip matters: the whole Gemma's output differs
+        whole = pipe.text_encoder(*(model.family.tokenize(model.tokenizers, ["a red circle"]).values()))[0]
+    assert (whole - hidden).abs().max() > 1e-3
+
+    (sample,) = sorted((tmp_path / "o" / "samples").glob("step-*/*.png"))
+    negative, negative_mask = encoded("")
+    pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(pipe.scheduler.config, shift=SHIFT)
+    image = pipe(prompt_embeds=hidden, prompt_attention_mask=mask, negative_prompt=None,
+                 negative_prompt_embeds=negative, negative_prompt_attention_mask=negative_mask, width=64, height=64,
+                 num_inference_steps=2, guidance_scale=4.0, generator=torch.Generator().manual_seed(3),
+                 use_resolution_binning=False, output_type="pil").images[0]
+    assert np.abs(np.asarray(Image.open(sample).convert("RGB")).astype(int) - np.asarray(image).astype(int)).max() <= 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ot_dist.models.families.base import Family
+from ot_dist.models.families.sd import skipped_layer
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
 
@@ -49,6 +50,9 @@ class Sana(Family):
     denoiser_lora_presets = {"default": SANA_LORA_TARGETS, "attention": SANA_LORA_ATTENTION,
                              "attention_mlp": SANA_LORA_WITH_MLP}
     text_lora_targets = GEMMA_LORA_TARGETS
+    # model.text_encoder_layer_skip: an earlier layer's hidden states through Gemma's final norm (OneTrainer's
+    # encode_gemma); samples then get the prompts' conditioning from encode_text (SanaPipeline has no layer skip)
+    layer_skip_encoders = ("text_encoder",)
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("layers",)}
     pixel_multiple = 32  # DC-AE x32, 1x1 patches
     samplers = ("flow_euler",)
@@ -81,6 +85,18 @@ class Sana(Family):
         return {"max_sequence_length": self.max_tokens("tokenizer", pipeline.tokenizer),
                 "complex_human_instruction": None, "clean_caption": False, "use_resolution_binning": False}
 
+    def sampling_arguments(self, pipeline, arguments):
+        arguments = {**arguments, **self.pipeline_call_options(pipeline)}
+        if not self.layer_skip:
+            return arguments
+        encoders, tokenizers = {"text_encoder": pipeline.text_encoder}, {"tokenizer": pipeline.tokenizer}
+        with torch.no_grad():
+            prompt, negative = (self.encode_text(encoders, self.tokenize(tokenizers, [text])) for text in (
+                arguments.pop("prompt"), arguments.pop("negative_prompt", "")))  # the pipeline's default: ""
+        return {**arguments, "prompt_embeds": prompt["hidden"], "prompt_attention_mask": prompt["mask"],
+                "negative_prompt": None, "negative_prompt_embeds": negative["hidden"],
+                "negative_prompt_attention_mask": negative["mask"]}
+
     def tokenize(self, tokenizers, captions):
         tokenizer = tokenizers["tokenizer"]
         text = [caption.lower().strip() for caption in captions]  # SanaPipeline._text_preprocessing
@@ -91,7 +107,10 @@ class Sana(Family):
     def encode_text(self, text_encoders, tokens):
         gemma = text_encoders["text_encoder"]
         mask = to_device(tokens["text_encoder_mask"], gemma.device)
-        hidden = gemma(to_device(tokens["text_encoder"], gemma.device), attention_mask=mask, use_cache=False)[0]
+        skip = self.layer_skip.get("text_encoder", 0)
+        out = gemma(to_device(tokens["text_encoder"], gemma.device), attention_mask=mask, use_cache=False,
+                    output_hidden_states=bool(skip))
+        hidden = gemma.norm(skipped_layer(out.hidden_states, -1, skip, "text_encoder")) if skip else out[0]
         return {"hidden": hidden, "mask": mask.long()}
 
     def latent_shape(self, vae, pixel_height, pixel_width):
