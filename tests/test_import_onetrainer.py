@@ -206,7 +206,8 @@ def import_only(tmp_path, config, concepts=None, samples=None):
      {"prior": True, "text_encoder": True}, 30),
     # training_presets/Sana/#sana 1.6b.json
     ({"model_type": "SANA", "training_method": "FINE_TUNE", "text_encoder": {"train": False, "weight_dtype": "BFLOAT_16"},
-      "train_dtype": "BFLOAT_16", "resolution": "1024"}, "sana", {"transformer": True, "text_encoder": False}, None),
+      "train_dtype": "BFLOAT_16", "resolution": "1024", "text_encoder_layer_skip": 2}, "sana",
+     {"transformer": True, "text_encoder": False}, None),
 ])
 def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains, stop):
     config, _ = import_only(tmp_path, {"base_model_name": "/models/base", **preset})
@@ -220,6 +221,8 @@ def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains
         assert config.model.decoder == "/models/stable-cascade"
     if family == "wuerstchen_v2":
         assert config.prior.learning_rate == 1e-4
+    if family == "sana":  # OneTrainer's Gemma layer skip
+        assert config.model.text_encoder_layer_skip == 2
 
 
 @pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE"])

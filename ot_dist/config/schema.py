@@ -76,7 +76,8 @@ class ModelConfig(Section):
         default=0, ge=0,
         description="Clip skip (OneTrainer's text_encoder_layer_skip): take the first text encoder's hidden states "
         "this many layers earlier (SD 1.x / 2.x: through the final layer norm, as diffusers' clip_skip; SDXL: before "
-        "its penultimate layer). 0 = the family's usual layer. Applies to training, the text cache and samples.",
+        "its penultimate layer; Sana: Gemma's, through its final norm). 0 = the family's usual layer. Applies to "
+        "training, the text cache and samples.",
     )
     text_encoder_2_layer_skip: int = Field(
         default=0, ge=0, description="Clip skip of SDXL's second text encoder (OneTrainer's text_encoder_2_layer_skip)."
