@@ -132,20 +132,23 @@ def test_full_finetune_trains_the_transformer_and_the_export_loads_in_the_pipeli
 
 
 def test_lora_file_loads_in_the_pipeline_and_samples_equal_it(family_models, shapes_data, tmp_path):
-    """One LoRA run: its file through SanaPipeline.load_lora_weights gives the trained transformer's outputs, and its
-    end-of-training sample equals SanaPipeline's on the base model with that file (flow_euler at the model's shift,
-    the caption as training encodes it)."""
+    """One LoRA run (attention and the Mix-FFN's pointwise convolutions): its file through
+    SanaPipeline.load_lora_weights gives the trained transformer's outputs, and its end-of-training sample equals
+    SanaPipeline's on the base model with that file (flow_euler at the model's shift, the caption as training
+    encodes it). The default preset is the training script's --lora_layers default."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SanaPipeline
     from PIL import Image
 
     prompt = {"prompt": "a red circle", "seed": 3, "steps": 3, "guidance_scale": 4.0, "width": 64, "height": 64}
     trainer = trainer_for(family_models["sana"], shapes_data, tmp_path / "o", method="lora", max_steps=2,
-                          learning_rate=1e-2, **{"lora.rank": 4, "lora.alpha": 2, "sampling.prompts": [prompt]})
+                          learning_rate=1e-2, **{"lora.rank": 4, "lora.alpha": 2, "lora.preset": "attention_mlp",
+                                                 "sampling.prompts": [prompt]})
     trainer.train()
     model, family = trainer.model, trainer.model.family
     saved = load_file(tmp_path / "o" / "lora.safetensors")
-    modules = {k.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for k in saved}
-    assert modules == {"to_q", "to_k", "to_v"}  # the training script's default targets
+    modules = {k.rsplit(".lora_", 1)[0].removesuffix(".0").rsplit(".", 1)[-1] for k in saved}
+    assert modules == {"to_q", "to_k", "to_v", "to_out", "conv_inverted", "conv_point"}
+    assert family.denoiser_lora_presets["default"] == ("to_q", "to_k", "to_v")
     trained = outputs(model.denoiser, model.text_encoders["text_encoder"], model.tokenizers["tokenizer"], family)
 
     pipe = SanaPipeline.from_pretrained(family_models["sana"], local_files_only=True)

@@ -455,7 +455,7 @@ def test_a_noise_scheduler_ot_dist_lacks_sample_inpainting_and_skip_first_are_li
 
 @pytest.mark.parametrize("model_type,sizes", [
     ("STABLE_DIFFUSION_3", (512, 992)), ("FLUX_DEV_1", (512, 1024)), ("STABLE_DIFFUSION_XL_10_BASE", (512, 1024)),
-    ("STABLE_DIFFUSION_15", (520, 1000))])
+    ("STABLE_DIFFUSION_15", (520, 1000)), ("SANA", (512, 992))])
 def test_sample_sizes_are_the_ones_onetrainer_samples(tmp_path, model_type, sizes):
     """OneTrainer's samplers round width and height to their model's grid (round(side / q) x q: 16 for SD3, 64 for
     SDXL and Flux, 8 for SD 1.x): the imported prompt samples that size, which the pipeline accepts."""
@@ -581,6 +581,9 @@ def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
     ("STABLE_DIFFUSION_15", {"layer_filter_preset": "full", "layer_filter": ""}, {"preset": "all_layers"}),
     ("STABLE_DIFFUSION_XL_10_BASE", {}, {"preset": "all_layers"}),
     ("PIXART_SIGMA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
+    # Sana: attn1, attn2, "ff." (its Mix-FFN's convolutions; the depthwise one left out, noted)
+    ("SANA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
+    ("SANA", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
     ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
      {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
                               "to_add_out", "ff.net.0.proj", "ff.net.2", "proj_mlp"]}),
