@@ -167,9 +167,10 @@ def test_lora_file_loads_in_the_pipeline_and_samples_equal_it(family_models, sha
     assert np.abs(ours - np.asarray(image).astype(int)).max() <= 1
 
 
-def test_gemma_lora_loads_back_through_peft(family_models, shapes_data, tmp_path):
+def test_gemma_lora_loads_back_through_peft_and_merges(family_models, shapes_data, tmp_path):
     """SanaPipeline's LoRA loader reads the transformer only; a file with a trained Gemma LoRA holds it under
-    `text_encoder.`, which load_peft_lora applies: the pipeline then gives the trained model's outputs."""
+    `text_encoder.`, which load_peft_lora applies: the pipeline then gives the trained model's outputs, as does the
+    folder `ot-dist lora merge` writes."""
     from diffusers import SanaPipeline
 
     from ot_dist.lora_tools.peft_load import load_peft_lora
@@ -183,6 +184,14 @@ def test_gemma_lora_loads_back_through_peft(family_models, shapes_data, tmp_path
     pipe = SanaPipeline.from_pretrained(family_models["sana"], local_files_only=True)
     assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder", "transformer"]
     again = outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, model.family)
+    torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
+    # ot-dist lora merge reads the file too (Gemma and transformer modules)
+    from ot_dist.lora_tools.merge import merge_command
+
+    merged_dir = merge_command(str(family_models["sana"]), "sana", [str(tmp_path / "o" / "lora.safetensors")], [1.0],
+                               str(tmp_path / "merged"), "diffusers", None, "float32", log=quiet)
+    merged = SanaPipeline.from_pretrained(merged_dir, local_files_only=True)
+    again = outputs(merged.transformer, merged.text_encoder, merged.tokenizer, model.family)
     torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
 
 
