@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ot_dist.errors import ConfigError, UserError
+from ot_dist.errors import STORAGE_ERRNOS, ConfigError, UserError, os_error_of
 from ot_dist.models.families.registry import FAMILY_NAMES
 
 
@@ -228,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
         if not config.data.concept_list():
             raise ConfigError("data: shard build needs data.path or data.concepts (the image folders)")
         out = args.out or shard_dir_of(config)
+        from ot_dist.checkpoint.run_folder import check_writable
+
+        if args.shard_command != "merge":  # a merge writes into the parts' folder, which exists or is named missing
+            check_writable(out, "--out" if args.out else "the shard set folder")  # before any image is read
         if args.shard_command == "merge":
             from ot_dist.data.shard_parts import merge_parts
 
@@ -329,6 +333,15 @@ def _main(argv: list[str] | None = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
         return 141
+    except Exception as err:  # noqa: BLE001 - only the storage's refusals are answered here
+        refused = os_error_of(err)
+        if refused is None or refused.errno not in STORAGE_ERRNOS:
+            raise
+        # An export or any other write at the end: committed checkpoints stay as they were (the commit protocol
+        # names its own failures, checkpoint/writer.py).
+        print(f"ot-dist: error: a write failed: {refused} (free space, quota or file size limit); the committed "
+              "checkpoints are as they were", file=sys.stderr)
+        return 3
 
 
 def entry() -> None:

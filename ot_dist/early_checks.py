@@ -40,6 +40,21 @@ def check_input_paths(config) -> None:
     if not config.data.concept_list() and config.data.shards and not shown(config.data.shards).is_dir():
         raise InputFileError(f"data.shards: {shown(config.data.shards)} is not a folder (build it: "
                              "ot-dist shard build CONFIG)")
+    # Folders the shard build writes: a file in the way would be a traceback after the images were read.
+    for key, folder in (("data.shards", config.data.shards if config.data.concept_list() else None),
+                        ("data.cache_dir", config.data.cache_dir)):
+        if folder and (blocker := file_in_the_way(shown(folder))) is not None:
+            what = "is not a folder" if blocker == shown(folder) else f"cannot be created: {blocker} is not a folder"
+            raise InputFileError(f"{key}: {shown(folder)} {what}")
+
+
+def file_in_the_way(folder: Path) -> Path | None:
+    """The path (`folder` itself or its nearest existing parent) that is not a folder, so that `folder` cannot be
+    made; None when it can (nothing is created here)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    return None if existing.is_dir() else existing
 
 
 def setup_warnings(config, world_size: int) -> list[str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import re
+
 
 class UserError(Exception):
     """Bad input from the user: a config key, a file, a sample. The message names the culprit."""
@@ -23,3 +26,17 @@ class TrainingHalted(UserError):
     """Training stopped itself to protect the weights (a non-finite loss); a checkpoint was kept."""
 
     exit_code = 4
+
+
+# Writes the storage refused: the user's to fix (free space, quota, `ulimit -f`, a read-only mount), not a defect.
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+_RUST_IO_ERROR = re.compile(r"I/O error: (.*) \(os error (\d+)\)")
+
+
+def os_error_of(err: BaseException) -> OSError | None:
+    """The OS error behind `err`: itself, or the one safetensors (a Rust library) reports only in the text of its
+    SafetensorError ("I/O error: No space left on device (os error 28)")."""
+    if isinstance(err, OSError):
+        return err
+    found = _RUST_IO_ERROR.search(str(err))
+    return OSError(int(found.group(2)), found.group(1)) if found else None

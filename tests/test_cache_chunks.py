@@ -187,7 +187,8 @@ def test_batched_encoding_equals_one_sample_at_a_time(built, tmp_path):
 
 
 def test_two_ranks_resume_what_one_process_started_and_cache_like_one_process(built, tiny_models, tmp_path):
-    """Also on a set of existing webdataset tars indexed as they are (`shard index`), read with the centre crop."""
+    """Also on a set of existing webdataset tars indexed as they are (`shard index`), read with the centre crop, and
+    with cached variations (2 augmented versions of each image, 2 shuffled versions of each caption)."""
     from test_external_tars import write_tars
 
     from ot_dist.cli import main
@@ -200,14 +201,22 @@ def test_two_ranks_resume_what_one_process_started_and_cache_like_one_process(bu
                "data": {"shards": str(external), "bucket_step": 8, "max_bad_fraction": 0.05, "crop": "center"},
                "resolution": 16, "batch_size": 2, "seed": 3}
     model = built[2]
-    sets = {"own": (fresh(built, tmp_path / "own"), built[1]), "external": (None, ext_raw)}
-    reference = {"own": fresh(built, tmp_path / "own-one"), "external": None}
+    varied_raw = {**built[1], "data": {**built[1]["data"], "path": None, "concepts": [
+        {"path": built[1]["data"]["path"], "flip_probability": 0.5, "brightness": 0.4, "image_variations": 2,
+         "tag_shuffling": True, "keep_tags_count": 0, "text_variations": 2}]}}
+    shutil.copytree(built[0], tmp_path / "varied")
+    shutil.copytree(built[0], tmp_path / "varied-one")
+    sets = {"own": (fresh(built, tmp_path / "own"), built[1]), "external": (None, ext_raw),
+            "varied": (ShardDataset(tmp_path / "varied", validate(varied_raw)), varied_raw)}
+    reference = {"own": fresh(built, tmp_path / "own-one"), "external": None,
+                 "varied": ShardDataset(tmp_path / "varied-one", validate(varied_raw))}
     shutil.copytree(external, tmp_path / "external-one")
     sets["external"] = (ShardDataset(external, validate(ext_raw)), ext_raw)
     reference["external"] = ShardDataset(tmp_path / "external-one", validate(ext_raw))
+    per = {"own": 2, "external": 1, "varied": 4}  # pixel loads a sample: resolutions x versions
     # one process starts, and is interrupted in the second chunk of latents (before any text)
     for name, (dataset, _) in sets.items():
-        counting(dataset, fail_after=(2 if name == "own" else 1) * CHUNK + 1)
+        counting(dataset, fail_after=per[name] * CHUNK + 1)
         with pytest.raises(RuntimeError, match="interrupted"):
             attach_latent_cache(dataset, model.vae, Runtime(), log=print, chunk_size=CHUNK)
     args = [a for name, (dataset, raw) in sets.items() for a in (str(dataset.dir), json.dumps(raw))]
@@ -215,18 +224,20 @@ def test_two_ranks_resume_what_one_process_started_and_cache_like_one_process(bu
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for name, (dataset, _) in sets.items():
-        n, per = len(dataset), (2 if name == "own" else 1)
+        n = len(dataset)
         chunks = [set(range(c * CHUNK, min(n, (c + 1) * CHUNK))) for c in range(-(-n // CHUNK))]
         for rank, counted in enumerate(ranks):
             mine = set().union(*chunks[rank::2])
             # latents: chunk 0 was committed before the interruption; text: every chunk of the rank's
-            assert sorted(counted[str(dataset.dir)]["latents"]) == sorted(list(mine - chunks[0]) * per)
+            assert sorted(counted[str(dataset.dir)]["latents"]) == sorted(list(mine - chunks[0]) * per[name])
             assert set(counted[str(dataset.dir)]["text"]) == mine
         one = reference[name]
         attach_latent_cache(one, model.vae, Runtime(), log=print, chunk_size=CHUNK)
         attach_text_cache(one, model, Runtime(), log=print, chunk_size=CHUNK)
         for kind in ("latents", "text"):
             assert files(cache_of(dataset, kind)) == files(cache_of(one, kind)), (name, kind)
+    for kind, member in (("latents", "128.latent.v1.safetensors"), ("text", "text.v1.safetensors")):
+        assert member in json.loads((cache_of(sets["varied"][0], kind) / "manifest.json").read_text())["members"]
     # the external set's cached latents are the centre crops' posteriors, as the images would train
     one = reference["external"]
     with torch.no_grad():

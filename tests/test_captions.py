@@ -213,6 +213,20 @@ def test_caption_text_reads_as_a_caption_file_one_caption_per_line(tmp_path):
     assert read_caption(lines, tmp_path / "a.png") == "sks, a dog\nsks, on grass"
 
 
+def test_a_byte_order_mark_is_no_part_of_a_caption(tmp_path):
+    """Windows Notepad (before 2019) saves UTF-8 with a byte order mark; read as text it stays in front of the
+    caption, where CLIP's tokenizer makes three byte tokens of it and the first tag matches no kept or special tag."""
+    from ot_dist.data.captions import special_tags
+    from ot_dist.data.concepts import read_caption
+    from ot_dist.data.external import caption_text
+
+    (tmp_path / "a.txt").write_bytes("\ufeffsks dog, grass\n".encode())
+    assert read_caption(concept(caption_prefix="p, "), tmp_path / "a.png") == "p, sks dog, grass"
+    assert caption_text("\ufeffsks dog".encode(), "txt", "caption", "tar a.tar: sample a") == "sks dog"
+    (tmp_path / "tags.txt").write_bytes("\ufeffsks dog\ngrass\n".encode())
+    assert special_tags(str(tmp_path / "tags.txt"), ",") == ["sks dog", "grass"]
+
+
 def test_caption_extension_without_its_dot_names_the_same_files(tmp_path):
     """`txt` (how `ot-dist shard index --caption-ext` spells it) was a ValueError traceback from pathlib."""
     from ot_dist.data.concepts import classify_files, read_caption

@@ -119,6 +119,32 @@ def test_a_failed_background_write_stops_training_at_the_next_save(tiny_models, 
     trainer.close()
 
 
+def test_a_real_write_error_of_safetensors_is_the_disk_s_exit_3(tmp_path):
+    """safetensors reports a failed write (disk full, quota, file size limit) as a SafetensorError, which the commit
+    protocol took for a defect: a traceback and exit 1 instead of exit 3 naming the disk's error. A real write
+    failure: a file size limit below the rank file (SIGXFSZ ignored, so the write fails with EFBIG, as it fails
+    with ENOSPC on a full disk)."""
+    import resource
+    import signal
+
+    from ot_dist.checkpoint.staging import CopiesDone
+
+    files = writer.RankFiles(1, 0, {"w": torch.zeros(256 * 1024)}, {"rng": {}}, "{}", CopiesDone(None))
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
+    try:
+        with pytest.raises(InputFileError, match=r"checkpoint of step 1 could not be written on rank 0 .*File too "
+                                                 r"large: .*rank-00000.safetensors'; nothing was committed"):
+            writer.write_and_commit(files, root, None, None, writer.Ranks(False, 1))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, previous)
+    assert layout.committed_checkpoints(root) == []
+
+
 def test_the_commit_protocol_on_two_ranks(tmp_path):
     """Real gloo ranks, no model (tests/helpers/commit_ranks.py)."""
     done = run_ranks(REPO / "tests" / "helpers" / "commit_ranks.py", str(tmp_path), str(tmp_path / "result"),

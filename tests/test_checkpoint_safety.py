@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import pickle
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
 from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError, InputFileError, TrainingHalted
+from ot_dist.tracking.base import Tracker
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +68,36 @@ def test_commit_marker_latest_and_keep_last(tmp_path):
     assert resolve_resume("auto", tmp_path).name == "step-00000012"
     assert not layout.partial_dir(root, 8).exists()  # debris is swept at the next commit
     assert resolve_resume("auto", tmp_path / "elsewhere") is None  # auto with nothing saved: start fresh
+
+
+def test_committing_a_step_again_never_leaves_a_half_deleted_checkpoint(tmp_path, monkeypatch):
+    """A run resumed from an earlier checkpoint commits the same step again. The old folder of that step is big:
+    a kill while it is deleted must not leave a `step-N` (the one `latest` names) with files missing."""
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root, 2)
+    fake_checkpoint(root, 4)
+    removing = shutil.rmtree
+
+    def killed_while_deleting(path, *args, **kwargs):  # the marker goes first, then the process dies
+        if Path(path).is_dir() and (Path(path) / MARKER).exists():
+            (Path(path) / MARKER).unlink()
+            raise KeyboardInterrupt("killed")
+        return removing(path, *args, **kwargs)
+
+    partial = layout.partial_dir(root, 4)
+    partial.mkdir()
+    (partial / "rank-00000.safetensors").write_bytes(b"y" * 4)
+    monkeypatch.setattr(layout.shutil, "rmtree", killed_while_deleting)
+    try:
+        layout.commit(partial, root, 4, keep_last=None)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    assert layout.damaged_after(root, latest_checkpoint(root)) == []
+    assert latest_checkpoint(root).name == "step-00000004"
+    assert (root / "step-00000004" / "rank-00000.safetensors").read_bytes() == b"y" * 4  # the new one
+    fake_checkpoint(root, 6)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000006"]
 
 
 def test_a_crash_before_the_commit_keeps_the_previous_checkpoint(tiny_models, shapes_data, tmp_path):
@@ -131,7 +163,18 @@ def poison_third_step(trainer: Trainer) -> None:
     trainer.loss = loss
 
 
-def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, tmp_path):
+def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, tmp_path, monkeypatch):
+    closed_as = []  # the tracked run's end: FAILED, as MLflow ends a run that an error stops
+
+    class Recording(Tracker):
+        def close(self, status="FINISHED"):
+            closed_as.append(status)
+            return []
+
+        def close_failed(self):  # what train() calls on any error (a no-op once closed)
+            closed_as.append("close_failed")
+
+    monkeypatch.setattr("ot_dist.train.trainer.start_tracking", lambda *args, **kwargs: Recording())
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=6, **{"optimizer.name": "ADAMW"})
     trainer = Trainer(validate(raw), log=quiet)
     poison_third_step(trainer)
@@ -145,6 +188,7 @@ def test_a_nan_loss_stops_with_the_good_weights_kept(tiny_models, shapes_data, t
     with pytest.raises(TrainingHalted, match="step 3") as halted:
         trainer.train()
     assert halted.value.exit_code == 4 and len(second) == 2  # the poisoned step was not applied
+    assert closed_as == ["FAILED", "close_failed"]
     folder = latest_checkpoint(checkpoints_dir(tmp_path / "out"))
     state = read_trainer_state(folder)
     assert state["step"] == 2 and state["reason"] == "non-finite loss"

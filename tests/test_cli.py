@@ -134,3 +134,25 @@ def test_too_little_data(tiny_models, shapes_data, tmp_path, capsys, count):
     raw = base_config(tiny_models["sd1"], data, tmp_path / "o")
     code, err = train_cli(write_config(tmp_path, raw), capsys)
     assert code == 3 and ("data.path: no images" in err if count == 0 else "make no optimizer step" in err)
+
+
+def test_a_write_the_storage_refuses_is_exit_3_and_a_defect_keeps_its_traceback(monkeypatch, capsys):
+    """An export at the end of training on a full disk: safetensors raises a SafetensorError carrying the OS error in
+    its text, which ended in a traceback and exit 1 (tests/test_checkpoint_background.py has the real error)."""
+    import ot_dist.cli
+    from safetensors import SafetensorError
+
+    def full(_args):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ot_dist.cli, "run", full)
+    assert main(["config", "reference"]) == 3
+    err = capsys.readouterr().err
+    assert "ot-dist: error: a write failed: [Errno 28] No space left on device" in err and "Traceback" not in err
+
+    def defect(_args):
+        raise SafetensorError("Error while serializing: invalid tensor")
+
+    monkeypatch.setattr(ot_dist.cli, "run", defect)
+    with pytest.raises(SafetensorError):
+        main(["config", "reference"])

@@ -70,11 +70,17 @@ def test_prior_prediction_targets_the_model_without_its_lora(tiny_models, folder
     """OneTrainer's PRIOR_PREDICTION (GenericTrainer: the prior model's prediction replaces the target of those
     samples): a batch of one dog and one prior-prediction class image has the loss (loss_dog + m) / 2, m the mean of
     (prediction - prediction without the LoRA)^2 of the class image at its own noise, timestep and caption, computed
-    here from the objective's parts; with the LoRA at zero that term is exactly 0."""
+    here from the objective's parts; with the LoRA at zero that term is exactly 0.
+    The prior keeps the additional embeddings (OneTrainer's prior_model unhooks the LoRA adapters only, not its
+    embedding wrapper): with the class captions holding a token whose vectors have moved away from their start, a zero
+    LoRA still predicts the prior itself."""
     from ot_dist.train.loss import adapters_disabled, draw_sample_noise, encode_latents, latent_shape_of, \
         text_conditioning
 
-    trainer = Trainer(validate(prior_prediction_config(tiny_models, folders, tmp_path / "o")), log=QUIET)
+    raw = prior_prediction_config(tiny_models, folders, tmp_path / "o",
+                                  additional_embeddings=[{"token": "<tok>", "vectors": 2}])
+    raw["data"]["concepts"][1]["caption_prefix"] = "<tok>"
+    trainer = Trainer(validate(raw), log=QUIET)
     dataset, model, seed = trainer.dataset, trainer.model, trainer.config.seed
     dog = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 0)
     reg = next(i for i, s in enumerate(dataset.samples) if s["concept"] == 1)
@@ -98,6 +104,8 @@ def test_prior_prediction_targets_the_model_without_its_lora(tiny_models, folder
         return float(((predict() - prior) ** 2).mean())
 
     with torch.no_grad():
+        (vectors,) = trainer.groups[1].params  # the embedding as training has moved it
+        vectors.add_(torch.randn_like(vectors, generator=torch.Generator().manual_seed(5)))
         assert loss([samples[1]]) == 0.0 < loss([samples[1]], flags=False)  # a zero LoRA predicts the prior itself
         for name, param in model.denoiser.named_parameters():  # a LoRA that has learnt something
             if "lora_B" in name:
@@ -271,7 +279,8 @@ def test_the_type_and_small_buckets_are_read_time_options(tiny_models, folders, 
                  "saturation": 0.1, "hue": 0.1, "tag_dropout_special_tags_mode": "whitelist",
                  "tag_dropout_special_tags": ["a.*"], "tag_dropout_special_tags_regex": True,
                  "caps_randomize_probability": 0.2, "caps_randomize_mode": ["title"], "lowercase_caption": True,
-                 "keep_tags_separator": "|||", "secondary_separator": ";;;", "caption_dropout_every_n_epochs": 3}
+                 "keep_tags_separator": "|||", "secondary_separator": ";;;", "caption_dropout_every_n_epochs": 3,
+                 "image_variations": 3, "text_variations": 2}  # the caches' versions, not the shards'
     raw["data"]["concepts"][1].update(read_time)
     config = validate(raw)
     assert source_fingerprint(config) == base

@@ -131,6 +131,55 @@ def test_config_errors_exit_2_without_traceback(tmp_path, capsys, text, expected
     assert expected in err and "Traceback" not in err
 
 
+def test_a_key_written_twice_is_refused_naming_it_and_its_lines(tmp_path, capsys):
+    """PyYAML keeps the last of two equal keys: a second `data:` section at the end would drop the first one's
+    path without a word. Keys a merge (`<<:`) brings in may still be overridden."""
+    path = tmp_path / "c.yaml"
+    path.write_text("model: {family: sd1, path: m}\nmethod: lora\noutput_dir: o\ndata:\n  path: d\n"
+                    "seed: 1\ndata:\n  cache_latents: true\n")
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "key 'data' appears twice in one section (lines 4 and 7)" in err and "Traceback" not in err
+    from ot_dist.config.load import read_yaml
+
+    path.write_text("base: &b {seed: 1, epochs: 2}\nover:\n  <<: *b\n  seed: 3\n")
+    assert read_yaml(path)["over"] == {"seed": 3, "epochs": 2}
+
+
+def test_a_utf16_config_is_read_and_other_bytes_are_named(tmp_path, capsys):
+    """Windows PowerShell 5's `>` writes UTF-16 with a byte order mark; Latin-1 bytes are no YAML text. Neither
+    may end in a UnicodeDecodeError's traceback."""
+    (tmp_path / "m").mkdir(), (tmp_path / "d").mkdir()
+    text = f"model: {{family: sd1, path: {tmp_path / 'm'}}}\nmethod: lora\noutput_dir: o\ndata: {{path: {tmp_path / 'd'}}}\n"
+    path = tmp_path / "c.yaml"
+    path.write_bytes(text.encode("utf-16"))
+    assert main(["config", "check", str(path)]) == 0
+    assert "family: sd1" in capsys.readouterr().out
+    path.write_bytes(text.encode() + "seed: caf\xe9\n".encode("latin-1"))
+    assert main(["config", "check", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: not UTF-8 text" in err and "Traceback" not in err
+
+
 def test_missing_config_file(capsys):
     assert main(["config", "check", "/nonexistent/config.yaml"]) == 2
     assert "config file not found: /nonexistent/config.yaml" in capsys.readouterr().err
+
+
+def test_a_path_under_the_home_folder_is_read_there_by_every_part(tmp_path, monkeypatch):
+    """`~` in a YAML path is a literal character: the early checks expanded it (and passed), the shard build then
+    looked for `./~/...` and training wrote its cache into a folder named `~` in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    raw = {"model": {"family": "sd1", "path": "~/m", "config": "~/c"}, "method": "lora", "output_dir": "~/out",
+           "lora": {"init_from": "~/l.safetensors"},
+           "data": {"path": "~/d", "shards": "~/s", "cache_dir": "~/cache"}}
+    config = validate(raw)
+    assert (config.model.path, config.model.config, config.output_dir, config.lora.init_from) == (
+        f"{tmp_path}/m", f"{tmp_path}/c", f"{tmp_path}/out", f"{tmp_path}/l.safetensors")
+    assert (config.data.shards, config.data.cache_dir) == (f"{tmp_path}/s", f"{tmp_path}/cache")
+    assert [concept.path for _, concept in config.data.concept_list()] == [f"{tmp_path}/d"]
+    raw["data"] = {"concepts": [{"path": "~/a"}]}
+    assert validate(raw).data.concepts[0].path == f"{tmp_path}/a"
+    raw.update(method="embedding", embedding={"token": "sks", "init_from": "~/e.safetensors"})
+    raw.pop("lora")
+    assert validate(raw).embedding.init_from == f"{tmp_path}/e.safetensors"

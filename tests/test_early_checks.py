@@ -255,6 +255,31 @@ def test_config_check_names_missing_model_and_data_paths_resolved(tiny_models, s
     assert done.returncode == 0 and "warning: strategy: fsdp on one process shards nothing" in done.stderr
 
 
+def test_a_file_where_the_shards_go_is_named_before_any_image_is_read(tiny_models, shapes_data, tmp_path, capsys):
+    """data.shards / data.cache_dir / `shard build --out` under a file were a NotADirectoryError traceback once the
+    build started writing."""
+    from ot_dist.cli import main
+    from ot_dist.early_checks import check_input_paths
+    from ot_dist.errors import InputFileError
+
+    (tmp_path / "taken").write_text("a file")
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out")
+    raw["data"]["shards"] = str(tmp_path / "taken" / "shards")
+    with pytest.raises(InputFileError, match=f"data.shards: {tmp_path / 'taken' / 'shards'} cannot be created: "
+                                             f"{tmp_path / 'taken'} is not a folder"):
+        check_input_paths(validate(raw))
+    raw["data"].pop("shards")
+    raw["data"]["cache_dir"] = str(tmp_path / "taken")
+    with pytest.raises(InputFileError, match=f"data.cache_dir: {tmp_path / 'taken'} is not a folder"):
+        check_input_paths(validate(raw))
+    raw["data"].pop("cache_dir")
+    check_input_paths(validate(raw))
+    (tmp_path / "config.yaml").write_text(json.dumps(raw))
+    assert main(["shard", "build", str(tmp_path / "config.yaml"), "--out", str(tmp_path / "taken" / "s")]) == 3
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'taken' / 's'} cannot be created" in err and "Traceback" not in err
+
+
 def test_a_missing_model_is_named_before_shards_are_built(shapes_data, tmp_path):
     from ot_dist.errors import InputFileError
 

@@ -11,13 +11,14 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from forked_ranks import run_ranks
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
 
-from ot_dist.config.load import validate
+from ot_dist.config.load import apply_override, validate
 from ot_dist.models.families.registry import get_family
 from ot_dist.train.trainer import Trainer
 
@@ -55,6 +56,17 @@ FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"res
 # larger step moves the LoRA weights well beyond the tolerance.
 FAMILY_METHOD_SETTINGS = {("wuerstchen_v2", "lora"): {"learning_rate": 10.0}}
 METHODS = {"full": {"learning_rate": 0.05}, "lora": {"learning_rate": 0.5, "lora.rank": 4, "lora.alpha": 8}}
+# SD 1.x's LoRA cases train an additional embedding too (pivotal tuning), bundled into lora.safetensors so that the
+# comparison covers its vectors under every strategy: rows appended to the text encoder's token embedding, which
+# ZeRO-3 partitions with the encoder and gathers for the forward and the export. Its token is in every caption.
+# Under zero3 the rows are also gathered for the EMA and the samples: that case (and the one process) keeps an EMA and
+# samples its weights at the end, both compared too (lora_ema.safetensors; the image within one level, as
+# tests/test_sampling.py allows another process's float rounding). Neither changes what trains.
+PIVOTAL = {"family": "sd1", "token": "<tok>", "vectors": 2}
+BUNDLED = f"bundle_emb.{PIVOTAL['token']}.string_to_param.*"
+PIVOTAL_GATHERED = {"strategy": "zero3", "settings": {
+    "ema.enabled": True, "ema.decay": 0.5, "ema.update_step_interval": 1,
+    "sampling.prompts": [{"prompt": f"{PIVOTAL['token']}, a circle", "seed": 1, "steps": 2, "width": 64, "height": 64}]}}
 # SD 1.x's full finetunes (and their accumulation and clipped cases) train its text encoder too: two trained modules under every
 # strategy (FSDP shards both, DeepSpeed's container holds both), compared on both exports. (tests/test_strategies.py
 # relies on these cases for the plain strategies and keeps only the variants: sharding modes, offload.)
@@ -82,6 +94,44 @@ BFLOAT16_NOISE = 2
 def settings(family: str, method: str, **extra) -> dict:
     return {"max_steps": STEPS, "optimizer.name": "SGD", "clip_grad_norm": None, **METHODS[method],
             **FAMILY_SETTINGS.get(family, {}), **FAMILY_METHOD_SETTINGS.get((family, method), {}), **extra}
+
+
+def with_pivotal(raw: dict) -> dict:
+    """`raw` with PIVOTAL's embedding where it applies (SD 1.x's LoRA): the entry, bundled, its token in the captions."""
+    if (raw["model"]["family"], raw["method"]) != (PIVOTAL["family"], "lora"):
+        return raw
+    data = raw["data"]
+    if raw.get("strategy", PIVOTAL_GATHERED["strategy"]) == PIVOTAL_GATHERED["strategy"]:  # and the one process
+        for key, value in PIVOTAL_GATHERED["settings"].items():
+            apply_override(raw, f"{key}={json.dumps(value)}")
+    return {**raw, "bundle_additional_embeddings": True,
+            "additional_embeddings": [{"token": PIVOTAL["token"], "vectors": PIVOTAL["vectors"]}],
+            "data": {"concepts": [{"path": data["path"], "caption_prefix": PIVOTAL["token"]}], "shards": data["shards"]}}
+
+
+def pivotal_start(model: Path) -> torch.Tensor:
+    """The bundled vectors' start: init_text "*"'s row of the token table, once per vector."""
+    from transformers import CLIPTokenizer
+
+    (row,) = CLIPTokenizer.from_pretrained(model / "tokenizer")("*", add_special_tokens=False).input_ids
+    (table,) = [v for k, v in load_file(model / "text_encoder" / "model.safetensors").items()
+                if k.endswith("token_embedding.weight")]
+    return table[row].expand(PIVOTAL["vectors"], -1)
+
+
+def assert_gathered_like_one_process(reference: Path, out: Path, case: str) -> None:
+    """PIVOTAL_GATHERED's case: its EMA export and its sample equal one process's."""
+    from test_sampling import images_of
+
+    ema, got = load_file(reference / "lora_ema.safetensors"), load_file(out / "lora_ema.safetensors")
+    assert ema.keys() == got.keys(), case
+    assert distance(ema, got) <= TOLERANCE, f"{case}: EMA max abs diff {distance(ema, got):.3g}"
+    assert distance({BUNDLED: ema[BUNDLED]}, load_file(out / "lora.safetensors")) > 100 * TOLERANCE, \
+        f"{case}: the EMA's embedding is the trained one"
+    (step,) = (reference / "samples").iterdir()
+    (name, image), = images_of(step).items()
+    difference = np.abs(image.astype(int) - images_of(out / "samples" / step.name)[name].astype(int))
+    assert difference.max() <= 1 and (difference > 0).mean() < 1e-3, f"{case}: the sample differs from one process's"
 
 
 def exported(out: Path, family: str, method: str, text_encoder: bool = False) -> dict[str, torch.Tensor]:
@@ -117,9 +167,9 @@ def trained(family: str, method: str) -> dict:
 
 
 def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: bool = True) -> dict[str, dict]:
-    cases = {f"{family}/{strategy}-{method}": base_config(
+    cases = {f"{family}/{strategy}-{method}": with_pivotal(base_config(
         model, data, out / f"{family}-{strategy}-{method}", family=family, method=method, batch_size=2,
-        strategy=strategy, **settings(family, method, **extra, **trained(family, method)))
+        strategy=strategy, **settings(family, method, **extra, **trained(family, method))))
         for strategy, extra in STRATEGIES.items() for method in METHODS
         if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
     if accumulation:
@@ -157,8 +207,8 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
     for name in families:
         for method in METHODS:
             out = tmp_path / f"ref-{name}-{method}"
-            raw = base_config(models[name], shapes_data, out, family=name, method=method, batch_size=4,
-                              **settings(name, method, **trained(name, method)))
+            raw = with_pivotal(base_config(models[name], shapes_data, out, family=name, method=method, batch_size=4,
+                                           **settings(name, method, **trained(name, method))))
             Trainer(validate(raw), log=lambda *_: None).train()
             references[name, method] = exported(out, name, method, bool(trained(name, method)))
     cases = {}
@@ -213,6 +263,11 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
             start = {k: torch.zeros_like(v) for k, v in got.items() if "lora_B" in k or "lora_up" in k}
         moved = max((start[k].float() - got[k].float()).abs().max().item() for k in start)
         assert moved > 100 * TOLERANCE, f"{case}: weights moved only {moved:.3g}"
+        if BUNDLED in got:  # the embedding's own update was compared, not its start
+            emb_moved = (got[BUNDLED] - pivotal_start(models[name])).abs().max().item()
+            assert emb_moved > 100 * TOLERANCE, f"{case}: the embedding moved only {emb_moved:.3g}"
+        if BUNDLED in got and raw["strategy"] == PIVOTAL_GATHERED["strategy"]:
+            assert_gathered_like_one_process(tmp_path / f"ref-{name}-lora", Path(raw["output_dir"]), case)
         if with_text_encoder:  # the text encoder's own update was compared, not its start
             te_moved = max((start[k].float() - got[k].float()).abs().max().item() for k in start
                            if k.startswith("text_encoder."))

@@ -605,3 +605,94 @@ resolution = 512
 
     assert read_caption(load_config(tmp_path / "ok.yaml").data.concepts[0], data / "0.png") == \
         "photo of a cat , sks style"
+
+
+def test_loss_weights_kohya_combines_or_takes_from_another_schedule(tmp_path):
+    """kohya's post_process_loss multiplies min_snr_gamma's weight by debiased_estimation_loss's when both are set;
+    ot_dist weighs by one function, so the import keeps min_snr_gamma and lists the other (it wrote both, which the
+    config refused). With zero_terminal_snr kohya's get_noise_scheduler computes the SNR table (prepare_scheduler_for_
+    custom_training) before it rescales the betas, so its min-SNR weights are the original schedule's: listed."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path) + 'network_module = "networks.lora"\nmin_snr_gamma = 5\n'
+    config, _, err = imported(tmp_path, common + "debiased_estimation_loss = true\n", "--script", "train_network.py")
+    assert config["loss"] == {"min_snr_gamma": 5}
+    assert "debiased_estimation_loss: kohya multiplies its weight" in err
+    config, _, err = imported(tmp_path, common + "v_parameterization = true\nzero_terminal_snr = true\n",
+                              "--script", "train_network.py")
+    assert config["model"]["zero_terminal_snr"] and config["loss"] == {"min_snr_gamma": 5}
+    assert "min_snr_gamma: 5 with zero_terminal_snr: kohya weighs by the SNR of the schedule before the rescale" in err
+    _, _, err = imported(tmp_path, common + "v_parameterization = true\n", "--script", "train_network.py")
+    assert "min_snr_gamma" not in err
+
+
+def test_network_alpha_0_is_the_rank(tmp_path):
+    """kohya's LoRAModule (and LyCORIS' modules): "if alpha == 0 or None, alpha is rank (no scaling)"; conv_alpha 0
+    likewise is conv_dim. ot_dist's alpha must be > 0, so 0 was a config error."""
+    images(tmp_path / "d" / "1_x", 1)
+    config, _, err = imported(tmp_path, minimal(tmp_path) + 'network_module = "networks.lora"\nnetwork_dim = 16\n'
+                              'network_alpha = 0\nnetwork_args = ["conv_dim=16", "conv_alpha=0"]\n',
+                              "--script", "train_network.py")
+    assert (config["lora"]["rank"], config["lora"]["alpha"]) == (16, 16)
+    assert "conv1" in config["lora"]["unet_targets"] and "conv_dim" not in err  # the ResNet blocks at the same scale
+
+
+def test_lr_warmup_float_is_a_ratio_up_to_1(tmp_path):
+    """kohya's get_scheduler_fix reads any float lr_warmup_steps as a ratio of the training steps: 1.0 (TOML) or
+    "100%" (its int_or_float) warms up over the whole run; ot_dist reads a warmup <= 1 as the same ratio. It was
+    written as one optimizer step (in micro steps), or no warmup without accumulation."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path) + 'network_module = "networks.lora"\nlr_scheduler = "cosine"\n'
+    for accumulation in (1, 3):
+        config, _, err = imported(tmp_path, common + "lr_warmup_steps = 1.0\n"
+                                  f"gradient_accumulation_steps = {accumulation}\n", "--script", "train_network.py")
+        assert config["scheduler"] == {"name": "COSINE", "warmup_steps": 1.0} and "lr_warmup_steps" not in err
+    config, _, _ = imported(tmp_path, common + "lr_warmup_steps = 4\ngradient_accumulation_steps = 3\n",
+                            "--script", "train_network.py")
+    assert config["scheduler"]["warmup_steps"] == 12  # whole optimizer steps: ot_dist counts micro steps above 1
+
+
+def test_warmup_on_several_processes(tmp_path):
+    """accelerate's AcceleratedScheduler (installed accelerate, split_batches off) steps kohya's schedule once per
+    process at each optimizer step, and kohya sizes it max_train_steps x processes: on `--num_processes 2` a warmup of
+    10 ends after 5 optimizer steps. A ratio is the same share on any number of processes."""
+    import inspect
+
+    from accelerate.scheduler import AcceleratedScheduler
+
+    assert "for _ in range(num_processes)" in inspect.getsource(AcceleratedScheduler.step)
+    images(tmp_path / "d" / "1_x", 1)
+    launch = ("accelerate launch --num_processes 2 train_network.py --pretrained_model_name_or_path m --output_dir o "
+              f"--train_data_dir {tmp_path / 'd'} --resolution 512 --enable_bucket --network_module networks.lora "
+              "--lr_scheduler cosine --gradient_accumulation_steps 3 --lr_warmup_steps ")
+    for warmup, written in (("10", 15), ("11", 18), ("0.1", 0.1)):
+        (tmp_path / "cmd.sh").write_text(launch + warmup + "\n", encoding="utf-8")
+        code, err = run_import("--command_line", tmp_path / "cmd.sh", "--out", tmp_path / "out.yaml", "--force")
+        assert code == 0, err
+        config = yaml.safe_load((tmp_path / "out.yaml").read_text(encoding="utf-8"))
+        assert config["scheduler"] == {"name": "COSINE", "warmup_steps": written}, warmup
+
+
+def test_conv_dim_of_another_rank_keeps_the_resnet_linear_layers(tmp_path):
+    """networks.lora with conv_dim: the ResNet blocks' linear and 1x1 layers (time_emb_proj, conv_shortcut) are
+    adapted at network_dim / network_alpha, conv_dim / conv_alpha apply to the 3x3 convolutions only (kohya's
+    create_modules: `is_linear or is_conv2d_1x1` take the network's dim). With conv_dim other than the rank only the 3x3
+    convolutions are left out (listed)."""
+    images(tmp_path / "d" / "1_x", 1)
+    config, _, err = imported(tmp_path, minimal(tmp_path) + 'network_module = "networks.lora"\nnetwork_dim = 8\n'
+                              'network_alpha = 4\nnetwork_args = ["conv_dim=4", "conv_alpha=1"]\n',
+                              "--script", "train_network.py")
+    targets = config["lora"]["unet_targets"]
+    assert {"time_emb_proj", "conv_shortcut", "to_q", "proj_in"} <= set(targets)
+    assert not {"conv1", "conv2", "conv"} & set(targets)
+    assert "the 3x3 convolutions of the ResNet blocks and samplers are not adapted" in err
+
+
+def test_min_timestep_not_below_max_trains_the_maximum(tmp_path):
+    """kohya's get_timesteps draws randint(min_timestep, max_timestep) and, when min_timestep is not below
+    max_timestep, trains max_timestep alone (it accepts min 600 / max 500: every step at 500)."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path) + 'network_module = "networks.lora"\n'
+    for low, high, written in ((600, 500, (500, 500)), (500, 500, (500, 500)), (100, 500, (100, 499))):
+        config, _, _ = imported(tmp_path, common + f"min_timestep = {low}\nmax_timestep = {high}\n",
+                                "--script", "train_network.py")
+        assert (config["loss"]["min_timestep"], config["loss"]["max_timestep"]) == written

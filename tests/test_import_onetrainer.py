@@ -766,7 +766,7 @@ def test_concept_prompt_files_tag_dropout_one_and_lowercasing(tmp_path):
 def test_an_imported_embedding_starts_from_onetrainers_rows(tmp_path, text, count, expected):
     """OneTrainer starts the vectors at the rows of the initial text's tokens, cut at token_count, and fills the rest
     with the token of "*" (ModelSetupEmbeddingMixin._create_new_embedding)."""
-    from ot_dist.methods.embedding import init_token_ids
+    from ot_dist.methods.token_vectors import init_token_ids
     from ot_dist.models.tiny import tiny_clip_tokenizer
 
     config, _ = import_only(tmp_path, {"training_method": "EMBEDDING", "latent_caching": False, "embedding": {
@@ -789,3 +789,61 @@ def test_an_upper_case_placeholder_of_several_vectors_is_imported_lower_case(tmp
     assert imported.config["embedding"]["token"] == "<mychar>"
     assert any(note.startswith("embedding.placeholder: <MyChar> is written <mychar>") for note in imported.notes)
 
+
+
+def test_additional_embeddings_are_imported_and_bundled_by_default(tmp_path):
+    """OneTrainer's additional_embeddings (TrainEmbeddingConfig each, one embedding_learning_rate for all) become
+    additional_embeddings entries; bundle_additional_embeddings (OneTrainer's default: true) is kept for LoRA; an
+    output embedding is refused by name, a .pt continued file listed, a placeholder with a space rewritten."""
+    embeddings = [
+        {"placeholder": "<Cat Toy>", "token_count": 2, "initial_embedding_text": "cat", "stop_training_after": 3,
+         "stop_training_after_unit": "STEP"},
+        {"placeholder": "<style>", "model_name": "emb/style.safetensors", "train": False},
+        {"placeholder": "<out>", "is_output_embedding": True},
+        {"placeholder": "<old>", "model_name": "emb/old.pt"},
+    ]
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA",
+                                             "embedding_learning_rate": 3e-3, "additional_embeddings": embeddings})
+    first, style, old = config.additional_embeddings
+    assert (first.token, first.vectors, first.init_text, first.learning_rate) == ("<cat_toy>", 2, "cat *", 3e-3)
+    assert (first.stop_training_after, first.stop_training_after_unit) == (3, "step")
+    assert (style.token, style.init_from, style.train) == ("<style>", "emb/style.safetensors", False)
+    assert (old.token, old.init_from, old.init_text) == ("<old>", None, "*")
+    assert config.bundle_additional_embeddings is True
+    assert any(s.startswith("additional_embeddings[2].is_output_embedding: true") for s in skipped)
+    assert any(s.startswith("additional_embeddings[3].model_name: emb/old.pt") for s in skipped)
+
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "FINE_TUNE",
+                                       "bundle_additional_embeddings": True,
+                                       "additional_embeddings": [{"placeholder": "<a>"}]})
+    assert [e.token for e in config.additional_embeddings] == ["<a>"]
+    assert config.bundle_additional_embeddings is False  # OneTrainer bundles into LoRA files only
+
+
+def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
+    """OneTrainer caches image_variations augmented versions of each image (mgds DiskCache) and text_variations
+    versions of each caption: the concepts keep their numbers, and latent caching stays on where they make the
+    augmentation cacheable; an augmenting concept with one variation still turns it off (ot_dist refuses one fixed
+    augmented version)."""
+    from ot_dist.migrate.onetrainer import import_onetrainer
+
+    images = str(tmp_path / "images")
+    flip = {"enable_random_flip": True}
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "concepts": [
+        {"path": images, "image": flip, "image_variations": 3, "text_variations": 2},
+        {"path": images, "name": "plain", "image": {"enable_crop_jitter": False}}]})
+    varied, plain = config.data.concepts
+    assert (varied.image_variations, varied.text_variations, varied.flip_probability) == (3, 2, 0.5)
+    assert (plain.image_variations, plain.text_variations) == (1, 1)
+    assert config.data.cache_latents and not config.data.cache_text
+    assert not any("variations" in line for line in skipped)
+    imported = import_onetrainer(tmp_path / "ot.json")
+    assert any(note.startswith("text_variations: ") for note in imported.notes)
+
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "concepts": [
+        {"path": images, "image": flip, "image_variations": 3}, {"path": images, "image": flip}]})
+    assert not config.data.cache_latents  # the second concept has one variation
+    (tmp_path / "ot.json").write_text(json.dumps({"model_type": "STABLE_DIFFUSION_15", "concepts": [
+        {"path": images, "image": flip}]}))
+    assert any("image_variations > 1 caches that many versions" in note
+               for note in import_onetrainer(tmp_path / "ot.json").notes)

@@ -340,3 +340,17 @@ def test_a_merged_single_file_keeps_the_v_pred_and_ztsnr_markers(tmp_path):
                         "single-file", None, "float32", log=lambda *_: None)
     with safe_open(str(out), framework="pt") as fh:
         assert {"v_pred", "ztsnr"} <= set(fh.keys())
+
+
+@pytest.mark.parametrize("command", [["merge", "--family", "sd1", "BASE", "LORA"], ["resize", "LORA", "--rank", "2"],
+                                     ["extract", "--family", "sd1", "--rank", "2", "BASE", "TUNED"]])
+def test_an_out_that_cannot_be_written_is_named_before_any_model_loads(tmp_path, capsys, command):
+    """A file where --out's folder should be was a traceback after the merge / SVD; the inputs named here do not
+    even exist, so the answer comes before anything is read."""
+    from ot_dist.cli import main
+
+    (tmp_path / "taken").write_text("a file")
+    out = str(tmp_path / "taken" / "merged.safetensors")
+    assert main(["lora", *command, "--out", out]) == 3
+    err = capsys.readouterr().err
+    assert f"--out {out}: its folder {tmp_path / 'taken'} is not a folder" in err and "Traceback" not in err

@@ -21,7 +21,7 @@ from conftest import base_config
 from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.export_command import export_checkpoint
 from ot_dist.checkpoint.layout import checkpoints_dir, latest_checkpoint
-from ot_dist.checkpoint.run_folder import check_writable, read_run_id
+from ot_dist.checkpoint.run_folder import check_before_start, check_writable, read_run_id
 from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError, InputFileError
@@ -86,6 +86,20 @@ def test_starting_over_a_finished_run_is_refused_and_overwrite_moves_it_aside(fi
         Trainer(validate(raw), log=quiet, overwrite=True, resume="auto")
 
 
+def test_a_run_stopped_by_bad_input_does_not_block_the_corrected_command(tiny_models, shapes_data, tmp_path):
+    """The checks after the folder is prepared (a mistyped model.path, unreadable images) stop a run that leaves
+    only run.json: nothing to lose, so the corrected command starts, without --overwrite."""
+    out = tmp_path / "out"
+    with pytest.raises(InputFileError, match="model.path: .* does not exist"):
+        Trainer(validate(base_config(tmp_path / "mistyped", shapes_data, out, **settings())), log=quiet)
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["run.json"]
+    assert check_before_start(out, None, False) == (None, False)
+    (out / "checkpoints").mkdir()
+    (out / "checkpoints" / "step-00000002").mkdir()
+    with pytest.raises(ConfigError, match="already holds a run"):  # anything more is a run's work
+        check_before_start(out, None, False)
+
+
 def test_keep_last_prunes_only_checkpoints_of_the_current_run(tmp_path):
     root = tmp_path / "checkpoints"
 
@@ -112,6 +126,53 @@ def test_checkpoints_carry_the_run_id_and_a_resume_keeps_it(finished_run, tiny_m
     trainer = Trainer(validate(base_config(tiny_models["sd1"], shapes_data, out, **settings())), log=quiet,
                       resume="auto")
     assert trainer.run.run_id == run_id and trainer.position.step == 4
+
+
+def test_resuming_a_finished_run_leaves_its_committed_checkpoint_as_it_was(finished_run, tiny_models, shapes_data,
+                                                                           tmp_path):
+    """`--resume auto` on a finished run trains no step: its last checkpoint already holds that state, so it is not
+    written and committed again in place (a kill during that would have put the finished run's checkpoint at risk)."""
+    out = copy_run(finished_run, tmp_path / "out")
+    last = checkpoints_dir(out) / "step-00000004"
+    before = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in last.iterdir()}
+    result = Trainer(validate(base_config(tiny_models["sd1"], shapes_data, out, **settings())), log=quiet,
+                     resume="auto").train()
+    assert result.steps == 4 and result.checkpoint == last
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in last.iterdir()} == before
+    assert (out / "model.safetensors").is_file()  # the exports are written (again) as at the end of training
+
+
+LOCK_HOLDER = """
+import fcntl, sys, time
+file = open(sys.argv[1], "a+")
+fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises when another process holds it
+file.truncate(0)
+file.write("pid 4242 on node-7, since 2026-11-26 20:00:00")
+file.flush()
+print("locked", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_before_loading(finished_run, tiny_models, shapes_data, tmp_path):
+    """Two `--resume auto` at once in one output_dir both trained and wrote the same checkpoint folders, until one
+    died at a later save on the other's files. The folder's lock (held by the running run's rank 0, released by the
+    kernel however that process ends) refuses the second one."""
+    out = copy_run(finished_run, tmp_path / "out")
+    lock = out / ".ot_dist.lock"
+    holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(lock), "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        raw = base_config(tiny_models["sd1"], shapes_data, out, **settings())
+        with pytest.raises(ConfigError, match=f"output_dir {out.resolve()} is in use by another run \\(pid 4242 on "
+                                              "node-7"):
+            Trainer(validate(raw), log=quiet, resume="auto")
+    finally:
+        holder.kill()
+        holder.wait()
+    Trainer(validate(raw), log=quiet, resume="auto").train()  # the holder is gone: the folder is free again
+    released = subprocess.run([sys.executable, "-c", LOCK_HOLDER, str(lock), "0"], capture_output=True, text=True)
+    assert released.returncode == 0, released.stderr  # and a finished run holds it no longer
 
 
 # -- 3. a damaged latest checkpoint is named ------------------------------------------------------------
@@ -158,6 +219,22 @@ def test_export_of_a_moved_run_writes_beside_the_checkpoint(finished_run, tmp_pa
     assert exported == [moved.resolve() / "exports" / "step-00000004" / "model.safetensors"]
     assert exported[0].is_file() and said[0].startswith("exporting step 4 from ")
     assert sorted(p for p in recorded.rglob("*")) == before  # nothing written into the recorded output_dir
+
+
+def test_export_to_an_unwritable_out_or_of_no_checkpoint_is_named_before_the_model_loads(finished_run, tmp_path,
+                                                                                          monkeypatch):
+    import ot_dist.models.loading
+
+    def no_loading(*_args):
+        raise AssertionError("the model was loaded before the bad input was found")
+
+    monkeypatch.setattr(ot_dist.models.loading, "load_model", no_loading)
+    (tmp_path / "taken").write_text("a file, not a folder")
+    with pytest.raises(InputFileError, match=f"--out {tmp_path / 'taken' / 'x'} cannot be created: "
+                                             f"{tmp_path / 'taken'} is not a folder"):
+        export_checkpoint(str(finished_run), None, False, str(tmp_path / "taken" / "x"), log=quiet)
+    with pytest.raises(InputFileError, match=f"^export {tmp_path}: not a committed checkpoint"):  # no --resume here
+        export_checkpoint(str(tmp_path), None, False, None, log=quiet)
 
 
 # -- 5. a bad output_dir is found before any model loads ------------------------------------------------

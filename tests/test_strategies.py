@@ -43,7 +43,20 @@ STRATEGIES = {
     # the fp32 master partition on the CPU beside the weights: its own tensor, not a view of them (helpers/zero_master.py)
     "zero2-offload": ("zero2", ["deepspeed.offload_optimizer=true"]),
 }
-METHOD_EXTRA = {"full": {"text_encoder.train": True}, "lora": {"lora.rank": 4, "lora.alpha": 8}}
+# The LoRA cases train an additional embedding too (pivotal tuning: its vectors shard and gather with the text encoder
+# under fsdp), bundled into lora.safetensors so that the comparison covers them; its token is in every caption.
+TOKEN = "<tok>"
+METHOD_EXTRA = {"full": {"text_encoder.train": True},
+                "lora": {"lora.rank": 4, "lora.alpha": 8, "bundle_additional_embeddings": True,
+                         "additional_embeddings": [{"token": TOKEN, "vectors": 2}]}}
+BUNDLED = f"bundle_emb.{TOKEN}.string_to_param.*"
+
+
+def method_config(model, data, out: Path, method: str, **settings) -> dict:
+    raw = base_config(model, data, out, method=method, **settings)
+    if method == "lora":
+        raw["data"] = {"concepts": [{"path": str(data), "caption_prefix": TOKEN}], "shards": raw["data"]["shards"]}
+    return raw
 
 
 def exported_weights(out: Path, method: str) -> dict[str, torch.Tensor]:
@@ -70,8 +83,8 @@ def references(small_sd1, shapes_data, tmp_path_factory):
     refs = {}
     for method in ("full", "lora"):
         out = tmp_path_factory.mktemp(f"ref-{method}")
-        raw = base_config(small_sd1, shapes_data, out, method=method, batch_size=4, max_steps=STEPS,
-                          learning_rate=LR, **METHOD_EXTRA[method])
+        raw = method_config(small_sd1, shapes_data, out, method, batch_size=4, max_steps=STEPS,
+                            learning_rate=LR, **METHOD_EXTRA[method])
         Trainer(validate(raw), log=lambda *_: None).train()
         refs[method] = exported_weights(out, method)
     return refs
@@ -79,7 +92,7 @@ def references(small_sd1, shapes_data, tmp_path_factory):
 
 def two_rank_config(model, shapes_data, out: Path, method: str, **overrides) -> Path:
     settings = {"batch_size": 2, "max_steps": STEPS, "learning_rate": LR, **METHOD_EXTRA[method], **overrides}
-    raw = base_config(model, shapes_data, out, method=method, **settings)
+    raw = method_config(model, shapes_data, out, method, **settings)
     return write_config(out.parent / f"{out.name}.yaml", raw)
 
 
@@ -104,7 +117,7 @@ def case_config(model, shapes_data, out: Path, name: str, method: str, **overrid
     strategy, extra = STRATEGIES[name]
     settings = {"batch_size": 2, "max_steps": STEPS, "learning_rate": LR, "strategy": strategy, **METHOD_EXTRA[method],
                 **overrides}
-    raw = base_config(model, shapes_data, out, method=method, **settings)
+    raw = method_config(model, shapes_data, out, method, **settings)
     for override in extra:  # as `--set` applies them
         apply_override(raw, override)
     return raw
@@ -126,6 +139,8 @@ def test_two_ranks_equal_one_process(references, small_sd1, shapes_data, tmp_pat
         base = exported_weights_of_base(small_sd1, method, got)
         moved = max((base[k] - got[k]).abs().max().item() for k in base)
         assert moved > 2 * TOLERANCE, case
+        if method == "lora":  # the embedding trained too
+            assert (base[BUNDLED] - got[BUNDLED]).abs().max() > 2 * TOLERANCE, case
 
 
 def test_ot_dist_launch_trains_under_accelerate(references, small_sd1, shapes_data, tmp_path):
@@ -144,8 +159,14 @@ def exported_weights_of_base(model_dir: Path, method: str, like: dict) -> dict:
         unet = load_file(model_dir / "unet" / "diffusion_pytorch_model.safetensors")
         text = load_file(model_dir / "text_encoder" / "model.safetensors")
         return {**{f"unet.{k}": v for k, v in unet.items()}, **{f"te.{k}": v for k, v in text.items()}}
-    # LoRA starts with B = 0: the product B @ A is what must have moved
-    return {k: torch.zeros_like(v) for k, v in like.items() if "lora_B" in k or "lora_up" in k}
+    # LoRA starts with B = 0: the product B @ A is what must have moved; the embedding starts at the row of "*"
+    from transformers import CLIPTokenizer
+
+    (row,) = CLIPTokenizer.from_pretrained(model_dir / "tokenizer")("*", add_special_tokens=False).input_ids
+    text = load_file(model_dir / "text_encoder" / "model.safetensors")
+    (table,) = [v for k, v in text.items() if k.endswith("token_embedding.weight")]
+    base = {BUNDLED: table[row].expand(2, -1)}
+    return {**base, **{k: torch.zeros_like(v) for k, v in like.items() if "lora_B" in k or "lora_up" in k}}
 
 
 @pytest.fixture(scope="module")

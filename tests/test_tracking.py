@@ -9,6 +9,7 @@ import getpass
 import io
 import json
 import os
+import queue
 import re
 import signal
 import socket
@@ -28,7 +29,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.optim.schedulers import lr_factor
 from ot_dist.ports import free_port
 from ot_dist.tracking import start_sender, start_tracking, tracking_uri
-from ot_dist.tracking.base import Tracker
+from ot_dist.tracking.base import Tracker, metric_name
 from ot_dist.tracking.mlflow_tracker import MlflowTracker
 from ot_dist.tracking.progress import Progress
 from ot_dist.tracking.replay import main as replay_main
@@ -455,3 +456,138 @@ def test_a_terminal_gets_a_progress_bar():
     assert "<" in shown  # tqdm's elapsed<remaining: the ETA
     assert not lines  # no plain lines on a terminal
 
+
+
+def test_metric_names_pass_mlflows_own_check():
+    """Concept names become metric keys after `validation/loss/`: whatever the name, MLflow takes the key (its
+    characters and its path check: no empty part, no part of dots alone), and plain names are kept."""
+    from mlflow.utils.validation import _validate_metric_name
+
+    awkward = ["faces/", "/faces", "a//b", "..", ".", "a/./b", "", "Style: Anime", "café", "x" * 3]
+    for name in awkward:
+        _validate_metric_name(f"validation/loss/{metric_name(name)}")  # raises MlflowException if refused
+    assert [metric_name(n) for n in ("faces", "close-up v1.5", "styles/anime")] == ["faces", "close-up v1.5",
+                                                                                     "styles/anime"]
+
+
+def test_a_refused_value_costs_only_its_own_record(server, tmp_path):
+    """MLflow refuses a whole log_batch for one bad value; the steps and params that shared the request with it
+    still arrive, and only the bad record is kept in FILE.refused."""
+    from ot_dist.tracking.delivery import Delivery
+    from ot_dist.tracking.outbox import OutboxWriter, read_records, refused_path
+
+    outbox = tmp_path / "outbox.jsonl"
+    writer = OutboxWriter(outbox)
+    writer.add({"kind": "run", "uri": server.uri, "experiment": "refusals", "run_name": "one-bad", "run_id": None,
+                "artifact_location": None})
+    writer.add({"kind": "metrics", "step": 1, "timestamp_ms": 1000, "values": {"loss": 0.5}})
+    writer.add_values("params", {"seed": "1"})
+    writer.add({"kind": "metrics", "step": 2, "timestamp_ms": 2000, "values": {"validation/loss/faces/": 0.1}})
+    writer.add({"kind": "metrics", "step": 2, "timestamp_ms": 2000, "values": {"loss": 0.25}})
+    writer.close()
+    notices = []
+    delivery = Delivery(outbox, server.uri, notify=notices.append)
+    delivery.deliver(read_records(outbox, 0))
+    assert history(server.uri, delivery.run_id, "loss") == [(1, 0.5), (2, 0.25)]
+    assert client(server.uri).get_run(delivery.run_id).data.params == {"seed": "1"}
+    (kept,) = [json.loads(line) for line in refused_path(outbox).read_text().splitlines()]
+    assert kept["values"] == {"validation/loss/faces/": 0.1} and "faces" in kept["refused"]
+    assert len(notices) == 1 and "1 metric points" in notices[0]
+
+
+class Recording(Tracker):
+    def __init__(self):
+        self.closed_as: list[str] = []
+
+    def close(self, status="FINISHED"):
+        self.closed_as.append(status)
+        return []
+
+    def close_failed(self):
+        self.closed_as.append("FAILED (close_failed)")
+
+
+def test_a_run_stopped_by_a_signal_ends_killed(tiny_models, shapes_data, tmp_path, monkeypatch):
+    """MLflow's statuses: a run a signal stopped (preemption: saved, exit 0, to be resumed) is KILLED, not
+    FINISHED; `search_runs(filter_string="attributes.status = 'FINISHED'")` finds only completed runs."""
+    recording = Recording()
+    monkeypatch.setattr("ot_dist.train.trainer.start_tracking", lambda *args, **kwargs: recording)
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", batch_size=1, max_steps=4)
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    trainer.optimizer.register_step_post_hook(lambda *_: os.kill(os.getpid(), signal.SIGTERM))
+    result = trainer.train()
+    assert result.stopped_by == "SIGTERM" and result.steps < 4  # stopped early, saved
+    assert recording.closed_as == ["KILLED"]
+
+
+class OutboxOnly:
+    """A sender that sends nothing: the test delivers the outbox itself, in this process."""
+
+    def __init__(self, uri: str, outbox: Path):
+        self.uri, self.outbox, self.run_id, self.sent, self.outcome = uri, outbox, None, 0, None
+        self.notices = queue.SimpleQueue()
+
+    def close(self, seconds):
+        return True
+
+
+def test_a_run_the_caller_created_in_mlflow_run_id_is_the_one_tracked(server, tiny_models, shapes_data, tmp_path,
+                                                                       monkeypatch):
+    """`mlflow run` (MLflow Projects) and job schedulers create the run and pass it in MLFLOW_RUN_ID, as MLflow's own
+    start_run takes it: the values, params and config go there (not to a second run of the `ot_dist` experiment),
+    and the run keeps its source tags."""
+    from ot_dist.tracking.delivery import Delivery
+    from ot_dist.tracking.outbox import read_records
+
+    experiment_id = client(server.uri).create_experiment("a-project")
+    callers = client(server.uri).create_run(experiment_id, tags={"mlflow.source.name": "https://git.example/project",
+                                                                 "mlflow.source.type": "PROJECT"}).info.run_id
+    monkeypatch.setenv("MLFLOW_RUN_ID", callers)
+    config = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "out",
+                                  **{"mlflow.enabled": True, "mlflow.tracking_uri": server.uri}))
+    outbox = tmp_path / "outbox.jsonl"
+    tracker = start_tracking(config, is_main=True, world_size=1, sender=OutboxOnly(server.uri, outbox))
+    assert tracker.run_id == callers  # what a checkpoint keeps for a resume
+    tracker.log_metrics({"loss": 0.5}, step=1)
+    tracker.close()
+    Delivery(outbox, server.uri).deliver(read_records(outbox, 0))
+    run = client(server.uri).get_run(callers)
+    assert run.info.status == "FINISHED" and history(server.uri, callers, "loss") == [(1, 0.5)]
+    assert run.data.params["learning_rate"] == "0.0003" and run.data.tags["method"] == "full"
+    assert run.data.tags["mlflow.source.name"] == "https://git.example/project"
+    assert "config.yaml" in {a.path for a in client(server.uri).list_artifacts(callers)}
+    assert client(server.uri).get_experiment_by_name("ot_dist") is None  # no second run elsewhere
+
+
+def test_a_resumed_run_missing_from_the_store_continues_in_a_new_run_with_its_params(server, tiny_models,
+                                                                                     shapes_data, tmp_path):
+    """A resume continues its MLflow run without sending its params again (MLflow refuses a changed value, and
+    a resume may raise max_steps); a run that is not in the store (tracked in another one before the resume)
+    is no reason to track nothing: a new run gets the values, with the params, tagged with the run it continues."""
+    from ot_dist.tracking.delivery import Delivery
+    from ot_dist.tracking.outbox import read_records, refused_path
+
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=6,
+                      **{"mlflow.enabled": True, "mlflow.tracking_uri": server.uri, "mlflow.experiment": "resumes"})
+    first = start_tracking(validate(raw), True, 1, sender=OutboxOnly(server.uri, tmp_path / "first.jsonl"))
+    first.close()
+    delivery = Delivery(first.outbox.path, server.uri)
+    delivery.deliver(read_records(first.outbox.path, 0))
+    existing = delivery.run_id
+    raw["max_steps"] = 9
+    missing = "0123456789abcdef0123456789abcdef"
+    for run_id, outbox in ((existing, tmp_path / "resumed.jsonl"), (missing, tmp_path / "elsewhere.jsonl")):
+        tracker = start_tracking(validate(raw), True, 1, run_id=run_id, resumed_at_step=6,
+                                 sender=OutboxOnly(server.uri, outbox))
+        tracker.log_metrics({"loss": 0.5}, step=7)
+        tracker.close()
+        notices = []
+        delivery = Delivery(outbox, server.uri, notify=notices.append)
+        delivery.deliver(read_records(outbox, 0))
+        assert not refused_path(outbox).exists(), refused_path(outbox).read_text()
+        run = client(server.uri).get_run(delivery.run_id)
+        assert history(server.uri, delivery.run_id, "loss") == [(7, 0.5)] and run.info.status == "FINISHED"
+    assert client(server.uri).get_run(existing).data.params["max_steps"] == "6"  # kept: not sent again
+    assert run.data.params["max_steps"] == "9" and run.data.tags["ot_dist.continues_run"] == missing
+    assert notices == [f"MLflow: the run {missing} to continue is not in {server.uri}; the values go to a new run "
+                       "of the experiment"]

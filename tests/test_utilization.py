@@ -3,6 +3,8 @@ seconds and the device's peak (ot_dist/tracking/utilization.py)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import base_config
@@ -58,6 +60,9 @@ def test_trainer_logs_mfu_and_samples_per_s_per_window(tiny_models, shapes_data,
                       log_every_steps=2, **{"checkpoint.at_end": False})
     trainer = trainer_module.Trainer(validate(raw), log=lambda *_: None)
     trainer.utilization = UtilizationMeter(trainer.device, "float32", False, peak=lambda device, dtype: 1e12)
+    # samples (validation, checkpoints) taken after step 2 are no training: the second window's rate leaves them out
+    after_step = trainer.sampler.after_step
+    trainer.sampler.after_step = lambda t, step: (time.sleep(3.0) if step == 2 else None, after_step(t, step))
     trainer.train()
     trainer.close()
     windows = [(step, m) for step, m in recording.rows if "samples_per_s" in m]
@@ -66,6 +71,7 @@ def test_trainer_logs_mfu_and_samples_per_s_per_window(tiny_models, shapes_data,
     assert len(flops_per_micro_step) == 1 and flops_per_micro_step[0] > 0  # one bucket shape
     for _, metrics in windows:
         seconds = 2 * 2 / metrics["samples_per_s"]  # 2 steps x global batch 2 per window
+        assert seconds < 3.0  # two steps of a tiny LoRA, without the 3 s "samples"
         assert metrics["mfu"] == pytest.approx(2 * flops_per_micro_step[0] / seconds / 1e12, rel=1e-6)
         assert metrics["tflops_per_s"] == pytest.approx(metrics["mfu"], rel=1e-6)  # peak 1 TFLOP/s
 

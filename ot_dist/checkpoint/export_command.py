@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ot_dist.checkpoint.layout import resolve_resume
+from ot_dist.checkpoint.run_folder import check_writable
 from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
 from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.errors import ConfigError, InputFileError
@@ -18,7 +19,7 @@ def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str 
     from ot_dist.methods.registry import build_method
     from ot_dist.models.loading import load_model
 
-    folder = resolve_resume(path, path, log=log)  # a damaged newer checkpoint is an error naming it
+    folder = resolve_resume(path, path, log=log, command="export")  # a damaged newer checkpoint is named
     state = read_trainer_state(folder)
     log(f"exporting step {state['step']} from {folder.resolve()}")
     config = validate(state["config"])  # the run's resolved config, validated like any other
@@ -29,11 +30,12 @@ def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str 
         raise ConfigError(f"--format {unknown[0]}: a {config.method} checkpoint exports {', '.join(method.formats)}")
     if ema and not state["ema"]:
         raise ConfigError(f"--ema: checkpoint {folder} was trained without EMA (ema.enabled was false)")
+    target = Path(out) if out else default_export_dir(folder)
+    check_writable(target, "--out" if out else "export folder")  # before the model loads
     model = load_model(config.model)
     method.prepare(model)
     trained = gather_full_from_files(SavedShards(folder), state["shapes"], kind="ema" if ema else "w")
     load_trained_weights(model, trained, folder)
-    target = Path(out) if out else default_export_dir(folder)
     kwargs = {"formats": chosen} if config.method == "full" else {}
     # the run's start, as training dated its exports (checkpoints from before it was recorded: their save time)
     created = state.get("run_started_at") or state.get("saved_at")

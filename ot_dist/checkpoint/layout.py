@@ -93,8 +93,13 @@ def commit(partial: Path, root: Path, step: int, keep_last: int | None, run_id: 
     write_file_durably(partial / MARKER, json.dumps({"step": step, "run_id": run_id, "files": files}, indent=1).encode())
     fsync_path(partial)
     target = root / final_name(step)
-    if target.exists():  # a committed checkpoint of the same step (e.g. a resumed run saving again)
-        shutil.rmtree(target)
+    if target.exists():  # a committed checkpoint of the same step (a run resumed from an earlier one saving again)
+        # Renamed out of the way, not deleted in place: deleting a checkpoint of many GB takes seconds, and a kill
+        # meanwhile would leave a half-deleted `step-N` that `latest` names (a damaged checkpoint, exit 3 at the
+        # next --resume auto). As a partial folder it is never read and is swept below or at the next commit.
+        replaced = partial_dir(root, step).with_name(f".{target.name}.replaced.partial")
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(target, replaced)
     os.replace(partial, target)
     fsync_path(root)
     write_file_durably(root / LATEST, (target.name + "\n").encode())
@@ -171,10 +176,12 @@ def latest_undamaged(root: Path, allow_damaged: bool, log=print, what: str = "--
     return found
 
 
-def resolve_resume(resume: str | None, output_dir: str | Path, allow_damaged: bool = False, log=print) -> Path | None:
+def resolve_resume(resume: str | None, output_dir: str | Path, allow_damaged: bool = False, log=print,
+                   command: str = "--resume") -> Path | None:
     """`--resume`: None (start fresh), "auto" (the latest committed checkpoint in output_dir, if any), or a
     path: a checkpoint folder, or a checkpoints folder / output_dir whose latest is taken. A damaged checkpoint
-    newer than the one found is an error naming it and why, or with `allow_damaged` a warning."""
+    newer than the one found is an error naming it and why, or with `allow_damaged` a warning. `command` starts
+    the messages about a path (`ot-dist export` is given no --resume)."""
     if resume is None:
         return None
     if resume == "auto":
@@ -183,12 +190,12 @@ def resolve_resume(resume: str | None, output_dir: str | Path, allow_damaged: bo
     if (path / MARKER).exists() or (_NAME.match(path.name) and path.is_dir()):
         why = damage(path)
         if why:
-            raise InputFileError(f"--resume {path.resolve()}: the checkpoint is damaged or incomplete ({why}); "
+            raise InputFileError(f"{command} {path.resolve()}: the checkpoint is damaged or incomplete ({why}); "
                                  "use an earlier one")
         return path
     for root in (path, checkpoints_dir(path)):
         found = latest_undamaged(root, allow_damaged, log, f"{path}") if root.is_dir() else None
         if found:
             return found
-    raise InputFileError(f"--resume {path}: not a committed checkpoint (no {MARKER} marker), and no committed "
-                         "checkpoint found under it")
+    raise InputFileError(f"{command} {path.resolve()}: not a committed checkpoint (no {MARKER} marker), and no "
+                         "committed checkpoint found under it")

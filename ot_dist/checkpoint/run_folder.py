@@ -13,9 +13,11 @@ moves the old folder aside to `<output_dir>.old-<time>` (nothing is deleted).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -25,10 +27,11 @@ from ot_dist.checkpoint import layout
 from ot_dist.errors import ConfigError, InputFileError
 
 RUN_FILE = "run.json"
+LOCK_FILE = ".ot_dist.lock"  # held (flock) by rank 0 of the run training in the folder
 # What a run leaves in output_dir (the methods' exports, their EMA twins, checkpoints, snapshots).
 RUN_ENTRIES = (RUN_FILE, "checkpoints", "snapshots", "exports", "model", "model.safetensors", "lora.safetensors",
                "embedding.safetensors", "model_ema", "model_ema.safetensors", "lora_ema.safetensors",
-               "embedding_ema.safetensors")
+               "embedding_ema.safetensors", "embeddings", "embeddings_ema")
 EXPORTS = RUN_ENTRIES[5:]
 
 
@@ -50,7 +53,10 @@ def earlier_run(output_dir: str | Path) -> list[str]:
                 found.append("checkpoints/")
         elif path.exists():
             found.append(name + ("/" if path.is_dir() else ""))
-    return found
+    # run.json alone: a run stopped before it saved or exported anything (bad input found by the checks after the
+    # folder was prepared: a mistyped model.path, unreadable images). It has nothing to lose, and refusing the
+    # corrected command as "already holds a run" would send the user to --overwrite for nothing.
+    return [] if found == [RUN_FILE] else found
 
 
 def refusal(output_dir: str | Path, found: list[str], why: str = "") -> ConfigError:
@@ -61,22 +67,23 @@ def refusal(output_dir: str | Path, found: list[str], why: str = "") -> ConfigEr
     )
 
 
-def check_writable(output_dir: str | Path) -> Path:
-    """Create `output_dir` if needed and prove that a file can be written there; exit 3 naming the resolved path."""
+def check_writable(output_dir: str | Path, key: str = "output_dir") -> Path:
+    """Create `output_dir` if needed and prove that a file can be written there; exit 3 naming `key` and the
+    resolved path."""
     path = resolved(output_dir)
     ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         what = "is not a folder" if ancestor == path else f"cannot be created: {ancestor} is not a folder"
-        raise InputFileError(f"output_dir {path} {what}")
+        raise InputFileError(f"{key} {path} {what}")
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write-test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"ok")
         probe.unlink()
     except OSError as err:
-        raise InputFileError(f"output_dir {path} is not writable: {err.strerror or err}") from None
+        raise InputFileError(f"{key} {path} is not writable: {err.strerror or err}") from None
     return path
 
 
@@ -140,6 +147,48 @@ def check_before_start(output_dir: str | Path, resume: str | None, overwrite: bo
     return folder, False
 
 
+# The locks this process holds, by folder: a second Trainer on the same folder in one process (tests, notebooks) and
+# a rank forked from it share the lock instead of refusing themselves.
+_held: dict[Path, object] = {}
+
+
+def lock_output_dir(out: Path) -> None:
+    """Rank 0 holds an exclusive lock on `out` while it trains: a second run started on the same folder (a double
+    start, a pod believed dead, two `--resume auto`) is refused, instead of both writing the same checkpoint folders
+    and one of them dying at a later save with an error about the other's files. The kernel releases the lock when
+    the process ends, however it ends. On storage without locks (some network mounts) nothing is locked."""
+    if out in _held:
+        return
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        return
+    file = open(out / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as err:
+        file.seek(0)
+        holder = file.read().strip()
+        file.close()
+        if err.errno in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EACCES):
+            raise ConfigError(f"output_dir {out} is in use by another run ({holder or 'a process holds its lock'}); "
+                              "two runs in one folder would overwrite each other's checkpoints. Wait for it to end "
+                              "(or stop it), or choose another output_dir") from None
+        return  # no locks on this storage
+    file.seek(0)
+    file.truncate()
+    file.write(f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    file.flush()
+    _held[out] = file
+
+
+def release_output_dir(out: str | Path) -> None:
+    """The run in `out` is over (its last checkpoint committed): another may start there."""
+    file = _held.pop(resolved(out), None)
+    if file is not None:
+        file.close()
+
+
 @dataclass
 class RunFolder:
     output_dir: Path
@@ -161,6 +210,7 @@ def prepare_run_folder(output_dir: str | Path, resume: str | None, overwrite: bo
         if moved:
             log(f"--overwrite: moved the earlier run to {moved}")
         out = check_writable(output_dir)
+        lock_output_dir(out)
         if folder is None or not (out / RUN_FILE).exists():
             run_id = (checkpoint_run_id(folder) if folder else None) or uuid.uuid4().hex
             text = json.dumps({"run_id": run_id, "started_at": time.time()}, indent=1) + "\n"

@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
-from ot_dist.errors import InputFileError
+from ot_dist.errors import InputFileError, os_error_of
 from ot_dist.parallel.ownership import Fragment, Ownership, local
 
 
@@ -92,8 +92,20 @@ def rank_state(ownership: Ownership, optimizer, ema, writes_owned: bool, extra_t
 
 def write_rank_state(folder: Path, rank: int, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """rank-<r>.safetensors and rank-<r>.json in `folder`, from `rank_state`'s host copies."""
-    save_file(tensors, folder / f"{rank_stem(rank)}.safetensors")
+    path = folder / f"{rank_stem(rank)}.safetensors"
+    try:
+        save_file(tensors, path)
+    except SafetensorError as err:
+        raise as_os_error(err, path) from err
     (folder / f"{rank_stem(rank)}.json").write_text(json.dumps({"rank": rank, **meta}))
+
+
+def as_os_error(err: SafetensorError, path: Path) -> Exception:
+    """safetensors reports a failed write (disk full, quota, file size limit) as a SafetensorError that carries the
+    OS error in its text ("I/O error: No space left on device (os error 28)"): that is the disk, which the commit
+    protocol reports as exit 3 (checkpoint/writer.py), not a defect. Anything else stays as it is."""
+    found = os_error_of(err)
+    return OSError(found.errno, found.strerror, str(path)) if found else err
 
 
 def jsonable(value, what: str):

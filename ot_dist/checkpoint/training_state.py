@@ -158,6 +158,10 @@ class Checkpointer:
             from ot_dist.tracking.outbox import remembered_run
 
             run_id = remembered_run(Path(state["tracking_outbox"]))
+        if folder.resolve() == self.folder_of(state["step"]).resolve():
+            # This run's own checkpoint of this step holds this very state: a resume that trains no further step
+            # (a finished run resumed, a stop before the first step) must not write and commit it again in place.
+            self.last_saved_step = state["step"]
         return Position(state["step"], state["data"]["epoch"], run_id, folder)
 
 

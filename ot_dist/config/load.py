@@ -30,14 +30,47 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        raw = yaml.safe_load(path.read_text())
+        # Bytes, so that YAML's own encoding rules apply: UTF-8, or UTF-16 with its byte order mark (what Windows
+        # PowerShell 5's `>` writes); anything else is a YAMLError naming the position, never a UnicodeDecodeError.
+        raw = yaml.load(path.read_bytes(), Loader=UniqueKeyLoader)
+    except yaml.reader.ReaderError as err:  # bytes that are not text in YAML's encodings
+        raise ConfigError(f"{path}: not UTF-8 text (save it as UTF-8): {err}") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    except DuplicateKey as err:
+        raise ConfigError(f"{path}: {err}") from None
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of keys, not {type(raw).__name__}")
     return raw
+
+
+class DuplicateKey(Exception):
+    pass
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key written twice in one mapping. PyYAML keeps the last one silently, so a second
+    `data:` section pasted at the end of a config would drop the first one's keys without a word (YAML 1.2 says
+    keys are unique; TOML and JSON-schema-checked configs of the peers refuse them too). Keys brought in by a merge
+    (`<<: *defaults`) may be overridden, as YAML intends."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: SafeLoader's own error names it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise DuplicateKey(f"key {key!r} appears twice in one section (lines {first} and "
+                                       f"{key_node.start_mark.line + 1}); YAML would keep only the last, so merge them")
+        return super().construct_mapping(node, deep=deep)
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

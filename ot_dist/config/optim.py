@@ -580,6 +580,11 @@ def planned_groups(config) -> list[tuple[str, float, str]]:
     for part in parts:
         own = getattr(config, part).learning_rate
         groups.append((part, own or config.learning_rate, f"{part}.learning_rate" if own else "learning_rate"))
+    for i, entry in enumerate(config.additional_embeddings):
+        if entry.train:
+            key = (f"additional_embeddings[{i}].learning_rate" if entry.learning_rate else
+                   "embedding.learning_rate" if config.embedding.learning_rate else "learning_rate")
+            groups.append((entry.group_name(), config.additional_learning_rate(entry), key))
     return groups
 
 

@@ -13,6 +13,8 @@ from ot_dist.config.schema import TrainConfig
 
 def _type_name(annotation) -> str:
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a type with a validator (schema.UserPath): the type is what the user writes
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return " \\| ".join(f"`{v}`" for v in typing.get_args(annotation))
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):

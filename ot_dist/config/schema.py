@@ -6,12 +6,15 @@ Names follow OneTrainer's where one exists, so its users feel at home.
 
 from __future__ import annotations
 
+import os
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from ot_dist.config.checkpoint import CheckpointConfig
+from ot_dist.config.embeddings import (AdditionalEmbeddingConfig, check_additional_embeddings,
+                                       lower_case_for_several_vectors, safetensors_only)
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.metadata import MetadataConfig
@@ -23,6 +26,9 @@ from ot_dist.models.families.registry import FAMILY_NAMES, get_family
 from ot_dist.optim.registry import SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# A path as a shell reads it: YAML keeps `~` literal and Python's file calls do not expand it, so without this the
+# early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
+UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
 PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3")
 
@@ -33,12 +39,12 @@ class ModelConfig(Section):
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
         "prior), wuerstchen_v2 (its prior), sana; each is one module under ot_dist/models/families/ (docs/families.md)."
     )
-    path: str = Field(
+    path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
         "Flux, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config)."
     )
-    config: str | None = Field(
+    config: UserPath | None = Field(
         default=None,
         description="For a single-file checkpoint: a diffusers-format folder (or hub id when online) whose "
         "component configs describe the architecture. Needed offline.",
@@ -198,7 +204,7 @@ class LoraConfig(Section):
         "whose T5-XXL modules are named as ComfyUI reads them: lora_te3_* / lora_te1_* with .alpha tensors; "
         "PixArt's pipelines have no load_lora_weights: ot_dist.lora_tools.peft_load.load_peft_lora loads the file).",
     )
-    init_from: str | None = Field(
+    init_from: UserPath | None = Field(
         default=None,
         description="A LoRA .safetensors file to start from instead of zero (continue a LoRA, ot_dist's or another "
         "trainer's: kohya or diffusers layout). Its rank must equal lora.rank; its alpha is honoured (the starting "
@@ -219,7 +225,7 @@ class EmbeddingConfig(Section):
     init_text: str = Field(
         default="*", min_length=1, description="Text whose token embeddings initialise the vectors (unless init_from)."
     )
-    init_from: str | None = Field(
+    init_from: UserPath | None = Field(
         default=None,
         description="An embedding .safetensors to continue: the vectors start from it instead of init_text. Layouts: "
         "ot_dist's / ComfyUI's / A1111-Forge SDXL (clip_l, clip_g), OneTrainer's (emp_params for SD 1.x/2.x; "
@@ -233,28 +239,18 @@ class EmbeddingConfig(Section):
     @field_validator("init_from")
     @classmethod
     def _safetensors_only(cls, value: str | None) -> str | None:
-        # .pt / .bin embeddings (A1111's, kohya's, OneTrainer's old ones) are pickles, which can run code when loaded
-        if value is not None and not value.lower().endswith(".safetensors"):
-            raise ValueError(f"embedding.init_from: {value} is not a .safetensors file; .pt / .bin embeddings are "
-                             "Python pickles, which can run code when loaded (convert it to .safetensors first)")
-        return value
+        return safetensors_only(value, "embedding.init_from")
 
     @model_validator(mode="after")
     def _lower_case_for_several_vectors(self) -> "EmbeddingConfig":
-        # CLIP tokenizers lower-case the prompt, and diffusers expands TOKEN to TOKEN TOKEN_1 ... only when the
-        # lower-cased word is the registered one (loaders/textual_inversion.py `maybe_convert_prompt`): an upper-case
-        # token would train all its vectors but give one in diffusers' pipelines and in ot_dist's own samples.
-        if self.vectors > 1 and self.token != self.token.lower():
-            raise ValueError(f"embedding.token: {self.token!r} with {self.vectors} vectors must be lower case "
-                             f"({self.token.lower()!r}): CLIP tokenizers lower-case the prompt, so diffusers' "
-                             "pipelines would expand an upper-case token to its first vector only")
+        lower_case_for_several_vectors(self.token, self.vectors, "embedding.token")
         return self
 
 
 class ConceptConfig(Section):
     """One concept (OneTrainer's term): a folder of images with captions and optional masks."""
 
-    path: str = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
+    path: UserPath = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
     name: str | None = Field(default=None, description="Name in reports and sample keys; unset = the folder name.")
     type: Literal["standard", "validation", "prior_preservation", "prior_prediction"] = Field(
@@ -309,6 +305,21 @@ class ConceptConfig(Section):
     saturation: float = Field(default=0.0, ge=0, description="Saturation jitter: a factor drawn in [1-s, 1+s], below 0 "
                               "taken as 0 (greyscale), as OneTrainer's random_saturation_max_strength.")
     hue: float = Field(default=0.0, ge=0, le=0.5, description="Hue jitter: a turn of the colour circle in [-s, s].")
+    image_variations: int = Field(
+        default=1, ge=1, description="With data.cache_latents and this concept's augmentation: the latent cache holds "
+        "this many augmented versions of each image (OneTrainer's image_variations), N times the cache's size; pass "
+        "p over the concept's images (epoch p with balancing 1) trains with version p mod N, and version v is the "
+        "augmentation the images get uncached in epoch v (drawn per seed and sample: a rerun, a resume or another "
+        "number of processes reads the same cache). 1: augmentation cannot go with cached latents (refused). A concept "
+        "that does not augment caches one version. docs/data.md#cached-variations",
+    )
+    text_variations: int = Field(
+        default=1, ge=1, description="With data.cache_text and this concept's caption options (tag shuffling, tag or "
+        "caption dropout, caps): the text cache holds this many varied versions of each caption line (OneTrainer's "
+        "text_variations), N times the cache's size; pass p over the concept's images trains with version p mod N, "
+        "version v being the captions uncached epoch v reads. 1: varying captions cannot go with cached text "
+        "(refused). docs/data.md#cached-variations",
+    )
     tag_shuffling: bool = Field(
         default=False, description="Shuffle the caption's tags (split at tag_delimiter) every epoch, keeping the first "
         "keep_tags_count in place (OneTrainer's enable_tag_shuffling).",
@@ -457,17 +468,17 @@ class ConceptConfig(Section):
 
 
 class DataConfig(Section):
-    path: str | None = Field(
+    path: UserPath | None = Field(
         default=None, description="Shorthand for one concept with default settings: `concepts: [{path: ...}]`."
     )
     concepts: list[ConceptConfig] = Field(default_factory=list, description="The training concepts (see below).")
-    shards: str | None = Field(
+    shards: UserPath | None = Field(
         default=None,
         description="The shard set folder (`ot-dist shard build`). Unset: <cache_dir>/shards/<name from the concepts "
         "and settings>, built at train start when missing or stale (`ot-dist shard list | prune` show and remove old "
         "ones). Set without concepts: train from an existing shard set.",
     )
-    cache_dir: str | None = Field(
+    cache_dir: UserPath | None = Field(
         default=None,
         description="The cache folder of shard sets when data.shards is unset. Unset: the environment's OT_DIST_CACHE, "
         "else ot_dist-cache beside output_dir (in its parent folder, which every node of a run shares).",
@@ -500,7 +511,8 @@ class DataConfig(Section):
         default=False,
         description="Run the text encoders once over every caption (in chunks of 1024 samples split over the ranks; "
         "an interrupted run resumes at the missing chunks), store the outputs in the shard set (keyed to the encoders "
-        "and tokenizers) and train from them. Needs frozen text encoders and method full or lora.",
+        "and tokenizers) and train from them. Needs frozen text encoders and method full or lora; a concept whose "
+        "captions vary needs text_variations > 1.",
     )
     small_buckets: Literal["move", "drop"] = Field(
         default="move",
@@ -538,7 +550,7 @@ class DataConfig(Section):
         description="Encode every image with the VAE once (batched, in chunks of 1024 samples split over the ranks "
         "of the launch; an interrupted run resumes at the missing chunks, on any number of processes), store the "
         "latents in the shard set (keyed to the VAE, the resolutions and the shards) and train from them. "
-        "Augmentation-free: needs crop center. docs/data.md#latent-and-text-caches",
+        "Needs crop center; an augmenting concept needs image_variations > 1. docs/data.md#latent-and-text-caches",
     )
 
     @field_validator("image_background")
@@ -563,11 +575,12 @@ class DataConfig(Section):
         if self.cache_latents:
             from ot_dist.data.augment import has_augmentation
 
-            augmented = [label for label, c in self.concept_list() if has_augmentation(c)]
+            augmented = [label for label, c in self.concept_list() if has_augmentation(c) and c.image_variations == 1]
             if augmented:
                 raise ValueError(f"data.cache_latents: {augmented[0]} augments its images every epoch (flip, rotation, "
-                                 "colour jitter), which one cached latent per image cannot hold; turn cache_latents "
-                                 "off or the augmentation off")
+                                 "colour jitter), which one cached latent per image cannot hold; set "
+                                 f"{augmented[0]}.image_variations to N > 1 to cache N augmented versions (N times the "
+                                 "cache's size), or turn cache_latents or the augmentation off")
         return self
 
     def concept_list(self) -> list[tuple[str, ConceptConfig]]:
@@ -709,7 +722,7 @@ class TrainConfig(Section):
         description="full = finetune the weights; lora = train LoRA adapters (peft); "
         "embedding = textual inversion."
     )
-    output_dir: str = Field(description="Where exports, checkpoints (output_dir/checkpoints) and the local MLflow store go.")
+    output_dir: UserPath = Field(description="Where exports, checkpoints (output_dir/checkpoints) and the local MLflow store go.")
     data: DataConfig
     seed: int = Field(default=42, description="Seeds shuffling, noise and timesteps (per sample).")
     resolution: int | list[int] = Field(
@@ -782,6 +795,22 @@ class TrainConfig(Section):
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
+    additional_embeddings: list[AdditionalEmbeddingConfig] = Field(
+        default_factory=list,
+        description="New tokens trained together with the method's weights (pivotal tuning; OneTrainer's additional "
+        "embeddings): each in its own parameter group, its token expanded where captions (and sample prompts) have "
+        "it. Written as output_dir/embeddings/<token>.safetensors (the layout of method embedding's file: diffusers' "
+        "load_textual_inversion, A1111, ComfyUI) and, with bundle_additional_embeddings, inside the LoRA file too. "
+        "Families with a CLIP text encoder (not PixArt / Chroma, T5 only); not with data.cache_text.",
+    )
+    bundle_additional_embeddings: bool = Field(
+        default=False,
+        description="Method lora: also write the additional embeddings into lora.safetensors as "
+        "bundle_emb.<token>.<key> tensors (A1111's bundled embeddings; OneTrainer's default). Off by default: "
+        "diffusers' load_lora_weights refuses a LoRA file with such keys (\"Invalid LoRA checkpoint\"), ComfyUI "
+        "loads the LoRA but warns \"lora key not loaded\" for each, and Forge (since its 2024 LoRA rework) ignores "
+        "them; the separate files are written either way.",
+    )
     metadata: MetadataConfig = Field(default_factory=MetadataConfig)
 
     @field_validator("train_dtype")
@@ -964,6 +993,7 @@ class TrainConfig(Section):
                              f"(allowed: auto, {', '.join(family.samplers)})")
         if self.method == "embedding" and not family.embedding_keys:
             raise ValueError(f"method: model family {self.model.family} has no text encoder that takes embeddings")
+        check_additional_embeddings(self, family)
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():
                 if getattr(self, name).stop_training_after is not None:
@@ -1017,12 +1047,19 @@ class TrainConfig(Section):
         if self.data.cache_text:
             from ot_dist.data.captions import caption_options
 
-            varied = [(label, options) for label, c in self.data.concept_list() if (options := caption_options(c))]
+            every_n = [label for label, c in self.data.concept_list() if c.caption_dropout_every_n_epochs]
+            if every_n:  # an epoch's choice, not a draw: cached versions are read in other epochs than their own
+                raise ValueError(f"data.cache_text: {every_n[0]}.caption_dropout_every_n_epochs empties the captions "
+                                 "of given epochs, which cached text (also with text_variations) cannot follow; turn "
+                                 "cache_text off or the option off")
+            varied = [(label, options) for label, c in self.data.concept_list()
+                      if (options := caption_options(c)) and c.text_variations == 1]
             if varied:
                 label, options = varied[0]
                 raise ValueError(f"data.cache_text: {label} varies its captions every epoch or changes them as they "
                                  f"are read ({label}.{options[0]}), which a cache of each stored caption's encoding "
-                                 "cannot follow; turn cache_text off or the option off")
+                                 f"cannot follow; set {label}.text_variations to N > 1 to cache N varied versions of "
+                                 "each caption (N times the cache's size), or turn cache_text off or the option off")
         if (self.checkpoint.on_nonfinite_loss == "skip_step" and self.strategy.startswith("zero")
                 and self.checkpoint.step_guard != "lagged"):
             raise ValueError(
@@ -1079,3 +1116,13 @@ class TrainConfig(Section):
 
     def part_learning_rate(self, name: str) -> float:
         return getattr(self, name).learning_rate or self.learning_rate
+
+    def additional_learning_rate(self, entry: AdditionalEmbeddingConfig) -> float:
+        return entry.learning_rate or self.embedding.learning_rate or self.learning_rate
+
+    def stop_rule(self, group: str):
+        """The config section whose `stopped(epoch, step)` applies to parameter group `group` (a part, an additional
+        embedding's "embedding/<token>"), or None."""
+        if group in self.part_names():
+            return getattr(self, group)
+        return next((e for e in self.additional_embeddings if e.group_name() == group), None)

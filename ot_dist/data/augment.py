@@ -1,7 +1,8 @@
 """Image augmentation per concept (OneTrainer's image options): random horizontal flip, rotation, and brightness /
 contrast / saturation / hue jitter, applied to the cropped bucket image (and its mask, for the geometric ones) as it
 is read. Drawn from a generator keyed by (seed, epoch, sample id): the same on every rank and world size, new every
-epoch. Cached latents hold one fixed crop, so augmented concepts cannot use them (the config refuses it)."""
+epoch. A latent cache holds a concept's augmentation as `image_variations` versions of each image (variations.py);
+with one version an augmenting concept cannot use it (the config refuses it)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,7 @@ def augment(image: Image.Image, mask: Image.Image | None, concept, gen: torch.Ge
     if concept is None or not has_augmentation(concept):
         return image, mask
     u = torch.rand(6, generator=gen).tolist()
-    if u[0] < concept.flip_probability:
-        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if mask is not None else None
-    if concept.rotation_degrees:
-        angle = (2 * u[1] - 1) * concept.rotation_degrees
-        # Same size, corners filled from the mirrored image would invent content; black corners are what
-        # OneTrainer's rotation leaves too, and the mask marks them as not trained.
-        image = image.rotate(angle, resample=Image.Resampling.BICUBIC)
-        mask = (mask if mask is not None else Image.new("L", image.size, 255)).rotate(angle, Image.Resampling.BILINEAR)
+    image, mask = _geometric(image, mask, image.size, concept, u)
     for factor, enhancer, draw in ((concept.brightness, ImageEnhance.Brightness, u[2]),
                                    (concept.contrast, ImageEnhance.Contrast, u[3]),
                                    (concept.saturation, ImageEnhance.Color, u[4])):
@@ -40,6 +33,28 @@ def augment(image: Image.Image, mask: Image.Image | None, concept, gen: torch.Ge
             image = enhancer(image).enhance(max(0.0, 1 + (2 * draw - 1) * factor))
     if concept.hue:
         image = shift_hue(image, (2 * u[5] - 1) * concept.hue)
+    return image, mask
+
+
+def augment_mask(mask: Image.Image | None, size: tuple[int, int], concept, gen: torch.Generator) -> Image.Image | None:
+    """The mask `augment` gives beside an image of `size` (width, height) with the same generator, without the image:
+    a cached latent's version holds the augmented image, its mask is augmented as it is read."""
+    if concept is None or not has_augmentation(concept):
+        return mask
+    return _geometric(None, mask, size, concept, torch.rand(6, generator=gen).tolist())[1]
+
+
+def _geometric(image: Image.Image | None, mask: Image.Image | None, size: tuple[int, int], concept, u: list[float]):
+    """The flip and the rotation, of the image (when given) and its mask."""
+    if u[0] < concept.flip_probability:
+        image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if image is not None else None
+        mask = mask.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if mask is not None else None
+    if concept.rotation_degrees:
+        angle = (2 * u[1] - 1) * concept.rotation_degrees
+        # Same size, corners filled from the mirrored image would invent content; black corners are what
+        # OneTrainer's rotation leaves too, and the mask marks them as not trained.
+        image = image.rotate(angle, resample=Image.Resampling.BICUBIC) if image is not None else None
+        mask = (mask if mask is not None else Image.new("L", size, 255)).rotate(angle, Image.Resampling.BILINEAR)
     return image, mask
 
 

@@ -113,9 +113,12 @@ class ChunkWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def write_index(cache_dir: Path, record: dict, samples: int, chunk_size: int, members: list[str]) -> None:
+def write_index(cache_dir: Path, record: dict, samples: int, chunk_size: int, members: list[str],
+                held: np.ndarray | None = None) -> None:
     """The index columns from every chunk's table (one linear pass), then the manifest. Refuses a missing chunk or
-    one whose table does not cover each of its samples' members exactly once."""
+    one whose table does not cover each of its samples' members exactly once. `held`: per sample the number of
+    leading members it has (a sample of a concept with fewer cached variations has fewer; size 0 in the index for
+    the others); None: all of them."""
     offsets = np.zeros((len(members), samples), dtype=COLUMNS["offset"])
     sizes = np.zeros((len(members), samples), dtype=COLUMNS["size"])
     for chunk in range(chunk_count(samples, chunk_size)):
@@ -127,6 +130,8 @@ def write_index(cache_dir: Path, record: dict, samples: int, chunk_size: int, me
         sample_id, member, offset, size = rows.T
         slots = sample_id * len(members) + member
         expected = np.arange(ids.start * len(members), ids.stop * len(members), dtype=np.uint64)
+        if held is not None:
+            expected = expected[(expected % len(members)) < np.repeat(held[ids.start:ids.stop], len(members))]
         if rows.shape != (len(expected), 4) or not np.array_equal(np.sort(slots), expected):
             raise InputFileError(f"data: the cache chunk {tar} does not hold its samples {ids.start}-{ids.stop - 1} "
                                  f"x {members}; delete it and run again")
@@ -169,8 +174,10 @@ class CacheIndex:
         """(chunk tar, data offset, size) of a sample's member."""
         if member not in self.members:
             raise InputFileError(f"{self.what}: the cache {self.dir} holds no {member} (it has {self.members})")
-        return (self.dir / f"{chunk_name(sample // self.chunk_size)}.tar", int(self.column(member, "offset")[sample]),
-                int(self.column(member, "size")[sample]))
+        size = int(self.column(member, "size")[sample])
+        if not size:  # a sample of a concept with fewer cached variations
+            raise InputFileError(f"{self.what}: the cache {self.dir} holds no {member} of sample {sample}")
+        return self.dir / f"{chunk_name(sample // self.chunk_size)}.tar", int(self.column(member, "offset")[sample]), size
 
     def nbytes(self) -> int:
         return sum(self.column(m, name).nbytes for m in self.members for name in COLUMNS)

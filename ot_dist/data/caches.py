@@ -10,12 +10,16 @@ number of processes) computes only the others. Members are safetensors (never pi
   trains exactly like an uncached one, minus the decoding and the encoder.
 - `<id>.text.safetensors`: `<key>_<j>` for each key of the family's conditioning dict (`hidden`, `pooled`,
   masks, ...) and caption line j.
+- With a concept's image_variations / text_variations N > 1 (variations.py), its samples also have version v of those
+  members, `<id>.<res>.latent.v<v>.safetensors` / `<id>.text.v<v>.safetensors` (v = 1 .. N-1); version 0 keeps the
+  name above. The samples of concepts with fewer versions have fewer members.
 Encoding is batched: the samples of a chunk that share a bucket go through the VAE together (up to
 BATCH_PIXELS pixels a batch), TEXT_BATCH_SAMPLES samples' captions at a time.
 
 The key is a hash of the model parts that produced the cache (config and weights in their stored
-dtype; tokenizer vocabularies for text). The manifest records it with the resolutions, crop and the
-shard set's fingerprint; a cache that does not match is refused (rebuilding a shard set deletes them).
+dtype; tokenizer vocabularies for text), and with variations of what they depend on (the seed, the concepts'
+augmentation / caption options, their numbers of versions). The manifest records it with the resolutions, crop and
+the shard set's fingerprint; a cache that does not match is refused (rebuilding a shard set deletes them).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import torch
 from ot_dist.data import cache_index
 from ot_dist.data.buckets import bucket_size
 from ot_dist.data.cache_index import MANIFEST, CacheIndex, ChunkWriter
+from ot_dist.data.variations import keyed, member_name
 from ot_dist.errors import InputFileError
 from ot_dist.memory.float8 import compute_dtype
 from ot_dist.models.latent_posterior import encode_posterior
@@ -66,19 +71,32 @@ def text_key(model) -> str:
     return digest.hexdigest()
 
 
-def expected_record(dataset, key: str) -> dict:
-    return {"format": FORMAT, "model_key": key, "resolutions": dataset.resolutions, "crop": dataset.crop,
-            "shard_fingerprint": dataset.manifest["fingerprint"]}
+def expected_record(dataset, key: str, variations: dict | None = None) -> dict:
+    """`variations`: the signature of the cached versions (variations.py); None records none, as before them."""
+    record = {"format": FORMAT, "model_key": key, "resolutions": dataset.resolutions, "crop": dataset.crop,
+              "shard_fingerprint": dataset.manifest["fingerprint"]}
+    return record if variations is None else {**record, "variations": variations}
+
+
+def variation_members(members: list[str], versions: int) -> list[str]:
+    """The members of a cache with `versions` versions: version-major, version 0 the members without variations."""
+    return [member_name(m, v) for v in range(versions) for m in members]
 
 
 class LatentEncoder:
     """Each sample's VAE posterior at each training resolution; a chunk's samples of one bucket (one size at every
     resolution) are encoded together, up to `batch_pixels` pixels a batch at the largest resolution. With
-    `workers`, that many loader processes read and crop the next batches' images while the VAE encodes."""
+    `workers`, that many loader processes read and crop the next batches' images while the VAE encodes. A sample
+    with image variations is encoded once per version (its augmentation in epoch v), each version of a batch
+    together."""
+
+    kind = "latents"
 
     def __init__(self, dataset, vae, batch_pixels: int = BATCH_PIXELS, workers: int = 0):
         self.dataset, self.vae, self.batch_pixels, self.workers = dataset, vae, batch_pixels, workers
-        self.members = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
+        self.variations = dataset.variations["latents"]
+        self.per_version = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
+        self.members = variation_members(self.per_version, self.variations.most)
 
     def batches(self, ids: range) -> list[list[int]]:
         buckets = np.asarray(self.dataset.index.bucket[ids.start:ids.stop])
@@ -93,67 +111,90 @@ class LatentEncoder:
 
     def inputs(self, batches: list[list[int]]):
         """Each batch's pixels at each resolution, in the batches' order (read by `workers` processes, or here)."""
-        source = _Pixels(self.dataset, batches)
+        counts = self.variations.counts(self.dataset.index.concept)
+        source = _Pixels(self.dataset, batches, [counts[batch].tolist() for batch in batches])
         if not self.workers:
             return (source[n] for n in range(len(batches)))
         return iter(torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers))
 
     @torch.no_grad()
-    def encode(self, ids: list[int], pixels: dict[int, torch.Tensor]) -> list[dict[str, bytes]]:
+    def encode(self, ids: list[int], pixels: dict[int, dict[int, torch.Tensor]]) -> list[dict[str, bytes]]:
+        """`pixels`: version -> resolution -> the batch's samples that have the version (_Pixels)."""
         from safetensors.torch import save
 
         reference = next(self.vae.parameters())
         out: list[dict[str, bytes]] = [{} for _ in ids]
-        for resolution in self.dataset.resolutions:
-            batch = pixels[resolution].to(device=reference.device, dtype=compute_dtype(self.vae))
-            mean, std = (t.float().cpu() for t in encode_posterior(self.vae, batch))
-            for n, members in enumerate(out):
-                members[f"{resolution}.latent.safetensors"] = save({"mean": _own(mean[n]), "std": _own(std[n])})
+        counts = self.variations.counts(self.dataset.index.concept[ids])
+        for version, by_resolution in pixels.items():
+            holders = [members for count, members in zip(counts, out) if count > version]
+            for resolution in self.dataset.resolutions:
+                batch = by_resolution[resolution].to(device=reference.device, dtype=compute_dtype(self.vae))
+                mean, std = (t.float().cpu() for t in encode_posterior(self.vae, batch))
+                for n, members in enumerate(holders):
+                    members[member_name(f"{resolution}.latent.safetensors", version)] = save(
+                        {"mean": _own(mean[n]), "std": _own(std[n])})
         return out
 
 
 class _Pixels(torch.utils.data.Dataset):
-    """Batch n: resolution -> the batch's samples cropped to their bucket (centre, as the cache holds them)."""
+    """Batch n: version v -> resolution -> the batch's samples with a version v (`counts`: each sample's versions),
+    cropped to their bucket (centre, as the cache holds them) and augmented as the uncached epoch v reads them."""
 
-    def __init__(self, dataset, batches: list[list[int]]):
-        self.dataset, self.batches = dataset, batches
+    def __init__(self, dataset, batches: list[list[int]], counts: list[list[int]]):
+        self.dataset, self.batches, self.counts = dataset, batches, counts
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, n: int) -> dict[int, torch.Tensor]:
-        return {resolution: torch.stack([self.dataset.load(i, 0, resolution, use_cache=False)["pixels"]
-                                         for i in self.batches[n]]) for resolution in self.dataset.resolutions}
+    def __getitem__(self, n: int) -> dict[int, dict[int, torch.Tensor]]:
+        batch, counts = self.batches[n], self.counts[n]
+        return {version: {resolution: torch.stack([self.dataset.load(i, version, resolution, use_cache=False)["pixels"]
+                                                   for i, count in zip(batch, counts) if count > version])
+                          for resolution in self.dataset.resolutions}
+                for version in range(max(counts))}
 
 
 class TextEncoder:
-    """Each sample's text-encoder outputs for each of its caption lines; `batch_samples` samples' lines at once."""
+    """Each sample's text-encoder outputs for each of its caption lines; `batch_samples` samples' lines at once. A
+    sample with text variations has each version of its lines (as the uncached epoch v varies them) encoded."""
 
-    members = ["text.safetensors"]
+    kind = "text"
 
     def __init__(self, dataset, model, batch_samples: int = TEXT_BATCH_SAMPLES):
         self.dataset, self.model, self.batch_samples = dataset, model, batch_samples
+        self.variations = dataset.variations["text"]
+        self.members = variation_members(["text.safetensors"], self.variations.most)
 
     def batches(self, ids: range) -> list[list[int]]:
         return [list(ids[i:i + self.batch_samples]) for i in range(0, len(ids), self.batch_samples)]
 
     def inputs(self, batches: list[list[int]]):
-        return ([self.dataset.captions(i) for i in batch] for batch in batches)
+        """Per batch, per sample, per version: its caption lines."""
+        return ([self._versions(i) for i in batch] for batch in batches)
+
+    def _versions(self, sample: int) -> list[list[str]]:
+        lines, count = self.dataset.captions(sample), self.variations.count(int(self.dataset.index.concept[sample]))
+        if count == 1:
+            return [lines]  # as stored (the config refuses varying captions without variations)
+        return [[self.dataset.caption_version(sample, line, v) for line in lines] for v in range(count)]
 
     @torch.no_grad()
-    def encode(self, ids: list[int], lines: list[list[str]]) -> list[dict[str, bytes]]:
+    def encode(self, ids: list[int], lines: list[list[list[str]]]) -> list[dict[str, bytes]]:
         from safetensors.torch import save
 
         family = self.model.family
-        conditioning = family.encode_text(self.model.text_encoders,
-                                          family.tokenize(self.model.tokenizers, [line for s in lines for line in s]))
+        every = [line for sample in lines for version in sample for line in version]
+        conditioning = family.encode_text(self.model.text_encoders, family.tokenize(self.model.tokenizers, every))
         out, first = [], 0
         for sample in lines:
-            # One tensor per key of the family's conditioning dict and caption line; masks keep their dtype.
-            tensors = {f"{key}_{j}": _own(value[first + j].float() if value.is_floating_point() else value[first + j])
-                       for key, value in conditioning.items() for j in range(len(sample))}
-            out.append({"text.safetensors": save(tensors)})
-            first += len(sample)
+            members = {}
+            for v, version in enumerate(sample):
+                # One tensor per key of the family's conditioning dict and caption line; masks keep their dtype.
+                tensors = {f"{key}_{j}": _own(value[first + j].float() if value.is_floating_point() else value[first + j])
+                           for key, value in conditioning.items() for j in range(len(version))}
+                members[member_name("text.safetensors", v)] = save(tensors)
+                first += len(version)
+            out.append(members)
         return out
 
 
@@ -175,9 +216,20 @@ def attach_text_cache(dataset, model, runtime, log=print, **options) -> Path:
 def attach_cache(dataset, kind: str, key: str, encoder, runtime, log, chunk_size: int = CHUNK_SAMPLES) -> Path:
     """Compute the chunks of the cache that are missing (chunk c on rank c mod world size), index them, check the
     cache matches, and make the dataset read from it."""
+    variations = encoder.variations
+    signature = variations.signature()
+    key = keyed(key, signature)
     cache_dir = dataset.dir / f"{kind}-{key[:16]}"
-    record = expected_record(dataset, key)
+    record = expected_record(dataset, key, signature)
     progress = {**record, "chunk_size": chunk_size, "members": encoder.members, "sample_count": len(dataset)}
+    held = None
+    if signature is not None:  # per sample its members: its versions x the members of one
+        held = variations.counts(dataset.index.concept) * (len(encoder.members) // variations.most)
+    if signature is not None and runtime.is_main:  # what the versions cost: the cache grows with them
+        versions = int(held.sum()) // (len(encoder.members) // variations.most)
+        log(f"data: the {kind} cache holds {versions} versions of {len(dataset)} samples "
+            f"({versions / max(1, len(dataset)):.2f}x the size without variations; "
+            f"data.concepts[].{'image' if kind == 'latents' else 'text'}_variations)")
     error = None
     # The main process decides whether to compute; every rank learns it from one collective (a rank
     # checking the folder itself could see a cache finished meanwhile and skip the collectives below).
@@ -205,7 +257,7 @@ def attach_cache(dataset, kind: str, key: str, encoder, runtime, log, chunk_size
         check_all(runtime, error, f"caching {kind}")
         if runtime.is_main:
             try:
-                cache_index.write_index(cache_dir, record, len(dataset), chunk_size, encoder.members)
+                cache_index.write_index(cache_dir, record, len(dataset), chunk_size, encoder.members, held)
             except Exception as err:  # noqa: BLE001
                 error = err
         check_all(runtime, error, f"indexing the {kind} cache")

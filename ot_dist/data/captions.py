@@ -152,7 +152,7 @@ def special_tags(value, delimiter: str) -> list[str]:
 
 @functools.lru_cache(maxsize=64)
 def _tags_in_file(path: str) -> tuple[str, ...]:
-    with open(path, newline="", encoding="utf-8") as file:
+    with open(path, newline="", encoding="utf-8-sig") as file:  # a byte order mark would glue onto the first tag
         if path.endswith(".csv"):
             return tuple(row[0].strip() for row in csv.reader(file) if row and row[0].strip())
         return tuple(line.strip() for line in file if line.strip())

@@ -202,7 +202,9 @@ def read_caption(concept: ConceptConfig, image: Path) -> str:
                 f"caption_extension {concept.caption_extension})"
             )
         try:
-            text = caption_file.read_text(encoding="utf-8")
+            # utf-8-sig: a byte order mark (Notepad's UTF-8) is no part of the caption; read as text it would become
+            # three extra tokens in front of it and a first tag that matches no keep / special tag.
+            text = caption_file.read_text(encoding="utf-8-sig")
         except UnicodeDecodeError as err:
             raise InputFileError(f"data: caption {caption_file} is not UTF-8 text: {err}") from None
         captions = caption_lines(text)

@@ -276,7 +276,7 @@ def caption_text(data: bytes, suffix: str, field: str, where: str) -> str:
                                      "ot-dist shard index --caption-field)")
             text = value
         else:
-            text = data.decode("utf-8")
+            text = data.decode("utf-8-sig")  # a byte order mark is no part of the caption (concepts.read_caption)
     except (UnicodeDecodeError, ValueError, AttributeError) as err:
         raise InputFileError(f"{where}: caption member {suffix} is not readable: {err}") from None
     return text.strip()

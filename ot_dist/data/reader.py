@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from ot_dist.data.buckets import bucket_size, cover_size, merged_buckets, resize_to_cover
-from ot_dist.data.augment import augment
+from ot_dist.data.augment import augment, augment_mask
 from ot_dist.data.cache_index import CacheIndex
 from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
@@ -31,6 +31,7 @@ from ot_dist.data.plan import EpochPlan, GlobalBatch, SampleTable, plan_epoch, s
 from ot_dist.data.sample_index import MASK
 from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import read_manifest
+from ot_dist.data.variations import Variations, member_name
 from ot_dist.errors import InputFileError
 from ot_dist.randomness import generator
 
@@ -67,6 +68,9 @@ class ShardDataset:
         self.has_masks = bool(np.any(self.index.flags & MASK))
         self._last = None  # the sample record load() read last: its tar headers are read once per load
         self.caches: dict[str, CacheIndex] = {}  # latents / text -> the cache's index (cache_index.py)
+        # latents / text -> each sample's cached versions and which one an epoch reads (variations.py)
+        self.variations = {kind: Variations(kind, self.concepts, self.index.concept, self.seed)
+                           for kind in ("latents", "text")}
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -177,8 +181,10 @@ class ShardDataset:
         meta = self.metadata(sample_id)
         mask_image = None
         if "latents" in self.caches and use_cache and latents and not moved:
-            # augmentation-free: the cache holds the centre crop, the one `data.crop: center` takes
-            posterior = self._read_cached("latents", sample_id, sample["key"], f"{resolution}.latent.safetensors")
+            # the cache holds the centre crop (the one `data.crop: center` takes), augmented as in epoch image_version
+            image_version = self.variations["latents"].of(sample_id, sample["concept"], epoch)
+            posterior = self._read_cached("latents", sample_id, sample["key"],
+                                          member_name(f"{resolution}.latent.safetensors", image_version))
             resized = meta["resolutions"][str(resolution)]["resized_size"]
             top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
             out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
@@ -200,12 +206,16 @@ class ShardDataset:
         box = (left, top, left + width, top + height)
         captions = self.captions(sample_id)
         line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
-        caption = vary_caption(captions[line], self.concepts.get(sample["concept"]),
-                               generator(self.seed, epoch, sample_id, "caption variation"), epoch)
         if "text" in self.caches and use_cache:
-            text = self._read_cached("text", sample_id, sample["key"], "text.safetensors")
+            # the line drawn in this epoch, in the cached version of its variation (what the text tensors encode)
+            version = self.variations["text"].of(sample_id, sample["concept"], epoch)
+            caption = self.caption_version(sample_id % len(self.samples), captions[line], version)
+            text = self._read_cached("text", sample_id, sample["key"], member_name("text.safetensors", version))
             # The family's conditioning dict for this caption line, keys as `text_<key>` (ot_dist/data/caches.py).
             out |= {f"text_{k.rsplit('_', 1)[0]}": v for k, v in text.items() if _line_of(k) == line}
+        else:
+            caption = vary_caption(captions[line], self.concepts.get(sample["concept"]),
+                                   generator(self.seed, epoch, sample_id, "caption variation"), epoch)
         if self.weighted:
             out["loss_weight"] = torch.tensor(self.concepts[sample["concept"]].loss_weight, dtype=torch.float32)
         if self.prior_prediction:
@@ -219,13 +229,21 @@ class ShardDataset:
         }
         if self.has_masks:  # a sample without a mask trains everywhere
             mask = torch.ones(1, height, width)
-            if sample["mask"] and mask_image is None:  # cached latents: the mask of the centre crop
-                mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+            if "latent_mean" in out:  # cached latents: the mask of the centre crop, augmented as the cached version
+                if sample["mask"]:
+                    mask_image = self._read(sample, f"{resolution}.mask.png").convert("L").crop(box)
+                mask_image = augment_mask(mask_image, (width, height), self.concepts.get(sample["concept"]),
+                                          generator(self.seed, image_version, sample_id % len(self.samples), "augment"))
             if mask_image is not None:  # (a rotation gives an unmasked sample a mask of its image's area)
                 mask = torch.from_numpy(np.asarray(mask_image, dtype=np.float32) / 255.0)[None]
             out["mask"] = mask
             out["mask_given"] = torch.tensor(bool(sample["mask"]))  # inpainting draws a mask for the others
         return out
+
+    def caption_version(self, index: int, caption: str, version: int) -> str:
+        """A caption line of sample `index` varied as the uncached epoch `version` varies it: text version `version`."""
+        return vary_caption(caption, self.concepts.get(int(self.index.concept[index])),
+                            generator(self.seed, version, index, "caption variation"), version)
 
     def _image_suffix(self, sample: dict, resolution: int) -> str:
         for suffix in sample["members"]:

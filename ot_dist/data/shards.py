@@ -59,7 +59,7 @@ READ_TIME_AT_DEFAULTS = ("loss_weight", "tag_shuffling", "tag_delimiter", "keep_
                          "tag_dropout_mode", "caption_dropout_probability", *AUGMENTATION_FIELDS)
 SETTINGS_WITHOUT = ("tag_dropout_special_tags_mode", "tag_dropout_special_tags", "tag_dropout_special_tags_regex",
                     "caps_randomize_probability", "caps_randomize_mode", "lowercase_caption", "keep_tags_separator",
-                    "secondary_separator", "caption_dropout_every_n_epochs")
+                    "secondary_separator", "caption_dropout_every_n_epochs", "image_variations", "text_variations")
 READ_TIME_CONCEPT_FIELDS = READ_TIME_AT_DEFAULTS + SETTINGS_WITHOUT
 # Options stored in the shards (they change the caption a shard holds) that were added later: in the settings only when
 # set (not empty), so that sets built before they existed keep their fingerprint.

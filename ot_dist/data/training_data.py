@@ -3,8 +3,10 @@ reader for this rank, and the bucket report. Used by the trainer and by `ot-dist
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ot_dist.data.buckets import config_bucket_of, merged_buckets
@@ -80,6 +82,13 @@ def check_untrained_share(config, dataset: ShardDataset, reader: ShardReader, wo
             "\n".join(report_lines(dataset, reader, world_size)) + f"\ndata.max_untrained_fraction: {100 * share:.0f}% of "
             f"the samples per epoch {why} (global batch {global_batch}, limit {100 * limit:.0f}%). Fixes: "
             + "; ".join(fixes))
+
+
+def training_captions(dataset: ShardDataset, table: SampleTable) -> Iterator[str]:
+    """Every caption of the samples that train (not the validation concepts'), as the shards hold them (a concept's
+    prefix and suffix in place), one sample read at a time."""
+    for i in np.flatnonzero(table.training):
+        yield from dataset.captions(int(i))
 
 
 def report_lines(dataset: ShardDataset, reader: ShardReader, world_size: int) -> list[str]:

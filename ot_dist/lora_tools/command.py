@@ -45,6 +45,12 @@ def add_lora_parser(sub) -> None:
 
 
 def run_lora(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ot_dist.checkpoint.run_folder import check_writable
+
+    # The folder --out goes into, before any model loads (a file in its way was a traceback after the work).
+    check_writable(Path(args.out).expanduser().resolve().parent, f"--out {args.out}: its folder")
     if args.lora_command == "merge":
         from ot_dist.lora_tools.merge import merge_command
 

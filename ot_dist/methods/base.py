@@ -13,7 +13,8 @@ from ot_dist.models.loading import LoadedModel
 
 @dataclass
 class ParamGroup:
-    name: str  # logged as lr/<name>; the part ("unet", "transformer", "text_encoder", ...) or "embedding"
+    name: str  # logged as lr/<name>; the part ("unet", "transformer", "text_encoder", ...), "embedding" or
+    # "embedding/<token>" (an additional embedding)
     params: list[torch.nn.Parameter]
     learning_rate: float
     part: str | None = None  # the config part whose stop_training_after applies, if any
@@ -25,13 +26,23 @@ class TrainingMethod:
     formats: tuple[str, ...] = ()  # what `export` writes (`ot-dist export --format` picks among them)
 
     def __init__(self, config: TrainConfig):
+        from ot_dist.methods.additional_embeddings import AdditionalEmbeddings
+
         self.config = config
+        self.additional = AdditionalEmbeddings(config)  # trained beside any method (pivotal tuning)
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         raise NotImplementedError
 
     def caption(self, caption: str) -> str:
-        return caption
+        """A training caption as the tokenizers read it: each embedding's token expanded to its words."""
+        from ot_dist.methods.token_vectors import expand_in_caption
+
+        return expand_in_caption(caption, self.expansions())
+
+    def expansions(self) -> dict[str, str]:
+        """token -> the words it stands for ("tok tok_1 ..."), of every embedding this run trains or uses."""
+        return self.additional.expansions()
 
     def export(
         self, model: LoadedModel, output_dir: Path, state_dict_of=None, write: bool = True, suffix: str = "",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+from contextlib import contextmanager
 from pathlib import Path
 
 from ot_dist.checkpoint.export import export_diffusers_folder
 from ot_dist.checkpoint.frozen_source import export_source
 from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict, trainable
+from ot_dist.methods.token_vectors import without_token_rows
 from ot_dist.models.loading import LoadedModel
 from ot_dist.precision import DTYPES
 
@@ -23,7 +26,9 @@ class FullFinetune(TrainingMethod):
                 groups.append(
                     ParamGroup(part, trainable(module), self.config.part_learning_rate(part), part=part)
                 )
-        return groups
+        if self.additional:  # the tokenizers as loaded, for the exported model (the new tokens go to their own files)
+            self.plain_tokenizers = {name: copy.deepcopy(t) for name, t in model.tokenizers.items()}
+        return groups + self.additional.prepare(model)
 
     formats = ("diffusers", "single-file")
 
@@ -38,6 +43,30 @@ class FullFinetune(TrainingMethod):
                                   "ot_dist; export the diffusers folder")
             formats = tuple(f for f in formats if f != "single-file")
         dtype = DTYPES[self.config.output_dtype]
+        embeddings = self.additional.export(model, output_dir, state_dict_of, write, suffix, created)
+        if self.additional:  # the model as loaded, with its own vocabulary: the new rows are in the embedding files
+            encoders = {id(m) for m in model.text_encoders.values()}
+            gather = state_dict_of
+            state_dict_of = lambda m: without_token_rows(gather(m)) if id(m) in encoders else gather(m)  # noqa: E731
+        with self._plain_tokenizers(model):
+            paths = self._export_model(model, output_dir, state_dict_of, write, suffix, created, formats, dtype)
+        return paths + embeddings
+
+    @contextmanager
+    def _plain_tokenizers(self, model: LoadedModel):
+        """The pipeline's tokenizers as loaded while the model is exported (the trained ones know the additional
+        embeddings' tokens, which the exported text encoders have no rows for)."""
+        plain = getattr(self, "plain_tokenizers", {})
+        trained = {name: getattr(model.pipeline, name) for name in plain}
+        for name, tokenizer in plain.items():
+            setattr(model.pipeline, name, tokenizer)
+        try:
+            yield
+        finally:
+            for name, tokenizer in trained.items():
+                setattr(model.pipeline, name, tokenizer)
+
+    def _export_model(self, model, output_dir, state_dict_of, write, suffix, created, formats, dtype) -> list[Path]:
         trained = {part for part in model.parts() if self.config.part_trains(part)}
         # Gathered once, used by both exports (under sharding, gathering is the expensive part). What did not train
         # is written as the user loaded it, never as the rounded copy low-memory storage held (frozen_source.py).

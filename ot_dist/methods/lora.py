@@ -59,7 +59,7 @@ class LoraMethod(TrainingMethod):
 
             start_from_file(model, {g.part: model.part(g.part) for g in groups}, self.config.lora.init_from,
                             self.config.lora.rank, ADAPTER)
-        return groups
+        return groups + self.additional.prepare(model)
 
     def export(
         self, model: LoadedModel, output_dir: Path, state_dict_of=plain_state_dict, write=True, suffix="",
@@ -75,19 +75,23 @@ class LoraMethod(TrainingMethod):
                 continue
             states[part] = get_peft_model_state_dict(module, state_dict=state_dict_of(module), adapter_name=ADAPTER)
             adapter_configs[part] = module.peft_config[ADAPTER].to_dict()
+        vectors = self.additional.vectors(model, state_dict_of)  # gathered once: the bundle and the files
+        embeddings = self.additional.export(model, output_dir, state_dict_of, write, suffix, created, vectors)
         target = output_dir / f"lora{suffix}.safetensors"
         if not write:
-            return [target]
+            return [target] + embeddings
         output_dir.mkdir(parents=True, exist_ok=True)
         layout = self.config.lora_file_layout()
         modelspec = self.modelspec(model, "lora", created, suffix, lora_layout=layout)
+        bundle = self.additional.bundled(model, vectors, dtype) if self.config.bundle_additional_embeddings else {}
         if layout == "kohya":
-            self._write_kohya(model, states, adapter_configs, target, dtype, modelspec)
+            self._write_kohya(model, states, adapter_configs, target, dtype, modelspec, bundle)
         else:
-            self._write_diffusers(model, states, adapter_configs, target, dtype, modelspec)
-        return [target]
+            self._write_diffusers(model, states, adapter_configs, target, dtype, modelspec, bundle)
+        return [target] + embeddings
 
-    def _write_kohya(self, model, states, adapter_configs, target: Path, dtype, modelspec: dict[str, str]) -> None:
+    def _write_kohya(self, model, states, adapter_configs, target: Path, dtype, modelspec: dict[str, str],
+                     bundle: dict[str, torch.Tensor]) -> None:
         import json
 
         from safetensors.torch import save_file
@@ -98,7 +102,7 @@ class LoraMethod(TrainingMethod):
         parts = {p: model.part(p) for p in states}
         names = kohya_names(family.lora_file_prefixes, family.lora_file_roots, parts,
                             {p: family.lora_file_module_renames(p, m) for p, m in parts.items()})
-        tensors = {}
+        tensors = dict(bundle)  # bundle_emb.*: the additional embeddings, when bundled
         for part, state in states.items():
             tensors.update(to_kohya(state, names[part], lora.alpha, dtype, rank=lora.rank))
         targets = {part: sorted(config["target_modules"]) for part, config in adapter_configs.items()}
@@ -108,7 +112,8 @@ class LoraMethod(TrainingMethod):
         with atomic_path(target) as tmp:
             save_file(tensors, str(tmp), metadata={**metadata, **modelspec})
 
-    def _write_diffusers(self, model, states, adapter_configs, target: Path, dtype, modelspec: dict[str, str]) -> None:
+    def _write_diffusers(self, model, states, adapter_configs, target: Path, dtype, modelspec: dict[str, str],
+                         bundle: dict[str, torch.Tensor]) -> None:
         # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together with the
         # adapter config (rank, targets) it finds in the file's metadata; the scale is inside the weights.
         # Components the family names kohya-style (T5-XXL) go in under those names, with their alpha tensors.
@@ -133,8 +138,9 @@ class LoraMethod(TrainingMethod):
             kwargs[f"{part}_lora_layers"] = {k: v.detach().to(dtype).contiguous() for k, v in state.items()}
             kwargs[f"{part}_lora_adapter_metadata"] = metadata
         pipeline_cls = model.family.pipeline_cls()
-        if named or not saves_lora_of(pipeline_cls, kwargs):  # kohya-named parts, or no LoRA saver for these parts
-            write_peft_layout(kwargs, target, named, modelspec)
+        # kohya-named parts, bundled embeddings (diffusers' saver takes components only), or no LoRA saver for these parts
+        if named or bundle or not saves_lora_of(pipeline_cls, kwargs):
+            write_peft_layout(kwargs, target, named, modelspec, bundle)
             return
         with tempfile.TemporaryDirectory(dir=target.parent) as staging, atomic_path(target) as tmp:
             pipeline_cls.save_lora_weights(staging, weight_name=target.name, **kwargs)
@@ -173,19 +179,20 @@ def add_adapter(module: torch.nn.Module, lora_config) -> None:
 
 
 def write_peft_layout(parts: dict, target: Path, named: dict[str, torch.Tensor] | None = None,
-                      extra_metadata: dict[str, str] | None = None) -> None:
+                      extra_metadata: dict[str, str] | None = None, bundle: dict[str, torch.Tensor] | None = None) -> None:
     """What `save_lora_weights` writes, for a pipeline without it: every component's peft keys under its name
     (`transformer.<module>.lora_A.weight`) and the adapter configs as diffusers' `lora_adapter_metadata`.
 
     `named`: tensors under kohya-style names with `.alpha` tensors (T5-XXL components), written as they are. A file
     with them carries no `lora_adapter_metadata`: diffusers' loader refuses alpha tensors beside it (peft.py
     `load_lora_adapter`: "Both `network_alphas` and `metadata` cannot be specified"), and without it diffusers takes
-    alpha = rank, which is right for the peft-named components, whose scale is inside their up matrices."""
+    alpha = rank, which is right for the peft-named components, whose scale is inside their up matrices.
+    `bundle`: the bundled embeddings' `bundle_emb.*` tensors, written as they are."""
     import json
 
     from safetensors.torch import save_file
 
-    tensors, adapter_metadata = dict(named or {}), {}
+    tensors, adapter_metadata = {**(bundle or {}), **(named or {})}, {}
     for key, value in parts.items():
         if key.endswith("_lora_layers"):
             component = key[: -len("_lora_layers")]

@@ -41,9 +41,18 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
             skip(f"min_snr_gamma: {args['min_snr_gamma']}: kohya's {family} training ignores it")
         else:
             loss["min_snr_gamma"] = args["min_snr_gamma"]  # min(SNR, g) / SNR, / (SNR + 1) for v: kohya's formulas
+            if args["zero_terminal_snr"] and v_prediction:
+                # kohya's get_noise_scheduler keeps the SNR table (all_snr) it computed before rescaling the betas
+                skip(f"min_snr_gamma: {args['min_snr_gamma']} with zero_terminal_snr: kohya weighs by the SNR of the "
+                     "schedule before the rescale, ot_dist by the rescaled schedule's (the one it trains on): the "
+                     "weights differ at almost every timestep (5x at t = 900, 0 instead of 0.005 at t = 999); "
+                     "min_snr_gamma is written")
     if args["debiased_estimation_loss"]:
         if family in FLOW:
             skip(f"debiased_estimation_loss: kohya's {family} training ignores it")
+        elif loss.get("min_snr_gamma"):  # kohya multiplies both weights; ot_dist has one weight function
+            skip(f"debiased_estimation_loss: kohya multiplies its weight 1 / sqrt(SNR) with min_snr_gamma's; ot_dist "
+                 f"weighs by one function: min_snr_gamma {loss['min_snr_gamma']} alone is written")
         elif v_prediction:  # kohya weighs v by 1 / (SNR + 1), ot_dist (OneTrainer) by 1 / sqrt(SNR + 1)
             skip("debiased_estimation_loss: kohya's v-prediction weight 1 / (SNR + 1) differs from ot_dist's "
                  "DEBIASED_ESTIMATION (1 / sqrt(SNR + 1)); not written")
@@ -60,7 +69,7 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
     if family in FLOW:
         _flow(args, c, family, loss, skip)
     else:
-        _timestep_range(args, loss)
+        _ddpm_timesteps(args, loss)
         if args["zero_terminal_snr"]:
             if v_prediction:
                 c["model"]["zero_terminal_snr"] = True
@@ -69,6 +78,16 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
                      "v-prediction on a zero-terminal-SNR schedule: add v_parameterization")
     if loss:
         c["loss"] = loss
+
+
+def _ddpm_timesteps(args: KohyaArgs, loss: dict) -> None:
+    """kohya's get_timesteps: randint(min_timestep, max_timestep), or max_timestep alone when min_timestep is not
+    below it (kohya accepts a minimum above the maximum)."""
+    low, high = args["min_timestep"] or 0, args["max_timestep"]
+    if high is not None and low >= high:
+        loss["min_timestep"] = loss["max_timestep"] = high
+        return
+    _timestep_range(args, loss)
 
 
 def _timestep_range(args: KohyaArgs, loss: dict) -> None:

@@ -46,6 +46,11 @@ def network_args(args: KohyaArgs) -> dict[str, str]:
     return parsed
 
 
+def _alpha(alpha, rank: int):
+    """kohya's LoRAModule and LyCORIS' modules read an alpha of 0 as the rank (scale 1, "no scaling")."""
+    return rank if alpha == 0 else alpha
+
+
 def _number(key: str, value, kind: type = float):
     """A network_args value as kohya's networks read it (int(conv_dim), float(rank_dropout), ...); a word that is no
     number is an error naming the argument, not a bare ValueError."""
@@ -60,7 +65,7 @@ def import_network(args: KohyaArgs, c: dict, family: str, out: Imported) -> None
     skip = out.not_honoured.append
     module, extra = str(args["network_module"] or ""), network_args(args)
     rank = args["network_dim"] or 4  # networks.lora's default
-    alpha = args["network_alpha"] if args["network_alpha"] is not None else 1.0
+    alpha = _alpha(args["network_alpha"] if args["network_alpha"] is not None else 1.0, rank)
     lora = {"rank": rank, "alpha": alpha}
     if module == "lycoris.kohya":
         algo = extra.pop("algo", "lora").lower()
@@ -132,10 +137,10 @@ def _targets(extra: dict, lora: dict, family: str, module: str, skip) -> None:
     conv_dim, conv_alpha = extra.pop("conv_dim", None), extra.pop("conv_alpha", None)
     if lycoris:
         conv_dim = _number("conv_dim", conv_dim, int) if conv_dim else lora["rank"]
-        conv_alpha = _number("conv_alpha", conv_alpha) if conv_alpha else float(lora["alpha"])
+        conv_alpha = _alpha(_number("conv_alpha", conv_alpha), conv_dim) if conv_alpha else float(lora["alpha"])
     elif conv_dim is not None:
         conv_dim = _number("conv_dim", conv_dim, int)
-        conv_alpha = _number("conv_alpha", conv_alpha) if conv_alpha is not None else 1.0
+        conv_alpha = _alpha(_number("conv_alpha", conv_alpha), conv_dim) if conv_alpha is not None else 1.0
     if family not in UNET_FAMILIES:
         _transformer_layout(lora, family, module, preset, skip)
         if conv_dim is not None and not lycoris:
@@ -160,9 +165,18 @@ def _targets(extra: dict, lora: dict, family: str, module: str, skip) -> None:
         return
     extras = TIME_EMBEDDING.get(family, ()) + CONV_IN_OUT.get(family, ()) if lycoris else ()
     if (conv_dim, conv_alpha) != (lora["rank"], float(lora["alpha"])):
+        if lycoris:
+            skip(f"network_args conv_dim={conv_dim} conv_alpha={conv_alpha}: ot_dist adapts every module at one rank "
+                 f"and alpha ({lora['rank']}, {lora['alpha']}); the ResNet blocks and samplers are not adapted (set "
+                 "conv_dim and conv_alpha to network_dim and network_alpha to have them)")
+            return
+        # networks.lora adapts the ResNet blocks' linear and 1x1 layers at network_dim / network_alpha, conv_dim
+        # applies to the 3x3 convolutions only
         skip(f"network_args conv_dim={conv_dim} conv_alpha={conv_alpha}: ot_dist adapts every module at one rank and "
-             f"alpha ({lora['rank']}, {lora['alpha']}); the ResNet blocks and samplers are not adapted (set conv_dim "
-             "and conv_alpha to network_dim and network_alpha to have them)")
+             f"alpha ({lora['rank']}, {lora['alpha']}); the 3x3 convolutions of the ResNet blocks and samplers are not "
+             "adapted, their time_emb_proj and 1x1 conv_shortcut are, at network_dim as in kohya (set conv_dim and "
+             "conv_alpha to network_dim and network_alpha to have the convolutions too)")
+        lora["unet_targets"] = [*default, *RESNET_LINEAR]
         return
     lora["unet_targets"] = [*default, *RESNET_LINEAR, *RESNET_CONV, *extras]
 

@@ -6,7 +6,7 @@ kohya builds each optimizer with the library's own defaults for the options opti
 defaults are OneTrainer's, so where they differ the library's value is written (LIBRARY_DEFAULTS). kohya's schedules
 are diffusers' (get_scheduler), stepped once per optimizer step: linear, cosine and cosine_with_restarts (diffusers'
 hard restarts) have ot_dist's shapes; the warmup is in optimizer steps (ot_dist counts a warmup > 1 in micro steps,
-so it is multiplied by the accumulation), a value below 1 a ratio of the steps in both."""
+so it is multiplied by the accumulation), a float up to 1 ("10%", "100%") a ratio of the steps in both."""
 
 from __future__ import annotations
 
@@ -131,6 +131,15 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
     custom, lr_args = args["lr_scheduler_type"], optimizer_args(args, "lr_scheduler_args")
     cycles, power, min_ratio = (args["lr_scheduler_num_cycles"], args["lr_scheduler_power"],
                                 args["lr_scheduler_min_lr_ratio"])
+    processes = launch_processes(args.launch)
+    if processes > 1 and warmup and not (isinstance(warmup, float) and warmup <= 1):
+        # accelerate's AcceleratedScheduler steps the schedule once per process at each optimizer step, and
+        # get_scheduler_fix sizes it max_train_steps x processes: the decay spans the run, a warmup in steps shrinks
+        steps = -(-int(warmup) // processes)
+        out.notes.append(f"lr_warmup_steps: {warmup} on {processes} processes (the launcher's --num_processes): "
+                         f"kohya's warmup ends after {steps} optimizer steps (accelerate steps its schedule once per "
+                         f"process); {steps} is written{' (rounded up)' if int(warmup) % processes else ''}")
+        warmup = steps
     for key in ("lr_decay_steps", "lr_scheduler_timescale"):
         if args[key] and name not in ("warmup_stable_decay", "inverse_sqrt", "piecewise_constant"):
             out.notes.append(f"{key}: {args[key]} is not read by kohya's {name}")
@@ -155,8 +164,10 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
         return
     for key, value in lr_args.items():
         skip(f"lr_scheduler_args {key}={value!r}: not an option of ot_dist's schedules")
-    scheduler = {"name": SCHEDULES.get(name, "CONSTANT"), "warmup_steps": warmup_micro_steps(warmup, accumulation,
-                                                                                          "lr_warmup_steps", skip)}
+    # get_scheduler_fix reads any float as a ratio of the run ("100%", 1.0: all of it), as ot_dist reads one up to 1
+    ratio = isinstance(warmup, float) and warmup <= 1
+    scheduler = {"name": SCHEDULES.get(name, "CONSTANT"),
+                 "warmup_steps": warmup if ratio else warmup_micro_steps(warmup, accumulation, "lr_warmup_steps", skip)}
     if name not in SCHEDULES:
         skip(f"lr_scheduler: {name} has no ot_dist schedule (constant, linear, cosine, cosine_with_restarts, "
              "polynomial with power 1, cosine_with_min_lr); CONSTANT is written")
@@ -177,4 +188,14 @@ def import_scheduler(args: KohyaArgs, c: dict, out: Imported) -> None:
             skip("lr_scheduler_min_lr_ratio: not set, which kohya's cosine_with_min_lr refuses; 0 is written")
         scheduler["min_factor"] = min_ratio or 0.0
     c["scheduler"] = scheduler
+
+
+def launch_processes(launch: list[str]) -> int:
+    """The process count a saved command line's `accelerate launch --num_processes N` gives (1 without one)."""
+    for i, word in enumerate(launch):
+        key, sep, value = word.partition("=")
+        if key == "--num_processes":
+            value = value if sep else (launch[i + 1] if i + 1 < len(launch) else "")
+            return int(value) if value.isdigit() else 1
+    return 1
 

@@ -8,8 +8,8 @@ reason it is not honoured, in the written file and on stderr. Nothing is dropped
 This module drives the import and maps the model, the training method (LoRA, embedding) and the top-level settings.
 Each other group of OneTrainer's fields has its own module beside it, so one can be read (and checked against
 OneTrainer's code) alone: onetrainer_upgrade (older config versions), onetrainer_parts, onetrainer_layers (the LoRA
-layer filter), onetrainer_optim, onetrainer_loss, onetrainer_concepts, onetrainer_samples, onetrainer_checkpoint;
-onetrainer_common holds what they share. The sections run in a fixed order: the order of the listed lines."""
+layer filter), onetrainer_embeddings (additional embeddings), onetrainer_optim, onetrainer_loss, onetrainer_concepts,
+onetrainer_samples, onetrainer_checkpoint; onetrainer_common holds what they share. The sections run in a fixed order: the order of the listed lines."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_checkpoint import import_checkpoint
 from ot_dist.migrate.common import Imported, is_windows_path, local_path, note_local_model, read_json
 from ot_dist.migrate.onetrainer_concepts import import_concepts, import_latent_caching
+from ot_dist.migrate.onetrainer_embeddings import import_additional_embeddings
 from ot_dist.migrate.onetrainer_layers import import_layer_filter, import_text_encoder_layers
 from ot_dist.migrate.onetrainer_loss import import_loss
 from ot_dist.migrate.onetrainer_optim import import_ema, import_optimizer, import_scheduler, scale_learning_rates
@@ -110,8 +111,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
                 skip(f"lora_model_name: {ot['lora_model_name']}: ot_dist continues plain LoRA files only")
     if method == "embedding":
         _embedding(ot, c, out)
-    if ot.get("additional_embeddings"):
-        skip("additional_embeddings: training extra embeddings beside a LoRA / finetune is not supported")
+    import_additional_embeddings(ot, c, method, out)
 
     crop_jitter = import_concepts(ot, c, path, concepts_path, out)
     import_samples(ot, c, path, samples_path, out)

@@ -1,6 +1,6 @@
 """OneTrainer's concepts (inline or in their concept file) as ot_dist's `data.concepts`, with their captions, tag
-options and augmentations, the validation interval of its validation concepts, and the latent caching and crop
-settings that depend on what the concepts augment."""
+options, augmentations and cached variations, the validation interval of its validation concepts, and the latent
+caching and crop settings that depend on what the concepts augment."""
 
 from __future__ import annotations
 
@@ -88,9 +88,9 @@ def import_concepts(ot: dict, c: dict, config_path: Path, concepts_path: str | N
                                         "rotation and colour jitter)")
         if concept["loss_weight"] != 1.0:
             entry["loss_weight"] = concept["loss_weight"]
-        for key in ("image_variations", "text_variations"):
+        for key in ("image_variations", "text_variations"):  # the versions its latent / text cache holds
             if concept[key] != 1:
-                out.not_honoured.append(f"{label}.{key}: {concept[key]} cached variations are not supported")
+                entry[key] = max(1, int(concept[key]))
         converted.append(entry)
         if concept["type"] == "STANDARD":
             crop_jitter.append(bool(image.get("enable_crop_jitter", True)))
@@ -193,18 +193,26 @@ def import_latent_caching(ot: dict, c: dict, inpainting: bool, crop_jitter: list
     skip = out.not_honoured.append
     from ot_dist.data.augment import AUGMENTATION_FIELDS
 
-    augmented = [e["path"] for e in c.get("data", {}).get("concepts", []) if any(e.get(k) for k in AUGMENTATION_FIELDS)]
+    # an augmenting concept with image_variations 1 would train one augmented version for ever in OneTrainer; ot_dist
+    # refuses that, and encodes each step's augmented image instead. With more, the cache holds its versions.
+    augmented = [e["path"] for e in c.get("data", {}).get("concepts", [])
+                 if any(e.get(k) for k in AUGMENTATION_FIELDS) and e.get("image_variations", 1) == 1]
     if ot["latent_caching"] and augmented:
-        out.notes.append(f"latent_caching: off, because {augmented[0]} augments its images (OneTrainer caches "
-                         "image_variations copies; ot_dist encodes each step's augmented image)")
+        out.notes.append(f"latent_caching: off, because {augmented[0]} augments its images with image_variations 1 "
+                         "(OneTrainer caches one augmented version and trains it every epoch; ot_dist encodes each "
+                         "step's augmented image; image_variations > 1 caches that many versions)")
     elif ot["latent_caching"] and inpainting:
         out.notes.append("latent_caching: off, because an inpainting model is trained (ot_dist encodes each step's "
                          "masked image, OneTrainer caches image_variations copies of it)")
     elif ot["latent_caching"]:
         c.setdefault("data", {})["cache_latents"] = True
+    varied = [e["path"] for e in c.get("data", {}).get("concepts", []) if e.get("text_variations", 1) > 1]
+    if varied:  # OneTrainer caches text beside the latents when the text encoders are frozen
+        out.notes.append(f"text_variations: {varied[0]}'s versions of its captions are cached with data.cache_text, "
+                         "which the import leaves off (set it with frozen text encoders)")
     if any(crop_jitter) and c["data"].get("cache_latents"):
-        out.notes.append("enable_crop_jitter: the cached latents hold the centre crop (OneTrainer caches one randomly "
-                         "cropped copy per image)")
+        out.notes.append("enable_crop_jitter: the cached latents hold the centre crop (OneTrainer caches a randomly "
+                         "cropped copy per image and image variation)")
     elif any(crop_jitter):  # OneTrainer's default: the crop offset drawn per epoch
         c["data"]["crop"] = "random"
         if not all(crop_jitter):

@@ -85,7 +85,7 @@ def scale_learning_rates(ot: dict, c: dict, out: Imported) -> None:
     scale = {"BATCH": batch, "GLOBAL_BATCH": batch, "GRADIENT_ACCUMULATION": accumulation, "BOTH": batch * accumulation,
              "GLOBAL_BOTH": batch * accumulation}[scaler]
     factor = scale ** 0.5
-    for section in (c, *(c.get(p) for p in PART_SECTIONS), c.get("embedding")):
+    for section in (c, *(c.get(p) for p in PART_SECTIONS), c.get("embedding"), *c.get("additional_embeddings", [])):
         if section and section.get("learning_rate"):
             section["learning_rate"] = section["learning_rate"] * factor
     out.notes.append(f"learning_rate_scaler: {scaler}: the learning rates are multiplied by sqrt({scale})")

@@ -68,7 +68,7 @@ def zero_after_stops(config, names: list[str], rows: list[list[float]], plan: St
     rule: a stopped part applies nothing, and its logged lr is 0). Returns (column, part config) of such parts."""
     stops = []
     for g, name in enumerate(names):
-        part = getattr(config, name, None)
+        part = config.stop_rule(name)
         if getattr(part, "stop_training_after", None) is not None:
             stops.append((g, part))
     for step, row in enumerate(rows):

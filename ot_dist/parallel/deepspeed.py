@@ -204,13 +204,19 @@ def parameters_shown_by_shape():
 def register_embeddings_as_external(root: torch.nn.Module) -> None:
     """ZeRO-3 gathers a parameter only while its own module runs. Embedding tables are read from
     their parent's forward too (CLIP checks `position_embedding.weight.shape` before using it), so
-    each embedding's weight is also registered with its parent. Embeddings are small; the cost is nil."""
+    each embedding's weight is also registered with its parent. Embeddings are small; the cost is nil.
+    The same for the parameters of a ParameterList / ParameterDict: a container runs no forward of its own, its
+    parent reads them (token_vectors.py's ExtendedTokenEmbedding: the additional embeddings' rows, `additional.<i>`;
+    ungathered, its forward read empty partitions)."""
     import deepspeed
 
     for parent in root.modules():
         for child in parent.children():
             if isinstance(child, torch.nn.Embedding):
                 deepspeed.zero.register_external_parameter(parent, child.weight)
+            elif isinstance(child, (torch.nn.ParameterList, torch.nn.ParameterDict)):
+                for param in child.parameters():
+                    deepspeed.zero.register_external_parameter(parent, param)
 
 
 def register_adapter_reads_as_external(root: torch.nn.Module) -> None:

@@ -62,7 +62,8 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
     """The tracker of this process: MLflow on the main rank, a no-op elsewhere or with mlflow.enabled
     false. `run_id` continues an earlier run, whose steps continue after `step_offset` (a checkpoint
     resume numbers its own steps: offset 0, `resumed_at_step` its first); `sender`: the one
-    `start_sender` started (else it starts now)."""
+    `start_sender` started (else it starts now). Without `run_id`, a run the caller created and named in
+    MLFLOW_RUN_ID (`mlflow run`, a job scheduler; as MLflow's own start_run takes it) is the one tracked."""
     sender = sender or start_sender(config, is_main, log)
     if sender is None:
         return Tracker()
@@ -70,12 +71,13 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
     from ot_dist.tracking.mlflow_tracker import MlflowTracker
 
     output_dir = Path(config.output_dir).resolve()
+    callers_run = None if run_id is not None else os.environ.get("MLFLOW_RUN_ID") or None
     tracker = MlflowTracker(
         sender.uri,
         config.mlflow.experiment,
         config.mlflow.run_name or output_dir.name,
         sender.outbox,
-        run_id=run_id,
+        run_id=run_id or callers_run,
         step_offset=step_offset,
         artifact_location=(output_dir / "mlartifacts").as_uri() if sender.uri == local_store_uri(output_dir) else None,
         shutdown_timeout=config.mlflow.shutdown_timeout_seconds,
@@ -83,12 +85,17 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
     )
     config_yaml = config_text(config)
     if run_id is None:
-        tracker.log_params(flat_params(config))  # a resumed run has them (and MLflow params never change)
+        tracker.log_params(flat_params(config))
         tracker.log_text(config_yaml, "config.yaml")
     else:
+        # a resumed run has them (and MLflow params never change), unless it is not in the store any more
+        tracker.log_params(flat_params(config), new_run_only=True)
         at = step_offset if resumed_at_step is None else resumed_at_step
         tracker.log_text(config_yaml, f"config-resumed-at-step-{at}.yaml")
-    tracker.set_tags(run_tags(config, world_size))
+    tags = run_tags(config, world_size)
+    if callers_run:  # its MLflow system tags (source, user) are the caller's: `mlflow run` names the project there
+        tags = {key: value for key, value in tags.items() if not key.startswith("mlflow.")}
+    tracker.set_tags(tags)
     return tracker
 
 

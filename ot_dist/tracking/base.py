@@ -14,8 +14,8 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int, wall_time: float | None = None) -> None:
         """Values of one optimizer step (`step` counts from 1 within this run; resumed runs add an offset)."""
 
-    def log_params(self, params: dict[str, str]) -> None:
-        pass
+    def log_params(self, params: dict[str, str], new_run_only: bool = False) -> None:
+        """`new_run_only`: a resumed run's params, sent only where its run is not found and a new one is made."""
 
     def set_tags(self, tags: dict[str, str]) -> None:
         pass
@@ -42,10 +42,20 @@ class Tracker:
         return []
 
     def close(self, status: str = "FINISHED") -> list[str]:
-        """End the run; returns warnings for the user (e.g. where undelivered values went)."""
+        """End the run (MLflow's RunStatus: FINISHED, FAILED, or KILLED for a run stopped by a signal); returns
+        warnings for the user (e.g. where undelivered values went)."""
         return []
+
+    def close_failed(self) -> None:
+        """Training raised: end the run as FAILED (as MLflow ends a run left by an exception) without waiting for
+        the delivery; nothing once the run is closed."""
 
 
 def metric_name(name: str) -> str:
-    """A name as MLflow takes it in a metric key (letters, digits, _ - . / and space; any other character becomes _)."""
-    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", name)
+    """A name as MLflow takes it in a metric key, also after a prefix such as `validation/loss/`: letters, digits,
+    _ - . / and space (any other character becomes _), and no part that MLflow's path check refuses (an empty
+    part from a leading, trailing or doubled /, or a part of dots alone: "faces/", "a//b", ".."); such a part is
+    dropped or becomes _."""
+    parts = re.sub(r"[^A-Za-z0-9_\-. /]", "_", name).split("/")
+    kept = [part if part.strip(".") else "_" * len(part) for part in parts if part]
+    return "/".join(kept) or "_"

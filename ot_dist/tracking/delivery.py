@@ -25,6 +25,11 @@ def refused(err: Exception) -> bool:
     return 400 <= status < 500 and status not in (408, 429)
 
 
+def bad_value(err: Exception) -> bool:
+    """MLflow's answer to a request with an invalid value in it (as opposed to no permission or no such run)."""
+    return getattr(err, "error_code", None) == "INVALID_PARAMETER_VALUE"
+
+
 def describe(err: Exception) -> str:
     text = " ".join(str(err).split())
     return text if len(text) <= 300 else text[:297] + "..."
@@ -57,6 +62,8 @@ class Delivery:
         self.run_id: str | None = state.get("run_id") if same_target else None
         self.offset: int = state.get("offset", 0) if same_target else 0
         self.ended = False  # the run's end was delivered
+        # this delivery created the run (a resumed run's params, sent only to a new run, then go too)
+        self.new_run = bool(state.get("new_run")) if same_target else False
         self.refused_count = 0
 
     def warm_up(self) -> None:
@@ -77,9 +84,26 @@ class Delivery:
                     raise
                 if batch[0][1]["kind"] == "run":
                     raise RunRefused(describe(err)) from err
-                self._set_aside(batch, err)
+                if len(batch) > 1 and bad_value(err):
+                    self._send_one_by_one(batch)
+                else:
+                    self._set_aside(batch, err)
             self.offset = batch[-1][0]
-            write_sent(self.path, self.uri, self.run_id, self.offset)
+            write_sent(self.path, self.uri, self.run_id, self.offset, self.new_run)
+
+    def _send_one_by_one(self, batch: list[Entry]) -> None:
+        """A batch refused for a bad value (a name MLflow rejects, a param whose value changed): MLflow refuses
+        the whole request, so each record goes alone and only the bad ones are set aside, not the other steps'
+        values that happened to share the request."""
+        for entry in batch:
+            try:
+                self._send([entry[1]])
+            except Exception as err:  # noqa: BLE001
+                if not refused(err):
+                    raise  # the server went away: the next attempt resumes after the last record sent
+                self._set_aside([entry], err)
+            self.offset = entry[0]
+            write_sent(self.path, self.uri, self.run_id, self.offset, self.new_run)
 
     def end_run(self, status: str) -> None:
         """End a run whose outbox has no end (its training process died)."""
@@ -104,6 +128,8 @@ class Delivery:
         else:
             metrics, params, tags = [], [], []
             for record in records:
+                if record.get("new_run_only") and not self.new_run:
+                    continue  # a continued run has them (and MLflow refuses a param whose value changed)
                 values = record["values"]
                 if record["kind"] == "metrics":
                     metrics += [Metric(k, v, record["timestamp_ms"], record["step"]) for k, v in values.items()]
@@ -111,16 +137,25 @@ class Delivery:
                     params += [Param(k, v) for k, v in values.items()]
                 else:
                     tags += [RunTag(k, v) for k, v in values.items()]
-            self.client.log_batch(self.run_id, metrics=metrics, params=params, tags=tags, synchronous=True)
+            if metrics or params or tags:
+                self.client.log_batch(self.run_id, metrics=metrics, params=params, tags=tags, synchronous=True)
 
     def _open_run(self, header: dict) -> None:
         if self.run_id is not None:
             return
         meant_here = header["uri"] == self.uri
-        if header.get("run_id") and meant_here:  # a resumed run: it exists, and runs again
-            self.client.update_run(header["run_id"], status="RUNNING")
-            self.run_id = header["run_id"]
-            return
+        continued = header.get("run_id")
+        if continued and meant_here:  # a resumed run (or the caller's): it exists, and runs again
+            try:
+                self.client.update_run(continued, status="RUNNING")
+                self.run_id = continued
+                return
+            except Exception as err:  # noqa: BLE001
+                if getattr(err, "error_code", None) != "RESOURCE_DOES_NOT_EXIST":
+                    raise
+                # not in this store (the run was tracked elsewhere before the resume): a new run gets the rest
+                self.notify(f"MLflow: the run {continued} to continue is not in {self.uri}; the values go to a new "
+                            "run of the experiment")
         experiment = self.client.get_experiment_by_name(header["experiment"])
         if experiment is not None:
             experiment_id = experiment.experiment_id
@@ -131,7 +166,9 @@ class Delivery:
             experiment_id = self.client.create_experiment(header["experiment"], artifact_location=location,
                                                           tags={EXPERIMENT_KIND_TAG: TRAINING_KIND})
         run = self.client.create_run(experiment_id, run_name=header.get("run_name"))
-        self.run_id = run.info.run_id
+        self.run_id, self.new_run = run.info.run_id, True
+        if continued:
+            self.client.set_tag(self.run_id, "ot_dist.continues_run", continued)
         if meant_here:
             run_note_path(self.path).write_text(self.run_id + "\n")
         if not meant_here:

@@ -108,7 +108,7 @@ class MlflowTracker(Tracker):
         self.sender = sender or SenderProcess(outbox, uri, shutdown_timeout)
         self._resumed_run_id = run_id
         self._closed = False
-        atexit.register(self._close_at_exit)
+        atexit.register(self.close_failed)
 
     # -- the training thread's side: appends a line, never waits for the network -----------------
     @property
@@ -129,8 +129,8 @@ class MlflowTracker(Tracker):
         self.outbox.add({"kind": "metrics", "step": step + self.step_offset, "timestamp_ms": timestamp,
                          "values": {key: float(value) for key, value in metrics.items()}})
 
-    def log_params(self, params: dict[str, str]) -> None:
-        self.outbox.add_values("params", params)
+    def log_params(self, params: dict[str, str], new_run_only: bool = False) -> None:
+        self.outbox.add_values("params", params, new_run_only)
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self.outbox.add_values("tags", tags)
@@ -153,7 +153,7 @@ class MlflowTracker(Tracker):
         if self._closed:
             return []
         self._closed = True
-        atexit.unregister(self._close_at_exit)
+        atexit.unregister(self.close_failed)
         self.outbox.add({"kind": "end", "status": status})
         self.outbox.close()
         finished = self.sender.close(self.shutdown_timeout)
@@ -171,10 +171,13 @@ class MlflowTracker(Tracker):
                 f"{path}; send them later with: python -m ot_dist.tracking.replay {path} "
                 "(add --tracking-uri URI to send them elsewhere, e.g. a local store)")
 
-    def _close_at_exit(self) -> None:
-        # The training loop died before closing: end the run as failed. The sender delivers the rest
-        # by itself (bounded by its timeout); this process does not wait for it.
+    def close_failed(self) -> None:
+        # The training loop raised, or the process exits without closing: end the run as failed. The sender
+        # delivers the rest by itself (bounded by its timeout); this process does not wait for it.
+        if self._closed:
+            return
         self._closed = True
+        atexit.unregister(self.close_failed)
         self.outbox.add({"kind": "end", "status": "FAILED"})
         self.outbox.close()
         self.sender.close(None)

@@ -51,11 +51,13 @@ class OutboxWriter:
             self._file.flush()
             self.size += len(line)
 
-    def add_values(self, kind: str, values: dict[str, str]) -> None:
-        """Params or tags, split so that each record fits one request."""
+    def add_values(self, kind: str, values: dict[str, str], new_run_only: bool = False) -> None:
+        """Params or tags, split so that each record fits one request. `new_run_only`: sent only if the run is
+        created by the delivery (a resumed run's params: the run has them, unless it is not in the store)."""
         items = list(values.items())
         for start in range(0, len(items), PARAMS_PER_REQUEST):
-            self.add({"kind": kind, "values": dict(items[start:start + PARAMS_PER_REQUEST])})
+            record = {"kind": kind, "values": dict(items[start:start + PARAMS_PER_REQUEST])}
+            self.add({**record, "new_run_only": True} if new_run_only else record)
 
     def close(self) -> None:
         with self._lock:
@@ -150,10 +152,10 @@ def read_sent(path: Path) -> dict:
         return {}
 
 
-def write_sent(path: Path, uri: str, run_id: str | None, offset: int) -> None:
+def write_sent(path: Path, uri: str, run_id: str | None, offset: int, new_run: bool = False) -> None:
     target = sent_path(path)
     tmp = target.with_name(target.name + ".tmp")
-    tmp.write_text(json.dumps({"uri": uri, "run_id": run_id, "offset": offset}))
+    tmp.write_text(json.dumps({"uri": uri, "run_id": run_id, "offset": offset, "new_run": new_run}))
     tmp.replace(target)
 
 

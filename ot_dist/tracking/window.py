@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -52,6 +53,16 @@ class StepWindow:
 
     def __len__(self) -> int:
         return len(self.records)
+
+    @contextmanager
+    def paused(self):
+        """Time that is not training (samples, validation, checkpoints, snapshot exports) is left out of the
+        window's seconds: samples_per_s and mfu measure training, whatever else a window happened to hold."""
+        paused_at = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - paused_at
 
     def pull(self, mean_over_ranks) -> tuple[list[PulledStep], float]:
         """The window's steps with host values, and its duration in seconds; then it starts afresh.

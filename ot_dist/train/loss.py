@@ -121,7 +121,9 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
 @contextmanager
 def adapters_disabled(model: LoadedModel):
     """Every LoRA layer of the model bypassed (peft's flag, set directly: peft's enable_adapters would also change
-    requires_grad, which strategies and stop_training_after own)."""
+    requires_grad, which strategies and stop_training_after own). The additional embeddings' rows stay: OneTrainer's
+    prior model unhooks its LoRA adapters only (BaseModelSetup.prior_model), so the captions' tokens read the trained
+    vectors there too."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     modules = [model.denoiser, *model.text_encoders.values()]

@@ -13,14 +13,15 @@ from pathlib import Path
 import torch
 
 from ot_dist.checkpoint.layout import checkpoints_dir
-from ot_dist.checkpoint.run_folder import prepare_run_folder, estimated_free_space_warning
+from ot_dist.checkpoint.run_folder import estimated_free_space_warning, prepare_run_folder, release_output_dir
 from ot_dist.checkpoint.training_state import Checkpointer, Position
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
-from ot_dist.data.training_data import open_training_data, report_lines
+from ot_dist.data.training_data import open_training_data, report_lines, training_captions
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role
+from ot_dist.methods.additional_embeddings import check_tokens_in_captions
 from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
 from ot_dist.early_checks import check_input_paths, setup_warnings
@@ -99,6 +100,7 @@ class Trainer:
         for line in self.bucket_report:
             self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
+        check_tokens_in_captions(config.additional_embeddings, training_captions(self.dataset, self.reader.table))
         sizes = self.reader.table.epoch_sizes().values()
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
         self.global_batch, self.steps_per_epoch = self.plan.global_batch, self.plan.steps_per_epoch
@@ -179,26 +181,31 @@ class Trainer:
         apply_performance(self.model, performance, self.device, self.config.strategy, self.log)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
-        """Honour `<part>.stop_training_after`: a stopped part no longer gets gradients or updates."""
+        """Honour `<part>.stop_training_after` (and an additional embedding's): a stopped group no longer gets
+        gradients or updates."""
         for group in self.groups:
-            if group.part is None:
+            part = self.config.stop_rule(group.name)
+            if part is None:
                 continue
-            part = getattr(self.config, group.part)
             if part.stopped(epoch, step) and group.params[0].requires_grad:
                 for p in group.params:
                     p.requires_grad_(False)
                     p.grad = None
-                self.log(f"{group.part}: stopped training after {part.stop_training_after} {part.stop_training_after_unit}s")
+                self.log(f"{group.name}: stopped training after {part.stop_training_after} {part.stop_training_after_unit}s")
 
     def train(self) -> TrainResult:
         try:
             result = self._train()
         except KeyboardInterrupt:
+            self.tracker.close_failed()
             raise  # a second Ctrl-C interrupts at once; a checkpoint being written stays uncommitted, the last holds
         except BaseException:
+            self.tracker.close_failed()  # now, not at the interpreter's exit (a notebook, a library caller)
             self._commit_written_checkpoint()
+            release_output_dir(self.config.output_dir)
             raise
         self.checkpointer.wait()  # a checkpoint written in the background is committed before training returns
+        release_output_dir(self.config.output_dir)  # the run is over: another may start in its folder
         return result
 
     def _commit_written_checkpoint(self) -> None:
@@ -235,7 +242,8 @@ class Trainer:
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host
         if step == 0:
-            self.validation.maybe_run(self, step)
+            with window.paused():
+                self.validation.maybe_run(self, step)
         every, epoch = config.checkpoint, self.position.epoch
         with StopSignals(every.on_signal) as signals:
             guard = (LaggedStepGuard if self.lagged_guard else StepGuard)(
@@ -276,23 +284,26 @@ class Trainer:
                     progress.step(step)
                     if step % config.log_every_steps == 0 or step == self.total_steps:
                         self._take_window(result, self._log_window(window, progress))
-                    if step in snapshots:
-                        self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
-                    self.sampler.after_step(self, step)
-                    self.validation.maybe_run(self, step)
-                    if verdict.stop:
-                        result.stopped_by = signals.received or "a signal on another rank"
-                        result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
-                        break
-                    reason = ("step interval" if every.every_n_steps and step % every.every_n_steps == 0
-                              else "cycle low" if step in checkpoint_lows else "time interval" if verdict.save_due else None)
-                    if reason:
-                        result.checkpoint = self._save(step, epoch, reason)
+                    with window.paused():  # not training: out of the window's samples_per_s and mfu
+                        if step in snapshots:
+                            self.export(Path(config.output_dir) / "snapshots" / f"step-{step}")
+                        self.sampler.after_step(self, step)
+                        self.validation.maybe_run(self, step)
+                        if verdict.stop:
+                            result.stopped_by = signals.received or "a signal on another rank"
+                            result.checkpoint = self._save(step, epoch, f"stop requested by {result.stopped_by}")
+                            break
+                        reason = ("step interval" if every.every_n_steps and step % every.every_n_steps == 0
+                                  else "cycle low" if step in checkpoint_lows else "time interval" if verdict.save_due
+                                  else None)
+                        if reason:
+                            result.checkpoint = self._save(step, epoch, reason)
                     self._update_part_activity(epoch, step)
                     if step >= self.total_steps:
                         break
                 if every.every_n_epochs and (epoch + 1) % every.every_n_epochs == 0 and not result.stopped_by:
-                    result.checkpoint = self._save(step, epoch, "epoch end")
+                    with window.paused():
+                        result.checkpoint = self._save(step, epoch, "epoch end")
             last = guard.settle()  # the lagged guard: the last step's verdict, before the end's saves and exports
             if last is not None and last.nonfinite:
                 self._skipped_on_device(result, step, epoch)
@@ -311,7 +322,9 @@ class Trainer:
             result.exported = self.export(Path(config.output_dir))
             self.tracker.set_tags({"exported": " ".join(str(p) for p in result.exported)})
             self.tracker.log_text("".join(f"{p}\n" for p in result.exported), "exported_paths.txt")
-        for warning in self.tracker.close():
+        # MLflow's statuses: a run a signal stopped (preemption, Ctrl-C) was killed, not finished; its resume
+        # continues the same run
+        for warning in self.tracker.close("KILLED" if result.stopped_by else "FINISHED"):
             self.log(f"warning: {warning}")
         return result
 
@@ -343,7 +356,7 @@ class Trainer:
         position is past the bad batch, so a resume (with a lower learning rate, say) goes on after it."""
         self.optimizer.zero_grad(set_to_none=True)
         path = self._save(step, epoch, "non-finite loss")
-        for warning in self.tracker.close():
+        for warning in self.tracker.close("FAILED"):  # training stops with an error (exit code 4)
             self.log(f"warning: {warning}")
         if bad_step is None:
             applied = f"that step was not applied and the weights after step {step} are saved in {path}"
@@ -439,7 +452,7 @@ class Trainer:
         for adaptive optimizers: the d x lr the step used) and the gradient norm before clipping."""
         rates = applied_learning_rates(self.optimizer)  # the scheduler moves them right after the step
         for group in self.groups:  # a stopped part takes no step: it applies nothing, whatever its group's lr
-            if group.part is not None and not group.params[0].requires_grad:
+            if not group.params[0].requires_grad:
                 rates.update({key: 0.0 for key in (f"lr/{group.name}", f"d_lr/{group.name}") if key in rates})
         grad_norm = self.strategy.step(self.optimizer, self.params)  # sync, clip, step, zero grads
         self.scheduler.step()

@@ -1,0 +1,136 @@
+"""The `additional_embeddings` list: new tokens trained together with a LoRA or a full finetune (pivotal tuning;
+OneTrainer's additional_embeddings), and the checks that span the list and the rest of the config."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from ot_dist.config.section import Section
+
+
+def safetensors_only(value: str | None, key: str) -> str | None:
+    # .pt / .bin embeddings (A1111's, kohya's, OneTrainer's old ones) are pickles, which can run code when loaded
+    if value is not None and not value.lower().endswith(".safetensors"):
+        raise ValueError(f"{key}: {value} is not a .safetensors file; .pt / .bin embeddings are Python pickles, which "
+                         "can run code when loaded (convert it to .safetensors first)")
+    return value
+
+
+def lower_case_for_several_vectors(token: str, vectors: int, key: str) -> None:
+    # CLIP tokenizers lower-case the prompt, and diffusers expands TOKEN to TOKEN TOKEN_1 ... only when the
+    # lower-cased word is the registered one (loaders/textual_inversion.py `maybe_convert_prompt`): an upper-case
+    # token would train all its vectors but give one in diffusers' pipelines and in ot_dist's own samples.
+    if vectors > 1 and token != token.lower():
+        raise ValueError(f"{key}: {token!r} with {vectors} vectors must be lower case ({token.lower()!r}): CLIP "
+                         "tokenizers lower-case the prompt, so diffusers' pipelines would expand an upper-case token "
+                         "to its first vector only")
+
+
+def file_stem(token: str) -> str:
+    """The file name an additional embedding is written under (output_dir/embeddings/<stem>.safetensors): the token
+    without the characters Windows refuses in file names (`<sks>` -> `sks`). A1111 and ComfyUI take the file name as
+    the prompt word (ComfyUI: `embedding:<stem>`); diffusers reads the token from the file's metadata-free key."""
+    return re.sub(r'[<>:"/\\|?*\s]', "", token) or "embedding"
+
+
+class AdditionalEmbeddingConfig(Section):
+    """One additional embedding (OneTrainer's TrainEmbeddingConfig): a new token whose vectors train beside the
+    method's weights, in their own parameter group."""
+
+    token: str = Field(
+        min_length=1,
+        description="The placeholder (OneTrainer's placeholder). Captions that contain it (in any case) use it there "
+        "(expanded to its vectors' words); unlike method embedding it is never prepended: write it into the captions "
+        "(a concept's caption_prefix does). No spaces; no '.' (the bundled LoRA keys split the name there). Lower "
+        "case when vectors > 1.",
+    )
+    vectors: int = Field(default=1, ge=1, description="Number of vectors (OneTrainer's token_count). With init_from "
+                         "the file sets it (a different value here is an error).")
+    init_text: str = Field(
+        default="*", min_length=1,
+        description="Text whose token embeddings start the vectors (unless init_from), repeated up to the count.",
+    )
+    init_from: str | None = Field(
+        default=None,
+        description="An embedding .safetensors to start from (OneTrainer's model_name), in any layout "
+        "embedding.init_from reads. With train: false the vectors stay as the file has them.",
+    )
+    train: bool = Field(default=True, description="Train the vectors; false uses them (from init_from) unchanged.")
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="Learning rate of these vectors; unset = embedding.learning_rate, else the "
+        "top-level learning_rate.",
+    )
+    stop_training_after: int | None = Field(
+        default=None, ge=0, description="Stop training these vectors after this many epochs or steps (unit below); "
+        "strategies single and ddp.",
+    )
+    stop_training_after_unit: Literal["epoch", "step"] = Field(default="epoch",
+                                                               description="Unit of stop_training_after.")
+
+    @field_validator("init_from")
+    @classmethod
+    def _safetensors_only(cls, value: str | None) -> str | None:
+        return safetensors_only(value, "additional_embeddings[].init_from")
+
+    def stopped(self, epoch: int, step: int) -> bool:
+        """The rule of PartConfig.stopped: no longer trained in `epoch` once `step` optimizer steps are done."""
+        if self.stop_training_after is None:
+            return False
+        return (epoch if self.stop_training_after_unit == "epoch" else step) >= self.stop_training_after
+
+    def group_name(self) -> str:
+        return f"embedding/{self.token}"
+
+    @model_validator(mode="after")
+    def _token(self) -> "AdditionalEmbeddingConfig":
+        if re.search(r"\s", self.token):
+            raise ValueError(f"additional_embeddings[].token: {self.token!r} has a space; the tokenizer would split it "
+                             "into several words")
+        if "." in self.token:
+            raise ValueError(f"additional_embeddings[].token: {self.token!r} has a '.'; A1111 / Forge read a bundled "
+                             "embedding's name up to the first '.' of its key (bundle_emb.<name>.<vectors>)")
+        lower_case_for_several_vectors(self.token, self.vectors, "additional_embeddings[].token")
+        if not self.train and not self.init_from:
+            raise ValueError(f"additional_embeddings[] {self.token!r}: train false keeps the vectors as they start; "
+                             "without init_from they are init_text's own rows, which the words themselves give (set "
+                             "init_from, or train: true)")
+        return self
+
+
+def check_additional_embeddings(config, family) -> None:
+    """The list against itself and the rest of the config; raises ValueError naming the entry."""
+    entries = config.additional_embeddings
+    if not entries:
+        if config.bundle_additional_embeddings:
+            raise ValueError("bundle_additional_embeddings: there are no additional_embeddings to bundle")
+        return
+    if not family.embedding_keys:
+        raise ValueError(f"additional_embeddings: model family {config.model.family} has no text encoder that takes "
+                         "embeddings (T5 only); remove them")
+    if config.data.cache_text:
+        raise ValueError("data.cache_text: the additional embeddings change what the text encoders read (and train "
+                         "while the run goes on); turn cache_text off")
+    if config.bundle_additional_embeddings and config.method != "lora":
+        raise ValueError(f"bundle_additional_embeddings: bundles them into the LoRA file; method {config.method} "
+                         "writes each as its own file only (set it to false)")
+    tokens = [("embedding.token", config.embedding.token)] if config.method == "embedding" else []
+    tokens += [(f"additional_embeddings[{i}].token", e.token) for i, e in enumerate(entries)]
+    for i, (key, token) in enumerate(tokens):
+        for other_key, other in tokens[:i]:
+            if token.lower() in other.lower() or other.lower() in token.lower():
+                raise ValueError(f"{key}: {token!r} and {other_key} {other!r} overlap (the same token, or one inside "
+                                 "the other; CLIP reads captions lower-cased): give each embedding its own token")
+    stems = {}
+    for i, entry in enumerate(entries):
+        stem = file_stem(entry.token).lower()
+        if stem in stems:
+            raise ValueError(f"additional_embeddings[{i}].token: {entry.token!r} would be written to the same file as "
+                             f"additional_embeddings[{stems[stem]}] (embeddings/{file_stem(entry.token)}.safetensors)")
+        stems[stem] = i
+        if entry.stop_training_after is not None and config.strategy not in ("single", "ddp"):
+            raise ValueError(f"additional_embeddings[{i}].stop_training_after: not supported with strategy "
+                             f"{config.strategy} yet (sharded parameters cannot leave training mid-run); use strategy "
+                             "single or ddp")

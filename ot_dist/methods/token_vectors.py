@@ -1,0 +1,149 @@
+"""New token vectors in the text encoders: what textual inversion (method embedding) and the additional embeddings
+trained beside a LoRA or a full finetune (pivotal tuning, OneTrainer's additional_embeddings) share.
+
+An embedding is a token and its n vectors. The token stands for the words TOKEN TOKEN_1 ... TOKEN_{n-1}, the
+multi-vector naming diffusers' load_textual_inversion registers; each is added to every tokenizer whose encoder takes
+embeddings (the family's `embedding_keys`), and the encoder's frozen token embedding is wrapped so that the ids after
+its vocabulary read trainable rows (rather than training the whole vocabulary matrix and masking its gradient: the
+optimizer state, and later the sharded state, are the size of the vectors, not of the vocabulary). The file written is
+the one diffusers' `load_textual_inversion`, A1111 and ComfyUI read: {TOKEN: [n, dim]} for SD 1.x/2.x and
+{"clip_l": ..., "clip_g": ...} for SDXL / SD3 (A1111's SDXL layout); the token is also in its metadata ("token").
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from ot_dist.checkpoint.export import atomic_path
+from ot_dist.errors import ConfigError
+from ot_dist.models.loading import LoadedModel
+
+
+class ExtendedTokenEmbedding(torch.nn.Module):
+    """A frozen nn.Embedding plus rows for the ids that follow its vocabulary: `extra` (method embedding's vectors,
+    the name its checkpoints hold) and then `additional.<i>`, one parameter per additional embedding, in the order
+    their tokens were added."""
+
+    def __init__(self, base: torch.nn.Embedding, extra: torch.Tensor | None = None):
+        super().__init__()
+        self.base = base
+        if extra is not None:
+            self.extra = torch.nn.Parameter(extra.float())
+        self.additional = torch.nn.ParameterList()  # empty: nothing in the state dict
+
+    def rows(self) -> list[torch.Tensor]:
+        main = self._parameters.get("extra")
+        return ([main] if main is not None else []) + list(self.additional)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.base.num_embeddings + sum(r.shape[0] for r in self.rows())
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.base.embedding_dim
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return torch.cat([self.base.weight, *[r.to(self.base.weight.dtype) for r in self.rows()]])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+def token_strings(token: str, count: int) -> list[str]:
+    """The words an embedding of `count` vectors stands for: tok, tok_1, tok_2, ... (diffusers' naming)."""
+    return [token] + [f"{token}_{i}" for i in range(1, count)]
+
+
+def init_token_ids(tokenizer, text: str, count: int, key: str = "embedding.init_text") -> list[int]:
+    """The vocabulary rows that start the `count` vectors: the text's tokens, repeated up to the count (kohya's
+    way) and cut at it. `ot-dist import onetrainer` appends a "*" per vector to OneTrainer's initial text, which
+    gives OneTrainer's rows (the text's tokens, then the token of "*")."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    if not ids:
+        raise ConfigError(f"{key}: {text!r} has no tokens")
+    return (ids * -(-count // len(ids)))[:count]
+
+
+def expand_in_caption(caption: str, expansions: dict[str, str]) -> str:
+    """Each token of `expansions` (token -> its words) replaced by its words wherever the caption has it, in any case
+    (the tokenizer lower-cases the caption, so `<Sks>` reads as the token), in one pass with the longest token tried
+    first, so that a token inside another (`sks` in `sksdog`) never rewrites part of it."""
+    if not expansions:
+        return caption
+    by_lower = {token.lower(): words for token, words in expansions.items()}
+    pattern = re.compile("|".join(re.escape(t) for t in sorted(expansions, key=len, reverse=True)), re.IGNORECASE)
+    return pattern.sub(lambda m: by_lower[m.group(0).lower()], caption)
+
+
+def add_vectors(model: LoadedModel, tokens: list[str], start: dict[str, torch.Tensor] | None, init_text: str,
+                key: str, main: bool = False) -> dict[str, torch.nn.Parameter]:
+    """Add `tokens` to every tokenizer whose encoder takes embeddings and their rows to the encoder, as a new
+    parameter after those already there. The rows start from `start` (encoder name -> [n, dim]) or from the
+    init_text's vocabulary rows. Returns encoder name -> the new parameter. `key` names the config entry in errors;
+    `main`: method embedding's own vectors (`extra`, added before any additional embedding)."""
+    added = {}
+    for encoder_name, tokenizer_name in zip(model.family.text_encoders, model.family.tokenizers):
+        if encoder_name not in model.family.embedding_keys:
+            continue  # an encoder that takes no embedding (T5) reads the new words as ordinary text
+        tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
+        if tokenizer.convert_tokens_to_ids(tokens[0]) != tokenizer.unk_token_id:
+            raise ConfigError(f"{key}.token: {tokens[0]!r} is already in the {tokenizer_name} vocabulary")
+        embedding = encoder.get_input_embeddings()
+        if not isinstance(embedding, ExtendedTokenEmbedding):
+            embedding = ExtendedTokenEmbedding(embedding)
+            encoder.set_input_embeddings(embedding)
+        size = embedding.num_embeddings
+        init_ids = init_token_ids(tokenizer, init_text, len(tokens), f"{key}.init_text") if start is None else None
+        tokenizer.add_tokens(tokens)
+        if tokenizer.convert_tokens_to_ids(tokens) != list(range(size, size + len(tokens))):
+            raise ConfigError(f"{key}.token: {tokenizer_name} ({len(tokenizer)} tokens) and {encoder_name} "
+                              f"({size} embeddings) disagree on the vocabulary size")
+        rows = start[encoder_name] if start is not None else embedding.base.weight.detach()[torch.tensor(init_ids)]
+        added[encoder_name] = new_rows(embedding, rows.clone(), main)
+    return added
+
+
+def new_rows(embedding: ExtendedTokenEmbedding, rows: torch.Tensor, main: bool) -> torch.nn.Parameter:
+    """`rows` as the next parameter of `embedding`: `extra` for method embedding's vectors (the first rows), else the
+    next `additional.<i>`."""
+    parameter = torch.nn.Parameter(rows.float())
+    if main:
+        assert not embedding.rows(), "method embedding's vectors come first"
+        embedding.extra = parameter
+        return embedding.extra
+    embedding.additional.append(parameter)
+    return embedding.additional[len(embedding.additional) - 1]
+
+
+def rows_in_state(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The rows called `name` ("extra", "additional.0", ...) of the encoder's ExtendedTokenEmbedding in its full state
+    dict (what a strategy's `state_dict_of` returns)."""
+    (rows,) = [v for k, v in state.items() if k.endswith(f"token_embedding.{name}")]
+    return rows
+
+
+def without_token_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An encoder's state dict as the model had it before tokens were added: the wrapped embedding's base weight under
+    its own name, the new rows left out (they are written as embedding files)."""
+    plain = {}
+    for key, value in state.items():
+        if re.search(r"token_embedding\.(extra|additional\.\d+)$", key):
+            continue
+        plain[re.sub(r"token_embedding\.base\.", "token_embedding.", key)] = value
+    return plain
+
+
+def write_embedding_file(target: Path, vectors: dict[str, torch.Tensor], token: str, dtype: torch.dtype,
+                         metadata: dict[str, str]) -> None:
+    """One embedding file: `vectors` (file key -> [n, dim]) in `dtype`, the token in the metadata, written atomically."""
+    tensors = {key: v.detach().to("cpu", dtype).contiguous() for key, v in vectors.items()}
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(target) as tmp:
+        save_file(tensors, tmp, metadata={"token": token, **metadata})
