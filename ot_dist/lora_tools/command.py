@@ -8,6 +8,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.models.families.registry import FAMILY_NAMES
 
 DTYPE_CHOICES = ("float16", "bfloat16", "float32")
+DYNAMIC_METHODS = ("sv_ratio", "sv_fro", "sv_cumulative")  # lowrank.dynamic_rank's (not imported here: no torch)
 
 
 def add_lora_parser(sub) -> None:
@@ -30,7 +31,15 @@ def add_lora_parser(sub) -> None:
 
     resize = tools.add_parser("resize", help="re-approximate every module of a LoRA at another rank (SVD)")
     resize.add_argument("lora", help="LoRA .safetensors file (kohya or diffusers layout)")
-    resize.add_argument("--rank", type=int, required=True)
+    resize.add_argument("--rank", type=int, required=True,
+                        help="the new rank (with --dynamic-method: the largest rank a module may get)")
+    resize.add_argument("--conv-rank", type=int, default=None,
+                        help="the rank of Conv2d modules (3x3 and 1x1; kohya's --new_conv_rank); default --rank")
+    resize.add_argument("--dynamic-method", choices=list(DYNAMIC_METHODS), default=None,
+                        help="choose each module's rank from its singular values as kohya's resize_lora.py does: "
+                             "sv_ratio (largest / kept above PARAM), sv_fro (PARAM of the Frobenius norm), "
+                             "sv_cumulative (PARAM of the sum of singular values)")
+    resize.add_argument("--dynamic-param", type=float, default=None, help="the dynamic method's target")
     resize.add_argument("--out", required=True, help="the resized LoRA file (same layout and names)")
 
     extract = tools.add_parser("extract", help="a LoRA (the family's layout) from a full finetune and its base")
@@ -62,7 +71,8 @@ def run_lora(args: argparse.Namespace) -> int:
     elif args.lora_command == "resize":
         from ot_dist.lora_tools.resize import resize_command
 
-        resize_command(args.lora, args.rank, args.out)
+        resize_command(args.lora, args.rank, args.out, conv_rank=args.conv_rank, dynamic_method=args.dynamic_method,
+                       dynamic_param=args.dynamic_param)
     else:
         from ot_dist.lora_tools.extract import extract_command
 

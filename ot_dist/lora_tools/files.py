@@ -181,6 +181,14 @@ def _metadata_alphas(metadata: dict[str, str]) -> dict[str, float]:
     return alphas
 
 
+def shared_alpha(pairs: dict[str, Pair]) -> float:
+    """The one alpha a kohya-layout file written by `write_lora_file` gives every module: the most common one."""
+    from collections import Counter
+
+    alphas = [float(pair.alpha if pair.alpha is not None else pair.rank) for pair in pairs.values()]
+    return Counter(alphas).most_common(1)[0][0] if alphas else 1.0
+
+
 def write_lora_file(path: str | Path, layout: str, pairs: dict[str, Pair], metadata: dict[str, str] | None = None,
                     dtype: torch.dtype | None = None) -> Path:
     """Write pairs under their file names in `layout`, so that every loader applies the same strength: kohya's
@@ -191,8 +199,6 @@ def write_lora_file(path: str | Path, layout: str, pairs: dict[str, Pair], metad
     (peft_utils `get_peft_kwargs` builds its per-module alpha_pattern under names peft does not match, so a module of
     another alpha, e.g. an extracted module whose full rank is below --rank, would get the wrong scale).
     Atomic: a reader never sees half a file."""
-    from collections import Counter
-
     from safetensors.torch import save_file
 
     from ot_dist.checkpoint.export import atomic_path
@@ -200,7 +206,7 @@ def write_lora_file(path: str | Path, layout: str, pairs: dict[str, Pair], metad
     kohya = layout == "kohya"
     _, down_suffix, up_suffix = KOHYA if kohya else DIFFUSERS
     alphas = {name: float(pair.alpha if pair.alpha is not None else pair.rank) for name, pair in pairs.items()}
-    common = Counter(alphas.values()).most_common(1)[0][0] if alphas else 1.0
+    common = shared_alpha(pairs)
     tensors = {}
     for name in sorted(pairs):
         pair = pairs[name]
