@@ -47,6 +47,8 @@ def add_lora_parser(sub) -> None:
     extract.add_argument("tuned", help="the finetuned model (same family and architecture)")
     extract.add_argument("--family", required=True, choices=list(FAMILY_NAMES))
     extract.add_argument("--rank", type=int, required=True)
+    extract.add_argument("--conv-rank", type=int, default=None,
+                         help="the rank of convolutions with a kernel above 1x1 (kohya's --conv_dim); default --rank")
     extract.add_argument("--out", required=True, help="the LoRA .safetensors file")
     extract.add_argument("--min-change", type=float, default=1e-6,
                          help="skip modules whose change is below this fraction of the weight's norm (default 1e-6)")
@@ -76,5 +78,6 @@ def run_lora(args: argparse.Namespace) -> int:
     else:
         from ot_dist.lora_tools.extract import extract_command
 
-        extract_command(args.base, args.tuned, args.family, args.rank, args.out, args.min_change, args.dtype)
+        extract_command(args.base, args.tuned, args.family, args.rank, args.out, args.min_change, args.dtype,
+                        conv_rank=args.conv_rank)
     return 0
