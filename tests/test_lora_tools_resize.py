@@ -1,6 +1,7 @@
 """`ot-dist lora resize` options and metadata as users of kohya sd-scripts' resize_lora.py know them
 (`--new_conv_rank`, `--dynamic_method sv_ratio | sv_fro | sv_cumulative` with `--dynamic_param`, the module's
-alpha / rank scale kept, metadata of the new file), on small hand-made kohya-layout files: no model needed.
+alpha / rank scale kept, metadata of the new file) and `ot-dist lora merge-loras` as users of its svd_merge_lora.py
+know it, on small hand-made kohya-layout files: no model needed.
 
 The expected ranks are worked out by hand from the documented rule (docs/lora.md): n = the count of singular values
 above s_max / param (sv_ratio), or the fewest leading values whose sum (sv_cumulative) or sum of squares (sv_fro,
@@ -87,3 +88,31 @@ def test_the_resized_file_keeps_each_modules_scale_and_drops_the_old_files_hashe
     before, after = read_lora_file(tmp_path / "lora.safetensors"), read_lora_file(out)
     for name in ("lora_unet_conv3", "lora_unet_conv1"):  # rank 4 already: the change is kept whole
         torch.testing.assert_close(after.pairs[name].delta(), before.pairs[name].delta(), rtol=1e-4, atol=1e-5)
+
+
+def test_merge_loras_is_the_best_low_rank_sum_of_the_weighted_changes(tmp_path):
+    """`ot-dist lora merge-loras` (kohya's svd_merge_lora.py): per module sum of weight x change over the files that
+    have it, then the best approximation at --rank (--conv-rank for the 3x3 convolution only; the 1x1 one is ranked
+    as a Linear, as kohya's script ranks it), alpha = rank; a module only one file has is kept too, at --rank as
+    kohya keeps it (min(rank, out, in)) though its change has rank 2."""
+    from ot_dist.lora_tools.merge_loras import merge_loras_command
+
+    first = write_file(tmp_path / "a.safetensors", {"modelspec.title": "a", "modelspec.architecture": "x/lora"})
+    second = tmp_path / "b.safetensors"
+    resize_command(str(first), 2, str(second), log=lambda *_: None)  # another file of the same modules
+    only_b = {"lora_unet_extra.lora_down.weight": torch.randn(2, 5), "lora_unet_extra.lora_up.weight": torch.randn(7, 2)}
+    from safetensors.torch import load_file
+
+    save_file({**load_file(str(second)), **only_b}, str(second), metadata={"modelspec.title": "b"})
+    out = tmp_path / "m.safetensors"
+    merge_loras_command([str(first), str(second)], [0.7, -0.4], 3, str(out), conv_rank=1, log=lambda *_: None)
+    a, b, merged = read_lora_file(first), read_lora_file(second), read_lora_file(out)
+    assert {n: p.rank for n, p in merged.pairs.items()} == {
+        "lora_unet_lin": 3, "lora_unet_conv1": 3, "lora_unet_conv3": 1, "lora_unet_extra": 3}
+    for name, pair in merged.pairs.items():
+        total = (0.7 * a.pairs[name].delta() if name in a.pairs else 0) - 0.4 * b.pairs[name].delta()
+        u, s, vh = torch.linalg.svd(total.flatten(1), full_matrices=False)
+        best = (u[:, :pair.rank] * s[:pair.rank]) @ vh[:pair.rank]
+        torch.testing.assert_close(pair.delta().flatten(1), best, rtol=1e-4, atol=1e-5, msg=name)
+    assert merged.metadata["ss_network_dim"] == "3" and merged.metadata["ss_network_alpha"] == "3.0"
+    assert merged.metadata["modelspec.title"] == "m" and merged.metadata["modelspec.merged_from"] == "a, b"

@@ -1,4 +1,4 @@
-"""`ot-dist lora merge | resize | extract`: the argument parsing and dispatch (the work is in the modules beside)."""
+"""`ot-dist lora merge | merge-loras | resize | extract`: the argument parsing and dispatch (the work is in the modules beside)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,16 @@ def add_lora_parser(sub) -> None:
     merge.add_argument("--config", default=None, metavar="FOLDER",
                        help="for a single-file base: the diffusers folder with its component configs (as model.config)")
     merge.add_argument("--dtype", choices=DTYPE_CHOICES, default="float16", help="dtype of the written weights")
+
+    together = tools.add_parser("merge-loras", help="several LoRA files as one, at a given rank (SVD of the summed "
+                                "changes, as kohya's svd_merge_lora.py)")
+    together.add_argument("loras", nargs="+", metavar="LORA", help="LoRA .safetensors files of one layout")
+    together.add_argument("--weight", type=float, action="append", default=None,
+                          help="strength per LoRA file, in order (default 1.0 each); repeatable")
+    together.add_argument("--rank", type=int, required=True, help="the merged file's rank")
+    together.add_argument("--conv-rank", type=int, default=None,
+                          help="the rank of convolutions with a kernel above 1x1 (kohya's --new_conv_rank); default --rank")
+    together.add_argument("--out", required=True, help="the merged LoRA file")
 
     resize = tools.add_parser("resize", help="re-approximate every module of a LoRA at another rank (SVD)")
     resize.add_argument("lora", help="LoRA .safetensors file (kohya or diffusers layout)")
@@ -70,6 +80,11 @@ def run_lora(args: argparse.Namespace) -> int:
             raise ConfigError(f"--weight: {len(weights)} given for {len(args.loras)} LoRA files (one each, in order)")
         fmt = args.format or ("single-file" if args.out.endswith(".safetensors") else "diffusers")
         merge_command(args.base, args.family, args.loras, weights, args.out, fmt, args.config, args.dtype)
+    elif args.lora_command == "merge-loras":
+        from ot_dist.lora_tools.merge_loras import merge_loras_command
+
+        merge_loras_command(args.loras, args.weight or [1.0] * len(args.loras), args.rank, args.out,
+                            conv_rank=args.conv_rank)
     elif args.lora_command == "resize":
         from ot_dist.lora_tools.resize import resize_command
 
