@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from ot_dist.lora_tools.files import read_lora_file
 from ot_dist.lora_tools.resize import resize_command
@@ -100,9 +100,8 @@ def test_merge_loras_is_the_best_low_rank_sum_of_the_weighted_changes(tmp_path):
     first = write_file(tmp_path / "a.safetensors", {"modelspec.title": "a", "modelspec.architecture": "x/lora"})
     second = tmp_path / "b.safetensors"
     resize_command(str(first), 2, str(second), log=lambda *_: None)  # another file of the same modules
-    only_b = {"lora_unet_extra.lora_down.weight": torch.randn(2, 5), "lora_unet_extra.lora_up.weight": torch.randn(7, 2)}
-    from safetensors.torch import load_file
-
+    only_b = {"lora_unet_extra.lora_down.weight": torch.randn(2, 5),
+              "lora_unet_extra.lora_up.weight": torch.randn(7, 2)}
     save_file({**load_file(str(second)), **only_b}, str(second), metadata={"modelspec.title": "b"})
     out = tmp_path / "m.safetensors"
     merge_loras_command([str(first), str(second)], [0.7, -0.4], 3, str(out), conv_rank=1, log=lambda *_: None)

@@ -1,4 +1,5 @@
-"""`ot-dist lora merge | merge-loras | resize | extract`: the argument parsing and dispatch (the work is in the modules beside)."""
+"""`ot-dist lora merge | merge-loras | resize | extract`: the argument parsing and dispatch (the work is in the
+modules beside)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def add_lora_parser(sub) -> None:
                           help="strength per LoRA file, in order (default 1.0 each); repeatable")
     together.add_argument("--rank", type=int, required=True, help="the merged file's rank")
     together.add_argument("--conv-rank", type=int, default=None,
-                          help="the rank of convolutions with a kernel above 1x1 (kohya's --new_conv_rank); default --rank")
+                          help="the rank of convolutions with a kernel above 1x1 (kohya's --new_conv_rank); "
+                               "default --rank")
     together.add_argument("--out", required=True, help="the merged LoRA file")
 
     resize = tools.add_parser("resize", help="re-approximate every module of a LoRA at another rank (SVD)")
