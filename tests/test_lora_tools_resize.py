@@ -115,3 +115,18 @@ def test_merge_loras_is_the_best_low_rank_sum_of_the_weighted_changes(tmp_path):
         torch.testing.assert_close(pair.delta().flatten(1), best, rtol=1e-4, atol=1e-5, msg=name)
     assert merged.metadata["ss_network_dim"] == "3" and merged.metadata["ss_network_alpha"] == "3.0"
     assert merged.metadata["modelspec.title"] == "m" and merged.metadata["modelspec.merged_from"] == "a, b"
+
+
+def test_a_comfyui_extract_with_bias_differences_is_refused_naming_them(tmp_path):
+    """ComfyUI's "Extract and Save Lora" node (bias_diff on by default) writes `.diff_b` for every bias and `.diff`
+    for every 1-d weight beside the pairs: the tools cannot apply them, and the error says what they are and how to
+    extract without them (before: "Tucker factors, an older layout")."""
+    from ot_dist.errors import InputFileError
+
+    path = tmp_path / "ComfyUI_extracted_lora_00001_.safetensors"
+    save_file({"diffusion_model.out.2.lora_up.weight": torch.zeros(4, 2, 1, 1),
+               "diffusion_model.out.2.lora_down.weight": torch.zeros(2, 8, 3, 3),
+               "diffusion_model.out.2.diff_b": torch.zeros(4), "diffusion_model.out.0.diff": torch.zeros(8)},
+              str(path))
+    with pytest.raises(InputFileError, match=r"diff_b.*ComfyUI's \"Extract and Save Lora\".*bias_diff off"):
+        read_lora_file(path)

@@ -82,6 +82,7 @@ ALL_VARIANTS = ("lora", "dora", "loha", "lokr")
 DORA_SUFFIXES = (".dora_scale", ".lora_magnitude_vector.weight", ".lora_magnitude_vector")
 HADA = tuple(f".hada_{n}" for n in ("w1_a", "w1_b", "w2_a", "w2_b"))
 LOKR = tuple(f".lokr_{n}" for n in ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b"))
+FULL_DIFFS = (".diff", ".diff_b")  # ComfyUI's LoraSave: a weight's / bias's whole difference, no low-rank pair
 
 
 def read_lora_file(path: str | Path, variants: tuple[str, ...] = ("lora",), tool: str = "this tool") -> LoraFile:
@@ -135,6 +136,13 @@ def read_lora_file(path: str | Path, variants: tuple[str, ...] = ("lora",), tool
         known.update(name + s for s in LOKR)
         pairs[name] = Kronecker(*factors, alpha_of(name))
     unknown = sorted(set(tensors) - known)
+    full_diffs = [k for k in unknown if k.endswith(FULL_DIFFS)]
+    if full_diffs:
+        raise InputFileError(f"{path}: tensor {full_diffs[0]!r} (and {len(full_diffs) - 1} more) is a whole weight "
+                             "or bias difference (.diff / .diff_b), as ComfyUI's \"Extract and Save Lora\" node "
+                             "writes with bias_diff on (its default) or lora_type full_diff; ot-dist's LoRA tools "
+                             "apply low-rank pairs only: extract with bias_diff off and lora_type standard there, or "
+                             "with ot-dist lora extract")
     if unknown:
         raise InputFileError(f"{path}: tensor {unknown[0]!r} (and {len(unknown) - 1} more) is not a LoRA / DoRA / LoHa / "
                              "LoKr tensor this tool reads (Tucker factors, an older layout): not supported here")
