@@ -130,3 +130,14 @@ def test_a_comfyui_extract_with_bias_differences_is_refused_naming_them(tmp_path
               str(path))
     with pytest.raises(InputFileError, match=r"diff_b.*ComfyUI's \"Extract and Save Lora\".*bias_diff off"):
         read_lora_file(path)
+
+
+def test_merge_loras_refuses_loras_of_different_base_models(tmp_path):
+    """An SD 1.x and an SDXL LoRA share no module name, so a merge by names would write a file of both halves."""
+    from ot_dist.errors import InputFileError
+    from ot_dist.lora_tools.merge_loras import merge_loras_command
+
+    sd1 = write_file(tmp_path / "sd1.safetensors", {"ss_base_model_version": "sd_v1"})
+    sdxl = write_file(tmp_path / "sdxl.safetensors", {"ss_base_model_version": "sdxl_base_v1-0"})
+    with pytest.raises(InputFileError, match="different base models.*sd_v1.*sdxl_base_v1-0"):
+        merge_loras_command([str(sd1), str(sdxl)], [1.0, 1.0], 2, str(tmp_path / "m.safetensors"), log=lambda *_: None)

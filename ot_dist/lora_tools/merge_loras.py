@@ -15,6 +15,7 @@ from ot_dist.lora_tools.resize import STALE
 
 # ot_dist's record and the first file's title describe that file, not the merge
 NOT_CARRIED = (*STALE, "ot_dist_lora", "modelspec.title", "modelspec.merged_from")
+BASE_MODEL_KEYS = ("ss_base_model_version", "modelspec.architecture")  # what kohya's and the ModelSpec's files name
 
 
 @torch.no_grad()
@@ -31,6 +32,11 @@ def merge_loras_command(paths: list[str], weights: list[float], rank: int, out: 
     if len(layouts) > 1:
         raise InputFileError(f"{', '.join(paths)}: kohya- and diffusers-layout files name the same module differently; "
                              "merge files of one layout")
+    for key in BASE_MODEL_KEYS:  # module names of two models can be disjoint: nothing else would notice
+        named = {lora.metadata[key]: path for path, lora in zip(paths, files) if lora.metadata.get(key)}
+        if len(named) > 1:
+            raise InputFileError(f"LoRAs of different base models ({key}: "
+                                 f"{', '.join(f'{v} in {p}' for v, p in named.items())}); merge LoRAs of one model")
     sums: dict[str, torch.Tensor] = {}
     for path, lora, weight in zip(paths, files, weights):
         for name, pair in lora.pairs.items():
