@@ -1,4 +1,4 @@
-"""OneTrainer's loss settings (offset noise, loss weighting, prediction overrides), its timestep draw and its masked
+"""OneTrainer's loss settings (loss functions, offset noise, loss weighting, prediction overrides), its timestep draw and its masked
 training as ot_dist's `loss` and `masked_training` sections: what each step's objective is."""
 
 from __future__ import annotations
@@ -37,10 +37,7 @@ def import_loss(ot: dict, c: dict, skip) -> None:
         _mapped_if_known(loss, LossConfig, "weight_fn", weight_fn, skip)
         if "weight_fn" in loss and weight_fn == "P2":  # OneTrainer stores a strength for every function; P2 uses it
             loss["weight_strength"] = strength
-    for key, off in (("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0),
-                     ("mse_strength", 1.0)):
-        if ot.get(key, off) != off:
-            skip(f"{key}: {ot[key]} (ot_dist trains with the MSE loss only)")
+    _loss_functions(ot, loss, skip)
     if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
         loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
@@ -85,6 +82,22 @@ ZERO_TERMINAL_SNR_FAMILIES = ("sd1", "sd2", "sdxl")  # OneTrainer's StableDiffus
 # SDXL's LoRA and embedding setups (only StableDiffusion(XL)FineTuneSetup.py calls force_*_prediction)
 FORCED_PREDICTION_IGNORED = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
 FLOW_FAMILIES = ("sd3", "flux", "chroma")  # shifted by OneTrainer's timestep_shift; Flux also dynamically
+
+
+LOSS_FUNCTIONS = (("mse_strength", 1.0), ("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0))
+
+
+def _loss_functions(ot: dict, loss: dict, skip) -> None:
+    """OneTrainer's sum of strength x loss function (its ModelSetupDiffusionLossMixin): the same names, formulas and
+    defaults in ot_dist's loss section; huber_delta where the Huber term is on (OneTrainer stores it always)."""
+    strengths = {key: ot.get(key, off) for key, off in LOSS_FUNCTIONS}
+    if not any(strengths.values()):
+        skip("mse_strength, mae_strength, log_cosh_strength, huber_strength: all 0, no loss to train (OneTrainer "
+             "fails on its first step); the MSE is written")
+        return
+    loss.update({key: value for (key, off), value in zip(LOSS_FUNCTIONS, strengths.values()) if value != off})
+    if strengths["huber_strength"] and ot.get("huber_delta", 1.0) != 1.0:
+        loss["huber_delta"] = ot["huber_delta"]
 
 
 def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
