@@ -13,7 +13,7 @@ def import_loss(ot: dict, c: dict, skip) -> None:
     loss = {}
     if ot["offset_noise_weight"]:
         loss["offset_noise_weight"] = ot["offset_noise_weight"]
-    flow = c["model"]["family"] in FLOW_FAMILIES
+    flow = is_flow(c["model"]["family"])
     if ot["generalized_offset_noise"]:
         # OneTrainer falls back to plain offset noise on a flow family, and scales nothing without an offset
         if flow:
@@ -81,7 +81,13 @@ ZERO_TERMINAL_SNR_FAMILIES = ("sd1", "sd2", "sdxl")  # OneTrainer's StableDiffus
 # DDPM families whose OneTrainer setups do not read force_v_prediction / force_epsilon_prediction: PixArt's, and SD's /
 # SDXL's LoRA and embedding setups (only StableDiffusion(XL)FineTuneSetup.py calls force_*_prediction)
 FORCED_PREDICTION_IGNORED = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
-FLOW_FAMILIES = ("sd3", "flux", "chroma")  # shifted by OneTrainer's timestep_shift; Flux also dynamically
+
+
+def is_flow(family: str) -> bool:
+    """A flow-matching family: OneTrainer shifts its draw by timestep_shift (Flux also dynamically)."""
+    from ot_dist.models.families.registry import get_family
+
+    return get_family(family).objective_kind() == "flow"
 
 
 LOSS_FUNCTIONS = (("mse_strength", 1.0), ("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0))
@@ -116,7 +122,7 @@ def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
     shift = ot["timestep_shift"]
     if family == "flux" and ot["dynamic_timestep_shifting"]:  # OneTrainer's SD3 / Chroma setups ignore it
         loss["dynamic_timestep_shifting"] = True  # and then ignore timestep_shift
-    elif family in FLOW_FAMILIES:
+    elif is_flow(family):
         loss["timestep_shift"] = shift  # 1.0 included: unshifted, where the family's scheduler would shift
     elif shift != 1.0:  # DDPM and Würstchen's discretized continuous draw: 1.0 is unshifted there as ot_dist's auto
         loss["timestep_shift"] = shift

@@ -50,8 +50,7 @@ def encode_latents(family: Family, vae: torch.nn.Module, batch: dict, eps: torch
         if "latent_mean" in batch:
             mean, std = (to_device(batch[k], device, dtype) for k in ("latent_mean", "latent_std"))
         else:
-            posterior = vae.encode(to_device(batch["pixels"], device, dtype)).latent_dist
-            mean, std = posterior.mean, posterior.std
+            mean, std = family.encode_posterior(vae, to_device(batch["pixels"], device, dtype))
         latents = mean + std * to_device(eps, mean.device, mean.dtype)
         return family.normalize_latents(vae, latents).float()
 
