@@ -1,6 +1,6 @@
 """kohya's loss and noise arguments (noise_offset, ip_noise_gamma, min_snr_gamma, debiased_estimation_loss,
-min / max_timestep, zero_terminal_snr, loss_type with
-huber_schedule / huber_c / huber_scale, ...) and the flow-matching scripts' timestep draw (Flux:
+min / max_timestep, zero_terminal_snr, loss_type with huber_schedule / huber_c / huber_scale, ...) and the
+flow-matching scripts' timestep draw (Flux:
 timestep_sampling with sigmoid_scale, discrete_flow_shift, model_prediction_type; SD3: weighting_scheme with
 logit_mean / logit_std / mode_scale, training_shift) as ot_dist's `loss` section."""
 

@@ -1,5 +1,5 @@
-"""OneTrainer's loss settings (loss functions, offset noise, loss weighting, prediction overrides), its timestep draw and its masked
-training as ot_dist's `loss` and `masked_training` sections: what each step's objective is."""
+"""OneTrainer's loss settings (loss functions, offset noise, loss weighting, prediction overrides), its timestep
+draw and its masked training as ot_dist's `loss` and `masked_training` sections: what each step's objective is."""
 
 from __future__ import annotations
 
