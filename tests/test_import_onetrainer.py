@@ -847,3 +847,20 @@ def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
         {"path": images, "image": flip}]}))
     assert any("image_variations > 1 caches that many versions" in note
                for note in import_onetrainer(tmp_path / "ot.json").notes)
+
+
+def test_loss_functions_import_with_their_strengths(tmp_path):
+    """OneTrainer's mse / mae / log_cosh / huber strengths (and huber_delta where the Huber term is on) are ot_dist's
+    loss options of the same names; all of them 0 (OneTrainer fails on its first step) is listed."""
+    settings = {"training_method": "LORA", "model_type": "STABLE_DIFFUSION_15", "mse_strength": 0.5,
+                "mae_strength": 0.25, "log_cosh_strength": 1.0, "huber_strength": 0.5, "huber_delta": 0.3}
+    config, skipped = import_only(tmp_path, settings)
+    loss = config.loss
+    assert (loss.mse_strength, loss.mae_strength, loss.log_cosh_strength, loss.huber_strength, loss.huber_delta) == \
+        (0.5, 0.25, 1.0, 0.5, 0.3)
+    assert not any("strength" in line for line in skipped), skipped
+    config, _ = import_only(tmp_path, {**settings, "huber_strength": 0.0})
+    assert config.loss.huber_delta is None  # OneTrainer stores it always; it shapes nothing there
+    config, skipped = import_only(tmp_path, {**settings, "mse_strength": 0.0, "mae_strength": 0.0,
+                                             "log_cosh_strength": 0.0, "huber_strength": 0.0})
+    assert config.loss.plain_mse() and any(line.startswith("mse_strength, mae_strength") for line in skipped)

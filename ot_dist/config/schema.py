@@ -960,6 +960,10 @@ class TrainConfig(Section):
             if weight_fn in ("MIN_SNR_GAMMA", "P2", "DEBIASED_ESTIMATION"):
                 raise ValueError(f"loss.weight_fn: {weight_fn} is defined for DDPM objectives (from the SNR); "
                                  f"{self.model.family} trains with flow matching (SIGMA or CONSTANT)")
+            if self.loss.pseudo_huber_strength and self.loss.pseudo_huber_threshold()[0] == "snr":
+                raise ValueError(f"loss.pseudo_huber_schedule: snr (the default) reads the DDPM schedule's "
+                                 f"alphas_cumprod; {self.model.family} trains with flow matching, which has none (kohya's "
+                                 "Flux / SD3 scripts stop there too): set it to exponential or constant")
             if self.loss.generalized_offset_noise:
                 raise ValueError(f"loss.generalized_offset_noise: needs DDPM betas; {self.model.family} trains with "
                                  "flow matching (use plain offset noise)")

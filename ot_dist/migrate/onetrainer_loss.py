@@ -1,5 +1,5 @@
-"""OneTrainer's loss settings (offset noise, loss weighting, prediction overrides), its timestep draw and its masked
-training as ot_dist's `loss` and `masked_training` sections: what each step's objective is."""
+"""OneTrainer's loss settings (loss functions, offset noise, loss weighting, prediction overrides), its timestep
+draw and its masked training as ot_dist's `loss` and `masked_training` sections: what each step's objective is."""
 
 from __future__ import annotations
 
@@ -37,10 +37,7 @@ def import_loss(ot: dict, c: dict, skip) -> None:
         _mapped_if_known(loss, LossConfig, "weight_fn", weight_fn, skip)
         if "weight_fn" in loss and weight_fn == "P2":  # OneTrainer stores a strength for every function; P2 uses it
             loss["weight_strength"] = strength
-    for key, off in (("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0),
-                     ("mse_strength", 1.0)):
-        if ot.get(key, off) != off:
-            skip(f"{key}: {ot[key]} (ot_dist trains with the MSE loss only)")
+    _loss_functions(ot, loss, skip)
     if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
         loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
@@ -91,6 +88,22 @@ def is_flow(family: str) -> bool:
     from ot_dist.models.families.registry import get_family
 
     return get_family(family).objective_kind() == "flow"
+
+
+LOSS_FUNCTIONS = (("mse_strength", 1.0), ("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0))
+
+
+def _loss_functions(ot: dict, loss: dict, skip) -> None:
+    """OneTrainer's sum of strength x loss function (its ModelSetupDiffusionLossMixin): the same names, formulas and
+    defaults in ot_dist's loss section; huber_delta where the Huber term is on (OneTrainer stores it always)."""
+    strengths = {key: ot.get(key, off) for key, off in LOSS_FUNCTIONS}
+    if not any(strengths.values()):
+        skip("mse_strength, mae_strength, log_cosh_strength, huber_strength: all 0, no loss to train (OneTrainer "
+             "fails on its first step); the MSE is written")
+        return
+    loss.update({key: value for (key, off), value in zip(LOSS_FUNCTIONS, strengths.values()) if value != off})
+    if strengths["huber_strength"] and ot.get("huber_delta", 1.0) != 1.0:
+        loss["huber_delta"] = ot["huber_delta"]
 
 
 def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
