@@ -66,7 +66,10 @@ FAMILY_METHOD = {
     "train_dreambooth_lora_sdxl.py": ("sdxl", "lora"), "train_dreambooth_sd3.py": ("sd3", "full"),
     "train_dreambooth_lora_sd3.py": ("sd3", "lora"), "train_dreambooth_flux.py": ("flux", "full"),
     "train_dreambooth_lora_flux.py": ("flux", "lora"), "textual_inversion.py": ("sd1", "embedding"),
+    "train_dreambooth_lora_sana.py": ("sana", "lora"), "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora"),
 }
+# what the Sana / Qwen-Image scripts adapt without --lora_layers
+SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
 
 
 @pytest.mark.parametrize("script", sorted(FAMILY_METHOD))
@@ -98,13 +101,40 @@ def test_each_script_maps_with_the_scripts_defaults(tmp_path, script):
         assert "proj_mlp" not in c["lora"]["transformer_targets"] and "attn.to_k" in c["lora"]["transformer_targets"]
     if SCRIPTS[script][2] == "dreambooth":
         assert c["data"]["concepts"][0]["caption_text"] == "a photo of sks dog"
-    if c["model"]["family"] == "flux":
-        assert c["model"]["guidance_scale"] == 3.5 and c["loss"]["timestep_shift"] == 1.0
+    if c["model"]["family"] in SCRIPT_LORA_TARGETS:
+        assert c["lora"]["transformer_targets"] == SCRIPT_LORA_TARGETS[c["model"]["family"]]
+    if c["model"]["family"] in ("flux", "sana", "qwen_image"):  # the scripts draw from the unshifted sigmas
+        assert c["loss"]["timestep_shift"] == 1.0 and c["loss"]["dynamic_timestep_shifting"] is False
         assert c["loss"]["timestep_distribution"] == "uniform"  # weighting_scheme none
+    if c["model"]["family"] == "flux":
+        assert c["model"]["guidance_scale"] == 3.5
     if c["model"]["family"] == "sd3":
         assert c["loss"]["timestep_distribution"] == "logit_normal"
         assert any(line.startswith("precondition_outputs") for line in not_honoured(text))
     assert any(line.startswith("resolution") for line in not_honoured(text))  # square crops vs buckets
+
+
+def test_sana_and_qwen_image_scripts_own_options(tmp_path):
+    """--lora_layers and weighting_scheme as the older flow scripts; the Qwen-Image script's caption_dropout (instance
+    captions only), final_validation_prompt (the end only) and bnb quantization; Sana's complex_human_instruction."""
+    script = "train_dreambooth_lora_qwen_image.py"
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --lora_layers 'to_q, img_mlp.net.2' "
+                                      "--weighting_scheme logit_normal --logit_std 0.5 --caption_dropout 0.1 "
+                                      "--final_validation_prompt 'a dog' --num_validation_images 1 --seed 3 "
+                                      "--bnb_quantization_config_path q.json --offload")
+    assert c["lora"]["transformer_targets"] == ["to_q", "img_mlp.net.2"]
+    assert c["loss"] | {"logit_normal_std": 0.5, "timestep_distribution": "logit_normal"} == c["loss"]
+    assert c["data"]["concepts"][0]["caption_dropout_probability"] == 0.1
+    assert c["sampling"] == {"prompts": [{"prompt": "a dog", "seed": 3}], "at_end": True}
+    assert any(line.startswith("bnb_quantization_config_path") for line in not_honoured(text))
+    assert not any(line.startswith("offload") for line in not_honoured(text))  # where parts wait: a note
+    script = "train_dreambooth_lora_sana.py"
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --complex_human_instruction 'Be vivid.' "
+                                      "--validation_prompt 'a dog' --num_validation_images 1")
+    assert any(line.startswith("complex_human_instruction") for line in not_honoured(text))
+    assert c["sampling"]["every_n_epochs"] == 50 and c["sampling"]["at_end"] is True
 
 
 def test_textual_inversion_templates_and_repeats(tmp_path):
@@ -262,3 +292,5 @@ def test_defaults_that_differ_between_the_scripts():
     assert defaults("train_dreambooth_lora_flux.py")["max_sequence_length"] == 512
     assert defaults("train_dreambooth_flux.py")["weighting_scheme"] == "none"
     assert defaults("train_dreambooth_sd3.py")["weighting_scheme"] == "logit_normal"
+    assert defaults("train_dreambooth_lora_sana.py")["max_sequence_length"] == 300
+    assert defaults("train_dreambooth_lora_qwen_image.py")["output_dir"] == "hidream-dreambooth-lora"  # sic

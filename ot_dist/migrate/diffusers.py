@@ -32,6 +32,8 @@ SCRIPTS = {
     "train_dreambooth_lora_sd3.py": ("sd3", "lora", "dreambooth"),
     "train_dreambooth_flux.py": ("flux", "full", "dreambooth"),
     "train_dreambooth_lora_flux.py": ("flux", "lora", "dreambooth"),
+    "train_dreambooth_lora_sana.py": ("sana", "lora", "dreambooth"),
+    "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
 }
 PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -42,12 +44,18 @@ VALIDATION_BY_STEPS = ("train_dreambooth.py", "textual_inversion.py")
 # encoders' (every LoRA script with --train_text_encoder).
 UNET_LORA_TARGETS = ["to_k", "to_q", "to_v", "to_out.0"]
 TEXT_ENCODER_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]
-# The transformer modules the SD3 / Flux LoRA scripts adapt without --lora_layers (peft suffixes, as ot_dist's
-# transformer_targets; ot_dist's preset default differs: SD3's attn2 of 3.5's dual attention, Flux's proj_mlp)
+# The transformer modules the SD3 / Flux / Sana / Qwen-Image LoRA scripts adapt without --lora_layers (peft suffixes,
+# as ot_dist's transformer_targets; ot_dist's preset default differs for SD3 (attn2 of 3.5's dual attention) and Flux
+# (proj_mlp); Sana's and Qwen-Image's are these lists)
 ATTENTION = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k_proj", "attn.add_q_proj",
              "attn.add_v_proj", "attn.to_add_out"]
 TRANSFORMER_LORA_TARGETS = {"sd3": ATTENTION, "flux": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                                                                   "ff_context.net.2"]}
+                                                                   "ff_context.net.2"],
+                           "sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
+# The flow families whose scripts draw sigmas from the scheduler's unshifted table: Flux's and Qwen-Image's configs
+# shift dynamically (FlowMatchEulerDiscreteScheduler applies no shift at init then: the Qwen script's shift=3.0 is
+# dropped), Sana's DPM-solver config has flow_shift, which FlowMatchEulerDiscreteScheduler does not read.
+UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image")
 # Arguments that change how the script runs, not what it trains: noted, not listed as not honoured.
 NO_EFFECT = {
     "enable_xformers_memory_efficient_attention": "attention kernel", "enable_npu_flash_attention": "attention kernel",
@@ -59,6 +67,10 @@ NO_EFFECT = {
     "upcast_before_saving": "saved dtype (output_dtype)",
     "save_as_full_pipeline": "export layout (`ot-dist export`)",
     "output_kohya_format": "export layout (lora.file_layout)",
+    "offload": "where the VAE / text encoder wait (CPU or GPU)", "enable_vae_tiling": "validation image decoding",
+    # HiDream's Llama arguments, left in the Qwen-Image script's parser: it loads neither
+    "pretrained_text_encoder_4_name_or_path": "not read by the script",
+    "pretrained_tokenizer_4_name_or_path": "not read by the script",
     "cache_latents": "latents cached or not (data.cache_latents: the same training)",
 }
 
@@ -349,13 +361,25 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
             skip("precondition_outputs: 1 (the script's default): it compares the preconditioned prediction "
                  "(noisy - sigma x prediction) with the latents, which weighs the flow loss by sigma^2; ot_dist "
                  "trains the unweighted flow-matching loss")
-    elif family == "flux":
+    elif family in UNSHIFTED_FLOW_SCRIPTS:
         weighting_scheme(args, loss, skip)
-        # the scripts draw from the scheduler's unshifted sigmas (Flux's config shifts dynamically at sampling only)
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
-        c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
+        if family == "flux":
+            c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
+    _new_script_options(args, family, skip)
     if loss:
         c["loss"] = loss
+
+
+def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
+    """The Sana / Qwen-Image scripts' own options that change what trains and have no ot_dist counterpart."""
+    if args["complex_human_instruction"]:
+        skip("complex_human_instruction: the Sana script prefixes every caption with it; ot_dist encodes the "
+             "caption alone (the script's default)")
+    if args["bnb_quantization_config_path"]:
+        skip(f"bnb_quantization_config_path: {args['bnb_quantization_config_path']}: the Qwen-Image script "
+             "quantizes the transformer with bitsandbytes; ot_dist's low-memory option is weight_dtype float8 "
+             "(docs/low-memory.md)")
 
 
 def _ema(args: DiffusersArgs, c: dict, out: Imported) -> None:
@@ -377,8 +401,12 @@ def _saves(args: DiffusersArgs, c: dict, out: Imported) -> None:
 
 def _validation(args: DiffusersArgs, c: dict, out: Imported) -> None:
     """validation_prompt: num_validation_images images (seeded by --seed) every validation_epochs epochs (every
-    validation_steps steps in train_dreambooth.py and textual_inversion.py), and at the end."""
-    prompt = args["validation_prompt"]
+    validation_steps steps in train_dreambooth.py and textual_inversion.py), and at the end (the Qwen-Image script:
+    unless skip_final_inference; final_validation_prompt when validation_prompt is unset, at the end only)."""
+    prompt, at_end = args["validation_prompt"], not args["skip_final_inference"]
+    final_only = not prompt and at_end and bool(args["final_validation_prompt"])
+    if final_only:
+        prompt = args["final_validation_prompt"]
     if args["validation_prompts"]:
         out.not_honoured.append("validation_prompts: train_dreambooth.py's precomputed embeddings for its IF "
                                 "upscaler runs are not supported")
@@ -391,8 +419,10 @@ def _validation(args: DiffusersArgs, c: dict, out: Imported) -> None:
     count = args["num_validation_images"]
     seed = args["seed"] if args["seed"] is not None else 42
     prompts = [{"prompt": str(prompt), "seed": seed + i} for i in range(count)]
-    sampling = {"prompts": prompts, "at_end": True}
-    if args.script in VALIDATION_BY_STEPS:
+    sampling = {"prompts": prompts, "at_end": at_end}
+    if final_only:
+        pass  # no schedule: the end only
+    elif args.script in VALIDATION_BY_STEPS:
         sampling["every_n_steps"] = args["validation_steps"]
     else:
         sampling["every_n_epochs"] = args["validation_epochs"] or 1

@@ -49,6 +49,10 @@ def import_dataset(args: DiffusersArgs, c: dict, kind: str, out: Imported, capti
     c["data"] = {"crop": "center" if args["center_crop"] else "random"}
     how = ("resizes each image to resolution x resolution (a square, squashed unless center_crop)"
            if kind == "textual_inversion" else "scales the shorter side to resolution and crops a square")
+    if args["aspect_ratio_buckets"]:  # the Qwen-Image script's explicit list (it needs use_aspect_ratio_buckets)
+        how = f"covers and crops each image to the nearest of its buckets {args['aspect_ratio_buckets']}"
+    elif args["use_aspect_ratio_buckets"]:
+        how = "buckets by aspect ratio with buckets of its own, computed from resolution"
     out.not_honoured.append(f"resolution {args['resolution']}: diffusers {how}; ot_dist buckets by aspect ratio "
                             "(the same area, the image's own shape)")
     if kind == "textual_inversion":
@@ -64,6 +68,8 @@ def import_dataset(args: DiffusersArgs, c: dict, kind: str, out: Imported, capti
             concept["flip_probability"] = flip
         if empty:
             concept["caption_dropout_probability"] = empty
+    if args["caption_dropout"]:  # the Qwen-Image script: instance captions become "" at this rate, class ones never
+        concepts[0]["caption_dropout_probability"] = args["caption_dropout"]
     c["data"]["concepts"] = concepts
     if args["dataloader_num_workers"]:
         c["data"]["loader_workers"] = args["dataloader_num_workers"]

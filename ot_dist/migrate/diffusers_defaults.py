@@ -4,112 +4,125 @@ reading the parser's actions (dest, default, store_true / type / nargs); the scr
 else. A key a command line leaves out trains with the script's default, which is what this table gives.
 
 Scripts: examples/text_to_image/train_text_to_image{,_lora,_sdxl,_lora_sdxl}.py, examples/dreambooth/
-train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux}.py, examples/textual_inversion/
-textual_inversion.py."""
+train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux,_lora_sana,_lora_qwen_image}.py,
+examples/textual_inversion/textual_inversion.py."""
 
 from __future__ import annotations
 
 SHARED = {'adam_beta1': 0.9, 'adam_beta2': 0.999, 'adam_epsilon': 1e-08, 'adam_weight_decay_text_encoder': 0.001,
-          'allow_tf32': False, 'cache_dir': None, 'cache_latents': False, 'center_crop': False,
-          'checkpointing_steps': 500, 'checkpoints_total_limit': None, 'class_data_dir': None,
-          'class_labels_conditioning': None, 'class_prompt': None, 'dataloader_num_workers': 0,
-          'dataset_config_name': None, 'dataset_name': None, 'debug_loss': False, 'do_edm_style_training': False,
-          'dream_detail_preservation': 1.0, 'dream_training': False, 'enable_npu_flash_attention': False,
-          'enable_xformers_memory_efficient_attention': False, 'foreach_ema': False, 'gradient_accumulation_steps':
-          1, 'gradient_checkpointing': False, 'guidance_scale': 3.5, 'hub_model_id': None, 'hub_token': None,
-          'image_column': 'image', 'image_interpolation_mode': 'lanczos', 'initializer_token': None,
-          'input_perturbation': 0, 'instance_data_dir': None, 'instance_prompt': None, 'learnable_property':
+          'allow_tf32': False, 'aspect_ratio_buckets': None, 'bnb_quantization_config_path': None, 'cache_dir': None,
+          'cache_latents': False, 'caption_dropout': 0.0, 'center_crop': False, 'checkpointing_steps': 500,
+          'checkpoints_total_limit': None, 'class_data_dir': None, 'class_labels_conditioning': None, 'class_prompt':
+          None, 'complex_human_instruction': None, 'dataloader_num_workers': 0, 'dataset_config_name': None,
+          'dataset_name': None, 'debug_loss': False, 'do_edm_style_training': False, 'dream_detail_preservation': 1.0,
+          'dream_training': False, 'enable_npu_flash_attention': False, 'enable_vae_tiling': False,
+          'enable_xformers_memory_efficient_attention': False, 'final_validation_prompt': None, 'foreach_ema': False,
+          'gradient_accumulation_steps': 1, 'gradient_checkpointing': False, 'guidance_scale': 3.5, 'hub_model_id':
+          None, 'hub_token': None, 'image_column': 'image', 'image_interpolation_mode': 'lanczos', 'initializer_token':
+          None, 'input_perturbation': 0, 'instance_data_dir': None, 'instance_prompt': None, 'learnable_property':
           'object', 'local_rank': -1, 'logging_dir': 'logs', 'logit_mean': 0.0, 'logit_std': 1.0, 'lora_alpha': 4,
           'lora_blocks': None, 'lora_dropout': 0.0, 'lora_layers': None, 'lr_num_cycles': 1, 'lr_power': 1.0,
           'lr_scheduler': 'constant', 'lr_warmup_steps': 500, 'max_grad_norm': 1.0, 'max_train_samples': None,
           'mode_scale': 1.29, 'no_safe_serialization': False, 'noise_offset': 0, 'non_ema_revision': None,
-          'num_class_images': 100, 'num_validation_images': 4, 'num_vectors': 1, 'offload_ema': False,
+          'num_class_images': 100, 'num_validation_images': 4, 'num_vectors': 1, 'offload': False, 'offload_ema': False,
           'offset_noise': False, 'optimizer': 'AdamW', 'output_kohya_format': False, 'placeholder_token': None,
           'pre_compute_text_embeddings': False, 'precondition_outputs': 1, 'prediction_type': None,
-          'pretrained_model_name_or_path': None, 'pretrained_vae_model_name_or_path': None,
-          'prior_generation_precision': None, 'prior_loss_weight': 1.0, 'prodigy_beta3': None, 'prodigy_decouple':
-          True, 'prodigy_safeguard_warmup': True, 'prodigy_use_bias_correction': True, 'proportion_empty_prompts':
-          0, 'push_to_hub': False, 'random_flip': False, 'rank': 4, 'report_to': 'tensorboard',
-          'resume_from_checkpoint': None, 'revision': None, 'sample_batch_size': 4, 'save_as_full_pipeline': False,
-          'save_steps': 500, 'scale_lr': False, 'seed': None, 'set_grads_to_none': False, 'skip_save_text_encoder':
+          'pretrained_model_name_or_path': None, 'pretrained_text_encoder_4_name_or_path':
+          'meta-llama/Meta-Llama-3.1-8B-Instruct', 'pretrained_tokenizer_4_name_or_path':
+          'meta-llama/Meta-Llama-3.1-8B-Instruct', 'pretrained_vae_model_name_or_path': None,
+          'prior_generation_precision': None, 'prior_loss_weight': 1.0, 'prodigy_beta3': None, 'prodigy_decouple': True,
+          'prodigy_safeguard_warmup': True, 'prodigy_use_bias_correction': True, 'proportion_empty_prompts': 0,
+          'push_to_hub': False, 'random_flip': False, 'rank': 4, 'report_to': 'tensorboard', 'resume_from_checkpoint':
+          None, 'revision': None, 'sample_batch_size': 4, 'save_as_full_pipeline': False, 'save_steps': 500, 'scale_lr':
+          False, 'seed': None, 'set_grads_to_none': False, 'skip_final_inference': False, 'skip_save_text_encoder':
           False, 'snr_gamma': None, 'text_encoder_lr': 5e-06, 'text_encoder_use_attention_mask': False,
-          'timestep_bias_begin': 0, 'timestep_bias_end': 1000, 'timestep_bias_multiplier': 1.0,
-          'timestep_bias_portion': 0.25, 'timestep_bias_strategy': 'none', 'tokenizer_max_length': None,
-          'tokenizer_name': None, 'tracker_project_name': 'text2image-fine-tune', 'train_data_dir': None,
-          'train_text_encoder': False, 'upcast_before_saving': False, 'use_8bit_adam': False, 'use_dora': False,
+          'timestep_bias_begin': 0, 'timestep_bias_end': 1000, 'timestep_bias_multiplier': 1.0, 'timestep_bias_portion':
+          0.25, 'timestep_bias_strategy': 'none', 'tokenizer_max_length': None, 'tokenizer_name': None,
+          'tracker_project_name': 'text2image-fine-tune', 'train_data_dir': None, 'train_text_encoder': False,
+          'upcast_before_saving': False, 'use_8bit_adam': False, 'use_aspect_ratio_buckets': False, 'use_dora': False,
           'use_ema': False, 'validation_images': None, 'validation_prompt': None, 'validation_prompts': None,
           'validation_scheduler': 'DPMSolverMultistepScheduler', 'validation_steps': 100, 'variant': None,
           'with_prior_preservation': False}
 
 # the defaults that differ between the scripts: key -> script -> default
 BY_SCRIPT = {'adam_weight_decay': {'train_text_to_image.py': 0.01, 'train_text_to_image_lora.py': 0.01,
-             'train_text_to_image_sdxl.py': 0.01, 'train_text_to_image_lora_sdxl.py': 0.01, 'train_dreambooth.py':
-             0.01, 'train_dreambooth_lora.py': 0.01, 'train_dreambooth_lora_sdxl.py': 0.0001,
-             'train_dreambooth_sd3.py': 0.0001, 'train_dreambooth_lora_sd3.py': 0.0001, 'train_dreambooth_flux.py':
-             0.0001, 'train_dreambooth_lora_flux.py': 0.0001, 'textual_inversion.py': 0.01}, 'caption_column':
-             {'train_text_to_image.py': 'text', 'train_text_to_image_lora.py': 'text',
-             'train_text_to_image_sdxl.py': 'text', 'train_text_to_image_lora_sdxl.py': 'text',
+             'train_text_to_image_sdxl.py': 0.01, 'train_text_to_image_lora_sdxl.py': 0.01, 'train_dreambooth.py': 0.01,
+             'train_dreambooth_lora.py': 0.01, 'train_dreambooth_lora_sdxl.py': 0.0001, 'train_dreambooth_sd3.py':
+             0.0001, 'train_dreambooth_lora_sd3.py': 0.0001, 'train_dreambooth_flux.py': 0.0001,
+             'train_dreambooth_lora_flux.py': 0.0001, 'textual_inversion.py': 0.01, 'train_dreambooth_lora_sana.py':
+             0.0001, 'train_dreambooth_lora_qwen_image.py': 0.0001}, 'caption_column': {'train_text_to_image.py':
+             'text', 'train_text_to_image_lora.py': 'text', 'train_text_to_image_sdxl.py': 'text',
+             'train_text_to_image_lora_sdxl.py': 'text', 'train_dreambooth_lora_sdxl.py': None,
+             'train_dreambooth_sd3.py': None, 'train_dreambooth_lora_sd3.py': None, 'train_dreambooth_flux.py': None,
+             'train_dreambooth_lora_flux.py': None, 'train_dreambooth_lora_sana.py': None,
+             'train_dreambooth_lora_qwen_image.py': None}, 'learning_rate': {'train_text_to_image.py': 0.0001,
+             'train_text_to_image_lora.py': 0.0001, 'train_text_to_image_sdxl.py': 0.0001,
+             'train_text_to_image_lora_sdxl.py': 0.0001, 'train_dreambooth.py': 5e-06, 'train_dreambooth_lora.py':
+             0.0005, 'train_dreambooth_lora_sdxl.py': 0.0001, 'train_dreambooth_sd3.py': 0.0001,
+             'train_dreambooth_lora_sd3.py': 0.0001, 'train_dreambooth_flux.py': 0.0001,
+             'train_dreambooth_lora_flux.py': 0.0001, 'textual_inversion.py': 0.0001, 'train_dreambooth_lora_sana.py':
+             0.0001, 'train_dreambooth_lora_qwen_image.py': 0.0001}, 'max_sequence_length': {'train_dreambooth_sd3.py':
+             77, 'train_dreambooth_lora_sd3.py': 77, 'train_dreambooth_flux.py': 77, 'train_dreambooth_lora_flux.py':
+             512, 'train_dreambooth_lora_sana.py': 300, 'train_dreambooth_lora_qwen_image.py': 512}, 'max_train_steps':
+             {'train_text_to_image.py': None, 'train_text_to_image_lora.py': None, 'train_text_to_image_sdxl.py': None,
+             'train_text_to_image_lora_sdxl.py': None, 'train_dreambooth.py': None, 'train_dreambooth_lora.py': None,
              'train_dreambooth_lora_sdxl.py': None, 'train_dreambooth_sd3.py': None, 'train_dreambooth_lora_sd3.py':
-             None, 'train_dreambooth_flux.py': None, 'train_dreambooth_lora_flux.py': None}, 'learning_rate':
-             {'train_text_to_image.py': 0.0001, 'train_text_to_image_lora.py': 0.0001,
-             'train_text_to_image_sdxl.py': 0.0001, 'train_text_to_image_lora_sdxl.py': 0.0001,
-             'train_dreambooth.py': 5e-06, 'train_dreambooth_lora.py': 0.0005, 'train_dreambooth_lora_sdxl.py':
-             0.0001, 'train_dreambooth_sd3.py': 0.0001, 'train_dreambooth_lora_sd3.py': 0.0001,
-             'train_dreambooth_flux.py': 0.0001, 'train_dreambooth_lora_flux.py': 0.0001, 'textual_inversion.py':
-             0.0001}, 'max_sequence_length': {'train_dreambooth_sd3.py': 77, 'train_dreambooth_lora_sd3.py': 77,
-             'train_dreambooth_flux.py': 77, 'train_dreambooth_lora_flux.py': 512}, 'max_train_steps':
-             {'train_text_to_image.py': None, 'train_text_to_image_lora.py': None, 'train_text_to_image_sdxl.py':
-             None, 'train_text_to_image_lora_sdxl.py': None, 'train_dreambooth.py': None,
-             'train_dreambooth_lora.py': None, 'train_dreambooth_lora_sdxl.py': None, 'train_dreambooth_sd3.py':
-             None, 'train_dreambooth_lora_sd3.py': None, 'train_dreambooth_flux.py': None,
-             'train_dreambooth_lora_flux.py': None, 'textual_inversion.py': 5000}, 'mixed_precision':
-             {'train_text_to_image.py': None, 'train_text_to_image_lora.py': None, 'train_text_to_image_sdxl.py':
-             None, 'train_text_to_image_lora_sdxl.py': None, 'train_dreambooth.py': None,
-             'train_dreambooth_lora.py': None, 'train_dreambooth_lora_sdxl.py': None, 'train_dreambooth_sd3.py':
-             None, 'train_dreambooth_lora_sd3.py': None, 'train_dreambooth_flux.py': None,
-             'train_dreambooth_lora_flux.py': None, 'textual_inversion.py': 'no'}, 'num_train_epochs':
-             {'train_text_to_image.py': 100, 'train_text_to_image_lora.py': 100, 'train_text_to_image_sdxl.py': 100,
-             'train_text_to_image_lora_sdxl.py': 100, 'train_dreambooth.py': 1, 'train_dreambooth_lora.py': 1,
-             'train_dreambooth_lora_sdxl.py': 1, 'train_dreambooth_sd3.py': 1, 'train_dreambooth_lora_sd3.py': 1,
-             'train_dreambooth_flux.py': 1, 'train_dreambooth_lora_flux.py': 1, 'textual_inversion.py': 100},
-             'output_dir': {'train_text_to_image.py': 'sd-model-finetuned', 'train_text_to_image_lora.py':
-             'sd-model-finetuned-lora', 'train_text_to_image_sdxl.py': 'sdxl-model-finetuned',
-             'train_text_to_image_lora_sdxl.py': 'sd-model-finetuned-lora', 'train_dreambooth.py':
-             'dreambooth-model', 'train_dreambooth_lora.py': 'lora-dreambooth-model',
+             None, 'train_dreambooth_flux.py': None, 'train_dreambooth_lora_flux.py': None, 'textual_inversion.py':
+             5000, 'train_dreambooth_lora_sana.py': None, 'train_dreambooth_lora_qwen_image.py': None},
+             'mixed_precision': {'train_text_to_image.py': None, 'train_text_to_image_lora.py': None,
+             'train_text_to_image_sdxl.py': None, 'train_text_to_image_lora_sdxl.py': None, 'train_dreambooth.py': None,
+             'train_dreambooth_lora.py': None, 'train_dreambooth_lora_sdxl.py': None, 'train_dreambooth_sd3.py': None,
+             'train_dreambooth_lora_sd3.py': None, 'train_dreambooth_flux.py': None, 'train_dreambooth_lora_flux.py':
+             None, 'textual_inversion.py': 'no', 'train_dreambooth_lora_sana.py': None,
+             'train_dreambooth_lora_qwen_image.py': None}, 'num_train_epochs': {'train_text_to_image.py': 100,
+             'train_text_to_image_lora.py': 100, 'train_text_to_image_sdxl.py': 100, 'train_text_to_image_lora_sdxl.py':
+             100, 'train_dreambooth.py': 1, 'train_dreambooth_lora.py': 1, 'train_dreambooth_lora_sdxl.py': 1,
+             'train_dreambooth_sd3.py': 1, 'train_dreambooth_lora_sd3.py': 1, 'train_dreambooth_flux.py': 1,
+             'train_dreambooth_lora_flux.py': 1, 'textual_inversion.py': 100, 'train_dreambooth_lora_sana.py': 1,
+             'train_dreambooth_lora_qwen_image.py': 1}, 'output_dir': {'train_text_to_image.py': 'sd-model-finetuned',
+             'train_text_to_image_lora.py': 'sd-model-finetuned-lora', 'train_text_to_image_sdxl.py':
+             'sdxl-model-finetuned', 'train_text_to_image_lora_sdxl.py': 'sd-model-finetuned-lora',
+             'train_dreambooth.py': 'dreambooth-model', 'train_dreambooth_lora.py': 'lora-dreambooth-model',
              'train_dreambooth_lora_sdxl.py': 'lora-dreambooth-model', 'train_dreambooth_sd3.py': 'sd3-dreambooth',
              'train_dreambooth_lora_sd3.py': 'sd3-dreambooth', 'train_dreambooth_flux.py': 'flux-dreambooth',
-             'train_dreambooth_lora_flux.py': 'flux-dreambooth-lora', 'textual_inversion.py':
-             'text-inversion-model'}, 'repeats': {'train_dreambooth_lora_sdxl.py': 1, 'train_dreambooth_sd3.py': 1,
+             'train_dreambooth_lora_flux.py': 'flux-dreambooth-lora', 'textual_inversion.py': 'text-inversion-model',
+             'train_dreambooth_lora_sana.py': 'sana-dreambooth-lora', 'train_dreambooth_lora_qwen_image.py':
+             'hidream-dreambooth-lora'}, 'repeats': {'train_dreambooth_lora_sdxl.py': 1, 'train_dreambooth_sd3.py': 1,
              'train_dreambooth_lora_sd3.py': 1, 'train_dreambooth_flux.py': 1, 'train_dreambooth_lora_flux.py': 1,
-             'textual_inversion.py': 100}, 'resolution': {'train_text_to_image.py': 512,
-             'train_text_to_image_lora.py': 512, 'train_text_to_image_sdxl.py': 1024,
-             'train_text_to_image_lora_sdxl.py': 1024, 'train_dreambooth.py': 512, 'train_dreambooth_lora.py': 512,
-             'train_dreambooth_lora_sdxl.py': 1024, 'train_dreambooth_sd3.py': 512, 'train_dreambooth_lora_sd3.py':
-             512, 'train_dreambooth_flux.py': 512, 'train_dreambooth_lora_flux.py': 512, 'textual_inversion.py':
+             'textual_inversion.py': 100, 'train_dreambooth_lora_sana.py': 1, 'train_dreambooth_lora_qwen_image.py': 1},
+             'resolution': {'train_text_to_image.py': 512, 'train_text_to_image_lora.py': 512,
+             'train_text_to_image_sdxl.py': 1024, 'train_text_to_image_lora_sdxl.py': 1024, 'train_dreambooth.py': 512,
+             'train_dreambooth_lora.py': 512, 'train_dreambooth_lora_sdxl.py': 1024, 'train_dreambooth_sd3.py': 512,
+             'train_dreambooth_lora_sd3.py': 512, 'train_dreambooth_flux.py': 512, 'train_dreambooth_lora_flux.py': 512,
+             'textual_inversion.py': 512, 'train_dreambooth_lora_sana.py': 512, 'train_dreambooth_lora_qwen_image.py':
              512}, 'train_batch_size': {'train_text_to_image.py': 16, 'train_text_to_image_lora.py': 16,
              'train_text_to_image_sdxl.py': 16, 'train_text_to_image_lora_sdxl.py': 16, 'train_dreambooth.py': 4,
              'train_dreambooth_lora.py': 4, 'train_dreambooth_lora_sdxl.py': 4, 'train_dreambooth_sd3.py': 4,
              'train_dreambooth_lora_sd3.py': 4, 'train_dreambooth_flux.py': 4, 'train_dreambooth_lora_flux.py': 4,
-             'textual_inversion.py': 16}, 'validation_epochs': {'train_text_to_image.py': 5,
-             'train_text_to_image_lora.py': 1, 'train_text_to_image_sdxl.py': 1, 'train_text_to_image_lora_sdxl.py':
-             1, 'train_dreambooth_lora.py': 50, 'train_dreambooth_lora_sdxl.py': 50, 'train_dreambooth_sd3.py': 50,
-             'train_dreambooth_lora_sd3.py': 50, 'train_dreambooth_flux.py': 50, 'train_dreambooth_lora_flux.py':
-             50, 'textual_inversion.py': None}, 'weighting_scheme': {'train_dreambooth_sd3.py': 'logit_normal',
-             'train_dreambooth_lora_sd3.py': 'logit_normal', 'train_dreambooth_flux.py': 'none',
-             'train_dreambooth_lora_flux.py': 'none'}}
+             'textual_inversion.py': 16, 'train_dreambooth_lora_sana.py': 4, 'train_dreambooth_lora_qwen_image.py': 4},
+             'validation_epochs': {'train_text_to_image.py': 5, 'train_text_to_image_lora.py': 1,
+             'train_text_to_image_sdxl.py': 1, 'train_text_to_image_lora_sdxl.py': 1, 'train_dreambooth_lora.py': 50,
+             'train_dreambooth_lora_sdxl.py': 50, 'train_dreambooth_sd3.py': 50, 'train_dreambooth_lora_sd3.py': 50,
+             'train_dreambooth_flux.py': 50, 'train_dreambooth_lora_flux.py': 50, 'textual_inversion.py': None,
+             'train_dreambooth_lora_sana.py': 50, 'train_dreambooth_lora_qwen_image.py': 50}, 'weighting_scheme':
+             {'train_dreambooth_sd3.py': 'logit_normal', 'train_dreambooth_lora_sd3.py': 'logit_normal',
+             'train_dreambooth_flux.py': 'none', 'train_dreambooth_lora_flux.py': 'none',
+             'train_dreambooth_lora_sana.py': 'none', 'train_dreambooth_lora_qwen_image.py': 'none'}}
 
 # each script's arguments (argparse dests)
 SCRIPT_ARGS = {
     'train_text_to_image.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 cache_dir caption_column center_crop
         checkpointing_steps checkpoints_total_limit dataloader_num_workers dataset_config_name
-        dataset_name dream_detail_preservation dream_training enable_xformers_memory_efficient_attention
-        foreach_ema gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token
-        image_column image_interpolation_mode input_perturbation learning_rate local_rank logging_dir
-        lr_scheduler lr_warmup_steps max_grad_norm max_train_samples max_train_steps mixed_precision
-        noise_offset non_ema_revision num_train_epochs offload_ema output_dir prediction_type
+        dataset_name dream_detail_preservation dream_training
+        enable_xformers_memory_efficient_attention foreach_ema gradient_accumulation_steps
+        gradient_checkpointing hub_model_id hub_token image_column image_interpolation_mode
+        input_perturbation learning_rate local_rank logging_dir lr_scheduler lr_warmup_steps
+        max_grad_norm max_train_samples max_train_steps mixed_precision noise_offset
+        non_ema_revision num_train_epochs offload_ema output_dir prediction_type
         pretrained_model_name_or_path push_to_hub random_flip report_to resolution
-        resume_from_checkpoint revision scale_lr seed snr_gamma tracker_project_name train_batch_size
-        train_data_dir use_8bit_adam use_ema validation_epochs validation_prompts variant""".split()),
+        resume_from_checkpoint revision scale_lr seed snr_gamma tracker_project_name
+        train_batch_size train_data_dir use_8bit_adam use_ema validation_epochs validation_prompts
+        variant""".split()),
     'train_text_to_image_lora.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 cache_dir caption_column center_crop
         checkpointing_steps checkpoints_total_limit dataloader_num_workers dataset_config_name
         dataset_name enable_xformers_memory_efficient_attention gradient_accumulation_steps
@@ -117,117 +130,127 @@ SCRIPT_ARGS = {
         learning_rate local_rank logging_dir lr_scheduler lr_warmup_steps max_grad_norm
         max_train_samples max_train_steps mixed_precision noise_offset num_train_epochs
         num_validation_images output_dir prediction_type pretrained_model_name_or_path push_to_hub
-        random_flip rank report_to resolution resume_from_checkpoint revision scale_lr seed snr_gamma
-        train_batch_size train_data_dir use_8bit_adam validation_epochs validation_prompt variant""".split()),
+        random_flip rank report_to resolution resume_from_checkpoint revision scale_lr seed
+        snr_gamma train_batch_size train_data_dir use_8bit_adam validation_epochs validation_prompt
+        variant""".split()),
     'train_text_to_image_sdxl.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 cache_dir caption_column center_crop
         checkpointing_steps checkpoints_total_limit dataloader_num_workers dataset_config_name
         dataset_name enable_npu_flash_attention enable_xformers_memory_efficient_attention
         gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token image_column
         image_interpolation_mode learning_rate local_rank logging_dir lr_scheduler lr_warmup_steps
-        max_grad_norm max_train_samples max_train_steps mixed_precision noise_offset num_train_epochs
-        num_validation_images output_dir prediction_type pretrained_model_name_or_path
-        pretrained_vae_model_name_or_path proportion_empty_prompts push_to_hub random_flip report_to
-        resolution resume_from_checkpoint revision scale_lr seed snr_gamma timestep_bias_begin
-        timestep_bias_end timestep_bias_multiplier timestep_bias_portion timestep_bias_strategy
-        train_batch_size train_data_dir use_8bit_adam use_ema validation_epochs validation_prompt
-        variant""".split()),
+        max_grad_norm max_train_samples max_train_steps mixed_precision noise_offset
+        num_train_epochs num_validation_images output_dir prediction_type
+        pretrained_model_name_or_path pretrained_vae_model_name_or_path proportion_empty_prompts
+        push_to_hub random_flip report_to resolution resume_from_checkpoint revision scale_lr seed
+        snr_gamma timestep_bias_begin timestep_bias_end timestep_bias_multiplier
+        timestep_bias_portion timestep_bias_strategy train_batch_size train_data_dir use_8bit_adam
+        use_ema validation_epochs validation_prompt variant""".split()),
     'train_text_to_image_lora_sdxl.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 cache_dir caption_column center_crop
         checkpointing_steps checkpoints_total_limit dataloader_num_workers dataset_config_name
-        dataset_name debug_loss enable_npu_flash_attention enable_xformers_memory_efficient_attention
-        gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token image_column
-        image_interpolation_mode learning_rate local_rank logging_dir lr_scheduler lr_warmup_steps
-        max_grad_norm max_train_samples max_train_steps mixed_precision noise_offset num_train_epochs
+        dataset_name debug_loss enable_npu_flash_attention
+        enable_xformers_memory_efficient_attention gradient_accumulation_steps
+        gradient_checkpointing hub_model_id hub_token image_column image_interpolation_mode
+        learning_rate local_rank logging_dir lr_scheduler lr_warmup_steps max_grad_norm
+        max_train_samples max_train_steps mixed_precision noise_offset num_train_epochs
         num_validation_images output_dir prediction_type pretrained_model_name_or_path
         pretrained_vae_model_name_or_path push_to_hub random_flip rank report_to resolution
         resume_from_checkpoint revision scale_lr seed snr_gamma train_batch_size train_data_dir
         train_text_encoder use_8bit_adam validation_epochs validation_prompt variant""".split()),
     'train_dreambooth.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 center_crop checkpointing_steps
         checkpoints_total_limit class_data_dir class_labels_conditioning class_prompt
-        dataloader_num_workers enable_xformers_memory_efficient_attention gradient_accumulation_steps
-        gradient_checkpointing hub_model_id hub_token instance_data_dir instance_prompt learning_rate
-        local_rank logging_dir lr_num_cycles lr_power lr_scheduler lr_warmup_steps max_grad_norm
-        max_train_steps mixed_precision num_class_images num_train_epochs num_validation_images
-        offset_noise output_dir pre_compute_text_embeddings pretrained_model_name_or_path
-        prior_generation_precision prior_loss_weight push_to_hub report_to resolution
-        resume_from_checkpoint revision sample_batch_size scale_lr seed set_grads_to_none
-        skip_save_text_encoder snr_gamma text_encoder_use_attention_mask tokenizer_max_length
-        tokenizer_name train_batch_size train_text_encoder use_8bit_adam validation_images
-        validation_prompt validation_scheduler validation_steps variant with_prior_preservation""".split()),
+        dataloader_num_workers enable_xformers_memory_efficient_attention
+        gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token instance_data_dir
+        instance_prompt learning_rate local_rank logging_dir lr_num_cycles lr_power lr_scheduler
+        lr_warmup_steps max_grad_norm max_train_steps mixed_precision num_class_images
+        num_train_epochs num_validation_images offset_noise output_dir pre_compute_text_embeddings
+        pretrained_model_name_or_path prior_generation_precision prior_loss_weight push_to_hub
+        report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr seed
+        set_grads_to_none skip_save_text_encoder snr_gamma text_encoder_use_attention_mask
+        tokenizer_max_length tokenizer_name train_batch_size train_text_encoder use_8bit_adam
+        validation_images validation_prompt validation_scheduler validation_steps variant
+        with_prior_preservation""".split()),
     'train_dreambooth_lora.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 center_crop checkpointing_steps
         checkpoints_total_limit class_data_dir class_labels_conditioning class_prompt
-        dataloader_num_workers enable_xformers_memory_efficient_attention gradient_accumulation_steps
-        gradient_checkpointing hub_model_id hub_token image_interpolation_mode instance_data_dir
-        instance_prompt learning_rate local_rank logging_dir lora_dropout lr_num_cycles lr_power
-        lr_scheduler lr_warmup_steps max_grad_norm max_train_steps mixed_precision num_class_images
-        num_train_epochs num_validation_images output_dir pre_compute_text_embeddings
-        pretrained_model_name_or_path prior_generation_precision prior_loss_weight push_to_hub rank
-        report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr seed
+        dataloader_num_workers enable_xformers_memory_efficient_attention
+        gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token
+        image_interpolation_mode instance_data_dir instance_prompt learning_rate local_rank
+        logging_dir lora_dropout lr_num_cycles lr_power lr_scheduler lr_warmup_steps max_grad_norm
+        max_train_steps mixed_precision num_class_images num_train_epochs num_validation_images
+        output_dir pre_compute_text_embeddings pretrained_model_name_or_path
+        prior_generation_precision prior_loss_weight push_to_hub rank report_to resolution
+        resume_from_checkpoint revision sample_batch_size scale_lr seed
         text_encoder_use_attention_mask tokenizer_max_length tokenizer_name train_batch_size
-        train_text_encoder use_8bit_adam validation_epochs validation_images validation_prompt variant
-        with_prior_preservation""".split()),
-    'train_dreambooth_lora_sdxl.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32 cache_dir
-        caption_column center_crop checkpointing_steps checkpoints_total_limit class_data_dir
-        class_prompt dataloader_num_workers dataset_config_name dataset_name do_edm_style_training
-        enable_xformers_memory_efficient_attention gradient_accumulation_steps gradient_checkpointing
-        hub_model_id hub_token image_column image_interpolation_mode instance_data_dir instance_prompt
-        learning_rate local_rank logging_dir lora_dropout lr_num_cycles lr_power lr_scheduler
-        lr_warmup_steps max_grad_norm max_train_steps mixed_precision num_class_images num_train_epochs
-        num_validation_images optimizer output_dir output_kohya_format pretrained_model_name_or_path
-        pretrained_vae_model_name_or_path prior_generation_precision prior_loss_weight prodigy_beta3
-        prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip
-        rank repeats report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr
-        seed snr_gamma text_encoder_lr train_batch_size train_text_encoder use_8bit_adam use_dora
+        train_text_encoder use_8bit_adam validation_epochs validation_images validation_prompt
+        variant with_prior_preservation""".split()),
+    'train_dreambooth_lora_sdxl.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32
+        cache_dir caption_column center_crop checkpointing_steps checkpoints_total_limit
+        class_data_dir class_prompt dataloader_num_workers dataset_config_name dataset_name
+        do_edm_style_training enable_xformers_memory_efficient_attention gradient_accumulation_steps
+        gradient_checkpointing hub_model_id hub_token image_column image_interpolation_mode
+        instance_data_dir instance_prompt learning_rate local_rank logging_dir lora_dropout
+        lr_num_cycles lr_power lr_scheduler lr_warmup_steps max_grad_norm max_train_steps
+        mixed_precision num_class_images num_train_epochs num_validation_images optimizer output_dir
+        output_kohya_format pretrained_model_name_or_path pretrained_vae_model_name_or_path
+        prior_generation_precision prior_loss_weight prodigy_beta3 prodigy_decouple
+        prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip rank repeats
+        report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr seed
+        snr_gamma text_encoder_lr train_batch_size train_text_encoder use_8bit_adam use_dora
         validation_epochs validation_prompt variant with_prior_preservation""".split()),
-    'train_dreambooth_sd3.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32 cache_dir
-        caption_column center_crop checkpointing_steps checkpoints_total_limit class_data_dir
-        class_prompt dataloader_num_workers dataset_config_name dataset_name gradient_accumulation_steps
-        gradient_checkpointing hub_model_id hub_token image_column instance_data_dir instance_prompt
-        learning_rate local_rank logging_dir logit_mean logit_std lr_num_cycles lr_power lr_scheduler
-        lr_warmup_steps max_grad_norm max_sequence_length max_train_steps mixed_precision mode_scale
-        num_class_images num_train_epochs num_validation_images optimizer output_dir
-        precondition_outputs pretrained_model_name_or_path prior_generation_precision prior_loss_weight
-        prodigy_beta3 prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub
-        random_flip repeats report_to resolution resume_from_checkpoint revision sample_batch_size
-        scale_lr seed text_encoder_lr train_batch_size train_text_encoder use_8bit_adam
-        validation_epochs validation_prompt variant weighting_scheme with_prior_preservation""".split()),
-    'train_dreambooth_lora_sd3.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32 cache_dir
-        cache_latents caption_column center_crop checkpointing_steps checkpoints_total_limit
+    'train_dreambooth_sd3.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32
+        cache_dir caption_column center_crop checkpointing_steps checkpoints_total_limit
         class_data_dir class_prompt dataloader_num_workers dataset_config_name dataset_name
         gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token image_column
         instance_data_dir instance_prompt learning_rate local_rank logging_dir logit_mean logit_std
-        lora_blocks lora_dropout lora_layers lr_num_cycles lr_power lr_scheduler lr_warmup_steps
-        max_grad_norm max_sequence_length max_train_steps mixed_precision mode_scale num_class_images
-        num_train_epochs num_validation_images optimizer output_dir precondition_outputs
+        lr_num_cycles lr_power lr_scheduler lr_warmup_steps max_grad_norm max_sequence_length
+        max_train_steps mixed_precision mode_scale num_class_images num_train_epochs
+        num_validation_images optimizer output_dir precondition_outputs
         pretrained_model_name_or_path prior_generation_precision prior_loss_weight prodigy_beta3
-        prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip
-        rank repeats report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr
-        seed text_encoder_lr train_batch_size train_text_encoder upcast_before_saving use_8bit_adam
+        prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub
+        random_flip repeats report_to resolution resume_from_checkpoint revision sample_batch_size
+        scale_lr seed text_encoder_lr train_batch_size train_text_encoder use_8bit_adam
         validation_epochs validation_prompt variant weighting_scheme with_prior_preservation""".split()),
-    'train_dreambooth_flux.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32 cache_dir
-        caption_column center_crop checkpointing_steps checkpoints_total_limit class_data_dir
-        class_prompt dataloader_num_workers dataset_config_name dataset_name enable_npu_flash_attention
-        gradient_accumulation_steps gradient_checkpointing guidance_scale hub_model_id hub_token
-        image_column image_interpolation_mode instance_data_dir instance_prompt learning_rate local_rank
-        logging_dir logit_mean logit_std lr_num_cycles lr_power lr_scheduler lr_warmup_steps
-        max_grad_norm max_sequence_length max_train_steps mixed_precision mode_scale num_class_images
-        num_train_epochs num_validation_images optimizer output_dir pretrained_model_name_or_path
-        prior_generation_precision prior_loss_weight prodigy_beta3 prodigy_decouple
-        prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip repeats report_to
-        resolution resume_from_checkpoint revision sample_batch_size scale_lr seed text_encoder_lr
-        train_batch_size train_text_encoder use_8bit_adam validation_epochs validation_prompt variant
+    'train_dreambooth_lora_sd3.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32
+        cache_dir cache_latents caption_column center_crop checkpointing_steps
+        checkpoints_total_limit class_data_dir class_prompt dataloader_num_workers
+        dataset_config_name dataset_name gradient_accumulation_steps gradient_checkpointing
+        hub_model_id hub_token image_column instance_data_dir instance_prompt learning_rate
+        local_rank logging_dir logit_mean logit_std lora_blocks lora_dropout lora_layers
+        lr_num_cycles lr_power lr_scheduler lr_warmup_steps max_grad_norm max_sequence_length
+        max_train_steps mixed_precision mode_scale num_class_images num_train_epochs
+        num_validation_images optimizer output_dir precondition_outputs
+        pretrained_model_name_or_path prior_generation_precision prior_loss_weight prodigy_beta3
+        prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub
+        random_flip rank repeats report_to resolution resume_from_checkpoint revision
+        sample_batch_size scale_lr seed text_encoder_lr train_batch_size train_text_encoder
+        upcast_before_saving use_8bit_adam validation_epochs validation_prompt variant
         weighting_scheme with_prior_preservation""".split()),
-    'train_dreambooth_lora_flux.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32 cache_dir
-        cache_latents caption_column center_crop checkpointing_steps checkpoints_total_limit
+    'train_dreambooth_flux.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32
+        cache_dir caption_column center_crop checkpointing_steps checkpoints_total_limit
         class_data_dir class_prompt dataloader_num_workers dataset_config_name dataset_name
         enable_npu_flash_attention gradient_accumulation_steps gradient_checkpointing guidance_scale
-        hub_model_id hub_token image_column instance_data_dir instance_prompt learning_rate local_rank
-        logging_dir logit_mean logit_std lora_alpha lora_dropout lora_layers lr_num_cycles lr_power
-        lr_scheduler lr_warmup_steps max_grad_norm max_sequence_length max_train_steps mixed_precision
-        mode_scale num_class_images num_train_epochs num_validation_images optimizer output_dir
-        pretrained_model_name_or_path prior_generation_precision prior_loss_weight prodigy_beta3
-        prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip
-        rank repeats report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr
-        seed text_encoder_lr train_batch_size train_text_encoder upcast_before_saving use_8bit_adam
+        hub_model_id hub_token image_column image_interpolation_mode instance_data_dir
+        instance_prompt learning_rate local_rank logging_dir logit_mean logit_std lr_num_cycles
+        lr_power lr_scheduler lr_warmup_steps max_grad_norm max_sequence_length max_train_steps
+        mixed_precision mode_scale num_class_images num_train_epochs num_validation_images optimizer
+        output_dir pretrained_model_name_or_path prior_generation_precision prior_loss_weight
+        prodigy_beta3 prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction
+        push_to_hub random_flip repeats report_to resolution resume_from_checkpoint revision
+        sample_batch_size scale_lr seed text_encoder_lr train_batch_size train_text_encoder
+        use_8bit_adam validation_epochs validation_prompt variant weighting_scheme
+        with_prior_preservation""".split()),
+    'train_dreambooth_lora_flux.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32
+        cache_dir cache_latents caption_column center_crop checkpointing_steps
+        checkpoints_total_limit class_data_dir class_prompt dataloader_num_workers
+        dataset_config_name dataset_name enable_npu_flash_attention gradient_accumulation_steps
+        gradient_checkpointing guidance_scale hub_model_id hub_token image_column instance_data_dir
+        instance_prompt learning_rate local_rank logging_dir logit_mean logit_std lora_alpha
+        lora_dropout lora_layers lr_num_cycles lr_power lr_scheduler lr_warmup_steps max_grad_norm
+        max_sequence_length max_train_steps mixed_precision mode_scale num_class_images
+        num_train_epochs num_validation_images optimizer output_dir pretrained_model_name_or_path
+        prior_generation_precision prior_loss_weight prodigy_beta3 prodigy_decouple
+        prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip rank repeats
+        report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr seed
+        text_encoder_lr train_batch_size train_text_encoder upcast_before_saving use_8bit_adam
         validation_epochs validation_prompt variant weighting_scheme with_prior_preservation""".split()),
     'textual_inversion.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 center_crop checkpointing_steps
         checkpoints_total_limit dataloader_num_workers enable_xformers_memory_efficient_attention
@@ -235,48 +258,81 @@ SCRIPT_ARGS = {
         learnable_property learning_rate local_rank logging_dir lr_num_cycles lr_scheduler
         lr_warmup_steps max_train_steps mixed_precision no_safe_serialization num_train_epochs
         num_validation_images num_vectors output_dir placeholder_token pretrained_model_name_or_path
-        push_to_hub repeats report_to resolution resume_from_checkpoint revision save_as_full_pipeline
-        save_steps scale_lr seed tokenizer_name train_batch_size train_data_dir validation_epochs
-        validation_prompt validation_steps variant""".split()),
+        push_to_hub repeats report_to resolution resume_from_checkpoint revision
+        save_as_full_pipeline save_steps scale_lr seed tokenizer_name train_batch_size
+        train_data_dir validation_epochs validation_prompt validation_steps variant""".split()),
+    'train_dreambooth_lora_sana.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay adam_weight_decay_text_encoder allow_tf32
+        cache_dir cache_latents caption_column center_crop checkpointing_steps
+        checkpoints_total_limit class_data_dir class_prompt complex_human_instruction
+        dataloader_num_workers dataset_config_name dataset_name enable_npu_flash_attention
+        enable_vae_tiling gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token
+        image_column instance_data_dir instance_prompt learning_rate local_rank logging_dir
+        logit_mean logit_std lora_alpha lora_dropout lora_layers lr_num_cycles lr_power lr_scheduler
+        lr_warmup_steps max_grad_norm max_sequence_length max_train_steps mixed_precision mode_scale
+        num_class_images num_train_epochs num_validation_images offload optimizer output_dir
+        pretrained_model_name_or_path prior_loss_weight prodigy_beta3 prodigy_decouple
+        prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip rank repeats
+        report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr seed
+        train_batch_size upcast_before_saving use_8bit_adam validation_epochs validation_prompt
+        variant weighting_scheme with_prior_preservation""".split()),
+    'train_dreambooth_lora_qwen_image.py': frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 aspect_ratio_buckets
+        bnb_quantization_config_path cache_dir cache_latents caption_column caption_dropout
+        center_crop checkpointing_steps checkpoints_total_limit class_data_dir class_prompt
+        dataloader_num_workers dataset_config_name dataset_name final_validation_prompt
+        gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token image_column
+        instance_data_dir instance_prompt learning_rate local_rank logging_dir logit_mean logit_std
+        lora_alpha lora_dropout lora_layers lr_num_cycles lr_power lr_scheduler lr_warmup_steps
+        max_grad_norm max_sequence_length max_train_steps mixed_precision mode_scale
+        num_class_images num_train_epochs num_validation_images offload optimizer output_dir
+        pretrained_model_name_or_path pretrained_text_encoder_4_name_or_path
+        pretrained_tokenizer_4_name_or_path prior_loss_weight prodigy_beta3 prodigy_decouple
+        prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip rank repeats
+        report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr seed
+        skip_final_inference train_batch_size upcast_before_saving use_8bit_adam
+        use_aspect_ratio_buckets validation_epochs validation_prompt variant weighting_scheme
+        with_prior_preservation""".split()),
 }
 
 # how each argument's value is read: flag (store_true), int, float, str, bool (argparse type=bool: any non-empty
 # text is True), list (nargs)
 KINDS = {'adam_beta1': 'float', 'adam_beta2': 'float', 'adam_epsilon': 'float', 'adam_weight_decay': 'float',
-         'adam_weight_decay_text_encoder': 'float', 'allow_tf32': 'flag', 'cache_dir': 'str', 'cache_latents':
-         'flag', 'caption_column': 'str', 'center_crop': 'flag', 'checkpointing_steps': 'int',
-         'checkpoints_total_limit': 'int', 'class_data_dir': 'str', 'class_labels_conditioning': 'str',
-         'class_prompt': 'str', 'dataloader_num_workers': 'int', 'dataset_config_name': 'str', 'dataset_name':
-         'str', 'debug_loss': 'flag', 'do_edm_style_training': 'flag', 'dream_detail_preservation': 'float',
-         'dream_training': 'flag', 'enable_npu_flash_attention': 'flag',
-         'enable_xformers_memory_efficient_attention': 'flag', 'foreach_ema': 'flag', 'gradient_accumulation_steps':
-         'int', 'gradient_checkpointing': 'flag', 'guidance_scale': 'float', 'hub_model_id': 'str', 'hub_token':
-         'str', 'image_column': 'str', 'image_interpolation_mode': 'str', 'initializer_token': 'str',
-         'input_perturbation': 'float', 'instance_data_dir': 'str', 'instance_prompt': 'str', 'learnable_property':
-         'str', 'learning_rate': 'float', 'local_rank': 'int', 'logging_dir': 'str', 'logit_mean': 'float',
-         'logit_std': 'float', 'lora_alpha': 'int', 'lora_blocks': 'str', 'lora_dropout': 'float', 'lora_layers':
-         'str', 'lr_num_cycles': 'int', 'lr_power': 'float', 'lr_scheduler': 'str', 'lr_warmup_steps': 'int',
-         'max_grad_norm': 'float', 'max_sequence_length': 'int', 'max_train_samples': 'int', 'max_train_steps':
-         'int', 'mixed_precision': 'str', 'mode_scale': 'float', 'no_safe_serialization': 'flag', 'noise_offset':
-         'float', 'non_ema_revision': 'str', 'num_class_images': 'int', 'num_train_epochs': 'int',
-         'num_validation_images': 'int', 'num_vectors': 'int', 'offload_ema': 'flag', 'offset_noise': 'flag',
-         'optimizer': 'str', 'output_dir': 'str', 'output_kohya_format': 'flag', 'placeholder_token': 'str',
+         'adam_weight_decay_text_encoder': 'float', 'allow_tf32': 'flag', 'aspect_ratio_buckets': 'str',
+         'bnb_quantization_config_path': 'str', 'cache_dir': 'str', 'cache_latents': 'flag', 'caption_column': 'str',
+         'caption_dropout': 'float', 'center_crop': 'flag', 'checkpointing_steps': 'int', 'checkpoints_total_limit':
+         'int', 'class_data_dir': 'str', 'class_labels_conditioning': 'str', 'class_prompt': 'str',
+         'complex_human_instruction': 'str', 'dataloader_num_workers': 'int', 'dataset_config_name': 'str',
+         'dataset_name': 'str', 'debug_loss': 'flag', 'do_edm_style_training': 'flag', 'dream_detail_preservation':
+         'float', 'dream_training': 'flag', 'enable_npu_flash_attention': 'flag', 'enable_vae_tiling': 'flag',
+         'enable_xformers_memory_efficient_attention': 'flag', 'final_validation_prompt': 'str', 'foreach_ema': 'flag',
+         'gradient_accumulation_steps': 'int', 'gradient_checkpointing': 'flag', 'guidance_scale': 'float',
+         'hub_model_id': 'str', 'hub_token': 'str', 'image_column': 'str', 'image_interpolation_mode': 'str',
+         'initializer_token': 'str', 'input_perturbation': 'float', 'instance_data_dir': 'str', 'instance_prompt':
+         'str', 'learnable_property': 'str', 'learning_rate': 'float', 'local_rank': 'int', 'logging_dir': 'str',
+         'logit_mean': 'float', 'logit_std': 'float', 'lora_alpha': 'int', 'lora_blocks': 'str', 'lora_dropout':
+         'float', 'lora_layers': 'str', 'lr_num_cycles': 'int', 'lr_power': 'float', 'lr_scheduler': 'str',
+         'lr_warmup_steps': 'int', 'max_grad_norm': 'float', 'max_sequence_length': 'int', 'max_train_samples': 'int',
+         'max_train_steps': 'int', 'mixed_precision': 'str', 'mode_scale': 'float', 'no_safe_serialization': 'flag',
+         'noise_offset': 'float', 'non_ema_revision': 'str', 'num_class_images': 'int', 'num_train_epochs': 'int',
+         'num_validation_images': 'int', 'num_vectors': 'int', 'offload': 'flag', 'offload_ema': 'flag', 'offset_noise':
+         'flag', 'optimizer': 'str', 'output_dir': 'str', 'output_kohya_format': 'flag', 'placeholder_token': 'str',
          'pre_compute_text_embeddings': 'flag', 'precondition_outputs': 'int', 'prediction_type': 'str',
-         'pretrained_model_name_or_path': 'str', 'pretrained_vae_model_name_or_path': 'str',
+         'pretrained_model_name_or_path': 'str', 'pretrained_text_encoder_4_name_or_path': 'str',
+         'pretrained_tokenizer_4_name_or_path': 'str', 'pretrained_vae_model_name_or_path': 'str',
          'prior_generation_precision': 'str', 'prior_loss_weight': 'float', 'prodigy_beta3': 'float',
          'prodigy_decouple': 'bool', 'prodigy_safeguard_warmup': 'bool', 'prodigy_use_bias_correction': 'bool',
-         'proportion_empty_prompts': 'float', 'push_to_hub': 'flag', 'random_flip': 'flag', 'rank': 'int',
-         'repeats': 'int', 'report_to': 'str', 'resolution': 'int', 'resume_from_checkpoint': 'str', 'revision':
-         'str', 'sample_batch_size': 'int', 'save_as_full_pipeline': 'flag', 'save_steps': 'int', 'scale_lr':
-         'flag', 'seed': 'int', 'set_grads_to_none': 'flag', 'skip_save_text_encoder': 'flag', 'snr_gamma': 'float',
-         'text_encoder_lr': 'float', 'text_encoder_use_attention_mask': 'flag', 'timestep_bias_begin': 'int',
-         'timestep_bias_end': 'int', 'timestep_bias_multiplier': 'float', 'timestep_bias_portion': 'float',
-         'timestep_bias_strategy': 'str', 'tokenizer_max_length': 'int', 'tokenizer_name': 'str',
-         'tracker_project_name': 'str', 'train_batch_size': 'int', 'train_data_dir': 'str', 'train_text_encoder':
-         'flag', 'upcast_before_saving': 'flag', 'use_8bit_adam': 'flag', 'use_dora': 'flag', 'use_ema': 'flag',
-         'validation_epochs': 'int', 'validation_images': 'list', 'validation_prompt': 'str', 'validation_prompts':
-         'list', 'validation_scheduler': 'str', 'validation_steps': 'int', 'variant': 'str', 'weighting_scheme':
-         'str', 'with_prior_preservation': 'flag'}
+         'proportion_empty_prompts': 'float', 'push_to_hub': 'flag', 'random_flip': 'flag', 'rank': 'int', 'repeats':
+         'int', 'report_to': 'str', 'resolution': 'int', 'resume_from_checkpoint': 'str', 'revision': 'str',
+         'sample_batch_size': 'int', 'save_as_full_pipeline': 'flag', 'save_steps': 'int', 'scale_lr': 'flag', 'seed':
+         'int', 'set_grads_to_none': 'flag', 'skip_final_inference': 'flag', 'skip_save_text_encoder': 'flag',
+         'snr_gamma': 'float', 'text_encoder_lr': 'float', 'text_encoder_use_attention_mask': 'flag',
+         'timestep_bias_begin': 'int', 'timestep_bias_end': 'int', 'timestep_bias_multiplier': 'float',
+         'timestep_bias_portion': 'float', 'timestep_bias_strategy': 'str', 'tokenizer_max_length': 'int',
+         'tokenizer_name': 'str', 'tracker_project_name': 'str', 'train_batch_size': 'int', 'train_data_dir': 'str',
+         'train_text_encoder': 'flag', 'upcast_before_saving': 'flag', 'use_8bit_adam': 'flag',
+         'use_aspect_ratio_buckets': 'flag', 'use_dora': 'flag', 'use_ema': 'flag', 'validation_epochs': 'int',
+         'validation_images': 'list', 'validation_prompt': 'str', 'validation_prompts': 'list', 'validation_scheduler':
+         'str', 'validation_steps': 'int', 'variant': 'str', 'weighting_scheme': 'str', 'with_prior_preservation':
+         'flag'}
 
 
 def defaults(script: str) -> dict:
