@@ -190,6 +190,46 @@ def test_lora_and_flux_defaults(tmp_path):
     assert "ff.net.0.proj" in auto["lora"]["transformer_targets"]
 
 
+def test_sana_and_qwen_image_defaults(tmp_path):
+    """Sana: SimpleTuner's model class draws u uniformly and reads its scheduler's unshifted table, whatever the
+    flow_* settings say, trains the MSE whatever loss_type says, and halves the latents (listed); Qwen-Image: the
+    common draw (sigmoid(N(0, 1)) shifted by 3.0), buckets aligned to 32 pixels, Qwen-Image-Edit listed. Both adapt
+    their DEFAULT_LORA_TARGET, the attention projections."""
+    sana, text = imported(tmp_path, {"--model_family": "sana", "--model_type": "lora", "--flow_schedule_shift": 2,
+                                     "--loss_type": "huber"})
+    assert sana["model"]["family"] == "sana"
+    assert sana["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert sana["loss"] == {"timestep_distribution": "uniform", "timestep_shift": 1.0,
+                            "dynamic_timestep_shifting": False}
+    assert "LATENT_RESCALE" in text.split("NOT HONOURED")[1]
+    qwen, text = imported(tmp_path, {"--model_family": "qwen_image", "--model_type": "lora",
+                                     "--model_flavour": "edit-v2"})
+    assert qwen["model"]["family"] == "qwen_image" and qwen["data"]["bucket_step"] == 32
+    assert qwen["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert qwen["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                            "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert "model_flavour: edit-v2" in text.split("NOT HONOURED")[1]
+
+
+@pytest.mark.parametrize("family, settings, expected, listed", [
+    # the formulas of kohya's loss_type / huber_schedule / huber_c (ot_dist's pseudo_huber_*), huber_scale 1
+    ("sdxl", {"--loss_type": "huber"}, {"pseudo_huber_schedule": "snr", "pseudo_huber_form": "huber"}, None),
+    ("flux", {"--loss_type": "smooth_l1", "--huber_schedule": "exponential", "--huber_c": 0.2},
+     {"pseudo_huber_schedule": "exponential", "pseudo_huber_form": "smooth_l1", "pseudo_huber_c": 0.2}, None),
+    ("qwen_image", {"--loss_type": "huber", "--huber_schedule": "constant"},
+     {"pseudo_huber_schedule": "constant", "pseudo_huber_c": 0.1}, None),
+    # a flow model's snr schedule is SimpleTuner's own: listed, the MSE kept
+    ("sd3", {"--loss_type": "huber"}, None, "loss_type: huber with huber_schedule snr"),
+])
+def test_huber_loss_types_as_kohyas_pseudo_huber(tmp_path, family, settings, expected, listed):
+    config, text = imported(tmp_path, {"--model_family": family, "--model_type": "lora", **settings})
+    loss = config.get("loss", {})
+    if expected:
+        assert loss | expected == loss and loss["mse_strength"] == 0.0 and loss["pseudo_huber_strength"] == 1.0
+    else:
+        assert "pseudo_huber_strength" not in loss and listed in text.split("NOT HONOURED")[1]
+
+
 def test_lycoris_config(tmp_path):
     """lora_type lycoris reads lycoris_config.json: algo loha with linear_dim / linear_alpha; LoKr's factor and
     LyCORIS' module classes other than Attention are listed."""

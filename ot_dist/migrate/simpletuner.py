@@ -33,7 +33,11 @@ FAMILIES = {
     "chroma": ("chroma", "transformer", "lodestones/Chroma1-Base"),
     "pixart": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
     "pixart_sigma": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
+    "sana": ("sana", "transformer", "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers"),
+    "qwen_image": ("qwen_image", "transformer", "Qwen/Qwen-Image-2512"),
 }
+# SimpleTuner's Qwen-Image check_user_config aligns buckets to 32 pixels (the other image models: 64)
+BUCKET_ALIGNMENT = {"qwen_image": 32}
 LORA_KEYS = ("lora_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_init_type", "use_dora", "lycoris_config",
              "flux_lora_target", "peft_lora_target_modules", "init_lora")
 PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -86,6 +90,7 @@ def import_simpletuner(config: str, backend_file: str | None = None, lycoris_fil
     _gradient_clip(args, c, family, out)
     import_loss(args, c, family, out)
     import_dataset(args, c, method, backend_file, out)
+    c["data"]["bucket_step"] = BUCKET_ALIGNMENT.get(family, c["data"]["bucket_step"])
     _ema(args, c, out)
     import_samples(args, c, library_file, out)
     _saves(args, c)
@@ -143,9 +148,15 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains it with "
                                 f"{'an assistant LoRA' if args['model_flavour'] == 'schnell' else 'image conditioning'}"
                                 ", which ot_dist does not")
+    if name == "qwen_image" and str(args["model_flavour"] or "").startswith("edit"):
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains Qwen-Image-Edit with "
+                                "image conditioning, which ot_dist does not")
+    if name == "sana":
+        _sana(args, out)
     if args.given("aspect_bucket_alignment"):
-        out.notes.append("aspect_bucket_alignment: SimpleTuner's image models align buckets to 64 pixels whatever "
-                         "it says; data.bucket_step 64 is written")
+        step = BUCKET_ALIGNMENT.get(family, 64)
+        out.notes.append(f"aspect_bucket_alignment: SimpleTuner's {name} aligns buckets to {step} pixels whatever "
+                         f"it says; data.bucket_step {step} is written")
     args["aspect_bucket_alignment"]
     path = local_path(str(path), "pretrained_model_name_or_path", out)
     note_local_model(path, "pretrained_model_name_or_path", out)
@@ -165,6 +176,17 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
             out.not_honoured.append(f"flux_guidance_mode: {args['flux_guidance_mode']}: a guidance drawn per step is "
                                     "not supported; flux_guidance_value is written")
     return family, denoiser
+
+
+def _sana(args: SimpleTunerArgs, out: Imported) -> None:
+    """What SimpleTuner's Sana model class (helpers/models/sana/model.py) does beyond the common loop."""
+    out.not_honoured.append("model_family sana: SimpleTuner multiplies Sana's latents by 0.5 (LATENT_RESCALE, its "
+                            "'calibrated latent rescale'); ot_dist trains on the DC-AE's scaled latents as "
+                            "SanaPipeline and diffusers' script do")
+    if args.given("tokenizer_max_length"):
+        out.notes.append(f"tokenizer_max_length: {args['tokenizer_max_length']}: ignored for Sana, as in SimpleTuner "
+                         "(300 tokens)")
+    args["tokenizer_max_length"]
 
 
 def _prediction(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -> None:
