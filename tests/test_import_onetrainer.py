@@ -370,6 +370,8 @@ def test_a_timestep_draw_ot_dist_refuses_is_listed(tmp_path, settings, listed):
     ({"model_type": "FLUX_DEV_1"}, 1.0, "auto"),  # dynamic shifting off: unshifted, not by the resolution
     ({"model_type": "SANA"}, 1.0, "auto"),  # OneTrainer's default: unshifted, not the model's flow_shift
     ({"model_type": "FLUX_DEV_1", "timestep_shift": 2.0, "dynamic_timestep_shifting": True}, "auto", True),
+    ({"model_type": "QWEN"}, 1.0, "auto"),  # BaseQwenSetup: timestep_shift unless dynamic_timestep_shifting
+    ({"model_type": "QWEN", "dynamic_timestep_shifting": True}, "auto", True),
     ({"model_type": "STABLE_DIFFUSION_15"}, "auto", "auto")])
 def test_the_timestep_shift_is_mapped(tmp_path, settings, shift, dynamic):
     """OneTrainer shifts SD3 / Flux / Chroma timesteps by timestep_shift (1.0: none), Flux by the resolution with
@@ -408,6 +410,14 @@ def test_sample_definitions_with_onetrainers_defaults(tmp_path):
                                                                              ("ddim", 0.0)]
     assert config.sampling.sampler == "auto" and config.sampling.non_ema_samples is False  # EMA off
     assert [line.split(":")[0] for line in skipped] == ["samples[1].random_seed", "samples[2]"]
+
+
+@pytest.mark.parametrize("model_type, expected", [("QWEN", (1024, 1024, 25, 3.5)), ("SANA", (1024, 1024, 20, 4.5))])
+def test_sample_defaults_of_the_newer_model_types(tmp_path, model_type, expected):
+    """SampleConfig._get_model_defaults' is_qwen() and is_sana() branches (OneTrainer 23df383, August 2026)."""
+    config, _ = import_only(tmp_path, {"model_type": model_type}, samples=[{"prompt": "a cat"}])
+    [cat] = config.sampling.prompts
+    assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == expected
 
 
 # OneTrainer's NoiseScheduler (modules/util/enum/NoiseScheduler.py) -> the scheduler create_noise_scheduler builds.
@@ -455,7 +465,7 @@ def test_a_noise_scheduler_ot_dist_lacks_sample_inpainting_and_skip_first_are_li
 
 @pytest.mark.parametrize("model_type,sizes", [
     ("STABLE_DIFFUSION_3", (512, 992)), ("FLUX_DEV_1", (512, 1024)), ("STABLE_DIFFUSION_XL_10_BASE", (512, 1024)),
-    ("STABLE_DIFFUSION_15", (520, 1000)), ("SANA", (512, 992))])
+    ("STABLE_DIFFUSION_15", (520, 1000)), ("SANA", (512, 992)), ("QWEN", (512, 1024))])
 def test_sample_sizes_are_the_ones_onetrainer_samples(tmp_path, model_type, sizes):
     """OneTrainer's samplers round width and height to their model's grid (round(side / q) x q: 16 for SD3, 64 for
     SDXL and Flux, 8 for SD 1.x): the imported prompt samples that size, which the pipeline accepts."""
@@ -584,6 +594,9 @@ def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
     # Sana: attn1, attn2, "ff." (its Mix-FFN's convolutions; the depthwise one left out, noted)
     ("SANA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
     ("SANA", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
+    # Qwen-Image: "attn" (both streams' projections), with img_mlp and txt_mlp
+    ("QWEN", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
+    ("QWEN", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
     ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
      {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
                               "to_add_out", "ff.net.0.proj", "ff.net.2", "proj_mlp"]}),

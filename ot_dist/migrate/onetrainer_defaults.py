@@ -113,4 +113,6 @@ SAMPLE_BY_FAMILY = {
         "bloom.")},
     **{name: {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.5} for name in ("pixart_alpha", "pixart_sigma")},
     **{name: {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0} for name in ("stable_cascade", "wuerstchen_v2")},
+    "qwen_image": {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 3.5},
+    "sana": {**_SIDE_1024, "diffusion_steps": 20, "cfg_scale": 4.5},
 }

@@ -19,7 +19,9 @@ ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
                       "sd3": {"attn-only": ("attn",), "blocks": ("transformer_block",)}, "flux": _FLUX,
                       "chroma": _FLUX, "pixart_alpha": _PIXART, "pixart_sigma": _PIXART,
                       "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE,
-                      "sana": {**_PIXART, "attn-mlp": ("attn1", "attn2", "ff.")}}
+                      "sana": {**_PIXART, "attn-mlp": ("attn1", "attn2", "ff.")},
+                      "qwen_image": {"attn-mlp": ("attn", "img_mlp", "txt_mlp"), "attn-only": ("attn",),
+                                     "blocks": ("transformer_block",)}}
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -45,7 +47,8 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         lora["preset"] = "attention"
     elif named == "attn-mlp" and family in ("sd1", "sd2", "sdxl"):
         pass  # ot_dist's default: the Linear / 1x1 Conv layers of the UNet's attention (Transformer2D) blocks
-    elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma"):
+    elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma", "qwen_image"):
+        # Qwen-Image: both streams' attention projections and MLPs (img_mlp, txt_mlp), its attention_mlp preset
         lora["preset"] = "attention_mlp"
     elif named == "attn-mlp" and family == "sana":  # attn1, attn2, "ff.": the Mix-FFN's convolutions
         lora["preset"] = "attention_mlp"

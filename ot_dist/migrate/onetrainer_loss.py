@@ -84,12 +84,15 @@ FORCED_PREDICTION_IGNORED = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma
 
 
 def is_flow(family: str) -> bool:
-    """A flow-matching family: OneTrainer shifts its draw by timestep_shift (Flux also dynamically)."""
+    """A flow-matching family: OneTrainer shifts its draw by timestep_shift (Flux and Qwen-Image also dynamically)."""
     from ot_dist.models.families.registry import get_family
 
     return get_family(family).objective_kind() == "flow"
 
 
+# The flow families whose OneTrainer setups read dynamic_timestep_shifting (FluxBaseSetup, BaseQwenSetup: the shift
+# from the model's calculate_timestep_shift instead of timestep_shift)
+DYNAMIC_SHIFT_FAMILIES = ("flux", "qwen_image")
 LOSS_FUNCTIONS = (("mse_strength", 1.0), ("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0))
 
 
@@ -109,7 +112,7 @@ def _loss_functions(ot: dict, loss: dict, skip) -> None:
 def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
     """OneTrainer's draw: a continuous t in [N min_noising_strength, N max_noising_strength), floored (N: the
     scheduler's 1000 steps; 10000 for Würstchen / Stable Cascade's continuous time); LOGIT_NORMAL is
-    sigmoid(N(noising_bias, noising_weight + 1)); then t is shifted by timestep_shift (Flux: by the resolution with
+    sigmoid(N(noising_bias, noising_weight + 1)); then t is shifted by timestep_shift (Flux, Qwen-Image: by the resolution with
     dynamic_timestep_shifting; the DDPM / Würstchen setups ignore that switch). SIGMOID, COS_MAP and
     INVERTED_PARABOLA pick a step of [N min, N max) by weights with that shift in them: the same window and shift
     settings."""
@@ -120,7 +123,7 @@ def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
         loss["min_timestep"] = int(steps * ot["min_noising_strength"])
         loss["max_timestep"] = int(steps * ot["max_noising_strength"]) - 1  # ot_dist's bound is inclusive
     shift = ot["timestep_shift"]
-    if family == "flux" and ot["dynamic_timestep_shifting"]:  # OneTrainer's SD3 / Chroma setups ignore it
+    if family in DYNAMIC_SHIFT_FAMILIES and ot["dynamic_timestep_shifting"]:  # its SD3 / Chroma / Sana setups ignore it
         loss["dynamic_timestep_shifting"] = True  # and then ignore timestep_shift
     elif is_flow(family):
         loss["timestep_shift"] = shift  # 1.0 included: unshifted, where the family's scheduler would shift
