@@ -12,14 +12,19 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.training_utils import compute_density_for_timestep_sampling
 from PIL import Image
 
 from ot_dist.cli import main
 from ot_dist.config.load import load_config
+from ot_dist.config.loss import LossConfig
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate.diffusers import SCRIPTS, import_diffusers
 from ot_dist.migrate.diffusers_defaults import defaults
+from ot_dist.models.objectives import FlowMatching
 
 def images(folder: Path, count: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -262,3 +267,25 @@ def test_defaults_that_differ_between_the_scripts():
     assert defaults("train_dreambooth_lora_flux.py")["max_sequence_length"] == 512
     assert defaults("train_dreambooth_flux.py")["weighting_scheme"] == "none"
     assert defaults("train_dreambooth_sd3.py")["weighting_scheme"] == "logit_normal"
+
+
+def flow_sigmas(loss: dict, shift: float, count: int = 2000) -> torch.Tensor:
+    """`count` noise levels ot_dist draws with an imported `loss` section for a model whose scheduler shifts by
+    `shift` (a 64x64 latent)."""
+    objective = FlowMatching(shift=shift)
+    options, g = LossConfig(**loss), torch.Generator().manual_seed(0)
+    return torch.cat([objective.draw(g, options, torch.Size((16, 64, 64))) for _ in range(count)]).double() / 1000
+
+
+def test_logit_mean_moves_the_noise_level_as_the_sd3_script_does(tmp_path):
+    """The SD3 / Flux scripts draw u by weighting_scheme and train on the scheduler's timesteps[(u x 1000)], which
+    run from sigma 1 down: logit_mean 1.0 there favours low noise. The imported draw's median sigma is the one
+    diffusers' own draw and scheduler give."""
+    c, _, _ = run_import(tmp_path, f"accelerate launch train_dreambooth_lora_sd3.py --pretrained_model_name_or_path m "
+                                   f"{data_args(tmp_path, 'train_dreambooth_lora_sd3.py')} --logit_mean 1.0")
+    assert c["loss"]["logit_normal_mean"] == -1.0
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3's published config
+    u = compute_density_for_timestep_sampling("logit_normal", 2000, logit_mean=1.0, logit_std=1.0,
+                                              generator=torch.Generator().manual_seed(0))
+    reference = scheduler.sigmas[(u * 1000).long()].double()
+    assert flow_sigmas(c["loss"], shift=3.0).median().item() == pytest.approx(reference.median().item(), abs=0.02)

@@ -696,3 +696,16 @@ def test_min_timestep_not_below_max_trains_the_maximum(tmp_path):
         config, _, _ = imported(tmp_path, common + f"min_timestep = {low}\nmax_timestep = {high}\n",
                                 "--script", "train_network.py")
         assert (config["loss"]["min_timestep"], config["loss"]["max_timestep"]) == written
+
+
+def test_logit_mean_keeps_the_side_of_the_noise_kohya_favours(tmp_path):
+    """flux_train_network.py's timestep_sampling sigma trains on the scheduler's timesteps[(u x 1000)], which run from
+    sigma 1 down (noise level about 1 - u): logit_mean 1.0 favours low noise, ot_dist's logit_normal_mean -1.0.
+    sd3_train_network.py's noise level is u itself (shifted): the mean stays."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + 'weighting_scheme = "logit_normal"\nlogit_mean = 1.0\n'
+    flux, _, _ = imported(tmp_path, common + 'network_module = "networks.lora_flux"\nmodel_prediction_type = "raw"\n',
+                          "--script", "flux_train_network.py")
+    assert flux["loss"]["logit_normal_mean"] == -1.0
+    sd3, _, _ = imported(tmp_path, common + 'network_module = "networks.lora_sd3"\n', "--script", "sd3_train_network.py")
+    assert sd3["loss"]["logit_normal_mean"] == 1.0

@@ -344,13 +344,13 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
     if args["timestep_bias_strategy"] not in (None, "none"):
         skip(f"timestep_bias_strategy: {args['timestep_bias_strategy']}: the script's timestep bias is not supported")
     if family == "sd3":
-        weighting_scheme(args, loss, skip)  # the scheduler's shift (3.0) is ot_dist's auto
+        weighting_scheme(args, loss, skip, descending=True)  # the scheduler's shift (3.0) is ot_dist's auto
         if args["precondition_outputs"]:
             skip("precondition_outputs: 1 (the script's default): it compares the preconditioned prediction "
                  "(noisy - sigma x prediction) with the latents, which weighs the flow loss by sigma^2; ot_dist "
                  "trains the unweighted flow-matching loss")
     elif family == "flux":
-        weighting_scheme(args, loss, skip)
+        weighting_scheme(args, loss, skip, descending=True)
         # the scripts draw from the scheduler's unshifted sigmas (Flux's config shifts dynamically at sampling only)
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
         c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told

@@ -118,7 +118,7 @@ def _flux(args: KohyaArgs, c: dict, loss: dict, skip) -> None:
     c["model"]["guidance_scale"] = args["guidance_scale"]  # kohya shows the transformer 3.5 unless told (ot_dist: 1)
     sampling, scale, shift = args["timestep_sampling"], args["sigmoid_scale"], args["discrete_flow_shift"]
     if sampling == "sigma":
-        weighting_scheme(args, loss, skip)
+        weighting_scheme(args, loss, skip, descending=True)  # the scheduler's timesteps[(u x 1000)]
         loss["timestep_shift"] = shift
     elif sampling == "uniform":
         loss |= {"timestep_distribution": "uniform", "timestep_shift": 1.0}
@@ -149,15 +149,20 @@ def _sd3(args: KohyaArgs, loss: dict, skip) -> None:
         _timestep_range(args, loss)
 
 
-def weighting_scheme(args: KohyaArgs, loss: dict, skip) -> None:
+def weighting_scheme(args: KohyaArgs, loss: dict, skip, descending: bool = False) -> None:
     """diffusers' compute_density_for_timestep_sampling (kohya's copy; `ot-dist import diffusers` reads the diffusers
     scripts' own arguments of the same names through it): the draw; sigma_sqrt and cosmap weight the
-    loss instead (compute_loss_weighting_for_sd3)."""
+    loss instead (compute_loss_weighting_for_sd3).
+    `descending`: the script picks the scheduler's timesteps[(u x N)], which run from sigma 1 down, so its noise level
+    is about 1 - u (kohya's flux timestep_sampling sigma, the diffusers Flux / SD3 scripts); kohya's sd3 training
+    uses u itself. ot_dist's sigma grows with u: a logit_mean m there is -m here (uniform and mode are symmetric
+    about 1/2)."""
     scheme = args["weighting_scheme"]
     if scheme in ("uniform", "none"):
         loss["timestep_distribution"] = "uniform"
     elif scheme == "logit_normal":
-        loss |= {"timestep_distribution": "logit_normal", "logit_normal_mean": args["logit_mean"],
+        mean = args["logit_mean"]
+        loss |= {"timestep_distribution": "logit_normal", "logit_normal_mean": -mean if descending and mean else mean,
                  "logit_normal_std": args["logit_std"]}
     elif scheme == "mode":  # 1 - u - s (cos^2(pi u / 2) - 1 + u): ot_dist's heavy_tail with noising_weight s
         loss |= {"timestep_distribution": "heavy_tail", "noising_weight": args["mode_scale"]}
