@@ -709,3 +709,23 @@ def test_logit_mean_keeps_the_side_of_the_noise_kohya_favours(tmp_path):
     assert flux["loss"]["logit_normal_mean"] == -1.0
     sd3, _, _ = imported(tmp_path, common + 'network_module = "networks.lora_sd3"\n', "--script", "sd3_train_network.py")
     assert sd3["loss"]["logit_normal_mean"] == 1.0
+
+
+def test_flux_script_model_type_chroma_trains_chroma(tmp_path):
+    """flux_train_network.py --model_type chroma trains Chroma (kohya's docs: guidance_scale 0.0, apply_t5_attn_mask,
+    no CLIP-L): ot_dist's chroma family, no distilled guidance, its T5 adapted with train_t5xxl; a sample's --l is
+    its classifier-free guidance. On Flux.1, apply_t5_attn_mask is listed: diffusers' Flux has no text mask."""
+    images(tmp_path / "d" / "1_x", 1)
+    (tmp_path / "p.txt").write_text("a cat --n ugly --l 4.0 --d 1\n", encoding="utf-8")
+    common = minimal(tmp_path, 1024) + 'network_module = "networks.lora_flux"\nmodel_prediction_type = "raw"\n' \
+        'apply_t5_attn_mask = true\n'
+    chroma, text, _ = imported(tmp_path, common + f'model_type = "chroma"\nguidance_scale = 0.0\nsample_prompts = '
+                               f'"{tmp_path / "p.txt"}"\nsample_every_n_steps = 10\nnetwork_args = ["train_t5xxl=True"]\n',
+                               "--script", "flux_train_network.py")
+    assert chroma["model"] == {"family": "chroma", "path": "m"}
+    assert chroma["text_encoder"] == {"train": True} and "text_encoder_2" not in chroma
+    assert chroma["sampling"]["prompts"][0]["guidance_scale"] == 4.0
+    listed = text.split("NOT HONOURED")[-1]
+    assert "model_type:" not in listed and "apply_t5_attn_mask:" not in listed
+    flux, _, err = imported(tmp_path, common, "--script", "flux_train_network.py")
+    assert flux["model"]["family"] == "flux" and "apply_t5_attn_mask: True: ot_dist's Flux.1 attends" in err

@@ -97,6 +97,8 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
         raise ConfigError(f"--script: {args.script} is not a kohya script ot_dist imports ({', '.join(SCRIPTS)})")
     family, method = SCRIPTS[args.script]
     family = family or ("sd2" if args["v2"] else "sd1")
+    if family == "flux":
+        family = _flux_model_type(args, out)
     if args["v2"] and family not in ("sd1", "sd2"):
         out.notes.append(f"v2: {args.script} trains {family}; the flag is ignored, as kohya does")
     c["model"] = {"family": family, "path": _model_path(args, out)}
@@ -132,6 +134,21 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
                          "accelerate / torchrun start ot_dist's processes")
     out.notes.insert(0, f"imported from kohya sd-scripts' {args.script} arguments")
     return out
+
+
+def _flux_model_type(args: KohyaArgs, out: Imported) -> str:
+    """flux_train_network.py trains Chroma with model_type chroma (T5 only, with its attention mask, which kohya
+    requires there and ot_dist's Chroma always applies); Flux.1 ignores apply_t5_attn_mask in ot_dist."""
+    model_type, mask = args["model_type"], args["apply_t5_attn_mask"]
+    if model_type not in ("flux", "chroma"):
+        raise ConfigError(f"model_type: {model_type} is not one of kohya's (flux, chroma)")
+    if model_type == "flux" and mask:
+        out.not_honoured.append("apply_t5_attn_mask: True: ot_dist's Flux.1 attends to T5's padding tokens, as "
+                                "FluxPipeline and diffusers' FluxTransformer2DModel do (no text attention mask)")
+    if model_type == "chroma" and not mask:
+        out.notes.append("apply_t5_attn_mask: False: kohya refuses to train Chroma without it; ot_dist's Chroma masks "
+                         "T5's padding (its first padding token stays visible, as kohya's attn_padding 1)")
+    return model_type
 
 
 def _model_path(args: KohyaArgs, out: Imported) -> str:

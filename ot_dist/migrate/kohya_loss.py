@@ -8,7 +8,7 @@ from __future__ import annotations
 from ot_dist.migrate.common import Imported
 from ot_dist.migrate.kohya_args import KohyaArgs
 
-FLOW = ("flux", "sd3")
+FLOW = ("flux", "chroma", "sd3")
 
 
 def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
@@ -102,8 +102,8 @@ def _timestep_range(args: KohyaArgs, loss: dict) -> None:
 def _flow(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
     if args["zero_terminal_snr"]:
         skip(f"zero_terminal_snr: {family} trains flow matching, which ends in pure noise already")
-    if family == "flux":
-        _flux(args, c, loss, skip)
+    if family in ("flux", "chroma"):
+        _flux(args, c, family, loss, skip)
         for key in ("min_timestep", "max_timestep"):
             if args[key] is not None:
                 skip(f"{key}: {args[key]}: kohya's flux training ignores it (timestep_sampling decides)")
@@ -111,11 +111,15 @@ def _flow(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
         _sd3(args, loss, skip)
 
 
-def _flux(args: KohyaArgs, c: dict, loss: dict, skip) -> None:
+def _flux(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
     """flux_train_network.py: sigma (default: the scheduler's 1000 steps, shifted by discrete_flow_shift, drawn by
     weighting_scheme), uniform, sigmoid (sigmoid of N(0, sigmoid_scale)), shift (that, shifted by discrete_flow_shift)
     or flux_shift (that, shifted by the resolution as Flux's scheduler does)."""
-    c["model"]["guidance_scale"] = args["guidance_scale"]  # kohya shows the transformer 3.5 unless told (ot_dist: 1)
+    if family == "flux":
+        c["model"]["guidance_scale"] = args["guidance_scale"]  # kohya shows the transformer 3.5 unless told (ot_dist: 1)
+    elif args["guidance_scale"]:  # kohya's docs: Chroma trains with guidance_scale 0.0
+        skip(f"guidance_scale: {args['guidance_scale']}: kohya feeds it to Chroma's modulation approximator; "
+             "diffusers' ChromaTransformer2DModel (ot_dist) feeds 0, what kohya's guidance_scale 0.0 does")
     sampling, scale, shift = args["timestep_sampling"], args["sigmoid_scale"], args["discrete_flow_shift"]
     if sampling == "sigma":
         weighting_scheme(args, loss, skip, descending=True)  # the scheduler's timesteps[(u x 1000)]
