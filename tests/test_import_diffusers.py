@@ -289,3 +289,12 @@ def test_logit_mean_moves_the_noise_level_as_the_sd3_script_does(tmp_path):
                                               generator=torch.Generator().manual_seed(0))
     reference = scheduler.sigmas[(u * 1000).long()].double()
     assert flow_sigmas(c["loss"], shift=3.0).median().item() == pytest.approx(reference.median().item(), abs=0.02)
+
+
+@pytest.mark.parametrize("script,tokens", [("train_dreambooth_lora_sd3.py", 77), ("train_dreambooth_flux.py", 77),
+                                           ("train_dreambooth_lora_flux.py", None)])
+def test_max_sequence_length_is_the_t5_caption_length(tmp_path, script, tokens):
+    """The scripts' max_sequence_length defaults (77, the Flux LoRA script's 512) where ot_dist's differs."""
+    c, _, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                   f"{data_args(tmp_path, script)}")
+    assert c["model"].get("t5_max_tokens") == tokens

@@ -729,3 +729,13 @@ def test_flux_script_model_type_chroma_trains_chroma(tmp_path):
     assert "model_type:" not in listed and "apply_t5_attn_mask:" not in listed
     flux, _, err = imported(tmp_path, common, "--script", "flux_train_network.py")
     assert flux["model"]["family"] == "flux" and "apply_t5_attn_mask: True: ot_dist's Flux.1 attends" in err
+
+
+def test_t5xxl_max_token_length_is_the_t5_caption_length(tmp_path):
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + 'model_prediction_type = "raw"\n'
+    sd3, _, _ = imported(tmp_path, common + 'network_module = "networks.lora_sd3"\n', "--script", "sd3_train_network.py")
+    assert "t5_max_tokens" not in sd3["model"]  # kohya's SD3 default 256 is ot_dist's
+    flux, text, _ = imported(tmp_path, common + 'network_module = "networks.lora_flux"\nt5xxl_max_token_length = 256\n',
+                             "--script", "flux_train_network.py")
+    assert flux["model"]["t5_max_tokens"] == 256 and "t5xxl_max_token_length:" not in text.split("NOT HONOURED")[-1]

@@ -78,6 +78,13 @@ class ModelConfig(Section):
         description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
         "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
     )
+    t5_max_tokens: int | None = Field(
+        default=None, ge=1,
+        description="SD3 / Flux / Chroma: the T5 caption length, padded and truncated to it (the transformer sees every "
+        "padding token of Flux and SD3); null = the family's pipeline default (Flux / Chroma 512, SD3 256). The peers "
+        "differ: OneTrainer's Flux and the diffusers SD3 scripts use 77, kohya's schnell 256. Families without T5 "
+        "ignore it.",
+    )
     text_encoder_layer_skip: int = Field(
         default=0, ge=0,
         description="Clip skip (OneTrainer's text_encoder_layer_skip): take the first text encoder's hidden states "

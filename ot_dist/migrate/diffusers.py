@@ -14,7 +14,7 @@ embedding, EMA, saves and validation; diffusers_dataset maps the data, diffusers
 from __future__ import annotations
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported, list_unread, local_path, note_local_model, warmup_micro_steps
+from ot_dist.migrate.common import T5_DEFAULTS, Imported, list_unread, local_path, note_local_model, warmup_micro_steps
 from ot_dist.migrate.diffusers_args import DiffusersArgs, read_args
 from ot_dist.migrate.diffusers_dataset import import_dataset
 from ot_dist.migrate.kohya_loss import weighting_scheme
@@ -349,7 +349,9 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
             skip("precondition_outputs: 1 (the script's default): it compares the preconditioned prediction "
                  "(noisy - sigma x prediction) with the latents, which weighs the flow loss by sigma^2; ot_dist "
                  "trains the unweighted flow-matching loss")
-    elif family == "flux":
+    if family in T5_DEFAULTS and args["max_sequence_length"] != T5_DEFAULTS[family]:
+        c["model"]["t5_max_tokens"] = args["max_sequence_length"]  # the SD3 scripts' and train_dreambooth_flux's 77
+    if family == "flux":
         weighting_scheme(args, loss, skip, descending=True)
         # the scripts draw from the scheduler's unshifted sigmas (Flux's config shifts dynamically at sampling only)
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}

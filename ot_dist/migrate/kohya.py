@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported, list_unread, local_path, note_local_model
+from ot_dist.migrate.common import T5_DEFAULTS, Imported, list_unread, local_path, note_local_model
 from ot_dist.migrate.kohya_args import KohyaArgs, read_args
 from ot_dist.migrate.kohya_dataset import import_dataset
 from ot_dist.migrate.kohya_embedding import import_embedding
@@ -99,9 +99,12 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     family = family or ("sd2" if args["v2"] else "sd1")
     if family == "flux":
         family = _flux_model_type(args, out)
+    t5_length = _t5_length(args, family, out)
     if args["v2"] and family not in ("sd1", "sd2"):
         out.notes.append(f"v2: {args.script} trains {family}; the flag is ignored, as kohya does")
     c["model"] = {"family": family, "path": _model_path(args, out)}
+    if t5_length:
+        c["model"]["t5_max_tokens"] = t5_length
     if args["v_parameterization"]:
         if family in ("sd1", "sd2", "sdxl"):
             c["model"]["prediction_type"] = "v_prediction"
@@ -149,6 +152,18 @@ def _flux_model_type(args: KohyaArgs, out: Imported) -> str:
         out.notes.append("apply_t5_attn_mask: False: kohya refuses to train Chroma without it; ot_dist's Chroma masks "
                          "T5's padding (its first padding token stays visible, as kohya's attn_padding 1)")
     return model_type
+
+
+def _t5_length(args: KohyaArgs, family: str, out: Imported) -> int | None:
+    """t5xxl_max_token_length, where it is not ot_dist's default (Flux / Chroma 512, SD3 256). Unset, kohya takes
+    512 for Flux.1 dev and Chroma, 256 for schnell (which it tells by the checkpoint's weights), 256 for SD3."""
+    length = args["t5xxl_max_token_length"]
+    if family not in T5_DEFAULTS:
+        return None
+    if length is None and family == "flux":
+        out.notes.append("t5xxl_max_token_length: unset: kohya pads T5 to 512 tokens for Flux.1 dev (ot_dist's "
+                         "default) and to 256 for schnell: for schnell set model.t5_max_tokens: 256")
+    return length if length is not None and length != T5_DEFAULTS[family] else None
 
 
 def _model_path(args: KohyaArgs, out: Imported) -> str:
