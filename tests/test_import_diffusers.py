@@ -183,9 +183,11 @@ def test_prodigy_lora_options_and_what_is_listed(tmp_path):
     assert c["text_encoder"] == {"train": True}  # prodigy: the script gives the text encoder learning_rate
     assert c["sampling"]["prompts"] == [{"prompt": "sks dog", "seed": 7}, {"prompt": "sks dog", "seed": 8}]
     assert c["sampling"]["every_n_epochs"] == 50
+    assert c["model"]["t5_max_tokens"] == 256
     listed = not_honoured(text)
-    for key in ("resume_from_checkpoint", "max_sequence_length", "variant"):
+    for key in ("resume_from_checkpoint", "variant"):
         assert any(line.startswith(key) for line in listed), key
+    assert not any(line.startswith("max_sequence_length") for line in listed)
     assert "report_to: 'wandb' is ignored" in text
 
 

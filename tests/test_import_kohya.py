@@ -739,3 +739,25 @@ def test_t5xxl_max_token_length_is_the_t5_caption_length(tmp_path):
     flux, text, _ = imported(tmp_path, common + 'network_module = "networks.lora_flux"\nt5xxl_max_token_length = 256\n',
                              "--script", "flux_train_network.py")
     assert flux["model"]["t5_max_tokens"] == 256 and "t5xxl_max_token_length:" not in text.split("NOT HONOURED")[-1]
+
+
+def test_sd3_window_with_a_training_shift_is_listed(tmp_path):
+    """sd3_train_network.py spreads the shifted draw over [min_timestep, max_timestep); ot_dist shifts the time inside
+    its window: with both, the noise levels differ and the import says so."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + 'network_module = "networks.lora_sd3"\nmax_timestep = 500\n'
+    _, _, err = imported(tmp_path, common + "training_shift = 3.0\n", "--script", "sd3_train_network.py")
+    assert "min_timestep / max_timestep with training_shift 3.0" in err
+    config, _, err = imported(tmp_path, common, "--script", "sd3_train_network.py")
+    assert config["loss"]["max_timestep"] == 499 and "training_shift" not in err
+
+
+def test_flux_sigma_weighting_applies_only_to_a_sigma_scaled_prediction(tmp_path):
+    """flux_train_network.py weighs the loss by weighting_scheme sigma_sqrt / cosmap only with model_prediction_type
+    sigma_scaled; with raw it draws u uniformly and weighs nothing, which ot_dist reproduces: nothing listed."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + 'network_module = "networks.lora_flux"\nweighting_scheme = "sigma_sqrt"\n'
+    raw, _, err = imported(tmp_path, common + 'model_prediction_type = "raw"\n', "--script", "flux_train_network.py")
+    assert raw["loss"] == {"timestep_distribution": "uniform", "timestep_shift": 3.0} and "weighting_scheme" not in err
+    _, _, err = imported(tmp_path, common, "--script", "flux_train_network.py")
+    assert "weighting_scheme: sigma_sqrt weighs the loss" in err and "model_prediction_type: sigma_scaled" in err

@@ -121,7 +121,11 @@ def _flux(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
         skip(f"guidance_scale: {args['guidance_scale']}: kohya feeds it to Chroma's modulation approximator; "
              "diffusers' ChromaTransformer2DModel (ot_dist) feeds 0, what kohya's guidance_scale 0.0 does")
     sampling, scale, shift = args["timestep_sampling"], args["sigmoid_scale"], args["discrete_flow_shift"]
-    if sampling == "sigma":
+    prediction = args["model_prediction_type"]
+    if sampling == "sigma" and prediction == "raw" and args["weighting_scheme"] in ("sigma_sqrt", "cosmap"):
+        # kohya weighs the loss by them with sigma_scaled only (apply_model_prediction_type); raw: uniform, unweighted
+        loss |= {"timestep_distribution": "uniform", "timestep_shift": shift}
+    elif sampling == "sigma":
         weighting_scheme(args, loss, skip, descending=True)  # the scheduler's timesteps[(u x 1000)]
         loss["timestep_shift"] = shift
     elif sampling == "uniform":
@@ -134,7 +138,6 @@ def _flux(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
             loss["timestep_shift"] = shift if sampling == "shift" else 1.0
     else:
         skip(f"timestep_sampling: {sampling} is not one of kohya's (sigma, uniform, sigmoid, shift, flux_shift)")
-    prediction = args["model_prediction_type"]
     if prediction != "raw":
         skip(f"model_prediction_type: {prediction}: kohya compares "
              f"{'noisy input - sigma x prediction' if prediction == 'sigma_scaled' else 'noisy input + prediction'} "
@@ -151,6 +154,10 @@ def _sd3(args: KohyaArgs, loss: dict, skip) -> None:
     loss["timestep_shift"] = args["training_shift"]
     if args["min_timestep"] or args["max_timestep"] is not None:
         _timestep_range(args, loss)
+        if args["training_shift"] != 1.0:  # kohya: t = min + (max - min) x shifted u; ot_dist shifts t in the window
+            skip(f"min_timestep / max_timestep with training_shift {args['training_shift']}: kohya shifts the draw "
+                 "before spreading it over the window, ot_dist shifts the time in the window (the noise levels "
+                 "differ inside the window; its ends are the same)")
 
 
 def weighting_scheme(args: KohyaArgs, loss: dict, skip, descending: bool = False) -> None:
