@@ -297,3 +297,19 @@ def test_t5_max_tokens_sets_the_caption_length_the_pipeline_is_called_with(name)
     default = family.configure(SimpleNamespace(guidance_scale=None, t5_max_tokens=None))
     assert default is family and default.tokenize(tokenizers, ["a dot"])[t5_encoder].shape[-1] == \
         min(tokenizers[t5_name].model_max_length, 256 if name == "sd3" else 512)
+
+
+def test_another_t5_length_is_another_text_cache():
+    """Cached T5 outputs of one caption length are not read back for another (data.cache_text)."""
+    import copy
+    from types import SimpleNamespace
+
+    from ot_dist.data.caches import text_key
+    from ot_dist.models.families.registry import get_family
+
+    def key(tokens):
+        family = copy.copy(get_family("flux").configure(SimpleNamespace(guidance_scale=None, t5_max_tokens=tokens)))
+        family.text_encoders = family.tokenizers = ()  # the key's model part aside: only the settings differ
+        return text_key(SimpleNamespace(family=family, text_encoders={}, tokenizers={}))
+
+    assert key(None) == key(None) != key(77)
