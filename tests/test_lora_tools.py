@@ -28,7 +28,7 @@ from ot_dist.models.loading import load_model
 RANK, ALPHA = 4, 2.0
 MODELS = {"sd1": "tiny_models", "sd2": "tiny_models", "sdxl": "tiny_models", "flux": "family_models",
           "sd3": "family_models", "chroma": "family_models", "pixart_sigma": "family_models",
-          "stable_cascade": "family_models"}
+          "stable_cascade": "family_models", "qwen_image": "family_models"}
 # The CLIP text encoders diffusers' load_lora_weights takes, per family (SD3: CLIP-L and CLIP-G; Chroma has none)
 SETTINGS = {"stable_cascade": {"resolution": 128}}  # whole EfficientNet latents: sides of 128 px
 CLIP_PARTS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",), "sdxl": ("text_encoder",),
@@ -103,7 +103,7 @@ def run_process(*args) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("family,layout", [("sd1", "kohya"), ("sd1", "diffusers"), ("sd2", "kohya"),
                                            ("sdxl", "kohya"), ("flux", "diffusers"), ("sd3", "diffusers"),
-                                           ("chroma", "diffusers")])
+                                           ("chroma", "diffusers"), ("qwen_image", "diffusers")])
 def test_merge_equals_diffusers_fuse(request, shapes_data, tmp_path, family, layout):
     lora = random_lora_file(request, family, shapes_data, tmp_path / "o", layout)
     base = model_dir(request, family)
@@ -354,3 +354,29 @@ def test_an_out_that_cannot_be_written_is_named_before_any_model_loads(tmp_path,
     assert main(["lora", *command, "--out", out]) == 3
     err = capsys.readouterr().err
     assert f"--out {out}: its folder {tmp_path / 'taken'} is not a folder" in err and "Traceback" not in err
+
+
+def test_extract_skips_what_a_half_precision_save_only_rounded_and_ranks_convolutions_apart(tiny_models, tmp_path):
+    """A finetune saved in float16 beside a float32 base (SD 1.5's, the usual case) differs from it in every module
+    by the rounding: only the modules training changed are extracted (before: all of them, text encoder included,
+    where kohya's extract_lora_from_models.py finds the text encoder unchanged). `--conv-rank` is the rank of 3x3
+    convolutions only (kohya's --conv_dim), a 1x1 one (SD 1.x's proj_in) gets --rank."""
+    base = tiny_models["sd1"]
+    pipe = DiffusionPipeline.from_pretrained(base)
+    generator = torch.Generator().manual_seed(3)
+    unet = pipe.unet
+    changed = {"lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q": unet.down_blocks[0].attentions[0]
+               .transformer_blocks[0].attn1.to_q, "lora_unet_down_blocks_0_attentions_0_proj_in":
+               unet.down_blocks[0].attentions[0].proj_in, "lora_unet_down_blocks_0_resnets_0_conv1":
+               unet.down_blocks[0].resnets[0].conv1}
+    with torch.no_grad():
+        for module in changed.values():
+            module.weight.add_(torch.randn(module.weight.shape, generator=generator) * 0.05)
+    pipe.to(torch.float16).save_pretrained(tmp_path / "tuned")
+    done = run_cli("lora", "extract", base, tmp_path / "tuned", "--family", "sd1", "--rank", 4, "--conv-rank", 2,
+                   "--out", tmp_path / "x.safetensors")
+    assert done.returncode == 0, done.stderr
+    extracted = read_lora_file(tmp_path / "x.safetensors")
+    assert {name: pair.rank for name, pair in extracted.pairs.items()} == {
+        "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q": 4,
+        "lora_unet_down_blocks_0_attentions_0_proj_in": 4, "lora_unet_down_blocks_0_resnets_0_conv1": 2}

@@ -37,6 +37,7 @@ from ot_dist.data.cache_index import MANIFEST, CacheIndex, ChunkWriter
 from ot_dist.data.variations import keyed, member_name
 from ot_dist.errors import InputFileError
 from ot_dist.memory.float8 import compute_dtype
+from ot_dist.models.latent_posterior import encode_posterior
 
 FORMAT = "ot_dist.cache/2"  # chunks + columnar index (format 1: one part per rank, a JSON dict per sample)
 CHUNK_SAMPLES = 1024  # samples a chunk: the unit of work a resumed run skips or computes
@@ -93,8 +94,9 @@ class LatentEncoder:
 
     kind = "latents"
 
-    def __init__(self, dataset, vae, batch_pixels: int = BATCH_PIXELS, workers: int = 0):
+    def __init__(self, dataset, vae, batch_pixels: int = BATCH_PIXELS, workers: int = 0, posterior=None):
         self.dataset, self.vae, self.batch_pixels, self.workers = dataset, vae, batch_pixels, workers
+        self.posterior = posterior or encode_posterior  # the family's (mean, std) of pixels: Family.encode_posterior
         self.variations = dataset.variations["latents"]
         self.per_version = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
         self.members = variation_members(self.per_version, self.variations.most)
@@ -130,8 +132,7 @@ class LatentEncoder:
             holders = [members for count, members in zip(counts, out) if count > version]
             for resolution in self.dataset.resolutions:
                 batch = by_resolution[resolution].to(device=reference.device, dtype=compute_dtype(self.vae))
-                posterior = self.vae.encode(batch).latent_dist
-                mean, std = posterior.mean.float().cpu(), posterior.std.float().cpu()
+                mean, std = (t.float().cpu() for t in self.posterior(self.vae, batch))
                 for n, members in enumerate(holders):
                     members[member_name(f"{resolution}.latent.safetensors", version)] = save(
                         {"mean": _own(mean[n]), "std": _own(std[n])})
@@ -205,10 +206,11 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cpu().clone(memory_format=torch.contiguous_format)
 
 
-def attach_latent_cache(dataset, vae, runtime, log=print, workers: int = 0, **options) -> Path:
-    """`workers`: loader processes reading the images while the VAE encodes (data.loader_workers)."""
-    return attach_cache(dataset, "latents", vae_key(vae), LatentEncoder(dataset, vae, workers=workers), runtime, log,
-                        **options)
+def attach_latent_cache(dataset, vae, runtime, log=print, workers: int = 0, posterior=None, **options) -> Path:
+    """`workers`: loader processes reading the images while the VAE encodes (data.loader_workers); `posterior`: the
+    family's `encode_posterior` (the default: a VAE of images)."""
+    encoder = LatentEncoder(dataset, vae, workers=workers, posterior=posterior)
+    return attach_cache(dataset, "latents", vae_key(vae), encoder, runtime, log, **options)
 
 
 def attach_text_cache(dataset, model, runtime, log=print, **options) -> Path:

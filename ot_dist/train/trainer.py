@@ -116,7 +116,7 @@ class Trainer:
         self._place_modules()
         if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log,
-                                workers=config.data.loader_workers)
+                                workers=config.data.loader_workers, posterior=self.model.family.encode_posterior)
         if config.data.cache_text:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
         self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
@@ -239,6 +239,9 @@ class Trainer:
                                       self.tracking_run_id, self.tracking_step_offset, self.log, self.tracking_sender,
                                       resumed_at_step=self.position.step if self.position.resumed_from else None)
         self.tracker.log_text("\n".join(self.bucket_report) + "\n", "bucket_report.txt")
+        if self.run.abandoned is not None:  # resumed into the same MLflow run, which keeps the abandoned steps' points
+            self.tracker.set_tags({"ot_dist.rewound": f"to step {step}, the later history moved to {self.run.abandoned}; "
+                                   "metric points after that step are logged again (MLflow keeps both)"})
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host
         if step == 0:

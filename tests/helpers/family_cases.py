@@ -6,6 +6,7 @@ CASES_JSON: {"case name": raw config dict, ...}; a dict may carry "_overflow_at_
 "_inf_gradient_element_at_step": N (tests/helpers/overflow.py), "_record_denoiser_inputs": PATH (rank 0 writes
 the dtypes the denoiser's forward received there: tests/helpers/denoiser_inputs.py)."""
 
+import gc
 import json
 import os
 import sys
@@ -31,7 +32,8 @@ for name, raw in cases.items():
         record_denoiser_inputs(trainer, inputs_record)
     trainer.train()
     assert_master_shares_the_weights(trainer)  # zero1/2 over float32 weights: no second copy of them
-    trainer.close()
+    trainer.close()  # ends with a full collection: what survives it stays alive
+    gc.freeze()  # a closed ZeRO-3 trainer's objects, not walked again by later collections (optimizers_under_strategy.py)
     if runtime.is_main:
         print(f"case done: {name}", flush=True)
 runtime.shutdown()

@@ -19,6 +19,7 @@ Every rank writes OUT_DIR/<case>-rank<R>.json:
   what stopped the run, the checkpoint.
 """
 
+import gc
 import json
 import os
 import signal
@@ -132,7 +133,8 @@ def run_case(name: str, case: dict, runtime, out: Path) -> dict:
         result = trainer.train()
         report.update(steps=result.steps, first_step=result.first_step, stopped_by=result.stopped_by,
                       checkpoint=str(result.checkpoint) if result.checkpoint else None)
-    trainer.close()
+    trainer.close()  # ends with a full collection: what survives it stays alive
+    gc.freeze()  # a closed ZeRO-3 trainer's objects, not walked again by later collections (optimizers_under_strategy.py)
     report["guard_line"] = next((line for line in lines if line.startswith("step guard")), None)
     return report
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ot_dist.models.latent_posterior import encode_posterior
 from ot_dist.models.objectives import Objective
 
 
@@ -225,6 +226,12 @@ class Family:
         factor = 2 ** (len(vae.config.block_out_channels) - 1)
         return torch.Size((vae.config.latent_channels, pixel_height // factor, pixel_width // factor))
 
+    def encode_posterior(self, vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std) of the VAE posterior of images (B, 3, H, W), each (B, C, h, w): what the latent cache stores and
+        the loss samples from. A VAE of videos (Qwen-Image's) takes the images as one-frame clips here; a deterministic
+        encoder (Sana's DC-AE) gives std zero."""
+        return encode_posterior(vae, pixels)
+
     def normalize_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """A VAE sample -> the denoiser's latent space: (x - shift) x scale, or a per-channel mean / std."""
         config = vae.config
@@ -232,7 +239,7 @@ class Family:
         if mean is not None and std is not None:
             view = (1, -1) + (1,) * (latents.dim() - 2)
             latents = (latents - torch.tensor(mean).view(view).to(latents)) / torch.tensor(std).view(view).to(latents)
-            return latents * config.scaling_factor
+            return latents * getattr(config, "scaling_factor", 1.0)  # Qwen-Image's VAE has mean / std only
         shift = getattr(config, "shift_factor", None) or 0.0
         return (latents - shift) * config.scaling_factor
 

@@ -17,6 +17,8 @@ FAMILY_MODULES: dict[str, str] = {
     "pixart_sigma": "ot_dist.models.families.pixart",
     "stable_cascade": "ot_dist.models.families.stable_cascade",
     "wuerstchen_v2": "ot_dist.models.families.stable_cascade",
+    "qwen_image": "ot_dist.models.families.qwen_image",
+    "sana": "ot_dist.models.families.sana",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
