@@ -7,7 +7,8 @@ resolution-dependent shift of its scheduler config.
   the assistant turn's header) is the text stream, with its attention mask (QwenImagePipeline._get_qwen_prompt_embeds).
   Captions are padded to a fixed length so the text cache holds equal shapes; each step trims the batch to its
   longest caption (OneTrainer's QwenModel.encode_text does the same), which leaves the prediction unchanged: padding
-  is masked out of attention and the text positions of RoPE count from the first token.
+  is masked out of attention and the text positions of RoPE count from the first token. The lengths come from the
+  batch's host copy of the mask (tokens or text cache), so the step reads nothing back from the device (issue 21).
 - Latents: the VAE (`AutoencoderKLQwenImage`, Wan's causal 3-D VAE) takes and gives one-frame videos
   (B, C, 1, H, W); ot_dist keeps the frame axis out (`encode_posterior`), normalises with the per-channel
   latents_mean / latents_std and no scale, and packs as Flux does.
@@ -126,7 +127,7 @@ class QwenImage(Family):
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         b, _, h, w = noisy.shape
         hidden, mask = conditioning["hidden"], conditioning["mask"]
-        lengths = mask.sum(dim=1).tolist()
+        lengths = caption_lengths(batch, mask)
         longest = max(lengths)
         hidden, mask = hidden[:, :longest], mask[:, :longest]
         tokens = denoiser(
@@ -168,6 +169,20 @@ class QwenImage(Family):
         return QwenImagePipeline(
             transformer=transformer, vae=vae, text_encoder=Qwen2_5_VLForConditionalGeneration(config).eval(),
             tokenizer=tokenizer, scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
+
+
+def caption_lengths(batch: dict, mask: torch.Tensor) -> list[int]:
+    """Each caption's token count (after the dropped template tokens), read from the batch's host copy of the mask:
+    the text cache's `text_mask` or the tokenizer's `text_encoder_mask`, on the CPU as the loader made them. Reading
+    the device copy (`mask`) would stall the host every micro step on a GPU (issue 21); it is read only when the
+    batch has neither (a direct call, as the tests make)."""
+    if "text_mask" in batch:
+        rows = batch["text_mask"].tolist()
+    elif "token_ids" in batch:
+        rows = [row[TEMPLATE_TOKENS_DROPPED:] for row in batch["token_ids"]["text_encoder_mask"].tolist()]
+    else:
+        rows = mask.tolist()
+    return [sum(row) for row in rows]  # B rows of at most 512 ints: summed in Python, the loader's tensor read once
 
 
 SPLIT_WORDS = ("yellow", "black")
