@@ -19,7 +19,10 @@ resolution-dependent shift of its scheduler config.
   prompt's guidance_scale becomes it, with the blank negative prompt the model card uses when none is given.
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which QwenImagePipeline.load_lora_weights
-reads and ComfyUI maps for Qwen-Image (comfy/lora.py: `transformer.<diffusers module>`). No single-file layout yet.
+reads and ComfyUI maps for Qwen-Image (comfy/lora.py: `transformer.<diffusers module>`). The text encoder's modules
+carry ComfyUI's names, the only ones it maps for Qwen2.5-VL (model_lora_keys_clip: `text_encoders.<key of its text
+encoder>`; comfy/text_encoders/qwen_image.py keeps the language model as `qwen25_7b.transformer.model.`), with an
+`.alpha` tensor each; diffusers' Qwen-Image loader reads no text encoder LoRA. No single-file layout yet.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ QWEN_ATTENTION_MLP_TARGETS = QWEN_ATTENTION_TARGETS + ("img_mlp.net.0.proj", "im
 # The language model's attention only: the MLP names (gate_proj, up_proj, down_proj) are also the vision tower's,
 # which text-only training never runs (its adapters would get no gradient).
 QWEN_TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# ComfyUI's LoRA name of the language model's modules: "text_encoders." + its QwenImageTEModel's state-dict path
+COMFY_QWEN_TEXT_PREFIX = "text_encoders.qwen25_7b.transformer.model."
 # The published Qwen/Qwen-Image scheduler config (SimpleTuner writes it out: helpers/models/qwen_image/model.py).
 QWEN_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                       base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
@@ -72,6 +77,9 @@ class QwenImage(Family):
     sample_guidance_scale = 3.5
     samplers = ("flow_euler",)
     lora_file_prefixes = None  # the diffusers layout: what ComfyUI maps for Qwen-Image
+    # transformers' Qwen2_5_VLForConditionalGeneration.model.language_model is ComfyUI's Llama2_ under its text
+    # encoder's `qwen25_7b.transformer.model` (same layer and projection names)
+    lora_file_component_paths = {"text_encoder": {"model.language_model.": COMFY_QWEN_TEXT_PREFIX}}
     single_file = False  # ComfyUI's qwen_image_*.safetensors layout is not written yet: exports are diffusers folders
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image"); OneTrainer writes "Qwen-Image"
     modelspec_architecture = "qwen-image"
