@@ -73,6 +73,7 @@ class QwenImage(Family):
     # Qwen2_5_VLForConditionalGeneration: model.language_model.layers (the vision tower never runs: left whole)
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("language_model.layers",)}
     pixel_multiple = 16  # VAE x8, then 2x2 packing
+    memory_reference = "Qwen-Image"  # Qwen/Qwen-Image: the 20 B transformer, Qwen2.5-VL-7B (8.3 B), its VAE
     # OneTrainer's sample default for Qwen (modules/util/config/SampleConfig.py); it becomes true_cfg_scale
     sample_guidance_scale = 3.5
     samplers = ("flow_euler",)
