@@ -149,6 +149,7 @@ def test_lora_file_loads_into_the_pipeline_with_the_trained_outputs(family_model
     language model's attention) loads through ot_dist's peft loader."""
     from diffusers import QwenImagePipeline
 
+    from ot_dist.lora_tools.matching import module_index
     from ot_dist.lora_tools.peft_load import load_peft_lora
 
     base = family_models[FAMILY]
@@ -198,6 +199,9 @@ def test_lora_file_loads_into_the_pipeline_with_the_trained_outputs(family_model
                                    change.detach(), rtol=1e-5, atol=1e-7)
     QwenImagePipeline.from_pretrained(base, local_files_only=True).load_lora_weights(tmp_path / "te" / "lora.safetensors")
     fresh = QwenImagePipeline.from_pretrained(base, local_files_only=True)
+    # the names `ot-dist lora merge` and lora.init_from match a file's modules by, on a model without adapters
+    index = module_index(text.model, "diffusers", parts={"text_encoder": fresh.text_encoder})
+    assert all(index[m].part == "text_encoder" and index[m].path == comfy[m] for m in te_modules)
     assert load_peft_lora(fresh, tmp_path / "te" / "lora.safetensors") == ["text_encoder", "transformer"]
     with torch.no_grad():
         tokens = text.model.family.tokenize(text.model.tokenizers, ["a dot"])
