@@ -191,7 +191,8 @@ def write_peft_layout(parts: dict, target: Path, named: dict[str, torch.Tensor] 
     """What `save_lora_weights` writes, for a pipeline without it: every component's peft keys under its name
     (`transformer.<module>.lora_A.weight`) and the adapter configs as diffusers' `lora_adapter_metadata`.
 
-    `named`: tensors under kohya-style names with `.alpha` tensors (T5-XXL components), written as they are. A file
+    `named`: tensors under kohya-style names with `.alpha` tensors (T5-XXL components) or under another program's
+    names with the scale inside (Qwen-Image's Qwen2.5-VL as ComfyUI names it), written as they are. A file
     with them carries no `lora_adapter_metadata`: diffusers' loader refuses alpha tensors beside it (peft.py
     `load_lora_adapter`: "Both `network_alphas` and `metadata` cannot be specified"), and without it diffusers takes
     alpha = rank, which is right for the peft-named components, whose scale is inside their up matrices.
