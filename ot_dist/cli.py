@@ -152,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
 def add_resume_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="continue from a checkpoint: auto = the latest committed one in output_dir (or start fresh "
-                   "if there is none), or a checkpoint folder. A restarted worker group (torchrun --max-restarts) "
-                   "always resumes auto.")
+                   "if there is none), or a checkpoint folder (an earlier one than the newest: the later checkpoints move "
+                   "to OUTPUT_DIR/abandoned/, so auto continues the new line). A restarted worker group (torchrun "
+                   "--max-restarts) always resumes auto.")
 
 
 def add_overwrite_arg(p: argparse.ArgumentParser) -> None:
@@ -162,10 +163,28 @@ def add_overwrite_arg(p: argparse.ArgumentParser) -> None:
                    "(without this, or --resume, starting over an earlier run is refused)")
 
 
-def resume_choice(args: argparse.Namespace) -> str | None:
-    # torchrun restarts the whole worker group after a failure: it must continue, not start over.
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    return args.resume or ("auto" if restarted else None)
+def restarted_by_torchrun() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def overwrite_choice(args: argparse.Namespace) -> bool:
+    # The first attempt's --overwrite already moved the old run aside; a restarted group continues the new run
+    # (resume_choice gives it `auto`), which --overwrite together with `auto` is refused as contradictory.
+    return bool(args.overwrite) and not restarted_by_torchrun()
+
+
+def resume_choice(args: argparse.Namespace, output_dir: str | None = None) -> str | None:
+    # torchrun restarts the whole worker group after a failure: it must continue, not start over. With --resume PATH
+    # too: the first attempt resumed from PATH (and moved any later history aside); a restart that took PATH again
+    # would throw away the steps trained since and move them aside in turn. Only while output_dir holds no committed
+    # checkpoint yet (PATH lies elsewhere, nothing saved since) is PATH still the place to continue from.
+    if not restarted_by_torchrun():
+        return args.resume
+    if args.resume in (None, "auto") or output_dir is None:
+        return "auto"
+    from ot_dist.checkpoint.layout import checkpoints_dir, committed_checkpoints
+
+    return "auto" if committed_checkpoints(checkpoints_dir(output_dir)) else args.resume
 
 
 def run(args: argparse.Namespace) -> int:
@@ -200,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
         config = reconcile_with_launcher(load_config(args.config, args.overrides))
         from ot_dist.train.trainer import train
 
-        result = train(config, resume=resume_choice(args), overwrite=args.overwrite)
+        result = train(config, resume=resume_choice(args, config.output_dir), overwrite=overwrite_choice(args))
         if int(os.environ.get("RANK", "0")) == 0 and not result.stopped_by:  # a stop was reported by the trainer
             print(f"done: {result.steps} steps, final loss {result.losses[-1]:.4f}" if result.losses else "done")
         return 0

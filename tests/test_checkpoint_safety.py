@@ -100,6 +100,87 @@ def test_committing_a_step_again_never_leaves_a_half_deleted_checkpoint(tmp_path
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000002", "step-00000004", "step-00000006"]
 
 
+def test_a_kill_while_an_earlier_resume_moves_the_later_history_aside_never_breaks_auto(tmp_path, monkeypatch):
+    """`--resume step-4` while step-6 and step-8 exist moves them (and later snapshots) aside before training. A kill
+    at every point of that move leaves `--resume auto` continuing from the old newest (step 8) or the chosen one
+    (step 4), never anything between nor a refusal, with nothing deleted; running the resume again finishes it."""
+    from ot_dist.checkpoint.rewind import ABANDONED, abandon_later_history
+
+    def history(out: Path) -> Path:
+        root = checkpoints_dir(out)
+        for step in (2, 4, 6, 8):
+            fake_checkpoint(root, step)
+            (out / "snapshots" / f"step-{step}").mkdir(parents=True)
+        return root / "step-00000004"
+
+    def everything(out: Path) -> list[str]:
+        return sorted(p.name for p in out.rglob("step-*"))
+
+    replacing, kills = os.replace, 0
+    while True:
+        out = tmp_path / f"kill-{kills}"
+        chosen = history(out)
+        before = everything(out)
+        calls = 0
+
+        def killed_at_the_nth(src, dst, *args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls > kills:
+                raise KeyboardInterrupt("killed")
+            return replacing(src, dst, *args, **kwargs)
+
+        monkeypatch.setattr(os, "replace", killed_at_the_nth)
+        try:
+            abandon_later_history(out, chosen, log=quiet)
+            finished = True
+        except KeyboardInterrupt:
+            finished = False
+        monkeypatch.undo()
+        assert everything(out) == before  # moved, never deleted
+        assert resolve_resume("auto", out).name in ("step-00000004", "step-00000008"), kills
+        abandon_later_history(out, chosen, log=quiet)  # the same --resume again completes the move
+        assert resolve_resume("auto", out) == chosen
+        assert (checkpoints_dir(out) / "latest").read_text().strip() == "step-00000004"
+        assert sorted(p.name for p in out.glob(f"{ABANDONED}/*/*/step-*")) == [
+            "step-00000006", "step-00000008", "step-6", "step-8"]
+        if finished:
+            break
+        kills += 1
+    assert kills >= 5  # 2 snapshots, 2 checkpoints and `latest` were each interrupted once
+
+
+def test_only_rank_0_moves_the_later_history_and_between_the_barriers(tmp_path, monkeypatch):
+    """With several ranks, every rank resolves the checkpoint first (first barrier), rank 0 alone moves the later
+    history aside, and the others read the folder only after the second barrier."""
+    from ot_dist.checkpoint import run_folder
+
+    out = tmp_path / "out"
+    for step in (2, 4, 6):
+        fake_checkpoint(checkpoints_dir(out), step)
+    (out / run_folder.RUN_FILE).write_text(json.dumps({"run_id": "r", "started_at": 0}))
+    events = []
+
+    class Rank:
+        def __init__(self, is_main):
+            self.is_main = is_main
+
+        def barrier(self):
+            events.append("barrier")
+
+    monkeypatch.setattr(run_folder, "abandon_later_history", lambda *a, **k: events.append("move"))
+    monkeypatch.setattr(run_folder, "lock_output_dir", lambda out: None)
+    chosen = str(checkpoints_dir(out) / "step-00000004")
+    run_folder.prepare_run_folder(out, chosen, False, Rank(is_main=False), log=quiet)
+    assert events == ["barrier", "barrier"]
+    events.clear()
+    run_folder.prepare_run_folder(out, chosen, False, Rank(is_main=True), log=quiet)
+    assert events == ["barrier", "move", "barrier"]
+    events.clear()
+    run_folder.prepare_run_folder(out, "auto", False, Rank(is_main=True), log=quiet)
+    assert events == ["barrier", "barrier"]  # `auto` is the newest: nothing later to move
+
+
 def test_a_crash_before_the_commit_keeps_the_previous_checkpoint(tiny_models, shapes_data, tmp_path):
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1,
                       **{"optimizer.name": "ADAMW", "ema.enabled": True})

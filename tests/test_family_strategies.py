@@ -44,12 +44,13 @@ ACCUMULATION = {"ddp", "fsdp", "zero2", "zero3"}
 # sharding units and its continuous-time objective under fsdp and zero2; Würstchen v2: its prior's flat block list
 # and scaled time / latents under fsdp and zero2.
 FAMILY_STRATEGIES = {"pixart_alpha": ("fsdp", "zero2"), "stable_cascade": ("fsdp", "zero2"),
-                     "wuerstchen_v2": ("fsdp", "zero2")}
+                     "wuerstchen_v2": ("fsdp", "zero2"),
+                     "sana": ("fsdp",)}  # Sana: its Gemma mask, DC-AE latents and raw-t flow under fsdp
 # Qwen-Image: its one-frame VAE, packed latents and trimmed text mask under fsdp (units: transformer_blocks)
 FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # Families whose cases ride in another family's launch (no process start-up of their own), without the
 # accumulation cases.
-RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2")}
+RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}

@@ -301,14 +301,14 @@ network_module = "lycoris.kohya"
 network_args = ["algo=loha", "conv_dim=8", "module_dropout=0.1"]
 network_dropout = 0.2
 v_pred_like_loss = 0.1
-loss_type = "huber"
+loss_type = "quadratic"
 full_fp16 = true
 color_aug = true
 no_such_argument = 3
 """, "--script", "train_network.py")
     assert config["lora"]["variant"] == "loha" and "unet_targets" not in config["lora"]
     assert "dropout" not in config["lora"] and "network_dropout: 0.2" in err
-    for line in ("enable_bucket: false", "v_pred_like_loss: 0.1", "loss_type: huber", "full_fp16",
+    for line in ("enable_bucket: false", "v_pred_like_loss: 0.1", "loss_type: quadratic is not one of kohya's", "full_fp16",
                  "color_aug: True", "no_such_argument: 3 is not an argument of kohya's training scripts",
                  "network_args module_dropout=0.1", "conv_dim=8 conv_alpha=1.0: ot_dist adapts every module at one rank"):
         assert line in err, line
@@ -696,3 +696,30 @@ def test_min_timestep_not_below_max_trains_the_maximum(tmp_path):
         config, _, _ = imported(tmp_path, common + f"min_timestep = {low}\nmax_timestep = {high}\n",
                                 "--script", "train_network.py")
         assert (config["loss"]["min_timestep"], config["loss"]["max_timestep"]) == written
+
+
+def test_loss_type_and_huber_schedule(tmp_path):
+    """kohya's conditional_loss: l1 is mae_strength; huber / smooth_l1 the pseudo-Huber with its threshold schedule
+    (huber_scale only where the schedule reads it); its Flux / SD3 scripts stop on the snr schedule (the default),
+    and take the exponential one over sigma x 1000."""
+    images(tmp_path / "d" / "1_x", 1)
+    sd = minimal(tmp_path) + 'network_module = "networks.lora"\n'
+    config, text, err = imported(tmp_path, sd + 'loss_type = "l1"\nhuber_c = 0.3\n', "--script", "train_network.py")
+    assert config["loss"] == {"mse_strength": 0.0, "mae_strength": 1.0}
+    assert "huber_c: 0.3 shapes the huber / smooth_l1 loss only; with l1 kohya ignores it" in text
+    config, text, err = imported(tmp_path, sd + 'loss_type = "huber"\nhuber_scale = 3.0\nmin_snr_gamma = 5\n',
+                              "--script", "train_network.py")
+    assert config["loss"] == {"min_snr_gamma": 5, "mse_strength": 0.0, "pseudo_huber_strength": 1.0,
+                              "pseudo_huber_form": "huber", "pseudo_huber_schedule": "snr", "pseudo_huber_c": 0.1}
+    assert "huber_scale: 3.0: kohya's snr schedule does not read it" in text and "loss_type:" not in text
+    config, _, _ = imported(tmp_path, sd + 'loss_type = "smooth_l1"\nhuber_schedule = "exponential"\nhuber_c = 0.2\n'
+                            'huber_scale = 1.5\n', "--script", "train_network.py")
+    assert config["loss"] == {"mse_strength": 0.0, "pseudo_huber_strength": 1.0, "pseudo_huber_form": "smooth_l1",
+                              "pseudo_huber_schedule": "exponential", "pseudo_huber_c": 0.2, "pseudo_huber_scale": 1.5}
+    flux = minimal(tmp_path, 1024) + 'network_module = "networks.lora_flux"\ntimestep_sampling = "uniform"\n'
+    config, text, err = imported(tmp_path, flux + 'loss_type = "huber"\n', "--script", "flux_train_network.py")
+    assert "pseudo_huber_strength" not in config["loss"]
+    assert "loss_type: huber with huber_schedule snr (kohya's default): kohya's flux training stops there" in err
+    config, _, _ = imported(tmp_path, flux + 'loss_type = "huber"\nhuber_schedule = "constant"\n',
+                            "--script", "flux_train_network.py")
+    assert config["loss"]["pseudo_huber_schedule"] == "constant" and config["loss"]["pseudo_huber_scale"] == 1.0

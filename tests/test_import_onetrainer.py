@@ -204,6 +204,10 @@ def import_only(tmp_path, config, concepts=None, samples=None):
      "stable_cascade", {"prior": True, "text_encoder": False}, None),
     ({"model_type": "WUERSTCHEN_2", "training_method": "LORA", "prior": {"learning_rate": 1e-4}}, "wuerstchen_v2",
      {"prior": True, "text_encoder": True}, 30),
+    # training_presets/Sana/#sana 1.6b.json
+    ({"model_type": "SANA", "training_method": "FINE_TUNE", "text_encoder": {"train": False, "weight_dtype": "BFLOAT_16"},
+      "train_dtype": "BFLOAT_16", "resolution": "1024", "text_encoder_layer_skip": 2}, "sana",
+     {"transformer": True, "text_encoder": False}, None),
 ])
 def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains, stop):
     config, _ = import_only(tmp_path, {"base_model_name": "/models/base", **preset})
@@ -217,6 +221,8 @@ def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains
         assert config.model.decoder == "/models/stable-cascade"
     if family == "wuerstchen_v2":
         assert config.prior.learning_rate == 1e-4
+    if family == "sana":  # OneTrainer's Gemma layer skip
+        assert config.model.text_encoder_layer_skip == 2
 
 
 @pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE"])
@@ -362,6 +368,7 @@ def test_a_timestep_draw_ot_dist_refuses_is_listed(tmp_path, settings, listed):
     ({"model_type": "STABLE_DIFFUSION_35", "timestep_shift": 3.0}, 3.0, "auto"),
     ({"model_type": "CHROMA_1", "timestep_shift": 2.5, "dynamic_timestep_shifting": True}, 2.5, "auto"),  # ignored
     ({"model_type": "FLUX_DEV_1"}, 1.0, "auto"),  # dynamic shifting off: unshifted, not by the resolution
+    ({"model_type": "SANA"}, 1.0, "auto"),  # OneTrainer's default: unshifted, not the model's flow_shift
     ({"model_type": "FLUX_DEV_1", "timestep_shift": 2.0, "dynamic_timestep_shifting": True}, "auto", True),
     ({"model_type": "STABLE_DIFFUSION_15"}, "auto", "auto")])
 def test_the_timestep_shift_is_mapped(tmp_path, settings, shift, dynamic):
@@ -448,7 +455,7 @@ def test_a_noise_scheduler_ot_dist_lacks_sample_inpainting_and_skip_first_are_li
 
 @pytest.mark.parametrize("model_type,sizes", [
     ("STABLE_DIFFUSION_3", (512, 992)), ("FLUX_DEV_1", (512, 1024)), ("STABLE_DIFFUSION_XL_10_BASE", (512, 1024)),
-    ("STABLE_DIFFUSION_15", (520, 1000))])
+    ("STABLE_DIFFUSION_15", (520, 1000)), ("SANA", (512, 992))])
 def test_sample_sizes_are_the_ones_onetrainer_samples(tmp_path, model_type, sizes):
     """OneTrainer's samplers round width and height to their model's grid (round(side / q) x q: 16 for SD3, 64 for
     SDXL and Flux, 8 for SD 1.x): the imported prompt samples that size, which the pipeline accepts."""
@@ -574,6 +581,9 @@ def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
     ("STABLE_DIFFUSION_15", {"layer_filter_preset": "full", "layer_filter": ""}, {"preset": "all_layers"}),
     ("STABLE_DIFFUSION_XL_10_BASE", {}, {"preset": "all_layers"}),
     ("PIXART_SIGMA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
+    # Sana: attn1, attn2, "ff." (its Mix-FFN's convolutions; the depthwise one left out, noted)
+    ("SANA", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
+    ("SANA", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
     ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
      {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
                               "to_add_out", "ff.net.0.proj", "ff.net.2", "proj_mlp"]}),
@@ -837,3 +847,20 @@ def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
         {"path": images, "image": flip}]}))
     assert any("image_variations > 1 caches that many versions" in note
                for note in import_onetrainer(tmp_path / "ot.json").notes)
+
+
+def test_loss_functions_import_with_their_strengths(tmp_path):
+    """OneTrainer's mse / mae / log_cosh / huber strengths (and huber_delta where the Huber term is on) are ot_dist's
+    loss options of the same names; all of them 0 (OneTrainer fails on its first step) is listed."""
+    settings = {"training_method": "LORA", "model_type": "STABLE_DIFFUSION_15", "mse_strength": 0.5,
+                "mae_strength": 0.25, "log_cosh_strength": 1.0, "huber_strength": 0.5, "huber_delta": 0.3}
+    config, skipped = import_only(tmp_path, settings)
+    loss = config.loss
+    assert (loss.mse_strength, loss.mae_strength, loss.log_cosh_strength, loss.huber_strength, loss.huber_delta) == \
+        (0.5, 0.25, 1.0, 0.5, 0.3)
+    assert not any("strength" in line for line in skipped), skipped
+    config, _ = import_only(tmp_path, {**settings, "huber_strength": 0.0})
+    assert config.loss.huber_delta is None  # OneTrainer stores it always; it shapes nothing there
+    config, skipped = import_only(tmp_path, {**settings, "mse_strength": 0.0, "mae_strength": 0.0,
+                                             "log_cosh_strength": 0.0, "huber_strength": 0.0})
+    assert config.loss.plain_mse() and any(line.startswith("mse_strength, mae_strength") for line in skipped)

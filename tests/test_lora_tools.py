@@ -354,3 +354,29 @@ def test_an_out_that_cannot_be_written_is_named_before_any_model_loads(tmp_path,
     assert main(["lora", *command, "--out", out]) == 3
     err = capsys.readouterr().err
     assert f"--out {out}: its folder {tmp_path / 'taken'} is not a folder" in err and "Traceback" not in err
+
+
+def test_extract_skips_what_a_half_precision_save_only_rounded_and_ranks_convolutions_apart(tiny_models, tmp_path):
+    """A finetune saved in float16 beside a float32 base (SD 1.5's, the usual case) differs from it in every module
+    by the rounding: only the modules training changed are extracted (before: all of them, text encoder included,
+    where kohya's extract_lora_from_models.py finds the text encoder unchanged). `--conv-rank` is the rank of 3x3
+    convolutions only (kohya's --conv_dim), a 1x1 one (SD 1.x's proj_in) gets --rank."""
+    base = tiny_models["sd1"]
+    pipe = DiffusionPipeline.from_pretrained(base)
+    generator = torch.Generator().manual_seed(3)
+    unet = pipe.unet
+    changed = {"lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q": unet.down_blocks[0].attentions[0]
+               .transformer_blocks[0].attn1.to_q, "lora_unet_down_blocks_0_attentions_0_proj_in":
+               unet.down_blocks[0].attentions[0].proj_in, "lora_unet_down_blocks_0_resnets_0_conv1":
+               unet.down_blocks[0].resnets[0].conv1}
+    with torch.no_grad():
+        for module in changed.values():
+            module.weight.add_(torch.randn(module.weight.shape, generator=generator) * 0.05)
+    pipe.to(torch.float16).save_pretrained(tmp_path / "tuned")
+    done = run_cli("lora", "extract", base, tmp_path / "tuned", "--family", "sd1", "--rank", 4, "--conv-rank", 2,
+                   "--out", tmp_path / "x.safetensors")
+    assert done.returncode == 0, done.stderr
+    extracted = read_lora_file(tmp_path / "x.safetensors")
+    assert {name: pair.rank for name, pair in extracted.pairs.items()} == {
+        "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q": 4,
+        "lora_unet_down_blocks_0_attentions_0_proj_in": 4, "lora_unet_down_blocks_0_resnets_0_conv1": 2}

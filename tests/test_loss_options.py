@@ -200,3 +200,30 @@ def test_concept_loss_weight_weights_each_sample(models):
     assert plain.item() == pytest.approx(torch.stack(alone).mean().item(), rel=1e-5)
     assert weighted.item() == pytest.approx((weights * torch.stack(alone)).mean().item(), rel=1e-5)
     assert weighted.item() != pytest.approx(plain.item(), rel=1e-3)
+
+
+def test_pseudo_huber_composes_with_masks_and_min_snr_in_the_objective(models):
+    """diffusion_loss with kohya's scheduled pseudo-Huber, masked training (normalized) and min-SNR-gamma: each
+    sample's mean of mask x 2 c_t (sqrt(d^2 + c_t^2) - c_t), divided by its mask's mean, times min(SNR, gamma) / SNR,
+    with c_t = 0.9 / (1 + sqrt((1 - alpha-bar_t) / alpha-bar_t))^2 + 0.1 (epsilon: the target is the noise)."""
+    from ot_dist.train.masking import mask_weights
+
+    model = models["sd1"]
+    batch = make_batch(model, with_mask=True)
+    options = LossConfig(mse_strength=0, pseudo_huber_strength=1, min_snr_gamma=2.0)
+    masking = MaskedTrainingConfig(enabled=True, unmasked_probability=0, unmasked_weight=0.1,
+                                   normalize_masked_area_loss=True)
+    with torch.no_grad(), ZeroUNet(model):
+        loss = diffusion_loss(model, batch, SEED, EPOCH, options, masking)
+        doubled = diffusion_loss(model, batch, SEED, EPOCH, LossConfig(mse_strength=2.0))
+        plain = diffusion_loss(model, batch, SEED, EPOCH)
+    _, noise, timesteps = draw_sample_noise(batch, SHAPE, model.objective, SEED, EPOCH, options)
+    alpha_bar = model.objective.scheduler.alphas_cumprod[timesteps]
+    c = (0.9 / (1 + ((1 - alpha_bar) / alpha_bar).sqrt()) ** 2 + 0.1).view(-1, 1, 1, 1)
+    weights = mask_weights(batch, SHAPE[-2:], masking, SEED, EPOCH)
+    assert 0.1 < float(weights.mean()) < 1  # the masks weigh
+    per_sample = (weights * 2 * c * (torch.sqrt(noise ** 2 + c ** 2) - c)).mean(dim=(1, 2, 3)) / weights.mean(dim=(1, 2, 3))
+    snr = alpha_bar.double() / (1 - alpha_bar.double())
+    expected = (per_sample * (snr.clamp(max=2.0) / snr).float()).mean()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=0)
+    torch.testing.assert_close(doubled, 2 * plain, rtol=1e-6, atol=0)  # a strength weighs the squared error too

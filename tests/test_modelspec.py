@@ -71,6 +71,7 @@ DOCUMENTED = [
     ("stable_cascade", {}, "epsilon", False, "embedding", None, "stable-cascade-v1-stage-c/textual-inversion", CASCADE),
     ("wuerstchen_v2", {}, "epsilon", False, "lora", "diffusers", "wuerstchen-v2-prior/lora", "diffusers"),
     ("qwen_image", {}, None, False, "lora", "diffusers", "qwen-image/lora", "diffusers"),
+    ("sana", {}, None, False, "lora", "diffusers", "sana/lora", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

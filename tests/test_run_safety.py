@@ -26,6 +26,7 @@ from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.file_modes import share_with_umask
+from ot_dist.tracking.base import Tracker
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,6 +141,57 @@ def test_resuming_a_finished_run_leaves_its_committed_checkpoint_as_it_was(finis
     assert result.steps == 4 and result.checkpoint == last
     assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in last.iterdir()} == before
     assert (out / "model.safetensors").is_file()  # the exports are written (again) as at the end of training
+
+
+def test_resuming_an_earlier_checkpoint_moves_the_later_history_aside_for_auto_and_keep_last(
+        finished_run, tiny_models, shapes_data, tmp_path, monkeypatch):
+    """A user goes back to step 2 of a 4-step run and retrains with another learning rate, to step 3. The old step-4
+    is moved to abandoned/ (not deleted) before training: a later `--resume auto` (a pod's, a restart's) continues the
+    retrained step 3, not the abandoned step 4, and keep_last prunes only the chosen line."""
+    from ot_dist.cli import resume_choice
+
+    out = copy_run(finished_run, tmp_path / "out")
+    chosen, old = checkpoints_dir(out) / "step-00000002", checkpoints_dir(out) / "step-00000004"
+    old_files = sorted(p.name for p in old.iterdir())
+    raw = base_config(tiny_models["sd1"], shapes_data, out,
+                      **{**settings(learning_rate=5e-4, **{"checkpoint.keep_last": 2}), "max_steps": 3})
+    lines, tags = [], {}
+
+    class Recording(Tracker):  # the MLflow run resumed keeps steps 3-4's points: the run is tagged with the rewind
+        def set_tags(self, values):
+            tags.update(values)
+
+    monkeypatch.setattr("ot_dist.train.trainer.start_tracking", lambda *a, **k: Recording())
+    result = Trainer(validate(raw), log=lines.append, resume=str(chosen)).train()
+    assert result.first_step == 2 and result.checkpoint.name == "step-00000003"
+    assert tags["ot_dist.rewound"].startswith("to step 2, the later history moved to ") and "MLflow keeps" in tags[
+        "ot_dist.rewound"]
+    assert [p.name for p in layout.committed_checkpoints(checkpoints_dir(out))] == ["step-00000002", "step-00000003"]
+    (moved,) = (out / "abandoned").glob("*-resumed-from-step-2/checkpoints/step-00000004")
+    assert layout.is_committed(moved) and sorted(p.name for p in moved.iterdir()) == old_files
+    assert any("moved the later history aside (nothing deleted)" in line and "checkpoints/step-00000004" in line
+               for line in lines)
+    assert latest_checkpoint(checkpoints_dir(out)).name == "step-00000003"
+    assert check_before_start(out, "auto", False)[0].name == "step-00000003"
+    # a torchrun restart of a group started with --resume step-2 continues the retrained line, not step 2 again
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    args = type("Args", (), {"resume": str(chosen)})()
+    assert resume_choice(args, str(out)) == "auto"
+    assert resume_choice(args, str(tmp_path / "empty")) == str(chosen)  # nothing saved since: PATH still holds
+
+
+def test_a_restarted_group_of_an_overwrite_run_continues_it(tmp_path, monkeypatch):
+    """`ot-dist train --overwrite` restarted by torchrun: the first attempt moved the old run aside, the restart
+    continues the new one (`auto`) instead of failing on `--overwrite` + `--resume auto`."""
+    from ot_dist.cli import overwrite_choice, resume_choice
+
+    args = type("Args", (), {"resume": None, "overwrite": True})()
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert (resume_choice(args, str(tmp_path)), overwrite_choice(args)) == (None, True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    resume, overwrite = resume_choice(args, str(tmp_path)), overwrite_choice(args)
+    assert (resume, overwrite) == ("auto", False)
+    check_before_start(tmp_path, resume, overwrite)  # refused ("give one of them") when the restart kept --overwrite
 
 
 LOCK_HOLDER = """

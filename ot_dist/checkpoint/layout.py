@@ -93,7 +93,8 @@ def commit(partial: Path, root: Path, step: int, keep_last: int | None, run_id: 
     write_file_durably(partial / MARKER, json.dumps({"step": step, "run_id": run_id, "files": files}, indent=1).encode())
     fsync_path(partial)
     target = root / final_name(step)
-    if target.exists():  # a committed checkpoint of the same step (a run resumed from an earlier one saving again)
+    if target.exists():  # a folder of the same step (a run resumed past a damaged one saving again; an explicit
+        # earlier resume moved its later history aside already: checkpoint/rewind.py)
         # Renamed out of the way, not deleted in place: deleting a checkpoint of many GB takes seconds, and a kill
         # meanwhile would leave a half-deleted `step-N` that `latest` names (a damaged checkpoint, exit 3 at the
         # next --resume auto). As a partial folder it is never read and is swept below or at the next commit.

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ot_dist.checkpoint import layout
+from ot_dist.checkpoint.rewind import abandon_later_history
 from ot_dist.errors import ConfigError, InputFileError
 
 RUN_FILE = "run.json"
@@ -196,21 +197,25 @@ class RunFolder:
     resume_from: Path | None  # the committed checkpoint to continue from, or None (step 0)
     moved_to: Path | None = None  # --overwrite: where the earlier run went
     started_at: float | None = None  # run.json's: when the run first started (the exports' ModelSpec date)
+    abandoned: Path | None = None  # --resume of an earlier checkpoint: where the later history went (rank 0)
 
 
 def prepare_run_folder(output_dir: str | Path, resume: str | None, overwrite: bool, runtime,
                        allow_damaged: bool = False, log=print) -> RunFolder:
     """Every rank checks (the same files, before anybody writes: the same answer); then rank 0 moves an old run
-    aside (--overwrite), creates the folder and writes run.json; then every rank proves it can write there."""
+    aside (--overwrite), creates the folder and writes run.json, and a resume from an earlier checkpoint than the
+    newest moves the later history aside (checkpoint/rewind.py); then every rank proves it can write there."""
     folder, move = check_before_start(output_dir, resume, overwrite, allow_damaged, log)
     runtime.barrier()  # nobody changes the folder before every rank has looked at it
-    moved = None
+    moved = abandoned = None
     if runtime.is_main:
         moved = move_aside(output_dir) if move else None
         if moved:
             log(f"--overwrite: moved the earlier run to {moved}")
         out = check_writable(output_dir)
-        lock_output_dir(out)
+        lock_output_dir(out)  # held before the later history moves: no second run reads it half moved
+        if folder is not None and resume != "auto":  # `auto` is the newest already: nothing is later
+            abandoned = abandon_later_history(out, folder, log)
         if folder is None or not (out / RUN_FILE).exists():
             run_id = (checkpoint_run_id(folder) if folder else None) or uuid.uuid4().hex
             text = json.dumps({"run_id": run_id, "started_at": time.time()}, indent=1) + "\n"
@@ -220,7 +225,7 @@ def prepare_run_folder(output_dir: str | Path, resume: str | None, overwrite: bo
     run_id = (checkpoint_run_id(folder) if folder else None) or read_run_id(out)
     if run_id is None:
         raise InputFileError(f"output_dir {out}: {RUN_FILE} is unreadable; is output_dir shared by every rank?")
-    return RunFolder(out, run_id, folder, moved, read_started_at(out))
+    return RunFolder(out, run_id, folder, moved, read_started_at(out), abandoned)
 
 
 def estimated_free_space_warning(output_dir: str | Path, model_path: str | None, method: str) -> str | None:

@@ -130,6 +130,64 @@ class LossConfig(Section):
         "change with the split (a warning says so). Scales the gradients (plain SGD's step, the gradient norm that "
         "clip_grad_norm compares), not the logged loss. NONE = off.",
     )
+    mse_strength: float = Field(
+        default=1.0, ge=0, allow_inf_nan=False,
+        description="Weight of the squared error (prediction - target)^2 in the per-element loss, OneTrainer's "
+        "mse_strength (kohya's / diffusers' loss_type l2). The per-element loss is the sum of the *_strength terms, "
+        "each over the same prediction and target (the family's epsilon, v or flow target); masks, loss.weight_fn, "
+        "concept loss weights and loss.scaler then weigh it as they weigh the squared error. 1 with the others 0 "
+        "(the defaults) is the plain MSE, bit for bit.",
+    )
+    mae_strength: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="Weight of the absolute error |prediction - target| (OneTrainer's mae_strength; kohya's loss_type "
+        "l1). 0 = off.",
+    )
+    log_cosh_strength: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="Weight of log(cosh(prediction - target)), computed as OneTrainer's log_cosh_strength: d + "
+        "softplus(-2 d) - log 2. 0 = off.",
+    )
+    huber_strength: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="Weight of the Huber loss with threshold huber_delta (OneTrainer's huber_strength, "
+        "torch.nn.functional.huber_loss): d^2 / 2 where |d| <= delta, delta (|d| - delta / 2) beyond. 0 = off.",
+    )
+    huber_delta: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="The Huber loss threshold delta (OneTrainer's huber_delta); null = 1.0. Needs huber_strength.",
+    )
+    pseudo_huber_strength: float = Field(
+        default=0.0, ge=0, allow_inf_nan=False,
+        description="Weight of kohya's / diffusers' scheduled pseudo-Huber loss (loss_type huber / smooth_l1, "
+        "pseudo_huber_form): 2 c (sqrt(d^2 + c^2) - c) (huber) or 2 (sqrt(d^2 + c^2) - c) (smooth_l1), the "
+        "threshold c per sample from pseudo_huber_schedule. 0 = off.",
+    )
+    pseudo_huber_form: Literal["huber", "smooth_l1"] | None = Field(
+        default=None,
+        description="kohya's loss_type of the pseudo-Huber term: huber 2 c (sqrt(d^2 + c^2) - c), about d^2 for "
+        "small d and 2 c |d| for large; smooth_l1 the same divided by c, about d^2 / c and 2 |d|. null = huber. "
+        "Needs pseudo_huber_strength.",
+    )
+    pseudo_huber_schedule: Literal["constant", "exponential", "snr"] | None = Field(
+        default=None,
+        description="kohya's huber_schedule, the threshold c of a sample at timestep t (C = pseudo_huber_c, "
+        "S = pseudo_huber_scale, N = the scheduler's num_train_timesteps): constant C S; exponential "
+        "exp(-alpha t) S with alpha = -ln(C) / N, i.e. S C^(t / N) (S at t = 0, C S at t = N; a flow family's t is "
+        "sigma N, so S C^sigma, as kohya's Flux / SD3 scripts; Würstchen's continuous t is its own fraction); snr "
+        "(1 - C) / (1 + sigma)^2 + C with sigma = sqrt((1 - alpha-bar_t) / alpha-bar_t) from the DDPM schedule "
+        "(S unused, as kohya; refused for flow-matching families, where kohya's scripts stop too). null = snr, "
+        "kohya's and diffusers' default. Needs pseudo_huber_strength.",
+    )
+    pseudo_huber_c: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="kohya's huber_c, the schedule's C; null = 0.1 (kohya's default). Needs pseudo_huber_strength.",
+    )
+    pseudo_huber_scale: float | None = Field(
+        default=None, gt=0, allow_inf_nan=False,
+        description="kohya's huber_scale, the schedule's S (constant, exponential); null = 1.0. Needs "
+        "pseudo_huber_strength.",
+    )
     logit_normal_mean: float = Field(default=0.0, description="Mean of the normal under the sigmoid (logit_normal).")
     logit_normal_std: float = Field(default=1.0, gt=0, description="Std of the normal under the sigmoid (logit_normal).")
 
@@ -150,6 +208,7 @@ class LossConfig(Section):
                              "loss.dynamic_timestep_shifting: true computes the shift from the resolution; leave "
                              "timestep_shift at auto (or set dynamic_timestep_shifting: false)")
         self._check_distribution_shape()
+        self._check_loss_functions()
         if self.max_timestep is not None and self.max_timestep < self.min_timestep:
             raise ValueError(f"loss.max_timestep ({self.max_timestep}) is below loss.min_timestep ({self.min_timestep})")
         return self
@@ -177,6 +236,31 @@ class LossConfig(Section):
             raise ValueError(f"loss.noising_bias: {bias} puts inverted_parabola's centre 0.5 + b so far outside the "
                              f"range that max(0, 2 - {weight} (x - 0.5 - b)^2) is 0 on all of it; move it towards 0 "
                              "or lower loss.noising_weight")
+
+    def _check_loss_functions(self) -> None:
+        """Some loss function on, and no threshold setting without the loss it shapes."""
+        strengths = ("mse_strength", "mae_strength", "log_cosh_strength", "huber_strength", "pseudo_huber_strength")
+        if not any(getattr(self, name) for name in strengths):
+            raise ValueError(f"loss: {', '.join(strengths)} are all 0: nothing would train (mse_strength: 1 is the "
+                             "default)")
+        for name, strength in (("huber_delta", "huber_strength"), *((f"pseudo_huber_{key}", "pseudo_huber_strength")
+                                                                     for key in ("form", "schedule", "c", "scale"))):
+            if getattr(self, name) is not None and not getattr(self, strength):
+                raise ValueError(f"loss.{name}: shapes the loss that loss.{strength} weighs, which is 0; set "
+                                 f"{strength} or remove {name}")
+        if self.pseudo_huber_scale is not None and self.pseudo_huber_threshold()[0] == "snr":
+            raise ValueError("loss.pseudo_huber_scale: the snr schedule (the default) does not read it (kohya's "
+                             "neither); use pseudo_huber_schedule constant or exponential, or remove it")
+
+    def pseudo_huber_threshold(self) -> tuple[str, float, float]:
+        """(schedule, C, S) of the pseudo-Huber threshold, kohya's defaults filled in."""
+        return (self.pseudo_huber_schedule or "snr", 0.1 if self.pseudo_huber_c is None else self.pseudo_huber_c,
+                1.0 if self.pseudo_huber_scale is None else self.pseudo_huber_scale)
+
+    def plain_mse(self) -> bool:
+        """The loss is the squared error alone, weight 1 (the defaults)."""
+        return (self.mse_strength == 1.0 and not self.mae_strength and not self.log_cosh_strength
+                and not self.huber_strength and not self.pseudo_huber_strength)
 
     def scale(self, batch_size: int, accumulation: int, processes: int) -> int:
         """The factor loss.scaler puts on the backpropagated loss (OneTrainer's LossScaler.get_scale, whose

@@ -39,7 +39,7 @@ SamplerName = Literal["ddim", "euler", "euler_a", "dpmpp_2m", "dpmpp_sde", "unip
 SAMPLER_HELP = ("ddim, euler, euler_a, dpmpp_2m, dpmpp_sde (DPM++ SDE: DPMSolverMultistepScheduler's sde-dpmsolver++), "
                 "unipc and their Karras-sigma forms euler_karras, dpmpp_2m_karras, dpmpp_sde_karras, unipc_karras "
                 "(OneTrainer's DDIM ... UNIPC_KARRAS) for SD 1.x / 2.x / SDXL / PixArt; flow_euler for SD3 / Flux / "
-                "Chroma; wuerstchen for Stable Cascade / Würstchen v2")
+                "Chroma / Sana; wuerstchen for Stable Cascade / Würstchen v2")
 
 
 class SamplePrompt(Section):
@@ -97,8 +97,8 @@ class SamplingConfig(Section):
         "another), configured from the model's scheduler config as diffusers' from_config does: " + SAMPLER_HELP +
         ". auto = the family's first: ddim for SD 1.x / 2.x / SDXL (OneTrainer's default: EULER_A for SD 1.x and "
         "SDXL, DDIM for SD 2.x and PixArt), dpmpp_2m for PixArt (the scheduler its pipelines ship), flow_euler "
-        "(flow-matching Euler) for SD3 / Flux / Chroma, wuerstchen (DDPMWuerstchenScheduler, the prior's steps) for "
-        "Stable Cascade / Würstchen v2. Flow-matching and Würstchen-style families sample with their one sampler.",
+        "(flow-matching Euler) for SD3 / Flux / Chroma / Sana, wuerstchen (DDPMWuerstchenScheduler, the prior's steps) "
+        "for Stable Cascade / Würstchen v2. Flow-matching and Würstchen-style families sample with their one sampler.",
     )
 
     @model_validator(mode="after")

@@ -37,7 +37,7 @@ class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
-        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image); each is one module under "
+        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana; each is one module under "
         "ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
@@ -83,7 +83,8 @@ class ModelConfig(Section):
         default=0, ge=0,
         description="Clip skip (OneTrainer's text_encoder_layer_skip): take the first text encoder's hidden states "
         "this many layers earlier (SD 1.x / 2.x: through the final layer norm, as diffusers' clip_skip; SDXL: before "
-        "its penultimate layer). 0 = the family's usual layer. Applies to training, the text cache and samples.",
+        "its penultimate layer; Sana: Gemma's, through its final norm). 0 = the family's usual layer. Applies to "
+        "training, the text cache and samples.",
     )
     text_encoder_2_layer_skip: int = Field(
         default=0, ge=0, description="Clip skip of SDXL's second text encoder (OneTrainer's text_encoder_2_layer_skip)."
@@ -959,6 +960,10 @@ class TrainConfig(Section):
             if weight_fn in ("MIN_SNR_GAMMA", "P2", "DEBIASED_ESTIMATION"):
                 raise ValueError(f"loss.weight_fn: {weight_fn} is defined for DDPM objectives (from the SNR); "
                                  f"{self.model.family} trains with flow matching (SIGMA or CONSTANT)")
+            if self.loss.pseudo_huber_strength and self.loss.pseudo_huber_threshold()[0] == "snr":
+                raise ValueError(f"loss.pseudo_huber_schedule: snr (the default) reads the DDPM schedule's "
+                                 f"alphas_cumprod; {self.model.family} trains with flow matching, which has none (kohya's "
+                                 "Flux / SD3 scripts stop there too): set it to exponential or constant")
             if self.loss.generalized_offset_noise:
                 raise ValueError(f"loss.generalized_offset_noise: needs DDPM betas; {self.model.family} trains with "
                                  "flow matching (use plain offset noise)")

@@ -37,6 +37,7 @@ from ot_dist.data.cache_index import MANIFEST, CacheIndex, ChunkWriter
 from ot_dist.data.variations import keyed, member_name
 from ot_dist.errors import InputFileError
 from ot_dist.memory.float8 import compute_dtype
+from ot_dist.models.latent_posterior import encode_posterior
 
 FORMAT = "ot_dist.cache/2"  # chunks + columnar index (format 1: one part per rank, a JSON dict per sample)
 CHUNK_SAMPLES = 1024  # samples a chunk: the unit of work a resumed run skips or computes
@@ -82,12 +83,6 @@ def variation_members(members: list[str], versions: int) -> list[str]:
     return [member_name(m, v) for v in range(versions) for m in members]
 
 
-def image_posterior(vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A VAE of images' posterior (mean, std): Family.encode_posterior's default."""
-    posterior = vae.encode(pixels).latent_dist
-    return posterior.mean, posterior.std
-
-
 class LatentEncoder:
     """Each sample's VAE posterior at each training resolution; a chunk's samples of one bucket (one size at every
     resolution) are encoded together, up to `batch_pixels` pixels a batch at the largest resolution. With
@@ -99,7 +94,7 @@ class LatentEncoder:
 
     def __init__(self, dataset, vae, batch_pixels: int = BATCH_PIXELS, workers: int = 0, posterior=None):
         self.dataset, self.vae, self.batch_pixels, self.workers = dataset, vae, batch_pixels, workers
-        self.posterior = posterior or image_posterior  # the family's (mean, std) of pixels: Family.encode_posterior
+        self.posterior = posterior or encode_posterior  # the family's (mean, std) of pixels: Family.encode_posterior
         self.variations = dataset.variations["latents"]
         self.per_version = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
         self.members = variation_members(self.per_version, self.variations.most)

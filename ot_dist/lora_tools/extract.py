@@ -17,9 +17,26 @@ from ot_dist.lora_tools.matching import adaptable_modules, module_index
 from ot_dist.methods.lora_layouts import kohya_metadata
 
 
+HALF_PRECISIONS = (torch.float16, torch.bfloat16)
+
+
+def only_rounded(base: torch.Tensor, tuned: torch.Tensor) -> bool:
+    """Whether two weights differ only by one of them having been stored at half precision: one holds only values
+    of float16 (bfloat16) and both round to the same values there. A finetune saved in float16 beside a float32 base
+    (SD 1.5's) differs from it in every module by that rounding, which is no change of the model's."""
+    for dtype in HALF_PRECISIONS:
+        stored = any(torch.equal(w.to(dtype).float(), w.float()) for w in (base, tuned))
+        if stored and torch.equal(base.to(dtype), tuned.to(dtype)):
+            return True
+    return False
+
+
 @torch.no_grad()
-def extract_pairs(base, tuned, layout: str, rank: int, min_change: float) -> tuple[dict, dict[str, float]]:
-    """(file name -> Pair, file name -> kept energy) for the modules whose relative change exceeds min_change."""
+def extract_pairs(base, tuned, layout: str, rank: int, min_change: float,
+                  conv_rank: int | None = None) -> tuple[dict, dict[str, float]]:
+    """(file name -> Pair, file name -> kept energy) for the modules whose relative change exceeds min_change and
+    is more than a half-precision rounding (`only_rounded`). `conv_rank`: the rank of convolutions with a kernel
+    above 1x1 (kohya's --conv_dim; default `rank`)."""
     index = module_index(base, layout)
     tuned_parts = tuned.parts()
     names_of = {}
@@ -37,25 +54,29 @@ def extract_pairs(base, tuned, layout: str, rank: int, min_change: float) -> tup
             delta = other.weight.float() - sub.weight.float()
             if float(delta.norm()) <= min_change * float(sub.weight.float().norm()):
                 continue
+            if only_rounded(sub.weight, other.weight):
+                continue
             name = names_of[(part, path)]
-            pairs[name], kept[name] = low_rank_pair(delta, rank)
+            spatial = delta.dim() == 4 and tuple(delta.shape[2:]) != (1, 1)
+            pairs[name], kept[name] = low_rank_pair(delta, conv_rank if spatial and conv_rank else rank)
     return pairs, kept
 
 
 def extract_command(base_path: str, tuned_path: str, family: str, rank: int, out: str, min_change: float,
-                    dtype_name: str, log=print) -> dict[str, float]:
+                    dtype_name: str, log=print, conv_rank: int | None = None) -> dict[str, float]:
     from ot_dist.config.schema import ModelConfig
     from ot_dist.models.families.registry import get_family
     from ot_dist.models.loading import load_model
     from ot_dist.precision import DTYPES
 
-    if rank < 1:
-        raise ConfigError(f"--rank: {rank} is not a rank (at least 1)")
+    for flag, value in (("--rank", rank), ("--conv-rank", rank if conv_rank is None else conv_rank)):
+        if value < 1:
+            raise ConfigError(f"{flag}: {value} is not a rank (at least 1)")
     family_spec = get_family(family)
     layout = "kohya" if family_spec.lora_file_prefixes else "diffusers"
     base = load_model(ModelConfig(family=family, path=base_path))
     tuned = load_model(ModelConfig(family=family, path=tuned_path))
-    pairs, kept = extract_pairs(base, tuned, layout, rank, min_change)
+    pairs, kept = extract_pairs(base, tuned, layout, rank, min_change, conv_rank)
     if not pairs:
         raise InputFileError(f"{tuned_path}: no module differs from {base_path} by more than --min-change {min_change}")
     metadata = {"ot_dist_lora": json.dumps({"layout": layout, "family": family, "rank": rank, "alpha": float(rank),

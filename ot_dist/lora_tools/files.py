@@ -82,6 +82,7 @@ ALL_VARIANTS = ("lora", "dora", "loha", "lokr")
 DORA_SUFFIXES = (".dora_scale", ".lora_magnitude_vector.weight", ".lora_magnitude_vector")
 HADA = tuple(f".hada_{n}" for n in ("w1_a", "w1_b", "w2_a", "w2_b"))
 LOKR = tuple(f".lokr_{n}" for n in ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b"))
+FULL_DIFFS = (".diff", ".diff_b")  # ComfyUI's LoraSave: a weight's / bias's whole difference, no low-rank pair
 
 
 def read_lora_file(path: str | Path, variants: tuple[str, ...] = ("lora",), tool: str = "this tool") -> LoraFile:
@@ -135,6 +136,13 @@ def read_lora_file(path: str | Path, variants: tuple[str, ...] = ("lora",), tool
         known.update(name + s for s in LOKR)
         pairs[name] = Kronecker(*factors, alpha_of(name))
     unknown = sorted(set(tensors) - known)
+    full_diffs = [k for k in unknown if k.endswith(FULL_DIFFS)]
+    if full_diffs:
+        raise InputFileError(f"{path}: tensor {full_diffs[0]!r} (and {len(full_diffs) - 1} more) is a whole weight "
+                             "or bias difference (.diff / .diff_b), as ComfyUI's \"Extract and Save Lora\" node "
+                             "writes with bias_diff on (its default) or lora_type full_diff; ot-dist's LoRA tools "
+                             "apply low-rank pairs only: extract with bias_diff off and lora_type standard there, or "
+                             "with ot-dist lora extract")
     if unknown:
         raise InputFileError(f"{path}: tensor {unknown[0]!r} (and {len(unknown) - 1} more) is not a LoRA / DoRA / LoHa / "
                              "LoKr tensor this tool reads (Tucker factors, an older layout): not supported here")
@@ -181,6 +189,14 @@ def _metadata_alphas(metadata: dict[str, str]) -> dict[str, float]:
     return alphas
 
 
+def shared_alpha(pairs: dict[str, Pair]) -> float:
+    """The one alpha a kohya-layout file written by `write_lora_file` gives every module: the most common one."""
+    from collections import Counter
+
+    alphas = [float(pair.alpha if pair.alpha is not None else pair.rank) for pair in pairs.values()]
+    return Counter(alphas).most_common(1)[0][0] if alphas else 1.0
+
+
 def write_lora_file(path: str | Path, layout: str, pairs: dict[str, Pair], metadata: dict[str, str] | None = None,
                     dtype: torch.dtype | None = None) -> Path:
     """Write pairs under their file names in `layout`, so that every loader applies the same strength: kohya's
@@ -191,8 +207,6 @@ def write_lora_file(path: str | Path, layout: str, pairs: dict[str, Pair], metad
     (peft_utils `get_peft_kwargs` builds its per-module alpha_pattern under names peft does not match, so a module of
     another alpha, e.g. an extracted module whose full rank is below --rank, would get the wrong scale).
     Atomic: a reader never sees half a file."""
-    from collections import Counter
-
     from safetensors.torch import save_file
 
     from ot_dist.checkpoint.export import atomic_path
@@ -200,7 +214,7 @@ def write_lora_file(path: str | Path, layout: str, pairs: dict[str, Pair], metad
     kohya = layout == "kohya"
     _, down_suffix, up_suffix = KOHYA if kohya else DIFFUSERS
     alphas = {name: float(pair.alpha if pair.alpha is not None else pair.rank) for name, pair in pairs.items()}
-    common = Counter(alphas.values()).most_common(1)[0][0] if alphas else 1.0
+    common = shared_alpha(pairs)
     tensors = {}
     for name in sorted(pairs):
         pair = pairs[name]

@@ -1,5 +1,6 @@
 """kohya's loss and noise arguments (noise_offset, ip_noise_gamma, min_snr_gamma, debiased_estimation_loss,
-min / max_timestep, zero_terminal_snr, loss_type, ...) and the flow-matching scripts' timestep draw (Flux:
+min / max_timestep, zero_terminal_snr, loss_type with huber_schedule / huber_c / huber_scale, ...) and the
+flow-matching scripts' timestep draw (Flux:
 timestep_sampling with sigmoid_scale, discrete_flow_shift, model_prediction_type; SD3: weighting_scheme with
 logit_mean / logit_std / mode_scale, training_shift) as ot_dist's `loss` section."""
 
@@ -58,14 +59,7 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
                  "DEBIASED_ESTIMATION (1 / sqrt(SNR + 1)); not written")
         else:
             loss["weight_fn"] = "DEBIASED_ESTIMATION"  # 1 / sqrt(min(SNR, 1000)) in both
-    loss_type = args["loss_type"]
-    if loss_type != "l2":
-        skip(f"loss_type: {loss_type} (with huber_schedule / huber_c) is not supported: ot_dist trains with the MSE "
-             "(l2) loss only")
-    for key in ("huber_schedule", "huber_c", "huber_scale"):
-        if args.given(key) and loss_type == "l2":
-            out.notes.append(f"{key}: {args[key]} shapes the huber / smooth_l1 loss only; with l2 kohya ignores it")
-        args[key]  # read: with huber / smooth_l1 they are listed with loss_type
+    _loss_function(args, family, loss, skip, out.notes)
     if family in FLOW:
         _flow(args, c, family, loss, skip)
     else:
@@ -78,6 +72,33 @@ def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
                      "v-prediction on a zero-terminal-SNR schedule: add v_parameterization")
     if loss:
         c["loss"] = loss
+
+
+def _loss_function(args: KohyaArgs, family: str, loss: dict, skip, notes: list) -> None:
+    """kohya's conditional_loss: l2, l1, or the pseudo-Huber huber / smooth_l1 with the threshold of
+    get_huber_threshold_if_needed (huber_schedule, huber_c, huber_scale), the same formulas as ot_dist's
+    pseudo_huber_* options. Its flow scripts (Flux, SD3) pass sigma x 1000 as the timestep over 1000 steps, as
+    ot_dist's flow timesteps are, and stop on snr (their scheduler has no alphas_cumprod)."""
+    loss_type, schedule = args["loss_type"], args["huber_schedule"]
+    c, scale = args["huber_c"], args["huber_scale"]
+    if loss_type == "l1":
+        loss |= {"mse_strength": 0.0, "mae_strength": 1.0}
+    elif loss_type in ("huber", "smooth_l1") and schedule == "snr" and family in FLOW:
+        skip(f"loss_type: {loss_type} with huber_schedule snr (kohya's default): kohya's {family} training stops "
+             "there (NotImplementedError: its flow scheduler has no alphas_cumprod); set huber_schedule exponential "
+             "or constant. The MSE is written")
+    elif loss_type in ("huber", "smooth_l1"):
+        loss |= {"mse_strength": 0.0, "pseudo_huber_strength": 1.0, "pseudo_huber_form": loss_type,
+                 "pseudo_huber_schedule": schedule, "pseudo_huber_c": c}
+        if schedule != "snr":
+            loss["pseudo_huber_scale"] = scale
+        elif args.given("huber_scale"):
+            notes.append(f"huber_scale: {scale}: kohya's snr schedule does not read it")
+    elif loss_type != "l2":
+        skip(f"loss_type: {loss_type} is not one of kohya's (l2, l1, huber, smooth_l1); the MSE is written")
+    for key in ("huber_schedule", "huber_c", "huber_scale"):
+        if args.given(key) and loss_type in ("l1", "l2"):
+            notes.append(f"{key}: {args[key]} shapes the huber / smooth_l1 loss only; with {loss_type} kohya ignores it")
 
 
 def _ddpm_timesteps(args: KohyaArgs, loss: dict) -> None:

@@ -39,6 +39,7 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "FLUX_DEV_1": ("flux", False), "CHROMA_1": ("chroma", False),
     "PIXART_ALPHA": ("pixart_alpha", False), "PIXART_SIGMA": ("pixart_sigma", False),
     "STABLE_CASCADE_1": ("stable_cascade", False), "WUERSTCHEN_2": ("wuerstchen_v2", False),
+    "SANA": ("sana", False),
 }
 METHODS = {"FINE_TUNE": "full", "LORA": "lora", "EMBEDDING": "embedding"}
 DTYPES = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "FLOAT_16": "float16", "BFLOAT_16": "bfloat16",

@@ -18,7 +18,8 @@ _CASCADE = {"attn-only": ("attention",), "down-blocks": ("down_blocks",), "up-bl
 ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
                       "sd3": {"attn-only": ("attn",), "blocks": ("transformer_block",)}, "flux": _FLUX,
                       "chroma": _FLUX, "pixart_alpha": _PIXART, "pixart_sigma": _PIXART,
-                      "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE}
+                      "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE,
+                      "sana": {**_PIXART, "attn-mlp": ("attn1", "attn2", "ff.")}}
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -46,6 +47,10 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         pass  # ot_dist's default: the Linear / 1x1 Conv layers of the UNet's attention (Transformer2D) blocks
     elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma"):
         lora["preset"] = "attention_mlp"
+    elif named == "attn-mlp" and family == "sana":  # attn1, attn2, "ff.": the Mix-FFN's convolutions
+        lora["preset"] = "attention_mlp"
+        out.notes.append("layer_filter_preset: attn-mlp -> lora.preset attention_mlp, without the Mix-FFN's depthwise "
+                         "ff.conv_depth, which OneTrainer also adapts (peft: rank divisible by its groups)")
     elif named == "attn-mlp":
         lora[f"{denoiser}_targets"] = list(FLUX_ATTN_MLP)
     else:  # blocks, the Cascade presets, custom patterns: OneTrainer's own rule (lora.layer_filter)

@@ -1,5 +1,5 @@
-"""OneTrainer's loss settings (offset noise, loss weighting, prediction overrides), its timestep draw and its masked
-training as ot_dist's `loss` and `masked_training` sections: what each step's objective is."""
+"""OneTrainer's loss settings (loss functions, offset noise, loss weighting, prediction overrides), its timestep
+draw and its masked training as ot_dist's `loss` and `masked_training` sections: what each step's objective is."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def import_loss(ot: dict, c: dict, skip) -> None:
     loss = {}
     if ot["offset_noise_weight"]:
         loss["offset_noise_weight"] = ot["offset_noise_weight"]
-    flow = c["model"]["family"] in FLOW_FAMILIES
+    flow = is_flow(c["model"]["family"])
     if ot["generalized_offset_noise"]:
         # OneTrainer falls back to plain offset noise on a flow family, and scales nothing without an offset
         if flow:
@@ -37,10 +37,7 @@ def import_loss(ot: dict, c: dict, skip) -> None:
         _mapped_if_known(loss, LossConfig, "weight_fn", weight_fn, skip)
         if "weight_fn" in loss and weight_fn == "P2":  # OneTrainer stores a strength for every function; P2 uses it
             loss["weight_strength"] = strength
-    for key, off in (("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0),
-                     ("mse_strength", 1.0)):
-        if ot.get(key, off) != off:
-            skip(f"{key}: {ot[key]} (ot_dist trains with the MSE loss only)")
+    _loss_functions(ot, loss, skip)
     if c["model"]["family"] in ("pixart_alpha", "pixart_sigma") and ot["vb_loss_strength"] != 1.0:
         loss["vb_loss_strength"] = ot["vb_loss_strength"]  # the learned-variance loss only PixArt has
     if ot["loss_scaler"] not in (None, "NONE"):
@@ -84,7 +81,29 @@ ZERO_TERMINAL_SNR_FAMILIES = ("sd1", "sd2", "sdxl")  # OneTrainer's StableDiffus
 # DDPM families whose OneTrainer setups do not read force_v_prediction / force_epsilon_prediction: PixArt's, and SD's /
 # SDXL's LoRA and embedding setups (only StableDiffusion(XL)FineTuneSetup.py calls force_*_prediction)
 FORCED_PREDICTION_IGNORED = ("sd1", "sd2", "sdxl", "pixart_alpha", "pixart_sigma")
-FLOW_FAMILIES = ("sd3", "flux", "chroma")  # shifted by OneTrainer's timestep_shift; Flux also dynamically
+
+
+def is_flow(family: str) -> bool:
+    """A flow-matching family: OneTrainer shifts its draw by timestep_shift (Flux also dynamically)."""
+    from ot_dist.models.families.registry import get_family
+
+    return get_family(family).objective_kind() == "flow"
+
+
+LOSS_FUNCTIONS = (("mse_strength", 1.0), ("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0))
+
+
+def _loss_functions(ot: dict, loss: dict, skip) -> None:
+    """OneTrainer's sum of strength x loss function (its ModelSetupDiffusionLossMixin): the same names, formulas and
+    defaults in ot_dist's loss section; huber_delta where the Huber term is on (OneTrainer stores it always)."""
+    strengths = {key: ot.get(key, off) for key, off in LOSS_FUNCTIONS}
+    if not any(strengths.values()):
+        skip("mse_strength, mae_strength, log_cosh_strength, huber_strength: all 0, no loss to train (OneTrainer "
+             "fails on its first step); the MSE is written")
+        return
+    loss.update({key: value for (key, off), value in zip(LOSS_FUNCTIONS, strengths.values()) if value != off})
+    if strengths["huber_strength"] and ot.get("huber_delta", 1.0) != 1.0:
+        loss["huber_delta"] = ot["huber_delta"]
 
 
 def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
@@ -103,7 +122,7 @@ def _timesteps(ot: dict, c: dict, loss: dict, skip) -> None:
     shift = ot["timestep_shift"]
     if family == "flux" and ot["dynamic_timestep_shifting"]:  # OneTrainer's SD3 / Chroma setups ignore it
         loss["dynamic_timestep_shifting"] = True  # and then ignore timestep_shift
-    elif family in FLOW_FAMILIES:
+    elif is_flow(family):
         loss["timestep_shift"] = shift  # 1.0 included: unshifted, where the family's scheduler would shift
     elif shift != 1.0:  # DDPM and Würstchen's discretized continuous draw: 1.0 is unshifted there as ot_dist's auto
         loss["timestep_shift"] = shift

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ot_dist.config.loss import WEIGHTED_DISTRIBUTIONS, LossConfig
+from ot_dist.train.loss_functions import pseudo_huber_thresholds
 from ot_dist.train.loss_options import (ddpm_weights, draw_timestep, generalized_offset_psi, last_timestep_drawn,
                                        timestep_bounds)
 from ot_dist.train.timestep_distributions import unit_draw, weighted_index
@@ -47,6 +48,22 @@ class Objective:
 
     def offset_noise_psi(self, timesteps: torch.Tensor, options: LossConfig) -> torch.Tensor | None:
         """Per-sample factor of the offset noise (generalized offset noise), or None for a constant one."""
+        return None
+
+    def pseudo_huber_thresholds(self, timesteps: torch.Tensor, options: LossConfig) -> torch.Tensor | None:
+        """Each sample's pseudo-Huber threshold c (loss.pseudo_huber_schedule), or None when that loss is off."""
+        if not options.pseudo_huber_strength:
+            return None
+        return pseudo_huber_thresholds(options, self.schedule_time(timesteps), self.num_timesteps,
+                                       self.alphas_cumprod_at(timesteps))
+
+    def schedule_time(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """The time in [0, num_timesteps] that kohya's exponential threshold reads: the timesteps themselves (a
+        flow family's are sigma x N, as kohya's Flux / SD3 scripts pass theirs)."""
+        return timesteps
+
+    def alphas_cumprod_at(self, timesteps: torch.Tensor) -> torch.Tensor | None:
+        """Each sample's alpha-bar, None where the objective has no DDPM schedule (flow matching)."""
         return None
 
     def describe(self) -> str:
@@ -117,6 +134,10 @@ class DDPM(Objective):
         if getattr(self, "_psi", None) is None:
             self._psi = generalized_offset_psi(self.scheduler.betas)
         return self._psi.to(timesteps.device)[timesteps]
+
+    def alphas_cumprod_at(self, timesteps):
+        # the scheduler's float32 table, indexed on the CPU as kohya's get_huber_threshold_if_needed does
+        return self.scheduler.alphas_cumprod[timesteps.cpu()]
 
     def describe(self) -> str:
         return f"{self.prediction_type} prediction, {self.num_timesteps} DDPM timesteps"
@@ -277,6 +298,12 @@ class ContinuousCosine(Objective):
             raise ConfigError("loss.generalized_offset_noise: needs a discrete beta schedule; Würstchen's is "
                               "continuous")
         return None
+
+    def schedule_time(self, timesteps):
+        return timesteps * self.num_timesteps  # t in (0, 1] is its own share of the schedule
+
+    def alphas_cumprod_at(self, timesteps):
+        return cosine_alpha_cumprod(timesteps).cpu()
 
     def describe(self) -> str:
         return f"epsilon prediction, continuous cosine time (scale {self.scale}, offset {self.offset})"

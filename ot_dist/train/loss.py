@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ from ot_dist.models.loading import LoadedModel
 from ot_dist.models.objectives import Objective
 from ot_dist.randomness import generator
 from ot_dist.train.inpainting import inpainting_masks, latent_mask, masked_pixels
+from ot_dist.train.loss_functions import elementwise_loss
 from ot_dist.train.loss_options import offset_noise, per_sample_normal, perturbed_input_noise
 from ot_dist.train.masking import mask_weights
 from ot_dist.train.transfer import to_device
@@ -73,7 +76,7 @@ def text_conditioning(model: LoadedModel, batch: dict, device: torch.device, dty
 
 def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, options: LossConfig | None = None,
                    masking: MaskedTrainingConfig | None = None) -> torch.Tensor:
-    """Mean-squared error of the denoiser's prediction against the objective's target (epsilon, v or flow) for
+    """The loss (loss.*_strength: the mean-squared error unless told) of the denoiser's prediction against the objective's target (epsilon, v or flow) for
     one micro batch, in float32, with the `loss` options and masked training applied when they are on.
     `batch["token_ids"]` holds the tokenized captions, one tensor per text encoder."""
     options = options or LossConfig()
@@ -109,8 +112,11 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
         concept_weights = to_device(batch["loss_weight"], device)
         sample_weights = concept_weights if sample_weights is None else sample_weights * concept_weights
     normalize = bool(masking and masking.normalize_masked_area_loss)
-    loss = weighted_mse(prediction.float(), target.float(), weights, sample_weights, normalize=normalize, prior=prior,
-                        prior_weight=masking.prior_preservation_weight if masking else 0.0)
+    thresholds = objective.pseudo_huber_thresholds(timesteps, options)
+    loss = weighted_loss(prediction.float(), target.float(), weights, sample_weights, normalize=normalize, prior=prior,
+                         prior_weight=masking.prior_preservation_weight if masking else 0.0,
+                         element_loss=None if options.plain_mse() else partial(elementwise_loss, options=options,
+                                                                               thresholds=thresholds))
     if extra is None:
         return loss
     # The family's extra term (PixArt's learned-variance VB loss), weighted like the squared error.
@@ -174,21 +180,37 @@ def weighted_mean(values: torch.Tensor, element_weights: torch.Tensor | None = N
     return sample_weighted_mean(per_sample_mean(values, element_weights, normalize), sample_weights)
 
 
+def squared_error(prediction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (prediction - target) ** 2
+
+
 def weighted_mse(prediction: torch.Tensor, target: torch.Tensor, element_weights: torch.Tensor | None = None,
                  sample_weights: torch.Tensor | None = None, normalize: bool = False,
                  prior: torch.Tensor | None = None, prior_weight: float = 0.0) -> torch.Tensor:
-    """The batch mean of each sample's mean of element_weights x squared error, times its sample weight.
-    `normalize` divides a sample's loss by the mean of its element weights (the masked area). With `prior` (the
-    prediction without LoRA), prior_weight x (1 - element_weights) x (prediction - prior)^2 is added per element,
-    normalized by the mean of (1 - element_weights) (OneTrainer's masked_losses_with_prior; a sample with nothing
-    outside its mask adds 0 there, where OneTrainer divides 0 by 0).
-    Without weights this is F.mse_loss itself, so runs without the options keep their exact loss."""
-    if element_weights is None and sample_weights is None:
-        return F.mse_loss(prediction, target)
-    per_sample = per_sample_mean((prediction - target) ** 2, element_weights, normalize)
+    """weighted_loss of the squared error."""
+    return weighted_loss(prediction, target, element_weights, sample_weights, normalize, prior, prior_weight)
+
+
+def weighted_loss(prediction: torch.Tensor, target: torch.Tensor, element_weights: torch.Tensor | None = None,
+                  sample_weights: torch.Tensor | None = None, normalize: bool = False,
+                  prior: torch.Tensor | None = None, prior_weight: float = 0.0,
+                  element_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The batch mean of each sample's mean of element_weights x element_loss (default: the squared error), times
+    its sample weight. `normalize` divides a sample's loss by the mean of its element weights (the masked area).
+    With `prior` (the prediction without LoRA), prior_weight x (1 - element_weights) x element_loss(prediction,
+    prior) is added per element, normalized by the mean of (1 - element_weights) (OneTrainer's
+    masked_losses_with_prior, which takes the same loss function for both; a sample with nothing outside its mask
+    adds 0 there, where OneTrainer divides 0 by 0).
+    The squared error without weights is F.mse_loss itself, so runs without the options keep their exact loss."""
+    if element_loss is None:
+        if element_weights is None and sample_weights is None:
+            return F.mse_loss(prediction, target)
+        element_loss = squared_error
+    per_sample = per_sample_mean(element_loss(prediction, target), element_weights, normalize)
     if prior is not None and element_weights is not None and prior_weight:
         outside = 1 - element_weights.to(prediction)
-        prior_sample = ((prediction - prior) ** 2 * outside * prior_weight).mean(dim=tuple(range(1, prediction.dim())))
+        prior_sample = (element_loss(prediction, prior) * outside * prior_weight).mean(
+            dim=tuple(range(1, prediction.dim())))
         if normalize:
             area = outside.mean(dim=tuple(range(1, outside.dim())))
             prior_sample = torch.where(area > 0, prior_sample / area.clamp(min=1e-12), torch.zeros_like(prior_sample))

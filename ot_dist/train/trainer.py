@@ -239,6 +239,9 @@ class Trainer:
                                       self.tracking_run_id, self.tracking_step_offset, self.log, self.tracking_sender,
                                       resumed_at_step=self.position.step if self.position.resumed_from else None)
         self.tracker.log_text("\n".join(self.bucket_report) + "\n", "bucket_report.txt")
+        if self.run.abandoned is not None:  # resumed into the same MLflow run, which keeps the abandoned steps' points
+            self.tracker.set_tags({"ot_dist.rewound": f"to step {step}, the later history moved to {self.run.abandoned}; "
+                                   "metric points after that step are logged again (MLflow keeps both)"})
         progress = Progress(self.total_steps, config.epochs, self.log, enabled=self.runtime.is_main, first_step=step)
         window = StepWindow()  # step values not yet copied to the host
         if step == 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ot_dist.models.latent_posterior import encode_posterior
 from ot_dist.models.objectives import Objective
 
 
@@ -227,9 +228,9 @@ class Family:
 
     def encode_posterior(self, vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of the VAE posterior of images (B, 3, H, W), each (B, C, h, w): what the latent cache stores and
-        the loss samples from. A VAE of videos (Qwen-Image's) takes the images as one-frame clips here."""
-        posterior = vae.encode(pixels).latent_dist
-        return posterior.mean, posterior.std
+        the loss samples from. A VAE of videos (Qwen-Image's) takes the images as one-frame clips here; a deterministic
+        encoder (Sana's DC-AE) gives std zero."""
+        return encode_posterior(vae, pixels)
 
     def normalize_latents(self, vae, latents: torch.Tensor) -> torch.Tensor:
         """A VAE sample -> the denoiser's latent space: (x - shift) x scale, or a per-channel mean / std."""

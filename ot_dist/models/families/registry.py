@@ -18,6 +18,7 @@ FAMILY_MODULES: dict[str, str] = {
     "stable_cascade": "ot_dist.models.families.stable_cascade",
     "wuerstchen_v2": "ot_dist.models.families.stable_cascade",
     "qwen_image": "ot_dist.models.families.qwen_image",
+    "sana": "ot_dist.models.families.sana",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
