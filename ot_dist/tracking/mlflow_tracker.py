@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from ot_dist.tracking.base import Tracker
+from ot_dist.tracking.base import Tracker, metric_name
 from ot_dist.tracking.outbox import OUTBOX_FOLDER, OutboxWriter, read_records, read_sent, refused_path, summary
 
 # MLflow's HTTP client retries each request up to 7 times with backoff (minutes in all) and waits
@@ -141,6 +141,12 @@ class MlflowTracker(Tracker):
     def log_artifact(self, local_path, artifact_dir: str) -> None:
         """A file the run wrote (a sample image): sent by path, so it must stay where it is."""
         self.outbox.add({"kind": "file", "path": str(Path(local_path).resolve()), "dir": artifact_dir})
+
+    def log_image(self, local_path, key: str, step: int) -> None:
+        """Only the file's path goes in the outbox: the sender makes the UI's small copy and uploads both, so a large
+        image costs the step nothing."""
+        self.outbox.add({"kind": "image", "path": str(Path(local_path).resolve()), "key": metric_name(key),
+                         "step": step + self.step_offset, "timestamp_ms": int(time.time() * 1000)})
 
     def take_notices(self) -> list[str]:
         notices = []
