@@ -129,3 +129,105 @@ def test_the_tracker_logs_a_sample_by_path_at_its_step(tmp_path):
     assert record["path"] == str(png.resolve()) and record["step"] == 105
     assert record["key"] == "samples/0-a cat_"  # what MLflow's key check takes
     assert abs(record["timestamp_ms"] / 1000 - time.time()) < 60
+
+
+def wait_for(condition, timeout=120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_system_metrics_are_logged_by_the_sender_when_enabled_and_not_otherwise(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.2")  # MLflow's own setting, honoured
+    runs = {}
+    for enabled in (True, False):
+        uri = f"sqlite:///{tmp_path / f'{enabled}.db'}"
+        runs[enabled] = uri, MlflowTracker(uri, "system", str(enabled), tmp_path / f"{enabled}.jsonl",
+                                           system_metrics=enabled)
+    for uri, tracker in runs.values():
+        tracker.log_metrics({"loss": 0.5}, step=1)
+
+    def system_keys(enabled: bool) -> set[str]:
+        uri, tracker = runs[enabled]
+        return {k for k in client(uri).get_run(tracker.run_id).data.metrics if k.startswith("system/")}
+
+    wait_for(lambda: all(t.run_id is not None and t.all_sent() for _, t in runs.values()))
+    wait_for(lambda: "system/cpu_utilization_percentage" in system_keys(True))
+    time.sleep(1.0)  # five sampling intervals: the disabled run would have samples by now
+    for _, tracker in runs.values():
+        assert not any("could not be sent" in w for w in tracker.close())
+    assert {"system/system_memory_usage_megabytes", "system/disk_usage_percentage"} <= system_keys(True)
+    uri, tracker = runs[True]
+    steps = [m.step for m in client(uri).get_metric_history(tracker.run_id, "system/cpu_utilization_percentage")]
+    assert steps == list(range(len(steps))) and len(steps) >= 2  # one step per sample, as MLflow numbers them
+    assert system_keys(False) == set()
+
+
+def test_system_metrics_follow_the_config_else_mlflows_variable_else_on(tmp_path, monkeypatch):
+    from conftest import base_config
+
+    from ot_dist.config.load import validate
+    from ot_dist.errors import ConfigError
+    from ot_dist.tracking import system_metrics_enabled
+
+    def enabled(**settings) -> bool:
+        return system_metrics_enabled(validate(base_config(tmp_path, tmp_path, tmp_path / "out", **settings)))
+
+    monkeypatch.delenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", raising=False)
+    assert enabled()
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    assert not enabled() and enabled(**{"mlflow.system_metrics": True})
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "1")
+    assert enabled() and not enabled(**{"mlflow.system_metrics": False})
+    import mlflow
+
+    monkeypatch.delenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING")
+    mlflow.disable_system_metrics_logging()  # what a script calls before Trainer(...): it sets the variable
+    assert not enabled()
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "yes")
+    with pytest.raises(ConfigError, match="MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING='yes'"):
+        enabled()
+
+
+def test_mlflow_experiment_name_picks_the_experiment_unless_the_config_sets_one(tmp_path, monkeypatch):
+    from conftest import base_config
+
+    from ot_dist.config.load import load_config, validate
+    from ot_dist.tracking import start_tracking
+
+    class NoSender:
+        uri, run_id = "sqlite:///unused.db", None
+
+        def __init__(self, outbox):
+            self.outbox = outbox
+
+        def close(self, seconds):
+            return False
+
+    def tracked_in(config) -> tuple[str, str]:
+        """(the experiment in the outbox's run record, the mlflow.experiment param)"""
+        outbox = tmp_path / f"{len(list(tmp_path.glob('*.jsonl')))}.jsonl"
+        tracker = start_tracking(config, True, 1, sender=NoSender(outbox))
+        tracker.close_failed()
+        records = [r for _, r in read_records(outbox, 0)]
+        params = {k: v for r in records if r["kind"] == "params" for k, v in r["values"].items()}
+        return records[0]["experiment"], params["mlflow.experiment"]
+
+    raw = base_config(tmp_path, tmp_path, tmp_path / "out", **{"mlflow.enabled": True})
+    (tmp_path / "config.yaml").write_text(yaml_text(raw))
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert tracked_in(validate(raw)) == ("ot_dist", "ot_dist")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-the-environment")
+    assert tracked_in(validate(raw)) == ("from-the-environment", "from-the-environment")
+    assert tracked_in(load_config(tmp_path / "config.yaml")) == ("from-the-environment", "from-the-environment")
+    # set explicitly (--set, the YAML), even to the default: the config wins
+    assert tracked_in(load_config(tmp_path / "config.yaml", ["mlflow.experiment=sd15"])) == ("sd15", "sd15")
+    raw["mlflow"]["experiment"] = "ot_dist"
+    assert tracked_in(validate(raw)) == ("ot_dist", "ot_dist")
+
+
+def yaml_text(raw: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(raw)
