@@ -164,6 +164,29 @@ def test_system_metrics_are_logged_by_the_sender_when_enabled_and_not_otherwise(
     assert system_keys(False) == set()
 
 
+def test_system_metrics_sampled_while_the_server_is_away_are_sent_when_it_is_back(tmp_path, monkeypatch):
+    from ot_dist.tracking.system_metrics import SystemMetrics
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.05")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    run_id = client(uri).create_run(client(uri).create_experiment("system")).info.run_id
+    system = SystemMetrics(run_id, uri, resumed=False, notify=print)
+    wait_for(lambda: len(system.queued) >= 3)
+    system.stop()
+
+    class Away:
+        def log_batch(self, *args, **kwargs):
+            raise ConnectionError("the server went away")
+
+    with pytest.raises(ConnectionError):
+        system.deliver(Away(), run_id)
+    kept = len(system.queued)
+    assert kept >= 3
+    system.deliver(client(uri), run_id)
+    steps = [m.step for m in client(uri).get_metric_history(run_id, "system/cpu_utilization_percentage")]
+    assert sorted(steps) == list(range(kept)) and not system.queued
+
+
 def test_system_metrics_follow_the_config_else_mlflows_variable_else_on(tmp_path, monkeypatch):
     from conftest import base_config
 

@@ -93,4 +93,6 @@ class SystemMetrics:
                     self.queued.popleft()
 
     def stop(self) -> None:
+        """No more samples (the one being taken, if any, is queued before this returns)."""
         self._stop.set()
+        self._thread.join(5)
