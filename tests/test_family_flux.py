@@ -275,3 +275,41 @@ def test_float8_frozen_transformer_and_t5_train_a_lora(family_models, shapes_dat
             assert torch.float8_e4m3fn in stored, stored
         losses[dtype] = trainer.train().losses
     assert all(abs(a - b) / abs(a) < 0.05 for a, b in zip(losses["bfloat16"], losses["float8"]))
+
+
+@pytest.mark.parametrize("name", ["flux", "chroma", "sd3"])
+def test_t5_max_tokens_sets_the_caption_length_the_pipeline_is_called_with(name):
+    """model.t5_max_tokens pads and truncates T5's tokens to its length (the peers' 77 / 256 / 512), in training and
+    in the sampling pipeline's max_sequence_length; unset, the family's default stays."""
+    from types import SimpleNamespace
+
+    from ot_dist.models.families.registry import get_family
+    from ot_dist.models.tiny import tiny_clip_tokenizer, tiny_t5_tokenizer
+
+    family = get_family(name)
+    t5_name = "tokenizer_3" if name == "sd3" else family.t5_tokenizer
+    tokenizers = {n: tiny_t5_tokenizer() if n == t5_name else tiny_clip_tokenizer() for n in family.tokenizers}
+    t5_encoder = family.text_encoders[family.tokenizers.index(t5_name)]
+    pipeline = SimpleNamespace(**tokenizers)
+    short = family.configure(SimpleNamespace(guidance_scale=None, t5_max_tokens=8))
+    tokens = short.tokenize(tokenizers, ["a red circle on a blue background with a green square beside it"])
+    assert tokens[t5_encoder].shape[-1] == 8 and short.pipeline_call_options(pipeline) == {"max_sequence_length": 8}
+    default = family.configure(SimpleNamespace(guidance_scale=None, t5_max_tokens=None))
+    assert default is family and default.tokenize(tokenizers, ["a dot"])[t5_encoder].shape[-1] == \
+        min(tokenizers[t5_name].model_max_length, 256 if name == "sd3" else 512)
+
+
+def test_another_t5_length_is_another_text_cache():
+    """Cached T5 outputs of one caption length are not read back for another (data.cache_text)."""
+    import copy
+    from types import SimpleNamespace
+
+    from ot_dist.data.caches import text_key
+    from ot_dist.models.families.registry import get_family
+
+    def key(tokens):
+        family = copy.copy(get_family("flux").configure(SimpleNamespace(guidance_scale=None, t5_max_tokens=tokens)))
+        family.text_encoders = family.tokenizers = ()  # the key's model part aside: only the settings differ
+        return text_key(SimpleNamespace(family=family, text_encoders={}, tokenizers={}))
+
+    assert key(None) == key(None) != key(77)

@@ -108,3 +108,28 @@ def test_counted_shards_are_fsdp2s(name, ranks):
         assert 2 * ranks * max(shards) == counted.largest_gather_bytes(ranks)
     finally:
         dist.destroy_process_group()
+
+
+def test_qwen_image_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Qwen-Image row (ot-dist init's reference for the family) is Qwen/Qwen-Image as its configs
+    build it on the meta device: the 20 B transformer (20.43 B), Qwen2.5-VL-7B-Instruct as the text encoder (8.29 B
+    on its model card, the untied lm_head and the vision tower included) and the VAE; LoRA counted on the family's
+    default targets, FSDP on its blocks, each a few % of the transformer; `ot-dist init` chooses from it."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.starter.choose import choose
+
+    family = get_family("qwen_image")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531}
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == len(components["transformer"].transformer_blocks) == 60
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.05
+    # LoRA: 28.8 B frozen parameters, 53.7 GiB in bfloat16, 26.9 GiB in float8, the transformer alone 19.0 GiB
+    assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 24, 1)

@@ -149,6 +149,7 @@ def test_lora_file_loads_into_the_pipeline_with_the_trained_outputs(family_model
     language model's attention) loads through ot_dist's peft loader."""
     from diffusers import QwenImagePipeline
 
+    from ot_dist.lora_tools.matching import module_index
     from ot_dist.lora_tools.peft_load import load_peft_lora
 
     base = family_models[FAMILY]
@@ -181,19 +182,46 @@ def test_lora_file_loads_into_the_pipeline_with_the_trained_outputs(family_model
     torch.testing.assert_close(again, trained, rtol=1e-5, atol=1e-6)
 
     text = trainer_for(base, shapes_data, tmp_path / "te", method="lora", max_steps=1, learning_rate=5e-2,
-                       output_dtype="float32", **{"text_encoder.train": True, "lora.rank": 4})
+                       output_dtype="float32", **{"text_encoder.train": True, "lora.rank": 4, "lora.alpha": 8})
     text.train()
-    te_modules = {k.rsplit(".lora_", 1)[0] for k in load_file(tmp_path / "te" / "lora.safetensors")
-                  if k.startswith("text_encoder.")}
-    assert te_modules and all(".language_model.layers." in m and m.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj",
-                                                                                            "o_proj") for m in te_modules)
+    te_file = load_file(tmp_path / "te" / "lora.safetensors")
+    te_tensors = {k: v for k, v in te_file.items() if not k.startswith("transformer.")}
+    # ComfyUI's names, at the trained strength (the scale inside the up matrices: no .alpha, strength 1.0)
+    comfy = comfy_qwen_text_lora_keys(text.model.text_encoders["text_encoder"].config.text_config.num_hidden_layers)
+    te_modules = {k.rsplit(".lora_", 1)[0] for k in te_tensors}
+    assert te_modules and te_modules <= comfy.keys(), sorted(te_modules - comfy.keys())[:3]
+    assert set(te_tensors) == {m + s for m in te_modules for s in (".lora_A.weight", ".lora_B.weight")}
+    layers = dict(text.model.text_encoders["text_encoder"].named_modules())
+    for module in te_modules:
+        layer = layers[comfy[module]]
+        change = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+        torch.testing.assert_close(te_tensors[f"{module}.lora_B.weight"] @ te_tensors[f"{module}.lora_A.weight"],
+                                   change.detach(), rtol=1e-5, atol=1e-7)
+    QwenImagePipeline.from_pretrained(base, local_files_only=True).load_lora_weights(tmp_path / "te" / "lora.safetensors")
     fresh = QwenImagePipeline.from_pretrained(base, local_files_only=True)
+    # the names `ot-dist lora merge` and lora.init_from match a file's modules by, on a model without adapters
+    index = module_index(text.model, "diffusers", parts={"text_encoder": fresh.text_encoder})
+    assert all(index[m].part == "text_encoder" and index[m].path == comfy[m] for m in te_modules)
     assert load_peft_lora(fresh, tmp_path / "te" / "lora.safetensors") == ["text_encoder", "transformer"]
     with torch.no_grad():
         tokens = text.model.family.tokenize(text.model.tokenizers, ["a dot"])
         ours = text.model.family.encode_text(text.model.text_encoders, tokens)["hidden"]
         theirs = text.model.family.encode_text({"text_encoder": fresh.text_encoder}, tokens)["hidden"]
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+
+
+def comfy_qwen_text_lora_keys(layers: int) -> dict[str, str]:
+    """ComfyUI's LoRA names for Qwen-Image's text encoder -> the module path in transformers' Qwen2.5-VL.
+    Read from github.com/Comfy-Org/ComfyUI @ a125cd84b054a57729b5eecab930ca9408719832: comfy/lora.py
+    model_lora_keys_clip maps `text_encoders.<k>` for every weight key k of the text-encoder model (nothing else for
+    Qwen2.5-VL); comfy/text_encoders/qwen_image.py QwenImageTEModel (SD1ClipModel, name "qwen25_7b") holds
+    Qwen25_7BVLIModel as `qwen25_7b`, an SDClipModel whose `transformer` is llama.py's Qwen25_7BVLI, with the language
+    model Llama2_ as `model`: layers.<i>.self_attn.{q,k,v,o}_proj, layers.<i>.mlp.{gate,up,down}_proj.
+    comfy/weight_adapter/lora.py reads `x.lora_B.weight` / `x.lora_A.weight`, scale 1.0 without `x.alpha`."""
+    linears = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+    return {f"text_encoders.qwen25_7b.transformer.model.layers.{i}.{c}": f"model.language_model.layers.{i}.{c}"
+            for i in range(layers) for c in linears}
 
 
 def test_cached_latents_and_text_train_as_the_images_and_captions_do(family_models, shapes_data, tmp_path):

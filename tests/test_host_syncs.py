@@ -55,14 +55,19 @@ def test_at_most_one_host_sync_per_optimizer_step(tiny_models, shapes_data, tmp_
     assert len(result.losses) == 4  # the window still delivers every step's loss
 
 
-@pytest.mark.parametrize("family", ["sd1", "sdxl"])
-def test_the_step_copies_host_tensors_to_the_device_without_blocking(tiny_models, shapes_data, tmp_path, family):
+@pytest.mark.parametrize("family, cache_text", [("sd1", False), ("sdxl", False), ("qwen_image", False),
+                                                ("qwen_image", True)])
+def test_the_step_copies_host_tensors_to_the_device_without_blocking(tiny_models, family_models, shapes_data, tmp_path,
+                                                                      family, cache_text):
     """Batches and the per-sample noise are made on the host; the loss moves them with `to_device` (pinned memory,
     non_blocking on CUDA), never with a plain `.to(device)`, whose copy from pageable memory waits for the stream.
     Without data.cache_text the families' `encode_text` move the token ids the same way, every micro step and text
-    encoder (sdxl: two encoders), and SDXL its time ids. (Copies inside transformers / diffusers are theirs.)"""
-    raw = base_config(tiny_models[family], shapes_data, tmp_path / "run", family=family, batch_size=1, max_steps=2,
-                      **{"checkpoint.at_end": False, "data.cache_text": False})
+    encoder (sdxl: two encoders), and SDXL its time ids. (Copies inside transformers / diffusers are theirs.)
+    Nor does the family's code read the device back: Qwen-Image trims the text to the batch's longest caption with
+    lengths counted from the batch's host mask (the tokens', or the text cache's)."""
+    model = (family_models if family == "qwen_image" else tiny_models)[family]
+    raw = base_config(model, shapes_data, tmp_path / "run", family=family, batch_size=2, max_steps=2,
+                      **{"checkpoint.at_end": False, "data.cache_text": cache_text})
     counter, result = _counted(raw)
     assert result.steps == 2
     in_step = [c for c in counter.blocking_copies if c.phase == "step"]
@@ -71,6 +76,8 @@ def test_the_step_copies_host_tensors_to_the_device_without_blocking(tiny_models
     families = Path(next(iter(families_package.__path__))).resolve()
     in_families = [c for c in in_step if Path(c.origin).resolve().parent == families]
     assert not in_families, f"blocking host -> device copies in the family's text encoding:\n{_listing(in_families)}"
+    reads = [s for s in counter.in_phase("step") if Path(s.origin).resolve().parent == families]
+    assert not reads, f"host syncs in the family's code:\n{_listing(reads)}"
 
 
 def test_to_device_pins_and_queues_host_to_cuda_copies(monkeypatch):

@@ -12,14 +12,19 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.training_utils import compute_density_for_timestep_sampling
 from PIL import Image
 
 from ot_dist.cli import main
 from ot_dist.config.load import load_config
+from ot_dist.config.loss import LossConfig
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate.diffusers import SCRIPTS, import_diffusers
 from ot_dist.migrate.diffusers_defaults import defaults
+from ot_dist.models.objectives import FlowMatching
 
 def images(folder: Path, count: int) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
@@ -120,11 +125,13 @@ def test_sana_and_qwen_image_scripts_own_options(tmp_path):
     script = "train_dreambooth_lora_qwen_image.py"
     c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
                                       f"{data_args(tmp_path, script)} --lora_layers 'to_q, img_mlp.net.2' "
-                                      "--weighting_scheme logit_normal --logit_std 0.5 --caption_dropout 0.1 "
+                                      "--weighting_scheme logit_normal --logit_mean 1.0 --logit_std 0.5 --caption_dropout 0.1 "
                                       "--final_validation_prompt 'a dog' --num_validation_images 1 --seed 3 "
                                       "--bnb_quantization_config_path q.json --offload")
     assert c["lora"]["transformer_targets"] == ["to_q", "img_mlp.net.2"]
-    assert c["loss"] | {"logit_normal_std": 0.5, "timestep_distribution": "logit_normal"} == c["loss"]
+    # timesteps[(u x 1000)] of a table running from sigma 1 down, as the SD3 / Flux scripts: logit_mean m is -m here
+    assert c["loss"] | {"logit_normal_mean": -1.0, "logit_normal_std": 0.5,
+                        "timestep_distribution": "logit_normal"} == c["loss"]
     assert c["data"]["concepts"][0]["caption_dropout_probability"] == 0.1
     assert c["sampling"] == {"prompts": [{"prompt": "a dog", "seed": 3}], "at_end": True}
     assert any(line.startswith("bnb_quantization_config_path") for line in not_honoured(text))
@@ -208,9 +215,11 @@ def test_prodigy_lora_options_and_what_is_listed(tmp_path):
     assert c["text_encoder"] == {"train": True}  # prodigy: the script gives the text encoder learning_rate
     assert c["sampling"]["prompts"] == [{"prompt": "sks dog", "seed": 7}, {"prompt": "sks dog", "seed": 8}]
     assert c["sampling"]["every_n_epochs"] == 50
+    assert c["model"]["t5_max_tokens"] == 256
     listed = not_honoured(text)
-    for key in ("resume_from_checkpoint", "max_sequence_length", "variant"):
+    for key in ("resume_from_checkpoint", "variant"):
         assert any(line.startswith(key) for line in listed), key
+    assert not any(line.startswith("max_sequence_length") for line in listed)
     assert "report_to: 'wandb' is ignored" in text
 
 
@@ -294,3 +303,34 @@ def test_defaults_that_differ_between_the_scripts():
     assert defaults("train_dreambooth_sd3.py")["weighting_scheme"] == "logit_normal"
     assert defaults("train_dreambooth_lora_sana.py")["max_sequence_length"] == 300
     assert defaults("train_dreambooth_lora_qwen_image.py")["output_dir"] == "hidream-dreambooth-lora"  # sic
+
+
+def flow_sigmas(loss: dict, shift: float, count: int = 2000) -> torch.Tensor:
+    """`count` noise levels ot_dist draws with an imported `loss` section for a model whose scheduler shifts by
+    `shift` (a 64x64 latent)."""
+    objective = FlowMatching(shift=shift)
+    options, g = LossConfig(**loss), torch.Generator().manual_seed(0)
+    return torch.cat([objective.draw(g, options, torch.Size((16, 64, 64))) for _ in range(count)]).double() / 1000
+
+
+def test_logit_mean_moves_the_noise_level_as_the_sd3_script_does(tmp_path):
+    """The SD3 / Flux scripts draw u by weighting_scheme and train on the scheduler's timesteps[(u x 1000)], which
+    run from sigma 1 down: logit_mean 1.0 there favours low noise. The imported draw's median sigma is the one
+    diffusers' own draw and scheduler give."""
+    c, _, _ = run_import(tmp_path, f"accelerate launch train_dreambooth_lora_sd3.py --pretrained_model_name_or_path m "
+                                   f"{data_args(tmp_path, 'train_dreambooth_lora_sd3.py')} --logit_mean 1.0")
+    assert c["loss"]["logit_normal_mean"] == -1.0
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)  # SD3's published config
+    u = compute_density_for_timestep_sampling("logit_normal", 2000, logit_mean=1.0, logit_std=1.0,
+                                              generator=torch.Generator().manual_seed(0))
+    reference = scheduler.sigmas[(u * 1000).long()].double()
+    assert flow_sigmas(c["loss"], shift=3.0).median().item() == pytest.approx(reference.median().item(), abs=0.02)
+
+
+@pytest.mark.parametrize("script,tokens", [("train_dreambooth_lora_sd3.py", 77), ("train_dreambooth_flux.py", 77),
+                                           ("train_dreambooth_lora_flux.py", None)])
+def test_max_sequence_length_is_the_t5_caption_length(tmp_path, script, tokens):
+    """The scripts' max_sequence_length defaults (77, the Flux LoRA script's 512) where ot_dist's differs."""
+    c, _, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                   f"{data_args(tmp_path, script)}")
+    assert c["model"].get("t5_max_tokens") == tokens

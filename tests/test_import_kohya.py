@@ -698,6 +698,71 @@ def test_min_timestep_not_below_max_trains_the_maximum(tmp_path):
         assert (config["loss"]["min_timestep"], config["loss"]["max_timestep"]) == written
 
 
+def test_logit_mean_keeps_the_side_of_the_noise_kohya_favours(tmp_path):
+    """flux_train_network.py's timestep_sampling sigma trains on the scheduler's timesteps[(u x 1000)], which run from
+    sigma 1 down (noise level about 1 - u): logit_mean 1.0 favours low noise, ot_dist's logit_normal_mean -1.0.
+    sd3_train_network.py's noise level is u itself (shifted): the mean stays."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + 'weighting_scheme = "logit_normal"\nlogit_mean = 1.0\n'
+    flux, _, _ = imported(tmp_path, common + 'network_module = "networks.lora_flux"\nmodel_prediction_type = "raw"\n',
+                          "--script", "flux_train_network.py")
+    assert flux["loss"]["logit_normal_mean"] == -1.0
+    sd3, _, _ = imported(tmp_path, common + 'network_module = "networks.lora_sd3"\n', "--script", "sd3_train_network.py")
+    assert sd3["loss"]["logit_normal_mean"] == 1.0
+
+
+def test_flux_script_model_type_chroma_trains_chroma(tmp_path):
+    """flux_train_network.py --model_type chroma trains Chroma (kohya's docs: guidance_scale 0.0, apply_t5_attn_mask,
+    no CLIP-L): ot_dist's chroma family, no distilled guidance, its T5 adapted with train_t5xxl; a sample's --l is
+    its classifier-free guidance. On Flux.1, apply_t5_attn_mask is listed: diffusers' Flux has no text mask."""
+    images(tmp_path / "d" / "1_x", 1)
+    (tmp_path / "p.txt").write_text("a cat --n ugly --l 4.0 --d 1\n", encoding="utf-8")
+    common = minimal(tmp_path, 1024) + 'network_module = "networks.lora_flux"\nmodel_prediction_type = "raw"\n' \
+        'apply_t5_attn_mask = true\n'
+    chroma, text, _ = imported(tmp_path, common + f'model_type = "chroma"\nguidance_scale = 0.0\nsample_prompts = '
+                               f'"{tmp_path / "p.txt"}"\nsample_every_n_steps = 10\nnetwork_args = ["train_t5xxl=True"]\n',
+                               "--script", "flux_train_network.py")
+    assert chroma["model"] == {"family": "chroma", "path": "m"}
+    assert chroma["text_encoder"] == {"train": True} and "text_encoder_2" not in chroma
+    assert chroma["sampling"]["prompts"][0]["guidance_scale"] == 4.0
+    listed = text.split("NOT HONOURED")[-1]
+    assert "model_type:" not in listed and "apply_t5_attn_mask:" not in listed
+    flux, _, err = imported(tmp_path, common, "--script", "flux_train_network.py")
+    assert flux["model"]["family"] == "flux" and "apply_t5_attn_mask: True: ot_dist's Flux.1 attends" in err
+
+
+def test_t5xxl_max_token_length_is_the_t5_caption_length(tmp_path):
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + 'model_prediction_type = "raw"\n'
+    sd3, _, _ = imported(tmp_path, common + 'network_module = "networks.lora_sd3"\n', "--script", "sd3_train_network.py")
+    assert "t5_max_tokens" not in sd3["model"]  # kohya's SD3 default 256 is ot_dist's
+    flux, text, _ = imported(tmp_path, common + 'network_module = "networks.lora_flux"\nt5xxl_max_token_length = 256\n',
+                             "--script", "flux_train_network.py")
+    assert flux["model"]["t5_max_tokens"] == 256 and "t5xxl_max_token_length:" not in text.split("NOT HONOURED")[-1]
+
+
+def test_sd3_window_with_a_training_shift_is_listed(tmp_path):
+    """sd3_train_network.py spreads the shifted draw over [min_timestep, max_timestep); ot_dist shifts the time inside
+    its window: with both, the noise levels differ and the import says so."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + 'network_module = "networks.lora_sd3"\nmax_timestep = 500\n'
+    _, _, err = imported(tmp_path, common + "training_shift = 3.0\n", "--script", "sd3_train_network.py")
+    assert "min_timestep / max_timestep with training_shift 3.0" in err
+    config, _, err = imported(tmp_path, common, "--script", "sd3_train_network.py")
+    assert config["loss"]["max_timestep"] == 499 and "training_shift" not in err
+
+
+def test_flux_sigma_weighting_applies_only_to_a_sigma_scaled_prediction(tmp_path):
+    """flux_train_network.py weighs the loss by weighting_scheme sigma_sqrt / cosmap only with model_prediction_type
+    sigma_scaled; with raw it draws u uniformly and weighs nothing, which ot_dist reproduces: nothing listed."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + 'network_module = "networks.lora_flux"\nweighting_scheme = "sigma_sqrt"\n'
+    raw, _, err = imported(tmp_path, common + 'model_prediction_type = "raw"\n', "--script", "flux_train_network.py")
+    assert raw["loss"] == {"timestep_distribution": "uniform", "timestep_shift": 3.0} and "weighting_scheme" not in err
+    _, _, err = imported(tmp_path, common, "--script", "flux_train_network.py")
+    assert "weighting_scheme: sigma_sqrt weighs the loss" in err and "model_prediction_type: sigma_scaled" in err
+
+
 def test_loss_type_and_huber_schedule(tmp_path):
     """kohya's conditional_loss: l1 is mae_strength; huber / smooth_l1 the pseudo-Huber with its threshold schedule
     (huber_scale only where the schedule reads it); its Flux / SD3 scripts stop on the snr schedule (the default),

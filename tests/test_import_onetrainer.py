@@ -862,6 +862,16 @@ def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
                for note in import_onetrainer(tmp_path / "ot.json").notes)
 
 
+@pytest.mark.parametrize("settings,tokens", [
+    ({"model_type": "FLUX_DEV_1"}, 77),  # text_encoder_2_sequence_length's default
+    ({"model_type": "FLUX_DEV_1", "text_encoder_2_sequence_length": 512}, None),  # ot_dist's default
+    ({"model_type": "STABLE_DIFFUSION_3"}, 77),  # StableDiffusion3Model pads T5 to 77, ot_dist to 256
+    ({"model_type": "CHROMA_1"}, None)])  # the tokenizer's 512, as ot_dist
+def test_the_t5_caption_length_is_onetrainers(tmp_path, settings, tokens):
+    config, _ = import_only(tmp_path, {"training_method": "LORA", **settings})
+    assert config.model.t5_max_tokens == tokens
+
+
 def test_loss_functions_import_with_their_strengths(tmp_path):
     """OneTrainer's mse / mae / log_cosh / huber strengths (and huber_delta where the Huber term is on) are ot_dist's
     loss options of the same names; all of them 0 (OneTrainer fails on its first step) is listed."""

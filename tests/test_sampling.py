@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,10 @@ def test_samples_at_the_configured_steps_and_the_end_are_logged_to_mlflow(ema_ru
         assert sorted(a.path for a in logged) == [f"samples/step-{step}/{name}" for name in FILES]
     logged = client.download_artifacts(run.info.run_id, f"samples/step-8/{FILES[1]}", str(tmp_path))
     assert Path(logged).read_bytes() == (out / "samples" / "step-8" / FILES[1]).read_bytes()
+    # and per step in the UI's image view (MlflowClient.log_image's layout: images/KEY+step+N+..., / as ~)
+    stepped = sorted(re.match(r"images/(.+)\+step\+(\d+)\+timestamp\+\d+\+[0-9a-f-]{36}\.png$", a.path).groups()
+                     for a in client.list_artifacts(run.info.run_id, "images") if a.path.endswith(".png"))
+    assert stepped == sorted((f"samples~{Path(name).stem}", str(s)) for s in steps for name in FILES)
 
 
 def test_the_samples_come_from_the_ema_weights_or_the_trained_ones(ema_run, tmp_path, monkeypatch):

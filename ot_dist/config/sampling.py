@@ -77,7 +77,7 @@ class SamplingConfig(Section):
     when the EMA is on, unless use_ema is false), with LoRA adapters / embeddings active. Under sharded
     strategies the full weights are gathered once per sampling point and the prompts are spread over the
     ranks (prompt i on rank i mod world size). Images go to output_dir/samples/step-N/I-PROMPT.png and to
-    the MLflow run's artifacts (samples/step-N/). Sampling leaves the training random stream alone: a run
+    the MLflow run's artifacts (samples/step-N/, and per step in its image view, key samples/I-PROMPT). Sampling leaves the training random stream alone: a run
     with samples has the same losses as one without."""
 
     prompts: list[SamplePrompt] = Field(default_factory=list, description="The sample prompts (see below).")

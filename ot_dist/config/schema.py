@@ -79,6 +79,13 @@ class ModelConfig(Section):
         description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
         "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
     )
+    t5_max_tokens: int | None = Field(
+        default=None, ge=1,
+        description="SD3 / Flux / Chroma: the T5 caption length, padded and truncated to it (the transformer sees every "
+        "padding token of Flux and SD3); null = the family's pipeline default (Flux / Chroma 512, SD3 256). The peers "
+        "differ: OneTrainer's Flux and the diffusers SD3 scripts use 77, kohya's schnell 256. Families without T5 "
+        "ignore it.",
+    )
     text_encoder_layer_skip: int = Field(
         default=0, ge=0,
         description="Clip skip (OneTrainer's text_encoder_layer_skip): take the first text encoder's hidden states "
@@ -687,8 +694,18 @@ class MlflowConfig(Section):
         "else a local store output_dir/mlflow.db (browse: mlflow ui --backend-store-uri sqlite:///OUTPUT_DIR/mlflow.db). "
         "Credentials only through MLflow's environment variables (MLFLOW_TRACKING_USERNAME / _PASSWORD / _TOKEN).",
     )
-    experiment: str = Field(default="ot_dist", min_length=1, description="Experiment name (created if missing).")
+    experiment: str = Field(
+        default="ot_dist", min_length=1,
+        description="Experiment name (created if missing). When the config does not set it, the environment's "
+        "MLFLOW_EXPERIMENT_NAME (as in MLflow), else ot_dist; set here, it wins over the environment.",
+    )
     run_name: str | None = Field(default=None, description="Run name; null = the name of output_dir.")
+    system_metrics: bool | None = Field(
+        default=None,
+        description="Log MLflow's system metrics (system/...: CPU, memory, disk, network; GPU with nvidia-ml-py "
+        "installed) from the sender process, every 10 s (MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL). null = "
+        "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING (or mlflow.enable_system_metrics_logging()) where set, else on.",
+    )
     shutdown_timeout_seconds: float = Field(
         default=30, ge=0, description="At the end, how long a server that answers gets to take what is left; "
         "a server that does not answer gets one last attempt. What is not delivered stays in "

@@ -64,6 +64,8 @@ def text_key(model) -> str:
     digest = hashlib.sha256(f"text {model.family.name}".encode())
     if model.family.layer_skip:  # another layer is another cache (runs without a skip keep their key)
         digest.update(json.dumps(sorted(model.family.layer_skip.items())).encode())
+    if getattr(model.family, "t5_tokens", None):  # another caption length is another cache
+        digest.update(f"t5 {model.family.t5_tokens}".encode())
     for name in model.family.text_encoders:
         module_key(digest, model.text_encoders[name])
     for name in model.family.tokenizers:

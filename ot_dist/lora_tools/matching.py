@@ -1,5 +1,6 @@
 """Which module of a loaded model each name in a LoRA file means, using only what the family declares
-(`lora_file_prefixes`, `lora_file_roots`, `lora_file_module_renames`, `lora_file_kohya_components`): no family is named
+(`lora_file_prefixes`, `lora_file_roots`, `lora_file_module_renames`, `lora_file_kohya_components`,
+`lora_file_component_paths`): no family is named
 here."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ot_dist.errors import InputFileError
-from ot_dist.methods.lora_layouts import KohyaNames, kohya_names
+from ot_dist.methods.lora_layouts import kohya_names, named_components
 
 ADAPTABLE = (torch.nn.Linear, torch.nn.Conv2d)
 
@@ -43,9 +44,10 @@ def module_index(model, layout: str, parts: dict[str, torch.nn.Module] | None = 
             for path, sub in adaptable_modules(module).items():
                 index[names[part].module_name(path)] = Target(part, path, sub)
         return index
+    named = named_components(family)
     for part, module in parts.items():
-        if part in family.lora_file_kohya_components:  # written under kohya-style names (T5-XXL encoders)
-            names = KohyaNames(family.lora_file_kohya_components[part])
+        if part in named:  # written under kohya-style names (T5-XXL encoders) or another program's (Qwen2.5-VL)
+            names = named[part]
             index.update({names.module_name(path): Target(part, path, sub)
                           for path, sub in adaptable_modules(module).items()})
             continue

@@ -12,7 +12,8 @@ have no diffusers LoRA loader (`load_lora_weights`), such as PixArtAlphaPipeline
 
 The file holds `<component>.<module path>.lora_A.weight` / `.lora_B.weight` and, for the components the family
 names kohya-style (`Family.lora_file_kohya_components`, T5-XXL), `<prefix>_<module path with _>.lora_A.weight` /
-`.lora_B.weight` with an `.alpha` tensor. Alpha comes from the `.alpha` tensor, else from diffusers'
+`.lora_B.weight` with an `.alpha` tensor (or by another program's dotted names, `Family.lora_file_component_paths`:
+Qwen-Image's Qwen2.5-VL as ComfyUI names it, also with `.alpha`). Alpha comes from the `.alpha` tensor, else from diffusers'
 `lora_adapter_metadata` (`transformer.lora_alpha`), else alpha = rank, as ComfyUI and diffusers read such a file.
 Each component gets a peft adapter on exactly the file's modules, at the change the file makes.
 """
@@ -31,16 +32,17 @@ def load_peft_lora(pipeline, path: str | Path, adapter_name: str = "default", co
     `components`: only these (default: every component the file changes). `family`: the ot_dist family whose
     LoRA names the file uses (default: the one whose pipeline class the pipeline is)."""
     from ot_dist.lora_tools.files import read_lora_file
+    from ot_dist.methods.lora_layouts import named_components
 
     lora = read_lora_file(path, tool="load_peft_lora")
     if lora.layout != "diffusers":
         raise InputFileError(f"{path}: a kohya-layout LoRA file (lora_down / lora_up); load it with the pipeline's "
                              "load_lora_weights")
     family = family or _family_of(pipeline)
-    named = dict(family.lora_file_kohya_components) if family is not None else {}
+    named = named_components(family) if family is not None else {}
     roots = dict(family.lora_file_roots) if family is not None else {}
     per_component: dict[str, dict[str, object]] = {}
-    resolvers = {component: _kohya_resolver(pipeline, component, prefix, path) for component, prefix in named.items()}
+    resolvers = {component: _resolver(pipeline, component, names) for component, names in named.items()}
     for name, pair in lora.pairs.items():
         component, module_path = _locate(name, resolvers, path)
         per_component.setdefault(component, {})[module_path] = pair
@@ -63,16 +65,14 @@ def _family_of(pipeline):
     return None
 
 
-def _kohya_resolver(pipeline, component: str, prefix: str, path) -> dict[str, str]:
-    """kohya-style file name -> module path, for every Linear of the component."""
+def _resolver(pipeline, component: str, names) -> dict[str, str]:
+    """The family's file name (kohya-style, or another program's dotted one) -> module path, for every Linear of
+    the component."""
     import torch
-
-    from ot_dist.methods.lora_layouts import KohyaNames
 
     module = getattr(pipeline, component, None)
     if module is None:
         return {}
-    names = KohyaNames(prefix)
     return {names.module_name(p): p for p, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
 
 

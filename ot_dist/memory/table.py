@@ -1,5 +1,6 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
-Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B) and Würstchen v2's prior (1 B) under the low-memory
+Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B) and Qwen-Image (20 B)
+under the low-memory
 options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
+from ot_dist.models.families.qwen_image import QwenImage
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
 from ot_dist.models.families.sd import UNET_SHARD_UNITS
 from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
@@ -76,6 +78,21 @@ STAGE_C_LITE = dict(STAGE_C, conditioning_dim=1536, block_out_channels=(1536, 15
 # c 1536, c_cond 1280, c_r 64, depth 32, nhead 24; dropout 0.1, its default) and laion/CLIP-ViT-bigG-14-laion2B-39B-b160k's
 # text model as a CLIPTextModel (no projection); the EfficientNetV2-S image encoder in place of a VAE.
 WUERSTCHEN_V2_PRIOR = dict(c_in=16, c=1536, c_cond=1280, c_r=64, depth=32, nhead=24, dropout=0.1)
+# Qwen/Qwen-Image: its transformer/config.json (diffusers' QwenImageTransformer2DModel defaults are the same), its
+# text_encoder (Qwen/Qwen2.5-VL-7B-Instruct's config: the language model, untied lm_head, and the vision tower, which
+# the pipeline loads though text-only training never runs it) and its VAE (AutoencoderKLQwenImage's defaults).
+QWEN_IMAGE = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+                  num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False, axes_dims_rope=(16, 56, 56))
+QWEN25_VL_7B = dict(
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000, rms_norm_eps=1e-6,
+                     rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]}, tie_word_embeddings=False),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, in_channels=3,
+                       out_hidden_size=3584, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                       window_size=112, fullatt_block_indexes=[7, 15, 23, 31], hidden_act="silu"),
+    vocab_size=152064, tie_word_embeddings=False)
+QWEN_IMAGE_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                      temperal_downsample=[False, True, True])
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -85,19 +102,25 @@ DENOISERS = {
     "Stable Cascade C": ("prior", CASCADE_ATTENTION, StableCascade.shard_units["prior"]),
     "Stable Cascade C lite": ("prior", CASCADE_ATTENTION, StableCascade.shard_units["prior"]),
     "Würstchen v2": ("prior", WuerstchenV2.denoiser_lora_presets["default"], WuerstchenV2.shard_units["prior"]),
+    "Qwen-Image": ("transformer", QwenImage.denoiser_lora_presets["default"], QwenImage.shard_units["transformer"]),
 }
 
 
 def build_components(model: str) -> dict[str, torch.nn.Module]:
-    from diffusers import (AutoencoderKL, FluxTransformer2DModel, SD3Transformer2DModel, StableCascadeUNet,
-                           UNet2DConditionModel)
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+    from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, FluxTransformer2DModel, QwenImageTransformer2DModel,
+                           SD3Transformer2DModel, StableCascadeUNet, UNet2DConditionModel)
+    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, Qwen2_5_VLConfig,
+                              Qwen2_5_VLForConditionalGeneration, T5Config, T5EncoderModel)
 
     from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
 
     from ot_dist.models.efficientnet import EfficientNetEncoder, EffnetConfig
 
     with torch.device("meta"):
+        if model == "Qwen-Image":
+            return {"transformer": QwenImageTransformer2DModel(**QWEN_IMAGE),
+                    "text_encoder": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B)),
+                    "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
         if model == "Würstchen v2":
             return {"prior": WuerstchenPrior(**WUERSTCHEN_V2_PRIOR),
                     "text_encoder": CLIPTextModel(CLIPTextConfig(**OPENCLIP_BIGG)),

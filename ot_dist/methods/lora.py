@@ -116,21 +116,29 @@ class LoraMethod(TrainingMethod):
                          bundle: dict[str, torch.Tensor]) -> None:
         # peft's own key layout (lora_A / lora_B): what diffusers' loader reads natively, together with the
         # adapter config (rank, targets) it finds in the file's metadata; the scale is inside the weights.
-        # Components the family names kohya-style (T5-XXL) go in under those names, with their alpha tensors.
-        from ot_dist.methods.lora_layouts import PEFT_DOWN, PEFT_UP, KohyaNames, to_kohya
+        # Components the family names kohya-style (T5-XXL) go in under those names, with their alpha tensors;
+        # those it names by another program's keys (Qwen2.5-VL: ComfyUI's) under those, their scale inside the
+        # weights as the peft-named ones (an `.alpha` tensor would make diffusers' Qwen-Image loader take the whole
+        # file for a non-diffusers one).
+        from ot_dist.methods.lora_layouts import PEFT_DOWN, PEFT_UP, KohyaNames, named_components, renamed, to_kohya
 
-        named_components = model.family.lora_file_kohya_components
+        names = named_components(model.family)
         named = {}
-        for part in [p for p in states if p in named_components]:
-            named.update(to_kohya(states.pop(part), KohyaNames(named_components[part]), self.config.lora.alpha, dtype,
+        for part in [p for p in states if isinstance(names.get(p), KohyaNames)]:
+            named.update(to_kohya(states.pop(part), names[part], self.config.lora.alpha, dtype,
                                   suffixes=(PEFT_DOWN, PEFT_UP), rank=self.config.lora.rank))
         kwargs = {}
         for part, state in states.items():
             state, metadata = scale_baked_in(state, adapter_configs[part])
+            if part in names:  # another program's names (PathNames): whole paths, no root level to add
+                state = renamed(state, names[part])
             # DoRA's magnitude as the parameter it is (`.lora_magnitude_vector.weight`): transformers' load_adapter
             # (diffusers' text-encoder path) maps only that name onto the parameter and silently skips the bare one
             state = {k + ".weight" if k.endswith(".lora_magnitude_vector") else k: v for k, v in state.items()}
             state = with_dora_scale(state)
+            if part in names:
+                named.update({k: v.detach().to(dtype).contiguous() for k, v in state.items()})
+                continue
             state = with_file_root(state, model.family.lora_file_roots.get(part, ""), model.part(part))
             if isinstance(metadata.get("target_modules"), (set, list, tuple)):
                 # peft keeps them in a set: its order changes with each process's hash seed, and so would the file
@@ -183,7 +191,8 @@ def write_peft_layout(parts: dict, target: Path, named: dict[str, torch.Tensor] 
     """What `save_lora_weights` writes, for a pipeline without it: every component's peft keys under its name
     (`transformer.<module>.lora_A.weight`) and the adapter configs as diffusers' `lora_adapter_metadata`.
 
-    `named`: tensors under kohya-style names with `.alpha` tensors (T5-XXL components), written as they are. A file
+    `named`: tensors under kohya-style names with `.alpha` tensors (T5-XXL components) or under another program's
+    names with the scale inside (Qwen-Image's Qwen2.5-VL as ComfyUI names it), written as they are. A file
     with them carries no `lora_adapter_metadata`: diffusers' loader refuses alpha tensors beside it (peft.py
     `load_lora_adapter`: "Both `network_alphas` and `metadata` cannot be specified"), and without it diffusers takes
     alpha = rank, which is right for the peft-named components, whose scale is inside their up matrices.

@@ -9,7 +9,11 @@
   a family lists in `lora_file_kohya_components` (T5-XXL encoders) are written in the same file under kohya-style
   names instead: `<prefix>_<path with "_">.lora_A.weight` / `.lora_B.weight` and an `.alpha` tensor, the names
   ComfyUI maps for T5-XXL (comfy/lora.py model_lora_keys_clip), keeping peft's suffixes so that diffusers does
-  not take the whole file for a kohya one (its Flux loader then keeps only `transformer.` keys).
+  not take the whole file for a kohya one (its Flux loader then keeps only `transformer.` keys). Components a
+  family lists in `lora_file_component_paths` (Qwen-Image's Qwen2.5-VL) keep dotted names, with the start of each
+  module path replaced by the name another program gives that part (ComfyUI's `text_encoders.qwen25_7b.transformer.
+  model.` for transformers' `model.language_model.`), also with `.alpha` tensors: ComfyUI maps such a text encoder
+  only by its own state-dict keys (comfy/lora.py model_lora_keys_clip: `text_encoders.<key>`).
 
 The converter knows no family. A family declares, as data on its `Family` (ot_dist/models/families/base.py):
 - `lora_file_prefixes`: component -> the name prefix, e.g. SD 1.x {"unet": "lora_unet", "text_encoder": "lora_te"};
@@ -63,6 +67,38 @@ class KohyaNames:
                 break
         full = f"{self.root}.{path}" if self.root else path
         return f"{self.prefix}_{full.replace('.', '_')}"
+
+
+@dataclass(frozen=True)
+class PathNames:
+    """How one component's module paths become dotted names of another program's state dict: the first
+    (path prefix, name prefix) pair whose path prefix starts the path replaces it; other paths keep
+    `<component>.<path>`, the diffusers layout's name."""
+
+    component: str
+    prefixes: tuple[tuple[str, str], ...]
+
+    def module_name(self, path: str) -> str:
+        for old, new in self.prefixes:
+            if path.startswith(old):
+                return new + path[len(old):]
+        return f"{self.component}.{path}"
+
+
+def renamed(peft_state: dict[str, torch.Tensor], names: PathNames) -> dict[str, torch.Tensor]:
+    """A component's peft state dict (`<path><suffix>`) under `names` (`<name><suffix>`), the tensors as they are."""
+    from ot_dist.methods.lora_variants import split_modules
+
+    return {names.module_name(path) + suffix: tensor for path, factors in split_modules(peft_state).items()
+            for suffix, tensor in factors.items()}
+
+
+def named_components(family) -> dict[str, KohyaNames | PathNames]:
+    """Component -> its names, for the components a diffusers-layout file names otherwise than
+    `<component>.<path>`: the family's `lora_file_kohya_components` and `lora_file_component_paths`."""
+    names: dict[str, KohyaNames | PathNames] = {c: KohyaNames(p) for c, p in family.lora_file_kohya_components.items()}
+    names.update({c: PathNames(c, tuple(paths.items())) for c, paths in family.lora_file_component_paths.items()})
+    return names
 
 
 def kohya_names(prefixes: dict[str, str], roots: dict[str, str], modules: dict[str, torch.nn.Module],

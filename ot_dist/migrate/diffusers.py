@@ -14,7 +14,7 @@ embedding, EMA, saves and validation; diffusers_dataset maps the data, diffusers
 from __future__ import annotations
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported, list_unread, local_path, note_local_model, warmup_micro_steps
+from ot_dist.migrate.common import T5_DEFAULTS, Imported, list_unread, local_path, note_local_model, warmup_micro_steps
 from ot_dist.migrate.diffusers_args import DiffusersArgs, read_args
 from ot_dist.migrate.diffusers_dataset import import_dataset
 from ot_dist.migrate.kohya_loss import weighting_scheme
@@ -356,13 +356,15 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
     if args["timestep_bias_strategy"] not in (None, "none"):
         skip(f"timestep_bias_strategy: {args['timestep_bias_strategy']}: the script's timestep bias is not supported")
     if family == "sd3":
-        weighting_scheme(args, loss, skip)  # the scheduler's shift (3.0) is ot_dist's auto
+        weighting_scheme(args, loss, skip, descending=True)  # the scheduler's shift (3.0) is ot_dist's auto
         if args["precondition_outputs"]:
             skip("precondition_outputs: 1 (the script's default): it compares the preconditioned prediction "
                  "(noisy - sigma x prediction) with the latents, which weighs the flow loss by sigma^2; ot_dist "
                  "trains the unweighted flow-matching loss")
-    elif family in UNSHIFTED_FLOW_SCRIPTS:
-        weighting_scheme(args, loss, skip)
+    if family in T5_DEFAULTS and args["max_sequence_length"] != T5_DEFAULTS[family]:
+        c["model"]["t5_max_tokens"] = args["max_sequence_length"]  # the SD3 scripts' and train_dreambooth_flux's 77
+    if family in UNSHIFTED_FLOW_SCRIPTS:
+        weighting_scheme(args, loss, skip, descending=True)  # timesteps[(u x N)] of a table that runs from sigma 1
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
         if family == "flux":
             c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told

@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported, list_unread, local_path, note_local_model
+from ot_dist.migrate.common import T5_DEFAULTS, Imported, list_unread, local_path, note_local_model
 from ot_dist.migrate.kohya_args import KohyaArgs, read_args
 from ot_dist.migrate.kohya_dataset import import_dataset
 from ot_dist.migrate.kohya_embedding import import_embedding
@@ -97,9 +97,14 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
         raise ConfigError(f"--script: {args.script} is not a kohya script ot_dist imports ({', '.join(SCRIPTS)})")
     family, method = SCRIPTS[args.script]
     family = family or ("sd2" if args["v2"] else "sd1")
+    if family == "flux":
+        family = _flux_model_type(args, out)
+    t5_length = _t5_length(args, family, out)
     if args["v2"] and family not in ("sd1", "sd2"):
         out.notes.append(f"v2: {args.script} trains {family}; the flag is ignored, as kohya does")
     c["model"] = {"family": family, "path": _model_path(args, out)}
+    if t5_length:
+        c["model"]["t5_max_tokens"] = t5_length
     if args["v_parameterization"]:
         if family in ("sd1", "sd2", "sdxl"):
             c["model"]["prediction_type"] = "v_prediction"
@@ -132,6 +137,33 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
                          "accelerate / torchrun start ot_dist's processes")
     out.notes.insert(0, f"imported from kohya sd-scripts' {args.script} arguments")
     return out
+
+
+def _flux_model_type(args: KohyaArgs, out: Imported) -> str:
+    """flux_train_network.py trains Chroma with model_type chroma (T5 only, with its attention mask, which kohya
+    requires there and ot_dist's Chroma always applies); Flux.1 ignores apply_t5_attn_mask in ot_dist."""
+    model_type, mask = args["model_type"], args["apply_t5_attn_mask"]
+    if model_type not in ("flux", "chroma"):
+        raise ConfigError(f"model_type: {model_type} is not one of kohya's (flux, chroma)")
+    if model_type == "flux" and mask:
+        out.not_honoured.append("apply_t5_attn_mask: True: ot_dist's Flux.1 attends to T5's padding tokens, as "
+                                "FluxPipeline and diffusers' FluxTransformer2DModel do (no text attention mask)")
+    if model_type == "chroma" and not mask:
+        out.notes.append("apply_t5_attn_mask: False: kohya refuses to train Chroma without it; ot_dist's Chroma masks "
+                         "T5's padding (its first padding token stays visible, as kohya's attn_padding 1)")
+    return model_type
+
+
+def _t5_length(args: KohyaArgs, family: str, out: Imported) -> int | None:
+    """t5xxl_max_token_length, where it is not ot_dist's default (Flux / Chroma 512, SD3 256). Unset, kohya takes
+    512 for Flux.1 dev and Chroma, 256 for schnell (which it tells by the checkpoint's weights), 256 for SD3."""
+    length = args["t5xxl_max_token_length"]
+    if family not in T5_DEFAULTS:
+        return None
+    if length is None and family == "flux":
+        out.notes.append("t5xxl_max_token_length: unset: kohya pads T5 to 512 tokens for Flux.1 dev (ot_dist's "
+                         "default) and to 256 for schnell: for schnell set model.t5_max_tokens: 256")
+    return length if length is not None and length != T5_DEFAULTS[family] else None
 
 
 def _model_path(args: KohyaArgs, out: Imported) -> str:

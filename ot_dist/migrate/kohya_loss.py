@@ -9,7 +9,7 @@ from __future__ import annotations
 from ot_dist.migrate.common import Imported
 from ot_dist.migrate.kohya_args import KohyaArgs
 
-FLOW = ("flux", "sd3")
+FLOW = ("flux", "chroma", "sd3")
 
 
 def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
@@ -123,8 +123,8 @@ def _timestep_range(args: KohyaArgs, loss: dict) -> None:
 def _flow(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
     if args["zero_terminal_snr"]:
         skip(f"zero_terminal_snr: {family} trains flow matching, which ends in pure noise already")
-    if family == "flux":
-        _flux(args, c, loss, skip)
+    if family in ("flux", "chroma"):
+        _flux(args, c, family, loss, skip)
         for key in ("min_timestep", "max_timestep"):
             if args[key] is not None:
                 skip(f"{key}: {args[key]}: kohya's flux training ignores it (timestep_sampling decides)")
@@ -132,14 +132,22 @@ def _flow(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
         _sd3(args, loss, skip)
 
 
-def _flux(args: KohyaArgs, c: dict, loss: dict, skip) -> None:
+def _flux(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
     """flux_train_network.py: sigma (default: the scheduler's 1000 steps, shifted by discrete_flow_shift, drawn by
     weighting_scheme), uniform, sigmoid (sigmoid of N(0, sigmoid_scale)), shift (that, shifted by discrete_flow_shift)
     or flux_shift (that, shifted by the resolution as Flux's scheduler does)."""
-    c["model"]["guidance_scale"] = args["guidance_scale"]  # kohya shows the transformer 3.5 unless told (ot_dist: 1)
+    if family == "flux":
+        c["model"]["guidance_scale"] = args["guidance_scale"]  # kohya shows the transformer 3.5 unless told (ot_dist: 1)
+    elif args["guidance_scale"]:  # kohya's docs: Chroma trains with guidance_scale 0.0
+        skip(f"guidance_scale: {args['guidance_scale']}: kohya feeds it to Chroma's modulation approximator; "
+             "diffusers' ChromaTransformer2DModel (ot_dist) feeds 0, what kohya's guidance_scale 0.0 does")
     sampling, scale, shift = args["timestep_sampling"], args["sigmoid_scale"], args["discrete_flow_shift"]
-    if sampling == "sigma":
-        weighting_scheme(args, loss, skip)
+    prediction = args["model_prediction_type"]
+    if sampling == "sigma" and prediction == "raw" and args["weighting_scheme"] in ("sigma_sqrt", "cosmap"):
+        # kohya weighs the loss by them with sigma_scaled only (apply_model_prediction_type); raw: uniform, unweighted
+        loss |= {"timestep_distribution": "uniform", "timestep_shift": shift}
+    elif sampling == "sigma":
+        weighting_scheme(args, loss, skip, descending=True)  # the scheduler's timesteps[(u x 1000)]
         loss["timestep_shift"] = shift
     elif sampling == "uniform":
         loss |= {"timestep_distribution": "uniform", "timestep_shift": 1.0}
@@ -151,7 +159,6 @@ def _flux(args: KohyaArgs, c: dict, loss: dict, skip) -> None:
             loss["timestep_shift"] = shift if sampling == "shift" else 1.0
     else:
         skip(f"timestep_sampling: {sampling} is not one of kohya's (sigma, uniform, sigmoid, shift, flux_shift)")
-    prediction = args["model_prediction_type"]
     if prediction != "raw":
         skip(f"model_prediction_type: {prediction}: kohya compares "
              f"{'noisy input - sigma x prediction' if prediction == 'sigma_scaled' else 'noisy input + prediction'} "
@@ -168,17 +175,26 @@ def _sd3(args: KohyaArgs, loss: dict, skip) -> None:
     loss["timestep_shift"] = args["training_shift"]
     if args["min_timestep"] or args["max_timestep"] is not None:
         _timestep_range(args, loss)
+        if args["training_shift"] != 1.0:  # kohya: t = min + (max - min) x shifted u; ot_dist shifts t in the window
+            skip(f"min_timestep / max_timestep with training_shift {args['training_shift']}: kohya shifts the draw "
+                 "before spreading it over the window, ot_dist shifts the time in the window (the noise levels "
+                 "differ inside the window; its ends are the same)")
 
 
-def weighting_scheme(args: KohyaArgs, loss: dict, skip) -> None:
+def weighting_scheme(args: KohyaArgs, loss: dict, skip, descending: bool = False) -> None:
     """diffusers' compute_density_for_timestep_sampling (kohya's copy; `ot-dist import diffusers` reads the diffusers
     scripts' own arguments of the same names through it): the draw; sigma_sqrt and cosmap weight the
-    loss instead (compute_loss_weighting_for_sd3)."""
+    loss instead (compute_loss_weighting_for_sd3).
+    `descending`: the script picks the scheduler's timesteps[(u x N)], which run from sigma 1 down, so its noise level
+    is about 1 - u (kohya's flux timestep_sampling sigma, the diffusers Flux / SD3 scripts); kohya's sd3 training
+    uses u itself. ot_dist's sigma grows with u: a logit_mean m there is -m here (uniform and mode are symmetric
+    about 1/2)."""
     scheme = args["weighting_scheme"]
     if scheme in ("uniform", "none"):
         loss["timestep_distribution"] = "uniform"
     elif scheme == "logit_normal":
-        loss |= {"timestep_distribution": "logit_normal", "logit_normal_mean": args["logit_mean"],
+        mean = args["logit_mean"]
+        loss |= {"timestep_distribution": "logit_normal", "logit_normal_mean": -mean if descending and mean else mean,
                  "logit_normal_std": args["logit_std"]}
     elif scheme == "mode":  # 1 - u - s (cos^2(pi u / 2) - 1 + u): ot_dist's heavy_tail with noising_weight s
         loss |= {"timestep_distribution": "heavy_tail", "noising_weight": args["mode_scale"]}

@@ -15,7 +15,7 @@ from ot_dist.migrate.common import Imported
 from ot_dist.migrate.kohya_args import KohyaArgs
 from ot_dist.models.families.registry import get_family
 
-PLAIN = {"networks.lora": ("sd1", "sd2", "sdxl"), "networks.lora_flux": ("flux",), "networks.lora_sd3": ("sd3",)}
+PLAIN = {"networks.lora": ("sd1", "sd2", "sdxl"), "networks.lora_flux": ("flux", "chroma"), "networks.lora_sd3": ("sd3",)}
 LYCORIS_ALGOS = {"lora": "lora", "locon": "lora", "loha": "loha", "lokr": "lokr"}
 # The UNet modules kohya's conv_dim adds (ResnetBlock2D, Downsample2D, Upsample2D): 1x1 / linear ones and 3x3 ones.
 RESNET_LINEAR = ("time_emb_proj", "conv_shortcut")
@@ -31,8 +31,8 @@ LYCORIS_PRESETS = ("full", "full-lin", "attn-mlp", "attn-only")
 # The encoders kohya's scripts adapt besides the denoiser (by ot_dist part), and the T5 that network_args
 # train_t5xxl adds.
 TEXT_ENCODERS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2"),
-                 "flux": ("text_encoder",), "sd3": ("text_encoder", "text_encoder_2")}
-T5 = {"flux": "text_encoder_2", "sd3": "text_encoder_3"}
+                 "flux": ("text_encoder",), "chroma": (), "sd3": ("text_encoder", "text_encoder_2")}
+T5 = {"flux": "text_encoder_2", "chroma": "text_encoder", "sd3": "text_encoder_3"}  # Chroma has no CLIP-L
 
 
 def network_args(args: KohyaArgs) -> dict[str, str]:

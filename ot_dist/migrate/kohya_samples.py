@@ -80,7 +80,7 @@ def import_samples(args: KohyaArgs, c: dict, prompts_path: str | None, out: Impo
         sampling["every_n_epochs"] = every_epochs  # kohya: the epochs win over the steps
     elif every_steps:
         sampling["every_n_steps"] = every_steps
-    if family in ("flux", "sd3"):
+    if family in ("flux", "chroma", "sd3"):
         if args.given("sample_sampler"):
             out.notes.append(f"sample_sampler: {sampler}: kohya's {family} samples with its own flow-matching Euler "
                              "sampler, as ot_dist's flow_euler")
@@ -93,7 +93,7 @@ def import_samples(args: KohyaArgs, c: dict, prompts_path: str | None, out: Impo
         own = prompt.pop("_sampler", None)
         if own is None:
             continue
-        if family in ("flux", "sd3"):
+        if family in ("flux", "chroma", "sd3"):
             out.notes.append(f"sampling.prompts[{i}] --ss {own}: kohya's {family} samples with its flow-matching "
                              "Euler sampler, as ot_dist's flow_euler")
         elif own in SAMPLERS:
@@ -109,14 +109,16 @@ def _prompt(raw: dict, family: str, label: str, out: Imported) -> dict | None:
         skip(f"{label}: an empty prompt is not sampled by ot_dist")
         return None
     flux = family == "flux"
-    grid = 16 if flux else 8
+    grid = 16 if family in ("flux", "chroma") else 8
     width, height = (max(64, int(raw.get(k, 512)) - int(raw.get(k, 512)) % grid) for k in ("width", "height"))
     prompt = {"prompt": str(raw["prompt"]), "width": width, "height": height,
-              "steps": int(raw.get("sample_steps", 20 if flux else 30))}
+              "steps": int(raw.get("sample_steps", 20 if family in ("flux", "chroma") else 30))}
     if flux:  # Flux: --g is the distilled guidance ot_dist's guidance_scale is; kohya's true CFG --l stays 1
         prompt["guidance_scale"] = float(raw.get("guidance_scale", 3.5))
         if float(raw.get("scale", 1.0)) != 1.0:
             skip(f"{label} --l {raw['scale']}: true classifier-free guidance on Flux is not supported")
+    elif family == "chroma":  # kohya's Flux sampler: true CFG --l (default 1.0), as ChromaPipeline's guidance_scale
+        prompt["guidance_scale"] = float(raw.get("scale", 1.0))
     else:
         prompt["guidance_scale"] = float(raw.get("scale", 7.5))
     if raw.get("negative_prompt"):

@@ -18,7 +18,7 @@ from pathlib import Path, PureWindowsPath
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_checkpoint import import_checkpoint
-from ot_dist.migrate.common import Imported, is_windows_path, local_path, note_local_model, read_json
+from ot_dist.migrate.common import T5_DEFAULTS, Imported, is_windows_path, local_path, note_local_model, read_json
 from ot_dist.migrate.onetrainer_concepts import import_concepts, import_latent_caching
 from ot_dist.migrate.onetrainer_embeddings import import_additional_embeddings
 from ot_dist.migrate.onetrainer_layers import import_layer_filter, import_text_encoder_layers
@@ -90,6 +90,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
 
     import_parts(ot, c, family, method, skip)
     _layer_skip(ot, c, family, skip)
+    _t5_length(ot, c, family)
     if family in ("stable_cascade", "wuerstchen_v2") and (ot.get("decoder") or {}).get("model_name"):
         c["model"]["decoder"] = local_path(ot["decoder"]["model_name"], "decoder.model_name", out)
     import_optimizer(ot, c, skip)
@@ -189,6 +190,14 @@ def _dtype(ot: dict, key: str, skip) -> str | None:
         skip(f"{key}: FLOAT_8 is a storage dtype in ot_dist (weight_dtype), not a {key}; the default is used")
         return None
     return DTYPES[value]
+
+
+def _t5_length(ot: dict, c: dict, family: str) -> None:
+    """OneTrainer pads Flux's T5 tokens to text_encoder_2_sequence_length (default 77) and SD3's to 77 (fixed);
+    Chroma's to its tokenizer's length, ot_dist's default too."""
+    length = (ot.get("text_encoder_2_sequence_length") or 77) if family == "flux" else 77 if family == "sd3" else None
+    if length is not None and length != T5_DEFAULTS[family]:
+        c["model"]["t5_max_tokens"] = length
 
 
 def _layer_skip(ot: dict, c: dict, family: str, skip) -> None:

@@ -18,8 +18,11 @@ from ot_dist.memory.table import (DENOISERS, GIB, SETUPS, ModelSizes, Setup, bui
 # bench's measured peaks, which these must stay above).
 # Stable Cascade's prior runs on 24 x 24 latents at 1024 px (576 positions): small activations for its width;
 # Würstchen v2's prior on the same latents, with the lite prior's width (1536) and block count (32 x 3).
+# Qwen-Image: Flux.1 dev's width (24 heads x 128) over the same 4096 image tokens at 1024 px and a caption trimmed
+# to the batch's longest, in 60 blocks that each keep both streams (Flux: 19 of them, then 38 single-stream ones):
+# Flux's estimate and half a GiB for the wider blocks' recompute.
 ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev": 6.0, "Stable Cascade C": 3.0,
-                   "Stable Cascade C lite": 2.0, "Würstchen v2": 2.0}
+                   "Stable Cascade C lite": 2.0, "Würstchen v2": 2.0, "Qwen-Image": 6.5}
 NO_CHECKPOINTING_FACTOR = 4
 
 

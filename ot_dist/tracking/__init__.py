@@ -39,12 +39,37 @@ def tracking_uri(config: TrainConfig) -> str:
     return uri
 
 
+def experiment_name(config: TrainConfig) -> str:
+    """mlflow.experiment where the config sets it, else MLFLOW_EXPERIMENT_NAME (as MLflow's own runs take it), else
+    the default (ot_dist)."""
+    if "experiment" in config.mlflow.model_fields_set:
+        return config.mlflow.experiment
+    return os.environ.get("MLFLOW_EXPERIMENT_NAME") or config.mlflow.experiment
+
+
+def system_metrics_enabled(config: TrainConfig) -> bool:
+    """mlflow.system_metrics where set, else MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING (what
+    mlflow.enable_system_metrics_logging() sets) where set, else on: a training run's GPU and CPU load is what
+    one looks for first when it is slow, and sampling it costs the training process nothing (the sender does it)."""
+    if config.mlflow.system_metrics is not None:
+        return config.mlflow.system_metrics
+    value = os.environ.get("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "").strip().lower()
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0"):
+        return False
+    if value:
+        raise ConfigError(f"MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING={value!r}: MLflow takes true, false, 1 or 0")
+    return True
+
+
 def start_sender(config: TrainConfig, is_main: bool, log=print) -> SenderProcess | None:
     """Start the MLflow sender process of this run now, on the main rank (None elsewhere, or when
     tracking is off): its seconds of imports and store setup then overlap the model load."""
     if not config.mlflow.enabled:
         return None
     uri = tracking_uri(config)  # every rank checks, so a bad URI stops every rank alike
+    system_metrics = system_metrics_enabled(config)  # (a bad MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING too)
     if not is_main:
         return None
     if importlib.util.find_spec("mlflow") is None:
@@ -53,7 +78,8 @@ def start_sender(config: TrainConfig, is_main: bool, log=print) -> SenderProcess
         return None
     from ot_dist.tracking.mlflow_tracker import SenderProcess, outbox_path
 
-    return SenderProcess(outbox_path(Path(config.output_dir).resolve()), uri, config.mlflow.shutdown_timeout_seconds)
+    return SenderProcess(outbox_path(Path(config.output_dir).resolve()), uri, config.mlflow.shutdown_timeout_seconds,
+                         system_metrics=system_metrics)
 
 
 def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: str | None = None,
@@ -74,7 +100,7 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
     callers_run = None if run_id is not None else os.environ.get("MLFLOW_RUN_ID") or None
     tracker = MlflowTracker(
         sender.uri,
-        config.mlflow.experiment,
+        experiment_name(config),
         config.mlflow.run_name or output_dir.name,
         sender.outbox,
         run_id=run_id or callers_run,
@@ -84,12 +110,13 @@ def start_tracking(config: TrainConfig, is_main: bool, world_size: int, run_id: 
         sender=sender,
     )
     config_yaml = config_text(config)
+    params = {**flat_params(config), "mlflow.experiment": experiment_name(config)}  # the one the run went to
     if run_id is None:
-        tracker.log_params(flat_params(config))
+        tracker.log_params(params)
         tracker.log_text(config_yaml, "config.yaml")
     else:
         # a resumed run has them (and MLflow params never change), unless it is not in the store any more
-        tracker.log_params(flat_params(config), new_run_only=True)
+        tracker.log_params(params, new_run_only=True)
         at = step_offset if resumed_at_step is None else resumed_at_step
         tracker.log_text(config_yaml, f"config-resumed-at-step-{at}.yaml")
     tags = run_tags(config, world_size)

@@ -27,6 +27,10 @@ class Tracker:
         """A file (e.g. a sample image) as the artifact `<artifact_dir>/<its name>`; the file must stay on
         disk until the run is closed (it is sent in the background)."""
 
+    def log_image(self, local_path, key: str, step: int) -> None:
+        """A PNG the run wrote (a sample) as the image `key` at optimizer step `step`, shown per step in MLflow's image
+        view (as MlflowClient.log_image(key=, step=) logs it); the file must stay on disk until the run is closed."""
+
     def log_dict(self, data: dict, artifact_file: str) -> None:
         """A dict as a YAML (.yaml / .yml) or JSON artifact, e.g. the bucket report."""
         if artifact_file.endswith((".yaml", ".yml")):

@@ -48,6 +48,38 @@ def artifacts_next_to(uri: str) -> str | None:
     return None
 
 
+def stepped_image_name(run_id: str, key: str, step: int, timestamp_ms: int) -> str:
+    """The name (without suffix) MlflowClient.log_image(key=, step=) gives an image under images/, which the UI's
+    image view parses for key and step (mlflow/tracking/client.py, MLflow 3.17), but with a uuid derived from the
+    image's run, key, step and time instead of a random one: a request sent again (after an outage cut it short, or
+    a replay) writes the same files again instead of a second copy of the image."""
+    import uuid
+
+    name_uuid = uuid.uuid5(uuid.NAMESPACE_URL, f"ot_dist:{run_id}/{key}/{step}/{timestamp_ms}")
+    return f"{key.replace('/', '~')}+step+{step}+timestamp+{timestamp_ms}+{name_uuid}"
+
+
+def log_stepped_image(client, run_id: str, record: dict) -> None:
+    """What MlflowClient.log_image(run_id, image, key=, step=, timestamp=) writes (the full image as PNG, a small
+    WebP the UI shows, the run's mlflow.loggedImages tag), from the PNG file the run wrote; done here, in the
+    sender, so that the training process only appends the file's path."""
+    import shutil
+    import tempfile
+
+    from mlflow.tracking.multimedia import compress_image_size
+    from mlflow.utils.mlflow_tags import MLFLOW_LOGGED_IMAGES
+    from PIL import Image
+
+    name = stepped_image_name(run_id, record["key"], record["step"], record["timestamp_ms"])
+    with Image.open(record["path"]) as image, tempfile.TemporaryDirectory() as tmp:
+        full, small = Path(tmp) / f"{name}.png", Path(tmp) / f"{name}+compressed.webp"
+        shutil.copyfile(record["path"], full)  # the run's PNG as it is (log_image would encode it again)
+        compress_image_size(image).save(small)
+        client.log_artifact(run_id, str(full), "images")
+        client.log_artifact(run_id, str(small), "images")
+    client.set_tag(run_id, MLFLOW_LOGGED_IMAGES, True)
+
+
 class Delivery:
     def __init__(self, path: Path, uri: str, notify=print):
         import logging
@@ -122,6 +154,8 @@ class Delivery:
             self.client.log_text(self.run_id, first["text"], first["file"])
         elif kind == "file":
             self.client.log_artifact(self.run_id, first["path"], first["dir"])
+        elif kind == "image":
+            log_stepped_image(self.client, self.run_id, first)
         elif kind == "end":
             self.client.set_terminated(self.run_id, first["status"])
             self.ended = True

@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from ot_dist.tracking.base import Tracker
+from ot_dist.tracking.base import Tracker, metric_name
 from ot_dist.tracking.outbox import OUTBOX_FOLDER, OutboxWriter, read_records, read_sent, refused_path, summary
 
 # MLflow's HTTP client retries each request up to 7 times with backoff (minutes in all) and waits
@@ -33,12 +33,14 @@ class SenderProcess:
     """The sender process of one outbox, and what it reports (read by a thread of ours that only
     waits on the pipe)."""
 
-    def __init__(self, outbox: Path, uri: str, shutdown_timeout: float):
+    def __init__(self, outbox: Path, uri: str, shutdown_timeout: float, system_metrics: bool = False):
+        """`system_metrics`: the sender also samples and logs MLflow's system metrics (system/...)."""
         self.outbox, self.uri = outbox, uri
         env = {**HTTP_DEFAULTS, **os.environ}  # a user's own setting wins
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "ot_dist.tracking.sender", str(outbox), uri, str(shutdown_timeout)],
+            [sys.executable, "-m", "ot_dist.tracking.sender", str(outbox), uri, str(shutdown_timeout),
+             *(["--system-metrics"] if system_metrics else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, bufsize=1,
         )
         self.run_id: str | None = None
@@ -98,14 +100,15 @@ def outbox_path(output_dir: Path) -> Path:
 class MlflowTracker(Tracker):
     def __init__(self, uri: str, experiment: str, run_name: str | None, outbox: Path, run_id: str | None = None,
                  step_offset: int = 0, artifact_location: str | None = None, shutdown_timeout: float = 30.0,
-                 sender: SenderProcess | None = None):
+                 sender: SenderProcess | None = None, system_metrics: bool = False):
         """`artifact_location`: for a new experiment (None: the server's default). `sender`: one started
-        earlier for `outbox` (its imports then overlap the model load), else it starts now."""
+        earlier for `outbox` (its imports then overlap the model load), else it starts now (with MLflow's system
+        metrics when `system_metrics`)."""
         self.uri, self.step_offset, self.shutdown_timeout = uri, step_offset, shutdown_timeout
         self.outbox = OutboxWriter(outbox)
         self.outbox.add({"kind": "run", "uri": uri, "experiment": experiment, "run_name": run_name, "run_id": run_id,
                          "artifact_location": artifact_location})
-        self.sender = sender or SenderProcess(outbox, uri, shutdown_timeout)
+        self.sender = sender or SenderProcess(outbox, uri, shutdown_timeout, system_metrics)
         self._resumed_run_id = run_id
         self._closed = False
         atexit.register(self.close_failed)
@@ -141,6 +144,12 @@ class MlflowTracker(Tracker):
     def log_artifact(self, local_path, artifact_dir: str) -> None:
         """A file the run wrote (a sample image): sent by path, so it must stay where it is."""
         self.outbox.add({"kind": "file", "path": str(Path(local_path).resolve()), "dir": artifact_dir})
+
+    def log_image(self, local_path, key: str, step: int) -> None:
+        """Only the file's path goes in the outbox: the sender makes the UI's small copy and uploads both, so a large
+        image costs the step nothing."""
+        self.outbox.add({"kind": "image", "path": str(Path(local_path).resolve()), "key": metric_name(key),
+                         "step": step + self.step_offset, "timestamp_ms": int(time.time() * 1000)})
 
     def take_notices(self) -> list[str]:
         notices = []

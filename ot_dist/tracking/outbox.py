@@ -6,7 +6,8 @@ delivers the rest later: nothing logged is lost with the server, nor with the se
 
 Records, by "kind": "run" (the first line: where the run goes), "metrics" (one step's values),
 "params", "tags", "text" (a text artifact), "file" (a file artifact by its path, e.g. a sample image
-the run wrote under output_dir), "end" (the run's final status). Plain JSON and the
+the run wrote under output_dir), "image" (a PNG the run wrote, by its path, shown per step in MLflow's image view:
+key, step, timestamp_ms), "end" (the run's final status). Plain JSON and the
 standard library only: the sender imports this before MLflow, the training process never imports
 MLflow at all."""
 
@@ -118,7 +119,9 @@ def summary(records: list[Record]) -> str:
             counts[kind] += len(record["values"])
         elif kind in ("text", "file"):
             counts["artifacts"] += 1
-    names = {"metrics": "metric points", "params": "params", "tags": "tags", "artifacts": "artifacts"}
+        elif kind == "image":
+            counts["images"] += 1
+    names = {"metrics": "metric points", "params": "params", "tags": "tags", "artifacts": "artifacts", "images": "images"}
     return ", ".join(f"{counts[k]} {name}" for k, name in names.items() if counts[k]) or "nothing"
 
 

@@ -73,8 +73,10 @@ def read_commands() -> queue.SimpleQueue:
 
 
 class Sender:
-    def __init__(self, path: Path, uri: str, timeout_without_trainer: float):
+    def __init__(self, path: Path, uri: str, timeout_without_trainer: float, system_metrics: bool = False):
         self.path, self.uri = path, uri
+        self.system_metrics = system_metrics  # sample MLflow's system metrics once the run exists
+        self.system = None  # the SystemMetrics sampling them
         self.timeout_without_trainer = timeout_without_trainer
         self.delivery = None
         self.pending: list = []  # entries read from the outbox, not yet delivered
@@ -124,9 +126,34 @@ class Sender:
                 emit(run_id=self.delivery.run_id)
             if self.delivery.offset != sent:
                 emit(sent=self.delivery.offset)
+        self._system_metrics(closing=deadline is not None)
         if self.error is not None:
             emit(back=True, notice=f"MLflow: {self.uri} answers again; the kept values were sent")
             self.error = None
+
+    def _system_metrics(self, closing: bool) -> None:
+        """Start sampling once the run exists (not for a run that already ended: a replay's), send what was sampled;
+        at the close, the sampling stops and the last samples go."""
+        from ot_dist.tracking.system_metrics import SystemMetrics
+
+        run_id = self.delivery.run_id
+        if self.system is None and self.system_metrics and run_id is not None and not self.delivery.ended \
+                and not closing:
+            self.system = SystemMetrics(run_id, self.uri, resumed=not self.delivery.new_run,
+                                        notify=lambda text: emit(notice=text))
+        if self.system is not None:
+            if closing:
+                self.system.stop()
+            try:
+                self.system.deliver(self.delivery.client, run_id)
+            except Exception as err:  # noqa: BLE001
+                from ot_dist.tracking.delivery import describe, refused
+
+                if not refused(err):
+                    raise  # the server went away: they are sent when it is back
+                self.system.stop()  # sending them again cannot help: none are sampled any more
+                self.system, self.system_metrics = None, False
+                emit(notice=f"MLflow: {self.uri} refused the system metrics, they are not logged: {describe(err)}")
 
     def _failed(self, err: Exception) -> None:
         from ot_dist.tracking.delivery import RunRefused, describe
@@ -173,8 +200,8 @@ def main(argv: list[str]) -> None:
     # What MLflow prints ("View run ... at ...") goes nowhere: not into the events, and no failure
     # when the training process is gone.
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    path, uri, timeout = argv
-    Sender(Path(path), uri, float(timeout)).run()
+    path, uri, timeout, *options = argv
+    Sender(Path(path), uri, float(timeout), system_metrics="--system-metrics" in options).run()
     # Done, and the training process may be waiting on this: skip MLflow's exit handlers (a second).
     try:
         EVENTS.flush()

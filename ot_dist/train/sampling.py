@@ -125,6 +125,7 @@ class Sampler:
             path = folder / f"{i}-{slug(prompts[i].prompt)}{weight_sets[s][1]}.png"
             path.write_bytes(data)
             trainer.tracker.log_artifact(path, f"samples/step-{step}")
+            trainer.tracker.log_image(path, f"samples/{path.stem}", step)  # the UI's image view, per step
             written.append(path)
         names = " and ".join("EMA" if weights == "ema" else "trained" for weights, _ in weight_sets)
         trainer.log(f"samples at step {step} ({names} weights): {len(written)} images in "

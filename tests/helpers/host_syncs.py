@@ -144,6 +144,7 @@ def count_trainer_syncs(trainer) -> tuple[SyncCounter, object]:
                 return
             counter.host(*(v for v in batch.values() if isinstance(v, torch.Tensor)))
             counter.host(*(t for v in batch.values() if isinstance(v, (list, tuple)) for t in v))
+            counter.host(*(t for v in batch.values() if isinstance(v, dict) for t in v.values()))  # token_ids
             yield batch
 
     def in_phase(phase, function):

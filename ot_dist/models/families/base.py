@@ -310,6 +310,10 @@ class Family:
     # `.alpha` tensor). ComfyUI maps T5-XXL LoRA modules only by such names (comfy/lora.py model_lora_keys_clip:
     # `lora_te{N}_<T5 path>`, N counting the CLIP encoders the model has), never as `text_encoder_2.<path>`.
     lora_file_kohya_components: dict[str, str] = {}
+    # Per component, in a diffusers-layout file: {module path prefix: the name prefix written instead} (dotted names,
+    # peft's suffixes and an `.alpha` tensor); paths under no listed prefix keep `<component>.<path>`. For text encoders
+    # that ComfyUI maps only by its own state-dict keys (comfy/lora.py model_lora_keys_clip: `text_encoders.<key>`).
+    lora_file_component_paths: dict[str, dict[str, str]] = {}
     # Other trainers' names, read by `ot-dist lora merge` and `lora.init_from` (ot_dist/lora_tools/foreign.py):
     # per component, prefixes naming its modules by their diffusers path with "_" for "." (OneTrainer's
     # `lora_transformer_`, `lora_te2_` for Flux's T5); the component's `lora_file_roots` level applies.

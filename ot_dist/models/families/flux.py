@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+import copy
+
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.families.full_checkpoint import DENOISER_PREFIX, FullCheckpoint
 from ot_dist.models.objectives import FlowMatching
@@ -26,6 +28,16 @@ CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
 T5_SHARD_UNITS = ("encoder.block",)
 TRANSFORMER_SHARD_UNITS = ("transformer_blocks", "single_transformer_blocks")
 T5_MAX_TOKENS = 512  # what FluxPipeline / ChromaPipeline use by default
+
+
+def with_t5_tokens(family, model_config):
+    """`family` with model.t5_max_tokens applied (a copy when it differs: family instances are shared)."""
+    tokens = getattr(model_config, "t5_max_tokens", None)
+    if tokens == family.t5_tokens:
+        return family
+    family = copy.copy(family)
+    family.t5_tokens = tokens
+    return family
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -71,9 +83,14 @@ class FlowTransformerFamily(Family):
     def objective_kind(self) -> str:
         return "flow"
 
+    t5_tokens: int | None = None  # model.t5_max_tokens; None: T5_MAX_TOKENS
+
+    def configure(self, model_config) -> "FlowTransformerFamily":
+        return with_t5_tokens(super().configure(model_config), model_config)
+
     def max_tokens(self, tokenizer_name, tokenizer) -> int:
         if tokenizer_name == self.t5_tokenizer:  # bounded by the tokenizer (a tiny test T5 has 32)
-            return min(T5_MAX_TOKENS, tokenizer.model_max_length)
+            return min(self.t5_tokens or T5_MAX_TOKENS, tokenizer.model_max_length)
         return tokenizer.model_max_length
 
     def pipeline_call_options(self, pipeline) -> dict:
@@ -165,7 +182,8 @@ class Flux(FlowTransformerFamily):
 
     def configure(self, model_config) -> "Flux":
         scale = model_config.guidance_scale
-        return self if scale is None or scale == self.guidance_scale else Flux(scale)
+        family = self if scale is None or scale == self.guidance_scale else Flux(scale)
+        return with_t5_tokens(family, model_config)
 
     def encode_text(self, text_encoders, tokens):
         clip, t5 = text_encoders["text_encoder"], text_encoders["text_encoder_2"]

@@ -7,7 +7,8 @@ resolution-dependent shift of its scheduler config.
   the assistant turn's header) is the text stream, with its attention mask (QwenImagePipeline._get_qwen_prompt_embeds).
   Captions are padded to a fixed length so the text cache holds equal shapes; each step trims the batch to its
   longest caption (OneTrainer's QwenModel.encode_text does the same), which leaves the prediction unchanged: padding
-  is masked out of attention and the text positions of RoPE count from the first token.
+  is masked out of attention and the text positions of RoPE count from the first token. The lengths come from the
+  batch's host copy of the mask (tokens or text cache), so the step reads nothing back from the device (issue 21).
 - Latents: the VAE (`AutoencoderKLQwenImage`, Wan's causal 3-D VAE) takes and gives one-frame videos
   (B, C, 1, H, W); ot_dist keeps the frame axis out (`encode_posterior`), normalises with the per-channel
   latents_mean / latents_std and no scale, and packs as Flux does.
@@ -18,7 +19,10 @@ resolution-dependent shift of its scheduler config.
   prompt's guidance_scale becomes it, with the blank negative prompt the model card uses when none is given.
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which QwenImagePipeline.load_lora_weights
-reads and ComfyUI maps for Qwen-Image (comfy/lora.py: `transformer.<diffusers module>`). No single-file layout yet.
+reads and ComfyUI maps for Qwen-Image (comfy/lora.py: `transformer.<diffusers module>`). The text encoder's modules
+carry ComfyUI's names, the only ones it maps for Qwen2.5-VL (model_lora_keys_clip: `text_encoders.<key of its text
+encoder>`; comfy/text_encoders/qwen_image.py keeps the language model as `qwen25_7b.transformer.model.`), with an
+`.alpha` tensor each; diffusers' Qwen-Image loader reads no text encoder LoRA. No single-file layout yet.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ QWEN_ATTENTION_MLP_TARGETS = QWEN_ATTENTION_TARGETS + ("img_mlp.net.0.proj", "im
 # The language model's attention only: the MLP names (gate_proj, up_proj, down_proj) are also the vision tower's,
 # which text-only training never runs (its adapters would get no gradient).
 QWEN_TEXT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# ComfyUI's LoRA name of the language model's modules: "text_encoders." + its QwenImageTEModel's state-dict path
+COMFY_QWEN_TEXT_PREFIX = "text_encoders.qwen25_7b.transformer.model."
 # The published Qwen/Qwen-Image scheduler config (SimpleTuner writes it out: helpers/models/qwen_image/model.py).
 QWEN_SCHEDULER = dict(num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
                       base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02,
@@ -67,10 +73,14 @@ class QwenImage(Family):
     # Qwen2_5_VLForConditionalGeneration: model.language_model.layers (the vision tower never runs: left whole)
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("language_model.layers",)}
     pixel_multiple = 16  # VAE x8, then 2x2 packing
+    memory_reference = "Qwen-Image"  # Qwen/Qwen-Image: the 20 B transformer, Qwen2.5-VL-7B (8.3 B), its VAE
     # OneTrainer's sample default for Qwen (modules/util/config/SampleConfig.py); it becomes true_cfg_scale
     sample_guidance_scale = 3.5
     samplers = ("flow_euler",)
     lora_file_prefixes = None  # the diffusers layout: what ComfyUI maps for Qwen-Image
+    # transformers' Qwen2_5_VLForConditionalGeneration.model.language_model is ComfyUI's Llama2_ under its text
+    # encoder's `qwen25_7b.transformer.model` (same layer and projection names)
+    lora_file_component_paths = {"text_encoder": {"model.language_model.": COMFY_QWEN_TEXT_PREFIX}}
     single_file = False  # ComfyUI's qwen_image_*.safetensors layout is not written yet: exports are diffusers folders
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image"); OneTrainer writes "Qwen-Image"
     modelspec_architecture = "qwen-image"
@@ -126,7 +136,7 @@ class QwenImage(Family):
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         b, _, h, w = noisy.shape
         hidden, mask = conditioning["hidden"], conditioning["mask"]
-        lengths = mask.sum(dim=1).tolist()
+        lengths = caption_lengths(batch, mask)
         longest = max(lengths)
         hidden, mask = hidden[:, :longest], mask[:, :longest]
         tokens = denoiser(
@@ -168,6 +178,20 @@ class QwenImage(Family):
         return QwenImagePipeline(
             transformer=transformer, vae=vae, text_encoder=Qwen2_5_VLForConditionalGeneration(config).eval(),
             tokenizer=tokenizer, scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
+
+
+def caption_lengths(batch: dict, mask: torch.Tensor) -> list[int]:
+    """Each caption's token count (after the dropped template tokens), read from the batch's host copy of the mask:
+    the text cache's `text_mask` or the tokenizer's `text_encoder_mask`, on the CPU as the loader made them. Reading
+    the device copy (`mask`) would stall the host every micro step on a GPU (issue 21); it is read only when the
+    batch has neither (a direct call, as the tests make)."""
+    if "text_mask" in batch:
+        rows = batch["text_mask"].tolist()
+    elif "token_ids" in batch:
+        rows = [row[TEMPLATE_TOKENS_DROPPED:] for row in batch["token_ids"]["text_encoder_mask"].tolist()]
+    else:
+        rows = mask.tolist()
+    return [sum(row) for row in rows]  # B rows of at most 512 ints: summed in Python, the loader's tensor read once
 
 
 SPLIT_WORDS = ("yellow", "black")

@@ -62,9 +62,16 @@ class SD3(Family):
     def objective_kind(self) -> str:
         return "flow"
 
+    t5_tokens: int | None = None  # model.t5_max_tokens; None: T5_MAX_TOKENS
+
+    def configure(self, model_config) -> "SD3":
+        from ot_dist.models.families.flux import with_t5_tokens
+
+        return with_t5_tokens(super().configure(model_config), model_config)
+
     def max_tokens(self, tokenizer_name, tokenizer) -> int:
         if tokenizer_name == "tokenizer_3":
-            return min(T5_MAX_TOKENS, tokenizer.model_max_length)
+            return min(self.t5_tokens or T5_MAX_TOKENS, tokenizer.model_max_length)
         return tokenizer.model_max_length
 
     def pipeline_call_options(self, pipeline) -> dict:
