@@ -208,6 +208,15 @@ def import_only(tmp_path, config, concepts=None, samples=None):
     ({"model_type": "SANA", "training_method": "FINE_TUNE", "text_encoder": {"train": False, "weight_dtype": "BFLOAT_16"},
       "train_dtype": "BFLOAT_16", "resolution": "1024", "text_encoder_layer_skip": 2}, "sana",
      {"transformer": True, "text_encoder": False}, None),
+    # training_presets/QwenImage/#qwen LoRA 24GB.json
+    ({"model_type": "QWEN", "training_method": "LORA", "batch_size": 2, "learning_rate": 0.0003,
+      "output_model_format": "DIFFUSERS_LORA", "resolution": "512",
+      "transformer": {"train": True, "weight_dtype": "FLOAT_8", "offload_fraction": 0.1},
+      "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "vae": {"weight_dtype": "FLOAT_32"},
+      "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16", "output_dtype": "BFLOAT_16",
+      "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn,img_mlp,txt_mlp", "layer_filter_preset": "attn-mlp",
+      "quantization": {"layer_filter": "transformer_block", "layer_filter_preset": "blocks"}}, "qwen_image",
+     {"transformer": True, "text_encoder": False}, None),
 ])
 def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains, stop):
     config, _ = import_only(tmp_path, {"base_model_name": "/models/base", **preset})
@@ -223,6 +232,8 @@ def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains
         assert config.prior.learning_rate == 1e-4
     if family == "sana":  # OneTrainer's Gemma layer skip
         assert config.model.text_encoder_layer_skip == 2
+    if family == "qwen_image":  # attn, img_mlp, txt_mlp: both streams' attention and MLPs
+        assert config.lora.preset == "attention_mlp"
 
 
 @pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE"])
