@@ -215,9 +215,8 @@ def _text_encoder_weight_decay(args: DiffusersArgs, out: Imported) -> None:
 
 
 def _lora(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
-    """The LoRA scripts' peft LoraConfig: r = rank, lora_alpha = rank (train_dreambooth_lora_flux.py: --lora_alpha),
-    the attention projections of a UNet, the transformer's list of its script (ot_dist's preset default: the same
-    lists) or --lora_layers."""
+    """The LoRA scripts' peft LoraConfig: r = rank, lora_alpha = rank (the Flux / Sana / Qwen-Image LoRA scripts:
+    --lora_alpha), the attention projections of a UNet, the transformer's list of its script or --lora_layers."""
     rank = args["rank"]
     alpha = args["lora_alpha"] if "lora_alpha" in args.defaults else rank
     lora = {"rank": rank, "alpha": float(alpha)}
