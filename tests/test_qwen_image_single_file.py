@@ -64,7 +64,8 @@ def _header(state):
     return {k: tuple(v.shape) for k, v in state.items()}
 
 
-def _comfy_detects_qwen_image(keys, config) -> bool:
+def comfy_detects_qwen_image(keys, config) -> bool:
+    """comfy/model_detection.py's Qwen-Image rule (the module docstring) on a file's names -> shapes."""
     prefix = Q.COMFY_PREFIX if any(k.startswith(Q.COMFY_PREFIX) for k in keys) else ""
     bare = {k[len(prefix):]: v for k, v in keys.items() if k.startswith(prefix)}
     blocks = {int(k.split(".")[1]) for k in bare if k.startswith("transformer_blocks.")}
@@ -77,16 +78,16 @@ def test_export_has_comfyuis_names_and_is_detected_as_qwen_image():
     original = Q.qwen_image_to_original(model.state_dict(), model.config)
     comfy_names = set(COMFY_TOP_LEVEL) | {f"transformer_blocks.{i}.{k}" for i in range(3) for k in COMFY_BLOCK}
     assert set(original) == comfy_names, sorted(set(original) ^ comfy_names)[:8]
-    assert _comfy_detects_qwen_image(_header(original), dict(model.config))
+    assert comfy_detects_qwen_image(_header(original), dict(model.config))
     prefixed = Q.qwen_image_to_original(model.state_dict(), model.config, Q.COMFY_PREFIX)
-    assert _comfy_detects_qwen_image(_header(prefixed), dict(model.config))
+    assert comfy_detects_qwen_image(_header(prefixed), dict(model.config))
     # The rule itself tells other layouts apart: a Flux file is not taken for Qwen-Image.
     from diffusers import FluxTransformer2DModel
 
     flux = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                   pooled_projection_dim=24, axes_dims_rope=(4, 6, 6))
-    assert not _comfy_detects_qwen_image(_header(flux_to_original(flux.state_dict(), flux.config)), TINY)
+    assert not comfy_detects_qwen_image(_header(flux_to_original(flux.state_dict(), flux.config)), TINY)
 
 
 def test_round_trip_bare_and_prefixed_keeps_every_value():
