@@ -298,3 +298,20 @@ def test_samples_equal_the_pipeline_on_the_export(family_models, shapes_data, tm
     assert ours.shape == (48, 64, 3)
     assert np.abs(ours - image(negative_prompt=" ", true_cfg_scale=20.0)).max() <= 1
     assert np.abs(ours - image(true_cfg_scale=1.0)).max() > 4  # unguided differs: the comparison above can fail
+
+
+def test_a_trained_text_encoder_is_never_left_out_of_every_exported_file(family_models, shapes_data, tmp_path):
+    """ComfyUI's Qwen-Image file is the transformer alone: with a trained text encoder, `--format single-file` alone is
+    refused by name (the text encoder would be in no file); the default export writes the folder beside it."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.methods.registry import build_method
+    from ot_dist.models.loading import load_model
+
+    config = validate(base_config(family_models[FAMILY], shapes_data, tmp_path / "o", family=FAMILY,
+                                  **{"text_encoder.train": True}))
+    model = load_model(config.model)
+    method = build_method(config)
+    method.prepare(model)
+    with pytest.raises(ConfigError, match="single file holds the denoiser alone and this run trained a text encoder"):
+        method.export(model, tmp_path / "o", formats=("single-file",))
+    assert {p.name for p in method.export(model, tmp_path / "o")} == {"model", "model.safetensors"}
