@@ -124,7 +124,7 @@ def transformer_prediction(family, transformer, text_encoder, tokenizer):
 
 
 def test_full_finetune_moves_the_transformer_only(family_models, shapes_data, tmp_path):
-    from diffusers import QwenImagePipeline
+    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", max_steps=2, learning_rate=1e-2)
@@ -142,6 +142,13 @@ def test_full_finetune_moves_the_transformer_only(family_models, shapes_data, tm
         assert before.keys() == after.keys(), component
         moved = max((before[k] - after[k]).abs().max().item() for k in before)
         assert (moved > 1e-4) == moves, (component, moved)
+    # the file is the folder's transformer, key for key and value for value, as diffusers' from_single_file reads it
+    folder_state = loaded.transformer.state_dict()
+    assert single.keys() == folder_state.keys()
+    assert all(torch.equal(single[k], v) for k, v in folder_state.items())
+    read = QwenImageTransformer2DModel.from_single_file(str(tmp_path / "o" / "model.safetensors"), config=str(export),
+                                                        subfolder="transformer", local_files_only=True)
+    assert all(torch.equal(v, folder_state[k]) for k, v in read.state_dict().items())
     model = trainer.model
     torch.testing.assert_close(
         transformer_prediction(model.family, loaded.transformer, loaded.text_encoder, loaded.tokenizer),
