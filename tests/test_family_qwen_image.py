@@ -7,12 +7,16 @@ the latent cache through the family's one-frame VAE call, and samples equal to t
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
+from test_qwen_image_single_file import comfy_detects_qwen_image
 
 from ot_dist.config.load import validate
+from ot_dist.config.schema import ModelConfig
 from ot_dist.data.reader import collate
+from ot_dist.errors import InputFileError
 from ot_dist.models.families.qwen_image import PROMPT_TEMPLATE, TEMPLATE_TOKENS_DROPPED
 from ot_dist.randomness import generator
 from ot_dist.train.loss import diffusion_loss
@@ -120,13 +124,15 @@ def transformer_prediction(family, transformer, text_encoder, tokenizer):
 
 
 def test_full_finetune_moves_the_transformer_only(family_models, shapes_data, tmp_path):
-    from diffusers import QwenImagePipeline
+    from diffusers import QwenImagePipeline, QwenImageTransformer2DModel
 
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", max_steps=2, learning_rate=1e-2)
     trainer.train()
     export = tmp_path / "o" / "model"
-    assert not (tmp_path / "o" / "model.safetensors").exists()  # no single-file layout: the folder only
+    # ComfyUI's diffusion-model file beside the folder: bare keys, taken for Qwen-Image by ComfyUI's detection rule
+    single = load_file(tmp_path / "o" / "model.safetensors")
+    assert comfy_detects_qwen_image({k: tuple(v.shape) for k, v in single.items()}, dict(trainer.model.denoiser.config))
     original = QwenImagePipeline.from_pretrained(base, local_files_only=True)
     loaded = QwenImagePipeline.from_pretrained(export, local_files_only=True)
     # Compared as loaded: transformers 5 writes Qwen2.5-VL's own key names, the base folder holds the original ones.
@@ -136,11 +142,50 @@ def test_full_finetune_moves_the_transformer_only(family_models, shapes_data, tm
         assert before.keys() == after.keys(), component
         moved = max((before[k] - after[k]).abs().max().item() for k in before)
         assert (moved > 1e-4) == moves, (component, moved)
+    # the file is the folder's transformer, key for key and value for value, as diffusers' from_single_file reads it
+    folder_state = loaded.transformer.state_dict()
+    assert single.keys() == folder_state.keys()
+    assert all(torch.equal(single[k], v) for k, v in folder_state.items())
+    read = QwenImageTransformer2DModel.from_single_file(str(tmp_path / "o" / "model.safetensors"), config=str(export),
+                                                        subfolder="transformer", local_files_only=True)
+    assert all(torch.equal(v, folder_state[k]) for k, v in read.state_dict().items())
     model = trainer.model
     torch.testing.assert_close(
         transformer_prediction(model.family, loaded.transformer, loaded.text_encoder, loaded.tokenizer),
         transformer_prediction(model.family, model.denoiser, model.text_encoders["text_encoder"],
                                model.tokenizers["tokenizer"]), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8_e4m3fn"])
+def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(dtype, family_models, tmp_path):
+    """A transformer in ComfyUI's layout (its keys under model.diffusion_model., as ComfyUI saves them; Comfy-Org's
+    qwen_image_bf16 / qwen_image_fp8_e4m3fn dtypes) with `model.config` = the diffusers folder predicts as the
+    folder's transformer with the same weights rounded to the file's dtype; the other components are the folder's."""
+    from diffusers import QwenImagePipeline
+    from safetensors.torch import save_file
+
+    from ot_dist.models.loading import load_model
+
+    base = family_models[FAMILY]
+    folder = QwenImagePipeline.from_pretrained(base, local_files_only=True)
+    with torch.no_grad():
+        for t in folder.transformer.state_dict().values():
+            t.copy_(t.to(dtype).float())  # what the file holds
+    state = {"model.diffusion_model." + k: v.to(dtype).contiguous() for k, v in folder.transformer.state_dict().items()}
+    save_file(state, tmp_path / "qwen_image.safetensors")
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "qwen_image.safetensors"), config=str(base)))
+    family = loaded.family
+    expected = transformer_prediction(family, folder.transformer, folder.text_encoder, folder.tokenizer)
+    got = transformer_prediction(family, loaded.denoiser, loaded.text_encoders["text_encoder"],
+                                 loaded.tokenizers["tokenizer"])
+    assert torch.equal(got, expected)
+    assert loaded.denoiser.dtype == torch.float32
+    # a key the config's transformer lacks is named before anything loads
+    state["model.diffusion_model.transformer_blocks.9.attn.to_q.weight"] = state[
+        "model.diffusion_model.transformer_blocks.0.attn.to_q.weight"].clone()
+    save_file(state, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match="unexpected 1 key.*transformer_blocks.9.attn.to_q.weight"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))
 
 
 def test_lora_file_loads_into_the_pipeline_with_the_trained_outputs(family_models, shapes_data, tmp_path):
@@ -260,3 +305,20 @@ def test_samples_equal_the_pipeline_on_the_export(family_models, shapes_data, tm
     assert ours.shape == (48, 64, 3)
     assert np.abs(ours - image(negative_prompt=" ", true_cfg_scale=20.0)).max() <= 1
     assert np.abs(ours - image(true_cfg_scale=1.0)).max() > 4  # unguided differs: the comparison above can fail
+
+
+def test_a_trained_text_encoder_is_never_left_out_of_every_exported_file(family_models, shapes_data, tmp_path):
+    """ComfyUI's Qwen-Image file is the transformer alone: with a trained text encoder, `--format single-file` alone is
+    refused by name (the text encoder would be in no file); the default export writes the folder beside it."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.methods.registry import build_method
+    from ot_dist.models.loading import load_model
+
+    config = validate(base_config(family_models[FAMILY], shapes_data, tmp_path / "o", family=FAMILY,
+                                  **{"text_encoder.train": True}))
+    model = load_model(config.model)
+    method = build_method(config)
+    method.prepare(model)
+    with pytest.raises(ConfigError, match="single file holds the denoiser alone and this run trained a text encoder"):
+        method.export(model, tmp_path / "o", formats=("single-file",))
+    assert {p.name for p in method.export(model, tmp_path / "o")} == {"model", "model.safetensors"}

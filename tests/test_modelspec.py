@@ -70,6 +70,7 @@ DOCUMENTED = [
     ("stable_cascade", {}, "epsilon", False, "lora", "kohya", "stable-cascade-v1-stage-c/lora", CASCADE),
     ("stable_cascade", {}, "epsilon", False, "embedding", None, "stable-cascade-v1-stage-c/textual-inversion", CASCADE),
     ("wuerstchen_v2", {}, "epsilon", False, "lora", "diffusers", "wuerstchen-v2-prior/lora", "diffusers"),
+    ("qwen_image", {}, None, False, "checkpoint", None, "qwen-image", "diffusers"),  # ComfyUI's names are diffusers'
     ("qwen_image", {}, None, False, "lora", "diffusers", "qwen-image/lora", "diffusers"),
     ("sana", {}, None, False, "lora", "diffusers", "sana/lora", "diffusers"),
 ]

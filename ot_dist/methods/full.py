@@ -68,6 +68,10 @@ class FullFinetune(TrainingMethod):
 
     def _export_model(self, model, output_dir, state_dict_of, write, suffix, created, formats, dtype) -> list[Path]:
         trained = {part for part in model.parts() if self.config.part_trains(part)}
+        if ("single-file" in formats and "diffusers" not in formats and trained & set(model.text_encoders)
+                and not model.family.single_file_text_encoders):  # the trained text encoder would be in no file
+            raise ConfigError(f"--format single-file: a {model.family.name} single file holds the denoiser alone and "
+                              "this run trained a text encoder; export the diffusers folder too")
         # Gathered once, used by both exports (under sharding, gathering is the expensive part). What did not train
         # is written as the user loaded it, never as the rounded copy low-memory storage held (frozen_source.py).
         source = export_source(model, self.config.model, trained, state_dict_of, write)

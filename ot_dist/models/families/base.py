@@ -268,6 +268,10 @@ class Family:
     # Whether the family has a single-file layout (load_single_file / export_single_file); without one the full
     # method exports the diffusers folder only.
     single_file: bool = True
+    # Whether that file can hold trained text encoders (as a full checkpoint); False: the file is the denoiser alone
+    # and a trained text encoder is exported in the diffusers folder only (Qwen-Image: ComfyUI reads its text encoder
+    # from a separate file).
+    single_file_text_encoders: bool = True
 
     def load_single_file(self, path: Path, config_folder: str | None, model_config):
         """A pipeline from one .safetensors file in the family's original layout."""

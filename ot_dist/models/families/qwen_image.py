@@ -22,7 +22,12 @@ LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which
 reads and ComfyUI maps for Qwen-Image (comfy/lora.py: `transformer.<diffusers module>`). The text encoder's modules
 carry ComfyUI's names, the only ones it maps for Qwen2.5-VL (model_lora_keys_clip: `text_encoders.<key of its text
 encoder>`; comfy/text_encoders/qwen_image.py keeps the language model as `qwen25_7b.transformer.model.`), with an
-`.alpha` tensor each; diffusers' Qwen-Image loader reads no text encoder LoRA. No single-file layout yet.
+`.alpha` tensor each; diffusers' Qwen-Image loader reads no text encoder LoRA.
+
+Single files: ComfyUI's diffusion-model file (`qwen_image_bf16.safetensors`, its plain fp8 cast too), whose keys are
+diffusers' (qwen_image_single_file.py); `model.config` names the diffusers folder that supplies the rest. The text
+encoder and the VAE ship as separate files in ComfyUI's layouts, which ot_dist does not write: a trained text encoder
+is exported in the diffusers folder only.
 """
 
 from __future__ import annotations
@@ -81,7 +86,9 @@ class QwenImage(Family):
     # transformers' Qwen2_5_VLForConditionalGeneration.model.language_model is ComfyUI's Llama2_ under its text
     # encoder's `qwen25_7b.transformer.model` (same layer and projection names)
     lora_file_component_paths = {"text_encoder": {"model.language_model.": COMFY_QWEN_TEXT_PREFIX}}
-    single_file = False  # ComfyUI's qwen_image_*.safetensors layout is not written yet: exports are diffusers folders
+    # ComfyUI's qwen_image_*.safetensors: the transformer alone, bare keys (as Comfy-Org ship it)
+    single_file = True
+    single_file_text_encoders = False  # ComfyUI loads Qwen2.5-VL from its own file, in a layout ot_dist does not write
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image"); OneTrainer writes "Qwen-Image"
     modelspec_architecture = "qwen-image"
 
@@ -150,6 +157,27 @@ class QwenImage(Family):
             return_dict=False,
         )[0]
         return unpack(tokens, h, w)
+
+    # -- single files -----------------------------------------------------------------------------------
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.qwen_image_single_file import qwen_image_rules
+
+        return qwen_image_rules(config)
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.qwen_image_single_file import qwen_image_from_original, validate_qwen_image_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, qwen_image_from_original, validate_qwen_image_file)
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
+        """The transformer alone with bare keys, as ComfyUI's UNET loader reads Comfy-Org's file. A trained text
+        encoder is not in it (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
+        from ot_dist.models.families.qwen_image_single_file import qwen_image_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        state = qwen_image_to_original(states["transformer"], dict(components["transformer"].config))
+        write_transformer_file(state, path, dtype, metadata)
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):

@@ -6,7 +6,8 @@ directions, so `to_original` and `from_original` are exact inverses by construct
 moved, split and concatenated, never recomputed), and the same list gives the expected file header
 for `check_header` (the rules applied to a meta-device model: shapes without memory).
 
-Used by `flux_single_file` (Flux.1, Chroma) and `sd3_single_file` (SD3 / 3.5 and their VAE).
+Used by `flux_single_file` (Flux.1, Chroma), `sd3_single_file` (SD3 / 3.5 and their VAE) and
+`qwen_image_single_file` (an identity map: ComfyUI's Qwen-Image keys are diffusers').
 Besides torch and diffusers it depends only on `ot_dist.errors`.
 """
 
@@ -258,6 +259,7 @@ _SIGNATURES = (
     ("Chroma", "distilled_guidance_layer.in_proj.weight"),
     ("Flux.1", "double_blocks.0.img_mod.lin.weight"),
     ("SD3", "joint_blocks.0.x_block.attn.qkv.weight"),
+    ("Qwen-Image", "txt_norm.weight"),  # comfy/model_detection.py's Qwen-Image key
     ("SD 1.x / 2.x / SDXL UNet", "input_blocks.0.0.weight"),
 )
 
