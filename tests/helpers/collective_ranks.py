@@ -16,6 +16,7 @@ CASES_JSON: {"case name": raw config (a zero3 run), ...}. Every rank writes OUT_
 Collectives are counted in torch.distributed.distributed_c10d (patched there and in torch.distributed before the
 engine exists: DeepSpeed's comm backend looks its all-gather function up once, when it starts)."""
 
+import gc
 import itertools
 import json
 import sys
@@ -114,7 +115,8 @@ def run_case(raw: dict, runtime) -> dict:
     result = trainer.train()
     report = {"steps": counts.steps, "where": dict(counts.where.most_common(20)), "setup": counts.setup,
               "other": counts.other, "steps_done": result.steps, **bound_inputs(trainer.strategy.engine)}
-    trainer.close()
+    trainer.close()  # ends with a full collection: what survives it stays alive
+    gc.freeze()  # a closed ZeRO-3 trainer's objects, not walked again by the next case's collections
     current[0] = None
     return report
 
