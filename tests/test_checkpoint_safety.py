@@ -278,8 +278,9 @@ def test_a_killed_rank_restarts_the_group_from_the_last_checkpoint(small_sd1, sh
     settings = dict(batch_size=2, epochs=4, max_steps=16, **{"checkpoint.every_n_steps": 2, "optimizer.name": "ADAMW"})
     reference = tmp_path / "reference"
     # the uninterrupted reference: the same 2 ddp ranks, forked (what is under test is the launcher's restart below)
-    config = write_config(tmp_path / "reference.yaml", base_config(small_sd1, shapes_data, reference,
-                                                                   strategy="ddp", **settings))
+    # it saves no checkpoints (what the killed run resumes from must not change what it trains)
+    config = write_config(tmp_path / "reference.yaml", base_config(small_sd1, shapes_data, reference, strategy="ddp",
+                                                                   **{**settings, "checkpoint.every_n_steps": None}))
     done = run_ranks("-m", "ot_dist", "train", config, env=ENV, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "killed"
