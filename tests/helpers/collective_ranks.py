@@ -11,15 +11,20 @@ CASES_JSON: {"case name": raw config (a zero3 run), ...}. Every rank writes OUT_
 - the inputs of the bound, read from the engine's module and DeepSpeed's persistence threshold: "persistent" (the
   parameters at or below it, which ZeRO-3 keeps gathered) and "sharded_modules" (modules that gather a parameter
   above it when they run: their own or one registered with them as external);
-- "steps_done".
+- "steps_done";
+- "model_collected": whether the closed trainer's model was freed by the next full collection (a closed ZeRO-3
+  engine once stayed referenced from DeepSpeed's module-level state: parallel/deepspeed.py _forget_closed_engine).
+  Not for the first case: ot_dist/memory/heap.py freezes what exists when the process's first trainer is built.
 
 Collectives are counted in torch.distributed.distributed_c10d (patched there and in torch.distributed before the
 engine exists: DeepSpeed's comm backend looks its all-gather function up once, when it starts)."""
 
+import gc
 import itertools
 import json
 import sys
 import traceback
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -86,7 +91,7 @@ def bound_inputs(engine) -> dict:
             "sharded_modules": sum(any(p.ds_numel > threshold for p in ps) for ps in gathered_when_run)}
 
 
-def run_case(raw: dict, runtime) -> dict:
+def run_case(raw: dict, runtime) -> tuple[dict, weakref.ref]:
     counts = current[0] = Counts()
     trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
     counts.phase = "other"
@@ -116,7 +121,7 @@ def run_case(raw: dict, runtime) -> dict:
               "other": counts.other, "steps_done": result.steps, **bound_inputs(trainer.strategy.engine)}
     trainer.close()
     current[0] = None
-    return report
+    return report, weakref.ref(trainer.model.denoiser)
 
 
 count_collectives()
@@ -124,6 +129,9 @@ cases = json.loads(open(sys.argv[1]).read())
 out = Path(sys.argv[2])
 runtime = start_runtime(5, needs_group=True)
 for name, raw in cases.items():
-    (out / f"{name}-rank{runtime.rank}.json").write_text(json.dumps(run_case(raw, runtime), indent=1))
+    report, model = run_case(raw, runtime)
+    gc.collect()
+    report["model_collected"] = model() is None
+    (out / f"{name}-rank{runtime.rank}.json").write_text(json.dumps(report, indent=1))
 runtime.shutdown()
 exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run
