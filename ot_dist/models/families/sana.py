@@ -55,6 +55,7 @@ class Sana(Family):
     layer_skip_encoders = ("text_encoder",)
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("layers",)}
     pixel_multiple = 32  # DC-AE x32, 1x1 patches
+    memory_reference = "Sana 1600M"  # Sana_1600M_1024px: the 1.6 B transformer, Gemma-2-2B-IT (2.6 B), DC-AE f32c32
     samplers = ("flow_euler",)
     # OneTrainer's sample default (SampleConfig.py has no Sana branch: its 7.0); SanaPipeline's own default is 4.5
     sample_guidance_scale = 7.0
