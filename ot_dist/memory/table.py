@@ -97,9 +97,9 @@ QWEN_IMAGE_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_bloc
 # Efficient-Large-Model/Sana_1600M_1024px_diffusers: the transformer as diffusers' scripts/convert_sana_to_diffusers.py
 # builds SanaMS_1600M_P1_D20 at 1024 px (70 heads x 32, 20 blocks, cross-attention 20 x 112, Gemma's 2304-wide
 # caption, no interpolation_scale at 1024); its text_encoder is Gemma-2-2B-IT's decoder (Gemma2Model: no lm_head,
-# the embedding tied to it in the CausalLM), whose numbers are transformers' Gemma2Config defaults (google/gemma-2-2b's);
-# its VAE mit-han-lab/dc-ae-f32c32-sana-1.0 (scripts/convert_dcae_to_diffusers.py's config, block types under
-# AutoencoderDC's current names).
+# the embedding tied to it in the CausalLM), whose numbers are transformers' Gemma2Config defaults (google/gemma-2-2b's,
+# written out); its VAE mit-han-lab/dc-ae-f32c32-sana-1.0 (scripts/convert_dcae_to_diffusers.py's config, block types
+# under AutoencoderDC's current names).
 SANA_1600M = dict(in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
                   num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
                   caption_channels=2304, mlp_ratio=2.5, attention_bias=False, sample_size=32, patch_size=1,
