@@ -133,3 +133,33 @@ def test_qwen_image_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
     with pytest.raises(ConfigError, match="--gpu-memory"):
         choose(family, "lora", 24, 1)
+
+
+def test_sana_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Sana row (ot-dist init's reference for the family) is Sana_1600M_1024px as its configs build
+    it on the meta device: the 1.6 B transformer (1,604,462,752, the diffusers conversion's count), Gemma-2-2B-IT's
+    decoder as the text encoder (2.61 B on its model card, the embedding included) and the DC-AE f32c32; LoRA counted on
+    the family's default targets, FSDP on its 20 blocks, each under 5 % of the transformer; `ot-dist init` chooses
+    from it."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.starter.choose import choose
+
+    family = get_family("sana")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 1_604_462_752, "text_encoder": 2_614_341_888, "vae": 312_250_275}
+    assert components["vae"].config.scaling_factor == 0.41407  # what Sana's latents are scaled by
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == len(components["transformer"].transformer_blocks) == 20
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.05
+    # LoRA: 4.2 B frozen parameters, 7.8 GiB in bfloat16 (+ 2.5 GiB activations), 3.9 GiB in float8
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 8, 1).setup.label == "LoRA r16, frozen float8"
+    # a full finetune: AdamW on one 48 GB GPU, sharded AdamW over 8 smaller ones, none on one 8 GB GPU
+    assert choose(family, "full", 48, 1).setup.label == "full denoiser, AdamW, frozen bfloat16"
+    assert choose(family, "full", 16, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "full", 8, 1)

@@ -79,22 +79,66 @@ def test_objective_follows_the_diffusers_training_script(family_models, shapes_d
 
 
 def test_every_sharding_unit_of_sana_1600m_is_a_few_percent():
-    """Sana 1600M's published transformer config on the meta device, wrapped with the family's shard_units as the
-    fsdp strategy does: 20 blocks of under 5 % each, the root's remainder (embedders, caption projection) under 3 %."""
-    from diffusers import SanaTransformer2DModel
-
+    """Sana 1600M's published transformer config on the meta device (the memory table's build), wrapped with the
+    family's shard_units as the fsdp strategy does: 20 blocks of under 5 % each, the root's remainder (embedders,
+    caption projection) under 3 %. Gemma-2-2B: 26 layers of 3 % each and its embedding table (23 %, one tensor: no
+    unit choice splits it) a unit of its own, so that the root, which FSDP2 keeps gathered for the whole step, holds
+    only the final norm."""
     from ot_dist.memory.sharding import sharding
+    from ot_dist.memory.table import build_components
     from ot_dist.models.families.registry import get_family
 
-    with torch.device("meta"):
-        transformer = SanaTransformer2DModel(
-            in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
-            num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
-            caption_channels=2304, mlp_ratio=2.5, sample_size=32)
-    units = sharding(transformer, get_family("sana").shard_units["transformer"])
+    components = build_components(get_family("sana").memory_reference)
+    units = sharding(components["transformer"], get_family("sana").shard_units["transformer"])
     assert abs(units.parameters - 1.6e9) / 1.6e9 < 0.01  # the model card's 1.6 B
     assert len(units.unit_parameters) == 20 and units.largest_fraction < 0.05
     assert units.root_parameters / units.parameters < 0.03
+
+    gemma = components["text_encoder"]
+    units = sharding(gemma, get_family("sana").shard_units["text_encoder"])
+    embedding = gemma.embed_tokens.weight.numel()
+    assert units.unit_parameters[0] == embedding and embedding / units.parameters > 0.2
+    assert len(units.unit_parameters) == 1 + 26 and max(units.unit_parameters[1:]) / units.parameters < 0.05
+    assert units.root_parameters == gemma.norm.weight.numel()  # the final norm alone
+
+
+def test_gemma_sharded_by_the_family_units_encodes_and_trains_as_unsharded(monkeypatch):
+    """The tiny Gemma under FSDP2 with the family's text-encoder units (the embedding one of them), as the fsdp
+    strategy wraps a trained text encoder, in a 1-rank gloo group: the family's conditioning and the embedding's
+    gradient equal the unwrapped model's."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ot_dist.models.families.registry import get_family
+    from ot_dist.parallel.fsdp import wrap_units
+    from ot_dist.ports import free_port
+
+    family = get_family("sana")
+    pipeline = family.build_tiny()
+    tokens = family.tokenize({"tokenizer": pipeline.tokenizer}, ["a red dot"])
+    plain, sharded = pipeline.text_encoder, copy.deepcopy(pipeline.text_encoder)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        units = wrap_units(sharded, family.shard_units["text_encoder"])
+        assert units[0] is sharded.embed_tokens
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        results = []
+        for encoder in (plain, sharded):
+            hidden = family.encode_text({"text_encoder": encoder}, tokens)["hidden"]
+            hidden.square().mean().backward()
+            grad = encoder.embed_tokens.weight.grad
+            results.append((hidden.detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
+        torch.testing.assert_close(results[1], results[0])
+    finally:
+        dist.destroy_process_group()
 
 
 def test_bucket_step_must_follow_the_32_px_grid(family_models, shapes_data, tmp_path):

@@ -1,6 +1,6 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
-Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B) and Qwen-Image (20 B)
-under the low-memory
+Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B) and
+Sana 1600M under the low-memory
 options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
@@ -19,6 +19,7 @@ import torch
 
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.qwen_image import QwenImage
+from ot_dist.models.families.sana import Sana
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
 from ot_dist.models.families.sd import UNET_SHARD_UNITS
 from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
@@ -93,6 +94,28 @@ QWEN25_VL_7B = dict(
     vocab_size=152064, tie_word_embeddings=False)
 QWEN_IMAGE_VAE = dict(base_dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
                       temperal_downsample=[False, True, True])
+# Efficient-Large-Model/Sana_1600M_1024px_diffusers: the transformer as diffusers' scripts/convert_sana_to_diffusers.py
+# builds SanaMS_1600M_P1_D20 at 1024 px (70 heads x 32, 20 blocks, cross-attention 20 x 112, Gemma's 2304-wide
+# caption, no interpolation_scale at 1024); its text_encoder is Gemma-2-2B-IT's decoder (Gemma2Model: no lm_head,
+# the embedding tied to it in the CausalLM), whose numbers are transformers' Gemma2Config defaults (google/gemma-2-2b's,
+# written out); its VAE mit-han-lab/dc-ae-f32c32-sana-1.0 (scripts/convert_dcae_to_diffusers.py's config, block types
+# under AutoencoderDC's current names).
+SANA_1600M = dict(in_channels=32, out_channels=32, num_attention_heads=70, attention_head_dim=32, num_layers=20,
+                  num_cross_attention_heads=20, cross_attention_head_dim=112, cross_attention_dim=2240,
+                  caption_channels=2304, mlp_ratio=2.5, attention_bias=False, sample_size=32, patch_size=1,
+                  norm_elementwise_affine=False, norm_eps=1e-6)
+GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                 sliding_window=4096, max_position_embeddings=8192)
+DC_AE_STAGES = ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3
+DC_AE_F32C32 = dict(in_channels=3, latent_channels=32, attention_head_dim=32, encoder_block_types=DC_AE_STAGES,
+                    decoder_block_types=DC_AE_STAGES, encoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+                    decoder_block_out_channels=(128, 256, 512, 512, 1024, 1024),
+                    encoder_layers_per_block=(2, 2, 2, 3, 3, 3), decoder_layers_per_block=(3, 3, 3, 3, 3, 3),
+                    encoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)),
+                    decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), downsample_block_type="conv",
+                    upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu",
+                    scaling_factor=0.41407)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -103,20 +126,25 @@ DENOISERS = {
     "Stable Cascade C lite": ("prior", CASCADE_ATTENTION, StableCascade.shard_units["prior"]),
     "Würstchen v2": ("prior", WuerstchenV2.denoiser_lora_presets["default"], WuerstchenV2.shard_units["prior"]),
     "Qwen-Image": ("transformer", QwenImage.denoiser_lora_presets["default"], QwenImage.shard_units["transformer"]),
+    "Sana 1600M": ("transformer", Sana.denoiser_lora_presets["default"], Sana.shard_units["transformer"]),
 }
 
 
 def build_components(model: str) -> dict[str, torch.nn.Module]:
-    from diffusers import (AutoencoderKL, AutoencoderKLQwenImage, FluxTransformer2DModel, QwenImageTransformer2DModel,
-                           SD3Transformer2DModel, StableCascadeUNet, UNet2DConditionModel)
-    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, Qwen2_5_VLConfig,
-                              Qwen2_5_VLForConditionalGeneration, T5Config, T5EncoderModel)
+    from diffusers import (AutoencoderDC, AutoencoderKL, AutoencoderKLQwenImage, FluxTransformer2DModel,
+                           QwenImageTransformer2DModel, SanaTransformer2DModel, SD3Transformer2DModel,
+                           StableCascadeUNet, UNet2DConditionModel)
+    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, Gemma2Config, Gemma2Model,
+                              Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, T5Config, T5EncoderModel)
 
     from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
 
     from ot_dist.models.efficientnet import EfficientNetEncoder, EffnetConfig
 
     with torch.device("meta"):
+        if model == "Sana 1600M":
+            return {"transformer": SanaTransformer2DModel(**SANA_1600M),
+                    "text_encoder": Gemma2Model(Gemma2Config(**GEMMA2_2B)), "vae": AutoencoderDC(**DC_AE_F32C32)}
         if model == "Qwen-Image":
             return {"transformer": QwenImageTransformer2DModel(**QWEN_IMAGE),
                     "text_encoder": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B)),

@@ -21,8 +21,10 @@ from ot_dist.memory.table import (DENOISERS, GIB, SETUPS, ModelSizes, Setup, bui
 # Qwen-Image: Flux.1 dev's width (24 heads x 128) over the same 4096 image tokens at 1024 px and a caption trimmed
 # to the batch's longest, in 60 blocks that each keep both streams (Flux: 19 of them, then 38 single-stream ones):
 # Flux's estimate and half a GiB for the wider blocks' recompute.
+# Sana 1600M: 1024 positions at 1024 px (the DC-AE's 32x, 1x1 patches) at width 2240 over 20 linear-attention blocks
+# and a 300-token caption: Würstchen v2's estimate (1536 wide over 576 positions) and half a GiB for the width.
 ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev": 6.0, "Stable Cascade C": 3.0,
-                   "Stable Cascade C lite": 2.0, "Würstchen v2": 2.0, "Qwen-Image": 6.5}
+                   "Stable Cascade C lite": 2.0, "Würstchen v2": 2.0, "Qwen-Image": 6.5, "Sana 1600M": 2.5}
 NO_CHECKPOINTING_FACTOR = 4
 
 

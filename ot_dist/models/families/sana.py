@@ -53,8 +53,13 @@ class Sana(Family):
     # model.text_encoder_layer_skip: an earlier layer's hidden states through Gemma's final norm (OneTrainer's
     # encode_gemma); samples then get the prompts' conditioning from encode_text (SanaPipeline has no layer skip)
     layer_skip_encoders = ("text_encoder",)
-    shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("layers",)}
+    # Gemma's embedding table is its own unit: 256 k x 2304 is 23 % of Gemma-2-2B (1.1 GiB in bf16), and the root's
+    # unit stays gathered from forward to the end of backward (FSDP2 never reshards the root after forward). The
+    # other text encoders leave theirs in the root: T5-XXL's `shared` is 2.8 % of it, CLIP-L's / bigG's tables
+    # 72 / 121 MiB in bf16.
+    shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("embed_tokens", "layers")}
     pixel_multiple = 32  # DC-AE x32, 1x1 patches
+    memory_reference = "Sana 1600M"  # Sana_1600M_1024px: the 1.6 B transformer, Gemma-2-2B-IT (2.6 B), DC-AE f32c32
     samplers = ("flow_euler",)
     # OneTrainer's sample default (SampleConfig.py has no Sana branch: its 7.0); SanaPipeline's own default is 4.5
     sample_guidance_scale = 7.0
