@@ -61,8 +61,8 @@ class Sana(Family):
     pixel_multiple = 32  # DC-AE x32, 1x1 patches
     memory_reference = "Sana 1600M"  # Sana_1600M_1024px: the 1.6 B transformer, Gemma-2-2B-IT (2.6 B), DC-AE f32c32
     samplers = ("flow_euler",)
-    # OneTrainer's sample default (SampleConfig.py has no Sana branch: its 7.0); SanaPipeline's own default is 4.5
-    sample_guidance_scale = 7.0
+    # OneTrainer's sample default (SampleConfig.py's Sana branch), also SanaPipeline's own
+    sample_guidance_scale = 4.5
     lora_file_prefixes = None  # the diffusers layout
     single_file = False
     modelspec_architecture = "sana"  # OneTrainer's (resources/sd_model_spec/sana.json)
