@@ -88,6 +88,8 @@ def warmup_micro_steps(warmup, accumulation: int, key: str, skip) -> int | float
     return micro
 
 
+# accelerate's --mixed_precision values (kohya, SimpleTuner and the diffusers scripts take them) -> train_dtype
+ACCELERATE_PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
 WINDOWS_DRIVE = re.compile(r"^[A-Za-z]:[\\/]")
 
 

@@ -14,7 +14,8 @@ embedding, EMA, saves and validation; diffusers_dataset maps the data, diffusers
 from __future__ import annotations
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import T5_DEFAULTS, Imported, list_unread, local_path, note_local_model, warmup_micro_steps
+from ot_dist.migrate.common import (ACCELERATE_PRECISION, T5_DEFAULTS, Imported, list_unread, local_path,
+                                    note_local_model, warmup_micro_steps)
 from ot_dist.migrate.diffusers_args import DiffusersArgs, read_args
 from ot_dist.migrate.diffusers_dataset import import_dataset
 from ot_dist.migrate.kohya_loss import weighting_scheme
@@ -36,7 +37,6 @@ SCRIPTS = {
     "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
 }
-PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # The scripts that validate every validation_steps optimizer steps (the others: every validation_epochs epochs).
 VALIDATION_BY_STEPS = ("train_dreambooth.py", "textual_inversion.py")
 # The attention projections the UNet scripts adapt (train_text_to_image_lora*, train_dreambooth_lora*: the
@@ -164,9 +164,9 @@ def _launch(args: DiffusersArgs, c: dict, out: Imported) -> None:
     """The script's --mixed_precision wins; unset (None), accelerate's (launch option, else config file) decides."""
     launch = args.launch
     precision = args["mixed_precision"] or launch["mixed_precision"] or "no"
-    if str(precision) not in PRECISION:
+    if str(precision) not in ACCELERATE_PRECISION:
         raise ConfigError(f"mixed_precision: {precision} is not no, fp16 or bf16")
-    c["train_dtype"] = PRECISION[str(precision)]
+    c["train_dtype"] = ACCELERATE_PRECISION[str(precision)]
     if c["train_dtype"] != "float32":  # the scripts cast every frozen model (VAE, text encoders, LoRA base) to it
         c["weight_dtype"] = c["train_dtype"]
     processes, kind = launch["num_processes"], str(launch["distributed_type"] or "").upper()

@@ -19,7 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import T5_DEFAULTS, Imported, list_unread, local_path, note_local_model
+from ot_dist.migrate.common import (ACCELERATE_PRECISION, T5_DEFAULTS, Imported, list_unread, local_path,
+                                    note_local_model)
 from ot_dist.migrate.kohya_args import KohyaArgs, read_args
 from ot_dist.migrate.kohya_dataset import import_dataset
 from ot_dist.migrate.kohya_embedding import import_embedding
@@ -34,7 +35,6 @@ SCRIPTS = {  # kohya script -> (family, None: sd1 or sd2 by --v2; method)
     "flux_train_network.py": ("flux", "lora"), "sd3_train_network.py": ("sd3", "lora"),
     "train_textual_inversion.py": (None, "embedding"), "sdxl_train_textual_inversion.py": ("sdxl", "embedding"),
 }
-PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
 SAVE_PRECISION = {"float": "float32", "fp16": "float16", "bf16": "bfloat16"}
 # Arguments that change how kohya runs, not what it trains: noted, not listed as not honoured.
 NO_EFFECT = {
@@ -210,7 +210,7 @@ def _length(args: KohyaArgs, c: dict, out: Imported) -> None:
 
 
 def _precision(args: KohyaArgs, c: dict, method: str, out: Imported) -> None:
-    mixed = PRECISION.get(str(args["mixed_precision"]), "float32")
+    mixed = ACCELERATE_PRECISION.get(str(args["mixed_precision"]), "float32")
     c["train_dtype"] = mixed
     if mixed != "float32":
         # kohya casts every frozen model (the base of a LoRA, the VAE, frozen text encoders) to the mixed dtype

@@ -16,7 +16,7 @@ simpletuner_args reads the config, simpletuner_defaults holds SimpleTuner's defa
 from __future__ import annotations
 
 from ot_dist.errors import ConfigError
-from ot_dist.migrate.common import Imported, list_unread, local_path, note_local_model
+from ot_dist.migrate.common import ACCELERATE_PRECISION, Imported, list_unread, local_path, note_local_model
 from ot_dist.migrate.simpletuner_args import SimpleTunerArgs, read_args
 from ot_dist.migrate.simpletuner_dataset import import_dataset
 from ot_dist.migrate.simpletuner_loss import import_loss
@@ -40,7 +40,6 @@ FAMILIES = {
 BUCKET_ALIGNMENT = {"qwen_image": 32}
 LORA_KEYS = ("lora_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_init_type", "use_dora", "lycoris_config",
              "flux_lora_target", "peft_lora_target_modules", "init_lora")
-PRECISION = {"no": "float32", "fp16": "float16", "bf16": "bfloat16"}
 FLOAT8 = ("fp8-torchao", "fp8-quanto", "fp8uz-quanto", "fp8-sdnq")
 # Arguments that change how SimpleTuner runs, not what it trains: noted, not listed as not honoured.
 NO_EFFECT = {
@@ -230,10 +229,10 @@ def _precision(args: SimpleTunerArgs, c: dict, method: str, out: Imported) -> No
     """mixed_precision is the compute dtype, and the dtype SimpleTuner loads the frozen weights in (no_change);
     base_model_precision quantises the frozen denoiser."""
     mixed = str(args["mixed_precision"])
-    if mixed not in PRECISION:
+    if mixed not in ACCELERATE_PRECISION:
         out.not_honoured.append(f"mixed_precision: {mixed}: ot_dist computes in float32, bfloat16 or float16; "
                                 "bfloat16 is written")
-    c["train_dtype"] = PRECISION.get(mixed, "bfloat16")
+    c["train_dtype"] = ACCELERATE_PRECISION.get(mixed, "bfloat16")
     if c["train_dtype"] != "float32":
         c["weight_dtype"] = c["train_dtype"]
     base = str(args["base_model_precision"])
