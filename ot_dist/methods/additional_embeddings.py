@@ -18,8 +18,9 @@ import torch
 
 from ot_dist.config.embeddings import AdditionalEmbeddingConfig, file_stem
 from ot_dist.errors import ConfigError
-from ot_dist.methods.embedding_file import read_embedding_file, vector_count
-from ot_dist.methods.token_vectors import add_vectors, rows_in_state, token_strings, write_embedding_file
+from ot_dist.methods.embedding_file import vector_count
+from ot_dist.methods.token_vectors import (add_vectors, rows_in_state, start_vectors, token_strings,
+                                          write_embedding_file)
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.loading import LoadedModel
@@ -62,13 +63,8 @@ class AdditionalEmbeddings:
 
         groups = []
         for i, entry in enumerate(self.entries):
-            key = f"additional_embeddings[{i}]"
-            start = None
-            if entry.init_from:
-                widths = {n: model.text_encoders[n].get_input_embeddings().embedding_dim
-                          for n in model.family.embedding_keys}
-                start = read_embedding_file(entry.init_from, model.family.embedding_keys, widths)
-            added = add_vectors(model, token_strings(entry.token, self.vector_count(i)), start, entry.init_text, key)
+            added = add_vectors(model, token_strings(entry.token, self.vector_count(i)),
+                                start_vectors(model, entry.init_from), entry.init_text, f"additional_embeddings[{i}]")
             for parameter in added.values():
                 parameter.requires_grad_(entry.train)
             if entry.train:

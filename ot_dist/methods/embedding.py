@@ -11,8 +11,9 @@ import torch
 
 from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict
-from ot_dist.methods.embedding_file import read_embedding_file, vector_count
-from ot_dist.methods.token_vectors import add_vectors, rows_in_state, token_strings, write_embedding_file
+from ot_dist.methods.embedding_file import vector_count
+from ot_dist.methods.token_vectors import (add_vectors, rows_in_state, start_vectors, token_strings,
+                                          write_embedding_file)
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.loading import LoadedModel
 from ot_dist.precision import DTYPES
@@ -50,19 +51,10 @@ class EmbeddingMethod(TrainingMethod):
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         freeze_all(model)
-        added = add_vectors(model, self.token_strings(), self._start_vectors(model), self.config.embedding.init_text,
-                            "embedding", main=True)
+        added = add_vectors(model, self.token_strings(), start_vectors(model, self.config.embedding.init_from),
+                            self.config.embedding.init_text, "embedding", main=True)
         group = ParamGroup("embedding", list(added.values()), self.config.part_learning_rate("embedding"))
         return [group] + self.additional.prepare(model)
-
-    def _start_vectors(self, model: LoadedModel) -> dict[str, torch.Tensor] | None:
-        """embedding.init_from's vectors per encoder, checked against each encoder's embedding width."""
-        path = self.config.embedding.init_from
-        if not path:
-            return None
-        keys = model.family.embedding_keys
-        widths = {name: model.text_encoders[name].get_input_embeddings().embedding_dim for name in keys}
-        return read_embedding_file(path, keys, widths)
 
     def vectors(self, model: LoadedModel, state_dict_of=plain_state_dict) -> dict[str, torch.Tensor]:
         return {key.format(token=self.config.embedding.token): rows_in_state(state_dict_of(model.text_encoders[name]),

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from ot_dist.checkpoint.export import atomic_path
 from ot_dist.errors import ConfigError
+from ot_dist.methods.embedding_file import read_embedding_file
 from ot_dist.models.loading import LoadedModel
 
 
@@ -80,6 +81,16 @@ def expand_in_caption(caption: str, expansions: dict[str, str]) -> str:
     by_lower = {token.lower(): words for token, words in expansions.items()}
     pattern = re.compile("|".join(re.escape(t) for t in sorted(expansions, key=len, reverse=True)), re.IGNORECASE)
     return pattern.sub(lambda m: by_lower[m.group(0).lower()], caption)
+
+
+def start_vectors(model: LoadedModel, init_from: str | None) -> dict[str, torch.Tensor] | None:
+    """An embedding file's vectors per encoder (embedding.init_from, an additional embedding's init_from), checked
+    against each encoder's embedding width; None without a file (the vectors start from init_text)."""
+    if not init_from:
+        return None
+    keys = model.family.embedding_keys
+    widths = {name: model.text_encoders[name].get_input_embeddings().embedding_dim for name in keys}
+    return read_embedding_file(init_from, keys, widths)
 
 
 def add_vectors(model: LoadedModel, tokens: list[str], start: dict[str, torch.Tensor] | None, init_text: str,
