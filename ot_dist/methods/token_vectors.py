@@ -8,6 +8,8 @@ its vocabulary read trainable rows (rather than training the whole vocabulary ma
 optimizer state, and later the sharded state, are the size of the vectors, not of the vocabulary). The file written is
 the one diffusers' `load_textual_inversion`, A1111 and ComfyUI read: {TOKEN: [n, dim]} for SD 1.x/2.x and
 {"clip_l": ..., "clip_g": ...} for SDXL / SD3 (A1111's SDXL layout); the token is also in its metadata ("token").
+An output embedding (OneTrainer's is_output_embedding) adds its tokens the same way with zero rows and trains vectors
+that replace the encoder's output at them instead: output_vectors.py.
 """
 
 from __future__ import annotations
