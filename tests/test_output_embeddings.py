@@ -104,6 +104,17 @@ def test_the_files_are_onetrainers_and_its_loader_reads_the_vectors(run):
     assert vectors.shape[0] == 1 and encoder.outputs.extra.shape[0] == 2
 
 
+def test_ot_dist_export_of_the_checkpoint_writes_the_same_files(run, tmp_path):
+    from ot_dist.checkpoint.export_command import export_checkpoint
+
+    _, result, out, _, _ = run
+    exported = export_checkpoint(str(result.checkpoint), None, False, str(tmp_path), log=QUIET)
+    assert {p.relative_to(tmp_path) for p in exported} == {p.relative_to(out) for p in result.exported}
+    for path in exported:
+        want, got = load_file(out / path.relative_to(tmp_path)), load_file(path)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), path.name
+
+
 def test_the_conditioning_is_the_encoder_output_with_the_vectors_in_place(run, tiny_models):
     """Both embeddings in one caption, in a batch of two captions (one without them): the conditioning the family
     computes equals the base encoder's last hidden state (zero rows for the new tokens) with the trained vectors

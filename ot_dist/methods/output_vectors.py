@@ -6,7 +6,9 @@ token). OneTrainer does it on the one hidden state its encode_text reads; here a
 every hidden state of the encoder's output (last_hidden_state and each of hidden_states), so that whichever layer the
 family reads (SD's last one, SDXL's penultimate, a layer skip's) and whoever calls the encoder (the family's
 encode_text while training, the diffusers pipeline while sampling) sees the vectors there. The pooled outputs are
-computed inside the encoder from its own states and are left as they are, as in OneTrainer. A layer that the family
+computed inside the encoder from its own states and are left as they are, as in OneTrainer. The vectors are written in
+the hidden states' dtype (OneTrainer casts the whole output to float32 first; the denoiser computes in its own dtype
+either way). A layer that the family
 reads through a further layer norm (SD's layer skip) would get the vectors normalised, so the family refuses that pair
 (`Family.output_embedding_conflict`).
 
