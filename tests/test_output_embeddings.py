@@ -1,6 +1,7 @@
 """Output embeddings (OneTrainer's is_output_embedding, ot_dist/methods/output_vectors.py): the trained vectors
 replace the text encoder's hidden states at their tokens. On the tiny SD 1.x model (one run of method embedding with an
-additional output embedding beside it) and SDXL (start and file keys, no training). What is checked:
+additional output embedding beside it); SDXL, Stable Cascade and Würstchen v2 without training (start, conditioning,
+file keys). What is checked:
 - the conditioning is the base encoder's output (its vocabulary extended by zero rows, OneTrainer's input vectors of
   an output embedding) with the trained vectors written at the tokens' positions, computed here by hand;
 - training moves those vectors and nothing else (the zero input rows stay zero);
@@ -49,9 +50,14 @@ def onetrainer_reads(state: dict[str, torch.Tensor], key: str) -> torch.Tensor:
 def extended_base_encoder(model_path, encoder_name: str, rows: int):
     """The model's own encoder from disk, its vocabulary extended by `rows` zero rows: OneTrainer's input vectors of
     an output embedding's tokens."""
-    from diffusers import DiffusionPipeline
+    import json
+    from pathlib import Path
 
-    encoder = getattr(DiffusionPipeline.from_pretrained(model_path), encoder_name)
+    import transformers
+
+    library, class_name = json.loads((Path(model_path) / "model_index.json").read_text())[encoder_name]
+    assert library == "transformers"
+    encoder = getattr(transformers, class_name).from_pretrained(Path(model_path) / encoder_name)
     table = encoder.get_input_embeddings()
     weight = torch.cat([table.weight.detach(), torch.zeros(rows, table.embedding_dim)])
     encoder.set_input_embeddings(torch.nn.Embedding.from_pretrained(weight))
@@ -171,34 +177,57 @@ def test_the_samples_are_drawn_with_the_vectors(run, tiny_models):
                 vectors.copy_(trained)
 
 
-@pytest.mark.parametrize("family", ["sd1", "sdxl"])
-def test_the_vectors_start_as_onetrainers_and_continue_from_a_file(tiny_models, tmp_path, family):
+# The layer of each encoder's output that the family's conditioning reads (OneTrainer's encode_text: SD's
+# encode_clip(default_layer=-1, add_layer_norm=True), SDXL's (-2, no norm), Stable Cascade's hidden_states[-1],
+# Würstchen v2's final_layer_norm(hidden_states[-1])), written out here rather than taken from the family.
+READ_LAYER = {"sd1": lambda out: out.last_hidden_state, "sdxl": lambda out: out.hidden_states[-2],
+              "stable_cascade": lambda out: out.hidden_states[-1], "wuerstchen_v2": lambda out: out.last_hidden_state}
+
+
+@pytest.mark.parametrize("family", list(READ_LAYER))
+def test_the_vectors_start_as_onetrainers_and_continue_from_a_file(tiny_models, family_models, tmp_path, family):
     """OneTrainer's start (ModelSetupEmbeddingMixin._create_new_embedding with the family's encode_text): the hidden
-    states the model reads (SD: the last layer after the final norm; SDXL: the penultimate layer of each encoder) of
-    init_text followed by one "*" per vector, at the positions after the start token. The exported file (SDXL:
-    clip_l / clip_g and their _out) continues from exactly its vectors; an input embedding's file (no _out keys)
-    gives its vectors as the output vectors, as OneTrainer's loader does."""
-    raw = base_config(tiny_models[family], tmp_path, tmp_path / "o", family=family, method="embedding",
+    states the model reads of init_text followed by one "*" per vector, at the positions after the start token. With
+    the vectors moved, the conditioning of every family is the base encoders' read layer with the vectors written in
+    by hand. The exported file (SDXL: clip_l / clip_g and their _out; Stable Cascade / Würstchen v2: clip_g) continues
+    from exactly its vectors; an input embedding's file (no _out keys) gives its vectors as the output vectors, as
+    OneTrainer's loader does."""
+    path = tiny_models[family] if family in tiny_models else family_models[family]
+    raw = base_config(path, tmp_path, tmp_path / "o", family=family, method="embedding",
+                      resolution=64 if family in tiny_models else 128,  # the cascades' bucket step: 128
                       **{"embedding": {"token": "<tok>", "vectors": 3, "init_text": "a cat", "output_embedding": True}})
     method, model = build_method(validate(raw)), load_model(validate(raw).model)
     (group,) = method.prepare(model)
     keys = model.family.output_embedding_keys
-    for (name, base_key), vectors in zip(keys.items(), group.params, strict=True):
-        encoder = extended_base_encoder(tiny_models[family], name, 0)
-        tokenizer = model.tokenizers[model.family.tokenizers[model.family.text_encoders.index(name)]]
-        ids = tokenizer(["a cat***"], padding="max_length", max_length=77, return_tensors="pt").input_ids
+    tokenizer_of = dict(zip(model.family.text_encoders, model.family.tokenizers))
+    for name, vectors in zip(keys, group.params, strict=True):
+        tokenizer = model.tokenizers[tokenizer_of[name]]
+        ids = tokenizer(["a cat***"], padding="max_length", max_length=tokenizer.model_max_length,
+                        return_tensors="pt").input_ids
         with torch.no_grad():
-            out = encoder(ids, output_hidden_states=True)
-        layer = out.last_hidden_state if family == "sd1" else out.hidden_states[-2]
-        torch.testing.assert_close(vectors.detach(), layer[0, 1:4], rtol=0, atol=0)
+            out = extended_base_encoder(path, name, 0)(ids, output_hidden_states=True)
+        torch.testing.assert_close(vectors.detach(), READ_LAYER[family](out)[0, 1:4], rtol=0, atol=0)
     with torch.no_grad():
         for p in group.params:
             p.add_(torch.randn_like(p))  # "trained"
+
+    tokens = model.family.tokenize(model.tokenizers, [method.caption("a <tok> on grass"), "a cat"])
+    with torch.no_grad():
+        got = model.family.encode_text(model.text_encoders, tokens)["hidden"]
+        want = []
+        for name, vectors in zip(keys, group.params, strict=True):
+            ids, mask = tokens[name], tokens.get(f"{name}_mask")
+            size = model.text_encoders[name].get_input_embeddings().base.num_embeddings
+            out = extended_base_encoder(path, name, 3)(ids, attention_mask=mask, output_hidden_states=True)
+            want.append(by_hand(READ_LAYER[family](out), ids, size, vectors))
+    torch.testing.assert_close(got, torch.cat(want, dim=-1), rtol=0, atol=0)
+
     (file,) = method.export(model, tmp_path, suffix="_saved")
     state = load_file(file)
     assert state.keys() == {k + s for k in keys.values() for s in ("", "_out")}
-    for (name, base_key), vectors in zip(keys.items(), group.params, strict=True):
+    for base_key, vectors in zip(keys.values(), group.params, strict=True):
         assert torch.equal(onetrainer_reads(state, base_key), vectors.detach())
+        assert not state[base_key].any() and state[base_key].shape == vectors.shape
 
     raw["embedding"]["init_from"] = str(file)
     method, model = build_method(validate(raw)), load_model(validate(raw).model)

@@ -43,7 +43,7 @@ OUTPUT_EMBEDDING_DESCRIPTION = (
     "states (the layer the model reads) of init_text followed by one '*' per vector, at the positions after the "
     "start token. The file is OneTrainer's (<key> zeros, <key>_out the vectors: emp_params for SD 1.x / 2.x, "
     "clip_l / clip_g for SDXL), which only OneTrainer reads; init_from reads <key>_out, else an input embedding's "
-    "vectors. SD 1.x / 2.x (without a text_encoder_layer_skip) and SDXL."
+    "vectors. SD 1.x / 2.x (without a text_encoder_layer_skip), SDXL, Stable Cascade and Würstchen v2 (clip_g)."
 )
 
 
@@ -51,7 +51,8 @@ def check_output_embedding(key: str, config, family) -> None:
     """An output embedding (`key` names its output_embedding field) against the family and the model section."""
     if not family.output_embedding_keys:
         raise ValueError(f"{key}: model family {config.model.family} takes no output embeddings in ot_dist (SD 1.x / "
-                         "2.x and SDXL do; OneTrainer's T5 / Gemma output embeddings are not supported yet)")
+                         "2.x, SDXL, Stable Cascade and Würstchen v2 do; OneTrainer's T5 / Gemma / Llama output "
+                         "embeddings are not supported yet)")
     conflict = family.output_embedding_conflict(config.model)
     if conflict is not None:
         field, why = conflict
