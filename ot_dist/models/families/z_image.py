@@ -80,6 +80,7 @@ class ZImage(Family):
     shard_units = {"transformer": ("noise_refiner", "context_refiner", "layers"),
                    "text_encoder": ("embed_tokens", "layers")}
     pixel_multiple = 16  # VAE x8, then 2x2 patches (the pipeline refuses other sides)
+    memory_reference = "Z-Image"  # Tongyi-MAI/Z-Image-Turbo: the 6.15 B transformer, Qwen3-4B (4.0 B), the Flux VAE
     # OneTrainer's sample default for Z-Image (SampleConfig.py), as classifier-free guidance neg + s (pos - neg)
     sample_guidance_scale = 4.0
     samplers = ("flow_euler",)
