@@ -99,15 +99,49 @@ def prediction(family, transformer, text_encoder, tokenizer):
         return family.predict(transformer, noisy, t, conditioning, {})
 
 
+def comfy_z_image_file_keys(config: dict) -> set[str]:
+    """The keys of ComfyUI's Z-Image diffusion model (the original layout) for a transformer config: the values of
+    comfy.utils.z_image_to_diffusers (pollockjj/ComfyUI @ 618b803d314a525faca8f8163d85eaa9ebc1d774), which maps each
+    diffusers key to ComfyUI's: per block of `layers`, `context_refiner`, `noise_refiner`: attention.to_q / to_k / to_v
+    -> slices of attention.qkv, attention.norm_q / norm_k -> attention.q_norm / k_norm, attention.to_out.0 ->
+    attention.out, attention_norm1 / 2, feed_forward.w1 / w2 / w3, ffn_norm1 / 2 and adaLN_modulation.0 (blocks with
+    modulation) unchanged; all_final_layer.2-1.* -> final_layer.*, all_x_embedder.2-1.* -> x_embedder.*; x_pad_token,
+    cap_pad_token, cap_embedder.0 / .1, t_embedder.mlp.0 / .2 unchanged. Biases only where the module has one (the
+    attention projections and norms have none; context_refiner blocks have no modulation)."""
+    block = ["attention.qkv.weight", "attention.q_norm.weight", "attention.k_norm.weight", "attention.out.weight",
+             "attention_norm1.weight", "attention_norm2.weight", "feed_forward.w1.weight", "feed_forward.w2.weight",
+             "feed_forward.w3.weight", "ffn_norm1.weight", "ffn_norm2.weight"]
+    keys = {f"layers.{i}.{k}" for i in range(config["n_layers"]) for k in block}
+    keys |= {f"{kind}.{i}.{k}" for kind in ("context_refiner", "noise_refiner") for i in range(config["n_refiner_layers"])
+             for k in block}
+    keys |= {f"{kind}.{i}.adaLN_modulation.0.{p}" for kind in ("layers", "noise_refiner")
+             for i in range(config["n_layers"] if kind == "layers" else config["n_refiner_layers"]) for p in ("weight", "bias")}
+    keys |= {"final_layer.linear.weight", "final_layer.linear.bias", "final_layer.adaLN_modulation.1.weight",
+             "final_layer.adaLN_modulation.1.bias", "x_embedder.weight", "x_embedder.bias", "x_pad_token",
+             "cap_embedder.0.weight", "cap_embedder.1.weight", "cap_embedder.1.bias", "cap_pad_token",
+             "t_embedder.mlp.0.weight", "t_embedder.mlp.0.bias", "t_embedder.mlp.2.weight", "t_embedder.mlp.2.bias"}
+    return keys
+
+
 def test_full_finetune_moves_the_transformer_only_and_reloads_through_from_pretrained(family_models, shapes_data,
                                                                                        tmp_path):
-    from diffusers import ZImagePipeline
+    """The folder reloads through ZImagePipeline.from_pretrained; beside it, ComfyUI's diffusion-model file: its keys
+    are ComfyUI's for Z-Image (detected by cap_embedder.1.weight) and diffusers' from_single_file reads the folder's
+    transformer back from it."""
+    from diffusers import ZImagePipeline, ZImageTransformer2DModel
 
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", max_steps=2, learning_rate=1e-2)
     trainer.train()
     export = tmp_path / "o" / "model"
-    assert not (tmp_path / "o" / "model.safetensors").exists()  # no single-file layout: the folder only
+    single = load_file(tmp_path / "o" / "model.safetensors")
+    assert set(single) == comfy_z_image_file_keys(dict(trainer.model.denoiser.config))
+    assert "cap_embedder.1.weight" in single  # ComfyUI's Lumina 2 / Z-Image detection key
+    read = ZImageTransformer2DModel.from_single_file(str(tmp_path / "o" / "model.safetensors"), config=str(export),
+                                                     subfolder="transformer", local_files_only=True)
+    folder_state = ZImageTransformer2DModel.from_pretrained(export / "transformer").state_dict()
+    assert read.state_dict().keys() == folder_state.keys()
+    assert all(torch.equal(v, folder_state[k]) for k, v in read.state_dict().items())
     original = ZImagePipeline.from_pretrained(base, local_files_only=True)
     loaded = ZImagePipeline.from_pretrained(export, local_files_only=True)
     for component, moves in (("transformer", True), ("vae", False), ("text_encoder", False)):
@@ -248,3 +282,38 @@ def test_cached_latents_and_text_train_as_the_images_and_captions_do(family_mode
         with torch.no_grad():
             losses[cache] = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+
+
+def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, tmp_path):
+    """A transformer in ComfyUI's layout under model.diffusion_model. (as ComfyUI saves it), in bfloat16 (Comfy-Org's
+    z_image_turbo_bf16), with `model.config` = the diffusers folder, predicts as the folder's transformer with the same
+    weights rounded to bfloat16; a key the config's transformer lacks is named before anything loads."""
+    import pytest
+    from diffusers import ZImagePipeline
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.families.z_image_single_file import z_image_to_original
+    from ot_dist.models.loading import load_model
+
+    base = family_models[FAMILY]
+    folder = ZImagePipeline.from_pretrained(base, local_files_only=True)
+    with torch.no_grad():
+        for t in folder.transformer.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).float())  # what the file holds
+    original = z_image_to_original(folder.transformer.state_dict(), dict(folder.transformer.config),
+                                   prefix="model.diffusion_model.")
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in original.items()}
+    save_file(state, tmp_path / "z_image.safetensors")
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "z_image.safetensors"), config=str(base)))
+    family = loaded.family
+    expected = prediction(family, folder.transformer, folder.text_encoder, folder.tokenizer)
+    got = prediction(family, loaded.denoiser, loaded.text_encoders["text_encoder"], loaded.tokenizers["tokenizer"])
+    assert torch.equal(got, expected)
+    state["model.diffusion_model.layers.7.attention.qkv.weight"] = state[
+        "model.diffusion_model.layers.0.attention.qkv.weight"].clone()
+    save_file(state, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match="unexpected 1 key.*layers.7.attention.qkv.weight"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))
+

@@ -25,8 +25,10 @@ comfy.utils.z_image_to_diffusers, to_q / to_k / to_v as slices of its fused qkv)
 ComfyUI's names (`text_encoders.qwen3_4b.transformer.model.<module>`, its only names for Qwen3-4B); diffusers' Z-Image
 loader reads no text-encoder LoRA.
 
-No single-file layout yet: ComfyUI's z_image_turbo_bf16.safetensors fuses q / k / v and renames a few keys (what
-diffusers' convert_z_image_transformer_checkpoint_to_diffusers undoes); the full method exports the diffusers folder.
+Single files: ComfyUI's diffusion-model file (z_image_turbo_bf16.safetensors), the transformer in the original layout
+(q / k / v fused, a few names changed: z_image_single_file.py), which diffusers' from_single_file reads too;
+`model.config` names the diffusers folder that supplies the rest. Qwen3-4B and the VAE ship as separate files in
+ComfyUI's layouts, which ot_dist does not write: a trained text encoder is exported in the diffusers folder only.
 """
 
 from __future__ import annotations
@@ -89,9 +91,13 @@ class ZImage(Family):
     # (same layer and projection names); a Qwen3ForCausalLM keeps it under `model.`
     lora_file_component_paths = {"text_encoder": {"layers.": COMFY_QWEN3_PREFIX + "layers.",
                                                   "model.layers.": COMFY_QWEN3_PREFIX + "layers."}}
-    single_file = False
+    # ComfyUI's z_image_turbo_bf16.safetensors: the transformer alone in the original layout (z_image_single_file.py)
+    single_file = True
+    single_file_text_encoders = False  # ComfyUI loads Qwen3-4B from its own file, in a layout ot_dist does not write
     # SwarmUI's class id (T2IModelClassSorter: "z-image", "z-image/lora"); OneTrainer writes "Z-Image"
     modelspec_architecture = "z-image"
+    # the single file's keys are the original Z-Image code's (fused qkv, x_embedder, final_layer)
+    modelspec_implementation = "https://github.com/Tongyi-MAI/Z-Image"
 
     # -- objective ----------------------------------------------------------------------------------------
     def objective(self, pipeline, model_config) -> FlowMatching:
@@ -142,6 +148,28 @@ class ZImage(Family):
         # t = 1 - sigma in float32, as the script passes (1000 - timesteps) / 1000
         out = denoiser(images, (1000 - timesteps.float()) / 1000, captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)  # the model predicts x - n; the objective's target is n - x
+
+    # -- single files -----------------------------------------------------------------------------------
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.z_image_single_file import z_image_rules
+
+        return z_image_rules(config)
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+        from ot_dist.models.families.z_image_single_file import validate_z_image_file, z_image_from_original
+
+        return load_transformer_file(path, config_folder, self, z_image_from_original, validate_z_image_file)
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
+        """The transformer alone in the original layout with bare keys, as ComfyUI's UNET loader reads Comfy-Org's
+        file. A trained text encoder is not in it (`single_file_text_encoders`): the full method puts it in the
+        diffusers folder."""
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+        from ot_dist.models.families.z_image_single_file import z_image_to_original
+
+        state = z_image_to_original(states["transformer"], dict(components["transformer"].config))
+        write_transformer_file(state, path, dtype, metadata)
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):
