@@ -181,6 +181,9 @@ def test_z_image_memory_row_is_the_published_model_sharded_by_block():
     assert DENOISERS[name][2] == family.shard_units["transformer"]
     units = sharding_units(components["transformer"], DENOISERS[name][2])
     assert len(units) == 30 + 2 + 2
+    # the units are the transformer's own _no_split_modules (ZImageTransformerBlock), the refiners' included
+    assert {type(unit).__name__ for unit in units} == set(components["transformer"]._no_split_modules)
+    assert sum(len(getattr(components["transformer"], n)) for n in DENOISERS[name][2]) == len(units)
     assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.03
     # Qwen3's embedding table is its own text-encoder unit: 10 % of the encoder, never held whole in the root
     text_units = sharding_units(components["text_encoder"], family.shard_units["text_encoder"])
