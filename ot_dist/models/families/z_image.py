@@ -87,6 +87,11 @@ class ZImage(Family):
     sample_guidance_scale = 4.0
     samplers = ("flow_euler",)
     lora_file_prefixes = None  # the diffusers layout: what ComfyUI maps for Z-Image
+    # Other trainers' names, read by `ot-dist lora merge` and `lora.init_from`: kohya-style `lora_unet_<diffusers path
+    # with "_">` (what diffusers' Z-Image converter reads: `lora_unet_layers_0_attention_to_q`), and ComfyUI's own LoRA
+    # names, `diffusion_model.<its model's key>` (the original layout: a fused `attention.qkv` split by rows)
+    lora_foreign_prefixes = {"transformer": ("lora_unet",)}
+    lora_original_prefixes = (("diffusion_model", "."),)
     # transformers' Qwen3Model (Z-Image's text_encoder) is ComfyUI's Llama2_ under `qwen3_4b.transformer.model`
     # (same layer and projection names); a Qwen3ForCausalLM keeps it under `model.`
     lora_file_component_paths = {"text_encoder": {"layers.": COMFY_QWEN3_PREFIX + "layers.",
