@@ -4,8 +4,8 @@ train_dreambooth_lora_z_image.py written out for one batch ((x - shift) x scale,
 transformer at (1000 - t) / 1000 on lists of one-frame latents and variable-length captions, its output negated,
 MSE against n - x), training (full: the transformer alone moves and the export reloads through from_pretrained; LoRA:
 the file ZImagePipeline.load_lora_weights reads, under ComfyUI's Z-Image key rule) and samples equal to the
-pipeline's with the guidance convention converted. The 2-rank fsdp comparison rides in Flux's launch
-(tests/test_family_strategies.py)."""
+pipeline's with the guidance convention converted, ComfyUI's diffusion-model file both ways. The 2-rank fsdp and zero2
+comparisons ride in Flux's launch (tests/test_family_strategies.py)."""
 
 from __future__ import annotations
 
