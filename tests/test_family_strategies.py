@@ -54,6 +54,11 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# Z-Image: the per-caption cut of Qwen3's hidden states, one-frame list inputs and the negated output under fsdp (units:
+# layers, noise_refiner, context_refiner) and zero2, riding in Flux's launch (CPU s of that launch: 30.7 without
+# Z-Image, 33.5 with fsdp, 35.1 with fsdp and zero2)
+FAMILY_STRATEGIES["z_image"] = ("fsdp", "zero2")
+RIDERS["flux"] += ("z_image",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a

@@ -217,6 +217,16 @@ def import_only(tmp_path, config, concepts=None, samples=None):
       "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn,img_mlp,txt_mlp", "layer_filter_preset": "attn-mlp",
       "quantization": {"layer_filter": "transformer_block", "layer_filter_preset": "blocks"}}, "qwen_image",
      {"transformer": True, "text_encoder": False}, None),
+    # training_presets/Z-Image/#z-image LoRA 16GB.json
+    ({"model_type": "Z_IMAGE", "training_method": "LORA", "batch_size": 2, "learning_rate": 0.0003,
+      "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "compile": True,
+      "transformer": {"train": True, "weight_dtype": "FLOAT_8"}, "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"},
+      "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16",
+      "output_dtype": "BFLOAT_16",
+      "layer_filter": "^(?=.*attention)(?!.*refiner).*,^(?=.*feed_forward)(?!.*refiner).*",
+      "layer_filter_preset": "attn-mlp", "layer_filter_regex": True,
+      "quantization": {"layer_filter": "layers", "layer_filter_preset": "blocks"}, "timestep_distribution": "LOGIT_NORMAL"},
+     "z_image", {"transformer": True, "text_encoder": False}, None),
 ])
 def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains, stop):
     config, _ = import_only(tmp_path, {"base_model_name": "/models/base", **preset})
@@ -234,6 +244,20 @@ def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains
         assert config.model.text_encoder_layer_skip == 2
     if family == "qwen_image":  # attn, img_mlp, txt_mlp: both streams' attention and MLPs
         assert config.lora.preset == "attention_mlp"
+    if family == "z_image":  # attention and feed_forward outside the refiners, OneTrainer's regular expressions
+        assert config.lora.layer_filter_regex and config.lora.layer_filter == [
+            "^(?=.*attention)(?!.*refiner).*", "^(?=.*feed_forward)(?!.*refiner).*"]
+        assert config.loss.timestep_shift == 1.0  # OneTrainer's default: unshifted
+
+
+def test_z_image_preset_name_alone_is_read_as_onetrainers_regular_expressions(tmp_path):
+    """A config that names the attn-only preset and no layer_filter text: OneTrainer matches its Z-Image preset's
+    patterns as regular expressions (BaseZImageSetup.LAYER_PRESETS `regex: True`); BaseZImageSetup reads
+    dynamic_timestep_shifting."""
+    config, _ = import_only(tmp_path, {"model_type": "Z_IMAGE", "training_method": "LORA",
+                                       "layer_filter_preset": "attn-only", "dynamic_timestep_shifting": True})
+    assert config.lora.layer_filter == ["^(?=.*attention)(?!.*refiner).*"] and config.lora.layer_filter_regex
+    assert config.loss.dynamic_timestep_shifting is True
 
 
 @pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE"])

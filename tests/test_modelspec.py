@@ -73,6 +73,8 @@ DOCUMENTED = [
     ("qwen_image", {}, None, False, "checkpoint", None, "qwen-image", "diffusers"),  # ComfyUI's names are diffusers'
     ("qwen_image", {}, None, False, "lora", "diffusers", "qwen-image/lora", "diffusers"),
     ("sana", {}, None, False, "lora", "diffusers", "sana/lora", "diffusers"),
+    ("z_image", {}, None, False, "lora", "diffusers", "z-image/lora", "diffusers"),  # SwarmUI's class ids
+    ("z_image", {}, None, False, "checkpoint", None, "z-image", "https://github.com/Tongyi-MAI/Z-Image"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

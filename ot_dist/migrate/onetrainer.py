@@ -42,6 +42,7 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "STABLE_CASCADE_1": ("stable_cascade", False), "WUERSTCHEN_2": ("wuerstchen_v2", False),
     "SANA": ("sana", False), "QWEN": ("qwen_image", False),
 }
+FAMILIES["Z_IMAGE"] = ("z_image", False)
 METHODS = {"FINE_TUNE": "full", "LORA": "lora", "EMBEDDING": "embedding"}
 DTYPES = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "FLOAT_16": "float16", "BFLOAT_16": "bfloat16",
           "FLOAT_8": "float8"}
