@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.flux import pack, unpack
 from ot_dist.models.objectives import FlowMatching
@@ -89,6 +90,8 @@ class QwenImage(Family):
     # ComfyUI's qwen_image_*.safetensors: the transformer alone, bare keys (as Comfy-Org ship it)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Qwen2.5-VL from its own file, in a layout ot_dist does not write
+    # ComfyUI's qwen_2.5_vl_7b(_fp8_scaled).safetensors; its qwen_image_vae.safetensors (Wan 2.1's layout) not yet
+    component_files = {"text_encoder": C.QWEN25_VL}
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image"); OneTrainer writes "Qwen-Image"
     modelspec_architecture = "qwen-image"
 
@@ -168,7 +171,8 @@ class QwenImage(Family):
         from ot_dist.models.families.qwen_image_single_file import qwen_image_from_original, validate_qwen_image_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, qwen_image_from_original, validate_qwen_image_file)
+        return load_transformer_file(path, config_folder, self, qwen_image_from_original, validate_qwen_image_file,
+                                     model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare keys, as ComfyUI's UNET loader reads Comfy-Org's file. A trained text

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.qwen_image import caption_lengths
 from ot_dist.models.objectives import FlowMatching
@@ -99,6 +100,8 @@ class ZImage(Family):
     # ComfyUI's z_image_turbo_bf16.safetensors: the transformer alone in the original layout (z_image_single_file.py)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Qwen3-4B from its own file, in a layout ot_dist does not write
+    # ComfyUI's separate files: qwen_3_4b.safetensors and Flux's ae.safetensors (Z-Image's VAE is Flux's)
+    component_files = {"text_encoder": C.QWEN3, "vae": C.LDM_VAE}
     # SwarmUI's class id (T2IModelClassSorter: "z-image", "z-image/lora"); OneTrainer writes "Z-Image"
     modelspec_architecture = "z-image"
     # the single file's keys are the original Z-Image code's (fused qkv, x_embedder, final_layer)
@@ -164,7 +167,8 @@ class ZImage(Family):
         from ot_dist.models.families.transformer_single_file import load_transformer_file
         from ot_dist.models.families.z_image_single_file import validate_z_image_file, z_image_from_original
 
-        return load_transformer_file(path, config_folder, self, z_image_from_original, validate_z_image_file)
+        return load_transformer_file(path, config_folder, self, z_image_from_original, validate_z_image_file,
+                                     model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone in the original layout with bare keys, as ComfyUI's UNET loader reads Comfy-Org's
