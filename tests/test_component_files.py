@@ -352,3 +352,63 @@ def test_z_image_qwen3_and_ae_beside_a_folder(tmp_path):
     for got, want in zip(vae_outputs(loaded.vae), vae_outputs(reference.vae)):
         assert torch.equal(got, want)
     shutil.rmtree(folder)
+
+
+# ---- Qwen-Image: qwen_image_vae (Wan 2.1's layout) ----------------------------------------------------------------
+
+
+def comfy_wan_vae(vae) -> dict:
+    """comfy/ldm/wan/vae.py WanVAE: encoder / decoder blocks in one flat Sequential each (`downsamples.N`, `upsamples.N`:
+    per decoder level num_res_blocks + 1 ResidualBlocks, then a Resample), a ResidualBlock's `residual` Sequential
+    (RMS_norm at 0, CausalConv3d at 2, RMS_norm at 3, CausalConv3d at 6) and `shortcut`, `middle` = ResidualBlock,
+    AttentionBlock, ResidualBlock, `head` = RMS_norm, SiLU, conv, and `conv1` / `conv2` for the quant convs."""
+    import re
+
+    per_level = vae.config.num_res_blocks + 2
+    resnet = {"norm1": "residual.0", "conv1": "residual.2", "norm2": "residual.3", "conv2": "residual.6",
+              "conv_shortcut": "shortcut"}
+    out = {}
+    for key, value in vae.state_dict().items():
+        k = re.sub(r"^(quant_conv|post_quant_conv)\.", lambda m: {"quant_conv": "conv1.", "post_quant_conv": "conv2."}[
+            m.group(1)], key)
+        k = re.sub(r"^(encoder|decoder)\.conv_in\.", r"\1.conv1.", k)
+        k = re.sub(r"^(encoder|decoder)\.norm_out\.", r"\1.head.0.", k)
+        k = re.sub(r"^(encoder|decoder)\.conv_out\.", r"\1.head.2.", k)
+        k = re.sub(r"\.mid_block\.attentions\.0\.", ".middle.1.", k)
+        k = re.sub(r"\.mid_block\.resnets\.(\d)\.", lambda m: f".middle.{2 * int(m.group(1))}.", k)
+        k = re.sub(r"^encoder\.down_blocks\.", "encoder.downsamples.", k)
+        k = re.sub(r"^decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.",
+                   lambda m: f"decoder.upsamples.{int(m.group(1)) * per_level + int(m.group(2))}.", k)
+        k = re.sub(r"^decoder\.up_blocks\.(\d+)\.upsamplers\.0\.",
+                   lambda m: f"decoder.upsamples.{int(m.group(1)) * per_level + per_level - 1}.", k)
+        k = re.sub(r"\.(norm1|conv1|norm2|conv2|conv_shortcut)\.(?=(gamma|weight|bias)$)",
+                   lambda m: f".{resnet[m.group(1)]}.", k) if "samples." in k or ".middle." in k else k
+        out[k] = value
+    return out
+
+
+def test_qwen_image_vae_in_wan_layout(tmp_path):
+    import copy
+
+    from diffusers import AutoencoderKLQwenImage
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    family = get_family("qwen_image")
+    pipe = family.build_tiny()
+    # Qwen-Image's VAE structure (dim_mult 1, 2, 4, 4; two residual blocks per level), narrow
+    pipe.vae = randomized(AutoencoderKLQwenImage(base_dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                                                 temperal_downsample=[False, True, True]), seed=5)
+    written = comfy_wan_vae(pipe.vae)
+    # the file's names are those diffusers' own reader of the Wan VAE file maps back onto the module
+    assert convert_wan_vae_to_diffusers(written).keys() == pipe.vae.state_dict().keys()
+    folder = configs_only(pipe, tmp_path / "config", keep=("text_encoder",))
+    vae_file = save({k: v.to(torch.bfloat16) for k, v in written.items()}, tmp_path / "qwen_image_vae.safetensors")
+    config = ModelConfig(family="qwen_image", path=str(transformer_file(family, pipe, tmp_path / "q.safetensors")),
+                         config=str(folder), component_files={"vae": str(vae_file)})
+    loaded = load_model(config)
+    reference = through_dtype(copy.deepcopy(pipe.vae), torch.bfloat16).eval()
+    pixels = torch.rand(1, 3, 1, 32, 32) * 2 - 1
+    with torch.no_grad():
+        got, want = loaded.vae.encode(pixels).latent_dist.mean, reference.encode(pixels).latent_dist.mean
+        assert torch.equal(got, want)
+        assert torch.equal(loaded.vae.decode(got).sample, reference.decode(want).sample)

@@ -23,6 +23,10 @@ for it, loaded with `load_state_dict` as is):
   the language model under `model.`, the vision tower under `visual.`, `lm_head.weight`; transformers 5 keeps them
   under `model.language_model.`, `model.visual.` and `lm_head.`. ComfyUI's model has no lm_head: a file without one
   loads with a zero lm_head (Qwen-Image reads hidden states only, and the exported folder then says so plainly).
+* WAN_VAE (Qwen-Image's qwen_image_vae.safetensors): Wan 2.1's VAE as ComfyUI's WanVAE holds it (comfy/ldm/wan/vae.py):
+  flat `encoder.downsamples.N` / `decoder.upsamples.N`, residual blocks as `residual.{0,2,3,6}` + `shortcut`,
+  `middle.{0,1,2}`, `head.{0,2}`, the quant convs `conv1` / `conv2`; diffusers' convert_wan_vae_to_diffusers reads the
+  same names for the real configuration (two residual blocks per level), this map follows any num_res_blocks.
 * LDM_VAE (Flux / Chroma / Z-Image `ae.safetensors`, an SD3 VAE file): the LDM autoencoder with bare keys
   (`encoder.down.N.block.M...`, `decoder.up.N...`), the layout of a full checkpoint's VAE without its prefix
   (sd3_single_file.vae_rules, which diffusers' convert_ldm_vae_checkpoint reads the same way).
@@ -173,6 +177,39 @@ def _qwen25_vl_key(module: torch.nn.Module, key: str) -> str:
     return key
 
 
+_WAN_RESNET = ((".norm1.gamma", ".residual.0.gamma"), (".conv1.", ".residual.2."), (".norm2.gamma", ".residual.3.gamma"),
+               (".conv2.", ".residual.6."), (".conv_shortcut.", ".shortcut."))
+_WAN_TOP = (("encoder.conv_in.", "encoder.conv1."), ("decoder.conv_in.", "decoder.conv1."),
+            ("encoder.norm_out.", "encoder.head.0."), ("decoder.norm_out.", "decoder.head.0."),
+            ("encoder.conv_out.", "encoder.head.2."), ("decoder.conv_out.", "decoder.head.2."),
+            ("quant_conv.", "conv1."), ("post_quant_conv.", "conv2."),
+            ("mid_block.resnets.0.", "middle.0."), ("mid_block.attentions.0.", "middle.1."),
+            ("mid_block.resnets.1.", "middle.2."))
+
+
+def _wan_vae_key(module: torch.nn.Module, key: str) -> str:
+    """An AutoencoderKLQwenImage key in Wan 2.1's VAE layout (comfy/ldm/wan/vae.py WanVAE): the encoder's and
+    decoder's blocks are one flat `downsamples` / `upsamples` Sequential each (per decoder level num_res_blocks + 1
+    residual blocks, then its upsampler), a residual block is one `residual` Sequential (RMS norm 0, conv 2, norm 3,
+    conv 6) with its `shortcut`, `middle.{0,1,2}` is resnet, attention, resnet, `head.{0,2}` the output norm and conv,
+    and the quant convs are `conv1` / `conv2`."""
+    for ours, original in _WAN_TOP:
+        if key.startswith(ours) or f".{ours}" in key:
+            key = key.replace(ours, original, 1)
+            break
+    if key.startswith("encoder.down_blocks."):
+        key = "encoder.downsamples." + key[len("encoder.down_blocks."):]
+    elif key.startswith("decoder.up_blocks."):
+        level, kind, index, rest = key[len("decoder.up_blocks."):].split(".", 3)
+        per_level = module.config.num_res_blocks + 2  # its residual blocks and the upsampler
+        flat = int(level) * per_level + (int(index) if kind == "resnets" else per_level - 1)
+        key = f"decoder.upsamples.{flat}.{rest}"
+    if ".residual." not in key and (".middle.0." in key or ".middle.2." in key or "samples." in key):
+        for ours, original in _WAN_RESNET:
+            key = key.replace(ours, original)
+    return key
+
+
 def _zero(key: str, tensor: Tensor) -> None:
     tensor.zero_()
 
@@ -196,6 +233,7 @@ T5_ENCODER = RenamedLayout("T5 encoder (ComfyUI's t5xxl)", lambda module, key: k
 QWEN3 = RenamedLayout("Qwen3 text encoder (ComfyUI's qwen_3_4b)", _qwen3_key, ignored=("lm_head.weight",))
 QWEN25_VL = RenamedLayout("Qwen2.5-VL text encoder (ComfyUI's qwen_2.5_vl_7b)", _qwen25_vl_key,
                           optional=("lm_head.weight",), fill=_zero)
+WAN_VAE = RenamedLayout("Qwen-Image VAE in Wan 2.1's layout (ComfyUI's qwen_image_vae)", _wan_vae_key)
 LDM_VAE = ConvertedLayout("LDM VAE (Black Forest Labs' ae.safetensors)", _ldm_vae_expected, _ldm_vae_convert)
 
 

@@ -90,8 +90,8 @@ class QwenImage(Family):
     # ComfyUI's qwen_image_*.safetensors: the transformer alone, bare keys (as Comfy-Org ship it)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Qwen2.5-VL from its own file, in a layout ot_dist does not write
-    # ComfyUI's qwen_2.5_vl_7b(_fp8_scaled).safetensors; its qwen_image_vae.safetensors (Wan 2.1's layout) not yet
-    component_files = {"text_encoder": C.QWEN25_VL}
+    # ComfyUI's qwen_2.5_vl_7b(_fp8_scaled).safetensors and qwen_image_vae.safetensors (Wan 2.1's VAE layout)
+    component_files = {"text_encoder": C.QWEN25_VL, "vae": C.WAN_VAE}
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image"); OneTrainer writes "Qwen-Image"
     modelspec_architecture = "qwen-image"
 
