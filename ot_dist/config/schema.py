@@ -44,7 +44,8 @@ class ModelConfig(Section):
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
-        "Flux, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config)."
+        "Flux, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
+        "model.component_files)."
     )
     config: UserPath | None = Field(
         default=None,
@@ -57,8 +58,8 @@ class ModelConfig(Section):
         "component name -> .safetensors file in ComfyUI's layout, as ComfyUI / Forge / SwarmUI users hold them. flux: "
         "text_encoder (clip_l), text_encoder_2 (t5xxl_fp16, t5xxl_fp8_e4m3fn and its _scaled file), vae (ae); chroma: "
         "text_encoder (t5xxl), vae (ae); sd3: text_encoder (clip_l), text_encoder_2 (clip_g), text_encoder_3 (t5xxl), "
-        "vae (an LDM-layout VAE file); qwen_image: text_encoder (qwen_2.5_vl_7b, its fp8_scaled file too); z_image: "
-        "text_encoder (qwen_3_4b), vae (Flux's ae). The folder then needs only the configs and tokenizers (`hf "
+        "vae (an LDM-layout VAE file); qwen_image: text_encoder (qwen_2.5_vl_7b, its fp8_scaled file too), vae "
+        "(qwen_image_vae); z_image: text_encoder (qwen_3_4b), vae (Flux's ae). The folder then needs only the configs and tokenizers (`hf "
         "download REPO --include '*.json' '*.txt' '*.model' 'tokenizer*'`). Each file is checked against the "
         "component the folder's config describes before anything is loaded; float8 weights (ComfyUI's scaled ones "
         "with their scales) are upcast to float32 as every weight is (docs/families.md).",

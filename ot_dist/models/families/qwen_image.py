@@ -26,8 +26,8 @@ encoder>`; comfy/text_encoders/qwen_image.py keeps the language model as `qwen25
 
 Single files: ComfyUI's diffusion-model file (`qwen_image_bf16.safetensors`, its plain fp8 cast too), whose keys are
 diffusers' (qwen_image_single_file.py); `model.config` names the diffusers folder that supplies the rest. The text
-encoder and the VAE ship as separate files in ComfyUI's layouts, which ot_dist does not write: a trained text encoder
-is exported in the diffusers folder only.
+encoder and the VAE ship as separate files in ComfyUI's layouts, which ot_dist reads (`model.component_files`,
+component_files.py) but does not write: a trained text encoder is exported in the diffusers folder only.
 """
 
 from __future__ import annotations

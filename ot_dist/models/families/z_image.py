@@ -28,7 +28,8 @@ loader reads no text-encoder LoRA.
 Single files: ComfyUI's diffusion-model file (z_image_turbo_bf16.safetensors), the transformer in the original layout
 (q / k / v fused, a few names changed: z_image_single_file.py), which diffusers' from_single_file reads too;
 `model.config` names the diffusers folder that supplies the rest. Qwen3-4B and the VAE ship as separate files in
-ComfyUI's layouts, which ot_dist does not write: a trained text encoder is exported in the diffusers folder only.
+ComfyUI's layouts, which ot_dist reads (`model.component_files`, component_files.py) but does not write: a trained text
+encoder is exported in the diffusers folder only.
 """
 
 from __future__ import annotations
