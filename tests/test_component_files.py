@@ -298,9 +298,18 @@ def test_sd3_clip_l_clip_g_t5xxl(tmp_path):
              "text_encoder_2": save(comfy_clip(pipe.text_encoder_2), tmp_path / "clip_g.safetensors"),
              "text_encoder_3": save({k: v.half() for k, v in comfy_t5(pipe.text_encoder_3).items()},
                                     tmp_path / "t5xxl_fp16.safetensors")}
-    config = ModelConfig(family="sd3", path=str(transformer_file(family, pipe, tmp_path / "sd3.5.safetensors")),
-                         config=str(folder), component_files={k: str(v) for k, v in files.items()})
+    # Stability's file holds the VAE under first_stage_model.; a VAE file named in component_files wins over it
+    from ot_dist.models.families.sd3_single_file import sd3_to_original, sd3_vae_to_original
+
+    single = save(sd3_to_original(pipe.transformer.state_dict(), dict(pipe.transformer.config))
+                  | sd3_vae_to_original(pipe.vae.state_dict(), dict(pipe.vae.config)), tmp_path / "sd3.5.safetensors")
+    own_vae = randomized(copy.deepcopy(pipe.vae), seed=7)
+    files["vae"] = save(ldm_vae(own_vae), tmp_path / "sd3_vae.safetensors")
+    config = ModelConfig(family="sd3", path=str(single), config=str(folder),
+                         component_files={k: str(v) for k, v in files.items()})
     loaded = load_model(config)
+    for got, want in zip(vae_outputs(loaded.vae), vae_outputs(own_vae)):
+        assert torch.equal(got, want)
     reference = copy.deepcopy(pipe)
     through_dtype(reference.text_encoder_3, torch.float16)
     with torch.no_grad():  # a clip_l file without its projection: the identity (ComfyUI pools SD3's CLIP-L unprojected)
