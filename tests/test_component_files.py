@@ -351,6 +351,7 @@ def test_z_image_qwen3_and_ae_beside_a_folder(tmp_path):
     randomized(pipe.vae, seed=3)
     folder = configs_only(pipe, tmp_path / "z", keep=("transformer",))  # model.path: a folder lacking both
     te_file, te_reference = scaled_fp8(comfy_qwen3(pipe.text_encoder), new_format=True)
+    te_file["lm_head.weight"] = torch.zeros(3, 32)  # a file may carry the causal LM's head, which Qwen3Model lacks
     files = {"text_encoder": save(te_file, tmp_path / "qwen_3_4b_fp8_scaled.safetensors"),
              "vae": save(ldm_vae(pipe.vae), tmp_path / "ae.safetensors")}
     loaded = load_model(ModelConfig(family="z_image", path=str(folder),

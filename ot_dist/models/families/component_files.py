@@ -16,9 +16,10 @@ for it, loaded with `load_state_dict` as is):
 * T5_ENCODER (t5xxl): transformers' T5EncoderModel names (comfy/text_encoders/t5.py uses them): `shared.weight`,
   `encoder.block.N.layer.{0,1}...`, `encoder.final_layer_norm.weight`; the tied `encoder.embed_tokens.weight` may be
   left out.
-* QWEN3 (Z-Image's qwen_3_4b): ComfyUI's Llama2_ under `model.` (comfy/text_encoders/llama.py Qwen3_4B: `model.
-  embed_tokens`, `model.layers.N.{self_attn,mlp}...`, `model.norm`), the names of transformers' Qwen3Model under
-  `model.`; an `lm_head.weight` is ignored (Z-Image reads hidden states only).
+* QWEN3 (Z-Image's qwen_3_4b), and `decoder_lm(...)` for any other decoder-only text encoder: ComfyUI's Llama2_ under
+  `model.` (comfy/text_encoders/llama.py Qwen3_4B: `model.embed_tokens`, `model.layers.N.{self_attn,mlp}...`,
+  `model.norm`), the names of transformers' Qwen3Model under `model.`; an `lm_head.weight` is ignored where the module
+  has none (Z-Image reads hidden states only).
 * QWEN25_VL (Qwen-Image's qwen_2.5_vl_7b): Qwen2.5-VL's original checkpoint layout, as ComfyUI's Qwen25_7BVLI holds it:
   the language model under `model.`, the vision tower under `visual.`, `lm_head.weight`; transformers 5 keeps them
   under `model.language_model.`, `model.visual.` and `lm_head.`. ComfyUI's model has no lm_head: a file without one
@@ -100,7 +101,9 @@ class RenamedLayout:
         own, names = module.state_dict(), self.names(module)
         expected = {f: tuple(own[k].shape) for f, k in names.items()}
         may_lack = {f for f, k in names.items() if k in _tied_copies(module) or k in self.optional}
-        found = {k: v for k, v in header.items() if not k.endswith(_IGNORED_SUFFIXES) and k not in self.ignored}
+        # an ignored key is read where the module has it (a causal LM's own lm_head), skipped where it has not
+        found = {k: v for k, v in header.items()
+                 if not k.endswith(_IGNORED_SUFFIXES) and (k not in self.ignored or k in expected)}
         problems = []
         if missing := set(expected) - set(found) - may_lack:
             problems.append(f"missing {_names(missing)}")
@@ -165,9 +168,17 @@ def _identity_projection(key: str, tensor: Tensor) -> None:
         raise InputFileError(f"{FIELD}: the file has no {key}, and {list(tensor.shape)} cannot be the identity")
 
 
-def _qwen3_key(module: torch.nn.Module, key: str) -> str:
-    """A Qwen3Model's key under ComfyUI's `model.` (a Qwen3ForCausalLM has that level itself)."""
+def _decoder_lm_key(module: torch.nn.Module, key: str) -> str:
+    """A decoder-only language model's key under ComfyUI's `model.` (its Llama2_: Qwen3, Llama, Gemma, Mistral); a
+    *ForCausalLM has that level itself."""
     return key if key.startswith(("model.", "lm_head.")) else "model." + key
+
+
+def decoder_lm(what: str) -> RenamedLayout:
+    """The layout of ComfyUI's file of a decoder-only text encoder (comfy/text_encoders/llama.py: the decoder under
+    `model.` with transformers' layer names): an `lm_head.weight` is read where the module has one, ignored where it
+    has not (the text encoders read hidden states only)."""
+    return RenamedLayout(what, _decoder_lm_key, ignored=("lm_head.weight",))
 
 
 def _qwen25_vl_key(module: torch.nn.Module, key: str) -> str:
@@ -230,7 +241,7 @@ def _ldm_vae_convert(state: dict[str, Tensor], module: torch.nn.Module) -> dict[
 CLIP_TEXT = RenamedLayout("CLIP text encoder (ComfyUI's clip_l / clip_g)", _clip_key,
                           optional=("text_projection.weight",), fill=_identity_projection)
 T5_ENCODER = RenamedLayout("T5 encoder (ComfyUI's t5xxl)", lambda module, key: key)
-QWEN3 = RenamedLayout("Qwen3 text encoder (ComfyUI's qwen_3_4b)", _qwen3_key, ignored=("lm_head.weight",))
+QWEN3 = decoder_lm("Qwen3 text encoder (ComfyUI's qwen_3_4b)")
 QWEN25_VL = RenamedLayout("Qwen2.5-VL text encoder (ComfyUI's qwen_2.5_vl_7b)", _qwen25_vl_key,
                           optional=("lm_head.weight",), fill=_zero)
 WAN_VAE = RenamedLayout("Qwen-Image VAE in Wan 2.1's layout (ComfyUI's qwen_image_vae)", _wan_vae_key)
