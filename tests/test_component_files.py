@@ -243,6 +243,12 @@ def test_wrong_files_are_refused_naming_field_and_file(flux, tmp_path):
            for k, v in ldm_vae(flux["pipe"].vae).items()}
     with pytest.raises(InputFileError, match=r"model\.component_files\.vae: .*encoder\.conv_in\.weight is \[3, "):
         load_model(flux_config(flux, vae=save(bad, tmp_path / "ae.safetensors")))
+    # a single file without the folder that describes the components
+    with pytest.raises(InputFileError, match=r"model\.config: model\.component_files builds each component"):
+        from ot_dist.models.families.component_files import check_component_files
+
+        check_component_files(flux["family"], ModelConfig(family="flux", path=str(flux["single"]),
+                                                          component_files={"vae": str(files["vae"])}))
     # a format other than float8
     nvfp4 = dict(comfy_t5(flux["pipe"].text_encoder_2))
     nvfp4["encoder.block.0.layer.0.SelfAttention.q.comfy_quant"] = torch.tensor(

@@ -313,7 +313,12 @@ def _quantized_layers(path: Path, header: Mapping[str, tuple[int, ...]]) -> dict
 def config_folder(model_config) -> Path:
     """The folder whose configs describe the components: model.config for a single file, model.path for a folder."""
     path = Path(model_config.path)
-    return Path(model_config.config) if path.is_file() and model_config.config else path
+    if not path.is_file():
+        return path
+    if model_config.config is None:
+        raise InputFileError(f"model.config: {FIELD} builds each component from its config: name the family's "
+                             "diffusers folder (its configs and tokenizers suffice) beside the single file")
+    return Path(model_config.config)
 
 
 def empty_component(folder: Path, name: str) -> torch.nn.Module:
