@@ -313,6 +313,12 @@ def test_sd3_clip_l_clip_g_t5xxl(tmp_path):
     files["vae"] = save(ldm_vae(own_vae), tmp_path / "sd3_vae.safetensors")
     config = ModelConfig(family="sd3", path=str(single), config=str(folder),
                          component_files={k: str(v) for k, v in files.items()})
+    # CLIP-G's projected pooled output is SD3's: a clip_g file without its projection is refused
+    clip_g = {k: v for k, v in comfy_clip(pipe.text_encoder_2).items() if k != "text_projection.weight"}
+    without = config.model_copy(update={"component_files": {
+        **config.component_files, "text_encoder_2": str(save(clip_g, tmp_path / "clip_g_bare.safetensors"))}})
+    with pytest.raises(InputFileError, match=r"component_files\.text_encoder_2: .* missing text_projection\.weight"):
+        load_model(without)
     loaded = load_model(config)
     for got, want in zip(vae_outputs(loaded.vae), vae_outputs(own_vae)):
         assert torch.equal(got, want)

@@ -13,6 +13,8 @@ for it, loaded with `load_state_dict` as is):
 * CLIP_TEXT (clip_l, clip_g): transformers' CLIPTextModel(WithProjection) names with the `text_model.` level
   (comfy/clip_model.py keeps it); `text_projection.weight` where the file has one. Without one, the projection is the
   identity, as ComfyUI pools SD3's CLIP-L without projecting and diffusers' from_single_file sets it.
+  CLIP_TEXT_PROJECTED (clip_g, whose projected pooled output SD3 reads): the same, the projection required (ComfyUI
+  gives a missing one no value).
 * T5_ENCODER (t5xxl): transformers' T5EncoderModel names (comfy/text_encoders/t5.py uses them): `shared.weight`,
   `encoder.block.N.layer.{0,1}...`, `encoder.final_layer_norm.weight`; the tied `encoder.embed_tokens.weight` may be
   left out.
@@ -238,8 +240,10 @@ def _ldm_vae_convert(state: dict[str, Tensor], module: torch.nn.Module) -> dict[
     return K.from_original(state, vae_rules(dict(module.config)), ())
 
 
-CLIP_TEXT = RenamedLayout("CLIP text encoder (ComfyUI's clip_l / clip_g)", _clip_key,
+CLIP_TEXT = RenamedLayout("CLIP text encoder (ComfyUI's clip_l)", _clip_key,
                           optional=("text_projection.weight",), fill=_identity_projection)
+# A CLIP whose projected pooled output the family reads (SD3's CLIP-G): the file must hold its projection.
+CLIP_TEXT_PROJECTED = RenamedLayout("CLIP text encoder with its projection (ComfyUI's clip_g)", _clip_key)
 T5_ENCODER = RenamedLayout("T5 encoder (ComfyUI's t5xxl)", lambda module, key: key)
 QWEN3 = decoder_lm("Qwen3 text encoder (ComfyUI's qwen_3_4b)")
 QWEN25_VL = RenamedLayout("Qwen2.5-VL text encoder (ComfyUI's qwen_2.5_vl_7b)", _qwen25_vl_key,

@@ -117,7 +117,8 @@ class SD3(Family):
                                                     "text_encoder_3": "text_encoders.t5xxl.transformer."},
                                      vae="first_stage_model.")
     # ComfyUI's separate files: clip_l, clip_g, t5xxl (fp16 / fp8 / fp8 scaled) and an LDM-layout VAE file
-    component_files = {"text_encoder": C.CLIP_TEXT, "text_encoder_2": C.CLIP_TEXT, "text_encoder_3": C.T5_ENCODER,
+    component_files = {"text_encoder": C.CLIP_TEXT, "text_encoder_2": C.CLIP_TEXT_PROJECTED,
+                       "text_encoder_3": C.T5_ENCODER,
                        "vae": C.LDM_VAE}
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
