@@ -133,9 +133,12 @@ def kind_of(err: BaseException) -> str:
 
 
 def _describe(err: BaseException) -> str:
+    """`HTTP 503 Service Unavailable`, or the error's own text (the URL is named by the caller)."""
     status = _status(err)
-    text = str(err).strip() or type(err).__name__
-    return f"HTTP {status} ({text})" if status is not None and str(status) not in text else text
+    if status is not None:
+        reason = getattr(err, "message", None) or getattr(err, "reason", None)
+        return f"HTTP {status}" + (f" {reason}" if isinstance(reason, str) and reason else "")
+    return f"{type(err).__name__}: {err}".rstrip(": ")
 
 
 class RemoteStore:
@@ -150,7 +153,9 @@ class RemoteStore:
         return {**self.__dict__, "log": None}
 
     def _call(self, what, url: str, where: str):
-        """`what(fs, path)`, retried on transient errors with waits FIRST_WAIT_S, x2, ... up to MAX_WAIT_S."""
+        """`what(fs, path)`, retried on transient errors with waits FIRST_WAIT_S, x2, ... up to MAX_WAIT_S. Errors
+        start with `where` (the shard and sample), naming the URL when `where` does not."""
+        where = where if url in where else f"{where}: {url}"
         for attempt in range(1, self.retries + 1):
             fs, path = filesystem(url, self.storage_options)
             try:
@@ -159,16 +164,16 @@ class RemoteStore:
                 kind = kind_of(err)
                 if kind == "denied":
                     raise RemoteAccessDenied(
-                        f"{where}: {url}: access denied: {_describe(err)}; check the credentials the pods get (the "
+                        f"{where}: access denied: {_describe(err)}; check the credentials the pods get (the "
                         "environment or the Secret of docs/kubernetes.md) and that they may read this bucket") from None
                 if kind == "missing":
-                    raise InputFileError(f"{where}: {url} not found: {_describe(err)}") from None
+                    raise InputFileError(f"{where}: not found: {_describe(err)}") from None
                 if kind != "transient" or attempt == self.retries:
                     tries = f" after {attempt} tries" if attempt > 1 else ""
-                    raise InputFileError(f"{where}: {url} could not be read{tries}: {_describe(err)}") from None
+                    raise InputFileError(f"{where}: could not be read{tries}: {_describe(err)}") from None
                 wait = min(MAX_WAIT_S, FIRST_WAIT_S * 2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
                 if self.log is not None:
-                    self.log(f"{where}: {url}: {_describe(err)}; try {attempt + 1} of {self.retries} in {wait:.1f}s")
+                    self.log(f"{where}: {_describe(err)}; try {attempt + 1} of {self.retries} in {wait:.1f}s")
                 time.sleep(wait)
         raise AssertionError("unreachable")
 
