@@ -40,8 +40,9 @@ class Store(http.server.ThreadingHTTPServer):
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.server_address[1]}/{path}"
 
-    def ranges(self, path: str | None = None) -> list[tuple[int, int]]:
-        return [(r[0], r[1]) for m, p, r, _ in self.log if m == "GET" and r and (path is None or p.endswith(path))]
+    def ranges(self) -> list[tuple[str, int, int]]:
+        """(file name, start, end) of each ranged GET, sorted."""
+        return sorted((p.rsplit("/", 1)[1], r[0], r[1]) for m, p, r, _ in self.log if m == "GET" and r)
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
@@ -115,9 +116,10 @@ def quick_retries(monkeypatch):
     monkeypatch.setattr(remote, "FIRST_WAIT_S", 0.01)
 
 
-def spans_of(dataset, sample_ids) -> set[tuple[int, int]]:
-    index = dataset.index
-    return {(int(index.offset[i]), int(index.offset[i] + index.span[i])) for i in sample_ids}
+def spans_of(dataset, sample_ids) -> list[tuple[str, int, int]]:
+    """(tar file name, start, end) of each sample's members, sorted: what one ranged read per sample asks for."""
+    spans = [dataset.samples.span(i) for i in sample_ids]
+    return sorted((str(url).rsplit("/", 1)[1], start, start + span) for url, start, span in spans)
 
 
 def test_the_index_built_from_urls_is_the_local_one_but_for_the_urls_and_moves_alone(served, tmp_path):
@@ -173,13 +175,13 @@ def test_each_sample_is_one_ranged_read_of_its_span_and_two_ranks_read_only_thei
     dataset = ShardDataset(root / "url", data_config(root / "url"))
     store.log.clear()
     loaded = dataset.load(5, epoch=0)
-    assert loaded["caption"] and store.ranges() == sorted(spans_of(dataset, [5]))  # one request: its span
+    assert loaded["caption"] and store.ranges() == spans_of(dataset, [5])  # one request: its span
     # 2 ranks, 2 loader workers each (forked, fetching ahead): each rank's requests are exactly its samples' spans
     ranks = readers(dataset, world_size=2, batch_size=2, workers=2)
     for reader in ranks:
         store.log.clear()
         mine = [i for batch in ids(take(reader, epoch=0)) for i in batch]
-        assert sorted(store.ranges()) == sorted(spans_of(dataset, mine))
+        assert store.ranges() == spans_of(dataset, mine)
         assert sum(entry[3] for entry in store.log) == sum(int(dataset.index.span[i]) for i in mine)
     # in-process (no loader workers): the same batches as from the tars on disk
     local = ShardDataset(root / "local", data_config(root / "local"))
@@ -205,7 +207,7 @@ def test_loader_reads_ahead_a_bounded_number_of_micro_batches_with_bounded_concu
         with lock:
             state["now"] += 1
             state["peak"] = max(state["peak"], state["now"])
-            calls.append(offset)
+            calls.append((url.rsplit("/", 1)[1], offset))
         time.sleep(0.05)
         try:
             return read(self, url, offset, size, where)
@@ -218,7 +220,7 @@ def test_loader_reads_ahead_a_bounded_number_of_micro_batches_with_bounded_concu
     first = next(batches)
     time.sleep(0.5)  # batch 1's four reads, two at a time, are done by now; batch 2 waits for the next take
     assert first["sample_id"].tolist() == planned[0]
-    assert sorted(calls) == sorted(start for start, _ in spans_of(dataset, planned[0] + planned[1]))
+    assert sorted(calls) == [(name, start) for name, start, _ in spans_of(dataset, planned[0] + planned[1])]
     assert state["peak"] == 2
     batches.close()
 
