@@ -313,7 +313,10 @@ class _FetchAhead:
             self.files.release(url, start)
 
     def close(self) -> None:
+        """Stop fetching (an epoch ended or its consumer stopped early) and let go of the spans held."""
         self.pool.shutdown(wait=False, cancel_futures=True)
+        for n in list(self.futures):
+            self.release(n)
 
 
 def _line_of(member_key: str) -> int:

@@ -81,7 +81,7 @@ def filesystem(url: str, storage_options: dict | None = None):
             raise ConfigError(f"shard {url}: fsspec cannot open {protocol}:// URLs with data.storage_options "
                               f"{sorted(options)}: {err}") from None
     fs = _FILESYSTEMS[key]
-    return fs, fs._strip_protocol(url)
+    return fs, fs._strip_protocol(url)  # the path url_to_fs gives, without making the filesystem again
 
 
 def expand_url(pattern: str, storage_options: dict | None = None) -> list[str]:
@@ -192,15 +192,13 @@ class RemoteStore:
                                  "serve byte ranges, so the tar cannot be read by offset")
         return data
 
-    def reader(self, url: str, where: str, clamp: bool = True):
+    def reader(self, url: str, where: str):
         """read(offset, size) for tar_members: past the object's end it returns what is there (b'' after it), as
-        os.pread does, instead of the store's 416."""
-        end = self.size(url, where) if clamp else None
+        os.pread does, instead of the store's 416 (the size is asked once: a HEAD for HTTP)."""
+        end = self.size(url, where)
 
         def read(offset: int, size: int) -> bytes:
-            if end is not None:
-                size = min(size, end - offset)
-            return self.read(url, offset, size, where)
+            return self.read(url, offset, min(size, end - offset), where)
 
         return read
 
