@@ -208,7 +208,10 @@ def test_loader_reads_ahead_a_bounded_number_of_micro_batches_with_bounded_concu
             state["now"] += 1
             state["peak"] = max(state["peak"], state["now"])
             calls.append((url.rsplit("/", 1)[1], offset))
-        time.sleep(0.05)
+        until = time.monotonic() + 0.5
+        while state["now"] < 2 and time.monotonic() < until:  # a partner read would start now, were one allowed
+            time.sleep(0.005)
+        time.sleep(0.02)
         try:
             return read(self, url, offset, size, where)
         finally:
@@ -218,9 +221,13 @@ def test_loader_reads_ahead_a_bounded_number_of_micro_batches_with_bounded_concu
     monkeypatch.setattr(remote.RemoteStore, "read", slow_read)
     batches = readers(dataset, 1, 4)[0].epoch_batches(0)
     first = next(batches)
-    time.sleep(0.5)  # batch 1's four reads, two at a time, are done by now; batch 2 waits for the next take
+    expected = [(name, start) for name, start, _ in spans_of(dataset, planned[0] + planned[1])]
+    deadline = time.monotonic() + 30
+    while len(calls) < len(expected) and time.monotonic() < deadline:  # batch 1's reads start, two at a time
+        time.sleep(0.02)
+    time.sleep(0.2)  # time for a read of batch 2 to start, were it not bounded: it waits for the next take
     assert first["sample_id"].tolist() == planned[0]
-    assert sorted(calls) == [(name, start) for name, start, _ in spans_of(dataset, planned[0] + planned[1])]
+    assert sorted(calls) == expected
     assert state["peak"] == 2
     batches.close()
 
