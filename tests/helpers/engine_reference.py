@@ -110,3 +110,22 @@ def one_process_engine():
         yield
     finally:
         trainer_module.build_strategy = original
+
+
+@contextlib.contextmanager
+def fp16_reported(enabled: bool = True):
+    """DeepSpeed's CPU accelerator reports float16 (as on a CPU with AVX512-FP16 / AMX-FP16) while a trainer is
+    built: its fp16 engine then starts on a CPU without them too (it checks the report once, in
+    deepspeed.initialize; torch computes float16 on any CPU, only more slowly), and so does ot_dist, which refuses
+    what the accelerator does not report (parallel/deepspeed.py `refuse_engine_dtype_the_device_lacks`)."""
+    if not enabled:
+        yield
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: True
+    try:
+        yield
+    finally:
+        del accelerator.is_fp16_supported  # the class's probe again
