@@ -298,11 +298,11 @@ OVERFLOW_AT = 2  # float16 runs: this step's gradients overflow on the last rank
 # batch-4 gradient once; where the masters then differ, their half-precision copies may round apart and the next
 # step's gradients differ by about one rounding more. So after 3 steps the weights may differ by a few unit
 # roundoffs u (2^-8 for bfloat16, 2^-11 for float16) of the largest update: allowed ENGINE_ROUNDINGS u, measured
-# 1.5 u (bfloat16, zero2 and zero3: 0.6 % of the update) and 2.6 u (float16: 0.13 %). A gradient summed instead of
-# averaged moves the weights by 2x the update (halved: 0.5x), i.e. 128 u (bfloat16) or 1024 u (float16) away; a
-# loss scale not taken out of the update, or clipping of the scaled gradients, by far more; a skipped step applied,
-# by a whole update (1.5 % of the update apart); masters cloned from the rounded weights (DeepSpeed's own start)
-# 4-6x the measured distance (up to half a bf16 step of a weight, 0.04 x the update).
+# 1.9-2.6 u (bfloat16, zero2 and zero3, weights and EMA: under 1 % of the update) and 1.2-2.3 u (float16: 0.1 %). A
+# gradient summed instead of averaged moves the weights by 2x the update (halved: 0.5x), i.e. about 256 u (bfloat16)
+# or 2048 u (float16) away; a loss scale left in the update, or clipping of the scaled gradients (2^16 times the
+# norm), by far more; an overflowed step applied, by a whole update; masters cloned from the rounded weights
+# (DeepSpeed's own start: up to half a bf16 step of a weight) ended 10 u (bfloat16) and 14 u (float16) away.
 ENGINE_STRATEGIES = ("zero2", "zero3")
 UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 ENGINE_ROUNDINGS = 8
