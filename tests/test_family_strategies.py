@@ -422,7 +422,8 @@ def deepspeed_engine_cases(model: Path, data: Path, tmp_path: Path) -> tuple[dic
         references[dtype + variant] = out
         for strategy in ENGINE_STRATEGIES[:1] if variant else ENGINE_STRATEGIES:  # clipping: DeepSpeed's, zero2 only
             name = engine_case_name(dtype, variant, strategy)
-            checkpoint = {"checkpoint.every_n_steps": 2, "checkpoint.at_end": False} if (dtype, variant, strategy) == ("bfloat16", "", "zero2") else {}
+            saves = (dtype, variant, strategy) == ("bfloat16", "", "zero2")  # the checkpoint the resume starts from
+            checkpoint = {"checkpoint.every_n_steps": 2, "checkpoint.at_end": False} if saves else {}
             cases[name] = {**base_config(model, data, tmp_path / name, method="full", batch_size=2, strategy=strategy,
                                          **engine_settings(dtype, **more, **checkpoint)),
                            **injected, "_fp16_engine_on_cpu": dtype == "float16"}
