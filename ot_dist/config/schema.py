@@ -643,8 +643,10 @@ class DeepSpeedConfig(Section):
         "weights are all-gathered (zero3) and their gradients reduced in train_dtype): ends within about 1x the "
         "bfloat16 noise of one process. engine: DeepSpeed's bf16 / fp16 engine, the weights held in train_dtype and "
         "no autocast: half the bytes of the weights zero1/2 replicate on every rank and zero3 gathers, but a coarser "
-        "recipe (up to 56x the bfloat16 noise from one process, docs/parallel.md). auto: autocast with bfloat16, engine "
-        "with float16 (autocast float16 is refused: DeepSpeed 0.19's ZeRO clips the still-scaled gradients).",
+        "recipe (up to 56x the bfloat16 noise from one process, docs/parallel.md); its float32 masters start from the "
+        "loaded weights; float16 on a CPU only with AVX512-FP16 / AMX-FP16 (DeepSpeed's CPU accelerator refuses it "
+        "elsewhere). auto: autocast with bfloat16, engine with float16 (autocast float16 is refused: DeepSpeed 0.19's "
+        "ZeRO clips the still-scaled gradients).",
     )
 
 
