@@ -54,6 +54,11 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# HiDream-I1: its mixture of experts (data-dependent routing per rank, the gate's rows and each expert sharded) trained
+# through the differentiable branch, four text encoders, the negated output, under fsdp and zero2, riding in PixArt-α's
+# launch
+FAMILY_STRATEGIES["hidream"] = ("fsdp", "zero2")
+RIDERS["pixart_alpha"] += ("hidream",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
