@@ -67,10 +67,11 @@ class HiDream(Family):
     denoiser_lora_presets = {"default": HIDREAM_LORA_TARGETS, "attention": HIDREAM_ATTENTION_TARGETS,
                              "attention_mlp": HIDREAM_ATTENTION_MLP_TARGETS}
     text_lora_targets_by_encoder = {"text_encoder_3": T5_LORA_TARGETS, "text_encoder_4": LLAMA_LORA_TARGETS}
-    # Llama-3.1-8B's embedding table is its own unit (128 k x 4096, 6.5 % of it, one tensor), as Sana's Gemma's
+    # Llama-3.1-8B's embedding table and its untied lm_head (128 k x 4096, 6.5 % of it each, one tensor) are units of
+    # their own, as Sana's Gemma's table: in the root, which FSDP2 keeps gathered for the whole step, only the norm
     shard_units = {"transformer": ("double_stream_blocks", "single_stream_blocks"),
                    "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS,
-                   "text_encoder_3": ("encoder.block",), "text_encoder_4": ("model.embed_tokens", "model.layers")}
+                   "text_encoder_3": ("encoder.block",), "text_encoder_4": ("model.embed_tokens", "model.layers", "lm_head")}
     pixel_multiple = 16  # VAE x8, 2x2 patches
     memory_reference = "HiDream-I1"  # HiDream-I1-Full: the 17 B transformer, CLIP-L, CLIP-G, T5-XXL, Llama-3.1-8B
     samplers = ("flow_euler",)
