@@ -233,3 +233,24 @@ def test_the_pipelines_area_rescaling_keeps_each_requested_size():
         side = area_keeping_sample_size(width, height, 8)
         scale = math.sqrt((side * 8) ** 2 / (width * height))
         assert (int(width * scale // 16 * 16), int(height * scale // 16 * 16)) == (width, height)
+
+
+def test_a_folder_without_its_llama_is_refused_with_the_step_that_completes_it(family_models, tmp_path):
+    """HiDream-ai's folders leave the Llama out (the pipeline takes it as an argument): such a folder is refused by
+    name, with how to save a complete one."""
+    import json
+    import shutil
+
+    import pytest
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.loading import load_model
+
+    folder = tmp_path / "hidream"
+    shutil.copytree(family_models[FAMILY], folder, ignore=shutil.ignore_patterns("text_encoder_4", "tokenizer_4"))
+    index = json.loads((folder / "model_index.json").read_text())
+    (folder / "model_index.json").write_text(json.dumps({**index, "text_encoder_4": [None, None],
+                                                         "tokenizer_4": [None, None]}))
+    with pytest.raises(InputFileError, match="no Llama.*text_encoder_4=LlamaForCausalLM"):
+        load_model(ModelConfig(family=FAMILY, path=str(folder)))

@@ -35,6 +35,7 @@ FAMILIES = {
     "pixart_sigma": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
     "sana": ("sana", "transformer", "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers"),
     "qwen_image": ("qwen_image", "transformer", "Qwen/Qwen-Image-2512"),
+    "hidream": ("hidream", "transformer", "HiDream-ai/HiDream-I1-Full"),
 }
 # SimpleTuner's Qwen-Image check_user_config aligns buckets to 32 pixels (the other image models: 64)
 BUCKET_ALIGNMENT = {"qwen_image": 32}

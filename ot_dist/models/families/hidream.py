@@ -80,6 +80,21 @@ class HiDream(Family):
     single_file = False
     modelspec_architecture = "hidream-i1"  # OneTrainer's (resources/sd_model_spec/hi_dream_full.json)
 
+    # -- loading ------------------------------------------------------------------------------------------
+    def load_folder(self, path, index):
+        """None (from_pretrained loads it) once the folder holds its Llama; HiDream-ai's repositories ship none (the
+        pipeline takes it as an argument), so a folder without one is refused with the step that completes it."""
+        if all(isinstance(index.get(name), list) and index[name][0] and (path / name).is_dir()
+               for name in ("text_encoder_4", "tokenizer_4")):
+            return None
+        from ot_dist.errors import InputFileError
+
+        raise InputFileError(
+            f"model.path: {path} has no Llama (text_encoder_4 / tokenizer_4), which HiDream-ai's folders leave out; "
+            "save a complete one first: HiDreamImagePipeline.from_pretrained(FOLDER, "
+            "tokenizer_4=AutoTokenizer.from_pretrained(LLAMA), text_encoder_4=LlamaForCausalLM.from_pretrained(LLAMA))"
+            ".save_pretrained(COMPLETE) with LLAMA = meta-llama/Llama-3.1-8B-Instruct (docs/families.md, HiDream-I1)")
+
     # -- objective ----------------------------------------------------------------------------------------
     def objective(self, pipeline, model_config) -> FlowMatching:
         config = pipeline.scheduler.config
