@@ -4,7 +4,8 @@ reading the parser's actions (dest, default, store_true / type / nargs); the scr
 else. A key a command line leaves out trains with the script's default, which is what this table gives.
 
 Scripts: examples/text_to_image/train_text_to_image{,_lora,_sdxl,_lora_sdxl}.py, examples/dreambooth/
-train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux,_lora_sana,_lora_qwen_image}.py,
+train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux,_lora_sana,_lora_qwen_image}.py (and
+_lora_hidream.py, at the end),
 examples/textual_inversion/textual_inversion.py."""
 
 from __future__ import annotations
@@ -338,3 +339,15 @@ KINDS = {'adam_beta1': 'float', 'adam_beta2': 'float', 'adam_epsilon': 'float', 
 def defaults(script: str) -> dict:
     """Every argument of `script` with its default."""
     return {key: BY_SCRIPT[key][script] if key in BY_SCRIPT else SHARED[key] for key in SCRIPT_ARGS[script]}
+
+
+# examples/dreambooth/train_dreambooth_lora_hidream.py, read the same way at the same commit: the Qwen-Image LoRA
+# script's arguments and defaults (that script was written from it) without aspect_ratio_buckets, caption_dropout,
+# lora_alpha (HiDream's LoRA alpha is its rank) and use_aspect_ratio_buckets, and with max_sequence_length 128.
+HIDREAM_SCRIPT = "train_dreambooth_lora_hidream.py"
+SCRIPT_ARGS[HIDREAM_SCRIPT] = SCRIPT_ARGS["train_dreambooth_lora_qwen_image.py"] - {
+    "aspect_ratio_buckets", "caption_dropout", "lora_alpha", "use_aspect_ratio_buckets"}
+for _by_script in BY_SCRIPT.values():
+    if "train_dreambooth_lora_qwen_image.py" in _by_script:
+        _by_script[HIDREAM_SCRIPT] = _by_script["train_dreambooth_lora_qwen_image.py"]
+BY_SCRIPT["max_sequence_length"][HIDREAM_SCRIPT] = 128
