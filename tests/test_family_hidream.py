@@ -146,14 +146,18 @@ def outputs(pipe, family, side=(8, 8)):
         return family.predict(pipe.transformer, noisy, t, conditioning, {})
 
 
-def test_full_finetune_trains_the_transformer_with_its_experts_and_the_export_reloads(family_models, shapes_data,
-                                                                                      tmp_path):
+def test_full_finetune_lowers_the_loss_trains_the_experts_and_the_export_reloads(family_models, shapes_data,
+                                                                                   tmp_path):
+    """Three epochs over the demo set from the latent and text caches (the 4-D Llama stack cached per caption): the
+    loss falls; the transformer alone changes, every routed expert and gate with it; the export reloads through
+    HiDreamImagePipeline.from_pretrained with the trained outputs."""
     from diffusers import HiDreamImagePipeline
 
     base = family_models[FAMILY]
-    trainer = trainer_for(base, shapes_data, tmp_path / "o", max_steps=2, learning_rate=1e-2,
-                          output_dtype="float32", **{"optimizer.name": "SGD"})
-    trainer.train()
+    trainer = trainer_for(base, shapes_data, tmp_path / "o", epochs=3, batch_size=4, learning_rate=1e-3,
+                          output_dtype="float32", **{"data.cache_text": True, "data.cache_latents": True})
+    per_epoch = np.array(trainer.train().losses).reshape(3, -1).mean(axis=1)
+    assert per_epoch[-1] < per_epoch[0] - 0.1, f"loss did not fall: {per_epoch}"
     export = tmp_path / "o" / "model"
     assert not (tmp_path / "o" / "model.safetensors").exists()  # no single-file layout: the folder only
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
@@ -174,7 +178,8 @@ def test_full_finetune_trains_the_transformer_with_its_experts_and_the_export_re
 
 def test_lora_file_loads_in_the_pipeline_follows_comfyuis_rule_and_samples_equal_it(family_models, shapes_data,
                                                                                      tmp_path):
-    """A LoRA run over attention and the feed-forwards (the experts' too): its file, in the diffusers layout, through
+    """A LoRA run over attention and the feed-forwards (the experts' too), three epochs of the demo set: the loss falls;
+    its file, in the diffusers layout, through
     HiDreamImagePipeline.load_lora_weights gives the trained transformer's outputs; each module is named as ComfyUI's
     HiDream rule maps it (comfy/lora.py model_lora_keys_unet: `transformer.<key>` for each `.weight` key of its
     model, whose names are diffusers'); the end-of-training sample equals HiDreamImagePipeline's with that file (same
@@ -186,10 +191,11 @@ def test_lora_file_loads_in_the_pipeline_follows_comfyuis_rule_and_samples_equal
 
     base = family_models[FAMILY]
     prompt = {"prompt": "a red circle", "seed": 3, "steps": 3, "guidance_scale": 4.0, "width": 64, "height": 48}
-    trainer = trainer_for(base, shapes_data, tmp_path / "o", method="lora", max_steps=2, learning_rate=5e-2,
+    trainer = trainer_for(base, shapes_data, tmp_path / "o", method="lora", epochs=3, batch_size=4, learning_rate=5e-2,
                           output_dtype="float32", **{"lora.rank": 4, "lora.alpha": 8, "lora.preset": "attention_mlp",
                                                      "sampling.prompts": [prompt]})
-    trainer.train()
+    per_epoch = np.array(trainer.train().losses).reshape(3, -1).mean(axis=1)
+    assert per_epoch[-1] < per_epoch[0] - 0.05, f"loss did not fall: {per_epoch}"
     model, family = trainer.model, trainer.model.family
     assert family.denoiser_lora_presets["default"] == ("to_k", "to_q", "to_v", "to_out")  # the script's default
     saved = load_file(tmp_path / "o" / "lora.safetensors")
