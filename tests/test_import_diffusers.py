@@ -316,7 +316,8 @@ def test_hidream_script_trains_at_its_own_shift_and_names_its_llama(tmp_path):
     script = "train_dreambooth_lora_hidream.py"
     c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
                                       f"{data_args(tmp_path, script)} --weighting_scheme logit_normal --logit_mean 0.5 "
-                                      "--max_sequence_length 256 --pretrained_text_encoder_4_name_or_path /models/llama")
+                                      "--max_sequence_length 256 "
+                                      "--pretrained_text_encoder_4_name_or_path /models/llama")
     assert c["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": -0.5, "logit_normal_std": 1.0,
                          "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
     assert any(line.startswith("max_sequence_length: 256") for line in not_honoured(text))

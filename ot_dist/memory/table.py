@@ -117,8 +117,8 @@ DC_AE_F32C32 = dict(in_channels=3, latent_channels=32, attention_head_dim=32, en
                     decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), downsample_block_type="conv",
                     upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu",
                     scaling_factor=0.41407)
-# HiDream-ai/HiDream-I1-Full: its transformer as ComfyUI's model_detection.py and diffusers' config give it (16 dual- and
-# 32 single-stream blocks, 20 heads x 128, 4 routed experts with 2 active, Llama layers 0-31 then 31 for the last 16
+# HiDream-ai/HiDream-I1-Full: its transformer as ComfyUI's model_detection.py and diffusers' config give it (16 dual-
+# and 32 single-stream blocks, 20 heads x 128, 4 routed experts with 2 active, Llama layers 0-31 then 31 for the last 16
 # blocks), CLIP-L and CLIP-G with their projections and the 248 positions of HiDream's CLIPs (the pipeline pads to
 # 128 tokens, bounded by 218), T5-XXL's encoder, meta-llama/Llama-3.1-8B-Instruct (LlamaForCausalLM, untied lm_head)
 # and the Flux VAE.

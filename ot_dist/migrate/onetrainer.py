@@ -73,7 +73,8 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     llama = (ot.get("text_encoder_4") or {}).get("model_name")
     if llama:  # OneTrainer's HiDream loads its Llama from a model of its own
         out.notes.append(f"text_encoder_4.model_name: {llama}: ot_dist reads the Llama from model.path's "
-                         "text_encoder_4 / tokenizer_4: save the base folder with it once (docs/families.md, HiDream-I1)")
+                         "text_encoder_4 / tokenizer_4: save the base folder with it once (docs/families.md, "
+                         "HiDream-I1)")
     c["method"] = method
     destination = local_path(ot["output_model_destination"], "output_model_destination", out)
     destination = PureWindowsPath(destination) if is_windows_path(destination) else Path(destination)

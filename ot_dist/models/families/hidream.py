@@ -71,7 +71,8 @@ class HiDream(Family):
     # their own, as Sana's Gemma's table: in the root, which FSDP2 keeps gathered for the whole step, only the norm
     shard_units = {"transformer": ("double_stream_blocks", "single_stream_blocks"),
                    "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS,
-                   "text_encoder_3": ("encoder.block",), "text_encoder_4": ("model.embed_tokens", "model.layers", "lm_head")}
+                   "text_encoder_3": ("encoder.block",),
+                   "text_encoder_4": ("model.embed_tokens", "model.layers", "lm_head")}
     pixel_multiple = 16  # VAE x8, 2x2 patches
     memory_reference = "HiDream-I1"  # HiDream-I1-Full: the 17 B transformer, CLIP-L, CLIP-G, T5-XXL, Llama-3.1-8B
     samplers = ("flow_euler",)
