@@ -302,3 +302,29 @@ def test_llama_sharded_by_the_family_units_encodes_and_trains_as_unsharded(monke
         torch.testing.assert_close(results[1], results[0])
     finally:
         dist.destroy_process_group()
+
+
+def test_llama_and_transformer_lora_loads_through_peft_and_merges(family_models, shapes_data, tmp_path):
+    """HiDreamImagePipeline's LoRA loader reads the transformer only; a file with a trained Llama LoRA holds it under
+    `text_encoder_4.`, which load_peft_lora applies: the pipeline then gives the trained model's outputs, as does the
+    folder `ot-dist lora merge` writes."""
+    from diffusers import HiDreamImagePipeline
+
+    from ot_dist.lora_tools.merge import merge_command
+    from ot_dist.lora_tools.peft_load import load_peft_lora
+
+    base = family_models[FAMILY]
+    trainer = trainer_for(base, shapes_data, tmp_path / "o", method="lora", max_steps=2, learning_rate=5e-2,
+                          output_dtype="float32", **{"text_encoder_4.train": True})
+    trainer.train()
+    model = trainer.model
+    model.text_encoders["text_encoder_4"].eval()
+    trained = outputs(model.pipeline, model.family)
+    pipe = HiDreamImagePipeline.from_pretrained(base, local_files_only=True)
+    assert (outputs(pipe, model.family) - trained).abs().max() > 1e-4
+    assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder_4", "transformer"]
+    torch.testing.assert_close(outputs(pipe, model.family), trained, rtol=1e-4, atol=1e-5)
+    merged = merge_command(str(base), FAMILY, [str(tmp_path / "o" / "lora.safetensors")], [1.0], str(tmp_path / "m"),
+                           "diffusers", None, "float32", log=quiet)
+    merged = HiDreamImagePipeline.from_pretrained(merged, local_files_only=True)
+    torch.testing.assert_close(outputs(merged, model.family), trained, rtol=1e-4, atol=1e-5)
