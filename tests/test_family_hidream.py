@@ -3,12 +3,14 @@ pooled, T5, every Llama layer), the objective against diffusers' train_dreamboot
 transformer loaded with force_inference_output=True, in train mode; raw t in, the output negated, target n - x), the
 mixture of experts (gradients reach the routed experts and the gate, which the script's no_grad inference branch
 never trains), training (full: the transformer alone changes, the export reloads through from_pretrained; LoRA: the
-file HiDreamImagePipeline.load_lora_weights reads, ComfyUI's HiDream key rule) and samples equal to the pipeline's.
+file HiDreamImagePipeline.load_lora_weights reads, ComfyUI's HiDream key rule), ComfyUI's diffusion-model file and
+samples equal to the pipeline's.
 The 2-rank fsdp comparison rides in PixArt-α's launch (tests/test_family_strategies.py)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
@@ -150,8 +152,10 @@ def test_full_finetune_lowers_the_loss_trains_the_experts_and_the_export_reloads
                                                                                    tmp_path):
     """Three epochs over the demo set from the latent and text caches (the 4-D Llama stack cached per caption): the
     loss falls; the transformer alone changes, every routed expert and gate with it; the export reloads through
-    HiDreamImagePipeline.from_pretrained with the trained outputs."""
-    from diffusers import HiDreamImagePipeline
+    HiDreamImagePipeline.from_pretrained with the trained outputs; beside it ComfyUI's diffusion-model file: the
+    folder's transformer key for key (bare diffusers names, ComfyUI's HiDream detection key among them), which
+    diffusers' from_single_file reads."""
+    from diffusers import HiDreamImagePipeline, HiDreamImageTransformer2DModel
 
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", epochs=3, batch_size=4, learning_rate=1e-3,
@@ -159,7 +163,6 @@ def test_full_finetune_lowers_the_loss_trains_the_experts_and_the_export_reloads
     per_epoch = np.array(trainer.train().losses).reshape(3, -1).mean(axis=1)
     assert per_epoch[-1] < per_epoch[0] - 0.1, f"loss did not fall: {per_epoch}"
     export = tmp_path / "o" / "model"
-    assert not (tmp_path / "o" / "model.safetensors").exists()  # no single-file layout: the folder only
     for part in ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4"):
         name = "diffusion_pytorch_model.safetensors" if part in ("transformer", "vae") else "model.safetensors"
         before, after = load_file(base / part / name), load_file(export / part / name)
@@ -174,6 +177,41 @@ def test_full_finetune_lowers_the_loss_trains_the_experts_and_the_export_reloads
     family = trainer.model.family
     trained = outputs(trainer.model.pipeline, family)
     torch.testing.assert_close(outputs(loaded, family), trained, rtol=1e-5, atol=1e-6)
+    single = load_file(tmp_path / "o" / "model.safetensors")
+    folder_state = loaded.transformer.state_dict()
+    assert "caption_projection.0.linear.weight" in single  # comfy/model_detection.py's HiDream key
+    assert single.keys() == folder_state.keys() and all(torch.equal(single[k], v) for k, v in folder_state.items())
+    read = HiDreamImageTransformer2DModel.from_single_file(str(tmp_path / "o" / "model.safetensors"), config=str(export),
+                                                           subfolder="transformer", local_files_only=True)
+    assert all(torch.equal(v, folder_state[k]) for k, v in read.state_dict().items())
+
+
+def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, tmp_path):
+    """A transformer in ComfyUI's layout (keys under model.diffusion_model., as ComfyUI saves them; bfloat16, as
+    Comfy-Org's fp16 / bf16 files) with `model.config` = the diffusers folder predicts as the folder's transformer with
+    the same weights rounded to the file's dtype; a key the config's transformer lacks is named before loading."""
+    from diffusers import HiDreamImagePipeline
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.loading import load_model
+
+    base = family_models[FAMILY]
+    folder = HiDreamImagePipeline.from_pretrained(base, local_files_only=True)
+    with torch.no_grad():
+        for t in folder.transformer.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).float())  # what the file holds
+    state = {"model.diffusion_model." + k: v.to(torch.bfloat16).contiguous()
+             for k, v in folder.transformer.state_dict().items()}
+    save_file(state, tmp_path / "hidream.safetensors")
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "hidream.safetensors"), config=str(base)))
+    assert torch.equal(outputs(loaded.pipeline, loaded.family), outputs(folder, loaded.family))
+    state["model.diffusion_model.double_stream_blocks.0.block.ff_i.experts.9.w1.weight"] = state[
+        "model.diffusion_model.double_stream_blocks.0.block.ff_i.experts.0.w1.weight"].clone()
+    save_file(state, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match="unexpected 1 key.*experts.9.w1.weight"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))
 
 
 def test_lora_file_loads_in_the_pipeline_follows_comfyuis_rule_and_samples_equal_it(family_models, shapes_data,
@@ -246,8 +284,6 @@ def test_a_folder_without_its_llama_is_refused_with_the_step_that_completes_it(f
     name, with how to save a complete one."""
     import json
     import shutil
-
-    import pytest
 
     from ot_dist.config.schema import ModelConfig
     from ot_dist.errors import InputFileError

@@ -74,6 +74,7 @@ DOCUMENTED = [
     ("qwen_image", {}, None, False, "lora", "diffusers", "qwen-image/lora", "diffusers"),
     ("sana", {}, None, False, "lora", "diffusers", "sana/lora", "diffusers"),
     ("hidream", {}, None, False, "lora", "diffusers", "hidream-i1/lora", "diffusers"),  # OneTrainer's id
+    ("hidream", {}, None, False, "checkpoint", None, "hidream-i1", "diffusers"),  # ComfyUI's names are diffusers'
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -30,7 +30,11 @@ What follows HiDreamImagePipeline.encode_prompt and diffusers' train_dreambooth_
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which HiDreamImagePipeline.load_lora_weights
 reads (the transformer only) and ComfyUI maps for HiDream (comfy/lora.py: `transformer.<module>` for each of its
-model's keys, whose names are diffusers'). No single-file layout yet.
+model's keys, whose names are diffusers').
+
+Single files: ComfyUI's diffusion-model file (`hidream_i1_full_fp16.safetensors`, its fp8 cast), whose keys are
+diffusers' (hidream_single_file.py); `model.config` names the diffusers folder that supplies the rest. ComfyUI loads
+the four text encoders from files of their own: a trained text encoder is exported in the diffusers folder only.
 """
 
 from __future__ import annotations
@@ -78,7 +82,9 @@ class HiDream(Family):
     samplers = ("flow_euler",)
     sample_guidance_scale = 5.0  # OneTrainer's SampleConfig HiDream default (the model card's for Full)
     lora_file_prefixes = None  # the diffusers layout: what diffusers and ComfyUI read for HiDream
-    single_file = False
+    # ComfyUI's hidream_i1_*.safetensors: the transformer alone, bare diffusers keys (hidream_single_file.py)
+    single_file = True
+    single_file_text_encoders = False  # ComfyUI loads the four text encoders from files of their own
     modelspec_architecture = "hidream-i1"  # OneTrainer's (resources/sd_model_spec/hi_dream_full.json)
 
     # -- loading ------------------------------------------------------------------------------------------
@@ -161,6 +167,27 @@ class HiDream(Family):
         if denoiser.training and not denoiser.config.force_inference_output:
             out = unpatchify_training_output(out, *noisy.shape[-2:], denoiser.config.patch_size)
         return -out  # the model predicts x - n; the target is n - x
+
+    # -- single files -----------------------------------------------------------------------------------
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.hidream_single_file import hidream_rules
+
+        return hidream_rules(config)
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.hidream_single_file import hidream_from_original, validate_hidream_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, hidream_from_original, validate_hidream_file)
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
+        """The transformer alone with bare keys, as ComfyUI's diffusion-model loader reads Comfy-Org's file; a trained
+        text encoder is exported in the diffusers folder only (`single_file_text_encoders`)."""
+        from ot_dist.models.families.hidream_single_file import hidream_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        state = hidream_to_original(states["transformer"], dict(components["transformer"].config))
+        write_transformer_file(state, path, dtype, metadata)
 
     # -- sampling ---------------------------------------------------------------------------------------
     def sampling_arguments(self, pipeline, arguments):
