@@ -120,9 +120,6 @@ class HiDream(Family):
         """The pipeline call's max_sequence_length: 128, or fewer where the T5 tokenizer holds fewer (a tiny one)."""
         return min(MAX_SEQUENCE_LENGTH, tokenizers["tokenizer_3"].model_max_length)
 
-    def max_tokens(self, tokenizer_name, tokenizer) -> int:
-        return min(MAX_SEQUENCE_LENGTH, tokenizer.model_max_length)
-
     def pipeline_call_options(self, pipeline) -> dict:
         return {"max_sequence_length": self.sequence_length({"tokenizer_3": pipeline.tokenizer_3})}
 
