@@ -54,6 +54,11 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# Z-Image: the per-caption cut of Qwen3's hidden states, one-frame list inputs and the negated output under fsdp (units:
+# layers, noise_refiner, context_refiner) and zero2, riding in Flux's launch (CPU s of that launch: 30.7 without
+# Z-Image, 33.5 with fsdp, 35.1 with fsdp and zero2)
+FAMILY_STRATEGIES["z_image"] = ("fsdp", "zero2")
+RIDERS["flux"] += ("z_image",)
 # HiDream-I1: its mixture of experts (data-dependent routing per rank, the gate's rows and each expert sharded) trained
 # through the differentiable branch, four text encoders, the negated output, under fsdp and zero2, riding in PixArt-α's
 # launch (+5 to 6 CPU s on it: 29.5 / 28.6 before, 33.9 / 34.3 / 34.9 after)
