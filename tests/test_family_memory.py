@@ -192,3 +192,35 @@ def test_z_image_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 24, 8).strategy == "fsdp"
+def test_hidream_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's HiDream-I1 row (ot-dist init's reference for the family) is HiDream-I1-Full as its configs
+    build it on the meta device: the 17 B transformer with its experts, CLIP-L and CLIP-G (248 positions), T5-XXL's
+    encoder, Llama-3.1-8B-Instruct (8.03 B on its model card, untied lm_head) and the Flux VAE; FSDP on its 48 blocks,
+    each a few % of the transformer (a block holds its 4 routed experts, its shared one and its gate); Llama's
+    embedding table and lm_head units of their own; `ot-dist init` chooses from it."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.memory.sharding import sharding
+    from ot_dist.starter.choose import choose
+
+    family = get_family("hidream")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts["transformer"] == 17_105_733_184 and counts["text_encoder_4"] == 8_030_261_248
+    assert abs(counts["text_encoder_3"] - T5_XXL_ENCODER) / T5_XXL_ENCODER < 0.01
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding(components["transformer"], family.shard_units["transformer"])
+    assert len(units.unit_parameters) == 16 + 32 and units.largest_fraction < 0.05
+    assert units.root_parameters / units.parameters < 0.05  # embedders, caption projections, final layer
+    llama = components["text_encoder_4"]
+    units = sharding(llama, family.shard_units["text_encoder_4"])
+    assert len(units.unit_parameters) == 1 + 32 + 1 and units.largest_fraction < 0.07
+    assert units.root_parameters == llama.model.norm.weight.numel()
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.05
+    # LoRA: 30.8 B frozen parameters, 57.6 GiB in bfloat16, 28.9 GiB in float8
+    assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 80, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 12, 1)

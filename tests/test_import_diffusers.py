@@ -72,11 +72,13 @@ FAMILY_METHOD = {
     "train_dreambooth_lora_sd3.py": ("sd3", "lora"), "train_dreambooth_flux.py": ("flux", "full"),
     "train_dreambooth_lora_flux.py": ("flux", "lora"), "textual_inversion.py": ("sd1", "embedding"),
     "train_dreambooth_lora_sana.py": ("sana", "lora"), "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora"),
+    "train_dreambooth_lora_hidream.py": ("hidream", "lora"),
 }
 FAMILY_METHOD["train_dreambooth_lora_z_image.py"] = ("z_image", "lora")
 # what the Sana / Qwen-Image scripts adapt without --lora_layers
 SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
 SCRIPT_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
+SCRIPT_LORA_TARGETS["hidream"] = ["to_k", "to_q", "to_v", "to_out"]
 
 
 @pytest.mark.parametrize("script", sorted(FAMILY_METHOD))
@@ -307,6 +309,8 @@ def test_defaults_that_differ_between_the_scripts():
     assert defaults("train_dreambooth_lora_qwen_image.py")["output_dir"] == "hidream-dreambooth-lora"  # sic
     assert defaults("train_dreambooth_lora_z_image.py")["output_dir"] == "z-image-dreambooth-lora"
     assert defaults("train_dreambooth_lora_z_image.py")["validation_epochs"] == 50
+    assert defaults("train_dreambooth_lora_hidream.py")["max_sequence_length"] == 128
+    assert "lora_alpha" not in defaults("train_dreambooth_lora_hidream.py")  # peft's lora_alpha = its --rank
 
 
 def test_z_image_script_draws_at_the_schedulers_shift_and_lists_its_own_options(tmp_path):
@@ -320,6 +324,22 @@ def test_z_image_script_draws_at_the_schedulers_shift_and_lists_its_own_options(
     assert c["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": -1.0, "logit_normal_std": 1.0}
     assert any(line.startswith("do_fp8_training") for line in not_honoured(text))
     assert not any(line.startswith("fsdp_text_encoder") for line in not_honoured(text))
+
+
+def test_hidream_script_trains_at_its_own_shift_and_names_its_llama(tmp_path):
+    """train_dreambooth_lora_hidream.py loads its scheduler with shift=3.0 whatever the model's config says and draws
+    timesteps[(u x 1000)] from it (a descending table: logit_mean m is -m here); its Llama comes from an argument of its
+    own, ot_dist's from model.path (noted); a max_sequence_length other than the pipeline's 128 is listed."""
+    script = "train_dreambooth_lora_hidream.py"
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --weighting_scheme logit_normal --logit_mean 0.5 "
+                                      "--max_sequence_length 256 "
+                                      "--pretrained_text_encoder_4_name_or_path /models/llama")
+    assert c["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": -0.5, "logit_normal_std": 1.0,
+                         "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert any(line.startswith("max_sequence_length: 256") for line in not_honoured(text))
+    assert "pretrained_text_encoder_4_name_or_path: /models/llama" in text
+    assert not any(line.startswith("pretrained_text_encoder_4") for line in not_honoured(text))
 
 
 def flow_sigmas(loss: dict, shift: float, count: int = 2000) -> torch.Tensor:

@@ -366,3 +366,17 @@ def test_one_folder_at_several_resolutions(tmp_path):
     assert config["resolution"] == [512, 1024]
     assert [c["balancing"] for c in config["data"]["concepts"]] == [11, 11]
     assert "the datasets train at [512, 1024] px, each at its own" in text.split("NOT HONOURED")[1]
+
+
+def test_hidream_maps_and_its_load_balancing_loss_is_listed(tmp_path):
+    """HiDream: the common flow draw (sigmoid(N(0, 1)) shifted by 3.0), SimpleTuner's DEFAULT_LORA_TARGET (its
+    to_out.0 names no HiDream module, whose to_out is a plain Linear, in SimpleTuner too); its optional MoE
+    load-balancing loss has no counterpart in ot_dist and is listed."""
+    hidream, text = imported(tmp_path, {"--model_family": "hidream", "--model_type": "lora",
+                                        "--hidream_use_load_balancing_loss": True,
+                                        "--hidream_load_balancing_loss_weight": 0.01})
+    assert hidream["model"]["family"] == "hidream"
+    assert hidream["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert hidream["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                               "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert "hidream_use_load_balancing_loss" in text.split("NOT HONOURED")[1]

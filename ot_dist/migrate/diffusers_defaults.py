@@ -4,7 +4,8 @@ reading the parser's actions (dest, default, store_true / type / nargs); the scr
 else. A key a command line leaves out trains with the script's default, which is what this table gives.
 
 Scripts: examples/text_to_image/train_text_to_image{,_lora,_sdxl,_lora_sdxl}.py, examples/dreambooth/
-train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux,_lora_sana,_lora_qwen_image}.py,
+train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux,_lora_sana,_lora_qwen_image}.py (and
+_lora_hidream.py, at the end),
 examples/textual_inversion/textual_inversion.py."""
 
 from __future__ import annotations
@@ -363,3 +364,13 @@ for _key, _default in {"adam_weight_decay": 0.0001, "caption_column": None, "lea
                        "num_train_epochs": 1, "output_dir": "z-image-dreambooth-lora", "repeats": 1, "resolution": 512,
                        "train_batch_size": 4, "validation_epochs": 50, "weighting_scheme": "none"}.items():
     BY_SCRIPT[_key][Z_IMAGE_SCRIPT] = _default
+# examples/dreambooth/train_dreambooth_lora_hidream.py, read the same way at the same commit: the Qwen-Image LoRA
+# script's arguments and defaults (that script was written from it) without aspect_ratio_buckets, caption_dropout,
+# lora_alpha (HiDream's LoRA alpha is its rank) and use_aspect_ratio_buckets, and with max_sequence_length 128.
+HIDREAM_SCRIPT = "train_dreambooth_lora_hidream.py"
+SCRIPT_ARGS[HIDREAM_SCRIPT] = SCRIPT_ARGS["train_dreambooth_lora_qwen_image.py"] - {
+    "aspect_ratio_buckets", "caption_dropout", "lora_alpha", "use_aspect_ratio_buckets"}
+for _by_script in BY_SCRIPT.values():
+    if "train_dreambooth_lora_qwen_image.py" in _by_script:
+        _by_script[HIDREAM_SCRIPT] = _by_script["train_dreambooth_lora_qwen_image.py"]
+BY_SCRIPT["max_sequence_length"][HIDREAM_SCRIPT] = 128

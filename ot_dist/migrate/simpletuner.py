@@ -35,6 +35,7 @@ FAMILIES = {
     "pixart_sigma": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
     "sana": ("sana", "transformer", "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers"),
     "qwen_image": ("qwen_image", "transformer", "Qwen/Qwen-Image-2512"),
+    "hidream": ("hidream", "transformer", "HiDream-ai/HiDream-I1-Full"),
 }
 # Z-Image: the default flavour turbo-ostris-v2 is Z-Image-Turbo (trained through an assistant LoRA)
 FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")

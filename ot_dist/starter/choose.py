@@ -28,6 +28,9 @@ ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev":
 # Z-Image: 4096 image tokens at 1024 px joined with the caption (its own length, up to 512) in 34 single-stream
 # blocks 3840 wide (Flux: 57 blocks 3072 wide over 4096 + 512 tokens): Flux's estimate.
 ACTIVATIONS_GIB["Z-Image"] = 6.0
+# HiDream-I1: 4096 image tokens at 1024 px beside 384 text tokens (T5, Llama and each block's own Llama layer) at
+# width 2560 (Flux.1 dev: 3072) over 48 blocks, whose trained MoE keeps each token twice (2 active experts): Flux's.
+ACTIVATIONS_GIB["HiDream-I1"] = 6.0
 NO_CHECKPOINTING_FACTOR = 4
 
 

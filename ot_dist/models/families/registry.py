@@ -20,6 +20,7 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen_image": "ot_dist.models.families.qwen_image",
     "sana": "ot_dist.models.families.sana",
     "z_image": "ot_dist.models.families.z_image",
+    "hidream": "ot_dist.models.families.hidream",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
