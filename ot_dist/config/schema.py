@@ -256,7 +256,8 @@ class EmbeddingConfig(Section):
 
 
 class ConceptConfig(Section):
-    """One concept (OneTrainer's term): a folder of images with captions and optional masks."""
+    """One concept (OneTrainer's term): a folder of images with captions, optional masks and, for edit models, a
+    folder of reference images paired by file name."""
 
     path: UserPath = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
@@ -274,6 +275,14 @@ class ConceptConfig(Section):
         "masked_training.prior_preservation_weight.",
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
+    reference_path: UserPath | None = Field(
+        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext): the "
+        "partner of `<path>/sub/a.png` is the image `sub/a.<any extension>` under this folder (the ai-toolkit / "
+        "musubi `control` folder, SimpleTuner's conditioning dataset paired by file name). Every image needs its "
+        "partner (a missing one is named before any shard is written). The reference takes the image's geometry: "
+        "scaled to the image's size, then the same bucket, crop and flip / rotation / colour jitter (diffusers' "
+        "Kontext script and SimpleTuner's reference_strict). A family without reference images refuses it.",
+    )
     caption_source: Literal["txt", "filename", "text"] = Field(
         default="txt",
         description="txt: a same-name caption file (one caption per line; a line is drawn per epoch); filename: the "
