@@ -54,6 +54,10 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# Flux.1 Kontext: its reference tokens (ids (1, row, col)) and the prediction read from the target's tokens under fsdp;
+# an edit model trains on pairs, so its runs read the shapes with a reference image each (with_references).
+FAMILY_STRATEGIES["flux_kontext"] = ("fsdp",)
+RIDERS["flux"] += ("flux_kontext",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
@@ -111,6 +115,23 @@ def with_pivotal(raw: dict) -> dict:
     return {**raw, "bundle_additional_embeddings": True,
             "additional_embeddings": [{"token": PIVOTAL["token"], "vectors": PIVOTAL["vectors"]}],
             "data": {"concepts": [{"path": data["path"], "caption_prefix": PIVOTAL["token"]}], "shards": data["shards"]}}
+
+
+def with_references(raw: dict) -> dict:
+    """`raw` with a reference image for each of its images where the family needs them (an edit model): the demo
+    drawn again with another seed beside the data folder, paired by file name."""
+    if not get_family(raw["model"]["family"]).reference_images:
+        return raw
+    from ot_dist.demo import make_demo_dataset
+
+    images = Path(raw["data"]["path"])
+    references = images.with_name(f"{images.name}-references")
+    if not references.is_dir():  # the session's data folder: made once (a half-made folder is not left: no retry)
+        make_demo_dataset(references, count=len(list(images.glob("*.png"))), seed=7)
+        for caption in references.glob("*.txt"):
+            caption.unlink()
+    data = {k: v for k, v in raw["data"].items() if k != "path"}
+    return {**raw, "data": {**data, "concepts": [{"path": str(images), "reference_path": str(references)}]}}
 
 
 def pivotal_start(model: Path) -> torch.Tensor:
@@ -171,9 +192,9 @@ def trained(family: str, method: str) -> dict:
 
 
 def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: bool = True) -> dict[str, dict]:
-    cases = {f"{family}/{strategy}-{method}": with_pivotal(base_config(
+    cases = {f"{family}/{strategy}-{method}": with_references(with_pivotal(base_config(
         model, data, out / f"{family}-{strategy}-{method}", family=family, method=method, batch_size=2,
-        strategy=strategy, **settings(family, method, **extra, **trained(family, method))))
+        strategy=strategy, **settings(family, method, **extra, **trained(family, method)))))
         for strategy, extra in STRATEGIES.items() for method in METHODS
         if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
     if accumulation:
@@ -211,8 +232,8 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
     for name in families:
         for method in METHODS:
             out = tmp_path / f"ref-{name}-{method}"
-            raw = with_pivotal(base_config(models[name], shapes_data, out, family=name, method=method, batch_size=4,
-                                           **settings(name, method, **trained(name, method))))
+            raw = with_references(with_pivotal(base_config(models[name], shapes_data, out, family=name, method=method,
+                                                           batch_size=4, **settings(name, method, **trained(name, method)))))
             Trainer(validate(raw), log=lambda *_: None).train()
             references[name, method] = exported(out, name, method, bool(trained(name, method)))
     cases = {}

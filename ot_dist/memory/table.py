@@ -128,6 +128,10 @@ DENOISERS = {
     "Qwen-Image": ("transformer", QwenImage.denoiser_lora_presets["default"], QwenImage.shard_units["transformer"]),
     "Sana 1600M": ("transformer", Sana.denoiser_lora_presets["default"], Sana.shard_units["transformer"]),
 }
+# Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
+# the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
+DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
+SAME_WEIGHTS_AS = {"Flux.1 Kontext dev": "Flux.1 dev"}  # rows the printed table leaves out: another row's figures
 
 
 def build_components(model: str) -> dict[str, torch.nn.Module]:
@@ -157,7 +161,7 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
             return {"prior": StableCascadeUNet(**(STAGE_C_LITE if model.endswith("lite") else STAGE_C)),
                     "text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG)),
                     "effnet": EfficientNetEncoder()}
-        if model == "Flux.1 dev":
+        if model in ("Flux.1 dev", "Flux.1 Kontext dev"):
             return {"transformer": FluxTransformer2DModel(**FLUX_DEV),
                     "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
                     "text_encoder_2": T5EncoderModel(T5Config(**T5_XXL)), "vae": AutoencoderKL(**VAE_16)}
@@ -332,7 +336,7 @@ def fsdp_rows(models: dict, ranks=(8, 64)) -> list[str]:
 
 
 def main() -> None:
-    models = {model: build_components(model) for model in DENOISERS}
+    models = {model: build_components(model) for model in DENOISERS if model not in SAME_WEIGHTS_AS}
     sizes = {model: model_sizes(components, DENOISERS[model][1]) for model, components in models.items()}
     for rows in (component_rows(sizes), trained_rows(sizes), setup_rows(sizes), fsdp_rows(models)):
         print("\n".join(rows) + "\n")

@@ -336,6 +336,7 @@ class FluxKontext(Flux):
     reference_image). Its LoRA files are Flux LoRA files (ComfyUI runs Kontext on its Flux model class)."""
 
     name = "flux_kontext"
+    memory_reference = "Flux.1 Kontext dev"  # Flux.1 dev's weights, twice its image tokens (ot_dist/memory/table.py)
     description = "Flux.1 Kontext dev (edit model: Flux dev with a reference image's tokens beside the noisy latents)"
     pipeline_class = "FluxKontextPipeline"
     reference_images = True
