@@ -18,7 +18,6 @@ from safetensors.torch import load_file
 from ot_dist.config.load import validate
 from ot_dist.data.reader import collate
 from ot_dist.errors import ConfigError
-from ot_dist.models.families.flux import pack, unpack
 from ot_dist.randomness import generator
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.trainer import Trainer
@@ -132,6 +131,33 @@ def test_the_lora_trains_and_loads_in_the_kontext_pipeline_and_by_comfyuis_flux_
             family_models["flux_kontext"], local_files_only=True).transformer, noisy, t, conditioning, {})
     torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)
     assert (plain - trained).abs().max() > 1e-4  # the LoRA changed the prediction: the comparison can fail
+
+
+def test_a_full_finetune_lowers_the_loss(family_models, edit_pairs, tmp_path):
+    trainer = trainer_for(family_models["flux_kontext"], edit_pairs, tmp_path / "o", epochs=4)
+    per_epoch = np.array(trainer.train().losses).reshape(4, -1).mean(axis=1)
+    assert per_epoch[-1] < per_epoch[0] - 0.02, f"loss did not fall: {per_epoch}"
+
+
+def test_black_forest_labs_single_file_loads_as_the_folder(family_models, tmp_path):
+    """flux1-kontext-dev.safetensors is Flux's layout (ComfyUI loads it as a Flux model): Flux's key map reads it."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.families.flux_single_file import flux_to_original
+    from ot_dist.models.loading import load_model
+
+    folder = family_models["flux_kontext"]
+    state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    config = json.loads((folder / "transformer" / "config.json").read_text())
+    single = tmp_path / "flux1-kontext-tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in flux_to_original(state, config).items()}, single)
+    loaded = load_model(ModelConfig(family="flux_kontext", path=str(single), config=str(folder)))
+    assert type(loaded.pipeline).__name__ == "FluxKontextPipeline"
+    got = loaded.denoiser.state_dict()
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
 
 
 def test_samples_equal_the_kontext_pipeline_with_the_same_reference_and_seed(family_models, edit_pairs, tmp_path):
