@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from forked_ranks import run_ranks
 import torch
-from conftest import base_config
+from conftest import base_config, with_reference_images as with_references
 from safetensors.torch import load_file
 
 from ot_dist.config.load import apply_override, validate
@@ -55,7 +55,7 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
 # Flux.1 Kontext: its reference tokens (ids (1, row, col)) and the prediction read from the target's tokens under fsdp;
-# an edit model trains on pairs, so its runs read the shapes with a reference image each (with_references).
+# an edit model trains on pairs, so its runs read the shapes with a reference image each (conftest.py).
 FAMILY_STRATEGIES["flux_kontext"] = ("fsdp",)
 RIDERS["flux"] += ("flux_kontext",)
 # whole EfficientNet latents: sides of 128 px
@@ -115,23 +115,6 @@ def with_pivotal(raw: dict) -> dict:
     return {**raw, "bundle_additional_embeddings": True,
             "additional_embeddings": [{"token": PIVOTAL["token"], "vectors": PIVOTAL["vectors"]}],
             "data": {"concepts": [{"path": data["path"], "caption_prefix": PIVOTAL["token"]}], "shards": data["shards"]}}
-
-
-def with_references(raw: dict) -> dict:
-    """`raw` with a reference image for each of its images where the family needs them (an edit model): the demo
-    drawn again with another seed beside the data folder, paired by file name."""
-    if not get_family(raw["model"]["family"]).reference_images:
-        return raw
-    from ot_dist.demo import make_demo_dataset
-
-    images = Path(raw["data"]["path"])
-    references = images.with_name(f"{images.name}-references")
-    if not references.is_dir():  # the session's data folder: made once (a half-made folder is not left: no retry)
-        make_demo_dataset(references, count=len(list(images.glob("*.png"))), seed=7)
-        for caption in references.glob("*.txt"):
-            caption.unlink()
-    data = {k: v for k, v in raw["data"].items() if k != "path"}
-    return {**raw, "data": {**data, "concepts": [{"path": str(images), "reference_path": str(references)}]}}
 
 
 def pivotal_start(model: Path) -> torch.Tensor:
