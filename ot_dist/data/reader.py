@@ -265,10 +265,9 @@ class ShardDataset:
     def _image_suffix(self, sample: dict, resolution: int, kind: str = "image") -> str:
         """The member of the sample's image (kind image: `<res>.<format>`) or reference image (kind reference:
         `<res>.reference.<format>`) at a resolution."""
+        wanted = [str(resolution)] if kind == "image" else [str(resolution), kind]
         for suffix in sample["members"]:
-            parts = suffix.split(".")
-            if parts[0] == str(resolution) and len(parts) == (2 if kind == "image" else 3) and \
-                    (kind == "image" or parts[1] == kind):
+            if suffix.split(".")[:-1] == wanted:  # the name before the format's extension
                 return suffix
         raise InputFileError(f"data.shards: sample {sample['key']} has no {kind} at resolution {resolution}")
 
