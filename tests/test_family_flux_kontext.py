@@ -41,17 +41,17 @@ def edit_pairs(shapes_data, tmp_path_factory):
     return images, references
 
 
-def kontext_config(model, pairs, out, method="full", **overrides):
+def kontext_config(model, pairs, out, method="full", concept=None, **overrides):
     images, references = pairs
     settings = {"batch_size": 2, "learning_rate": 3e-4, **overrides}
     raw = base_config(model, images, out, family="flux_kontext", method=method, **settings)
     raw["data"].pop("path")
-    raw["data"]["concepts"] = [{"path": str(images), "reference_path": str(references)}]
+    raw["data"]["concepts"] = [{"path": str(images), "reference_path": str(references), **(concept or {})}]
     return raw
 
 
-def trainer_for(model, pairs, out, method="full", **overrides):
-    return Trainer(validate(kontext_config(model, pairs, out, method, **overrides)), log=quiet)
+def trainer_for(model, pairs, out, method="full", concept=None, **overrides):
+    return Trainer(validate(kontext_config(model, pairs, out, method, concept, **overrides)), log=quiet)
 
 
 def test_kontext_objective_equals_the_diffusers_scripts_step(family_models, edit_pairs, tmp_path):
@@ -186,11 +186,13 @@ def test_samples_equal_the_kontext_pipeline_with_the_same_reference_and_seed(fam
 
 
 def test_cached_latents_train_like_encoding_each_step(family_models, edit_pairs, tmp_path):
-    """The latent cache holds the reference's posterior beside the image's: the same losses either way."""
+    """The latent cache holds the reference's posterior beside the image's, each flipped with its image in the
+    cached versions (image_variations): the same losses either way (epoch 0 reads version 0, its augmentation)."""
     losses = []
     for cached in (False, True):
         trainer = trainer_for(family_models["flux_kontext"], edit_pairs, tmp_path / str(cached), method="lora",
-                              max_steps=3, **{"data.cache_latents": cached})
+                              concept={"flip_probability": 0.5, "image_variations": 2}, max_steps=3,
+                              **{"data.cache_latents": cached})
         losses.append(trainer.train().losses)
     np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5)
 
