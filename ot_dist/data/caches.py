@@ -101,7 +101,7 @@ class LatentEncoder:
         self.posterior = posterior or encode_posterior  # the family's (mean, std) of pixels: Family.encode_posterior
         self.variations = dataset.variations["latents"]
         self.per_version = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
-        if dataset.has_references:  # every sample has one then (ot_dist/data/references.py)
+        if dataset.has_references:  # every sample has one then (ot_dist/train/references.py)
             self.per_version += [f"{resolution}.reference_latent.safetensors" for resolution in dataset.resolutions]
         self.members = variation_members(self.per_version, self.variations.most)
 
@@ -134,17 +134,15 @@ class LatentEncoder:
         counts = self.variations.counts(self.dataset.index.concept[ids])
         for version, by_resolution in pixels.items():
             holders = [members for count, members in zip(counts, out) if count > version]
-            for images, member in ((resolution, f"{resolution}.latent.safetensors")
-                                   for resolution in self.dataset.resolutions):
-                for name, pixels in ((member, by_resolution[images]),
-                                     (member.replace(".latent.", ".reference_latent."),
-                                      by_resolution.get(f"{images}.reference"))):
-                    if pixels is None:
+            for resolution in self.dataset.resolutions:
+                for images, member in ((resolution, "latent"), (f"{resolution}.reference", "reference_latent")):
+                    if images not in by_resolution:  # no reference images
                         continue
-                    batch = pixels.to(device=reference.device, dtype=compute_dtype(self.vae))
+                    batch = by_resolution[images].to(device=reference.device, dtype=compute_dtype(self.vae))
                     mean, std = (t.float().cpu() for t in self.posterior(self.vae, batch))
                     for n, members in enumerate(holders):
-                        members[member_name(name, version)] = save({"mean": _own(mean[n]), "std": _own(std[n])})
+                        members[member_name(f"{resolution}.{member}.safetensors", version)] = save(
+                            {"mean": _own(mean[n]), "std": _own(std[n])})
         return out
 
 
