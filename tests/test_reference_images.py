@@ -38,10 +38,10 @@ def paired_folder(root: Path, count: int = 4, size=(80, 64), partner=lambda img:
     return images, references
 
 
-def config_for(images: Path, references: Path | None, out: Path, **concept):
+def config_for(images: Path, references: Path | None, out: Path, data: dict | None = None, **concept):
     raw = base_config("unused", images, out, family="flux")
     raw["data"] = {"concepts": [{"path": str(images), **({"reference_path": str(references)} if references else {}),
-                                 **concept}], "shards": str(out) + "-shards", "crop": "random"}
+                                 **concept}], "shards": str(out) + "-shards", "crop": "random", **(data or {})}
     return validate(raw)
 
 
@@ -94,6 +94,21 @@ def test_each_sample_carries_its_reference_with_the_images_geometry_and_flip(tmp
             first = dataset.load(i, 0)["pixels"]
             flips.add(bool((sample["pixels"] - first).abs().max() > 0))
     assert flips == {True, False}  # the crop / flip changed between epochs, and the pair moved together
+
+
+def test_a_sample_moved_to_another_bucket_moves_its_reference_alike(tmp_path):
+    """data.small_buckets move: a sample read in a bucket of another size is scaled to cover it, its reference too."""
+    from ot_dist.data.buckets import ASPECTS, bucket_size
+
+    images, references = paired_folder(tmp_path)
+    config = config_for(images, references, tmp_path / "o", data={"bucket_step": 16})
+    build_shard_set(config, tmp_path / "shards", log=quiet)
+    dataset = ShardDataset(tmp_path / "shards", config)
+    other = next(b for b in range(len(ASPECTS)) if dataset.moved(0, b, 64))  # a bucket of another size
+    sample = dataset.load(0, 0, 64, bucket=other)
+    assert sample["pixels"].shape[-2:] == bucket_size(other, 64, dataset.step)
+    # bicubic scaling of the inverted image is the inverted scaling, to the rounding of each side
+    np.testing.assert_allclose(sample["reference_pixels"].numpy(), -sample["pixels"].numpy(), atol=2.5 / 127.5)
 
 
 def test_every_augmentation_reaches_the_reference_alike(tmp_path):
