@@ -54,6 +54,11 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# Z-Image: the per-caption cut of Qwen3's hidden states, one-frame list inputs and the negated output under fsdp (units:
+# layers, noise_refiner, context_refiner) and zero2, riding in Flux's launch (CPU s of that launch: 30.7 without
+# Z-Image, 33.5 with fsdp, 35.1 with fsdp and zero2)
+FAMILY_STRATEGIES["z_image"] = ("fsdp", "zero2")
+RIDERS["flux"] += ("z_image",)
 # Flux.1 Kontext: its reference tokens (ids (1, row, col)) and the prediction read from the target's tokens under fsdp
 # and zero2 (+3.5 CPU s on the flux launch for both, zero2's cases +0.3 of it);
 # an edit model trains on pairs, so its runs read the shapes with a reference image each (conftest.py).

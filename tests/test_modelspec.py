@@ -73,6 +73,8 @@ DOCUMENTED = [
     ("qwen_image", {}, None, False, "checkpoint", None, "qwen-image", "diffusers"),  # ComfyUI's names are diffusers'
     ("qwen_image", {}, None, False, "lora", "diffusers", "qwen-image/lora", "diffusers"),
     ("sana", {}, None, False, "lora", "diffusers", "sana/lora", "diffusers"),
+    ("z_image", {}, None, False, "lora", "diffusers", "z-image/lora", "diffusers"),  # SwarmUI's class ids
+    ("z_image", {}, None, False, "checkpoint", None, "z-image", "https://github.com/Tongyi-MAI/Z-Image"),
     # SwarmUI's class id (T2IModelClassSorter: Flux.1-dev/kontext, matched lowercased); kohya has no Kontext id
     ("flux_kontext", FLUX_DEV, None, False, "checkpoint", None, "flux.1-dev/kontext", BFL),
     ("flux_kontext", FLUX_DEV, None, False, "lora", "diffusers", "flux.1-dev/kontext/lora", "diffusers"),

@@ -13,7 +13,8 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from ot_dist.config.checkpoint import CheckpointConfig
-from ot_dist.config.embeddings import (AdditionalEmbeddingConfig, check_additional_embeddings,
+from ot_dist.config.embeddings import (OUTPUT_EMBEDDING_DESCRIPTION, AdditionalEmbeddingConfig,
+                                       check_additional_embeddings, check_output_embedding,
                                        lower_case_for_several_vectors, safetensors_only)
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
@@ -37,8 +38,8 @@ class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
-        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, flux_kontext (Flux.1 Kontext dev, an edit "
-        "model: concepts need reference_path); each is one module under "
+        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), "
+        "flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path); each is one module under "
         "ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
@@ -244,6 +245,7 @@ class EmbeddingConfig(Section):
     learning_rate: float | None = Field(
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
     )
+    output_embedding: bool = Field(default=False, description=OUTPUT_EMBEDDING_DESCRIPTION)
 
     @field_validator("init_from")
     @classmethod
@@ -1025,6 +1027,8 @@ class TrainConfig(Section):
                              f"(allowed: auto, {', '.join(family.samplers)})")
         if self.method == "embedding" and not family.embedding_keys:
             raise ValueError(f"method: model family {self.model.family} has no text encoder that takes embeddings")
+        if self.method == "embedding" and self.embedding.output_embedding:
+            check_output_embedding("embedding.output_embedding", self, family)
         check_additional_embeddings(self, family)
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():
