@@ -224,3 +224,18 @@ def test_hidream_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "full", 80, 8).strategy == "fsdp"
     with pytest.raises(ConfigError, match="--gpu-memory"):
         choose(family, "lora", 12, 1)
+
+
+def test_flux_kontext_memory_row_is_flux_devs_weights_with_more_activations():
+    """Flux.1 Kontext dev's row (ot-dist init's reference for flux_kontext) counts Flux.1 dev's published weights and
+    sharding units; its activation allowance is larger (twice the image tokens), so init needs more per GPU."""
+    from ot_dist.starter.choose import ACTIVATIONS_GIB, choose
+
+    kontext = build_components("Flux.1 Kontext dev")
+    total = sum(p.numel() for p in kontext["transformer"].parameters())
+    assert abs(total - PUBLISHED["Flux.1 dev"]) / PUBLISHED["Flux.1 dev"] < 0.01
+    assert DENOISERS["Flux.1 Kontext dev"][2] == get_family("flux_kontext").shard_units["transformer"]
+    assert fsdp_rank_bytes(kontext, "Flux.1 Kontext dev", 8)["largest_unit_fraction"] < 0.05
+    assert ACTIVATIONS_GIB["Flux.1 Kontext dev"] > ACTIVATIONS_GIB["Flux.1 dev"]
+    flux, edit = (choose(get_family(name), "lora", 80, 1) for name in ("flux", "flux_kontext"))
+    assert edit.reference == "Flux.1 Kontext dev" and edit.need_gib > flux.need_gib

@@ -380,3 +380,30 @@ def test_hidream_maps_and_its_load_balancing_loss_is_listed(tmp_path):
     assert hidream["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
                                "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
     assert "hidream_use_load_balancing_loss" in text.split("NOT HONOURED")[1]
+
+
+def test_flux_kontext_takes_its_conditioning_dataset_as_reference_images(tmp_path):
+    """SimpleTuner's Kontext (model_family flux, model_flavour kontext; documentation/quickstart/FLUX_KONTEXT.md): the
+    edit dataset's conditioning_data names a reference_strict dataset of the same file names, which becomes the
+    concept's reference_path (and no concept of its own); Flux's mapping (loss, LoRA targets) stays."""
+    images(tmp_path / "data" / "edited", ["a", "b"], {"a": "make it red", "b": "make it blue"})
+    images(tmp_path / "data" / "reference", ["a", "b"])
+    backends = [{"id": "edits", "type": "local", "instance_data_dir": "data/edited", "caption_strategy": "textfile",
+                 "conditioning_data": ["refs"]},
+                {"id": "refs", "type": "local", "instance_data_dir": "data/reference", "caption_strategy": None,
+                 "conditioning_type": "reference_strict"}]
+    config, text = imported(tmp_path, {"--model_family": "flux", "--model_flavour": "kontext",
+                                       "--model_type": "lora"}, backends)
+    assert config["model"]["family"] == "flux_kontext"
+    (concept,) = config["data"]["concepts"]
+    assert Path(concept["reference_path"]) == tmp_path / "data" / "reference"
+    assert Path(concept["path"]) == tmp_path / "data" / "edited"
+    assert config["loss"]["timestep_shift"] == 3.0  # Flux's import
+    assert "give each sampling.prompts[] a reference_image" in text.split("NOT HONOURED")[1]
+    loose = [dict(backends[0]), {**backends[1], "conditioning_type": "reference_loose"}]
+    _, text = imported(tmp_path, {"--model_family": "flux", "--model_flavour": "kontext", "--model_type": "lora"},
+                       loose)
+    assert "reference_loose" in text.split("NOT HONOURED")[1]
+    plain, text = imported(tmp_path, {"--model_family": "flux", "--model_type": "lora"}, backends)
+    assert plain["model"]["family"] == "flux" and "reference_path" not in plain["data"]["concepts"][0]
+    assert "conditioning_type: reference_strict" in text.split("NOT HONOURED")[1]

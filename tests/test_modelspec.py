@@ -77,6 +77,9 @@ DOCUMENTED = [
     ("z_image", {}, None, False, "checkpoint", None, "z-image", "https://github.com/Tongyi-MAI/Z-Image"),
     ("hidream", {}, None, False, "lora", "diffusers", "hidream-i1/lora", "diffusers"),  # OneTrainer's id
     ("hidream", {}, None, False, "checkpoint", None, "hidream-i1", "diffusers"),  # ComfyUI's names are diffusers'
+    # SwarmUI's class id (T2IModelClassSorter: Flux.1-dev/kontext, matched lowercased); kohya has no Kontext id
+    ("flux_kontext", FLUX_DEV, None, False, "checkpoint", None, "flux.1-dev/kontext", BFL),
+    ("flux_kontext", FLUX_DEV, None, False, "lora", "diffusers", "flux.1-dev/kontext/lora", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

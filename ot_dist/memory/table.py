@@ -153,6 +153,10 @@ DENOISERS = {
     "Z-Image": ("transformer", ZImage.denoiser_lora_presets["default"], ZImage.shard_units["transformer"]),
     "HiDream-I1": ("transformer", HiDream.denoiser_lora_presets["default"], HiDream.shard_units["transformer"]),
 }
+# Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
+# the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
+DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
+SAME_WEIGHTS_AS = {"Flux.1 Kontext dev": "Flux.1 dev"}  # rows the printed table leaves out: another row's figures
 
 
 def build_components(model: str) -> dict[str, torch.nn.Module]:
@@ -198,7 +202,7 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
             return {"prior": StableCascadeUNet(**(STAGE_C_LITE if model.endswith("lite") else STAGE_C)),
                     "text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG)),
                     "effnet": EfficientNetEncoder()}
-        if model == "Flux.1 dev":
+        if model in ("Flux.1 dev", "Flux.1 Kontext dev"):
             return {"transformer": FluxTransformer2DModel(**FLUX_DEV),
                     "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
                     "text_encoder_2": T5EncoderModel(T5Config(**T5_XXL)), "vae": AutoencoderKL(**VAE_16)}
@@ -373,7 +377,7 @@ def fsdp_rows(models: dict, ranks=(8, 64)) -> list[str]:
 
 
 def main() -> None:
-    models = {model: build_components(model) for model in DENOISERS}
+    models = {model: build_components(model) for model in DENOISERS if model not in SAME_WEIGHTS_AS}
     sizes = {model: model_sizes(components, DENOISERS[model][1]) for model, components in models.items()}
     for rows in (component_rows(sizes), trained_rows(sizes), setup_rows(sizes), fsdp_rows(models)):
         print("\n".join(rows) + "\n")

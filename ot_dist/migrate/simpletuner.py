@@ -24,6 +24,9 @@ from ot_dist.migrate.simpletuner_network import import_network
 from ot_dist.migrate.simpletuner_optim import import_optimizer, import_scheduler
 from ot_dist.migrate.simpletuner_samples import import_samples
 
+# SimpleTuner's (model_family, model_flavour) of an edit model -> ot_dist's family: the base family's import, with the
+# conditioning datasets as the concepts' reference_path (simpletuner_dataset.py)
+EDIT_FLAVOURS = {("flux", "kontext"): "flux_kontext"}
 # SimpleTuner's model_family -> (ot_dist's family, its denoiser part, the default flavour's model: HUGGINGFACE_PATHS)
 FAMILIES = {
     "sd1x": ("sd1", "unet", "Lykon/dreamshaper-8"), "sd2x": ("sd2", "unet", "bghira/pseudo-flex-v2"),
@@ -94,7 +97,12 @@ def import_simpletuner(config: str, backend_file: str | None = None, lycoris_fil
     import_scheduler(args, c, out)
     _gradient_clip(args, c, family, out)
     import_loss(args, c, family, out)
-    import_dataset(args, c, method, backend_file, out)
+    edit = EDIT_FLAVOURS.get((str(args["model_family"]), str(args["model_flavour"] or "")))
+    import_dataset(args, c, method, backend_file, out, references=edit is not None)
+    if edit is not None:  # the base family's mapping above (loss, LoRA targets, samples) is the edit model's too
+        c["model"]["family"] = edit
+        out.not_honoured.append("validation: SimpleTuner edits its reference dataset's images; the samples written "
+                                "here draw from the prompt alone (give each sampling.prompts[] a reference_image)")
     c["data"]["bucket_step"] = BUCKET_ALIGNMENT.get(family, c["data"]["bucket_step"])
     _ema(args, c, out)
     import_samples(args, c, library_file, out)
@@ -149,10 +157,9 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
                          f"{default_path}, is written")
     elif args["model_flavour"]:
         out.notes.append(f"model_flavour: {args['model_flavour']}: the model is pretrained_model_name_or_path's")
-    if name == "flux" and args["model_flavour"] in ("schnell", "kontext"):
-        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains it with "
-                                f"{'an assistant LoRA' if args['model_flavour'] == 'schnell' else 'image conditioning'}"
-                                ", which ot_dist does not")
+    if name == "flux" and args["model_flavour"] == "schnell":
+        out.not_honoured.append("model_flavour: schnell: SimpleTuner trains it with an assistant LoRA, which ot_dist "
+                                "does not")
     if name == "qwen_image" and str(args["model_flavour"] or "").startswith("edit"):
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains Qwen-Image-Edit with "
                                 "image conditioning, which ot_dist does not")

@@ -31,6 +31,10 @@ ACTIVATIONS_GIB["Z-Image"] = 6.0
 # HiDream-I1: 4096 image tokens at 1024 px beside 384 text tokens (T5, Llama and each block's own Llama layer) at
 # width 2560 (Flux.1 dev: 3072) over 48 blocks, whose trained MoE keeps each token twice (2 active experts): Flux's.
 ACTIVATIONS_GIB["HiDream-I1"] = 6.0
+# Flux.1 Kontext dev: Flux.1 dev's blocks over twice the image tokens at 1024 px (the reference's 4096 appended to the
+# target's), the activations of the checkpointed blocks growing with the sequence: Flux's estimate less a GiB of
+# context and slack, scaled by the sequence (8704 tokens with the caption's 512, against 4608), and that GiB again.
+ACTIVATIONS_GIB["Flux.1 Kontext dev"] = 10.5
 NO_CHECKPOINTING_FACTOR = 4
 
 

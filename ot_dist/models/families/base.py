@@ -82,6 +82,9 @@ class Family:
     # The pipeline attribute that turns pixels into latents: a diffusers VAE, or an encoder with the same `encode`
     # answer (`.latent_dist.mean` / `.std`) that `complete_pipeline` attaches (Stable Cascade's EfficientNet).
     latent_encoder: str = "vae"
+    # Edit models (Flux.1 Kontext) see a reference image beside the noisy latents: every sample must have one (a
+    # concept's reference_path); a family without them refuses samples that have one (ot_dist/train/references.py).
+    reference_images: bool = False
 
     def complete_pipeline(self, pipeline, path: Path, model_config):
         """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""

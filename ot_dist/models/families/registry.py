@@ -21,6 +21,7 @@ FAMILY_MODULES: dict[str, str] = {
     "sana": "ot_dist.models.families.sana",
     "z_image": "ot_dist.models.families.z_image",
     "hidream": "ot_dist.models.families.hidream",
+    "flux_kontext": "ot_dist.models.families.flux",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
