@@ -1,0 +1,167 @@
+"""Lumina 2 on the family contract: the conditioning against Lumina2Pipeline.encode_prompt (the system prompt, Gemma's
+penultimate layer, the mask), the objective against the formulas of diffusers' train_dreambooth_lora_lumina2.py (the
+reversed flow: x_t = (1 - t) n + t x, the transformer at t, target x - n) with the noise level shifted by the
+scheduler's shift as SimpleTuner draws it, training (full: the transformer alone changes, the export reloads through
+from_pretrained; LoRA: the file Lumina2Pipeline.load_lora_weights reads gives the trained outputs) and samples equal
+to the pipeline's. The 2-rank fsdp comparison rides in PixArt-α's launch (tests/test_family_strategies.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from conftest import base_config
+from safetensors.torch import load_file
+
+from ot_dist.config.load import validate
+from ot_dist.data.reader import collate
+from ot_dist.models.families.lumina2 import SYSTEM_PROMPT
+from ot_dist.randomness import generator
+from ot_dist.train.loss import diffusion_loss
+from ot_dist.train.trainer import Trainer
+
+FAMILY = "lumina2"
+SHIFT = 6.0  # the tiny model's scheduler, as Lumina-Image-2.0's (and ComfyUI's sampling shift for it)
+
+
+def quiet(*_):
+    pass
+
+
+def trainer_for(model, data, out, method="full", **overrides):
+    settings = {"batch_size": 2, "learning_rate": 3e-4, **overrides}
+    return Trainer(validate(base_config(model, data, out, family=FAMILY, method=method, **settings)), log=quiet)
+
+
+def test_text_conditioning_equals_the_pipelines_encode_prompt(family_models, shapes_data, tmp_path):
+    """The system prompt in front of each caption, right padding with the mask (whatever the tokenizer's config
+    says), Gemma's second-to-last hidden states."""
+    model = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o").model
+    captions = ["a red circle", "a big green square on a white background"]
+    options = model.family.pipeline_call_options(model.pipeline)
+    assert options == {"max_sequence_length": 256, "system_prompt": model.pipeline.system_prompt}
+    assert model.pipeline.system_prompt == SYSTEM_PROMPT
+    tokenizer = model.tokenizers["tokenizer"]
+    tokenizer.padding_side = "left"  # as a tokenizer config may say: Lumina pads right regardless
+    with torch.no_grad():
+        tokens = model.family.tokenize(model.tokenizers, captions)
+        ours = model.family.encode_text(model.text_encoders, tokens)
+    tokenizer.padding_side = "right"  # what Lumina2Pipeline.__init__ sets
+    with torch.no_grad():
+        hidden, mask, _, _ = model.pipeline.encode_prompt(captions, do_classifier_free_guidance=False,
+                                                          max_sequence_length=256)
+        last = model.text_encoders["text_encoder"](tokens["text_encoder"], attention_mask=mask)[0]
+    assert tokens["text_encoder"][:, 0].eq(model.tokenizers["tokenizer"].bos_token_id).all()
+    assert torch.equal(ours["mask"], mask.long()) and 0 < mask.sum() < mask.numel()  # padding is masked
+    torch.testing.assert_close(ours["hidden"], hidden)
+    assert (last - hidden).abs().max() > 1e-3  # not the last layer's output
+
+
+def test_objective_follows_the_diffusers_training_script(family_models, shapes_data, tmp_path):
+    """diffusion_loss on a batch against train_dreambooth_lora_lumina2.py's step written out with the same draws:
+    model_input = (posterior sample - shift_factor) x scaling_factor, Lumina's t = 1 - s for the drawn noise level s,
+    noisy = (1 - t) n + t x, the transformer at t with the pipeline's prompt embeddings and mask, MSE of its output
+    against x - n. The noise level is the scheduler's shift applied to the logit-normal draw (towards noise)."""
+    trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o")
+    model, options = trainer.model, trainer.config.loss
+    assert model.objective.shift == SHIFT
+    batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+    pixels = batch["pixels"]
+    shape = (16, pixels.shape[-2] // 8, pixels.shape[-1] // 8)
+    eps, noise, levels = [], [], []
+    for sample_id in batch["sample_id"].tolist():
+        g = generator(1, 0, sample_id, "diffusion")
+        eps.append(torch.randn(shape, generator=g))
+        noise.append(torch.randn(shape, generator=g))
+        u = torch.sigmoid(torch.randn(1, generator=g, dtype=torch.float64)).item()
+        levels.append(SHIFT * u / (1 + (SHIFT - 1) * u))
+    eps, noise = torch.stack(eps), torch.stack(noise)
+    vae = model.vae
+    with torch.no_grad():
+        posterior = vae.encode(pixels).latent_dist
+        x = (posterior.mean + posterior.std * eps - vae.config.shift_factor) * vae.config.scaling_factor
+        t = 1 - torch.tensor(levels, dtype=torch.float32)  # the script's `sigmas`: Lumina's time, 1 = the image
+        sigmas = t.view(-1, 1, 1, 1)
+        noisy = (1.0 - sigmas) * noise + sigmas * x
+        hidden, mask, _, _ = model.pipeline.encode_prompt(list(batch["caption"]), do_classifier_free_guidance=False,
+                                                          max_sequence_length=256)
+        pred = model.denoiser(hidden_states=noisy, encoder_hidden_states=hidden, encoder_attention_mask=mask,
+                              timestep=t, return_dict=False)[0]
+        expected = torch.mean((pred.float() - (x - noise).float()) ** 2)
+        ours = diffusion_loss(model, batch, 1, 0, options)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def outputs(transformer, text_encoder, tokenizer, family):
+    """The transformer's prediction for fixed noisy latents and two captions of different lengths."""
+    torch.manual_seed(0)
+    noisy, t = torch.randn(2, 16, 8, 6), torch.tensor([300.0, 800.0])
+    conditioning = family.encode_text({"text_encoder": text_encoder}, family.tokenize({"tokenizer": tokenizer},
+                                                                                      ["a dot", "a big red circle"]))
+    with torch.no_grad():
+        return family.predict(transformer, noisy, t, conditioning, {})
+
+
+def per_epoch(result, epochs):
+    return np.array(result.losses).reshape(epochs, -1).mean(axis=1)
+
+
+def test_full_finetune_lowers_the_loss_and_the_export_reloads_through_from_pretrained(family_models, shapes_data,
+                                                                                     tmp_path):
+    from diffusers import Lumina2Pipeline
+
+    base = family_models[FAMILY]
+    trainer = trainer_for(base, shapes_data, tmp_path / "o", epochs=3, batch_size=4, learning_rate=1e-3)
+    losses = per_epoch(trainer.train(), 3)
+    assert losses[-1] < losses[0] - 0.02, f"loss did not fall: {losses}"
+    export = tmp_path / "o" / "model"
+    assert not (tmp_path / "o" / "model.safetensors").exists()  # no single-file layout: the folder only
+    for part, trained in (("transformer", True), ("vae", False), ("text_encoder", False)):
+        name = "model.safetensors" if part == "text_encoder" else "diffusion_pytorch_model.safetensors"
+        before, after = load_file(base / part / name), load_file(export / part / name)
+        changed = max((before[k].float() - after[k].float()).abs().max().item() for k in before)
+        assert (changed > 1e-4) if trained else (changed == 0), (part, changed)
+    loaded = Lumina2Pipeline.from_pretrained(export, local_files_only=True)
+    model = trainer.model
+    for key, value in model.denoiser.state_dict().items():
+        assert torch.equal(loaded.transformer.state_dict()[key], value), key
+    torch.testing.assert_close(outputs(loaded.transformer, loaded.text_encoder, loaded.tokenizer, model.family),
+                               outputs(model.denoiser, model.text_encoders["text_encoder"],
+                                       model.tokenizers["tokenizer"], model.family))
+
+
+def test_lora_lowers_the_loss_loads_in_the_pipeline_and_samples_equal_it(family_models, shapes_data, tmp_path):
+    """One LoRA run (attention and the SwiGLU feed-forward of every block): the loss falls, its file through
+    Lumina2Pipeline.load_lora_weights gives the trained transformer's outputs, and its end-of-training sample equals
+    Lumina2Pipeline's on the base model with that file (same seed, the system prompt and length as training). The
+    default preset is the training script's --lora_layers default."""
+    from diffusers import Lumina2Pipeline
+    from PIL import Image
+
+    prompt = {"prompt": "a red circle", "seed": 3, "steps": 3, "guidance_scale": 4.0, "width": 64, "height": 48}
+    trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o", method="lora", epochs=3,
+                          batch_size=4, learning_rate=2e-2,
+                          **{"lora.rank": 4, "lora.alpha": 2, "lora.preset": "attention_mlp",
+                             "sampling.prompts": [prompt]})
+    losses = per_epoch(trainer.train(), 3)
+    assert losses[-1] < losses[0] - 0.02, f"loss did not fall: {losses}"
+    model, family = trainer.model, trainer.model.family
+    saved = load_file(tmp_path / "o" / "lora.safetensors")
+    modules = {k.rsplit(".lora_", 1)[0].removesuffix(".0").rsplit(".", 1)[-1] for k in saved}
+    assert modules == {"to_q", "to_k", "to_v", "to_out", "linear_1", "linear_2", "linear_3"}
+    blocks = {k.split(".")[1] for k in saved}
+    assert blocks == {"layers", "noise_refiner", "context_refiner"}
+    assert family.denoiser_lora_presets["default"] == ("to_q", "to_k", "to_v", "to_out.0")
+    trained = outputs(model.denoiser, model.text_encoders["text_encoder"], model.tokenizers["tokenizer"], family)
+
+    pipe = Lumina2Pipeline.from_pretrained(family_models[FAMILY], local_files_only=True)
+    base = outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, family)
+    assert (base - trained).abs().max() > 1e-4  # the LoRA changed the output: the comparison below means something
+    pipe.load_lora_weights(tmp_path / "o" / "lora.safetensors")
+    torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, family), trained,
+                               rtol=1e-4, atol=1e-5)
+
+    (sample,) = sorted((tmp_path / "o" / "samples").glob("step-*/*.png"))
+    image = pipe(prompt="a red circle", width=64, height=48, num_inference_steps=3, guidance_scale=4.0,
+                 generator=torch.Generator().manual_seed(3), max_sequence_length=256, output_type="pil").images[0]
+    ours = np.asarray(Image.open(sample).convert("RGB")).astype(int)
+    assert np.abs(ours - np.asarray(image).astype(int)).max() <= 1
