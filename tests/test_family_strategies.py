@@ -54,6 +54,10 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# Lumina 2: its system-prompted Gemma with the mask, the reversed flow (1 - s in, output negated) and its three block
+# lists (context / noise refiners, joint layers) as units under fsdp and zero2, in PixArt-α's launch
+FAMILY_STRATEGIES["lumina2"] = ("fsdp", "zero2")
+RIDERS["pixart_alpha"] += ("lumina2",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
