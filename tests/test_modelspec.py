@@ -73,6 +73,7 @@ DOCUMENTED = [
     ("qwen_image", {}, None, False, "checkpoint", None, "qwen-image", "diffusers"),  # ComfyUI's names are diffusers'
     ("qwen_image", {}, None, False, "lora", "diffusers", "qwen-image/lora", "diffusers"),
     ("sana", {}, None, False, "lora", "diffusers", "sana/lora", "diffusers"),
+    ("lumina2", {}, None, False, "lora", "diffusers", "lumina-2/lora", "diffusers"),  # kohya's ARCH_LUMINA_2
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -60,11 +60,12 @@ class Lumina2(Family):
     # Lumina2Transformer2DModel's _no_split_modules (Lumina2TransformerBlock) are these three lists' items
     shard_units = {"transformer": ("context_refiner", "noise_refiner", "layers"), "text_encoder": GEMMA_SHARD_UNITS}
     pixel_multiple = 16  # VAE x8, 2x2 patches (Lumina2Pipeline refuses other sides)
+    memory_reference = "Lumina-Image 2.0"  # the 2.6 B transformer, Gemma-2-2B (2.6 B), the Flux VAE
     samplers = ("flow_euler",)
     sample_guidance_scale = 4.0  # Lumina2Pipeline's default
     lora_file_prefixes = None  # the diffusers layout
     single_file = False
-    modelspec_architecture = "lumina-2"
+    modelspec_architecture = "lumina-2"  # kohya sd-scripts' ARCH_LUMINA_2 and IMPL_LUMINA (library/sai_model_spec.py)
     modelspec_implementation = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
 
     def objective(self, pipeline, model_config) -> FlowMatching:
