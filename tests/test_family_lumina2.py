@@ -114,7 +114,6 @@ def test_full_finetune_lowers_the_loss_and_the_export_reloads_through_from_pretr
     losses = per_epoch(trainer.train(), 3)
     assert losses[-1] < losses[0] - 0.02, f"loss did not fall: {losses}"
     export = tmp_path / "o" / "model"
-    assert not (tmp_path / "o" / "model.safetensors").exists()  # no single-file layout: the folder only
     for part, trained in (("transformer", True), ("vae", False), ("text_encoder", False)):
         name = "model.safetensors" if part == "text_encoder" else "diffusion_pytorch_model.safetensors"
         before, after = load_file(base / part / name), load_file(export / part / name)
@@ -127,6 +126,14 @@ def test_full_finetune_lowers_the_loss_and_the_export_reloads_through_from_pretr
     torch.testing.assert_close(outputs(loaded.transformer, loaded.text_encoder, loaded.tokenizer, model.family),
                                outputs(model.denoiser, model.text_encoders["text_encoder"],
                                        model.tokenizers["tokenizer"], model.family))
+    # the single file: the transformer alone in the original keys (ComfyUI's detection key among them), read back as
+    # model.path with the folder as model.config
+    single = load_file(tmp_path / "o" / "model.safetensors")
+    assert {"cap_embedder.1.weight", "layers.1.attention.qkv.weight", "norm_final.weight"} <= single.keys()
+    assert not any(k.startswith(("text_encoder", "vae", "transformer.")) for k in single)
+    again = model.family.load_single_file(tmp_path / "o" / "model.safetensors", str(export), None).transformer
+    for key, value in model.denoiser.state_dict().items():
+        assert torch.equal(again.state_dict()[key], value), key
 
 
 def test_lora_lowers_the_loss_loads_in_the_pipeline_and_samples_equal_it(family_models, shapes_data, tmp_path):
@@ -160,8 +167,90 @@ def test_lora_lowers_the_loss_loads_in_the_pipeline_and_samples_equal_it(family_
     torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, family), trained,
                                rtol=1e-4, atol=1e-5)
 
+    comfyui_named_file_merges_to_the_trained_outputs(saved, trained, family, family_models[FAMILY], tmp_path)
+
     (sample,) = sorted((tmp_path / "o" / "samples").glob("step-*/*.png"))
     image = pipe(prompt="a red circle", width=64, height=48, num_inference_steps=3, guidance_scale=4.0,
                  generator=torch.Generator().manual_seed(3), max_sequence_length=256, output_type="pil").images[0]
     ours = np.asarray(Image.open(sample).convert("RGB")).astype(int)
     assert np.abs(ours - np.asarray(image).astype(int)).max() <= 1
+
+
+def comfy_lumina2_lora_keys(transformer_state: dict, config) -> dict[str, str]:
+    """comfy/lora.py model_lora_keys_unet for a Lumina 2 model, which has no Lumina 2 branch: the generic rule over
+    its state dict (`diffusion_model.` + the original keys): `lora_unet_<key with _>` and `diffusion_model.<key>`,
+    without `.weight`."""
+    from ot_dist.models.families.lumina2_single_file import lumina2_to_original
+
+    keys = {}
+    for key in lumina2_to_original(transformer_state, config, "diffusion_model."):
+        if key.endswith(".weight"):
+            stem = key[len("diffusion_model."):-len(".weight")]
+            keys["lora_unet_" + stem.replace(".", "_")] = key
+            keys["diffusion_model." + stem] = key
+    return keys
+
+
+def comfyui_named_file_merges_to_the_trained_outputs(saved: dict, trained: torch.Tensor, family, base_folder, out):
+    """The trained diffusers-layout file rewritten in the names ComfyUI's rule maps (the joint layers as kohya
+    sd-scripts' `lora_unet_`, the refiners as `diffusion_model.`; q / k / v fused into `attention.qkv` as one rank-3r
+    pair with a block-diagonal up matrix; alpha = rank, the scale being inside the weights): every module is one
+    ComfyUI finds, and `ot-dist lora merge` reads the file back onto the diffusers modules, giving the trained
+    outputs."""
+    from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
+    from safetensors.torch import save_file
+
+    from ot_dist.lora_tools.merge import merge_command
+    from ot_dist.models.families.lumina2_single_file import _original_name
+
+    transformer = Lumina2Transformer2DModel.from_pretrained(base_folder, subfolder="transformer")
+    comfy_keys = comfy_lumina2_lora_keys(transformer.state_dict(), transformer.config)
+    comfy = {}
+    for module in sorted({k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in saved}):
+        if module.endswith(("attn.to_k", "attn.to_v")):
+            continue  # fused with to_q
+        if module.endswith("attn.to_q"):
+            stem = module[: -len("to_q")]
+            pairs = [[saved[f"transformer.{stem}{n}.lora_{x}.weight"] for x in "AB"] for n in ("to_q", "to_k", "to_v")]
+            down, up = torch.cat([a for a, _ in pairs]), torch.block_diag(*[b for _, b in pairs])
+            original = _original_name(f"{stem}qkv.weight")
+        else:
+            down, up = (saved[f"transformer.{module}.lora_{x}.weight"] for x in "AB")
+            original = _original_name(f"{module}.weight")
+        stem = original[: -len(".weight")]
+        name = "lora_unet_" + stem.replace(".", "_") if stem.startswith("layers.") else "diffusion_model." + stem
+        assert name in comfy_keys, name
+        comfy |= {f"{name}.lora_down.weight": down.contiguous(), f"{name}.lora_up.weight": up.contiguous(),
+                  f"{name}.alpha": torch.tensor(float(down.shape[0]))}
+    assert any(k.startswith("lora_unet_layers_") for k in comfy) and any("refiner" in k for k in comfy)
+    save_file(comfy, out / "comfy_lora.safetensors")
+    merged = merge_command(str(base_folder), FAMILY, [str(out / "comfy_lora.safetensors")], [1.0],
+                           str(out / "merged"), "diffusers", None, "float32", log=quiet)
+    pipe = Lumina2Pipeline.from_pretrained(merged, local_files_only=True)
+    torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, family), trained,
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_the_single_file_is_what_diffusers_converter_and_comfyui_read_at_lumina_image_2s_widths():
+    """Lumina-Image-2.0's transformer on the meta device, written in the single-file layout: diffusers'
+    convert_lumina2_to_diffusers (which splits q | k | v at 2304 / 768 / 768) gives back every key at its shape, and
+    the keys ComfyUI's model_detection.py reads ("Lumina 2": cap_embedder.1.weight's columns, the layers.N. count)
+    describe the model; the layout reads back into the same state dict (no tensor recomputed)."""
+    from diffusers import Lumina2Transformer2DModel
+    from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
+
+    from ot_dist.memory.table import LUMINA_IMAGE_2
+    from ot_dist.models.families.lumina2_single_file import lumina2_from_original, lumina2_to_original
+
+    with torch.device("meta"):
+        transformer = Lumina2Transformer2DModel(**LUMINA_IMAGE_2)
+    state = transformer.state_dict()
+    original = lumina2_to_original(state, transformer.config)
+    converted = convert_lumina2_to_diffusers(dict(original))
+    assert converted.keys() == state.keys()
+    assert all(converted[k].shape == v.shape for k, v in state.items())
+    assert original["cap_embedder.1.weight"].shape[1] == LUMINA_IMAGE_2["cap_feat_dim"]
+    assert len({k.split(".")[1] for k in original if k.startswith("layers.")}) == LUMINA_IMAGE_2["num_layers"]
+    assert original["layers.0.attention.qkv.weight"].shape == (2304 + 768 + 768, 2304)
+    back = lumina2_from_original({"model.diffusion_model." + k: v for k, v in original.items()}, transformer.config)
+    assert back.keys() == state.keys() and all(back[k].shape == v.shape for k, v in state.items())

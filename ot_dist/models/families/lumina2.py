@@ -17,10 +17,16 @@ What follows Lumina2Pipeline, diffusers' train_dreambooth_lora_lumina2.py and Si
   image's weight), which shifts its draws towards the image instead; with a symmetric draw (its default uniform one,
   logit-normal with mean 0) that is `loss.timestep_shift: 1 / shift`.
 
+Single files: the original NextDiT layout that ComfyUI's diffusion-model files (Comfy-Org's
+`lumina_2_model_bf16.safetensors`, Neta Lumina's) and Alpha-VLLM's checkpoint use (lumina2_single_file.py), the
+transformer alone: ComfyUI loads Gemma and the VAE from their own files, so a trained Gemma goes to the diffusers
+folder only.
+
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that Lumina2Pipeline.load_lora_weights
 reads and diffusers' script and SimpleTuner write. ComfyUI maps a Lumina 2 LoRA by the original model's keys only
-(comfy/lora.py model_lora_keys_unet has no Lumina 2 rule: `diffusion_model.<key>` / `lora_unet_<key with _>`, whose
-q / k / v are one fused `attention.qkv`), so it does not read this layout. No single-file layout.
+(comfy/lora.py model_lora_keys_unet has no Lumina 2 rule, only its generic `diffusion_model.<key>` /
+`lora_unet_<key with _>`, whose q / k / v are one fused `attention.qkv`), so it does not read this layout; files in
+those names (kohya sd-scripts' Lumina LoRAs, ComfyUI's) are read by `ot-dist lora merge` and `lora.init_from`.
 """
 
 from __future__ import annotations
@@ -64,7 +70,11 @@ class Lumina2(Family):
     samplers = ("flow_euler",)
     sample_guidance_scale = 4.0  # Lumina2Pipeline's default
     lora_file_prefixes = None  # the diffusers layout
-    single_file = False
+    # kohya sd-scripts' lora_unet_<original path with _> (networks/lora_lumina.py) and ComfyUI's
+    # diffusion_model.<original path>, read through denoiser_original_rules (the fused qkv split by rows)
+    lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
+    single_file = True
+    single_file_text_encoders = False  # ComfyUI loads Gemma 2 from its own file, in a layout ot_dist does not write
     modelspec_architecture = "lumina-2"  # kohya sd-scripts' ARCH_LUMINA_2 and IMPL_LUMINA (library/sai_model_spec.py)
     modelspec_implementation = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
 
@@ -102,6 +112,26 @@ class Lumina2(Family):
         out = denoiser(hidden_states=noisy, timestep=t, encoder_hidden_states=conditioning["hidden"],
                        encoder_attention_mask=conditioning["mask"], return_dict=False)[0]
         return -out
+
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.lumina2_single_file import lumina2_rules
+
+        return lumina2_rules(config)
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.lumina2_single_file import lumina2_from_original, validate_lumina2_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, lumina2_from_original, validate_lumina2_file)
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
+        """The transformer alone with bare original keys, as ComfyUI's diffusion-model loader reads Comfy-Org's file.
+        A trained Gemma is not in it (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
+        from ot_dist.models.families.lumina2_single_file import lumina2_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        state = lumina2_to_original(states["transformer"], dict(components["transformer"].config))
+        write_transformer_file(state, path, dtype, metadata)
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
