@@ -235,12 +235,14 @@ def test_the_single_file_is_what_diffusers_converter_and_comfyui_read_at_lumina_
     """Lumina-Image-2.0's transformer on the meta device, written in the single-file layout: diffusers'
     convert_lumina2_to_diffusers (which splits q | k | v at 2304 / 768 / 768) gives back every key at its shape, and
     the keys ComfyUI's model_detection.py reads ("Lumina 2": cap_embedder.1.weight's columns, the layers.N. count)
-    describe the model; the layout reads back into the same state dict (no tensor recomputed)."""
+    describe the model; the keys are those of ComfyUI's NextDiT; the layout reads back into the same state dict (no
+    tensor recomputed)."""
     from diffusers import Lumina2Transformer2DModel
     from diffusers.loaders.single_file_utils import convert_lumina2_to_diffusers
 
     from ot_dist.memory.table import LUMINA_IMAGE_2
-    from ot_dist.models.families.lumina2_single_file import lumina2_from_original, lumina2_to_original
+    from ot_dist.models.families.lumina2_single_file import lumina2_from_original, lumina2_rules, lumina2_to_original
+    from ot_dist.models.families.single_file_keys import to_original
 
     with torch.device("meta"):
         transformer = Lumina2Transformer2DModel(**LUMINA_IMAGE_2)
@@ -254,3 +256,28 @@ def test_the_single_file_is_what_diffusers_converter_and_comfyui_read_at_lumina_
     assert original["layers.0.attention.qkv.weight"].shape == (2304 + 768 + 768, 2304)
     back = lumina2_from_original({"model.diffusion_model." + k: v for k, v in original.items()}, transformer.config)
     assert back.keys() == state.keys() and all(back[k].shape == v.shape for k, v in state.items())
+    assert original.keys() == comfy_nextdit_keys(LUMINA_IMAGE_2["num_refiner_layers"], LUMINA_IMAGE_2["num_layers"])
+    # the fused rows in diffusers' (and ComfyUI's split: q heads, then k, then v) order, with values
+    rules = [r for r in lumina2_rules(transformer.config) if r.original == "layers.3.attention.qkv.weight"]
+    pieces = {key: torch.randn(value.shape) for key, value in state.items() if key in rules[0].diffusers}
+    fused = to_original(pieces, rules)
+    assert all(torch.equal(convert_lumina2_to_diffusers(dict(fused))[k], v) for k, v in pieces.items())
+
+
+def comfy_nextdit_keys(refiner_layers: int, layers: int) -> set[str]:
+    """The state-dict keys of ComfyUI's NextDiT (comfy/ldm/lumina/model.py), written out from its modules: joint
+    blocks with qk norm and no biases in attention or feed-forward, modulated (`adaLN_modulation.1`) except in the
+    context refiner; the caption embedder's RMSNorm + Linear; the final layer's scale-only modulation (its LayerNorm
+    has no weights); the unused `norm_final` RMSNorm."""
+    block = {"attention.qkv.weight", "attention.out.weight", "attention.q_norm.weight", "attention.k_norm.weight",
+             "feed_forward.w1.weight", "feed_forward.w2.weight", "feed_forward.w3.weight", "attention_norm1.weight",
+             "ffn_norm1.weight", "attention_norm2.weight", "ffn_norm2.weight"}
+    modulated = block | {"adaLN_modulation.1.weight", "adaLN_modulation.1.bias"}
+    keys = {"x_embedder.weight", "x_embedder.bias", "t_embedder.mlp.0.weight", "t_embedder.mlp.0.bias",
+            "t_embedder.mlp.2.weight", "t_embedder.mlp.2.bias", "cap_embedder.0.weight", "cap_embedder.1.weight",
+            "cap_embedder.1.bias", "norm_final.weight", "final_layer.linear.weight", "final_layer.linear.bias",
+            "final_layer.adaLN_modulation.1.weight", "final_layer.adaLN_modulation.1.bias"}
+    for blocks, count, names in (("noise_refiner", refiner_layers, modulated),
+                                 ("context_refiner", refiner_layers, block), ("layers", layers, modulated)):
+        keys |= {f"{blocks}.{i}.{name}" for i in range(count) for name in names}
+    return keys
