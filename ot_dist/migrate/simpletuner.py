@@ -35,6 +35,7 @@ FAMILIES = {
     "pixart_sigma": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
     "sana": ("sana", "transformer", "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers"),
     "qwen_image": ("qwen_image", "transformer", "Qwen/Qwen-Image-2512"),
+    "lumina2": ("lumina2", "transformer", "Alpha-VLLM/Lumina-Image-2.0"),
 }
 # SimpleTuner's Qwen-Image check_user_config aligns buckets to 32 pixels (the other image models: 64)
 BUCKET_ALIGNMENT = {"qwen_image": 32}
@@ -152,6 +153,8 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
                                 "image conditioning, which ot_dist does not")
     if name == "sana":
         _sana(args, out)
+    if name == "lumina2":
+        _lumina2(args, out)
     if args.given("aspect_bucket_alignment"):
         step = BUCKET_ALIGNMENT.get(family, 64)
         out.notes.append(f"aspect_bucket_alignment: SimpleTuner's {name} aligns buckets to {step} pixels whatever "
@@ -186,6 +189,15 @@ def _sana(args: SimpleTunerArgs, out: Imported) -> None:
         out.notes.append(f"tokenizer_max_length: {args['tokenizer_max_length']}: ignored for Sana, as in SimpleTuner "
                          "(300 tokens)")
     args["tokenizer_max_length"]
+
+
+def _lumina2(args: SimpleTunerArgs, out: Imported) -> None:
+    """SimpleTuner's Lumina 2 (helpers/models/lumina2/model.py): the pipeline's system prompt and 256 tokens, as
+    ot_dist; another tokenizer_max_length is not."""
+    length = args["tokenizer_max_length"]
+    if length is not None and int(length) != 256:
+        out.not_honoured.append(f"tokenizer_max_length: {length}: ot_dist encodes Lumina 2 captions at the "
+                                "pipeline's 256 tokens")
 
 
 def _prediction(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -> None:
