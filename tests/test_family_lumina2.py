@@ -281,3 +281,27 @@ def comfy_nextdit_keys(refiner_layers: int, layers: int) -> set[str]:
                                  ("context_refiner", refiner_layers, block), ("layers", layers, modulated)):
         keys |= {f"{blocks}.{i}.{name}" for i in range(count) for name in names}
     return keys
+
+
+def test_gemma_lora_loads_back_through_peft(family_models, shapes_data, tmp_path):
+    """Lumina2Pipeline's LoRA loader reads the transformer only; a file with a trained Gemma LoRA holds it under
+    `text_encoder.`, which load_peft_lora applies: the pipeline then gives the trained model's outputs. (Gemma's last
+    layer, whose output Lumina never reads, gets no gradient: its LoRA stays at its zero start.)"""
+    from diffusers import Lumina2Pipeline
+
+    from ot_dist.lora_tools.peft_load import load_peft_lora
+
+    trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o", method="lora", max_steps=2,
+                          learning_rate=1e-2, **{"text_encoder.train": True})
+    trainer.train()
+    model = trainer.model
+    model.text_encoders["text_encoder"].eval()
+    trained = outputs(model.denoiser, model.text_encoders["text_encoder"], model.tokenizers["tokenizer"], model.family)
+    saved = load_file(tmp_path / "o" / "lora.safetensors")
+    last = [v for k, v in saved.items() if k.startswith("text_encoder.layers.1.") and "lora_B" in k]
+    assert last and all(not v.any() for v in last)
+    assert any(v.any() for k, v in saved.items() if k.startswith("text_encoder.layers.0.") and "lora_B" in k)
+    pipe = Lumina2Pipeline.from_pretrained(family_models[FAMILY], local_files_only=True)
+    assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder", "transformer"]
+    torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, model.family), trained,
+                               rtol=1e-4, atol=1e-5)
