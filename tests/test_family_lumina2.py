@@ -167,7 +167,8 @@ def test_lora_lowers_the_loss_loads_in_the_pipeline_and_samples_equal_it(family_
     torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, family), trained,
                                rtol=1e-4, atol=1e-5)
 
-    comfyui_named_file_merges_to_the_trained_outputs(saved, trained, family, family_models[FAMILY], tmp_path)
+    comfyui_file_applies_the_trained_change(tmp_path / "o" / "lora_comfyui.safetensors", trained, family,
+                                            family_models[FAMILY], tmp_path)
 
     (sample,) = sorted((tmp_path / "o" / "samples").glob("step-*/*.png"))
     image = pipe(prompt="a red circle", width=64, height=48, num_inference_steps=3, guidance_scale=4.0,
@@ -191,41 +192,34 @@ def comfy_lumina2_lora_keys(transformer_state: dict, config) -> dict[str, str]:
     return keys
 
 
-def comfyui_named_file_merges_to_the_trained_outputs(saved: dict, trained: torch.Tensor, family, base_folder, out):
-    """The trained diffusers-layout file rewritten in the names ComfyUI's rule maps (the joint layers as kohya
-    sd-scripts' `lora_unet_`, the refiners as `diffusion_model.`; q / k / v fused into `attention.qkv` as one rank-3r
-    pair with a block-diagonal up matrix; alpha = rank, the scale being inside the weights): every module is one
-    ComfyUI finds, and `ot-dist lora merge` reads the file back onto the diffusers modules, giving the trained
-    outputs."""
+def comfyui_file_applies_the_trained_change(path, trained: torch.Tensor, family, base_folder, out):
+    """lora_comfyui.safetensors: every module one ComfyUI's rule maps onto Lumina 2's original keys (q / k / v as one
+    `attention.qkv`), applied as ComfyUI applies a LoRA (W + alpha / rank x up @ down, rank = the down matrix's rows)
+    to the base model in its original layout, read back into diffusers: the trained outputs. `ot-dist lora merge`
+    reads the same file (the fused modules split back onto q / k / v): the trained outputs too."""
     from diffusers import Lumina2Pipeline, Lumina2Transformer2DModel
-    from safetensors.torch import save_file
 
     from ot_dist.lora_tools.merge import merge_command
-    from ot_dist.models.families.lumina2_single_file import _original_name
+    from ot_dist.models.families.lumina2_single_file import lumina2_from_original, lumina2_to_original
 
+    comfy = load_file(path)
     transformer = Lumina2Transformer2DModel.from_pretrained(base_folder, subfolder="transformer")
     comfy_keys = comfy_lumina2_lora_keys(transformer.state_dict(), transformer.config)
-    comfy = {}
-    for module in sorted({k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in saved}):
-        if module.endswith(("attn.to_k", "attn.to_v")):
-            continue  # fused with to_q
-        if module.endswith("attn.to_q"):
-            stem = module[: -len("to_q")]
-            pairs = [[saved[f"transformer.{stem}{n}.lora_{x}.weight"] for x in "AB"] for n in ("to_q", "to_k", "to_v")]
-            down, up = torch.cat([a for a, _ in pairs]), torch.block_diag(*[b for _, b in pairs])
-            original = _original_name(f"{stem}qkv.weight")
-        else:
-            down, up = (saved[f"transformer.{module}.lora_{x}.weight"] for x in "AB")
-            original = _original_name(f"{module}.weight")
-        stem = original[: -len(".weight")]
-        name = "lora_unet_" + stem.replace(".", "_") if stem.startswith("layers.") else "diffusion_model." + stem
-        assert name in comfy_keys, name
-        comfy |= {f"{name}.lora_down.weight": down.contiguous(), f"{name}.lora_up.weight": up.contiguous(),
-                  f"{name}.alpha": torch.tensor(float(down.shape[0]))}
-    assert any(k.startswith("lora_unet_layers_") for k in comfy) and any("refiner" in k for k in comfy)
-    save_file(comfy, out / "comfy_lora.safetensors")
-    merged = merge_command(str(base_folder), FAMILY, [str(out / "comfy_lora.safetensors")], [1.0],
-                           str(out / "merged"), "diffusers", None, "float32", log=quiet)
+    modules = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in comfy}
+    assert modules <= comfy_keys.keys(), sorted(modules - comfy_keys.keys())[:3]
+    assert any(m.endswith("_attention_qkv") for m in modules) and not any("to_q" in m for m in modules)
+    original = lumina2_to_original(transformer.state_dict(), transformer.config, "diffusion_model.")
+    for module in modules:
+        down, up = comfy[f"{module}.lora_down.weight"], comfy[f"{module}.lora_up.weight"]
+        key = comfy_keys[module]
+        original[key] = original[key] + comfy[f"{module}.alpha"] / down.shape[0] * (up @ down)
+    bare = {k.removeprefix("diffusion_model."): v for k, v in original.items()}
+    transformer.load_state_dict(lumina2_from_original(bare, transformer.config))
+    pipe = Lumina2Pipeline.from_pretrained(base_folder, transformer=transformer, local_files_only=True)
+    torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, family), trained,
+                               rtol=1e-4, atol=1e-5)
+    merged = merge_command(str(base_folder), FAMILY, [str(path)], [1.0], str(out / "merged"), "diffusers", None,
+                           "float32", log=quiet)
     pipe = Lumina2Pipeline.from_pretrained(merged, local_files_only=True)
     torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, family), trained,
                                rtol=1e-4, atol=1e-5)

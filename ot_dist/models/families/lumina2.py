@@ -77,6 +77,8 @@ class Lumina2(Family):
     single_file_text_encoders = False  # ComfyUI loads Gemma 2 from its own file, in a layout ot_dist does not write
     modelspec_architecture = "lumina-2"  # kohya sd-scripts' ARCH_LUMINA_2 and IMPL_LUMINA (library/sai_model_spec.py)
     modelspec_implementation = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
+    # the module names of lora_comfyui.safetensors (extra_lora_files): the original model's, as kohya's IMPL_LUMINA
+    modelspec_kohya_lora_implementation = modelspec_implementation
 
     def objective(self, pipeline, model_config) -> FlowMatching:
         return FlowMatching.from_scheduler_config(pipeline.scheduler.config,
@@ -132,6 +134,32 @@ class Lumina2(Family):
 
         state = lumina2_to_original(states["transformer"], dict(components["transformer"].config))
         write_transformer_file(state, path, dtype, metadata)
+
+    def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the names ComfyUI reads for Lumina 2 (lumina2_lora.py);
+        nothing for an adapter other than plain LoRA or a run without a transformer LoRA."""
+        import json
+
+        from safetensors.torch import save_file
+
+        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.methods.lora_layouts import kohya_metadata
+        from ot_dist.models.families.lumina2_lora import comfyui_lora_state
+
+        if "transformer" not in states:
+            return []
+        tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"], model.part("transformer"))
+        if tensors is None:
+            return []
+        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
+        config = adapter_configs["transformer"]
+        metadata = kohya_metadata(config["r"], config["r"], {"ot_dist_lora": json.dumps(
+            {"layout": "comfyui", "family": self.name, "scale": "inside the up matrices, alpha = each module's rank"})})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
+                      str(tmp), metadata={**metadata, **modelspec})
+        return [path]
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
