@@ -299,3 +299,34 @@ def test_gemma_lora_loads_back_through_peft(family_models, shapes_data, tmp_path
     assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder", "transformer"]
     torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, model.family), trained,
                                rtol=1e-4, atol=1e-5)
+
+
+def test_comfyui_names_fuse_a_partly_adapted_qkv_with_zero_rows():
+    """lora.transformer_targets to_q alone (rsLoRA, alpha 8, rank 2): the fused `attention.qkv` module has rank 6, its
+    up @ down is the q change (scale alpha / sqrt(rank) inside) over zero rows for k and v, at `.alpha` = its rank."""
+    from diffusers import Lumina2Transformer2DModel
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from ot_dist.models.families.lumina2_lora import comfyui_lora_state
+
+    torch.manual_seed(0)
+    transformer = Lumina2Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=16, hidden_size=32, num_layers=1, num_refiner_layers=1,
+        num_attention_heads=2, num_kv_heads=1, multiple_of=16, axes_dim_rope=(4, 6, 6), cap_feat_dim=32)
+    config = LoraConfig(r=2, lora_alpha=8, use_rslora=True, target_modules=["to_q"], init_lora_weights="gaussian")
+    transformer.add_adapter(config)
+    for name, parameter in transformer.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_()
+    state = get_peft_model_state_dict(transformer)
+    comfy = comfyui_lora_state(state, transformer.peft_config["default"].to_dict(), transformer)
+    name = "lora_unet_layers_0_attention_qkv"
+    down, up = comfy[f"{name}.lora_down.weight"], comfy[f"{name}.lora_up.weight"]
+    assert down.shape == (6, 32) and up.shape == (32 + 16 + 16, 6) and comfy[f"{name}.alpha"].item() == 6
+    change = comfy[f"{name}.alpha"] / 6 * (up @ down)
+    q = state["layers.0.attn.to_q.lora_B.weight"] @ state["layers.0.attn.to_q.lora_A.weight"] * 8 / 2 ** 0.5
+    torch.testing.assert_close(change[:32], q)
+    assert not change[32:].any()
+    assert {k.rsplit(".", 2)[0] for k in comfy if k.endswith("down.weight")} == {
+        f"lora_unet_{block}_0_attention_qkv" for block in ("layers", "noise_refiner", "context_refiner")}
