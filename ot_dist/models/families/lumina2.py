@@ -25,8 +25,9 @@ folder only.
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that Lumina2Pipeline.load_lora_weights
 reads and diffusers' script and SimpleTuner write. ComfyUI maps a Lumina 2 LoRA by the original model's keys only
 (comfy/lora.py model_lora_keys_unet has no Lumina 2 rule, only its generic `diffusion_model.<key>` /
-`lora_unet_<key with _>`, whose q / k / v are one fused `attention.qkv`), so it does not read this layout; files in
-those names (kohya sd-scripts' Lumina LoRAs, ComfyUI's) are read by `ot-dist lora merge` and `lora.init_from`.
+`lora_unet_<key with _>`, whose q / k / v are one fused `attention.qkv`), so the same adapters are also written in
+those names, `lora_comfyui.safetensors` (lumina2_lora.py); files in those names (kohya sd-scripts' Lumina LoRAs,
+ComfyUI's) are read by `ot-dist lora merge` and `lora.init_from`.
 """
 
 from __future__ import annotations
