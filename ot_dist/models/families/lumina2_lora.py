@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.models.families.lumina2_single_file import _original_name
+from ot_dist.models.families.lumina2_single_file import original_name
 
 QKV = ("to_q", "to_k", "to_v")
 DOWN, UP = ".lora_A.weight", ".lora_B.weight"
@@ -45,7 +45,7 @@ def comfyui_lora_state(state: dict[str, torch.Tensor], adapter_config: dict,
         if name in QKV:
             attention.setdefault(head, {})[name] = (factors[DOWN], factors[UP])
         else:
-            _put(out, _original_name(f"{path}.weight"), factors[DOWN], factors[UP])
+            _put(out, original_name(f"{path}.weight"), factors[DOWN], factors[UP])
     for head, pieces in attention.items():
         rank, like = next(iter(pieces.values()))[0].shape[0], next(iter(pieces.values()))[0]
         downs, ups = [], []
@@ -55,7 +55,7 @@ def comfyui_lora_state(state: dict[str, torch.Tensor], adapter_config: dict,
                 pieces[name] = (like.new_zeros(rank, layer.in_features), like.new_zeros(layer.out_features, rank))
             downs.append(pieces[name][0])
             ups.append(pieces[name][1])
-        _put(out, _original_name(f"{head}.qkv.weight"), torch.cat(downs), torch.block_diag(*ups))
+        _put(out, original_name(f"{head}.qkv.weight"), torch.cat(downs), torch.block_diag(*ups))
     return out
 
 

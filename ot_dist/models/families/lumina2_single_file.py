@@ -46,7 +46,9 @@ _ROOT_RENAMES = {"time_caption_embed.timestep_embedder.linear_1.": "t_embedder.m
 _BLOCK_LISTS = ("noise_refiner.", "context_refiner.", "layers.")
 
 
-def _original_name(key: str) -> str:
+def original_name(key: str) -> str:
+    """The original key of a diffusers key (a parameter's, or a module path + `.weight`); `attn.qkv` names the fused
+    projection."""
     for old, new in _ROOT_RENAMES.items():
         if key.startswith(old):
             return new + key[len(old):]
@@ -72,10 +74,10 @@ def lumina2_rules(config: Any) -> list[Rule]:
         if block.endswith(QKV[0]):
             base = block[: -len(QKV[0])]
             pieces = tuple(f"{base}{name}.{suffix}" for name in QKV)
-            rules.append(Rule(_original_name(f"{base}attn.qkv.{suffix}"), pieces, CAT,
+            rules.append(Rule(original_name(f"{base}attn.qkv.{suffix}"), pieces, CAT,
                               tuple(state[p].shape[0] for p in pieces)))
             continue
-        rules.append(Rule(_original_name(key), (key,)))
+        rules.append(Rule(original_name(key), (key,)))
     return rules
 
 
