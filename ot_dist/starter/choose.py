@@ -28,6 +28,9 @@ ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev":
 # Lumina-Image 2.0: 4096 image tokens at 1024 px (x8, 2x2 patches) joined to a 256-token caption, 2304 wide over 26
 # joint blocks (and the refiners): SD3.5 Large's estimate (4096 + 333 tokens, 2432 wide, 38 blocks).
 ACTIVATIONS_GIB["Lumina-Image 2.0"] = 6.0
+# Z-Image: 4096 image tokens at 1024 px joined with the caption (its own length, up to 512) in 34 single-stream
+# blocks 3840 wide (Flux: 57 blocks 3072 wide over 4096 + 512 tokens): Flux's estimate.
+ACTIVATIONS_GIB["Z-Image"] = 6.0
 NO_CHECKPOINTING_FACTOR = 4
 
 

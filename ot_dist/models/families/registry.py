@@ -20,6 +20,7 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen_image": "ot_dist.models.families.qwen_image",
     "sana": "ot_dist.models.families.sana",
     "lumina2": "ot_dist.models.families.lumina2",
+    "z_image": "ot_dist.models.families.z_image",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
