@@ -21,7 +21,17 @@ ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
                       "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE,
                       "sana": {**_PIXART, "attn-mlp": ("attn1", "attn2", "ff.")},
                       "qwen_image": {"attn-mlp": ("attn", "img_mlp", "txt_mlp"), "attn-only": ("attn",),
-                                     "blocks": ("transformer_block",)}}
+                                     "blocks": ("transformer_block",)},
+                      # BaseHiDreamSetup: attn1 holds both streams' attention (ot_dist's attention preset); ff_i is
+                      # the image stream's MoE (experts and shared expert, not ff_t): OneTrainer's own rule carries it
+                      "hidream": {"attn-mlp": ("attn1", "ff_i"), "attn-only": ("attn1",), "blocks": ("stream_block",)}}
+# Z-Image (BaseZImageSetup.LAYER_PRESETS): attention / feed_forward outside the refiners, as regular expressions
+ONETRAINER_PRESETS["z_image"] = {"blocks": ("layers",),
+                                 "attn-mlp": ("^(?=.*attention)(?!.*refiner).*", "^(?=.*feed_forward)(?!.*refiner).*"),
+                                 "attn-only": ("^(?=.*attention)(?!.*refiner).*",)}
+# Presets OneTrainer matches as regular expressions (its preset's `regex: True`), whatever the config's
+# layer_filter_regex says when it saved the preset's name alone.
+REGEX_PRESETS = {"z_image": ("attn-mlp", "attn-only")}
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -41,7 +51,7 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         if family in ("stable_cascade", "wuerstchen_v2"):
             out.notes.append("layer_filter: every layer -> lora.preset all_layers, without the prior's depthwise "
                              "convolutions, which OneTrainer also adapts (peft: rank divisible by their groups)")
-    elif ot.get("layer_filter_regex"):
+    elif ot.get("layer_filter_regex") or named in REGEX_PRESETS.get(family, ()):
         lora.update(layer_filter=list(patterns), layer_filter_regex=True)
     elif named == "attn-only":
         lora["preset"] = "attention"
@@ -54,7 +64,7 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         lora["preset"] = "attention_mlp"
         out.notes.append("layer_filter_preset: attn-mlp -> lora.preset attention_mlp, without the Mix-FFN's depthwise "
                          "ff.conv_depth, which OneTrainer also adapts (peft: rank divisible by its groups)")
-    elif named == "attn-mlp":
+    elif named == "attn-mlp" and family in ("flux", "chroma"):
         lora[f"{denoiser}_targets"] = list(FLUX_ATTN_MLP)
     else:  # blocks, the Cascade presets, custom patterns: OneTrainer's own rule (lora.layer_filter)
         lora["layer_filter"] = list(patterns)
