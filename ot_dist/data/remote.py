@@ -166,8 +166,9 @@ class RemoteStore:
                     raise RemoteAccessDenied(
                         f"{where}: access denied: {_describe(err)}; check the credentials the pods get (the "
                         "environment or the Secret of docs/kubernetes.md) and that they may read this bucket") from None
-                if kind == "missing":
-                    raise InputFileError(f"{where}: not found: {_describe(err)}") from None
+                if kind == "missing":  # (fsspec's FileNotFoundError holds only the URL, named already)
+                    status = _status(err)
+                    raise InputFileError(f"{where}: not found" + (f" ({_describe(err)})" if status else "")) from None
                 if kind != "transient" or attempt == self.retries:
                     tries = f" after {attempt} tries" if attempt > 1 else ""
                     raise InputFileError(f"{where}: could not be read{tries}: {_describe(err)}") from None
