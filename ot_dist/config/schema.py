@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -31,15 +31,16 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
-PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3")
+PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
 
 
 class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
-        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo); each is one "
-        "module under ot_dist/models/families/ (docs/families.md)."
+        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), hidream "
+        "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
+        "(Lumina 2); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -271,7 +272,8 @@ class EmbeddingConfig(Section):
 
 
 class ConceptConfig(Section):
-    """One concept (OneTrainer's term): a folder of images with captions and optional masks."""
+    """One concept (OneTrainer's term): a folder of images with captions, optional masks and, for edit models, a
+    folder of reference images paired by file name."""
 
     path: UserPath = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
@@ -289,6 +291,14 @@ class ConceptConfig(Section):
         "masked_training.prior_preservation_weight.",
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
+    reference_path: UserPath | None = Field(
+        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext): the "
+        "partner of `<path>/sub/a.png` is the image `sub/a.<any extension>` under this folder (the ai-toolkit / "
+        "musubi `control` folder, SimpleTuner's conditioning dataset paired by file name). Every image needs its "
+        "partner (a missing one is named before any shard is written). The reference takes the image's geometry: "
+        "scaled to the image's size, then the same bucket, crop and flip / rotation / colour jitter (diffusers' "
+        "Kontext script and SimpleTuner's reference_strict). A family without reference images refuses it.",
+    )
     caption_source: Literal["txt", "filename", "text"] = Field(
         default="txt",
         description="txt: a same-name caption file (one caption per line; a line is drawn per epoch); filename: the "
@@ -501,6 +511,28 @@ class DataConfig(Section):
         "and settings>, built at train start when missing or stale (`ot-dist shard list | prune` show and remove old "
         "ones). Set without concepts: train from an existing shard set.",
     )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the object store that holds the tars of a set indexed from URLs (`ot-dist shard index "
+        "s3://...`), passed to fsspec: e.g. {endpoint_url: https://ACCOUNT.r2.cloudflarestorage.com} for R2 or MinIO "
+        "(s3fs's endpoint_url; client_kwargs: {region_name: ...}), {project: ...} for gcsfs. No credentials: keys "
+        "that hold one are refused (the config is logged); they come from the environment the store's library reads "
+        "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS; a Secret on Kubernetes: "
+        "docs/kubernetes.md).",
+    )
+    remote_concurrency: int = Field(
+        default=8, ge=1, le=256, description="Ranged reads of a set's URL tars each loader worker (or the rank, with "
+        "loader_workers 0) keeps in flight: one per sample, its members' bytes in one request.",
+    )
+    remote_read_ahead: int = Field(
+        default=2, ge=0, le=64, description="Micro batches beyond the one decoding whose samples each loader worker "
+        "fetches from the store ahead (held in memory: about read_ahead x batch_size samples' bytes a worker).",
+    )
+    remote_retries: int = Field(
+        default=5, ge=1, le=20, description="Tries of a read from the store that failed for a transient reason (5xx, "
+        "429, a dropped connection), waiting 0.5 s, 1 s, 2 s, ... (up to 16 s) between them; a 404 makes the sample "
+        "unreadable (skipped, counted in max_bad_fraction), a 401 / 403 stops the run.",
+    )
     cache_dir: UserPath | None = Field(
         default=None,
         description="The cache folder of shard sets when data.shards is unset. Unset: the environment's OT_DIST_CACHE, "
@@ -575,6 +607,19 @@ class DataConfig(Section):
         "latents in the shard set (keyed to the VAE, the resolutions and the shards) and train from them. "
         "Needs crop center; an augmenting concept needs image_variations > 1. docs/data.md#latent-and-text-caches",
     )
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_credentials(cls, value: dict) -> dict:
+        from ot_dist.data.remote import credential_keys
+
+        found = credential_keys(value)
+        if found:
+            raise ValueError(f"storage_options: {', '.join(found)} holds a credential, and the config is logged and "
+                             "copied with every checkpoint; give it through the environment the store's library reads "
+                             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, ~/.netrc; on "
+                             "Kubernetes a Secret: docs/kubernetes.md)")
+        return value
 
     @field_validator("image_background")
     @classmethod
@@ -656,8 +701,10 @@ class DeepSpeedConfig(Section):
         "weights are all-gathered (zero3) and their gradients reduced in train_dtype): ends within about 1x the "
         "bfloat16 noise of one process. engine: DeepSpeed's bf16 / fp16 engine, the weights held in train_dtype and "
         "no autocast: half the bytes of the weights zero1/2 replicate on every rank and zero3 gathers, but a coarser "
-        "recipe (up to 56x the bfloat16 noise from one process, docs/parallel.md). auto: autocast with bfloat16, engine "
-        "with float16 (autocast float16 is refused: DeepSpeed 0.19's ZeRO clips the still-scaled gradients).",
+        "recipe (up to 56x the bfloat16 noise from one process, docs/parallel.md); its float32 masters start from the "
+        "loaded weights; float16 on a CPU only with AVX512-FP16 / AMX-FP16 (DeepSpeed's CPU accelerator refuses it "
+        "elsewhere). auto: autocast with bfloat16, engine with float16 (autocast float16 is refused: DeepSpeed 0.19's "
+        "ZeRO clips the still-scaled gradients).",
     )
 
 
@@ -826,6 +873,7 @@ class TrainConfig(Section):
     text_encoder: PartConfig = Field(default_factory=PartConfig)
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
+    text_encoder_4: PartConfig = Field(default_factory=PartConfig)  # HiDream's Llama
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     additional_embeddings: list[AdditionalEmbeddingConfig] = Field(

@@ -116,4 +116,5 @@ SAMPLE_BY_FAMILY = {
     "qwen_image": {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 3.5},
     "sana": {**_SIDE_1024, "diffusion_steps": 20, "cfg_scale": 4.5},
     "z_image": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 4.0},
+    "hidream": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 5.0},
 }

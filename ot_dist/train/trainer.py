@@ -7,6 +7,7 @@ gradient accumulation, then export.
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
 from ot_dist.early_checks import check_input_paths, setup_warnings
 from ot_dist.models.loading import LoadedModel, load_model
+from ot_dist.models.families.registry import get_family
 from ot_dist.optim.adaptive import startup_warnings
 from ot_dist.optim.factory import build_optimizer
 from ot_dist.optim.registry import SPECS
@@ -42,6 +44,7 @@ from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
 from ot_dist.train.masking import check_masks
+from ot_dist.train.references import check_references
 from ot_dist.train.sampling import Sampler
 from ot_dist.tracking import start_sender, start_tracking
 from ot_dist.tracking.base import Tracker
@@ -67,6 +70,9 @@ class TrainResult:
     # counts them as steps (result.steps), the blocking one does not
     skipped_steps: int = 0
     checkpoint: Path | None = None  # the last checkpoint saved
+    # float16: steps whose gradients overflowed, so the loss scaler (torch's GradScaler, DeepSpeed's fp16 engine) did
+    # not apply them; counted as steps (the schedule and the EMA moved on), found when the window is pulled
+    overflowed_steps: list[int] = field(default_factory=list)
 
 
 class Trainer:
@@ -100,6 +106,7 @@ class Trainer:
         for line in self.bucket_report:
             self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
+        check_references(self.dataset, get_family(config.model.family))  # before the model loads
         check_tokens_in_captions(config.additional_embeddings, training_captions(self.dataset, self.reader.table))
         sizes = self.reader.table.epoch_sizes().values()
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts
@@ -466,8 +473,21 @@ class Trainer:
     def _take_window(self, result: TrainResult, steps: list) -> None:
         """The pulled steps' losses (and d x lr per group for adaptive optimizers) into the result."""
         result.losses.extend(s.metrics["loss"] for s in steps)
+        if self.config.train_dtype == "float16":
+            self._report_overflows(result, steps)
         if self.adaptive:
             result.d_lr.extend({k[len("d_lr/"):]: v for k, v in s.metrics.items() if k.startswith("d_lr/")} for s in steps)
+
+    def _report_overflows(self, result: TrainResult, steps: list) -> None:
+        """float16: a step whose gradient norm is not finite while its loss is was not applied: the loss scaler found
+        its gradients overflowing (GradScaler, and DeepSpeed's fp16 engine, which reports an inf norm for it). Said
+        here, where the norms reach the host anyway; a non-finite loss is the step guard's to report."""
+        for s in steps:
+            norm = s.metrics.get("grad_norm")
+            if norm is not None and not math.isfinite(norm) and math.isfinite(s.metrics["loss"]):
+                result.overflowed_steps.append(s.step)
+                self.log(f"warning: float16 gradients overflowed at step {s.step}: the loss scaler did not apply that "
+                         f"update ({len(result.overflowed_steps)} so far)")
 
     def _log_window(self, window: StepWindow, progress: Progress) -> list:
         """Copy the window's step values to the host (one sync), track them, show progress; the pulled steps."""
