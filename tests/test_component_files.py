@@ -178,8 +178,11 @@ def transformer_file(family, pipeline, path: Path) -> Path:
     if original is None:
         from ot_dist.models.families import qwen_image_single_file, sd3_single_file, z_image_single_file
 
+        from ot_dist.models.families import hidream_single_file, lumina2_single_file
+
         convert = {"sd3": sd3_single_file.sd3_to_original, "qwen_image": qwen_image_single_file.qwen_image_to_original,
-                   "z_image": z_image_single_file.z_image_to_original}[family.name]
+                   "z_image": z_image_single_file.z_image_to_original, "hidream": hidream_single_file.hidream_to_original,
+                   "lumina2": lumina2_single_file.lumina2_to_original}[family.name]
         original = convert(state, dict(pipeline.transformer.config))
     return save(original, path)
 
@@ -434,3 +437,43 @@ def test_qwen_image_vae_in_wan_layout(tmp_path):
         got, want = loaded.vae.encode(pixels).latent_dist.mean, reference.encode(pixels).latent_dist.mean
         assert torch.equal(got, want)
         assert torch.equal(loaded.vae.decode(got).sample, reference.decode(want).sample)
+
+
+# ---- the families added beside: Flux.1 Kontext (Flux's files), Lumina 2 (gemma_2_2b, ae), HiDream (four encoders, ae)
+
+
+def test_kontext_lumina2_hidream(tmp_path):
+    import copy
+
+    cases = {
+        "flux_kontext": lambda p: {"text_encoder": comfy_clip(p.text_encoder), "text_encoder_2": comfy_t5(p.text_encoder_2),
+                                   "vae": ldm_vae(p.vae)},
+        # comfy/text_encoders/lumina2.py Gemma2_2B: Llama2_ under model.; its file carries the SentencePiece model too
+        "lumina2": lambda p: {"text_encoder": {**comfy_qwen3(p.text_encoder),
+                                               "spiece_model": torch.arange(8, dtype=torch.uint8)},
+                              "vae": ldm_vae(p.vae)},
+        # comfy/text_encoders/hidream.py: clip_l, clip_g (with projections), t5xxl, Llama 3.1 (llama.py, no lm_head)
+        "hidream": lambda p: {"text_encoder": comfy_clip(p.text_encoder), "text_encoder_2": comfy_clip(p.text_encoder_2),
+                              "text_encoder_3": comfy_t5(p.text_encoder_3),
+                              "text_encoder_4": {k: v for k, v in p.text_encoder_4.state_dict().items()
+                                                 if k.startswith("model.")},
+                              "vae": ldm_vae(p.vae)},
+    }
+    for name, layout in cases.items():
+        family = get_family(name)
+        pipe = family.build_tiny()
+        for component in (*family.text_encoders, "vae"):
+            randomized(getattr(pipe, component), seed=len(component))
+        folder = configs_only(pipe, tmp_path / name / "config")
+        files = {k: str(save(v, tmp_path / name / f"{k}.safetensors")) for k, v in layout(pipe).items()}
+        config = ModelConfig(family=name, path=str(transformer_file(family, pipe, tmp_path / name / "dit.safetensors")),
+                             config=str(folder), component_files=files)
+        loaded = load_model(config)
+        reference = copy.deepcopy(pipe)
+        if name == "hidream":  # ComfyUI's Llama has no lm_head: a zero one, never read
+            with torch.no_grad():
+                reference.text_encoder_4.lm_head.weight.zero_()
+            assert torch.equal(loaded.pipeline.text_encoder_4.lm_head.weight, reference.text_encoder_4.lm_head.weight)
+        assert_same(encode(family, loaded.pipeline), encode(family, reference)), name
+        for got, want in zip(vae_outputs(loaded.vae), vae_outputs(reference.vae)):
+            assert torch.equal(got, want), name

@@ -178,9 +178,12 @@ def _decoder_lm_key(module: torch.nn.Module, key: str) -> str:
 
 def decoder_lm(what: str) -> RenamedLayout:
     """The layout of ComfyUI's file of a decoder-only text encoder (comfy/text_encoders/llama.py: the decoder under
-    `model.` with transformers' layer names): an `lm_head.weight` is read where the module has one, ignored where it
-    has not (the text encoders read hidden states only)."""
-    return RenamedLayout(what, _decoder_lm_key, ignored=("lm_head.weight",))
+    `model.` with transformers' layer names). ComfyUI's models have no lm_head: a file's `lm_head.weight` is read where
+    the module has one (a *ForCausalLM) and ignored where it has not; a causal LM whose file has none gets a zero one
+    (the text encoders read hidden states only). `spiece_model` (the SentencePiece tokenizer ComfyUI keeps in its
+    Gemma files) is read by nothing."""
+    return RenamedLayout(what, _decoder_lm_key, optional=("lm_head.weight",), fill=_zero,
+                         ignored=("lm_head.weight", "spiece_model"))
 
 
 def _qwen25_vl_key(module: torch.nn.Module, key: str) -> str:
