@@ -225,7 +225,7 @@ class Flux2Klein(Flux2Family):
     pipeline_class = "Flux2KleinPipeline"
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": ("model.layers",)}  # Qwen3ForCausalLM
     layers = QWEN3_LAYERS
-    memory_reference = "FLUX.2 dev"  # [klein] 9B: 9 B + Qwen3-8B, well within [dev]'s bytes: an upper bound
+    memory_reference = "FLUX.2 klein 9B"  # the larger [klein] (9.1 B + Qwen3-8B); 4B's needs are below it
     modelspec_architecture = "flux-2-klein"
 
     def tokenize(self, tokenizers, captions):
