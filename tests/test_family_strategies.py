@@ -54,6 +54,10 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# FLUX.2 [dev]: its batch-norm-normalised patchified latents, stacked Mistral-3 layers and guidance input under fsdp
+# (units: its double and single blocks) and zero2, riding in SD3's launch
+FAMILY_STRATEGIES["flux2"] = ("fsdp", "zero2")
+RIDERS["sd3"] = ("flux2",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
