@@ -37,7 +37,8 @@ class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
-        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana; each is one module under "
+        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 "
+        "[klein] 4B / 9B); each is one module under "
         "ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
@@ -76,8 +77,9 @@ class ModelConfig(Section):
     )
     guidance_scale: float | None = Field(
         default=None, ge=0,
-        description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
-        "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
+        description="Flux.1 dev, FLUX.2 [dev]: the distilled guidance value its transformer is shown while training; null "
+        "= 1.0, as OneTrainer trains both (SimpleTuner Flux.1; diffusers' scripts 3.5). Models without a guidance embedding "
+        "(schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
     )
     t5_max_tokens: int | None = Field(
         default=None, ge=1,
