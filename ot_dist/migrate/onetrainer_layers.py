@@ -21,7 +21,9 @@ ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
                       "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE,
                       "sana": {**_PIXART, "attn-mlp": ("attn1", "attn2", "ff.")},
                       "qwen_image": {"attn-mlp": ("attn", "img_mlp", "txt_mlp"), "attn-only": ("attn",),
-                                     "blocks": ("transformer_block",)}}
+                                     "blocks": ("transformer_block",)},
+                      # BaseFlux2Setup: blocks (both block lists' Linear layers) and full
+                      "flux2": {"blocks": ("transformer_block",)}, "flux2_klein": {"blocks": ("transformer_block",)}}
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
