@@ -35,6 +35,8 @@ SCRIPTS = {
     "train_dreambooth_lora_flux.py": ("flux", "lora", "dreambooth"),
     "train_dreambooth_lora_sana.py": ("sana", "lora", "dreambooth"),
     "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora", "dreambooth"),
+    "train_dreambooth_lora_flux2.py": ("flux2", "lora", "dreambooth"),
+    "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
 }
 # The scripts that validate every validation_steps optimizer steps (the others: every validation_epochs epochs).
@@ -52,10 +54,16 @@ ATTENTION = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k
 TRANSFORMER_LORA_TARGETS = {"sd3": ATTENTION, "flux": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                                                    "ff_context.net.2"],
                            "sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
+# The FLUX.2 scripts: the double blocks' image attention, the single blocks' fused projection and their output named
+# by path (48 in the [dev] script, 24 in the [klein] one)
+TRANSFORMER_LORA_TARGETS |= {
+    family: ["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
+             *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(singles))]
+    for family, singles in (("flux2", 48), ("flux2_klein", 24))}
 # The flow families whose scripts draw sigmas from the scheduler's unshifted table: Flux's and Qwen-Image's configs
 # shift dynamically (FlowMatchEulerDiscreteScheduler applies no shift at init then: the Qwen script's shift=3.0 is
 # dropped), Sana's DPM-solver config has flow_shift, which FlowMatchEulerDiscreteScheduler does not read.
-UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image")
+UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image", "flux2", "flux2_klein")
 # Arguments that change how the script runs, not what it trains: noted, not listed as not honoured.
 NO_EFFECT = {
     "enable_xformers_memory_efficient_attention": "attention kernel", "enable_npu_flash_attention": "attention kernel",
@@ -72,6 +80,7 @@ NO_EFFECT = {
     "pretrained_text_encoder_4_name_or_path": "not read by the script",
     "pretrained_tokenizer_4_name_or_path": "not read by the script",
     "cache_latents": "latents cached or not (data.cache_latents: the same training)",
+    "remote_text_encoder": "where the captions are encoded", "fsdp_text_encoder": "how the text encoder is placed",
 }
 
 
@@ -365,7 +374,7 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
     if family in UNSHIFTED_FLOW_SCRIPTS:
         weighting_scheme(args, loss, skip, descending=True)  # timesteps[(u x N)] of a table that runs from sigma 1
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
-        if family == "flux":
+        if family in ("flux", "flux2"):  # the guidance-distilled transformers
             c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
     _new_script_options(args, family, skip)
     if loss:
@@ -377,10 +386,29 @@ def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
     if args["complex_human_instruction"]:
         skip("complex_human_instruction: the Sana script prefixes every caption with it; ot_dist encodes the "
              "caption alone (the script's default)")
+    if family in ("flux2", "flux2_klein"):
+        _flux2_text(args, family, skip)
     if args["bnb_quantization_config_path"]:
         skip(f"bnb_quantization_config_path: {args['bnb_quantization_config_path']}: the Qwen-Image script "
              "quantizes the transformer with bitsandbytes; ot_dist's low-memory option is weight_dtype float8 "
              "(docs/low-memory.md)")
+
+
+def _flux2_text(args: DiffusersArgs, family: str, skip) -> None:
+    """The FLUX.2 scripts' caption length and hidden layers: ot_dist encodes as the pipelines sample (512 tokens, layers
+    10 / 20 / 30 of Mistral-3, 9 / 18 / 27 of Qwen3). The [klein] script's default is [dev]'s layers."""
+    from ot_dist.models.families.registry import get_family
+
+    layers = [int(layer) for layer in args["text_encoder_out_layers"]]
+    if layers != list(get_family(family).layers):
+        skip(f"text_encoder_out_layers: {layers}: the script encodes its captions with these hidden layers; ot_dist "
+             f"with {list(get_family(family).layers)}, the ones the pipeline samples with")
+    if args["max_sequence_length"] != 512:
+        skip(f"max_sequence_length: {args['max_sequence_length']}: ot_dist pads FLUX.2 captions to 512 tokens, as "
+             "the pipelines")
+    if args["do_fp8_training"]:
+        skip("do_fp8_training: the script trains the transformer's linear layers in torchao's float8; ot_dist's "
+             "float8 is a storage dtype (weight_dtype)")
 
 
 def _ema(args: DiffusersArgs, c: dict, out: Imported) -> None:
