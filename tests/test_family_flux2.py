@@ -249,3 +249,56 @@ def test_text_encoder_sharded_by_the_family_units_encodes_and_trains_as_unsharde
         assert results[0][1].abs().max() > 0
     finally:
         dist.destroy_process_group()
+
+
+def comfy_flux2_lora_targets(config: dict) -> dict[str, tuple[str, int | None]]:
+    """ComfyUI's LoRA names for a FLUX.2 transformer -> (the Black Forest Labs weight it patches, the rows of a fused
+    q / k / v it takes, or None for the whole weight). Read from github.com/Comfy-Org/ComfyUI: comfy/model_base.py and
+    comfy/supported_models.py define Flux2 as a subclass of Flux, so comfy/lora.py model_lora_keys_unet (@ 17358c8f)
+    maps `transformer.<k>` for each key k of comfy/utils.py flux_to_diffusers (@ 09708eae): in double block N, attn.to_q /
+    to_k / to_v -> thirds of img_attn.qkv, add_q_proj / add_k_proj / add_v_proj -> thirds of txt_attn.qkv, attn.to_out.0 ->
+    img_attn.proj, attn.to_add_out -> txt_attn.proj, ff.linear_in / linear_out -> img_mlp.0 / .2, ff_context.* ->
+    txt_mlp.*; in single block N, attn.to_qkv_mlp_proj -> linear1, attn.to_out -> linear2 ("# Flux 2"). Without an
+    `.alpha` ComfyUI applies lora_B @ lora_A at strength 1.0."""
+    width = config["num_attention_heads"] * config["attention_head_dim"]
+    names = {}
+    for n in range(config["num_layers"]):
+        block, bfl = f"transformer.transformer_blocks.{n}", f"double_blocks.{n}"
+        for i, name in enumerate(("to_q", "to_k", "to_v")):
+            names[f"{block}.attn.{name}"] = (f"{bfl}.img_attn.qkv", i * width)
+        for i, name in enumerate(("add_q_proj", "add_k_proj", "add_v_proj")):
+            names[f"{block}.attn.{name}"] = (f"{bfl}.txt_attn.qkv", i * width)
+        names |= {f"{block}.attn.to_out.0": (f"{bfl}.img_attn.proj", None),
+                  f"{block}.attn.to_add_out": (f"{bfl}.txt_attn.proj", None),
+                  f"{block}.ff.linear_in": (f"{bfl}.img_mlp.0", None), f"{block}.ff.linear_out": (f"{bfl}.img_mlp.2", None),
+                  f"{block}.ff_context.linear_in": (f"{bfl}.txt_mlp.0", None),
+                  f"{block}.ff_context.linear_out": (f"{bfl}.txt_mlp.2", None)}
+    for n in range(config["num_single_layers"]):
+        block, bfl = f"transformer.single_transformer_blocks.{n}", f"single_blocks.{n}"
+        names |= {f"{block}.attn.to_qkv_mlp_proj": (f"{bfl}.linear1", None), f"{block}.attn.to_out": (f"{bfl}.linear2", None)}
+    return names
+
+
+def test_lora_file_is_read_by_comfyuis_flux2_rule_at_the_trained_strength(family_models, shapes_data, tmp_path):
+    """Every module of a LoRA on every projection (attention_mlp) is a name ComfyUI maps for FLUX.2, onto a weight (or
+    a third of a fused q / k / v) of the module's shape; no `.alpha`, and lora_B @ lora_A is the trained change (the
+    scale inside the up matrices), which ComfyUI applies at strength 1."""
+    trainer = trainer_for("flux2", family_models["flux2"], shapes_data, tmp_path / "o", method="lora", max_steps=2,
+                          learning_rate=1e-2, **{"lora.rank": 4, "lora.alpha": 2, "lora.preset": "attention_mlp"})
+    trainer.train()
+    saved = load_file(tmp_path / "o" / "lora.safetensors")
+    assert not any(k.endswith(".alpha") for k in saved)
+    modules = {k.rsplit(".lora_", 1)[0] for k in saved}
+    transformer = trainer.model.denoiser
+    comfy = comfy_flux2_lora_targets(dict(transformer.config))
+    assert modules == set(comfy)  # attention_mlp adapts exactly the projections ComfyUI maps
+    layers = dict(transformer.named_modules())
+    for module in modules:
+        layer = layers[module[len("transformer."):]]
+        change = layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]
+        applied = saved[f"{module}.lora_B.weight"].float() @ saved[f"{module}.lora_A.weight"].float()
+        assert applied.shape == layer.base_layer.weight.shape
+        if comfy[module][1] is not None:  # a third of the fused q / k / v: one projection's rows
+            assert applied.shape[0] == transformer.config.num_attention_heads * transformer.config.attention_head_dim
+        torch.testing.assert_close(applied, change.detach(), rtol=1e-5, atol=1e-7)
+    assert any(saved[k].abs().max() > 0 for k in saved if k.endswith("lora_B.weight"))
