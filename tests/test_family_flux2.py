@@ -147,6 +147,14 @@ def test_training_lowers_the_loss_and_the_exports_load_in_diffusers(family, meth
     assert (before - trained).abs().max() > 1e-4  # it trained: the comparison below means something
     if method == "full":
         loaded = pipeline_cls.from_pretrained(tmp_path / "o" / "model", local_files_only=True)
+        # Black Forest Labs' transformer file beside the folder: bare keys, as diffusers' from_single_file reads it
+        single = load_file(tmp_path / "o" / "model.safetensors")
+        assert "double_blocks.0.img_attn.qkv.weight" in single and "single_blocks.0.linear1.weight" in single
+        read = diffusers.Flux2Transformer2DModel.from_single_file(
+            str(tmp_path / "o" / "model.safetensors"), config=str(tmp_path / "o" / "model"), subfolder="transformer",
+            local_files_only=True)
+        folder_state = loaded.transformer.state_dict()
+        assert all(torch.equal(v, folder_state[k]) for k, v in read.state_dict().items())
     else:
         saved = load_file(tmp_path / "o" / "lora.safetensors")
         modules = {k.rsplit(".lora_", 1)[0] for k in saved}
@@ -302,3 +310,34 @@ def test_lora_file_is_read_by_comfyuis_flux2_rule_at_the_trained_strength(family
             assert applied.shape[0] == transformer.config.num_attention_heads * transformer.config.attention_head_dim
         torch.testing.assert_close(applied, change.detach(), rtol=1e-5, atol=1e-7)
     assert any(saved[k].abs().max() > 0 for k in saved if k.endswith("lora_B.weight"))
+
+
+def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, tmp_path):
+    """A [klein] transformer in Black Forest Labs' keys under ComfyUI's model.diffusion_model. (as ComfyUI saves it),
+    in bf16, with `model.config` = the diffusers folder predicts as the folder's transformer rounded to bf16; a key
+    the config's transformer lacks is named before anything loads."""
+    from diffusers import Flux2KleinPipeline
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.families.flux2_single_file import COMFY_PREFIX, flux2_to_original
+    from ot_dist.models.loading import load_model
+
+    base = family_models["flux2_klein"]
+    folder = Flux2KleinPipeline.from_pretrained(base, local_files_only=True)
+    with torch.no_grad():
+        for t in folder.transformer.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).float())  # what the file holds
+    state = flux2_to_original(folder.transformer.state_dict(), dict(folder.transformer.config), COMFY_PREFIX)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, tmp_path / "flux2.safetensors")
+    loaded = load_model(ModelConfig(family="flux2_klein", path=str(tmp_path / "flux2.safetensors"), config=str(base)))
+    family = loaded.family
+    expected = prediction(family, folder.transformer, folder.text_encoder, folder.tokenizer)
+    got = prediction(family, loaded.denoiser, loaded.text_encoders["text_encoder"], loaded.tokenizers["tokenizer"])
+    assert torch.equal(got, expected)
+    state[COMFY_PREFIX + "single_blocks.9.linear2.weight"] = state[COMFY_PREFIX + "single_blocks.0.linear2.weight"].clone()
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match="unexpected 1 key.*single_blocks.9.linear2.weight"):
+        load_model(ModelConfig(family="flux2_klein", path=str(tmp_path / "bad.safetensors"), config=str(base)))
+

@@ -74,7 +74,7 @@ DOCUMENTED = [
     ("qwen_image", {}, None, False, "lora", "diffusers", "qwen-image/lora", "diffusers"),
     ("sana", {}, None, False, "lora", "diffusers", "sana/lora", "diffusers"),
     ("flux2", {}, None, False, "lora", "diffusers", "flux-2-dev/lora", "diffusers"),
-    ("flux2_klein", {}, None, False, "checkpoint", None, "flux-2-klein", "diffusers"),
+    ("flux2_klein", {}, None, False, "checkpoint", None, "flux-2-klein", "https://github.com/black-forest-labs/flux2"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -83,7 +83,13 @@ class Flux2Family(Family):
     samplers = ("flow_euler",)
     # OneTrainer's sample default for FLUX.2 (SampleConfig: cfg_scale 4.0); the pipelines' own default too
     sample_guidance_scale = 4.0
-    single_file = False  # Black Forest Labs' / ComfyUI's layout is not written yet (docs/families.md)
+    # Black Forest Labs' transformer file (flux2-dev.safetensors; ComfyUI's diffusion-model files have its keys): the
+    # transformer alone; ComfyUI loads Mistral-3 / Qwen3 and the VAE from files of their own
+    single_file = True
+    single_file_text_encoders = False
+    modelspec_implementation = "https://github.com/black-forest-labs/flux2"  # the single file's key names
+    # kohya-style lora_unet_<BFL path with _> and ComfyUI's diffusion_model.<BFL path>, read by lora merge / init_from
+    lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     layers: tuple[int, ...] = ()
 
     def objective(self, pipeline, model_config) -> FlowMatching:
@@ -140,6 +146,27 @@ class Flux2Family(Family):
             return_dict=False,
         )[0]
         return unpack(tokens, h, w)
+
+    # -- single files -----------------------------------------------------------------------------------
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.flux2_single_file import flux2_rules
+
+        return flux2_rules(config)
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.flux2_single_file import flux2_from_original, validate_flux2_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, flux2_from_original, validate_flux2_file)
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
+        """The transformer alone with Black Forest Labs' bare keys. A trained text encoder is not in it
+        (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
+        from ot_dist.models.families.flux2_single_file import flux2_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        state = flux2_to_original(states["transformer"], dict(components["transformer"].config))
+        write_transformer_file(state, path, dtype, metadata)
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def tiny_transformer(self, guidance: bool):
