@@ -14,6 +14,9 @@ The latent layout ot_dist keeps (what the latent cache stores, the noise is draw
 VAE's own (B, 32, h, w); `normalize_latents` applies the per-channel statistics of the patchified layout without
 changing it, and `predict` patchifies and packs (Flux.1's 2x2 packing: channel, patch row, patch column), then
 unpacks the prediction back.
+
+Single files: Black Forest Labs' transformer keys (flux2_single_file.py). LoRA files: the diffusers layout, which
+diffusers' Flux2 loader and ComfyUI (its Flux2 is its Flux, whose diffusers key map names FLUX.2's modules) read.
 """
 
 from __future__ import annotations
