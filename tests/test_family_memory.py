@@ -165,6 +165,35 @@ def test_sana_memory_row_is_the_published_model_sharded_by_block():
         choose(family, "full", 8, 1)
 
 
+def test_z_image_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Z-Image row (ot-dist init's reference for the family) is Tongyi-MAI/Z-Image-Turbo as its
+    configs build it on the meta device: the 6 B transformer (6,154,908,736), Qwen3-4B's decoder as the text encoder
+    (4.02 B on its model card, the tied embedding once) and the Flux VAE; LoRA counted on the family's default targets,
+    FSDP on its 30 layers and 2 + 2 refiner blocks, each under 3 % of the transformer; `ot-dist init` chooses from it."""
+    from ot_dist.starter.choose import choose
+
+    family = get_family("z_image")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 6_154_908_736, "text_encoder": 4_022_468_096, "vae": 83_819_683}
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == 30 + 2 + 2
+    # the units are the transformer's own _no_split_modules (ZImageTransformerBlock), the refiners' included
+    assert {type(unit).__name__ for unit in units} == set(components["transformer"]._no_split_modules)
+    assert sum(len(getattr(components["transformer"], n)) for n in DENOISERS[name][2]) == len(units)
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.03
+    # Qwen3's embedding table is its own text-encoder unit: 10 % of the encoder, never held whole in the root
+    text_units = sharding_units(components["text_encoder"], family.shard_units["text_encoder"])
+    assert components["text_encoder"].embed_tokens in text_units and len(text_units) == 1 + 36
+    # LoRA: 10.3 B frozen parameters, 19.1 GiB in bfloat16, 9.6 GiB in float8
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 24, 8).strategy == "fsdp"
+
+
 @pytest.mark.parametrize("name,expected", [
     # FLUX.2 [dev]: the 32 B transformer, Mistral-Small-3.1-24B (vision tower and untied lm_head included), the VAE
     ("flux2", {"transformer": 32_223_281_152, "text_encoder": 24_011_361_280, "vae": 84_046_115}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from safetensors.torch import load_file
 
 from ot_dist.config.load import apply_override, validate
 from ot_dist.models.families.registry import get_family
+from ot_dist.precision import DTYPES
 from ot_dist.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
@@ -54,6 +56,11 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# Z-Image: the per-caption cut of Qwen3's hidden states, one-frame list inputs and the negated output under fsdp (units:
+# layers, noise_refiner, context_refiner) and zero2, riding in Flux's launch (CPU s of that launch: 30.7 without
+# Z-Image, 33.5 with fsdp, 35.1 with fsdp and zero2)
+FAMILY_STRATEGIES["z_image"] = ("fsdp", "zero2")
+RIDERS["flux"] += ("z_image",)
 # FLUX.2 [dev]: its batch-norm-normalised patchified latents, stacked Mistral-3 layers and guidance input under fsdp
 # (units: its double and single blocks) and zero2, riding in SD3's launch
 FAMILY_STRATEGIES["flux2"] = ("fsdp", "zero2")
@@ -288,10 +295,31 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
 # weights, gradients, norms and softmax in bfloat16) ended 4.2 (zero2) and 4.3 (zero3) x away. A 2x gradient error is
 # far beyond: ddp summing instead of averaging ended 160x the bf16 noise away.
 BF16_STRATEGIES = {"ddp": 4, "fsdp": 4, "zero2": 2, "zero3": 2}
-# DeepSpeed's fp16 engine is refused by its CPU accelerator ("Type fp16 is not supported on your device"), so
-# on CPU float16 runs under ddp and fsdp; ZeRO's own loss scaler (it all-reduces the overflow flag) needs a GPU.
+# float16 under ZeRO is DeepSpeed's fp16 engine (autocast float16 is refused), another recipe: checked against its own
+# one-process writing below (ENGINE_STRATEGIES), not against autocast.
 FP16_STRATEGIES = {"ddp": 4, "fsdp": 4}
 OVERFLOW_AT = 2  # float16 runs: this step's gradients overflow on the last rank (tests/helpers/overflow.py)
+# DeepSpeed's bf16 / fp16 engine (deepspeed.mixed_precision: engine), 2 ranks of batch 2, against the same recipe in one
+# process of batch 4 (tests/helpers/engine_reference.py: weights in train_dtype, float32 masters, no autocast, float16
+# loss scaling), not against autocast: a different recipe ends 4-56x the bf16 noise away (docs/parallel.md). Both
+# start from the same float32 masters and take the same SGD updates; what differs is rounding. Each step's gradient
+# is rounded to train_dtype on each rank (batch 2) and again in the reduction, where the one process rounds the
+# batch-4 gradient once; where the masters then differ, their half-precision copies may round apart and the next
+# step's gradients differ by about one rounding more. So after 3 steps the weights may differ by a few unit
+# roundoffs u (2^-8 for bfloat16, 2^-11 for float16) of the largest update: allowed ENGINE_ROUNDINGS u, measured
+# 1.9-2.6 u (bfloat16, zero2 and zero3, weights and EMA: under 1 % of the update) and 1.2-2.3 u (float16: 0.1 %). A
+# gradient summed instead of averaged moves the weights by 2x the update (halved: 0.5x): measured 385 u (bfloat16);
+# a loss scale left in the update, or clipping of the scaled gradients (2^16 times the norm), by far more; an
+# overflowed step applied, by a whole update; an export of the bf16 copies instead of the masters ended 36 u away,
+# masters cloned from the rounded weights (DeepSpeed's own start: up to half a bf16 step of a weight) 10 u
+# (bfloat16) and 14 u (float16).
+ENGINE_STRATEGIES = ("zero2", "zero3")
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
+ENGINE_ROUNDINGS = 8
+# the engine cases keep an EMA (decay 0.5, every step: it follows the last steps closely), compared too: it must
+# average the float32 masters, not their half-precision copies
+ENGINE_EMA = {"ema.enabled": True, "ema.decay": 0.5, "ema.update_step_interval": 1}
+ENGINE_CLIP = 0.2  # far below the tiny UNet's gradient norm: clips every step; of the scaled gradients: no update
 
 
 def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, shapes_data, tmp_path):
@@ -306,13 +334,15 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
     base = load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))
     full = settings(family, "full", max_steps=LOW_PRECISION_STEPS)
 
+    overflowed = {}  # one-process run -> the steps it reported as overflowed
+
     def one_process(name: str, dtype: str, overflow_at: int | None = None, poison_gradient: int | None = None):
         raw = base_config(model, shapes_data, tmp_path / name, family=family, method="full", batch_size=4,
                           train_dtype=dtype, **full)
         trainer = Trainer(validate(raw), log=lambda *_: None)
         inject(trainer, overflow_at, poison_gradient)
         record_denoiser_inputs(trainer, f"{tmp_path / name}.inputs.json")
-        trainer.train()
+        overflowed[name] = trainer.train().overflowed_steps
         return exported(tmp_path / name, family, "full")
 
     fp32 = one_process("ref-fp32", "float32")
@@ -326,6 +356,7 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
     assert skipped > 20 * noise["float16"], f"the one process did not skip the overflow step ({skipped:.3g})"
     element = one_process("ref-fp16-element", "float16", poison_gradient=OVERFLOW_AT)  # skips like the overflow
     assert distance(element, references["float16"]) < noise["float16"], "the one process did not skip the inf step"
+    assert overflowed["ref-fp16-skip"] == overflowed["ref-fp16-element"] == [OVERFLOW_AT] and not overflowed["ref-fp16"]
     cases = {f"bfloat16-{strategy}": base_config(model, shapes_data, tmp_path / f"bfloat16-{strategy}", family=family,
                                                  method="full", batch_size=2, strategy=strategy,
                                                  train_dtype="bfloat16", **full)
@@ -347,10 +378,13 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
                       "bfloat16-zero2": "ref-bf16", "bfloat16-zero3": "ref-bf16"}
     for name in inputs_checked:
         cases[name]["_record_denoiser_inputs"] = f"{cases[name]['output_dir']}.inputs.json"
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    engine_cases, engine_references = deepspeed_engine_cases(model, shapes_data, tmp_path)
+    (tmp_path / "cases.json").write_text(json.dumps(cases | engine_cases))
     done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
                            str(tmp_path / "cases.json"), env=ENV, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert_engine_like_one_process(engine_cases, engine_references, fp16_no_overflow, done.stdout, model, shapes_data,
+                                   tmp_path)
     for name in cases:
         kind, strategy = name.split("-")
         dtype = kind.split("+")[0]
@@ -361,6 +395,96 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
         assert diff <= allowed, f"{name}: weights differ by {diff:.3g} > {allowed:.3g} ({dtype} noise {noise[dtype]:.3g})"
     for name, reference in inputs_checked.items():
         assert recorded_inputs(cases[name]["output_dir"]) == recorded_inputs(tmp_path / reference), name
+
+
+def engine_settings(dtype: str, **extra) -> dict:
+    return {"train_dtype": dtype, "deepspeed.mixed_precision": "engine",
+            **settings("sd1", "full", max_steps=LOW_PRECISION_STEPS, **ENGINE_EMA, **extra)}
+
+
+def engine_case_name(dtype: str, variant: str, strategy: str) -> str:
+    return f"engine-{dtype}{variant}-{strategy}"
+
+
+def deepspeed_engine_cases(model: Path, data: Path, tmp_path: Path) -> tuple[dict, dict]:
+    """The 2-rank cases of DeepSpeed's engine (ENGINE_STRATEGIES x bfloat16, float16 with an overflow at OVERFLOW_AT;
+    float16 clipped at ENGINE_CLIP under zero2; the bfloat16 zero2 case saves a checkpoint at step 2), and their
+    references: one process of batch 4 in the same recipe (engine_reference.py), trained here. 5 cases: +14 CPU s on
+    the launch, its references and the resume (zero3's clipped case, +3.6 CPU s, and zero2 with accumulation,
+    +1.8, were measured and left out: the clipping and the division by the accumulation are DeepSpeed's, the config
+    and the backward ot_dist hands it the same in every stage)."""
+    from engine_reference import one_process_engine
+
+    variants = {("bfloat16", ""): {}, ("float16", ""): {"_overflow_at_step": OVERFLOW_AT},
+                ("float16", "+clipped"): {"clip_grad_norm": ENGINE_CLIP}}
+    references, cases = {}, {}
+    for (dtype, variant), extra in variants.items():
+        injected = {k: v for k, v in extra.items() if k.startswith("_")}
+        more = {k: v for k, v in extra.items() if not k.startswith("_")}
+        out = tmp_path / f"ref-engine-{dtype}{variant}"
+        with one_process_engine():
+            trainer = Trainer(validate(base_config(model, data, out, method="full", batch_size=4,
+                                                   **engine_settings(dtype, **more))), log=lambda *_: None)
+        inject(trainer, injected.get("_overflow_at_step"))
+        result = trainer.train()
+        assert result.overflowed_steps == ([OVERFLOW_AT] if injected else []), result.overflowed_steps
+        references[dtype + variant] = out
+        for strategy in ENGINE_STRATEGIES[:1] if variant else ENGINE_STRATEGIES:  # clipping: DeepSpeed's, zero2 only
+            name = engine_case_name(dtype, variant, strategy)
+            saves = (dtype, variant, strategy) == ("bfloat16", "", "zero2")  # the checkpoint the resume starts from
+            checkpoint = {"checkpoint.every_n_steps": 2, "checkpoint.at_end": False} if saves else {}
+            cases[name] = {**base_config(model, data, tmp_path / name, method="full", batch_size=2, strategy=strategy,
+                                         **engine_settings(dtype, **more, **checkpoint)),
+                           **injected, "_fp16_engine_on_cpu": dtype == "float16"}
+    return cases, references
+
+
+def assert_engine_like_one_process(cases: dict, references: dict, fp16_no_overflow: dict, launch_output: str,
+                                   model: Path, data: Path, tmp_path: Path) -> None:
+    """The engine's exports (trained weights and EMA) within ENGINE_ROUNDINGS unit roundoffs of the largest update
+    of the one-process recipe, float32 masters (not the half-precision copies: most elements are not representable
+    in train_dtype), the overflowed step skipped and reported, and the bfloat16 zero2 checkpoint of step 2 (its
+    float32 masters and EMA) resumed in one process to the same end."""
+    from engine_reference import one_process_engine
+
+    base = base_weights(model, "sd1")
+
+    def load(out: Path, suffix: str = "") -> dict[str, torch.Tensor]:
+        return load_file(out / f"model{suffix}" / "unet" / "diffusion_pytorch_model.safetensors")
+
+    def assert_close(case: str, reference: dict, got: dict, dtype: str) -> None:
+        update = distance(base, reference)
+        allowed = ENGINE_ROUNDINGS * UNIT_ROUNDOFF[dtype] * update
+        diff = distance(reference, got)
+        print(f"{case}: max diff {diff:.3g} = {diff / (UNIT_ROUNDOFF[dtype] * update):.2f} u of the update {update:.3g}")
+        assert diff <= allowed, f"{case}: max abs diff {diff:.3g} > {allowed:.3g} ({ENGINE_ROUNDINGS} u of {update:.3g})"
+        flat = torch.cat([v.reshape(-1) for v in got.values()])
+        representable = (flat.to(DTYPES[dtype]).float() == flat).float().mean().item()
+        assert representable < 0.5, f"{case}: {representable:.0%} of the weights are {dtype} values, not the masters"
+
+    for name, raw in cases.items():
+        dtype = raw["train_dtype"]
+        reference_out = references[name.split("-", 2)[1]]
+        for suffix in ("", "_ema"):
+            assert_close(name + suffix, load(reference_out, suffix), load(Path(raw["output_dir"]), suffix), dtype)
+        overflowed = [OVERFLOW_AT] if "_overflow_at_step" in raw else []
+        assert f"case done: {name}; overflowed steps: {overflowed}" in launch_output, name
+    skipped, applied = load(references["float16"]), fp16_no_overflow
+    assert distance(skipped, applied) > 100 * ENGINE_ROUNDINGS * UNIT_ROUNDOFF["float16"] * distance(base, skipped), \
+        "the one-process engine applied the overflowed step"
+    clipped = load(references["float16+clipped"])
+    assert distance(base, clipped) < 0.5 * distance(base, load(references["float16"])), "clipping did not bite"
+    # resumed in one process (the engine's recipe) from the 2-rank bfloat16 zero2 checkpoint of step 2: its float32
+    # masters, not their bf16 copies, and its EMA, else the end differs by up to half a bf16 step of a weight
+    source = cases[engine_case_name("bfloat16", "", "zero2")]
+    out = tmp_path / "engine-resumed"
+    shutil.copytree(source["output_dir"], out, ignore=shutil.ignore_patterns("model*"))
+    resumed_raw = base_config(model, data, out, method="full", batch_size=4, **engine_settings("bfloat16"))
+    with one_process_engine():
+        result = Trainer(validate(resumed_raw), log=lambda *_: None, resume="auto").train()
+    assert result.first_step == 2 and result.steps == LOW_PRECISION_STEPS
+    for suffix in ("", "_ema"):
+        assert_close(f"resumed{suffix}", load(references["bfloat16"], suffix), load(out, suffix), "bfloat16")
 
 
 def test_zero_low_precision_recipe_follows_deepspeed_mixed_precision(small_sd1, shapes_data, tmp_path):
@@ -386,6 +510,50 @@ def test_zero_low_precision_recipe_follows_deepspeed_mixed_precision(small_sd1, 
     assert ds("bfloat16", **{"deepspeed.config_file": str(theirs)}) == {"bf16": {"enabled": True}}
     with pytest.raises(ConfigError, match="deepspeed.mixed_precision: autocast with train_dtype float16"):
         ds("float16", "autocast")
+
+
+def test_engine_config_as_deepspeed_reads_it_and_fp16_refused_where_the_accelerator_lacks_it(small_sd1, shapes_data,
+                                                                                          tmp_path):
+    """What ot_dist hands DeepSpeed for its engine, read by DeepSpeed's own config reader: float16 with a dynamic loss
+    scale from 2^16 (engine_reference.py's INITIAL_LOSS_SCALE), hysteresis 2 (the first overflow keeps the scale) and
+    float32 masters and gradients; bfloat16 with float32 masters too; clipping as configured (DeepSpeed takes the
+    scale out of the norm before clipping: the launch above checks that); autocast off. And the engine is refused,
+    saying why, where DeepSpeed's accelerator does not report its dtype: DeepSpeed 0.19's CPU accelerator reports
+    float16 only with oneDNN's native float16 (AVX512-FP16 / AMX-FP16; engine.py `_do_sanity_check` would stop with
+    "Type fp16 is not supported on your device."). The launch above runs the fp16 engine on this CPU anyway, with
+    the report forced (engine_reference.py `fp16_reported`): torch computes float16 on any CPU."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from ot_dist.errors import ConfigError
+    from ot_dist.parallel.deepspeed import deepspeed_config, refuse_engine_dtype_the_device_lacks
+
+    def read(dtype: str) -> tuple[dict, DeepSpeedConfig]:
+        raw = base_config(small_sd1, shapes_data, tmp_path / "out", strategy="zero2", clip_grad_norm=0.5,
+                          **{"train_dtype": dtype, "deepspeed.mixed_precision": "engine"})
+        generated = deepspeed_config(validate(raw), 2, 1)  # world size 1: DeepSpeed's reader, without a process group
+        return generated, DeepSpeedConfig(generated)
+
+    fp16, read_fp16 = read("float16")
+    assert read_fp16.float16_config.enabled and not read_fp16.bfloat16_config.enabled
+    assert (read_fp16.float16_config.loss_scale, read_fp16.float16_config.initial_scale_power,
+            read_fp16.float16_config.hysteresis) == (0, 16, 2)
+    assert not read_fp16.float16_config.fp16_master_weights_and_grads and read_fp16.gradient_clipping == 0.5
+    bf16, read_bf16 = read("bfloat16")
+    assert read_bf16.bfloat16_config.enabled and not read_bf16.bfloat16_config.bf16_master_weights_and_grads
+    assert not read_bf16.float16_config.enabled and read_bf16.zero_optimization_stage == 2
+    assert "torch_autocast" not in fp16 and "torch_autocast" not in bf16
+
+    accelerator = get_accelerator()
+    try:
+        accelerator.is_fp16_supported = lambda: False  # this CPU's answer (torch.ops.mkldnn._is_mkldnn_fp16_supported)
+        with pytest.raises(ConfigError, match="fp16 engine .* not supported on this cpu device.*AVX512-FP16"):
+            refuse_engine_dtype_the_device_lacks(fp16)
+        refuse_engine_dtype_the_device_lacks(bf16)
+        accelerator.is_fp16_supported = lambda: True
+        refuse_engine_dtype_the_device_lacks(fp16)
+    finally:
+        del accelerator.is_fp16_supported
 
 
 def test_size_conditions_reach_the_denoiser_in_float32_from_bfloat16_latents():

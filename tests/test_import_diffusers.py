@@ -74,8 +74,10 @@ FAMILY_METHOD = {
     "train_dreambooth_lora_sana.py": ("sana", "lora"), "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora"),
     "train_dreambooth_lora_flux2.py": ("flux2", "lora"), "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora"),
 }
+FAMILY_METHOD["train_dreambooth_lora_z_image.py"] = ("z_image", "lora")
 # what the Sana / Qwen-Image scripts adapt without --lora_layers
 SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
+SCRIPT_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
 
 
 @pytest.mark.parametrize("script", sorted(FAMILY_METHOD))
@@ -308,6 +310,21 @@ def test_defaults_that_differ_between_the_scripts():
     assert defaults("train_dreambooth_lora_flux2_klein.py")["text_encoder_out_layers"] == [10, 20, 30]  # sic
     assert "caption_dropout" in defaults("train_dreambooth_lora_flux2_klein.py")
     assert "caption_dropout" not in defaults("train_dreambooth_lora_flux2.py")
+    assert defaults("train_dreambooth_lora_z_image.py")["output_dir"] == "z-image-dreambooth-lora"
+    assert defaults("train_dreambooth_lora_z_image.py")["validation_epochs"] == 50
+
+
+def test_z_image_script_draws_at_the_schedulers_shift_and_lists_its_own_options(tmp_path):
+    """The Z-Image script reads timesteps[(u x N)] of its scheduler's table, shifted by the config's fixed 3.0: no
+    timestep_shift is written (ot_dist's auto is the model's shift); float8 training is listed, FSDP over the frozen
+    text encoder is a note."""
+    script = "train_dreambooth_lora_z_image.py"
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --weighting_scheme logit_normal --logit_mean 1.0 "
+                                      "--do_fp8_training --fsdp_text_encoder")
+    assert c["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": -1.0, "logit_normal_std": 1.0}
+    assert any(line.startswith("do_fp8_training") for line in not_honoured(text))
+    assert not any(line.startswith("fsdp_text_encoder") for line in not_honoured(text))
 
 
 def flow_sigmas(loss: dict, shift: float, count: int = 2000) -> torch.Tensor:

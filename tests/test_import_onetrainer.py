@@ -217,6 +217,16 @@ def import_only(tmp_path, config, concepts=None, samples=None):
       "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn,img_mlp,txt_mlp", "layer_filter_preset": "attn-mlp",
       "quantization": {"layer_filter": "transformer_block", "layer_filter_preset": "blocks"}}, "qwen_image",
      {"transformer": True, "text_encoder": False}, None),
+    # training_presets/Z-Image/#z-image LoRA 16GB.json
+    ({"model_type": "Z_IMAGE", "training_method": "LORA", "batch_size": 2, "learning_rate": 0.0003,
+      "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "compile": True,
+      "transformer": {"train": True, "weight_dtype": "FLOAT_8"}, "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"},
+      "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16",
+      "output_dtype": "BFLOAT_16",
+      "layer_filter": "^(?=.*attention)(?!.*refiner).*,^(?=.*feed_forward)(?!.*refiner).*",
+      "layer_filter_preset": "attn-mlp", "layer_filter_regex": True,
+      "quantization": {"layer_filter": "layers", "layer_filter_preset": "blocks"}, "timestep_distribution": "LOGIT_NORMAL"},
+     "z_image", {"transformer": True, "text_encoder": False}, None),
 ])
 def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains, stop):
     config, _ = import_only(tmp_path, {"base_model_name": "/models/base", **preset})
@@ -234,6 +244,20 @@ def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains
         assert config.model.text_encoder_layer_skip == 2
     if family == "qwen_image":  # attn, img_mlp, txt_mlp: both streams' attention and MLPs
         assert config.lora.preset == "attention_mlp"
+    if family == "z_image":  # attention and feed_forward outside the refiners, OneTrainer's regular expressions
+        assert config.lora.layer_filter_regex and config.lora.layer_filter == [
+            "^(?=.*attention)(?!.*refiner).*", "^(?=.*feed_forward)(?!.*refiner).*"]
+        assert config.loss.timestep_shift == 1.0  # OneTrainer's default: unshifted
+
+
+def test_z_image_preset_name_alone_is_read_as_onetrainers_regular_expressions(tmp_path):
+    """A config that names the attn-only preset and no layer_filter text: OneTrainer matches its Z-Image preset's
+    patterns as regular expressions (BaseZImageSetup.LAYER_PRESETS `regex: True`); BaseZImageSetup reads
+    dynamic_timestep_shifting."""
+    config, _ = import_only(tmp_path, {"model_type": "Z_IMAGE", "training_method": "LORA",
+                                       "layer_filter_preset": "attn-only", "dynamic_timestep_shifting": True})
+    assert config.lora.layer_filter == ["^(?=.*attention)(?!.*refiner).*"] and config.lora.layer_filter_regex
+    assert config.loss.dynamic_timestep_shifting is True
 
 
 @pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE"])
@@ -817,13 +841,13 @@ def test_an_upper_case_placeholder_of_several_vectors_is_imported_lower_case(tmp
 
 def test_additional_embeddings_are_imported_and_bundled_by_default(tmp_path):
     """OneTrainer's additional_embeddings (TrainEmbeddingConfig each, one embedding_learning_rate for all) become
-    additional_embeddings entries; bundle_additional_embeddings (OneTrainer's default: true) is kept for LoRA; an
-    output embedding is refused by name, a .pt continued file listed, a placeholder with a space rewritten."""
+    additional_embeddings entries; bundle_additional_embeddings (OneTrainer's default: true) is kept for LoRA; a .pt
+    continued file is listed, a placeholder with a space rewritten. Output embeddings: tests/test_output_embeddings.py
+    (the import of is_output_embedding below)."""
     embeddings = [
         {"placeholder": "<Cat Toy>", "token_count": 2, "initial_embedding_text": "cat", "stop_training_after": 3,
          "stop_training_after_unit": "STEP"},
         {"placeholder": "<style>", "model_name": "emb/style.safetensors", "train": False},
-        {"placeholder": "<out>", "is_output_embedding": True},
         {"placeholder": "<old>", "model_name": "emb/old.pt"},
     ]
     config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA",
@@ -834,8 +858,7 @@ def test_additional_embeddings_are_imported_and_bundled_by_default(tmp_path):
     assert (style.token, style.init_from, style.train) == ("<style>", "emb/style.safetensors", False)
     assert (old.token, old.init_from, old.init_text) == ("<old>", None, "*")
     assert config.bundle_additional_embeddings is True
-    assert any(s.startswith("additional_embeddings[2].is_output_embedding: true") for s in skipped)
-    assert any(s.startswith("additional_embeddings[3].model_name: emb/old.pt") for s in skipped)
+    assert any(s.startswith("additional_embeddings[2].model_name: emb/old.pt") for s in skipped)
 
     config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "FINE_TUNE",
                                        "bundle_additional_embeddings": True,
@@ -898,6 +921,44 @@ def test_loss_functions_import_with_their_strengths(tmp_path):
     config, skipped = import_only(tmp_path, {**settings, "mse_strength": 0.0, "mae_strength": 0.0,
                                              "log_cosh_strength": 0.0, "huber_strength": 0.0})
     assert config.loss.plain_mse() and any(line.startswith("mse_strength, mae_strength") for line in skipped)
+
+
+def test_output_embeddings_are_imported(tmp_path):
+    """is_output_embedding: true becomes output_embedding: true (method embedding's and an additional one's), with
+    OneTrainer's initial text as it is (both start from the encoder's output of the text and a "*" per vector); an
+    LoRA's bundling, which takes no output embedding, is listed and left off; a family without output embeddings
+    (SD3's T5) and SD's layer skip list the entry instead."""
+    config, skipped = import_only(tmp_path, {
+        "model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "EMBEDDING",
+        "embedding": {"placeholder": "<main>", "token_count": 3, "initial_embedding_text": "a dog",
+                      "is_output_embedding": True},
+        "additional_embeddings": [{"placeholder": "<out>", "is_output_embedding": True}, {"placeholder": "<in>"}]})
+    assert (config.embedding.output_embedding, config.embedding.vectors, config.embedding.init_text) == \
+        (True, 3, "a dog")
+    out, plain = config.additional_embeddings
+    assert (out.token, out.output_embedding, out.init_text) == ("<out>", True, "*")
+    assert plain.output_embedding is False
+    assert not any("is_output_embedding" in s for s in skipped)
+
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "LORA",
+                                             "additional_embeddings": [{"placeholder": "<out>",
+                                                                        "is_output_embedding": True}]})
+    assert config.additional_embeddings[0].output_embedding and not config.bundle_additional_embeddings
+    assert any(s.startswith("bundle_additional_embeddings: true: additional_embeddings[0] is an output embedding")
+               for s in skipped)
+
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": "EMBEDDING",
+                                             "text_encoder_layer_skip": 1,
+                                             "embedding": {"placeholder": "<main>", "is_output_embedding": True}})
+    assert config.embedding.output_embedding is False
+    assert any(s.startswith("embedding.is_output_embedding: true (an embedding of the text encoder's output): not "
+                            "with model.text_encoder_layer_skip") for s in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_3", "training_method": "LORA",
+                                             "additional_embeddings": [{"placeholder": "<out>",
+                                                                        "is_output_embedding": True}]})
+    assert not config.additional_embeddings
+    assert any(s.startswith("additional_embeddings[0].is_output_embedding: true (an embedding of the text encoder's "
+                            "output): sd3 takes no output embeddings") for s in skipped)
 
 
 @pytest.mark.parametrize("base,family", [("black-forest-labs/FLUX.2-klein-base-9B", "flux2_klein"),

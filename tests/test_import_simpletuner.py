@@ -211,6 +211,26 @@ def test_sana_and_qwen_image_defaults(tmp_path):
     assert "model_flavour: edit-v2" in text.split("NOT HONOURED")[1]
 
 
+def test_z_image_flavours(tmp_path):
+    """Z-Image: the common flow draw (sigmoid(N(0, 1)) shifted by 3.0), its DEFAULT_LORA_TARGET (the foundation's
+    attention projections); the turbo flavours' assistant LoRA and ostris-de-turbo's transformer are listed, the base
+    flavour is not."""
+    config, text = imported(tmp_path, {"--model_family": "z_image", "--model_type": "lora",
+                                       "--pretrained_model_name_or_path": "/models/z-image"})
+    assert config["model"]["family"] == "z_image"
+    assert config["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert config["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                              "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert "model_flavour: turbo-ostris-v2: SimpleTuner trains Z-Image-Turbo through an assistant LoRA" in text
+    for flavour, listed in (("ostris-de-turbo", "loads ostris/Z-Image-De-Turbo's transformer"), ("base", None)):
+        _, text = imported(tmp_path, {"--model_family": "z_image", "--model_type": "lora", "--model_flavour": flavour,
+                                      "--pretrained_model_name_or_path": "/models/z-image"})
+        if listed:
+            assert listed in text, flavour
+        else:
+            assert "assistant LoRA" not in text and "De-Turbo" not in text, flavour
+
+
 @pytest.mark.parametrize("family, settings, expected, listed", [
     # the formulas of kohya's loss_type / huber_schedule / huber_c (ot_dist's pseudo_huber_*), huber_scale 1
     ("sdxl", {"--loss_type": "huber"}, {"pseudo_huber_schedule": "snr", "pseudo_huber_form": "huber"}, None),

@@ -201,14 +201,34 @@ def flux2_comfyui(pipe) -> ForeignFile:
     return f
 
 
+def z_image_comfyui(pipe) -> ForeignFile:
+    """ComfyUI's own names for Z-Image modules (its model's keys, comfy.utils.z_image_to_diffusers' values)."""
+    f = ForeignFile(pipe, 8)
+    f.module("diffusion_model.layers.1.attention.qkv", [("transformer", f"layers.1.attention.to_{x}") for x in "qkv"])
+    f.module("diffusion_model.noise_refiner.0.attention.out", [("transformer", "noise_refiner.0.attention.to_out.0")])
+    f.module("diffusion_model.final_layer.linear", [("transformer", "all_final_layer.2-1.linear")])
+    f.module("diffusion_model.x_embedder", [("transformer", "all_x_embedder.2-1")])
+    return f
+
+
+def z_image_kohya(pipe) -> ForeignFile:
+    """kohya-style names over diffusers paths, as diffusers' _convert_non_diffusers_z_image_lora_to_diffusers reads
+    them (`lora_unet_layers_0_attention_to_q`)."""
+    f = ForeignFile(pipe, 9)
+    for path in ("layers.0.attention.to_q", "layers.1.feed_forward.w2", "context_refiner.0.attention.to_out.0"):
+        f.module(underscored("lora_unet", path), [("transformer", path)])
+    return f
+
+
 CASES = {"flux-kohya": ("flux", flux_kohya), "flux-onetrainer": ("flux", flux_onetrainer),
          "flux-comfyui": ("flux", flux_comfyui), "flux-peft": ("flux", flux_peft),
          "flux-lycoris": ("flux", flux_lycoris), "chroma-kohya": ("chroma", chroma_kohya),
          "chroma-onetrainer": ("chroma", chroma_onetrainer), "sd3-kohya": ("sd3", sd3_kohya),
          "sd3-onetrainer": ("sd3", sd3_onetrainer), "flux2-comfyui": ("flux2", flux2_comfyui)}
+CASES |= {"z_image-comfyui": ("z_image", z_image_comfyui), "z_image-kohya": ("z_image", z_image_kohya)}
 
 
-@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "flux2"])
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "z_image", "flux2"])
 def test_other_trainers_files_merge_at_their_strength(family_models, tmp_path, family):
     """Every module of each file is merged as W + weight * alpha / rank * up @ down (fused modules split onto the
     diffusers modules by rows); no other weight moves; nothing is reported skipped."""

@@ -46,9 +46,12 @@ STRATEGIES = {
 # The LoRA cases train an additional embedding too (pivotal tuning: its vectors shard and gather with the text encoder
 # under fsdp), bundled into lora.safetensors so that the comparison covers them; its token is in every caption.
 TOKEN = "<tok>"
+# Method embedding's case is an output embedding (tests/test_output_embeddings.py): its vectors are in the text
+# encoder's root unit under fsdp, and the hook that puts them into the encoder's output runs between its gathers.
 METHOD_EXTRA = {"full": {"text_encoder.train": True},
                 "lora": {"lora.rank": 4, "lora.alpha": 8, "bundle_additional_embeddings": True,
-                         "additional_embeddings": [{"token": TOKEN, "vectors": 2}]}}
+                         "additional_embeddings": [{"token": TOKEN, "vectors": 2}]},
+                "embedding": {"embedding": {"token": TOKEN, "vectors": 2, "output_embedding": True}}}
 BUNDLED = f"bundle_emb.{TOKEN}.string_to_param.*"
 
 
@@ -64,7 +67,7 @@ def exported_weights(out: Path, method: str) -> dict[str, torch.Tensor]:
         weights = load_file(out / "model" / "unet" / "diffusion_pytorch_model.safetensors")
         text = load_file(out / "model" / "text_encoder" / "model.safetensors")
         return {**{f"unet.{k}": v for k, v in weights.items()}, **{f"te.{k}": v for k, v in text.items()}}
-    return load_file(out / "lora.safetensors")
+    return load_file(out / ("embedding.safetensors" if method == "embedding" else "lora.safetensors"))
 
 
 def write_config(path: Path, raw: dict) -> Path:
@@ -81,7 +84,7 @@ def run(cmd: list[str], timeout: float = 420, **kwargs) -> subprocess.CompletedP
 def references(small_sd1, shapes_data, tmp_path_factory):
     """One process, batch 4: the result every 2-rank run (batch 2 each) must reproduce."""
     refs = {}
-    for method in ("full", "lora"):
+    for method in METHOD_EXTRA:
         out = tmp_path_factory.mktemp(f"ref-{method}")
         raw = method_config(small_sd1, shapes_data, out, method, batch_size=4, max_steps=STEPS,
                             learning_rate=LR, **METHOD_EXTRA[method])
@@ -109,8 +112,8 @@ def assert_matches(reference: dict, got: dict):
 # clipping) are compared with one process by tests/test_family_strategies.py (SD 1.x and the transformer families,
 # plain SGD, so a gradient summed instead of averaged fails there). Here: the variants (sharding modes, hybrid mesh,
 # offload), and zero2 with gradient checkpointing, with Adam.
-CASES = [("fsdp-shard_grad_op", "full"), ("fsdp-shard_grad_op", "lora"), ("fsdp-hybrid", "full"), ("zero2", "full"),
-         ("zero3-offload", "full"), ("zero2-offload", "full")]
+CASES = [("fsdp-shard_grad_op", "full"), ("fsdp-shard_grad_op", "lora"), ("fsdp-shard_grad_op", "embedding"),
+         ("fsdp-hybrid", "full"), ("zero2", "full"), ("zero3-offload", "full"), ("zero2-offload", "full")]
 
 
 def case_config(model, shapes_data, out: Path, name: str, method: str, **overrides) -> dict:
@@ -159,8 +162,14 @@ def exported_weights_of_base(model_dir: Path, method: str, like: dict) -> dict:
         unet = load_file(model_dir / "unet" / "diffusion_pytorch_model.safetensors")
         text = load_file(model_dir / "text_encoder" / "model.safetensors")
         return {**{f"unet.{k}": v for k, v in unet.items()}, **{f"te.{k}": v for k, v in text.items()}}
+    from transformers import CLIPTextModel, CLIPTokenizer
+
+    if method == "embedding":  # OneTrainer's start of an output embedding: the encoder's output of "*" + "**"
+        ids = CLIPTokenizer.from_pretrained(model_dir / "tokenizer")(["***"], return_tensors="pt").input_ids
+        with torch.no_grad():
+            start = CLIPTextModel.from_pretrained(model_dir / "text_encoder")(ids).last_hidden_state[0, 1:3]
+        return {"emp_params": torch.zeros_like(start), "emp_params_out": start}
     # LoRA starts with B = 0: the product B @ A is what must have moved; the embedding starts at the row of "*"
-    from transformers import CLIPTokenizer
 
     (row,) = CLIPTokenizer.from_pretrained(model_dir / "tokenizer")("*", add_special_tokens=False).input_ids
     text = load_file(model_dir / "text_encoder" / "model.safetensors")

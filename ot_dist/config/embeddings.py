@@ -36,6 +36,29 @@ def file_stem(token: str) -> str:
     return re.sub(r'[<>:"/\\|?*\s]', "", token) or "embedding"
 
 
+OUTPUT_EMBEDDING_DESCRIPTION = (
+    "OneTrainer's is_output_embedding: the vectors live in the text encoders' output space. The tokens' input rows "
+    "are zeros (frozen) and the encoders' hidden states at the tokens' positions are replaced by the trained vectors, "
+    "in training and in the samples. Without init_from they start as OneTrainer starts them: the encoder's hidden "
+    "states (the layer the model reads) of init_text followed by one '*' per vector, at the positions after the "
+    "start token. The file is OneTrainer's (<key> zeros, <key>_out the vectors: emp_params for SD 1.x / 2.x, "
+    "clip_l / clip_g for SDXL), which only OneTrainer reads; init_from reads <key>_out, else an input embedding's "
+    "vectors. SD 1.x / 2.x (without a text_encoder_layer_skip), SDXL, Stable Cascade and Würstchen v2 (clip_g)."
+)
+
+
+def check_output_embedding(key: str, config, family) -> None:
+    """An output embedding (`key` names its output_embedding field) against the family and the model section."""
+    if not family.output_embedding_keys:
+        raise ValueError(f"{key}: model family {config.model.family} takes no output embeddings in ot_dist (SD 1.x / "
+                         "2.x, SDXL, Stable Cascade and Würstchen v2 do; OneTrainer's T5 / Gemma / Llama output "
+                         "embeddings are not supported yet)")
+    conflict = family.output_embedding_conflict(config.model)
+    if conflict is not None:
+        field, why = conflict
+        raise ValueError(f"{key}: with {field}: {why}")
+
+
 class AdditionalEmbeddingConfig(Section):
     """One additional embedding (OneTrainer's TrainEmbeddingConfig): a new token whose vectors train beside the
     method's weights, in their own parameter group."""
@@ -69,6 +92,7 @@ class AdditionalEmbeddingConfig(Section):
     )
     stop_training_after_unit: Literal["epoch", "step"] = Field(default="epoch",
                                                                description="Unit of stop_training_after.")
+    output_embedding: bool = Field(default=False, description=OUTPUT_EMBEDDING_DESCRIPTION)
 
     @field_validator("init_from")
     @classmethod
@@ -130,6 +154,11 @@ def check_additional_embeddings(config, family) -> None:
             raise ValueError(f"additional_embeddings[{i}].token: {entry.token!r} would be written to the same file as "
                              f"additional_embeddings[{stems[stem]}] (embeddings/{file_stem(entry.token)}.safetensors)")
         stems[stem] = i
+        if entry.output_embedding:
+            check_output_embedding(f"additional_embeddings[{i}].output_embedding", config, family)
+            if config.bundle_additional_embeddings:
+                raise ValueError(f"bundle_additional_embeddings: additional_embeddings[{i}] is an output embedding, "
+                                 "which ot_dist writes as its own file only (OneTrainer's layout; set it to false)")
         if entry.stop_training_after is not None and config.strategy not in ("single", "ddp"):
             raise ValueError(f"additional_embeddings[{i}].stop_training_after: not supported with strategy "
                              f"{config.strategy} yet (sharded parameters cannot leave training mid-run); use strategy "

@@ -13,7 +13,8 @@ from typing import Annotated, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from ot_dist.config.checkpoint import CheckpointConfig
-from ot_dist.config.embeddings import (AdditionalEmbeddingConfig, check_additional_embeddings,
+from ot_dist.config.embeddings import (OUTPUT_EMBEDDING_DESCRIPTION, AdditionalEmbeddingConfig,
+                                       check_additional_embeddings, check_output_embedding,
                                        lower_case_for_several_vectors, safetensors_only)
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
@@ -37,9 +38,9 @@ class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
-        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 "
-        "[klein] 4B / 9B); each is one module under "
-        "ot_dist/models/families/ (docs/families.md)."
+        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), flux2 "
+        "(FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B); each is one module under ot_dist/models/families/ "
+        "(docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -245,6 +246,7 @@ class EmbeddingConfig(Section):
     learning_rate: float | None = Field(
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
     )
+    output_embedding: bool = Field(default=False, description=OUTPUT_EMBEDDING_DESCRIPTION)
 
     @field_validator("init_from")
     @classmethod
@@ -643,8 +645,10 @@ class DeepSpeedConfig(Section):
         "weights are all-gathered (zero3) and their gradients reduced in train_dtype): ends within about 1x the "
         "bfloat16 noise of one process. engine: DeepSpeed's bf16 / fp16 engine, the weights held in train_dtype and "
         "no autocast: half the bytes of the weights zero1/2 replicate on every rank and zero3 gathers, but a coarser "
-        "recipe (up to 56x the bfloat16 noise from one process, docs/parallel.md). auto: autocast with bfloat16, engine "
-        "with float16 (autocast float16 is refused: DeepSpeed 0.19's ZeRO clips the still-scaled gradients).",
+        "recipe (up to 56x the bfloat16 noise from one process, docs/parallel.md); its float32 masters start from the "
+        "loaded weights; float16 on a CPU only with AVX512-FP16 / AMX-FP16 (DeepSpeed's CPU accelerator refuses it "
+        "elsewhere). auto: autocast with bfloat16, engine with float16 (autocast float16 is refused: DeepSpeed 0.19's "
+        "ZeRO clips the still-scaled gradients).",
     )
 
 
@@ -1017,6 +1021,8 @@ class TrainConfig(Section):
                              f"(allowed: auto, {', '.join(family.samplers)})")
         if self.method == "embedding" and not family.embedding_keys:
             raise ValueError(f"method: model family {self.model.family} has no text encoder that takes embeddings")
+        if self.method == "embedding" and self.embedding.output_embedding:
+            check_output_embedding("embedding.output_embedding", self, family)
         check_additional_embeddings(self, family)
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():

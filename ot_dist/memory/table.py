@@ -1,6 +1,6 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
-Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B) and
-Sana 1600M under the low-memory
+Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
+Sana 1600M and Z-Image (6 B) under the low-memory
 options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
@@ -25,6 +25,7 @@ from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGE
 from ot_dist.models.families.sd import UNET_SHARD_UNITS
 from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
 from ot_dist.models.families.stable_cascade import CASCADE_ATTENTION, StableCascade, WuerstchenV2
+from ot_dist.models.families.z_image import ZImage
 
 GIB = 1024**3
 LORA_RANK = 16
@@ -140,6 +141,15 @@ MISTRAL_SMALL_31 = dict(
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
+# Tongyi-MAI/Z-Image-Turbo: its transformer/config.json (diffusers' ZImageTransformer2DModel defaults, written out),
+# its text_encoder Qwen/Qwen3-4B's decoder (Qwen3Model: no lm_head, the embedding tied to it in the CausalLM) and the
+# Flux VAE (16 channels).
+Z_IMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
+               n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, rope_theta=256.0,
+               t_scale=1000.0, axes_dims=[32, 48, 48], axes_lens=[1024, 512, 512])
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=True)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -154,6 +164,7 @@ DENOISERS = {
     "FLUX.2 dev": ("transformer", Flux2.denoiser_lora_presets["default"], Flux2.shard_units["transformer"]),
     "FLUX.2 klein 9B": ("transformer", Flux2Klein.denoiser_lora_presets["default"],
                         Flux2Klein.shard_units["transformer"]),
+    "Z-Image": ("transformer", ZImage.denoiser_lora_presets["default"], ZImage.shard_units["transformer"]),
 }
 
 
@@ -171,6 +182,12 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
     with torch.device("meta"):
         if model.startswith("FLUX.2"):
             return flux2_components(model)
+        if model == "Z-Image":
+            from diffusers import ZImageTransformer2DModel
+            from transformers import Qwen3Config, Qwen3Model
+
+            return {"transformer": ZImageTransformer2DModel(**Z_IMAGE), "text_encoder": Qwen3Model(Qwen3Config(**QWEN3_4B)),
+                    "vae": AutoencoderKL(**VAE_16)}
         if model == "Sana 1600M":
             return {"transformer": SanaTransformer2DModel(**SANA_1600M),
                     "text_encoder": Gemma2Model(Gemma2Config(**GEMMA2_2B)), "vae": AutoencoderDC(**DC_AE_F32C32)}

@@ -19,6 +19,7 @@ import torch
 from ot_dist.config.embeddings import AdditionalEmbeddingConfig, file_stem
 from ot_dist.errors import ConfigError
 from ot_dist.methods.embedding_file import vector_count
+from ot_dist.methods.output_vectors import file_vectors
 from ot_dist.methods.token_vectors import (add_vectors, rows_in_state, start_vectors, token_strings,
                                           write_embedding_file)
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY
@@ -63,8 +64,10 @@ class AdditionalEmbeddings:
 
         groups = []
         for i, entry in enumerate(self.entries):
+            key = f"additional_embeddings[{i}]"
             added = add_vectors(model, token_strings(entry.token, self.vector_count(i)),
-                                start_vectors(model, entry.init_from), entry.init_text, f"additional_embeddings[{i}]")
+                                start_vectors(model, entry.init_from, entry.output_embedding, f"{key}.init_from"),
+                                entry.init_text, key, output=entry.output_embedding)
             for parameter in added.values():
                 parameter.requires_grad_(entry.train)
             if entry.train:
@@ -77,9 +80,12 @@ class AdditionalEmbeddings:
         collective under sharding: every rank calls this."""
         if not self.entries:
             return []
-        states = {name: state_dict_of(model.text_encoders[name]) for name in model.family.embedding_keys}
-        return [{key.format(token=entry.token): rows_in_state(states[name], f"additional.{i}")
-                 for name, key in model.family.embedding_keys.items()}
+        family = model.family
+        states = {name: state_dict_of(model.text_encoders[name])
+                  for name in {**family.embedding_keys, **family.output_embedding_keys}}
+        return [file_vectors(family, states, f"additional.{i}") if entry.output_embedding else
+                {key.format(token=entry.token): rows_in_state(states[name], f"additional.{i}")
+                 for name, key in family.embedding_keys.items()}
                 for i, entry in enumerate(self.entries)]
 
     def bundled(self, model: LoadedModel, vectors: list[dict[str, torch.Tensor]], dtype) -> dict[str, torch.Tensor]:

@@ -12,6 +12,7 @@ import torch
 from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict
 from ot_dist.methods.embedding_file import vector_count
+from ot_dist.methods.output_vectors import file_vectors
 from ot_dist.methods.token_vectors import (add_vectors, rows_in_state, start_vectors, token_strings,
                                           write_embedding_file)
 from ot_dist.models.families.registry import get_family
@@ -51,12 +52,17 @@ class EmbeddingMethod(TrainingMethod):
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         freeze_all(model)
-        added = add_vectors(model, self.token_strings(), start_vectors(model, self.config.embedding.init_from),
-                            self.config.embedding.init_text, "embedding", main=True)
+        embedding = self.config.embedding
+        output = embedding.output_embedding
+        added = add_vectors(model, self.token_strings(), start_vectors(model, embedding.init_from, output),
+                            embedding.init_text, "embedding", main=True, output=output)
         group = ParamGroup("embedding", list(added.values()), self.config.part_learning_rate("embedding"))
         return [group] + self.additional.prepare(model)
 
     def vectors(self, model: LoadedModel, state_dict_of=plain_state_dict) -> dict[str, torch.Tensor]:
+        if self.config.embedding.output_embedding:
+            states = {name: state_dict_of(model.text_encoders[name]) for name in model.family.output_embedding_keys}
+            return file_vectors(model.family, states, "extra")
         return {key.format(token=self.config.embedding.token): rows_in_state(state_dict_of(model.text_encoders[name]),
                                                                             "extra")
                 for name, key in model.family.embedding_keys.items()}

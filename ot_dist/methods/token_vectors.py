@@ -8,6 +8,8 @@ its vocabulary read trainable rows (rather than training the whole vocabulary ma
 optimizer state, and later the sharded state, are the size of the vectors, not of the vocabulary). The file written is
 the one diffusers' `load_textual_inversion`, A1111 and ComfyUI read: {TOKEN: [n, dim]} for SD 1.x/2.x and
 {"clip_l": ..., "clip_g": ...} for SDXL / SD3 (A1111's SDXL layout); the token is also in its metadata ("token").
+An output embedding (OneTrainer's is_output_embedding) adds its tokens the same way with zero rows and trains vectors
+that replace the encoder's output at them instead: output_vectors.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from safetensors.torch import save_file
 from ot_dist.checkpoint.export import atomic_path
 from ot_dist.errors import ConfigError
 from ot_dist.methods.embedding_file import read_embedding_file
+from ot_dist.methods.output_vectors import attach, read_output_vectors, start_output_vectors
 from ot_dist.models.loading import LoadedModel
 
 
@@ -83,39 +86,57 @@ def expand_in_caption(caption: str, expansions: dict[str, str]) -> str:
     return pattern.sub(lambda m: by_lower[m.group(0).lower()], caption)
 
 
-def start_vectors(model: LoadedModel, init_from: str | None) -> dict[str, torch.Tensor] | None:
+def start_vectors(model: LoadedModel, init_from: str | None, output: bool = False,
+                  key: str = "embedding.init_from") -> dict[str, torch.Tensor] | None:
     """An embedding file's vectors per encoder (embedding.init_from, an additional embedding's init_from), checked
-    against each encoder's embedding width; None without a file (the vectors start from init_text)."""
+    against each encoder's embedding width; None without a file (the vectors start from init_text). `output`: an
+    output embedding's vectors, by OneTrainer's rule (output_vectors.py `read_output_vectors`)."""
     if not init_from:
         return None
-    keys = model.family.embedding_keys
+    keys = model.family.output_embedding_keys if output else model.family.embedding_keys
     widths = {name: model.text_encoders[name].get_input_embeddings().embedding_dim for name in keys}
+    if output:
+        return read_output_vectors(init_from, model.family, widths, key)
     return read_embedding_file(init_from, keys, widths)
 
 
 def add_vectors(model: LoadedModel, tokens: list[str], start: dict[str, torch.Tensor] | None, init_text: str,
-                key: str, main: bool = False) -> dict[str, torch.nn.Parameter]:
+                key: str, main: bool = False, output: bool = False) -> dict[str, torch.nn.Parameter]:
     """Add `tokens` to every tokenizer whose encoder takes embeddings and their rows to the encoder, as a new
     parameter after those already there. The rows start from `start` (encoder name -> [n, dim]) or from the
     init_text's vocabulary rows. Returns encoder name -> the new parameter. `key` names the config entry in errors;
-    `main`: method embedding's own vectors (`extra`, added before any additional embedding)."""
+    `main`: method embedding's own vectors (`extra`, added before any additional embedding). `output`: an output
+    embedding (output_vectors.py): the encoders of the family's output_embedding_keys get zero input rows, frozen,
+    and the returned parameters are the output vectors, from `start` or OneTrainer's start from init_text."""
     added = {}
+    takes = model.family.output_embedding_keys if output else model.family.embedding_keys
     for encoder_name, tokenizer_name in zip(model.family.text_encoders, model.family.tokenizers):
-        if encoder_name not in model.family.embedding_keys:
+        if encoder_name not in takes:
             continue  # an encoder that takes no embedding (T5) reads the new words as ordinary text
         tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
         if tokenizer.convert_tokens_to_ids(tokens[0]) != tokenizer.unk_token_id:
             raise ConfigError(f"{key}.token: {tokens[0]!r} is already in the {tokenizer_name} vocabulary")
+        if output and start is None:  # before the tokens exist: the init text reads as ordinary words
+            out_start = start_output_vectors(model, tokenizer_name, encoder_name, init_text, len(tokens))
         embedding = encoder.get_input_embeddings()
         if not isinstance(embedding, ExtendedTokenEmbedding):
             embedding = ExtendedTokenEmbedding(embedding)
             encoder.set_input_embeddings(embedding)
         size = embedding.num_embeddings
-        init_ids = init_token_ids(tokenizer, init_text, len(tokens), f"{key}.init_text") if start is None else None
+        init_ids = (init_token_ids(tokenizer, init_text, len(tokens), f"{key}.init_text")
+                    if start is None and not output else None)
         tokenizer.add_tokens(tokens)
         if tokenizer.convert_tokens_to_ids(tokens) != list(range(size, size + len(tokens))):
             raise ConfigError(f"{key}.token: {tokenizer_name} ({len(tokenizer)} tokens) and {encoder_name} "
                               f"({size} embeddings) disagree on the vocabulary size")
+        if output:
+            # OneTrainer's BaseModelEmbedding: the input vector of an output embedding is zeros, never trained
+            rows = new_rows(embedding, torch.zeros(len(tokens), embedding.embedding_dim), main)
+            rows.requires_grad_(False)
+            name = "extra" if main else f"additional.{len(embedding.additional) - 1}"
+            vectors = start[encoder_name] if start is not None else out_start
+            added[encoder_name] = attach(encoder, embedding).add(name, size, vectors)
+            continue
         rows = start[encoder_name] if start is not None else embedding.base.weight.detach()[torch.tensor(init_ids)]
         added[encoder_name] = new_rows(embedding, rows.clone(), main)
     return added
@@ -145,7 +166,7 @@ def without_token_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
     its own name, the new rows left out (they are written as embedding files)."""
     plain = {}
     for key, value in state.items():
-        if re.search(r"token_embedding\.(extra|additional\.\d+)$", key):
+        if re.search(r"token_embedding\.(outputs\.)?(extra|additional\.\d+)$", key):
             continue
         plain[re.sub(r"token_embedding\.base\.", "token_embedding.", key)] = value
     return plain

@@ -37,6 +37,7 @@ SCRIPTS = {
     "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora", "dreambooth"),
     "train_dreambooth_lora_flux2.py": ("flux2", "lora", "dreambooth"),
     "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora", "dreambooth"),
+    "train_dreambooth_lora_z_image.py": ("z_image", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
 }
 # The scripts that validate every validation_steps optimizer steps (the others: every validation_epochs epochs).
@@ -64,6 +65,10 @@ TRANSFORMER_LORA_TARGETS |= {
 # shift dynamically (FlowMatchEulerDiscreteScheduler applies no shift at init then: the Qwen script's shift=3.0 is
 # dropped), Sana's DPM-solver config has flow_shift, which FlowMatchEulerDiscreteScheduler does not read.
 UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image", "flux2", "flux2_klein")
+# The flow families whose scripts draw from the scheduler's table shifted by its fixed shift (Z-Image's config: 3.0,
+# use_dynamic_shifting false), which is ot_dist's auto; SD3's has its own branch (precondition_outputs).
+SHIFTED_FLOW_SCRIPTS = ("z_image",)
+TRANSFORMER_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
 # Arguments that change how the script runs, not what it trains: noted, not listed as not honoured.
 NO_EFFECT = {
     "enable_xformers_memory_efficient_attention": "attention kernel", "enable_npu_flash_attention": "attention kernel",
@@ -80,7 +85,8 @@ NO_EFFECT = {
     "pretrained_text_encoder_4_name_or_path": "not read by the script",
     "pretrained_tokenizer_4_name_or_path": "not read by the script",
     "cache_latents": "latents cached or not (data.cache_latents: the same training)",
-    "remote_text_encoder": "where the captions are encoded", "fsdp_text_encoder": "how the text encoder is placed",
+    "remote_text_encoder": "where the captions are encoded",
+    "fsdp_text_encoder": "where the frozen text encoder lives (the Z-Image script shards it with FSDP)",
 }
 
 
@@ -371,6 +377,8 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
                  "trains the unweighted flow-matching loss")
     if family in T5_DEFAULTS and args["max_sequence_length"] != T5_DEFAULTS[family]:
         c["model"]["t5_max_tokens"] = args["max_sequence_length"]  # the SD3 scripts' and train_dreambooth_flux's 77
+    if family in SHIFTED_FLOW_SCRIPTS:
+        weighting_scheme(args, loss, skip, descending=True)  # the shifted table from sigma 1 down: ot_dist's auto shift
     if family in UNSHIFTED_FLOW_SCRIPTS:
         weighting_scheme(args, loss, skip, descending=True)  # timesteps[(u x N)] of a table that runs from sigma 1
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
@@ -382,7 +390,7 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
 
 
 def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
-    """The Sana / Qwen-Image scripts' own options that change what trains and have no ot_dist counterpart."""
+    """The Sana / Qwen-Image / Z-Image scripts' own options that change what trains and have no ot_dist counterpart."""
     if args["complex_human_instruction"]:
         skip("complex_human_instruction: the Sana script prefixes every caption with it; ot_dist encodes the "
              "caption alone (the script's default)")
@@ -392,6 +400,9 @@ def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
         skip(f"bnb_quantization_config_path: {args['bnb_quantization_config_path']}: the Qwen-Image script "
              "quantizes the transformer with bitsandbytes; ot_dist's low-memory option is weight_dtype float8 "
              "(docs/low-memory.md)")
+    if args["do_fp8_training"]:
+        skip("do_fp8_training: the Z-Image script trains the transformer's linear layers in float8 (torchao's "
+             "convert_to_float8_training); ot_dist computes in train_dtype, float8 holds frozen weights only")
 
 
 def _flux2_text(args: DiffusersArgs, family: str, skip) -> None:

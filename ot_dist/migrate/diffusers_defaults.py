@@ -343,6 +343,30 @@ def defaults(script: str) -> dict:
     return {key: BY_SCRIPT[key][script] if key in BY_SCRIPT else SHARED[key] for key in SCRIPT_ARGS[script]}
 
 
+# examples/dreambooth/train_dreambooth_lora_z_image.py (diffusers commit 2919c50962, July 2026), read the same way: its
+# arguments, its defaults where SHARED does not give them, and the kinds of the two arguments no other script has
+Z_IMAGE_SCRIPT = "train_dreambooth_lora_z_image.py"
+SCRIPT_ARGS[Z_IMAGE_SCRIPT] = frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay
+    adam_weight_decay_text_encoder allow_tf32 aspect_ratio_buckets bnb_quantization_config_path cache_dir cache_latents
+    caption_column center_crop checkpointing_steps checkpoints_total_limit class_data_dir class_prompt
+    dataloader_num_workers dataset_config_name dataset_name do_fp8_training enable_npu_flash_attention
+    final_validation_prompt fsdp_text_encoder gradient_accumulation_steps gradient_checkpointing guidance_scale
+    hub_model_id hub_token image_column instance_data_dir instance_prompt learning_rate local_rank logging_dir
+    logit_mean logit_std lora_alpha lora_dropout lora_layers lr_num_cycles lr_power lr_scheduler lr_warmup_steps
+    max_grad_norm max_sequence_length max_train_steps mixed_precision mode_scale num_class_images num_train_epochs
+    num_validation_images offload optimizer output_dir pretrained_model_name_or_path prior_generation_precision
+    prior_loss_weight prodigy_beta3 prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub
+    random_flip rank repeats report_to resolution resume_from_checkpoint revision sample_batch_size scale_lr seed
+    skip_final_inference text_encoder_lr train_batch_size upcast_before_saving use_8bit_adam use_aspect_ratio_buckets
+    validation_epochs validation_prompt variant weighting_scheme with_prior_preservation""".split())
+SHARED.update(do_fp8_training=False, fsdp_text_encoder=False)
+KINDS.update(do_fp8_training="flag", fsdp_text_encoder="flag")
+for _key, _default in {"adam_weight_decay": 0.0001, "caption_column": None, "learning_rate": 0.0001,
+                       "max_sequence_length": 512, "max_train_steps": None, "mixed_precision": None,
+                       "num_train_epochs": 1, "output_dir": "z-image-dreambooth-lora", "repeats": 1, "resolution": 512,
+                       "train_batch_size": 4, "validation_epochs": 50, "weighting_scheme": "none"}.items():
+    BY_SCRIPT[_key][Z_IMAGE_SCRIPT] = _default
+
 # examples/dreambooth/train_dreambooth_lora_flux2.py and train_dreambooth_lora_flux2_klein.py (the same commit, read
 # the same way): the Qwen-Image script's arguments and defaults, less its leftovers, with their own.
 _QWEN_IMAGE = "train_dreambooth_lora_qwen_image.py"

@@ -20,7 +20,8 @@ from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.onetrainer_checkpoint import import_checkpoint
 from ot_dist.migrate.common import T5_DEFAULTS, Imported, is_windows_path, local_path, note_local_model, read_json
 from ot_dist.migrate.onetrainer_concepts import import_concepts, import_latent_caching
-from ot_dist.migrate.onetrainer_embeddings import import_additional_embeddings
+from ot_dist.migrate.onetrainer_embeddings import (import_additional_embeddings, output_embedding_refusal,
+                                                 output_init_text)
 from ot_dist.migrate.onetrainer_layers import import_layer_filter, import_text_encoder_layers
 from ot_dist.migrate.onetrainer_loss import import_loss
 from ot_dist.migrate.onetrainer_optim import import_ema, import_optimizer, import_scheduler, scale_learning_rates
@@ -41,6 +42,7 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "STABLE_CASCADE_1": ("stable_cascade", False), "WUERSTCHEN_2": ("wuerstchen_v2", False),
     "SANA": ("sana", False), "QWEN": ("qwen_image", False), "FLUX_2": ("flux2", False),
 }
+FAMILIES["Z_IMAGE"] = ("z_image", False)
 # OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
 # model's name tells them apart here (black-forest-labs/FLUX.2-dev, FLUX.2-klein-base-4B / -9B).
 KLEIN_FAMILY = {"flux2": "flux2_klein"}
@@ -166,6 +168,12 @@ def _embedding(ot: dict, c: dict, out: Imported) -> None:
     # text's tokens first, then "*"s, cut at the vector count.
     c["embedding"] = {"token": token, "vectors": vectors,
                       "init_text": init_text + " *" * (vectors - 1) if init_text != "*" else init_text}
+    if embedding["is_output_embedding"]:
+        if why := output_embedding_refusal(c):
+            skip(f"embedding.is_output_embedding: true (an embedding of the text encoder's output): {why}; an input "
+                 "embedding is trained instead")
+        else:
+            c["embedding"].update(output_embedding=True, init_text=output_init_text(embedding))
     if continued:
         del c["embedding"]["vectors"]
         c["embedding"]["init_from"] = local_path(continued, "embedding.model_name", out)
@@ -177,8 +185,6 @@ def _embedding(ot: dict, c: dict, out: Imported) -> None:
     if embedding["stop_training_after"] is not None and embedding["stop_training_after_unit"] != "NEVER":
         skip(f"embedding.stop_training_after: {embedding['stop_training_after']} "
              f"{embedding['stop_training_after_unit']} is not supported (the embedding trains to the end)")
-    if embedding["is_output_embedding"]:
-        skip("embedding.is_output_embedding: true (an embedding of the text encoder's output) is not supported")
     if ot["preserve_embedding_norm"]:
         skip("preserve_embedding_norm: true is not supported")
     if ot["embedding_weight_dtype"] not in ("FLOAT_32", None):

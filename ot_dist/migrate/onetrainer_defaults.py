@@ -115,5 +115,6 @@ SAMPLE_BY_FAMILY = {
     **{name: {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0} for name in ("stable_cascade", "wuerstchen_v2")},
     "qwen_image": {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 3.5},
     "sana": {**_SIDE_1024, "diffusion_steps": 20, "cfg_scale": 4.5},
+    "z_image": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 4.0},
     **{name: {**_SIDE_1024, "cfg_scale": 4.0} for name in ("flux2", "flux2_klein")},
 }

@@ -10,11 +10,33 @@ from ot_dist.migrate import onetrainer_defaults as defaults
 from ot_dist.migrate.common import Imported, local_path
 
 
+def output_embedding_refusal(c: dict) -> str | None:
+    """Why the imported model takes no output embedding (is_output_embedding), or None: the family's, or a model
+    setting's (SD's layer skip) refusal, as validation would say it."""
+    from types import SimpleNamespace
+
+    from ot_dist.models.families.registry import get_family
+
+    family = get_family(c["model"]["family"])
+    if not family.output_embedding_keys:
+        return (f"{c['model']['family']} takes no output embeddings in ot_dist (SD 1.x / 2.x, SDXL, Stable Cascade "
+                "and Würstchen v2 do)")
+    model = SimpleNamespace(**{**{f"{name}_layer_skip": 0 for name in family.layer_skip_encoders}, **c["model"]})
+    conflict = family.output_embedding_conflict(model)
+    return None if conflict is None else f"not with {conflict[0]}: {conflict[1]}"
+
+
+def output_init_text(embedding: dict) -> str:
+    """An output embedding's init_text: OneTrainer's initial text as it is, since both start the vectors from the
+    encoder's output of that text followed by a "*" per vector (the input rows' "*" padding does not apply)."""
+    return embedding["initial_embedding_text"] or "*"
+
+
 def import_additional_embeddings(ot: dict, c: dict, method: str, out: Imported) -> None:
     skip = out.not_honoured.append
     entries = []
     for i, raw in enumerate(ot.get("additional_embeddings") or []):
-        entry = _entry(f"additional_embeddings[{i}]", {**defaults.EMBEDDING, **(raw or {})}, ot, out)
+        entry = _entry(f"additional_embeddings[{i}]", {**defaults.EMBEDDING, **(raw or {})}, ot, c, out)
         if entry is not None:
             entries.append(entry)
     if not entries:
@@ -26,7 +48,11 @@ def import_additional_embeddings(ot: dict, c: dict, method: str, out: Imported) 
         if ot.get("embedding_weight_dtype") not in ("FLOAT_32", None):
             skip(f"embedding_weight_dtype: {ot['embedding_weight_dtype']} (the vectors train in float32) is not "
                  "supported")
-    if method == "lora" and ot.get("bundle_additional_embeddings", True):  # OneTrainer's default: bundled
+    outputs = [i for i, entry in enumerate(entries) if entry.get("output_embedding")]
+    if method == "lora" and ot.get("bundle_additional_embeddings", True) and outputs:
+        skip(f"bundle_additional_embeddings: true: additional_embeddings[{outputs[0]}] is an output embedding, which "
+             "ot_dist writes as its own file only (OneTrainer's layout); none is bundled")
+    elif method == "lora" and ot.get("bundle_additional_embeddings", True):  # OneTrainer's default: bundled
         c["bundle_additional_embeddings"] = True
         out.notes.append("bundle_additional_embeddings: true (OneTrainer's default): lora.safetensors holds the "
                          "embeddings as bundle_emb.* keys, which A1111 reads, ComfyUI warns about and diffusers' "
@@ -34,13 +60,14 @@ def import_additional_embeddings(ot: dict, c: dict, method: str, out: Imported) 
                          "LoRA file plain)")
 
 
-def _entry(key: str, embedding: dict, ot: dict, out: Imported) -> dict | None:
+def _entry(key: str, embedding: dict, ot: dict, c: dict, out: Imported) -> dict | None:
     """One TrainEmbeddingConfig as an additional_embeddings entry, or None (listed) where ot_dist cannot train it."""
     skip = out.not_honoured.append
     token = embedding["placeholder"]
-    if embedding["is_output_embedding"]:
-        skip(f"{key}.is_output_embedding: true (an embedding of the text encoder's output) is not supported; "
-             f"{token} is left out")
+    output = embedding["is_output_embedding"]
+    if output and (why := output_embedding_refusal(c)):
+        skip(f"{key}.is_output_embedding: true (an embedding of the text encoder's output): {why}; {token} is left "
+             "out")
         return None
     continued = embedding["model_name"]
     if continued and not continued.lower().endswith(".safetensors"):
@@ -62,6 +89,8 @@ def _entry(key: str, embedding: dict, ot: dict, out: Imported) -> dict | None:
     # OneTrainer pads the initial text's tokens with the token of "*" (see onetrainer.py _embedding)
     entry = {"token": written, "vectors": vectors,
              "init_text": init_text + " *" * (vectors - 1) if init_text != "*" else init_text}
+    if output:
+        entry.update(output_embedding=True, init_text=output_init_text(embedding))
     if embedding["token_count"] is None and not continued:
         skip(f"{key}.token_count: null: OneTrainer makes one vector per token of "
              f"{embedding['initial_embedding_text']!r}; set vectors to that count (1 is written)")

@@ -21,9 +21,16 @@ ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
                       "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE,
                       "sana": {**_PIXART, "attn-mlp": ("attn1", "attn2", "ff.")},
                       "qwen_image": {"attn-mlp": ("attn", "img_mlp", "txt_mlp"), "attn-only": ("attn",),
-                                     "blocks": ("transformer_block",)},
-                      # BaseFlux2Setup: blocks (both block lists' Linear layers) and full
-                      "flux2": {"blocks": ("transformer_block",)}, "flux2_klein": {"blocks": ("transformer_block",)}}
+                                     "blocks": ("transformer_block",)}}
+# Z-Image (BaseZImageSetup.LAYER_PRESETS): attention / feed_forward outside the refiners, as regular expressions
+ONETRAINER_PRESETS["z_image"] = {"blocks": ("layers",),
+                                 "attn-mlp": ("^(?=.*attention)(?!.*refiner).*", "^(?=.*feed_forward)(?!.*refiner).*"),
+                                 "attn-only": ("^(?=.*attention)(?!.*refiner).*",)}
+# Presets OneTrainer matches as regular expressions (its preset's `regex: True`), whatever the config's
+# layer_filter_regex says when it saved the preset's name alone.
+REGEX_PRESETS = {"z_image": ("attn-mlp", "attn-only")}
+# BaseFlux2Setup: blocks (both block lists' Linear layers) and full
+ONETRAINER_PRESETS |= {"flux2": {"blocks": ("transformer_block",)}, "flux2_klein": {"blocks": ("transformer_block",)}}
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -43,7 +50,7 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         if family in ("stable_cascade", "wuerstchen_v2"):
             out.notes.append("layer_filter: every layer -> lora.preset all_layers, without the prior's depthwise "
                              "convolutions, which OneTrainer also adapts (peft: rank divisible by their groups)")
-    elif ot.get("layer_filter_regex"):
+    elif ot.get("layer_filter_regex") or named in REGEX_PRESETS.get(family, ()):
         lora.update(layer_filter=list(patterns), layer_filter_regex=True)
     elif named == "attn-only":
         lora["preset"] = "attention"

@@ -38,6 +38,11 @@ FAMILIES = {
     # FLUX.2: SimpleTuner's default flavour klein-9b; model_flavour dev is FLUX.2 [dev] (FLUX2_FLAVOURS)
     "flux2": ("flux2_klein", "transformer", "black-forest-labs/FLUX.2-klein-base-9B"),
 }
+# Z-Image: the default flavour turbo-ostris-v2 is Z-Image-Turbo (trained through an assistant LoRA)
+FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")
+# flavours SimpleTuner trains through ostris' assistant LoRA (ZImage.ASSISTANT_LORA_FLAVOURS), or with a transformer
+# from another repository (TRANSFORMER_PATH_OVERRIDES)
+Z_IMAGE_ASSISTED = ("turbo", "turbo-ostris-v2")
 # model_family -> {model_flavour: ot_dist's family} where a flavour is another ot_dist family (SimpleTuner's Flux2
 # picks Mistral-3 for dev and Qwen3 for its klein flavours by the flavour, not by the folder)
 FLAVOUR_FAMILIES = {"flux2": {"dev": "flux2"}}
@@ -156,6 +161,8 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
     if name == "qwen_image" and str(args["model_flavour"] or "").startswith("edit"):
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains Qwen-Image-Edit with "
                                 "image conditioning, which ot_dist does not")
+    if name == "z_image":
+        _z_image(args, out)
     if name == "sana":
         _sana(args, out)
     if args.given("aspect_bucket_alignment"):
@@ -181,6 +188,18 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
             out.not_honoured.append(f"flux_guidance_mode: {args['flux_guidance_mode']}: a guidance drawn per step is "
                                     "not supported; flux_guidance_value is written")
     return family, denoiser
+
+
+def _z_image(args, out: Imported) -> None:
+    """SimpleTuner trains its Z-Image-Turbo flavours through ostris' training adapter, an assistant LoRA loaded beside
+    the trained one (ot_dist trains the model as it is); ostris-de-turbo replaces the transformer."""
+    flavour = args["model_flavour"] or "turbo-ostris-v2"
+    if flavour in Z_IMAGE_ASSISTED and not args["disable_assistant_lora"]:
+        out.not_honoured.append(f"model_flavour: {flavour}: SimpleTuner trains Z-Image-Turbo through an assistant "
+                                "LoRA (ostris/zimage_turbo_training_adapter), which ot_dist does not load")
+    elif flavour == "ostris-de-turbo":
+        out.not_honoured.append("model_flavour: ostris-de-turbo: SimpleTuner loads ostris/Z-Image-De-Turbo's "
+                                "transformer; give a folder holding it as pretrained_model_name_or_path")
 
 
 def _sana(args: SimpleTunerArgs, out: Imported) -> None:

@@ -74,6 +74,47 @@ def deepspeed_config(config, stage: int, world_size: int, device_type: str = "cp
     return ds
 
 
+def engine_casts(ds_config: dict) -> bool:
+    """Whether DeepSpeed's bf16 / fp16 engine runs (it casts the module's parameters to that dtype)."""
+    return any(bool(ds_config.get(key, {}).get("enabled")) for key in ("bf16", "fp16"))
+
+
+def refuse_engine_dtype_the_device_lacks(ds_config: dict) -> None:
+    """DeepSpeed's engine refuses a dtype its accelerator does not report (engine.py `_do_sanity_check`: "Type fp16
+    is not supported on your device."), after the model is loaded and without saying why. On the CPU accelerator
+    float16 is reported only where oneDNN computes it natively (cpu_accelerator.py `is_fp16_supported`:
+    torch.ops.mkldnn._is_mkldnn_fp16_supported(), x86 CPUs with AVX512-FP16 or AMX-FP16, Sapphire Rapids and later);
+    bfloat16 always."""
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    for key, dtype, supported in (("fp16", "float16", accelerator.is_fp16_supported),
+                                  ("bf16", "bfloat16", accelerator.is_bf16_supported)):
+        if ds_config.get(key, {}).get("enabled") and not supported():
+            raise ConfigError(
+                f"deepspeed.mixed_precision: DeepSpeed's {key} engine (train_dtype {dtype}) is not supported on this "
+                f"{accelerator.device_name()} device: DeepSpeed's {type(accelerator).__name__} reports no {dtype} "
+                + ("(on the CPU it needs oneDNN's native float16: AVX512-FP16 or AMX-FP16). " if key == "fp16" else ". ")
+                + ("Use train_dtype bfloat16 (deepspeed.mixed_precision autocast or engine), float32, or strategy ddp / "
+                   "fsdp, whose float16 autocast runs anywhere" if key == "fp16" else "Use train_dtype float32")
+            )
+
+
+@torch.no_grad()
+def masters_from_loaded_weights(ownership: Ownership, loaded: dict[str, torch.Tensor]) -> None:
+    """DeepSpeed's bf16 / fp16 engine casts the module's parameters to that dtype, then clones the float32 master
+    partitions its optimizer steps from the cast copies (stage_1_and_2.py `single_partition_of_fp32_groups`,
+    stage3.py `_create_fp32_partitions`): the weights as loaded lost their low 16 (bf16) or 13 (fp16) bits before the
+    first step, up to half a bf16 step of each weight (5e-4 at |w| = 0.1, as much as a few SGD updates), and every
+    later step went on from there. The masters are set to the loaded float32 values instead (this rank's fragments);
+    the engine's half-precision weights are those values rounded, as after any step."""
+    for owned in ownership.owned:
+        master = owned.local().view(-1)
+        for f in owned.fragments:
+            source = loaded[f.name].reshape(-1)[f.param_offset:f.param_offset + f.numel]
+            master[f.local_offset:f.local_offset + f.numel].copy_(source)
+
+
 def computes_under_autocast(config) -> bool:
     """Whether a low-precision train_dtype runs as float32 weights under torch autocast (DeepSpeed's torch_autocast),
     as single, ddp and fsdp run it, instead of in DeepSpeed's bf16 / fp16 engine (deepspeed.mixed_precision).
@@ -262,12 +303,17 @@ class DeepSpeedStrategy(Strategy):
         skip_shared_memory_op_build()
         ds_config = deepspeed_config(self.config, self.stage, self.runtime.world_size, self.runtime.device.type)
         self.under_autocast = bool(ds_config.get("torch_autocast", {}).get("enabled"))
+        refuse_engine_dtype_the_device_lacks(ds_config)
+        # DeepSpeed's bf16 / fp16 engine casts the weights, then clones its float32 masters from the cast copies
+        loaded = {name: p.data for name, p in self.trained_parameters().items()} if engine_casts(ds_config) else {}
         with parameters_shown_by_shape() if self.stage == 3 else contextlib.nullcontext():
             self.engine, engine_optimizer, _, _ = deepspeed.initialize(
                 model=container, optimizer=optimizer, config=ds_config, dist_init_required=False,
             )
         self.optimizer = optimizer  # our optimizer: its param_groups carry the scheduled learning rates
         self.engine_optimizer = engine_optimizer
+        if loaded:
+            masters_from_loaded_weights(self.ownership(), loaded)
         if not self.config.deepspeed.offload_optimizer:
             if self.stage == 3:
                 share_fp32_master_with_partitions(engine_optimizer)

@@ -7,6 +7,7 @@ gradient accumulation, then export.
 from __future__ import annotations
 
 import gc
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,9 @@ class TrainResult:
     # counts them as steps (result.steps), the blocking one does not
     skipped_steps: int = 0
     checkpoint: Path | None = None  # the last checkpoint saved
+    # float16: steps whose gradients overflowed, so the loss scaler (torch's GradScaler, DeepSpeed's fp16 engine) did
+    # not apply them; counted as steps (the schedule and the EMA moved on), found when the window is pulled
+    overflowed_steps: list[int] = field(default_factory=list)
 
 
 class Trainer:
@@ -466,8 +470,21 @@ class Trainer:
     def _take_window(self, result: TrainResult, steps: list) -> None:
         """The pulled steps' losses (and d x lr per group for adaptive optimizers) into the result."""
         result.losses.extend(s.metrics["loss"] for s in steps)
+        if self.config.train_dtype == "float16":
+            self._report_overflows(result, steps)
         if self.adaptive:
             result.d_lr.extend({k[len("d_lr/"):]: v for k, v in s.metrics.items() if k.startswith("d_lr/")} for s in steps)
+
+    def _report_overflows(self, result: TrainResult, steps: list) -> None:
+        """float16: a step whose gradient norm is not finite while its loss is was not applied: the loss scaler found
+        its gradients overflowing (GradScaler, and DeepSpeed's fp16 engine, which reports an inf norm for it). Said
+        here, where the norms reach the host anyway; a non-finite loss is the step guard's to report."""
+        for s in steps:
+            norm = s.metrics.get("grad_norm")
+            if norm is not None and not math.isfinite(norm) and math.isfinite(s.metrics["loss"]):
+                result.overflowed_steps.append(s.step)
+                self.log(f"warning: float16 gradients overflowed at step {s.step}: the loss scaler did not apply that "
+                         f"update ({len(result.overflowed_steps)} so far)")
 
     def _log_window(self, window: StepWindow, progress: Progress) -> list:
         """Copy the window's step values to the host (one sync), track them, show progress; the pulled steps."""

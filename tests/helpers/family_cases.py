@@ -4,7 +4,8 @@ test compares those exports with a single process.
 
 CASES_JSON: {"case name": raw config dict, ...}; a dict may carry "_overflow_at_step": N or
 "_inf_gradient_element_at_step": N (tests/helpers/overflow.py), "_record_denoiser_inputs": PATH (rank 0 writes
-the dtypes the denoiser's forward received there: tests/helpers/denoiser_inputs.py)."""
+the dtypes the denoiser's forward received there: tests/helpers/denoiser_inputs.py), "_fp16_engine_on_cpu": true
+(DeepSpeed's CPU accelerator reports float16 for this case: engine_reference.py `fp16_reported`)."""
 
 import gc
 import json
@@ -17,6 +18,7 @@ from ot_dist.train.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(__file__))
 from denoiser_inputs import record_denoiser_inputs  # noqa: E402
+from engine_reference import fp16_reported  # noqa: E402
 from overflow import inject  # noqa: E402
 from zero_master import assert_master_shares_the_weights  # noqa: E402
 
@@ -26,15 +28,16 @@ for name, raw in cases.items():
     overflow_at = raw.pop("_overflow_at_step", None)
     poisoned_at = raw.pop("_inf_gradient_element_at_step", None)
     inputs_record = raw.pop("_record_denoiser_inputs", None)
-    trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
+    with fp16_reported(raw.pop("_fp16_engine_on_cpu", False)):
+        trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
     inject(trainer, overflow_at, poisoned_at)
     if inputs_record and runtime.is_main:
         record_denoiser_inputs(trainer, inputs_record)
-    trainer.train()
+    result = trainer.train()
     assert_master_shares_the_weights(trainer)  # zero1/2 over float32 weights: no second copy of them
     trainer.close()  # ends with a full collection: what survives it stays alive
     gc.freeze()  # a closed ZeRO-3 trainer's objects, not walked again by later collections (optimizers_under_strategy.py)
     if runtime.is_main:
-        print(f"case done: {name}", flush=True)
+        print(f"case done: {name}; overflowed steps: {result.overflowed_steps}", flush=True)
 runtime.shutdown()
 exit_process(0)  # see exit_process: a rank's library teardown must not fail a finished run

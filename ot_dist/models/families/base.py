@@ -46,6 +46,19 @@ class Family:
     # registers without `token=`. T5 encoders are not listed: a T5 learns through its relative-attention stack,
     # and no UI loads T5 embeddings.
     embedding_keys: dict[str, str] = {}
+    # Text encoders whose hidden states an output embedding replaces at its tokens (OneTrainer's is_output_embedding,
+    # ot_dist/methods/output_vectors.py), with OneTrainer's file key: its zero input rows under `<key>`, its vectors
+    # under `<key>_out`. Empty: the family takes no output embeddings (`text_states` is then never called).
+    output_embedding_keys: dict[str, str] = {}
+
+    def text_states(self, encoder: str, output) -> torch.Tensor:
+        """The hidden states of `encoder`'s output (a transformers ModelOutput with hidden_states) that the
+        conditioning reads: where an output embedding's vectors end up, and what OneTrainer starts them from."""
+        raise NotImplementedError
+
+    def output_embedding_conflict(self, model_config) -> tuple[str, str] | None:
+        """(config key, why) when the model section rules output embeddings out (SD's layer skip), else None."""
+        return None
 
     # -- LoRA -------------------------------------------------------------------------------------------
     # Module-name suffixes peft adapts, per preset; "default" is what the family's diffusers training script

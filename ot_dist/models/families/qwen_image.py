@@ -208,15 +208,15 @@ class QwenImage(Family):
             tokenizer=tokenizer, scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
 
 
-def caption_lengths(batch: dict, mask: torch.Tensor) -> list[int]:
-    """Each caption's token count (after the dropped template tokens), read from the batch's host copy of the mask:
+def caption_lengths(batch: dict, mask: torch.Tensor, dropped: int = TEMPLATE_TOKENS_DROPPED) -> list[int]:
+    """Each caption's token count (after the `dropped` template tokens), read from the batch's host copy of the mask:
     the text cache's `text_mask` or the tokenizer's `text_encoder_mask`, on the CPU as the loader made them. Reading
     the device copy (`mask`) would stall the host every micro step on a GPU (issue 21); it is read only when the
     batch has neither (a direct call, as the tests make)."""
     if "text_mask" in batch:
         rows = batch["text_mask"].tolist()
     elif "token_ids" in batch:
-        rows = [row[TEMPLATE_TOKENS_DROPPED:] for row in batch["token_ids"]["text_encoder_mask"].tolist()]
+        rows = [row[dropped:] for row in batch["token_ids"]["text_encoder_mask"].tolist()]
     else:
         rows = mask.tolist()
     return [sum(row) for row in rows]  # B rows of at most 512 ints: summed in Python, the loader's tensor read once
@@ -225,11 +225,12 @@ def caption_lengths(batch: dict, mask: torch.Tensor) -> list[int]:
 SPLIT_WORDS = ("yellow", "black")
 
 
-def tiny_qwen2_tokenizer(max_length: int = 32):
+def tiny_qwen2_tokenizer(max_length: int = 32, template: str = PROMPT_TEMPLATE):
     """A Qwen2Tokenizer built offline: byte-level BPE (Qwen2's pre-tokenizer) trained on the chat template and the
     demo words, so each of them is one token (SPLIT_WORDS excepted) as with the real vocabulary, and the template's system prompt and user
     header tokenize to TEMPLATE_TOKENS_DROPPED tokens, as the real tokenizer's do; <|im_start|> / <|im_end|> are
-    special tokens. `max_length` becomes model_max_length (the caption tokens the family keeps)."""
+    special tokens. `max_length` becomes model_max_length (the caption tokens the family keeps); `template` is the
+    prompt template whose words the vocabulary learns (Z-Image's chat turn for its Qwen3 tokenizer)."""
     import json
 
     from tokenizers import pre_tokenizers, trainers
@@ -244,7 +245,7 @@ def tiny_qwen2_tokenizer(max_length: int = 32):
     # Two demo colours stay out of the training text: they split into pieces, as rarer words do with the real
     # vocabulary, so the demo captions differ in length and a batch's padding (and its mask) matters.
     words = " ".join(w for w in DEMO_WORDS if w not in SPLIT_WORDS)
-    scratch.backend_tokenizer.train_from_iterator([PROMPT_TEMPLATE.format(words), words], trainer=trainer)
+    scratch.backend_tokenizer.train_from_iterator([template.format(words), words], trainer=trainer)
     model = json.loads(scratch.backend_tokenizer.to_str())["model"]
     tokenizer = Qwen2Tokenizer(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]],
                                model_max_length=max_length)

@@ -21,6 +21,7 @@ FAMILY_MODULES: dict[str, str] = {
     "sana": "ot_dist.models.families.sana",
     "flux2": "ot_dist.models.families.flux2",
     "flux2_klein": "ot_dist.models.families.flux2",
+    "z_image": "ot_dist.models.families.z_image",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)

@@ -164,6 +164,18 @@ class SD(UNetFamily):
         self.tiny_hidden_act, self.tiny_prediction_type = hidden_act, prediction_type
 
     layer_skip_encoders = ("text_encoder",)
+    output_embedding_keys = {"text_encoder": "emp_params"}  # OneTrainer's StableDiffusionEmbeddingSaver
+
+    def text_states(self, encoder, output):
+        return output.last_hidden_state  # (no layer skip: output_embedding_conflict)
+
+    def output_embedding_conflict(self, model_config):
+        if model_config.text_encoder_layer_skip:
+            # the skipped layer goes through the final layer norm after the encoder returns it (encode_text), so
+            # vectors put into it would be normalised; OneTrainer puts them after the norm
+            return ("model.text_encoder_layer_skip", "an output embedding's vectors replace the encoder's output "
+                    "after its final layer norm, which a layer skip applies afterwards; set it to 0")
+        return None
 
     def encode_text(self, text_encoders, tokens):
         encoder = text_encoders["text_encoder"]

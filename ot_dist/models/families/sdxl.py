@@ -39,14 +39,18 @@ class SDXL(UNetFamily):
                 for rule in self.denoiser_original_rules(module.config)}
 
     layer_skip_encoders = ("text_encoder", "text_encoder_2")
+    output_embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}  # OneTrainer's SDXL saver
+
+    def text_states(self, encoder, output):
+        # the penultimate layer, `<encoder>_layer_skip` earlier (OneTrainer: default_layer -2, no layer norm)
+        return skipped_layer(output.hidden_states, -2, self.layer_skip.get(encoder, 0), encoder)
 
     def encode_text(self, text_encoders, tokens):
         hidden, pooled = [], None
         for name in self.text_encoders:
             encoder = text_encoders[name]
             out = encoder(to_device(tokens[name], encoder.device), output_hidden_states=True)
-            # the penultimate layer, `<encoder>_layer_skip` earlier (OneTrainer: default_layer -2, no layer norm)
-            hidden.append(skipped_layer(out.hidden_states, -2, self.layer_skip.get(name, 0), name))
+            hidden.append(self.text_states(name, out))
             pooled = out[0]  # the last encoder's projected pooled output (text_embeds)
         return {"hidden": torch.cat(hidden, dim=-1), "pooled": pooled}
 

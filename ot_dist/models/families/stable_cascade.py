@@ -52,8 +52,13 @@ class StableCascade(Family):
     # StableCascadeClipGTokenizer: embedding_key "clip_g", embedding_size 1280) and OneTrainer's Würstchen / Stable
     # Cascade embedding saver writes.
     embedding_keys = {"text_encoder": "clip_g"}
+    output_embedding_keys = {"text_encoder": "clip_g"}  # OneTrainer's WuerstchenEmbeddingSaver: clip_g, clip_g_out
     denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
                              "attention_mlp": CASCADE_ATTENTION_MLP}
+
+    def text_states(self, encoder, output):
+        return output.hidden_states[-1]  # the last layer without the final norm (OneTrainer's Stable Cascade too)
+
     # down_blocks / up_blocks are lists of lists: each inner list (a level) holds the Res / Timestep / Attn blocks;
     # a unit is one block of a level (3.6 B: 192 units, the largest 1.4 %).
     shard_units = {"prior": ("down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1"),
@@ -186,7 +191,7 @@ class StableCascade(Family):
         # As the prior pipeline: the attention mask in, the last hidden states and the projected pooled output.
         out = encoder(to_device(tokens["text_encoder"], encoder.device),
                       attention_mask=to_device(tokens["text_encoder_mask"], encoder.device), output_hidden_states=True)
-        return {"hidden": out.hidden_states[-1], "pooled": out.text_embeds.unsqueeze(1)}
+        return {"hidden": self.text_states("text_encoder", out), "pooled": out.text_embeds.unsqueeze(1)}
 
     # -- the denoiser call ------------------------------------------------------------------------------
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
@@ -260,6 +265,9 @@ class WuerstchenV2(StableCascade):
     denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
                              "attention_mlp": CASCADE_ATTENTION_MLP}
     shard_units = {"prior": ("blocks",), "text_encoder": ("text_model.encoder.layers",)}
+
+    def text_states(self, encoder, output):
+        return output.last_hidden_state  # after the final norm (OneTrainer's Würstchen v2 too)
     single_file = False  # no original single-file layout of Würstchen v2's prior in ot_dist
     # no kohya / ComfyUI / spec id: OneTrainer's (resources/sd_model_spec/wuerstchen_2.0*.json), diffusers' names
     modelspec_architecture = "wuerstchen-v2-prior"
@@ -293,7 +301,7 @@ class WuerstchenV2(StableCascade):
         encoder = text_encoders["text_encoder"]
         out = encoder(to_device(tokens["text_encoder"], encoder.device),
                       attention_mask=to_device(tokens["text_encoder_mask"], encoder.device))
-        return {"hidden": out.last_hidden_state}  # as WuerstchenPriorPipeline.encode_prompt
+        return {"hidden": self.text_states("text_encoder", out)}  # as WuerstchenPriorPipeline.encode_prompt
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         return denoiser(noisy, r=timesteps.to(noisy.dtype), c=conditioning["hidden"])
