@@ -114,6 +114,27 @@ def base_config(model_path, data_path, output_dir, family="sd1", method="full", 
     return raw
 
 
+def with_reference_images(raw: dict) -> dict:
+    """`raw` (base_config's) with a reference image for each of its images where the family needs them (an edit
+    model, flux_kontext): the demo drawn again with another seed, beside the data folder, paired by file name."""
+    from pathlib import Path
+
+    from ot_dist.models.families.registry import get_family
+
+    if not get_family(raw["model"]["family"]).reference_images:
+        return raw
+    from ot_dist.demo import make_demo_dataset
+
+    images = Path(raw["data"]["path"])
+    references = images.with_name(f"{images.name}-references")
+    if not references.is_dir():  # made once per data folder (a session fixture's)
+        make_demo_dataset(references, count=len(list(images.glob("*.png"))), seed=7)
+        for caption in references.glob("*.txt"):
+            caption.unlink()
+    data = {k: v for k, v in raw["data"].items() if k != "path"}
+    return {**raw, "data": {**data, "concepts": [{"path": str(images), "reference_path": str(references)}]}}
+
+
 def in_aligned_memory(pipeline):
     """A pipeline diffusers loaded, its CPU weights copied out of the memory-mapped files into aligned memory, as
     ot_dist places every model it trains (memory/placement.py: into_aligned_memory): CPU kernels round unaligned

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import base_config
+from conftest import base_config, with_reference_images
 from safetensors.torch import load_file
 
 from ot_dist.config.load import validate
@@ -27,8 +27,9 @@ def quiet(*_):
 
 
 def finetune(family, model_dir, data, out, steps=1, **overrides):
-    raw = base_config(model_dir, data, out, family=family, resolution=RESOLUTION.get(family, 64), batch_size=2,
-                      max_steps=steps, learning_rate=1e-3, output_dtype="float32", **overrides)
+    raw = with_reference_images(base_config(model_dir, data, out, family=family, resolution=RESOLUTION.get(family, 64),
+                                            batch_size=2, max_steps=steps, learning_rate=1e-3, output_dtype="float32",
+                                            **overrides))
     trainer = Trainer(validate(raw), log=quiet)
     return trainer, trainer.train()
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from forked_ranks import run_ranks
 import torch
-from conftest import base_config
+from conftest import base_config, with_reference_images as with_references
 from safetensors.torch import load_file
 
 from ot_dist.config.load import apply_override, validate
@@ -56,6 +56,10 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# Lumina 2: its system-prompted Gemma with the mask, the reversed flow (1 - s in, output negated) and its three block
+# lists (context / noise refiners, joint layers) as units under fsdp and zero2, in PixArt-α's launch
+FAMILY_STRATEGIES["lumina2"] = ("fsdp", "zero2")
+RIDERS["pixart_alpha"] += ("lumina2",)
 # Z-Image: the per-caption cut of Qwen3's hidden states, one-frame list inputs and the negated output under fsdp (units:
 # layers, noise_refiner, context_refiner) and zero2, riding in Flux's launch (CPU s of that launch: 30.7 without
 # Z-Image, 33.5 with fsdp, 35.1 with fsdp and zero2)
@@ -66,6 +70,16 @@ RIDERS["flux"] += ("z_image",)
 # pairs: 28.7 -> 32.1, 27.1 -> 32.1)
 FAMILY_STRATEGIES["flux2"] = ("fsdp", "zero2")
 RIDERS["sd3"] = ("flux2",)
+# HiDream-I1: its mixture of experts (data-dependent routing per rank, the gate's rows and each expert sharded) trained
+# through the differentiable branch, four text encoders, the negated output, under fsdp and zero2, riding in PixArt-α's
+# launch (+5 to 6 CPU s on it: 29.5 / 28.6 before, 33.9 / 34.3 / 34.9 after)
+FAMILY_STRATEGIES["hidream"] = ("fsdp", "zero2")
+RIDERS["pixart_alpha"] += ("hidream",)
+# Flux.1 Kontext: its reference tokens (ids (1, row, col)) and the prediction read from the target's tokens under fsdp
+# and zero2 (+3.5 CPU s on the flux launch for both, zero2's cases +0.3 of it);
+# an edit model trains on pairs, so its runs read the shapes with a reference image each (conftest.py).
+FAMILY_STRATEGIES["flux_kontext"] = ("fsdp", "zero2")
+RIDERS["flux"] += ("flux_kontext",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
@@ -183,9 +197,9 @@ def trained(family: str, method: str) -> dict:
 
 
 def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: bool = True) -> dict[str, dict]:
-    cases = {f"{family}/{strategy}-{method}": with_pivotal(base_config(
+    cases = {f"{family}/{strategy}-{method}": with_references(with_pivotal(base_config(
         model, data, out / f"{family}-{strategy}-{method}", family=family, method=method, batch_size=2,
-        strategy=strategy, **settings(family, method, **extra, **trained(family, method))))
+        strategy=strategy, **settings(family, method, **extra, **trained(family, method)))))
         for strategy, extra in STRATEGIES.items() for method in METHODS
         if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
     if accumulation:
@@ -223,8 +237,8 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
     for name in families:
         for method in METHODS:
             out = tmp_path / f"ref-{name}-{method}"
-            raw = with_pivotal(base_config(models[name], shapes_data, out, family=name, method=method, batch_size=4,
-                                           **settings(name, method, **trained(name, method))))
+            raw = with_references(with_pivotal(base_config(models[name], shapes_data, out, family=name, method=method,
+                                                           batch_size=4, **settings(name, method, **trained(name, method)))))
             Trainer(validate(raw), log=lambda *_: None).train()
             references[name, method] = exported(out, name, method, bool(trained(name, method)))
     cases = {}

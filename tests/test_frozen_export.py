@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import base_config
+from conftest import base_config, with_reference_images
 from diffusers import UNet2DConditionModel
 from safetensors.torch import load_file
 
@@ -104,8 +104,9 @@ def test_every_family_exports_its_untrained_components_as_loaded(family, family_
     that lives beside diffusers' files) bit for bit, and the trained denoiser."""
     from test_export_roundtrip import RESOLUTION, assert_same_weights, components
 
-    raw = base_config(family_models[family], shapes_data, tmp_path / "o", family=family, batch_size=2, max_steps=1,
-                      resolution=RESOLUTION.get(family, 64), learning_rate=1e-3, weight_dtype="float8")
+    raw = with_reference_images(base_config(family_models[family], shapes_data, tmp_path / "o", family=family,
+                                            batch_size=2, max_steps=1, resolution=RESOLUTION.get(family, 64),
+                                            learning_rate=1e-3, weight_dtype="float8"))
     trainer = Trainer(validate(raw), log=quiet)
     trainer.train()
     base = load_model(ModelConfig(family=family, path=str(family_models[family])))

@@ -73,11 +73,16 @@ FAMILY_METHOD = {
     "train_dreambooth_lora_flux.py": ("flux", "lora"), "textual_inversion.py": ("sd1", "embedding"),
     "train_dreambooth_lora_sana.py": ("sana", "lora"), "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora"),
     "train_dreambooth_lora_flux2.py": ("flux2", "lora"), "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora"),
+    "train_dreambooth_lora_hidream.py": ("hidream", "lora"),
+    "train_dreambooth_lora_lumina2.py": ("lumina2", "lora"),
 }
 FAMILY_METHOD["train_dreambooth_lora_z_image.py"] = ("z_image", "lora")
 # what the Sana / Qwen-Image scripts adapt without --lora_layers
+SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"],
+                       "lumina2": ["to_k", "to_q", "to_v", "to_out.0"]}
 SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
 SCRIPT_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
+SCRIPT_LORA_TARGETS["hidream"] = ["to_k", "to_q", "to_v", "to_out"]
 
 
 @pytest.mark.parametrize("script", sorted(FAMILY_METHOD))
@@ -312,6 +317,8 @@ def test_defaults_that_differ_between_the_scripts():
     assert "caption_dropout" not in defaults("train_dreambooth_lora_flux2.py")
     assert defaults("train_dreambooth_lora_z_image.py")["output_dir"] == "z-image-dreambooth-lora"
     assert defaults("train_dreambooth_lora_z_image.py")["validation_epochs"] == 50
+    assert defaults("train_dreambooth_lora_hidream.py")["max_sequence_length"] == 128
+    assert "lora_alpha" not in defaults("train_dreambooth_lora_hidream.py")  # peft's lora_alpha = its --rank
 
 
 def test_z_image_script_draws_at_the_schedulers_shift_and_lists_its_own_options(tmp_path):
@@ -325,6 +332,22 @@ def test_z_image_script_draws_at_the_schedulers_shift_and_lists_its_own_options(
     assert c["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": -1.0, "logit_normal_std": 1.0}
     assert any(line.startswith("do_fp8_training") for line in not_honoured(text))
     assert not any(line.startswith("fsdp_text_encoder") for line in not_honoured(text))
+
+
+def test_hidream_script_trains_at_its_own_shift_and_names_its_llama(tmp_path):
+    """train_dreambooth_lora_hidream.py loads its scheduler with shift=3.0 whatever the model's config says and draws
+    timesteps[(u x 1000)] from it (a descending table: logit_mean m is -m here); its Llama comes from an argument of its
+    own, ot_dist's from model.path (noted); a max_sequence_length other than the pipeline's 128 is listed."""
+    script = "train_dreambooth_lora_hidream.py"
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --weighting_scheme logit_normal --logit_mean 0.5 "
+                                      "--max_sequence_length 256 "
+                                      "--pretrained_text_encoder_4_name_or_path /models/llama")
+    assert c["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": -0.5, "logit_normal_std": 1.0,
+                         "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert any(line.startswith("max_sequence_length: 256") for line in not_honoured(text))
+    assert "pretrained_text_encoder_4_name_or_path: /models/llama" in text
+    assert not any(line.startswith("pretrained_text_encoder_4") for line in not_honoured(text))
 
 
 def flow_sigmas(loss: dict, shift: float, count: int = 2000) -> torch.Tensor:
@@ -347,6 +370,28 @@ def test_logit_mean_moves_the_noise_level_as_the_sd3_script_does(tmp_path):
                                               generator=torch.Generator().manual_seed(0))
     reference = scheduler.sigmas[(u * 1000).long()].double()
     assert flow_sigmas(c["loss"], shift=3.0).median().item() == pytest.approx(reference.median().item(), abs=0.02)
+
+
+def test_lumina2_script_draws_towards_the_image_as_a_shift_of_one_over_the_schedulers(tmp_path):
+    """train_dreambooth_lora_lumina2.py takes the scheduler's shifted timesteps[(u x 1000)] sigma as Lumina's t (the
+    image's weight): the imported draw (shift 1 / 6 on the noise level, logit_mean kept) has the median noise level
+    1 - sigma that diffusers' own draw and Lumina-Image-2.0's scheduler (shift 6) give; its system_prompt and another
+    max_sequence_length are listed."""
+    script = "train_dreambooth_lora_lumina2.py"
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --weighting_scheme logit_normal --logit_mean 1.0 "
+                                      "--system_prompt 'Be brief.' --max_sequence_length 128")
+    assert c["loss"]["logit_normal_mean"] == 1.0 and c["loss"]["timestep_shift"] == pytest.approx(1 / 6, abs=1e-6)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0)
+    u = compute_density_for_timestep_sampling("logit_normal", 2000, logit_mean=1.0, logit_std=1.0,
+                                              generator=torch.Generator().manual_seed(0))
+    reference = 1 - scheduler.sigmas[(u * 1000).long()].double()
+    ours = flow_sigmas(c["loss"], shift=6.0)  # the model's own shift is replaced by the imported one
+    assert ours.median().item() == pytest.approx(reference.median().item(), abs=0.02)
+    assert ours.median().item() < 0.5  # towards the image (ot_dist's own draw at shift 6: median 6/7 of noise)
+    listed = not_honoured(text)
+    assert any(line.startswith("system_prompt") for line in listed)
+    assert any(line.startswith("max_sequence_length: 128") for line in listed)
 
 
 @pytest.mark.parametrize("script,tokens", [("train_dreambooth_lora_sd3.py", 77), ("train_dreambooth_flux.py", 77),

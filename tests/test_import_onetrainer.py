@@ -227,6 +227,17 @@ def import_only(tmp_path, config, concepts=None, samples=None):
       "layer_filter_preset": "attn-mlp", "layer_filter_regex": True,
       "quantization": {"layer_filter": "layers", "layer_filter_preset": "blocks"}, "timestep_distribution": "LOGIT_NORMAL"},
      "z_image", {"transformer": True, "text_encoder": False}, None),
+    # training_presets/HiDream Full/#hidream LoRA.json
+    ({"model_type": "HI_DREAM_FULL", "training_method": "LORA", "batch_size": 4, "learning_rate": 0.0003,
+      "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "timestep_distribution": "LOGIT_NORMAL",
+      "dynamic_timestep_shifting": False, "train_dtype": "BFLOAT_16",
+      "transformer": {"train": True, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5},
+      "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"},
+      "text_encoder_2": {"train": False, "weight_dtype": "FLOAT_8"},
+      "text_encoder_3": {"train": False, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5},
+      "text_encoder_4": {"model_name": "meta-llama/Llama-3.1-8B-Instruct", "train": False, "weight_dtype": "FLOAT_8",
+                         "offload_fraction": 0.5}}, "hidream",
+     {"transformer": True, "text_encoder": False, "text_encoder_4": False}, None),
 ])
 def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains, stop):
     config, _ = import_only(tmp_path, {"base_model_name": "/models/base", **preset})
@@ -407,6 +418,7 @@ def test_a_timestep_draw_ot_dist_refuses_is_listed(tmp_path, settings, listed):
     ({"model_type": "FLUX_DEV_1", "timestep_shift": 2.0, "dynamic_timestep_shifting": True}, "auto", True),
     ({"model_type": "QWEN"}, 1.0, "auto"),  # BaseQwenSetup: timestep_shift unless dynamic_timestep_shifting
     ({"model_type": "QWEN", "dynamic_timestep_shifting": True}, "auto", True),
+    ({"model_type": "HI_DREAM_FULL"}, 1.0, "auto"),  # BaseHiDreamSetup: timestep_shift, no dynamic shifting
     ({"model_type": "STABLE_DIFFUSION_15"}, "auto", "auto")])
 def test_the_timestep_shift_is_mapped(tmp_path, settings, shift, dynamic):
     """OneTrainer shifts SD3 / Flux / Chroma timesteps by timestep_shift (1.0: none), Flux by the resolution with
@@ -447,7 +459,8 @@ def test_sample_definitions_with_onetrainers_defaults(tmp_path):
     assert [line.split(":")[0] for line in skipped] == ["samples[1].random_seed", "samples[2]"]
 
 
-@pytest.mark.parametrize("model_type, expected", [("QWEN", (1024, 1024, 25, 3.5)), ("SANA", (1024, 1024, 20, 4.5))])
+@pytest.mark.parametrize("model_type, expected", [("QWEN", (1024, 1024, 25, 3.5)), ("SANA", (1024, 1024, 20, 4.5)),
+                                                   ("HI_DREAM_FULL", (1024, 1024, 28, 5.0))])
 def test_sample_defaults_of_the_newer_model_types(tmp_path, model_type, expected):
     """SampleConfig._get_model_defaults' is_qwen() and is_sana() branches (OneTrainer 23df383, August 2026)."""
     config, _ = import_only(tmp_path, {"model_type": model_type}, samples=[{"prompt": "a cat"}])
@@ -632,6 +645,9 @@ def test_fixed_resolution_pixart_vb_loss_and_no_bucketing(tmp_path):
     # Qwen-Image: "attn" (both streams' projections), with img_mlp and txt_mlp
     ("QWEN", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
     ("QWEN", {"layer_filter_preset": "attn-mlp"}, {"preset": "attention_mlp"}),
+    # HiDream: attn1 holds both streams' attention; ff_i (the image stream's experts) is no preset: OneTrainer's rule
+    ("HI_DREAM_FULL", {"layer_filter_preset": "attn-only"}, {"preset": "attention"}),
+    ("HI_DREAM_FULL", {"layer_filter_preset": "attn-mlp"}, {"layer_filter": ["attn1", "ff_i"], "preset": "default"}),
     ("CHROMA_1", {"layer_filter_preset": "custom", "layer_filter": "attn,ff.net,proj_mlp"},
      {"transformer_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj",
                               "to_add_out", "ff.net.0.proj", "ff.net.2", "proj_mlp"]}),

@@ -211,6 +211,17 @@ def test_sana_and_qwen_image_defaults(tmp_path):
     assert "model_flavour: edit-v2" in text.split("NOT HONOURED")[1]
 
 
+def test_lumina2_defaults(tmp_path):
+    """Lumina 2: the common flow draw (sigmoid(N(0, 1)) shifted by flow_schedule_shift's 3.0 towards noise, as its
+    model_predict feeds 1 - t to the transformer), the attention targets, 64 px buckets; a tokenizer_max_length other
+    than the pipeline's 256 is listed."""
+    lumina, text = imported(tmp_path, {"--model_family": "lumina2", "--model_type": "lora",
+                                       "--tokenizer_max_length": 512})
+    assert lumina["model"]["family"] == "lumina2" and lumina["data"]["bucket_step"] == 64
+    assert lumina["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert lumina["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                              "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert "tokenizer_max_length: 512" in text.split("NOT HONOURED")[1]
 def test_z_image_flavours(tmp_path):
     """Z-Image: the common flow draw (sigmoid(N(0, 1)) shifted by 3.0), its DEFAULT_LORA_TARGET (the foundation's
     attention projections); the turbo flavours' assistant LoRA and ostris-de-turbo's transformer are listed, the base
@@ -381,3 +392,44 @@ def test_flux2_flavours(tmp_path):
     dev, _ = imported(tmp_path, {"--model_family": "flux2", "--model_type": "lora", "--model_flavour": "dev",
                                  "--pretrained_model_name_or_path": str(tmp_path), "--flux_guidance_value": 2.5})
     assert dev["model"]["family"] == "flux2" and dev["model"]["guidance_scale"] == 2.5
+
+
+def test_hidream_maps_and_its_load_balancing_loss_is_listed(tmp_path):
+    """HiDream: the common flow draw (sigmoid(N(0, 1)) shifted by 3.0), SimpleTuner's DEFAULT_LORA_TARGET (its
+    to_out.0 names no HiDream module, whose to_out is a plain Linear, in SimpleTuner too); its optional MoE
+    load-balancing loss has no counterpart in ot_dist and is listed."""
+    hidream, text = imported(tmp_path, {"--model_family": "hidream", "--model_type": "lora",
+                                        "--hidream_use_load_balancing_loss": True,
+                                        "--hidream_load_balancing_loss_weight": 0.01})
+    assert hidream["model"]["family"] == "hidream"
+    assert hidream["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert hidream["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                               "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert "hidream_use_load_balancing_loss" in text.split("NOT HONOURED")[1]
+
+
+def test_flux_kontext_takes_its_conditioning_dataset_as_reference_images(tmp_path):
+    """SimpleTuner's Kontext (model_family flux, model_flavour kontext; documentation/quickstart/FLUX_KONTEXT.md): the
+    edit dataset's conditioning_data names a reference_strict dataset of the same file names, which becomes the
+    concept's reference_path (and no concept of its own); Flux's mapping (loss, LoRA targets) stays."""
+    images(tmp_path / "data" / "edited", ["a", "b"], {"a": "make it red", "b": "make it blue"})
+    images(tmp_path / "data" / "reference", ["a", "b"])
+    backends = [{"id": "edits", "type": "local", "instance_data_dir": "data/edited", "caption_strategy": "textfile",
+                 "conditioning_data": ["refs"]},
+                {"id": "refs", "type": "local", "instance_data_dir": "data/reference", "caption_strategy": None,
+                 "conditioning_type": "reference_strict"}]
+    config, text = imported(tmp_path, {"--model_family": "flux", "--model_flavour": "kontext",
+                                       "--model_type": "lora"}, backends)
+    assert config["model"]["family"] == "flux_kontext"
+    (concept,) = config["data"]["concepts"]
+    assert Path(concept["reference_path"]) == tmp_path / "data" / "reference"
+    assert Path(concept["path"]) == tmp_path / "data" / "edited"
+    assert config["loss"]["timestep_shift"] == 3.0  # Flux's import
+    assert "give each sampling.prompts[] a reference_image" in text.split("NOT HONOURED")[1]
+    loose = [dict(backends[0]), {**backends[1], "conditioning_type": "reference_loose"}]
+    _, text = imported(tmp_path, {"--model_family": "flux", "--model_flavour": "kontext", "--model_type": "lora"},
+                       loose)
+    assert "reference_loose" in text.split("NOT HONOURED")[1]
+    plain, text = imported(tmp_path, {"--model_family": "flux", "--model_type": "lora"}, backends)
+    assert plain["model"]["family"] == "flux" and "reference_path" not in plain["data"]["concepts"][0]
+    assert "conditioning_type: reference_strict" in text.split("NOT HONOURED")[1]

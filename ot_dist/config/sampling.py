@@ -61,10 +61,14 @@ class SamplePrompt(Section):
     guidance_scale: float | None = Field(
         default=None, ge=0, description="Classifier-free guidance scale (1 or less = off; Flux.1 dev: its distilled "
         "guidance). null = OneTrainer's sample default for the family: 7.5 SD 1.x / 2.x / SDXL, 7.0 SD3, 3.5 Flux / "
-        "Chroma, 4.5 PixArt, 4.0 Stable Cascade / Würstchen v2.")
+        "Chroma, 4.5 PixArt, 4.0 Stable Cascade / Würstchen v2; 2.5 Flux.1 Kontext (its pipeline's example).")
     sampler: Literal["auto", SamplerName] | None = Field(
         default=None, description="This prompt's sampler, one the family's objective allows (the names of "
         "sampling.sampler; auto = the family's first); null = sampling.sampler.")
+    reference_image: str | None = Field(
+        default=None, description="An edit model's reference image (flux_kontext): the picture the prompt's edit "
+        "applies to, scaled to cover the sample's size and centre-cropped, as training pairs' references are. Other "
+        "families refuse it; without one an edit model samples from the prompt alone.")
     guidance_rescale: float | None = Field(
         default=None, ge=0, le=1, description="Rescales the guided prediction toward the standard deviation of the "
         "prompt's own (Lin et al. 2023, section 3.4; diffusers' guidance_rescale, OneTrainer's cfg_rescale): 0 = off, "

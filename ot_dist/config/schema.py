@@ -31,16 +31,17 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
-PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3")
+PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
 
 
 class ModelConfig(Section):
     family: Literal[FAMILY_NAMES] = Field(  # type: ignore[valid-type]
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
-        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), flux2 "
-        "(FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B); each is one module under ot_dist/models/families/ "
-        "(docs/families.md)."
+        "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), hidream "
+        "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
+        "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B); each is one module under "
+        "ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -260,7 +261,8 @@ class EmbeddingConfig(Section):
 
 
 class ConceptConfig(Section):
-    """One concept (OneTrainer's term): a folder of images with captions and optional masks."""
+    """One concept (OneTrainer's term): a folder of images with captions, optional masks and, for edit models, a
+    folder of reference images paired by file name."""
 
     path: UserPath = Field(description="Folder of images (.png .jpg .jpeg .webp .bmp); `a-masklabel.png` beside `a.png` is "
                       "its mask (white = train on this region).")
@@ -278,6 +280,14 @@ class ConceptConfig(Section):
         "masked_training.prior_preservation_weight.",
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
+    reference_path: UserPath | None = Field(
+        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext): the "
+        "partner of `<path>/sub/a.png` is the image `sub/a.<any extension>` under this folder (the ai-toolkit / "
+        "musubi `control` folder, SimpleTuner's conditioning dataset paired by file name). Every image needs its "
+        "partner (a missing one is named before any shard is written). The reference takes the image's geometry: "
+        "scaled to the image's size, then the same bucket, crop and flip / rotation / colour jitter (diffusers' "
+        "Kontext script and SimpleTuner's reference_strict). A family without reference images refuses it.",
+    )
     caption_source: Literal["txt", "filename", "text"] = Field(
         default="txt",
         description="txt: a same-name caption file (one caption per line; a line is drawn per epoch); filename: the "
@@ -817,6 +827,7 @@ class TrainConfig(Section):
     text_encoder: PartConfig = Field(default_factory=PartConfig)
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
+    text_encoder_4: PartConfig = Field(default_factory=PartConfig)  # HiDream's Llama
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     additional_embeddings: list[AdditionalEmbeddingConfig] = Field(

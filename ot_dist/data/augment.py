@@ -1,6 +1,6 @@
 """Image augmentation per concept (OneTrainer's image options): random horizontal flip, rotation, and brightness /
-contrast / saturation / hue jitter, applied to the cropped bucket image (and its mask, for the geometric ones) as it
-is read. Drawn from a generator keyed by (seed, epoch, sample id): the same on every rank and world size, new every
+contrast / saturation / hue jitter, applied to the cropped bucket image (and its mask, for the geometric ones; and
+its reference image, for every one) as it is read. Drawn from a generator keyed by (seed, epoch, sample id): the same on every rank and world size, new every
 epoch. A latent cache holds a concept's augmentation as `image_variations` versions of each image (variations.py);
 with one version an augmenting concept cannot use it (the config refuses it)."""
 
@@ -22,10 +22,26 @@ def has_augmentation(concept) -> bool:
 def augment(image: Image.Image, mask: Image.Image | None, concept, gen: torch.Generator):
     """(image, mask) after the concept's augmentation; the same objects when it has none. Every draw is made whether
     or not its option is on, so switching one option on does not change the draws of the others."""
+    image, mask, _ = augment_with_reference(image, mask, None, concept, gen)
+    return image, mask
+
+
+def augment_with_reference(image: Image.Image, mask: Image.Image | None, reference: Image.Image | None, concept,
+                           gen: torch.Generator):
+    """(image, mask, reference): `augment`, with an edit model's reference image (cropped like the image) given the
+    very same flip, rotation and colour factors, so the pair keeps the relation the caption describes (diffusers'
+    Kontext script flips both or neither; SimpleTuner's reference_strict transforms the reference as the edit). The
+    image's draws are those of `augment`: adding references changes no image."""
     if concept is None or not has_augmentation(concept):
-        return image, mask
+        return image, mask, reference
     u = torch.rand(6, generator=gen).tolist()
     image, mask = _geometric(image, mask, image.size, concept, u)
+    if reference is not None:
+        reference = _geometric(reference, None, reference.size, concept, u)[0]
+    return _colour(image, concept, u), mask, _colour(reference, concept, u) if reference is not None else None
+
+
+def _colour(image: Image.Image, concept, u: list[float]) -> Image.Image:
     for factor, enhancer, draw in ((concept.brightness, ImageEnhance.Brightness, u[2]),
                                    (concept.contrast, ImageEnhance.Contrast, u[3]),
                                    (concept.saturation, ImageEnhance.Color, u[4])):
@@ -33,7 +49,7 @@ def augment(image: Image.Image, mask: Image.Image | None, concept, gen: torch.Ge
             image = enhancer(image).enhance(max(0.0, 1 + (2 * draw - 1) * factor))
     if concept.hue:
         image = shift_hue(image, (2 * u[5] - 1) * concept.hue)
-    return image, mask
+    return image
 
 
 def augment_mask(mask: Image.Image | None, size: tuple[int, int], concept, gen: torch.Generator) -> Image.Image | None:

@@ -8,6 +8,8 @@ number of processes) computes only the others. Members are safetensors (never pi
 - `<id>.<res>.latent.safetensors`: the VAE posterior's mean and std. The posterior, not one sample of
   it, is stored: training still draws the VAE sample per (seed, epoch, sample id), so a cached run
   trains exactly like an uncached one, minus the decoding and the encoder.
+- `<id>.<res>.reference_latent.safetensors`: the same for its reference image (edit models), cropped and augmented
+  as the image.
 - `<id>.text.safetensors`: `<key>_<j>` for each key of the family's conditioning dict (`hidden`, `pooled`,
   masks, ...) and caption line j.
 - With a concept's image_variations / text_variations N > 1 (variations.py), its samples also have version v of those
@@ -99,6 +101,8 @@ class LatentEncoder:
         self.posterior = posterior or encode_posterior  # the family's (mean, std) of pixels: Family.encode_posterior
         self.variations = dataset.variations["latents"]
         self.per_version = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
+        if dataset.has_references:  # every sample has one then (ot_dist/train/references.py)
+            self.per_version += [f"{resolution}.reference_latent.safetensors" for resolution in dataset.resolutions]
         self.members = variation_members(self.per_version, self.variations.most)
 
     def batches(self, ids: range) -> list[list[int]]:
@@ -131,11 +135,14 @@ class LatentEncoder:
         for version, by_resolution in pixels.items():
             holders = [members for count, members in zip(counts, out) if count > version]
             for resolution in self.dataset.resolutions:
-                batch = by_resolution[resolution].to(device=reference.device, dtype=compute_dtype(self.vae))
-                mean, std = (t.float().cpu() for t in self.posterior(self.vae, batch))
-                for n, members in enumerate(holders):
-                    members[member_name(f"{resolution}.latent.safetensors", version)] = save(
-                        {"mean": _own(mean[n]), "std": _own(std[n])})
+                for images, member in ((resolution, "latent"), (f"{resolution}.reference", "reference_latent")):
+                    if images not in by_resolution:  # no reference images
+                        continue
+                    batch = by_resolution[images].to(device=reference.device, dtype=compute_dtype(self.vae))
+                    mean, std = (t.float().cpu() for t in self.posterior(self.vae, batch))
+                    for n, members in enumerate(holders):
+                        members[member_name(f"{resolution}.{member}.safetensors", version)] = save(
+                            {"mean": _own(mean[n]), "std": _own(std[n])})
         return out
 
 
@@ -149,12 +156,19 @@ class _Pixels(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getitem__(self, n: int) -> dict[int, dict[int, torch.Tensor]]:
+    def __getitem__(self, n: int) -> dict[int, dict[int | str, torch.Tensor]]:
+        """version -> resolution -> the images; with reference images also `<resolution>.reference` -> theirs."""
         batch, counts = self.batches[n], self.counts[n]
-        return {version: {resolution: torch.stack([self.dataset.load(i, version, resolution, use_cache=False)["pixels"]
-                                                   for i, count in zip(batch, counts) if count > version])
-                          for resolution in self.dataset.resolutions}
-                for version in range(max(counts))}
+        out = {}
+        for version in range(max(counts)):
+            out[version] = {}
+            for resolution in self.dataset.resolutions:
+                loaded = [self.dataset.load(i, version, resolution, use_cache=False)
+                          for i, count in zip(batch, counts) if count > version]
+                out[version][resolution] = torch.stack([sample["pixels"] for sample in loaded])
+                if "reference_pixels" in loaded[0]:
+                    out[version][f"{resolution}.reference"] = torch.stack([s["reference_pixels"] for s in loaded])
+        return out
 
 
 class TextEncoder:

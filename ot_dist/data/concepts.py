@@ -1,4 +1,5 @@
-"""Concepts: folders of images with their captions and optional masks, scanned into a sample list.
+"""Concepts: folders of images with their captions, optional masks and reference images (edit models: a folder
+paired by file name, `reference_path`), scanned into a sample list.
 
 Errors name the file and the config key of the concept, so a user can fix the data before any
 shard is written.
@@ -42,6 +43,7 @@ class SourceSample:
     mask: Path | None
     size: tuple[int, int]  # (width, height) of the image file
     number: int = 0  # position in the list of every concept's images (concept, then path): names the sample
+    reference: Path | None = None  # the concept's reference_path partner (edit models' conditioning image)
 
 
 def concept_name(concept: ConceptConfig) -> str:
@@ -84,10 +86,12 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
     unused: list[tuple[Path, str]] = []
     background = parse_colour(data.image_background)
     listed: list[tuple[int, ConceptConfig, Path]] = []
+    partners: dict[Path, Path] = {}
     for index, (label, concept) in enumerate(data.concept_list()):
         images, skipped = classify_files(label, concept)
         unused += skipped
         listed += [(index, concept, image) for image in images]
+        partners |= reference_partners(label, concept, images)  # stat only: a missing one stops before any decoding
     start, stop = part_range(len(listed), *(part or (0, 1)))
     probe = SizeProbe(data.max_image_pixels, background)
     sizes = map_over_workers(probe, [listed[number][2] for number in range(start, stop)], workers)
@@ -96,7 +100,8 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
         if isinstance(size, str):
             bad.append((image, size))
             continue
-        samples.append(SourceSample(index, image, read_caption(concept, image), mask_of(image), size, number))
+        samples.append(SourceSample(index, image, read_caption(concept, image), mask_of(image), size, number,
+                                    partners.get(image)))
     if part is None:
         check_bad_fraction(data, bad, len(samples) + len(bad), log)
     return Scan(samples, bad, unused)
@@ -182,6 +187,51 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
                              f"{root.resolve()}" + (f"; not used: {', '.join(f'{p} ({r})' for p, r in unused)}"
                                                     if unused else ""))
     return images, unused
+
+
+def reference_partners(label: str, concept: ConceptConfig, images: list[Path]) -> dict[Path, Path]:
+    """image -> its reference image: the file at the image's path relative to the concept folder under
+    concept.reference_path, with the same extension or, when there is none such, the one image file of that name
+    with any extension (a PNG edit beside a JPEG source). Every image must have exactly one partner: the images
+    without one (or with two candidates) are named in one error. {} without reference_path."""
+    if concept.reference_path is None:
+        return {}
+    root, folder = Path(concept.path), Path(concept.reference_path)
+    if not folder.is_dir():
+        raise InputFileError(f"{label}.reference_path: {folder.resolve()} is not a folder")
+    if folder.resolve() == root.resolve():
+        raise InputFileError(f"{label}.reference_path is the concept's own folder {root.resolve()}: every image would "
+                             "be its own reference; give the folder of the reference images")
+    extensions = image_files.image_extensions()
+    pattern = "**/*" if concept.include_subdirectories else "*"
+    by_name: dict[str, list[Path]] = {}
+    for path in sorted(folder.glob(pattern)):
+        if path.is_file() and path.suffix.lower() in extensions and not is_sidecar(path):
+            by_name.setdefault(path.relative_to(folder).with_suffix("").as_posix(), []).append(path)
+    partners, missing, ambiguous = {}, [], []
+    for image in images:
+        relative = image.relative_to(root)
+        candidates = by_name.get(relative.with_suffix("").as_posix(), [])
+        same = [c for c in candidates if c.suffix == image.suffix]
+        if same or len(candidates) == 1:
+            partners[image] = (same or candidates)[0]
+        elif candidates:
+            ambiguous.append(f"{relative} ({', '.join(c.name for c in candidates)})")
+        else:
+            missing.append(str(relative))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} of {len(images)} images have no reference image (the same relative path, "
+                        f"any image extension, under {folder.resolve()}): {names_shown(missing)}")
+    if ambiguous:
+        problems.append(f"{len(ambiguous)} images have more than one candidate reference: {names_shown(ambiguous)}")
+    if problems:
+        raise InputFileError(f"{label}.reference_path: " + "; ".join(problems))
+    return partners
+
+
+def names_shown(names: list[str], most: int = 10) -> str:
+    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def mask_of(image: Path) -> Path | None:

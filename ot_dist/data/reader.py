@@ -21,14 +21,14 @@ import torch
 from PIL import Image
 
 from ot_dist.data.buckets import bucket_size, cover_size, merged_buckets, resize_to_cover
-from ot_dist.data.augment import augment, augment_mask
+from ot_dist.data.augment import augment_mask, augment_with_reference
 from ot_dist.data.cache_index import CacheIndex
 from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
 from ot_dist.data import external
 from ot_dist.data.images import parse_colour
 from ot_dist.data.plan import EpochPlan, GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
-from ot_dist.data.sample_index import MASK
+from ot_dist.data.sample_index import MASK, REFERENCE
 from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import read_manifest
 from ot_dist.data.variations import Variations, member_name
@@ -66,6 +66,7 @@ class ShardDataset:
                 f"{missing}; rebuild it (ot-dist shard build CONFIG)"
             )
         self.has_masks = bool(np.any(self.index.flags & MASK))
+        self.has_references = bool(np.any(self.index.flags & REFERENCE))  # an edit model's conditioning images
         self._last = None  # the sample record load() read last: its tar headers are read once per load
         self.caches: dict[str, CacheIndex] = {}  # latents / text -> the cache's index (cache_index.py)
         # latents / text -> each sample's cached versions and which one an epoch reads (variations.py)
@@ -91,6 +92,10 @@ class ShardDataset:
     def without_masks(self) -> list[int]:
         """Indices of the samples that have no mask."""
         return np.flatnonzero((self.index.flags & MASK) == 0).tolist()
+
+    def with_references(self, present: bool = True) -> list[int]:
+        """Indices of the samples that have a reference image (`present` false: that have none)."""
+        return np.flatnonzero(((self.index.flags & REFERENCE) != 0) == present).tolist()
 
     def _sample(self, sample_id: int):
         """The record of a sample (its tar headers read once, on first use, and kept for the next call)."""
@@ -188,6 +193,10 @@ class ShardDataset:
             resized = meta["resolutions"][str(resolution)]["resized_size"]
             top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
             out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
+            if sample["reference"]:  # its reference's posterior, cropped and augmented as the image (caches.py)
+                reference = self._read_cached("latents", sample_id, sample["key"],
+                                              member_name(f"{resolution}.reference_latent.safetensors", image_version))
+                out |= {"reference_latent_mean": reference["mean"], "reference_latent_std": reference["std"]}
         else:
             image = self._image(sample, resolution)
             if moved or self.layout:  # stored to cover its own bucket (or as it was): scaled to cover this one
@@ -199,10 +208,18 @@ class ShardDataset:
                 if moved:
                     mask_image = resize_to_cover(mask_image, (height, width), Image.Resampling.BILINEAR)
                 mask_image = mask_image.crop(box)
-            cropped, mask_image = augment(image.crop(box), mask_image, self.concepts.get(sample["concept"]),
-                                          generator(self.seed, epoch, sample_id, "augment"))
-            pixels = np.asarray(cropped, dtype=np.float32) / 127.5 - 1.0
-            out = {"pixels": torch.from_numpy(pixels).permute(2, 0, 1).contiguous()}
+            reference = None
+            if sample["reference"]:  # stored at the image's size: the same box and augmentation
+                reference = self._read(sample, self._image_suffix(sample, resolution, "reference"))
+                if moved:
+                    reference = resize_to_cover(reference, (height, width))
+                reference = reference.crop(box)
+            cropped, mask_image, reference = augment_with_reference(
+                image.crop(box), mask_image, reference, self.concepts.get(sample["concept"]),
+                generator(self.seed, epoch, sample_id, "augment"))
+            out = {"pixels": _pixels(cropped)}
+            if reference is not None:
+                out["reference_pixels"] = _pixels(reference)
         box = (left, top, left + width, top + height)
         captions = self.captions(sample_id)
         line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
@@ -245,11 +262,14 @@ class ShardDataset:
         return vary_caption(caption, self.concepts.get(int(self.index.concept[index])),
                             generator(self.seed, version, index, "caption variation"), version)
 
-    def _image_suffix(self, sample: dict, resolution: int) -> str:
+    def _image_suffix(self, sample: dict, resolution: int, kind: str = "image") -> str:
+        """The member of the sample's image (kind image: `<res>.<format>`) or reference image (kind reference:
+        `<res>.reference.<format>`) at a resolution."""
+        wanted = [str(resolution)] if kind == "image" else [str(resolution), kind]
         for suffix in sample["members"]:
-            if suffix.startswith(f"{resolution}.") and not suffix.endswith(".mask.png"):
+            if suffix.split(".")[:-1] == wanted:  # the name before the format's extension
                 return suffix
-        raise InputFileError(f"data.shards: sample {sample['key']} has no image at resolution {resolution}")
+        raise InputFileError(f"data.shards: sample {sample['key']} has no {kind} at resolution {resolution}")
 
     def _crop_offset(self, spare_height: int, spare_width: int, sample_id: int, epoch: int) -> tuple[int, int]:
         if self.crop == "random":
@@ -266,8 +286,14 @@ def _line_of(member_key: str) -> int:
     return int(member_key.rsplit("_", 1)[1])
 
 
+def _pixels(image: Image.Image) -> torch.Tensor:
+    """(3, H, W) float32 in [-1, 1]."""
+    return torch.from_numpy(np.asarray(image, dtype=np.float32) / 127.5 - 1.0).permute(2, 0, 1).contiguous()
+
+
 def collate(samples: list[dict]) -> dict:
-    keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask", "mask_given") if k in samples[0]]
+    keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask", "mask_given", "reference_pixels",
+                        "reference_latent_mean", "reference_latent_std") if k in samples[0]]
     keys += sorted(k for k in samples[0] if k.startswith("text_"))  # cached text conditioning
     keys += ["original_size", "crop_top_left", "target_size"]
     keys += [key for key in ("loss_weight", "prior_prediction") if key in samples[0]]

@@ -1,4 +1,5 @@
-"""Encoding one source image into its shard sample (the images per resolution, mask, caption, metadata),
+"""Encoding one source image into its shard sample (the images per resolution, mask, reference image, caption,
+metadata),
 in this process or in a pool of worker processes (`ot-dist shard build --workers N`).
 
 The pool only encodes: the samples come back in the build order (`imap`, not `imap_unordered`) and one
@@ -30,7 +31,7 @@ class SampleEncoder:
         self.config = config
 
     def __call__(self, job):
-        from ot_dist.data.shards import encode_image, load_mask  # shards.py imports this module
+        from ot_dist.data.shards import encode_image, load_mask, load_reference  # shards.py imports this module
 
         n, source = job
         config, data = self.config, self.config.data
@@ -39,10 +40,15 @@ class SampleEncoder:
         bucket = config_bucket_of(config, *source.size)
         sample = {"__key__": key, "txt": source.caption.encode("utf-8")}
         meta = {"source": str(source.image), "mask": str(source.mask) if source.mask else None,
+                **({"reference": str(source.reference)} if source.reference else {}),
                 "concept": source.concept, "original_size": [source.size[1], source.size[0]],
                 "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
         img = open_image(source.image, data.max_image_pixels, parse_colour(data.image_background))  # upright sRGB
         mask = load_mask(source.mask, source.image, img.size, warnings.append) if source.mask else None
+        background = parse_colour(data.image_background)
+        reference = load_reference(source.reference, source.image, img.size, data.max_image_pixels, background,
+                                   warnings.append) if source.reference else None
+        reference_format = reference_member_format(data.image_format, source.reference) if reference else None
         kept = KeptSource(source.image) if data.image_format == "auto" else None
         for res in config.resolutions():
             target = bucket_size(bucket, res, data.bucket_step)
@@ -51,10 +57,23 @@ class SampleEncoder:
             sample[f"{res}.{suffix}"] = encoded if encoded is not None else encode_image(resized, suffix)
             if mask is not None:  # the same geometry as the image, so they stay aligned
                 sample[f"{res}.mask.png"] = encode_image(resize_to_cover(mask, target), "png")
+            if reference is not None:  # the image's geometry too: the reader crops both with one box
+                sample[f"{res}.reference.{reference_format}"] = encode_image(resize_to_cover(reference, target),
+                                                                             reference_format)
             meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [resized.height, resized.width]}
         sample["json"] = json.dumps(meta).encode()
-        record = {"key": key, "bucket": bucket, "concept": source.concept, "mask": source.mask is not None}
+        record = {"key": key, "bucket": bucket, "concept": source.concept, "mask": source.mask is not None,
+                  "reference": source.reference is not None}
         return sample, record, warnings
+
+
+def reference_member_format(image_format: str, path) -> str:
+    """The format a reference image is stored in: data.image_format, or for auto jpg for a JPEG source (lossless
+    would only add bytes) and png for the others. (Its own bytes are never kept: it is always scaled or checked.)"""
+    if image_format != "auto":
+        return image_format
+    with Image.open(path) as img:
+        return "jpg" if img.format in ("JPEG", "MPO") else "png"
 
 
 class KeptSource:

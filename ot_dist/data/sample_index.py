@@ -7,7 +7,7 @@
     span    uint32  bytes from there to the end of its last member's data
     bucket  uint8   its aspect bucket (buckets.py)
     concept uint16  its concept
-    flags   uint8   MASK: it has a mask
+    flags   uint8   MASK: it has a mask; REFERENCE: it has a reference image
     width   uint32  its image's size, where the index knows it (sets indexed from existing tars; 0 for sets
     height  uint32  `shard build` wrote: their json member holds it)
 
@@ -38,6 +38,7 @@ COLUMNS = {"shard": "<u4", "offset": "<u8", "span": "<u4", "bucket": "u1", "conc
            "width": "<u4", "height": "<u4"}
 _ARRAY_CODES = {"<u4": "I", "<u8": "Q", "u1": "B", "<u2": "H"}
 MASK = 1
+REFERENCE = 2
 
 
 def bytes_per_sample() -> int:
@@ -54,14 +55,14 @@ class IndexWriter:
         return len(self.columns["shard"])
 
     def add(self, shard: int, offset: int, span: int, bucket: int, concept: int, mask: bool = False,
-            width: int = 0, height: int = 0) -> None:
+            width: int = 0, height: int = 0, reference: bool = False) -> None:
         c = self.columns
         c["shard"].append(shard)
         c["offset"].append(offset)
         c["span"].append(span)
         c["bucket"].append(bucket)
         c["concept"].append(concept)
-        c["flags"].append(MASK if mask else 0)
+        c["flags"].append((MASK if mask else 0) | (REFERENCE if reference else 0))
         c["width"].append(width)
         c["height"].append(height)
 
@@ -149,7 +150,7 @@ class SampleRecord(Mapping):
     """One sample as the dict the JSON manifest held: key, shard, bucket, concept, mask, members (suffix ->
     [data offset, size]). Columns are read from the index; key and members from the tar headers, once."""
 
-    FIELDS = ("key", "shard", "bucket", "concept", "mask", "members")
+    FIELDS = ("key", "shard", "bucket", "concept", "mask", "reference", "members")
 
     def __init__(self, records: SampleRecords, index: int):
         self._records, self.index = records, index
@@ -165,6 +166,8 @@ class SampleRecord(Mapping):
             return int(columns.concept[self.index])
         if field == "mask":
             return bool(columns.flags[self.index] & MASK)
+        if field == "reference":
+            return bool(columns.flags[self.index] & REFERENCE)
         if field == "key" and self._walked is None:
             return self._records.key(self.index)  # one header: also the key of a sample whose later members are lost
         if field in ("key", "members"):

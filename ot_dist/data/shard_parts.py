@@ -35,6 +35,7 @@ PART_FORMAT = "ot_dist.shard-part/1"
 PART_FOLDER = re.compile(r"part-(\d{5})-of-(\d{5})")
 MERGE_WAIT_S = 86400  # how long a merge at train start (or in the k8s merge pod) waits for parts still building
 COLUMNS = ("key", "shard", "bucket", "concept", "mask", "number")  # a part's samples, one list per field
+OPTIONAL_COLUMNS = {"reference": False}  # added later: a part written before reads as the default
 
 
 def parse_part(text: str) -> tuple[int, int]:
@@ -94,13 +95,13 @@ def build_part(config: TrainConfig, out_dir: str | Path, part: tuple[int, int], 
         "format": PART_FORMAT, "part": number, "parts": parts, "fingerprint": fingerprint,
         "images": len(scan.samples) + len(scan.bad),  # of this part's range, for the merged unreadable limit
         "shards": sorted(p.name for p in folder.glob("shard-*.tar")),
-        **{column: [] for column in COLUMNS},
+        **{column: [] for column in (*COLUMNS, *OPTIONAL_COLUMNS)},
         "unused_files": [{"file": str(path), "reason": reason} for path, reason in scan.unused],
         "unreadable_images": [{"file": str(path), "error": error} for path, error in scan.bad],
     }
     for record, source in zip(records, build_order(config, sources), strict=True):
         record["number"] = source.number
-        for column in COLUMNS:
+        for column in (*COLUMNS, *OPTIONAL_COLUMNS):
             content[column].append(record[column])
     tmp = folder / (PART_FILE + ".tmp")
     tmp.write_text(json.dumps(content))
@@ -157,8 +158,11 @@ def merge_parts(config: TrainConfig, out_dir: str | Path, parts: int | None = No
         folder = part_dir(out_dir, content["part"], parts)
         first = len(shard_files)
         shard_files += [folder / name for name in content["shards"]]
-        for values in zip(*(content[column] for column in COLUMNS)):
-            record = dict(zip(COLUMNS, values))
+        count = len(content["key"])
+        columns = {**{c: content[c] for c in COLUMNS},
+                   **{c: content.get(c, [default] * count) for c, default in OPTIONAL_COLUMNS.items()}}
+        for values in zip(*columns.values()):
+            record = dict(zip(columns, values))
             record["shard"] += first
             records.append(record)
         bad += content["unreadable_images"]
@@ -166,7 +170,8 @@ def merge_parts(config: TrainConfig, out_dir: str | Path, parts: int | None = No
     if not records:
         raise InputFileError("data: no image is left to build the shard set from")
     records.sort(key=lambda r: (r["bucket"], r["number"]))  # the one-process build's order
-    records = [{field: r[field] for field in ("key", "shard", "bucket", "concept", "mask")} for r in records]
+    records = [{field: r[field] for field in ("key", "shard", "bucket", "concept", "mask", "reference")}
+               for r in records]
     (out_dir / MANIFEST).unlink(missing_ok=True)
     manifest = write_manifest(config, out_dir, records, contents[0]["fingerprint"], config_path, unused, bad,
                               shard_files=shard_files)

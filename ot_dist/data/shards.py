@@ -2,7 +2,8 @@
 
 Each sample is written once with one image per training resolution, resized to cover its bucket
 (`<key>.<res>.<format>`, data.image_format; `auto` keeps a source's own bytes where nothing changes), the same
-for its mask (`<key>.<res>.mask.png`), its caption(s) (`<key>.txt`)
+for its mask (`<key>.<res>.mask.png`) and its reference image (`<key>.<res>.reference.<format>`, edit models), its
+caption(s) (`<key>.txt`)
 and metadata (`<key>.json`). Samples are written bucket by bucket, so a bucket's samples sit in
 neighbouring shards. The manifest (`manifest.json`, written last: a set without one is incomplete)
 holds per-shard and per-bucket counts, what built the set, a fingerprint of the source files and
@@ -27,7 +28,7 @@ from PIL import Image
 from ot_dist.config.schema import ConceptConfig, TrainConfig
 from ot_dist.data.augment import AUGMENTATION_FIELDS
 from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of
-from ot_dist.data.concepts import classify_files, concept_name, mask_of, scan_folders
+from ot_dist.data.concepts import classify_files, concept_name, mask_of, reference_partners, scan_folders
 from ot_dist.data.images import open_mask
 from ot_dist.data.sample_index import COLUMNS, INDEX_DIR, IndexWriter, SampleIndex, SampleRecords, bytes_per_sample
 from ot_dist.data.sample_encoder import encoded_samples
@@ -63,7 +64,7 @@ SETTINGS_WITHOUT = ("tag_dropout_special_tags_mode", "tag_dropout_special_tags",
 READ_TIME_CONCEPT_FIELDS = READ_TIME_AT_DEFAULTS + SETTINGS_WITHOUT
 # Options stored in the shards (they change the caption a shard holds) that were added later: in the settings only when
 # set (not empty), so that sets built before they existed keep their fingerprint.
-STORED_ADDED_LATER = {"caption_suffix"}
+STORED_ADDED_LATER = {"caption_suffix", "reference_path"}
 
 
 def build_settings(config: TrainConfig) -> dict:
@@ -93,8 +94,9 @@ def fingerprint_of(settings: dict, concepts: list) -> str:
     for label, concept in concepts:
         images, unused = classify_files(label, concept)
         others = [Path(concept.path) / path for path, _ in unused]  # a HEIC that becomes readable changes the set
+        partners = reference_partners(label, concept, images)
         for image in images + others:
-            for path in (image, image.with_suffix(concept.caption_extension), mask_of(image)):
+            for path in (image, image.with_suffix(concept.caption_extension), mask_of(image), partners.get(image)):
                 if path is not None and path.is_file():
                     stat = path.stat()
                     digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
@@ -256,6 +258,27 @@ def load_mask(path: Path, image: Path, size: tuple[int, int], log=print) -> Imag
     return mask.resize(size, Image.Resampling.BILINEAR)
 
 
+def load_reference(path: Path, image: Path, size: tuple[int, int], max_pixels: int, background, log=print) -> Image.Image:
+    """The reference image of an image at the image's (upright) size, so one bucket, crop and flip fit both. One of
+    the same shape at another size is scaled, with a warning; one of another shape is refused (scaled, it would be
+    stretched; cropped, it would lose what the edit refers to): crop it to the image's shape."""
+    from ot_dist.data.images import UnreadableImage, open_image
+
+    try:
+        reference = open_image(path, max_pixels, background)
+    except UnreadableImage as err:
+        raise InputFileError(f"data: reference image of {Path(image).resolve()}: {err}") from None
+    if reference.size == size:
+        return reference
+    sizes = f"reference {Path(path).resolve()} is {reference.width}x{reference.height}, its image " \
+            f"{Path(image).resolve()} is {size[0]}x{size[1]}"
+    if abs(reference.width / reference.height - size[0] / size[1]) > 0.01 * size[0] / size[1]:
+        raise InputFileError(f"data: {sizes}: another shape; the pair shares one bucket and crop, so crop the "
+                             "reference to the image's shape")
+    log(f"warning: data: {sizes}; the reference is scaled to the image")
+    return reference.resize(size, Image.Resampling.LANCZOS)
+
+
 def index_members(shard: Path) -> dict[str, dict[str, list[int]]]:
     """key -> member suffix -> [data offset, size]: read from the tar headers, so the reader can seek."""
     return {span.key: span.members for span in shard_samples(shard)}
@@ -297,7 +320,7 @@ def index_records(out_dir: Path, shard_files: list[Path], records: list[dict]) -
     index = IndexWriter()
     for record, offset, span in zip(records, starts, spans_of):
         index.add(record["shard"], offset, span, record["bucket"], record["concept"], record.get("mask", False),
-                  record.get("width", 0), record.get("height", 0))
+                  record.get("width", 0), record.get("height", 0), record.get("reference", False))
     return index, shards
 
 

@@ -1,7 +1,7 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
-Sana 1600M and Z-Image (6 B) under the low-memory
-options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B) and FLUX.2 klein 9B under the
+low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -19,6 +19,8 @@ import torch
 
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.flux2 import Flux2, Flux2Klein
+from ot_dist.models.families.hidream import HiDream
+from ot_dist.models.families.lumina2 import Lumina2
 from ot_dist.models.families.qwen_image import QwenImage
 from ot_dist.models.families.sana import Sana
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
@@ -141,6 +143,13 @@ MISTRAL_SMALL_31 = dict(
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, tie_word_embeddings=False)
+# Alpha-VLLM/Lumina-Image-2.0: its transformer (Lumina2Transformer2DModel's defaults but the caption width, Gemma's
+# 2304, which ComfyUI's model_detection.py reads from cap_embedder.1.weight beside the same 2304-wide, 24 / 8-head,
+# 32-32-32 RoPE numbers), google/gemma-2-2b's decoder as the text encoder (GEMMA2_2B) and the Flux VAE (VAE_16).
+LUMINA_IMAGE_2 = dict(sample_size=128, patch_size=2, in_channels=16, hidden_size=2304, num_layers=26,
+                      num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8, multiple_of=256,
+                      ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=(32, 32, 32),
+                      axes_lens=(300, 512, 512), cap_feat_dim=2304)
 # Tongyi-MAI/Z-Image-Turbo: its transformer/config.json (diffusers' ZImageTransformer2DModel defaults, written out),
 # its text_encoder Qwen/Qwen3-4B's decoder (Qwen3Model: no lm_head, the embedding tied to it in the CausalLM) and the
 # Flux VAE (16 channels).
@@ -150,6 +159,18 @@ Z_IMAGE = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3
 QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=True)
+# HiDream-ai/HiDream-I1-Full: its transformer as ComfyUI's model_detection.py and diffusers' config give it (16 dual-
+# and 32 single-stream blocks, 20 heads x 128, 4 routed experts with 2 active, Llama layers 0-31 then 31 for the last 16
+# blocks), CLIP-L and CLIP-G with their projections and the 248 positions of HiDream's CLIPs (the pipeline pads to
+# 128 tokens, bounded by 218), T5-XXL's encoder, meta-llama/Llama-3.1-8B-Instruct (LlamaForCausalLM, untied lm_head)
+# and the Flux VAE.
+HIDREAM_I1 = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=16, num_single_layers=32,
+                  attention_head_dim=128, num_attention_heads=20, caption_channels=[4096, 4096], text_emb_dim=2048,
+                  num_routed_experts=4, num_activated_experts=2, axes_dims_rope=(64, 32, 32), max_resolution=(128, 128),
+                  llama_layers=list(range(32)) + [31] * 16)
+LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -164,8 +185,14 @@ DENOISERS = {
     "FLUX.2 dev": ("transformer", Flux2.denoiser_lora_presets["default"], Flux2.shard_units["transformer"]),
     "FLUX.2 klein 9B": ("transformer", Flux2Klein.denoiser_lora_presets["default"],
                         Flux2Klein.shard_units["transformer"]),
+    "Lumina-Image 2.0": ("transformer", Lumina2.denoiser_lora_presets["default"], Lumina2.shard_units["transformer"]),
     "Z-Image": ("transformer", ZImage.denoiser_lora_presets["default"], ZImage.shard_units["transformer"]),
+    "HiDream-I1": ("transformer", HiDream.denoiser_lora_presets["default"], HiDream.shard_units["transformer"]),
 }
+# Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
+# the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
+DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
+SAME_WEIGHTS_AS = {"Flux.1 Kontext dev": "Flux.1 dev"}  # rows the printed table leaves out: another row's figures
 
 
 def build_components(model: str) -> dict[str, torch.nn.Module]:
@@ -182,12 +209,27 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
     with torch.device("meta"):
         if model.startswith("FLUX.2"):
             return flux2_components(model)
+        if model == "Lumina-Image 2.0":
+            from diffusers import Lumina2Transformer2DModel
+
+            return {"transformer": Lumina2Transformer2DModel(**LUMINA_IMAGE_2),
+                    "text_encoder": Gemma2Model(Gemma2Config(**GEMMA2_2B)), "vae": AutoencoderKL(**VAE_16)}
         if model == "Z-Image":
             from diffusers import ZImageTransformer2DModel
             from transformers import Qwen3Config, Qwen3Model
 
             return {"transformer": ZImageTransformer2DModel(**Z_IMAGE), "text_encoder": Qwen3Model(Qwen3Config(**QWEN3_4B)),
                     "vae": AutoencoderKL(**VAE_16)}
+        if model == "HiDream-I1":
+            from diffusers import HiDreamImageTransformer2DModel
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            long_clip = {"max_position_embeddings": 248}
+            return {"transformer": HiDreamImageTransformer2DModel(**HIDREAM_I1),
+                    "text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**CLIP_L | long_clip)),
+                    "text_encoder_2": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG | long_clip)),
+                    "text_encoder_3": T5EncoderModel(T5Config(**T5_XXL)),
+                    "text_encoder_4": LlamaForCausalLM(LlamaConfig(**LLAMA31_8B)), "vae": AutoencoderKL(**VAE_16)}
         if model == "Sana 1600M":
             return {"transformer": SanaTransformer2DModel(**SANA_1600M),
                     "text_encoder": Gemma2Model(Gemma2Config(**GEMMA2_2B)), "vae": AutoencoderDC(**DC_AE_F32C32)}
@@ -203,7 +245,7 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
             return {"prior": StableCascadeUNet(**(STAGE_C_LITE if model.endswith("lite") else STAGE_C)),
                     "text_encoder": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG)),
                     "effnet": EfficientNetEncoder()}
-        if model == "Flux.1 dev":
+        if model in ("Flux.1 dev", "Flux.1 Kontext dev"):
             return {"transformer": FluxTransformer2DModel(**FLUX_DEV),
                     "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
                     "text_encoder_2": T5EncoderModel(T5Config(**T5_XXL)), "vae": AutoencoderKL(**VAE_16)}
@@ -391,7 +433,7 @@ def fsdp_rows(models: dict, ranks=(8, 64)) -> list[str]:
 
 
 def main() -> None:
-    models = {model: build_components(model) for model in DENOISERS}
+    models = {model: build_components(model) for model in DENOISERS if model not in SAME_WEIGHTS_AS}
     sizes = {model: model_sizes(components, DENOISERS[model][1]) for model, components in models.items()}
     for rows in (component_rows(sizes), trained_rows(sizes), setup_rows(sizes), fsdp_rows(models)):
         print("\n".join(rows) + "\n")

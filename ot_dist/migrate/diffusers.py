@@ -37,7 +37,9 @@ SCRIPTS = {
     "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora", "dreambooth"),
     "train_dreambooth_lora_flux2.py": ("flux2", "lora", "dreambooth"),
     "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora", "dreambooth"),
+    "train_dreambooth_lora_lumina2.py": ("lumina2", "lora", "dreambooth"),
     "train_dreambooth_lora_z_image.py": ("z_image", "lora", "dreambooth"),
+    "train_dreambooth_lora_hidream.py": ("hidream", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
 }
 # The scripts that validate every validation_steps optimizer steps (the others: every validation_epochs epochs).
@@ -54,7 +56,9 @@ ATTENTION = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k
              "attn.add_v_proj", "attn.to_add_out"]
 TRANSFORMER_LORA_TARGETS = {"sd3": ATTENTION, "flux": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                                                    "ff_context.net.2"],
-                           "sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
+                           "sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"],
+                           "hidream": ["to_k", "to_q", "to_v", "to_out"],
+                           "lumina2": ["to_k", "to_q", "to_v", "to_out.0"]}
 # The FLUX.2 scripts: the double blocks' image attention, the single blocks' fused projection and their output named
 # by path (48 in the [dev] script, 24 in the [klein] one)
 TRANSFORMER_LORA_TARGETS |= {
@@ -65,10 +69,21 @@ TRANSFORMER_LORA_TARGETS |= {
 # shift dynamically (FlowMatchEulerDiscreteScheduler applies no shift at init then: the Qwen script's shift=3.0 is
 # dropped), Sana's DPM-solver config has flow_shift, which FlowMatchEulerDiscreteScheduler does not read.
 UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image", "flux2", "flux2_klein")
+LUMINA_IMAGE_2_SHIFT = 6.0  # Alpha-VLLM/Lumina-Image-2.0's scheduler config (and ComfyUI's sampling shift for it)
 # The flow families whose scripts draw from the scheduler's table shifted by its fixed shift (Z-Image's config: 3.0,
 # use_dynamic_shifting false), which is ot_dist's auto; SD3's has its own branch (precondition_outputs).
 SHIFTED_FLOW_SCRIPTS = ("z_image",)
 TRANSFORMER_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
+# The flow families whose scripts load their scheduler with a shift of their own, whatever the model's config says (the
+# HiDream script: FlowMatchEulerDiscreteScheduler.from_pretrained(..., shift=3.0)), and the text length ot_dist encodes
+# them with (the pipeline's max_sequence_length, which ot_dist does not change).
+FORCED_SHIFT_SCRIPTS = {"hidream": 3.0}
+FIXED_TEXT_LENGTH = {"hidream": 128}
+# Where a script loads a component from an argument of its own and ot_dist reads it from model.path's folder
+SEPARATE_COMPONENTS = {"train_dreambooth_lora_hidream.py": (
+    "pretrained_text_encoder_4_name_or_path",
+    "the script loads its Llama (text_encoder_4 / tokenizer_4) from this; ot_dist reads it from model.path's "
+    "text_encoder_4 / tokenizer_4: save the base folder with it once (docs/families.md, HiDream-I1)")}
 # Arguments that change how the script runs, not what it trains: noted, not listed as not honoured.
 NO_EFFECT = {
     "enable_xformers_memory_efficient_attention": "attention kernel", "enable_npu_flash_attention": "attention kernel",
@@ -83,7 +98,7 @@ NO_EFFECT = {
     "offload": "where the VAE / text encoder wait (CPU or GPU)", "enable_vae_tiling": "validation image decoding",
     # HiDream's Llama arguments, left in the Qwen-Image script's parser: it loads neither
     "pretrained_text_encoder_4_name_or_path": "not read by the script",
-    "pretrained_tokenizer_4_name_or_path": "not read by the script",
+    "pretrained_tokenizer_4_name_or_path": "not read by the script (the HiDream script's: with its text encoder's)",
     "cache_latents": "latents cached or not (data.cache_latents: the same training)",
     "remote_text_encoder": "where the captions are encoded",
     "fsdp_text_encoder": "where the frozen text encoder lives (the Z-Image script shards it with FSDP)",
@@ -98,6 +113,9 @@ def import_diffusers(command_line: str, script: str | None = None, accelerate_co
     c = out.config
     family = family or _sd_version(args, out)
     c["model"] = {"family": family, "path": _model_path(args, out)}
+    if args.script in SEPARATE_COMPONENTS:
+        key, why = SEPARATE_COMPONENTS[args.script]
+        out.notes.append(f"{key}: {args[key]}: {why}")
     c["method"] = method
     c["output_dir"] = local_path(str(args["output_dir"]), "output_dir", out)
     c["mlflow"] = {"run_name": c["output_dir"].rstrip("/").split("/")[-1]}
@@ -379,14 +397,47 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
         c["model"]["t5_max_tokens"] = args["max_sequence_length"]  # the SD3 scripts' and train_dreambooth_flux's 77
     if family in SHIFTED_FLOW_SCRIPTS:
         weighting_scheme(args, loss, skip, descending=True)  # the shifted table from sigma 1 down: ot_dist's auto shift
+    if family in FORCED_SHIFT_SCRIPTS:  # timesteps[(u x N)] of the table shifted at the script's own shift
+        weighting_scheme(args, loss, skip, descending=True)
+        loss |= {"timestep_shift": FORCED_SHIFT_SCRIPTS[family], "dynamic_timestep_shifting": False}
+    if family in FIXED_TEXT_LENGTH and args["max_sequence_length"] != FIXED_TEXT_LENGTH[family]:
+        skip(f"max_sequence_length: {args['max_sequence_length']}: ot_dist encodes {family} captions at the "
+             f"pipeline's {FIXED_TEXT_LENGTH[family]} tokens")
     if family in UNSHIFTED_FLOW_SCRIPTS:
         weighting_scheme(args, loss, skip, descending=True)  # timesteps[(u x N)] of a table that runs from sigma 1
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
         if family in ("flux", "flux2"):  # the guidance-distilled transformers
             c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
+    if family == "lumina2":
+        _lumina2_flow(args, c, loss, out)
     _new_script_options(args, family, skip)
     if loss:
         c["loss"] = loss
+
+
+def _lumina2_flow(args: DiffusersArgs, c: dict, loss: dict, out: Imported) -> None:
+    """The Lumina 2 script draws u by weighting_scheme, takes the scheduler's timesteps[(u x N)] (sigma 1 down, shifted
+    by the scheduler's `shift` k) and uses that sigma as Lumina's t, the image's weight: its noise level 1 - sigma is
+    u shifted by 1 / k, growing with u (a logit_mean m stays m). k is the model's scheduler config's (Lumina-Image-2.0:
+    6.0) when the folder is here to read."""
+    import json
+    from pathlib import Path
+
+    weighting_scheme(args, loss, out.not_honoured.append, descending=False)
+    config = Path(c["model"]["path"]) / "scheduler" / "scheduler_config.json"
+    if config.is_file():
+        shift = float(json.loads(config.read_text()).get("shift", 1.0))
+    else:
+        shift = LUMINA_IMAGE_2_SHIFT
+        out.notes.append(f"timestep_shift: {c['model']['path']} has no scheduler/scheduler_config.json here; "
+                         f"Lumina-Image-2.0's shift {shift} is assumed (the script's draws are shifted by 1 / shift)")
+    loss |= {"timestep_shift": round(1 / shift, 6), "dynamic_timestep_shifting": False}
+    if args["max_sequence_length"] != 256:
+        out.not_honoured.append(f"max_sequence_length: {args['max_sequence_length']}: ot_dist encodes Lumina 2 "
+                                "captions at the pipeline's 256 tokens")
+    if args["system_prompt"]:
+        out.not_honoured.append("system_prompt: ot_dist puts Lumina2Pipeline's own system prompt in front of every "
+                                "caption (the script's default)")
 
 
 def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:

@@ -41,6 +41,7 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "PIXART_ALPHA": ("pixart_alpha", False), "PIXART_SIGMA": ("pixart_sigma", False),
     "STABLE_CASCADE_1": ("stable_cascade", False), "WUERSTCHEN_2": ("wuerstchen_v2", False),
     "SANA": ("sana", False), "QWEN": ("qwen_image", False), "FLUX_2": ("flux2", False),
+    "HI_DREAM_FULL": ("hidream", False),
 }
 FAMILIES["Z_IMAGE"] = ("z_image", False)
 # OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
@@ -77,6 +78,11 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     if inpainting:
         c["model"]["inpainting"] = True
     note_local_model(c["model"]["path"], "base_model_name", out)
+    llama = (ot.get("text_encoder_4") or {}).get("model_name")
+    if llama:  # OneTrainer's HiDream loads its Llama from a model of its own
+        out.notes.append(f"text_encoder_4.model_name: {llama}: ot_dist reads the Llama from model.path's "
+                         "text_encoder_4 / tokenizer_4: save the base folder with it once (docs/families.md, "
+                         "HiDream-I1)")
     c["method"] = method
     destination = local_path(ot["output_model_destination"], "output_model_destination", out)
     destination = PureWindowsPath(destination) if is_windows_path(destination) else Path(destination)

@@ -117,4 +117,5 @@ SAMPLE_BY_FAMILY = {
     "sana": {**_SIDE_1024, "diffusion_steps": 20, "cfg_scale": 4.5},
     "z_image": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 4.0},
     **{name: {**_SIDE_1024, "cfg_scale": 4.0} for name in ("flux2", "flux2_klein")},
+    "hidream": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 5.0},
 }

@@ -21,7 +21,10 @@ ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
                       "stable_cascade": _CASCADE, "wuerstchen_v2": _CASCADE,
                       "sana": {**_PIXART, "attn-mlp": ("attn1", "attn2", "ff.")},
                       "qwen_image": {"attn-mlp": ("attn", "img_mlp", "txt_mlp"), "attn-only": ("attn",),
-                                     "blocks": ("transformer_block",)}}
+                                     "blocks": ("transformer_block",)},
+                      # BaseHiDreamSetup: attn1 holds both streams' attention (ot_dist's attention preset); ff_i is
+                      # the image stream's MoE (experts and shared expert, not ff_t): OneTrainer's own rule carries it
+                      "hidream": {"attn-mlp": ("attn1", "ff_i"), "attn-only": ("attn1",), "blocks": ("stream_block",)}}
 # Z-Image (BaseZImageSetup.LAYER_PRESETS): attention / feed_forward outside the refiners, as regular expressions
 ONETRAINER_PRESETS["z_image"] = {"blocks": ("layers",),
                                  "attn-mlp": ("^(?=.*attention)(?!.*refiner).*", "^(?=.*feed_forward)(?!.*refiner).*"),
@@ -63,7 +66,7 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         lora["preset"] = "attention_mlp"
         out.notes.append("layer_filter_preset: attn-mlp -> lora.preset attention_mlp, without the Mix-FFN's depthwise "
                          "ff.conv_depth, which OneTrainer also adapts (peft: rank divisible by its groups)")
-    elif named == "attn-mlp":
+    elif named == "attn-mlp" and family in ("flux", "chroma"):
         lora[f"{denoiser}_targets"] = list(FLUX_ATTN_MLP)
     else:  # blocks, the Cascade presets, custom patterns: OneTrainer's own rule (lora.layer_filter)
         lora["layer_filter"] = list(patterns)

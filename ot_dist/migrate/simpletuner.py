@@ -24,6 +24,9 @@ from ot_dist.migrate.simpletuner_network import import_network
 from ot_dist.migrate.simpletuner_optim import import_optimizer, import_scheduler
 from ot_dist.migrate.simpletuner_samples import import_samples
 
+# SimpleTuner's (model_family, model_flavour) of an edit model -> ot_dist's family: the base family's import, with the
+# conditioning datasets as the concepts' reference_path (simpletuner_dataset.py)
+EDIT_FLAVOURS = {("flux", "kontext"): "flux_kontext"}
 # SimpleTuner's model_family -> (ot_dist's family, its denoiser part, the default flavour's model: HUGGINGFACE_PATHS)
 FAMILIES = {
     "sd1x": ("sd1", "unet", "Lykon/dreamshaper-8"), "sd2x": ("sd2", "unet", "bghira/pseudo-flex-v2"),
@@ -37,6 +40,8 @@ FAMILIES = {
     "qwen_image": ("qwen_image", "transformer", "Qwen/Qwen-Image-2512"),
     # FLUX.2: SimpleTuner's default flavour klein-9b; model_flavour dev is FLUX.2 [dev] (FLUX2_FLAVOURS)
     "flux2": ("flux2_klein", "transformer", "black-forest-labs/FLUX.2-klein-base-9B"),
+    "hidream": ("hidream", "transformer", "HiDream-ai/HiDream-I1-Full"),
+    "lumina2": ("lumina2", "transformer", "Alpha-VLLM/Lumina-Image-2.0"),
 }
 # Z-Image: the default flavour turbo-ostris-v2 is Z-Image-Turbo (trained through an assistant LoRA)
 FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")
@@ -98,7 +103,12 @@ def import_simpletuner(config: str, backend_file: str | None = None, lycoris_fil
     import_scheduler(args, c, out)
     _gradient_clip(args, c, family, out)
     import_loss(args, c, family, out)
-    import_dataset(args, c, method, backend_file, out)
+    edit = EDIT_FLAVOURS.get((str(args["model_family"]), str(args["model_flavour"] or "")))
+    import_dataset(args, c, method, backend_file, out, references=edit is not None)
+    if edit is not None:  # the base family's mapping above (loss, LoRA targets, samples) is the edit model's too
+        c["model"]["family"] = edit
+        out.not_honoured.append("validation: SimpleTuner edits its reference dataset's images; the samples written "
+                                "here draw from the prompt alone (give each sampling.prompts[] a reference_image)")
     c["data"]["bucket_step"] = BUCKET_ALIGNMENT.get(family, c["data"]["bucket_step"])
     _ema(args, c, out)
     import_samples(args, c, library_file, out)
@@ -154,10 +164,9 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
                          f"{default_path}, is written")
     elif args["model_flavour"]:
         out.notes.append(f"model_flavour: {args['model_flavour']}: the model is pretrained_model_name_or_path's")
-    if name == "flux" and args["model_flavour"] in ("schnell", "kontext"):
-        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains it with "
-                                f"{'an assistant LoRA' if args['model_flavour'] == 'schnell' else 'image conditioning'}"
-                                ", which ot_dist does not")
+    if name == "flux" and args["model_flavour"] == "schnell":
+        out.not_honoured.append("model_flavour: schnell: SimpleTuner trains it with an assistant LoRA, which ot_dist "
+                                "does not")
     if name == "qwen_image" and str(args["model_flavour"] or "").startswith("edit"):
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains Qwen-Image-Edit with "
                                 "image conditioning, which ot_dist does not")
@@ -165,6 +174,8 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
         _z_image(args, out)
     if name == "sana":
         _sana(args, out)
+    if name == "lumina2":
+        _lumina2(args, out)
     if args.given("aspect_bucket_alignment"):
         step = BUCKET_ALIGNMENT.get(family, 64)
         out.notes.append(f"aspect_bucket_alignment: SimpleTuner's {name} aligns buckets to {step} pixels whatever "
@@ -211,6 +222,15 @@ def _sana(args: SimpleTunerArgs, out: Imported) -> None:
         out.notes.append(f"tokenizer_max_length: {args['tokenizer_max_length']}: ignored for Sana, as in SimpleTuner "
                          "(300 tokens)")
     args["tokenizer_max_length"]
+
+
+def _lumina2(args: SimpleTunerArgs, out: Imported) -> None:
+    """SimpleTuner's Lumina 2 (helpers/models/lumina2/model.py): the pipeline's system prompt and 256 tokens, as
+    ot_dist; another tokenizer_max_length is not."""
+    length = args["tokenizer_max_length"]
+    if length is not None and int(length) != 256:
+        out.not_honoured.append(f"tokenizer_max_length: {length}: ot_dist encodes Lumina 2 captions at the "
+                                "pipeline's 256 tokens")
 
 
 def _prediction(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -> None:

@@ -9,7 +9,9 @@ prior_prediction; a full finetune trains them as they are: prior_preservation) a
 caption_dropout_probability. The resolution (pixel_area: a square's side of the same area, ot_dist's own meaning;
 area: megapixels; pixel: the shorter edge) is ot_dist's training resolution (several datasets at several: ot_dist's
 multi-resolution list, drawn per step for all of them). text_embeds / image_embeds backends
-are caches: ot_dist keeps its caches in the shard set."""
+are caches: ot_dist keeps its caches in the shard set. For an edit model (Flux Kontext) a backend's conditioning_data
+names its reference backend (conditioning_type reference_strict / reference_loose, images paired by file name): its
+instance_data_dir is the concept's reference_path, and the reference backend is no concept of its own."""
 
 from __future__ import annotations
 
@@ -30,10 +32,15 @@ NO_EFFECT = {"cache_dir_vae", "cache_dir", "vae_cache_clear_each_epoch", "skip_f
 READ = {"instance_data_dir", "caption_strategy", "instance_prompt", "prepend_instance_prompt", "only_instance_prompt",
         "repeats", "is_regularisation_data", "is_regularization_data", "probability", "resolution", "resolution_type",
         "crop", "crop_style", "crop_aspect", "minimum_image_size", "maximum_image_size", "target_downsample_size",
-        "disable_multiline_split"}
+        "disable_multiline_split", "conditioning_data"}
 
 
-def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: str | None, out: Imported) -> None:
+REFERENCE_TYPES = ("reference_strict", "reference_loose")
+
+
+def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: str | None, out: Imported,
+                   references: bool = False) -> None:
+    """`references`: an edit model's import, whose conditioning datasets are its reference images."""
     path = args.file(backend_file, "data_backend_config", out)
     if path is None:
         raise ConfigError("data_backend_config: not set (SimpleTuner's multidatabackend.json, the datasets)")
@@ -41,11 +48,20 @@ def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: st
     if not isinstance(backends, list):
         raise ConfigError(f"data_backend_config: {path} is not a list of backends")
     concepts, sides, crops = [], [], set()
+    conditioning = {str(b.get("id")): b for b in backends if isinstance(b, dict) and b.get("conditioning_type")}
     for index, backend in enumerate(backends):
         where = f"{path.name}[{backend.get('id', index)}]"
+        if backend.get("conditioning_type"):
+            _conditioning_backend(backend, where, references, out)
+            continue
         concept = _concept(args, backend, where, method, out)
         if concept is None:
             continue
+        if references:
+            concept |= _reference(args, backend, conditioning, where, out)
+        elif backend.get("conditioning_data"):
+            out.not_honoured.append(f"{where}.conditioning_data: {backend['conditioning_data']}: this model takes no "
+                                    "conditioning images")
         out.origins[f"data.concepts[{len(concepts)}]"] = where
         concepts.append(concept)
         sides.append((_side(args, backend, where, out), where))
@@ -62,6 +78,38 @@ def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: st
     if len(crops) > 1:
         out.not_honoured.append("crop_style: the datasets crop differently; ot_dist crops every dataset alike "
                                 "(center is written)")
+
+
+def _conditioning_backend(backend: dict, where: str, references: bool, out: Imported) -> None:
+    kind = backend["conditioning_type"]
+    if references and kind in REFERENCE_TYPES:
+        out.notes.append(f"{where}: a conditioning dataset ({kind}): the reference_path of the datasets naming it")
+        if kind == "reference_loose":
+            out.not_honoured.append(f"{where}.conditioning_type: reference_loose: ot_dist gives the reference its "
+                                    "image's bucket, crop and flip (as reference_strict); a reference of another "
+                                    "shape is refused")
+    else:
+        out.not_honoured.append(f"{where}.conditioning_type: {kind}: ot_dist trains no ControlNet or other "
+                                "conditioning of this model; dataset left out")
+
+
+def _reference(args: SimpleTunerArgs, backend: dict, conditioning: dict, where: str, out: Imported) -> dict:
+    """{"reference_path": the first reference dataset's folder} of an edit dataset, or {} (listed) without one."""
+    named = backend.get("conditioning_data") or []
+    named = [named] if isinstance(named, str) else list(named)
+    found = [conditioning[n] for n in map(str, named) if n in conditioning
+             and conditioning[n].get("conditioning_type") in REFERENCE_TYPES]
+    if not found:
+        out.not_honoured.append(f"{where}: no conditioning_data names a reference dataset; an edit model needs a "
+                                "reference image per image (set data.concepts[].reference_path)")
+        return {}
+    if len(named) > 1:
+        out.not_honoured.append(f"{where}.conditioning_data: {named}: ot_dist reads one reference per image; "
+                                f"{found[0].get('id')}'s are used")
+    folder = found[0].get("instance_data_dir")
+    if not folder:
+        raise ConfigError(f"{where}.conditioning_data: {found[0].get('id')} has no instance_data_dir")
+    return {"reference_path": str(args.path(local_path(str(folder), f"{where}.conditioning_data", out)))}
 
 
 def _concept(args: SimpleTunerArgs, backend: dict, where: str, method: str, out: Imported) -> dict | None:

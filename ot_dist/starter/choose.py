@@ -25,12 +25,22 @@ from ot_dist.memory.table import (DENOISERS, GIB, SETUPS, ModelSizes, Setup, bui
 # and a 300-token caption: Würstchen v2's estimate (1536 wide over 576 positions) and half a GiB for the width.
 ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev": 6.0, "Stable Cascade C": 3.0,
                    "Stable Cascade C lite": 2.0, "Würstchen v2": 2.0, "Qwen-Image": 6.5, "Sana 1600M": 2.5}
+# Lumina-Image 2.0: 4096 image tokens at 1024 px (x8, 2x2 patches) joined to a 256-token caption, 2304 wide over 26
+# joint blocks (and the refiners): SD3.5 Large's estimate (4096 + 333 tokens, 2432 wide, 38 blocks).
+ACTIVATIONS_GIB["Lumina-Image 2.0"] = 6.0
 # Z-Image: 4096 image tokens at 1024 px joined with the caption (its own length, up to 512) in 34 single-stream
 # blocks 3840 wide (Flux: 57 blocks 3072 wide over 4096 + 512 tokens): Flux's estimate.
 ACTIVATIONS_GIB["Z-Image"] = 6.0
 # FLUX.2 dev: twice Flux.1 dev's width (48 heads x 128) over the same 4096 image tokens at 1024 px and all 512 caption
 # tokens (the pipeline's padding, no trimming), 56 blocks: twice Flux's estimate. [klein] 9B: 4096 wide, 32 blocks.
 ACTIVATIONS_GIB |= {"FLUX.2 dev": 12.0, "FLUX.2 klein 9B": 8.0}
+# HiDream-I1: 4096 image tokens at 1024 px beside 384 text tokens (T5, Llama and each block's own Llama layer) at
+# width 2560 (Flux.1 dev: 3072) over 48 blocks, whose trained MoE keeps each token twice (2 active experts): Flux's.
+ACTIVATIONS_GIB["HiDream-I1"] = 6.0
+# Flux.1 Kontext dev: Flux.1 dev's blocks over twice the image tokens at 1024 px (the reference's 4096 appended to the
+# target's), the activations of the checkpointed blocks growing with the sequence: Flux's estimate less a GiB of
+# context and slack, scaled by the sequence (8704 tokens with the caption's 512, against 4608), and that GiB again.
+ACTIVATIONS_GIB["Flux.1 Kontext dev"] = 10.5
 NO_CHECKPOINTING_FACTOR = 4
 
 

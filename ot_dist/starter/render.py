@@ -25,8 +25,13 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
         f"method: {method}",
         f"output_dir: {output_dir}",
         "data:",
-        f"  path: {data_path}                 # images with same-name .txt captions",
     ]
+    if family.reference_images:  # an edit model: each image with its reference image (docs/data.md)
+        lines += ["  concepts:",
+                  f"    - path: {data_path}               # the edited images, same-name .txt captions: the edits",
+                  f"      reference_path: {data_path}-reference   # the images before the edit, same file names"]
+    else:
+        lines.append(f"  path: {data_path}                 # images with same-name .txt captions")
     if cached:
         lines += ["  cache_latents: true          # the VAE encodes each image once, then stays off the GPU",
                   "  cache_text: true             # the same for the frozen text encoders"]

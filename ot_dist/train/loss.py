@@ -19,6 +19,7 @@ from ot_dist.train.inpainting import inpainting_masks, latent_mask, masked_pixel
 from ot_dist.train.loss_functions import elementwise_loss
 from ot_dist.train.loss_options import offset_noise, per_sample_normal, perturbed_input_noise
 from ot_dist.train.masking import mask_weights
+from ot_dist.train.references import reference_conditioning
 from ot_dist.train.transfer import to_device
 
 
@@ -92,7 +93,7 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     noise, input_noise, timesteps = (to_device(t, device) for t in (noise, input_noise, timesteps))
     noisy = objective.noisy(latents, input_noise, timesteps)
     target = objective.target(latents, noise, timesteps)
-    conditioning = text_conditioning(model, batch, device, dtype)
+    conditioning = text_conditioning(model, batch, device, dtype) | reference_conditioning(model, batch, device, dtype)
     if model.inpainting:
         noisy = torch.cat([noisy, inpainting_condition(model, batch, latent_shape, seed, epoch).to(noisy)], dim=1)
     prediction, extra = family.training_prediction(denoiser, noisy.to(dtype), timesteps, conditioning, batch, latents,
@@ -102,7 +103,8 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     prior_targets = batch.get("prior_prediction")  # per sample: a prior_prediction concept's
     if prior_targets is not None or (weights is not None and masking.prior_preservation_weight):
         with torch.no_grad(), adapters_disabled(model):  # OneTrainer's prior model: the same inputs, no LoRA
-            prior_conditioning = text_conditioning(model, batch, device, dtype)
+            prior_conditioning = text_conditioning(model, batch, device, dtype) | {
+                k: v for k, v in conditioning.items() if k == "reference_latents"}
             prior = family.predict(denoiser, noisy.to(dtype), timesteps, prior_conditioning, batch).float()
     if prior_targets is not None:  # OneTrainer's PRIOR_PREDICTION: those samples learn the prior's prediction
         chosen = to_device(prior_targets, device).view(-1, *([1] * (target.dim() - 1)))

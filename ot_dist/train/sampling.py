@@ -53,6 +53,7 @@ class Sampler:
         if self.settings.prompts:
             self.templates = {name: meta_structure(module) for name, module in trained_modules(model).items()}
             self.check_guidance_rescale()
+            self.check_reference_images()
         self.sampled_steps: set[int] = set()
 
     def check_guidance_rescale(self) -> None:
@@ -63,6 +64,21 @@ class Sampler:
             if prompt.guidance_rescale and not takes_guidance_rescale(pipeline_cls):
                 raise ConfigError(f"sampling.prompts[{i}].guidance_rescale: this model samples through "
                                   f"{pipeline_cls.__name__}, which has no guidance_rescale; remove it")
+
+    def check_reference_images(self) -> None:
+        """Prompts' reference images: only for an edit model, and readable, before training starts."""
+        from ot_dist.data.images import UnreadableImage, open_image
+
+        for i, prompt in enumerate(self.settings.prompts):
+            if prompt.reference_image is None:
+                continue
+            if not self.model.family.reference_images:
+                raise ConfigError(f"sampling.prompts[{i}].reference_image: model.family {self.model.family.name} takes "
+                                  "no reference image (an edit model does: flux_kontext); remove it")
+            try:
+                open_image(Path(prompt.reference_image).expanduser())
+            except (UnreadableImage, OSError) as err:
+                raise ConfigError(f"sampling.prompts[{i}].reference_image: {err}") from None
 
     def due(self, step: int, steps_per_epoch: int) -> bool:
         every_steps, every_epochs = self.settings.every_n_steps, self.settings.every_n_epochs
@@ -174,6 +190,8 @@ class Sampler:
         if prompt.guidance_rescale is not None and takes_guidance_rescale(pipeline):
             # Set (0 too: it overrides the zero-terminal-SNR default); above 0 it was refused where not taken.
             arguments["guidance_rescale"] = prompt.guidance_rescale
+        if prompt.reference_image is not None:  # the family turns it into its pipeline's input (sampling_arguments)
+            arguments["reference_image"] = Path(prompt.reference_image).expanduser()
         return pipeline(**self.model.family.sampling_arguments(pipeline, arguments)).images[0]
 
 

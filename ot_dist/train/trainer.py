@@ -27,6 +27,7 @@ from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
 from ot_dist.early_checks import check_input_paths, setup_warnings
 from ot_dist.models.loading import LoadedModel, load_model
+from ot_dist.models.families.registry import get_family
 from ot_dist.optim.adaptive import startup_warnings
 from ot_dist.optim.factory import build_optimizer
 from ot_dist.optim.registry import SPECS
@@ -43,6 +44,7 @@ from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
 from ot_dist.train.masking import check_masks
+from ot_dist.train.references import check_references
 from ot_dist.train.sampling import Sampler
 from ot_dist.tracking import start_sender, start_tracking
 from ot_dist.tracking.base import Tracker
@@ -104,6 +106,7 @@ class Trainer:
         for line in self.bucket_report:
             self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
+        check_references(self.dataset, get_family(config.model.family))  # before the model loads
         check_tokens_in_captions(config.additional_embeddings, training_captions(self.dataset, self.reader.table))
         sizes = self.reader.table.epoch_sizes().values()
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts

@@ -82,6 +82,9 @@ class Family:
     # The pipeline attribute that turns pixels into latents: a diffusers VAE, or an encoder with the same `encode`
     # answer (`.latent_dist.mean` / `.std`) that `complete_pipeline` attaches (Stable Cascade's EfficientNet).
     latent_encoder: str = "vae"
+    # Edit models (Flux.1 Kontext) see a reference image beside the noisy latents: every sample must have one (a
+    # concept's reference_path); a family without them refuses samples that have one (ot_dist/train/references.py).
+    reference_images: bool = False
 
     def complete_pipeline(self, pipeline, path: Path, model_config):
         """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""
@@ -339,6 +342,14 @@ class Family:
     # `lora_unet_double_blocks_0_img_attn_qkv`, ComfyUI's `diffusion_model.double_blocks.0.img_attn.qkv`); the
     # paths and how fused modules split come from `denoiser_original_rules`.
     lora_original_prefixes: tuple[tuple[str, str], ...] = ()
+
+    def extra_lora_files(self, model, states: dict[str, dict], adapter_configs: dict[str, dict], target: Path,
+                         dtype: torch.dtype, modelspec: dict[str, str]) -> list[Path]:
+        """Files written beside the LoRA file `target` (`lora<suffix>.safetensors`): the same adapters in the names of
+        a program that reads neither layout, where no one file serves it and diffusers (Lumina 2: ComfyUI's fused
+        q|k|v names). `states` / `adapter_configs`: per trained part, peft's state dict and adapter config;
+        `modelspec`: the header of a file in the original module names. None for most families."""
+        return []
 
     def denoiser_original_rules(self, config) -> list:
         """The single-file key rules (ot_dist/models/families/single_file_keys.py `Rule`) of a denoiser with this

@@ -119,19 +119,26 @@ class FlowTransformerFamily(Family):
         write_transformer_file(state | self.full_checkpoint.component_keys(components, states), path, dtype,
                                metadata)
 
+    def image_tokens(self, noisy: torch.Tensor, conditioning: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the image stream's tokens, their position ids): the packed noisy latents; an edit model appends its
+        reference's (FluxKontext). The prediction is read from the first tokens, the noisy latents' own."""
+        h, w = noisy.shape[-2:]
+        return pack(noisy), image_ids(h, w, noisy.device, noisy.dtype)
+
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         h, w = noisy.shape[-2:]
         hidden = conditioning["hidden"]
-        tokens = denoiser(
-            hidden_states=pack(noisy),
+        tokens, ids = self.image_tokens(noisy, conditioning)
+        out = denoiser(
+            hidden_states=tokens,
             timestep=(timesteps / 1000).to(noisy.dtype),
             encoder_hidden_states=hidden,
             txt_ids=torch.zeros(hidden.shape[1], 3, device=noisy.device, dtype=noisy.dtype),
-            img_ids=image_ids(h, w, noisy.device, noisy.dtype),
+            img_ids=ids,
             **self.transformer_inputs(denoiser, conditioning, noisy),
             return_dict=False,
         )[0]
-        return unpack(tokens, h, w)
+        return unpack(out[:, :(h // 2) * (w // 2)], h, w)
 
 
 class Flux(FlowTransformerFamily):
@@ -182,7 +189,7 @@ class Flux(FlowTransformerFamily):
 
     def configure(self, model_config) -> "Flux":
         scale = model_config.guidance_scale
-        family = self if scale is None or scale == self.guidance_scale else Flux(scale)
+        family = self if scale is None or scale == self.guidance_scale else type(self)(scale)
         return with_t5_tokens(family, model_config)
 
     def encode_text(self, text_encoders, tokens):
@@ -209,7 +216,7 @@ class Flux(FlowTransformerFamily):
         return flux_to_original(state, config, prefix)
 
     def build_tiny(self, seed: int = 0, variant: str = "dev", **_):
-        from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+        from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
         from transformers import CLIPTextModel
 
         from ot_dist.models.tiny import TEXT_HIDDEN, clip_text_config, tiny_clip_tokenizer, tiny_t5_encoder, \
@@ -221,7 +228,7 @@ class Flux(FlowTransformerFamily):
             patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=16,
             num_attention_heads=2, joint_attention_dim=TEXT_HIDDEN, pooled_projection_dim=TEXT_HIDDEN,
             guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6))
-        return FluxPipeline(
+        return self.pipeline_cls()(
             transformer=transformer,
             vae=tiny_flow_vae(shift_factor=0.1159, scaling_factor=0.3611),
             text_encoder=CLIPTextModel(clip_text_config(len(clip_tokenizer), "quick_gelu")),
@@ -313,6 +320,67 @@ class Chroma(FlowTransformerFamily):
         )
 
 
+def reference_ids(h: int, w: int, device, dtype) -> torch.Tensor:
+    """The position ids of a reference image's packed tokens: (1, row, column), FluxKontextPipeline's (its image_ids
+    with the first coordinate 1, the same rows and columns from 0)."""
+    ids = image_ids(h, w, device, dtype)
+    ids[:, 0] = 1
+    return ids
+
+
+class FluxKontext(Flux):
+    """Flux.1 Kontext [dev]: Flux dev's transformer (the same FluxTransformer2DModel config), trained and sampled with
+    a reference image: its packed latents appended to the image tokens with position ids (1, row, column), the
+    prediction read from the noisy latents' tokens alone (diffusers' FluxKontextPipeline and its DreamBooth LoRA
+    script). Samples take the reference as every training sample does (concepts' reference_path, sampling prompts'
+    reference_image). Its LoRA files are Flux LoRA files (ComfyUI runs Kontext on its Flux model class)."""
+
+    name = "flux_kontext"
+    memory_reference = "Flux.1 Kontext dev"  # Flux.1 dev's weights, twice its image tokens (ot_dist/memory/table.py)
+    description = "Flux.1 Kontext dev (edit model: Flux dev with a reference image's tokens beside the noisy latents)"
+    pipeline_class = "FluxKontextPipeline"
+    reference_images = True
+    # FluxKontextPipeline's documented example and SimpleTuner's Kontext quickstart (its default call is 3.5)
+    sample_guidance_scale = 2.5
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        """SwarmUI's class id for Kontext (T2IModelClassSorter: Flux.1-dev/kontext); kohya defines none."""
+        return "flux.1-dev/kontext"
+
+    def image_tokens(self, noisy, conditioning):
+        tokens, ids = super().image_tokens(noisy, conditioning)
+        reference = conditioning.get("reference_latents")
+        if reference is None:  # the trainer refuses such data before loading (ot_dist/train/references.py)
+            raise ValueError("flux_kontext: a denoiser call without reference latents (conditioning "
+                             "'reference_latents')")
+        h, w = reference.shape[-2:]
+        return (torch.cat([tokens, pack(reference.to(tokens))], dim=1),
+                torch.cat([ids, reference_ids(h, w, ids.device, ids.dtype)], dim=0))
+
+    def sampling_arguments(self, pipeline, arguments):
+        """The prompt's reference image scaled to the sample's size (the geometry every training pair has), passed as
+        FluxKontextPipeline's `image` without its own resizing: no snap to its preferred resolutions (_auto_resize),
+        and max_area the sample's own (the pipeline scales width x height to max_area, 1024^2 by default)."""
+        arguments = dict(arguments)
+        reference = arguments.pop("reference_image", None)
+        width, height = arguments["width"], arguments["height"]
+        extra = {"max_area": width * height, "_auto_resize": False}
+        if reference is not None:
+            extra["image"] = sample_reference(reference, width, height)
+        return {**super().sampling_arguments(pipeline, arguments), **extra}
+
+
+def sample_reference(path, width: int, height: int):
+    """A sampling prompt's reference image, upright RGB, scaled to cover (width, height) and centre-cropped: what the
+    shard build and the centre crop do to a training pair's reference."""
+    from ot_dist.data.buckets import resize_to_cover
+    from ot_dist.data.images import open_image
+
+    image = resize_to_cover(open_image(path), (height, width))
+    left, top = (image.width - width) // 2, (image.height - height) // 2
+    return image.crop((left, top, left + width, top + height))
+
+
 # The published scheduler configs: dev shifts with the resolution, schnell does not shift.
 FLUX_SCHEDULERS = {
     "dev": dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
@@ -332,4 +400,4 @@ def tiny_flow_vae(shift_factor: float, scaling_factor: float):
         shift_factor=shift_factor, use_quant_conv=False, use_post_quant_conv=False)
 
 
-FAMILIES = {"flux": Flux(), "chroma": Chroma()}
+FAMILIES = {"flux": Flux(), "chroma": Chroma(), "flux_kontext": FluxKontext()}

@@ -21,7 +21,10 @@ FAMILY_MODULES: dict[str, str] = {
     "sana": "ot_dist.models.families.sana",
     "flux2": "ot_dist.models.families.flux2",
     "flux2_klein": "ot_dist.models.families.flux2",
+    "lumina2": "ot_dist.models.families.lumina2",
     "z_image": "ot_dist.models.families.z_image",
+    "hidream": "ot_dist.models.families.hidream",
+    "flux_kontext": "ot_dist.models.families.flux",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
