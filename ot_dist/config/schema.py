@@ -40,12 +40,13 @@ class ModelConfig(Section):
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
         "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), hidream "
         "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
-        "(Lumina 2); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B); each is one module under "
+        "ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
-        "Flux, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
+        "Flux and FLUX.2, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
         "model.component_files)."
     )
     config: UserPath | None = Field(
@@ -93,8 +94,9 @@ class ModelConfig(Section):
     )
     guidance_scale: float | None = Field(
         default=None, ge=0,
-        description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
-        "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
+        description="Flux.1 dev, FLUX.2 [dev]: the distilled guidance value its transformer is shown while training; null "
+        "= 1.0, as OneTrainer trains both (SimpleTuner Flux.1; diffusers' scripts 3.5). Models without a guidance embedding "
+        "(schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
     )
     t5_max_tokens: int | None = Field(
         default=None, ge=1,
