@@ -182,7 +182,9 @@ def transformer_file(family, pipeline, path: Path) -> Path:
 
         convert = {"sd3": sd3_single_file.sd3_to_original, "qwen_image": qwen_image_single_file.qwen_image_to_original,
                    "z_image": z_image_single_file.z_image_to_original, "hidream": hidream_single_file.hidream_to_original,
-                   "lumina2": lumina2_single_file.lumina2_to_original}[family.name]
+                   "lumina2": lumina2_single_file.lumina2_to_original}.get(family.name)
+        if convert is None:  # FLUX.2: its own module's map
+            from ot_dist.models.families.flux2_single_file import flux2_to_original as convert
         original = convert(state, dict(pipeline.transformer.config))
     return save(original, path)
 
@@ -439,10 +441,11 @@ def test_qwen_image_vae_in_wan_layout(tmp_path):
         assert torch.equal(loaded.vae.decode(got).sample, reference.decode(want).sample)
 
 
-# ---- the families added beside: Flux.1 Kontext (Flux's files), Lumina 2 (gemma_2_2b, ae), HiDream (four encoders, ae)
+# ---- the families added beside: Flux.1 Kontext (Flux's files), Lumina 2 (gemma_2_2b, ae), HiDream (four encoders, ae),
+# FLUX.2 [klein] (qwen_3_4b)
 
 
-def test_kontext_lumina2_hidream(tmp_path):
+def test_kontext_lumina2_hidream_flux2_klein(tmp_path):
     import copy
 
     cases = {
@@ -453,6 +456,9 @@ def test_kontext_lumina2_hidream(tmp_path):
                                                "spiece_model": torch.arange(8, dtype=torch.uint8)},
                               "vae": ldm_vae(p.vae)},
         # comfy/text_encoders/hidream.py: clip_l, clip_g (with projections), t5xxl, Llama 3.1 (llama.py, no lm_head)
+        # comfy/text_encoders/llama.py Qwen3_4B: Llama2_ under model., no lm_head (Qwen3ForCausalLM's is tied or zero)
+        "flux2_klein": lambda p: {"text_encoder": {k: v for k, v in p.text_encoder.state_dict().items()
+                                                   if k.startswith("model.")}},
         "hidream": lambda p: {"text_encoder": comfy_clip(p.text_encoder), "text_encoder_2": comfy_clip(p.text_encoder_2),
                               "text_encoder_3": comfy_t5(p.text_encoder_3),
                               "text_encoder_4": {k: v for k, v in p.text_encoder_4.state_dict().items()
@@ -464,16 +470,19 @@ def test_kontext_lumina2_hidream(tmp_path):
         pipe = family.build_tiny()
         for component in (*family.text_encoders, "vae"):
             randomized(getattr(pipe, component), seed=len(component))
-        folder = configs_only(pipe, tmp_path / name / "config")
+        folder = configs_only(pipe, tmp_path / name / "config", keep=("vae",) if name == "flux2_klein" else ())
         files = {k: str(save(v, tmp_path / name / f"{k}.safetensors")) for k, v in layout(pipe).items()}
         config = ModelConfig(family=name, path=str(transformer_file(family, pipe, tmp_path / name / "dit.safetensors")),
                              config=str(folder), component_files=files)
         loaded = load_model(config)
         reference = copy.deepcopy(pipe)
-        if name == "hidream":  # ComfyUI's Llama has no lm_head: a zero one, never read
-            with torch.no_grad():
-                reference.text_encoder_4.lm_head.weight.zero_()
-            assert torch.equal(loaded.pipeline.text_encoder_4.lm_head.weight, reference.text_encoder_4.lm_head.weight)
+        llm = {"hidream": "text_encoder_4", "flux2_klein": "text_encoder"}.get(name)
+        head = getattr(reference, llm).lm_head if llm else None
+        if head is not None and head.weight.data_ptr() != getattr(reference, llm).model.embed_tokens.weight.data_ptr():
+            with torch.no_grad():  # ComfyUI's Llama / Qwen3 have no lm_head: an untied one is zero, never read
+                head.weight.zero_()
+        if llm:
+            assert torch.equal(getattr(loaded.pipeline, llm).lm_head.weight, head.weight)
         assert_same(encode(family, loaded.pipeline), encode(family, reference)), name
         for got, want in zip(vae_outputs(loaded.vae), vae_outputs(reference.vae)):
             assert torch.equal(got, want), name

@@ -63,7 +63,7 @@ class ModelConfig(Section):
         "vae (an LDM-layout VAE file); qwen_image: text_encoder (qwen_2.5_vl_7b, its fp8_scaled file too), vae "
         "(qwen_image_vae); z_image: text_encoder (qwen_3_4b), vae (Flux's ae); flux_kontext: Flux's; lumina2: text_encoder "
         "(gemma_2_2b), vae (ae); hidream: text_encoder (clip_l), text_encoder_2 (clip_g), text_encoder_3 (t5xxl), "
-        "text_encoder_4 (llama_3.1_8b_instruct), vae (ae). The folder then needs only the configs and tokenizers (`hf "
+        "text_encoder_4 (llama_3.1_8b_instruct), vae (ae); flux2_klein: text_encoder (qwen_3_4b / qwen_3_8b). The folder then needs only the configs and tokenizers (`hf "
         "download REPO --include '*.json' '*.txt' '*.model' 'tokenizer*'`). Each file is checked against the "
         "component the folder's config describes before anything is loaded; float8 weights (ComfyUI's scaled ones "
         "with their scales) are upcast to float32 as every weight is (docs/families.md).",
