@@ -53,6 +53,7 @@ from typing import Callable, Mapping
 import torch
 
 from ot_dist.errors import InputFileError
+from ot_dist.models.tied_weights import tied_weights
 
 Tensor = torch.Tensor
 FIELD = "model.component_files"
@@ -72,12 +73,7 @@ def _names(keys) -> str:
 
 
 def _tied_copies(module: torch.nn.Module) -> set[str]:
-    """Keys that share another's weight in this model: transformers 5's `all_tied_weights_keys` (empty where the config
-    unties them, as Qwen2.5-VL's lm_head), never the class's list of the ties a config may ask for."""
-    tied = getattr(module, "all_tied_weights_keys", None)
-    if tied is None:
-        tied = getattr(module, "_tied_weights_keys", None) or {}
-    return set(tied) if isinstance(tied, Mapping) else set()
+    return set(tied_weights(module))
 
 
 # ---- layouts ---------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Mapping
 import torch
 
 from ot_dist.errors import InputFileError
+from ot_dist.models.tied_weights import tied_weights
 
 Tensor = torch.Tensor
 DENOISER_PREFIX = "model.diffusion_model."  # comfy/model_detection.py unet_prefix_from_state_dict
@@ -79,8 +80,7 @@ def _clip_root(module: torch.nn.Module) -> str:
 
 
 def _tied_copies(module: torch.nn.Module) -> set[str]:
-    tied = getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or {}
-    return set(tied) if isinstance(tied, Mapping) else set()
+    return set(tied_weights(module))  # the loaded config's ties (an untied lm_head is read and written)
 
 
 def _original_names(module: torch.nn.Module, keys) -> dict[str, str]:
