@@ -279,6 +279,41 @@ def test_the_pipelines_area_rescaling_keeps_each_requested_size():
         assert (int(width * scale // 16 * 16), int(height * scale // 16 * 16)) == (width, height)
 
 
+def test_a_non_square_latent_over_the_padding_trains_and_samples_unpadded(family_models):
+    """The transformer pads a non-square latent to max_seq tokens (1 MP; the tiny one's 8 x 8), so a non-square bucket
+    over that fails inside it. Such a latent is handed over as OneTrainer trains every bucket: the transformer's own
+    token packing (its patchify's first h x w tokens and ids) unpadded with a mask of ones; the prediction is the
+    negated output. The pipeline samples that size too (its own call fails there)."""
+    from diffusers import HiDreamImagePipeline
+
+    pipe = HiDreamImagePipeline.from_pretrained(family_models[FAMILY], local_files_only=True)
+    family, transformer = pipe_family(), pipe.transformer.eval()
+    tokens = family.tokenize({name: getattr(pipe, name) for name in family.tokenizers}, ["a red circle"] * 2)
+    noisy = torch.randn(2, 16, 16, 24, generator=torch.Generator().manual_seed(0))  # 8 x 12 = 96 tokens > 64
+    assert (16 // 2) * (24 // 2) > transformer.max_seq
+    with torch.no_grad():
+        conditioning = family.encode_text({name: getattr(pipe, name) for name in family.text_encoders}, tokens)
+        ours = family.predict(transformer, noisy, torch.tensor([500.0, 250.0]), conditioning, {})
+        wide = type(transformer)(**{**transformer.config, "max_resolution": (32, 32)})  # room for the padding
+        packed, _, sizes, ids = wide.patchify(noisy)
+        theirs = transformer(hidden_states=packed[:, :96], hidden_states_masks=torch.ones(2, 96), img_sizes=sizes,
+                             img_ids=ids[:, :96], timesteps=torch.tensor([500.0, 250.0]),
+                             encoder_hidden_states_t5=conditioning["t5"],
+                             encoder_hidden_states_llama3=conditioning["llama"].transpose(0, 1),
+                             pooled_embeds=conditioning["pooled"], return_dict=False)[0]
+    torch.testing.assert_close(ours, -theirs)
+    arguments = family.sampling_arguments(pipe, {"prompt": "a red circle", "width": 192, "height": 128,
+                                                 "num_inference_steps": 1, "guidance_scale": 1.0})
+    image = pipe(**arguments, generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert image.shape == (1, 3, 128, 192) and torch.isfinite(image).all()
+
+
+def pipe_family():
+    from ot_dist.models.families.registry import get_family
+
+    return get_family(FAMILY)
+
+
 def test_a_folder_without_its_llama_is_refused_with_the_step_that_completes_it(family_models, tmp_path):
     """HiDream-ai's folders leave the Llama out (the pipeline takes it as an argument): such a folder is refused by
     name, with how to save a complete one."""
