@@ -165,6 +165,44 @@ def test_sana_memory_row_is_the_published_model_sharded_by_block():
         choose(family, "full", 8, 1)
 
 
+def test_lumina2_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Lumina 2 row (ot-dist init's reference for the family) is Lumina-Image-2.0 as its configs
+    build it on the meta device: the 2.61 B transformer, Gemma-2-2B's decoder (2.61 B) and the Flux VAE; LoRA counted
+    on the family's default targets; FSDP on its 2 + 2 refiner and 26 joint blocks (Lumina2Transformer2DModel's
+    _no_split_modules, each 3.3 % of the transformer), the root's remainder (embedders, final layer) under 1 %;
+    Gemma's units are Sana's (its embedding table one of them); `ot-dist init` chooses from it."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.memory.sharding import sharding
+    from ot_dist.starter.choose import choose
+
+    family = get_family("lumina2")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 2_609_769_152, "text_encoder": 2_614_341_888, "vae": 83_819_683}
+    assert components["transformer"].config.cap_feat_dim == components["text_encoder"].config.hidden_size
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    transformer = components["transformer"]
+    units = sharding_units(transformer, DENOISERS[name][2])
+    assert len(units) == 2 + 2 + 26
+    assert {type(unit).__name__ for unit in units} == set(transformer._no_split_modules)
+    sharded = fsdp_rank_bytes(components, name, 8)
+    assert sharded["largest_unit_fraction"] < 0.05
+    assert 1 - sum(sum(p.numel() for p in unit.parameters()) for unit in units) / counts["transformer"] < 0.01
+    gemma = sharding(components["text_encoder"], family.shard_units["text_encoder"])
+    assert gemma.unit_parameters[0] == components["text_encoder"].embed_tokens.weight.numel()
+    assert len(gemma.unit_parameters) == 1 + 26
+    # LoRA: 5.3 B frozen parameters, 10.0 GiB in bfloat16 (+ 6 GiB activations), 5.1 GiB in float8
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 12, 1).setup.label == "LoRA r16, frozen float8"
+    # a full finetune: AdamW on one 80 GB GPU, sharded AdamW over 8 24 GB ones, the fused bfloat16 Adafactor setup
+    # (4.9 GiB + 6 GiB activations) on one 12 GB GPU, none on one 8 GB GPU
+    assert choose(family, "full", 80, 1).setup.label == "full denoiser, AdamW, frozen bfloat16"
+    assert choose(family, "full", 24, 8).strategy == "fsdp"
+    assert choose(family, "full", 12, 1).setup.fused_back_pass
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "full", 8, 1)
 def test_z_image_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's Z-Image row (ot-dist init's reference for the family) is Tongyi-MAI/Z-Image-Turbo as its
     configs build it on the meta device: the 6 B transformer (6,154,908,736), Qwen3-4B's decoder as the text encoder

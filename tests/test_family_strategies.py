@@ -56,6 +56,10 @@ FAMILY_STRATEGIES["qwen_image"] = ("fsdp",)
 # accumulation cases.
 RIDERS = {"pixart_alpha": ("stable_cascade", "wuerstchen_v2", "sana")}
 RIDERS["flux"] = ("qwen_image",)
+# Lumina 2: its system-prompted Gemma with the mask, the reversed flow (1 - s in, output negated) and its three block
+# lists (context / noise refiners, joint layers) as units under fsdp and zero2, in PixArt-α's launch
+FAMILY_STRATEGIES["lumina2"] = ("fsdp", "zero2")
+RIDERS["pixart_alpha"] += ("lumina2",)
 # Z-Image: the per-caption cut of Qwen3's hidden states, one-frame list inputs and the negated output under fsdp (units:
 # layers, noise_refiner, context_refiner) and zero2, riding in Flux's launch (CPU s of that launch: 30.7 without
 # Z-Image, 33.5 with fsdp, 35.1 with fsdp and zero2)

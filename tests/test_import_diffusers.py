@@ -73,9 +73,12 @@ FAMILY_METHOD = {
     "train_dreambooth_lora_flux.py": ("flux", "lora"), "textual_inversion.py": ("sd1", "embedding"),
     "train_dreambooth_lora_sana.py": ("sana", "lora"), "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora"),
     "train_dreambooth_lora_hidream.py": ("hidream", "lora"),
+    "train_dreambooth_lora_lumina2.py": ("lumina2", "lora"),
 }
 FAMILY_METHOD["train_dreambooth_lora_z_image.py"] = ("z_image", "lora")
 # what the Sana / Qwen-Image scripts adapt without --lora_layers
+SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"],
+                       "lumina2": ["to_k", "to_q", "to_v", "to_out.0"]}
 SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
 SCRIPT_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
 SCRIPT_LORA_TARGETS["hidream"] = ["to_k", "to_q", "to_v", "to_out"]
@@ -362,6 +365,28 @@ def test_logit_mean_moves_the_noise_level_as_the_sd3_script_does(tmp_path):
                                               generator=torch.Generator().manual_seed(0))
     reference = scheduler.sigmas[(u * 1000).long()].double()
     assert flow_sigmas(c["loss"], shift=3.0).median().item() == pytest.approx(reference.median().item(), abs=0.02)
+
+
+def test_lumina2_script_draws_towards_the_image_as_a_shift_of_one_over_the_schedulers(tmp_path):
+    """train_dreambooth_lora_lumina2.py takes the scheduler's shifted timesteps[(u x 1000)] sigma as Lumina's t (the
+    image's weight): the imported draw (shift 1 / 6 on the noise level, logit_mean kept) has the median noise level
+    1 - sigma that diffusers' own draw and Lumina-Image-2.0's scheduler (shift 6) give; its system_prompt and another
+    max_sequence_length are listed."""
+    script = "train_dreambooth_lora_lumina2.py"
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --weighting_scheme logit_normal --logit_mean 1.0 "
+                                      "--system_prompt 'Be brief.' --max_sequence_length 128")
+    assert c["loss"]["logit_normal_mean"] == 1.0 and c["loss"]["timestep_shift"] == pytest.approx(1 / 6, abs=1e-6)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=6.0)
+    u = compute_density_for_timestep_sampling("logit_normal", 2000, logit_mean=1.0, logit_std=1.0,
+                                              generator=torch.Generator().manual_seed(0))
+    reference = 1 - scheduler.sigmas[(u * 1000).long()].double()
+    ours = flow_sigmas(c["loss"], shift=6.0)  # the model's own shift is replaced by the imported one
+    assert ours.median().item() == pytest.approx(reference.median().item(), abs=0.02)
+    assert ours.median().item() < 0.5  # towards the image (ot_dist's own draw at shift 6: median 6/7 of noise)
+    listed = not_honoured(text)
+    assert any(line.startswith("system_prompt") for line in listed)
+    assert any(line.startswith("max_sequence_length: 128") for line in listed)
 
 
 @pytest.mark.parametrize("script,tokens", [("train_dreambooth_lora_sd3.py", 77), ("train_dreambooth_flux.py", 77),

@@ -211,6 +211,17 @@ def test_sana_and_qwen_image_defaults(tmp_path):
     assert "model_flavour: edit-v2" in text.split("NOT HONOURED")[1]
 
 
+def test_lumina2_defaults(tmp_path):
+    """Lumina 2: the common flow draw (sigmoid(N(0, 1)) shifted by flow_schedule_shift's 3.0 towards noise, as its
+    model_predict feeds 1 - t to the transformer), the attention targets, 64 px buckets; a tokenizer_max_length other
+    than the pipeline's 256 is listed."""
+    lumina, text = imported(tmp_path, {"--model_family": "lumina2", "--model_type": "lora",
+                                       "--tokenizer_max_length": 512})
+    assert lumina["model"]["family"] == "lumina2" and lumina["data"]["bucket_step"] == 64
+    assert lumina["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert lumina["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                              "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert "tokenizer_max_length: 512" in text.split("NOT HONOURED")[1]
 def test_z_image_flavours(tmp_path):
     """Z-Image: the common flow draw (sigmoid(N(0, 1)) shifted by 3.0), its DEFAULT_LORA_TARGET (the foundation's
     attention projections); the turbo flavours' assistant LoRA and ostris-de-turbo's transformer are listed, the base

@@ -73,6 +73,7 @@ DOCUMENTED = [
     ("qwen_image", {}, None, False, "checkpoint", None, "qwen-image", "diffusers"),  # ComfyUI's names are diffusers'
     ("qwen_image", {}, None, False, "lora", "diffusers", "qwen-image/lora", "diffusers"),
     ("sana", {}, None, False, "lora", "diffusers", "sana/lora", "diffusers"),
+    ("lumina2", {}, None, False, "lora", "diffusers", "lumina-2/lora", "diffusers"),  # kohya's ARCH_LUMINA_2
     ("z_image", {}, None, False, "lora", "diffusers", "z-image/lora", "diffusers"),  # SwarmUI's class ids
     ("z_image", {}, None, False, "checkpoint", None, "z-image", "https://github.com/Tongyi-MAI/Z-Image"),
     ("hidream", {}, None, False, "lora", "diffusers", "hidream-i1/lora", "diffusers"),  # OneTrainer's id

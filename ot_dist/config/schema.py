@@ -39,8 +39,8 @@ class ModelConfig(Section):
         description="Model family: sd1 (Stable Diffusion 1.x), sd2 (2.x, epsilon or v-prediction), sdxl, sd3 (SD3 / "
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
         "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), hidream "
-        "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path); each is one "
-        "module under ot_dist/models/families/ (docs/families.md)."
+        "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
+        "(Lumina 2); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "

@@ -1,6 +1,6 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
-Sana 1600M, Z-Image (6 B) and HiDream-I1 (17 B) under the low-memory
+Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B) and Lumina-Image 2.0 under the low-memory
 options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
@@ -19,6 +19,7 @@ import torch
 
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.hidream import HiDream
+from ot_dist.models.families.lumina2 import Lumina2
 from ot_dist.models.families.qwen_image import QwenImage
 from ot_dist.models.families.sana import Sana
 from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGETS
@@ -118,6 +119,13 @@ DC_AE_F32C32 = dict(in_channels=3, latent_channels=32, attention_head_dim=32, en
                     decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), downsample_block_type="conv",
                     upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu",
                     scaling_factor=0.41407)
+# Alpha-VLLM/Lumina-Image-2.0: its transformer (Lumina2Transformer2DModel's defaults but the caption width, Gemma's
+# 2304, which ComfyUI's model_detection.py reads from cap_embedder.1.weight beside the same 2304-wide, 24 / 8-head,
+# 32-32-32 RoPE numbers), google/gemma-2-2b's decoder as the text encoder (GEMMA2_2B) and the Flux VAE (VAE_16).
+LUMINA_IMAGE_2 = dict(sample_size=128, patch_size=2, in_channels=16, hidden_size=2304, num_layers=26,
+                      num_refiner_layers=2, num_attention_heads=24, num_kv_heads=8, multiple_of=256,
+                      ffn_dim_multiplier=None, norm_eps=1e-5, scaling_factor=1.0, axes_dim_rope=(32, 32, 32),
+                      axes_lens=(300, 512, 512), cap_feat_dim=2304)
 # Tongyi-MAI/Z-Image-Turbo: its transformer/config.json (diffusers' ZImageTransformer2DModel defaults, written out),
 # its text_encoder Qwen/Qwen3-4B's decoder (Qwen3Model: no lm_head, the embedding tied to it in the CausalLM) and the
 # Flux VAE (16 channels).
@@ -150,6 +158,7 @@ DENOISERS = {
     "Würstchen v2": ("prior", WuerstchenV2.denoiser_lora_presets["default"], WuerstchenV2.shard_units["prior"]),
     "Qwen-Image": ("transformer", QwenImage.denoiser_lora_presets["default"], QwenImage.shard_units["transformer"]),
     "Sana 1600M": ("transformer", Sana.denoiser_lora_presets["default"], Sana.shard_units["transformer"]),
+    "Lumina-Image 2.0": ("transformer", Lumina2.denoiser_lora_presets["default"], Lumina2.shard_units["transformer"]),
     "Z-Image": ("transformer", ZImage.denoiser_lora_presets["default"], ZImage.shard_units["transformer"]),
     "HiDream-I1": ("transformer", HiDream.denoiser_lora_presets["default"], HiDream.shard_units["transformer"]),
 }
@@ -171,6 +180,11 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
     from ot_dist.models.efficientnet import EfficientNetEncoder, EffnetConfig
 
     with torch.device("meta"):
+        if model == "Lumina-Image 2.0":
+            from diffusers import Lumina2Transformer2DModel
+
+            return {"transformer": Lumina2Transformer2DModel(**LUMINA_IMAGE_2),
+                    "text_encoder": Gemma2Model(Gemma2Config(**GEMMA2_2B)), "vae": AutoencoderKL(**VAE_16)}
         if model == "Z-Image":
             from diffusers import ZImageTransformer2DModel
             from transformers import Qwen3Config, Qwen3Model

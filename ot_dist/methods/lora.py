@@ -84,11 +84,13 @@ class LoraMethod(TrainingMethod):
         layout = self.config.lora_file_layout()
         modelspec = self.modelspec(model, "lora", created, suffix, lora_layout=layout)
         bundle = self.additional.bundled(model, vectors, dtype) if self.config.bundle_additional_embeddings else {}
+        extra = model.family.extra_lora_files(model, dict(states), adapter_configs, target, dtype,
+                                              self.modelspec(model, "lora", created, suffix, lora_layout="kohya"))
         if layout == "kohya":
             self._write_kohya(model, states, adapter_configs, target, dtype, modelspec, bundle)
         else:
             self._write_diffusers(model, states, adapter_configs, target, dtype, modelspec, bundle)
-        return [target] + embeddings
+        return [target] + extra + embeddings
 
     def _write_kohya(self, model, states, adapter_configs, target: Path, dtype, modelspec: dict[str, str],
                      bundle: dict[str, torch.Tensor]) -> None:

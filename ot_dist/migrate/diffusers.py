@@ -35,6 +35,7 @@ SCRIPTS = {
     "train_dreambooth_lora_flux.py": ("flux", "lora", "dreambooth"),
     "train_dreambooth_lora_sana.py": ("sana", "lora", "dreambooth"),
     "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora", "dreambooth"),
+    "train_dreambooth_lora_lumina2.py": ("lumina2", "lora", "dreambooth"),
     "train_dreambooth_lora_z_image.py": ("z_image", "lora", "dreambooth"),
     "train_dreambooth_lora_hidream.py": ("hidream", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
@@ -54,11 +55,13 @@ ATTENTION = ["attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0", "attn.add_k
 TRANSFORMER_LORA_TARGETS = {"sd3": ATTENTION, "flux": ATTENTION + ["ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
                                                                    "ff_context.net.2"],
                            "sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"],
-                           "hidream": ["to_k", "to_q", "to_v", "to_out"]}
+                           "hidream": ["to_k", "to_q", "to_v", "to_out"],
+                           "lumina2": ["to_k", "to_q", "to_v", "to_out.0"]}
 # The flow families whose scripts draw sigmas from the scheduler's unshifted table: Flux's and Qwen-Image's configs
 # shift dynamically (FlowMatchEulerDiscreteScheduler applies no shift at init then: the Qwen script's shift=3.0 is
 # dropped), Sana's DPM-solver config has flow_shift, which FlowMatchEulerDiscreteScheduler does not read.
 UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image")
+LUMINA_IMAGE_2_SHIFT = 6.0  # Alpha-VLLM/Lumina-Image-2.0's scheduler config (and ComfyUI's sampling shift for it)
 # The flow families whose scripts draw from the scheduler's table shifted by its fixed shift (Z-Image's config: 3.0,
 # use_dynamic_shifting false), which is ot_dist's auto; SD3's has its own branch (precondition_outputs).
 SHIFTED_FLOW_SCRIPTS = ("z_image",)
@@ -396,9 +399,36 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
         if family == "flux":
             c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
+    if family == "lumina2":
+        _lumina2_flow(args, c, loss, out)
     _new_script_options(args, family, skip)
     if loss:
         c["loss"] = loss
+
+
+def _lumina2_flow(args: DiffusersArgs, c: dict, loss: dict, out: Imported) -> None:
+    """The Lumina 2 script draws u by weighting_scheme, takes the scheduler's timesteps[(u x N)] (sigma 1 down, shifted
+    by the scheduler's `shift` k) and uses that sigma as Lumina's t, the image's weight: its noise level 1 - sigma is
+    u shifted by 1 / k, growing with u (a logit_mean m stays m). k is the model's scheduler config's (Lumina-Image-2.0:
+    6.0) when the folder is here to read."""
+    import json
+    from pathlib import Path
+
+    weighting_scheme(args, loss, out.not_honoured.append, descending=False)
+    config = Path(c["model"]["path"]) / "scheduler" / "scheduler_config.json"
+    if config.is_file():
+        shift = float(json.loads(config.read_text()).get("shift", 1.0))
+    else:
+        shift = LUMINA_IMAGE_2_SHIFT
+        out.notes.append(f"timestep_shift: {c['model']['path']} has no scheduler/scheduler_config.json here; "
+                         f"Lumina-Image-2.0's shift {shift} is assumed (the script's draws are shifted by 1 / shift)")
+    loss |= {"timestep_shift": round(1 / shift, 6), "dynamic_timestep_shifting": False}
+    if args["max_sequence_length"] != 256:
+        out.not_honoured.append(f"max_sequence_length: {args['max_sequence_length']}: ot_dist encodes Lumina 2 "
+                                "captions at the pipeline's 256 tokens")
+    if args["system_prompt"]:
+        out.not_honoured.append("system_prompt: ot_dist puts Lumina2Pipeline's own system prompt in front of every "
+                                "caption (the script's default)")
 
 
 def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:

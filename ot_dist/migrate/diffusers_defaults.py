@@ -4,7 +4,7 @@ reading the parser's actions (dest, default, store_true / type / nargs); the scr
 else. A key a command line leaves out trains with the script's default, which is what this table gives.
 
 Scripts: examples/text_to_image/train_text_to_image{,_lora,_sdxl,_lora_sdxl}.py, examples/dreambooth/
-train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux,_lora_sana,_lora_qwen_image}.py (and
+train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux,_lora_sana,_lora_qwen_image,_lora_lumina2}.py (and
 _lora_hidream.py, at the end),
 examples/textual_inversion/textual_inversion.py."""
 
@@ -334,6 +334,31 @@ KINDS = {'adam_beta1': 'float', 'adam_beta2': 'float', 'adam_epsilon': 'float', 
          'validation_images': 'list', 'validation_prompt': 'str', 'validation_prompts': 'list', 'validation_scheduler':
          'str', 'validation_steps': 'int', 'variant': 'str', 'weighting_scheme': 'str', 'with_prior_preservation':
          'flag'}
+
+
+# train_dreambooth_lora_lumina2.py, its parser read the same way (diffusers commit c56add80, July 2026): its one argument
+# of its own (system_prompt), its defaults where the scripts differ, its arguments.
+SHARED["system_prompt"] = None
+KINDS["system_prompt"] = "str"
+LUMINA2 = "train_dreambooth_lora_lumina2.py"
+for _key, _value in {'caption_column': None, 'repeats': 1, 'max_sequence_length': 256, 'validation_epochs': 50,
+                     'output_dir': 'lumina2-dreambooth-lora', 'resolution': 512, 'train_batch_size': 4,
+                     'num_train_epochs': 1, 'max_train_steps': None, 'learning_rate': 0.0001,
+                     'weighting_scheme': 'none', 'adam_weight_decay': 0.0001, 'mixed_precision': None}.items():
+    BY_SCRIPT[_key][LUMINA2] = _value
+SCRIPT_ARGS[LUMINA2] = frozenset("""
+    adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32 cache_dir cache_latents caption_column
+    center_crop checkpointing_steps checkpoints_total_limit class_data_dir class_prompt
+    dataloader_num_workers dataset_config_name dataset_name final_validation_prompt
+    gradient_accumulation_steps gradient_checkpointing hub_model_id hub_token image_column
+    image_interpolation_mode instance_data_dir instance_prompt learning_rate local_rank logging_dir
+    logit_mean logit_std lora_dropout lora_layers lr_num_cycles lr_power lr_scheduler lr_warmup_steps
+    max_grad_norm max_sequence_length max_train_steps mixed_precision mode_scale num_class_images
+    num_train_epochs num_validation_images offload optimizer output_dir pretrained_model_name_or_path
+    prior_loss_weight prodigy_beta3 prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction
+    push_to_hub random_flip rank repeats report_to resolution resume_from_checkpoint revision
+    sample_batch_size scale_lr seed system_prompt train_batch_size upcast_before_saving use_8bit_adam
+    validation_epochs validation_prompt variant weighting_scheme with_prior_preservation""".split())
 
 
 def defaults(script: str) -> dict:

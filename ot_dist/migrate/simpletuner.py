@@ -39,6 +39,7 @@ FAMILIES = {
     "sana": ("sana", "transformer", "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers"),
     "qwen_image": ("qwen_image", "transformer", "Qwen/Qwen-Image-2512"),
     "hidream": ("hidream", "transformer", "HiDream-ai/HiDream-I1-Full"),
+    "lumina2": ("lumina2", "transformer", "Alpha-VLLM/Lumina-Image-2.0"),
 }
 # Z-Image: the default flavour turbo-ostris-v2 is Z-Image-Turbo (trained through an assistant LoRA)
 FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")
@@ -167,6 +168,8 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
         _z_image(args, out)
     if name == "sana":
         _sana(args, out)
+    if name == "lumina2":
+        _lumina2(args, out)
     if args.given("aspect_bucket_alignment"):
         step = BUCKET_ALIGNMENT.get(family, 64)
         out.notes.append(f"aspect_bucket_alignment: SimpleTuner's {name} aligns buckets to {step} pixels whatever "
@@ -213,6 +216,15 @@ def _sana(args: SimpleTunerArgs, out: Imported) -> None:
         out.notes.append(f"tokenizer_max_length: {args['tokenizer_max_length']}: ignored for Sana, as in SimpleTuner "
                          "(300 tokens)")
     args["tokenizer_max_length"]
+
+
+def _lumina2(args: SimpleTunerArgs, out: Imported) -> None:
+    """SimpleTuner's Lumina 2 (helpers/models/lumina2/model.py): the pipeline's system prompt and 256 tokens, as
+    ot_dist; another tokenizer_max_length is not."""
+    length = args["tokenizer_max_length"]
+    if length is not None and int(length) != 256:
+        out.not_honoured.append(f"tokenizer_max_length: {length}: ot_dist encodes Lumina 2 captions at the "
+                                "pipeline's 256 tokens")
 
 
 def _prediction(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -> None:

@@ -25,6 +25,9 @@ from ot_dist.memory.table import (DENOISERS, GIB, SETUPS, ModelSizes, Setup, bui
 # and a 300-token caption: Würstchen v2's estimate (1536 wide over 576 positions) and half a GiB for the width.
 ACTIVATIONS_GIB = {"SD 1.5": 1.5, "SDXL": 4.0, "SD3.5 Large": 6.0, "Flux.1 dev": 6.0, "Stable Cascade C": 3.0,
                    "Stable Cascade C lite": 2.0, "Würstchen v2": 2.0, "Qwen-Image": 6.5, "Sana 1600M": 2.5}
+# Lumina-Image 2.0: 4096 image tokens at 1024 px (x8, 2x2 patches) joined to a 256-token caption, 2304 wide over 26
+# joint blocks (and the refiners): SD3.5 Large's estimate (4096 + 333 tokens, 2432 wide, 38 blocks).
+ACTIVATIONS_GIB["Lumina-Image 2.0"] = 6.0
 # Z-Image: 4096 image tokens at 1024 px joined with the caption (its own length, up to 512) in 34 single-stream
 # blocks 3840 wide (Flux: 57 blocks 3072 wide over 4096 + 512 tokens): Flux's estimate.
 ACTIVATIONS_GIB["Z-Image"] = 6.0

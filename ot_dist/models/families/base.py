@@ -343,6 +343,14 @@ class Family:
     # paths and how fused modules split come from `denoiser_original_rules`.
     lora_original_prefixes: tuple[tuple[str, str], ...] = ()
 
+    def extra_lora_files(self, model, states: dict[str, dict], adapter_configs: dict[str, dict], target: Path,
+                         dtype: torch.dtype, modelspec: dict[str, str]) -> list[Path]:
+        """Files written beside the LoRA file `target` (`lora<suffix>.safetensors`): the same adapters in the names of
+        a program that reads neither layout, where no one file serves it and diffusers (Lumina 2: ComfyUI's fused
+        q|k|v names). `states` / `adapter_configs`: per trained part, peft's state dict and adapter config;
+        `modelspec`: the header of a file in the original module names. None for most families."""
+        return []
+
     def denoiser_original_rules(self, config) -> list:
         """The single-file key rules (ot_dist/models/families/single_file_keys.py `Rule`) of a denoiser with this
         config: original key <- diffusers key(s). Empty for families without an original layout."""

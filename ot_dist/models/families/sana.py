@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 
 from ot_dist.models.families.base import Family
+from ot_dist.models.families.gemma import (GEMMA_LORA_TARGETS, GEMMA_SHARD_UNITS, TINY_GEMMA_WIDTH, tiny_gemma,
+                                          tiny_gemma_tokenizer)
 from ot_dist.models.families.sd import skipped_layer
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
@@ -34,9 +36,7 @@ SANA_LORA_TARGETS = ("to_q", "to_k", "to_v")
 SANA_LORA_ATTENTION = SANA_LORA_TARGETS + ("to_out.0",)
 # the Mix-FFN's pointwise convolutions (GLUMBConv; its depthwise conv_depth is left alone)
 SANA_LORA_WITH_MLP = SANA_LORA_ATTENTION + ("ff.conv_inverted", "ff.conv_point")
-GEMMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_SEQUENCE_LENGTH = 300  # SanaPipeline's and the training script's
-TINY_GEMMA_WIDTH = 32
 
 
 class Sana(Family):
@@ -53,11 +53,8 @@ class Sana(Family):
     # model.text_encoder_layer_skip: an earlier layer's hidden states through Gemma's final norm (OneTrainer's
     # encode_gemma); samples then get the prompts' conditioning from encode_text (SanaPipeline has no layer skip)
     layer_skip_encoders = ("text_encoder",)
-    # Gemma's embedding table is its own unit: 256 k x 2304 is 23 % of Gemma-2-2B (1.1 GiB in bf16), and the root's
-    # unit stays gathered from forward to the end of backward (FSDP2 never reshards the root after forward). The
-    # other text encoders leave theirs in the root: T5-XXL's `shared` is 2.8 % of it, CLIP-L's / bigG's tables
-    # 72 / 121 MiB in bf16.
-    shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("embed_tokens", "layers")}
+    # Gemma's embedding table is its own unit (ot_dist/models/families/gemma.py says why)
+    shard_units = {"transformer": ("transformer_blocks",), "text_encoder": GEMMA_SHARD_UNITS}
     pixel_multiple = 32  # DC-AE x32, 1x1 patches
     memory_reference = "Sana 1600M"  # Sana_1600M_1024px: the 1.6 B transformer, Gemma-2-2B-IT (2.6 B), DC-AE f32c32
     samplers = ("flow_euler",)
@@ -130,14 +127,10 @@ class Sana(Family):
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
-        from transformers import Gemma2Config, Gemma2Model
 
         torch.manual_seed(seed)
         tokenizer = tiny_gemma_tokenizer()
-        text_encoder = Gemma2Model(Gemma2Config(
-            vocab_size=len(tokenizer), hidden_size=TINY_GEMMA_WIDTH, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, sliding_window=16,
-            max_position_embeddings=512, attn_implementation="eager"))
+        text_encoder = tiny_gemma(len(tokenizer))
         # Sana 1.0's DC-AE layout (3 ResBlock stages, 3 EfficientViT stages, x32), narrow; 8 latent channels
         stages = ("ResBlock",) * 3 + ("EfficientViTBlock",) * 3
         vae = AutoencoderDC(
@@ -156,34 +149,6 @@ class Sana(Family):
         scheduler = DPMSolverMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True, prediction_type="flow_prediction")
         return SanaPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
                             scheduler=scheduler)
-
-
-def tiny_gemma_tokenizer(max_length: int = 32):
-    """A GemmaTokenizer built offline: a byte-level-free BPE over the demo words (each word with and without the
-    "▁" that marks a space, merged letter by letter) and single letters, in Gemma's layout (<pad> 0, <eos> 1,
-    <bos> 2, <unk> 3) with <bos> put in front as Gemma's tokenizer.json does. `max_length` becomes
-    model_max_length."""
-    from tokenizers import processors
-    from transformers import GemmaTokenizer
-
-    from ot_dist.models.tiny import DEMO_WORDS
-
-    vocab = {token: i for i, token in enumerate(("<pad>", "<eos>", "<bos>", "<unk>", "<mask>"))}
-    merges: list[tuple[str, str]] = []
-    for char in "▁abcdefghijklmnopqrstuvwxyz0123456789":
-        vocab.setdefault(char, len(vocab))
-    for piece in [prefix + word for prefix in ("▁", "") for word in DEMO_WORDS]:
-        merged = piece[0]
-        for char in piece[1:]:
-            if (merged, char) not in merges:
-                merges.append((merged, char))
-            merged += char
-            vocab.setdefault(merged, len(vocab))
-    tokenizer = GemmaTokenizer(vocab=vocab, merges=merges)
-    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
-        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", vocab["<bos>"])])
-    tokenizer.model_max_length = max_length
-    return tokenizer
 
 
 FAMILIES = {"sana": Sana()}
