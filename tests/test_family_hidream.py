@@ -375,10 +375,12 @@ def test_llama_sharded_by_the_family_units_encodes_and_trains_as_unsharded(monke
         dist.destroy_process_group()
 
 
-def test_llama_and_transformer_lora_loads_through_peft_and_merges(family_models, shapes_data, tmp_path):
-    """HiDreamImagePipeline's LoRA loader reads the transformer only; a file with a trained Llama LoRA holds it under
-    `text_encoder_4.`, which load_peft_lora applies: the pipeline then gives the trained model's outputs, as does the
-    folder `ot-dist lora merge` writes."""
+def test_t5_llama_and_transformer_lora_loads_through_peft_and_merges(family_models, shapes_data, tmp_path):
+    """HiDreamImagePipeline's LoRA loader reads the transformer only; a file with trained T5 and Llama LoRAs holds
+    them under the names ComfyUI maps for HiDream (comfy/lora.py model_lora_keys_clip on its HiDreamTEModel:
+    `lora_te3_<T5 path with _>`, T5 being its third text encoder, and `text_encoders.<key>` for each weight key of its
+    Llama, `llama.transformer.model.<transformers' path under model.>`), which load_peft_lora applies: the pipeline
+    then gives the trained model's outputs, as does the folder `ot-dist lora merge` writes."""
     from diffusers import HiDreamImagePipeline
 
     from ot_dist.lora_tools.merge import merge_command
@@ -386,14 +388,25 @@ def test_llama_and_transformer_lora_loads_through_peft_and_merges(family_models,
 
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", method="lora", max_steps=2, learning_rate=5e-2,
-                          output_dtype="float32", **{"text_encoder_4.train": True})
+                          output_dtype="float32", **{"text_encoder_3.train": True, "text_encoder_4.train": True})
     trainer.train()
     model = trainer.model
-    model.text_encoders["text_encoder_4"].eval()
+    for name in ("text_encoder_3", "text_encoder_4"):
+        model.text_encoders[name].eval()
     trained = outputs(model.pipeline, model.family)
     pipe = HiDreamImagePipeline.from_pretrained(base, local_files_only=True)
     assert (outputs(pipe, model.family) - trained).abs().max() > 1e-4
-    assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder_4", "transformer"]
+    saved = {k.rsplit(".lora_", 1)[0].removesuffix(".alpha") for k in load_file(tmp_path / "o" / "lora.safetensors")}
+    linears = {name: [path for path, module in getattr(pipe, name).named_modules()
+                      if isinstance(module, torch.nn.Linear) and path != "lm_head"]
+               for name in ("text_encoder_3", "text_encoder_4")}
+    comfy = {"lora_te3_" + path.replace(".", "_") for path in linears["text_encoder_3"]} | {
+        "text_encoders.llama.transformer." + path for path in linears["text_encoder_4"]}
+    text = {m for m in saved if not m.startswith("transformer.")}
+    assert text and text <= comfy, sorted(text - comfy)[:3]
+    assert {m[:9] for m in text} == {"lora_te3_", "text_enco"}  # both encoders are in the file
+    assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder_3", "text_encoder_4",
+                                                                           "transformer"]
     torch.testing.assert_close(outputs(pipe, model.family), trained, rtol=1e-4, atol=1e-5)
     merged = merge_command(str(base), FAMILY, [str(tmp_path / "o" / "lora.safetensors")], [1.0], str(tmp_path / "m"),
                            "diffusers", None, "float32", log=quiet)

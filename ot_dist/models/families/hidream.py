@@ -58,6 +58,8 @@ LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
 MAX_SEQUENCE_LENGTH = 128  # HiDreamImagePipeline's and the training script's default
 CLIP_MAX_TOKENS = 218  # the pipeline's bound for the (248-position) CLIP encoders
+# ComfyUI's LoRA names of Llama-3.1's modules: "text_encoders." + its HiDreamTEModel's state-dict path
+COMFY_LLAMA_PREFIX = "text_encoders.llama.transformer.model."
 
 
 class HiDream(Family):
@@ -83,6 +85,13 @@ class HiDream(Family):
     samplers = ("flow_euler",)
     sample_guidance_scale = 5.0  # OneTrainer's SampleConfig HiDream default (the model card's for Full)
     lora_file_prefixes = None  # the diffusers layout: what diffusers and ComfyUI read for HiDream
+    # Trained text encoders under the names ComfyUI maps for HiDream (comfy/lora.py model_lora_keys_clip on its
+    # HiDreamTEModel: clip_l, clip_g, t5xxl, llama): CLIP-L / CLIP-G keep diffusers' `text_encoder.` /
+    # `text_encoder_2.text_model.` names, which it maps; T5 is `lora_te3_<path>` (its T5 index behind two CLIPs), and
+    # Llama `text_encoders.llama.transformer.model.<path>` (hunyuan_video.LLAMAModel: llama.py's Llama2_ under
+    # `transformer.model`, transformers' layer names). diffusers' HiDream loader reads the transformer only.
+    lora_file_kohya_components = {"text_encoder_3": "lora_te3"}
+    lora_file_component_paths = {"text_encoder_4": {"model.layers.": COMFY_LLAMA_PREFIX + "layers."}}
     # ComfyUI's hidream_i1_*.safetensors: the transformer alone, bare diffusers keys (hidream_single_file.py)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads the four text encoders from files of their own
