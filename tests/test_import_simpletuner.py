@@ -379,6 +379,21 @@ def test_one_folder_at_several_resolutions(tmp_path):
     assert "the datasets train at [512, 1024] px, each at its own" in text.split("NOT HONOURED")[1]
 
 
+def test_flux2_flavours(tmp_path):
+    """model_family flux2: the default flavour (klein-9b) and the klein ones are flux2_klein, dev is flux2 with
+    flux_guidance_value as its guidance; SimpleTuner's DEFAULT_LORA_TARGET (the double blocks' image attention, the
+    single blocks' fused projection); the common flow draw (sigmoid(N(0, 1)) shifted by 3.0)."""
+    klein, _ = imported(tmp_path, {"--model_family": "flux2", "--model_type": "lora"})
+    assert klein["model"]["family"] == "flux2_klein" and "guidance_scale" not in klein["model"]
+    assert klein["lora"]["transformer_targets"] == ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                                                    "attn.to_qkv_mlp_proj"]
+    assert klein["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                             "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    dev, _ = imported(tmp_path, {"--model_family": "flux2", "--model_type": "lora", "--model_flavour": "dev",
+                                 "--pretrained_model_name_or_path": str(tmp_path), "--flux_guidance_value": 2.5})
+    assert dev["model"]["family"] == "flux2" and dev["model"]["guidance_scale"] == 2.5
+
+
 def test_hidream_maps_and_its_load_balancing_loss_is_listed(tmp_path):
     """HiDream: the common flow draw (sigmoid(N(0, 1)) shifted by 3.0), SimpleTuner's DEFAULT_LORA_TARGET (its
     to_out.0 names no HiDream module, whose to_out is a plain Linear, in SimpleTuner too); its optional MoE

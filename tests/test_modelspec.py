@@ -76,6 +76,8 @@ DOCUMENTED = [
     ("lumina2", {}, None, False, "lora", "diffusers", "lumina-2/lora", "diffusers"),  # kohya's ARCH_LUMINA_2
     ("z_image", {}, None, False, "lora", "diffusers", "z-image/lora", "diffusers"),  # SwarmUI's class ids
     ("z_image", {}, None, False, "checkpoint", None, "z-image", "https://github.com/Tongyi-MAI/Z-Image"),
+    ("flux2", {}, None, False, "lora", "diffusers", "flux-2-dev/lora", "diffusers"),
+    ("flux2_klein", {}, None, False, "checkpoint", None, "flux-2-klein", "https://github.com/black-forest-labs/flux2"),
     ("hidream", {}, None, False, "lora", "diffusers", "hidream-i1/lora", "diffusers"),  # OneTrainer's id
     ("hidream", {}, None, False, "checkpoint", None, "hidream-i1", "diffusers"),  # ComfyUI's names are diffusers'
     # SwarmUI's class id (T2IModelClassSorter: Flux.1-dev/kontext, matched lowercased); kohya has no Kontext id

@@ -31,6 +31,9 @@ ACTIVATIONS_GIB["Lumina-Image 2.0"] = 6.0
 # Z-Image: 4096 image tokens at 1024 px joined with the caption (its own length, up to 512) in 34 single-stream
 # blocks 3840 wide (Flux: 57 blocks 3072 wide over 4096 + 512 tokens): Flux's estimate.
 ACTIVATIONS_GIB["Z-Image"] = 6.0
+# FLUX.2 dev: twice Flux.1 dev's width (48 heads x 128) over the same 4096 image tokens at 1024 px and all 512 caption
+# tokens (the pipeline's padding, no trimming), 56 blocks: twice Flux's estimate. [klein] 9B: 4096 wide, 32 blocks.
+ACTIVATIONS_GIB |= {"FLUX.2 dev": 12.0, "FLUX.2 klein 9B": 8.0}
 # HiDream-I1: 4096 image tokens at 1024 px beside 384 text tokens (T5, Llama and each block's own Llama layer) at
 # width 2560 (Flux.1 dev: 3072) over 48 blocks, whose trained MoE keeps each token twice (2 active experts): Flux's.
 ACTIVATIONS_GIB["HiDream-I1"] = 6.0
