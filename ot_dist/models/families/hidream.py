@@ -44,6 +44,7 @@ import math
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
@@ -95,6 +96,12 @@ class HiDream(Family):
     # ComfyUI's hidream_i1_*.safetensors: the transformer alone, bare diffusers keys (hidream_single_file.py)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads the four text encoders from files of their own
+    # ...which model.component_files reads: clip_l_hidream / clip_g_hidream (their projections: HiDream pools both
+    # projected), t5xxl, llama_3.1_8b_instruct (fp8_scaled too; ComfyUI's has no lm_head) and Flux's ae.safetensors
+    component_files = {"text_encoder": C.CLIP_TEXT_PROJECTED, "text_encoder_2": C.CLIP_TEXT_PROJECTED,
+                       "text_encoder_3": C.T5_ENCODER,
+                       "text_encoder_4": C.decoder_lm("Llama 3.1 text encoder (ComfyUI's llama_3.1_8b_instruct)"),
+                       "vae": C.LDM_VAE}
     modelspec_architecture = "hidream-i1"  # OneTrainer's (resources/sd_model_spec/hi_dream_full.json)
 
     # -- loading ------------------------------------------------------------------------------------------
@@ -185,7 +192,8 @@ class HiDream(Family):
         from ot_dist.models.families.hidream_single_file import hidream_from_original, validate_hidream_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, hidream_from_original, validate_hidream_file)
+        return load_transformer_file(path, config_folder, self, hidream_from_original, validate_hidream_file,
+                                     model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare keys, as ComfyUI's diffusion-model loader reads Comfy-Org's file; a trained
