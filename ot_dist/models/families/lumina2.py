@@ -142,19 +142,23 @@ class Lumina2(Family):
         write_transformer_file(state, path, dtype, metadata)
 
     def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
-        """`lora_comfyui.safetensors`: the transformer's LoRA in the names ComfyUI reads for Lumina 2 (lumina2_lora.py);
-        nothing for an adapter other than plain LoRA or a run without a transformer LoRA."""
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the names ComfyUI reads for Lumina 2, a trained Gemma's
+        beside it in ComfyUI's names for that (lumina2_lora.py); nothing for an adapter other than plain LoRA or a run
+        without a transformer LoRA."""
         import json
 
         from safetensors.torch import save_file
 
         from ot_dist.checkpoint.export import atomic_path
         from ot_dist.methods.lora_layouts import kohya_metadata
-        from ot_dist.models.families.lumina2_lora import comfyui_lora_state
+        from ot_dist.models.families.lumina2_lora import comfyui_lora_state, comfyui_text_lora_state
 
         if "transformer" not in states:
             return []
         tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"], model.part("transformer"))
+        if "text_encoder" in states and tensors is not None:  # a trained Gemma: ComfyUI's names for it, same file
+            text = comfyui_text_lora_state(states["text_encoder"], adapter_configs["text_encoder"])
+            tensors = None if text is None else {**tensors, **text}
         if tensors is None:
             return []
         path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
