@@ -218,6 +218,10 @@ class Family:
         width, height, num_inference_steps, guidance_scale, generator, output_type)."""
         return {**arguments, **self.pipeline_call_options(pipeline)}
 
+    def sampled_image(self, output):
+        """The image of the sampling pipeline's output (a video pipeline's first frame of its first video)."""
+        return output.images[0]
+
     # -- text -------------------------------------------------------------------------------------------
     def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
         """Token ids (and attention masks, `<encoder>_mask`) per text encoder."""
