@@ -186,3 +186,17 @@ def test_unsupported_wan_variants_are_refused():
     pipeline.register_to_config(boundary_ratio=None, expand_timesteps=True)
     with pytest.raises(ConfigError, match="TI2V-5B"):
         refuse_unsupported_variant(pipeline)
+
+
+def test_a_video_clip_in_a_concept_is_refused_not_skipped(family_models, shapes_data, tmp_path):
+    """Video clips are out of scope (images as one-frame videos only): one in the data folder stops the run with a
+    message naming it, where an image family lists it among the unused files."""
+    import shutil
+
+    from ot_dist.errors import InputFileError
+
+    data = tmp_path / "data"
+    shutil.copytree(shapes_data, data)
+    (data / "clip.mp4").write_bytes(b"\0" * 16)
+    with pytest.raises(InputFileError, match=r"1 video clip \(.*clip\.mp4\).*cannot train on video clips"):
+        trainer_for(family_models[FAMILY], data, tmp_path / "o")

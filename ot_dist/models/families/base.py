@@ -85,6 +85,9 @@ class Family:
     # Edit models (Flux.1 Kontext) see a reference image beside the noisy latents: every sample must have one (a
     # concept's reference_path); a family without them refuses samples that have one (ot_dist/train/references.py).
     reference_images: bool = False
+    # A video model trained on images as one-frame videos (Wan): a video clip in a concept is refused, not left out
+    # (ot_dist/data/concepts.py check_video_clips), since it was surely meant as training data.
+    video_model: bool = False
 
     def complete_pipeline(self, pipeline, path: Path, model_config):
         """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""

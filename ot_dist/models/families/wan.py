@@ -64,6 +64,7 @@ class Wan(Family):
     sample_guidance_scale = 5.0  # WanPipeline's default (OneTrainer has no Wan)
     lora_file_prefixes = None  # the diffusers layout
     single_file = False
+    video_model = True  # a video clip in a concept is refused (images only, as one-frame videos)
     modelspec_architecture = "wan-2.1-t2v"  # no ModelSpec id is published for Wan; the Wan-AI model name
 
     # -- loading --------------------------------------------------------------------------------------
