@@ -65,7 +65,13 @@ class Wan(Family):
     lora_file_prefixes = None  # the diffusers layout
     single_file = False
     video_model = True  # a video clip in a concept is refused (images only, as one-frame videos)
-    modelspec_architecture = "wan-2.1-t2v"  # no ModelSpec id is published for Wan; the Wan-AI model name
+    # SwarmUI's class ids (T2IModelClassSorter: wan-2_1-text2video-1_3b / -14b); modelspec_architecture_of picks one
+    modelspec_architecture = "wan-2_1-text2video-14b"
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        """Wan 2.1 T2V 1.3B (width 1536) or 14B (width 5120), the two sizes SwarmUI tells apart."""
+        width = denoiser_config.get("num_attention_heads", 40) * denoiser_config.get("attention_head_dim", 128)
+        return "wan-2_1-text2video-14b" if width >= 5120 else "wan-2_1-text2video-1_3b"
 
     # -- loading --------------------------------------------------------------------------------------
     def complete_pipeline(self, pipeline, path, model_config):
