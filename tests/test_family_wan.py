@@ -200,3 +200,36 @@ def test_a_video_clip_in_a_concept_is_refused_not_skipped(family_models, shapes_
     (data / "clip.mp4").write_bytes(b"\0" * 16)
     with pytest.raises(InputFileError, match=r"1 video clip \(.*clip\.mp4\).*cannot train on video clips"):
         trainer_for(family_models[FAMILY], data, tmp_path / "o")
+
+
+def test_comfyui_file_follows_comfyuis_generic_rule_and_loads_in_the_pipeline(family_models, shapes_data, tmp_path):
+    """lora_comfyui.safetensors names every module `diffusion_model.<original key>` (ComfyUI's generic rule in
+    comfy/lora.py model_lora_keys_unet: `diffusion_model.<key>` minus `.weight`, the only one that maps Wan), with
+    `.lora_A/B.weight` and no `.alpha` (the scale inside the weights: strength 1 in both loaders); the original keys are the ones diffusers' single-file converter turns
+    into the trained diffusers modules, and WanPipeline.load_lora_weights reads the file (its non-diffusers Wan
+    converter) to the trained outputs."""
+    from diffusers import WanPipeline
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o", method="lora", max_steps=2,
+                          learning_rate=1e-2, **{"lora.rank": 4, "lora.alpha": 2, "lora.preset": "all_linear"})
+    trainer.train()
+    model, family = trainer.model, trainer.model.family
+    diffusers_file = load_file(tmp_path / "o" / "lora.safetensors")
+    comfy = load_file(tmp_path / "o" / "lora_comfyui.safetensors")
+    trained_modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in diffusers_file}
+    originals = {k.rsplit(".lora_", 1)[0] for k in comfy}
+    assert all(k.startswith("diffusion_model.") for k in originals) and len(originals) == len(trained_modules)
+    assert len(comfy) == 2 * len(originals)  # lora_A and lora_B of each module
+    assert all(f"{m}.lora_A.weight" in comfy and f"{m}.lora_B.weight" in comfy for m in originals)
+    # the original keys, through diffusers' own single-file renames, are the trained modules' paths
+    fake = {m.removeprefix("diffusion_model.") + ".weight": torch.zeros(1) for m in originals}
+    renamed = {k.removesuffix(".weight") for k in convert_wan_transformer_to_diffusers(fake)}
+    assert renamed == trained_modules
+    assert any(".self_attn.o" in m for m in originals) and any(m.endswith("head.head") for m in originals)
+
+    trained = outputs(model.denoiser, model.text_encoders["text_encoder"], model.tokenizers["tokenizer"], family)
+    pipe = WanPipeline.from_pretrained(family_models[FAMILY], local_files_only=True)
+    pipe.load_lora_weights(tmp_path / "o" / "lora_comfyui.safetensors")
+    again = outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, family)
+    torch.testing.assert_close(again, trained, rtol=1e-4, atol=1e-5)

@@ -21,10 +21,10 @@ Not supported (refused, not silently done wrong): video clips as training data (
 one-frame videos); Wan 2.2 A14B's two experts (`transformer_2` / `boundary_ratio`): such a folder is refused;
 Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`): refused; image-to-video models (an image encoder).
 
-LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that WanPipeline.load_lora_weights reads.
-ComfyUI maps Wan LoRAs by the original module names only (comfy/lora.py model_lora_keys_unet: `diffusion_model.<key>`
-and `lora_unet_<key with _>`, with no diffusers rule for WAN21), which ot_dist does not write yet. No single-file
-layout.
+LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that WanPipeline.load_lora_weights reads,
+and beside it `lora_comfyui.safetensors` in the original module names (`diffusion_model.blocks.0.self_attn.q...`), the
+only ones ComfyUI maps for Wan (comfy/lora.py model_lora_keys_unet has no diffusers rule for WAN21); diffusers reads
+that one too (wan_lora.py). No single-file layout.
 """
 
 from __future__ import annotations
@@ -134,6 +134,32 @@ class Wan(Family):
         out = denoiser(hidden_states=noisy.unsqueeze(2), timestep=timesteps.float(),
                        encoder_hidden_states=conditioning["hidden"], return_dict=False)[0]
         return out[:, :, 0]
+
+    # -- LoRA files -----------------------------------------------------------------------------------
+    def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the original names ComfyUI maps for Wan (wan_lora.py),
+        which WanPipeline.load_lora_weights reads too; nothing for an adapter other than plain LoRA or a run without a
+        transformer LoRA."""
+        import json
+
+        from safetensors.torch import save_file
+
+        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.models.families.wan_lora import comfyui_lora_state
+
+        if "transformer" not in states:
+            return []
+        tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"])
+        if tensors is None:
+            return []
+        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
+        metadata = {"ot_dist_lora": json.dumps({"layout": "comfyui", "family": self.name,
+                                                "scale": "inside the up matrices, no alpha tensors"})}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
+                      str(tmp), metadata={**metadata, **modelspec})
+        return [path]
 
     # -- demo and tests -------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):
