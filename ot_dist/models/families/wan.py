@@ -59,7 +59,8 @@ class Wan(Family):
     # WanTransformer3DModel._no_split_modules = ["WanTransformerBlock"]: `blocks`; UMT5's `encoder.block`
     shard_units = {"transformer": ("blocks",), "text_encoder": ("encoder.block",)}
     pixel_multiple = 16  # the Wan 2.1 VAE x8, then the transformer's 2x2 patches
-    native_resolution = 832  # Wan 2.1's 480p / 720p buckets (832 x 480); the memory table has no Wan row yet
+    native_resolution = 832  # the long side of Wan 2.1's 480p buckets (832 x 480)
+    memory_reference = "Wan 2.1 T2V 14B"  # the 14.3 B transformer, UMT5-XXL's encoder (5.7 B), the Wan VAE
     samplers = ("flow_euler",)
     sample_guidance_scale = 5.0  # WanPipeline's default (OneTrainer has no Wan)
     lora_file_prefixes = None  # the diffusers layout
