@@ -186,6 +186,14 @@ def test_unsupported_wan_variants_are_refused():
     pipeline.register_to_config(boundary_ratio=None, expand_timesteps=True)
     with pytest.raises(ConfigError, match="TI2V-5B"):
         refuse_unsupported_variant(pipeline)
+    # from model_index.json, before from_pretrained loads anything
+    family = get_family(FAMILY)
+    single = {"_class_name": "WanPipeline", "transformer": ["diffusers", "WanTransformer3DModel"],
+              "transformer_2": [None, None], "boundary_ratio": None}
+    assert family.load_folder(None, single) is None
+    with pytest.raises(ConfigError, match="A14B"):
+        family.load_folder(None, {**single, "transformer_2": ["diffusers", "WanTransformer3DModel"],
+                                  "boundary_ratio": 0.875})
 
 
 def test_a_video_clip_in_a_concept_is_refused_not_skipped(family_models, shapes_data, tmp_path):

@@ -75,6 +75,10 @@ class Wan(Family):
         return "wan-2_1-text2video-14b" if width >= 5120 else "wan-2_1-text2video-1_3b"
 
     # -- loading --------------------------------------------------------------------------------------
+    def load_folder(self, path, index):
+        refuse_unsupported_index(index)  # before from_pretrained loads a second 14 B expert
+        return None
+
     def complete_pipeline(self, pipeline, path, model_config):
         refuse_unsupported_variant(pipeline)
         return pipeline
@@ -189,14 +193,21 @@ class Wan(Family):
                            scheduler=scheduler)
 
 
-def refuse_unsupported_variant(pipeline) -> None:
-    """Wan folders this family would train wrongly: two experts (Wan 2.2 A14B), per-token timesteps (TI2V-5B), an
-    image-to-video transformer (extra input channels)."""
-    if getattr(pipeline, "transformer_2", None) is not None or pipeline.config.get("boundary_ratio") is not None:
+def refuse_unsupported_index(index: dict) -> None:
+    """Wan folders this family would train wrongly, told by their model_index.json (or a loaded pipeline's config):
+    two experts (Wan 2.2 A14B: transformer_2 and boundary_ratio), per-token timesteps (TI2V-5B: expand_timesteps)."""
+    second = index.get("transformer_2")
+    if (second is not None and list(second)[:1] != [None]) or index.get("boundary_ratio") is not None:
         raise ConfigError("model.path: a Wan 2.2 A14B folder (two experts, transformer_2 and boundary_ratio) is not "
                           "supported yet: ot_dist trains single-transformer Wan models (2.1 T2V)")
-    if pipeline.config.get("expand_timesteps"):
+    if index.get("expand_timesteps"):
         raise ConfigError("model.path: Wan 2.2 TI2V-5B (expand_timesteps: per-token timesteps) is not supported yet")
+
+
+def refuse_unsupported_variant(pipeline) -> None:
+    """refuse_unsupported_index on a loaded pipeline, and an image-to-video transformer (extra input channels, an
+    image embedding)."""
+    refuse_unsupported_index({**pipeline.config, "transformer_2": [getattr(pipeline, "transformer_2", None)]})
     transformer = pipeline.transformer
     if transformer.config.in_channels != transformer.config.out_channels or transformer.config.image_dim:
         raise ConfigError("model.path: a Wan image-to-video transformer (image conditioning) is not supported: "
