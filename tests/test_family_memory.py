@@ -321,3 +321,29 @@ def test_flux_kontext_memory_row_is_flux_devs_weights_with_more_activations():
     assert ACTIVATIONS_GIB["Flux.1 Kontext dev"] > ACTIVATIONS_GIB["Flux.1 dev"]
     flux, edit = (choose(get_family(name), "lora", 80, 1) for name in ("flux", "flux_kontext"))
     assert edit.reference == "Flux.1 Kontext dev" and edit.need_gib > flux.need_gib
+
+
+def test_wan_memory_row_is_the_published_14b_model_sharded_by_block():
+    """The memory table's Wan row (ot-dist init's reference for the family) is Wan2.1-T2V-14B as its configs build it on
+    the meta device: the 14.3 B transformer (the model card's 14 B), UMT5-XXL's encoder (5.68 B, its 256 k vocabulary
+    included) and the Wan VAE (127 M, the 508 MB float32 Wan2.1_VAE.pth); LoRA counted on the family's default
+    targets, FSDP on its 40 blocks (WanTransformer3DModel._no_split_modules), each 2.5 % of the transformer."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.starter.choose import choose
+
+    family = get_family("wan")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert abs(counts["transformer"] - 14.0e9) / 14.0e9 < 0.03
+    assert abs(counts["text_encoder"] - 5.68e9) / 5.68e9 < 0.01 and abs(counts["vae"] - 127e6) / 127e6 < 0.01
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == len(components["transformer"].blocks) == 40
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.03
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 48, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 16, 1)

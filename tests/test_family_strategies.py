@@ -80,6 +80,10 @@ RIDERS["pixart_alpha"] += ("hidream",)
 # an edit model trains on pairs, so its runs read the shapes with a reference image each (conftest.py).
 FAMILY_STRATEGIES["flux_kontext"] = ("fsdp", "zero2")
 RIDERS["flux"] += ("flux_kontext",)
+# Wan 2.1: UMT5 with zeroed padding, the 5-D one-frame latents with per-channel mean / std and the raw-t flow under fsdp
+# (units: blocks), riding in PixArt-α's launch
+FAMILY_STRATEGIES["wan"] = ("fsdp",)
+RIDERS["pixart_alpha"] += ("wan",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a

@@ -1,7 +1,7 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
-Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B) and FLUX.2 klein 9B under the
-low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B and Wan 2.1 T2V
+14B under the low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -27,6 +27,7 @@ from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGE
 from ot_dist.models.families.sd import UNET_SHARD_UNITS
 from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
 from ot_dist.models.families.stable_cascade import CASCADE_ATTENTION, StableCascade, WuerstchenV2
+from ot_dist.models.families.wan import Wan
 from ot_dist.models.families.z_image import ZImage
 
 GIB = 1024**3
@@ -171,6 +172,16 @@ HIDREAM_I1 = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=16, 
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
                   tie_word_embeddings=False)
+# Wan-AI/Wan2.1-T2V-14B-Diffusers: its transformer/config.json (5120 wide: 40 heads x 128, 40 blocks, FFN 13824, UMT5's
+# 4096-wide states in), its text_encoder google/umt5-xxl's encoder (UMT5EncoderModel: 24 blocks, d_model 4096, d_ff 10240,
+# 64 heads x 64, a relative-attention bias in every block, the 256384-token vocabulary) and its VAE (AutoencoderKLWan,
+# Qwen-Image's numbers: base_dim 96, z_dim 16).
+WAN21_T2V_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                     qk_norm="rms_norm_across_heads", eps=1e-6)
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -189,6 +200,7 @@ DENOISERS = {
     "Z-Image": ("transformer", ZImage.denoiser_lora_presets["default"], ZImage.shard_units["transformer"]),
     "HiDream-I1": ("transformer", HiDream.denoiser_lora_presets["default"], HiDream.shard_units["transformer"]),
 }
+DENOISERS["Wan 2.1 T2V 14B"] = ("transformer", Wan.denoiser_lora_presets["default"], Wan.shard_units["transformer"])
 # Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
 # the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
 DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
@@ -209,6 +221,13 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
     with torch.device("meta"):
         if model.startswith("FLUX.2"):
             return flux2_components(model)
+        if model == "Wan 2.1 T2V 14B":
+            from diffusers import AutoencoderKLWan, WanTransformer3DModel
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            return {"transformer": WanTransformer3DModel(**WAN21_T2V_14B),
+                    "text_encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL)),
+                    "vae": AutoencoderKLWan(**QWEN_IMAGE_VAE)}
         if model == "Lumina-Image 2.0":
             from diffusers import Lumina2Transformer2DModel
 

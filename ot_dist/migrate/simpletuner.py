@@ -43,6 +43,9 @@ FAMILIES = {
     "hidream": ("hidream", "transformer", "HiDream-ai/HiDream-I1-Full"),
     "lumina2": ("lumina2", "transformer", "Alpha-VLLM/Lumina-Image-2.0"),
 }
+# Wan: the default flavour t2v-480p-1.3b-2.1; ot_dist trains the single-transformer text-to-video flavours on images
+FAMILIES["wan"] = ("wan", "transformer", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+WAN_FLAVOURS = ("t2v-480p-1.3b-2.1", "t2v-480p-14b-2.1")
 # Z-Image: the default flavour turbo-ostris-v2 is Z-Image-Turbo (trained through an assistant LoRA)
 FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")
 # flavours SimpleTuner trains through ostris' assistant LoRA (ZImage.ASSISTANT_LORA_FLAVOURS), or with a transformer
@@ -170,6 +173,9 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
     if name == "qwen_image" and str(args["model_flavour"] or "").startswith("edit"):
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains Qwen-Image-Edit with "
                                 "image conditioning, which ot_dist does not")
+    if name == "wan" and args["model_flavour"] and args["model_flavour"] not in WAN_FLAVOURS:
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: ot_dist trains Wan 2.1 text-to-video only "
+                                "(no Wan 2.2 expert stages, TI2V-5B, image-to-video, VACE); its folder is refused")
     if name == "z_image":
         _z_image(args, out)
     if name == "sana":

@@ -85,6 +85,9 @@ class Family:
     # Edit models (Flux.1 Kontext) see a reference image beside the noisy latents: every sample must have one (a
     # concept's reference_path); a family without them refuses samples that have one (ot_dist/train/references.py).
     reference_images: bool = False
+    # A video model trained on images as one-frame videos (Wan): a video clip in a concept is refused, not left out
+    # (ot_dist/data/concepts.py check_video_clips), since it was surely meant as training data.
+    video_model: bool = False
 
     def complete_pipeline(self, pipeline, path: Path, model_config):
         """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""
@@ -217,6 +220,10 @@ class Family:
         """The keyword arguments of the sampling pipeline's call, from the generic ones (prompt, negative_prompt,
         width, height, num_inference_steps, guidance_scale, generator, output_type)."""
         return {**arguments, **self.pipeline_call_options(pipeline)}
+
+    def sampled_image(self, output):
+        """The image of the sampling pipeline's output (a video pipeline's first frame of its first video)."""
+        return output.images[0]
 
     # -- text -------------------------------------------------------------------------------------------
     def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:

@@ -25,6 +25,7 @@ FAMILY_MODULES: dict[str, str] = {
     "z_image": "ot_dist.models.families.z_image",
     "hidream": "ot_dist.models.families.hidream",
     "flux_kontext": "ot_dist.models.families.flux",
+    "wan": "ot_dist.models.families.wan",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
