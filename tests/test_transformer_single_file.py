@@ -21,7 +21,9 @@ from safetensors.torch import save_file
 
 from ot_dist.errors import InputFileError
 from ot_dist.models.families import flux_single_file as F
+from ot_dist.models.families import hidream_single_file as H
 from ot_dist.models.families import sd3_single_file as S
+from ot_dist.models.families import z_image_single_file as Z
 from ot_dist.models.families.single_file_keys import KeyLayoutError, read_safetensors_header
 
 TINY_FLUX = dict(
@@ -298,6 +300,24 @@ def test_header_validator_names_keys(tmp_path):
     (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(InputFileError, match="junk.safetensors"):
         read_safetensors_header(tmp_path / "junk.safetensors")
+
+
+TINY_HIDREAM = dict(
+    patch_size=2, in_channels=16, out_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+    num_attention_heads=2, caption_channels=[32, 32], text_emb_dim=64, num_routed_experts=4, num_activated_experts=2,
+    axes_dims_rope=(8, 4, 4), max_resolution=(16, 16), llama_layers=[0, 0],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout, name, config", [(F.FLUX, "Flux.1", TINY_FLUX), (F.CHROMA, "Chroma", TINY_CHROMA),
+                                                  (Z.Z_IMAGE, "Z-Image", {}), (H.HIDREAM, "HiDream-I1", TINY_HIDREAM)])
+def test_each_layout_names_its_model_and_reads_comfyuis_prefix(layout, name, config):
+    # one right key and one stray key under ComfyUI's prefix; the header is all that is read (no tensor is made)
+    key, shape = next(iter(layout.expected_header(config).items()))
+    report = layout.check_header({F.COMFY_PREFIX + key: shape, F.COMFY_PREFIX + "stray.weight": (1,)}, config)
+    assert report.message().startswith(f"not a {name} checkpoint for this config: missing ")
+    assert F.COMFY_PREFIX + key not in report.missing
+    assert report.unexpected == [F.COMFY_PREFIX + "stray.weight"]
 
 
 def test_validator_names_the_wrong_family():
