@@ -130,14 +130,14 @@ def test_training_lowers_the_loss_and_the_exports_load_in_diffusers(family, meth
 def test_single_file_and_folder_train_to_identical_weights(family_models, shapes_data, tmp_path):
     """The transformer as Black Forest Labs ship it (one file, their key layout) with the other components from a
     diffusers folder trains exactly like the folder; the export's single file is that layout again."""
-    from ot_dist.models.families.flux_single_file import flux_to_original
+    from ot_dist.models.families.flux_single_file import FLUX
     from safetensors.torch import save_file
 
     folder = family_models["flux"]
     state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
     import json
     config = json.loads((folder / "transformer" / "config.json").read_text())
-    original = flux_to_original(state, config)
+    original = FLUX.to_original(state, config)
     single = tmp_path / "flux1-tiny.safetensors"
     save_file({k: v.contiguous() for k, v in original.items()}, single)
     weights = []

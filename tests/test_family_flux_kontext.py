@@ -146,14 +146,14 @@ def test_black_forest_labs_single_file_loads_as_the_folder(family_models, tmp_pa
     from safetensors.torch import save_file
 
     from ot_dist.config.schema import ModelConfig
-    from ot_dist.models.families.flux_single_file import flux_to_original
+    from ot_dist.models.families.flux_single_file import FLUX
     from ot_dist.models.loading import load_model
 
     folder = family_models["flux_kontext"]
     state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
     config = json.loads((folder / "transformer" / "config.json").read_text())
     single = tmp_path / "flux1-kontext-tiny.safetensors"
-    save_file({k: v.contiguous() for k, v in flux_to_original(state, config).items()}, single)
+    save_file({k: v.contiguous() for k, v in FLUX.to_original(state, config).items()}, single)
     loaded = load_model(ModelConfig(family="flux_kontext", path=str(single), config=str(folder)))
     assert type(loaded.pipeline).__name__ == "FluxKontextPipeline"
     got = loaded.denoiser.state_dict()

@@ -294,7 +294,7 @@ def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, 
 
     from ot_dist.config.schema import ModelConfig
     from ot_dist.errors import InputFileError
-    from ot_dist.models.families.z_image_single_file import z_image_to_original
+    from ot_dist.models.families.z_image_single_file import Z_IMAGE
     from ot_dist.models.loading import load_model
 
     base = family_models[FAMILY]
@@ -302,7 +302,7 @@ def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, 
     with torch.no_grad():
         for t in folder.transformer.state_dict().values():
             t.copy_(t.to(torch.bfloat16).float())  # what the file holds
-    original = z_image_to_original(folder.transformer.state_dict(), dict(folder.transformer.config),
+    original = Z_IMAGE.to_original(folder.transformer.state_dict(), dict(folder.transformer.config),
                                    prefix="model.diffusion_model.")
     state = {k: v.to(torch.bfloat16).contiguous() for k, v in original.items()}
     save_file(state, tmp_path / "z_image.safetensors")

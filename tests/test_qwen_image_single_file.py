@@ -19,7 +19,7 @@ import torch
 
 from ot_dist.errors import InputFileError
 from ot_dist.models.families import qwen_image_single_file as Q
-from ot_dist.models.families.flux_single_file import flux_to_original
+from ot_dist.models.families.flux_single_file import FLUX
 
 TINY = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=3, attention_head_dim=16, num_attention_heads=2,
             joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
@@ -87,7 +87,7 @@ def test_export_has_comfyuis_names_and_is_detected_as_qwen_image():
     flux = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                   pooled_projection_dim=24, axes_dims_rope=(4, 6, 6))
-    assert not comfy_detects_qwen_image(_header(flux_to_original(flux.state_dict(), flux.config)), TINY)
+    assert not comfy_detects_qwen_image(_header(FLUX.to_original(flux.state_dict(), flux.config)), TINY)
 
 
 def test_round_trip_bare_and_prefixed_keeps_every_value():
@@ -122,7 +122,7 @@ def test_header_check_names_what_is_wrong():
     flux = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                   pooled_projection_dim=24, axes_dims_rope=(4, 6, 6))
-    report = Q.check_qwen_image_header(_header(flux_to_original(flux.state_dict(), flux.config)), model.config)
+    report = Q.check_qwen_image_header(_header(FLUX.to_original(flux.state_dict(), flux.config)), model.config)
     assert "look like a Flux.1 checkpoint" in report.message()
     with pytest.raises(InputFileError, match="file.safetensors: not a Qwen-Image checkpoint"):
         report.raise_if_bad("file.safetensors")

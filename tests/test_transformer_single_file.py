@@ -21,7 +21,9 @@ from safetensors.torch import save_file
 
 from ot_dist.errors import InputFileError
 from ot_dist.models.families import flux_single_file as F
+from ot_dist.models.families import hidream_single_file as H
 from ot_dist.models.families import sd3_single_file as S
+from ot_dist.models.families import z_image_single_file as Z
 from ot_dist.models.families.single_file_keys import KeyLayoutError, read_safetensors_header
 
 TINY_FLUX = dict(
@@ -100,32 +102,32 @@ def _header(state: dict) -> dict:
 def test_flux_round_trip(guidance):
     model = _flux(guidance_embeds=guidance)
     state = model.state_dict()
-    original = F.flux_to_original(state, model.config)
+    original = F.FLUX.to_original(state, model.config)
     # Every original tensor is one of the model's values, fused or swapped, never recomputed.
     assert sum(t.numel() for t in original.values()) == sum(t.numel() for t in state.values())
     assert ("guidance_in.in_layer.weight" in original) == guidance
     assert original["single_blocks.1.linear1.weight"].shape == (3 * 32 + 4 * 32, 32)
     half = model.config.num_attention_heads * model.config.attention_head_dim
     assert torch.equal(original["final_layer.adaLN_modulation.1.weight"][:half], state["norm_out.linear.weight"][half:])
-    _assert_same(F.flux_from_original(original, model.config), state)
-    assert F.check_flux_header(_header(original), model.config).ok
+    _assert_same(F.FLUX.from_original(original, model.config), state)
+    assert F.FLUX.check_header(_header(original), model.config).ok
 
     # ComfyUI: the same keys under model.diffusion_model., beside other components (ignored).
-    comfy = F.flux_to_original(state, model.config, prefix=F.COMFY_PREFIX)
+    comfy = F.FLUX.to_original(state, model.config, prefix=F.COMFY_PREFIX)
     assert all(k.startswith("model.diffusion_model.double_blocks.") for k in comfy if "double_blocks" in k)
     comfy["vae.decoder.conv_in.weight"] = torch.zeros(1)
-    _assert_same(F.flux_from_original(comfy, model.config), state)
-    assert F.check_flux_header(_header(comfy), model.config).ok
+    _assert_same(F.FLUX.from_original(comfy, model.config), state)
+    assert F.FLUX.check_header(_header(comfy), model.config).ok
 
 
 def test_chroma_round_trip():
     model = _chroma()
     state = model.state_dict()
-    original = F.chroma_to_original(state, model.config)
+    original = F.CHROMA.to_original(state, model.config)
     assert "distilled_guidance_layer.norms.1.scale" in original
     assert not any("_mod." in k or "modulation" in k or k.startswith("time_in") for k in original)
-    _assert_same(F.chroma_from_original(original, model.config), state)
-    assert F.check_chroma_header(_header(original), model.config).ok
+    _assert_same(F.CHROMA.from_original(original, model.config), state)
+    assert F.CHROMA.check_header(_header(original), model.config).ok
 
 
 @pytest.mark.parametrize("variant", list(SD3_VARIANTS))
@@ -228,9 +230,9 @@ def test_flux_matches_diffusers_converter(family, real_flux, real_chroma):
 
     config, state = real_flux if family == "flux" else real_chroma
     if family == "flux":
-        to, fr = F.flux_to_original, F.flux_from_original
+        to, fr = F.FLUX.to_original, F.FLUX.from_original
     else:
-        to, fr = F.chroma_to_original, F.chroma_from_original
+        to, fr = F.CHROMA.to_original, F.CHROMA.from_original
     convert = getattr(U, f"convert_{family}_transformer_checkpoint_to_diffusers")
     original = to(state, config)
     ours = fr(original, config)
@@ -245,13 +247,13 @@ def test_flux_file_loads_in_diffusers(tmp_path, family, real_flux, real_chroma):
 
     cls = FluxTransformer2DModel if family == "flux" else ChromaTransformer2DModel
     config, state = real_flux if family == "flux" else real_chroma
-    to = F.flux_to_original if family == "flux" else F.chroma_to_original
+    to = F.FLUX.to_original if family == "flux" else F.CHROMA.to_original
     (tmp_path / "cfg" / "transformer").mkdir(parents=True)
     (tmp_path / "cfg" / "transformer" / "config.json").write_text(json.dumps({"_class_name": cls.__name__, **config}))
     path = tmp_path / f"{family}.safetensors"
     save_file(to(state, config), path)
     try:
-        (F.validate_flux_file if family == "flux" else F.validate_chroma_file)(path, config)
+        (F.FLUX.validate if family == "flux" else F.CHROMA.validate)(path, config)
         loaded = cls.from_single_file(
             str(path), config=str(tmp_path / "cfg"), subfolder="transformer", torch_dtype=torch.bfloat16,
             local_files_only=True,
@@ -266,14 +268,14 @@ def test_flux_file_loads_in_diffusers(tmp_path, family, real_flux, real_chroma):
 
 def test_header_validator_names_keys(tmp_path):
     model = _flux(guidance_embeds=True)
-    header = _header(F.flux_to_original(model.state_dict(), model.config))
-    assert F.check_flux_header(header, model.config).ok
+    header = _header(F.FLUX.to_original(model.state_dict(), model.config))
+    assert F.FLUX.check_header(header, model.config).ok
 
     damaged = dict(header)
     del damaged["double_blocks.1.img_attn.qkv.weight"]
     damaged["single_blocks.0.linear1.weight"] = (3 * 32 + 2 * 32, 32)  # an MLP ratio of 2
     damaged["single_blocks.2.linear2.weight"] = (32, 160)  # a layer the config does not have
-    report = F.check_flux_header(damaged, model.config)
+    report = F.FLUX.check_header(damaged, model.config)
     assert report.missing == ["double_blocks.1.img_attn.qkv.weight"]
     assert report.unexpected == ["single_blocks.2.linear2.weight"]
     assert report.wrong_shape == [("single_blocks.0.linear1.weight", (160, 32), (224, 32))]
@@ -283,34 +285,52 @@ def test_header_validator_names_keys(tmp_path):
 
     # schnell file for a dev config: the guidance embedder is missing.
     schnell = _flux(guidance_embeds=False)
-    report = F.check_flux_header(_header(F.flux_to_original(schnell.state_dict(), schnell.config)), model.config)
+    report = F.FLUX.check_header(_header(F.FLUX.to_original(schnell.state_dict(), schnell.config)), model.config)
     assert sorted(report.missing) == [
         f"guidance_in.{layer}.{p}" for layer in ("in_layer", "out_layer") for p in ("bias", "weight")
     ]
 
     # A real file: damaged on disk, read through its header only.
-    state = F.flux_to_original(model.state_dict(), model.config, prefix=F.COMFY_PREFIX)
+    state = F.FLUX.to_original(model.state_dict(), model.config, prefix=F.COMFY_PREFIX)
     state["model.diffusion_model.img_in.weight"] = torch.zeros(32, 8)
     save_file(state, tmp_path / "bad.safetensors")
     wrong = r"bad\.safetensors: .*model\.diffusion_model\.img_in\.weight is \[32, 8\], expected \[32, 16\]"
     with pytest.raises(InputFileError, match=wrong):
-        F.validate_flux_file(tmp_path / "bad.safetensors", model.config)
+        F.FLUX.validate(tmp_path / "bad.safetensors", model.config)
     (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
     with pytest.raises(InputFileError, match="junk.safetensors"):
         read_safetensors_header(tmp_path / "junk.safetensors")
 
 
+TINY_HIDREAM = dict(
+    patch_size=2, in_channels=16, out_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
+    num_attention_heads=2, caption_channels=[32, 32], text_emb_dim=64, num_routed_experts=4, num_activated_experts=2,
+    axes_dims_rope=(8, 4, 4), max_resolution=(16, 16), llama_layers=[0, 0],
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout, name, config", [(F.FLUX, "Flux.1", TINY_FLUX), (F.CHROMA, "Chroma", TINY_CHROMA),
+                                                  (Z.Z_IMAGE, "Z-Image", {}), (H.HIDREAM, "HiDream-I1", TINY_HIDREAM)])
+def test_each_layout_names_its_model_and_reads_comfyuis_prefix(layout, name, config):
+    # one right key and one stray key under ComfyUI's prefix; the header is all that is read (no tensor is made)
+    key, shape = next(iter(layout.expected_header(config).items()))
+    report = layout.check_header({F.COMFY_PREFIX + key: shape, F.COMFY_PREFIX + "stray.weight": (1,)}, config)
+    assert report.message().startswith(f"not a {name} checkpoint for this config: missing ")
+    assert F.COMFY_PREFIX + key not in report.missing
+    assert report.unexpected == [F.COMFY_PREFIX + "stray.weight"]
+
+
 def test_validator_names_the_wrong_family():
     flux, chroma, sd3 = _flux(guidance_embeds=False), _chroma(), _sd3("sd35_large")
-    chroma_header = _header(F.chroma_to_original(chroma.state_dict(), chroma.config))
-    report = F.check_flux_header(chroma_header, flux.config)
+    chroma_header = _header(F.CHROMA.to_original(chroma.state_dict(), chroma.config))
+    report = F.FLUX.check_header(chroma_header, flux.config)
     assert "distilled_guidance_layer.in_proj.weight" in report.unexpected
     assert "double_blocks.0.img_mod.lin.weight" in report.missing
     assert "look like a Chroma checkpoint" in report.message()
 
     sd3_header = _header(S.sd3_to_original(sd3.state_dict(), sd3.config))
     with pytest.raises(InputFileError, match="look like a SD3 checkpoint"):
-        F.check_flux_header(sd3_header, flux.config).raise_if_bad("x.safetensors")
+        F.FLUX.check_header(sd3_header, flux.config).raise_if_bad("x.safetensors")
     # SD3.5 file (qk-norm) for an SD3 config: the norms are unexpected, named with the file's prefix.
     plain = _sd3("sd3")
     (report,) = S.check_sd3_header(sd3_header, plain.config)
@@ -325,27 +345,27 @@ def test_comfyuis_scaled_fp8_files_are_refused_by_what_they_are():
     `.scale_weight` per layer and a `scaled_fp8` marker (comfy/utils.py convert_old_quants): the error says so and asks
     for the unquantized file, instead of only calling it not a checkpoint of the model it is."""
     model = _flux(guidance_embeds=True)
-    header = _header(F.flux_to_original(model.state_dict(), model.config))
+    header = _header(F.FLUX.to_original(model.state_dict(), model.config))
     header |= {k[: -len(".weight")] + ".scale_weight": () for k, shape in header.items() if len(shape) == 2}
     header["scaled_fp8"] = (0,)
-    message = F.check_flux_header(header, model.config).message()
+    message = F.FLUX.check_header(header, model.config).message()
     assert "scaled-fp8" in message and "unquantized" in message
     # an ordinary stray key is no quantization
-    plain = _header(F.flux_to_original(model.state_dict(), model.config)) | {"single_blocks.2.linear2.weight": (32, 160)}
-    assert "scaled-fp8" not in F.check_flux_header(plain, model.config).message()
+    plain = _header(F.FLUX.to_original(model.state_dict(), model.config)) | {"single_blocks.2.linear2.weight": (32, 160)}
+    assert "scaled-fp8" not in F.FLUX.check_header(plain, model.config).message()
 
 
 def test_converters_refuse_mismatched_state():
     model = _flux(guidance_embeds=True)
-    original = F.flux_to_original(model.state_dict(), model.config)
+    original = F.FLUX.to_original(model.state_dict(), model.config)
     broken = dict(original)
     del broken["double_blocks.0.txt_attn.proj.bias"]
     with pytest.raises(KeyLayoutError, match=r"missing double_blocks\.0\.txt_attn\.proj\.bias"):
-        F.flux_from_original(broken, model.config)
+        F.FLUX.from_original(broken, model.config)
     broken = dict(original, **{"double_blocks.0.img_attn.qkv.weight": torch.zeros(95, 32)})
     with pytest.raises(KeyLayoutError, match=r"img_attn\.qkv\.weight has 95 rows"):
-        F.flux_from_original(broken, model.config)
+        F.FLUX.from_original(broken, model.config)
     # diffusers side: a key no rule covers (a LoRA-wrapped layer, say) is named, not dropped.
     state = dict(model.state_dict(), **{"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(1)})
     with pytest.raises(KeyLayoutError, match=r"unexpected transformer_blocks\.0\.attn\.to_q\.lora_A\.weight"):
-        F.flux_to_original(state, model.config)
+        F.FLUX.to_original(state, model.config)

@@ -208,16 +208,15 @@ class Flux(FlowTransformerFamily):
         return {"pooled_projections": conditioning["pooled"], "guidance": guidance}
 
     def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.flux_single_file import flux_from_original, validate_flux_file
+        from ot_dist.models.families.flux_single_file import FLUX
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, flux_from_original, validate_flux_file,
-                                     model_config)
+        return load_transformer_file(path, config_folder, self, FLUX.from_original, FLUX.validate, model_config)
 
     def transformer_to_original(self, state, config, prefix):
-        from ot_dist.models.families.flux_single_file import flux_to_original
+        from ot_dist.models.families.flux_single_file import FLUX
 
-        return flux_to_original(state, config, prefix)
+        return FLUX.to_original(state, config, prefix)
 
     def build_tiny(self, seed: int = 0, variant: str = "dev", **_):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -296,16 +295,15 @@ class Chroma(FlowTransformerFamily):
         return {"attention_mask": full}
 
     def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.flux_single_file import chroma_from_original, validate_chroma_file
+        from ot_dist.models.families.flux_single_file import CHROMA
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, chroma_from_original, validate_chroma_file,
-                                     model_config)
+        return load_transformer_file(path, config_folder, self, CHROMA.from_original, CHROMA.validate, model_config)
 
     def transformer_to_original(self, state, config, prefix):
-        from ot_dist.models.families.flux_single_file import chroma_to_original
+        from ot_dist.models.families.flux_single_file import CHROMA
 
-        return chroma_to_original(state, config, prefix)
+        return CHROMA.to_original(state, config, prefix)
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler

@@ -22,14 +22,12 @@ tiny test models convert too. The converters never change dtype or values.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-import torch
 from diffusers import ChromaTransformer2DModel, FluxTransformer2DModel
 
 from ot_dist.models.families import single_file_keys as K
-from ot_dist.models.families.single_file_keys import CAT, SWAP, HeaderReport, Rule, module_rules
+from ot_dist.models.families.single_file_keys import CAT, SWAP, Rule, module_rules
 
 COMFY_PREFIX = "model.diffusion_model."
 _INPUT_PREFIXES = (COMFY_PREFIX,)
@@ -114,53 +112,8 @@ def chroma_rules(config: Any) -> list[Rule]:
     return rules
 
 
-# ---- conversions -------------------------------------------------------------------------------
+# ---- the two files ----------------------------------------------------------------------------
 
-
-def flux_to_original(state: Mapping[str, torch.Tensor], config: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """diffusers FluxTransformer2DModel state dict -> BFL keys (`prefix` = COMFY_PREFIX for ComfyUI's)."""
-    return K.to_original(state, flux_rules(config), prefix)
-
-
-def flux_from_original(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """BFL (or ComfyUI-prefixed) keys -> diffusers keys; other components under other prefixes are ignored."""
-    return K.from_original(state, flux_rules(config), _INPUT_PREFIXES)
-
-
-def chroma_to_original(state: Mapping[str, torch.Tensor], config: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    return K.to_original(state, chroma_rules(config), prefix)
-
-
-def chroma_from_original(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    return K.from_original(state, chroma_rules(config), _INPUT_PREFIXES)
-
-
-# ---- header validation -------------------------------------------------------------------------
-
-
-def expected_flux_header(config: Any) -> dict[str, tuple[int, ...]]:
-    cfg = K.full_config(FluxTransformer2DModel, config)
-    return K.expected_header(FluxTransformer2DModel, cfg, flux_rules(cfg))
-
-
-def expected_chroma_header(config: Any) -> dict[str, tuple[int, ...]]:
-    cfg = K.full_config(ChromaTransformer2DModel, config)
-    return K.expected_header(ChromaTransformer2DModel, cfg, chroma_rules(cfg))
-
-
-def check_flux_header(header: Mapping[str, Sequence[int]], config: Any) -> HeaderReport:
-    """Which keys of a Flux.1 file (names -> shapes) are missing / unexpected / wrong-shaped for `config`."""
-    return K.check_header(header, expected_flux_header(config), "Flux.1", _INPUT_PREFIXES)
-
-
-def check_chroma_header(header: Mapping[str, Sequence[int]], config: Any) -> HeaderReport:
-    return K.check_header(header, expected_chroma_header(config), "Chroma", _INPUT_PREFIXES)
-
-
-def validate_flux_file(path: str | Path, config: Any) -> None:
-    """InputFileError naming the file and the offending keys unless its header fits `config`."""
-    check_flux_header(K.read_safetensors_header(path), config).raise_if_bad(path)
-
-
-def validate_chroma_file(path: str | Path, config: Any) -> None:
-    check_chroma_header(K.read_safetensors_header(path), config).raise_if_bad(path)
+# BFL's keys, bare or under ComfyUI's prefix; other components under other prefixes are ignored.
+FLUX = K.TransformerFileLayout(FluxTransformer2DModel, flux_rules, "Flux.1", _INPUT_PREFIXES)
+CHROMA = K.TransformerFileLayout(ChromaTransformer2DModel, chroma_rules, "Chroma", _INPUT_PREFIXES)

@@ -189,19 +189,18 @@ class HiDream(Family):
         return hidream_rules(config)
 
     def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.hidream_single_file import hidream_from_original, validate_hidream_file
+        from ot_dist.models.families.hidream_single_file import HIDREAM
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, hidream_from_original, validate_hidream_file,
-                                     model_config)
+        return load_transformer_file(path, config_folder, self, HIDREAM.from_original, HIDREAM.validate, model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare keys, as ComfyUI's diffusion-model loader reads Comfy-Org's file; a trained
         text encoder is exported in the diffusers folder only (`single_file_text_encoders`)."""
-        from ot_dist.models.families.hidream_single_file import hidream_to_original
+        from ot_dist.models.families.hidream_single_file import HIDREAM
         from ot_dist.models.families.transformer_single_file import write_transformer_file
 
-        state = hidream_to_original(states["transformer"], dict(components["transformer"].config))
+        state = HIDREAM.to_original(states["transformer"], dict(components["transformer"].config))
         write_transformer_file(state, path, dtype, metadata)
 
     # -- sampling ---------------------------------------------------------------------------------------

@@ -17,14 +17,12 @@ ComfyUI's scaled-fp8 files are refused by name (single_file_keys.quantization_hi
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-import torch
 from diffusers import HiDreamImageTransformer2DModel
 
 from ot_dist.models.families import single_file_keys as K
-from ot_dist.models.families.single_file_keys import HeaderReport, Rule
+from ot_dist.models.families.single_file_keys import Rule
 
 COMFY_PREFIX = "model.diffusion_model."
 _INPUT_PREFIXES = (COMFY_PREFIX,)
@@ -36,23 +34,4 @@ def hidream_rules(config: Any) -> list[Rule]:
     return [Rule(key, (key,)) for key in K.meta_state_dict(HiDreamImageTransformer2DModel, cfg)]
 
 
-def hidream_to_original(state: Mapping[str, torch.Tensor], config: Any, prefix: str = "") -> dict:
-    """diffusers state dict -> ComfyUI's keys (bare, as Comfy-Org ship the file)."""
-    return K.to_original(state, hidream_rules(config), prefix)
-
-
-def hidream_from_original(state: Mapping[str, torch.Tensor], config: Any) -> dict:
-    """ComfyUI's keys (bare or under model.diffusion_model.) -> diffusers; other components' keys are ignored."""
-    return K.from_original(state, hidream_rules(config), _INPUT_PREFIXES)
-
-
-def check_hidream_header(header: Mapping[str, Sequence[int]], config: Any) -> HeaderReport:
-    """Which keys of a HiDream file (names -> shapes) are missing / unexpected / wrong-shaped for `config`."""
-    cfg = K.full_config(HiDreamImageTransformer2DModel, config)
-    expected = K.expected_header(HiDreamImageTransformer2DModel, cfg, hidream_rules(cfg))
-    return K.check_header(header, expected, "HiDream-I1", _INPUT_PREFIXES)
-
-
-def validate_hidream_file(path: str | Path, config: Any) -> None:
-    """InputFileError naming the file and the offending keys unless its header fits `config`."""
-    check_hidream_header(K.read_safetensors_header(path), config).raise_if_bad(path)
+HIDREAM = K.TransformerFileLayout(HiDreamImageTransformer2DModel, hidream_rules, "HiDream-I1", _INPUT_PREFIXES)

@@ -7,7 +7,9 @@ moved, split and concatenated, never recomputed), and the same list gives the ex
 for `check_header` (the rules applied to a meta-device model: shapes without memory).
 
 Used by `flux_single_file` (Flux.1, Chroma), `sd3_single_file` (SD3 / 3.5 and their VAE) and
-`qwen_image_single_file` (an identity map: ComfyUI's Qwen-Image keys are diffusers').
+`qwen_image_single_file` (an identity map: ComfyUI's Qwen-Image keys are diffusers'), among others. A family whose
+file is its transformer alone, read and written with the engine's plain calls, states that once as a
+`TransformerFileLayout` (class, rules, name, input prefixes) instead of writing the four calls out again.
 Besides torch and diffusers it depends only on `ot_dist.errors`.
 """
 
@@ -18,7 +20,7 @@ import json
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -286,3 +288,41 @@ def read_safetensors_header(path: str | Path) -> dict[str, tuple[int, ...]]:
         raise InputFileError(f"{path}: no such file") from None
     except (OSError, ValueError, struct.error, KeyError, TypeError, AttributeError) as e:
         raise InputFileError(f"{path}: not a readable .safetensors file ({e})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# one family's transformer file
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransformerFileLayout:
+    """A transformer's single file whose layout is `rules(config)` alone: the conversions both ways, the header check
+    and the file check, all driven by that one key map. `name` is the model as messages call it ("Flux.1"); the file
+    may hold its keys bare or under one of `input_prefixes` (ComfyUI's model.diffusion_model.)."""
+
+    model_class: type
+    rules: Callable[[Any], list[Rule]]
+    name: str
+    input_prefixes: tuple[str, ...] = ()
+
+    def to_original(self, state: Mapping[str, Tensor], config: Any, prefix: str = "") -> dict[str, Tensor]:
+        """diffusers state dict -> the original keys (bare, or under `prefix`). Every key must be one the config's
+        model has."""
+        return to_original(state, self.rules(config), prefix)
+
+    def from_original(self, state: Mapping[str, Tensor], config: Any) -> dict[str, Tensor]:
+        """The original keys (bare or under an input prefix) -> diffusers; other components' keys are ignored."""
+        return from_original(state, self.rules(config), self.input_prefixes)
+
+    def expected_header(self, config: Any) -> dict[str, tuple[int, ...]]:
+        cfg = full_config(self.model_class, config)
+        return expected_header(self.model_class, cfg, self.rules(cfg))
+
+    def check_header(self, header: Mapping[str, Sequence[int]], config: Any) -> HeaderReport:
+        """Which keys of a file (names -> shapes) are missing / unexpected / wrong-shaped for `config`."""
+        return check_header(header, self.expected_header(config), self.name, self.input_prefixes)
+
+    def validate(self, path: str | Path, config: Any) -> None:
+        """InputFileError naming the file and the offending keys unless its header fits `config`."""
+        self.check_header(read_safetensors_header(path), config).raise_if_bad(path)

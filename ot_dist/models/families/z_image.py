@@ -166,19 +166,18 @@ class ZImage(Family):
 
     def load_single_file(self, path, config_folder, model_config):
         from ot_dist.models.families.transformer_single_file import load_transformer_file
-        from ot_dist.models.families.z_image_single_file import validate_z_image_file, z_image_from_original
+        from ot_dist.models.families.z_image_single_file import Z_IMAGE
 
-        return load_transformer_file(path, config_folder, self, z_image_from_original, validate_z_image_file,
-                                     model_config)
+        return load_transformer_file(path, config_folder, self, Z_IMAGE.from_original, Z_IMAGE.validate, model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone in the original layout with bare keys, as ComfyUI's UNET loader reads Comfy-Org's
         file. A trained text encoder is not in it (`single_file_text_encoders`): the full method puts it in the
         diffusers folder."""
         from ot_dist.models.families.transformer_single_file import write_transformer_file
-        from ot_dist.models.families.z_image_single_file import z_image_to_original
+        from ot_dist.models.families.z_image_single_file import Z_IMAGE
 
-        state = z_image_to_original(states["transformer"], dict(components["transformer"].config))
+        state = Z_IMAGE.to_original(states["transformer"], dict(components["transformer"].config))
         write_transformer_file(state, path, dtype, metadata)
 
     # -- demo and tests ---------------------------------------------------------------------------------

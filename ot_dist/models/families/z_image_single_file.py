@@ -15,14 +15,12 @@ transformer alone, bare or under ComfyUI's `model.diffusion_model.`; the rest co
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-import torch
 from diffusers import ZImageTransformer2DModel
 
 from ot_dist.models.families import single_file_keys as K
-from ot_dist.models.families.single_file_keys import CAT, HeaderReport, Rule
+from ot_dist.models.families.single_file_keys import CAT, Rule
 
 COMFY_PREFIX = "model.diffusion_model."
 _INPUT_PREFIXES = (COMFY_PREFIX,)
@@ -53,23 +51,4 @@ def z_image_rules(config: Any) -> list[Rule]:
     return rules
 
 
-def z_image_to_original(state: Mapping[str, torch.Tensor], config: Any, prefix: str = "") -> dict:
-    """diffusers state dict -> the original keys (bare, as Comfy-Org ship the file)."""
-    return K.to_original(state, z_image_rules(config), prefix)
-
-
-def z_image_from_original(state: Mapping[str, torch.Tensor], config: Any) -> dict:
-    """The original keys (bare or under model.diffusion_model.) -> diffusers; other components' keys are ignored."""
-    return K.from_original(state, z_image_rules(config), _INPUT_PREFIXES)
-
-
-def check_z_image_header(header: Mapping[str, Sequence[int]], config: Any) -> HeaderReport:
-    """Which keys of a Z-Image file (names -> shapes) are missing / unexpected / wrong-shaped for `config`."""
-    cfg = K.full_config(ZImageTransformer2DModel, config)
-    expected = K.expected_header(ZImageTransformer2DModel, cfg, z_image_rules(cfg))
-    return K.check_header(header, expected, "Z-Image", _INPUT_PREFIXES)
-
-
-def validate_z_image_file(path: str | Path, config: Any) -> None:
-    """InputFileError naming the file and the offending keys unless its header fits `config`."""
-    check_z_image_header(K.read_safetensors_header(path), config).raise_if_bad(path)
+Z_IMAGE = K.TransformerFileLayout(ZImageTransformer2DModel, z_image_rules, "Z-Image", _INPUT_PREFIXES)
