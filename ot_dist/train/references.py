@@ -34,7 +34,7 @@ def check_references(dataset, family) -> None:
                 f"{len(missing)} of {len(dataset)} samples have no reference image: {'; '.join(shown)}{more}. Give "
                 "each concept a reference_path (a folder of the reference images, paired by file name)")
         # A batch is one token sequence per sample, all of one length: samples with and without a reference's tokens
-        # cannot share it (neither the pipelines nor diffusers' scripts mask padded tokens), so a run is one or the other.
+        # cannot share it (neither the pipelines nor diffusers' scripts mask padded tokens): one kind per run.
         raise ConfigError(
             f"model.family {family.name} trains with reference images or without, not both in one run: "
             f"{len(dataset) - len(missing)} samples have one and {len(missing)} of {len(dataset)} have none: "
