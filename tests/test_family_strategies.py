@@ -214,10 +214,11 @@ def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: 
     return cases
 
 def full_variant(kind: str, setting: dict, strategies, family: str, model: Path, data: Path, out: Path,
-                 references: dict, paired: bool = False, **split) -> dict[str, dict]:
+                 references: dict, paired: bool = False, change: float = 100 * TOLERANCE,
+                 **split) -> dict[str, dict]:
     """A full finetune with `setting` (and, `paired`, a reference image for each image): one process's run (batch 4)
-    as references[family, kind], checked to differ from the plain full finetune's (the comparison can fail), and its
-    2-rank cases under `strategies`, each rank's global-batch share given by `split` (batch_size,
+    as references[family, kind], checked to differ from the plain full finetune's by `change` (the comparison can
+    fail), and its 2-rank cases under `strategies`, each rank's global-batch share given by `split` (batch_size,
     gradient_accumulation_steps)."""
     def data_of(raw):
         return with_references(raw, optional_too=True) if paired else raw
@@ -227,7 +228,7 @@ def full_variant(kind: str, setting: dict, strategies, family: str, model: Path,
                               **settings(family, "full", **setting, **trained(family, "full"))))
     Trainer(validate(raw), log=lambda *_: None).train()
     references[family, kind] = exported(ref, family, "full", bool(trained(family, "full")))
-    assert distance(references[family, kind], references[family, "full"]) > 100 * TOLERANCE, \
+    assert distance(references[family, kind], references[family, "full"]) > change, \
         f"{setting} changed nothing"
     return {f"{family}/{strategy}+{kind}-{kind}": data_of(base_config(
         model, data, out / f"{family}-{strategy}+{kind}-{kind}", family=family, method="full", strategy=strategy,
@@ -260,8 +261,10 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
                               gradient_accumulation_steps=2)
     if family == EDITED["launch"]:
         edited = EDITED["family"]
+        # the tiny transformer's reference tokens move its weights 7.4e-5 from the text-to-image run's: ranks that
+        # dropped them (or gave them other ids) would fail the comparison by several TOLERANCEs
         cases |= full_variant("edited", {}, EDITED["strategies"], edited, models[edited], shapes_data, tmp_path,
-                              references, paired=True, batch_size=2)
+                              references, paired=True, change=5 * TOLERANCE, batch_size=2)
     bfloat16_cases = {}
     for name in (name for name in families if name in BFLOAT16_CASES):
         out = tmp_path / f"ref-{name}-bfloat16"
