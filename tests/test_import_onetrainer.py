@@ -428,6 +428,16 @@ def test_the_timestep_shift_is_mapped(tmp_path, settings, shift, dynamic):
     assert not any(line.startswith(("timestep_shift", "dynamic_timestep_shifting")) for line in skipped)
 
 
+@pytest.mark.parametrize("model_type,listed", [("FLUX_DEV_1", True), ("STABLE_DIFFUSION_3", True),
+                                               ("HI_DREAM_FULL", True), ("Z_IMAGE", False), ("QWEN", False)])
+def test_the_text_attention_mask_switch_is_listed_where_onetrainer_reads_it(tmp_path, model_type, listed):
+    """transformer.attention_mask: OneTrainer's Flux, SD3 and HiDream setups read it (HiDream zeroes T5's and Llama's
+    outputs at the padding), which ot_dist does not do: listed. Its Z-Image and Qwen-Image setups never read it."""
+    _, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA",
+                                        "transformer": {"attention_mask": True}})
+    assert any(line.startswith("transformer.attention_mask: true") for line in skipped) == listed
+
+
 @pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE", "PIXART_ALPHA",
                                         "STABLE_CASCADE_1"])
 @pytest.mark.parametrize("settings,shift", [({"timestep_shift": 2.0}, 2.0), ({"timestep_shift": 0.5}, 0.5),

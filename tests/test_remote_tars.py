@@ -84,10 +84,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Accept-Ranges", "bytes")
         self.end_headers()
         sent = 0 if head else len(body)
+        with store.lock:  # logged before the body goes out: the client may check the log as soon as it has read it
+            store.log.append(("HEAD" if head else "GET", self.path, (start, end) if wanted else None, sent))
         if not head:
             self.wfile.write(body)
-        with store.lock:
-            store.log.append(("HEAD" if head else "GET", self.path, (start, end) if wanted else None, sent))
 
     def do_GET(self):
         self._answer(head=False)

@@ -47,12 +47,27 @@ class ModelConfig(Section):
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
-        "Flux and FLUX.2, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config)."
+        "Flux and FLUX.2, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
+        "model.component_files)."
     )
     config: UserPath | None = Field(
         default=None,
         description="For a single-file checkpoint: a diffusers-format folder (or hub id when online) whose "
         "component configs describe the architecture. Needed offline.",
+    )
+    component_files: dict[str, UserPath] = Field(
+        default_factory=dict,
+        description="Components read from their own files instead of the model.config folder (or model.path's): "
+        "component name -> .safetensors file in ComfyUI's layout, as ComfyUI / Forge / SwarmUI users hold them. flux: "
+        "text_encoder (clip_l), text_encoder_2 (t5xxl_fp16, t5xxl_fp8_e4m3fn and its _scaled file), vae (ae); chroma: "
+        "text_encoder (t5xxl), vae (ae); sd3: text_encoder (clip_l), text_encoder_2 (clip_g), text_encoder_3 (t5xxl), "
+        "vae (an LDM-layout VAE file); qwen_image: text_encoder (qwen_2.5_vl_7b, its fp8_scaled file too), vae "
+        "(qwen_image_vae); z_image: text_encoder (qwen_3_4b), vae (Flux's ae); flux_kontext: Flux's; lumina2: text_encoder "
+        "(gemma_2_2b), vae (ae); hidream: text_encoder (clip_l), text_encoder_2 (clip_g), text_encoder_3 (t5xxl), "
+        "text_encoder_4 (llama_3.1_8b_instruct), vae (ae); flux2_klein: text_encoder (qwen_3_4b / qwen_3_8b). The folder then needs only the configs and tokenizers (`hf "
+        "download REPO --include '*.json' '*.txt' '*.model' 'tokenizer*'`). Each file is checked against the "
+        "component the folder's config describes before anything is loaded; float8 weights (ComfyUI's scaled ones "
+        "with their scales) are upcast to float32 as every weight is (docs/families.md).",
     )
     decoder: str | None = Field(
         default=None,
@@ -1057,6 +1072,11 @@ class TrainConfig(Section):
         if self.sampling.prompts and not family.samplers:
             raise ValueError(f"sampling.prompts: ot_dist does not sample {self.model.family} during training yet; "
                              "remove the prompts")
+        for name in self.model.component_files:
+            if name not in family.component_files:
+                takes = ", ".join(family.component_files) or "none"
+                raise ValueError(f"model.component_files.{name}: {self.model.family} takes no {name} from a separate "
+                                 f"file (it takes: {takes})")
         if self.model.decoder is not None and family.decoder_pipeline_class is None:
             raise ValueError(f"model.decoder: {self.model.family} has no separate decoder stages (its pipeline "
                              "decodes by itself); remove it")

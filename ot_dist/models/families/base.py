@@ -310,6 +310,11 @@ class Family:
         text encoders, as a full checkpoint where the family's own file is the denoiser alone (`full_checkpoint`)."""
         raise NotImplementedError
 
+    # The components a separate file may replace (`model.component_files`: ComfyUI's clip_l / t5xxl / ae files and
+    # the like), each with the layout its file has (ot_dist/models/families/component_files.py); the model.config
+    # folder then needs only their configs. Empty: the family takes every component from its folder or single file.
+    component_files: dict = {}
+
     # Where a full checkpoint (ComfyUI's Load Checkpoint: denoiser, VAE, text encoders in one file) holds each
     # component, for the families whose own single file is the denoiser (ot_dist/models/families/full_checkpoint.py).
     full_checkpoint = None

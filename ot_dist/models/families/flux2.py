@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.flux import TRANSFORMER_SHARD_UNITS, pack, sample_reference, unpack
 from ot_dist.models.objectives import FlowMatching
@@ -189,7 +190,8 @@ class Flux2Family(Family):
         from ot_dist.models.families.flux2_single_file import flux2_from_original, validate_flux2_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, flux2_from_original, validate_flux2_file)
+        return load_transformer_file(path, config_folder, self, flux2_from_original, validate_flux2_file,
+                                     model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with Black Forest Labs' bare keys. A trained text encoder is not in it
@@ -283,6 +285,9 @@ class Flux2Klein(Flux2Family):
                    "18 / 27, classifier-free guidance)")
     pipeline_class = "Flux2KleinPipeline"
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": ("model.layers",)}  # Qwen3ForCausalLM
+    # ComfyUI's qwen_3_4b / qwen_3_8b files (Qwen3 under model., no lm_head: 4B's is tied, 8B's a zero one); its
+    # flux2-vae.safetensors layout is not read yet
+    component_files = {"text_encoder": C.QWEN3}
     layers = QWEN3_LAYERS
     memory_reference = "FLUX.2 klein 9B"  # the larger [klein] (9.1 B + Qwen3-8B); 4B's needs are below it
     modelspec_architecture = "flux-2-klein"
