@@ -163,3 +163,21 @@ def test_a_run_mixing_samples_with_and_without_references_is_refused(family_mode
     flux = edit_config("flux", family_models["flux"], edit_pairs, tmp_path / "f")
     with pytest.raises(ConfigError, match=r"flux takes no reference images.*\(flux2, flux2_klein, flux_kontext\)"):
         Trainer(validate(flux), log=quiet)
+
+
+def test_cached_reference_latents_train_as_the_images(family_models, edit_pairs, tmp_path):
+    """data.cache_latents stores the reference's posterior beside the image's (32-channel layout, normalised when
+    read): the denoiser sees the uncached reference latents and the first step's loss is the uncached one."""
+    from ot_dist.train.references import reference_conditioning
+
+    losses, references = {}, {}
+    for cache in (False, True):
+        trainer = trainer_for("flux2_klein", family_models["flux2_klein"], edit_pairs, tmp_path / f"o{cache}",
+                              **{"data.cache_latents": cache})
+        batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+        assert ("reference_latent_mean" in batch) == cache and ("reference_pixels" in batch) != cache
+        with torch.no_grad():
+            losses[cache] = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
+        references[cache] = reference_conditioning(trainer.model, batch, "cpu", torch.float32)["reference_latents"]
+    torch.testing.assert_close(references[True], references[False], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
