@@ -114,14 +114,16 @@ def base_config(model_path, data_path, output_dir, family="sd1", method="full", 
     return raw
 
 
-def with_reference_images(raw: dict) -> dict:
+def with_reference_images(raw: dict, optional_too: bool = False) -> dict:
     """`raw` (base_config's) with a reference image for each of its images where the family needs them (an edit
-    model, flux_kontext): the demo drawn again with another seed, beside the data folder, paired by file name."""
+    model, flux_kontext), or, with `optional_too`, takes them (FLUX.2): the demo drawn again with another seed, beside
+    the data folder, paired by file name."""
     from pathlib import Path
 
     from ot_dist.models.families.registry import get_family
 
-    if not get_family(raw["model"]["family"]).reference_images:
+    family = get_family(raw["model"]["family"])
+    if not (family.reference_images or (optional_too and family.takes_reference_images)):
         return raw
     from ot_dist.demo import make_demo_dataset
 

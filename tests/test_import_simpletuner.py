@@ -447,3 +447,23 @@ def test_flux_kontext_takes_its_conditioning_dataset_as_reference_images(tmp_pat
     plain, text = imported(tmp_path, {"--model_family": "flux", "--model_type": "lora"}, backends)
     assert plain["model"]["family"] == "flux" and "reference_path" not in plain["data"]["concepts"][0]
     assert "conditioning_type: reference_strict" in text.split("NOT HONOURED")[1]
+
+
+def test_flux2_takes_a_conditioning_dataset_as_reference_images_and_trains_text_to_image_without(tmp_path):
+    """SimpleTuner's flux2 takes conditioning datasets optionally (supports_conditioning_dataset): a dataset naming a
+    reference_strict one gets its folder as reference_path; without conditioning_data it stays text-to-image."""
+    images(tmp_path / "data" / "edited", ["a", "b"], {"a": "make it red", "b": "make it blue"})
+    images(tmp_path / "data" / "reference", ["a", "b"])
+    backends = [{"id": "edits", "type": "local", "instance_data_dir": "data/edited", "caption_strategy": "textfile",
+                 "conditioning_data": ["refs"]},
+                {"id": "refs", "type": "local", "instance_data_dir": "data/reference", "caption_strategy": None,
+                 "conditioning_type": "reference_strict"}]
+    config, text = imported(tmp_path, {"--model_family": "flux2", "--model_type": "lora"}, backends)
+    assert config["model"]["family"] == "flux2_klein"
+    (concept,) = config["data"]["concepts"]
+    assert Path(concept["reference_path"]) == tmp_path / "data" / "reference"
+    assert "give each sampling.prompts[] a reference_image" in text.split("NOT HONOURED")[1]
+    plain = [{k: v for k, v in backends[0].items() if k != "conditioning_data"}]
+    config, text = imported(tmp_path, {"--model_family": "flux2", "--model_type": "lora"}, plain)
+    assert "reference_path" not in config["data"]["concepts"][0]
+    assert "reference" not in text.split("NOT HONOURED")[-1]

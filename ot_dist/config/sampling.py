@@ -66,8 +66,8 @@ class SamplePrompt(Section):
         default=None, description="This prompt's sampler, one the family's objective allows (the names of "
         "sampling.sampler; auto = the family's first); null = sampling.sampler.")
     reference_image: str | None = Field(
-        default=None, description="An edit model's reference image (flux_kontext): the picture the prompt's edit "
-        "applies to, scaled to cover the sample's size and centre-cropped, as training pairs' references are. Other "
+        default=None, description="An edit model's reference image (flux_kontext, flux2, flux2_klein): the picture "
+        "the prompt's edit applies to, scaled to cover the sample's size and centre-cropped, as training pairs' references are. Other "
         "families refuse it; without one an edit model samples from the prompt alone.")
     guidance_rescale: float | None = Field(
         default=None, ge=0, le=1, description="Rescales the guided prediction toward the standard deviation of the "

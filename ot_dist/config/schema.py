@@ -40,8 +40,9 @@ class ModelConfig(Section):
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
         "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), hidream "
         "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
-        "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B), wan (Wan 2.1 text-to-video, trained on "
-        "images as one-frame videos); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
+        "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
+        "videos); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -296,7 +297,8 @@ class ConceptConfig(Section):
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
     reference_path: UserPath | None = Field(
-        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext): the "
+        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext; "
+        "flux2 / flux2_klein, which then need it on every concept): the "
         "partner of `<path>/sub/a.png` is the image `sub/a.<any extension>` under this folder (the ai-toolkit / "
         "musubi `control` folder, SimpleTuner's conditioning dataset paired by file name). Every image needs its "
         "partner (a missing one is named before any shard is written). The reference takes the image's geometry: "

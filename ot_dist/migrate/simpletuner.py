@@ -27,6 +27,9 @@ from ot_dist.migrate.simpletuner_samples import import_samples
 # SimpleTuner's (model_family, model_flavour) of an edit model -> ot_dist's family: the base family's import, with the
 # conditioning datasets as the concepts' reference_path (simpletuner_dataset.py)
 EDIT_FLAVOURS = {("flux", "kontext"): "flux_kontext"}
+# The families that train with references or without (SimpleTuner's flux2: supports_conditioning_dataset, optional):
+# a dataset naming a reference dataset in its conditioning_data gets it as reference_path, the others none
+OPTIONAL_EDIT_FAMILIES = ("flux2", "flux2_klein")
 # SimpleTuner's model_family -> (ot_dist's family, its denoiser part, the default flavour's model: HUGGINGFACE_PATHS)
 FAMILIES = {
     "sd1x": ("sd1", "unet", "Lykon/dreamshaper-8"), "sd2x": ("sd2", "unet", "bghira/pseudo-flex-v2"),
@@ -107,9 +110,12 @@ def import_simpletuner(config: str, backend_file: str | None = None, lycoris_fil
     _gradient_clip(args, c, family, out)
     import_loss(args, c, family, out)
     edit = EDIT_FLAVOURS.get((str(args["model_family"]), str(args["model_flavour"] or "")))
-    import_dataset(args, c, method, backend_file, out, references=edit is not None)
+    optional = edit is None and family in OPTIONAL_EDIT_FAMILIES
+    import_dataset(args, c, method, backend_file, out, references=edit is not None or optional,
+                   references_optional=optional)
     if edit is not None:  # the base family's mapping above (loss, LoRA targets, samples) is the edit model's too
         c["model"]["family"] = edit
+    if any("reference_path" in concept for concept in c["data"]["concepts"]):
         out.not_honoured.append("validation: SimpleTuner edits its reference dataset's images; the samples written "
                                 "here draw from the prompt alone (give each sampling.prompts[] a reference_image)")
     c["data"]["bucket_step"] = BUCKET_ALIGNMENT.get(family, c["data"]["bucket_step"])

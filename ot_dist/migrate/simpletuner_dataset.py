@@ -39,8 +39,9 @@ REFERENCE_TYPES = ("reference_strict", "reference_loose")
 
 
 def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: str | None, out: Imported,
-                   references: bool = False) -> None:
-    """`references`: an edit model's import, whose conditioning datasets are its reference images."""
+                   references: bool = False, references_optional: bool = False) -> None:
+    """`references`: an edit model's import, whose conditioning datasets are its reference images (with
+    `references_optional`, FLUX.2's, for the datasets that name one: the others train text-to-image)."""
     path = args.file(backend_file, "data_backend_config", out)
     if path is None:
         raise ConfigError("data_backend_config: not set (SimpleTuner's multidatabackend.json, the datasets)")
@@ -57,7 +58,7 @@ def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: st
         concept = _concept(args, backend, where, method, out)
         if concept is None:
             continue
-        if references:
+        if references and (backend.get("conditioning_data") or not references_optional):
             concept |= _reference(args, backend, conditioning, where, out)
         elif backend.get("conditioning_data"):
             out.not_honoured.append(f"{where}.conditioning_data: {backend['conditioning_data']}: this model takes no "

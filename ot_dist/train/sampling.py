@@ -72,9 +72,11 @@ class Sampler:
         for i, prompt in enumerate(self.settings.prompts):
             if prompt.reference_image is None:
                 continue
-            if not self.model.family.reference_images:
+            if not self.model.family.takes_reference_images:
+                from ot_dist.train.references import edit_families
+
                 raise ConfigError(f"sampling.prompts[{i}].reference_image: model.family {self.model.family.name} takes "
-                                  "no reference image (an edit model does: flux_kontext); remove it")
+                                  f"no reference image (an edit model does: {', '.join(edit_families())}); remove it")
             try:
                 open_image(Path(prompt.reference_image).expanduser())
             except (UnreadableImage, OSError) as err:

@@ -88,6 +88,14 @@ class Family:
     # A video model trained on images as one-frame videos (Wan): a video clip in a concept is refused, not left out
     # (ot_dist/data/concepts.py check_video_clips), since it was surely meant as training data.
     video_model: bool = False
+    # Edit models that train text-to-image too (FLUX.2 [dev] / [klein]): with references where every sample has one,
+    # without them where none has (a mix is refused: ot_dist/train/references.py); sample prompts may give one.
+    reference_images_optional: bool = False
+
+    @property
+    def takes_reference_images(self) -> bool:
+        """Whether the denoiser can see a reference image (training pairs, a sample prompt's reference_image)."""
+        return self.reference_images or self.reference_images_optional
 
     def complete_pipeline(self, pipeline, path: Path, model_config):
         """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""

@@ -25,7 +25,7 @@ import torch
 
 from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
-from ot_dist.models.families.flux import TRANSFORMER_SHARD_UNITS, pack, unpack
+from ot_dist.models.families.flux import TRANSFORMER_SHARD_UNITS, pack, sample_reference, unpack
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
 
@@ -65,6 +65,18 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
     return latents.view(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
 
 
+# Flux2Pipeline._prepare_image_ids: the i-th reference image's tokens sit at time coordinate 10 + 10 i
+REFERENCE_TIME_SCALE = 10
+
+
+def reference_ids(rows: int, columns: int, index: int, device) -> torch.Tensor:
+    """(rows * columns, 4): the position ids of the `index`-th reference image's packed tokens, (10 + 10 index, row,
+    column, 0) in raster order, rows and columns from 0 (Flux2Pipeline._prepare_image_ids)."""
+    time = torch.full((1,), REFERENCE_TIME_SCALE * (1 + index), dtype=torch.long, device=device)
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return torch.cartesian_prod(time, torch.arange(rows, device=device), torch.arange(columns, device=device), zero)
+
+
 def position_ids(rows: int, columns: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(image ids (rows * columns, 4), text ids (tokens, 4)): the (time, row, column, layer) coordinates the pipeline
     gives its tokens, image tokens in raster order at time 0, text tokens along the layer axis."""
@@ -95,6 +107,9 @@ class Flux2Family(Family):
     # kohya-style lora_unet_<BFL path with _> and ComfyUI's diffusion_model.<BFL path>, read by lora merge / init_from
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     layers: tuple[int, ...] = ()
+    # Both pipelines take `image=` (reference images) and diffusers has an img2img script for each: a run with a
+    # reference_path on its concepts trains image editing, one without trains text-to-image.
+    reference_images_optional = True
 
     def objective(self, pipeline, model_config) -> FlowMatching:
         return FlowMatching.from_scheduler_config(pipeline.scheduler.config, patch_size=2)
@@ -135,12 +150,26 @@ class Flux2Family(Family):
     def guidance(self, denoiser, batch_size: int, device) -> torch.Tensor | None:
         return None
 
+    def image_tokens(self, noisy: torch.Tensor, conditioning: dict, image_ids: torch.Tensor):
+        """(the image stream's tokens, their position ids): the packed noisy latents, then, where the conditioning
+        has them (an edit run: ot_dist/train/references.py), the reference's packed latents with their own ids, as
+        Flux2Pipeline / Flux2KleinPipeline append them (Flux.1 Kontext's hook, FLUX.2's ids). The prediction is read
+        from the first tokens, the noisy latents' own."""
+        tokens = pack(noisy)
+        reference = conditioning.get("reference_latents")
+        if reference is None:
+            return tokens, image_ids
+        h, w = reference.shape[-2:]
+        return (torch.cat([tokens, pack(reference.to(tokens))], dim=1),
+                torch.cat([image_ids, reference_ids(h // 2, w // 2, 0, image_ids.device)], dim=0))
+
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         b, _, h, w = noisy.shape
         hidden = conditioning["hidden"]
         image_ids, text_ids = position_ids(h // 2, w // 2, hidden.shape[1], noisy.device)
+        tokens, image_ids = self.image_tokens(noisy, conditioning, image_ids)
         tokens = denoiser(
-            hidden_states=pack(noisy),
+            hidden_states=tokens,
             # float32, as the training scripts pass it (the transformer casts it to its own dtype)
             timestep=timesteps.float() / 1000,
             guidance=self.guidance(denoiser, b, noisy.device),
@@ -149,7 +178,7 @@ class Flux2Family(Family):
             img_ids=image_ids,
             return_dict=False,
         )[0]
-        return unpack(tokens, h, w)
+        return unpack(tokens[:, :(h // 2) * (w // 2)], h, w)
 
     # -- single files -----------------------------------------------------------------------------------
     def denoiser_original_rules(self, config) -> list:
@@ -224,7 +253,7 @@ class Flux2(Flux2Family):
 
     def sampling_arguments(self, pipeline, arguments):
         # guidance_scale is the distilled guidance input here; there is no negative prompt
-        return {**arguments, **self.pipeline_call_options(pipeline)}
+        return {**with_reference(arguments), **self.pipeline_call_options(pipeline)}
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
@@ -276,7 +305,7 @@ class Flux2Klein(Flux2Family):
     def sampling_arguments(self, pipeline, arguments):
         """The pipeline guides against the empty caption; a sample prompt's negative prompt goes in as its
         embeddings (the pipeline takes no negative text)."""
-        arguments = {**arguments, **self.pipeline_call_options(pipeline)}
+        arguments = {**with_reference(arguments), **self.pipeline_call_options(pipeline)}
         negative = arguments.pop("negative_prompt", None)
         if negative:
             arguments["negative_prompt_embeds"] = pipeline.encode_prompt(
@@ -300,6 +329,17 @@ class Flux2Klein(Flux2Family):
             transformer=self.tiny_transformer(guidance=False), vae=tiny_flux2_vae(),
             text_encoder=Qwen3ForCausalLM(config).eval(), tokenizer=tokenizer,
             scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER))
+
+
+def with_reference(arguments: dict) -> dict:
+    """A sample prompt's reference_image as the pipelines' `image`: scaled to cover the sample's size and
+    centre-cropped, the geometry every training pair has (Flux.1 Kontext's sample_reference). The pipelines take it
+    as given up to 1024 x 1024 pixels (larger, they scale it down to that area, as the img2img scripts' references)."""
+    arguments = dict(arguments)
+    reference = arguments.pop("reference_image", None)
+    if reference is not None:
+        arguments["image"] = sample_reference(reference, arguments["width"], arguments["height"])
+    return arguments
 
 
 def tiny_flux2_vae():
