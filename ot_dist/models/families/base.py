@@ -85,6 +85,9 @@ class Family:
     # Edit models (Flux.1 Kontext) see a reference image beside the noisy latents: every sample must have one (a
     # concept's reference_path); a family without them refuses samples that have one (ot_dist/train/references.py).
     reference_images: bool = False
+    # data.<option>: why this family refuses it (Qwen-Image-Edit's text encoder reads the reference image's pixels,
+    # so neither a text cache of captions nor a latent cache serves it); checked before the model loads.
+    cache_refusals: dict[str, str] = {}
 
     def complete_pipeline(self, pipeline, path: Path, model_config):
         """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""
@@ -229,6 +232,11 @@ class Family:
                 truncation=True, return_tensors="pt",
             ).input_ids
         return tokens
+
+    def tokenize_batch(self, model, captions: list[str], batch: dict) -> dict[str, torch.Tensor]:
+        """`tokenize` for a training batch (the loaded `model`, the batch's other tensors at hand): a family whose
+        text encoder reads the reference image too (Qwen-Image-Edit's processor) overrides it."""
+        return self.tokenize(model.tokenizers, captions)
 
     def max_tokens(self, tokenizer_name: str, tokenizer) -> int:
         return tokenizer.model_max_length

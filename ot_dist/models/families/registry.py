@@ -23,6 +23,7 @@ FAMILY_MODULES: dict[str, str] = {
     "z_image": "ot_dist.models.families.z_image",
     "hidream": "ot_dist.models.families.hidream",
     "flux_kontext": "ot_dist.models.families.flux",
+    "qwen_image_edit": "ot_dist.models.families.qwen_image_edit",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
