@@ -277,3 +277,18 @@ def test_flux_kontext_memory_row_is_flux_devs_weights_with_more_activations():
     assert ACTIVATIONS_GIB["Flux.1 Kontext dev"] > ACTIVATIONS_GIB["Flux.1 dev"]
     flux, edit = (choose(get_family(name), "lora", 80, 1) for name in ("flux", "flux_kontext"))
     assert edit.reference == "Flux.1 Kontext dev" and edit.need_gib > flux.need_gib
+
+
+def test_qwen_image_edit_memory_row_is_qwen_images_weights_with_more_activations():
+    """Qwen-Image-Edit's row (ot-dist init's reference for qwen_image_edit) counts Qwen-Image's published weights and
+    sharding units; its activation allowance is larger (the reference's latent and vision tokens), so init needs more."""
+    from ot_dist.starter.choose import ACTIVATIONS_GIB, choose
+
+    edit = build_components("Qwen-Image-Edit")
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in edit.items()}
+    assert counts == {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531}  # Qwen-Image's
+    assert DENOISERS["Qwen-Image-Edit"][2] == get_family("qwen_image_edit").shard_units["transformer"]
+    assert fsdp_rank_bytes(edit, "Qwen-Image-Edit", 8)["largest_unit_fraction"] < 0.05
+    assert ACTIVATIONS_GIB["Qwen-Image-Edit"] > ACTIVATIONS_GIB["Qwen-Image"]
+    plain, edited = (choose(get_family(name), "lora", 80, 1) for name in ("qwen_image", "qwen_image_edit"))
+    assert edited.reference == "Qwen-Image-Edit" and edited.need_gib > plain.need_gib

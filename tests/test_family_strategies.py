@@ -75,6 +75,10 @@ RIDERS["pixart_alpha"] += ("hidream",)
 # an edit model trains on pairs, so its runs read the shapes with a reference image each (conftest.py).
 FAMILY_STRATEGIES["flux_kontext"] = ("fsdp", "zero2")
 RIDERS["flux"] += ("flux_kontext",)
+# Qwen-Image-Edit: its reference latents beside the noisy ones (img_shapes listing both) and the reference through
+# Qwen2.5-VL's vision tower in the text (the processor per batch) under fsdp, riding in Flux's launch.
+FAMILY_STRATEGIES["qwen_image_edit"] = ("fsdp",)
+RIDERS["flux"] += ("qwen_image_edit",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a

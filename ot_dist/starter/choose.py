@@ -38,6 +38,10 @@ ACTIVATIONS_GIB["HiDream-I1"] = 6.0
 # target's), the activations of the checkpointed blocks growing with the sequence: Flux's estimate less a GiB of
 # context and slack, scaled by the sequence (8704 tokens with the caption's 512, against 4608), and that GiB again.
 ACTIVATIONS_GIB["Flux.1 Kontext dev"] = 10.5
+# Qwen-Image-Edit: Qwen-Image's blocks over the target's 4096 image tokens, the reference's 4096 and a text stream that
+# holds the reference's vision tokens (about 1400 at 1024 px: 14 px patches merged 2x2) with the caption: Qwen-Image's
+# estimate less a GiB of context and slack, scaled by the sequence (about 9700 tokens against 4608), and that GiB again.
+ACTIVATIONS_GIB["Qwen-Image-Edit"] = 12.5
 NO_CHECKPOINTING_FACTOR = 4
 
 
