@@ -59,6 +59,16 @@ def first_batch(trainer):
     return trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
 
 
+def load_pipeline(folder):
+    """QwenImageEditPipeline.from_pretrained with the processor the family reads (its video part needs torchvision)."""
+    from diffusers import QwenImageEditPipeline
+
+    from ot_dist.models.families.registry import get_family
+
+    return QwenImageEditPipeline.from_pretrained(folder, local_files_only=True,
+                                                 **get_family(FAMILY).folder_components(folder))
+
+
 def pil_references(batch):
     from PIL import Image
 
@@ -135,8 +145,6 @@ def test_objective_equals_the_pipelines_step_written_out(family_models, edit_pai
 def test_samples_equal_the_edit_pipeline_with_the_same_reference_and_seed(family_models, edit_pairs, tmp_path):
     from PIL import Image
 
-    from ot_dist.models.families.registry import get_family
-
     images, references = edit_pairs
     reference = references / "0003.png"
     prompt = {"prompt": "make it red", "seed": 3, "steps": 2, "guidance_scale": 20.0, "width": 64, "height": 48,
@@ -145,10 +153,7 @@ def test_samples_equal_the_edit_pipeline_with_the_same_reference_and_seed(family
                           **{"sampling.prompts": [prompt]})
     trainer.train()
     (sample,) = sorted((tmp_path / "o" / "samples").glob("step-*/*.png"))
-    folder = tmp_path / "o" / "model"
-    import json
-
-    pipe = get_family(FAMILY).load_folder(folder, json.loads((folder / "model_index.json").read_text()))
+    pipe = load_pipeline(tmp_path / "o" / "model")
 
     def image(given, **guidance):
         return np.asarray(pipe(image=given, prompt="make it red", width=64, height=48, num_inference_steps=2,
@@ -170,10 +175,6 @@ def test_the_lora_trains_loads_in_the_edit_pipeline_and_follows_comfyuis_qwen_im
     """The loss falls; the file is Qwen-Image's diffusers layout (ComfyUI's Qwen-Image rule, comfy/lora.py
     model_lora_keys_unet: `transformer.<diffusers module>`), which QwenImageEditPipeline.load_lora_weights reads to
     the trained predictions."""
-    import json
-
-    from ot_dist.models.families.registry import get_family
-
     base = family_models[FAMILY]
     trainer = trainer_for(base, edit_pairs, tmp_path / "o", method="lora", epochs=3, learning_rate=3e-3,
                           output_dtype="float32", **{"lora.rank": 4, "lora.alpha": 8})
@@ -191,7 +192,7 @@ def test_the_lora_trains_loads_in_the_edit_pipeline_and_follows_comfyuis_qwen_im
     noisy, t = torch.randn(1, 16, 8, 6), torch.tensor([500.0])
     conditioning = {"hidden": torch.randn(1, 5, 32), "mask": torch.ones(1, 5, dtype=torch.long),
                     "reference_latents": torch.randn(1, 16, 8, 6)}
-    loaded = get_family(FAMILY).load_folder(base, json.loads((base / "model_index.json").read_text()))
+    loaded = load_pipeline(base)
     with torch.no_grad():
         trained = model.family.predict(model.denoiser, noisy, t, conditioning, {})
         plain = model.family.predict(loaded.transformer, noisy, t, conditioning, {})
@@ -225,3 +226,22 @@ def test_data_without_references_is_refused(family_models, shapes_data, tmp_path
     plain = base_config(family_models[FAMILY], shapes_data, tmp_path / "o", family=FAMILY)
     with pytest.raises(ConfigError, match="16 of 16 samples have no reference image"):
         Trainer(validate(plain), log=quiet)
+
+
+def test_comfyuis_edit_file_loads_as_the_folder(family_models, tmp_path):
+    """qwen_image_edit_*.safetensors is Qwen-Image's layout (bare diffusers keys; ComfyUI loads it with its Qwen-Image
+    model class): the transformer from it, the rest (the processor too) from model.config."""
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.loading import load_model
+
+    folder = family_models[FAMILY]
+    state = load_file(folder / "transformer" / "diffusion_pytorch_model.safetensors")
+    single = tmp_path / "qwen_image_edit_tiny.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, single)
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(single), config=str(folder)))
+    assert type(loaded.pipeline).__name__ == "QwenImageEditPipeline"
+    assert loaded.pipeline.processor.image_processor.size["longest_edge"] == 112 * 112  # the folder's processor
+    got = loaded.denoiser.state_dict()
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)

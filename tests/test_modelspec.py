@@ -81,6 +81,9 @@ DOCUMENTED = [
     # SwarmUI's class id (T2IModelClassSorter: Flux.1-dev/kontext, matched lowercased); kohya has no Kontext id
     ("flux_kontext", FLUX_DEV, None, False, "checkpoint", None, "flux.1-dev/kontext", BFL),
     ("flux_kontext", FLUX_DEV, None, False, "lora", "diffusers", "flux.1-dev/kontext/lora", "diffusers"),
+    # SwarmUI's class id (T2IModelClassSorter: qwen-image-edit); ComfyUI's names are diffusers'
+    ("qwen_image_edit", {}, None, False, "checkpoint", None, "qwen-image-edit", "diffusers"),
+    ("qwen_image_edit", {}, None, False, "lora", "diffusers", "qwen-image-edit/lora", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -98,6 +98,12 @@ class Family:
         from_pretrained cannot reload it (a component class diffusers does not export); None = from_pretrained."""
         return None
 
+    def folder_components(self, path: Path) -> dict:
+        """Components read here and handed to the pipeline's from_pretrained (folders and single files' config
+        folders alike), for a component from_pretrained cannot read in this environment (Qwen-Image-Edit's
+        processor, whose video part needs torchvision); {} for most families."""
+        return {}
+
     def save_extras(self, pipeline, folder: Path) -> None:
         """Write into a saved pipeline folder what `complete_pipeline` reads back (nothing for most families): every
         diffusers folder ot_dist writes (the full export, its EMA copy, `ot-dist lora merge`, the demo's models)

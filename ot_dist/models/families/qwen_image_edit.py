@@ -59,21 +59,20 @@ class QwenImageEdit(QwenImage):
                          "latent cache does not keep",
     }
 
-    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
-        return "qwen-image/edit"
+    # SwarmUI's class id (T2IModelClassSorter: "qwen-image-edit", in the Qwen-Image compat class); kohya defines none
+    modelspec_architecture = "qwen-image-edit"
 
     # -- loading ------------------------------------------------------------------------------------------
-    def load_folder(self, path, index):
-        """from_pretrained with the processor read as its image processor and tokenizer (image_only_processor):
+    def folder_components(self, path):
+        """The processor read as its image processor and tokenizer (image_only_processor):
         Qwen2VLProcessor.from_pretrained would build its video processor, which needs torchvision."""
-        from diffusers import QwenImageEditPipeline
         from transformers import AutoImageProcessor, AutoTokenizer
 
         folder = path / "processor"
-        processor = image_only_processor(AutoImageProcessor.from_pretrained(folder, local_files_only=True),
-                                         AutoTokenizer.from_pretrained(folder, local_files_only=True))
-        return QwenImageEditPipeline.from_pretrained(path, processor=processor, dtype=torch.float32,
-                                                     use_safetensors=True, local_files_only=True)
+        if not folder.is_dir():
+            return {}  # from_pretrained names what is missing
+        return {"processor": image_only_processor(AutoImageProcessor.from_pretrained(folder, local_files_only=True),
+                                                  AutoTokenizer.from_pretrained(folder, local_files_only=True))}
 
     # -- text -------------------------------------------------------------------------------------------
     def tokenize(self, tokenizers, captions):

@@ -39,7 +39,8 @@ def load_transformer_file(path: Path, config_folder: str | None, family, from_or
         raise InputFileError(f"model.path: {path} does not fit {config_file}: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
     try:
-        pipeline = family.pipeline_cls().from_pretrained(folder, **{family.denoiser: denoiser}, dtype=torch.float32,
+        pipeline = family.pipeline_cls().from_pretrained(folder, **family.folder_components(Path(folder)),
+                                                         **{family.denoiser: denoiser}, dtype=torch.float32,
                                                          use_safetensors=True, local_files_only=True)
     except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason
         raise InputFileError(f"model.config: could not load the other components from {folder}: {err}") from None
