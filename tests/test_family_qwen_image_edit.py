@@ -245,3 +245,9 @@ def test_comfyuis_edit_file_loads_as_the_folder(family_models, tmp_path):
     assert loaded.pipeline.processor.image_processor.size["longest_edge"] == 112 * 112  # the folder's processor
     got = loaded.denoiser.state_dict()
     assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
+
+
+def test_a_sample_prompt_without_a_reference_is_refused(family_models, edit_pairs, tmp_path):
+    with pytest.raises(ConfigError, match=r"sampling.prompts\[0\]: model.family qwen_image_edit samples only with a "
+                                          "reference image"):
+        trainer_for(family_models[FAMILY], edit_pairs, tmp_path / "o", **{"sampling.prompts": [{"prompt": "a dot"}]})

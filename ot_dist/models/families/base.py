@@ -85,6 +85,9 @@ class Family:
     # Edit models (Flux.1 Kontext) see a reference image beside the noisy latents: every sample must have one (a
     # concept's reference_path); a family without them refuses samples that have one (ot_dist/train/references.py).
     reference_images: bool = False
+    # An edit model whose pipeline cannot sample without a reference image (QwenImageEditPipeline): a sample prompt
+    # without reference_image is refused before training (Kontext's pipeline samples from the prompt alone).
+    sample_reference_required: bool = False
     # data.<option>: why this family refuses it (Qwen-Image-Edit's text encoder reads the reference image's pixels,
     # so neither a text cache of captions nor a latent cache serves it); checked before the model loads.
     cache_refusals: dict[str, str] = {}

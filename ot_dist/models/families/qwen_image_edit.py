@@ -51,6 +51,9 @@ class QwenImageEdit(QwenImage):
                    "and seen by Qwen2.5-VL's vision tower in the text)")
     pipeline_class = "QwenImageEditPipeline"
     reference_images = True
+    sample_reference_required = True  # QwenImageEditPipeline reads the reference's size before anything else
+    # QwenImageEditPipeline's true_cfg_scale default and its model card's example (OneTrainer has no edit model)
+    sample_guidance_scale = 4.0
     memory_reference = "Qwen-Image-Edit"  # Qwen-Image's weights, twice its image tokens plus the vision tokens
     cache_refusals = {
         "cache_text": "Qwen-Image-Edit's text encoder reads each sample's reference image (its vision tokens are part "
