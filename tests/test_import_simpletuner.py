@@ -418,3 +418,25 @@ def test_flux_kontext_takes_its_conditioning_dataset_as_reference_images(tmp_pat
     plain, text = imported(tmp_path, {"--model_family": "flux", "--model_type": "lora"}, backends)
     assert plain["model"]["family"] == "flux" and "reference_path" not in plain["data"]["concepts"][0]
     assert "conditioning_type: reference_strict" in text.split("NOT HONOURED")[1]
+
+
+def test_qwen_image_edit_v1_takes_its_conditioning_dataset_as_reference_images(tmp_path):
+    """SimpleTuner's Qwen-Image-Edit (model_family qwen_image, model_flavour edit-v1): the conditioning dataset becomes
+    the concept's reference_path; its validation prompts are left out (the edit pipeline samples only with a reference
+    image) and listed; the 2509 flavours stay listed as not honoured (test_sana_and_qwen_image_defaults)."""
+    images(tmp_path / "data" / "edited", ["a", "b"], {"a": "make it red", "b": "make it blue"})
+    images(tmp_path / "data" / "reference", ["a", "b"])
+    backends = [{"id": "edits", "type": "local", "instance_data_dir": "data/edited", "caption_strategy": "textfile",
+                 "conditioning_data": ["refs"]},
+                {"id": "refs", "type": "local", "instance_data_dir": "data/reference", "caption_strategy": None,
+                 "conditioning_type": "reference_strict"}]
+    config, text = imported(tmp_path, {"--model_family": "qwen_image", "--model_flavour": "edit-v1",
+                                       "--model_type": "lora", "--validation_prompt": "make it green"}, backends)
+    assert config["model"]["family"] == "qwen_image_edit"
+    (concept,) = config["data"]["concepts"]
+    assert Path(concept["reference_path"]) == tmp_path / "data" / "reference"
+    assert config["loss"]["timestep_shift"] == 3.0  # Qwen-Image's import
+    assert not config.get("sampling", {}).get("prompts")
+    not_honoured = text.split("NOT HONOURED")[1]
+    assert "qwen_image_edit samples only with a reference image" in not_honoured
+    assert "model_flavour: edit-v1" not in not_honoured
