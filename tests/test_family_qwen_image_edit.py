@@ -23,6 +23,9 @@ from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.trainer import Trainer
 
 FAMILY = "qwen_image_edit"
+# Qwen-Image-Edit-2509 / 2511 through QwenImageEditPlusPipeline, one reference per sample: the conditioning,
+# objective and samples tests run on both
+BOTH = ("qwen_image_edit", "qwen_image_edit_plus")
 
 
 def quiet(*_):
@@ -42,31 +45,51 @@ def edit_pairs(shapes_data, tmp_path_factory):
     return images, references
 
 
-def edit_config(model, pairs, out, method="full", **overrides):
+def edit_config(model, pairs, out, method="full", family=FAMILY, **overrides):
     images, references = pairs
     settings = {"batch_size": 2, "learning_rate": 3e-4, **overrides}
-    raw = base_config(model, images, out, family=FAMILY, method=method, **settings)
+    raw = base_config(model, images, out, family=family, method=method, **settings)
     raw["data"].pop("path")
     raw["data"]["concepts"] = [{"path": str(images), "reference_path": str(references)}]
     return raw
 
 
-def trainer_for(model, pairs, out, method="full", **overrides):
-    return Trainer(validate(edit_config(model, pairs, out, method, **overrides)), log=quiet)
+def trainer_for(model, pairs, out, method="full", family=FAMILY, **overrides):
+    return Trainer(validate(edit_config(model, pairs, out, method, family, **overrides)), log=quiet)
 
 
 def first_batch(trainer):
     return trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
 
 
-def load_pipeline(folder):
-    """QwenImageEditPipeline.from_pretrained with the processor the family reads (its video part needs torchvision)."""
-    from diffusers import QwenImageEditPipeline
-
+def load_pipeline(folder, family=FAMILY):
+    """The pipeline's from_pretrained with the processor the family reads (its video part needs torchvision)."""
     from ot_dist.models.families.registry import get_family
 
-    return QwenImageEditPipeline.from_pretrained(folder, local_files_only=True,
-                                                 **get_family(FAMILY).folder_components(folder))
+    return get_family(family).pipeline_cls().from_pretrained(folder, local_files_only=True,
+                                                             **get_family(family).folder_components(folder))
+
+
+def pipeline_embeds(pipe, captions, images):
+    """encode_prompt with each caption's reference, one call a sample (QwenImageEditPlusPipeline gives every prompt of
+    a call every image), re-stacked as the pipeline stacks a batch: zeros after each row's tokens, and its mask."""
+    rows = []
+    for caption, image in zip(captions, images):
+        hidden, _ = pipe.encode_prompt([caption], image=image if type(pipe).__name__ == "QwenImageEditPipeline"
+                                       else [condition_image(pipe, image)], device="cpu")
+        rows.append(hidden[0])
+    longest = max(r.shape[0] for r in rows)
+    hidden = torch.stack([torch.cat([r, r.new_zeros(longest - r.shape[0], r.shape[1])]) for r in rows])
+    mask = torch.stack([torch.arange(longest) < r.shape[0] for r in rows]).long()
+    return hidden, mask
+
+
+def condition_image(pipe, image):
+    """QwenImageEditPlusPipeline's copy of a reference for the vision tower: scaled to 384^2 pixels."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import CONDITION_IMAGE_SIZE, calculate_dimensions
+
+    width, height = calculate_dimensions(CONDITION_IMAGE_SIZE, image.width / image.height)
+    return pipe.image_processor.resize(image, height, width)
 
 
 def pil_references(batch):
@@ -76,9 +99,10 @@ def pil_references(batch):
     return [Image.fromarray(a.permute(1, 2, 0).numpy()) for a in array]
 
 
-def test_text_conditioning_equals_the_pipelines_encode_prompt_with_the_reference(family_models, edit_pairs,
+@pytest.mark.parametrize("family", BOTH)
+def test_text_conditioning_equals_the_pipelines_encode_prompt_with_the_reference(family, family_models, edit_pairs,
                                                                                   tmp_path):
-    trainer = trainer_for(family_models[FAMILY], edit_pairs, tmp_path / "o")
+    trainer = trainer_for(family_models[family], edit_pairs, tmp_path / "o", family=family)
     model = trainer.model
     batch = first_batch(trainer)
     # The tiny tokenizer splits the template as the real one does: the dropped part is the system prompt and header.
@@ -88,23 +112,23 @@ def test_text_conditioning_equals_the_pipelines_encode_prompt_with_the_reference
     assert (batch["token_ids"]["text_encoder"] == image_pad).sum() > 2  # the reference's vision tokens are in it
     with torch.no_grad():
         ours = model.family.encode_text(model.text_encoders, batch["token_ids"])
-        hidden, mask = model.pipeline.encode_prompt(list(batch["caption"]), image=pil_references(batch), device="cpu")
-        other, _ = model.pipeline.encode_prompt(list(batch["caption"]), image=pil_references(batch)[::-1],
-                                                device="cpu")
-    assert mask is not None and 0 < mask.sum() < mask.numel()  # the captions differ in length: the mask matters
-    assert torch.equal(ours["mask"], mask.long())
+        hidden, mask = pipeline_embeds(model.pipeline, list(batch["caption"]), pil_references(batch))
+        other, _ = pipeline_embeds(model.pipeline, list(batch["caption"]), pil_references(batch)[::-1])
+    assert 0 < mask.sum() < mask.numel()  # the captions differ in length: the mask matters
+    assert torch.equal(ours["mask"], mask)
     torch.testing.assert_close(ours["hidden"], hidden)
     assert (other - hidden).abs().max() > 1e-4  # the reference reaches the text: the comparison above can fail
 
 
-def test_objective_equals_the_pipelines_step_written_out(family_models, edit_pairs, tmp_path):
+@pytest.mark.parametrize("family", BOTH)
+def test_objective_equals_the_pipelines_step_written_out(family, family_models, edit_pairs, tmp_path):
     """diffusion_loss on a batch against the pipeline's denoiser call with the script's draws: 5-D latents
     (x - mean) / std, x_t = (1 - s) x + s n, the reference's posterior mode normalised alike (the pipeline's
     _encode_vae_image, argmax), both packed and concatenated, img_shapes listing both grids, t / 1000, the prompt
     embeddings of encode_prompt with the reference, the prediction's first tokens unpacked, MSE against n - x."""
     from diffusers import QwenImageEditPipeline
 
-    trainer = trainer_for(family_models[FAMILY], edit_pairs, tmp_path / "o")
+    trainer = trainer_for(family_models[family], edit_pairs, tmp_path / "o", family=family)
     model, options = trainer.model, trainer.config.loss
     batch = first_batch(trainer)
     vae, transformer = model.vae, model.denoiser
@@ -127,8 +151,7 @@ def test_objective_equals_the_pipelines_step_written_out(family_models, edit_pai
         reference = model.pipeline._encode_vae_image(batch["reference_pixels"][:, :, None], None)
         sigmas = (t / 1000).view(-1, 1, 1, 1, 1)
         noisy = (1.0 - sigmas) * x + sigmas * noise
-        prompt_embeds, prompt_mask = model.pipeline.encode_prompt(list(batch["caption"]),
-                                                                  image=pil_references(batch), device="cpu")
+        prompt_embeds, prompt_mask = pipeline_embeds(model.pipeline, list(batch["caption"]), pil_references(batch))
         packed = QwenImageEditPipeline._pack_latents(noisy.permute(0, 2, 1, 3, 4), 2, 16, shape[1], shape[2])
         packed_reference = QwenImageEditPipeline._pack_latents(reference.permute(0, 2, 1, 3, 4), 2, 16, shape[1],
                                                                shape[2])
@@ -142,18 +165,20 @@ def test_objective_equals_the_pipelines_step_written_out(family_models, edit_pai
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_samples_equal_the_edit_pipeline_with_the_same_reference_and_seed(family_models, edit_pairs, tmp_path):
+@pytest.mark.parametrize("family", BOTH)
+def test_samples_equal_the_edit_pipeline_with_the_same_reference_and_seed(family, family_models, edit_pairs,
+                                                                          tmp_path):
     from PIL import Image
 
     images, references = edit_pairs
     reference = references / "0003.png"
     prompt = {"prompt": "make it red", "seed": 3, "steps": 2, "guidance_scale": 20.0, "width": 64, "height": 48,
               "reference_image": str(reference)}
-    trainer = trainer_for(family_models[FAMILY], edit_pairs, tmp_path / "o", max_steps=1,
+    trainer = trainer_for(family_models[family], edit_pairs, tmp_path / "o", max_steps=1, family=family,
                           **{"sampling.prompts": [prompt]})
     trainer.train()
     (sample,) = sorted((tmp_path / "o" / "samples").glob("step-*/*.png"))
-    pipe = load_pipeline(tmp_path / "o" / "model")
+    pipe = load_pipeline(tmp_path / "o" / "model", family)
 
     def image(given, **guidance):
         return np.asarray(pipe(image=given, prompt="make it red", width=64, height=48, num_inference_steps=2,

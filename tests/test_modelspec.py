@@ -84,6 +84,7 @@ DOCUMENTED = [
     # SwarmUI's class id (T2IModelClassSorter: qwen-image-edit); ComfyUI's names are diffusers'
     ("qwen_image_edit", {}, None, False, "checkpoint", None, "qwen-image-edit", "diffusers"),
     ("qwen_image_edit", {}, None, False, "lora", "diffusers", "qwen-image-edit/lora", "diffusers"),
+    ("qwen_image_edit_plus", {}, None, False, "lora", "diffusers", "qwen-image-edit-plus/lora", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

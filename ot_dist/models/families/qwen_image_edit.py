@@ -87,11 +87,18 @@ class QwenImageEdit(QwenImage):
         if "reference_pixels" not in batch:
             raise ValueError("qwen_image_edit: a batch without reference_pixels (the trainer refuses such data "
                              "and data.cache_latents)")
-        return self.processor_inputs(model.pipeline.processor, captions, reference_images(batch["reference_pixels"]))
+        images = reference_images(batch["reference_pixels"])
+        return self.processor_inputs(model.pipeline.processor, captions, self.vision_images(model.pipeline, images))
 
-    @staticmethod
-    def processor_inputs(processor, captions, images) -> dict:
-        encoded = processor(text=[EDIT_PROMPT_TEMPLATE.format(c) for c in captions], images=images, padding=True,
+    def vision_images(self, pipeline, images: list) -> list:
+        """The reference images as the vision tower sees them in training: as the pair gives them."""
+        return images
+
+    def prompt_text(self, caption: str) -> str:
+        return EDIT_PROMPT_TEMPLATE.format(caption)
+
+    def processor_inputs(self, processor, captions, images) -> dict:
+        encoded = processor(text=[self.prompt_text(c) for c in captions], images=images, padding=True,
                             return_tensors="pt")
         return {"text_encoder": encoded["input_ids"], "text_encoder_mask": encoded["attention_mask"],
                 "pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
@@ -152,8 +159,7 @@ class QwenImageEdit(QwenImage):
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):
-        from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageEditPipeline,
-                               QwenImageTransformer2DModel)
+        from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
         from ot_dist.models.tiny import TEXT_HIDDEN
@@ -180,7 +186,7 @@ class QwenImageEdit(QwenImage):
                                patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                                fullatt_block_indexes=[1]),
             vocab_size=len(tokenizer), **ids)
-        return QwenImageEditPipeline(
+        return self.pipeline_cls()(
             transformer=transformer, vae=vae, text_encoder=Qwen2_5_VLForConditionalGeneration(config).eval(),
             tokenizer=tokenizer, processor=processor, scheduler=FlowMatchEulerDiscreteScheduler(**QWEN_SCHEDULER))
 
@@ -232,4 +238,40 @@ def image_only_processor(image_processor, tokenizer):
     processor.get_attributes = lambda: ["image_processor", "tokenizer"]
     return processor
 
-FAMILIES = {"qwen_image_edit": QwenImageEdit()}
+# QwenImageEditPlusPipeline's user turn: "Picture N: " and the vision tokens of each reference before the caption
+PLUS_PROMPT_TEMPLATE = EDIT_PROMPT_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "")
+PLUS_PICTURE = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+# QwenImageEditPlusPipeline's CONDITION_IMAGE_SIZE: the area each reference is scaled to for the vision tower
+PLUS_CONDITION_AREA = 384 * 384
+
+
+class QwenImageEditPlus(QwenImageEdit):
+    """Qwen-Image-Edit-2509 (and 2511, whose transformer config sets zero_cond_t: the transformer itself gives the
+    reference's tokens the zero timestep) through QwenImageEditPlusPipeline, with one reference per sample: the
+    prompt names it "Picture 1: " before its vision tokens, and the vision tower sees it scaled to 384^2 pixels (the
+    pipeline's CONDITION_IMAGE_SIZE, calculate_dimensions, the pipeline's own resize; SimpleTuner's edit-v2 does the
+    same). The VAE takes the reference at the training image's size, as for Qwen-Image-Edit (SimpleTuner's edit-v2
+    too); samples run the pipeline, which scales it to 1024^2 for the VAE. Several references per sample, the Plus
+    pipeline's point, need the data path's several references (not yet)."""
+
+    name = "qwen_image_edit_plus"
+    description = ("Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline) with one reference image per sample "
+                   "(\"Picture 1: \", the vision tower's copy at 384^2)")
+    pipeline_class = "QwenImageEditPlusPipeline"
+    # SwarmUI's class id (T2IModelClassSorter: "qwen-image-edit-plus")
+    modelspec_architecture = "qwen-image-edit-plus"
+
+    def prompt_text(self, caption: str) -> str:
+        return PLUS_PROMPT_TEMPLATE.format(PLUS_PICTURE.format(1) + caption)
+
+    def vision_images(self, pipeline, images):
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
+
+        out = []
+        for image in images:
+            width, height = calculate_dimensions(PLUS_CONDITION_AREA, image.width / image.height)
+            out.append(pipeline.image_processor.resize(image, height, width))
+        return out
+
+
+FAMILIES = {"qwen_image_edit": QwenImageEdit(), "qwen_image_edit_plus": QwenImageEditPlus()}

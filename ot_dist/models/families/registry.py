@@ -24,6 +24,7 @@ FAMILY_MODULES: dict[str, str] = {
     "hidream": "ot_dist.models.families.hidream",
     "flux_kontext": "ot_dist.models.families.flux",
     "qwen_image_edit": "ot_dist.models.families.qwen_image_edit",
+    "qwen_image_edit_plus": "ot_dist.models.families.qwen_image_edit",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
