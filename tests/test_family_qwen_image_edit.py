@@ -195,14 +195,15 @@ def test_samples_equal_the_edit_pipeline_with_the_same_reference_and_seed(family
     assert (ours != blank).sum() > 10 * max(1, (ours != theirs).sum())
 
 
-def test_the_lora_trains_loads_in_the_edit_pipeline_and_follows_comfyuis_qwen_image_rule(family_models, edit_pairs,
-                                                                                          tmp_path):
+@pytest.mark.parametrize("family", BOTH)
+def test_the_lora_trains_loads_in_the_edit_pipeline_and_follows_comfyuis_qwen_image_rule(family, family_models,
+                                                                                          edit_pairs, tmp_path):
     """The loss falls; the file is Qwen-Image's diffusers layout (ComfyUI's Qwen-Image rule, comfy/lora.py
     model_lora_keys_unet: `transformer.<diffusers module>`), which QwenImageEditPipeline.load_lora_weights reads to
     the trained predictions."""
-    base = family_models[FAMILY]
+    base = family_models[family]
     trainer = trainer_for(base, edit_pairs, tmp_path / "o", method="lora", epochs=3, learning_rate=3e-3,
-                          output_dtype="float32", **{"lora.rank": 4, "lora.alpha": 8})
+                          output_dtype="float32", family=family, **{"lora.rank": 4, "lora.alpha": 8})
     per_epoch = np.array(trainer.train().losses).reshape(3, -1).mean(axis=1)
     assert per_epoch[-1] < per_epoch[0] - 0.01, f"loss did not fall: {per_epoch}"
     saved = load_file(tmp_path / "o" / "lora.safetensors")
@@ -217,7 +218,7 @@ def test_the_lora_trains_loads_in_the_edit_pipeline_and_follows_comfyuis_qwen_im
     noisy, t = torch.randn(1, 16, 8, 6), torch.tensor([500.0])
     conditioning = {"hidden": torch.randn(1, 5, 32), "mask": torch.ones(1, 5, dtype=torch.long),
                     "reference_latents": torch.randn(1, 16, 8, 6)}
-    loaded = load_pipeline(base)
+    loaded = load_pipeline(base, family)
     with torch.no_grad():
         trained = model.family.predict(model.denoiser, noisy, t, conditioning, {})
         plain = model.family.predict(loaded.transformer, noisy, t, conditioning, {})

@@ -193,7 +193,7 @@ def test_lora_and_flux_defaults(tmp_path):
 def test_sana_and_qwen_image_defaults(tmp_path):
     """Sana: SimpleTuner's model class draws u uniformly and reads its scheduler's unshifted table, whatever the
     flow_* settings say, trains the MSE whatever loss_type says, and halves the latents (listed); Qwen-Image: the
-    common draw (sigmoid(N(0, 1)) shifted by 3.0), buckets aligned to 32 pixels, Qwen-Image-Edit listed. Both adapt
+    common draw (sigmoid(N(0, 1)) shifted by 3.0), buckets aligned to 32 pixels, Qwen-Image-Edit-2511 (edit-v3) listed. Both adapt
     their DEFAULT_LORA_TARGET, the attention projections."""
     sana, text = imported(tmp_path, {"--model_family": "sana", "--model_type": "lora", "--flow_schedule_shift": 2,
                                      "--loss_type": "huber"})
@@ -203,12 +203,12 @@ def test_sana_and_qwen_image_defaults(tmp_path):
                             "dynamic_timestep_shifting": False}
     assert "LATENT_RESCALE" in text.split("NOT HONOURED")[1]
     qwen, text = imported(tmp_path, {"--model_family": "qwen_image", "--model_type": "lora",
-                                     "--model_flavour": "edit-v2"})
+                                     "--model_flavour": "edit-v3"})
     assert qwen["model"]["family"] == "qwen_image" and qwen["data"]["bucket_step"] == 32
     assert qwen["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
     assert qwen["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
                             "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
-    assert "model_flavour: edit-v2" in text.split("NOT HONOURED")[1]
+    assert "model_flavour: edit-v3" in text.split("NOT HONOURED")[1]
 
 
 def test_lumina2_defaults(tmp_path):
@@ -440,3 +440,6 @@ def test_qwen_image_edit_v1_takes_its_conditioning_dataset_as_reference_images(t
     not_honoured = text.split("NOT HONOURED")[1]
     assert "qwen_image_edit samples only with a reference image" in not_honoured
     assert "model_flavour: edit-v1" not in not_honoured
+    plus, _ = imported(tmp_path, {"--model_family": "qwen_image", "--model_flavour": "edit-v2",
+                                  "--model_type": "lora"}, backends)
+    assert plus["model"]["family"] == "qwen_image_edit_plus"  # 2509, one reference per sample

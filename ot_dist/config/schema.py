@@ -40,7 +40,8 @@ class ModelConfig(Section):
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
         "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), hidream "
         "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
-        "(Lumina 2), qwen_image_edit (Qwen-Image-Edit, an edit model); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "(Lumina 2), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / "
+        "2511, one reference per sample); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -279,7 +280,7 @@ class ConceptConfig(Section):
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
     reference_path: UserPath | None = Field(
-        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext, qwen_image_edit): the "
+        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext, qwen_image_edit, qwen_image_edit_plus): the "
         "partner of `<path>/sub/a.png` is the image `sub/a.<any extension>` under this folder (the ai-toolkit / "
         "musubi `control` folder, SimpleTuner's conditioning dataset paired by file name). Every image needs its "
         "partner (a missing one is named before any shard is written). The reference takes the image's geometry: "

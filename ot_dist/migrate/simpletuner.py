@@ -30,6 +30,9 @@ from ot_dist.models.families.registry import get_family
 EDIT_FLAVOURS = {("flux", "kontext"): "flux_kontext"}
 # Qwen-Image-Edit (the first one; SimpleTuner's edit-v1 flavour): its 2509 / 2511 flavours take several references
 EDIT_FLAVOURS[("qwen_image", "edit-v1")] = "qwen_image_edit"
+# Qwen-Image-Edit-2509 (edit-v2) with one reference per sample; edit-v2+ (2509 trained with zero_cond_t forced on) and
+# edit-v3 (2511) stay listed: ot_dist takes zero_cond_t from the transformer's config, not from a flavour
+EDIT_FLAVOURS[("qwen_image", "edit-v2")] = "qwen_image_edit_plus"
 # SimpleTuner's model_family -> (ot_dist's family, its denoiser part, the default flavour's model: HUGGINGFACE_PATHS)
 FAMILIES = {
     "sd1x": ("sd1", "unet", "Lykon/dreamshaper-8"), "sd2x": ("sd2", "unet", "bghira/pseudo-flex-v2"),
