@@ -79,6 +79,9 @@ RIDERS["flux"] += ("flux_kontext",)
 # Qwen2.5-VL's vision tower in the text (the processor per batch) under fsdp, riding in Flux's launch.
 FAMILY_STRATEGIES["qwen_image_edit"] = ("fsdp",)
 RIDERS["flux"] += ("qwen_image_edit",)
+# Qwen-Image-Edit-2509 (one reference: "Picture 1: ", the vision copy at 384^2) under fsdp, in the same launch
+FAMILY_STRATEGIES["qwen_image_edit_plus"] = ("fsdp",)
+RIDERS["flux"] += ("qwen_image_edit_plus",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
