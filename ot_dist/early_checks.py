@@ -27,6 +27,11 @@ def check_input_paths(config) -> None:
         if not shown(folder).is_dir() and not looks_like_repo_id:
             raise InputFileError(f"model.config: {shown(folder)} is not a folder (a diffusers-format model folder "
                                  "whose component configs describe the single file's architecture)")
+    if config.model.component_files:  # each file exists and holds its component (its header against the config)
+        from ot_dist.models.families.component_files import check_component_files
+        from ot_dist.models.families.registry import get_family
+
+        check_component_files(get_family(config.model.family), config.model)
     init_from = getattr(config.lora, "init_from", None) if config.method == "lora" else None
     if init_from and not shown(init_from).is_file():
         raise InputFileError(f"lora.init_from: {shown(init_from)} is not a file (a LoRA .safetensors to start from)")

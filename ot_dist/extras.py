@@ -24,6 +24,9 @@ EXTRAS = {
     "pytorch_optimizer": "optim",
     "schedulefree": "optim",
     "prodigyplus": "optim",
+    "s3fs": "s3",  # s3:// tars (data/remote.py)
+    "gcsfs": "gcs",  # gs:// tars
+    "aiohttp": "http",  # http(s):// tars
 }
 
 

@@ -38,6 +38,9 @@ RDZV_PORT = 29400
 RUN_AS = 1000  # the image's non-root user (k8s/Dockerfile)
 WORKSPACE_CLAIM = "ot-dist-workspace"  # k8s/storage
 MLFLOW_SECRET = "ot-dist-mlflow"  # keys tracking_uri, username, password; all optional
+# the object store's credentials, every key an environment variable (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, ...):
+# what s3fs / gcsfs read for tars named by URL (docs/kubernetes.md); optional, so a job without one starts
+STORAGE_SECRET = "ot-dist-storage"
 RESTART_BUDGET = 3
 CONTAINER = "pytorch"  # the training operator looks for a container of this name
 FLAVORS = ("pytorchjob", "indexed-job")
@@ -203,6 +206,7 @@ def pod_template(
         "workingDir": WORKSPACE,
         "command": command,
         "env": env,
+        "envFrom": [{"secretRef": {"name": STORAGE_SECRET, "optional": True}}],
         "ports": [{"name": port_name, "containerPort": RDZV_PORT, "protocol": "TCP"}],
         "resources": {
             "requests": {"cpu": str(6 * gpus_per_node), "memory": memory, "nvidia.com/gpu": gpus},

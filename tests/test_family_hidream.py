@@ -279,6 +279,41 @@ def test_the_pipelines_area_rescaling_keeps_each_requested_size():
         assert (int(width * scale // 16 * 16), int(height * scale // 16 * 16)) == (width, height)
 
 
+def test_a_non_square_latent_over_the_padding_trains_and_samples_unpadded(family_models):
+    """The transformer pads a non-square latent to max_seq tokens (1 MP; the tiny one's 8 x 8), so a non-square bucket
+    over that fails inside it. Such a latent is handed over as OneTrainer trains every bucket: the transformer's own
+    token packing (its patchify's first h x w tokens and ids) unpadded with a mask of ones; the prediction is the
+    negated output. The pipeline samples that size too (its own call fails there)."""
+    from diffusers import HiDreamImagePipeline
+
+    pipe = HiDreamImagePipeline.from_pretrained(family_models[FAMILY], local_files_only=True)
+    family, transformer = pipe_family(), pipe.transformer.eval()
+    tokens = family.tokenize({name: getattr(pipe, name) for name in family.tokenizers}, ["a red circle"] * 2)
+    noisy = torch.randn(2, 16, 16, 24, generator=torch.Generator().manual_seed(0))  # 8 x 12 = 96 tokens > 64
+    assert (16 // 2) * (24 // 2) > transformer.max_seq
+    with torch.no_grad():
+        conditioning = family.encode_text({name: getattr(pipe, name) for name in family.text_encoders}, tokens)
+        ours = family.predict(transformer, noisy, torch.tensor([500.0, 250.0]), conditioning, {})
+        wide = type(transformer)(**{**transformer.config, "max_resolution": (32, 32)})  # room for the padding
+        packed, _, sizes, ids = wide.patchify(noisy)
+        theirs = transformer(hidden_states=packed[:, :96], hidden_states_masks=torch.ones(2, 96), img_sizes=sizes,
+                             img_ids=ids[:, :96], timesteps=torch.tensor([500.0, 250.0]),
+                             encoder_hidden_states_t5=conditioning["t5"],
+                             encoder_hidden_states_llama3=conditioning["llama"].transpose(0, 1),
+                             pooled_embeds=conditioning["pooled"], return_dict=False)[0]
+    torch.testing.assert_close(ours, -theirs)
+    arguments = family.sampling_arguments(pipe, {"prompt": "a red circle", "width": 192, "height": 128,
+                                                 "num_inference_steps": 1, "guidance_scale": 1.0})
+    image = pipe(**arguments, generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert image.shape == (1, 3, 128, 192) and torch.isfinite(image).all()
+
+
+def pipe_family():
+    from ot_dist.models.families.registry import get_family
+
+    return get_family(FAMILY)
+
+
 def test_a_folder_without_its_llama_is_refused_with_the_step_that_completes_it(family_models, tmp_path):
     """HiDream-ai's folders leave the Llama out (the pipeline takes it as an argument): such a folder is refused by
     name, with how to save a complete one."""
@@ -340,10 +375,12 @@ def test_llama_sharded_by_the_family_units_encodes_and_trains_as_unsharded(monke
         dist.destroy_process_group()
 
 
-def test_llama_and_transformer_lora_loads_through_peft_and_merges(family_models, shapes_data, tmp_path):
-    """HiDreamImagePipeline's LoRA loader reads the transformer only; a file with a trained Llama LoRA holds it under
-    `text_encoder_4.`, which load_peft_lora applies: the pipeline then gives the trained model's outputs, as does the
-    folder `ot-dist lora merge` writes."""
+def test_t5_llama_and_transformer_lora_loads_through_peft_and_merges(family_models, shapes_data, tmp_path):
+    """HiDreamImagePipeline's LoRA loader reads the transformer only; a file with trained T5 and Llama LoRAs holds
+    them under the names ComfyUI maps for HiDream (comfy/lora.py model_lora_keys_clip on its HiDreamTEModel:
+    `lora_te3_<T5 path with _>`, T5 being its third text encoder, and `text_encoders.<key>` for each weight key of its
+    Llama, `llama.transformer.model.<transformers' path under model.>`), which load_peft_lora applies: the pipeline
+    then gives the trained model's outputs, as does the folder `ot-dist lora merge` writes."""
     from diffusers import HiDreamImagePipeline
 
     from ot_dist.lora_tools.merge import merge_command
@@ -351,14 +388,25 @@ def test_llama_and_transformer_lora_loads_through_peft_and_merges(family_models,
 
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", method="lora", max_steps=2, learning_rate=5e-2,
-                          output_dtype="float32", **{"text_encoder_4.train": True})
+                          output_dtype="float32", **{"text_encoder_3.train": True, "text_encoder_4.train": True})
     trainer.train()
     model = trainer.model
-    model.text_encoders["text_encoder_4"].eval()
+    for name in ("text_encoder_3", "text_encoder_4"):
+        model.text_encoders[name].eval()
     trained = outputs(model.pipeline, model.family)
     pipe = HiDreamImagePipeline.from_pretrained(base, local_files_only=True)
     assert (outputs(pipe, model.family) - trained).abs().max() > 1e-4
-    assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder_4", "transformer"]
+    saved = {k.rsplit(".lora_", 1)[0].removesuffix(".alpha") for k in load_file(tmp_path / "o" / "lora.safetensors")}
+    linears = {name: [path for path, module in getattr(pipe, name).named_modules()
+                      if isinstance(module, torch.nn.Linear) and path != "lm_head"]
+               for name in ("text_encoder_3", "text_encoder_4")}
+    comfy = {"lora_te3_" + path.replace(".", "_") for path in linears["text_encoder_3"]} | {
+        "text_encoders.llama.transformer." + path for path in linears["text_encoder_4"]}
+    text = {m for m in saved if not m.startswith("transformer.")}
+    assert text and text <= comfy, sorted(text - comfy)[:3]
+    assert {m[:9] for m in text} == {"lora_te3_", "text_enco"}  # both encoders are in the file
+    assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder_3", "text_encoder_4",
+                                                                           "transformer"]
     torch.testing.assert_close(outputs(pipe, model.family), trained, rtol=1e-4, atol=1e-5)
     merged = merge_command(str(base), FAMILY, [str(tmp_path / "o" / "lora.safetensors")], [1.0], str(tmp_path / "m"),
                            "diffusers", None, "float32", log=quiet)

@@ -277,10 +277,13 @@ def comfy_nextdit_keys(refiner_layers: int, layers: int) -> set[str]:
     return keys
 
 
-def test_gemma_lora_loads_back_through_peft(family_models, shapes_data, tmp_path):
+def test_gemma_lora_loads_back_through_peft_and_is_in_comfyuis_file(family_models, shapes_data, tmp_path):
     """Lumina2Pipeline's LoRA loader reads the transformer only; a file with a trained Gemma LoRA holds it under
     `text_encoder.`, which load_peft_lora applies: the pipeline then gives the trained model's outputs. (Gemma's last
-    layer, whose output Lumina never reads, gets no gradient: its LoRA stays at its zero start.)"""
+    layer, whose output Lumina never reads, gets no gradient: its LoRA stays at its zero start.) lora_comfyui.safetensors
+    holds it too, under ComfyUI's names (comfy/lora.py model_lora_keys_clip: `text_encoders.<k>` for each weight key k
+    of its Lumina 2 text encoder, Gemma 2 under `gemma2_2b.transformer.model.` with transformers' layer names), each
+    module's up @ down x alpha / rank the trained change."""
     from diffusers import Lumina2Pipeline
 
     from ot_dist.lora_tools.peft_load import load_peft_lora
@@ -295,6 +298,18 @@ def test_gemma_lora_loads_back_through_peft(family_models, shapes_data, tmp_path
     last = [v for k, v in saved.items() if k.startswith("text_encoder.layers.1.") and "lora_B" in k]
     assert last and all(not v.any() for v in last)
     assert any(v.any() for k, v in saved.items() if k.startswith("text_encoder.layers.0.") and "lora_B" in k)
+    comfy_file = load_file(tmp_path / "o" / "lora_comfyui.safetensors")
+    gemma = {path: module for path, module in model.text_encoders["text_encoder"].named_modules()
+             if hasattr(module, "lora_A")}
+    names = {k.rsplit(".lora_", 1)[0].removesuffix(".alpha") for k in comfy_file if k.startswith("text_encoders.")}
+    assert names == {"text_encoders.gemma2_2b.transformer.model." + path.removeprefix("base_model.model.")
+                     for path in gemma}
+    for path, module in gemma.items():
+        name = "text_encoders.gemma2_2b.transformer.model." + path.removeprefix("base_model.model.")
+        up, down = comfy_file[f"{name}.lora_up.weight"], comfy_file[f"{name}.lora_down.weight"]
+        change = module.lora_B["default"].weight @ module.lora_A["default"].weight * module.scaling["default"]
+        torch.testing.assert_close(up @ down * (comfy_file[f"{name}.alpha"] / down.shape[0]), change.detach(),
+                                   rtol=1e-5, atol=1e-7)
     pipe = Lumina2Pipeline.from_pretrained(family_models[FAMILY], local_files_only=True)
     assert load_peft_lora(pipe, tmp_path / "o" / "lora.safetensors") == ["text_encoder", "transformer"]
     torch.testing.assert_close(outputs(pipe.transformer, pipe.text_encoder, pipe.tokenizer, model.family), trained,

@@ -230,6 +230,50 @@ def test_z_image_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 24, 8).strategy == "fsdp"
+
+
+@pytest.mark.parametrize("name,expected", [
+    # FLUX.2 [dev]: the 32 B transformer, Mistral-Small-3.1-24B (vision tower and untied lm_head included), the VAE
+    ("flux2", {"transformer": 32_223_281_152, "text_encoder": 24_011_361_280, "vae": 84_046_115}),
+    # FLUX.2 [klein] base 9B: 9.08 B, Qwen3-8B with its untied lm_head
+    ("flux2_klein", {"transformer": 9_078_581_248, "text_encoder": 8_190_735_360, "vae": 84_046_115})])
+def test_flux2_memory_rows_are_the_published_models_sharded_by_block(name, expected):
+    """The memory table's FLUX.2 rows are the published configs built on the meta device; LoRA counted on the family's
+    default targets, FSDP on its double and single blocks: [dev]'s double blocks are its largest units at 3.1 % of the
+    transformer (0.98 B each), the root (embedders, the shared modulations) 2.5 %; each text-encoder layer a few %
+    of Mistral-3 / Qwen3. `ot-dist init` chooses from the rows."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.memory.sharding import sharding
+    from ot_dist.memory.table import lora_shapes
+    from ot_dist.starter.choose import choose
+
+    family = get_family(name)
+    components = build_components(family.memory_reference)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == expected
+    assert DENOISERS[family.memory_reference][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[family.memory_reference][2] == family.shard_units["transformer"]
+    transformer = components["transformer"]
+    units = sharding(transformer, family.shard_units["transformer"])
+    blocks = len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks)
+    assert len(units.unit_parameters) == blocks == (56 if name == "flux2" else 32)
+    # [klein] 9B: double blocks 4.8 %, the root 3.9 % (its modulations are as wide as the blocks)
+    assert units.largest_fraction < 0.05 and units.root_parameters / units.parameters < (0.03 if name == "flux2" else 0.04)
+    assert fsdp_rank_bytes(components, family.memory_reference, 8)["largest_unit_fraction"] < 0.05
+    text = sharding(components["text_encoder"], family.shard_units["text_encoder"])
+    assert len(text.unit_parameters) == (40 if name == "flux2" else 36)
+    assert max(text.unit_parameters) / text.parameters < 0.03
+    # the LoRA on the default targets: q / k / v / out of the double blocks, both projections of every single block
+    shapes = lora_shapes(transformer, targets=family.denoiser_lora_presets["default"])
+    assert len(shapes) == 2 * (4 * len(transformer.transformer_blocks) + 2 * len(transformer.single_transformer_blocks))
+    if name == "flux2":
+        # LoRA: 56 B frozen parameters: float8 and the encoders offloaded on a 48 GiB GPU, none on 24 GiB
+        assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8, text encoders + VAE offloaded"
+        assert choose(family, "full", 80, 8).strategy == "fsdp"
+        with pytest.raises(ConfigError, match="--gpu-memory"):
+            choose(family, "lora", 24, 1)
+
+
 def test_hidream_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's HiDream-I1 row (ot-dist init's reference for the family) is HiDream-I1-Full as its configs
     build it on the meta device: the 17 B transformer with its experts, CLIP-L and CLIP-G (248 positions), T5-XXL's
@@ -292,3 +336,29 @@ def test_qwen_image_edit_memory_row_is_qwen_images_weights_with_more_activations
     assert ACTIVATIONS_GIB["Qwen-Image-Edit"] > ACTIVATIONS_GIB["Qwen-Image"]
     plain, edited = (choose(get_family(name), "lora", 80, 1) for name in ("qwen_image", "qwen_image_edit"))
     assert edited.reference == "Qwen-Image-Edit" and edited.need_gib > plain.need_gib
+
+
+def test_wan_memory_row_is_the_published_14b_model_sharded_by_block():
+    """The memory table's Wan row (ot-dist init's reference for the family) is Wan2.1-T2V-14B as its configs build it on
+    the meta device: the 14.3 B transformer (the model card's 14 B), UMT5-XXL's encoder (5.68 B, its 256 k vocabulary
+    included) and the Wan VAE (127 M, the 508 MB float32 Wan2.1_VAE.pth); LoRA counted on the family's default
+    targets, FSDP on its 40 blocks (WanTransformer3DModel._no_split_modules), each 2.5 % of the transformer."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.starter.choose import choose
+
+    family = get_family("wan")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert abs(counts["transformer"] - 14.0e9) / 14.0e9 < 0.03
+    assert abs(counts["text_encoder"] - 5.68e9) / 5.68e9 < 0.01 and abs(counts["vae"] - 127e6) / 127e6 < 0.01
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == len(components["transformer"].blocks) == 40
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.03
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 48, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 16, 1)

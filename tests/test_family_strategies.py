@@ -65,6 +65,11 @@ RIDERS["pixart_alpha"] += ("lumina2",)
 # Z-Image, 33.5 with fsdp, 35.1 with fsdp and zero2)
 FAMILY_STRATEGIES["z_image"] = ("fsdp", "zero2")
 RIDERS["flux"] += ("z_image",)
+# FLUX.2 [dev]: its batch-norm-normalised patchified latents, stacked Mistral-3 layers and guidance input under fsdp
+# (units: its double and single blocks) and zero2, riding in SD3's launch (CPU s of that launch, two before / after
+# pairs: 28.7 -> 32.1, 27.1 -> 32.1)
+FAMILY_STRATEGIES["flux2"] = ("fsdp", "zero2")
+RIDERS["sd3"] = ("flux2",)
 # HiDream-I1: its mixture of experts (data-dependent routing per rank, the gate's rows and each expert sharded) trained
 # through the differentiable branch, four text encoders, the negated output, under fsdp and zero2, riding in PixArt-α's
 # launch (+5 to 6 CPU s on it: 29.5 / 28.6 before, 33.9 / 34.3 / 34.9 after)
@@ -82,6 +87,10 @@ RIDERS["flux"] += ("qwen_image_edit",)
 # Qwen-Image-Edit-2509 (one reference: "Picture 1: ", the vision copy at 384^2) under fsdp, in the same launch
 FAMILY_STRATEGIES["qwen_image_edit_plus"] = ("fsdp",)
 RIDERS["flux"] += ("qwen_image_edit_plus",)
+# Wan 2.1: UMT5 with zeroed padding, the 5-D one-frame latents with per-channel mean / std and the raw-t flow under fsdp
+# (units: blocks), riding in PixArt-α's launch
+FAMILY_STRATEGIES["wan"] = ("fsdp",)
+RIDERS["pixart_alpha"] += ("wan",)
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a

@@ -72,6 +72,7 @@ FAMILY_METHOD = {
     "train_dreambooth_lora_sd3.py": ("sd3", "lora"), "train_dreambooth_flux.py": ("flux", "full"),
     "train_dreambooth_lora_flux.py": ("flux", "lora"), "textual_inversion.py": ("sd1", "embedding"),
     "train_dreambooth_lora_sana.py": ("sana", "lora"), "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora"),
+    "train_dreambooth_lora_flux2.py": ("flux2", "lora"), "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora"),
     "train_dreambooth_lora_hidream.py": ("hidream", "lora"),
     "train_dreambooth_lora_lumina2.py": ("lumina2", "lora"),
 }
@@ -115,10 +116,10 @@ def test_each_script_maps_with_the_scripts_defaults(tmp_path, script):
         assert c["data"]["concepts"][0]["caption_text"] == "a photo of sks dog"
     if c["model"]["family"] in SCRIPT_LORA_TARGETS:
         assert c["lora"]["transformer_targets"] == SCRIPT_LORA_TARGETS[c["model"]["family"]]
-    if c["model"]["family"] in ("flux", "sana", "qwen_image"):  # the scripts draw from the unshifted sigmas
+    if c["model"]["family"] in ("flux", "sana", "qwen_image", "flux2", "flux2_klein"):  # unshifted sigmas
         assert c["loss"]["timestep_shift"] == 1.0 and c["loss"]["dynamic_timestep_shifting"] is False
         assert c["loss"]["timestep_distribution"] == "uniform"  # weighting_scheme none
-    if c["model"]["family"] == "flux":
+    if c["model"]["family"] in ("flux", "flux2"):
         assert c["model"]["guidance_scale"] == 3.5
     if c["model"]["family"] == "sd3":
         assert c["loss"]["timestep_distribution"] == "logit_normal"
@@ -310,6 +311,10 @@ def test_defaults_that_differ_between_the_scripts():
     assert defaults("train_dreambooth_sd3.py")["weighting_scheme"] == "logit_normal"
     assert defaults("train_dreambooth_lora_sana.py")["max_sequence_length"] == 300
     assert defaults("train_dreambooth_lora_qwen_image.py")["output_dir"] == "hidream-dreambooth-lora"  # sic
+    assert defaults("train_dreambooth_lora_flux2.py")["text_encoder_out_layers"] == [10, 20, 30]
+    assert defaults("train_dreambooth_lora_flux2_klein.py")["text_encoder_out_layers"] == [10, 20, 30]  # sic
+    assert "caption_dropout" in defaults("train_dreambooth_lora_flux2_klein.py")
+    assert "caption_dropout" not in defaults("train_dreambooth_lora_flux2.py")
     assert defaults("train_dreambooth_lora_z_image.py")["output_dir"] == "z-image-dreambooth-lora"
     assert defaults("train_dreambooth_lora_z_image.py")["validation_epochs"] == 50
     assert defaults("train_dreambooth_lora_hidream.py")["max_sequence_length"] == 128
@@ -396,3 +401,31 @@ def test_max_sequence_length_is_the_t5_caption_length(tmp_path, script, tokens):
     c, _, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
                                    f"{data_args(tmp_path, script)}")
     assert c["model"].get("t5_max_tokens") == tokens
+
+
+@pytest.mark.parametrize("script,family", [("train_dreambooth_lora_flux2.py", "flux2"),
+                                           ("train_dreambooth_lora_flux2_klein.py", "flux2_klein")])
+def test_flux2_scripts(tmp_path, script, family):
+    """The FLUX.2 scripts: their default LoRA modules are ot_dist's default preset's (the single blocks' attn.to_out by
+    path); [dev]'s guidance; the hidden layers: the [klein] script's default (10, 20, 30, [dev]'s) is listed, as
+    ot_dist encodes with the pipeline's (9, 18, 27); a caption length other than 512 and float8 training listed; the
+    remote text encoder a note."""
+    from ot_dist.models.families.registry import get_family
+
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --guidance_scale 2.0 --max_sequence_length 256 "
+                                      "--do_fp8_training --fsdp_text_encoder")
+    targets = c["lora"]["transformer_targets"]
+    preset = get_family(family).denoiser_lora_presets["default"]
+    assert set(targets) <= set(preset) and {t for t in preset if not t.startswith("single_")} <= set(targets)
+    assert c["model"].get("guidance_scale") == (2.0 if family == "flux2" else None)
+    listed = not_honoured(text)
+    assert any(line.startswith("text_encoder_out_layers: [10, 20, 30]") for line in listed) == (family == "flux2_klein")
+    assert any(line.startswith("max_sequence_length: 256") for line in listed)
+    assert any(line.startswith("do_fp8_training") for line in listed)
+    assert not any(line.startswith("fsdp_text_encoder") for line in listed)
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --text_encoder_out_layers "
+                                      f"{' '.join(map(str, get_family(family).layers))}")
+    assert not any(line.startswith("text_encoder_out_layers") for line in not_honoured(text))
+

@@ -428,6 +428,16 @@ def test_the_timestep_shift_is_mapped(tmp_path, settings, shift, dynamic):
     assert not any(line.startswith(("timestep_shift", "dynamic_timestep_shifting")) for line in skipped)
 
 
+@pytest.mark.parametrize("model_type,listed", [("FLUX_DEV_1", True), ("STABLE_DIFFUSION_3", True),
+                                               ("HI_DREAM_FULL", True), ("Z_IMAGE", False), ("QWEN", False)])
+def test_the_text_attention_mask_switch_is_listed_where_onetrainer_reads_it(tmp_path, model_type, listed):
+    """transformer.attention_mask: OneTrainer's Flux, SD3 and HiDream setups read it (HiDream zeroes T5's and Llama's
+    outputs at the padding), which ot_dist does not do: listed. Its Z-Image and Qwen-Image setups never read it."""
+    _, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA",
+                                        "transformer": {"attention_mask": True}})
+    assert any(line.startswith("transformer.attention_mask: true") for line in skipped) == listed
+
+
 @pytest.mark.parametrize("model_type", ["STABLE_DIFFUSION_15", "STABLE_DIFFUSION_XL_10_BASE", "PIXART_ALPHA",
                                         "STABLE_CASCADE_1"])
 @pytest.mark.parametrize("settings,shift", [({"timestep_shift": 2.0}, 2.0), ({"timestep_shift": 0.5}, 0.5),
@@ -975,3 +985,25 @@ def test_output_embeddings_are_imported(tmp_path):
     assert not config.additional_embeddings
     assert any(s.startswith("additional_embeddings[0].is_output_embedding: true (an embedding of the text encoder's "
                             "output): sd3 takes no output embeddings") for s in skipped)
+
+
+@pytest.mark.parametrize("base,family", [("black-forest-labs/FLUX.2-klein-base-9B", "flux2_klein"),
+                                         ("black-forest-labs/FLUX.2-dev", "flux2")])
+def test_flux2_presets_import_as_dev_or_klein_by_the_base_model(tmp_path, base, family):
+    """OneTrainer's one FLUX_2 model type (training_presets/Flux 2/#flux2 LoRA 16GB.json, klein-base-9B) is flux2_klein
+    for a [klein] base model and flux2 for [dev]: its `blocks` layer filter stays OneTrainer's rule, dynamic timestep
+    shifting on, [dev]'s transformer guidance_scale carried, a caption length other than 512 named as not honoured."""
+    preset = {"base_model_name": base, "batch_size": 2, "learning_rate": 3e-5, "model_type": "FLUX_2",
+              "resolution": "512", "output_model_format": "DIFFUSERS_LORA",
+              "transformer": {"train": True, "weight_dtype": "FLOAT_8", "guidance_scale": 2.0},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "training_method": "LORA",
+              "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "output_dtype": "BFLOAT_16",
+              "layer_filter": "transformer_block", "layer_filter_preset": "blocks",
+              "timestep_distribution": "LOGIT_NORMAL", "dynamic_timestep_shifting": True,
+              "text_encoder_sequence_length": 256}
+    config, not_honoured = import_only(tmp_path, preset)
+    assert config.model.family == family
+    assert config.lora.layer_filter == ["transformer_block"]
+    assert config.loss.dynamic_timestep_shifting is True
+    assert config.model.guidance_scale == (2.0 if family == "flux2" else None)
+    assert any(line.startswith("text_encoder_sequence_length: 256") for line in not_honoured), not_honoured

@@ -211,6 +211,20 @@ def test_sana_and_qwen_image_defaults(tmp_path):
     assert "model_flavour: edit-v3" in text.split("NOT HONOURED")[1]
 
 
+def test_wan_defaults(tmp_path):
+    """Wan: the common flow draw (sigmoid(N(0, 1)) shifted by flow_schedule_shift's 3.0, Wan 2.1 480p's own flow_shift),
+    its DEFAULT_LORA_TARGET (the attention projections); a flavour ot_dist refuses (Wan 2.2 stages, image-to-video) is
+    listed as not honoured."""
+    wan, text = imported(tmp_path, {"--model_family": "wan", "--model_type": "lora"})
+    assert wan["model"]["family"] == "wan"
+    assert wan["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert wan["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                           "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    assert "model_flavour" not in text.split("NOT HONOURED")[-1]
+    _, text = imported(tmp_path, {"--model_family": "wan", "--model_type": "lora", "--model_flavour": "i2v-14b-2.2-low"})
+    assert "model_flavour: i2v-14b-2.2-low" in text.split("NOT HONOURED")[1]
+
+
 def test_lumina2_defaults(tmp_path):
     """Lumina 2: the common flow draw (sigmoid(N(0, 1)) shifted by flow_schedule_shift's 3.0 towards noise, as its
     model_predict feeds 1 - t to the transformer), the attention targets, 64 px buckets; a tokenizer_max_length other
@@ -308,7 +322,7 @@ def test_what_is_not_honoured_is_listed(tmp_path):
 
 @pytest.mark.parametrize("config, backend, message", [
     ({}, None, "model_family: not set"),
-    ({"--model_family": "wan"}, None, "model_family: wan is not a model family ot_dist trains"),
+    ({"--model_family": "ltxvideo"}, None, "model_family: ltxvideo is not a model family ot_dist trains"),
     ({"--model_family": "sdxl", "--max_train_steps": 100, "--num_train_epochs": 3}, None,
      "max_train_steps: 100 with num_train_epochs 3"),
     ({"--model_family": "sdxl"}, [{"id": "x", "type": "local", "instance_data_dir": "data/x",
@@ -377,6 +391,21 @@ def test_one_folder_at_several_resolutions(tmp_path):
     assert config["resolution"] == [512, 1024]
     assert [c["balancing"] for c in config["data"]["concepts"]] == [11, 11]
     assert "the datasets train at [512, 1024] px, each at its own" in text.split("NOT HONOURED")[1]
+
+
+def test_flux2_flavours(tmp_path):
+    """model_family flux2: the default flavour (klein-9b) and the klein ones are flux2_klein, dev is flux2 with
+    flux_guidance_value as its guidance; SimpleTuner's DEFAULT_LORA_TARGET (the double blocks' image attention, the
+    single blocks' fused projection); the common flow draw (sigmoid(N(0, 1)) shifted by 3.0)."""
+    klein, _ = imported(tmp_path, {"--model_family": "flux2", "--model_type": "lora"})
+    assert klein["model"]["family"] == "flux2_klein" and "guidance_scale" not in klein["model"]
+    assert klein["lora"]["transformer_targets"] == ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                                                    "attn.to_qkv_mlp_proj"]
+    assert klein["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                             "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+    dev, _ = imported(tmp_path, {"--model_family": "flux2", "--model_type": "lora", "--model_flavour": "dev",
+                                 "--pretrained_model_name_or_path": str(tmp_path), "--flux_guidance_value": 2.5})
+    assert dev["model"]["family"] == "flux2" and dev["model"]["guidance_scale"] == 2.5
 
 
 def test_hidream_maps_and_its_load_balancing_loss_is_listed(tmp_path):

@@ -259,6 +259,8 @@ def test_rendered_pods_mount_the_workspace_config_shm_and_read_mlflow_from_a_sec
     env = {e["name"]: e for e in container["env"]}
     for variable, key in (("MLFLOW_TRACKING_URI", "tracking_uri"), ("MLFLOW_TRACKING_PASSWORD", "password")):
         assert env[variable]["valueFrom"]["secretKeyRef"] == {"name": "ot-dist-mlflow", "key": key, "optional": True}
+    # the object store's credentials (tars named by URL): every key of an optional Secret, as environment variables
+    assert container["envFrom"] == [{"secretRef": {"name": "ot-dist-storage", "optional": True}}]
     assert job["spec"]["completionMode"] == "Indexed" and job["spec"]["completions"] == 2
     assert pod["subdomain"] == rendered["service.yaml"]["metadata"]["name"] == job["metadata"]["name"]
     assert rendered["service.yaml"]["spec"]["clusterIP"] == "None"

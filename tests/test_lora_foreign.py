@@ -184,6 +184,23 @@ def sd3_onetrainer(pipe) -> ForeignFile:
     return f
 
 
+def flux2_comfyui(pipe) -> ForeignFile:
+    """FLUX.2 under Black Forest Labs' paths (ComfyUI's `diffusion_model.` and kohya-style `lora_unet_`): the double
+    blocks' fused q | k | v, the single blocks' linear1 / linear2 (diffusers' fused to_qkv_mlp_proj / to_out, one
+    module each), a shared modulation and the final adaLN (rows swapped)."""
+    f = ForeignFile(pipe, 11)
+    t = "transformer"
+    f.module("diffusion_model.double_blocks.1.img_attn.qkv", [(t, f"transformer_blocks.1.attn.to_{x}") for x in "qkv"])
+    f.module("diffusion_model.single_blocks.0.linear1", [(t, "single_transformer_blocks.0.attn.to_qkv_mlp_proj")])
+    f.module("diffusion_model.double_blocks.0.txt_mlp.0", [(t, "transformer_blocks.0.ff_context.linear_in")])
+    f.module("diffusion_model.double_stream_modulation_txt.lin", [(t, "double_stream_modulation_txt.linear")])
+    f.module(underscored("lora_unet", "double_blocks.0.txt_attn.qkv"),
+             [(t, f"transformer_blocks.0.attn.add_{x}_proj") for x in "qkv"])
+    f.module(underscored("lora_unet", "single_blocks.1.linear2"), [(t, "single_transformer_blocks.1.attn.to_out")])
+    f.module(underscored("lora_unet", "final_layer.adaLN_modulation.1"), [(t, "norm_out.linear")], swap=True)
+    return f
+
+
 def z_image_comfyui(pipe) -> ForeignFile:
     """ComfyUI's own names for Z-Image modules (its model's keys, comfy.utils.z_image_to_diffusers' values)."""
     f = ForeignFile(pipe, 8)
@@ -207,11 +224,11 @@ CASES = {"flux-kohya": ("flux", flux_kohya), "flux-onetrainer": ("flux", flux_on
          "flux-comfyui": ("flux", flux_comfyui), "flux-peft": ("flux", flux_peft),
          "flux-lycoris": ("flux", flux_lycoris), "chroma-kohya": ("chroma", chroma_kohya),
          "chroma-onetrainer": ("chroma", chroma_onetrainer), "sd3-kohya": ("sd3", sd3_kohya),
-         "sd3-onetrainer": ("sd3", sd3_onetrainer)}
+         "sd3-onetrainer": ("sd3", sd3_onetrainer), "flux2-comfyui": ("flux2", flux2_comfyui)}
 CASES |= {"z_image-comfyui": ("z_image", z_image_comfyui), "z_image-kohya": ("z_image", z_image_kohya)}
 
 
-@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "z_image"])
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "z_image", "flux2"])
 def test_other_trainers_files_merge_at_their_strength(family_models, tmp_path, family):
     """Every module of each file is merged as W + weight * alpha / rank * up @ down (fused modules split onto the
     diffusers modules by rows); no other weight moves; nothing is reported skipped."""

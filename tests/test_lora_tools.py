@@ -28,7 +28,8 @@ from ot_dist.models.loading import load_model
 RANK, ALPHA = 4, 2.0
 MODELS = {"sd1": "tiny_models", "sd2": "tiny_models", "sdxl": "tiny_models", "flux": "family_models",
           "sd3": "family_models", "chroma": "family_models", "pixart_sigma": "family_models",
-          "stable_cascade": "family_models", "qwen_image": "family_models", "z_image": "family_models"}
+          "stable_cascade": "family_models", "qwen_image": "family_models", "z_image": "family_models",
+          "flux2": "family_models"}
 # The CLIP text encoders diffusers' load_lora_weights takes, per family (SD3: CLIP-L and CLIP-G; Chroma has none)
 SETTINGS = {"stable_cascade": {"resolution": 128}}  # whole EfficientNet latents: sides of 128 px
 CLIP_PARTS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",), "sdxl": ("text_encoder",),
@@ -104,7 +105,7 @@ def run_process(*args) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("family,layout", [("sd1", "kohya"), ("sd1", "diffusers"), ("sd2", "kohya"),
                                            ("sdxl", "kohya"), ("flux", "diffusers"), ("sd3", "diffusers"),
                                            ("chroma", "diffusers"), ("qwen_image", "diffusers"),
-                                           ("z_image", "diffusers")])
+                                           ("z_image", "diffusers"), ("flux2", "diffusers")])
 def test_merge_equals_diffusers_fuse(request, shapes_data, tmp_path, family, layout):
     lora = random_lora_file(request, family, shapes_data, tmp_path / "o", layout)
     base = model_dir(request, family)

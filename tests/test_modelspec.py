@@ -76,6 +76,8 @@ DOCUMENTED = [
     ("lumina2", {}, None, False, "lora", "diffusers", "lumina-2/lora", "diffusers"),  # kohya's ARCH_LUMINA_2
     ("z_image", {}, None, False, "lora", "diffusers", "z-image/lora", "diffusers"),  # SwarmUI's class ids
     ("z_image", {}, None, False, "checkpoint", None, "z-image", "https://github.com/Tongyi-MAI/Z-Image"),
+    ("flux2", {}, None, False, "lora", "diffusers", "flux-2-dev/lora", "diffusers"),
+    ("flux2_klein", {}, None, False, "checkpoint", None, "flux-2-klein", "https://github.com/black-forest-labs/flux2"),
     ("hidream", {}, None, False, "lora", "diffusers", "hidream-i1/lora", "diffusers"),  # OneTrainer's id
     ("hidream", {}, None, False, "checkpoint", None, "hidream-i1", "diffusers"),  # ComfyUI's names are diffusers'
     # SwarmUI's class id (T2IModelClassSorter: Flux.1-dev/kontext, matched lowercased); kohya has no Kontext id
@@ -85,6 +87,11 @@ DOCUMENTED = [
     ("qwen_image_edit", {}, None, False, "checkpoint", None, "qwen-image-edit", "diffusers"),
     ("qwen_image_edit", {}, None, False, "lora", "diffusers", "qwen-image-edit/lora", "diffusers"),
     ("qwen_image_edit_plus", {}, None, False, "lora", "diffusers", "qwen-image-edit-plus/lora", "diffusers"),
+    # SwarmUI's class ids for Wan 2.1 T2V, by the transformer's width (12 x 128: 1.3B, 40 x 128: 14B)
+    ("wan", {"num_attention_heads": 12, "attention_head_dim": 128}, None, False, "lora", "diffusers",
+     "wan-2_1-text2video-1_3b/lora", "diffusers"),
+    ("wan", {"num_attention_heads": 40, "attention_head_dim": 128}, None, False, "checkpoint", None,
+     "wan-2_1-text2video-14b", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from ot_dist.checkpoint.canonical import make_all_canonical
 from ot_dist.file_modes import share_with_umask
+from ot_dist.models.tied_weights import tied_weights
 
 
 @contextlib.contextmanager
@@ -57,11 +58,7 @@ def cast_state_dict(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
 def without_tied_copies(model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop the keys transformers ties to another (T5's `encoder.embed_tokens.weight` is `shared.weight`), as its
     save_pretrained does: safetensors refuses two names for one storage, and from_pretrained re-ties them."""
-    # transformers 5's all_tied_weights_keys holds the ties the loaded config makes (empty when untied: Qwen2.5-VL's
-    # lm_head is its own weight); _tied_weights_keys, the class's possible ties, only for a model without it.
-    tied = getattr(model, "all_tied_weights_keys", None)
-    if tied is None:
-        tied = getattr(model, "_tied_weights_keys", None) or {}
+    tied = tied_weights(model)
     return {k: v for k, v in state.items() if not (k in tied and tied[k] in state)}
 
 

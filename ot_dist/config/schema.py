@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
@@ -40,18 +40,35 @@ class ModelConfig(Section):
         "3.5), flux (Flux.1 dev / schnell), chroma, pixart_alpha, pixart_sigma (PixArt-α / Σ), stable_cascade (its stage C "
         "prior), wuerstchen_v2 (its prior), qwen_image (Qwen-Image), sana, z_image (Z-Image / Z-Image-Turbo), hidream "
         "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
-        "(Lumina 2), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / "
-        "2511, one reference per sample); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B), wan (Wan 2.1 text-to-video, trained on "
+        "images as one-frame videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus "
+        "(Qwen-Image-Edit-2509 / 2511, one reference per sample); each is one module under ot_dist/models/families/ "
+        "(docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
-        "Flux, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config)."
+        "Flux and FLUX.2, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
+        "model.component_files)."
     )
     config: UserPath | None = Field(
         default=None,
         description="For a single-file checkpoint: a diffusers-format folder (or hub id when online) whose "
         "component configs describe the architecture. Needed offline.",
+    )
+    component_files: dict[str, UserPath] = Field(
+        default_factory=dict,
+        description="Components read from their own files instead of the model.config folder (or model.path's): "
+        "component name -> .safetensors file in ComfyUI's layout, as ComfyUI / Forge / SwarmUI users hold them. flux: "
+        "text_encoder (clip_l), text_encoder_2 (t5xxl_fp16, t5xxl_fp8_e4m3fn and its _scaled file), vae (ae); chroma: "
+        "text_encoder (t5xxl), vae (ae); sd3: text_encoder (clip_l), text_encoder_2 (clip_g), text_encoder_3 (t5xxl), "
+        "vae (an LDM-layout VAE file); qwen_image: text_encoder (qwen_2.5_vl_7b, its fp8_scaled file too), vae "
+        "(qwen_image_vae); z_image: text_encoder (qwen_3_4b), vae (Flux's ae); flux_kontext: Flux's; lumina2: text_encoder "
+        "(gemma_2_2b), vae (ae); hidream: text_encoder (clip_l), text_encoder_2 (clip_g), text_encoder_3 (t5xxl), "
+        "text_encoder_4 (llama_3.1_8b_instruct), vae (ae); flux2_klein: text_encoder (qwen_3_4b / qwen_3_8b). The folder then needs only the configs and tokenizers (`hf "
+        "download REPO --include '*.json' '*.txt' '*.model' 'tokenizer*'`). Each file is checked against the "
+        "component the folder's config describes before anything is loaded; float8 weights (ComfyUI's scaled ones "
+        "with their scales) are upcast to float32 as every weight is (docs/families.md).",
     )
     decoder: str | None = Field(
         default=None,
@@ -79,8 +96,9 @@ class ModelConfig(Section):
     )
     guidance_scale: float | None = Field(
         default=None, ge=0,
-        description="Flux.1 dev: the distilled guidance value its transformer is shown while training; null = 1.0, as "
-        "OneTrainer and SimpleTuner train. Models without a guidance embedding (schnell, Chroma, UNets) ignore it.",
+        description="Flux.1 dev, FLUX.2 [dev]: the distilled guidance value its transformer is shown while training; null "
+        "= 1.0, as OneTrainer trains both (SimpleTuner Flux.1; diffusers' scripts 3.5). Models without a guidance embedding "
+        "(schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
     )
     t5_max_tokens: int | None = Field(
         default=None, ge=1,
@@ -499,6 +517,28 @@ class DataConfig(Section):
         "and settings>, built at train start when missing or stale (`ot-dist shard list | prune` show and remove old "
         "ones). Set without concepts: train from an existing shard set.",
     )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Options of the object store that holds the tars of a set indexed from URLs (`ot-dist shard index "
+        "s3://...`), passed to fsspec: e.g. {endpoint_url: https://ACCOUNT.r2.cloudflarestorage.com} for R2 or MinIO "
+        "(s3fs's endpoint_url; client_kwargs: {region_name: ...}), {project: ...} for gcsfs. No credentials: keys "
+        "that hold one are refused (the config is logged); they come from the environment the store's library reads "
+        "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS; a Secret on Kubernetes: "
+        "docs/kubernetes.md).",
+    )
+    remote_concurrency: int = Field(
+        default=8, ge=1, le=256, description="Ranged reads of a set's URL tars each loader worker (or the rank, with "
+        "loader_workers 0) keeps in flight: one per sample, its members' bytes in one request.",
+    )
+    remote_read_ahead: int = Field(
+        default=2, ge=0, le=64, description="Micro batches beyond the one decoding whose samples each loader worker "
+        "fetches from the store ahead (held in memory: about read_ahead x batch_size samples' bytes a worker).",
+    )
+    remote_retries: int = Field(
+        default=5, ge=1, le=20, description="Tries of a read from the store that failed for a transient reason (5xx, "
+        "429, a dropped connection), waiting 0.5 s, 1 s, 2 s, ... (up to 16 s) between them; a 404 makes the sample "
+        "unreadable (skipped, counted in max_bad_fraction), a 401 / 403 stops the run.",
+    )
     cache_dir: UserPath | None = Field(
         default=None,
         description="The cache folder of shard sets when data.shards is unset. Unset: the environment's OT_DIST_CACHE, "
@@ -573,6 +613,19 @@ class DataConfig(Section):
         "latents in the shard set (keyed to the VAE, the resolutions and the shards) and train from them. "
         "Needs crop center; an augmenting concept needs image_variations > 1. docs/data.md#latent-and-text-caches",
     )
+
+    @field_validator("storage_options")
+    @classmethod
+    def _no_credentials(cls, value: dict) -> dict:
+        from ot_dist.data.remote import credential_keys
+
+        found = credential_keys(value)
+        if found:
+            raise ValueError(f"storage_options: {', '.join(found)} holds a credential, and the config is logged and "
+                             "copied with every checkpoint; give it through the environment the store's library reads "
+                             "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, GOOGLE_APPLICATION_CREDENTIALS, ~/.netrc; on "
+                             "Kubernetes a Secret: docs/kubernetes.md)")
+        return value
 
     @field_validator("image_background")
     @classmethod
@@ -1019,6 +1072,11 @@ class TrainConfig(Section):
         if self.sampling.prompts and not family.samplers:
             raise ValueError(f"sampling.prompts: ot_dist does not sample {self.model.family} during training yet; "
                              "remove the prompts")
+        for name in self.model.component_files:
+            if name not in family.component_files:
+                takes = ", ".join(family.component_files) or "none"
+                raise ValueError(f"model.component_files.{name}: {self.model.family} takes no {name} from a separate "
+                                 f"file (it takes: {takes})")
         if self.model.decoder is not None and family.decoder_pipeline_class is None:
             raise ValueError(f"model.decoder: {self.model.family} has no separate decoder stages (its pipeline "
                              "decodes by itself); remove it")

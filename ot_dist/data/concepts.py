@@ -20,6 +20,10 @@ MASK_SUFFIX = "-masklabel.png"
 # OneTrainer's collector leaves out every image whose name before the extension ends in one of these, whatever the
 # extension (mgds CollectPaths, exclude_postfix): its masks (read only as `<stem>-masklabel.png`) and its custom
 # conditioning images (`<stem>-condlabel.png`). They are not samples; -> why ot_dist does not use them.
+# Video containers: a clip in a concept folder is not training data (ot_dist trains on images); a video family refuses
+# it (check_video_clips) rather than leave it out with the other unused files.
+VIDEO_EXTENSIONS = {".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi", ".mpg", ".mpeg", ".wmv", ".flv"}
+VIDEO_REASON = "a video clip (ot_dist trains on images only)"
 NOT_SAMPLES = {"-masklabel": "a mask that is not a PNG (masks are <image name>-masklabel.png)",
                "-condlabel": "OneTrainer's conditioning image of its image (custom_conditioning_image), not a sample"}
 # Files that sit beside photos and are not samples: not listed as unused.
@@ -179,6 +183,8 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
             reason = next(why for ending, why in NOT_SAMPLES.items() if path.stem.endswith(ending))
         elif concept.caption_source == "txt" and path.suffix == concept.caption_extension:
             reason = "a caption without its image"
+        elif path.suffix.lower() in VIDEO_EXTENSIONS:
+            reason = VIDEO_REASON
         else:
             reason = "not an image"
         unused.append((path.relative_to(root), reason))
@@ -271,3 +277,18 @@ def framed(concept: ConceptConfig, caption: str) -> str:
 def caption_lines(text: str) -> list[str]:
     """The captions of a text, one per non-blank line, stripped (OneTrainer's LoadMultipleTexts); [""] when none."""
     return [line.strip() for line in text.splitlines() if line.strip()] or [""]
+
+
+def check_video_clips(manifest: dict, family) -> None:
+    """A video family (Wan, trained on images as one-frame videos) refuses video clips in its concepts: they were
+    surely meant as training data, which ot_dist cannot read yet, and would otherwise be left out with a line in the
+    unused-files report."""
+    if not family.video_model:
+        return
+    clips = [entry["file"] for entry in manifest.get("unused_files", []) if entry.get("reason") == VIDEO_REASON]
+    if clips:
+        shown = ", ".join(clips[:5]) + (f" and {len(clips) - 5} more" if len(clips) > 5 else "")
+        raise InputFileError(f"model.family {family.name}: the concepts hold {len(clips)} video clip"
+                             f"{'s' if len(clips) != 1 else ''} ({shown}); ot_dist trains {family.name} on images as "
+                             "one-frame videos and cannot train on video clips yet: extract frames as images or move "
+                             "the clips out of the concept folders")

@@ -36,8 +36,9 @@ from PIL import Image, UnidentifiedImageError
 from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size
 from ot_dist.data.images import (DEFAULT_MAX_PIXELS, HEIF_EXTENSIONS, UnreadableImage, heif_available, note_nclx,
                                  to_srgb_rgb)
+from ot_dist.data.remote import RemoteStore, expand_url, is_url, refuse_pipe
 from ot_dist.data.sample_index import IndexWriter
-from ot_dist.data.tar_members import pread_of, samples_of
+from ot_dist.data.tar_members import Window, pread_of, samples_of
 from ot_dist.data.unreadable import check_unreadable
 from ot_dist.errors import InputFileError
 
@@ -48,22 +49,26 @@ HEADER_BYTES = 1 << 16  # read to find an image's size: its header (with EXIF / 
 _ORIENTATION = 0x0112  # EXIF orientation: 5-8 turn the image a quarter, so its upright width is its stored height
 
 
-def expand_sources(patterns: list[str]) -> list[Path]:
+def expand_sources(patterns: list[str], storage_options: dict | None = None) -> list[Path | str]:
     """Tar paths from globs (`/data/*.tar`), webdataset's shard specs (brace ranges `shard-{000..099}.tar`, lists
-    joined by `::`, expanded by webdataset's own expand_urls) or paths."""
+    joined by `::`, expanded by webdataset's own expand_urls) or paths; URLs (`s3://b/{000..099}.tar`,
+    `gs://b/*.tar`, `https://...`) the same way, listed by their store (remote.py), kept as given."""
     from webdataset.shardlists import expand_urls
 
-    paths: list[Path] = []
+    paths: list[Path | str] = []
     for pattern in patterns:
-        found = []
+        refuse_pipe(pattern, "shard index")
+        found: list = []
         for expanded in expand_urls(pattern):
-            found += sorted(glob.glob(expanded)) if glob.has_magic(expanded) else [expanded]
-        found = [Path(p) for p in found]
-        missing = [p for p in found if not p.is_file()]
+            if is_url(expanded):
+                found += expand_url(expanded, storage_options)
+            else:
+                found += [Path(p) for p in (sorted(glob.glob(expanded)) if glob.has_magic(expanded) else [expanded])]
+        missing = [p for p in found if not is_url(p) and not p.is_file()]  # a URL's existence: when it is read
         if not found or missing:
             raise InputFileError(f"shard index: {pattern}: no tar file {missing[0] if missing else 'matches'}")
         for path in found:
-            if path.name.endswith((".gz", ".tgz", ".bz2", ".xz", ".zst")):
+            if str(path).endswith((".gz", ".tgz", ".bz2", ".xz", ".zst")):
                 raise InputFileError(f"shard index: {path} is compressed: a compressed tar cannot be read by offset; "
                                      "decompress it (gunzip) and index the .tar")
         paths += found
@@ -124,6 +129,7 @@ def within_limit(width: int, height: int, where: str, max_pixels: int | None) ->
 @dataclass
 class TarIndex:
     """What indexing one tar found (picklable: tars are indexed over worker processes)."""
+    size: int = 0  # the tar's bytes
     rows: list[tuple[int, int, int, int, int]] = field(default_factory=list)  # (offset, span, bucket, width, height)
     bad: list[dict] = field(default_factory=list)
     unused: list[dict] = field(default_factory=list)
@@ -131,7 +137,7 @@ class TarIndex:
 
 @dataclass(frozen=True)
 class TarIndexer:
-    """Indexes one tar: its samples' spans, sizes and buckets (callable on a path, for a process pool)."""
+    """Indexes one tar: its samples' spans, sizes and buckets (callable on a path or URL, for a process pool)."""
     largest: int
     bucket_step: int
     bucket_assignment: str
@@ -139,41 +145,51 @@ class TarIndexer:
     caption_suffixes: tuple[str, ...]
     max_image_pixels: int | None
     caption_field: str = "caption"
+    storage_options: dict | None = None  # for URLs: data.storage_options
+    retries: int = 5
 
-    def __call__(self, path: Path) -> TarIndex:
-        out = TarIndex()
+    def __call__(self, path: Path | str) -> TarIndex:
         register_openers(self.image_suffixes)
+        if is_url(path):  # ranged reads: the headers' 64 KB windows, each image's header, its caption
+            store = RemoteStore(self.storage_options, self.retries, log=print)
+            out = TarIndex(store.size(path, f"tar {path}"))
+            self._index(store.reader(path, f"tar {path}"), Window(store.reader(path, f"tar {path}")), path, out)
+            return out
         fd = os.open(path, os.O_RDONLY)
-        read = pread_of(fd)
         try:
-            for span in samples_of(fd, f"tar {path}"):
-                where = f"{path}:{span.key}"
-                image = first_of(span.members, self.image_suffixes)
-                caption = first_of(span.members, self.caption_suffixes)
-                if span.repeated:  # which of the two would train? webdataset stops on such a tar; here it is named
-                    twins = sorted({f"{span.key}.{s}" for s in span.members if s.lower() in span.repeated})
-                    out.bad.append({"file": where, "error": f"data: sample {where} has a member more than once: "
-                                    f"{', '.join(twins)} (suffixes compared lower-case, as webdataset does); keep one"})
-                    continue
-                if image is None or caption is None:
-                    kind, wanted = ("image", self.image_suffixes) if image is None else ("caption", self.caption_suffixes)
-                    out.unused.append({"file": where, "reason": f"no {kind} member ({'|'.join(wanted)}); it has "
-                                                                f"{', '.join(sorted(span.members))}"})
-                    continue
-                try:
-                    width, height = within_limit(*header_size(read, *span.members[image], where), where,
-                                                 self.max_image_pixels)
-                    # read as the loader will: a json without the caption field (a wrong --caption-field) or text
-                    # that is not UTF-8 is found here, not in every sample once training has started
-                    caption_text(read(*span.members[caption]), caption, self.caption_field, where)
-                except InputFileError as err:  # UnreadableImage is one
-                    out.bad.append({"file": where, "error": str(err)})
-                    continue
-                bucket = bucket_of(width, height, self.largest, self.bucket_step, self.bucket_assignment)
-                out.rows.append((span.start, span.end - span.start, bucket, width, height))
+            out = TarIndex(os.fstat(fd).st_size)
+            self._index(fd, pread_of(fd), path, out)
         finally:
             os.close(fd)
         return out
+
+    def _index(self, source, read, path, out: TarIndex) -> None:
+        """Into `out`: the samples of the tar `source` (a descriptor or a read function); `read` reads members."""
+        for span in samples_of(source, f"tar {path}"):
+            where = f"{path}:{span.key}"
+            image = first_of(span.members, self.image_suffixes)
+            caption = first_of(span.members, self.caption_suffixes)
+            if span.repeated:  # which of the two would train? webdataset stops on such a tar; here it is named
+                twins = sorted({f"{span.key}.{s}" for s in span.members if s.lower() in span.repeated})
+                out.bad.append({"file": where, "error": f"data: sample {where} has a member more than once: "
+                                f"{', '.join(twins)} (suffixes compared lower-case, as webdataset does); keep one"})
+                continue
+            if image is None or caption is None:
+                kind, wanted = ("image", self.image_suffixes) if image is None else ("caption", self.caption_suffixes)
+                out.unused.append({"file": where, "reason": f"no {kind} member ({'|'.join(wanted)}); it has "
+                                                            f"{', '.join(sorted(span.members))}"})
+                continue
+            try:
+                width, height = within_limit(*header_size(read, *span.members[image], where), where,
+                                             self.max_image_pixels)
+                # read as the loader will: a json without the caption field (a wrong --caption-field) or text
+                # that is not UTF-8 is found here, not in every sample once training has started
+                caption_text(read(*span.members[caption]), caption, self.caption_field, where)
+            except InputFileError as err:  # UnreadableImage is one
+                out.bad.append({"file": where, "error": str(err)})
+                continue
+            bucket = bucket_of(width, height, self.largest, self.bucket_step, self.bucket_assignment)
+            out.rows.append((span.start, span.end - span.start, bucket, width, height))
 
 
 def indexed_tars(indexer: TarIndexer, tars: list[Path], workers: int):
@@ -193,18 +209,19 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
                      bucket_assignment: str = "rounded_aspect", image_suffixes=IMAGE_SUFFIXES,
                      caption_suffixes=CAPTION_SUFFIXES, caption_field: str = "caption", max_bad_fraction: float = 0.01,
                      max_image_pixels: int | None = DEFAULT_MAX_PIXELS, name: str | None = None, workers: int = 1,
-                     log=print) -> dict:
+                     storage_options: dict | None = None, retries: int = 5, log=print) -> dict:
     """Index the tars into `out_dir` (index/*.npy + manifest.json, sample_index.py), the tars split over `workers`
-    processes (the index is the same with any number). Returns the manifest."""
+    processes (the index is the same with any number). Returns the manifest. Local tars are stored by their path
+    relative to `out_dir` (the set moves with its tars), URLs as given (the index moves alone)."""
     from ot_dist.data.shards import FORMAT, MANIFEST, index_description, write_index_and_manifest
 
-    tars = expand_sources(patterns)
+    tars = expand_sources(patterns, storage_options)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # an interrupted index leaves a set that is visibly incomplete
     image_suffixes, caption_suffixes = tuple(s.lower() for s in image_suffixes), tuple(s.lower() for s in caption_suffixes)
     indexer = TarIndexer(max(resolutions), bucket_step, bucket_assignment, image_suffixes, caption_suffixes,
-                         max_image_pixels, caption_field)
+                         max_image_pixels, caption_field, storage_options, retries)
     writer, shards, bad, unused, start = IndexWriter(), [], [], [], time.perf_counter()
     for number, (path, found) in enumerate(zip(tars, indexed_tars(indexer, tars, workers))):
         per_bucket: Counter = Counter()
@@ -213,14 +230,16 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
             per_bucket[bucket] += 1
         bad += found.bad
         unused += found.unused
-        shards.append({"file": os.path.relpath(path.resolve(), out_dir.resolve()), "samples": len(found.rows),
-                       "bytes": path.stat().st_size, "buckets": {str(b): n for b, n in sorted(per_bucket.items())}})
+        file = path if is_url(path) else os.path.relpath(path.resolve(), out_dir.resolve())
+        shards.append({"file": file, "samples": len(found.rows), "bytes": found.size,
+                       "buckets": {str(b): n for b, n in sorted(per_bucket.items())}})
     total = len(writer) + len(bad)
     check_unreadable([b["error"] for b in bad], total, max_bad_fraction, "samples", log)
     if not len(writer):
         raise InputFileError(f"shard index: no sample with an image ({'|'.join(image_suffixes)}) and a caption "
                              f"({'|'.join(caption_suffixes)}) in {len(tars)} tar(s)"
                              + (f"; not used: {unused[0]['file']} ({unused[0]['reason']}) ..." if unused else ""))
+    folder = tars[0].rsplit("/", 1)[0] if is_url(tars[0]) else str(tars[0].parent)
     counts: Counter = Counter()
     for shard in shards:
         counts.update({int(b): n for b, n in shard["buckets"].items()})
@@ -233,7 +252,7 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
                        "bucket_assignment": bucket_assignment},
         "resolutions": resolutions,
         "bucket_step": bucket_step,
-        "concepts": [{"name": name or out_dir.name, "path": str(tars[0].parent), "images": len(writer), "balancing": 1.0,
+        "concepts": [{"name": name or out_dir.name, "path": folder, "images": len(writer), "balancing": 1.0,
                       "balancing_strategy": "repeats"}],
         "buckets": [{"bucket": b, "aspect": aspect_name(b), "samples": counts[b],
                      "sizes": {str(r): list(bucket_size(b, r, bucket_step)) for r in resolutions}} for b in sorted(counts)],

@@ -13,7 +13,9 @@ def add_index_parser(shard_sub) -> None:
         "index", help="index existing webdataset tars (img2dataset's, webdataset.ShardWriter's) to train from them "
                       "as they are: data.shards: DIR")
     index.add_argument("tars", nargs="+", metavar="TARS_OR_GLOB",
-                       help="tar files, globs ('/data/*.tar') or brace ranges ('shard-{000000..000099}.tar')")
+                       help="tar files, globs ('/data/*.tar') or brace ranges ('shard-{000000..000099}.tar'); or "
+                       "URLs read by range through fsspec ('s3://bucket/laion/{00000..00999}.tar', 'gs://...', "
+                       "'https://...'), stored in the index as given")
     index.add_argument("--out", required=True, metavar="DIR", help="the set's folder: index/ and manifest.json")
     index.add_argument("--config", default=None, help="a training config: its resolution(s), data.bucket_step, "
                        "data.bucket_assignment, data.max_bad_fraction, data.max_image_pixels; and the bucket report")
@@ -33,6 +35,10 @@ def add_index_parser(shard_sub) -> None:
                        "(named) before indexing stops (default: --config's data.max_bad_fraction, else 0.01)")
     index.add_argument("--workers", type=int, default=1, help="processes that read the tars (default 1; the "
                        "index is the same with any number)")
+    index.add_argument("--storage-option", dest="storage_options", action="append", default=[],
+                       metavar="KEY=VALUE", help="an fsspec option of the store the URLs name, value parsed as YAML "
+                       "(endpoint_url=https://minio:9000); repeatable; over --config's data.storage_options. No "
+                       "credentials: they come from the environment (AWS_ACCESS_KEY_ID, ...)")
     index.add_argument("--world-size", type=int, default=1, help="with --config: processes the bucket report "
                        "assumes (default 1)")
 
@@ -42,6 +48,26 @@ def _suffixes(value: str, option: str) -> tuple[str, ...]:
     if not suffixes:
         raise ConfigError(f"shard index: {option} needs at least one suffix, got {value!r}")
     return suffixes
+
+
+def _storage_options(pairs: list[str], config) -> dict:
+    """storage_options and retries for URL tars: --config's data section, then each --storage-option KEY=VALUE,
+    checked as data.storage_options is (no credentials)."""
+    import yaml
+
+    from ot_dist.config.schema import DataConfig
+
+    options = dict(config.data.storage_options) if config is not None else {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"shard index: --storage-option takes KEY=VALUE, got {pair!r}")
+        options[key.strip()] = yaml.safe_load(value)
+    try:
+        DataConfig._no_credentials(options)
+    except ValueError as err:
+        raise ConfigError(f"shard index: --storage-option / data.{err}") from None
+    return {"storage_options": options, "retries": config.data.remote_retries if config is not None else 5}
 
 
 def run_index(args: argparse.Namespace) -> int:
@@ -67,6 +93,7 @@ def run_index(args: argparse.Namespace) -> int:
             raise ConfigError(f"shard index: --bucket-step {args.bucket_step} must be at least 1 and at most the "
                               f"resolution {min(resolutions)}")
         options |= {"resolutions": resolutions, "bucket_step": args.bucket_step}
+    options |= _storage_options(args.storage_options, config)
     if args.workers < 1:
         raise ConfigError(f"shard index: --workers must be at least 1, got {args.workers}")
     options["workers"] = args.workers

@@ -6,14 +6,17 @@ what lets every rank read exactly its slice of that plan, lets loader workers sp
 batches, and makes a resume (on any world size) start at the exact global batch without replaying
 the epoch. A sample's members are contiguous in its tar, so each read is one seek and a few
 sequential reads of an open file; the shards of a rank are split by the plan, not by file, which is
-what keeps the per-rank step count exactly equal. (On object storage without range reads, shards
-would be staged locally first; that is not built here.)
+what keeps the per-rank step count exactly equal. Shards in object storage (named by URL, remote.py) are read
+the same way, by byte range: each sample's span in one request, the spans of the next micro batches fetched ahead
+by a few threads on each loader worker (data.remote_read_ahead, data.remote_concurrency), so that the store's
+latency overlaps the decoding instead of adding to it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,8 @@ from ot_dist.data.decode import decode_member
 from ot_dist.data import external
 from ot_dist.data.images import parse_colour
 from ot_dist.data.plan import EpochPlan, GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
-from ot_dist.data.sample_index import MASK, REFERENCE
+from ot_dist.data.remote import RemoteStore, filesystem, is_url
+from ot_dist.data.sample_index import MASK, REFERENCE, shard_label
 from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import read_manifest
 from ot_dist.data.variations import Variations, member_name
@@ -41,7 +45,8 @@ class ShardDataset:
 
     def __init__(self, shard_dir: str | Path, config):
         self.dir = Path(shard_dir)
-        self.manifest = read_manifest(self.dir)
+        data = config.data
+        self.manifest = read_manifest(self.dir, RemoteStore(data.storage_options, data.remote_retries, log=_warn))
         self.samples = self.manifest["samples"]  # the index as sample dicts, read on access (sample_index.py)
         self.index = self.samples.index  # its memory-mapped columns
         self.seed, self.crop, self.step = config.seed, config.data.crop, self.manifest["bucket_step"]
@@ -67,6 +72,11 @@ class ShardDataset:
             )
         self.has_masks = bool(np.any(self.index.flags & MASK))
         self.has_references = bool(np.any(self.index.flags & REFERENCE))  # an edit model's conditioning images
+        # (parallel reads, micro batches ahead) on each loader worker when some shard is a URL; None: all local
+        urls = {s["file"].split("://", 1)[0]: s["file"] for s in self.manifest["shards"] if is_url(s["file"])}
+        for url in urls.values():  # a store whose package is missing (s3fs, gcsfs) is named now, not per sample
+            filesystem(url, data.storage_options)
+        self.fetch_ahead = (data.remote_concurrency, data.remote_read_ahead) if urls else None
         self._last = None  # the sample record load() read last: its tar headers are read once per load
         self.caches: dict[str, CacheIndex] = {}  # latents / text -> the cache's index (cache_index.py)
         # latents / text -> each sample's cached versions and which one an epoch reads (variations.py)
@@ -105,21 +115,23 @@ class ShardDataset:
         return self._last
 
     def _read(self, sample: dict, suffix: str):
-        file = self.manifest["shards"][sample["shard"]]["file"]
+        path = self.samples.shard_path(sample["shard"])
         if suffix not in sample["members"]:
-            raise InputFileError(f"shard {file} sample {sample['key']}: no member {suffix}")
-        return self._read_member(self.dir / file, sample["key"], suffix, *sample["members"][suffix])
+            raise InputFileError(f"shard {self.manifest['shards'][sample['shard']]['file']} sample {sample['key']}: "
+                                 f"no member {suffix}")
+        return self._read_member(path, sample["key"], suffix, *sample["members"][suffix])
 
     def _read_member(self, path: Path, key: str, suffix: str, offset: int, size: int):
         return decode_member(f"{key}.{suffix}", self.member_bytes(path, key, suffix, offset, size),
-                             f"shard {path.name} sample {key}")
+                             f"shard {shard_label(path)} sample {key}")
 
-    def member_bytes(self, path: Path, key: str, suffix: str, offset: int, size: int) -> bytes:
-        # pread: no shared file position, so forked loader workers can use descriptors they inherited
-        data = os.pread(self.samples.files.fd(path), size, offset)
+    def member_bytes(self, path: Path | str, key: str, suffix: str, offset: int, size: int) -> bytes:
+        # a local shard by pread (no shared file position, so forked loader workers can use descriptors they
+        # inherited); a URL's from the sample's span, fetched when its headers were read (or ahead, by the loader)
+        where = f"shard {shard_label(path)} sample {key}"
+        data = self.samples.files.read(path, offset, size, where)
         if len(data) != size:
-            raise InputFileError(f"shard {path.name} sample {key}: member {suffix} is truncated "
-                                 f"({len(data)} of {size} bytes)")
+            raise InputFileError(f"{where}: member {suffix} is truncated ({len(data)} of {size} bytes)")
         return data
 
     def use_cache(self, kind: str, index: CacheIndex) -> None:
@@ -156,7 +168,7 @@ class ShardDataset:
         suffix = external.first_of(sample["members"], tuple(self.layout["caption"]))
         path = self.samples.shard_path(sample["shard"])
         text = external.caption_text(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]),
-                                     suffix, self.layout["caption_field"], f"shard {path.name} sample {sample['key']}")
+                                     suffix, self.layout["caption_field"], f"shard {shard_label(path)} sample {sample['key']}")
         return [line.strip() for line in text.split("\n") if line.strip()] or [""]
 
     def _image(self, sample, resolution: int) -> Image.Image:
@@ -168,7 +180,7 @@ class ShardDataset:
             raise InputFileError(f"data.shards: sample {sample['key']} has no image member ({'|'.join(self.layout['image'])})")
         path = self.samples.shard_path(sample["shard"])
         return external.decode_image(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]),
-                                     f"shard {path.name} sample {sample['key']} member {suffix}", self.background)
+                                     f"shard {shard_label(path)} sample {sample['key']} member {suffix}", self.background)
 
     def moved(self, sample_id: int, bucket: int | None, resolution: int) -> bool:
         """Whether the sample trains in a bucket of another size than its own (data.small_buckets move)."""
@@ -281,6 +293,52 @@ class ShardDataset:
         return {**self.__dict__, "_last": None}
 
 
+def _warn(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class _FetchAhead:
+    """The spans of a loader worker's next micro batches, read from the store by a few threads while the current
+    one decodes: at most `concurrency` requests at once, `read_ahead` micro batches beyond the one loading held."""
+
+    def __init__(self, dataset: ShardDataset, batches: list[list[int]], concurrency: int, read_ahead: int):
+        self.files, self.samples, self.batches = dataset.samples.files, dataset.samples, batches
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="ot-dist-fetch")
+        self.read_ahead, self.submitted, self.futures = read_ahead, 0, {}
+
+    def _submit(self, upto: int) -> None:
+        while self.submitted < min(upto, len(self.batches)):
+            spans = []
+            for i in self.batches[self.submitted]:
+                url, start, span = self.samples.span(i % len(self.samples))
+                where = f"shard {url} sample #{i % len(self.samples)}"
+                spans.append((url, start, self.pool.submit(self.files.remote.read, url, start, span, where)))
+            self.futures[self.submitted] = spans
+            self.submitted += 1
+
+    def take(self, n: int) -> dict[int, str]:
+        """Hold micro batch n's spans (waiting for them) and start the next ones; sample id -> why it is unreadable
+        for those that failed (a 401 / 403 is raised: RemoteAccessDenied stops the run)."""
+        self._submit(n + 1 + self.read_ahead)
+        failed = {}
+        for i, (url, start, future) in zip(self.batches[n], self.futures[n]):
+            try:
+                self.files.hold(url, start, future.result())
+            except InputFileError as err:
+                failed[i] = str(err)
+        return failed
+
+    def release(self, n: int) -> None:
+        for url, start, _ in self.futures.pop(n):
+            self.files.release(url, start)
+
+    def close(self) -> None:
+        """Stop fetching (an epoch ended or its consumer stopped early) and let go of the spans held."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        for n in list(self.futures):
+            self.release(n)
+
+
 def _line_of(member_key: str) -> int:
     """The caption line of a text-cache tensor named `<key>_<line>`."""
     return int(member_key.rsplit("_", 1)[1])
@@ -326,21 +384,37 @@ class _RankMicroBatches(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        epoch = self.epoch
-        for k in range(worker, len(self.ids), workers):
-            step = k // self.accumulation
-            resolution, bucket, ids = self.plan.resolution(step), int(self.plan.buckets[step]), self.ids[k].tolist()
-            samples, skipped = [], []
-            # one moved sample (no cached latent of this size): the whole micro batch is read as pixels
-            latents = not any(self.dataset.moved(i, bucket, resolution) for i in ids)
-            for i in ids:
-                try:
-                    samples.append(self.dataset.load(i, epoch, resolution, bucket=bucket, latents=latents))
-                except InputFileError as err:  # a corrupt member or truncated shard: skipped and counted
-                    skipped.append(str(err))
-            if not samples:
-                raise InputFileError("data: every sample of a micro batch is unreadable:\n  " + "\n  ".join(skipped))
-            yield {**collate(samples), "skipped": skipped}
+        epoch, mine = self.epoch, range(worker, len(self.ids), workers)
+        ahead = None
+        if self.dataset.fetch_ahead is not None:  # shards in a store: their spans read ahead, a few at a time
+            ahead = _FetchAhead(self.dataset, [self.ids[k].tolist() for k in mine], *self.dataset.fetch_ahead)
+        try:
+            for n, k in enumerate(mine):
+                yield self._micro_batch(k, epoch, ahead.take(n) if ahead else {})
+                if ahead:
+                    ahead.release(n)
+        finally:
+            if ahead:
+                ahead.close()
+
+    def _micro_batch(self, k: int, epoch: int, failed: dict[int, str]) -> dict:
+        """Micro batch k of this rank, its unreadable samples skipped (`failed`: those the store did not give)."""
+        step = k // self.accumulation
+        resolution, bucket, ids = self.plan.resolution(step), int(self.plan.buckets[step]), self.ids[k].tolist()
+        samples, skipped = [], []
+        # one moved sample (no cached latent of this size): the whole micro batch is read as pixels
+        latents = not any(self.dataset.moved(i, bucket, resolution) for i in ids)
+        for i in ids:
+            if i in failed:  # its span could not be read from the store (named, with the URL)
+                skipped.append(failed[i])
+                continue
+            try:
+                samples.append(self.dataset.load(i, epoch, resolution, bucket=bucket, latents=latents))
+            except InputFileError as err:  # a corrupt member or truncated shard: skipped and counted
+                skipped.append(str(err))
+        if not samples:
+            raise InputFileError("data: every sample of a micro batch is unreadable:\n  " + "\n  ".join(skipped))
+        return {**collate(samples), "skipped": skipped}
 
 
 class ShardReader:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ot_dist.data.remote import RemoteStore, is_url
 from ot_dist.data.tar_members import members_between, read_member
 from ot_dist.errors import InputFileError
 
@@ -121,10 +122,15 @@ class SampleIndex:
 
 
 class ShardFiles:
-    """Open shard descriptors of one process (opened lazily; `os.pread`, so forked workers may share them)."""
+    """The shards of one process: local ones by descriptor (opened lazily; `os.pread`, so forked workers may share
+    them), ones named by URL by ranged reads (remote.py). A URL sample's whole span (its headers and members) is read
+    in one request and held while it loads; the loader fetches the spans of micro batches ahead (hold / release)."""
 
-    def __init__(self):
+    def __init__(self, remote: RemoteStore | None = None):
         self._fds: dict[Path, int] = {}
+        self.remote = remote or RemoteStore()
+        self._held: dict[str, dict[int, bytes]] = {}  # url -> {span start: its bytes}
+        self._last: tuple[str, int] | None = None  # the span fetched for the sample loaded last (not fetched ahead)
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
@@ -134,16 +140,51 @@ class ShardFiles:
                 raise InputFileError(f"data.shards: cannot open shard {path}: {err.strerror}") from None
         return self._fds[path]
 
+    def read(self, location, offset: int, size: int, where: str) -> bytes:
+        """Bytes [offset, offset + size) of a shard (fewer at its end): from a held span when one covers them."""
+        if not is_url(location):
+            return os.pread(self.fd(location), size, offset)
+        for start, data in self._held.get(location, {}).items():
+            if start <= offset and offset + size <= start + len(data):
+                return data[offset - start:offset - start + size]
+        return self.remote.read(location, offset, size, where)
+
+    def reader(self, location, where: str):
+        """read(offset, size) of one shard (tar_members' form); a descriptor for a local one."""
+        if not is_url(location):
+            return self.fd(location)
+        return lambda offset, size: self.read(location, offset, size, where)
+
+    def hold(self, url: str, start: int, data: bytes) -> None:
+        self._held.setdefault(url, {})[start] = data
+
+    def release(self, url: str, start: int) -> None:
+        self._held.get(url, {}).pop(start, None)
+
+    def fetch(self, url: str, start: int, span: int, where: str) -> None:
+        """Hold a sample's span (one ranged read unless it is held already), in place of the last one fetched so."""
+        if start in self._held.get(url, {}):
+            return
+        if self._last is not None:
+            self.release(*self._last)
+        self.hold(url, start, self.remote.read(url, start, span, where))
+        self._last = (url, start)
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
-        self._fds = {}
+        self._fds, self._held, self._last = {}, {}, None
 
     def __getstate__(self):  # descriptors stay in their process; a spawned loader worker opens its own
-        return {"_fds": {}}
+        return {"_fds": {}, "remote": self.remote, "_held": {}, "_last": None}
 
     def __del__(self):
         self.close()
+
+
+def shard_label(location) -> str:
+    """A shard as errors name it: a local tar by its file name, one in a store by its whole URL."""
+    return location if is_url(location) else Path(location).name
 
 
 class SampleRecord(Mapping):
@@ -211,15 +252,29 @@ class SampleRecords(Sequence):
 
     __hash__ = None
 
-    def shard_path(self, shard: int) -> Path:
-        return self.dir / self.shards[shard]["file"]
+    def shard_path(self, shard: int) -> Path | str:
+        """Where a shard is: a path (stored relative to the set's folder) or a URL, as `shard index` was given it."""
+        file = self.shards[shard]["file"]
+        return file if is_url(file) else self.dir / file
+
+    def span(self, i: int) -> tuple[Path | str, int, int]:
+        """(shard location, offset, bytes) of sample i's members in its tar."""
+        return self.shard_path(int(self.index.shard[i])), int(self.index.offset[i]), int(self.index.span[i])
+
+    def _source(self, i: int, where: str):
+        """What tar_members reads sample i's headers from: the shard's descriptor, or its URL's span, fetched whole."""
+        location, start, span = self.span(i)
+        if is_url(location):
+            self.files.fetch(location, start, span, where)
+        return self.files.reader(location, where)
 
     def key(self, i: int) -> str:
         """Sample i's key, from its first member header."""
         path = self.shard_path(int(self.index.shard[i]))
-        member = read_member(self.files.fd(path), int(self.index.offset[i]), f"shard {path.name} sample #{i}")
+        where = f"shard {shard_label(path)} sample #{i}"
+        member = read_member(self._source(i, where), int(self.index.offset[i]), where)
         if member is None:
-            raise InputFileError(f"shard {path.name} sample #{i}: the tar ends before it; rebuild the set")
+            raise InputFileError(f"{where}: the tar ends before it; rebuild the set")
         return member.key
 
     def walk(self, i: int) -> tuple[str, dict[str, list[int]]]:
@@ -227,13 +282,14 @@ class SampleRecords(Sequence):
         columns = self.index
         path = self.shard_path(int(columns.shard[i]))
         start = int(columns.offset[i])
-        members = members_between(self.files.fd(path), start, start + int(columns.span[i]), f"shard {path.name}",
-                                  f"#{i}")
+        label = f"shard {shard_label(path)}"
+        members = members_between(self._source(i, f"{label} sample #{i}"), start, start + int(columns.span[i]),
+                                  label, f"#{i}")
         # members no sample owns (directories, names without a suffix, macOS tar's `._<name>` AppleDouble entries
         # between a sample's members) are skipped, as the index's scan (tar_members.samples_of) and webdataset do
         members = [m for m in members if m.key]
         keys = {m.key for m in members}
         if len(keys) != 1:
-            raise InputFileError(f"shard {path.name} sample {i}: the index points at members of {sorted(keys)} at byte "
+            raise InputFileError(f"{label} sample {i}: the index points at members of {sorted(keys)} at byte "
                                  f"{start}, not one sample's; the shard changed since it was indexed: rebuild the set")
         return members[0].key, {m.suffix: [m.data, m.size] for m in members}

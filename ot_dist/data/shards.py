@@ -30,7 +30,8 @@ from ot_dist.data.augment import AUGMENTATION_FIELDS
 from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of
 from ot_dist.data.concepts import classify_files, concept_name, mask_of, reference_partners, scan_folders
 from ot_dist.data.images import open_mask
-from ot_dist.data.sample_index import COLUMNS, INDEX_DIR, IndexWriter, SampleIndex, SampleRecords, bytes_per_sample
+from ot_dist.data.sample_index import (COLUMNS, INDEX_DIR, IndexWriter, SampleIndex, SampleRecords, ShardFiles,
+                                      bytes_per_sample)
 from ot_dist.data.sample_encoder import encoded_samples
 from ot_dist.data.tar_members import samples_of
 from ot_dist.errors import InputFileError
@@ -103,8 +104,9 @@ def fingerprint_of(settings: dict, concepts: list) -> str:
     return digest.hexdigest()
 
 
-def read_manifest(shard_dir: Path) -> dict:
-    """The manifest of a set, its "samples" the index shown as a list of sample dicts (sample_index.py)."""
+def read_manifest(shard_dir: Path, remote=None) -> dict:
+    """The manifest of a set, its "samples" the index shown as a list of sample dicts (sample_index.py); `remote`
+    (a RemoteStore: storage options, retries) reads the shards the manifest names by URL."""
     path = Path(shard_dir) / MANIFEST
     if not path.is_file():
         raise InputFileError(f"data.shards: {shard_dir} has no {MANIFEST} (build it: ot-dist shard build CONFIG)")
@@ -120,7 +122,7 @@ def read_manifest(shard_dir: Path) -> dict:
     if manifest.get("format") != FORMAT:
         raise InputFileError(f"data.shards: {path} has format {manifest.get('format')!r}, expected {FORMAT!r}")
     manifest["samples"] = SampleRecords(Path(shard_dir), manifest["shards"],
-                                        SampleIndex(Path(shard_dir), manifest["sample_count"]))
+                                        SampleIndex(Path(shard_dir), manifest["sample_count"]), ShardFiles(remote))
     return manifest
 
 

@@ -85,24 +85,29 @@ def pread_of(fd: int):
     return lambda offset, size: os.pread(fd, size, offset)
 
 
-class _Window:
-    """Reads of a tar scanned front to back: 64 KB at a time, so small members cost no system call each (and a
-    large one costs one 64 KB read for its header)."""
+def reader_of(source):
+    """read(offset, size) of a tar: `source` is a descriptor (os.pread) or already such a function (a ranged read of
+    a URL, remote.py)."""
+    return pread_of(source) if isinstance(source, int) else source
 
-    def __init__(self, fd: int, size: int = 1 << 16):
-        self.fd, self.size, self.start, self.data = fd, size, 0, b""
+
+class Window:
+    """Reads of a tar scanned front to back: 64 KB at a time, so small members cost no system call (or, for a URL,
+    no request) each, and a large one costs one 64 KB read for its header."""
+
+    def __init__(self, source, size: int = 1 << 16):
+        self.read, self.size, self.start, self.data = reader_of(source), size, 0, b""
 
     def __call__(self, offset: int, size: int) -> bytes:
         if not (self.start <= offset and offset + size <= self.start + len(self.data)):
-            self.start, self.data = offset, os.pread(self.fd, max(size, self.size), offset)
+            self.start, self.data = offset, self.read(offset, max(size, self.size))
         return self.data[offset - self.start:offset - self.start + size]
 
 
 def read_member(read, offset: int, where: str) -> Member | None:
     """The member whose header starts at `offset` (None at the end-of-archive blocks or the end of the file).
     `read(offset, size)` reads the tar (`pread_of(fd)`); `where` names the file (and sample) in errors."""
-    if isinstance(read, int):
-        read = pread_of(read)
+    read = reader_of(read)
     start, name, size = offset, None, None
     while True:
         block = read(offset, BLOCK)
@@ -136,10 +141,11 @@ def read_member(read, offset: int, where: str) -> Member | None:
         return Member(key, suffix, start, offset + BLOCK, size)
 
 
-def members_between(fd: int, start: int, end: int, where: str, sample: str = "") -> list[Member]:
-    """The members whose headers start in [start, end): one sample's when the index gives its span. Errors name
-    `where` (the shard) and the sample's key once its first header is read (else `sample`)."""
-    out, offset, read = [], start, pread_of(fd)
+def members_between(source, start: int, end: int, where: str, sample: str = "") -> list[Member]:
+    """The members whose headers start in [start, end): one sample's when the index gives its span. `source`: a
+    descriptor or a read function (reader_of). Errors name `where` (the shard) and the sample's key once its first
+    header is read (else `sample`)."""
+    out, offset, read = [], start, reader_of(source)
     try:
         while offset < end:
             member = read_member(read, offset, where)
@@ -155,9 +161,9 @@ def members_between(fd: int, start: int, end: int, where: str, sample: str = "")
     return out
 
 
-def iter_members(fd: int, where: str):
-    """Every member of a whole tar, in order, up to its end-of-archive blocks."""
-    offset, read = 0, _Window(fd)
+def iter_members(source, where: str):
+    """Every member of a whole tar (a descriptor or a read function), in order, up to its end-of-archive blocks."""
+    offset, read = 0, Window(source)
     while True:
         member = read_member(read, offset, where)
         if member is None:
@@ -176,11 +182,11 @@ class SampleSpan:
     repeated: list[str] = field(default_factory=list)  # suffixes met again (lower-case): webdataset refuses those
 
 
-def samples_of(fd: int, where: str):
+def samples_of(source, where: str):
     """A whole tar's samples (consecutive members of one key, as webdataset groups them) in order; members that
     are no sample's (directories, names without a suffix) are skipped."""
     current: SampleSpan | None = None
-    for member in iter_members(fd, where):
+    for member in iter_members(source, where):
         if not member.key:
             continue
         if current is not None and member.key == current.key:

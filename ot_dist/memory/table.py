@@ -1,7 +1,7 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
-Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B) and Lumina-Image 2.0 under the low-memory
-options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B and Wan 2.1 T2V
+14B under the low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
+from ot_dist.models.families.flux2 import Flux2, Flux2Klein
 from ot_dist.models.families.hidream import HiDream
 from ot_dist.models.families.lumina2 import Lumina2
 from ot_dist.models.families.qwen_image import QwenImage
@@ -26,6 +27,7 @@ from ot_dist.models.families.sd import UNET_LORA_TARGETS as UNET_ATTENTION_TARGE
 from ot_dist.models.families.sd import UNET_SHARD_UNITS
 from ot_dist.models.families.sd3 import SD3_LORA_TARGETS
 from ot_dist.models.families.stable_cascade import CASCADE_ATTENTION, StableCascade, WuerstchenV2
+from ot_dist.models.families.wan import Wan
 from ot_dist.models.families.z_image import ZImage
 
 GIB = 1024**3
@@ -119,6 +121,29 @@ DC_AE_F32C32 = dict(in_channels=3, latent_channels=32, attention_head_dim=32, en
                     decoder_qkv_multiscales=((), (), (), (5,), (5,), (5,)), downsample_block_type="conv",
                     upsample_block_type="interpolate", decoder_norm_types="rms_norm", decoder_act_fns="silu",
                     scaling_factor=0.41407)
+# black-forest-labs/FLUX.2-dev: its transformer (Flux2Transformer2DModel's defaults are its config: 8 double and 48
+# single blocks, 48 heads x 128, the 3 x 5120-wide text input), its text_encoder (mistralai/Mistral-Small-3.1-24B-
+# Instruct-2503's config: the language model, untied lm_head, and the Pixtral vision tower, which the pipeline loads
+# though text-only training never runs it) and its VAE (AutoencoderKLFlux2's defaults). FLUX.2-klein-base-9B: 8 double
+# and 24 single blocks, 32 heads, Qwen/Qwen3-8B's 3 x 4096-wide hidden layers, no guidance embedding, Qwen3-8B as its
+# text encoder (untied lm_head), the same VAE.
+FLUX2_DEV = dict(in_channels=128, num_layers=8, num_single_layers=48, attention_head_dim=128, num_attention_heads=48,
+                 joint_attention_dim=15360, timestep_guidance_channels=256, mlp_ratio=3.0,
+                 axes_dims_rope=(32, 32, 32, 32), rope_theta=2000, guidance_embeds=True)
+FLUX2_KLEIN_9B = dict(FLUX2_DEV, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288,
+                      guidance_embeds=False)
+MISTRAL_SMALL_31 = dict(
+    text_config=dict(model_type="mistral", vocab_size=131072, hidden_size=5120, intermediate_size=32768,
+                     num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=1e9, sliding_window=None,
+                     tie_word_embeddings=False),
+    vision_config=dict(model_type="pixtral", hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                       num_attention_heads=16, head_dim=64, image_size=1540, patch_size=14, num_channels=3),
+    image_token_index=10, spatial_merge_size=2, multimodal_projector_bias=False, projector_hidden_act="gelu",
+    tie_word_embeddings=False)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6, tie_word_embeddings=False)
 # Alpha-VLLM/Lumina-Image-2.0: its transformer (Lumina2Transformer2DModel's defaults but the caption width, Gemma's
 # 2304, which ComfyUI's model_detection.py reads from cap_embedder.1.weight beside the same 2304-wide, 24 / 8-head,
 # 32-32-32 RoPE numbers), google/gemma-2-2b's decoder as the text encoder (GEMMA2_2B) and the Flux VAE (VAE_16).
@@ -147,6 +172,16 @@ HIDREAM_I1 = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=16, 
 LLAMA31_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                   num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
                   tie_word_embeddings=False)
+# Wan-AI/Wan2.1-T2V-14B-Diffusers: its transformer/config.json (5120 wide: 40 heads x 128, 40 blocks, FFN 13824, UMT5's
+# 4096-wide states in), its text_encoder google/umt5-xxl's encoder (UMT5EncoderModel: 24 blocks, d_model 4096, d_ff 10240,
+# 64 heads x 64, a relative-attention bias in every block, the 256384-token vocabulary) and its VAE (AutoencoderKLWan,
+# Qwen-Image's numbers: base_dim 96, z_dim 16).
+WAN21_T2V_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
+                     qk_norm="rms_norm_across_heads", eps=1e-6)
+UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+                feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
+                is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -158,10 +193,14 @@ DENOISERS = {
     "Würstchen v2": ("prior", WuerstchenV2.denoiser_lora_presets["default"], WuerstchenV2.shard_units["prior"]),
     "Qwen-Image": ("transformer", QwenImage.denoiser_lora_presets["default"], QwenImage.shard_units["transformer"]),
     "Sana 1600M": ("transformer", Sana.denoiser_lora_presets["default"], Sana.shard_units["transformer"]),
+    "FLUX.2 dev": ("transformer", Flux2.denoiser_lora_presets["default"], Flux2.shard_units["transformer"]),
+    "FLUX.2 klein 9B": ("transformer", Flux2Klein.denoiser_lora_presets["default"],
+                        Flux2Klein.shard_units["transformer"]),
     "Lumina-Image 2.0": ("transformer", Lumina2.denoiser_lora_presets["default"], Lumina2.shard_units["transformer"]),
     "Z-Image": ("transformer", ZImage.denoiser_lora_presets["default"], ZImage.shard_units["transformer"]),
     "HiDream-I1": ("transformer", HiDream.denoiser_lora_presets["default"], HiDream.shard_units["transformer"]),
 }
+DENOISERS["Wan 2.1 T2V 14B"] = ("transformer", Wan.denoiser_lora_presets["default"], Wan.shard_units["transformer"])
 # Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
 # the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
 DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
@@ -184,6 +223,15 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
     from ot_dist.models.efficientnet import EfficientNetEncoder, EffnetConfig
 
     with torch.device("meta"):
+        if model.startswith("FLUX.2"):
+            return flux2_components(model)
+        if model == "Wan 2.1 T2V 14B":
+            from diffusers import AutoencoderKLWan, WanTransformer3DModel
+            from transformers import UMT5Config, UMT5EncoderModel
+
+            return {"transformer": WanTransformer3DModel(**WAN21_T2V_14B),
+                    "text_encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL)),
+                    "vae": AutoencoderKLWan(**QWEN_IMAGE_VAE)}
         if model == "Lumina-Image 2.0":
             from diffusers import Lumina2Transformer2DModel
 
@@ -235,6 +283,19 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
         return {"unet": UNet2DConditionModel(**SDXL_UNET), "text_encoder": CLIPTextModel(CLIPTextConfig(**CLIP_L)),
                 "text_encoder_2": CLIPTextModelWithProjection(CLIPTextConfig(**OPENCLIP_BIGG)),
                 "vae": AutoencoderKL(**VAE)}
+
+
+def flux2_components(model: str) -> dict[str, torch.nn.Module]:
+    from diffusers import AutoencoderKLFlux2, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration, Qwen3Config, Qwen3ForCausalLM
+
+    if model == "FLUX.2 dev":
+        transformer = Flux2Transformer2DModel(**FLUX2_DEV)
+        text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(**MISTRAL_SMALL_31))
+    else:
+        transformer = Flux2Transformer2DModel(**FLUX2_KLEIN_9B)
+        text_encoder = Qwen3ForCausalLM(Qwen3Config(**QWEN3_8B))
+    return {"transformer": transformer, "text_encoder": text_encoder, "vae": AutoencoderKLFlux2()}
 
 
 def lora_shapes(unet: torch.nn.Module, rank: int = LORA_RANK, targets=UNET_ATTENTION_TARGETS) -> list[tuple[int, ...]]:

@@ -35,6 +35,8 @@ SCRIPTS = {
     "train_dreambooth_lora_flux.py": ("flux", "lora", "dreambooth"),
     "train_dreambooth_lora_sana.py": ("sana", "lora", "dreambooth"),
     "train_dreambooth_lora_qwen_image.py": ("qwen_image", "lora", "dreambooth"),
+    "train_dreambooth_lora_flux2.py": ("flux2", "lora", "dreambooth"),
+    "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora", "dreambooth"),
     "train_dreambooth_lora_lumina2.py": ("lumina2", "lora", "dreambooth"),
     "train_dreambooth_lora_z_image.py": ("z_image", "lora", "dreambooth"),
     "train_dreambooth_lora_hidream.py": ("hidream", "lora", "dreambooth"),
@@ -57,10 +59,16 @@ TRANSFORMER_LORA_TARGETS = {"sd3": ATTENTION, "flux": ATTENTION + ["ff.net.0.pro
                            "sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"],
                            "hidream": ["to_k", "to_q", "to_v", "to_out"],
                            "lumina2": ["to_k", "to_q", "to_v", "to_out.0"]}
+# The FLUX.2 scripts: the double blocks' image attention, the single blocks' fused projection and their output named
+# by path (48 in the [dev] script, 24 in the [klein] one)
+TRANSFORMER_LORA_TARGETS |= {
+    family: ["to_k", "to_q", "to_v", "to_out.0", "to_qkv_mlp_proj",
+             *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(singles))]
+    for family, singles in (("flux2", 48), ("flux2_klein", 24))}
 # The flow families whose scripts draw sigmas from the scheduler's unshifted table: Flux's and Qwen-Image's configs
 # shift dynamically (FlowMatchEulerDiscreteScheduler applies no shift at init then: the Qwen script's shift=3.0 is
 # dropped), Sana's DPM-solver config has flow_shift, which FlowMatchEulerDiscreteScheduler does not read.
-UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image")
+UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image", "flux2", "flux2_klein")
 LUMINA_IMAGE_2_SHIFT = 6.0  # Alpha-VLLM/Lumina-Image-2.0's scheduler config (and ComfyUI's sampling shift for it)
 # The flow families whose scripts draw from the scheduler's table shifted by its fixed shift (Z-Image's config: 3.0,
 # use_dynamic_shifting false), which is ot_dist's auto; SD3's has its own branch (precondition_outputs).
@@ -92,6 +100,7 @@ NO_EFFECT = {
     "pretrained_text_encoder_4_name_or_path": "not read by the script",
     "pretrained_tokenizer_4_name_or_path": "not read by the script (the HiDream script's: with its text encoder's)",
     "cache_latents": "latents cached or not (data.cache_latents: the same training)",
+    "remote_text_encoder": "where the captions are encoded",
     "fsdp_text_encoder": "where the frozen text encoder lives (the Z-Image script shards it with FSDP)",
 }
 
@@ -397,7 +406,7 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
     if family in UNSHIFTED_FLOW_SCRIPTS:
         weighting_scheme(args, loss, skip, descending=True)  # timesteps[(u x N)] of a table that runs from sigma 1
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
-        if family == "flux":
+        if family in ("flux", "flux2"):  # the guidance-distilled transformers
             c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
     if family == "lumina2":
         _lumina2_flow(args, c, loss, out)
@@ -436,6 +445,8 @@ def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
     if args["complex_human_instruction"]:
         skip("complex_human_instruction: the Sana script prefixes every caption with it; ot_dist encodes the "
              "caption alone (the script's default)")
+    if family in ("flux2", "flux2_klein"):
+        _flux2_text(args, family, skip)
     if args["bnb_quantization_config_path"]:
         skip(f"bnb_quantization_config_path: {args['bnb_quantization_config_path']}: the Qwen-Image script "
              "quantizes the transformer with bitsandbytes; ot_dist's low-memory option is weight_dtype float8 "
@@ -443,6 +454,23 @@ def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
     if args["do_fp8_training"]:
         skip("do_fp8_training: the Z-Image script trains the transformer's linear layers in float8 (torchao's "
              "convert_to_float8_training); ot_dist computes in train_dtype, float8 holds frozen weights only")
+
+
+def _flux2_text(args: DiffusersArgs, family: str, skip) -> None:
+    """The FLUX.2 scripts' caption length and hidden layers: ot_dist encodes as the pipelines sample (512 tokens, layers
+    10 / 20 / 30 of Mistral-3, 9 / 18 / 27 of Qwen3). The [klein] script's default is [dev]'s layers."""
+    from ot_dist.models.families.registry import get_family
+
+    layers = [int(layer) for layer in args["text_encoder_out_layers"]]
+    if layers != list(get_family(family).layers):
+        skip(f"text_encoder_out_layers: {layers}: the script encodes its captions with these hidden layers; ot_dist "
+             f"with {list(get_family(family).layers)}, the ones the pipeline samples with")
+    if args["max_sequence_length"] != 512:
+        skip(f"max_sequence_length: {args['max_sequence_length']}: ot_dist pads FLUX.2 captions to 512 tokens, as "
+             "the pipelines")
+    if args["do_fp8_training"]:
+        skip("do_fp8_training: the script trains the transformer's linear layers in torchao's float8; ot_dist's "
+             "float8 is a storage dtype (weight_dtype)")
 
 
 def _ema(args: DiffusersArgs, c: dict, out: Imported) -> None:

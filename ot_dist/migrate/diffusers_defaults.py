@@ -5,7 +5,7 @@ else. A key a command line leaves out trains with the script's default, which is
 
 Scripts: examples/text_to_image/train_text_to_image{,_lora,_sdxl,_lora_sdxl}.py, examples/dreambooth/
 train_dreambooth{,_lora,_lora_sdxl,_sd3,_lora_sd3,_flux,_lora_flux,_lora_sana,_lora_qwen_image,_lora_lumina2}.py (and
-_lora_hidream.py, at the end),
+_lora_flux2{,_klein}.py and _lora_hidream.py, at the end),
 examples/textual_inversion/textual_inversion.py."""
 
 from __future__ import annotations
@@ -363,6 +363,9 @@ SCRIPT_ARGS[LUMINA2] = frozenset("""
 
 def defaults(script: str) -> dict:
     """Every argument of `script` with its default."""
+    if script in _FLUX2_SCRIPTS:
+        own, dropped = _FLUX2_SCRIPTS[script]
+        return {**{k: v for k, v in defaults(_QWEN_IMAGE).items() if k not in dropped}, **own}
     return {key: BY_SCRIPT[key][script] if key in BY_SCRIPT else SHARED[key] for key in SCRIPT_ARGS[script]}
 
 
@@ -389,6 +392,24 @@ for _key, _default in {"adam_weight_decay": 0.0001, "caption_column": None, "lea
                        "num_train_epochs": 1, "output_dir": "z-image-dreambooth-lora", "repeats": 1, "resolution": 512,
                        "train_batch_size": 4, "validation_epochs": 50, "weighting_scheme": "none"}.items():
     BY_SCRIPT[_key][Z_IMAGE_SCRIPT] = _default
+
+# examples/dreambooth/train_dreambooth_lora_flux2.py and train_dreambooth_lora_flux2_klein.py (the same commit, read
+# the same way): the Qwen-Image script's arguments and defaults, less its leftovers, with their own.
+_QWEN_IMAGE = "train_dreambooth_lora_qwen_image.py"
+_FLUX2_OWN = {"do_fp8_training": False, "text_encoder_out_layers": [10, 20, 30], "output_dir": "flux-dreambooth-lora",
+              "guidance_scale": 3.5, "text_encoder_lr": 5e-06, "adam_weight_decay_text_encoder": 0.001,
+              "prior_generation_precision": None, "enable_npu_flash_attention": False, "fsdp_text_encoder": False}
+_FLUX2_SCRIPTS = {
+    "train_dreambooth_lora_flux2.py": ({**_FLUX2_OWN, "remote_text_encoder": False},
+                                       ("caption_dropout", "pretrained_text_encoder_4_name_or_path",
+                                        "pretrained_tokenizer_4_name_or_path")),
+    "train_dreambooth_lora_flux2_klein.py": (_FLUX2_OWN, ("pretrained_text_encoder_4_name_or_path",
+                                                          "pretrained_tokenizer_4_name_or_path")),
+}
+KINDS |= {"do_fp8_training": "flag", "text_encoder_out_layers": "list", "remote_text_encoder": "flag",
+          "fsdp_text_encoder": "flag"}
+SCRIPT_ARGS |= {script: frozenset(defaults(script)) for script in _FLUX2_SCRIPTS}
+
 # examples/dreambooth/train_dreambooth_lora_hidream.py, read the same way at the same commit: the Qwen-Image LoRA
 # script's arguments and defaults (that script was written from it) without aspect_ratio_buckets, caption_dropout,
 # lora_alpha (HiDream's LoRA alpha is its rank) and use_aspect_ratio_buckets, and with max_sequence_length 128.

@@ -40,9 +40,13 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "FLUX_DEV_1": ("flux", False), "CHROMA_1": ("chroma", False),
     "PIXART_ALPHA": ("pixart_alpha", False), "PIXART_SIGMA": ("pixart_sigma", False),
     "STABLE_CASCADE_1": ("stable_cascade", False), "WUERSTCHEN_2": ("wuerstchen_v2", False),
-    "SANA": ("sana", False), "QWEN": ("qwen_image", False), "HI_DREAM_FULL": ("hidream", False),
+    "SANA": ("sana", False), "QWEN": ("qwen_image", False), "FLUX_2": ("flux2", False),
+    "HI_DREAM_FULL": ("hidream", False),
 }
 FAMILIES["Z_IMAGE"] = ("z_image", False)
+# OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
+# model's name tells them apart here (black-forest-labs/FLUX.2-dev, FLUX.2-klein-base-4B / -9B).
+KLEIN_FAMILY = {"flux2": "flux2_klein"}
 METHODS = {"FINE_TUNE": "full", "LORA": "lora", "EMBEDDING": "embedding"}
 DTYPES = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "FLOAT_16": "float16", "BFLOAT_16": "bfloat16",
           "FLOAT_8": "float8"}
@@ -64,6 +68,8 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         raise ConfigError(f"model_type: {model_type} is not trained by ot_dist (it trains "
                           f"{', '.join(sorted(FAMILIES))})")
     family, inpainting = FAMILIES[model_type]
+    if family in KLEIN_FAMILY and "klein" in str(ot["base_model_name"]).lower():
+        family = KLEIN_FAMILY[family]
     if ot["training_method"] not in METHODS:
         raise ConfigError(f"training_method: {ot['training_method']} is not an ot_dist method (FINE_TUNE, LORA, "
                           "EMBEDDING)")
@@ -98,6 +104,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     import_parts(ot, c, family, method, skip)
     _layer_skip(ot, c, family, skip)
     _t5_length(ot, c, family)
+    _caption_length(ot, family, skip)
     if family in ("stable_cascade", "wuerstchen_v2") and (ot.get("decoder") or {}).get("model_name"):
         c["model"]["decoder"] = local_path(ot["decoder"]["model_name"], "decoder.model_name", out)
     import_optimizer(ot, c, skip)
@@ -209,6 +216,15 @@ def _t5_length(ot: dict, c: dict, family: str) -> None:
     length = (ot.get("text_encoder_2_sequence_length") or 77) if family == "flux" else 77 if family == "sd3" else None
     if length is not None and length != T5_DEFAULTS[family]:
         c["model"]["t5_max_tokens"] = length
+
+
+def _caption_length(ot: dict, family: str, skip) -> None:
+    """OneTrainer pads FLUX.2's chat-templated captions to text_encoder_sequence_length (default 512, the pipelines'
+    max_sequence_length); ot_dist's FLUX.2 families use 512."""
+    length = ot.get("text_encoder_sequence_length")
+    if family in ("flux2", "flux2_klein") and length not in (None, 512):
+        skip(f"text_encoder_sequence_length: {length} is not supported for {family}; ot_dist pads to 512 tokens, as "
+             "the pipelines")
 
 
 def _layer_skip(ot: dict, c: dict, family: str, skip) -> None:

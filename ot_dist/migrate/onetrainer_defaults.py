@@ -116,5 +116,6 @@ SAMPLE_BY_FAMILY = {
     "qwen_image": {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 3.5},
     "sana": {**_SIDE_1024, "diffusion_steps": 20, "cfg_scale": 4.5},
     "z_image": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 4.0},
+    **{name: {**_SIDE_1024, "cfg_scale": 4.0} for name in ("flux2", "flux2_klein")},
     "hidream": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 5.0},
 }

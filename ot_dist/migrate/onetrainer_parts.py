@@ -17,6 +17,10 @@ FROZEN_EXTRA = {"stable_cascade": ("effnet_encoder", "decoder", "decoder_vqgan")
                 "wuerstchen_v2": ("effnet_encoder", "decoder", "decoder_text_encoder", "decoder_vqgan")}
 STORAGE = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "BFLOAT_16": "bfloat16", "FLOAT_16": "float16",
            "FLOAT_8": "float8"}
+# The setups that read transformer.attention_mask (apply_attention_mask: FluxBaseSetup, BaseStableDiffusion3Setup,
+# BaseHiDreamSetup, which zeroes T5's and Llama's outputs at the padding); Chroma and PixArt always mask, Z-Image
+# always cuts each caption to its tokens, the others never read it
+MASK_SWITCH_FAMILIES = ("flux", "sd3", "hidream")
 WIDEST_FIRST = ("float32", "bfloat16", "float16", "float8")  # the choice when frozen parts differ: never less precise
 
 
@@ -48,9 +52,9 @@ def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
             skip(f"{part}.model_name: {value['model_name']} (a separately loaded {part}) is not supported"
                  + ("; put effnet_encoder.safetensors into model.path" if part == "effnet_encoder" else ""))
     guidance = settings[fam.denoiser]["guidance_scale"]
-    if family == "flux" and guidance != 1.0:
+    if family in ("flux", "flux2") and guidance != 1.0:  # the guidance-distilled transformers
         c["model"]["guidance_scale"] = guidance
-    if settings[fam.denoiser]["attention_mask"] and family in ("flux", "sd3"):  # Chroma and PixArt always mask
+    if settings[fam.denoiser]["attention_mask"] and family in MASK_SWITCH_FAMILIES:
         skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported for {family}")
     _storage_dtypes(settings, trains, c, skip)
     _checkpointing(settings, active, fam.denoiser, c, skip)

@@ -23,7 +23,9 @@ CFG_RESCALE_FAMILIES = ("sd1", "sd2", "sdxl")
 # quantize_resolution calls in modules/modelSampler/*Sampler.py): the size OneTrainer actually samples.
 SAMPLE_QUANTIZATION = {"sd1": 8, "sd2": 8, "sdxl": 64, "sd3": 16, "flux": 64, "chroma": 64, "pixart_alpha": 16,
                        "pixart_sigma": 16, "stable_cascade": 128, "wuerstchen_v2": 128,
-                       "sana": 32, "qwen_image": 64, "z_image": 64, "hidream": 64}
+                       "sana": 32, "qwen_image": 64, "z_image": 64, "hidream": 64,
+                       # Flux2Sampler rounds nothing: sides off FLUX.2's 16 px grid fail there, ot_dist takes 16
+                       "flux2": 16, "flux2_klein": 16}
 
 
 def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:

@@ -44,14 +44,22 @@ FAMILIES = {
     "pixart_sigma": ("pixart_sigma", "transformer", "terminusresearch/pixart-900m-1024-ft-v0.6"),
     "sana": ("sana", "transformer", "Efficient-Large-Model/SANA1.5_4.8B_1024px_diffusers"),
     "qwen_image": ("qwen_image", "transformer", "Qwen/Qwen-Image-2512"),
+    # FLUX.2: SimpleTuner's default flavour klein-9b; model_flavour dev is FLUX.2 [dev] (FLUX2_FLAVOURS)
+    "flux2": ("flux2_klein", "transformer", "black-forest-labs/FLUX.2-klein-base-9B"),
     "hidream": ("hidream", "transformer", "HiDream-ai/HiDream-I1-Full"),
     "lumina2": ("lumina2", "transformer", "Alpha-VLLM/Lumina-Image-2.0"),
 }
+# Wan: the default flavour t2v-480p-1.3b-2.1; ot_dist trains the single-transformer text-to-video flavours on images
+FAMILIES["wan"] = ("wan", "transformer", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
+WAN_FLAVOURS = ("t2v-480p-1.3b-2.1", "t2v-480p-14b-2.1")
 # Z-Image: the default flavour turbo-ostris-v2 is Z-Image-Turbo (trained through an assistant LoRA)
 FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")
 # flavours SimpleTuner trains through ostris' assistant LoRA (ZImage.ASSISTANT_LORA_FLAVOURS), or with a transformer
 # from another repository (TRANSFORMER_PATH_OVERRIDES)
 Z_IMAGE_ASSISTED = ("turbo", "turbo-ostris-v2")
+# model_family -> {model_flavour: ot_dist's family} where a flavour is another ot_dist family (SimpleTuner's Flux2
+# picks Mistral-3 for dev and Qwen3 for its klein flavours by the flavour, not by the folder)
+FLAVOUR_FAMILIES = {"flux2": {"dev": "flux2"}}
 # SimpleTuner's Qwen-Image check_user_config aligns buckets to 32 pixels (the other image models: 64)
 BUCKET_ALIGNMENT = {"qwen_image": 32}
 LORA_KEYS = ("lora_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_init_type", "use_dora", "lycoris_config",
@@ -158,6 +166,7 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
     if name not in FAMILIES:
         raise ConfigError(f"model_family: {name} is not a model family ot_dist trains ({', '.join(FAMILIES)})")
     family, denoiser, default_path = FAMILIES[name]
+    family = FLAVOUR_FAMILIES.get(name, {}).get(args["model_flavour"], family)
     path = args["pretrained_model_name_or_path"]
     if not path:
         if args["model_flavour"]:
@@ -175,6 +184,9 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
             (name, args["model_flavour"]) not in EDIT_FLAVOURS:
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains Qwen-Image-Edit with "
                                 "image conditioning, which ot_dist does not")
+    if name == "wan" and args["model_flavour"] and args["model_flavour"] not in WAN_FLAVOURS:
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: ot_dist trains Wan 2.1 text-to-video only "
+                                "(no Wan 2.2 expert stages, TI2V-5B, image-to-video, VACE); its folder is refused")
     if name == "z_image":
         _z_image(args, out)
     if name == "sana":
@@ -198,7 +210,7 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
         out.not_honoured.append(f"pretrained_vae_model_name_or_path: {vae}{default}: a replacement VAE is not "
                                 "supported (model.path's own VAE is used)")
     _prediction(args, c, family, out)
-    if family == "flux":
+    if family in ("flux", "flux2"):  # SimpleTuner's Flux2 reads the same flux_guidance_* arguments
         c["model"]["guidance_scale"] = float(args["flux_guidance_value"])  # SimpleTuner's 1.0, as ot_dist's default
         if args["flux_guidance_mode"] != "constant":
             out.not_honoured.append(f"flux_guidance_mode: {args['flux_guidance_mode']}: a guidance drawn per step is "

@@ -22,6 +22,10 @@ FLUX_TARGETS = {
                 "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp", "proj_out"],
 }
 FUSED = {"to_qkv", "add_qkv_proj"}
+# DEFAULT_LORA_TARGET of the families whose list is not ATTENTION: Flux2's (helpers/models/flux2/model.py) adds the
+# single blocks' fused qkv + MLP input
+DEFAULT_TARGETS = {family: ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_qkv_mlp_proj"]
+                   for family in ("flux2", "flux2_klein")}
 LYCORIS_DEFAULTS = {"linear_dim": 4, "linear_alpha": 1, "multiplier": 1}  # trainer.py's, for keys the JSON leaves out
 LYCORIS_READ = {"algo", "linear_dim", "linear_alpha", "multiplier", "apply_preset", "factor"}
 
@@ -65,7 +69,7 @@ def _targets(args: SimpleTunerArgs, family: str, out: Imported) -> list[str]:
     if family not in ("flux", "chroma"):
         if args.given("flux_lora_target"):
             out.notes.append(f"flux_lora_target: {target} is read for Flux and Chroma only, as in SimpleTuner")
-        return list(ATTENTION)
+        return list(DEFAULT_TARGETS.get(family, ATTENTION))
     if target not in FLUX_TARGETS:
         out.not_honoured.append(f"flux_lora_target: {target}: not mapped (all, context, context+ffs, all+ffs are); "
                                 "the modules of `all` are written")

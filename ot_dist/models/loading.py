@@ -74,6 +74,11 @@ def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = N
     # Offline by default: a training job must never stall on, or silently depend on, a hub download.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if path.is_dir():
+        if config.component_files:  # every file checked before any is read
+            from ot_dist.models.families.component_files import check_component_files, load_component_files
+
+            check_component_files(family, config)
+            given = {**load_component_files(family, config), **(given or {})}
         pipeline = family.complete_pipeline(_load_folder(family, path, given or {}), path, config)
     elif path.is_file():
         pipeline = family.load_single_file(path, config.config, config)

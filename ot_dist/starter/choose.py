@@ -31,6 +31,9 @@ ACTIVATIONS_GIB["Lumina-Image 2.0"] = 6.0
 # Z-Image: 4096 image tokens at 1024 px joined with the caption (its own length, up to 512) in 34 single-stream
 # blocks 3840 wide (Flux: 57 blocks 3072 wide over 4096 + 512 tokens): Flux's estimate.
 ACTIVATIONS_GIB["Z-Image"] = 6.0
+# FLUX.2 dev: twice Flux.1 dev's width (48 heads x 128) over the same 4096 image tokens at 1024 px and all 512 caption
+# tokens (the pipeline's padding, no trimming), 56 blocks: twice Flux's estimate. [klein] 9B: 4096 wide, 32 blocks.
+ACTIVATIONS_GIB |= {"FLUX.2 dev": 12.0, "FLUX.2 klein 9B": 8.0}
 # HiDream-I1: 4096 image tokens at 1024 px beside 384 text tokens (T5, Llama and each block's own Llama layer) at
 # width 2560 (Flux.1 dev: 3072) over 48 blocks, whose trained MoE keeps each token twice (2 active experts): Flux's.
 ACTIVATIONS_GIB["HiDream-I1"] = 6.0
@@ -42,6 +45,10 @@ ACTIVATIONS_GIB["Flux.1 Kontext dev"] = 10.5
 # holds the reference's vision tokens (about 1400 at 1024 px: 14 px patches merged 2x2) with the caption: Qwen-Image's
 # estimate less a GiB of context and slack, scaled by the sequence (about 9700 tokens against 4608), and that GiB again.
 ACTIVATIONS_GIB["Qwen-Image-Edit"] = 12.5
+# Wan 2.1 T2V 14B on images: 2704 image tokens at 832 x 832 (x8, 2x2 patches; one frame) cross-attending to 512 UMT5
+# tokens, 5120 wide over 40 blocks (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks, 6 GiB): about 0.7 of Flux's
+# activations, and Flux's context and slack.
+ACTIVATIONS_GIB["Wan 2.1 T2V 14B"] = 4.5
 NO_CHECKPOINTING_FACTOR = 4
 
 

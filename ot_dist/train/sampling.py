@@ -195,7 +195,7 @@ class Sampler:
             arguments["guidance_rescale"] = prompt.guidance_rescale
         if prompt.reference_image is not None:  # the family turns it into its pipeline's input (sampling_arguments)
             arguments["reference_image"] = Path(prompt.reference_image).expanduser()
-        return pipeline(**self.model.family.sampling_arguments(pipeline, arguments)).images[0]
+        return self.model.family.sampled_image(pipeline(**self.model.family.sampling_arguments(pipeline, arguments)))
 
 
 def takes_guidance_rescale(pipeline) -> bool:

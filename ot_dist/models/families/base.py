@@ -91,6 +91,9 @@ class Family:
     # data.<option>: why this family refuses it (Qwen-Image-Edit's text encoder reads the reference image's pixels,
     # so neither a text cache of captions nor a latent cache serves it); checked before the model loads.
     cache_refusals: dict[str, str] = {}
+    # A video model trained on images as one-frame videos (Wan): a video clip in a concept is refused, not left out
+    # (ot_dist/data/concepts.py check_video_clips), since it was surely meant as training data.
+    video_model: bool = False
 
     def complete_pipeline(self, pipeline, path: Path, model_config):
         """The loaded pipeline with what its folder's model_index.json does not list (a family's extra encoder)."""
@@ -230,6 +233,10 @@ class Family:
         width, height, num_inference_steps, guidance_scale, generator, output_type)."""
         return {**arguments, **self.pipeline_call_options(pipeline)}
 
+    def sampled_image(self, output):
+        """The image of the sampling pipeline's output (a video pipeline's first frame of its first video)."""
+        return output.images[0]
+
     # -- text -------------------------------------------------------------------------------------------
     def tokenize(self, tokenizers: dict, captions: list[str]) -> dict[str, torch.Tensor]:
         """Token ids (and attention masks, `<encoder>_mask`) per text encoder."""
@@ -318,6 +325,11 @@ class Family:
         `with_text_encoders` (a run that trained a text encoder, a merge that changed one): the file must carry the
         text encoders, as a full checkpoint where the family's own file is the denoiser alone (`full_checkpoint`)."""
         raise NotImplementedError
+
+    # The components a separate file may replace (`model.component_files`: ComfyUI's clip_l / t5xxl / ae files and
+    # the like), each with the layout its file has (ot_dist/models/families/component_files.py); the model.config
+    # folder then needs only their configs. Empty: the family takes every component from its folder or single file.
+    component_files: dict = {}
 
     # Where a full checkpoint (ComfyUI's Load Checkpoint: denoiser, VAE, text encoders in one file) holds each
     # component, for the families whose own single file is the denoiser (ot_dist/models/families/full_checkpoint.py).

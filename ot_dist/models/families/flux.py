@@ -14,6 +14,7 @@ import torch
 
 import copy
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.families.full_checkpoint import DENOISER_PREFIX, FullCheckpoint
 from ot_dist.models.objectives import FlowMatching
@@ -170,6 +171,8 @@ class Flux(FlowTransformerFamily):
     full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "text_encoders.clip_l.transformer.",
                                                     "text_encoder_2": "text_encoders.t5xxl.transformer."},
                                      vae="vae.")
+    # ComfyUI's separate files: clip_l.safetensors, t5xxl_fp16 / _fp8_e4m3fn(_scaled).safetensors, ae.safetensors
+    component_files = {"text_encoder": C.CLIP_TEXT, "text_encoder_2": C.T5_ENCODER, "vae": C.LDM_VAE}
     modelspec_implementation = "https://github.com/black-forest-labs/flux"  # kohya's IMPL_FLUX
 
     def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
@@ -208,7 +211,8 @@ class Flux(FlowTransformerFamily):
         from ot_dist.models.families.flux_single_file import flux_from_original, validate_flux_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, flux_from_original, validate_flux_file)
+        return load_transformer_file(path, config_folder, self, flux_from_original, validate_flux_file,
+                                     model_config)
 
     def transformer_to_original(self, state, config, prefix):
         from ot_dist.models.families.flux_single_file import flux_to_original
@@ -258,6 +262,8 @@ class Chroma(FlowTransformerFamily):
     # cond_stage_model. with its PixArt-style T5 model named t5xxl. diffusers reads no Chroma text encoder from a file.
     full_checkpoint = FullCheckpoint(text_encoders={"text_encoder": "cond_stage_model.t5xxl.transformer."},
                                      vae="first_stage_model.")
+    # ComfyUI's separate files: t5xxl (its fp8 casts too) and Flux's ae.safetensors
+    component_files = {"text_encoder": C.T5_ENCODER, "vae": C.LDM_VAE}
     modelspec_architecture = "chroma"  # kohya's ARCH_FLUX_1_CHROMA, SwarmUI's id
     modelspec_implementation = "https://huggingface.co/lodestones/Chroma"  # kohya's IMPL_CHROMA
 
@@ -293,7 +299,8 @@ class Chroma(FlowTransformerFamily):
         from ot_dist.models.families.flux_single_file import chroma_from_original, validate_chroma_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, chroma_from_original, validate_chroma_file)
+        return load_transformer_file(path, config_folder, self, chroma_from_original, validate_chroma_file,
+                                     model_config)
 
     def transformer_to_original(self, state, config, prefix):
         from ot_dist.models.families.flux_single_file import chroma_to_original

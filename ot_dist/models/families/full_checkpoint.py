@@ -33,6 +33,7 @@ from typing import Mapping
 import torch
 
 from ot_dist.errors import InputFileError
+from ot_dist.models.tied_weights import tied_weights
 
 Tensor = torch.Tensor
 DENOISER_PREFIX = "model.diffusion_model."  # comfy/model_detection.py unet_prefix_from_state_dict
@@ -79,8 +80,7 @@ def _clip_root(module: torch.nn.Module) -> str:
 
 
 def _tied_copies(module: torch.nn.Module) -> set[str]:
-    tied = getattr(module, "all_tied_weights_keys", None) or getattr(module, "_tied_weights_keys", None) or {}
-    return set(tied) if isinstance(tied, Mapping) else set()
+    return set(tied_weights(module))  # the loaded config's ties (an untied lm_head is read and written)
 
 
 def _original_names(module: torch.nn.Module, keys) -> dict[str, str]:
@@ -131,9 +131,10 @@ def check_text_encoder(path: Path, prefix: str, found: Mapping[str, tuple[int, .
                              f"folder's {type(module).__name__}: " + "; ".join(parts))
 
 
-def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None) -> list[str]:
+def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None, skip: set[str] = frozenset()) -> list[str]:
     """Put the text encoders and the VAE the file holds into `pipeline` (loaded from the config folder), after
-    checking each against the folder's component. Returns the components read from the file."""
+    checking each against the folder's component; the components in `skip` are left as they are. Returns the
+    components read from the file."""
     if layout is None:
         return []
     from safetensors import safe_open
@@ -145,7 +146,7 @@ def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None) ->
     with safe_open(str(path), "pt") as f:
         for name, prefix in layout.text_encoders.items():
             found = _under(header, prefix)
-            if not found:
+            if not found or name in skip:
                 continue  # this encoder comes from the folder
             module = getattr(pipeline, name)
             check_text_encoder(path, prefix, found, module)
@@ -155,7 +156,7 @@ def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None) ->
             _load_strict(module, state, path, prefix)
             read.append(name)
         # the layout's own prefix first, then the other one diffusers reads a VAE from
-        vae_prefixes = (layout.vae, *LDM_VAE_PREFIXES) if layout.vae else ()
+        vae_prefixes = (layout.vae, *LDM_VAE_PREFIXES) if layout.vae and "vae" not in skip else ()
         prefix = next((p for p in vae_prefixes if any(k.startswith(p) for k in header)), None)
         if prefix is not None:
             from ot_dist.models.families.sd3_single_file import expected_vae_header, sd3_vae_from_original

@@ -24,7 +24,8 @@ What follows HiDreamImagePipeline.encode_prompt and diffusers' train_dreambooth_
   and drops it, OneTrainer adds none; SimpleTuner's optional one (hidream_load_balancing_loss_weight) is not here.
 - Latents: the transformer patchifies itself; a non-square latent is padded to `max_seq` image tokens (4096, 1024 px
   square's count) as the pipeline does at inference, so training sees what sampling sees (OneTrainer trains non-square
-  buckets unpadded). A bucket over 1 MP that is not square does not fit that padding.
+  buckets unpadded). A non-square bucket over 1 MP, which that padding cannot hold, trains unpadded, as OneTrainer
+  trains every bucket, and a sample of such a size is drawn the same way (the pipeline's own call fails there).
 - Sampling: HiDreamImagePipeline rescales every request to the area of its default size (1024 x 1024); samples keep
   the requested size (the training buckets') by setting the pipeline's default size to that area.
 
@@ -43,6 +44,7 @@ import math
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
@@ -57,6 +59,8 @@ LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
 MAX_SEQUENCE_LENGTH = 128  # HiDreamImagePipeline's and the training script's default
 CLIP_MAX_TOKENS = 218  # the pipeline's bound for the (248-position) CLIP encoders
+# ComfyUI's LoRA names of Llama-3.1's modules: "text_encoders." + its HiDreamTEModel's state-dict path
+COMFY_LLAMA_PREFIX = "text_encoders.llama.transformer.model."
 
 
 class HiDream(Family):
@@ -82,9 +86,22 @@ class HiDream(Family):
     samplers = ("flow_euler",)
     sample_guidance_scale = 5.0  # OneTrainer's SampleConfig HiDream default (the model card's for Full)
     lora_file_prefixes = None  # the diffusers layout: what diffusers and ComfyUI read for HiDream
+    # Trained text encoders under the names ComfyUI maps for HiDream (comfy/lora.py model_lora_keys_clip on its
+    # HiDreamTEModel: clip_l, clip_g, t5xxl, llama): CLIP-L / CLIP-G keep diffusers' `text_encoder.` /
+    # `text_encoder_2.text_model.` names, which it maps; T5 is `lora_te3_<path>` (its T5 index behind two CLIPs), and
+    # Llama `text_encoders.llama.transformer.model.<path>` (hunyuan_video.LLAMAModel: llama.py's Llama2_ under
+    # `transformer.model`, transformers' layer names). diffusers' HiDream loader reads the transformer only.
+    lora_file_kohya_components = {"text_encoder_3": "lora_te3"}
+    lora_file_component_paths = {"text_encoder_4": {"model.layers.": COMFY_LLAMA_PREFIX + "layers."}}
     # ComfyUI's hidream_i1_*.safetensors: the transformer alone, bare diffusers keys (hidream_single_file.py)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads the four text encoders from files of their own
+    # ...which model.component_files reads: clip_l_hidream / clip_g_hidream (their projections: HiDream pools both
+    # projected), t5xxl, llama_3.1_8b_instruct (fp8_scaled too; ComfyUI's has no lm_head) and Flux's ae.safetensors
+    component_files = {"text_encoder": C.CLIP_TEXT_PROJECTED, "text_encoder_2": C.CLIP_TEXT_PROJECTED,
+                       "text_encoder_3": C.T5_ENCODER,
+                       "text_encoder_4": C.decoder_lm("Llama 3.1 text encoder (ComfyUI's llama_3.1_8b_instruct)"),
+                       "vae": C.LDM_VAE}
     modelspec_architecture = "hidream-i1"  # OneTrainer's (resources/sd_model_spec/hi_dream_full.json)
 
     # -- loading ------------------------------------------------------------------------------------------
@@ -158,7 +175,7 @@ class HiDream(Family):
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         differentiable_experts(denoiser)
         llama = conditioning["llama"].transpose(0, 1)  # (layers, B, tokens, width), as the transformer indexes it
-        out = denoiser(hidden_states=noisy, timesteps=timesteps.float(),
+        out = denoiser(**image_inputs(denoiser, noisy), timesteps=timesteps.float(),
                        encoder_hidden_states_t5=conditioning["t5"], encoder_hidden_states_llama3=llama,
                        pooled_embeds=conditioning["pooled"], return_dict=False)[0]
         if denoiser.training and not denoiser.config.force_inference_output:
@@ -175,7 +192,8 @@ class HiDream(Family):
         from ot_dist.models.families.hidream_single_file import hidream_from_original, validate_hidream_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, hidream_from_original, validate_hidream_file)
+        return load_transformer_file(path, config_folder, self, hidream_from_original, validate_hidream_file,
+                                     model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare keys, as ComfyUI's diffusion-model loader reads Comfy-Org's file; a trained
@@ -189,6 +207,7 @@ class HiDream(Family):
     # -- sampling ---------------------------------------------------------------------------------------
     def sampling_arguments(self, pipeline, arguments):
         arguments = {**arguments, **self.pipeline_call_options(pipeline)}
+        unpadded_large_images(pipeline.transformer)  # a non-square sample over 1 MP, as training sees it
         pipeline.default_sample_size = area_keeping_sample_size(arguments["width"], arguments["height"],
                                                                 pipeline.vae_scale_factor)
         return arguments
@@ -249,6 +268,41 @@ def _route_by_grad_mode(module, args):
     # own mode and that flag affect nothing else (the experts are plain Linears, the gate has its own mode).
     module.training = torch.is_grad_enabled()
     module._force_inference_output = False
+
+
+def image_inputs(denoiser, noisy: torch.Tensor) -> dict:
+    """The transformer's image arguments: the latents, which it patchifies itself (a non-square one padded to max_seq
+    tokens, as the pipeline samples), or, for a non-square latent with more tokens than max_seq (a bucket over 1 MP,
+    which the padding cannot hold and the pipeline never samples), its tokens unpadded with their mask, sizes and
+    (0, row, column) ids: the input OneTrainer trains every bucket with."""
+    b, c, h, w = noisy.shape
+    p = denoiser.config.patch_size
+    rows, cols = h // p, w // p
+    if h == w or rows * cols <= denoiser.max_seq:
+        return {"hidden_states": noisy}
+    tokens = noisy.reshape(b, c, rows, p, cols, p).permute(0, 2, 4, 3, 5, 1).reshape(b, rows * cols, p * p * c)
+    ids = torch.zeros(rows, cols, 3, device=noisy.device, dtype=noisy.dtype)
+    ids[..., 1] += torch.arange(rows, device=noisy.device, dtype=noisy.dtype)[:, None]
+    ids[..., 2] += torch.arange(cols, device=noisy.device, dtype=noisy.dtype)[None, :]
+    return {"hidden_states": tokens, "hidden_states_masks": noisy.new_ones(b, rows * cols),
+            "img_sizes": torch.tensor([[rows, cols]] * b, device=noisy.device),
+            "img_ids": ids.reshape(1, rows * cols, 3).expand(b, -1, -1)}
+
+
+def unpadded_large_images(transformer: torch.nn.Module) -> None:
+    """Give `transformer` (once) a forward pre-hook that hands a latent image argument to it as `image_inputs` does:
+    the pipeline's call at a non-square size over 1 MP, which the transformer's own padding cannot hold."""
+    if getattr(transformer, "_ot_dist_unpadded_large_images", False):
+        return
+
+    def hook(module, args, kwargs):
+        latents = kwargs.get("hidden_states")
+        if args or latents is None or latents.dim() != 4 or kwargs.get("hidden_states_masks") is not None:
+            return None
+        return args, {**kwargs, **image_inputs(module, latents)}
+
+    transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    transformer._ot_dist_unpadded_large_images = True
 
 
 def unpatchify_training_output(out: torch.Tensor, height: int, width: int, patch: int) -> torch.Tensor:

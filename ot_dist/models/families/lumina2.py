@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.gemma import (GEMMA_LORA_TARGETS, GEMMA_SHARD_UNITS, TINY_GEMMA_WIDTH, tiny_gemma,
                                           tiny_gemma_tokenizer)
@@ -76,6 +77,9 @@ class Lumina2(Family):
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Gemma 2 from its own file, in a layout ot_dist does not write
+    # ComfyUI's separate files: gemma_2_2b_fp16.safetensors (Gemma 2 under model., its spiece_model beside) and Flux's
+    # ae.safetensors (Lumina 2's VAE is Flux's)
+    component_files = {"text_encoder": C.decoder_lm("Gemma 2 text encoder (ComfyUI's gemma_2_2b)"), "vae": C.LDM_VAE}
     modelspec_architecture = "lumina-2"  # kohya sd-scripts' ARCH_LUMINA_2 and IMPL_LUMINA (library/sai_model_spec.py)
     modelspec_implementation = "https://github.com/Alpha-VLLM/Lumina-Image-2.0"
     # the module names of lora_comfyui.safetensors (extra_lora_files): the original model's, as kohya's IMPL_LUMINA
@@ -125,7 +129,8 @@ class Lumina2(Family):
         from ot_dist.models.families.lumina2_single_file import lumina2_from_original, validate_lumina2_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, lumina2_from_original, validate_lumina2_file)
+        return load_transformer_file(path, config_folder, self, lumina2_from_original, validate_lumina2_file,
+                                     model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare original keys, as ComfyUI's diffusion-model loader reads Comfy-Org's file.
@@ -137,19 +142,23 @@ class Lumina2(Family):
         write_transformer_file(state, path, dtype, metadata)
 
     def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
-        """`lora_comfyui.safetensors`: the transformer's LoRA in the names ComfyUI reads for Lumina 2 (lumina2_lora.py);
-        nothing for an adapter other than plain LoRA or a run without a transformer LoRA."""
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the names ComfyUI reads for Lumina 2, a trained Gemma's
+        beside it in ComfyUI's names for that (lumina2_lora.py); nothing for an adapter other than plain LoRA or a run
+        without a transformer LoRA."""
         import json
 
         from safetensors.torch import save_file
 
         from ot_dist.checkpoint.export import atomic_path
         from ot_dist.methods.lora_layouts import kohya_metadata
-        from ot_dist.models.families.lumina2_lora import comfyui_lora_state
+        from ot_dist.models.families.lumina2_lora import comfyui_lora_state, comfyui_text_lora_state
 
         if "transformer" not in states:
             return []
         tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"], model.part("transformer"))
+        if "text_encoder" in states and tensors is not None:  # a trained Gemma: ComfyUI's names for it, same file
+            text = comfyui_text_lora_state(states["text_encoder"], adapter_configs["text_encoder"])
+            tensors = None if text is None else {**tensors, **text}
         if tensors is None:
             return []
         path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))

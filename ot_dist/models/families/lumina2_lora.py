@@ -12,8 +12,10 @@ lumina2_single_file.py's map), `.lora_down.weight` / `.lora_up.weight` and an `.
   stacked and the up matrices block-diagonal, so up @ down is exactly the three changes stacked by rows (a projection
   the run did not adapt contributes zero rows). kohya's `split_qkv` files have this form, and `ot-dist lora merge` /
   `lora.init_from` split it back (ot_dist/lora_tools/foreign.py).
-Plain LoRA only (DoRA's magnitude and LoHa / LoKr factors have no fused form here), the transformer only (ComfyUI's
-names for a Gemma LoRA are not written: a trained Gemma is in lora.safetensors).
+A trained Gemma's LoRA goes into the same file under ComfyUI's names for it (comfy/lora.py model_lora_keys_clip:
+`text_encoders.<key>` for each weight key of its Lumina 2 text encoder, whose Gemma 2 is `gemma2_2b.transformer.model.`
+with transformers' layer names), the scale again inside the up matrices. Plain LoRA only (DoRA's magnitude and LoHa /
+LoKr factors have no fused form here).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import torch
 from ot_dist.models.families.lumina2_single_file import original_name
 
 QKV = ("to_q", "to_k", "to_v")
+# ComfyUI's LoRA names of Gemma 2's modules: "text_encoders." + its LuminaModel's state-dict path (comfy/text_encoders/
+# lumina2.py: Gemma2_2BModel named gemma2_2b, llama.py's Gemma2_2B with the layers under `transformer.model`)
+COMFY_GEMMA_PREFIX = "text_encoders.gemma2_2b.transformer.model."
 DOWN, UP = ".lora_A.weight", ".lora_B.weight"
 
 
@@ -59,8 +64,28 @@ def comfyui_lora_state(state: dict[str, torch.Tensor], adapter_config: dict,
     return out
 
 
+def comfyui_text_lora_state(state: dict[str, torch.Tensor], adapter_config: dict) -> dict[str, torch.Tensor] | None:
+    """Gemma's peft adapter state in ComfyUI's names (`text_encoders.gemma2_2b.transformer.model.<path>`), or None
+    when the adapter is not a plain LoRA."""
+    from ot_dist.methods.lora import scale_baked_in
+    from ot_dist.methods.lora_variants import split_modules
+
+    if adapter_config.get("use_dora"):
+        return None
+    baked, _ = scale_baked_in(state, adapter_config)
+    out: dict[str, torch.Tensor] = {}
+    for path, factors in split_modules(baked).items():
+        if set(factors) != {DOWN, UP}:
+            return None
+        _name(out, COMFY_GEMMA_PREFIX + path.removeprefix("model."), factors[DOWN], factors[UP])
+    return out
+
+
 def _put(out: dict, original_key: str, down: torch.Tensor, up: torch.Tensor) -> None:
-    name = "lora_unet_" + original_key.removesuffix(".weight").replace(".", "_")
+    _name(out, "lora_unet_" + original_key.removesuffix(".weight").replace(".", "_"), down, up)
+
+
+def _name(out: dict, name: str, down: torch.Tensor, up: torch.Tensor) -> None:
     out[f"{name}.lora_down.weight"] = down.contiguous()
     out[f"{name}.lora_up.weight"] = up.contiguous()
     out[f"{name}.alpha"] = torch.tensor(float(down.shape[0]))  # the scale is inside the up matrix

@@ -26,14 +26,15 @@ encoder>`; comfy/text_encoders/qwen_image.py keeps the language model as `qwen25
 
 Single files: ComfyUI's diffusion-model file (`qwen_image_bf16.safetensors`, its plain fp8 cast too), whose keys are
 diffusers' (qwen_image_single_file.py); `model.config` names the diffusers folder that supplies the rest. The text
-encoder and the VAE ship as separate files in ComfyUI's layouts, which ot_dist does not write: a trained text encoder
-is exported in the diffusers folder only.
+encoder and the VAE ship as separate files in ComfyUI's layouts, which ot_dist reads (`model.component_files`,
+component_files.py) but does not write: a trained text encoder is exported in the diffusers folder only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.flux import pack, unpack
 from ot_dist.models.objectives import FlowMatching
@@ -89,6 +90,8 @@ class QwenImage(Family):
     # ComfyUI's qwen_image_*.safetensors: the transformer alone, bare keys (as Comfy-Org ship it)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Qwen2.5-VL from its own file, in a layout ot_dist does not write
+    # ComfyUI's qwen_2.5_vl_7b(_fp8_scaled).safetensors and qwen_image_vae.safetensors (Wan 2.1's VAE layout)
+    component_files = {"text_encoder": C.QWEN25_VL, "vae": C.WAN_VAE}
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image"); OneTrainer writes "Qwen-Image"
     modelspec_architecture = "qwen-image"
 
@@ -168,7 +171,8 @@ class QwenImage(Family):
         from ot_dist.models.families.qwen_image_single_file import qwen_image_from_original, validate_qwen_image_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, qwen_image_from_original, validate_qwen_image_file)
+        return load_transformer_file(path, config_folder, self, qwen_image_from_original, validate_qwen_image_file,
+                                     model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare keys, as ComfyUI's UNET loader reads Comfy-Org's file. A trained text

@@ -19,12 +19,15 @@ FAMILY_MODULES: dict[str, str] = {
     "wuerstchen_v2": "ot_dist.models.families.stable_cascade",
     "qwen_image": "ot_dist.models.families.qwen_image",
     "sana": "ot_dist.models.families.sana",
+    "flux2": "ot_dist.models.families.flux2",
+    "flux2_klein": "ot_dist.models.families.flux2",
     "lumina2": "ot_dist.models.families.lumina2",
     "z_image": "ot_dist.models.families.z_image",
     "hidream": "ot_dist.models.families.hidream",
     "flux_kontext": "ot_dist.models.families.flux",
     "qwen_image_edit": "ot_dist.models.families.qwen_image_edit",
     "qwen_image_edit_plus": "ot_dist.models.families.qwen_image_edit",
+    "wan": "ot_dist.models.families.wan",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import T5_LORA_TARGETS, Family
 from ot_dist.models.families.full_checkpoint import FullCheckpoint
 from ot_dist.models.objectives import FlowMatching
@@ -106,7 +107,7 @@ class SD3(Family):
         from ot_dist.models.families.sd3_single_file import sd3_from_original, validate_sd3_file
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, sd3_from_original, validate_sd3_file)
+        return load_transformer_file(path, config_folder, self, sd3_from_original, validate_sd3_file, model_config)
 
     # Stability's all-in-one files (sd3_medium_incl_clips_t5xxlfp16) and ComfyUI's SD3 checkpoints: comfy/
     # supported_models.py SD3 (text_encoder_key_prefix "text_encoders.", its SD3ClipModel's clip_l / clip_g / t5xxl),
@@ -115,6 +116,10 @@ class SD3(Family):
                                                     "text_encoder_2": "text_encoders.clip_g.transformer.",
                                                     "text_encoder_3": "text_encoders.t5xxl.transformer."},
                                      vae="first_stage_model.")
+    # ComfyUI's separate files: clip_l, clip_g, t5xxl (fp16 / fp8 / fp8 scaled) and an LDM-layout VAE file
+    component_files = {"text_encoder": C.CLIP_TEXT, "text_encoder_2": C.CLIP_TEXT_PROJECTED,
+                       "text_encoder_3": C.T5_ENCODER,
+                       "vae": C.LDM_VAE}
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """Stability's layout: the transformer under model.diffusion_model. and the VAE under first_stage_model.

@@ -1,7 +1,8 @@
 """Loading and writing a transformer family's single file (Flux / Chroma from Black Forest Labs / lodestones, SD3
 from Stability, Stable Cascade's stage C): the file holds the denoiser in its original layout, and may hold the VAE
 and text encoders as a full checkpoint does (full_checkpoint.py); the components it lacks (and the tokenizers,
-scheduler and every config) come from a diffusers folder named by `model.config`, weights included."""
+scheduler and every config) come from a diffusers folder named by `model.config`, weights included, or from their own
+files (`model.component_files`, component_files.py: the folder then needs only the configs and tokenizers)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from ot_dist.models.families.full_checkpoint import load_file_components
 
 
 def load_transformer_file(path: Path, config_folder: str | None, family, from_original: Callable,
-                          validate_file: Callable):
+                          validate_file: Callable, model_config=None):
     """A pipeline whose denoiser comes from `path` (checked key by key against the folder's transformer config
-    before any tensor is read) and whose other components come from `config_folder`."""
+    before any tensor is read), the components `model_config.component_files` names from their files, and the
+    others from `config_folder`."""
     import diffusers
     from safetensors.torch import load_file
+
+    from ot_dist.models.families.component_files import check_component_files, load_component_files
 
     if config_folder is None:
         raise InputFileError(f"model.config: {path.name} holds only the {family.name} transformer; name a diffusers "
@@ -32,21 +36,27 @@ def load_transformer_file(path: Path, config_folder: str | None, family, from_or
                              f"{family.pipeline_class} folder)")
     config = json.loads(config_file.read_text())
     validate_file(path, config)  # InputFileError naming the missing / unexpected / wrong-shaped keys
+    overrides = getattr(model_config, "component_files", None) or {}
+    if overrides:
+        check_component_files(family, model_config)  # every file's header, before any tensor is read
     state = {k: v.clone().float() for k, v in from_original(load_file(path), config).items()}
     denoiser = getattr(diffusers, config["_class_name"]).from_config(config)
     missing, unexpected = denoiser.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise InputFileError(f"model.path: {path} does not fit {config_file}: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
+    given = load_component_files(family, model_config) if overrides else {}
     try:
         pipeline = family.pipeline_cls().from_pretrained(folder, **family.folder_components(Path(folder)),
-                                                         **{family.denoiser: denoiser}, dtype=torch.float32,
+                                                         **{family.denoiser: denoiser}, **given,
+                                                         dtype=torch.float32,
                                                          use_safetensors=True, local_files_only=True)
     except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason
         raise InputFileError(f"model.config: could not load the other components from {folder}: {err}") from None
     # A full checkpoint's own text encoders and VAE replace the folder's (ot_dist's exports of a run that trained
     # text encoders, Stability's SD3 files with their CLIPs, ComfyUI-saved checkpoints).
-    load_file_components(path, pipeline, family.full_checkpoint)
+    # A component named in model.component_files is the user's explicit choice: the file's own copy is not read.
+    load_file_components(path, pipeline, family.full_checkpoint, skip=set(given))
     return pipeline
 
 

@@ -28,13 +28,15 @@ loader reads no text-encoder LoRA.
 Single files: ComfyUI's diffusion-model file (z_image_turbo_bf16.safetensors), the transformer in the original layout
 (q / k / v fused, a few names changed: z_image_single_file.py), which diffusers' from_single_file reads too;
 `model.config` names the diffusers folder that supplies the rest. Qwen3-4B and the VAE ship as separate files in
-ComfyUI's layouts, which ot_dist does not write: a trained text encoder is exported in the diffusers folder only.
+ComfyUI's layouts, which ot_dist reads (`model.component_files`, component_files.py) but does not write: a trained text
+encoder is exported in the diffusers folder only.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.qwen_image import caption_lengths
 from ot_dist.models.objectives import FlowMatching
@@ -99,6 +101,8 @@ class ZImage(Family):
     # ComfyUI's z_image_turbo_bf16.safetensors: the transformer alone in the original layout (z_image_single_file.py)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Qwen3-4B from its own file, in a layout ot_dist does not write
+    # ComfyUI's separate files: qwen_3_4b.safetensors and Flux's ae.safetensors (Z-Image's VAE is Flux's)
+    component_files = {"text_encoder": C.QWEN3, "vae": C.LDM_VAE}
     # SwarmUI's class id (T2IModelClassSorter: "z-image", "z-image/lora"); OneTrainer writes "Z-Image"
     modelspec_architecture = "z-image"
     # the single file's keys are the original Z-Image code's (fused qkv, x_embedder, final_layer)
@@ -164,7 +168,8 @@ class ZImage(Family):
         from ot_dist.models.families.transformer_single_file import load_transformer_file
         from ot_dist.models.families.z_image_single_file import validate_z_image_file, z_image_from_original
 
-        return load_transformer_file(path, config_folder, self, z_image_from_original, validate_z_image_file)
+        return load_transformer_file(path, config_folder, self, z_image_from_original, validate_z_image_file,
+                                     model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone in the original layout with bare keys, as ComfyUI's UNET loader reads Comfy-Org's

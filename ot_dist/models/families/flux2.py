@@ -1,0 +1,375 @@
+"""FLUX.2: an MMDiT over 32-channel VAE latents that the transformer sees 2x2-patchified (128 channels, one token
+per patch), normalised by the VAE's own batch-norm statistics, trained with flow matching (t / 1000 in, target
+noise - latents) and a resolution-dependent shift.
+
+- `flux2` (FLUX.2 [dev], Flux2Pipeline): Mistral-Small-3.1 (Mistral3ForConditionalGeneration) reads the caption in
+  its chat template after Black Forest Labs' system message; the hidden states of layers 10, 20 and 30 are
+  concatenated per token (3 x 5120 = 15360 wide), every one of the 512 padded tokens goes to the transformer (no
+  mask). Its guidance is distilled: the transformer takes the guidance value as an input (`model.guidance_scale`).
+- `flux2_klein` (FLUX.2 [klein] 4B / 9B, Flux2KleinPipeline): Qwen3 (Qwen3ForCausalLM) after Qwen3's chat template
+  with the thinking turned off, layers 9, 18 and 27; no guidance embedding, real classifier-free guidance when
+  sampling. The [klein] base models are the ones to train; the step-distilled ones sample without guidance.
+
+The latent layout ot_dist keeps (what the latent cache stores, the noise is drawn in, masks are scaled to) is the
+VAE's own (B, 32, h, w); `normalize_latents` applies the per-channel statistics of the patchified layout without
+changing it, and `predict` patchifies and packs (Flux.1's 2x2 packing: channel, patch row, patch column), then
+unpacks the prediction back.
+
+Single files: Black Forest Labs' transformer keys (flux2_single_file.py). LoRA files: the diffusers layout, which
+diffusers' Flux2 loader and ComfyUI (its Flux2 is its Flux, whose diffusers key map names FLUX.2's modules) read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ot_dist.models.families import component_files as C
+from ot_dist.models.families.base import Family
+from ot_dist.models.families.flux import TRANSFORMER_SHARD_UNITS, pack, unpack
+from ot_dist.models.objectives import FlowMatching
+from ot_dist.train.transfer import to_device
+
+# Flux2Pipeline / Flux2KleinPipeline defaults: the text encoder's hidden states they concatenate (index 0 is the
+# embedding output) and the caption length, system message and template tokens included.
+MISTRAL_LAYERS = (10, 20, 30)
+QWEN3_LAYERS = (9, 18, 27)
+MAX_TOKENS = 512
+# diffusers' train_dreambooth_lora_flux2.py / _klein.py default: both streams' image attention in the double blocks,
+# the single blocks' fused qkv + MLP input and their output projection. The single block's `attn.to_out` is named
+# by its path, as the scripts do (the suffix alone would also name the double blocks' to_out ModuleList); 48 covers
+# every published model ([dev] 48 single blocks, [klein] 9B 24, 4B 20).
+FLUX2_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "to_qkv_mlp_proj",
+                      *(f"single_transformer_blocks.{i}.attn.to_out" for i in range(48)))
+# Every projection of the double blocks' two streams, the single blocks as above
+FLUX2_ATTENTION_MLP_TARGETS = FLUX2_LORA_TARGETS + ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
+                                                    "ff.linear_in", "ff.linear_out", "ff_context.linear_in",
+                                                    "ff_context.linear_out")
+# The language model's attention: Mistral3's Pixtral vision tower (which text-only training never runs) names its
+# projections attention.q_proj ..., so the self_attn. level keeps them out.
+TEXT_LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+# SimpleTuner's FLUX.2 scheduler config (helpers/models/flux2/model.py), the one published with the models: dynamic
+# shifting, so the scheduler's training sigmas are unshifted (what diffusers' scripts draw); OneTrainer shifts per
+# resolution with these base / max values (Flux2Model.calculate_timestep_shift).
+FLUX2_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                       max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+
+
+def patchify(latents: torch.Tensor) -> torch.Tensor:
+    """(B, C, h, w) -> (B, 4C, h/2, w/2): Flux2Pipeline._patchify_latents' channel order (channel, row, column)."""
+    b, c, h, w = latents.shape
+    return latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h // 2, w // 2)
+
+
+def unpatchify(latents: torch.Tensor) -> torch.Tensor:
+    b, c, h, w = latents.shape
+    return latents.view(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
+
+
+def position_ids(rows: int, columns: int, tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(image ids (rows * columns, 4), text ids (tokens, 4)): the (time, row, column, layer) coordinates the pipeline
+    gives its tokens, image tokens in raster order at time 0, text tokens along the layer axis."""
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    image = torch.cartesian_prod(zero, torch.arange(rows, device=device), torch.arange(columns, device=device), zero)
+    text = torch.cartesian_prod(zero, zero, zero, torch.arange(tokens, device=device))
+    return image, text
+
+
+class Flux2Family(Family):
+    """What FLUX.2 [dev] and [klein] share: the transformer, its latents and objective, the stacked text layers."""
+
+    denoiser = "transformer"
+    text_encoders = ("text_encoder",)
+    tokenizers = ("tokenizer",)
+    embedding_keys = {}  # no UI loads Mistral-3 / Qwen3 embeddings
+    denoiser_lora_presets = {"default": FLUX2_LORA_TARGETS, "attention_mlp": FLUX2_ATTENTION_MLP_TARGETS}
+    text_lora_targets = TEXT_LORA_TARGETS
+    pixel_multiple = 16  # VAE x8, then 2x2 patches
+    samplers = ("flow_euler",)
+    # OneTrainer's sample default for FLUX.2 (SampleConfig: cfg_scale 4.0); the pipelines' own default too
+    sample_guidance_scale = 4.0
+    # Black Forest Labs' transformer file (flux2-dev.safetensors; ComfyUI's diffusion-model files have its keys): the
+    # transformer alone; ComfyUI loads Mistral-3 / Qwen3 and the VAE from files of their own
+    single_file = True
+    single_file_text_encoders = False
+    modelspec_implementation = "https://github.com/black-forest-labs/flux2"  # the single file's key names
+    # kohya-style lora_unet_<BFL path with _> and ComfyUI's diffusion_model.<BFL path>, read by lora merge / init_from
+    lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
+    layers: tuple[int, ...] = ()
+
+    def objective(self, pipeline, model_config) -> FlowMatching:
+        return FlowMatching.from_scheduler_config(pipeline.scheduler.config, patch_size=2)
+
+    def objective_kind(self) -> str:
+        return "flow"
+
+    # -- text -------------------------------------------------------------------------------------------
+    def max_tokens(self, tokenizer_name, tokenizer) -> int:
+        # a processor ([dev]'s PixtralProcessor) keeps the limit on its tokenizer; a tiny test tokenizer has fewer
+        return min(MAX_TOKENS, getattr(tokenizer, "tokenizer", tokenizer).model_max_length)
+
+    def pipeline_call_options(self, pipeline) -> dict:
+        return {"max_sequence_length": self.max_tokens("tokenizer", pipeline.tokenizer),
+                "text_encoder_out_layers": self.layers}
+
+    def encode_text(self, text_encoders, tokens):
+        encoder = text_encoders["text_encoder"]
+        out = encoder(input_ids=to_device(tokens["text_encoder"], encoder.device),
+                      attention_mask=to_device(tokens["text_encoder_mask"], encoder.device),
+                      output_hidden_states=True, use_cache=False,
+                      logits_to_keep=1)  # the language-model head's output is not used: one position, not 512
+        # per token, the chosen layers side by side (the pipeline's stack, permute and reshape); the mask only
+        # shapes the text encoder's attention: the transformer sees every token, padding included
+        return {"hidden": torch.cat([out.hidden_states[k] for k in self.layers], dim=-1)}
+
+    # -- latents ----------------------------------------------------------------------------------------
+    def normalize_latents(self, vae, latents):
+        """(x - running_mean) / sqrt(running_var + eps) of the VAE's batch norm over the patchified latents (the
+        pipelines' and the training scripts' normalisation), returned in the VAE's (B, 32, h, w) layout."""
+        bn = vae.bn
+        view = (1, -1, 1, 1)
+        mean = bn.running_mean.view(view).to(latents)
+        std = torch.sqrt(bn.running_var.view(view) + vae.config.batch_norm_eps).to(latents)
+        return unpatchify((patchify(latents) - mean) / std)
+
+    # -- the denoiser call ------------------------------------------------------------------------------
+    def guidance(self, denoiser, batch_size: int, device) -> torch.Tensor | None:
+        return None
+
+    def predict(self, denoiser, noisy, timesteps, conditioning, batch):
+        b, _, h, w = noisy.shape
+        hidden = conditioning["hidden"]
+        image_ids, text_ids = position_ids(h // 2, w // 2, hidden.shape[1], noisy.device)
+        tokens = denoiser(
+            hidden_states=pack(noisy),
+            # float32, as the training scripts pass it (the transformer casts it to its own dtype)
+            timestep=timesteps.float() / 1000,
+            guidance=self.guidance(denoiser, b, noisy.device),
+            encoder_hidden_states=hidden,
+            txt_ids=text_ids,
+            img_ids=image_ids,
+            return_dict=False,
+        )[0]
+        return unpack(tokens, h, w)
+
+    # -- single files -----------------------------------------------------------------------------------
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.flux2_single_file import flux2_rules
+
+        return flux2_rules(config)
+
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.flux2_single_file import flux2_from_original, validate_flux2_file
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, flux2_from_original, validate_flux2_file,
+                                     model_config)
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
+        """The transformer alone with Black Forest Labs' bare keys. A trained text encoder is not in it
+        (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
+        from ot_dist.models.families.flux2_single_file import flux2_to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        state = flux2_to_original(states["transformer"], dict(components["transformer"].config))
+        write_transformer_file(state, path, dtype, metadata)
+
+    # -- demo and tests ---------------------------------------------------------------------------------
+    def tiny_transformer(self, guidance: bool):
+        from diffusers import Flux2Transformer2DModel
+
+        from ot_dist.models.tiny import TEXT_HIDDEN
+
+        return Flux2Transformer2DModel(
+            patch_size=1, in_channels=128, num_layers=2, num_single_layers=2, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=TEXT_HIDDEN * len(self.layers), timestep_guidance_channels=32,
+            axes_dims_rope=(4, 4, 4, 4), guidance_embeds=guidance)
+
+
+class Flux2(Flux2Family):
+    name = "flux2"
+    description = ("FLUX.2 [dev] (MMDiT over patchified 32-channel latents, Mistral-3 hidden layers 10 / 20 / 30, "
+                   "distilled guidance, flow matching with a resolution-dependent shift)")
+    pipeline_class = "Flux2Pipeline"
+    # Mistral3ForConditionalGeneration: model.language_model.layers (the vision tower never runs: left whole)
+    shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": ("language_model.layers",)}
+    layers = MISTRAL_LAYERS
+    memory_reference = "FLUX.2 dev"  # black-forest-labs/FLUX.2-dev: the 32 B transformer, Mistral-Small-3.1 (24 B)
+    sample_negative_prompt = False  # Flux2Pipeline samples with the distilled guidance, without a negative pass
+    modelspec_architecture = "flux-2-dev"  # OneTrainer writes "Flux.2"
+
+    def __init__(self, guidance_scale: float = 1.0):
+        # The distilled guidance the transformer is shown in training: 1.0 as ot_dist's Flux.1 dev (OneTrainer's
+        # transformer.guidance_scale default); diffusers' script shows 3.5 (its --guidance_scale).
+        self.guidance_scale = guidance_scale
+
+    def configure(self, model_config) -> "Flux2":
+        scale = model_config.guidance_scale
+        return self if scale is None or scale == self.guidance_scale else Flux2(scale)
+
+    def guidance(self, denoiser, batch_size, device):
+        if not denoiser.config.guidance_embeds:
+            return None
+        return torch.full((batch_size,), self.guidance_scale, device=device, dtype=torch.float32)
+
+    def tokenize(self, tokenizers, captions):
+        from diffusers.pipelines.flux2.pipeline_flux2 import format_input
+        from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+
+        tokenizer = tokenizers["tokenizer"]
+        encoded = tokenizer.apply_chat_template(
+            format_input(list(captions), SYSTEM_MESSAGE), add_generation_prompt=False, tokenize=True,
+            return_dict=True, return_tensors="pt", padding="max_length", truncation=True,
+            max_length=self.max_tokens("tokenizer", tokenizer))
+        return {"text_encoder": encoded["input_ids"], "text_encoder_mask": encoded["attention_mask"]}
+
+    def sampling_arguments(self, pipeline, arguments):
+        # guidance_scale is the distilled guidance input here; there is no negative prompt
+        return {**arguments, **self.pipeline_call_options(pipeline)}
+
+    def build_tiny(self, seed: int = 0, **_):
+        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
+        from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+        from ot_dist.models.tiny import TEXT_HIDDEN
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_mistral_tokenizer()
+        # Mistral-Small-3.1's layout (grouped KV heads, a Pixtral vision tower the text path never runs), tiny, with
+        # one layer more than the deepest one read, as the real 40 layers have
+        config = Mistral3Config(
+            text_config=dict(model_type="mistral", hidden_size=TEXT_HIDDEN, intermediate_size=64,
+                             num_hidden_layers=max(self.layers) + 1, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=16, vocab_size=len(tokenizer), max_position_embeddings=256,
+                             pad_token_id=tokenizer.pad_token_id),
+            vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                               num_attention_heads=2, image_size=32, patch_size=16, head_dim=8),
+            image_token_index=tokenizer.convert_tokens_to_ids("[IMG]"), spatial_merge_size=2)
+        return Flux2Pipeline(
+            transformer=self.tiny_transformer(guidance=True), vae=tiny_flux2_vae(),
+            text_encoder=Mistral3ForConditionalGeneration(config).eval(), tokenizer=tokenizer,
+            scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER))
+
+
+class Flux2Klein(Flux2Family):
+    name = "flux2_klein"
+    description = ("FLUX.2 [klein] 4B / 9B (FLUX.2's transformer without guidance embedding, Qwen3 hidden layers 9 / "
+                   "18 / 27, classifier-free guidance)")
+    pipeline_class = "Flux2KleinPipeline"
+    shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": ("model.layers",)}  # Qwen3ForCausalLM
+    # ComfyUI's qwen_3_4b / qwen_3_8b files (Qwen3 under model., no lm_head: 4B's is tied, 8B's a zero one); its
+    # flux2-vae.safetensors layout is not read yet
+    component_files = {"text_encoder": C.QWEN3}
+    layers = QWEN3_LAYERS
+    memory_reference = "FLUX.2 klein 9B"  # the larger [klein] (9.1 B + Qwen3-8B); 4B's needs are below it
+    modelspec_architecture = "flux-2-klein"
+
+    def tokenize(self, tokenizers, captions):
+        tokenizer = tokenizers["tokenizer"]
+        # Flux2KleinPipeline._get_qwen3_prompt_embeds: Qwen3's template, one caption at a time, no thinking
+        texts = [tokenizer.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                               add_generation_prompt=True, enable_thinking=False)
+                 for caption in captions]
+        encoded = tokenizer(texts, padding="max_length", truncation=True,
+                            max_length=self.max_tokens("tokenizer", tokenizer), return_tensors="pt")
+        return {"text_encoder": encoded.input_ids, "text_encoder_mask": encoded.attention_mask}
+
+    def sampling_arguments(self, pipeline, arguments):
+        """The pipeline guides against the empty caption; a sample prompt's negative prompt goes in as its
+        embeddings (the pipeline takes no negative text)."""
+        arguments = {**arguments, **self.pipeline_call_options(pipeline)}
+        negative = arguments.pop("negative_prompt", None)
+        if negative:
+            arguments["negative_prompt_embeds"] = pipeline.encode_prompt(
+                negative, device=pipeline._execution_device, max_sequence_length=arguments["max_sequence_length"],
+                text_encoder_out_layers=self.layers)[0]
+        return arguments
+
+    def build_tiny(self, seed: int = 0, **_):
+        from diffusers import FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        from ot_dist.models.tiny import TEXT_HIDDEN
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_qwen3_tokenizer()
+        config = Qwen3Config(hidden_size=TEXT_HIDDEN, intermediate_size=64, num_hidden_layers=max(self.layers) + 1,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=16, vocab_size=len(tokenizer),
+                             max_position_embeddings=256, tie_word_embeddings=True,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        return Flux2KleinPipeline(
+            transformer=self.tiny_transformer(guidance=False), vae=tiny_flux2_vae(),
+            text_encoder=Qwen3ForCausalLM(config).eval(), tokenizer=tokenizer,
+            scheduler=FlowMatchEulerDiscreteScheduler(**FLUX2_SCHEDULER))
+
+
+def tiny_flux2_vae():
+    """A tiny AutoencoderKLFlux2 (32 latent channels, 2x2 patches for its batch norm) whose batch-norm statistics are
+    not the identity, so that the normalisation shows in every comparison."""
+    from diffusers import AutoencoderKLFlux2
+
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 16, 16, 16), layers_per_block=1, latent_channels=32,
+                             norm_num_groups=8, sample_size=64)
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.randn_like(vae.bn.running_mean) * 0.3)
+        vae.bn.running_var.copy_(torch.rand_like(vae.bn.running_var) + 0.5)
+    return vae.eval()
+
+
+# The rendering of Mistral-Small-3.1's chat template for text: <s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]...[/INST]
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['content'] is string %}{% set text = message['content'] %}{% else %}"
+    "{% set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% endif %}"
+    "{% if message['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif message['role'] == 'user' %}[INST]{{ text }}[/INST]"
+    "{% else %}{{ text }}{{ eos_token }}{% endif %}{% endfor %}")
+# Qwen3's chat template for a user turn and the generation prompt, with the empty thinking block that
+# enable_thinking=False adds
+QWEN3_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+SPLIT_WORDS = ("yellow", "black")  # out of the BPE's training text: they split into pieces (captions differ in length)
+
+
+def _byte_level_bpe(texts: list[str], specials: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token=specials[0]))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(texts, trainer=trainers.BpeTrainer(
+        vocab_size=2000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=specials,
+        show_progress=False))
+    return bpe
+
+
+def tiny_mistral_tokenizer(max_length: int = 64):
+    """A byte-level BPE tokenizer built offline with Mistral's control tokens and a chat template rendering its
+    system / user turns: Flux2Pipeline calls `apply_chat_template` on it as on the real PixtralProcessor (whose image
+    processor needs torchvision). `max_length` (model_max_length) bounds the caption tokens, system message included."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from transformers import PreTrainedTokenizerFast
+
+    from ot_dist.models.tiny import DEMO_WORDS
+
+    specials = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[IMG]",
+                "[IMG_BREAK]", "[IMG_END]"]
+    words = " ".join(w for w in DEMO_WORDS if w not in SPLIT_WORDS)
+    return PreTrainedTokenizerFast(tokenizer_object=_byte_level_bpe([SYSTEM_MESSAGE, words], specials),
+                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+                                   model_max_length=max_length, chat_template=MISTRAL_TEMPLATE)
+
+
+def tiny_qwen3_tokenizer(max_length: int = 32):
+    """Qwen-Image's offline Qwen2 tokenizer with Qwen3's chat template and its <think> / </think> tokens."""
+    from ot_dist.models.families.qwen_image import tiny_qwen2_tokenizer
+
+    tokenizer = tiny_qwen2_tokenizer(max_length)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    return tokenizer
+
+
+FAMILIES = {"flux2": Flux2(), "flux2_klein": Flux2Klein()}

@@ -1,0 +1,217 @@
+"""Wan 2.1 / 2.2 trained on still images as one-frame videos: `WanTransformer3DModel` (a DiT over (1, 2, 2) patches
+of 3-D latents) on the causal 3-D VAE's latents (`AutoencoderKLWan`, 4x temporal: a clip of 4k + 1 frames gives
+k + 1 latent frames, so one image is one latent frame), cross-attending to UMT5-XXL's last hidden states; flow
+matching with the raw timestep (0..1000).
+
+What follows WanPipeline (diffusers 0.42) and SimpleTuner's helpers/models/wan (no diffusers training script exists):
+- Text: the prompt cleaned as the pipeline's `prompt_clean` (ftfy when installed, HTML unescape, whitespace), padded
+  to 512 tokens (`max_sequence_length`, min the tokenizer's length) with the mask; UMT5 runs with the mask and the
+  hidden states past each caption's length are zeroed, as the pipeline re-stacks them. The transformer gets no mask:
+  it attends to the zero rows as the pipeline's call does.
+- Latents: the VAE takes and gives one-frame videos (B, C, 1, H, W); ot_dist keeps the frame axis out
+  (`encode_posterior`, Qwen-Image's, whose VAE is Wan's) and normalises with the per-channel latents_mean /
+  latents_std (Family.normalize_latents).
+- Objective: x_t = (1 - s) x + s n, target n - x, the transformer called with t = 1000 s (float32, the unit of the
+  scheduler's timesteps the pipeline passes) on the latents with their frame axis put back. s is shifted by the
+  scheduler config's `flow_shift` (Wan's diffusers folders ship UniPCMultistepScheduler with use_flow_sigmas and
+  flow_shift 3.0 (480p) / 5.0 (720p); SimpleTuner trains with flow_schedule_shift, 3.0 / 5.0 per model).
+- Samples: one frame (`num_frames=1`), the pipeline's `.frames[0][0]`; WanPipeline's guidance_scale (default 5.0).
+
+Not supported (refused, not silently done wrong): video clips as training data (images only, this family's data is
+one-frame videos); Wan 2.2 A14B's two experts (`transformer_2` / `boundary_ratio`): such a folder is refused;
+Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`): refused; image-to-video models (an image encoder).
+
+LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that WanPipeline.load_lora_weights reads,
+and beside it `lora_comfyui.safetensors` in the original module names (`diffusion_model.blocks.0.self_attn.q...`), the
+only ones ComfyUI maps for Wan (comfy/lora.py model_lora_keys_unet has no diffusers rule for WAN21); diffusers reads
+that one too (wan_lora.py). No single-file layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ot_dist.errors import ConfigError
+from ot_dist.models.families.base import Family
+from ot_dist.models.families.qwen_image import QwenImage
+from ot_dist.models.objectives import FlowMatching
+from ot_dist.train.transfer import to_device
+
+MAX_SEQUENCE_LENGTH = 512  # WanPipeline's max_sequence_length default (Wan's text_len)
+# SimpleTuner's DEFAULT_LORA_TARGET for Wan (self- and cross-attention), also diffusers' usual attention default
+WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
+# the feed-forward (diffusers' FeedForward: net.0.proj in, net.2 out) as musubi-tuner's / kohya's Wan LoRAs adapt it
+WAN_LORA_WITH_FFN = WAN_LORA_TARGETS + ("ffn.net.0.proj", "ffn.net.2")
+WAN_TEXT_LORA_TARGETS = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")  # UMT5's attention and gated MLP (T5's names)
+
+
+class Wan(Family):
+    name = "wan"
+    description = ("Wan 2.1 / 2.2 single-transformer text-to-video models trained on images as one-frame videos "
+                   "(UMT5 with zeroed padding, per-channel latent mean / std, flow matching with the raw t)")
+    pipeline_class = "WanPipeline"
+    denoiser = "transformer"
+    text_encoders = ("text_encoder",)
+    tokenizers = ("tokenizer",)
+    embedding_keys = {}  # T5-family encoders take no embeddings in ot_dist
+    denoiser_lora_presets = {"default": WAN_LORA_TARGETS, "attention_mlp": WAN_LORA_WITH_FFN}
+    text_lora_targets = WAN_TEXT_LORA_TARGETS
+    # WanTransformer3DModel._no_split_modules = ["WanTransformerBlock"]: `blocks`; UMT5's `encoder.block`
+    shard_units = {"transformer": ("blocks",), "text_encoder": ("encoder.block",)}
+    pixel_multiple = 16  # the Wan 2.1 VAE x8, then the transformer's 2x2 patches
+    native_resolution = 832  # the long side of Wan 2.1's 480p buckets (832 x 480)
+    memory_reference = "Wan 2.1 T2V 14B"  # the 14.3 B transformer, UMT5-XXL's encoder (5.7 B), the Wan VAE
+    samplers = ("flow_euler",)
+    sample_guidance_scale = 5.0  # WanPipeline's default (OneTrainer has no Wan)
+    lora_file_prefixes = None  # the diffusers layout
+    single_file = False
+    video_model = True  # a video clip in a concept is refused (images only, as one-frame videos)
+    # SwarmUI's class ids (T2IModelClassSorter: wan-2_1-text2video-1_3b / -14b); modelspec_architecture_of picks one
+    modelspec_architecture = "wan-2_1-text2video-14b"
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        """Wan 2.1 T2V 1.3B (width 1536) or 14B (width 5120), the two sizes SwarmUI tells apart."""
+        width = denoiser_config.get("num_attention_heads", 40) * denoiser_config.get("attention_head_dim", 128)
+        return "wan-2_1-text2video-14b" if width >= 5120 else "wan-2_1-text2video-1_3b"
+
+    # -- loading --------------------------------------------------------------------------------------
+    def load_folder(self, path, index):
+        refuse_unsupported_index(index)  # before from_pretrained loads a second 14 B expert
+        return None
+
+    def complete_pipeline(self, pipeline, path, model_config):
+        refuse_unsupported_variant(pipeline)
+        return pipeline
+
+    # -- objective ------------------------------------------------------------------------------------
+    def objective(self, pipeline, model_config) -> FlowMatching:
+        config = pipeline.scheduler.config
+        shift = config.get("flow_shift") if config.get("use_flow_sigmas") else None  # UniPC / DPM flow config
+        return FlowMatching.from_scheduler_config(config, patch_size=pipeline.transformer.config.patch_size[-1],
+                                                  shift=shift, dynamic=False)
+
+    def objective_kind(self) -> str:
+        return "flow"
+
+    def sampling_overrides(self, objective: FlowMatching) -> dict:
+        # flow_euler's FlowMatchEulerDiscreteScheduler reads `shift`: the UniPC config's flow_shift
+        return {"shift": objective.shift}
+
+    # -- text -----------------------------------------------------------------------------------------
+    def max_tokens(self, tokenizer_name, tokenizer) -> int:
+        return min(MAX_SEQUENCE_LENGTH, tokenizer.model_max_length)  # the tiny test tokenizer has 32
+
+    def tokenize(self, tokenizers, captions):
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        tokenizer = tokenizers["tokenizer"]
+        encoded = tokenizer([prompt_clean(c) for c in captions], padding="max_length",
+                            max_length=self.max_tokens("tokenizer", tokenizer), truncation=True,
+                            add_special_tokens=True, return_attention_mask=True, return_tensors="pt")
+        return {"text_encoder": encoded.input_ids, "text_encoder_mask": encoded.attention_mask}
+
+    def encode_text(self, text_encoders, tokens):
+        encoder = text_encoders["text_encoder"]
+        mask = to_device(tokens["text_encoder_mask"], encoder.device)
+        hidden = encoder(to_device(tokens["text_encoder"], encoder.device), mask).last_hidden_state
+        # zeros past each caption, as the pipeline's re-stacking leaves them (the transformer sees them unmasked)
+        return {"hidden": hidden * mask[..., None].to(hidden.dtype)}
+
+    def pipeline_call_options(self, pipeline) -> dict:
+        return {"max_sequence_length": self.max_tokens("tokenizer", pipeline.tokenizer)}
+
+    def sampling_arguments(self, pipeline, arguments):
+        return {**arguments, **self.pipeline_call_options(pipeline), "num_frames": 1}
+
+    def sampled_image(self, output):
+        return output.frames[0][0]  # one video of one frame
+
+    # -- latents --------------------------------------------------------------------------------------
+    def latent_shape(self, vae, pixel_height, pixel_width):
+        factor = vae.config.scale_factor_spatial
+        return torch.Size((vae.config.z_dim, pixel_height // factor, pixel_width // factor))
+
+    encode_posterior = QwenImage.encode_posterior  # the same VAE class family: images in as one-frame clips
+
+    # -- the denoiser call ----------------------------------------------------------------------------
+    def predict(self, denoiser, noisy, timesteps, conditioning, batch):
+        # float32 timesteps, as the pipeline passes the scheduler's (bfloat16 would round t near 1000)
+        out = denoiser(hidden_states=noisy.unsqueeze(2), timestep=timesteps.float(),
+                       encoder_hidden_states=conditioning["hidden"], return_dict=False)[0]
+        return out[:, :, 0]
+
+    # -- LoRA files -----------------------------------------------------------------------------------
+    def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the original names ComfyUI maps for Wan (wan_lora.py),
+        which WanPipeline.load_lora_weights reads too; nothing for an adapter other than plain LoRA or a run without a
+        transformer LoRA."""
+        import json
+
+        from safetensors.torch import save_file
+
+        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.models.families.wan_lora import comfyui_lora_state
+
+        if "transformer" not in states:
+            return []
+        tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"])
+        if tensors is None:
+            return []
+        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
+        metadata = {"ot_dist_lora": json.dumps({"layout": "comfyui", "family": self.name,
+                                                "scale": "inside the up matrices, no alpha tensors"})}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
+                      str(tmp), metadata={**metadata, **modelspec})
+        return [path]
+
+    # -- demo and tests -------------------------------------------------------------------------------
+    def build_tiny(self, seed: int = 0, **_):
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        from ot_dist.models.tiny import TEXT_HIDDEN, tiny_t5_tokenizer
+
+        torch.manual_seed(seed)
+        tokenizer = tiny_t5_tokenizer()
+        text_encoder = UMT5EncoderModel(UMT5Config(
+            vocab_size=len(tokenizer), d_model=TEXT_HIDDEN, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            feed_forward_proj="gated-gelu", relative_attention_num_buckets=8, relative_attention_max_distance=16,
+            is_encoder_decoder=False, use_cache=False)).eval()
+        # Wan 2.1's VAE layout (diffusers' own test sizes): 16 latent channels, x8 spatial, 4x temporal
+        vae = AutoencoderKLWan(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                               temperal_downsample=[False, True, True])
+        transformer = WanTransformer3DModel(
+            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=TEXT_HIDDEN, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+        # what Wan-AI/Wan2.1-T2V-1.3B-Diffusers ships (480p: flow_shift 3.0)
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            num_train_timesteps=1000, flow_shift=3.0)
+        return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
+                           scheduler=scheduler)
+
+
+def refuse_unsupported_index(index: dict) -> None:
+    """Wan folders this family would train wrongly, told by their model_index.json (or a loaded pipeline's config):
+    two experts (Wan 2.2 A14B: transformer_2 and boundary_ratio), per-token timesteps (TI2V-5B: expand_timesteps)."""
+    second = index.get("transformer_2")
+    if (second is not None and list(second)[:1] != [None]) or index.get("boundary_ratio") is not None:
+        raise ConfigError("model.path: a Wan 2.2 A14B folder (two experts, transformer_2 and boundary_ratio) is not "
+                          "supported yet: ot_dist trains single-transformer Wan models (2.1 T2V)")
+    if index.get("expand_timesteps"):
+        raise ConfigError("model.path: Wan 2.2 TI2V-5B (expand_timesteps: per-token timesteps) is not supported yet")
+
+
+def refuse_unsupported_variant(pipeline) -> None:
+    """refuse_unsupported_index on a loaded pipeline, and an image-to-video transformer (extra input channels, an
+    image embedding)."""
+    refuse_unsupported_index({**pipeline.config, "transformer_2": [getattr(pipeline, "transformer_2", None)]})
+    transformer = pipeline.transformer
+    if transformer.config.in_channels != transformer.config.out_channels or transformer.config.image_dim:
+        raise ConfigError("model.path: a Wan image-to-video transformer (image conditioning) is not supported: "
+                          "ot_dist trains the text-to-video models")
+
+
+FAMILIES = {"wan": Wan()}
