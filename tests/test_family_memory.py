@@ -323,6 +323,21 @@ def test_flux_kontext_memory_row_is_flux_devs_weights_with_more_activations():
     assert edit.reference == "Flux.1 Kontext dev" and edit.need_gib > flux.need_gib
 
 
+def test_qwen_image_edit_memory_row_is_qwen_images_weights_with_more_activations():
+    """Qwen-Image-Edit's row (ot-dist init's reference for qwen_image_edit) counts Qwen-Image's published weights and
+    sharding units; its activation allowance is larger (the reference's latent and vision tokens), so init needs more."""
+    from ot_dist.starter.choose import ACTIVATIONS_GIB, choose
+
+    edit = build_components("Qwen-Image-Edit")
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in edit.items()}
+    assert counts == {"transformer": 20_430_401_088, "text_encoder": 8_292_166_656, "vae": 126_892_531}  # Qwen-Image's
+    assert DENOISERS["Qwen-Image-Edit"][2] == get_family("qwen_image_edit").shard_units["transformer"]
+    assert fsdp_rank_bytes(edit, "Qwen-Image-Edit", 8)["largest_unit_fraction"] < 0.05
+    assert ACTIVATIONS_GIB["Qwen-Image-Edit"] > ACTIVATIONS_GIB["Qwen-Image"]
+    plain, edited = (choose(get_family(name), "lora", 80, 1) for name in ("qwen_image", "qwen_image_edit"))
+    assert edited.reference == "Qwen-Image-Edit" and edited.need_gib > plain.need_gib
+
+
 def test_wan_memory_row_is_the_published_14b_model_sharded_by_block():
     """The memory table's Wan row (ot-dist init's reference for the family) is Wan2.1-T2V-14B as its configs build it on
     the meta device: the 14.3 B transformer (the model card's 14 B), UMT5-XXL's encoder (5.68 B, its 256 k vocabulary

@@ -80,6 +80,13 @@ RIDERS["pixart_alpha"] += ("hidream",)
 # an edit model trains on pairs, so its runs read the shapes with a reference image each (conftest.py).
 FAMILY_STRATEGIES["flux_kontext"] = ("fsdp", "zero2")
 RIDERS["flux"] += ("flux_kontext",)
+# Qwen-Image-Edit: its reference latents beside the noisy ones (img_shapes listing both) and the reference through
+# Qwen2.5-VL's vision tower in the text (the processor per batch) under fsdp, riding in Flux's launch.
+FAMILY_STRATEGIES["qwen_image_edit"] = ("fsdp",)
+RIDERS["flux"] += ("qwen_image_edit",)
+# Qwen-Image-Edit-2509 (one reference: "Picture 1: ", the vision copy at 384^2) under fsdp, in the same launch
+FAMILY_STRATEGIES["qwen_image_edit_plus"] = ("fsdp",)
+RIDERS["flux"] += ("qwen_image_edit_plus",)
 # Wan 2.1: UMT5 with zeroed padding, the 5-D one-frame latents with per-channel mean / std and the raw-t flow under fsdp
 # (units: blocks), riding in PixArt-α's launch
 FAMILY_STRATEGIES["wan"] = ("fsdp",)

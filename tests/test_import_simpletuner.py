@@ -193,7 +193,7 @@ def test_lora_and_flux_defaults(tmp_path):
 def test_sana_and_qwen_image_defaults(tmp_path):
     """Sana: SimpleTuner's model class draws u uniformly and reads its scheduler's unshifted table, whatever the
     flow_* settings say, trains the MSE whatever loss_type says, and halves the latents (listed); Qwen-Image: the
-    common draw (sigmoid(N(0, 1)) shifted by 3.0), buckets aligned to 32 pixels, Qwen-Image-Edit listed. Both adapt
+    common draw (sigmoid(N(0, 1)) shifted by 3.0), buckets aligned to 32 pixels, Qwen-Image-Edit-2511 (edit-v3) listed. Both adapt
     their DEFAULT_LORA_TARGET, the attention projections."""
     sana, text = imported(tmp_path, {"--model_family": "sana", "--model_type": "lora", "--flow_schedule_shift": 2,
                                      "--loss_type": "huber"})
@@ -203,12 +203,12 @@ def test_sana_and_qwen_image_defaults(tmp_path):
                             "dynamic_timestep_shifting": False}
     assert "LATENT_RESCALE" in text.split("NOT HONOURED")[1]
     qwen, text = imported(tmp_path, {"--model_family": "qwen_image", "--model_type": "lora",
-                                     "--model_flavour": "edit-v2"})
+                                     "--model_flavour": "edit-v3"})
     assert qwen["model"]["family"] == "qwen_image" and qwen["data"]["bucket_step"] == 32
     assert qwen["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
     assert qwen["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
                             "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
-    assert "model_flavour: edit-v2" in text.split("NOT HONOURED")[1]
+    assert "model_flavour: edit-v3" in text.split("NOT HONOURED")[1]
 
 
 def test_wan_defaults(tmp_path):
@@ -467,3 +467,28 @@ def test_flux2_takes_a_conditioning_dataset_as_reference_images_and_trains_text_
     config, text = imported(tmp_path, {"--model_family": "flux2", "--model_type": "lora"}, plain)
     assert "reference_path" not in config["data"]["concepts"][0]
     assert "reference" not in text.split("NOT HONOURED")[-1]
+
+
+def test_qwen_image_edit_v1_takes_its_conditioning_dataset_as_reference_images(tmp_path):
+    """SimpleTuner's Qwen-Image-Edit (model_family qwen_image, model_flavour edit-v1): the conditioning dataset becomes
+    the concept's reference_path; its validation prompts are left out (the edit pipeline samples only with a reference
+    image) and listed; the 2509 flavours stay listed as not honoured (test_sana_and_qwen_image_defaults)."""
+    images(tmp_path / "data" / "edited", ["a", "b"], {"a": "make it red", "b": "make it blue"})
+    images(tmp_path / "data" / "reference", ["a", "b"])
+    backends = [{"id": "edits", "type": "local", "instance_data_dir": "data/edited", "caption_strategy": "textfile",
+                 "conditioning_data": ["refs"]},
+                {"id": "refs", "type": "local", "instance_data_dir": "data/reference", "caption_strategy": None,
+                 "conditioning_type": "reference_strict"}]
+    config, text = imported(tmp_path, {"--model_family": "qwen_image", "--model_flavour": "edit-v1",
+                                       "--model_type": "lora", "--validation_prompt": "make it green"}, backends)
+    assert config["model"]["family"] == "qwen_image_edit"
+    (concept,) = config["data"]["concepts"]
+    assert Path(concept["reference_path"]) == tmp_path / "data" / "reference"
+    assert config["loss"]["timestep_shift"] == 3.0  # Qwen-Image's import
+    assert not config.get("sampling", {}).get("prompts")
+    not_honoured = text.split("NOT HONOURED")[1]
+    assert "qwen_image_edit samples only with a reference image" in not_honoured
+    assert "model_flavour: edit-v1" not in not_honoured
+    plus, _ = imported(tmp_path, {"--model_family": "qwen_image", "--model_flavour": "edit-v2",
+                                  "--model_type": "lora"}, backends)
+    assert plus["model"]["family"] == "qwen_image_edit_plus"  # 2509, one reference per sample

@@ -52,6 +52,8 @@ def test_every_preset_validates_and_fits(family, method, tmp_path):
             assert config.offload_frozen_components == choice.setup.offload
             assert config.strategy == choice.strategy
             assert config.resolution == get_family(family).native_resolution
+            # caches the family refuses (Qwen-Image-Edit's) stay off, whatever the setup
+            assert not any(getattr(config.data, option) for option in get_family(family).cache_refusals)
             raw = yaml.safe_load(target.read_text())
             assert raw["method"] == method
             checked += 1

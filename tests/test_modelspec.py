@@ -83,6 +83,10 @@ DOCUMENTED = [
     # SwarmUI's class id (T2IModelClassSorter: Flux.1-dev/kontext, matched lowercased); kohya has no Kontext id
     ("flux_kontext", FLUX_DEV, None, False, "checkpoint", None, "flux.1-dev/kontext", BFL),
     ("flux_kontext", FLUX_DEV, None, False, "lora", "diffusers", "flux.1-dev/kontext/lora", "diffusers"),
+    # SwarmUI's class id (T2IModelClassSorter: qwen-image-edit); ComfyUI's names are diffusers'
+    ("qwen_image_edit", {}, None, False, "checkpoint", None, "qwen-image-edit", "diffusers"),
+    ("qwen_image_edit", {}, None, False, "lora", "diffusers", "qwen-image-edit/lora", "diffusers"),
+    ("qwen_image_edit_plus", {}, None, False, "lora", "diffusers", "qwen-image-edit-plus/lora", "diffusers"),
     # SwarmUI's class ids for Wan 2.1 T2V, by the transformer's width (12 x 128: 1.3B, 40 x 128: 14B)
     ("wan", {"num_attention_heads": 12, "attention_head_dim": 128}, None, False, "lora", "diffusers",
      "wan-2_1-text2video-1_3b/lora", "diffusers"),

@@ -66,9 +66,10 @@ class SamplePrompt(Section):
         default=None, description="This prompt's sampler, one the family's objective allows (the names of "
         "sampling.sampler; auto = the family's first); null = sampling.sampler.")
     reference_image: str | None = Field(
-        default=None, description="An edit model's reference image (flux_kontext, flux2, flux2_klein): the picture "
-        "the prompt's edit applies to, scaled to cover the sample's size and centre-cropped, as training pairs' references are. Other "
-        "families refuse it; without one an edit model samples from the prompt alone.")
+        default=None, description="An edit model's reference image (flux_kontext, flux2, flux2_klein, qwen_image_edit, "
+        "qwen_image_edit_plus): the picture the prompt's edit applies to, scaled to cover the sample's size and "
+        "centre-cropped, as training pairs' references are. Other families refuse it; without one an edit model samples "
+        "from the prompt alone (qwen_image_edit needs one: its pipeline scales it to 1024^2 pixels itself).")
     guidance_rescale: float | None = Field(
         default=None, ge=0, le=1, description="Rescales the guided prediction toward the standard deviation of the "
         "prompt's own (Lin et al. 2023, section 3.4; diffusers' guidance_rescale, OneTrainer's cfg_rescale): 0 = off, "

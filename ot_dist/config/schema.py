@@ -42,7 +42,8 @@ class ModelConfig(Section):
         "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
         "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
-        "videos); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
+        "one reference per sample); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -297,8 +298,8 @@ class ConceptConfig(Section):
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
     reference_path: UserPath | None = Field(
-        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext; "
-        "flux2 / flux2_klein, which then need it on every concept): the "
+        default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext, "
+        "qwen_image_edit, qwen_image_edit_plus; flux2 / flux2_klein, which then need it on every concept): the "
         "partner of `<path>/sub/a.png` is the image `sub/a.<any extension>` under this folder (the ai-toolkit / "
         "musubi `control` folder, SimpleTuner's conditioning dataset paired by file name). Every image needs its "
         "partner (a missing one is named before any shard is written). The reference takes the image's geometry: "

@@ -205,6 +205,10 @@ DENOISERS["Wan 2.1 T2V 14B"] = ("transformer", Wan.denoiser_lora_presets["defaul
 # the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
 DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
 SAME_WEIGHTS_AS = {"Flux.1 Kontext dev": "Flux.1 dev"}  # rows the printed table leaves out: another row's figures
+# Qwen-Image-Edit: Qwen/Qwen-Image's transformer, Qwen2.5-VL-7B (its vision tower now runs, frozen) and VAE (its own row
+# for its activations: the reference's latent tokens and its vision tokens join the sequences; ot_dist/starter/choose.py)
+DENOISERS["Qwen-Image-Edit"] = DENOISERS["Qwen-Image"]
+SAME_WEIGHTS_AS["Qwen-Image-Edit"] = "Qwen-Image"
 
 
 def build_components(model: str) -> dict[str, torch.nn.Module]:
@@ -252,7 +256,7 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
         if model == "Sana 1600M":
             return {"transformer": SanaTransformer2DModel(**SANA_1600M),
                     "text_encoder": Gemma2Model(Gemma2Config(**GEMMA2_2B)), "vae": AutoencoderDC(**DC_AE_F32C32)}
-        if model == "Qwen-Image":
+        if model in ("Qwen-Image", "Qwen-Image-Edit"):
             return {"transformer": QwenImageTransformer2DModel(**QWEN_IMAGE),
                     "text_encoder": Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**QWEN25_VL_7B)),
                     "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}

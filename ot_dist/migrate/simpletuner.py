@@ -23,6 +23,7 @@ from ot_dist.migrate.simpletuner_loss import import_loss
 from ot_dist.migrate.simpletuner_network import import_network
 from ot_dist.migrate.simpletuner_optim import import_optimizer, import_scheduler
 from ot_dist.migrate.simpletuner_samples import import_samples
+from ot_dist.models.families.registry import get_family
 
 # SimpleTuner's (model_family, model_flavour) of an edit model -> ot_dist's family: the base family's import, with the
 # conditioning datasets as the concepts' reference_path (simpletuner_dataset.py)
@@ -30,6 +31,11 @@ EDIT_FLAVOURS = {("flux", "kontext"): "flux_kontext"}
 # The families that train with references or without (SimpleTuner's flux2: supports_conditioning_dataset, optional):
 # a dataset naming a reference dataset in its conditioning_data gets it as reference_path, the others none
 OPTIONAL_EDIT_FAMILIES = ("flux2", "flux2_klein")
+# Qwen-Image-Edit (the first one; SimpleTuner's edit-v1 flavour): its 2509 / 2511 flavours take several references
+EDIT_FLAVOURS[("qwen_image", "edit-v1")] = "qwen_image_edit"
+# Qwen-Image-Edit-2509 (edit-v2) with one reference per sample; edit-v2+ (2509 trained with zero_cond_t forced on) and
+# edit-v3 (2511) stay listed: ot_dist takes zero_cond_t from the transformer's config, not from a flavour
+EDIT_FLAVOURS[("qwen_image", "edit-v2")] = "qwen_image_edit_plus"
 # SimpleTuner's model_family -> (ot_dist's family, its denoiser part, the default flavour's model: HUGGINGFACE_PATHS)
 FAMILIES = {
     "sd1x": ("sd1", "unet", "Lykon/dreamshaper-8"), "sd2x": ("sd2", "unet", "bghira/pseudo-flex-v2"),
@@ -121,6 +127,10 @@ def import_simpletuner(config: str, backend_file: str | None = None, lycoris_fil
     c["data"]["bucket_step"] = BUCKET_ALIGNMENT.get(family, c["data"]["bucket_step"])
     _ema(args, c, out)
     import_samples(args, c, library_file, out)
+    if edit is not None and get_family(edit).sample_reference_required and c.get("sampling", {}).get("prompts"):
+        del c["sampling"]  # its pipeline cannot sample without a reference image: no prompts, no schedule
+        out.not_honoured.append(f"validation prompts: {edit} samples only with a reference image; none are written "
+                                "(add sampling.prompts[] with a reference_image each)")
     _saves(args, c)
     list_unread(args, out, NO_EFFECT, "SimpleTuner")
     if args.other_variables:
@@ -176,7 +186,8 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
     if name == "flux" and args["model_flavour"] == "schnell":
         out.not_honoured.append("model_flavour: schnell: SimpleTuner trains it with an assistant LoRA, which ot_dist "
                                 "does not")
-    if name == "qwen_image" and str(args["model_flavour"] or "").startswith("edit"):
+    if name == "qwen_image" and str(args["model_flavour"] or "").startswith("edit") and \
+            (name, args["model_flavour"]) not in EDIT_FLAVOURS:
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains Qwen-Image-Edit with "
                                 "image conditioning, which ot_dist does not")
     if name == "wan" and args["model_flavour"] and args["model_flavour"] not in WAN_FLAVOURS:

@@ -113,7 +113,8 @@ def _load_folder(family: Family, path: Path, given: dict[str, torch.nn.Module]):
         if pipeline is not None:
             return pipeline
         pipeline = getattr(diffusers, found).from_pretrained(
-            path, dtype=torch.float32, use_safetensors=True, local_files_only=True, **given
+            path, dtype=torch.float32, use_safetensors=True, local_files_only=True,
+            **{**family.folder_components(path), **given}
         )
         # diffusers registers a given module's own class (a strategy's wrapper class, say): keep the folder's
         pipeline.register_to_config(**{name: content[name] for name in given})

@@ -41,6 +41,10 @@ ACTIVATIONS_GIB["HiDream-I1"] = 6.0
 # target's), the activations of the checkpointed blocks growing with the sequence: Flux's estimate less a GiB of
 # context and slack, scaled by the sequence (8704 tokens with the caption's 512, against 4608), and that GiB again.
 ACTIVATIONS_GIB["Flux.1 Kontext dev"] = 10.5
+# Qwen-Image-Edit: Qwen-Image's blocks over the target's 4096 image tokens, the reference's 4096 and a text stream that
+# holds the reference's vision tokens (about 1400 at 1024 px: 14 px patches merged 2x2) with the caption: Qwen-Image's
+# estimate less a GiB of context and slack, scaled by the sequence (about 9700 tokens against 4608), and that GiB again.
+ACTIVATIONS_GIB["Qwen-Image-Edit"] = 12.5
 # Wan 2.1 T2V 14B on images: 2704 image tokens at 832 x 832 (x8, 2x2 patches; one frame) cross-attending to 512 UMT5
 # tokens, 5120 wide over 40 blocks (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks, 6 GiB): about 0.7 of Flux's
 # activations, and Flux's context and slack.

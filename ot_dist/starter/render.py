@@ -32,9 +32,11 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
                   f"      reference_path: {data_path}-reference   # the images before the edit, same file names"]
     else:
         lines.append(f"  path: {data_path}                 # images with same-name .txt captions")
-    if cached:
+    if cached and not family.cache_refusals:
         lines += ["  cache_latents: true          # the VAE encodes each image once, then stays off the GPU",
                   "  cache_text: true             # the same for the frozen text encoders"]
+    elif cached:  # a family that refuses them (Qwen-Image-Edit: its text encoder reads the reference's pixels)
+        lines += [f"  # {option}: off: {reason}" for option, reason in family.cache_refusals.items()]
     lines += [
         f"resolution: {family.native_resolution}",
         "batch_size: 1",

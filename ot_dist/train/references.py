@@ -53,6 +53,13 @@ def edit_families() -> list[str]:
     return [name for name in FAMILY_NAMES if get_family(name).takes_reference_images]
 
 
+def check_caches(data_config, family) -> None:
+    """The data caches the family refuses (`cache_refusals`), with its reason."""
+    for option, reason in family.cache_refusals.items():
+        if getattr(data_config, option, False):
+            raise ConfigError(f"data.{option}: {reason}; turn {option} off for model.family {family.name}")
+
+
 def reference_conditioning(model, batch: dict, device, dtype) -> dict:
     """{"reference_latents": (B, C, h, w)} in the denoiser's latent space and storage dtype, or {} for a batch
     without reference images."""

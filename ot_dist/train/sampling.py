@@ -71,6 +71,9 @@ class Sampler:
 
         for i, prompt in enumerate(self.settings.prompts):
             if prompt.reference_image is None:
+                if self.model.family.sample_reference_required:
+                    raise ConfigError(f"sampling.prompts[{i}]: model.family {self.model.family.name} samples only with "
+                                      "a reference image (its pipeline has no text-only mode); set reference_image")
                 continue
             if not self.model.family.takes_reference_images:
                 from ot_dist.train.references import edit_families

@@ -45,7 +45,7 @@ from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
 from ot_dist.train.masking import check_masks
-from ot_dist.train.references import check_references
+from ot_dist.train.references import check_caches, check_references
 from ot_dist.train.sampling import Sampler
 from ot_dist.tracking import start_sender, start_tracking
 from ot_dist.tracking.base import Tracker
@@ -108,6 +108,7 @@ class Trainer:
             self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
         check_references(self.dataset, get_family(config.model.family))  # before the model loads
+        check_caches(config.data, get_family(config.model.family))
         check_video_clips(self.dataset.manifest, get_family(config.model.family))
         check_tokens_in_captions(config.additional_embeddings, training_captions(self.dataset, self.reader.table))
         sizes = self.reader.table.epoch_sizes().values()
@@ -435,7 +436,7 @@ class Trainer:
         if any(k.startswith("text_") for k in batch):  # cached text-encoder outputs (data.cache_text)
             return batch
         captions = [self.method.caption(c) for c in batch["caption"]]
-        batch["token_ids"] = self.model.family.tokenize(self.model.tokenizers, captions)
+        batch["token_ids"] = self.model.family.tokenize_batch(self.model, captions, batch)
         return batch
 
     def epoch_batches(self, epoch: int):

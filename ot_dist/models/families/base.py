@@ -85,6 +85,12 @@ class Family:
     # Edit models (Flux.1 Kontext) see a reference image beside the noisy latents: every sample must have one (a
     # concept's reference_path); a family without them refuses samples that have one (ot_dist/train/references.py).
     reference_images: bool = False
+    # An edit model whose pipeline cannot sample without a reference image (QwenImageEditPipeline): a sample prompt
+    # without reference_image is refused before training (Kontext's pipeline samples from the prompt alone).
+    sample_reference_required: bool = False
+    # data.<option>: why this family refuses it (Qwen-Image-Edit's text encoder reads the reference image's pixels,
+    # so neither a text cache of captions nor a latent cache serves it); checked before the model loads.
+    cache_refusals: dict[str, str] = {}
     # A video model trained on images as one-frame videos (Wan): a video clip in a concept is refused, not left out
     # (ot_dist/data/concepts.py check_video_clips), since it was surely meant as training data.
     video_model: bool = False
@@ -105,6 +111,12 @@ class Family:
         """The pipeline of a diffusers folder (model_index.json's content in `index`) for a family whose pipeline
         from_pretrained cannot reload it (a component class diffusers does not export); None = from_pretrained."""
         return None
+
+    def folder_components(self, path: Path) -> dict:
+        """Components read here and handed to the pipeline's from_pretrained (folders and single files' config
+        folders alike), for a component from_pretrained cannot read in this environment (Qwen-Image-Edit's
+        processor, whose video part needs torchvision); {} for most families."""
+        return {}
 
     def save_extras(self, pipeline, folder: Path) -> None:
         """Write into a saved pipeline folder what `complete_pipeline` reads back (nothing for most families): every
@@ -244,6 +256,11 @@ class Family:
                 truncation=True, return_tensors="pt",
             ).input_ids
         return tokens
+
+    def tokenize_batch(self, model, captions: list[str], batch: dict) -> dict[str, torch.Tensor]:
+        """`tokenize` for a training batch (the loaded `model`, the batch's other tensors at hand): a family whose
+        text encoder reads the reference image too (Qwen-Image-Edit's processor) overrides it."""
+        return self.tokenize(model.tokenizers, captions)
 
     def max_tokens(self, tokenizer_name: str, tokenizer) -> int:
         return tokenizer.model_max_length

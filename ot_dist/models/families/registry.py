@@ -25,6 +25,8 @@ FAMILY_MODULES: dict[str, str] = {
     "z_image": "ot_dist.models.families.z_image",
     "hidream": "ot_dist.models.families.hidream",
     "flux_kontext": "ot_dist.models.families.flux",
+    "qwen_image_edit": "ot_dist.models.families.qwen_image_edit",
+    "qwen_image_edit_plus": "ot_dist.models.families.qwen_image_edit",
     "wan": "ot_dist.models.families.wan",
 }
 

@@ -47,7 +47,8 @@ def load_transformer_file(path: Path, config_folder: str | None, family, from_or
                              f"unexpected {unexpected[:5]}")
     given = load_component_files(family, model_config) if overrides else {}
     try:
-        pipeline = family.pipeline_cls().from_pretrained(folder, **{family.denoiser: denoiser}, **given,
+        pipeline = family.pipeline_cls().from_pretrained(folder, **family.folder_components(Path(folder)),
+                                                         **{family.denoiser: denoiser}, **given,
                                                          dtype=torch.float32,
                                                          use_safetensors=True, local_files_only=True)
     except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason
