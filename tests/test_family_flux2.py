@@ -162,6 +162,8 @@ def test_training_lowers_the_loss_and_the_exports_load_in_diffusers(family, meth
         assert {m.split(".", 2)[1] for m in modules} == {"transformer_blocks", "single_transformer_blocks"}
         assert {m.rsplit(".", 2)[-2] + "." + m.rsplit(".", 1)[-1] for m in modules} == {
             "attn.to_q", "attn.to_k", "attn.to_v", "to_out.0", "attn.to_qkv_mlp_proj", "attn.to_out"}
+        # written for every plain LoRA, also one ComfyUI reads whole in diffusers' names (docs/families.md FLUX.2)
+        assert (tmp_path / "o" / "lora_comfyui.safetensors").is_file()
         loaded = base
         loaded.load_lora_weights(tmp_path / "o" / "lora.safetensors")
     again = prediction(model.family, loaded.transformer, loaded.text_encoder, loaded.tokenizer)

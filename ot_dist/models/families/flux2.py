@@ -16,7 +16,9 @@ changing it, and `predict` patchifies and packs (Flux.1's 2x2 packing: channel, 
 unpacks the prediction back.
 
 Single files: Black Forest Labs' transformer keys (flux2_single_file.py). LoRA files: the diffusers layout, which
-diffusers' Flux2 loader and ComfyUI (its Flux2 is its Flux, whose diffusers key map names FLUX.2's modules) read.
+diffusers' Flux2 loader reads and ComfyUI in part (its Flux2 is its Flux, whose diffusers key map names the blocks'
+projections, not the shared modulations, the time / guidance embedders or a text encoder), and beside it
+`lora_comfyui.safetensors` in the names ComfyUI maps for every module (flux2_lora.py).
 """
 
 from __future__ import annotations
