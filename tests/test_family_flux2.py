@@ -362,7 +362,7 @@ def comfy_flux2_generic_lora_keys(transformer_state: dict, config) -> dict[str, 
 
 # ComfyUI's text encoder for each family (comfy/text_encoders/flux.py: Flux2TEModel name="mistral3_24b"; klein_te
 # model_type "qwen3_4b" / "qwen3_8b", sd.py choosing the 8B for Qwen3-8B), its language model under
-# `<name>.transformer.model.` (SDClipModel.transformer = llama.py's Mistral3Small24B / Qwen3_4B, whose `model` is
+# `<name>.transformer.model.` (sd1_clip.SD1ClipModel keeps a named model under its bare name; SDClipModel.transformer = llama.py's Mistral3Small24B / Qwen3_4B, whose `model` is
 # Llama2_ with transformers' layer names); model_lora_keys_clip maps `text_encoders.<k>` for each of its weight keys k.
 # Our tiny Qwen3 is not 4096 wide: qwen3_4b.
 COMFY_TEXT_ENCODER = {"flux2": ("model.language_model.", "mistral3_24b.transformer.model."),
