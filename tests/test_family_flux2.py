@@ -162,6 +162,8 @@ def test_training_lowers_the_loss_and_the_exports_load_in_diffusers(family, meth
         assert {m.split(".", 2)[1] for m in modules} == {"transformer_blocks", "single_transformer_blocks"}
         assert {m.rsplit(".", 2)[-2] + "." + m.rsplit(".", 1)[-1] for m in modules} == {
             "attn.to_q", "attn.to_k", "attn.to_v", "to_out.0", "attn.to_qkv_mlp_proj", "attn.to_out"}
+        # written for every plain LoRA, also one ComfyUI reads whole in diffusers' names (docs/families.md FLUX.2)
+        assert (tmp_path / "o" / "lora_comfyui.safetensors").is_file()
         loaded = base
         loaded.load_lora_weights(tmp_path / "o" / "lora.safetensors")
     again = prediction(model.family, loaded.transformer, loaded.text_encoder, loaded.tokenizer)
@@ -341,3 +343,137 @@ def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, 
     with pytest.raises(InputFileError, match="unexpected 1 key.*single_blocks.9.linear2.weight"):
         load_model(ModelConfig(family="flux2_klein", path=str(tmp_path / "bad.safetensors"), config=str(base)))
 
+
+
+def comfy_flux2_generic_lora_keys(transformer_state: dict, config) -> dict[str, str]:
+    """comfy/lora.py model_lora_keys_unet's generic rule (@ 17358c8f, every model): for each weight key k of the
+    model's state dict (`diffusion_model.` + Black Forest Labs' keys for Flux2), `lora_unet_<k without
+    diffusion_model. and .weight, . -> _>` and `diffusion_model.<...>` map onto k."""
+    from ot_dist.models.families.flux2_single_file import flux2_to_original
+
+    keys = {}
+    for key in flux2_to_original(transformer_state, config, "diffusion_model."):
+        if key.endswith(".weight"):
+            stem = key[len("diffusion_model."):-len(".weight")]
+            keys["lora_unet_" + stem.replace(".", "_")] = key
+            keys["diffusion_model." + stem] = key
+    return keys
+
+
+# ComfyUI's text encoder for each family (comfy/text_encoders/flux.py: Flux2TEModel name="mistral3_24b"; klein_te
+# model_type "qwen3_4b" / "qwen3_8b", sd.py choosing the 8B for Qwen3-8B), its language model under
+# `<name>.transformer.model.` (sd1_clip.SD1ClipModel keeps a named model under its bare name; SDClipModel.transformer = llama.py's Mistral3Small24B / Qwen3_4B, whose `model` is
+# Llama2_ with transformers' layer names); model_lora_keys_clip maps `text_encoders.<k>` for each of its weight keys k.
+# Our tiny Qwen3 is not 4096 wide: qwen3_4b.
+COMFY_TEXT_ENCODER = {"flux2": ("model.language_model.", "mistral3_24b.transformer.model."),
+                      "flux2_klein": ("model.", "qwen3_4b.transformer.model.")}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_comfyui_file_holds_every_module_of_an_all_linear_and_text_encoder_lora(family, family_models, shapes_data,
+                                                                                tmp_path):
+    """An all_linear LoRA (modulations and time / guidance embedders included) with a trained text encoder:
+    lora_comfyui.safetensors names every module by a key ComfyUI's rules map (the transformer's BFL keys, q / k / v
+    fused; the text encoder's own keys), and applying it as ComfyUI does (W + alpha / rank x up @ down) to the base
+    weights in the original layout gives the weights `ot-dist lora merge` makes of lora.safetensors and the trained
+    model's outputs."""
+    from diffusers import Flux2Transformer2DModel
+
+    from ot_dist.lora_tools.merge import merge_command
+    from ot_dist.models.families.flux2_single_file import flux2_from_original, flux2_to_original
+
+    trainer = trainer_for(family, family_models[family], shapes_data, tmp_path / "o", method="lora", max_steps=2,
+                          learning_rate=1e-2, output_dtype="float32",
+                          **{"lora.rank": 4, "lora.alpha": 2, "lora.preset": "all_linear", "text_encoder.train": True})
+    trainer.train()
+    model = trainer.model
+    model.text_encoders["text_encoder"].eval()
+    trained = prediction(model.family, model.denoiser, model.text_encoders["text_encoder"],
+                         model.tokenizers["tokenizer"])
+    comfy = load_file(tmp_path / "o" / "lora_comfyui.safetensors")
+    modules = {k.removesuffix(".alpha").removesuffix(".lora_down.weight").removesuffix(".lora_up.weight")
+               for k in comfy}
+    base = Flux2Transformer2DModel.from_pretrained(family_models[family], subfolder="transformer")
+    unet_keys = comfy_flux2_generic_lora_keys(base.state_dict(), base.config)
+    own, comfy_te = COMFY_TEXT_ENCODER[family]
+    merged_folder = merge_command(str(family_models[family]), family, [str(tmp_path / "o" / "lora.safetensors")],
+                                  [1.0], str(tmp_path / "merged"), "diffusers", None, "float32", log=quiet)
+    merged = load_model_folder(family, merged_folder)
+    text_state = merged.text_encoders["text_encoder"].state_dict()  # only to list ComfyUI's text encoder keys
+    clip_keys = {"text_encoders." + comfy_te + k[len(own):-len(".weight")]: k for k in text_state
+                 if k.startswith(own) and k.endswith(".weight")}
+    assert modules <= unet_keys.keys() | clip_keys.keys(), sorted(modules - unet_keys.keys() - clip_keys.keys())[:3]
+    # the kinds ComfyUI's diffusers-name map lacks are there, and the fused q / k / v
+    stems = {unet_keys[m] for m in modules if m in unet_keys}
+    for kind in ("double_stream_modulation_img.lin", "single_stream_modulation.lin", "time_in.in_layer",
+                 "double_blocks.0.img_attn.qkv", "double_blocks.0.txt_attn.qkv", "single_blocks.0.linear1",
+                 "final_layer.adaLN_modulation.1"):
+        assert f"diffusion_model.{kind}.weight" in stems, kind
+    assert ("diffusion_model.guidance_in.in_layer.weight" in stems) == (family == "flux2")
+    assert any(m in clip_keys for m in modules)
+
+    original = flux2_to_original(base.state_dict(), base.config, "diffusion_model.")
+    base_text = load_model_folder(family, family_models[family]).text_encoders["text_encoder"].state_dict()
+    for module in modules:
+        down, up = comfy[f"{module}.lora_down.weight"], comfy[f"{module}.lora_up.weight"]
+        change = comfy[f"{module}.alpha"] / down.shape[0] * (up @ down)
+        if module in unet_keys:
+            original[unet_keys[module]] = original[unet_keys[module]] + change
+        else:
+            base_text[clip_keys[module]] = base_text[clip_keys[module]] + change
+    applied = flux2_from_original({k.removeprefix("diffusion_model."): v for k, v in original.items()}, base.config)
+    merged_transformer = merged.denoiser.state_dict()
+    changed = [k for k, v in merged_transformer.items() if not torch.equal(v, base.state_dict()[k])]
+    assert any("stream_modulation" in k for k in changed) and any("text_encoder" not in k for k in changed)
+    for key, value in merged_transformer.items():
+        torch.testing.assert_close(applied[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    for key, value in merged.text_encoders["text_encoder"].state_dict().items():
+        torch.testing.assert_close(base_text[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    base.load_state_dict(applied)
+    text_encoder = load_model_folder(family, family_models[family]).text_encoders["text_encoder"]
+    text_encoder.load_state_dict(base_text)
+    got = prediction(model.family, base, text_encoder, model.tokenizers["tokenizer"])
+    torch.testing.assert_close(got, trained, rtol=1e-4, atol=1e-5)
+
+
+def load_model_folder(family, folder):
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.loading import load_model
+
+    return load_model(ModelConfig(family=family, path=str(folder)))
+
+
+def test_comfyui_names_fuse_a_partly_adapted_qkv_with_zero_rows():
+    """to_q alone and norm_out.linear (rsLoRA, alpha 8, rank 2): the fused `img_attn.qkv` module has rank 6, its
+    up @ down is the q change (scale alpha / sqrt(rank) inside) over zero rows for k and v, at `.alpha` = its rank; the
+    final modulation's rows are (shift, scale) as BFL's, diffusers' (scale, shift) swapped."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+
+    from ot_dist.models.families.flux2 import Flux2Klein
+    from ot_dist.models.families.flux2_lora import comfyui_lora_state
+
+    torch.manual_seed(0)
+    transformer = Flux2Klein().tiny_transformer(guidance=False)
+    config = LoraConfig(r=2, lora_alpha=8, use_rslora=True, target_modules=["to_q", "norm_out.linear"],
+                        init_lora_weights="gaussian")
+    transformer.add_adapter(config)
+    for name, parameter in transformer.named_parameters():
+        if "lora_B" in name:
+            parameter.data.normal_()
+    state = get_peft_model_state_dict(transformer)
+    comfy = comfyui_lora_state(state, transformer.peft_config["default"].to_dict(), dict(transformer.config))
+    scale = 8 / 2 ** 0.5
+    name = "lora_unet_double_blocks_0_img_attn_qkv"
+    down, up = comfy[f"{name}.lora_down.weight"], comfy[f"{name}.lora_up.weight"]
+    assert down.shape == (6, 32) and up.shape == (96, 6) and comfy[f"{name}.alpha"].item() == 6
+    change = comfy[f"{name}.alpha"] / 6 * (up @ down)
+    q = state["transformer_blocks.0.attn.to_q.lora_B.weight"] @ state["transformer_blocks.0.attn.to_q.lora_A.weight"]
+    torch.testing.assert_close(change[:32], q * scale)
+    assert not change[32:].any()
+    name = "lora_unet_final_layer_adaLN_modulation_1"
+    final = comfy[f"{name}.lora_up.weight"] @ comfy[f"{name}.lora_down.weight"]
+    ours = state["norm_out.linear.lora_B.weight"] @ state["norm_out.linear.lora_A.weight"] * scale
+    torch.testing.assert_close(final, torch.cat([ours[32:], ours[:32]]))
+    assert {k.rsplit(".", 2)[0] for k in comfy if k.endswith("down.weight")} == {
+        "lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_1_img_attn_qkv", name}

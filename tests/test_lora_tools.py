@@ -61,7 +61,7 @@ def random_lora(request, family, shapes_data, out: Path, layout="auto", seed=0, 
             for name, p in part.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-    [path] = LoraMethod(config).export(model, out)
+    path = LoraMethod(config).export(model, out)[0]  # lora.safetensors; a family may write files beside it
     return model, path
 
 

@@ -16,7 +16,9 @@ changing it, and `predict` patchifies and packs (Flux.1's 2x2 packing: channel, 
 unpacks the prediction back.
 
 Single files: Black Forest Labs' transformer keys (flux2_single_file.py). LoRA files: the diffusers layout, which
-diffusers' Flux2 loader and ComfyUI (its Flux2 is its Flux, whose diffusers key map names FLUX.2's modules) read.
+diffusers' Flux2 loader reads and ComfyUI in part (its Flux2 is its Flux, whose diffusers key map names the blocks'
+projections, not the shared modulations, the time / guidance embedders or a text encoder), and beside it
+`lora_comfyui.safetensors` in the names ComfyUI maps for every module (flux2_lora.py).
 """
 
 from __future__ import annotations
@@ -202,6 +204,44 @@ class Flux2Family(Family):
         state = flux2_to_original(states["transformer"], dict(components["transformer"].config))
         write_transformer_file(state, path, dtype, metadata)
 
+    # -- LoRA files -----------------------------------------------------------------------------------
+    def comfy_text_prefixes(self, text_encoder) -> tuple[str, str]:
+        """(transformers' path of the text encoder's language-model layers, ComfyUI's name for it)."""
+        raise NotImplementedError
+
+    def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
+        """`lora_comfyui.safetensors`: the transformer's LoRA in Black Forest Labs' names, which ComfyUI maps for every
+        FLUX.2 module (its diffusers-name map lacks the shared modulations and the time / guidance embedders), a
+        trained text encoder's beside it in ComfyUI's names for it (flux2_lora.py); nothing for an adapter other than
+        plain LoRA or a run without a transformer LoRA."""
+        import json
+
+        from safetensors.torch import save_file
+
+        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.methods.lora_layouts import kohya_metadata
+        from ot_dist.models.families.flux2_lora import comfyui_lora_state, comfyui_text_lora_state
+
+        if "transformer" not in states:
+            return []
+        tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"],
+                                     dict(model.part("transformer").config))
+        if "text_encoder" in states and tensors is not None:  # a trained text encoder: ComfyUI's names, same file
+            own, comfy = self.comfy_text_prefixes(model.part("text_encoder"))
+            text = comfyui_text_lora_state(states["text_encoder"], adapter_configs["text_encoder"], own, comfy)
+            tensors = None if text is None else {**tensors, **text}
+        if tensors is None:
+            return []
+        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
+        config = adapter_configs["transformer"]
+        metadata = kohya_metadata(config["r"], config["r"], {"ot_dist_lora": json.dumps(
+            {"layout": "comfyui", "family": self.name, "scale": "inside the up matrices, alpha = each module's rank"})})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
+                      str(tmp), metadata={**metadata, **modelspec})
+        return [path]
+
     # -- demo and tests ---------------------------------------------------------------------------------
     def tiny_transformer(self, guidance: bool):
         from diffusers import Flux2Transformer2DModel
@@ -234,6 +274,12 @@ class Flux2(Flux2Family):
     def configure(self, model_config) -> "Flux2":
         scale = model_config.guidance_scale
         return self if scale is None or scale == self.guidance_scale else Flux2(scale)
+
+    def comfy_text_prefixes(self, text_encoder):
+        # Mistral3ForConditionalGeneration's language model; ComfyUI's Flux2TEModel "mistral3_24b"
+        from ot_dist.models.families.flux2_lora import COMFY_MISTRAL_PREFIX
+
+        return "model.language_model.", COMFY_MISTRAL_PREFIX
 
     def guidance(self, denoiser, batch_size, device):
         if not denoiser.config.guidance_embeds:
@@ -291,6 +337,12 @@ class Flux2Klein(Flux2Family):
     layers = QWEN3_LAYERS
     memory_reference = "FLUX.2 klein 9B"  # the larger [klein] (9.1 B + Qwen3-8B); 4B's needs are below it
     modelspec_architecture = "flux-2-klein"
+
+    def comfy_text_prefixes(self, text_encoder):
+        # Qwen3ForCausalLM's model; ComfyUI's klein_te names it by its size (qwen3_4b / qwen3_8b)
+        from ot_dist.models.families.flux2_lora import comfy_qwen3_prefix
+
+        return "model.", comfy_qwen3_prefix(text_encoder.config.hidden_size)
 
     def tokenize(self, tokenizers, captions):
         tokenizer = tokenizers["tokenizer"]
