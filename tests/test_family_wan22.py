@@ -80,6 +80,10 @@ def test_only_the_chosen_expert_is_built_in_the_denoiser_slot(a14b, monkeypatch,
     assert model.denoiser is built[0]
     expected = getattr(reference, EXPERT_SLOT[expert]).state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in model.denoiser.state_dict().items())
+    # a full export's source: the trained expert given, nothing read for the denoiser, the other expert still absent
+    source = load_model(ModelConfig(family="wan", path=str(a14b), wan_expert=expert),
+                        given={"transformer": model.denoiser})
+    assert len(built) == 1 and source.pipeline.transformer is model.denoiser and source.pipeline.transformer_2 is None
 
 
 @pytest.mark.parametrize("expert", ["high_noise", "low_noise"])

@@ -120,10 +120,11 @@ class Family:
         from_pretrained cannot reload it (a component class diffusers does not export); None = from_pretrained."""
         return None
 
-    def folder_components(self, path: Path) -> dict:
+    def folder_components(self, path: Path, given: frozenset[str] = frozenset()) -> dict:
         """Components read here and handed to the pipeline's from_pretrained (folders and single files' config
         folders alike), for a component from_pretrained cannot read in this environment (Qwen-Image-Edit's
-        processor, whose video part needs torchvision); {} for most families."""
+        processor, whose video part needs torchvision; Wan 2.2 A14B's one expert); {} for most families. `given`:
+        the components the caller passes itself (not to be read here)."""
         return {}
 
     def save_extras(self, pipeline, folder: Path) -> None:

@@ -118,7 +118,17 @@ class Wan(Family):
                               "model.wan_expert to high_noise (transformer) or low_noise (transformer_2), the expert "
                               "this run trains")
         refuse_unsupported_index({**index, "transformer_2": None, "boundary_ratio": None})
-        return load_one_expert(Path(path), self.expert)
+        return None  # from_pretrained with folder_components' expert (or the caller's given one)
+
+    def folder_components(self, path, given=frozenset()):
+        """For one A14B expert (load_folder refused any other folder with model.wan_expert): that expert read into
+        the `transformer` slot (the denoiser), `transformer_2` None, so the other expert is never loaded; nothing
+        read when the caller gives the transformer (a full export's trained one)."""
+        if self.expert is None:
+            return {}
+        if "transformer" in given:
+            return {"transformer_2": None}
+        return {"transformer": load_expert(Path(path), self.expert), "transformer_2": None}
 
     def complete_pipeline(self, pipeline, path, model_config):
         if self.expert is None:
@@ -295,14 +305,12 @@ def has_two_experts(index: dict) -> bool:
     return (second is not None and list(second)[:1] != [None]) or index.get("boundary_ratio") is not None
 
 
-def load_one_expert(path: Path, expert: str):
-    """WanPipeline of an A14B folder with only `expert`'s transformer read, in the `transformer` slot (the denoiser);
-    transformer_2 None, so the other expert's weights are never loaded."""
-    from diffusers import WanPipeline, WanTransformer3DModel
+def load_expert(path: Path, expert: str):
+    """The A14B folder's `expert` transformer alone (its own subfolder)."""
+    from diffusers import WanTransformer3DModel
 
-    options = {"dtype": torch.float32, "use_safetensors": True, "local_files_only": True}
-    denoiser = WanTransformer3DModel.from_pretrained(path / EXPERT_FOLDERS[expert], **options)
-    return WanPipeline.from_pretrained(path, transformer=denoiser, transformer_2=None, **options)
+    return WanTransformer3DModel.from_pretrained(path / EXPERT_FOLDERS[expert], dtype=torch.float32,
+                                                 use_safetensors=True, local_files_only=True)
 
 
 def refuse_unsupported_index(index: dict) -> None:
