@@ -223,6 +223,11 @@ def test_wan_defaults(tmp_path):
     assert "model_flavour" not in text.split("NOT HONOURED")[-1]
     _, text = imported(tmp_path, {"--model_family": "wan", "--model_type": "lora", "--model_flavour": "i2v-14b-2.2-low"})
     assert "model_flavour: i2v-14b-2.2-low" in text.split("NOT HONOURED")[1]
+    # the Wan 2.2 T2V A14B stages: one expert each (model.wan_expert), AnimeGen's own transformer file not read
+    for flavour, expert in (("animegen-t2v-high", "high_noise"), ("animegen-t2v-low", "low_noise")):
+        wan, text = imported(tmp_path, {"--model_family": "wan", "--model_type": "lora", "--model_flavour": flavour})
+        assert wan["model"]["wan_expert"] == expert
+        assert f"model_flavour: {flavour}: SimpleTuner reads" in text.split("NOT HONOURED")[1]
 
 
 def test_lumina2_defaults(tmp_path):

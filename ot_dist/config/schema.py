@@ -117,6 +117,16 @@ class ModelConfig(Section):
     text_encoder_2_layer_skip: int = Field(
         default=0, ge=0, description="Clip skip of SDXL's second text encoder (OneTrainer's text_encoder_2_layer_skip)."
     )
+    wan_expert: Literal["high_noise", "low_noise"] | None = Field(
+        default=None,
+        description="wan, a Wan 2.2 A14B folder (two experts): the one this run trains, required there and refused for "
+        "any other model. high_noise = `transformer` (WanPipeline uses it at t >= boundary_ratio * 1000, 875 for T2V), "
+        "low_noise = `transformer_2` (below). Only that expert is loaded; the training times are the usual draw kept "
+        "on its side of the boundary (redrawn until there, as musubi-tuner's --min/--max_timestep 875 with "
+        "--preserve_distribution_shape). Samples are refused (the pipeline needs both experts). The low-noise LoRA "
+        "loads in diffusers with load_lora_weights(..., load_into_transformer_2=True); in ComfyUI on the low-noise "
+        "model's file (docs/families.md, Wan).",
+    )
     inpainting: bool | None = Field(
         default=None,
         description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent). null = "

@@ -55,6 +55,9 @@ FAMILIES = {
 # Wan: the default flavour t2v-480p-1.3b-2.1; ot_dist trains the single-transformer text-to-video flavours on images
 FAMILIES["wan"] = ("wan", "transformer", "Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
 WAN_FLAVOURS = ("t2v-480p-1.3b-2.1", "t2v-480p-14b-2.1")
+# SimpleTuner's Wan 2.2 T2V A14B stages (WAN_STAGE_OVERRIDES, base Wan2.2-T2V-A14B-Diffusers) -> model.wan_expert;
+# its I2V / FLF2V A14B stages are image-to-video, which ot_dist refuses
+WAN_EXPERT_FLAVOURS = {"animegen-t2v-high": "high_noise", "animegen-t2v-low": "low_noise"}
 # Z-Image: the default flavour turbo-ostris-v2 is Z-Image-Turbo (trained through an assistant LoRA)
 FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")
 # flavours SimpleTuner trains through ostris' assistant LoRA (ZImage.ASSISTANT_LORA_FLAVOURS), or with a transformer
@@ -190,9 +193,15 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
             (name, args["model_flavour"]) not in EDIT_FLAVOURS:
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner trains Qwen-Image-Edit with "
                                 "image conditioning, which ot_dist does not")
-    if name == "wan" and args["model_flavour"] and args["model_flavour"] not in WAN_FLAVOURS:
-        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: ot_dist trains Wan 2.1 text-to-video only "
-                                "(no Wan 2.2 expert stages, TI2V-5B, image-to-video, VACE); its folder is refused")
+    if name == "wan" and args["model_flavour"] in WAN_EXPERT_FLAVOURS:
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner reads this stage's transformer "
+                                "from AnimeGen's single file; ot_dist trains model.path's expert (a Wan 2.2 T2V A14B "
+                                "diffusers folder, model.wan_expert written) and keeps its times on the expert's side "
+                                "of the boundary, which SimpleTuner does not")
+    elif name == "wan" and args["model_flavour"] and args["model_flavour"] not in WAN_FLAVOURS:
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: ot_dist trains Wan 2.1 text-to-video and "
+                                "Wan 2.2 T2V A14B experts only (no TI2V-5B, image-to-video, VACE); its folder is "
+                                "refused")
     if name == "z_image":
         _z_image(args, out)
     if name == "sana":
@@ -207,6 +216,8 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
     path = local_path(str(path), "pretrained_model_name_or_path", out)
     note_local_model(path, "pretrained_model_name_or_path", out)
     c["model"] = {"family": family, "path": path}
+    if name == "wan" and args["model_flavour"] in WAN_EXPERT_FLAVOURS:
+        c["model"]["wan_expert"] = WAN_EXPERT_FLAVOURS[args["model_flavour"]]
     for key in ("pretrained_transformer_model_name_or_path", "pretrained_unet_model_name_or_path"):
         if args[key]:
             out.not_honoured.append(f"{key}: {args[key]}: a separate denoiser is not supported (model.path's is used)")

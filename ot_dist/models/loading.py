@@ -114,7 +114,7 @@ def _load_folder(family: Family, path: Path, given: dict[str, torch.nn.Module]):
             return pipeline
         pipeline = getattr(diffusers, found).from_pretrained(
             path, dtype=torch.float32, use_safetensors=True, local_files_only=True,
-            **{**family.folder_components(path), **given}
+            **{**family.folder_components(path, frozenset(given)), **given}
         )
         # diffusers registers a given module's own class (a strategy's wrapper class, say): keep the folder's
         pipeline.register_to_config(**{name: content[name] for name in given})

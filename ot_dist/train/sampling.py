@@ -51,6 +51,8 @@ class Sampler:
         self.default_size = max(config.resolutions())
         self.templates = {}
         if self.settings.prompts:
+            if model.family.samples_refused:
+                raise ConfigError(f"sampling.prompts: {model.family.samples_refused}")
             self.templates = {name: meta_structure(module) for name, module in trained_modules(model).items()}
             self.check_guidance_rescale()
             self.check_reference_images()

@@ -18,12 +18,15 @@ from pathlib import Path
 
 import torch
 
+from ot_dist.errors import ConfigError
 from ot_dist.models.latent_posterior import encode_posterior
 from ot_dist.models.objectives import Objective
 
 
 # The embedding_keys value replaced by the trained token (embedding.token) in the exported file.
 EMBEDDING_TOKEN_KEY = "{token}"
+# model.<option>s that belong to one family (its `model_options`): the others refuse them when set
+FAMILY_MODEL_OPTIONS = ("wan_expert",)
 # A T5 encoder's LoRA targets: attention (T5Attention q / k / v / o) and the gated MLP (wi_0, wi_1, wo), the modules
 # kohya's sd-scripts adapt in a T5 (networks/lora_flux.py, lora_sd3.py: T5Attention, T5DenseGatedActDense).
 T5_LORA_TARGETS = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")
@@ -97,6 +100,11 @@ class Family:
     # Edit models that train text-to-image too (FLUX.2 [dev] / [klein]): with references where every sample has one,
     # without them where none has (a mix is refused: ot_dist/train/references.py); sample prompts may give one.
     reference_images_optional: bool = False
+    # Why this configured family cannot sample (a reason, refused before training when sampling.prompts has any),
+    # None where it can: Wan 2.2 A14B's one-expert runs (WanPipeline needs both experts).
+    samples_refused: str | None = None
+    # The model.<option>s only this family reads (FAMILY_MODEL_OPTIONS); any other family refuses them when set.
+    model_options: tuple[str, ...] = ()
 
     @property
     def takes_reference_images(self) -> bool:
@@ -112,10 +120,11 @@ class Family:
         from_pretrained cannot reload it (a component class diffusers does not export); None = from_pretrained."""
         return None
 
-    def folder_components(self, path: Path) -> dict:
+    def folder_components(self, path: Path, given: frozenset[str] = frozenset()) -> dict:
         """Components read here and handed to the pipeline's from_pretrained (folders and single files' config
         folders alike), for a component from_pretrained cannot read in this environment (Qwen-Image-Edit's
-        processor, whose video part needs torchvision); {} for most families."""
+        processor, whose video part needs torchvision; Wan 2.2 A14B's one expert); {} for most families. `given`:
+        the components the caller passes itself (not to be read here)."""
         return {}
 
     def save_extras(self, pipeline, folder: Path) -> None:
@@ -161,7 +170,11 @@ class Family:
 
     def configure(self, model_config) -> "Family":
         """The family with the config's model-section settings applied (a copy when they differ; instances are
-        shared): the text encoders' layer skips here, a family's own settings in its override."""
+        shared): the text encoders' layer skips here, a family's own settings in its override. A family-specific
+        model option set for another family is refused."""
+        for option in FAMILY_MODEL_OPTIONS:
+            if getattr(model_config, option, None) is not None and option not in self.model_options:
+                raise ConfigError(f"model.{option}: model.family {self.name} has no such setting; remove it")
         return self.with_layer_skip(model_config)
 
     def with_layer_skip(self, model_config) -> "Family":

@@ -66,7 +66,7 @@ class QwenImageEdit(QwenImage):
     modelspec_architecture = "qwen-image-edit"
 
     # -- loading ------------------------------------------------------------------------------------------
-    def folder_components(self, path):
+    def folder_components(self, path, given=frozenset()):
         """The processor read as its image processor and tokenizer (image_only_processor):
         Qwen2VLProcessor.from_pretrained would build its video processor, which needs torchvision."""
         from transformers import AutoImageProcessor, AutoTokenizer

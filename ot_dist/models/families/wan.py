@@ -17,9 +17,17 @@ What follows WanPipeline (diffusers 0.42) and SimpleTuner's helpers/models/wan (
   flow_shift 3.0 (480p) / 5.0 (720p); SimpleTuner trains with flow_schedule_shift, 3.0 / 5.0 per model).
 - Samples: one frame (`num_frames=1`), the pipeline's `.frames[0][0]`; WanPipeline's guidance_scale (default 5.0).
 
+Wan 2.2 A14B (two experts: `transformer` for high noise, `transformer_2` for low noise, switched by WanPipeline at
+t >= boundary_ratio * 1000 (0.875 for T2V)): one expert trains per run, `model.wan_expert` (required for such a folder,
+refused for any other). Only that expert is loaded, in the `transformer` slot (the denoiser), `transformer_2` None: the
+other 14 B is never read. Its training times stay on its side of the boundary: the usual draw conditioned on the side
+(redrawn until it lands there), musubi-tuner's recommended one-expert setting (`--min_timestep 875` or
+`--max_timestep 875` with `--preserve_distribution_shape`; SimpleTuner does not restrict). Samples are refused (the
+pipeline needs both experts: the other 14 B only for samples would double the memory); a full finetune's export is
+the A14B folder again, the trained expert in its own slot and the other copied from the base folder.
+
 Not supported (refused, not silently done wrong): video clips as training data (images only, this family's data is
-one-frame videos); Wan 2.2 A14B's two experts (`transformer_2` / `boundary_ratio`): such a folder is refused;
-Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`): refused; image-to-video models (an image encoder).
+one-frame videos); Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`): refused; image-to-video models (an image encoder).
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that WanPipeline.load_lora_weights reads,
 and beside it `lora_comfyui.safetensors` in the original module names (`diffusion_model.blocks.0.self_attn.q...`), the
@@ -29,6 +37,11 @@ that one too (wan_lora.py). No single-file layout.
 
 from __future__ import annotations
 
+import copy
+import json
+import shutil
+from pathlib import Path
+
 import torch
 
 from ot_dist.errors import ConfigError
@@ -37,6 +50,8 @@ from ot_dist.models.families.qwen_image import QwenImage
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
 
+# model.wan_expert -> the A14B folder's subfolder holding it (WanPipeline: `transformer` at t >= the boundary)
+EXPERT_FOLDERS = {"high_noise": "transformer", "low_noise": "transformer_2"}
 MAX_SEQUENCE_LENGTH = 512  # WanPipeline's max_sequence_length default (Wan's text_len)
 # SimpleTuner's DEFAULT_LORA_TARGET for Wan (self- and cross-attention), also diffusers' usual attention default
 WAN_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")
@@ -74,21 +89,79 @@ class Wan(Family):
         width = denoiser_config.get("num_attention_heads", 40) * denoiser_config.get("attention_head_dim", 128)
         return "wan-2_1-text2video-14b" if width >= 5120 else "wan-2_1-text2video-1_3b"
 
+    model_options = ("wan_expert",)
+    expert: str | None = None  # model.wan_expert: the Wan 2.2 A14B expert this run trains
+
+    def configure(self, model_config) -> "Wan":
+        family = super().configure(model_config)
+        expert = getattr(model_config, "wan_expert", None)
+        if expert == family.expert:
+            return family
+        family = copy.copy(family)
+        family.expert = expert
+        family.samples_refused = (
+            "a Wan 2.2 A14B run trains one expert and WanPipeline samples with both (the other 14 B loaded only for "
+            "samples would double the memory): remove sampling.prompts, and sample the LoRA with both experts in "
+            "ComfyUI or diffusers (docs/families.md, Wan)") if expert else None
+        return family
+
     # -- loading --------------------------------------------------------------------------------------
     def load_folder(self, path, index):
-        refuse_unsupported_index(index)  # before from_pretrained loads a second 14 B expert
-        return None
+        if not has_two_experts(index):
+            if self.expert is not None:
+                raise ConfigError(f"model.wan_expert: {self.expert} is for a Wan 2.2 A14B folder (two experts, "
+                                  "transformer_2 and boundary_ratio); model.path has one transformer: remove it")
+            refuse_unsupported_index(index)
+            return None
+        if self.expert is None:
+            raise ConfigError("model.wan_expert: model.path is a Wan 2.2 A14B folder (two experts): set "
+                              "model.wan_expert to high_noise (transformer) or low_noise (transformer_2), the expert "
+                              "this run trains")
+        refuse_unsupported_index({**index, "transformer_2": None, "boundary_ratio": None})
+        return None  # from_pretrained with folder_components' expert (or the caller's given one)
+
+    def folder_components(self, path, given=frozenset()):
+        """For one A14B expert (load_folder refused any other folder with model.wan_expert): that expert read into
+        the `transformer` slot (the denoiser), `transformer_2` None, so the other expert is never loaded; nothing
+        read when the caller gives the transformer (a full export's trained one)."""
+        if self.expert is None:
+            return {}
+        if "transformer" in given:
+            return {"transformer_2": None}
+        return {"transformer": load_expert(Path(path), self.expert), "transformer_2": None}
 
     def complete_pipeline(self, pipeline, path, model_config):
-        refuse_unsupported_variant(pipeline)
+        if self.expert is None:
+            refuse_unsupported_variant(pipeline)
         return pipeline
+
+    def save_extras(self, pipeline, folder):
+        """A full export of one A14B expert: the A14B folder again, the trained expert in its slot, the other expert's
+        files copied from the base folder, model_index.json listing both and the boundary."""
+        if self.expert is None or getattr(pipeline, "transformer_2", None) is not None:
+            return
+        base, folder = Path(pipeline.config["_name_or_path"]), Path(folder)
+        other = next(name for name in EXPERT_FOLDERS.values() if name != EXPERT_FOLDERS[self.expert])
+        if other == "transformer":  # the trained one is the low-noise expert: its files belong in transformer_2
+            (folder / "transformer").rename(folder / "transformer_2")
+        shutil.copytree(base / other, folder / other)
+        index = json.loads((folder / "model_index.json").read_text())
+        base_index = json.loads((base / "model_index.json").read_text())
+        index.update(transformer=base_index["transformer"], transformer_2=base_index["transformer_2"],
+                     boundary_ratio=base_index["boundary_ratio"])
+        (folder / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     # -- objective ------------------------------------------------------------------------------------
     def objective(self, pipeline, model_config) -> FlowMatching:
         config = pipeline.scheduler.config
         shift = config.get("flow_shift") if config.get("use_flow_sigmas") else None  # UniPC / DPM flow config
-        return FlowMatching.from_scheduler_config(config, patch_size=pipeline.transformer.config.patch_size[-1],
-                                                  shift=shift, dynamic=False)
+        patch = pipeline.transformer.config.patch_size[-1]
+        if self.expert is None:
+            return FlowMatching.from_scheduler_config(config, patch_size=patch, shift=shift, dynamic=False)
+        objective = ExpertFlowMatching.from_scheduler_config(config, patch_size=patch, shift=shift, dynamic=False)
+        objective.boundary = pipeline.config["boundary_ratio"] * objective.num_timesteps
+        objective.high_noise = self.expert == "high_noise"
+        return objective
 
     def objective_kind(self) -> str:
         return "flow"
@@ -167,7 +240,9 @@ class Wan(Family):
         return [path]
 
     # -- demo and tests -------------------------------------------------------------------------------
-    def build_tiny(self, seed: int = 0, **_):
+    def build_tiny(self, seed: int = 0, a14b: bool = False, **_):
+        """`a14b`: Wan 2.2 A14B's layout, two experts (transformer_2 a second random transformer) and boundary_ratio
+        0.875 (T2V's)."""
         from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
         from transformers import UMT5Config, UMT5EncoderModel
 
@@ -182,24 +257,68 @@ class Wan(Family):
         # Wan 2.1's VAE layout (diffusers' own test sizes): 16 latent channels, x8 spatial, 4x temporal
         vae = AutoencoderKLWan(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                temperal_downsample=[False, True, True])
-        transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-            text_dim=TEXT_HIDDEN, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
-            qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+        def tiny_transformer():
+            return WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
+                text_dim=TEXT_HIDDEN, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
+
+        transformer = tiny_transformer()
+        experts = {"transformer_2": tiny_transformer(), "boundary_ratio": 0.875} if a14b else {}
         # what Wan-AI/Wan2.1-T2V-1.3B-Diffusers ships (480p: flow_shift 3.0)
         scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                             num_train_timesteps=1000, flow_shift=3.0)
         return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder, vae=vae, transformer=transformer,
-                           scheduler=scheduler)
+                           scheduler=scheduler, **experts)
+
+
+class ExpertFlowMatching(FlowMatching):
+    """Wan 2.2 A14B's flow matching for one expert: the family's draw conditioned on the expert's side of the boundary
+    (WanPipeline: the high-noise `transformer` at t >= boundary, the low-noise one below), so the distribution keeps
+    its shape within the side (musubi-tuner's --preserve_distribution_shape)."""
+
+    boundary: float = 875.0  # boundary_ratio * num_timesteps, in the timestep unit the transformer sees
+    high_noise: bool = True
+    max_draws = 10_000
+
+    def on_side(self, t: torch.Tensor) -> bool:
+        return bool((t >= self.boundary).all()) if self.high_noise else bool((t < self.boundary).all())
+
+    def draw(self, g, options, latent_shape):
+        for _ in range(self.max_draws):
+            t = super().draw(g, options, latent_shape)
+            if self.on_side(t):
+                return t
+        side = "at or above" if self.high_noise else "below"
+        raise ConfigError(f"model.wan_expert: {self.max_draws} timestep draws never landed {side} the experts' "
+                          f"boundary ({self.boundary:g}); loss.min_timestep / max_timestep / timestep_shift leave "
+                          "this expert's side (almost) empty")
+
+    def describe(self) -> str:
+        side = f"t >= {self.boundary:g}" if self.high_noise else f"t < {self.boundary:g}"
+        return f"{super().describe()}, the {'high' if self.high_noise else 'low'}-noise expert's side ({side})"
+
+
+def has_two_experts(index: dict) -> bool:
+    """A Wan 2.2 A14B folder (model_index.json, or a pipeline config): transformer_2 listed or boundary_ratio set."""
+    second = index.get("transformer_2")
+    return (second is not None and list(second)[:1] != [None]) or index.get("boundary_ratio") is not None
+
+
+def load_expert(path: Path, expert: str):
+    """The A14B folder's `expert` transformer alone (its own subfolder)."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel.from_pretrained(path / EXPERT_FOLDERS[expert], dtype=torch.float32,
+                                                 use_safetensors=True, local_files_only=True)
 
 
 def refuse_unsupported_index(index: dict) -> None:
     """Wan folders this family would train wrongly, told by their model_index.json (or a loaded pipeline's config):
     two experts (Wan 2.2 A14B: transformer_2 and boundary_ratio), per-token timesteps (TI2V-5B: expand_timesteps)."""
-    second = index.get("transformer_2")
-    if (second is not None and list(second)[:1] != [None]) or index.get("boundary_ratio") is not None:
-        raise ConfigError("model.path: a Wan 2.2 A14B folder (two experts, transformer_2 and boundary_ratio) is not "
-                          "supported yet: ot_dist trains single-transformer Wan models (2.1 T2V)")
+    if has_two_experts(index):
+        raise ConfigError("model.path: a Wan 2.2 A14B folder (two experts, transformer_2 and boundary_ratio) trains "
+                          "one expert per run: set model.wan_expert (high_noise or low_noise)")
     if index.get("expand_timesteps"):
         raise ConfigError("model.path: Wan 2.2 TI2V-5B (expand_timesteps: per-token timesteps) is not supported yet")
 
