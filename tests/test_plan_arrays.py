@@ -164,6 +164,7 @@ def test_numpy_plan_equals_the_reference_plan(seed):
 class FakeDataset:
     """Loads nothing: a sample is its id, bucket and resolution (to check the reader's micro batches)."""
     resolutions, seed = [512, 640], 7
+    fetch_ahead = None  # local files: nothing read ahead (a store's tars set (micro batches, requests))
 
     def moved(self, i, bucket, resolution):
         return False
