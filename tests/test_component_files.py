@@ -180,11 +180,13 @@ def transformer_file(family, pipeline, path: Path) -> Path:
 
         from ot_dist.models.families import hidream_single_file, lumina2_single_file
 
-        convert = {"sd3": sd3_single_file.sd3_to_original, "qwen_image": qwen_image_single_file.qwen_image_to_original,
+        convert = {"sd3": sd3_single_file.sd3_to_original, "qwen_image": qwen_image_single_file.QWEN_IMAGE.to_original,
                    "z_image": z_image_single_file.Z_IMAGE.to_original, "hidream": hidream_single_file.HIDREAM.to_original,
                    "lumina2": lumina2_single_file.lumina2_to_original}.get(family.name)
         if convert is None:  # FLUX.2: its own module's map
-            from ot_dist.models.families.flux2_single_file import flux2_to_original as convert
+            from ot_dist.models.families.flux2_single_file import FLUX2
+
+            convert = FLUX2.to_original
         original = convert(state, dict(pipeline.transformer.config))
     return save(original, path)
 

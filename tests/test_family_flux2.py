@@ -323,7 +323,7 @@ def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, 
 
     from ot_dist.config.schema import ModelConfig
     from ot_dist.errors import InputFileError
-    from ot_dist.models.families.flux2_single_file import COMFY_PREFIX, flux2_to_original
+    from ot_dist.models.families.flux2_single_file import COMFY_PREFIX, FLUX2
     from ot_dist.models.loading import load_model
 
     base = family_models["flux2_klein"]
@@ -331,7 +331,7 @@ def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, 
     with torch.no_grad():
         for t in folder.transformer.state_dict().values():
             t.copy_(t.to(torch.bfloat16).float())  # what the file holds
-    state = flux2_to_original(folder.transformer.state_dict(), dict(folder.transformer.config), COMFY_PREFIX)
+    state = FLUX2.to_original(folder.transformer.state_dict(), dict(folder.transformer.config), COMFY_PREFIX)
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in state.items()}, tmp_path / "flux2.safetensors")
     loaded = load_model(ModelConfig(family="flux2_klein", path=str(tmp_path / "flux2.safetensors"), config=str(base)))
     family = loaded.family
@@ -349,10 +349,10 @@ def comfy_flux2_generic_lora_keys(transformer_state: dict, config) -> dict[str, 
     """comfy/lora.py model_lora_keys_unet's generic rule (@ 17358c8f, every model): for each weight key k of the
     model's state dict (`diffusion_model.` + Black Forest Labs' keys for Flux2), `lora_unet_<k without
     diffusion_model. and .weight, . -> _>` and `diffusion_model.<...>` map onto k."""
-    from ot_dist.models.families.flux2_single_file import flux2_to_original
+    from ot_dist.models.families.flux2_single_file import FLUX2
 
     keys = {}
-    for key in flux2_to_original(transformer_state, config, "diffusion_model."):
+    for key in FLUX2.to_original(transformer_state, config, "diffusion_model."):
         if key.endswith(".weight"):
             stem = key[len("diffusion_model."):-len(".weight")]
             keys["lora_unet_" + stem.replace(".", "_")] = key
@@ -380,7 +380,7 @@ def test_comfyui_file_holds_every_module_of_an_all_linear_and_text_encoder_lora(
     from diffusers import Flux2Transformer2DModel
 
     from ot_dist.lora_tools.merge import merge_command
-    from ot_dist.models.families.flux2_single_file import flux2_from_original, flux2_to_original
+    from ot_dist.models.families.flux2_single_file import FLUX2
 
     trainer = trainer_for(family, family_models[family], shapes_data, tmp_path / "o", method="lora", max_steps=2,
                           learning_rate=1e-2, output_dtype="float32",
@@ -412,7 +412,7 @@ def test_comfyui_file_holds_every_module_of_an_all_linear_and_text_encoder_lora(
     assert ("diffusion_model.guidance_in.in_layer.weight" in stems) == (family == "flux2")
     assert any(m in clip_keys for m in modules)
 
-    original = flux2_to_original(base.state_dict(), base.config, "diffusion_model.")
+    original = FLUX2.to_original(base.state_dict(), base.config, "diffusion_model.")
     base_text = load_model_folder(family, family_models[family]).text_encoders["text_encoder"].state_dict()
     for module in modules:
         down, up = comfy[f"{module}.lora_down.weight"], comfy[f"{module}.lora_up.weight"]
@@ -421,7 +421,7 @@ def test_comfyui_file_holds_every_module_of_an_all_linear_and_text_encoder_lora(
             original[unet_keys[module]] = original[unet_keys[module]] + change
         else:
             base_text[clip_keys[module]] = base_text[clip_keys[module]] + change
-    applied = flux2_from_original({k.removeprefix("diffusion_model."): v for k, v in original.items()}, base.config)
+    applied = FLUX2.from_original({k.removeprefix("diffusion_model."): v for k, v in original.items()}, base.config)
     merged_transformer = merged.denoiser.state_dict()
     changed = [k for k, v in merged_transformer.items() if not torch.equal(v, base.state_dict()[k])]
     assert any("stream_modulation" in k for k in changed) and any("text_encoder" not in k for k in changed)

@@ -75,11 +75,11 @@ def comfy_detects_qwen_image(keys, config) -> bool:
 
 def test_export_has_comfyuis_names_and_is_detected_as_qwen_image():
     model = _model()
-    original = Q.qwen_image_to_original(model.state_dict(), model.config)
+    original = Q.QWEN_IMAGE.to_original(model.state_dict(), model.config)
     comfy_names = set(COMFY_TOP_LEVEL) | {f"transformer_blocks.{i}.{k}" for i in range(3) for k in COMFY_BLOCK}
     assert set(original) == comfy_names, sorted(set(original) ^ comfy_names)[:8]
     assert comfy_detects_qwen_image(_header(original), dict(model.config))
-    prefixed = Q.qwen_image_to_original(model.state_dict(), model.config, Q.COMFY_PREFIX)
+    prefixed = Q.QWEN_IMAGE.to_original(model.state_dict(), model.config, Q.COMFY_PREFIX)
     assert comfy_detects_qwen_image(_header(prefixed), dict(model.config))
     # The rule itself tells other layouts apart: a Flux file is not taken for Qwen-Image.
     from diffusers import FluxTransformer2DModel
@@ -94,27 +94,27 @@ def test_round_trip_bare_and_prefixed_keeps_every_value():
     model = _model()
     state = model.state_dict()
     for prefix in ("", Q.COMFY_PREFIX):
-        original = Q.qwen_image_to_original(state, model.config, prefix)
+        original = Q.QWEN_IMAGE.to_original(state, model.config, prefix)
         original["vae.decoder.conv_in.weight"] = torch.zeros(1)  # another component beside: ignored when prefixed
         if not prefix:
             del original["vae.decoder.conv_in.weight"]
-        back = Q.qwen_image_from_original(original, model.config)
+        back = Q.QWEN_IMAGE.from_original(original, model.config)
         assert back.keys() == state.keys()
         assert all(torch.equal(back[k], state[k]) for k in state)
-        assert Q.check_qwen_image_header(_header(original), model.config).ok
+        assert Q.QWEN_IMAGE.check_header(_header(original), model.config).ok
 
 
 def test_header_check_names_what_is_wrong():
     model = _model()
-    header = _header(Q.qwen_image_to_original(model.state_dict(), model.config))
+    header = _header(Q.QWEN_IMAGE.to_original(model.state_dict(), model.config))
     fewer = {k: v for k, v in header.items() if not k.startswith("transformer_blocks.2.")}
-    report = Q.check_qwen_image_header(fewer, model.config)
+    report = Q.QWEN_IMAGE.check_header(fewer, model.config)
     assert "transformer_blocks.2.attn.to_q.weight" in report.missing and not report.unexpected
     wide = {**header, "img_in.weight": (32, 16)}
-    assert Q.check_qwen_image_header(wide, model.config).wrong_shape == [("img_in.weight", (32, 16), (32, 64))]
+    assert Q.QWEN_IMAGE.check_header(wide, model.config).wrong_shape == [("img_in.weight", (32, 16), (32, 64))]
     # ComfyUI's scaled-fp8 files: a scale per quantized weight and a marker, refused by name
     scaled = header | {k[: -len(".weight")] + ".scale_weight": () for k, s in header.items() if len(s) == 2}
-    message = Q.check_qwen_image_header(scaled | {"scaled_fp8": (0,)}, model.config).message()
+    message = Q.QWEN_IMAGE.check_header(scaled | {"scaled_fp8": (0,)}, model.config).message()
     assert "scaled-fp8" in message and "unquantized" in message
     # another family's file says what it looks like
     from diffusers import FluxTransformer2DModel
@@ -122,7 +122,7 @@ def test_header_check_names_what_is_wrong():
     flux = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=1, num_single_layers=1,
                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
                                   pooled_projection_dim=24, axes_dims_rope=(4, 6, 6))
-    report = Q.check_qwen_image_header(_header(FLUX.to_original(flux.state_dict(), flux.config)), model.config)
+    report = Q.QWEN_IMAGE.check_header(_header(FLUX.to_original(flux.state_dict(), flux.config)), model.config)
     assert "look like a Flux.1 checkpoint" in report.message()
     with pytest.raises(InputFileError, match="file.safetensors: not a Qwen-Image checkpoint"):
         report.raise_if_bad("file.safetensors")

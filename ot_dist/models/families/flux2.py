@@ -189,19 +189,18 @@ class Flux2Family(Family):
         return flux2_rules(config)
 
     def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.flux2_single_file import flux2_from_original, validate_flux2_file
+        from ot_dist.models.families.flux2_single_file import FLUX2
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, flux2_from_original, validate_flux2_file,
-                                     model_config)
+        return load_transformer_file(path, config_folder, self, FLUX2.from_original, FLUX2.validate, model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with Black Forest Labs' bare keys. A trained text encoder is not in it
         (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
-        from ot_dist.models.families.flux2_single_file import flux2_to_original
+        from ot_dist.models.families.flux2_single_file import FLUX2
         from ot_dist.models.families.transformer_single_file import write_transformer_file
 
-        state = flux2_to_original(states["transformer"], dict(components["transformer"].config))
+        state = FLUX2.to_original(states["transformer"], dict(components["transformer"].config))
         write_transformer_file(state, path, dtype, metadata)
 
     # -- LoRA files -----------------------------------------------------------------------------------

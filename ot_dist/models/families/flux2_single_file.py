@@ -20,14 +20,12 @@ has one. The converters never change dtype or values.
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-import torch
 from diffusers import Flux2Transformer2DModel
 
 from ot_dist.models.families import single_file_keys as K
-from ot_dist.models.families.single_file_keys import CAT, SAME, SWAP, HeaderReport, Rule
+from ot_dist.models.families.single_file_keys import CAT, SAME, SWAP, Rule
 
 COMFY_PREFIX = "model.diffusion_model."
 _INPUT_PREFIXES = (COMFY_PREFIX,)
@@ -77,26 +75,6 @@ def flux2_rules(config: Any) -> list[Rule]:
     return rules
 
 
-def flux2_to_original(state: Mapping[str, torch.Tensor], config: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """diffusers Flux2Transformer2DModel state dict -> BFL keys (`prefix` = COMFY_PREFIX for ComfyUI's)."""
-    return K.to_original(state, flux2_rules(config), prefix)
-
-
-def flux2_from_original(state: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
-    """BFL (or ComfyUI-prefixed) keys -> diffusers keys; other components under other prefixes are ignored."""
-    return K.from_original(state, flux2_rules(config), _INPUT_PREFIXES)
-
-
-def expected_flux2_header(config: Any) -> dict[str, tuple[int, ...]]:
-    cfg = K.full_config(Flux2Transformer2DModel, config)
-    return K.expected_header(Flux2Transformer2DModel, cfg, flux2_rules(cfg))
-
-
-def check_flux2_header(header: Mapping[str, Sequence[int]], config: Any) -> HeaderReport:
-    """Which keys of a FLUX.2 file (names -> shapes) are missing / unexpected / wrong-shaped for `config`."""
-    return K.check_header(header, expected_flux2_header(config), "FLUX.2", _INPUT_PREFIXES)
-
-
-def validate_flux2_file(path: str | Path, config: Any) -> None:
-    """InputFileError naming the file and the offending keys unless its header fits `config`."""
-    check_flux2_header(K.read_safetensors_header(path), config).raise_if_bad(path)
+# diffusers Flux2Transformer2DModel state dict <-> BFL keys (to_original's prefix COMFY_PREFIX for ComfyUI's), ComfyUI's
+# prefix accepted when reading; other components under other prefixes are ignored
+FLUX2 = K.TransformerFileLayout(Flux2Transformer2DModel, flux2_rules, "FLUX.2", _INPUT_PREFIXES)

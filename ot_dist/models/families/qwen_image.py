@@ -168,19 +168,19 @@ class QwenImage(Family):
         return qwen_image_rules(config)
 
     def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.qwen_image_single_file import qwen_image_from_original, validate_qwen_image_file
+        from ot_dist.models.families.qwen_image_single_file import QWEN_IMAGE
         from ot_dist.models.families.transformer_single_file import load_transformer_file
 
-        return load_transformer_file(path, config_folder, self, qwen_image_from_original, validate_qwen_image_file,
+        return load_transformer_file(path, config_folder, self, QWEN_IMAGE.from_original, QWEN_IMAGE.validate,
                                      model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare keys, as ComfyUI's UNET loader reads Comfy-Org's file. A trained text
         encoder is not in it (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
-        from ot_dist.models.families.qwen_image_single_file import qwen_image_to_original
+        from ot_dist.models.families.qwen_image_single_file import QWEN_IMAGE
         from ot_dist.models.families.transformer_single_file import write_transformer_file
 
-        state = qwen_image_to_original(states["transformer"], dict(components["transformer"].config))
+        state = QWEN_IMAGE.to_original(states["transformer"], dict(components["transformer"].config))
         write_transformer_file(state, path, dtype, metadata)
 
     # -- demo and tests ---------------------------------------------------------------------------------

@@ -19,14 +19,12 @@ weights, which the header check names as such (single_file_keys.quantization_hin
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
-import torch
 from diffusers import QwenImageTransformer2DModel
 
 from ot_dist.models.families import single_file_keys as K
-from ot_dist.models.families.single_file_keys import HeaderReport, Rule
+from ot_dist.models.families.single_file_keys import Rule
 
 COMFY_PREFIX = "model.diffusion_model."
 _INPUT_PREFIXES = (COMFY_PREFIX,)
@@ -38,27 +36,6 @@ def qwen_image_rules(config: Any) -> list[Rule]:
     return [Rule(key, (key,)) for key in K.meta_state_dict(QwenImageTransformer2DModel, cfg)]
 
 
-def qwen_image_to_original(state: Mapping[str, torch.Tensor], config: Any, prefix: str = "") -> dict:
-    """diffusers state dict -> ComfyUI's keys (bare, as Comfy-Org ship the file; `prefix` = COMFY_PREFIX for a
-    checkpoint-style file). Every key must be one the config's model has."""
-    return K.to_original(state, qwen_image_rules(config), prefix)
-
-
-def qwen_image_from_original(state: Mapping[str, torch.Tensor], config: Any) -> dict:
-    """ComfyUI's keys (bare or under model.diffusion_model.) -> diffusers; other components' keys are ignored."""
-    return K.from_original(state, qwen_image_rules(config), _INPUT_PREFIXES)
-
-
-def expected_qwen_image_header(config: Any) -> dict[str, tuple[int, ...]]:
-    cfg = K.full_config(QwenImageTransformer2DModel, config)
-    return K.expected_header(QwenImageTransformer2DModel, cfg, qwen_image_rules(cfg))
-
-
-def check_qwen_image_header(header: Mapping[str, Sequence[int]], config: Any) -> HeaderReport:
-    """Which keys of a Qwen-Image file (names -> shapes) are missing / unexpected / wrong-shaped for `config`."""
-    return K.check_header(header, expected_qwen_image_header(config), "Qwen-Image", _INPUT_PREFIXES)
-
-
-def validate_qwen_image_file(path: str | Path, config: Any) -> None:
-    """InputFileError naming the file and the offending keys unless its header fits `config`."""
-    check_qwen_image_header(K.read_safetensors_header(path), config).raise_if_bad(path)
+# diffusers state dict <-> ComfyUI's keys (bare, as Comfy-Org ship the file; to_original's prefix COMFY_PREFIX for a
+# checkpoint-style file), ComfyUI's prefix accepted when reading
+QWEN_IMAGE = K.TransformerFileLayout(QwenImageTransformer2DModel, qwen_image_rules, "Qwen-Image", _INPUT_PREFIXES)
