@@ -67,6 +67,15 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
     return latents.view(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
 
 
+def batch_norm_normalize(vae, latents: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - running_mean) / sqrt(running_var + eps) of an AutoencoderKLFlux2's batch norm over the patchified latents,
+    returned in the VAE's (B, 32, h, w) layout (FLUX.2's and ERNIE-Image's normalisation)."""
+    view = (1, -1, 1, 1)
+    mean = vae.bn.running_mean.view(view).to(latents)
+    std = torch.sqrt(vae.bn.running_var.view(view) + eps).to(latents)
+    return unpatchify((patchify(latents) - mean) / std)
+
+
 # Flux2Pipeline._prepare_image_ids: the i-th reference image's tokens sit at time coordinate 10 + 10 i
 REFERENCE_TIME_SCALE = 10
 
@@ -140,13 +149,8 @@ class Flux2Family(Family):
 
     # -- latents ----------------------------------------------------------------------------------------
     def normalize_latents(self, vae, latents):
-        """(x - running_mean) / sqrt(running_var + eps) of the VAE's batch norm over the patchified latents (the
-        pipelines' and the training scripts' normalisation), returned in the VAE's (B, 32, h, w) layout."""
-        bn = vae.bn
-        view = (1, -1, 1, 1)
-        mean = bn.running_mean.view(view).to(latents)
-        std = torch.sqrt(bn.running_var.view(view) + vae.config.batch_norm_eps).to(latents)
-        return unpatchify((patchify(latents) - mean) / std)
+        """The pipelines' and the training scripts' normalisation, with the VAE config's eps."""
+        return batch_norm_normalize(vae, latents, vae.config.batch_norm_eps)
 
     # -- the denoiser call ------------------------------------------------------------------------------
     def guidance(self, denoiser, batch_size: int, device) -> torch.Tensor | None:
