@@ -82,7 +82,7 @@ class ErnieImage(Family):
     # kohya-style lora_unet_<path with _> (OneTrainer's KOHYA output) and ComfyUI's diffusion_model.<path>, read by
     # lora merge / init_from
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
-    modelspec_architecture = "ernie-image"  # OneTrainer writes "Ernie"
+    modelspec_architecture = "ernie-image"  # diffusers' modular pipeline's model_name; OneTrainer writes "Ernie"
 
     # -- objective ----------------------------------------------------------------------------------------
     def objective(self, pipeline, model_config) -> FlowMatching:
