@@ -72,6 +72,7 @@ class ErnieImage(Family):
     # The transformer's blocks (its _repeated_blocks: ErnieImageSharedAdaLNBlock, one per item of `layers`); the text
     # encoder's decoder layers (the vision tower never runs: left whole in the root unit)
     shard_units = {"transformer": ("layers",), "text_encoder": ("language_model.layers",)}
+    memory_reference = "ERNIE-Image"  # baidu/ERNIE-Image: the 8 B transformer, Ministral-3 3B (3.85 B), FLUX.2's VAE
     pixel_multiple = 16  # VAE x8, then 2x2 patches (the pipeline refuses other sides)
     # OneTrainer's sample default for ERNIE (SampleConfig: cfg_scale 4.0); the pipeline's own default too
     sample_guidance_scale = 4.0
