@@ -227,3 +227,62 @@ def test_cached_latents_and_text_train_as_the_images_and_captions_do(family_mode
         with torch.no_grad():
             losses[cache] = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+
+
+def test_text_encoder_lora_trains_and_loads_back_through_peft(family_models, shapes_data, tmp_path):
+    """text_encoder.train with LoRA: Ministral-3's language-model projections (not the vision tower's) are written as
+    `text_encoder.<module>` and load back through peft to the trained conditioning."""
+    from diffusers import ErnieImagePipeline
+
+    from ot_dist.lora_tools.peft_load import load_peft_lora
+
+    base = family_models[FAMILY]
+    trainer = trainer_for(base, shapes_data, tmp_path / "te", method="lora", max_steps=1, learning_rate=5e-2,
+                          output_dtype="float32", **{"text_encoder.train": True, "lora.rank": 4, "lora.alpha": 8})
+    trainer.train()
+    saved = load_file(tmp_path / "te" / "lora.safetensors")
+    text = {k.rsplit(".lora_", 1)[0] for k in saved if k.startswith("text_encoder.")}
+    assert text and all(".language_model.layers." in m for m in text), sorted(text)[:3]
+    fresh = ErnieImagePipeline.from_pretrained(base, local_files_only=True)
+    assert load_peft_lora(fresh, tmp_path / "te" / "lora.safetensors") == ["text_encoder", "transformer"]
+    family, tokenizers = trainer.model.family, trainer.model.tokenizers
+    with torch.no_grad():
+        tokens = family.tokenize(tokenizers, ["a dot"])
+        ours = family.encode_text(trainer.model.text_encoders, tokens)["hidden"]
+        theirs = family.encode_text({"text_encoder": fresh.text_encoder}, tokens)["hidden"]
+        untrained = family.encode_text({"text_encoder": ErnieImagePipeline.from_pretrained(
+            base, local_files_only=True).text_encoder}, tokens)["hidden"]
+    assert (ours - untrained).abs().max() > 1e-4
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_comfyuis_diffusion_model_file_loads_to_the_same_outputs(family_models, tmp_path):
+    """The transformer's keys under model.diffusion_model. in bfloat16, with `model.config` = the diffusers folder,
+    predicts as the folder's transformer with the same weights rounded to bfloat16; a key the config's transformer
+    lacks is named before anything loads."""
+    import pytest
+    from diffusers import ErnieImagePipeline
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.loading import load_model
+
+    base = family_models[FAMILY]
+    folder = ErnieImagePipeline.from_pretrained(base, local_files_only=True)
+    with torch.no_grad():
+        for t in folder.transformer.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).float())  # what the file holds
+    state = {"model.diffusion_model." + k: v.to(torch.bfloat16).contiguous()
+             for k, v in folder.transformer.state_dict().items()}
+    save_file(state, tmp_path / "ernie.safetensors")
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "ernie.safetensors"), config=str(base)))
+    family = loaded.family
+    expected = prediction(family, folder.transformer, folder.text_encoder, folder.tokenizer)
+    got = prediction(family, loaded.denoiser, loaded.text_encoders["text_encoder"], loaded.tokenizers["tokenizer"])
+    assert torch.equal(got, expected)
+    state["model.diffusion_model.layers.7.mlp.up_proj.weight"] = state[
+        "model.diffusion_model.layers.0.mlp.up_proj.weight"].clone()
+    save_file(state, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match="unexpected 1 key.*layers.7.mlp.up_proj.weight"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))
