@@ -24,8 +24,8 @@ training script for it):
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which ErnieImagePipeline.load_lora_weights
 reads, OneTrainer writes (its ERNIE LoRA saver keeps the module names as they are) and ComfyUI maps for ERNIE-Image
 (comfy/lora.py: `transformer.<k>` for each weight key k of its model, whose names are diffusers'). A trained text
-encoder's LoRA is written as `text_encoder.<module>` (peft's names, which ot_dist reads back; the pipeline's loader
-takes the transformer only).
+encoder's LoRA carries ComfyUI's names for Ministral-3 (`text_encoders.ministral3_3b.transformer.model.<module>`),
+which ot_dist reads back; the pipeline's loader takes the transformer only.
 
 Single files: the transformer alone with its own keys (ernie_image_single_file.py), as ComfyUI's diffusion-model file
 and diffusers' from_single_file have it; `model.config` names the diffusers folder that supplies the rest. Ministral-3
@@ -54,6 +54,7 @@ ERNIE_ATTENTION_MLP_TARGETS = ERNIE_LORA_TARGETS + ("mlp.gate_proj", "mlp.up_pro
 # Mistral3Model's language model; `self_attn.` keeps the Pixtral vision tower's attention.*_proj out
 MINISTRAL_LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+COMFY_MINISTRAL_PREFIX = "text_encoders.ministral3_3b.transformer.model."
 TINY_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
 
 
@@ -83,6 +84,10 @@ class ErnieImage(Family):
     # kohya-style lora_unet_<path with _> (OneTrainer's KOHYA output) and ComfyUI's diffusion_model.<path>, read by
     # lora merge / init_from
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
+    # ComfyUI's names for Ministral-3's modules: "text_encoders." + its ErnieTEModel's state-dict path (comfy/lora.py
+    # model_lora_keys_clip; comfy/text_encoders/ernie.py: the model named ministral3_3b, llama.py's Llama2_ under
+    # `transformer.model`, transformers' layer and projection names), its only names for the text encoder
+    lora_file_component_paths = {"text_encoder": {"language_model.layers.": COMFY_MINISTRAL_PREFIX + "layers."}}
     modelspec_architecture = "ernie-image"  # diffusers' modular pipeline's model_name; OneTrainer writes "Ernie"
 
     # -- objective ----------------------------------------------------------------------------------------
