@@ -11,12 +11,12 @@ training script for it):
   and zeros the padding. The transformer takes the padded states with each caption's length (`text_lens`): it masks
   the rest out of the attention and starts the image tokens' first position coordinate at that length.
 - Latents: FLUX.2's, patchified, then normalised by the VAE's batch-norm statistics with eps 1e-5, the value the
-  pipeline un-normalises with (its comment: the trained value; the published VAE config says otherwise, which
-  OneTrainer and SimpleTuner read). ot_dist keeps the VAE's own (B, 32, h, w) layout, as for FLUX.2, and
-  patchifies in `predict`.
+  pipeline un-normalises with before decoding (its comment: the trained value, which the Hub's VAE config does not
+  hold yet; OneTrainer and SimpleTuner read the config's `batch_norm_eps`). ot_dist keeps the VAE's own (B, 32, h, w)
+  layout, as for FLUX.2, and patchifies in `predict`.
 - Objective: flow matching, x_t = (1 - s) x + s n, the transformer at t = 1000 s, target n - x (OneTrainer's
   `flow = latent_noise - scaled_latent_image`), s through the scheduler config's fixed shift (the pipeline sets its
-  sigmas explicitly, which a dynamically shifting scheduler refuses).
+  sigmas explicitly, which a dynamically shifting scheduler refuses; ComfyUI samples ERNIE-Image at shift 3).
 - Sampling: ErnieImagePipeline's classifier-free guidance is ot_dist's (neg + s (pos - neg), negative "" by
   default); its prompt enhancer (`pe`, a separate Ministral-3 that rewrites prompts) is turned off, as a sample shows
   what the trained model does with the prompt given.
