@@ -114,6 +114,7 @@ class Flux2Family(Family):
     # transformer alone; ComfyUI loads Mistral-3 / Qwen3 and the VAE from files of their own
     single_file = True
     single_file_text_encoders = False
+    transformer_file_layout = "ot_dist.models.families.flux2_single_file:FLUX2"  # Black Forest Labs' file: the transformer alone with bare keys
     modelspec_implementation = "https://github.com/black-forest-labs/flux2"  # the single file's key names
     # kohya-style lora_unet_<BFL path with _> and ComfyUI's diffusion_model.<BFL path>, read by lora merge / init_from
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
@@ -185,27 +186,6 @@ class Flux2Family(Family):
             return_dict=False,
         )[0]
         return unpack(tokens[:, :(h // 2) * (w // 2)], h, w)
-
-    # -- single files -----------------------------------------------------------------------------------
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.flux2_single_file import flux2_rules
-
-        return flux2_rules(config)
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.flux2_single_file import FLUX2
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-
-        return load_transformer_file(path, config_folder, self, FLUX2.from_original, FLUX2.validate, model_config)
-
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
-        """The transformer alone with Black Forest Labs' bare keys. A trained text encoder is not in it
-        (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
-        from ot_dist.models.families.flux2_single_file import FLUX2
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
-
-        state = FLUX2.to_original(states["transformer"], dict(components["transformer"].config))
-        write_transformer_file(state, path, dtype, metadata)
 
     # -- LoRA files -----------------------------------------------------------------------------------
     def comfy_text_prefixes(self, text_encoder) -> tuple[str, str]:
