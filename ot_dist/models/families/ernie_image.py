@@ -81,6 +81,8 @@ class ErnieImage(Family):
     lora_file_prefixes = None  # the diffusers layout
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Ministral-3 from its own file
+    # the transformer alone with bare keys (ComfyUI's and from_single_file's names are diffusers')
+    transformer_file_layout = "ot_dist.models.families.ernie_image_single_file:ERNIE_IMAGE"
     # kohya-style lora_unet_<path with _> (OneTrainer's KOHYA output) and ComfyUI's diffusion_model.<path>, read by
     # lora merge / init_from
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
@@ -137,27 +139,6 @@ class ErnieImage(Family):
             return_dict=False,
         )[0]
         return unpatchify(out)
-
-    # -- single files -----------------------------------------------------------------------------------
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.ernie_image_single_file import ernie_image_rules
-
-        return ernie_image_rules(config)
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.ernie_image_single_file import ERNIE_IMAGE
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-
-        return load_transformer_file(path, config_folder, self, ERNIE_IMAGE.from_original, ERNIE_IMAGE.validate,
-                                     model_config)
-
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
-        """The transformer alone with bare keys; a trained text encoder goes in the diffusers folder only."""
-        from ot_dist.models.families.ernie_image_single_file import ERNIE_IMAGE
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
-
-        state = ERNIE_IMAGE.to_original(states["transformer"], dict(components["transformer"].config))
-        write_transformer_file(state, path, dtype, metadata)
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):
