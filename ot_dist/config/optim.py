@@ -349,6 +349,77 @@ class OptimizerConfig(Section):
         + _by("use_orthograd"),
     )
 
+    # -- AIDA (pytorch-optimizer) ----------------------------------------------------------------------------
+    k: int | None = Field(
+        default=None, ge=0, description="AIDA: alternating projections of gradient and momentum per step." + _by("k"),
+    )
+    xi: float | None = Field(
+        default=None, ge=0, description="AIDA: added to the projections' denominators." + _by("xi"),
+    )
+    n_sma_threshold: int | None = Field(
+        default=None, ge=0, description="AIDA with rectify: the rectification starts once the moving average is this "
+        "long." + _by("n_sma_threshold"),
+    )
+    ams_bound: bool | None = Field(
+        default=None, description="AIDA: bound the update with the running maximum of the second moment."
+        + _by("ams_bound"),
+    )
+
+    # -- adv_optm's optimizers (OneTrainer's *_ADV) ------------------------------------------------------------
+    cautious_wd: bool | None = Field(
+        default=None, description="Cautious weight decay: decay only the elements whose update has the weight's sign."
+        + _by("cautious_wd"),
+    )
+    nnmf_factor: bool | None = Field(
+        default=None, description="Keep the optimizer state factored (low-rank, SMMF): less memory." + _by("nnmf_factor"),
+    )
+    orthogonal_gradient: Literal["disabled", "flattened", "iterative"] | None = Field(
+        default=None, description="OrthoGrad: drop the gradient's component along the weights (flattened: over the "
+        "whole tensor, OneTrainer's `true`; iterative: row- and column-wise)." + _by("orthogonal_gradient"),
+    )
+    compile: bool | None = Field(
+        default=None, description="torch.compile the step of each tensor shape (adv_optm's compiled_optimizer)."
+        + _by("compile"),
+    )
+    use_atan2: bool | None = Field(
+        default=None, description="Adam-atan2 update (no epsilon, bounded)." + _by("use_atan2"),
+    )
+    kourkoutas_beta: bool | None = Field(
+        default=None, description="Kourkoutas-beta: beta2 follows each tensor's gradient spikes." + _by("kourkoutas_beta"),
+    )
+    k_warmup_steps: float | None = Field(
+        default=None, ge=0, description="Kourkoutas-beta: optimizer steps at the fixed beta2 before it adapts "
+        "(OneTrainer passes its warmup divided by the gradient accumulation)." + _by("k_warmup_steps"),
+    )
+    auto_kappa_p: bool | None = Field(
+        default=None, description="LION_ADV: spherical (L2) steps for convolution kernels, sign steps for the rest."
+        + _by("auto_kappa_p"),
+    )
+    ns_steps: int | None = Field(
+        default=None, ge=1, description="Muon: Newton-Schulz iterations of the orthogonalisation." + _by("ns_steps"),
+    )
+    accelerated_ns: bool | None = Field(
+        default=None, description="Muon: accelerated Newton-Schulz coefficients." + _by("accelerated_ns"),
+    )
+    low_rank_ortho: bool | None = Field(
+        default=None, description="Muon: orthogonalise a low-rank sketch (ortho_rank) of the update." + _by("low_rank_ortho"),
+    )
+    ortho_rank: int | None = Field(
+        default=None, ge=1, description="Muon with low_rank_ortho: the sketch's rank." + _by("ortho_rank"),
+    )
+    rms_rescaling: bool | None = Field(
+        default=None, description="Muon: scale the orthogonal update to AdamW's root mean square." + _by("rms_rescaling"),
+    )
+    normuon_variant: bool | None = Field(
+        default=None, description="Muon: NorMuon (a per-row second moment after orthogonalising)." + _by("normuon_variant"),
+    )
+    beta2_normuon: float | None = Field(
+        default=None, ge=0, lt=1, description="NorMuon: decay of its second moment." + _by("beta2_normuon"),
+    )
+    approx_mars: bool | None = Field(
+        default=None, description="Muon: approximate MARS variance reduction of the gradient." + _by("approx_mars"),
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _options_of_this_optimizer(cls, data: Any) -> Any:
@@ -594,11 +665,11 @@ def strategy_refusal(name: str, strategy: str) -> str | None:
     spec = SPECS[name]
     if spec.adaptive and name != "PRODIGY" and strategy in SHARDING:
         package = spec.target.split(":")[0].split(".")[0]
+        syncs = "" if package == "adv_optm" else ", syncing to the host for every tensor"
         return (
             f"strategy: {strategy} gives each rank a shard of the parameters, and {name} (the {package} package) "
-            "would estimate its step size from that shard alone, a different one on every rank, syncing to the host "
-            "for every tensor. Use PRODIGY, whose ot_dist implementation sums the estimate over all shards, or "
-            f"strategy single or ddp with {name}"
+            f"would estimate its step size from that shard alone, a different one on every rank{syncs}. Use PRODIGY, "
+            f"whose ot_dist implementation sums the estimate over all shards, or strategy single or ddp with {name}"
         )
     if strategy == "fsdp" and spec.target.startswith("bitsandbytes"):
         return (
