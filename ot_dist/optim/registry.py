@@ -86,10 +86,11 @@ _ADV_WHOLE = ("each whole tensor for its per-tensor options (nnmf_factor's facto
               "projection, kourkoutas_beta's gradient norms)")
 
 
-def _adv(name, cls, defaults, **kw) -> OptimizerSpec:
+def _adv(name, cls, defaults, compiles=True, **kw) -> OptimizerSpec:
     kw.setdefault("whole_tensor", _ADV_WHOLE)
-    renames = kw.pop("renames", ()) + (("compile", "compiled_optimizer"),)
-    return _spec(name, f"adv_optm:{cls}", {**defaults, **_ADV}, renames=renames, own_stochastic_rounding=True, **kw)
+    common = _ADV if compiles else {k: v for k, v in _ADV.items() if k != "compile"}
+    renames = kw.pop("renames", ()) + ((("compile", "compiled_optimizer"),) if compiles else ())
+    return _spec(name, f"adv_optm:{cls}", {**defaults, **common}, renames=renames, own_stochastic_rounding=True, **kw)
 
 SPECS: dict[str, OptimizerSpec] = {
     s.name: s
@@ -247,7 +248,9 @@ SPECS: dict[str, OptimizerSpec] = {
               "slice_p": 11, "prodigy_steps": 0, "d_limiter": False, "use_atan2": False, **_KOURKOUTAS},
              betas=("beta1", "beta2"), adaptive=True),
         _adv("SIGNSGD_ADV", "SignSGD_adv", {"momentum": 0.95}),
+        # adv_optm 2.5's Lion_adv takes compiled_optimizer but never stores it (its step reads the group's): no compile
         _adv("LION_ADV", "Lion_adv", {"beta1": 0.9, "beta2": 0.99, "auto_kappa_p": True}, betas=("beta1", "beta2"),
+             compiles=False,
              whole_tensor=_ADV_WHOLE + " and auto_kappa_p's update of each convolution kernel, scaled to the whole "
              "kernel's norm"),
         _adv("MUON_ADV", "Muon_adv",
