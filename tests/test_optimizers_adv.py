@@ -10,7 +10,6 @@ import json
 
 import pytest
 import torch
-from conftest import base_config
 
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
@@ -174,6 +173,7 @@ def test_kourkoutas_beta_and_its_warmup_reach_the_package():
                                                    "taken by ADAMW_ADV, ADOPT_ADV, PRODIGY_ADV, ADAMUON_ADV"]),
         ({"name": "AIDA", "cautious_wd": True}, ["optimizer.cautious_wd: AIDA does not take cautious_wd"]),
         ({"name": "ADAMW_ADV", "fused_back_pass": True}, ["ADAMW_ADV does not take fused_back_pass"]),
+        ({"name": "ADOPT_ADV", "use_AdEMAMix": True}, ["optimizer.use_AdEMAMix: not available (adv_optm 2.5"]),
     ],
 )
 def test_the_schema_takes_only_each_optimizers_options(optimizer, expected):

@@ -311,7 +311,7 @@ class OptimizerConfig(Section):
         default=None, description="Prodigy+SF: scale weight decay by the learning rate." + _by("weight_decay_by_lr"),
     )
     prodigy_steps: int | None = Field(
-        default=None, ge=0, description="Prodigy+SF: stop adapting d after this many steps (0 = never)."
+        default=None, ge=0, description="Prodigy+SF, PRODIGY_ADV: stop adapting d after this many steps (0 = never)."
         + _by("prodigy_steps"),
     )
     use_speed: bool | None = Field(default=None, description="Prodigy+SF: the SPEED d estimate." + _by("use_speed"))
@@ -334,7 +334,7 @@ class OptimizerConfig(Section):
     use_grams: bool | None = Field(default=None, description="Prodigy+SF: Grams update direction." + _by("use_grams"))
     use_adopt: bool | None = Field(default=None, description="Prodigy+SF: ADOPT-style update." + _by("use_adopt"))
     d_limiter: bool | None = Field(
-        default=None, description="Prodigy+SF: limit how fast d grows." + _by("d_limiter"),
+        default=None, description="Prodigy+SF, PRODIGY_ADV: limit how fast d grows." + _by("d_limiter"),
     )
     use_schedulefree: bool | None = Field(
         default=None, description="Prodigy+SF: schedule-free averaging (false: plain Prodigy-like momentum)."

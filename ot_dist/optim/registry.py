@@ -25,6 +25,8 @@ NOT_AVAILABLE = {
     "block_wise": "bitsandbytes 0.50 removed it; 8-bit state is always block-wise",
     "use_triton": "LION is bitsandbytes' Lion here, not lion-pytorch's Triton kernel",
     "adam_w_mode": "bitsandbytes' LAMB accepts but ignores it",
+    **{option: "adv_optm 2.5 (the *_ADV optimizers' package; OneTrainer pins 2.2) removed its AdEMAMix options"
+       for option in ("use_AdEMAMix", "beta3_ema", "Simplified_AdEMAMix", "alpha_grad")},
 }
 
 
