@@ -186,7 +186,8 @@ def test_the_schema_takes_only_each_optimizers_options(optimizer, expected):
 @pytest.mark.parametrize("name", ADV)
 def test_sharding_strategies_are_refused_with_the_reason(name):
     """Refused at validation, before any process group: adv_optm and AIDA compute over each whole tensor (a shard or a
-    ZeRO partition would give other numbers), PRODIGY_ADV estimates d per shard."""
+    ZeRO partition would give other numbers), PRODIGY_ADV estimates d per shard, and adv_optm's state is plain tensors
+    beside FSDP2's DTensors (tests/helpers/adv_optm_on_dtensor.py shows the failure)."""
     reason = {"AIDA": "projections of each whole tensor", "PRODIGY_ADV": "estimate its step size from that shard",
               "MUON_ADV": "orthogonalisation", "ADAMUON_ADV": "orthogonalisation"}.get(name, "per-tensor options")
     lr = 1.0 if SPECS[name].adaptive else 1e-4
@@ -194,6 +195,8 @@ def test_sharding_strategies_are_refused_with_the_reason(name):
         with pytest.raises(ConfigError) as err:
             validate({**MINIMAL, "learning_rate": lr, "strategy": strategy, "optimizer": {"name": name}})
         assert f"strategy: {strategy}" in str(err.value) and name in str(err.value) and reason in str(err.value)
+        if strategy == "fsdp" and name.endswith("_ADV") and name != "PRODIGY_ADV":
+            assert "mixing torch.Tensor and DTensor" in str(err.value)
     validate({**MINIMAL, "learning_rate": lr, "strategy": "ddp", "optimizer": {"name": name}})
 
 
@@ -232,3 +235,18 @@ def test_onetrainer_sections_import(tiny_models, shapes_data, tmp_path):
 
     optimizer, _ = imported({"optimizer": "MUON_ADV"})  # a preset's section: TrainOptimizerConfig's values
     assert optimizer.muon_adam_lr == 2e-4 and optimizer.normuon_variant is False and optimizer.rms_rescaling is True
+
+
+def test_adv_optm_fails_on_fsdp_shards(tmp_path):
+    """Why fsdp is refused even where the arithmetic is element-wise: adv_optm 2.5 builds plain-tensor state beside
+    FSDP2's DTensor shards and its first step fails (2 gloo ranks). When this starts to pass, adv_optm learnt DTensors:
+    the refusal (config/optim.py strategy_refusal) can become a 2-rank == 1-process comparison."""
+    from pathlib import Path
+
+    from forked_ranks import run_ranks
+
+    result = tmp_path / "result.json"
+    done = run_ranks(str(Path(__file__).parent / "helpers" / "adv_optm_on_dtensor.py"), str(result), timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for name, outcome in json.loads(result.read_text()).items():
+        assert "mixed torch.Tensor and DTensor" in outcome, (name, outcome)

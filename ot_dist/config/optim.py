@@ -687,6 +687,12 @@ def strategy_refusal(name: str, strategy: str) -> str | None:
             f"strategy: {strategy} hands the optimizer one flat partition per parameter group, so {name} would compute "
             f"{what} over the wrong tensors. Use strategy single, ddp or fsdp with it"
         )
+    if strategy == "fsdp" and spec.target.startswith("adv_optm:"):
+        return (
+            f"strategy: fsdp holds parameters as DTensor shards, which adv_optm ({name}) was not written for: its "
+            "state is made of plain tensors (AdamW_adv, Adopt_adv and SignSGD_adv fail at their first step, mixing "
+            f"torch.Tensor and DTensor), and {name} needs {spec.whole_tensor}. Use strategy single or ddp with {name}"
+        )
     if spec.whole_tensor and strategy in SHARDING:
         return (
             f"strategy: {strategy} splits tensors across ranks (fsdp: rows of each tensor; zero: flat partitions), and "
