@@ -250,3 +250,60 @@ def test_adv_optm_fails_on_fsdp_shards(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for name, outcome in json.loads(result.read_text()).items():
         assert "mixed torch.Tensor and DTensor" in outcome, (name, outcome)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("PRODIGY_ADV", {}),  # d and its sums in the parameter groups
+    ("ADAMW_ADV", {"nnmf_factor": True}),  # factored state
+    ("MUON_ADV", {}),  # Muon and AdamW parameters in one optimizer, the path each takes in its state
+])
+def test_adv_optm_state_resumes_exactly(name, options, tiny_models, shapes_data, tmp_path):
+    """adv_optm's state (flags, shapes, factored moments beside the tensors) goes through ot_dist's checkpoint:
+    stopped after step 3 and resumed, the losses are the uninterrupted run's, bit for bit."""
+    from test_checkpoint import train_in_process
+
+    from conftest import base_config
+
+    def raw(out):
+        return base_config(tiny_models["sd1"], shapes_data, out, method="lora", batch_size=2, max_steps=6,
+                           **{"optimizer.name": name, "learning_rate": 1.0 if SPECS[name].adaptive else 1e-3,
+                              "lora.rank": 4, **{f"optimizer.{k}": v for k, v in options.items()}})
+
+    straight = train_in_process(raw(tmp_path / "straight"))
+    stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=3)
+    assert stopped.stopped_by == "SIGTERM" and stopped.steps == 4
+    resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
+    assert resumed.first_step == 4 and resumed.losses == straight.losses[4:]
+
+
+def test_kourkoutas_beta_does_not_resume_exactly_in_adv_optm_itself():
+    """Kourkoutas-beta's beta2 of a step comes from the previous step's gradient norms, which adv_optm 2.5 keeps
+    outside its state_dict: the package's own save / load round trip steps differently after it (docs/optimizers.md
+    says so). When this fails, adv_optm saves them and a test like the one above can take kourkoutas_beta."""
+    import copy
+
+    import adv_optm
+
+    def grads(params, seed):
+        generator = torch.Generator().manual_seed(seed)
+        for p in params:
+            p.grad = p.detach() + 0.1 * torch.randn(p.shape, generator=generator)
+
+    def optimizer(params):
+        return adv_optm.AdamW_adv(params, lr=1e-2, betas=(0.9, 0.99), kourkoutas_beta=True)
+
+    straight = weights()
+    first = optimizer(straight)
+    for seed in range(3):
+        grads(straight, seed)
+        first.step()
+    saved, at_save = copy.deepcopy(first.state_dict()), [p.detach().clone() for p in straight]
+    resumed = [torch.nn.Parameter(p) for p in at_save]
+    second = optimizer(resumed)
+    second.load_state_dict(saved)
+    for seed in range(3, 5):
+        grads(straight, seed)
+        first.step()
+        grads(resumed, seed)
+        second.step()
+    assert not all(torch.equal(a, b) for a, b in zip(straight, resumed))
