@@ -139,6 +139,7 @@ def test_every_option_reaches_the_package(name):
             changed[option] = default / 2 if isinstance(default, float) and default < float("inf") else default + 1
     changed.pop("compile", None)  # torch.compile of the step: its value arrives, the compile itself is not this test's
     changed.pop("kourkoutas_beta", None)  # needs beta2 > beta2_min: shown by its own value below
+    changed.pop("fused_back_pass", None)  # ot_dist's, around the step: test_the_fused_back_pass_steps_as_the_ordinary_step
     config = validate({**MINIMAL, "learning_rate": 1.0, "optimizer": {"name": name, **changed}})
     optimizer = build_optimizer(config.optimizer, [ParamGroup("unet", weights(), 1.0)])
     group = optimizer.param_groups[0]
@@ -172,7 +173,7 @@ def test_kourkoutas_beta_and_its_warmup_reach_the_package():
         ({"name": "MUON_ADV", "use_atan2": True}, ["optimizer.use_atan2: MUON_ADV does not take use_atan2",
                                                    "taken by ADAMW_ADV, ADOPT_ADV, PRODIGY_ADV, ADAMUON_ADV"]),
         ({"name": "AIDA", "cautious_wd": True}, ["optimizer.cautious_wd: AIDA does not take cautious_wd"]),
-        ({"name": "ADAMW_ADV", "fused_back_pass": True}, ["ADAMW_ADV does not take fused_back_pass"]),
+        ({"name": "PRODIGY_ADV", "fused_back_pass": True}, ["PRODIGY_ADV does not take fused_back_pass"]),
         ({"name": "ADOPT_ADV", "use_AdEMAMix": True}, ["optimizer.use_AdEMAMix: not available (adv_optm 2.5"]),
     ],
 )
@@ -307,3 +308,30 @@ def test_kourkoutas_beta_does_not_resume_exactly_in_adv_optm_itself():
         grads(resumed, seed)
         second.step()
     assert not all(torch.equal(a, b) for a, b in zip(straight, resumed))
+
+
+FUSED = ("ADAMW_ADV", "ADOPT_ADV", "SIGNSGD_ADV", "LION_ADV", "MUON_ADV", "ADAMUON_ADV")
+
+
+@pytest.mark.parametrize("name", FUSED)
+def test_the_fused_back_pass_steps_as_the_ordinary_step(name):
+    """adv_optm steps each tensor on its own (step_parameter), so stepping each inside backward, as soon as its
+    gradient is complete, ends exactly where the ordinary step ends (PRODIGY_ADV's d is summed over the whole step:
+    it does not take fused_back_pass)."""
+    assert {n for n in ADV if SPECS[n].supports_fused_back_pass} == set(FUSED)
+    ends = {}
+    for fused in (False, True):
+        config = validate({**MINIMAL, "clip_grad_norm": None,
+                           "optimizer": {"name": name, **CHANGED[name], "fused_back_pass": fused}})
+        params = weights()
+        optimizer = build_optimizer(config.optimizer, [ParamGroup("unet", params, 1e-2)])
+        for step in range(3):
+            loss = sum(((p - 0.1 * step) ** 2).sum() for p in params)
+            loss.backward()
+            optimizer.step()
+            if fused:
+                assert all(p.grad is None for p in params)  # stepped and freed inside backward
+            optimizer.zero_grad()
+        ends[fused] = params
+    for a, b in zip(ends[False], ends[True]):
+        assert torch.equal(a, b), name

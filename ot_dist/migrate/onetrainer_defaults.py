@@ -92,10 +92,10 @@ OPTIMIZER_OPTIONS_NOT_IN_OT_DIST = {
     "MUON": {"MuonWithAuxAdam": True, "muon_hidden_layers": None, "muon_adam_regex": False, "muon_te1_adam_lr": None,
              "muon_te2_adam_lr": None, "muon_adam_config": {}},
     "AIDA": {"r": 0.95, "adanorm": False, "adam_debias": False},
-    **{name: {**ADV_REMOVED, "fused_back_pass": False}
-       for name in ("ADAMW_ADV", "ADOPT_ADV", "PRODIGY_ADV", "SIGNSGD_ADV")},
-    "LION_ADV": {**ADV_REMOVED, "fused_back_pass": False, "compile": False},  # adv_optm 2.5's Lion_adv drops it
-    **{name: {**ADV_REMOVED, "fused_back_pass": False, "MuonWithAuxAdam": True, "muon_hidden_layers": None,
+    **{name: dict(ADV_REMOVED) for name in ("ADAMW_ADV", "ADOPT_ADV", "SIGNSGD_ADV")},
+    "PRODIGY_ADV": {**ADV_REMOVED, "fused_back_pass": False},
+    "LION_ADV": {**ADV_REMOVED, "compile": False},  # adv_optm 2.5's Lion_adv drops it
+    **{name: {**ADV_REMOVED, "MuonWithAuxAdam": True, "muon_hidden_layers": None,
               "muon_adam_regex": False, "muon_te1_adam_lr": None, "muon_te2_adam_lr": None, "muon_adam_config": {}}
        for name in ("MUON_ADV", "ADAMUON_ADV")},
 }

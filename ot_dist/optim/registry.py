@@ -90,7 +90,10 @@ _ADV_WHOLE = ("each whole tensor for its per-tensor options (nnmf_factor's facto
 
 def _adv(name, cls, defaults, compiles=True, **kw) -> OptimizerSpec:
     kw.setdefault("whole_tensor", _ADV_WHOLE)
-    common = _ADV if compiles else {k: v for k, v in _ADV.items() if k != "compile"}
+    # each tensor's step depends on that tensor alone (step_parameter), but for PRODIGY_ADV's d, summed over the step
+    kw.setdefault("supports_fused_back_pass", True)
+    common = {**(_ADV if compiles else {k: v for k, v in _ADV.items() if k != "compile"}),
+              **(FUSED if kw["supports_fused_back_pass"] else {})}
     renames = kw.pop("renames", ()) + ((("compile", "compiled_optimizer"),) if compiles else ())
     return _spec(name, f"adv_optm:{cls}", {**defaults, **common}, renames=renames, own_stochastic_rounding=True, **kw)
 
@@ -248,7 +251,7 @@ SPECS: dict[str, OptimizerSpec] = {
         _adv("PRODIGY_ADV", "Prodigy_adv",
              {"beta1": 0.9, "beta2": 0.99, "beta3": None, "eps": 1e-8, "d0": 1e-6, "d_coef": 1.0, "growth_rate": INF,
               "slice_p": 11, "prodigy_steps": 0, "d_limiter": False, "use_atan2": False, **_KOURKOUTAS},
-             betas=("beta1", "beta2"), adaptive=True),
+             betas=("beta1", "beta2"), adaptive=True, supports_fused_back_pass=False),
         _adv("SIGNSGD_ADV", "SignSGD_adv", {"momentum": 0.95}),
         # adv_optm 2.5's Lion_adv takes compiled_optimizer but never stores it (its step reads the group's): no compile
         _adv("LION_ADV", "Lion_adv", {"beta1": 0.9, "beta2": 0.99, "auto_kappa_p": True}, betas=("beta1", "beta2"),
