@@ -1,7 +1,8 @@
 """OneTrainer's AIDA (pytorch-optimizer) and *_ADV optimizers (adv_optm): ot_dist builds the package's own optimizer,
 so its steps are the package's steps bit for bit, with every option ot_dist takes reaching it under the package's
 keyword; the config takes only each optimizer's options; sharding strategies are refused by name before anything
-starts; OneTrainer's optimizer sections import (adv_optm 2.2's switches as 2.5's modes, what 2.5 dropped named).
+starts, but ZeRO for the element-wise ones at their defaults; the fused back pass and a resume end where the plain run
+ends; OneTrainer's optimizer sections import (adv_optm 2.2's switches as 2.5's modes, what 2.5 dropped named).
 (Each also trains the tiny model 2 steps in tests/test_optimizers.py, which runs every optimizer of the registry.)"""
 
 from __future__ import annotations
@@ -184,21 +185,46 @@ def test_the_schema_takes_only_each_optimizers_options(optimizer, expected):
         assert text in str(err.value), str(err.value)
 
 
+ELEMENT_WISE = ("ADAMW_ADV", "ADOPT_ADV", "SIGNSGD_ADV")  # at their default options: ZeRO's partitions are fine
+
+
 @pytest.mark.parametrize("name", ADV)
 def test_sharding_strategies_are_refused_with_the_reason(name):
     """Refused at validation, before any process group: adv_optm and AIDA compute over each whole tensor (a shard or a
-    ZeRO partition would give other numbers), PRODIGY_ADV estimates d per shard, and adv_optm's state is plain tensors
-    beside FSDP2's DTensors (tests/helpers/adv_optm_on_dtensor.py shows the failure)."""
+    ZeRO partition would give other numbers; the element-wise ones: the test below), PRODIGY_ADV estimates d per shard,
+    and adv_optm's state is plain tensors beside FSDP2's DTensors (tests/helpers/adv_optm_on_dtensor.py shows the
+    failure)."""
     reason = {"AIDA": "projections of each whole tensor", "PRODIGY_ADV": "estimate its step size from that shard",
               "MUON_ADV": "orthogonalisation", "ADAMUON_ADV": "orthogonalisation"}.get(name, "per-tensor options")
     lr = 1.0 if SPECS[name].adaptive else 1e-4
     for strategy in ("fsdp", "zero1", "zero2", "zero3"):
+        if name in ELEMENT_WISE and strategy != "fsdp":
+            validate({**MINIMAL, "strategy": strategy, "optimizer": {"name": name}})  # trains: the test below
+            continue
         with pytest.raises(ConfigError) as err:
             validate({**MINIMAL, "learning_rate": lr, "strategy": strategy, "optimizer": {"name": name}})
         assert f"strategy: {strategy}" in str(err.value) and name in str(err.value) and reason in str(err.value)
         if strategy == "fsdp" and name.endswith("_ADV") and name != "PRODIGY_ADV":
             assert "mixing torch.Tensor and DTensor" in str(err.value)
     validate({**MINIMAL, "learning_rate": lr, "strategy": "ddp", "optimizer": {"name": name}})
+
+
+@pytest.mark.parametrize("name", ELEMENT_WISE)
+def test_zero_takes_the_element_wise_ones_until_an_option_needs_whole_tensors(name):
+    """ADAMW_ADV, ADOPT_ADV and SIGNSGD_ADV step element by element at their defaults, so ZeRO's flat partitions
+    step as the whole tensors would: tests/test_optimizers_distributed.py trains them on 2 zero2 ranks and compares
+    the result with one process. An option that needs each whole tensor is refused there, naming it."""
+    from test_optimizers_distributed import RUNS
+
+    assert {n for n in ADV if SPECS[n].per_tensor_options} == set(ELEMENT_WISE) <= set(RUNS["zero2"])
+    for option, value in {"nnmf_factor": True, "orthogonal_gradient": "flattened", "kourkoutas_beta": True}.items():
+        raw = {**MINIMAL, "strategy": "zero2", "optimizer": {"name": name, option: value}}
+        if option not in SPECS[name].defaults:
+            continue
+        with pytest.raises(ConfigError) as err:
+            validate(raw)
+        assert f"{name} with optimizer.{option}" in str(err.value) and "strategy: zero2" in str(err.value)
+        validate({**raw, "strategy": "ddp"})
 
 
 def test_onetrainer_sections_import(tiny_models, shapes_data, tmp_path):

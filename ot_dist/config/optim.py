@@ -659,10 +659,11 @@ def planned_groups(config) -> list[tuple[str, float, str]]:
     return groups
 
 
-def strategy_refusal(name: str, strategy: str) -> str | None:
-    """Why `name` cannot train under a sharding `strategy` (None if it can). Measured: each optimizer
-    was run under fsdp and zero2 with 2 ranks (tests/test_optimizers_distributed.py)."""
+def strategy_refusal(name: str, strategy: str, options: dict | None = None) -> str | None:
+    """Why `name` cannot train under a sharding `strategy` (None if it can), with its `options` (default: its
+    defaults). Measured: each optimizer was run under fsdp and zero2 with 2 ranks (tests/test_optimizers_distributed.py)."""
     spec = SPECS[name]
+    options = {**spec.defaults, **(options or {})}
     if spec.adaptive and name != "PRODIGY" and strategy in SHARDING:
         package = spec.target.split(":")[0].split(".")[0]
         syncs = "" if package == "adv_optm" else ", syncing to the host for every tensor"
@@ -693,6 +694,16 @@ def strategy_refusal(name: str, strategy: str) -> str | None:
             "state is made of plain tensors (AdamW_adv, Adopt_adv and SignSGD_adv fail at their first step, mixing "
             f"torch.Tensor and DTensor), and {name} needs {spec.whole_tensor}. Use strategy single or ddp with {name}"
         )
+    per_tensor = [o for o in spec.per_tensor_options if options[o] != spec.defaults[o]]
+    if spec.per_tensor_options and strategy.startswith("zero") and not per_tensor:
+        return None  # element-wise with these options: ZeRO's flat partitions step as the whole tensors would
+    if per_tensor and strategy.startswith("zero"):
+        return (
+            f"strategy: {strategy} hands the optimizer flat partitions of the parameters, and {name} with "
+            f"{', '.join(f'optimizer.{o}' for o in per_tensor)} needs {spec.whole_tensor}: on a partition it would be "
+            f"computed over the wrong elements. Leave {' and '.join(per_tensor)} at "
+            f"{'its default' if len(per_tensor) == 1 else 'their defaults'} under {strategy}, or use strategy single or ddp"
+        )
     if spec.whole_tensor and strategy in SHARDING:
         return (
             f"strategy: {strategy} splits tensors across ranks (fsdp: rows of each tensor; zero: flat partitions), and "
@@ -721,7 +732,7 @@ def check_optimizer_setup(config) -> None:
                 f"have the same learning rate (1.0 is usual; it multiplies the estimate): {rates}. Remove the "
                 f"per-part learning rates or set them equal (per-group multipliers are not supported)"
             )
-    refusal = strategy_refusal(opt.name, config.strategy)
+    refusal = strategy_refusal(opt.name, config.strategy, opt.options())
     if refusal:
         raise ValueError(refusal)
     if opt.fused_back_pass:

@@ -49,6 +49,9 @@ class OptimizerSpec:
     dtensor_fused: bool = False
     renames: tuple[tuple[str, str], ...] = ()  # (option, the implementation's keyword) where OneTrainer's name differs
     whole_tensor: str = ""  # what it computes over each whole tensor ("" = elementwise): wrong on shards
+    # options that make an otherwise element-wise step need whole tensors (whole_tensor): ZeRO's flat partitions are
+    # refused only when one of them is set away from its default
+    per_tensor_options: tuple[str, ...] = ()
     schedule_free: bool = False  # trains at one point, averages another: samples and exports use the average
     group_split: str = ""  # "module:function" that turns the parameter groups into the implementation's groups
     dtensor_foreach: bool = True  # its multi-tensor path runs on FSDP2's DTensor shards (else: per-tensor loop there)
@@ -84,6 +87,7 @@ _ADV = {"weight_decay": 0.0, "cautious_wd": False, "nnmf_factor": False, "orthog
 _KOURKOUTAS = {"kourkoutas_beta": False, "k_warmup_steps": 0.0}
 _ADV_MUON = {"accelerated_ns": False, "ns_steps": 5, "low_rank_ortho": False, "ortho_rank": 128, "rms_rescaling": True,
              "normuon_variant": True, "approx_mars": False, "muon_adam_lr": 1e-6}
+_ADV_PER_TENSOR = ("nnmf_factor", "orthogonal_gradient")  # (with ADAMW_ADV / ADOPT_ADV's kourkoutas_beta)
 _ADV_WHOLE = ("each whole tensor for its per-tensor options (nnmf_factor's factored state, orthogonal_gradient's "
               "projection, kourkoutas_beta's gradient norms)")
 
@@ -245,14 +249,18 @@ SPECS: dict[str, OptimizerSpec] = {
               whole_tensor="its projections of each whole tensor's gradient and momentum onto each other"),
         # -- adv_optm (OneTrainer's *_ADV): one package, per-tensor options (see _ADV) ---------------------
         _adv("ADAMW_ADV", "AdamW_adv",
-             {"beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "use_atan2": False, **_KOURKOUTAS}, betas=("beta1", "beta2")),
+             {"beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "use_atan2": False, **_KOURKOUTAS}, betas=("beta1", "beta2"),
+             per_tensor_options=_ADV_PER_TENSOR + ("kourkoutas_beta",)),
         _adv("ADOPT_ADV", "Adopt_adv",
-             {"beta1": 0.9, "beta2": 0.9999, "eps": 1e-6, "use_atan2": True, **_KOURKOUTAS}, betas=("beta1", "beta2")),
+             {"beta1": 0.9, "beta2": 0.9999, "eps": 1e-6, "use_atan2": True, **_KOURKOUTAS}, betas=("beta1", "beta2"),
+             per_tensor_options=_ADV_PER_TENSOR + ("kourkoutas_beta",)),
         _adv("PRODIGY_ADV", "Prodigy_adv",
              {"beta1": 0.9, "beta2": 0.99, "beta3": None, "eps": 1e-8, "d0": 1e-6, "d_coef": 1.0, "growth_rate": INF,
               "slice_p": 11, "prodigy_steps": 0, "d_limiter": False, "use_atan2": False, **_KOURKOUTAS},
              betas=("beta1", "beta2"), adaptive=True, supports_fused_back_pass=False),
-        _adv("SIGNSGD_ADV", "SignSGD_adv", {"momentum": 0.95}),
+        _adv("SIGNSGD_ADV", "SignSGD_adv", {"momentum": 0.95}, per_tensor_options=_ADV_PER_TENSOR,
+             whole_tensor="each whole tensor for its per-tensor options (nnmf_factor's factored state, "
+             "orthogonal_gradient's projection)"),
         # adv_optm 2.5's Lion_adv takes compiled_optimizer but never stores it (its step reads the group's): no compile
         _adv("LION_ADV", "Lion_adv", {"beta1": 0.9, "beta2": 0.99, "auto_kappa_p": True}, betas=("beta1", "beta2"),
              compiles=False,
