@@ -256,7 +256,8 @@ class OptimizerConfig(Section):
         description=(
             "Round bfloat16 weights stochastically after each update, so updates smaller than bfloat16's "
             "resolution still count on average. Acts on trained weights stored in bfloat16 "
-            "(trained_weight_dtype: bfloat16); float32 weights are left alone. All optimizers."
+            "(trained_weight_dtype: bfloat16); float32 weights are left alone. All optimizers (the *_ADV: adv_optm's own "
+            "rounding, which keeps their state in bfloat16 too)."
         ),
     )
     use_bias_correction: bool | None = Field(
