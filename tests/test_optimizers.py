@@ -150,13 +150,54 @@ ONETRAINER_DEFAULTS = {
     "TIGER": {"beta1": 0.965, "weight_decay": 0.01, "decoupled_decay": True, "fixed_decay": False},
     "YOGI": {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "decoupled_decay": True, "fixed_decay": False,
              "r": 0.95, "adanorm": False, "adam_debias": False, "initial_accumulator": 1e-6, "eps": 1e-3},
+    "AIDA": {"beta1": 0.9, "beta2": 0.999, "k": 2, "xi": 1e-20, "weight_decay": 0.0, "decoupled_decay": False,
+             "fixed_decay": False, "rectify": False, "n_sma_threshold": 5, "degenerated_to_sgd": True,
+             "ams_bound": False, "r": 0.95, "adanorm": False, "adam_debias": False, "eps": 1e-8},
+    "ADAMW_ADV": {"beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "cautious_wd": False, "weight_decay": 0.0,
+                  "nnmf_factor": False, "stochastic_rounding": True, "compile": False, "fused_back_pass": False,
+                  "use_atan2": False, "orthogonal_gradient": False, "use_AdEMAMix": False, "beta3_ema": 0.9999,
+                  "alpha": 5, "kourkoutas_beta": False},
+    "ADOPT_ADV": {"beta1": 0.9, "beta2": 0.9999, "eps": 1e-6, "cautious_wd": False, "weight_decay": 0.0,
+                  "nnmf_factor": False, "stochastic_rounding": True, "compile": False, "fused_back_pass": False,
+                  "use_atan2": True, "orthogonal_gradient": False, "use_AdEMAMix": False, "beta3_ema": 0.9999,
+                  "alpha": 5, "Simplified_AdEMAMix": False, "alpha_grad": 100.0, "kourkoutas_beta": False},
+    "PRODIGY_ADV": {"beta1": 0.9, "beta2": 0.99, "beta3": None, "eps": 1e-8, "cautious_wd": False,
+                    "weight_decay": 0.0, "nnmf_factor": False, "stochastic_rounding": True, "compile": False,
+                    "fused_back_pass": False, "d0": 1e-6, "d_coef": 1.0, "growth_rate": math.inf, "slice_p": 11,
+                    "prodigy_steps": 0, "d_limiter": False, "use_atan2": False, "orthogonal_gradient": False,
+                    "use_AdEMAMix": False, "beta3_ema": 0.9999, "alpha": 5, "Simplified_AdEMAMix": False,
+                    "alpha_grad": 100.0, "kourkoutas_beta": False},
+    "SIGNSGD_ADV": {"momentum": 0.95, "cautious_wd": False, "weight_decay": 0.0, "nnmf_factor": False,
+                    "stochastic_rounding": True, "compile": False, "fused_back_pass": False,
+                    "orthogonal_gradient": False, "Simplified_AdEMAMix": False, "alpha_grad": 100.0},
+    "LION_ADV": {"beta1": 0.9, "beta2": 0.99, "cautious_wd": False, "weight_decay": 0.0, "clip_threshold": None,
+                 "nnmf_factor": False, "stochastic_rounding": True, "compile": False, "fused_back_pass": False,
+                 "orthogonal_gradient": False, "auto_kappa_p": True},
+    "MUON_ADV": {"beta1": 0.9, "cautious_wd": False, "weight_decay": 0.0, "accelerated_ns": False, "ns_steps": 5,
+                 "low_rank_ortho": False, "ortho_rank": 128, "rms_rescaling": True, "nnmf_factor": False,
+                 "stochastic_rounding": True, "compile": False, "fused_back_pass": False, "MuonWithAuxAdam": True,
+                 "muon_hidden_layers": None, "muon_adam_regex": False, "muon_adam_lr": 1e-6,
+                 "muon_te1_adam_lr": None, "muon_te2_adam_lr": None, "nesterov": True, "Simplified_AdEMAMix": False,
+                 "alpha_grad": 100.0, "normuon_variant": True, "beta2_normuon": 0.95, "orthogonal_gradient": False,
+                 "approx_mars": False, "muon_adam_config": {}},
+    "ADAMUON_ADV": {"beta1": 0.95, "beta2": 0.95, "eps": 1e-8, "cautious_wd": False, "weight_decay": 0.0,
+                    "accelerated_ns": False, "ns_steps": 5, "low_rank_ortho": False, "ortho_rank": 128,
+                    "rms_rescaling": True, "nnmf_factor": False, "stochastic_rounding": True, "compile": False,
+                    "fused_back_pass": False, "MuonWithAuxAdam": True, "muon_hidden_layers": None,
+                    "muon_adam_regex": False, "muon_adam_lr": 1e-6, "muon_te1_adam_lr": None,
+                    "muon_te2_adam_lr": None, "nesterov": False, "use_atan2": False, "Simplified_AdEMAMix": False,
+                    "alpha_grad": 100.0, "normuon_variant": True, "orthogonal_gradient": False, "approx_mars": False,
+                    "muon_adam_config": {}},
 }
 # Kept different on purpose (docs/onetrainer.md says why): bitsandbytes refuses momentum 0 for LARS and SGD_8BIT,
 # dadaptation refuses DADAPT_ADA_GRAD's eps 0.0 (ValueError: Invalid epsilon value), so OneTrainer's defaults
 # cannot run; torch's fused/foreach choice is made per device (None = torch decides; the same arithmetic).
 KEPT = {("LARS", "momentum"), ("LARS_8BIT", "momentum"), ("SGD_8BIT", "momentum"), ("DADAPT_ADA_GRAD", "eps"),
         ("ADAM", "foreach"), ("ADAM", "fused"), ("ADAMW", "foreach"), ("ADAMW", "fused"), ("SGD", "foreach"),
-        ("SCHEDULE_FREE_SGD", "momentum")}  # schedulefree refuses momentum 0 (ValueError: between 0 and 1 exclusive)
+        ("SCHEDULE_FREE_SGD", "momentum"),  # schedulefree refuses momentum 0 (ValueError: between 0 and 1 exclusive)
+        # adv_optm 2.5 names OrthoGrad's mode where 2.2 (OneTrainer's pin) had a switch: false = "disabled"
+        *((name, "orthogonal_gradient") for name in ("ADAMW_ADV", "ADOPT_ADV", "PRODIGY_ADV", "SIGNSGD_ADV", "LION_ADV",
+                                                     "MUON_ADV", "ADAMUON_ADV"))}
 
 
 def test_defaults_are_onetrainers():
@@ -168,7 +209,7 @@ def test_defaults_are_onetrainers():
                 continue
             assert ours[option] == value, (name, option, ours[option], value)
             compared += 1
-    assert compared >= 226  # every option both have, but the kept ones
+    assert compared >= 337  # every option both have, but the kept ones
     for name, option in KEPT:  # a kept difference is still a difference (else it belongs above)
         assert SPECS[name].defaults[option] != ONETRAINER_DEFAULTS[name][option], (name, option)
 

@@ -38,12 +38,14 @@ TRAINS_ONLY = {"zero1": ("ADAMW", "ADAM", "SGD", "ADAMW_8BIT", "PRODIGY")}
 # SCHEDULE_FREE_SGD's step is proportional to the gradient: a gradient summed instead of averaged fails it.
 RUNS = {
     "fsdp": ["ADOPT", "SCHEDULE_FREE_ADAMW", "SCHEDULE_FREE_SGD", "ADABELIEF", "TIGER", "YOGI"],
-    "zero2": ["ADOPT", "AdEMAMix", "AdEMAMix_8BIT", "ADABELIEF", "TIGER", "YOGI"],
+    "zero2": ["ADOPT", "AdEMAMix", "AdEMAMix_8BIT", "ADABELIEF", "TIGER", "YOGI",
+              # adv_optm's element-wise ones at their default options (per_tensor_options)
+              "ADAMW_ADV", "ADOPT_ADV", "SIGNSGD_ADV"],
 }
 # Two ranks on half batches reorder float sums; 2 steps of these optimizers keep every weight within 1e-5 of one
 # process, except where the step is a sign (TIGER at learning rate 3e-4: measured 1.2e-3 = 2 steps x 2 lr at most).
 WEIGHT_TOLERANCE = 1e-5
-SIGN_STEP = {"TIGER"}
+SIGN_STEP = {"TIGER", "SIGNSGD_ADV"}
 # 8-bit state is quantised in blocks; under ZeRO the blocks run over the flat partition instead of each tensor, so a
 # few elements round differently (AdEMAMix_8BIT: measured 1.9e-5 on 0.001% of the weights)
 EIGHT_BIT_TOLERANCE = 5e-5
@@ -93,7 +95,8 @@ def test_every_optimizer_trains_or_is_refused_under(strategy, results_by_strateg
         assert not r["master_copies"], (name, r["master_copies"])
     # D-Adaptation estimates per shard; PRODIGY is ot_dist's sharding-aware implementation and trains
     expected_refused = {n for n, s in SPECS.items() if (s.adaptive and n != "PRODIGY") or s.trust_ratio or n == "ADAFACTOR"
-                        or s.whole_tensor or (s.schedule_free and strategy.startswith("zero"))}
+                        or (s.whole_tensor and not (s.per_tensor_options and strategy.startswith("zero")))
+                        or (s.schedule_free and strategy.startswith("zero"))}
     if strategy == "fsdp":
         expected_refused |= {n for n, s in SPECS.items() if s.target.startswith("bitsandbytes")}
     assert refused == expected_refused

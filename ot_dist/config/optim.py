@@ -256,7 +256,8 @@ class OptimizerConfig(Section):
         description=(
             "Round bfloat16 weights stochastically after each update, so updates smaller than bfloat16's "
             "resolution still count on average. Acts on trained weights stored in bfloat16 "
-            "(trained_weight_dtype: bfloat16); float32 weights are left alone. All optimizers."
+            "(trained_weight_dtype: bfloat16); float32 weights are left alone. All optimizers (the *_ADV: adv_optm's own "
+            "rounding, which keeps their state in bfloat16 too)."
         ),
     )
     use_bias_correction: bool | None = Field(
@@ -311,7 +312,7 @@ class OptimizerConfig(Section):
         default=None, description="Prodigy+SF: scale weight decay by the learning rate." + _by("weight_decay_by_lr"),
     )
     prodigy_steps: int | None = Field(
-        default=None, ge=0, description="Prodigy+SF: stop adapting d after this many steps (0 = never)."
+        default=None, ge=0, description="Prodigy+SF, PRODIGY_ADV: stop adapting d after this many steps (0 = never)."
         + _by("prodigy_steps"),
     )
     use_speed: bool | None = Field(default=None, description="Prodigy+SF: the SPEED d estimate." + _by("use_speed"))
@@ -334,7 +335,7 @@ class OptimizerConfig(Section):
     use_grams: bool | None = Field(default=None, description="Prodigy+SF: Grams update direction." + _by("use_grams"))
     use_adopt: bool | None = Field(default=None, description="Prodigy+SF: ADOPT-style update." + _by("use_adopt"))
     d_limiter: bool | None = Field(
-        default=None, description="Prodigy+SF: limit how fast d grows." + _by("d_limiter"),
+        default=None, description="Prodigy+SF, PRODIGY_ADV: limit how fast d grows." + _by("d_limiter"),
     )
     use_schedulefree: bool | None = Field(
         default=None, description="Prodigy+SF: schedule-free averaging (false: plain Prodigy-like momentum)."
@@ -347,6 +348,77 @@ class OptimizerConfig(Section):
     use_orthograd: bool | None = Field(
         default=None, description="Prodigy+SF: OrthoGrad (drop the gradient's component along the weights)."
         + _by("use_orthograd"),
+    )
+
+    # -- AIDA (pytorch-optimizer) ----------------------------------------------------------------------------
+    k: int | None = Field(
+        default=None, ge=0, description="AIDA: alternating projections of gradient and momentum per step." + _by("k"),
+    )
+    xi: float | None = Field(
+        default=None, ge=0, description="AIDA: added to the projections' denominators." + _by("xi"),
+    )
+    n_sma_threshold: int | None = Field(
+        default=None, ge=0, description="AIDA with rectify: the rectification starts once the moving average is this "
+        "long." + _by("n_sma_threshold"),
+    )
+    ams_bound: bool | None = Field(
+        default=None, description="AIDA: bound the update with the running maximum of the second moment."
+        + _by("ams_bound"),
+    )
+
+    # -- adv_optm's optimizers (OneTrainer's *_ADV) ------------------------------------------------------------
+    cautious_wd: bool | None = Field(
+        default=None, description="Cautious weight decay: decay only the elements whose update has the weight's sign."
+        + _by("cautious_wd"),
+    )
+    nnmf_factor: bool | None = Field(
+        default=None, description="Keep the optimizer state factored (low-rank, SMMF): less memory." + _by("nnmf_factor"),
+    )
+    orthogonal_gradient: Literal["disabled", "flattened", "iterative"] | None = Field(
+        default=None, description="OrthoGrad: drop the gradient's component along the weights (flattened: over the "
+        "whole tensor, OneTrainer's `true`; iterative: row- and column-wise)." + _by("orthogonal_gradient"),
+    )
+    compile: bool | None = Field(
+        default=None, description="torch.compile the step of each tensor shape (adv_optm's compiled_optimizer)."
+        + _by("compile"),
+    )
+    use_atan2: bool | None = Field(
+        default=None, description="Adam-atan2 update (no epsilon, bounded)." + _by("use_atan2"),
+    )
+    kourkoutas_beta: bool | None = Field(
+        default=None, description="Kourkoutas-beta: beta2 follows each tensor's gradient spikes." + _by("kourkoutas_beta"),
+    )
+    k_warmup_steps: float | None = Field(
+        default=None, ge=0, description="Kourkoutas-beta: optimizer steps at the fixed beta2 before it adapts "
+        "(OneTrainer passes its warmup divided by the gradient accumulation)." + _by("k_warmup_steps"),
+    )
+    auto_kappa_p: bool | None = Field(
+        default=None, description="LION_ADV: spherical (L2) steps for convolution kernels, sign steps for the rest."
+        + _by("auto_kappa_p"),
+    )
+    ns_steps: int | None = Field(
+        default=None, ge=1, description="Muon: Newton-Schulz iterations of the orthogonalisation." + _by("ns_steps"),
+    )
+    accelerated_ns: bool | None = Field(
+        default=None, description="Muon: accelerated Newton-Schulz coefficients." + _by("accelerated_ns"),
+    )
+    low_rank_ortho: bool | None = Field(
+        default=None, description="Muon: orthogonalise a low-rank sketch (ortho_rank) of the update." + _by("low_rank_ortho"),
+    )
+    ortho_rank: int | None = Field(
+        default=None, ge=1, description="Muon with low_rank_ortho: the sketch's rank." + _by("ortho_rank"),
+    )
+    rms_rescaling: bool | None = Field(
+        default=None, description="Muon: scale the orthogonal update to AdamW's root mean square." + _by("rms_rescaling"),
+    )
+    normuon_variant: bool | None = Field(
+        default=None, description="Muon: NorMuon (a per-row second moment after orthogonalising)." + _by("normuon_variant"),
+    )
+    beta2_normuon: float | None = Field(
+        default=None, ge=0, lt=1, description="NorMuon: decay of its second moment." + _by("beta2_normuon"),
+    )
+    approx_mars: bool | None = Field(
+        default=None, description="Muon: approximate MARS variance reduction of the gradient." + _by("approx_mars"),
     )
 
     @model_validator(mode="before")
@@ -588,17 +660,18 @@ def planned_groups(config) -> list[tuple[str, float, str]]:
     return groups
 
 
-def strategy_refusal(name: str, strategy: str) -> str | None:
-    """Why `name` cannot train under a sharding `strategy` (None if it can). Measured: each optimizer
-    was run under fsdp and zero2 with 2 ranks (tests/test_optimizers_distributed.py)."""
+def strategy_refusal(name: str, strategy: str, options: dict | None = None) -> str | None:
+    """Why `name` cannot train under a sharding `strategy` (None if it can), with its `options` (default: its
+    defaults). Measured: each optimizer was run under fsdp and zero2 with 2 ranks (tests/test_optimizers_distributed.py)."""
     spec = SPECS[name]
+    options = {**spec.defaults, **(options or {})}
     if spec.adaptive and name != "PRODIGY" and strategy in SHARDING:
         package = spec.target.split(":")[0].split(".")[0]
+        syncs = "" if package == "adv_optm" else ", syncing to the host for every tensor"
         return (
             f"strategy: {strategy} gives each rank a shard of the parameters, and {name} (the {package} package) "
-            "would estimate its step size from that shard alone, a different one on every rank, syncing to the host "
-            "for every tensor. Use PRODIGY, whose ot_dist implementation sums the estimate over all shards, or "
-            f"strategy single or ddp with {name}"
+            f"would estimate its step size from that shard alone, a different one on every rank{syncs}. Use PRODIGY, "
+            f"whose ot_dist implementation sums the estimate over all shards, or strategy single or ddp with {name}"
         )
     if strategy == "fsdp" and spec.target.startswith("bitsandbytes"):
         return (
@@ -615,6 +688,22 @@ def strategy_refusal(name: str, strategy: str) -> str | None:
         return (
             f"strategy: {strategy} hands the optimizer one flat partition per parameter group, so {name} would compute "
             f"{what} over the wrong tensors. Use strategy single, ddp or fsdp with it"
+        )
+    if strategy == "fsdp" and spec.target.startswith("adv_optm:"):
+        return (
+            f"strategy: fsdp holds parameters as DTensor shards, which adv_optm ({name}) was not written for: its "
+            "state is made of plain tensors (AdamW_adv, Adopt_adv and SignSGD_adv fail at their first step, mixing "
+            f"torch.Tensor and DTensor), and {name} needs {spec.whole_tensor}. Use strategy single or ddp with {name}"
+        )
+    per_tensor = [o for o in spec.per_tensor_options if options[o] != spec.defaults[o]]
+    if spec.per_tensor_options and strategy.startswith("zero") and not per_tensor:
+        return None  # element-wise with these options: ZeRO's flat partitions step as the whole tensors would
+    if per_tensor and strategy.startswith("zero"):
+        return (
+            f"strategy: {strategy} hands the optimizer flat partitions of the parameters, and {name} with "
+            f"{', '.join(f'optimizer.{o}' for o in per_tensor)} needs {spec.whole_tensor}: on a partition it would be "
+            f"computed over the wrong elements. Leave {' and '.join(per_tensor)} at "
+            f"{'its default' if len(per_tensor) == 1 else 'their defaults'} under {strategy}, or use strategy single or ddp"
         )
     if spec.whole_tensor and strategy in SHARDING:
         return (
@@ -644,7 +733,7 @@ def check_optimizer_setup(config) -> None:
                 f"have the same learning rate (1.0 is usual; it multiplies the estimate): {rates}. Remove the "
                 f"per-part learning rates or set them equal (per-group multipliers are not supported)"
             )
-    refusal = strategy_refusal(opt.name, config.strategy)
+    refusal = strategy_refusal(opt.name, config.strategy, opt.options())
     if refusal:
         raise ValueError(refusal)
     if opt.fused_back_pass:

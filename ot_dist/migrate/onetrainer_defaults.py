@@ -49,7 +49,11 @@ OPTIMIZER = {"optimizer": "ADAMW", "amsgrad": False, "capturable": False, "cente
              "rectify": False, "degenerated_to_sgd": False, "cautious": False, "weight_decay_by_lr": True,
              "use_speed": False, "split_groups": True, "split_groups_mean": True, "factored": True,
              "factored_fp32": True, "use_stableadamw": True, "use_cautious": False, "use_grams": False,
-             "use_adopt": False, "d_limiter": True, "use_schedulefree": True, "use_orthograd": False}
+             "use_adopt": False, "d_limiter": True, "use_schedulefree": True, "use_orthograd": False,
+             "ams_bound": False, "cautious_wd": False, "nnmf_factor": False, "orthogonal_gradient": False,
+             "use_atan2": False, "kourkoutas_beta": False, "compile": False, "auto_kappa_p": False,
+             "accelerated_ns": False, "low_rank_ortho": False, "rms_rescaling": True, "normuon_variant": False,
+             "approx_mars": False}
 EMBEDDING = {"placeholder": "<embedding>", "token_count": 1, "initial_embedding_text": "*", "train": True,
              "model_name": "", "stop_training_after": None, "stop_training_after_unit": "NEVER",
              "is_output_embedding": False}
@@ -57,6 +61,10 @@ EMBEDDING = {"placeholder": "<embedding>", "token_count": 1, "initial_embedding_
 # every option of every optimizer at these "unset" values, which no optimizer then reads.
 OPTIMIZER_UNSET_TRUE = ("stochastic_rounding", "weight_decay_by_lr", "split_groups", "split_groups_mean", "factored",
                         "factored_fp32", "use_stableadamw", "d_limiter", "use_schedulefree", "rms_rescaling")
+# Options of the *_ADV optimizers OneTrainer passes to adv_optm 2.2 (its pin) that adv_optm 2.5 (ot_dist's) no longer has,
+# at the value with which they change nothing (AdEMAMix off; LION_ADV's clip_threshold unset, OneTrainer's 0.0).
+ADV_REMOVED = {"use_AdEMAMix": False, "beta3_ema": 0.9999, "alpha": 5, "Simplified_AdEMAMix": False, "alpha_grad": 100.0,
+               "clip_threshold": 0.0}
 # Options OneTrainer's optimizer_util.OPTIMIZER_DEFAULT_PARAMETERS gives an optimizer ot_dist also has, that ot_dist's
 # implementation lacks, with OneTrainer's default: at that default they change nothing ot_dist would do differently.
 OPTIMIZER_OPTIONS_NOT_IN_OT_DIST = {
@@ -83,6 +91,13 @@ OPTIMIZER_OPTIONS_NOT_IN_OT_DIST = {
     "YOGI": {"r": 0.95, "adanorm": False, "adam_debias": False},
     "MUON": {"MuonWithAuxAdam": True, "muon_hidden_layers": None, "muon_adam_regex": False, "muon_te1_adam_lr": None,
              "muon_te2_adam_lr": None, "muon_adam_config": {}},
+    "AIDA": {"r": 0.95, "adanorm": False, "adam_debias": False},
+    **{name: dict(ADV_REMOVED) for name in ("ADAMW_ADV", "ADOPT_ADV", "SIGNSGD_ADV")},
+    "PRODIGY_ADV": {**ADV_REMOVED, "fused_back_pass": False},
+    "LION_ADV": {**ADV_REMOVED, "compile": False},  # adv_optm 2.5's Lion_adv drops it
+    **{name: {**ADV_REMOVED, "MuonWithAuxAdam": True, "muon_hidden_layers": None,
+              "muon_adam_regex": False, "muon_te1_adam_lr": None, "muon_te2_adam_lr": None, "muon_adam_config": {}}
+       for name in ("MUON_ADV", "ADAMUON_ADV")},
 }
 CONCEPT = {"name": "", "path": "", "enabled": True, "type": "STANDARD", "include_subdirectories": False,
            "balancing": 1.0, "balancing_strategy": "REPEATS", "loss_weight": 1.0, "image_variations": 1,

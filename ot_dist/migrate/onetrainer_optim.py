@@ -26,14 +26,27 @@ def import_optimizer(ot: dict, c: dict, skip) -> None:
         if value is None or key.startswith("__"):
             continue
         if key in SPECS[name].defaults:
-            options[key] = value
+            options[key] = _adv_value(key, value)
         elif key in lacking and value == lacking[key]:
             continue  # OneTrainer's default of an option ot_dist's implementation does not have: the same update
         elif key not in lacking and _unset_optimizer_option(key, value):
             continue  # a UI-saved section holds every optimizer's options; one this optimizer has not is unset
+        elif key in defaults.ADV_REMOVED and key in lacking:
+            skip(f"optimizer.{key}: {value!r}: adv_optm 2.5 (ot_dist's {name}) no longer has it; OneTrainer runs 2.2")
         else:
             skip(f"optimizer.{key}: {value!r} is not an option of ot_dist's {name}")
+    if options.get("kourkoutas_beta"):  # OneTrainer hands Kourkoutas-beta its warmup in optimizer steps
+        options["k_warmup_steps"] = ot["learning_rate_warmup_steps"] / ot["gradient_accumulation_steps"]
+    if "muon_adam_lr" in SPECS[name].defaults and settings.get("muon_adam_lr") is None:
+        options["muon_adam_lr"] = ot["learning_rate"]  # OneTrainer's AdamW side of Muon: unset = the learning rate
     c["optimizer"] = options
+
+
+def _adv_value(key: str, value):
+    """OneTrainer's orthogonal_gradient is adv_optm 2.2's switch; adv_optm 2.5 names the mode (2.2's is flattened)."""
+    if key == "orthogonal_gradient" and isinstance(value, bool):
+        return "flattened" if value else "disabled"
+    return value
 
 
 def _unset_optimizer_option(key: str, value) -> bool:

@@ -27,8 +27,11 @@ def optimizer_class(spec: OptimizerSpec) -> type[torch.optim.Optimizer]:
 
 def constructor_kwargs(spec: OptimizerSpec, options: dict) -> dict:
     """Config options -> the implementation's keyword arguments (betas and Adafactor's eps are tuples; an option
-    OneTrainer names differently from the implementation is renamed)."""
-    kwargs = {k: v for k, v in options.items() if k not in WRAPPER_OPTIONS}
+    OneTrainer names differently from the implementation is renamed; an optimizer that rounds stochastically itself is
+    handed `stochastic_rounding`; options only the group split reads stay out)."""
+    kwargs = {k: v for k, v in options.items() if k not in WRAPPER_OPTIONS and k not in spec.group_only}
+    if spec.own_stochastic_rounding:
+        kwargs["stochastic_rounding"] = options["stochastic_rounding"]
     if spec.betas:
         kwargs["betas"] = tuple(kwargs.pop(name) for name in spec.betas)
     if spec.eps_pair:
@@ -84,7 +87,7 @@ def build_optimizer(
     optimizer = (cls or optimizer_class(spec))(param_groups, lr=lr, **kwargs)
     if spec.schedule_free:
         optimizer.train()  # schedulefree starts in eval mode; training steps in train mode (schedule_free.py)
-    if options.get("stochastic_rounding"):
+    if options.get("stochastic_rounding") and not spec.own_stochastic_rounding:
         install_stochastic_rounding(optimizer)
     if options.get("fused_back_pass"):
         install_fused_back_pass(optimizer)

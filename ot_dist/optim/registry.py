@@ -25,6 +25,8 @@ NOT_AVAILABLE = {
     "block_wise": "bitsandbytes 0.50 removed it; 8-bit state is always block-wise",
     "use_triton": "LION is bitsandbytes' Lion here, not lion-pytorch's Triton kernel",
     "adam_w_mode": "bitsandbytes' LAMB accepts but ignores it",
+    **{option: "adv_optm 2.5 (the *_ADV optimizers' package; OneTrainer pins 2.2) removed its AdEMAMix options"
+       for option in ("use_AdEMAMix", "beta3_ema", "Simplified_AdEMAMix", "alpha_grad")},
 }
 
 
@@ -47,9 +49,16 @@ class OptimizerSpec:
     dtensor_fused: bool = False
     renames: tuple[tuple[str, str], ...] = ()  # (option, the implementation's keyword) where OneTrainer's name differs
     whole_tensor: str = ""  # what it computes over each whole tensor ("" = elementwise): wrong on shards
+    # options that make an otherwise element-wise step need whole tensors (whole_tensor): ZeRO's flat partitions are
+    # refused only when one of them is set away from its default
+    per_tensor_options: tuple[str, ...] = ()
     schedule_free: bool = False  # trains at one point, averages another: samples and exports use the average
     group_split: str = ""  # "module:function" that turns the parameter groups into the implementation's groups
     dtensor_foreach: bool = True  # its multi-tensor path runs on FSDP2's DTensor shards (else: per-tensor loop there)
+    # the class rounds bfloat16 weights stochastically itself (adv_optm): `stochastic_rounding` is passed to it and
+    # ot_dist's step hooks (stochastic_rounding.py) are not installed, so its state stays in the weights' dtype
+    own_stochastic_rounding: bool = False
+    group_only: tuple[str, ...] = ()  # options only group_split reads (e.g. MUON_ADV's muon_adam_lr): not passed on
 
     @property
     def options(self) -> tuple[str, ...]:
@@ -69,6 +78,28 @@ def _spec(name, target, defaults, **kw) -> OptimizerSpec:
 
 _ADAM = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
 _BNB_8BIT = {"min_8bit_size": 4096}
+
+# adv_optm's optimizers (OneTrainer's *_ADV): the options OneTrainer passes every one of them, with its defaults.
+# orthogonal_gradient is adv_optm 2.5's mode ("disabled", "flattened": OrthoGrad over the flattened tensor, what
+# OneTrainer's true means in adv_optm 2.2, "iterative": row / column-wise); compile is its compiled_optimizer.
+_ADV = {"weight_decay": 0.0, "cautious_wd": False, "nnmf_factor": False, "orthogonal_gradient": "disabled",
+        "compile": False, "stochastic_rounding": True}
+_KOURKOUTAS = {"kourkoutas_beta": False, "k_warmup_steps": 0.0}
+_ADV_MUON = {"accelerated_ns": False, "ns_steps": 5, "low_rank_ortho": False, "ortho_rank": 128, "rms_rescaling": True,
+             "normuon_variant": True, "approx_mars": False, "muon_adam_lr": 1e-6}
+_ADV_PER_TENSOR = ("nnmf_factor", "orthogonal_gradient")  # (with ADAMW_ADV / ADOPT_ADV's kourkoutas_beta)
+_ADV_WHOLE = ("each whole tensor for its per-tensor options (nnmf_factor's factored state, orthogonal_gradient's "
+              "projection, kourkoutas_beta's gradient norms)")
+
+
+def _adv(name, cls, defaults, compiles=True, **kw) -> OptimizerSpec:
+    kw.setdefault("whole_tensor", _ADV_WHOLE)
+    # each tensor's step depends on that tensor alone (step_parameter), but for PRODIGY_ADV's d, summed over the step
+    kw.setdefault("supports_fused_back_pass", True)
+    common = {**(_ADV if compiles else {k: v for k, v in _ADV.items() if k != "compile"}),
+              **(FUSED if kw["supports_fused_back_pass"] else {})}
+    renames = kw.pop("renames", ()) + ((("compile", "compiled_optimizer"),) if compiles else ())
+    return _spec(name, f"adv_optm:{cls}", {**defaults, **common}, renames=renames, own_stochastic_rounding=True, **kw)
 
 SPECS: dict[str, OptimizerSpec] = {
     s.name: s
@@ -210,6 +241,43 @@ SPECS: dict[str, OptimizerSpec] = {
               {"beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "decoupled_decay": True, "fixed_decay": False,
                "initial_accumulator": 1e-6, "eps": 1e-3},
               betas=("beta1", "beta2"), renames=(("decoupled_decay", "weight_decouple"),)),
+        _spec("AIDA", "pytorch_optimizer:Aida",
+              {"beta1": 0.9, "beta2": 0.999, "k": 2, "xi": 1e-20, "weight_decay": 0.0, "decoupled_decay": False,
+               "fixed_decay": False, "rectify": False, "n_sma_threshold": 5, "degenerated_to_sgd": True,
+               "ams_bound": False, "eps": 1e-8},
+              betas=("beta1", "beta2"), renames=(("decoupled_decay", "weight_decouple"),),
+              whole_tensor="its projections of each whole tensor's gradient and momentum onto each other"),
+        # -- adv_optm (OneTrainer's *_ADV): one package, per-tensor options (see _ADV) ---------------------
+        _adv("ADAMW_ADV", "AdamW_adv",
+             {"beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "use_atan2": False, **_KOURKOUTAS}, betas=("beta1", "beta2"),
+             per_tensor_options=_ADV_PER_TENSOR + ("kourkoutas_beta",)),
+        _adv("ADOPT_ADV", "Adopt_adv",
+             {"beta1": 0.9, "beta2": 0.9999, "eps": 1e-6, "use_atan2": True, **_KOURKOUTAS}, betas=("beta1", "beta2"),
+             per_tensor_options=_ADV_PER_TENSOR + ("kourkoutas_beta",)),
+        _adv("PRODIGY_ADV", "Prodigy_adv",
+             {"beta1": 0.9, "beta2": 0.99, "beta3": None, "eps": 1e-8, "d0": 1e-6, "d_coef": 1.0, "growth_rate": INF,
+              "slice_p": 11, "prodigy_steps": 0, "d_limiter": False, "use_atan2": False, **_KOURKOUTAS},
+             betas=("beta1", "beta2"), adaptive=True, supports_fused_back_pass=False),
+        _adv("SIGNSGD_ADV", "SignSGD_adv", {"momentum": 0.95}, per_tensor_options=_ADV_PER_TENSOR,
+             whole_tensor="each whole tensor for its per-tensor options (nnmf_factor's factored state, "
+             "orthogonal_gradient's projection)"),
+        # adv_optm 2.5's Lion_adv takes compiled_optimizer but never stores it (its step reads the group's): no compile
+        _adv("LION_ADV", "Lion_adv", {"beta1": 0.9, "beta2": 0.99, "auto_kappa_p": True}, betas=("beta1", "beta2"),
+             compiles=False,
+             whole_tensor=_ADV_WHOLE + " and auto_kappa_p's update of each convolution kernel, scaled to the whole "
+             "kernel's norm"),
+        _adv("MUON_ADV", "Muon_adv",
+             {"beta1": 0.9, "nesterov": True, "beta2_normuon": 0.95, **_ADV_MUON},
+             group_split="ot_dist.optim.muon:muon_groups", group_only=("muon_adam_lr",),
+             whole_tensor="the orthogonalisation (Newton-Schulz) of each whole weight matrix's momentum",
+             notes="weight matrices (2-D and up) take Muon's step at your learning rate; biases and norms take "
+             "adv_optm's AdamW step at muon_adam_lr"),
+        _adv("ADAMUON_ADV", "AdaMuon_adv",
+             {"beta1": 0.95, "beta2": 0.95, "eps": 1e-8, "nesterov": False, "use_atan2": False, **_ADV_MUON},
+             betas=("beta1", "beta2"), group_split="ot_dist.optim.muon:muon_groups", group_only=("muon_adam_lr",),
+             whole_tensor="the orthogonalisation (Newton-Schulz) of each whole weight matrix's update",
+             notes="weight matrices (2-D and up) take AdaMuon's step at your learning rate; biases and norms take "
+             "adv_optm's AdamW step at muon_adam_lr"),
     ]
 }
 OPTIMIZER_NAMES = tuple(SPECS)
