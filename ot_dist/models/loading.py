@@ -41,7 +41,7 @@ class LoadedModel:
 
     @property
     def inpainting(self) -> bool:
-        """An inpainting denoiser: its input is noisy latent + mask + masked-image latent."""
+        """An inpainting denoiser: its input is noisy latent + mask + masked-image latent (the family's layout)."""
         return self.family.is_inpainting(self.denoiser)
 
     def part(self, name: str) -> torch.nn.Module:
@@ -86,7 +86,7 @@ def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = N
         raise InputFileError(f"model.path: {path.resolve()} does not exist (expected a diffusers folder or a .safetensors file)")
     denoiser = getattr(pipeline, family.denoiser)
     if family.inpaint_pipeline_class:
-        check_inpainting_option(config.inpainting, denoiser)
+        check_inpainting_option(config.inpainting, denoiser, family)
         if family.is_inpainting(denoiser):
             pipeline = as_inpainting_pipeline(pipeline, family.inpaint_pipeline_class)
     return LoadedModel(family=family, pipeline=pipeline, objective=family.objective(pipeline, config))

@@ -321,9 +321,23 @@ class Family:
         return self.predict(denoiser, noisy, timesteps, conditioning, batch), None
 
     # -- variants ---------------------------------------------------------------------------------------
+    # The denoiser's input channels when it is an inpainting model (inpaint_pipeline_class), and what they hold, in
+    # the words config errors use; None: the family has no inpainting models.
+    inpainting_in_channels: int | None = None
+    inpainting_input: str = ""
+
     def is_inpainting(self, denoiser) -> bool:
-        """A denoiser whose input is noisy latent + mask + masked-image latent (SD's 9-channel UNets)."""
-        return False
+        """A denoiser whose input is noisy latent + the repaint mask + the masked image's latent (SD's 9-channel UNets,
+        Flux.1 Fill's 384-channel transformer)."""
+        return self.inpainting_in_channels is not None and denoiser.config.in_channels == self.inpainting_in_channels
+
+    def inpainting_condition(self, masks: torch.Tensor, masked_latents: torch.Tensor) -> torch.Tensor:
+        """What an inpainting denoiser sees beside the noisy latents, on the latent grid and concatenated after them
+        along the channels: from the binary repaint masks (B, 1, H, W) at pixel size and the masked image's latents
+        (B, C, h, w). The default is SD's inpainting pipelines': the mask scaled to latent size by nearest
+        interpolation, then the masked-image latent (B, 1 + C, h, w)."""
+        mask = torch.nn.functional.interpolate(masks, size=tuple(masked_latents.shape[-2:]))  # nearest
+        return torch.cat([mask.to(masked_latents), masked_latents], dim=1)
 
     # -- single files -----------------------------------------------------------------------------------
     # Whether the family has a single-file layout (load_single_file / export_single_file); without one the full

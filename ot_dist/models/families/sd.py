@@ -29,6 +29,8 @@ class UNetFamily(Family):
 
     denoiser = "unet"
     convolutional_denoiser = True
+    inpainting_in_channels = 9
+    inpainting_input = "noisy latent 4 + mask 1 + masked-image latent 4"
     denoiser_lora_presets = {"default": UNET_LORA_TARGETS, "attention": ("to_q", "to_k", "to_v", "to_out.0")}
     shard_units = {"unet": UNET_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS}
     pixel_multiple = 8
@@ -101,13 +103,9 @@ class UNetFamily(Family):
                 pipeline.__call__).parameters:
             arguments.setdefault("guidance_rescale", ZERO_TERMINAL_SNR_GUIDANCE_RESCALE)
         if type(pipeline).__name__ == self.inpaint_pipeline_class:
-            # An inpainting model samples as OneTrainer samples one (sample_inpainting off): the whole image repainted
-            # from pure noise, its conditioning a blank masked image (the pipeline zeroes the image under a full mask).
-            from PIL import Image
+            from ot_dist.models.inpainting import whole_image_repaint
 
-            size = (arguments["width"], arguments["height"])
-            arguments.update(image=Image.new("RGB", size, (128, 128, 128)), mask_image=Image.new("L", size, 255),
-                             strength=1.0)
+            arguments = whole_image_repaint(arguments)
         return arguments
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
@@ -115,11 +113,6 @@ class UNetFamily(Family):
 
     def unet_inputs(self, conditioning: dict, batch: dict) -> dict:
         return {"encoder_hidden_states": conditioning["hidden"]}
-
-    def is_inpainting(self, denoiser) -> bool:
-        from ot_dist.models.inpainting import is_inpainting_unet
-
-        return is_inpainting_unet(denoiser)
 
     def load_single_file(self, path: Path, config_folder, model_config):
         from ot_dist.models.families.sd_single_file import load_single_file
