@@ -178,6 +178,7 @@ def test_a_full_finetune_trains_exports_a_fill_pipeline_and_samples_as_it_does(f
 
 def test_the_lora_loads_in_the_fill_pipeline(fill_model, partly_masked_data, tmp_path):
     from diffusers import FluxFillPipeline
+    from safetensors import safe_open
     from safetensors.torch import load_file
     from test_family_flux import comfyui_transformer_keys
 
@@ -188,6 +189,8 @@ def test_the_lora_loads_in_the_fill_pipeline(fill_model, partly_masked_data, tmp
     saved = load_file(tmp_path / "o" / "lora.safetensors")
     modules = {k.rsplit(".lora_", 1)[0] for k in saved}
     assert modules and modules <= comfyui_transformer_keys(fill_model)  # Flux's rule: ComfyUI runs Fill as Flux
+    with safe_open(tmp_path / "o" / "lora.safetensors", "pt") as f:
+        assert f.metadata()["modelspec.architecture"] == "flux.1-dev/inpaint/lora"  # SwarmUI's Fill class
 
     torch.manual_seed(0)
     noisy, t = torch.randn(1, 16 + 16 + 64, 8, 8), torch.tensor([500.0])  # noisy latent + the condition
