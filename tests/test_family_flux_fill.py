@@ -218,3 +218,23 @@ def test_the_inpainting_option_checks_the_transformer(fill_model, family_models)
     with pytest.raises(ConfigError, match="model.inpainting: model family flux_kontext has no inpainting models"):
         validate(base_config(fill_model, fill_model, fill_model / "o", family="flux_kontext",
                              **{"model.inpainting": True}))
+
+
+def test_black_forest_labs_single_file_loads_as_the_folder(fill_model, tmp_path):
+    """flux1-fill-dev.safetensors is Flux's layout with a wider img_in: Flux's key map reads it with a Fill config."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from ot_dist.models.families.flux_single_file import FLUX
+
+    state = load_file(fill_model / "transformer" / "diffusion_pytorch_model.safetensors")
+    config = json.loads((fill_model / "transformer" / "config.json").read_text())
+    single = tmp_path / "flux1-fill-tiny.safetensors"
+    original = FLUX.to_original(state, config)
+    assert original["img_in.weight"].shape[1] == 384
+    save_file({k: v.contiguous() for k, v in original.items()}, single)
+    loaded = load_model(ModelConfig(family="flux", path=str(single), config=str(fill_model)))
+    assert loaded.inpainting and type(loaded.pipeline).__name__ == "FluxFillPipeline"
+    got = loaded.denoiser.state_dict()
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state)
