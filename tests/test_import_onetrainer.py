@@ -14,6 +14,7 @@ import yaml
 
 from ot_dist.cli import main
 from ot_dist.config.load import load_config
+from ot_dist.errors import ConfigError
 from ot_dist.train.trainer import Trainer
 
 
@@ -304,6 +305,12 @@ def test_flux_fill_imports_as_flux_inpainting(tmp_path):
     model.inpainting, so the masked image is encoded each step."""
     config, _ = import_only(tmp_path, {"model_type": "FLUX_FILL_DEV_1", "training_method": "LORA"})
     assert (config.model.family, config.model.inpainting, config.data.cache_latents) == ("flux", True, False)
+
+
+def test_sd2_depth_is_refused_with_its_reason(tmp_path):
+    with pytest.raises(ConfigError, match=r"model_type: STABLE_DIFFUSION_20_DEPTH: SD 2.0 depth .* not an ot_dist "
+                                          r"model yet; OneTrainer's own data loader no longer builds the depth map"):
+        import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_20_DEPTH"})
 
 
 def test_part_dtypes_and_checkpointing_of_config_version_11(tmp_path):

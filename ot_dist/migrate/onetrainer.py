@@ -46,6 +46,11 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
 FAMILIES["Z_IMAGE"] = ("z_image", False)
 FAMILIES["ERNIE"] = ("ernie_image", False)
 FAMILIES["FLUX_FILL_DEV_1"] = ("flux", True)  # Flux.1 Fill [dev]: Flux's inpainting model (FluxFillPipeline)
+# OneTrainer model types ot_dist does not train, with why (any other unknown type gets the list of those it trains)
+NOT_TRAINED = {"STABLE_DIFFUSION_20_DEPTH": (
+    "SD 2.0 depth (a 5-channel UNet conditioned on a DPT depth map, StableDiffusionDepth2ImgPipeline) is not an "
+    "ot_dist model yet; OneTrainer's own data loader no longer builds the depth map this type trains on (its "
+    "GenerateDepth step was dropped in August 2024)")}
 # OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
 # model's name tells them apart here (black-forest-labs/FLUX.2-dev, FLUX.2-klein-base-4B / -9B).
 KLEIN_FAMILY = {"flux2": "flux2_klein"}
@@ -66,6 +71,8 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     skip = out.not_honoured.append
 
     model_type = ot["model_type"]
+    if model_type in NOT_TRAINED:
+        raise ConfigError(f"model_type: {model_type}: {NOT_TRAINED[model_type]}")
     if model_type not in FAMILIES:
         raise ConfigError(f"model_type: {model_type} is not trained by ot_dist (it trains "
                           f"{', '.join(sorted(FAMILIES))})")
