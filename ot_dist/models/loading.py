@@ -44,6 +44,11 @@ class LoadedModel:
         """An inpainting denoiser: its input is noisy latent + mask + masked-image latent (the family's layout)."""
         return self.family.is_inpainting(self.denoiser)
 
+    @property
+    def depth_conditioned(self) -> bool:
+        """A depth-conditioned denoiser (SD 2.0 depth): its input is noisy latent + the image's depth map."""
+        return self.family.is_depth_conditioned(self.denoiser)
+
     def part(self, name: str) -> torch.nn.Module:
         """A trainable part by config name: the denoiser ("unet" / "transformer") or a text encoder."""
         return getattr(self.pipeline, name)

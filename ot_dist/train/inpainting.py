@@ -28,10 +28,14 @@ RECTANGLE_SHARE = 0.375
 
 
 def check_inpainting_setup(config, model) -> None:
-    """Before training: an inpainting model (detected after loading) needs the images every step."""
+    """Before training: an inpainting or depth-conditioned model (detected after loading) needs the images every
+    step."""
     if model.inpainting and config.data.cache_latents:
         raise ConfigError("data.cache_latents: model.path is an inpainting model, which encodes each step's masked "
                           "image with the VAE; turn cache_latents off")
+    if model.depth_conditioned and config.data.cache_latents:
+        raise ConfigError("data.cache_latents: model.path is a depth-conditioned model, which computes each step's "
+                          "depth map from the images; turn cache_latents off")
 
 
 def inpainting_masks(batch: dict, seed: int, epoch: int) -> torch.Tensor:

@@ -96,6 +96,9 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     conditioning = text_conditioning(model, batch, device, dtype) | reference_conditioning(model, batch, device, dtype)
     if model.inpainting:
         noisy = torch.cat([noisy, inpainting_condition(model, batch, latent_shape, seed, epoch).to(noisy)], dim=1)
+    if model.depth_conditioned:  # the image's depth map (SD 2.0 depth)
+        depth = family.depth_condition(model.pipeline, batch["pixels"], tuple(latent_shape[-2:]))
+        noisy = torch.cat([noisy, depth.to(noisy)], dim=1)
     prediction, extra = family.training_prediction(denoiser, noisy.to(dtype), timesteps, conditioning, batch, latents,
                                                    objective, options)
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
