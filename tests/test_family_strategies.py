@@ -103,6 +103,9 @@ EDITED = {"family": "flux2", "launch": "sd3", "strategies": ("fsdp",)}
 # beside the 8x8-folded mask; the shapes have no masks, so every mask is a random draw keyed by sample id, the same on
 # any rank) packed with the noisy tokens, a full finetune under fsdp in Flux's launch
 INPAINTED = {"family": "flux", "strategies": ("fsdp",)}
+# SD 2.0 depth (sd2 with a 5-channel UNet): each rank's images' depth maps from the frozen DPT estimator (placed like
+# the VAE) beside the noisy latent, a full finetune under fsdp in Flux's launch
+DEPTHED = {"family": "sd2", "launch": "flux", "strategies": ("fsdp",)}
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
@@ -290,6 +293,10 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
         fill = make_tiny_model(tmp_path / "inpainting-model", family, inpainting=True)
         cases |= full_variant("inpainted", {"model.inpainting": True}, INPAINTED["strategies"], family, fill,
                               shapes_data, tmp_path, references, change=None, batch_size=2)
+    if family == DEPTHED["launch"]:
+        depth = make_tiny_model(tmp_path / "depth-model", DEPTHED["family"], depth=True)
+        cases |= full_variant("depthed", {}, DEPTHED["strategies"], DEPTHED["family"], depth, shapes_data, tmp_path,
+                              references, change=None, batch_size=2)
     bfloat16_cases = {}
     for name in (name for name in families if name in BFLOAT16_CASES):
         out = tmp_path / f"ref-{name}-bfloat16"
@@ -319,7 +326,7 @@ def test_strategies_equal_one_process(family, family_models, small_sd1, shapes_d
         assert diff <= BFLOAT16_NOISE * noise, f"{case}: max abs diff {diff:.3g}, bfloat16 noise {noise:.3g}"
     for case, raw in cases.items():
         name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # full, lora, clipped or scaled (a full finetune)
-        method = "full" if kind in ("clipped", "scaled", "edited", "inpainted") else kind
+        method = "full" if kind in ("clipped", "scaled", "edited", "inpainted", "depthed") else kind
         with_text_encoder = bool(trained(name, method))  # the same for the clipped, scaled and edited cases
         reference, got = references[name, kind], exported(Path(raw["output_dir"]), name, method, with_text_encoder)
         assert reference.keys() == got.keys(), case

@@ -14,7 +14,6 @@ import yaml
 
 from ot_dist.cli import main
 from ot_dist.config.load import load_config
-from ot_dist.errors import ConfigError
 from ot_dist.train.trainer import Trainer
 
 
@@ -307,10 +306,14 @@ def test_flux_fill_imports_as_flux_inpainting(tmp_path):
     assert (config.model.family, config.model.inpainting, config.data.cache_latents) == ("flux", True, False)
 
 
-def test_sd2_depth_is_refused_with_its_reason(tmp_path):
-    with pytest.raises(ConfigError, match=r"model_type: STABLE_DIFFUSION_20_DEPTH: SD 2.0 depth .* not an ot_dist "
-                                          r"model yet; OneTrainer's own data loader no longer builds the depth map"):
-        import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_20_DEPTH"})
+def test_sd2_depth_imports_as_sd2_without_latent_cache_or_samples(tmp_path):
+    """STABLE_DIFFUSION_20_DEPTH: sd2 (the 5-channel UNet is detected when it loads); latent caching (on in OneTrainer
+    by default) off, the samples listed (a depth model cannot sample in ot_dist yet)."""
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_20_DEPTH", "training_method": "LORA"},
+                                  samples=[{"prompt": "a house"}])
+    assert (config.model.family, config.model.inpainting, config.data.cache_latents) == ("sd2", None, False)
+    assert not config.sampling.prompts
+    assert any(line.startswith("samples: 1 prompt(s) left out: ot_dist cannot sample a depth model") for line in skipped)
 
 
 def test_part_dtypes_and_checkpointing_of_config_version_11(tmp_path):

@@ -46,11 +46,10 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
 FAMILIES["Z_IMAGE"] = ("z_image", False)
 FAMILIES["ERNIE"] = ("ernie_image", False)
 FAMILIES["FLUX_FILL_DEV_1"] = ("flux", True)  # Flux.1 Fill [dev]: Flux's inpainting model (FluxFillPipeline)
-# OneTrainer model types ot_dist does not train, with why (any other unknown type gets the list of those it trains)
-NOT_TRAINED = {"STABLE_DIFFUSION_20_DEPTH": (
-    "SD 2.0 depth (a 5-channel UNet conditioned on a DPT depth map, StableDiffusionDepth2ImgPipeline) is not an "
-    "ot_dist model yet; OneTrainer's own data loader no longer builds the depth map this type trains on (its "
-    "GenerateDepth step was dropped in August 2024)")}
+# SD 2.0 depth: sd2, its 5-channel UNet detected when loaded (ot_dist/models/depth.py). ot_dist computes each step's
+# depth map from the images (no latent cache) and cannot sample it yet (its pipeline is image-to-image).
+FAMILIES["STABLE_DIFFUSION_20_DEPTH"] = ("sd2", False)
+DEPTH_MODEL_TYPES = ("STABLE_DIFFUSION_20_DEPTH",)
 # OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
 # model's name tells them apart here (black-forest-labs/FLUX.2-dev, FLUX.2-klein-base-4B / -9B).
 KLEIN_FAMILY = {"flux2": "flux2_klein"}
@@ -71,8 +70,6 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     skip = out.not_honoured.append
 
     model_type = ot["model_type"]
-    if model_type in NOT_TRAINED:
-        raise ConfigError(f"model_type: {model_type}: {NOT_TRAINED[model_type]}")
     if model_type not in FAMILIES:
         raise ConfigError(f"model_type: {model_type} is not trained by ot_dist (it trains "
                           f"{', '.join(sorted(FAMILIES))})")
@@ -141,10 +138,24 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     import_samples(ot, c, path, samples_path, out)
     import_checkpoint(ot, c, skip)
     import_latent_caching(ot, c, inpainting, crop_jitter, out)
+    if model_type in DEPTH_MODEL_TYPES:
+        _depth_model(c, out)
     scale_learning_rates(ot, c, out)
     c["mlflow"] = {"run_name": destination.stem}
     out.notes.insert(0, f"imported from {path.name} (OneTrainer config version {version})")
     return out
+
+
+def _depth_model(c: dict, out: Imported) -> None:
+    """What a depth-conditioned model changes in the imported config: no latent cache (each step's depth map is
+    computed from the images), no samples (they would need an image to take the depth of)."""
+    if c.get("data", {}).pop("cache_latents", False):
+        out.notes.append("latent_caching: off, because a depth model is trained (ot_dist computes each step's depth "
+                         "map from the images)")
+    prompts = c.get("sampling", {}).pop("prompts", None)
+    if prompts:
+        out.not_honoured.append(f"samples: {len(prompts)} prompt(s) left out: ot_dist cannot sample a depth model "
+                                "yet (StableDiffusionDepth2ImgPipeline needs an image to take the depth of)")
 
 
 def _resolution(value: str, family: str, skip) -> int | list[int]:
