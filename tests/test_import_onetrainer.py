@@ -299,6 +299,23 @@ def test_inpainting_presets_do_not_cache_latents(tmp_path):
     assert config.model.inpainting and not config.data.cache_latents
 
 
+def test_flux_fill_imports_as_flux_inpainting(tmp_path):
+    """FLUX_FILL_DEV_1 (OneTrainer trains it with Flux's setup, its mask and conditioning image as inputs): Flux with
+    model.inpainting, so the masked image is encoded each step."""
+    config, _ = import_only(tmp_path, {"model_type": "FLUX_FILL_DEV_1", "training_method": "LORA"})
+    assert (config.model.family, config.model.inpainting, config.data.cache_latents) == ("flux", True, False)
+
+
+def test_sd2_depth_imports_as_sd2_without_latent_cache_or_samples(tmp_path):
+    """STABLE_DIFFUSION_20_DEPTH: sd2 (the 5-channel UNet is detected when it loads); latent caching (on in OneTrainer
+    by default) off, the samples listed (a depth model cannot sample in ot_dist yet)."""
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_20_DEPTH", "training_method": "LORA"},
+                                  samples=[{"prompt": "a house"}])
+    assert (config.model.family, config.model.inpainting, config.data.cache_latents) == ("sd2", None, False)
+    assert not config.sampling.prompts
+    assert any(line.startswith("samples: 1 prompt(s) left out: ot_dist cannot sample a depth model") for line in skipped)
+
+
 def test_part_dtypes_and_checkpointing_of_config_version_11(tmp_path):
     """Since version 9 each part stores its weight_dtype, since 11 its gradient_checkpointing."""
     lora = {"__version": 11, "model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "LORA",

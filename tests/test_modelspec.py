@@ -95,6 +95,13 @@ DOCUMENTED = [
     # diffusers' modular ERNIE-Image blocks' model_name; ComfyUI's names are diffusers'
     ("ernie_image", {}, None, False, "lora", "diffusers", "ernie-image/lora", "diffusers"),
     ("ernie_image", {}, None, False, "checkpoint", None, "ernie-image", "diffusers"),
+    # Flux.1 Fill [dev] (flux with a 384-channel transformer): SwarmUI's class id (T2IModelClassSorter:
+    # Flux.1-dev/inpaint, matched lowercased); kohya has no Fill id
+    ("flux", FLUX_DEV, None, True, "checkpoint", None, "flux.1-dev/inpaint", BFL),
+    ("flux", FLUX_DEV, None, True, "lora", "diffusers", "flux.1-dev/inpaint/lora", "diffusers"),
+    # SD 2.0 depth (sd2 with a 5-channel UNet): the spec's stable-diffusion-v2-depth
+    ("sd2", {"in_channels": 5}, "epsilon", False, "checkpoint", None, "stable-diffusion-v2-depth", STABILITY),
+    ("sd2", {"in_channels": 5}, "epsilon", False, "lora", "kohya", "stable-diffusion-v2-depth/lora", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -129,8 +129,9 @@ class ModelConfig(Section):
     )
     inpainting: bool | None = Field(
         default=None,
-        description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent). null = "
-        "detected from the UNet config (in_channels 9); true / false = require that kind of model. The mask is the "
+        description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent; Flux.1 Fill: a "
+        "384-channel transformer, the same in FluxFillPipeline's layout). null = detected from the denoiser config "
+        "(in_channels 9 / 384); true / false = require that kind of model. The mask is the "
         "image's `-masklabel.png` (white = repaint) or, without one, a random rectangle, brush strokes or the whole "
         "image, drawn per sample and epoch. Needs the images (not data.cache_latents).",
     )
