@@ -31,7 +31,8 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
-PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4",
+               "text_conditioner")
 
 
 class ModelConfig(Section):
@@ -891,6 +892,7 @@ class TrainConfig(Section):
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
     text_encoder_4: PartConfig = Field(default_factory=PartConfig)  # HiDream's Llama
+    text_conditioner: PartConfig = Field(default_factory=PartConfig)  # Anima's LLM adapter (Qwen3 -> T5 queries)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     additional_embeddings: list[AdditionalEmbeddingConfig] = Field(
