@@ -231,3 +231,24 @@ def test_the_text_conditioner_trains_as_a_part_and_its_lora_loads_in_diffusers(f
     assert (prediction(family, pipe) - trained).abs().max() > 1e-4
     pipe.load_lora_weights(str(tmp_path / "tc" / "lora.safetensors"))
     torch.testing.assert_close(prediction(family, pipe), trained, rtol=1e-5, atol=1e-6)
+
+
+def test_a_folder_saved_by_diffusers_modular_pipeline_loads(family_models, tmp_path):
+    """The published folders are AnimaModularPipeline.save_pretrained's (modular_model_index.json, no
+    model_index.json), as diffusers' convert_anima_to_diffusers.py writes them: model.path takes one, with the same
+    components and outputs as the folder it came from."""
+    from diffusers import AnimaAutoBlocks
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.families.anima_pipeline import COMPONENTS
+    from ot_dist.models.loading import load_model
+
+    ours = load_model(ModelConfig(family=FAMILY, path=str(family_models[FAMILY])))
+    modular = AnimaAutoBlocks().init_pipeline()
+    modular.update_components(**{name: getattr(ours.pipeline, name) for name in COMPONENTS})
+    modular.save_pretrained(str(tmp_path / "published"), overwrite_modular_index=True)
+    assert not (tmp_path / "published" / "model_index.json").exists()
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "published")))
+    assert type(loaded.pipeline) is type(ours.pipeline) and loaded.objective.shift == 3.0
+    torch.testing.assert_close(prediction(loaded.family, loaded.pipeline), prediction(ours.family, ours.pipeline),
+                               rtol=0, atol=0)

@@ -41,7 +41,8 @@ QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_p
 CONDITIONER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp.0", "mlp.2")
 # The scheduler diffusers' convert_anima_to_diffusers.py saves: FlowMatchEulerDiscreteScheduler(shift=3.0)
 ANIMA_SCHEDULER = dict(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
-# OneTrainer's sample default negative prompt for Anima (SampleConfig.py)
+# The class a published Anima folder names (circlestone-labs/Anima-Base-v1.0-Diffusers: modular_model_index.json)
+MODULAR_PIPELINE = "AnimaModularPipeline"
 TINY_TEXT_WIDTH = 32
 TINY_TOKENS = 32
 
@@ -138,8 +139,21 @@ class Anima(Family):
 
     # -- folders ----------------------------------------------------------------------------------------
     def load_folder(self, path, index):
+        """ot_dist's own folders (model_index.json naming AnimaPipeline), and the published ones, which diffusers'
+        AnimaModularPipeline saved (modular_model_index.json only): read by diffusers' ModularPipeline."""
+        if index.get("_class_name") == MODULAR_PIPELINE:
+            from diffusers import ModularPipeline
+
+            from ot_dist.models.families.anima_pipeline import COMPONENTS
+
+            modular = ModularPipeline.from_pretrained(str(path), local_files_only=True)
+            modular.load_components(names=list(COMPONENTS), dtype=torch.float32, use_safetensors=True)
+            return self.pipeline_cls()(**{name: getattr(modular, name) for name in COMPONENTS})
         return self.pipeline_cls().from_pretrained(path, dtype=torch.float32, use_safetensors=True,
                                                    local_files_only=True)
+
+    def pipeline_classes(self):
+        return (self.pipeline_class, MODULAR_PIPELINE)
 
     def save_extras(self, pipeline, folder):
         from ot_dist.models.families.anima_pipeline import write_modular_index
