@@ -252,3 +252,49 @@ def test_a_folder_saved_by_diffusers_modular_pipeline_loads(family_models, tmp_p
     assert type(loaded.pipeline) is type(ours.pipeline) and loaded.objective.shift == 3.0
     torch.testing.assert_close(prediction(loaded.family, loaded.pipeline), prediction(ours.family, ours.pipeline),
                                rtol=0, atol=0)
+
+
+def comfy_anima_lora_names(num_layers: int, adapter_layers: int) -> set[str]:
+    """The LoRA module names ComfyUI maps for an Anima model: its generic rule (comfy/lora.py model_lora_keys_unet:
+    `diffusion_model.<key without .weight>` for every weight key of the model) over the original model's Linear
+    layers, Cosmos-Predict2's MiniTrainDIT with the adapter as `llm_adapter`, the `net.` wrapper stripped (as OneTrainer's
+    AnimaModel._diffusers_to_dit lists them for its COMFY format): per block, adaln_modulation_{self_attn, cross_attn,
+    mlp}.1 / .2, {self_attn, cross_attn}.{q_proj, k_proj, v_proj, output_proj}, mlp.layer1 / layer2; x_embedder.proj.1,
+    t_embedder.1.linear_1 / linear_2, final_layer.adaln_modulation.1 / .2, final_layer.linear; in the adapter (its
+    AnimaTextConditioner names are the original's), per block {self_attn, cross_attn}.{q,k,v,o}_proj, mlp.0 / mlp.2,
+    and in_proj (absent at equal widths), out_proj."""
+    block = [f"adaln_modulation_{kind}.{i}" for kind in ("self_attn", "cross_attn", "mlp") for i in (1, 2)]
+    block += [f"{attn}.{p}" for attn in ("self_attn", "cross_attn") for p in ("q_proj", "k_proj", "v_proj",
+                                                                                "output_proj")]
+    block += ["mlp.layer1", "mlp.layer2"]
+    names = {f"blocks.{i}.{m}" for i in range(num_layers) for m in block}
+    names |= {"x_embedder.proj.1", "t_embedder.1.linear_1", "t_embedder.1.linear_2", "final_layer.adaln_modulation.1",
+              "final_layer.adaln_modulation.2", "final_layer.linear"}
+    adapter = [f"{attn}.{p}" for attn in ("self_attn", "cross_attn") for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    names |= {f"llm_adapter.blocks.{i}.{m}" for i in range(adapter_layers) for m in adapter + ["mlp.0", "mlp.2"]}
+    names |= {"llm_adapter.out_proj"}
+    return {f"diffusion_model.{n}" for n in names}
+
+
+def test_comfyui_lora_file_carries_the_original_names_and_loads_in_diffusers(family_models, shapes_data, tmp_path):
+    """lora_comfyui.safetensors (every linear layer of the transformer, the adapter's default targets): each module is one ComfyUI
+    maps for Anima, lora_A / lora_B without alpha; diffusers' Anima loader converts the same file back and gives the
+    trained outputs."""
+    base = family_models[FAMILY]
+    trainer = trainer_for(base, shapes_data, tmp_path / "o", method="lora", max_steps=2, learning_rate=5e-2,
+                          output_dtype="float32", **{"text_conditioner.train": True, "lora.rank": 4, "lora.alpha": 8,
+                                                     "lora.preset": "all_linear"})
+    trainer.train()
+    model, family = trainer.model, trainer.model.family
+    saved = load_file(tmp_path / "o" / "lora_comfyui.safetensors")
+    modules = {k.rsplit(".lora_", 1)[0] for k in saved}
+    assert {k.rsplit(".lora_", 1)[1] for k in saved} == {"A.weight", "B.weight"}  # no alpha: strength 1
+    comfy = comfy_anima_lora_names(model.denoiser.config.num_layers, model.pipeline.text_conditioner.config.num_layers)
+    assert modules <= comfy, sorted(modules - comfy)[:3]
+    assert {"diffusion_model.x_embedder.proj.1", "diffusion_model.blocks.1.mlp.layer2",
+            "diffusion_model.llm_adapter.blocks.0.cross_attn.k_proj"} <= modules
+    trained = prediction(family, model.pipeline)
+    pipe = modular_folder(base)
+    assert (prediction(family, pipe) - trained).abs().max() > 1e-4
+    pipe.load_lora_weights(str(tmp_path / "o" / "lora_comfyui.safetensors"))
+    torch.testing.assert_close(prediction(family, pipe), trained, rtol=1e-5, atol=1e-6)
