@@ -91,6 +91,10 @@ RIDERS["flux"] += ("qwen_image_edit_plus",)
 # (units: blocks), riding in PixArt-α's launch
 FAMILY_STRATEGIES["wan"] = ("fsdp",)
 RIDERS["pixart_alpha"] += ("wan",)
+# Anima: Qwen3 through its LLM adapter (a second text part, frozen here), the 5-D one-frame latents with per-channel mean
+# / std, t = s in and the zero padding mask under fsdp (units: transformer_blocks) and zero2, riding in SD3's launch
+FAMILY_STRATEGIES["anima"] = ("fsdp", "zero2")
+RIDERS["sd3"] += ("anima",)
 # FLUX.2 [dev] as an edit model (the concepts with reference_path): its reference tokens (ids (10, row, col, 0)) and the
 # prediction read from the target's tokens, a full finetune under fsdp beside its text-to-image cases in SD3's launch
 EDITED = {"family": "flux2", "launch": "sd3", "strategies": ("fsdp",)}
