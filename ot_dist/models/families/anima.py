@@ -60,11 +60,13 @@ class Anima(Family):
                              "attention_mlp": ANIMA_ATTENTION_MLP_TARGETS}
     text_lora_targets = QWEN3_LORA_TARGETS
     text_lora_targets_by_encoder = {"text_conditioner": CONDITIONER_LORA_TARGETS}
-    # CosmosTransformerBlock (_no_split_modules), AnimaTextConditionerBlock (its _no_split_modules); Qwen3's embedding
-    # table its own unit (151936 x 1024: a quarter of Qwen3-0.6B, in the root it would stay gathered)
+    # CosmosTransformerBlock (_no_split_modules: 3.5 % of the transformer each), AnimaTextConditionerBlock (its
+    # _no_split_modules); the embedding tables their own units (Qwen3's 151936 x 1024: a quarter of Qwen3-0.6B; the
+    # adapter's 32128 x 1024, as much of the adapter): in the root they would stay gathered through backward
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": ("embed_tokens", "layers"),
-                   "text_conditioner": ("blocks",)}
+                   "text_conditioner": ("embed", "blocks")}
     pixel_multiple = 16  # VAE x8, then the transformer's 2x2 patches (the pipeline refuses other sides)
+    memory_reference = "Anima"  # the 1.96 B transformer, Qwen3-0.6B (0.6 B), the adapter (0.13 B), the Qwen-Image VAE
     # OneTrainer's sample defaults for Anima (SampleConfig.py): cfg 4.0, as neg + s (pos - neg)
     sample_guidance_scale = 4.0
     samplers = ("flow_euler",)
