@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ot_dist.memory.float8 import compute_dtype
 from ot_dist.models.families.base import Family
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
@@ -103,7 +104,8 @@ class Anima(Family):
                          ).last_hidden_state
         hidden = hidden * mask[..., None].to(hidden.dtype)  # zero at the padding, as the pipeline's text step
         device = conditioner.device
-        out = conditioner(source_hidden_states=to_device(hidden, device).to(conditioner.dtype),
+        # in the adapter's compute dtype (its weights', or float8 storage's compute dtype), as the pipeline passes it
+        out = conditioner(source_hidden_states=to_device(hidden, device).to(compute_dtype(conditioner)),
                           target_input_ids=to_device(tokens["text_conditioner"], device),
                           target_attention_mask=to_device(tokens["text_conditioner_mask"], device),
                           source_attention_mask=to_device(mask, device))
