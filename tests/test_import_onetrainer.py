@@ -489,6 +489,17 @@ def test_sample_defaults_of_the_newer_model_types(tmp_path, model_type, expected
     assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == expected
 
 
+def test_anima_samples_take_onetrainers_anima_defaults(tmp_path):
+    """SampleConfig._get_model_defaults' is_anima() branch (1024 px, 25 steps, cfg 4.0, its negative prompt) and
+    AnimaSampler's 64 px grid."""
+    config, _ = import_only(tmp_path, {"model_type": "ANIMA"}, samples=[{"prompt": "a cat"},
+                                                                       {"prompt": "a dog", "width": 520, "height": 1000}])
+    cat, dog = config.sampling.prompts
+    assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == (1024, 1024, 25, 4.0)
+    assert cat.negative_prompt == "worst quality, low quality, score_1, score_2, score_3, artist name"
+    assert (dog.width, dog.height) == (512, 1024)
+
+
 # OneTrainer's NoiseScheduler (modules/util/enum/NoiseScheduler.py) -> the scheduler create_noise_scheduler builds.
 NOISE_SCHEDULERS = {"DDIM": "ddim", "EULER": "euler", "EULER_A": "euler_a", "DPMPP": "dpmpp_2m", "DPMPP_SDE": "dpmpp_sde",
                     "UNIPC": "unipc", "EULER_KARRAS": "euler_karras", "DPMPP_KARRAS": "dpmpp_2m_karras",
