@@ -497,3 +497,17 @@ def test_qwen_image_edit_v1_takes_its_conditioning_dataset_as_reference_images(t
     plus, _ = imported(tmp_path, {"--model_family": "qwen_image", "--model_flavour": "edit-v2",
                                   "--model_type": "lora"}, backends)
     assert plus["model"]["family"] == "qwen_image_edit_plus"  # 2509, one reference per sample
+
+
+def test_anima_flavours(tmp_path):
+    """Anima: SimpleTuner's DEFAULT_LORA_TARGET (to_q / to_k / to_v / to_out.0: both attentions of every block), its
+    16-pixel bucket alignment; the single-file 2.9B flavour is listed, the release flavour is not."""
+    config, text = imported(tmp_path, {"--model_family": "anima", "--model_type": "lora",
+                                       "--pretrained_model_name_or_path": "/models/anima"})
+    assert config["model"] == {"family": "anima", "path": "/models/anima"}
+    assert config["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert config["data"]["bucket_step"] == 16
+    for flavour, listed in (("gazingstars123-2.9b", True), ("release", False)):
+        _, text = imported(tmp_path, {"--model_family": "anima", "--model_type": "lora", "--model_flavour": flavour,
+                                      "--pretrained_model_name_or_path": "/models/anima"})
+        assert ("SimpleTuner loads its transformer from a single file" in text) == listed, flavour
