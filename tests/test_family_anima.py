@@ -199,7 +199,7 @@ def test_lora_and_full_lower_the_loss_on_the_demo_data(family_models, shapes_dat
         trainer.train()
         with torch.no_grad():
             after = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss).item()
-        assert after < before - 0.05, (method, before, after)
+        assert after < before - 0.1, (method, before, after)  # seen: lora 1.85 -> 1.48, full 1.85 -> 1.42
 
 
 def test_cached_latents_and_text_train_as_the_images_and_captions_do(family_models, shapes_data, tmp_path):
