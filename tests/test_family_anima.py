@@ -298,3 +298,35 @@ def test_comfyui_lora_file_carries_the_original_names_and_loads_in_diffusers(fam
     assert (prediction(family, pipe) - trained).abs().max() > 1e-4
     pipe.load_lora_weights(str(tmp_path / "o" / "lora_comfyui.safetensors"))
     torch.testing.assert_close(prediction(family, pipe), trained, rtol=1e-5, atol=1e-6)
+
+
+def test_other_trainers_names_merge_as_the_diffusers_file_does(family_models, shapes_data, tmp_path):
+    """`ot-dist lora merge` reads the transformer's LoRA in the original DiT's names, ComfyUI's / OneTrainer's COMFY
+    `diffusion_model.<key>` (lora_comfyui.safetensors) and kohya's / OneTrainer's KOHYA `lora_unet_<key with _>` (the
+    same tensors renamed): the merged transformer is the diffusers-layout file's merge."""
+    from safetensors.torch import save_file
+
+    from ot_dist.cli import main
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.loading import load_model
+
+    base = family_models[FAMILY]
+    trainer_for(base, shapes_data, tmp_path / "o", method="lora", max_steps=1, learning_rate=5e-2,
+                output_dtype="float32", **{"lora.rank": 4, "lora.alpha": 8}).train()
+    comfy = load_file(tmp_path / "o" / "lora_comfyui.safetensors")
+    kohya = {}
+    for key, value in comfy.items():
+        module, suffix = key.rsplit(".lora_", 1)
+        kohya["lora_unet_" + module.removeprefix("diffusion_model.").replace(".", "_") + ".lora_" + suffix] = value
+    save_file(kohya, tmp_path / "kohya.safetensors")
+    merged = {}
+    for name, path in (("diffusers", tmp_path / "o" / "lora.safetensors"),
+                       ("comfy", tmp_path / "o" / "lora_comfyui.safetensors"), ("kohya", tmp_path / "kohya.safetensors")):
+        assert main(["lora", "merge", str(base), str(path), "--family", FAMILY, "--dtype", "float32",
+                     "--out", str(tmp_path / name)]) == 0
+        merged[name] = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / name))).denoiser.state_dict()
+    original = load_model(ModelConfig(family=FAMILY, path=str(base))).denoiser.state_dict()
+    assert max((merged["diffusers"][k] - original[k]).abs().max() for k in original) > 1e-4
+    for name in ("comfy", "kohya"):
+        for key, value in merged["diffusers"].items():
+            torch.testing.assert_close(merged[name][key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")

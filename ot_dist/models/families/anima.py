@@ -72,6 +72,11 @@ class Anima(Family):
     sample_guidance_scale = 4.0
     samplers = ("flow_euler",)
     lora_file_prefixes = None  # the diffusers layout, which AnimaLoraLoaderMixin.load_lora_weights reads
+    # Other trainers' names of the transformer's modules, read by `ot-dist lora merge` and `lora.init_from`: the
+    # original DiT's paths (anima_lora.original_rules) as ComfyUI and OneTrainer's COMFY format write them
+    # (`diffusion_model.blocks.0.self_attn.q_proj`) and as kohya's and OneTrainer's KOHYA format do
+    # (`lora_unet_blocks_0_self_attn_q_proj`)
+    lora_original_prefixes = (("diffusion_model", "."), ("lora_unet", "_"))
     single_file = False  # the diffusers folder only (no original-layout file yet)
     # OneTrainer's ModelSpec architecture for Anima (resources/sd_model_spec/anima.json: "Anima", "Anima/lora")
     modelspec_architecture = "Anima"
@@ -142,6 +147,11 @@ class Anima(Family):
         return self.pipeline_cls()(**{name: components[name] for name in COMPONENTS})
 
     # -- LoRA files -------------------------------------------------------------------------------------
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.anima_lora import original_rules
+
+        return original_rules(config)
+
     def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
         """`lora_comfyui.safetensors`: the transformer's and the adapter's LoRA in the original model's names, which
         ComfyUI and diffusers' Anima loader both read (anima_lora.py); nothing for an adapter other than plain LoRA or

@@ -49,6 +49,19 @@ def original_path(path: str) -> str:
     raise KeyError(f"no original name for the Anima transformer module {path}")
 
 
+def original_rules(config) -> list:
+    """The single-file key rules (single_file_keys.Rule) of the transformer's Linear weights: original DiT key <-
+    diffusers key, one to one (Anima keeps q / k / v unfused). What `lora merge` and `lora.init_from` read other
+    trainers' Anima LoRA names through (ComfyUI's and OneTrainer's COMFY `diffusion_model.<key>`, kohya's and
+    OneTrainer's KOHYA `lora_unet_<key with _>`)."""
+    from ot_dist.models.families.single_file_keys import Rule
+
+    paths = [ours for ours, _ in TOP_LEVEL if ours != "time_embed.t_embedder" and ours != "time_embed.norm"]
+    paths += ["time_embed.t_embedder.linear_1", "time_embed.t_embedder.linear_2"]
+    paths += [f"transformer_blocks.{i}.{ours}" for i in range(config["num_layers"]) for ours, _ in IN_BLOCK]
+    return [Rule(f"{original_path(path)}.weight", (f"{path}.weight",)) for path in paths]
+
+
 def comfyui_lora_state(states: dict[str, dict], adapter_configs: dict[str, dict]) -> dict[str, torch.Tensor] | None:
     """The transformer's and the adapter's peft states (`get_peft_model_state_dict`, per part) in the original names,
     or None when an adapter is not a plain LoRA."""
