@@ -73,7 +73,8 @@ BUCKET_ALIGNMENT = {"qwen_image": 32}
 # aligned to 16 pixels (check_user_config); the gazingstars123-2.9b flavour is a single file of another size
 FAMILIES["anima"] = ("anima", "transformer", "CalamitousFelicitousness/Anima-Preview-3-sdnext-diffusers")
 BUCKET_ALIGNMENT["anima"] = 16
-ANIMA_SINGLE_FILE_FLAVOURS = ("gazingstars123-2.9b",)
+# model_family -> its flavours whose transformer SimpleTuner reads from a single file ot_dist does not read
+SINGLE_FILE_FLAVOURS = {"anima": ("gazingstars123-2.9b",)}
 LORA_KEYS = ("lora_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_init_type", "use_dora", "lycoris_config",
              "flux_lora_target", "peft_lora_target_modules", "init_lora")
 FLOAT8 = ("fp8-torchao", "fp8-quanto", "fp8uz-quanto", "fp8-sdnq")
@@ -210,9 +211,9 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
                                 "refused")
     if name == "z_image":
         _z_image(args, out)
-    if name == "anima" and args["model_flavour"] in ANIMA_SINGLE_FILE_FLAVOURS:
+    if args["model_flavour"] in SINGLE_FILE_FLAVOURS.get(name, ()):
         out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner loads its transformer from a "
-                                "single file, a layout ot_dist does not read for Anima; model.path must be a "
+                                f"single file, a layout ot_dist does not read for {name}; model.path must be a "
                                 "diffusers folder")
     if name == "sana":
         _sana(args, out)
