@@ -257,12 +257,13 @@ def test_a_folder_saved_by_diffusers_modular_pipeline_loads(family_models, tmp_p
 def comfy_anima_lora_names(num_layers: int, adapter_layers: int) -> set[str]:
     """The LoRA module names ComfyUI maps for an Anima model: its generic rule (comfy/lora.py model_lora_keys_unet:
     `diffusion_model.<key without .weight>` for every weight key of the model) over the original model's Linear
-    layers, Cosmos-Predict2's MiniTrainDIT with the adapter as `llm_adapter`, the `net.` wrapper stripped (as OneTrainer's
-    AnimaModel._diffusers_to_dit lists them for its COMFY format): per block, adaln_modulation_{self_attn, cross_attn,
-    mlp}.1 / .2, {self_attn, cross_attn}.{q_proj, k_proj, v_proj, output_proj}, mlp.layer1 / layer2; x_embedder.proj.1,
-    t_embedder.1.linear_1 / linear_2, final_layer.adaln_modulation.1 / .2, final_layer.linear; in the adapter (its
-    AnimaTextConditioner names are the original's), per block {self_attn, cross_attn}.{q,k,v,o}_proj, mlp.0 / mlp.2,
-    and in_proj (absent at equal widths), out_proj."""
+    layers, Cosmos-Predict2's MiniTrainDIT with the adapter as `llm_adapter`, the `net.` wrapper stripped (as
+    OneTrainer's AnimaModel._diffusers_to_dit lists them for its COMFY format): per block,
+    adaln_modulation_{self_attn, cross_attn, mlp}.1 / .2, {self_attn, cross_attn}.{q_proj, k_proj, v_proj,
+    output_proj}, mlp.layer1 / layer2; x_embedder.proj.1, t_embedder.1.linear_1 / linear_2,
+    final_layer.adaln_modulation.1 / .2, final_layer.linear; in the adapter (its AnimaTextConditioner names are the
+    original's), per block {self_attn, cross_attn}.{q,k,v,o}_proj, mlp.0 / mlp.2, and in_proj (absent at equal
+    widths), out_proj."""
     block = [f"adaln_modulation_{kind}.{i}" for kind in ("self_attn", "cross_attn", "mlp") for i in (1, 2)]
     block += [f"{attn}.{p}" for attn in ("self_attn", "cross_attn") for p in ("q_proj", "k_proj", "v_proj",
                                                                                 "output_proj")]
@@ -277,9 +278,9 @@ def comfy_anima_lora_names(num_layers: int, adapter_layers: int) -> set[str]:
 
 
 def test_comfyui_lora_file_carries_the_original_names_and_loads_in_diffusers(family_models, shapes_data, tmp_path):
-    """lora_comfyui.safetensors (every linear layer of the transformer, the adapter's default targets): each module is one ComfyUI
-    maps for Anima, lora_A / lora_B without alpha; diffusers' Anima loader converts the same file back and gives the
-    trained outputs."""
+    """lora_comfyui.safetensors (every linear layer of the transformer, the adapter's default targets): each module is
+    one ComfyUI maps for Anima, lora_A / lora_B without alpha; diffusers' Anima loader converts the same file back and
+    gives the trained outputs."""
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", method="lora", max_steps=2, learning_rate=5e-2,
                           output_dtype="float32", **{"text_conditioner.train": True, "lora.rank": 4, "lora.alpha": 8,
@@ -321,7 +322,8 @@ def test_other_trainers_names_merge_as_the_diffusers_file_does(family_models, sh
     save_file(kohya, tmp_path / "kohya.safetensors")
     merged = {}
     for name, path in (("diffusers", tmp_path / "o" / "lora.safetensors"),
-                       ("comfy", tmp_path / "o" / "lora_comfyui.safetensors"), ("kohya", tmp_path / "kohya.safetensors")):
+                       ("comfy", tmp_path / "o" / "lora_comfyui.safetensors"),
+                       ("kohya", tmp_path / "kohya.safetensors")):
         assert main(["lora", "merge", str(base), str(path), "--family", FAMILY, "--dtype", "float32",
                      "--out", str(tmp_path / name)]) == 0
         merged[name] = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / name))).denoiser.state_dict()

@@ -35,7 +35,8 @@ from ot_dist.train.transfer import to_device
 MAX_TOKENS = 512
 # OneTrainer's layer presets (BaseAnimaSetup.LAYER_PRESETS) as module suffixes: "attn-only" and "attn-mlp" (its
 # LoRA training preset's filter: attn1, attn2, ff). There is no diffusers training script for Anima.
-ANIMA_ATTENTION_TARGETS = tuple(f"{attn}.{m}" for attn in ("attn1", "attn2") for m in ("to_q", "to_k", "to_v", "to_out.0"))
+ANIMA_ATTENTION_TARGETS = tuple(f"{attn}.{m}" for attn in ("attn1", "attn2")
+                                for m in ("to_q", "to_k", "to_v", "to_out.0"))
 ANIMA_ATTENTION_MLP_TARGETS = ANIMA_ATTENTION_TARGETS + ("ff.net.0.proj", "ff.net.2")
 QWEN3_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The adapter's attention projections and MLP
