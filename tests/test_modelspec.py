@@ -92,6 +92,9 @@ DOCUMENTED = [
      "wan-2_1-text2video-1_3b/lora", "diffusers"),
     ("wan", {"num_attention_heads": 40, "attention_head_dim": 128}, None, False, "checkpoint", None,
      "wan-2_1-text2video-14b", "diffusers"),
+    # diffusers' modular ERNIE-Image blocks' model_name; ComfyUI's names are diffusers'
+    ("ernie_image", {}, None, False, "lora", "diffusers", "ernie-image/lora", "diffusers"),
+    ("ernie_image", {}, None, False, "checkpoint", None, "ernie-image", "diffusers"),
     # OneTrainer's ids for Anima (resources/sd_model_spec/anima.json, anima-lora.json)
     ("anima", {}, None, False, "lora", "diffusers", "Anima/lora", "diffusers"),
     ("anima", {}, None, False, "checkpoint", None, "Anima", "diffusers"),
