@@ -387,3 +387,32 @@ def test_ernie_image_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 24, 8).strategy == "fsdp"
+
+
+def test_anima_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Anima row (ot-dist init's reference for the family) is circlestone-labs/Anima as diffusers'
+    convert_anima_to_diffusers.py builds it on the meta device: the 1.96 B transformer (Cosmos-Predict2 2B's config),
+    Qwen3-0.6B's decoder (0.6 B), the LLM adapter (AnimaTextConditioner's defaults) and the Qwen-Image VAE (127 M); LoRA
+    counted on the family's default targets, FSDP on its 28 blocks (CosmosTransformer3DModel._no_split_modules), each
+    3.5 % of the transformer; the adapter's and Qwen3's embedding tables are units of their own."""
+    from ot_dist.starter.choose import choose
+
+    family = get_family("anima")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 1_956_405_248, "text_encoder": 596_049_920, "text_conditioner": 134_663_680,
+                      "vae": 126_892_531}
+    assert set(components) - {"vae"} == {family.denoiser, *family.text_encoders}
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == len(components["transformer"].transformer_blocks) == 28
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.04
+    for part, embedding in (("text_encoder", "embed_tokens"), ("text_conditioner", "embed")):
+        text_units = sharding_units(components[part], family.shard_units[part])
+        assert getattr(components[part], embedding) in text_units
+    # 2.8 B frozen parameters beside a LoRA: 5.2 GiB in bfloat16, 2.6 GiB in float8
+    assert choose(family, "lora", 16, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 8, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 16, 8).strategy == "fsdp"

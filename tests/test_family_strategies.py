@@ -96,6 +96,11 @@ RIDERS["pixart_alpha"] += ("wan",)
 # (units: layers) and zero2, riding in SD3's launch (CPU s of that launch: 34.7 -> 37.1)
 FAMILY_STRATEGIES["ernie_image"] = ("fsdp", "zero2")
 RIDERS["sd3"] += ("ernie_image",)
+# Anima: Qwen3 through its LLM adapter (a second text part, frozen here), the 5-D one-frame latents with per-channel mean
+# / std, t = s in and the zero padding mask under fsdp (units: transformer_blocks) and zero2, riding in SD3's launch
+# (CPU s of that launch: 34.6 without Anima, 36.2 and 36.9 with it)
+FAMILY_STRATEGIES["anima"] = ("fsdp", "zero2")
+RIDERS["sd3"] += ("anima",)
 # FLUX.2 [dev] as an edit model (the concepts with reference_path): its reference tokens (ids (10, row, col, 0)) and the
 # prediction read from the target's tokens, a full finetune under fsdp beside its text-to-image cases in SD3's launch
 EDITED = {"family": "flux2", "launch": "sd3", "strategies": ("fsdp",)}

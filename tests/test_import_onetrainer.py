@@ -227,6 +227,15 @@ def import_only(tmp_path, config, concepts=None, samples=None):
       "layer_filter_preset": "attn-mlp", "layer_filter_regex": True,
       "quantization": {"layer_filter": "layers", "layer_filter_preset": "blocks"}, "timestep_distribution": "LOGIT_NORMAL"},
      "z_image", {"transformer": True, "text_encoder": False}, None),
+    # training_presets/Anima/#anima LoRA.json
+    ({"model_type": "ANIMA", "training_method": "LORA", "batch_size": 2, "learning_rate": 3e-05,
+      "output_model_format": "KOHYA_LORA", "resolution": "512", "compile": True,
+      "transformer": {"train": True, "weight_dtype": "INT_W8A8"}, "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"},
+      "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16",
+      "output_dtype": "BFLOAT_16", "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn1,attn2,ff",
+      "layer_filter_preset": "attn-mlp",
+      "quantization": {"layer_filter": "attn1,attn2,ff", "layer_filter_preset": "attn-mlp"}}, "anima",
+     {"transformer": True, "text_encoder": False, "text_conditioner": False}, None),
     # training_presets/HiDream Full/#hidream LoRA.json
     ({"model_type": "HI_DREAM_FULL", "training_method": "LORA", "batch_size": 4, "learning_rate": 0.0003,
       "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "timestep_distribution": "LOGIT_NORMAL",
@@ -254,6 +263,8 @@ def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains
     if family == "sana":  # OneTrainer's Gemma layer skip
         assert config.model.text_encoder_layer_skip == 2
     if family == "qwen_image":  # attn, img_mlp, txt_mlp: both streams' attention and MLPs
+        assert config.lora.preset == "attention_mlp"
+    if family == "anima":  # attn1, attn2, ff: the self- and cross-attention and the MLP
         assert config.lora.preset == "attention_mlp"
     if family == "z_image":  # attention and feed_forward outside the refiners, OneTrainer's regular expressions
         assert config.lora.layer_filter_regex and config.lora.layer_filter == [
@@ -493,6 +504,17 @@ def test_sample_defaults_of_the_newer_model_types(tmp_path, model_type, expected
     config, _ = import_only(tmp_path, {"model_type": model_type}, samples=[{"prompt": "a cat"}])
     [cat] = config.sampling.prompts
     assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == expected
+
+
+def test_anima_samples_take_onetrainers_anima_defaults(tmp_path):
+    """SampleConfig._get_model_defaults' is_anima() branch (1024 px, 25 steps, cfg 4.0, its negative prompt) and
+    AnimaSampler's 64 px grid."""
+    config, _ = import_only(tmp_path, {"model_type": "ANIMA"}, samples=[{"prompt": "a cat"},
+                                                                       {"prompt": "a dog", "width": 520, "height": 1000}])
+    cat, dog = config.sampling.prompts
+    assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == (1024, 1024, 25, 4.0)
+    assert cat.negative_prompt == "worst quality, low quality, score_1, score_2, score_3, artist name"
+    assert (dog.width, dog.height) == (512, 1024)
 
 
 # OneTrainer's NoiseScheduler (modules/util/enum/NoiseScheduler.py) -> the scheduler create_noise_scheduler builds.

@@ -508,3 +508,17 @@ def test_ernie_family(tmp_path):
     assert config["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
     assert config["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
                               "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+
+
+def test_anima_flavours(tmp_path):
+    """Anima: SimpleTuner's DEFAULT_LORA_TARGET (to_q / to_k / to_v / to_out.0: both attentions of every block), its
+    16-pixel bucket alignment; the single-file 2.9B flavour is listed, the release flavour is not."""
+    config, text = imported(tmp_path, {"--model_family": "anima", "--model_type": "lora",
+                                       "--pretrained_model_name_or_path": "/models/anima"})
+    assert config["model"] == {"family": "anima", "path": "/models/anima"}
+    assert config["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert config["data"]["bucket_step"] == 16
+    for flavour, listed in (("gazingstars123-2.9b", True), ("release", False)):
+        _, text = imported(tmp_path, {"--model_family": "anima", "--model_type": "lora", "--model_flavour": flavour,
+                                      "--pretrained_model_name_or_path": "/models/anima"})
+        assert ("SimpleTuner loads its transformer from a single file" in text) == listed, flavour

@@ -102,6 +102,9 @@ DOCUMENTED = [
     # SD 2.0 depth (sd2 with a 5-channel UNet): the spec's stable-diffusion-v2-depth
     ("sd2", {"in_channels": 5}, "epsilon", False, "checkpoint", None, "stable-diffusion-v2-depth", STABILITY),
     ("sd2", {"in_channels": 5}, "epsilon", False, "lora", "kohya", "stable-diffusion-v2-depth/lora", "diffusers"),
+    # OneTrainer's ids for Anima (resources/sd_model_spec/anima.json, anima-lora.json)
+    ("anima", {}, None, False, "lora", "diffusers", "Anima/lora", "diffusers"),
+    ("anima", {}, None, False, "checkpoint", None, "Anima", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -31,7 +31,8 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
-PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4",
+               "text_conditioner")
 
 
 class ModelConfig(Section):
@@ -43,7 +44,9 @@ class ModelConfig(Section):
         "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
         "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
-        "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), anima (Anima: "
+        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part); each is one "
+        "module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -892,6 +895,7 @@ class TrainConfig(Section):
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
     text_encoder_4: PartConfig = Field(default_factory=PartConfig)  # HiDream's Llama
+    text_conditioner: PartConfig = Field(default_factory=PartConfig)  # Anima's LLM adapter (Qwen3 -> T5 queries)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     additional_embeddings: list[AdditionalEmbeddingConfig] = Field(

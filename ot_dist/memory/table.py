@@ -1,7 +1,8 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
 Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B, Wan 2.1 T2V
-14B and ERNIE-Image (8 B) under the low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+14B, ERNIE-Image (8 B) and Anima (2 B) under the low-memory options and, for the transformers and the priors,
+a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ot_dist.models.families.anima import Anima
 from ot_dist.models.families.ernie_image import ErnieImage
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.flux2 import Flux2, Flux2Klein
@@ -196,6 +198,16 @@ MINISTRAL3_3B = dict(
                      max_position_embeddings=262144, rms_norm_eps=1e-5, tie_word_embeddings=True),
     vision_config=MISTRAL_SMALL_31["vision_config"], image_token_index=10, spatial_merge_size=2,
     multimodal_projector_bias=False, projector_hidden_act="gelu")
+# circlestone-labs/Anima: the transformer as diffusers' convert_anima_to_diffusers.py builds it (Cosmos-Predict2 2B's
+# config: 16 heads x 128, 28 blocks, 1024-wide text, RoPE scale (1, 4, 4), the padding-mask channel), its LLM adapter
+# (AnimaTextConditioner's defaults: 6 blocks 1024 wide over T5's 32128 ids), Qwen/Qwen3-0.6B-Base's decoder as the
+# text encoder and the Qwen-Image VAE.
+ANIMA_2B = dict(in_channels=16, out_channels=16, num_attention_heads=16, attention_head_dim=128, num_layers=28,
+                mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256, max_size=(128, 240, 240), patch_size=(1, 2, 2),
+                rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True, extra_pos_embed_type=None)
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+                 rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=True)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -217,6 +229,7 @@ DENOISERS = {
 DENOISERS["Wan 2.1 T2V 14B"] = ("transformer", Wan.denoiser_lora_presets["default"], Wan.shard_units["transformer"])
 DENOISERS["ERNIE-Image"] = ("transformer", ErnieImage.denoiser_lora_presets["default"],
                             ErnieImage.shard_units["transformer"])
+DENOISERS["Anima"] = ("transformer", Anima.denoiser_lora_presets["default"], Anima.shard_units["transformer"])
 # Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
 # the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
 DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
@@ -254,6 +267,13 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
             return {"transformer": WanTransformer3DModel(**WAN21_T2V_14B),
                     "text_encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL)),
                     "vae": AutoencoderKLWan(**QWEN_IMAGE_VAE)}
+        if model == "Anima":
+            from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
+            from transformers import Qwen3Config, Qwen3Model
+
+            return {"transformer": CosmosTransformer3DModel(**ANIMA_2B),
+                    "text_encoder": Qwen3Model(Qwen3Config(**QWEN3_06B)), "text_conditioner": AnimaTextConditioner(),
+                    "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
         if model == "Lumina-Image 2.0":
             from diffusers import Lumina2Transformer2DModel
 

@@ -29,6 +29,9 @@ ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
 ONETRAINER_PRESETS["z_image"] = {"blocks": ("layers",),
                                  "attn-mlp": ("^(?=.*attention)(?!.*refiner).*", "^(?=.*feed_forward)(?!.*refiner).*"),
                                  "attn-only": ("^(?=.*attention)(?!.*refiner).*",)}
+# Anima (BaseAnimaSetup.LAYER_PRESETS): attn1 / attn2 are the self- and cross-attention (q, k, v, out), ff the MLP
+ONETRAINER_PRESETS["anima"] = {"attn-mlp": ("attn1", "attn2", "ff"), "attn-only": ("attn1", "attn2"),
+                               "blocks": ("transformer_block",)}
 # Presets OneTrainer matches as regular expressions (its preset's `regex: True`), whatever the config's
 # layer_filter_regex says when it saved the preset's name alone.
 REGEX_PRESETS = {"z_image": ("attn-mlp", "attn-only")}
@@ -62,8 +65,9 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         lora["preset"] = "attention"
     elif named == "attn-mlp" and family in ("sd1", "sd2", "sdxl"):
         pass  # ot_dist's default: the Linear / 1x1 Conv layers of the UNet's attention (Transformer2D) blocks
-    elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma", "qwen_image"):
-        # Qwen-Image: both streams' attention projections and MLPs (img_mlp, txt_mlp), its attention_mlp preset
+    elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma", "qwen_image", "anima"):
+        # Qwen-Image: both streams' attention projections and MLPs (img_mlp, txt_mlp), its attention_mlp preset;
+        # Anima: attn1, attn2 and ff's two Linear layers, its attention_mlp preset
         lora["preset"] = "attention_mlp"
     elif named == "attn-mlp" and family == "sana":  # attn1, attn2, "ff.": the Mix-FFN's convolutions
         lora["preset"] = "attention_mlp"

@@ -70,6 +70,13 @@ FAMILIES["ernie"] = ("ernie_image", "transformer", "baidu/ERNIE-Image")
 FLAVOUR_FAMILIES = {"flux2": {"dev": "flux2"}}
 # SimpleTuner's Qwen-Image check_user_config aligns buckets to 32 pixels (the other image models: 64)
 BUCKET_ALIGNMENT = {"qwen_image": 32}
+# Anima: SimpleTuner's own Anima classes (helpers/models/anima, the adapter inside its transformer; the same flow step:
+# t = sigma, target n - x) on the same weights; its default flavour preview-3 (SD.Next's diffusers folder), buckets
+# aligned to 16 pixels (check_user_config); the gazingstars123-2.9b flavour is a single file of another size
+FAMILIES["anima"] = ("anima", "transformer", "CalamitousFelicitousness/Anima-Preview-3-sdnext-diffusers")
+BUCKET_ALIGNMENT["anima"] = 16
+# model_family -> its flavours whose transformer SimpleTuner reads from a single file ot_dist does not read
+SINGLE_FILE_FLAVOURS = {"anima": ("gazingstars123-2.9b",)}
 LORA_KEYS = ("lora_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_init_type", "use_dora", "lycoris_config",
              "flux_lora_target", "peft_lora_target_modules", "init_lora")
 FLOAT8 = ("fp8-torchao", "fp8-quanto", "fp8uz-quanto", "fp8-sdnq")
@@ -206,6 +213,10 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
                                 "refused")
     if name == "z_image":
         _z_image(args, out)
+    if args["model_flavour"] in SINGLE_FILE_FLAVOURS.get(name, ()):
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner loads its transformer from a "
+                                f"single file, a layout ot_dist does not read for {name}; model.path must be a "
+                                "diffusers folder")
     if name == "sana":
         _sana(args, out)
     if name == "lumina2":

@@ -52,6 +52,9 @@ ACTIVATIONS_GIB["Wan 2.1 T2V 14B"] = 4.5
 # ERNIE-Image: 4096 image tokens at 1024 px joined with the caption (its own length, up to 512) in 36 single-stream
 # blocks 4096 wide (Flux: 57 blocks 3072 wide over 4096 + 512 tokens): about Flux's estimate.
 ACTIVATIONS_GIB["ERNIE-Image"] = 6.0
+# Anima: 4096 image tokens at 1024 px (x8, 2x2 patches) cross-attending to 512 adapter tokens, 2048 wide over 28 blocks
+# (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks, 6 GiB): about 0.3 of Flux's activations, and Flux's context and slack.
+ACTIVATIONS_GIB["Anima"] = 2.5
 NO_CHECKPOINTING_FACTOR = 4
 
 

@@ -29,6 +29,7 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen_image_edit_plus": "ot_dist.models.families.qwen_image_edit",
     "wan": "ot_dist.models.families.wan",
     "ernie_image": "ot_dist.models.families.ernie_image",
+    "anima": "ot_dist.models.families.anima",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
