@@ -219,3 +219,59 @@ def test_cached_latents_and_text_train_as_the_images_and_captions_do(family_mode
         with torch.no_grad():
             losses[cache] = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+
+
+def swarmui_recognises_an_ideogram4_lora(keys: set[str], last_block: int) -> bool:
+    """SwarmUI's T2IModelClassSorter.isIdeogram4Lora (mcmonkeyprojects/SwarmUI, src/Text2Image/T2IModelClassSorter.cs)
+    for a model of `last_block` + 1 blocks (the real one's 34: layers.33): hasLoraKey of layers.0.adaln_modulation,
+    layers.0.attention.o, layers.0.feed_forward.w3 and layers.<last>.attention.qkv, where hasLoraKey(key) looks for
+    `key.lora_A.weight`, `key.lora_up.weight`, ... and tryGetKey also under `diffusion_model.`."""
+    def has(key):
+        return any(f"{prefix}{key}{suffix}" in keys for prefix in ("", "diffusion_model.", "model.diffusion_model.")
+                   for suffix in (".lora_A.weight", ".lora_up.weight"))
+    return all(has(k) for k in ("layers.0.adaln_modulation", "layers.0.attention.o", "layers.0.feed_forward.w3",
+                                f"layers.{last_block}.attention.qkv"))
+
+
+def test_comfyui_lora_file_has_the_original_names_and_loads_in_the_pipeline(family_models, shapes_data, tmp_path):
+    """lora_comfyui.safetensors: the original names (diffusion_model., fused attention.qkv, attention.o; the rest as
+    diffusers names it), which SwarmUI's sorter recognises; each module's up @ down (alpha = its rank) is the trained
+    change, q / k / v stacked by rows; Ideogram4Pipeline.load_lora_weights reads it (its converter for the original
+    layout) to the trained outputs."""
+    from diffusers import Ideogram4Pipeline
+
+    base = family_models[FAMILY]
+    # the blocks' modulation, not the final layer's (diffusers' converter reads per-block modules only)
+    targets = ["attention.to_q", "attention.to_v", "attention.to_out.0", "feed_forward.w3", "layers.0.adaln_modulation",
+               "layers.1.adaln_modulation"]
+    trainer = trainer_for(base, shapes_data, tmp_path / "o", method="lora", max_steps=2, learning_rate=5e-2,
+                          output_dtype="float32", **{"lora.rank": 4, "lora.alpha": 8, "lora.transformer_targets": targets})
+    trainer.train()
+    model, family = trainer.model, trainer.model.family
+    comfy = load_file(tmp_path / "o" / "lora_comfyui.safetensors")
+    modules = {k.rsplit(".lora_", 1)[0].removesuffix(".alpha") for k in comfy}
+    assert modules == {f"diffusion_model.layers.{i}.{m}" for i in range(2)
+                       for m in ("attention.qkv", "attention.o", "feed_forward.w3", "adaln_modulation")}
+    assert swarmui_recognises_an_ideogram4_lora(set(comfy), last_block=1)
+    layers = dict(model.denoiser.named_modules())
+
+    def change(path):
+        layer = layers[path]
+        return (layer.lora_B["default"].weight @ layer.lora_A["default"].weight * layer.scaling["default"]).detach()
+
+    for i in range(2):
+        name = f"diffusion_model.layers.{i}.attention.qkv"
+        assert comfy[f"{name}.alpha"].item() == comfy[f"{name}.lora_down.weight"].shape[0] == 3 * 4
+        q, k, v = (comfy[f"{name}.lora_up.weight"] @ comfy[f"{name}.lora_down.weight"]).chunk(3)
+        torch.testing.assert_close(q, change(f"layers.{i}.attention.to_q"), rtol=1e-5, atol=1e-7)
+        assert not k.any()  # to_k not adapted: no change to its rows
+        torch.testing.assert_close(v, change(f"layers.{i}.attention.to_v"), rtol=1e-5, atol=1e-7)
+        name = f"diffusion_model.layers.{i}.attention.o"
+        torch.testing.assert_close(comfy[f"{name}.lora_up.weight"] @ comfy[f"{name}.lora_down.weight"],
+                                   change(f"layers.{i}.attention.to_out.0"), rtol=1e-5, atol=1e-7)
+    trained = prediction(family, model.denoiser, model.text_encoders["text_encoder"], model.tokenizers["tokenizer"])
+    pipe = Ideogram4Pipeline.from_pretrained(base, local_files_only=True)
+    assert (prediction(family, pipe.transformer, pipe.text_encoder, pipe.tokenizer) - trained).abs().max() > 1e-4
+    pipe.load_lora_weights(tmp_path / "o" / "lora_comfyui.safetensors")
+    torch.testing.assert_close(prediction(family, pipe.transformer, pipe.text_encoder, pipe.tokenizer), trained,
+                               rtol=1e-5, atol=1e-6)

@@ -92,6 +92,8 @@ DOCUMENTED = [
      "wan-2_1-text2video-1_3b/lora", "diffusers"),
     ("wan", {"num_attention_heads": 40, "attention_head_dim": 128}, None, False, "checkpoint", None,
      "wan-2_1-text2video-14b", "diffusers"),
+    # SwarmUI's class ids (T2IModelClassSorter: ideogram-4, ideogram-4/lora); OneTrainer writes "Ideogram"
+    ("ideogram4", {}, None, False, "lora", "diffusers", "ideogram-4/lora", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -26,7 +26,8 @@ IdeogramModel / BaseIdeogramSetup do:
   `neg + g (pos - neg)` where neg is the unconditional transformer's: no negative prompt.
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which Ideogram4Pipeline.load_lora_weights
-reads. Only the conditional transformer trains (OneTrainer and the script alike); full finetuning exports the folder
+reads, and beside it `lora_comfyui.safetensors` in the original names (fused qkv, attention.o) that ComfyUI's model
+and SwarmUI's sorter have (ideogram4_lora.py), which diffusers' loader reads too. Only the conditional transformer trains (OneTrainer and the script alike); full finetuning exports the folder
 with the unconditional transformer as loaded.
 """
 
@@ -144,8 +145,8 @@ class Ideogram4(Family):
     # No single file: OneTrainer and diffusers load Ideogram 4 from its diffusers folder only
     single_file = False
     single_file_text_encoders = False
-    # OneTrainer's resources/sd_model_spec/ideogram_4.json writes "Ideogram"
-    modelspec_architecture = "Ideogram"
+    # SwarmUI's class id (T2IModelClassSorter: "ideogram-4", "ideogram-4/lora"); OneTrainer writes "Ideogram"
+    modelspec_architecture = "ideogram-4"
     memory_reference = "Ideogram 4"
 
     # -- objective ----------------------------------------------------------------------------------------
@@ -197,6 +198,34 @@ class Ideogram4(Family):
         """The unconditional transformer: frozen, run by sampling only (stored like the VAE)."""
         unconditional = getattr(pipeline, "unconditional_transformer", None)
         return [] if unconditional is None else [unconditional]
+
+    # -- LoRA files -----------------------------------------------------------------------------------
+    def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the original names (fused qkv, attention.o) that
+        ComfyUI's Ideogram 4 model has and SwarmUI recognises (ideogram4_lora.py); nothing for an adapter other than
+        plain LoRA or a run without a transformer LoRA."""
+        import json
+
+        from safetensors.torch import save_file
+
+        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.methods.lora_layouts import kohya_metadata
+        from ot_dist.models.families.ideogram4_lora import original_lora_state
+
+        if "transformer" not in states:
+            return []
+        tensors = original_lora_state(states["transformer"], adapter_configs["transformer"])
+        if tensors is None:
+            return []
+        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
+        config = adapter_configs["transformer"]
+        metadata = kohya_metadata(config["r"], config["r"], {"ot_dist_lora": json.dumps(
+            {"layout": "original", "family": self.name, "scale": "inside the up matrices, alpha = each module's rank"})})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
+                      str(tmp), metadata={**metadata, **modelspec})
+        return [path]
 
     # -- the denoiser call ------------------------------------------------------------------------------
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
