@@ -275,3 +275,32 @@ def test_comfyui_lora_file_has_the_original_names_and_loads_in_the_pipeline(fami
     pipe.load_lora_weights(tmp_path / "o" / "lora_comfyui.safetensors")
     torch.testing.assert_close(prediction(family, pipe.transformer, pipe.text_encoder, pipe.tokenizer), trained,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_text_encoder_lora_trains_the_language_model_and_loads_back_through_peft(family_models, shapes_data, tmp_path):
+    """text_encoder.train with LoRA: Qwen3-VL's language-model projections are adapted (its vision tower, which text
+    never runs, is not), written under `text_encoder.`, and load_peft_lora gives the trained conditioning."""
+    from diffusers import Ideogram4Pipeline
+
+    from ot_dist.lora_tools.peft_load import load_peft_lora
+
+    base = family_models[FAMILY]
+    trainer = trainer_for(base, shapes_data, tmp_path / "te", method="lora", max_steps=1, learning_rate=5e-2,
+                          output_dtype="float32", **{"text_encoder.train": True, "lora.rank": 4, "lora.alpha": 8})
+    trainer.train()
+    saved = load_file(tmp_path / "te" / "lora.safetensors")
+    text = {k.rsplit(".lora_", 1)[0] for k in saved if k.startswith("text_encoder.")}
+    assert text and all(m.startswith("text_encoder.language_model.layers.") for m in text), sorted(text)[:3]
+    assert {m.rsplit(".", 1)[-1] for m in text} == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"}
+    fresh = Ideogram4Pipeline.from_pretrained(base, local_files_only=True)
+    assert load_peft_lora(fresh, tmp_path / "te" / "lora.safetensors") == ["text_encoder", "transformer"]
+    family, tokenizers = trainer.model.family, trainer.model.tokenizers
+    with torch.no_grad():
+        tokens = family.tokenize(tokenizers, ["a dot"])
+        ours = family.encode_text(trainer.model.text_encoders, tokens)["hidden"]
+        theirs = family.encode_text({"text_encoder": fresh.text_encoder}, tokens)["hidden"]
+        before = family.encode_text({"text_encoder": Ideogram4Pipeline.from_pretrained(
+            base, local_files_only=True).text_encoder}, tokens)["hidden"]
+    assert (ours - before).abs().max() > 1e-4  # the LoRA changed the conditioning
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
