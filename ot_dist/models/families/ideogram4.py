@@ -176,14 +176,20 @@ class Ideogram4(Family):
         from diffusers import Ideogram4Pipeline
 
         encoder = text_encoders["text_encoder"]
-        ids = to_device(tokens["text_encoder"], encoder.device)
-        mask = to_device(tokens["text_encoder_mask"], encoder.device)
+        full = tokens["text_encoder"].shape[1]
+        # The encoder is causal and the captions are right-padded: it runs over the batch's longest caption only (the
+        # padding up to 2048 tokens would cost up to 10x the compute for zeros), read from the host copy of the mask
+        # (a device copy is not read: that would stall the host)
+        host_mask = tokens["text_encoder_mask"]
+        width = max(int(host_mask.sum(1).max()), 1) if host_mask.device.type == "cpu" else full
+        ids = to_device(tokens["text_encoder"][:, :width], encoder.device)
+        mask = to_device(host_mask, encoder.device)
         # the caption's tokens at positions 0 .. n - 1 on all three MRoPE axes, as the pipeline places them
-        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-        layers = Ideogram4Pipeline._get_text_encoder_hidden_states(encoder, ids, mask, positions)
-        b, n = ids.shape
-        hidden = torch.stack(layers, dim=0).permute(1, 2, 3, 0).reshape(b, n, -1)
-        return {"hidden": hidden * mask[..., None].to(hidden.dtype), "mask": mask.long()}
+        positions = torch.arange(width, device=ids.device).expand(ids.shape[0], -1)
+        layers = Ideogram4Pipeline._get_text_encoder_hidden_states(encoder, ids, mask[:, :width], positions)
+        hidden = torch.stack(layers, dim=0).permute(1, 2, 3, 0).reshape(ids.shape[0], width, -1)
+        hidden = torch.nn.functional.pad(hidden * mask[:, :width, None].to(hidden.dtype), (0, 0, 0, full - width))
+        return {"hidden": hidden, "mask": mask.long()}  # the fixed length: the text cache holds equal shapes
 
     def pipeline_call_options(self, pipeline) -> dict:
         return {"max_sequence_length": self.max_tokens("tokenizer", pipeline.tokenizer)}
