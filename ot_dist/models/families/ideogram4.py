@@ -181,7 +181,7 @@ class Ideogram4(Family):
         # padding up to 2048 tokens would cost up to 10x the compute for zeros), read from the host copy of the mask
         # (a device copy is not read: that would stall the host)
         host_mask = tokens["text_encoder_mask"]
-        width = max(int(host_mask.sum(1).max()), 1) if host_mask.device.type == "cpu" else full
+        width = max(max(map(sum, host_mask.tolist())), 1) if host_mask.device.type == "cpu" else full
         ids = to_device(tokens["text_encoder"][:, :width], encoder.device)
         mask = to_device(host_mask, encoder.device)
         # the caption's tokens at positions 0 .. n - 1 on all three MRoPE axes, as the pipeline places them
@@ -242,8 +242,10 @@ class Ideogram4(Family):
         text = left_aligned(conditioning["hidden"], lengths)
         width = text.shape[1]
         image = pack(noisy)
-        position_ids, segment_ids, indicator = Ideogram4Pipeline._prepare_ids(
-            lengths, h // PATCH, w // PATCH, width, noisy.device)
+        # the layout is built on the host from host lengths and copied without blocking (the pipeline's own helper
+        # would copy from pageable memory, which waits for the device's queue)
+        position_ids, segment_ids, indicator = (to_device(ids, noisy.device) for ids in Ideogram4Pipeline._prepare_ids(
+            lengths, h // PATCH, w // PATCH, width, torch.device("cpu")))
         features = torch.cat([text, text.new_zeros(b, image.shape[1], text.shape[-1])], dim=1)
         tokens = torch.cat([image.new_zeros(b, width, image.shape[-1]), image], dim=1)
         out = denoiser(hidden_states=tokens, timestep=(1000 - timesteps.float()) / 1000,  # t = 1 - sigma
