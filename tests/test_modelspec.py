@@ -92,6 +92,9 @@ DOCUMENTED = [
      "wan-2_1-text2video-1_3b/lora", "diffusers"),
     ("wan", {"num_attention_heads": 40, "attention_head_dim": 128}, None, False, "checkpoint", None,
      "wan-2_1-text2video-14b", "diffusers"),
+    # diffusers' modular ERNIE-Image blocks' model_name; ComfyUI's names are diffusers'
+    ("ernie_image", {}, None, False, "lora", "diffusers", "ernie-image/lora", "diffusers"),
+    ("ernie_image", {}, None, False, "checkpoint", None, "ernie-image", "diffusers"),
     # SwarmUI's class ids (T2IModelClassSorter: ideogram-4, ideogram-4/lora); OneTrainer writes "Ideogram"
     ("ideogram4", {}, None, False, "lora", "diffusers", "ideogram-4/lora", "diffusers"),
 ]

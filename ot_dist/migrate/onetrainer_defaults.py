@@ -119,4 +119,5 @@ SAMPLE_BY_FAMILY = {
     **{name: {**_SIDE_1024, "cfg_scale": 4.0} for name in ("flux2", "flux2_klein")},
     "hidream": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 5.0},
 }
+SAMPLE_BY_FAMILY["ernie_image"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0}  # as Wuerstchen's
 SAMPLE_BY_FAMILY["ideogram4"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 3.0}

@@ -34,6 +34,9 @@ ONETRAINER_PRESETS["z_image"] = {"blocks": ("layers",),
 REGEX_PRESETS = {"z_image": ("attn-mlp", "attn-only")}
 # BaseFlux2Setup: blocks (both block lists' Linear layers) and full
 ONETRAINER_PRESETS |= {"flux2": {"blocks": ("transformer_block",)}, "flux2_klein": {"blocks": ("transformer_block",)}}
+# BaseErnieSetup: its presets' names as OneTrainer matches them (attn-only is ot_dist's attention preset)
+ONETRAINER_PRESETS["ernie_image"] = {"attn-mlp": ("self_attention", "mlp"), "attn-only": ("self_attention",),
+                                     "blocks": ("layers",)}
 # BaseIdeogramSetup: attn-mlp's Linear layers (attention.to_q / k / v / to_out.0, feed_forward.w1 / w2 / w3) are ot_dist's
 # default preset, attn-only's its attention preset; blocks adapts every Linear of `layers` (OneTrainer's own rule)
 ONETRAINER_PRESETS["ideogram4"] = {"attn-mlp": ("attention", "feed_forward"), "attn-only": ("attention",),
