@@ -416,3 +416,41 @@ def test_anima_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 16, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 8, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 16, 8).strategy == "fsdp"
+def test_ideogram4_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Ideogram 4 row (ot-dist init's reference for the family): two transformers of
+    Ideogram4Transformer2DModel's default config (9.28 B each: 34 blocks of 4608 wide, the 53248-wide text projection),
+    Qwen3-VL-8B-Instruct's Qwen3VLModel (its model card's 8.77 B less the 0.62 B untied lm_head the pipeline does not
+    load) and the FLUX.2 VAE; LoRA counted on the family's default targets, FSDP on its 34 blocks
+    (_no_split_modules), each under 3.2 % of the transformer. The frozen unconditional transformer stays on the device
+    in every setup (sampling runs it, Family.sampling_modules), offloaded ones too."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.memory.table import RESIDENT_COMPONENTS, SETUPS, model_sizes, setup_bytes
+    from ot_dist.starter.choose import choose
+
+    family = get_family("ideogram4")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 9_279_288_448, "unconditional_transformer": 9_279_288_448,
+                      "text_encoder": 8_144_793_840, "vae": 84_046_115}
+    lm_head = 151936 * 4096
+    assert abs(counts["text_encoder"] + lm_head - 8.77e9) / 8.77e9 < 0.005
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == 34
+    assert {type(unit).__name__ for unit in units} == set(components["transformer"]._no_split_modules)
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.032
+    # Qwen3-VL's embedding table is its own text-encoder unit (7.6 % of it), beside its 36 decoder layers
+    text_units = sharding_units(components["text_encoder"], family.shard_units["text_encoder"])
+    assert components["text_encoder"].language_model.embed_tokens in text_units and len(text_units) == 1 + 36
+    # the offloaded LoRA setup keeps both transformers: 18.6 B frozen parameters in float8
+    assert "unconditional_transformer" in RESIDENT_COMPONENTS
+    offloaded = next(s for s in SETUPS if s.trained == "lora" and s.offload)
+    sizes = model_sizes(components, DENOISERS[name][1])
+    assert setup_bytes(offloaded, sizes) > 2 * counts["transformer"]
+    assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 48, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 16, 1)

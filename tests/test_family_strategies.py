@@ -101,6 +101,11 @@ RIDERS["sd3"] += ("ernie_image",)
 # (CPU s of that launch: 34.6 without Anima, 36.2 and 36.9 with it)
 FAMILY_STRATEGIES["anima"] = ("fsdp", "zero2")
 RIDERS["sd3"] += ("anima",)
+# Ideogram 4: its packed [left padding][caption][image] sequence (packed to each rank's longest caption), Qwen3-VL's
+# tapped layers, t = 1 - sigma and the negated output under fsdp (units: layers) and zero2, riding in PixArt-α's launch
+# (CPU s of that launch on a shared machine: 41.8 without Ideogram 4, 44.9 with fsdp, 42.6 / 43.0 with fsdp and zero2)
+FAMILY_STRATEGIES["ideogram4"] = ("fsdp", "zero2")
+RIDERS["pixart_alpha"] += ("ideogram4",)
 # FLUX.2 [dev] as an edit model (the concepts with reference_path): its reference tokens (ids (10, row, col, 0)) and the
 # prediction read from the target's tokens, a full finetune under fsdp beside its text-to-image cases in SD3's launch
 EDITED = {"family": "flux2", "launch": "sd3", "strategies": ("fsdp",)}

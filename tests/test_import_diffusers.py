@@ -83,6 +83,8 @@ SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", 
 SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
 SCRIPT_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
 SCRIPT_LORA_TARGETS["hidream"] = ["to_k", "to_q", "to_v", "to_out"]
+FAMILY_METHOD["train_dreambooth_lora_ideogram4.py"] = ("ideogram4", "lora")
+SCRIPT_LORA_TARGETS["ideogram4"] = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
 
 
 @pytest.mark.parametrize("script", sorted(FAMILY_METHOD))
@@ -429,3 +431,25 @@ def test_flux2_scripts(tmp_path, script, family):
                                       f"{' '.join(map(str, get_family(family).layers))}")
     assert not any(line.startswith("text_encoder_out_layers") for line in not_honoured(text))
 
+
+def test_ideogram4_script_draws_at_the_resolution_aware_mean_and_lists_its_own_options(tmp_path):
+    """train_dreambooth_lora_ideogram4.py uses compute_density_for_timestep_sampling's u as sigma, its logit-normal
+    (default std 1.5) centred at logit_mean + _resolution_aware_mu: ot_dist's logit-normal at the family's resolution
+    shift (auto, nothing written), the same draw (tests/test_family_ideogram4.py); the other schemes' u is unshifted.
+    Prompt upsampling and the autocast switch are listed, max_sequence_length below the pipeline's 2048 too."""
+    script = "train_dreambooth_lora_ideogram4.py"
+    assert defaults(script)["max_sequence_length"] == 2048 and defaults(script)["logit_std"] == 1.5
+    assert "use_aspect_ratio_buckets" not in defaults(script)
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --logit_mean 0.5 --upsample_prompt "
+                                      "--disable_training_autocast")
+    assert c["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.5, "logit_normal_std": 1.5}
+    assert c["lora"]["transformer_targets"] == SCRIPT_LORA_TARGETS["ideogram4"]
+    listed = not_honoured(text)
+    assert any(line.startswith("upsample_prompt") for line in listed)
+    assert any(line.startswith("disable_training_autocast") for line in listed)
+    assert not any(line.startswith("max_sequence_length") for line in listed)
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --weighting_scheme none --max_sequence_length 512")
+    assert c["loss"] == {"timestep_distribution": "uniform", "timestep_shift": 1.0, "dynamic_timestep_shifting": False}
+    assert any(line.startswith("max_sequence_length: 512") for line in not_honoured(text))

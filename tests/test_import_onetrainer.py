@@ -1072,3 +1072,29 @@ def test_ernie_preset_imports_as_onetrainer_trains_it(tmp_path):
     config, _ = import_only(tmp_path, preset, samples=samples)
     (prompt,) = config.sampling.prompts
     assert (prompt.width, prompt.height, prompt.guidance_scale, prompt.steps) == (1008, 528, 4.0, 25)
+
+
+def test_ideogram4_preset_maps_to_the_ideogram4_family(tmp_path):
+    """training_presets/Ideogram 4/#ideogram LoRA 24GB.json: IDEOGRAM_4 -> ideogram4, its attn-mlp filter (attention,
+    feed_forward) the family's default preset, the transformer trained alone, OneTrainer's unshifted draw unless
+    dynamic_timestep_shifting (BaseIdeogramSetup: then e^mu of the pipeline's resolution-aware mu); its sample default
+    (SampleConfig: 1024 px, 25 steps, cfg 3.0)."""
+    preset = {"base_model_name": "/models/Ideogram-4-Diffusers", "batch_size": 2, "learning_rate": 5e-5,
+              "model_type": "IDEOGRAM_4", "output_model_format": "COMFY_LORA", "resolution": "512", "compile": True,
+              "transformer": {"train": True, "weight_dtype": "FLOAT_8"},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "training_method": "LORA",
+              "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "output_dtype": "BFLOAT_16",
+              "layer_filter": "attention,feed_forward", "layer_filter_preset": "attn-mlp",
+              "timestep_distribution": "LOGIT_NORMAL"}
+    config, _ = import_only(tmp_path, preset, samples=[{"prompt": "a cat"}])
+    assert config.model.family == "ideogram4" and config.method == "lora"
+    assert {part: config.part_trains(part) for part in ("transformer", "text_encoder")} == {
+        "transformer": True, "text_encoder": False}
+    assert "preset" not in config.lora.model_fields_set and config.lora.layer_filter is None  # the default preset
+    assert (config.loss.timestep_shift, config.loss.dynamic_timestep_shifting) == (1.0, "auto")
+    (sample,) = config.sampling.prompts
+    assert (sample.width, sample.height, sample.steps, sample.guidance_scale) == (1024, 1024, 25, 3.0)
+    for filter_preset, expected in (("attn-only", "attention"),):
+        config, _ = import_only(tmp_path, {**preset, "layer_filter": "attention", "layer_filter_preset": filter_preset,
+                                           "dynamic_timestep_shifting": True})
+        assert config.lora.preset == expected and config.loss.dynamic_timestep_shifting is True

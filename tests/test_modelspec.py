@@ -105,6 +105,8 @@ DOCUMENTED = [
     # OneTrainer's ids for Anima (resources/sd_model_spec/anima.json, anima-lora.json)
     ("anima", {}, None, False, "lora", "diffusers", "Anima/lora", "diffusers"),
     ("anima", {}, None, False, "checkpoint", None, "Anima", "diffusers"),
+    # SwarmUI's class ids (T2IModelClassSorter: ideogram-4, ideogram-4/lora); OneTrainer writes "Ideogram"
+    ("ideogram4", {}, None, False, "lora", "diffusers", "ideogram-4/lora", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

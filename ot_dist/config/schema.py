@@ -45,7 +45,7 @@ class ModelConfig(Section):
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
         "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
         "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), anima (Anima: "
-        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part); each is one "
+        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4); each is one "
         "module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(

@@ -1,8 +1,8 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
 Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B, Wan 2.1 T2V
-14B, ERNIE-Image (8 B) and Anima (2 B) under the low-memory options and, for the transformers and the priors,
-a full finetune under fsdp, from parameter counts and dtypes.
+14B, ERNIE-Image (8 B), Anima (2 B) and Ideogram 4 (9.3 B, twice) under the low-memory options and, for the
+transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -23,6 +23,7 @@ from ot_dist.models.families.ernie_image import ErnieImage
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.flux2 import Flux2, Flux2Klein
 from ot_dist.models.families.hidream import HiDream
+from ot_dist.models.families.ideogram4 import Ideogram4
 from ot_dist.models.families.lumina2 import Lumina2
 from ot_dist.models.families.qwen_image import QwenImage
 from ot_dist.models.families.sana import Sana
@@ -208,6 +209,25 @@ ANIMA_2B = dict(in_channels=16, out_channels=16, num_attention_heads=16, attenti
 QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                  num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
                  rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=True)
+# Ideogram 4 (ideogram-ai/ideogram-v4 as diffusers ships it): two transformers of Ideogram4Transformer2DModel's default
+# config (its docstring's: 34 blocks of 18 heads x 256, SwiGLU 12288, 53248-wide text features in), the conditional one
+# trained and the unconditional one frozen; the text encoder Qwen/Qwen3-VL-8B-Instruct's Qwen3VLModel (no lm_head: the
+# language model and its vision tower, which text-only training never runs) and AutoencoderKLFlux2's defaults.
+IDEOGRAM4 = dict(in_channels=128, num_layers=34, attention_head_dim=256, num_attention_heads=18,
+                 intermediate_size=12288, adaln_dim=512, llm_features_dim=53248, rope_theta=5_000_000,
+                 mrope_section=(24, 20, 20))
+QWEN3_VL_8B = dict(
+    text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                         "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+    vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                       deepstack_visual_indexes=[8, 16, 24]),
+    tie_word_embeddings=False)
+# Components beside the denoiser that ot_dist keeps on the device whatever the setup offloads: the frozen denoisers only
+# sampling runs (Family.sampling_modules: Ideogram 4's unconditional transformer)
+RESIDENT_COMPONENTS = ("unconditional_transformer",)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -230,6 +250,8 @@ DENOISERS["Wan 2.1 T2V 14B"] = ("transformer", Wan.denoiser_lora_presets["defaul
 DENOISERS["ERNIE-Image"] = ("transformer", ErnieImage.denoiser_lora_presets["default"],
                             ErnieImage.shard_units["transformer"])
 DENOISERS["Anima"] = ("transformer", Anima.denoiser_lora_presets["default"], Anima.shard_units["transformer"])
+DENOISERS["Ideogram 4"] = ("transformer", Ideogram4.denoiser_lora_presets["default"],
+                           Ideogram4.shard_units["transformer"])
 # Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
 # the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
 DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
@@ -274,6 +296,13 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
             return {"transformer": CosmosTransformer3DModel(**ANIMA_2B),
                     "text_encoder": Qwen3Model(Qwen3Config(**QWEN3_06B)), "text_conditioner": AnimaTextConditioner(),
                     "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
+        if model == "Ideogram 4":
+            from diffusers import AutoencoderKLFlux2, Ideogram4Transformer2DModel
+            from transformers import Qwen3VLConfig, Qwen3VLModel
+
+            return {"transformer": Ideogram4Transformer2DModel(**IDEOGRAM4),
+                    "unconditional_transformer": Ideogram4Transformer2DModel(**IDEOGRAM4),
+                    "text_encoder": Qwen3VLModel(Qwen3VLConfig(**QWEN3_VL_8B)), "vae": AutoencoderKLFlux2()}
         if model == "Lumina-Image 2.0":
             from diffusers import Lumina2Transformer2DModel
 
@@ -448,7 +477,7 @@ def setup_bytes(setup: Setup, sizes: ModelSizes) -> float:
     counts, denoiser = sizes.counts, sizes.denoiser
     shapes = sizes.trained[setup.trained]
     trained = sum(math.prod(s) for s in shapes)
-    frozen_parts = [] if setup.offload else [n for n in counts if n != denoiser]
+    frozen_parts = [n for n in counts if n != denoiser and (not setup.offload or n in RESIDENT_COMPONENTS)]
     frozen = sum(counts[n] for n in frozen_parts) + (counts[denoiser] if setup.trained == "lora" else 0)
     grads = 0 if setup.fused_back_pass else trained * BYTES[setup.trained_dtype]
     return (frozen * BYTES[setup.frozen] + trained * BYTES[setup.trained_dtype] + grads

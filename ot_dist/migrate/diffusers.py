@@ -40,6 +40,7 @@ SCRIPTS = {
     "train_dreambooth_lora_lumina2.py": ("lumina2", "lora", "dreambooth"),
     "train_dreambooth_lora_z_image.py": ("z_image", "lora", "dreambooth"),
     "train_dreambooth_lora_hidream.py": ("hidream", "lora", "dreambooth"),
+    "train_dreambooth_lora_ideogram4.py": ("ideogram4", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
 }
 # The scripts that validate every validation_steps optimizer steps (the others: every validation_epochs epochs).
@@ -79,6 +80,12 @@ TRANSFORMER_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
 # them with (the pipeline's max_sequence_length, which ot_dist does not change).
 FORCED_SHIFT_SCRIPTS = {"hidream": 3.0}
 FIXED_TEXT_LENGTH = {"hidream": 128}
+# The Ideogram 4 script: sigma is compute_density_for_timestep_sampling's u itself, its logit-normal's mean moved by
+# the pipeline's _resolution_aware_mu (ot_dist's family shift e^mu: the same draw); the other schemes' u unshifted.
+# Its default modules: attention and the SwiGLU (peft suffixes).
+RESOLUTION_MEAN_SCRIPTS = ("ideogram4",)
+TRANSFORMER_LORA_TARGETS["ideogram4"] = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
+FIXED_TEXT_LENGTH["ideogram4"] = 2048
 # Where a script loads a component from an argument of its own and ot_dist reads it from model.path's folder
 SEPARATE_COMPONENTS = {"train_dreambooth_lora_hidream.py": (
     "pretrained_text_encoder_4_name_or_path",
@@ -102,6 +109,7 @@ NO_EFFECT = {
     "cache_latents": "latents cached or not (data.cache_latents: the same training)",
     "remote_text_encoder": "where the captions are encoded",
     "fsdp_text_encoder": "where the frozen text encoder lives (the Z-Image script shards it with FSDP)",
+    "prompt_enhancer_head_id": "the prompt enhancer's LM head (upsample_prompt)",
 }
 
 
@@ -408,6 +416,10 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
         if family in ("flux", "flux2"):  # the guidance-distilled transformers
             c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
+    if family in RESOLUTION_MEAN_SCRIPTS:
+        weighting_scheme(args, loss, skip, descending=False)  # u is the noise level
+        if args["weighting_scheme"] != "logit_normal":  # only the logit-normal's mean follows the resolution
+            loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
     if family == "lumina2":
         _lumina2_flow(args, c, loss, out)
     _new_script_options(args, family, skip)
@@ -451,6 +463,12 @@ def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
         skip(f"bnb_quantization_config_path: {args['bnb_quantization_config_path']}: the Qwen-Image script "
              "quantizes the transformer with bitsandbytes; ot_dist's low-memory option is weight_dtype float8 "
              "(docs/low-memory.md)")
+    if args["upsample_prompt"]:
+        skip("upsample_prompt: the Ideogram 4 script rewrites each caption into Ideogram's JSON caption with the "
+             "prompt enhancer before encoding it; ot_dist encodes the caption as written")
+    if args["disable_training_autocast"]:
+        skip("disable_training_autocast: the Ideogram 4 script then runs the transformer in its weight dtype without "
+             "autocast; ot_dist computes under autocast in train_dtype")
     if args["do_fp8_training"]:
         skip("do_fp8_training: the Z-Image script trains the transformer's linear layers in float8 (torchao's "
              "convert_to_float8_training); ot_dist computes in train_dtype, float8 holds frozen weights only")

@@ -40,6 +40,10 @@ ONETRAINER_PRESETS |= {"flux2": {"blocks": ("transformer_block",)}, "flux2_klein
 # BaseErnieSetup: its presets' names as OneTrainer matches them (attn-only is ot_dist's attention preset)
 ONETRAINER_PRESETS["ernie_image"] = {"attn-mlp": ("self_attention", "mlp"), "attn-only": ("self_attention",),
                                      "blocks": ("layers",)}
+# BaseIdeogramSetup: attn-mlp's Linear layers (attention.to_q / k / v / to_out.0, feed_forward.w1 / w2 / w3) are ot_dist's
+# default preset, attn-only's its attention preset; blocks adapts every Linear of `layers` (OneTrainer's own rule)
+ONETRAINER_PRESETS["ideogram4"] = {"attn-mlp": ("attention", "feed_forward"), "attn-only": ("attention",),
+                                   "blocks": ("layers",)}
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -63,7 +67,7 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         lora.update(layer_filter=list(patterns), layer_filter_regex=True)
     elif named == "attn-only":
         lora["preset"] = "attention"
-    elif named == "attn-mlp" and family in ("sd1", "sd2", "sdxl"):
+    elif named == "attn-mlp" and family in ("sd1", "sd2", "sdxl", "ideogram4"):
         pass  # ot_dist's default: the Linear / 1x1 Conv layers of the UNet's attention (Transformer2D) blocks
     elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma", "qwen_image", "anima"):
         # Qwen-Image: both streams' attention projections and MLPs (img_mlp, txt_mlp), its attention_mlp preset;

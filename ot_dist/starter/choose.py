@@ -55,6 +55,9 @@ ACTIVATIONS_GIB["ERNIE-Image"] = 6.0
 # Anima: 4096 image tokens at 1024 px (x8, 2x2 patches) cross-attending to 512 adapter tokens, 2048 wide over 28 blocks
 # (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks, 6 GiB): about 0.3 of Flux's activations, and Flux's context and slack.
 ACTIVATIONS_GIB["Anima"] = 2.5
+# Ideogram 4: 4096 image tokens at 1024 px (x8, 2x2 patches) after the caption (the batch's longest, up to 2048) in
+# one stream 4608 wide over 34 blocks (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks): Flux's estimate.
+ACTIVATIONS_GIB["Ideogram 4"] = 6.0
 NO_CHECKPOINTING_FACTOR = 4
 
 

@@ -30,6 +30,7 @@ FAMILY_MODULES: dict[str, str] = {
     "wan": "ot_dist.models.families.wan",
     "ernie_image": "ot_dist.models.families.ernie_image",
     "anima": "ot_dist.models.families.anima",
+    "ideogram4": "ot_dist.models.families.ideogram4",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
