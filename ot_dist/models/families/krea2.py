@@ -203,10 +203,12 @@ class Krea2(Family):
             intermediate_size=64, timestep_embed_dim=32, text_hidden_dim=TEXT_HIDDEN, num_text_layers=len(taps),
             text_num_attention_heads=2, text_num_key_value_heads=1, text_intermediate_size=64,
             num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 6, 6))
-        with torch.no_grad():  # zero-centred norms and modulation tables start at zero; random ones test more
+        with torch.no_grad():
             for name, parameter in transformer.named_parameters():
-                if "scale_shift_table" in name or "norm" in name:
+                if "norm" in name:  # zero-centred scales start at zero; random ones test more
                     parameter.normal_(std=0.1)
+                elif "scale_shift_table" in name:  # open gates: the text moves the 8-bit samples more
+                    parameter.normal_()
         vae = AutoencoderKLQwenImage(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
                                      temperal_downsample=[False, True, True])
         return Krea2Pipeline(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
