@@ -85,7 +85,7 @@ class Krea2(Family):
     shard_units = {"transformer": ("transformer_blocks", "text_fusion.layerwise_blocks", "text_fusion.refiner_blocks"),
                    "text_encoder": ("language_model.embed_tokens", "language_model.layers")}
     pixel_multiple = 16  # VAE x8, then 2x2 patches
-    memory_reference = None
+    memory_reference = "Krea 2"  # krea/Krea-2-Raw: the 12.8 B transformer, Qwen3-VL-4B, Qwen-Image's VAE
     # OneTrainer's sample default for KREA_2 (SampleConfig.py), as classifier-free guidance neg + s (pos - neg)
     sample_guidance_scale = 3.5
     samplers = ("flow_euler",)
