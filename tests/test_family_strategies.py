@@ -91,6 +91,10 @@ RIDERS["flux"] += ("qwen_image_edit_plus",)
 # (units: blocks), riding in PixArt-α's launch
 FAMILY_STRATEGIES["wan"] = ("fsdp",)
 RIDERS["pixart_alpha"] += ("wan",)
+# Krea 2: the stacked Qwen3-VL taps with real tokens moved to the front and the text stream trimmed per batch, packed
+# one-frame latents and position ids under fsdp (units: transformer blocks, text-fusion blocks), riding in Flux's launch
+FAMILY_STRATEGIES["krea2"] = ("fsdp",)
+RIDERS["flux"] += ("krea2",)
 # FLUX.2 [dev] as an edit model (the concepts with reference_path): its reference tokens (ids (10, row, col, 0)) and the
 # prediction read from the target's tokens, a full finetune under fsdp beside its text-to-image cases in SD3's launch
 EDITED = {"family": "flux2", "launch": "sd3", "strategies": ("fsdp",)}

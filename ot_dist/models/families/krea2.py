@@ -91,8 +91,9 @@ class Krea2(Family):
     samplers = ("flow_euler",)
     lora_file_prefixes = None  # the diffusers layout, which Krea2Pipeline.load_lora_weights reads
     single_file = False
-    # OneTrainer writes "krea2" (resources/sd_model_spec/krea2.json), "krea2/lora" for its LoRA files
-    modelspec_architecture = "krea2"
+    # OneTrainer writes "Krea-2" / "Krea-2/lora" (resources/sd_model_spec/krea2.json); lower case, as the other
+    # families' SwarmUI-style ids (z-image, qwen-image)
+    modelspec_architecture = "krea-2"
 
     # Qwen-Image's VAE: one-frame videos in, the frame axis kept out
     latent_shape = QwenImage.latent_shape
