@@ -150,9 +150,11 @@ def test_full_finetune_moves_the_transformer_only_and_reloads_through_from_pretr
 
 def test_lora_file_loads_in_the_pipeline_and_samples_equal_it(family_models, shapes_data, tmp_path):
     """The default LoRA (the training script's targets): each module of the file is `transformer.<module>` of a layer
-    the script adapts; Krea2Pipeline.load_lora_weights gives the trained outputs; the end-of-training sample equals
-    the pipeline's with guidance_scale s - 1."""
+    the script adapts; Krea2Pipeline.load_lora_weights gives the trained outputs, from lora.safetensors and from
+    lora_comfyui.safetensors (the original names, which diffusers' single-file converter maps back onto the same
+    modules); the end-of-training sample equals the pipeline's with guidance_scale s - 1."""
     from diffusers import Krea2Pipeline
+    from diffusers.loaders.single_file_utils import convert_krea2_transformer_checkpoint_to_diffusers
     from PIL import Image
 
     from ot_dist.models.families.krea2 import KREA2_LORA_TARGETS
@@ -174,6 +176,22 @@ def test_lora_file_loads_in_the_pipeline_and_samples_equal_it(family_models, sha
     assert (before - trained).abs().max() > 1e-4  # the LoRA changed the output: the comparison below means something
     pipe.load_lora_weights(tmp_path / "o" / "lora.safetensors")
     torch.testing.assert_close(prediction(family, pipe.transformer, pipe.text_encoder, pipe.tokenizer), trained,
+                               rtol=1e-5, atol=1e-6)
+
+    # lora_comfyui.safetensors: the same adapters in the original names under diffusion_model. (every module one the
+    # original model has, as diffusers' converter renames them), no .alpha; diffusers' Krea 2 loader reads it to the
+    # trained outputs
+    comfy = load_file(tmp_path / "o" / "lora_comfyui.safetensors")
+    assert len(comfy) == len(saved) and all(k.startswith("diffusion_model.") for k in comfy)
+    assert {"diffusion_model.first.lora_A.weight", "diffusion_model.blocks.1.attn.gate.lora_B.weight",
+            "diffusion_model.txtfusion.refiner_blocks.0.mlp.down.lora_A.weight",
+            "diffusion_model.tproj.1.lora_B.weight"} <= set(comfy)
+    original = set(convert_krea2_transformer_checkpoint_to_diffusers(
+        {f"{k.removeprefix('diffusion_model.').rsplit('.lora_', 1)[0]}.weight": 0 for k in comfy}))
+    assert original == {f"{m.removeprefix('transformer.')}.weight" for m in modules}
+    other = Krea2Pipeline.from_pretrained(base, local_files_only=True)
+    other.load_lora_weights(tmp_path / "o" / "lora_comfyui.safetensors")
+    torch.testing.assert_close(prediction(family, other.transformer, other.text_encoder, other.tokenizer), trained,
                                rtol=1e-5, atol=1e-6)
 
     def image(guidance_scale):

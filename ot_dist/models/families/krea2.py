@@ -22,7 +22,8 @@ What follows Krea2Pipeline and diffusers' train_dreambooth_lora_krea2.py (diffus
   (classifier-free guidance, OneTrainer's cfg_scale) is passed as g = s - 1.
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which Krea2Pipeline.load_lora_weights
-reads. The text encoder is Qwen3-VL's: OneTrainer and diffusers train the transformer only, and diffusers' Krea 2
+reads, and beside it `lora_comfyui.safetensors` in the original module names (`diffusion_model.blocks.<n>.attn.wq`,
+krea2_lora.py), the layout of Krea 2 LoRAs outside diffusers, which diffusers' Krea 2 loader reads too. The text encoder is Qwen3-VL's: OneTrainer and diffusers train the transformer only, and diffusers' Krea 2
 loader reads no text-encoder LoRA.
 """
 
@@ -175,6 +176,32 @@ class Krea2(Family):
             return_dict=False,
         )[0]
         return unpack(tokens, h, w)
+
+    # -- LoRA files -------------------------------------------------------------------------------------
+    def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the original module names under `diffusion_model.`
+        (krea2_lora.py), what ComfyUI's generic rule maps and diffusers' Krea 2 loader reads too; nothing for an
+        adapter other than plain LoRA or a run without a transformer LoRA."""
+        import json
+
+        from safetensors.torch import save_file
+
+        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.models.families.krea2_lora import comfyui_lora_state
+
+        if "transformer" not in states:
+            return []
+        tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"])
+        if tensors is None:
+            return []
+        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
+        metadata = {"ot_dist_lora": json.dumps({"layout": "comfyui", "family": self.name,
+                                                "scale": "inside the up matrices, no alpha tensors"})}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({k: v.to(dtype).detach().cpu() for k, v in tensors.items()}, str(tmp),
+                      metadata={**metadata, **modelspec})
+        return [path]
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):
