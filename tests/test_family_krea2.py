@@ -125,13 +125,24 @@ def prediction(family, transformer, text_encoder, tokenizer):
 
 def test_full_finetune_moves_the_transformer_only_and_reloads_through_from_pretrained(family_models, shapes_data,
                                                                                        tmp_path):
-    from diffusers import Krea2Pipeline
+    """The folder reloads through Krea2Pipeline.from_pretrained; beside it, the single file in the original layout
+    (raw.safetensors' keys, OneTrainer's names too), which diffusers' from_single_file reads back to the folder's
+    transformer."""
+    from diffusers import Krea2Pipeline, Krea2Transformer2DModel
 
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", max_steps=2, learning_rate=1e-2)
     trainer.train()
     export = tmp_path / "o" / "model"
-    assert not (tmp_path / "o" / "model.safetensors").exists()  # no single-file layout
+    single = load_file(tmp_path / "o" / "model.safetensors")
+    assert {"first.weight", "txtfusion.projector.weight", "txtmlp.0.scale", "last.modulation.lin",
+            "blocks.1.attn.qknorm.knorm.scale", "txtfusion.layerwise_blocks.0.mlp.gate.weight"} <= set(single)
+    assert single["blocks.0.mod.lin"].shape == (6 * 32,)  # the (6, width) table flattened
+    read = Krea2Transformer2DModel.from_single_file(str(tmp_path / "o" / "model.safetensors"), config=str(export),
+                                                    subfolder="transformer", local_files_only=True)
+    folder_state = Krea2Transformer2DModel.from_pretrained(export / "transformer").state_dict()
+    assert read.state_dict().keys() == folder_state.keys()
+    assert all(torch.equal(v, folder_state[k]) for k, v in read.state_dict().items())
     original = Krea2Pipeline.from_pretrained(base, local_files_only=True)
     loaded = Krea2Pipeline.from_pretrained(export, local_files_only=True)
     assert loaded.config.text_encoder_select_layers == original.config.text_encoder_select_layers
@@ -253,3 +264,35 @@ def test_a_folder_tapping_other_layers_is_refused(family_models, tmp_path):
     (folder / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(ConfigError, match=r"taps text_encoder_select_layers \(1, 4\).*\(2, 5\)"):
         load_model(ModelConfig(family=FAMILY, path=str(folder)))
+
+
+def test_the_original_single_file_loads_to_the_same_outputs(family_models, tmp_path):
+    """A transformer in the original layout (raw.safetensors' keys) under ComfyUI's model.diffusion_model., in
+    bfloat16, with `model.config` = the diffusers folder, predicts as the folder's transformer with the same weights
+    rounded to bfloat16; a key the config's transformer lacks is named before anything loads."""
+    from diffusers import Krea2Pipeline
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.families.krea2_single_file import KREA2
+    from ot_dist.models.loading import load_model
+
+    base = family_models[FAMILY]
+    folder = Krea2Pipeline.from_pretrained(base, local_files_only=True)
+    with torch.no_grad():
+        for t in folder.transformer.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).float())  # what the file holds
+    original = KREA2.to_original(folder.transformer.state_dict(), dict(folder.transformer.config),
+                                 prefix="model.diffusion_model.")
+    state = {k: v.to(torch.bfloat16).contiguous() for k, v in original.items()}
+    save_file(state, tmp_path / "raw.safetensors")
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "raw.safetensors"), config=str(base)))
+    family = loaded.family
+    expected = prediction(family, folder.transformer, folder.text_encoder, folder.tokenizer)
+    got = prediction(family, loaded.denoiser, loaded.text_encoders["text_encoder"], loaded.tokenizers["tokenizer"])
+    assert torch.equal(got, expected)
+    state["model.diffusion_model.blocks.7.attn.wq.weight"] = state["model.diffusion_model.blocks.0.attn.wq.weight"]
+    save_file({k: v.clone() for k, v in state.items()}, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match=r"unexpected 1 key.*blocks.7.attn.wq.weight"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))

@@ -93,7 +93,7 @@ DOCUMENTED = [
     ("wan", {"num_attention_heads": 40, "attention_head_dim": 128}, None, False, "checkpoint", None,
      "wan-2_1-text2video-14b", "diffusers"),
     ("krea2", {}, None, False, "lora", "diffusers", "krea-2/lora", "diffusers"),  # OneTrainer: Krea-2/lora
-    ("krea2", {}, None, False, "checkpoint", None, "krea-2", "diffusers"),
+    ("krea2", {}, None, False, "checkpoint", None, "krea-2", "https://github.com/krea-ai/krea-2"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",
