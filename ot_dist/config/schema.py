@@ -48,7 +48,7 @@ class ModelConfig(Section):
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
-        "Flux and FLUX.2, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
+        "Flux and FLUX.2, lodestones' for Chroma, krea-ai's raw.safetensors for Krea 2: the transformer (and SD3's VAE), the rest comes from model.config or "
         "model.component_files)."
     )
     config: UserPath | None = Field(
