@@ -9,10 +9,14 @@ a real process with its own gloo process group over TCP. Tests of the launchers 
 torchrun's restarts and failure summary, the k8s pods) keep spawning torchrun.
 
 Like torchrun, the launch ends when every rank has ended; when one fails, the others are killed after a grace
-period (they would otherwise wait in a collective until the process-group timeout)."""
+period (they would otherwise wait in a collective until the process-group timeout). Before a rank is killed its
+Python stacks are written to its stderr (faulthandler on SIGUSR1), and a failed launch's stderr ends with a summary
+of every rank (exit code, last line of output, the end of its stderr): tests keep the last few thousand characters
+of the output, which would otherwise show one rank's side of a hang only."""
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -34,6 +38,8 @@ PRELOAD = [
     "ot_dist.cli",
 ]
 _GRACE_SECONDS = 10  # after one rank failed, time the others get to write their own error before they are killed
+_DUMP_SECONDS = 2  # after SIGUSR1, time a rank gets to write its stacks before it is killed
+_SUMMARY_CHARS = 1500  # of each rank's stderr in a failed launch's summary
 
 
 def _context() -> multiprocessing.context.ForkServerContext:
@@ -66,6 +72,7 @@ def _rank_main(command: list[str], env: dict[str, str], log_prefix: str, cwd: st
         os.dup2(os.open(f"{log_prefix}.{stream}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
     for stream in (sys.stdout, sys.stderr):  # what a killed rank printed is kept
         stream.reconfigure(line_buffering=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # where a hung rank is, before its kill
     os.environ.clear()
     os.environ.update(env)
     if cwd is not None:
@@ -115,19 +122,46 @@ def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None =
             if failed_at is None and any(p.exitcode not in (None, 0) for p in ranks):
                 failed_at = now
             if now > deadline or (failed_at is not None and now > failed_at + _GRACE_SECONDS):
-                for p in ranks:
-                    if p.exitcode is None:
-                        _kill_group(p.pid)
+                _kill_with_stacks([p for p in ranks if p.exitcode is None])
             for p in ranks:
                 p.join(timeout=0.05)
         codes = [p.exitcode for p in ranks]
         for p in ranks:  # loader workers a killed rank left behind
             _kill_group(p.pid)
         stdout, stderr = (_joined(logs, world, stream) for stream in ("stdout", "stderr"))
+        rank_outputs = [(_read(logs, r, "stdout"), _read(logs, r, "stderr")) for r in range(world)]
     if time.monotonic() > deadline:
         stderr += f"\nlaunch killed after {timeout} s\n"
     returncode = next((c for c in codes if c != 0), 0)
+    if returncode != 0 and world > 1:
+        stderr += _summary(rank_outputs, codes)
     return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+
+def _kill_with_stacks(ranks: list) -> None:
+    """SIGUSR1 (each rank's faulthandler writes its Python stacks to its stderr), then the rank's whole group."""
+    for p in ranks:
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+    time.sleep(_DUMP_SECONDS)
+    for p in ranks:
+        _kill_group(p.pid)
+
+
+def _summary(rank_outputs: list[tuple[str, str]], codes: list) -> str:
+    """Every rank's exit code (-9: killed by the launch, its stacks are in its stderr), last line of output and
+    the end of its stderr: the one part of a failed launch the tests' assertion messages keep."""
+    parts = ["\n== failed launch: every rank"]
+    for rank, ((out, err), code) in enumerate(zip(rank_outputs, codes)):
+        last = next((line for line in reversed(out.splitlines()) if line.strip()), "")
+        parts.append(f"[rank {rank}] exit {code}; last output line: {last!r}\n{err[-_SUMMARY_CHARS:]}")
+    return "\n".join(parts) + "\n"
+
+
+def _read(logs: str, rank: int, stream: str) -> str:
+    return Path(logs, f"rank-{rank}.{stream}").read_text(errors="replace")
 
 
 def _kill_group(pid: int) -> None:
@@ -138,5 +172,5 @@ def _kill_group(pid: int) -> None:
 
 
 def _joined(logs: str, nproc: int, stream: str) -> str:
-    texts = [Path(logs, f"rank-{r}.{stream}").read_text(errors="replace") for r in range(nproc)]
+    texts = [_read(logs, r, stream) for r in range(nproc)]
     return texts[0] if nproc == 1 else "".join(f"[rank {r}]\n{text}\n" for r, text in enumerate(texts))

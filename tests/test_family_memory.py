@@ -394,3 +394,26 @@ def test_krea2_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "full", 48, 8).strategy == "fsdp"
     with pytest.raises(ConfigError, match="--gpu-memory"):
         choose(family, "lora", 16, 1)
+def test_ernie_image_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's ERNIE-Image row (ot-dist init's reference for the family) built on the meta device: the 8 B
+    transformer (ComfyUI's ERNIE-Image defaults, the model card's "8B DiT"), Mistral3Model of Ministral-3 3B (its card's
+    3.4 B language model and 0.4 B vision tower) and FLUX.2's VAE; LoRA counted on the family's default targets, FSDP
+    on its 36 layers, each under 3 % of the transformer; `ot-dist init` chooses from it."""
+    from ot_dist.starter.choose import choose
+
+    family = get_family("ernie_image")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 8_033_490_048, "text_encoder": 3_849_090_048, "vae": 84_046_115}
+    language = sum(p.numel() for p in components["text_encoder"].language_model.parameters())
+    assert 3.4e9 < language < 3.45e9
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    assert len(sharding_units(components["transformer"], DENOISERS[name][2])) == 36
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.03
+    assert len(sharding_units(components["text_encoder"], family.shard_units["text_encoder"])) == 26
+    # LoRA: 11.97 B frozen parameters, 22.3 GiB in bfloat16, 11.1 GiB in float8
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 24, 8).strategy == "fsdp"

@@ -96,6 +96,10 @@ RIDERS["pixart_alpha"] += ("wan",)
 # (CPU s of that launch, two before / after pairs: 45.5 -> 48.6, 43.6 -> 47.2)
 FAMILY_STRATEGIES["krea2"] = ("fsdp",)
 RIDERS["flux"] += ("krea2",)
+# ERNIE-Image: its masked caption lengths (text_lens), batch-norm-normalised patchified latents and raw-t flow under fsdp
+# (units: layers) and zero2, riding in SD3's launch (CPU s of that launch: 34.7 -> 37.1)
+FAMILY_STRATEGIES["ernie_image"] = ("fsdp", "zero2")
+RIDERS["sd3"] += ("ernie_image",)
 # FLUX.2 [dev] as an edit model (the concepts with reference_path): its reference tokens (ids (10, row, col, 0)) and the
 # prediction read from the target's tokens, a full finetune under fsdp beside its text-to-image cases in SD3's launch
 EDITED = {"family": "flux2", "launch": "sd3", "strategies": ("fsdp",)}

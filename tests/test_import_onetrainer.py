@@ -1032,3 +1032,27 @@ def test_krea2_preset_imports_as_the_krea2_family(tmp_path):
     attention, _ = import_only(tmp_path / "attn", {"model_type": "KREA_2", "training_method": "LORA",
                                                    "layer_filter_preset": "attn-only"})
     assert attention.lora.preset == "attention"
+def test_ernie_preset_imports_as_onetrainer_trains_it(tmp_path):
+    """training_presets/Ernie Image/#ernie LoRA 16GB.json: model type ERNIE is ernie_image, its attn-mlp layer filter
+    (self_attention, mlp) kept as OneTrainer's own substring rule, the transformer alone trained, the draw unshifted
+    (timestep_shift 1.0) unless dynamic_timestep_shifting (BaseErnieSetup reads it); samples on the 16 px grid."""
+    preset = {"model_type": "ERNIE", "base_model_name": "/models/ernie", "training_method": "LORA", "batch_size": 2,
+              "learning_rate": 3e-4, "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "compile": True,
+              "transformer": {"train": True, "weight_dtype": "INT_W8A8"},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "vae": {"weight_dtype": "FLOAT_32"},
+              "train_dtype": "BFLOAT_16", "output_dtype": "BFLOAT_16", "layer_filter": "self_attention,mlp",
+              "layer_filter_preset": "attn-mlp",
+              "quantization": {"layer_filter": "layers", "layer_filter_preset": "blocks"},
+              "timestep_distribution": "LOGIT_NORMAL"}
+    config, _ = import_only(tmp_path, preset)
+    assert config.model.family == "ernie_image"
+    assert (config.part_trains("transformer"), config.part_trains("text_encoder")) == (True, False)
+    assert config.lora.layer_filter == ["self_attention", "mlp"] and not config.lora.layer_filter_regex
+    assert (config.loss.timestep_shift, config.loss.dynamic_timestep_shifting) == (1.0, "auto")
+    config, _ = import_only(tmp_path, {**preset, "layer_filter": "", "layer_filter_preset": "attn-only",
+                                       "dynamic_timestep_shifting": True})
+    assert config.lora.preset == "attention" and config.loss.dynamic_timestep_shifting is True
+    samples = [{"prompt": "a dog", "width": 1010, "height": 530}]
+    config, _ = import_only(tmp_path, preset, samples=samples)
+    (prompt,) = config.sampling.prompts
+    assert (prompt.width, prompt.height, prompt.guidance_scale, prompt.steps) == (1008, 528, 4.0, 25)

@@ -497,3 +497,14 @@ def test_qwen_image_edit_v1_takes_its_conditioning_dataset_as_reference_images(t
     plus, _ = imported(tmp_path, {"--model_family": "qwen_image", "--model_flavour": "edit-v2",
                                   "--model_type": "lora"}, backends)
     assert plus["model"]["family"] == "qwen_image_edit_plus"  # 2509, one reference per sample
+
+
+def test_ernie_family(tmp_path):
+    """ERNIE-Image (simpletuner/examples/ernie.peft-lora): model_family ernie is ernie_image, its DEFAULT_LORA_TARGET
+    (the attention projections), the common flow draw (sigmoid(N(0, 1)) shifted by 3.0)."""
+    config, _ = imported(tmp_path, {"--model_family": "ernie", "--model_type": "lora", "--model_flavour": "base",
+                                    "--pretrained_model_name_or_path": "/models/ernie-image"})
+    assert config["model"]["family"] == "ernie_image"
+    assert config["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert config["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
+                              "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}

@@ -245,6 +245,22 @@ CASES["krea2-original"] = ("krea2", krea2_original)
 
 
 @pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "z_image", "flux2", "krea2"])
+def ernie_image_comfyui_kohya(pipe) -> ForeignFile:
+    """ERNIE-Image: ComfyUI's `diffusion_model.<key>` (its model's names are diffusers') and kohya-style `lora_unet_`
+    over the same paths (OneTrainer's KOHYA output)."""
+    f = ForeignFile(pipe, 12)
+    t = "transformer"
+    f.module("diffusion_model.layers.0.self_attention.to_q", [(t, "layers.0.self_attention.to_q")])
+    f.module("diffusion_model.final_norm.linear", [(t, "final_norm.linear")])
+    f.module(underscored("lora_unet", "layers.1.mlp.linear_fc2"), [(t, "layers.1.mlp.linear_fc2")])
+    f.module(underscored("lora_unet", "time_embedding.linear_1"), [(t, "time_embedding.linear_1")])
+    return f
+
+
+CASES["ernie_image-comfyui-kohya"] = ("ernie_image", ernie_image_comfyui_kohya)
+
+
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "z_image", "flux2", "ernie_image"])
 def test_other_trainers_files_merge_at_their_strength(family_models, tmp_path, family):
     """Every module of each file is merged as W + weight * alpha / rank * up @ down (fused modules split onto the
     diffusers modules by rows); no other weight moves; nothing is reported skipped."""

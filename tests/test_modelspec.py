@@ -94,6 +94,9 @@ DOCUMENTED = [
      "wan-2_1-text2video-14b", "diffusers"),
     ("krea2", {}, None, False, "lora", "diffusers", "krea-2/lora", "diffusers"),  # OneTrainer: Krea-2/lora
     ("krea2", {}, None, False, "checkpoint", None, "krea-2", "https://github.com/krea-ai/krea-2"),
+    # diffusers' modular ERNIE-Image blocks' model_name; ComfyUI's names are diffusers'
+    ("ernie_image", {}, None, False, "lora", "diffusers", "ernie-image/lora", "diffusers"),
+    ("ernie_image", {}, None, False, "checkpoint", None, "ernie-image", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -43,7 +43,7 @@ class ModelConfig(Section):
         "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
         "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
-        "one reference per sample), krea2 (Krea 2); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), krea2 (Krea 2); each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "

@@ -1,7 +1,7 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
 Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B, Wan 2.1 T2V
-14B and Krea 2 (13 B) under the low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+14B, ERNIE-Image (8 B) and Krea 2 (13 B) under the low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ot_dist.models.families.ernie_image import ErnieImage
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.flux2 import Flux2, Flux2Klein
 from ot_dist.models.families.hidream import HiDream
@@ -200,6 +201,19 @@ QWEN3_VL_4B = dict(
                        patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
                        deepstack_visual_indexes=[5, 11, 17]),
     tie_word_embeddings=True)
+# baidu/ERNIE-Image: its 8 B transformer (ComfyUI's ErnieImageModel defaults, comfy/ldm/ernie/model.py @ 7b30bf37:
+# 36 blocks 4096 wide, 32 heads, the 12288-wide gated MLP, Ministral-3's 3072-wide states in), its text_encoder
+# Mistral3Model of Ministral-3 3B (ComfyUI's Ministral3_3BConfig: 26 layers, 3072 wide, 8 KV heads, the tied
+# embedding once; the model card's 3.4 B language model and 0.4 B Pixtral vision tower, FLUX.2's tower config, which
+# the pipeline loads though text-only training never runs it) and FLUX.2's VAE.
+ERNIE_IMAGE = dict(hidden_size=4096, num_attention_heads=32, num_layers=36, ffn_hidden_size=12288, in_channels=128,
+                   out_channels=128, patch_size=1, text_in_dim=3072, rope_theta=256, rope_axes_dim=(32, 48, 48))
+MINISTRAL3_3B = dict(
+    text_config=dict(model_type="ministral3", vocab_size=131072, hidden_size=3072, intermediate_size=9216,
+                     num_hidden_layers=26, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=262144, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    vision_config=MISTRAL_SMALL_31["vision_config"], image_token_index=10, spatial_merge_size=2,
+    multimodal_projector_bias=False, projector_hidden_act="gelu")
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -220,6 +234,8 @@ DENOISERS = {
 }
 DENOISERS["Wan 2.1 T2V 14B"] = ("transformer", Wan.denoiser_lora_presets["default"], Wan.shard_units["transformer"])
 DENOISERS["Krea 2"] = ("transformer", Krea2.denoiser_lora_presets["default"], Krea2.shard_units["transformer"])
+DENOISERS["ERNIE-Image"] = ("transformer", ErnieImage.denoiser_lora_presets["default"],
+                            ErnieImage.shard_units["transformer"])
 # Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
 # the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
 DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
@@ -244,6 +260,12 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
     with torch.device("meta"):
         if model.startswith("FLUX.2"):
             return flux2_components(model)
+        if model == "ERNIE-Image":
+            from diffusers import AutoencoderKLFlux2, ErnieImageTransformer2DModel
+            from transformers import Mistral3Config, Mistral3Model
+
+            return {"transformer": ErnieImageTransformer2DModel(**ERNIE_IMAGE),
+                    "text_encoder": Mistral3Model(Mistral3Config(**MINISTRAL3_3B)), "vae": AutoencoderKLFlux2()}
         if model == "Wan 2.1 T2V 14B":
             from diffusers import AutoencoderKLWan, WanTransformer3DModel
             from transformers import UMT5Config, UMT5EncoderModel

@@ -120,3 +120,4 @@ SAMPLE_BY_FAMILY = {
     "hidream": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 5.0},
 }
 SAMPLE_BY_FAMILY["krea2"] = {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 3.5}
+SAMPLE_BY_FAMILY["ernie_image"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0}  # as Wuerstchen's

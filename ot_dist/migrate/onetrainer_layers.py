@@ -37,6 +37,9 @@ REGEX_PRESETS = {"z_image": ("attn-mlp", "attn-only")}
 ONETRAINER_PRESETS["krea2"] = {"attn-mlp": ("attn", "ff"), "attn-only": ("attn",), "blocks": ("transformer_blocks",)}
 # BaseFlux2Setup: blocks (both block lists' Linear layers) and full
 ONETRAINER_PRESETS |= {"flux2": {"blocks": ("transformer_block",)}, "flux2_klein": {"blocks": ("transformer_block",)}}
+# BaseErnieSetup: its presets' names as OneTrainer matches them (attn-only is ot_dist's attention preset)
+ONETRAINER_PRESETS["ernie_image"] = {"attn-mlp": ("self_attention", "mlp"), "attn-only": ("self_attention",),
+                                     "blocks": ("layers",)}
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",

@@ -63,6 +63,8 @@ FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")
 # flavours SimpleTuner trains through ostris' assistant LoRA (ZImage.ASSISTANT_LORA_FLAVOURS), or with a transformer
 # from another repository (TRANSFORMER_PATH_OVERRIDES)
 Z_IMAGE_ASSISTED = ("turbo", "turbo-ostris-v2")
+# ERNIE-Image: SimpleTuner's model_family ernie, default flavour base (baidu/ERNIE-Image; turbo: ERNIE-Image-Turbo)
+FAMILIES["ernie"] = ("ernie_image", "transformer", "baidu/ERNIE-Image")
 # model_family -> {model_flavour: ot_dist's family} where a flavour is another ot_dist family (SimpleTuner's Flux2
 # picks Mistral-3 for dev and Qwen3 for its klein flavours by the flavour, not by the folder)
 FLAVOUR_FAMILIES = {"flux2": {"dev": "flux2"}}

@@ -12,6 +12,7 @@ from ot_dist.migrate.common import Imported
 from ot_dist.migrate.simpletuner_args import SimpleTunerArgs
 
 FLOW = ("sd3", "flux", "chroma", "sana", "qwen_image", "z_image", "hidream", "lumina2", "flux2", "flux2_klein", "wan")
+FLOW += ("ernie_image",)
 # The flow settings SimpleTuner's Sana resets (setup_training_noise_schedule) before drawing its timesteps
 SANA_IGNORES = ("flow_schedule_shift", "flow_schedule_auto_shift", "flow_use_beta_schedule",
                 "flow_use_uniform_schedule", "flow_sigmoid_scale")

@@ -25,6 +25,7 @@ from zero_master import assert_master_shares_the_weights  # noqa: E402
 cases = json.loads(open(sys.argv[1]).read())
 runtime = start_runtime(5, needs_group=True)
 for name, raw in cases.items():
+    print(f"case start: {name}", flush=True)  # every rank: the case a failed launch's summary shows each one in
     overflow_at = raw.pop("_overflow_at_step", None)
     poisoned_at = raw.pop("_inf_gradient_element_at_step", None)
     inputs_record = raw.pop("_record_denoiser_inputs", None)

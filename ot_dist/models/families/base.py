@@ -333,10 +333,28 @@ class Family:
     # and a trained text encoder is exported in the diffusers folder only (Qwen-Image: ComfyUI reads its text encoder
     # from a separate file).
     single_file_text_encoders: bool = True
+    # A transformer family whose single file is one key map (single_file_keys.py `TransformerFileLayout`) names it
+    # as "module:ATTRIBUTE" (imported when a file is read or written, not with the family); the defaults below then
+    # load, export and describe that file, and the family writes none of them.
+    transformer_file_layout: str = ""
+
+    def file_layout(self):
+        """The declared `TransformerFileLayout` (None: the family has its own single-file code, or none)."""
+        if not self.transformer_file_layout:
+            return None
+        import importlib
+
+        module, attribute = self.transformer_file_layout.split(":")
+        return getattr(importlib.import_module(module), attribute)
 
     def load_single_file(self, path: Path, config_folder: str | None, model_config):
         """A pipeline from one .safetensors file in the family's original layout."""
-        raise NotImplementedError(f"model.path: {self.name} models load from a diffusers folder only")
+        layout = self.file_layout()
+        if layout is None:
+            raise NotImplementedError(f"model.path: {self.name} models load from a diffusers folder only")
+        from ot_dist.models.families.transformer_single_file import load_transformer_file
+
+        return load_transformer_file(path, config_folder, self, layout.from_original, layout.validate, model_config)
 
     def export_single_file(self, components: dict[str, torch.nn.Module], states: dict[str, dict],
                            path: Path, dtype: torch.dtype, with_text_encoders: bool = False,
@@ -344,8 +362,16 @@ class Family:
         """Write the trained model as one file in the family's original layout (what from_single_file reads), with
         `metadata` (its ModelSpec header) in the file's header beside the layout's own keys.
         `with_text_encoders` (a run that trained a text encoder, a merge that changed one): the file must carry the
-        text encoders, as a full checkpoint where the family's own file is the denoiser alone (`full_checkpoint`)."""
-        raise NotImplementedError
+        text encoders, as a full checkpoint where the family's own file is the denoiser alone (`full_checkpoint`).
+        With a declared layout: the denoiser alone with bare keys (a trained text encoder of a family without
+        `single_file_text_encoders` goes to the diffusers folder only)."""
+        layout = self.file_layout()
+        if layout is None or (with_text_encoders and self.single_file_text_encoders):
+            raise NotImplementedError
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        state = layout.to_original(states[self.denoiser], dict(components[self.denoiser].config))
+        write_transformer_file(state, path, dtype, metadata)
 
     # The components a separate file may replace (`model.component_files`: ComfyUI's clip_l / t5xxl / ae files and
     # the like), each with the layout its file has (ot_dist/models/families/component_files.py); the model.config
@@ -404,7 +430,8 @@ class Family:
     def denoiser_original_rules(self, config) -> list:
         """The single-file key rules (ot_dist/models/families/single_file_keys.py `Rule`) of a denoiser with this
         config: original key <- diffusers key(s). Empty for families without an original layout."""
-        return []
+        layout = self.file_layout()
+        return [] if layout is None else layout.rules(config)
 
     # -- ModelSpec identity ------------------------------------------------------------------------------
     # What the `modelspec.*` header of every file ot_dist writes says about the base model (Stability AI's model

@@ -103,7 +103,7 @@ class FlowTransformerFamily(Family):
 
     def transformer_to_original(self, state: dict, config: dict, prefix: str) -> dict:
         """The transformer's state dict in its original (BFL / lodestones) keys under `prefix`."""
-        raise NotImplementedError
+        return self.file_layout().to_original(state, config, prefix)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The transformer alone with bare keys, as Black Forest Labs / lodestones ship it; when a run trained a text
@@ -147,6 +147,7 @@ class Flux(FlowTransformerFamily):
     memory_reference = "Flux.1 dev"
     description = "Flux.1 dev / schnell (MMDiT, CLIP-L pooled + T5, flow matching with a resolution-dependent shift)"
     pipeline_class = "FluxPipeline"
+    transformer_file_layout = "ot_dist.models.families.flux_single_file:FLUX"  # Black Forest Labs' keys
     text_encoders = ("text_encoder", "text_encoder_2")
     tokenizers = ("tokenizer", "tokenizer_2")
     embedding_keys = {"text_encoder": "clip_l"}
@@ -181,11 +182,6 @@ class Flux(FlowTransformerFamily):
 
     sample_negative_prompt = False  # FluxPipeline samples with the distilled guidance, without a negative pass
 
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.flux_single_file import flux_rules
-
-        return flux_rules(config)
-
     def __init__(self, guidance_scale: float = 1.0):
         # The distilled guidance dev's transformer is shown in training (OneTrainer and SimpleTuner train at 1.0).
         self.guidance_scale = guidance_scale
@@ -206,17 +202,6 @@ class Flux(FlowTransformerFamily):
         if denoiser.config.guidance_embeds:  # dev; schnell has no guidance embedding
             guidance = torch.full((noisy.shape[0],), self.guidance_scale, device=noisy.device, dtype=torch.float32)
         return {"pooled_projections": conditioning["pooled"], "guidance": guidance}
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.flux_single_file import FLUX
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-
-        return load_transformer_file(path, config_folder, self, FLUX.from_original, FLUX.validate, model_config)
-
-    def transformer_to_original(self, state, config, prefix):
-        from ot_dist.models.families.flux_single_file import FLUX
-
-        return FLUX.to_original(state, config, prefix)
 
     def build_tiny(self, seed: int = 0, variant: str = "dev", **_):
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
@@ -247,6 +232,7 @@ class Chroma(FlowTransformerFamily):
     memory_reference = "Flux.1 dev"  # Chroma: Flux.1 schnell's blocks, no guidance / CLIP (8.9 B): an upper bound
     description = "Chroma (Flux-based MMDiT, T5 only with its attention mask, no guidance)"
     pipeline_class = "ChromaPipeline"
+    transformer_file_layout = "ot_dist.models.families.flux_single_file:CHROMA"  # lodestones' keys
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
     embedding_keys = {}  # T5 only
@@ -265,11 +251,6 @@ class Chroma(FlowTransformerFamily):
     component_files = {"text_encoder": C.T5_ENCODER, "vae": C.LDM_VAE}
     modelspec_architecture = "chroma"  # kohya's ARCH_FLUX_1_CHROMA, SwarmUI's id
     modelspec_implementation = "https://huggingface.co/lodestones/Chroma"  # kohya's IMPL_CHROMA
-
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.flux_single_file import chroma_rules
-
-        return chroma_rules(config)
 
     def tokenize(self, tokenizers, captions):
         tokenizer = tokenizers["tokenizer"]
@@ -293,17 +274,6 @@ class Chroma(FlowTransformerFamily):
         full = torch.cat([mask.to(noisy.dtype), torch.ones(mask.shape[0], image_tokens, device=mask.device,
                                                              dtype=noisy.dtype)], dim=1)
         return {"attention_mask": full}
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.flux_single_file import CHROMA
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-
-        return load_transformer_file(path, config_folder, self, CHROMA.from_original, CHROMA.validate, model_config)
-
-    def transformer_to_original(self, state, config, prefix):
-        from ot_dist.models.families.flux_single_file import CHROMA
-
-        return CHROMA.to_original(state, config, prefix)
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import ChromaPipeline, ChromaTransformer2DModel, FlowMatchEulerDiscreteScheduler

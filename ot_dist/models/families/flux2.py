@@ -67,6 +67,15 @@ def unpatchify(latents: torch.Tensor) -> torch.Tensor:
     return latents.view(b, c // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c // 4, h * 2, w * 2)
 
 
+def batch_norm_normalize(vae, latents: torch.Tensor, eps: float) -> torch.Tensor:
+    """(x - running_mean) / sqrt(running_var + eps) of an AutoencoderKLFlux2's batch norm over the patchified latents,
+    returned in the VAE's (B, 32, h, w) layout (FLUX.2's and ERNIE-Image's normalisation)."""
+    view = (1, -1, 1, 1)
+    mean = vae.bn.running_mean.view(view).to(latents)
+    std = torch.sqrt(vae.bn.running_var.view(view) + eps).to(latents)
+    return unpatchify((patchify(latents) - mean) / std)
+
+
 # Flux2Pipeline._prepare_image_ids: the i-th reference image's tokens sit at time coordinate 10 + 10 i
 REFERENCE_TIME_SCALE = 10
 
@@ -105,6 +114,7 @@ class Flux2Family(Family):
     # transformer alone; ComfyUI loads Mistral-3 / Qwen3 and the VAE from files of their own
     single_file = True
     single_file_text_encoders = False
+    transformer_file_layout = "ot_dist.models.families.flux2_single_file:FLUX2"  # Black Forest Labs' file: the transformer alone with bare keys
     modelspec_implementation = "https://github.com/black-forest-labs/flux2"  # the single file's key names
     # kohya-style lora_unet_<BFL path with _> and ComfyUI's diffusion_model.<BFL path>, read by lora merge / init_from
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
@@ -140,13 +150,8 @@ class Flux2Family(Family):
 
     # -- latents ----------------------------------------------------------------------------------------
     def normalize_latents(self, vae, latents):
-        """(x - running_mean) / sqrt(running_var + eps) of the VAE's batch norm over the patchified latents (the
-        pipelines' and the training scripts' normalisation), returned in the VAE's (B, 32, h, w) layout."""
-        bn = vae.bn
-        view = (1, -1, 1, 1)
-        mean = bn.running_mean.view(view).to(latents)
-        std = torch.sqrt(bn.running_var.view(view) + vae.config.batch_norm_eps).to(latents)
-        return unpatchify((patchify(latents) - mean) / std)
+        """The pipelines' and the training scripts' normalisation, with the VAE config's eps."""
+        return batch_norm_normalize(vae, latents, vae.config.batch_norm_eps)
 
     # -- the denoiser call ------------------------------------------------------------------------------
     def guidance(self, denoiser, batch_size: int, device) -> torch.Tensor | None:
@@ -181,27 +186,6 @@ class Flux2Family(Family):
             return_dict=False,
         )[0]
         return unpack(tokens[:, :(h // 2) * (w // 2)], h, w)
-
-    # -- single files -----------------------------------------------------------------------------------
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.flux2_single_file import flux2_rules
-
-        return flux2_rules(config)
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.flux2_single_file import FLUX2
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-
-        return load_transformer_file(path, config_folder, self, FLUX2.from_original, FLUX2.validate, model_config)
-
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
-        """The transformer alone with Black Forest Labs' bare keys. A trained text encoder is not in it
-        (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
-        from ot_dist.models.families.flux2_single_file import FLUX2
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
-
-        state = FLUX2.to_original(states["transformer"], dict(components["transformer"].config))
-        write_transformer_file(state, path, dtype, metadata)
 
     # -- LoRA files -----------------------------------------------------------------------------------
     def comfy_text_prefixes(self, text_encoder) -> tuple[str, str]:

@@ -96,6 +96,7 @@ class HiDream(Family):
     # ComfyUI's hidream_i1_*.safetensors: the transformer alone, bare diffusers keys (hidream_single_file.py)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads the four text encoders from files of their own
+    transformer_file_layout = "ot_dist.models.families.hidream_single_file:HIDREAM"  # ComfyUI's diffusion-model loader reads Comfy-Org's file: the transformer alone with bare keys
     # ...which model.component_files reads: clip_l_hidream / clip_g_hidream (their projections: HiDream pools both
     # projected), t5xxl, llama_3.1_8b_instruct (fp8_scaled too; ComfyUI's has no lm_head) and Flux's ae.safetensors
     component_files = {"text_encoder": C.CLIP_TEXT_PROJECTED, "text_encoder_2": C.CLIP_TEXT_PROJECTED,
@@ -181,27 +182,6 @@ class HiDream(Family):
         if denoiser.training and not denoiser.config.force_inference_output:
             out = unpatchify_training_output(out, *noisy.shape[-2:], denoiser.config.patch_size)
         return -out  # the model predicts x - n; the target is n - x
-
-    # -- single files -----------------------------------------------------------------------------------
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.hidream_single_file import hidream_rules
-
-        return hidream_rules(config)
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.hidream_single_file import HIDREAM
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-
-        return load_transformer_file(path, config_folder, self, HIDREAM.from_original, HIDREAM.validate, model_config)
-
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
-        """The transformer alone with bare keys, as ComfyUI's diffusion-model loader reads Comfy-Org's file; a trained
-        text encoder is exported in the diffusers folder only (`single_file_text_encoders`)."""
-        from ot_dist.models.families.hidream_single_file import HIDREAM
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
-
-        state = HIDREAM.to_original(states["transformer"], dict(components["transformer"].config))
-        write_transformer_file(state, path, dtype, metadata)
 
     # -- sampling ---------------------------------------------------------------------------------------
     def sampling_arguments(self, pipeline, arguments):

@@ -23,8 +23,9 @@ What follows Krea2Pipeline and diffusers' train_dreambooth_lora_krea2.py (diffus
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which Krea2Pipeline.load_lora_weights
 reads, and beside it `lora_comfyui.safetensors` in the original module names (`diffusion_model.blocks.<n>.attn.wq`,
-krea2_lora.py), the layout of Krea 2 LoRAs outside diffusers, which diffusers' Krea 2 loader reads too. The text encoder is Qwen3-VL's: OneTrainer and diffusers train the transformer only, and diffusers' Krea 2
-loader reads no text-encoder LoRA.
+krea2_lora.py), the layout of Krea 2 LoRAs outside diffusers, which diffusers' Krea 2 loader reads too. The text
+encoder is Qwen3-VL's: OneTrainer and diffusers train the transformer only, and diffusers' Krea 2 loader reads no
+text-encoder LoRA.
 
 Single files: krea/Krea-2-Raw's `raw.safetensors`, the transformer in the original krea-ai/krea-2 layout
 (krea2_single_file.py), which diffusers' from_single_file reads too; `model.config` names the diffusers folder that
@@ -98,6 +99,8 @@ class Krea2(Family):
     # krea/Krea-2-Raw's raw.safetensors: the transformer alone in the original layout (krea2_single_file.py)
     single_file = True
     single_file_text_encoders = False  # the file holds no text encoder: a trained one is exported in the folder only
+    # loaded with model.config, exported as the transformer alone with bare keys (base.py's defaults for a layout)
+    transformer_file_layout = "ot_dist.models.families.krea2_single_file:KREA2"
     # ComfyUI's generic names over the original keys, as lora_comfyui.safetensors writes them (`lora.init_from`,
     # `ot-dist lora merge`)
     lora_original_prefixes = (("diffusion_model", "."),)
@@ -187,28 +190,6 @@ class Krea2(Family):
             return_dict=False,
         )[0]
         return unpack(tokens, h, w)
-
-    # -- single files -----------------------------------------------------------------------------------
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.krea2_single_file import krea2_rules
-
-        return krea2_rules(config)
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.krea2_single_file import KREA2
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-
-        return load_transformer_file(path, config_folder, self, KREA2.from_original, KREA2.validate, model_config)
-
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
-        """The transformer alone in the original layout with bare keys, as krea/Krea-2-Raw's raw.safetensors. A
-        trained text encoder is not in it (`single_file_text_encoders`): the full method puts it in the diffusers
-        folder."""
-        from ot_dist.models.families.krea2_single_file import KREA2
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
-
-        state = KREA2.to_original(states["transformer"], dict(components["transformer"].config))
-        write_transformer_file(state, path, dtype, metadata)
 
     # -- LoRA files -------------------------------------------------------------------------------------
     def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):

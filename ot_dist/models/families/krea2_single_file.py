@@ -11,7 +11,8 @@ undoes the same renames; OneTrainer's Krea2Model.diffusers_to_original lists the
   `attn.wq / wk / wv / wo / gate`, `attn.norm_q / norm_k` `attn.qknorm.qnorm / knorm`, `ff.` `mlp.`, `norm1 / norm2`
   `prenorm / postnorm`, and the RMSNorm scales are `.scale` where diffusers has `.weight`;
 - a joint block's `scale_shift_table` (6, width) is `mod.lin` flattened to 6 x width values.
-The file is the transformer alone, bare or under `model.diffusion_model.`; the rest comes from the `model.config` folder.
+The file is the transformer alone, bare or under `model.diffusion_model.`; the rest comes from the `model.config`
+folder.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ TOP_RENAMES = (("img_in.", "first."), ("time_embed.linear_1.", "tmlp.0."), ("tim
 # inside a block: diffusers -> original, applied in turn
 BLOCK_RENAMES = ((".attn.to_q.", ".attn.wq."), (".attn.to_k.", ".attn.wk."), (".attn.to_v.", ".attn.wv."),
                  (".attn.to_out.0.", ".attn.wo."), (".attn.to_gate.", ".attn.gate."),
-                 (".attn.norm_q.weight", ".attn.qknorm.qnorm.scale"), (".attn.norm_k.weight", ".attn.qknorm.knorm.scale"),
+                 (".attn.norm_q.weight", ".attn.qknorm.qnorm.scale"),
+                 (".attn.norm_k.weight", ".attn.qknorm.knorm.scale"),
                  (".ff.", ".mlp."), (".norm1.weight", ".prenorm.scale"), (".norm2.weight", ".postnorm.scale"),
                  (".scale_shift_table", ".mod.lin"))
 MODULATIONS = 6  # a joint block's table: prescale, preshift, pregate, postscale, postshift, postgate

@@ -90,6 +90,7 @@ class QwenImage(Family):
     # ComfyUI's qwen_image_*.safetensors: the transformer alone, bare keys (as Comfy-Org ship it)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Qwen2.5-VL from its own file, in a layout ot_dist does not write
+    transformer_file_layout = "ot_dist.models.families.qwen_image_single_file:QWEN_IMAGE"  # ComfyUI's UNET loader reads Comfy-Org's file: the transformer alone with bare keys
     # ComfyUI's qwen_2.5_vl_7b(_fp8_scaled).safetensors and qwen_image_vae.safetensors (Wan 2.1's VAE layout)
     component_files = {"text_encoder": C.QWEN25_VL, "vae": C.WAN_VAE}
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image"); OneTrainer writes "Qwen-Image"
@@ -160,28 +161,6 @@ class QwenImage(Family):
             return_dict=False,
         )[0]
         return unpack(tokens, h, w)
-
-    # -- single files -----------------------------------------------------------------------------------
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.qwen_image_single_file import qwen_image_rules
-
-        return qwen_image_rules(config)
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.qwen_image_single_file import QWEN_IMAGE
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-
-        return load_transformer_file(path, config_folder, self, QWEN_IMAGE.from_original, QWEN_IMAGE.validate,
-                                     model_config)
-
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
-        """The transformer alone with bare keys, as ComfyUI's UNET loader reads Comfy-Org's file. A trained text
-        encoder is not in it (`single_file_text_encoders`): the full method puts it in the diffusers folder."""
-        from ot_dist.models.families.qwen_image_single_file import QWEN_IMAGE
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
-
-        state = QWEN_IMAGE.to_original(states["transformer"], dict(components["transformer"].config))
-        write_transformer_file(state, path, dtype, metadata)
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):

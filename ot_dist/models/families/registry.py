@@ -29,6 +29,7 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen_image_edit_plus": "ot_dist.models.families.qwen_image_edit",
     "wan": "ot_dist.models.families.wan",
     "krea2": "ot_dist.models.families.krea2",
+    "ernie_image": "ot_dist.models.families.ernie_image",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)

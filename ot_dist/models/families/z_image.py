@@ -101,6 +101,7 @@ class ZImage(Family):
     # ComfyUI's z_image_turbo_bf16.safetensors: the transformer alone in the original layout (z_image_single_file.py)
     single_file = True
     single_file_text_encoders = False  # ComfyUI loads Qwen3-4B from its own file, in a layout ot_dist does not write
+    transformer_file_layout = "ot_dist.models.families.z_image_single_file:Z_IMAGE"  # ComfyUI's UNET loader reads Comfy-Org's file: the transformer alone with bare keys
     # ComfyUI's separate files: qwen_3_4b.safetensors and Flux's ae.safetensors (Z-Image's VAE is Flux's)
     component_files = {"text_encoder": C.QWEN3, "vae": C.LDM_VAE}
     # SwarmUI's class id (T2IModelClassSorter: "z-image", "z-image/lora"); OneTrainer writes "Z-Image"
@@ -157,28 +158,6 @@ class ZImage(Family):
         # t = 1 - sigma in float32, as the script passes (1000 - timesteps) / 1000
         out = denoiser(images, (1000 - timesteps.float()) / 1000, captions, return_dict=False)[0]
         return -torch.stack(out).squeeze(2)  # the model predicts x - n; the objective's target is n - x
-
-    # -- single files -----------------------------------------------------------------------------------
-    def denoiser_original_rules(self, config) -> list:
-        from ot_dist.models.families.z_image_single_file import z_image_rules
-
-        return z_image_rules(config)
-
-    def load_single_file(self, path, config_folder, model_config):
-        from ot_dist.models.families.transformer_single_file import load_transformer_file
-        from ot_dist.models.families.z_image_single_file import Z_IMAGE
-
-        return load_transformer_file(path, config_folder, self, Z_IMAGE.from_original, Z_IMAGE.validate, model_config)
-
-    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
-        """The transformer alone in the original layout with bare keys, as ComfyUI's UNET loader reads Comfy-Org's
-        file. A trained text encoder is not in it (`single_file_text_encoders`): the full method puts it in the
-        diffusers folder."""
-        from ot_dist.models.families.transformer_single_file import write_transformer_file
-        from ot_dist.models.families.z_image_single_file import Z_IMAGE
-
-        state = Z_IMAGE.to_original(states["transformer"], dict(components["transformer"].config))
-        write_transformer_file(state, path, dtype, metadata)
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):
