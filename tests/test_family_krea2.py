@@ -296,3 +296,34 @@ def test_the_original_single_file_loads_to_the_same_outputs(family_models, tmp_p
     save_file({k: v.clone() for k, v in state.items()}, tmp_path / "bad.safetensors")
     with pytest.raises(InputFileError, match=r"unexpected 1 key.*blocks.7.attn.wq.weight"):
         load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))
+
+
+def test_text_encoder_lora_adapts_the_language_model_and_loads_back(family_models, shapes_data, tmp_path):
+    """text_encoder.train with LoRA: only Qwen3-VL's language model is adapted (its vision tower, never run, names its
+    layers otherwise), the adapters of the layers the taps read move, and the file loads back through peft to the
+    trained conditioning (the layer after the last tap runs unread: its adapters keep their zero start)."""
+    from diffusers import Krea2Pipeline
+
+    from ot_dist.lora_tools.peft_load import load_peft_lora
+
+    base = family_models[FAMILY]
+    trainer = trainer_for(base, shapes_data, tmp_path / "te", method="lora", max_steps=1, learning_rate=5e-2,
+                          output_dtype="float32", **{"text_encoder.train": True, "lora.rank": 4, "lora.alpha": 8})
+    trainer.train()
+    saved = load_file(tmp_path / "te" / "lora.safetensors")
+    text = {k.rsplit(".lora_", 1)[0] for k in saved if k.startswith("text_encoder.")}
+    assert text and all(m.startswith("text_encoder.language_model.layers.") for m in text)
+    unread = [k for k in saved if k.startswith("text_encoder.language_model.layers.5.") and ".lora_B." in k]
+    assert unread and not any(saved[k].any() for k in unread)  # hidden_states[5] is layer 4's output
+    assert any(saved[k].any() for k in saved if k.startswith("text_encoder.language_model.layers.4.") and ".lora_B." in k)
+    fresh = Krea2Pipeline.from_pretrained(base, local_files_only=True)
+    assert load_peft_lora(fresh, tmp_path / "te" / "lora.safetensors") == ["text_encoder", "transformer"]
+    family, tokenizers = trainer.model.family, trainer.model.tokenizers
+    with torch.no_grad():
+        tokens = family.tokenize(tokenizers, ["a dot"])
+        ours = family.encode_text(trainer.model.text_encoders, tokens)["hidden"]
+        theirs = family.encode_text({"text_encoder": fresh.text_encoder}, tokens)["hidden"]
+        untrained = family.encode_text({"text_encoder": Krea2Pipeline.from_pretrained(
+            base, local_files_only=True).text_encoder}, tokens)["hidden"]
+    assert (ours - untrained).abs().max() > 1e-4
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
