@@ -364,6 +364,36 @@ def test_wan_memory_row_is_the_published_14b_model_sharded_by_block():
         choose(family, "lora", 16, 1)
 
 
+def test_krea2_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Krea 2 row (ot-dist init's reference for the family) is krea/Krea-2-Raw as its configs build it
+    on the meta device: the 12.8 B transformer (28 blocks 6144 wide and the text fusion), Qwen3-VL-4B's Qwen3VLModel
+    (the 4.02 B language model, as Qwen3-4B's, and the 0.42 B vision tower) and Qwen-Image's VAE; LoRA counted on the
+    family's default targets (the training script's), FSDP on its 28 blocks and 2 + 2 text-fusion blocks
+    (_no_split_modules), each 3.4 % of the transformer at most; Qwen3-VL's embedding table is its own unit."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.starter.choose import choose
+
+    family = get_family("krea2")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 12_820_073_036, "text_encoder": 4_437_815_808, "vae": 126_892_531}
+    text = components["text_encoder"]
+    assert sum(p.numel() for p in text.language_model.parameters()) == 4_022_468_096  # Qwen3-4B's decoder
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == 28 + 2 + 2
+    assert {type(unit).__name__ for unit in units} == {"Krea2TransformerBlock", "Krea2TextFusionBlock"}
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.035
+    text_units = sharding_units(text, family.shard_units["text_encoder"])
+    assert text.language_model.embed_tokens in text_units and len(text_units) == 1 + 36
+    # LoRA: 17.4 B frozen parameters, 32 GiB in bfloat16 (+ 6.5 GiB activations), 16 GiB in float8
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 48, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 16, 1)
 def test_ernie_image_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's ERNIE-Image row (ot-dist init's reference for the family) built on the meta device: the 8 B
     transformer (ComfyUI's ERNIE-Image defaults, the model card's "8B DiT"), Mistral3Model of Ministral-3 3B (its card's

@@ -77,6 +77,7 @@ FAMILY_METHOD = {
     "train_dreambooth_lora_lumina2.py": ("lumina2", "lora"),
 }
 FAMILY_METHOD["train_dreambooth_lora_z_image.py"] = ("z_image", "lora")
+FAMILY_METHOD["train_dreambooth_lora_krea2.py"] = ("krea2", "lora")
 # what the Sana / Qwen-Image scripts adapt without --lora_layers
 SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"],
                        "lumina2": ["to_k", "to_q", "to_v", "to_out.0"]}
@@ -110,15 +111,15 @@ def test_each_script_maps_with_the_scripts_defaults(tmp_path, script):
     else:
         assert c["epochs"] == d["num_train_epochs"] and "max_steps" not in c
     if c["method"] == "lora":
-        assert c["lora"]["rank"] == 4
-        assert c["lora"]["alpha"] == (4.0 if script != "train_dreambooth_lora_flux.py" else d["lora_alpha"])
+        assert c["lora"]["rank"] == d["rank"]  # 4, the Krea 2 script's 32
+        assert c["lora"]["alpha"] == float(d.get("lora_alpha", d["rank"]))  # the scripts without it: alpha = rank
     if c["model"]["family"] in ("sd3", "flux") and c["method"] == "lora":  # the scripts' lists, not ot_dist's default
         assert "proj_mlp" not in c["lora"]["transformer_targets"] and "attn.to_k" in c["lora"]["transformer_targets"]
     if SCRIPTS[script][2] == "dreambooth":
         assert c["data"]["concepts"][0]["caption_text"] == "a photo of sks dog"
     if c["model"]["family"] in SCRIPT_LORA_TARGETS:
         assert c["lora"]["transformer_targets"] == SCRIPT_LORA_TARGETS[c["model"]["family"]]
-    if c["model"]["family"] in ("flux", "sana", "qwen_image", "flux2", "flux2_klein"):  # unshifted sigmas
+    if c["model"]["family"] in ("flux", "sana", "qwen_image", "flux2", "flux2_klein", "krea2"):  # unshifted sigmas
         assert c["loss"]["timestep_shift"] == 1.0 and c["loss"]["dynamic_timestep_shifting"] is False
         assert c["loss"]["timestep_distribution"] == "uniform"  # weighting_scheme none
     if c["model"]["family"] in ("flux", "flux2"):
@@ -453,3 +454,28 @@ def test_ideogram4_script_draws_at_the_resolution_aware_mean_and_lists_its_own_o
                                       f"{data_args(tmp_path, script)} --weighting_scheme none --max_sequence_length 512")
     assert c["loss"] == {"timestep_distribution": "uniform", "timestep_shift": 1.0, "dynamic_timestep_shifting": False}
     assert any(line.startswith("max_sequence_length: 512") for line in not_honoured(text))
+
+
+def test_krea2_script_trains_unshifted_with_its_authors_lora_and_lists_its_turbo_validation(tmp_path):
+    """train_dreambooth_lora_krea2.py: rank / alpha 32 and the Krea 2 authors' targets by default (ot_dist's krea2
+    default preset, written as the list), timesteps[(u x N)] of Krea 2's dynamically shifting scheduler, whose table is
+    unshifted (no shift written back on), caption_dropout on the instance concept; validation on another checkpoint
+    (--validation_model_path, Krea 2 Turbo) is listed, its steps and guidance are read with it."""
+    from ot_dist.migrate.diffusers_defaults import defaults
+    from ot_dist.models.families.krea2 import KREA2_LORA_TARGETS
+
+    script = "train_dreambooth_lora_krea2.py"
+    assert (defaults(script)["rank"], defaults(script)["lora_alpha"]) == (32, 32)
+    assert defaults("train_dreambooth_lora_z_image.py")["rank"] == 4  # the others keep theirs
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --caption_dropout 0.1 "
+                                      "--validation_prompt 'a fox' --validation_model_path /models/turbo "
+                                      "--validation_num_inference_steps 6")
+    assert c["lora"]["rank"] == 32 and c["lora"]["alpha"] == 32.0
+    assert sorted(c["lora"]["transformer_targets"]) == sorted(KREA2_LORA_TARGETS)
+    assert c["loss"]["timestep_shift"] == 1.0 and c["loss"]["dynamic_timestep_shifting"] is False
+    assert c["data"]["concepts"][0]["caption_dropout_probability"] == 0.1
+    listed = not_honoured(text)
+    assert any(line.startswith("validation_model_path: /models/turbo") for line in listed)
+    assert not any(line.startswith("validation_num_inference_steps") for line in listed)
+

@@ -1048,6 +1048,29 @@ def test_flux2_presets_import_as_dev_or_klein_by_the_base_model(tmp_path, base, 
     assert any(line.startswith("text_encoder_sequence_length: 256") for line in not_honoured), not_honoured
 
 
+def test_krea2_preset_imports_as_the_krea2_family(tmp_path):
+    """training_presets/Krea 2/#krea2 LoRA 24GB.json: model type KREA_2 is krea2, the transformer trains (the text
+    encoder not), its attn-mlp filter ("attn", "ff") is OneTrainer's own substring rule, BaseKrea2Setup reads
+    dynamic_timestep_shifting, and Krea2Sampler's defaults (28 steps, cfg 3.5, sides on a 64 px grid) are taken."""
+    preset = {"base_model_name": "krea/Krea-2-Raw", "batch_size": 2, "learning_rate": 0.0003, "model_type": "KREA_2",
+              "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "compile": True,
+              "transformer": {"train": True, "weight_dtype": "INT_W8A8"},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "training_method": "LORA",
+              "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16",
+              "output_dtype": "BFLOAT_16", "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn,ff",
+              "layer_filter_preset": "attn-mlp", "dynamic_timestep_shifting": True,
+              "samples": [{"prompt": "a fox", "width": 1000, "height": 700}]}
+    config, _ = import_only(tmp_path, preset)
+    assert config.model.family == "krea2" and config.method == "lora"
+    assert config.part_trains("transformer") and not config.part_trains("text_encoder")
+    assert config.lora.layer_filter == ["attn", "ff"] and not config.lora.layer_filter_regex
+    assert config.loss.dynamic_timestep_shifting is True
+    (sample,) = config.sampling.prompts
+    assert (sample.steps, sample.guidance_scale, sample.width, sample.height) == (28, 3.5, 1024, 704)
+    (tmp_path / "attn").mkdir()
+    attention, _ = import_only(tmp_path / "attn", {"model_type": "KREA_2", "training_method": "LORA",
+                                                   "layer_filter_preset": "attn-only"})
+    assert attention.lora.preset == "attention"
 def test_ernie_preset_imports_as_onetrainer_trains_it(tmp_path):
     """training_presets/Ernie Image/#ernie LoRA 16GB.json: model type ERNIE is ernie_image, its attn-mlp layer filter
     (self_attention, mlp) kept as OneTrainer's own substring rule, the transformer alone trained, the draw unshifted

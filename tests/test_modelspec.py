@@ -92,6 +92,8 @@ DOCUMENTED = [
      "wan-2_1-text2video-1_3b/lora", "diffusers"),
     ("wan", {"num_attention_heads": 40, "attention_head_dim": 128}, None, False, "checkpoint", None,
      "wan-2_1-text2video-14b", "diffusers"),
+    ("krea2", {}, None, False, "lora", "diffusers", "krea-2/lora", "diffusers"),  # OneTrainer: Krea-2/lora
+    ("krea2", {}, None, False, "checkpoint", None, "krea-2", "https://github.com/krea-ai/krea-2"),
     # diffusers' modular ERNIE-Image blocks' model_name; ComfyUI's names are diffusers'
     ("ernie_image", {}, None, False, "lora", "diffusers", "ernie-image/lora", "diffusers"),
     ("ernie_image", {}, None, False, "checkpoint", None, "ernie-image", "diffusers"),

@@ -45,13 +45,13 @@ class ModelConfig(Section):
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
         "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
         "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), anima (Anima: "
-        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4); each is one "
+        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4), krea2 (Krea 2); each is one "
         "module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
-        "Flux and FLUX.2, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
+        "Flux and FLUX.2, lodestones' for Chroma, krea-ai's raw.safetensors for Krea 2: the transformer (and SD3's VAE), the rest comes from model.config or "
         "model.component_files)."
     )
     config: UserPath | None = Field(

@@ -1,8 +1,8 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
 Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B, Wan 2.1 T2V
-14B, ERNIE-Image (8 B), Anima (2 B) and Ideogram 4 (9.3 B, twice) under the low-memory options and, for the
-transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+14B, ERNIE-Image (8 B), Anima (2 B), Ideogram 4 (9.3 B, twice) and Krea 2 (13 B) under the low-memory options
+and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -24,6 +24,7 @@ from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.flux2 import Flux2, Flux2Klein
 from ot_dist.models.families.hidream import HiDream
 from ot_dist.models.families.ideogram4 import Ideogram4
+from ot_dist.models.families.krea2 import Krea2
 from ot_dist.models.families.lumina2 import Lumina2
 from ot_dist.models.families.qwen_image import QwenImage
 from ot_dist.models.families.sana import Sana
@@ -186,6 +187,23 @@ WAN21_T2V_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_hea
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
                 is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
+# krea/Krea-2-Raw: Krea2Transformer2DModel's defaults, which its docstring gives as Krea 2's (48 heads x 128 = 6144
+# wide, 12 key / value heads, 28 blocks, FFN 16384; the 12 x 2560-wide text taps fused by 2 + 2 blocks 20 heads wide),
+# written out; its text_encoder Qwen/Qwen3-VL-4B-Instruct's Qwen3VLModel (the language model without lm_head, the vision
+# tower, which the pipeline loads though text-only training never runs it) and Qwen-Image's VAE.
+KREA2 = dict(in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48, num_key_value_heads=12,
+             intermediate_size=16384, timestep_embed_dim=256, text_hidden_dim=2560, num_text_layers=12,
+             text_num_attention_heads=20, text_num_key_value_heads=20, text_intermediate_size=6912,
+             num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48))
+QWEN3_VL_4B = dict(
+    text_config=dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000000,
+                                                         "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+    vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                       deepstack_visual_indexes=[5, 11, 17]),
+    tie_word_embeddings=True)
 # baidu/ERNIE-Image: its 8 B transformer (ComfyUI's ErnieImageModel defaults, comfy/ldm/ernie/model.py @ 7b30bf37:
 # 36 blocks 4096 wide, 32 heads, the 12288-wide gated MLP, Ministral-3's 3072-wide states in), its text_encoder
 # Mistral3Model of Ministral-3 3B (ComfyUI's Ministral3_3BConfig: 26 layers, 3072 wide, 8 KV heads, the tied
@@ -247,6 +265,7 @@ DENOISERS = {
     "HiDream-I1": ("transformer", HiDream.denoiser_lora_presets["default"], HiDream.shard_units["transformer"]),
 }
 DENOISERS["Wan 2.1 T2V 14B"] = ("transformer", Wan.denoiser_lora_presets["default"], Wan.shard_units["transformer"])
+DENOISERS["Krea 2"] = ("transformer", Krea2.denoiser_lora_presets["default"], Krea2.shard_units["transformer"])
 DENOISERS["ERNIE-Image"] = ("transformer", ErnieImage.denoiser_lora_presets["default"],
                             ErnieImage.shard_units["transformer"])
 DENOISERS["Anima"] = ("transformer", Anima.denoiser_lora_presets["default"], Anima.shard_units["transformer"])
@@ -303,6 +322,12 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
             return {"transformer": Ideogram4Transformer2DModel(**IDEOGRAM4),
                     "unconditional_transformer": Ideogram4Transformer2DModel(**IDEOGRAM4),
                     "text_encoder": Qwen3VLModel(Qwen3VLConfig(**QWEN3_VL_8B)), "vae": AutoencoderKLFlux2()}
+        if model == "Krea 2":
+            from diffusers import Krea2Transformer2DModel
+            from transformers import Qwen3VLConfig, Qwen3VLModel
+
+            return {"transformer": Krea2Transformer2DModel(**KREA2), "text_encoder": Qwen3VLModel(Qwen3VLConfig(**QWEN3_VL_4B)),
+                    "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
         if model == "Lumina-Image 2.0":
             from diffusers import Lumina2Transformer2DModel
 

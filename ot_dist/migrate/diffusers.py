@@ -39,6 +39,7 @@ SCRIPTS = {
     "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora", "dreambooth"),
     "train_dreambooth_lora_lumina2.py": ("lumina2", "lora", "dreambooth"),
     "train_dreambooth_lora_z_image.py": ("z_image", "lora", "dreambooth"),
+    "train_dreambooth_lora_krea2.py": ("krea2", "lora", "dreambooth"),
     "train_dreambooth_lora_hidream.py": ("hidream", "lora", "dreambooth"),
     "train_dreambooth_lora_ideogram4.py": ("ideogram4", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
@@ -75,6 +76,12 @@ LUMINA_IMAGE_2_SHIFT = 6.0  # Alpha-VLLM/Lumina-Image-2.0's scheduler config (an
 # use_dynamic_shifting false), which is ot_dist's auto; SD3's has its own branch (precondition_outputs).
 SHIFTED_FLOW_SCRIPTS = ("z_image",)
 TRANSFORMER_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
+# The Krea 2 script: its default list (the Krea 2 authors'; ot_dist's krea2 preset default) and Krea 2's scheduler
+# config, which shifts dynamically: its training table is unshifted, as Flux's and Qwen-Image's
+TRANSFORMER_LORA_TARGETS["krea2"] = ["img_in", "final_layer.linear", "to_q", "to_k", "to_v", "to_out.0", "to_gate",
+                                     "ff.up", "ff.down", "text_fusion.projector", "txt_in.linear_1", "txt_in.linear_2",
+                                     "time_embed.linear_1", "time_embed.linear_2", "time_mod_proj"]
+UNSHIFTED_FLOW_SCRIPTS += ("krea2",)
 # The flow families whose scripts load their scheduler with a shift of their own, whatever the model's config says (the
 # HiDream script: FlowMatchEulerDiscreteScheduler.from_pretrained(..., shift=3.0)), and the text length ot_dist encodes
 # them with (the pipeline's max_sequence_length, which ot_dist does not change).
@@ -469,6 +476,14 @@ def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
     if args["disable_training_autocast"]:
         skip("disable_training_autocast: the Ideogram 4 script then runs the transformer in its weight dtype without "
              "autocast; ot_dist computes under autocast in train_dtype")
+    if args["validation_model_path"]:
+        skip(f"validation_model_path: {args['validation_model_path']}: the Krea 2 script samples on that checkpoint "
+             "(Krea 2 Turbo) with the trained LoRA moved onto it, at validation_num_inference_steps "
+             f"{args['validation_num_inference_steps']} and guidance {args['validation_guidance_scale']}; ot_dist "
+             "samples the model it trains")
+    else:
+        for key in ("validation_num_inference_steps", "validation_guidance_scale"):
+            args[key]  # read: they apply to validation_model_path only
     if args["do_fp8_training"]:
         skip("do_fp8_training: the Z-Image script trains the transformer's linear layers in float8 (torchao's "
              "convert_to_float8_training); ot_dist computes in train_dtype, float8 holds frozen weights only")

@@ -44,6 +44,7 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "HI_DREAM_FULL": ("hidream", False),
 }
 FAMILIES["Z_IMAGE"] = ("z_image", False)
+FAMILIES["KREA_2"] = ("krea2", False)
 FAMILIES["ERNIE"] = ("ernie_image", False)
 FAMILIES["FLUX_FILL_DEV_1"] = ("flux", True)  # Flux.1 Fill [dev]: Flux's inpainting model (FluxFillPipeline)
 # SD 2.0 depth: sd2, its 5-channel UNet detected when loaded (ot_dist/models/depth.py). ot_dist computes each step's

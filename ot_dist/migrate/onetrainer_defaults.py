@@ -138,6 +138,7 @@ SAMPLE_BY_FAMILY = {
     **{name: {**_SIDE_1024, "cfg_scale": 4.0} for name in ("flux2", "flux2_klein")},
     "hidream": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 5.0},
 }
+SAMPLE_BY_FAMILY["krea2"] = {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 3.5}
 SAMPLE_BY_FAMILY["ernie_image"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0}  # as Wuerstchen's
 SAMPLE_BY_FAMILY["anima"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0,
                              "negative_prompt": "worst quality, low quality, score_1, score_2, score_3, artist name"}

@@ -35,6 +35,9 @@ ONETRAINER_PRESETS["anima"] = {"attn-mlp": ("attn1", "attn2", "ff"), "attn-only"
 # Presets OneTrainer matches as regular expressions (its preset's `regex: True`), whatever the config's
 # layer_filter_regex says when it saved the preset's name alone.
 REGEX_PRESETS = {"z_image": ("attn-mlp", "attn-only")}
+# BaseKrea2Setup: attn-only is ot_dist's attention preset (every block's and text-fusion block's to_q / k / v / gate /
+# out); attn-mlp ("attn", "ff") and blocks go through OneTrainer's own rule
+ONETRAINER_PRESETS["krea2"] = {"attn-mlp": ("attn", "ff"), "attn-only": ("attn",), "blocks": ("transformer_blocks",)}
 # BaseFlux2Setup: blocks (both block lists' Linear layers) and full
 ONETRAINER_PRESETS |= {"flux2": {"blocks": ("transformer_block",)}, "flux2_klein": {"blocks": ("transformer_block",)}}
 # BaseErnieSetup: its presets' names as OneTrainer matches them (attn-only is ot_dist's attention preset)
