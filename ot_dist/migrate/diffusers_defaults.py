@@ -427,25 +427,6 @@ for _by_script in BY_SCRIPT.values():
         _by_script[HIDREAM_SCRIPT] = _by_script["train_dreambooth_lora_qwen_image.py"]
 BY_SCRIPT["max_sequence_length"][HIDREAM_SCRIPT] = 128
 
-# examples/dreambooth/train_dreambooth_lora_ideogram4.py (diffusers commit of August 2026), read the same way: the
-# Z-Image script's arguments less use_aspect_ratio_buckets (its aspect_ratio_buckets list alone turns buckets on), with
-# its own three (prompt upsampling, the training autocast switch) and its defaults where they differ: 2048 caption
-# tokens, the logit-normal draw of std 1.5 (the pipeline's schedule), Flux's output_dir left in its parser.
-IDEOGRAM4_SCRIPT = "train_dreambooth_lora_ideogram4.py"
-SCRIPT_ARGS[IDEOGRAM4_SCRIPT] = (SCRIPT_ARGS[Z_IMAGE_SCRIPT] - {"use_aspect_ratio_buckets"}) | {
-    "disable_training_autocast", "prompt_enhancer_head_id", "upsample_prompt"}
-SHARED.update(disable_training_autocast=False, prompt_enhancer_head_id="diffusers/qwen3-vl-8b-instruct-lm-head",
-              upsample_prompt=False)
-KINDS.update(disable_training_autocast="flag", prompt_enhancer_head_id="str", upsample_prompt="flag")
-for _by_script in BY_SCRIPT.values():
-    if Z_IMAGE_SCRIPT in _by_script:
-        _by_script[IDEOGRAM4_SCRIPT] = _by_script[Z_IMAGE_SCRIPT]
-for _key, _default in {"max_sequence_length": 2048, "output_dir": "flux-dreambooth-lora",
-                       "weighting_scheme": "logit_normal", "logit_std": 1.5}.items():
-    if _key not in BY_SCRIPT:  # a default every other script shares: theirs stays SHARED's
-        BY_SCRIPT[_key] = {script: SHARED[_key] for script, names in SCRIPT_ARGS.items() if _key in names}
-    BY_SCRIPT[_key][IDEOGRAM4_SCRIPT] = _default
-
 # examples/dreambooth/train_dreambooth_lora_krea2.py (diffusers commit 58eb52c080, August 2026), read the same way: its
 # arguments, its defaults where SHARED does not give them (rank and lora_alpha 32, the Krea 2 authors' LoRA), and the
 # kinds of the three arguments no other script has (validation on another checkpoint, Krea 2 Turbo)
@@ -471,3 +452,22 @@ for _key, _default in {"adam_weight_decay": 0.0001, "caption_column": None, "lea
                        "train_batch_size": 4, "validation_epochs": 50, "weighting_scheme": "none"}.items():
     BY_SCRIPT[_key][KREA2_SCRIPT] = _default
 SCRIPT_OWN[KREA2_SCRIPT] = {"rank": 32, "lora_alpha": 32}
+
+# examples/dreambooth/train_dreambooth_lora_ideogram4.py (diffusers commit of August 2026), read the same way: the
+# Z-Image script's arguments less use_aspect_ratio_buckets (its aspect_ratio_buckets list alone turns buckets on), with
+# its own three (prompt upsampling, the training autocast switch) and its defaults where they differ: 2048 caption
+# tokens, the logit-normal draw of std 1.5 (the pipeline's schedule), Flux's output_dir left in its parser.
+IDEOGRAM4_SCRIPT = "train_dreambooth_lora_ideogram4.py"
+SCRIPT_ARGS[IDEOGRAM4_SCRIPT] = (SCRIPT_ARGS[Z_IMAGE_SCRIPT] - {"use_aspect_ratio_buckets"}) | {
+    "disable_training_autocast", "prompt_enhancer_head_id", "upsample_prompt"}
+SHARED.update(disable_training_autocast=False, prompt_enhancer_head_id="diffusers/qwen3-vl-8b-instruct-lm-head",
+              upsample_prompt=False)
+KINDS.update(disable_training_autocast="flag", prompt_enhancer_head_id="str", upsample_prompt="flag")
+for _by_script in BY_SCRIPT.values():
+    if Z_IMAGE_SCRIPT in _by_script:
+        _by_script[IDEOGRAM4_SCRIPT] = _by_script[Z_IMAGE_SCRIPT]
+for _key, _default in {"max_sequence_length": 2048, "output_dir": "flux-dreambooth-lora",
+                       "weighting_scheme": "logit_normal", "logit_std": 1.5}.items():
+    if _key not in BY_SCRIPT:  # a default every other script shares: theirs stays SHARED's
+        BY_SCRIPT[_key] = {script: SHARED[_key] for script, names in SCRIPT_ARGS.items() if _key in names}
+    BY_SCRIPT[_key][IDEOGRAM4_SCRIPT] = _default
