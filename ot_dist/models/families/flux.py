@@ -15,7 +15,7 @@ import torch
 import copy
 
 from ot_dist.models.families import component_files as C
-from ot_dist.models.families.base import T5_LORA_TARGETS, Family
+from ot_dist.models.families.base import T5_EMBEDDING_COPIES, T5_EMBEDDING_KEY, T5_LORA_TARGETS, Family
 from ot_dist.models.families.full_checkpoint import DENOISER_PREFIX, FullCheckpoint
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
@@ -149,7 +149,10 @@ class Flux(FlowTransformerFamily):
     pipeline_class = "FluxPipeline"
     text_encoders = ("text_encoder", "text_encoder_2")
     tokenizers = ("tokenizer", "tokenizer_2")
-    embedding_keys = {"text_encoder": "clip_l"}
+    # OneTrainer's FluxEmbeddingSaver: clip_l, t5 (ComfyUI reads the T5's copy t5xxl)
+    embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": T5_EMBEDDING_KEY}
+    embedding_key_copies = T5_EMBEDDING_COPIES
+    embedding_keys_optional = frozenset({"text_encoder_2"})  # a clip_l file (ot_dist's before) starts the T5's
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS,
                    "text_encoder_2": T5_SHARD_UNITS}
     lora_file_prefixes = None
@@ -249,7 +252,8 @@ class Chroma(FlowTransformerFamily):
     pipeline_class = "ChromaPipeline"
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
-    embedding_keys = {}  # T5 only
+    embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}  # OneTrainer's ChromaEmbeddingSaver; ComfyUI's t5xxl copy
+    embedding_key_copies = T5_EMBEDDING_COPIES
     t5_tokenizer = "tokenizer"
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": T5_SHARD_UNITS}
     text_lora_targets = T5_LORA_TARGETS
