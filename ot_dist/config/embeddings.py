@@ -133,7 +133,7 @@ def check_additional_embeddings(config, family) -> None:
         return
     if not family.embedding_keys:
         raise ValueError(f"additional_embeddings: model family {config.model.family} has no text encoder that takes "
-                         "embeddings (T5 only); remove them")
+                         "embeddings; remove them")
     if config.data.cache_text:
         raise ValueError("data.cache_text: the additional embeddings change what the text encoders read (and train "
                          "while the run goes on); turn cache_text off")

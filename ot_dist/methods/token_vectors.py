@@ -41,6 +41,8 @@ class ExtendedTokenEmbedding(torch.nn.Module):
     for 32100 tokens, rounded up for the GPU) reads its first `vocabulary` rows, the new ids follow them (OneTrainer's
     AdditionalEmbeddingWrapper does the same); the rows beyond, which no token names, stay in `base` for exports."""
 
+    token_rows = True  # the encoder reads its trained rows in eval mode (memory/placement.py store_by_role)
+
     def __init__(self, base: torch.nn.Embedding, extra: torch.Tensor | None = None, vocabulary: int | None = None):
         super().__init__()
         self.base = base
