@@ -29,6 +29,19 @@ def lower_case_for_several_vectors(token: str, vectors: int, key: str) -> None:
                          "to its first vector only")
 
 
+def check_token_case(config, family) -> None:
+    """Every embedding token lower case where the family lower-cases the prompt (`Family.lowercases_prompts`): an
+    upper-case token would never be found there, so its vectors would not train (or not be read by the samples)."""
+    if not family.lowercases_prompts:
+        return
+    tokens = [("embedding.token", config.embedding.token)] if config.method == "embedding" else []
+    tokens += [(f"additional_embeddings[{i}].token", e.token) for i, e in enumerate(config.additional_embeddings)]
+    for key, token in tokens:
+        if token != token.lower():
+            raise ValueError(f"{key}: {token!r} must be lower case ({token.lower()!r}) for {config.model.family}: "
+                             f"{family.lowercases_prompts}")
+
+
 def file_stem(token: str) -> str:
     """The file name an additional embedding is written under (output_dir/embeddings/<stem>.safetensors): the token
     without the characters Windows refuses in file names (`<sks>` -> `sks`). A1111 and ComfyUI take the file name as

@@ -15,7 +15,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from ot_dist.config.checkpoint import CheckpointConfig
 from ot_dist.config.embeddings import (OUTPUT_EMBEDDING_DESCRIPTION, AdditionalEmbeddingConfig,
                                        check_additional_embeddings, check_output_embedding,
-                                       lower_case_for_several_vectors, safetensors_only)
+                                       check_token_case, lower_case_for_several_vectors, safetensors_only)
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.metadata import MetadataConfig
@@ -1102,6 +1102,7 @@ class TrainConfig(Section):
             raise ValueError(f"method: model family {self.model.family} has no text encoder that takes embeddings")
         if self.method == "embedding" and self.embedding.output_embedding:
             check_output_embedding("embedding.output_embedding", self, family)
+        check_token_case(self, family)
         check_additional_embeddings(self, family)
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tokenizers import AddedToken
 
 from ot_dist.checkpoint.export import atomic_path
 from ot_dist.errors import ConfigError
@@ -72,7 +73,11 @@ class ExtendedTokenEmbedding(torch.nn.Module):
         return torch.cat([base, *[r.to(base.dtype) for r in self.rows()]])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        rows = F.embedding(input_ids, self.weight)
+        # Gemma's table scales what it reads (transformers 5's Gemma2TextScaledWordEmbedding: x sqrt(width)); the new
+        # rows are scaled with the vocabulary's, as OneTrainer's (whose transformers scaled the inputs after the table)
+        scale = getattr(self.base, "embed_scale", None)
+        return rows if scale is None else rows * scale.to(rows.dtype)
 
 
 def token_strings(token: str, count: int) -> list[str]:
@@ -142,7 +147,7 @@ def add_vectors(model: LoadedModel, tokens: list[str], start: dict[str, torch.Te
         size = embedding.num_embeddings
         init_ids = (init_token_ids(tokenizer, init_text, len(tokens), f"{key}.init_text")
                     if given is None and not output else None)
-        tokenizer.add_tokens(tokens)
+        tokenizer.add_tokens([added_token(tokenizer, token) for token in tokens])
         if tokenizer.convert_tokens_to_ids(tokens) != list(range(size, size + len(tokens))):
             raise ConfigError(f"{key}.token: {tokenizer_name} ({len(tokenizer)} tokens) and {encoder_name} "
                               f"({size} embeddings) disagree on the vocabulary size")
@@ -157,6 +162,21 @@ def add_vectors(model: LoadedModel, tokens: list[str], start: dict[str, torch.Te
         rows = given if given is not None else embedding.base.weight.detach()[torch.tensor(init_ids)]
         added[encoder_name] = new_rows(embedding, rows.clone(), main)
     return added
+
+
+def added_token(tokenizer, token: str) -> str | AddedToken:
+    """`token` as the tokenizer is to find it in a caption. Where a space before it would be a piece of its own
+    (Gemma's tokenizer reads "a <tok>" as "a", "▁", "<tok>"; Llama 3's as "a", "Ġ", "<tok>"), the token takes that
+    space (lstrip, matched in the raw text, where it is still a space). Elsewhere (CLIP, T5, which split words on
+    spaces) the plain token, matched as before in the normalized text (CLIP's lower-cased: a prompt's <TOK> reads as
+    <tok>), and whose `tokenize` piece is the token itself, which diffusers' maybe_convert_prompt looks up to expand a
+    token of several vectors (an lstrip token's piece carries the space)."""
+    def pieces(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False).input_ids)
+
+    if pieces("a ") > pieces("a"):
+        return AddedToken(token, lstrip=True, normalized=False)
+    return token
 
 
 def new_rows(embedding: ExtendedTokenEmbedding, rows: torch.Tensor, main: bool) -> torch.nn.Parameter:

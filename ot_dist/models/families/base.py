@@ -63,6 +63,9 @@ class Family:
     # CLIP vectors only: A1111's SDXL layout, ot_dist's SD3 / Flux files before it trained the T5's): those start from
     # init_text. An encoder that is the family's only one is never optional.
     embedding_keys_optional: frozenset[str] = frozenset()
+    # Why an embedding's token must be lower case (where the family's training or its sampling pipeline lower-cases
+    # the prompt, an upper-case token is never found), or None.
+    lowercases_prompts: str | None = None
     # Text encoders whose hidden states an output embedding replaces at its tokens (OneTrainer's is_output_embedding,
     # ot_dist/methods/output_vectors.py), with OneTrainer's file key: its zero input rows under `<key>`, its vectors
     # under `<key>_out`. Empty: the family takes no output embeddings (`text_states` is then never called).

@@ -41,6 +41,7 @@ class PixArt(Family):
     # OneTrainer's PixArtAlphaEmbeddingSaver (α and Σ): t5; ComfyUI's PixArt T5 tokenizer reads the copy t5xxl
     embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}
     embedding_key_copies = T5_EMBEDDING_COPIES
+    lowercases_prompts = "PixArt's pipelines lower-case the sample prompts (_text_preprocessing)"
     denoiser_lora_presets = {"default": PIXART_LORA_TARGETS, "attention": PIXART_LORA_TARGETS,
                              "attention_mlp": PIXART_LORA_WITH_MLP}
     text_lora_targets = T5_LORA_TARGETS
