@@ -1,8 +1,9 @@
-"""Embedding vectors in the T5 encoders (SD3, Flux, Chroma, PixArt-α / Σ): method embedding's and the additional
-embeddings' tokens get rows in the T5 as in the CLIPs (OneTrainer's *ModelEmbedding: a vector per text encoder).
-What is checked:
-- the T5's conditioning is the base T5 (from disk) fed by hand with the file's vectors at the token's positions, for
-  every family (the new ids stand exactly where the caption has the token; a caption without it is untouched);
+"""Embedding vectors in the language-model text encoders: the T5s (SD3, Flux, Chroma, PixArt-α / Σ, HiDream), Gemma
+(Sana, Lumina 2) and Llama (HiDream). Method embedding's and the additional embeddings' tokens get rows there as in
+the CLIPs (OneTrainer's *ModelEmbedding: a vector per text encoder). What is checked:
+- each such encoder's conditioning is the base encoder (from disk) fed by hand with the file's vectors at the token's
+  positions, for every family (the new ids stand exactly where the caption has the token, with no piece for the space
+  before it; a caption without it is untouched; Gemma scales the new rows as its vocabulary's);
 - a T5 whose matrix has more rows than its tokenizer has tokens (T5-XXL: 32128 rows, 32100 tokens): the new ids
   follow the tokenizer, as OneTrainer's AdditionalEmbeddingWrapper places them, and the padding rows stay in exports;
 - one process's training (Flux: CLIP-L and T5) moves those rows and nothing else;
@@ -24,39 +25,48 @@ from ot_dist.models.loading import load_model
 from ot_dist.train.trainer import Trainer
 
 QUIET = lambda *_: None  # noqa: E731
-# family -> its T5's component name and tokenizer
-T5_OF = {"sd3": ("text_encoder_3", "tokenizer_3"), "flux": ("text_encoder_2", "tokenizer_2"),
-         "chroma": ("text_encoder", "tokenizer"), "pixart_alpha": ("text_encoder", "tokenizer"),
-         "pixart_sigma": ("text_encoder", "tokenizer")}
-RESOLUTION = {"pixart_alpha": 64, "pixart_sigma": 64}
+# family -> its language-model encoders: (component, tokenizer, the file's key)
+T5 = ("t5",)
+ENCODERS = {"sd3": [("text_encoder_3", "tokenizer_3", "t5")], "flux": [("text_encoder_2", "tokenizer_2", "t5")],
+            "chroma": [("text_encoder", "tokenizer", "t5")], "pixart_alpha": [("text_encoder", "tokenizer", "t5")],
+            "pixart_sigma": [("text_encoder", "tokenizer", "t5")], "sana": [("text_encoder", "tokenizer", "gemma")],
+            "lumina2": [("text_encoder", "tokenizer", "gemma")],
+            "hidream": [("text_encoder_3", "tokenizer_3", "t5"), ("text_encoder_4", "tokenizer_4", "llama")]}
 
 
 class ByHand(torch.nn.Module):
-    """The base T5 from disk, its input at the new token ids (first_id, first_id + 1, ...) written by hand from
-    `vectors`; called as the families call their T5 (ids, attention_mask, output_hidden_states)."""
+    """The base encoder from disk, its input at the new token ids (first_id, first_id + 1, ...) written by hand from
+    `vectors` (times the table's own scale, Gemma's sqrt(width), which its table applies to every row it reads);
+    called as the families call their encoder."""
 
     def __init__(self, base, first_id: int, vectors: torch.Tensor):
         super().__init__()
         self.base, self.first_id, self.vectors = base, first_id, vectors
         self.device = torch.device("cpu")
 
-    def forward(self, ids, attention_mask=None, output_hidden_states=False):
-        table = self.base.get_input_embeddings().weight
+    def forward(self, ids, *args, **kwargs):
+        table = self.base.get_input_embeddings()
         new = ids >= self.first_id
-        embeds = table[ids.clamp(max=self.first_id - 1)].clone()
-        embeds[new] = self.vectors[ids[new] - self.first_id].to(embeds.dtype)
-        return self.base(inputs_embeds=embeds, attention_mask=attention_mask, output_hidden_states=output_hidden_states)
+        embeds = table(ids.clamp(max=self.first_id - 1)).clone()
+        scale = getattr(table, "embed_scale", torch.tensor(1.0))
+        embeds[new] = (self.vectors[ids[new] - self.first_id] * scale).to(embeds.dtype)
+        return self.base(*args, inputs_embeds=embeds, **kwargs)
 
 
-def base_t5(model_path, encoder: str):
-    from transformers import T5EncoderModel
+def base_encoder(model_path, encoder: str):
+    """The model folder's own encoder, by the class model_index.json names."""
+    import json
 
-    return T5EncoderModel.from_pretrained(model_path / encoder).eval()
+    import transformers
+
+    library, class_name = json.loads((model_path / "model_index.json").read_text())[encoder]
+    assert library == "transformers"
+    return getattr(transformers, class_name).from_pretrained(model_path / encoder).eval()
 
 
 def prepared(model_path, family: str, tmp_path, **embedding):
     raw = base_config(model_path, tmp_path, tmp_path / "o", family=family, method="embedding",
-                      resolution=RESOLUTION.get(family, 64),
+                      resolution=64,
                       **{"embedding": {k: v for k, v in {"token": "<tok>", "vectors": 2, "init_text": "a cat",
                                                          **embedding}.items() if v is not None}})
     config = validate(raw)
@@ -70,48 +80,51 @@ def conditioning(model, captions: list[str], encoders: dict | None = None) -> di
                                         model.family.tokenize(model.tokenizers, captions))
 
 
-@pytest.mark.parametrize("family", list(T5_OF))
-def test_the_t5_reads_the_files_vectors_exactly_where_the_token_stands(family, family_models, tmp_path):
+@pytest.mark.parametrize("family", list(ENCODERS))
+def test_the_encoder_reads_the_files_vectors_exactly_where_the_token_stands(family, family_models, tmp_path):
     """Vectors set at random, exported, then the family's conditioning of [a caption with the token, one without]
-    against the same with the base T5 fed the file's `t5` vectors by hand at the new ids; the ids themselves are the
-    caption's without the token, with the token's two ids where it was written. Moving the vectors changes the
-    caption with the token only."""
+    against the same with each language-model encoder replaced by its base fed the file's vectors by hand at the new
+    ids; the ids themselves are the caption's without the token, with the token's two ids where it was written (no
+    piece for the space before it). Moving one encoder's vectors changes the caption with the token only."""
     method, model = prepared(family_models[family], family, tmp_path)
     groups = method.prepare(model)
-    encoder, tokenizer_name = T5_OF[family]
-    t5 = model.text_encoders[encoder]
     with torch.no_grad():
         for p in groups[0].params:
             p.copy_(torch.randn_like(p))
     (file,) = method.export(model, tmp_path)
     state = load_file(file)
-    vectors = state["t5"]
-    assert torch.equal(vectors, state["t5xxl"]) and vectors.shape == (2, t5.get_input_embeddings().embedding_dim)
-    assert torch.equal(vectors, t5.get_input_embeddings().extra.detach())
-
-    tokenizer = model.tokenizers[tokenizer_name]
-    first = len(tokenizer) - 2  # the tokens were added last
     captions = [method.caption("a red circle, <tok> in the center"), "a red circle, in the center"]
-    ids = model.family.tokenize(model.tokenizers, captions)[encoder]
-    plain = tokenizer(captions[1:], padding="max_length", max_length=ids.shape[1], truncation=True,
-                      return_tensors="pt").input_ids[0]
-    where = (ids[0] >= first).nonzero().flatten().tolist()
-    assert ids[0, where].tolist() == [first, first + 1] and where[1] == where[0] + 1
-    kept = [i for i in ids[0].tolist() if i < first]
-    assert kept == plain.tolist()[:len(kept)]  # the rest of the caption, in order (padding cut by the two ids)
-    assert tokenizer.convert_ids_to_tokens(ids[0, :where[0]].tolist())[-1] != "▁"  # no stray word start before it
-    assert torch.equal(ids[1], plain)
+    tokens = model.family.tokenize(model.tokenizers, captions)
+    by_hand = {}
+    for encoder, tokenizer_name, key in ENCODERS[family]:
+        table = model.text_encoders[encoder].get_input_embeddings()
+        vectors = state[key]
+        assert vectors.shape == (2, table.embedding_dim) and torch.equal(vectors, table.extra.detach())
+        if key in T5:
+            assert torch.equal(vectors, state["t5xxl"])  # ComfyUI's key, a copy
+        tokenizer = model.tokenizers[tokenizer_name]
+        first = len(tokenizer) - 2  # the tokens were added last
+        ids = tokens[encoder]
+        where = (ids[0] >= first).nonzero().flatten().tolist()
+        assert ids[0, where].tolist() == [first, first + 1] and where[1] == where[0] + 1, encoder
+        kept = [i for i in ids[0].tolist() if i < first]
+        assert kept == ids[1].tolist()[:len(kept)], encoder  # the rest of the caption, in order
+        before = tokenizer.convert_ids_to_tokens(ids[0, where[0] - 1].item())
+        assert before.strip("▁Ġ "), f"{encoder}: a piece of its own for the space before the token: {before!r}"
+        by_hand[encoder] = ByHand(base_encoder(family_models[family], encoder), first, vectors)
 
     got = conditioning(model, captions)
-    want = conditioning(model, captions, {encoder: ByHand(base_t5(family_models[family], encoder), first, vectors)})
+    want = conditioning(model, captions, by_hand)
     assert got.keys() == want.keys()
     for key in got:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
-    with torch.no_grad():
-        t5.get_input_embeddings().extra.add_(1.0)
-    moved = conditioning(model, captions)
-    key = "hidden"
-    assert not torch.equal(moved[key][0], got[key][0]) and torch.equal(moved[key][1], got[key][1])
+    for encoder, _, _ in ENCODERS[family]:
+        with torch.no_grad():
+            model.text_encoders[encoder].get_input_embeddings().extra.add_(1.0)
+        moved = conditioning(model, captions)
+        assert any(not torch.equal(moved[k][0], got[k][0]) for k in got), encoder
+        assert all(torch.equal(moved[k][1], got[k][1]) for k in got), encoder
+        got = moved
 
 
 def test_new_ids_follow_the_tokenizer_in_a_padded_t5(family_models, tmp_path):
@@ -194,6 +207,23 @@ def test_training_moves_the_token_rows_and_nothing_else(flux_run):
     assert {p.name for p in result.exported} == {"embedding.safetensors", "add.safetensors"}
 
 
+def test_one_process_training_of_gemma_vectors_moves_those_rows_only(family_models, shapes_data, tmp_path):
+    """Sana (Gemma 2 alone, captions lower-cased): method embedding trains the rows of its token in Gemma's table and
+    nothing else; the file holds them under OneTrainer's `gemma`."""
+    out = tmp_path / "out"
+    raw = base_config(family_models["sana"], shapes_data, out, family="sana", method="embedding", batch_size=4,
+                      max_steps=2, learning_rate=5e-2, **{"embedding": {"token": "<tok>", "init_text": "a cat"}})
+    trainer = Trainer(validate(raw), log=QUIET)
+    before = {name: {k: v.clone() for k, v in part.state_dict().items()} for name, part in trainer.model.parts().items()}
+    trainer.train()
+    for name, part in trainer.model.parts().items():
+        state = part.state_dict()
+        moved = {k for k in state if k not in before[name] or not torch.equal(state[k], before[name][k])}
+        assert moved == ({"embed_tokens.extra"} if name == "text_encoder" else set()), name
+    rows = trainer.model.text_encoders["text_encoder"].get_input_embeddings().extra.detach()
+    assert torch.equal(load_file(out / "embedding.safetensors")["gemma"], rows)
+
+
 def test_the_encoders_read_the_rows_without_dropout_but_checkpointed(flux_run):
     """OneTrainer's embedding setups put the text encoders in eval mode (FluxEmbeddingSetup.setup_train_device): the
     T5's dropout (0.1 in T5 v1.1's config) stays off while its rows train; its blocks keep the train flag that
@@ -263,3 +293,18 @@ def test_init_from_reads_t5_or_t5xxl_and_a_clip_only_file_starts_the_t5_from_ini
         table = again.text_encoders["text_encoder_2"].get_input_embeddings().base.weight
         ids = again.tokenizers["tokenizer_2"]("a cat", add_special_tokens=False).input_ids
         assert torch.equal(t5_rows, table[(ids * 2)[:2]].detach())  # init_text's rows, as without a file
+
+
+@pytest.mark.parametrize("family,method", [("sana", "embedding"), ("pixart_sigma", "lora")])
+def test_an_upper_case_token_is_refused_where_the_family_lower_cases_prompts(tmp_path, family, method):
+    """Sana lower-cases every caption, PixArt's pipelines the sample prompts: an upper-case token would never be
+    found, so its vectors would not train (or never reach the samples)."""
+    from ot_dist.errors import ConfigError
+
+    extra = ({"embedding": {"token": "<Tok>"}} if method == "embedding"
+             else {"additional_embeddings": [{"token": "<Tok>"}]})
+    key = "embedding.token" if method == "embedding" else r"additional_embeddings\[0\].token"
+    with pytest.raises(ConfigError, match=rf"{key}: '<Tok>' must be lower case \('<tok>'\) for {family}"):
+        validate(base_config(tmp_path, tmp_path, tmp_path / "o", family=family, method=method, **extra))
+    extra = {k: ({"token": "<tok>"} if isinstance(v, dict) else [{"token": "<tok>"}]) for k, v in extra.items()}
+    validate(base_config(tmp_path, tmp_path, tmp_path / "o", family=family, method=method, **extra))
