@@ -271,6 +271,31 @@ def test_the_files_are_read_by_onetrainer_comfyui_and_diffusers(flux_run, family
     torch.testing.assert_close(pooled, ours["pooled"], rtol=0, atol=1e-6)
 
 
+def test_the_documented_flux_block_loads_the_file(flux_run, family_models):
+    """docs/checkpoints.md's Flux block, run as written (OUT and TOKEN filled in): the pipeline encodes the prompt as
+    the trained model."""
+    import sys
+    from pathlib import Path
+
+    from diffusers import FluxPipeline
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_early_checks import doc_blocks
+
+    trainer, _, out, _ = flux_run
+    block = doc_blocks("checkpoints.md", "Loading an exported embedding")[4]
+    assert 'vectors["t5"]' in block
+    pipe = FluxPipeline.from_pretrained(family_models["flux"], local_files_only=True)
+    exec(block.replace("OUT/", f"{out}/").replace('"TOKEN"', '"<tok>"'), {"pipe": pipe})
+    model = trainer.model
+    with torch.no_grad():
+        hidden, pooled, _ = pipe.encode_prompt("a red circle, <tok>", max_sequence_length=model.family.max_tokens(
+            "tokenizer_2", model.tokenizers["tokenizer_2"]))
+    ours = conditioning(model, [trainer.method.caption("a red circle, <tok>")])
+    torch.testing.assert_close(hidden, ours["hidden"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(pooled, ours["pooled"], rtol=0, atol=1e-6)
+
+
 def test_init_from_reads_t5_or_t5xxl_and_a_clip_only_file_starts_the_t5_from_init_text(flux_run, family_models,
                                                                                        tmp_path):
     trainer, _, out, _ = flux_run

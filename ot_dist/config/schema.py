@@ -268,8 +268,9 @@ class EmbeddingConfig(Section):
         default=None,
         description="An embedding .safetensors to continue: the vectors start from it instead of init_text. Layouts: "
         "ot_dist's / ComfyUI's / A1111-Forge SDXL (clip_l, clip_g), OneTrainer's (emp_params for SD 1.x/2.x; "
-        "clip_l / clip_g, t5 unused), A1111 (string_to_param.*), diffusers ({token: tensor}). .pt / .bin (pickle) "
-        "files are refused.",
+        "clip_l / clip_g / t5 / gemma / llama; ComfyUI's t5xxl where t5 is missing; a CLIP-only file starts SD3's, "
+        "Flux's and HiDream's T5 / Llama vectors from init_text), A1111 (string_to_param.*), diffusers ({token: "
+        "tensor}). .pt / .bin (pickle) files are refused.",
     )
     learning_rate: float | None = Field(
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."

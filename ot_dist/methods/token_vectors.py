@@ -7,7 +7,9 @@ embeddings (the family's `embedding_keys`), and the encoder's frozen token embed
 its vocabulary read trainable rows (rather than training the whole vocabulary matrix and masking its gradient: the
 optimizer state, and later the sharded state, are the size of the vectors, not of the vocabulary). The file written is
 the one diffusers' `load_textual_inversion`, A1111 and ComfyUI read: {TOKEN: [n, dim]} for SD 1.x/2.x and
-{"clip_l": ..., "clip_g": ...} for SDXL / SD3 (A1111's SDXL layout); the token is also in its metadata ("token").
+{"clip_l": ..., "clip_g": ...} for SDXL (A1111's SDXL layout), with OneTrainer's "t5" (and ComfyUI's copy "t5xxl"),
+"gemma", "llama" for the language-model encoders of SD3, Flux, Chroma, PixArt, Sana, Lumina 2 and HiDream; the token
+is also in its metadata ("token"). Those encoders' rows follow the tokenizer's vocabulary (a T5's table is longer).
 An output embedding (OneTrainer's is_output_embedding) adds its tokens the same way with zero rows and trains vectors
 that replace the encoder's output at them instead: output_vectors.py.
 """
