@@ -74,6 +74,11 @@ def prepared(model_path, family: str, tmp_path, **embedding):
     return method, model
 
 
+def states(model) -> dict[str, dict[str, torch.Tensor]]:
+    """Every part's state dict, cloned (what training may move)."""
+    return {name: {k: v.clone() for k, v in part.state_dict().items()} for name, part in model.parts().items()}
+
+
 def conditioning(model, captions: list[str], encoders: dict | None = None) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         return model.family.encode_text({**model.text_encoders, **(encoders or {})},
@@ -189,7 +194,7 @@ def flux_run(family_models, shapes_data, tmp_path_factory):
                          "additional_embeddings": [{"token": "<add>"}]})
     raw["data"] = {"concepts": [{"path": str(shapes_data), "caption_prefix": "<add>"}], "shards": f"{out}-shards"}
     trainer = Trainer(validate(raw), log=QUIET)
-    before = {name: {k: v.clone() for k, v in part.state_dict().items()} for name, part in trainer.model.parts().items()}
+    before = states(trainer.model)
     result = trainer.train()
     return trainer, result, out, before
 
@@ -214,7 +219,7 @@ def test_one_process_training_of_gemma_vectors_moves_those_rows_only(family_mode
     raw = base_config(family_models["sana"], shapes_data, out, family="sana", method="embedding", batch_size=4,
                       max_steps=2, learning_rate=5e-2, **{"embedding": {"token": "<tok>", "init_text": "a cat"}})
     trainer = Trainer(validate(raw), log=QUIET)
-    before = {name: {k: v.clone() for k, v in part.state_dict().items()} for name, part in trainer.model.parts().items()}
+    before = states(trainer.model)
     trainer.train()
     for name, part in trainer.model.parts().items():
         state = part.state_dict()
