@@ -110,8 +110,9 @@ PIVOTAL = {"family": "sd1", "token": "<tok>", "vectors": 2}
 BUNDLED = f"bundle_emb.{PIVOTAL['token']}.string_to_param.*"
 # PixArt-α's LoRA cases (fsdp, zero2) carry the same embedding in its T5 (rows after the tokenizer's vocabulary in
 # the T5's root unit, gradients through the whole T5): bundled as `t5` and ComfyUI's copy `t5xxl`, compared too.
-# Measured on that launch (CPU s, test_strategies_equal_one_process[pixart_alpha]): in the commit's message.
-PIVOTAL_T5 = {"family": "pixart_alpha", "bundled": f"bundle_emb.{PIVOTAL['token']}.t5"}
+# Its rows' gradients through the tiny T5 are small: at the LoRA's rate they moved 9.4e-4 in two steps, under the
+# 100 x TOLERANCE that shows the comparison can fail, so they take a rate of their own.
+PIVOTAL_T5 = {"family": "pixart_alpha", "bundled": f"bundle_emb.{PIVOTAL['token']}.t5", "learning_rate": 50.0}
 PIVOTAL_KEYS = {PIVOTAL["family"]: BUNDLED, PIVOTAL_T5["family"]: PIVOTAL_T5["bundled"]}
 PIVOTAL_GATHERED = {"strategy": "zero3", "settings": {
     "ema.enabled": True, "ema.decay": 0.5, "ema.update_step_interval": 1,
@@ -155,8 +156,10 @@ def with_pivotal(raw: dict) -> dict:
     if gathered and raw.get("strategy", PIVOTAL_GATHERED["strategy"]) == PIVOTAL_GATHERED["strategy"]:  # and 1 process
         for key, value in PIVOTAL_GATHERED["settings"].items():
             apply_override(raw, f"{key}={json.dumps(value)}")
-    return {**raw, "bundle_additional_embeddings": True,
-            "additional_embeddings": [{"token": PIVOTAL["token"], "vectors": PIVOTAL["vectors"]}],
+    entry = {"token": PIVOTAL["token"], "vectors": PIVOTAL["vectors"]}
+    if raw["model"]["family"] == PIVOTAL_T5["family"]:
+        entry["learning_rate"] = PIVOTAL_T5["learning_rate"]
+    return {**raw, "bundle_additional_embeddings": True, "additional_embeddings": [entry],
             "data": {"concepts": [{"path": data["path"], "caption_prefix": PIVOTAL["token"]}], "shards": data["shards"]}}
 
 
