@@ -338,3 +338,43 @@ def test_an_upper_case_token_is_refused_where_the_family_lower_cases_prompts(tmp
         validate(base_config(tmp_path, tmp_path, tmp_path / "o", family=family, method=method, **extra))
     extra = {k: ({"token": "<tok>"} if isinstance(v, dict) else [{"token": "<tok>"}]) for k, v in extra.items()}
     validate(base_config(tmp_path, tmp_path, tmp_path / "o", family=family, method=method, **extra))
+
+
+@pytest.mark.parametrize("family", ["chroma", "pixart_sigma"])
+def test_t5_output_embeddings_start_as_onetrainers_and_replace_the_t5_output(family, family_models, tmp_path):
+    """An output embedding of PixArt's / Chroma's T5 (OneTrainer's is_output_embedding; its savers' t5 / t5_out):
+    - the vectors start as OneTrainer starts them: the T5's last hidden state, read with the tokenizer's mask, of
+      init_text followed by one "*" per vector, at the positions after the first;
+    - the conditioning is the base T5 reading zero rows at the tokens' ids, its output at their positions replaced by
+      the file's t5_out, computed here by hand; a caption without them is untouched;
+    - the file holds t5 (the zero input rows) and t5_out, and no t5xxl copy (ComfyUI would read the zeros)."""
+    method, model = prepared(family_models[family], family, tmp_path, vectors=3, output_embedding=True)
+    (group,) = method.prepare(model)
+    tokenizer = model.tokenizers["tokenizer"]
+    base = base_encoder(family_models[family], "text_encoder")
+    encoded = tokenizer(["a cat***"], padding="max_length", max_length=model.family.max_tokens("tokenizer", tokenizer),
+                        truncation=True, return_tensors="pt")
+    with torch.no_grad():
+        start = base(encoded.input_ids, attention_mask=encoded.attention_mask).last_hidden_state[0, 1:4]
+    torch.testing.assert_close(group.params[0].detach(), start, rtol=0, atol=0)
+
+    with torch.no_grad():
+        group.params[0].add_(torch.randn_like(group.params[0]))
+    (file,) = method.export(model, tmp_path)
+    state = load_file(file)
+    assert state.keys() == {"t5", "t5_out"} and not state["t5"].any()
+    assert torch.equal(state["t5_out"], group.params[0].detach())
+    first = len(tokenizer) - 3
+    captions = [method.caption("a red circle, <tok> in the center"), "a red circle, in the center"]
+    ids = model.family.tokenize(model.tokenizers, captions)["text_encoder"]
+    got = conditioning(model, captions)
+    plain = conditioning(model, captions, {"text_encoder": ByHand(base, first, torch.zeros(3, table_width(base)))})
+    hit = (ids >= first).unsqueeze(-1)
+    want = torch.where(hit, state["t5_out"][(ids - first).clamp(0, 2)], plain["hidden"])
+    assert hit[0].sum() == 3 and not hit[1].any()
+    torch.testing.assert_close(got["hidden"], want, rtol=0, atol=0)
+    assert torch.equal(got["hidden"][1], plain["hidden"][1])
+
+
+def table_width(encoder) -> int:
+    return encoder.get_input_embeddings().embedding_dim

@@ -115,7 +115,8 @@ class AdditionalEmbeddings:
             dtype = DTYPES[self.config.output_dtype]
             for entry, rows, target in zip(self.entries, vectors, targets, strict=True):
                 header = header_for(model, "embedding", run_facts(self.config, created, suffix), None)
-                write_embedding_file(target, rows, entry.token, dtype, header, model.family.embedding_key_copies)
+                copies = {} if entry.output_embedding else model.family.embedding_key_copies  # no zero rows for ComfyUI
+                write_embedding_file(target, rows, entry.token, dtype, header, copies)
         return targets
 
 

@@ -75,5 +75,6 @@ class EmbeddingMethod(TrainingMethod):
         target = output_dir / f"embedding{suffix}.safetensors"
         if write:
             write_embedding_file(target, vectors, self.config.embedding.token, DTYPES[self.config.output_dtype],
-                                 self.modelspec(model, "embedding", created, suffix), model.family.embedding_key_copies)
+                                 self.modelspec(model, "embedding", created, suffix),
+                                 {} if self.config.embedding.output_embedding else model.family.embedding_key_copies)
         return [target] + self.additional.export(model, output_dir, state_dict_of, write, suffix, created)

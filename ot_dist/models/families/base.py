@@ -70,6 +70,9 @@ class Family:
     # ot_dist/methods/output_vectors.py), with OneTrainer's file key: its zero input rows under `<key>`, its vectors
     # under `<key>_out`. Empty: the family takes no output embeddings (`text_states` is then never called).
     output_embedding_keys: dict[str, str] = {}
+    # Whether the conditioning reads those encoders with the tokenizer's attention mask (PixArt's and Chroma's T5): an
+    # output embedding's start (OneTrainer's: the encoder's output of its initial text) is read so too.
+    output_states_masked: bool = False
 
     def text_states(self, encoder: str, output) -> torch.Tensor:
         """The hidden states of `encoder`'s output (a transformers ModelOutput with hidden_states) that the

@@ -254,6 +254,14 @@ class Chroma(FlowTransformerFamily):
     tokenizers = ("tokenizer",)
     embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}  # OneTrainer's ChromaEmbeddingSaver; ComfyUI's t5xxl copy
     embedding_key_copies = T5_EMBEDDING_COPIES
+    # OneTrainer's ChromaEmbeddingSaver: t5 (the zero input rows), t5_out; the T5's last hidden state, read with the
+    # tokenizer's mask as ot_dist's conditioning reads it (OneTrainer's T5 mask also lets the first padding token in,
+    # which moves the start a little)
+    output_embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}
+    output_states_masked = True
+
+    def text_states(self, encoder, output):
+        return output.last_hidden_state
     t5_tokenizer = "tokenizer"
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": T5_SHARD_UNITS}
     text_lora_targets = T5_LORA_TARGETS

@@ -42,6 +42,12 @@ class PixArt(Family):
     embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}
     embedding_key_copies = T5_EMBEDDING_COPIES
     lowercases_prompts = "PixArt's pipelines lower-case the sample prompts (_text_preprocessing)"
+    # OneTrainer's PixArtAlphaEmbeddingSaver: t5 (the zero input rows), t5_out; the T5's last hidden state, masked
+    output_embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}
+    output_states_masked = True
+
+    def text_states(self, encoder, output):
+        return output.last_hidden_state
     denoiser_lora_presets = {"default": PIXART_LORA_TARGETS, "attention": PIXART_LORA_TARGETS,
                              "attention_mlp": PIXART_LORA_WITH_MLP}
     text_lora_targets = T5_LORA_TARGETS
