@@ -912,6 +912,11 @@ def test_t5_embeddings_are_imported(tmp_path, model_type, t5):
     _, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
                                         t5: {"train_embedding": False}})
     assert skipped == [f"{t5}.train_embedding: false: ot_dist trains the embedding in every encoder that takes one"]
+    # an output embedding: PixArt's and Chroma's T5 take one (OneTrainer's t5 / t5_out); Flux and SD3 list it
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<tok>", "is_output_embedding": True}})
+    takes = get_family(config.model.family).output_embedding_keys
+    assert config.embedding.output_embedding is bool(takes) and bool(skipped) is not bool(takes)
 
 
 def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
