@@ -378,3 +378,30 @@ def test_t5_output_embeddings_start_as_onetrainers_and_replace_the_t5_output(fam
 
 def table_width(encoder) -> int:
     return encoder.get_input_embeddings().embedding_dim
+
+
+@pytest.mark.parametrize("family,pipeline_class,expanded", [
+    ("pixart_sigma", "PixArtSigmaPipeline", True),  # no textual-inversion loader: the sampler writes the words
+    ("flux", "FluxPipeline", False),  # maybe_convert_prompt expands the token itself (in both tokenizers)
+])
+def test_samples_read_every_vector_of_a_token(family, pipeline_class, expanded, family_models, shapes_data, tmp_path,
+                                              monkeypatch):
+    """A sample prompt's token of two vectors reaches the encoders as its two words: written out by the sampler for a
+    pipeline without diffusers' textual-inversion loader (SD3, PixArt, Sana, Lumina 2, HiDream would read the first
+    vector only), left to the pipeline where it has one (written out there, Flux would expand it twice)."""
+    import diffusers
+
+    prompt = {"prompt": "a <tok> dot", "seed": 1, "steps": 1, "width": 64, "height": 64}
+    if expanded:  # (Flux samples without a negative pass)
+        prompt["negative_prompt"] = "<tok> ring"
+    raw = base_config(family_models[family], shapes_data, tmp_path / "o", family=family, method="embedding",
+                      **{"embedding": {"token": "<tok>", "vectors": 2}, "sampling.prompts": [prompt]})
+    trainer = Trainer(validate(raw), log=QUIET)
+    seen = []
+    cls = getattr(diffusers, pipeline_class)
+    original = cls.__call__
+    monkeypatch.setattr(cls, "__call__", lambda self, *a, **k: seen.append(k) or original(self, *a, **k))
+    (path,) = trainer.sampler.sample(trainer, 0)
+    words = "<tok> <tok>_1" if expanded else "<tok>"
+    assert seen[0]["prompt"] == f"a {words} dot" and seen[0].get("negative_prompt") in (None, f"{words} ring")
+    assert ("negative_prompt" in seen[0]) is expanded and path.is_file()
