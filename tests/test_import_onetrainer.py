@@ -932,6 +932,32 @@ def test_additional_embeddings_are_imported_and_bundled_by_default(tmp_path):
     assert config.bundle_additional_embeddings is False  # OneTrainer bundles into LoRA files only
 
 
+@pytest.mark.parametrize("model_type,t5", [("CHROMA_1", "text_encoder"), ("PIXART_SIGMA", "text_encoder"),
+                                           ("PIXART_ALPHA", "text_encoder"), ("FLUX_DEV_1", "text_encoder_2"),
+                                           ("STABLE_DIFFUSION_3", "text_encoder_3")])
+def test_t5_embeddings_are_imported(tmp_path, model_type, t5):
+    """OneTrainer trains the embedding's vectors in the T5 too (its *ModelEmbedding: a vector per text encoder; the
+    file's `t5` key): method embedding and additional embeddings of the T5 families import and validate, and a T5
+    part's train_embedding: false (ot_dist trains every encoder's vectors) is listed. tests/test_t5_embeddings.py."""
+    from ot_dist.models.families.registry import get_family
+
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<tok>", "token_count": 2}})
+    assert config.method == "embedding" and t5 in get_family(config.model.family).embedding_keys and not skipped
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA",
+                                             "additional_embeddings": [{"placeholder": "<add>"}]})
+    assert [e.token for e in config.additional_embeddings] == ["<add>"]
+    assert not any("embedding" in line for line in skipped)
+    _, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
+                                        t5: {"train_embedding": False}})
+    assert skipped == [f"{t5}.train_embedding: false: ot_dist trains the embedding in every encoder that takes one"]
+    # an output embedding: PixArt's and Chroma's T5 take one (OneTrainer's t5 / t5_out); Flux and SD3 list it
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<tok>", "is_output_embedding": True}})
+    takes = get_family(config.model.family).output_embedding_keys
+    assert config.embedding.output_embedding is bool(takes) and bool(skipped) is not bool(takes)
+
+
 def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
     """OneTrainer caches image_variations augmented versions of each image (mgds DiskCache) and text_variations
     versions of each caption: the concepts keep their numbers, and latent caching stays on where they make the

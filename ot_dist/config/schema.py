@@ -15,7 +15,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from ot_dist.config.checkpoint import CheckpointConfig
 from ot_dist.config.embeddings import (OUTPUT_EMBEDDING_DESCRIPTION, AdditionalEmbeddingConfig,
                                        check_additional_embeddings, check_output_embedding,
-                                       lower_case_for_several_vectors, safetensors_only)
+                                       check_token_case, lower_case_for_several_vectors, safetensors_only)
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.metadata import MetadataConfig
@@ -272,8 +272,9 @@ class EmbeddingConfig(Section):
         default=None,
         description="An embedding .safetensors to continue: the vectors start from it instead of init_text. Layouts: "
         "ot_dist's / ComfyUI's / A1111-Forge SDXL (clip_l, clip_g), OneTrainer's (emp_params for SD 1.x/2.x; "
-        "clip_l / clip_g, t5 unused), A1111 (string_to_param.*), diffusers ({token: tensor}). .pt / .bin (pickle) "
-        "files are refused.",
+        "clip_l / clip_g / t5 / gemma / llama; ComfyUI's t5xxl where t5 is missing; a CLIP-only file starts SD3's, "
+        "Flux's and HiDream's T5 / Llama vectors from init_text), A1111 (string_to_param.*), diffusers ({token: "
+        "tensor}). .pt / .bin (pickle) files are refused.",
     )
     learning_rate: float | None = Field(
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
@@ -1107,6 +1108,7 @@ class TrainConfig(Section):
             raise ValueError(f"method: model family {self.model.family} has no text encoder that takes embeddings")
         if self.method == "embedding" and self.embedding.output_embedding:
             check_output_embedding("embedding.output_embedding", self, family)
+        check_token_case(self, family)
         check_additional_embeddings(self, family)
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():
