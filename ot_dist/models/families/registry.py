@@ -28,6 +28,7 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen_image_edit": "ot_dist.models.families.qwen_image_edit",
     "qwen_image_edit_plus": "ot_dist.models.families.qwen_image_edit",
     "wan": "ot_dist.models.families.wan",
+    "hunyuan_video": "ot_dist.models.families.hunyuan_video",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
