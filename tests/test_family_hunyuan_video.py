@@ -247,3 +247,116 @@ def test_a_video_clip_in_a_concept_is_refused_not_skipped(family_models, shapes_
     (data / "clip.mp4").write_bytes(b"\0" * 16)
     with pytest.raises(InputFileError, match=r"1 video clip \(.*clip\.mp4\).*cannot train on video clips"):
         trainer_for(family_models[FAMILY], data, tmp_path / "o")
+
+
+def comfyui_model_weights(config) -> dict[str, tuple[int, int]]:
+    """The Linear weights of ComfyUI's HunyuanVideo model (comfy/ldm/hunyuan_video/model.py on comfy/ldm/flux/layers.py:
+    DoubleStreamBlock's img_/txt_mod.lin, _attn.qkv, _attn.proj, _mlp.0 / .2; SingleStreamBlock's linear1 (q|k|v|mlp),
+    linear2, modulation.lin; the refiner's self_attn.qkv / .proj, mlp.0 / .2, adaLN_modulation.1; LastLayer.linear), as
+    `diffusion_model.<key>` -> (out, in), for a tiny config."""
+    h = config.num_attention_heads * config.attention_head_dim
+    mlp = int(h * config.mlp_ratio)
+    keys = {}
+    for n in range(config.num_layers):
+        for stream in ("img", "txt"):
+            keys.update({f"double_blocks.{n}.{stream}_mod.lin": (6 * h, h), f"double_blocks.{n}.{stream}_attn.qkv": (3 * h, h),
+                         f"double_blocks.{n}.{stream}_attn.proj": (h, h), f"double_blocks.{n}.{stream}_mlp.0": (mlp, h),
+                         f"double_blocks.{n}.{stream}_mlp.2": (h, mlp)})
+    for n in range(config.num_single_layers):
+        keys.update({f"single_blocks.{n}.linear1": (3 * h + mlp, h), f"single_blocks.{n}.linear2": (h, h + mlp),
+                     f"single_blocks.{n}.modulation.lin": (3 * h, h)})
+    for n in range(config.num_refiner_layers):
+        block = f"txt_in.individual_token_refiner.blocks.{n}"
+        keys.update({f"{block}.self_attn.qkv": (3 * h, h), f"{block}.self_attn.proj": (h, h),
+                     f"{block}.mlp.0": (mlp, h), f"{block}.mlp.2": (h, mlp), f"{block}.adaLN_modulation.1": (2 * h, h)})
+    keys["final_layer.linear"] = (config.patch_size ** 2 * config.out_channels, h)
+    return {f"diffusion_model.{k}.weight": shape for k, shape in keys.items()}
+
+
+def comfyui_key_map(weights) -> dict[str, str]:
+    """comfy/lora.py model_lora_keys_unet for a HunyuanVideo model: its generic rule (`diffusion_model.<key>`,
+    `lora_unet_<key with _>`) and its HunyuanVideo branch (diffusion-pipe's names: `transformer.` / `diffusion_model.`
+    + the key after its renames)."""
+    key_map = {}
+    for k in weights:
+        key_map["lora_unet_" + k[len("diffusion_model."):-len(".weight")].replace(".", "_")] = k
+        key_map[k[:-len(".weight")]] = k
+        renamed = k.replace("_mod.lin.", "_mod.linear.").replace("_attn.qkv.", "_attn_qkv.").replace(
+            "_attn.proj.", "_attn_proj.")
+        renamed = renamed.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2.")
+        renamed = renamed.replace(".modulation.lin.", ".modulation.linear.")[len("diffusion_model."):-len(".weight")]
+        key_map[f"transformer.{renamed}"] = k
+        key_map[f"diffusion_model.{renamed}"] = k
+    return key_map
+
+
+def test_comfyui_file_follows_comfyuis_hunyuan_video_rule(family_models, shapes_data, tmp_path):
+    """lora_comfyui.safetensors names every module by ComfyUI's HunyuanVideo rule (comfy/lora.py: diffusion-pipe's
+    original names, q / k / v fused, the single blocks' q / k / v / MLP input in one linear1), `.lora_A/B.weight` and no
+    `.alpha` (the scale inside: strength 1), each module's up @ down the shape of the ComfyUI weight it maps to and the
+    trained changes (B @ A of the diffusers file's modules, whose scale is inside too) stacked by rows, zero rows for the parts not
+    adapted."""
+    from ot_dist.models.families.hunyuan_video_lora import original_place
+
+    # the original fused modules' rows (diffusers' _convert_hunyuan_video_lora_to_diffusers splits them so)
+    def fused_parts(original):
+        if original.endswith("txt_attn_qkv"):
+            return ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")
+        return ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")[:4 if original.endswith("linear1") else 3]
+
+    trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o", method="lora", max_steps=1,
+                          learning_rate=1e-2, **{"lora.rank": 4, "lora.alpha": 2, "lora.preset": "attention_mlp"})
+    trainer.train()
+    transformer = trainer.model.denoiser
+    diffusers_file = load_file(tmp_path / "o" / "lora.safetensors")
+    comfy = load_file(tmp_path / "o" / "lora_comfyui.safetensors")
+    weights = comfyui_model_weights(transformer.config)
+    key_map = comfyui_key_map(weights)
+    modules = {k.rsplit(".lora_", 1)[0] for k in comfy}
+    assert len(comfy) == 2 * len(modules) and not any(k.endswith(".alpha") for k in comfy)
+    assert {"diffusion_model.double_blocks.0.img_attn_qkv", "diffusion_model.single_blocks.1.linear1",
+            "diffusion_model.txt_in.individual_token_refiner.blocks.0.self_attn_qkv",
+            "diffusion_model.double_blocks.1.img_attn_proj", "diffusion_model.single_blocks.0.linear2",
+            "diffusion_model.txt_in.individual_token_refiner.blocks.0.mlp.fc2", "diffusion_model.final_layer.linear",
+            "diffusion_model.double_blocks.0.txt_mlp.fc1", "diffusion_model.double_blocks.0.txt_attn_qkv"} <= modules
+    changes = {}  # diffusers module -> its trained change
+    for key in diffusers_file:
+        if key.endswith(".lora_A.weight"):
+            module = key.removeprefix("transformer.").removesuffix(".lora_A.weight")
+            up = diffusers_file[f"transformer.{module}.lora_B.weight"]
+            changes[module] = up @ diffusers_file[key]  # the scale (alpha 2 / rank 4) is inside its up matrices too
+    expected = {}  # original module -> the trained changes in its rows
+    for module, change in changes.items():
+        original, part = original_place(module)
+        if part is None:
+            expected[original] = change
+            continue
+        head = module.removesuffix(part)
+        rows = [changes.get(head + p, torch.zeros(transformer.get_submodule(head + p).weight.shape))
+                for p in fused_parts(original)]
+        expected[original] = torch.cat(rows)
+    assert len(expected) == len(modules)
+    for module in modules:
+        assert module in key_map, module  # ComfyUI maps it to one of its model's weights...
+        change = comfy[f"{module}.lora_B.weight"] @ comfy[f"{module}.lora_A.weight"]
+        assert tuple(change.shape) == weights[key_map[module]], module  # ...of that weight's shape
+        torch.testing.assert_close(change, expected[module.removeprefix("diffusion_model.")], rtol=1e-5, atol=1e-7)
+
+
+def test_comfyui_file_loads_in_the_pipeline(family_models, shapes_data, tmp_path):
+    """HunyuanVideoPipeline.load_lora_weights reads the ComfyUI file (its original-format converter) to the trained
+    outputs, for a LoRA on the double blocks (its split of the single blocks' linear1 assumes the 13 B model's width, it
+    splits the refiner's fused LoRA as a weight) with the image stream's q / k / v among them (it takes a file for the
+    original layout by an `img_attn_qkv` key)."""
+    from diffusers import HunyuanVideoPipeline
+
+    targets = [f"transformer_blocks.{n}.attn.to_{p}" for n in (0, 1) for p in "qkv"] + [
+        "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out", "ff_context.net.0.proj", "ff_context.net.2"]
+    trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / "o", method="lora", max_steps=2,
+                          learning_rate=1e-2, **{"lora.rank": 4, "lora.alpha": 2, "lora.transformer_targets": targets})
+    trainer.train()
+    trained = outputs(trained_parts(trainer.model), trainer.model.family)
+    pipe = HunyuanVideoPipeline.from_pretrained(family_models[FAMILY], local_files_only=True)
+    assert (outputs(parts(pipe), trainer.model.family) - trained).abs().max() > 1e-4
+    pipe.load_lora_weights(tmp_path / "o" / "lora_comfyui.safetensors")
+    torch.testing.assert_close(outputs(parts(pipe), trainer.model.family), trained, rtol=1e-4, atol=1e-5)

@@ -29,7 +29,10 @@ one-frame videos); the image-to-video transformers (`image_condition_type`: Huny
 input).
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that HunyuanVideoPipeline.load_lora_weights
-reads. No single-file layout.
+reads, and beside it `lora_comfyui.safetensors` in the original module names with q / k / v fused
+(`diffusion_model.double_blocks.0.img_attn_qkv...`), the only ones ComfyUI maps for HunyuanVideo (comfy/lora.py
+model_lora_keys_unet: no diffusers rule for it); diffusers reads that one too (hunyuan_video_lora.py). No single-file
+layout.
 """
 
 from __future__ import annotations
@@ -192,6 +195,32 @@ class HunyuanVideo(Family):
                        encoder_hidden_states=conditioning["hidden"], encoder_attention_mask=conditioning["mask"],
                        pooled_projections=conditioning["pooled"], guidance=guidance, return_dict=False)[0]
         return out[:, :, 0]
+
+    # -- LoRA files -----------------------------------------------------------------------------------
+    def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the original names ComfyUI maps for HunyuanVideo, q / k /
+        v (and the single blocks' MLP input) fused (hunyuan_video_lora.py); nothing for an adapter other than plain
+        LoRA, one on a module without an original name there, or a run without a transformer LoRA."""
+        import json
+
+        from safetensors.torch import save_file
+
+        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.models.families.hunyuan_video_lora import comfyui_lora_state
+
+        if "transformer" not in states:
+            return []
+        tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"], model.part("transformer"))
+        if tensors is None:
+            return []
+        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
+        metadata = {"ot_dist_lora": json.dumps({"layout": "comfyui", "family": self.name,
+                                                "scale": "inside the up matrices, no alpha tensors"})}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            save_file({k: v.to(dtype).detach().cpu() for k, v in tensors.items()}, str(tmp),
+                      metadata={**metadata, **modelspec})
+        return [path]
 
     # -- demo and tests -------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):
