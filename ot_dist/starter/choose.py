@@ -49,6 +49,10 @@ ACTIVATIONS_GIB["Qwen-Image-Edit"] = 12.5
 # tokens, 5120 wide over 40 blocks (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks, 6 GiB): about 0.7 of Flux's
 # activations, and Flux's context and slack.
 ACTIVATIONS_GIB["Wan 2.1 T2V 14B"] = 4.5
+# HunyuanVideo on images: 3600 image tokens at 960 x 960 (x8, 2x2 patches; one frame) joined to 256 Llama tokens, 3072
+# wide over 20 dual- and 40 single-stream blocks, Flux.1 dev's layout (4608 tokens, 6 GiB): Flux's estimate less a GiB
+# of context and slack, scaled by the sequence (3856 tokens against 4608), and that GiB again.
+ACTIVATIONS_GIB["HunyuanVideo"] = 5.5
 NO_CHECKPOINTING_FACTOR = 4
 
 
