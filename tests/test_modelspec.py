@@ -92,6 +92,9 @@ DOCUMENTED = [
      "wan-2_1-text2video-1_3b/lora", "diffusers"),
     ("wan", {"num_attention_heads": 40, "attention_head_dim": 128}, None, False, "checkpoint", None,
      "wan-2_1-text2video-14b", "diffusers"),
+    # OneTrainer's ids (resources/sd_model_spec/hunyuan_video*.json)
+    ("hunyuan_video", {}, None, False, "lora", "diffusers", "hunyuan-video/lora", "diffusers"),
+    ("hunyuan_video", {}, None, False, "checkpoint", None, "hunyuan-video", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -43,7 +43,8 @@ class ModelConfig(Section):
         "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
         "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
-        "one reference per sample); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "one reference per sample), hunyuan_video (HunyuanVideo text-to-video, trained on images as one-frame videos); "
+        "each is one module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
@@ -96,8 +97,8 @@ class ModelConfig(Section):
     )
     guidance_scale: float | None = Field(
         default=None, ge=0,
-        description="Flux.1 dev, FLUX.2 [dev]: the distilled guidance value its transformer is shown while training; null "
-        "= 1.0, as OneTrainer trains both (SimpleTuner Flux.1; diffusers' scripts 3.5). Models without a guidance embedding "
+        description="Flux.1 dev, FLUX.2 [dev], HunyuanVideo: the distilled guidance value its transformer is shown while "
+        "training; null = 1.0, as OneTrainer trains them (SimpleTuner Flux.1; diffusers' scripts 3.5). Models without a guidance embedding "
         "(schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
     )
     t5_max_tokens: int | None = Field(
