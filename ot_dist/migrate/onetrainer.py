@@ -44,6 +44,7 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "HI_DREAM_FULL": ("hidream", False),
 }
 FAMILIES["Z_IMAGE"] = ("z_image", False)
+FAMILIES["HUNYUAN_VIDEO"] = ("hunyuan_video", False)
 # OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
 # model's name tells them apart here (black-forest-labs/FLUX.2-dev, FLUX.2-klein-base-4B / -9B).
 KLEIN_FAMILY = {"flux2": "flux2_klein"}

@@ -119,3 +119,4 @@ SAMPLE_BY_FAMILY = {
     **{name: {**_SIDE_1024, "cfg_scale": 4.0} for name in ("flux2", "flux2_klein")},
     "hidream": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 5.0},
 }
+SAMPLE_BY_FAMILY["hunyuan_video"] = {"width": 848, "height": 480, "diffusion_steps": 30, "cfg_scale": 6.0}

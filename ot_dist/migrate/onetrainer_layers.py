@@ -34,6 +34,8 @@ ONETRAINER_PRESETS["z_image"] = {"blocks": ("layers",),
 REGEX_PRESETS = {"z_image": ("attn-mlp", "attn-only")}
 # BaseFlux2Setup: blocks (both block lists' Linear layers) and full
 ONETRAINER_PRESETS |= {"flux2": {"blocks": ("transformer_block",)}, "flux2_klein": {"blocks": ("transformer_block",)}}
+# BaseHunyuanVideoSetup: Flux's presets (its attn-only is ot_dist's attention preset: every projection named attn.*)
+ONETRAINER_PRESETS["hunyuan_video"] = _FLUX
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
