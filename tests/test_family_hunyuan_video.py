@@ -162,10 +162,14 @@ def test_lora_file_loads_in_the_pipeline_and_samples_equal_its_one_frame(family_
 
 
 def test_full_finetune_trains_the_transformer_and_the_export_reloads(family_models, shapes_data, tmp_path):
+    """Two steps from the latent and text caches (the cropped states, their mask and the pooled output cached per
+    caption): the transformer alone changes, and the export reloads through HunyuanVideoPipeline.from_pretrained with
+    the trained outputs."""
     from diffusers import HunyuanVideoPipeline
 
     base = family_models[FAMILY]
-    trainer = trainer_for(base, shapes_data, tmp_path / "o", max_steps=2, learning_rate=1e-3)
+    trainer = trainer_for(base, shapes_data, tmp_path / "o", max_steps=2, learning_rate=1e-3,
+                          **{"data.cache_text": True, "data.cache_latents": True})
     trainer.train()
     export = tmp_path / "o" / "model"
     for part, trained in (("transformer", True), ("vae", False), ("text_encoder", False), ("text_encoder_2", False)):
