@@ -228,16 +228,26 @@ def test_guidance_and_layer_skip_reach_the_transformer_and_the_text(family_model
         torch.testing.assert_close(skipped.encode_text(model.text_encoders, tokens)["hidden"], states[-4][:, crop:])
 
 
-def test_image_to_video_transformers_are_refused():
+def test_image_to_video_transformers_are_refused(shapes_data, tmp_path):
+    """An image-to-video transformer (SkyReels' 32 input channels: the image latents beside the noisy ones;
+    HunyuanVideo-I2V's image_condition_type) would train wrongly as text-to-video: a folder holding one is refused when
+    it loads."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
     from ot_dist.errors import ConfigError
     from ot_dist.models.families.hunyuan_video import refuse_image_to_video
     from ot_dist.models.families.registry import get_family
 
-    transformer = get_family(FAMILY).build_tiny().transformer
-    refuse_image_to_video(transformer)  # text-to-video: accepted
-    transformer.register_to_config(image_condition_type="token_replace")
+    pipeline = get_family(FAMILY).build_tiny()
+    refuse_image_to_video(pipeline.transformer)  # text-to-video: accepted
+    config = {**pipeline.transformer.config, "in_channels": 32}
+    pipeline.transformer = HunyuanVideoTransformer3DModel.from_config(config)
+    pipeline.save_pretrained(tmp_path / "i2v")
     with pytest.raises(ConfigError, match="image-to-video"):
-        refuse_image_to_video(transformer)
+        trainer_for(tmp_path / "i2v", shapes_data, tmp_path / "o")
+    pipeline.transformer.register_to_config(in_channels=16, image_condition_type="token_replace")
+    with pytest.raises(ConfigError, match="image-to-video"):
+        refuse_image_to_video(pipeline.transformer)
 
 
 def test_a_video_clip_in_a_concept_is_refused_not_skipped(family_models, shapes_data, tmp_path):
