@@ -222,6 +222,15 @@ class HunyuanVideo(Family):
                       metadata={**metadata, **modelspec})
         return [path]
 
+    # Other trainers' files in the original names (ot-dist lora merge, lora.init_from): diffusion-pipe's and OneTrainer's
+    # ComfyUI files (`diffusion_model.` / `transformer.`), musubi-tuner's (`lora_unet_`), fused modules split by rows
+    lora_original_prefixes = (("diffusion_model", "."), ("transformer", "."), ("lora_unet", "_"))
+
+    def denoiser_original_rules(self, config) -> list:
+        from ot_dist.models.families.hunyuan_video_lora import original_rules
+
+        return original_rules(config)
+
     # -- demo and tests -------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,

@@ -48,6 +48,23 @@ RENAMES = {
                                                    "ff.net.2": "mlp.fc2", "norm_out.linear": "adaLN_modulation.1"},
 }
 TOP_RENAMES = {"proj_out": "final_layer.linear"}
+# The embedders' original names (diffusers' _convert_hunyuan_video_lora_to_diffusers renames), read in other trainers'
+# files only: ComfyUI's own names for them differ (time_in.in_layer ...), so the ComfyUI file leaves them out.
+READ_RENAMES = {
+    "time_text_embed.timestep_embedder.linear_1": "time_in.mlp.0",
+    "time_text_embed.timestep_embedder.linear_2": "time_in.mlp.2",
+    "time_text_embed.guidance_embedder.linear_1": "guidance_in.mlp.0",
+    "time_text_embed.guidance_embedder.linear_2": "guidance_in.mlp.2",
+    "time_text_embed.text_embedder.linear_1": "vector_in.in_layer",
+    "time_text_embed.text_embedder.linear_2": "vector_in.out_layer",
+    "context_embedder.proj_in": "txt_in.input_embedder",
+    "context_embedder.time_text_embed.timestep_embedder.linear_1": "txt_in.t_embedder.mlp.0",
+    "context_embedder.time_text_embed.timestep_embedder.linear_2": "txt_in.t_embedder.mlp.2",
+    "context_embedder.time_text_embed.text_embedder.linear_1": "txt_in.c_embedder.linear_1",
+    "context_embedder.time_text_embed.text_embedder.linear_2": "txt_in.c_embedder.linear_2",
+}
+# the final AdaLayerNorm: shift, scale rows in the original, scale, shift in diffusers
+SWAPPED = {"norm_out.linear": "final_layer.adaLN_modulation.1"}
 
 
 def original_place(path: str) -> tuple[str, str | None] | None:
@@ -112,3 +129,39 @@ def comfyui_lora_state(state: dict[str, torch.Tensor], adapter_config: dict,
 def _put(out: dict, original: str, down: torch.Tensor, up: torch.Tensor) -> None:
     out[f"{COMFY_PREFIX}{original}{DOWN}"] = down.contiguous()
     out[f"{COMFY_PREFIX}{original}{UP}"] = up.contiguous()
+
+
+def original_rules(config) -> list:
+    """The Linear weights of a HunyuanVideoTransformer3DModel with this config by their original names (single_file_keys
+    Rules: a fused module's diffusers parts concatenated by rows, the final AdaLayerNorm's halves swapped), what
+    other trainers' LoRA files name (ot_dist/lora_tools/foreign.py): diffusion-pipe's / OneTrainer's ComfyUI files,
+    musubi-tuner's `lora_unet_` ones."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    from ot_dist.models.families import single_file_keys as K
+
+    state = K.meta_state_dict(HunyuanVideoTransformer3DModel, K.full_config(HunyuanVideoTransformer3DModel, config))
+    rules, fused_done = [], set()
+    for key, value in state.items():
+        if not key.endswith(".weight") or value.dim() != 2:
+            continue
+        path = key.removesuffix(".weight")
+        if path in READ_RENAMES:
+            rules.append(K.Rule(f"{READ_RENAMES[path]}.weight", (key,)))
+            continue
+        if path in SWAPPED:
+            rules.append(K.Rule(f"{SWAPPED[path]}.weight", (key,), K.SWAP))
+            continue
+        place = original_place(path)
+        if place is None:
+            continue
+        original, part = place
+        if part is None:
+            rules.append(K.Rule(f"{original}.weight", (key,)))
+        elif original not in fused_done:
+            fused_done.add(original)
+            head = path.removesuffix(part)
+            pieces = tuple(f"{head}{p}.weight" for p in fused_parts(original))
+            rules.append(K.Rule(f"{original}.weight", pieces, K.CAT, tuple(state[p].shape[0] for p in pieces)))
+    return rules
+
