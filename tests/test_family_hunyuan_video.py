@@ -355,6 +355,19 @@ def test_comfyui_file_follows_comfyuis_hunyuan_video_rule(family_models, shapes_
         change = comfy[f"{module}.lora_B.weight"] @ comfy[f"{module}.lora_A.weight"]
         assert tuple(change.shape) == weights[key_map[module]], module  # ...of that weight's shape
         torch.testing.assert_close(change, expected[module.removeprefix("diffusion_model.")], rtol=1e-5, atol=1e-7)
+    # ot_dist reads the file back (lora.init_from, ot-dist lora merge): each diffusers module at its trained change
+    from ot_dist.lora_tools.files import read_lora_file
+    from ot_dist.lora_tools.foreign import in_family_names
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.models.loading import load_model
+
+    base = load_model(ModelConfig(family=FAMILY, path=str(family_models[FAMILY])))
+    read = in_family_names(base, read_lora_file(tmp_path / "o" / "lora_comfyui.safetensors"), "comfyui")
+    assert len(read.pairs) == len(changes)
+    for name, pair in read.pairs.items():
+        module = name.removeprefix("transformer.")
+        torch.testing.assert_close(pair.scale * pair.delta(), changes[module], rtol=1e-5, atol=1e-7, msg=module)
 
 
 def test_comfyui_file_loads_in_the_pipeline(family_models, shapes_data, tmp_path):
