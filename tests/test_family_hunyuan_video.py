@@ -387,3 +387,16 @@ def test_comfyui_file_loads_in_the_pipeline(family_models, shapes_data, tmp_path
     assert (outputs(parts(pipe), trainer.model.family) - trained).abs().max() > 1e-4
     pipe.load_lora_weights(tmp_path / "o" / "lora_comfyui.safetensors")
     torch.testing.assert_close(outputs(parts(pipe), trainer.model.family), trained, rtol=1e-4, atol=1e-5)
+
+
+def test_sharding_units_are_the_blocks_of_every_component():
+    """Each component's units (what fsdp / ZeRO-3 wrap one by one) exist in the real classes: the transformer's dual-
+    and single-stream blocks, Llama's embedding table and layers, CLIP-L's encoder layers (transformers 5's
+    CLIPTextModel has no `text_model.` level)."""
+    from ot_dist.models.families.registry import get_family
+    from ot_dist.parallel.fsdp import wrap_units
+
+    family = get_family(FAMILY)
+    pipeline = family.build_tiny()
+    counts = {part: len(wrap_units(getattr(pipeline, part), units)) for part, units in family.shard_units.items()}
+    assert counts == {"transformer": 2 + 2, "text_encoder": 1 + 3, "text_encoder_2": 2}

@@ -90,9 +90,10 @@ class HunyuanVideo(Family):
     text_lora_targets_by_encoder = {"text_encoder": LLAMA_LORA_TARGETS}
     # HunyuanVideoTransformer3DModel._no_split_modules: the dual- and single-stream blocks (and the refiner, 2 % of it,
     # left in the root); Llama's `layers` (LlamaModel: no `model.` level) and its embedding table (128 k x 4096, 7 %
-    # of it, a unit of its own as HiDream's Llama); CLIP-L's encoder layers
+    # of it, a unit of its own as HiDream's Llama); CLIP-L's encoder layers (`encoder.layers`: transformers 5's
+    # CLIPTextModel has no `text_model.` level, so the longer suffix would find no unit)
     shard_units = {"transformer": ("transformer_blocks", "single_transformer_blocks"),
-                   "text_encoder": ("embed_tokens", "layers"), "text_encoder_2": ("text_model.encoder.layers",)}
+                   "text_encoder": ("embed_tokens", "layers"), "text_encoder_2": ("encoder.layers",)}
     layer_skip_encoders = ("text_encoder",)  # model.text_encoder_layer_skip: Llama's layer further from the end
     pixel_multiple = 16  # the VAE x8, then the transformer's 2x2 patches
     native_resolution = 960  # the long side of HunyuanVideo's 540p buckets (960 x 544); 720p is 1280 x 720
