@@ -1024,6 +1024,7 @@ def test_hunyuan_video_preset_imports_to_the_hunyuan_video_family(tmp_path):
     config, skipped = import_only(tmp_path, preset)
     assert config.model.family == "hunyuan_video" and config.method == "lora"
     assert config.model.guidance_scale is None  # OneTrainer's 1.0, the family's default
+    assert config.loss.timestep_shift == 1.0  # OneTrainer's default: unshifted (the scheduler's 7.0 otherwise)
     assert config.lora.layer_filter == ["transformer_blocks"]
     assert {part: config.part_trains(part) for part in ("transformer", "text_encoder", "text_encoder_2")} == {
         "transformer": True, "text_encoder": False, "text_encoder_2": False}
