@@ -273,9 +273,9 @@ def comfyui_model_weights(config) -> dict[str, tuple[int, int]]:
     keys = {}
     for n in range(config.num_layers):
         for stream in ("img", "txt"):
-            keys.update({f"double_blocks.{n}.{stream}_mod.lin": (6 * h, h), f"double_blocks.{n}.{stream}_attn.qkv": (3 * h, h),
-                         f"double_blocks.{n}.{stream}_attn.proj": (h, h), f"double_blocks.{n}.{stream}_mlp.0": (mlp, h),
-                         f"double_blocks.{n}.{stream}_mlp.2": (h, mlp)})
+            block = f"double_blocks.{n}.{stream}"
+            keys.update({f"{block}_mod.lin": (6 * h, h), f"{block}_attn.qkv": (3 * h, h), f"{block}_attn.proj": (h, h),
+                         f"{block}_mlp.0": (mlp, h), f"{block}_mlp.2": (h, mlp)})
     for n in range(config.num_single_layers):
         keys.update({f"single_blocks.{n}.linear1": (3 * h + mlp, h), f"single_blocks.{n}.linear2": (h, h + mlp),
                      f"single_blocks.{n}.modulation.lin": (3 * h, h)})
@@ -308,8 +308,8 @@ def test_comfyui_file_follows_comfyuis_hunyuan_video_rule(family_models, shapes_
     """lora_comfyui.safetensors names every module by ComfyUI's HunyuanVideo rule (comfy/lora.py: diffusion-pipe's
     original names, q / k / v fused, the single blocks' q / k / v / MLP input in one linear1), `.lora_A/B.weight` and no
     `.alpha` (the scale inside: strength 1), each module's up @ down the shape of the ComfyUI weight it maps to and the
-    trained changes (B @ A of the diffusers file's modules, whose scale is inside too) stacked by rows, zero rows for the parts not
-    adapted."""
+    trained changes (B @ A of the diffusers file's modules, whose scale is inside too) stacked by rows, zero rows for
+    the parts not adapted; read back by ot_dist (the original names' rules), each module at its trained change."""
     from ot_dist.models.families.hunyuan_video_lora import original_place
 
     # the original fused modules' rows (diffusers' _convert_hunyuan_video_lora_to_diffusers splits them so)

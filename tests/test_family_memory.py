@@ -366,11 +366,11 @@ def test_wan_memory_row_is_the_published_14b_model_sharded_by_block():
 
 def test_hunyuan_video_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's HunyuanVideo row (ot-dist init's reference for the family) as hunyuanvideo-community/
-    HunyuanVideo's configs build it on the meta device: the 12.8 B transformer (the model card's 13 B), Llava-Llama-3-8B's
-    LlamaModel (7.50 B: Llama-3-8B's 8.03 B less its lm_head, with LLaVA's 64 added tokens), CLIP-L's text model and the
-    246 M VAE; LoRA counted on the family's default targets, FSDP on its 20 dual- and 40 single-stream blocks
-    (HunyuanVideoTransformer3DModel._no_split_modules), the largest unit (the root: embedders and token refiner) under
-    3 % of the transformer."""
+    HunyuanVideo's configs build it on the meta device: the 12.8 B transformer (the model card's 13 B),
+    Llava-Llama-3-8B's LlamaModel (7.50 B: Llama-3-8B's 8.03 B less its lm_head, with LLaVA's 64 added tokens),
+    CLIP-L's text model and the 246 M VAE; LoRA counted on the family's default targets, FSDP on its 20 dual- and 40
+    single-stream blocks (HunyuanVideoTransformer3DModel._no_split_modules), the largest unit (the root: embedders and
+    token refiner) under 3 % of the transformer."""
     from ot_dist.errors import ConfigError
     from ot_dist.starter.choose import choose
 

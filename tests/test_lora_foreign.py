@@ -236,9 +236,10 @@ def hunyuan_video_original(pipe) -> ForeignFile:
     f = ForeignFile(pipe, 12)
     t = "transformer"
     f.module("diffusion_model.double_blocks.0.img_attn_qkv", [(t, f"transformer_blocks.0.attn.to_{x}") for x in "qkv"])
-    f.module("transformer.double_blocks.1.txt_attn_qkv", [(t, f"transformer_blocks.1.attn.add_{x}_proj") for x in "qkv"])
+    f.module("transformer.double_blocks.1.txt_attn_qkv",
+             [(t, f"transformer_blocks.1.attn.add_{x}_proj") for x in "qkv"])
     f.module("diffusion_model.single_blocks.1.linear1",
-             [(t, f"single_transformer_blocks.1.attn.to_{x}") for x in "qkv"] + [(t, "single_transformer_blocks.1.proj_mlp")])
+             [(t, f"single_transformer_blocks.1.{x}") for x in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")])
     f.module("diffusion_model.single_blocks.0.modulation.linear", [(t, "single_transformer_blocks.0.norm.linear")])
     f.module(underscored("lora_unet", "double_blocks.0.img_mlp.fc1"), [(t, "transformer_blocks.0.ff.net.0.proj")])
     f.module(underscored("lora_unet", "txt_in.individual_token_refiner.blocks.0.self_attn_qkv"),

@@ -97,9 +97,9 @@ class ModelConfig(Section):
     )
     guidance_scale: float | None = Field(
         default=None, ge=0,
-        description="Flux.1 dev, FLUX.2 [dev], HunyuanVideo: the distilled guidance value its transformer is shown while "
-        "training; null = 1.0, as OneTrainer trains them (SimpleTuner Flux.1; diffusers' scripts 3.5). Models without a guidance embedding "
-        "(schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
+        description="Flux.1 dev, FLUX.2 [dev], HunyuanVideo: the distilled guidance value its transformer is shown "
+        "while training; null = 1.0, as OneTrainer trains them (SimpleTuner Flux.1; diffusers' scripts 3.5). Models "
+        "without a guidance embedding (schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
     )
     t5_max_tokens: int | None = Field(
         default=None, ge=1,

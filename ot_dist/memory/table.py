@@ -1,7 +1,8 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
 Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B, Wan 2.1 T2V
-14B and HunyuanVideo (13 B) under the low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+14B and HunyuanVideo (13 B) under the low-memory options and, for the transformers and the priors, a full finetune
+under fsdp, from parameter counts and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on

@@ -97,6 +97,7 @@ class HunyuanVideo(Family):
     layer_skip_encoders = ("text_encoder",)  # model.text_encoder_layer_skip: Llama's layer further from the end
     pixel_multiple = 16  # the VAE x8, then the transformer's 2x2 patches
     native_resolution = 960  # the long side of HunyuanVideo's 540p buckets (960 x 544); 720p is 1280 x 720
+    memory_reference = "HunyuanVideo"  # the 12.8 B transformer, Llava-Llama-3-8B's LlamaModel (7.5 B), CLIP-L, its VAE
     samplers = ("flow_euler",)
     sample_guidance_scale = 6.0  # the pipeline's guidance_scale default and OneTrainer's HunyuanVideo sample default
     sample_negative_prompt = False  # guidance is distilled: the pipeline's negative pass needs true_cfg_scale > 1
@@ -199,9 +200,9 @@ class HunyuanVideo(Family):
 
     # -- LoRA files -----------------------------------------------------------------------------------
     def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
-        """`lora_comfyui.safetensors`: the transformer's LoRA in the original names ComfyUI maps for HunyuanVideo, q / k /
-        v (and the single blocks' MLP input) fused (hunyuan_video_lora.py); nothing for an adapter other than plain
-        LoRA, one on a module without an original name there, or a run without a transformer LoRA."""
+        """`lora_comfyui.safetensors`: the transformer's LoRA in the original names ComfyUI maps for HunyuanVideo,
+        q / k / v (and the single blocks' MLP input) fused (hunyuan_video_lora.py); nothing for an adapter other than
+        plain LoRA, one on a module without an original name there, or a run without a transformer LoRA."""
         import json
 
         from safetensors.torch import save_file
@@ -223,8 +224,9 @@ class HunyuanVideo(Family):
                       metadata={**metadata, **modelspec})
         return [path]
 
-    # Other trainers' files in the original names (ot-dist lora merge, lora.init_from): diffusion-pipe's and OneTrainer's
-    # ComfyUI files (`diffusion_model.` / `transformer.`), musubi-tuner's (`lora_unet_`), fused modules split by rows
+    # Other trainers' files in the original names (ot-dist lora merge, lora.init_from): diffusion-pipe's and
+    # OneTrainer's ComfyUI files (`diffusion_model.` / `transformer.`), musubi-tuner's (`lora_unet_`), fused modules
+    # split by rows
     lora_original_prefixes = (("diffusion_model", "."), ("transformer", "."), ("lora_unet", "_"))
 
     def denoiser_original_rules(self, config) -> list:
@@ -253,7 +255,8 @@ class HunyuanVideo(Family):
             in_channels=3, out_channels=3, latent_channels=16,
             down_block_types=("HunyuanVideoDownBlock3D",) * 4, up_block_types=("HunyuanVideoUpBlock3D",) * 4,
             block_out_channels=(8, 8, 8, 8), layers_per_block=1, act_fn="silu", norm_num_groups=4,
-            scaling_factor=0.476986, spatial_compression_ratio=8, temporal_compression_ratio=4, mid_block_add_attention=True)
+            scaling_factor=0.476986, spatial_compression_ratio=8, temporal_compression_ratio=4,
+            mid_block_add_attention=True)
         transformer = HunyuanVideoTransformer3DModel(
             in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=10, num_layers=2,
             num_single_layers=2, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,

@@ -1,4 +1,4 @@
-"""A HunyuanVideo LoRA in the names ComfyUI reads: `lora_comfyui.safetensors` beside the diffusers-layout lora.safetensors.
+"""A HunyuanVideo LoRA in the names ComfyUI reads: `lora_comfyui.safetensors` beside the diffusers-layout file.
 
 ComfyUI maps a HunyuanVideo LoRA by the original (Tencent) module names only (comfy/lora.py model_lora_keys_unet, its
 HunyuanVideo branch: `transformer.<name>` and `diffusion_model.<name>`, the names of diffusion-pipe's files, which its
