@@ -481,6 +481,31 @@ def test_ideogram4_memory_row_is_the_published_model_sharded_by_block():
     assert setup_bytes(offloaded, sizes) > 2 * counts["transformer"]
     assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
+def test_hunyuan_video_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's HunyuanVideo row (ot-dist init's reference for the family) as hunyuanvideo-community/
+    HunyuanVideo's configs build it on the meta device: the 12.8 B transformer (the model card's 13 B),
+    Llava-Llama-3-8B's LlamaModel (7.50 B: Llama-3-8B's 8.03 B less its lm_head, with LLaVA's 64 added tokens),
+    CLIP-L's text model and the 246 M VAE; LoRA counted on the family's default targets, FSDP on its 20 dual- and 40
+    single-stream blocks (HunyuanVideoTransformer3DModel._no_split_modules), the largest unit (the root: embedders and
+    token refiner) under 3 % of the transformer."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.starter.choose import choose
+
+    family = get_family("hunyuan_video")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert abs(counts["transformer"] - 12.8e9) / 12.8e9 < 0.01
+    assert abs(counts["text_encoder"] - 7.50e9) / 7.50e9 < 0.01 and abs(counts["vae"] - 246e6) / 246e6 < 0.01
+    assert abs(counts["text_encoder_2"] - 123e6) / 123e6 < 0.01
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    transformer = components["transformer"]
+    units = sharding_units(transformer, DENOISERS[name][2])
+    assert len(units) == len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks) == 60
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.03
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8, text encoders + VAE offloaded"
     assert choose(family, "full", 48, 8).strategy == "fsdp"
     with pytest.raises(ConfigError, match="--gpu-memory"):
         choose(family, "lora", 16, 1)

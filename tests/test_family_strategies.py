@@ -112,6 +112,11 @@ RIDERS["sd3"] += ("anima",)
 # (CPU s of that launch on a shared machine: 41.8 without Ideogram 4, 44.9 with fsdp, 42.6 / 43.0 with fsdp and zero2)
 FAMILY_STRATEGIES["ideogram4"] = ("fsdp", "zero2")
 RIDERS["pixart_alpha"] += ("ideogram4",)
+# HunyuanVideo: Llava-Llama-3's cropped template states with their mask, CLIP-L's pooled output, the guidance input and
+# the 5-D one-frame latents under fsdp (units: transformer_blocks, single_transformer_blocks) and zero2, in PixArt-α's
+# launch (CPU s of that launch: 41.2 before, 44.6 with fsdp, 44.1 with fsdp and zero2)
+FAMILY_STRATEGIES["hunyuan_video"] = ("fsdp", "zero2")
+RIDERS["pixart_alpha"] += ("hunyuan_video",)
 # FLUX.2 [dev] as an edit model (the concepts with reference_path): its reference tokens (ids (10, row, col, 0)) and the
 # prediction read from the target's tokens, a full finetune under fsdp beside its text-to-image cases in SD3's launch
 EDITED = {"family": "flux2", "launch": "sd3", "strategies": ("fsdp",)}

@@ -149,7 +149,7 @@ def test_version_0_embedding(tiny_models, shapes_data, tmp_path):
     assert not {"unet", "text_encoder"} & set(yaml.safe_load((tmp_path / "emb.yaml").read_text()))
 
 
-@pytest.mark.parametrize("change,message", [({"model_type": "HUNYUAN_VIDEO"}, "model_type: HUNYUAN_VIDEO"),
+@pytest.mark.parametrize("change,message", [({"model_type": "NOT_A_MODEL_TYPE"}, "model_type: NOT_A_MODEL_TYPE"),
                                             ({"training_method": "FINE_TUNE_VAE"}, "training_method")])
 def test_what_cannot_be_imported_is_named(tiny_models, shapes_data, tmp_path, change, message):
     source = tmp_path / "c.json"
@@ -1147,3 +1147,37 @@ def test_ideogram4_preset_maps_to_the_ideogram4_family(tmp_path):
         config, _ = import_only(tmp_path, {**preset, "layer_filter": "attention", "layer_filter_preset": filter_preset,
                                            "dynamic_timestep_shifting": True})
         assert config.lora.preset == expected and config.loss.dynamic_timestep_shifting is True
+def test_hunyuan_video_preset_imports_to_the_hunyuan_video_family(tmp_path):
+    """OneTrainer's HUNYUAN_VIDEO (training_presets/Hunyuan Video/#hunyuan video LoRA.json): the hunyuan_video family,
+    its `blocks` layer filter (every linear of the dual- and single-stream blocks, `transformer_blocks` matching both),
+    the transformer's guidance_scale as model.guidance_scale where it is not OneTrainer's 1.0, Llama's layer skip."""
+    preset = {"base_model_name": "hunyuanvideo-community/HunyuanVideo", "model_type": "HUNYUAN_VIDEO",
+              "training_method": "LORA", "batch_size": 4, "learning_rate": 0.0003, "output_model_format": "COMFY_LORA",
+              "resolution": "512", "timestep_distribution": "LOGIT_NORMAL", "dynamic_timestep_shifting": False,
+              "train_dtype": "BFLOAT_16",
+              "transformer": {"train": True, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5},
+              "text_encoder_2": {"train": False, "weight_dtype": "FLOAT_8"},
+              "layer_filter": "transformer_blocks", "layer_filter_preset": "blocks"}
+    config, skipped = import_only(tmp_path, preset)
+    assert config.model.family == "hunyuan_video" and config.method == "lora"
+    assert config.model.guidance_scale is None  # OneTrainer's 1.0, the family's default
+    assert config.loss.timestep_shift == 1.0  # OneTrainer's default: unshifted (the scheduler's 7.0 otherwise)
+    assert config.lora.layer_filter == ["transformer_blocks"]
+    assert {part: config.part_trains(part) for part in ("transformer", "text_encoder", "text_encoder_2")} == {
+        "transformer": True, "text_encoder": False, "text_encoder_2": False}
+    config, _ = import_only(tmp_path, {**preset, "transformer": {"train": True, "guidance_scale": 3.5},
+                                       "text_encoder_layer_skip": 1})
+    assert config.model.guidance_scale == 3.5 and config.model.text_encoder_layer_skip == 1
+
+
+def test_hunyuan_video_samples_and_layer_presets_take_onetrainers_defaults(tmp_path):
+    """HunyuanVideoSampler's defaults (848 x 480 rounded to its 64 px grid, 30 steps, the distilled guidance 6.0) and
+    BaseHunyuanVideoSetup's attn-only preset (every Linear named attn.*: both streams' and the refiner's projections),
+    ot_dist's attention preset."""
+    config, _ = import_only(tmp_path, {"model_type": "HUNYUAN_VIDEO", "training_method": "LORA",
+                                       "layer_filter_preset": "attn-only", "sample_after": 1,
+                                       "sample_after_unit": "EPOCH"}, samples=[{"prompt": "a cat"}])
+    assert config.lora.preset == "attention"
+    (prompt,) = config.sampling.prompts
+    assert (prompt.width, prompt.height, prompt.steps, prompt.guidance_scale) == (832, 512, 30, 6.0)

@@ -109,6 +109,9 @@ DOCUMENTED = [
     ("anima", {}, None, False, "checkpoint", None, "Anima", "diffusers"),
     # SwarmUI's class ids (T2IModelClassSorter: ideogram-4, ideogram-4/lora); OneTrainer writes "Ideogram"
     ("ideogram4", {}, None, False, "lora", "diffusers", "ideogram-4/lora", "diffusers"),
+    # OneTrainer's ids (resources/sd_model_spec/hunyuan_video*.json)
+    ("hunyuan_video", {}, None, False, "lora", "diffusers", "hunyuan-video/lora", "diffusers"),
+    ("hunyuan_video", {}, None, False, "checkpoint", None, "hunyuan-video", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -45,7 +45,7 @@ class ModelConfig(Section):
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
         "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
         "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), anima (Anima: "
-        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4), krea2 (Krea 2); each is one "
+        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4), krea2 (Krea 2), hunyuan_video (HunyuanVideo text-to-video, trained on images as one-frame videos); each is one "
         "module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
@@ -99,9 +99,9 @@ class ModelConfig(Section):
     )
     guidance_scale: float | None = Field(
         default=None, ge=0,
-        description="Flux.1 dev, FLUX.2 [dev]: the distilled guidance value its transformer is shown while training; null "
-        "= 1.0, as OneTrainer trains both (SimpleTuner Flux.1; diffusers' scripts 3.5). Models without a guidance embedding "
-        "(schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
+        description="Flux.1 dev, FLUX.2 [dev], HunyuanVideo: the distilled guidance value its transformer is shown "
+        "while training; null = 1.0, as OneTrainer trains them (SimpleTuner Flux.1; diffusers' scripts 3.5). Models "
+        "without a guidance embedding (schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
     )
     t5_max_tokens: int | None = Field(
         default=None, ge=1,

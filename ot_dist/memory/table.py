@@ -1,8 +1,9 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
 Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B, Wan 2.1 T2V
-14B, ERNIE-Image (8 B), Anima (2 B), Ideogram 4 (9.3 B, twice) and Krea 2 (13 B) under the low-memory options
-and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+14B, ERNIE-Image (8 B), Anima (2 B), Ideogram 4 (9.3 B, twice), Krea 2 (13 B) and HunyuanVideo (13 B) under the
+low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts
+and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -25,6 +26,7 @@ from ot_dist.models.families.flux2 import Flux2, Flux2Klein
 from ot_dist.models.families.hidream import HiDream
 from ot_dist.models.families.ideogram4 import Ideogram4
 from ot_dist.models.families.krea2 import Krea2
+from ot_dist.models.families.hunyuan_video import HunyuanVideo
 from ot_dist.models.families.lumina2 import Lumina2
 from ot_dist.models.families.qwen_image import QwenImage
 from ot_dist.models.families.sana import Sana
@@ -271,6 +273,19 @@ DENOISERS["ERNIE-Image"] = ("transformer", ErnieImage.denoiser_lora_presets["def
 DENOISERS["Anima"] = ("transformer", Anima.denoiser_lora_presets["default"], Anima.shard_units["transformer"])
 DENOISERS["Ideogram 4"] = ("transformer", Ideogram4.denoiser_lora_presets["default"],
                            Ideogram4.shard_units["transformer"])
+# hunyuanvideo-community/HunyuanVideo: its transformer/config.json (diffusers' defaults: 24 heads x 128, 20 dual- and 40
+# single-stream blocks, 2 refiner blocks, Llama's 4096-wide states and CLIP-L's 768 pooled in, the guidance embedder),
+# its text_encoder (xtuner/llava-llama-3-8b-v1_1's language model as a LlamaModel: no lm_head, the 128320-token
+# vocabulary with LLaVA's added tokens), CLIP-L's text model and its VAE (AutoencoderKLHunyuanVideo's defaults).
+HUNYUAN_VIDEO = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                     num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                     qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                     rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+LLAVA_LLAMA3_8B = dict(vocab_size=128320, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_theta=500000.0)
+DENOISERS["HunyuanVideo"] = ("transformer", HunyuanVideo.denoiser_lora_presets["default"],
+                             HunyuanVideo.shard_units["transformer"])
 # Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
 # the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
 DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
@@ -301,6 +316,13 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
 
             return {"transformer": ErnieImageTransformer2DModel(**ERNIE_IMAGE),
                     "text_encoder": Mistral3Model(Mistral3Config(**MINISTRAL3_3B)), "vae": AutoencoderKLFlux2()}
+        if model == "HunyuanVideo":
+            from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
+            from transformers import LlamaConfig, LlamaModel
+
+            return {"transformer": HunyuanVideoTransformer3DModel(**HUNYUAN_VIDEO),
+                    "text_encoder": LlamaModel(LlamaConfig(**LLAVA_LLAMA3_8B)),
+                    "text_encoder_2": CLIPTextModel(CLIPTextConfig(**CLIP_L)), "vae": AutoencoderKLHunyuanVideo()}
         if model == "Wan 2.1 T2V 14B":
             from diffusers import AutoencoderKLWan, WanTransformer3DModel
             from transformers import UMT5Config, UMT5EncoderModel

@@ -53,6 +53,7 @@ FAMILIES["STABLE_DIFFUSION_20_DEPTH"] = ("sd2", False)
 DEPTH_MODEL_TYPES = ("STABLE_DIFFUSION_20_DEPTH",)
 FAMILIES["ANIMA"] = ("anima", False)
 FAMILIES["IDEOGRAM_4"] = ("ideogram4", False)
+FAMILIES["HUNYUAN_VIDEO"] = ("hunyuan_video", False)
 # OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
 # model's name tells them apart here (black-forest-labs/FLUX.2-dev, FLUX.2-klein-base-4B / -9B).
 KLEIN_FAMILY = {"flux2": "flux2_klein"}

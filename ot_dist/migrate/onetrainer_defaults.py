@@ -143,3 +143,4 @@ SAMPLE_BY_FAMILY["ernie_image"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_sca
 SAMPLE_BY_FAMILY["anima"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0,
                              "negative_prompt": "worst quality, low quality, score_1, score_2, score_3, artist name"}
 SAMPLE_BY_FAMILY["ideogram4"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 3.0}
+SAMPLE_BY_FAMILY["hunyuan_video"] = {"width": 848, "height": 480, "diffusion_steps": 30, "cfg_scale": 6.0}

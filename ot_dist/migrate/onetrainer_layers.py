@@ -47,6 +47,8 @@ ONETRAINER_PRESETS["ernie_image"] = {"attn-mlp": ("self_attention", "mlp"), "att
 # default preset, attn-only's its attention preset; blocks adapts every Linear of `layers` (OneTrainer's own rule)
 ONETRAINER_PRESETS["ideogram4"] = {"attn-mlp": ("attention", "feed_forward"), "attn-only": ("attention",),
                                    "blocks": ("layers",)}
+# BaseHunyuanVideoSetup: Flux's presets (its attn-only is ot_dist's attention preset: every projection named attn.*)
+ONETRAINER_PRESETS["hunyuan_video"] = _FLUX
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",

@@ -30,6 +30,7 @@ SAMPLE_QUANTIZATION["krea2"] = 64  # Krea2Sampler's quantize_resolution(side, 64
 SAMPLE_QUANTIZATION["ernie_image"] = 16  # ErnieSampler rounds nothing either: ERNIE-Image's 16 px grid
 SAMPLE_QUANTIZATION["anima"] = 64  # AnimaSampler
 SAMPLE_QUANTIZATION["ideogram4"] = 64  # IdeogramSampler: quantize_resolution(side, 64)
+SAMPLE_QUANTIZATION["hunyuan_video"] = 64  # HunyuanVideoSampler
 
 
 def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:

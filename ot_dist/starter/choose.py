@@ -62,6 +62,10 @@ ACTIVATIONS_GIB["Anima"] = 2.5
 # Ideogram 4: 4096 image tokens at 1024 px (x8, 2x2 patches) after the caption (the batch's longest, up to 2048) in
 # one stream 4608 wide over 34 blocks (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks): Flux's estimate.
 ACTIVATIONS_GIB["Ideogram 4"] = 6.0
+# HunyuanVideo on images: 3600 image tokens at 960 x 960 (x8, 2x2 patches; one frame) joined to 256 Llama tokens, 3072
+# wide over 20 dual- and 40 single-stream blocks, Flux.1 dev's layout (4608 tokens, 6 GiB): Flux's estimate less a GiB
+# of context and slack, scaled by the sequence (3856 tokens against 4608), and that GiB again.
+ACTIVATIONS_GIB["HunyuanVideo"] = 5.5
 NO_CHECKPOINTING_FACTOR = 4
 
 

@@ -307,11 +307,11 @@ def area_keeping_sample_size(width: int, height: int, vae_scale_factor: int) -> 
     return side
 
 
-def tiny_llama_tokenizer(max_length: int = 32):
+def tiny_llama_tokenizer(max_length: int = 32, corpus: tuple[str, ...] = ()):
     """A Llama-3-style tokenizer built offline: byte-level BPE (GPT-2's pre-tokenizer) trained on the demo words, so
     each is one token as with the real vocabulary, <|begin_of_text|> put in front by a template processor as Llama-3's
     tokenizer.json does, <|eot_id|> its end token (Llama-3.1-Instruct's, which the pipeline pads with). `max_length`
-    becomes model_max_length."""
+    becomes model_max_length; `corpus`: more text the BPE learns (a prompt template, so it is words, not bytes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -324,7 +324,7 @@ def tiny_llama_tokenizer(max_length: int = 32):
     trainer = trainers.BpeTrainer(vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=specials, show_progress=False)
     words = " ".join(DEMO_WORDS)
-    backend.train_from_iterator([" " + words, words.title()], trainer=trainer)
+    backend.train_from_iterator([" " + words, words.title(), *corpus], trainer=trainer)
     backend.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
         special_tokens=[("<|begin_of_text|>", backend.token_to_id("<|begin_of_text|>"))])

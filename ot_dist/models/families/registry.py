@@ -32,6 +32,7 @@ FAMILY_MODULES: dict[str, str] = {
     "ernie_image": "ot_dist.models.families.ernie_image",
     "anima": "ot_dist.models.families.anima",
     "ideogram4": "ot_dist.models.families.ideogram4",
+    "hunyuan_video": "ot_dist.models.families.hunyuan_video",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)
