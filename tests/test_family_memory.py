@@ -203,6 +203,8 @@ def test_lumina2_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "full", 12, 1).setup.fused_back_pass
     with pytest.raises(ConfigError, match="--gpu-memory"):
         choose(family, "full", 8, 1)
+
+
 def test_z_image_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's Z-Image row (ot-dist init's reference for the family) is Tongyi-MAI/Z-Image-Turbo as its
     configs build it on the meta device: the 6 B transformer (6,154,908,736), Qwen3-4B's decoder as the text encoder
@@ -394,6 +396,8 @@ def test_krea2_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "full", 48, 8).strategy == "fsdp"
     with pytest.raises(ConfigError, match="--gpu-memory"):
         choose(family, "lora", 16, 1)
+
+
 def test_ernie_image_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's ERNIE-Image row (ot-dist init's reference for the family) built on the meta device: the 8 B
     transformer (ComfyUI's ERNIE-Image defaults, the model card's "8B DiT"), Mistral3Model of Ministral-3 3B (its card's
@@ -446,6 +450,8 @@ def test_anima_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 16, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 8, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 16, 8).strategy == "fsdp"
+
+
 def test_ideogram4_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's Ideogram 4 row (ot-dist init's reference for the family): two transformers of
     Ideogram4Transformer2DModel's default config (9.28 B each: 34 blocks of 4608 wide, the 53248-wide text projection),
@@ -481,6 +487,11 @@ def test_ideogram4_memory_row_is_the_published_model_sharded_by_block():
     assert setup_bytes(offloaded, sizes) > 2 * counts["transformer"]
     assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 48, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 16, 1)
+
+
 def test_hunyuan_video_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's HunyuanVideo row (ot-dist init's reference for the family) as hunyuanvideo-community/
     HunyuanVideo's configs build it on the meta device: the 12.8 B transformer (the model card's 13 B),

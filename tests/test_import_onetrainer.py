@@ -1097,6 +1097,8 @@ def test_krea2_preset_imports_as_the_krea2_family(tmp_path):
     attention, _ = import_only(tmp_path / "attn", {"model_type": "KREA_2", "training_method": "LORA",
                                                    "layer_filter_preset": "attn-only"})
     assert attention.lora.preset == "attention"
+
+
 def test_ernie_preset_imports_as_onetrainer_trains_it(tmp_path):
     """training_presets/Ernie Image/#ernie LoRA 16GB.json: model type ERNIE is ernie_image, its attn-mlp layer filter
     (self_attention, mlp) kept as OneTrainer's own substring rule, the transformer alone trained, the draw unshifted
@@ -1147,6 +1149,8 @@ def test_ideogram4_preset_maps_to_the_ideogram4_family(tmp_path):
         config, _ = import_only(tmp_path, {**preset, "layer_filter": "attention", "layer_filter_preset": filter_preset,
                                            "dynamic_timestep_shifting": True})
         assert config.lora.preset == expected and config.loss.dynamic_timestep_shifting is True
+
+
 def test_hunyuan_video_preset_imports_to_the_hunyuan_video_family(tmp_path):
     """OneTrainer's HUNYUAN_VIDEO (training_presets/Hunyuan Video/#hunyuan video LoRA.json): the hunyuan_video family,
     its `blocks` layer filter (every linear of the dual- and single-stream blocks, `transformer_blocks` matching both),

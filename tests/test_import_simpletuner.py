@@ -241,6 +241,8 @@ def test_lumina2_defaults(tmp_path):
     assert lumina["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
                               "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
     assert "tokenizer_max_length: 512" in text.split("NOT HONOURED")[1]
+
+
 def test_z_image_flavours(tmp_path):
     """Z-Image: the common flow draw (sigmoid(N(0, 1)) shifted by 3.0), its DEFAULT_LORA_TARGET (the foundation's
     attention projections); the turbo flavours' assistant LoRA and ostris-de-turbo's transformer are listed, the base
@@ -522,6 +524,8 @@ def test_anima_flavours(tmp_path):
         _, text = imported(tmp_path, {"--model_family": "anima", "--model_type": "lora", "--model_flavour": flavour,
                                       "--pretrained_model_name_or_path": "/models/anima"})
         assert ("SimpleTuner loads its transformer from a single file" in text) == listed, flavour
+
+
 def test_ideogram_maps_its_schedule_and_lists_its_json_captions_and_fused_qkv(tmp_path):
     """SimpleTuner's `ideogram`: sigma = sigmoid(ideogram_schedule_mu + 0.5 ln(pixels / 512^2) + ideogram_schedule_std
     z): ot_dist's logit-normal at the family's resolution shift (no shift written; its common flow settings not read);
