@@ -1,7 +1,7 @@
 """`ot-dist import kohya`: a kohya sd-scripts training setup (the arguments of train_network.py, sdxl_train_network.py,
-sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, sd3_train_network.py or the textual-inversion scripts
-as a `--config_file` TOML and / or a saved command line, with the dataset TOML, a DreamBooth `--train_data_dir` or a
-fine-tuning `--in_json`) as an ot_dist config that validates.
+sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, sd3_train_network.py, flux_train.py, sd3_train.py or
+the textual-inversion scripts as a `--config_file` TOML and / or a saved command line, with the dataset TOML, a
+DreamBooth `--train_data_dir` or a fine-tuning `--in_json`) as an ot_dist config that validates.
 
 Every argument the setup sets either maps to an ot_dist key with the same meaning, is noted as one that changes nothing
 ot_dist trains (attention kernels, loader workers, logging), or is listed with the reason it is not honoured, in the
@@ -11,8 +11,8 @@ unshifted timesteps, Prodigy's slice_p 1, Adafactor's relative step) kohya's val
 
 This module drives the import and maps the script (family, method), the model, the precision, the run's length and
 saves; the other groups have their own modules: kohya_network (LoRA), kohya_optim, kohya_loss, kohya_dataset,
-kohya_samples, kohya_metadata (fine-tuning captions), kohya_embedding (textual inversion); kohya_args reads the
-arguments, kohya_defaults holds kohya's defaults."""
+kohya_samples, kohya_metadata (fine-tuning captions), kohya_embedding (textual inversion), kohya_full (the full
+finetunes' text encoders and fused steps); kohya_args reads the arguments, kohya_defaults holds kohya's defaults."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from ot_dist.migrate.common import (ACCELERATE_PRECISION, T5_DEFAULTS, Imported,
 from ot_dist.migrate.kohya_args import KohyaArgs, read_args
 from ot_dist.migrate.kohya_dataset import import_dataset
 from ot_dist.migrate.kohya_embedding import import_embedding
+from ot_dist.migrate.kohya_full import import_full_parts, import_fused_step
 from ot_dist.migrate.kohya_loss import import_loss
 from ot_dist.migrate.kohya_network import import_network
 from ot_dist.migrate.kohya_optim import import_optimizer, import_scheduler
@@ -33,6 +34,7 @@ SCRIPTS = {  # kohya script -> (family, None: sd1 or sd2 by --v2; method)
     "train_network.py": (None, "lora"), "train_db.py": (None, "full"), "fine_tune.py": (None, "full"),
     "sdxl_train_network.py": ("sdxl", "lora"), "sdxl_train.py": ("sdxl", "full"),
     "flux_train_network.py": ("flux", "lora"), "sd3_train_network.py": ("sd3", "lora"),
+    "flux_train.py": ("flux", "full"), "sd3_train.py": ("sd3", "full"),
     "train_textual_inversion.py": (None, "embedding"), "sdxl_train_textual_inversion.py": ("sdxl", "embedding"),
 }
 SAVE_PRECISION = {"float": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -58,6 +60,9 @@ NO_EFFECT = {
     "huggingface_token": "upload", "huggingface_repo_visibility": "upload", "async_upload": "upload",
     "save_state_to_huggingface": "upload", "tokenizer_cache_dir": "download cache", "debug_dataset": "dataset preview",
     "cache_info": "image size cache", "text_encoder_batch_size": "text caching batch",
+    "mem_eff_save": "saving", "skip_latents_validity_check": "cache check",
+    "double_blocks_to_swap": "memory placement", "single_blocks_to_swap": "memory placement",
+    "use_t5xxl_cache_only": "text caching",
 }
 
 # Where each ot_dist key comes from, named in a validation error (data.concepts[i] and sampling.prompts[i] are added
@@ -116,7 +121,7 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     c["gradient_accumulation_steps"] = args["gradient_accumulation_steps"]
     c["clip_grad_norm"] = args["max_grad_norm"] or None  # kohya: 0 turns clipping off
     _precision(args, c, method, out)
-    if args["gradient_checkpointing"]:
+    if args["gradient_checkpointing"] or args.given("cpu_offload_checkpointing"):  # kohya turns it on for the latter
         c["gradient_checkpointing"] = True
     _clip_skip(args, c, family, out)
     if method == "lora":
@@ -124,8 +129,10 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     elif method == "embedding":
         import_embedding(args, c, out)
     else:
-        _full_text_encoders(args, c, family, out)
-    import_optimizer(args, c, out)
+        import_full_parts(args, c, family, out)
+    import_optimizer(args, c, out)  # after the parts: an adaptive optimizer takes one learning rate for all
+    if method == "full":
+        import_fused_step(args, c, out)  # after the optimizer: a fused step is one of its options
     import_scheduler(args, c, out)
     import_loss(args, c, family, out)
     import_dataset(args, c, family, dataset_config, out, captions_folder)
@@ -246,32 +253,6 @@ def _clip_skip(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
         c["model"]["text_encoder_layer_skip"] = skip - 1
     else:  # kohya's SDXL, Flux and SD3 scripts take their own layers whatever clip_skip says
         out.not_honoured.append(f"clip_skip: {skip}: kohya's {family} training ignores it; not written")
-
-
-def _full_text_encoders(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
-    """train_db.py trains the text encoder unless stop_text_encoder_training is negative (until that step when set);
-    sdxl_train.py trains both only with --train_text_encoder (a learning rate of 0 freezes one); fine_tune.py trains
-    it only with --train_text_encoder, at learning_rate_te (else learning_rate)."""
-    if family == "sdxl":
-        lrs = {"text_encoder": args["learning_rate_te1"], "text_encoder_2": args["learning_rate_te2"]}
-        if not args["train_text_encoder"]:
-            return
-        for part, lr in lrs.items():
-            if lr == 0:
-                continue
-            c[part] = {"train": True} | ({"learning_rate": lr} if lr else {})
-        return
-    if args.script == "fine_tune.py":
-        if args["train_text_encoder"]:
-            c["text_encoder"] = {"train": True} | ({"learning_rate": args["learning_rate_te"]}
-                                                   if args["learning_rate_te"] is not None else {})
-        return
-    stop, lr = args["stop_text_encoder_training"], args["learning_rate_te"]
-    if stop is not None and stop < 0:
-        return
-    c["text_encoder"] = {"train": True} | ({"learning_rate": lr} if lr else {})
-    if stop is not None:
-        c["text_encoder"] |= {"stop_training_after": stop, "stop_training_after_unit": "step"}
 
 
 def _saves(args: KohyaArgs, c: dict, out: Imported) -> None:

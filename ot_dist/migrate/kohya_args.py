@@ -36,7 +36,8 @@ def read_args(config_file: str | None, command: str | None, script: str | None) 
     if not script:
         raise ConfigError("--script: which kohya script does this setup run (train_network.py, sdxl_train_network.py, "
                           "sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, sd3_train_network.py, "
-                          "train_textual_inversion.py, sdxl_train_textual_inversion.py)? The TOML does not say; give "
+                          "flux_train.py, sd3_train.py, train_textual_inversion.py, sdxl_train_textual_inversion.py)? "
+                          "The TOML does not say; give "
                           "--script or a --command_line that names it")
     args = KohyaArgs(values, script, launch)
     for key in ("config_file", "output_config"):
