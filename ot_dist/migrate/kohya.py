@@ -35,6 +35,7 @@ SCRIPTS = {  # kohya script -> (family, None: sd1 or sd2 by --v2; method)
     "sdxl_train_network.py": ("sdxl", "lora"), "sdxl_train.py": ("sdxl", "full"),
     "flux_train_network.py": ("flux", "lora"), "sd3_train_network.py": ("sd3", "lora"),
     "flux_train.py": ("flux", "full"), "sd3_train.py": ("sd3", "full"),
+    "lumina_train_network.py": ("lumina2", "lora"), "lumina_train.py": ("lumina2", "full"),
     "train_textual_inversion.py": (None, "embedding"), "sdxl_train_textual_inversion.py": ("sdxl", "embedding"),
 }
 SAVE_PRECISION = {"float": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -62,7 +63,8 @@ NO_EFFECT = {
     "cache_info": "image size cache", "text_encoder_batch_size": "text caching batch",
     "mem_eff_save": "saving", "skip_latents_validity_check": "cache check",
     "double_blocks_to_swap": "memory placement", "single_blocks_to_swap": "memory placement",
-    "use_t5xxl_cache_only": "text caching",
+    "use_t5xxl_cache_only": "text caching", "use_flash_attn": "attention kernel", "use_sage_attn": "attention kernel",
+    "sample_batch_size": "sampling batch",
 }
 
 # Where each ot_dist key comes from, named in a validation error (data.concepts[i] and sampling.prompts[i] are added
@@ -110,6 +112,8 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     c["model"] = {"family": family, "path": _model_path(args, out)}
     if t5_length:
         c["model"]["t5_max_tokens"] = t5_length
+    if family == "lumina2":
+        _gemma_text(args, out)
     if args["v_parameterization"]:
         if family in ("sd1", "sd2", "sdxl"):
             c["model"]["prediction_type"] = "v_prediction"
@@ -173,6 +177,25 @@ def _t5_length(args: KohyaArgs, family: str, out: Imported) -> int | None:
     return length if length is not None and length != T5_DEFAULTS[family] else None
 
 
+def _gemma_text(args: KohyaArgs, out: Imported) -> None:
+    """kohya's Lumina scripts encode `<system_prompt> <Prompt Start> <caption>`, the bare caption when system_prompt
+    is empty (their default), padded to gemma2_max_token_length (unset: 256); ot_dist encodes every caption behind
+    Lumina2Pipeline's system prompt at 256 tokens, as the pipeline does."""
+    from ot_dist.models.families.lumina2 import MAX_SEQUENCE_LENGTH, SYSTEM_PROMPT
+
+    prompt, length = args["system_prompt"], args["gemma2_max_token_length"]
+    if not prompt:
+        out.not_honoured.append("system_prompt: unset: kohya encodes the bare caption; ot_dist puts Lumina2Pipeline's "
+                                "system prompt and <Prompt Start> in front of every caption (set system_prompt to "
+                                "the pipeline's to train as ot_dist does)")
+    elif prompt.strip() != SYSTEM_PROMPT:
+        out.not_honoured.append(f"system_prompt: {prompt[:40]!r}...: ot_dist puts Lumina2Pipeline's own system prompt "
+                                "in front of every caption")
+    if length not in (None, MAX_SEQUENCE_LENGTH):
+        out.not_honoured.append(f"gemma2_max_token_length: {length}: ot_dist encodes Lumina 2 captions at the "
+                                f"pipeline's {MAX_SEQUENCE_LENGTH} tokens")
+
+
 def _model_path(args: KohyaArgs, out: Imported) -> str:
     path = args["pretrained_model_name_or_path"]
     if not path:
@@ -180,7 +203,7 @@ def _model_path(args: KohyaArgs, out: Imported) -> str:
                           ".safetensors file)")
     path = local_path(str(path), "pretrained_model_name_or_path", out)
     note_local_model(path, "pretrained_model_name_or_path", out)
-    for key in ("clip_l", "clip_g", "t5xxl", "ae"):  # Flux / SD3: kohya loads each from its own file
+    for key in ("clip_l", "clip_g", "t5xxl", "gemma2", "ae"):  # Flux / SD3 / Lumina: kohya loads each from its file
         if args[key]:
             out.not_honoured.append(f"{key}: {args[key]}: ot_dist reads the text encoders and the VAE beside a "
                                     "single-file transformer from model.config (a diffusers folder); set it")
