@@ -119,3 +119,15 @@ def test_sd3_train_refusals_and_listed_arguments(tmp_path):
                                  "use_t5xxl_cache_only = true\n", "--script", "sd3_train.py")
     assert "num_last_block_to_freeze: 4" in listed(text) and "use_t5xxl_cache_only" not in listed(text)
     assert "use_t5xxl_cache_only: True is ignored" in text
+
+
+def test_sdxl_train_fused_optimizer_groups_is_a_fused_step(tmp_path):
+    """sdxl_train.py's fused_optimizer_groups works there (one optimizer per group of parameters, stepped when its
+    gradients exist): the fused step, as blockwise_fused_optimizers; flux_train.py's does nothing (its help says so)."""
+    images(tmp_path / "d" / "1_x", 1)
+    common = minimal(tmp_path, 1024) + "fused_optimizer_groups = 10\nmax_grad_norm = 0\n"
+    sdxl, text, _ = imported(tmp_path, common, "--script", "sdxl_train.py")
+    assert sdxl["optimizer"]["fused_back_pass"] is True and "fused_optimizer_groups" not in listed(text)
+    validates(tmp_path, text)
+    flux, text, _ = imported(tmp_path, common, "--script", "flux_train.py")
+    assert "fused_back_pass" not in flux["optimizer"] and "fused_optimizer_groups: 10: ignored" in text
