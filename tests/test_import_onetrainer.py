@@ -227,6 +227,15 @@ def import_only(tmp_path, config, concepts=None, samples=None):
       "layer_filter_preset": "attn-mlp", "layer_filter_regex": True,
       "quantization": {"layer_filter": "layers", "layer_filter_preset": "blocks"}, "timestep_distribution": "LOGIT_NORMAL"},
      "z_image", {"transformer": True, "text_encoder": False}, None),
+    # training_presets/Anima/#anima LoRA.json
+    ({"model_type": "ANIMA", "training_method": "LORA", "batch_size": 2, "learning_rate": 3e-05,
+      "output_model_format": "KOHYA_LORA", "resolution": "512", "compile": True,
+      "transformer": {"train": True, "weight_dtype": "INT_W8A8"}, "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"},
+      "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16",
+      "output_dtype": "BFLOAT_16", "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn1,attn2,ff",
+      "layer_filter_preset": "attn-mlp",
+      "quantization": {"layer_filter": "attn1,attn2,ff", "layer_filter_preset": "attn-mlp"}}, "anima",
+     {"transformer": True, "text_encoder": False, "text_conditioner": False}, None),
     # training_presets/HiDream Full/#hidream LoRA.json
     ({"model_type": "HI_DREAM_FULL", "training_method": "LORA", "batch_size": 4, "learning_rate": 0.0003,
       "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "timestep_distribution": "LOGIT_NORMAL",
@@ -254,6 +263,8 @@ def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains
     if family == "sana":  # OneTrainer's Gemma layer skip
         assert config.model.text_encoder_layer_skip == 2
     if family == "qwen_image":  # attn, img_mlp, txt_mlp: both streams' attention and MLPs
+        assert config.lora.preset == "attention_mlp"
+    if family == "anima":  # attn1, attn2, ff: the self- and cross-attention and the MLP
         assert config.lora.preset == "attention_mlp"
     if family == "z_image":  # attention and feed_forward outside the refiners, OneTrainer's regular expressions
         assert config.lora.layer_filter_regex and config.lora.layer_filter == [
@@ -297,6 +308,23 @@ def test_inpainting_presets_do_not_cache_latents(tmp_path):
     """latent_caching is on by default; an inpainting model encodes each step's masked image."""
     config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15_INPAINTING", "masked_training": True})
     assert config.model.inpainting and not config.data.cache_latents
+
+
+def test_flux_fill_imports_as_flux_inpainting(tmp_path):
+    """FLUX_FILL_DEV_1 (OneTrainer trains it with Flux's setup, its mask and conditioning image as inputs): Flux with
+    model.inpainting, so the masked image is encoded each step."""
+    config, _ = import_only(tmp_path, {"model_type": "FLUX_FILL_DEV_1", "training_method": "LORA"})
+    assert (config.model.family, config.model.inpainting, config.data.cache_latents) == ("flux", True, False)
+
+
+def test_sd2_depth_imports_as_sd2_without_latent_cache_or_samples(tmp_path):
+    """STABLE_DIFFUSION_20_DEPTH: sd2 (the 5-channel UNet is detected when it loads); latent caching (on in OneTrainer
+    by default) off, the samples listed (a depth model cannot sample in ot_dist yet)."""
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_20_DEPTH", "training_method": "LORA"},
+                                  samples=[{"prompt": "a house"}])
+    assert (config.model.family, config.model.inpainting, config.data.cache_latents) == ("sd2", None, False)
+    assert not config.sampling.prompts
+    assert any(line.startswith("samples: 1 prompt(s) left out: ot_dist cannot sample a depth model") for line in skipped)
 
 
 def test_part_dtypes_and_checkpointing_of_config_version_11(tmp_path):
@@ -476,6 +504,17 @@ def test_sample_defaults_of_the_newer_model_types(tmp_path, model_type, expected
     config, _ = import_only(tmp_path, {"model_type": model_type}, samples=[{"prompt": "a cat"}])
     [cat] = config.sampling.prompts
     assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == expected
+
+
+def test_anima_samples_take_onetrainers_anima_defaults(tmp_path):
+    """SampleConfig._get_model_defaults' is_anima() branch (1024 px, 25 steps, cfg 4.0, its negative prompt) and
+    AnimaSampler's 64 px grid."""
+    config, _ = import_only(tmp_path, {"model_type": "ANIMA"}, samples=[{"prompt": "a cat"},
+                                                                       {"prompt": "a dog", "width": 520, "height": 1000}])
+    cat, dog = config.sampling.prompts
+    assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == (1024, 1024, 25, 4.0)
+    assert cat.negative_prompt == "worst quality, low quality, score_1, score_2, score_3, artist name"
+    assert (dog.width, dog.height) == (512, 1024)
 
 
 # OneTrainer's NoiseScheduler (modules/util/enum/NoiseScheduler.py) -> the scheduler create_noise_scheduler builds.
@@ -1009,6 +1048,29 @@ def test_flux2_presets_import_as_dev_or_klein_by_the_base_model(tmp_path, base, 
     assert any(line.startswith("text_encoder_sequence_length: 256") for line in not_honoured), not_honoured
 
 
+def test_krea2_preset_imports_as_the_krea2_family(tmp_path):
+    """training_presets/Krea 2/#krea2 LoRA 24GB.json: model type KREA_2 is krea2, the transformer trains (the text
+    encoder not), its attn-mlp filter ("attn", "ff") is OneTrainer's own substring rule, BaseKrea2Setup reads
+    dynamic_timestep_shifting, and Krea2Sampler's defaults (28 steps, cfg 3.5, sides on a 64 px grid) are taken."""
+    preset = {"base_model_name": "krea/Krea-2-Raw", "batch_size": 2, "learning_rate": 0.0003, "model_type": "KREA_2",
+              "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "compile": True,
+              "transformer": {"train": True, "weight_dtype": "INT_W8A8"},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "training_method": "LORA",
+              "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16",
+              "output_dtype": "BFLOAT_16", "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn,ff",
+              "layer_filter_preset": "attn-mlp", "dynamic_timestep_shifting": True,
+              "samples": [{"prompt": "a fox", "width": 1000, "height": 700}]}
+    config, _ = import_only(tmp_path, preset)
+    assert config.model.family == "krea2" and config.method == "lora"
+    assert config.part_trains("transformer") and not config.part_trains("text_encoder")
+    assert config.lora.layer_filter == ["attn", "ff"] and not config.lora.layer_filter_regex
+    assert config.loss.dynamic_timestep_shifting is True
+    (sample,) = config.sampling.prompts
+    assert (sample.steps, sample.guidance_scale, sample.width, sample.height) == (28, 3.5, 1024, 704)
+    (tmp_path / "attn").mkdir()
+    attention, _ = import_only(tmp_path / "attn", {"model_type": "KREA_2", "training_method": "LORA",
+                                                   "layer_filter_preset": "attn-only"})
+    assert attention.lora.preset == "attention"
 def test_ernie_preset_imports_as_onetrainer_trains_it(tmp_path):
     """training_presets/Ernie Image/#ernie LoRA 16GB.json: model type ERNIE is ernie_image, its attn-mlp layer filter
     (self_attention, mlp) kept as OneTrainer's own substring rule, the transformer alone trained, the draw unshifted
@@ -1033,3 +1095,29 @@ def test_ernie_preset_imports_as_onetrainer_trains_it(tmp_path):
     config, _ = import_only(tmp_path, preset, samples=samples)
     (prompt,) = config.sampling.prompts
     assert (prompt.width, prompt.height, prompt.guidance_scale, prompt.steps) == (1008, 528, 4.0, 25)
+
+
+def test_ideogram4_preset_maps_to_the_ideogram4_family(tmp_path):
+    """training_presets/Ideogram 4/#ideogram LoRA 24GB.json: IDEOGRAM_4 -> ideogram4, its attn-mlp filter (attention,
+    feed_forward) the family's default preset, the transformer trained alone, OneTrainer's unshifted draw unless
+    dynamic_timestep_shifting (BaseIdeogramSetup: then e^mu of the pipeline's resolution-aware mu); its sample default
+    (SampleConfig: 1024 px, 25 steps, cfg 3.0)."""
+    preset = {"base_model_name": "/models/Ideogram-4-Diffusers", "batch_size": 2, "learning_rate": 5e-5,
+              "model_type": "IDEOGRAM_4", "output_model_format": "COMFY_LORA", "resolution": "512", "compile": True,
+              "transformer": {"train": True, "weight_dtype": "FLOAT_8"},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "training_method": "LORA",
+              "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "output_dtype": "BFLOAT_16",
+              "layer_filter": "attention,feed_forward", "layer_filter_preset": "attn-mlp",
+              "timestep_distribution": "LOGIT_NORMAL"}
+    config, _ = import_only(tmp_path, preset, samples=[{"prompt": "a cat"}])
+    assert config.model.family == "ideogram4" and config.method == "lora"
+    assert {part: config.part_trains(part) for part in ("transformer", "text_encoder")} == {
+        "transformer": True, "text_encoder": False}
+    assert "preset" not in config.lora.model_fields_set and config.lora.layer_filter is None  # the default preset
+    assert (config.loss.timestep_shift, config.loss.dynamic_timestep_shifting) == (1.0, "auto")
+    (sample,) = config.sampling.prompts
+    assert (sample.width, sample.height, sample.steps, sample.guidance_scale) == (1024, 1024, 25, 3.0)
+    for filter_preset, expected in (("attn-only", "attention"),):
+        config, _ = import_only(tmp_path, {**preset, "layer_filter": "attention", "layer_filter_preset": filter_preset,
+                                           "dynamic_timestep_shifting": True})
+        assert config.lora.preset == expected and config.loss.dynamic_timestep_shifting is True

@@ -228,6 +228,23 @@ CASES = {"flux-kohya": ("flux", flux_kohya), "flux-onetrainer": ("flux", flux_on
 CASES |= {"z_image-comfyui": ("z_image", z_image_comfyui), "z_image-kohya": ("z_image", z_image_kohya)}
 
 
+def krea2_original(pipe) -> ForeignFile:
+    """The original Krea 2 names under diffusion_model. (the reference trainer's, ai-toolkit's after its prefix, what
+    ot_dist's lora_comfyui.safetensors writes): a joint block's attention and MLP, a text-fusion block's, the embedders."""
+    f = ForeignFile(pipe, 4)
+    for original, path in (("blocks.1.attn.wq", "transformer_blocks.1.attn.to_q"),
+                           ("blocks.0.attn.gate", "transformer_blocks.0.attn.to_gate"),
+                           ("blocks.0.mlp.down", "transformer_blocks.0.ff.down"),
+                           ("txtfusion.refiner_blocks.0.attn.wo", "text_fusion.refiner_blocks.0.attn.to_out.0"),
+                           ("first", "img_in"), ("tproj.1", "time_mod_proj"), ("txtmlp.3", "txt_in.linear_2")):
+        f.module(f"diffusion_model.{original}", [("transformer", path)])
+    return f
+
+
+CASES["krea2-original"] = ("krea2", krea2_original)
+
+
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "z_image", "flux2", "krea2"])
 def ernie_image_comfyui_kohya(pipe) -> ForeignFile:
     """ERNIE-Image: ComfyUI's `diffusion_model.<key>` (its model's names are diffusers') and kohya-style `lora_unet_`
     over the same paths (OneTrainer's KOHYA output)."""

@@ -31,7 +31,8 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
-PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4",
+               "text_conditioner")
 
 
 class ModelConfig(Section):
@@ -43,12 +44,14 @@ class ModelConfig(Section):
         "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
         "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
-        "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), anima (Anima: "
+        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4), krea2 (Krea 2); each is one "
+        "module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
-        "Flux and FLUX.2, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
+        "Flux and FLUX.2, lodestones' for Chroma, krea-ai's raw.safetensors for Krea 2: the transformer (and SD3's VAE), the rest comes from model.config or "
         "model.component_files)."
     )
     config: UserPath | None = Field(
@@ -129,8 +132,9 @@ class ModelConfig(Section):
     )
     inpainting: bool | None = Field(
         default=None,
-        description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent). null = "
-        "detected from the UNet config (in_channels 9); true / false = require that kind of model. The mask is the "
+        description="Inpainting finetune (a 9-channel UNet: noisy latent + mask + masked-image latent; Flux.1 Fill: a "
+        "384-channel transformer, the same in FluxFillPipeline's layout). null = detected from the denoiser config "
+        "(in_channels 9 / 384); true / false = require that kind of model. The mask is the "
         "image's `-masklabel.png` (white = repaint) or, without one, a random rectangle, brush strokes or the whole "
         "image, drawn per sample and epoch. Needs the images (not data.cache_latents).",
     )
@@ -891,6 +895,7 @@ class TrainConfig(Section):
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
     text_encoder_4: PartConfig = Field(default_factory=PartConfig)  # HiDream's Llama
+    text_conditioner: PartConfig = Field(default_factory=PartConfig)  # Anima's LLM adapter (Qwen3 -> T5 queries)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     additional_embeddings: list[AdditionalEmbeddingConfig] = Field(

@@ -44,7 +44,15 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "HI_DREAM_FULL": ("hidream", False),
 }
 FAMILIES["Z_IMAGE"] = ("z_image", False)
+FAMILIES["KREA_2"] = ("krea2", False)
 FAMILIES["ERNIE"] = ("ernie_image", False)
+FAMILIES["FLUX_FILL_DEV_1"] = ("flux", True)  # Flux.1 Fill [dev]: Flux's inpainting model (FluxFillPipeline)
+# SD 2.0 depth: sd2, its 5-channel UNet detected when loaded (ot_dist/models/depth.py). ot_dist computes each step's
+# depth map from the images (no latent cache) and cannot sample it yet (its pipeline is image-to-image).
+FAMILIES["STABLE_DIFFUSION_20_DEPTH"] = ("sd2", False)
+DEPTH_MODEL_TYPES = ("STABLE_DIFFUSION_20_DEPTH",)
+FAMILIES["ANIMA"] = ("anima", False)
+FAMILIES["IDEOGRAM_4"] = ("ideogram4", False)
 # OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
 # model's name tells them apart here (black-forest-labs/FLUX.2-dev, FLUX.2-klein-base-4B / -9B).
 KLEIN_FAMILY = {"flux2": "flux2_klein"}
@@ -133,10 +141,24 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     import_samples(ot, c, path, samples_path, out)
     import_checkpoint(ot, c, skip)
     import_latent_caching(ot, c, inpainting, crop_jitter, out)
+    if model_type in DEPTH_MODEL_TYPES:
+        _depth_model(c, out)
     scale_learning_rates(ot, c, out)
     c["mlflow"] = {"run_name": destination.stem}
     out.notes.insert(0, f"imported from {path.name} (OneTrainer config version {version})")
     return out
+
+
+def _depth_model(c: dict, out: Imported) -> None:
+    """What a depth-conditioned model changes in the imported config: no latent cache (each step's depth map is
+    computed from the images), no samples (they would need an image to take the depth of)."""
+    if c.get("data", {}).pop("cache_latents", False):
+        out.notes.append("latent_caching: off, because a depth model is trained (ot_dist computes each step's depth "
+                         "map from the images)")
+    prompts = c.get("sampling", {}).pop("prompts", None)
+    if prompts:
+        out.not_honoured.append(f"samples: {len(prompts)} prompt(s) left out: ot_dist cannot sample a depth model "
+                                "yet (StableDiffusionDepth2ImgPipeline needs an image to take the depth of)")
 
 
 def _resolution(value: str, family: str, skip) -> int | list[int]:

@@ -1,7 +1,10 @@
-"""Inpainting models: a UNet with 9 input channels (noisy latent 4 + mask 1 + masked-image latent 4,
-in that order, as diffusers' StableDiffusion(XL)InpaintPipeline concatenates them).
+"""Inpainting models: a denoiser that sees, beside the noisy latents, which pixels to repaint and the image without
+them. Each family lays that condition out as its inpainting pipeline does (`Family.inpainting_condition`): SD 1.x /
+2.x / SDXL's 9-channel UNets take noisy latent 4 + mask 1 + masked-image latent 4 (StableDiffusion(XL)InpaintPipeline);
+Flux.1 Fill's transformer takes 384 channels, the packed noisy latents 64 + masked-image latents 64 + the pixel mask
+folded 8x8 into 64 latent channels and packed to 256 (FluxFillPipeline).
 
-A loaded pipeline whose UNet is one is turned into the family's inpainting pipeline (same components),
+A loaded pipeline whose denoiser is one is turned into the family's inpainting pipeline (same components),
 so the export's model_index.json names the class that `from_pretrained` must build.
 """
 
@@ -11,25 +14,32 @@ import inspect
 
 from ot_dist.errors import ConfigError
 
-INPAINTING_IN_CHANNELS = 9
+INPAINTING_IN_CHANNELS = 9  # SD's UNets
 
 
-def is_inpainting_unet(unet) -> bool:
-    return unet.config.in_channels == INPAINTING_IN_CHANNELS
-
-
-def check_inpainting_option(option: bool | None, unet) -> None:
-    """`model.inpainting` true / false asserts what the UNet is; null (auto) accepts either."""
-    found = is_inpainting_unet(unet)
+def check_inpainting_option(option: bool | None, denoiser, family) -> None:
+    """`model.inpainting` true / false asserts what the denoiser is; null (auto) accepts either."""
+    found = family.is_inpainting(denoiser)
     if option is None or option == found:
         return
-    channels = unet.config.in_channels
+    channels = denoiser.config.in_channels
+    kind = "UNet" if family.denoiser == "unet" else family.denoiser
     if option:
-        raise ConfigError(f"model.inpainting: true, but the UNet of model.path has {channels} input channels; an "
-                          f"inpainting UNet has {INPAINTING_IN_CHANNELS} (noisy latent 4 + mask 1 + masked-image "
-                          "latent 4)")
-    raise ConfigError(f"model.inpainting: false, but model.path is an inpainting model ({channels} UNet input "
+        raise ConfigError(f"model.inpainting: true, but the {kind} of model.path has {channels} input channels; an "
+                          f"inpainting {kind} has {family.inpainting_in_channels} ({family.inpainting_input})")
+    raise ConfigError(f"model.inpainting: false, but model.path is an inpainting model ({channels} {kind} input "
                       "channels); set model.inpainting to true or null")
+
+
+def whole_image_repaint(arguments: dict) -> dict:
+    """An inpainting pipeline's call arguments to sample as OneTrainer samples an inpainting model (sample_inpainting
+    off): the whole image repainted from pure noise (strength 1), its conditioning a blank masked image (the pipelines
+    zero the image under a full mask)."""
+    from PIL import Image
+
+    size = (arguments["width"], arguments["height"])
+    return {**arguments, "image": Image.new("RGB", size, (128, 128, 128)), "mask_image": Image.new("L", size, 255),
+            "strength": 1.0}
 
 
 def as_inpainting_pipeline(pipeline, pipeline_class: str):

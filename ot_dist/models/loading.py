@@ -41,8 +41,13 @@ class LoadedModel:
 
     @property
     def inpainting(self) -> bool:
-        """An inpainting denoiser: its input is noisy latent + mask + masked-image latent."""
+        """An inpainting denoiser: its input is noisy latent + mask + masked-image latent (the family's layout)."""
         return self.family.is_inpainting(self.denoiser)
+
+    @property
+    def depth_conditioned(self) -> bool:
+        """A depth-conditioned denoiser (SD 2.0 depth): its input is noisy latent + the image's depth map."""
+        return self.family.is_depth_conditioned(self.denoiser)
 
     def part(self, name: str) -> torch.nn.Module:
         """A trainable part by config name: the denoiser ("unet" / "transformer") or a text encoder."""
@@ -86,7 +91,7 @@ def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = N
         raise InputFileError(f"model.path: {path.resolve()} does not exist (expected a diffusers folder or a .safetensors file)")
     denoiser = getattr(pipeline, family.denoiser)
     if family.inpaint_pipeline_class:
-        check_inpainting_option(config.inpainting, denoiser)
+        check_inpainting_option(config.inpainting, denoiser, family)
         if family.is_inpainting(denoiser):
             pipeline = as_inpainting_pipeline(pipeline, family.inpaint_pipeline_class)
     return LoadedModel(family=family, pipeline=pipeline, objective=family.objective(pipeline, config))
@@ -94,6 +99,8 @@ def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = N
 
 def _load_folder(family: Family, path: Path, given: dict[str, torch.nn.Module]):
     index = path / "model_index.json"
+    if not index.is_file() and (path / "modular_model_index.json").is_file():
+        index = path / "modular_model_index.json"  # a modular pipeline's folder: the family's load_folder reads it
     if not index.is_file():
         raise InputFileError(f"model.path: {path} is not a diffusers model folder (no model_index.json)")
     try:

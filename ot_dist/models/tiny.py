@@ -142,7 +142,8 @@ def tiny_clip_tokenizer():
 def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None = None, inpainting: bool = False,
                         **options):
     """A randomly initialised pipeline of the given family (any registered name); `inpainting`: the family's
-    inpainting pipeline with a 9-channel UNet. `options` go to the family's tiny build (e.g. a variant)."""
+    inpainting pipeline with its inpainting denoiser (a 9-channel UNet, Flux.1 Fill's 384-channel transformer).
+    `options` go to the family's tiny build (e.g. a variant)."""
     from ot_dist.models.families.registry import get_family
 
     spec = get_family(family)
@@ -154,7 +155,8 @@ def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None 
         raise ValueError(f"family {family} has no inpainting models")
     from ot_dist.models.inpainting import as_inpainting_pipeline
 
-    return as_inpainting_pipeline(spec.build_tiny(seed=seed, in_channels=9, **options), spec.inpaint_pipeline_class)
+    pipeline = spec.build_tiny(seed=seed, in_channels=spec.inpainting_in_channels, **options)
+    return as_inpainting_pipeline(pipeline, spec.inpaint_pipeline_class)
 
 
 def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, prediction_type: str | None = None,

@@ -1,10 +1,11 @@
 """The inpainting condition of a training step: which pixels to repaint and the image without them.
 
-Conventions are those of diffusers' StableDiffusion(XL)InpaintPipeline, so a finetuned model sees at
-inference exactly what it trained on: mask 1 (white) = repaint; the mask is binarised at 0.5; the
-masked image is `image * (mask < 0.5)` (pixels in [-1, 1], so the repainted area becomes 0); the mask
-is scaled to latent size by nearest interpolation; the UNet input is [noisy latent, mask, masked-image
-latent] along the channels.
+Conventions are those of diffusers' inpainting pipelines (StableDiffusion(XL)InpaintPipeline,
+FluxFillPipeline), so a finetuned model sees at inference exactly what it trained on: mask 1 (white) =
+repaint; the mask is binarised at 0.5; the masked image is `image * (mask < 0.5)` (pixels in [-1, 1], so
+the repainted area becomes 0). How mask and masked-image latent meet the noisy latent is the family's
+(`Family.inpainting_condition`: SD's UNets take the mask scaled to latent size, Flux.1 Fill's transformer
+the pixel mask folded into channels).
 
 A sample's mask is its `-masklabel.png` (white = the area to learn, so also the area to repaint). A
 sample without one gets a random mask from a generator keyed by (seed, epoch, sample id), like its
@@ -27,10 +28,14 @@ RECTANGLE_SHARE = 0.375
 
 
 def check_inpainting_setup(config, model) -> None:
-    """Before training: an inpainting model (detected after loading) needs the images every step."""
+    """Before training: an inpainting or depth-conditioned model (detected after loading) needs the images every
+    step."""
     if model.inpainting and config.data.cache_latents:
         raise ConfigError("data.cache_latents: model.path is an inpainting model, which encodes each step's masked "
                           "image with the VAE; turn cache_latents off")
+    if model.depth_conditioned and config.data.cache_latents:
+        raise ConfigError("data.cache_latents: model.path is a depth-conditioned model, which computes each step's "
+                          "depth map from the images; turn cache_latents off")
 
 
 def inpainting_masks(batch: dict, seed: int, epoch: int) -> torch.Tensor:
@@ -49,10 +54,6 @@ def inpainting_masks(batch: dict, seed: int, epoch: int) -> torch.Tensor:
 def masked_pixels(pixels: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
     """The image with the area to repaint blanked (0 in [-1, 1]), as the inpainting pipelines build it."""
     return pixels * (masks < 0.5).to(pixels)
-
-
-def latent_mask(masks: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
-    return torch.nn.functional.interpolate(masks, size=tuple(latent_size))  # nearest, as the pipelines
 
 
 def random_mask(height: int, width: int, g: torch.Generator) -> torch.Tensor:

@@ -15,7 +15,7 @@ from ot_dist.models.families.base import Family
 from ot_dist.models.loading import LoadedModel
 from ot_dist.models.objectives import Objective
 from ot_dist.randomness import generator
-from ot_dist.train.inpainting import inpainting_masks, latent_mask, masked_pixels
+from ot_dist.train.inpainting import inpainting_masks, masked_pixels
 from ot_dist.train.loss_functions import elementwise_loss
 from ot_dist.train.loss_options import offset_noise, per_sample_normal, perturbed_input_noise
 from ot_dist.train.masking import mask_weights
@@ -96,6 +96,9 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     conditioning = text_conditioning(model, batch, device, dtype) | reference_conditioning(model, batch, device, dtype)
     if model.inpainting:
         noisy = torch.cat([noisy, inpainting_condition(model, batch, latent_shape, seed, epoch).to(noisy)], dim=1)
+    if model.depth_conditioned:  # the image's depth map (SD 2.0 depth)
+        depth = family.depth_condition(model.pipeline, batch["pixels"], tuple(latent_shape[-2:]))
+        noisy = torch.cat([noisy, depth.to(noisy)], dim=1)
     prediction, extra = family.training_prediction(denoiser, noisy.to(dtype), timesteps, conditioning, batch, latents,
                                                    objective, options)
     weights = mask_weights(batch, latent_shape[-2:], masking, seed, epoch) if masking else None
@@ -147,12 +150,13 @@ def adapters_disabled(model: LoadedModel):
 
 def inpainting_condition(model: LoadedModel, batch: dict, latent_shape: torch.Size, seed: int,
                          epoch: int) -> torch.Tensor:
-    """(B, 5, h, w): the latent-size repaint mask and the masked image's latent (ot_dist/train/inpainting.py),
-    the masked image's VAE posterior sampled with a per-sample draw."""
+    """(B, k, h, w): the repaint mask and the masked image's latent (ot_dist/train/inpainting.py) in the family's
+    layout (SD: the latent-size mask, then the latent; 5 channels), the masked image's VAE posterior sampled with a
+    per-sample draw."""
     masks = inpainting_masks(batch, seed, epoch)
     eps = per_sample_normal(batch["sample_id"].tolist(), tuple(latent_shape), seed, epoch, "masked_image_latent")
     masked_latents = encode_latents(model.family, model.vae, {"pixels": masked_pixels(batch["pixels"], masks)}, eps)
-    return torch.cat([latent_mask(masks, latent_shape[-2:]).to(masked_latents), masked_latents], dim=1)
+    return model.family.inpainting_condition(masks, masked_latents)
 
 
 def per_sample_mean(values: torch.Tensor, element_weights: torch.Tensor | None = None,

@@ -51,8 +51,9 @@ class Sampler:
         self.default_size = max(config.resolutions())
         self.templates = {}
         if self.settings.prompts:
-            if model.family.samples_refused:
-                raise ConfigError(f"sampling.prompts: {model.family.samples_refused}")
+            refusal = model.family.samples_refusal(model.pipeline)
+            if refusal:
+                raise ConfigError(f"sampling.prompts: {refusal}")
             self.templates = {name: meta_structure(module) for name, module in trained_modules(model).items()}
             self.check_guidance_rescale()
             self.check_reference_images()

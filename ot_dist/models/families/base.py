@@ -225,8 +225,13 @@ class Family:
         raise NotImplementedError
 
     def sampling_modules(self, pipeline) -> list[torch.nn.Module]:
-        """Frozen modules that only sampling uses (the decoder stages): stored like the VAE, kept on the device."""
+        """Frozen modules beyond the VAE and the text encoders (Stable Cascade's decoder stages, which only sampling
+        uses; SD 2.0 depth's depth estimator): stored like the VAE, kept on the device."""
         return []
+
+    def samples_refusal(self, loaded_pipeline) -> str | None:
+        """Why this loaded model cannot sample (`samples_refused`, or a variant's reason known once it is loaded)."""
+        return self.samples_refused
 
     def sampling_pipeline(self, components: dict, loaded_pipeline):
         """The pipeline that samples, from `components` (the loaded pipeline's, the gathered copies of the trained
@@ -321,9 +326,34 @@ class Family:
         return self.predict(denoiser, noisy, timesteps, conditioning, batch), None
 
     # -- variants ---------------------------------------------------------------------------------------
+    # The denoiser's input channels when it is an inpainting model (inpaint_pipeline_class), and what they hold, in
+    # the words config errors use; None: the family has no inpainting models.
+    inpainting_in_channels: int | None = None
+    inpainting_input: str = ""
+
     def is_inpainting(self, denoiser) -> bool:
-        """A denoiser whose input is noisy latent + mask + masked-image latent (SD's 9-channel UNets)."""
+        """A denoiser whose input is noisy latent + the repaint mask + the masked image's latent (SD's 9-channel UNets,
+        Flux.1 Fill's 384-channel transformer)."""
+        return self.inpainting_in_channels is not None and denoiser.config.in_channels == self.inpainting_in_channels
+
+    # The pipeline of the family's depth-conditioned denoisers (SD 2.0 depth), if any: their input is noisy latent +
+    # a depth map of the image that the pipeline's depth_estimator computes (ot_dist/models/depth.py).
+    depth_pipeline_class: str | None = None
+
+    def is_depth_conditioned(self, denoiser) -> bool:
         return False
+
+    def depth_condition(self, pipeline, pixels: torch.Tensor, latent_size: tuple[int, int]) -> torch.Tensor:
+        """(B, k, h, w): what a depth-conditioned denoiser sees beside the noisy latents, from the batch's pixels."""
+        raise NotImplementedError
+
+    def inpainting_condition(self, masks: torch.Tensor, masked_latents: torch.Tensor) -> torch.Tensor:
+        """What an inpainting denoiser sees beside the noisy latents, on the latent grid and concatenated after them
+        along the channels: from the binary repaint masks (B, 1, H, W) at pixel size and the masked image's latents
+        (B, C, h, w). The default is SD's inpainting pipelines': the mask scaled to latent size by nearest
+        interpolation, then the masked-image latent (B, 1 + C, h, w)."""
+        mask = torch.nn.functional.interpolate(masks, size=tuple(masked_latents.shape[-2:]))  # nearest
+        return torch.cat([mask.to(masked_latents), masked_latents], dim=1)
 
     # -- single files -----------------------------------------------------------------------------------
     # Whether the family has a single-file layout (load_single_file / export_single_file); without one the full
@@ -463,4 +493,4 @@ class Family:
 
     def pipeline_classes(self) -> tuple[str, ...]:
         """Pipeline classes a diffusers folder of this family may name in its model_index.json."""
-        return tuple(c for c in (self.pipeline_class, self.inpaint_pipeline_class) if c)
+        return tuple(c for c in (self.pipeline_class, self.inpaint_pipeline_class, self.depth_pipeline_class) if c)

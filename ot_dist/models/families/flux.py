@@ -4,6 +4,9 @@ latents packed 2x2 into 64-channel tokens, trained with flow matching and a reso
 - Flux: T5 tokens as the text stream, CLIP-L's pooled output as the global vector, zero text position ids,
   (0, row, column) image position ids, timestep / 1000 in, dev's distilled guidance as an input
   (`model.guidance_scale`).
+- Flux.1 Fill [dev] (`model.inpainting`, FluxFillPipeline): Flux dev whose transformer takes 384 input channels per
+  token, the packed noisy latents (64), then the packed masked-image latents (64) and the pixel mask folded 8x8
+  into 64 latent channels and packed (256); it predicts the 64 noisy-latent channels.
 - Chroma: T5 only, with its attention mask (the first padding token stays visible, as ChromaPipeline does),
   no pooled vector, no guidance.
 """
@@ -29,6 +32,7 @@ CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
 T5_SHARD_UNITS = ("encoder.block",)
 TRANSFORMER_SHARD_UNITS = ("transformer_blocks", "single_transformer_blocks")
 T5_MAX_TOKENS = 512  # what FluxPipeline / ChromaPipeline use by default
+FLUX_FILL_IN_CHANNELS = 384  # 4 x (noisy latent 16 + masked-image latent 16 + the 8x8-folded mask 64)
 
 
 def with_t5_tokens(family, model_config):
@@ -176,9 +180,35 @@ class Flux(FlowTransformerFamily):
     component_files = {"text_encoder": C.CLIP_TEXT, "text_encoder_2": C.T5_ENCODER, "vae": C.LDM_VAE}
     modelspec_implementation = "https://github.com/black-forest-labs/flux"  # kohya's IMPL_FLUX
 
+    # Flux.1 Fill [dev] (OneTrainer's FLUX_FILL_DEV_1): a Flux dev transformer with the masked image and the mask
+    # beside the noisy latents, loaded as FluxFillPipeline
+    inpaint_pipeline_class = "FluxFillPipeline"
+    inpainting_in_channels = FLUX_FILL_IN_CHANNELS
+    inpainting_input = "packed noisy latent 64 + masked-image latent 64 + mask 256"
+
     def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
-        """kohya's ids (SwarmUI maps both onto its Flux.1 classes): dev has the guidance embedding, schnell none."""
+        """kohya's ids (SwarmUI maps both onto its Flux.1 classes): dev has the guidance embedding, schnell none;
+        Fill is SwarmUI's Flux.1-dev/inpaint class (kohya names none), lower-cased as Kontext's id is."""
+        if inpainting:
+            return "flux.1-dev/inpaint"
         return "flux-1-dev" if denoiser_config.get("guidance_embeds") else "flux-1-schnell"
+
+    def inpainting_condition(self, masks, masked_latents):
+        """FluxFillPipeline.prepare_mask_latents on the latent grid: the masked-image latents, then the pixel mask
+        with each latent pixel's 8x8 block folded into 64 channels (row-major within the block). `predict` packs them
+        with the noisy latents into one token per 2x2 patch; packing is channel-major, so packing the concatenation
+        gives the pipeline's concatenation of the packed parts."""
+        factor = masks.shape[-1] // masked_latents.shape[-1]  # the VAE's 8
+        folded = torch.nn.functional.pixel_unshuffle(masks, factor)  # (B, 64, h, w), channel = row * 8 + column
+        return torch.cat([masked_latents, folded.to(masked_latents)], dim=1)
+
+    def sampling_arguments(self, pipeline, arguments):
+        arguments = super().sampling_arguments(pipeline, arguments)
+        if type(pipeline).__name__ == self.inpaint_pipeline_class:
+            from ot_dist.models.inpainting import whole_image_repaint
+
+            arguments = whole_image_repaint(arguments)
+        return arguments
 
     sample_negative_prompt = False  # FluxPipeline samples with the distilled guidance, without a negative pass
 
@@ -203,7 +233,8 @@ class Flux(FlowTransformerFamily):
             guidance = torch.full((noisy.shape[0],), self.guidance_scale, device=noisy.device, dtype=torch.float32)
         return {"pooled_projections": conditioning["pooled"], "guidance": guidance}
 
-    def build_tiny(self, seed: int = 0, variant: str = "dev", **_):
+    def build_tiny(self, seed: int = 0, variant: str = "dev", in_channels: int | None = None, **_):
+        """`in_channels`: FLUX_FILL_IN_CHANNELS for a Fill transformer (it still predicts the 64 latent channels)."""
         from diffusers import FlowMatchEulerDiscreteScheduler, FluxTransformer2DModel
         from transformers import CLIPTextModel
 
@@ -213,9 +244,10 @@ class Flux(FlowTransformerFamily):
         torch.manual_seed(seed)
         clip_tokenizer, t5_tokenizer = tiny_clip_tokenizer(), tiny_t5_tokenizer()
         transformer = FluxTransformer2DModel(
-            patch_size=1, in_channels=64, num_layers=2, num_single_layers=2, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=TEXT_HIDDEN, pooled_projection_dim=TEXT_HIDDEN,
-            guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6))
+            patch_size=1, in_channels=in_channels or 64, out_channels=64 if in_channels else None, num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TEXT_HIDDEN,
+            pooled_projection_dim=TEXT_HIDDEN, guidance_embeds=variant == "dev", axes_dims_rope=(4, 6, 6))
         return self.pipeline_cls()(
             transformer=transformer,
             vae=tiny_flow_vae(shift_factor=0.1159, scaling_factor=0.3611),
@@ -314,6 +346,8 @@ class FluxKontext(Flux):
     memory_reference = "Flux.1 Kontext dev"  # Flux.1 dev's weights, twice its image tokens (ot_dist/memory/table.py)
     description = "Flux.1 Kontext dev (edit model: Flux dev with a reference image's tokens beside the noisy latents)"
     pipeline_class = "FluxKontextPipeline"
+    inpaint_pipeline_class = None  # Kontext has no Fill variant
+    inpainting_in_channels = None
     reference_images = True
     # FluxKontextPipeline's documented example and SimpleTuner's Kontext quickstart (its default call is 3.5)
     sample_guidance_scale = 2.5

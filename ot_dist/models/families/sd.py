@@ -29,6 +29,8 @@ class UNetFamily(Family):
 
     denoiser = "unet"
     convolutional_denoiser = True
+    inpainting_in_channels = 9
+    inpainting_input = "noisy latent 4 + mask 1 + masked-image latent 4"
     denoiser_lora_presets = {"default": UNET_LORA_TARGETS, "attention": ("to_q", "to_k", "to_v", "to_out.0")}
     shard_units = {"unet": UNET_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS, "text_encoder_2": CLIP_SHARD_UNITS}
     pixel_multiple = 8
@@ -101,13 +103,9 @@ class UNetFamily(Family):
                 pipeline.__call__).parameters:
             arguments.setdefault("guidance_rescale", ZERO_TERMINAL_SNR_GUIDANCE_RESCALE)
         if type(pipeline).__name__ == self.inpaint_pipeline_class:
-            # An inpainting model samples as OneTrainer samples one (sample_inpainting off): the whole image repainted
-            # from pure noise, its conditioning a blank masked image (the pipeline zeroes the image under a full mask).
-            from PIL import Image
+            from ot_dist.models.inpainting import whole_image_repaint
 
-            size = (arguments["width"], arguments["height"])
-            arguments.update(image=Image.new("RGB", size, (128, 128, 128)), mask_image=Image.new("L", size, 255),
-                             strength=1.0)
+            arguments = whole_image_repaint(arguments)
         return arguments
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
@@ -115,11 +113,6 @@ class UNetFamily(Family):
 
     def unet_inputs(self, conditioning: dict, batch: dict) -> dict:
         return {"encoder_hidden_states": conditioning["hidden"]}
-
-    def is_inpainting(self, denoiser) -> bool:
-        from ot_dist.models.inpainting import is_inpainting_unet
-
-        return is_inpainting_unet(denoiser)
 
     def load_single_file(self, path: Path, config_folder, model_config):
         from ot_dist.models.families.sd_single_file import load_single_file
@@ -156,8 +149,11 @@ class SD(UNetFamily):
 
     def __init__(self, name: str, description: str, hidden_act: str, prediction_type: str, native_resolution: int,
                  lora_base_model_version: str, modelspec_architecture: str,
-                 modelspec_prediction_suffixes: dict[str, str] | None = None):
+                 modelspec_prediction_suffixes: dict[str, str] | None = None, depth_models: bool = False):
         self.name, self.description, self.native_resolution = name, description, native_resolution
+        # SD 2.0 depth (stabilityai/stable-diffusion-2-depth, OneTrainer's STABLE_DIFFUSION_20_DEPTH): a 5-channel UNet
+        # whose last input channel is the image's depth map (ot_dist/models/depth.py)
+        self.depth_pipeline_class = "StableDiffusionDepth2ImgPipeline" if depth_models else None
         self.lora_base_model_version = lora_base_model_version
         self.modelspec_architecture = modelspec_architecture
         self.modelspec_prediction_suffixes = modelspec_prediction_suffixes or {}
@@ -200,7 +196,48 @@ class SD(UNetFamily):
             object.__setattr__(encoder, "text_model", encoder)
         return {"clip_skip": skip}
 
-    def build_tiny(self, seed: int = 0, prediction_type: str | None = None, in_channels: int = 4, **_):
+    def load_folder(self, path, index):
+        """SD 2.0 depth's published folder names its processor DPTFeatureExtractor, an alias of DPTImageProcessor that
+        transformers 5 no longer has (diffusers 0.42 remaps CLIPFeatureExtractor only): read component by component."""
+        if index.get("_class_name") != self.depth_pipeline_class or \
+                (index.get("feature_extractor") or [None, None])[1] != "DPTFeatureExtractor":
+            return None
+        from ot_dist.models.depth import load_renamed_processor_folder
+
+        return load_renamed_processor_folder(path, index, self.depth_pipeline_class)
+
+    def is_depth_conditioned(self, denoiser) -> bool:
+        from ot_dist.models.depth import DEPTH_IN_CHANNELS
+
+        return self.depth_pipeline_class is not None and denoiser.config.in_channels == DEPTH_IN_CHANNELS
+
+    def depth_condition(self, pipeline, pixels, latent_size):
+        """StableDiffusionDepth2ImgPipeline.prepare_depth_map of the batch's images: one channel in [-1, 1]."""
+        from ot_dist.models.depth import depth_map
+
+        return depth_map(pipeline.depth_estimator, pipeline.feature_extractor, pixels, latent_size)
+
+    def sampling_modules(self, pipeline):
+        estimator = getattr(pipeline, "depth_estimator", None)  # a depth model's: training runs it every step
+        return [] if estimator is None else [estimator]
+
+    def samples_refusal(self, loaded_pipeline):
+        if type(loaded_pipeline).__name__ == self.depth_pipeline_class:
+            return ("a depth-conditioned model (SD 2.0 depth) samples from an image's depth map "
+                    "(StableDiffusionDepth2ImgPipeline is image-to-image), which sample prompts do not give yet; "
+                    "remove sampling.prompts")
+        return super().samples_refusal(loaded_pipeline)
+
+    def modelspec_architecture_of(self, denoiser_config, prediction_type, inpainting):
+        from ot_dist.models.depth import DEPTH_IN_CHANNELS
+
+        if self.depth_pipeline_class and denoiser_config.get("in_channels") == DEPTH_IN_CHANNELS:
+            return f"{self.modelspec_architecture}-depth"  # the spec's stable-diffusion-v2-depth
+        return super().modelspec_architecture_of(denoiser_config, prediction_type, inpainting)
+
+    def build_tiny(self, seed: int = 0, prediction_type: str | None = None, in_channels: int = 4,
+                   depth: bool = False, **_):
+        """`depth`: SD 2.0 depth's pipeline (a 5-channel UNet, epsilon as the published model, a tiny random DPT)."""
         from diffusers import StableDiffusionPipeline, UNet2DConditionModel
         from transformers import CLIPTextModel
 
@@ -209,6 +246,10 @@ class SD(UNetFamily):
         torch.manual_seed(seed)
         tokenizer = tiny_clip_tokenizer()
         sd2 = self.tiny_hidden_act == "gelu"
+        if depth:
+            from ot_dist.models.depth import DEPTH_IN_CHANNELS
+
+            in_channels, prediction_type = DEPTH_IN_CHANNELS, prediction_type or "epsilon"
         unet = UNet2DConditionModel(
             sample_size=8,
             in_channels=in_channels,
@@ -223,16 +264,20 @@ class SD(UNetFamily):
             attention_head_dim=(2, 2, 4, 4) if sd2 else 4,
             use_linear_projection=sd2,
         )
-        return StableDiffusionPipeline(
-            vae=tiny_vae(0.18215),
-            text_encoder=CLIPTextModel(clip_text_config(len(tokenizer), self.tiny_hidden_act)),
-            tokenizer=tokenizer,
-            unet=unet,
-            scheduler=tiny_ddim(prediction_type or self.tiny_prediction_type),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
+        components = dict(vae=tiny_vae(0.18215),
+                          text_encoder=CLIPTextModel(clip_text_config(len(tokenizer), self.tiny_hidden_act)),
+                          tokenizer=tokenizer, unet=unet,
+                          scheduler=tiny_ddim(prediction_type or self.tiny_prediction_type))
+        if depth:
+            from diffusers import StableDiffusionDepth2ImgPipeline
+
+            from ot_dist.models.depth import tiny_depth_estimator
+
+            estimator, processor = tiny_depth_estimator(seed)
+            return StableDiffusionDepth2ImgPipeline(**components, depth_estimator=estimator,
+                                                    feature_extractor=processor)
+        return StableDiffusionPipeline(**components, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
 
 
 FAMILIES = {
@@ -241,5 +286,5 @@ FAMILIES = {
     "sd2": SD("sd2", "Stable Diffusion 2.x (epsilon or v-prediction)", hidden_act="gelu",
               prediction_type="v_prediction", native_resolution=768, lora_base_model_version="sd_v2",
               modelspec_architecture="stable-diffusion-v2",
-              modelspec_prediction_suffixes={"epsilon": "-512", "v_prediction": "-768-v"}),
+              modelspec_prediction_suffixes={"epsilon": "-512", "v_prediction": "-768-v"}, depth_models=True),
 }
