@@ -1,6 +1,6 @@
 """kohya's loss and noise arguments (noise_offset, ip_noise_gamma, min_snr_gamma, debiased_estimation_loss,
 min / max_timestep, zero_terminal_snr, loss_type with huber_schedule / huber_c / huber_scale, ...) and the
-flow-matching scripts' timestep draw (Flux:
+flow-matching scripts' timestep draw (Flux and Lumina:
 timestep_sampling with sigmoid_scale, discrete_flow_shift, model_prediction_type; SD3: weighting_scheme with
 logit_mean / logit_std / mode_scale, training_shift) as ot_dist's `loss` section."""
 
@@ -123,16 +123,16 @@ def _timestep_range(args: KohyaArgs, loss: dict) -> None:
 def _flow(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
     if args["zero_terminal_snr"]:
         skip(f"zero_terminal_snr: {family} trains flow matching, which ends in pure noise already")
-    if family in ("flux", "chroma", "lumina2"):
-        if family == "lumina2":
-            _lumina(args, loss, skip)
-        else:
-            _flux(args, c, family, loss, skip)
-        for key in ("min_timestep", "max_timestep"):
-            if args[key] is not None:
-                skip(f"{key}: {args[key]}: kohya's {family} training ignores it (timestep_sampling decides)")
-    else:
+    if family == "sd3":
         _sd3(args, loss, skip)
+        return
+    if family == "lumina2":
+        _lumina(args, loss, skip)
+    else:
+        _flux(args, c, family, loss, skip)
+    for key in ("min_timestep", "max_timestep"):
+        if args[key] is not None:
+            skip(f"{key}: {args[key]}: kohya's {family} training ignores it (timestep_sampling decides)")
 
 
 def _flux(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
@@ -181,8 +181,8 @@ def _flow_draw(args: KohyaArgs, loss: dict, skip, target: str) -> None:
         else:
             loss["timestep_shift"] = shift if sampling == "shift" else 1.0
     else:
-        skip(f"timestep_sampling: {sampling} is not one of kohya's (sigma, uniform, sigmoid, shift, flux_shift"
-             f"{', nextdit_shift' if target == 'latents - noise' else ''})")
+        skip(f"timestep_sampling: {sampling} is not one of kohya's (sigma, uniform, sigmoid, shift, flux_shift; "
+             "Lumina: nextdit_shift)")
     _prediction(args, skip, target)
     if sampling != "sigma":
         _unread_weighting(args)
