@@ -23,7 +23,8 @@ def add_import_parser(sub) -> None:
                     "sdxl_train_network.py --network_dim 16 ...`); its arguments win over --config_file's, as in kohya")
     ko.add_argument("--script", default=None, help="the kohya script the setup runs (train_network.py, "
                     "sdxl_train_network.py, sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, "
-                    "sd3_train_network.py, train_textual_inversion.py, sdxl_train_textual_inversion.py); "
+                    "sd3_train_network.py, flux_train.py, sd3_train.py, lumina_train_network.py, lumina_train.py, "
+                    "train_textual_inversion.py, sdxl_train_textual_inversion.py); "
                     "default: the one --command_line names")
     ko.add_argument("--dataset_config", default=None, help="the dataset TOML (default: the arguments' dataset_config)")
     ko.add_argument("--sample_prompts", default=None, help="the sample prompts file (default: the arguments' "
@@ -54,7 +55,8 @@ def add_import_parser(sub) -> None:
                     "the command line's --config_file): its mixed_precision, num_processes and distributed_type")
     di.add_argument("--captions_folder", default=None, help="a new folder for an image folder's metadata.jsonl "
                     "captions: a link to each image and its caption beside it (ot_dist reads a caption file per "
-                    "image; the image folder is not touched)")
+                    "image; the image folder is not touched); an edit script's reference images beside it, as links "
+                    "named as their images'")
     _output(di)
 
 

@@ -18,7 +18,7 @@ from pathlib import Path, PureWindowsPath
 from ot_dist.errors import ConfigError, InputFileError
 
 # ot_dist's T5 caption lengths (model.t5_max_tokens null: the pipelines' defaults), what the importers compare with
-T5_DEFAULTS = {"flux": 512, "chroma": 512, "sd3": 256}
+T5_DEFAULTS = {"flux": 512, "chroma": 512, "sd3": 256, "flux_kontext": 512}
 
 
 @dataclass

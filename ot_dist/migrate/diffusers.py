@@ -42,6 +42,10 @@ SCRIPTS = {
     "train_dreambooth_lora_krea2.py": ("krea2", "lora", "dreambooth"),
     "train_dreambooth_lora_hidream.py": ("hidream", "lora", "dreambooth"),
     "train_dreambooth_lora_ideogram4.py": ("ideogram4", "lora", "dreambooth"),
+    # the edit scripts: a dataset with a column of reference images (diffusers_dataset's edit pairs)
+    "train_dreambooth_lora_flux_kontext.py": ("flux_kontext", "lora", "edit"),
+    "train_dreambooth_lora_flux2_img2img.py": ("flux2", "lora", "edit"),
+    "train_dreambooth_lora_flux2_klein_img2img.py": ("flux2_klein", "lora", "edit"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
 }
 # The scripts that validate every validation_steps optimizer steps (the others: every validation_epochs epochs).
@@ -61,6 +65,7 @@ TRANSFORMER_LORA_TARGETS = {"sd3": ATTENTION, "flux": ATTENTION + ["ff.net.0.pro
                            "sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"],
                            "hidream": ["to_k", "to_q", "to_v", "to_out"],
                            "lumina2": ["to_k", "to_q", "to_v", "to_out.0"]}
+TRANSFORMER_LORA_TARGETS["flux_kontext"] = TRANSFORMER_LORA_TARGETS["flux"]  # the Kontext script's list is Flux's
 # The FLUX.2 scripts: the double blocks' image attention, the single blocks' fused projection and their output named
 # by path (48 in the [dev] script, 24 in the [klein] one)
 TRANSFORMER_LORA_TARGETS |= {
@@ -70,7 +75,7 @@ TRANSFORMER_LORA_TARGETS |= {
 # The flow families whose scripts draw sigmas from the scheduler's unshifted table: Flux's and Qwen-Image's configs
 # shift dynamically (FlowMatchEulerDiscreteScheduler applies no shift at init then: the Qwen script's shift=3.0 is
 # dropped), Sana's DPM-solver config has flow_shift, which FlowMatchEulerDiscreteScheduler does not read.
-UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image", "flux2", "flux2_klein")
+UNSHIFTED_FLOW_SCRIPTS = ("flux", "sana", "qwen_image", "flux2", "flux2_klein", "flux_kontext")
 LUMINA_IMAGE_2_SHIFT = 6.0  # Alpha-VLLM/Lumina-Image-2.0's scheduler config (and ComfyUI's sampling shift for it)
 # The flow families whose scripts draw from the scheduler's table shifted by its fixed shift (Z-Image's config: 3.0,
 # use_dynamic_shifting false), which is ot_dist's auto; SD3's has its own branch (precondition_outputs).
@@ -421,7 +426,7 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
     if family in UNSHIFTED_FLOW_SCRIPTS:
         weighting_scheme(args, loss, skip, descending=True)  # timesteps[(u x N)] of a table that runs from sigma 1
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
-        if family in ("flux", "flux2"):  # the guidance-distilled transformers
+        if family in ("flux", "flux2", "flux_kontext"):  # the guidance-distilled transformers
             c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
     if family in RESOLUTION_MEAN_SCRIPTS:
         weighting_scheme(args, loss, skip, descending=False)  # u is the noise level
@@ -466,6 +471,12 @@ def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
              "caption alone (the script's default)")
     if family in ("flux2", "flux2_klein"):
         _flux2_text(args, family, skip)
+    mode = args["vae_encode_mode"]  # the Kontext script's: the training image's and the reference's latent
+    if mode:
+        how = "its VAE posterior's mode" if mode == "mode" else "a draw from its VAE posterior"
+        skip(f"vae_encode_mode: {mode}: the Kontext script encodes the training image and the reference as {how}; "
+             "ot_dist draws the image's latent from the posterior each step and takes the reference's mean (as "
+             "FluxKontextPipeline does)")
     if args["bnb_quantization_config_path"]:
         skip(f"bnb_quantization_config_path: {args['bnb_quantization_config_path']}: the Qwen-Image script "
              "quantizes the transformer with bitsandbytes; ot_dist's low-memory option is weight_dtype float8 "
@@ -494,7 +505,10 @@ def _flux2_text(args: DiffusersArgs, family: str, skip) -> None:
     10 / 20 / 30 of Mistral-3, 9 / 18 / 27 of Qwen3). The [klein] script's default is [dev]'s layers."""
     from ot_dist.models.families.registry import get_family
 
-    layers = [int(layer) for layer in args["text_encoder_out_layers"]]
+    if "text_encoder_out_layers" not in args.defaults:  # the img2img scripts: the pipeline's encode_prompt layers
+        layers = list(get_family(family).layers)
+    else:
+        layers = [int(layer) for layer in args["text_encoder_out_layers"]]
     if layers != list(get_family(family).layers):
         skip(f"text_encoder_out_layers: {layers}: the script encodes its captions with these hidden layers; ot_dist "
              f"with {list(get_family(family).layers)}, the ones the pipeline samples with")
@@ -536,6 +550,7 @@ def _validation(args: DiffusersArgs, c: dict, out: Imported) -> None:
                                 "upscaler runs are not supported")
     if args["validation_images"]:
         out.not_honoured.append("validation_images: image-to-image validation is not supported")
+    reference = args["validation_image"]  # the edit scripts: the picture the validation prompt edits
     if not prompt:
         for key in ("num_validation_images", "validation_epochs", "validation_steps", "validation_scheduler"):
             args[key]  # read: they shape the validation that does not run
@@ -543,6 +558,9 @@ def _validation(args: DiffusersArgs, c: dict, out: Imported) -> None:
     count = args["num_validation_images"]
     seed = args["seed"] if args["seed"] is not None else 42
     prompts = [{"prompt": str(prompt), "seed": seed + i} for i in range(count)]
+    if reference:
+        path = local_path(str(reference), "validation_image", out)
+        prompts = [p | {"reference_image": path} for p in prompts]
     sampling = {"prompts": prompts, "at_end": at_end}
     if final_only:
         pass  # no schedule: the end only

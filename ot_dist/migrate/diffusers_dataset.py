@@ -9,6 +9,11 @@
   an epoch has max(instance, class) items, each one instance and one class image, so a step trains
   train_batch_size of each; the loss is the instance half's mean + prior_loss_weight x the class half's mean).
 - textual_inversion.py: `--train_data_dir`'s images, each caption one of the script's templates around the token.
+- edit scripts (Flux Kontext, FLUX.2 img2img): `--dataset_name` (a local imagefolder) whose `--cond_image_column`
+  holds each row's reference image. datasets makes an image column C of a metadata key `C_file_name` (a path under
+  the folder, as `file_name` is the `image` column's), so the import writes the captions folder as above and, beside
+  it, a folder of links to the references named as their images' links: the concept's `reference_path`, paired by
+  relative path (docs/data.md). A folder of images (`--instance_data_dir`) has no such column: refused.
 
 A Hub dataset (`--dataset_name org/name`) cannot be read offline: refused, naming the argument."""
 
@@ -57,6 +62,8 @@ def import_dataset(args: DiffusersArgs, c: dict, kind: str, out: Imported, capti
                             "(the same area, the image's own shape)")
     if kind == "textual_inversion":
         concepts = [_textual_inversion(args, out)]
+    elif kind == "edit":
+        concepts = [_edit_pairs(args, out, captions_folder)]
     elif kind == "dreambooth" and args["instance_data_dir"]:
         concepts = _dreambooth(args, c, out)
     else:
@@ -136,6 +143,84 @@ def _imagefolder(args: DiffusersArgs, out: Imported, captions_folder: str | None
                      "and a .txt caption beside it)")
     out.origins["data.concepts[0]"] = f"{key} {folder}"
     return {"path": str(target), "caption_extension": ".txt"} | (_repeats(args) if kind == "dreambooth" else {})
+
+
+def _edit_pairs(args: DiffusersArgs, out: Imported, captions_folder: str | None) -> dict:
+    """An edit script's dataset: a local imagefolder's rows of image, caption and reference image (cond_image_column),
+    as one concept with a reference_path."""
+    column = args["cond_image_column"]
+    if not column:
+        raise ConfigError(f"cond_image_column: not set: {args.script} then trains from the captions alone ("
+                          f"{'the FLUX.2 img2img scripts stop' if 'img2img' in args.script else 'text-to-image'}); "
+                          "ot_dist's edit training needs a reference image for every image: give the column of "
+                          "reference images (or import the text-to-image script's command)")
+    if args["instance_data_dir"] or not args["dataset_name"]:
+        raise ConfigError("cond_image_column: the script reads reference images from --dataset_name's columns only; "
+                          "a folder of images (--instance_data_dir) has none. Give --dataset_name a local image folder "
+                          f"whose metadata.jsonl names each image's reference in a `{column}_file_name` key")
+    if not args["caption_column"]:
+        raise ConfigError("caption_column: not set; with cond_image_column the script needs each edit's instruction "
+                          "from a column (it stops too)")
+    name, caption_column = args["dataset_name"], args["caption_column"]
+    if not Path(local_path(str(name), "dataset_name", out)).is_dir():
+        raise ConfigError(f"dataset_name: {name} is a Hugging Face Hub dataset; ot_dist trains offline from local "
+                          f"folders (save it as an image folder whose metadata.jsonl has file_name, {column}_file_name "
+                          "and the caption column, and give that folder)")
+    folder = _folder(name, "dataset_name", out)
+    if args["dataset_config_name"]:
+        out.not_honoured.append(f"dataset_config_name: {args['dataset_config_name']}: a local image folder has no "
+                                "configurations")
+    if args.given("image_column") and args["image_column"] != "image":
+        out.not_honoured.append(f"image_column: {args['image_column']}: an image folder's training images are its "
+                                "`image` column (metadata file_name)")
+    captions, references = [], []
+    for row in _read_metadata(folder, "dataset_name"):
+        for key in ("file_name", f"{column}_file_name", caption_column):
+            if key not in row:
+                raise ConfigError(_missing_column(key, column, caption_column, row))
+        image, reference = folder / str(row["file_name"]), folder / str(row[f"{column}_file_name"])
+        for path in (image, reference):
+            if not path.is_file():
+                raise InputFileError(f"dataset_name: metadata names {path.relative_to(folder)}, which is not a file "
+                                     f"in {folder}")
+        captions.append((str(row["file_name"]), image, str(row[caption_column])))
+        references.append(reference)
+    if captions_folder is None:
+        raise ConfigError(f"dataset_name: {folder}'s captions and reference images are in its metadata file; ot_dist "
+                          "reads a caption file beside each image and a folder of references: give `--captions_folder "
+                          "DIR` to write links to them there (the image folder is not touched)")
+    target = Path(captions_folder) / folder.name
+    reference_folder = Path(captions_folder) / f"{folder.name}-{column}"
+    out.after_validation.append(lambda: _write_pairs(target, reference_folder, captions, references))
+    out.notes.append(f"dataset_name: {len(captions)} images, their {caption_column!r} captions and {column!r} "
+                     f"reference images -> {target} and {reference_folder} (links, paired by name)")
+    out.origins["data.concepts[0]"] = f"dataset_name {folder}"
+    return {"path": str(target), "caption_extension": ".txt", "reference_path": str(reference_folder)} | _repeats(args)
+
+
+def _missing_column(key: str, column: str, caption_column: str, row: dict) -> str:
+    keys = ", ".join(row)
+    if key == "file_name":
+        return f"dataset_name: the metadata has no file_name key (the training image; keys: {keys})"
+    if key == caption_column:
+        return f"caption_column: {caption_column!r} is not a key of the metadata (keys: {keys})"
+    if column in row:
+        return (f"cond_image_column: {column!r} is a text column of the metadata; datasets makes an image column "
+                f"{column!r} of a `{column}_file_name` key (a path under the folder), the reference image the script "
+                "loads")
+    return (f"cond_image_column: the metadata has no {column}_file_name key (datasets' image column {column!r}: the "
+            f"reference image; keys: {keys})")
+
+
+def _write_pairs(target: Path, reference_folder: Path, captions: list, references: list[Path]) -> None:
+    """The captions folder, then a link to each reference named as its image's link (its own extension)."""
+    names = write_caption_folder(target, captions)
+    if reference_folder.exists() and any(reference_folder.iterdir()):
+        raise InputFileError(f"--captions_folder: {reference_folder} exists and is not empty (remove it, or name "
+                             "another)")
+    reference_folder.mkdir(parents=True, exist_ok=True)
+    for name, reference in zip(names, references):
+        (reference_folder / (Path(name).stem + reference.suffix)).symlink_to(reference.resolve())
 
 
 def _read_metadata(folder: Path, key: str) -> list[dict]:

@@ -363,6 +363,7 @@ SCRIPT_ARGS[LUMINA2] = frozenset("""
 
 # Per script, defaults of its own for arguments whose default is otherwise SHARED's (filled in below)
 SCRIPT_OWN: dict[str, dict] = {}
+_EDIT_SCRIPTS: dict[str, tuple[str, tuple, dict]] = {}  # filled at the end: edit script -> (base script, dropped, own)
 
 
 def defaults(script: str) -> dict:
@@ -370,6 +371,9 @@ def defaults(script: str) -> dict:
     if script in _FLUX2_SCRIPTS:
         own, dropped = _FLUX2_SCRIPTS[script]
         return {**{k: v for k, v in defaults(_QWEN_IMAGE).items() if k not in dropped}, **own}
+    if script in _EDIT_SCRIPTS:
+        base, dropped, own = _EDIT_SCRIPTS[script]
+        return {**{k: v for k, v in defaults(base).items() if k not in dropped}, **own}
     own = SCRIPT_OWN.get(script, {})
     return {key: own[key] if key in own else BY_SCRIPT[key][script] if key in BY_SCRIPT else SHARED[key]
             for key in SCRIPT_ARGS[script]}
@@ -471,3 +475,22 @@ for _key, _default in {"max_sequence_length": 2048, "output_dir": "flux-dreamboo
     if _key not in BY_SCRIPT:  # a default every other script shares: theirs stays SHARED's
         BY_SCRIPT[_key] = {script: SHARED[_key] for script, names in SCRIPT_ARGS.items() if _key in names}
     BY_SCRIPT[_key][IDEOGRAM4_SCRIPT] = _default
+
+# The edit scripts (examples/dreambooth/train_dreambooth_lora_flux_kontext.py, _flux2_img2img.py,
+# _flux2_klein_img2img.py, the same commit, read the same way): the text-to-image script each was written from, less
+# the arguments it dropped, with its own: the dataset's column of reference images, the validation's reference image,
+# and the Kontext script's VAE encoding and buckets.
+_EDIT_OWN = {"cond_image_column": None, "validation_image": None}
+_PRIOR = ("class_prompt", "with_prior_preservation", "prior_loss_weight", "num_class_images", "text_encoder_lr",
+          "prior_generation_precision", "text_encoder_out_layers")
+_EDIT_SCRIPTS |= {
+    "train_dreambooth_lora_flux_kontext.py": (
+        "train_dreambooth_lora_flux.py", (),
+        {**_EDIT_OWN, "vae_encode_mode": "mode", "aspect_ratio_buckets": None, "use_aspect_ratio_buckets": False,
+         "output_dir": "flux-kontext-lora"}),
+    "train_dreambooth_lora_flux2_img2img.py": ("train_dreambooth_lora_flux2.py", _PRIOR, _EDIT_OWN),
+    "train_dreambooth_lora_flux2_klein_img2img.py": (
+        "train_dreambooth_lora_flux2_klein.py", (*_PRIOR, "caption_dropout"), _EDIT_OWN),
+}
+KINDS |= {"cond_image_column": "str", "validation_image": "str", "vae_encode_mode": "str"}
+SCRIPT_ARGS |= {script: frozenset(defaults(script)) for script in _EDIT_SCRIPTS}

@@ -1,7 +1,7 @@
 """`ot-dist import kohya`: a kohya sd-scripts training setup (the arguments of train_network.py, sdxl_train_network.py,
-sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, sd3_train_network.py or the textual-inversion scripts
-as a `--config_file` TOML and / or a saved command line, with the dataset TOML, a DreamBooth `--train_data_dir` or a
-fine-tuning `--in_json`) as an ot_dist config that validates.
+sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, sd3_train_network.py, flux_train.py, sd3_train.py or
+the textual-inversion scripts as a `--config_file` TOML and / or a saved command line, with the dataset TOML, a
+DreamBooth `--train_data_dir` or a fine-tuning `--in_json`) as an ot_dist config that validates.
 
 Every argument the setup sets either maps to an ot_dist key with the same meaning, is noted as one that changes nothing
 ot_dist trains (attention kernels, loader workers, logging), or is listed with the reason it is not honoured, in the
@@ -11,8 +11,8 @@ unshifted timesteps, Prodigy's slice_p 1, Adafactor's relative step) kohya's val
 
 This module drives the import and maps the script (family, method), the model, the precision, the run's length and
 saves; the other groups have their own modules: kohya_network (LoRA), kohya_optim, kohya_loss, kohya_dataset,
-kohya_samples, kohya_metadata (fine-tuning captions), kohya_embedding (textual inversion); kohya_args reads the
-arguments, kohya_defaults holds kohya's defaults."""
+kohya_samples, kohya_metadata (fine-tuning captions), kohya_embedding (textual inversion), kohya_full (the full
+finetunes' text encoders and fused steps); kohya_args reads the arguments, kohya_defaults holds kohya's defaults."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from ot_dist.migrate.common import (ACCELERATE_PRECISION, T5_DEFAULTS, Imported,
 from ot_dist.migrate.kohya_args import KohyaArgs, read_args
 from ot_dist.migrate.kohya_dataset import import_dataset
 from ot_dist.migrate.kohya_embedding import import_embedding
+from ot_dist.migrate.kohya_full import import_full_parts, import_fused_step
 from ot_dist.migrate.kohya_loss import import_loss
 from ot_dist.migrate.kohya_network import import_network
 from ot_dist.migrate.kohya_optim import import_optimizer, import_scheduler
@@ -33,6 +34,8 @@ SCRIPTS = {  # kohya script -> (family, None: sd1 or sd2 by --v2; method)
     "train_network.py": (None, "lora"), "train_db.py": (None, "full"), "fine_tune.py": (None, "full"),
     "sdxl_train_network.py": ("sdxl", "lora"), "sdxl_train.py": ("sdxl", "full"),
     "flux_train_network.py": ("flux", "lora"), "sd3_train_network.py": ("sd3", "lora"),
+    "flux_train.py": ("flux", "full"), "sd3_train.py": ("sd3", "full"),
+    "lumina_train_network.py": ("lumina2", "lora"), "lumina_train.py": ("lumina2", "full"),
     "train_textual_inversion.py": (None, "embedding"), "sdxl_train_textual_inversion.py": ("sdxl", "embedding"),
 }
 SAVE_PRECISION = {"float": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -58,6 +61,10 @@ NO_EFFECT = {
     "huggingface_token": "upload", "huggingface_repo_visibility": "upload", "async_upload": "upload",
     "save_state_to_huggingface": "upload", "tokenizer_cache_dir": "download cache", "debug_dataset": "dataset preview",
     "cache_info": "image size cache", "text_encoder_batch_size": "text caching batch",
+    "mem_eff_save": "saving", "skip_latents_validity_check": "cache check",
+    "double_blocks_to_swap": "memory placement", "single_blocks_to_swap": "memory placement",
+    "use_t5xxl_cache_only": "text caching", "use_flash_attn": "attention kernel", "use_sage_attn": "attention kernel",
+    "sample_batch_size": "sampling batch",
 }
 
 # Where each ot_dist key comes from, named in a validation error (data.concepts[i] and sampling.prompts[i] are added
@@ -105,6 +112,8 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     c["model"] = {"family": family, "path": _model_path(args, out)}
     if t5_length:
         c["model"]["t5_max_tokens"] = t5_length
+    if family == "lumina2":
+        _gemma_text(args, out)
     if args["v_parameterization"]:
         if family in ("sd1", "sd2", "sdxl"):
             c["model"]["prediction_type"] = "v_prediction"
@@ -116,7 +125,7 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     c["gradient_accumulation_steps"] = args["gradient_accumulation_steps"]
     c["clip_grad_norm"] = args["max_grad_norm"] or None  # kohya: 0 turns clipping off
     _precision(args, c, method, out)
-    if args["gradient_checkpointing"]:
+    if args["gradient_checkpointing"] or args.given("cpu_offload_checkpointing"):  # kohya turns it on for the latter
         c["gradient_checkpointing"] = True
     _clip_skip(args, c, family, out)
     if method == "lora":
@@ -124,8 +133,10 @@ def import_kohya(config_file: str | None = None, command: str | None = None, scr
     elif method == "embedding":
         import_embedding(args, c, out)
     else:
-        _full_text_encoders(args, c, family, out)
-    import_optimizer(args, c, out)
+        import_full_parts(args, c, family, out)
+    import_optimizer(args, c, out)  # after the parts: an adaptive optimizer takes one learning rate for all
+    if method == "full":
+        import_fused_step(args, c, out)  # after the optimizer: a fused step is one of its options
     import_scheduler(args, c, out)
     import_loss(args, c, family, out)
     import_dataset(args, c, family, dataset_config, out, captions_folder)
@@ -166,6 +177,25 @@ def _t5_length(args: KohyaArgs, family: str, out: Imported) -> int | None:
     return length if length is not None and length != T5_DEFAULTS[family] else None
 
 
+def _gemma_text(args: KohyaArgs, out: Imported) -> None:
+    """kohya's Lumina scripts encode `<system_prompt> <Prompt Start> <caption>`, the bare caption when system_prompt
+    is empty (their default), padded to gemma2_max_token_length (unset: 256); ot_dist encodes every caption behind
+    Lumina2Pipeline's system prompt at 256 tokens, as the pipeline does."""
+    from ot_dist.models.families.lumina2 import MAX_SEQUENCE_LENGTH, SYSTEM_PROMPT
+
+    prompt, length = args["system_prompt"], args["gemma2_max_token_length"]
+    if not prompt:
+        out.not_honoured.append("system_prompt: unset: kohya encodes the bare caption; ot_dist puts Lumina2Pipeline's "
+                                "system prompt and <Prompt Start> in front of every caption (set system_prompt to "
+                                "the pipeline's to train as ot_dist does)")
+    elif prompt.strip() != SYSTEM_PROMPT:
+        out.not_honoured.append(f"system_prompt: {prompt[:40]!r}...: ot_dist puts Lumina2Pipeline's own system prompt "
+                                "in front of every caption")
+    if length not in (None, MAX_SEQUENCE_LENGTH):
+        out.not_honoured.append(f"gemma2_max_token_length: {length}: ot_dist encodes Lumina 2 captions at the "
+                                f"pipeline's {MAX_SEQUENCE_LENGTH} tokens")
+
+
 def _model_path(args: KohyaArgs, out: Imported) -> str:
     path = args["pretrained_model_name_or_path"]
     if not path:
@@ -173,7 +203,7 @@ def _model_path(args: KohyaArgs, out: Imported) -> str:
                           ".safetensors file)")
     path = local_path(str(path), "pretrained_model_name_or_path", out)
     note_local_model(path, "pretrained_model_name_or_path", out)
-    for key in ("clip_l", "clip_g", "t5xxl", "ae"):  # Flux / SD3: kohya loads each from its own file
+    for key in ("clip_l", "clip_g", "t5xxl", "gemma2", "ae"):  # Flux / SD3 / Lumina: kohya loads each from its file
         if args[key]:
             out.not_honoured.append(f"{key}: {args[key]}: ot_dist reads the text encoders and the VAE beside a "
                                     "single-file transformer from model.config (a diffusers folder); set it")
@@ -246,32 +276,6 @@ def _clip_skip(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
         c["model"]["text_encoder_layer_skip"] = skip - 1
     else:  # kohya's SDXL, Flux and SD3 scripts take their own layers whatever clip_skip says
         out.not_honoured.append(f"clip_skip: {skip}: kohya's {family} training ignores it; not written")
-
-
-def _full_text_encoders(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
-    """train_db.py trains the text encoder unless stop_text_encoder_training is negative (until that step when set);
-    sdxl_train.py trains both only with --train_text_encoder (a learning rate of 0 freezes one); fine_tune.py trains
-    it only with --train_text_encoder, at learning_rate_te (else learning_rate)."""
-    if family == "sdxl":
-        lrs = {"text_encoder": args["learning_rate_te1"], "text_encoder_2": args["learning_rate_te2"]}
-        if not args["train_text_encoder"]:
-            return
-        for part, lr in lrs.items():
-            if lr == 0:
-                continue
-            c[part] = {"train": True} | ({"learning_rate": lr} if lr else {})
-        return
-    if args.script == "fine_tune.py":
-        if args["train_text_encoder"]:
-            c["text_encoder"] = {"train": True} | ({"learning_rate": args["learning_rate_te"]}
-                                                   if args["learning_rate_te"] is not None else {})
-        return
-    stop, lr = args["stop_text_encoder_training"], args["learning_rate_te"]
-    if stop is not None and stop < 0:
-        return
-    c["text_encoder"] = {"train": True} | ({"learning_rate": lr} if lr else {})
-    if stop is not None:
-        c["text_encoder"] |= {"stop_training_after": stop, "stop_training_after_unit": "step"}
 
 
 def _saves(args: KohyaArgs, c: dict, out: Imported) -> None:

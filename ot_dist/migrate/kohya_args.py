@@ -11,12 +11,12 @@ from typing import Any
 
 from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.migrate.common import TrackedArgs, read_toml, split_command_line
-from ot_dist.migrate.kohya_defaults import ARGS, FLAGS, SEVERAL_VALUES
+from ot_dist.migrate.kohya_defaults import ARGS, FLAGS, SEVERAL_VALUES, script_defaults
 
 
 class KohyaArgs(TrackedArgs):
     def __init__(self, values: dict[str, Any], script: str, launch: list[str] | None = None):
-        super().__init__(values, ARGS)
+        super().__init__(values, script_defaults(script))
         self.script = script
         self.launch = launch or []  # a saved command line's words before the script (accelerate launch ...)
 
@@ -36,6 +36,7 @@ def read_args(config_file: str | None, command: str | None, script: str | None) 
     if not script:
         raise ConfigError("--script: which kohya script does this setup run (train_network.py, sdxl_train_network.py, "
                           "sdxl_train.py, train_db.py, fine_tune.py, flux_train_network.py, sd3_train_network.py, "
+                          "flux_train.py, sd3_train.py, lumina_train_network.py, lumina_train.py, "
                           "train_textual_inversion.py, sdxl_train_textual_inversion.py)? The TOML does not say; give "
                           "--script or a --command_line that names it")
     args = KohyaArgs(values, script, launch)
@@ -103,4 +104,5 @@ def _value(key: str, text: str):
 # Arguments without a default whose value is text, even when it looks like a number.
 STRING_ARGS = frozenset({"output_name", "output_dir", "pretrained_model_name_or_path", "train_data_dir", "reg_data_dir",
                          "dataset_config", "sample_prompts", "network_module", "network_weights", "vae", "resume",
-                         "logging_dir", "log_prefix", "training_comment", "mixed_precision", "save_precision"})
+                         "logging_dir", "log_prefix", "training_comment", "mixed_precision", "save_precision",
+                         "gemma2", "ae", "clip_l", "clip_g", "t5xxl"})

@@ -1,8 +1,10 @@
 """kohya sd-scripts' training arguments and their defaults: every argparse dest of train_network.py,
 sdxl_train_network.py, sdxl_train.py, train_db.py, flux_train_network.py and sd3_train_network.py (sd-scripts of
 February 2026, `setup_parser().parse_args([])` of each; a key has the same default in every script that has it, except
-save_model_as: "safetensors" in the network scripts, and t5xxl_max_token_length: 256 in sd3_train_network.py). What kohya trains with for a key a config leaves out; a key at
-its default is not set by the user (kohya's --output_config writes only the others)."""
+save_model_as: "safetensors" in the network scripts, and t5xxl_max_token_length: 256 in sd3_train_network.py and
+sd3_train.py; flux_train.py and sd3_train.py add FULL_TRANSFORMER below, the Lumina scripts LUMINA and their own
+defaults of three flow arguments). What kohya trains with for a key a config
+leaves out; a key at its default is not set by the user (kohya's --output_config writes only the others)."""
 
 from __future__ import annotations
 
@@ -76,6 +78,25 @@ ARGS = {'adaptive_noise_scale': None, 'ae': None, 'alpha_mask': False, 'apply_lg
 TEXTUAL_INVERSION = {'token_string': None, 'init_word': None, 'num_vectors_per_token': 1, 'weights': None,
                      'use_object_template': False, 'use_style_template': False}
 ARGS |= TEXTUAL_INVERSION
+
+# The arguments flux_train.py and sd3_train.py add to the ones above (their setup_parser()s, February 2026)
+FULL_TRANSFORMER = {'mem_eff_save': False, 'blockwise_fused_optimizers': False, 'skip_latents_validity_check': False,
+                    'double_blocks_to_swap': None, 'single_blocks_to_swap': None, 'train_t5xxl': False,
+                    'use_t5xxl_cache_only': False, 'learning_rate_te3': None, 'num_last_block_to_freeze': None}
+ARGS |= FULL_TRANSFORMER
+
+# lumina_train_network.py / lumina_train.py (library/lumina_train_util.py's add_lumina_train_arguments): its own
+# arguments, and the flow arguments it shares with the Flux scripts at other defaults (SCRIPT_DEFAULTS)
+LUMINA = {'gemma2': None, 'gemma2_max_token_length': None, 'use_flash_attn': False, 'use_sage_attn': False,
+          'system_prompt': '', 'sample_batch_size': None}
+ARGS |= LUMINA
+LUMINA_DEFAULTS = {'timestep_sampling': 'shift', 'model_prediction_type': 'raw', 'discrete_flow_shift': 6.0}
+SCRIPT_DEFAULTS = {'lumina_train_network.py': LUMINA_DEFAULTS, 'lumina_train.py': LUMINA_DEFAULTS}
+
+
+def script_defaults(script: str) -> dict:
+    """The defaults `script` trains with: ARGS, with the few a script sets otherwise."""
+    return ARGS | SCRIPT_DEFAULTS.get(script, {})
 
 # store_true flags (a flag on a saved command line takes no value) and the arguments that take several values
 FLAGS = frozenset(key for key, value in ARGS.items() if value is False)

@@ -1,6 +1,6 @@
 """kohya's loss and noise arguments (noise_offset, ip_noise_gamma, min_snr_gamma, debiased_estimation_loss,
 min / max_timestep, zero_terminal_snr, loss_type with huber_schedule / huber_c / huber_scale, ...) and the
-flow-matching scripts' timestep draw (Flux:
+flow-matching scripts' timestep draw (Flux and Lumina:
 timestep_sampling with sigmoid_scale, discrete_flow_shift, model_prediction_type; SD3: weighting_scheme with
 logit_mean / logit_std / mode_scale, training_shift) as ot_dist's `loss` section."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from ot_dist.migrate.common import Imported
 from ot_dist.migrate.kohya_args import KohyaArgs
 
-FLOW = ("flux", "chroma", "sd3")
+FLOW = ("flux", "chroma", "sd3", "lumina2")
 
 
 def import_loss(args: KohyaArgs, c: dict, family: str, out: Imported) -> None:
@@ -123,13 +123,16 @@ def _timestep_range(args: KohyaArgs, loss: dict) -> None:
 def _flow(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
     if args["zero_terminal_snr"]:
         skip(f"zero_terminal_snr: {family} trains flow matching, which ends in pure noise already")
-    if family in ("flux", "chroma"):
-        _flux(args, c, family, loss, skip)
-        for key in ("min_timestep", "max_timestep"):
-            if args[key] is not None:
-                skip(f"{key}: {args[key]}: kohya's flux training ignores it (timestep_sampling decides)")
-    else:
+    if family == "sd3":
         _sd3(args, loss, skip)
+        return
+    if family == "lumina2":
+        _lumina(args, loss, skip)
+    else:
+        _flux(args, c, family, loss, skip)
+    for key in ("min_timestep", "max_timestep"):
+        if args[key] is not None:
+            skip(f"{key}: {args[key]}: kohya's {family} training ignores it (timestep_sampling decides)")
 
 
 def _flux(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
@@ -141,6 +144,26 @@ def _flux(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
     elif args["guidance_scale"]:  # kohya's docs: Chroma trains with guidance_scale 0.0
         skip(f"guidance_scale: {args['guidance_scale']}: kohya feeds it to Chroma's modulation approximator; "
              "diffusers' ChromaTransformer2DModel (ot_dist) feeds 0, what kohya's guidance_scale 0.0 does")
+    _flow_draw(args, loss, skip, "noise - latents")
+
+
+def _lumina(args: KohyaArgs, loss: dict, skip) -> None:
+    """lumina_train_network.py / lumina_train.py draw the noise level as flux_train_network.py does (at their own
+    defaults: shift, raw, discrete_flow_shift 6.0), plus nextdit_shift (a uniform draw shifted by the resolution), and
+    show NextDiT 1 - sigma against latents - noise: ot_dist's reversed Lumina 2 objective (docs/families.md)."""
+    if args["timestep_sampling"] == "nextdit_shift":
+        loss |= {"timestep_distribution": "uniform", "dynamic_timestep_shifting": True}
+        args["sigmoid_scale"]  # nextdit_shift draws uniformly: kohya reads no scale
+        args["discrete_flow_shift"]  # the resolution's shift replaces it
+        _prediction(args, skip, "latents - noise")
+        _unread_weighting(args)
+        return
+    _flow_draw(args, loss, skip, "latents - noise")
+
+
+def _flow_draw(args: KohyaArgs, loss: dict, skip, target: str) -> None:
+    """kohya's flow draw shared by its Flux and Lumina scripts (flux_train_utils / lumina_train_util's
+    get_noisy_model_input_and_timesteps): sigma is the noise level x_t = (1 - sigma) x + sigma n, ot_dist's."""
     sampling, scale, shift = args["timestep_sampling"], args["sigmoid_scale"], args["discrete_flow_shift"]
     prediction = args["model_prediction_type"]
     if sampling == "sigma" and prediction == "raw" and args["weighting_scheme"] in ("sigma_sqrt", "cosmap"):
@@ -158,14 +181,24 @@ def _flux(args: KohyaArgs, c: dict, family: str, loss: dict, skip) -> None:
         else:
             loss["timestep_shift"] = shift if sampling == "shift" else 1.0
     else:
-        skip(f"timestep_sampling: {sampling} is not one of kohya's (sigma, uniform, sigmoid, shift, flux_shift)")
+        skip(f"timestep_sampling: {sampling} is not one of kohya's (sigma, uniform, sigmoid, shift, flux_shift; "
+             "Lumina: nextdit_shift)")
+    _prediction(args, skip, target)
+    if sampling != "sigma":
+        _unread_weighting(args)
+
+
+def _prediction(args: KohyaArgs, skip, target: str) -> None:
+    prediction = args["model_prediction_type"]
     if prediction != "raw":
         skip(f"model_prediction_type: {prediction}: kohya compares "
              f"{'noisy input - sigma x prediction' if prediction == 'sigma_scaled' else 'noisy input + prediction'} "
-             "with noise - latents; ot_dist trains the plain flow-matching prediction (kohya's raw)")
-    if sampling != "sigma":
-        for key in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale"):
-            args[key]  # kohya reads them only for timestep_sampling sigma
+             f"with {target}; ot_dist trains the plain flow-matching prediction (kohya's raw)")
+
+
+def _unread_weighting(args: KohyaArgs) -> None:
+    for key in ("weighting_scheme", "logit_mean", "logit_std", "mode_scale"):
+        args[key]  # kohya reads them only for timestep_sampling sigma
 
 
 def _sd3(args: KohyaArgs, loss: dict, skip) -> None:

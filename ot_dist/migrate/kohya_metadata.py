@@ -103,13 +103,17 @@ def finetuning_concept(sub, label: str, captions_folder: str | None, index: int,
     return {"path": str(folder), "caption_extension": CAPTION_EXTENSION}, [image for _, image, _ in found]
 
 
-def write_caption_folder(folder: Path, found: list[tuple[str, Path, str]]) -> None:
+def write_caption_folder(folder: Path, found: list[tuple[str, Path, str]]) -> list[str]:
+    """A link to each image with its caption beside it; the links' names, in the order of `found`."""
     if folder.exists() and any(folder.iterdir()):
         raise InputFileError(f"--captions_folder: {folder} exists and is not empty (remove it, or name another)")
     folder.mkdir(parents=True, exist_ok=True)
     names: set[str] = set()
+    written = []
     for n, (_, image, caption) in enumerate(found):
         name = image.name if image.stem.lower() not in names else f"{n}_{image.name}"  # two keys, one file name
         names.add(Path(name).stem.lower())
         (folder / name).symlink_to(image.resolve())
         (folder / name).with_suffix(CAPTION_EXTENSION).write_text(caption, encoding="utf-8")
+        written.append(name)
+    return written

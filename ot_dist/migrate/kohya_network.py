@@ -15,7 +15,8 @@ from ot_dist.migrate.common import Imported
 from ot_dist.migrate.kohya_args import KohyaArgs
 from ot_dist.models.families.registry import get_family
 
-PLAIN = {"networks.lora": ("sd1", "sd2", "sdxl"), "networks.lora_flux": ("flux", "chroma"), "networks.lora_sd3": ("sd3",)}
+PLAIN = {"networks.lora": ("sd1", "sd2", "sdxl"), "networks.lora_flux": ("flux", "chroma"), "networks.lora_sd3": ("sd3",),
+         "networks.lora_lumina": ("lumina2",)}
 LYCORIS_ALGOS = {"lora": "lora", "locon": "lora", "loha": "loha", "lokr": "lokr"}
 # The UNet modules kohya's conv_dim adds (ResnetBlock2D, Downsample2D, Upsample2D): 1x1 / linear ones and 3x3 ones.
 RESNET_LINEAR = ("time_emb_proj", "conv_shortcut")
@@ -31,7 +32,8 @@ LYCORIS_PRESETS = ("full", "full-lin", "attn-mlp", "attn-only")
 # The encoders kohya's scripts adapt besides the denoiser (by ot_dist part), and the T5 that network_args
 # train_t5xxl adds.
 TEXT_ENCODERS = {"sd1": ("text_encoder",), "sd2": ("text_encoder",), "sdxl": ("text_encoder", "text_encoder_2"),
-                 "flux": ("text_encoder",), "chroma": (), "sd3": ("text_encoder", "text_encoder_2")}
+                 "flux": ("text_encoder",), "chroma": (), "sd3": ("text_encoder", "text_encoder_2"),
+                 "lumina2": ("text_encoder",)}  # Lumina: Gemma 2
 T5 = {"flux": "text_encoder_2", "chroma": "text_encoder", "sd3": "text_encoder_3"}  # Chroma has no CLIP-L
 
 
@@ -86,7 +88,7 @@ def import_network(args: KohyaArgs, c: dict, family: str, out: Imported) -> None
         raise ConfigError(f"network_module: not set ({args.script} needs one: networks.lora, lycoris.kohya, ...)")
     else:
         raise ConfigError(f"network_module: {module} is not a network ot_dist trains (networks.lora, lora_flux, "
-                          "lora_sd3, lycoris.kohya with algo locon / loha / lokr)")
+                          "lora_sd3, lora_lumina, lycoris.kohya with algo locon / loha / lokr)")
     _targets(extra, lora, family, module, skip)
     if args["network_dropout"] and lora.get("variant", "lora") == "lora":
         # both drop the rank features after lora_down, in training only (kohya's LoRAModule.forward)
@@ -182,10 +184,10 @@ def _targets(extra: dict, lora: dict, family: str, module: str, skip) -> None:
 
 
 def _transformer_layout(lora: dict, family: str, module: str, preset: str, skip) -> None:
-    """kohya's Flux and SD3 networks adapt every linear layer of the blocks in the original layout: one adapter on
-    the fused qkv (and Flux's single blocks' fused input), the modulation layers too; ot_dist's targets are diffusers'
-    separate q, k, v, attention outputs and feed-forward layers."""
-    if family == "sd3":
+    """kohya's Flux, SD3 and Lumina networks adapt every linear layer of the blocks in the original layout: one adapter
+    on the fused qkv (and Flux's single blocks' fused input), the modulation layers too (Lumina: the final layer's as
+    well); ot_dist's targets are diffusers' separate q, k, v, attention outputs and feed-forward layers."""
+    if family in ("sd3", "lumina2"):
         lora["preset"] = "attention_mlp"
     skip(f"network_module {module}{' preset ' + preset if preset != 'kohya' else ''}: kohya adapts {family}'s fused "
          "qkv projections with one adapter each and the modulation layers too; ot_dist adapts diffusers' separate q, "

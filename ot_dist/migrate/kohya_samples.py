@@ -3,7 +3,8 @@
 same keys) and their interval (sample_every_n_steps / _epochs, sample_sampler) as ot_dist's `sampling` section.
 
 kohya's defaults for what a prompt leaves out: 512 x 512, a random seed, and 30 steps at CFG 7.5 (SD 1.x / 2.x,
-SDXL, SD3) or 20 steps at distilled guidance 3.5 (Flux); sizes are floored to a multiple of 8 (Flux: 16), at least 64.
+SDXL, SD3) or 20 steps at distilled guidance 3.5 (Flux), Lumina: 1024 x 1024, 36 steps at CFG 3.5; sizes are floored
+to a multiple of 8 (Flux, Lumina: 16, as their patches need), at least 64.
 kohya samples only at its intervals (sample_every_n_epochs wins over _steps), not at the end."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ot_dist.migrate.kohya_args import KohyaArgs
 OPTIONS = {"w": "width", "h": "height", "d": "seed", "s": "sample_steps", "l": "scale", "g": "guidance_scale",
            "n": "negative_prompt", "ss": "sample_sampler"}
 NUMBERS = {"width": int, "height": int, "seed": int, "sample_steps": int, "scale": float, "guidance_scale": float}
+FLOW_SAMPLERS = ("flux", "chroma", "sd3", "lumina2")  # kohya samples these with its own flow-matching Euler
 SAMPLERS = {"ddim": "ddim", "euler": "euler", "k_euler": "euler", "euler_a": "euler_a", "k_euler_a": "euler_a",
             "dpmsolver++": "dpmpp_2m"}
 
@@ -80,7 +82,11 @@ def import_samples(args: KohyaArgs, c: dict, prompts_path: str | None, out: Impo
         sampling["every_n_epochs"] = every_epochs  # kohya: the epochs win over the steps
     elif every_steps:
         sampling["every_n_steps"] = every_steps
-    if family in ("flux", "chroma", "sd3"):
+    if family == "lumina2":  # lumina_train_util's denoise: CFG while Lumina's t (0: noise) < cfg_trunc_ratio 0.25
+        skip("sample prompts: kohya's Lumina sampler applies CFG only while Lumina's time is below cfg_trunc_ratio "
+             "0.25 (the noisiest quarter), its norm capped by renorm_cfg; ot_dist samples as Lumina2Pipeline (CFG at "
+             "every step)")
+    if family in FLOW_SAMPLERS:
         if args.given("sample_sampler"):
             out.notes.append(f"sample_sampler: {sampler}: kohya's {family} samples with its own flow-matching Euler "
                              "sampler, as ot_dist's flow_euler")
@@ -93,7 +99,7 @@ def import_samples(args: KohyaArgs, c: dict, prompts_path: str | None, out: Impo
         own = prompt.pop("_sampler", None)
         if own is None:
             continue
-        if family in ("flux", "chroma", "sd3"):
+        if family in FLOW_SAMPLERS:
             out.notes.append(f"sampling.prompts[{i}] --ss {own}: kohya's {family} samples with its flow-matching "
                              "Euler sampler, as ot_dist's flow_euler")
         elif own in SAMPLERS:
@@ -109,10 +115,12 @@ def _prompt(raw: dict, family: str, label: str, out: Imported) -> dict | None:
         skip(f"{label}: an empty prompt is not sampled by ot_dist")
         return None
     flux = family == "flux"
-    grid = 16 if family in ("flux", "chroma") else 8
-    width, height = (max(64, int(raw.get(k, 512)) - int(raw.get(k, 512)) % grid) for k in ("width", "height"))
+    grid = 16 if family in ("flux", "chroma", "lumina2") else 8
+    size = 1024 if family == "lumina2" else 512
+    width, height = (max(64, int(raw.get(k, size)) - int(raw.get(k, size)) % grid) for k in ("width", "height"))
+    steps = {"flux": 20, "chroma": 20, "lumina2": 36}.get(family, 30)
     prompt = {"prompt": str(raw["prompt"]), "width": width, "height": height,
-              "steps": int(raw.get("sample_steps", 20 if family in ("flux", "chroma") else 30))}
+              "steps": int(raw.get("sample_steps", steps))}
     if flux:  # Flux: --g is the distilled guidance ot_dist's guidance_scale is; kohya's true CFG --l stays 1
         prompt["guidance_scale"] = float(raw.get("guidance_scale", 3.5))
         if float(raw.get("scale", 1.0)) != 1.0:
@@ -120,7 +128,7 @@ def _prompt(raw: dict, family: str, label: str, out: Imported) -> dict | None:
     elif family == "chroma":  # kohya's Flux sampler: true CFG --l (default 1.0), as ChromaPipeline's guidance_scale
         prompt["guidance_scale"] = float(raw.get("scale", 1.0))
     else:
-        prompt["guidance_scale"] = float(raw.get("scale", 7.5))
+        prompt["guidance_scale"] = float(raw.get("scale", 3.5 if family == "lumina2" else 7.5))
     if raw.get("negative_prompt"):
         if flux:
             skip(f"{label} --n: Flux samples without a negative prompt in ot_dist")
