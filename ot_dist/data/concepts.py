@@ -92,12 +92,13 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
     unused: list[tuple[Path, str]] = []
     background = parse_colour(data.image_background)
     listed: list[tuple[int, ConceptConfig, Path]] = []
-    partners: dict[Path, list[Path]] = {}
+    partners: dict[tuple[int, Path], list[Path]] = {}  # per concept: two may share a folder of images
     for index, (label, concept) in enumerate(data.concept_list()):
         images, skipped = classify_files(label, concept)
         unused += skipped
         listed += [(index, concept, image) for image in images]
-        partners |= reference_partners(label, concept, images)  # stat only: a missing one stops before any decoding
+        # stat only: a missing one stops before any decoding
+        partners |= {(index, image): found for image, found in reference_partners(label, concept, images).items()}
     start, stop = part_range(len(listed), *(part or (0, 1)))
     probe = SizeProbe(data.max_image_pixels, background)
     sizes = map_over_workers(probe, [listed[number][2] for number in range(start, stop)], workers)
@@ -106,7 +107,7 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
         if isinstance(size, str):
             bad.append((image, size))
             continue
-        references = partners.get(image, [])
+        references = partners.get((index, image), [])
         samples.append(SourceSample(index, image, read_caption(concept, image), mask_of(image), size, number,
                                     references[0] if references else None, tuple(references[1:])))
     if part is None:

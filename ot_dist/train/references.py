@@ -24,25 +24,11 @@ from ot_dist.train.transfer import to_device
 def check_references(dataset, family, data_config=None) -> None:
     """Before the model loads: an edit family needs a reference image for every sample, one that also trains
     text-to-image (FLUX.2) takes them for every sample or for none; any other family refuses samples that have one
-    (they would be dropped without a word)."""
+    (they would be dropped without a word). Samples with several take as many each, no more than the family reads."""
     if family.reference_images or (family.reference_images_optional and dataset.has_references):
         missing = dataset.with_references(present=False)
-        if not missing:
-            return
-        shown = [f"sample {dataset.samples[i]['key']} (image {dataset.metadata(i).get('source') or '?'})"
-                 for i in missing[:5]]
-        more = f" and {len(missing) - len(shown)} more" if len(missing) > len(shown) else ""
-        if family.reference_images:
-            raise ConfigError(
-                f"model.family {family.name}: an edit model trains on (reference image, edited image) pairs, and "
-                f"{len(missing)} of {len(dataset)} samples have no reference image: {'; '.join(shown)}{more}. Give "
-                "each concept a reference_path (a folder of the reference images, paired by file name)")
-        # A batch is one token sequence per sample, all of one length: samples with and without a reference's tokens
-        # cannot share it (neither the pipelines nor diffusers' scripts mask padded tokens): one kind per run.
-        raise ConfigError(
-            f"model.family {family.name} trains with reference images or without, not both in one run: "
-            f"{len(dataset) - len(missing)} samples have one and {len(missing)} of {len(dataset)} have none: "
-            f"{'; '.join(shown)}{more}. Give every concept a reference_path (image editing) or none (text-to-image)")
+        if missing:
+            refuse_missing(dataset, family, missing)
     if dataset.has_references and family.takes_reference_images:
         check_reference_counts(dataset, family)
         if data_config is not None and data_config.cache_latents and max(dataset.reference_counts()) > 1:
@@ -54,6 +40,23 @@ def check_references(dataset, family, data_config=None) -> None:
             f"model.family {family.name} takes no reference images, and {len(dataset.with_references())} samples have "
             f"one (data.concepts[].reference_path): train an edit model ({', '.join(edit_families())}) or remove "
             "reference_path")
+
+
+def refuse_missing(dataset, family, missing: list[int]) -> None:
+    shown = [f"sample {dataset.samples[i]['key']} (image {dataset.metadata(i).get('source') or '?'})"
+             for i in missing[:5]]
+    more = f" and {len(missing) - len(shown)} more" if len(missing) > len(shown) else ""
+    if family.reference_images:
+        raise ConfigError(
+            f"model.family {family.name}: an edit model trains on (reference image, edited image) pairs, and "
+            f"{len(missing)} of {len(dataset)} samples have no reference image: {'; '.join(shown)}{more}. Give "
+            "each concept a reference_path (a folder of the reference images, paired by file name)")
+    # A batch is one token sequence per sample, all of one length: samples with and without a reference's tokens
+    # cannot share it (neither the pipelines nor diffusers' scripts mask padded tokens): one kind per run.
+    raise ConfigError(
+        f"model.family {family.name} trains with reference images or without, not both in one run: "
+        f"{len(dataset) - len(missing)} samples have one and {len(missing)} of {len(dataset)} have none: "
+        f"{'; '.join(shown)}{more}. Give every concept a reference_path (image editing) or none (text-to-image)")
 
 
 def check_reference_counts(dataset, family) -> None:
