@@ -87,6 +87,22 @@ def test_numbered_partners_are_each_samples_references_in_order_with_the_images_
     assert collate([dataset.load(0, 0), dataset.load(1, 0)])["more_reference_pixels"].shape[:2] == (2, 1)
 
 
+def test_a_set_built_in_parts_keeps_each_samples_count(tmp_path):
+    from ot_dist.data.shard_parts import build_part, merge_parts
+
+    images, references = data_tests.paired_folder(tmp_path)
+    for first in sorted(references.glob("*.png")):
+        first.rename(references / f"{first.stem}_0.png")
+        shutil.copy(images / first.name, references / f"{first.stem}_1.png")
+    config = data_tests.config_for(images, references, tmp_path / "o")
+    for part in range(2):
+        build_part(config, tmp_path / "shards", (part, 2), log=quiet)
+    merge_parts(config, tmp_path / "shards", 2, log=quiet)
+    dataset = ShardDataset(tmp_path / "shards", config)
+    assert dataset.reference_counts() == {2: [0, 1, 2, 3]} and dataset.samples[3]["reference"] == 2
+    assert dataset.load(3, 0)["more_reference_pixels"].shape[0] == 1
+
+
 def test_one_reference_per_sample_reads_as_before(tmp_path):
     images, references = data_tests.paired_folder(tmp_path)
     config = data_tests.config_for(images, references, tmp_path / "o")

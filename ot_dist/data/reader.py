@@ -227,7 +227,7 @@ class ShardDataset:
                     mask_image = resize_to_cover(mask_image, (height, width), Image.Resampling.BILINEAR)
                 mask_image = mask_image.crop(box)
             references = []
-            for index in range(sample["references"]):  # stored at the image's size: the same box and augmentation
+            for index in range(sample["reference"]):  # how many  # stored at the image's size: the same box and augmentation
                 reference = self._read(sample, self._image_suffix(sample, resolution, reference_kind(index)))
                 if moved:
                     reference = resize_to_cover(reference, (height, width))

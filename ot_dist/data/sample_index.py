@@ -205,7 +205,7 @@ class SampleRecord(Mapping):
     """One sample as the dict the JSON manifest held: key, shard, bucket, concept, mask, members (suffix ->
     [data offset, size]). Columns are read from the index; key and members from the tar headers, once."""
 
-    FIELDS = ("key", "shard", "bucket", "concept", "mask", "reference", "references", "members")
+    FIELDS = ("key", "shard", "bucket", "concept", "mask", "reference", "members")
 
     def __init__(self, records: SampleRecords, index: int):
         self._records, self.index = records, index
@@ -221,9 +221,7 @@ class SampleRecord(Mapping):
             return int(columns.concept[self.index])
         if field == "mask":
             return bool(columns.flags[self.index] & MASK)
-        if field == "reference":
-            return bool(columns.flags[self.index] & REFERENCE)
-        if field == "references":  # how many reference images (0 without)
+        if field == "reference":  # how many reference images (0 without), as the build's record holds it
             return int(reference_counts(columns.flags[self.index:self.index + 1])[0])
         if field == "key" and self._walked is None:
             return self._records.key(self.index)  # one header: also the key of a sample whose later members are lost
