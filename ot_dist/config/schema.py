@@ -317,7 +317,10 @@ class ConceptConfig(Section):
         "qwen_image_edit, qwen_image_edit_plus; flux2 / flux2_klein, which then need it on every concept): the "
         "partner of `<path>/sub/a.png` is the image `sub/a.<any extension>` under this folder (the ai-toolkit / "
         "musubi `control` folder, SimpleTuner's conditioning dataset paired by file name). Every image needs its "
-        "partner (a missing one is named before any shard is written). The reference takes the image's geometry: "
+        "partner (a missing one is named before any shard is written). Several references per sample (flux2, "
+        "flux2_klein: up to 10; qwen_image_edit_plus: up to 3): numbered partners `sub/a_0.png`, `sub/a_1.png`, ... "
+        "in order (musubi's layout for several control images), as many for every image of the run. Each reference "
+        "takes the image's geometry: "
         "scaled to the image's size, then the same bucket, crop and flip / rotation / colour jitter (diffusers' "
         "Kontext script and SimpleTuner's reference_strict). A family without reference images refuses it.",
     )

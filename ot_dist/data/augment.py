@@ -32,13 +32,21 @@ def augment_with_reference(image: Image.Image, mask: Image.Image | None, referen
     very same flip, rotation and colour factors, so the pair keeps the relation the caption describes (diffusers'
     Kontext script flips both or neither; SimpleTuner's reference_strict transforms the reference as the edit). The
     image's draws are those of `augment`: adding references changes no image."""
+    image, mask, references = augment_with_references(image, mask, [] if reference is None else [reference], concept,
+                                                      gen)
+    return image, mask, references[0] if references else None
+
+
+def augment_with_references(image: Image.Image, mask: Image.Image | None, references: list, concept,
+                            gen: torch.Generator):
+    """(image, mask, references): `augment_with_reference` for several reference images (FLUX.2, Qwen-Image-Edit-2509),
+    every one given the image's flip, rotation and colour factors. The draws do not depend on how many there are."""
     if concept is None or not has_augmentation(concept):
-        return image, mask, reference
+        return image, mask, references
     u = torch.rand(6, generator=gen).tolist()
     image, mask = _geometric(image, mask, image.size, concept, u)
-    if reference is not None:
-        reference = _geometric(reference, None, reference.size, concept, u)[0]
-    return _colour(image, concept, u), mask, _colour(reference, concept, u) if reference is not None else None
+    references = [_colour(_geometric(r, None, r.size, concept, u)[0], concept, u) for r in references]
+    return _colour(image, concept, u), mask, references
 
 
 def _colour(image: Image.Image, concept, u: list[float]) -> Image.Image:

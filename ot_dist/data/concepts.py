@@ -7,6 +7,7 @@ shard is written.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class SourceSample:
     size: tuple[int, int]  # (width, height) of the image file
     number: int = 0  # position in the list of every concept's images (concept, then path): names the sample
     reference: Path | None = None  # the concept's reference_path partner (edit models' conditioning image)
+    more_references: tuple[Path, ...] = ()  # its second, third ... (numbered partners: `a_0.png`, `a_1.png`)
 
 
 def concept_name(concept: ConceptConfig) -> str:
@@ -90,12 +92,13 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
     unused: list[tuple[Path, str]] = []
     background = parse_colour(data.image_background)
     listed: list[tuple[int, ConceptConfig, Path]] = []
-    partners: dict[Path, Path] = {}
+    partners: dict[tuple[int, Path], list[Path]] = {}  # per concept: two may share a folder of images
     for index, (label, concept) in enumerate(data.concept_list()):
         images, skipped = classify_files(label, concept)
         unused += skipped
         listed += [(index, concept, image) for image in images]
-        partners |= reference_partners(label, concept, images)  # stat only: a missing one stops before any decoding
+        # stat only: a missing one stops before any decoding
+        partners |= {(index, image): found for image, found in reference_partners(label, concept, images).items()}
     start, stop = part_range(len(listed), *(part or (0, 1)))
     probe = SizeProbe(data.max_image_pixels, background)
     sizes = map_over_workers(probe, [listed[number][2] for number in range(start, stop)], workers)
@@ -104,8 +107,9 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
         if isinstance(size, str):
             bad.append((image, size))
             continue
+        references = partners.get((index, image), [])
         samples.append(SourceSample(index, image, read_caption(concept, image), mask_of(image), size, number,
-                                    partners.get(image)))
+                                    references[0] if references else None, tuple(references[1:])))
     if part is None:
         check_bad_fraction(data, bad, len(samples) + len(bad), log)
     return Scan(samples, bad, unused)
@@ -195,11 +199,14 @@ def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list
     return images, unused
 
 
-def reference_partners(label: str, concept: ConceptConfig, images: list[Path]) -> dict[Path, Path]:
-    """image -> its reference image: the file at the image's path relative to the concept folder under
+def reference_partners(label: str, concept: ConceptConfig, images: list[Path]) -> dict[Path, list[Path]]:
+    """image -> its reference images: the file at the image's path relative to the concept folder under
     concept.reference_path, with the same extension or, when there is none such, the one image file of that name
-    with any extension (a PNG edit beside a JPEG source). Every image must have exactly one partner: the images
-    without one (or with two candidates) are named in one error. {} without reference_path."""
+    with any extension (a PNG edit beside a JPEG source); or, where no file has the image's name, its numbered ones
+    `<name>_0`, `<name>_1`, ... (`_0000` too) in number order (musubi-tuner's control_directory layout for several
+    control images: FLUX.2 and Qwen-Image-Edit-2509 read them as their image list). Every image must have its partner,
+    and a concept's images as many as its image with the most: the images without (a number missing from 0 up), or
+    with two candidates, are named in one error. {} without reference_path."""
     if concept.reference_path is None:
         return {}
     root, folder = Path(concept.path), Path(concept.reference_path)
@@ -214,26 +221,60 @@ def reference_partners(label: str, concept: ConceptConfig, images: list[Path]) -
     for path in sorted(folder.glob(pattern)):
         if path.is_file() and path.suffix.lower() in extensions and not is_sidecar(path):
             by_name.setdefault(path.relative_to(folder).with_suffix("").as_posix(), []).append(path)
+    numbered = numbered_partners(by_name)
     partners, missing, ambiguous = {}, [], []
     for image in images:
         relative = image.relative_to(root)
-        candidates = by_name.get(relative.with_suffix("").as_posix(), [])
-        same = [c for c in candidates if c.suffix == image.suffix]
-        if same or len(candidates) == 1:
-            partners[image] = (same or candidates)[0]
-        elif candidates:
-            ambiguous.append(f"{relative} ({', '.join(c.name for c in candidates)})")
+        name = relative.with_suffix("").as_posix()
+        found, unclear = [], []
+        for candidates in [by_name[name]] if name in by_name else numbered.get(name, []):
+            same = [c for c in candidates if c.suffix == image.suffix]
+            if same or len(candidates) == 1:
+                found.append((same or candidates)[0])
+            else:
+                unclear.append(", ".join(c.name for c in candidates))
+        if unclear:
+            ambiguous.append(f"{relative} ({'; '.join(unclear)})")
+        elif found:
+            partners[image] = found
         else:
             missing.append(str(relative))
+    most = max((len(found) for found in partners.values()), default=0)
+    fewer = [f"{image.relative_to(root)} ({len(found)})" for image, found in partners.items() if len(found) < most]
     problems = []
     if missing:
         problems.append(f"{len(missing)} of {len(images)} images have no reference image (the same relative path, "
-                        f"any image extension, under {folder.resolve()}): {names_shown(missing)}")
+                        f"any image extension, under {folder.resolve()}, or numbered from `_0` up): "
+                        f"{names_shown(missing)}")
+    if fewer:
+        problems.append(f"{len(fewer)} images have fewer numbered reference images than the {most} of others (a "
+                        f"number missing from _0 up): {names_shown(fewer)}")
     if ambiguous:
         problems.append(f"{len(ambiguous)} images have more than one candidate reference: {names_shown(ambiguous)}")
     if problems:
         raise InputFileError(f"{label}.reference_path: " + "; ".join(problems))
     return partners
+
+
+NUMBERED = re.compile(r"(.+)_(\d+)")
+
+
+def numbered_partners(by_name: dict[str, list[Path]]) -> dict[str, list[list[Path]]]:
+    """name -> the candidates of `<name>_0`, `<name>_1`, ... in number order, up to the first number missing (a gap
+    leaves the later ones out, so the image reads as having fewer: named by reference_partners)."""
+    numbers: dict[str, dict[int, list[Path]]] = {}
+    for name, candidates in by_name.items():
+        match = NUMBERED.fullmatch(name)
+        if match:
+            numbers.setdefault(match[1], {}).setdefault(int(match[2]), []).extend(candidates)
+    out = {}
+    for name, by_number in numbers.items():
+        run = []
+        while len(run) in by_number:
+            run.append(by_number[len(run)])
+        if run:
+            out[name] = run
+    return out
 
 
 def names_shown(names: list[str], most: int = 10) -> str:

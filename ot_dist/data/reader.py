@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from ot_dist.data.buckets import bucket_size, cover_size, merged_buckets, resize_to_cover
-from ot_dist.data.augment import augment_mask, augment_with_reference
+from ot_dist.data.augment import augment_mask, augment_with_references
 from ot_dist.data.cache_index import CacheIndex
 from ot_dist.data.captions import vary_caption
 from ot_dist.data.decode import decode_member
@@ -32,7 +32,8 @@ from ot_dist.data import external
 from ot_dist.data.images import parse_colour
 from ot_dist.data.plan import EpochPlan, GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
 from ot_dist.data.remote import RemoteStore, filesystem, is_url
-from ot_dist.data.sample_index import MASK, REFERENCE, shard_label
+from ot_dist.data.sample_encoder import reference_kind
+from ot_dist.data.sample_index import MASK, REFERENCE, reference_counts, shard_label
 from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import read_manifest
 from ot_dist.data.variations import Variations, member_name
@@ -106,6 +107,11 @@ class ShardDataset:
     def with_references(self, present: bool = True) -> list[int]:
         """Indices of the samples that have a reference image (`present` false: that have none)."""
         return np.flatnonzero(((self.index.flags & REFERENCE) != 0) == present).tolist()
+
+    def reference_counts(self) -> dict[int, list[int]]:
+        """How many reference images -> the indices of the samples with that many (0: without)."""
+        counts = reference_counts(self.index.flags)
+        return {int(n): np.flatnonzero(counts == n).tolist() for n in np.unique(counts)}
 
     def _sample(self, sample_id: int):
         """The record of a sample (its tar headers read once, on first use, and kept for the next call)."""
@@ -220,18 +226,20 @@ class ShardDataset:
                 if moved:
                     mask_image = resize_to_cover(mask_image, (height, width), Image.Resampling.BILINEAR)
                 mask_image = mask_image.crop(box)
-            reference = None
-            if sample["reference"]:  # stored at the image's size: the same box and augmentation
-                reference = self._read(sample, self._image_suffix(sample, resolution, "reference"))
+            references = []
+            for index in range(sample["reference"]):  # how many  # stored at the image's size: the same box and augmentation
+                reference = self._read(sample, self._image_suffix(sample, resolution, reference_kind(index)))
                 if moved:
                     reference = resize_to_cover(reference, (height, width))
-                reference = reference.crop(box)
-            cropped, mask_image, reference = augment_with_reference(
-                image.crop(box), mask_image, reference, self.concepts.get(sample["concept"]),
+                references.append(reference.crop(box))
+            cropped, mask_image, references = augment_with_references(
+                image.crop(box), mask_image, references, self.concepts.get(sample["concept"]),
                 generator(self.seed, epoch, sample_id, "augment"))
             out = {"pixels": _pixels(cropped)}
-            if reference is not None:
-                out["reference_pixels"] = _pixels(reference)
+            if references:  # the first as before; FLUX.2's / Qwen-Image-Edit-2509's further ones (N - 1, 3, H, W)
+                out["reference_pixels"] = _pixels(references[0])
+            if len(references) > 1:
+                out["more_reference_pixels"] = torch.stack([_pixels(r) for r in references[1:]])
         box = (left, top, left + width, top + height)
         captions = self.captions(sample_id)
         line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
@@ -351,7 +359,7 @@ def _pixels(image: Image.Image) -> torch.Tensor:
 
 def collate(samples: list[dict]) -> dict:
     keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask", "mask_given", "reference_pixels",
-                        "reference_latent_mean", "reference_latent_std") if k in samples[0]]
+                        "more_reference_pixels", "reference_latent_mean", "reference_latent_std") if k in samples[0]]
     keys += sorted(k for k in samples[0] if k.startswith("text_"))  # cached text conditioning
     keys += ["original_size", "crop_top_left", "target_size"]
     keys += [key for key in ("loss_weight", "prior_prediction") if key in samples[0]]

@@ -41,14 +41,17 @@ class SampleEncoder:
         sample = {"__key__": key, "txt": source.caption.encode("utf-8")}
         meta = {"source": str(source.image), "mask": str(source.mask) if source.mask else None,
                 **({"reference": str(source.reference)} if source.reference else {}),
+                **({"more_references": [str(p) for p in source.more_references]} if source.more_references else {}),
                 "concept": source.concept, "original_size": [source.size[1], source.size[0]],
                 "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
         img = open_image(source.image, data.max_image_pixels, parse_colour(data.image_background))  # upright sRGB
         mask = load_mask(source.mask, source.image, img.size, warnings.append) if source.mask else None
         background = parse_colour(data.image_background)
-        reference = load_reference(source.reference, source.image, img.size, data.max_image_pixels, background,
-                                   warnings.append) if source.reference else None
-        reference_format = reference_member_format(data.image_format, source.reference) if reference else None
+        # member kind -> (image at the image's size, format): `reference`, then `reference2`, ... (Picture 1, 2, ...)
+        references = {reference_kind(i): (load_reference(path, source.image, img.size, data.max_image_pixels,
+                                                         background, warnings.append),
+                                          reference_member_format(data.image_format, path))
+                      for i, path in enumerate(references_of(source))}
         kept = KeptSource(source.image) if data.image_format == "auto" else None
         for res in config.resolutions():
             target = bucket_size(bucket, res, data.bucket_step)
@@ -57,14 +60,24 @@ class SampleEncoder:
             sample[f"{res}.{suffix}"] = encoded if encoded is not None else encode_image(resized, suffix)
             if mask is not None:  # the same geometry as the image, so they stay aligned
                 sample[f"{res}.mask.png"] = encode_image(resize_to_cover(mask, target), "png")
-            if reference is not None:  # the image's geometry too: the reader crops both with one box
-                sample[f"{res}.reference.{reference_format}"] = encode_image(resize_to_cover(reference, target),
-                                                                             reference_format)
+            for kind, (reference, reference_format) in references.items():  # the image's geometry too: one box
+                sample[f"{res}.{kind}.{reference_format}"] = encode_image(resize_to_cover(reference, target),
+                                                                          reference_format)
             meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [resized.height, resized.width]}
         sample["json"] = json.dumps(meta).encode()
         record = {"key": key, "bucket": bucket, "concept": source.concept, "mask": source.mask is not None,
-                  "reference": source.reference is not None}
+                  "reference": len(references)}  # how many (a bool before several were read)
         return sample, record, warnings
+
+
+def references_of(source) -> list:
+    """A source sample's reference images in order (none, or the first and any more)."""
+    return [source.reference, *source.more_references] if source.reference else []
+
+
+def reference_kind(index: int) -> str:
+    """The member kind of a sample's `index`-th reference image: `reference`, then `reference2`, `reference3`, ..."""
+    return "reference" if index == 0 else f"reference{index + 1}"
 
 
 def reference_member_format(image_format: str, path) -> str:

@@ -7,7 +7,7 @@
     span    uint32  bytes from there to the end of its last member's data
     bucket  uint8   its aspect bucket (buckets.py)
     concept uint16  its concept
-    flags   uint8   MASK: it has a mask; REFERENCE: it has a reference image
+    flags   uint8   MASK: it has a mask; REFERENCE: it has a reference image; bits 2-5: how many more it has
     width   uint32  its image's size, where the index knows it (sets indexed from existing tars; 0 for sets
     height  uint32  `shard build` wrote: their json member holds it)
 
@@ -40,6 +40,9 @@ COLUMNS = {"shard": "<u4", "offset": "<u8", "span": "<u4", "bucket": "u1", "conc
 _ARRAY_CODES = {"<u4": "I", "<u8": "Q", "u1": "B", "<u2": "H"}
 MASK = 1
 REFERENCE = 2
+# An edit model's second, third ... reference images (FLUX.2, Qwen-Image-Edit-2509): their count in bits 2-5, so a
+# set written before (no such bits) reads as one reference per flagged sample.
+MORE_REFERENCES_SHIFT, MORE_REFERENCES_MOST = 2, 15
 
 
 def bytes_per_sample() -> int:
@@ -56,14 +59,19 @@ class IndexWriter:
         return len(self.columns["shard"])
 
     def add(self, shard: int, offset: int, span: int, bucket: int, concept: int, mask: bool = False,
-            width: int = 0, height: int = 0, reference: bool = False) -> None:
+            width: int = 0, height: int = 0, reference: bool | int = False) -> None:
+        """`reference`: how many reference images the sample has (a bool: one or none)."""
         c = self.columns
         c["shard"].append(shard)
         c["offset"].append(offset)
         c["span"].append(span)
         c["bucket"].append(bucket)
         c["concept"].append(concept)
-        c["flags"].append((MASK if mask else 0) | (REFERENCE if reference else 0))
+        more = max(int(reference) - 1, 0)
+        if more > MORE_REFERENCES_MOST:
+            raise InputFileError(f"a sample with {int(reference)} reference images: the index holds at most "
+                                 f"{MORE_REFERENCES_MOST + 1}")
+        c["flags"].append((MASK if mask else 0) | (REFERENCE if reference else 0) | (more << MORE_REFERENCES_SHIFT))
         c["width"].append(width)
         c["height"].append(height)
 
@@ -187,6 +195,12 @@ def shard_label(location) -> str:
     return location if is_url(location) else Path(location).name
 
 
+def reference_counts(flags: np.ndarray) -> np.ndarray:
+    """The number of reference images of each sample whose index flags these are (0 for a sample without)."""
+    flags = np.asarray(flags, dtype=np.int64)
+    return np.where(flags & REFERENCE, 1 + ((flags >> MORE_REFERENCES_SHIFT) & MORE_REFERENCES_MOST), 0)
+
+
 class SampleRecord(Mapping):
     """One sample as the dict the JSON manifest held: key, shard, bucket, concept, mask, members (suffix ->
     [data offset, size]). Columns are read from the index; key and members from the tar headers, once."""
@@ -207,8 +221,8 @@ class SampleRecord(Mapping):
             return int(columns.concept[self.index])
         if field == "mask":
             return bool(columns.flags[self.index] & MASK)
-        if field == "reference":
-            return bool(columns.flags[self.index] & REFERENCE)
+        if field == "reference":  # how many reference images (0 without), as the build's record holds it
+            return int(reference_counts(columns.flags[self.index:self.index + 1])[0])
         if field == "key" and self._walked is None:
             return self._records.key(self.index)  # one header: also the key of a sample whose later members are lost
         if field in ("key", "members"):

@@ -2,7 +2,8 @@
 
 Each sample is written once with one image per training resolution, resized to cover its bucket
 (`<key>.<res>.<format>`, data.image_format; `auto` keeps a source's own bytes where nothing changes), the same
-for its mask (`<key>.<res>.mask.png`) and its reference image (`<key>.<res>.reference.<format>`, edit models), its
+for its mask (`<key>.<res>.mask.png`) and its reference image (`<key>.<res>.reference.<format>`, edit models; a second
+one `<key>.<res>.reference2.<format>`, ...), its
 caption(s) (`<key>.txt`)
 and metadata (`<key>.json`). Samples are written bucket by bucket, so a bucket's samples sit in
 neighbouring shards. The manifest (`manifest.json`, written last: a set without one is incomplete)
@@ -97,7 +98,7 @@ def fingerprint_of(settings: dict, concepts: list) -> str:
         others = [Path(concept.path) / path for path, _ in unused]  # a HEIC that becomes readable changes the set
         partners = reference_partners(label, concept, images)
         for image in images + others:
-            for path in (image, image.with_suffix(concept.caption_extension), mask_of(image), partners.get(image)):
+            for path in (image, image.with_suffix(concept.caption_extension), mask_of(image), *partners.get(image, [])):
                 if path is not None and path.is_file():
                     stat = path.stat()
                     digest.update(f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())

@@ -107,7 +107,7 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
     if prior_targets is not None or (weights is not None and masking.prior_preservation_weight):
         with torch.no_grad(), adapters_disabled(model):  # OneTrainer's prior model: the same inputs, no LoRA
             prior_conditioning = text_conditioning(model, batch, device, dtype) | {
-                k: v for k, v in conditioning.items() if k == "reference_latents"}
+                k: v for k, v in conditioning.items() if k in ("reference_latents", "more_reference_latents")}
             prior = family.predict(denoiser, noisy.to(dtype), timesteps, prior_conditioning, batch).float()
     if prior_targets is not None:  # OneTrainer's PRIOR_PREDICTION: those samples learn the prior's prediction
         chosen = to_device(prior_targets, device).view(-1, *([1] * (target.dim() - 1)))

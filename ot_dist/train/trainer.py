@@ -107,7 +107,7 @@ class Trainer:
         for line in self.bucket_report:
             self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
-        check_references(self.dataset, get_family(config.model.family))  # before the model loads
+        check_references(self.dataset, get_family(config.model.family), config.data)  # before the model loads
         check_caches(config.data, get_family(config.model.family))
         check_video_clips(self.dataset.manifest, get_family(config.model.family))
         check_tokens_in_captions(config.additional_embeddings, training_captions(self.dataset, self.reader.table))

@@ -120,6 +120,9 @@ class Family:
     # Edit models that train text-to-image too (FLUX.2 [dev] / [klein]): with references where every sample has one,
     # without them where none has (a mix is refused: ot_dist/train/references.py); sample prompts may give one.
     reference_images_optional: bool = False
+    # How many reference images one sample may give the denoiser (a family that takes them): Kontext and
+    # Qwen-Image-Edit read one; FLUX.2 and Qwen-Image-Edit-2509 read a list (ot_dist/train/references.py refuses more).
+    max_reference_images: int = 1
     # Why this configured family cannot sample (a reason, refused before training when sampling.prompts has any),
     # None where it can: Wan 2.2 A14B's one-expert runs (WanPipeline needs both experts).
     samples_refused: str | None = None

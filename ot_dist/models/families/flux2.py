@@ -29,6 +29,7 @@ from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.flux import TRANSFORMER_SHARD_UNITS, pack, sample_reference, unpack
 from ot_dist.models.objectives import FlowMatching
+from ot_dist.train.references import reference_latents
 from ot_dist.train.transfer import to_device
 
 # Flux2Pipeline / Flux2KleinPipeline defaults: the text encoder's hidden states they concatenate (index 0 is the
@@ -122,6 +123,9 @@ class Flux2Family(Family):
     # Both pipelines take `image=` (reference images) and diffusers has an img2img script for each: a run with a
     # reference_path on its concepts trains image editing, one without trains text-to-image.
     reference_images_optional = True
+    # Flux2Pipeline / Flux2KleinPipeline take a list of references (each at time id 10 + 10 i) and set no cap; Black
+    # Forest Labs gives FLUX.2 up to 10 reference images
+    max_reference_images = 10
 
     def objective(self, pipeline, model_config) -> FlowMatching:
         return FlowMatching.from_scheduler_config(pipeline.scheduler.config, patch_size=2)
@@ -159,16 +163,17 @@ class Flux2Family(Family):
 
     def image_tokens(self, noisy: torch.Tensor, conditioning: dict, image_ids: torch.Tensor):
         """(the image stream's tokens, their position ids): the packed noisy latents, then, where the conditioning
-        has them (an edit run: ot_dist/train/references.py), the reference's packed latents with their own ids, as
+        has them (an edit run: ot_dist/train/references.py), each reference's packed latents with their own ids (the
+        i-th at time 10 + 10 i), as
         Flux2Pipeline / Flux2KleinPipeline append them (Flux.1 Kontext's hook, FLUX.2's ids). The prediction is read
         from the first tokens, the noisy latents' own."""
         tokens = pack(noisy)
-        reference = conditioning.get("reference_latents")
-        if reference is None:
+        references = reference_latents(conditioning)
+        if not references:
             return tokens, image_ids
-        h, w = reference.shape[-2:]
-        return (torch.cat([tokens, pack(reference.to(tokens))], dim=1),
-                torch.cat([image_ids, reference_ids(h // 2, w // 2, 0, image_ids.device)], dim=0))
+        ids = [reference_ids(r.shape[-2] // 2, r.shape[-1] // 2, i, image_ids.device) for i, r in enumerate(references)]
+        return (torch.cat([tokens, *(pack(r.to(tokens)) for r in references)], dim=1),
+                torch.cat([image_ids, *ids], dim=0))
 
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         b, _, h, w = noisy.shape

@@ -33,6 +33,7 @@ import torch
 
 from ot_dist.models.families.flux import pack, unpack
 from ot_dist.models.families.qwen_image import QWEN_SCHEDULER, QwenImage, tiny_qwen2_tokenizer
+from ot_dist.train.references import reference_latents
 from ot_dist.train.transfer import to_device
 
 # QwenImageEditPipeline.prompt_template_encode and prompt_template_encode_start_idx (diffusers 0.42)
@@ -87,18 +88,25 @@ class QwenImageEdit(QwenImage):
         if "reference_pixels" not in batch:
             raise ValueError("qwen_image_edit: a batch without reference_pixels (the trainer refuses such data "
                              "and data.cache_latents)")
-        images = reference_images(batch["reference_pixels"])
-        return self.processor_inputs(model.pipeline.processor, captions, self.vision_images(model.pipeline, images))
+        more = batch.get("more_reference_pixels")
+        # per sample its references in order (Picture 1, 2, ...): the order the prompt's vision tokens take them
+        per_sample = zip(*(reference_images(p) for p in [batch["reference_pixels"], *(more.unbind(1) if more is not
+                                                                                        None else ())]))
+        images = [image for sample in per_sample for image in sample]
+        count = 1 + (more.shape[1] if more is not None else 0)
+        return self.processor_inputs(model.pipeline.processor, captions, self.vision_images(model.pipeline, images),
+                                     count)
 
     def vision_images(self, pipeline, images: list) -> list:
         """The reference images as the vision tower sees them in training: as the pair gives them."""
         return images
 
-    def prompt_text(self, caption: str) -> str:
+    def prompt_text(self, caption: str, references: int = 1) -> str:
+        """The chat text of a caption with `references` reference images (one here: max_reference_images)."""
         return EDIT_PROMPT_TEMPLATE.format(caption)
 
-    def processor_inputs(self, processor, captions, images) -> dict:
-        encoded = processor(text=[self.prompt_text(c) for c in captions], images=images, padding=True,
+    def processor_inputs(self, processor, captions, images, references: int = 1) -> dict:
+        encoded = processor(text=[self.prompt_text(c, references) for c in captions], images=images, padding=True,
                             return_tensors="pt")
         return {"text_encoder": encoded["input_ids"], "text_encoder_mask": encoded["attention_mask"],
                 "pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
@@ -124,21 +132,21 @@ class QwenImageEdit(QwenImage):
 
     # -- the denoiser call ------------------------------------------------------------------------------
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
-        reference = conditioning.get("reference_latents")
-        if reference is None:  # the trainer refuses such data before loading (ot_dist/train/references.py)
+        references = reference_latents(conditioning)
+        if not references:  # the trainer refuses such data before loading (ot_dist/train/references.py)
             raise ValueError("qwen_image_edit: a denoiser call without reference latents (conditioning "
                              "'reference_latents')")
         b, _, h, w = noisy.shape
-        rh, rw = reference.shape[-2:]
         hidden, mask = conditioning["hidden"], conditioning["mask"]
         lengths = edit_caption_lengths(batch, mask)
         longest = max(lengths)
         tokens = denoiser(
-            hidden_states=torch.cat([pack(noisy), pack(reference.to(noisy))], dim=1),
+            # the noisy latents' tokens, then each reference's (QwenImageEditPlusPipeline's order and img_shapes)
+            hidden_states=torch.cat([pack(noisy), *(pack(r.to(noisy)) for r in references)], dim=1),
             encoder_hidden_states=hidden[:, :longest],
             encoder_hidden_states_mask=None if min(lengths) == longest else mask[:, :longest],
             timestep=timesteps.float() / 1000,
-            img_shapes=[[(1, h // 2, w // 2), (1, rh // 2, rw // 2)]] * b,
+            img_shapes=[[(1, h // 2, w // 2), *((1, r.shape[-2] // 2, r.shape[-1] // 2) for r in references)]] * b,
             return_dict=False,
         )[0]
         return unpack(tokens[:, :(h // 2) * (w // 2)], h, w)
@@ -251,18 +259,24 @@ class QwenImageEditPlus(QwenImageEdit):
     prompt names it "Picture 1: " before its vision tokens, and the vision tower sees it scaled to 384^2 pixels (the
     pipeline's CONDITION_IMAGE_SIZE, calculate_dimensions, the pipeline's own resize; SimpleTuner's edit-v2 does the
     same). The VAE takes the reference at the training image's size, as for Qwen-Image-Edit (SimpleTuner's edit-v2
-    too); samples run the pipeline, which scales it to 1024^2 for the VAE. Several references per sample, the Plus
-    pipeline's point, need the data path's several references (not yet)."""
+    too); samples run the pipeline, which scales it to 1024^2 for the VAE. Several references per sample (up to 3, a
+    reference folder's numbered partners `a_0`, `a_1`, ...): "Picture 1: ", "Picture 2: ", ... and each reference's
+    latent tokens after the noisy ones, in that order."""
 
     name = "qwen_image_edit_plus"
-    description = ("Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline) with one reference image per sample "
-                   "(\"Picture 1: \", the vision tower's copy at 384^2)")
+    description = ("Qwen-Image-Edit-2509 / 2511 (QwenImageEditPlusPipeline) with up to 3 reference images per "
+                   "sample (\"Picture 1: \", \"Picture 2: \", ..., the vision tower's copies at 384^2)")
     pipeline_class = "QwenImageEditPlusPipeline"
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image-edit-plus")
     modelspec_architecture = "qwen-image-edit-plus"
 
-    def prompt_text(self, caption: str) -> str:
-        return PLUS_PROMPT_TEMPLATE.format(PLUS_PICTURE.format(1) + caption)
+    # QwenImageEditPlusPipeline sets no cap; Qwen's model card (and musubi-tuner's docs) give up to 3 images
+    max_reference_images = 3
+
+    def prompt_text(self, caption: str, references: int = 1) -> str:
+        """"Picture 1: ", "Picture 2: ", ... each before its vision tokens, then the caption (the pipeline's
+        _get_qwen_prompt_embeds)."""
+        return PLUS_PROMPT_TEMPLATE.format("".join(PLUS_PICTURE.format(i + 1) for i in range(references)) + caption)
 
     def vision_images(self, pipeline, images):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions

@@ -1,0 +1,247 @@
+"""Several reference images per sample (FLUX.2, Qwen-Image-Edit-2509): a reference folder's numbered partners
+`a_0.png`, `a_1.png` (musubi-tuner's control_directory layout) become each sample's references in order, with the
+image's geometry; the denoiser sees them as the pipelines' image lists (FLUX.2's ids 10 + 10 i, Qwen's
+"Picture 1: ", "Picture 2: " and img_shapes); a family that takes fewer, samples with different counts and the latent
+cache are refused before the model loads; a missing partner is named before any shard."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import test_family_qwen_image_edit as qwen_tests
+import test_reference_images as data_tests
+import torch
+from conftest import base_config
+
+from ot_dist.config.load import validate
+from ot_dist.data.reader import ShardDataset, collate
+from ot_dist.data.shards import build_shard_set
+from ot_dist.errors import ConfigError, InputFileError
+from ot_dist.models.families.flux2 import patchify, unpatchify
+from ot_dist.train.references import reference_conditioning
+from ot_dist.train.trainer import Trainer
+
+
+def quiet(*_):
+    pass
+
+
+@pytest.fixture(scope="module")
+def numbered_pairs(shapes_data, tmp_path_factory):
+    """The shapes demo as edited images, each with two references of its own (two other drawings) as `<name>_0.png`,
+    `<name>_1.png`; and a folder with the first of them alone under the image's name (one reference)."""
+    from ot_dist.demo import make_demo_dataset
+
+    root = tmp_path_factory.mktemp("numbered_pairs")
+    images = shutil.copytree(shapes_data, root / "images")
+    count = len(list(images.glob("*.png")))
+    (root / "two").mkdir()
+    (root / "one").mkdir()
+    for number, seed in ((0, 7), (1, 11)):
+        drawn = make_demo_dataset(root / f"drawn{number}", count=count, seed=seed)
+        for image, drawing in zip(sorted(images.glob("*.png")), sorted(drawn.glob("*.png"))):
+            shutil.copy(drawing, root / "two" / f"{image.stem}_{number}.png")
+            if number == 0:
+                shutil.copy(drawing, root / "one" / image.name)
+    return images, root / "two", root / "one"
+
+
+def edit_config(family, model, images, references, out, concepts=None, **overrides):
+    raw = base_config(model, images, out, family=family, **{"batch_size": 2, "learning_rate": 3e-4, **overrides})
+    raw["data"].pop("path")
+    raw["data"]["concepts"] = concepts or [{"path": str(images), "reference_path": str(references)}]
+    return validate(raw)
+
+
+def no_model_loading(monkeypatch):
+    import ot_dist.train.trainer as trainer_module
+
+    def no_loading(*_):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(trainer_module, "load_model", no_loading)
+
+
+# -- data ---------------------------------------------------------------------------------------------------------
+
+def test_numbered_partners_are_each_samples_references_in_order_with_the_images_geometry(tmp_path):
+    """`_0` is the inverted image, `_1` the image itself: after a random crop and a flip drawn per epoch, the first
+    reference is -pixels and the second +pixels (PNG: exactly), so order and geometry both show."""
+    images, references = data_tests.paired_folder(tmp_path)
+    for first in sorted(references.glob("*.png")):
+        first.rename(references / f"{first.stem}_0.png")
+        shutil.copy(images / first.name, references / f"{first.stem}_1.png")
+    config = data_tests.config_for(images, references, tmp_path / "o", flip_probability=0.5)
+    build_shard_set(config, tmp_path / "shards", log=quiet)
+    dataset = ShardDataset(tmp_path / "shards", config)
+    assert dataset.reference_counts() == {2: [0, 1, 2, 3]}
+    assert {"64.reference.png", "64.reference2.png"} <= set(dataset.samples[0]["members"])
+    for epoch in range(4):
+        for i in range(len(dataset)):
+            sample = dataset.load(i, epoch)
+            assert sample["more_reference_pixels"].shape == (1, *sample["pixels"].shape)
+            np.testing.assert_allclose(sample["reference_pixels"].numpy(), -sample["pixels"].numpy(), atol=1.5 / 127.5)
+            np.testing.assert_allclose(sample["more_reference_pixels"][0].numpy(), sample["pixels"].numpy(), atol=1e-6)
+    assert collate([dataset.load(0, 0), dataset.load(1, 0)])["more_reference_pixels"].shape[:2] == (2, 1)
+
+
+def test_a_set_built_in_parts_keeps_each_samples_count(tmp_path):
+    from ot_dist.data.shard_parts import build_part, merge_parts
+
+    images, references = data_tests.paired_folder(tmp_path)
+    for first in sorted(references.glob("*.png")):
+        first.rename(references / f"{first.stem}_0.png")
+        shutil.copy(images / first.name, references / f"{first.stem}_1.png")
+    config = data_tests.config_for(images, references, tmp_path / "o")
+    for part in range(2):
+        build_part(config, tmp_path / "shards", (part, 2), log=quiet)
+    merge_parts(config, tmp_path / "shards", 2, log=quiet)
+    dataset = ShardDataset(tmp_path / "shards", config)
+    assert dataset.reference_counts() == {2: [0, 1, 2, 3]} and dataset.samples[3]["reference"] == 2
+    assert dataset.load(3, 0)["more_reference_pixels"].shape[0] == 1
+
+
+def test_one_reference_per_sample_reads_as_before(tmp_path):
+    images, references = data_tests.paired_folder(tmp_path)
+    config = data_tests.config_for(images, references, tmp_path / "o")
+    build_shard_set(config, tmp_path / "shards", log=quiet)
+    dataset = ShardDataset(tmp_path / "shards", config)
+    assert dataset.reference_counts() == {1: [0, 1, 2, 3]}
+    assert "more_reference_pixels" not in dataset.load(0, 0)
+
+
+def test_a_missing_numbered_partner_is_named_before_any_shard(tmp_path):
+    images, references = data_tests.paired_folder(tmp_path)
+    for first in sorted(references.glob("*.png")):
+        first.rename(references / f"{first.stem}_0.png")
+        shutil.copy(images / first.name, references / f"{first.stem}_1.png")
+    (references / "02_1.png").unlink()
+    with pytest.raises(InputFileError, match=r"reference_path: 1 images have fewer numbered reference images than "
+                                             r"the 2 of others .*02.png \(1\)"):
+        build_shard_set(data_tests.config_for(images, references, tmp_path / "o"), tmp_path / "shards", log=quiet)
+    assert not list((tmp_path / "shards").glob("shard-*.tar"))
+
+
+# -- refusals -------------------------------------------------------------------------------------------------------
+
+def test_a_family_taking_one_reference_refuses_two_naming_the_field(family_models, numbered_pairs, tmp_path,
+                                                                   monkeypatch):
+    images, two, _ = numbered_pairs
+    no_model_loading(monkeypatch)
+    config = edit_config("flux_kontext", family_models["flux_kontext"], images, two, tmp_path / "o")
+    with pytest.raises(ConfigError, match=r"data.concepts\[\].reference_path: 16 samples have 2 reference images .*"
+                                          r"model.family flux_kontext takes at most 1 per sample; flux2, flux2_klein, "
+                                          r"qwen_image_edit_plus take more"):
+        Trainer(config, log=quiet)
+
+
+def test_samples_with_different_counts_and_the_latent_cache_are_refused(family_models, numbered_pairs, tmp_path,
+                                                                         monkeypatch):
+    images, two, one = numbered_pairs
+    no_model_loading(monkeypatch)
+    mixed = [{"path": str(images), "reference_path": str(two)},
+             {"path": str(images), "reference_path": str(one), "name": "again"}]
+    config = edit_config("flux2", family_models["flux2"], images, None, tmp_path / "o", concepts=mixed)
+    with pytest.raises(ConfigError, match="samples give different numbers of reference images: 16 with 1 .*16 with 2"):
+        Trainer(config, log=quiet)
+    cached = edit_config("flux2", family_models["flux2"], images, two, tmp_path / "c", **{"data.cache_latents": True})
+    with pytest.raises(ConfigError, match="data.cache_latents: the latent cache keeps one reference image a sample"):
+        Trainer(cached, log=quiet)
+
+
+# -- the denoiser's view: the pipelines' image lists --------------------------------------------------------------
+
+def test_flux2_sees_two_references_as_flux2pipeline_does(family_models, numbered_pairs, tmp_path):
+    """Flux2Pipeline with image=[a, b]: each reference's patchified, normalised latents packed after the noisy
+    tokens, their ids _prepare_image_ids([a, b]) (time 10, then 20)."""
+    from diffusers import Flux2Pipeline
+
+    images, two, _ = numbered_pairs
+    trainer = Trainer(edit_config("flux2", family_models["flux2"], images, two, tmp_path / "o"), log=quiet)
+    model = trainer.model
+    batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+    conditioning = reference_conditioning(model, batch, "cpu", torch.float32)
+    assert len(conditioning["more_reference_latents"]) == 1
+    first, second = conditioning["reference_latents"], conditioning["more_reference_latents"][0]
+    vae = model.vae
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    with torch.no_grad():
+        conds = [(Flux2Pipeline._patchify_latents(vae.encode(p).latent_dist.mode()) - mean) / std
+                 for p in (batch["reference_pixels"], batch["more_reference_pixels"][:, 0])]
+    torch.testing.assert_close(patchify(first), conds[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(patchify(second), conds[1], rtol=1e-5, atol=1e-5)
+    noisy = torch.randn(2, 128, *conds[0].shape[-2:], generator=torch.Generator().manual_seed(0))
+    prompt_embeds, text_ids = model.pipeline.encode_prompt(list(batch["caption"]), device="cpu", max_sequence_length=
+                                                           model.family.pipeline_call_options(model.pipeline)[
+                                                               "max_sequence_length"])
+    timesteps = torch.tensor([500.0, 300.0])
+    transformer = model.denoiser
+    with torch.no_grad():
+        ids = Flux2Pipeline._prepare_latent_ids(noisy)
+        image_ids = Flux2Pipeline._prepare_image_ids([c[0:1] for c in conds]).expand(2, -1, -1)
+        guidance = model.family.guidance(transformer, 2, "cpu")
+        packed = Flux2Pipeline._pack_latents(noisy)
+        pred = transformer(hidden_states=torch.cat([packed, *(Flux2Pipeline._pack_latents(c) for c in conds)], dim=1),
+                           timestep=timesteps / 1000, guidance=guidance, encoder_hidden_states=prompt_embeds,
+                           txt_ids=text_ids, img_ids=torch.cat([ids, image_ids], dim=1), return_dict=False)[0]
+        expected = Flux2Pipeline._unpack_latents_with_ids(pred[:, :packed.shape[1]], ids)
+        ours = model.family.predict(transformer, unpatchify(noisy), timesteps,
+                                    {"hidden": prompt_embeds, **conditioning}, batch)
+        del conditioning["more_reference_latents"]
+        one = model.family.predict(transformer, unpatchify(noisy), timesteps, {"hidden": prompt_embeds, **conditioning},
+                                   batch)
+    torch.testing.assert_close(patchify(ours), expected, rtol=1e-5, atol=1e-5)
+    assert (ours - one).abs().max() > 1e-3  # the second reference reached the prediction
+
+
+def test_qwen_plus_reads_two_pictures_as_the_plus_pipeline(family_models, numbered_pairs, tmp_path):
+    """The text: QwenImageEditPlusPipeline.encode_prompt with image=[a, b] ("Picture 1: ", "Picture 2: ", each at
+    384^2 for the vision tower); the denoiser: both references' tokens after the noisy ones, img_shapes of all three."""
+    images, two, _ = numbered_pairs
+    family = "qwen_image_edit_plus"
+    trainer = Trainer(edit_config(family, family_models[family], images, two, tmp_path / "o"), log=quiet)
+    model = trainer.model
+    batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+    pipe = model.pipeline
+    firsts = qwen_tests.pil_references(batch)
+    seconds = qwen_tests.pil_references({"reference_pixels": batch["more_reference_pixels"][:, 0]})
+    with torch.no_grad():
+        ours = model.family.encode_text(model.text_encoders, batch["token_ids"])
+        rows = [pipe.encode_prompt([caption], image=[qwen_tests.condition_image(pipe, a),
+                                                     qwen_tests.condition_image(pipe, b)], device="cpu")[0][0]
+                for caption, a, b in zip(batch["caption"], firsts, seconds)]
+    longest = max(r.shape[0] for r in rows)
+    hidden = torch.stack([torch.cat([r, r.new_zeros(longest - r.shape[0], r.shape[1])]) for r in rows])
+    torch.testing.assert_close(ours["hidden"], hidden)
+    conditioning = {**ours, **reference_conditioning(model, batch, "cpu", torch.float32)}
+    first, second = conditioning["reference_latents"], conditioning["more_reference_latents"][0]
+    b, c, h, w = first.shape
+    noisy = torch.randn(b, c, h, w, generator=torch.Generator().manual_seed(0))
+    timesteps = torch.tensor([500.0, 300.0])
+    from ot_dist.models.families.flux import pack, unpack
+
+    with torch.no_grad():
+        lengths = [int(m.sum()) for m in ours["mask"]]
+        pred = model.denoiser(hidden_states=torch.cat([pack(noisy), pack(first), pack(second)], dim=1),
+                              encoder_hidden_states=ours["hidden"][:, :max(lengths)],
+                              encoder_hidden_states_mask=ours["mask"][:, :max(lengths)], timestep=timesteps / 1000,
+                              img_shapes=[[(1, h // 2, w // 2)] * 3] * b, return_dict=False)[0]
+        expected = unpack(pred[:, :(h // 2) * (w // 2)], h, w)
+        predicted = model.family.predict(model.denoiser, noisy, timesteps, conditioning, batch)
+    torch.testing.assert_close(predicted, expected, rtol=1e-5, atol=1e-5)
+
+
+# -- training -------------------------------------------------------------------------------------------------------
+
+def test_training_with_two_references_lowers_the_loss_and_differs_from_one(family_models, numbered_pairs, tmp_path):
+    images, two, one = numbered_pairs
+    runs = {}
+    for name, references in (("two", two), ("one", one)):
+        config = edit_config("flux2_klein", family_models["flux2_klein"], images, references, tmp_path / name, epochs=3)
+        runs[name] = np.array(Trainer(config, log=quiet).train().losses)
+    per_epoch = runs["two"].reshape(3, -1).mean(axis=1)
+    assert per_epoch[-1] < per_epoch[0] - 0.01, f"loss did not fall: {per_epoch}"
+    assert runs["two"].shape == runs["one"].shape and np.abs(runs["two"] - runs["one"]).max() > 1e-4
