@@ -206,7 +206,7 @@ def test_a_video_clip_in_a_concept_is_refused_not_skipped(family_models, shapes_
     data = tmp_path / "data"
     shutil.copytree(shapes_data, data)
     (data / "clip.mp4").write_bytes(b"\0" * 16)
-    with pytest.raises(InputFileError, match=r"1 video clip \(.*clip\.mp4\).*cannot train on video clips"):
+    with pytest.raises(InputFileError, match=r"1 video clip \(.*clip\.mp4\).*unless data.video_frames is set"):
         trainer_for(family_models[FAMILY], data, tmp_path / "o")
 
 

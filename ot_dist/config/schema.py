@@ -622,6 +622,22 @@ class DataConfig(Section):
         default=False, description="Leave out images with a side below a quarter of the bucket side they are scaled "
         "to (at the largest resolution). Off: they are kept, and named in a warning with their count.",
     )
+    video_frames: int | None = Field(
+        default=None, ge=1, description="A video family (wan): video clips in the concepts become samples of this "
+        "many frames (musubi-tuner's target_frames, one value); the VAE needs k n + 1 (Wan: 4n + 1: 1, 5, ..., 81). "
+        "null: clips are refused. Needs ot-dist[video] (PyAV). docs/data.md#video-clips",
+    )
+    video_fps: float | None = Field(
+        default=None, gt=0, description="The frame rate clips are sampled at (Wan trains at 16): frames are skipped to "
+        "it from the clip's rate. null: every frame in turn, at the clip's own rate.",
+    )
+    video_source_fps: float | None = Field(
+        default=None, gt=0, description="The rate the clips are taken to have (musubi-tuner's source_fps), instead of "
+        "their containers'. Only with video_fps.",
+    )
+    video_frame_extraction: Literal["head"] = Field(
+        default="head", description="Where a clip's frames come from: head, its first frames (musubi-tuner's head).",
+    )
     cache_latents: bool = Field(
         default=False,
         description="Encode every image with the VAE once (batched, in chunks of 1024 samples split over the ranks "
@@ -671,6 +687,11 @@ class DataConfig(Section):
                                  "colour jitter), which one cached latent per image cannot hold; set "
                                  f"{augmented[0]}.image_variations to N > 1 to cache N augmented versions (N times the "
                                  "cache's size), or turn cache_latents or the augmentation off")
+        if self.video_frames is not None and self.cache_latents:
+            raise ValueError("data.cache_latents: the latent cache holds images, not video clips (data.video_frames) "
+                             "yet; turn cache_latents off")
+        if self.video_source_fps is not None and self.video_fps is None:
+            raise ValueError("data.video_source_fps: only with data.video_fps (the rate it is resampled to)")
         return self
 
     def concept_list(self) -> list[tuple[str, ConceptConfig]]:

@@ -80,7 +80,8 @@ class Wan(Family):
     sample_guidance_scale = 5.0  # WanPipeline's default (OneTrainer has no Wan)
     lora_file_prefixes = None  # the diffusers layout
     single_file = False
-    video_model = True  # a video clip in a concept is refused (images only, as one-frame videos)
+    video_model = True  # video clips train with data.video_frames (else a clip in a concept is refused)
+    temporal_compression = 4  # AutoencoderKLWan's scale_factor_temporal: 4n + 1 frames -> n + 1 latent frames
     # SwarmUI's class ids (T2IModelClassSorter: wan-2_1-text2video-1_3b / -14b); modelspec_architecture_of picks one
     modelspec_architecture = "wan-2_1-text2video-14b"
 
@@ -204,14 +205,27 @@ class Wan(Family):
         factor = vae.config.scale_factor_spatial
         return torch.Size((vae.config.z_dim, pixel_height // factor, pixel_width // factor))
 
-    encode_posterior = QwenImage.encode_posterior  # the same VAE class family: images in as one-frame clips
+    def clip_latent_shape(self, vae, frames, pixel_height, pixel_width):
+        factor = vae.config.scale_factor_spatial
+        return torch.Size((vae.config.z_dim, 1 + (frames - 1) // vae.config.scale_factor_temporal,
+                           pixel_height // factor, pixel_width // factor))
+
+    def encode_posterior(self, vae, pixels):
+        """Images (B, 3, H, W) in as one-frame clips, their posterior without the frame axis (QwenImage's, whose VAE is
+        Wan's); clips (B, 3, F, H, W) as they are, (B, C, F', h, w) out."""
+        if pixels.dim() == 4:
+            return QwenImage.encode_posterior(self, vae, pixels)
+        posterior = vae.encode(pixels).latent_dist
+        return posterior.mean, posterior.std
 
     # -- the denoiser call ----------------------------------------------------------------------------
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         # float32 timesteps, as the pipeline passes the scheduler's (bfloat16 would round t near 1000)
-        out = denoiser(hidden_states=noisy.unsqueeze(2), timestep=timesteps.float(),
+        # images (B, C, h, w) as one-frame clips; clips' latents (B, C, F', h, w) as they are
+        image = noisy.dim() == 4
+        out = denoiser(hidden_states=noisy.unsqueeze(2) if image else noisy, timestep=timesteps.float(),
                        encoder_hidden_states=conditioning["hidden"], return_dict=False)[0]
-        return out[:, :, 0]
+        return out[:, :, 0] if image else out
 
     # -- LoRA files -----------------------------------------------------------------------------------
     def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
