@@ -625,7 +625,8 @@ class DataConfig(Section):
     video_frames: int | None = Field(
         default=None, ge=1, description="A video family (wan): video clips in the concepts become samples of this "
         "many frames (musubi-tuner's target_frames, one value); the VAE needs k n + 1 (Wan: 4n + 1: 1, 5, ..., 81). "
-        "null: clips are refused. Needs ot-dist[video] (PyAV). docs/data.md#video-clips",
+        "null: clips are no samples (wan refuses them, image families list them as not used). Needs ot-dist[video] "
+        "(PyAV). docs/data.md#video-clips",
     )
     video_fps: float | None = Field(
         default=None, gt=0, description="The frame rate clips are sampled at (Wan trains at 16): frames are skipped to "
