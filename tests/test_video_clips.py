@@ -214,3 +214,22 @@ def test_an_image_family_still_leaves_clips_out(family_models, shapes_data, tmp_
     assert dict(unused)[(data / "clip0.mp4").relative_to(data)] == VIDEO_REASON
     with pytest.raises(InputFileError, match="mixes video clips and images"):
         collate([{"pixels": torch.zeros(3, 9, 8, 8)}, {"pixels": torch.zeros(3, 8, 8)}])
+
+
+def test_a_lora_run_trains_on_clips_end_to_end(family_models, tmp_path):
+    """Trainer.train through the loader, the plan and the LoRA export, on clips alone."""
+    trainer = trainer_for(family_models["wan"], clip_folder(tmp_path / "clips"), tmp_path / "o", method="lora",
+                          max_steps=2, **{"lora.rank": 4, "lora.alpha": 4})
+    trainer.train()
+    assert trainer.dataset.manifest["clip_samples"] == 4
+    assert (tmp_path / "o" / "lora.safetensors").is_file()
+
+
+def test_clips_and_images_in_one_set_need_batch_size_1(family_models, shapes_data, tmp_path):
+    """A set of clips and images is refused before the model loads with batch_size 2 (their pixels cannot stack)."""
+    data = clip_folder(tmp_path / "mixed", count=3)
+    image = sorted(shapes_data.glob("*.png"))[0]
+    (data / "still.png").write_bytes(image.read_bytes())
+    (data / "still.txt").write_text("a still")
+    with pytest.raises(InputFileError, match="3 video clips and 1 images, which cannot share a micro batch"):
+        trainer_for(family_models["wan"], data, tmp_path / "o")

@@ -290,6 +290,17 @@ def caption_lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()] or [""]
 
 
+def check_clip_batches(manifest: dict, batch_size: int) -> None:
+    """A set of clips and images trains with batch_size 1 only: a clip's (3, F, H, W) pixels and an image's (3, H, W)
+    cannot stack into one micro batch, and the epoch plan groups samples by bucket, not by kind (checked before the
+    model loads, rather than at the first mixed batch)."""
+    clips, total = manifest.get("clip_samples", 0), manifest.get("sample_count", 0)
+    if 0 < clips < total and batch_size > 1:
+        raise InputFileError(f"data: the shard set holds {clips} video clips and {total - clips} images, which cannot "
+                             f"share a micro batch (batch_size {batch_size}); train them in separate runs, or with "
+                             "batch_size 1")
+
+
 def check_video_clips(manifest: dict, family) -> None:
     """A video family (Wan) refuses video clips left out of its concepts (no data.video_frames): they were surely
     meant as training data, and would otherwise be left out with a line in the unused-files report."""

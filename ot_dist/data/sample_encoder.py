@@ -66,7 +66,7 @@ class SampleEncoder:
             meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [resized.height, resized.width]}
         sample["json"] = json.dumps(meta).encode()
         record = {"key": key, "bucket": bucket, "concept": source.concept, "mask": source.mask is not None,
-                  "reference": source.reference is not None}
+                  "reference": source.reference is not None, "clip": False}
         return sample, record, warnings
 
 
@@ -85,7 +85,8 @@ def encoded_clip(config, source, sample: dict, meta: dict, bucket: int):
         meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [height, width]}
     meta["clip"] = True
     sample["json"] = json.dumps(meta).encode()
-    record = {"key": sample["__key__"], "bucket": bucket, "concept": source.concept, "mask": False, "reference": False}
+    record = {"key": sample["__key__"], "bucket": bucket, "concept": source.concept, "mask": False, "reference": False,
+              "clip": True}
     return sample, record, []
 
 

@@ -364,6 +364,7 @@ def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fing
                     for b in sorted(counts)],
         "shards": shards,
         "sample_count": len(records),
+        "clip_samples": sum(1 for r in records if r.get("clip")),  # video clips among them (video.py)
         "index": index_description(),
         "unused_files": list(unused),  # files in the concept folders that are not samples, with the reason
         "unreadable_images": list(bad),  # skipped within data.max_bad_fraction
