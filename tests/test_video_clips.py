@@ -233,3 +233,11 @@ def test_clips_and_images_in_one_set_need_batch_size_1(family_models, shapes_dat
     (data / "still.txt").write_text("a still")
     with pytest.raises(InputFileError, match="3 video clips and 1 images, which cannot share a micro batch"):
         trainer_for(family_models["wan"], data, tmp_path / "o")
+
+
+def test_clip_options_refused_with_a_latent_cache_or_a_source_rate_alone(family_models, tmp_path):
+    raw = base_config(family_models["wan"], tmp_path, tmp_path / "o", family="wan", **{"data.video_frames": 9})
+    with pytest.raises(Exception, match="data.cache_latents: the latent cache holds images, not video clips"):
+        validate({**raw, "data": {**raw["data"], "cache_latents": True}})
+    with pytest.raises(Exception, match="data.video_source_fps: only with data.video_fps"):
+        validate({**raw, "data": {**raw["data"], "video_source_fps": 30.0}})

@@ -43,7 +43,7 @@ class ModelConfig(Section):
         "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
         "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
-        "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
+        "videos or on video clips), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
         "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), anima (Anima: "
         "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4), krea2 (Krea 2), hunyuan_video (HunyuanVideo text-to-video, trained on images as one-frame videos); each is one "
         "module under ot_dist/models/families/ (docs/families.md)."
