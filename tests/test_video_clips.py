@@ -89,14 +89,20 @@ def trainer_for(model, data, out, **overrides):
 
 
 def test_the_frame_count_must_suit_the_vae_and_the_family(family_models, tmp_path):
-    data = clip_folder(tmp_path / "clips", count=1)
+    """Config errors naming the field, before anything is built: a count that is not 4n + 1 for Wan, clips for a
+    family that is not a video model, masked training of clips."""
+    def config(family="wan", **overrides):
+        return validate(base_config(family_models[family], tmp_path, tmp_path / "o", family=family,
+                                    **{"data.video_frames": 9, **overrides}))
+
+    config()
     with pytest.raises(ConfigError, match=r"data\.video_frames: 6 frames; wan's VAE compresses time 4x and needs "
                                           r"4n \+ 1 frames \(e\.g\. 5 or 9\)"):
-        trainer_for(family_models["wan"], data, tmp_path / "o", **{"data.video_frames": 6})
-    config = validate(base_config(family_models["wan"], data, tmp_path / "p", family="sd1",
-                                  **{"data.video_frames": 9}))
+        config(**{"data.video_frames": 6})
     with pytest.raises(ConfigError, match="data.video_frames: model.family sd1 is not a video model"):
-        Trainer(config, log=lambda *_: None)
+        config("sd1")
+    with pytest.raises(ConfigError, match="masked_training: video clips"):
+        config(**{"masked_training.enabled": True})
 
 
 def test_a_short_clip_is_named_and_skipped_at_build(family_models, tmp_path):

@@ -1108,6 +1108,17 @@ class TrainConfig(Section):
                              f"SDXL); {self.model.family} {family.zero_terminal_snr_refusal}")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
+        if self.data.video_frames is not None:
+            from ot_dist.data.video import check_clip_settings
+            from ot_dist.errors import ConfigError
+
+            try:  # a video family and a frame count its VAE takes (checked again at build and train start)
+                check_clip_settings(self.data, family)
+            except ConfigError as err:
+                raise ValueError(str(err)) from None
+            if self.masked_training.enabled:
+                raise ValueError("masked_training: video clips (data.video_frames) have no masks yet; turn "
+                                 "masked_training off")
         if self.sampling.prompts and not family.samplers:
             raise ValueError(f"sampling.prompts: ot_dist does not sample {self.model.family} during training yet; "
                              "remove the prompts")
