@@ -223,9 +223,10 @@ def test_an_image_family_still_leaves_clips_out(family_models, shapes_data, tmp_
 
 
 def test_a_lora_run_trains_on_clips_end_to_end(family_models, tmp_path):
-    """Trainer.train through the loader, the plan and the LoRA export, on clips alone."""
+    """Trainer.train through the loader (a forked worker decoding the clips), the plan and the LoRA export, on clips
+    alone."""
     trainer = trainer_for(family_models["wan"], clip_folder(tmp_path / "clips"), tmp_path / "o", method="lora",
-                          max_steps=2, **{"lora.rank": 4, "lora.alpha": 4})
+                          max_steps=2, **{"lora.rank": 4, "lora.alpha": 4, "data.loader_workers": 1})
     trainer.train()
     assert trainer.dataset.manifest["clip_samples"] == 4
     assert (tmp_path / "o" / "lora.safetensors").is_file()
