@@ -101,6 +101,9 @@ def test_the_frame_count_must_suit_the_vae_and_the_family(family_models, tmp_pat
         config(**{"data.video_frames": 6})
     with pytest.raises(ConfigError, match="data.video_frames: model.family sd1 is not a video model"):
         config("sd1")
+    hunyuan = base_config(tmp_path, tmp_path, tmp_path / "o", family="hunyuan_video", **{"data.video_frames": 9})
+    with pytest.raises(ConfigError, match="model.family hunyuan_video trains on images as one-frame videos only"):
+        validate(hunyuan)  # a video model whose clips are not wired yet
     with pytest.raises(ConfigError, match="masked_training: video clips"):
         config(**{"masked_training.enabled": True})
 

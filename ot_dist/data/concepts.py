@@ -311,5 +311,8 @@ def check_video_clips(manifest: dict, family) -> None:
         shown = ", ".join(clips[:5]) + (f" and {len(clips) - 5} more" if len(clips) > 5 else "")
         raise InputFileError(f"model.family {family.name}: the concepts hold {len(clips)} video clip"
                              f"{'s' if len(clips) != 1 else ''} ({shown}); ot_dist trains {family.name} on images as "
-                             "one-frame videos unless data.video_frames is set: set it (and data.video_fps) to train on "
-                             "the clips (docs/data.md#video-clips), or move them out of the concept folders")
+                             + ("one-frame videos unless data.video_frames is set: set it (and data.video_fps) to train "
+                                "on the clips (docs/data.md#video-clips), or move them out of the concept folders"
+                                if family.temporal_compression else
+                                "one-frame videos and cannot train on video clips yet: extract frames as images or move "
+                                "the clips out of the concept folders"))

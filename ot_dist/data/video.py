@@ -89,9 +89,10 @@ def check_clip_settings(data, family) -> None:
     temporal compression k). Called before any clip is scanned (shard build) and at train start."""
     if data.video_frames is None:
         return
-    if not family.video_model:
-        raise ConfigError(f"data.video_frames: model.family {family.name} is not a video model; video clips train "
-                          "video families only (wan): remove data.video_frames")
+    if family.temporal_compression is None:
+        kind = "trains on images as one-frame videos only" if family.video_model else "is not a video model"
+        raise ConfigError(f"data.video_frames: model.family {family.name} {kind}; video clips train wan: remove "
+                          "data.video_frames")
     k = family.temporal_compression
     if (data.video_frames - 1) % k:
         low = (data.video_frames - 1) // k * k + 1

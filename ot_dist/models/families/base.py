@@ -114,11 +114,12 @@ class Family:
     # data.<option>: why this family refuses it (Qwen-Image-Edit's text encoder reads the reference image's pixels,
     # so neither a text cache of captions nor a latent cache serves it); checked before the model loads.
     cache_refusals: dict[str, str] = {}
-    # A video model (Wan): it trains on video clips with data.video_frames (ot_dist/data/video.py); without, a clip in
-    # a concept is refused, not left out (concepts.py check_video_clips), since it was surely meant as training data.
+    # A video model (Wan, HunyuanVideo): a clip in a concept it does not train on is refused, not left out
+    # (concepts.py check_video_clips), since it was surely meant as training data.
     video_model: bool = False
-    # A video model's VAE: k frames per latent frame after the first (a clip of k n + 1 frames gives n + 1)
-    temporal_compression: int = 1
+    # A video model that trains on clips (data.video_frames, ot_dist/data/video.py): its VAE's k frames per latent frame
+    # after the first (a clip of k n + 1 frames gives n + 1). None: images only, as one-frame videos.
+    temporal_compression: int | None = None
     # Edit models that train text-to-image too (FLUX.2 [dev] / [klein]): with references where every sample has one,
     # without them where none has (a mix is refused: ot_dist/train/references.py); sample prompts may give one.
     reference_images_optional: bool = False
