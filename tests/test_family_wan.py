@@ -197,8 +197,8 @@ def test_unsupported_wan_variants_are_refused():
 
 
 def test_a_video_clip_in_a_concept_is_refused_not_skipped(family_models, shapes_data, tmp_path):
-    """Video clips are out of scope (images as one-frame videos only): one in the data folder stops the run with a
-    message naming it, where an image family lists it among the unused files."""
+    """Without data.video_frames a video clip in the data folder stops the run with a message naming it (and pointing
+    at data.video_frames), where an image family lists it among the unused files (clips as data: test_video_clips.py)."""
     import shutil
 
     from ot_dist.errors import InputFileError
@@ -206,7 +206,7 @@ def test_a_video_clip_in_a_concept_is_refused_not_skipped(family_models, shapes_
     data = tmp_path / "data"
     shutil.copytree(shapes_data, data)
     (data / "clip.mp4").write_bytes(b"\0" * 16)
-    with pytest.raises(InputFileError, match=r"1 video clip \(.*clip\.mp4\).*cannot train on video clips"):
+    with pytest.raises(InputFileError, match=r"1 video clip \(.*clip\.mp4\).*unless data.video_frames is set"):
         trainer_for(family_models[FAMILY], data, tmp_path / "o")
 
 

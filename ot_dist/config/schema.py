@@ -43,7 +43,7 @@ class ModelConfig(Section):
         "(HiDream-I1), flux_kontext (Flux.1 Kontext dev, an edit model: concepts need reference_path), lumina2 "
         "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
-        "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
+        "videos or on video clips), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
         "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), anima (Anima: "
         "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4), krea2 (Krea 2), hunyuan_video (HunyuanVideo text-to-video, trained on images as one-frame videos); each is one "
         "module under ot_dist/models/families/ (docs/families.md)."
@@ -625,6 +625,23 @@ class DataConfig(Section):
         default=False, description="Leave out images with a side below a quarter of the bucket side they are scaled "
         "to (at the largest resolution). Off: they are kept, and named in a warning with their count.",
     )
+    video_frames: int | None = Field(
+        default=None, ge=1, description="A video family (wan): video clips in the concepts become samples of this "
+        "many frames (musubi-tuner's target_frames, one value); the VAE needs k n + 1 (Wan: 4n + 1: 1, 5, ..., 81). "
+        "null: clips are no samples (wan refuses them, image families list them as not used). Needs ot-dist[video] "
+        "(PyAV). docs/data.md#video-clips",
+    )
+    video_fps: float | None = Field(
+        default=None, gt=0, description="The frame rate clips are sampled at (Wan trains at 16): frames are skipped to "
+        "it from the clip's rate. null: every frame in turn, at the clip's own rate.",
+    )
+    video_source_fps: float | None = Field(
+        default=None, gt=0, description="The rate the clips are taken to have (musubi-tuner's source_fps), instead of "
+        "their containers'. Only with video_fps.",
+    )
+    video_frame_extraction: Literal["head"] = Field(
+        default="head", description="Where a clip's frames come from: head, its first frames (musubi-tuner's head).",
+    )
     cache_latents: bool = Field(
         default=False,
         description="Encode every image with the VAE once (batched, in chunks of 1024 samples split over the ranks "
@@ -674,6 +691,11 @@ class DataConfig(Section):
                                  "colour jitter), which one cached latent per image cannot hold; set "
                                  f"{augmented[0]}.image_variations to N > 1 to cache N augmented versions (N times the "
                                  "cache's size), or turn cache_latents or the augmentation off")
+        if self.video_frames is not None and self.cache_latents:
+            raise ValueError("data.cache_latents: the latent cache holds images, not video clips (data.video_frames) "
+                             "yet; turn cache_latents off")
+        if self.video_source_fps is not None and self.video_fps is None:
+            raise ValueError("data.video_source_fps: only with data.video_fps (the rate it is resampled to)")
         return self
 
     def concept_list(self) -> list[tuple[str, ConceptConfig]]:
@@ -1089,6 +1111,17 @@ class TrainConfig(Section):
                              f"SDXL); {self.model.family} {family.zero_terminal_snr_refusal}")
         if self.model.inpainting and family.inpaint_pipeline_class is None:
             raise ValueError(f"model.inpainting: model family {self.model.family} has no inpainting models")
+        if self.data.video_frames is not None:
+            from ot_dist.data.video import check_clip_settings
+            from ot_dist.errors import ConfigError
+
+            try:  # a video family and a frame count its VAE takes (checked again at build and train start)
+                check_clip_settings(self.data, family)
+            except ConfigError as err:
+                raise ValueError(str(err)) from None
+            if self.masked_training.enabled:
+                raise ValueError("masked_training: video clips (data.video_frames) have no masks yet; turn "
+                                 "masked_training off")
         if self.sampling.prompts and not family.samplers:
             raise ValueError(f"sampling.prompts: ot_dist does not sample {self.model.family} during training yet; "
                              "remove the prompts")

@@ -15,15 +15,15 @@ from ot_dist.config.schema import ConceptConfig, DataConfig
 from ot_dist.data import images as image_files
 from ot_dist.data.images import HEIF_EXTENSIONS, UnreadableImage, open_image
 from ot_dist.data.unreadable import check_unreadable
+from ot_dist.data.video import VIDEO_EXTENSIONS, UnreadableClip, clip_frames
 from ot_dist.errors import InputFileError
 
 MASK_SUFFIX = "-masklabel.png"
 # OneTrainer's collector leaves out every image whose name before the extension ends in one of these, whatever the
 # extension (mgds CollectPaths, exclude_postfix): its masks (read only as `<stem>-masklabel.png`) and its custom
 # conditioning images (`<stem>-condlabel.png`). They are not samples; -> why ot_dist does not use them.
-# Video containers: a clip in a concept folder is not training data (ot_dist trains on images); a video family refuses
-# it (check_video_clips) rather than leave it out with the other unused files.
-VIDEO_EXTENSIONS = {".mp4", ".m4v", ".mov", ".webm", ".mkv", ".avi", ".mpg", ".mpeg", ".wmv", ".flv"}
+# Video containers: without data.video_frames a clip in a concept folder is not training data; a video family refuses
+# it (check_video_clips) rather than leave it out with the other unused files. With it, clips are samples (video.py).
 VIDEO_REASON = "a video clip (ot_dist trains on images only)"
 NOT_SAMPLES = {"-masklabel": "a mask that is not a PNG (masks are <image name>-masklabel.png)",
                "-condlabel": "OneTrainer's conditioning image of its image (custom_conditioning_image), not a sample"}
@@ -46,7 +46,7 @@ class SourceSample:
     image: Path
     caption: str  # one or more captions, one per line; the prefix is already applied
     mask: Path | None
-    size: tuple[int, int]  # (width, height) of the image file
+    size: tuple[int, int]  # (width, height) of the image file (of a clip: of its first frame)
     number: int = 0  # position in the list of every concept's images (concept, then path): names the sample
     reference: Path | None = None  # the concept's reference_path partner (edit models' conditioning image)
     more_references: tuple[Path, ...] = ()  # its second, third ... (numbered partners: `a_0.png`, `a_1.png`)
@@ -94,13 +94,13 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
     listed: list[tuple[int, ConceptConfig, Path]] = []
     partners: dict[tuple[int, Path], list[Path]] = {}  # per concept: two may share a folder of images
     for index, (label, concept) in enumerate(data.concept_list()):
-        images, skipped = classify_files(label, concept)
+        images, skipped = classify_files(label, concept, clips=data.video_frames is not None)
         unused += skipped
         listed += [(index, concept, image) for image in images]
         # stat only: a missing one stops before any decoding
         partners |= {(index, image): found for image, found in reference_partners(label, concept, images).items()}
     start, stop = part_range(len(listed), *(part or (0, 1)))
-    probe = SizeProbe(data.max_image_pixels, background)
+    probe = SizeProbe(data.max_image_pixels, background, clip_selection(data))
     sizes = map_over_workers(probe, [listed[number][2] for number in range(start, stop)], workers)
     for number, size in zip(range(start, stop), sizes):
         index, concept, image = listed[number]
@@ -116,16 +116,26 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
 
 
 class SizeProbe:
-    """Callable on an image path -> its upright (width, height), or the error text naming it; picklable."""
+    """Callable on an image path -> its upright (width, height), or the error text naming it; picklable. A clip: the
+    size of its first frame, after decoding the frames it trains on (a clip too short for them is named here)."""
 
-    def __init__(self, max_pixels, background):
-        self.max_pixels, self.background = max_pixels, background
+    def __init__(self, max_pixels, background, clips: dict | None = None):
+        self.max_pixels, self.background, self.clips = max_pixels, background, clips
 
     def __call__(self, image: Path) -> tuple[int, int] | str:
         try:
+            if self.clips is not None and image.suffix.lower() in VIDEO_EXTENSIONS:
+                return clip_frames(image, where=str(image), **self.clips)[0].size
             return open_image(image, self.max_pixels, self.background).size
-        except UnreadableImage as err:
+        except (UnreadableImage, UnreadableClip) as err:
             return str(err)
+
+
+def clip_selection(data: DataConfig) -> dict | None:
+    """clip_frames' selection arguments from data.video_*; None when clips are not samples."""
+    if data.video_frames is None:
+        return None
+    return {"frames": data.video_frames, "fps": data.video_fps, "source_fps": data.video_source_fps}
 
 
 def map_over_workers(function, items: list, workers: int) -> list:
@@ -159,16 +169,17 @@ def list_images(label: str, concept: ConceptConfig) -> list[Path]:
     return classify_files(label, concept)[0]
 
 
-def classify_files(label: str, concept: ConceptConfig) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """The images of a concept folder, and every other file that is neither an image, a caption, a mask nor
-    a known sidecar, with the reason it is not used. Errors when the folder has no image."""
+def classify_files(label: str, concept: ConceptConfig, clips: bool = False) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The images of a concept folder (`clips`: and its video clips, data.video_frames), and every other file that is
+    neither an image, a caption, a mask nor a known sidecar, with the reason it is not used. Errors when the folder
+    has no image."""
     root = Path(concept.path)
     if not root.is_dir():
         raise InputFileError(f"{label}: {root.resolve()} is not a folder")
     pattern = "**/*" if concept.include_subdirectories else "*"
     found = sorted(root.glob(pattern))
     files = [p for p in found if p.is_file()]
-    extensions = image_files.image_extensions()
+    extensions = image_files.image_extensions() | (VIDEO_EXTENSIONS if clips else set())
     images = [p for p in files if p.suffix.lower() in extensions and not p.stem.endswith(tuple(NOT_SAMPLES))
               and not is_sidecar(p)]
     known = set(images) | {p.with_name(p.stem + MASK_SUFFIX) for p in images}
@@ -320,10 +331,20 @@ def caption_lines(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip()] or [""]
 
 
+def check_clip_batches(manifest: dict, batch_size: int) -> None:
+    """A set of clips and images trains with batch_size 1 only: a clip's (3, F, H, W) pixels and an image's (3, H, W)
+    cannot stack into one micro batch, and the epoch plan groups samples by bucket, not by kind (checked before the
+    model loads, rather than at the first mixed batch)."""
+    clips, total = manifest.get("clip_samples", 0), manifest.get("sample_count", 0)
+    if 0 < clips < total and batch_size > 1:
+        raise InputFileError(f"data: the shard set holds {clips} video clips and {total - clips} images, which cannot "
+                             f"share a micro batch (batch_size {batch_size}); train them in separate runs, or with "
+                             "batch_size 1")
+
+
 def check_video_clips(manifest: dict, family) -> None:
-    """A video family (Wan, trained on images as one-frame videos) refuses video clips in its concepts: they were
-    surely meant as training data, which ot_dist cannot read yet, and would otherwise be left out with a line in the
-    unused-files report."""
+    """A video family (Wan) refuses video clips left out of its concepts (no data.video_frames): they were surely
+    meant as training data, and would otherwise be left out with a line in the unused-files report."""
     if not family.video_model:
         return
     clips = [entry["file"] for entry in manifest.get("unused_files", []) if entry.get("reason") == VIDEO_REASON]
@@ -331,5 +352,8 @@ def check_video_clips(manifest: dict, family) -> None:
         shown = ", ".join(clips[:5]) + (f" and {len(clips) - 5} more" if len(clips) > 5 else "")
         raise InputFileError(f"model.family {family.name}: the concepts hold {len(clips)} video clip"
                              f"{'s' if len(clips) != 1 else ''} ({shown}); ot_dist trains {family.name} on images as "
-                             "one-frame videos and cannot train on video clips yet: extract frames as images or move "
-                             "the clips out of the concept folders")
+                             + ("one-frame videos unless data.video_frames is set: set it (and data.video_fps) to train "
+                                "on the clips (docs/data.md#video-clips), or move them out of the concept folders"
+                                if family.temporal_compression else
+                                "one-frame videos and cannot train on video clips yet: extract frames as images or move "
+                                "the clips out of the concept folders"))

@@ -27,6 +27,7 @@ from ot_dist.data.buckets import bucket_size, cover_size, merged_buckets, resize
 from ot_dist.data.augment import augment_mask, augment_with_references
 from ot_dist.data.cache_index import CacheIndex
 from ot_dist.data.captions import vary_caption
+from ot_dist.data.concepts import clip_selection
 from ot_dist.data.decode import decode_member
 from ot_dist.data import external
 from ot_dist.data.images import parse_colour
@@ -37,6 +38,7 @@ from ot_dist.data.sample_index import MASK, REFERENCE, reference_counts, shard_l
 from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import read_manifest
 from ot_dist.data.variations import Variations, member_name
+from ot_dist.data.video import clip_frames
 from ot_dist.errors import InputFileError
 from ot_dist.randomness import generator
 
@@ -65,6 +67,7 @@ class ShardDataset:
         if self.layout:
             external.register_openers(self.layout["image"])
         self.background = parse_colour(config.data.image_background)
+        self.clip_selection = clip_selection(config.data)  # how video clips' frames are chosen (video.py)
         missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
         if missing and not self.layout:
             raise InputFileError(
@@ -215,6 +218,8 @@ class ShardDataset:
                 reference = self._read_cached("latents", sample_id, sample["key"],
                                               member_name(f"{resolution}.reference_latent.safetensors", image_version))
                 out |= {"reference_latent_mean": reference["mean"], "reference_latent_std": reference["std"]}
+        elif self._clip_member(sample):
+            top, left, out = self._clip(sample, sample_id, epoch, resolution, (height, width))
         else:
             image = self._image(sample, resolution)
             if moved or self.layout:  # stored to cover its own bucket (or as it was): scaled to cover this one
@@ -276,6 +281,32 @@ class ShardDataset:
             out["mask"] = mask
             out["mask_given"] = torch.tensor(bool(sample["mask"]))  # inpainting draws a mask for the others
         return out
+
+    def _clip_member(self, sample: dict) -> str | None:
+        """The member holding a video clip's own bytes (`clip.mp4`, ...), None for an image sample."""
+        return next((suffix for suffix in sample["members"] if suffix.startswith("clip.")), None)
+
+    def _clip(self, sample: dict, sample_id: int, epoch: int, resolution: int, size: tuple[int, int]):
+        """(top, left, {"pixels": (3, F, H, W)}) of a video clip: its frames (data.video_*) each through the image
+        path's geometry: scaled to cover the bucket, one crop box and one augmentation draw for every frame."""
+        if self.clip_selection is None:
+            raise InputFileError(f"data.video_frames: sample {sample['key']} is a video clip; set data.video_frames "
+                                 "(the shard set was built with clips)")
+        suffix = self._clip_member(sample)
+        path = self.samples.shard_path(sample["shard"])
+        where = f"shard {shard_label(path)} sample {sample['key']} member {suffix}"
+        frames = clip_frames(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]),
+                             where=where, **self.clip_selection)
+        height, width = size
+        frames = [resize_to_cover(frame, size) for frame in frames]
+        top, left = self._crop_offset(frames[0].height - height, frames[0].width - width, sample_id, epoch)
+        box = (left, top, left + width, top + height)
+        concept = self.concepts.get(sample["concept"])
+        # the same generator key for each frame: the same flip / rotation / colour draws, so the clip moves as one
+        pixels = [_pixels(augment_with_reference(frame.crop(box), None, None, concept,
+                                                 generator(self.seed, epoch, sample_id, "augment"))[0])
+                  for frame in frames]
+        return top, left, {"pixels": torch.stack(pixels, dim=1)}
 
     def caption_version(self, index: int, caption: str, version: int) -> str:
         """A caption line of sample `index` varied as the uncached epoch `version` varies it: text version `version`."""
@@ -363,6 +394,9 @@ def collate(samples: list[dict]) -> dict:
     keys += sorted(k for k in samples[0] if k.startswith("text_"))  # cached text conditioning
     keys += ["original_size", "crop_top_left", "target_size"]
     keys += [key for key in ("loss_weight", "prior_prediction") if key in samples[0]]
+    if len({s["pixels"].dim() for s in samples if "pixels" in s}) > 1:
+        raise InputFileError("data: a micro batch mixes video clips and images, which cannot stack into one tensor; "
+                             "train clips with batch_size 1 or put images and clips in separate runs")
     batch = {key: torch.stack([s[key] for s in samples]) for key in keys}
     batch["caption"] = [s["caption"] for s in samples]
     batch["sample_id"] = torch.tensor([s["sample_id"] for s in samples])

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, resize_to_cover
+from ot_dist.data.buckets import aspect_name, bucket_size, config_bucket_of, cover_size, resize_to_cover
 from ot_dist.data.images import open_image, parse_colour
+from ot_dist.data.video import VIDEO_EXTENSIONS
 
 
 class SampleEncoder:
@@ -44,6 +45,8 @@ class SampleEncoder:
                 **({"more_references": [str(p) for p in source.more_references]} if source.more_references else {}),
                 "concept": source.concept, "original_size": [source.size[1], source.size[0]],
                 "bucket": bucket, "aspect": aspect_name(bucket), "resolutions": {}}
+        if source.image.suffix.lower() in VIDEO_EXTENSIONS:
+            return encoded_clip(config, source, sample, meta, bucket)
         img = open_image(source.image, data.max_image_pixels, parse_colour(data.image_background))  # upright sRGB
         mask = load_mask(source.mask, source.image, img.size, warnings.append) if source.mask else None
         background = parse_colour(data.image_background)
@@ -66,7 +69,7 @@ class SampleEncoder:
             meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [resized.height, resized.width]}
         sample["json"] = json.dumps(meta).encode()
         record = {"key": key, "bucket": bucket, "concept": source.concept, "mask": source.mask is not None,
-                  "reference": len(references)}  # how many (a bool before several were read)
+                  "reference": len(references), "clip": False}  # how many (a bool before several were read)
         return sample, record, warnings
 
 
@@ -78,6 +81,26 @@ def references_of(source) -> list:
 def reference_kind(index: int) -> str:
     """The member kind of a sample's `index`-th reference image: `reference`, then `reference2`, `reference3`, ..."""
     return "reference" if index == 0 else f"reference{index + 1}"
+
+
+def encoded_clip(config, source, sample: dict, meta: dict, bucket: int):
+    """A video clip's sample: the clip's own bytes (`clip.<extension>`, decoded and its frames chosen by the reader,
+    video.py), never re-encoded; its metadata gives each resolution's bucket and the size its frames are scaled to.
+    (The scan decoded its frames: it is long enough.)"""
+    from ot_dist.errors import InputFileError
+
+    if source.mask is not None or source.reference is not None:
+        raise InputFileError(f"data: clip {source.image} has a mask or a reference image, which clips cannot have yet")
+    sample[f"clip{source.image.suffix.lower()}"] = Path(source.image).read_bytes()
+    for res in config.resolutions():
+        target = bucket_size(bucket, res, config.data.bucket_step)
+        width, height = cover_size(*source.size, target)
+        meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [height, width]}
+    meta["clip"] = True
+    sample["json"] = json.dumps(meta).encode()
+    record = {"key": sample["__key__"], "bucket": bucket, "concept": source.concept, "mask": False, "reference": 0,
+              "clip": True}
+    return sample, record, []
 
 
 def reference_member_format(image_format: str, path) -> str:

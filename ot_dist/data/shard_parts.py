@@ -35,7 +35,8 @@ PART_FORMAT = "ot_dist.shard-part/1"
 PART_FOLDER = re.compile(r"part-(\d{5})-of-(\d{5})")
 MERGE_WAIT_S = 86400  # how long a merge at train start (or in the k8s merge pod) waits for parts still building
 COLUMNS = ("key", "shard", "bucket", "concept", "mask", "number")  # a part's samples, one list per field
-OPTIONAL_COLUMNS = {"reference": False}  # added later: a part written before reads as the default
+# added later: a part written before reads as the default
+OPTIONAL_COLUMNS = {"reference": False, "clip": False}
 
 
 def parse_part(text: str) -> tuple[int, int]:

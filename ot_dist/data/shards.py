@@ -80,7 +80,17 @@ def build_settings(config: TrainConfig) -> dict:
     return {"resolutions": config.resolutions(), "bucket_step": data.bucket_step,
             "bucket_assignment": data.bucket_assignment, "image_format": data.image_format,
             "max_image_pixels": data.max_image_pixels, "image_background": data.image_background,
-            "skip_small_images": data.skip_small_images, "concepts": concepts}
+            "skip_small_images": data.skip_small_images, "concepts": concepts,
+            **clip_settings(data)}
+
+
+def clip_settings(data) -> dict:
+    """The video settings a set with clips was built with (which clips are samples, which are too short); {} without
+    data.video_frames, so sets built before clips keep their fingerprint."""
+    if data.video_frames is None:
+        return {}
+    return {"video_frames": data.video_frames, "video_fps": data.video_fps, "video_source_fps": data.video_source_fps,
+            "video_frame_extraction": data.video_frame_extraction}
 
 
 def source_fingerprint(config: TrainConfig) -> str:
@@ -94,7 +104,7 @@ def fingerprint_of(settings: dict, concepts: list) -> str:
     with a manifest's own, to tell whether a set's sources changed since it was built."""
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
     for label, concept in concepts:
-        images, unused = classify_files(label, concept)
+        images, unused = classify_files(label, concept, clips="video_frames" in settings)  # (clip_settings)
         others = [Path(concept.path) / path for path, _ in unused]  # a HEIC that becomes readable changes the set
         partners = reference_partners(label, concept, images)
         for image in images + others:
@@ -165,7 +175,11 @@ def build_shard_set(config: TrainConfig, out_dir: str | Path, log=print, config_
 def scan_sources(config: TrainConfig, log=print, part: tuple[int, int] | None = None, workers: int = 1) -> tuple:
     """(the scan, the samples to build): the concepts scanned (`part`: one range of their images), the small
     images left out with data.skip_small_images or warned about."""
+    from ot_dist.data.video import check_clip_settings
+    from ot_dist.models.families.registry import get_family
+
     data = config.data
+    check_clip_settings(data, get_family(config.model.family))  # before any clip is decoded
     scan = scan_folders(data, log, part, workers)
     sources, small = small_images(config, scan.samples)
     if data.skip_small_images:
@@ -351,6 +365,7 @@ def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fing
                     for b in sorted(counts)],
         "shards": shards,
         "sample_count": len(records),
+        "clip_samples": sum(1 for r in records if r.get("clip")),  # video clips among them (video.py)
         "index": index_description(),
         "unused_files": list(unused),  # files in the concept folders that are not samples, with the reason
         "unreadable_images": list(bad),  # skipped within data.max_bad_fraction

@@ -59,7 +59,10 @@ def encode_latents(family: Family, vae: torch.nn.Module, batch: dict, eps: torch
 def latent_shape_of(model: LoadedModel, batch: dict) -> torch.Size:
     if "latent_mean" in batch:
         return batch["latent_mean"].shape[1:]
-    return model.family.latent_shape(model.vae, *batch["pixels"].shape[-2:])
+    pixels = batch["pixels"]
+    if pixels.dim() == 5:  # video clips (B, 3, F, H, W): a video family's (C, F', h, w)
+        return model.family.clip_latent_shape(model.vae, *pixels.shape[-3:])
+    return model.family.latent_shape(model.vae, *pixels.shape[-2:])
 
 
 def text_conditioning(model: LoadedModel, batch: dict, device: torch.device, dtype: torch.dtype) -> dict:

@@ -19,7 +19,8 @@ from ot_dist.checkpoint.training_state import Checkpointer, Position
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
-from ot_dist.data.concepts import check_video_clips
+from ot_dist.data.concepts import check_clip_batches, check_video_clips
+from ot_dist.data.video import check_clip_settings
 from ot_dist.data.training_data import open_training_data, report_lines, training_captions
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role
@@ -110,6 +111,8 @@ class Trainer:
         check_references(self.dataset, get_family(config.model.family), config.data)  # before the model loads
         check_caches(config.data, get_family(config.model.family))
         check_video_clips(self.dataset.manifest, get_family(config.model.family))
+        check_clip_settings(config.data, get_family(config.model.family))
+        check_clip_batches(self.dataset.manifest, config.batch_size)
         check_tokens_in_captions(config.additional_embeddings, training_captions(self.dataset, self.reader.table))
         sizes = self.reader.table.epoch_sizes().values()
         self.plan = plan_steps(config, sizes, self.runtime.world_size)  # as `ot-dist schedule` counts

@@ -114,9 +114,12 @@ class Family:
     # data.<option>: why this family refuses it (Qwen-Image-Edit's text encoder reads the reference image's pixels,
     # so neither a text cache of captions nor a latent cache serves it); checked before the model loads.
     cache_refusals: dict[str, str] = {}
-    # A video model trained on images as one-frame videos (Wan): a video clip in a concept is refused, not left out
-    # (ot_dist/data/concepts.py check_video_clips), since it was surely meant as training data.
+    # A video model (Wan, HunyuanVideo): a clip in a concept it does not train on is refused, not left out
+    # (concepts.py check_video_clips), since it was surely meant as training data.
     video_model: bool = False
+    # A video model that trains on clips (data.video_frames, ot_dist/data/video.py): its VAE's k frames per latent frame
+    # after the first (a clip of k n + 1 frames gives n + 1). None: images only, as one-frame videos.
+    temporal_compression: int | None = None
     # Edit models that train text-to-image too (FLUX.2 [dev] / [klein]): with references where every sample has one,
     # without them where none has (a mix is refused: ot_dist/train/references.py); sample prompts may give one.
     reference_images_optional: bool = False
@@ -314,6 +317,11 @@ class Family:
     def latent_shape(self, vae, pixel_height: int, pixel_width: int) -> torch.Size:
         factor = 2 ** (len(vae.config.block_out_channels) - 1)
         return torch.Size((vae.config.latent_channels, pixel_height // factor, pixel_width // factor))
+
+    def clip_latent_shape(self, vae, frames: int, pixel_height: int, pixel_width: int) -> torch.Size:
+        """A video model's latent shape (C, F', h, w) of a clip of `frames` frames; other families train no clips
+        (check_clip_settings refuses data.video_frames for them)."""
+        raise NotImplementedError(f"{self.name} trains no video clips")
 
     def encode_posterior(self, vae, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std) of the VAE posterior of images (B, 3, H, W), each (B, C, h, w): what the latent cache stores and

@@ -1,4 +1,5 @@
-"""Wan 2.1 / 2.2 trained on still images as one-frame videos: `WanTransformer3DModel` (a DiT over (1, 2, 2) patches
+"""Wan 2.1 / 2.2 trained on still images as one-frame videos, or on video clips (data.video_frames, ot_dist/data/video.py):
+`WanTransformer3DModel` (a DiT over (1, 2, 2) patches
 of 3-D latents) on the causal 3-D VAE's latents (`AutoencoderKLWan`, 4x temporal: a clip of 4k + 1 frames gives
 k + 1 latent frames, so one image is one latent frame), cross-attending to UMT5-XXL's last hidden states; flow
 matching with the raw timestep (0..1000).
@@ -8,11 +9,13 @@ What follows WanPipeline (diffusers 0.42) and SimpleTuner's helpers/models/wan (
   to 512 tokens (`max_sequence_length`, min the tokenizer's length) with the mask; UMT5 runs with the mask and the
   hidden states past each caption's length are zeroed, as the pipeline re-stacks them. The transformer gets no mask:
   it attends to the zero rows as the pipeline's call does.
-- Latents: the VAE takes and gives one-frame videos (B, C, 1, H, W); ot_dist keeps the frame axis out
-  (`encode_posterior`, Qwen-Image's, whose VAE is Wan's) and normalises with the per-channel latents_mean /
-  latents_std (Family.normalize_latents).
+- Latents: the VAE takes and gives one-frame videos (B, C, 1, H, W); ot_dist keeps the frame axis out of images'
+  latents (`encode_posterior`, Qwen-Image's, whose VAE is Wan's) and in clips' ((B, 3, 4n + 1, H, W) pixels give
+  (B, C, n + 1, h, w) latents), and normalises with the per-channel latents_mean / latents_std
+  (Family.normalize_latents).
 - Objective: x_t = (1 - s) x + s n, target n - x, the transformer called with t = 1000 s (float32, the unit of the
-  scheduler's timesteps the pipeline passes) on the latents with their frame axis put back. s is shifted by the
+  scheduler's timesteps the pipeline passes) on the latents with their frame axis put back (a clip's: as they are,
+  one s and one noise draw per clip). s is shifted by the
   scheduler config's `flow_shift` (Wan's diffusers folders ship UniPCMultistepScheduler with use_flow_sigmas and
   flow_shift 3.0 (480p) / 5.0 (720p); SimpleTuner trains with flow_schedule_shift, 3.0 / 5.0 per model).
 - Samples: one frame (`num_frames=1`), the pipeline's `.frames[0][0]`; WanPipeline's guidance_scale (default 5.0).
@@ -26,8 +29,8 @@ other 14 B is never read. Its training times stay on its side of the boundary: t
 pipeline needs both experts: the other 14 B only for samples would double the memory); a full finetune's export is
 the A14B folder again, the trained expert in its own slot and the other copied from the base folder.
 
-Not supported (refused, not silently done wrong): video clips as training data (images only, this family's data is
-one-frame videos); Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`): refused; image-to-video models (an image encoder).
+Not supported (refused, not silently done wrong): video clips without data.video_frames, with a latent cache, or in
+a micro batch with images; Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`): refused; image-to-video models (an image encoder).
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that WanPipeline.load_lora_weights reads,
 and beside it `lora_comfyui.safetensors` in the original module names (`diffusion_model.blocks.0.self_attn.q...`), the
@@ -62,7 +65,8 @@ WAN_TEXT_LORA_TARGETS = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")  # UMT5's att
 
 class Wan(Family):
     name = "wan"
-    description = ("Wan 2.1 / 2.2 single-transformer text-to-video models trained on images as one-frame videos "
+    description = ("Wan 2.1 / 2.2 single-transformer text-to-video models trained on images as one-frame videos or "
+                   "on video clips (data.video_frames) "
                    "(UMT5 with zeroed padding, per-channel latent mean / std, flow matching with the raw t)")
     pipeline_class = "WanPipeline"
     denoiser = "transformer"
@@ -80,7 +84,8 @@ class Wan(Family):
     sample_guidance_scale = 5.0  # WanPipeline's default (OneTrainer has no Wan)
     lora_file_prefixes = None  # the diffusers layout
     single_file = False
-    video_model = True  # a video clip in a concept is refused (images only, as one-frame videos)
+    video_model = True  # video clips train with data.video_frames (else a clip in a concept is refused)
+    temporal_compression = 4  # AutoencoderKLWan's scale_factor_temporal: 4n + 1 frames -> n + 1 latent frames
     # SwarmUI's class ids (T2IModelClassSorter: wan-2_1-text2video-1_3b / -14b); modelspec_architecture_of picks one
     modelspec_architecture = "wan-2_1-text2video-14b"
 
@@ -204,14 +209,27 @@ class Wan(Family):
         factor = vae.config.scale_factor_spatial
         return torch.Size((vae.config.z_dim, pixel_height // factor, pixel_width // factor))
 
-    encode_posterior = QwenImage.encode_posterior  # the same VAE class family: images in as one-frame clips
+    def clip_latent_shape(self, vae, frames, pixel_height, pixel_width):
+        factor = vae.config.scale_factor_spatial
+        return torch.Size((vae.config.z_dim, 1 + (frames - 1) // vae.config.scale_factor_temporal,
+                           pixel_height // factor, pixel_width // factor))
+
+    def encode_posterior(self, vae, pixels):
+        """Images (B, 3, H, W) in as one-frame clips, their posterior without the frame axis (QwenImage's, whose VAE is
+        Wan's); clips (B, 3, F, H, W) as they are, (B, C, F', h, w) out."""
+        if pixels.dim() == 4:
+            return QwenImage.encode_posterior(self, vae, pixels)
+        posterior = vae.encode(pixels).latent_dist
+        return posterior.mean, posterior.std
 
     # -- the denoiser call ----------------------------------------------------------------------------
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):
         # float32 timesteps, as the pipeline passes the scheduler's (bfloat16 would round t near 1000)
-        out = denoiser(hidden_states=noisy.unsqueeze(2), timestep=timesteps.float(),
+        # images (B, C, h, w) as one-frame clips; clips' latents (B, C, F', h, w) as they are
+        image = noisy.dim() == 4
+        out = denoiser(hidden_states=noisy.unsqueeze(2) if image else noisy, timestep=timesteps.float(),
                        encoder_hidden_states=conditioning["hidden"], return_dict=False)[0]
-        return out[:, :, 0]
+        return out[:, :, 0] if image else out
 
     # -- LoRA files -----------------------------------------------------------------------------------
     def extra_lora_files(self, model, states, adapter_configs, target, dtype, modelspec):
