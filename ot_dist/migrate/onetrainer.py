@@ -286,7 +286,9 @@ def _continued_alpha(lora: dict, out: Imported) -> None:
         lora["alpha"] = alpha
 
 
-PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr"}
+PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr", "OFT_2": "oft"}
+# TrainConfig's OFT options beside oft_block_size (OneTrainer's defaults)
+OFT_DEFAULTS = {"oft_block_share": False, "oft_scaled": False}
 # TrainConfig's LoKr options (lokr_vec_trick only changes how OneTrainer computes the same product).
 LOKR_DEFAULTS = {"lokr_dim": 16, "lokr_decompose_both": False, "lokr_decompose_factor": -1, "lokr_use_tucker": False,
                  "lokr_weight_decompose": False, "lokr_full_matrix": False}
@@ -297,7 +299,7 @@ def _lora_variant(ot: dict, lora: dict, skip) -> None:
     axis: OneTrainer's default input-axis DoRA is another adapter, so it is listed, and plain LoRA trains instead."""
     peft_type = str(ot.get("peft_type") or "LORA")
     if peft_type not in PEFT_VARIANTS:
-        skip(f"peft_type: {peft_type} has no ot_dist variant (lora, dora, loha, lokr); plain LoRA instead")
+        skip(f"peft_type: {peft_type} has no ot_dist variant (lora, dora, loha, lokr, oft); plain LoRA instead")
         return
     variant = PEFT_VARIANTS[peft_type]
     if ot.get("lora_decompose"):
@@ -310,9 +312,16 @@ def _lora_variant(ot: dict, lora: dict, skip) -> None:
             variant = "dora"
     if variant != "lora":
         lora["variant"] = variant
-        if variant in ("loha", "lokr") and lora.get("dropout"):
-            skip(f"dropout_probability: {lora['dropout']} (peft's {variant} has no input dropout); 0 instead")
+        if variant in ("loha", "lokr", "oft") and lora.get("dropout"):
+            skip(f"dropout_probability: {lora['dropout']} ({variant} has no such dropout here); 0 instead")
             lora["dropout"] = 0.0
+    if variant == "oft":
+        # OneTrainer rotates blocks of each layer's input (peft's OFT v2); ot_dist's oft rotates output rows, the
+        # layout ComfyUI reads: the same block size, another (file-loadable) rotation
+        lora["oft_block_size"] = ot.get("oft_block_size", 32)
+        for key, default in OFT_DEFAULTS.items():
+            if ot.get(key, default) != default:
+                skip(f"{key}: {ot[key]} is not an option of ot_dist's oft (one rotation per block, unscaled)")
     if variant == "lokr":
         lora["rank"] = ot.get("lokr_dim", LOKR_DEFAULTS["lokr_dim"])  # OneTrainer's LoKr rank; lora_rank is not read
         for key, default in LOKR_DEFAULTS.items():
