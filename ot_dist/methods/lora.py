@@ -97,8 +97,10 @@ class LoraMethod(TrainingMethod):
         layout = self.config.lora_file_layout()
         modelspec = self.modelspec(model, "lora", created, suffix, lora_layout=layout)
         bundle = self.additional.bundled(model, vectors, dtype) if self.config.bundle_additional_embeddings else {}
-        extra = model.family.extra_lora_files(model, dict(states), adapter_configs, target, dtype,
-                                              self.modelspec(model, "lora", created, suffix, lora_layout="kohya"))
+        # the families' extra files hold plain LoRA only (and read peft's adapter configs, which oft has not)
+        extra = [] if self.config.lora.variant == "oft" else model.family.extra_lora_files(
+            model, dict(states), adapter_configs, target, dtype,
+            self.modelspec(model, "lora", created, suffix, lora_layout="kohya"))
         if layout == "kohya":
             self._write_kohya(model, states, adapter_configs, target, dtype, modelspec, bundle)
         else:
