@@ -117,13 +117,12 @@ def test_comfyui_applies_the_blocks_as_trained(tiny_models, shapes_data, tmp_pat
         q = layer.oft_blocks.detach() - layer.oft_blocks.detach().transpose(1, 2)
         bound |= constraint > 0 and torch.norm(q).item() > constraint
         expected = comfy_oft_weight(tensors, name, layer.weight.detach())
-        probe = torch.nn.Linear(1, 1) if isinstance(layer, torch.nn.Linear) else None
         x = probe_input(layer)
-        with torch.no_grad():
-            if probe is None:
-                want = layer._conv_forward(x, expected, layer.bias)
-            else:
+        with torch.no_grad():  # the layer's output is the base computation with the rule's weight
+            if isinstance(layer, torch.nn.Linear):
                 want = torch.nn.functional.linear(x, expected, layer.bias)
+            else:
+                want = layer._conv_forward(x, expected, layer.bias)
             torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5, msg=name)
     assert read == set(tensors), f"ComfyUI would not load {sorted(set(tensors) - read)[:5]}"
     assert len(read) == 2 * len(layers)

@@ -168,7 +168,8 @@ def _layout_of(path: Path, tensors: dict) -> tuple[str, str, str]:
         if any(k.endswith(down) for k in tensors):
             return layout, down, up
     names = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(HADA + LOKR + (OFT,))}
-    if names:  # LoHa / LoKr / OFT: kohya names have no dots (lora_unet_..., lycoris_...), diffusers ones do (unet.<path>)
+    # LoHa / LoKr / OFT: kohya names have no dots (lora_unet_..., lycoris_...), diffusers ones do (unet.<path>)
+    if names:
         return ("diffusers", *DIFFUSERS[1:]) if any("." in n for n in names) else ("kohya", *KOHYA[1:])
     example = next(iter(tensors), "(none)")
     raise InputFileError(f"{path}: no LoRA tensors in a known layout (kohya '.lora_down.weight' or diffusers "

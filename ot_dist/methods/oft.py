@@ -2,9 +2,9 @@
 
 Written as ComfyUI reads an OFT file (comfy/weight_adapter/oft.py) and LyCORIS writes one (diag-oft): per module
 `<name>.oft_blocks` [block_num, block_size, block_size] and `<name>.alpha` (COFT's constraint, 0 = none). With
-Q = blocks - blocksᵀ, scaled to norm `constraint` when its norm (over all the module's blocks) exceeds it, each block's
-rotation is R = (I + Q)(I - Q)⁻¹ (Cayley, exact) and the adapted weight is, per block k of the weight's *output*
-rows, W'[k] = R[k]ᵀ W[k]. ot_dist trains exactly that, so the file is applied as trained.
+Q = blocks - blocksᵀ, scaled to norm `constraint` when its norm (over all the module's blocks) exceeds it, each
+block's rotation is R = (I + Q)(I - Q)⁻¹ (Cayley, exact) and the adapted weight is, per block k of the weight's
+*output* rows, W'[k] = R[k]ᵀ W[k]. ot_dist trains exactly that, so the file is applied as trained.
 
 Not peft's OFT: peft (and OneTrainer's OFT_2, a copy of it) rotates the layer's *input* features with a 5-term
 Cayley-Neumann approximation and saves `oft_R.weight` (the upper triangle), which no ComfyUI OFT rule reads; an input
