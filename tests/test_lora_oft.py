@@ -189,3 +189,19 @@ def test_onetrainer_oft_2_becomes_oft(settings, expected, skipped):
     _lora_variant(settings, lora, notes.append)
     assert {k: lora[k] for k in expected} == expected
     assert (skipped is None) == (not notes) and all(skipped in n for n in notes)
+
+
+def test_stop_and_resume_continues_exactly(tiny_models, shapes_data, tmp_path):
+    """The blocks (and their optimizer state) go through a checkpoint: stopped after step 3 and resumed, the run's
+    losses are the uninterrupted run's, bit for bit."""
+    from test_checkpoint import train_in_process
+
+    def raw(out):
+        return base_config(tiny_models["sd1"], shapes_data, out, method="lora", batch_size=2, max_steps=6,
+                           learning_rate=1e-2, **{"lora.variant": "oft", "lora.oft_block_size": BLOCK})
+
+    straight = train_in_process(raw(tmp_path / "straight"))
+    stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=3)
+    assert stopped.stopped_by == "SIGTERM" and stopped.steps == 4
+    resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
+    assert resumed.first_step == 4 and resumed.losses == straight.losses[4:]
