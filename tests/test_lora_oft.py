@@ -90,6 +90,24 @@ def test_oft_starts_as_the_identity(tiny_models, shapes_data, tmp_path):
                                        msg=f"{name}.{path}")
 
 
+def test_prior_model_leaves_the_rotation_out(tiny_models, shapes_data, tmp_path):
+    """OneTrainer's prior model (prior preservation, concept prior targets: train/loss.py `adapters_disabled`)
+    computes with the base weights; after it the layers rotate again."""
+    from ot_dist.train.loss import adapters_disabled
+
+    config = oft_config(tiny_models, shapes_data, tmp_path / "out")
+    base, model = load_model(config.model), load_model(config.model)
+    LoraMethod(config).prepare(model)
+    moved(model, 0.2)
+    with torch.no_grad():
+        for (name, path), layer in oft_layers(model).items():
+            x = probe_input(layer)
+            plain = base.parts()[name].get_submodule(path)(x)
+            with adapters_disabled(model):
+                torch.testing.assert_close(layer(x), plain, rtol=0, atol=0, msg=f"{name}.{path}")
+            assert not torch.allclose(layer(x), plain, atol=1e-4), f"{name}.{path}"
+
+
 @pytest.mark.parametrize("constraint", [0.0, 0.05])
 def test_comfyui_applies_the_blocks_as_trained(tiny_models, shapes_data, tmp_path, constraint):
     """The file's every tensor is read by ComfyUI's OFT rule, and the weight that rule makes of each module is the

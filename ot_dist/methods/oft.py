@@ -54,19 +54,24 @@ class _Orthogonal:
     weights stay as they were and the blocks are one more parameter, `<path>.oft_blocks`."""
 
     oft_constraint: float = 0.0
+    # peft's flag, by the same name: train/loss.py `adapters_disabled` (the prior model) sets it on every adapter
+    _disable_adapters: bool = False
 
     def adapted_weight(self) -> torch.Tensor:
         return rotated_weight(self.weight, self.oft_blocks, self.oft_constraint)
 
+    def used_weight(self) -> torch.Tensor:
+        return self.weight if self._disable_adapters else self.adapted_weight()
+
 
 class OrthogonalLinear(_Orthogonal, torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.adapted_weight(), self.bias)
+        return F.linear(x, self.used_weight(), self.bias)
 
 
 class OrthogonalConv2d(_Orthogonal, torch.nn.Conv2d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._conv_forward(x, self.adapted_weight(), self.bias)
+        return self._conv_forward(x, self.used_weight(), self.bias)
 
 
 ORTHOGONAL = {torch.nn.Linear: OrthogonalLinear, torch.nn.Conv2d: OrthogonalConv2d}
