@@ -223,3 +223,19 @@ def test_stop_and_resume_continues_exactly(tiny_models, shapes_data, tmp_path):
     assert stopped.stopped_by == "SIGTERM" and stopped.steps == 4
     resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
     assert resumed.first_step == 4 and resumed.losses == straight.losses[4:]
+
+
+def test_targets_match_paths_and_suffixes_but_the_excluded():
+    """peft's rule (a target is a path or a path's dotted suffix), and lora.layer_filter's exact paths: the suffix
+    matches it would add are excluded (methods/lora.py passes them)."""
+    from ot_dist.methods.oft import add_oft
+
+    def toy():
+        block = torch.nn.Module()
+        block.proj = torch.nn.Linear(8, 8)
+        root = torch.nn.Module()
+        root.proj, root.block, root.norm = torch.nn.Linear(8, 8), block, torch.nn.LayerNorm(8)
+        return root
+
+    assert add_oft(toy(), ["proj", "norm"], 4, 0.0) == {"proj": 4, "block.proj": 4}  # LayerNorm: not a layer OFT takes
+    assert add_oft(toy(), ["proj"], 4, 0.0, exclude=["block.proj"]) == {"proj": 4}

@@ -38,7 +38,9 @@ class LoraMethod(TrainingMethod):
             if lora.variant == "oft":  # ot_dist's own module: peft's OFT rotates the input, which no file rule reads
                 from ot_dist.methods.oft import add_oft
 
-                if not add_oft(module, targets, lora.oft_block_size, lora.oft_constraint):
+                # exactly the selected paths, as for peft (exclude_modules below)
+                extras = suffix_matched_extras(module, targets) if key == "lora.layer_filter" else None
+                if not add_oft(module, targets, lora.oft_block_size, lora.oft_constraint, extras):
                     raise ConfigError(f"{key}: {targets} match no Linear or Conv2d layer of the {part}")
                 groups.append(ParamGroup(part, trainable(module), self.config.part_learning_rate(part), part=part))
                 continue

@@ -77,12 +77,14 @@ class OrthogonalConv2d(_Orthogonal, torch.nn.Conv2d):
 ORTHOGONAL = {torch.nn.Linear: OrthogonalLinear, torch.nn.Conv2d: OrthogonalConv2d}
 
 
-def add_oft(module: torch.nn.Module, targets: list[str], block_size: int, constraint: float) -> dict[str, int]:
-    """Turn the Linear / Conv2d layers of `module` whose path is in `targets` or ends in ".<target>" (peft's rule)
-    into OFT layers with zero blocks. Returns path -> the block size used (a divisor of the output size)."""
-    chosen = {}
+def add_oft(module: torch.nn.Module, targets: list[str], block_size: int, constraint: float,
+            exclude: list[str] | None = None) -> dict[str, int]:
+    """Turn the Linear / Conv2d layers of `module` whose path is in `targets` or ends in ".<target>" (peft's rule),
+    but the paths in `exclude`, into OFT layers with zero blocks. Returns path -> the block size used (a divisor of
+    the output size)."""
+    chosen, excluded = {}, set(exclude or ())
     for path, layer in module.named_modules():
-        if not any(path == t or path.endswith("." + t) for t in targets):
+        if path in excluded or not any(path == t or path.endswith("." + t) for t in targets):
             continue
         kind = ORTHOGONAL.get(type(layer))
         if kind is None:
