@@ -14,6 +14,7 @@ from test_lora_layouts import comfy_key_map, in_memory_module
 
 from ot_dist.config.load import validate
 from ot_dist.data.reader import collate
+from ot_dist.errors import InputFileError
 from ot_dist.lora_tools.files import read_lora_file
 from ot_dist.lora_tools.merge import merge_into
 from ot_dist.methods.lora import LoraMethod
@@ -149,7 +150,7 @@ def test_comfyui_applies_the_blocks_as_trained(tiny_models, shapes_data, tmp_pat
 
 def test_training_lowers_the_loss_and_merge_applies_it(tiny_models, shapes_data, tmp_path):
     """A short OFT run lowers a fixed batch's loss (same draws), and `ot-dist lora merge` of its file into a fresh
-    base gives the weights the trained layers compute with (the others untouched)."""
+    base gives the weights the trained layers compute with; the tools that take plain LoRA refuse the file."""
     config = oft_config(tiny_models, shapes_data, tmp_path / "out", max_steps=8, learning_rate=3e-2,
                         **{"text_encoder.train": False})
     trainer = Trainer(config, log=lambda *_: None)
@@ -162,6 +163,8 @@ def test_training_lowers_the_loss_and_merge_applies_it(tiny_models, shapes_data,
     assert after < before * 0.98, (before, after)
 
     path = tmp_path / "out" / "lora.safetensors"
+    with pytest.raises(InputFileError, match="oft file"):  # the tools for plain LoRA refuse it by name
+        read_lora_file(path)
     base = load_model(config.model)
     merged, missing = merge_into(base, read_lora_file(path, ("oft",)), 1.0, str(path))
     layers = oft_layers(trainer.model)
@@ -207,6 +210,16 @@ def test_onetrainer_oft_2_becomes_oft(settings, expected, skipped):
     _lora_variant(settings, lora, notes.append)
     assert {k: lora[k] for k in expected} == expected
     assert (skipped is None) == (not notes) and all(skipped in n for n in notes)
+
+
+def test_onetrainer_oft_2_of_a_family_without_kohya_names_is_plain_lora(tmp_path):
+    """A Flux (diffusers-layout) OFT_2 config imports as plain LoRA, listed, instead of a config that is refused."""
+    from ot_dist.migrate.onetrainer import _lora_variant
+
+    lora, notes = {"rank": 4, "alpha": 1.0, "dropout": 0.0}, []
+    _lora_variant({"peft_type": "OFT_2", "oft_block_size": 16}, lora, notes.append, kohya_layout=False)
+    assert "variant" not in lora and "oft_block_size" not in lora
+    assert len(notes) == 1 and "OFT_2" in notes[0] and "kohya layout" in notes[0]
 
 
 def test_stop_and_resume_continues_exactly(tiny_models, shapes_data, tmp_path):
