@@ -291,8 +291,8 @@ def test_refusals(tiny_models, tmp_path):
           additional_embeddings=two)
     check(r"additional_embeddings\[0\].token: 'sks' and embedding.token 'sks' overlap", method="embedding",
           **{"embedding.token": "sks", "additional_embeddings": [{"token": "sks"}]})
-    check("additional_embeddings: model family pixart_alpha has no text encoder that takes embeddings",
-          family="pixart_alpha", additional_embeddings=[{"token": "<a>"}])
+    check("additional_embeddings: model family wan has no text encoder that takes embeddings",
+          family="wan", additional_embeddings=[{"token": "<a>"}])
     check("data.cache_text: the additional embeddings", additional_embeddings=[{"token": "<a>"}],
           **{"data.cache_text": True})
     check("bundle_additional_embeddings: bundles them into the LoRA file; method full", method="full",

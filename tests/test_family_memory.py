@@ -364,6 +364,36 @@ def test_wan_memory_row_is_the_published_14b_model_sharded_by_block():
         choose(family, "lora", 16, 1)
 
 
+def test_krea2_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Krea 2 row (ot-dist init's reference for the family) is krea/Krea-2-Raw as its configs build it
+    on the meta device: the 12.8 B transformer (28 blocks 6144 wide and the text fusion), Qwen3-VL-4B's Qwen3VLModel
+    (the 4.02 B language model, as Qwen3-4B's, and the 0.42 B vision tower) and Qwen-Image's VAE; LoRA counted on the
+    family's default targets (the training script's), FSDP on its 28 blocks and 2 + 2 text-fusion blocks
+    (_no_split_modules), each 3.4 % of the transformer at most; Qwen3-VL's embedding table is its own unit."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.starter.choose import choose
+
+    family = get_family("krea2")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 12_820_073_036, "text_encoder": 4_437_815_808, "vae": 126_892_531}
+    text = components["text_encoder"]
+    assert sum(p.numel() for p in text.language_model.parameters()) == 4_022_468_096  # Qwen3-4B's decoder
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == 28 + 2 + 2
+    assert {type(unit).__name__ for unit in units} == {"Krea2TransformerBlock", "Krea2TextFusionBlock"}
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.035
+    text_units = sharding_units(text, family.shard_units["text_encoder"])
+    assert text.language_model.embed_tokens in text_units and len(text_units) == 1 + 36
+    # LoRA: 17.4 B frozen parameters, 32 GiB in bfloat16 (+ 6.5 GiB activations), 16 GiB in float8
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 48, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 16, 1)
 def test_ernie_image_memory_row_is_the_published_model_sharded_by_block():
     """The memory table's ERNIE-Image row (ot-dist init's reference for the family) built on the meta device: the 8 B
     transformer (ComfyUI's ERNIE-Image defaults, the model card's "8B DiT"), Mistral3Model of Ministral-3 3B (its card's
@@ -387,3 +417,95 @@ def test_ernie_image_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 24, 8).strategy == "fsdp"
+
+
+def test_anima_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Anima row (ot-dist init's reference for the family) is circlestone-labs/Anima as diffusers'
+    convert_anima_to_diffusers.py builds it on the meta device: the 1.96 B transformer (Cosmos-Predict2 2B's config),
+    Qwen3-0.6B's decoder (0.6 B), the LLM adapter (AnimaTextConditioner's defaults) and the Qwen-Image VAE (127 M); LoRA
+    counted on the family's default targets, FSDP on its 28 blocks (CosmosTransformer3DModel._no_split_modules), each
+    3.5 % of the transformer; the adapter's and Qwen3's embedding tables are units of their own."""
+    from ot_dist.starter.choose import choose
+
+    family = get_family("anima")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 1_956_405_248, "text_encoder": 596_049_920, "text_conditioner": 134_663_680,
+                      "vae": 126_892_531}
+    assert set(components) - {"vae"} == {family.denoiser, *family.text_encoders}
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == len(components["transformer"].transformer_blocks) == 28
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.04
+    for part, embedding in (("text_encoder", "embed_tokens"), ("text_conditioner", "embed")):
+        text_units = sharding_units(components[part], family.shard_units[part])
+        assert getattr(components[part], embedding) in text_units
+    # 2.8 B frozen parameters beside a LoRA: 5.2 GiB in bfloat16, 2.6 GiB in float8
+    assert choose(family, "lora", 16, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 8, 1).setup.label == "LoRA r16, frozen float8"
+    assert choose(family, "full", 16, 8).strategy == "fsdp"
+def test_ideogram4_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's Ideogram 4 row (ot-dist init's reference for the family): two transformers of
+    Ideogram4Transformer2DModel's default config (9.28 B each: 34 blocks of 4608 wide, the 53248-wide text projection),
+    Qwen3-VL-8B-Instruct's Qwen3VLModel (its model card's 8.77 B less the 0.62 B untied lm_head the pipeline does not
+    load) and the FLUX.2 VAE; LoRA counted on the family's default targets, FSDP on its 34 blocks
+    (_no_split_modules), each under 3.2 % of the transformer. The frozen unconditional transformer stays on the device
+    in every setup (sampling runs it, Family.sampling_modules), offloaded ones too."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.memory.table import RESIDENT_COMPONENTS, SETUPS, model_sizes, setup_bytes
+    from ot_dist.starter.choose import choose
+
+    family = get_family("ideogram4")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert counts == {"transformer": 9_279_288_448, "unconditional_transformer": 9_279_288_448,
+                      "text_encoder": 8_144_793_840, "vae": 84_046_115}
+    lm_head = 151936 * 4096
+    assert abs(counts["text_encoder"] + lm_head - 8.77e9) / 8.77e9 < 0.005
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    units = sharding_units(components["transformer"], DENOISERS[name][2])
+    assert len(units) == 34
+    assert {type(unit).__name__ for unit in units} == set(components["transformer"]._no_split_modules)
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.032
+    # Qwen3-VL's embedding table is its own text-encoder unit (7.6 % of it), beside its 36 decoder layers
+    text_units = sharding_units(components["text_encoder"], family.shard_units["text_encoder"])
+    assert components["text_encoder"].language_model.embed_tokens in text_units and len(text_units) == 1 + 36
+    # the offloaded LoRA setup keeps both transformers: 18.6 B frozen parameters in float8
+    assert "unconditional_transformer" in RESIDENT_COMPONENTS
+    offloaded = next(s for s in SETUPS if s.trained == "lora" and s.offload)
+    sizes = model_sizes(components, DENOISERS[name][1])
+    assert setup_bytes(offloaded, sizes) > 2 * counts["transformer"]
+    assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
+def test_hunyuan_video_memory_row_is_the_published_model_sharded_by_block():
+    """The memory table's HunyuanVideo row (ot-dist init's reference for the family) as hunyuanvideo-community/
+    HunyuanVideo's configs build it on the meta device: the 12.8 B transformer (the model card's 13 B),
+    Llava-Llama-3-8B's LlamaModel (7.50 B: Llama-3-8B's 8.03 B less its lm_head, with LLaVA's 64 added tokens),
+    CLIP-L's text model and the 246 M VAE; LoRA counted on the family's default targets, FSDP on its 20 dual- and 40
+    single-stream blocks (HunyuanVideoTransformer3DModel._no_split_modules), the largest unit (the root: embedders and
+    token refiner) under 3 % of the transformer."""
+    from ot_dist.errors import ConfigError
+    from ot_dist.starter.choose import choose
+
+    family = get_family("hunyuan_video")
+    name = family.memory_reference
+    components = build_components(name)
+    counts = {part: sum(p.numel() for p in module.parameters()) for part, module in components.items()}
+    assert abs(counts["transformer"] - 12.8e9) / 12.8e9 < 0.01
+    assert abs(counts["text_encoder"] - 7.50e9) / 7.50e9 < 0.01 and abs(counts["vae"] - 246e6) / 246e6 < 0.01
+    assert abs(counts["text_encoder_2"] - 123e6) / 123e6 < 0.01
+    assert DENOISERS[name][1] == family.denoiser_lora_presets["default"]
+    assert DENOISERS[name][2] == family.shard_units["transformer"]
+    transformer = components["transformer"]
+    units = sharding_units(transformer, DENOISERS[name][2])
+    assert len(units) == len(transformer.transformer_blocks) + len(transformer.single_transformer_blocks) == 60
+    assert fsdp_rank_bytes(components, name, 8)["largest_unit_fraction"] < 0.03
+    assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
+    assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8, text encoders + VAE offloaded"
+    assert choose(family, "full", 48, 8).strategy == "fsdp"
+    with pytest.raises(ConfigError, match="--gpu-memory"):
+        choose(family, "lora", 16, 1)

@@ -57,7 +57,9 @@ def test_at_most_one_host_sync_per_optimizer_step(tiny_models, shapes_data, tmp_
 
 @pytest.mark.parametrize("family, cache_text", [("sd1", False), ("sdxl", False), ("qwen_image", False),
                                                 ("qwen_image", True), ("z_image", False), ("z_image", True),
-                                                ("ernie_image", False), ("ernie_image", True)])
+                                                ("ernie_image", False), ("ernie_image", True),
+                                                ("ideogram4", False), ("ideogram4", True),
+                                                ("krea2", False), ("krea2", True)])
 def test_the_step_copies_host_tensors_to_the_device_without_blocking(tiny_models, family_models, shapes_data, tmp_path,
                                                                       family, cache_text):
     """Batches and the per-sample noise are made on the host; the loss moves them with `to_device` (pinned memory,
@@ -66,8 +68,10 @@ def test_the_step_copies_host_tensors_to_the_device_without_blocking(tiny_models
     encoder (sdxl: two encoders), and SDXL its time ids. (Copies inside transformers / diffusers are theirs.)
     Nor does the family's code read the device back: Qwen-Image trims the text to the batch's longest caption with
     lengths counted from the batch's host mask (the tokens', or the text cache's), and Z-Image cuts each caption to its
-    own length so; ERNIE-Image trims to the longest so, its caption lengths staying on the device."""
-    model = (family_models if family in ("qwen_image", "z_image", "ernie_image") else tiny_models)[family]
+    own length so; ERNIE-Image trims to the longest so, its caption lengths staying on the device; Ideogram 4 packs its
+    sequence from those lengths and builds the layout on the host; Krea 2 trims its compacted text stream so."""
+    model = (family_models if family in ("qwen_image", "z_image", "ernie_image", "ideogram4", "krea2")
+             else tiny_models)[family]
     raw = base_config(model, shapes_data, tmp_path / "run", family=family, batch_size=2, max_steps=2,
                       **{"checkpoint.at_end": False, "data.cache_text": cache_text})
     counter, result = _counted(raw)

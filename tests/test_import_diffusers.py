@@ -77,12 +77,15 @@ FAMILY_METHOD = {
     "train_dreambooth_lora_lumina2.py": ("lumina2", "lora"),
 }
 FAMILY_METHOD["train_dreambooth_lora_z_image.py"] = ("z_image", "lora")
+FAMILY_METHOD["train_dreambooth_lora_krea2.py"] = ("krea2", "lora")
 # what the Sana / Qwen-Image scripts adapt without --lora_layers
 SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"],
                        "lumina2": ["to_k", "to_q", "to_v", "to_out.0"]}
 SCRIPT_LORA_TARGETS = {"sana": ["to_k", "to_q", "to_v"], "qwen_image": ["to_k", "to_q", "to_v", "to_out.0"]}
 SCRIPT_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
 SCRIPT_LORA_TARGETS["hidream"] = ["to_k", "to_q", "to_v", "to_out"]
+FAMILY_METHOD["train_dreambooth_lora_ideogram4.py"] = ("ideogram4", "lora")
+SCRIPT_LORA_TARGETS["ideogram4"] = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
 
 
 @pytest.mark.parametrize("script", sorted(FAMILY_METHOD))
@@ -108,15 +111,15 @@ def test_each_script_maps_with_the_scripts_defaults(tmp_path, script):
     else:
         assert c["epochs"] == d["num_train_epochs"] and "max_steps" not in c
     if c["method"] == "lora":
-        assert c["lora"]["rank"] == 4
-        assert c["lora"]["alpha"] == (4.0 if script != "train_dreambooth_lora_flux.py" else d["lora_alpha"])
+        assert c["lora"]["rank"] == d["rank"]  # 4, the Krea 2 script's 32
+        assert c["lora"]["alpha"] == float(d.get("lora_alpha", d["rank"]))  # the scripts without it: alpha = rank
     if c["model"]["family"] in ("sd3", "flux") and c["method"] == "lora":  # the scripts' lists, not ot_dist's default
         assert "proj_mlp" not in c["lora"]["transformer_targets"] and "attn.to_k" in c["lora"]["transformer_targets"]
     if SCRIPTS[script][2] == "dreambooth":
         assert c["data"]["concepts"][0]["caption_text"] == "a photo of sks dog"
     if c["model"]["family"] in SCRIPT_LORA_TARGETS:
         assert c["lora"]["transformer_targets"] == SCRIPT_LORA_TARGETS[c["model"]["family"]]
-    if c["model"]["family"] in ("flux", "sana", "qwen_image", "flux2", "flux2_klein"):  # unshifted sigmas
+    if c["model"]["family"] in ("flux", "sana", "qwen_image", "flux2", "flux2_klein", "krea2"):  # unshifted sigmas
         assert c["loss"]["timestep_shift"] == 1.0 and c["loss"]["dynamic_timestep_shifting"] is False
         assert c["loss"]["timestep_distribution"] == "uniform"  # weighting_scheme none
     if c["model"]["family"] in ("flux", "flux2"):
@@ -428,4 +431,51 @@ def test_flux2_scripts(tmp_path, script, family):
                                       f"{data_args(tmp_path, script)} --text_encoder_out_layers "
                                       f"{' '.join(map(str, get_family(family).layers))}")
     assert not any(line.startswith("text_encoder_out_layers") for line in not_honoured(text))
+
+
+def test_ideogram4_script_draws_at_the_resolution_aware_mean_and_lists_its_own_options(tmp_path):
+    """train_dreambooth_lora_ideogram4.py uses compute_density_for_timestep_sampling's u as sigma, its logit-normal
+    (default std 1.5) centred at logit_mean + _resolution_aware_mu: ot_dist's logit-normal at the family's resolution
+    shift (auto, nothing written), the same draw (tests/test_family_ideogram4.py); the other schemes' u is unshifted.
+    Prompt upsampling and the autocast switch are listed, max_sequence_length below the pipeline's 2048 too."""
+    script = "train_dreambooth_lora_ideogram4.py"
+    assert defaults(script)["max_sequence_length"] == 2048 and defaults(script)["logit_std"] == 1.5
+    assert "use_aspect_ratio_buckets" not in defaults(script)
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --logit_mean 0.5 --upsample_prompt "
+                                      "--disable_training_autocast")
+    assert c["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.5, "logit_normal_std": 1.5}
+    assert c["lora"]["transformer_targets"] == SCRIPT_LORA_TARGETS["ideogram4"]
+    listed = not_honoured(text)
+    assert any(line.startswith("upsample_prompt") for line in listed)
+    assert any(line.startswith("disable_training_autocast") for line in listed)
+    assert not any(line.startswith("max_sequence_length") for line in listed)
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --weighting_scheme none --max_sequence_length 512")
+    assert c["loss"] == {"timestep_distribution": "uniform", "timestep_shift": 1.0, "dynamic_timestep_shifting": False}
+    assert any(line.startswith("max_sequence_length: 512") for line in not_honoured(text))
+
+
+def test_krea2_script_trains_unshifted_with_its_authors_lora_and_lists_its_turbo_validation(tmp_path):
+    """train_dreambooth_lora_krea2.py: rank / alpha 32 and the Krea 2 authors' targets by default (ot_dist's krea2
+    default preset, written as the list), timesteps[(u x N)] of Krea 2's dynamically shifting scheduler, whose table is
+    unshifted (no shift written back on), caption_dropout on the instance concept; validation on another checkpoint
+    (--validation_model_path, Krea 2 Turbo) is listed, its steps and guidance are read with it."""
+    from ot_dist.migrate.diffusers_defaults import defaults
+    from ot_dist.models.families.krea2 import KREA2_LORA_TARGETS
+
+    script = "train_dreambooth_lora_krea2.py"
+    assert (defaults(script)["rank"], defaults(script)["lora_alpha"]) == (32, 32)
+    assert defaults("train_dreambooth_lora_z_image.py")["rank"] == 4  # the others keep theirs
+    c, text, _ = run_import(tmp_path, f"accelerate launch {script} --pretrained_model_name_or_path m "
+                                      f"{data_args(tmp_path, script)} --caption_dropout 0.1 "
+                                      "--validation_prompt 'a fox' --validation_model_path /models/turbo "
+                                      "--validation_num_inference_steps 6")
+    assert c["lora"]["rank"] == 32 and c["lora"]["alpha"] == 32.0
+    assert sorted(c["lora"]["transformer_targets"]) == sorted(KREA2_LORA_TARGETS)
+    assert c["loss"]["timestep_shift"] == 1.0 and c["loss"]["dynamic_timestep_shifting"] is False
+    assert c["data"]["concepts"][0]["caption_dropout_probability"] == 0.1
+    listed = not_honoured(text)
+    assert any(line.startswith("validation_model_path: /models/turbo") for line in listed)
+    assert not any(line.startswith("validation_num_inference_steps") for line in listed)
 

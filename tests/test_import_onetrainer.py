@@ -149,7 +149,7 @@ def test_version_0_embedding(tiny_models, shapes_data, tmp_path):
     assert not {"unet", "text_encoder"} & set(yaml.safe_load((tmp_path / "emb.yaml").read_text()))
 
 
-@pytest.mark.parametrize("change,message", [({"model_type": "HUNYUAN_VIDEO"}, "model_type: HUNYUAN_VIDEO"),
+@pytest.mark.parametrize("change,message", [({"model_type": "NOT_A_MODEL_TYPE"}, "model_type: NOT_A_MODEL_TYPE"),
                                             ({"training_method": "FINE_TUNE_VAE"}, "training_method")])
 def test_what_cannot_be_imported_is_named(tiny_models, shapes_data, tmp_path, change, message):
     source = tmp_path / "c.json"
@@ -227,6 +227,15 @@ def import_only(tmp_path, config, concepts=None, samples=None):
       "layer_filter_preset": "attn-mlp", "layer_filter_regex": True,
       "quantization": {"layer_filter": "layers", "layer_filter_preset": "blocks"}, "timestep_distribution": "LOGIT_NORMAL"},
      "z_image", {"transformer": True, "text_encoder": False}, None),
+    # training_presets/Anima/#anima LoRA.json
+    ({"model_type": "ANIMA", "training_method": "LORA", "batch_size": 2, "learning_rate": 3e-05,
+      "output_model_format": "KOHYA_LORA", "resolution": "512", "compile": True,
+      "transformer": {"train": True, "weight_dtype": "INT_W8A8"}, "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"},
+      "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16",
+      "output_dtype": "BFLOAT_16", "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn1,attn2,ff",
+      "layer_filter_preset": "attn-mlp",
+      "quantization": {"layer_filter": "attn1,attn2,ff", "layer_filter_preset": "attn-mlp"}}, "anima",
+     {"transformer": True, "text_encoder": False, "text_conditioner": False}, None),
     # training_presets/HiDream Full/#hidream LoRA.json
     ({"model_type": "HI_DREAM_FULL", "training_method": "LORA", "batch_size": 4, "learning_rate": 0.0003,
       "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "timestep_distribution": "LOGIT_NORMAL",
@@ -254,6 +263,8 @@ def test_presets_take_onetrainers_part_defaults(tmp_path, preset, family, trains
     if family == "sana":  # OneTrainer's Gemma layer skip
         assert config.model.text_encoder_layer_skip == 2
     if family == "qwen_image":  # attn, img_mlp, txt_mlp: both streams' attention and MLPs
+        assert config.lora.preset == "attention_mlp"
+    if family == "anima":  # attn1, attn2, ff: the self- and cross-attention and the MLP
         assert config.lora.preset == "attention_mlp"
     if family == "z_image":  # attention and feed_forward outside the refiners, OneTrainer's regular expressions
         assert config.lora.layer_filter_regex and config.lora.layer_filter == [
@@ -493,6 +504,17 @@ def test_sample_defaults_of_the_newer_model_types(tmp_path, model_type, expected
     config, _ = import_only(tmp_path, {"model_type": model_type}, samples=[{"prompt": "a cat"}])
     [cat] = config.sampling.prompts
     assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == expected
+
+
+def test_anima_samples_take_onetrainers_anima_defaults(tmp_path):
+    """SampleConfig._get_model_defaults' is_anima() branch (1024 px, 25 steps, cfg 4.0, its negative prompt) and
+    AnimaSampler's 64 px grid."""
+    config, _ = import_only(tmp_path, {"model_type": "ANIMA"}, samples=[{"prompt": "a cat"},
+                                                                       {"prompt": "a dog", "width": 520, "height": 1000}])
+    cat, dog = config.sampling.prompts
+    assert (cat.width, cat.height, cat.steps, cat.guidance_scale) == (1024, 1024, 25, 4.0)
+    assert cat.negative_prompt == "worst quality, low quality, score_1, score_2, score_3, artist name"
+    assert (dog.width, dog.height) == (512, 1024)
 
 
 # OneTrainer's NoiseScheduler (modules/util/enum/NoiseScheduler.py) -> the scheduler create_noise_scheduler builds.
@@ -910,6 +932,32 @@ def test_additional_embeddings_are_imported_and_bundled_by_default(tmp_path):
     assert config.bundle_additional_embeddings is False  # OneTrainer bundles into LoRA files only
 
 
+@pytest.mark.parametrize("model_type,t5", [("CHROMA_1", "text_encoder"), ("PIXART_SIGMA", "text_encoder"),
+                                           ("PIXART_ALPHA", "text_encoder"), ("FLUX_DEV_1", "text_encoder_2"),
+                                           ("STABLE_DIFFUSION_3", "text_encoder_3")])
+def test_t5_embeddings_are_imported(tmp_path, model_type, t5):
+    """OneTrainer trains the embedding's vectors in the T5 too (its *ModelEmbedding: a vector per text encoder; the
+    file's `t5` key): method embedding and additional embeddings of the T5 families import and validate, and a T5
+    part's train_embedding: false (ot_dist trains every encoder's vectors) is listed. tests/test_t5_embeddings.py."""
+    from ot_dist.models.families.registry import get_family
+
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<tok>", "token_count": 2}})
+    assert config.method == "embedding" and t5 in get_family(config.model.family).embedding_keys and not skipped
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA",
+                                             "additional_embeddings": [{"placeholder": "<add>"}]})
+    assert [e.token for e in config.additional_embeddings] == ["<add>"]
+    assert not any("embedding" in line for line in skipped)
+    _, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
+                                        t5: {"train_embedding": False}})
+    assert skipped == [f"{t5}.train_embedding: false: ot_dist trains the embedding in every encoder that takes one"]
+    # an output embedding: PixArt's and Chroma's T5 take one (OneTrainer's t5 / t5_out); Flux and SD3 list it
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<tok>", "is_output_embedding": True}})
+    takes = get_family(config.model.family).output_embedding_keys
+    assert config.embedding.output_embedding is bool(takes) and bool(skipped) is not bool(takes)
+
+
 def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
     """OneTrainer caches image_variations augmented versions of each image (mgds DiskCache) and text_variations
     versions of each caption: the concepts keep their numbers, and latent caching stays on where they make the
@@ -1026,6 +1074,29 @@ def test_flux2_presets_import_as_dev_or_klein_by_the_base_model(tmp_path, base, 
     assert any(line.startswith("text_encoder_sequence_length: 256") for line in not_honoured), not_honoured
 
 
+def test_krea2_preset_imports_as_the_krea2_family(tmp_path):
+    """training_presets/Krea 2/#krea2 LoRA 24GB.json: model type KREA_2 is krea2, the transformer trains (the text
+    encoder not), its attn-mlp filter ("attn", "ff") is OneTrainer's own substring rule, BaseKrea2Setup reads
+    dynamic_timestep_shifting, and Krea2Sampler's defaults (28 steps, cfg 3.5, sides on a 64 px grid) are taken."""
+    preset = {"base_model_name": "krea/Krea-2-Raw", "batch_size": 2, "learning_rate": 0.0003, "model_type": "KREA_2",
+              "output_model_format": "DIFFUSERS_LORA", "resolution": "512", "compile": True,
+              "transformer": {"train": True, "weight_dtype": "INT_W8A8"},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "training_method": "LORA",
+              "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "weight_dtype": "BFLOAT_16",
+              "output_dtype": "BFLOAT_16", "timestep_distribution": "LOGIT_NORMAL", "layer_filter": "attn,ff",
+              "layer_filter_preset": "attn-mlp", "dynamic_timestep_shifting": True,
+              "samples": [{"prompt": "a fox", "width": 1000, "height": 700}]}
+    config, _ = import_only(tmp_path, preset)
+    assert config.model.family == "krea2" and config.method == "lora"
+    assert config.part_trains("transformer") and not config.part_trains("text_encoder")
+    assert config.lora.layer_filter == ["attn", "ff"] and not config.lora.layer_filter_regex
+    assert config.loss.dynamic_timestep_shifting is True
+    (sample,) = config.sampling.prompts
+    assert (sample.steps, sample.guidance_scale, sample.width, sample.height) == (28, 3.5, 1024, 704)
+    (tmp_path / "attn").mkdir()
+    attention, _ = import_only(tmp_path / "attn", {"model_type": "KREA_2", "training_method": "LORA",
+                                                   "layer_filter_preset": "attn-only"})
+    assert attention.lora.preset == "attention"
 def test_ernie_preset_imports_as_onetrainer_trains_it(tmp_path):
     """training_presets/Ernie Image/#ernie LoRA 16GB.json: model type ERNIE is ernie_image, its attn-mlp layer filter
     (self_attention, mlp) kept as OneTrainer's own substring rule, the transformer alone trained, the draw unshifted
@@ -1050,3 +1121,63 @@ def test_ernie_preset_imports_as_onetrainer_trains_it(tmp_path):
     config, _ = import_only(tmp_path, preset, samples=samples)
     (prompt,) = config.sampling.prompts
     assert (prompt.width, prompt.height, prompt.guidance_scale, prompt.steps) == (1008, 528, 4.0, 25)
+
+
+def test_ideogram4_preset_maps_to_the_ideogram4_family(tmp_path):
+    """training_presets/Ideogram 4/#ideogram LoRA 24GB.json: IDEOGRAM_4 -> ideogram4, its attn-mlp filter (attention,
+    feed_forward) the family's default preset, the transformer trained alone, OneTrainer's unshifted draw unless
+    dynamic_timestep_shifting (BaseIdeogramSetup: then e^mu of the pipeline's resolution-aware mu); its sample default
+    (SampleConfig: 1024 px, 25 steps, cfg 3.0)."""
+    preset = {"base_model_name": "/models/Ideogram-4-Diffusers", "batch_size": 2, "learning_rate": 5e-5,
+              "model_type": "IDEOGRAM_4", "output_model_format": "COMFY_LORA", "resolution": "512", "compile": True,
+              "transformer": {"train": True, "weight_dtype": "FLOAT_8"},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8"}, "training_method": "LORA",
+              "vae": {"weight_dtype": "FLOAT_32"}, "train_dtype": "BFLOAT_16", "output_dtype": "BFLOAT_16",
+              "layer_filter": "attention,feed_forward", "layer_filter_preset": "attn-mlp",
+              "timestep_distribution": "LOGIT_NORMAL"}
+    config, _ = import_only(tmp_path, preset, samples=[{"prompt": "a cat"}])
+    assert config.model.family == "ideogram4" and config.method == "lora"
+    assert {part: config.part_trains(part) for part in ("transformer", "text_encoder")} == {
+        "transformer": True, "text_encoder": False}
+    assert "preset" not in config.lora.model_fields_set and config.lora.layer_filter is None  # the default preset
+    assert (config.loss.timestep_shift, config.loss.dynamic_timestep_shifting) == (1.0, "auto")
+    (sample,) = config.sampling.prompts
+    assert (sample.width, sample.height, sample.steps, sample.guidance_scale) == (1024, 1024, 25, 3.0)
+    for filter_preset, expected in (("attn-only", "attention"),):
+        config, _ = import_only(tmp_path, {**preset, "layer_filter": "attention", "layer_filter_preset": filter_preset,
+                                           "dynamic_timestep_shifting": True})
+        assert config.lora.preset == expected and config.loss.dynamic_timestep_shifting is True
+def test_hunyuan_video_preset_imports_to_the_hunyuan_video_family(tmp_path):
+    """OneTrainer's HUNYUAN_VIDEO (training_presets/Hunyuan Video/#hunyuan video LoRA.json): the hunyuan_video family,
+    its `blocks` layer filter (every linear of the dual- and single-stream blocks, `transformer_blocks` matching both),
+    the transformer's guidance_scale as model.guidance_scale where it is not OneTrainer's 1.0, Llama's layer skip."""
+    preset = {"base_model_name": "hunyuanvideo-community/HunyuanVideo", "model_type": "HUNYUAN_VIDEO",
+              "training_method": "LORA", "batch_size": 4, "learning_rate": 0.0003, "output_model_format": "COMFY_LORA",
+              "resolution": "512", "timestep_distribution": "LOGIT_NORMAL", "dynamic_timestep_shifting": False,
+              "train_dtype": "BFLOAT_16",
+              "transformer": {"train": True, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5},
+              "text_encoder": {"train": False, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5},
+              "text_encoder_2": {"train": False, "weight_dtype": "FLOAT_8"},
+              "layer_filter": "transformer_blocks", "layer_filter_preset": "blocks"}
+    config, skipped = import_only(tmp_path, preset)
+    assert config.model.family == "hunyuan_video" and config.method == "lora"
+    assert config.model.guidance_scale is None  # OneTrainer's 1.0, the family's default
+    assert config.loss.timestep_shift == 1.0  # OneTrainer's default: unshifted (the scheduler's 7.0 otherwise)
+    assert config.lora.layer_filter == ["transformer_blocks"]
+    assert {part: config.part_trains(part) for part in ("transformer", "text_encoder", "text_encoder_2")} == {
+        "transformer": True, "text_encoder": False, "text_encoder_2": False}
+    config, _ = import_only(tmp_path, {**preset, "transformer": {"train": True, "guidance_scale": 3.5},
+                                       "text_encoder_layer_skip": 1})
+    assert config.model.guidance_scale == 3.5 and config.model.text_encoder_layer_skip == 1
+
+
+def test_hunyuan_video_samples_and_layer_presets_take_onetrainers_defaults(tmp_path):
+    """HunyuanVideoSampler's defaults (848 x 480 rounded to its 64 px grid, 30 steps, the distilled guidance 6.0) and
+    BaseHunyuanVideoSetup's attn-only preset (every Linear named attn.*: both streams' and the refiner's projections),
+    ot_dist's attention preset."""
+    config, _ = import_only(tmp_path, {"model_type": "HUNYUAN_VIDEO", "training_method": "LORA",
+                                       "layer_filter_preset": "attn-only", "sample_after": 1,
+                                       "sample_after_unit": "EPOCH"}, samples=[{"prompt": "a cat"}])
+    assert config.lora.preset == "attention"
+    (prompt,) = config.sampling.prompts
+    assert (prompt.width, prompt.height, prompt.steps, prompt.guidance_scale) == (832, 512, 30, 6.0)

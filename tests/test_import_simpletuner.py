@@ -508,3 +508,38 @@ def test_ernie_family(tmp_path):
     assert config["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
     assert config["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.0,
                               "logit_normal_std": 1.0, "timestep_shift": 3.0, "dynamic_timestep_shifting": False}
+
+
+def test_anima_flavours(tmp_path):
+    """Anima: SimpleTuner's DEFAULT_LORA_TARGET (to_q / to_k / to_v / to_out.0: both attentions of every block), its
+    16-pixel bucket alignment; the single-file 2.9B flavour is listed, the release flavour is not."""
+    config, text = imported(tmp_path, {"--model_family": "anima", "--model_type": "lora",
+                                       "--pretrained_model_name_or_path": "/models/anima"})
+    assert config["model"] == {"family": "anima", "path": "/models/anima"}
+    assert config["lora"]["transformer_targets"] == ["to_k", "to_q", "to_v", "to_out.0"]
+    assert config["data"]["bucket_step"] == 16
+    for flavour, listed in (("gazingstars123-2.9b", True), ("release", False)):
+        _, text = imported(tmp_path, {"--model_family": "anima", "--model_type": "lora", "--model_flavour": flavour,
+                                      "--pretrained_model_name_or_path": "/models/anima"})
+        assert ("SimpleTuner loads its transformer from a single file" in text) == listed, flavour
+def test_ideogram_maps_its_schedule_and_lists_its_json_captions_and_fused_qkv(tmp_path):
+    """SimpleTuner's `ideogram`: sigma = sigmoid(ideogram_schedule_mu + 0.5 ln(pixels / 512^2) + ideogram_schedule_std
+    z): ot_dist's logit-normal at the family's resolution shift (no shift written; its common flow settings not read);
+    its DEFAULT_LORA_TARGET in diffusers' names; the JSON caption rewriting (on by default) and the fused qkv adapter
+    are listed, its own checkpoint format noted."""
+    config, text = imported(tmp_path, {"--model_family": "ideogram", "--model_type": "lora",
+                                       "--pretrained_model_name_or_path": "/models/ideogram4-diffusers",
+                                       "--ideogram_schedule_mu": 0.25, "--flow_schedule_shift": 3.0})
+    assert config["model"]["family"] == "ideogram4"
+    assert config["loss"] == {"timestep_distribution": "logit_normal", "logit_normal_mean": 0.25,
+                              "logit_normal_std": 1.5}
+    assert config["lora"]["transformer_targets"] == ["attention.to_q", "attention.to_k", "attention.to_v",
+                                                     "attention.to_out.0", "feed_forward.w1", "feed_forward.w2",
+                                                     "feed_forward.w3"]
+    listed = text.split("NOT HONOURED")[1]
+    assert "ideogram_auto_json" in listed and "fused qkv" in listed
+    assert "flow_schedule_shift" not in listed  # noted: SimpleTuner's Ideogram 4 does not read it
+    _, text = imported(tmp_path, {"--model_family": "ideogram", "--model_type": "full", "--ideogram_auto_json": False,
+                                  "--pretrained_model_name_or_path": "/models/ideogram4-diffusers"})
+    listed = text.split("NOT HONOURED")[1] if "NOT HONOURED" in text else ""
+    assert "ideogram_auto_json" not in listed and "llm_cond_proj" in listed

@@ -228,6 +228,22 @@ CASES = {"flux-kohya": ("flux", flux_kohya), "flux-onetrainer": ("flux", flux_on
 CASES |= {"z_image-comfyui": ("z_image", z_image_comfyui), "z_image-kohya": ("z_image", z_image_kohya)}
 
 
+def krea2_original(pipe) -> ForeignFile:
+    """The original Krea 2 names under diffusion_model. (the reference trainer's, ai-toolkit's after its prefix, what
+    ot_dist's lora_comfyui.safetensors writes): a joint block's attention and MLP, a text-fusion block's, the embedders."""
+    f = ForeignFile(pipe, 4)
+    for original, path in (("blocks.1.attn.wq", "transformer_blocks.1.attn.to_q"),
+                           ("blocks.0.attn.gate", "transformer_blocks.0.attn.to_gate"),
+                           ("blocks.0.mlp.down", "transformer_blocks.0.ff.down"),
+                           ("txtfusion.refiner_blocks.0.attn.wo", "text_fusion.refiner_blocks.0.attn.to_out.0"),
+                           ("first", "img_in"), ("tproj.1", "time_mod_proj"), ("txtmlp.3", "txt_in.linear_2")):
+        f.module(f"diffusion_model.{original}", [("transformer", path)])
+    return f
+
+
+CASES["krea2-original"] = ("krea2", krea2_original)
+
+
 def ernie_image_comfyui_kohya(pipe) -> ForeignFile:
     """ERNIE-Image: ComfyUI's `diffusion_model.<key>` (its model's names are diffusers') and kohya-style `lora_unet_`
     over the same paths (OneTrainer's KOHYA output)."""
@@ -243,7 +259,32 @@ def ernie_image_comfyui_kohya(pipe) -> ForeignFile:
 CASES["ernie_image-comfyui-kohya"] = ("ernie_image", ernie_image_comfyui_kohya)
 
 
-@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "z_image", "flux2", "ernie_image"])
+def hunyuan_video_original(pipe) -> ForeignFile:
+    """HunyuanVideo under the original (Tencent) names: diffusion-pipe's and OneTrainer's ComfyUI files
+    (`diffusion_model.` or `transformer.` + the name: comfy/lora.py's HunyuanVideo branch) and musubi-tuner's
+    (`lora_unet_` + the name with "_"): fused q | k | v (both streams and the token refiner), the single blocks'
+    linear1 = q | k | v | MLP input, a modulation, an embedder and the final adaLN (rows swapped)."""
+    f = ForeignFile(pipe, 12)
+    t = "transformer"
+    f.module("diffusion_model.double_blocks.0.img_attn_qkv", [(t, f"transformer_blocks.0.attn.to_{x}") for x in "qkv"])
+    f.module("transformer.double_blocks.1.txt_attn_qkv",
+             [(t, f"transformer_blocks.1.attn.add_{x}_proj") for x in "qkv"])
+    f.module("diffusion_model.single_blocks.1.linear1",
+             [(t, f"single_transformer_blocks.1.{x}") for x in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")])
+    f.module("diffusion_model.single_blocks.0.modulation.linear", [(t, "single_transformer_blocks.0.norm.linear")])
+    f.module(underscored("lora_unet", "double_blocks.0.img_mlp.fc1"), [(t, "transformer_blocks.0.ff.net.0.proj")])
+    f.module(underscored("lora_unet", "txt_in.individual_token_refiner.blocks.0.self_attn_qkv"),
+             [(t, f"context_embedder.token_refiner.refiner_blocks.0.attn.to_{x}") for x in "qkv"])
+    f.module("diffusion_model.time_in.mlp.0", [(t, "time_text_embed.timestep_embedder.linear_1")])
+    f.module("diffusion_model.final_layer.adaLN_modulation.1", [(t, "norm_out.linear")], swap=True)
+    return f
+
+
+CASES["hunyuan_video-original"] = ("hunyuan_video", hunyuan_video_original)
+
+
+@pytest.mark.parametrize("family", ["flux", "chroma", "sd3", "z_image", "flux2", "krea2", "ernie_image",
+                                    "hunyuan_video"])
 def test_other_trainers_files_merge_at_their_strength(family_models, tmp_path, family):
     """Every module of each file is merged as W + weight * alpha / rank * up @ down (fused modules split onto the
     diffusers modules by rows); no other weight moves; nothing is reported skipped."""

@@ -92,6 +92,8 @@ DOCUMENTED = [
      "wan-2_1-text2video-1_3b/lora", "diffusers"),
     ("wan", {"num_attention_heads": 40, "attention_head_dim": 128}, None, False, "checkpoint", None,
      "wan-2_1-text2video-14b", "diffusers"),
+    ("krea2", {}, None, False, "lora", "diffusers", "krea-2/lora", "diffusers"),  # OneTrainer: Krea-2/lora
+    ("krea2", {}, None, False, "checkpoint", None, "krea-2", "https://github.com/krea-ai/krea-2"),
     # diffusers' modular ERNIE-Image blocks' model_name; ComfyUI's names are diffusers'
     ("ernie_image", {}, None, False, "lora", "diffusers", "ernie-image/lora", "diffusers"),
     ("ernie_image", {}, None, False, "checkpoint", None, "ernie-image", "diffusers"),
@@ -102,6 +104,14 @@ DOCUMENTED = [
     # SD 2.0 depth (sd2 with a 5-channel UNet): the spec's stable-diffusion-v2-depth
     ("sd2", {"in_channels": 5}, "epsilon", False, "checkpoint", None, "stable-diffusion-v2-depth", STABILITY),
     ("sd2", {"in_channels": 5}, "epsilon", False, "lora", "kohya", "stable-diffusion-v2-depth/lora", "diffusers"),
+    # OneTrainer's ids for Anima (resources/sd_model_spec/anima.json, anima-lora.json)
+    ("anima", {}, None, False, "lora", "diffusers", "Anima/lora", "diffusers"),
+    ("anima", {}, None, False, "checkpoint", None, "Anima", "diffusers"),
+    # SwarmUI's class ids (T2IModelClassSorter: ideogram-4, ideogram-4/lora); OneTrainer writes "Ideogram"
+    ("ideogram4", {}, None, False, "lora", "diffusers", "ideogram-4/lora", "diffusers"),
+    # OneTrainer's ids (resources/sd_model_spec/hunyuan_video*.json)
+    ("hunyuan_video", {}, None, False, "lora", "diffusers", "hunyuan-video/lora", "diffusers"),
+    ("hunyuan_video", {}, None, False, "checkpoint", None, "hunyuan-video", "diffusers"),
 ]
 FACTS = FileFacts(title="my-run", resolution=1024, created=1764177771.0)
 MUST = ("modelspec.sai_model_spec", "modelspec.architecture", "modelspec.implementation", "modelspec.title",

@@ -300,6 +300,7 @@ def test_sampling_config_errors_name_the_field(tiny_models, shapes_data, tmp_pat
     ("flux2", 4.0, 16), ("flux2_klein", 4.0, 16),
     ("wan", 5.0, 16),  # OneTrainer has no Wan: WanPipeline's default
     ("qwen_image_edit", 4.0, 16), ("qwen_image_edit_plus", 4.0, 16),  # nor Qwen-Image-Edit: the pipeline's default
+    ("krea2", 3.5, 16),
     ("ernie_image", 4.0, 16)])
 def test_sample_sides_are_on_the_familys_grid_and_guidance_defaults_to_onetrainers(family, guidance, grid):
     decoder = {"decoder": "d"} if family in ("stable_cascade", "wuerstchen_v2") else {}

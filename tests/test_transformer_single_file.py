@@ -27,6 +27,7 @@ from ot_dist.models.families import z_image_single_file as Z
 from ot_dist.models.families.ernie_image_single_file import ERNIE_IMAGE
 from ot_dist.models.families.flux2_single_file import FLUX2
 from ot_dist.models.families.qwen_image_single_file import QWEN_IMAGE
+from ot_dist.models.families.krea2_single_file import KREA2
 from ot_dist.models.families.single_file_keys import KeyLayoutError, read_safetensors_header
 
 TINY_FLUX = dict(
@@ -315,7 +316,7 @@ TINY_HIDREAM = dict(
 @pytest.mark.parametrize("layout, name, config", [(F.FLUX, "Flux.1", TINY_FLUX), (F.CHROMA, "Chroma", TINY_CHROMA),
                                                   (Z.Z_IMAGE, "Z-Image", {}), (H.HIDREAM, "HiDream-I1", TINY_HIDREAM),
                                                   (QWEN_IMAGE, "Qwen-Image", {}), (FLUX2, "FLUX.2", {}),
-                                                  (ERNIE_IMAGE, "ERNIE-Image", {})])
+                                                  (ERNIE_IMAGE, "ERNIE-Image", {}), (KREA2, "Krea 2", {})])
 def test_each_layout_names_its_model_and_reads_comfyuis_prefix(layout, name, config):
     # one right key and one stray key under ComfyUI's prefix; the header is all that is read (no tensor is made)
     key, shape = next(iter(layout.expected_header(config).items()))

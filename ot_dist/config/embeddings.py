@@ -29,6 +29,19 @@ def lower_case_for_several_vectors(token: str, vectors: int, key: str) -> None:
                          "to its first vector only")
 
 
+def check_token_case(config, family) -> None:
+    """Every embedding token lower case where the family lower-cases the prompt (`Family.lowercases_prompts`): an
+    upper-case token would never be found there, so its vectors would not train (or not be read by the samples)."""
+    if not family.lowercases_prompts:
+        return
+    tokens = [("embedding.token", config.embedding.token)] if config.method == "embedding" else []
+    tokens += [(f"additional_embeddings[{i}].token", e.token) for i, e in enumerate(config.additional_embeddings)]
+    for key, token in tokens:
+        if token != token.lower():
+            raise ValueError(f"{key}: {token!r} must be lower case ({token.lower()!r}) for {config.model.family}: "
+                             f"{family.lowercases_prompts}")
+
+
 def file_stem(token: str) -> str:
     """The file name an additional embedding is written under (output_dir/embeddings/<stem>.safetensors): the token
     without the characters Windows refuses in file names (`<sks>` -> `sks`). A1111 and ComfyUI take the file name as
@@ -42,8 +55,9 @@ OUTPUT_EMBEDDING_DESCRIPTION = (
     "in training and in the samples. Without init_from they start as OneTrainer starts them: the encoder's hidden "
     "states (the layer the model reads) of init_text followed by one '*' per vector, at the positions after the "
     "start token. The file is OneTrainer's (<key> zeros, <key>_out the vectors: emp_params for SD 1.x / 2.x, "
-    "clip_l / clip_g for SDXL), which only OneTrainer reads; init_from reads <key>_out, else an input embedding's "
-    "vectors. SD 1.x / 2.x (without a text_encoder_layer_skip), SDXL, Stable Cascade and Würstchen v2 (clip_g)."
+    "clip_l / clip_g for SDXL, t5 for PixArt and Chroma), which only OneTrainer reads; init_from reads <key>_out, "
+    "else an input embedding's vectors. SD 1.x / 2.x (without a text_encoder_layer_skip), SDXL, Stable Cascade and "
+    "Würstchen v2 (clip_g), PixArt-α / Σ and Chroma (their T5's last hidden state)."
 )
 
 
@@ -51,8 +65,8 @@ def check_output_embedding(key: str, config, family) -> None:
     """An output embedding (`key` names its output_embedding field) against the family and the model section."""
     if not family.output_embedding_keys:
         raise ValueError(f"{key}: model family {config.model.family} takes no output embeddings in ot_dist (SD 1.x / "
-                         "2.x, SDXL, Stable Cascade and Würstchen v2 do; OneTrainer's T5 / Gemma / Llama output "
-                         "embeddings are not supported yet)")
+                         "2.x, SDXL, Stable Cascade, Würstchen v2, PixArt and Chroma do; OneTrainer's output "
+                         "embeddings of Flux's, SD3's, Sana's and HiDream's T5 / Gemma / Llama are not supported yet)")
     conflict = family.output_embedding_conflict(config.model)
     if conflict is not None:
         field, why = conflict
@@ -133,7 +147,7 @@ def check_additional_embeddings(config, family) -> None:
         return
     if not family.embedding_keys:
         raise ValueError(f"additional_embeddings: model family {config.model.family} has no text encoder that takes "
-                         "embeddings (T5 only); remove them")
+                         "embeddings; remove them")
     if config.data.cache_text:
         raise ValueError("data.cache_text: the additional embeddings change what the text encoders read (and train "
                          "while the run goes on); turn cache_text off")

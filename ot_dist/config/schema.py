@@ -15,7 +15,7 @@ from pydantic import AfterValidator, Field, field_validator, model_validator
 from ot_dist.config.checkpoint import CheckpointConfig
 from ot_dist.config.embeddings import (OUTPUT_EMBEDDING_DESCRIPTION, AdditionalEmbeddingConfig,
                                        check_additional_embeddings, check_output_embedding,
-                                       lower_case_for_several_vectors, safetensors_only)
+                                       check_token_case, lower_case_for_several_vectors, safetensors_only)
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.metadata import MetadataConfig
@@ -31,7 +31,8 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
 # The config sections of the parts a family may train (which ones a family has: its `denoiser` and `text_encoders`).
-PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
+PART_FIELDS = ("unet", "transformer", "prior", "text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4",
+               "text_conditioner")
 
 
 class ModelConfig(Section):
@@ -43,12 +44,14 @@ class ModelConfig(Section):
         "(Lumina 2), flux2 (FLUX.2 [dev]), flux2_klein (FLUX.2 [klein] 4B / 9B; both edit models when the concepts "
         "give reference_path, text-to-image without), wan (Wan 2.1 text-to-video, trained on images as one-frame "
         "videos), qwen_image_edit (Qwen-Image-Edit, an edit model), qwen_image_edit_plus (Qwen-Image-Edit-2509 / 2511, "
-        "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo); each is one module under ot_dist/models/families/ (docs/families.md)."
+        "one reference per sample), ernie_image (ERNIE-Image / ERNIE-Image-Turbo), anima (Anima: "
+        "Cosmos-Predict2's DiT, Qwen3 through its LLM adapter, the text_conditioner part), ideogram4 (Ideogram 4), krea2 (Krea 2), hunyuan_video (HunyuanVideo text-to-video, trained on images as one-frame videos); each is one "
+        "module under ot_dist/models/families/ (docs/families.md)."
     )
     path: UserPath = Field(
         description="The base model: a diffusers-format folder, or a single-file .safetensors checkpoint in the "
         "family's original layout (A1111 / ComfyUI for SD 1.x / 2.x / SDXL; Stability's for SD3, Black Forest Labs' for "
-        "Flux and FLUX.2, lodestones' for Chroma: the transformer (and SD3's VAE), the rest comes from model.config or "
+        "Flux and FLUX.2, lodestones' for Chroma, krea-ai's raw.safetensors for Krea 2: the transformer (and SD3's VAE), the rest comes from model.config or "
         "model.component_files)."
     )
     config: UserPath | None = Field(
@@ -96,9 +99,9 @@ class ModelConfig(Section):
     )
     guidance_scale: float | None = Field(
         default=None, ge=0,
-        description="Flux.1 dev, FLUX.2 [dev]: the distilled guidance value its transformer is shown while training; null "
-        "= 1.0, as OneTrainer trains both (SimpleTuner Flux.1; diffusers' scripts 3.5). Models without a guidance embedding "
-        "(schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
+        description="Flux.1 dev, FLUX.2 [dev], HunyuanVideo: the distilled guidance value its transformer is shown "
+        "while training; null = 1.0, as OneTrainer trains them (SimpleTuner Flux.1; diffusers' scripts 3.5). Models "
+        "without a guidance embedding (schnell, Chroma, FLUX.2 [klein], UNets) ignore it.",
     )
     t5_max_tokens: int | None = Field(
         default=None, ge=1,
@@ -278,8 +281,9 @@ class EmbeddingConfig(Section):
         default=None,
         description="An embedding .safetensors to continue: the vectors start from it instead of init_text. Layouts: "
         "ot_dist's / ComfyUI's / A1111-Forge SDXL (clip_l, clip_g), OneTrainer's (emp_params for SD 1.x/2.x; "
-        "clip_l / clip_g, t5 unused), A1111 (string_to_param.*), diffusers ({token: tensor}). .pt / .bin (pickle) "
-        "files are refused.",
+        "clip_l / clip_g / t5 / gemma / llama; ComfyUI's t5xxl where t5 is missing; a CLIP-only file starts SD3's, "
+        "Flux's and HiDream's T5 / Llama vectors from init_text), A1111 (string_to_param.*), diffusers ({token: "
+        "tensor}). .pt / .bin (pickle) files are refused.",
     )
     learning_rate: float | None = Field(
         default=None, gt=0, description="Learning rate of the embedding vectors; unset = the top-level learning_rate."
@@ -901,6 +905,7 @@ class TrainConfig(Section):
     text_encoder_2: PartConfig = Field(default_factory=PartConfig)
     text_encoder_3: PartConfig = Field(default_factory=PartConfig)
     text_encoder_4: PartConfig = Field(default_factory=PartConfig)  # HiDream's Llama
+    text_conditioner: PartConfig = Field(default_factory=PartConfig)  # Anima's LLM adapter (Qwen3 -> T5 queries)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     additional_embeddings: list[AdditionalEmbeddingConfig] = Field(
@@ -1119,6 +1124,7 @@ class TrainConfig(Section):
             raise ValueError(f"method: model family {self.model.family} has no text encoder that takes embeddings")
         if self.method == "embedding" and self.embedding.output_embedding:
             check_output_embedding("embedding.output_embedding", self, family)
+        check_token_case(self, family)
         check_additional_embeddings(self, family)
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():

@@ -17,7 +17,10 @@ def frozen_storage_dtype(weight_dtype: str) -> torch.dtype:
 
 def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dtype: torch.dtype) -> bool:
     """The module's own and nested parameters cast by role (trained: `trained_dtype`, e.g. float32 masters; frozen:
-    `frozen_dtype`), the module in train mode if any of them trains. Returns whether one does."""
+    `frozen_dtype`), the module in train mode if any of them trains. Returns whether one does. A text encoder whose
+    only trained parameters are new token rows (token_vectors.py) reads them in eval mode instead, as OneTrainer's
+    embedding setups put every text encoder in eval mode: a T5's dropout (0.1 in T5 v1.1's config) stays off, so the
+    vectors learn against the conditioning the model is used with (`reading_mode`)."""
     trains = False
     for p in module.parameters():
         if p.requires_grad:
@@ -26,8 +29,30 @@ def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dt
         else:
             p.data = p.data.to(frozen_dtype)
     cast_frozen_buffers(module, frozen_dtype)
-    module.train(trains)
+    if trains and not trains_beyond_token_rows(module):
+        reading_mode(module)
+    else:
+        module.train(trains)
     return trains
+
+
+def trains_beyond_token_rows(module: torch.nn.Module) -> bool:
+    """Whether a parameter that trains is one of the module's own weights, not a row of new tokens (a sub-module
+    marked `token_rows`: token_vectors.py's ExtendedTokenEmbedding, its output vectors too)."""
+    rows = {id(p) for sub in module.modules() if getattr(sub, "token_rows", False) for p in sub.parameters()}
+    return any(p.requires_grad and id(p) not in rows for p in module.parameters())
+
+
+def reading_mode(module: torch.nn.Module) -> None:
+    """Eval mode (no dropout) for a module that backpropagates to its inputs only, except the training flag of its
+    transformers layers themselves: transformers checkpoints a GradientCheckpointingLayer only in train mode, and that
+    flag gates nothing else in them (their attention and MLP children, which drop out, stay in eval mode)."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    module.eval()
+    for sub in module.modules():
+        if isinstance(sub, GradientCheckpointingLayer):
+            sub.training = True
 
 
 def cast_frozen_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:

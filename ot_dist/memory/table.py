@@ -1,7 +1,9 @@
 """The memory table of docs/low-memory.md: bytes of weights, gradients and optimizer state for SD 1.5, SDXL, SD3.5
 Large, Flux.1 dev, Stable Cascade's stage C (3.6 B and lite 1 B), Würstchen v2's prior (1 B), Qwen-Image (20 B),
 Sana 1600M, Z-Image (6 B), HiDream-I1 (17 B), Lumina-Image 2.0, FLUX.2 dev (32 B), FLUX.2 klein 9B, Wan 2.1 T2V
-14B and ERNIE-Image (8 B) under the low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts and dtypes.
+14B, ERNIE-Image (8 B), Anima (2 B), Ideogram 4 (9.3 B, twice), Krea 2 (13 B) and HunyuanVideo (13 B) under the
+low-memory options and, for the transformers and the priors, a full finetune under fsdp, from parameter counts
+and dtypes.
 
 The real architectures are built on the meta device (no weights, no downloads) from the key numbers
 of their published configs, written out below. Activations are not counted: they depend on
@@ -17,10 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ot_dist.models.families.anima import Anima
 from ot_dist.models.families.ernie_image import ErnieImage
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
 from ot_dist.models.families.flux2 import Flux2, Flux2Klein
 from ot_dist.models.families.hidream import HiDream
+from ot_dist.models.families.ideogram4 import Ideogram4
+from ot_dist.models.families.krea2 import Krea2
+from ot_dist.models.families.hunyuan_video import HunyuanVideo
 from ot_dist.models.families.lumina2 import Lumina2
 from ot_dist.models.families.qwen_image import QwenImage
 from ot_dist.models.families.sana import Sana
@@ -183,6 +189,23 @@ WAN21_T2V_14B = dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_hea
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
                 feed_forward_proj="gated-gelu", relative_attention_num_buckets=32, relative_attention_max_distance=128,
                 is_encoder_decoder=False, use_cache=False, tie_word_embeddings=False)
+# krea/Krea-2-Raw: Krea2Transformer2DModel's defaults, which its docstring gives as Krea 2's (48 heads x 128 = 6144
+# wide, 12 key / value heads, 28 blocks, FFN 16384; the 12 x 2560-wide text taps fused by 2 + 2 blocks 20 heads wide),
+# written out; its text_encoder Qwen/Qwen3-VL-4B-Instruct's Qwen3VLModel (the language model without lm_head, the vision
+# tower, which the pipeline loads though text-only training never runs it) and Qwen-Image's VAE.
+KREA2 = dict(in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48, num_key_value_heads=12,
+             intermediate_size=16384, timestep_embed_dim=256, text_hidden_dim=2560, num_text_layers=12,
+             text_num_attention_heads=20, text_num_key_value_heads=20, text_intermediate_size=6912,
+             num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48))
+QWEN3_VL_4B = dict(
+    text_config=dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5000000,
+                                                         "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+    vision_config=dict(depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16, out_hidden_size=2560,
+                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                       deepstack_visual_indexes=[5, 11, 17]),
+    tie_word_embeddings=True)
 # baidu/ERNIE-Image: its 8 B transformer (ComfyUI's ErnieImageModel defaults, comfy/ldm/ernie/model.py @ 7b30bf37:
 # 36 blocks 4096 wide, 32 heads, the 12288-wide gated MLP, Ministral-3's 3072-wide states in), its text_encoder
 # Mistral3Model of Ministral-3 3B (ComfyUI's Ministral3_3BConfig: 26 layers, 3072 wide, 8 KV heads, the tied
@@ -196,6 +219,35 @@ MINISTRAL3_3B = dict(
                      max_position_embeddings=262144, rms_norm_eps=1e-5, tie_word_embeddings=True),
     vision_config=MISTRAL_SMALL_31["vision_config"], image_token_index=10, spatial_merge_size=2,
     multimodal_projector_bias=False, projector_hidden_act="gelu")
+# circlestone-labs/Anima: the transformer as diffusers' convert_anima_to_diffusers.py builds it (Cosmos-Predict2 2B's
+# config: 16 heads x 128, 28 blocks, 1024-wide text, RoPE scale (1, 4, 4), the padding-mask channel), its LLM adapter
+# (AnimaTextConditioner's defaults: 6 blocks 1024 wide over T5's 32128 ids), Qwen/Qwen3-0.6B-Base's decoder as the
+# text encoder and the Qwen-Image VAE.
+ANIMA_2B = dict(in_channels=16, out_channels=16, num_attention_heads=16, attention_head_dim=128, num_layers=28,
+                mlp_ratio=4.0, text_embed_dim=1024, adaln_lora_dim=256, max_size=(128, 240, 240), patch_size=(1, 2, 2),
+                rope_scale=(1.0, 4.0, 4.0), concat_padding_mask=True, extra_pos_embed_type=None)
+QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=32768,
+                 rms_norm_eps=1e-6, rope_theta=1000000, tie_word_embeddings=True)
+# Ideogram 4 (ideogram-ai/ideogram-v4 as diffusers ships it): two transformers of Ideogram4Transformer2DModel's default
+# config (its docstring's: 34 blocks of 18 heads x 256, SwiGLU 12288, 53248-wide text features in), the conditional one
+# trained and the unconditional one frozen; the text encoder Qwen/Qwen3-VL-8B-Instruct's Qwen3VLModel (no lm_head: the
+# language model and its vision tower, which text-only training never runs) and AutoencoderKLFlux2's defaults.
+IDEOGRAM4 = dict(in_channels=128, num_layers=34, attention_head_dim=256, num_attention_heads=18,
+                 intermediate_size=12288, adaln_dim=512, llm_features_dim=53248, rope_theta=5_000_000,
+                 mrope_section=(24, 20, 20))
+QWEN3_VL_8B = dict(
+    text_config=dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=262144,
+                     rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0,
+                                                         "mrope_section": [24, 20, 20], "mrope_interleaved": True}),
+    vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                       deepstack_visual_indexes=[8, 16, 24]),
+    tie_word_embeddings=False)
+# Components beside the denoiser that ot_dist keeps on the device whatever the setup offloads: the frozen denoisers only
+# sampling runs (Family.sampling_modules: Ideogram 4's unconditional transformer)
+RESIDENT_COMPONENTS = ("unconditional_transformer",)
 # model -> (denoiser component, its LoRA targets (the family's default preset), the family's sharding units)
 DENOISERS = {
     "SD 1.5": ("unet", UNET_ATTENTION_TARGETS, UNET_SHARD_UNITS),
@@ -215,8 +267,25 @@ DENOISERS = {
     "HiDream-I1": ("transformer", HiDream.denoiser_lora_presets["default"], HiDream.shard_units["transformer"]),
 }
 DENOISERS["Wan 2.1 T2V 14B"] = ("transformer", Wan.denoiser_lora_presets["default"], Wan.shard_units["transformer"])
+DENOISERS["Krea 2"] = ("transformer", Krea2.denoiser_lora_presets["default"], Krea2.shard_units["transformer"])
 DENOISERS["ERNIE-Image"] = ("transformer", ErnieImage.denoiser_lora_presets["default"],
                             ErnieImage.shard_units["transformer"])
+DENOISERS["Anima"] = ("transformer", Anima.denoiser_lora_presets["default"], Anima.shard_units["transformer"])
+DENOISERS["Ideogram 4"] = ("transformer", Ideogram4.denoiser_lora_presets["default"],
+                           Ideogram4.shard_units["transformer"])
+# hunyuanvideo-community/HunyuanVideo: its transformer/config.json (diffusers' defaults: 24 heads x 128, 20 dual- and 40
+# single-stream blocks, 2 refiner blocks, Llama's 4096-wide states and CLIP-L's 768 pooled in, the guidance embedder),
+# its text_encoder (xtuner/llava-llama-3-8b-v1_1's language model as a LlamaModel: no lm_head, the 128320-token
+# vocabulary with LLaVA's added tokens), CLIP-L's text model and its VAE (AutoencoderKLHunyuanVideo's defaults).
+HUNYUAN_VIDEO = dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128, num_layers=20,
+                     num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0, patch_size=2, patch_size_t=1,
+                     qk_norm="rms_norm", guidance_embeds=True, text_embed_dim=4096, pooled_projection_dim=768,
+                     rope_theta=256.0, rope_axes_dim=(16, 56, 56))
+LLAVA_LLAMA3_8B = dict(vocab_size=128320, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       rope_theta=500000.0)
+DENOISERS["HunyuanVideo"] = ("transformer", HunyuanVideo.denoiser_lora_presets["default"],
+                             HunyuanVideo.shard_units["transformer"])
 # Flux.1 Kontext dev: Flux.1 dev's published transformer config, encoders and VAE (its own row for its activations:
 # the reference image's tokens double the image sequence; ot_dist/starter/choose.py)
 DENOISERS["Flux.1 Kontext dev"] = DENOISERS["Flux.1 dev"]
@@ -247,6 +316,13 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
 
             return {"transformer": ErnieImageTransformer2DModel(**ERNIE_IMAGE),
                     "text_encoder": Mistral3Model(Mistral3Config(**MINISTRAL3_3B)), "vae": AutoencoderKLFlux2()}
+        if model == "HunyuanVideo":
+            from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
+            from transformers import LlamaConfig, LlamaModel
+
+            return {"transformer": HunyuanVideoTransformer3DModel(**HUNYUAN_VIDEO),
+                    "text_encoder": LlamaModel(LlamaConfig(**LLAVA_LLAMA3_8B)),
+                    "text_encoder_2": CLIPTextModel(CLIPTextConfig(**CLIP_L)), "vae": AutoencoderKLHunyuanVideo()}
         if model == "Wan 2.1 T2V 14B":
             from diffusers import AutoencoderKLWan, WanTransformer3DModel
             from transformers import UMT5Config, UMT5EncoderModel
@@ -254,6 +330,26 @@ def build_components(model: str) -> dict[str, torch.nn.Module]:
             return {"transformer": WanTransformer3DModel(**WAN21_T2V_14B),
                     "text_encoder": UMT5EncoderModel(UMT5Config(**UMT5_XXL)),
                     "vae": AutoencoderKLWan(**QWEN_IMAGE_VAE)}
+        if model == "Anima":
+            from diffusers import AnimaTextConditioner, CosmosTransformer3DModel
+            from transformers import Qwen3Config, Qwen3Model
+
+            return {"transformer": CosmosTransformer3DModel(**ANIMA_2B),
+                    "text_encoder": Qwen3Model(Qwen3Config(**QWEN3_06B)), "text_conditioner": AnimaTextConditioner(),
+                    "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
+        if model == "Ideogram 4":
+            from diffusers import AutoencoderKLFlux2, Ideogram4Transformer2DModel
+            from transformers import Qwen3VLConfig, Qwen3VLModel
+
+            return {"transformer": Ideogram4Transformer2DModel(**IDEOGRAM4),
+                    "unconditional_transformer": Ideogram4Transformer2DModel(**IDEOGRAM4),
+                    "text_encoder": Qwen3VLModel(Qwen3VLConfig(**QWEN3_VL_8B)), "vae": AutoencoderKLFlux2()}
+        if model == "Krea 2":
+            from diffusers import Krea2Transformer2DModel
+            from transformers import Qwen3VLConfig, Qwen3VLModel
+
+            return {"transformer": Krea2Transformer2DModel(**KREA2), "text_encoder": Qwen3VLModel(Qwen3VLConfig(**QWEN3_VL_4B)),
+                    "vae": AutoencoderKLQwenImage(**QWEN_IMAGE_VAE)}
         if model == "Lumina-Image 2.0":
             from diffusers import Lumina2Transformer2DModel
 
@@ -428,7 +524,7 @@ def setup_bytes(setup: Setup, sizes: ModelSizes) -> float:
     counts, denoiser = sizes.counts, sizes.denoiser
     shapes = sizes.trained[setup.trained]
     trained = sum(math.prod(s) for s in shapes)
-    frozen_parts = [] if setup.offload else [n for n in counts if n != denoiser]
+    frozen_parts = [n for n in counts if n != denoiser and (not setup.offload or n in RESIDENT_COMPONENTS)]
     frozen = sum(counts[n] for n in frozen_parts) + (counts[denoiser] if setup.trained == "lora" else 0)
     grads = 0 if setup.fused_back_pass else trained * BYTES[setup.trained_dtype]
     return (frozen * BYTES[setup.frozen] + trained * BYTES[setup.trained_dtype] + grads

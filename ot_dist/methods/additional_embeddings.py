@@ -21,7 +21,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.methods.embedding_file import vector_count
 from ot_dist.methods.output_vectors import file_vectors
 from ot_dist.methods.token_vectors import (add_vectors, rows_in_state, start_vectors, token_strings,
-                                          write_embedding_file)
+                                          with_key_copies, write_embedding_file)
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.loading import LoadedModel
@@ -50,7 +50,7 @@ class AdditionalEmbeddings:
             return entry.vectors
         if i not in self._counts:
             configured = entry.vectors if "vectors" in entry.model_fields_set else None
-            self._counts[i] = vector_count(entry.init_from, get_family(self.config.model.family).embedding_keys,
+            self._counts[i] = vector_count(entry.init_from, get_family(self.config.model.family),
                                            configured)
         return self._counts[i]
 
@@ -90,11 +90,14 @@ class AdditionalEmbeddings:
 
     def bundled(self, model: LoadedModel, vectors: list[dict[str, torch.Tensor]], dtype) -> dict[str, torch.Tensor]:
         """The LoRA file's `bundle_emb.<token>.<key>` tensors (A1111's rule: the name is what lies between the first
-        two dots, <key> as in an embedding file: `string_to_param.*` for one encoder, clip_l + clip_g for SDXL)."""
+        two dots, <key> as in an embedding file: `string_to_param.*` for one encoder, clip_l + clip_g for SDXL, t5
+        and its copy t5xxl for a T5, as OneTrainer's and ComfyUI's bundle readers name it)."""
         tensors = {}
         for entry, rows in zip(self.entries, vectors, strict=True):
+            keyed = {}
             for (name, family_key), value in zip(model.family.embedding_keys.items(), rows.values(), strict=True):
-                key = ONE_ENCODER_BUNDLE_KEY if family_key == EMBEDDING_TOKEN_KEY else family_key
+                keyed[ONE_ENCODER_BUNDLE_KEY if family_key == EMBEDDING_TOKEN_KEY else family_key] = value
+            for key, value in with_key_copies(keyed, model.family.embedding_key_copies).items():
                 tensors[f"bundle_emb.{entry.token}.{key}"] = value.detach().to("cpu", dtype).contiguous()
         return tensors
 
@@ -112,7 +115,8 @@ class AdditionalEmbeddings:
             dtype = DTYPES[self.config.output_dtype]
             for entry, rows, target in zip(self.entries, vectors, targets, strict=True):
                 header = header_for(model, "embedding", run_facts(self.config, created, suffix), None)
-                write_embedding_file(target, rows, entry.token, dtype, header)
+                copies = {} if entry.output_embedding else model.family.embedding_key_copies  # no zero rows for ComfyUI
+                write_embedding_file(target, rows, entry.token, dtype, header, copies)
         return targets
 
 

@@ -30,7 +30,7 @@ class EmbeddingMethod(TrainingMethod):
             return embedding.vectors
         if getattr(self, "_file_count", None) is None:
             configured = embedding.vectors if "vectors" in embedding.model_fields_set else None
-            self._file_count = vector_count(embedding.init_from, get_family(self.config.model.family).embedding_keys,
+            self._file_count = vector_count(embedding.init_from, get_family(self.config.model.family),
                                             configured)
             if self._file_count > 1 and embedding.token != embedding.token.lower():
                 raise ConfigError(f"embedding.token: {embedding.token!r}: embedding.init_from holds "
@@ -75,5 +75,6 @@ class EmbeddingMethod(TrainingMethod):
         target = output_dir / f"embedding{suffix}.safetensors"
         if write:
             write_embedding_file(target, vectors, self.config.embedding.token, DTYPES[self.config.output_dtype],
-                                 self.modelspec(model, "embedding", created, suffix))
+                                 self.modelspec(model, "embedding", created, suffix),
+                                 {} if self.config.embedding.output_embedding else model.family.embedding_key_copies)
         return [target] + self.additional.export(model, output_dir, state_dict_of, write, suffix, created)

@@ -181,11 +181,14 @@ class LoraMethod(TrainingMethod):
 def saves_lora_of(pipeline_cls, kwargs: dict) -> bool:
     """Whether the pipeline class's `save_lora_weights` takes these `<part>_lora_layers` / metadata arguments: some
     pipelines inherit a LoRA mixin written for other components (WuerstchenPriorPipeline has SD's, which knows `unet`
-    and `text_encoder`, not `prior`)."""
+    and `text_encoder`, not `prior`), and some mixins have no saver of their own (AnimaLoraLoaderMixin)."""
     import inspect
 
+    from diffusers.loaders.lora_base import LoraBaseMixin
+
     saver = getattr(pipeline_cls, "save_lora_weights", None)
-    if saver is None:
+    # a mixin that loads but never wrote a saver (Anima's) leaves LoraBaseMixin's, which only raises
+    if saver is None or getattr(saver, "__func__", None) is LoraBaseMixin.save_lora_weights.__func__:
         return False
     parameters = inspect.signature(saver).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):

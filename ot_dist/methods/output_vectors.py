@@ -17,8 +17,9 @@ embedding's, `token_embedding.outputs.additional.<i>` for additional embedding i
 checkpoint them with the encoder's other new rows, and exports of the encoder leave them out as they leave those.
 
 The file is OneTrainer's: per encoder of the family's `output_embedding_keys` (`emp_params` for SD 1.x / 2.x, `clip_l`
-/ `clip_g` for SDXL) the zero input rows under `<key>` and the vectors under `<key>_out`; OneTrainer's loaders read
-`<key>_out` and fall back to `<key>` (modules/modelSetup/Base*Setup.py `_setup_embeddings`), as `init_from` does here.
+/ `clip_g` for SDXL, `t5` for PixArt and Chroma) the zero input rows under `<key>` and the vectors under `<key>_out`;
+OneTrainer's loaders read `<key>_out` and fall back to `<key>` (modules/modelSetup/Base*Setup.py `_setup_embeddings`),
+as `init_from` does here.
 """
 
 from __future__ import annotations
@@ -97,10 +98,11 @@ def start_output_vectors(model, tokenizer_name: str, encoder_name: str, init_tex
     `init_text + "*" x count`, at the `count` positions after the start token."""
     tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
     text = init_text + "*" * count
-    ids = tokenizer([text], padding="max_length", max_length=model.family.max_tokens(tokenizer_name, tokenizer),
-                    truncation=True, return_tensors="pt").input_ids
+    encoded = tokenizer([text], padding="max_length", max_length=model.family.max_tokens(tokenizer_name, tokenizer),
+                        truncation=True, return_tensors="pt")
+    masked = {"attention_mask": encoded.attention_mask.to(encoder.device)} if model.family.output_states_masked else {}
     with torch.no_grad():
-        output = encoder(ids.to(encoder.device), output_hidden_states=True)
+        output = encoder(encoded.input_ids.to(encoder.device), output_hidden_states=True, **masked)
         return model.family.text_states(encoder_name, output)[0, 1:1 + count].float().cpu()
 
 

@@ -39,7 +39,9 @@ SCRIPTS = {
     "train_dreambooth_lora_flux2_klein.py": ("flux2_klein", "lora", "dreambooth"),
     "train_dreambooth_lora_lumina2.py": ("lumina2", "lora", "dreambooth"),
     "train_dreambooth_lora_z_image.py": ("z_image", "lora", "dreambooth"),
+    "train_dreambooth_lora_krea2.py": ("krea2", "lora", "dreambooth"),
     "train_dreambooth_lora_hidream.py": ("hidream", "lora", "dreambooth"),
+    "train_dreambooth_lora_ideogram4.py": ("ideogram4", "lora", "dreambooth"),
     "textual_inversion.py": (None, "embedding", "textual_inversion"),
 }
 # The scripts that validate every validation_steps optimizer steps (the others: every validation_epochs epochs).
@@ -74,11 +76,23 @@ LUMINA_IMAGE_2_SHIFT = 6.0  # Alpha-VLLM/Lumina-Image-2.0's scheduler config (an
 # use_dynamic_shifting false), which is ot_dist's auto; SD3's has its own branch (precondition_outputs).
 SHIFTED_FLOW_SCRIPTS = ("z_image",)
 TRANSFORMER_LORA_TARGETS["z_image"] = ["to_k", "to_q", "to_v", "to_out.0"]
+# The Krea 2 script: its default list (the Krea 2 authors'; ot_dist's krea2 preset default) and Krea 2's scheduler
+# config, which shifts dynamically: its training table is unshifted, as Flux's and Qwen-Image's
+TRANSFORMER_LORA_TARGETS["krea2"] = ["img_in", "final_layer.linear", "to_q", "to_k", "to_v", "to_out.0", "to_gate",
+                                     "ff.up", "ff.down", "text_fusion.projector", "txt_in.linear_1", "txt_in.linear_2",
+                                     "time_embed.linear_1", "time_embed.linear_2", "time_mod_proj"]
+UNSHIFTED_FLOW_SCRIPTS += ("krea2",)
 # The flow families whose scripts load their scheduler with a shift of their own, whatever the model's config says (the
 # HiDream script: FlowMatchEulerDiscreteScheduler.from_pretrained(..., shift=3.0)), and the text length ot_dist encodes
 # them with (the pipeline's max_sequence_length, which ot_dist does not change).
 FORCED_SHIFT_SCRIPTS = {"hidream": 3.0}
 FIXED_TEXT_LENGTH = {"hidream": 128}
+# The Ideogram 4 script: sigma is compute_density_for_timestep_sampling's u itself, its logit-normal's mean moved by
+# the pipeline's _resolution_aware_mu (ot_dist's family shift e^mu: the same draw); the other schemes' u unshifted.
+# Its default modules: attention and the SwiGLU (peft suffixes).
+RESOLUTION_MEAN_SCRIPTS = ("ideogram4",)
+TRANSFORMER_LORA_TARGETS["ideogram4"] = ["to_q", "to_k", "to_v", "to_out.0", "w1", "w2", "w3"]
+FIXED_TEXT_LENGTH["ideogram4"] = 2048
 # Where a script loads a component from an argument of its own and ot_dist reads it from model.path's folder
 SEPARATE_COMPONENTS = {"train_dreambooth_lora_hidream.py": (
     "pretrained_text_encoder_4_name_or_path",
@@ -102,6 +116,7 @@ NO_EFFECT = {
     "cache_latents": "latents cached or not (data.cache_latents: the same training)",
     "remote_text_encoder": "where the captions are encoded",
     "fsdp_text_encoder": "where the frozen text encoder lives (the Z-Image script shards it with FSDP)",
+    "prompt_enhancer_head_id": "the prompt enhancer's LM head (upsample_prompt)",
 }
 
 
@@ -408,6 +423,10 @@ def _loss(args: DiffusersArgs, c: dict, family: str, out: Imported) -> None:
         loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
         if family in ("flux", "flux2"):  # the guidance-distilled transformers
             c["model"]["guidance_scale"] = args["guidance_scale"]  # the transformer is shown 3.5 unless told
+    if family in RESOLUTION_MEAN_SCRIPTS:
+        weighting_scheme(args, loss, skip, descending=False)  # u is the noise level
+        if args["weighting_scheme"] != "logit_normal":  # only the logit-normal's mean follows the resolution
+            loss |= {"timestep_shift": 1.0, "dynamic_timestep_shifting": False}
     if family == "lumina2":
         _lumina2_flow(args, c, loss, out)
     _new_script_options(args, family, skip)
@@ -451,6 +470,20 @@ def _new_script_options(args: DiffusersArgs, family: str, skip) -> None:
         skip(f"bnb_quantization_config_path: {args['bnb_quantization_config_path']}: the Qwen-Image script "
              "quantizes the transformer with bitsandbytes; ot_dist's low-memory option is weight_dtype float8 "
              "(docs/low-memory.md)")
+    if args["upsample_prompt"]:
+        skip("upsample_prompt: the Ideogram 4 script rewrites each caption into Ideogram's JSON caption with the "
+             "prompt enhancer before encoding it; ot_dist encodes the caption as written")
+    if args["disable_training_autocast"]:
+        skip("disable_training_autocast: the Ideogram 4 script then runs the transformer in its weight dtype without "
+             "autocast; ot_dist computes under autocast in train_dtype")
+    if args["validation_model_path"]:
+        skip(f"validation_model_path: {args['validation_model_path']}: the Krea 2 script samples on that checkpoint "
+             "(Krea 2 Turbo) with the trained LoRA moved onto it, at validation_num_inference_steps "
+             f"{args['validation_num_inference_steps']} and guidance {args['validation_guidance_scale']}; ot_dist "
+             "samples the model it trains")
+    else:
+        for key in ("validation_num_inference_steps", "validation_guidance_scale"):
+            args[key]  # read: they apply to validation_model_path only
     if args["do_fp8_training"]:
         skip("do_fp8_training: the Z-Image script trains the transformer's linear layers in float8 (torchao's "
              "convert_to_float8_training); ot_dist computes in train_dtype, float8 holds frozen weights only")

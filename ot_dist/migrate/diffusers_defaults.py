@@ -361,12 +361,18 @@ SCRIPT_ARGS[LUMINA2] = frozenset("""
     validation_epochs validation_prompt variant weighting_scheme with_prior_preservation""".split())
 
 
+# Per script, defaults of its own for arguments whose default is otherwise SHARED's (filled in below)
+SCRIPT_OWN: dict[str, dict] = {}
+
+
 def defaults(script: str) -> dict:
     """Every argument of `script` with its default."""
     if script in _FLUX2_SCRIPTS:
         own, dropped = _FLUX2_SCRIPTS[script]
         return {**{k: v for k, v in defaults(_QWEN_IMAGE).items() if k not in dropped}, **own}
-    return {key: BY_SCRIPT[key][script] if key in BY_SCRIPT else SHARED[key] for key in SCRIPT_ARGS[script]}
+    own = SCRIPT_OWN.get(script, {})
+    return {key: own[key] if key in own else BY_SCRIPT[key][script] if key in BY_SCRIPT else SHARED[key]
+            for key in SCRIPT_ARGS[script]}
 
 
 # examples/dreambooth/train_dreambooth_lora_z_image.py (diffusers commit 2919c50962, July 2026), read the same way: its
@@ -420,3 +426,48 @@ for _by_script in BY_SCRIPT.values():
     if "train_dreambooth_lora_qwen_image.py" in _by_script:
         _by_script[HIDREAM_SCRIPT] = _by_script["train_dreambooth_lora_qwen_image.py"]
 BY_SCRIPT["max_sequence_length"][HIDREAM_SCRIPT] = 128
+
+# examples/dreambooth/train_dreambooth_lora_krea2.py (diffusers commit 58eb52c080, August 2026), read the same way: its
+# arguments, its defaults where SHARED does not give them (rank and lora_alpha 32, the Krea 2 authors' LoRA), and the
+# kinds of the three arguments no other script has (validation on another checkpoint, Krea 2 Turbo)
+KREA2_SCRIPT = "train_dreambooth_lora_krea2.py"
+SCRIPT_ARGS[KREA2_SCRIPT] = frozenset("""adam_beta1 adam_beta2 adam_epsilon adam_weight_decay allow_tf32
+    aspect_ratio_buckets bnb_quantization_config_path cache_dir cache_latents caption_column caption_dropout center_crop
+    checkpointing_steps checkpoints_total_limit class_data_dir class_prompt dataloader_num_workers dataset_config_name
+    dataset_name do_fp8_training final_validation_prompt gradient_accumulation_steps gradient_checkpointing hub_model_id
+    hub_token image_column instance_data_dir instance_prompt learning_rate local_rank logging_dir logit_mean logit_std
+    lora_alpha lora_dropout lora_layers lr_num_cycles lr_power lr_scheduler lr_warmup_steps max_grad_norm
+    max_sequence_length max_train_steps mixed_precision mode_scale num_class_images num_train_epochs
+    num_validation_images offload optimizer output_dir pretrained_model_name_or_path prior_loss_weight prodigy_beta3
+    prodigy_decouple prodigy_safeguard_warmup prodigy_use_bias_correction push_to_hub random_flip rank repeats report_to
+    resolution resume_from_checkpoint revision sample_batch_size scale_lr seed skip_final_inference train_batch_size
+    upcast_before_saving use_8bit_adam use_aspect_ratio_buckets validation_epochs validation_guidance_scale
+    validation_model_path validation_num_inference_steps validation_prompt variant weighting_scheme
+    with_prior_preservation""".split())
+SHARED.update(validation_model_path=None, validation_num_inference_steps=8, validation_guidance_scale=0.0)
+KINDS.update(validation_model_path="str", validation_num_inference_steps="int", validation_guidance_scale="float")
+for _key, _default in {"adam_weight_decay": 0.0001, "caption_column": None, "learning_rate": 0.0003,
+                       "max_sequence_length": 512, "max_train_steps": None, "mixed_precision": None,
+                       "num_train_epochs": 1, "output_dir": "krea2-dreambooth-lora", "repeats": 1, "resolution": 512,
+                       "train_batch_size": 4, "validation_epochs": 50, "weighting_scheme": "none"}.items():
+    BY_SCRIPT[_key][KREA2_SCRIPT] = _default
+SCRIPT_OWN[KREA2_SCRIPT] = {"rank": 32, "lora_alpha": 32}
+
+# examples/dreambooth/train_dreambooth_lora_ideogram4.py (diffusers commit of August 2026), read the same way: the
+# Z-Image script's arguments less use_aspect_ratio_buckets (its aspect_ratio_buckets list alone turns buckets on), with
+# its own three (prompt upsampling, the training autocast switch) and its defaults where they differ: 2048 caption
+# tokens, the logit-normal draw of std 1.5 (the pipeline's schedule), Flux's output_dir left in its parser.
+IDEOGRAM4_SCRIPT = "train_dreambooth_lora_ideogram4.py"
+SCRIPT_ARGS[IDEOGRAM4_SCRIPT] = (SCRIPT_ARGS[Z_IMAGE_SCRIPT] - {"use_aspect_ratio_buckets"}) | {
+    "disable_training_autocast", "prompt_enhancer_head_id", "upsample_prompt"}
+SHARED.update(disable_training_autocast=False, prompt_enhancer_head_id="diffusers/qwen3-vl-8b-instruct-lm-head",
+              upsample_prompt=False)
+KINDS.update(disable_training_autocast="flag", prompt_enhancer_head_id="str", upsample_prompt="flag")
+for _by_script in BY_SCRIPT.values():
+    if Z_IMAGE_SCRIPT in _by_script:
+        _by_script[IDEOGRAM4_SCRIPT] = _by_script[Z_IMAGE_SCRIPT]
+for _key, _default in {"max_sequence_length": 2048, "output_dir": "flux-dreambooth-lora",
+                       "weighting_scheme": "logit_normal", "logit_std": 1.5}.items():
+    if _key not in BY_SCRIPT:  # a default every other script shares: theirs stays SHARED's
+        BY_SCRIPT[_key] = {script: SHARED[_key] for script, names in SCRIPT_ARGS.items() if _key in names}
+    BY_SCRIPT[_key][IDEOGRAM4_SCRIPT] = _default

@@ -44,12 +44,16 @@ FAMILIES = {  # OneTrainer model_type -> (model.family, inpainting)
     "HI_DREAM_FULL": ("hidream", False),
 }
 FAMILIES["Z_IMAGE"] = ("z_image", False)
+FAMILIES["KREA_2"] = ("krea2", False)
 FAMILIES["ERNIE"] = ("ernie_image", False)
 FAMILIES["FLUX_FILL_DEV_1"] = ("flux", True)  # Flux.1 Fill [dev]: Flux's inpainting model (FluxFillPipeline)
 # SD 2.0 depth: sd2, its 5-channel UNet detected when loaded (ot_dist/models/depth.py). ot_dist computes each step's
 # depth map from the images (no latent cache) and cannot sample it yet (its pipeline is image-to-image).
 FAMILIES["STABLE_DIFFUSION_20_DEPTH"] = ("sd2", False)
 DEPTH_MODEL_TYPES = ("STABLE_DIFFUSION_20_DEPTH",)
+FAMILIES["ANIMA"] = ("anima", False)
+FAMILIES["IDEOGRAM_4"] = ("ideogram4", False)
+FAMILIES["HUNYUAN_VIDEO"] = ("hunyuan_video", False)
 # OneTrainer's one FLUX_2 type trains [dev] and [klein] (Flux2Model.is_dev: the transformer's 48 heads); the base
 # model's name tells them apart here (black-forest-labs/FLUX.2-dev, FLUX.2-klein-base-4B / -9B).
 KLEIN_FAMILY = {"flux2": "flux2_klein"}

@@ -39,6 +39,10 @@ PART_OVERRIDES = {"unet": {"stop_training_after": 0}, "prior": {"stop_training_a
                   "transformer": {"stop_training_after": 0},
                   **{f"text_encoder{n}": {"stop_training_after": 30, "stop_training_after_unit": "EPOCH"}
                      for n in ("", "_2", "_3", "_4")}}
+# Anima's LLM adapter has no section in OneTrainer's config: it is always frozen there (AnimaLoRASetup,
+# AnimaFineTuneSetup: text_conditioner.requires_grad_(False)) and loaded in bfloat16 (AnimaModelLoader: "no user
+# dtype control")
+PART_OVERRIDES["text_conditioner"] = {"train": False, "weight_dtype": "BFLOAT_16"}
 # TrainOptimizerConfig's defaults (of the options some ot_dist optimizer has): what OneTrainer runs for a preset
 # without an optimizer section (the per-optimizer table of optimizer_util applies only when one is chosen in the UI).
 OPTIMIZER = {"optimizer": "ADAMW", "amsgrad": False, "capturable": False, "centered": False, "decouple": False,
@@ -134,4 +138,9 @@ SAMPLE_BY_FAMILY = {
     **{name: {**_SIDE_1024, "cfg_scale": 4.0} for name in ("flux2", "flux2_klein")},
     "hidream": {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 5.0},
 }
+SAMPLE_BY_FAMILY["krea2"] = {**_SIDE_1024, "diffusion_steps": 28, "cfg_scale": 3.5}
 SAMPLE_BY_FAMILY["ernie_image"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0}  # as Wuerstchen's
+SAMPLE_BY_FAMILY["anima"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 4.0,
+                             "negative_prompt": "worst quality, low quality, score_1, score_2, score_3, artist name"}
+SAMPLE_BY_FAMILY["ideogram4"] = {**_SIDE_1024, "diffusion_steps": 25, "cfg_scale": 3.0}
+SAMPLE_BY_FAMILY["hunyuan_video"] = {"width": 848, "height": 480, "diffusion_steps": 30, "cfg_scale": 6.0}

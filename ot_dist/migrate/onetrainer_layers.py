@@ -29,14 +29,26 @@ ONETRAINER_PRESETS = {"sd1": _SD, "sd2": _SD, "sdxl": _SD,
 ONETRAINER_PRESETS["z_image"] = {"blocks": ("layers",),
                                  "attn-mlp": ("^(?=.*attention)(?!.*refiner).*", "^(?=.*feed_forward)(?!.*refiner).*"),
                                  "attn-only": ("^(?=.*attention)(?!.*refiner).*",)}
+# Anima (BaseAnimaSetup.LAYER_PRESETS): attn1 / attn2 are the self- and cross-attention (q, k, v, out), ff the MLP
+ONETRAINER_PRESETS["anima"] = {"attn-mlp": ("attn1", "attn2", "ff"), "attn-only": ("attn1", "attn2"),
+                               "blocks": ("transformer_block",)}
 # Presets OneTrainer matches as regular expressions (its preset's `regex: True`), whatever the config's
 # layer_filter_regex says when it saved the preset's name alone.
 REGEX_PRESETS = {"z_image": ("attn-mlp", "attn-only")}
+# BaseKrea2Setup: attn-only is ot_dist's attention preset (every block's and text-fusion block's to_q / k / v / gate /
+# out); attn-mlp ("attn", "ff") and blocks go through OneTrainer's own rule
+ONETRAINER_PRESETS["krea2"] = {"attn-mlp": ("attn", "ff"), "attn-only": ("attn",), "blocks": ("transformer_blocks",)}
 # BaseFlux2Setup: blocks (both block lists' Linear layers) and full
 ONETRAINER_PRESETS |= {"flux2": {"blocks": ("transformer_block",)}, "flux2_klein": {"blocks": ("transformer_block",)}}
 # BaseErnieSetup: its presets' names as OneTrainer matches them (attn-only is ot_dist's attention preset)
 ONETRAINER_PRESETS["ernie_image"] = {"attn-mlp": ("self_attention", "mlp"), "attn-only": ("self_attention",),
                                      "blocks": ("layers",)}
+# BaseIdeogramSetup: attn-mlp's Linear layers (attention.to_q / k / v / to_out.0, feed_forward.w1 / w2 / w3) are ot_dist's
+# default preset, attn-only's its attention preset; blocks adapts every Linear of `layers` (OneTrainer's own rule)
+ONETRAINER_PRESETS["ideogram4"] = {"attn-mlp": ("attention", "feed_forward"), "attn-only": ("attention",),
+                                   "blocks": ("layers",)}
+# BaseHunyuanVideoSetup: Flux's presets (its attn-only is ot_dist's attention preset: every projection named attn.*)
+ONETRAINER_PRESETS["hunyuan_video"] = _FLUX
 # Flux's (and Chroma's) attention projections of both streams, its double blocks' image MLP and the single blocks' MLP
 # input: the Linear layers whose names contain "attn", "ff.net" or "proj_mlp".
 FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
@@ -60,10 +72,11 @@ def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -
         lora.update(layer_filter=list(patterns), layer_filter_regex=True)
     elif named == "attn-only":
         lora["preset"] = "attention"
-    elif named == "attn-mlp" and family in ("sd1", "sd2", "sdxl"):
+    elif named == "attn-mlp" and family in ("sd1", "sd2", "sdxl", "ideogram4"):
         pass  # ot_dist's default: the Linear / 1x1 Conv layers of the UNet's attention (Transformer2D) blocks
-    elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma", "qwen_image"):
-        # Qwen-Image: both streams' attention projections and MLPs (img_mlp, txt_mlp), its attention_mlp preset
+    elif named == "attn-mlp" and family in ("pixart_alpha", "pixart_sigma", "qwen_image", "anima"):
+        # Qwen-Image: both streams' attention projections and MLPs (img_mlp, txt_mlp), its attention_mlp preset;
+        # Anima: attn1, attn2 and ff's two Linear layers, its attention_mlp preset
         lora["preset"] = "attention_mlp"
     elif named == "attn-mlp" and family == "sana":  # attn1, attn2, "ff.": the Mix-FFN's convolutions
         lora["preset"] = "attention_mlp"

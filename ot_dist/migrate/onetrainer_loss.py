@@ -93,7 +93,9 @@ def is_flow(family: str) -> bool:
 # The flow families whose OneTrainer setups read dynamic_timestep_shifting (FluxBaseSetup, BaseQwenSetup,
 # BaseZImageSetup: the shift from the model's calculate_timestep_shift instead of timestep_shift)
 DYNAMIC_SHIFT_FAMILIES = ("flux", "qwen_image", "z_image", "flux2", "flux2_klein")  # + BaseFlux2Setup
+DYNAMIC_SHIFT_FAMILIES += ("krea2",)  # BaseKrea2Setup
 DYNAMIC_SHIFT_FAMILIES += ("ernie_image",)  # BaseErnieSetup: ErnieModel.calculate_timestep_shift
+DYNAMIC_SHIFT_FAMILIES += ("ideogram4",)  # BaseIdeogramSetup: e^mu of the pipeline's _resolution_aware_mu
 LOSS_FUNCTIONS = (("mse_strength", 1.0), ("mae_strength", 0.0), ("log_cosh_strength", 0.0), ("huber_strength", 0.0))
 
 

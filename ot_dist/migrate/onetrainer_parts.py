@@ -52,7 +52,7 @@ def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
             skip(f"{part}.model_name: {value['model_name']} (a separately loaded {part}) is not supported"
                  + ("; put effnet_encoder.safetensors into model.path" if part == "effnet_encoder" else ""))
     guidance = settings[fam.denoiser]["guidance_scale"]
-    if family in ("flux", "flux2") and guidance != 1.0:  # the guidance-distilled transformers
+    if family in ("flux", "flux2", "hunyuan_video") and guidance != 1.0:  # the guidance-distilled transformers
         c["model"]["guidance_scale"] = guidance
     if settings[fam.denoiser]["attention_mask"] and family in MASK_SWITCH_FAMILIES:
         skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported for {family}")

@@ -26,7 +26,11 @@ SAMPLE_QUANTIZATION = {"sd1": 8, "sd2": 8, "sdxl": 64, "sd3": 16, "flux": 64, "c
                        "sana": 32, "qwen_image": 64, "z_image": 64, "hidream": 64,
                        # Flux2Sampler rounds nothing: sides off FLUX.2's 16 px grid fail there, ot_dist takes 16
                        "flux2": 16, "flux2_klein": 16}
+SAMPLE_QUANTIZATION["krea2"] = 64  # Krea2Sampler's quantize_resolution(side, 64)
 SAMPLE_QUANTIZATION["ernie_image"] = 16  # ErnieSampler rounds nothing either: ERNIE-Image's 16 px grid
+SAMPLE_QUANTIZATION["anima"] = 64  # AnimaSampler
+SAMPLE_QUANTIZATION["ideogram4"] = 64  # IdeogramSampler: quantize_resolution(side, 64)
+SAMPLE_QUANTIZATION["hunyuan_video"] = 64  # HunyuanVideoSampler
 
 
 def import_samples(ot: dict, c: dict, config_path: Path, samples_path: str | None, out: Imported) -> None:

@@ -60,6 +60,9 @@ WAN_FLAVOURS = ("t2v-480p-1.3b-2.1", "t2v-480p-14b-2.1")
 WAN_EXPERT_FLAVOURS = {"animegen-t2v-high": "high_noise", "animegen-t2v-low": "low_noise"}
 # Z-Image: the default flavour turbo-ostris-v2 is Z-Image-Turbo (trained through an assistant LoRA)
 FAMILIES["z_image"] = ("z_image", "transformer", "TONGYI-MAI/Z-Image-Turbo")
+# Ideogram 4: SimpleTuner loads its own checkpoint format (the default flavour's ideogram-ai/ideogram-4-fp8: original
+# names, float8 weights), ot_dist a diffusers Ideogram4Pipeline folder (written as the path; the flavour is noted)
+FAMILIES["ideogram"] = ("ideogram4", "transformer", "ideogram-ai/ideogram-4-fp8")
 # flavours SimpleTuner trains through ostris' assistant LoRA (ZImage.ASSISTANT_LORA_FLAVOURS), or with a transformer
 # from another repository (TRANSFORMER_PATH_OVERRIDES)
 Z_IMAGE_ASSISTED = ("turbo", "turbo-ostris-v2")
@@ -70,6 +73,13 @@ FAMILIES["ernie"] = ("ernie_image", "transformer", "baidu/ERNIE-Image")
 FLAVOUR_FAMILIES = {"flux2": {"dev": "flux2"}}
 # SimpleTuner's Qwen-Image check_user_config aligns buckets to 32 pixels (the other image models: 64)
 BUCKET_ALIGNMENT = {"qwen_image": 32}
+# Anima: SimpleTuner's own Anima classes (helpers/models/anima, the adapter inside its transformer; the same flow step:
+# t = sigma, target n - x) on the same weights; its default flavour preview-3 (SD.Next's diffusers folder), buckets
+# aligned to 16 pixels (check_user_config); the gazingstars123-2.9b flavour is a single file of another size
+FAMILIES["anima"] = ("anima", "transformer", "CalamitousFelicitousness/Anima-Preview-3-sdnext-diffusers")
+BUCKET_ALIGNMENT["anima"] = 16
+# model_family -> its flavours whose transformer SimpleTuner reads from a single file ot_dist does not read
+SINGLE_FILE_FLAVOURS = {"anima": ("gazingstars123-2.9b",)}
 LORA_KEYS = ("lora_type", "lora_rank", "lora_alpha", "lora_dropout", "lora_init_type", "use_dora", "lycoris_config",
              "flux_lora_target", "peft_lora_target_modules", "init_lora")
 FLOAT8 = ("fp8-torchao", "fp8-quanto", "fp8uz-quanto", "fp8-sdnq")
@@ -206,6 +216,12 @@ def _model(args: SimpleTunerArgs, c: dict, out: Imported) -> tuple[str, str]:
                                 "refused")
     if name == "z_image":
         _z_image(args, out)
+    if args["model_flavour"] in SINGLE_FILE_FLAVOURS.get(name, ()):
+        out.not_honoured.append(f"model_flavour: {args['model_flavour']}: SimpleTuner loads its transformer from a "
+                                f"single file, a layout ot_dist does not read for {name}; model.path must be a "
+                                "diffusers folder")
+    if name == "ideogram":
+        _ideogram(args, out)
     if name == "sana":
         _sana(args, out)
     if name == "lumina2":
@@ -247,6 +263,31 @@ def _z_image(args, out: Imported) -> None:
     elif flavour == "ostris-de-turbo":
         out.not_honoured.append("model_flavour: ostris-de-turbo: SimpleTuner loads ostris/Z-Image-De-Turbo's "
                                 "transformer; give a folder holding it as pretrained_model_name_or_path")
+
+
+def _ideogram(args, out: Imported) -> None:
+    """What SimpleTuner's Ideogram 4 (helpers/models/ideogram/model.py) does beyond the common loop: its checkpoint
+    format, captions rewritten as Ideogram's JSON, a fused qkv LoRA, a frozen text projection."""
+    out.notes.append("model_family ideogram: SimpleTuner loads Ideogram 4 in its own (original, float8) format; "
+                     "pretrained_model_name_or_path must be a diffusers Ideogram4Pipeline folder for ot_dist")
+    if args["ideogram_auto_json"]:
+        out.not_honoured.append("ideogram_auto_json: true (SimpleTuner's default): SimpleTuner wraps each plain caption "
+                                "into Ideogram's JSON caption before encoding it; ot_dist encodes captions as written")
+    if args["ideogram_prompt_upsample"]:
+        out.not_honoured.append("ideogram_prompt_upsample: captions rewritten by the prompt enhancer are not supported")
+    if not args["peft_lora_target_modules"] and args["model_type"] == "lora":
+        out.not_honoured.append("SimpleTuner's Ideogram 4 LoRA (qkv, o, w1, w2, w3) adapts the fused qkv projection "
+                                "with one rank-r adapter; ot_dist adapts diffusers' separate to_q / to_k / to_v at "
+                                "rank r each (more parameters, the same modules)")
+    if args["model_type"] == "full":
+        out.not_honoured.append("SimpleTuner freezes Ideogram 4's text projection (llm_cond_norm, llm_cond_proj) in a "
+                                "full finetune; ot_dist trains the whole transformer")
+    for key in ("ideogram_load_unconditional_transformer", "ideogram_uncond_ramtorch", "ideogram_validation",
+                "ideogram_prompt_enhancer_head_id", "ideogram_fp8_base_upcast"):
+        if args.given(key):
+            out.notes.append(f"{key}: {args[key]}: ot_dist loads the unconditional transformer from model.path for "
+                             "the samples and samples through Ideogram4Pipeline")
+        args[key]
 
 
 def _sana(args: SimpleTunerArgs, out: Imported) -> None:

@@ -13,6 +13,7 @@ from ot_dist.migrate.simpletuner_args import SimpleTunerArgs
 
 FLOW = ("sd3", "flux", "chroma", "sana", "qwen_image", "z_image", "hidream", "lumina2", "flux2", "flux2_klein", "wan")
 FLOW += ("ernie_image",)
+FLOW += ("ideogram4",)
 # The flow settings SimpleTuner's Sana resets (setup_training_noise_schedule) before drawing its timesteps
 SANA_IGNORES = ("flow_schedule_shift", "flow_schedule_auto_shift", "flow_use_beta_schedule",
                 "flow_use_uniform_schedule", "flow_sigmoid_scale")
@@ -47,6 +48,8 @@ def import_loss(args: SimpleTunerArgs, c: dict, family: str, out: Imported) -> N
         skip(f"timestep_bias_strategy: {args['timestep_bias_strategy']}: timestep bias is not supported")
     if family == "sana":
         _sana_flow(args, loss, out)
+    elif family == "ideogram4":
+        _ideogram_flow(args, loss, out)
     elif flow:
         _flow(args, loss, out)
     if loss:
@@ -95,6 +98,18 @@ def _sana_flow(args: SimpleTunerArgs, loss: dict, out: Imported) -> None:
                              "its scheduler's unshifted table")
         args[key]
     loss |= {"timestep_distribution": "uniform", "timestep_shift": 1.0, "dynamic_timestep_shifting": False}
+
+
+def _ideogram_flow(args: SimpleTunerArgs, loss: dict, out: Imported) -> None:
+    """SimpleTuner's Ideogram 4 (sample_flow_sigmas): sigma = sigmoid(m + s z), z = ndtri(u) of a uniform u, m =
+    ideogram_schedule_mu + 0.5 ln(pixels / 512^2): ot_dist's logit-normal (mean mu, std s) at the family's resolution
+    shift (nothing written for it). Its common flow settings are not read there."""
+    for key in SANA_IGNORES:
+        if args.given(key):
+            out.notes.append(f"{key}: {args[key]}: SimpleTuner's Ideogram 4 draws from ideogram_schedule_mu / _std")
+        args[key]
+    loss |= {"timestep_distribution": "logit_normal", "logit_normal_mean": float(args["ideogram_schedule_mu"]),
+             "logit_normal_std": float(args["ideogram_schedule_std"])}
 
 
 def _flow(args: SimpleTunerArgs, loss: dict, out: Imported) -> None:

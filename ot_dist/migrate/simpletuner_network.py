@@ -26,6 +26,9 @@ FUSED = {"to_qkv", "add_qkv_proj"}
 # single blocks' fused qkv + MLP input
 DEFAULT_TARGETS = {family: ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "attn.to_qkv_mlp_proj"]
                    for family in ("flux2", "flux2_klein")}
+# Ideogram 4's DEFAULT_LORA_TARGET (qkv, o, w1, w2, w3 of SimpleTuner's transformer) in diffusers' module names
+DEFAULT_TARGETS["ideogram4"] = ["attention.to_q", "attention.to_k", "attention.to_v", "attention.to_out.0",
+                                "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
 LYCORIS_DEFAULTS = {"linear_dim": 4, "linear_alpha": 1, "multiplier": 1}  # trainer.py's, for keys the JSON leaves out
 LYCORIS_READ = {"algo", "linear_dim", "linear_alpha", "multiplier", "apply_preset", "factor"}
 

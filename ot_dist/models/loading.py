@@ -99,6 +99,8 @@ def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = N
 
 def _load_folder(family: Family, path: Path, given: dict[str, torch.nn.Module]):
     index = path / "model_index.json"
+    if not index.is_file() and (path / "modular_model_index.json").is_file():
+        index = path / "modular_model_index.json"  # a modular pipeline's folder: the family's load_folder reads it
     if not index.is_file():
         raise InputFileError(f"model.path: {path} is not a diffusers model folder (no model_index.json)")
     try:

@@ -49,9 +49,23 @@ ACTIVATIONS_GIB["Qwen-Image-Edit"] = 12.5
 # tokens, 5120 wide over 40 blocks (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks, 6 GiB): about 0.7 of Flux's
 # activations, and Flux's context and slack.
 ACTIVATIONS_GIB["Wan 2.1 T2V 14B"] = 4.5
+# Krea 2: 4096 image tokens at 1024 px joined with the caption (trimmed to the batch's longest, up to 512) in 28
+# single-stream blocks 6144 wide (Flux.1 dev: 57 blocks 3072 wide over 4608 tokens, about the same kept activations),
+# each block's FFN 16384 wide in its recompute: Flux's estimate and half a GiB, as Qwen-Image's.
+ACTIVATIONS_GIB["Krea 2"] = 6.5
 # ERNIE-Image: 4096 image tokens at 1024 px joined with the caption (its own length, up to 512) in 36 single-stream
 # blocks 4096 wide (Flux: 57 blocks 3072 wide over 4096 + 512 tokens): about Flux's estimate.
 ACTIVATIONS_GIB["ERNIE-Image"] = 6.0
+# Anima: 4096 image tokens at 1024 px (x8, 2x2 patches) cross-attending to 512 adapter tokens, 2048 wide over 28 blocks
+# (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks, 6 GiB): about 0.3 of Flux's activations, and Flux's context and slack.
+ACTIVATIONS_GIB["Anima"] = 2.5
+# Ideogram 4: 4096 image tokens at 1024 px (x8, 2x2 patches) after the caption (the batch's longest, up to 2048) in
+# one stream 4608 wide over 34 blocks (Flux.1 dev: 4608 tokens, 3072 wide, 57 blocks): Flux's estimate.
+ACTIVATIONS_GIB["Ideogram 4"] = 6.0
+# HunyuanVideo on images: 3600 image tokens at 960 x 960 (x8, 2x2 patches; one frame) joined to 256 Llama tokens, 3072
+# wide over 20 dual- and 40 single-stream blocks, Flux.1 dev's layout (4608 tokens, 6 GiB): Flux's estimate less a GiB
+# of context and slack, scaled by the sequence (3856 tokens against 4608), and that GiB again.
+ACTIVATIONS_GIB["HunyuanVideo"] = 5.5
 NO_CHECKPOINTING_FACTOR = 4
 
 

@@ -58,6 +58,8 @@ class Sampler:
             self.check_guidance_rescale()
             self.check_reference_images()
         self.sampled_steps: set[int] = set()
+        # token -> its words, of the run's embeddings (set by `sample`): for pipelines that do not expand them
+        self.expansions: dict[str, str] = {}
 
     def check_guidance_rescale(self) -> None:
         """A guidance_rescale the sampling pipeline cannot take, refused before training: the config allows it for
@@ -106,6 +108,7 @@ class Sampler:
     def sample(self, trainer, step: int) -> list[Path]:
         """Every rank calls this at the same step. Returns the files written (on rank 0)."""
         runtime: Runtime = trainer.runtime
+        self.expansions = trainer.method.expansions()
         use_ema = self.settings.use_ema and trainer.ema is not None
         # The weight sets sampled, each under its file suffix: the EMA (or the trained weights), and with
         # non_ema_samples the trained weights beside the EMA (OneTrainer's non_ema_sampling).
@@ -185,9 +188,10 @@ class Sampler:
 
     def generate(self, pipeline, prompt: SamplePrompt):
         arguments = dict(
-            prompt=prompt.prompt,
+            prompt=self.with_token_words(pipeline, prompt.prompt),
             # Without one, the pipeline's own unconditional input (its default: None, or "" for PixArt's).
-            **({"negative_prompt": prompt.negative_prompt} if prompt.negative_prompt else {}),
+            **({"negative_prompt": self.with_token_words(pipeline, prompt.negative_prompt)}
+               if prompt.negative_prompt else {}),
             width=prompt.width or self.default_size,
             height=prompt.height or self.default_size,
             num_inference_steps=prompt.steps,
@@ -201,6 +205,18 @@ class Sampler:
         if prompt.reference_image is not None:  # the family turns it into its pipeline's input (sampling_arguments)
             arguments["reference_image"] = Path(prompt.reference_image).expanduser()
         return self.model.family.sampled_image(pipeline(**self.model.family.sampling_arguments(pipeline, arguments)))
+
+
+    def with_token_words(self, pipeline, text: str) -> str:
+        """`text` with each embedding token written as its words (TOKEN TOKEN_1 ...), as training's captions, where the
+        pipeline does not do it itself: diffusers' textual-inversion pipelines (SD, SDXL, Flux, Chroma) expand a token
+        in `maybe_convert_prompt` (written out here, they would expand it again); the others (SD3, PixArt, Sana,
+        Lumina 2, HiDream) would read a token of several vectors as its first."""
+        if not self.expansions or hasattr(pipeline, "maybe_convert_prompt"):
+            return text
+        from ot_dist.methods.token_vectors import expand_in_caption
+
+        return expand_in_caption(text, self.expansions)
 
 
 def takes_guidance_rescale(pipeline) -> bool:

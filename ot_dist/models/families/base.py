@@ -30,6 +30,11 @@ FAMILY_MODEL_OPTIONS = ("wan_expert",)
 # A T5 encoder's LoRA targets: attention (T5Attention q / k / v / o) and the gated MLP (wi_0, wi_1, wo), the modules
 # kohya's sd-scripts adapt in a T5 (networks/lora_flux.py, lora_sd3.py: T5Attention, T5DenseGatedActDense).
 T5_LORA_TARGETS = ("q", "k", "v", "o", "wi_0", "wi_1", "wo")
+# A T5's key in an embedding file: OneTrainer's (modules/modelSaver/*/*EmbeddingSaver.py: SD3, Flux, Chroma, PixArt,
+# HiDream), and its copy for ComfyUI, whose T5-XXL tokenizers read `t5xxl` (comfy/text_encoders/sd3_clip.py, flux.py,
+# pixart_t5.py: SDTokenizer's embedding_key; comfy/sd1_clip.py load_embed picks that key out of the file).
+T5_EMBEDDING_KEY = "t5"
+T5_EMBEDDING_COPIES = {T5_EMBEDDING_KEY: ("t5xxl",)}
 
 
 class Family:
@@ -46,13 +51,28 @@ class Family:
     # Text encoders that can take new token vectors (method embedding), with the key each one gets in the
     # embedding file (the layout A1111 / ComfyUI / diffusers read). EMBEDDING_TOKEN_KEY names the key after the
     # trained token: a file of one tensor under the token's name is what `pipe.load_textual_inversion(file)`
-    # registers without `token=`. T5 encoders are not listed: a T5 learns through its relative-attention stack,
-    # and no UI loads T5 embeddings.
+    # registers without `token=`. A T5 is listed under OneTrainer's key `t5` (its *EmbeddingSaver), a Gemma under
+    # `gemma`, a Llama under `llama`; their tokens get rows after the tokenizer's vocabulary, not the matrix's (a T5's
+    # matrix has 28 rows more than its tokenizer has tokens), as OneTrainer's AdditionalEmbeddingWrapper places them.
     embedding_keys: dict[str, str] = {}
+    # Further keys under which the file repeats an encoder's vectors, for programs that read another name (file key ->
+    # the copies): ComfyUI's T5-XXL tokenizers read `t5xxl` (T5_EMBEDDING_COPIES). `init_from` reads the key or,
+    # where the file lacks it, a copy.
+    embedding_key_copies: dict[str, tuple[str, ...]] = {}
+    # Encoders of embedding_keys whose vectors an `init_from` file may lack (a file of a program that trains the
+    # CLIP vectors only: A1111's SDXL layout, ot_dist's SD3 / Flux files before it trained the T5's): those start from
+    # init_text. An encoder that is the family's only one is never optional.
+    embedding_keys_optional: frozenset[str] = frozenset()
+    # Why an embedding's token must be lower case (where the family's training or its sampling pipeline lower-cases
+    # the prompt, an upper-case token is never found), or None.
+    lowercases_prompts: str | None = None
     # Text encoders whose hidden states an output embedding replaces at its tokens (OneTrainer's is_output_embedding,
     # ot_dist/methods/output_vectors.py), with OneTrainer's file key: its zero input rows under `<key>`, its vectors
     # under `<key>_out`. Empty: the family takes no output embeddings (`text_states` is then never called).
     output_embedding_keys: dict[str, str] = {}
+    # Whether the conditioning reads those encoders with the tokenizer's attention mask (PixArt's and Chroma's T5): an
+    # output embedding's start (OneTrainer's: the encoder's output of its initial text) is read so too.
+    output_states_masked: bool = False
 
     def text_states(self, encoder: str, output) -> torch.Tensor:
         """The hidden states of `encoder`'s output (a transformers ModelOutput with hidden_states) that the

@@ -18,7 +18,7 @@ import torch
 import copy
 
 from ot_dist.models.families import component_files as C
-from ot_dist.models.families.base import T5_LORA_TARGETS, Family
+from ot_dist.models.families.base import T5_EMBEDDING_COPIES, T5_EMBEDDING_KEY, T5_LORA_TARGETS, Family
 from ot_dist.models.families.full_checkpoint import DENOISER_PREFIX, FullCheckpoint
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
@@ -154,7 +154,10 @@ class Flux(FlowTransformerFamily):
     transformer_file_layout = "ot_dist.models.families.flux_single_file:FLUX"  # Black Forest Labs' keys
     text_encoders = ("text_encoder", "text_encoder_2")
     tokenizers = ("tokenizer", "tokenizer_2")
-    embedding_keys = {"text_encoder": "clip_l"}
+    # OneTrainer's FluxEmbeddingSaver: clip_l, t5 (ComfyUI reads the T5's copy t5xxl)
+    embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": T5_EMBEDDING_KEY}
+    embedding_key_copies = T5_EMBEDDING_COPIES
+    embedding_keys_optional = frozenset({"text_encoder_2"})  # a clip_l file (ot_dist's before) starts the T5's
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS,
                    "text_encoder_2": T5_SHARD_UNITS}
     lora_file_prefixes = None
@@ -267,7 +270,16 @@ class Chroma(FlowTransformerFamily):
     transformer_file_layout = "ot_dist.models.families.flux_single_file:CHROMA"  # lodestones' keys
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
-    embedding_keys = {}  # T5 only
+    embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}  # OneTrainer's ChromaEmbeddingSaver; ComfyUI's t5xxl copy
+    embedding_key_copies = T5_EMBEDDING_COPIES
+    # OneTrainer's ChromaEmbeddingSaver: t5 (the zero input rows), t5_out; the T5's last hidden state, read with the
+    # tokenizer's mask as ot_dist's conditioning reads it (OneTrainer's T5 mask also lets the first padding token in,
+    # which moves the start a little)
+    output_embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}
+    output_states_masked = True
+
+    def text_states(self, encoder, output):
+        return output.last_hidden_state
     t5_tokenizer = "tokenizer"
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": T5_SHARD_UNITS}
     text_lora_targets = T5_LORA_TARGETS

@@ -1,6 +1,6 @@
 """Gemma 2 as a text encoder: what the families conditioned on it (Sana, Lumina 2) share.
 
-- the LoRA targets of its decoder layers (attention q / k / v / o and the gated MLP);
+- the LoRA targets of its decoder layers (attention q / k / v / o and the gated MLP), its embedding-file key;
 - its sharding units: the embedding table is a unit of its own beside the decoder layers. 256 k x 2304 is 23 % of
   Gemma-2-2B (1.1 GiB in bf16), one tensor that no unit choice splits, and the root's unit stays gathered from
   forward to the end of backward (FSDP2 never reshards the root after forward). The other text encoders leave
@@ -11,6 +11,10 @@
 from __future__ import annotations
 
 GEMMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Gemma's key in an embedding file: OneTrainer's (modules/modelSaver/sana/SanaEmbeddingSaver.py). ComfyUI's Gemma
+# tokenizers name theirs gemma2_2b but load no embeddings (comfy/text_encoders/lumina2.py passes no
+# embedding_directory), so no copy is written.
+GEMMA_EMBEDDING_KEY = "gemma"
 GEMMA_SHARD_UNITS = ("embed_tokens", "layers")
 TINY_GEMMA_WIDTH = 32
 

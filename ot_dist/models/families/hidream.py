@@ -45,7 +45,7 @@ import math
 import torch
 
 from ot_dist.models.families import component_files as C
-from ot_dist.models.families.base import T5_LORA_TARGETS, Family
+from ot_dist.models.families.base import T5_EMBEDDING_COPIES, T5_EMBEDDING_KEY, T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
 
@@ -71,7 +71,12 @@ class HiDream(Family):
     denoiser = "transformer"
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3", "text_encoder_4")
     tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3", "tokenizer_4")
-    embedding_keys = {}  # no embedding (textual inversion) support yet
+    # OneTrainer's HiDreamEmbeddingSaver: clip_l, clip_g, t5, llama; ComfyUI's HiDream tokenizers read clip_l, clip_g,
+    # t5xxl (the T5's copy) and llama (comfy/text_encoders/hidream.py, hunyuan_video.py LLAMA3Tokenizer)
+    embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g", "text_encoder_3": T5_EMBEDDING_KEY,
+                      "text_encoder_4": "llama"}
+    embedding_key_copies = T5_EMBEDDING_COPIES
+    embedding_keys_optional = frozenset({"text_encoder_3", "text_encoder_4"})  # CLIP-only files start those two
     denoiser_lora_presets = {"default": HIDREAM_LORA_TARGETS, "attention": HIDREAM_ATTENTION_TARGETS,
                              "attention_mlp": HIDREAM_ATTENTION_MLP_TARGETS}
     text_lora_targets_by_encoder = {"text_encoder_3": T5_LORA_TARGETS, "text_encoder_4": LLAMA_LORA_TARGETS}
@@ -302,11 +307,11 @@ def area_keeping_sample_size(width: int, height: int, vae_scale_factor: int) -> 
     return side
 
 
-def tiny_llama_tokenizer(max_length: int = 32):
+def tiny_llama_tokenizer(max_length: int = 32, corpus: tuple[str, ...] = ()):
     """A Llama-3-style tokenizer built offline: byte-level BPE (GPT-2's pre-tokenizer) trained on the demo words, so
     each is one token as with the real vocabulary, <|begin_of_text|> put in front by a template processor as Llama-3's
     tokenizer.json does, <|eot_id|> its end token (Llama-3.1-Instruct's, which the pipeline pads with). `max_length`
-    becomes model_max_length."""
+    becomes model_max_length; `corpus`: more text the BPE learns (a prompt template, so it is words, not bytes)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -319,7 +324,7 @@ def tiny_llama_tokenizer(max_length: int = 32):
     trainer = trainers.BpeTrainer(vocab_size=1000, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                   special_tokens=specials, show_progress=False)
     words = " ".join(DEMO_WORDS)
-    backend.train_from_iterator([" " + words, words.title()], trainer=trainer)
+    backend.train_from_iterator([" " + words, words.title(), *corpus], trainer=trainer)
     backend.post_processor = processors.TemplateProcessing(
         single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
         special_tokens=[("<|begin_of_text|>", backend.token_to_id("<|begin_of_text|>"))])

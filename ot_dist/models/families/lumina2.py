@@ -36,7 +36,7 @@ import torch
 
 from ot_dist.models.families import component_files as C
 from ot_dist.models.families.base import Family
-from ot_dist.models.families.gemma import (GEMMA_LORA_TARGETS, GEMMA_SHARD_UNITS, TINY_GEMMA_WIDTH, tiny_gemma,
+from ot_dist.models.families.gemma import (GEMMA_EMBEDDING_KEY, GEMMA_LORA_TARGETS, GEMMA_SHARD_UNITS, TINY_GEMMA_WIDTH, tiny_gemma,
                                           tiny_gemma_tokenizer)
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
@@ -61,7 +61,8 @@ class Lumina2(Family):
     denoiser = "transformer"
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
-    embedding_keys = {}  # no embedding (textual inversion) support for Gemma yet
+    # OneTrainer trains no Lumina 2; its Gemma key as Sana's (OneTrainer's SanaEmbeddingSaver)
+    embedding_keys = {"text_encoder": GEMMA_EMBEDDING_KEY}
     denoiser_lora_presets = {"default": LUMINA2_LORA_TARGETS, "attention": LUMINA2_LORA_TARGETS,
                              "attention_mlp": LUMINA2_LORA_WITH_MLP}
     text_lora_targets = GEMMA_LORA_TARGETS

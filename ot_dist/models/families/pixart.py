@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ot_dist.config.sampling import DDPM_SAMPLERS
-from ot_dist.models.families.base import T5_LORA_TARGETS, Family
+from ot_dist.models.families.base import T5_EMBEDDING_COPIES, T5_EMBEDDING_KEY, T5_LORA_TARGETS, Family
 from ot_dist.models.objectives import DDPM
 from ot_dist.train.transfer import to_device
 
@@ -38,7 +38,16 @@ class PixArt(Family):
     denoiser = "transformer"
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
-    embedding_keys = {}  # T5 only
+    # OneTrainer's PixArtAlphaEmbeddingSaver (α and Σ): t5; ComfyUI's PixArt T5 tokenizer reads the copy t5xxl
+    embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}
+    embedding_key_copies = T5_EMBEDDING_COPIES
+    lowercases_prompts = "PixArt's pipelines lower-case the sample prompts (_text_preprocessing)"
+    # OneTrainer's PixArtAlphaEmbeddingSaver: t5 (the zero input rows), t5_out; the T5's last hidden state, masked
+    output_embedding_keys = {"text_encoder": T5_EMBEDDING_KEY}
+    output_states_masked = True
+
+    def text_states(self, encoder, output):
+        return output.last_hidden_state
     denoiser_lora_presets = {"default": PIXART_LORA_TARGETS, "attention": PIXART_LORA_TARGETS,
                              "attention_mlp": PIXART_LORA_WITH_MLP}
     text_lora_targets = T5_LORA_TARGETS

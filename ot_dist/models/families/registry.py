@@ -28,7 +28,11 @@ FAMILY_MODULES: dict[str, str] = {
     "qwen_image_edit": "ot_dist.models.families.qwen_image_edit",
     "qwen_image_edit_plus": "ot_dist.models.families.qwen_image_edit",
     "wan": "ot_dist.models.families.wan",
+    "krea2": "ot_dist.models.families.krea2",
     "ernie_image": "ot_dist.models.families.ernie_image",
+    "anima": "ot_dist.models.families.anima",
+    "ideogram4": "ot_dist.models.families.ideogram4",
+    "hunyuan_video": "ot_dist.models.families.hunyuan_video",
 }
 
 FAMILY_NAMES = tuple(FAMILY_MODULES)

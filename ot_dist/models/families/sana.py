@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from ot_dist.models.families.base import Family
-from ot_dist.models.families.gemma import (GEMMA_LORA_TARGETS, GEMMA_SHARD_UNITS, TINY_GEMMA_WIDTH, tiny_gemma,
+from ot_dist.models.families.gemma import (GEMMA_EMBEDDING_KEY, GEMMA_LORA_TARGETS, GEMMA_SHARD_UNITS, TINY_GEMMA_WIDTH, tiny_gemma,
                                           tiny_gemma_tokenizer)
 from ot_dist.models.families.sd import skipped_layer
 from ot_dist.models.objectives import FlowMatching
@@ -46,7 +46,8 @@ class Sana(Family):
     denoiser = "transformer"
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
-    embedding_keys = {}  # no embedding (textual inversion) support for Gemma yet
+    embedding_keys = {"text_encoder": GEMMA_EMBEDDING_KEY}  # OneTrainer's SanaEmbeddingSaver
+    lowercases_prompts = "Sana's training and SanaPipeline lower-case every caption (_text_preprocessing)"
     denoiser_lora_presets = {"default": SANA_LORA_TARGETS, "attention": SANA_LORA_ATTENTION,
                              "attention_mlp": SANA_LORA_WITH_MLP}
     text_lora_targets = GEMMA_LORA_TARGETS

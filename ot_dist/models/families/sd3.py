@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ot_dist.models.families import component_files as C
-from ot_dist.models.families.base import T5_LORA_TARGETS, Family
+from ot_dist.models.families.base import T5_EMBEDDING_COPIES, T5_EMBEDDING_KEY, T5_LORA_TARGETS, Family
 from ot_dist.models.families.full_checkpoint import FullCheckpoint
 from ot_dist.models.objectives import FlowMatching
 from ot_dist.train.transfer import to_device
@@ -29,7 +29,10 @@ class SD3(Family):
     denoiser = "transformer"
     text_encoders = ("text_encoder", "text_encoder_2", "text_encoder_3")
     tokenizers = ("tokenizer", "tokenizer_2", "tokenizer_3")
-    embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g"}
+    # OneTrainer's StableDiffusion3EmbeddingSaver: clip_l, clip_g, t5 (ComfyUI reads the T5's copy t5xxl)
+    embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g", "text_encoder_3": T5_EMBEDDING_KEY}
+    embedding_key_copies = T5_EMBEDDING_COPIES
+    embedding_keys_optional = frozenset({"text_encoder_3"})  # A1111-style clip_l / clip_g files start the T5's
     denoiser_lora_presets = {"default": SD3_LORA_TARGETS, "attention": SD3_LORA_TARGETS,
                              "attention_mlp": SD3_LORA_WITH_MLP}
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": CLIP_SHARD_UNITS,

@@ -28,7 +28,7 @@ from ot_dist.errors import InputFileError
 
 Tensor = torch.Tensor
 
-SAME, CAT, SWAP, CONV1X1 = "same", "cat", "swap", "conv1x1"
+SAME, CAT, SWAP, CONV1X1, FLAT = "same", "cat", "swap", "conv1x1", "flat"
 _MAX_NAMED = 6  # keys named per category in a message; the rest are counted
 
 
@@ -46,7 +46,8 @@ class Rule:
                `sizes` are the rows of each piece, -1 for "whatever is left" (Flux's MLP part);
       swap     one tensor whose two halves along dim 0 trade places (the original final
                AdaLayerNorm emits shift, scale; diffusers' AdaLayerNormContinuous scale, shift);
-      conv1x1  a Linear weight (out, in) that the original stores as a 1x1 conv (out, in, 1, 1).
+      conv1x1  a Linear weight (out, in) that the original stores as a 1x1 conv (out, in, 1, 1);
+      flat     a table of `sizes[0]` rows that the original stores flattened (Krea 2's per-block modulation).
     """
 
     original: str
@@ -131,6 +132,8 @@ def to_original(state: Mapping[str, Tensor], rules: Iterable[Rule], prefix: str 
             value = torch.cat([b, a], dim=0)
         elif r.kind == CONV1X1:
             value = pieces[0].reshape(*pieces[0].shape, 1, 1)
+        elif r.kind == FLAT:
+            value = pieces[0].reshape(-1)
         else:
             value = pieces[0]
         out[prefix + r.original] = value
@@ -181,6 +184,8 @@ def from_original(
             out[r.diffusers[0]] = torch.cat([b, a], dim=0)
         elif r.kind == CONV1X1:
             out[r.diffusers[0]] = value.reshape(value.shape[:2]) if value.ndim == 4 else value
+        elif r.kind == FLAT:
+            out[r.diffusers[0]] = value.reshape(r.sizes[0], -1)
         else:
             out[r.diffusers[0]] = value
     return out
@@ -262,6 +267,7 @@ _SIGNATURES = (
     ("Flux.1", "double_blocks.0.img_mod.lin.weight"),
     ("SD3", "joint_blocks.0.x_block.attn.qkv.weight"),
     ("Qwen-Image", "txt_norm.weight"),  # comfy/model_detection.py's Qwen-Image key
+    ("Krea 2", "txtfusion.projector.weight"),  # diffusers' single_file_utils CHECKPOINT_KEY_NAMES["krea2"]
     ("SD 1.x / 2.x / SDXL UNet", "input_blocks.0.0.weight"),
 )
 
