@@ -252,3 +252,16 @@ def test_targets_match_paths_and_suffixes_but_the_excluded():
 
     assert add_oft(toy(), ["proj", "norm"], 4, 0.0) == {"proj": 4, "block.proj": 4}  # LayerNorm: not a layer OFT takes
     assert add_oft(toy(), ["proj"], 4, 0.0, exclude=["block.proj"]) == {"proj": 4}
+
+
+@pytest.mark.parametrize("model_type, variant", [("STABLE_DIFFUSION_15", "oft"), ("FLUX_DEV_1", "lora")])
+def test_onetrainer_config_with_oft_2_imports_and_validates(tmp_path, model_type, variant):
+    """`ot-dist import onetrainer` end to end: OFT_2 with its block size on SD 1.5 (kohya names); on Flux (the
+    diffusers layout, which oft is not written in) a valid plain-LoRA config, OFT_2 listed."""
+    from test_import_onetrainer import import_only
+
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA",
+                                             "peft_type": "OFT_2", "oft_block_size": 16})
+    assert config.lora.variant == variant
+    assert (config.lora.oft_block_size == 16) == (variant == "oft")
+    assert any("OFT_2" in line for line in skipped) == (variant == "lora")
