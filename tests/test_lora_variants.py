@@ -487,7 +487,7 @@ def test_variants_train_on_two_ranks_as_in_one_process(small_sd1, shapes_data, t
     ({"peft_type": "LOKR", "dropout_probability": 0.1}, "lokr", "dropout_probability"),
     ({"peft_type": "LORA", "lora_decompose": True, "lora_decompose_output_axis": True}, "dora", None),
     ({"peft_type": "LORA", "lora_decompose": True, "lora_decompose_output_axis": False}, "lora", "input axis"),
-    ({"peft_type": "OFT_2"}, "lora", "OFT_2"),
+    ({"peft_type": "OFT_2"}, "oft", None),
 ])
 def test_onetrainer_peft_type_becomes_the_variant(settings, variant, skipped):
     """OneTrainer's TrainConfig peft_type (LORA, LOHA, OFT_2, LOKR) and lora_decompose / lora_decompose_output_axis

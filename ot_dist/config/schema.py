@@ -194,16 +194,25 @@ class LoraConfig(Section):
     module_dropout: float = Field(default=0.0, ge=0, lt=1, description="kohya's module_dropout (variant lora): while "
                                   "training, each adapted layer leaves its adapter out of a forward with probability "
                                   "p (drawn per layer and forward).")
-    variant: Literal["lora", "dora", "loha", "lokr"] = Field(
+    variant: Literal["lora", "dora", "loha", "lokr", "oft"] = Field(
         default="lora",
         description="The adapter, trained through peft: lora (up @ down); dora (LoRA with a trained magnitude per "
         "output row, peft's use_dora, as OneTrainer's lora_decompose with lora_decompose_output_axis; written with "
         "a dora_scale per module); loha (Hadamard product of two low-rank products, peft's LoHa, OneTrainer's "
         "peft_type LOHA: hada_w1_a / hada_w1_b / hada_w2_a / hada_w2_b); lokr (Kronecker product, peft's LoKr: "
-        "lokr_w1 / lokr_w2 or their _a / _b factors). rank and alpha mean the same for each (scale alpha / rank). "
+        "lokr_w1 / lokr_w2 or their _a / _b factors). rank and alpha mean the same for each (scale alpha / rank); "
+        "oft (orthogonal finetuning, OneTrainer's OFT_2 as ComfyUI and LyCORIS' diag-oft read it: blocks of each "
+        "layer's output rows rotated, oft_blocks per module; lora.oft_block_size and lora.oft_constraint, not rank "
+        "or alpha; ot_dist's own module, kohya file layout only). "
         "Every strategy trains each. See docs/lora.md for which loader applies which variant exactly (A1111 does "
         "not apply dora as trained).",
     )
+    oft_block_size: int = Field(default=32, ge=1, description="variant oft: the size of each rotated block of a "
+                                "layer's output rows (OneTrainer's oft_block_size); a layer whose output size it does "
+                                "not divide gets the nearest divisor, as in OneTrainer.")
+    oft_constraint: float = Field(default=0.0, ge=0, description="variant oft: COFT's constraint, the largest norm "
+                                  "of each layer's skew-symmetric generator (over all its blocks); 0 = none. Written as "
+                                  "the modules' .alpha, which ComfyUI applies as that norm.")
     preset: str = Field(
         default="default",
         description="The denoiser modules to adapt: default (the family's diffusers training script's list), "
@@ -1052,6 +1061,13 @@ class TrainConfig(Section):
         if self.lora.file_layout == "kohya" and family.lora_file_prefixes is None:
             raise ValueError(f"lora.file_layout: {self.model.family} has no kohya LoRA names yet; use diffusers")
         self._check_layer_filter(denoiser_targets)
+        if self.lora.variant == "oft" and self.lora_file_layout() != "kohya":
+            raise ValueError("lora.file_layout: variant oft is written only in the kohya / LyCORIS layout ComfyUI "
+                             f"reads (oft_blocks); it resolves to {self.lora_file_layout()} here (set kohya, on a "
+                             "family with kohya LoRA names)")
+        if self.lora.variant == "oft" and self.lora.dropout:
+            raise ValueError("lora.dropout: variant oft has no dropout here (OneTrainer's OFT_2 drops whole "
+                             "rotation blocks, not implemented); set it to 0")
         if self.lora.variant in ("loha", "lokr") and self.lora.dropout:
             raise ValueError(f"lora.dropout: peft's {self.lora.variant} has no dropout on the adapter input (only rank / "
                              "module dropout, another regularizer); set it to 0 or use variant lora / dora")

@@ -10,7 +10,8 @@ Layouts read:
   (`lora_te3_encoder_block_0_layer_0_SelfAttention_q.lora_A.weight` + `.alpha`); the name is kept as it is.
 The variants (ot_dist/methods/lora_variants.py), in either layout: DoRA (`.dora_scale`, or peft's
 `.lora_magnitude_vector`, beside the down / up pair), LoHa (`.hada_w1_a` / `_b`, `.hada_w2_a` / `_b`), LoKr
-(`.lokr_w1` or `.lokr_w1_a` / `_b`, `.lokr_w2` or `.lokr_w2_a` / `_b`), each with an optional `.alpha`. Only
+(`.lokr_w1` or `.lokr_w1_a` / `_b`, `.lokr_w2` or `.lokr_w2_a` / `_b`), OFT (`.oft_blocks`, 3-d: LyCORIS' diag-oft,
+ot_dist's oft; its `.alpha` is a constraint), each with an optional `.alpha`. Only
 `ot-dist lora merge` applies them (`read_lora_file(path, variants=VARIANTS)`); the other tools take plain LoRA and
 refuse a variant naming it. Anything else (old diffusers attention-processor files, Tucker / CP factors
 `hada_t1` / `lokr_t2` / `lora_mid`) is refused naming a key: merging it as plain LoRA would silently apply the wrong
@@ -78,10 +79,11 @@ class LoraFile:
     metadata: dict[str, str]
 
 
-ALL_VARIANTS = ("lora", "dora", "loha", "lokr")
+ALL_VARIANTS = ("lora", "dora", "loha", "lokr", "oft")
 DORA_SUFFIXES = (".dora_scale", ".lora_magnitude_vector.weight", ".lora_magnitude_vector")
 HADA = tuple(f".hada_{n}" for n in ("w1_a", "w1_b", "w2_a", "w2_b"))
 LOKR = tuple(f".lokr_{n}" for n in ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b"))
+OFT = ".oft_blocks"
 FULL_DIFFS = (".diff", ".diff_b")  # ComfyUI's LoraSave: a weight's / bias's whole difference, no low-rank pair
 
 
@@ -135,6 +137,11 @@ def read_lora_file(path: str | Path, variants: tuple[str, ...] = ("lora",), tool
             raise InputFileError(f"{path}: LoKr module {name} lacks lokr_w1 (or lokr_w1_a / _b) or lokr_w2 (or _a / _b)")
         known.update(name + s for s in LOKR)
         pairs[name] = Kronecker(*factors, alpha_of(name))
+    for name in sorted(k[: -len(OFT)] for k in tensors if k.endswith(OFT) and tensors[k].dim() == 3):
+        from ot_dist.lora_tools.variant_changes import Orthogonal
+
+        known.add(name + OFT)
+        pairs[name] = Orthogonal(tensors[name + OFT], alpha_of(name))
     unknown = sorted(set(tensors) - known)
     full_diffs = [k for k in unknown if k.endswith(FULL_DIFFS)]
     if full_diffs:
@@ -145,7 +152,7 @@ def read_lora_file(path: str | Path, variants: tuple[str, ...] = ("lora",), tool
                              "with ot-dist lora extract")
     if unknown:
         raise InputFileError(f"{path}: tensor {unknown[0]!r} (and {len(unknown) - 1} more) is not a LoRA / DoRA / LoHa / "
-                             "LoKr tensor this tool reads (Tucker factors, an older layout): not supported here")
+                             "LoKr / OFT tensor this tool reads (Tucker factors, an older layout): not supported here")
     found = sorted({change.variant for change in pairs.values()})
     refused = [v for v in found if v not in variants]
     if refused:
@@ -160,8 +167,9 @@ def _layout_of(path: Path, tensors: dict) -> tuple[str, str, str]:
     for layout, down, up in (KOHYA, DIFFUSERS):
         if any(k.endswith(down) for k in tensors):
             return layout, down, up
-    names = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(HADA + LOKR)}
-    if names:  # LoHa / LoKr: kohya names have no dots (lora_unet_..., lycoris_...), diffusers ones do (unet.<path>)
+    names = {k.rsplit(".", 1)[0] for k in tensors if k.endswith(HADA + LOKR + (OFT,))}
+    # LoHa / LoKr / OFT: kohya names have no dots (lora_unet_..., lycoris_...), diffusers ones do (unet.<path>)
+    if names:
         return ("diffusers", *DIFFUSERS[1:]) if any("." in n for n in names) else ("kohya", *KOHYA[1:])
     example = next(iter(tensors), "(none)")
     raise InputFileError(f"{path}: no LoRA tensors in a known layout (kohya '.lora_down.weight' or diffusers "

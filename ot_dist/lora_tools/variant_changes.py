@@ -1,5 +1,5 @@
-"""The weight change of one module of a LoHa / LoKr / DoRA file, as the loaders apply it (ComfyUI's
-comfy/weight_adapter/loha.py, lokr.py, base.py `weight_decompose`; LyCORIS), for `ot-dist lora merge`.
+"""The weight change of one module of a LoHa / LoKr / OFT / DoRA file, as the loaders apply it (ComfyUI's
+comfy/weight_adapter/loha.py, lokr.py, oft.py, base.py `weight_decompose`; LyCORIS), for `ot-dist lora merge`.
 (Plain LoRA and DoRA are `Pair` in files.py; DoRA's magnitude is applied by `dora_weight` below.)"""
 
 from __future__ import annotations
@@ -90,3 +90,21 @@ def dora_weight(weight: torch.Tensor, delta: torch.Tensor, magnitude: torch.Tens
     norm = combined.transpose(0, 1).flatten(1).norm(dim=1)
     norm = norm.reshape(1, -1, *[1] * (combined.dim() - 2))
     return magnitude.reshape(norm.shape) * combined / norm
+
+
+@dataclass
+class Orthogonal:
+    """OFT (LyCORIS diag-oft, ot_dist's oft): W' = R[k]ᵀ W[k] per block k of output rows, R = (I + Q)(I - Q)⁻¹,
+    Q = blocks - blocksᵀ scaled to norm alpha when alpha > 0 and its norm exceeds it, as ComfyUI's oft.py applies
+    it (ot_dist/methods/oft.py). A rotation, not an addition: the change depends on the weight it is merged into.
+    Strength s merges W + s (W' - W) (ComfyUI multiplies its change by s twice: the same at strength 1)."""
+
+    blocks: torch.Tensor  # [block_num, block_size, block_size]
+    alpha: float | None
+    variant = "oft"
+
+    def merged(self, weight: torch.Tensor, strength: float = 1.0) -> torch.Tensor:
+        from ot_dist.methods.oft import rotated_weight
+
+        weight = weight.float()
+        return weight + strength * (rotated_weight(weight, self.blocks.float(), self.alpha or 0.0) - weight)

@@ -35,6 +35,15 @@ class LoraMethod(TrainingMethod):
             module = model.part(part)
             key, targets = lora_targets(self.config.lora, model.family, part, module)
             lora = self.config.lora
+            if lora.variant == "oft":  # ot_dist's own module: peft's OFT rotates the input, which no file rule reads
+                from ot_dist.methods.oft import add_oft
+
+                # exactly the selected paths, as for peft (exclude_modules below)
+                extras = suffix_matched_extras(module, targets) if key == "lora.layer_filter" else None
+                if not add_oft(module, targets, lora.oft_block_size, lora.oft_constraint, extras):
+                    raise ConfigError(f"{key}: {targets} match no Linear or Conv2d layer of the {part}")
+                groups.append(ParamGroup(part, trainable(module), self.config.part_learning_rate(part), part=part))
+                continue
             lora_config = peft_config(lora.variant, lora.rank, lora.alpha, lora.dropout, targets)
             if key == "lora.layer_filter":  # exactly the selected paths: peft also takes a target as a path suffix
                 lora_config.exclude_modules = suffix_matched_extras(module, targets) or None
@@ -73,6 +82,12 @@ class LoraMethod(TrainingMethod):
             module = model.part(part)
             if not self.config.part_trains(part):
                 continue
+            if self.config.lora.variant == "oft":
+                from ot_dist.methods.oft import oft_state
+
+                states[part] = oft_state(state_dict_of(module))
+                adapter_configs[part] = {"target_modules": sorted(k.rsplit(".", 1)[0] for k in states[part])}
+                continue
             states[part] = get_peft_model_state_dict(module, state_dict=state_dict_of(module), adapter_name=ADAPTER)
             adapter_configs[part] = module.peft_config[ADAPTER].to_dict()
         vectors = self.additional.vectors(model, state_dict_of)  # gathered once: the bundle and the files
@@ -84,8 +99,10 @@ class LoraMethod(TrainingMethod):
         layout = self.config.lora_file_layout()
         modelspec = self.modelspec(model, "lora", created, suffix, lora_layout=layout)
         bundle = self.additional.bundled(model, vectors, dtype) if self.config.bundle_additional_embeddings else {}
-        extra = model.family.extra_lora_files(model, dict(states), adapter_configs, target, dtype,
-                                              self.modelspec(model, "lora", created, suffix, lora_layout="kohya"))
+        # the families' extra files hold plain LoRA only (and read peft's adapter configs, which oft has not)
+        extra = [] if self.config.lora.variant == "oft" else model.family.extra_lora_files(
+            model, dict(states), adapter_configs, target, dtype,
+            self.modelspec(model, "lora", created, suffix, lora_layout="kohya"))
         if layout == "kohya":
             self._write_kohya(model, states, adapter_configs, target, dtype, modelspec, bundle)
         else:
@@ -106,7 +123,9 @@ class LoraMethod(TrainingMethod):
                             {p: family.lora_file_module_renames(p, m) for p, m in parts.items()})
         tensors = dict(bundle)  # bundle_emb.*: the additional embeddings, when bundled
         for part, state in states.items():
-            tensors.update(to_kohya(state, names[part], lora.alpha, dtype, rank=lora.rank))
+            # an OFT module's .alpha is its constraint (ComfyUI's and LyCORIS' reading), not a scale
+            alpha = lora.oft_constraint if lora.variant == "oft" else lora.alpha
+            tensors.update(to_kohya(state, names[part], alpha, dtype, rank=lora.rank))
         targets = {part: sorted(config["target_modules"]) for part, config in adapter_configs.items()}
         metadata = kohya_metadata(lora.rank, lora.alpha, {"ot_dist_lora": json.dumps(
             {"layout": "kohya", "family": family.name, "variant": lora.variant, "rank": lora.rank, "alpha": lora.alpha,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-VARIANTS = ("lora", "dora", "loha", "lokr")
+VARIANTS = ("lora", "dora", "loha", "lokr", "oft")  # oft: ot_dist's own module (ot_dist/methods/oft.py)
 
 # peft state-dict suffix (as get_peft_model_state_dict names it) -> the kohya / LyCORIS file suffix
 PEFT_TO_KOHYA = {
@@ -36,6 +36,7 @@ PEFT_TO_KOHYA = {
     ".lora_magnitude_vector": ".dora_scale",
     **{f".hada_{n}": f".hada_{n}" for n in ("w1_a", "w1_b", "w2_a", "w2_b")},
     **{f".lokr_{n}": f".lokr_{n}" for n in ("w1", "w1_a", "w1_b", "w2", "w2_a", "w2_b")},
+    ".oft_blocks": ".oft_blocks",
 }
 
 
@@ -190,7 +191,7 @@ def network_metadata(variant: str) -> dict[str, str]:
 
     if variant == "lora":
         return {"ss_network_module": "networks.lora"}
-    args = {"algo": "lora" if variant == "dora" else variant}
+    args = {"algo": {"dora": "lora", "oft": "diag-oft"}.get(variant, variant)}
     if variant == "dora":
         args.update(dora_wd="True", wd_on_output="True")
     return {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps(args)}

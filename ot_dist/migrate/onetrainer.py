@@ -125,7 +125,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         c["lora"] = {"rank": ot["lora_rank"], "alpha": ot["lora_alpha"], "dropout": ot["dropout_probability"]}
         import_layer_filter(ot, c["lora"], family, get_family(family).denoiser, out)
         import_text_encoder_layers(c, family, out)
-        _lora_variant(ot, c["lora"], skip)
+        _lora_variant(ot, c["lora"], skip, kohya_layout=get_family(family).lora_file_prefixes is not None)
         if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
         if ot["lora_model_name"]:  # OneTrainer continues training this LoRA file
@@ -290,18 +290,25 @@ def _continued_alpha(lora: dict, out: Imported) -> None:
         lora["alpha"] = alpha
 
 
-PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr"}
+PEFT_VARIANTS = {"LORA": "lora", "LOHA": "loha", "LOKR": "lokr", "OFT_2": "oft"}
+# TrainConfig's OFT options beside oft_block_size (OneTrainer's defaults)
+OFT_DEFAULTS = {"oft_block_share": False, "oft_scaled": False}
 # TrainConfig's LoKr options (lokr_vec_trick only changes how OneTrainer computes the same product).
 LOKR_DEFAULTS = {"lokr_dim": 16, "lokr_decompose_both": False, "lokr_decompose_factor": -1, "lokr_use_tucker": False,
                  "lokr_weight_decompose": False, "lokr_full_matrix": False}
 
 
-def _lora_variant(ot: dict, lora: dict, skip) -> None:
+def _lora_variant(ot: dict, lora: dict, skip, kohya_layout: bool = True) -> None:
     """OneTrainer's peft_type / lora_decompose as lora.variant. ot_dist's DoRA (peft's) decomposes on the output
-    axis: OneTrainer's default input-axis DoRA is another adapter, so it is listed, and plain LoRA trains instead."""
+    axis: OneTrainer's default input-axis DoRA is another adapter, so it is listed, and plain LoRA trains instead.
+    `kohya_layout`: whether the family's LoRA files have kohya names (oft is written in that layout only)."""
     peft_type = str(ot.get("peft_type") or "LORA")
     if peft_type not in PEFT_VARIANTS:
-        skip(f"peft_type: {peft_type} has no ot_dist variant (lora, dora, loha, lokr); plain LoRA instead")
+        skip(f"peft_type: {peft_type} has no ot_dist variant (lora, dora, loha, lokr, oft); plain LoRA instead")
+        return
+    if peft_type == "OFT_2" and not kohya_layout:
+        skip("peft_type: OFT_2: ot_dist's oft is written in the kohya layout only, which this model family's LoRA "
+             "files do not use; plain LoRA instead")
         return
     variant = PEFT_VARIANTS[peft_type]
     if ot.get("lora_decompose"):
@@ -314,9 +321,16 @@ def _lora_variant(ot: dict, lora: dict, skip) -> None:
             variant = "dora"
     if variant != "lora":
         lora["variant"] = variant
-        if variant in ("loha", "lokr") and lora.get("dropout"):
-            skip(f"dropout_probability: {lora['dropout']} (peft's {variant} has no input dropout); 0 instead")
+        if variant in ("loha", "lokr", "oft") and lora.get("dropout"):
+            skip(f"dropout_probability: {lora['dropout']} ({variant} has no such dropout here); 0 instead")
             lora["dropout"] = 0.0
+    if variant == "oft":
+        # OneTrainer rotates blocks of each layer's input (peft's OFT v2); ot_dist's oft rotates output rows, the
+        # layout ComfyUI reads: the same block size, another (file-loadable) rotation
+        lora["oft_block_size"] = ot.get("oft_block_size", 32)
+        for key, default in OFT_DEFAULTS.items():
+            if ot.get(key, default) != default:
+                skip(f"{key}: {ot[key]} is not an option of ot_dist's oft (one rotation per block, unscaled)")
     if variant == "lokr":
         lora["rank"] = ot.get("lokr_dim", LOKR_DEFAULTS["lokr_dim"])  # OneTrainer's LoKr rank; lora_rank is not read
         for key, default in LOKR_DEFAULTS.items():

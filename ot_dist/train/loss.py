@@ -133,14 +133,17 @@ def diffusion_loss(model: LoadedModel, batch: dict, seed: int, epoch: int, optio
 
 @contextmanager
 def adapters_disabled(model: LoadedModel):
-    """Every LoRA layer of the model bypassed (peft's flag, set directly: peft's enable_adapters would also change
+    """Every LoRA layer (and OFT layer) of the model bypassed (peft's flag, set directly: peft's enable_adapters would also change
     requires_grad, which strategies and stop_training_after own). The additional embeddings' rows stay: OneTrainer's
     prior model unhooks its LoRA adapters only (BaseModelSetup.prior_model), so the captions' tokens read the trained
     vectors there too."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
+    from ot_dist.methods.oft import OrthogonalConv2d, OrthogonalLinear  # lora.variant oft: ot_dist's own layers
+
     modules = [model.denoiser, *model.text_encoders.values()]
-    layers = [m for module in modules for m in module.modules() if isinstance(m, BaseTunerLayer)]
+    kinds = (BaseTunerLayer, OrthogonalLinear, OrthogonalConv2d)
+    layers = [m for module in modules for m in module.modules() if isinstance(m, kinds)]
     before = [layer._disable_adapters for layer in layers]
     try:
         for layer in layers:

@@ -1,0 +1,267 @@
+"""OFT (`lora.variant: oft`, OneTrainer's OFT_2 in the layout ComfyUI reads): the file's blocks, applied by
+ComfyUI's rule (written down below as an oracle), give the weights training used; the layers start as the identity;
+training lowers the loss; `ot-dist lora merge` applies it; OneTrainer's peft_type OFT_2 imports as it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import base_config
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_lora_layouts import comfy_key_map, in_memory_module
+
+from ot_dist.config.load import validate
+from ot_dist.data.reader import collate
+from ot_dist.errors import InputFileError
+from ot_dist.lora_tools.files import read_lora_file
+from ot_dist.lora_tools.merge import merge_into
+from ot_dist.methods.lora import LoraMethod
+from ot_dist.methods.oft import OrthogonalConv2d, OrthogonalLinear
+from ot_dist.models.loading import load_model
+from ot_dist.train.loss import diffusion_loss
+from ot_dist.train.trainer import Trainer
+
+BLOCK = 4  # the tiny models' layers are 32 - 64 wide: several blocks each
+
+
+# ---- ComfyUI's rule ------------------------------------------------------------------------------------------------
+# Read from github.com/Comfy-Org/ComfyUI comfy/weight_adapter/oft.py @ a125cd84 (OFTAdapter.load / calculate_weight):
+#   x.oft_blocks (3-d: [block_num, block_size, block_size]; any other shape is not OFT) and x.rescale (optional);
+#   alpha = x.alpha (.item(); 0 when absent). q = blocks - blocksᵀ; when alpha > 0 and ||q|| + 1e-8 > alpha
+#   (Frobenius norm over all blocks): q = q * alpha / (||q|| + 1e-8). r = (I + q) @ inverse(I - q);
+#   diff = einsum("k n m, k n ... -> k m ...", strength * r - strength * I, W.view(block_num, block_size, ...));
+#   W += strength * diff.
+def comfy_oft_weight(tensors: dict[str, torch.Tensor], name: str, weight: torch.Tensor) -> torch.Tensor:
+    blocks = tensors[f"{name}.oft_blocks"].float()
+    assert blocks.dim() == 3, name
+    alpha = tensors[f"{name}.alpha"].item() if f"{name}.alpha" in tensors else 0
+    block_num, block_size, _ = blocks.shape
+    eye = torch.eye(block_size)
+    q = blocks - blocks.transpose(1, 2)
+    if alpha > 0:
+        norm = torch.norm(q) + 1e-8
+        if norm > alpha:
+            q = q * alpha / norm
+    r = (eye + q) @ (eye - q).inverse()
+    w = weight.float()
+    diff = torch.einsum("knm,kn...->km...", r - eye, w.view(block_num, block_size, *w.shape[1:]))
+    return w + diff.reshape(w.shape)
+
+
+def oft_config(tiny_models, shapes_data, out, **extra):
+    settings = {"lora.variant": "oft", "lora.oft_block_size": BLOCK, "text_encoder.train": True, "max_steps": 2,
+                "learning_rate": 1e-2, **extra}
+    return validate(base_config(tiny_models["sd1"], shapes_data, out, family="sd1", method="lora", **settings))
+
+
+def oft_layers(model) -> dict[tuple[str, str], torch.nn.Module]:
+    return {(name, path): sub for name, part in model.parts().items() for path, sub in part.named_modules()
+            if isinstance(sub, (OrthogonalLinear, OrthogonalConv2d))}
+
+
+def moved(model, scale: float) -> None:
+    """Seeded noise on the blocks: a stand-in for training, far enough to rotate."""
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in oft_layers(model).values():
+            layer.oft_blocks.add_(torch.randn(layer.oft_blocks.shape, generator=generator) * scale)
+
+
+def probe_input(layer: torch.nn.Module) -> torch.Tensor:
+    if isinstance(layer, torch.nn.Linear):
+        return torch.randn(2, layer.in_features)
+    return torch.randn(1, layer.in_channels, 8, 8)
+
+
+# ---- tests ---------------------------------------------------------------------------------------------------------
+def test_oft_starts_as_the_identity(tiny_models, shapes_data, tmp_path):
+    """At step 0 every adapted layer computes what the base layer did (zero blocks: R = I), UNet and text encoder."""
+    config = oft_config(tiny_models, shapes_data, tmp_path / "out")
+    base, model = load_model(config.model), load_model(config.model)
+    LoraMethod(config).prepare(model)
+    layers = oft_layers(model)
+    assert {name for name, _ in layers} == {"unet", "text_encoder"}
+    assert any(isinstance(layer, OrthogonalConv2d) for layer in layers.values())
+    with torch.no_grad():
+        for (name, path), layer in layers.items():
+            x = probe_input(layer)
+            torch.testing.assert_close(layer(x), base.parts()[name].get_submodule(path)(x), rtol=0, atol=1e-6,
+                                       msg=f"{name}.{path}")
+
+
+def test_prior_model_leaves_the_rotation_out(tiny_models, shapes_data, tmp_path):
+    """OneTrainer's prior model (prior preservation, concept prior targets: train/loss.py `adapters_disabled`)
+    computes with the base weights; after it the layers rotate again."""
+    from ot_dist.train.loss import adapters_disabled
+
+    config = oft_config(tiny_models, shapes_data, tmp_path / "out")
+    base, model = load_model(config.model), load_model(config.model)
+    LoraMethod(config).prepare(model)
+    moved(model, 0.2)
+    with torch.no_grad():
+        for (name, path), layer in oft_layers(model).items():
+            x = probe_input(layer)
+            plain = base.parts()[name].get_submodule(path)(x)
+            with adapters_disabled(model):
+                torch.testing.assert_close(layer(x), plain, rtol=0, atol=0, msg=f"{name}.{path}")
+            assert not torch.allclose(layer(x), plain, atol=1e-4), f"{name}.{path}"
+
+
+@pytest.mark.parametrize("constraint", [0.0, 0.05])
+def test_comfyui_applies_the_blocks_as_trained(tiny_models, shapes_data, tmp_path, constraint):
+    """The file's every tensor is read by ComfyUI's OFT rule, and the weight that rule makes of each module is the
+    one the adapted layer computed with (its output = the base layer's with that weight). With a constraint
+    (written as .alpha) small enough to bind, the rule's scaling is the one trained."""
+    config = oft_config(tiny_models, shapes_data, tmp_path / "out", **{"lora.oft_constraint": constraint})
+    model = load_model(config.model)
+    method = LoraMethod(config)
+    method.prepare(model)
+    moved(model, 0.2)
+    [path] = method.export(model, tmp_path / "out")
+    tensors = load_file(path)
+    with safe_open(str(path), framework="pt") as f:
+        assert '"diag-oft"' in f.metadata()["ss_network_args"]
+    key_map = comfy_key_map("sd1", model.denoiser)
+    layers = oft_layers(model)
+    read = set()
+    bound = False
+    for name, (part, module_path) in key_map.items():
+        if f"{name}.oft_blocks" not in tensors:
+            continue
+        read |= {f"{name}.oft_blocks", f"{name}.alpha"}
+        layer = in_memory_module(model.parts()[part], module_path)
+        assert tensors[f"{name}.alpha"].item() == layer.oft_constraint == pytest.approx(constraint)
+        q = layer.oft_blocks.detach() - layer.oft_blocks.detach().transpose(1, 2)
+        bound |= constraint > 0 and torch.norm(q).item() > constraint
+        expected = comfy_oft_weight(tensors, name, layer.weight.detach())
+        x = probe_input(layer)
+        with torch.no_grad():  # the layer's output is the base computation with the rule's weight
+            if isinstance(layer, torch.nn.Linear):
+                want = torch.nn.functional.linear(x, expected, layer.bias)
+            else:
+                want = layer._conv_forward(x, expected, layer.bias)
+            torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5, msg=name)
+    assert read == set(tensors), f"ComfyUI would not load {sorted(set(tensors) - read)[:5]}"
+    assert len(read) == 2 * len(layers)
+    assert bound == (constraint > 0)
+
+
+def test_training_lowers_the_loss_and_merge_applies_it(tiny_models, shapes_data, tmp_path):
+    """A short OFT run lowers a fixed batch's loss (same draws), and `ot-dist lora merge` of its file into a fresh
+    base gives the weights the trained layers compute with; the tools that take plain LoRA refuse the file."""
+    config = oft_config(tiny_models, shapes_data, tmp_path / "out", max_steps=8, learning_rate=3e-2,
+                        **{"text_encoder.train": False})
+    trainer = Trainer(config, log=lambda *_: None)
+    batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+    with torch.no_grad():
+        before = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss).item()
+    trainer.train()
+    with torch.no_grad():
+        after = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss).item()
+    assert after < before * 0.98, (before, after)
+
+    path = tmp_path / "out" / "lora.safetensors"
+    with pytest.raises(InputFileError, match="oft file"):  # the tools for plain LoRA refuse it by name
+        read_lora_file(path)
+    base = load_model(config.model)
+    merged, missing = merge_into(base, read_lora_file(path, ("oft",)), 1.0, str(path))
+    layers = oft_layers(trainer.model)
+    assert not missing and merged == len(layers)
+    for (name, module_path), layer in layers.items():
+        got = base.parts()[name].get_submodule(module_path).weight.float()
+        with torch.no_grad():
+            torch.testing.assert_close(got, layer.adapted_weight().float(), rtol=1e-5, atol=1e-6, msg=module_path)
+
+
+def test_config_errors_name_the_field(tiny_models, shapes_data, tmp_path):
+    with pytest.raises(Exception, match="lora.dropout"):
+        oft_config(tiny_models, shapes_data, tmp_path, **{"lora.dropout": 0.1})
+    with pytest.raises(Exception, match="lora.file_layout"):
+        oft_config(tiny_models, shapes_data, tmp_path, **{"lora.file_layout": "diffusers"})
+    with pytest.raises(Exception, match="oft_block_size"):
+        oft_config(tiny_models, shapes_data, tmp_path, **{"lora.oft_block_size": 0})
+    with pytest.raises(Exception, match="oft_constraint"):
+        oft_config(tiny_models, shapes_data, tmp_path, **{"lora.oft_constraint": -1})
+
+
+def test_block_size_is_the_nearest_divisor_of_the_output_size():
+    """OneTrainer's adjustment (LoRAModule.py OFTModule.adjust_oft_parameters), on the rotated dimension."""
+    from ot_dist.methods.oft import block_size_for
+
+    assert [block_size_for(320, b) for b in (32, 30, 33, 7, 500)] == [32, 32, 32, 8, 320]
+    assert block_size_for(12, 5) == 4  # 4 and 6 are as near: the lower
+
+
+@pytest.mark.parametrize("settings, expected, skipped", [
+    ({"peft_type": "OFT_2"}, {"variant": "oft", "oft_block_size": 32}, None),
+    ({"peft_type": "OFT_2", "oft_block_size": 16}, {"variant": "oft", "oft_block_size": 16}, None),
+    ({"peft_type": "OFT_2", "oft_block_share": True}, {"variant": "oft"}, "oft_block_share"),
+    ({"peft_type": "OFT_2", "oft_scaled": True}, {"variant": "oft"}, "oft_scaled"),
+    ({"peft_type": "OFT_2", "dropout_probability": 0.1}, {"variant": "oft", "dropout": 0.0}, "dropout_probability"),
+])
+def test_onetrainer_oft_2_becomes_oft(settings, expected, skipped):
+    """OneTrainer's TrainConfig peft_type OFT_2 with oft_block_size / oft_block_share / oft_scaled (its defaults 32,
+    false, false: modules/util/config/TrainConfig.py)."""
+    from ot_dist.migrate.onetrainer import _lora_variant
+
+    lora, notes = {"rank": 4, "alpha": 1.0, "dropout": settings.get("dropout_probability", 0.0)}, []
+    _lora_variant(settings, lora, notes.append)
+    assert {k: lora[k] for k in expected} == expected
+    assert (skipped is None) == (not notes) and all(skipped in n for n in notes)
+
+
+def test_onetrainer_oft_2_of_a_family_without_kohya_names_is_plain_lora(tmp_path):
+    """A Flux (diffusers-layout) OFT_2 config imports as plain LoRA, listed, instead of a config that is refused."""
+    from ot_dist.migrate.onetrainer import _lora_variant
+
+    lora, notes = {"rank": 4, "alpha": 1.0, "dropout": 0.0}, []
+    _lora_variant({"peft_type": "OFT_2", "oft_block_size": 16}, lora, notes.append, kohya_layout=False)
+    assert "variant" not in lora and "oft_block_size" not in lora
+    assert len(notes) == 1 and "OFT_2" in notes[0] and "kohya layout" in notes[0]
+
+
+def test_stop_and_resume_continues_exactly(tiny_models, shapes_data, tmp_path):
+    """The blocks (and their optimizer state) go through a checkpoint: stopped after step 3 and resumed, the run's
+    losses are the uninterrupted run's, bit for bit."""
+    from test_checkpoint import train_in_process
+
+    def raw(out):
+        return base_config(tiny_models["sd1"], shapes_data, out, method="lora", batch_size=2, max_steps=6,
+                           learning_rate=1e-2, **{"lora.variant": "oft", "lora.oft_block_size": BLOCK})
+
+    straight = train_in_process(raw(tmp_path / "straight"))
+    stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=3)
+    assert stopped.stopped_by == "SIGTERM" and stopped.steps == 4
+    resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
+    assert resumed.first_step == 4 and resumed.losses == straight.losses[4:]
+
+
+def test_targets_match_paths_and_suffixes_but_the_excluded():
+    """peft's rule (a target is a path or a path's dotted suffix), and lora.layer_filter's exact paths: the suffix
+    matches it would add are excluded (methods/lora.py passes them)."""
+    from ot_dist.methods.oft import add_oft
+
+    def toy():
+        block = torch.nn.Module()
+        block.proj = torch.nn.Linear(8, 8)
+        root = torch.nn.Module()
+        root.proj, root.block, root.norm = torch.nn.Linear(8, 8), block, torch.nn.LayerNorm(8)
+        return root
+
+    assert add_oft(toy(), ["proj", "norm"], 4, 0.0) == {"proj": 4, "block.proj": 4}  # LayerNorm: not a layer OFT takes
+    assert add_oft(toy(), ["proj"], 4, 0.0, exclude=["block.proj"]) == {"proj": 4}
+
+
+@pytest.mark.parametrize("model_type, variant", [("STABLE_DIFFUSION_15", "oft"), ("FLUX_DEV_1", "lora")])
+def test_onetrainer_config_with_oft_2_imports_and_validates(tmp_path, model_type, variant):
+    """`ot-dist import onetrainer` end to end: OFT_2 with its block size on SD 1.5 (kohya names); on Flux (the
+    diffusers layout, which oft is not written in) a valid plain-LoRA config, OFT_2 listed."""
+    from test_import_onetrainer import import_only
+
+    config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA",
+                                             "peft_type": "OFT_2", "oft_block_size": 16})
+    assert config.lora.variant == variant
+    assert (config.lora.oft_block_size == 16) == (variant == "oft")
+    assert any("OFT_2" in line for line in skipped) == (variant == "lora")
