@@ -303,7 +303,7 @@ class ShardDataset:
         box = (left, top, left + width, top + height)
         concept = self.concepts.get(sample["concept"])
         # the same generator key for each frame: the same flip / rotation / colour draws, so the clip moves as one
-        pixels = [_pixels(augment_with_reference(frame.crop(box), None, None, concept,
+        pixels = [_pixels(augment_with_references(frame.crop(box), None, [], concept,
                                                  generator(self.seed, epoch, sample_id, "augment"))[0])
                   for frame in frames]
         return top, left, {"pixels": torch.stack(pixels, dim=1)}
