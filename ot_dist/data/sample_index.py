@@ -202,10 +202,10 @@ def reference_counts(flags: np.ndarray) -> np.ndarray:
 
 
 class SampleRecord(Mapping):
-    """One sample as the dict the JSON manifest held: key, shard, bucket, concept, mask, members (suffix ->
-    [data offset, size]). Columns are read from the index; key and members from the tar headers, once."""
+    """One sample as the dict the JSON manifest held: key, shard, bucket, concept, mask, reference, clip, members
+    (suffix -> [data offset, size]). Columns are read from the index; key and members from the tar headers, once."""
 
-    FIELDS = ("key", "shard", "bucket", "concept", "mask", "reference", "members")
+    FIELDS = ("key", "shard", "bucket", "concept", "mask", "reference", "clip", "members")
 
     def __init__(self, records: SampleRecords, index: int):
         self._records, self.index = records, index
@@ -223,6 +223,8 @@ class SampleRecord(Mapping):
             return bool(columns.flags[self.index] & MASK)
         if field == "reference":  # how many reference images (0 without), as the build's record holds it
             return int(reference_counts(columns.flags[self.index:self.index + 1])[0])
+        if field == "clip":  # a video clip's sample holds its own bytes as `clip.<extension>` (video.py)
+            return any(suffix.startswith("clip.") for suffix in self["members"])
         if field == "key" and self._walked is None:
             return self._records.key(self.index)  # one header: also the key of a sample whose later members are lost
         if field in ("key", "members"):
