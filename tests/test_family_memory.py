@@ -520,3 +520,20 @@ def test_hunyuan_video_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "full", 48, 8).strategy == "fsdp"
     with pytest.raises(ConfigError, match="--gpu-memory"):
         choose(family, "lora", 16, 1)
+
+
+@pytest.mark.parametrize("family_name", ["sd1", "sdxl", "sd3", "flux", "hidream", "stable_cascade", "hunyuan_video"])
+def test_every_text_encoder_shards_by_layer(family_name):
+    """Each text encoder's declared units are found in the published architecture (on the meta device): a pattern
+    naming a level the class lacks (CLIPTextModel has no `text_model.` level in transformers 5) would leave the
+    whole encoder one FSDP unit, gathered at once, when a text encoder trains under fsdp."""
+    family = get_family(family_name)
+    components = build_components(family.memory_reference)
+    for part in family.text_encoders:
+        if part not in components or part not in family.shard_units:
+            continue
+        encoder = components[part]
+        units = sharding_units(encoder, family.shard_units[part])
+        total = sum(p.numel() for p in encoder.parameters())
+        assert len(units) >= 12, (part, len(units))
+        assert max(sum(p.numel() for p in unit.parameters()) for unit in units) < 0.1 * total, part

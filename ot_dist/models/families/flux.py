@@ -28,7 +28,7 @@ from ot_dist.train.transfer import to_device
 FLUX_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
                      "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2", "proj_mlp")
 ATTENTION_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
-CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+CLIP_SHARD_UNITS = ("encoder.layers",)  # CLIPTextModel (transformers 5: no text_model level) and WithProjection
 T5_SHARD_UNITS = ("encoder.block",)
 TRANSFORMER_SHARD_UNITS = ("transformer_blocks", "single_transformer_blocks")
 T5_MAX_TOKENS = 512  # what FluxPipeline / ChromaPipeline use by default

@@ -56,7 +56,7 @@ HIDREAM_ATTENTION_TARGETS = HIDREAM_LORA_TARGETS + ("to_q_t", "to_k_t", "to_v_t"
 # attn-mlp preset: attn1 and ff_i)
 HIDREAM_ATTENTION_MLP_TARGETS = HIDREAM_ATTENTION_TARGETS + ("w1", "w2", "w3")
 LLAMA_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+CLIP_SHARD_UNITS = ("encoder.layers",)  # CLIPTextModel (transformers 5: no text_model level) and WithProjection
 MAX_SEQUENCE_LENGTH = 128  # HiDreamImagePipeline's and the training script's default
 CLIP_MAX_TOKENS = 218  # the pipeline's bound for the (248-position) CLIP encoders
 # ComfyUI's LoRA names of Llama-3.1's modules: "text_encoders." + its HiDreamTEModel's state-dict path

@@ -19,7 +19,7 @@ UNET_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out", 
 # ~2 % of the UNet (a whole up_blocks[0] was 47 %); the attentions' proj_in / proj_out, the embeddings and
 # conv_in / conv_out stay with the root (~1.3 %).
 UNET_SHARD_UNITS = ("resnets", "transformer_blocks", "downsamplers", "upsamplers")
-CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+CLIP_SHARD_UNITS = ("encoder.layers",)  # CLIPTextModel (transformers 5: no text_model level) and WithProjection
 ZERO_TERMINAL_SNR_GUIDANCE_RESCALE = 0.7  # OneTrainer's cfg_rescale with the option on, the paper's choice
 STABILITY_GENERATIVE_MODELS = "https://github.com/Stability-AI/generative-models"
 

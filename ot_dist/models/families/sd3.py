@@ -17,7 +17,7 @@ from ot_dist.train.transfer import to_device
 # The diffusers SD3 LoRA script's default targets: attention of both streams.
 SD3_LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 SD3_LORA_WITH_MLP = SD3_LORA_TARGETS + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2")
-CLIP_SHARD_UNITS = ("text_model.encoder.layers",)
+CLIP_SHARD_UNITS = ("encoder.layers",)  # CLIPTextModel (transformers 5: no text_model level) and WithProjection
 T5_MAX_TOKENS = 256  # StableDiffusion3Pipeline's default
 
 

@@ -62,7 +62,7 @@ class StableCascade(Family):
     # down_blocks / up_blocks are lists of lists: each inner list (a level) holds the Res / Timestep / Attn blocks;
     # a unit is one block of a level (3.6 B: 192 units, the largest 1.4 %).
     shard_units = {"prior": ("down_blocks.0", "down_blocks.1", "up_blocks.0", "up_blocks.1"),
-                   "text_encoder": ("text_model.encoder.layers",)}
+                   "text_encoder": ("encoder.layers",)}
     pixel_multiple = 128  # x 3/4 / 32: whole latents (a 128 px side -> 3)
     sample_pixel_multiple = 8  # the combined pipeline samples any side (docs/sampling.md: 64 px -> 84 px)
     sample_guidance_scale = 4.0  # OneTrainer's and StableCascadeCombinedPipeline's prior guidance
@@ -264,7 +264,7 @@ class WuerstchenV2(StableCascade):
     pipeline_class = "WuerstchenPriorPipeline"
     denoiser_lora_presets = {"default": CASCADE_ATTENTION, "attention": CASCADE_ATTENTION,
                              "attention_mlp": CASCADE_ATTENTION_MLP}
-    shard_units = {"prior": ("blocks",), "text_encoder": ("text_model.encoder.layers",)}
+    shard_units = {"prior": ("blocks",), "text_encoder": ("encoder.layers",)}
 
     def text_states(self, encoder, output):
         return output.last_hidden_state  # after the final norm (OneTrainer's Würstchen v2 too)
