@@ -393,3 +393,22 @@ def test_per_prompt_sampler_and_guidance_rescale_only_where_the_family_takes_the
         config("sd1", guidance_rescale=1.5)
     with pytest.raises(ConfigError, match=r"sampling.prompts.1.sampler"):
         config("sd1", sampler="heun")
+
+
+@pytest.mark.parametrize("family,method", [("sd1", "lora"), ("flux", "full"), ("z_image", "full"), ("anima", "full")])
+def test_float8_stored_weights_sample(family, method, family_models, shapes_data, tmp_path):
+    """weight_dtype float8: the pipelines take their latents' and embeddings' dtype from a module's `.dtype`, which
+    reads the stored float8 parameters (no float8 randn / mul / div). The stored components report the compute dtype
+    while sampling (a LoRA's float8 base in the trained copy too, and frozen text encoders / VAE), and only then:
+    training reads `.dtype` as before. SD 1.x (UNet, CLIP), Flux (CLIP + T5), Z-Image and Anima (Qwen3 encoders)."""
+    from ot_dist.memory.float8 import COMPUTE_DTYPE_ATTR, FLOAT8
+
+    raw = base_config(family_models[family], shapes_data, tmp_path, family=family, method=method, batch_size=2,
+                      max_steps=1, weight_dtype="float8", **{"sampling.prompts": [RED]})
+    trainer = Trainer(validate(raw), log=quiet)
+    trainer.train()
+    assert pixels(tmp_path / "samples" / "step-1" / FILES[0]).shape == (64, 64, 3)
+    stored = [m for m in trainer.model.pipeline.components.values() if getattr(m, COMPUTE_DTYPE_ATTR, None)]
+    # Training's view afterwards, as it was: a module's `.dtype` is its first parameter's, float8 where frozen.
+    assert all(m.dtype == next(p.dtype for p in m.parameters() if p.is_floating_point()) for m in stored)
+    assert any(m.dtype == FLOAT8 for m in stored)
