@@ -403,11 +403,15 @@ def test_float8_stored_weights_sample(family, method, family_models, shapes_data
     training reads `.dtype` as before. SD 1.x (UNet, CLIP), Flux (CLIP + T5), Z-Image and Anima (Qwen3 encoders)."""
     from ot_dist.memory.float8 import COMPUTE_DTYPE_ATTR, FLOAT8
 
-    raw = base_config(family_models[family], shapes_data, tmp_path, family=family, method=method, batch_size=2,
-                      max_steps=1, weight_dtype="float8", **{"sampling.prompts": [RED]})
-    trainer = Trainer(validate(raw), log=quiet)
-    trainer.train()
-    assert pixels(tmp_path / "samples" / "step-1" / FILES[0]).shape == (64, 64, 3)
+    def config(output_dir, **sampled):
+        return validate(base_config(family_models[family], shapes_data, output_dir, family=family, method=method,
+                                    batch_size=2, max_steps=2, weight_dtype="float8", **sampled))
+
+    plain = Trainer(config(tmp_path / "plain"), log=quiet).train()
+    trainer = Trainer(config(tmp_path / "o", **{"sampling.prompts": [RED], "sampling.every_n_steps": 1}), log=quiet)
+    assert trainer.train().losses == plain.losses  # the step after a sample trains as without one
+    for step in (1, 2):
+        assert pixels(tmp_path / "o" / "samples" / f"step-{step}" / FILES[0]).shape == (64, 64, 3)
     stored = [m for m in trainer.model.pipeline.components.values() if getattr(m, COMPUTE_DTYPE_ATTR, None)]
     # Training's view afterwards, as it was: a module's `.dtype` is its first parameter's, float8 where frozen.
     assert all(m.dtype == next(p.dtype for p in m.parameters() if p.is_floating_point()) for m in stored)
