@@ -132,7 +132,8 @@ class Sampler:
                 pipelines = {}  # one per sampler the prompts name, around the same modules
                 # Float8-stored components (frozen ones, trained ones' bases) report their compute dtype: the
                 # pipelines make their latents and cast their embeddings in a module's `.dtype`.
-                components = [*self.model.pipeline.components.values(), *modules.values()]
+                components = [*self.model.pipeline.components.values(), *modules.values(),
+                              *self.model.family.sampling_modules(self.model.pipeline)]  # e.g. Cascade's decoder
                 with isolated_randomness(runtime.device), trainer.precision.autocast(), \
                         reporting_compute_dtype(components):
                     for i in mine:
