@@ -70,13 +70,16 @@ _CLASSES: dict[tuple[type, object], type] = {}  # (class, what the subclass adds
 def reporting_compute_dtype(components):
     """Within: each float8-stored component among `components` reports its compute dtype as `.dtype`, as
     diffusers' own layerwise casting does. diffusers / transformers take `.dtype` from the first floating-point
-    parameter, the stored float8 one, and pipelines create their latents in it (torch.randn has no float8
-    kernel; sampling draws on a CPU generator, so on any device) and cast prompt embeddings to it. Only sampling asks for this: training goes on reading
-    `.dtype` as it always has (some models' forward casts with it), so it computes exactly what it did."""
+    parameter, the stored float8 one, and pipelines create their latents in it (torch.randn has no float8 kernel;
+    sampling draws on a CPU generator, so this fails on any device) and cast prompt embeddings to it (float8 has no
+    arithmetic kernels either). Only sampling asks for this: training goes on reading `.dtype` as it always has
+    (some models' forward casts with it), so it computes exactly what it did."""
     swapped = []
     try:
         for component in {id(c): c for c in components}.values():
-            if isinstance(component, torch.nn.Module) and getattr(component, COMPUTE_DTYPE_ATTR, None):
+            # Only where `.dtype` reads float8: a fully trained component keeps reporting its own (float32) weights'.
+            if isinstance(component, torch.nn.Module) and getattr(component, COMPUTE_DTYPE_ATTR, None) and \
+                    getattr(component, "dtype", None) == FLOAT8:
                 swapped.append((component, type(component)))
                 component.__class__ = _reporting_class(type(component))
         yield
