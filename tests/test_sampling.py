@@ -394,3 +394,36 @@ def test_per_prompt_sampler_and_guidance_rescale_only_where_the_family_takes_the
         config("sd1", guidance_rescale=1.5)
     with pytest.raises(ConfigError, match=r"sampling.prompts.1.sampler"):
         config("sd1", sampler="heun")
+
+
+@pytest.mark.parametrize("family,method", [("sd1", "lora"), ("flux", "full"), ("z_image", "full"), ("anima", "full"),
+                                           ("wuerstchen_v2", "full")])
+def test_float8_stored_weights_sample(family, method, family_models, shapes_data, tmp_path):
+    """weight_dtype float8: the pipelines take their latents' and embeddings' dtype from a module's `.dtype`, which
+    reads the stored float8 parameters (no float8 randn / mul / div). The stored components report the compute dtype
+    while sampling (a LoRA's float8 base in the trained copy too, and frozen text encoders / VAE), and only then:
+    training reads `.dtype` as before. SD 1.x (UNet, CLIP), Flux (CLIP + T5), Z-Image and Anima (Qwen3 encoders), and
+    Würstchen v2, whose frozen decoder stages only sampling runs (Family.sampling_modules)."""
+    from ot_dist.memory.float8 import COMPUTE_DTYPE_ATTR, FLOAT8
+
+    size, prompt, decoder = 64, RED, {}
+    if family == "wuerstchen_v2":  # 128 px buckets; its decoder stages beside the tiny prior
+        size, prompt = 128, {**RED, "width": 128, "height": 128}
+        decoder = {"model.decoder": str(family_models[family] / "decoder_stages")}
+
+    def config(output_dir, **sampled):
+        return validate(base_config(family_models[family], shapes_data, output_dir, family=family, method=method,
+                                    batch_size=2, max_steps=2, resolution=size, weight_dtype="float8", **decoder,
+                                    **sampled))
+
+    plain = Trainer(config(tmp_path / "plain"), log=quiet).train()
+    trainer = Trainer(config(tmp_path / "o", **{"sampling.prompts": [prompt], "sampling.every_n_steps": 1}), log=quiet)
+    assert trainer.train().losses == plain.losses  # the step after a sample trains as without one
+    for step in (1, 2):
+        assert pixels(tmp_path / "o" / "samples" / f"step-{step}" / FILES[0]).shape == (size, size, 3)
+    model = trainer.model
+    components = [*model.pipeline.components.values(), *model.family.sampling_modules(model.pipeline)]
+    stored = [m for m in components if getattr(m, COMPUTE_DTYPE_ATTR, None)]
+    # Training's view afterwards, as it was: a module's `.dtype` is its first parameter's, float8 where frozen.
+    assert all(m.dtype == next(p.dtype for p in m.parameters() if p.is_floating_point()) for m in stored)
+    assert any(m.dtype == FLOAT8 for m in stored)

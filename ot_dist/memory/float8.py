@@ -15,6 +15,8 @@ from memory; full exports take the untrained components from model.path instead 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -61,7 +63,38 @@ def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype) -> in
     return count
 
 
-_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
+_CLASSES: dict[tuple[type, object], type] = {}  # (class, what the subclass adds) -> the subclass
+
+
+@contextlib.contextmanager
+def reporting_compute_dtype(components):
+    """Within: each float8-stored component among `components` reports its compute dtype as `.dtype`, as
+    diffusers' own layerwise casting does. diffusers / transformers take `.dtype` from the first floating-point
+    parameter, the stored float8 one, and pipelines create their latents in it (torch.randn has no float8 kernel;
+    sampling draws on a CPU generator, so this fails on any device) and cast prompt embeddings to it (float8 has no
+    arithmetic kernels either). Only sampling asks for this: training goes on reading `.dtype` as it always has
+    (some models' forward casts with it), so it computes exactly what it did."""
+    swapped = []
+    try:
+        for component in {id(c): c for c in components}.values():
+            # Only where `.dtype` reads float8: a fully trained component keeps reporting its own (float32) weights'.
+            if isinstance(component, torch.nn.Module) and getattr(component, COMPUTE_DTYPE_ATTR, None) and \
+                    getattr(component, "dtype", None) == FLOAT8:
+                swapped.append((component, type(component)))
+                component.__class__ = _reporting_class(type(component))
+        yield
+    finally:
+        for component, cls in reversed(swapped):
+            component.__class__ = cls
+
+
+def _reporting_class(cls: type) -> type:
+    key = (cls, "dtype")
+    if key not in _CLASSES:
+        attrs = {"dtype": property(lambda self: getattr(self, COMPUTE_DTYPE_ATTR)),
+                 "__module__": cls.__module__, "__qualname__": cls.__qualname__}  # named as its class (configs)
+        _CLASSES[key] = type(cls.__name__, (cls,), attrs)
+    return _CLASSES[key]
 
 
 def _float8_class(cls: type, names: tuple[str, ...]) -> type:

@@ -34,6 +34,7 @@ import torch
 from ot_dist.config.sampling import SAMPLERS, SamplePrompt
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
+from ot_dist.memory.float8 import reporting_compute_dtype
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import trained_modules
 from ot_dist.parallel.runtime import Runtime
@@ -132,7 +133,12 @@ class Sampler:
                 del state_dict_of  # it may hold the gathered set (the EMA's): only `modules` keeps it now
             if mine:
                 pipelines = {}  # one per sampler the prompts name, around the same modules
-                with isolated_randomness(runtime.device), trainer.precision.autocast():
+                # Float8-stored components (frozen ones, trained ones' bases) report their compute dtype: the
+                # pipelines make their latents and cast their embeddings in a module's `.dtype`.
+                components = [*self.model.pipeline.components.values(), *modules.values(),
+                              *self.model.family.sampling_modules(self.model.pipeline)]  # e.g. Cascade's decoder
+                with isolated_randomness(runtime.device), trainer.precision.autocast(), \
+                        reporting_compute_dtype(components):
                     for i in mine:
                         sampler = self.sampler_of(prompts[i])
                         if sampler not in pipelines:
