@@ -277,3 +277,18 @@ def test_a_sample_prompt_without_a_reference_is_refused(family_models, edit_pair
     with pytest.raises(ConfigError, match=r"sampling.prompts\[0\]: model.family qwen_image_edit samples only with a "
                                           "reference image"):
         trainer_for(family_models[FAMILY], edit_pairs, tmp_path / "o", **{"sampling.prompts": [{"prompt": "a dot"}]})
+
+
+def test_a_float8_stored_vision_tower_sees_the_reference_in_the_compute_dtype(family_models, edit_pairs, tmp_path):
+    """weight_dtype float8: Qwen2.5-VL's `.dtype` reads its 1-byte storage; the reference's pixels must still reach
+    the vision tower in the compute dtype (float8 inputs would keep 3 bits of each pixel's mantissa)."""
+    trainer = trainer_for(family_models[FAMILY], edit_pairs, tmp_path / "o", weight_dtype="float8")
+    model = trainer.model
+    encoder = model.text_encoders["text_encoder"]
+    assert encoder.dtype == torch.float8_e4m3fn  # what transformers reports: the case this guards
+    seen = []
+    hook = encoder.model.visual.patch_embed.register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
+    with torch.no_grad():
+        model.family.encode_text(model.text_encoders, first_batch(trainer)["token_ids"])
+    hook.remove()
+    assert seen == [torch.float32]

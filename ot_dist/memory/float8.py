@@ -72,20 +72,30 @@ def reporting_compute_dtype(components):
     diffusers' own layerwise casting does. diffusers / transformers take `.dtype` from the first floating-point
     parameter, the stored float8 one, and pipelines create their latents in it (torch.randn has no float8 kernel;
     sampling draws on a CPU generator, so this fails on any device) and cast prompt embeddings to it (float8 has no
-    arithmetic kernels either). Only sampling asks for this: training goes on reading `.dtype` as it always has
-    (some models' forward casts with it), so it computes exactly what it did."""
-    swapped = []
+    arithmetic kernels either). Sampling asks for this, and a family whose training forward casts inputs with a
+    model's `.dtype` (Qwen-Image-Edit's vision tower: its pixels would keep 3 mantissa bits)."""
+    swapped, marked = [], []
     try:
         for component in {id(c): c for c in components}.values():
-            # Only where `.dtype` reads float8: a fully trained component keeps reporting its own (float32) weights'.
-            if isinstance(component, torch.nn.Module) and getattr(component, COMPUTE_DTYPE_ATTR, None) and \
-                    getattr(component, "dtype", None) == FLOAT8:
-                swapped.append((component, type(component)))
-                component.__class__ = _reporting_class(type(component))
+            dtype = getattr(component, COMPUTE_DTYPE_ATTR, None) if isinstance(component, torch.nn.Module) else None
+            if dtype is None:
+                continue
+            # The component and the models nested in it (Qwen2.5-VL's vision tower casts its pixels to its own
+            # `.dtype`), each only where `.dtype` reads float8: a fully trained one keeps its own weights' dtype.
+            for module in component.modules():
+                if not isinstance(getattr(type(module), "dtype", None), property) or module.dtype != FLOAT8:
+                    continue
+                if getattr(module, COMPUTE_DTYPE_ATTR, None) is None:
+                    setattr(module, COMPUTE_DTYPE_ATTR, dtype)
+                    marked.append(module)
+                swapped.append((module, type(module)))
+                module.__class__ = _reporting_class(type(module))
         yield
     finally:
-        for component, cls in reversed(swapped):
-            component.__class__ = cls
+        for module, cls in reversed(swapped):
+            module.__class__ = cls
+        for module in marked:
+            delattr(module, COMPUTE_DTYPE_ATTR)
 
 
 def _reporting_class(cls: type) -> type:
