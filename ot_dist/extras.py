@@ -27,6 +27,7 @@ EXTRAS = {
     "s3fs": "s3",  # s3:// tars (data/remote.py)
     "gcsfs": "gcs",  # gs:// tars
     "aiohttp": "http",  # http(s):// tars
+    "av": "video",  # video clips as samples (data/video.py)
 }
 
 
