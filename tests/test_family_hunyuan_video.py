@@ -7,30 +7,26 @@ one-frame output."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
 from conftest import base_config
 from safetensors.torch import load_file
 
+from family_training import family_trainer
 from ot_dist.config.load import validate
 from ot_dist.data.reader import collate
 from ot_dist.randomness import generator
 from ot_dist.train.loss import diffusion_loss
-from ot_dist.train.trainer import Trainer
 
 FAMILY = "hunyuan_video"
 SHIFT = 7.0  # the tiny model's scheduler: FlowMatchEulerDiscreteScheduler(shift=7.0), hunyuanvideo-community's
 CAPTION_TOKENS = 24  # the tiny tokenizer's length after the template (256 with Llava-Llama-3's)
 
 
-def quiet(*_):
-    pass
-
-
-def trainer_for(model, data, out, method="full", **overrides):
-    settings = {"batch_size": 2, "learning_rate": 3e-4, **overrides}
-    return Trainer(validate(base_config(model, data, out, family=FAMILY, method=method, **settings)), log=quiet)
+trainer_for = partial(family_trainer, FAMILY)
 
 
 def pipeline_template(pipeline):

@@ -7,32 +7,19 @@ guidance convention converted. The 2-rank fsdp comparison rides in PixArt's laun
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
-from conftest import base_config
 from safetensors.torch import load_file
 
-from ot_dist.config.load import validate
-from ot_dist.data.reader import collate
+from family_training import family_trainer, first_batch
 from ot_dist.randomness import generator
 from ot_dist.train.loss import diffusion_loss
-from ot_dist.train.trainer import Trainer
 
 FAMILY = "krea2"
-
-
-def quiet(*_):
-    pass
-
-
-def trainer_for(model, data, out, method="full", **overrides):
-    settings = {"batch_size": 2, "learning_rate": 3e-4, **overrides}
-    return Trainer(validate(base_config(model, data, out, family=FAMILY, method=method, **settings)), log=quiet)
-
-
-def first_batch(trainer):
-    return trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+trainer_for = partial(family_trainer, FAMILY)
 
 
 def test_text_conditioning_equals_the_pipelines_encode_prompt(family_models, shapes_data, tmp_path):

@@ -7,29 +7,23 @@ to the pipeline's. The 2-rank fsdp comparison rides in PixArt-α's launch (tests
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
-from conftest import base_config
 from safetensors.torch import load_file
 
-from ot_dist.config.load import validate
+from family_training import family_trainer, quiet
 from ot_dist.data.reader import collate
 from ot_dist.models.families.lumina2 import SYSTEM_PROMPT
 from ot_dist.randomness import generator
 from ot_dist.train.loss import diffusion_loss
-from ot_dist.train.trainer import Trainer
 
 FAMILY = "lumina2"
 SHIFT = 6.0  # the tiny model's scheduler, as Lumina-Image-2.0's (and ComfyUI's sampling shift for it)
 
 
-def quiet(*_):
-    pass
-
-
-def trainer_for(model, data, out, method="full", **overrides):
-    settings = {"batch_size": 2, "learning_rate": 3e-4, **overrides}
-    return Trainer(validate(base_config(model, data, out, family=FAMILY, method=method, **settings)), log=quiet)
+trainer_for = partial(family_trainer, FAMILY)
 
 
 def test_text_conditioning_equals_the_pipelines_encode_prompt(family_models, shapes_data, tmp_path):
