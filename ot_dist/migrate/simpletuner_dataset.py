@@ -105,8 +105,9 @@ def _reference(args: SimpleTunerArgs, backend: dict, conditioning: dict, where: 
                                 "reference image per image (set data.concepts[].reference_path)")
         return {}
     if len(named) > 1:
-        out.not_honoured.append(f"{where}.conditioning_data: {named}: ot_dist reads one reference per image; "
-                                f"{found[0].get('id')}'s are used")
+        out.not_honoured.append(f"{where}.conditioning_data: {named}: ot_dist reads several references of an image "
+                                "as numbered partners in one folder (a_0.png, a_1.png, ...: docs/data.md), not as "
+                                f"separate datasets; {found[0].get('id')}'s are used")
     folder = found[0].get("instance_data_dir")
     if not folder:
         raise ConfigError(f"{where}.conditioning_data: {found[0].get('id')} has no instance_data_dir")
