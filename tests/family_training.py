@@ -4,6 +4,7 @@ A family's file binds its name once: `trainer_for = partial(family_trainer, FAMI
 
 from __future__ import annotations
 
+import torch
 from conftest import base_config
 
 from ot_dist.config.load import validate
@@ -24,3 +25,16 @@ def family_trainer(family: str, model, data, out, method: str = "full", **overri
 def first_batch(trainer: Trainer, size: int = 2) -> dict:
     """The first `size` samples of epoch 0, collated and tokenized as the training step receives them."""
     return trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(size)]))
+
+
+def losses_around_training(trainer: Trainer) -> tuple[float, float]:
+    """The first batch's loss with fixed draws (step 1, seed 0) before and after `trainer.train()`."""
+    from ot_dist.train.loss import diffusion_loss
+
+    batch = first_batch(trainer)
+    with torch.no_grad():
+        before = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss).item()
+    trainer.train()
+    with torch.no_grad():
+        after = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss).item()
+    return before, after

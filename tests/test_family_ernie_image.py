@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from family_training import family_trainer, first_batch
+from family_training import family_trainer, first_batch, losses_around_training
 from ot_dist.randomness import generator
 from ot_dist.train.loss import diffusion_loss
 
@@ -193,12 +193,7 @@ def test_lora_and_full_lower_the_loss_on_the_demo_data(family_models, shapes_dat
     for method, rate in (("lora", 5e-2), ("full", 2e-3)):
         trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / method, method=method, max_steps=8,
                               learning_rate=rate, **({"lora.rank": 8, "lora.alpha": 8} if method == "lora" else {}))
-        batch = first_batch(trainer)
-        with torch.no_grad():
-            before = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss).item()
-        trainer.train()
-        with torch.no_grad():
-            after = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss).item()
+        before, after = losses_around_training(trainer)
         assert after < before - 0.1, (method, before, after)
 
 
