@@ -89,9 +89,10 @@ def build_model(bench: BenchModel, config: TrainConfig, device: torch.device, se
 
     family = get_family(bench.family).configure(config.model)
     cls = getattr(diffusers, bench.denoiser_class)
+    denoiser_config = bench.denoiser_config()  # a tiny config's first read builds (and seeds) a whole tiny pipeline
     torch.manual_seed(seed)
     with torch.device(device):
-        denoiser = cls.from_config(bench.denoiser_config())
+        denoiser = cls.from_config(denoiser_config)
         vae = CachedLatentsVAE(*bench.vae_scaling)
     pipeline = SimpleNamespace(**{family.denoiser: denoiser}, vae=vae, scheduler=bench.scheduler())
     return BenchLoadedModel(family=family, pipeline=pipeline, objective=family.objective(pipeline, config.model))
