@@ -216,3 +216,15 @@ def test_regional_compile_matches_eager(sd1):
     torch.testing.assert_close(loss, eager_loss, rtol=1e-5, atol=1e-6)
     for name, grad in eager_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_float8_matmuls_leave_a_loras_adapter_matrices_alone():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from ot_dist.train.fast_path import float8_eligible
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 32), torch.nn.Linear(32, 24))
+    inject_adapter_in_model(LoraConfig(r=16, target_modules=["0", "1"]), model, adapter_name="default")
+    chosen = [name for name, module in model.named_modules() if float8_eligible(module, name)]
+    # the adapted layers' frozen bases, not their 16-wide adapters; 24 is no multiple of 16
+    assert chosen == ["0.base_layer", "1.base_layer"]

@@ -126,8 +126,12 @@ def allow_recompiles_for(blocks: list[torch.nn.Module]) -> int:
 
 
 def float8_eligible(module: torch.nn.Module, name: str) -> bool:
-    """torch._scaled_mm needs both matrix sides in multiples of 16."""
-    return (type(module) is torch.nn.Linear and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    """torch._scaled_mm needs both matrix sides in multiples of 16. A LoRA's adapter matrices (peft's lora_A /
+    lora_B, one side the rank) stay as they are: float8 buys nothing on a rank-wide matmul and would quantise the
+    very weights that train."""
+    adapter = any(part in ("lora_A", "lora_B") for part in name.split("."))
+    return (type(module) is torch.nn.Linear and not adapter and module.in_features % 16 == 0
+            and module.out_features % 16 == 0)
 
 
 def attention_kernel(options: PerformanceConfig, device: torch.device, avoided: tuple[str, ...] = ()):

@@ -1,0 +1,144 @@
+"""Issue 21's GPU rows and the levers that may close their gaps, side by side in one process on one GPU, within a
+time budget: one lent machine's short lease measures as much as it can, and what it could not reach is listed.
+
+    python tests/benchmarks/bench_gpu_levers.py --out OUT --budget 540
+
+Each entry is one `ot-dist bench` run (the same `run_bench`), except that the FLOP count of a (model, method,
+batch) is made once and reused, and that the entry may undo one change to compare against it (`lora_input_copies:
+peft`: peft's float32 copy of each LoRA layer's input kept, as before ot_dist/methods/lora_autocast.py). An entry
+whose estimated cost no longer fits the budget is skipped. Writes OUT/bench.md (rows), OUT/levers.jsonl (one JSON
+per run, with its profile summary) and OUT/profiles.md (where the profiled rows' time went).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+# (label, options, estimated seconds on an H100 / H200 including the build, undo) in the order they run: the rows
+# of the table first, then the cheap levers, then the ones that compile.
+PLAN = [
+    ("sdxl lora", dict(model="sdxl", method="lora", batch_size=8, profile_steps=2), 40, None),
+    ("sdxl lora peft-copies", dict(model="sdxl", method="lora", batch_size=8), 35, "lora_input_copies"),
+    ("flux lora", dict(model="flux-dev", method="lora", batch_size=1, profile_steps=2), 45, None),
+    ("sdxl full ckpt", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
+                            profile_steps=2), 45, None),
+    ("flux lora compile", dict(model="flux-dev", method="lora", batch_size=1,
+                               performance=(("compile", "true"),), profile_steps=2), 150, None),
+    ("sdxl lora compile", dict(model="sdxl", method="lora", batch_size=8,
+                               performance=(("compile", "true"),), profile_steps=2), 200, None),
+    ("sdxl full ckpt every-2nd-block", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
+                                            performance=(("checkpoint_every_n_blocks", "2"),)), 40, None),
+    ("flux lora b2", dict(model="flux-dev", method="lora", batch_size=2), 40, None),
+    ("flux lora peft-copies", dict(model="flux-dev", method="lora", batch_size=1), 40, "lora_input_copies"),
+    ("flux lora float8 compile", dict(model="flux-dev", method="lora", batch_size=1,
+                                      performance=(("compile", "true"), ("float8_matmuls", "true"))), 120, None),
+]
+
+
+@contextlib.contextmanager
+def undone(change: str | None):
+    """Run with one of ot_dist's fast-path changes undone, to measure it."""
+    if change != "lora_input_copies":
+        yield
+        return
+    import ot_dist.methods.lora_autocast as lora_autocast
+
+    real = lora_autocast.skip_input_copies_under_autocast
+    lora_autocast.skip_input_copies_under_autocast = lambda module, adapter: 0
+    try:
+        yield
+    finally:
+        lora_autocast.skip_input_copies_under_autocast = real
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--budget", type=float, default=540, help="seconds for the whole plan")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--only", default="", help="comma-separated labels (default: the whole plan)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny models at 64 px, batch 2 (a CPU smoke run)")
+    args = parser.parse_args()
+    start = time.monotonic()
+
+    import torch
+
+    from ot_dist.bench.flops import peak_flops
+    from ot_dist.bench.report import HEADER, RULE, markdown_row
+    from ot_dist.bench.run import run_bench
+    from ot_dist.bench.setup import DTYPE_NAMES, BenchOptions
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs_dir = Path("/tmp/bench_levers_runs")  # per-run files and traces stay on the machine
+    table = out / "bench.md"
+    table.write_text(f"{HEADER[:-1]}| entry |\n{RULE}---|\n")
+    flops_of: dict[tuple, float] = {}
+    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    skipped = []
+    for label, settings, estimate, change in PLAN:
+        if only and label not in only:
+            continue
+        left = args.budget - (time.monotonic() - start)
+        if estimate > left:
+            skipped.append(f"{label} (needs ~{estimate} s, {left:.0f} s left)")
+            continue
+        if args.tiny:
+            settings = settings | {"model": f"tiny-{settings['model']}", "batch_size": 2}
+        options = BenchOptions(resolution=64 if args.tiny else 1024, dtype="bf16", steps=args.steps,
+                               warmup=args.warmup, **settings)
+        key = (options.model, options.method, options.lora_rank, options.batch_size, options.gradient_checkpointing)
+        options = replace(options, count_flops=key not in flops_of)
+        began = time.monotonic()
+        print(f"== {label} ({left:.0f} s left)", flush=True)
+        try:
+            with undone(change):
+                result = run_bench(options, str(runs_dir))
+        except Exception as err:  # out of memory, a compile failure: recorded, and the plan goes on
+            traceback.print_exc()
+            with (out / "levers.jsonl").open("a") as f:
+                f.write(json.dumps({"entry": label, "error": f"{type(err).__name__}: {err}"[:2000]}) + "\n")
+            with table.open("a") as f:
+                f.write(f"| {label}: FAILED {type(err).__name__} |\n")
+        else:
+            if result["flops_train_per_step"] is None:  # counted by an earlier entry
+                step_flops = flops_of[key]
+                peak = peak_flops(torch.device(result["device"]), DTYPE_NAMES[options.dtype], None)
+                result |= {"flops_train_per_step": step_flops,
+                           "tflops_train_per_image": step_flops / options.batch_size / 1e12,
+                           "achieved_tflops": step_flops / result["step_time_median_s"] / 1e12,
+                           "mfu": step_flops / result["step_time_median_s"] / peak if peak else None}
+            flops_of[key] = result["flops_train_per_step"]
+            result |= {"entry": label, "undone": change, "entry_seconds": time.monotonic() - began}
+            row = markdown_row(result)[:-1] + f"| {label} |"
+            print(row, flush=True)
+            with table.open("a") as f:
+                f.write(row + "\n")
+            with (out / "levers.jsonl").open("a") as f:
+                f.write(json.dumps(result) + "\n")
+            if result.get("profile"):
+                text = Path(result["profile"]["files"][0]).read_text()
+                with (out / "profiles.md").open("a") as f:
+                    f.write(f"## {label}\n\n{text}\n\n")
+        finally:
+            torch._dynamo.reset()
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    with table.open("a") as f:
+        f.write(f"\n{time.monotonic() - start:.0f} s in all; not run: {'; '.join(skipped) or 'none'}\n")
+    print(table.read_text(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
