@@ -81,7 +81,8 @@ def test_on_a_gpu_each_kernel_counts_once_and_the_idle_time_shows():
     assert spent["matmul"] == pytest.approx(0.0015) and spent["elementwise and other"] == pytest.approx(0.0005)
     assert spent["unattributed kernels"] == pytest.approx(0.001)
     assert sum(spent.values()) == pytest.approx(profile.kernel_s_per_step)
-    assert "device busy 60.0 %" in profile.text("a run")
+    assert profile.kernels_per_step == pytest.approx(1.5)  # 3 launches over 2 steps: what paces a host-bound step
+    assert "device busy 60.0 %" in profile.text("a run") and "2 launches" in profile.text("a run")
 
 
 def test_a_negative_profile_is_refused(tmp_path, capsys):

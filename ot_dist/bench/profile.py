@@ -55,6 +55,10 @@ class StepProfile:
     op_s_per_step: dict[str, float]  # category -> seconds per step, in CATEGORY_NAMES order
     kernel_s_per_step: float | None  # every kernel's time on a GPU (attributed to an op or not); None on a CPU
     top_ops: str  # torch's table of the ops with the most own time
+    # On a GPU: kernels launched per step, and torch's table of the ops with the most own host time. A step that
+    # leaves the device waiting is paced by these (each op's dispatch, each launch).
+    kernels_per_step: float | None = None
+    top_host_ops: str = ""
 
     @property
     def device_busy(self) -> float | None:
@@ -66,7 +70,7 @@ class StepProfile:
     def summary(self) -> dict:
         return {"steps": self.steps, "device_kind": self.device_kind, "wall_s_per_step": self.wall_s_per_step,
                 "kernel_s_per_step": self.kernel_s_per_step, "device_busy": self.device_busy,
-                "op_s_per_step": self.op_s_per_step}
+                "kernels_per_step": self.kernels_per_step, "op_s_per_step": self.op_s_per_step}
 
     def text(self, title: str) -> str:
         timed = "kernel time of each op" if self.device_kind == "cuda" else "CPU time of each op (self)"
@@ -74,12 +78,15 @@ class StepProfile:
                  f"{self.steps} steps after the timed ones; wall {self.wall_s_per_step:.4f} s per step"]
         if self.device_busy is not None:
             lines.append(f"device busy {100 * self.device_busy:.1f} % (kernels {self.kernel_s_per_step:.4f} s per "
-                         f"step): the rest of the wall time the device waited on the host")
+                         f"step, {self.kernels_per_step:.0f} launches): the rest of the wall time the device waited "
+                         f"on the host")
         total = sum(self.op_s_per_step.values()) or 1.0
         lines += ["", f"| category ({timed}) | s per step | share |", "|---|---|---|"]
         lines += [f"| {name} | {seconds:.4f} | {100 * seconds / total:.1f} % |"
                   for name, seconds in self.op_s_per_step.items()]
         lines += ["", "Ops with the most own time:", "", self.top_ops]
+        if self.top_host_ops:
+            lines += ["", "Ops with the most own host (CPU) time:", "", self.top_host_ops]
         return "\n".join(lines) + "\n"
 
 
@@ -112,6 +119,7 @@ def summarize(events, steps: int, wall_s: float, cuda: bool, averages) -> StepPr
     (e.g. by a library's own thread) are kept in the kernel total and shown as unattributed."""
     per_category = dict.fromkeys(CATEGORY_NAMES, 0.0)
     kernel_us = 0.0
+    kernels = 0
     attributed_us = 0.0
     for event in events:
         if event.device_type == DeviceType.CPU:
@@ -120,6 +128,7 @@ def summarize(events, steps: int, wall_s: float, cuda: bool, averages) -> StepPr
             attributed_us += own_us if cuda else 0.0
         elif cuda:
             kernel_us += event.self_device_time_total
+            kernels += 1
     if cuda and kernel_us > attributed_us:
         per_category["unattributed kernels"] = kernel_us - attributed_us
     sort_by = "self_device_time_total" if cuda else "self_cpu_time_total"
@@ -127,4 +136,7 @@ def summarize(events, steps: int, wall_s: float, cuda: bool, averages) -> StepPr
         steps=steps, device_kind="cuda" if cuda else "cpu", wall_s_per_step=wall_s / steps,
         op_s_per_step={name: us / 1e6 / steps for name, us in per_category.items()},
         kernel_s_per_step=kernel_us / 1e6 / steps if cuda else None,
-        top_ops=averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=70))
+        top_ops=averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=70),
+        kernels_per_step=kernels / steps if cuda else None,
+        top_host_ops=averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
+        if cuda else "")

@@ -38,6 +38,8 @@ PLAN = [
                                             performance=(("checkpoint_every_n_blocks", "2"),)), 40, None),
     ("flux lora b2", dict(model="flux-dev", method="lora", batch_size=2), 40, None),
     ("flux lora peft-copies", dict(model="flux-dev", method="lora", batch_size=1), 40, "lora_input_copies"),
+    ("flux lora b2 compile", dict(model="flux-dev", method="lora", batch_size=2,
+                                  performance=(("compile", "true"),)), 90, None),
     ("flux lora float8 compile", dict(model="flux-dev", method="lora", batch_size=1,
                                       performance=(("compile", "true"), ("float8_matmuls", "true"))), 120, None),
 ]
