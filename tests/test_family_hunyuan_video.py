@@ -227,12 +227,16 @@ def test_guidance_and_layer_skip_reach_the_transformer_and_the_text(family_model
 def test_image_to_video_transformers_are_refused(shapes_data, tmp_path):
     """An image-to-video transformer (SkyReels' 32 input channels: the image latents beside the noisy ones;
     HunyuanVideo-I2V's image_condition_type) would train wrongly as text-to-video: a folder holding one is refused when
-    it loads."""
+    it loads, and so is its single file read with that folder as model.config."""
     from diffusers import HunyuanVideoTransformer3DModel
+    from safetensors.torch import save_file
 
+    from ot_dist.config.schema import ModelConfig
     from ot_dist.errors import ConfigError
     from ot_dist.models.families.hunyuan_video import refuse_image_to_video
+    from ot_dist.models.families.hunyuan_video_single_file import HUNYUAN_VIDEO
     from ot_dist.models.families.registry import get_family
+    from ot_dist.models.loading import load_model
 
     pipeline = get_family(FAMILY).build_tiny()
     refuse_image_to_video(pipeline.transformer)  # text-to-video: accepted
@@ -241,6 +245,11 @@ def test_image_to_video_transformers_are_refused(shapes_data, tmp_path):
     pipeline.save_pretrained(tmp_path / "i2v")
     with pytest.raises(ConfigError, match="image-to-video"):
         trainer_for(tmp_path / "i2v", shapes_data, tmp_path / "o")
+    # its single file, with the folder as model.config, is refused the same way
+    state = HUNYUAN_VIDEO.to_original(pipeline.transformer.state_dict(), pipeline.transformer.config)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "i2v.safetensors")
+    with pytest.raises(ConfigError, match="image-to-video"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "i2v.safetensors"), config=str(tmp_path / "i2v")))
     pipeline.transformer.register_to_config(in_channels=16, image_condition_type="token_replace")
     with pytest.raises(ConfigError, match="image-to-video"):
         refuse_image_to_video(pipeline.transformer)

@@ -19,6 +19,7 @@ folder.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from diffusers import HunyuanVideoTransformer3DModel
@@ -27,7 +28,6 @@ from ot_dist.models.families import single_file_keys as K
 from ot_dist.models.families.single_file_keys import CAT, SWAP, Rule
 
 _INPUT_PREFIXES = ("model.diffusion_model.",)
-REFINER = ("context_embedder.token_refiner.refiner_blocks.", "txt_in.individual_token_refiner.blocks.")
 # diffusers key prefix -> original, outside the blocks (the first that matches)
 TOP = (("x_embedder.", "img_in."),
        ("time_text_embed.timestep_embedder.linear_1.", "time_in.mlp.0."),
@@ -42,39 +42,38 @@ TOP = (("x_embedder.", "img_in."),
        ("context_embedder.time_text_embed.text_embedder.", "txt_in.c_embedder."),
        ("norm_out.linear.", "final_layer.adaLN_modulation.1."),
        ("proj_out.", "final_layer.linear."))
-# per block kind (diffusers prefix, original prefix): module inside the block -> original module
-IN_BLOCK = {
-    ("transformer_blocks.", "double_blocks."): {
-        "norm1.linear": "img_mod.linear", "norm1_context.linear": "txt_mod.linear",
-        "attn.norm_q": "img_attn_q_norm", "attn.norm_k": "img_attn_k_norm",
-        "attn.norm_added_q": "txt_attn_q_norm", "attn.norm_added_k": "txt_attn_k_norm",
-        "attn.to_out.0": "img_attn_proj", "attn.to_add_out": "txt_attn_proj",
-        "ff.net.0.proj": "img_mlp.fc1", "ff.net.2": "img_mlp.fc2",
-        "ff_context.net.0.proj": "txt_mlp.fc1", "ff_context.net.2": "txt_mlp.fc2"},
-    ("single_transformer_blocks.", "single_blocks."): {
-        "attn.norm_q": "q_norm", "attn.norm_k": "k_norm", "norm.linear": "modulation.linear", "proj_out": "linear2"},
-    REFINER: {
-        "norm1": "norm1", "norm2": "norm2", "attn.to_out.0": "self_attn_proj", "ff.net.0.proj": "mlp.fc1",
-        "ff.net.2": "mlp.fc2", "norm_out.linear": "adaLN_modulation.1"},
-}
-# per block kind: the original fused module -> its diffusers modules, in row order
-FUSED = {
-    "double_blocks.": {"img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-                       "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")},
-    "single_blocks.": {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")},
-    REFINER[1]: {"self_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v")},
-}
 
 
-def _block(key: str) -> tuple[str, str, str, str] | None:
-    """(diffusers block prefix with its number, original block prefix with it, the module path inside, the parameter)
-    of a key inside a block, or None."""
-    for ours, theirs in IN_BLOCK:
-        if key.startswith(ours):
-            number, rest = key[len(ours):].split(".", 1)
-            module, parameter = rest.rsplit(".", 1)
-            return f"{ours}{number}.", f"{theirs}{number}.", module, parameter
-    return None
+@dataclass(frozen=True)
+class BlockKind:
+    """One kind of block: its diffusers and original prefixes (before the block's number), the modules renamed one to
+    one, and the original fused modules with their diffusers parts in row order."""
+
+    ours: str
+    theirs: str
+    renames: dict[str, str]
+    fused: dict[str, tuple[str, ...]]
+
+
+BLOCKS = (
+    BlockKind("transformer_blocks.", "double_blocks.",
+              {"norm1.linear": "img_mod.linear", "norm1_context.linear": "txt_mod.linear",
+               "attn.norm_q": "img_attn_q_norm", "attn.norm_k": "img_attn_k_norm",
+               "attn.norm_added_q": "txt_attn_q_norm", "attn.norm_added_k": "txt_attn_k_norm",
+               "attn.to_out.0": "img_attn_proj", "attn.to_add_out": "txt_attn_proj",
+               "ff.net.0.proj": "img_mlp.fc1", "ff.net.2": "img_mlp.fc2",
+               "ff_context.net.0.proj": "txt_mlp.fc1", "ff_context.net.2": "txt_mlp.fc2"},
+              {"img_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+               "txt_attn_qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj")}),
+    BlockKind("single_transformer_blocks.", "single_blocks.",
+              {"attn.norm_q": "q_norm", "attn.norm_k": "k_norm", "norm.linear": "modulation.linear",
+               "proj_out": "linear2"},
+              {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}),
+    BlockKind("context_embedder.token_refiner.refiner_blocks.", "txt_in.individual_token_refiner.blocks.",
+              {"norm1": "norm1", "norm2": "norm2", "attn.to_out.0": "self_attn_proj", "ff.net.0.proj": "mlp.fc1",
+               "ff.net.2": "mlp.fc2", "norm_out.linear": "adaLN_modulation.1"},
+              {"self_attn_qkv": ("attn.to_q", "attn.to_k", "attn.to_v")}),
+)
 
 
 def hunyuan_video_rules(config: Any) -> list[Rule]:
@@ -83,22 +82,22 @@ def hunyuan_video_rules(config: Any) -> list[Rule]:
     state = K.meta_state_dict(HunyuanVideoTransformer3DModel, cfg)
     rules: list[Rule] = []
     for key in state:
-        inside = _block(key)
-        if inside is None:
-            ours, theirs = next((o, t) for o, t in TOP if key.startswith(o))
-            kind = SWAP if ours == "norm_out.linear." else K.SAME
-            rules.append(Rule(theirs + key[len(ours):], (key,), kind))
+        kind = next((b for b in BLOCKS if key.startswith(b.ours)), None)
+        if kind is None:
+            ours, theirs = next(((o, t) for o, t in TOP if key.startswith(o)), (None, None))
+            if ours is None:  # a module this diffusers version added: no original name is known for it
+                raise K.KeyLayoutError(f"no original HunyuanVideo name for the transformer's {key}")
+            rules.append(Rule(theirs + key[len(ours):], (key,), SWAP if ours == "norm_out.linear." else K.SAME))
             continue
-        block, original_block, module, parameter = inside
-        kind_prefix = original_block.rsplit(".", 2)[0] + "."
-        fused = next((name for name, parts in FUSED[kind_prefix].items() if module in parts), None)
+        number, rest = key[len(kind.ours):].split(".", 1)
+        module, parameter = rest.rsplit(".", 1)
+        block, original = f"{kind.ours}{number}.", f"{kind.theirs}{number}."
+        fused = next((name for name, parts in kind.fused.items() if module in parts), None)
         if fused is None:
-            renames = next(r for (o, _), r in IN_BLOCK.items() if block.startswith(o))
-            rules.append(Rule(f"{original_block}{renames[module]}.{parameter}", (key,)))
-        elif module == FUSED[kind_prefix][fused][0]:  # one rule per fused tensor, at its first part
-            pieces = tuple(f"{block}{part}.{parameter}" for part in FUSED[kind_prefix][fused])
-            rules.append(Rule(f"{original_block}{fused}.{parameter}", pieces, CAT,
-                              tuple(state[p].shape[0] for p in pieces)))
+            rules.append(Rule(f"{original}{kind.renames[module]}.{parameter}", (key,)))
+        elif module == kind.fused[fused][0]:  # one rule per fused tensor, at its first part
+            pieces = tuple(f"{block}{part}.{parameter}" for part in kind.fused[fused])
+            rules.append(Rule(f"{original}{fused}.{parameter}", pieces, CAT, tuple(state[p].shape[0] for p in pieces)))
     return rules
 
 
