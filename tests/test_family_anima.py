@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import partial
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -113,16 +114,34 @@ def modular_folder(path):
     return pipe
 
 
+def assert_diffusers_reads_the_original_file(single: dict, transformer: dict, adapter: dict):
+    """The file in the layout diffusers' scripts/convert_anima_to_diffusers.py reads: `net.llm_adapter.` split off
+    as the adapter's own keys (its split_anima_transformer_checkpoint, restated), the rest through Cosmos-Predict2's
+    converter (convert_cosmos_transformer_checkpoint_to_diffusers), both equal to the folder's components."""
+    from diffusers.loaders.single_file_utils import convert_cosmos_transformer_checkpoint_to_diffusers
+
+    assert all(k.startswith("net.") for k in single)
+    split = {k.removeprefix("net.llm_adapter."): v for k, v in single.items() if k.startswith("net.llm_adapter.")}
+    rest = {k: v for k, v in single.items() if not k.startswith("net.llm_adapter.")}
+    converted = convert_cosmos_transformer_checkpoint_to_diffusers(rest)
+    for ours, theirs in ((converted, transformer), (split, adapter)):
+        assert ours.keys() == theirs.keys(), sorted(set(ours) ^ set(theirs))[:4]
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
 def test_full_finetune_moves_the_transformer_only_and_reloads_through_diffusers(family_models, shapes_data, tmp_path):
     """The export reloads through diffusers' ModularPipeline.from_pretrained (an AnimaModularPipeline) with the
-    trained transformer's weights; the frozen components as loaded."""
+    trained transformer's weights; the frozen components as loaded. Beside it, the single file in the original layout,
+    which diffusers' Anima conversion reads to the same transformer and adapter."""
     from diffusers import AnimaModularPipeline
 
     base = family_models[FAMILY]
     trainer = trainer_for(base, shapes_data, tmp_path / "o", max_steps=2, learning_rate=1e-2)
     trainer.train()
     export = tmp_path / "o" / "model"
-    assert not (tmp_path / "o" / "model.safetensors").exists()  # no single-file layout
+    assert_diffusers_reads_the_original_file(load_file(tmp_path / "o" / "model.safetensors"),
+                                             load_file(export / "transformer" / "diffusion_pytorch_model.safetensors"),
+                                             load_file(export / "text_conditioner" / "diffusion_pytorch_model.safetensors"))
     original, loaded = modular_folder(base), modular_folder(export)
     assert type(loaded) is AnimaModularPipeline
     for component, moves in (("transformer", True), ("vae", False), ("text_encoder", False),
@@ -316,3 +335,50 @@ def test_other_trainers_names_merge_as_the_diffusers_file_does(family_models, sh
     for name in ("comfy", "kohya"):
         for key, value in merged["diffusers"].items():
             torch.testing.assert_close(merged[name][key], value, rtol=1e-5, atol=1e-6, msg=f"{name} {key}")
+
+
+def test_the_original_single_file_loads_to_the_same_outputs(family_models, tmp_path):
+    """circlestone-labs' file layout (the DiT and the adapter under `net.`, in bfloat16, with the non-weights a Cosmos
+    checkpoint carries beside them) read as model.path with model.config = the published (modular) folder: the
+    transformer and the adapter are the folder's rounded to bfloat16, the outputs the same; a missing or unknown key
+    is named before anything loads. The Linear names the LoRA files use are the file's."""
+    from diffusers import AnimaAutoBlocks
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.families.anima_lora import original_rules
+    from ot_dist.models.families.anima_pipeline import COMPONENTS
+    from ot_dist.models.families.anima_single_file import to_original, transformer_rules
+    from ot_dist.models.loading import load_model
+
+    ours = load_model(ModelConfig(family=FAMILY, path=str(family_models[FAMILY])))
+    pipeline = ours.pipeline
+    modular = AnimaAutoBlocks().init_pipeline()
+    modular.update_components(**{name: getattr(pipeline, name) for name in COMPONENTS})
+    modular.save_pretrained(str(tmp_path / "published"), overwrite_modular_index=True)
+    with torch.no_grad():
+        for part in (pipeline.transformer, pipeline.text_conditioner):
+            for t in part.state_dict().values():
+                t.copy_(t.to(torch.bfloat16).float())  # what the file holds
+    transformer, adapter = pipeline.transformer, pipeline.text_conditioner
+    state = {k: v.to(torch.bfloat16) for k, v in to_original(transformer.state_dict(), adapter.state_dict(),
+                                                             transformer.config, adapter.config).items()}
+    state |= {"net.pos_embedder.dim_spatial_range": torch.zeros(2), "net.accum_iteration": torch.zeros(1)}
+    save_file(state, tmp_path / "anima.safetensors")
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "anima.safetensors"),
+                                    config=str(tmp_path / "published")))
+    for part in ("transformer", "text_conditioner"):
+        got, expected = getattr(loaded.pipeline, part).state_dict(), getattr(pipeline, part).state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected), part
+    torch.testing.assert_close(prediction(loaded.family, loaded.pipeline), prediction(ours.family, pipeline),
+                               rtol=0, atol=0)
+    lost = dict(state)
+    del lost["net.blocks.1.mlp.layer2.weight"]
+    lost["net.llm_adapter.blocks.7.mlp.0.weight"] = state["net.llm_adapter.blocks.0.mlp.0.weight"]
+    save_file({k: v.clone() for k, v in lost.items()}, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match=r"missing 1 key.*net\.blocks\.1\.mlp\.layer2\.weight.*unexpected 1 key.*"
+                                             r"net\.llm_adapter\.blocks\.7\.mlp\.0\.weight"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(tmp_path / "published")))
+    full = {(r.original, r.diffusers, r.kind) for r in transformer_rules(transformer.config)}
+    assert {(r.original, r.diffusers, r.kind) for r in original_rules(transformer.config)} <= full

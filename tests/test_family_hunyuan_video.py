@@ -227,12 +227,16 @@ def test_guidance_and_layer_skip_reach_the_transformer_and_the_text(family_model
 def test_image_to_video_transformers_are_refused(shapes_data, tmp_path):
     """An image-to-video transformer (SkyReels' 32 input channels: the image latents beside the noisy ones;
     HunyuanVideo-I2V's image_condition_type) would train wrongly as text-to-video: a folder holding one is refused when
-    it loads."""
+    it loads, and so is its single file read with that folder as model.config."""
     from diffusers import HunyuanVideoTransformer3DModel
+    from safetensors.torch import save_file
 
+    from ot_dist.config.schema import ModelConfig
     from ot_dist.errors import ConfigError
     from ot_dist.models.families.hunyuan_video import refuse_image_to_video
+    from ot_dist.models.families.hunyuan_video_single_file import HUNYUAN_VIDEO
     from ot_dist.models.families.registry import get_family
+    from ot_dist.models.loading import load_model
 
     pipeline = get_family(FAMILY).build_tiny()
     refuse_image_to_video(pipeline.transformer)  # text-to-video: accepted
@@ -241,6 +245,11 @@ def test_image_to_video_transformers_are_refused(shapes_data, tmp_path):
     pipeline.save_pretrained(tmp_path / "i2v")
     with pytest.raises(ConfigError, match="image-to-video"):
         trainer_for(tmp_path / "i2v", shapes_data, tmp_path / "o")
+    # its single file, with the folder as model.config, is refused the same way
+    state = HUNYUAN_VIDEO.to_original(pipeline.transformer.state_dict(), pipeline.transformer.config)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "i2v.safetensors")
+    with pytest.raises(ConfigError, match="image-to-video"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "i2v.safetensors"), config=str(tmp_path / "i2v")))
     pipeline.transformer.register_to_config(in_channels=16, image_condition_type="token_replace")
     with pytest.raises(ConfigError, match="image-to-video"):
         refuse_image_to_video(pipeline.transformer)
@@ -396,3 +405,77 @@ def test_sharding_units_are_the_blocks_of_every_component():
     pipeline = family.build_tiny()
     counts = {part: len(wrap_units(getattr(pipeline, part), units)) for part, units in family.shard_units.items()}
     assert counts == {"transformer": 2 + 2, "text_encoder": 1 + 3, "text_encoder_2": 2}
+
+
+def comfyui_renamed(key: str) -> str:
+    """supported_models.HunyuanVideo.process_unet_state_dict (ComfyUI), restated: an original key -> ComfyUI's own."""
+    key = key.replace("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer.").replace(
+        "txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer.")
+    key = key.replace("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer.").replace(
+        "txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer.")
+    key = key.replace("_mod.linear.", "_mod.lin.").replace("_attn_qkv.", "_attn.qkv.")
+    key = key.replace("mlp.fc1.", "mlp.0.").replace("mlp.fc2.", "mlp.2.")
+    key = key.replace("_attn_q_norm.weight", "_attn.norm.query_norm.scale").replace(
+        "_attn_k_norm.weight", "_attn.norm.key_norm.scale")
+    key = key.replace(".q_norm.weight", ".norm.query_norm.scale").replace(".k_norm.weight", ".norm.key_norm.scale")
+    key = key.replace("_attn_proj.", "_attn.proj.").replace(".modulation.linear.", ".modulation.lin.")
+    return key.replace("_in.mlp.2.", "_in.out_layer.").replace("_in.mlp.0.", "_in.in_layer.")
+
+
+def test_the_original_single_file_is_what_diffusers_and_comfyui_read_and_loads_back(family_models, tmp_path):
+    """Tencent's layout: at the 13 B model's widths (diffusers' converter hard-codes its 3072), every tensor of the
+    file goes back to its own diffusers key through diffusers' convert_hunyuan_video_transformer_to_diffusers (rows
+    tracked: one value per row, so fused q / k / v, linear1's q / k / v / MLP and the final layer's swapped halves
+    must land in order); on the tiny model ComfyUI's detection keys are there and its renames give its model's Linear
+    weights. A bf16 file under model.diffusion_model. loads (model.config = the folder) to the folder's outputs; a
+    missing or unknown key is named before anything loads."""
+    from diffusers import HunyuanVideoPipeline, HunyuanVideoTransformer3DModel
+    from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.families import single_file_keys as K
+    from ot_dist.models.families.hunyuan_video_lora import original_rules
+    from ot_dist.models.families.hunyuan_video_single_file import HUNYUAN_VIDEO
+    from ot_dist.models.loading import load_model
+
+    published = dict(num_attention_heads=24, attention_head_dim=128, num_layers=20, num_single_layers=40,
+                     num_refiner_layers=2, text_embed_dim=4096, pooled_projection_dim=768, rope_axes_dim=(16, 56, 56))
+    meta = K.meta_state_dict(HunyuanVideoTransformer3DModel, K.full_config(HunyuanVideoTransformer3DModel, published))
+    rows = {k: torch.randn(v.shape[0]) for k, v in meta.items()}
+    converted = convert_hunyuan_video_transformer_to_diffusers(HUNYUAN_VIDEO.to_original(rows, published))
+    assert converted.keys() == rows.keys(), sorted(set(converted) ^ set(rows))[:4]
+    assert all(torch.equal(converted[k], v) for k, v in rows.items())
+
+    base = family_models[FAMILY]
+    folder = HunyuanVideoPipeline.from_pretrained(base, local_files_only=True)
+    transformer, config = folder.transformer, folder.transformer.config
+    with torch.no_grad():
+        for t in transformer.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).float())  # what the file holds
+    original = HUNYUAN_VIDEO.to_original(transformer.state_dict(), config)
+    # comfy/model_detection.py's HunyuanVideo keys, and its renames onto its model's Linear weights
+    assert {"txt_in.individual_token_refiner.blocks.0.norm1.weight", "img_in.proj.weight",
+            "txt_in.input_embedder.weight", "final_layer.linear.weight"} <= set(original)
+    comfy = {comfyui_renamed(k): tuple(v.shape) for k, v in original.items()}
+    expected = {k.removeprefix("diffusion_model."): shape for k, shape in comfyui_model_weights(config).items()}
+    assert {k: comfy.get(k) for k in expected} == expected
+    # the LoRA files' original names are the file's
+    full = {(r.original, r.diffusers, r.kind) for r in HUNYUAN_VIDEO.rules(config)}
+    assert {(r.original, r.diffusers, r.kind) for r in original_rules(config)} <= full
+
+    state = {f"model.diffusion_model.{k}": v.to(torch.bfloat16).contiguous() for k, v in original.items()}
+    save_file(state, tmp_path / "hunyuan_video.safetensors")
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "hunyuan_video.safetensors"), config=str(base)))
+    got = loaded.denoiser.state_dict()
+    assert got.keys() == transformer.state_dict().keys()
+    assert all(torch.equal(got[k], v) for k, v in transformer.state_dict().items())
+    family = loaded.family
+    assert torch.equal(outputs(trained_parts(loaded), family), outputs(parts(folder), family))
+    del state["model.diffusion_model.single_blocks.1.linear1.weight"]
+    state["model.diffusion_model.double_blocks.0.img_attn.qkv.weight"] = original["double_blocks.0.img_attn_qkv.weight"]
+    save_file({k: v.clone() for k, v in state.items()}, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match=r"missing 1 key.*single_blocks\.1\.linear1\.weight.*unexpected 1 key.*"
+                                             r"double_blocks\.0\.img_attn\.qkv\.weight"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))

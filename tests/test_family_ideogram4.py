@@ -14,6 +14,7 @@ from functools import partial
 import math
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -286,3 +287,62 @@ def test_text_encoder_lora_trains_the_language_model_and_loads_back_through_peft
             base, local_files_only=True).text_encoder}, tokens)["hidden"]
     assert (ours - before).abs().max() > 1e-4  # the LoRA changed the conditioning
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-6)
+
+
+def test_the_original_single_file_loads_to_the_same_outputs_and_has_the_documented_names(family_models, tmp_path):
+    """The conditional transformer in the original layout (OneTrainer's ORIGINAL_TRANSFORMER format: q / k / v fused in
+    `attention.qkv`, `attention.to_out.0` as `attention.o`, every other name diffusers'), under ComfyUI's
+    model.diffusion_model. and in bfloat16, read as model.path with model.config = the folder: predicts as the folder's
+    transformer rounded to bfloat16; the unconditional transformer comes from the folder. Its Linear modules are the
+    ones diffusers' Ideogram 4 LoRA converter names, its keys the ones SwarmUI tells an Ideogram 4 file by; a missing
+    or unknown key is named before anything loads."""
+    from diffusers import Ideogram4Pipeline
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
+    from safetensors.torch import save_file
+
+    from ot_dist.config.schema import ModelConfig
+    from ot_dist.errors import InputFileError
+    from ot_dist.models.families.ideogram4_single_file import IDEOGRAM4
+    from ot_dist.models.loading import load_model
+
+    base = family_models[FAMILY]
+    folder = Ideogram4Pipeline.from_pretrained(base, local_files_only=True)
+    transformer = folder.transformer
+    with torch.no_grad():
+        for t in transformer.state_dict().values():
+            t.copy_(t.to(torch.bfloat16).float())  # what the file holds
+    original = IDEOGRAM4.to_original(transformer.state_dict(), transformer.config)
+    # SwarmUI's T2IModelClassSorter.isIdeogram4 (bare keys)
+    assert {"embed_image_indicator.weight", "llm_cond_proj.weight", "t_embedding.mlp_in.weight",
+            "layers.0.attention.qkv.weight", "layers.1.attention.o.weight"} <= set(original)
+    assert not any(".to_q." in k or ".to_out." in k for k in original)
+    # each block's Linear modules by their original names, as a LoRA on them: diffusers' converter maps each name to
+    # the diffusers modules the rule reads (the fused qkv to q / k / v in row order)
+    rules = [r for r in IDEOGRAM4.rules(transformer.config) if r.original.startswith("layers.")
+             and original[r.original].dim() == 2]
+    lora = {}
+    for r in rules:
+        rows = original[r.original].shape[0]
+        lora[f"diffusion_model.{r.original[:-len('.weight')]}.lora_A.weight"] = torch.ones(1, 4)
+        lora[f"diffusion_model.{r.original[:-len('.weight')]}.lora_B.weight"] = torch.arange(float(rows))[:, None]
+    converted = _convert_non_diffusers_ideogram4_lora_to_diffusers(lora)
+    for r in rules:
+        ups = [converted[f"transformer.{d[:-len('.weight')]}.lora_B.weight"] for d in r.diffusers]
+        assert torch.equal(torch.cat(ups), torch.arange(float(original[r.original].shape[0]))[:, None]), r.original
+    state = {f"model.diffusion_model.{k}": v.to(torch.bfloat16).contiguous() for k, v in original.items()}
+    save_file(state, tmp_path / "ideogram4.safetensors")
+    loaded = load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "ideogram4.safetensors"), config=str(base)))
+    got = loaded.denoiser.state_dict()
+    assert all(torch.equal(got[k], v) for k, v in transformer.state_dict().items())
+    family = loaded.family
+    assert torch.equal(prediction(family, loaded.denoiser, loaded.text_encoders["text_encoder"],
+                                  loaded.tokenizers["tokenizer"]),
+                       prediction(family, transformer, folder.text_encoder, folder.tokenizer))
+    unconditional = loaded.pipeline.unconditional_transformer.state_dict()
+    assert all(torch.equal(unconditional[k], v) for k, v in folder.unconditional_transformer.state_dict().items())
+    del state["model.diffusion_model.layers.1.attention.qkv.weight"]
+    state["model.diffusion_model.layers.1.attention.to_q.weight"] = original["layers.0.attention.o.weight"].clone()
+    save_file(state, tmp_path / "bad.safetensors")
+    with pytest.raises(InputFileError, match=r"missing 1 key.*layers\.1\.attention\.qkv\.weight.*unexpected 1 key.*"
+                                             r"layers\.1\.attention\.to_q\.weight"):
+        load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))

@@ -20,6 +20,10 @@ What follows diffusers' modular pipeline (AnimaAutoBlocks, diffusers 0.42) and O
 The adapter is a part of its own (`text_conditioner`, paired with the T5 tokenizer): frozen by default like the text
 encoder (OneTrainer never trains either), trainable with `text_conditioner.train` (full or LoRA; diffusers'
 AnimaLoraLoaderMixin loads `text_conditioner.` LoRA modules).
+
+Single file: circlestone-labs' `anima-*.safetensors`, the transformer and the adapter under Cosmos' `net.` in the
+original names (anima_single_file.py), read as `model.path` with `model.config` naming a folder for Qwen3, the VAE and
+the tokenizers, and written beside a full finetune's folder.
 """
 
 from __future__ import annotations
@@ -78,7 +82,10 @@ class Anima(Family):
     # (`diffusion_model.blocks.0.self_attn.q_proj`) and as kohya's and OneTrainer's KOHYA format do
     # (`lora_unet_blocks_0_self_attn_q_proj`)
     lora_original_prefixes = (("diffusion_model", "."), ("lora_unet", "_"))
-    single_file = False  # the diffusers folder only (no original-layout file yet)
+    # circlestone-labs' anima-*.safetensors: the DiT and its LLM adapter under `net.` (anima_single_file.py); Qwen3
+    # never goes in the file (ComfyUI reads it from its own)
+    single_file = True
+    single_file_text_encoders = False
     # OneTrainer's ModelSpec architecture for Anima (resources/sd_model_spec/anima.json: "Anima", "Anima/lora")
     modelspec_architecture = "Anima"
 
@@ -140,6 +147,21 @@ class Anima(Family):
         out = denoiser(hidden_states=noisy.unsqueeze(2), timestep=timesteps.float() / 1000,
                        encoder_hidden_states=conditioning["hidden"], padding_mask=padding, return_dict=False)[0]
         return out[:, :, 0]
+
+    # -- single files -----------------------------------------------------------------------------------
+    def load_single_file(self, path, config_folder, model_config):
+        from ot_dist.models.families.anima_single_file import load_anima_file
+
+        return load_anima_file(path, config_folder, self)
+
+    def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
+        """The transformer and the adapter in the original file's keys; a trained Qwen3 is in the folder only."""
+        from ot_dist.models.families.anima_single_file import to_original
+        from ot_dist.models.families.transformer_single_file import write_transformer_file
+
+        state = to_original(states["transformer"], states["text_conditioner"], dict(components["transformer"].config),
+                            dict(components["text_conditioner"].config))
+        write_transformer_file(state, path, dtype, metadata)
 
     # -- sampling -------------------------------------------------------------------------------------
     def sampling_pipeline(self, components, loaded_pipeline):

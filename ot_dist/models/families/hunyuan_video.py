@@ -31,8 +31,11 @@ input).
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that HunyuanVideoPipeline.load_lora_weights
 reads, and beside it `lora_comfyui.safetensors` in the original module names with q / k / v fused
 (`diffusion_model.double_blocks.0.img_attn_qkv...`), the only ones ComfyUI maps for HunyuanVideo (comfy/lora.py
-model_lora_keys_unet: no diffusers rule for it); diffusers reads that one too (hunyuan_video_lora.py). No single-file
-layout.
+model_lora_keys_unet: no diffusers rule for it); diffusers reads that one too (hunyuan_video_lora.py).
+
+Single file: the transformer alone in Tencent's original layout (hunyuan_video_single_file.py: Comfy-Org's
+`hunyuan_video_t2v_720p_bf16.safetensors`, what diffusers' from_single_file and ComfyUI read); the text encoders and
+the VAE come from the `model.config` folder (ComfyUI loads them from files of their own).
 """
 
 from __future__ import annotations
@@ -102,7 +105,10 @@ class HunyuanVideo(Family):
     sample_guidance_scale = 6.0  # the pipeline's guidance_scale default and OneTrainer's HunyuanVideo sample default
     sample_negative_prompt = False  # guidance is distilled: the pipeline's negative pass needs true_cfg_scale > 1
     lora_file_prefixes = None  # the diffusers layout
-    single_file = False
+    # Tencent's original transformer keys (hunyuan_video_single_file.py); never a text encoder in the file
+    single_file = True
+    single_file_text_encoders = False
+    transformer_file_layout = "ot_dist.models.families.hunyuan_video_single_file:HUNYUAN_VIDEO"
     video_model = True  # a video clip in a concept is refused (images only, as one-frame videos)
     modelspec_architecture = "hunyuan-video"  # OneTrainer's (resources/sd_model_spec/hunyuan_video.json)
 
@@ -125,6 +131,10 @@ class HunyuanVideo(Family):
     def complete_pipeline(self, pipeline, path, model_config):
         refuse_image_to_video(pipeline.transformer)
         return pipeline
+
+    def load_single_file(self, path, config_folder, model_config):
+        # the transformer's config comes from model.config: an image-to-video folder is refused as a folder is
+        return self.complete_pipeline(super().load_single_file(path, config_folder, model_config), path, model_config)
 
     # -- objective ------------------------------------------------------------------------------------
     def objective(self, pipeline, model_config) -> FlowMatching:

@@ -28,7 +28,8 @@ IdeogramModel / BaseIdeogramSetup do:
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`), which Ideogram4Pipeline.load_lora_weights
 reads, and beside it `lora_comfyui.safetensors` in the original names (fused qkv, attention.o) that ComfyUI's model
 and SwarmUI's sorter have (ideogram4_lora.py), which diffusers' loader reads too. Only the conditional transformer trains (OneTrainer and the script alike); full finetuning exports the folder
-with the unconditional transformer as loaded.
+with the unconditional transformer as loaded, and beside it the conditional transformer as one file in the original
+layout (ideogram4_single_file.py), which `model.path` also reads with `model.config` naming the folder.
 """
 
 from __future__ import annotations
@@ -142,9 +143,11 @@ class Ideogram4(Family):
     sample_negative_prompt = False
     samplers = ("flow_euler",)
     lora_file_prefixes = None  # the diffusers layout, what Ideogram4Pipeline.load_lora_weights reads
-    # No single file: OneTrainer and diffusers load Ideogram 4 from its diffusers folder only
-    single_file = False
+    # The conditional transformer alone in the original layout (fused qkv, attention.o), as OneTrainer's
+    # ORIGINAL_TRANSFORMER format writes it (ideogram4_single_file.py); Qwen3-VL never goes in the file
+    single_file = True
     single_file_text_encoders = False
+    transformer_file_layout = "ot_dist.models.families.ideogram4_single_file:IDEOGRAM4"
     # SwarmUI's class id (T2IModelClassSorter: "ideogram-4", "ideogram-4/lora"); OneTrainer writes "Ideogram"
     modelspec_architecture = "ideogram-4"
     memory_reference = "Ideogram 4"
