@@ -245,9 +245,32 @@ def test_clips_and_images_in_one_set_need_batch_size_1(family_models, shapes_dat
         trainer_for(family_models["wan"], data, tmp_path / "o")
 
 
-def test_clip_options_refused_with_a_latent_cache_or_a_source_rate_alone(family_models, tmp_path):
+def test_cached_clip_latents_train_as_encoding_on_the_fly(family_models, tmp_path):
+    """data.cache_latents with clips: the cache holds each clip's posterior (16, 3, 8, 8) (9 frames -> 3), the loader
+    reads it instead of the frames, and the loss of a batch from the cache is the loss of the same batch encoded from
+    its frames (the same VAE draw per sample)."""
+    from ot_dist.data.caches import latent_key, vae_key
+
+    trainer = trainer_for(family_models["wan"], clip_folder(tmp_path / "clips"), tmp_path / "o",
+                          **{"data.cache_latents": True})
+    dataset, model = trainer.dataset, trainer.model
+    assert "latents" in dataset.caches
+    cached = [dataset.load(i, 0) for i in range(2)]
+    assert "pixels" not in cached[0] and cached[0]["latent_mean"].shape == (16, 3, 8, 8)
+    from_frames = [dataset.load(i, 0, use_cache=False) for i in range(2)]
+    assert from_frames[0]["pixels"].shape == (3, 9, 64, 64)
+    with torch.no_grad():
+        losses = [diffusion_loss(model, trainer.tokenize(collate(batch)), 1, 0, trainer.config.loss)
+                  for batch in (cached, from_frames)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    # the frame choice is part of the key: another count, rate or extraction is another cache folder
+    selection = dataset.clip_selection
+    keys = {latent_key(model.vae, s) for s in (selection, {**selection, "frames": 5}, {**selection, "fps": 8.0})}
+    assert len(keys) == 3 and latent_key(model.vae, None) == vae_key(model.vae)
+    assert dataset.caches["latents"].dir.name == f"latents-{latent_key(model.vae, selection)[:16]}"
+
+
+def test_a_clip_source_rate_alone_is_refused(family_models, tmp_path):
     raw = base_config(family_models["wan"], tmp_path, tmp_path / "o", family="wan", **{"data.video_frames": 9})
-    with pytest.raises(Exception, match="data.cache_latents: the latent cache holds images, not video clips"):
-        validate({**raw, "data": {**raw["data"], "cache_latents": True}})
     with pytest.raises(Exception, match="data.video_source_fps: only with data.video_fps"):
         validate({**raw, "data": {**raw["data"], "video_source_fps": 30.0}})

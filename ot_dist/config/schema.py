@@ -655,7 +655,8 @@ class DataConfig(Section):
         default=False,
         description="Encode every image with the VAE once (batched, in chunks of 1024 samples split over the ranks "
         "of the launch; an interrupted run resumes at the missing chunks, on any number of processes), store the "
-        "latents in the shard set (keyed to the VAE, the resolutions and the shards) and train from them. "
+        "latents in the shard set (keyed to the VAE, the resolutions, the shards and the data.video_* frame choice) and "
+        "train from them; a video clip's latent is cached whole (C, F', h, w). "
         "Needs crop center; an augmenting concept needs image_variations > 1. docs/data.md#latent-and-text-caches",
     )
 
@@ -700,9 +701,6 @@ class DataConfig(Section):
                                  "colour jitter), which one cached latent per image cannot hold; set "
                                  f"{augmented[0]}.image_variations to N > 1 to cache N augmented versions (N times the "
                                  "cache's size), or turn cache_latents or the augmentation off")
-        if self.video_frames is not None and self.cache_latents:
-            raise ValueError("data.cache_latents: the latent cache holds images, not video clips (data.video_frames) "
-                             "yet; turn cache_latents off")
         if self.video_source_fps is not None and self.video_fps is None:
             raise ValueError("data.video_source_fps: only with data.video_fps (the rate it is resampled to)")
         return self

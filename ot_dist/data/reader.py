@@ -282,6 +282,12 @@ class ShardDataset:
             out["mask_given"] = torch.tensor(bool(sample["mask"]))  # inpainting draws a mask for the others
         return out
 
+    def frames_of(self, sample_id: int) -> int:
+        """The frames a sample trains on: 0 for an image, a clip's count (data.video_frames)."""
+        if self.clip_selection is None or not self._clip_member(self._sample(sample_id)):
+            return 0
+        return self.clip_selection["frames"]
+
     def _clip_member(self, sample: dict) -> str | None:
         """The member holding a video clip's own bytes (`clip.mp4`, ...), None for an image sample."""
         return next((suffix for suffix in sample["members"] if suffix.startswith("clip.")), None)
