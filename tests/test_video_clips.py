@@ -274,3 +274,102 @@ def test_a_clip_source_rate_alone_is_refused(family_models, tmp_path):
     raw = base_config(family_models["wan"], tmp_path, tmp_path / "o", family="wan", **{"data.video_frames": 9})
     with pytest.raises(Exception, match="data.video_source_fps: only with data.video_fps"):
         validate({**raw, "data": {**raw["data"], "video_source_fps": 30.0}})
+
+
+def test_extraction_windows_follow_musubi_tuners_rules():
+    """The windows (start, frames) of each data.video_frame_extraction on a 40-frame timeline, as musubi-tuner's
+    docs/dataset_config.md draws them (target_frames 1, 13, 25 one at a time; frame_stride 10; frame_sample 4), and
+    `full` as its code cuts clips of 20, 25 and 35 frames (to 4n + 1 and to max_frames, here 29: its diagram's 31 is
+    no 4n + 1, and its code gives 29 for it too)."""
+    from ot_dist.data.video import clip_windows
+
+    def starts(extraction, frames, length=40, **spacing):
+        windows = clip_windows(length, frames, extraction, **spacing)
+        assert all(count == frames and start + count <= length for start, count in windows)
+        return [start for start, _ in windows]
+
+    assert [starts("head", f) for f in (1, 13, 25)] == [[0], [0], [0]]
+    assert [starts("chunk", f) for f in (13, 25)] == [[0, 13, 26], [0]]
+    assert [starts("slide", f, stride=10) for f in (1, 13, 25)] == [[0, 10, 20, 30], [0, 10, 20], [0, 10]]
+    assert [starts("uniform", f, sample=4) for f in (1, 13, 25)] == [[0, 13, 26, 39], [0, 9, 18, 27], [0, 5, 10, 15]]
+    assert starts("uniform", 13, length=14, sample=4) == [0, 1]  # linspace 0, 0, 0, 1: a start given twice is one
+    assert [clip_windows(length, 29, "full") for length in (20, 25, 35)] == [[(0, 17)], [(0, 25)], [(0, 29)]]
+    assert [clip_windows(12, 13, extraction, 1, 4) for extraction in ("head", "chunk", "slide", "uniform")] == [[]] * 4
+
+
+def test_windows_take_their_frames_on_the_timeline_at_video_fps():
+    """A window's start and count are timeline frames (at video_fps): at 16 fps from 32 the window starting at 5 takes
+    source frames 10, 12, ...; a 16-frame clip at 30 fps has 9 frames at 16 fps (the last at 15)."""
+    from ot_dist.data.video import source_indices, timeline_length
+
+    assert source_indices(5, 32.0, 16.0, start=5) == [10, 12, 14, 16, 18]
+    assert source_indices(3, None, None, start=4) == [4, 5, 6]
+    assert timeline_length(16, 32.0, 16.0) == 8 and timeline_length(16, 30.0, 16.0) == 9
+    assert timeline_length(16, None, None) == 16
+
+
+def test_each_window_of_a_clip_is_a_sample_of_its_frames(family_models, tmp_path):
+    """chunk on a 16-frame clip with 5-frame windows: three samples (frames 0-4, 5-9, 10-14) whose pixels are those
+    frames; slide / uniform / full find the windows their rules give for the same clip at the build's scan."""
+    from ot_dist.data.concepts import scan_folders
+    from ot_dist.data.reader import ShardDataset
+    from ot_dist.data.shards import build_shard_set
+
+    root = tmp_path / "clips"
+    root.mkdir()
+    make_clip(root / "a.mp4", COLOURS, size=(64, 64))
+    (root / "a.txt").write_text("a clip")
+
+    def config(**video):
+        return validate(base_config(family_models["wan"], root, tmp_path / "o", family="wan", batch_size=1,
+                                    **{"data.video_frames": 5, **video}))
+
+    chunks = config(**{"data.video_frame_extraction": "chunk"})
+    build_shard_set(chunks, tmp_path / "set", log=lambda *_: None)
+    dataset = ShardDataset(tmp_path / "set", chunks)
+    assert len(dataset) == 3 and dataset.manifest["clip_samples"] == 3
+    for i, start in enumerate((0, 5, 10)):
+        colours = ((dataset.load(i, 0)["pixels"] + 1) * 127.5).mean(dim=(2, 3)).T.numpy()
+        assert np.abs(colours - np.array(COLOURS[start:start + 5])).max() <= 5, (start, colours)
+    assert dataset.samples[1]["key"] == "c0_00000000_00005-005"  # musubi's item key: start-frames
+
+    def windows(**video):
+        return [s.window for s in scan_folders(config(**video).data, log=lambda *_: None).samples]
+
+    assert windows(**{"data.video_frame_extraction": "slide", "data.video_frame_stride": 3}) == [(0, 5), (3, 5),
+                                                                                                 (6, 5), (9, 5)]
+    assert windows(**{"data.video_frame_extraction": "uniform", "data.video_frame_sample": 3}) == [(0, 5), (5, 5),
+                                                                                                   (11, 5)]
+    assert windows(**{"data.video_frame_extraction": "full", "data.video_frames": 13}) == [(0, 13)]
+    assert windows(**{"data.video_frame_extraction": "chunk", "data.video_fps": 8.0}) == [(0, 5)]  # 8 frames at 8 fps
+
+
+def test_bad_clips_and_window_settings_are_named(family_models, tmp_path):
+    """An undecodable clip and one too short for any window are named at the build's scan; the window spacing of
+    another extraction, clips of several lengths (full) in a micro batch and a set built with other video settings
+    are refused naming the field."""
+    from ot_dist.data.concepts import check_clip_batches, scan_folders
+    from ot_dist.data.reader import check_clip_set
+
+    root = clip_folder(tmp_path / "clips", count=1, frames=9, short=("short.mp4",))
+    (root / "broken.mp4").write_bytes(b"\0" * 64)
+    raw = base_config(family_models["wan"], root, tmp_path / "o", family="wan",
+                      **{"data.video_frames": 9, "data.video_frame_extraction": "chunk", "data.max_bad_fraction": 1.0})
+    scan = scan_folders(validate(raw).data, log=lambda *_: None)
+    bad = dict((p.name, error) for p, error in scan.bad)
+    assert [s.image.name for s in scan.samples] == ["clip0.mp4"]
+    assert "broken.mp4 could not be opened" in bad["broken.mp4"]
+    assert "short.mp4 is too short: its 8 frames give 8, a window of chunk needs 9" in bad["short.mp4"]
+    with pytest.raises(Exception, match="data.video_frame_stride: only with video_frame_extraction slide"):
+        validate({**raw, "data": {**raw["data"], "video_frame_stride": 2}})
+    with pytest.raises(Exception, match="data.video_frame_sample: only with video_frame_extraction uniform"):
+        validate({**raw, "data": {**raw["data"], "video_frame_sample": 2}})
+    with pytest.raises(InputFileError, match=r"2 frame counts \(9, 13: .*full keeps each clip's length\)"):
+        check_clip_batches({"clip_samples": 4, "sample_count": 4, "clip_frame_counts": [9, 13]}, 2)
+    check_clip_batches({"clip_samples": 4, "sample_count": 4, "clip_frame_counts": [9, 13]}, 1)
+    built = {"clip_samples": 1, "built_from": {"video_frames": 9, "video_fps": None, "video_source_fps": None,
+                                               "video_frame_extraction": "head"}}
+    check_clip_set(built, validate({**raw, "data": {**raw["data"], "video_frame_extraction": "head"}}).data, "set")
+    with pytest.raises(InputFileError, match=r"data.video_frame_extraction: the shard set set was built with "
+                                             r"video_frame_extraction head, this run asks for .*chunk"):
+        check_clip_set(built, validate(raw).data, "set")

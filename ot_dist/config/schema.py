@@ -648,8 +648,21 @@ class DataConfig(Section):
         default=None, gt=0, description="The rate the clips are taken to have (musubi-tuner's source_fps), instead of "
         "their containers'. Only with video_fps.",
     )
-    video_frame_extraction: Literal["head"] = Field(
-        default="head", description="Where a clip's frames come from: head, its first frames (musubi-tuner's head).",
+    video_frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = Field(
+        default="head", description="Which windows of video_frames frames a clip gives, each a sample (musubi-tuner's "
+        "frame_extraction, on the frames taken at video_fps): head, its first frames; chunk, consecutive windows "
+        "(0, F, 2F, ...) while they fit; slide, one every video_frame_stride frames; uniform, video_frame_sample "
+        "windows spread evenly from the first frame to the last; full, the whole clip cut to 4n + 1 frames and to "
+        "video_frames (musubi's max_frames: clips of other lengths then train with batch_size 1). "
+        "docs/data.md#video-clips",
+    )
+    video_frame_stride: int = Field(
+        default=1, ge=1, description="video_frame_extraction slide: frames between the starts of two windows "
+        "(musubi-tuner's frame_stride).",
+    )
+    video_frame_sample: int = Field(
+        default=1, ge=1, description="video_frame_extraction uniform: windows a clip gives, spread evenly "
+        "(musubi-tuner's frame_sample; a start that two of them share counts once).",
     )
     cache_latents: bool = Field(
         default=False,
@@ -703,6 +716,12 @@ class DataConfig(Section):
                                  "cache's size), or turn cache_latents or the augmentation off")
         if self.video_source_fps is not None and self.video_fps is None:
             raise ValueError("data.video_source_fps: only with data.video_fps (the rate it is resampled to)")
+        if self.video_frame_stride != 1 and self.video_frame_extraction != "slide":
+            raise ValueError(f"data.video_frame_stride: only with video_frame_extraction slide (it is "
+                             f"{self.video_frame_extraction})")
+        if self.video_frame_sample != 1 and self.video_frame_extraction != "uniform":
+            raise ValueError(f"data.video_frame_sample: only with video_frame_extraction uniform (it is "
+                             f"{self.video_frame_extraction})")
         return self
 
     def concept_list(self) -> list[tuple[str, ConceptConfig]]:
