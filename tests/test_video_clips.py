@@ -246,26 +246,28 @@ def test_clips_and_images_in_one_set_need_batch_size_1(family_models, shapes_dat
 
 
 def test_cached_clip_latents_train_as_encoding_on_the_fly(family_models, tmp_path):
-    """data.cache_latents with clips: the cache holds each clip's posterior (16, 3, 8, 8) (9 frames -> 3), the loader
-    reads it instead of the frames, and the loss of a batch from the cache is the loss of the same batch encoded from
-    its frames (the same VAE draw per sample)."""
+    """data.cache_latents with clips: the cache holds each clip window's posterior (16, 2, 8, 8) (5 frames -> 2; two
+    windows a clip: slide by 5 over 10 frames), the loader reads it instead of the frames, and the loss of a batch
+    from the cache is the loss of the same batch encoded from its frames (the same VAE draw per sample)."""
     from ot_dist.data.caches import latent_key, vae_key
 
-    trainer = trainer_for(family_models["wan"], clip_folder(tmp_path / "clips"), tmp_path / "o",
-                          **{"data.cache_latents": True})
+    trainer = trainer_for(family_models["wan"], clip_folder(tmp_path / "clips", count=2, frames=10), tmp_path / "o",
+                          **{"data.cache_latents": True, "data.video_frames": 5, "data.video_frame_extraction": "slide",
+                             "data.video_frame_stride": 5})
     dataset, model = trainer.dataset, trainer.model
-    assert "latents" in dataset.caches
-    cached = [dataset.load(i, 0) for i in range(2)]
-    assert "pixels" not in cached[0] and cached[0]["latent_mean"].shape == (16, 3, 8, 8)
-    from_frames = [dataset.load(i, 0, use_cache=False) for i in range(2)]
-    assert from_frames[0]["pixels"].shape == (3, 9, 64, 64)
+    assert "latents" in dataset.caches and len(dataset) == 4
+    ids = [0, 3]  # the first window of one clip, the second of the other
+    cached = [dataset.load(i, 0) for i in ids]
+    assert "pixels" not in cached[0] and cached[0]["latent_mean"].shape == (16, 2, 8, 8)
+    from_frames = [dataset.load(i, 0, use_cache=False) for i in ids]
+    assert from_frames[0]["pixels"].shape == (3, 5, 64, 64)
     with torch.no_grad():
         losses = [diffusion_loss(model, trainer.tokenize(collate(batch)), 1, 0, trainer.config.loss)
                   for batch in (cached, from_frames)]
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     # the frame choice is part of the key: another count, rate or extraction is another cache folder
     selection = dataset.clip_selection
-    keys = {latent_key(model.vae, s) for s in (selection, {**selection, "frames": 5}, {**selection, "fps": 8.0})}
+    keys = {latent_key(model.vae, s) for s in (selection, {**selection, "frames": 9}, {**selection, "stride": 2})}
     assert len(keys) == 3 and latent_key(model.vae, None) == vae_key(model.vae)
     assert dataset.caches["latents"].dir.name == f"latents-{latent_key(model.vae, selection)[:16]}"
 
@@ -373,3 +375,22 @@ def test_bad_clips_and_window_settings_are_named(family_models, tmp_path):
     with pytest.raises(InputFileError, match=r"data.video_frame_extraction: the shard set set was built with "
                                              r"video_frame_extraction head, this run asks for .*chunk"):
         check_clip_set(built, validate(raw).data, "set")
+
+
+def test_a_build_in_parts_keeps_the_windows_of_clips(family_models, tmp_path):
+    """`shard build --part`: two parts merged hold the samples (each clip's windows, in order), the clip count and the
+    frame counts of a one-part build."""
+    from ot_dist.data.shard_parts import build_part, merge_parts
+    from ot_dist.data.shards import build_shard_set, read_manifest
+
+    root = clip_folder(tmp_path / "clips", count=2, frames=10)
+    config = validate(base_config(family_models["wan"], root, tmp_path / "o", family="wan", batch_size=1,
+                                  **{"data.video_frames": 5, "data.video_frame_extraction": "chunk"}))
+    whole = build_shard_set(config, tmp_path / "whole", log=lambda *_: None)
+    for part in range(2):
+        build_part(config, tmp_path / "parts", (part, 2), log=lambda *_: None)
+    merge_parts(config, tmp_path / "parts", log=lambda *_: None)
+    merged = read_manifest(tmp_path / "parts")
+    assert [s["key"] for s in merged["samples"]] == [s["key"] for s in whole["samples"]] == [
+        "c0_00000000_00000-005", "c0_00000000_00005-005", "c0_00000001_00000-005", "c0_00000001_00005-005"]
+    assert merged["clip_samples"] == whole["clip_samples"] == 4 and merged["clip_frame_counts"] == [5]
