@@ -353,14 +353,18 @@ def caption_lines(text: str) -> list[str]:
 
 
 def check_clip_batches(manifest: dict, batch_size: int) -> None:
-    """A set of clips and images trains with batch_size 1 only: a clip's (3, F, H, W) pixels and an image's (3, H, W)
-    cannot stack into one micro batch, and the epoch plan groups samples by bucket, not by kind (checked before the
-    model loads, rather than at the first mixed batch)."""
+    """A set of clips and images, or of clips of several lengths (extraction full), trains with batch_size 1 only: a
+    clip's (3, F, H, W) pixels and an image's (3, H, W) cannot stack into one micro batch (padded to one length, the
+    padding frames would be attended: WanTransformer3DModel takes no attention mask), and the epoch plan groups
+    samples by bucket, not by frame count as musubi-tuner's batches do (checked before the model loads, rather than
+    at the first mixed batch)."""
     clips, total = manifest.get("clip_samples", 0), manifest.get("sample_count", 0)
     if 0 < clips < total and batch_size > 1:
         raise InputFileError(f"data: the shard set holds {clips} video clips and {total - clips} images, which cannot "
-                             f"share a micro batch (batch_size {batch_size}); train them in separate runs, or with "
-                             "batch_size 1")
+                             f"share a micro batch (batch_size {batch_size}): an image's latent has 1 frame, a clip's "
+                             "more, and Wan's transformer takes no mask to pad them to one length, while the epoch "
+                             "plan groups samples by bucket, not by frame count; train them in separate runs, or with "
+                             "batch_size 1 (gradient_accumulation_steps for a larger global batch)")
     counts = manifest.get("clip_frame_counts", [])
     if len(counts) > 1 and batch_size > 1:
         raise InputFileError(f"data: the shard set's clips have {len(counts)} frame counts ({', '.join(map(str, counts))}: "
