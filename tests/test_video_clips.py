@@ -394,3 +394,17 @@ def test_a_build_in_parts_keeps_the_windows_of_clips(family_models, tmp_path):
     assert [s["key"] for s in merged["samples"]] == [s["key"] for s in whole["samples"]] == [
         "c0_00000000_00000-005", "c0_00000000_00005-005", "c0_00000001_00000-005", "c0_00000001_00005-005"]
     assert merged["clip_samples"] == whole["clip_samples"] == 4 and merged["clip_frame_counts"] == [5]
+
+
+def test_a_latent_cache_of_clips_and_images_encodes_each_kind_apart(family_models, tmp_path):
+    """With batch_size 1 a set may hold clips and images: the cache encodes them in VAE batches of one frame count
+    (a clip's (3, 9, H, W) pixels and an image's (3, H, W) do not stack), and holds (16, 3, 8, 8) and (16, 8, 8)."""
+    from PIL import Image
+
+    data = clip_folder(tmp_path / "mixed", count=2)
+    Image.new("RGB", (64, 64), (200, 30, 90)).save(data / "still.png")
+    (data / "still.txt").write_text("a still")
+    trainer = trainer_for(family_models["wan"], data, tmp_path / "o", batch_size=1, **{"data.cache_latents": True})
+    dataset = trainer.dataset
+    shapes = sorted(tuple(dataset.load(i, 0)["latent_mean"].shape) for i in range(len(dataset)))
+    assert shapes == [(16, 3, 8, 8), (16, 3, 8, 8), (16, 8, 8)]
