@@ -245,9 +245,166 @@ def test_clips_and_images_in_one_set_need_batch_size_1(family_models, shapes_dat
         trainer_for(family_models["wan"], data, tmp_path / "o")
 
 
-def test_clip_options_refused_with_a_latent_cache_or_a_source_rate_alone(family_models, tmp_path):
+def test_cached_clip_latents_train_as_encoding_on_the_fly(family_models, tmp_path):
+    """data.cache_latents with clips: the cache holds each clip window's posterior (16, 2, 8, 8) (5 frames -> 2; two
+    windows a clip: slide by 5 over 10 frames), the loader reads it instead of the frames, and the loss of a batch
+    from the cache is the loss of the same batch encoded from its frames (the same VAE draw per sample)."""
+    from ot_dist.data.caches import latent_key, vae_key
+
+    trainer = trainer_for(family_models["wan"], clip_folder(tmp_path / "clips", count=2, frames=10), tmp_path / "o",
+                          **{"data.cache_latents": True, "data.video_frames": 5, "data.video_frame_extraction": "slide",
+                             "data.video_frame_stride": 5})
+    dataset, model = trainer.dataset, trainer.model
+    assert "latents" in dataset.caches and len(dataset) == 4
+    ids = [0, 3]  # the first window of one clip, the second of the other
+    cached = [dataset.load(i, 0) for i in ids]
+    assert "pixels" not in cached[0] and cached[0]["latent_mean"].shape == (16, 2, 8, 8)
+    from_frames = [dataset.load(i, 0, use_cache=False) for i in ids]
+    assert from_frames[0]["pixels"].shape == (3, 5, 64, 64)
+    with torch.no_grad():
+        losses = [diffusion_loss(model, trainer.tokenize(collate(batch)), 1, 0, trainer.config.loss)
+                  for batch in (cached, from_frames)]
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    # the frame choice is part of the key: another count, rate or extraction is another cache folder
+    selection = dataset.clip_selection
+    keys = {latent_key(model.vae, s) for s in (selection, {**selection, "frames": 9}, {**selection, "stride": 2})}
+    assert len(keys) == 3 and latent_key(model.vae, None) == vae_key(model.vae)
+    assert dataset.caches["latents"].dir.name == f"latents-{latent_key(model.vae, selection)[:16]}"
+
+
+def test_a_clip_source_rate_alone_is_refused(family_models, tmp_path):
     raw = base_config(family_models["wan"], tmp_path, tmp_path / "o", family="wan", **{"data.video_frames": 9})
-    with pytest.raises(Exception, match="data.cache_latents: the latent cache holds images, not video clips"):
-        validate({**raw, "data": {**raw["data"], "cache_latents": True}})
     with pytest.raises(Exception, match="data.video_source_fps: only with data.video_fps"):
         validate({**raw, "data": {**raw["data"], "video_source_fps": 30.0}})
+
+
+def test_extraction_windows_follow_musubi_tuners_rules():
+    """The windows (start, frames) of each data.video_frame_extraction on a 40-frame timeline, as musubi-tuner's
+    docs/dataset_config.md draws them (target_frames 1, 13, 25 one at a time; frame_stride 10; frame_sample 4), and
+    `full` as its code cuts clips of 20, 25 and 35 frames (to 4n + 1 and to max_frames, here 29: its diagram's 31 is
+    no 4n + 1, and its code gives 29 for it too)."""
+    from ot_dist.data.video import clip_windows
+
+    def starts(extraction, frames, length=40, **spacing):
+        windows = clip_windows(length, frames, extraction, **spacing)
+        assert all(count == frames and start + count <= length for start, count in windows)
+        return [start for start, _ in windows]
+
+    assert [starts("head", f) for f in (1, 13, 25)] == [[0], [0], [0]]
+    assert [starts("chunk", f) for f in (13, 25)] == [[0, 13, 26], [0]]
+    assert [starts("slide", f, stride=10) for f in (1, 13, 25)] == [[0, 10, 20, 30], [0, 10, 20], [0, 10]]
+    assert [starts("uniform", f, sample=4) for f in (1, 13, 25)] == [[0, 13, 26, 39], [0, 9, 18, 27], [0, 5, 10, 15]]
+    assert starts("uniform", 13, length=14, sample=4) == [0, 1]  # linspace 0, 0, 0, 1: a start given twice is one
+    assert [clip_windows(length, 29, "full") for length in (20, 25, 35)] == [[(0, 17)], [(0, 25)], [(0, 29)]]
+    assert [clip_windows(12, 13, extraction, 1, 4) for extraction in ("head", "chunk", "slide", "uniform")] == [[]] * 4
+
+
+def test_windows_take_their_frames_on_the_timeline_at_video_fps():
+    """A window's start and count are timeline frames (at video_fps): at 16 fps from 32 the window starting at 5 takes
+    source frames 10, 12, ...; a 16-frame clip at 30 fps has 9 frames at 16 fps (the last at 15)."""
+    from ot_dist.data.video import source_indices, timeline_length
+
+    assert source_indices(5, 32.0, 16.0, start=5) == [10, 12, 14, 16, 18]
+    assert source_indices(3, None, None, start=4) == [4, 5, 6]
+    assert timeline_length(16, 32.0, 16.0) == 8 and timeline_length(16, 30.0, 16.0) == 9
+    assert timeline_length(16, None, None) == 16
+
+
+def test_each_window_of_a_clip_is_a_sample_of_its_frames(family_models, tmp_path):
+    """chunk on a 16-frame clip with 5-frame windows: three samples (frames 0-4, 5-9, 10-14) whose pixels are those
+    frames; slide / uniform / full find the windows their rules give for the same clip at the build's scan."""
+    from ot_dist.data.concepts import scan_folders
+    from ot_dist.data.reader import ShardDataset
+    from ot_dist.data.shards import build_shard_set
+
+    root = tmp_path / "clips"
+    root.mkdir()
+    make_clip(root / "a.mp4", COLOURS, size=(64, 64))
+    (root / "a.txt").write_text("a clip")
+
+    def config(**video):
+        return validate(base_config(family_models["wan"], root, tmp_path / "o", family="wan", batch_size=1,
+                                    **{"data.video_frames": 5, **video}))
+
+    chunks = config(**{"data.video_frame_extraction": "chunk"})
+    build_shard_set(chunks, tmp_path / "set", log=lambda *_: None)
+    dataset = ShardDataset(tmp_path / "set", chunks)
+    assert len(dataset) == 3 and dataset.manifest["clip_samples"] == 3
+    for i, start in enumerate((0, 5, 10)):
+        colours = ((dataset.load(i, 0)["pixels"] + 1) * 127.5).mean(dim=(2, 3)).T.numpy()
+        assert np.abs(colours - np.array(COLOURS[start:start + 5])).max() <= 5, (start, colours)
+    assert dataset.samples[1]["key"] == "c0_00000000_00005-005"  # musubi's item key: start-frames
+
+    def windows(**video):
+        return [s.window for s in scan_folders(config(**video).data, log=lambda *_: None).samples]
+
+    assert windows(**{"data.video_frame_extraction": "slide", "data.video_frame_stride": 3}) == [(0, 5), (3, 5),
+                                                                                                 (6, 5), (9, 5)]
+    assert windows(**{"data.video_frame_extraction": "uniform", "data.video_frame_sample": 3}) == [(0, 5), (5, 5),
+                                                                                                   (11, 5)]
+    assert windows(**{"data.video_frame_extraction": "full", "data.video_frames": 13}) == [(0, 13)]
+    assert windows(**{"data.video_frame_extraction": "chunk", "data.video_fps": 8.0}) == [(0, 5)]  # 8 frames at 8 fps
+
+
+def test_bad_clips_and_window_settings_are_named(family_models, tmp_path):
+    """An undecodable clip and one too short for any window are named at the build's scan; the window spacing of
+    another extraction, clips of several lengths (full) in a micro batch and a set built with other video settings
+    are refused naming the field."""
+    from ot_dist.data.concepts import check_clip_batches, scan_folders
+    from ot_dist.data.reader import check_clip_set
+
+    root = clip_folder(tmp_path / "clips", count=1, frames=9, short=("short.mp4",))
+    (root / "broken.mp4").write_bytes(b"\0" * 64)
+    raw = base_config(family_models["wan"], root, tmp_path / "o", family="wan",
+                      **{"data.video_frames": 9, "data.video_frame_extraction": "chunk", "data.max_bad_fraction": 1.0})
+    scan = scan_folders(validate(raw).data, log=lambda *_: None)
+    bad = dict((p.name, error) for p, error in scan.bad)
+    assert [s.image.name for s in scan.samples] == ["clip0.mp4"]
+    assert "broken.mp4 could not be opened" in bad["broken.mp4"]
+    assert "short.mp4 is too short: its 8 frames give 8, a window of chunk needs 9" in bad["short.mp4"]
+    with pytest.raises(Exception, match="data.video_frame_stride: only with video_frame_extraction slide"):
+        validate({**raw, "data": {**raw["data"], "video_frame_stride": 2}})
+    with pytest.raises(Exception, match="data.video_frame_sample: only with video_frame_extraction uniform"):
+        validate({**raw, "data": {**raw["data"], "video_frame_sample": 2}})
+    with pytest.raises(InputFileError, match=r"2 frame counts \(9, 13: .*full keeps each clip's length\)"):
+        check_clip_batches({"clip_samples": 4, "sample_count": 4, "clip_frame_counts": [9, 13]}, 2)
+    check_clip_batches({"clip_samples": 4, "sample_count": 4, "clip_frame_counts": [9, 13]}, 1)
+    built = {"clip_samples": 1, "built_from": {"video_frames": 9, "video_fps": None, "video_source_fps": None,
+                                               "video_frame_extraction": "head"}}
+    check_clip_set(built, validate({**raw, "data": {**raw["data"], "video_frame_extraction": "head"}}).data, "set")
+    with pytest.raises(InputFileError, match=r"data.video_frame_extraction: the shard set set was built with "
+                                             r"video_frame_extraction head, this run asks for .*chunk"):
+        check_clip_set(built, validate(raw).data, "set")
+
+
+def test_a_build_in_parts_keeps_the_windows_of_clips(family_models, tmp_path):
+    """`shard build --part`: two parts merged hold the samples (each clip's windows, in order), the clip count and the
+    frame counts of a one-part build."""
+    from ot_dist.data.shard_parts import build_part, merge_parts
+    from ot_dist.data.shards import build_shard_set, read_manifest
+
+    root = clip_folder(tmp_path / "clips", count=2, frames=10)
+    config = validate(base_config(family_models["wan"], root, tmp_path / "o", family="wan", batch_size=1,
+                                  **{"data.video_frames": 5, "data.video_frame_extraction": "chunk"}))
+    whole = build_shard_set(config, tmp_path / "whole", log=lambda *_: None)
+    for part in range(2):
+        build_part(config, tmp_path / "parts", (part, 2), log=lambda *_: None)
+    merge_parts(config, tmp_path / "parts", log=lambda *_: None)
+    merged = read_manifest(tmp_path / "parts")
+    assert [s["key"] for s in merged["samples"]] == [s["key"] for s in whole["samples"]] == [
+        "c0_00000000_00000-005", "c0_00000000_00005-005", "c0_00000001_00000-005", "c0_00000001_00005-005"]
+    assert merged["clip_samples"] == whole["clip_samples"] == 4 and merged["clip_frame_counts"] == [5]
+
+
+def test_a_latent_cache_of_clips_and_images_encodes_each_kind_apart(family_models, tmp_path):
+    """With batch_size 1 a set may hold clips and images: the cache encodes them in VAE batches of one frame count
+    (a clip's (3, 9, H, W) pixels and an image's (3, H, W) do not stack), and holds (16, 3, 8, 8) and (16, 8, 8)."""
+    from PIL import Image
+
+    data = clip_folder(tmp_path / "mixed", count=2)
+    Image.new("RGB", (64, 64), (200, 30, 90)).save(data / "still.png")
+    (data / "still.txt").write_text("a still")
+    trainer = trainer_for(family_models["wan"], data, tmp_path / "o", batch_size=1, **{"data.cache_latents": True})
+    dataset = trainer.dataset
+    shapes = sorted(tuple(dataset.load(i, 0)["latent_mean"].shape) for i in range(len(dataset)))
+    assert shapes == [(16, 3, 8, 8), (16, 3, 8, 8), (16, 8, 8)]

@@ -648,14 +648,28 @@ class DataConfig(Section):
         default=None, gt=0, description="The rate the clips are taken to have (musubi-tuner's source_fps), instead of "
         "their containers'. Only with video_fps.",
     )
-    video_frame_extraction: Literal["head"] = Field(
-        default="head", description="Where a clip's frames come from: head, its first frames (musubi-tuner's head).",
+    video_frame_extraction: Literal["head", "chunk", "slide", "uniform", "full"] = Field(
+        default="head", description="Which windows of video_frames frames a clip gives, each a sample (musubi-tuner's "
+        "frame_extraction, on the frames taken at video_fps): head, its first frames; chunk, consecutive windows "
+        "(0, F, 2F, ...) while they fit; slide, one every video_frame_stride frames; uniform, video_frame_sample "
+        "windows spread evenly from the first frame to the last; full, the whole clip cut to 4n + 1 frames and to "
+        "video_frames (musubi's max_frames: clips of other lengths then train with batch_size 1). "
+        "docs/data.md#video-clips",
+    )
+    video_frame_stride: int = Field(
+        default=1, ge=1, description="video_frame_extraction slide: frames between the starts of two windows "
+        "(musubi-tuner's frame_stride).",
+    )
+    video_frame_sample: int = Field(
+        default=1, ge=1, description="video_frame_extraction uniform: windows a clip gives, spread evenly "
+        "(musubi-tuner's frame_sample; a start that two of them share counts once).",
     )
     cache_latents: bool = Field(
         default=False,
         description="Encode every image with the VAE once (batched, in chunks of 1024 samples split over the ranks "
         "of the launch; an interrupted run resumes at the missing chunks, on any number of processes), store the "
-        "latents in the shard set (keyed to the VAE, the resolutions and the shards) and train from them. "
+        "latents in the shard set (keyed to the VAE, the resolutions, the shards and the data.video_* frame choice) and "
+        "train from them; a video clip's latent is cached whole (C, F', h, w). "
         "Needs crop center; an augmenting concept needs image_variations > 1. docs/data.md#latent-and-text-caches",
     )
 
@@ -700,11 +714,14 @@ class DataConfig(Section):
                                  "colour jitter), which one cached latent per image cannot hold; set "
                                  f"{augmented[0]}.image_variations to N > 1 to cache N augmented versions (N times the "
                                  "cache's size), or turn cache_latents or the augmentation off")
-        if self.video_frames is not None and self.cache_latents:
-            raise ValueError("data.cache_latents: the latent cache holds images, not video clips (data.video_frames) "
-                             "yet; turn cache_latents off")
         if self.video_source_fps is not None and self.video_fps is None:
             raise ValueError("data.video_source_fps: only with data.video_fps (the rate it is resampled to)")
+        if self.video_frame_stride != 1 and self.video_frame_extraction != "slide":
+            raise ValueError(f"data.video_frame_stride: only with video_frame_extraction slide (it is "
+                             f"{self.video_frame_extraction})")
+        if self.video_frame_sample != 1 and self.video_frame_extraction != "uniform":
+            raise ValueError(f"data.video_frame_sample: only with video_frame_extraction uniform (it is "
+                             f"{self.video_frame_extraction})")
         return self
 
     def concept_list(self) -> list[tuple[str, ConceptConfig]]:

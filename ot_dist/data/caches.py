@@ -7,7 +7,8 @@ and is computed by rank c mod world size; a run that finds committed chunks (an 
 number of processes) computes only the others. Members are safetensors (never pickle):
 - `<id>.<res>.latent.safetensors`: the VAE posterior's mean and std. The posterior, not one sample of
   it, is stored: training still draws the VAE sample per (seed, epoch, sample id), so a cached run
-  trains exactly like an uncached one, minus the decoding and the encoder.
+  trains exactly like an uncached one, minus the decoding and the encoder. A video clip's (data.video_frames) is
+  the posterior of its frames as the reader takes them, (C, F', h, w); the key then holds the frame choice.
 - `<id>.<res>.reference_latent.safetensors`: the same for its reference image (edit models), cropped and augmented
   as the image.
 - `<id>.text.safetensors`: `<key>_<j>` for each key of the family's conditioning dict (`hidden`, `pooled`,
@@ -19,7 +20,7 @@ Encoding is batched: the samples of a chunk that share a bucket go through the V
 BATCH_PIXELS pixels a batch), TEXT_BATCH_SAMPLES samples' captions at a time.
 
 The key is a hash of the model parts that produced the cache (config and weights in their stored
-dtype; tokenizer vocabularies for text), and with variations of what they depend on (the seed, the concepts'
+dtype; tokenizer vocabularies for text; for latents of clips the data.video_* frame choice), and with variations of what they depend on (the seed, the concepts'
 augmentation / caption options, their numbers of versions). The manifest records it with the resolutions, crop and
 the shard set's fingerprint; a cache that does not match is refused (rebuilding a shard set deletes them).
 """
@@ -106,13 +107,18 @@ class LatentEncoder:
         self.members = variation_members(self.per_version, self.variations.most)
 
     def batches(self, ids: range) -> list[list[int]]:
+        """The chunk's samples in VAE batches of one bucket and one frame count (images 0, a clip its frames: their
+        pixels stack only then), a clip counting its frames' pixels against batch_pixels."""
         buckets = np.asarray(self.dataset.index.bucket[ids.start:ids.stop])
+        frames = np.asarray([self.dataset.frames_of(i) for i in ids]) if self.dataset.clip_selection else \
+            np.zeros(len(ids), dtype=np.int64)
         largest = max(self.dataset.resolutions)
         out = []
-        for bucket in np.unique(buckets):  # in bucket order, each bucket's samples in id order: deterministic
-            group = (ids.start + np.flatnonzero(buckets == bucket)).tolist()
+        # in bucket then frame-count order, each group's samples in id order: deterministic
+        for bucket, count in sorted(set(zip(buckets.tolist(), frames.tolist()))):
+            group = (ids.start + np.flatnonzero((buckets == bucket) & (frames == count))).tolist()
             height, width = bucket_size(int(bucket), largest, self.dataset.step)
-            size = max(1, self.batch_pixels // (height * width))
+            size = max(1, self.batch_pixels // (height * width * max(1, count)))
             out += [group[i:i + size] for i in range(0, len(group), size)]
         return out
 
@@ -220,11 +226,20 @@ def _own(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.cpu().clone(memory_format=torch.contiguous_format)
 
 
+def latent_key(vae, clip_selection: dict | None) -> str:
+    """vae_key, and with video clips (data.video_*) the frames they are read with: another frame count, rate or
+    extraction is another cache folder (a set without clips keeps its key)."""
+    key = vae_key(vae)
+    if clip_selection is None:
+        return key
+    return hashlib.sha256(f"{key} clips {json.dumps(clip_selection, sort_keys=True)}".encode()).hexdigest()
+
+
 def attach_latent_cache(dataset, vae, runtime, log=print, workers: int = 0, posterior=None, **options) -> Path:
     """`workers`: loader processes reading the images while the VAE encodes (data.loader_workers); `posterior`: the
-    family's `encode_posterior` (the default: a VAE of images)."""
+    family's `encode_posterior` (the default: a VAE of images; a video family's takes clips (B, 3, F, H, W) too)."""
     encoder = LatentEncoder(dataset, vae, workers=workers, posterior=posterior)
-    return attach_cache(dataset, "latents", vae_key(vae), encoder, runtime, log, **options)
+    return attach_cache(dataset, "latents", latent_key(vae, dataset.clip_selection), encoder, runtime, log, **options)
 
 
 def attach_text_cache(dataset, model, runtime, log=print, **options) -> Path:

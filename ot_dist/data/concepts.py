@@ -15,7 +15,7 @@ from ot_dist.config.schema import ConceptConfig, DataConfig
 from ot_dist.data import images as image_files
 from ot_dist.data.images import HEIF_EXTENSIONS, UnreadableImage, open_image
 from ot_dist.data.unreadable import check_unreadable
-from ot_dist.data.video import VIDEO_EXTENSIONS, UnreadableClip, clip_frames
+from ot_dist.data.video import VIDEO_EXTENSIONS, UnreadableClip, scan_clip
 from ot_dist.errors import InputFileError
 
 MASK_SUFFIX = "-masklabel.png"
@@ -50,6 +50,8 @@ class SourceSample:
     number: int = 0  # position in the list of every concept's images (concept, then path): names the sample
     reference: Path | None = None  # the concept's reference_path partner (edit models' conditioning image)
     more_references: tuple[Path, ...] = ()  # its second, third ... (numbered partners: `a_0.png`, `a_1.png`)
+    # a video clip's window (start, frame count) on its timeline (video.py clip_windows): each window is a sample
+    window: tuple[int, int] | None = None
 
 
 def concept_name(concept: ConceptConfig) -> str:
@@ -61,9 +63,13 @@ class Scan:
     """What a scan of the concept folders found: the samples, the unreadable images (bad samples, counted
     against data.max_bad_fraction) and every other file that is not used, each with its reason."""
 
-    samples: list[SourceSample]
+    samples: list[SourceSample]  # a clip gives one per window (data.video_frame_extraction)
     bad: list[tuple[Path, str]]  # (image, error)
     unused: list[tuple[Path, str]]  # (file, reason)
+
+    def files(self) -> int:
+        """The images and clips read (a clip's windows counted once), the unreadable ones too."""
+        return len({s.image for s in self.samples}) + len(self.bad)
 
     def unused_line(self) -> str:
         """`3 files not used: a.heic (install ot-dist[heic]), notes.pdf (not an image)`, or '' when none."""
@@ -108,16 +114,28 @@ def scan_folders(data: DataConfig, log=print, part: tuple[int, int] | None = Non
             bad.append((image, size))
             continue
         references = partners.get((index, image), [])
-        samples.append(SourceSample(index, image, read_caption(concept, image), mask_of(image), size, number,
-                                    references[0] if references else None, tuple(references[1:])))
+        size, windows = (size.size, size.windows) if isinstance(size, ClipSize) else (size, [None])
+        caption = read_caption(concept, image)
+        samples += [SourceSample(index, image, caption, mask_of(image), size, number,
+                                 references[0] if references else None, tuple(references[1:]), window)
+                    for window in windows]
+    scan = Scan(samples, bad, unused)
     if part is None:
-        check_bad_fraction(data, bad, len(samples) + len(bad), log)
-    return Scan(samples, bad, unused)
+        check_bad_fraction(data, bad, scan.files(), log)
+    return scan
+
+
+@dataclass(frozen=True)
+class ClipSize:
+    """What SizeProbe finds of a clip: its first frame's (width, height) and its windows (video.py clip_windows)."""
+
+    size: tuple[int, int]
+    windows: list[tuple[int, int]]
 
 
 class SizeProbe:
-    """Callable on an image path -> its upright (width, height), or the error text naming it; picklable. A clip: the
-    size of its first frame, after decoding the frames it trains on (a clip too short for them is named here)."""
+    """Callable on an image path -> its upright (width, height), or the error text naming it; picklable. A clip: a
+    ClipSize, after decoding the frames that decide its windows (a clip too short for one is named here)."""
 
     def __init__(self, max_pixels, background, clips: dict | None = None):
         self.max_pixels, self.background, self.clips = max_pixels, background, clips
@@ -125,17 +143,20 @@ class SizeProbe:
     def __call__(self, image: Path) -> tuple[int, int] | str:
         try:
             if self.clips is not None and image.suffix.lower() in VIDEO_EXTENSIONS:
-                return clip_frames(image, where=str(image), **self.clips)[0].size
+                return ClipSize(*scan_clip(image, self.clips, str(image)))
             return open_image(image, self.max_pixels, self.background).size
         except (UnreadableImage, UnreadableClip) as err:
             return str(err)
 
 
 def clip_selection(data: DataConfig) -> dict | None:
-    """clip_frames' selection arguments from data.video_*; None when clips are not samples."""
+    """How clips' frames are chosen, from data.video_* (video.py: frames, rates, extraction and its stride / sample
+    count); None when clips are not samples. The latent cache's key holds it."""
     if data.video_frames is None:
         return None
-    return {"frames": data.video_frames, "fps": data.video_fps, "source_fps": data.video_source_fps}
+    return {"frames": data.video_frames, "fps": data.video_fps, "source_fps": data.video_source_fps,
+            "extraction": data.video_frame_extraction, "stride": data.video_frame_stride,
+            "sample": data.video_frame_sample}
 
 
 def map_over_workers(function, items: list, workers: int) -> list:
@@ -332,14 +353,24 @@ def caption_lines(text: str) -> list[str]:
 
 
 def check_clip_batches(manifest: dict, batch_size: int) -> None:
-    """A set of clips and images trains with batch_size 1 only: a clip's (3, F, H, W) pixels and an image's (3, H, W)
-    cannot stack into one micro batch, and the epoch plan groups samples by bucket, not by kind (checked before the
-    model loads, rather than at the first mixed batch)."""
+    """A set of clips and images, or of clips of several lengths (extraction full), trains with batch_size 1 only: a
+    clip's (3, F, H, W) pixels and an image's (3, H, W) cannot stack into one micro batch (padded to one length, the
+    padding frames would be attended: WanTransformer3DModel takes no attention mask), and the epoch plan groups
+    samples by bucket, not by frame count as musubi-tuner's batches do (checked before the model loads, rather than
+    at the first mixed batch)."""
     clips, total = manifest.get("clip_samples", 0), manifest.get("sample_count", 0)
     if 0 < clips < total and batch_size > 1:
         raise InputFileError(f"data: the shard set holds {clips} video clips and {total - clips} images, which cannot "
-                             f"share a micro batch (batch_size {batch_size}); train them in separate runs, or with "
-                             "batch_size 1")
+                             f"share a micro batch (batch_size {batch_size}): an image's latent has 1 frame, a clip's "
+                             "more, and Wan's transformer takes no mask to pad them to one length, while the epoch "
+                             "plan groups samples by bucket, not by frame count; train them in separate runs, or with "
+                             "batch_size 1 (gradient_accumulation_steps for a larger global batch)")
+    counts = manifest.get("clip_frame_counts", [])
+    if len(counts) > 1 and batch_size > 1:
+        raise InputFileError(f"data: the shard set's clips have {len(counts)} frame counts ({', '.join(map(str, counts))}: "
+                             "data.video_frame_extraction full keeps each clip's length), whose frames cannot share a "
+                             f"micro batch (batch_size {batch_size}); train with batch_size 1, or with clips of at least "
+                             "data.video_frames frames, or another extraction")
 
 
 def check_video_clips(manifest: dict, family) -> None:

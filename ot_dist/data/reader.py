@@ -36,7 +36,7 @@ from ot_dist.data.remote import RemoteStore, filesystem, is_url
 from ot_dist.data.sample_encoder import reference_kind
 from ot_dist.data.sample_index import MASK, REFERENCE, reference_counts, shard_label
 from ot_dist.data.small_buckets import move_small_buckets
-from ot_dist.data.shards import read_manifest
+from ot_dist.data.shards import clip_settings, read_manifest
 from ot_dist.data.variations import Variations, member_name
 from ot_dist.data.video import clip_frames
 from ot_dist.errors import InputFileError
@@ -68,6 +68,7 @@ class ShardDataset:
             external.register_openers(self.layout["image"])
         self.background = parse_colour(config.data.image_background)
         self.clip_selection = clip_selection(config.data)  # how video clips' frames are chosen (video.py)
+        check_clip_set(self.manifest, config.data, self.dir)
         missing = sorted(set(self.resolutions) - set(self.manifest["resolutions"]))
         if missing and not self.layout:
             raise InputFileError(
@@ -282,6 +283,16 @@ class ShardDataset:
             out["mask_given"] = torch.tensor(bool(sample["mask"]))  # inpainting draws a mask for the others
         return out
 
+    def frames_of(self, sample_id: int) -> int:
+        """The frames a sample trains on: 0 for an image, a clip window's count."""
+        if self.clip_selection is None or not self._clip_member(self._sample(sample_id)):
+            return 0
+        return self._clip_window(sample_id)[1]
+
+    def _clip_window(self, sample_id: int) -> tuple[int, int]:
+        """(start, frames) of a clip sample on its timeline (video.py); a set built before windows: its head."""
+        return tuple(self.metadata(sample_id).get("clip_window", (0, self.clip_selection["frames"])))
+
     def _clip_member(self, sample: dict) -> str | None:
         """The member holding a video clip's own bytes (`clip.mp4`, ...), None for an image sample."""
         return next((suffix for suffix in sample["members"] if suffix.startswith("clip.")), None)
@@ -295,8 +306,10 @@ class ShardDataset:
         suffix = self._clip_member(sample)
         path = self.samples.shard_path(sample["shard"])
         where = f"shard {shard_label(path)} sample {sample['key']} member {suffix}"
-        frames = clip_frames(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]),
-                             where=where, **self.clip_selection)
+        start, count = self._clip_window(sample_id)
+        selection = self.clip_selection
+        frames = clip_frames(self.member_bytes(path, sample["key"], suffix, *sample["members"][suffix]), count,
+                             selection["fps"], selection["source_fps"], where, start)
         height, width = size
         frames = [resize_to_cover(frame, size) for frame in frames]
         top, left = self._crop_offset(frames[0].height - height, frames[0].width - width, sample_id, epoch)
@@ -330,6 +343,22 @@ class ShardDataset:
 
     def __getstate__(self):  # the index pickles as its folder, the shard files as none open (sample_index.py)
         return {**self.__dict__, "_last": None}
+
+
+def check_clip_set(manifest: dict, data, shard_dir: Path) -> None:
+    """A set holding clips read with the video settings it was built with: its windows (start, frames) are on the
+    timeline those settings make (a run from data.shards alone does not rebuild it as a run from concepts does)."""
+    if not manifest.get("clip_samples"):
+        return
+    built = {k: v for k, v in manifest.get("built_from", {}).items() if k.startswith("video_")}
+    wanted = clip_settings(data)
+    if built and built != wanted:
+        changed = sorted((k for k in set(built) | set(wanted) if built.get(k) != wanted.get(k)),
+                         key=lambda k: (k != "video_frames", k))
+        raise InputFileError(f"data.{changed[0]}: the shard set {shard_dir} was built with "
+                             + ", ".join(f"{k} {built.get(k)}" for k in changed) + ", this run asks for "
+                             + ", ".join(f"{k} {wanted.get(k)}" for k in changed)
+                             + "; rebuild it (ot-dist shard build CONFIG) or train with the settings it was built with")
 
 
 def _warn(message: str) -> None:

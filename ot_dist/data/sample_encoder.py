@@ -38,6 +38,8 @@ class SampleEncoder:
         config, data = self.config, self.config.data
         warnings: list[str] = []
         key = f"c{source.concept}_{n:08d}"
+        if source.window is not None and data.video_frame_extraction != "head":  # a clip's windows: one sample each
+            key += f"_{source.window[0]:05d}-{source.window[1]:03d}"  # (musubi-tuner's item key: start-frames)
         bucket = config_bucket_of(config, *source.size)
         sample = {"__key__": key, "txt": source.caption.encode("utf-8")}
         meta = {"source": str(source.image), "mask": str(source.mask) if source.mask else None,
@@ -97,9 +99,10 @@ def encoded_clip(config, source, sample: dict, meta: dict, bucket: int):
         width, height = cover_size(*source.size, target)
         meta["resolutions"][str(res)] = {"bucket_size": list(target), "resized_size": [height, width]}
     meta["clip"] = True
+    meta["clip_window"] = list(source.window)  # (start, frames) on the clip's timeline: the reader decodes these
     sample["json"] = json.dumps(meta).encode()
     record = {"key": sample["__key__"], "bucket": bucket, "concept": source.concept, "mask": False, "reference": 0,
-              "clip": True}
+              "clip": True, "frames": source.window[1]}  # (into the manifest's clip_frame_counts, not the index)
     return sample, record, []
 
 

@@ -36,7 +36,7 @@ PART_FOLDER = re.compile(r"part-(\d{5})-of-(\d{5})")
 MERGE_WAIT_S = 86400  # how long a merge at train start (or in the k8s merge pod) waits for parts still building
 COLUMNS = ("key", "shard", "bucket", "concept", "mask", "number")  # a part's samples, one list per field
 # added later: a part written before reads as the default
-OPTIONAL_COLUMNS = {"reference": False, "clip": False}
+OPTIONAL_COLUMNS = {"reference": False, "clip": False, "frames": 0}  # frames: a clip window's (0: an image)
 
 
 def parse_part(text: str) -> tuple[int, int]:
@@ -94,7 +94,7 @@ def build_part(config: TrainConfig, out_dir: str | Path, part: tuple[int, int], 
     records = write_shards(config, folder, sources, workers, log)
     content = {
         "format": PART_FORMAT, "part": number, "parts": parts, "fingerprint": fingerprint,
-        "images": len(scan.samples) + len(scan.bad),  # of this part's range, for the merged unreadable limit
+        "images": scan.files(),  # of this part's range, for the merged unreadable limit
         "shards": sorted(p.name for p in folder.glob("shard-*.tar")),
         **{column: [] for column in (*COLUMNS, *OPTIONAL_COLUMNS)},
         "unused_files": [{"file": str(path), "reason": reason} for path, reason in scan.unused],
@@ -102,8 +102,10 @@ def build_part(config: TrainConfig, out_dir: str | Path, part: tuple[int, int], 
     }
     for record, source in zip(records, build_order(config, sources), strict=True):
         record["number"] = source.number
-        for column in (*COLUMNS, *OPTIONAL_COLUMNS):
+        for column in COLUMNS:
             content[column].append(record[column])
+        for column, default in OPTIONAL_COLUMNS.items():
+            content[column].append(record.get(column, default))
     tmp = folder / (PART_FILE + ".tmp")
     tmp.write_text(json.dumps(content))
     os.replace(tmp, folder / PART_FILE)  # last: a folder without it is an unfinished part
@@ -170,9 +172,9 @@ def merge_parts(config: TrainConfig, out_dir: str | Path, parts: int | None = No
     check_bad_fraction(config.data, [(b["file"], b["error"]) for b in bad], sum(c["images"] for c in contents), log)
     if not records:
         raise InputFileError("data: no image is left to build the shard set from")
-    records.sort(key=lambda r: (r["bucket"], r["number"]))  # the one-process build's order
-    records = [{field: r[field] for field in ("key", "shard", "bucket", "concept", "mask", "reference")}
-               for r in records]
+    records.sort(key=lambda r: (r["bucket"], r["number"]))  # the one-process build's order (a clip's windows: stable)
+    records = [{field: r[field] for field in ("key", "shard", "bucket", "concept", "mask", "reference", "clip")}
+               | ({"frames": r["frames"]} if r["clip"] else {}) for r in records]
     (out_dir / MANIFEST).unlink(missing_ok=True)
     manifest = write_manifest(config, out_dir, records, contents[0]["fingerprint"], config_path, unused, bad,
                               shard_files=shard_files)

@@ -89,8 +89,14 @@ def clip_settings(data) -> dict:
     data.video_frames, so sets built before clips keep their fingerprint."""
     if data.video_frames is None:
         return {}
-    return {"video_frames": data.video_frames, "video_fps": data.video_fps, "video_source_fps": data.video_source_fps,
-            "video_frame_extraction": data.video_frame_extraction}
+    settings = {"video_frames": data.video_frames, "video_fps": data.video_fps,
+                "video_source_fps": data.video_source_fps, "video_frame_extraction": data.video_frame_extraction}
+    # the windows' spacing, where the extraction uses it (so that head sets keep their fingerprint)
+    if data.video_frame_extraction == "slide":
+        settings["video_frame_stride"] = data.video_frame_stride
+    if data.video_frame_extraction == "uniform":
+        settings["video_frame_sample"] = data.video_frame_sample
+    return settings
 
 
 def source_fingerprint(config: TrainConfig) -> str:
@@ -245,15 +251,17 @@ def unused_report(manifest: dict) -> list[str]:
 def small_images(config: TrainConfig, sources: list) -> tuple[list, list[tuple[Path, str]]]:
     """(the samples to build, [(image, reason)] of those with a side below a quarter of the side of the bucket
     they are scaled to at the largest resolution). Without data.skip_small_images every sample is built."""
-    keep, small = [], []
+    keep, small, named = [], [], set()
     res = max(config.resolutions())
     roots = [Path(concept.path) for _, concept in config.data.concept_list()]
     for source in sources:
         width, height = source.size
         bucket_height, bucket_width = bucket_size(config_bucket_of(config, width, height), res, config.data.bucket_step)
         if 4 * width < bucket_width or 4 * height < bucket_height:
-            small.append((source.image.relative_to(roots[source.concept]),
-                          f"{width}x{height} for a {bucket_width}x{bucket_height} bucket"))
+            if source.image not in named:  # a clip's windows: named once
+                named.add(source.image)
+                small.append((source.image.relative_to(roots[source.concept]),
+                              f"{width}x{height} for a {bucket_width}x{bucket_height} bucket"))
             if config.data.skip_small_images:
                 continue
         keep.append(source)
@@ -366,6 +374,8 @@ def write_manifest(config: TrainConfig, out_dir: Path, records: list[dict], fing
         "shards": shards,
         "sample_count": len(records),
         "clip_samples": sum(1 for r in records if r.get("clip")),  # video clips among them (video.py)
+        # their frame counts (data.video_frame_extraction full: several; a micro batch stacks one)
+        "clip_frame_counts": sorted({r.pop("frames") for r in records if r.get("clip") and "frames" in r}),
         "index": index_description(),
         "unused_files": list(unused),  # files in the concept folders that are not samples, with the reason
         "unreadable_images": list(bad),  # skipped within data.max_bad_fraction

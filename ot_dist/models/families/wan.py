@@ -29,8 +29,8 @@ other 14 B is never read. Its training times stay on its side of the boundary: t
 pipeline needs both experts: the other 14 B only for samples would double the memory); a full finetune's export is
 the A14B folder again, the trained expert in its own slot and the other copied from the base folder.
 
-Not supported (refused, not silently done wrong): video clips without data.video_frames, with a latent cache, or in
-a micro batch with images; Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`): refused; image-to-video models (an image encoder).
+Not supported (refused, not silently done wrong): video clips without data.video_frames, or in a micro
+batch with images (a clip's latents are cached whole with data.cache_latents); Wan 2.2 TI2V-5B's per-token timesteps (`expand_timesteps`): refused; image-to-video models (an image encoder).
 
 LoRA files: the diffusers layout (`transformer.<module>.lora_A/B.weight`) that WanPipeline.load_lora_weights reads,
 and beside it `lora_comfyui.safetensors` in the original module names (`diffusion_model.blocks.0.self_attn.q...`), the
