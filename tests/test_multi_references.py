@@ -1,8 +1,9 @@
 """Several reference images per sample (FLUX.2, Qwen-Image-Edit-2509): a reference folder's numbered partners
 `a_0.png`, `a_1.png` (musubi-tuner's control_directory layout) become each sample's references in order, with the
 image's geometry; the denoiser sees them as the pipelines' image lists (FLUX.2's ids 10 + 10 i, Qwen's
-"Picture 1: ", "Picture 2: " and img_shapes); a family that takes fewer, samples with different counts and the latent
-cache are refused before the model loads; a missing partner is named before any shard."""
+"Picture 1: ", "Picture 2: " and img_shapes); a family that takes fewer and samples with different counts are refused
+before the model loads; a missing partner is named before any shard; the latent cache keeps every reference's
+posterior and trains as the pixels do."""
 
 from __future__ import annotations
 
@@ -137,8 +138,7 @@ def test_a_family_taking_one_reference_refuses_two_naming_the_field(family_model
         Trainer(config, log=quiet)
 
 
-def test_samples_with_different_counts_and_the_latent_cache_are_refused(family_models, numbered_pairs, tmp_path,
-                                                                         monkeypatch):
+def test_samples_with_different_counts_are_refused(family_models, numbered_pairs, tmp_path, monkeypatch):
     images, two, one = numbered_pairs
     no_model_loading(monkeypatch)
     mixed = [{"path": str(images), "reference_path": str(two)},
@@ -146,9 +146,6 @@ def test_samples_with_different_counts_and_the_latent_cache_are_refused(family_m
     config = edit_config("flux2", family_models["flux2"], images, None, tmp_path / "o", concepts=mixed)
     with pytest.raises(ConfigError, match="samples give different numbers of reference images: 16 with 1 .*16 with 2"):
         Trainer(config, log=quiet)
-    cached = edit_config("flux2", family_models["flux2"], images, two, tmp_path / "c", **{"data.cache_latents": True})
-    with pytest.raises(ConfigError, match="data.cache_latents: the latent cache keeps one reference image a sample"):
-        Trainer(cached, log=quiet)
 
 
 # -- the denoiser's view: the pipelines' image lists --------------------------------------------------------------
@@ -245,3 +242,52 @@ def test_training_with_two_references_lowers_the_loss_and_differs_from_one(famil
     per_epoch = runs["two"].reshape(3, -1).mean(axis=1)
     assert per_epoch[-1] < per_epoch[0] - 0.01, f"loss did not fall: {per_epoch}"
     assert runs["two"].shape == runs["one"].shape and np.abs(runs["two"] - runs["one"]).max() > 1e-4
+
+
+# -- the latent cache -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family, count", [("flux2", 2), ("qwen_image_edit_plus", 2), ("qwen_image_edit", 1)])
+def test_cached_latents_of_every_reference_train_as_the_pixels(family, count, family_models, numbered_pairs, tmp_path):
+    """data.cache_latents keeps each reference's posterior (`reference_latent`, `reference2_latent`): the denoiser sees
+    the uncached references' latents in order and the first step's loss is the uncached one. Qwen-Image-Edit's
+    vision tower still reads the references' pixels (given beside the cached latents)."""
+    from ot_dist.train.loss import diffusion_loss
+    from ot_dist.train.references import reference_latents
+
+    images, two, one = numbered_pairs
+    losses, seen = {}, {}
+    for cache in (False, True):
+        config = edit_config(family, family_models[family], images, two if count == 2 else one, tmp_path / f"o{cache}",
+                             **{"data.cache_latents": cache})
+        trainer = Trainer(config, log=quiet)
+        batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+        assert ("reference_latent_mean" in batch) == cache
+        assert ("more_reference_latent_mean" in batch) == (cache and count > 1)
+        with torch.no_grad():
+            losses[cache] = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
+            seen[cache] = reference_latents(reference_conditioning(trainer.model, batch, "cpu", torch.float32))
+    assert len(seen[True]) == len(seen[False]) == count
+    for cached, uncached in zip(seen[True], seen[False]):
+        torch.testing.assert_close(cached, uncached, rtol=1e-5, atol=1e-5)
+    if count > 1:  # the two references differ: their order shows
+        assert (seen[True][0] - seen[True][1]).abs().max() > 1e-2
+    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+
+
+def test_changed_references_are_cached_again(family_models, numbered_pairs, tmp_path):
+    """A cache belongs to the shard set's fingerprint, which follows every numbered partner: after the second
+    references are replaced by copies of the first, the set and its latent cache are rebuilt, and the cached second
+    reference is now the first one's posterior."""
+    images, two, _ = numbered_pairs
+    references = shutil.copytree(two, tmp_path / "references")
+    settings = {"data.cache_latents": True, "data.shards": str(tmp_path / "shards")}
+    model = family_models["flux2_klein"]
+    before = Trainer(edit_config("flux2_klein", model, images, references, tmp_path / "a", **settings),
+                     log=quiet).dataset.load(0, 0)
+    for second in references.glob("*_1.png"):
+        shutil.copy(references / second.name.replace("_1.png", "_0.png"), second)
+    after = Trainer(edit_config("flux2_klein", model, images, references, tmp_path / "b", **settings),
+                    log=quiet).dataset.load(0, 0)
+    assert (before["more_reference_latent_mean"] - before["reference_latent_mean"]).abs().max() > 1e-2
+    torch.testing.assert_close(after["more_reference_latent_mean"][0], before["reference_latent_mean"])
+    torch.testing.assert_close(after["reference_latent_mean"], before["reference_latent_mean"])
