@@ -291,3 +291,64 @@ def test_changed_references_are_cached_again(family_models, numbered_pairs, tmp_
     assert (before["more_reference_latent_mean"] - before["reference_latent_mean"]).abs().max() > 1e-2
     torch.testing.assert_close(after["more_reference_latent_mean"][0], before["reference_latent_mean"])
     torch.testing.assert_close(after["reference_latent_mean"], before["reference_latent_mean"])
+
+
+# -- samples --------------------------------------------------------------------------------------------------------
+
+def pipeline_sample(family, folder, images, **options):
+    """The family's diffusers pipeline on the model folder, given `images` as its image=[...], at 80 x 64."""
+    pipe = qwen_tests.load_pipeline(folder, family)
+    if family == "qwen_image_edit_plus":  # ot_dist samples with the blank negative prompt and true CFG
+        options |= {"negative_prompt": " ", "true_cfg_scale": options.pop("guidance_scale")}
+    else:
+        from ot_dist.models.families.registry import get_family
+
+        options["max_sequence_length"] = get_family(family).pipeline_call_options(pipe)["max_sequence_length"]
+    return np.asarray(pipe(image=images, prompt="put the hat of picture 2 on picture 1", width=80, height=64,
+                           num_inference_steps=2, generator=torch.Generator().manual_seed(3), output_type="pil",
+                           **options).images[0]).astype(int)
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwen_image_edit_plus"])
+def test_samples_with_two_references_equal_the_pipeline_given_the_list(family, family_models, numbered_pairs,
+                                                                       tmp_path):
+    """A prompt's reference_image list reaches the pipeline as image=[first, second] (FLUX.2: each scaled to cover the
+    sample and centre-cropped, as training pairs' references; Qwen-Image-Edit-2509: as read, the pipeline scales
+    them); the sample equals the pipeline's with the same seed, and not its sample from the first alone."""
+    from PIL import Image
+
+    images, two, _ = numbered_pairs
+    paths = [two / "0003_0.png", two / "0003_1.png"]
+    prompt = {"prompt": "put the hat of picture 2 on picture 1", "seed": 3, "steps": 2, "guidance_scale": 20.0,
+              "width": 80, "height": 64, "reference_image": [str(p) for p in paths]}
+    trainer = Trainer(edit_config(family, family_models[family], images, two, tmp_path / "o",
+                                  **{"sampling.prompts": [prompt]}), log=quiet)
+    (written,) = trainer.sampler.sample(trainer, 0)
+    ours = np.asarray(Image.open(written).convert("RGB")).astype(int)
+    assert ours.shape == (64, 80, 3)
+    given = [Image.open(p).convert("RGB") for p in paths]
+    if family == "flux2":  # 64 x 64 drawings covering 80 x 64: scaled to 80 x 80, the middle 64 rows
+        given = [g.resize((80, 80), Image.Resampling.BICUBIC).crop((0, 8, 80, 72)) for g in given]
+    theirs = pipeline_sample(family, family_models[family], given, guidance_scale=20.0)
+    first_only = pipeline_sample(family, family_models[family], given[:1], guidance_scale=20.0)
+    assert np.abs(ours - theirs).max() <= 1
+    # the second reference reached the sample (the random tiny models move little with it): the comparison above
+    # can fail
+    assert (ours != first_only).sum() > 10 * max(1, (ours != theirs).sum())
+
+
+def test_more_sample_references_than_the_family_takes_is_a_config_error_naming_the_prompt(family_models,
+                                                                                         numbered_pairs, tmp_path):
+    images, two, _ = numbered_pairs
+    prompts = [{"prompt": "a dot"}, {"prompt": "the hats of pictures 2 to 4 on picture 1",
+                                     "reference_image": [str(two / "0003_0.png")] * 4}]
+    with pytest.raises(Exception, match=r"sampling.prompts\[1\].reference_image: 4 reference images for the prompt "
+                                        r"'the hats of pictures 2 to 4 on picture 1', and qwen_image_edit_plus takes "
+                                        r"at most 3; flux2, flux2_klein take more"):
+        edit_config("qwen_image_edit_plus", family_models["qwen_image_edit_plus"], images, two, tmp_path / "o",
+                    **{"sampling.prompts": prompts})
+    kontext = [{"prompt": "two pictures", "reference_image": [str(two / "0003_0.png")] * 2}]
+    with pytest.raises(Exception, match=r"sampling.prompts\[0\].reference_image: 2 reference images .* flux_kontext "
+                                        r"takes at most 1"):
+        edit_config("flux_kontext", family_models["flux_kontext"], images, two, tmp_path / "k",
+                    **{"sampling.prompts": kontext})

@@ -1024,6 +1024,14 @@ class TrainConfig(Section):
                 raise ValueError(f"sampling.prompts[{i}].guidance_rescale: {self.model.family}'s pipeline "
                                  f"({family.pipeline_class}) has no guidance_rescale; remove it (SD 1.x / 2.x / SDXL "
                                  "only)")
+            given = len(prompt.reference_images())
+            if family.takes_reference_images and given > family.max_reference_images:
+                from ot_dist.train.references import several_reference_families
+
+                raise ValueError(f"sampling.prompts[{i}].reference_image: {given} reference images for the prompt "
+                                 f"{prompt.prompt[:40]!r}, and {self.model.family} takes at most "
+                                 f"{family.max_reference_images}; "
+                                 f"{', '.join(several_reference_families())} take more")
 
     def resolutions(self) -> list[int]:
         return sorted(set(self.resolution)) if isinstance(self.resolution, list) else [self.resolution]

@@ -156,16 +156,18 @@ class QwenImageEdit(QwenImage):
 
     # -- sampling ---------------------------------------------------------------------------------------
     def sampling_arguments(self, pipeline, arguments):
-        """The prompt's reference image (upright RGB) as the pipeline's `image`, which it scales to its 1024^2 area
-        itself; the rest as Qwen-Image's (true_cfg_scale, the blank negative prompt)."""
+        """The prompt's reference images (upright RGB) as the pipeline's `image`, which scales them itself (1024^2 for
+        the VAE; QwenImageEditPlusPipeline 384^2 for the vision tower): one as itself, several (Qwen-Image-Edit-2509)
+        as the list `image=[...]` in order ("Picture 1: ", ...); the rest as Qwen-Image's (true_cfg_scale, the blank
+        negative prompt)."""
         from ot_dist.data.images import open_image
 
         arguments = dict(arguments)
-        reference = arguments.pop("reference_image", None)
+        references = [open_image(path) for path in arguments.pop("reference_images", [])]
         out = super().sampling_arguments(pipeline, arguments)
         out.pop("max_sequence_length", None)  # the edit pipeline's text has no cap to pass
-        if reference is not None:
-            out["image"] = open_image(reference)
+        if references:
+            out["image"] = references if len(references) > 1 else references[0]
         return out
 
     # -- demo and tests ---------------------------------------------------------------------------------
