@@ -88,6 +88,30 @@ def test_numbered_partners_are_each_samples_references_in_order_with_the_images_
     assert collate([dataset.load(0, 0), dataset.load(1, 0)])["more_reference_pixels"].shape[:2] == (2, 1)
 
 
+def test_a_list_of_reference_folders_gives_one_reference_from_each_in_order(tmp_path):
+    """reference_path [inverted/, same/] (ai-toolkit's control_path list, SimpleTuner's conditioning datasets): each
+    folder's same-name image is a reference, in list order: the first is -pixels, the second +pixels, as the numbered
+    partners are; a folder that lacks an image's partner is named with its index."""
+    images, inverted = data_tests.paired_folder(tmp_path)
+    same = tmp_path / "same"
+    shutil.copytree(images, same, ignore=shutil.ignore_patterns("*.txt"))
+    config = data_tests.config_for(images, None, tmp_path / "o", reference_path=[str(inverted), str(same)],
+                                   flip_probability=0.5)
+    build_shard_set(config, tmp_path / "shards", log=quiet)
+    dataset = ShardDataset(tmp_path / "shards", config)
+    assert dataset.reference_counts() == {2: [0, 1, 2, 3]}
+    for epoch in range(2):
+        for i in range(len(dataset)):
+            sample = dataset.load(i, epoch)
+            np.testing.assert_allclose(sample["reference_pixels"].numpy(), -sample["pixels"].numpy(), atol=1.5 / 127.5)
+            np.testing.assert_allclose(sample["more_reference_pixels"][0].numpy(), sample["pixels"].numpy(), atol=1e-6)
+    (same / "02.png").unlink()
+    with pytest.raises(InputFileError, match=r"reference_path\[1\]: 1 of 4 images have no reference image .*: 02.png"):
+        build_shard_set(config, tmp_path / "again", log=quiet)
+    with pytest.raises(Exception, match="reference_path: an empty list"):
+        data_tests.config_for(images, None, tmp_path / "o", reference_path=[])
+
+
 def test_a_set_built_in_parts_keeps_each_samples_count(tmp_path):
     from ot_dist.data.shard_parts import build_part, merge_parts
 
