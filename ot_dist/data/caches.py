@@ -141,8 +141,8 @@ class LatentEncoder:
             holders = [members for count, members in zip(counts, out) if count > version]
             for resolution in self.dataset.resolutions:
                 images = {f"{resolution}.latent.safetensors": by_resolution[resolution]}
-                images |= {reference_latent_member(resolution, index): by_resolution[f"{resolution}.{reference_kind(index)}"]
-                           for index in range(self.references)}
+                images |= {reference_latent_member(resolution, index):
+                           by_resolution[f"{resolution}.{reference_kind(index)}"] for index in range(self.references)}
                 for name, pixels in images.items():
                     batch = pixels.to(device=first.device, dtype=compute_dtype(self.vae))
                     mean, std = (t.float().cpu() for t in self.posterior(self.vae, batch))

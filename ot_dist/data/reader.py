@@ -225,7 +225,8 @@ class ShardDataset:
         elif self._clip_member(sample):
             top, left, out = self._clip(sample, sample_id, epoch, resolution, (height, width))
         else:
-            top, left, out, mask_image = self._pixel_sample(sample, sample_id, epoch, resolution, moved, (height, width))
+            top, left, out, mask_image = self._pixel_sample(sample, sample_id, epoch, resolution, moved,
+                                                            (height, width))
         box = (left, top, left + width, top + height)
         captions = self.captions(sample_id)
         line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
@@ -280,7 +281,7 @@ class ShardDataset:
                 mask_image = resize_to_cover(mask_image, (height, width), Image.Resampling.BILINEAR)
             mask_image = mask_image.crop(box)
         references = []
-        for index in range(sample["reference"]):  # how many  # stored at the image's size: the same box and augmentation
+        for index in range(sample["reference"]):  # how many; stored at the image's size: the same box and augmentation
             reference = self._read(sample, self._image_suffix(sample, resolution, reference_kind(index)))
             if moved:
                 reference = resize_to_cover(reference, (height, width))

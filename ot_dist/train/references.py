@@ -3,14 +3,15 @@ denoiser sees them as.
 
 The data layer carries `batch["reference_pixels"]` (B, 3, H, W, cropped and augmented as `pixels`; concepts'
 `reference_path`, ot_dist/data/concepts.py) or, with data.cache_latents, their posterior `reference_latent_mean` /
-`reference_latent_std` (and the pixels too where the family's text encoder reads them: Qwen-Image-Edit). The reference is encoded to the posterior's mean (no draw): what FluxKontextPipeline encodes
-at inference (retrieve_latents sample_mode argmax) and diffusers' Kontext script's default (--vae_encode_mode mode);
-FLUX.2's pipelines and img2img scripts take the mode too.
+`reference_latent_std` (and the pixels too where the family's text encoder reads them: Qwen-Image-Edit). The
+reference is encoded to the posterior's mean (no draw): what FluxKontextPipeline encodes at inference
+(retrieve_latents sample_mode argmax) and diffusers' Kontext script's default (--vae_encode_mode mode); FLUX.2's
+pipelines and img2img scripts take the mode too.
 
 Several references per sample (FLUX.2, Qwen-Image-Edit-2509: a reference folder's numbered partners `a_0`, `a_1`,
-...): the first stays `reference_pixels` / `reference_latents`, the others come as `more_reference_pixels`
-(B, N - 1, 3, H, W) or cached `more_reference_latent_mean` / `_std` (B, N - 1, C, h, w), and `more_reference_latents`
-(a list), so a one-reference run is the same as before.
+..., or a list of reference folders): the first stays `reference_pixels` / `reference_latents`, the others come as
+`more_reference_pixels` (B, N - 1, 3, H, W) or cached `more_reference_latent_mean` / `_std` (B, N - 1, C, h, w), and
+`more_reference_latents` (a list), so a one-reference run is the same as before.
 """
 
 from __future__ import annotations
