@@ -368,7 +368,7 @@ def test_more_sample_references_than_the_family_takes_is_a_config_error_naming_t
                                      "reference_image": [str(two / "0003_0.png")] * 4}]
     with pytest.raises(Exception, match=r"sampling.prompts\[1\].reference_image: 4 reference images for the prompt "
                                         r"'the hats of pictures 2 to 4 on picture 1', and qwen_image_edit_plus takes "
-                                        r"at most 3; flux2, flux2_klein take more"):
+                                        r"at most 3; flux2, flux2_klein take 4"):
         edit_config("qwen_image_edit_plus", family_models["qwen_image_edit_plus"], images, two, tmp_path / "o",
                     **{"sampling.prompts": prompts})
     kontext = [{"prompt": "two pictures", "reference_image": [str(two / "0003_0.png")] * 2}]

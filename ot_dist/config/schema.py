@@ -1036,10 +1036,11 @@ class TrainConfig(Section):
             if family.takes_reference_images and given > family.max_reference_images:
                 from ot_dist.train.references import several_reference_families
 
+                takers = [name for name in several_reference_families()
+                          if get_family(name).max_reference_images >= given]
                 raise ValueError(f"sampling.prompts[{i}].reference_image: {given} reference images for the prompt "
                                  f"{prompt.prompt[:40]!r}, and {self.model.family} takes at most "
-                                 f"{family.max_reference_images}; "
-                                 f"{', '.join(several_reference_families())} take more")
+                                 f"{family.max_reference_images}; {', '.join(takers) or 'no family'} take {given}")
 
     def resolutions(self) -> list[int]:
         return sorted(set(self.resolution)) if isinstance(self.resolution, list) else [self.resolution]
