@@ -9,7 +9,7 @@ number of processes) computes only the others. Members are safetensors (never pi
   it, is stored: training still draws the VAE sample per (seed, epoch, sample id), so a cached run
   trains exactly like an uncached one, minus the decoding and the encoder.
 - `<id>.<res>.reference_latent.safetensors`: the same for its reference image (edit models), cropped and augmented
-  as the image; with several references (numbered partners: FLUX.2, Qwen-Image-Edit-2509) the second, third ... as
+  as the image; with several references (FLUX.2, Qwen-Image-Edit-2509: docs/data.md) the second, third ... as
   `<id>.<res>.reference2_latent.safetensors`, `reference3_latent`, ... A cache belongs to one shard set's fingerprint,
   which follows the reference files: another reference (or another count) is another set, and its cache another.
 - `<id>.text.safetensors`: `<key>_<j>` for each key of the family's conditioning dict (`hidden`, `pooled`,
@@ -143,8 +143,8 @@ class LatentEncoder:
                 images = {f"{resolution}.latent.safetensors": by_resolution[resolution]}
                 images |= {reference_latent_member(resolution, index):
                            by_resolution[f"{resolution}.{reference_kind(index)}"] for index in range(self.references)}
-                for name, pixels in images.items():
-                    batch = pixels.to(device=first.device, dtype=compute_dtype(self.vae))
+                for name, stacked in images.items():
+                    batch = stacked.to(device=first.device, dtype=compute_dtype(self.vae))
                     mean, std = (t.float().cpu() for t in self.posterior(self.vae, batch))
                     for n, members in enumerate(holders):
                         members[member_name(name, version)] = save({"mean": _own(mean[n]), "std": _own(std[n])})
