@@ -273,29 +273,29 @@ def test_training_with_two_references_lowers_the_loss_and_differs_from_one(famil
 @pytest.mark.parametrize("family, count", [("flux2", 2), ("qwen_image_edit_plus", 2), ("qwen_image_edit", 1)])
 def test_cached_latents_of_every_reference_train_as_the_pixels(family, count, family_models, numbered_pairs, tmp_path):
     """data.cache_latents keeps each reference's posterior (`reference_latent`, `reference2_latent`): the denoiser sees
-    the uncached references' latents in order and the first step's loss is the uncached one. Qwen-Image-Edit's
-    vision tower still reads the references' pixels (given beside the cached latents)."""
-    from ot_dist.train.loss import diffusion_loss
+    the uncached references' latents in order, and three training steps (batches from a loader worker) have the
+    uncached losses. Qwen-Image-Edit's vision tower still reads the references' pixels (given beside the cached
+    latents)."""
     from ot_dist.train.references import reference_latents
 
     images, two, one = numbered_pairs
     losses, seen = {}, {}
     for cache in (False, True):
         config = edit_config(family, family_models[family], images, two if count == 2 else one, tmp_path / f"o{cache}",
-                             **{"data.cache_latents": cache})
+                             max_steps=3, **{"data.cache_latents": cache, "data.loader_workers": 1})
         trainer = Trainer(config, log=quiet)
         batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
         assert ("reference_latent_mean" in batch) == cache
         assert ("more_reference_latent_mean" in batch) == (cache and count > 1)
         with torch.no_grad():
-            losses[cache] = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
             seen[cache] = reference_latents(reference_conditioning(trainer.model, batch, "cpu", torch.float32))
+        losses[cache] = trainer.train().losses
     assert len(seen[True]) == len(seen[False]) == count
     for cached, uncached in zip(seen[True], seen[False]):
         torch.testing.assert_close(cached, uncached, rtol=1e-5, atol=1e-5)
     if count > 1:  # the two references differ: their order shows
         assert (seen[True][0] - seen[True][1]).abs().max() > 1e-2
-    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5, atol=1e-6)
 
 
 def test_changed_references_are_cached_again(family_models, numbered_pairs, tmp_path):
