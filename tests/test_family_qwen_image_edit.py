@@ -2,7 +2,7 @@
 QwenImageEditPipeline.encode_prompt with the reference (edit template, the processor's vision tokens, 64 dropped),
 the objective against the pipeline's denoiser call written out for one training batch (reference latents appended,
 both grids in img_shapes, the prediction sliced), samples against the pipeline with the same reference and seed, the
-LoRA file in load_lora_weights and by ComfyUI's Qwen-Image rule, and the refused caches."""
+LoRA file in load_lora_weights and by ComfyUI's Qwen-Image rule, and the refused text cache."""
 
 from __future__ import annotations
 
@@ -234,10 +234,10 @@ def test_a_full_finetune_lowers_the_loss(family_models, edit_pairs, tmp_path):
     assert per_epoch[-1] < per_epoch[0] - 0.01, f"loss did not fall: {per_epoch}"
 
 
-@pytest.mark.parametrize("option", ["cache_text", "cache_latents"])
-def test_caches_are_refused_before_the_model_loads(option, family_models, edit_pairs, tmp_path, monkeypatch):
-    """The text encoder reads each sample's reference pixels: neither a caption-keyed text cache nor a latent cache
-    (which keeps no pixels) can serve it."""
+def test_the_text_cache_is_refused_before_the_model_loads(family_models, edit_pairs, tmp_path, monkeypatch):
+    """The text encoder reads each sample's reference pixels: a caption-keyed text cache cannot serve it (the latent
+    cache can: the reader gives the pixels beside it, tests/test_multi_references.py)."""
+    option = "cache_text"
     import ot_dist.train.trainer as trainer_module
 
     def no_loading(*_):

@@ -501,6 +501,38 @@ def test_qwen_image_edit_v1_takes_its_conditioning_dataset_as_reference_images(t
     assert plus["model"]["family"] == "qwen_image_edit_plus"  # 2509, one reference per sample
 
 
+def test_several_conditioning_datasets_combined_are_a_list_of_reference_folders(tmp_path):
+    """Qwen-Image-Edit-2509 (edit-v2) with two reference_strict datasets: conditioning_multidataset_sampling combined
+    (every conditioning dataset shown with each image) is reference_path [first, second] in conditioning_data's order,
+    which builds two references per sample; random (SimpleTuner's default: one drawn per sample) keeps the first and
+    is listed."""
+    from ot_dist.config.schema import ConceptConfig
+    from ot_dist.data.concepts import list_images, reference_partners
+
+    images(tmp_path / "data" / "edited", ["a", "b"], {"a": "the hat of picture 2", "b": "the coat of picture 2"})
+    images(tmp_path / "data" / "people", ["a", "b"])
+    images(tmp_path / "data" / "clothes", ["a", "b"])
+    backends = [{"id": "edits", "type": "local", "instance_data_dir": "data/edited", "caption_strategy": "textfile",
+                 "conditioning_data": ["people", "clothes"]},
+                {"id": "clothes", "type": "local", "instance_data_dir": "data/clothes", "caption_strategy": None,
+                 "conditioning_type": "reference_strict"},
+                {"id": "people", "type": "local", "instance_data_dir": "data/people", "caption_strategy": None,
+                 "conditioning_type": "reference_strict"}]
+    settings = {"--model_family": "qwen_image", "--model_flavour": "edit-v2", "--model_type": "lora"}
+    config, text = imported(tmp_path, {**settings, "--conditioning_multidataset_sampling": "combined"}, backends)
+    assert config["model"]["family"] == "qwen_image_edit_plus"
+    (concept,) = config["data"]["concepts"]
+    assert [Path(p) for p in concept["reference_path"]] == [tmp_path / "data" / "people", tmp_path / "data" / "clothes"]
+    assert "conditioning_multidataset_sampling" not in text.split("NOT HONOURED")[1]
+    built = ConceptConfig(**concept)
+    partners = reference_partners("concepts[0]", built, list_images("concepts[0]", built))
+    assert [[p.parent.name for p in found] for found in partners.values()] == [["people", "clothes"]] * 2
+    config, text = imported(tmp_path, settings, backends)
+    (concept,) = config["data"]["concepts"]
+    assert Path(concept["reference_path"]) == tmp_path / "data" / "people"
+    assert "conditioning_multidataset_sampling random draws one of them per sample" in text.split("NOT HONOURED")[1]
+
+
 def test_ernie_family(tmp_path):
     """ERNIE-Image (simpletuner/examples/ernie.peft-lora): model_family ernie is ernie_image, its DEFAULT_LORA_TARGET
     (the attention projections), the common flow draw (sigmoid(N(0, 1)) shifted by 3.0)."""

@@ -1,8 +1,9 @@
 """Several reference images per sample (FLUX.2, Qwen-Image-Edit-2509): a reference folder's numbered partners
 `a_0.png`, `a_1.png` (musubi-tuner's control_directory layout) become each sample's references in order, with the
 image's geometry; the denoiser sees them as the pipelines' image lists (FLUX.2's ids 10 + 10 i, Qwen's
-"Picture 1: ", "Picture 2: " and img_shapes); a family that takes fewer, samples with different counts and the latent
-cache are refused before the model loads; a missing partner is named before any shard."""
+"Picture 1: ", "Picture 2: " and img_shapes); a family that takes fewer and samples with different counts are refused
+before the model loads; a missing partner is named before any shard; the latent cache keeps every reference's
+posterior and trains as the pixels do."""
 
 from __future__ import annotations
 
@@ -87,6 +88,30 @@ def test_numbered_partners_are_each_samples_references_in_order_with_the_images_
     assert collate([dataset.load(0, 0), dataset.load(1, 0)])["more_reference_pixels"].shape[:2] == (2, 1)
 
 
+def test_a_list_of_reference_folders_gives_one_reference_from_each_in_order(tmp_path):
+    """reference_path [inverted/, same/] (ai-toolkit's control_path list, SimpleTuner's conditioning datasets): each
+    folder's same-name image is a reference, in list order: the first is -pixels, the second +pixels, as the numbered
+    partners are; a folder that lacks an image's partner is named with its index."""
+    images, inverted = data_tests.paired_folder(tmp_path)
+    same = tmp_path / "same"
+    shutil.copytree(images, same, ignore=shutil.ignore_patterns("*.txt"))
+    config = data_tests.config_for(images, None, tmp_path / "o", reference_path=[str(inverted), str(same)],
+                                   flip_probability=0.5)
+    build_shard_set(config, tmp_path / "shards", log=quiet)
+    dataset = ShardDataset(tmp_path / "shards", config)
+    assert dataset.reference_counts() == {2: [0, 1, 2, 3]}
+    for epoch in range(2):
+        for i in range(len(dataset)):
+            sample = dataset.load(i, epoch)
+            np.testing.assert_allclose(sample["reference_pixels"].numpy(), -sample["pixels"].numpy(), atol=1.5 / 127.5)
+            np.testing.assert_allclose(sample["more_reference_pixels"][0].numpy(), sample["pixels"].numpy(), atol=1e-6)
+    (same / "02.png").unlink()
+    with pytest.raises(InputFileError, match=r"reference_path\[1\]: 1 of 4 images have no reference image .*: 02.png"):
+        build_shard_set(config, tmp_path / "again", log=quiet)
+    with pytest.raises(Exception, match="reference_path: an empty list"):
+        data_tests.config_for(images, None, tmp_path / "o", reference_path=[])
+
+
 def test_a_set_built_in_parts_keeps_each_samples_count(tmp_path):
     from ot_dist.data.shard_parts import build_part, merge_parts
 
@@ -137,8 +162,7 @@ def test_a_family_taking_one_reference_refuses_two_naming_the_field(family_model
         Trainer(config, log=quiet)
 
 
-def test_samples_with_different_counts_and_the_latent_cache_are_refused(family_models, numbered_pairs, tmp_path,
-                                                                         monkeypatch):
+def test_samples_with_different_counts_are_refused(family_models, numbered_pairs, tmp_path, monkeypatch):
     images, two, one = numbered_pairs
     no_model_loading(monkeypatch)
     mixed = [{"path": str(images), "reference_path": str(two)},
@@ -146,9 +170,6 @@ def test_samples_with_different_counts_and_the_latent_cache_are_refused(family_m
     config = edit_config("flux2", family_models["flux2"], images, None, tmp_path / "o", concepts=mixed)
     with pytest.raises(ConfigError, match="samples give different numbers of reference images: 16 with 1 .*16 with 2"):
         Trainer(config, log=quiet)
-    cached = edit_config("flux2", family_models["flux2"], images, two, tmp_path / "c", **{"data.cache_latents": True})
-    with pytest.raises(ConfigError, match="data.cache_latents: the latent cache keeps one reference image a sample"):
-        Trainer(cached, log=quiet)
 
 
 # -- the denoiser's view: the pipelines' image lists --------------------------------------------------------------
@@ -245,3 +266,119 @@ def test_training_with_two_references_lowers_the_loss_and_differs_from_one(famil
     per_epoch = runs["two"].reshape(3, -1).mean(axis=1)
     assert per_epoch[-1] < per_epoch[0] - 0.01, f"loss did not fall: {per_epoch}"
     assert runs["two"].shape == runs["one"].shape and np.abs(runs["two"] - runs["one"]).max() > 1e-4
+
+
+# -- the latent cache -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family, count", [("flux2", 2), ("qwen_image_edit_plus", 2), ("qwen_image_edit", 1)])
+def test_cached_latents_of_every_reference_train_as_the_pixels(family, count, family_models, numbered_pairs, tmp_path):
+    """data.cache_latents keeps each reference's posterior (`reference_latent`, `reference2_latent`): the denoiser sees
+    the uncached references' latents in order, and three training steps (batches from a loader worker) have the
+    uncached losses. Qwen-Image-Edit's vision tower still reads the references' pixels (given beside the cached
+    latents)."""
+    from ot_dist.train.references import reference_latents
+
+    images, two, one = numbered_pairs
+    losses, seen = {}, {}
+    for cache in (False, True):
+        config = edit_config(family, family_models[family], images, two if count == 2 else one, tmp_path / f"o{cache}",
+                             max_steps=3, **{"data.cache_latents": cache, "data.loader_workers": 1})
+        trainer = Trainer(config, log=quiet)
+        batch = trainer.tokenize(collate([trainer.dataset.load(i, 0) for i in range(2)]))
+        assert ("reference_latent_mean" in batch) == cache
+        assert ("more_reference_latent_mean" in batch) == (cache and count > 1)
+        with torch.no_grad():
+            seen[cache] = reference_latents(reference_conditioning(trainer.model, batch, "cpu", torch.float32))
+        losses[cache] = trainer.train().losses
+    assert len(seen[True]) == len(seen[False]) == count
+    for cached, uncached in zip(seen[True], seen[False]):
+        torch.testing.assert_close(cached, uncached, rtol=1e-5, atol=1e-5)
+    if count > 1:  # the two references differ: their order shows
+        assert (seen[True][0] - seen[True][1]).abs().max() > 1e-2
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+
+
+def test_changed_references_are_cached_again(family_models, numbered_pairs, tmp_path):
+    """A cache belongs to the shard set's fingerprint, which follows every numbered partner: after the second
+    references are replaced by copies of the first, the set and its latent cache are rebuilt, and the cached second
+    reference is now the first one's posterior."""
+    images, two, _ = numbered_pairs
+    references = shutil.copytree(two, tmp_path / "references")
+    settings = {"data.cache_latents": True, "data.shards": str(tmp_path / "shards")}
+    model = family_models["flux2_klein"]
+    before = Trainer(edit_config("flux2_klein", model, images, references, tmp_path / "a", **settings),
+                     log=quiet).dataset.load(0, 0)
+    for second in references.glob("*_1.png"):
+        shutil.copy(references / second.name.replace("_1.png", "_0.png"), second)
+    after = Trainer(edit_config("flux2_klein", model, images, references, tmp_path / "b", **settings),
+                    log=quiet).dataset.load(0, 0)
+    assert (before["more_reference_latent_mean"] - before["reference_latent_mean"]).abs().max() > 1e-2
+    torch.testing.assert_close(after["more_reference_latent_mean"][0], before["reference_latent_mean"])
+    torch.testing.assert_close(after["reference_latent_mean"], before["reference_latent_mean"])
+
+
+# -- samples --------------------------------------------------------------------------------------------------------
+
+def pipeline_sample(family, folder, images, **options):
+    """The family's diffusers pipeline on the model folder, given `images` as its image=[...], at 80 x 64."""
+    pipe = qwen_tests.load_pipeline(folder, family)
+    if family == "qwen_image_edit_plus":  # ot_dist samples with the blank negative prompt and true CFG
+        options |= {"negative_prompt": " ", "true_cfg_scale": options.pop("guidance_scale")}
+    else:
+        from ot_dist.models.families.registry import get_family
+
+        options["max_sequence_length"] = get_family(family).pipeline_call_options(pipe)["max_sequence_length"]
+    return np.asarray(pipe(image=images, prompt="put the hat of picture 2 on picture 1", width=80, height=64,
+                           num_inference_steps=2, generator=torch.Generator().manual_seed(3), output_type="pil",
+                           **options).images[0]).astype(int)
+
+
+@pytest.mark.parametrize("family", ["flux2", "qwen_image_edit_plus"])
+def test_samples_with_two_references_equal_the_pipeline_given_the_list(family, family_models, numbered_pairs,
+                                                                       tmp_path, monkeypatch):
+    """A prompt's reference_image list reaches the pipeline as image=[first, second] (FLUX.2: each scaled to cover the
+    sample and centre-cropped, as training pairs' references; Qwen-Image-Edit-2509: as read, the pipeline scales
+    them); the sample equals the pipeline's with the same seed, and not its sample from the first alone."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
+    from PIL import Image
+
+    # QwenImageEditPlusPipeline scales every reference to 1024^2 pixels for the VAE and 384^2 for the vision tower:
+    # smaller areas for ot_dist's sample and the pipeline's alike (nearly all of the test's cost; the comparison stays)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 128 * 128)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 128 * 128)
+
+    images, two, _ = numbered_pairs
+    paths = [two / "0003_0.png", two / "0003_1.png"]
+    prompt = {"prompt": "put the hat of picture 2 on picture 1", "seed": 3, "steps": 2, "guidance_scale": 20.0,
+              "width": 80, "height": 64, "reference_image": [str(p) for p in paths]}
+    trainer = Trainer(edit_config(family, family_models[family], images, two, tmp_path / "o",
+                                  **{"sampling.prompts": [prompt]}), log=quiet)
+    (written,) = trainer.sampler.sample(trainer, 0)
+    ours = np.asarray(Image.open(written).convert("RGB")).astype(int)
+    assert ours.shape == (64, 80, 3)
+    given = [Image.open(p).convert("RGB") for p in paths]
+    if family == "flux2":  # 64 x 64 drawings covering 80 x 64: scaled to 80 x 80, the middle 64 rows
+        given = [g.resize((80, 80), Image.Resampling.BICUBIC).crop((0, 8, 80, 72)) for g in given]
+    theirs = pipeline_sample(family, family_models[family], given, guidance_scale=20.0)
+    first_only = pipeline_sample(family, family_models[family], given[:1], guidance_scale=20.0)
+    assert np.abs(ours - theirs).max() <= 1
+    # the second reference reached the sample (the random tiny models move little with it): the comparison above
+    # can fail
+    assert (ours != first_only).sum() > 10 * max(1, (ours != theirs).sum())
+
+
+def test_more_sample_references_than_the_family_takes_is_a_config_error_naming_the_prompt(family_models,
+                                                                                         numbered_pairs, tmp_path):
+    images, two, _ = numbered_pairs
+    prompts = [{"prompt": "a dot"}, {"prompt": "the hats of pictures 2 to 4 on picture 1",
+                                     "reference_image": [str(two / "0003_0.png")] * 4}]
+    with pytest.raises(Exception, match=r"sampling.prompts\[1\].reference_image: 4 reference images for the prompt "
+                                        r"'the hats of pictures 2 to 4 on picture 1', and qwen_image_edit_plus takes "
+                                        r"at most 3; flux2, flux2_klein take 4"):
+        edit_config("qwen_image_edit_plus", family_models["qwen_image_edit_plus"], images, two, tmp_path / "o",
+                    **{"sampling.prompts": prompts})
+    kontext = [{"prompt": "two pictures", "reference_image": [str(two / "0003_0.png")] * 2}]
+    with pytest.raises(Exception, match=r"sampling.prompts\[0\].reference_image: 2 reference images .* flux_kontext "
+                                        r"takes at most 1"):
+        edit_config("flux_kontext", family_models["flux_kontext"], images, two, tmp_path / "k",
+                    **{"sampling.prompts": kontext})

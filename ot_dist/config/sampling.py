@@ -65,16 +65,23 @@ class SamplePrompt(Section):
     sampler: Literal["auto", SamplerName] | None = Field(
         default=None, description="This prompt's sampler, one the family's objective allows (the names of "
         "sampling.sampler; auto = the family's first); null = sampling.sampler.")
-    reference_image: str | None = Field(
+    reference_image: str | list[str] | None = Field(
         default=None, description="An edit model's reference image (flux_kontext, flux2, flux2_klein, qwen_image_edit, "
         "qwen_image_edit_plus): the picture the prompt's edit applies to, scaled to cover the sample's size and "
         "centre-cropped, as training pairs' references are. Other families refuse it; without one an edit model samples "
-        "from the prompt alone (qwen_image_edit needs one: its pipeline scales it to 1024^2 pixels itself).")
+        "from the prompt alone (qwen_image_edit needs one: its pipeline scales it to 1024^2 pixels itself). A list "
+        "gives several, in order (Picture 1, Picture 2, ...: the pipelines' image=[...]), up to the family's most: "
+        "flux2 / flux2_klein 10, qwen_image_edit_plus 3, the others 1.")
     guidance_rescale: float | None = Field(
         default=None, ge=0, le=1, description="Rescales the guided prediction toward the standard deviation of the "
         "prompt's own (Lin et al. 2023, section 3.4; diffusers' guidance_rescale, OneTrainer's cfg_rescale): 0 = off, "
         "0.7 the paper's choice. SD 1.x / 2.x / SDXL only (their pipelines take it; another family's refuse it). null = "
         "OneTrainer's: 0.7 on a zero-terminal-SNR schedule (model.zero_terminal_snr), else 0.")
+
+    def reference_images(self) -> list[str]:
+        """The prompt's reference images in order: none, one, or the list given."""
+        given = self.reference_image
+        return [] if given is None else [given] if isinstance(given, str) else list(given)
 
 
 class SamplingConfig(Section):
@@ -114,6 +121,9 @@ class SamplingConfig(Section):
                 if value is not None and (value < 8 or value % 8):
                     raise ValueError(f"sampling.prompts[{i}].{key}: {value} is not a multiple of 8 (at least 8); "
                                      "the VAE works in 8x8 pixel blocks")
+            if isinstance(prompt.reference_image, list) and not prompt.reference_image:
+                raise ValueError(f"sampling.prompts[{i}].reference_image: an empty list; give one image or more, or "
+                                 "leave it out (null)")
         if not self.prompts:
             for key in ("every_n_steps", "every_n_epochs"):
                 if getattr(self, key) is not None:

@@ -321,15 +321,16 @@ class ConceptConfig(Section):
         "masked_training.prior_preservation_weight.",
     )
     include_subdirectories: bool = Field(default=False, description="Also read images in sub-folders.")
-    reference_path: UserPath | None = Field(
+    reference_path: UserPath | list[UserPath] | None = Field(
         default=None, description="Folder of reference (conditioning) images for an edit model (flux_kontext, "
         "qwen_image_edit, qwen_image_edit_plus; flux2 / flux2_klein, which then need it on every concept): the "
         "partner of `<path>/sub/a.png` is the image `sub/a.<any extension>` under this folder (the ai-toolkit / "
         "musubi `control` folder, SimpleTuner's conditioning dataset paired by file name). Every image needs its "
         "partner (a missing one is named before any shard is written). Several references per sample (flux2, "
         "flux2_klein: up to 10; qwen_image_edit_plus: up to 3): numbered partners `sub/a_0.png`, `sub/a_1.png`, ... "
-        "in order (musubi's layout for several control images), as many for every image of the run. Each reference "
-        "takes the image's geometry: "
+        "in order (musubi's layout for several control images), or a list of folders, each giving one partner by "
+        "file name, in list order (ai-toolkit's control_path list, SimpleTuner's several conditioning datasets); as "
+        "many for every image of the run. Each reference takes the image's geometry: "
         "scaled to the image's size, then the same bucket, crop and flip / rotation / colour jitter (diffusers' "
         "Kontext script and SimpleTuner's reference_strict). A family without reference images refuses it.",
     )
@@ -531,6 +532,13 @@ class ConceptConfig(Section):
     def _caption_text(self) -> "ConceptConfig":
         if self.caption_source == "text" and not self.caption_text:
             raise ValueError(f"concept {self.path}: caption_source text needs caption_text")
+        return self
+
+    @model_validator(mode="after")
+    def _reference_folders(self) -> "ConceptConfig":
+        if isinstance(self.reference_path, list) and not self.reference_path:
+            raise ValueError(f"concept {self.path}: reference_path: an empty list; give a folder (or several), or "
+                             "leave it out")
         return self
 
 
@@ -1041,6 +1049,15 @@ class TrainConfig(Section):
                 raise ValueError(f"sampling.prompts[{i}].guidance_rescale: {self.model.family}'s pipeline "
                                  f"({family.pipeline_class}) has no guidance_rescale; remove it (SD 1.x / 2.x / SDXL "
                                  "only)")
+            given = len(prompt.reference_images())
+            if family.takes_reference_images and given > family.max_reference_images:
+                from ot_dist.train.references import several_reference_families
+
+                takers = [name for name in several_reference_families()
+                          if get_family(name).max_reference_images >= given]
+                raise ValueError(f"sampling.prompts[{i}].reference_image: {given} reference images for the prompt "
+                                 f"{prompt.prompt[:40]!r}, and {self.model.family} takes at most "
+                                 f"{family.max_reference_images}; {', '.join(takers) or 'no family'} take {given}")
 
     def resolutions(self) -> list[int]:
         return sorted(set(self.resolution)) if isinstance(self.resolution, list) else [self.resolution]

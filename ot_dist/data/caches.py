@@ -10,7 +10,9 @@ number of processes) computes only the others. Members are safetensors (never pi
   trains exactly like an uncached one, minus the decoding and the encoder. A video clip's (data.video_frames) is
   the posterior of its frames as the reader takes them, (C, F', h, w); the key then holds the frame choice.
 - `<id>.<res>.reference_latent.safetensors`: the same for its reference image (edit models), cropped and augmented
-  as the image.
+  as the image; with several references (FLUX.2, Qwen-Image-Edit-2509: docs/data.md) the second, third ... as
+  `<id>.<res>.reference2_latent.safetensors`, `reference3_latent`, ... A cache belongs to one shard set's fingerprint,
+  which follows the reference files: another reference (or another count) is another set, and its cache another.
 - `<id>.text.safetensors`: `<key>_<j>` for each key of the family's conditioning dict (`hidden`, `pooled`,
   masks, ...) and caption line j.
 - With a concept's image_variations / text_variations N > 1 (variations.py), its samples also have version v of those
@@ -37,6 +39,7 @@ import torch
 from ot_dist.data import cache_index
 from ot_dist.data.buckets import bucket_size
 from ot_dist.data.cache_index import MANIFEST, CacheIndex, ChunkWriter
+from ot_dist.data.sample_encoder import reference_kind, reference_latent_member
 from ot_dist.data.variations import keyed, member_name
 from ot_dist.errors import InputFileError
 from ot_dist.memory.float8 import compute_dtype
@@ -102,8 +105,10 @@ class LatentEncoder:
         self.posterior = posterior or encode_posterior  # the family's (mean, std) of pixels: Family.encode_posterior
         self.variations = dataset.variations["latents"]
         self.per_version = [f"{resolution}.latent.safetensors" for resolution in dataset.resolutions]
-        if dataset.has_references:  # every sample has one then (ot_dist/train/references.py)
-            self.per_version += [f"{resolution}.reference_latent.safetensors" for resolution in dataset.resolutions]
+        # every sample has as many references then (ot_dist/train/references.py: check_references)
+        self.references = max(dataset.reference_counts()) if dataset.has_references else 0
+        self.per_version += [reference_latent_member(resolution, index)
+                             for index in range(self.references) for resolution in dataset.resolutions]
         self.members = variation_members(self.per_version, self.variations.most)
 
     def batches(self, ids: range) -> list[list[int]]:
@@ -135,20 +140,20 @@ class LatentEncoder:
         """`pixels`: version -> resolution -> the batch's samples that have the version (_Pixels)."""
         from safetensors.torch import save
 
-        reference = next(self.vae.parameters())
+        first = next(self.vae.parameters())
         out: list[dict[str, bytes]] = [{} for _ in ids]
         counts = self.variations.counts(self.dataset.index.concept[ids])
         for version, by_resolution in pixels.items():
             holders = [members for count, members in zip(counts, out) if count > version]
             for resolution in self.dataset.resolutions:
-                for images, member in ((resolution, "latent"), (f"{resolution}.reference", "reference_latent")):
-                    if images not in by_resolution:  # no reference images
-                        continue
-                    batch = by_resolution[images].to(device=reference.device, dtype=compute_dtype(self.vae))
+                images = {f"{resolution}.latent.safetensors": by_resolution[resolution]}
+                images |= {reference_latent_member(resolution, index):
+                           by_resolution[f"{resolution}.{reference_kind(index)}"] for index in range(self.references)}
+                for name, stacked in images.items():
+                    batch = stacked.to(device=first.device, dtype=compute_dtype(self.vae))
                     mean, std = (t.float().cpu() for t in self.posterior(self.vae, batch))
                     for n, members in enumerate(holders):
-                        members[member_name(f"{resolution}.{member}.safetensors", version)] = save(
-                            {"mean": _own(mean[n]), "std": _own(std[n])})
+                        members[member_name(name, version)] = save({"mean": _own(mean[n]), "std": _own(std[n])})
         return out
 
 
@@ -163,7 +168,8 @@ class _Pixels(torch.utils.data.Dataset):
         return len(self.batches)
 
     def __getitem__(self, n: int) -> dict[int, dict[int | str, torch.Tensor]]:
-        """version -> resolution -> the images; with reference images also `<resolution>.reference` -> theirs."""
+        """version -> resolution -> the images; with reference images also `<resolution>.reference` -> the first's,
+        `<resolution>.reference2` -> the second's, ... (sample_encoder.reference_kind)."""
         batch, counts = self.batches[n], self.counts[n]
         out = {}
         for version in range(max(counts)):
@@ -174,6 +180,10 @@ class _Pixels(torch.utils.data.Dataset):
                 out[version][resolution] = torch.stack([sample["pixels"] for sample in loaded])
                 if "reference_pixels" in loaded[0]:
                     out[version][f"{resolution}.reference"] = torch.stack([s["reference_pixels"] for s in loaded])
+                if "more_reference_pixels" in loaded[0]:  # (B, N - 1, 3, H, W): the second reference on
+                    more = torch.stack([s["more_reference_pixels"] for s in loaded])
+                    out[version] |= {f"{resolution}.{reference_kind(index + 1)}": pixels
+                                     for index, pixels in enumerate(more.unbind(1))}
         return out
 
 

@@ -236,16 +236,28 @@ def reference_partners(label: str, concept: ConceptConfig, images: list[Path]) -
     concept.reference_path, with the same extension or, when there is none such, the one image file of that name
     with any extension (a PNG edit beside a JPEG source); or, where no file has the image's name, its numbered ones
     `<name>_0`, `<name>_1`, ... (`_0000` too) in number order (musubi-tuner's control_directory layout for several
-    control images: FLUX.2 and Qwen-Image-Edit-2509 read them as their image list). Every image must have its partner,
-    and a concept's images as many as its image with the most: the images without (a number missing from 0 up), or
-    with two candidates, are named in one error. {} without reference_path."""
+    control images: FLUX.2 and Qwen-Image-Edit-2509 read them as their image list). A list of folders gives one
+    partner by name from each, in list order (ai-toolkit's control_path list, SimpleTuner's conditioning datasets).
+    Every image must have its partner, and a concept's images as many as its image with the most: the images without
+    (a number missing from 0 up), or with two candidates, are named in one error. {} without reference_path."""
     if concept.reference_path is None:
         return {}
-    root, folder = Path(concept.path), Path(concept.reference_path)
+    if isinstance(concept.reference_path, str):
+        return folder_partners(f"{label}.reference_path", concept, Path(concept.reference_path), images)
+    per_folder = [folder_partners(f"{label}.reference_path[{k}]", concept, Path(folder), images, numbered=False)
+                  for k, folder in enumerate(concept.reference_path)]
+    return {image: [partners[image][0] for partners in per_folder] for image in images}
+
+
+def folder_partners(where: str, concept: ConceptConfig, folder: Path, images: list[Path],
+                    numbered: bool = True) -> dict[Path, list[Path]]:
+    """image -> its partners in one reference folder (reference_partners); `numbered` false: the partner named as the
+    image only (one folder of a list)."""
+    root = Path(concept.path)
     if not folder.is_dir():
-        raise InputFileError(f"{label}.reference_path: {folder.resolve()} is not a folder")
+        raise InputFileError(f"{where}: {folder.resolve()} is not a folder")
     if folder.resolve() == root.resolve():
-        raise InputFileError(f"{label}.reference_path is the concept's own folder {root.resolve()}: every image would "
+        raise InputFileError(f"{where} is the concept's own folder {root.resolve()}: every image would "
                              "be its own reference; give the folder of the reference images")
     extensions = image_files.image_extensions()
     pattern = "**/*" if concept.include_subdirectories else "*"
@@ -253,13 +265,13 @@ def reference_partners(label: str, concept: ConceptConfig, images: list[Path]) -
     for path in sorted(folder.glob(pattern)):
         if path.is_file() and path.suffix.lower() in extensions and not is_sidecar(path):
             by_name.setdefault(path.relative_to(folder).with_suffix("").as_posix(), []).append(path)
-    numbered = numbered_partners(by_name)
+    numbered_names = numbered_partners(by_name) if numbered else {}
     partners, missing, ambiguous = {}, [], []
     for image in images:
         relative = image.relative_to(root)
         name = relative.with_suffix("").as_posix()
         found, unclear = [], []
-        for candidates in [by_name[name]] if name in by_name else numbered.get(name, []):
+        for candidates in [by_name[name]] if name in by_name else numbered_names.get(name, []):
             same = [c for c in candidates if c.suffix == image.suffix]
             if same or len(candidates) == 1:
                 found.append((same or candidates)[0])
@@ -276,15 +288,15 @@ def reference_partners(label: str, concept: ConceptConfig, images: list[Path]) -
     problems = []
     if missing:
         problems.append(f"{len(missing)} of {len(images)} images have no reference image (the same relative path, "
-                        f"any image extension, under {folder.resolve()}, or numbered from `_0` up): "
-                        f"{names_shown(missing)}")
+                        f"any image extension, under {folder.resolve()}"
+                        f"{', or numbered from `_0` up' if numbered else ''}): {names_shown(missing)}")
     if fewer:
         problems.append(f"{len(fewer)} images have fewer numbered reference images than the {most} of others (a "
                         f"number missing from _0 up): {names_shown(fewer)}")
     if ambiguous:
         problems.append(f"{len(ambiguous)} images have more than one candidate reference: {names_shown(ambiguous)}")
     if problems:
-        raise InputFileError(f"{label}.reference_path: " + "; ".join(problems))
+        raise InputFileError(f"{where}: " + "; ".join(problems))
     return partners
 
 

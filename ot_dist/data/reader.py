@@ -33,7 +33,7 @@ from ot_dist.data import external
 from ot_dist.data.images import parse_colour
 from ot_dist.data.plan import EpochPlan, GlobalBatch, SampleTable, plan_epoch, steps_per_epoch
 from ot_dist.data.remote import RemoteStore, filesystem, is_url
-from ot_dist.data.sample_encoder import reference_kind
+from ot_dist.data.sample_encoder import reference_kind, reference_latent_member
 from ot_dist.data.sample_index import MASK, REFERENCE, reference_counts, shard_label
 from ot_dist.data.small_buckets import move_small_buckets
 from ot_dist.data.shards import clip_settings, read_manifest
@@ -77,6 +77,8 @@ class ShardDataset:
             )
         self.has_masks = bool(np.any(self.index.flags & MASK))
         self.has_references = bool(np.any(self.index.flags & REFERENCE))  # an edit model's conditioning images
+        # with cached latents, also the references' pixels (the family's text encoder reads them: Qwen-Image-Edit)
+        self.reference_pixels_with_latents = False
         # (parallel reads, micro batches ahead) on each loader worker when some shard is a URL; None: all local
         urls = {s["file"].split("://", 1)[0]: s["file"] for s in self.manifest["shards"] if is_url(s["file"])}
         for url in urls.values():  # a store whose package is missing (s3fs, gcsfs) is named now, not per sample
@@ -215,37 +217,17 @@ class ShardDataset:
             resized = meta["resolutions"][str(resolution)]["resized_size"]
             top, left = (resized[0] - height) // 2, (resized[1] - width) // 2
             out = {"latent_mean": posterior["mean"], "latent_std": posterior["std"]}
-            if sample["reference"]:  # its reference's posterior, cropped and augmented as the image (caches.py)
-                reference = self._read_cached("latents", sample_id, sample["key"],
-                                              member_name(f"{resolution}.reference_latent.safetensors", image_version))
-                out |= {"reference_latent_mean": reference["mean"], "reference_latent_std": reference["std"]}
+            if sample["reference"]:  # its references' posteriors, cropped and augmented as the image (caches.py)
+                out |= self._cached_references(sample, sample_id, resolution, image_version)
+                if self.reference_pixels_with_latents:  # the pixels the cache was encoded from: centre, version v
+                    pixels = self._pixel_sample(sample, sample_id % len(self.samples), image_version, resolution,
+                                                False, (height, width))[2]
+                    out |= {k: v for k, v in pixels.items() if k in ("reference_pixels", "more_reference_pixels")}
         elif self._clip_member(sample):
             top, left, out = self._clip(sample, sample_id, epoch, resolution, (height, width))
         else:
-            image = self._image(sample, resolution)
-            if moved or self.layout:  # stored to cover its own bucket (or as it was): scaled to cover this one
-                image = resize_to_cover(image, (height, width))
-            top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
-            box = (left, top, left + width, top + height)
-            if sample["mask"]:
-                mask_image = self._read(sample, f"{resolution}.mask.png").convert("L")
-                if moved:
-                    mask_image = resize_to_cover(mask_image, (height, width), Image.Resampling.BILINEAR)
-                mask_image = mask_image.crop(box)
-            references = []
-            for index in range(sample["reference"]):  # how many  # stored at the image's size: the same box and augmentation
-                reference = self._read(sample, self._image_suffix(sample, resolution, reference_kind(index)))
-                if moved:
-                    reference = resize_to_cover(reference, (height, width))
-                references.append(reference.crop(box))
-            cropped, mask_image, references = augment_with_references(
-                image.crop(box), mask_image, references, self.concepts.get(sample["concept"]),
-                generator(self.seed, epoch, sample_id, "augment"))
-            out = {"pixels": _pixels(cropped)}
-            if references:  # the first as before; FLUX.2's / Qwen-Image-Edit-2509's further ones (N - 1, 3, H, W)
-                out["reference_pixels"] = _pixels(references[0])
-            if len(references) > 1:
-                out["more_reference_pixels"] = torch.stack([_pixels(r) for r in references[1:]])
+            top, left, out, mask_image = self._pixel_sample(sample, sample_id, epoch, resolution, moved,
+                                                            (height, width))
         box = (left, top, left + width, top + height)
         captions = self.captions(sample_id)
         line = int(torch.randint(len(captions), (1,), generator=generator(self.seed, epoch, sample_id, "caption")))
@@ -292,6 +274,50 @@ class ShardDataset:
     def _clip_window(self, sample_id: int) -> tuple[int, int]:
         """(start, frames) of a clip sample on its timeline (video.py); a set built before windows: its head."""
         return tuple(self.metadata(sample_id).get("clip_window", (0, self.clip_selection["frames"])))
+
+    def _pixel_sample(self, sample: dict, sample_id: int, epoch: int, resolution: int, moved: bool,
+                      size: tuple[int, int]):
+        """(top, left, {"pixels", "reference_pixels", "more_reference_pixels"}, mask image) of an image sample: its
+        crop in epoch `epoch`, the mask and every reference with the image's box and augmentation draws."""
+        height, width = size
+        image = self._image(sample, resolution)
+        if moved or self.layout:  # stored to cover its own bucket (or as it was): scaled to cover this one
+            image = resize_to_cover(image, (height, width))
+        top, left = self._crop_offset(image.height - height, image.width - width, sample_id, epoch)
+        box = (left, top, left + width, top + height)
+        mask_image = None
+        if sample["mask"]:
+            mask_image = self._read(sample, f"{resolution}.mask.png").convert("L")
+            if moved:
+                mask_image = resize_to_cover(mask_image, (height, width), Image.Resampling.BILINEAR)
+            mask_image = mask_image.crop(box)
+        references = []
+        for index in range(sample["reference"]):  # how many; stored at the image's size: the same box and augmentation
+            reference = self._read(sample, self._image_suffix(sample, resolution, reference_kind(index)))
+            if moved:
+                reference = resize_to_cover(reference, (height, width))
+            references.append(reference.crop(box))
+        cropped, mask_image, references = augment_with_references(
+            image.crop(box), mask_image, references, self.concepts.get(sample["concept"]),
+            generator(self.seed, epoch, sample_id, "augment"))
+        out = {"pixels": _pixels(cropped)}
+        if references:  # the first as before; FLUX.2's / Qwen-Image-Edit-2509's further ones (N - 1, 3, H, W)
+            out["reference_pixels"] = _pixels(references[0])
+        if len(references) > 1:
+            out["more_reference_pixels"] = torch.stack([_pixels(r) for r in references[1:]])
+        return top, left, out, mask_image
+
+    def _cached_references(self, sample: dict, sample_id: int, resolution: int, version: int) -> dict:
+        """The cached posteriors of a sample's references: the first as `reference_latent_mean` / `_std`, the others
+        (several references) stacked as `more_reference_latent_mean` / `_std` (N - 1, C, h, w), as the pixels are."""
+        posteriors = [self._read_cached("latents", sample_id, sample["key"],
+                                        member_name(reference_latent_member(resolution, index), version))
+                      for index in range(sample["reference"])]
+        out = {"reference_latent_mean": posteriors[0]["mean"], "reference_latent_std": posteriors[0]["std"]}
+        if len(posteriors) > 1:
+            out |= {f"more_reference_latent_{part}": torch.stack([p[part] for p in posteriors[1:]])
+                    for part in ("mean", "std")}
+        return out
 
     def _clip_member(self, sample: dict) -> str | None:
         """The member holding a video clip's own bytes (`clip.mp4`, ...), None for an image sample."""
@@ -419,7 +445,8 @@ def _pixels(image: Image.Image) -> torch.Tensor:
 
 def collate(samples: list[dict]) -> dict:
     keys = [k for k in ("pixels", "latent_mean", "latent_std", "mask", "mask_given", "reference_pixels",
-                        "more_reference_pixels", "reference_latent_mean", "reference_latent_std") if k in samples[0]]
+                        "more_reference_pixels", "reference_latent_mean", "reference_latent_std",
+                        "more_reference_latent_mean", "more_reference_latent_std") if k in samples[0]]
     keys += sorted(k for k in samples[0] if k.startswith("text_"))  # cached text conditioning
     keys += ["original_size", "crop_top_left", "target_size"]
     keys += [key for key in ("loss_weight", "prior_prediction") if key in samples[0]]

@@ -85,6 +85,13 @@ def reference_kind(index: int) -> str:
     return "reference" if index == 0 else f"reference{index + 1}"
 
 
+def reference_latent_member(resolution: int, index: int) -> str:
+    """The latent cache's member of a sample's `index`-th reference at a resolution (version 0's name, caches.py):
+    `<res>.reference_latent.safetensors` (one reference's name before several were cached), then
+    `<res>.reference2_latent.safetensors`, ..."""
+    return f"{resolution}.{reference_kind(index)}_latent.safetensors"
+
+
 def encoded_clip(config, source, sample: dict, meta: dict, bucket: int):
     """A video clip's sample: the clip's own bytes (`clip.<extension>`, decoded and its frames chosen by the reader,
     video.py), never re-encoded; its metadata gives each resolution's bucket and the size its frames are scaled to.

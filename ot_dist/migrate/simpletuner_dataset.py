@@ -11,7 +11,9 @@ area: megapixels; pixel: the shorter edge) is ot_dist's training resolution (sev
 multi-resolution list, drawn per step for all of them). text_embeds / image_embeds backends
 are caches: ot_dist keeps its caches in the shard set. For an edit model (Flux Kontext) a backend's conditioning_data
 names its reference backend (conditioning_type reference_strict / reference_loose, images paired by file name): its
-instance_data_dir is the concept's reference_path, and the reference backend is no concept of its own."""
+instance_data_dir is the concept's reference_path, and the reference backend is no concept of its own. Several
+reference backends with conditioning_multidataset_sampling combined (FLUX.2, Qwen-Image-Edit-2509) are a list of
+reference folders, one reference of each image from each."""
 
 from __future__ import annotations
 
@@ -95,7 +97,11 @@ def _conditioning_backend(backend: dict, where: str, references: bool, out: Impo
 
 
 def _reference(args: SimpleTunerArgs, backend: dict, conditioning: dict, where: str, out: Imported) -> dict:
-    """{"reference_path": the first reference dataset's folder} of an edit dataset, or {} (listed) without one."""
+    """{"reference_path": the reference dataset's folder} of an edit dataset, or {} (listed) without one. Several
+    reference datasets with conditioning_multidataset_sampling combined (every one shown with each image: FLUX.2's
+    and Qwen-Image-Edit-2509's several references) are a list of folders, one reference from each by file name in
+    conditioning_data's order; with random (SimpleTuner's default: one dataset drawn per sample) the first is used,
+    listed."""
     named = backend.get("conditioning_data") or []
     named = [named] if isinstance(named, str) else list(named)
     found = [conditioning[n] for n in map(str, named) if n in conditioning
@@ -104,14 +110,24 @@ def _reference(args: SimpleTunerArgs, backend: dict, conditioning: dict, where: 
         out.not_honoured.append(f"{where}: no conditioning_data names a reference dataset; an edit model needs a "
                                 "reference image per image (set data.concepts[].reference_path)")
         return {}
-    if len(named) > 1:
-        out.not_honoured.append(f"{where}.conditioning_data: {named}: ot_dist reads several references of an image "
-                                "as numbered partners in one folder (a_0.png, a_1.png, ...: docs/data.md), not as "
-                                f"separate datasets; {found[0].get('id')}'s are used")
-    folder = found[0].get("instance_data_dir")
-    if not folder:
-        raise ConfigError(f"{where}.conditioning_data: {found[0].get('id')} has no instance_data_dir")
-    return {"reference_path": str(args.path(local_path(str(folder), f"{where}.conditioning_data", out)))}
+    ids = [str(f.get("id")) for f in found]
+    sampling = args["conditioning_multidataset_sampling"]  # read with one dataset too: it changes nothing then
+    if len(found) > 1 and sampling != "combined":
+        out.not_honoured.append(
+            f"{where}.conditioning_data: {ids}: conditioning_multidataset_sampling {sampling} draws one of them per "
+            f"sample, which ot_dist does not; {ids[0]}'s are used (with combined every one is a reference of each "
+            "image: reference_path a list)")
+        found = found[:1]
+    folders = []
+    for dataset in found:
+        folder = dataset.get("instance_data_dir")
+        if not folder:
+            raise ConfigError(f"{where}.conditioning_data: {dataset.get('id')} has no instance_data_dir")
+        folders.append(str(args.path(local_path(str(folder), f"{where}.conditioning_data", out))))
+    if len(folders) > 1:
+        out.notes.append(f"{where}.conditioning_data: {ids} (combined): reference_path lists their folders, one "
+                         "reference of each image from each, in this order (Picture 1, 2, ...)")
+    return {"reference_path": folders[0] if len(folders) == 1 else folders}
 
 
 def _concept(args: SimpleTunerArgs, backend: dict, where: str, method: str, out: Imported) -> dict | None:

@@ -32,11 +32,13 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
                   f"      reference_path: {data_path}-reference   # the images before the edit, same file names"]
     else:
         lines.append(f"  path: {data_path}                 # images with same-name .txt captions")
-    if cached and not family.cache_refusals:
-        lines += ["  cache_latents: true          # the VAE encodes each image once, then stays off the GPU",
-                  "  cache_text: true             # the same for the frozen text encoders"]
-    elif cached:  # a family that refuses them (Qwen-Image-Edit: its text encoder reads the reference's pixels)
-        lines += [f"  # {option}: off: {reason}" for option, reason in family.cache_refusals.items()]
+    if cached:  # each cache the family takes; the ones it refuses with the reason (Qwen-Image-Edit's text cache)
+        lines += ["  cache_latents: true          # the VAE encodes each image once, then stays off the GPU"
+                  if "cache_latents" not in family.cache_refusals else
+                  f"  # cache_latents: off: {family.cache_refusals['cache_latents']}",
+                  "  cache_text: true             # the same for the frozen text encoders"
+                  if "cache_text" not in family.cache_refusals else
+                  f"  # cache_text: off: {family.cache_refusals['cache_text']}"]
     lines += [
         f"resolution: {family.native_resolution}",
         "batch_size: 1",

@@ -3,13 +3,15 @@ denoiser sees them as.
 
 The data layer carries `batch["reference_pixels"]` (B, 3, H, W, cropped and augmented as `pixels`; concepts'
 `reference_path`, ot_dist/data/concepts.py) or, with data.cache_latents, their posterior `reference_latent_mean` /
-`reference_latent_std`. The reference is encoded to the posterior's mean (no draw): what FluxKontextPipeline encodes
-at inference (retrieve_latents sample_mode argmax) and diffusers' Kontext script's default (--vae_encode_mode mode);
-FLUX.2's pipelines and img2img scripts take the mode too.
+`reference_latent_std` (and the pixels too where the family's text encoder reads them: Qwen-Image-Edit). The
+reference is encoded to the posterior's mean (no draw): what FluxKontextPipeline encodes at inference
+(retrieve_latents sample_mode argmax) and diffusers' Kontext script's default (--vae_encode_mode mode); FLUX.2's
+pipelines and img2img scripts take the mode too.
 
 Several references per sample (FLUX.2, Qwen-Image-Edit-2509: a reference folder's numbered partners `a_0`, `a_1`,
-...): the first stays `reference_pixels` / `reference_latents`, the others come as `more_reference_pixels`
-(B, N - 1, 3, H, W) and `more_reference_latents` (a list), so a one-reference run is the same as before.
+..., or a list of reference folders): the first stays `reference_pixels` / `reference_latents`, the others come as
+`more_reference_pixels` (B, N - 1, 3, H, W) or cached `more_reference_latent_mean` / `_std` (B, N - 1, C, h, w), and
+`more_reference_latents` (a list), so a one-reference run is the same as before.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from ot_dist.memory.float8 import compute_dtype
 from ot_dist.train.transfer import to_device
 
 
-def check_references(dataset, family, data_config=None) -> None:
+def check_references(dataset, family) -> None:
     """Before the model loads: an edit family needs a reference image for every sample, one that also trains
     text-to-image (FLUX.2) takes them for every sample or for none; any other family refuses samples that have one
     (they would be dropped without a word). Samples with several take as many each, no more than the family reads."""
@@ -31,10 +33,6 @@ def check_references(dataset, family, data_config=None) -> None:
             refuse_missing(dataset, family, missing)
     if dataset.has_references and family.takes_reference_images:
         check_reference_counts(dataset, family)
-        if data_config is not None and data_config.cache_latents and max(dataset.reference_counts()) > 1:
-            # the latent cache holds one reference posterior a sample (ot_dist/data/caches.py)
-            raise ConfigError("data.cache_latents: the latent cache keeps one reference image a sample, and these "
-                              "samples have several (numbered partners); turn cache_latents off")
     if dataset.has_references and not family.takes_reference_images:
         raise ConfigError(
             f"model.family {family.name} takes no reference images, and {len(dataset.with_references())} samples have "
@@ -104,8 +102,9 @@ def reference_conditioning(model, batch: dict, device, dtype) -> dict:
     """{"reference_latents": (B, C, h, w)} in the denoiser's latent space and storage dtype, with
     "more_reference_latents" (a list of such) for a batch of several references a sample, or {} for a batch
     without reference images."""
-    if "reference_latent_mean" in batch:
-        means = [batch["reference_latent_mean"]]
+    if "reference_latent_mean" in batch:  # data.cache_latents: the posteriors' means
+        more = batch.get("more_reference_latent_mean")
+        means = [batch["reference_latent_mean"], *(more.unbind(1) if more is not None else ())]
     elif "reference_pixels" in batch:
         more = batch.get("more_reference_pixels")
         pixels = [batch["reference_pixels"], *(more.unbind(1) if more is not None else ())]

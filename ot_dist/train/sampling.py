@@ -75,21 +75,24 @@ class Sampler:
         """Prompts' reference images: only for an edit model, and readable, before training starts."""
         from ot_dist.data.images import UnreadableImage, open_image
 
+        family = self.model.family
         for i, prompt in enumerate(self.settings.prompts):
-            if prompt.reference_image is None:
-                if self.model.family.sample_reference_required:
-                    raise ConfigError(f"sampling.prompts[{i}]: model.family {self.model.family.name} samples only with "
+            given = prompt.reference_images()
+            if not given:
+                if family.sample_reference_required:
+                    raise ConfigError(f"sampling.prompts[{i}]: model.family {family.name} samples only with "
                                       "a reference image (its pipeline has no text-only mode); set reference_image")
                 continue
-            if not self.model.family.takes_reference_images:
+            if not family.takes_reference_images:
                 from ot_dist.train.references import edit_families
 
-                raise ConfigError(f"sampling.prompts[{i}].reference_image: model.family {self.model.family.name} takes "
+                raise ConfigError(f"sampling.prompts[{i}].reference_image: model.family {family.name} takes "
                                   f"no reference image (an edit model does: {', '.join(edit_families())}); remove it")
-            try:
-                open_image(Path(prompt.reference_image).expanduser())
-            except (UnreadableImage, OSError) as err:
-                raise ConfigError(f"sampling.prompts[{i}].reference_image: {err}") from None
+            for path in given:
+                try:
+                    open_image(Path(path).expanduser())
+                except (UnreadableImage, OSError) as err:
+                    raise ConfigError(f"sampling.prompts[{i}].reference_image: {err}") from None
 
     def due(self, step: int, steps_per_epoch: int) -> bool:
         every_steps, every_epochs = self.settings.every_n_steps, self.settings.every_n_epochs
@@ -208,8 +211,8 @@ class Sampler:
         if prompt.guidance_rescale is not None and takes_guidance_rescale(pipeline):
             # Set (0 too: it overrides the zero-terminal-SNR default); above 0 it was refused where not taken.
             arguments["guidance_rescale"] = prompt.guidance_rescale
-        if prompt.reference_image is not None:  # the family turns it into its pipeline's input (sampling_arguments)
-            arguments["reference_image"] = Path(prompt.reference_image).expanduser()
+        if prompt.reference_images():  # the family turns them into its pipeline's input (sampling_arguments)
+            arguments["reference_images"] = [Path(path).expanduser() for path in prompt.reference_images()]
         return self.model.family.sampled_image(pipeline(**self.model.family.sampling_arguments(pipeline, arguments)))
 
 

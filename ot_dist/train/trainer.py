@@ -108,7 +108,9 @@ class Trainer:
         for line in self.bucket_report:
             self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
-        check_references(self.dataset, get_family(config.model.family), config.data)  # before the model loads
+        check_references(self.dataset, get_family(config.model.family))  # before the model loads
+        # Qwen-Image-Edit's vision tower reads the references' pixels even when their latents are cached
+        self.dataset.reference_pixels_with_latents = get_family(config.model.family).text_reads_references
         check_caches(config.data, get_family(config.model.family))
         check_video_clips(self.dataset.manifest, get_family(config.model.family))
         check_clip_settings(config.data, get_family(config.model.family))

@@ -112,8 +112,11 @@ class Family:
     # without reference_image is refused before training (Kontext's pipeline samples from the prompt alone).
     sample_reference_required: bool = False
     # data.<option>: why this family refuses it (Qwen-Image-Edit's text encoder reads the reference image's pixels,
-    # so neither a text cache of captions nor a latent cache serves it); checked before the model loads.
+    # so a text cache of captions cannot serve it); checked before the model loads.
     cache_refusals: dict[str, str] = {}
+    # The text encoder reads the reference images' pixels (Qwen-Image-Edit's vision tower): with data.cache_latents
+    # the reader gives them beside the cached latents, cropped and augmented as the cache's version.
+    text_reads_references: bool = False
     # A video model (Wan, HunyuanVideo): a clip in a concept it does not train on is refused, not left out
     # (concepts.py check_video_clips), since it was surely meant as training data.
     video_model: bool = False

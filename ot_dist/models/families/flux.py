@@ -383,11 +383,11 @@ class FluxKontext(Flux):
         FluxKontextPipeline's `image` without its own resizing: no snap to its preferred resolutions (_auto_resize),
         and max_area the sample's own (the pipeline scales width x height to max_area, 1024^2 by default)."""
         arguments = dict(arguments)
-        reference = arguments.pop("reference_image", None)
+        references = arguments.pop("reference_images", [])  # one at most (max_reference_images, config checked)
         width, height = arguments["width"], arguments["height"]
         extra = {"max_area": width * height, "_auto_resize": False}
-        if reference is not None:
-            extra["image"] = sample_reference(reference, width, height)
+        if references:
+            extra["image"] = sample_reference(references[0], width, height)
         return {**super().sampling_arguments(pipeline, arguments), **extra}
 
 

@@ -372,13 +372,15 @@ class Flux2Klein(Flux2Family):
 
 
 def with_reference(arguments: dict) -> dict:
-    """A sample prompt's reference_image as the pipelines' `image`: scaled to cover the sample's size and
-    centre-cropped, the geometry every training pair has (Flux.1 Kontext's sample_reference). The pipelines take it
-    as given up to 1024 x 1024 pixels (larger, they scale it down to that area, as the img2img scripts' references)."""
+    """A sample prompt's reference images as the pipelines' `image`: each scaled to cover the sample's size and
+    centre-cropped, the geometry every training pair has (Flux.1 Kontext's sample_reference); several as the list
+    `image=[...]` in order (ids 10, 20, ...), one as itself (the pipelines make it a list of one). The pipelines take
+    them as given up to 1024 x 1024 pixels (larger, they scale them down to that area, as the img2img scripts')."""
     arguments = dict(arguments)
-    reference = arguments.pop("reference_image", None)
-    if reference is not None:
-        arguments["image"] = sample_reference(reference, arguments["width"], arguments["height"])
+    references = [sample_reference(path, arguments["width"], arguments["height"])
+                  for path in arguments.pop("reference_images", [])]
+    if references:
+        arguments["image"] = references if len(references) > 1 else references[0]
     return arguments
 
 

@@ -17,8 +17,8 @@ the training image's size, to both the VAE and the processor (SimpleTuner resize
 
 Text needs the reference, so the text encoder runs each step on (caption, reference) pairs: `tokenize_batch` runs the
 processor on the batch's reference pixels. data.cache_text is refused (a text cache keyed on captions alone would
-hand every reference the first one's vision tokens), and so is data.cache_latents (the cached batch holds the
-reference's latents, not the pixels the vision tower reads).
+hand every reference the first one's vision tokens); with data.cache_latents the reader gives the references' pixels
+(the centre crop, augmented as the cached version) beside the cached latents (`text_reads_references`).
 
 Not done: Qwen-Image-Edit-2509 (QwenImageEditPlusPipeline: several references, each resized to 384^2 for the vision
 tower and 1024^2 for the VAE, "Picture N:" prompt prefixes).
@@ -60,9 +60,8 @@ class QwenImageEdit(QwenImage):
     cache_refusals = {
         "cache_text": "Qwen-Image-Edit's text encoder reads each sample's reference image (its vision tokens are part "
                       "of the text stream): a cache of captions alone would be wrong",
-        "cache_latents": "Qwen-Image-Edit's text encoder reads the reference image's pixels each step, which a "
-                         "latent cache does not keep",
     }
+    text_reads_references = True  # the vision tower: the reader gives the pixels beside cached latents
 
     # SwarmUI's class id (T2IModelClassSorter: "qwen-image-edit", in the Qwen-Image compat class); kohya defines none
     modelspec_architecture = "qwen-image-edit"
@@ -87,8 +86,8 @@ class QwenImageEdit(QwenImage):
         """The processor's ids, mask, pixel values and grid for (caption, reference) pairs: the batch's reference
         pixels as 8-bit RGB images (what the pipeline hands the processor), padded to the batch's longest."""
         if "reference_pixels" not in batch:
-            raise ValueError("qwen_image_edit: a batch without reference_pixels (the trainer refuses such data "
-                             "and data.cache_latents)")
+            raise ValueError("qwen_image_edit: a batch without reference_pixels (the trainer refuses such data; "
+                             "with data.cache_latents the reader gives them: text_reads_references)")
         more = batch.get("more_reference_pixels")
         # per sample its references in order (Picture 1, 2, ...): the order the prompt's vision tokens take them
         per_sample = zip(*(reference_images(p) for p in [batch["reference_pixels"], *(more.unbind(1) if more is not
@@ -157,16 +156,18 @@ class QwenImageEdit(QwenImage):
 
     # -- sampling ---------------------------------------------------------------------------------------
     def sampling_arguments(self, pipeline, arguments):
-        """The prompt's reference image (upright RGB) as the pipeline's `image`, which it scales to its 1024^2 area
-        itself; the rest as Qwen-Image's (true_cfg_scale, the blank negative prompt)."""
+        """The prompt's reference images (upright RGB) as the pipeline's `image`, which scales them itself (1024^2 for
+        the VAE; QwenImageEditPlusPipeline 384^2 for the vision tower): one as itself, several (Qwen-Image-Edit-2509)
+        as the list `image=[...]` in order ("Picture 1: ", ...); the rest as Qwen-Image's (true_cfg_scale, the blank
+        negative prompt)."""
         from ot_dist.data.images import open_image
 
         arguments = dict(arguments)
-        reference = arguments.pop("reference_image", None)
+        references = [open_image(path) for path in arguments.pop("reference_images", [])]
         out = super().sampling_arguments(pipeline, arguments)
         out.pop("max_sequence_length", None)  # the edit pipeline's text has no cap to pass
-        if reference is not None:
-            out["image"] = open_image(reference)
+        if references:
+            out["image"] = references if len(references) > 1 else references[0]
         return out
 
     # -- demo and tests ---------------------------------------------------------------------------------
