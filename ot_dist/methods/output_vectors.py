@@ -98,11 +98,13 @@ def attach(encoder: torch.nn.Module, token_embedding) -> OutputVectors:
 def start_output_vectors(model, tokenizer_name: str, encoder_name: str, init_text: str, count: int) -> torch.Tensor:
     """OneTrainer's start of an output embedding without a file (ModelSetupEmbeddingMixin._create_new_embedding with
     its create_output_embedding_fn): the encoder's hidden states, as the family reads them, of the text
-    `init_text + "*" x count`, at the `count` positions after the start token."""
+    `init_text + "*" x count`, at the `count` positions after the first (a CLIP's or Gemma's start token; a T5 has
+    none, and OneTrainer's `[1:]` skips its first word all the same). Padded on the right, as every family's
+    conditioning pads (a Gemma tokenizer's own default is the left, which would put padding at those positions)."""
     tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
     text = init_text + "*" * count
     encoded = tokenizer([text], padding="max_length", max_length=model.family.max_tokens(tokenizer_name, tokenizer),
-                        truncation=True, return_tensors="pt")
+                        truncation=True, padding_side="right", return_tensors="pt")
     masked = {"attention_mask": encoded.attention_mask.to(encoder.device)} if model.family.output_states_masked else {}
     with torch.no_grad():
         output = encoder(encoded.input_ids.to(encoder.device), output_hidden_states=True, **masked)

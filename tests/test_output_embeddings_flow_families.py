@@ -1,17 +1,18 @@
-"""Output embeddings of Flux.1 and SD3 / 3.5 (OneTrainer's is_output_embedding in its FluxModelEmbedding and
-StableDiffusion3ModelEmbedding; ot_dist/methods/output_vectors.py). OneTrainer's rule, written out here from its
-source rather than taken from ot_dist:
+"""Output embeddings of Flux.1, SD3 / 3.5 and Sana (OneTrainer's is_output_embedding in its FluxModelEmbedding,
+StableDiffusion3ModelEmbedding and SanaModelEmbedding; ot_dist/methods/output_vectors.py). OneTrainer's rule, written
+out here from its source rather than taken from ot_dist:
 - Flux: the T5 is an output encoder (FluxModel.encode_text applies `_apply_output_embeddings` to its last hidden
   state), the CLIP-L, read for its pooled output only, trains ordinary input vectors in the same embedding
   (FluxModelEmbedding: text_encoder_1_embedding with is_output_embedding=False);
 - SD3: all three encoders are output encoders: the CLIPs' penultimate hidden states (encode_clip(default_layer=-2,
-  add_layer_norm=False)) and the T5's last; the pooled outputs are the CLIPs' own, computed from zero input rows.
+  add_layer_norm=False)) and the T5's last; the pooled outputs are the CLIPs' own, computed from zero input rows;
+- Sana: the Gemma's last hidden state (encode_gemma(default_layer=-1): after the final norm), read with the mask.
 What is checked, on the tiny models without training: the start (OneTrainer's create_output_embedding_fn: the read
 states of init_text + one "*" per vector, at positions 1..n), the conditioning of one prompt against the base
 encoders with OneTrainer's _apply_output_embeddings written out, the file against OneTrainer's savers
-(FluxEmbeddingSaver / StableDiffusion3EmbeddingSaver `_to_state_dict`) and loader rule, init_from continuing from it
-exactly. With training (Flux, which mixes both kinds of vectors in one embedding and an additional one; SD3): only
-the vectors move; Flux stopped and resumed is the uninterrupted run, bit for bit."""
+(Flux / StableDiffusion3 / Sana EmbeddingSaver `_to_state_dict`) and loader rule, init_from continuing from it
+exactly. With training (Flux, which mixes both kinds of vectors in one embedding, and SD3, each with an additional
+output embedding): only the vectors move; Flux stopped and resumed is the uninterrupted run, bit for bit."""
 
 from __future__ import annotations
 
@@ -42,13 +43,29 @@ ONETRAINER_FILE = {
     "sd3": {"clip_l": ("text_encoder", "zeros"), "clip_g": ("text_encoder_2", "zeros"),
             "t5": ("text_encoder_3", "zeros"), "clip_l_out": ("text_encoder", "out"),
             "clip_g_out": ("text_encoder_2", "out"), "t5_out": ("text_encoder_3", "out")},
+    # modules/modelSaver/sana/SanaEmbeddingSaver.py: gemma <- .vector, gemma_out <- .output_vector
+    "sana": {"gemma": ("text_encoder", "zeros"), "gemma_out": ("text_encoder", "out")},
 }
 TOKENIZER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 # The hidden states OneTrainer's encode_text gives _apply_output_embeddings, per output encoder
 READ = {("flux", "text_encoder_2"): lambda out: out.last_hidden_state,
         ("sd3", "text_encoder"): lambda out: out.hidden_states[-2],
         ("sd3", "text_encoder_2"): lambda out: out.hidden_states[-2],
-        ("sd3", "text_encoder_3"): lambda out: out.last_hidden_state}
+        ("sd3", "text_encoder_3"): lambda out: out.last_hidden_state,
+        ("sana", "text_encoder"): lambda out: out.hidden_states[-1]}
+# Encoders OneTrainer runs with the tokenizer's attention mask (Sana's encode_gemma; the CLIPs and Flux's / SD3's T5
+# run without: encode_clip / encode_t5 with use_attention_mask=False)
+MASKED = {("sana", "text_encoder")}
+
+
+def pooled_outputs(family: str, outputs: dict) -> dict[str, torch.Tensor]:
+    """The rest of OneTrainer's encode_text result beside the hidden states: Flux's CLIP-L pooled output, SD3's two
+    CLIPs' projected pooled outputs side by side (combine_text_encoder_output)."""
+    if family == "flux":
+        return {"pooled": outputs["text_encoder"].pooler_output}
+    if family == "sd3":
+        return {"pooled": torch.cat([outputs["text_encoder"].text_embeds, outputs["text_encoder_2"].text_embeds], -1)}
+    return {}
 
 
 def onetrainer_apply(embedding_ids: torch.Tensor, vectors: torch.Tensor, tokens: torch.Tensor,
@@ -121,13 +138,15 @@ def test_start_conditioning_and_file_are_onetrainers(family, family_models, tmp_
     tokens = model.family.tokenize(model.tokenizers, prompt)
 
     # the start: OneTrainer's _create_new_embedding with create_output_embedding_fn = encode_text(text)[i][0][1:],
-    # cut to the vector count; the prompt "a cat" + "**" read at the length the conditioning reads
+    # cut to the vector count; the prompt "a cat" + "**" read at the length the conditioning reads, padded on the
+    # right as the conditioning pads
     for name in outputs:
         tokenizer = model.tokenizers[TOKENIZER[name]]
-        ids = tokenizer(["a cat" + "*" * VECTORS], padding="max_length", max_length=tokens[name].shape[1],
-                        truncation=True, return_tensors="pt").input_ids
+        encoded = tokenizer(["a cat" + "*" * VECTORS], padding="max_length", max_length=tokens[name].shape[1],
+                            truncation=True, padding_side="right", return_tensors="pt")
+        mask = {"attention_mask": encoded.attention_mask} if (family, name) in MASKED else {}
         with torch.no_grad():
-            out = base_encoder(path, name)(ids, output_hidden_states=True)
+            out = base_encoder(path, name)(encoded.input_ids, output_hidden_states=True, **mask)
         torch.testing.assert_close(trained[name], READ[family, name](out)[0, 1:1 + VECTORS], rtol=0, atol=0)
 
     with torch.no_grad():
@@ -148,24 +167,28 @@ def test_start_conditioning_and_file_are_onetrainers(family, family_models, tmp_
     # file's input vectors (Flux's CLIP-L) at the tokens' ids, the read states with the file's _out vectors applied
     with torch.no_grad():
         got = model.family.encode_text(model.text_encoders, tokens)
-        read, pooled = {}, []
+        read, outs = {}, {}
         for name in model.family.text_encoders:
             tokenizer = model.tokenizers[TOKENIZER[name]]
             embedding_ids = torch.tensor(tokenizer.convert_tokens_to_ids(method.token_strings()))
             assert (tokens[name] == embedding_ids[0]).any(), name
             key = model.family.embedding_keys[name]
             rows = state[key] if name not in outputs else torch.zeros_like(state[key])
-            out = base_encoder(path, name, int(embedding_ids[0]), rows)(tokens[name], output_hidden_states=True)
+            mask = {"attention_mask": tokens[f"{name}_mask"]} if (family, name) in MASKED else {}
+            outs[name] = base_encoder(path, name, int(embedding_ids[0]), rows)(tokens[name], output_hidden_states=True,
+                                                                              **mask)
             if name in outputs:
-                read[name] = onetrainer_apply(embedding_ids, state[key + "_out"], tokens[name], READ[family, name](out))
-            pooled.append(out.text_embeds if family == "sd3" and name != "text_encoder_3" else
-                          out.pooler_output if name == "text_encoder" else None)
-    if family == "flux":  # FluxModel.encode_text: (T5 states, CLIP-L pooled)
-        want = {"hidden": read["text_encoder_2"], "pooled": pooled[0]}
-    else:  # StableDiffusion3Model.combine_text_encoder_output
+                read[name] = onetrainer_apply(embedding_ids, state[key + "_out"], tokens[name],
+                                              READ[family, name](outs[name]))
+    if family == "sd3":  # StableDiffusion3Model.combine_text_encoder_output
         clip = torch.cat([read["text_encoder"], read["text_encoder_2"]], dim=-1)
         clip = torch.nn.functional.pad(clip, (0, read["text_encoder_3"].shape[-1] - clip.shape[-1]))
-        want = {"hidden": torch.cat([clip, read["text_encoder_3"]], dim=-2), "pooled": torch.cat(pooled[:2], dim=-1)}
+        hidden = torch.cat([clip, read["text_encoder_3"]], dim=-2)
+    else:  # Flux's T5, Sana's Gemma
+        (hidden,) = read.values()
+    want = {"hidden": hidden, **pooled_outputs(family, outs)}
+    if family == "sana":  # SanaModel.encode_text returns the mask beside the states
+        want["mask"] = tokens["text_encoder_mask"]
     assert got.keys() == want.keys()
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
@@ -177,7 +200,7 @@ def test_start_conditioning_and_file_are_onetrainers(family, family_models, tmp_
     assert all(torch.equal(a.detach(), trained[name]) for a, name in zip(again.params, trained, strict=True))
 
 
-@pytest.fixture(scope="module", params=list(ONETRAINER_FILE))
+@pytest.fixture(scope="module", params=["flux", "sd3"])
 def run(request, family_models, shapes_data, tmp_path_factory):
     """Method embedding's output embedding of two vectors and an additional one (<add>, in every caption), 2 steps."""
     family = request.param
