@@ -48,9 +48,9 @@ class Sana(Family):
     tokenizers = ("tokenizer",)
     embedding_keys = {"text_encoder": GEMMA_EMBEDDING_KEY}  # OneTrainer's SanaEmbeddingSaver
     # OneTrainer's SanaEmbeddingSaver: gemma (the zero input rows), gemma_out; SanaModel.encode_text applies the
-    # vectors to the Gemma's read state (encode_gemma: the last, after the final norm), which it reads with the mask
+    # vectors to the Gemma's read state (encode_gemma: the last, after the final norm). The start needs no mask: a
+    # causal decoder's states before the (right) padding do not see it.
     output_embedding_keys = {"text_encoder": GEMMA_EMBEDDING_KEY}
-    output_states_masked = True
 
     def text_states(self, encoder, output):
         return output.last_hidden_state  # (no layer skip: output_embedding_conflict)
