@@ -30,6 +30,7 @@ from ot_dist.train.trainer import Trainer
 
 QUIET = lambda *_: None  # noqa: E731
 VECTORS = 2
+SAMPLE = {"prompt": "a photo of <tok> with <add>", "seed": 1, "steps": 2, "width": 64, "height": 64}
 
 # OneTrainer's savers, per family: the file keys of an output embedding, each with the encoder whose rows it holds and
 # what it holds ("zeros": BaseModelEmbedding's input vector of an output embedding; "out": its output_vector; "input":
@@ -205,7 +206,8 @@ def run(request, family_models, shapes_data, tmp_path_factory):
     """Method embedding's output embedding of two vectors and an additional one (<add>, in every caption), 2 steps."""
     family = request.param
     out = tmp_path_factory.mktemp(f"output_{family}") / "out"
-    trainer = Trainer(validate(run_config(family_models[family], shapes_data, out, family, max_steps=2)), log=QUIET)
+    trainer = Trainer(validate(run_config(family_models[family], shapes_data, out, family, max_steps=2,
+                                          **{"sampling.prompts": [SAMPLE]})), log=QUIET)
     before = {name: {k: v.clone() for k, v in part.state_dict().items()} for name, part in trainer.model.parts().items()}
     result = trainer.train()
     return family, trainer, result, out, before
@@ -241,6 +243,29 @@ def test_training_moves_the_vectors_and_nothing_else(run):
                                                                               "shared.extra", "shared.additional.0")))
     for path in (out / "embedding.safetensors", out / "embeddings" / "add.safetensors"):
         assert load_file(path).keys() == ONETRAINER_FILE[family].keys(), path.name
+
+
+def test_the_samples_read_every_vector(run):
+    """The sample taken at the end changes when any one of the trained tensors (each output encoder's vectors,
+    Flux's CLIP-L rows; of either embedding) is zeroed: the sampling pipeline's encoders read them all (SD3's
+    pipeline with the token's words written out, Flux's expanding it itself)."""
+    from test_sampling import pixels
+
+    family, trainer, result, out, _ = run
+    (taken,) = (out / "samples" / f"step-{result.steps}").glob("*.png")
+    (again,) = trainer.sampler.sample(trainer, 1000)
+    assert (pixels(again) == pixels(taken)).all()  # the draw itself is repeatable
+    for group in trainer.groups:
+        for i, vectors in enumerate(group.params):
+            trained = vectors.detach().clone()
+            try:
+                with torch.no_grad():
+                    vectors.zero_()
+                (path,) = trainer.sampler.sample(trainer, 1001)
+                assert (pixels(path) != pixels(taken)).any(), f"{group.name} [{i}] zeroed drew the same image"
+            finally:
+                with torch.no_grad():
+                    vectors.copy_(trained)
 
 
 def test_stopped_and_resumed_the_run_is_the_uninterrupted_one(family_models, shapes_data, tmp_path):
