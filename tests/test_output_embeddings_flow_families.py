@@ -21,14 +21,13 @@ import json
 import pytest
 import torch
 from conftest import base_config
+from family_training import family_trainer
 from safetensors.torch import load_file
 
 from ot_dist.config.load import validate
 from ot_dist.methods.registry import build_method
 from ot_dist.models.loading import load_model
-from ot_dist.train.trainer import Trainer
 
-QUIET = lambda *_: None  # noqa: E731
 VECTORS = 2
 SAMPLE = {"prompt": "a photo of <tok> with <add>", "seed": 1, "steps": 2, "width": 64, "height": 64}
 
@@ -47,6 +46,7 @@ ONETRAINER_FILE = {
     # modules/modelSaver/sana/SanaEmbeddingSaver.py: gemma <- .vector, gemma_out <- .output_vector
     "sana": {"gemma": ("text_encoder", "zeros"), "gemma_out": ("text_encoder", "out")},
 }
+T5_TABLES = ["shared", "encoder.embed_tokens"]
 TOKENIZER = {"text_encoder": "tokenizer", "text_encoder_2": "tokenizer_2", "text_encoder_3": "tokenizer_3"}
 # The hidden states OneTrainer's encode_text gives _apply_output_embeddings, per output encoder
 READ = {("flux", "text_encoder_2"): lambda out: out.last_hidden_state,
@@ -201,46 +201,48 @@ def test_start_conditioning_and_file_are_onetrainers(family, family_models, tmp_
     assert all(torch.equal(a.detach(), trained[name]) for a, name in zip(again.params, trained, strict=True))
 
 
+def run_settings(data, out, **extra) -> dict:
+    """Method embedding's output embedding of two vectors and an additional one (<add>, in every caption)."""
+    return {"batch_size": 2, "learning_rate": 5e-2,
+            "embedding": {"token": "<tok>", "vectors": VECTORS, "init_text": "a cat", "output_embedding": True},
+            "additional_embeddings": [{"token": "<add>", "output_embedding": True}],
+            "data.path": None, "data.concepts": [{"path": str(data), "caption_prefix": "<add>"}], **extra}
+
+
 @pytest.fixture(scope="module", params=["flux", "sd3"])
 def run(request, family_models, shapes_data, tmp_path_factory):
-    """Method embedding's output embedding of two vectors and an additional one (<add>, in every caption), 2 steps."""
+    """2 steps of run_settings' embeddings, with a sample at the end."""
     family = request.param
     out = tmp_path_factory.mktemp(f"output_{family}") / "out"
-    trainer = Trainer(validate(run_config(family_models[family], shapes_data, out, family, max_steps=2,
-                                          **{"sampling.prompts": [SAMPLE]})), log=QUIET)
+    trainer = family_trainer(family, family_models[family], None, out, method="embedding",
+                             **run_settings(shapes_data, out, max_steps=2, **{"sampling.prompts": [SAMPLE]}))
     before = {name: {k: v.clone() for k, v in part.state_dict().items()} for name, part in trainer.model.parts().items()}
     result = trainer.train()
     return family, trainer, result, out, before
 
 
-def run_config(model, data, out, family, **extra):
-    raw = base_config(model, None, out, family=family, method="embedding", **{
-        "batch_size": 2, "learning_rate": 5e-2,
-        "embedding": {"token": "<tok>", "vectors": VECTORS, "init_text": "a cat", "output_embedding": True},
-        "additional_embeddings": [{"token": "<add>", "output_embedding": True}], **extra})
-    raw["data"] = {"concepts": [{"path": str(data), "caption_prefix": "<add>"}], "shards": f"{out}-shards"}
-    return raw
+# Each encoder's token table in its state dict (a T5 names its table twice: `shared` and `encoder.embed_tokens`)
+TABLES = {("flux", "text_encoder"): ["embeddings.token_embedding"], ("flux", "text_encoder_2"): T5_TABLES,
+          ("sd3", "text_encoder"): ["text_model.embeddings.token_embedding"],
+          ("sd3", "text_encoder_2"): ["text_model.embeddings.token_embedding"], ("sd3", "text_encoder_3"): T5_TABLES}
 
 
 def test_training_moves_the_vectors_and_nothing_else(run):
-    """Moved: per output encoder its output vectors (a T5 names them twice: `shared.` and `encoder.embed_tokens.`),
-    per input encoder (Flux's CLIP-L) its rows; the output encoders' input rows stay zero; both files are
-    OneTrainer's keys."""
+    """Moved: per output encoder the output vectors of both embeddings (`<table>.outputs.extra` /
+    `.outputs.additional.0`), per input encoder (Flux's CLIP-L) their rows (`<table>.extra` / `.additional.0`);
+    nothing else, and the output encoders' input rows are still zeros. Both files hold OneTrainer's keys."""
     family, trainer, result, out, before = run
     assert [g.name for g in trainer.groups] == ["embedding", "embedding/<add>"]
     outputs = trainer.model.family.output_embedding_keys
     for name, part in trainer.model.parts().items():
         state = part.state_dict()
         moved = {k for k in state if not torch.equal(state[k], before[name][k])}
-        if name not in trainer.model.family.embedding_keys:
-            assert not moved, name
-            continue
-        prefix = "outputs." if name in outputs else ""
-        assert moved and all(k.endswith((f"{prefix}extra", f"{prefix}additional.0")) for k in moved), (name, moved)
-        assert len(moved) == (4 if "embed_tokens.outputs.extra" in " ".join(moved) else 2), (name, moved)
+        where = "outputs." if name in outputs else ""
+        assert moved == {f"{table}.{where}{rows}" for table in TABLES.get((family, name), [])
+                         for rows in ("extra", "additional.0")}, name
         if name in outputs:
-            assert not any(v.any() for k, v in state.items() if k.endswith(("embedding.extra", "embedding.additional.0",
-                                                                              "shared.extra", "shared.additional.0")))
+            assert not any(state[f"{table}.{rows}"].any() for table in TABLES[family, name]
+                           for rows in ("extra", "additional.0")), name
     for path in (out / "embedding.safetensors", out / "embeddings" / "add.safetensors"):
         assert load_file(path).keys() == ONETRAINER_FILE[family].keys(), path.name
 
@@ -274,7 +276,8 @@ def test_stopped_and_resumed_the_run_is_the_uninterrupted_one(family_models, sha
     from test_checkpoint import train_in_process
 
     def raw(out):
-        return run_config(family_models["flux"], shapes_data, out, "flux", max_steps=4)
+        return base_config(family_models["flux"], None, out, family="flux", method="embedding",
+                           **run_settings(shapes_data, out, max_steps=4))
 
     straight = train_in_process(raw(tmp_path / "straight"))
     stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=2)
