@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import base_config
 from family_training import family_trainer
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ot_dist.config.load import validate
 from ot_dist.methods.registry import build_method
@@ -194,11 +194,15 @@ def test_start_conditioning_and_file_are_onetrainers(family, family_models, tmp_
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
 
-    # init_from the file continues from exactly its vectors (each encoder's, as OneTrainer's loader reads them)
-    raw["embedding"]["init_from"] = str(file)
-    method, model = build_method(validate(raw)), load_model(validate(raw).model)
-    (again,) = method.prepare(model)
-    assert all(torch.equal(a.detach(), trained[name]) for a, name in zip(again.params, trained, strict=True))
+    # init_from the file continues from exactly its vectors (each encoder's, as OneTrainer's loader reads them); an
+    # input embedding's file (its embedding keys only) gives its vectors as the output vectors, as that rule does
+    plain = {model.family.embedding_keys[name]: vectors * 2 for name, vectors in trained.items()}
+    save_file(plain, tmp_path / "input.safetensors")
+    for init_from, want in ((file, trained), (tmp_path / "input.safetensors", dict(zip(trained, plain.values())))):
+        raw["embedding"]["init_from"] = str(init_from)
+        method, model = build_method(validate(raw)), load_model(validate(raw).model)
+        (again,) = method.prepare(model)
+        assert all(torch.equal(a.detach(), want[name]) for a, name in zip(again.params, want, strict=True)), init_from
 
 
 def run_settings(data, out, **extra) -> dict:
