@@ -1045,6 +1045,15 @@ def test_output_embeddings_are_imported(tmp_path):
     assert config.embedding.output_embedding is False
     assert any(s.startswith("embedding.is_output_embedding: true (an embedding of the text encoder's output): not "
                             "with model.text_encoder_layer_skip") for s in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "SANA", "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<main>", "is_output_embedding": True}})
+    assert config.embedding.output_embedding and not any("is_output_embedding" in s for s in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "SANA", "training_method": "EMBEDDING",
+                                             "text_encoder_layer_skip": 1,
+                                             "embedding": {"placeholder": "<main>", "is_output_embedding": True}})
+    assert config.embedding.output_embedding is False  # Sana's layer skip, as SD's
+    assert any(s.startswith("embedding.is_output_embedding: true (an embedding of the text encoder's output): not "
+                            "with model.text_encoder_layer_skip") for s in skipped)
     config, skipped = import_only(tmp_path, {"model_type": "HI_DREAM_FULL", "training_method": "LORA",
                                              "additional_embeddings": [{"placeholder": "<out>",
                                                                         "is_output_embedding": True}]})
