@@ -1019,7 +1019,7 @@ def test_output_embeddings_are_imported(tmp_path):
     """is_output_embedding: true becomes output_embedding: true (method embedding's and an additional one's), with
     OneTrainer's initial text as it is (both start from the encoder's output of the text and a "*" per vector); an
     LoRA's bundling, which takes no output embedding, is listed and left off; a family without output embeddings
-    (HiDream's T5 / Llama) and SD's layer skip list the entry instead."""
+    (HiDream's T5 / Llama) and SD's and Sana's layer skip list the entry instead."""
     config, skipped = import_only(tmp_path, {
         "model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "EMBEDDING",
         "embedding": {"placeholder": "<main>", "token_count": 3, "initial_embedding_text": "a dog",
