@@ -84,7 +84,7 @@ def onetrainer_apply(embedding_ids: torch.Tensor, vectors: torch.Tensor, tokens:
 
 
 def onetrainer_reads(state: dict[str, torch.Tensor], key: str) -> torch.Tensor | None:
-    """OneTrainer's loader rule (BaseFluxSetup / BaseStableDiffusion3Setup `_setup_embeddings`)."""
+    """OneTrainer's loader rule (BaseFluxSetup / BaseStableDiffusion3Setup / BaseSanaSetup `_setup_embeddings`)."""
     return state.get(f"{key}_out", state.get(key, None))
 
 
