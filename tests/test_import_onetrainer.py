@@ -951,11 +951,12 @@ def test_t5_embeddings_are_imported(tmp_path, model_type, t5):
     _, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
                                         t5: {"train_embedding": False}})
     assert skipped == [f"{t5}.train_embedding: false: ot_dist trains the embedding in every encoder that takes one"]
-    # an output embedding: PixArt's and Chroma's T5 take one (OneTrainer's t5 / t5_out); Flux and SD3 list it
+    # an output embedding: every one of these T5s takes one (OneTrainer's t5 / t5_out; Flux's CLIP-L and SD3's CLIPs
+    # beside it as OneTrainer's Flux and SD3 embeddings have them)
     config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "EMBEDDING",
                                              "embedding": {"placeholder": "<tok>", "is_output_embedding": True}})
-    takes = get_family(config.model.family).output_embedding_keys
-    assert config.embedding.output_embedding is bool(takes) and bool(skipped) is not bool(takes)
+    assert t5 in get_family(config.model.family).output_embedding_keys
+    assert config.embedding.output_embedding and not skipped
 
 
 def test_cached_variations_keep_latent_caching_of_augmented_concepts(tmp_path):
@@ -1018,7 +1019,7 @@ def test_output_embeddings_are_imported(tmp_path):
     """is_output_embedding: true becomes output_embedding: true (method embedding's and an additional one's), with
     OneTrainer's initial text as it is (both start from the encoder's output of the text and a "*" per vector); an
     LoRA's bundling, which takes no output embedding, is listed and left off; a family without output embeddings
-    (SD3's T5) and SD's layer skip list the entry instead."""
+    (HiDream's T5 / Llama) and SD's and Sana's layer skip list the entry instead."""
     config, skipped = import_only(tmp_path, {
         "model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "EMBEDDING",
         "embedding": {"placeholder": "<main>", "token_count": 3, "initial_embedding_text": "a dog",
@@ -1044,12 +1045,21 @@ def test_output_embeddings_are_imported(tmp_path):
     assert config.embedding.output_embedding is False
     assert any(s.startswith("embedding.is_output_embedding: true (an embedding of the text encoder's output): not "
                             "with model.text_encoder_layer_skip") for s in skipped)
-    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_3", "training_method": "LORA",
+    config, skipped = import_only(tmp_path, {"model_type": "SANA", "training_method": "EMBEDDING",
+                                             "embedding": {"placeholder": "<main>", "is_output_embedding": True}})
+    assert config.embedding.output_embedding and not any("is_output_embedding" in s for s in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "SANA", "training_method": "EMBEDDING",
+                                             "text_encoder_layer_skip": 1,
+                                             "embedding": {"placeholder": "<main>", "is_output_embedding": True}})
+    assert config.embedding.output_embedding is False  # Sana's layer skip, as SD's
+    assert any(s.startswith("embedding.is_output_embedding: true (an embedding of the text encoder's output): not "
+                            "with model.text_encoder_layer_skip") for s in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "HI_DREAM_FULL", "training_method": "LORA",
                                              "additional_embeddings": [{"placeholder": "<out>",
                                                                         "is_output_embedding": True}]})
     assert not config.additional_embeddings
     assert any(s.startswith("additional_embeddings[0].is_output_embedding: true (an embedding of the text encoder's "
-                            "output): sd3 takes no output embeddings") for s in skipped)
+                            "output): hidream takes no output embeddings") for s in skipped)
 
 
 @pytest.mark.parametrize("base,family", [("black-forest-labs/FLUX.2-klein-base-9B", "flux2_klein"),

@@ -1,7 +1,7 @@
 """Output embeddings (OneTrainer's is_output_embedding, ot_dist/methods/output_vectors.py): the trained vectors
 replace the text encoder's hidden states at their tokens. On the tiny SD 1.x model (one run of method embedding with an
 additional output embedding beside it); SDXL, Stable Cascade and Würstchen v2 without training (start, conditioning,
-file keys). What is checked:
+file keys); Flux, SD3 and Sana: tests/test_output_embeddings_flow_families.py. What is checked:
 - the conditioning is the base encoder's output (its vocabulary extended by zero rows, OneTrainer's input vectors of
   an output embedding) with the trained vectors written at the tokens' positions, computed here by hand;
 - training moves those vectors and nothing else (the zero input rows stay zero);
@@ -264,11 +264,13 @@ def test_refusals(tiny_models, tmp_path):
         with pytest.raises(ConfigError, match=match):
             validate(raw)
 
-    check("embedding.output_embedding: model family sd3 takes no output embeddings", family="sd3",
+    check("embedding.output_embedding: model family lumina2 takes no output embeddings", family="lumina2",
           **{"embedding.output_embedding": True})
-    check(r"additional_embeddings\[0\].output_embedding: model family flux takes no output embeddings",
-          family="flux", method="lora", additional_embeddings=[{"token": "<a>", "output_embedding": True}])
+    check(r"additional_embeddings\[0\].output_embedding: model family hidream takes no output embeddings",
+          family="hidream", method="lora", additional_embeddings=[{"token": "<a>", "output_embedding": True}])
     check("embedding.output_embedding: with model.text_encoder_layer_skip", **{
+        "embedding.output_embedding": True, "model.text_encoder_layer_skip": 1})
+    check("embedding.output_embedding: with model.text_encoder_layer_skip", family="sana", **{
         "embedding.output_embedding": True, "model.text_encoder_layer_skip": 1})
     check(r"bundle_additional_embeddings: additional_embeddings\[0\] is an output embedding", method="lora",
           bundle_additional_embeddings=True, additional_embeddings=[{"token": "<a>", "output_embedding": True}])

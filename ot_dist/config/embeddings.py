@@ -54,19 +54,24 @@ OUTPUT_EMBEDDING_DESCRIPTION = (
     "are zeros (frozen) and the encoders' hidden states at the tokens' positions are replaced by the trained vectors, "
     "in training and in the samples. Without init_from they start as OneTrainer starts them: the encoder's hidden "
     "states (the layer the model reads) of init_text followed by one '*' per vector, at the positions after the "
-    "start token. The file is OneTrainer's (<key> zeros, <key>_out the vectors: emp_params for SD 1.x / 2.x, "
-    "clip_l / clip_g for SDXL, t5 for PixArt and Chroma), which only OneTrainer reads; init_from reads <key>_out, "
-    "else an input embedding's vectors. SD 1.x / 2.x (without a text_encoder_layer_skip), SDXL, Stable Cascade and "
-    "Würstchen v2 (clip_g), PixArt-α / Σ and Chroma (their T5's last hidden state)."
+    "first. The file is OneTrainer's (<key> zeros, <key>_out the vectors: emp_params for SD 1.x / 2.x, "
+    "clip_l / clip_g for SDXL, clip_l / clip_g / t5 for SD3, t5 for Flux, PixArt and Chroma, gemma for Sana), which "
+    "only OneTrainer reads; init_from reads <key>_out, else an input embedding's vectors. SD 1.x / 2.x and Sana "
+    "(without a text_encoder_layer_skip), SDXL, SD3 / 3.5 (both CLIPs' penultimate layer and the T5), Flux.1 (the "
+    "T5; its CLIP-L trains input vectors beside them, written as clip_l, as OneTrainer's Flux embedding), Stable "
+    "Cascade and Würstchen v2 (clip_g), PixArt-α / Σ and Chroma (their T5's last hidden state)."
 )
+
+SUPPORTED_OUTPUT_EMBEDDINGS = ("SD 1.x / 2.x, SDXL, SD3, Flux.1, Sana, Stable Cascade, Würstchen v2, PixArt and Chroma "
+                               "do")
 
 
 def check_output_embedding(key: str, config, family) -> None:
     """An output embedding (`key` names its output_embedding field) against the family and the model section."""
     if not family.output_embedding_keys:
-        raise ValueError(f"{key}: model family {config.model.family} takes no output embeddings in ot_dist (SD 1.x / "
-                         "2.x, SDXL, Stable Cascade, Würstchen v2, PixArt and Chroma do; OneTrainer's output "
-                         "embeddings of Flux's, SD3's, Sana's and HiDream's T5 / Gemma / Llama are not supported yet)")
+        raise ValueError(f"{key}: model family {config.model.family} takes no output embeddings in ot_dist "
+                         f"({SUPPORTED_OUTPUT_EMBEDDINGS}; OneTrainer's output embeddings of HiDream's T5 / Llama are "
+                         "not supported yet)")
     conflict = family.output_embedding_conflict(config.model)
     if conflict is not None:
         field, why = conflict

@@ -61,7 +61,7 @@ class EmbeddingMethod(TrainingMethod):
 
     def vectors(self, model: LoadedModel, state_dict_of=plain_state_dict) -> dict[str, torch.Tensor]:
         if self.config.embedding.output_embedding:
-            states = {name: state_dict_of(model.text_encoders[name]) for name in model.family.output_embedding_keys}
+            states = {name: state_dict_of(model.text_encoders[name]) for name in model.family.embedding_keys}
             return file_vectors(model.family, states, "extra")
         return {key.format(token=self.config.embedding.token): rows_in_state(state_dict_of(model.text_encoders[name]),
                                                                             "extra")

@@ -17,9 +17,12 @@ embedding's, `token_embedding.outputs.additional.<i>` for additional embedding i
 checkpoint them with the encoder's other new rows, and exports of the encoder leave them out as they leave those.
 
 The file is OneTrainer's: per encoder of the family's `output_embedding_keys` (`emp_params` for SD 1.x / 2.x, `clip_l`
-/ `clip_g` for SDXL, `t5` for PixArt and Chroma) the zero input rows under `<key>` and the vectors under `<key>_out`;
-OneTrainer's loaders read `<key>_out` and fall back to `<key>` (modules/modelSetup/Base*Setup.py `_setup_embeddings`),
-as `init_from` does here.
+/ `clip_g` for SDXL, `clip_l` / `clip_g` / `t5` for SD3, `t5` for Flux, PixArt and Chroma) the zero input rows under
+`<key>` and the vectors under `<key>_out`; OneTrainer's loaders read `<key>_out` and fall back to `<key>`
+(modules/modelSetup/Base*Setup.py `_setup_embeddings`), as `init_from` does here. An encoder of the family's
+`embedding_keys` that takes no output vectors (Flux's CLIP-L: OneTrainer's FluxModelEmbedding builds its
+text_encoder_1_embedding with is_output_embedding=False) trains ordinary input rows in the same embedding, written
+under its `embedding_keys` key (`clip_l`) as FluxEmbeddingSaver writes them.
 """
 
 from __future__ import annotations
@@ -95,11 +98,13 @@ def attach(encoder: torch.nn.Module, token_embedding) -> OutputVectors:
 def start_output_vectors(model, tokenizer_name: str, encoder_name: str, init_text: str, count: int) -> torch.Tensor:
     """OneTrainer's start of an output embedding without a file (ModelSetupEmbeddingMixin._create_new_embedding with
     its create_output_embedding_fn): the encoder's hidden states, as the family reads them, of the text
-    `init_text + "*" x count`, at the `count` positions after the start token."""
+    `init_text + "*" x count`, at the `count` positions after the first (a CLIP's or Gemma's start token; a T5 has
+    none, and OneTrainer's `[1:]` skips its first word all the same). Padded on the right, as every family's
+    conditioning pads (a Gemma tokenizer's own default is the left, which would put padding at those positions)."""
     tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
     text = init_text + "*" * count
     encoded = tokenizer([text], padding="max_length", max_length=model.family.max_tokens(tokenizer_name, tokenizer),
-                        truncation=True, return_tensors="pt")
+                        truncation=True, padding_side="right", return_tensors="pt")
     masked = {"attention_mask": encoded.attention_mask.to(encoder.device)} if model.family.output_states_masked else {}
     with torch.no_grad():
         output = encoder(encoded.input_ids.to(encoder.device), output_hidden_states=True, **masked)
@@ -108,27 +113,35 @@ def start_output_vectors(model, tokenizer_name: str, encoder_name: str, init_tex
 
 def read_output_vectors(path: str | Path, family, widths: dict[str, int], key: str) -> dict[str, torch.Tensor]:
     """{encoder: [n, width]} from an embedding file by OneTrainer's rule: `<key>_out` where the file has it for every
-    encoder (an output embedding's file), else the vectors an input embedding's file holds (which OneTrainer, too,
-    takes as the output vectors of an output embedding)."""
+    output encoder (an output embedding's file), else the vectors an input embedding's file holds (which OneTrainer,
+    too, takes as the output vectors of an output embedding). Encoders of the family's embedding_keys that take input
+    vectors beside them (Flux's CLIP-L) read their embedding key (`clip_l`) either way; an encoder the family lets a
+    file lack (embedding_keys_optional) is left out and starts from init_text."""
     with safe_open(str(Path(path).expanduser()), framework="pt") as f:
         keys = set(f.keys())
     out_keys = {name: base + OUT_SUFFIX for name, base in family.output_embedding_keys.items()}
+    read = dict(family.embedding_keys)
     if all(k in keys for k in out_keys.values()):
-        return read_embedding_file(path, out_keys, widths)
-    if any(k in keys for k in out_keys.values()):
+        read.update(out_keys)
+    elif any(k in keys for k in out_keys.values()):
         raise ConfigError(f"{key}: {path} has {sorted(keys)}: an output embedding's file holds "
                           f"{sorted(out_keys.values())}")
-    return read_embedding_file(path, {name: family.embedding_keys[name] for name in out_keys}, widths)
+    return read_embedding_file(path, read, widths, family.embedding_key_copies, family.embedding_keys_optional)
 
 
 def file_vectors(family, states: dict[str, dict[str, torch.Tensor]], row_name: str) -> dict[str, torch.Tensor]:
-    """OneTrainer's file of one output embedding: per encoder its zero input rows under `<key>` and its vectors
-    under `<key>_out`. `states`: each encoder's full state dict (what a strategy's `state_dict_of` gives);
-    `row_name`: "extra" or "additional.<i>"."""
+    """OneTrainer's file of one output embedding: per output encoder its zero input rows under `<key>` and its vectors
+    under `<key>_out`; per encoder that takes input vectors beside them (Flux's CLIP-L) its trained rows under its
+    embedding key. `states`: each encoder's full state dict (what a strategy's `state_dict_of` gives); `row_name`:
+    "extra" or "additional.<i>"."""
     from ot_dist.methods.token_vectors import rows_in_state
 
     tensors = {}
-    for name, base in family.output_embedding_keys.items():
+    for name, key in family.embedding_keys.items():
+        base = family.output_embedding_keys.get(name)
+        if base is None:
+            tensors[key] = rows_in_state(states[name], row_name)
+            continue
         tensors[base] = rows_in_state(states[name], row_name)
         tensors[base + OUT_SUFFIX] = rows_in_state(states[name], f"outputs.{row_name}")
     return tensors

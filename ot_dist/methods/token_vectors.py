@@ -115,8 +115,8 @@ def start_vectors(model: LoadedModel, init_from: str | None, output: bool = Fals
     output embedding's vectors, by OneTrainer's rule (output_vectors.py `read_output_vectors`)."""
     if not init_from:
         return None
-    keys = model.family.output_embedding_keys if output else model.family.embedding_keys
-    widths = {name: model.text_encoders[name].get_input_embeddings().embedding_dim for name in keys}
+    widths = {name: model.text_encoders[name].get_input_embeddings().embedding_dim
+              for name in model.family.embedding_keys}
     if output:
         return read_output_vectors(init_from, model.family, widths, key)
     return read_family_file(init_from, model.family, widths)
@@ -130,17 +130,18 @@ def add_vectors(model: LoadedModel, tokens: list[str], start: dict[str, torch.Te
     new parameter. `key` names the config entry in errors; `main`: method embedding's own vectors (`extra`, added
     before any additional embedding). `output`: an output embedding (output_vectors.py): the encoders of the family's
     output_embedding_keys get zero input rows, frozen, and the returned parameters are the output vectors, from
-    `start` or OneTrainer's start from init_text."""
+    `start` or OneTrainer's start from init_text; the family's other embedding encoders (Flux's CLIP-L) get trainable
+    input rows as for any embedding, as OneTrainer's FluxModelEmbedding gives them."""
     added = {}
-    takes = model.family.output_embedding_keys if output else model.family.embedding_keys
     for encoder_name, tokenizer_name in zip(model.family.text_encoders, model.family.tokenizers):
-        if encoder_name not in takes:
+        if encoder_name not in model.family.embedding_keys:
             continue  # an encoder that takes no embedding reads the new words as ordinary text
         tokenizer, encoder = model.tokenizers[tokenizer_name], model.text_encoders[encoder_name]
+        as_output = output and encoder_name in model.family.output_embedding_keys
         given = (start or {}).get(encoder_name)
         if tokenizer.convert_tokens_to_ids(tokens[0]) not in (tokenizer.unk_token_id, None):
             raise ConfigError(f"{key}.token: {tokens[0]!r} is already in the {tokenizer_name} vocabulary")
-        if output and given is None:  # before the tokens exist: the init text reads as ordinary words
+        if as_output and given is None:  # before the tokens exist: the init text reads as ordinary words
             out_start = start_output_vectors(model, tokenizer_name, encoder_name, init_text, len(tokens))
         embedding = encoder.get_input_embeddings()
         if not isinstance(embedding, ExtendedTokenEmbedding):
@@ -148,12 +149,12 @@ def add_vectors(model: LoadedModel, tokens: list[str], start: dict[str, torch.Te
             encoder.set_input_embeddings(embedding)
         size = embedding.num_embeddings
         init_ids = (init_token_ids(tokenizer, init_text, len(tokens), f"{key}.init_text")
-                    if given is None and not output else None)
+                    if given is None and not as_output else None)
         tokenizer.add_tokens([added_token(tokenizer, token) for token in tokens])
         if tokenizer.convert_tokens_to_ids(tokens) != list(range(size, size + len(tokens))):
             raise ConfigError(f"{key}.token: {tokenizer_name} ({len(tokenizer)} tokens) and {encoder_name} "
                               f"({size} embeddings) disagree on the vocabulary size")
-        if output:
+        if as_output:
             # OneTrainer's BaseModelEmbedding: the input vector of an output embedding is zeros, never trained
             rows = new_rows(embedding, torch.zeros(len(tokens), embedding.embedding_dim), main)
             rows.requires_grad_(False)

@@ -15,12 +15,12 @@ def output_embedding_refusal(c: dict) -> str | None:
     setting's (SD's layer skip) refusal, as validation would say it."""
     from types import SimpleNamespace
 
+    from ot_dist.config.embeddings import SUPPORTED_OUTPUT_EMBEDDINGS
     from ot_dist.models.families.registry import get_family
 
     family = get_family(c["model"]["family"])
     if not family.output_embedding_keys:
-        return (f"{c['model']['family']} takes no output embeddings in ot_dist (SD 1.x / 2.x, SDXL, Stable Cascade, "
-                "Würstchen v2, PixArt and Chroma do)")
+        return f"{c['model']['family']} takes no output embeddings in ot_dist ({SUPPORTED_OUTPUT_EMBEDDINGS})"
     model = SimpleNamespace(**{**{f"{name}_layer_skip": 0 for name in family.layer_skip_encoders}, **c["model"]})
     conflict = family.output_embedding_conflict(model)
     return None if conflict is None else f"not with {conflict[0]}: {conflict[1]}"

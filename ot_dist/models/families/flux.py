@@ -158,6 +158,14 @@ class Flux(FlowTransformerFamily):
     embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": T5_EMBEDDING_KEY}
     embedding_key_copies = T5_EMBEDDING_COPIES
     embedding_keys_optional = frozenset({"text_encoder_2"})  # a clip_l file (ot_dist's before) starts the T5's
+    # OneTrainer's FluxModelEmbedding: an output embedding is one of the T5 (FluxModel.encode_text applies it to the
+    # T5's last hidden state) while the CLIP-L, whose pooled output alone Flux reads, trains input vectors beside it
+    # (is_output_embedding=False); FluxEmbeddingSaver writes clip_l, t5 (the zero input rows) and t5_out.
+    output_embedding_keys = {"text_encoder_2": T5_EMBEDDING_KEY}
+
+    def text_states(self, encoder, output):
+        return output.last_hidden_state  # the T5's, read without its mask (FluxPipeline's and OneTrainer's encode_t5)
+
     shard_units = {"transformer": TRANSFORMER_SHARD_UNITS, "text_encoder": CLIP_SHARD_UNITS,
                    "text_encoder_2": T5_SHARD_UNITS}
     lora_file_prefixes = None
@@ -227,7 +235,8 @@ class Flux(FlowTransformerFamily):
     def encode_text(self, text_encoders, tokens):
         clip, t5 = text_encoders["text_encoder"], text_encoders["text_encoder_2"]
         pooled = clip(to_device(tokens["text_encoder"], clip.device), output_hidden_states=False).pooler_output
-        hidden = t5(to_device(tokens["text_encoder_2"], t5.device), output_hidden_states=False)[0]
+        hidden = self.text_states("text_encoder_2", t5(to_device(tokens["text_encoder_2"], t5.device),
+                                                       output_hidden_states=False))
         return {"hidden": hidden, "pooled": pooled}
 
     def transformer_inputs(self, denoiser, conditioning, noisy):

@@ -47,6 +47,22 @@ class Sana(Family):
     text_encoders = ("text_encoder",)
     tokenizers = ("tokenizer",)
     embedding_keys = {"text_encoder": GEMMA_EMBEDDING_KEY}  # OneTrainer's SanaEmbeddingSaver
+    # OneTrainer's SanaEmbeddingSaver: gemma (the zero input rows), gemma_out; SanaModel.encode_text applies the
+    # vectors to the Gemma's read state (encode_gemma: the last, after the final norm). The start needs no mask: a
+    # causal decoder's states before the (right) padding do not see it.
+    output_embedding_keys = {"text_encoder": GEMMA_EMBEDDING_KEY}
+
+    def text_states(self, encoder, output):
+        return output.last_hidden_state  # (no layer skip: output_embedding_conflict)
+
+    def output_embedding_conflict(self, model_config):
+        if model_config.text_encoder_layer_skip:
+            # the skipped layer goes through Gemma's final norm after the encoder returns it (encode_text), so vectors
+            # put into it would be normalised; OneTrainer puts them after the norm
+            return ("model.text_encoder_layer_skip", "an output embedding's vectors replace the encoder's output "
+                    "after its final norm, which a layer skip applies afterwards; set it to 0")
+        return None
+
     lowercases_prompts = "Sana's training and SanaPipeline lower-case every caption (_text_preprocessing)"
     denoiser_lora_presets = {"default": SANA_LORA_TARGETS, "attention": SANA_LORA_ATTENTION,
                              "attention_mlp": SANA_LORA_WITH_MLP}

@@ -33,6 +33,16 @@ class SD3(Family):
     embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g", "text_encoder_3": T5_EMBEDDING_KEY}
     embedding_key_copies = T5_EMBEDDING_COPIES
     embedding_keys_optional = frozenset({"text_encoder_3"})  # A1111-style clip_l / clip_g files start the T5's
+    # OneTrainer's StableDiffusion3ModelEmbedding: an output embedding is one of all three encoders (encode_text
+    # applies each one's vectors to the states it reads); StableDiffusion3EmbeddingSaver writes clip_l / clip_g / t5
+    # (the zero input rows) and clip_l_out / clip_g_out / t5_out.
+    output_embedding_keys = {"text_encoder": "clip_l", "text_encoder_2": "clip_g", "text_encoder_3": T5_EMBEDDING_KEY}
+
+    def text_states(self, encoder, output):
+        if encoder == "text_encoder_3":
+            return output.last_hidden_state  # the T5's, without its mask (StableDiffusion3Pipeline, OneTrainer)
+        return output.hidden_states[-2]  # the CLIPs' penultimate layer, no final norm (OneTrainer: -2, no norm)
+
     denoiser_lora_presets = {"default": SD3_LORA_TARGETS, "attention": SD3_LORA_TARGETS,
                              "attention_mlp": SD3_LORA_WITH_MLP}
     shard_units = {"transformer": ("transformer_blocks",), "text_encoder": CLIP_SHARD_UNITS,
@@ -86,10 +96,10 @@ class SD3(Family):
         for name in ("text_encoder", "text_encoder_2"):
             encoder = text_encoders[name]
             out = encoder(to_device(tokens[name], encoder.device), output_hidden_states=True)
-            clip_hidden.append(out.hidden_states[-2])
+            clip_hidden.append(self.text_states(name, out))
             pooled.append(out[0])  # the projected pooled output (text_embeds)
         t5 = text_encoders["text_encoder_3"]
-        t5_hidden = t5(to_device(tokens["text_encoder_3"], t5.device))[0]
+        t5_hidden = self.text_states("text_encoder_3", t5(to_device(tokens["text_encoder_3"], t5.device)))
         clip = torch.cat(clip_hidden, dim=-1)
         clip = torch.nn.functional.pad(clip, (0, t5_hidden.shape[-1] - clip.shape[-1]))
         return {"hidden": torch.cat([clip, t5_hidden.to(clip.dtype)], dim=-2), "pooled": torch.cat(pooled, dim=-1)}
