@@ -1061,10 +1061,15 @@ class TrainConfig(Section):
         if self.lora.file_layout == "kohya" and family.lora_file_prefixes is None:
             raise ValueError(f"lora.file_layout: {self.model.family} has no kohya LoRA names yet; use diffusers")
         self._check_layer_filter(denoiser_targets)
-        if self.lora.variant == "oft" and self.lora_file_layout() != "kohya":
-            raise ValueError("lora.file_layout: variant oft is written only in the kohya / LyCORIS layout ComfyUI "
-                             f"reads (oft_blocks); it resolves to {self.lora_file_layout()} here (set kohya, on a "
-                             "family with kohya LoRA names)")
+        if (self.lora.variant == "oft" and self.lora_file_layout() != "kohya"
+                and not family.lora_oft_diffusers_layout):
+            if family.lora_file_prefixes is not None:  # SD 1.x / 2.x / SDXL / Stable Cascade: kohya names only
+                raise ValueError("lora.file_layout: variant oft of a UNet family is written in the kohya / LyCORIS "
+                                 "layout ComfyUI reads (oft_blocks); set kohya (diffusers has no OFT loader)")
+            written = ", ".join(n for n in FAMILY_NAMES if get_family(n).lora_oft_diffusers_layout)
+            raise ValueError(f"lora.variant: oft is not written for {self.model.family}: ComfyUI reads its LoRA files "
+                             "under names on which its OFT rule would not rotate the trained rows, or that was not "
+                             f"checked; oft is written for the kohya-layout families and {written}")
         if self.lora.variant == "oft" and self.lora.dropout:
             raise ValueError("lora.dropout: variant oft has no dropout here (OneTrainer's OFT_2 drops whole "
                              "rotation blocks, not implemented); set it to 0")
