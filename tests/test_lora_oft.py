@@ -454,3 +454,32 @@ def test_transformer_family_refusals(family_models, shapes_data, tmp_path):
     with pytest.raises(Exception, match="lora.variant: oft is not written for lumina2"):
         validate(base_config(family_models["flux"], shapes_data, tmp_path / "l", family="lumina2", method="lora",
                              **{"lora.variant": "oft"}))
+
+
+def test_float8_storage_keeps_the_rotated_base_weights_in_one_byte(tiny_models, shapes_data, tmp_path):
+    """weight_dtype float8: the OFT layers' base weights are stored in float8 too (memory/float8.py leaves other
+    modules with a trainable parameter of their own alone), each layer still computes with its rotation of the
+    upcast weight, and a short run trains close to the float32-stored one."""
+    from ot_dist.memory.float8 import FLOAT8
+
+    losses = {}
+    for weight_dtype in ("float32", "float8"):
+        config = oft_config(tiny_models, shapes_data, tmp_path / weight_dtype, weight_dtype=weight_dtype,
+                            **{"text_encoder.train": False})
+        trainer = Trainer(config, log=lambda *_: None)
+        layers = oft_layers(trainer.model)
+        if weight_dtype == "float8":
+            assert all(layer._parameters["weight"].dtype == FLOAT8 for layer in layers.values())
+            assert all(layer.oft_blocks.dtype == torch.float32 and layer.oft_blocks.requires_grad
+                       for layer in layers.values())
+        losses[weight_dtype] = trainer.train().losses
+    moved(trainer.model, 0.2)
+    with torch.no_grad():
+        for (name, path), layer in layers.items():
+            x = probe_input(layer)
+            weight = layer.adapted_weight()
+            want = (torch.nn.functional.linear(x, weight, layer.bias) if isinstance(layer, torch.nn.Linear)
+                    else layer._conv_forward(x, weight, layer.bias))
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-6, msg=path)
+            assert not torch.allclose(weight, layer.weight, atol=1e-3), path  # the rotation is not the identity
+    torch.testing.assert_close(torch.tensor(losses["float8"]), torch.tensor(losses["float32"]), rtol=0.05, atol=0)
