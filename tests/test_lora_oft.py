@@ -216,14 +216,15 @@ def test_onetrainer_oft_2_becomes_oft(settings, expected, skipped):
     assert (skipped is None) == (not notes) and all(skipped in n for n in notes)
 
 
-def test_onetrainer_oft_2_of_a_family_without_kohya_names_is_plain_lora(tmp_path):
-    """A Flux (diffusers-layout) OFT_2 config imports as plain LoRA, listed, instead of a config that is refused."""
+def test_onetrainer_oft_2_of_a_family_without_oft_files_is_plain_lora(tmp_path):
+    """An OFT_2 config of a family ot_dist writes no oft file for imports as plain LoRA, listed, instead of a config
+    that is refused."""
     from ot_dist.migrate.onetrainer import _lora_variant
 
     lora, notes = {"rank": 4, "alpha": 1.0, "dropout": 0.0}, []
-    _lora_variant({"peft_type": "OFT_2", "oft_block_size": 16}, lora, notes.append, kohya_layout=False)
+    _lora_variant({"peft_type": "OFT_2", "oft_block_size": 16}, lora, notes.append, oft_written=False)
     assert "variant" not in lora and "oft_block_size" not in lora
-    assert len(notes) == 1 and "OFT_2" in notes[0] and "kohya layout" in notes[0]
+    assert len(notes) == 1 and "OFT_2" in notes[0] and "not written" in notes[0]
 
 
 def test_stop_and_resume_continues_exactly(tiny_models, shapes_data, tmp_path):
@@ -258,10 +259,12 @@ def test_targets_match_paths_and_suffixes_but_the_excluded():
     assert add_oft(toy(), ["proj"], 4, 0.0, exclude=["block.proj"]) == {"proj": 4}
 
 
-@pytest.mark.parametrize("model_type, variant", [("STABLE_DIFFUSION_15", "oft"), ("FLUX_DEV_1", "lora")])
+@pytest.mark.parametrize("model_type, variant", [("STABLE_DIFFUSION_15", "oft"), ("FLUX_DEV_1", "oft"),
+                                                 ("SANA", "lora")])
 def test_onetrainer_config_with_oft_2_imports_and_validates(tmp_path, model_type, variant):
-    """`ot-dist import onetrainer` end to end: OFT_2 with its block size on SD 1.5 (kohya names); on Flux (the
-    diffusers layout, which oft is not written in) a valid plain-LoRA config, OFT_2 listed."""
+    """`ot-dist import onetrainer` end to end: OFT_2 with its block size on SD 1.5 (kohya names) and Flux (the
+    diffusers layout ComfyUI applies as trained); on Sana (no oft file is written) a valid plain-LoRA config, OFT_2
+    listed."""
     from test_import_onetrainer import import_only
 
     config, skipped = import_only(tmp_path, {"model_type": model_type, "training_method": "LORA",
@@ -451,6 +454,14 @@ def test_transformer_family_refusals(family_models, shapes_data, tmp_path):
                                   **{"lora.variant": "oft", "lora.transformer_targets": ["to_q", "norm_out.linear"]}))
     with pytest.raises(ConfigError, match="lora.transformer_targets: selects norm_out.linear"):
         LoraMethod(config).prepare(load_model(config.model))
+    # OneTrainer's substrings (lora.layer_filter) are a broad selection, as the presets: the module is left out
+    config = validate(base_config(family_models["flux"], shapes_data, tmp_path / "out", family="flux", method="lora",
+                                  **{"lora.variant": "oft", "lora.layer_filter": ["attn.to_q", "norm_out"]}))
+    model = load_model(config.model)
+    LoraMethod(config).prepare(model)
+    assert {path for (_, path) in oft_layers(model)} == {f"{blocks}.{i}.attn.to_q" for i in range(2)
+                                                          for blocks in ("transformer_blocks",
+                                                                         "single_transformer_blocks")}
     with pytest.raises(Exception, match="lora.variant: oft is not written for lumina2"):
         validate(base_config(family_models["flux"], shapes_data, tmp_path / "l", family="lumina2", method="lora",
                              **{"lora.variant": "oft"}))

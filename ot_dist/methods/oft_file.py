@@ -27,12 +27,12 @@ from ot_dist.errors import ConfigError
 
 def left_out_modules(config, family, part: str, module: torch.nn.Module, key: str, targets: list[str]) -> list[str]:
     """The paths of `part` oft must not adapt in this config's file layout: the denoiser modules whose rows ComfyUI
-    reorders. A preset leaves them out; targets the user listed (`key` other than lora.preset) that select one are
-    refused, naming it."""
+    reorders. A preset or lora.layer_filter (broad selections: all_linear, OneTrainer's substrings) leaves them out;
+    module names the user listed (`lora.<denoiser>_targets`) that select one are refused, naming it."""
     if config.lora_file_layout() == "kohya" or part != family.denoiser:
         return []
     reordered = family.lora_oft_reordered_modules(module)
-    if key != "lora.preset":
+    if key.endswith("_targets"):
         named = [p for p in reordered if any(p == t or p.endswith("." + t) for t in targets)]
         if named:
             raise ConfigError(f"{key}: selects {named[0]}, which lora.variant oft cannot adapt for "
