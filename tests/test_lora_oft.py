@@ -316,6 +316,28 @@ def comfy_transformer_map(family: str, transformer) -> dict[str, tuple[str, tupl
                  "time_text_embed.guidance_embedder.linear_1": "guidance_in.in_layer",
                  "time_text_embed.guidance_embedder.linear_2": "guidance_in.out_layer"}
         swapped = {"norm_out.linear": "final_layer.adaLN_modulation.1"}
+    elif family == "pixart_sigma":  # utils.pixart_to_diffusers: offsets of its hidden_size
+        for i in range(len(transformer.transformer_blocks)):
+            d, c = f"transformer_blocks.{i}.", f"blocks.{i}."
+            for j, x in enumerate(qkv):
+                found[d + "attn1." + x] = (c + "attn.qkv", rows(j), False)
+            found[d + "attn2.to_k"] = (c + "cross_attn.kv_linear", rows(0), False)
+            found[d + "attn2.to_v"] = (c + "cross_attn.kv_linear", rows(1), False)
+            for x, y in {"attn2.to_q": "cross_attn.q_linear", "attn1.to_out.0": "attn.proj",
+                         "attn2.to_out.0": "cross_attn.proj", "ff.net.0.proj": "mlp.fc1",
+                         "ff.net.2": "mlp.fc2"}.items():
+                found[d + x] = (c + y, None, False)
+        emb = "adaln_single.emb."
+        basic = {emb + "resolution_embedder.linear_1": "csize_embedder.mlp.0",
+                 emb + "resolution_embedder.linear_2": "csize_embedder.mlp.2",
+                 emb + "aspect_ratio_embedder.linear_1": "ar_embedder.mlp.0",
+                 emb + "aspect_ratio_embedder.linear_2": "ar_embedder.mlp.2",
+                 emb + "timestep_embedder.linear_1": "t_embedder.mlp.0",
+                 emb + "timestep_embedder.linear_2": "t_embedder.mlp.2",
+                 "caption_projection.linear_1": "y_embedder.y_proj.fc1",
+                 "caption_projection.linear_2": "y_embedder.y_proj.fc2", "adaln_single.linear": "t_block.1",
+                 "proj_out": "final_layer.linear"}
+        swapped = {}
     else:  # sd3
         depth = len(transformer.transformer_blocks)
         for i in range(depth):
@@ -383,12 +405,13 @@ def comfy_patched(tensors, key_map, transformer_map, transformer):
 text_layers: dict = {}  # component -> module, for comfy_patched's text-encoder names
 
 
-@pytest.mark.parametrize("family", ["flux", "sd3"])
+@pytest.mark.parametrize("family", ["flux", "sd3", "pixart_sigma"])
 def test_comfyui_applies_a_transformer_familys_file_as_trained(family_models, shapes_data, tmp_path, family):
-    """Flux / SD3 (all_linear, every text encoder): the file's every tensor is taken by a name ComfyUI maps, and
-    ComfyUI's rule over its fused weights (q / k / v as row blocks of qkv) gives, for each adapted layer, the weight
-    the layer computed with (its output = the base layer's with that weight). The modules ComfyUI keeps in another
-    row order (shift | scale) are left out by the preset: adapted, ComfyUI would apply another rotation (checked)."""
+    """Flux / SD3 / PixArt (all_linear, every text encoder): the file's every tensor is taken by a name ComfyUI maps,
+    and ComfyUI's rule over its fused weights (q / k / v as row blocks of qkv) gives, for each adapted layer, the
+    weight the layer computed with (its output = the base layer's with that weight). The modules ComfyUI keeps in
+    another row order (shift | scale; Flux, SD3) are left out by the preset: adapted, ComfyUI would apply another
+    rotation (checked)."""
     from test_lora_t5 import FAMILIES
     from test_lora_t5 import comfy_key_map as transformer_family_key_map
     from test_lora_t5 import layer_at
@@ -403,7 +426,8 @@ def test_comfyui_applies_a_transformer_familys_file_as_trained(family_models, sh
     method = LoraMethod(config)
     method.prepare(model)
     reordered = model.family.lora_oft_reordered_modules(model.denoiser)
-    assert reordered and not any(isinstance(model.denoiser.get_submodule(p), OrthogonalLinear) for p in reordered)
+    assert bool(reordered) == (family != "pixart_sigma")
+    assert not any(isinstance(model.denoiser.get_submodule(p), OrthogonalLinear) for p in reordered)
     moved(model, 0.2)
     [path] = method.export(model, tmp_path / "out")
     tensors = load_file(path)
@@ -433,6 +457,8 @@ def test_comfyui_applies_a_transformer_familys_file_as_trained(family_models, sh
         checked += 1
     assert checked == len(layers)
 
+    if not reordered:
+        return
     # why those modules are left out: adapted, ComfyUI's swap of the change is not the trained rotation
     add_oft(model.denoiser, reordered, BLOCK, 0.0)
     layer = model.denoiser.get_submodule(reordered[0])
