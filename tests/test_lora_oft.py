@@ -409,7 +409,7 @@ text_layers: dict = {}  # component -> module, for comfy_patched's text-encoder 
 def test_comfyui_applies_a_transformer_familys_file_as_trained(family_models, shapes_data, tmp_path, family):
     """Flux / SD3 / PixArt (all_linear, every text encoder): the file's every tensor is taken by a name ComfyUI maps,
     and ComfyUI's rule over its fused weights (q / k / v as row blocks of qkv) gives, for each adapted layer, the
-    weight the layer computed with (its output = the base layer's with that weight). The modules ComfyUI keeps in
+    weight the layer computed with (its output = the base layer's with that weight); `ot-dist lora merge` too. The modules ComfyUI keeps in
     another row order (shift | scale; Flux, SD3) are left out by the preset: adapted, ComfyUI would apply another
     rotation (checked)."""
     from test_lora_t5 import FAMILIES
@@ -456,6 +456,12 @@ def test_comfyui_applies_a_transformer_familys_file_as_trained(family_models, sh
                                        atol=1e-5, msg=f"{part}.{module_path}")
         checked += 1
     assert checked == len(layers)
+    # and `ot-dist lora merge` reads the same names (transformer.<path>, text_encoder.text_model.*, lora_te*_)
+    base = load_model(config.model)
+    assert merge_into(base, read_lora_file(path, ("oft",)), 1.0, str(path)) == (len(layers), [])
+    for (part, module_path), layer in layers.items():
+        torch.testing.assert_close(base.parts()[part].get_submodule(module_path).weight.float(),
+                                   layer.adapted_weight().detach().float(), rtol=1e-5, atol=1e-6, msg=module_path)
 
     if not reordered:
         return
