@@ -203,7 +203,8 @@ class LoraConfig(Section):
         "lokr_w1 / lokr_w2 or their _a / _b factors). rank and alpha mean the same for each (scale alpha / rank); "
         "oft (orthogonal finetuning, OneTrainer's OFT_2 as ComfyUI and LyCORIS' diag-oft read it: blocks of each "
         "layer's output rows rotated, oft_blocks per module; lora.oft_block_size and lora.oft_constraint, not rank "
-        "or alpha; ot_dist's own module, kohya file layout only). "
+        "or alpha; ot_dist's own module; written in the kohya layout, and for flux, flux_kontext, chroma, sd3 and pixart "
+        "in the diffusers layout's names ComfyUI maps, other families refused). "
         "Every strategy trains each. See docs/lora.md for which loader applies which variant exactly (A1111 does "
         "not apply dora as trained).",
     )
