@@ -1068,9 +1068,9 @@ class TrainConfig(Section):
                 raise ValueError("lora.file_layout: variant oft of a UNet family is written in the kohya / LyCORIS "
                                  "layout ComfyUI reads (oft_blocks); set kohya (diffusers has no OFT loader)")
             written = ", ".join(n for n in FAMILY_NAMES if get_family(n).lora_oft_diffusers_layout)
-            raise ValueError(f"lora.variant: oft is not written for {self.model.family}: ComfyUI reads its LoRA files "
-                             "under names on which its OFT rule would not rotate the trained rows, or that was not "
-                             f"checked; oft is written for the kohya-layout families and {written}")
+            raise ValueError(f"lora.variant: oft is not written for {self.model.family}: ComfyUI's names for its LoRA "
+                             "modules (fused q | k | v, or a mapping not checked for OFT) would not apply the trained "
+                             f"rotation; oft is written for the kohya-layout families and {written}")
         if self.lora.variant == "oft" and self.lora.dropout:
             raise ValueError("lora.dropout: variant oft has no dropout here (OneTrainer's OFT_2 drops whole "
                              "rotation blocks, not implemented); set it to 0")

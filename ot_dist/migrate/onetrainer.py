@@ -125,9 +125,9 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         c["lora"] = {"rank": ot["lora_rank"], "alpha": ot["lora_alpha"], "dropout": ot["dropout_probability"]}
         import_layer_filter(ot, c["lora"], family, get_family(family).denoiser, out)
         import_text_encoder_layers(c, family, out)
-        written = get_family(family)
+        spec = get_family(family)
         _lora_variant(ot, c["lora"], skip,
-                      oft_written=written.lora_file_prefixes is not None or written.lora_oft_diffusers_layout)
+                      oft_written=spec.lora_file_prefixes is not None or spec.lora_oft_diffusers_layout)
         if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
         if ot["lora_model_name"]:  # OneTrainer continues training this LoRA file
