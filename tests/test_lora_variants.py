@@ -441,33 +441,35 @@ def test_lora_dropout_drops_the_rank_features_as_onetrainer_and_kohya(tiny_model
 
 # ---- strategies ---------------------------------------------------------------------------------------------------
 def test_variants_train_on_two_ranks_as_in_one_process(small_sd1, shapes_data, tmp_path):
-    """fsdp and zero3 for every variant, in one 2-process gloo launch (batch 2 each), equal to one process with batch
-    4 on the exported file (tests/test_strategies.py's comparison). Under zero3 peft's variant layers read weights
-    outside their owners' forward (DoRA the base weight's norm, LoHa / LoKr their ParameterDict factors), which
-    ZeRO-3 gathers only because they are registered with the adapter layer (parallel/deepspeed.py). On the 2-level
-    UNet (conftest.py small_sd1: every adapted layer kind, 40% of the modules ZeRO-3 hooks) and one shard set."""
+    """fsdp and zero3 for every variant, and ddp / zero1 / zero2 for oft (ot_dist's own layer, not peft's), in one
+    2-process gloo launch (batch 2 each), equal to one process with batch 4 on the exported file
+    (tests/test_strategies.py's comparison). Under zero3 peft's variant layers read weights outside their owners'
+    forward (DoRA the base weight's norm, LoHa / LoKr their ParameterDict factors), which ZeRO-3 gathers only because
+    they are registered with the adapter layer (parallel/deepspeed.py). On the 2-level UNet (conftest.py small_sd1:
+    every adapted layer kind, 40% of the modules ZeRO-3 hooks) and one shard set."""
     import json
 
     from test_strategies import ENV, REPO, assert_matches
 
-
     steps, lr = 3, 1e-5
+    strategies = {**{variant: ("fsdp", "zero3") for variant in VARIANTS}, "oft": ("ddp", "zero1", "zero2")}
 
     def raw(out, variant, **extra):
         return base_config(small_sd1, shapes_data, out, method="lora", max_steps=steps, learning_rate=lr,
                            **{"lora.rank": RANK, "lora.alpha": ALPHA, "lora.variant": variant,
-                              "data.shards": str(tmp_path / "shards")}, **extra)
+                              "data.shards": str(tmp_path / "shards")},
+                           **({"lora.oft_block_size": 8} if variant == "oft" else {}), **extra)
 
     references, initial = {}, {}
-    for variant in VARIANTS:
+    for variant in strategies:
         out = tmp_path / f"ref-{variant}"
         trainer = Trainer(validate(raw(out, variant, batch_size=4)), log=lambda *_: None)
         [path] = trainer.export(tmp_path / f"initial-{variant}")
         initial[variant] = load_file(path)
         trainer.train()
         references[variant] = load_file(out / "lora.safetensors")
-    cases = {f"{s}-{v}": raw(tmp_path / f"{s}-{v}", v, batch_size=2, strategy=s) for s in ("fsdp", "zero3")
-             for v in VARIANTS}
+    cases = {f"{s}-{v}": raw(tmp_path / f"{s}-{v}", v, batch_size=2, strategy=s) for v in strategies
+             for s in strategies[v]}
     (tmp_path / "cases.json").write_text(json.dumps(cases, default=str))
     done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
                            str(tmp_path / "cases.json"), env=ENV, timeout=900)

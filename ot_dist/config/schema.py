@@ -203,7 +203,8 @@ class LoraConfig(Section):
         "lokr_w1 / lokr_w2 or their _a / _b factors). rank and alpha mean the same for each (scale alpha / rank); "
         "oft (orthogonal finetuning, OneTrainer's OFT_2 as ComfyUI and LyCORIS' diag-oft read it: blocks of each "
         "layer's output rows rotated, oft_blocks per module; lora.oft_block_size and lora.oft_constraint, not rank "
-        "or alpha; ot_dist's own module, kohya file layout only). "
+        "or alpha; ot_dist's own module; written in the kohya layout, and for flux, flux_kontext, chroma, sd3 and pixart "
+        "in the diffusers layout's names ComfyUI maps, other families refused). "
         "Every strategy trains each. See docs/lora.md for which loader applies which variant exactly (A1111 does "
         "not apply dora as trained).",
     )
@@ -1095,10 +1096,15 @@ class TrainConfig(Section):
         if self.lora.file_layout == "kohya" and family.lora_file_prefixes is None:
             raise ValueError(f"lora.file_layout: {self.model.family} has no kohya LoRA names yet; use diffusers")
         self._check_layer_filter(denoiser_targets)
-        if self.lora.variant == "oft" and self.lora_file_layout() != "kohya":
-            raise ValueError("lora.file_layout: variant oft is written only in the kohya / LyCORIS layout ComfyUI "
-                             f"reads (oft_blocks); it resolves to {self.lora_file_layout()} here (set kohya, on a "
-                             "family with kohya LoRA names)")
+        if (self.lora.variant == "oft" and self.lora_file_layout() != "kohya"
+                and not family.lora_oft_diffusers_layout):
+            if family.lora_file_prefixes is not None:  # SD 1.x / 2.x / SDXL / Stable Cascade: kohya names only
+                raise ValueError("lora.file_layout: variant oft of a UNet family is written in the kohya / LyCORIS "
+                                 "layout ComfyUI reads (oft_blocks); set kohya (diffusers has no OFT loader)")
+            written = ", ".join(n for n in FAMILY_NAMES if get_family(n).lora_oft_diffusers_layout)
+            raise ValueError(f"lora.variant: oft is not written for {self.model.family}: ComfyUI's names for its LoRA "
+                             "modules (fused q | k | v, or a mapping not checked for OFT) would not apply the trained "
+                             f"rotation; oft is written for the kohya-layout families and {written}")
         if self.lora.variant == "oft" and self.lora.dropout:
             raise ValueError("lora.dropout: variant oft has no dropout here (OneTrainer's OFT_2 drops whole "
                              "rotation blocks, not implemented); set it to 0")

@@ -43,12 +43,18 @@ def compute_dtype(module: torch.nn.Module) -> torch.dtype:
 
 def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype) -> int:
     """Store every frozen floating-point parameter of `component` in float8, upcast to `dtype` on use.
-    Modules that hold a trainable parameter themselves are left alone. Returns the parameters stored."""
+    Modules that hold a trainable parameter themselves are left alone, but for OFT layers (`lora.variant: oft`,
+    ot_dist/methods/oft.py): their base weight and bias are stored too and read through the upcast by the layer's
+    own forward, which rotates the weight with the trainable blocks beside it. Returns the parameters stored."""
     count = 0
     for module in list(component.modules()):
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None and p.is_floating_point()]
-        if not own or any(p.requires_grad for _, p in own) or getattr(module, COMPUTE_DTYPE_ATTR, None):
+        if not own or getattr(module, COMPUTE_DTYPE_ATTR, None):
             continue
+        if any(p.requires_grad for _, p in own):
+            if not _rotates_its_weight(type(module)):
+                continue
+            own = [(n, p) for n, p in own if not p.requires_grad]
         scales = {}
         for name, param in own:
             stored, scales[name] = quantize(param)
@@ -107,15 +113,24 @@ def _reporting_class(cls: type) -> type:
     return _CLASSES[key]
 
 
+def _rotates_its_weight(cls: type) -> bool:
+    """An OFT layer's class: its forward computes with `adapted_weight()`, made of `self.weight`, whatever stores it."""
+    from ot_dist.methods.oft import OrthogonalConv2d, OrthogonalLinear
+
+    return issubclass(cls, (OrthogonalLinear, OrthogonalConv2d))
+
+
 def _float8_class(cls: type, names: tuple[str, ...]) -> type:
     """`cls` with each stored parameter read through its upcast (a property wins over nn.Module's
-    __getattr__, which would return the stored float8 tensor)."""
+    __getattr__, which would return the stored float8 tensor). An OFT layer keeps its forward (the rotation; the
+    weight it rotates is the upcast one)."""
     key = (cls, names)
     if key not in _CLASSES:
         attrs = {name: property(_upcast_getter(name)) for name in names}
-        if issubclass(cls, torch.nn.Linear) and "weight" in names:
+        plain = not _rotates_its_weight(cls)
+        if plain and issubclass(cls, torch.nn.Linear) and "weight" in names:
             attrs["forward"] = _linear_forward
-        elif issubclass(cls, torch.nn.Conv2d) and "weight" in names:
+        elif plain and issubclass(cls, torch.nn.Conv2d) and "weight" in names:
             attrs["forward"] = _conv2d_forward
         _CLASSES[key] = type(f"Float8{cls.__name__}", (cls,), attrs)
     return _CLASSES[key]

@@ -38,9 +38,11 @@ class LoraMethod(TrainingMethod):
             lora = self.config.lora
             if lora.variant == "oft":  # ot_dist's own module: peft's OFT rotates the input, which no file rule reads
                 from ot_dist.methods.oft import add_oft
+                from ot_dist.methods.oft_file import left_out_modules
 
                 # exactly the selected paths, as for peft (exclude_modules below)
-                extras = suffix_matched_extras(module, targets) if key == "lora.layer_filter" else None
+                extras = suffix_matched_extras(module, targets) if key == "lora.layer_filter" else []
+                extras += left_out_modules(self.config, model.family, part, module, key, targets)
                 if not add_oft(module, targets, lora.oft_block_size, lora.oft_constraint, extras):
                     raise ConfigError(f"{key}: {targets} match no Linear or Conv2d layer of the {part}")
                 groups.append(ParamGroup(part, trainable(module), self.config.part_learning_rate(part), part=part))
@@ -107,6 +109,10 @@ class LoraMethod(TrainingMethod):
             self.modelspec(model, "lora", created, suffix, lora_layout="kohya"))
         if layout == "kohya":
             self._write_kohya(model, states, adapter_configs, target, dtype, modelspec, bundle)
+        elif self.config.lora.variant == "oft":  # no peft adapter: ComfyUI's names, ot_dist/methods/oft_file.py
+            from ot_dist.methods.oft_file import write_oft_file
+
+            write_oft_file(model, states, target, self.config.lora, dtype, modelspec, bundle)
         else:
             self._write_diffusers(model, states, adapter_configs, target, dtype, modelspec, bundle)
         return [target] + extra + embeddings

@@ -125,7 +125,9 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         c["lora"] = {"rank": ot["lora_rank"], "alpha": ot["lora_alpha"], "dropout": ot["dropout_probability"]}
         import_layer_filter(ot, c["lora"], family, get_family(family).denoiser, out)
         import_text_encoder_layers(c, family, out)
-        _lora_variant(ot, c["lora"], skip, kohya_layout=get_family(family).lora_file_prefixes is not None)
+        spec = get_family(family)
+        _lora_variant(ot, c["lora"], skip,
+                      oft_written=spec.lora_file_prefixes is not None or spec.lora_oft_diffusers_layout)
         if ot.get("lora_weight_dtype") not in (None, "FLOAT_32"):
             skip(f"lora_weight_dtype: {ot['lora_weight_dtype']} (adapters train in float32) is not supported")
         if ot["lora_model_name"]:  # OneTrainer continues training this LoRA file
@@ -298,17 +300,18 @@ LOKR_DEFAULTS = {"lokr_dim": 16, "lokr_decompose_both": False, "lokr_decompose_f
                  "lokr_weight_decompose": False, "lokr_full_matrix": False}
 
 
-def _lora_variant(ot: dict, lora: dict, skip, kohya_layout: bool = True) -> None:
+def _lora_variant(ot: dict, lora: dict, skip, oft_written: bool = True) -> None:
     """OneTrainer's peft_type / lora_decompose as lora.variant. ot_dist's DoRA (peft's) decomposes on the output
     axis: OneTrainer's default input-axis DoRA is another adapter, so it is listed, and plain LoRA trains instead.
-    `kohya_layout`: whether the family's LoRA files have kohya names (oft is written in that layout only)."""
+    `oft_written`: whether ot_dist writes oft files for the family (the kohya-layout families, and the diffusers-layout
+    ones whose file ComfyUI applies as trained: `Family.lora_oft_diffusers_layout`)."""
     peft_type = str(ot.get("peft_type") or "LORA")
     if peft_type not in PEFT_VARIANTS:
         skip(f"peft_type: {peft_type} has no ot_dist variant (lora, dora, loha, lokr, oft); plain LoRA instead")
         return
-    if peft_type == "OFT_2" and not kohya_layout:
-        skip("peft_type: OFT_2: ot_dist's oft is written in the kohya layout only, which this model family's LoRA "
-             "files do not use; plain LoRA instead")
+    if peft_type == "OFT_2" and not oft_written:
+        skip("peft_type: OFT_2: ot_dist's oft is not written for this model family (ComfyUI would not apply its "
+             "file as trained); plain LoRA instead")
         return
     variant = PEFT_VARIANTS[peft_type]
     if ot.get("lora_decompose"):

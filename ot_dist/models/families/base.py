@@ -483,6 +483,19 @@ class Family:
     # paths and how fused modules split come from `denoiser_original_rules`.
     lora_original_prefixes: tuple[tuple[str, str], ...] = ()
 
+    # `lora.variant: oft` in the diffusers layout (ot_dist/methods/oft_file.py): True where ComfyUI maps every
+    # `transformer.<path>` of the family onto a whole weight in the same row order or onto a block of a fused weight's
+    # output rows (comfy/lora.py model_lora_keys_unet with utils.flux_to_diffusers / mmdit_to_diffusers /
+    # pixart_to_diffusers: q, k, v slices of qkv), so that the rotation it applies to those rows is the trained one.
+    # False: not read there as trained, or not checked (oft is refused in that layout).
+    lora_oft_diffusers_layout: bool = False
+
+    def lora_oft_reordered_modules(self, denoiser: torch.nn.Module) -> list[str]:
+        """The denoiser's module paths ComfyUI maps onto a weight whose rows it orders otherwise (swap_scale_shift:
+        shift | scale there, scale | shift in diffusers). Its OFT rule rotates the blocks of its own rows and swaps
+        the change afterwards, which is not the trained rotation, so oft leaves these modules out."""
+        return []
+
     def extra_lora_files(self, model, states: dict[str, dict], adapter_configs: dict[str, dict], target: Path,
                          dtype: torch.dtype, modelspec: dict[str, str]) -> list[Path]:
         """Files written beside the LoRA file `target` (`lora<suffix>.safetensors`): the same adapters in the names of

@@ -78,6 +78,13 @@ class FlowTransformerFamily(Family):
     # kohya sd-scripts' lora_unet_<BFL path with _> (networks/lora_flux.py) and ComfyUI's diffusion_model.<BFL path>
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
     denoiser_lora_presets = {"default": FLUX_LORA_TARGETS, "attention": ATTENTION_TARGETS}
+    # ComfyUI (Flux, and Chroma, whose model subclasses Flux there) maps transformer.<path> through
+    # utils.flux_to_diffusers: whole weights, q / k / v (/ proj_mlp) as row blocks of qkv and linear1
+    lora_oft_diffusers_layout = True
+
+    def lora_oft_reordered_modules(self, denoiser):
+        return ["norm_out.linear"]  # final_layer.adaLN_modulation.1 there, shift | scale (swap_scale_shift)
+
     samplers = ("flow_euler",)
     sample_guidance_scale = 3.5  # OneTrainer's for Flux.1 and Chroma; FluxPipeline's default too
     t5_tokenizer = "tokenizer_2"

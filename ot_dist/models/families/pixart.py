@@ -59,6 +59,9 @@ class PixArt(Family):
     lora_file_prefixes = None  # the diffusers layout: ComfyUI maps transformer.<diffusers module> for PixArt
     # ComfyUI's PixArt text encoder is T5-XXL alone: its LoRA modules are lora_te1_<T5 path> (comfy/lora.py)
     lora_file_kohya_components = {"text_encoder": "lora_te1"}
+    # ComfyUI maps transformer.<path> through utils.pixart_to_diffusers: whole weights, q / k / v as row blocks of
+    # attn.qkv and cross_attn.kv_linear, none reordered
+    lora_oft_diffusers_layout = True
     max_sequence_length: int  # the pipeline's T5 context
     # PixArt's original checkpoint layout (blocks.N.attn.qkv, ...) is not written yet: the full method exports the
     # diffusers folder (what PixArtAlphaPipeline / PixArtSigmaPipeline.from_pretrained read).

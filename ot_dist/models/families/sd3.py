@@ -57,6 +57,13 @@ class SD3(Family):
     lora_foreign_prefixes = {"transformer": ("lora_transformer",), "text_encoder": ("lora_te1",),
                              "text_encoder_2": ("lora_te2",)}
     lora_original_prefixes = (("lora_unet", "_"), ("diffusion_model", "."))
+    # ComfyUI maps transformer.<path> through utils.mmdit_to_diffusers: whole weights, q / k / v as row blocks of qkv
+    lora_oft_diffusers_layout = True
+
+    def lora_oft_reordered_modules(self, denoiser):
+        # swap_scale_shift there: the final layer's and the last block's context modulation (shift | scale)
+        return ["norm_out.linear", f"transformer_blocks.{len(denoiser.transformer_blocks) - 1}.norm1_context.linear"]
+
     samplers = ("flow_euler",)
     modelspec_implementation = "https://github.com/Stability-AI/generative-models"  # kohya's, for SD3 checkpoints
 
