@@ -7,9 +7,9 @@
 # Environment: PYTHON (default python3: the machine's own, with its CUDA build of torch), WHEELS (a folder of
 # .whl files installed with --no-index --no-deps first: diffusers, pydantic + pydantic-core, pytest, ...), OUT
 # (default gpu_check_out), STEPS / WARMUP (timed / untimed steps per bench, default 10 / 3), batch sizes
-# SDXL_LORA_BATCH (8), SDXL_FULL_BATCH (8), FLUX_LORA_BATCH (1), LEVERS (1: also the rows again with each
-# `performance` lever that has not run on a GPU yet: regional compile, float8 matmuls; off by default, they add
-# compile time), PROFILE (steps profiled after the timed ones in each of the three rows, default 2: where the time
+# SDXL_LORA_BATCH (8), SDXL_FULL_BATCH (8), FLUX_LORA_BATCH (1), LEVERS (1: also
+# tests/benchmarks/bench_gpu_levers.py, the rows and each `performance` lever side by side in one process within
+# LEVERS_BUDGET seconds (900): compile, selective checkpointing, batch, float8 matmuls; off by default), PROFILE (steps profiled after the timed ones in each of the three rows, default 2: where the time
 # went, OUT/<run>_profile.md, and a trace; 0 turns it off). Exit status: 0 when every part passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -45,11 +45,11 @@ bench --model sdxl --method lora --batch-size "${SDXL_LORA_BATCH:-8}" "${profile
 bench --model sdxl --method full --gradient-checkpointing --batch-size "${SDXL_FULL_BATCH:-8}" "${profile[@]}"
 bench --model flux-dev --method lora --batch-size "${FLUX_LORA_BATCH:-1}" "${profile[@]}"
 
-if [ "${LEVERS:-0}" = 1 ]; then  # which lever closes the gap to the targets: side by side with the rows above
-    bench --model sdxl --method lora --batch-size "${SDXL_LORA_BATCH:-8}" --performance compile=true
-    bench --model sdxl --method full --gradient-checkpointing --batch-size "${SDXL_FULL_BATCH:-8}" --performance compile=true
-    bench --model flux-dev --method lora --batch-size "${FLUX_LORA_BATCH:-1}" --performance compile=true
-    bench --model flux-dev --method lora --batch-size "${FLUX_LORA_BATCH:-1}" --performance float8_matmuls=true
+if [ "${LEVERS:-0}" = 1 ]; then  # which lever closes the gap to the targets: side by side in one process
+    echo "== levers (tests/benchmarks/bench_gpu_levers.py)"
+    "$py" tests/benchmarks/bench_gpu_levers.py --out "$out/levers" --budget "${LEVERS_BUDGET:-900}" \
+        2>&1 | tee -a "$out/bench_log.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 fi
 
 echo "== table ($out/bench.md)"
