@@ -35,6 +35,9 @@ def test_profile_runs_after_the_timed_steps_and_says_where_the_time_went(tmp_pat
     assert 0.3 * profile["wall_s_per_step"] < sum(spent.values()) <= 1.05 * profile["wall_s_per_step"]
     text = (out / "tiny-sd15-full-32-b2-fp32_profile.md").read_text()
     assert "| convolution |" in text and "aten::" in text  # the category table and torch's top-ops table
+    # the copies by input shape: the AdamW step's and the data's copies, each with its shapes
+    copies = text.split("Copies and casts by input shape:")[1]
+    assert "aten::copy_" in copies and "Input Shapes" in copies and "[[" in copies
     with gzip.open(out / "tiny-sd15-full-32-b2-fp32_trace.json.gz", "rt") as trace:
         names = {event.get("name", "") for event in json.load(trace)["traceEvents"]}
     assert any(name.startswith("aten::convolution") for name in names)

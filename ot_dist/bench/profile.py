@@ -59,6 +59,9 @@ class StepProfile:
     # leaves the device waiting is paced by these (each op's dispatch, each launch).
     kernels_per_step: float | None = None
     top_host_ops: str = ""
+    # The copies and casts by input shape: which tensors are copied (weights cast for autocast, activations
+    # made contiguous), the lever when "copies and casts" is large.
+    top_copies: str = ""
 
     @property
     def device_busy(self) -> float | None:
@@ -87,6 +90,8 @@ class StepProfile:
         lines += ["", "Ops with the most own time:", "", self.top_ops]
         if self.top_host_ops:
             lines += ["", "Ops with the most own host (CPU) time:", "", self.top_host_ops]
+        if self.top_copies:
+            lines += ["", "Copies and casts by input shape:", "", self.top_copies]
         return "\n".join(lines) + "\n"
 
 
@@ -101,7 +106,7 @@ def profile_steps(step: Callable[[], torch.Tensor], device: torch.device, steps:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize(device)
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         begin = time.perf_counter()
         for _ in range(steps):
             step()
@@ -110,10 +115,14 @@ def profile_steps(step: Callable[[], torch.Tensor], device: torch.device, steps:
         wall = time.perf_counter() - begin
     if trace_path is not None:
         prof.export_chrome_trace(str(trace_path))
-    return summarize(prof.events(), steps, wall, cuda, prof.key_averages())
+    return summarize(prof.events(), steps, wall, cuda, prof.key_averages(),
+                     prof.key_averages(group_by_input_shape=True))
 
 
-def summarize(events, steps: int, wall_s: float, cuda: bool, averages) -> StepProfile:
+COPY_OPS = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous")
+
+
+def summarize(events, steps: int, wall_s: float, cuda: bool, averages, by_shape=None) -> StepProfile:
     """Categorise each op's own time. On a GPU that is the time of the kernels the op launched itself
     (`self_device_time_total`), so nothing is counted twice through nesting; kernels no op launched
     (e.g. by a library's own thread) are kept in the kernel total and shown as unattributed."""
@@ -139,4 +148,12 @@ def summarize(events, steps: int, wall_s: float, cuda: bool, averages) -> StepPr
         top_ops=averages.table(sort_by=sort_by, row_limit=25, max_name_column_width=70),
         kernels_per_step=kernels / steps if cuda else None,
         top_host_ops=averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70)
-        if cuda else "")
+        if cuda else "",
+        top_copies=copies_by_shape(by_shape, sort_by) if by_shape is not None else "")
+
+
+def copies_by_shape(by_shape, sort_by: str) -> str:
+    from torch.autograd.profiler_util import EventList
+
+    copies = EventList([event for event in by_shape if event.key in COPY_OPS])
+    return copies.table(sort_by=sort_by, row_limit=20, max_name_column_width=20) if len(copies) else ""
