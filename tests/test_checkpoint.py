@@ -233,6 +233,19 @@ def train_in_process(raw: dict, stop_after: int | None = None, resume: str | Non
     return trainer.train()
 
 
+def assert_resumes_as_straight(raw, tmp_path, files: tuple[str, ...], stop_after: int = 2) -> None:
+    """A run stopped by SIGTERM after optimizer step `stop_after` and resumed gives the uninterrupted run's losses
+    from there and its `files`, bit for bit."""
+    straight = train_in_process(raw(tmp_path / "straight"))
+    stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=stop_after)
+    assert stopped.stopped_by == "SIGTERM" and stopped.steps == stop_after + 1  # the step after the signal ends it
+    resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
+    assert resumed.first_step == stop_after + 1 and resumed.losses == straight.losses[stop_after + 1:]
+    for path in files:
+        want, got = load_file(tmp_path / "straight" / path), load_file(tmp_path / "stopped" / path)
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), path
+
+
 @pytest.mark.parametrize("optimizer", ["PRODIGY", "ADAMW_8BIT", "ADAFACTOR", "CAME_8BIT"])
 def test_every_kind_of_optimizer_state_resumes_exactly(optimizer, tiny_models, shapes_data, tmp_path):
     """Prodigy's d and slice_p statistics, bitsandbytes' 8-bit blocks, Adafactor's factored rows and CAME_8BIT's

@@ -242,19 +242,12 @@ def test_the_vectors_start_as_onetrainers_and_continue_from_a_file(tiny_models, 
 
 
 def test_stopped_and_resumed_the_run_is_the_uninterrupted_one(tiny_models, shapes_data, tmp_path):
-    from test_checkpoint import train_in_process
+    from test_checkpoint import assert_resumes_as_straight
 
     def raw(out):
         return output_config(tiny_models["sd1"], shapes_data, out, batch_size=2, max_steps=5)
 
-    straight = train_in_process(raw(tmp_path / "straight"))
-    stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=2)
-    assert stopped.stopped_by == "SIGTERM" and stopped.steps == 3  # the step after the signal ends the run
-    resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
-    assert resumed.first_step == 3 and resumed.losses == straight.losses[3:]
-    for path in ("embedding.safetensors", "embeddings/add.safetensors"):
-        want, got = load_file(tmp_path / "straight" / path), load_file(tmp_path / "stopped" / path)
-        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), path
+    assert_resumes_as_straight(raw, tmp_path, ("embedding.safetensors", "embeddings/add.safetensors"))
 
 
 def test_refusals(tiny_models, tmp_path):

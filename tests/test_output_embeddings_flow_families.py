@@ -280,17 +280,10 @@ def test_the_samples_read_every_vector(run):
 def test_stopped_and_resumed_the_run_is_the_uninterrupted_one(family_models, shapes_data, tmp_path):
     """Flux (CLIP-L input rows and T5 output vectors in one embedding, with their optimizer state): stopped after
     step 2 of 4 and resumed, the losses and both files are the uninterrupted run's, bit for bit."""
-    from test_checkpoint import train_in_process
+    from test_checkpoint import assert_resumes_as_straight
 
     def raw(out):
         return base_config(family_models["flux"], None, out, family="flux", method="embedding",
                            **run_settings(shapes_data, out, max_steps=4))
 
-    straight = train_in_process(raw(tmp_path / "straight"))
-    stopped = train_in_process(raw(tmp_path / "stopped"), stop_after=2)
-    assert stopped.stopped_by == "SIGTERM" and stopped.steps == 3  # the step after the signal ends the run
-    resumed = train_in_process(raw(tmp_path / "stopped"), resume="auto")
-    assert resumed.first_step == 3 and resumed.losses == straight.losses[3:]
-    for path in ("embedding.safetensors", "embeddings/add.safetensors"):
-        want, got = load_file(tmp_path / "straight" / path), load_file(tmp_path / "stopped" / path)
-        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), path
+    assert_resumes_as_straight(raw, tmp_path, ("embedding.safetensors", "embeddings/add.safetensors"))
