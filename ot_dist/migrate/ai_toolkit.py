@@ -289,21 +289,27 @@ def _network(network: Section, c: dict, family: str, out: Imported) -> None:
 
 
 def _parts(train: Section, c: dict, out: Imported) -> None:
-    """train_unet / train_text_encoder with unet_lr / text_encoder_lr (each lr by default)."""
+    """train_unet / train_text_encoder, all at train.lr: ai-toolkit builds every parameter group with it (its
+    unet_lr / text_encoder_lr are parsed and never read)."""
     lr = train.number("lr", 1e-6)
-    c["learning_rate"] = train.number("unet_lr", lr)  # ai-toolkit's default 1e-6 included (ot_dist's is 1e-5)
+    c["learning_rate"] = lr  # ai-toolkit's default 1e-6 included (ot_dist's is 1e-5)
+    for key in ("unet_lr", "text_encoder_lr"):
+        if train.given(key):
+            out.notes.append(f"train.{key}: {train.get(key)} is not read by ai-toolkit (train.lr is every part's)")
     if not train.get("train_unet", True):
         out.not_honoured.append("train.train_unet: false: ot_dist always trains the denoiser")
-    if train.get("train_text_encoder", False):
-        if c["method"] == "full" and c["model"]["family"] in UNETS:
-            parts = ("text_encoder", "text_encoder_2") if c["model"]["family"] == "sdxl" else ("text_encoder",)
-            for part in parts:
-                c[part] = {"train": True, "learning_rate": train.number("text_encoder_lr", lr)}
-        else:
-            out.not_honoured.append(f"train.train_text_encoder: ai-toolkit's text encoder training of a "
-                                    f"{c['model']['family']} {c['method']} is not mapped; the text encoders stay frozen")
+    if not train.get("train_text_encoder", False):
+        return
+    if c["method"] == "full" and c["model"]["family"] in UNETS:
+        parts = ("text_encoder", "text_encoder_2") if c["model"]["family"] == "sdxl" else ("text_encoder",)
+        for part in parts:
+            c[part] = {"train": True}
+        if c.get("clip_grad_norm"):
+            out.notes.append("train.max_grad_norm: ai-toolkit clips each parameter group's norm; ot_dist clips the "
+                             "norm over all trained parts")
     else:
-        train.get("text_encoder_lr")
+        out.not_honoured.append(f"train.train_text_encoder: ai-toolkit's text encoder training of a "
+                                f"{c['model']['family']} {c['method']} is not mapped; the text encoders stay frozen")
 
 
 def _optimizer(train: Section, c: dict, out: Imported) -> None:
@@ -333,6 +339,8 @@ def _optimizer(train: Section, c: dict, out: Imported) -> None:
         c["learning_rate"] = 1.0
     if kind in OWN_IMPLEMENTATION:
         out.notes.append(f"train.optimizer: {kind} is ai-toolkit's {OWN_IMPLEMENTATION[kind]}; ot_dist's {name}")
+    if kind == "adafactor":
+        c["clip_grad_norm"] = None  # SDTrainer clips every optimizer's gradients but Adafactor's
     c["optimizer"] = options
 
 

@@ -5,6 +5,8 @@ sections as `Section`s that remember which keys the import read, and errors that
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -59,22 +61,20 @@ class Section:
 
 
 def read_process(path: str) -> tuple[dict, str, Path]:
-    """(the first trainer process of the job, the job's name, the file) with ai-toolkit's `[name]` tags replaced by
-    the job's name, as its config loader does."""
-    import yaml
-
+    """(the first trainer process of the job, its run name, the file), read as ai-toolkit's toolkit/config.py reads a
+    job: `${VAR}` replaced by the environment's value, YAML's `1e-4` read as a number, `[name]` replaced by the job's
+    name; the process's own `name` wins over the job's."""
     file = Path(path)
     try:
         text = file.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputFileError(f"ai-toolkit config: {file} does not exist") from None
-    try:
-        job = yaml.safe_load(text)  # JSON is YAML too
-    except yaml.YAMLError as err:
-        raise InputFileError(f"ai-toolkit config: {file} is not YAML or JSON ({err})") from None
+    job = _parse(_environment(text), file)
     if not isinstance(job, dict) or not isinstance(job.get("config"), dict):
         raise ConfigError(f"config: {file} has no `config` mapping (an ai-toolkit job file: job, config.name, "
                           "config.process)")
+    if "job" not in job:
+        raise ConfigError(f"job: not set in {file} (ai-toolkit refuses a job file without it: extension or train)")
     name = job["config"].get("name")
     if not name:
         raise ConfigError("config.name: not set (ai-toolkit names the run's folder training_folder/name after it)")
@@ -88,7 +88,34 @@ def read_process(path: str) -> tuple[dict, str, Path]:
                           f"({', '.join(TRAINER_TYPES)})")
     if len(processes) > 1:
         process["__more_processes"] = len(processes) - 1
-    return process, str(name), file
+    return process, str(process.get("name") or name), file
+
+
+ENVIRONMENT = re.compile(r"\$\{([^}]+)\}")
+# YAML 1.1 reads 1e-4 (no dot) as a string; ai-toolkit's loader adds this float form, and so does the import's
+EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
+
+
+def _environment(text: str) -> str:
+    def value(match) -> str:
+        if match.group(1) not in os.environ:
+            raise ConfigError(f"${{{match.group(1)}}}: the environment variable is not set (ai-toolkit stops too)")
+        return os.environ[match.group(1)]
+
+    return ENVIRONMENT.sub(value, text)
+
+
+def _parse(text: str, file: Path):
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", EXPONENT, list("-+0123456789"))
+    try:
+        return yaml.load(text, Loader=Loader)  # JSON is YAML too
+    except yaml.YAMLError as err:
+        raise InputFileError(f"ai-toolkit config: {file} is not YAML or JSON ({err})") from None
 
 
 def _named(value, name: str):
