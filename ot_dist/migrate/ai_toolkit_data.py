@@ -174,8 +174,9 @@ def import_samples(sample: Section, trigger, c: dict, family: str, out: Imported
     spec = get_family(family)
     common = {"width": sample.number("width", 512, int), "height": sample.number("height", 512, int),
               "negative_prompt": sample.get("neg", "") or "", "guidance_scale": sample.number("guidance_scale", 7.0),
-              "steps": sample.number("sample_steps", 20, int), "guidance_rescale": sample.number("guidance_rescale", 0.0)}
-    start, walk, current = sample.number("seed", 0, int), bool(sample.get("walk_seed", False)), None
+              "steps": sample.number("sample_steps", 20, int),
+              "guidance_rescale": sample.number("guidance_rescale", 0.0)}
+    start, walk = sample.number("seed", 0, int), bool(sample.get("walk_seed", False))
     current = start
     prompts = []
     for i, item in enumerate(items):
