@@ -36,7 +36,8 @@ def flux_lora() -> dict:
         "model": {"name_or_path": "black-forest-labs/FLUX.1-dev", "is_flux": True, "quantize": True},
         "sample": {"sampler": "flowmatch", "sample_every": 250, "sample_start_step": 0, "width": 1024,
                    "height": 1024, "prompts": ["woman with red hair, playing chess at the park",
-                                               "[trigger] holding a coffee cup --seed 7 --w 768"],
+                                               "[trigger] holding a coffee cup --seed 7 --w 768",
+                                               "a bear building a log cabin"],
                    "neg": "", "seed": 42, "walk_seed": True, "guidance_scale": 4, "sample_steps": 20},
     }
 
@@ -81,11 +82,12 @@ def test_flux_lora_example(tmp_path):
     assert c["resolution"] == [512, 768, 1024] and c["data"]["cache_latents"] is True
     assert c["checkpoint"] == {"every_n_steps": 250, "keep_last": 4, "every_n_minutes": None}
     assert c["output_dtype"] == "float16"
-    first, second = c["sampling"]["prompts"]
+    first, second, third = c["sampling"]["prompts"]
     assert first == {"prompt": "woman with red hair, playing chess at the park", "seed": 42, "width": 1024,
                      "height": 1024, "guidance_scale": 4.0, "steps": 20}
     # walk_seed: 42 + 1, overridden by the prompt's --seed; --w; [trigger] replaced as in ai-toolkit's samples
     assert (second["prompt"], second["seed"], second["width"]) == ("p3rs0n holding a coffee cup", 7, 768)
+    assert third["seed"] == 44  # a prompt's --seed is its own; the walk goes on from sample.seed
     assert c["sampling"]["every_n_steps"] == 250
     assert "NOT HONOURED" in text and "ema_config" in text
 
@@ -104,12 +106,17 @@ def test_qwen_image_edit_plus_control_lists(tmp_path):
     process["sample"] = {"sampler": "flowmatch", "sample_every": 250, "width": 1024, "height": 1024, "seed": 42,
                          "walk_seed": True, "guidance_scale": 3, "sample_steps": 25,
                          "samples": [{"prompt": "Do whatever with Image1 and Image2", "ctrl_img_1": "/data/i1.png",
-                                      "ctrl_img_2": "/data/i2.png"}]}
+                                      "ctrl_img_2": "/data/i2.png"},
+                                     {"prompt": "Image1 only", "ctrl_img": "/data/i1.png", "seed": 5},
+                                     {"prompt": "Image1 again", "ctrl_img": "/data/i1.png"}]}
     c, text = imported(tmp_path, job(process))
     assert c["model"]["family"] == "qwen_image_edit_plus"
     assert c["gradient_accumulation_steps"] == 2 and c["max_steps"] == 2000
     assert c["data"]["concepts"][0]["reference_path"] == ["/data/c1", "/data/c2"]
-    assert c["sampling"]["prompts"][0]["reference_image"] == ["/data/i1.png", "/data/i2.png"]
+    first, second, third = c["sampling"]["prompts"]
+    assert first["reference_image"] == ["/data/i1.png", "/data/i2.png"] and second["reference_image"] == "/data/i1.png"
+    # a sample's own seed is its own; walk_seed gives the others 42 + i (ai-toolkit's current_seed)
+    assert (first["seed"], second["seed"], third["seed"]) == (42, 5, 44)
     assert c["weight_dtype"] == "bfloat16"
     assert "model.qtype: uint3" in text and "timestep_type: weighted" in text
     assert c["loss"]["timestep_distribution"] == "uniform"

@@ -161,8 +161,8 @@ def _unsupported(data: Section, where: str, out: Imported) -> None:
 
 def import_samples(sample: Section, trigger, c: dict, family: str, out: Imported) -> None:
     """Each sample (sample.samples, or sample.prompts as prompts alone) with its size, negative prompt, seed
-    (sample.seed, + i with walk_seed, a sample's own seed from there on), guidance, steps and control images, every
-    sample_every steps."""
+    (sample.seed, + i with walk_seed; a sample's own seed, which without walk_seed the samples after it keep),
+    guidance, steps and control images, every sample_every steps."""
     items = sample.get("samples")
     if items is None:
         items = [{"prompt": text} for text in sample.get("prompts", []) or []]

@@ -1,6 +1,5 @@
 """`ot-dist import onetrainer | kohya | simpletuner | diffusers | ai-toolkit`: parse, convert, validate, write the
-commented YAML,
-list what is not honoured (ot_dist/migrate/common.py: write_imported)."""
+commented YAML, list what is not honoured (ot_dist/migrate/common.py: write_imported)."""
 
 from __future__ import annotations
 
