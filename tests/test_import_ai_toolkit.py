@@ -129,7 +129,10 @@ def test_kontext_numbered_control_paths_and_prompt_ctrl_img(tmp_path):
     process["model"] = {"name_or_path": "/models/kontext", "arch": "flux_kontext"}
     process["datasets"][0] |= {"control_path": "/data/ignored", "control_path_1": "/data/before"}
     process["sample"]["prompts"] = ["make the person smile  --ctrl_img /data/person1.jpg"]
-    c, _ = imported(tmp_path, job(process), suffix=".json")
+    process["train"] |= {"noise_offset": 0.05, "min_snr_gamma": 5}
+    c, text = imported(tmp_path, job(process), suffix=".json")
+    assert c["loss"]["offset_noise_weight"] == 0.05  # ai-toolkit offsets any model's noise
+    assert "train.min_snr_gamma: 5: min-SNR weighting is defined for DDPM models only" in text
     assert c["model"]["family"] == "flux_kontext"
     assert c["data"]["concepts"][0]["reference_path"] == "/data/before"
     assert c["sampling"]["prompts"][0]["reference_image"] == "/data/person1.jpg"

@@ -403,6 +403,9 @@ def _loss(train: Section, c: dict, family: str, out: Imported) -> None:
         if train.get("min_denoising_steps", 0) != 0 or train.get("max_denoising_steps", 999) != 999:
             skip("train.min_denoising_steps / max_denoising_steps: on a flow model they bound the index into "
                  "ai-toolkit's drawn table; not mapped")
+        for key in ("min_snr_gamma", "snr_gamma"):
+            if train.get(key):
+                skip(f"train.{key}: {train.get(key)}: min-SNR weighting is defined for DDPM models only in ot_dist")
     else:
         if train.given("timestep_type"):
             out.notes.append(f"train.timestep_type: {kind}: not read for {family} (DDPM: uniform), as in ai-toolkit")
@@ -414,13 +417,9 @@ def _loss(train: Section, c: dict, family: str, out: Imported) -> None:
         gamma = train.get("min_snr_gamma") or train.get("snr_gamma")
         if gamma:
             loss["min_snr_gamma"] = float(gamma)
-        offset = train.number("noise_offset", 0.0)
-        if offset:
-            loss["offset_noise_weight"] = offset
-    if flow:
-        for key in ("min_snr_gamma", "snr_gamma", "noise_offset"):
-            if train.get(key):
-                skip(f"train.{key}: {train.get(key)}: not applied to a flow model by ot_dist")
+    offset = train.number("noise_offset", 0.0)
+    if offset:  # apply_noise_offset: offset x one N(0, 1) value per sample and channel, as ot_dist's
+        loss["offset_noise_weight"] = offset
     style = train.get("content_or_style", "balanced")
     if style != "balanced":
         skip(f"train.content_or_style: {style}: ai-toolkit's cubic bias of the timesteps is not supported")
