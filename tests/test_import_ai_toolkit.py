@@ -303,3 +303,17 @@ def test_full_finetune_adafactor_and_process_name(tmp_path):
     assert c["optimizer"]["name"] == "ADAFACTOR" and c["clip_grad_norm"] is None
     assert c["loss"] == {"timestep_distribution": "uniform", "timestep_shift": "auto"}
     assert "lora" not in c
+
+
+def test_more_controls_than_the_family_takes(tmp_path):
+    """train_lora_qwen_image_edit_32gb.yaml's model (arch qwen_image_edit: one reference per sample) given a
+    control_path list and a sample without ctrl_img, which its pipeline cannot sample: the first folder is used, the
+    sample left out, both listed."""
+    process = flux_lora()
+    process["model"] = {"name_or_path": "/models/qwen-edit", "arch": "qwen_image_edit"}
+    process["datasets"][0]["control_path"] = ["/data/c1", "/data/c2"]
+    process["sample"]["prompts"] = ["make it red --ctrl_img /data/x.png", "no control image"]
+    c, text = imported(tmp_path, job(process))
+    assert c["data"]["concepts"][0]["reference_path"] == "/data/c1"
+    assert [p["prompt"] for p in c["sampling"]["prompts"]] == ["make it red"]
+    assert "2 folders; qwen_image_edit takes 1" in text and "samples only with a control image" in text

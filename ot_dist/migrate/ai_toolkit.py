@@ -231,8 +231,10 @@ def _network(network: Section, c: dict, family: str, out: Imported) -> None:
     kind = str(network.get("type", "lora")).lower()
     if kind not in ("lora", "locon", "lokr"):
         raise ConfigError(f"{P}.network.type: {kind} is not lora, locon or lokr (ot_dist has no LoRM)")
-    rank = network.number("rank", None, int) or network.number("linear", 4, int)
-    alpha = network.number("linear_alpha", None) if network.given("linear_alpha") else network.number("alpha", 1.0)
+    rank, linear = network.number("rank", None, int), network.number("linear", 4, int)
+    rank = rank or linear  # the older `rank` wins, as NetworkConfig reads it
+    alpha, linear_alpha = network.number("alpha", 1.0), network.number("linear_alpha", None)
+    alpha = alpha if linear_alpha is None else linear_alpha
     lora = {"rank": rank, "alpha": alpha}
     if kind == "lokr":
         lora["variant"] = "lokr"

@@ -132,6 +132,10 @@ def _references(data: Section, where: str, family: str, out: Imported) -> list[s
                                 "families: flux_kontext, qwen_image_edit, qwen_image_edit_plus, flux2, flux2_klein); "
                                 "left out")
         return []
+    if len(paths) > spec.max_reference_images:
+        out.not_honoured.append(f"{where}.control_path: {len(paths)} folders; {family} takes "
+                                f"{spec.max_reference_images} reference image(s) per sample: the first are used")
+        paths = paths[:spec.max_reference_images]
     return [local_path(str(path), f"{where}.control_path", out) for path in paths]
 
 
@@ -200,6 +204,10 @@ def import_samples(sample: Section, trigger, c: dict, family: str, out: Imported
         prompt.pop("ctrl_img", None)
         images += [item.get(f"ctrl_img_{n}") for n in (2, 3)]
         images = [path for path in images if path]
+        if len(images) > spec.max_reference_images and spec.reference_images:
+            skip(f"sample.samples[{i}]: {len(images)} control images; {family} takes {spec.max_reference_images}: "
+                 "the first are used")
+            images = images[:spec.max_reference_images]
         if images:
             if spec.reference_images:
                 prompt["reference_image"] = images[0] if len(images) == 1 else images
@@ -221,7 +229,12 @@ def import_samples(sample: Section, trigger, c: dict, family: str, out: Imported
         for key in ("network_multiplier", "num_frames", "fps", "ctrl_idx", "do_cfg_norm"):
             if item.get(key) not in (None, 1, 1.0, 0, False):
                 skip(f"sample.samples[{i}].{key}: {item[key]!r} has no ot_dist counterpart")
+        if spec.sample_reference_required and "reference_image" not in prompt:
+            skip(f"sample.samples[{i}]: {family} samples only with a control image (ctrl_img); left out")
+            continue
         prompts.append(prompt)
+    if not prompts:
+        return
     sampling = {"prompts": prompts, "every_n_steps": sample.number("sample_every", 100, int)}
     name = str(sample.get("sampler", "ddpm"))
     if family in UNETS:
