@@ -70,6 +70,8 @@ OPTIMIZERS = {
 }
 OWN_IMPLEMENTATION = {"adamw8": "its own 8-bit Adam", "adam8": "its own 8-bit Adam",
                       "prodigy8bit": "Prodigy with 8-bit state", "adafactor": "its Adafactor with stochastic rounding"}
+
+
 def import_ai_toolkit(path: str) -> Imported:
     process, name, file = read_process(path)
     out = Imported({}, origins={})
@@ -104,7 +106,7 @@ def import_ai_toolkit(path: str) -> Imported:
     else:
         out.notes.append("training_seed: not set (ai-toolkit seeds nothing then); seed 42 is written")
     _process_keys(process, out)
-    for key, section in sections.items():
+    for section in sections.values():
         list_unread(section, out)
     out.origins |= ORIGINS
     out.notes.insert(0, f"imported from ai-toolkit's {file.name} (config.process[0])")
