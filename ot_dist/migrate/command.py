@@ -1,5 +1,5 @@
-"""`ot-dist import onetrainer | kohya | simpletuner | diffusers`: parse, convert, validate, write the commented YAML,
-list what is not honoured (ot_dist/migrate/common.py: write_imported)."""
+"""`ot-dist import onetrainer | kohya | simpletuner | diffusers | ai-toolkit`: parse, convert, validate, write the
+commented YAML, list what is not honoured (ot_dist/migrate/common.py: write_imported)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,10 @@ def add_import_parser(sub) -> None:
                     "image; the image folder is not touched); an edit script's reference images beside it, as links "
                     "named as their images'")
     _output(di)
+    at = sources.add_parser("ai-toolkit", help="an ostris ai-toolkit job file (config/examples/train_lora_*.yaml, or "
+                            "the config its UI saves): config.process[0]")
+    at.add_argument("config", help="the ai-toolkit job file (.yaml or .json)")
+    _output(at)
 
 
 def _output(parser) -> None:
@@ -73,6 +77,11 @@ def run_import(args: argparse.Namespace) -> int:
 
         imported = import_diffusers(args.command_line, args.script, args.accelerate_config, args.captions_folder)
         write_imported(imported, Path(args.out), args.force, "diffusers script arguments")
+        return 0
+    if args.import_source == "ai-toolkit":
+        from ot_dist.migrate.ai_toolkit import import_ai_toolkit
+
+        write_imported(import_ai_toolkit(args.config), Path(args.out), args.force, "ai-toolkit keys")
         return 0
     if args.import_source == "kohya":
         from ot_dist.migrate.kohya import import_kohya
