@@ -65,6 +65,8 @@ def test_no_activation_is_cast_to_float8(family, family_models, shapes_data, tmp
             batch = trainer.tokenize(collate([trainer.dataset.load(i, 0, use_cache=False) for i in range(2)]))
             reported = loss_and_gradients(trainer, batch)
         assert watch.found == [], f"{family}: activations cast to float8 in the step: {watch.found[:3]}"
+        # sampling's structures of the trained modules hold no weights: no second copy of a float8 base
+        assert {p.device.type for t in trainer.sampler.templates.values() for p in t.parameters()} == {"meta"}
         model = trainer.model
         stored = [m for m in [*model.pipeline.components.values(), *model.family.sampling_modules(model.pipeline)]
                   if isinstance(m, torch.nn.Module)]
