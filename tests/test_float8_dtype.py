@@ -51,7 +51,8 @@ def float8_config(family: str, model, data, out) -> dict:
 
 
 def loss_and_gradients(trainer: Trainer, batch: dict):
-    loss = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
+    with trainer.precision.autocast():  # as the step computes (off in float32)
+        loss = diffusion_loss(trainer.model, batch, 1, 0, trainer.config.loss)
     return loss.detach(), torch.autograd.grad(loss, trainer.params, allow_unused=True)
 
 
