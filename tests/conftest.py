@@ -160,7 +160,8 @@ SLOWEST_FIRST = (
     "test_family_strategies.py", "test_optimizers_distributed.py", "test_checkpoint.py", "test_checkpoint_safety.py",
     "test_strategies.py", "test_tracking.py", "test_run_safety.py", "test_step_guard.py", "test_k8s.py",
     "test_optimizers.py", "test_lora_variants.py", "test_cli.py", "test_concepts.py", "test_lora_tools.py",
-    "test_sharded_prodigy_ema.py", "test_sampling.py", "test_early_checks.py", "test_data_shards.py", "test_bench.py",
+    "test_sharded_prodigy_ema.py", "test_sampling.py", "test_float8_dtype.py", "test_early_checks.py", "test_data_shards.py",
+    "test_bench.py",
 )
 
 

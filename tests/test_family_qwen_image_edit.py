@@ -280,12 +280,14 @@ def test_a_sample_prompt_without_a_reference_is_refused(family_models, edit_pair
 
 
 def test_a_float8_stored_vision_tower_sees_the_reference_in_the_compute_dtype(family_models, edit_pairs, tmp_path):
-    """weight_dtype float8: Qwen2.5-VL's `.dtype` reads its 1-byte storage; the reference's pixels must still reach
-    the vision tower in the compute dtype (float8 inputs would keep 3 bits of each pixel's mantissa)."""
+    """weight_dtype float8: Qwen2.5-VL's `.dtype` would read its 1-byte storage (the vision tower casts the pixels to
+    it); the reference's pixels must reach the vision tower in the compute dtype (float8 inputs would keep 3 bits of
+    each pixel's mantissa)."""
     trainer = trainer_for(family_models[FAMILY], edit_pairs, tmp_path / "o", weight_dtype="float8")
     model = trainer.model
     encoder = model.text_encoders["text_encoder"]
-    assert encoder.dtype == torch.float8_e4m3fn  # what transformers reports: the case this guards
+    # the case this guards: the first parameter, whose dtype transformers' `.dtype` reads, is the float8 storage
+    assert next(encoder.parameters()).dtype == torch.float8_e4m3fn and encoder.model.visual.dtype == torch.float32
     seen = []
     hook = encoder.model.visual.patch_embed.register_forward_pre_hook(lambda _, args: seen.append(args[0].dtype))
     with torch.no_grad():

@@ -15,8 +15,6 @@ from memory; full exports take the untrained components from model.path instead 
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -41,13 +39,31 @@ def compute_dtype(module: torch.nn.Module) -> torch.dtype:
     return getattr(module, COMPUTE_DTYPE_ATTR, None) or next(module.parameters()).dtype
 
 
+# Sub-modules (by their name in the model) whose parameters' dtype the library reads directly, not through the
+# model's `.dtype`, and casts its inputs or draws its latents in: their frozen parameters are held in the compute
+# dtype instead (a few small layers). Each found by tests/test_float8_dtype.py.
+PARAMETER_DTYPE_READS: dict[str, tuple[str, ...]] = {
+    # WanTimeTextImageEmbedding: the timestep projection cast to `next(time_embedder.parameters()).dtype`
+    "WanTransformer3DModel": ("condition_embedder.time_embedder",),
+    # StableCascadePriorPipeline: latents, image embeddings and timestep ratios in `next(prior.parameters()).dtype`
+    "StableCascadeUNet": ("clip_txt_pooled_mapper",),
+}
+
+
 def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Store every frozen floating-point parameter of `component` in float8, upcast to `dtype` on use.
-    Modules that hold a trainable parameter themselves are left alone, but for OFT layers (`lora.variant: oft`,
-    ot_dist/methods/oft.py): their base weight and bias are stored too and read through the upcast by the layer's
-    own forward, which rotates the weight with the trainable blocks beside it. Returns the parameters stored."""
+    """Store every frozen floating-point parameter of `component` in float8, upcast to `dtype` on use, but in the
+    modules PARAMETER_DTYPE_READS names (held in `dtype`). Modules that hold a trainable parameter themselves are left
+    alone, but for OFT layers (`lora.variant: oft`, ot_dist/methods/oft.py): their base weight and bias are stored too
+    and read through the upcast by the layer's own forward, which rotates the weight with the trainable blocks beside
+    it. The component then reports `dtype` as its `.dtype` (report_compute_dtype). Returns the parameters stored."""
     count = 0
+    kept = _parameter_dtype_reads(component)
     for module in list(component.modules()):
+        if id(module) in kept:
+            for name, param in module.named_parameters(recurse=False):
+                if param.is_floating_point() and not param.requires_grad:
+                    param.data = param.data.to(dtype)
+            continue
         own = [(n, p) for n, p in module.named_parameters(recurse=False) if p is not None and p.is_floating_point()]
         if not own or getattr(module, COMPUTE_DTYPE_ATTR, None):
             continue
@@ -66,42 +82,37 @@ def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype) -> in
         module.register_state_dict_post_hook(_upcast_state)
         module.register_load_state_dict_pre_hook(_quantize_loaded)
     setattr(component, COMPUTE_DTYPE_ATTR, dtype)
+    report_compute_dtype(component, dtype)
     return count
+
+
+def _parameter_dtype_reads(component: torch.nn.Module) -> set[int]:
+    """The ids of the sub-modules of `component` (and of models nested in it) that PARAMETER_DTYPE_READS names."""
+    kept = set()
+    for model in component.modules():
+        for name in PARAMETER_DTYPE_READS.get(type(model).__name__, ()):
+            kept.update(id(m) for m in model.get_submodule(name).modules())
+    return kept
 
 
 _CLASSES: dict[tuple[type, object], type] = {}  # (class, what the subclass adds) -> the subclass
 
 
-@contextlib.contextmanager
-def reporting_compute_dtype(components):
-    """Within: each float8-stored component among `components` reports its compute dtype as `.dtype`, as
-    diffusers' own layerwise casting does. diffusers / transformers take `.dtype` from the first floating-point
-    parameter, the stored float8 one, and pipelines create their latents in it (torch.randn has no float8 kernel;
-    sampling draws on a CPU generator, so this fails on any device) and cast prompt embeddings to it (float8 has no
-    arithmetic kernels either). Sampling asks for this, and a family whose training forward casts inputs with a
-    model's `.dtype` (Qwen-Image-Edit's vision tower: its pixels would keep 3 mantissa bits)."""
-    swapped, marked = [], []
-    try:
-        for component in {id(c): c for c in components}.values():
-            dtype = getattr(component, COMPUTE_DTYPE_ATTR, None) if isinstance(component, torch.nn.Module) else None
-            if dtype is None:
-                continue
-            # The component and the models nested in it (Qwen2.5-VL's vision tower casts its pixels to its own
-            # `.dtype`), each only where `.dtype` reads float8: a fully trained one keeps its own weights' dtype.
-            for module in component.modules():
-                if not isinstance(getattr(type(module), "dtype", None), property) or module.dtype != FLOAT8:
-                    continue
-                if getattr(module, COMPUTE_DTYPE_ATTR, None) is None:
-                    setattr(module, COMPUTE_DTYPE_ATTR, dtype)
-                    marked.append(module)
-                swapped.append((module, type(module)))
-                module.__class__ = _reporting_class(type(module))
-        yield
-    finally:
-        for module, cls in reversed(swapped):
-            module.__class__ = cls
-        for module in marked:
-            delattr(module, COMPUTE_DTYPE_ATTR)
+def report_compute_dtype(component: torch.nn.Module, dtype: torch.dtype) -> None:
+    """From now on the component and the models nested in it report `dtype` as `.dtype` wherever `.dtype` read the
+    stored float8, as diffusers' own layerwise casting does (its models' `.dtype` is the casting hook's compute
+    dtype). diffusers / transformers take `.dtype` from the first floating-point parameter and draw or cast tensors
+    in it: pipelines create their latents in it (torch.randn has no float8 kernel) and cast prompt embeddings to it
+    (no float8 arithmetic either), Qwen2.5-VL's vision tower casts its pixels to its own (they would keep 3 mantissa
+    bits). A model whose `.dtype` reads a trained parameter keeps its own. Once, when stored: the class of each is
+    switched here, not on every call (a walk over every module of a 7 B encoder per step); that no training path
+    computes differently for it (every `.dtype` read there cast activations to float8) is tests/test_float8_dtype.py's."""
+    for module in component.modules():
+        if not isinstance(getattr(type(module), "dtype", None), property) or module.dtype != FLOAT8:
+            continue
+        if getattr(module, COMPUTE_DTYPE_ATTR, None) is None:
+            setattr(module, COMPUTE_DTYPE_ATTR, dtype)
+        module.__class__ = _reporting_class(type(module))
 
 
 def _reporting_class(cls: type) -> type:

@@ -34,7 +34,6 @@ import torch
 from ot_dist.config.sampling import SAMPLERS, SamplePrompt
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
-from ot_dist.memory.float8 import reporting_compute_dtype
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import trained_modules
 from ot_dist.parallel.runtime import Runtime
@@ -136,12 +135,9 @@ class Sampler:
                 del state_dict_of  # it may hold the gathered set (the EMA's): only `modules` keeps it now
             if mine:
                 pipelines = {}  # one per sampler the prompts name, around the same modules
-                # Float8-stored components (frozen ones, trained ones' bases) report their compute dtype: the
-                # pipelines make their latents and cast their embeddings in a module's `.dtype`.
-                components = [*self.model.pipeline.components.values(), *modules.values(),
-                              *self.model.family.sampling_modules(self.model.pipeline)]  # e.g. Cascade's decoder
-                with isolated_randomness(runtime.device), trainer.precision.autocast(), \
-                        reporting_compute_dtype(components):
+                # Float8-stored components (frozen ones, trained ones' bases and their copies here) report their
+                # compute dtype as `.dtype` (memory/float8.py): the pipelines make their latents in it.
+                with isolated_randomness(runtime.device), trainer.precision.autocast():
                     for i in mine:
                         sampler = self.sampler_of(prompts[i])
                         if sampler not in pipelines:
@@ -235,11 +231,13 @@ def takes_guidance_rescale(pipeline) -> bool:
 
 def meta_structure(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of `module` whose state (parameters, persistent buffers) is on the meta device: the
-    structure without the memory. Non-persistent buffers (not in the state dict) are copied."""
+    structure without the memory. Non-persistent buffers (not in the state dict) are copied.
+    Every parameter is state: float8-stored ones too, whose state dict values are upcast copies (memory/float8.py),
+    so their ids are not the state dict's (they were copied whole, a second float8 copy of a LoRA's base)."""
     in_state = {id(t) for t in module.state_dict(keep_vars=True).values()}
     memo = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
-        if id(tensor) in in_state:
+        if id(tensor) in in_state or isinstance(tensor, torch.nn.Parameter):
             meta = torch.empty_like(tensor, device="meta")
             memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else meta
     return copy.deepcopy(module, memo)

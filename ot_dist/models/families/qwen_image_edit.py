@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.memory.float8 import compute_dtype, reporting_compute_dtype
+from ot_dist.memory.float8 import compute_dtype
 from ot_dist.models.families.flux import pack, unpack
 from ot_dist.models.families.qwen_image import QWEN_SCHEDULER, QwenImage, tiny_qwen2_tokenizer
 from ot_dist.train.references import reference_latents
@@ -115,12 +115,11 @@ class QwenImageEdit(QwenImage):
         encoder = text_encoders["text_encoder"]
         device = encoder.device
         mask = to_device(tokens["text_encoder_mask"], device)
-        # in the compute dtype: with weight_dtype float8, `.dtype` reads the 1-byte storage, and the vision tower
-        # casts the pixels to its own
-        with reporting_compute_dtype([encoder]):
-            out = encoder(input_ids=to_device(tokens["text_encoder"], device), attention_mask=mask,
-                          pixel_values=to_device(tokens["pixel_values"], device, compute_dtype(encoder)),
-                          image_grid_thw=to_device(tokens["image_grid_thw"], device), output_hidden_states=True)
+        # in the compute dtype (the vision tower casts the pixels to its own `.dtype`, which float8 storage reports
+        # as the compute dtype: memory/float8.py report_compute_dtype)
+        out = encoder(input_ids=to_device(tokens["text_encoder"], device), attention_mask=mask,
+                      pixel_values=to_device(tokens["pixel_values"], device, compute_dtype(encoder)),
+                      image_grid_thw=to_device(tokens["image_grid_thw"], device), output_hidden_states=True)
         hidden = out.hidden_states[-1]
         # Each row's unpadded tokens less the template's first 64, re-stacked from the left with zeros after
         # (QwenImageEditPipeline._get_qwen_prompt_embeds), whichever side the processor padded.
