@@ -33,6 +33,6 @@ def skip_input_copies_under_autocast(module: torch.nn.Module, adapter: str) -> i
 def _cast_unless_autocast(layer, x, dtype: torch.dtype):
     if x is None or x.dtype == dtype or not getattr(layer, "cast_input_dtype_enabled", True):
         return x
-    if torch.is_autocast_enabled(x.device.type):
+    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):  # meta: FLOP counting
         return x  # the down projection casts it to the autocast dtype itself
     return x.to(dtype=dtype)

@@ -2,13 +2,15 @@
 
 peft computes `result + lora_B(lora_A(x)) * scaling`: after the up projection, a multiply and an add, each a pass
 over the layer's full output (and the multiply again in backward). `torch.addmm(result, down * scaling, B^T)` does
-the same sum in the matmul's epilogue, the scale applied to the rank-wide features (none when it is 1). On SDXL LoRA at 1024 px (about 720 adapted layers) those two
-elementwise kernels were ~80 ms of a 0.54 s step's kernel time and ~2,200 of its 19,300 launches per step
-(docs/performance.md, issue 21). The sum is the same up to rounding: the epilogue adds in float32 and rounds once.
+the same sum in the matmul's epilogue, the scale applied to the rank-wide features (none when it is 1). On SDXL LoRA
+at 1024 px (about 720 adapted layers) the full-size multiplies and adds were ~80 ms of a 0.54 s step's kernel time
+(docs/performance.md, issue 21). The sum is the same up to rounding: the
+epilogue adds in float32 and rounds once.
 
 Anything the fused form would not reproduce keeps peft's forward: adapters disabled or merged, another active
-adapter, extra arguments, a variant, input dropout, a bias on the up projection, hooks on the up projection (DeepSpeed
-ZeRO-3 gathers a module's partitioned weight in one); mixed dtypes outside autocast take peft's promoted sum."""
+adapter, extra arguments, a variant, input dropout, a bias on the up projection, hooks on the up projection
+(DeepSpeed ZeRO-3 gathers a module's partitioned weight in one); mixed dtypes outside autocast take peft's promoted
+sum."""
 
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     down_layer = layer.lora_A[adapter]
     down = down_layer(layer._cast_input_dtype(x, down_layer.weight.dtype))  # its hooks (rank dropout) run
     scaling = layer.scaling[adapter]
-    if not torch.is_autocast_enabled(x.device.type) and not (result.dtype == down.dtype == up.weight.dtype):
+    autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)  # meta: FLOP counting
+    if not autocast and not (result.dtype == down.dtype == up.weight.dtype):
         return (result + up(down) * scaling).to(result.dtype)  # peft's own sum: promoted, then cast back
     if scaling != 1:  # on the rank-wide features: alpha=scaling would multiply both matmul gradients in backward
         down = down * scaling
