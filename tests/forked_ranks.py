@@ -138,6 +138,58 @@ def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None =
     return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
 
 
+class ForkedCommand:
+    """What a test reads of `subprocess.Popen([python, *COMMAND])` (pid, poll, send_signal, communicate, returncode)
+    for one process forked from the preloaded server: a command the test signals or watches while it runs, without
+    the 8-9 s of imports a fresh interpreter pays. Made by `start_command`."""
+
+    def __init__(self, process, logs: tempfile.TemporaryDirectory, argv: list[str]):
+        self.process, self.logs, self.args = process, logs, argv
+        self.pid = process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        self.process.join(timeout=0)
+        return self.process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Waits for the end (TimeoutExpired after `timeout`, the process killed with its stacks in its stderr),
+        then returns its stdout and stderr, as Popen's with text=True."""
+        self.process.join(timeout)
+        expired = self.process.exitcode is None
+        if expired:
+            _kill_with_stacks([self.process])
+            self.process.join()
+        _kill_group(self.pid)  # loader workers it left behind
+        output = (_read(self.logs.name, 0, "stdout"), _read(self.logs.name, 0, "stderr"))
+        self.logs.cleanup()
+        if expired:
+            raise subprocess.TimeoutExpired(self.args, timeout, *output)
+        return output
+
+
+def start_command(*command: str | Path, env: dict[str, str] | None = None,
+                  cwd: str | Path | None = None) -> ForkedCommand:
+    """`subprocess.Popen([sys.executable, *COMMAND])`, COMMAND being `SCRIPT ARGS` or `-m MODULE ARGS`, forked from
+    the preloaded server (run_ranks' `nproc=1`, not waited for)."""
+    context = _context()
+    process_env = {**os.environ, **(env or {})}
+    if not process_env.get("OMP_NUM_THREADS"):
+        process_env["OMP_NUM_THREADS"] = "1"
+    argv = [str(a) for a in command]
+    logs = tempfile.TemporaryDirectory(prefix="command-")
+    process = context.Process(target=_rank_main,
+                              args=(argv, process_env, f"{logs.name}/rank-0", None if cwd is None else str(cwd)))
+    process.start()
+    return ForkedCommand(process, logs, argv)
+
+
 def _kill_with_stacks(ranks: list) -> None:
     """SIGUSR1 (each rank's faulthandler writes its Python stacks to its stderr), then the rank's whole group."""
     for p in ranks:

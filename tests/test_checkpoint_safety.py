@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from forked_ranks import run_ranks
+from forked_ranks import ForkedCommand, run_ranks, start_command
 import torch
 import yaml
 from conftest import base_config
@@ -301,7 +301,8 @@ def write_config(path: Path, raw: dict) -> Path:
     return path
 
 
-def wait_for_checkpoint(root: Path, process: subprocess.Popen, at_least: int, timeout: float = 300) -> int:
+def wait_for_checkpoint(root: Path, process: subprocess.Popen | ForkedCommand, at_least: int,
+                        timeout: float = 300) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = latest_checkpoint(root) if root.is_dir() else None
@@ -313,12 +314,14 @@ def wait_for_checkpoint(root: Path, process: subprocess.Popen, at_least: int, ti
 
 
 def test_sigterm_to_the_train_command_commits_and_exits_0(tiny_models, shapes_data, tmp_path):
+    """`python -m ot_dist train`, forked from the preloaded test server (tests/forked_ranks.py: the command's own
+    signal handling, without a fresh interpreter's 8-9 s of imports), SIGTERMed after its second step's checkpoint."""
     out = tmp_path / "out"
     raw = base_config(tiny_models["sd1"], shapes_data, out, batch_size=1, epochs=20, max_steps=200,
                       **{"checkpoint.every_n_steps": 2})
     config = write_config(tmp_path / "config.yaml", raw)
     command = [sys.executable, "-m", "ot_dist", "train", str(config)]
-    process = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = start_command(*command[1:], env=ENV)
     wait_for_checkpoint(checkpoints_dir(out), process, 2)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=300)

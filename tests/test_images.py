@@ -11,8 +11,6 @@ import io
 import json
 import re
 import struct
-import subprocess
-import sys
 import tarfile
 import zlib
 from pathlib import Path
@@ -477,7 +475,8 @@ def test_heic_and_mpo_files_are_images_on_the_first_scan_of_a_process(tmp_path, 
 
 
 def test_bomb_over_max_bad_fraction_exits_3_naming_it(built, tmp_path):
-    """The CLI (a subprocess, as a user runs it): a bomb among a few images is more than the default 1 %."""
+    """The CLI (its own process, as a user runs it, forked from the preloaded test server: tests/forked_ranks.py): a
+    bomb among a few images is more than the default 1 %."""
     folder = tmp_path / "few"
     folder.mkdir()
     for name in ("bomb.png", "bomb.txt", "scan.tiff", "scan.txt", "notes.pdf"):
@@ -485,16 +484,14 @@ def test_bomb_over_max_bad_fraction_exits_3_naming_it(built, tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
                                       "data": {"path": str(folder)}, "resolution": 64}))
-    run = subprocess.run([sys.executable, "-m", "ot_dist", "shard", "build", str(config), "--out",
-                          str(tmp_path / "set")], capture_output=True, text=True, cwd=tmp_path,
-                         env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    run = run_ranks("-m", "ot_dist", "shard", "build", config, "--out", tmp_path / "set", nproc=1, cwd=tmp_path,
+                    env={"PYTHONPATH": str(REPO)}, timeout=300)
     assert run.returncode == 3, run.stderr
     assert "bomb.png" in run.stderr and "data.max_image_pixels" in run.stderr and "data.max_bad_fraction" in run.stderr
     assert "Traceback" not in run.stderr
     # With the bomb allowed for by the fraction, the build goes on and its report names the unused file.
-    run = subprocess.run([sys.executable, "-m", "ot_dist", "shard", "build", str(config), "--out",
-                          str(tmp_path / "set"), "--set", "data.max_bad_fraction=0.5"], capture_output=True,
-                         text=True, cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(REPO)})
+    run = run_ranks("-m", "ot_dist", "shard", "build", config, "--out", tmp_path / "set", "--set",
+                    "data.max_bad_fraction=0.5", nproc=1, cwd=tmp_path, env={"PYTHONPATH": str(REPO)}, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "1 file not used: notes.pdf (not an image)" in run.stdout
     assert read_manifest(tmp_path / "set")["unreadable_images"][0]["file"].endswith("bomb.png")

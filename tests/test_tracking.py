@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import base_config
+from forked_ranks import run_ranks
 
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
@@ -234,7 +235,8 @@ def test_two_ranks_log_once_and_only_rank_0_tracks(server, first_run, small_sd1,
 
 def test_a_closed_port_costs_nothing_but_a_warning(small_sd1, shapes_data, tmp_path):
     """20 steps against a port where nothing listens: exit 0, promptly, a warning naming the outbox
-    file; its replay command puts every point in a local store afterwards."""
+    file; its replay command puts every point in a local store afterwards. Both commands run as their own processes,
+    forked from the preloaded test server (tests/forked_ranks.py), not as new interpreters (8-9 CPU s of imports)."""
     port = free_port()
     out = tmp_path / "out"
     raw = base_config(small_sd1, shapes_data, out, batch_size=1, epochs=2, max_steps=20, log_every_steps=5,
@@ -242,8 +244,7 @@ def test_a_closed_port_costs_nothing_but_a_warning(small_sd1, shapes_data, tmp_p
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "ot_dist", "train", str(config)], env=ENV, capture_output=True,
-                          text=True, timeout=600, cwd=tmp_path)
+    done = run_ranks("-m", "ot_dist", "train", config, nproc=1, env=ENV, timeout=600, cwd=tmp_path)
     elapsed = time.monotonic() - start
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f"warning: MLflow: cannot reach http://127.0.0.1:{port}" in done.stdout
@@ -254,8 +255,8 @@ def test_a_closed_port_costs_nothing_but_a_warning(small_sd1, shapes_data, tmp_p
     assert replay_command in done.stdout
     # recoverable: the warning's command, sent to a local store instead of the dead server
     local = f"sqlite:///{tmp_path / 'recovered' / 'mlflow.db'}"
-    replayed = subprocess.run([sys.executable, *replay_command.split()[1:], "--tracking-uri", local], env=ENV,
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    replayed = run_ranks(*replay_command.split()[1:], "--tracking-uri", local, nproc=1, env=ENV, timeout=300,
+                         cwd=tmp_path)
     assert replayed.returncode == 0, (replayed.stdout + replayed.stderr)[-4000:]
     (run,) = client(local).search_runs([client(local).get_experiment_by_name("ot_dist").experiment_id])
     assert f"run {run.info.run_id}" in replayed.stdout and run.info.status == "FINISHED"
