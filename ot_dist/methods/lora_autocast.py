@@ -11,28 +11,34 @@ import types
 import torch
 
 
-def skip_input_copies_under_autocast(module: torch.nn.Module, adapter: str) -> int:
-    """On every plain peft LoRA layer of `module` (no DoRA or other variant, no input dropout: their ops on the float32
-    copy are not autocast ops), replace peft's input cast with one that is skipped while autocast is on for the
-    input's device. Returns how many layers."""
+def plain_lora_layers(module: torch.nn.Module, adapter: str) -> list[torch.nn.Module]:
+    """The peft LoRA layers of `module` that carry `adapter` plainly: no DoRA or other variant, no input dropout
+    (their ops on the layer's input are not autocast ops)."""
     from peft.tuners.lora.layer import LoraLayer
 
-    count = 0
-    for layer in module.modules():
-        if not (isinstance(layer, LoraLayer) and adapter in layer.lora_A):
-            continue
-        if adapter in getattr(layer, "lora_variant", {}):
-            continue
-        if not isinstance(layer.lora_dropout[adapter], torch.nn.Identity):
-            continue
+    return [layer for layer in module.modules()
+            if isinstance(layer, LoraLayer) and adapter in layer.lora_A
+            and adapter not in getattr(layer, "lora_variant", {})
+            and isinstance(layer.lora_dropout[adapter], torch.nn.Identity)]
+
+
+def autocast_on(x: torch.Tensor) -> bool:
+    """Whether autocast is on for `x`'s device (never for meta tensors, which the FLOP count runs on)."""
+    return x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)
+
+
+def skip_input_copies_under_autocast(module: torch.nn.Module, adapter: str) -> int:
+    """On every plain LoRA layer of `module`, replace peft's input cast with one that is skipped while autocast is on
+    for the input's device. Returns how many layers."""
+    layers = plain_lora_layers(module, adapter)
+    for layer in layers:
         layer._cast_input_dtype = types.MethodType(_cast_unless_autocast, layer)
-        count += 1
-    return count
+    return len(layers)
 
 
 def _cast_unless_autocast(layer, x, dtype: torch.dtype):
     if x is None or x.dtype == dtype or not getattr(layer, "cast_input_dtype_enabled", True):
         return x
-    if x.device.type != "meta" and torch.is_autocast_enabled(x.device.type):  # meta: FLOP counting
+    if autocast_on(x):
         return x  # the down projection casts it to the autocast dtype itself
     return x.to(dtype=dtype)

@@ -4,8 +4,7 @@ peft computes `result + lora_B(lora_A(x)) * scaling`: after the up projection, a
 over the layer's full output (and the multiply again in backward). `torch.addmm(result, down * scaling, B^T)` does
 the same sum in the matmul's epilogue, the scale applied to the rank-wide features (none when it is 1). On SDXL LoRA
 at 1024 px (about 720 adapted layers) the full-size multiplies and adds were ~80 ms of a 0.54 s step's kernel time
-(docs/performance.md, issue 21). The sum is the same up to rounding: the
-epilogue adds in float32 and rounds once.
+(docs/performance.md, issue 21). The sum is the same up to rounding: the epilogue adds in float32 and rounds once.
 
 Anything the fused form would not reproduce keeps peft's forward: adapters disabled or merged, another active
 adapter, extra arguments, a variant, input dropout, a bias on the up projection, hooks on the up projection
@@ -18,23 +17,19 @@ import types
 
 import torch
 
+from ot_dist.methods.lora_autocast import autocast_on, plain_lora_layers
+
 
 def fuse_up_projections(module: torch.nn.Module, adapter: str) -> int:
     """Give every plain peft LoRA Linear of `module` the fused forward. Returns how many layers."""
     from peft.tuners.lora.layer import Linear
 
-    count = 0
-    for layer in module.modules():
-        if type(layer) is not Linear or adapter not in layer.lora_A:
-            continue
-        if adapter in getattr(layer, "lora_variant", {}) or layer.lora_B[adapter].bias is not None:
-            continue
-        if not isinstance(layer.lora_dropout[adapter], torch.nn.Identity) or layer.fan_in_fan_out:
-            continue
+    layers = [layer for layer in plain_lora_layers(module, adapter)
+              if type(layer) is Linear and layer.lora_B[adapter].bias is None and not layer.fan_in_fan_out]
+    for layer in layers:
         layer.forward = types.MethodType(_fused_forward, layer)
         layer._fused_adapter = adapter
-        count += 1
-    return count
+    return len(layers)
 
 
 def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -47,8 +42,7 @@ def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     down_layer = layer.lora_A[adapter]
     down = down_layer(layer._cast_input_dtype(x, down_layer.weight.dtype))  # its hooks (rank dropout) run
     scaling = layer.scaling[adapter]
-    autocast = x.device.type != "meta" and torch.is_autocast_enabled(x.device.type)  # meta: FLOP counting
-    if not autocast and not (result.dtype == down.dtype == up.weight.dtype):
+    if not autocast_on(x) and not (result.dtype == down.dtype == up.weight.dtype):
         return (result + up(down) * scaling).to(result.dtype)  # peft's own sum: promoted, then cast back
     if scaling != 1:  # on the rank-wide features: alpha=scaling would multiply both matmul gradients in backward
         down = down * scaling
