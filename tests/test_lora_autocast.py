@@ -32,11 +32,14 @@ def lora_step(tmp_path, skip: bool, monkeypatch) -> tuple[torch.Tensor, dict[str
     """One bf16-autocast LoRA forward + backward of the tiny SDXL UNet (the bench's trainer path, on the CPU):
     the loss, the adapters' gradients, the activation upcasts counted and the LoRA layers changed."""
     import ot_dist.methods.lora_autocast as lora_autocast
+    import ot_dist.methods.lora_block_casts as lora_block_casts
 
     changed = []
     real = SKIP_INPUT_COPIES
     monkeypatch.setattr(lora_autocast, "skip_input_copies_under_autocast",
                         lambda module, adapter: changed.append(real(module, adapter) if skip else 0))
+    # every layer on its own casts, where the input copy is made (block casts bypass it: test_lora_block_casts.py)
+    monkeypatch.setattr(lora_block_casts, "cast_adapters_per_block", lambda *args: 0)
     options = BenchOptions(model="tiny-sdxl", method="lora", lora_rank=4, resolution=64, batch_size=2,
                            dtype="bf16", device="cpu")
     bench = BENCH_MODELS[options.model]

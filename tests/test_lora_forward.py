@@ -56,7 +56,7 @@ def run(model, x, autocast: bool):
 def test_fused_layers_give_peft_sum_and_gradients(autocast):
     peft_model = adapted()
     fused_model = copy.deepcopy(peft_model)
-    assert fuse_up_projections(fused_model, "default") == 3
+    assert len(fuse_up_projections(fused_model, "default")) == 3
     for p in [*peft_model.parameters(), *fused_model.parameters()]:
         p.requires_grad_(True)  # the base weights' gradients too: the fused sum feeds them
     x = torch.randn(2, 5, 32)
@@ -116,7 +116,7 @@ def test_layers_the_fused_form_does_not_cover_keep_peft(setting):
     model = torch.nn.Sequential(torch.nn.Linear(16, 16))
     options = {"dropout": dict(lora_dropout=0.1), "dora": dict(use_dora=True), "bias": dict(lora_bias=True)}[setting]
     inject_adapter_in_model(LoraConfig(r=2, target_modules=["0"], **options), model, adapter_name="default")
-    assert fuse_up_projections(model, "default") == 0
+    assert fuse_up_projections(model, "default") == []
 
 
 def test_mixed_dtypes_outside_autocast_take_peft_sum():

@@ -25,9 +25,11 @@ class LoraMethod(TrainingMethod):
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         from ot_dist.methods.lora_autocast import skip_input_copies_under_autocast
+        from ot_dist.methods.lora_block_casts import cast_adapters_per_block
         from ot_dist.methods.lora_forward import fuse_up_projections
         from ot_dist.methods.lora_variants import (drop_down_output, init_loha_as_lycoris, match_lycoris_scale,
                                                    peft_config)
+        from ot_dist.parallel.fsdp import wrap_units
 
         freeze_all(model)
         groups = []
@@ -63,7 +65,8 @@ class LoraMethod(TrainingMethod):
                 # on the rank features, as OneTrainer and kohya drop
                 drop_down_output(module, ADAPTER, lora.dropout, lora.rank_dropout, lora.module_dropout)
             skip_input_copies_under_autocast(module, ADAPTER)
-            fuse_up_projections(module, ADAPTER)
+            fused = fuse_up_projections(module, ADAPTER)
+            cast_adapters_per_block(module, wrap_units(module, model.family.shard_units.get(part, ())), fused, ADAPTER)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:

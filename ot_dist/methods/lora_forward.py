@@ -20,8 +20,8 @@ import torch
 from ot_dist.methods.lora_autocast import autocast_on, plain_lora_layers
 
 
-def fuse_up_projections(module: torch.nn.Module, adapter: str) -> int:
-    """Give every plain peft LoRA Linear of `module` the fused forward. Returns how many layers."""
+def fuse_up_projections(module: torch.nn.Module, adapter: str) -> list[torch.nn.Module]:
+    """Give every plain peft LoRA Linear of `module` the fused forward. Returns those layers."""
     from peft.tuners.lora.layer import Linear
 
     layers = [layer for layer in plain_lora_layers(module, adapter)
@@ -29,7 +29,7 @@ def fuse_up_projections(module: torch.nn.Module, adapter: str) -> int:
     for layer in layers:
         layer.forward = types.MethodType(_fused_forward, layer)
         layer._fused_adapter = adapter
-    return len(layers)
+    return layers
 
 
 def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -39,12 +39,21 @@ def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             or up._forward_pre_hooks or up._forward_hooks):
         return type(layer).forward(layer, x, *args, **kwargs)
     result = layer.base_layer(x)
+    scaling = layer.scaling[adapter]
+    casts = layer.__dict__.get("_block_casts")
+    copies = casts.copies_of(layer) if casts is not None else None
+    if copies is not None:  # its block cast the adapters together (lora_block_casts.py): no per-weight casts
+        down_weight, up_weight = copies
+        return _add_up_projection(result, torch.nn.functional.linear(x, down_weight), up_weight, scaling)
     down_layer = layer.lora_A[adapter]
     down = down_layer(layer._cast_input_dtype(x, down_layer.weight.dtype))  # its hooks (rank dropout) run
-    scaling = layer.scaling[adapter]
     if not autocast_on(x) and not (result.dtype == down.dtype == up.weight.dtype):
         return (result + up(down) * scaling).to(result.dtype)  # peft's own sum: promoted, then cast back
+    return _add_up_projection(result, down, up.weight, scaling)
+
+
+def _add_up_projection(result: torch.Tensor, down: torch.Tensor, up_weight: torch.Tensor, scaling: float):
     if scaling != 1:  # on the rank-wide features: alpha=scaling would multiply both matmul gradients in backward
         down = down * scaling
-    fused = torch.addmm(result.reshape(-1, result.shape[-1]), down.reshape(-1, down.shape[-1]), up.weight.t())
+    fused = torch.addmm(result.reshape(-1, result.shape[-1]), down.reshape(-1, down.shape[-1]), up_weight.t())
     return fused.view(result.shape).to(result.dtype)

@@ -4,16 +4,15 @@ time budget: one lent machine's short lease measures as much as it can, and what
     python tests/benchmarks/bench_gpu_levers.py --out OUT --budget 540
 
 Each entry is one `ot-dist bench` run (the same `run_bench`), except that the FLOP count of a (model, method,
-batch) is made once and reused, and that the entry may undo one change to compare against it (`lora_input_copies:
-peft`: peft's float32 copy of each LoRA layer's input kept, as before ot_dist/methods/lora_autocast.py). An entry
-whose estimated cost no longer fits the budget is skipped. Writes OUT/bench.md (rows), OUT/levers.jsonl (one JSON
+batch) is made once and reused, and that the entry may undo one change to compare against it
+(tests/benchmarks/fast_path_levers.py: peft's float32 copy of each LoRA layer's input, the fused up projection, the
+block-wise casts of the adapter weights). An entry whose estimated cost no longer fits the budget is skipped. Writes OUT/bench.md (rows), OUT/levers.jsonl (one JSON
 per run, with its profile summary) and OUT/profiles.md (where the profiled rows' time went).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import sys
@@ -22,11 +21,14 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
+from fast_path_levers import undone
+
 # (label, options, estimated seconds on an H100 / H200 including the build, undo) in the order they run: the rows
 # of the table first, then the cheap levers, then the ones that compile.
 PLAN = [
     ("sdxl lora", dict(model="sdxl", method="lora", batch_size=8, profile_steps=2), 40, None),
     ("sdxl lora peft-copies", dict(model="sdxl", method="lora", batch_size=8), 35, "lora_input_copies"),
+    ("sdxl lora per-layer-casts", dict(model="sdxl", method="lora", batch_size=8), 35, "lora_block_casts"),
     ("flux lora", dict(model="flux-dev", method="lora", batch_size=1, profile_steps=2), 45, None),
     ("sdxl full ckpt", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
                             profile_steps=2), 45, None),
@@ -38,27 +40,12 @@ PLAN = [
                                             performance=(("checkpoint_every_n_blocks", "2"),)), 40, None),
     ("flux lora b2", dict(model="flux-dev", method="lora", batch_size=2), 40, None),
     ("flux lora peft-copies", dict(model="flux-dev", method="lora", batch_size=1), 40, "lora_input_copies"),
+    ("flux lora per-layer-casts", dict(model="flux-dev", method="lora", batch_size=1), 40, "lora_block_casts"),
     ("flux lora b2 compile", dict(model="flux-dev", method="lora", batch_size=2,
                                   performance=(("compile", "true"),)), 90, None),
     ("flux lora float8 compile", dict(model="flux-dev", method="lora", batch_size=1,
                                       performance=(("compile", "true"), ("float8_matmuls", "true"))), 120, None),
 ]
-
-
-@contextlib.contextmanager
-def undone(change: str | None):
-    """Run with one of ot_dist's fast-path changes undone, to measure it."""
-    if change != "lora_input_copies":
-        yield
-        return
-    import ot_dist.methods.lora_autocast as lora_autocast
-
-    real = lora_autocast.skip_input_copies_under_autocast
-    lora_autocast.skip_input_copies_under_autocast = lambda module, adapter: 0
-    try:
-        yield
-    finally:
-        lora_autocast.skip_input_copies_under_autocast = real
 
 
 def main() -> int:

@@ -1,0 +1,33 @@
+"""Undo one or more of ot_dist's LoRA fast-path changes for an A/B run inside one process (the benchmarks'
+`undone`). Each change is a function LoraMethod.prepare imports when it runs, replaced by one that does nothing."""
+
+from __future__ import annotations
+
+import contextlib
+
+# change -> (module, function, what the do-nothing replacement returns)
+CHANGES = {
+    # peft's float32 copy of each LoRA layer's input kept (before ot_dist/methods/lora_autocast.py)
+    "lora_input_copies": ("ot_dist.methods.lora_autocast", "skip_input_copies_under_autocast", 0),
+    # peft's forward: up projection, scale and sum as separate ops (before ot_dist/methods/lora_forward.py)
+    "lora_fused_forward": ("ot_dist.methods.lora_forward", "fuse_up_projections", []),
+    # every layer casts its own adapter weights (before ot_dist/methods/lora_block_casts.py)
+    "lora_block_casts": ("ot_dist.methods.lora_block_casts", "cast_adapters_per_block", 0),
+}
+
+
+@contextlib.contextmanager
+def undone(*changes: str | None):
+    import importlib
+
+    saved = []
+    try:
+        for change in filter(None, changes):
+            module_name, function, result = CHANGES[change]
+            module = importlib.import_module(module_name)
+            saved.append((module, function, getattr(module, function)))
+            setattr(module, function, lambda *args, _result=result, **kwargs: _result)
+        yield
+    finally:
+        for module, function, real in reversed(saved):
+            setattr(module, function, real)

@@ -1,0 +1,185 @@
+"""One cast per block for the LoRA weights under autocast (ot_dist/methods/lora_block_casts.py): training computes
+the same bits as the per-layer casts, four casts per adapted layer become two per block, and the per-layer casts
+stay where grouping would be wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ot_dist.methods.lora_block_casts import BlockCasts, cast_adapters_per_block
+from ot_dist.methods.lora_forward import fuse_up_projections
+
+
+class CountCasts(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten._foreach_copy_):  # one, or a list at once
+            self.casts += 1
+        return func(*args, **(kwargs or {}))
+
+
+def tiny_sdxl_lora(tmp_path, **performance):
+    from ot_dist.bench.architectures import BENCH_MODELS
+    from ot_dist.bench.setup import BenchOptions, prepare, train_config
+
+    options = BenchOptions(model="tiny-sdxl", method="lora", lora_rank=4, resolution=64, batch_size=2, device="cpu",
+                           gradient_checkpointing=bool(performance), count_flops=False,
+                           performance=tuple((k, str(v)) for k, v in performance.items()))
+    bench = BENCH_MODELS[options.model]
+    return prepare(bench, options, train_config(bench, options, str(tmp_path)), torch.device("cpu"))
+
+
+def block_casts(module: torch.nn.Module) -> list[BlockCasts]:
+    found = {id(m._block_casts): m._block_casts for m in module.modules() if "_block_casts" in m.__dict__}
+    return list(found.values())
+
+
+def per_layer_casts(module: torch.nn.Module) -> None:
+    """Undo the grouping: every layer casts its own weights again."""
+    for casts in block_casts(module):
+        casts.remove()
+
+
+def lora_weights(run) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in run.model.denoiser.named_parameters() if "lora_" in n}
+
+
+@pytest.mark.parametrize("performance", [{}, {"checkpoint_every_n_blocks": 2}],
+                         ids=["plain", "checkpoint_every_2nd_block"])
+def test_training_with_block_casts_equals_per_layer_casts(tmp_path, performance):
+    runs = {}
+    for grouped in (True, False):
+        run = tiny_sdxl_lora(tmp_path / str(grouped), **performance)
+        if not grouped:
+            per_layer_casts(run.model.denoiser)
+        assert bool(block_casts(run.model.denoiser)) == grouped
+        # Three steps: lora_B starts at zero, so the down projections' gradients count from the second step on, and
+        # a copy outliving an optimizer step would show in the third.
+        losses = [run.step() for _ in range(3)]
+        runs[grouped] = (losses, lora_weights(run))
+    (losses, weights), (plain_losses, plain_weights) = runs[True], runs[False]
+    assert torch.equal(torch.stack(losses), torch.stack(plain_losses))
+    assert weights.keys() == plain_weights.keys()
+    assert all(torch.equal(weights[n], plain_weights[n]) for n in weights)
+    moved = tiny_sdxl_lora(tmp_path / "start")
+    start = lora_weights(moved)
+    assert any(not torch.equal(weights[n], start[n]) for n in weights if "lora_A" in n)  # the test trained the downs
+
+
+def test_block_casts_replace_four_casts_per_layer_with_two_per_block(tmp_path):
+    counts = {}
+    for grouped in (True, False):
+        run = tiny_sdxl_lora(tmp_path / str(grouped))
+        groups = block_casts(run.model.denoiser)
+        grouped_layers = sum(len(g.layers) for g in groups)
+        if not grouped:
+            per_layer_casts(run.model.denoiser)
+        run.step()
+        with CountCasts() as counted:
+            run.step()
+        counts[grouped] = counted.casts
+    assert len(groups) >= 4 and grouped_layers >= 4 * len(groups)
+    # per layer: its two weights cast down in forward and their two gradients cast back; per block: one list each way
+    assert counts[False] - counts[True] == 4 * grouped_layers - 2 * len(groups)
+
+
+def adapted_block(layers: int = 3) -> tuple[torch.nn.Module, BlockCasts]:
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(layers)])
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=[str(i) for i in range(layers)], init_lora_weights=False),
+                            block, adapter_name="default")
+    root = torch.nn.Sequential(block)
+    assert cast_adapters_per_block(root, [block], fuse_up_projections(root, "default"), "default") == 1
+    return root, block[0]._block_casts
+
+
+def copies_seen(root: torch.nn.Module, casts: BlockCasts, autocast: bool = True) -> list:
+    seen = []
+    layer = casts.layers[0]
+    handle = layer.register_forward_pre_hook(lambda module, args: seen.append(casts.copies_of(module)))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        root(torch.randn(2, 16))
+    handle.remove()
+    return seen
+
+
+def test_copies_exist_only_while_their_block_runs():
+    root, casts = adapted_block()
+    (seen,) = copies_seen(root, casts)
+    assert seen is not None and seen[0].dtype == torch.bfloat16
+    assert torch.equal(seen[0], casts.layers[0].lora_A["default"].weight.to(torch.bfloat16))
+    assert casts.copies is None  # after the forward
+
+    def fail(module, args):
+        raise RuntimeError("inside the block")
+
+    handle = casts.layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(RuntimeError), torch.autocast("cpu", dtype=torch.bfloat16):
+        root(torch.randn(2, 16))
+    handle.remove()
+    assert casts.copies is None  # cleared even when the forward raised
+
+
+def test_per_layer_casts_where_grouping_would_be_wrong():
+    root, casts = adapted_block()
+    assert copies_seen(root, casts, autocast=False) == [None]  # no autocast: nothing is cast
+    handle = casts.layers[2].lora_A["default"].register_forward_pre_hook(lambda *args: None)
+    assert copies_seen(root, casts) == [None]  # a hook on an adapter (ZeRO-3 gathers partitioned weights in one)
+    handle.remove()
+    assert copies_seen(root, casts)[0] is not None
+
+
+def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, monkeypatch):
+    """FSDP2 reduce-scatters a unit's gradients when backward leaves the unit: the per-layer casts stay, and the
+    sharded LoRA's gradients equal the unsharded one's (a 1-rank gloo group in this process)."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ot_dist.ports import free_port
+
+    run = tiny_sdxl_lora(tmp_path)
+    plain = run.model.denoiser
+    with torch.no_grad():  # lora_B starts at zero: the down projections would get no gradient
+        for name, param in plain.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.05)
+    sharded = copy.deepcopy(plain)
+    groups = block_casts(sharded)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        from ot_dist.parallel.fsdp import wrap_units
+
+        for unit in wrap_units(sharded, run.model.family.shard_units["unet"]):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(sharded, mesh=mesh)
+        grads = []
+        for denoiser in (plain, sharded):
+            run.model.pipeline.unet = denoiser
+            with CountCasts() as counted:
+                run.backward(run.loss())
+            named = {n: p.grad for n, p in denoiser.named_parameters() if "lora_" in n and p.grad is not None}
+            grads.append(({n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in named.items()},
+                          counted.casts))
+        (plain_grads, plain_casts), (sharded_grads, sharded_casts) = grads
+        grouped_layers = sum(len(g.layers) for g in groups)
+        assert sharded_casts - plain_casts == 4 * grouped_layers - 2 * len(groups)
+        assert plain_grads.keys() == sharded_grads.keys() and plain_grads
+        for name, grad in plain_grads.items():
+            # bfloat16 compute: FSDP2 sums the same terms in another order; a lost gradient would be off by 100 %
+            assert float((sharded_grads[name] - grad).norm() / grad.norm()) < 2e-2, name
+    finally:
+        run.model.pipeline.unet = plain
+        dist.destroy_process_group()
