@@ -228,3 +228,118 @@ def test_float8_matmuls_leave_a_loras_adapter_matrices_alone():
     chosen = [name for name, module in model.named_modules() if float8_eligible(module, name)]
     # the adapted layers' frozen bases, not their 16-wide adapters; 24 is no multiple of 16
     assert chosen == ["0.base_layer", "1.base_layer"]
+
+
+def test_cuda_graph_modes_are_validated_with_the_field_named(tiny_models, shapes_data, tmp_path):
+    def raw(**overrides):
+        return base_config(tiny_models["sd1"], shapes_data, tmp_path, **overrides)
+
+    graphs = {"performance.compile": True, "performance.compile_mode": "reduce-overhead"}
+    with pytest.raises(ConfigError, match="set performance.compile: true"):
+        validate(raw(**{"performance.compile_mode": "reduce-overhead"}))
+    with pytest.raises(ConfigError, match="mode of the inductor backend"):
+        validate(raw(**graphs, **{"performance.compile_backend": "aot_eager"}))
+    with pytest.raises(ConfigError, match=r"compile_mode: reduce-overhead \(CUDA graphs\) needs strategy single or ddp"):
+        validate(raw(**graphs, strategy="fsdp"))
+    with pytest.raises(ConfigError, match="needs gradient_accumulation_steps 1"):
+        validate(raw(**graphs, gradient_accumulation_steps=2))
+    config = validate(raw(**graphs, strategy="ddp"))
+    with pytest.raises(ConfigError, match="records CUDA graphs and this run's device is cpu"):
+        check_performance(config.performance, CPU)
+    # inductor's autotuning without graphs runs anywhere
+    check_performance(validate(raw(**{"performance.compile": True,
+                                      "performance.compile_mode": "max-autotune-no-cudagraphs"})).performance, CPU)
+
+
+def test_cuda_graph_mode_compiles_the_blocks_so_and_marks_every_training_step(sd1, monkeypatch):
+    from ot_dist.train.fast_path import begin_step
+
+    config, fresh = sd1
+    model, _ = fresh()
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: compiled.append((self, kwargs)))
+    graphs = options(config, compile=True, compile_mode="reduce-overhead")
+    apply_performance(model, graphs, CPU, "single", log=lambda *_: None)
+    assert [m for m, _ in compiled] == denoiser_blocks(model)
+    assert all(kwargs == {"backend": "inductor", "mode": "reduce-overhead"} for _, kwargs in compiled)
+    marks = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
+    begin_step(options(config, compile=True))
+    assert marks == []  # no graphs: cudagraph trees are not touched
+    begin_step(graphs)
+    assert marks == [1]
+
+
+def test_the_trainer_and_the_bench_begin_each_step_before_its_forward(sd1, monkeypatch, tmp_path):
+    """A CUDA graph step boundary before every training forward: Trainer.micro_step and the bench's step (run here
+    with the CUDA graph mode in their config but the blocks eager: the CPU cannot record graphs)."""
+    import contextlib
+
+    from ot_dist.bench.architectures import BENCH_MODELS
+    from ot_dist.bench.setup import BenchOptions, prepare, train_config
+    from ot_dist.train.trainer import Trainer
+
+    config, _ = sd1
+    graphs = options(config, compile=True, compile_mode="reduce-overhead")
+    events = []
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: events.append("mark"))
+
+    trainer = object.__new__(Trainer)  # only what micro_step reads
+    trainer.config = config.model_copy(update={"performance": graphs})
+    trainer.device, trainer.utilization, trainer.loss_scale = CPU, None, 1.0
+    trainer.model = SimpleNamespace(family=SimpleNamespace(attention_kernels_avoided=()))
+    trainer.strategy = SimpleNamespace(prepare_micro_step=lambda last: None, autocast=contextlib.nullcontext,
+                                       backward=lambda loss, accumulation, last: events.append("backward"))
+    trainer.loss = lambda batch, epoch: events.append("forward") or torch.ones(())
+    for _ in range(2):
+        trainer.micro_step({}, epoch=0, accumulation=1)
+    assert events == ["mark", "forward", "backward"] * 2
+
+    events.clear()
+    bench = BENCH_MODELS["tiny-sd15"]
+    opts = BenchOptions(model="tiny-sd15", method="lora", resolution=64, batch_size=1, dtype="fp32", device="cpu",
+                        count_flops=False)
+    run = prepare(bench, opts, train_config(bench, opts, str(tmp_path)), CPU)
+    run.config = run.config.model_copy(update={"performance": graphs})
+    real_loss = run.loss
+    run.loss = lambda: events.append("forward") or real_loss()
+    run.step()
+    run.step()
+    assert events == ["mark", "forward"] * 2
+
+
+def test_validation_runs_the_blocks_uncompiled_under_cuda_graphs(sd1):
+    from ot_dist.train.fast_path import eager_unless_training_step
+
+    config, fresh = sd1
+    model, _ = fresh()
+    blocks = denoiser_blocks(model)
+    for block in blocks:
+        block.compile(backend="aot_eager")  # nothing runs: only the compiled call is installed
+    with eager_unless_training_step(model, options(config, compile=True)):
+        assert all(b._compiled_call_impl is not None for b in blocks)  # no graphs: compiled as in training
+    with eager_unless_training_step(model, options(config, compile=True, compile_mode="reduce-overhead")):
+        assert all(b._compiled_call_impl is None for b in blocks)
+    assert all(b._compiled_call_impl is not None for b in blocks)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_cuda_graph_steps_train_as_eager_on_cuda(tmp_path, method):
+    from ot_dist.bench.architectures import BENCH_MODELS
+    from ot_dist.bench.setup import BenchOptions, prepare, train_config
+
+    weights = []
+    for performance in ((), (("compile", "true"), ("compile_mode", "reduce-overhead"))):
+        torch._dynamo.reset()
+        bench = BENCH_MODELS["tiny-sdxl"]
+        opts = BenchOptions(model="tiny-sdxl", method=method, resolution=64, batch_size=2, dtype="bf16",
+                            device="cuda", count_flops=False, performance=performance)
+        run = prepare(bench, opts, train_config(bench, opts, str(tmp_path)), torch.device("cuda"))
+        losses = [float(run.step()) for _ in range(4)]  # the first steps record, the later ones replay
+        assert all(torch.isfinite(torch.tensor(losses)))
+        weights.append([p.detach().float().cpu() for p in run.params])
+    eager, graphs = weights
+    distance = max(float((g - e).norm() / e.norm()) for g, e in zip(graphs, eager) if e.norm() > 0)
+    assert distance < 5e-2  # bfloat16 kernels fused differently; a replay of stale inputs would be far off

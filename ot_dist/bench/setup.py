@@ -165,8 +165,9 @@ class BenchRun:
     def step(self) -> torch.Tensor:
         """The trainer's micro step + optimizer step (one micro batch per step, no scheduler / EMA), in the
         attention kernel the trainer allows (forward and backward)."""
-        from ot_dist.train.fast_path import attention_kernel
+        from ot_dist.train.fast_path import attention_kernel, begin_step
 
+        begin_step(self.config.performance)
         with attention_kernel(self.config.performance, self.batch["latent_mean"].device,
                               self.model.family.attention_kernels_avoided):
             loss = self.loss()

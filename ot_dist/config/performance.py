@@ -11,6 +11,10 @@ from pydantic import Field, model_validator
 from ot_dist.config.section import Section
 
 
+# torch.compile modes that record CUDA graphs (inductor's triton.cudagraphs)
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 class PerformanceConfig(Section):
     """Off by default where a choice can change results or fail on some setups."""
 
@@ -24,6 +28,14 @@ class PerformanceConfig(Section):
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         default="inductor",
         description="torch.compile's backend (inductor generates kernels; aot_eager only traces, for debugging).",
+    )
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune-no-cudagraphs", "max-autotune"] = Field(
+        default="default",
+        description="torch.compile's mode for the compiled blocks (with compile: true, inductor). reduce-overhead and "
+        "max-autotune replay each block's kernels as CUDA graphs: one launch per block instead of hundreds, for steps "
+        "paced by the host (SDXL LoRA, docs/performance.md); CUDA only, strategies single and ddp, "
+        "gradient_accumulation_steps 1, no optimizer.fused_back_pass (the graphs need weights and gradients at fixed "
+        "addresses); validation runs the blocks uncompiled. Not yet measured on a GPU.",
     )
     channels_last: Literal["auto", "on", "off"] = Field(
         default="auto",
@@ -63,6 +75,10 @@ class PerformanceConfig(Section):
     )
 
     @property
+    def records_cuda_graphs(self) -> bool:
+        return self.compile and self.compile_mode in CUDA_GRAPH_MODES
+
+    @property
     def selective_checkpointing(self) -> bool:
         return self.checkpoint_every_n_blocks > 1 or self.checkpoint_only_attention
 
@@ -71,4 +87,10 @@ class PerformanceConfig(Section):
         if self.checkpoint_every_n_blocks > 1 and self.checkpoint_only_attention:
             raise ValueError("performance: checkpoint_every_n_blocks and checkpoint_only_attention choose different "
                              "modules to recompute; set one")
+        if self.compile_mode != "default" and not self.compile:
+            raise ValueError(f"performance.compile_mode: {self.compile_mode} is a mode of the compiled blocks; set "
+                             f"performance.compile: true")
+        if self.compile_mode != "default" and self.compile_backend != "inductor":
+            raise ValueError(f"performance.compile_mode: {self.compile_mode} is a mode of the inductor backend; "
+                             f"performance.compile_backend is {self.compile_backend}")
         return self

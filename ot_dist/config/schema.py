@@ -1008,6 +1008,19 @@ class TrainConfig(Section):
             raise ValueError("resolution: give at least one")
         return value
 
+    def _check_cuda_graphs(self) -> None:
+        """CUDA graphs replay kernels on the addresses they were recorded with: weights and gradients must stay put
+        from one step to the next."""
+        key = f"performance.compile_mode: {self.performance.compile_mode} (CUDA graphs)"
+        if self.strategy not in ("single", "ddp"):
+            raise ValueError(f"{key} needs strategy single or ddp: {self.strategy} gathers or moves the weights "
+                             f"every step")
+        if self.gradient_accumulation_steps > 1:
+            raise ValueError(f"{key} needs gradient_accumulation_steps 1: a recorded backward writes its gradients "
+                             f"where the next micro step's replay writes again")
+        if self.optimizer.fused_back_pass:
+            raise ValueError(f"{key} does not go with optimizer.fused_back_pass: it steps weights inside backward")
+
     def _check_layer_filter(self, denoiser_targets: str) -> None:
         lora = self.lora
         if lora.layer_filter is None:
@@ -1079,6 +1092,8 @@ class TrainConfig(Section):
                     f"multiples of it, so square images would train at "
                     f"{max(1, round(r / self.data.bucket_step)) * self.data.bucket_step} px); choose a multiple, or "
                     f"lower data.bucket_step (a multiple of {family.pixel_multiple} for {self.model.family})")
+        if self.performance.records_cuda_graphs:
+            self._check_cuda_graphs()
         if self.performance.selective_checkpointing and not self.gradient_checkpointing:
             raise ValueError("performance.checkpoint_every_n_blocks / checkpoint_only_attention choose what "
                              "gradient_checkpointing recomputes; set gradient_checkpointing: true")

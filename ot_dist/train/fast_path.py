@@ -25,6 +25,9 @@ def check_performance(options: PerformanceConfig, device: torch.device) -> None:
     if backend != "auto" and device.type != "cuda" and backend not in CPU_SDPA_BACKENDS:
         raise ConfigError(f"performance.attention_backend: {backend} attention is a CUDA kernel and this run's device is "
                           f"{device.type}; use auto, {' or '.join(CPU_SDPA_BACKENDS)}")
+    if options.records_cuda_graphs and device.type != "cuda":
+        raise ConfigError(f"performance.compile_mode: {options.compile_mode} records CUDA graphs and this run's device "
+                          f"is {device.type}; use default or max-autotune-no-cudagraphs")
     if options.float8_matmuls:
         if device.type != "cuda":
             raise ConfigError(f"performance.float8_matmuls: float8 training matmuls need a CUDA device with compute "
@@ -104,9 +107,31 @@ def apply_performance(model, options: PerformanceConfig, device: torch.device, s
     if options.compile:
         blocks = denoiser_blocks(model)
         variants = allow_recompiles_for(blocks)
+        mode = None if options.compile_mode == "default" else options.compile_mode
         for block in blocks:
-            block.compile(backend=options.compile_backend)
-        log(f"performance: {len(blocks)} denoiser blocks compiled ({options.compile_backend}, {variants} distinct)")
+            block.compile(backend=options.compile_backend, mode=mode)
+        log(f"performance: {len(blocks)} denoiser blocks compiled ({options.compile_backend}"
+            f"{', ' + mode if mode else ''}, {variants} distinct)")
+
+
+def begin_step(options: PerformanceConfig) -> None:
+    """Before a training step's forward: with CUDA graphs, the outputs of the previous step's replays may be
+    overwritten from now on (cudagraph trees would otherwise guess from pending backwards)."""
+    if options.records_cuda_graphs:
+        torch.compiler.cudagraph_mark_step_begin()
+
+
+@contextlib.contextmanager
+def eager_unless_training_step(model, options: PerformanceConfig):
+    """Forwards outside the training steps (validation) with the blocks' CUDA graphs off: such a forward has no
+    backward to end its step, eval mode would record graphs of its own, and EMA weights may be swapped in."""
+    if not options.records_cuda_graphs:
+        yield
+        return
+    from ot_dist.tracking.utilization import uncompiled
+
+    with uncompiled(model.denoiser):
+        yield
 
 
 def block_variants(blocks: list[torch.nn.Module]) -> int:

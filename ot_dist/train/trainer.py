@@ -41,7 +41,8 @@ from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.cuda_allocator import configure_cuda_allocator
 from ot_dist.train.checkpointing import enable_gradient_checkpointing
 from ot_dist.train.ema import ShardedEMA
-from ot_dist.train.fast_path import apply_performance, attention_kernel, check_performance, selective_checkpointing
+from ot_dist.train.fast_path import (apply_performance, attention_kernel, begin_step, check_performance,
+                                     selective_checkpointing)
 from ot_dist.train.inpainting import check_inpainting_setup
 from ot_dist.train.loss import diffusion_loss
 from ot_dist.train.loss_options import timestep_bounds
@@ -450,6 +451,7 @@ class Trainer:
 
     def micro_step(self, batch: dict, epoch: int, accumulation: int, last_micro_step: bool = True) -> torch.Tensor:
         self.strategy.prepare_micro_step(last_micro_step)
+        begin_step(self.config.performance)
 
         def forward_backward() -> torch.Tensor:
             with attention_kernel(self.config.performance, self.device, self.model.family.attention_kernels_avoided):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ot_dist.data.reader import collate
 from ot_dist.train.evaluate import EVAL_EPOCH
+from ot_dist.train.fast_path import eager_unless_training_step
 
 
 class ValidationLoss:
@@ -58,7 +59,8 @@ class ValidationLoss:
         self.done.add(step)
         rank, world = self.runtime.rank, self.runtime.world_size
         losses = torch.zeros(len(self.samples), dtype=torch.float64)
-        with eval_mode(trainer.model.modules()), trainer.averaged_weights():
+        with (eval_mode(trainer.model.modules()), trainer.averaged_weights(),
+              eager_unless_training_step(trainer.model, trainer.config.performance)):
             for slot in range(math.ceil(len(self.samples) / world)):
                 k = slot * world + rank
                 sample = self.samples[k if k < len(self.samples) else 0]

@@ -32,6 +32,9 @@ PLAN = [
     ("flux lora", dict(model="flux-dev", method="lora", batch_size=1, profile_steps=2), 45, None),
     ("sdxl full ckpt", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
                             profile_steps=2), 45, None),
+    ("sdxl lora cuda-graphs", dict(model="sdxl", method="lora", batch_size=8,
+                                   performance=(("compile", "true"), ("compile_mode", "reduce-overhead")),
+                                   profile_steps=2), 200, None),
     ("flux lora compile", dict(model="flux-dev", method="lora", batch_size=1,
                                performance=(("compile", "true"),), profile_steps=2), 150, None),
     ("sdxl lora compile", dict(model="sdxl", method="lora", batch_size=8,
@@ -43,6 +46,12 @@ PLAN = [
     ("flux lora per-layer-casts", dict(model="flux-dev", method="lora", batch_size=1), 40, "lora_block_casts"),
     ("flux lora b2 compile", dict(model="flux-dev", method="lora", batch_size=2,
                                   performance=(("compile", "true"),)), 90, None),
+    ("sdxl full ckpt every-2nd-block cuda-graphs", dict(
+        model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
+        performance=(("checkpoint_every_n_blocks", "2"), ("compile", "true"), ("compile_mode", "reduce-overhead"))),
+        200, None),
+    ("sdxl full ckpt channels-last-off", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
+                                              performance=(("channels_last", "off"),)), 40, None),
     ("flux lora float8 compile", dict(model="flux-dev", method="lora", batch_size=1,
                                       performance=(("compile", "true"), ("float8_matmuls", "true"))), 120, None),
 ]
