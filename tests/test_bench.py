@@ -175,3 +175,47 @@ def test_a_bare_cuda_device_gets_the_current_index(name, monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert resolve_device(name) == torch.device("cuda", 3)
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
+
+
+def gpu_levers_script():
+    """tests/benchmarks/bench_gpu_levers.py as a module (it imports its sibling fast_path_levers)."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    folder = str(Path(__file__).parent / "benchmarks")
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    return importlib.import_module("bench_gpu_levers")
+
+
+def test_every_gpu_lever_entry_is_a_valid_run(tmp_path):
+    """A GPU lease is 15 minutes: an entry whose options do not validate, or whose undo is unknown, would waste it."""
+    script = gpu_levers_script()
+    from fast_path_levers import CHANGES
+
+    labels = [label for label, *_ in script.PLAN]
+    assert len(set(labels)) == len(labels)
+    for label, settings, estimate, change in script.PLAN:
+        options = BenchOptions(resolution=1024, dtype="bf16", **settings)
+        bench = BENCH_MODELS[options.model]
+        train_config(bench, options, str(tmp_path))  # raises on an option the config refuses
+        assert change is None or change in CHANGES, label
+        assert estimate > 0
+
+
+def test_gpu_levers_script_runs_an_undone_entry_on_the_cpu(tmp_path, monkeypatch):
+    import sys
+
+    script = gpu_levers_script()
+    monkeypatch.setattr(sys, "argv", ["bench_gpu_levers.py", "--out", str(tmp_path), "--tiny", "--steps", "1",
+                                      "--warmup", "0", "--only", "sdxl lora per-layer-casts"])
+    import ot_dist.methods.lora_block_casts as lora_block_casts
+
+    real = lora_block_casts.cast_adapters_per_block
+    assert script.main() == 0
+    assert lora_block_casts.cast_adapters_per_block is real  # the undo is undone
+    (entry,) = [json.loads(line) for line in (tmp_path / "levers.jsonl").read_text().splitlines()]
+    assert "error" not in entry, entry.get("error")
+    assert entry["entry"] == "sdxl lora per-layer-casts" and entry["undone"] == "lora_block_casts"
+    assert "| sdxl lora per-layer-casts |" in (tmp_path / "bench.md").read_text()
