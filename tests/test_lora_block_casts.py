@@ -183,3 +183,21 @@ def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, monkeypatch):
     finally:
         run.model.pipeline.unet = plain
         dist.destroy_process_group()
+
+
+def test_a_deep_copy_casts_its_own_weights(tmp_path):
+    """The sampler deep-copies the trained modules: the copy's blocks hook their own layers' weights, and undoing
+    the copy's grouping leaves the original's."""
+    import copy
+
+    root, casts = adapted_block()
+    twin = copy.deepcopy(root)
+    (twin_casts,) = block_casts(twin)
+    assert twin_casts is not casts and twin_casts.layers[0] is twin[0][0]
+    with torch.no_grad():
+        twin[0][0].lora_A["default"].weight.add_(1.0)
+    (seen,) = copies_seen(twin, twin_casts)
+    assert torch.equal(seen[0], twin[0][0].lora_A["default"].weight.to(torch.bfloat16))
+    twin_casts.remove()
+    assert copies_seen(twin, twin_casts) == [None] and block_casts(twin) == []
+    assert copies_seen(root, casts)[0] is not None

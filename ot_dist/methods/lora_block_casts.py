@@ -35,7 +35,7 @@ class BlockCasts:
         self.layers = layers
         self.adapter = adapter
         self.copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.handles: list = []
+        self.block: torch.nn.Module | None = None  # set when hooked
 
     def adapter_modules(self):
         for layer in self.layers:
@@ -76,9 +76,14 @@ class BlockCasts:
         self.copies = None
 
     def remove(self) -> None:
-        """Back to per-layer casts (the hooks removed, the layers unlinked)."""
-        for handle in self.handles:
-            handle.remove()
+        """Back to per-layer casts (the hooks removed, the layers unlinked). By the hooks' owner, not by handles:
+        a deep copy of the model (the sampler's) copies this object, and a handle would still point at the
+        original block's hooks."""
+        block = self.block
+        for hooks in (block._forward_pre_hooks, block._forward_hooks):
+            for key in [k for k, hook in hooks.items() if getattr(hook, "__self__", None) is self]:
+                del hooks[key]
+                block._forward_hooks_always_called.pop(key, None)
         for layer in self.layers:
             del layer._block_casts, layer._block_cast_index
         self.copies = None
@@ -132,7 +137,8 @@ def cast_adapters_per_block(root: torch.nn.Module, blocks: list[torch.nn.Module]
         for index, layer in enumerate(members):
             layer._block_casts = casts
             layer._block_cast_index = index
-        casts.handles = [block.register_forward_pre_hook(casts.before),
-                         block.register_forward_hook(casts.after, always_call=True)]
+        casts.block = block
+        block.register_forward_pre_hook(casts.before)
+        block.register_forward_hook(casts.after, always_call=True)
         hooked += 1
     return hooked
