@@ -23,12 +23,12 @@ class CountCasts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tiny_sdxl_lora(tmp_path, **performance):
+def tiny_sdxl_lora(tmp_path, checkpointing: bool = False, **performance):
     from ot_dist.bench.architectures import BENCH_MODELS
     from ot_dist.bench.setup import BenchOptions, prepare, train_config
 
     options = BenchOptions(model="tiny-sdxl", method="lora", lora_rank=4, resolution=64, batch_size=2, device="cpu",
-                           gradient_checkpointing=bool(performance), count_flops=False,
+                           gradient_checkpointing=checkpointing or bool(performance), count_flops=False,
                            performance=tuple((k, str(v)) for k, v in performance.items()))
     bench = BENCH_MODELS[options.model]
     return prepare(bench, options, train_config(bench, options, str(tmp_path)), torch.device("cpu"))
@@ -49,9 +49,11 @@ def lora_weights(run) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in run.model.denoiser.named_parameters() if "lora_" in n}
 
 
-@pytest.mark.parametrize("performance", [{}, {"checkpoint_every_n_blocks": 2}],
-                         ids=["plain", "checkpoint_every_2nd_block"])
+@pytest.mark.parametrize("performance", [{}, {"checkpointing": True}, {"checkpoint_every_n_blocks": 2}],
+                         ids=["plain", "diffusers_checkpointing", "checkpoint_every_2nd_block"])
 def test_training_with_block_casts_equals_per_layer_casts(tmp_path, performance):
+    """diffusers' checkpointing recomputes a block's whole call (its hooks too); ot_dist's selective checkpointing
+    only its forward, which then recomputes on the per-layer casts."""
     runs = {}
     for grouped in (True, False):
         run = tiny_sdxl_lora(tmp_path / str(grouped), **performance)
