@@ -23,15 +23,15 @@ class CountCasts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tiny_sdxl_lora(tmp_path, checkpointing: bool = False, **performance):
+def tiny_sdxl_lora(tmp_path, checkpointing: bool = False, device: str = "cpu", **performance):
     from ot_dist.bench.architectures import BENCH_MODELS
     from ot_dist.bench.setup import BenchOptions, prepare, train_config
 
-    options = BenchOptions(model="tiny-sdxl", method="lora", lora_rank=4, resolution=64, batch_size=2, device="cpu",
+    options = BenchOptions(model="tiny-sdxl", method="lora", lora_rank=4, resolution=64, batch_size=2, device=device,
                            gradient_checkpointing=checkpointing or bool(performance), count_flops=False,
                            performance=tuple((k, str(v)) for k, v in performance.items()))
     bench = BENCH_MODELS[options.model]
-    return prepare(bench, options, train_config(bench, options, str(tmp_path)), torch.device("cpu"))
+    return prepare(bench, options, train_config(bench, options, str(tmp_path)), torch.device(device))
 
 
 def block_casts(module: torch.nn.Module) -> list[BlockCasts]:
@@ -49,8 +49,11 @@ def lora_weights(run) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in run.model.denoiser.named_parameters() if "lora_" in n}
 
 
-@pytest.mark.parametrize("performance", [{}, {"checkpointing": True}, {"checkpoint_every_n_blocks": 2}],
-                         ids=["plain", "diffusers_checkpointing", "checkpoint_every_2nd_block"])
+@pytest.mark.parametrize("performance", [
+    {}, {"checkpointing": True}, {"checkpoint_every_n_blocks": 2},
+    pytest.param({"device": "cuda"}, marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA device")]),  # torch._foreach_copy_'s CUDA kernel
+], ids=["plain", "diffusers_checkpointing", "checkpoint_every_2nd_block", "cuda"])
 def test_training_with_block_casts_equals_per_layer_casts(tmp_path, performance):
     """diffusers' checkpointing recomputes a block's whole call (its hooks too); ot_dist's selective checkpointing
     only its forward, which then recomputes on the per-layer casts."""
@@ -65,12 +68,19 @@ def test_training_with_block_casts_equals_per_layer_casts(tmp_path, performance)
         losses = [run.step() for _ in range(3)]
         runs[grouped] = (losses, lora_weights(run))
     (losses, weights), (plain_losses, plain_weights) = runs[True], runs[False]
-    assert torch.equal(torch.stack(losses), torch.stack(plain_losses))
-    assert weights.keys() == plain_weights.keys()
-    assert all(torch.equal(weights[n], plain_weights[n]) for n in weights)
-    moved = tiny_sdxl_lora(tmp_path / "start")
-    start = lora_weights(moved)
+    start = lora_weights(tiny_sdxl_lora(tmp_path / "start", **performance))
+    assert weights.keys() == plain_weights.keys() == start.keys()
     assert any(not torch.equal(weights[n], start[n]) for n in weights if "lora_A" in n)  # the test trained the downs
+    if performance.get("device") == "cuda":
+        # CUDA's backward kernels may sum in another order from run to run: the updates agree to bfloat16 rounding;
+        # a stale copy (B still zero in the forward) would leave the downs' updates 100 % off
+        for name in weights:
+            update, plain_update = weights[name] - start[name], plain_weights[name] - start[name]
+            if plain_update.norm() > 0:
+                assert float((update - plain_update).norm() / plain_update.norm()) < 2e-2, name
+        return
+    assert torch.equal(torch.stack(losses), torch.stack(plain_losses))
+    assert all(torch.equal(weights[n], plain_weights[n]) for n in weights)
 
 
 def test_block_casts_replace_four_casts_per_layer_with_two_per_block(tmp_path):
