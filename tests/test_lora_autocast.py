@@ -38,7 +38,7 @@ def lora_step(tmp_path, skip: bool, monkeypatch) -> tuple[torch.Tensor, dict[str
     real = SKIP_INPUT_COPIES
     monkeypatch.setattr(lora_autocast, "skip_input_copies_under_autocast",
                         lambda module, adapter: changed.append(real(module, adapter) if skip else 0))
-    # every layer on its own casts, where the input copy is made (block casts bypass it: test_lora_block_casts.py)
+    # every layer on its own casts, where the input copy is made (block casts bypass it: test_block_casts.py)
     monkeypatch.setattr(lora_block_casts, "cast_adapters_per_block", lambda *args: 0)
     options = BenchOptions(model="tiny-sdxl", method="lora", lora_rank=4, resolution=64, batch_size=2,
                            dtype="bf16", device="cpu")

@@ -17,12 +17,17 @@ from ot_dist.precision import DTYPES
 
 class FullFinetune(TrainingMethod):
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
+        from ot_dist.methods.weight_block_casts import cast_weights_per_block
+        from ot_dist.parallel.fsdp import wrap_units
+
         freeze_all(model)
         groups = []
         for part in self.config.part_names():
             if self.config.part_trains(part):
                 module = model.part(part)
                 module.requires_grad_(True)
+                if not self.config.performance.float8_matmuls:  # Float8Linear replaces the Linear layers
+                    cast_weights_per_block(module, wrap_units(module, model.family.shard_units.get(part, ())))
                 groups.append(
                     ParamGroup(part, trainable(module), self.config.part_learning_rate(part), part=part)
                 )

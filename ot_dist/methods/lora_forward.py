@@ -17,6 +17,7 @@ import types
 
 import torch
 
+from ot_dist.methods.block_casts import copies_for
 from ot_dist.methods.lora_autocast import autocast_on, plain_lora_layers
 
 
@@ -40,8 +41,7 @@ def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return type(layer).forward(layer, x, *args, **kwargs)
     result = layer.base_layer(x)
     scaling = layer.scaling[adapter]
-    casts = layer.__dict__.get("_block_casts")
-    copies = casts.copies_of(layer) if casts is not None else None
+    copies = copies_for(layer)
     if copies is not None:  # its block cast the adapters together (lora_block_casts.py): no per-weight casts
         down_weight, up_weight = copies
         return _add_up_projection(result, torch.nn.functional.linear(x, down_weight), up_weight, scaling)

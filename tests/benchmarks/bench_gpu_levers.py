@@ -6,7 +6,7 @@ time budget: one lent machine's short lease measures as much as it can, and what
 Each entry is one `ot-dist bench` run (the same `run_bench`), except that the FLOP count of a (model, method,
 batch) is made once and reused, and that the entry may undo one change to compare against it
 (tests/benchmarks/fast_path_levers.py: peft's float32 copy of each LoRA layer's input, the fused up projection, the
-block-wise casts of the adapter weights). An entry whose estimated cost no longer fits the budget is skipped. Writes OUT/bench.md (rows), OUT/levers.jsonl (one JSON
+block-wise casts of the adapter weights or of a full finetune's weights). An entry whose estimated cost no longer fits the budget is skipped. Writes OUT/bench.md (rows), OUT/levers.jsonl (one JSON
 per run, with its profile summary) and OUT/profiles.md (where the profiled rows' time went).
 """
 
@@ -29,6 +29,8 @@ PLAN = [
     ("sdxl lora", dict(model="sdxl", method="lora", batch_size=8, profile_steps=2), 40, None),
     ("sdxl lora peft-copies", dict(model="sdxl", method="lora", batch_size=8), 35, "lora_input_copies"),
     ("sdxl lora per-layer-casts", dict(model="sdxl", method="lora", batch_size=8), 35, "lora_block_casts"),
+    ("sdxl full ckpt per-layer-casts", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True),
+     45, "weight_block_casts"),
     ("flux lora", dict(model="flux-dev", method="lora", batch_size=1, profile_steps=2), 45, None),
     ("sdxl full ckpt", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
                             profile_steps=2), 45, None),

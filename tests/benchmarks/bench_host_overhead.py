@@ -1,18 +1,18 @@
-"""The host's work in a LoRA step, counted on a CPU: SDXL and Flux.1 at their real depth with tiny widths.
+"""The host's work in a training step, counted on a CPU: SDXL and Flux.1 at their real depth with tiny widths.
 
 On a GPU, SDXL LoRA at batch 8 is paced by the host that launches its kernels, not by the kernels (issue 21,
 docs/performance.md: ~19,300 launches per step, the device busy 53-72 %). The ops a step dispatches depend on the
 module tree and the op graph, not on the widths, so this script builds structural twins (the published SDXL UNet
 and Flux.1-dev transformer configs with every block and layer kept, channels, heads and text width cut), trains
-LoRA under bfloat16 autocast with the trainer's step (`ot-dist bench`'s `prepare`) and counts per step the aten ops
+LoRA (and a full finetune with gradient checkpointing) under bfloat16 autocast with the trainer's step (`ot-dist bench`'s `prepare`) and counts per step the aten ops
 that compute (views and other metadata-only ops left out; CPU-only ones, AdamW's per-parameter `.item()` on CPU step
 counts that CUDA's fused AdamW does not make, counted apart). On a GPU each is one kernel launch or more.
 
-Each variant undoes some of ot_dist's LoRA fast-path changes (tests/benchmarks/fast_path_levers.py), so the table
+Each variant undoes some of ot_dist's fast-path changes (tests/benchmarks/fast_path_levers.py), so the table
 shows what each change saves. CPU time is not reported: even at these widths a bfloat16 op's compute on a CPU
 outweighs its dispatch, and the variants take the same CPU time within noise.
 
-    python tests/benchmarks/bench_host_overhead.py [--model sdxl|flux|both] [--json FILE]
+    python tests/benchmarks/bench_host_overhead.py [--model sdxl|flux|both] [--method lora|full|both] [--json FILE]
 """
 
 from __future__ import annotations
@@ -41,13 +41,16 @@ TWINS = {
     "flux": ("flux-dev", dict(num_attention_heads=2, attention_head_dim=16, axes_dims_rope=(4, 6, 6),
                               joint_attention_dim=64, pooled_projection_dim=32)),
 }
-# (label, changes undone): the fast path first, then each change taken back in turn
-VARIANTS = [
-    ("fast path", ()),
-    ("per-layer casts", ("lora_block_casts",)),
-    ("+ peft forward", ("lora_block_casts", "lora_fused_forward")),
-    ("+ peft input copies", ("lora_block_casts", "lora_fused_forward", "lora_input_copies")),
-]
+# method -> (label, changes undone): the fast path first, then each change taken back in turn
+VARIANTS = {
+    "lora": [
+        ("fast path", ()),
+        ("per-layer casts", ("lora_block_casts",)),
+        ("+ peft forward", ("lora_block_casts", "lora_fused_forward")),
+        ("+ peft input copies", ("lora_block_casts", "lora_fused_forward", "lora_input_copies")),
+    ],
+    "full": [("fast path", ()), ("per-layer casts", ("weight_block_casts",))],
+}
 METADATA_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "split", "split_with_sizes",
                 "as_strided", "detach", "unsqueeze", "squeeze", "slice", "select", "alias", "unbind", "chunk",
                 "reshape", "_reshape_alias", "narrow", "lift_fresh", "empty_like", "empty", "unflatten", "flatten"}
@@ -64,15 +67,15 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def build(model: str, changes: tuple[str, ...], workdir: Path):
+def build(model: str, method: str, changes: tuple[str, ...], workdir: Path):
     from ot_dist.bench import architectures
     from ot_dist.bench.setup import BenchOptions, prepare, train_config
 
     base_name, cut = TWINS[model]
     bench = replace(architectures.BENCH_MODELS[base_name], name=f"{base_name}-twin",
                     config=dict(architectures.BENCH_MODELS[base_name].config, **cut))
-    options = BenchOptions(model=bench.name, method="lora", lora_rank=16, resolution=64, batch_size=1,
-                           dtype="bf16", device="cpu", count_flops=False)
+    options = BenchOptions(model=bench.name, method=method, lora_rank=16, resolution=64, batch_size=1,
+                           dtype="bf16", device="cpu", count_flops=False, gradient_checkpointing=method == "full")
     with undone(*changes):
         return prepare(bench, options, train_config(bench, options, str(workdir)), torch.device("cpu"))
 
@@ -87,19 +90,21 @@ def count_ops(run) -> dict:
             "lora_layers": sum(1 for m in run.model.denoiser.modules() if hasattr(m, "lora_A"))}
 
 
-def measure(model: str, workdir: Path) -> list[dict]:
+def measure(model: str, method: str, workdir: Path) -> list[dict]:
     rows = []
-    for label, changes in VARIANTS:
-        run = build(model, changes, workdir / label.replace(" ", "_"))
+    for label, changes in VARIANTS[method]:
+        run = build(model, method, changes, workdir / f"{method}_{label.replace(' ', '_')}")
         for _ in range(2):  # warm-up: first-step allocations, optimizer state
             run.step()
-        rows.append({"model": f"{model} twin", "variant": label, "undone": list(changes), **count_ops(run)})
+        name = f"{model} twin, " + ("LoRA" if method == "lora" else "full finetune, checkpointing")
+        rows.append({"model": name, "variant": label, "undone": list(changes), **count_ops(run)})
     return rows
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("sdxl", "flux", "both"), default="both")
+    parser.add_argument("--method", choices=("lora", "full", "both"), default="both")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -108,7 +113,8 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as workdir:
         for model in (("sdxl", "flux") if args.model == "both" else (args.model,)):
-            rows += measure(model, Path(workdir))
+            for method in (("lora", "full") if args.method == "both" else (args.method,)):
+                rows += measure(model, method, Path(workdir))
     print("| model | variant | LoRA layers | ops / step | casts | matmuls | vs fast path |")
     print("|---|---|---|---|---|---|---|")
     fast = {r["model"]: r for r in rows if not r["undone"]}

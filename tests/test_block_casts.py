@@ -1,6 +1,6 @@
-"""One cast per block for the LoRA weights under autocast (ot_dist/methods/lora_block_casts.py): training computes
-the same bits as the per-layer casts, four casts per adapted layer become two per block, and the per-layer casts
-stay where grouping would be wrong."""
+"""One cast per block for the trained float32 weights under autocast (ot_dist/methods/block_casts.py: LoRA adapters,
+a full finetune's Linear and Conv2d layers): training computes the same bits as the per-layer casts, a cast per
+weight each way becomes one per block, and the per-layer casts stay where grouping would be wrong."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ot_dist.methods.lora_block_casts import BlockCasts, cast_adapters_per_block
+from ot_dist.methods.block_casts import BlockCasts
+from ot_dist.methods.lora_block_casts import cast_adapters_per_block
 from ot_dist.methods.lora_forward import fuse_up_projections
 
 
@@ -23,11 +24,11 @@ class CountCasts(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def tiny_sdxl_lora(tmp_path, checkpointing: bool = False, device: str = "cpu", **performance):
+def tiny_sdxl(tmp_path, method: str = "lora", checkpointing: bool = False, device: str = "cpu", **performance):
     from ot_dist.bench.architectures import BENCH_MODELS
     from ot_dist.bench.setup import BenchOptions, prepare, train_config
 
-    options = BenchOptions(model="tiny-sdxl", method="lora", lora_rank=4, resolution=64, batch_size=2, device=device,
+    options = BenchOptions(model="tiny-sdxl", method=method, lora_rank=4, resolution=64, batch_size=2, device=device,
                            gradient_checkpointing=checkpointing or bool(performance), count_flops=False,
                            performance=tuple((k, str(v)) for k, v in performance.items()))
     bench = BENCH_MODELS[options.model]
@@ -45,32 +46,34 @@ def per_layer_casts(module: torch.nn.Module) -> None:
         casts.remove()
 
 
-def lora_weights(run) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in run.model.denoiser.named_parameters() if "lora_" in n}
+def trained_weights(run) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in run.model.denoiser.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("method", ["lora", "full"])
 @pytest.mark.parametrize("performance", [
     {}, {"checkpointing": True}, {"checkpoint_every_n_blocks": 2},
     pytest.param({"device": "cuda"}, marks=[pytest.mark.gpu, pytest.mark.skipif(
         not torch.cuda.is_available(), reason="needs a CUDA device")]),  # torch._foreach_copy_'s CUDA kernel
 ], ids=["plain", "diffusers_checkpointing", "checkpoint_every_2nd_block", "cuda"])
-def test_training_with_block_casts_equals_per_layer_casts(tmp_path, performance):
+def test_training_with_block_casts_equals_per_layer_casts(tmp_path, performance, method):
     """diffusers' checkpointing recomputes a block's whole call (its hooks too); ot_dist's selective checkpointing
     only its forward, which then recomputes on the per-layer casts."""
     runs = {}
     for grouped in (True, False):
-        run = tiny_sdxl_lora(tmp_path / str(grouped), **performance)
+        run = tiny_sdxl(tmp_path / str(grouped), method, **performance)
         if not grouped:
             per_layer_casts(run.model.denoiser)
         assert bool(block_casts(run.model.denoiser)) == grouped
         # Three steps: lora_B starts at zero, so the down projections' gradients count from the second step on, and
         # a copy outliving an optimizer step would show in the third.
         losses = [run.step() for _ in range(3)]
-        runs[grouped] = (losses, lora_weights(run))
+        runs[grouped] = (losses, trained_weights(run))
     (losses, weights), (plain_losses, plain_weights) = runs[True], runs[False]
-    start = lora_weights(tiny_sdxl_lora(tmp_path / "start", **performance))
+    start = trained_weights(tiny_sdxl(tmp_path / "start", method, **performance))
     assert weights.keys() == plain_weights.keys() == start.keys()
-    assert any(not torch.equal(weights[n], start[n]) for n in weights if "lora_A" in n)  # the test trained the downs
+    # the test trained (with LoRA, the down projections too: their gradients count from the second step on)
+    assert any(not torch.equal(weights[n], start[n]) for n in weights if "lora_A" in n or method == "full")
     if performance.get("device") == "cuda":
         # CUDA's backward kernels may sum in another order from run to run: the updates agree to bfloat16 rounding;
         # a stale copy (B still zero in the forward) would leave the downs' updates 100 % off
@@ -83,21 +86,22 @@ def test_training_with_block_casts_equals_per_layer_casts(tmp_path, performance)
     assert all(torch.equal(weights[n], plain_weights[n]) for n in weights)
 
 
-def test_block_casts_replace_four_casts_per_layer_with_two_per_block(tmp_path):
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_block_casts_replace_two_casts_per_weight_with_two_per_block(tmp_path, method):
     counts = {}
     for grouped in (True, False):
-        run = tiny_sdxl_lora(tmp_path / str(grouped))
+        run = tiny_sdxl(tmp_path / str(grouped), method)
         groups = block_casts(run.model.denoiser)
-        grouped_layers = sum(len(g.layers) for g in groups)
+        grouped_weights = sum(len(ws) for g in groups for ws in g.weights())
         if not grouped:
             per_layer_casts(run.model.denoiser)
         run.step()
         with CountCasts() as counted:
             run.step()
         counts[grouped] = counted.casts
-    assert len(groups) >= 4 and grouped_layers >= 4 * len(groups)
-    # per layer: its two weights cast down in forward and their two gradients cast back; per block: one list each way
-    assert counts[False] - counts[True] == 4 * grouped_layers - 2 * len(groups)
+    assert len(groups) >= 4 and grouped_weights >= 8 * len(groups)
+    # per weight: cast down in forward and its gradient cast back; per block: one list each way
+    assert counts[False] - counts[True] == 2 * grouped_weights - 2 * len(groups)
 
 
 def adapted_block(layers: int = 3) -> tuple[torch.nn.Module, BlockCasts]:
@@ -148,7 +152,8 @@ def test_per_layer_casts_where_grouping_would_be_wrong():
     assert copies_seen(root, casts)[0] is not None
 
 
-def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, monkeypatch):
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, monkeypatch, method):
     """FSDP2 reduce-scatters a unit's gradients when backward leaves the unit: the per-layer casts stay, and the
     sharded LoRA's gradients equal the unsharded one's (a 1-rank gloo group in this process)."""
     import copy
@@ -159,7 +164,7 @@ def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, monkeypatch):
 
     from ot_dist.ports import free_port
 
-    run = tiny_sdxl_lora(tmp_path)
+    run = tiny_sdxl(tmp_path, method)
     plain = run.model.denoiser
     with torch.no_grad():  # lora_B starts at zero: the down projections would get no gradient
         for name, param in plain.named_parameters():
@@ -182,16 +187,17 @@ def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, monkeypatch):
             run.model.pipeline.unet = denoiser
             with CountCasts() as counted:
                 run.backward(run.loss())
-            named = {n: p.grad for n, p in denoiser.named_parameters() if "lora_" in n and p.grad is not None}
+            named = {n: p.grad for n, p in denoiser.named_parameters() if p.grad is not None}
             grads.append(({n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in named.items()},
                           counted.casts))
         (plain_grads, plain_casts), (sharded_grads, sharded_casts) = grads
-        grouped_layers = sum(len(g.layers) for g in groups)
-        assert sharded_casts - plain_casts == 4 * grouped_layers - 2 * len(groups)
+        grouped_weights = sum(len(ws) for g in groups for ws in g.weights())
+        assert sharded_casts - plain_casts == 2 * grouped_weights - 2 * len(groups)
         assert plain_grads.keys() == sharded_grads.keys() and plain_grads
         for name, grad in plain_grads.items():
             # bfloat16 compute: FSDP2 sums the same terms in another order; a lost gradient would be off by 100 %
-            assert float((sharded_grads[name] - grad).norm() / grad.norm()) < 2e-2, name
+            if grad.norm() > 0:  # (a full finetune's unused parameters: SDXL's unused embeddings get none)
+                assert float((sharded_grads[name] - grad).norm() / grad.norm()) < 2e-2, name
     finally:
         run.model.pipeline.unet = plain
         dist.destroy_process_group()
