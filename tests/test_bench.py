@@ -151,8 +151,9 @@ def test_bench_applies_performance_options_and_reports_them(tmp_path, capsys):
     result = json.loads(json_file.read_text())
     assert result["performance"]["channels_last"] == "on" and result["performance"]["checkpoint_every_n_blocks"] == 2
     assert "channels_last=on" in (out / "bench.md").read_text().splitlines()[2]
-    code = main(["bench", "--model", "tiny-sd15", "--device", "cpu", "--out", str(out), "--performance", "float8_matmuls=true"])
-    assert code == 2 and "performance.float8_matmuls" in capsys.readouterr().err
+    code = main(["bench", "--model", "tiny-sd15", "--device", "cpu", "--out", str(out), "--performance", "compile=true",
+                 "--performance", "compile_mode=reduce-overhead"])
+    assert code == 2 and "performance.compile_mode: reduce-overhead records CUDA graphs" in capsys.readouterr().err
     code = main(["bench", "--model", "tiny-sd15", "--device", "cpu", "--out", str(out), "--performance", "compile"])
     assert code == 2 and "--performance: 'compile' is not KEY=VALUE" in capsys.readouterr().err
 

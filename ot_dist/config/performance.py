@@ -61,9 +61,11 @@ class PerformanceConfig(Section):
     )
     float8_matmuls: bool = Field(
         default=False,
-        description="Train the denoiser's linear layers with float8 matmuls (torchao Float8Linear, dynamic "
-        "scaling; float32 master weights stay). CUDA with compute capability 8.9+ (Ada, Hopper) only, "
-        "needs the `float8` extra (torchao); refused elsewhere.",
+        description="Train the denoiser's linear layers with float8 matmuls (dynamic tensorwise scaling; float32 "
+        "master weights stay): trained layers as torchao Float8Linear, frozen ones (a LoRA's base layers) as "
+        "ot_dist's FrozenFloat8Linear, which skips the weight gradient torchao would compute and throw away. CUDA "
+        "with compute capability 8.9+ (Ada, Hopper) for speed; the CPU runs it too, slower than bfloat16 (tests). "
+        "Needs the `float8` extra (torchao).",
     )
 
     expandable_segments: bool = Field(

@@ -29,12 +29,12 @@ def check_performance(options: PerformanceConfig, device: torch.device) -> None:
         raise ConfigError(f"performance.compile_mode: {options.compile_mode} records CUDA graphs and this run's device "
                           f"is {device.type}; use default or max-autotune-no-cudagraphs")
     if options.float8_matmuls:
-        if device.type != "cuda":
-            raise ConfigError(f"performance.float8_matmuls: float8 training matmuls need a CUDA device with compute "
-                              f"capability {'.'.join(map(str, FLOAT8_MIN_CAPABILITY))}+ (float8 tensor cores); this "
-                              f"run's device is {device.type}")
-        capability = torch.cuda.get_device_capability(device)
-        if capability < FLOAT8_MIN_CAPABILITY:
+        if device.type not in ("cuda", "cpu"):
+            raise ConfigError(f"performance.float8_matmuls: float8 training matmuls run on CUDA devices with compute "
+                              f"capability {'.'.join(map(str, FLOAT8_MIN_CAPABILITY))}+ (float8 tensor cores) and, "
+                              f"slower than bfloat16, on the CPU; this run's device is {device.type}")
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        if capability is not None and capability < FLOAT8_MIN_CAPABILITY:
             raise ConfigError(f"performance.float8_matmuls: {torch.cuda.get_device_name(device)} has compute capability "
                               f"{capability[0]}.{capability[1]}; float8 matmuls need "
                               f"{'.'.join(map(str, FLOAT8_MIN_CAPABILITY))}+ (Ada, Hopper or newer)")
@@ -99,9 +99,14 @@ def apply_performance(model, options: PerformanceConfig, device: torch.device, s
     if options.float8_matmuls:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+        from ot_dist.train.frozen_float8 import convert_frozen_linears
+
+        frozen = convert_frozen_linears(denoiser, float8_eligible)  # no weight gradient to compute (a LoRA's base)
+        trained = [m for n, m in denoiser.named_modules() if float8_eligible(m, n)]  # the frozen ones no longer are
         config = Float8LinearConfig(enable_fsdp_float8_all_gather=strategy == "fsdp")
         convert_to_float8_training(denoiser, config=config, module_filter_fn=float8_eligible)
-        log("performance: float8 matmuls in the denoiser's linear layers (torchao Float8Linear)")
+        log(f"performance: float8 matmuls in the denoiser's linear layers: {len(trained)} trained (torchao "
+            f"Float8Linear), {frozen} frozen (forward and input gradient only)")
     if uses_channels_last(options, model.family, device):
         denoiser.to(memory_format=torch.channels_last)
     if options.compile:
