@@ -42,7 +42,8 @@ def small_sd1(tmp_path_factory):
     single-process cases too), the sharding variants and launchers of test_strategies.py, sharded Prodigy and EMA,
     the concepts' 2-rank launch, the Kubernetes pods, the 2-rank tracking, data-shard and masked runs, the checkpoint
     tests' stop / resume runs of every strategy and the killed rank's restart, the signals to launches in
-    test_run_safety.py (docs/development.md).
+    test_run_safety.py, every optimizer's two one-process steps and the fused back pass in test_optimizers.py
+    (docs/development.md).
     Measured: the matrix's 19 ZeRO-3 cases took 146 CPU s on the 4-level UNet, 67 s on this one."""
     import torch
     from diffusers import UNet2DConditionModel
