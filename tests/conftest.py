@@ -42,7 +42,8 @@ def small_sd1(tmp_path_factory):
     single-process cases too), the sharding variants and launchers of test_strategies.py, sharded Prodigy and EMA,
     the concepts' 2-rank launch, the Kubernetes pods, the 2-rank tracking, data-shard and masked runs, the checkpoint
     tests' stop / resume runs of every strategy and the killed rank's restart, the signals to launches in
-    test_run_safety.py (docs/development.md).
+    test_run_safety.py, every optimizer's two one-process steps and the fused back pass in test_optimizers.py
+    (docs/development.md).
     Measured: the matrix's 19 ZeRO-3 cases took 146 CPU s on the 4-level UNet, 67 s on this one."""
     import torch
     from diffusers import UNet2DConditionModel
@@ -135,6 +136,20 @@ def with_reference_images(raw: dict, optional_too: bool = False) -> dict:
             caption.unlink()
     data = {k: v for k, v in raw["data"].items() if k != "path"}
     return {**raw, "data": {**data, "concepts": [{"path": str(images), "reference_path": str(references)}]}}
+
+
+def small_edit_reference_areas(monkeypatch, area: int = 128 * 128) -> None:
+    """The Qwen-Image-Edit pipelines scale a sample's reference to 1024^2 pixels for the VAE (Edit:
+    calculate_dimensions(1024 * 1024, ...) in __call__, for its vision tower too; 2509: VAE_IMAGE_SIZE) and 2509 to
+    384^2 for its vision tower: `area` instead, for ot_dist's sample (which runs the pipeline) and a pipeline a test
+    runs alike. The same code runs on fewer pixels: encoding the reference at 1024^2 was nearly all of a tiny edit
+    sample's cost (~10 CPU s per family; under test_float8_dtype.py's op watch 3-4 s more)."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
+
+    scaled = pipeline_qwenimage_edit.calculate_dimensions
+    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda _area, ratio: scaled(area, ratio))
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", area)
+    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", area)
 
 
 def in_aligned_memory(pipeline):

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import base_config
+from conftest import base_config, small_edit_reference_areas
 from safetensors.torch import load_file
 
 from ot_dist.config.load import validate
@@ -168,17 +168,10 @@ def test_objective_equals_the_pipelines_step_written_out(family, family_models, 
 @pytest.mark.parametrize("family", BOTH)
 def test_samples_equal_the_edit_pipeline_with_the_same_reference_and_seed(family, family_models, edit_pairs,
                                                                           tmp_path, monkeypatch):
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit, pipeline_qwenimage_edit_plus
     from PIL import Image
 
-    # The pipelines scale the reference to 1024^2 pixels for the VAE (Edit: calculate_dimensions(1024 * 1024, ...) in
-    # __call__, for its vision tower too; 2509: VAE_IMAGE_SIZE) and 2509 to 384^2 for its vision tower: smaller areas
-    # for ot_dist's sample (which runs the pipeline) and the pipeline's alike, as tests/test_multi_references.py does
-    # (nearly all of the test's cost: ~10 CPU s per family; the comparison stays)
-    scaled = pipeline_qwenimage_edit.calculate_dimensions
-    monkeypatch.setattr(pipeline_qwenimage_edit, "calculate_dimensions", lambda _area, ratio: scaled(128 * 128, ratio))
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 128 * 128)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 128 * 128)
+    # smaller reference areas for ot_dist's sample and the pipeline's alike (conftest.py; the comparison stays)
+    small_edit_reference_areas(monkeypatch)
     images, references = edit_pairs
     reference = references / "0003.png"
     prompt = {"prompt": "make it red", "seed": 3, "steps": 2, "guidance_scale": 20.0, "width": 64, "height": 48,
