@@ -14,7 +14,7 @@ import pytest
 import test_family_qwen_image_edit as qwen_tests
 import test_reference_images as data_tests
 import torch
-from conftest import base_config
+from conftest import base_config, small_edit_reference_areas
 
 from ot_dist.config.load import validate
 from ot_dist.data.reader import ShardDataset, collate
@@ -339,13 +339,10 @@ def test_samples_with_two_references_equal_the_pipeline_given_the_list(family, f
     """A prompt's reference_image list reaches the pipeline as image=[first, second] (FLUX.2: each scaled to cover the
     sample and centre-cropped, as training pairs' references; Qwen-Image-Edit-2509: as read, the pipeline scales
     them); the sample equals the pipeline's with the same seed, and not its sample from the first alone."""
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
     from PIL import Image
 
-    # QwenImageEditPlusPipeline scales every reference to 1024^2 pixels for the VAE and 384^2 for the vision tower:
-    # smaller areas for ot_dist's sample and the pipeline's alike (nearly all of the test's cost; the comparison stays)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", 128 * 128)
-    monkeypatch.setattr(pipeline_qwenimage_edit_plus, "CONDITION_IMAGE_SIZE", 128 * 128)
+    # smaller reference areas for ot_dist's sample and the pipeline's alike (nearly all of the test's cost)
+    small_edit_reference_areas(monkeypatch)
 
     images, two, _ = numbered_pairs
     paths = [two / "0003_0.png", two / "0003_1.png"]
