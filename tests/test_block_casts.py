@@ -219,3 +219,43 @@ def test_a_deep_copy_casts_its_own_weights(tmp_path):
     twin_casts.remove()
     assert copies_seen(twin, twin_casts) == [None] and block_casts(twin) == []
     assert copies_seen(root, casts)[0] is not None
+
+
+def test_a_layer_its_block_skips_keeps_no_gradient_under_ddp(monkeypatch):
+    """Every grouped weight is in the graph once its block runs, also a layer the block did not call (an MoE expert no
+    token chose). DDP's unused-parameter search then counts it as used; its reducer must still finish the step and
+    leave it without a gradient, as the per-layer casts would (a 1-rank gloo group in this process)."""
+    import torch.distributed as dist
+
+    from ot_dist.methods.weight_block_casts import cast_weights_per_block
+    from ot_dist.parallel.ddp import Replica
+    from ot_dist.ports import free_port
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            return self.experts[0](x) + self.experts[2](x)  # expert 1: not chosen
+
+    torch.manual_seed(0)
+    root = torch.nn.Sequential(Routed())
+    assert cast_weights_per_block(root, [root[0]]) == 1
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        Replica(root, torch.device("cpu"), None)
+        for _ in range(3):  # a reduction left unfinished fails the next step's forward
+            with CountCasts() as counted, torch.autocast("cpu", dtype=torch.bfloat16):
+                out = root(torch.randn(4, 8))
+            out.float().sum().backward()
+            experts = root[0].experts
+            # the block's one list cast, and autocast's casts of the float32 input for each expert called
+            assert counted.casts == 1 + 2
+            assert experts[0].weight.grad is not None and experts[2].weight.grad is not None
+            assert experts[1].weight.grad is None and experts[1].bias.grad is None
+            root.zero_grad(set_to_none=True)
+    finally:
+        dist.destroy_process_group()
