@@ -18,7 +18,7 @@ from ot_dist.precision import DTYPES
 class FullFinetune(TrainingMethod):
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         from ot_dist.methods.weight_block_casts import cast_weights_per_block
-        from ot_dist.parallel.fsdp import wrap_units
+        from ot_dist.parallel.fsdp import family_units
 
         freeze_all(model)
         groups = []
@@ -27,7 +27,7 @@ class FullFinetune(TrainingMethod):
                 module = model.part(part)
                 module.requires_grad_(True)
                 if not self.config.performance.float8_matmuls:  # Float8Linear replaces the Linear layers
-                    cast_weights_per_block(module, wrap_units(module, model.family.shard_units.get(part, ())))
+                    cast_weights_per_block(module, family_units(model.family, part, module))
                 groups.append(
                     ParamGroup(part, trainable(module), self.config.part_learning_rate(part), part=part)
                 )

@@ -29,7 +29,7 @@ class LoraMethod(TrainingMethod):
         from ot_dist.methods.lora_forward import fuse_up_projections
         from ot_dist.methods.lora_variants import (drop_down_output, init_loha_as_lycoris, match_lycoris_scale,
                                                    peft_config)
-        from ot_dist.parallel.fsdp import wrap_units
+        from ot_dist.parallel.fsdp import family_units
 
         freeze_all(model)
         groups = []
@@ -66,7 +66,7 @@ class LoraMethod(TrainingMethod):
                 drop_down_output(module, ADAPTER, lora.dropout, lora.rank_dropout, lora.module_dropout)
             skip_input_copies_under_autocast(module, ADAPTER)
             fused = fuse_up_projections(module, ADAPTER)
-            cast_adapters_per_block(module, wrap_units(module, model.family.shard_units.get(part, ())), fused, ADAPTER)
+            cast_adapters_per_block(module, family_units(model.family, part, module), fused, ADAPTER)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:

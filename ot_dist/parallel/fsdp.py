@@ -28,6 +28,12 @@ def wrap_units(module: torch.nn.Module, patterns: tuple[str, ...]) -> list[torch
     return units
 
 
+def family_units(family, part: str, module: torch.nn.Module) -> list[torch.nn.Module]:
+    """A trainable part's repeated blocks as its family declares them (`Family.shard_units`): FSDP2's units, and the
+    blocks that compile, checkpoint selectively and cast their weights together."""
+    return wrap_units(module, family.shard_units.get(part, ()))
+
+
 def prefetch_in_execution_order(root: torch.nn.Module, units: list[torch.nn.Module]) -> None:
     """FSDP2's explicit forward prefetch: each unit issues the next unit's all-gather right after its own, from
     the CPU, instead of when the next unit's forward starts (with small units, launch latency matters). The
@@ -91,7 +97,7 @@ class FSDPStrategy(Strategy):
         root_policy = MixedPrecisionPolicy(**precision, cast_forward_inputs=False)
         unit_policy = MixedPrecisionPolicy(**precision)
         for name, module in self.trained_modules.items():
-            units = wrap_units(module, model.family.shard_units.get(name, ()))
+            units = family_units(model.family, name, module)
             for unit in units:
                 fully_shard(unit, mp_policy=unit_policy, **options)
             fully_shard(module, mp_policy=root_policy, **options)

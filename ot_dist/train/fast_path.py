@@ -48,9 +48,9 @@ def check_performance(options: PerformanceConfig, device: torch.device) -> None:
 def denoiser_blocks(model) -> list[torch.nn.Module]:
     """The denoiser's repeated blocks: its family's shard units (UNet resnets, attention blocks, samplers;
     transformer blocks), in registration order."""
-    from ot_dist.parallel.fsdp import wrap_units
+    from ot_dist.parallel.fsdp import family_units
 
-    return wrap_units(model.denoiser, model.family.shard_units.get(model.family.denoiser, ()))
+    return family_units(model.family, model.family.denoiser, model.denoiser)
 
 
 def attention_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
