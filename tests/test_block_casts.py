@@ -58,10 +58,13 @@ def trained_weights(run) -> dict[str, torch.Tensor]:
 ], ids=["plain", "diffusers_checkpointing", "checkpoint_every_2nd_block", "cuda"])
 def test_training_with_block_casts_equals_per_layer_casts(tmp_path, performance, method):
     """diffusers' checkpointing recomputes a block's whole call (its hooks too); ot_dist's selective checkpointing
-    only its forward, which then recomputes on the per-layer casts."""
+    its forward, which casts again itself. The shared down projections (tests/test_shared_inputs.py) sum in another
+    order: left out here, where the same bits are asserted."""
     runs = {}
     for grouped in (True, False):
         run = tiny_sdxl(tmp_path / str(grouped), method, **performance)
+        for casts in block_casts(run.model.denoiser):
+            casts.sharing = None
         if not grouped:
             per_layer_casts(run.model.denoiser)
         assert bool(block_casts(run.model.denoiser)) == grouped

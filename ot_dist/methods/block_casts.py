@@ -27,6 +27,8 @@ from typing import Callable, Iterable
 
 import torch
 
+from ot_dist.methods.shared_inputs import SharedInputs, in_backward
+
 TensorsOf = Callable[[torch.nn.Module], tuple[torch.Tensor, ...]]
 HookedOf = Callable[[torch.nn.Module], Iterable[torch.nn.Module]]
 
@@ -34,26 +36,49 @@ HookedOf = Callable[[torch.nn.Module], Iterable[torch.nn.Module]]
 class CastTogether(torch.autograd.Function):
     """Cast tensors to `dtype` and their gradients back to the tensors' dtypes, each in one multi-tensor copy
     (`torch._foreach_copy_`: a few launches on a GPU for the whole list) and one autograd node (a concatenation
-    would add a view and its backward node per tensor, host work that costs about what it saves)."""
+    would add a view and its backward node per tensor, host work that costs about what it saves).
+
+    `layout` lists the outputs, each by the indices of the tensors it holds: one (its copy) or several, copied into
+    one tensor along the first dimension (shared_inputs.py). `on_backward` is called when the gradients are back."""
 
     @staticmethod
-    def forward(ctx, dtype: torch.dtype, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx, dtype: torch.dtype, layout: tuple[tuple[int, ...], ...], on_backward: Callable[[], None] | None,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.layout, ctx.on_backward = layout, on_backward
         ctx.dtypes = [t.dtype for t in tensors]
+        ctx.rows = [t.shape[0] for t in tensors]
         ctx.set_materialize_grads(False)  # a layer that did not run sends no gradient: nothing to cast
-        copies = [torch.empty_like(t, dtype=dtype) for t in tensors]
-        torch._foreach_copy_(copies, list(tensors))
-        return tuple(copies)
+        outputs, targets, sources = [], [], []
+        for members in layout:
+            first = tensors[members[0]]
+            if len(members) == 1:
+                output = torch.empty_like(first, dtype=dtype)
+                targets.append(output)
+            else:
+                output = first.new_empty((sum(ctx.rows[i] for i in members), *first.shape[1:]), dtype=dtype)
+                targets.extend(output.split([ctx.rows[i] for i in members]))
+            sources.extend(tensors[i] for i in members)
+            outputs.append(output)
+        torch._foreach_copy_(targets, sources)
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        present = [i for i, g in enumerate(grads) if g is not None]
-        cast = [torch.empty_like(grads[i], dtype=ctx.dtypes[i]) for i in present]
-        if cast:
-            torch._foreach_copy_(cast, [grads[i] for i in present])
-        result: list[torch.Tensor | None] = [None] * len(grads)
-        for i, g in zip(present, cast):
-            result[i] = g
-        return (None, *result)
+        result: list[torch.Tensor | None] = [None] * len(ctx.dtypes)
+        targets, sources = [], []
+        for members, grad in zip(ctx.layout, grads):
+            if grad is None:
+                continue
+            parts = (grad,) if len(members) == 1 else grad.split([ctx.rows[i] for i in members])
+            for i, part in zip(members, parts):
+                result[i] = torch.empty_like(part, dtype=ctx.dtypes[i])
+                targets.append(result[i])
+                sources.append(part)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if ctx.on_backward is not None:
+            ctx.on_backward()
+        return (None, None, None, *result)
 
 
 class BlockCasts:
@@ -67,6 +92,8 @@ class BlockCasts:
         self.hooked_of = hooked_of  # the modules whose hooks would see (or gather) those weights
         self.copies: list[tuple[torch.Tensor, ...]] | None = None
         self.block: torch.nn.Module | None = None  # set when hooked
+        self.sharing: SharedInputs | None = None  # layers taking the same input share a projection (opt-in)
+        self.cast_in_forward = False  # the block's (checkpointed) forward casts, not its hooks: cast_inside_forward
 
     def weights(self) -> list[tuple[torch.Tensor, ...]]:
         return [self.tensors_of(layer) for layer in self.layers]
@@ -89,16 +116,63 @@ class BlockCasts:
         return torch.get_autocast_dtype(device.type)
 
     def before(self, block, args) -> None:
+        if not self.cast_in_forward:
+            self.begin()
+
+    def after(self, block, args, output) -> None:
+        if not self.cast_in_forward:
+            self.end()
+
+    def begin(self) -> None:
+        """At the block's forward: its layers' copies, each shared input group's first weights in one."""
         self.copies = None
         weights = self.weights()
         dtype = self.compute_dtype(weights)
         if dtype is None:
             return
-        copies = iter(CastTogether.apply(dtype, *(w for ws in weights for w in ws)))
-        self.copies = [tuple(next(copies) for _ in ws) for ws in weights]
+        groups = self.sharing.layout() if self.sharing is not None else ()
+        grouped = {layer for members in groups for layer in members}
+        index = {}  # (layer, position) -> index in the flat list of tensors
+        for layer, ws in enumerate(weights):
+            for position in range(len(ws)):
+                index[layer, position] = len(index)
+        layout = [tuple(index[layer, 0] for layer in members) for members in groups]
+        layout += [(i,) for (layer, position), i in index.items() if position or layer not in grouped]
+        on_backward = self.sharing.backward_done if self.sharing is not None and self.sharing.counted else None
+        outputs = CastTogether.apply(dtype, tuple(layout), on_backward, *(w for ws in weights for w in ws))
+        copy_of = dict(zip((members[0] for members in layout[len(groups):]), outputs[len(groups):]))
+        for members, output in zip(groups, outputs):  # a grouped layer's own first weight: its rows of the group's
+            sizes = [weights[layer][0].shape[0] for layer in members]
+            for layer, part in zip(members, output.split(sizes)):
+                copy_of[index[layer, 0]] = part
+        self.copies = [tuple(copy_of[index[layer, position]] for position in range(len(ws)))
+                       for layer, ws in enumerate(weights)]
+        if self.sharing is not None and groups:
+            self.sharing.start(list(outputs[:len(groups)]))
 
-    def after(self, block, args, output) -> None:
+    def end(self) -> None:
         self.copies = None
+        if self.sharing is not None:
+            self.sharing.end(self.weights())
+
+    def shared_projection(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+        """`x @ W^T` for the layer's first weight, computed once for the layers of this block that take this same
+        `x` (shared_inputs.py); None where the layer computes its own (no copies, no group, no sharing)."""
+        if self.sharing is None:
+            return None
+        if self.copies is not None:
+            return self.sharing.projection(layer._block_cast_index, x)
+        if not (self.sharing.groups and in_backward()):
+            return None
+        # A module inside the block recomputes on its own (performance.checkpoint_only_attention, or a model's own
+        # checkpointing finer than its blocks), after the block's copies are gone. Its forward shared (the groups
+        # never change while a forward awaits its backward): so does the recomputation, on the same bits.
+        weights = self.weights()
+        dtype = self.compute_dtype(weights)
+        if dtype is None:
+            return None
+        return self.sharing.projection(layer._block_cast_index, x,
+                                       lambda members: torch.cat([weights[m][0] for m in members]).to(dtype))
 
     def remove(self) -> None:
         """Back to per-layer casts (the hooks removed, the layers unlinked). By the hooks' owner, not by handles:
@@ -124,6 +198,41 @@ def copies_for(layer: torch.nn.Module) -> tuple[torch.Tensor, ...] | None:
     """What a layer's forward computes with: its block's copies of its weights, or None (its own casts)."""
     casts = layer.__dict__.get("_block_casts")
     return casts.copies_of(layer) if casts is not None else None
+
+
+def shared_projection_for(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The layer's part of the projection its block computed once for the layers taking this same `x`, or None."""
+    casts = layer.__dict__.get("_block_casts")
+    return casts.shared_projection(layer, x) if casts is not None else None
+
+
+def casts_of(block: torch.nn.Module) -> BlockCasts | None:
+    """The casts hooked on `block`, if any (found by the hook's owner: see BlockCasts.remove)."""
+    for hook in block._forward_pre_hooks.values():
+        owner = getattr(hook, "__self__", None)
+        if isinstance(owner, BlockCasts):
+            return owner
+    return None
+
+
+def cast_inside_forward(block: torch.nn.Module, forward: Callable) -> Callable:
+    """`forward` casting the block's weights itself (its hooks no longer do), for a block whose forward alone
+    recomputes in backward (performance.checkpoint_every_n_blocks): the recomputation then casts again and computes
+    with the same copies and the same shared projections as the forward it replays, as diffusers' checkpointing
+    (which recomputes the block's whole call, hooks included) does. Without casts on the block: `forward`."""
+    casts = casts_of(block)
+    if casts is None:
+        return forward
+    casts.cast_in_forward = True
+
+    def forward_with_casts(*args, **kwargs):
+        casts.begin()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            casts.end()
+
+    return forward_with_casts
 
 
 def cast_per_block(root: torch.nn.Module, blocks: list[torch.nn.Module], layers: list[torch.nn.Module],

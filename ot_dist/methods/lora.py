@@ -25,7 +25,7 @@ class LoraMethod(TrainingMethod):
 
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         from ot_dist.methods.lora_autocast import skip_input_copies_under_autocast
-        from ot_dist.methods.lora_block_casts import cast_adapters_per_block
+        from ot_dist.methods.lora_block_casts import cast_adapters_per_block, share_down_projections
         from ot_dist.methods.lora_forward import fuse_up_projections
         from ot_dist.methods.lora_variants import (drop_down_output, init_loha_as_lycoris, match_lycoris_scale,
                                                    peft_config)
@@ -67,6 +67,7 @@ class LoraMethod(TrainingMethod):
             skip_input_copies_under_autocast(module, ADAPTER)
             fused = fuse_up_projections(module, ADAPTER)
             cast_adapters_per_block(module, family_units(model.family, part, module), fused, ADAPTER)
+            share_down_projections(module)
             # Adapters are trained and kept in float32 whatever the frozen base weights are stored in.
             params = trainable(module)
             for p in params:

@@ -17,7 +17,7 @@ import types
 
 import torch
 
-from ot_dist.methods.block_casts import copies_for
+from ot_dist.methods.block_casts import copies_for, shared_projection_for
 from ot_dist.methods.lora_autocast import autocast_on, plain_lora_layers
 
 
@@ -44,7 +44,13 @@ def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     copies = copies_for(layer)
     if copies is not None:  # its block cast the adapters together (lora_block_casts.py): no per-weight casts
         down_weight, up_weight = copies
-        return _add_up_projection(result, torch.nn.functional.linear(x, down_weight), up_weight, scaling)
+        down = shared_projection_for(layer, x)  # q / k / v: one down projection of their input (shared_inputs.py)
+        if down is None:
+            down = torch.nn.functional.linear(x, down_weight)
+        return _add_up_projection(result, down, up_weight, scaling)
+    shared = shared_projection_for(layer, x)  # recomputing a module inside its block, whose forward shared
+    if shared is not None:
+        return _add_up_projection(result, shared, up.weight, scaling)
     down_layer = layer.lora_A[adapter]
     down = down_layer(layer._cast_input_dtype(x, down_layer.weight.dtype))  # its hooks (rank dropout) run
     if not autocast_on(x) and not (result.dtype == down.dtype == up.weight.dtype):

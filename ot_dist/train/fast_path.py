@@ -63,9 +63,12 @@ def attention_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def checkpoint_forward(module: torch.nn.Module) -> None:
     """Recompute `module`'s activations in backward (non-reentrant checkpoint), keeping its weight names."""
-    forward = module.forward
+    from ot_dist.methods.block_casts import cast_inside_forward
 
-    @functools.wraps(forward)
+    original = module.forward
+    forward = cast_inside_forward(module, original)  # its weights' casts recompute too
+
+    @functools.wraps(original)
     def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)

@@ -29,6 +29,7 @@ PLAN = [
     ("sdxl lora", dict(model="sdxl", method="lora", batch_size=8, profile_steps=2), 40, None),
     ("sdxl lora peft-copies", dict(model="sdxl", method="lora", batch_size=8), 35, "lora_input_copies"),
     ("sdxl lora per-layer-casts", dict(model="sdxl", method="lora", batch_size=8), 35, "lora_block_casts"),
+    ("sdxl lora own-down-projections", dict(model="sdxl", method="lora", batch_size=8), 35, "lora_shared_down"),
     ("sdxl full ckpt per-layer-casts", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True),
      45, "weight_block_casts"),
     ("flux lora", dict(model="flux-dev", method="lora", batch_size=1, profile_steps=2), 45, None),
@@ -46,6 +47,7 @@ PLAN = [
     ("flux lora b2", dict(model="flux-dev", method="lora", batch_size=2), 40, None),
     ("flux lora peft-copies", dict(model="flux-dev", method="lora", batch_size=1), 40, "lora_input_copies"),
     ("flux lora per-layer-casts", dict(model="flux-dev", method="lora", batch_size=1), 40, "lora_block_casts"),
+    ("flux lora own-down-projections", dict(model="flux-dev", method="lora", batch_size=1), 40, "lora_shared_down"),
     ("flux lora b2 compile", dict(model="flux-dev", method="lora", batch_size=2,
                                   performance=(("compile", "true"),)), 90, None),
     ("sdxl full ckpt every-2nd-block cuda-graphs", dict(

@@ -45,6 +45,7 @@ TWINS = {
 VARIANTS = {
     "lora": [
         ("fast path", ()),
+        ("own down projections", ("lora_shared_down",)),
         ("per-layer casts", ("lora_block_casts",)),
         ("+ peft forward", ("lora_block_casts", "lora_fused_forward")),
         ("+ peft input copies", ("lora_block_casts", "lora_fused_forward", "lora_input_copies")),
@@ -53,7 +54,7 @@ VARIANTS = {
 }
 METADATA_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "split", "split_with_sizes",
                 "as_strided", "detach", "unsqueeze", "squeeze", "slice", "select", "alias", "unbind", "chunk",
-                "reshape", "_reshape_alias", "narrow", "lift_fresh", "empty_like", "empty", "unflatten", "flatten"}
+                "reshape", "_reshape_alias", "narrow", "lift_fresh", "empty_like", "empty", "new_empty", "unflatten", "flatten"}
 CPU_ONLY_OPS = {"_local_scalar_dense"}
 
 

@@ -13,6 +13,8 @@ CHANGES = {
     "lora_fused_forward": ("ot_dist.methods.lora_forward", "fuse_up_projections", []),
     # every layer casts its own adapter weights (before ot_dist/methods/lora_block_casts.py)
     "lora_block_casts": ("ot_dist.methods.lora_block_casts", "cast_adapters_per_block", 0),
+    # every LoRA layer projects its input down on its own, q / k / v too (before ot_dist/methods/shared_inputs.py)
+    "lora_shared_down": ("ot_dist.methods.lora_block_casts", "share_down_projections", 0),
     # every Linear / Conv2d layer of a full finetune casts its own weights (before weight_block_casts.py)
     "weight_block_casts": ("ot_dist.methods.weight_block_casts", "cast_weights_per_block", 0),
 }
