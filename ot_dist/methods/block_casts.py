@@ -153,7 +153,7 @@ class BlockCasts:
     def end(self) -> None:
         self.copies = None
         if self.sharing is not None:
-            self.sharing.end(self.weights())
+            self.sharing.end(self.weights)
 
     def shared_projection(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """`x @ W^T` for the layer's first weight, computed once for the layers of this block that take this same

@@ -86,9 +86,12 @@ class SharedInputs:
             del self.cache[group]
         return cached[1][position]
 
-    def end(self, weights: list[tuple[torch.Tensor, ...]]) -> None:
+    def end(self, weights_of: Callable[[], list[tuple[torch.Tensor, ...]]]) -> None:
         """At the forward's end: drop what it held; a recording gives the groups found."""
+        if self.recording is None and self.weights is None and not self.cache:
+            return  # nothing held (a forward that did not share: no autocast, compiled blocks)
         if self.recording is not None:
+            weights = weights_of()
             self.found = _groups(self.recording, weights)
             self.sizes = [[weights[layer][0].shape[0] for layer in members] for members in self.found]
         self.recording, self.weights, self.cache = None, None, {}
