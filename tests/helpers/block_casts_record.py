@@ -37,9 +37,9 @@ def recording_block_casts(trainer, path: str | None, rank: int):
     if path is None:
         yield
         return
-    from ot_dist.methods.block_casts import CastTogether
-
     import torch
+
+    from ot_dist.methods.block_casts import CastTogether
 
     # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (zero.Init,
     # partition_parameters.py `_enable_mem_efficient_linear`): its linear adds a float32 bias to the bfloat16 product,
