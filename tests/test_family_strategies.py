@@ -413,6 +413,17 @@ ENGINE_ROUNDINGS = 8
 # average the float32 masters, not their half-precision copies
 ENGINE_EMA = {"ema.enabled": True, "ema.decay": 0.5, "ema.update_step_interval": 1}
 ENGINE_CLIP = 0.2  # far below the tiny UNet's gradient norm: clips every step; of the scaled gradients: no update
+# The block casts (ot_dist/methods/block_casts.py: under autocast a block's trained float32 weights are cast to bfloat16
+# in one op, their gradients back in one) on 2 ranks, where the gradients' consumers are the strategies' own: DDP's
+# reducer (hooks on the weights' AccumulateGrad nodes, which a block's one backward node now feeds) and ZeRO-2's
+# gradient hooks and buckets. They must change no bit of what trains: each case on the block casts has a twin on the
+# per-layer casts, exported weights compared exactly. In the bfloat16 launch: the full finetunes' bfloat16-ddp /
+# bfloat16-zero2 cases (compared with one process below) and LoRA cases, which are compared with one LoRA process of
+# batch 4 in bfloat16 within BF16_STRATEGIES x LoRA's own bfloat16 noise, measured 0.80 (ddp) and 0.62 (zero2) x it; a
+# gradient scaled by 2 moves the adapters by a whole update (CastTogether's gradients doubled on the ranks: 45 noises
+# away). Each rank records how many blocks cast together and how often (helpers/
+# block_casts_record.py): a run where they skipped themselves would compare the per-layer casts with themselves.
+BLOCK_CASTS_STRATEGIES = ("ddp", "zero2")
 
 
 def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, shapes_data, tmp_path):
@@ -422,7 +433,8 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
     runs. A gradient off by 2x moves the weights by ~half an update, far beyond it. The exports are the float32
     masters (DeepSpeed's bf16 / fp16 engine's modules would hold low-precision copies).
     float16 adds loss scaling: step 2 overflows on one rank only, and every rank must skip it as the one process
-    does (a rank that steps leaves the model one update away, 10-100x the allowance)."""
+    does (a rank that steps leaves the model one update away, 10-100x the allowance).
+    The launch also trains the block casts' cases under ddp and zero2 (BLOCK_CASTS_STRATEGIES)."""
     family, model = "sd1", small_sd1  # the 2-level UNet (conftest.py): 13 runs, each paying per module
     base = load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))
     full = settings(family, "full", max_steps=LOW_PRECISION_STEPS)
@@ -472,12 +484,15 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
     for name in inputs_checked:
         cases[name]["_record_denoiser_inputs"] = f"{cases[name]['output_dir']}.inputs.json"
     engine_cases, engine_references = deepspeed_engine_cases(model, shapes_data, tmp_path)
-    (tmp_path / "cases.json").write_text(json.dumps(cases | engine_cases))
+    casts_cases, lora_references = block_casts_cases(model, shapes_data, tmp_path, cases)
+    # the block casts' cases first: before any ZeRO-3 case replaces torch's linear in the ranks (block_casts_record.py)
+    (tmp_path / "cases.json").write_text(json.dumps(casts_cases | cases | engine_cases))
     done = run_ranks(str(REPO / "tests" / "helpers" / "family_cases.py"),
                            str(tmp_path / "cases.json"), env=ENV, timeout=900)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert_engine_like_one_process(engine_cases, engine_references, fp16_no_overflow, done.stdout, model, shapes_data,
                                    tmp_path)
+    assert_block_casts_change_no_bit(cases | casts_cases, lora_references)
     for name in cases:
         kind, strategy = name.split("-")
         dtype = kind.split("+")[0]
@@ -578,6 +593,71 @@ def assert_engine_like_one_process(cases: dict, references: dict, fp16_no_overfl
     assert result.first_step == 2 and result.steps == LOW_PRECISION_STEPS
     for suffix in ("", "_ema"):
         assert_close(f"resumed{suffix}", load(references["bfloat16"], suffix), load(out, suffix), "bfloat16")
+
+
+def block_casts_cases(model: Path, data: Path, tmp_path: Path, cases: dict) -> tuple[dict, dict]:
+    """BLOCK_CASTS_STRATEGIES' block casts cases: LoRA's (on the block casts, and on the per-layer casts) and the
+    per-layer twins of the bfloat16 full finetunes of `cases` (which get recorded too); and LoRA's references, one
+    process of batch 4 in float32 and in bfloat16."""
+    lora = settings("sd1", "lora", max_steps=LOW_PRECISION_STEPS)
+    references = {}
+    for dtype in ("float32", "bfloat16"):
+        out = tmp_path / f"ref-lora-{dtype}"
+        Trainer(validate(base_config(model, data, out, method="lora", batch_size=4, train_dtype=dtype, **lora)),
+                log=lambda *_: None).train()
+        references[dtype] = exported(out, "sd1", "lora")
+    added = {}
+    for strategy in BLOCK_CASTS_STRATEGIES:
+        full = cases[f"bfloat16-{strategy}"]
+        full["_record_block_casts"] = f"{full['output_dir']}.casts"
+        for method, per_layer in (("lora", False), ("lora", True), ("full", True)):
+            name = block_casts_case_name(method, strategy, per_layer)
+            out = tmp_path / name
+            trained = lora if method == "lora" else settings("sd1", "full", max_steps=LOW_PRECISION_STEPS)
+            added[name] = {**base_config(model, data, out, method=method, batch_size=2, strategy=strategy,
+                                         train_dtype="bfloat16", **trained),
+                           "_per_layer_casts": per_layer, "_record_block_casts": f"{out}.casts"}
+    return added, references
+
+
+def block_casts_case_name(method: str, strategy: str, per_layer: bool) -> str:
+    if method == "full" and not per_layer:  # the bfloat16 full finetune the launch compares with one process anyway
+        return f"bfloat16-{strategy}"
+    return f"casts-{method}-{strategy}" + ("+per_layer" if per_layer else "")
+
+
+def assert_block_casts_change_no_bit(cases: dict, lora_references: dict) -> None:
+    """See BLOCK_CASTS_STRATEGIES."""
+    def recorded(name: str) -> list[dict]:  # each rank's (block_casts_record.py)
+        return [json.loads(Path(f"{cases[name]['output_dir']}.casts.rank{rank}.json").read_text()) for rank in (0, 1)]
+
+    noise = distance(lora_references["float32"], lora_references["bfloat16"])
+    # lora_B starts at zero: how far the one process moved it
+    update = max(v.abs().max().item() for k, v in lora_references["bfloat16"].items()
+                 if "lora_B" in k or "lora_up" in k)
+    assert update > 20 * noise, f"LoRA's update ({update:.3g}) must dwarf its bf16 noise ({noise:.3g})"
+    for strategy in BLOCK_CASTS_STRATEGIES:
+        for method in ("full", "lora"):
+            on, off = (block_casts_case_name(method, strategy, per_layer) for per_layer in (False, True))
+            for rank, (grouped, plain) in enumerate(zip(recorded(on), recorded(off))):
+                # each block that casts together does so once in each step's forward and once in its backward (no
+                # checkpointing, one micro step); the twin's switch left every layer on its own casts
+                assert grouped["blocks"] > 0, f"{on}: no block cast together on rank {rank}"
+                casts = grouped["blocks"] * LOW_PRECISION_STEPS
+                assert grouped["forward"] == grouped["backward"] == casts, f"{on} on rank {rank}: {grouped}"
+                assert plain == {"blocks": 0, "forward": 0, "backward": 0, "torch_linear": True}, \
+                    f"{off} on rank {rank}: {plain}"
+                assert grouped["torch_linear"], f"{on} ran after a ZeRO-3 case replaced torch's linear"
+            got, twin = (exported(Path(cases[name]["output_dir"]), "sd1", method) for name in (on, off))
+            if method == "lora":  # (the full finetune's on case is compared with one process by the caller)
+                diff = distance(lora_references["bfloat16"], got)
+                allowed = BF16_STRATEGIES[strategy] * noise
+                print(f"{on}: max diff {diff:.3g} (LoRA bf16 noise {noise:.3g}, update {update:.3g})")
+                assert diff <= allowed, f"{on}: weights differ by {diff:.3g} > {allowed:.3g} (noise {noise:.3g})"
+            assert got.keys() == twin.keys(), on
+            changed = [k for k in got if not torch.equal(got[k], twin[k])]
+            assert not changed, f"{on}: {len(changed)} tensors differ from the per-layer casts', by up to " \
+                                f"{distance(got, twin):.3g} (e.g. {changed[0]})"
 
 
 def test_zero_low_precision_recipe_follows_deepspeed_mixed_precision(small_sd1, shapes_data, tmp_path):

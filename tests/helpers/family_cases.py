@@ -5,7 +5,9 @@ test compares those exports with a single process.
 CASES_JSON: {"case name": raw config dict, ...}; a dict may carry "_overflow_at_step": N or
 "_inf_gradient_element_at_step": N (tests/helpers/overflow.py), "_record_denoiser_inputs": PATH (rank 0 writes
 the dtypes the denoiser's forward received there: tests/helpers/denoiser_inputs.py), "_fp16_engine_on_cpu": true
-(DeepSpeed's CPU accelerator reports float16 for this case: engine_reference.py `fp16_reported`)."""
+(DeepSpeed's CPU accelerator reports float16 for this case: engine_reference.py `fp16_reported`), "_per_layer_casts":
+true (trained without the block casts) and "_record_block_casts": PATH (each rank writes how active the block casts
+were: tests/helpers/block_casts_record.py)."""
 
 import gc
 import json
@@ -17,6 +19,7 @@ from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(__file__))
+from block_casts_record import per_layer_casts, recording_block_casts  # noqa: E402
 from denoiser_inputs import record_denoiser_inputs  # noqa: E402
 from engine_reference import fp16_reported  # noqa: E402
 from overflow import inject  # noqa: E402
@@ -29,12 +32,14 @@ for name, raw in cases.items():
     overflow_at = raw.pop("_overflow_at_step", None)
     poisoned_at = raw.pop("_inf_gradient_element_at_step", None)
     inputs_record = raw.pop("_record_denoiser_inputs", None)
-    with fp16_reported(raw.pop("_fp16_engine_on_cpu", False)):
+    casts_record = raw.pop("_record_block_casts", None)
+    with fp16_reported(raw.pop("_fp16_engine_on_cpu", False)), per_layer_casts(raw.pop("_per_layer_casts", False)):
         trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
     inject(trainer, overflow_at, poisoned_at)
     if inputs_record and runtime.is_main:
         record_denoiser_inputs(trainer, inputs_record)
-    result = trainer.train()
+    with recording_block_casts(trainer, casts_record, runtime.rank):
+        result = trainer.train()
     assert_master_shares_the_weights(trainer)  # zero1/2 over float32 weights: no second copy of them
     trainer.close()  # ends with a full collection: what survives it stays alive
     gc.freeze()  # a closed ZeRO-3 trainer's objects, not walked again by later collections (optimizers_under_strategy.py)

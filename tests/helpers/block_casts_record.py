@@ -1,0 +1,66 @@
+"""Inside a rank: train a case on the per-layer casts instead of the block casts (ot_dist/methods/block_casts.py),
+and record whether the block casts were active, so that a comparison of the two can not pass because both ran the
+same code (the block casts skip themselves without autocast, or where a strategy hooks the layers).
+
+The per-layer casts: the undo switches of the benchmarks (tests/benchmarks/fast_path_levers.py), which make the
+methods' prepare hook no block, as before the block casts. The record, per rank (PATH.rank<N>.json): how many blocks
+cast together, how many times CastTogether cast a block's weights in forward and their gradients in backward, and
+whether the layers computed with torch's own linear."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks"))
+from fast_path_levers import undone  # noqa: E402
+
+PER_LAYER_CASTS = ("lora_block_casts", "weight_block_casts")
+
+
+def per_layer_casts(wanted: bool):
+    """Where `wanted`, the trainer built inside it keeps every layer on its own casts."""
+    return undone(*PER_LAYER_CASTS) if wanted else contextlib.nullcontext()
+
+
+def blocks_hooked(trainer) -> int:
+    found = {id(m._block_casts) for part in trainer.model.parts().values() for m in part.modules()
+             if "_block_casts" in m.__dict__}
+    return len(found)
+
+
+@contextlib.contextmanager
+def recording_block_casts(trainer, path: str | None, rank: int):
+    """Count CastTogether's forward and backward calls while the body trains; write them with the blocks hooked."""
+    if path is None:
+        yield
+        return
+    import torch
+
+    from ot_dist.methods.block_casts import CastTogether
+
+    # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (zero.Init,
+    # partition_parameters.py `_enable_mem_efficient_linear`): its linear adds a float32 bias to the bfloat16 product,
+    # where the block casts hand it the bias in bfloat16, so after a ZeRO-3 case in the same launch the two casts
+    # differ by a rounding: no longer what a launch of this case alone computes.
+    counts = {"blocks": blocks_hooked(trainer), "forward": 0, "backward": 0,
+              "torch_linear": torch.nn.functional.linear is torch._C._nn.linear}
+    forward, backward = CastTogether.forward, CastTogether.backward  # the functions (staticmethods unwrapped)
+
+    def counted(name, function):
+        def call(*args):
+            counts[name] += 1
+            return function(*args)
+
+        return staticmethod(call)
+
+    # autograd looks both up on the class at each call (Function.apply, BackwardCFunction._get_user_fn)
+    CastTogether.forward, CastTogether.backward = counted("forward", forward), counted("backward", backward)
+    try:
+        yield
+    finally:
+        CastTogether.forward, CastTogether.backward = staticmethod(forward), staticmethod(backward)
+    with open(f"{path}.rank{rank}.json", "w") as f:
+        json.dump(counts, f)
