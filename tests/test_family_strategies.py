@@ -28,6 +28,7 @@ from ot_dist.train.trainer import Trainer
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 sys.path.insert(0, str(REPO / "tests" / "helpers"))  # what the launched ranks use too
+from block_casts_record import OWN_DOWN_PROJECTIONS, PER_LAYER_CASTS  # noqa: E402
 from denoiser_inputs import record_denoiser_inputs  # noqa: E402
 from overflow import inject  # noqa: E402
 # Plain SGD (no momentum) keeps no state, so what a third step could show a second shows already: the strategy's own
@@ -610,20 +611,26 @@ def block_casts_cases(model: Path, data: Path, tmp_path: Path, cases: dict) -> t
     for strategy in BLOCK_CASTS_STRATEGIES:
         full = cases[f"bfloat16-{strategy}"]
         full["_record_block_casts"] = f"{full['output_dir']}.casts"
-        for method, per_layer in (("lora", False), ("lora", True), ("full", True)):
-            name = block_casts_case_name(method, strategy, per_layer)
+        for method, variant in (("lora", "on"), ("lora", "per_layer"), ("lora", "shared"), ("full", "per_layer")):
+            name = block_casts_case_name(method, strategy, variant)
             out = tmp_path / name
             trained = lora if method == "lora" else settings("sd1", "full", max_steps=LOW_PRECISION_STEPS)
             added[name] = {**base_config(model, data, out, method=method, batch_size=2, strategy=strategy,
                                          train_dtype="bfloat16", **trained),
-                           "_per_layer_casts": per_layer, "_record_block_casts": f"{out}.casts"}
+                           "_undone": list(CASTS_UNDONE[variant]), "_record_block_casts": f"{out}.casts"}
     return added, references
 
 
-def block_casts_case_name(method: str, strategy: str, per_layer: bool) -> str:
-    if method == "full" and not per_layer:  # the bfloat16 full finetune the launch compares with one process anyway
+# variant -> the fast-path changes its case undoes: "on" compares bit for bit with "per_layer", so LoRA's shared down
+# projections (which sum in another order, ot_dist/methods/shared_inputs.py) are undone there; "shared" is LoRA as it
+# trains by default, compared with one process only
+CASTS_UNDONE = {"on": OWN_DOWN_PROJECTIONS, "per_layer": PER_LAYER_CASTS, "shared": ()}
+
+
+def block_casts_case_name(method: str, strategy: str, variant: str) -> str:
+    if method == "full" and variant == "on":  # the bfloat16 full finetune the launch compares with one process anyway
         return f"bfloat16-{strategy}"
-    return f"casts-{method}-{strategy}" + ("+per_layer" if per_layer else "")
+    return f"casts-{method}-{strategy}" + ("" if variant == "on" else f"+{variant}")
 
 
 def assert_block_casts_change_no_bit(cases: dict, lora_references: dict) -> None:
@@ -636,24 +643,35 @@ def assert_block_casts_change_no_bit(cases: dict, lora_references: dict) -> None
     update = max(v.abs().max().item() for k, v in lora_references["bfloat16"].items()
                  if "lora_B" in k or "lora_up" in k)
     assert update > 20 * noise, f"LoRA's update ({update:.3g}) must dwarf its bf16 noise ({noise:.3g})"
+
+    def assert_lora_like_one_process(name: str, strategy: str) -> None:
+        diff = distance(lora_references["bfloat16"], exported(Path(cases[name]["output_dir"]), "sd1", "lora"))
+        allowed = BF16_STRATEGIES[strategy] * noise
+        print(f"{name}: max diff {diff:.3g} (LoRA bf16 noise {noise:.3g}, update {update:.3g})")
+        assert diff <= allowed, f"{name}: weights differ by {diff:.3g} > {allowed:.3g} (noise {noise:.3g})"
+
     for strategy in BLOCK_CASTS_STRATEGIES:
         for method in ("full", "lora"):
-            on, off = (block_casts_case_name(method, strategy, per_layer) for per_layer in (False, True))
+            on, off = (block_casts_case_name(method, strategy, variant) for variant in ("on", "per_layer"))
+            shared = block_casts_case_name(method, strategy, "shared") if method == "lora" else None
             for rank, (grouped, plain) in enumerate(zip(recorded(on), recorded(off))):
                 # each block that casts together does so once in each step's forward and once in its backward (no
                 # checkpointing, one micro step); the twin's switch left every layer on its own casts
                 assert grouped["blocks"] > 0, f"{on}: no block cast together on rank {rank}"
                 casts = grouped["blocks"] * LOW_PRECISION_STEPS
                 assert grouped["forward"] == grouped["backward"] == casts, f"{on} on rank {rank}: {grouped}"
-                assert plain == {"blocks": 0, "forward": 0, "backward": 0, "torch_linear": True}, \
-                    f"{off} on rank {rank}: {plain}"
+                assert grouped["shared_groups"] == 0, f"{on} on rank {rank}: {grouped}"
+                assert plain == {"blocks": 0, "forward": 0, "backward": 0, "torch_linear": True,
+                                 "shared_groups": 0}, f"{off} on rank {rank}: {plain}"
                 assert grouped["torch_linear"], f"{on} ran after a ZeRO-3 case replaced torch's linear"
+                if shared:  # the self-attentions' q / k / v and the cross-attentions' k / v of each block
+                    sharing = recorded(shared)[rank]
+                    assert sharing["shared_groups"] == 2 * sharing["blocks"] > 0, f"{shared} on rank {rank}: {sharing}"
+                    assert sharing["forward"] == sharing["backward"] == casts, f"{shared} on rank {rank}: {sharing}"
             got, twin = (exported(Path(cases[name]["output_dir"]), "sd1", method) for name in (on, off))
             if method == "lora":  # (the full finetune's on case is compared with one process by the caller)
-                diff = distance(lora_references["bfloat16"], got)
-                allowed = BF16_STRATEGIES[strategy] * noise
-                print(f"{on}: max diff {diff:.3g} (LoRA bf16 noise {noise:.3g}, update {update:.3g})")
-                assert diff <= allowed, f"{on}: weights differ by {diff:.3g} > {allowed:.3g} (noise {noise:.3g})"
+                assert_lora_like_one_process(on, strategy)
+                assert_lora_like_one_process(shared, strategy)
             assert got.keys() == twin.keys(), on
             changed = [k for k in got if not torch.equal(got[k], twin[k])]
             assert not changed, f"{on}: {len(changed)} tensors differ from the per-layer casts', by up to " \

@@ -1,11 +1,12 @@
-"""Inside a rank: train a case on the per-layer casts instead of the block casts (ot_dist/methods/block_casts.py),
+"""Inside a rank: train a case on the per-layer casts instead of the block casts (ot_dist/methods/block_casts.py), or
+on the block casts without the shared down projections (shared_inputs.py),
 and record whether the block casts were active, so that a comparison of the two can not pass because both ran the
 same code (the block casts skip themselves without autocast, or where a strategy hooks the layers).
 
 The per-layer casts: the undo switches of the benchmarks (tests/benchmarks/fast_path_levers.py), which make the
 methods' prepare hook no block, as before the block casts. The record, per rank (PATH.rank<N>.json): how many blocks
-cast together, how many times CastTogether cast a block's weights in forward and their gradients in backward, and
-whether the layers computed with torch's own linear."""
+cast together, how many times CastTogether cast a block's weights in forward and their gradients in backward,
+whether the layers computed with torch's own linear, and how many groups of LoRA layers shared a down projection."""
 
 from __future__ import annotations
 
@@ -18,17 +19,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "benchmark
 from fast_path_levers import undone  # noqa: E402
 
 PER_LAYER_CASTS = ("lora_block_casts", "weight_block_casts")
+OWN_DOWN_PROJECTIONS = ("lora_shared_down",)  # block casts, each LoRA layer with its own down projection
 
 
-def per_layer_casts(wanted: bool):
-    """Where `wanted`, the trainer built inside it keeps every layer on its own casts."""
-    return undone(*PER_LAYER_CASTS) if wanted else contextlib.nullcontext()
+def fast_path_undone(changes: list[str] | None):
+    """The trainer built inside it has these fast-path changes undone (fast_path_levers.CHANGES)."""
+    return undone(*changes) if changes else contextlib.nullcontext()
 
 
 def blocks_hooked(trainer) -> int:
     found = {id(m._block_casts) for part in trainer.model.parts().values() for m in part.modules()
              if "_block_casts" in m.__dict__}
     return len(found)
+
+
+def shared_groups(trainer) -> int:
+    """How many groups of LoRA layers share a down projection (learned in the first step)."""
+    found = {id(m._block_casts): m._block_casts for part in trainer.model.parts().values() for m in part.modules()
+             if "_block_casts" in m.__dict__}
+    return sum(len(c.sharing.groups) for c in found.values() if c.sharing is not None)
 
 
 @contextlib.contextmanager
@@ -62,5 +71,6 @@ def recording_block_casts(trainer, path: str | None, rank: int):
         yield
     finally:
         CastTogether.forward, CastTogether.backward = staticmethod(forward), staticmethod(backward)
+    counts["shared_groups"] = shared_groups(trainer)
     with open(f"{path}.rank{rank}.json", "w") as f:
         json.dump(counts, f)

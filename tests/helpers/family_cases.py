@@ -5,9 +5,9 @@ test compares those exports with a single process.
 CASES_JSON: {"case name": raw config dict, ...}; a dict may carry "_overflow_at_step": N or
 "_inf_gradient_element_at_step": N (tests/helpers/overflow.py), "_record_denoiser_inputs": PATH (rank 0 writes
 the dtypes the denoiser's forward received there: tests/helpers/denoiser_inputs.py), "_fp16_engine_on_cpu": true
-(DeepSpeed's CPU accelerator reports float16 for this case: engine_reference.py `fp16_reported`), "_per_layer_casts":
-true (trained without the block casts) and "_record_block_casts": PATH (each rank writes how active the block casts
-were: tests/helpers/block_casts_record.py)."""
+(DeepSpeed's CPU accelerator reports float16 for this case: engine_reference.py `fp16_reported`), "_undone": [CHANGE,
+...] (trained with these fast-path changes undone: tests/benchmarks/fast_path_levers.py) and "_record_block_casts":
+PATH (each rank writes how active the block casts were: tests/helpers/block_casts_record.py)."""
 
 import gc
 import json
@@ -19,7 +19,7 @@ from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.trainer import Trainer
 
 sys.path.insert(0, os.path.dirname(__file__))
-from block_casts_record import per_layer_casts, recording_block_casts  # noqa: E402
+from block_casts_record import fast_path_undone, recording_block_casts  # noqa: E402
 from denoiser_inputs import record_denoiser_inputs  # noqa: E402
 from engine_reference import fp16_reported  # noqa: E402
 from overflow import inject  # noqa: E402
@@ -33,7 +33,7 @@ for name, raw in cases.items():
     poisoned_at = raw.pop("_inf_gradient_element_at_step", None)
     inputs_record = raw.pop("_record_denoiser_inputs", None)
     casts_record = raw.pop("_record_block_casts", None)
-    with fp16_reported(raw.pop("_fp16_engine_on_cpu", False)), per_layer_casts(raw.pop("_per_layer_casts", False)):
+    with fp16_reported(raw.pop("_fp16_engine_on_cpu", False)), fast_path_undone(raw.pop("_undone", None)):
         trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
     inject(trainer, overflow_at, poisoned_at)
     if inputs_record and runtime.is_main:
