@@ -436,7 +436,7 @@ def test_bfloat16_and_float16_under_every_strategy_match_one_process(small_sd1, 
     float16 adds loss scaling: step 2 overflows on one rank only, and every rank must skip it as the one process
     does (a rank that steps leaves the model one update away, 10-100x the allowance).
     The launch also trains the block casts' cases under ddp and zero2 (BLOCK_CASTS_STRATEGIES)."""
-    family, model = "sd1", small_sd1  # the 2-level UNet (conftest.py): 13 runs, each paying per module
+    family, model = "sd1", small_sd1  # the 2-level UNet (conftest.py): many runs, each paying per module
     base = load_file(next((model / get_family(family).denoiser).glob("*.safetensors")))
     full = settings(family, "full", max_steps=LOW_PRECISION_STEPS)
 
