@@ -45,12 +45,15 @@ TWINS = {
 VARIANTS = {
     "lora": [
         ("fast path", ()),
-        ("own down projections", ("lora_shared_down",)),
-        ("per-layer casts", ("lora_block_casts",)),
-        ("+ peft forward", ("lora_block_casts", "lora_fused_forward")),
-        ("+ peft input copies", ("lora_block_casts", "lora_fused_forward", "lora_input_copies")),
+        ("diffusers' attention processor", ("lean_attention",)),
+        ("own down projections", ("lean_attention", "lora_shared_down")),
+        ("per-layer casts", ("lean_attention", "lora_shared_down", "lora_block_casts")),
+        ("+ peft forward", ("lean_attention", "lora_shared_down", "lora_block_casts", "lora_fused_forward")),
+        ("+ peft input copies", ("lean_attention", "lora_shared_down", "lora_block_casts", "lora_fused_forward",
+                                 "lora_input_copies")),
     ],
-    "full": [("fast path", ()), ("per-layer casts", ("weight_block_casts",))],
+    "full": [("fast path", ()), ("diffusers' attention processor", ("lean_attention",)),
+             ("per-layer casts", ("lean_attention", "weight_block_casts"))],
 }
 METADATA_OPS = {"view", "_unsafe_view", "t", "transpose", "permute", "expand", "split", "split_with_sizes",
                 "as_strided", "detach", "unsqueeze", "squeeze", "slice", "select", "alias", "unbind", "chunk",

@@ -1,5 +1,6 @@
-"""Undo one or more of ot_dist's LoRA fast-path changes for an A/B run inside one process (the benchmarks'
-`undone`). Each change is a function LoraMethod.prepare imports when it runs, replaced by one that does nothing."""
+"""Undo one or more of ot_dist's fast-path changes for an A/B run inside one process (the benchmarks'
+`undone`). Each change is a function the methods' prepare or apply_performance imports when it runs, replaced by one
+that does nothing."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ CHANGES = {
     "lora_block_casts": ("ot_dist.methods.lora_block_casts", "cast_adapters_per_block", 0),
     # every LoRA layer projects its input down on its own, q / k / v too (before ot_dist/methods/shared_inputs.py)
     "lora_shared_down": ("ot_dist.methods.lora_block_casts", "share_down_projections", 0),
+    # diffusers' AttnProcessor2_0, dividing each attention's output by 1.0 (before ot_dist/train/lean_attention.py)
+    "lean_attention": ("ot_dist.train.lean_attention", "use_lean_attention", 0),
     # every Linear / Conv2d layer of a full finetune casts its own weights (before weight_block_casts.py)
     "weight_block_casts": ("ot_dist.methods.weight_block_casts", "cast_weights_per_block", 0),
 }
