@@ -81,6 +81,22 @@ class CastTogether(torch.autograd.Function):
         return (None, None, None, *result)
 
 
+class CastPlan:
+    """CastTogether's layout for a block's weights (each layer's tuple) with the first weights of each group of
+    layers concatenated: the groups' outputs first, then one per other weight (`single`: its layer and position)."""
+
+    def __init__(self, weights: list[tuple[torch.Tensor, ...]], groups: tuple[tuple[int, ...], ...]):
+        index = {}  # (layer, position) -> index in the flat list of tensors
+        for layer, ws in enumerate(weights):
+            for position in range(len(ws)):
+                index[layer, position] = len(index)
+        grouped = {layer for members in groups for layer in members}
+        self.single = [key for key in index if key[1] or key[0] not in grouped]
+        self.layout = (tuple(tuple(index[layer, 0] for layer in members) for members in groups)
+                       + tuple((index[key],) for key in self.single))
+        self.sizes = [[weights[layer][0].shape[0] for layer in members] for members in groups]
+
+
 class BlockCasts:
     """The layers of one block whose float32 weights are cast together at the block's forward."""
 
@@ -94,6 +110,7 @@ class BlockCasts:
         self.block: torch.nn.Module | None = None  # set when hooked
         self.sharing: SharedInputs | None = None  # layers taking the same input share a projection (opt-in)
         self.cast_in_forward = False  # the block's (checkpointed) forward casts, not its hooks: cast_inside_forward
+        self.plans: dict[tuple[tuple[int, ...], ...], CastPlan] = {}  # by the groups concatenated
 
     def weights(self) -> list[tuple[torch.Tensor, ...]]:
         return [self.tensors_of(layer) for layer in self.layers]
@@ -131,23 +148,19 @@ class BlockCasts:
         if dtype is None:
             return
         groups = self.sharing.layout() if self.sharing is not None else ()
-        grouped = {layer for members in groups for layer in members}
-        index = {}  # (layer, position) -> index in the flat list of tensors
-        for layer, ws in enumerate(weights):
-            for position in range(len(ws)):
-                index[layer, position] = len(index)
-        layout = [tuple(index[layer, 0] for layer in members) for members in groups]
-        layout += [(i,) for (layer, position), i in index.items() if position or layer not in grouped]
+        plan = self.plans.get(groups)
+        if plan is None:  # made once per layout: this runs at every forward of every block
+            plan = self.plans[groups] = CastPlan(weights, groups)
         on_backward = self.sharing.backward_done if self.sharing is not None and self.sharing.counted else None
-        outputs = CastTogether.apply(dtype, tuple(layout), on_backward, *(w for ws in weights for w in ws))
-        copy_of = dict(zip((members[0] for members in layout[len(groups):]), outputs[len(groups):]))
-        for members, output in zip(groups, outputs):  # a grouped layer's own first weight: its rows of the group's
-            sizes = [weights[layer][0].shape[0] for layer in members]
+        outputs = CastTogether.apply(dtype, plan.layout, on_backward, *(w for ws in weights for w in ws))
+        copies: list[list[torch.Tensor | None]] = [[None] * len(ws) for ws in weights]
+        for (layer, position), output in zip(plan.single, outputs[len(groups):]):
+            copies[layer][position] = output
+        for members, sizes, output in zip(groups, plan.sizes, outputs):  # a grouped layer's rows of its group's
             for layer, part in zip(members, output.split(sizes)):
-                copy_of[index[layer, 0]] = part
-        self.copies = [tuple(copy_of[index[layer, position]] for position in range(len(ws)))
-                       for layer, ws in enumerate(weights)]
-        if self.sharing is not None and groups:
+                copies[layer][0] = part
+        self.copies = [tuple(c) for c in copies]
+        if groups:
             self.sharing.start(list(outputs[:len(groups)]))
 
     def end(self) -> None:
