@@ -3,8 +3,9 @@
 The lagged guard keeps a non-finite loss off the weights on the device (the optimizer's `found_inf`) and reads
 stop / save / non-finite flags one step later; the blocking guard (the fallback) reads them before each step.
 Single process here; 2 gloo ranks under ddp and fsdp in the second half, and under zero1/2/3 at the end
-(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py). All on conftest's small_sd1: what is asserted (host
-syncs, skipped steps, bit-identical weights, agreed stops and saves) does not depend on the UNet's depth."""
+(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py). On conftest's small_sd1, the 2-rank launches on its
+one_level_sd1: what is asserted (host syncs, skipped steps, bit-identical weights, agreed stops and saves) does not
+depend on the UNet's depth."""
 
 from __future__ import annotations
 
@@ -206,10 +207,10 @@ def test_lagged_is_refused_where_nothing_can_skip_on_the_device(small_sd1, shape
 # -- 2 gloo ranks ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def two_ranks(small_sd1, shapes_data, tmp_path_factory):
+def two_ranks(one_level_sd1, shapes_data, tmp_path_factory):
     """One 2-rank launch of every case (tests/helpers/guard_ranks.py); {case: [rank 0 report, rank 1 report]}. On
-    small_sd1: what is asserted (syncs, skipped steps, agreed stops and saves) does not depend on the UNet's depth,
-    and the fsdp cases' cost grows with its module count."""
+    one_level_sd1: what is asserted (syncs, skipped steps, agreed stops and saves) does not depend on the UNet's
+    depth, and the fsdp cases' cost grows with its parameter count."""
     root = tmp_path_factory.mktemp("guard")
 
     def config(name, strategy, **options):
