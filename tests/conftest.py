@@ -37,14 +37,15 @@ def small_sd1(tmp_path_factory):
     instead of 4: 4 attention blocks instead of 10, still a cross-attention block down, in the middle and up, and a
     down- and an upsampler (every sharding unit kind). For multi-rank launches of many cases whose cost grows with
     the module count (ZeRO-3 hooks and gathers every module, DeepSpeed broadcasts every parameter, FSDP units) and
-    whose assertions do not depend on the depth: the optimizer x strategy matrix, SD 1.x's strategy equivalences (in
+    whose assertions do not depend on the depth: SD 1.x's strategy equivalences (in
     float32, bfloat16 and float16, and the hybrid 2 x 2 mesh), the LoRA variants on 2 ranks, the step guard (its
-    single-process cases too), the sharding variants and launchers of test_strategies.py, sharded Prodigy and EMA,
+    single-process cases; its 2-rank launches are on one_level_sd1), the sharding variants and launchers of test_strategies.py, sharded Prodigy and EMA,
     the concepts' 2-rank launch, the Kubernetes pods, the 2-rank tracking, data-shard and masked runs, the checkpoint
     tests' stop / resume runs of every strategy and the killed rank's restart, the signals to launches in
     test_run_safety.py, every optimizer's two one-process steps and the fused back pass in test_optimizers.py
     (docs/development.md).
-    Measured: the matrix's 19 ZeRO-3 cases took 146 CPU s on the 4-level UNet, 67 s on this one."""
+    Measured: the matrix's 19 ZeRO-3 cases took 146 CPU s on the 4-level UNet, 67 s on this one (the matrix has
+    since moved to one_level_sd1)."""
     import torch
     from diffusers import UNet2DConditionModel
 
@@ -59,6 +60,38 @@ def small_sd1(tmp_path_factory):
         block_out_channels=(32, 64), cross_attention_dim=TEXT_HIDDEN, attention_head_dim=4)
     folder = tmp_path_factory.mktemp("small_sd1") / "sd1"
     pipe.save_pretrained(folder, safe_serialization=True)
+    share_with_umask(folder)  # as make_tiny_model: diffusers writes its safetensors 0600
+    return folder
+
+
+@pytest.fixture(scope="session")
+def one_level_sd1(small_sd1, tmp_path_factory):
+    """small_sd1 (same VAE, text encoder, tokenizer, scheduler) with a 1-level UNet and no middle block: three
+    transformer blocks (a cross-attention block down and two up, each with self- and cross-attention) and three
+    resnets, 122 parameters instead of 208, no down- or upsampler. For launches of many cases whose assertions are
+    on the optimizer's steps over each strategy's parameters (DTensor shards, flat ZeRO partitions), not on the UNet's
+    depth or its sharding units: the optimizer x strategy matrix (tests/test_optimizers_distributed.py, its LoRA on
+    to_q / to_v of every attention) and the step guard's 2-rank launches (test_step_guard.py two_ranks and zero_ranks:
+    host syncs per step, NaN steps skipped on every rank, signals and time-based saves agreed). ZeRO-3 gathers and DeepSpeed
+    broadcasts every parameter of the UNet, frozen ones too, and FSDP gathers each unit, so a case's cost follows the
+    parameter count. Measured per rank: the matrix's launch 40 -> 25 CPU s (ZeRO-3's 22 cases 37 -> 19 s), the
+    step guard's 13 ZeRO cases 12.5 -> 8.3 CPU s."""
+    import shutil
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from ot_dist.file_modes import share_with_umask
+    from ot_dist.models.tiny import TEXT_HIDDEN
+
+    folder = tmp_path_factory.mktemp("one_level_sd1") / "sd1"
+    shutil.copytree(small_sd1, folder, ignore=lambda root, names: ["unet"] if root == str(small_sd1) else [])
+    torch.manual_seed(0)
+    UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, norm_num_groups=8,
+        down_block_types=("CrossAttnDownBlock2D",), mid_block_type=None, up_block_types=("CrossAttnUpBlock2D",),
+        block_out_channels=(32,), cross_attention_dim=TEXT_HIDDEN, attention_head_dim=4,
+    ).save_pretrained(folder / "unet", safe_serialization=True)
     share_with_umask(folder)  # as make_tiny_model: diffusers writes its safetensors 0600
     return folder
 

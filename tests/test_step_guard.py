@@ -3,8 +3,9 @@
 The lagged guard keeps a non-finite loss off the weights on the device (the optimizer's `found_inf`) and reads
 stop / save / non-finite flags one step later; the blocking guard (the fallback) reads them before each step.
 Single process here; 2 gloo ranks under ddp and fsdp in the second half, and under zero1/2/3 at the end
-(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py). All on conftest's small_sd1: what is asserted (host
-syncs, skipped steps, bit-identical weights, agreed stops and saves) does not depend on the UNet's depth."""
+(tests/helpers/guard_ranks.py; ot_dist/parallel/zero_skip.py). On conftest's small_sd1, the 2-rank launches on its
+one_level_sd1: what is asserted (host syncs, skipped steps, bit-identical weights, agreed stops and saves) does not
+depend on the UNet's depth."""
 
 from __future__ import annotations
 
@@ -206,14 +207,14 @@ def test_lagged_is_refused_where_nothing_can_skip_on_the_device(small_sd1, shape
 # -- 2 gloo ranks ------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def two_ranks(small_sd1, shapes_data, tmp_path_factory):
+def two_ranks(one_level_sd1, shapes_data, tmp_path_factory):
     """One 2-rank launch of every case (tests/helpers/guard_ranks.py); {case: [rank 0 report, rank 1 report]}. On
-    small_sd1: what is asserted (syncs, skipped steps, agreed stops and saves) does not depend on the UNet's depth,
-    and the fsdp cases' cost grows with its module count."""
+    one_level_sd1: what is asserted (syncs, skipped steps, agreed stops and saves) does not depend on the UNet's
+    depth, and the fsdp cases' cost grows with its parameter count."""
     root = tmp_path_factory.mktemp("guard")
 
     def config(name, strategy, **options):
-        return base_config(small_sd1, shapes_data, root / name, strategy=strategy, batch_size=1,
+        return base_config(one_level_sd1, shapes_data, root / name, strategy=strategy, batch_size=1,
                            **{"checkpoint.at_end": False, **options})
 
     cases = {
@@ -326,13 +327,14 @@ LAGGED_LINE = "step guard: lagged, no host sync per optimizer step"
 
 
 @pytest.fixture(scope="module")
-def zero_ranks(small_sd1, shapes_data, tmp_path_factory):
+def zero_ranks(one_level_sd1, shapes_data, tmp_path_factory):
     """One 2-rank launch of the ZeRO cases; {case: [rank 0 report, rank 1 report]}. Clipping on everywhere: DeepSpeed
-    reads the norm once more before clipping, and a NaN norm makes the clipped gradients NaN."""
+    reads the norm once more before clipping, and a NaN norm makes the clipped gradients NaN. On one_level_sd1: what is
+    asserted is per step and per rank (host reads, skipped steps, agreed stops and saves), whatever the UNet's depth."""
     root = tmp_path_factory.mktemp("zero_guard")
 
     def config(name, strategy, guard, **options):
-        return base_config(small_sd1, shapes_data, root / name, strategy=strategy, batch_size=1,
+        return base_config(one_level_sd1, shapes_data, root / name, strategy=strategy, batch_size=1,
                            clip_grad_norm=1.0, **{"max_steps": 3, "checkpoint.at_end": False,
                                                   "checkpoint.step_guard": guard, **FUSED, **options})
 
