@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -48,8 +49,9 @@ class TrainingMethod:
         self, model: LoadedModel, output_dir: Path, state_dict_of=None, write: bool = True, suffix: str = "",
         created: float | None = None,
     ) -> list[Path]:
-        """Save what was trained. `state_dict_of(module)` returns a module's full state dict (a
-        collective under sharding strategies, so every rank calls export); only `write` ranks write.
+        """Save what was trained. `state_dict_of(module, keep=None)` returns a module's full state dict, or the
+        entries whose key `keep` accepts (a collective under sharding strategies, so every rank calls export); only
+        `write` ranks write.
         `suffix` goes after the file / folder stem ("_ema": model_ema/, lora_ema.safetensors). `created`: the run's
         start, the date of the files' ModelSpec header (ot_dist/checkpoint/modelspec.py; None = now)."""
         raise NotImplementedError
@@ -62,8 +64,15 @@ class TrainingMethod:
         return header_for(model, kind, run_facts(self.config, created, suffix), lora_layout)
 
 
-def plain_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return module.state_dict()
+KeyFilter = Callable[[str], bool]  # which entries of a state dict an export needs
+
+
+def kept(state: dict[str, torch.Tensor], keep: KeyFilter | None) -> dict[str, torch.Tensor]:
+    return state if keep is None else {k: v for k, v in state.items() if keep(k)}
+
+
+def plain_state_dict(module: torch.nn.Module, keep: KeyFilter | None = None) -> dict[str, torch.Tensor]:
+    return kept(module.state_dict(), keep)
 
 
 def freeze_all(model: LoadedModel) -> None:

@@ -93,12 +93,14 @@ class LoraMethod(TrainingMethod):
             if not self.config.part_trains(part):
                 continue
             if self.config.lora.variant == "oft":
-                from ot_dist.methods.oft import oft_state
+                from ot_dist.methods.oft import SUFFIX as OFT_SUFFIX, oft_state
 
-                states[part] = oft_state(state_dict_of(module))
+                states[part] = oft_state(state_dict_of(module, keep=lambda key: key.endswith(OFT_SUFFIX)))
                 adapter_configs[part] = {"target_modules": sorted(k.rsplit(".", 1)[0] for k in states[part])}
                 continue
-            states[part] = get_peft_model_state_dict(module, state_dict=state_dict_of(module), adapter_name=ADAPTER)
+            # the adapters only: under fsdp / zero3 the rest would be gathered whole on every rank for nothing
+            states[part] = get_peft_model_state_dict(module, state_dict=state_dict_of(module, keep=adapter_keys(module)),
+                                                     adapter_name=ADAPTER)
             adapter_configs[part] = module.peft_config[ADAPTER].to_dict()
         vectors = self.additional.vectors(model, state_dict_of)  # gathered once: the bundle and the files
         embeddings = self.additional.export(model, output_dir, state_dict_of, write, suffix, created, vectors)
@@ -345,3 +347,14 @@ def scale_baked_in(state: dict, metadata: dict) -> tuple[dict, dict]:
         trained = 1.0 if full_kronecker(factors) else scale
         baked.update({path + suffix: t for suffix, t in baked_factors(factors, trained).items()})
     return baked, metadata
+
+
+def adapter_keys(module: torch.nn.Module):
+    """A state-dict key filter: the entries of the module's peft adapters (lora_A / lora_B, DoRA's magnitudes, LoHa's
+    and LoKr's factors: each tuner layer's `adapter_layer_names`), which is what peft's state dict of the adapter
+    picks from a module's full one."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    names = {name for m in module.modules() if isinstance(m, BaseTunerLayer) for name in m.adapter_layer_names}
+    markers = tuple(f".{name}." for name in names)
+    return lambda key: any(marker in f".{key}" for marker in markers)

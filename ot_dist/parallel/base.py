@@ -9,13 +9,13 @@ from collections.abc import Callable
 import torch
 
 from ot_dist.config.schema import TrainConfig
-from ot_dist.methods.base import ParamGroup
+from ot_dist.methods.base import KeyFilter, ParamGroup, kept
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.ownership import Ownership, whole
 from ot_dist.parallel.runtime import Runtime
 from ot_dist.precision import Precision
 
-StateDictOf = Callable[[torch.nn.Module], dict[str, torch.Tensor]]
+StateDictOf = Callable[..., dict[str, torch.Tensor]]  # (module, keep: KeyFilter | None = None)
 
 
 class Strategy:
@@ -78,10 +78,11 @@ class Strategy:
         optimizer.zero_grad(set_to_none=True)
 
     # -- export / reporting --------------------------------------------------------------------
-    def state_dict_of(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The full (unsharded) state dict of a module. A collective under sharding strategies:
-        every rank must call it, in the same order."""
-        return module.state_dict()
+    def state_dict_of(self, module: torch.nn.Module, keep: KeyFilter | None = None) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict of a module, or with `keep` the entries whose key it accepts (only those
+        are gathered: a LoRA export needs its adapters, not the frozen model). A collective under sharding
+        strategies: every rank must call it, in the same order, with the same `keep`."""
+        return kept(module.state_dict(), keep)
 
     def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Every trainable parameter as "<part>.<name>", in the same order on every rank."""

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from ot_dist.errors import ConfigError
-from ot_dist.methods.base import ParamGroup
+from ot_dist.methods.base import ParamGroup, kept
 from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.deepspeed_file import users_deepspeed_config
 from ot_dist.parallel.ownership import Fragment, Owned, Ownership
@@ -372,13 +372,14 @@ class DeepSpeedStrategy(Strategy):
         grad_norm = self.engine.get_global_grad_norm()  # ZeRO's global norm before clipping (a tensor, or inf)
         return None if grad_norm is None else torch.as_tensor(grad_norm).detach()
 
-    def state_dict_of(self, module):
+    def state_dict_of(self, module, keep=None):
         if self.stage != 3 or not any(hasattr(p, "ds_id") for p in module.parameters()):
-            return module.state_dict()
+            return kept(module.state_dict(), keep)
         import deepspeed
 
-        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-            return {k: v.detach().clone() for k, v in module.state_dict().items()}
+        gathered = [p for n, p in module.named_parameters() if keep is None or keep(n)]
+        with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None):
+            return {k: v.detach().clone() for k, v in kept(module.state_dict(), keep).items()}
 
     def ownership(self):
         return zero_ownership(self.engine_optimizer, self.stage, self.trained_parameters(), self.runtime.device)

@@ -13,6 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ot_dist.errors import ConfigError
+from ot_dist.methods.base import kept
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Strategy, scale_to_max_norm
 from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, whole
@@ -127,8 +128,9 @@ class FSDPStrategy(Strategy):
             scale_to_max_norm(shards, self.config.clip_grad_norm, grad_norm)
         return grad_norm
 
-    def state_dict_of(self, module):
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in module.state_dict().items()}
+    def state_dict_of(self, module, keep=None):
+        state = kept(module.state_dict(), keep)
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
 
     def ownership(self):
         # Over a hybrid mesh the replicas hold the same shards: the pieces add up over the shard group.

@@ -426,8 +426,8 @@ class Trainer:
         averaged = full
         part_of = {id(module): part for part, module in self.strategy.trained_modules.items()}
 
-        def state_dict_of(module):
-            state = self.strategy.state_dict_of(module)
+        def state_dict_of(module, keep=None):
+            state = self.strategy.state_dict_of(module, keep)
             part = part_of.get(id(module))
             if part is None:
                 return state

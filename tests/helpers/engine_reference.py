@@ -86,9 +86,9 @@ class OneProcessEngine(Strategy):
         return Ownership([whole(m, n) for n, m in self.masters.items()],
                          {n: m.shape for n, m in self.masters.items()}, device=self.runtime.device)
 
-    def state_dict_of(self, module):
+    def state_dict_of(self, module, keep=None):
         part = next((p for p, m in self.trained_modules.items() if m is module), None)
-        state = module.state_dict()
+        state = {k: v for k, v in module.state_dict().items() if keep is None or keep(k)}
         if part is None:
             return state
         return {k: self.masters.get(f"{part}.{k}", v) for k, v in state.items()}

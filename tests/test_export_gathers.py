@@ -1,0 +1,84 @@
+"""A LoRA export gathers the adapters only: under fsdp and zero3 `state_dict_of` is a collective that makes each
+weight whole on every rank, and the frozen model (12 B parameters for Flux) has no place in a LoRA file. The file is
+the one the unfiltered state dict gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ot_dist.methods.lora import adapter_keys
+
+
+@pytest.mark.parametrize("variant", ["lora", "loha"])
+def test_a_lora_export_asks_for_its_adapters_only_and_writes_the_same_file(small_sd1, shapes_data, tmp_path, variant):
+    from conftest import base_config
+
+    from ot_dist.config.load import validate
+    from ot_dist.methods.lora import LoraMethod
+    from ot_dist.models.loading import load_model
+
+    config = validate(base_config(small_sd1, shapes_data, tmp_path / "run", method="lora", **{
+        "lora.variant": variant, "text_encoder.train": True}))
+    model = load_model(config.model)
+    method = LoraMethod(config)
+    method.prepare(model)
+    with torch.no_grad():  # trained-looking adapters (lora_B starts at zero)
+        for module in (model.denoiser, *model.text_encoders.values()):
+            for param in module.parameters():
+                if param.requires_grad:
+                    param.normal_(std=0.05)
+    asked = []
+
+    def gathering(module, keep=None):  # what a sharding strategy would make whole on every rank
+        state = {k: v for k, v in module.state_dict().items() if keep is None or keep(k)}
+        asked.extend(state)
+        return state
+
+    created = 1.8e9  # the files' ModelSpec date: the same for both exports
+    filtered = method.export(model, tmp_path / "filtered", state_dict_of=gathering, created=created)
+    adapters = [n for module in (model.denoiser, *model.text_encoders.values())
+                for n, p in module.named_parameters() if p.requires_grad]
+    assert adapters and sorted(asked) == sorted(adapters)  # every adapter tensor, no base weight, no buffer
+    whole = method.export(model, tmp_path / "whole", state_dict_of=lambda module, keep=None: module.state_dict(),
+                          created=created)
+    assert [p.name for p in filtered] == [p.name for p in whole]
+    for mine, reference in zip(filtered, whole):
+        assert mine.read_bytes() == reference.read_bytes(), mine.name
+
+
+def test_adapter_keys_pick_peft_adapter_entries():
+    from peft import LoraConfig, inject_adapter_in_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    inject_adapter_in_model(LoraConfig(r=2, target_modules=["0"], use_dora=True), model, adapter_name="default")
+    keep = adapter_keys(model)
+    assert sorted(k for k in model.state_dict() if keep(k)) == [
+        "0.lora_A.default.weight", "0.lora_B.default.weight", "0.lora_magnitude_vector.default.weight"]
+
+
+def test_fsdp_gathers_only_the_kept_entries(monkeypatch):
+    """FSDPStrategy.state_dict_of on a 1-rank gloo group: one full_tensor per kept entry."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from ot_dist.parallel.fsdp import FSDPStrategy
+    from ot_dist.ports import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+        fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+        gathered = []
+        full_tensor = DTensor.full_tensor
+        monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathered.append(1) or full_tensor(self))
+        state = FSDPStrategy.state_dict_of(None, module, keep=lambda key: key.startswith("1."))
+        assert sorted(state) == ["1.bias", "1.weight"] and len(gathered) == 2
+        assert state["1.weight"].shape == (3, 4) and not isinstance(state["1.weight"], DTensor)
+        assert len(FSDPStrategy.state_dict_of(None, module)) == 4
+    finally:
+        dist.destroy_process_group()
