@@ -41,7 +41,7 @@ def small_sd1(tmp_path_factory):
     bfloat16 and float16 launches are on one_level_sd1), the LoRA variants on 2 ranks, the step guard (its
     single-process cases; its 2-rank launches are on one_level_sd1), the sharding variants and launchers of test_strategies.py, sharded Prodigy and EMA,
     the concepts' 2-rank launch, the Kubernetes pods, the 2-rank data-shard and masked runs, the checkpoint
-    tests' stop / resume runs of every strategy and the killed rank's restart, the signals to launches in
+    tests' stop / resume runs of one process and fsdp (ZeRO's are on one_level_sd1) and the killed rank's restart, the signals to launches in
     test_run_safety.py, every optimizer's two one-process steps and the fused back pass in test_optimizers.py
     (docs/development.md).
     Measured: the matrix's 19 ZeRO-3 cases took 146 CPU s on the 4-level UNet, 67 s on this one (the matrix has
@@ -76,7 +76,8 @@ def one_level_sd1(small_sd1, tmp_path_factory):
     equivalences in float32, bfloat16 and float16 (test_family_strategies.py: tolerances of TOLERANCE or multiples
     of the low-precision noise each run measures; its block casts' LoRA still shares q / k / v and k / v groups in each
     of the 3 transformer blocks), and the 2-rank tracking run with the one-process run it is compared with
-    (test_tracking.py: losses and gradient norms within rel 1e-4, measured 1.1e-7). ZeRO-3 gathers and DeepSpeed
+    (test_tracking.py: losses and gradient norms within rel 1e-4, measured 1.1e-7), and the checkpoint tests' ZeRO-2 /
+    ZeRO-3 stop / resume runs (test_checkpoint.py: bit for bit). ZeRO-3 gathers and DeepSpeed
     broadcasts every parameter of the UNet, frozen ones too, and FSDP gathers each unit, so a case's cost follows the
     parameter count. Measured per rank: the matrix's launch 40 -> 25 CPU s (ZeRO-3's 22 cases 37 -> 19 s), the
     step guard's 13 ZeRO cases 12.5 -> 8.3 CPU s; the strategy equivalences' float32 launch 27.9 -> 21.7 s, their
