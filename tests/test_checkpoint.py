@@ -6,7 +6,8 @@ steps, AdamW, EMA, a checkpoint every 2 steps. A stopped run is SIGTERMed by ran
 ranks agree to finish step 3 (the middle of epoch 1), save, and exit 0; the resumed run finishes epoch 1
 and runs epoch 2. (Few large steps: a step's fixed cost, ZeRO-3's hooks above all, is paid half as often.)
 
-The SD 1.x runs of the strategies are on conftest.py's small_sd1 (a 2-level UNet with every sharding unit kind):
+The SD 1.x runs of the strategies are on conftest.py's small_sd1 (a 2-level UNet with every sharding unit kind; ZeRO's
+on one_level_sd1, a 1-level UNet: no units, a cost per parameter):
 what they compare (losses, every saved tensor, the samples seen) does not depend on the depth, and what a 2-rank
 launch pays per module (FSDP units, ZeRO-3's hooks and gathers, the checkpoint's tensors) does."""
 
@@ -109,16 +110,23 @@ def stopped_run(strategy, model: Path, shapes_data, tmp_path_factory, out: Path)
     return result
 
 
+# ZeRO's runs (flat partitions, no sharding units, each parameter hooked, gathered and saved: a cost per parameter) on
+# the 1-level UNet (conftest.py one_level_sd1): what they compare, bit for bit, does not depend on the depth. single's
+# and fsdp's (shared with the tests below; FSDP saves and resumes units of every kind) stay on small_sd1.
+ONE_LEVEL = ("zero2", "zero3")
+
+
 @pytest.mark.parametrize("strategy", ["single", "fsdp", "zero2", "zero3"])
-def test_stop_and_resume_continues_exactly(strategy, small_sd1, shapes_data, tmp_path, tmp_path_factory):
-    straight_out, straight = straight_run(strategy, small_sd1, shapes_data, tmp_path_factory)
+def test_stop_and_resume_continues_exactly(strategy, small_sd1, one_level_sd1, shapes_data, tmp_path, tmp_path_factory):
+    model = one_level_sd1 if strategy in ONE_LEVEL else small_sd1
+    straight_out, straight = straight_run(strategy, model, shapes_data, tmp_path_factory)
     processes = 1 if strategy == "single" else 2
     out = tmp_path / "out"
-    stopped = stopped_run(strategy, small_sd1, shapes_data, tmp_path_factory, out)
+    stopped = stopped_run(strategy, model, shapes_data, tmp_path_factory, out)
     # SIGTERM: the step under way is finished, saved and the process exits 0 (run() checks the exit code)
     assert stopped["stopped_by"] == "SIGTERM" and stopped["steps"] == stopped_at(stopped)
     assert latest_checkpoint(checkpoints_dir(out)).name == f"step-{stopped_at(stopped):08d}"
-    resumed = run(small_sd1, shapes_data, out, strategy, processes, "--resume", "auto")
+    resumed = run(model, shapes_data, out, strategy, processes, "--resume", "auto")
     assert resumed["first_step"] == stopped_at(stopped) and resumed["steps"] == STEPS  # no step repeated or left out
     assert resumed["losses"] == straight["losses"][stopped_at(stopped):]  # bit for bit
     want, got = final_state(straight_out), final_state(out)

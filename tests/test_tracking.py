@@ -116,9 +116,11 @@ def train(raw, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def first_run(server, small_sd1, shapes_data, tmp_path_factory):
-    """One process, batch 4, tracked on the server, with MLflow credentials in the environment."""
-    raw = base_config(small_sd1, shapes_data, tmp_path_factory.mktemp("first") / "out", batch_size=4,
+def first_run(server, one_level_sd1, shapes_data, tmp_path_factory):
+    """One process, batch 4, tracked on the server, with MLflow credentials in the environment. On the 1-level UNet
+    (conftest.py one_level_sd1), as the runs compared with it (the resumed one, the 2 fsdp ranks): what they check is
+    what is logged, per step and per rank, not the UNet's depth."""
+    raw = base_config(one_level_sd1, shapes_data, tmp_path_factory.mktemp("first") / "out", batch_size=4,
                       **SETTINGS, **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "tracking-test"})
     with pytest.MonkeyPatch.context() as env:
         env.setenv("MLFLOW_TRACKING_USERNAME", "trainer")
@@ -190,9 +192,9 @@ def download_text(uri, run_id, path) -> str:
     return Path(download_artifacts(run_id=run_id, artifact_path=path, tracking_uri=uri)).read_text()
 
 
-def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, small_sd1, shapes_data, tmp_path):
+def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, one_level_sd1, shapes_data, tmp_path):
     first, first_result, _ = first_run
-    raw = base_config(small_sd1, shapes_data, tmp_path / "out", batch_size=4, **SETTINGS,
+    raw = base_config(one_level_sd1, shapes_data, tmp_path / "out", batch_size=4, **SETTINGS,
                       **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "tracking-test"})
     raw.update(max_steps=STEPS + 3, epochs=3)
     # from the checkpoint the first run saved at its end (step 6): the run id is part of its state
@@ -207,10 +209,10 @@ def test_a_resumed_run_continues_the_same_mlflow_run(server, first_run, small_sd
     assert "config-resumed-at-step-6.yaml" in {a.path for a in client(server.uri).list_artifacts(run.info.run_id)}
 
 
-def test_two_ranks_log_once_and_only_rank_0_tracks(server, first_run, small_sd1, shapes_data, tmp_path):
+def test_two_ranks_log_once_and_only_rank_0_tracks(server, first_run, one_level_sd1, shapes_data, tmp_path):
     """fsdp, batch 2 on each of 2 ranks = batch 4 in one process: the same losses and gradient norms."""
     first, first_result, _ = first_run
-    raw = base_config(small_sd1, shapes_data, tmp_path / "out", batch_size=2, strategy="fsdp", **SETTINGS,
+    raw = base_config(one_level_sd1, shapes_data, tmp_path / "out", batch_size=2, strategy="fsdp", **SETTINGS,
                       **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "two-ranks"})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
