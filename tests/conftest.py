@@ -116,6 +116,22 @@ class _LazyModels(dict):
         return self[family]
 
 
+@pytest.fixture
+def one_rank_group(monkeypatch):
+    """A 1-rank gloo process group in the test's own process (FSDP2 and DTensor need one), destroyed after it."""
+    import torch.distributed as dist
+
+    from ot_dist.ports import free_port
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture(scope="session")
 def family_models(tmp_path_factory):
     """family -> path of a tiny diffusers folder of any registered family, built when first asked for."""

@@ -57,28 +57,20 @@ def test_adapter_keys_pick_peft_adapter_entries():
         "0.lora_A.default.weight", "0.lora_B.default.weight", "0.lora_magnitude_vector.default.weight"]
 
 
-def test_fsdp_gathers_only_the_kept_entries(monkeypatch):
+def test_fsdp_gathers_only_the_kept_entries(one_rank_group, monkeypatch):
     """FSDPStrategy.state_dict_of on a 1-rank gloo group: one full_tensor per kept entry."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
     from ot_dist.parallel.fsdp import FSDPStrategy
-    from ot_dist.ports import free_port
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
-        fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
-        gathered = []
-        full_tensor = DTensor.full_tensor
-        monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathered.append(1) or full_tensor(self))
-        state = FSDPStrategy.state_dict_of(None, module, keep=lambda key: key.startswith("1."))
-        assert sorted(state) == ["1.bias", "1.weight"] and len(gathered) == 2
-        assert state["1.weight"].shape == (3, 4) and not isinstance(state["1.weight"], DTensor)
-        assert len(FSDPStrategy.state_dict_of(None, module)) == 4
-    finally:
-        dist.destroy_process_group()
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+    gathered = []
+    full_tensor = DTensor.full_tensor
+    monkeypatch.setattr(DTensor, "full_tensor", lambda self: gathered.append(1) or full_tensor(self))
+    state = FSDPStrategy.state_dict_of(None, module, keep=lambda key: key.startswith("1."))
+    assert sorted(state) == ["1.bias", "1.weight"] and len(gathered) == 2
+    assert state["1.weight"].shape == (3, 4) and not isinstance(state["1.weight"], DTensor)
+    assert len(FSDPStrategy.state_dict_of(None, module)) == 4
