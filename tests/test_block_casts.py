@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ot_dist.methods.block_casts import BlockCasts
+from ot_dist.methods.block_casts import BlockCasts, block_casts_in
 from ot_dist.methods.lora_block_casts import cast_adapters_per_block
 from ot_dist.methods.lora_forward import fuse_up_projections
 
@@ -36,8 +36,7 @@ def tiny_sdxl(tmp_path, method: str = "lora", checkpointing: bool = False, devic
 
 
 def block_casts(module: torch.nn.Module) -> list[BlockCasts]:
-    found = {id(m._block_casts): m._block_casts for m in module.modules() if "_block_casts" in m.__dict__}
-    return list(found.values())
+    return block_casts_in(module)
 
 
 def per_layer_casts(module: torch.nn.Module) -> None:

@@ -83,7 +83,8 @@ class CastTogether(torch.autograd.Function):
 
 class CastPlan:
     """CastTogether's layout for a block's weights (each layer's tuple) with the first weights of each group of
-    layers concatenated: the groups' outputs first, then one per other weight (`single`: its layer and position)."""
+    layers concatenated: the groups' outputs first, then one per other weight (`single`: its layer and position).
+    The groups' row counts are the sharing's (SharedInputs.sizes)."""
 
     def __init__(self, weights: list[tuple[torch.Tensor, ...]], groups: tuple[tuple[int, ...], ...]):
         index = {}  # (layer, position) -> index in the flat list of tensors
@@ -94,7 +95,6 @@ class CastPlan:
         self.single = [key for key in index if key[1] or key[0] not in grouped]
         self.layout = (tuple(tuple(index[layer, 0] for layer in members) for members in groups)
                        + tuple((index[key],) for key in self.single))
-        self.sizes = [[weights[layer][0].shape[0] for layer in members] for members in groups]
 
 
 class BlockCasts:
@@ -156,12 +156,12 @@ class BlockCasts:
         copies: list[list[torch.Tensor | None]] = [[None] * len(ws) for ws in weights]
         for (layer, position), output in zip(plan.single, outputs[len(groups):]):
             copies[layer][position] = output
-        for members, sizes, output in zip(groups, plan.sizes, outputs):  # a grouped layer's rows of its group's
-            for layer, part in zip(members, output.split(sizes)):
-                copies[layer][0] = part
-        self.copies = [tuple(c) for c in copies]
-        if groups:
+        if groups:  # a grouped layer's own first weight: its rows of the group's
+            for members, sizes, output in zip(groups, self.sharing.sizes, outputs):
+                for layer, part in zip(members, output.split(sizes)):
+                    copies[layer][0] = part
             self.sharing.start(list(outputs[:len(groups)]))
+        self.copies = [tuple(c) for c in copies]
 
     def end(self) -> None:
         self.copies = None
@@ -211,6 +211,12 @@ def copies_for(layer: torch.nn.Module) -> tuple[torch.Tensor, ...] | None:
     """What a layer's forward computes with: its block's copies of its weights, or None (its own casts)."""
     casts = layer.__dict__.get("_block_casts")
     return casts.copies_of(layer) if casts is not None else None
+
+
+def block_casts_in(root: torch.nn.Module) -> list[BlockCasts]:
+    """Every BlockCasts of `root`'s layers, once each (a block's layers share one)."""
+    found = {id(m._block_casts): m._block_casts for m in root.modules() if "_block_casts" in m.__dict__}
+    return list(found.values())
 
 
 def shared_projection_for(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ot_dist.methods.block_casts import cast_per_block
+from ot_dist.methods.block_casts import block_casts_in, cast_per_block
 from ot_dist.methods.shared_inputs import SharedInputs
 
 
@@ -29,7 +29,7 @@ def cast_adapters_per_block(root: torch.nn.Module, blocks: list[torch.nn.Module]
 def share_down_projections(root: torch.nn.Module) -> int:
     """Let the adapted layers of each block of `root` that take the same input (q / k / v) compute their down
     projections as one matmul (shared_inputs.py). Returns how many blocks may share."""
-    found = {id(m._block_casts): m._block_casts for m in root.modules() if "_block_casts" in m.__dict__}
-    for casts in found.values():
+    found = block_casts_in(root)
+    for casts in found:
         casts.sharing = SharedInputs()
     return len(found)

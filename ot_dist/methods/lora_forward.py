@@ -41,14 +41,14 @@ def _fused_forward(layer, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         return type(layer).forward(layer, x, *args, **kwargs)
     result = layer.base_layer(x)
     scaling = layer.scaling[adapter]
+    # q / k / v: one down projection of their input (shared_inputs.py), also when a module inside the block
+    # recomputes after the block's copies are gone
+    shared = shared_projection_for(layer, x)
     copies = copies_for(layer)
     if copies is not None:  # its block cast the adapters together (lora_block_casts.py): no per-weight casts
         down_weight, up_weight = copies
-        down = shared_projection_for(layer, x)  # q / k / v: one down projection of their input (shared_inputs.py)
-        if down is None:
-            down = torch.nn.functional.linear(x, down_weight)
+        down = shared if shared is not None else torch.nn.functional.linear(x, down_weight)
         return _add_up_projection(result, down, up_weight, scaling)
-    shared = shared_projection_for(layer, x)  # recomputing a module inside its block, whose forward shared
     if shared is not None:
         return _add_up_projection(result, shared, up.weight, scaling)
     down_layer = layer.lora_A[adapter]

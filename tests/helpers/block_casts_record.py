@@ -27,17 +27,19 @@ def fast_path_undone(changes: list[str] | None):
     return undone(*changes) if changes else contextlib.nullcontext()
 
 
+def trainer_block_casts(trainer) -> list:
+    from ot_dist.methods.block_casts import block_casts_in
+
+    return [casts for part in trainer.model.parts().values() for casts in block_casts_in(part)]
+
+
 def blocks_hooked(trainer) -> int:
-    found = {id(m._block_casts) for part in trainer.model.parts().values() for m in part.modules()
-             if "_block_casts" in m.__dict__}
-    return len(found)
+    return len(trainer_block_casts(trainer))
 
 
 def shared_groups(trainer) -> int:
     """How many groups of LoRA layers share a down projection (learned in the first step)."""
-    found = {id(m._block_casts): m._block_casts for part in trainer.model.parts().values() for m in part.modules()
-             if "_block_casts" in m.__dict__}
-    return sum(len(c.sharing.groups) for c in found.values() if c.sharing is not None)
+    return sum(len(c.sharing.groups) for c in trainer_block_casts(trainer) if c.sharing is not None)
 
 
 @contextlib.contextmanager
