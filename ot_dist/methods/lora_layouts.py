@@ -168,3 +168,28 @@ def model_version_metadata(base_model_version: str | None) -> dict[str, str]:
     if base_model_version is None:
         return {}
     return {"ss_base_model_version": base_model_version, "ss_v2": str(base_model_version.startswith("sd_v2"))}
+
+
+def write_companion_lora(target, tensors: dict[str, torch.Tensor] | None, dtype: torch.dtype, modelspec: dict[str, str],
+                         *, family: str, scale: str, layout: str = "comfyui", rank: int | None = None) -> list:
+    """A family's `extra_lora_files` file: `tensors` (the adapters in the names another program reads) written beside
+    the LoRA file `target` as `<name>_comfyui.safetensors`, atomically, its weights in `dtype` (alpha tensors stay
+    float32, as kohya writes them). The header says which layout and scale convention the file follows, with kohya's
+    network keys where `rank` is given, and the ModelSpec of the original names. Nothing (`[]`) when `tensors` is
+    None or empty: the adapter has no such layout."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from ot_dist.checkpoint.export import atomic_path
+
+    if not tensors:
+        return []
+    path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
+    note = {"ot_dist_lora": json.dumps({"layout": layout, "family": family, "scale": scale})}
+    metadata = note if rank is None else kohya_metadata(rank, rank, note)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
+                  str(tmp), metadata={**metadata, **modelspec})
+    return [path]

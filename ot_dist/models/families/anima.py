@@ -179,27 +179,14 @@ class Anima(Family):
         """`lora_comfyui.safetensors`: the transformer's and the adapter's LoRA in the original model's names, which
         ComfyUI and diffusers' Anima loader both read (anima_lora.py); nothing for an adapter other than plain LoRA or
         a run that trained neither."""
-        import json
-
-        from safetensors.torch import save_file
-
-        from ot_dist.checkpoint.export import atomic_path
-        from ot_dist.methods.lora_layouts import kohya_metadata
+        from ot_dist.methods.lora_layouts import write_companion_lora
         from ot_dist.models.families.anima_lora import comfyui_lora_state
 
         parts = [part for part in ("transformer", "text_conditioner") if part in states]
         tensors = comfyui_lora_state(states, adapter_configs) if parts else None
-        if not tensors:
-            return []
-        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
-        rank = adapter_configs[parts[0]]["r"]
-        metadata = kohya_metadata(rank, rank, {"ot_dist_lora": json.dumps(
-            {"layout": "comfyui", "family": self.name, "scale": "inside the up matrices, no alpha"})})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file({k: v.detach().to("cpu", dtype) for k, v in tensors.items()}, str(tmp),
-                      metadata={**metadata, **modelspec})
-        return [path]
+        return write_companion_lora(target, tensors, dtype, modelspec, family=self.name,
+                                    scale="inside the up matrices, no alpha",
+                                    rank=adapter_configs[parts[0]]["r"] if parts else None)
 
     # -- folders ----------------------------------------------------------------------------------------
     def load_folder(self, path, index):

@@ -202,12 +202,7 @@ class Flux2Family(Family):
         FLUX.2 module (its diffusers-name map lacks the shared modulations and the time / guidance embedders), a
         trained text encoder's beside it in ComfyUI's names for it (flux2_lora.py); nothing for an adapter other than
         plain LoRA or a run without a transformer LoRA."""
-        import json
-
-        from safetensors.torch import save_file
-
-        from ot_dist.checkpoint.export import atomic_path
-        from ot_dist.methods.lora_layouts import kohya_metadata
+        from ot_dist.methods.lora_layouts import write_companion_lora
         from ot_dist.models.families.flux2_lora import comfyui_lora_state, comfyui_text_lora_state
 
         if "transformer" not in states:
@@ -218,17 +213,9 @@ class Flux2Family(Family):
             own, comfy = self.comfy_text_prefixes(model.part("text_encoder"))
             text = comfyui_text_lora_state(states["text_encoder"], adapter_configs["text_encoder"], own, comfy)
             tensors = None if text is None else {**tensors, **text}
-        if tensors is None:
-            return []
-        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
-        config = adapter_configs["transformer"]
-        metadata = kohya_metadata(config["r"], config["r"], {"ot_dist_lora": json.dumps(
-            {"layout": "comfyui", "family": self.name, "scale": "inside the up matrices, alpha = each module's rank"})})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
-                      str(tmp), metadata={**metadata, **modelspec})
-        return [path]
+        return write_companion_lora(target, tensors, dtype, modelspec, family=self.name, layout="comfyui",
+                                    scale="inside the up matrices, alpha = each module's rank",
+                                    rank=adapter_configs["transformer"]["r"])
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def tiny_transformer(self, guidance: bool):

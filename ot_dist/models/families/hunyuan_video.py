@@ -213,26 +213,14 @@ class HunyuanVideo(Family):
         """`lora_comfyui.safetensors`: the transformer's LoRA in the original names ComfyUI maps for HunyuanVideo,
         q / k / v (and the single blocks' MLP input) fused (hunyuan_video_lora.py); nothing for an adapter other than
         plain LoRA, one on a module without an original name there, or a run without a transformer LoRA."""
-        import json
-
-        from safetensors.torch import save_file
-
-        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.methods.lora_layouts import write_companion_lora
         from ot_dist.models.families.hunyuan_video_lora import comfyui_lora_state
 
         if "transformer" not in states:
             return []
         tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"], model.part("transformer"))
-        if tensors is None:
-            return []
-        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
-        metadata = {"ot_dist_lora": json.dumps({"layout": "comfyui", "family": self.name,
-                                                "scale": "inside the up matrices, no alpha tensors"})}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file({k: v.to(dtype).detach().cpu() for k, v in tensors.items()}, str(tmp),
-                      metadata={**metadata, **modelspec})
-        return [path]
+        return write_companion_lora(target, tensors, dtype, modelspec, family=self.name,
+                                    scale="inside the up matrices, no alpha tensors")
 
     # Other trainers' files in the original names (ot-dist lora merge, lora.init_from): diffusion-pipe's and
     # OneTrainer's ComfyUI files (`diffusion_model.` / `transformer.`), musubi-tuner's (`lora_unet_`), fused modules

@@ -213,28 +213,15 @@ class Ideogram4(Family):
         """`lora_comfyui.safetensors`: the transformer's LoRA in the original names (fused qkv, attention.o) that
         ComfyUI's Ideogram 4 model has and SwarmUI recognises (ideogram4_lora.py); nothing for an adapter other than
         plain LoRA or a run without a transformer LoRA."""
-        import json
-
-        from safetensors.torch import save_file
-
-        from ot_dist.checkpoint.export import atomic_path
-        from ot_dist.methods.lora_layouts import kohya_metadata
+        from ot_dist.methods.lora_layouts import write_companion_lora
         from ot_dist.models.families.ideogram4_lora import original_lora_state
 
         if "transformer" not in states:
             return []
         tensors = original_lora_state(states["transformer"], adapter_configs["transformer"])
-        if tensors is None:
-            return []
-        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
-        config = adapter_configs["transformer"]
-        metadata = kohya_metadata(config["r"], config["r"], {"ot_dist_lora": json.dumps(
-            {"layout": "original", "family": self.name, "scale": "inside the up matrices, alpha = each module's rank"})})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
-                      str(tmp), metadata={**metadata, **modelspec})
-        return [path]
+        return write_companion_lora(target, tensors, dtype, modelspec, family=self.name, layout="original",
+                                    scale="inside the up matrices, alpha = each module's rank",
+                                    rank=adapter_configs["transformer"]["r"])
 
     # -- the denoiser call ------------------------------------------------------------------------------
     def predict(self, denoiser, noisy, timesteps, conditioning, batch):

@@ -196,26 +196,14 @@ class Krea2(Family):
         """`lora_comfyui.safetensors`: the transformer's LoRA in the original module names under `diffusion_model.`
         (krea2_lora.py), what ComfyUI's generic rule maps and diffusers' Krea 2 loader reads too; nothing for an
         adapter other than plain LoRA or a run without a transformer LoRA."""
-        import json
-
-        from safetensors.torch import save_file
-
-        from ot_dist.checkpoint.export import atomic_path
+        from ot_dist.methods.lora_layouts import write_companion_lora
         from ot_dist.models.families.krea2_lora import comfyui_lora_state
 
         if "transformer" not in states:
             return []
         tensors = comfyui_lora_state(states["transformer"], adapter_configs["transformer"])
-        if tensors is None:
-            return []
-        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
-        metadata = {"ot_dist_lora": json.dumps({"layout": "comfyui", "family": self.name,
-                                                "scale": "inside the up matrices, no alpha tensors"})}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file({k: v.to(dtype).detach().cpu() for k, v in tensors.items()}, str(tmp),
-                      metadata={**metadata, **modelspec})
-        return [path]
+        return write_companion_lora(target, tensors, dtype, modelspec, family=self.name,
+                                    scale="inside the up matrices, no alpha tensors")
 
     # -- demo and tests ---------------------------------------------------------------------------------
     def build_tiny(self, seed: int = 0, **_):

@@ -146,12 +146,7 @@ class Lumina2(Family):
         """`lora_comfyui.safetensors`: the transformer's LoRA in the names ComfyUI reads for Lumina 2, a trained Gemma's
         beside it in ComfyUI's names for that (lumina2_lora.py); nothing for an adapter other than plain LoRA or a run
         without a transformer LoRA."""
-        import json
-
-        from safetensors.torch import save_file
-
-        from ot_dist.checkpoint.export import atomic_path
-        from ot_dist.methods.lora_layouts import kohya_metadata
+        from ot_dist.methods.lora_layouts import write_companion_lora
         from ot_dist.models.families.lumina2_lora import comfyui_lora_state, comfyui_text_lora_state
 
         if "transformer" not in states:
@@ -160,17 +155,9 @@ class Lumina2(Family):
         if "text_encoder" in states and tensors is not None:  # a trained Gemma: ComfyUI's names for it, same file
             text = comfyui_text_lora_state(states["text_encoder"], adapter_configs["text_encoder"])
             tensors = None if text is None else {**tensors, **text}
-        if tensors is None:
-            return []
-        path = target.with_name(target.name.replace(".safetensors", "_comfyui.safetensors"))
-        config = adapter_configs["transformer"]
-        metadata = kohya_metadata(config["r"], config["r"], {"ot_dist_lora": json.dumps(
-            {"layout": "comfyui", "family": self.name, "scale": "inside the up matrices, alpha = each module's rank"})})
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            save_file({k: (v.to(dtype) if k.endswith(".weight") else v).detach().cpu() for k, v in tensors.items()},
-                      str(tmp), metadata={**metadata, **modelspec})
-        return [path]
+        return write_companion_lora(target, tensors, dtype, modelspec, family=self.name, layout="comfyui",
+                                    scale="inside the up matrices, alpha = each module's rank",
+                                    rank=adapter_configs["transformer"]["r"])
 
     def build_tiny(self, seed: int = 0, **_):
         from diffusers import FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, Lumina2Transformer2DModel
