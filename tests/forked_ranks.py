@@ -36,6 +36,7 @@ PRELOAD = [
     "diffusers.models.transformers.transformer_sd3", "transformers", "transformers.models.clip.modeling_clip",
     "transformers.models.t5.modeling_t5", "peft", "deepspeed", "safetensors.torch", "ot_dist.train.trainer",
     "ot_dist.cli",
+    "frozen_preload",  # last: freezes what the imports above left (tests/frozen_preload.py)
 ]
 _GRACE_SECONDS = 10  # after one rank failed, time the others get to write their own error before they are killed
 _DUMP_SECONDS = 2  # after SIGUSR1, time a rank gets to write its stacks before it is killed
@@ -46,16 +47,20 @@ def _context() -> multiprocessing.context.ForkServerContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
     # The server starts with one intra-op thread, as torchrun starts ranks (OMP_NUM_THREADS=1), and never
-    # computes; this test process keeps its own setting.
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
+    # computes; this test process keeps its own setting. It finds frozen_preload (beside this file) on PYTHONPATH:
+    # Python 3.11's fork server is handed the parent's sys.path and does not use it.
+    server_env = {"OMP_NUM_THREADS": "1",
+                  "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    saved = {name: os.environ.get(name) for name in server_env}
+    os.environ.update(server_env)
     try:
         multiprocessing.forkserver.ensure_running()
     finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
     return context
 
 
