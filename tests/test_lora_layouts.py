@@ -377,3 +377,23 @@ def test_kohya_layout_is_refused_where_the_family_has_no_kohya_names(tiny_models
     raw["lora"]["file_layout"] = "auto"
     assert validate(raw).lora_file_layout() == "diffusers"
     assert lora_config(tiny_models, shapes_data, tmp_path, "sd1").lora_file_layout() == "kohya"
+
+
+def test_renamed_plain_lora_bakes_the_scale_and_refuses_what_a_plain_file_cannot_hold():
+    """The companion files of several families (Wan, Krea 2, Anima) rename a plain LoRA: the scale alpha / rank goes
+    into the up matrix (the file has no alpha tensors, readers apply strength 1); a DoRA, LoHa or LoKr adapter, or a
+    module with no name in that layout, gives no file (None) rather than a file that changes the model otherwise."""
+    from ot_dist.methods.lora_layouts import renamed_plain_lora
+
+    down, up = torch.randn(4, 8), torch.randn(16, 4)
+    state = {"blocks.0.to_q.lora_A.weight": down, "blocks.0.to_q.lora_B.weight": up}
+    config = {"r": 4, "lora_alpha": 2.0}
+    renamed = renamed_plain_lora(state, config, lambda path: "model." + path.replace("to_q", "q"))
+    assert set(renamed) == {"model.blocks.0.q.lora_A.weight", "model.blocks.0.q.lora_B.weight"}
+    change = renamed["model.blocks.0.q.lora_B.weight"] @ renamed["model.blocks.0.q.lora_A.weight"]
+    torch.testing.assert_close(change, 0.5 * up @ down)  # what the trained layer adds, at strength 1
+    assert renamed_plain_lora(state, {**config, "use_dora": True}, lambda path: path) is None
+    assert renamed_plain_lora(state, config, lambda path: None) is None
+    loha = {"blocks.0.to_q.hada_w1_a": torch.randn(16, 4), "blocks.0.to_q.hada_w1_b": torch.randn(4, 8),
+            "blocks.0.to_q.hada_w2_a": torch.randn(16, 4), "blocks.0.to_q.hada_w2_b": torch.randn(4, 8)}
+    assert renamed_plain_lora(loha, {"r": 4, "alpha": 4}, lambda path: path) is None

@@ -170,6 +170,28 @@ def model_version_metadata(base_model_version: str | None) -> dict[str, str]:
     return {"ss_base_model_version": base_model_version, "ss_v2": str(base_model_version.startswith("sd_v2"))}
 
 
+def renamed_plain_lora(state: dict[str, torch.Tensor], adapter_config: dict,
+                       name_of) -> dict[str, torch.Tensor] | None:
+    """A peft adapter state (`get_peft_model_state_dict`) as plain LoRA factors under other module names:
+    `name_of(path)` gives a module's new name (or None: it has none there), written with peft's `.lora_A.weight` /
+    `.lora_B.weight` and the scale inside the up matrix (no alpha tensors, so a reader applies it at strength 1).
+    None for a DoRA, LoHa or LoKr adapter, or when a module has no new name: such a file could not hold the trained
+    change."""
+    from ot_dist.methods.lora import scale_baked_in
+    from ot_dist.methods.lora_variants import split_modules
+
+    if adapter_config.get("use_dora"):
+        return None
+    baked, _ = scale_baked_in(state, adapter_config)
+    out: dict[str, torch.Tensor] = {}
+    for path, factors in split_modules(baked).items():
+        name = name_of(path)
+        if set(factors) != {PEFT_DOWN, PEFT_UP} or name is None:
+            return None
+        out[name + PEFT_DOWN], out[name + PEFT_UP] = factors[PEFT_DOWN].contiguous(), factors[PEFT_UP].contiguous()
+    return out
+
+
 def write_companion_lora(target, tensors: dict[str, torch.Tensor] | None, dtype: torch.dtype, modelspec: dict[str, str],
                          *, family: str, scale: str, layout: str = "comfyui", rank: int | None = None) -> list:
     """A family's `extra_lora_files` file: `tensors` (the adapters in the names another program reads) written beside

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-DOWN, UP = ".lora_A.weight", ".lora_B.weight"
 COMFY_PREFIX = "diffusion_model."
 # The adapter's names are the original's (diffusers' converter loads its state dict unchanged)
 COMFY_ADAPTER_PREFIX = COMFY_PREFIX + "llm_adapter."
@@ -65,20 +64,15 @@ def original_rules(config) -> list:
 def comfyui_lora_state(states: dict[str, dict], adapter_configs: dict[str, dict]) -> dict[str, torch.Tensor] | None:
     """The transformer's and the adapter's peft states (`get_peft_model_state_dict`, per part) in the original names,
     or None when an adapter is not a plain LoRA."""
-    from ot_dist.methods.lora import scale_baked_in
-    from ot_dist.methods.lora_variants import split_modules
+    from ot_dist.methods.lora_layouts import renamed_plain_lora
 
     out: dict[str, torch.Tensor] = {}
     for part, name_of in (("transformer", lambda p: COMFY_PREFIX + original_path(p)),
                           ("text_conditioner", lambda p: COMFY_ADAPTER_PREFIX + p)):
         if part not in states:
             continue
-        if adapter_configs[part].get("use_dora"):
+        renamed = renamed_plain_lora(states[part], adapter_configs[part], name_of)
+        if renamed is None:
             return None
-        baked, _ = scale_baked_in(states[part], adapter_configs[part])
-        for path, factors in split_modules(baked).items():
-            if set(factors) != {DOWN, UP}:  # LoHa / LoKr factors
-                return None
-            name = name_of(path)
-            out[name + DOWN], out[name + UP] = factors[DOWN].contiguous(), factors[UP].contiguous()
+        out |= renamed
     return out

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 COMFY_PREFIX = "diffusion_model."
-DOWN, UP = ".lora_A.weight", ".lora_B.weight"
 # diffusers' path inside a block (transformer_blocks.<n>. / text_fusion.<kind>.<n>.) -> the original's
 BLOCK_RENAMES = {"attn.to_q": "attn.wq", "attn.to_k": "attn.wk", "attn.to_v": "attn.wv", "attn.to_out.0": "attn.wo",
                  "attn.to_gate": "attn.gate", "ff.gate": "mlp.gate", "ff.up": "mlp.up", "ff.down": "mlp.down"}
@@ -41,17 +40,7 @@ def original_path(path: str) -> str | None:
 def comfyui_lora_state(state: dict[str, torch.Tensor], adapter_config: dict) -> dict[str, torch.Tensor] | None:
     """The transformer's peft adapter state (`get_peft_model_state_dict`) in the original names, or None when the
     adapter is not a plain LoRA or adapts a module without an original name here."""
-    from ot_dist.methods.lora import scale_baked_in
-    from ot_dist.methods.lora_variants import split_modules
+    from ot_dist.methods.lora_layouts import renamed_plain_lora
 
-    if adapter_config.get("use_dora"):
-        return None
-    baked, _ = scale_baked_in(state, adapter_config)
-    out: dict[str, torch.Tensor] = {}
-    for path, factors in split_modules(baked).items():
-        original = original_path(path)
-        if set(factors) != {DOWN, UP} or original is None:
-            return None
-        out[f"{COMFY_PREFIX}{original}{DOWN}"] = factors[DOWN].contiguous()
-        out[f"{COMFY_PREFIX}{original}{UP}"] = factors[UP].contiguous()
-    return out
+    return renamed_plain_lora(state, adapter_config,
+                              lambda path: None if original_path(path) is None else COMFY_PREFIX + original_path(path))
