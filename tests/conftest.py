@@ -118,13 +118,16 @@ class _LazyModels(dict):
 
 @pytest.fixture
 def one_rank_group(monkeypatch):
-    """A 1-rank gloo process group in the test's own process (FSDP2 and DTensor need one), destroyed after it."""
+    """A 1-rank gloo process group in the test's own process (FSDP2, DTensor and DeepSpeed need one), destroyed after
+    it. LOCAL_RANK as torchrun sets it: DeepSpeed's engine refuses to start without it (engine.py
+    `_do_args_sanity_check`)."""
     import torch.distributed as dist
 
     from ot_dist.ports import free_port
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.setenv("LOCAL_RANK", "0")
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
         yield

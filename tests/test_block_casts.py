@@ -155,16 +155,13 @@ def test_per_layer_casts_where_grouping_would_be_wrong():
 
 
 @pytest.mark.parametrize("method", ["lora", "full"])
-def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, monkeypatch, method):
+def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, one_rank_group, method):
     """FSDP2 reduce-scatters a unit's gradients when backward leaves the unit: the per-layer casts stay, and the
     sharded LoRA's gradients equal the unsharded one's (a 1-rank gloo group in this process)."""
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-
-    from ot_dist.ports import free_port
 
     run = tiny_sdxl(tmp_path, method)
     plain = run.model.denoiser
@@ -174,35 +171,28 @@ def test_fsdp2_keeps_per_layer_casts_and_its_gradients(tmp_path, monkeypatch, me
                 param.normal_(std=0.05)
     sharded = copy.deepcopy(plain)
     groups = block_casts(sharded)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        from ot_dist.parallel.fsdp import wrap_units
+    mesh = init_device_mesh("cpu", (1,))
+    from ot_dist.parallel.fsdp import wrap_units
 
-        for unit in wrap_units(sharded, run.model.family.shard_units["unet"]):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        grads = []
-        for denoiser in (plain, sharded):
-            run.model.pipeline.unet = denoiser
-            with CountCasts() as counted:
-                run.backward(run.loss())
-            named = {n: p.grad for n, p in denoiser.named_parameters() if p.grad is not None}
-            grads.append(({n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in named.items()},
-                          counted.casts))
-        (plain_grads, plain_casts), (sharded_grads, sharded_casts) = grads
-        grouped_weights = sum(len(ws) for g in groups for ws in g.weights())
-        assert sharded_casts - plain_casts == 2 * grouped_weights - 2 * len(groups)
-        assert plain_grads.keys() == sharded_grads.keys() and plain_grads
-        for name, grad in plain_grads.items():
-            # bfloat16 compute: FSDP2 sums the same terms in another order; a lost gradient would be off by 100 %
-            if grad.norm() > 0:  # (a full finetune's unused parameters: SDXL's unused embeddings get none)
-                assert float((sharded_grads[name] - grad).norm() / grad.norm()) < 2e-2, name
-    finally:
-        run.model.pipeline.unet = plain
-        dist.destroy_process_group()
+    for unit in wrap_units(sharded, run.model.family.shard_units["unet"]):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    grads = []
+    for denoiser in (plain, sharded):
+        run.model.pipeline.unet = denoiser
+        with CountCasts() as counted:
+            run.backward(run.loss())
+        named = {n: p.grad for n, p in denoiser.named_parameters() if p.grad is not None}
+        grads.append(({n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in named.items()},
+                      counted.casts))
+    (plain_grads, plain_casts), (sharded_grads, sharded_casts) = grads
+    grouped_weights = sum(len(ws) for g in groups for ws in g.weights())
+    assert sharded_casts - plain_casts == 2 * grouped_weights - 2 * len(groups)
+    assert plain_grads.keys() == sharded_grads.keys() and plain_grads
+    for name, grad in plain_grads.items():
+        # bfloat16 compute: FSDP2 sums the same terms in another order; a lost gradient would be off by 100 %
+        if grad.norm() > 0:  # (a full finetune's unused parameters: SDXL's unused embeddings get none)
+            assert float((sharded_grads[name] - grad).norm() / grad.norm()) < 2e-2, name
 
 
 def test_a_deep_copy_casts_its_own_weights(tmp_path):
@@ -223,15 +213,13 @@ def test_a_deep_copy_casts_its_own_weights(tmp_path):
     assert copies_seen(root, casts)[0] is not None
 
 
-def test_a_layer_its_block_skips_keeps_no_gradient_under_ddp(monkeypatch):
+def test_a_layer_its_block_skips_keeps_no_gradient_under_ddp(one_rank_group):
     """Every grouped weight is in the graph once its block runs, also a layer the block did not call (an MoE expert no
     token chose). DDP's unused-parameter search then counts it as used; its reducer must still finish the step and
     leave it without a gradient, as the per-layer casts would (a 1-rank gloo group in this process)."""
-    import torch.distributed as dist
 
     from ot_dist.methods.weight_block_casts import cast_weights_per_block
     from ot_dist.parallel.ddp import Replica
-    from ot_dist.ports import free_port
 
     class Routed(torch.nn.Module):
         def __init__(self):
@@ -244,20 +232,14 @@ def test_a_layer_its_block_skips_keeps_no_gradient_under_ddp(monkeypatch):
     torch.manual_seed(0)
     root = torch.nn.Sequential(Routed())
     assert cast_weights_per_block(root, [root[0]]) == 1
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        Replica(root, torch.device("cpu"), None)
-        for _ in range(3):  # a reduction left unfinished fails the next step's forward
-            with CountCasts() as counted, torch.autocast("cpu", dtype=torch.bfloat16):
-                out = root(torch.randn(4, 8))
-            out.float().sum().backward()
-            experts = root[0].experts
-            # the block's one list cast, and autocast's casts of the float32 input for each expert called
-            assert counted.casts == 1 + 2
-            assert experts[0].weight.grad is not None and experts[2].weight.grad is not None
-            assert experts[1].weight.grad is None and experts[1].bias.grad is None
-            root.zero_grad(set_to_none=True)
-    finally:
-        dist.destroy_process_group()
+    Replica(root, torch.device("cpu"), None)
+    for _ in range(3):  # a reduction left unfinished fails the next step's forward
+        with CountCasts() as counted, torch.autocast("cpu", dtype=torch.bfloat16):
+            out = root(torch.randn(4, 8))
+        out.float().sum().backward()
+        experts = root[0].experts
+        # the block's one list cast, and autocast's casts of the float32 input for each expert called
+        assert counted.casts == 1 + 2
+        assert experts[0].weight.grad is not None and experts[2].weight.grad is not None
+        assert experts[1].weight.grad is None and experts[1].bias.grad is None
+        root.zero_grad(set_to_none=True)

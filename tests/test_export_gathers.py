@@ -4,6 +4,8 @@ the one the unfiltered state dict gives."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -74,3 +76,54 @@ def test_fsdp_gathers_only_the_kept_entries(one_rank_group, monkeypatch):
     assert sorted(state) == ["1.bias", "1.weight"] and len(gathered) == 2
     assert state["1.weight"].shape == (3, 4) and not isinstance(state["1.weight"], DTensor)
     assert len(FSDPStrategy.state_dict_of(None, module)) == 4
+
+
+def test_zero3_gathers_only_the_adapters_for_a_lora_export(one_level_sd1, shapes_data, tmp_path, one_rank_group,
+                                                           monkeypatch):
+    """DeepSpeedStrategy.state_dict_of under ZeRO-3, a 1-rank engine in this process (each parameter an empty
+    partition outside a gather): the trainer's LoRA export gathers the adapters' parameters and nothing else, and
+    writes the file the unfiltered state dict (every parameter gathered) gives."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    from conftest import base_config
+
+    from ot_dist.config.load import validate
+    from ot_dist.train.trainer import Trainer
+
+    # ZeRO-3 keeps every parameter at or below stage3_param_persistence_threshold gathered (1e5 elements by default:
+    # all of the tiny model's), where a gather does nothing; at 0 each one is partitioned after the step
+    partitioned = tmp_path / "partitioned.json"
+    partitioned.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    raw = base_config(one_level_sd1, shapes_data, tmp_path / "run", method="lora", strategy="zero3", batch_size=2,
+                      max_steps=1, learning_rate=0.05,
+                      **{"text_encoder.train": True, "deepspeed.config_file": str(partitioned)})
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    try:
+        trainer.train()  # lora_B moves off zero
+        assert all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE  # partitioned: empty until gathered
+                   for module in trainer.model.parts().values() for p in module.parameters())
+        gathered = []
+
+        class Recorded(deepspeed.zero.GatheredParameters):
+            def __init__(self, params, *args, **kwargs):
+                params = list(params)
+                gathered.extend(params)
+                super().__init__(params, *args, **kwargs)
+
+        monkeypatch.setattr(deepspeed.zero, "GatheredParameters", Recorded)
+        filtered = trainer.export(tmp_path / "filtered")
+        names = {id(p): f"{part}.{n}" for part, module in trainer.model.parts().items()
+                 for n, p in module.named_parameters()}
+        adapters = sorted(f"{part}.{n}" for part, module in trainer.model.parts().items()
+                          for n, p in module.named_parameters() if p.requires_grad)
+        assert adapters and sorted(names[id(p)] for p in gathered) == adapters  # each adapter once, no base weight
+        gathered.clear()
+        whole = trainer.method.export(trainer.model, tmp_path / "whole", created=trainer.run.started_at,
+                                      state_dict_of=lambda module, keep=None: trainer.strategy.state_dict_of(module))
+        assert len(gathered) == len(names) > len(adapters)  # the spy sees every gather
+    finally:
+        trainer.close()
+    assert [p.name for p in filtered] == [p.name for p in whole]
+    for mine, reference in zip(filtered, whole):
+        assert mine.read_bytes() == reference.read_bytes(), mine.name

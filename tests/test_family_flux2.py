@@ -219,46 +219,38 @@ def test_samples_equal_the_pipeline_on_the_export(family, family_models, shapes_
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_text_encoder_sharded_by_the_family_units_encodes_and_trains_as_unsharded(family, monkeypatch):
+def test_text_encoder_sharded_by_the_family_units_encodes_and_trains_as_unsharded(family, one_rank_group):
     """The tiny Mistral-3 / Qwen3 under FSDP2 with the family's text-encoder units (each language-model layer; the
     vision tower, embedding and head in the root), as the fsdp strategy wraps a trained text encoder, in a 1-rank gloo
     group: the stacked hidden layers and a layer's gradient equal the unwrapped model's."""
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from ot_dist.models.families.registry import get_family
     from ot_dist.parallel.fsdp import wrap_units
-    from ot_dist.ports import free_port
 
     spec = get_family(family)
     pipeline = spec.build_tiny()
     tokens = spec.tokenize({"tokenizer": pipeline.tokenizer}, ["a red dot", "a big yellow square"])
     plain, sharded = pipeline.text_encoder, copy.deepcopy(pipeline.text_encoder)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        units = wrap_units(sharded, spec.shard_units["text_encoder"])
-        assert len(units) == sharded.config.get_text_config().num_hidden_layers
-        for unit in units:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        results = []
-        for encoder in (plain, sharded):
-            hidden = spec.encode_text({"text_encoder": encoder}, tokens)["hidden"]
-            hidden.square().mean().backward()
-            layer = dict(encoder.named_modules())[
-                "model.language_model.layers.5" if family == "flux2" else "model.layers.5"]
-            grad = layer.self_attn.q_proj.weight.grad
-            results.append((hidden.detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
-        torch.testing.assert_close(results[1], results[0])
-        assert results[0][1].abs().max() > 0
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    units = wrap_units(sharded, spec.shard_units["text_encoder"])
+    assert len(units) == sharded.config.get_text_config().num_hidden_layers
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    results = []
+    for encoder in (plain, sharded):
+        hidden = spec.encode_text({"text_encoder": encoder}, tokens)["hidden"]
+        hidden.square().mean().backward()
+        layer = dict(encoder.named_modules())[
+            "model.language_model.layers.5" if family == "flux2" else "model.layers.5"]
+        grad = layer.self_attn.q_proj.weight.grad
+        results.append((hidden.detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
+    torch.testing.assert_close(results[1], results[0])
+    assert results[0][1].abs().max() > 0
 
 
 def comfy_flux2_lora_targets(config: dict) -> dict[str, tuple[str, int | None]]:

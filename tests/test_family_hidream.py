@@ -322,19 +322,17 @@ def test_a_folder_without_its_llama_is_refused_with_the_step_that_completes_it(f
         load_model(ModelConfig(family=FAMILY, path=str(folder)))
 
 
-def test_llama_sharded_by_the_family_units_encodes_and_trains_as_unsharded(monkeypatch):
+def test_llama_sharded_by_the_family_units_encodes_and_trains_as_unsharded(one_rank_group):
     """The tiny Llama under FSDP2 with the family's text-encoder units (its embedding table, layers and lm_head each a
     unit), as the fsdp strategy wraps a trained text encoder, in a 1-rank gloo group: the family's conditioning (every
     layer's hidden states, the head on one position) and the embedding's gradient equal the unwrapped model's."""
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from ot_dist.models.families.registry import get_family
     from ot_dist.parallel.fsdp import wrap_units
-    from ot_dist.ports import free_port
 
     family = get_family(FAMILY)
     pipeline = family.build_tiny()
@@ -342,26 +340,20 @@ def test_llama_sharded_by_the_family_units_encodes_and_trains_as_unsharded(monke
     plain = pipeline.text_encoder_4.eval()
     sharded = copy.deepcopy(plain)
     others = {k: getattr(pipeline, k).eval() for k in family.text_encoders[:3]}
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        units = wrap_units(sharded, family.shard_units["text_encoder_4"])
-        assert units[0] is sharded.model.embed_tokens and units[-1] is sharded.lm_head
-        assert len(units) == 2 + len(sharded.model.layers)
-        for unit in units:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        results = []
-        for encoder in (plain, sharded):
-            llama = family.encode_text({**others, "text_encoder_4": encoder}, tokens)["llama"]
-            llama.square().mean().backward()
-            grad = encoder.model.embed_tokens.weight.grad
-            results.append((llama.detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
-        torch.testing.assert_close(results[1], results[0])
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    units = wrap_units(sharded, family.shard_units["text_encoder_4"])
+    assert units[0] is sharded.model.embed_tokens and units[-1] is sharded.lm_head
+    assert len(units) == 2 + len(sharded.model.layers)
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    results = []
+    for encoder in (plain, sharded):
+        llama = family.encode_text({**others, "text_encoder_4": encoder}, tokens)["llama"]
+        llama.square().mean().backward()
+        grad = encoder.model.embed_tokens.weight.grad
+        results.append((llama.detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
+    torch.testing.assert_close(results[1], results[0])
 
 
 def test_t5_llama_and_transformer_lora_loads_through_peft_and_merges(family_models, shapes_data, tmp_path):

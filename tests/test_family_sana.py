@@ -102,43 +102,35 @@ def test_every_sharding_unit_of_sana_1600m_is_a_few_percent():
     assert units.root_parameters == gemma.norm.weight.numel()  # the final norm alone
 
 
-def test_gemma_sharded_by_the_family_units_encodes_and_trains_as_unsharded(monkeypatch):
+def test_gemma_sharded_by_the_family_units_encodes_and_trains_as_unsharded(one_rank_group):
     """The tiny Gemma under FSDP2 with the family's text-encoder units (the embedding one of them), as the fsdp
     strategy wraps a trained text encoder, in a 1-rank gloo group: the family's conditioning and the embedding's
     gradient equal the unwrapped model's."""
     import copy
 
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from ot_dist.models.families.registry import get_family
     from ot_dist.parallel.fsdp import wrap_units
-    from ot_dist.ports import free_port
 
     family = get_family("sana")
     pipeline = family.build_tiny()
     tokens = family.tokenize({"tokenizer": pipeline.tokenizer}, ["a red dot"])
     plain, sharded = pipeline.text_encoder, copy.deepcopy(pipeline.text_encoder)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        units = wrap_units(sharded, family.shard_units["text_encoder"])
-        assert units[0] is sharded.embed_tokens
-        for unit in units:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(sharded, mesh=mesh)
-        results = []
-        for encoder in (plain, sharded):
-            hidden = family.encode_text({"text_encoder": encoder}, tokens)["hidden"]
-            hidden.square().mean().backward()
-            grad = encoder.embed_tokens.weight.grad
-            results.append((hidden.detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
-        torch.testing.assert_close(results[1], results[0])
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (1,))
+    units = wrap_units(sharded, family.shard_units["text_encoder"])
+    assert units[0] is sharded.embed_tokens
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(sharded, mesh=mesh)
+    results = []
+    for encoder in (plain, sharded):
+        hidden = family.encode_text({"text_encoder": encoder}, tokens)["hidden"]
+        hidden.square().mean().backward()
+        grad = encoder.embed_tokens.weight.grad
+        results.append((hidden.detach(), grad.full_tensor() if hasattr(grad, "full_tensor") else grad))
+    torch.testing.assert_close(results[1], results[0])
 
 
 def test_bucket_step_must_follow_the_32_px_grid(family_models, shapes_data, tmp_path):

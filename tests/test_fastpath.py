@@ -10,8 +10,6 @@ import pytest
 from forked_ranks import run_ranks
 from conftest import base_config
 
-from ot_dist.ports import free_port
-
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
@@ -151,12 +149,11 @@ def test_fused_adamw_on_cuda_foreach_elsewhere():
         assert kernel("ADAGRAD", [cuda32]) == (None, True)  # torch's fused Adagrad is CPU only
 
 
-def test_fused_kernel_on_sharded_parameters_only_where_dtensor_has_its_rule(monkeypatch):
+def test_fused_kernel_on_sharded_parameters_only_where_dtensor_has_its_rule(one_rank_group):
     """FSDP2's sharded parameters (DTensors, here in a 1-rank gloo group): AdamW / Adam take the fused kernel on any
     device (a foreach op over DTensors costs seconds of sharding propagation at the first step), SGD keeps foreach
     (DTensor has no rule for fused SGD: its first step would raise). Each optimizer takes a real step."""
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -164,27 +161,21 @@ def test_fused_kernel_on_sharded_parameters_only_where_dtensor_has_its_rule(monk
     from ot_dist.methods.base import ParamGroup
     from ot_dist.optim.factory import build_optimizer
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
-        chosen = {}
-        for name in ("ADAMW", "ADAM", "SGD"):
-            config = validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
-                               "data": {"path": "d"}, "optimizer": {"name": name}}).optimizer
-            optimizer = build_optimizer(config, [ParamGroup("unet", list(model.parameters()), 1e-2)])
-            before = [p.full_tensor().clone() for p in model.parameters()]
-            model(torch.randn(3, 4)).square().sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            assert all(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
-            group = optimizer.param_groups[0]
-            chosen[name] = group["fused"], group["foreach"]
-        assert chosen == {"ADAMW": (True, False), "ADAM": (True, False), "SGD": (None, True)}
-    finally:
-        dist.destroy_process_group()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    chosen = {}
+    for name in ("ADAMW", "ADAM", "SGD"):
+        config = validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
+                           "data": {"path": "d"}, "optimizer": {"name": name}}).optimizer
+        optimizer = build_optimizer(config, [ParamGroup("unet", list(model.parameters()), 1e-2)])
+        before = [p.full_tensor().clone() for p in model.parameters()]
+        model(torch.randn(3, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert all(not torch.equal(b, p.full_tensor()) for b, p in zip(before, model.parameters()))
+        group = optimizer.param_groups[0]
+        chosen[name] = group["fused"], group["foreach"]
+    assert chosen == {"ADAMW": (True, False), "ADAM": (True, False), "SGD": (None, True)}
 
 
 @pytest.mark.parametrize("name,family,part", [("SDXL", "sdxl", "unet"),
@@ -204,11 +195,10 @@ def test_every_sharding_unit_of_the_real_denoisers_is_a_few_percent(name, family
         f"{name}: largest unit {units.largest_fraction:.1%} of {units.parameters / 1e9:.2f} B parameters")
 
 
-def test_fsdp_prefetches_the_next_unit_in_execution_order(family_models, monkeypatch):
+def test_fsdp_prefetches_the_next_unit_in_execution_order(family_models, one_rank_group):
     """Each FSDP unit of the tiny SD UNet prefetches the unit that runs after it (recorded on the first forward:
     a UNet registers attentions before the resnets they follow), in a 1-rank gloo group."""
     import torch
-    import torch.distributed as dist
     from diffusers import UNet2DConditionModel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -216,26 +206,20 @@ def test_fsdp_prefetches_the_next_unit_in_execution_order(family_models, monkeyp
     from ot_dist.models.families.registry import get_family
     from ot_dist.parallel.fsdp import prefetch_in_execution_order, wrap_units
 
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
-        unet = UNet2DConditionModel.from_pretrained(family_models["sd1"] / "unet")
-        units = wrap_units(unet, get_family("sd1").shard_units["unet"])
-        mesh = init_device_mesh("cpu", (1,))
-        for unit in units:
-            fully_shard(unit, mesh=mesh)
-        fully_shard(unet, mesh=mesh)
-        prefetch_in_execution_order(unet, units)
-        ran = []
-        for u in units:
-            u.register_forward_pre_hook(lambda m, *_: ran.append(m))
-        config = unet.config
-        sample = torch.randn(1, config.in_channels, 8, 8)
-        text = torch.randn(1, 4, config.cross_attention_dim)
-        unet(sample, 10, text).sample.sum().backward()
-        assert [id(m) for m in ran] != [id(m) for m in units], "the tiny UNet must run units out of registration order"
-        for unit, following in zip(ran, ran[1:]):
-            assert [s._modules for s in unit._get_fsdp_state()._states_to_forward_prefetch] == [(following,)]
-    finally:
-        dist.destroy_process_group()
+    unet = UNet2DConditionModel.from_pretrained(family_models["sd1"] / "unet")
+    units = wrap_units(unet, get_family("sd1").shard_units["unet"])
+    mesh = init_device_mesh("cpu", (1,))
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    fully_shard(unet, mesh=mesh)
+    prefetch_in_execution_order(unet, units)
+    ran = []
+    for u in units:
+        u.register_forward_pre_hook(lambda m, *_: ran.append(m))
+    config = unet.config
+    sample = torch.randn(1, config.in_channels, 8, 8)
+    text = torch.randn(1, 4, config.cross_attention_dim)
+    unet(sample, 10, text).sample.sum().backward()
+    assert [id(m) for m in ran] != [id(m) for m in units], "the tiny UNet must run units out of registration order"
+    for unit, following in zip(ran, ran[1:]):
+        assert [s._modules for s in unit._get_fsdp_state()._states_to_forward_prefetch] == [(following,)]

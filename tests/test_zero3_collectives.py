@@ -15,13 +15,15 @@ the full finetune below (bound 281) instead of 228. That 2 ranks under zero3 end
 batch ends is tests/test_family_strategies.py's.
 
 The same launch checks that a closed ZeRO-3 trainer is freed: DeepSpeed's module-level state kept every engine's model
-(parallel/deepspeed.py _forget_closed_engine)."""
+(parallel/deepspeed_process_state.py forget_closed_engine)."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+
+import pytest
 
 from conftest import base_config
 from forked_ranks import run_ranks
@@ -76,3 +78,73 @@ def test_zero3_gathers_parameters_per_step_not_per_use(small_sd1, shapes_data, t
                 assert step.get("broadcast", 0) == 0, f"{case}, rank {rank}, step {number}: the trace was recorded anew"
     full = json.loads((out / "full-rank0.json").read_text())
     assert full["sharded_modules"] > 0 and full["persistent"] > 0  # both terms of the bound are exercised
+
+
+def test_a_closed_zero3_trainer_gives_torch_its_linear_back(one_level_sd1, shapes_data, tmp_path, one_rank_group):
+    """Building a ZeRO-3 engine replaces torch.nn.functional.linear for the rest of the process (DeepSpeed's
+    zero3_linear_wrap, which rounds bfloat16 differently); closing the trainer puts back the one it found, so the
+    next training in the process (a notebook's sweep, the next case of a launch) computes as a fresh process does.
+    A 1-rank group in this process; also after a construction that failed once the engine existed."""
+    import torch
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    from ot_dist.config.load import validate
+    from ot_dist.errors import ConfigError
+    from ot_dist.train.trainer import Trainer
+
+    original = torch.nn.functional.linear
+    assert original is torch._C._nn.linear, "an earlier test in this process left a replaced linear"
+    raw = base_config(one_level_sd1, shapes_data, tmp_path / "run", method="lora", strategy="zero3", batch_size=2,
+                      max_steps=1)
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    assert torch.nn.functional.linear is zero3_linear_wrap  # what is undone below: DeepSpeed did replace it
+    trainer.train()
+    trainer.close()
+    assert torch.nn.functional.linear is original
+    # Prodigy refuses ZeRO-3's sub-groups after the engine is built: nobody holds the trainer to close it
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"zero_optimization": {"sub_group_size": 1000}}))
+    refused = {**raw, "output_dir": str(tmp_path / "refused"), "optimizer": {"name": "PRODIGY"}, "learning_rate": 1.0,
+               "deepspeed": {"config_file": str(split)}}
+    refused = validate(refused)
+    with pytest.raises(ConfigError, match="sub_group_size splits the parameters into"):
+        Trainer(refused, log=lambda *_: None)
+    assert torch.nn.functional.linear is original
+
+
+def test_closing_leaves_a_linear_replaced_since_by_someone_else(monkeypatch):
+    """Only DeepSpeed's own replacement is undone: a wrapper installed after the engine (a profiler, another
+    library) stays; its owner restores it."""
+    import torch
+
+    from ot_dist.parallel.deepspeed_process_state import restore_torch_linear
+
+    def theirs(*args, **kwargs):
+        return torch._C._nn.linear(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", theirs)
+    restore_torch_linear(torch._C._nn.linear)
+    assert torch.nn.functional.linear is theirs
+
+
+def test_a_process_trains_under_zero3_again_in_a_process_group_of_its_own(one_level_sd1, shapes_data, tmp_path,
+                                                                          monkeypatch):
+    """A notebook calling ot_dist.train.train twice: each run starts a 1-rank process group and ends it. The second
+    engine starts (DeepSpeed kept a clone of the first run's world group: parallel/deepspeed_process_state.py
+    forget_stale_world_group) and both runs leave torch's linear in place."""
+    import torch
+    import torch.distributed as dist
+
+    from ot_dist.config.load import validate
+    from ot_dist.ports import free_port
+    from ot_dist.train.trainer import train
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)  # what start_runtime would set in os.environ, restored after the test
+    for run in ("first", "second"):
+        monkeypatch.setenv("MASTER_PORT", str(free_port()))
+        raw = base_config(one_level_sd1, shapes_data, tmp_path / run, method="lora", strategy="zero3", batch_size=2,
+                          max_steps=1)
+        assert train(validate(raw), log=lambda *_: None).steps == 1, run
+        assert not dist.is_initialized(), run  # the run ended its group
+        assert torch.nn.functional.linear is torch._C._nn.linear, run

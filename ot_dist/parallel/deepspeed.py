@@ -17,6 +17,8 @@ from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, kept
 from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.deepspeed_file import users_deepspeed_config
+from ot_dist.parallel.deepspeed_process_state import (forget_closed_engine, forget_stale_world_group,
+                                                      restore_torch_linear)
 from ot_dist.parallel.ownership import Fragment, Owned, Ownership
 from ot_dist.parallel.zero_skip import norm_checks_on_device
 
@@ -283,6 +285,7 @@ class DeepSpeedStrategy(Strategy):
         self.name = f"zero{stage}"
         self.engine = None
         self.under_autocast = computes_under_autocast(config)  # as deepspeed_config decides, a config_file aside
+        self.linear_before = None  # torch.nn.functional.linear before this engine was built (restore_torch_linear)
 
     def wrap(self, model, groups):
         groups = super().wrap(model, groups)
@@ -306,26 +309,34 @@ class DeepSpeedStrategy(Strategy):
         refuse_engine_dtype_the_device_lacks(ds_config)
         # DeepSpeed's bf16 / fp16 engine casts the weights, then clones its float32 masters from the cast copies
         loaded = {name: p.data for name, p in self.trained_parameters().items()} if engine_casts(ds_config) else {}
-        with parameters_shown_by_shape() if self.stage == 3 else contextlib.nullcontext():
-            self.engine, engine_optimizer, _, _ = deepspeed.initialize(
-                model=container, optimizer=optimizer, config=ds_config, dist_init_required=False,
-            )
-        self.optimizer = optimizer  # our optimizer: its param_groups carry the scheduled learning rates
-        self.engine_optimizer = engine_optimizer
-        if loaded:
-            masters_from_loaded_weights(self.ownership(), loaded)
-        if not self.config.deepspeed.offload_optimizer:
-            if self.stage == 3:
-                share_fp32_master_with_partitions(engine_optimizer)
-            else:
-                share_fp32_master_with_flat_weights(engine_optimizer)
-        if self.stage == 3 and self.config.optimizer.adaptive and len(engine_optimizer.fp16_groups) > 1:
-            raise ConfigError(
-                f"deepspeed.config_file: zero_optimization.sub_group_size splits the parameters into "
-                f"{len(engine_optimizer.fp16_groups)} sub-groups, each stepped on its own, and {self.config.optimizer.name} "
-                "needs all of them in one step to estimate its step size. Raise sub_group_size above the trained "
-                "parameter count (the default does)"
-            )
+        forget_stale_world_group()  # a notebook's second run, in a process group of its own
+        self.linear_before = torch.nn.functional.linear  # ZeRO-3 replaces it (restore_torch_linear)
+        try:
+            with parameters_shown_by_shape() if self.stage == 3 else contextlib.nullcontext():
+                self.engine, engine_optimizer, _, _ = deepspeed.initialize(
+                    model=container, optimizer=optimizer, config=ds_config, dist_init_required=False,
+                )
+            self.optimizer = optimizer  # our optimizer: its param_groups carry the scheduled learning rates
+            self.engine_optimizer = engine_optimizer
+            if loaded:
+                masters_from_loaded_weights(self.ownership(), loaded)
+            if not self.config.deepspeed.offload_optimizer:
+                if self.stage == 3:
+                    share_fp32_master_with_partitions(engine_optimizer)
+                else:
+                    share_fp32_master_with_flat_weights(engine_optimizer)
+            if self.stage == 3 and self.config.optimizer.adaptive and len(engine_optimizer.fp16_groups) > 1:
+                raise ConfigError(
+                    f"deepspeed.config_file: zero_optimization.sub_group_size splits the parameters into "
+                    f"{len(engine_optimizer.fp16_groups)} sub-groups, each stepped on its own, and "
+                    f"{self.config.optimizer.name} needs all of them in one step to estimate its step size. Raise "
+                    "sub_group_size above the trained parameter count (the default does)"
+                )
+        except BaseException:
+            # a trainer whose construction failed is never closed (nobody holds it): its engine and DeepSpeed's
+            # linear would outlive it in the process (a notebook correcting its config and training again)
+            self.close()
+            raise
         return optimizer
 
     def close(self):
@@ -335,8 +346,11 @@ class DeepSpeedStrategy(Strategy):
         # exception") after training succeeded. destroy() releases them while everything is still alive.
         if self.engine is not None:
             self.engine.destroy()
-            _forget_closed_engine(self.engine.module)
+            forget_closed_engine(self.engine.module)
         self.engine = self.engine_optimizer = None
+        if self.linear_before is not None:  # also when deepspeed.initialize failed after replacing it
+            restore_torch_linear(self.linear_before)
+            self.linear_before = None
 
     def autocast(self):
         if self.under_autocast:
@@ -460,27 +474,3 @@ def stage3_fragments(params, names, rank: int) -> list[Fragment]:
             fragments.append(Fragment(names[id(param)], first, position, held))
         position += n
     return fragments
-
-
-def _forget_closed_engine(module: torch.nn.Module) -> None:
-    """Drop what DeepSpeed's module-level state keeps of a destroyed ZeRO-3 engine. Without this a closed ZeRO-3
-    trainer stayed alive for the rest of the process: the model's weights, the optimizer's state and ~47 k objects
-    that every later full collection walked again (a notebook that trains twice held both models; a test process
-    running several cases grew slower with each). destroy() only removes the hooks; two references remain:
-    - FWD_MODULE_STACK (parameter_offload.py), a module-level list: DeepSpeedZeRoOffload pushes the engine's module
-      there when it is built and never takes it off. Entries of other, live engines stay.
-    - PartitionedParameterCoordinator.__params_to_release, a functools.lru_cache on the class whose keys are
-      (coordinator, submodule, step). lru_cache clears only as a whole: another live engine in the process (ot_dist
-      has one at a time) recomputes its entries on their next use, a set of parameter ids it may release; the
-      values trained do not depend on it.
-    tests/test_zero3_collectives.py checks that the closed trainer is collected."""
-    from deepspeed.runtime.zero import parameter_offload
-    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
-
-    mine = {id(m) for m in module.modules()}
-    parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in mine]
-    # the cached function sits in the closure of DeepSpeed's instrument_w_nvtx wrapper (no functools.wraps)
-    wrapper = vars(PartitionedParameterCoordinator).get("_PartitionedParameterCoordinator__params_to_release")
-    for cell in getattr(wrapper, "__closure__", None) or ():
-        if hasattr(cell.cell_contents, "cache_clear"):
-            cell.cell_contents.cache_clear()

@@ -52,10 +52,11 @@ def recording_block_casts(trainer, path: str | None, rank: int):
 
     from ot_dist.methods.block_casts import CastTogether
 
-    # DeepSpeed's ZeRO-3 replaces torch.nn.functional.linear for the rest of the process (zero.Init,
-    # partition_parameters.py `_enable_mem_efficient_linear`): its linear adds a float32 bias to the bfloat16 product,
-    # where the block casts hand it the bias in bfloat16, so after a ZeRO-3 case in the same launch the two casts
-    # differ by a rounding: no longer what a launch of this case alone computes.
+    # Building a ZeRO-3 engine replaces torch.nn.functional.linear with DeepSpeed's (zero.Init, partition_parameters.py
+    # `_enable_mem_efficient_linear`), which adds a float32 bias to the bfloat16 product where the block casts hand it
+    # the bias in bfloat16: left in place after a ZeRO-3 case of the same launch, the two casts would differ by a
+    # rounding. Closing the trainer puts torch's back (parallel/deepspeed_process_state.py restore_torch_linear):
+    # recorded, so that a case run after ZeRO-3 ones shows it was.
     counts = {"blocks": blocks_hooked(trainer), "forward": 0, "backward": 0,
               "torch_linear": torch.nn.functional.linear is torch._C._nn.linear}
     forward, backward = CastTogether.forward, CastTogether.backward  # the functions (staticmethods unwrapped)

@@ -13,7 +13,8 @@ CASES_JSON: {"case name": raw config (a zero3 run), ...}. Every rank writes OUT_
   above it when they run: their own or one registered with them as external);
 - "steps_done";
 - "model_collected": whether the closed trainer's model was freed by the next full collection (a closed ZeRO-3
-  engine once stayed referenced from DeepSpeed's module-level state: parallel/deepspeed.py _forget_closed_engine).
+  engine once stayed referenced from DeepSpeed's module-level state: parallel/deepspeed_process_state.py
+  forget_closed_engine).
   Not for the first case: ot_dist/memory/heap.py freezes what exists when the process's first trainer is built.
 
 Collectives are counted in torch.distributed.distributed_c10d (patched there and in torch.distributed before the
