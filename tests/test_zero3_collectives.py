@@ -148,3 +148,24 @@ def test_a_process_trains_under_zero3_again_in_a_process_group_of_its_own(one_le
         assert train(validate(raw), log=lambda *_: None).steps == 1, run
         assert not dist.is_initialized(), run  # the run ended its group
         assert torch.nn.functional.linear is torch._C._nn.linear, run
+
+
+def test_a_refused_run_ends_the_process_group_it_started(one_level_sd1, shapes_data, tmp_path, monkeypatch):
+    """ot_dist.train.train on a config whose construction is refused (here: the model folder is gone) ends the 1-rank
+    group it started for fsdp, so that the notebook's next run can start its own."""
+    import torch.distributed as dist
+
+    from ot_dist.config.load import validate
+    from ot_dist.errors import InputFileError
+    from ot_dist.ports import free_port
+    from ot_dist.train.trainer import train
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    raw = base_config(one_level_sd1, shapes_data, tmp_path / "run", strategy="fsdp", max_steps=1)
+    config = validate(raw)
+    config.model.path = str(tmp_path / "gone")  # removed after the config was checked
+    with pytest.raises(InputFileError):
+        train(config, log=lambda *_: None)
+    assert not dist.is_initialized()

@@ -525,9 +525,14 @@ def build_ema(config: TrainConfig, ownership) -> ShardedEMA | None:
 
 
 def train(config: TrainConfig, log=print, resume: str | None = None, overwrite: bool = False) -> TrainResult:
-    trainer = Trainer(config, log=log, resume=resume, overwrite=overwrite)
+    # The process group is ended however the run ends, a refused construction included (a missing model, a resume
+    # that cannot be honoured): a notebook's next run starts a group of its own, which a leftover one would refuse.
+    runtime = start_runtime(config.distributed.timeout_minutes, needs_group=config.strategy != "single")
     try:
-        return trainer.train()
+        trainer = Trainer(config, runtime=runtime, log=log, resume=resume, overwrite=overwrite)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
-        trainer.runtime.shutdown()
+        runtime.shutdown()
