@@ -975,6 +975,13 @@ class TrainConfig(Section):
         "loads the LoRA but warns \"lora key not loaded\" for each, and Forge (since its 2024 LoRA rework) ignores "
         "them; the separate files are written either way.",
     )
+    preserve_embedding_norm: bool = Field(
+        default=False,
+        description="After every optimizer step, rescale the trained embedding vectors (method embedding's and the "
+        "trained additional_embeddings) as OneTrainer's preserve_embedding_norm does: each input vector to the median "
+        "L2 norm of its text encoder's token-embedding rows (measured once, before training); an output embedding's "
+        "vectors as a whole so that their mean per-vector standard deviation stays the one they started with.",
+    )
     metadata: MetadataConfig = Field(default_factory=MetadataConfig)
 
     @field_validator("train_dtype")
@@ -1217,6 +1224,10 @@ class TrainConfig(Section):
             check_output_embedding("embedding.output_embedding", self, family)
         check_token_case(self, family)
         check_additional_embeddings(self, family)
+        if self.preserve_embedding_norm and self.method != "embedding" and not any(
+                entry.train for entry in self.additional_embeddings):
+            raise ValueError(f"preserve_embedding_norm: method {self.method} trains no embedding vectors here (no "
+                             "additional_embeddings entry with train: true); turn it off or add one")
         if self.strategy in ("fsdp", "zero1", "zero2", "zero3"):
             for name in self.part_names():
                 if getattr(self, name).stop_training_after is not None:

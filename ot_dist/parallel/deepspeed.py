@@ -332,6 +332,16 @@ class DeepSpeedStrategy(Strategy):
                     f"{self.config.optimizer.name} needs all of them in one step to estimate its step size. Raise "
                     "sub_group_size above the trained parameter count (the default does)"
                 )
+            if (self.stage == 3 and self.config.preserve_embedding_norm
+                    and len(engine_optimizer.fp16_groups) > len(optimizer.param_groups)):
+                # the rescale runs when a parameter group steps (ot_dist/train/embedding_norm.py): with a group in
+                # several sub-groups it would run before the sub-group holding the vectors had stepped
+                raise ConfigError(
+                    f"preserve_embedding_norm: deepspeed.config_file's zero_optimization.sub_group_size splits the "
+                    f"{len(optimizer.param_groups)} parameter groups into {len(engine_optimizer.fp16_groups)} "
+                    "sub-groups, each stepped on its own, and the embedding vectors are rescaled once their group has "
+                    "stepped. Raise sub_group_size above the trained parameter count (the default does)"
+                )
         except BaseException:
             # a trainer whose construction failed is never closed (nobody holds it): its engine and DeepSpeed's
             # linear would outlive it in the process (a notebook correcting its config and training again)

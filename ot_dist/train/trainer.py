@@ -41,6 +41,7 @@ from ot_dist.precision import DTYPES, set_tf32
 from ot_dist.train.cuda_allocator import configure_cuda_allocator
 from ot_dist.train.checkpointing import enable_gradient_checkpointing
 from ot_dist.train.ema import ShardedEMA
+from ot_dist.train.embedding_norm import EmbeddingNorms, group_names, trained_vectors
 from ot_dist.train.fast_path import (apply_performance, attention_kernel, begin_step, check_performance,
                                      selective_checkpointing)
 from ot_dist.train.inpainting import check_inpainting_setup
@@ -129,6 +130,8 @@ class Trainer:
         check_inpainting_setup(config, self.model)
         self.method: TrainingMethod = build_method(config)
         self.groups: list[ParamGroup] = self.method.prepare(self.model)
+        # preserve_embedding_norm's targets, from the whole token tables (before any strategy shards them)
+        norm_vectors = trained_vectors(self.model) if config.preserve_embedding_norm else []
         self._place_modules()
         if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log,
@@ -140,8 +143,11 @@ class Trainer:
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
+        group_names(norm_vectors, self.optimizer, self.strategy.trained_parameters())  # before ZeRO's partitions
         self.optimizer = self.strategy.wrap_optimizer(self.optimizer)
         self.ownership = self.strategy.ownership()  # what this rank's optimizer steps
+        if norm_vectors:  # rescales the vectors inside each step, before the strategy copies them to the weights
+            EmbeddingNorms(norm_vectors, self.ownership).install(self.optimizer)
         if hasattr(self.optimizer, "attach_ownership"):  # sums its statistics over the shards
             self.optimizer.attach_ownership(self.ownership)
         self.ema = build_ema(config, self.ownership)
