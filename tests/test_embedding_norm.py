@@ -32,7 +32,8 @@ def norm_config(model, data, out, preserve=True, **extra) -> dict:
         "batch_size": 4, "max_steps": STEPS, "learning_rate": 5e-2, "preserve_embedding_norm": preserve,
         "embedding": {"token": "<tok>", "vectors": 3, "init_text": "a cat"},
         # the output vectors' rows have a std near 1 (the input rows' norms are near 1 too): a larger step for them
-        "additional_embeddings": [{"token": "<add>", "output_embedding": True, "learning_rate": 0.3}], **extra})
+        "additional_embeddings": [{"token": "<add>", "vectors": 3, "output_embedding": True,
+                                   "learning_rate": 0.3}], **extra})
     raw["data"] = {"concepts": [{"path": str(data), "caption_prefix": "<add>"}], "shards": f"{out}-shards"}
     return raw
 
@@ -72,6 +73,7 @@ def test_vectors_keep_onetrainers_norms(one_process, one_level_sd1):
     median = table_median(one_level_sd1)
     (vectors, start), (plain, plain_start) = one_process[True], one_process[False]
     assert torch.allclose(torch.norm(vectors["input"], dim=1), median.expand(3), rtol=1e-5)
+    assert vectors["output"].shape == (3, 32)
     assert torch.allclose(mean_row_std(vectors["output"]), mean_row_std(start), rtol=1e-5)
     # without the option the large steps take them elsewhere
     assert (torch.norm(plain["input"], dim=1) - median).abs().min() > 0.05 * median
@@ -82,9 +84,9 @@ def test_vectors_keep_onetrainers_norms(one_process, one_level_sd1):
 
 
 def test_two_ranks_equal_one_process(one_process, one_level_sd1, shapes_data, tmp_path):
-    """fsdp, zero2 and zero3, batch 2 on each of 2 ranks, against one process with batch 4. The 3 input rows (3 x 32
-    elements) are cut inside row 1 by ZeRO's partitions (48 elements each) and held 2 + 1 by FSDP; the output vector
-    (1 x 32) is split in half by ZeRO and held by one rank under FSDP."""
+    """fsdp, zero2 and zero3, batch 2 on each of 2 ranks, against one process with batch 4. The 3 input rows and the
+    3 output vectors (3 x 32 elements each) are cut inside row 1 by ZeRO's partitions (48 elements each) and held
+    2 + 1 by FSDP (the output vectors' mean row std spans both ranks)."""
     cases = {}
     for strategy in ("fsdp", "zero2", "zero3"):
         raw = norm_config(one_level_sd1, shapes_data, tmp_path / strategy, batch_size=2, strategy=strategy)
@@ -93,11 +95,9 @@ def test_two_ranks_equal_one_process(one_process, one_level_sd1, shapes_data, tm
     done = run_ranks(REPO / "tests" / "helpers" / "family_cases.py", tmp_path / "cases.json", timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     reference, _ = one_process[True]
-    for strategy in cases:
-        got = trained(tmp_path / strategy)
-        for key in reference:
-            diff = (got[key] - reference[key]).abs().max()
-            assert diff <= TOLERANCE, f"{strategy} {key}: max abs diff {diff:.3g}"
+    diffs = {f"{strategy} {key}": float((value - reference[key]).abs().max())
+             for strategy in cases for key, value in trained(tmp_path / strategy).items()}
+    assert max(diffs.values()) <= TOLERANCE, diffs
 
 
 def test_a_step_skipped_on_the_device_leaves_the_vectors():
