@@ -130,3 +130,16 @@ def test_refused_without_trained_vectors(small_sd1, shapes_data, tmp_path):
     raw = base_config(small_sd1, shapes_data, tmp_path, method="lora", preserve_embedding_norm=True)
     with pytest.raises(ConfigError, match="preserve_embedding_norm: method lora trains no embedding vectors"):
         validate(raw)
+
+
+def test_refused_where_zero3_splits_a_parameter_group(one_level_sd1, shapes_data, tmp_path):
+    """ZeRO-3 steps a parameter group's sub-groups one at a time: the rescale, run when the group steps, would run
+    before the vectors' sub-group had stepped. Refused after the engine is built, naming the option (1-rank group)."""
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"zero_optimization": {"sub_group_size": 1000}}))
+    raw = base_config(one_level_sd1, shapes_data, tmp_path / "run", method="lora", strategy="zero3", batch_size=2,
+                      max_steps=1, preserve_embedding_norm=True, deepspeed={"config_file": str(split)},
+                      additional_embeddings=[{"token": "<add>"}])
+    raw["data"] = {"concepts": [{"path": str(shapes_data), "caption_prefix": "<add>"}], "shards": f"{tmp_path}-shards"}
+    with pytest.raises(ConfigError, match="preserve_embedding_norm: deepspeed.config_file's zero_optimization"):
+        Trainer(validate(raw), log=QUIET)
