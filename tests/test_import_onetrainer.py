@@ -932,6 +932,25 @@ def test_additional_embeddings_are_imported_and_bundled_by_default(tmp_path):
     assert config.bundle_additional_embeddings is False  # OneTrainer bundles into LoRA files only
 
 
+@pytest.mark.parametrize("method,embeddings,preserved", [
+    ("EMBEDDING", [], True),
+    ("LORA", [{"placeholder": "<a>"}], True),
+    ("FINE_TUNE", [{"placeholder": "<a>"}, {"placeholder": "<b>", "model_name": "emb/b.safetensors", "train": False}],
+     True),
+    # nothing trains a vector: OneTrainer's rescale does nothing, and ot_dist refuses the option there
+    ("LORA", [{"placeholder": "<b>", "model_name": "emb/b.safetensors", "train": False}], False),
+])
+def test_preserve_embedding_norm_is_imported(tmp_path, method, embeddings, preserved):
+    """OneTrainer's preserve_embedding_norm becomes ot_dist's (ot_dist/train/embedding_norm.py), not a listed line."""
+    config, skipped = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": method,
+                                             "preserve_embedding_norm": True, "additional_embeddings": embeddings})
+    assert config.preserve_embedding_norm is preserved
+    assert not any("preserve_embedding_norm" in line for line in skipped)
+    config, _ = import_only(tmp_path, {"model_type": "STABLE_DIFFUSION_15", "training_method": method,
+                                       "additional_embeddings": embeddings})
+    assert config.preserve_embedding_norm is False  # OneTrainer's default
+
+
 @pytest.mark.parametrize("model_type,t5", [("CHROMA_1", "text_encoder"), ("PIXART_SIGMA", "text_encoder"),
                                            ("PIXART_ALPHA", "text_encoder"), ("FLUX_DEV_1", "text_encoder_2"),
                                            ("STABLE_DIFFUSION_3", "text_encoder_3")])

@@ -217,8 +217,8 @@ def _embedding(ot: dict, c: dict, out: Imported) -> None:
     if embedding["stop_training_after"] is not None and embedding["stop_training_after_unit"] != "NEVER":
         skip(f"embedding.stop_training_after: {embedding['stop_training_after']} "
              f"{embedding['stop_training_after_unit']} is not supported (the embedding trains to the end)")
-    if ot["preserve_embedding_norm"]:
-        skip("preserve_embedding_norm: true is not supported")
+    if ot["preserve_embedding_norm"]:  # the same rescale, of these vectors and the additional embeddings'
+        c["preserve_embedding_norm"] = True
     if ot["embedding_weight_dtype"] not in ("FLOAT_32", None):
         skip(f"embedding_weight_dtype: {ot['embedding_weight_dtype']} (the vectors train in float32) is not supported")
 

@@ -43,8 +43,8 @@ def import_additional_embeddings(ot: dict, c: dict, method: str, out: Imported) 
         return
     c["additional_embeddings"] = entries
     if method != "embedding":  # method embedding's own import lists these already
-        if ot.get("preserve_embedding_norm"):
-            skip("preserve_embedding_norm: true is not supported")
+        if ot.get("preserve_embedding_norm") and any(entry.get("train", True) for entry in entries):
+            c["preserve_embedding_norm"] = True  # OneTrainer's rescale of the embeddings that train
         if ot.get("embedding_weight_dtype") not in ("FLOAT_32", None):
             skip(f"embedding_weight_dtype: {ot['embedding_weight_dtype']} (the vectors train in float32) is not "
                  "supported")
