@@ -129,3 +129,20 @@ def test_prodigy_adds_no_host_sync_to_the_step(tiny_models, shapes_data, tmp_pat
     assert len(result.d_lr) == 6 and all(set(d) == {"unet", "text_encoder"} for d in result.d_lr)
     assert all(isinstance(v, float) for d in result.d_lr for v in d.values())
     assert result.d_lr[-1]["unet"] > 1.5 * result.d_lr[0]["unet"] == 1.5e-6  # d grew from d0 (lr 1)
+
+
+def test_preserve_embedding_norm_adds_no_host_sync_to_the_step(one_level_sd1, shapes_data, tmp_path):
+    """preserve_embedding_norm's rescale (ot_dist/train/embedding_norm.py) runs inside every optimizer step: its
+    norms, standard deviations and factors stay on the device. Method embedding's input vectors and an additional
+    output embedding's vectors: both rules."""
+    raw = base_config(one_level_sd1, None, tmp_path / "run", method="embedding", batch_size=2, max_steps=3,
+                      log_every_steps=3, preserve_embedding_norm=True,
+                      **{"embedding.token": "<tok>", "checkpoint.at_end": False,
+                         "additional_embeddings": [{"token": "<add>", "output_embedding": True}]})
+    raw["data"] = {"concepts": [{"path": str(shapes_data), "caption_prefix": "<add>"}], "shards": f"{tmp_path}-shards"}
+    counter, result = _counted(raw)
+    assert result.steps == 3
+    from_norms = [s for s in counter.in_phase("step") if "embedding_norm.py" in s.where]
+    assert not from_norms, f"host syncs in the rescale:\n{_listing(from_norms)}"
+    step_syncs = counter.in_phase("step")
+    assert len(step_syncs) <= result.steps, f"{len(step_syncs)} host syncs in {result.steps} steps:\n{_listing(step_syncs)}"
