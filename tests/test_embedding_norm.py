@@ -84,11 +84,11 @@ def test_vectors_keep_onetrainers_norms(one_process, one_level_sd1):
 
 
 def test_two_ranks_equal_one_process(one_process, one_level_sd1, shapes_data, tmp_path):
-    """fsdp, zero2 and zero3, batch 2 on each of 2 ranks, against one process with batch 4. The 3 input rows and the
+    """ddp, fsdp, zero2 and zero3, batch 2 on each of 2 ranks, against one process with batch 4. The 3 input rows and the
     3 output vectors (3 x 32 elements each) are cut inside row 1 by ZeRO's partitions (48 elements each) and held
     2 + 1 by FSDP (the output vectors' mean row std spans both ranks)."""
     cases = {}
-    for strategy in ("fsdp", "zero2", "zero3"):
+    for strategy in ("ddp", "fsdp", "zero2", "zero3"):
         raw = norm_config(one_level_sd1, shapes_data, tmp_path / strategy, batch_size=2, strategy=strategy)
         cases[strategy] = raw
     (tmp_path / "cases.json").write_text(json.dumps(cases))
@@ -124,6 +124,13 @@ def test_a_step_skipped_on_the_device_leaves_the_vectors():
     again = [rows.detach().clone(), outputs.detach().clone()]
     norms.after_step(optimizer)
     assert torch.allclose(rows, again[0], rtol=1e-6) and torch.allclose(outputs, again[1], rtol=1e-6)
+    # vectors that stopped training (an additional embedding's stop_training_after: single / ddp) are left alone
+    rows.requires_grad_(False)
+    with torch.no_grad():
+        rows.mul_(3.0)
+    stopped = rows.detach().clone()
+    norms.after_step(optimizer)
+    assert torch.equal(rows, stopped)
 
 
 def test_refused_without_trained_vectors(small_sd1, shapes_data, tmp_path):

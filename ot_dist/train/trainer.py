@@ -143,7 +143,8 @@ class Trainer:
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
-        group_names(norm_vectors, self.optimizer, self.strategy.trained_parameters())  # before ZeRO's partitions
+        if norm_vectors:  # their parameter groups, read before ZeRO replaces the groups' params by its partitions
+            group_names(norm_vectors, self.optimizer, self.strategy.trained_parameters())
         self.optimizer = self.strategy.wrap_optimizer(self.optimizer)
         self.ownership = self.strategy.ownership()  # what this rank's optimizer steps
         if norm_vectors:  # rescales the vectors inside each step, before the strategy copies them to the weights
