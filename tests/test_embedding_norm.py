@@ -2,8 +2,8 @@
 trained input vector has the median row norm of its encoder's token table, and an output embedding's vectors keep the
 mean per-row standard deviation they started with. One run of method embedding (3 input vectors) with an additional
 output embedding beside it, on one_level_sd1 with a large learning rate (so that the rescale decides where the run
-ends); the same run without the option (which must end elsewhere); the same run on 2 ranks under fsdp, zero2 and
-zero3, where the vectors' rows are cut between the ranks (FSDP's row shards, ZeRO's flat partitions cut inside a row),
+ends); the same run without the option (which must end elsewhere); the same run on 2 ranks under ddp, fsdp, zero2
+and zero3, where the vectors' rows are cut between the ranks (FSDP's row shards, ZeRO's flat partitions cut inside a row),
 against the one-process run; a step skipped on the device leaves the vectors as they were."""
 
 from __future__ import annotations

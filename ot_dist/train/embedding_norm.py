@@ -19,7 +19,9 @@ into the model's weights right after, before the all-gather; ZeRO-3 steps it onc
 stepped holds that sub-group's partition, the others none) and copies after each. So the hook rescales the vectors of
 the group(s) being stepped, found by group name (the same on every rank, unlike which fragments a rank holds).
 A parameter group that ZeRO-3 splits into several sub-groups would be rescaled before its vectors stepped: refused
-(parallel/deepspeed.py). A step skipped on the device (the lagged step guard's `found_inf`) scales by 1.
+(parallel/deepspeed.py). A step skipped on the device (the lagged step guard's `found_inf`) scales by 1. With
+deepspeed.offload_optimizer the partitions are on the host: the sums travel to the device for the all-reduce and the
+factors back (a wait for the device, where DeepSpeed's offloaded step already waits on its own).
 """
 
 from __future__ import annotations
