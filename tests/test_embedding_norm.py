@@ -150,3 +150,16 @@ def test_refused_where_zero3_splits_a_parameter_group(one_level_sd1, shapes_data
     raw["data"] = {"concepts": [{"path": str(shapes_data), "caption_prefix": "<add>"}], "shards": f"{tmp_path}-shards"}
     with pytest.raises(ConfigError, match="preserve_embedding_norm: deepspeed.config_file's zero_optimization"):
         Trainer(validate(raw), log=QUIET)
+
+
+def test_the_fused_back_pass_rescales_too(one_level_sd1, shapes_data, tmp_path):
+    """optimizer.fused_back_pass steps each parameter inside backward (optimizer.step is a no-op there): the rescale
+    runs at each of those steps."""
+    raw = norm_config(one_level_sd1, shapes_data, tmp_path, clip_grad_norm=None,
+                      **{"optimizer.fused_back_pass": True})
+    trainer = Trainer(validate(raw), log=QUIET)
+    start = trainer.model.text_encoders["text_encoder"].get_input_embeddings().outputs.additional["0"].detach().clone()
+    trainer.train()
+    vectors = trained(tmp_path)
+    assert torch.allclose(torch.norm(vectors["input"], dim=1), table_median(one_level_sd1).expand(3), rtol=1e-5)
+    assert torch.allclose(mean_row_std(vectors["output"]), mean_row_std(start), rtol=1e-5)
