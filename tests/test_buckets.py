@@ -55,3 +55,11 @@ def test_the_bucket_step_is_the_familys_unless_set():
     assert config("sd1", bucket_step=64).bucket_step == 64
     assert config("sd1").bucket_assignment == "rounded_aspect"
     assert config("sd1", bucket_assignment="log_ratio").bucket_assignment == "log_ratio"
+
+
+def test_square_puts_every_image_in_the_square_bucket():
+    """data.bucket_assignment: square, OneTrainer's aspect_ratio_bucketing false (mgds SingleAspectCalculation: the
+    image scaled to cover a resolution x resolution square, then cropped): tall, wide and square images alike."""
+    for width, height in ((200, 651), (940, 1061), (1676, 607), (512, 512)):
+        assert bucket_size(bucket_of(width, height, 512, 8, "square"), 512, 8) == (512, 512)
+    assert bucket_size(bucket_of(200, 651, 512, 8), 512, 8) != (512, 512)  # the image has a bucket of its own

@@ -522,3 +522,19 @@ def test_a_run_that_would_not_train_most_images_stops_before_training(tiny_model
     raw["data"]["max_untrained_fraction"] = 0.8  # accepted: it trains
     raw["output_dir"] = str(tmp_path / "out2")
     assert Trainer(validate(raw), log=lambda *_: None).train().steps == 1
+
+
+def test_square_crops_every_image_to_the_resolutions_square(tmp_path):
+    """data.bucket_assignment: square: one bucket, every sample read at each resolution as that square, cropped from
+    the image scaled to cover it (a wide image loses its sides, a tall one its top and bottom)."""
+    folder = make_images(tmp_path / "imgs", MIXED)
+    cfg = config({"path": str(folder), "shards": str(tmp_path / "shards"), "bucket_step": 16,
+                  "bucket_assignment": "square"}, resolution="48,64")
+    build_shard_set(cfg, tmp_path / "shards", log=lambda *_: None)
+    manifest = read_manifest(tmp_path / "shards")
+    assert [(b["aspect"], b["samples"], b["sizes"]) for b in manifest["buckets"]] == [
+        ("1:1", len(MIXED), {"48": [48, 48], "64": [64, 64]})]
+    dataset = ShardDataset(tmp_path / "shards", cfg)
+    for index in range(len(MIXED)):
+        for resolution in (48, 64):
+            assert list(dataset.load(index, epoch=0, resolution=resolution)["pixels"].shape[1:]) == [resolution] * 2

@@ -308,11 +308,16 @@ no_such_argument = 3
 """, "--script", "train_network.py")
     assert config["lora"]["variant"] == "loha" and "unet_targets" not in config["lora"]
     assert "dropout" not in config["lora"] and "network_dropout: 0.2" in err
-    for line in ("enable_bucket: false", "v_pred_like_loss: 0.1", "loss_type: quadratic is not one of kohya's", "full_fp16",
+    assert config["data"]["bucket_assignment"] == "square"  # no buckets: kohya covers and crops the square
+    for line in ("v_pred_like_loss: 0.1", "loss_type: quadratic is not one of kohya's", "full_fp16",
                  "color_aug: True", "no_such_argument: 3 is not an argument of kohya's training scripts",
                  "network_args module_dropout=0.1", "conv_dim=8 conv_alpha=1.0: ot_dist adapts every module at one rank"):
         assert line in err, line
     assert "NOT HONOURED (kohya arguments this config does not reproduce)" in text
+    # a rectangle without buckets (kohya crops every image to it) has no ot_dist equivalent: listed, buckets kept
+    rectangle = common.replace("resolution = 512\n", 'resolution = "512,768"\n') + 'network_module = "networks.lora"\n'
+    config, text, err = imported(tmp_path, rectangle, "--script", "train_network.py")
+    assert "enable_bucket: false with resolution 512,768" in err and "bucket_assignment" not in config["data"]
 
 
 def test_validation_error_names_the_kohya_argument(tmp_path):

@@ -316,8 +316,9 @@ def test_what_is_not_honoured_is_listed(tmp_path):
         "--mixed_precision": "fp8", "--lr_scale": True,
     }, backends)
     listed = text.split("NOT HONOURED")[1]
+    assert config["data"]["bucket_assignment"] == "square" and "crop_aspect" not in listed  # every dataset: squares
     for line in ("a].probability: 0.5", "a].resolution_type: pixel", "a].crop_style: corner",
-                 "a].crop_aspect: square", "a].minimum_image_size: 256", "a].caption_filter_list",
+                 "a].minimum_image_size: 256", "a].caption_filter_list",
                  "s3].type: aws", "a].caption_strategy: filename: SimpleTuner reads the underscores",
                  "offset_noise: SimpleTuner adds no offset noise", "snr_gamma: 5", "lr_scheduler: cosine",
                  "base_model_precision: int8-quanto", "made_up_flag: 1 is not an argument of SimpleTuner",
@@ -579,3 +580,15 @@ def test_ideogram_maps_its_schedule_and_lists_its_json_captions_and_fused_qkv(tm
                                   "--pretrained_model_name_or_path": "/models/ideogram4-diffusers"})
     listed = text.split("NOT HONOURED")[1] if "NOT HONOURED" in text else ""
     assert "ideogram_auto_json" not in listed and "llm_cond_proj" in listed
+
+
+def test_square_crops_of_some_datasets_only_are_listed(tmp_path):
+    """bucket_assignment is one setting: a square-cropping dataset beside one that keeps its aspects leaves ot_dist's
+    aspect buckets on, and the square crop is listed as not honoured."""
+    images(tmp_path / "data" / "a", ["one"])
+    images(tmp_path / "data" / "b", ["two"])
+    backends = [{"id": "a", "type": "local", "instance_data_dir": "data/a", "crop": True, "crop_aspect": "square"},
+                {"id": "b", "type": "local", "instance_data_dir": "data/b"}]
+    config, text = imported(tmp_path, {"--model_family": "sdxl", "--model_type": "lora"}, backends)
+    assert "bucket_assignment" not in config["data"]
+    assert "a].crop_aspect: square: the other datasets keep their images' aspects" in text.split("NOT HONOURED")[1]

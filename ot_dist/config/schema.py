@@ -590,11 +590,13 @@ class DataConfig(Section):
         "for SD 1.x / 2.x, 64 for SDXL, SD3, Flux, Chroma). It must be a multiple of the family's latent grid: 8 for "
         "SD 1.x / 2.x / SDXL (VAE x8), 16 for SD3 / Flux / Chroma (VAE x8, 2x2 patches).",
     )
-    bucket_assignment: Literal["rounded_aspect", "log_ratio"] = Field(
+    bucket_assignment: Literal["rounded_aspect", "log_ratio", "square"] = Field(
         default="rounded_aspect",
         description="Which bucket an image goes to: rounded_aspect = the bucket whose rounded size (at the largest "
         "resolution) has the nearest height/width, by linear difference, as OneTrainer assigns; log_ratio = the "
-        "nearest ideal aspect by log ratio (ot_dist's earlier rule: symmetric for tall and wide images).",
+        "nearest ideal aspect by log ratio (ot_dist's earlier rule: symmetric for tall and wide images); square = "
+        "no aspect buckets: every image is scaled to cover the square of each resolution and cropped to it "
+        "(data.crop), OneTrainer's aspect_ratio_bucketing false.",
     )
     image_format: Literal["auto", "png", "webp", "jpg"] = Field(
         default="auto",

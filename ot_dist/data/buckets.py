@@ -5,7 +5,8 @@ resolution R its size is the rectangle of that aspect with about R x R pixels, s
 multiples of `step` (the family's: 8 for SD 1.x / 2.x, 64 for the others, as OneTrainer quantizes).
 An image goes to the bucket whose *rounded* size has the nearest height / width (linear difference),
 as OneTrainer assigns; `log_ratio` (data.bucket_assignment) keeps ot_dist's earlier rule, the nearest
-ideal aspect in log ratio.
+ideal aspect in log ratio; `square` puts every image in the 1:1 bucket (OneTrainer's aspect_ratio_bucketing false,
+mgds SingleAspectCalculation: scaled to cover the square, then cropped, centred or at random as data.crop says).
 
 Unlike OneTrainer, which assigns per drawn resolution, the bucket of an image is one aspect for every
 resolution (assigned at the largest): that is what lets a multi-resolution run draw the resolution per
@@ -21,13 +22,17 @@ from PIL import Image
 # height / width of each bucket, from the tallest to the widest (OneTrainer's list, both orientations).
 _SIDES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0)
 ASPECTS: tuple[float, ...] = tuple(sorted({s for s in _SIDES} | {1 / s for s in _SIDES}, reverse=True))
+SQUARE = ASPECTS.index(1.0)
 
 
 def bucket_of(width: int, height: int, resolution: int, step: int, assignment: str = "rounded_aspect") -> int:
     """The index in ASPECTS of the image's bucket: the one whose size at `resolution` (sides multiples of
     `step`) has the height / width nearest the image's (rounded_aspect, OneTrainer's), or whose ideal aspect
-    is nearest in log ratio (log_ratio). Between buckets of equally near rounded sizes (at a coarse step several
-    aspects round to one size, 1:1 and 1.25:1 both to 64x64 at 64 px) the nearest ideal aspect wins."""
+    is nearest in log ratio (log_ratio), or the square one whatever the image's aspect (square). Between buckets of
+    equally near rounded sizes (at a coarse step several aspects round to one size, 1:1 and 1.25:1 both to 64x64 at
+    64 px) the nearest ideal aspect wins."""
+    if assignment == "square":
+        return SQUARE
     ratio = math.log(height / width)
     by_ideal = [abs(math.log(a) - ratio) for a in ASPECTS]
     if assignment == "log_ratio":

@@ -52,14 +52,20 @@ def import_dataset(args: DiffusersArgs, c: dict, kind: str, out: Imported, capti
     c["resolution"] = args["resolution"]
     c["batch_size"] = args["train_batch_size"]
     c["data"] = {"crop": "center" if args["center_crop"] else "random"}
-    how = ("resizes each image to resolution x resolution (a square, squashed unless center_crop)"
-           if kind == "textual_inversion" else "scales the shorter side to resolution and crops a square")
-    if args["aspect_ratio_buckets"]:  # the Qwen-Image script's explicit list (it needs use_aspect_ratio_buckets)
-        how = f"covers and crops each image to the nearest of its buckets {args['aspect_ratio_buckets']}"
-    elif args["use_aspect_ratio_buckets"]:
-        how = "buckets by aspect ratio with buckets of its own, computed from resolution"
-    out.not_honoured.append(f"resolution {args['resolution']}: diffusers {how}; ot_dist buckets by aspect ratio "
-                            "(the same area, the image's own shape)")
+    if args["aspect_ratio_buckets"] or args["use_aspect_ratio_buckets"]:
+        how = (f"covers and crops each image to the nearest of its buckets {args['aspect_ratio_buckets']}"
+               if args["aspect_ratio_buckets"]  # the Qwen-Image script's explicit list (needs use_aspect_ratio_buckets)
+               else "buckets by aspect ratio with buckets of its own, computed from resolution")
+        out.not_honoured.append(f"resolution {args['resolution']}: diffusers {how}; ot_dist buckets by aspect ratio "
+                                "with OneTrainer's buckets (the same area, the nearest of its aspects)")
+    elif kind == "textual_inversion" and not args["center_crop"]:
+        out.not_honoured.append(f"resolution {args['resolution']}: diffusers resizes each image to resolution x "
+                                "resolution, squashing it; ot_dist buckets by aspect ratio (the same area, the image's "
+                                "own shape)")
+    else:  # the script's square: the shorter side scaled to resolution, a square cropped (centred or at random)
+        c["data"]["bucket_assignment"] = "square"
+        out.notes.append("data.bucket_assignment: square, as the script crops every image to a square; "
+                         "rounded_aspect would train each image at its own shape (aspect buckets)")
     if kind == "textual_inversion":
         concepts = [_textual_inversion(args, out)]
     elif kind == "edit":

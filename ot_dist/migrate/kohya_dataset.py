@@ -143,10 +143,12 @@ def _dataset_settings(first: Lookup, c: dict, family: str, out: Imported) -> Non
         skip(f"resolution: {width},{height}: ot_dist buckets by the area of a {side} px square; the width and "
              "height themselves are not kept")
     c["batch_size"] = first["batch_size"]
-    if not first["enable_bucket"]:
-        skip("enable_bucket: false (kohya crops every image to the resolution) is not supported: ot_dist always "
-             "buckets by aspect ratio")
     c["data"] = {"bucket_step": step}  # kohya's default 64 included (ot_dist's is the family's: 8 for SD 1.x / 2.x)
+    if not first["enable_bucket"] and width == height:  # kohya scales each image to cover the square and crops it
+        c["data"]["bucket_assignment"] = "square"
+    elif not first["enable_bucket"]:
+        skip(f"enable_bucket: false with resolution {width},{height} (kohya crops every image to that rectangle) is "
+             "not supported: ot_dist crops to squares (data.bucket_assignment: square) or buckets by aspect ratio")
     for key in ("min_bucket_reso", "max_bucket_reso"):
         if first[key] != DATASET_DEFAULTS[key]:
             skip(f"{key}: {first[key]}: ot_dist's buckets have no side limit")

@@ -100,9 +100,6 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     out.notes.append(f"output_model_destination: {destination} -> output_dir {c['output_dir']} (ot_dist writes "
                      "model/ + model.safetensors, lora.safetensors or embedding.safetensors inside it)")
 
-    if not ot.get("aspect_ratio_bucketing", True):
-        skip("aspect_ratio_bucketing: false (every image cropped square) is not supported: ot_dist always buckets by "
-             "aspect ratio")
     c["resolution"] = _resolution(str(ot["resolution"]).replace(" ", ""), family, skip)
     for key in ("batch_size", "gradient_accumulation_steps", "epochs", "learning_rate", "clip_grad_norm"):
         c[key] = ot[key]
@@ -141,6 +138,8 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     import_additional_embeddings(ot, c, method, out)
 
     crop_jitter = import_concepts(ot, c, path, concepts_path, out)
+    if not ot.get("aspect_ratio_bucketing", True):  # every image scaled to cover the square and cropped to it
+        c["data"]["bucket_assignment"] = "square"
     import_samples(ot, c, path, samples_path, out)
     import_checkpoint(ot, c, skip)
     import_latent_caching(ot, c, inpainting, crop_jitter, out)

@@ -50,7 +50,7 @@ def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: st
     backends = read_json(path, "data_backend_config")
     if not isinstance(backends, list):
         raise ConfigError(f"data_backend_config: {path} is not a list of backends")
-    concepts, sides, crops = [], [], set()
+    concepts, sides, crops, aspects = [], [], set(), []
     conditioning = {str(b.get("id")): b for b in backends if isinstance(b, dict) and b.get("conditioning_type")}
     for index, backend in enumerate(backends):
         where = f"{path.name}[{backend.get('id', index)}]"
@@ -68,7 +68,9 @@ def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: st
         out.origins[f"data.concepts[{len(concepts)}]"] = where
         concepts.append(concept)
         sides.append((_side(args, backend, where, out), where))
-        crops.add(_crop(backend, where, out))
+        crop, aspect = _crop(backend, where, out)
+        crops.add(crop)
+        aspects.append((aspect, where))
     if not concepts:
         raise ConfigError(f"data_backend_config: {path} has no local image dataset ot_dist can train")
     c["data"] = {"concepts": concepts, "bucket_step": 64}  # SimpleTuner's models align buckets to 64 pixels
@@ -78,6 +80,15 @@ def import_dataset(args: SimpleTunerArgs, c: dict, method: str, backend_file: st
         out.not_honoured.append(f"resolution: the datasets train at {distinct} px, each at its own; ot_dist draws one "
                                 "of these resolutions per step for every dataset (resolution: a list)")
     c["data"]["crop"] = "random" if crops == {"random"} else "center"
+    if {aspect for aspect, _ in aspects} == {"square"}:  # every image cut to a square: no aspect buckets
+        c["data"]["bucket_assignment"] = "square"
+    else:
+        for aspect, where in aspects:
+            if aspect not in (None, "preserve"):
+                out.not_honoured.append(f"{where}.crop_aspect: {aspect}: ot_dist keeps each image's aspect (its "
+                                        "bucket's)" if aspect != "square" else
+                                        f"{where}.crop_aspect: square: the other datasets keep their images' aspects, "
+                                        "so ot_dist buckets every dataset by aspect (bucket_assignment is one setting)")
     if len(crops) > 1:
         out.not_honoured.append("crop_style: the datasets crop differently; ot_dist crops every dataset alike "
                                 "(center is written)")
@@ -235,17 +246,15 @@ def _side(args: SimpleTunerArgs, backend: dict, where: str, out: Imported) -> in
     return aligned
 
 
-def _crop(backend: dict, where: str, out: Imported) -> str:
-    """crop false: the image is scaled to its bucket (ot_dist: covered, the rest cut at the centre); crop true cuts
-    crop_style's part (random, center; corner and face are not ot_dist's) at crop_aspect (square: every image a
-    square, which ot_dist's buckets do not do)."""
+def _crop(backend: dict, where: str, out: Imported) -> tuple[str, str | None]:
+    """(ot_dist's data.crop, SimpleTuner's crop_aspect or None). crop false: the image is scaled to its bucket
+    (ot_dist: covered, the rest cut at the centre); crop true cuts crop_style's part (random, center; corner and face
+    are not ot_dist's) at crop_aspect (square: every image a square, ot_dist's bucket_assignment square)."""
     if not parse_value("crop", backend.get("crop", False)):
-        return "center"
+        return "center", None
     style, aspect = backend.get("crop_style", "random"), backend.get("crop_aspect", "square")
-    if aspect != "preserve":
-        out.not_honoured.append(f"{where}.crop_aspect: {aspect}: ot_dist keeps each image's aspect (its bucket's)")
     if style not in ("random", "center", "centre"):
         out.not_honoured.append(f"{where}.crop_style: {style}: ot_dist crops at the centre or at random; center is "
                                 "written")
-        return "center"
-    return "random" if style == "random" else "center"
+        return "center", aspect
+    return ("random" if style == "random" else "center"), aspect
