@@ -1,7 +1,9 @@
 """The process group: who am I, how many are we, which device. Read from the environment that
 torchrun / `accelerate launch` / DeepSpeed's launcher set (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR, MASTER_PORT). With no such environment there is no process group at all: `single`
-needs none, which keeps the one-GPU path free of distributed machinery."""
+needs none, which keeps the one-GPU path free of distributed machinery. A process group the caller made
+before calling ot_dist (a notebook, Ray, a launcher of its own) is used as it is: its rank and size, and it is
+left to its maker when the run ends."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ class Runtime:
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
     distributed: bool = False
+    owns_group: bool = False  # ot_dist started the process group: shutdown ends it (a caller's group is theirs)
 
     @property
     def is_main(self) -> bool:
@@ -44,7 +47,7 @@ class Runtime:
         return value / self.world_size
 
     def shutdown(self) -> None:
-        if self.distributed and dist.is_initialized():
+        if self.owns_group and dist.is_initialized():
             # Work objects nobody refers to any more are freed now, not during interpreter finalization
             # (where freeing their tensors can abort the process, see Strategy.close).
             gc.collect()
@@ -83,8 +86,10 @@ def launched_world_size() -> int:
 def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     """`needs_group`: the strategy needs a process group even when started as one process (FSDP
     or ZeRO on one GPU, e.g. for their CPU offload); one is made on a free local port."""
+    if dist.is_initialized():
+        return runtime_of_existing_group(needs_group)
     world_size = launched_world_size()
-    if world_size == 1 and needs_group and not dist.is_initialized():
+    if world_size == 1 and needs_group:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.setdefault("RANK", "0")
@@ -99,16 +104,36 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
         device = torch.device("cpu")
     if world_size == 1 and not needs_group:
         return Runtime(device=device)
-    if not dist.is_initialized():
-        global _group_started
-        _group_started = True
-        timeout = datetime.timedelta(minutes=timeout_minutes)
-        dist.init_process_group(
-            backend=process_group_backend(device),
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-            **restart_safe_store(rank, world_size, timeout),
-        )
+    global _group_started
+    _group_started = True
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    dist.init_process_group(
+        backend=process_group_backend(device),
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+        **restart_safe_store(rank, world_size, timeout),
+    )
+    return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True,
+                   owns_group=True)
+
+
+def runtime_of_existing_group(needs_group: bool) -> Runtime:
+    """The caller's process group, which may have been made without torchrun's environment (init_method tcp://,
+    explicit rank and world size): its own rank and size count, not WORLD_SIZE. The local rank is LOCAL_RANK's, else
+    the rank modulo the GPUs of this machine, and is written to LOCAL_RANK where missing, since DeepSpeed's engine
+    reads it from there (it refuses to start without it). A 1-process group trains as `single` unless the strategy
+    needs a group. The group is not ours to end (Runtime.owns_group)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", rank % gpus if gpus else 0))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if gpus:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size == 1 and not needs_group:
+        return Runtime(device=device)
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
 
 

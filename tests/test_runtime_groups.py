@@ -1,0 +1,50 @@
+"""A process group the caller made before calling ot_dist (a notebook, Ray, a launcher of its own: init_method tcp://,
+explicit rank and world size, no torchrun variables): ot_dist trains with that group's rank and size, DeepSpeed gets
+the LOCAL_RANK it reads, and the group is left to its maker when the run ends (parallel/runtime.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from conftest import base_config
+from forked_ranks import run_ranks
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def test_a_two_rank_group_of_the_callers_trains_as_two_ranks_and_is_kept(one_level_sd1, shapes_data, tmp_path):
+    """16 images, batch 2 on each of 2 ranks: 4 steps an epoch. Taken for one process each, the ranks would run 8."""
+    raw = base_config(one_level_sd1, shapes_data, tmp_path / "out", method="lora", strategy="ddp", batch_size=2,
+                      epochs=1)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    done = run_ranks(REPO / "tests" / "helpers" / "own_group_train.py", tmp_path / "config.json", timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert sorted(s["rank"] for s in seen) == [0, 1]
+    assert all(s["steps"] == 4 and s["group_kept"] for s in seen), seen
+    assert "on 2 process(es)" in next(s["report"] for s in seen if s["rank"] == 0)
+
+
+def test_deepspeed_starts_in_a_one_rank_group_made_without_local_rank(one_level_sd1, shapes_data, tmp_path,
+                                                                      monkeypatch):
+    import torch.distributed as dist
+
+    from ot_dist.config.load import validate
+    from ot_dist.ports import free_port
+    from ot_dist.train.trainer import train
+
+    for name in TORCHRUN_VARIABLES:  # set first, so that the test's end restores them as they were (ot_dist writes
+        monkeypatch.setenv(name, "")  # LOCAL_RANK)
+        monkeypatch.delenv(name)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        raw = base_config(one_level_sd1, shapes_data, tmp_path / "out", method="lora", strategy="zero2",
+                          batch_size=2, max_steps=1)
+        assert train(validate(raw), log=lambda *_: None).steps == 1
+        assert dist.is_initialized()  # the caller's group outlives the run
+        assert os.environ["LOCAL_RANK"] == "0"  # where DeepSpeed's engine reads it
+    finally:
+        dist.destroy_process_group()
