@@ -764,11 +764,21 @@ def test_forced_prediction_type(tmp_path, settings, prediction):
     assert any(line.startswith("force_") for line in skipped) is (prediction == "auto"), skipped
 
 
-def test_an_automatic_embedding_token_count_is_listed(tmp_path):
-    """token_count null: OneTrainer sizes the embedding by the initial text's tokens, which needs the tokenizer."""
+def test_an_automatic_embedding_token_count_is_imported_as_auto(tmp_path):
+    """token_count null: OneTrainer sizes the embedding by the initial text's tokens (counted when the model loads:
+    tests/test_embedding_init_from.py), the text itself unpadded, the placeholder lower case (several vectors); the
+    same for an additional embedding."""
     config, skipped = import_only(tmp_path, {"training_method": "EMBEDDING", "latent_caching": False, "embedding": {
-        "placeholder": "<cat>", "token_count": None, "initial_embedding_text": "a grey cat"}})
-    assert config.embedding.vectors == 1 and any(line.startswith("embedding.token_count: null") for line in skipped)
+        "placeholder": "<Cat>", "token_count": None, "initial_embedding_text": "a grey cat"}})
+    assert (config.embedding.vectors, config.embedding.init_text, config.embedding.token) == ("auto", "a grey cat",
+                                                                                            "<cat>")
+    assert not any("token_count" in line for line in skipped)
+    (tmp_path / "lora").mkdir()
+    config, skipped = import_only(tmp_path / "lora", {"training_method": "LORA", "additional_embeddings": [{
+        "placeholder": "dog", "token_count": None, "initial_embedding_text": "a brown dog", "train": True}]})
+    (entry,) = config.additional_embeddings
+    assert (entry.vectors, entry.init_text) == ("auto", "a brown dog")
+    assert not any("token_count" in line for line in skipped)
 
 
 def test_concepts_and_samples_given_on_the_command_line_win(tmp_path):

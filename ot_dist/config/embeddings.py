@@ -4,7 +4,7 @@ OneTrainer's additional_embeddings), and the checks that span the list and the r
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -19,11 +19,18 @@ def safetensors_only(value: str | None, key: str) -> str | None:
     return value
 
 
-def lower_case_for_several_vectors(token: str, vectors: int, key: str) -> None:
+# A vector count: a number, or "auto" (OneTrainer's token_count null): one vector per token of init_text, counted by
+# the model's tokenizers when it is loaded (methods/token_vectors.py auto_vector_count).
+VectorCount = Annotated[int, Field(ge=1)] | Literal["auto"]
+AUTO_VECTORS = ('"auto": one per token of init_text, as the model\'s tokenizers count them when it loads '
+                "(OneTrainer's token_count null; the encoders' tokenizers must agree)")
+
+
+def lower_case_for_several_vectors(token: str, vectors: int | str, key: str) -> None:
     # CLIP tokenizers lower-case the prompt, and diffusers expands TOKEN to TOKEN TOKEN_1 ... only when the
     # lower-cased word is the registered one (loaders/textual_inversion.py `maybe_convert_prompt`): an upper-case
     # token would train all its vectors but give one in diffusers' pipelines and in ot_dist's own samples.
-    if vectors > 1 and token != token.lower():
+    if (vectors == "auto" or vectors > 1) and token != token.lower():
         raise ValueError(f"{key}: {token!r} with {vectors} vectors must be lower case ({token.lower()!r}): CLIP "
                          "tokenizers lower-case the prompt, so diffusers' pipelines would expand an upper-case token "
                          "to its first vector only")
@@ -89,8 +96,9 @@ class AdditionalEmbeddingConfig(Section):
         "(a concept's caption_prefix does). No spaces; no '.' (the bundled LoRA keys split the name there). Lower "
         "case when vectors > 1.",
     )
-    vectors: int = Field(default=1, ge=1, description="Number of vectors (OneTrainer's token_count). With init_from "
-                         "the file sets it (a different value here is an error).")
+    vectors: VectorCount = Field(default=1, description="Number of vectors (OneTrainer's token_count), or "
+                                 f"{AUTO_VECTORS}. With init_from the file sets it (a different number here is an "
+                                 "error).")
     init_text: str = Field(
         default="*", min_length=1,
         description="Text whose token embeddings start the vectors (unless init_from), repeated up to the count.",

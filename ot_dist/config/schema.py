@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from ot_dist.config.checkpoint import CheckpointConfig
-from ot_dist.config.embeddings import (OUTPUT_EMBEDDING_DESCRIPTION, AdditionalEmbeddingConfig,
-                                       check_additional_embeddings, check_output_embedding,
+from ot_dist.config.embeddings import (AUTO_VECTORS, OUTPUT_EMBEDDING_DESCRIPTION, AdditionalEmbeddingConfig,
+                                       VectorCount, check_additional_embeddings, check_output_embedding,
                                        check_token_case, lower_case_for_several_vectors, safetensors_only)
 from ot_dist.config.performance import PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
@@ -273,8 +273,9 @@ class EmbeddingConfig(Section):
         description="The placeholder token. Captions that contain it (in any case, as CLIP tokenizers read it) train it "
         "in place; captions without it get it prepended. Lower case when vectors > 1.",
     )
-    vectors: int = Field(default=1, ge=1, description="Number of embedding vectors (tokens) it expands to. With "
-                         "init_from the file sets it (a different value here is an error).")
+    vectors: VectorCount = Field(default=1, description="Number of embedding vectors (tokens) it expands to, or "
+                                 f"{AUTO_VECTORS}. With init_from the file sets it (a different number here is an "
+                                 "error).")
     init_text: str = Field(
         default="*", min_length=1, description="Text whose token embeddings initialise the vectors (unless init_from)."
     )

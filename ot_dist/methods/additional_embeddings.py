@@ -20,7 +20,7 @@ from ot_dist.config.embeddings import AdditionalEmbeddingConfig, file_stem
 from ot_dist.errors import ConfigError
 from ot_dist.methods.embedding_file import vector_count
 from ot_dist.methods.output_vectors import file_vectors
-from ot_dist.methods.token_vectors import (add_vectors, rows_in_state, start_vectors, token_strings,
+from ot_dist.methods.token_vectors import (add_vectors, auto_vector_count, rows_in_state, start_vectors, token_strings,
                                           with_key_copies, write_embedding_file)
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY
 from ot_dist.models.families.registry import get_family
@@ -46,10 +46,14 @@ class AdditionalEmbeddings:
     def vector_count(self, i: int) -> int:
         """Entry i's vectors, or with init_from the file's count (a configured count must equal it)."""
         entry = self.entries[i]
+        if not entry.init_from and entry.vectors == "auto":
+            if i not in self._counts:
+                raise RuntimeError("additional_embeddings[].vectors: auto is counted by the tokenizers in prepare()")
+            return self._counts[i]
         if not entry.init_from:
             return entry.vectors
         if i not in self._counts:
-            configured = entry.vectors if "vectors" in entry.model_fields_set else None
+            configured = entry.vectors if entry.vectors != "auto" and "vectors" in entry.model_fields_set else None
             self._counts[i] = vector_count(entry.init_from, get_family(self.config.model.family),
                                            configured)
         return self._counts[i]
@@ -65,6 +69,8 @@ class AdditionalEmbeddings:
         groups = []
         for i, entry in enumerate(self.entries):
             key = f"additional_embeddings[{i}]"
+            if entry.vectors == "auto" and not entry.init_from:  # before the tokens exist: the text reads as words
+                self._counts[i] = auto_vector_count(model, entry.init_text, key)
             added = add_vectors(model, token_strings(entry.token, self.vector_count(i)),
                                 start_vectors(model, entry.init_from, entry.output_embedding, f"{key}.init_from"),
                                 entry.init_text, key, output=entry.output_embedding)

@@ -13,7 +13,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict
 from ot_dist.methods.embedding_file import vector_count
 from ot_dist.methods.output_vectors import file_vectors
-from ot_dist.methods.token_vectors import (add_vectors, rows_in_state, start_vectors, token_strings,
+from ot_dist.methods.token_vectors import (add_vectors, auto_vector_count, rows_in_state, start_vectors, token_strings,
                                           write_embedding_file)
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.loading import LoadedModel
@@ -26,10 +26,15 @@ class EmbeddingMethod(TrainingMethod):
     def vector_count(self) -> int:
         """embedding.vectors, or with embedding.init_from the file's count (a configured count must equal it)."""
         embedding = self.config.embedding
+        if not embedding.init_from and embedding.vectors == "auto":
+            if getattr(self, "_auto_count", None) is None:
+                raise RuntimeError("embedding.vectors: auto is counted by the model's tokenizers in prepare()")
+            return self._auto_count
         if not embedding.init_from:
             return embedding.vectors
         if getattr(self, "_file_count", None) is None:
-            configured = embedding.vectors if "vectors" in embedding.model_fields_set else None
+            set_here = embedding.vectors != "auto" and "vectors" in embedding.model_fields_set
+            configured = embedding.vectors if set_here else None
             self._file_count = vector_count(embedding.init_from, get_family(self.config.model.family),
                                             configured)
             if self._file_count > 1 and embedding.token != embedding.token.lower():
@@ -53,6 +58,8 @@ class EmbeddingMethod(TrainingMethod):
     def prepare(self, model: LoadedModel) -> list[ParamGroup]:
         freeze_all(model)
         embedding = self.config.embedding
+        if embedding.vectors == "auto" and not embedding.init_from:
+            self._auto_count = auto_vector_count(model, embedding.init_text, "embedding")
         output = embedding.output_embedding
         added = add_vectors(model, self.token_strings(), start_vectors(model, embedding.init_from, output),
                             embedding.init_text, "embedding", main=True, output=output)

@@ -87,6 +87,23 @@ def token_strings(token: str, count: int) -> list[str]:
     return [token] + [f"{token}_{i}" for i in range(1, count)]
 
 
+def auto_vector_count(model: LoadedModel, text: str, key: str) -> int:
+    """`vectors: auto`, OneTrainer's token_count null: one vector per token of `text` (without special tokens, as its
+    _create_new_embedding counts them), in the tokenizer of every encoder that takes embeddings. OneTrainer gives each
+    encoder its own count; ot_dist's token expands to one list of words for all of them, so the tokenizers must
+    agree (SD3's and Flux's CLIP and T5 split some words differently): otherwise the counts are named."""
+    counts = {tokenizer_name: len(model.tokenizers[tokenizer_name](text, add_special_tokens=False).input_ids)
+              for encoder_name, tokenizer_name in zip(model.family.text_encoders, model.family.tokenizers)
+              if encoder_name in model.family.embedding_keys}
+    if not counts or min(counts.values()) == 0:
+        raise ConfigError(f"{key}.init_text: {text!r} has no tokens, so vectors: auto gives none")
+    if len(set(counts.values())) > 1:
+        raise ConfigError(f"{key}.vectors: auto: {key}.init_text {text!r} is "
+                          + ", ".join(f"{n} tokens for {name}" for name, n in counts.items())
+                          + "; set vectors to a number (each encoder's vectors start from its tokens, repeated)")
+    return next(iter(counts.values()))
+
+
 def init_token_ids(tokenizer, text: str, count: int, key: str = "embedding.init_text") -> list[int]:
     """The vocabulary rows that start the `count` vectors: the text's tokens, repeated up to the count (kohya's
     way) and cut at it. `ot-dist import onetrainer` appends a "*" per vector to OneTrainer's initial text, which

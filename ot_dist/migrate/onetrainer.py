@@ -21,7 +21,7 @@ from ot_dist.migrate.onetrainer_checkpoint import import_checkpoint
 from ot_dist.migrate.common import T5_DEFAULTS, Imported, is_windows_path, local_path, note_local_model, read_json
 from ot_dist.migrate.onetrainer_concepts import import_concepts, import_latent_caching
 from ot_dist.migrate.onetrainer_embeddings import (import_additional_embeddings, output_embedding_refusal,
-                                                 output_init_text)
+                                                 output_init_text, padded_init_text, vector_setting)
 from ot_dist.migrate.onetrainer_layers import import_layer_filter, import_text_encoder_layers
 from ot_dist.migrate.onetrainer_loss import import_loss
 from ot_dist.migrate.onetrainer_optim import import_ema, import_optimizer, import_scheduler, scale_learning_rates
@@ -183,22 +183,19 @@ def _resolution(value: str, family: str, skip) -> int | list[int]:
 def _embedding(ot: dict, c: dict, out: Imported) -> None:
     skip = out.not_honoured.append
     embedding = {**defaults.EMBEDDING, **(ot.get("embedding") or {})}
-    vectors, init_text = embedding["token_count"] or 1, (embedding["initial_embedding_text"] or "").strip() or "*"
+    init_text = (embedding["initial_embedding_text"] or "").strip() or "*"
     token = embedding["placeholder"]
     continued = embedding["model_name"]  # OneTrainer continues this file; its vector count is the file's
     if continued and not continued.lower().endswith(".safetensors"):
         skip(f"embedding.model_name: {continued} is not a .safetensors file (a .pt / .bin is a pickle, which can run "
              "code when loaded: convert it to continue it); the vectors start from embedding.init_text")
         continued = ""
-    if (vectors > 1 or continued) and token != token.lower():  # OneTrainer swaps the placeholder, in any case
+    vectors, several = vector_setting(embedding, continued)
+    if several and token != token.lower():  # OneTrainer swaps the placeholder, in any case
         out.notes.append(f"embedding.placeholder: {token} is written {token.lower()} (a token of several vectors "
                          "must be lower case, as CLIP tokenizers read the prompt; captions match it in any case)")
         token = token.lower()
-    # OneTrainer fills the vectors the initial text's tokens leave with the token of "*" (ModelSetupEmbeddingMixin);
-    # ot_dist repeats the text's tokens (kohya's way). A "*" per vector after the text gives OneTrainer's rows: the
-    # text's tokens first, then "*"s, cut at the vector count.
-    c["embedding"] = {"token": token, "vectors": vectors,
-                      "init_text": init_text + " *" * (vectors - 1) if init_text != "*" else init_text}
+    c["embedding"] = {"token": token, "vectors": vectors, "init_text": padded_init_text(init_text, vectors)}
     if embedding["is_output_embedding"]:
         if why := output_embedding_refusal(c):
             skip(f"embedding.is_output_embedding: true (an embedding of the text encoder's output): {why}; an input "
@@ -210,9 +207,6 @@ def _embedding(ot: dict, c: dict, out: Imported) -> None:
         c["embedding"]["init_from"] = local_path(continued, "embedding.model_name", out)
     if ot["embedding_learning_rate"]:
         c["embedding"]["learning_rate"] = ot["embedding_learning_rate"]
-    if embedding["token_count"] is None and not continued:  # OneTrainer's "auto": a vector per token of the text
-        skip(f"embedding.token_count: null: OneTrainer makes one vector per token of "
-             f"{embedding['initial_embedding_text']!r}; set embedding.vectors to that count (1 is written)")
     if embedding["stop_training_after"] is not None and embedding["stop_training_after_unit"] != "NEVER":
         skip(f"embedding.stop_training_after: {embedding['stop_training_after']} "
              f"{embedding['stop_training_after_unit']} is not supported (the embedding trains to the end)")

@@ -26,6 +26,22 @@ def output_embedding_refusal(c: dict) -> str | None:
     return None if conflict is None else f"not with {conflict[0]}: {conflict[1]}"
 
 
+def vector_setting(embedding: dict, continued: str) -> tuple[int | str, bool]:
+    """(ot_dist's vectors, whether the token may stand for several vectors) of a OneTrainer embedding: its
+    token_count, or "auto" for its null (a vector per token of the initial text, counted by the tokenizers when the
+    model loads, as OneTrainer counts them). A continued file sets the count itself."""
+    auto = embedding["token_count"] is None and not continued
+    vectors = "auto" if auto else embedding["token_count"] or 1
+    return vectors, auto or bool(continued) or vectors > 1
+
+
+def padded_init_text(init_text: str, vectors: int | str) -> str:
+    """OneTrainer fills the vectors the initial text's tokens leave with the token of "*" (ModelSetupEmbeddingMixin);
+    ot_dist repeats the text's tokens (kohya's way). A "*" per vector after the text gives OneTrainer's rows: the
+    text's tokens first, then "*"s, cut at the vector count. With "auto" the text's tokens are the vectors."""
+    return init_text if vectors == "auto" or init_text == "*" else init_text + " *" * (vectors - 1)
+
+
 def output_init_text(embedding: dict) -> str:
     """An output embedding's init_text: OneTrainer's initial text as it is, since both start the vectors from the
     encoder's output of that text followed by a "*" per vector (the input rows' "*" padding does not apply)."""
@@ -79,21 +95,16 @@ def _entry(key: str, embedding: dict, ot: dict, c: dict, out: Imported) -> dict 
              "words themselves give; left out (write the initial text in the captions)")
         return None
     written = re.sub(r"[\s.]", "_", token)
-    vectors = embedding["token_count"] or 1
-    if (vectors > 1 or continued) and written != written.lower():
+    vectors, several = vector_setting(embedding, continued)
+    if several and written != written.lower():
         written = written.lower()
     if written != token:
         out.notes.append(f"{key}.placeholder: {token} is written {written} (no spaces or dots; lower case for "
                          "several vectors): write it so in the captions (they match it in any case)")
     init_text = (embedding["initial_embedding_text"] or "").strip() or "*"
-    # OneTrainer pads the initial text's tokens with the token of "*" (see onetrainer.py _embedding)
-    entry = {"token": written, "vectors": vectors,
-             "init_text": init_text + " *" * (vectors - 1) if init_text != "*" else init_text}
+    entry = {"token": written, "vectors": vectors, "init_text": padded_init_text(init_text, vectors)}
     if output:
         entry.update(output_embedding=True, init_text=output_init_text(embedding))
-    if embedding["token_count"] is None and not continued:
-        skip(f"{key}.token_count: null: OneTrainer makes one vector per token of "
-             f"{embedding['initial_embedding_text']!r}; set vectors to that count (1 is written)")
     if continued:
         del entry["vectors"]
         entry["init_from"] = local_path(continued, f"{key}.model_name", out)
