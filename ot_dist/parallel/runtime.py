@@ -97,11 +97,7 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
         os.environ["WORLD_SIZE"] = "1"
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = this_rank_device(local_rank)
     if world_size == 1 and not needs_group:
         return Runtime(device=device)
     global _group_started
@@ -127,14 +123,19 @@ def runtime_of_existing_group(needs_group: bool) -> Runtime:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", rank % gpus if gpus else 0))
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    if gpus:
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = this_rank_device(local_rank)
     if world_size == 1 and not needs_group:
         return Runtime(device=device)
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
+
+
+def this_rank_device(local_rank: int) -> torch.device:
+    """The GPU of this local rank, made the current one (so that NCCL and the caching allocator use it), or the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return device
 
 
 def process_group_backend(device: torch.device) -> str:
