@@ -116,6 +116,20 @@ class _LazyModels(dict):
         return self[family]
 
 
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind():
+    """A default process group a test leaves initialised in this worker (a trainer it built for fsdp / ZeRO in one
+    process and never shut down) is ended after it: a later test that starts its own group (one_rank_group, a
+    caller-made group) would otherwise fail with "trying to initialize the default process group twice" depending on
+    which tests ran before it in the same worker. What ot_dist itself must end is asserted by its own tests
+    (test_runtime_groups.py, test_zero3_collectives.py)."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def one_rank_group(monkeypatch):
     """A 1-rank gloo process group in the test's own process (FSDP2, DTensor and DeepSpeed need one), destroyed after

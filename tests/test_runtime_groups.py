@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 from conftest import base_config
 from forked_ranks import run_ranks
 
@@ -48,3 +49,24 @@ def test_deepspeed_starts_in_a_one_rank_group_made_without_local_rank(one_level_
         assert os.environ["LOCAL_RANK"] == "0"  # where DeepSpeed's engine reads it
     finally:
         dist.destroy_process_group()
+
+
+def test_a_trainer_refused_while_being_built_ends_the_group_it_started(one_level_sd1, shapes_data, tmp_path,
+                                                                      monkeypatch):
+    """Trainer(config) for fsdp in one process starts a 1-rank group for itself; when its construction is refused
+    (here: the model folder is gone) nobody holds it to end that group, so it ends it itself."""
+    import torch.distributed as dist
+
+    from ot_dist.config.load import validate
+    from ot_dist.errors import InputFileError
+    from ot_dist.ports import free_port
+    from ot_dist.train.trainer import Trainer
+
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    config = validate(base_config(one_level_sd1, shapes_data, tmp_path / "run", strategy="fsdp", max_steps=1))
+    config.model.path = str(tmp_path / "gone")  # removed after the config was checked
+    with pytest.raises(InputFileError):
+        Trainer(config, log=lambda *_: None)
+    assert not dist.is_initialized()

@@ -90,6 +90,19 @@ class Trainer:
         self.tracking_run_id, self.tracking_step_offset = tracking_run_id, tracking_step_offset
         self.tracker = Tracker()  # the real one starts with train()
         self.runtime = runtime or start_runtime(config.distributed.timeout_minutes, needs_group=config.strategy != "single")
+        try:
+            self._build(log, resume, overwrite)
+        except BaseException:
+            # Nobody holds a trainer whose construction failed (a missing file, a refused setting): the process group
+            # it started for itself (fsdp / ZeRO in one process) would outlive it, and the next run in this process
+            # could not start its own.
+            if runtime is None:
+                self.runtime.shutdown()
+            raise
+
+    def _build(self, log, resume: str | None, overwrite: bool) -> None:
+        """Everything __init__ sets up once the runtime is there (its arguments as __init__'s)."""
+        config = self.config
         self.device = self.runtime.device
         self.log = log if self.runtime.is_main else (lambda *_: None)
         # Before anything heavy: never start over another run, a writable folder, an undamaged latest checkpoint.
