@@ -46,16 +46,14 @@ class AdditionalEmbeddings:
     def vector_count(self, i: int) -> int:
         """Entry i's vectors, or with init_from the file's count (a configured count must equal it)."""
         entry = self.entries[i]
-        if not entry.init_from and entry.vectors == "auto":
-            if i not in self._counts:
-                raise RuntimeError("additional_embeddings[].vectors: auto is counted by the tokenizers in prepare()")
+        if i in self._counts:
             return self._counts[i]
+        if not entry.init_from and entry.vectors == "auto":
+            raise RuntimeError("additional_embeddings[].vectors: auto is counted by the tokenizers in prepare()")
         if not entry.init_from:
             return entry.vectors
-        if i not in self._counts:
-            configured = entry.vectors if entry.vectors != "auto" and "vectors" in entry.model_fields_set else None
-            self._counts[i] = vector_count(entry.init_from, get_family(self.config.model.family),
-                                           configured)
+        configured = entry.vectors if entry.vectors != "auto" and "vectors" in entry.model_fields_set else None
+        self._counts[i] = vector_count(entry.init_from, get_family(self.config.model.family), configured)
         return self._counts[i]
 
     def expansions(self) -> dict[str, str]:

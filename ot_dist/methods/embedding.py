@@ -24,23 +24,22 @@ class EmbeddingMethod(TrainingMethod):
     formats = ("embedding",)
 
     def vector_count(self) -> int:
-        """embedding.vectors, or with embedding.init_from the file's count (a configured count must equal it)."""
+        """embedding.vectors; with embedding.init_from the file's count (a configured number must equal it); with
+        `auto` the count prepare() took from the tokenizers."""
         embedding = self.config.embedding
+        if getattr(self, "_counted", None) is not None:
+            return self._counted
         if not embedding.init_from and embedding.vectors == "auto":
-            if getattr(self, "_auto_count", None) is None:
-                raise RuntimeError("embedding.vectors: auto is counted by the model's tokenizers in prepare()")
-            return self._auto_count
+            raise RuntimeError("embedding.vectors: auto is counted by the model's tokenizers in prepare()")
         if not embedding.init_from:
             return embedding.vectors
-        if getattr(self, "_file_count", None) is None:
-            set_here = embedding.vectors != "auto" and "vectors" in embedding.model_fields_set
-            configured = embedding.vectors if set_here else None
-            self._file_count = vector_count(embedding.init_from, get_family(self.config.model.family),
-                                            configured)
-            if self._file_count > 1 and embedding.token != embedding.token.lower():
-                raise ConfigError(f"embedding.token: {embedding.token!r}: embedding.init_from holds "
-                                  f"{self._file_count} vectors, so the token must be lower case (see embedding.token)")
-        return self._file_count
+        set_here = embedding.vectors != "auto" and "vectors" in embedding.model_fields_set
+        self._counted = vector_count(embedding.init_from, get_family(self.config.model.family),
+                                     embedding.vectors if set_here else None)
+        if self._counted > 1 and embedding.token != embedding.token.lower():
+            raise ConfigError(f"embedding.token: {embedding.token!r}: embedding.init_from holds "
+                              f"{self._counted} vectors, so the token must be lower case (see embedding.token)")
+        return self._counted
 
     def token_strings(self) -> list[str]:
         return token_strings(self.config.embedding.token, self.vector_count())
@@ -59,7 +58,7 @@ class EmbeddingMethod(TrainingMethod):
         freeze_all(model)
         embedding = self.config.embedding
         if embedding.vectors == "auto" and not embedding.init_from:
-            self._auto_count = auto_vector_count(model, embedding.init_text, "embedding")
+            self._counted = auto_vector_count(model, embedding.init_text, "embedding")
         output = embedding.output_embedding
         added = add_vectors(model, self.token_strings(), start_vectors(model, embedding.init_from, output),
                             embedding.init_text, "embedding", main=True, output=output)

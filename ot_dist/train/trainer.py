@@ -545,14 +545,11 @@ def build_ema(config: TrainConfig, ownership) -> ShardedEMA | None:
 
 
 def train(config: TrainConfig, log=print, resume: str | None = None, overwrite: bool = False) -> TrainResult:
-    # The process group is ended however the run ends, a refused construction included (a missing model, a resume
-    # that cannot be honoured): a notebook's next run starts a group of its own, which a leftover one would refuse.
-    runtime = start_runtime(config.distributed.timeout_minutes, needs_group=config.strategy != "single")
+    # A refused construction ends the group the Trainer started itself (Trainer.__init__); a finished or failed run
+    # ends it here.
+    trainer = Trainer(config, log=log, resume=resume, overwrite=overwrite)
     try:
-        trainer = Trainer(config, runtime=runtime, log=log, resume=resume, overwrite=overwrite)
-        try:
-            return trainer.train()
-        finally:
-            trainer.close()
+        return trainer.train()
     finally:
-        runtime.shutdown()
+        trainer.close()
+        trainer.runtime.shutdown()
