@@ -68,7 +68,9 @@ def test_flux_lora_example(tmp_path):
     assert c["model"] == {"family": "flux", "path": "black-forest-labs/FLUX.1-dev"}
     assert (c["method"], c["output_dir"]) == ("lora", "output/my_first_lora_v1")
     assert (c["max_steps"], c["batch_size"], c["gradient_accumulation_steps"]) == (2000, 1, 1)
-    assert (c["learning_rate"], c["train_dtype"], c["weight_dtype"]) == (1e-4, "bfloat16", "float8")  # quantize
+    assert (c["learning_rate"], c["train_dtype"], c["weight_dtype"]) == (1e-4, "bfloat16", "bfloat16")
+    # quantize: the transformer in float8, and (quantize_te follows quantize) the text encoders; the VAE bfloat16
+    assert [c[part]["weight_dtype"] for part in ("transformer", "text_encoder", "text_encoder_2")] == ["float8"] * 3
     assert c["lora"] == {"rank": 16, "alpha": 16.0, "layer_filter": ["transformer_blocks"]}
     assert c["optimizer"] == {"name": "ADAMW_8BIT", "eps": 1e-6, "weight_decay": 0.01}
     assert c["scheduler"] == {"name": "CONSTANT"}
@@ -117,7 +119,8 @@ def test_qwen_image_edit_plus_control_lists(tmp_path):
     assert first["reference_image"] == ["/data/i1.png", "/data/i2.png"] and second["reference_image"] == "/data/i1.png"
     # a sample's own seed is its own; walk_seed gives the others 42 + i (ai-toolkit's current_seed)
     assert (first["seed"], second["seed"], third["seed"]) == (42, 5, 44)
-    assert c["weight_dtype"] == "bfloat16"
+    assert c["weight_dtype"] == "bfloat16" and "weight_dtype" not in c.get("transformer", {})
+    assert c["text_encoder"]["weight_dtype"] == "float8"  # qtype_te qfloat8
     assert "model.qtype: uint3" in text and "timestep_type: weighted" in text
     assert c["loss"]["timestep_distribution"] == "uniform"
 

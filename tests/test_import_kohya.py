@@ -383,7 +383,7 @@ def test_train_db_full_finetune(tmp_path):
     assert config["method"] == "full" and config["weight_dtype"] == "float16"
     assert config["text_encoder"] == {"train": True, "learning_rate": 1e-6, "stop_training_after": 500,
                                       "stop_training_after_unit": "step"}
-    assert "no_half_vae: kohya keeps the VAE in float32" in err
+    assert config["vae_weight_dtype"] == "float32" and "no_half_vae" not in err  # kohya keeps the VAE in float32
     config, _, err = imported(tmp_path, minimal(tmp_path) + 'learning_rate_te = 1e-6\noptimizer_type = "DAdaptLion"\n'
                               "learning_rate = 1.0\n", "--script", "train_db.py")
     assert config["optimizer"] == {"name": "DADAPT_LION", "beta2": 0.99} and config["text_encoder"] == {"train": True}
@@ -793,3 +793,21 @@ def test_loss_type_and_huber_schedule(tmp_path):
     config, _, _ = imported(tmp_path, flux + 'loss_type = "huber"\nhuber_schedule = "constant"\n',
                             "--script", "flux_train_network.py")
     assert config["loss"]["pseudo_huber_schedule"] == "constant" and config["loss"]["pseudo_huber_scale"] == 1.0
+
+
+def test_fp8_base_stores_what_kohya_casts(tmp_path):
+    """kohya's fp8_base casts the denoiser and the text encoders to float8, fp8_base_unet (which wins) the denoiser
+    only; the VAE keeps the mixed dtype, float32 with no_half_vae (train_network.py)."""
+    from ot_dist.config.load import validate
+
+    images(tmp_path / "d" / "1_x", 1)
+    base = minimal(tmp_path) + 'mixed_precision = "bf16"\nnetwork_module = "networks.lora"\n'
+
+    def storage(extra):
+        config = validate(imported(tmp_path, base + extra, "--script", "sdxl_train_network.py")[0])
+        return {name: config.component_storage(name) for name in ("unet", "text_encoder", "text_encoder_2", "vae")}
+
+    assert storage("fp8_base = true\n") == {"unet": "float8", "text_encoder": "float8", "text_encoder_2": "float8",
+                                            "vae": "bfloat16"}
+    assert storage("fp8_base = true\nfp8_base_unet = true\nno_half_vae = true\n") == {
+        "unet": "float8", "text_encoder": "bfloat16", "text_encoder_2": "bfloat16", "vae": "float32"}

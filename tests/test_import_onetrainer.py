@@ -328,25 +328,40 @@ def test_sd2_depth_imports_as_sd2_without_latent_cache_or_samples(tmp_path):
 
 
 def test_part_dtypes_and_checkpointing_of_config_version_11(tmp_path):
-    """Since version 9 each part stores its weight_dtype, since 11 its gradient_checkpointing."""
+    """Since version 9 each part stores its weight_dtype, since 11 its gradient_checkpointing: each frozen part keeps
+    its own storage (weight_dtype the LoRA base's, the others where they differ), nothing listed."""
     lora = {"__version": 11, "model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "LORA",
             "unet": {"weight_dtype": "BFLOAT_16", "gradient_checkpointing": False},
             "text_encoder": {"train": False, "weight_dtype": "BFLOAT_16"},
             "text_encoder_2": {"train": False, "weight_dtype": "BFLOAT_16"}, "vae": {"weight_dtype": "FLOAT_32"}}
     config, skipped = import_only(tmp_path, lora)
-    assert config.weight_dtype == "float32" and config.gradient_checkpointing is False  # never less precise
-    assert {line.split(":")[0] for line in skipped if "weight_dtype" in line} == {
-        "unet.weight_dtype", "text_encoder.weight_dtype", "text_encoder_2.weight_dtype"}
+    assert (config.weight_dtype, config.vae_weight_dtype, config.gradient_checkpointing) == (
+        "bfloat16", "float32", False)
+    assert {name: config.component_storage(name) for name in ("unet", "text_encoder", "text_encoder_2", "vae")} == {
+        "unet": "bfloat16", "text_encoder": "bfloat16", "text_encoder_2": "bfloat16", "vae": "float32"}
+    assert not any("weight_dtype" in line for line in skipped)
     config, skipped = import_only(tmp_path, {**lora, "vae": {"weight_dtype": "BFLOAT_16"}})
-    assert config.weight_dtype == "bfloat16" and not any("weight_dtype" in line for line in skipped)
+    assert (config.weight_dtype, config.vae_weight_dtype) == ("bfloat16", None)
+    assert not any("weight_dtype" in line for line in skipped)
     config, skipped = import_only(tmp_path, {**lora, "unet": {"weight_dtype": "FLOAT_8"}, "vae": {}})
-    assert config.weight_dtype == "float32" and any(line.startswith("unet.weight_dtype: FLOAT_8") for line in skipped)
-    config, skipped = import_only(tmp_path, {**lora, "text_encoder": {"train": False, "weight_dtype": "NFLOAT_4"}})
-    assert any(line.startswith("text_encoder.weight_dtype: NFLOAT_4 is not") for line in skipped)
+    assert {name: config.component_storage(name) for name in ("unet", "text_encoder", "vae")} == {
+        "unet": "float8", "text_encoder": "bfloat16", "vae": "float32"}
+    assert not any("weight_dtype" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {**lora, "unet": {"weight_dtype": "INT_W8A8"}})
+    assert config.component_storage("unet") == "float8"
+    assert any(line.startswith("unet.weight_dtype: INT_W8A8 (int8 weights") for line in skipped)
+    config, skipped = import_only(tmp_path, {**lora, "text_encoder": {"train": False, "weight_dtype": "GGUF"}})
+    assert config.component_storage("text_encoder") == "bfloat16"
+    assert any(line.startswith("text_encoder.weight_dtype: GGUF is not") for line in skipped)
     finetune = {**lora, "training_method": "FINE_TUNE", "train_dtype": "BFLOAT_16",
                 "vae": {"weight_dtype": "BFLOAT_16"}}
     config, _ = import_only(tmp_path, finetune)
     assert (config.trained_weight_dtype, config.weight_dtype) == ("bfloat16", "bfloat16")
+    # a full finetune's frozen parts: the most common storage, the others their own
+    config, _ = import_only(tmp_path, {**finetune, "text_encoder": {"train": False, "weight_dtype": "FLOAT_16"},
+                                       "vae": {"weight_dtype": "FLOAT_32"}})
+    assert {name: config.component_storage(name) for name in ("text_encoder", "text_encoder_2", "vae")} == {
+        "text_encoder": "float16", "text_encoder_2": "bfloat16", "vae": "float32"}
 
 
 def test_older_versions_fan_their_global_settings_out_to_the_parts(tmp_path):
@@ -366,7 +381,8 @@ def test_older_versions_fan_their_global_settings_out_to_the_parts(tmp_path):
     config, _ = import_only(tmp_path, {"training_method": "LORA", "optimizer": "ADAMW", "optimizer_weight_decay": 0.05,
                                        "weight_dtype": "FLOAT_16", "unet_weight_dtype": "NONE",
                                        "text_encoder_weight_dtype": "NONE", "vae_weight_dtype": "FLOAT_32"})
-    assert (config.optimizer.name, config.optimizer.weight_decay, config.weight_dtype) == ("ADAMW", 0.05, "float32")
+    assert (config.optimizer.name, config.optimizer.weight_decay, config.weight_dtype, config.vae_weight_dtype) == (
+        "ADAMW", 0.05, "float16", "float32")
 
 
 def test_a_ui_saved_optimizer_section_lists_only_what_is_set(tmp_path):

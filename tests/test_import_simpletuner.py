@@ -592,3 +592,25 @@ def test_square_crops_of_some_datasets_only_are_listed(tmp_path):
     config, text = imported(tmp_path, {"--model_family": "sdxl", "--model_type": "lora"}, backends)
     assert "bucket_assignment" not in config["data"]
     assert "a].crop_aspect: square: the other datasets keep their images' aspects" in text.split("NOT HONOURED")[1]
+
+
+def test_precisions_store_each_component_as_simpletuner_loads_it(tmp_path):
+    """base_model_precision quantises the denoiser, text_encoder_<n>_precision the n-th text encoder, vae_dtype is
+    the VAE's (bfloat16 by default), mixed_precision the other frozen weights'."""
+    from ot_dist.config.load import load_config
+
+    images(tmp_path / "data" / "a", ["my_image"])
+    backends = [{"id": "a", "type": "local", "instance_data_dir": "data/a", "resolution": 512}]
+    imported(tmp_path, {"--model_family": "sd3", "--model_type": "lora", "--mixed_precision": "bf16",
+                        "--base_model_precision": "fp8-torchao", "--text_encoder_3_precision": "fp8-quanto",
+                        "--text_encoder_1_precision": "int8-quanto", "--vae_dtype": "fp32"}, backends)
+    config = load_config(tmp_path / "out.yaml")
+    assert {name: config.component_storage(name) for name in (
+        "transformer", "text_encoder", "text_encoder_2", "text_encoder_3", "vae")} == {
+        "transformer": "float8", "text_encoder": "bfloat16", "text_encoder_2": "bfloat16", "text_encoder_3": "float8",
+        "vae": "float32"}
+    listed = (tmp_path / "out.yaml").read_text().split("NOT HONOURED")[1]
+    assert "text_encoder_1_precision: int8-quanto" in listed
+    imported(tmp_path, {"--model_family": "sdxl", "--model_type": "lora", "--mixed_precision": "no"}, backends)
+    config = load_config(tmp_path / "out.yaml")
+    assert (config.component_storage("unet"), config.component_storage("vae")) == ("float32", "bfloat16")

@@ -105,9 +105,9 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     from ot_dist.precision import DTYPES
     from ot_dist.train.checkpointing import enable_gradient_checkpointing
 
-    weight_dtype, trained_dtype = frozen_storage_dtype(config.weight_dtype), DTYPES[config.trained_weight_dtype]
-    for module in model.modules():
-        store_by_role(module, trained_dtype, weight_dtype)  # as the trainer places them
+    trained_dtype = DTYPES[config.trained_weight_dtype]
+    for name, module in model.named_components():
+        store_by_role(module, trained_dtype, frozen_storage_dtype(config.component_storage(name)))  # as the trainer
         if config.gradient_checkpointing and module is model.denoiser and not config.performance.selective_checkpointing:
             enable_gradient_checkpointing(module)
 

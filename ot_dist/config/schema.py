@@ -27,6 +27,9 @@ from ot_dist.models.families.registry import FAMILY_NAMES, get_family
 from ot_dist.optim.registry import SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# How frozen weights are stored: a dtype, or a quantized format upcast to train_dtype where used (memory/float8.py).
+StorageDtype = Literal["float32", "bfloat16", "float16", "float8"]
+QUANTIZED_STORAGE = ("float8",)  # single and ddp only: sharding would split the stored weights from their scales
 # A path as a shell reads it: YAML keeps `~` literal and Python's file calls do not expand it, so without this the
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
@@ -172,6 +175,11 @@ class PartConfig(Section):
     )
     stop_training_after_unit: Literal["epoch", "step"] = Field(
         default="epoch", description="Unit of stop_training_after."
+    )
+    weight_dtype: StorageDtype | None = Field(
+        default=None,
+        description="Storage of this part's frozen weights (a frozen text encoder, a LoRA's base), as OneTrainer's "
+        "per-part weight dtype; unset = the top-level weight_dtype. Trained weights follow trained_weight_dtype.",
     )
 
     def stopped(self, epoch: int, step: int) -> bool:
@@ -907,12 +915,19 @@ class TrainConfig(Section):
         "capability 8.0+: Ampere, Ada, Hopper, Blackwell), about twice TF32's speed; float32 on older GPUs and on the "
         "CPU. float16 uses loss scaling.",
     )
-    weight_dtype: Literal["float32", "bfloat16", "float16", "float8"] = Field(
+    weight_dtype: StorageDtype = Field(
         default="float32",
-        description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base). float8: one byte per "
+        description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base); a part's own "
+        "`<part>.weight_dtype` and vae_weight_dtype override it for that component. float8: one byte per "
         "parameter (float8_e4m3fn with a per-tensor scale), upcast to train_dtype where used; the forward pass then "
         "differs from the bfloat16 one by a few percent (docs/low-memory.md). Exports write the frozen parts as loaded "
         "from model.path, not the stored copies. Strategies single and ddp.",
+    )
+    vae_weight_dtype: StorageDtype | None = Field(
+        default=None,
+        description="Storage of the latent encoder (the VAE; Stable Cascade's and Würstchen's EfficientNet); unset = "
+        "weight_dtype. E.g. float32 beside a bfloat16 weight_dtype, as kohya's --no_half_vae and OneTrainer's "
+        "presets keep the VAE.",
     )
     offload_frozen_components: bool = Field(
         default=False,
@@ -1271,9 +1286,10 @@ class TrainConfig(Section):
                 "without lowering the GradScaler's scale (every later step overflows too); use engine (DeepSpeed's "
                 "fp16 engine) or train_dtype bfloat16"
             )
-        if self.weight_dtype == "float8" and self.strategy not in ("single", "ddp"):
-            raise ValueError(f"weight_dtype: float8 storage is supported with strategy single or ddp, not "
-                             f"{self.strategy} (sharding would split the 1-byte weights from their scales)")
+        for field, storage in self.storage_settings().items():
+            if storage in QUANTIZED_STORAGE and self.strategy not in ("single", "ddp"):
+                raise ValueError(f"{field}: {storage} storage is supported with strategy single or ddp, not "
+                                 f"{self.strategy} (sharding would split the stored weights from their scales)")
         if self.model.inpainting and self.data.cache_latents:
             raise ValueError("data.cache_latents: an inpainting finetune encodes each step's masked image with the "
                              "VAE; turn cache_latents off")
@@ -1343,6 +1359,25 @@ class TrainConfig(Section):
         """The trainable parts this family has: its denoiser and its text encoders."""
         family = get_family(self.model.family)
         return (family.denoiser,) + family.text_encoders
+
+    def storage_settings(self) -> dict[str, str]:
+        """Every storage setting that applies, by its field: weight_dtype, then the overrides."""
+        settings = {"weight_dtype": self.weight_dtype}
+        if self.vae_weight_dtype is not None:
+            settings["vae_weight_dtype"] = self.vae_weight_dtype
+        for name in self.part_names():
+            if getattr(self, name).weight_dtype is not None:
+                settings[f"{name}.weight_dtype"] = getattr(self, name).weight_dtype
+        return settings
+
+    def component_storage(self, component: str) -> str:
+        """How a component's frozen weights are stored: a part by its name (`transformer`, `text_encoder_2`), the
+        latent encoder as `vae`; anything else (a decoder loaded for samples) follows weight_dtype."""
+        if component == "vae":
+            own = self.vae_weight_dtype
+        else:
+            own = getattr(self, component).weight_dtype if component in self.part_names() else None
+        return own or self.weight_dtype
 
     def part_trains(self, name: str) -> bool:
         """Whether a part trains, with the method's default applied."""

@@ -71,12 +71,12 @@ def cast_frozen_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
                 setattr(sub, name, buffer.to(dtype))
 
 
-def place_component(component: torch.nn.Module, config, device: torch.device, offloadable: bool,
+def place_component(component: torch.nn.Module, storage: str, config, device: torch.device, offloadable: bool,
                     prefer_cpu: bool = False) -> None:
-    """`weight_dtype: float8` stores the frozen parameters in one byte (a LoRA's base weights too);
-    `offload_frozen_components` (or `prefer_cpu`: a text encoder whose outputs are cached) keeps an entirely
+    """`storage` (the component's weight_dtype) float8 stores its frozen parameters in one byte (a LoRA's base weights
+    too); `offload_frozen_components` (or `prefer_cpu`: a text encoder whose outputs are cached) keeps an entirely
     frozen `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`."""
-    if config.weight_dtype == "float8":
+    if storage == "float8":
         store_frozen_in_float8(component, DTYPES[config.train_dtype])
         cast_frozen_buffers(component, DTYPES[config.train_dtype])  # they meet the upcast weights' compute dtype
     frozen = not any(p.requires_grad for p in component.parameters())

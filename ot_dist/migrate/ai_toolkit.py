@@ -204,7 +204,8 @@ def _length(train: Section, c: dict, out: Imported) -> None:
 
 def _precision(train: Section, model: Section, c: dict, out: Imported) -> None:
     """train.dtype is the compute dtype and the dtype ai-toolkit loads the model in (it copies it to model.dtype);
-    model.quantize with qtype qfloat8 stores the frozen transformer in 8 bits."""
+    model.quantize with qtype qfloat8 stores the frozen transformer in 8 bits, quantize_te the text encoders;
+    model.vae_dtype is the VAE's."""
     dtype = str(train.get("dtype", "fp32")).lower()
     if dtype not in PRECISION:
         raise ConfigError(f"{P}.train.dtype: {dtype} is not fp32, fp16 or bf16")
@@ -212,15 +213,30 @@ def _precision(train: Section, model: Section, c: dict, out: Imported) -> None:
     if c["train_dtype"] != "float32":
         c["weight_dtype"] = c["train_dtype"]
     model.get("dtype")  # overwritten by train.dtype in ai-toolkit
-    if model.get("quantize"):
-        qtype = str(model.get("qtype", "qfloat8")).split("|")[0]
+    family = get_family(c["model"]["family"])
+    quantize = bool(model.get("quantize"))
+    # ai-toolkit's ModelConfig: quantize the transformer in qtype, the text encoders (quantize_te, by default
+    # quantize) in qtype_te (qfloat8 by default)
+    chosen = {(family.denoiser,): ("qtype", str(model.get("qtype", "qfloat8")).split("|")[0]) if quantize else None,
+              family.text_encoders: ("qtype_te", str(model.get("qtype_te", "qfloat8")).split("|")[0])
+              if model.get("quantize_te", quantize) else None}
+    for parts, quantized in chosen.items():
+        if quantized is None:
+            continue
+        key, qtype = quantized
         if qtype in FLOAT8_QTYPES:
-            c["weight_dtype"] = "float8"
-            out.notes.append(f"model.quantize: qtype {qtype}: ot_dist's float8 stores every frozen part in one byte "
-                             "per weight with a per-tensor scale (the text encoders too, whatever quantize_te says)")
+            for part in parts:
+                c.setdefault(part, {})["weight_dtype"] = "float8"
+            out.notes.append(f"model.{key}: {qtype}: ot_dist's float8 stores {', '.join(parts)} in one byte per "
+                             "weight with a per-tensor scale")
         else:
-            out.not_honoured.append(f"model.qtype: {qtype}: integer / low-bit quantisation is not supported "
-                                    f"(weight_dtype {c.get('weight_dtype', 'float32')} is written)")
+            out.not_honoured.append(f"model.{key}: {qtype}: integer / low-bit quantisation is not supported "
+                                    f"({', '.join(parts)} stored in weight_dtype {c.get('weight_dtype', 'float32')})")
+    vae = model.get("vae_dtype")
+    if vae is not None:
+        if str(vae).lower() not in PRECISION:
+            raise ConfigError(f"{P}.model.vae_dtype: {vae} is not fp32, fp16 or bf16")
+        c["vae_weight_dtype"] = PRECISION[str(vae).lower()]
     c["gradient_checkpointing"] = bool(train.get("gradient_checkpointing", True))
     grad_norm = train.number("max_grad_norm", 1.0)
     c["clip_grad_norm"] = grad_norm if grad_norm else None

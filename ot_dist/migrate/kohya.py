@@ -29,6 +29,7 @@ from ot_dist.migrate.kohya_loss import import_loss
 from ot_dist.migrate.kohya_network import import_network
 from ot_dist.migrate.kohya_optim import import_optimizer, import_scheduler
 from ot_dist.migrate.kohya_samples import import_samples
+from ot_dist.models.families.registry import get_family
 
 SCRIPTS = {  # kohya script -> (family, None: sd1 or sd2 by --v2; method)
     "train_network.py": (None, "lora"), "train_db.py": (None, "full"), "fine_tune.py": (None, "full"),
@@ -250,14 +251,14 @@ def _precision(args: KohyaArgs, c: dict, method: str, out: Imported) -> None:
     if args["full_fp16"]:
         out.not_honoured.append("full_fp16: float16 trained weights and gradients are not supported (ot_dist trains "
                                 "float32 or bfloat16 weights: trained_weight_dtype)")
-    if args["fp8_base"] or args["fp8_base_unet"]:
-        c["weight_dtype"] = "float8"
-        if args["fp8_base_unet"] and not args["fp8_base"]:
-            out.notes.append("fp8_base_unet: every frozen component is stored in float8 (ot_dist's one weight_dtype), "
-                             "not the denoiser only")
-    if args["no_half_vae"] and c.get("weight_dtype") in ("float16", "bfloat16"):
-        out.not_honoured.append(f"no_half_vae: kohya keeps the VAE in float32 while the other frozen parts are "
-                                f"{c['weight_dtype']}; ot_dist stores every frozen part in weight_dtype")
+    # kohya's train scripts: fp8_base stores the denoiser and the text encoders in float8, fp8_base_unet (which wins)
+    # the denoiser only; the VAE stays in the mixed dtype, or float32 with no_half_vae
+    if args["fp8_base_unet"]:
+        c.setdefault(get_family(c["model"]["family"]).denoiser, {})["weight_dtype"] = "float8"
+    elif args["fp8_base"]:
+        c["weight_dtype"], c["vae_weight_dtype"] = "float8", mixed
+    if args["no_half_vae"] and mixed != "float32":
+        c["vae_weight_dtype"] = "float32"
     if args["save_precision"]:
         c["output_dtype"] = SAVE_PRECISION[str(args["save_precision"])]
     if args["seed"] is None:

@@ -1,10 +1,11 @@
 """OneTrainer's per-part sections (`unet` / `transformer` / `prior`, `text_encoder`..., `vae`, ...) as ot_dist's part
-sections and its single `weight_dtype`, `trained_weight_dtype` and `gradient_checkpointing`.
+sections, its frozen storage (`weight_dtype`, `<part>.weight_dtype`, `vae_weight_dtype`), `trained_weight_dtype` and
+`gradient_checkpointing`.
 
 Since config version 9 OneTrainer stores the weight dtype of each part, and since version 11 its gradient
 checkpointing; a preset names only what differs from TrainConfig's defaults, in which every part trains and the text
-encoders stop after 30 epochs. ot_dist has one storage dtype for the frozen parts and one for the trained ones, so
-parts that differ are listed with the dtype used instead."""
+encoders stop after 30 epochs. ot_dist stores each frozen part as OneTrainer does; it has one dtype for the trained
+weights, so trained parts that differ are listed with the dtype used instead."""
 
 from __future__ import annotations
 
@@ -21,7 +22,12 @@ STORAGE = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "BFLOAT_16": "bfloat16
 # BaseHiDreamSetup, which zeroes T5's and Llama's outputs at the padding); Chroma and PixArt always mask, Z-Image
 # always cuts each caption to its tokens, the others never read it
 MASK_SWITCH_FAMILIES = ("flux", "sd3", "hidream")
-WIDEST_FIRST = ("float32", "bfloat16", "float16", "float8")  # the choice when frozen parts differ: never less precise
+WIDEST_FIRST = ("float32", "bfloat16", "float16", "float8")  # a tie between the frozen parts' dtypes: the more precise
+STORAGE_NAMES = {value: key for key, value in STORAGE.items() if key != "TFLOAT_32"}
+# OneTrainer's other formats of the same size: int8 weights with int8 (or float8) matmuls keep one byte per weight
+NEAREST_STORAGE = {"INT_W8A8": ("float8", "int8 weights computing in int8 matmuls"),
+                   "FLOAT_W8A8": ("float8", "float8 weights computing in float8 matmuls")}
+LATENT_ENCODERS = ("vae", "effnet_encoder")  # ot_dist's vae_weight_dtype
 
 
 def part_settings(ot: dict, part: str) -> dict:
@@ -56,7 +62,7 @@ def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
         c["model"]["guidance_scale"] = guidance
     if settings[fam.denoiser]["attention_mask"] and family in MASK_SWITCH_FAMILIES:
         skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported for {family}")
-    _storage_dtypes(settings, trains, c, skip)
+    _storage_dtypes(settings, trains, c, skip, parts)
     _checkpointing(settings, active, fam.denoiser, c, skip)
 
 
@@ -77,22 +83,38 @@ def _train_entry(part: str, settings: dict, method: str, skip) -> dict:
     return entry
 
 
-def _storage_dtypes(settings: dict, trains: dict, c: dict, skip) -> None:
-    frozen = {part: s["weight_dtype"] for part, s in settings.items() if not trains.get(part)}
-    trained = {part: settings[part]["weight_dtype"] for part, on in trains.items() if on}
-    supported = {}
-    for part, value in frozen.items():
+def _storage_dtypes(settings: dict, trains: dict, c: dict, skip, parts: tuple[str, ...]) -> None:
+    """OneTrainer's per-part weight dtypes as ot_dist's (`parts`: the denoiser first): weight_dtype is the frozen
+    denoiser's (a LoRA's base), else the frozen parts' most common; the parts that differ get their own
+    `<part>.weight_dtype` / vae_weight_dtype."""
+    frozen = {}
+    for part, s in settings.items():
+        if trains.get(part):
+            continue
+        value = s["weight_dtype"]
         if value in STORAGE:
-            supported[part] = STORAGE[value]
+            frozen[part] = STORAGE[value]
+        elif value in NEAREST_STORAGE:
+            frozen[part], why = NEAREST_STORAGE[value]
+            skip(f"{part}.weight_dtype: {value} ({why}) is not supported; stored as {frozen[part]}, as many bytes")
         else:
-            skip(f"{part}.weight_dtype: {value} is not an ot_dist storage dtype (float32, bfloat16, float16, float8)")
-    if supported:
-        chosen = next(d for d in WIDEST_FIRST if d in supported.values())
+            skip(f"{part}.weight_dtype: {value} is not an ot_dist storage dtype ({', '.join(WIDEST_FIRST)}); "
+                 "stored in weight_dtype")
+    if frozen:
+        counts = {d: list(frozen.values()).count(d) for d in WIDEST_FIRST}
+        chosen = frozen.get(parts[0]) or max(WIDEST_FIRST, key=lambda d: (counts[d], -WIDEST_FIRST.index(d)))
         c["weight_dtype"] = chosen
-        for part, value in supported.items():
-            if value != chosen:
-                skip(f"{part}.weight_dtype: {frozen[part]}: ot_dist stores every frozen part in one weight_dtype, "
-                     f"here {chosen} ({', '.join(p for p, v in supported.items() if v == chosen)})")
+        for part, value in frozen.items():
+            if value == chosen:
+                continue
+            if part in LATENT_ENCODERS:
+                c["vae_weight_dtype"] = value
+            elif part in parts:
+                c.setdefault(part, {})["weight_dtype"] = value
+            else:  # a decoder stage loaded for samples
+                skip(f"{part}.weight_dtype: {STORAGE_NAMES[value]}: ot_dist stores the modules it loads for samples "
+                     f"in weight_dtype ({chosen})")
+    trained = {part: settings[part]["weight_dtype"] for part, on in trains.items() if on}
     kinds = {STORAGE.get(value, value) for value in trained.values()}
     if kinds == {"bfloat16"} and c["train_dtype"] == "bfloat16":
         c["trained_weight_dtype"] = "bfloat16"

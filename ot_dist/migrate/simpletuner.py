@@ -163,7 +163,8 @@ def _origins(denoiser: str) -> dict[str, str]:
             "model.guidance_scale": "flux_guidance_value", "model.prediction_type": "prediction_type",
             "epochs": "num_train_epochs / max_train_steps", "max_steps": "max_train_steps",
             "batch_size": "train_batch_size", "gradient_accumulation_steps": "gradient_accumulation_steps",
-            "learning_rate": "learning_rate", "train_dtype": "mixed_precision", "weight_dtype": "base_model_precision",
+            "learning_rate": "learning_rate", "train_dtype": "mixed_precision", "weight_dtype": "mixed_precision",
+            "vae_weight_dtype": "vae_dtype",
             "clip_grad_norm": "max_grad_norm", "seed": "seed", "optimizer": "optimizer / optimizer_config",
             "scheduler": "lr_scheduler", "scheduler.warmup_steps": "lr_warmup_steps", "lora": "lora_type",
             "lora.rank": "lora_rank / linear_dim", "lora.alpha": "lora_alpha / linear_alpha",
@@ -357,14 +358,22 @@ def _precision(args: SimpleTunerArgs, c: dict, method: str, out: Imported) -> No
     c["train_dtype"] = ACCELERATE_PRECISION.get(mixed, "bfloat16")
     if c["train_dtype"] != "float32":
         c["weight_dtype"] = c["train_dtype"]
-    base = str(args["base_model_precision"])
-    if base in FLOAT8:
-        c["weight_dtype"] = "float8"
-        out.notes.append(f"base_model_precision: {base}: ot_dist's float8 stores every frozen part in one byte per "
-                         "weight with a per-tensor scale")
-    elif base != "no_change":
-        out.not_honoured.append(f"base_model_precision: {base}: integer / 4-bit quantisation is not supported "
-                                f"(weight_dtype {c.get('weight_dtype', 'float32')} is written)")
+    family = get_family(c["model"]["family"])
+    # base_model_precision quantises the denoiser, text_encoder_<n>_precision the n-th text encoder
+    quantised = {"base_model_precision": family.denoiser, **{
+        f"text_encoder_{n}_precision": name for n, name in enumerate(family.text_encoders, start=1)}}
+    for key, part in quantised.items():
+        value = str(args[key])
+        if value in FLOAT8:
+            c.setdefault(part, {})["weight_dtype"] = "float8"
+            out.notes.append(f"{key}: {value}: ot_dist's float8 stores {part} in one byte per weight with a "
+                             "per-tensor scale")
+        elif value != "no_change":
+            out.not_honoured.append(f"{key}: {value}: integer / 4-bit quantisation is not supported "
+                                    f"({part} is stored in weight_dtype {c.get('weight_dtype', 'float32')})")
+    vae = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(str(args["vae_dtype"]))
+    if vae and vae != c.get("weight_dtype", "float32"):
+        c["vae_weight_dtype"] = vae  # the VAE is loaded in vae_dtype, the other frozen weights in mixed_precision
     if method == "full" and args["optimizer"] == "adamw_bf16" and c["train_dtype"] == "bfloat16":
         c["trained_weight_dtype"] = "bfloat16"  # AdamWBF16 steps bfloat16 weights (ot_dist: stochastic rounding)
     if args["seed"] is None:

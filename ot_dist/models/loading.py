@@ -63,7 +63,13 @@ class LoadedModel:
 
     def modules(self) -> list[torch.nn.Module]:
         """Every component with weights: the parts, the VAE and the sampling-only modules."""
-        return [self.denoiser, self.vae, *self.text_encoders.values(), *self.sampling_modules()]
+        return [module for _, module in self.named_components()]
+
+    def named_components(self) -> list[tuple[str, torch.nn.Module]]:
+        """`modules()` with the names the config's settings use: the parts' (`unet`, `text_encoder_2`), `vae` for
+        the latent encoder, `sampling` for the sampling-only modules."""
+        return [(self.family.denoiser, self.denoiser), ("vae", self.vae), *self.text_encoders.items(),
+                *(("sampling", m) for m in self.sampling_modules())]
 
 
 def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = None) -> LoadedModel:

@@ -191,13 +191,13 @@ class Trainer:
     def _place_modules(self) -> None:
         """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default),
         everything frozen in weight_dtype; then the low-memory options place each component."""
-        weight_dtype = frozen_storage_dtype(self.config.weight_dtype)
         trained_dtype = DTYPES[self.config.trained_weight_dtype]
         denoiser, performance = self.model.denoiser, self.config.performance
         # The decoder stages stay on the device: their pipeline creates its noise where its first module is.
         resident = [denoiser, *self.model.sampling_modules()]
-        for module in self.model.modules():
-            trains = store_by_role(module, trained_dtype, weight_dtype)
+        for name, module in self.model.named_components():
+            storage = self.config.component_storage(name)
+            trains = store_by_role(module, trained_dtype, frozen_storage_dtype(storage))
             # The denoiser backpropagates whenever anything trains (text encoders learn through it).
             if self.config.gradient_checkpointing and (trains or module is denoiser):
                 if not (module is denoiser and performance.selective_checkpointing):  # that one: _apply_performance
@@ -205,8 +205,8 @@ class Trainer:
             # With cached text a frozen text encoder runs once, over the captions (and for samples): it stays in
             # CPU memory and is streamed to the device for those passes, so a T5-XXL never occupies it.
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
-            place_component(module, self.config, self.device, offloadable=not any(module is m for m in resident),
-                            prefer_cpu=cached_text)
+            place_component(module, storage, self.config, self.device,
+                            offloadable=not any(module is m for m in resident), prefer_cpu=cached_text)
 
     def _apply_performance(self) -> None:
         """Selective checkpointing, float8 matmuls, channels_last and regional compilation of the denoiser."""
