@@ -1244,3 +1244,22 @@ def test_hunyuan_video_samples_and_layer_presets_take_onetrainers_defaults(tmp_p
     assert config.lora.preset == "attention"
     (prompt,) = config.sampling.prompts
     assert (prompt.width, prompt.height, prompt.steps, prompt.guidance_scale) == (832, 512, 30, 6.0)
+
+
+def test_a_transformer_from_its_own_file_is_read_as_a_single_file_over_the_base(tmp_path):
+    """`transformer.model_name` (OneTrainer loads the transformer from that file with the base model's config, the
+    rest from the base): model.path the file, model.config the base. A URL is listed (ot_dist does not download);
+    a family without a single-file layout lists it too."""
+    base = {"model_type": "Z_IMAGE", "training_method": "LORA", "base_model_name": "/models/z-image"}
+    config, skipped = import_only(tmp_path, {**base, "transformer": {"model_name": "/models/de_turbo.safetensors"}})
+    assert (config.model.path, config.model.config) == ("/models/de_turbo.safetensors", "/models/z-image")
+    assert not any("model_name" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {**base, "transformer": {
+        "model_name": "https://huggingface.co/ostris/Z-Image-De-Turbo/blob/main/z_image_de_turbo_v1_bf16.safetensors"}})
+    assert (config.model.path, config.model.config) == ("/models/z-image", None)
+    assert any(line.startswith("transformer.model_name: https://") and "is a URL" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "SANA", "training_method": "LORA",
+                                             "base_model_name": "/models/sana",
+                                             "transformer": {"model_name": "/models/t.safetensors"}})
+    assert config.model.path == "/models/sana"
+    assert any(line.startswith("transformer.model_name: /models/t.safetensors (a separately") for line in skipped)

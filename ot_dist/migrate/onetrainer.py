@@ -108,7 +108,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         c["tf32"] = True
     c["output_dtype"] = _dtype(ot, "output_dtype", skip) or "float32"
 
-    import_parts(ot, c, family, method, skip)
+    import_parts(ot, c, family, method, out)
     _layer_skip(ot, c, family, skip)
     _t5_length(ot, c, family)
     _caption_length(ot, family, skip)

@@ -10,6 +10,7 @@ weights, so trained parts that differ are listed with the dtype used instead."""
 from __future__ import annotations
 
 from ot_dist.migrate import onetrainer_defaults as defaults
+from ot_dist.migrate.common import local_path
 from ot_dist.models.families.registry import get_family
 
 DENOISERS = ("unet", "transformer", "prior")
@@ -35,7 +36,8 @@ def part_settings(ot: dict, part: str) -> dict:
     return {**defaults.PART, **defaults.PART_OVERRIDES.get(part, {}), **(ot.get(part) or {})}
 
 
-def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
+def import_parts(ot: dict, c: dict, family: str, method: str, out) -> None:
+    skip = out.not_honoured.append
     fam = get_family(family)
     parts = (fam.denoiser, *fam.text_encoders)  # OneTrainer's key of each is ot_dist's section name
     settings = {part: part_settings(ot, part) for part in (*parts, *FROZEN_EXTRA.get(family, ("vae",)))}
@@ -54,6 +56,8 @@ def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
         if method == "embedding" and not settings[part]["train_embedding"] and part in fam.embedding_keys:
             skip(f"{part}.train_embedding: false: ot_dist trains the embedding in every encoder that takes one")
     for part, value in settings.items():
+        if part == fam.denoiser and value["model_name"] and _denoiser_file(value["model_name"], fam, c, out):
+            continue
         if value["model_name"] and not (part == "decoder" and family in FROZEN_EXTRA):
             skip(f"{part}.model_name: {value['model_name']} (a separately loaded {part}) is not supported"
                  + ("; put effnet_encoder.safetensors into model.path" if part == "effnet_encoder" else ""))
@@ -64,6 +68,24 @@ def import_parts(ot: dict, c: dict, family: str, method: str, skip) -> None:
         skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported for {family}")
     _storage_dtypes(settings, trains, c, skip, parts)
     _checkpointing(settings, active, fam.denoiser, c, skip)
+
+
+def _denoiser_file(name: str, fam, c: dict, out) -> bool:
+    """OneTrainer's `transformer.model_name`: the transformer from that single file (diffusers' from_single_file with
+    the base model's config), the other components from the base model. ot_dist's single-file loading does the same
+    with model.path the file and model.config the base. Whether it was taken."""
+    if not (fam.single_file and fam.denoiser == "transformer"):
+        return False
+    key = f"{fam.denoiser}.model_name"
+    if name.startswith(("http://", "https://")):
+        out.not_honoured.append(f"{key}: {name} is a URL (ot_dist does not download): download the file, then set "
+                                "model.path to it; model.config stays the base model")
+        return True
+    base = c["model"]["path"]
+    c["model"]["path"], c["model"]["config"] = local_path(name, key, out), base
+    out.notes.append(f"{key}: {name} -> model.path (the transformer from that file), base_model_name -> model.config "
+                     "(the other components, and the transformer's config)")
+    return True
 
 
 def _train_entry(part: str, settings: dict, method: str, skip) -> dict:
