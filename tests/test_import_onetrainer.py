@@ -1263,3 +1263,27 @@ def test_a_transformer_from_its_own_file_is_read_as_a_single_file_over_the_base(
                                              "transformer": {"model_name": "/models/t.safetensors"}})
     assert config.model.path == "/models/sana"
     assert any(line.startswith("transformer.model_name: /models/t.safetensors (a separately") for line in skipped)
+
+
+def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_keeps_on_the_device(tmp_path):
+    """OneTrainer's `offload_fraction` (training_presets/QwenImage/#qwen LoRA 16GB.json, Flux 2 LoRA 8GB): a LoRA's
+    transformer as `transformer.offload_fraction` (with gradient checkpointing, which it needs), a frozen text
+    encoder's as offload_frozen_components; a trained transformer's (FINE_TUNE presets), activation offloading and
+    Ideogram's unconditional transformer's are listed."""
+    lora = {"model_type": "QWEN", "training_method": "LORA", "base_model_name": "/models/qwen",
+            "transformer": {"train": True, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5,
+                            "gradient_checkpointing": False},
+            "text_encoder": {"train": False, "weight_dtype": "FLOAT_8", "offload_fraction": 0.7}}
+    config, skipped = import_only(tmp_path, lora)
+    assert (config.transformer.offload_fraction, config.gradient_checkpointing) == (0.5, True)
+    assert config.offload_frozen_components and config.component_storage("transformer") == "float8"
+    assert not any("offload" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {**lora, "training_method": "FINE_TUNE"})
+    assert config.transformer.offload_fraction == 0.0
+    assert any(line.startswith("transformer.offload_fraction: 0.5: the transformer trains") for line in skipped)
+    config, skipped = import_only(tmp_path, {**lora, "transformer": {"train": True, "activation_offloading": True}})
+    assert any("activation_offloading" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {"model_type": "IDEOGRAM_4", "training_method": "LORA",
+                                             "base_model_name": "/models/ideogram",
+                                             "unconditional_transformer": {"offload_fraction": 1.0}})
+    assert any(line.startswith("unconditional_transformer.offload_fraction: 1.0") for line in skipped)

@@ -181,6 +181,14 @@ class PartConfig(Section):
         description="Storage of this part's frozen weights (a frozen text encoder, a LoRA's base), as OneTrainer's "
         "per-part weight dtype; unset = the top-level weight_dtype. Trained weights follow trained_weight_dtype.",
     )
+    offload_fraction: float = Field(
+        default=0.0, ge=0.0, le=1.0,
+        description="The denoiser only (OneTrainer's layer offloading): this fraction of the bytes of its blocks' "
+        "frozen weights (a LoRA's base) stays in CPU memory, and each of those blocks is copied to the device for its "
+        "forward and again for its recomputation in backward (the blocks at the end; the others stay on the device). "
+        "Needs gradient_checkpointing; strategies single and ddp (fsdp: fsdp.cpu_offload). Frozen text encoders and "
+        "the VAE: offload_frozen_components.",
+    )
 
     def stopped(self, epoch: int, step: int) -> bool:
         """Whether this part no longer trains in `epoch` (0-based) once `step` optimizer steps are done: the
@@ -1033,6 +1041,27 @@ class TrainConfig(Section):
             raise ValueError("resolution: give at least one")
         return value
 
+    def _check_block_offload(self, denoiser: str) -> None:
+        """offload_fraction streams the denoiser's frozen block weights: refused where that cannot work or save."""
+        for name in PART_FIELDS:
+            if name != denoiser and getattr(self, name).offload_fraction:
+                raise ValueError(f"{name}.offload_fraction: only the denoiser ({denoiser}) streams its blocks; a frozen "
+                                 "text encoder moves to the device block by block with offload_frozen_components")
+        if not getattr(self, denoiser).offload_fraction:
+            return
+        field = f"{denoiser}.offload_fraction"
+        if self.strategy not in ("single", "ddp"):
+            raise ValueError(f"{field}: strategies single and ddp stream blocks; {self.strategy} shards them "
+                             "(fsdp.cpu_offload / deepspeed offload keep them in CPU memory)")
+        if not self.gradient_checkpointing:
+            raise ValueError(f"{field}: needs gradient_checkpointing: true (without it every block's device copy is "
+                             "kept for backward, and nothing is saved)")
+        if self.method == "full" and self.part_trains(denoiser):
+            raise ValueError(f"{field}: streams frozen weights (a LoRA's base); the {denoiser} trains here and its "
+                             "weights stay on the device")
+        if self.performance.compile:
+            raise ValueError(f"{field}: not with performance.compile (the compiled blocks would capture the copies)")
+
     def _check_cuda_graphs(self) -> None:
         """CUDA graphs replay kernels on the addresses they were recorded with: weights and gradients must stay put
         from one step to the next."""
@@ -1122,6 +1151,7 @@ class TrainConfig(Section):
         if self.performance.selective_checkpointing and not self.gradient_checkpointing:
             raise ValueError("performance.checkpoint_every_n_blocks / checkpoint_only_attention choose what "
                              "gradient_checkpointing recomputes; set gradient_checkpointing: true")
+        self._check_block_offload(family.denoiser)
         parts = self.part_names()
         for name in PART_FIELDS:
             if name not in parts and getattr(self, name) != PartConfig():

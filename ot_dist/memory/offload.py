@@ -20,7 +20,7 @@ def offload_to_cpu(component: torch.nn.Module, device: torch.device) -> None:
     component.to("cpu")
     pin = torch.device(device).type == "cuda"
     for unit in movement_units(component):
-        _Visitor(unit, torch.device(device), pin).attach()
+        Visitor(unit, torch.device(device), pin).attach()
 
 
 def movement_units(component: torch.nn.Module) -> list[torch.nn.Module]:
@@ -48,20 +48,18 @@ def movement_units(component: torch.nn.Module) -> list[torch.nn.Module]:
     return units
 
 
-class _Visitor:
-    """Moves one module's parameters and buffers to the device for the length of its forward."""
+class Visitor:
+    """Moves one module's parameters and buffers (`entries`: (its dict of parameters or buffers, name); default: all
+    of them) to the device for the length of its forward. The CPU tensor that stays home is whatever the entry holds
+    when the forward starts (a copy of the module made with `load_state_dict(assign=True)` brings its own)."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, pin: bool):
+    def __init__(self, module: torch.nn.Module, device: torch.device, pin: bool, entries: list | None = None):
         self.module, self.device = module, device
-        # (owning module, its dict of parameters or buffers, name, the CPU tensor that stays its home)
-        self.entries = []
-        for owner in module.modules():
-            for table in (owner._parameters, owner._buffers):
-                for name, tensor in table.items():
-                    if tensor is not None:
-                        if pin:  # pinned host memory: asynchronous copies
-                            tensor.data = tensor.data.pin_memory()
-                        self.entries.append((table, name, tensor))
+        self.entries = every_entry(module) if entries is None else entries
+        if pin:  # pinned host memory: asynchronous copies
+            for table, name in self.entries:
+                table[name].data = table[name].data.pin_memory()
+        self.homes: list[torch.Tensor] = []
         self.depth = 0  # a child called re-entrantly (shared module) stays on the device until the outer call ends
 
     def attach(self) -> None:
@@ -72,8 +70,11 @@ class _Visitor:
         if self.depth == 0:
             # Device copies under the same names; the CPU objects are put back afterwards, so whoever holds
             # them (peft, caches' keys) sees the same parameters between forwards.
-            for table, name, home in self.entries:
-                moved = home.detach().to(self.device, non_blocking=True)
+            self.homes = [table[name] for table, name in self.entries]
+            for (table, name), home in zip(self.entries, self.homes):
+                # Always a new tensor (also when the device is the CPU): autograd may keep it for backward, while the
+                # home is put back into the table below.
+                moved = home.detach().to(self.device, non_blocking=True, copy=True)
                 is_parameter = isinstance(home, torch.nn.Parameter)
                 table[name] = torch.nn.Parameter(moved, requires_grad=False) if is_parameter else moved
         self.depth += 1
@@ -82,9 +83,16 @@ class _Visitor:
     def leave(self, module, args, output):
         self.depth -= 1
         if self.depth == 0:
-            for table, name, home in self.entries:
+            for (table, name), home in zip(self.entries, self.homes):
                 table[name] = home
+            self.homes = []
         return output
+
+
+def every_entry(module: torch.nn.Module) -> list[tuple[dict, str]]:
+    """(dict of parameters or buffers, name) of every parameter and buffer in `module` and below."""
+    return [(table, name) for owner in module.modules() for table in (owner._parameters, owner._buffers)
+            for name, tensor in table.items() if tensor is not None]
 
 
 def _to_device(value, device: torch.device):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ot_dist.memory.block_streaming import kept_home, stream_blocks
 from ot_dist.memory.float8 import store_frozen_in_float8
 from ot_dist.memory.offload import offload_to_cpu
 from ot_dist.precision import DTYPES
@@ -72,10 +73,11 @@ def cast_frozen_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def place_component(component: torch.nn.Module, storage: str, config, device: torch.device, offloadable: bool,
-                    prefer_cpu: bool = False) -> None:
+                    prefer_cpu: bool = False, streamed: list[torch.nn.Module] = ()) -> None:
     """`storage` (the component's weight_dtype) float8 stores its frozen parameters in one byte (a LoRA's base weights
     too); `offload_frozen_components` (or `prefer_cpu`: a text encoder whose outputs are cached) keeps an entirely
-    frozen `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`."""
+    frozen `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`, but the
+    frozen weights of its `streamed` blocks (memory/block_streaming.py), which stay in CPU memory."""
     if storage == "float8":
         store_frozen_in_float8(component, DTYPES[config.train_dtype])
         cast_frozen_buffers(component, DTYPES[config.train_dtype])  # they meet the upcast weights' compute dtype
@@ -83,9 +85,12 @@ def place_component(component: torch.nn.Module, storage: str, config, device: to
     if (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
         offload_to_cpu(component, device)
     else:
-        component.to(device)
+        with kept_home(streamed):
+            component.to(device)
         if device.type == "cpu":
             into_aligned_memory(component)
+        if streamed:
+            stream_blocks(component, streamed, device)
 
 
 # oneDNN / MKL pick their code paths by the address alignment of the operands.

@@ -16,7 +16,8 @@ from ot_dist.models.families.registry import get_family
 DENOISERS = ("unet", "transformer", "prior")
 # The frozen components besides the denoiser and text encoders, by ot_dist family (OneTrainer's model_parts()).
 FROZEN_EXTRA = {"stable_cascade": ("effnet_encoder", "decoder", "decoder_vqgan"),
-                "wuerstchen_v2": ("effnet_encoder", "decoder", "decoder_text_encoder", "decoder_vqgan")}
+                "wuerstchen_v2": ("effnet_encoder", "decoder", "decoder_text_encoder", "decoder_vqgan"),
+                "ideogram4": ("vae", "unconditional_transformer")}
 STORAGE = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "BFLOAT_16": "bfloat16", "FLOAT_16": "float16",
            "FLOAT_8": "float8"}
 # The setups that read transformer.attention_mask (apply_attention_mask: FluxBaseSetup, BaseStableDiffusion3Setup,
@@ -67,7 +68,7 @@ def import_parts(ot: dict, c: dict, family: str, method: str, out) -> None:
     if settings[fam.denoiser]["attention_mask"] and family in MASK_SWITCH_FAMILIES:
         skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported for {family}")
     _storage_dtypes(settings, trains, c, skip, parts)
-    _checkpointing(settings, active, fam.denoiser, c, skip)
+    _checkpointing(settings, active, trains, fam.denoiser, c, out)
 
 
 def _denoiser_file(name: str, fam, c: dict, out) -> bool:
@@ -153,16 +154,39 @@ def _storage_dtypes(settings: dict, trains: dict, c: dict, skip, parts: tuple[st
         skip(f"{part}.weight_dtype: {value} (a trained part): {why}; float32 master weights instead")
 
 
-def _checkpointing(settings: dict, active: dict, denoiser: str, c: dict, skip) -> None:
+def _checkpointing(settings: dict, active: dict, trains: dict, denoiser: str, c: dict, out) -> None:
     """One switch in ot_dist: the denoiser's (it backpropagates whenever anything trains); trained parts that
-    differ and OneTrainer's activation / layer offloading are listed."""
+    differ are listed. OneTrainer's layer offloading: the frozen denoiser's as `<denoiser>.offload_fraction` (with
+    gradient checkpointing, which it needs), a frozen text encoder's as offload_frozen_components; activation
+    offloading and a trained part's layer offloading are listed."""
+    skip = out.not_honoured.append
     c["gradient_checkpointing"] = bool(settings[denoiser]["gradient_checkpointing"])
     for part, on in active.items():
         if on and part != denoiser and bool(settings[part]["gradient_checkpointing"]) != c["gradient_checkpointing"]:
             skip(f"{part}.gradient_checkpointing: {settings[part]['gradient_checkpointing']}: ot_dist's one "
                  f"gradient_checkpointing follows {denoiser}'s ({c['gradient_checkpointing']})")
-    offloaded = [p for p in active if settings[p]["activation_offloading"] or settings[p]["offload_fraction"]]
+    for part in active:
+        fraction = settings[part]["offload_fraction"]
+        if fraction and trains[part]:
+            skip(f"{part}.offload_fraction: {fraction}: the {part} trains (OneTrainer streams it with a fused back "
+                 "pass); ot_dist streams frozen weights only and keeps it on the device")
+        elif fraction and part == denoiser:
+            c.setdefault(part, {})["offload_fraction"] = fraction
+            if not c["gradient_checkpointing"]:
+                c["gradient_checkpointing"] = True
+                out.notes.append(f"{part}.offload_fraction: {fraction} needs gradient checkpointing in ot_dist: "
+                                 "gradient_checkpointing: true is written")
+        elif fraction and not active[part]:
+            c["offload_frozen_components"] = True
+            out.notes.append(f"{part}.offload_fraction: {fraction} -> offload_frozen_components: true (every frozen "
+                             "text encoder and the VAE in CPU memory, moved to the device block by block)")
+        elif fraction:
+            skip(f"{part}.offload_fraction: {fraction}: a text encoder that trains stays on the device")
+    for part in settings.keys() - active.keys():  # frozen components besides the parts
+        if settings[part]["offload_fraction"] and part not in LATENT_ENCODERS:
+            skip(f"{part}.offload_fraction: {settings[part]['offload_fraction']}: ot_dist keeps the modules only "
+                 "samples run on the device")
+    offloaded = [p for p in active if settings[p]["activation_offloading"]]
     if offloaded:
-        skip(f"{', '.join(offloaded)}: activation_offloading / offload_fraction (gradient_checkpointing CPU_OFFLOADED "
-             "before config version 11): ot_dist keeps activations "
-             "and layers on the device (offload_frozen_components moves the frozen parts)")
+        skip(f"{', '.join(offloaded)}: activation_offloading (gradient_checkpointing CPU_OFFLOADED before config "
+             "version 11): ot_dist keeps the checkpointed activations on the device")

@@ -34,6 +34,7 @@ import torch
 from ot_dist.config.sampling import SAMPLERS, SamplePrompt
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
+from ot_dist.memory.block_streaming import STREAMED_ATTR
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import trained_modules
 from ot_dist.parallel.runtime import Runtime
@@ -245,9 +246,12 @@ def meta_structure(module: torch.nn.Module) -> torch.nn.Module:
 
 def inference_copy(template: torch.nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
     """A module of `template`'s structure holding `state` (assigned, not copied: a single process's
-    state shares the training weights' storage; nothing here writes to it)."""
+    state shares the training weights' storage; nothing here writes to it). The blocks a denoiser streams
+    (memory/block_streaming.py) keep their weights where they are: the copy carries the same copy-on-forward."""
     module = copy.deepcopy(template)  # meta tensors: cheap, and the template stays empty
-    module.load_state_dict({k: v.detach().to(device) for k, v in state.items()}, assign=True, strict=True)
+    streamed = tuple(f"{name}." for name in getattr(template, STREAMED_ATTR, ()))
+    module.load_state_dict({k: v.detach() if k.startswith(streamed) else v.detach().to(device)
+                            for k, v in state.items()}, assign=True, strict=True)
     return module.eval().requires_grad_(False)
 
 

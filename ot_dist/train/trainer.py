@@ -22,6 +22,7 @@ from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.concepts import check_clip_batches, check_video_clips
 from ot_dist.data.video import check_clip_settings
 from ot_dist.data.training_data import open_training_data, report_lines, training_captions
+from ot_dist.memory.block_streaming import frozen_bytes, streamed_blocks
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
@@ -206,7 +207,21 @@ class Trainer:
             # CPU memory and is streamed to the device for those passes, so a T5-XXL never occupies it.
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
             place_component(module, storage, self.config, self.device,
-                            offloadable=not any(module is m for m in resident), prefer_cpu=cached_text)
+                            offloadable=not any(module is m for m in resident), prefer_cpu=cached_text,
+                            streamed=self._streamed_blocks() if module is denoiser else ())
+
+    def _streamed_blocks(self) -> list[torch.nn.Module]:
+        """The denoiser's blocks whose frozen weights stay in CPU memory (`<denoiser>.offload_fraction`)."""
+        from ot_dist.parallel.fsdp import family_units
+
+        name = self.model.family.denoiser
+        fraction = getattr(self.config, name).offload_fraction
+        blocks = streamed_blocks(family_units(self.model.family, name, self.model.denoiser), fraction)
+        if blocks:
+            streamed_bytes = sum(frozen_bytes(b) for b in blocks)
+            self.log(f"{name}.offload_fraction {fraction}: {len(blocks)} blocks' frozen weights "
+                     f"({streamed_bytes / 2**30:.2f} GiB) stay in CPU memory, each copied in for its forward")
+        return blocks
 
     def _apply_performance(self) -> None:
         """Selective checkpointing, float8 matmuls, channels_last and regional compilation of the denoiser."""

@@ -1,0 +1,162 @@
+"""`<denoiser>.offload_fraction` (memory/block_streaming.py, OneTrainer's layer offloading): which blocks stream,
+that a streamed block's frozen weights are device copies only during its forward and its recomputation in backward
+(and at most two blocks' copies exist at a time with gradient checkpointing), that a LoRA run and its samples are the
+same as without, and the refusals. On the CPU the "device" is the CPU: the copies are real copies all the same
+(`copy=True`), so their number and lifetime are what a GPU run holds."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import numpy as np
+import pytest
+import torch
+from conftest import base_config
+from PIL import Image
+
+from ot_dist.config.load import validate
+from ot_dist.errors import ConfigError
+from ot_dist.memory import offload
+from ot_dist.memory.block_streaming import STREAMED_ATTR, frozen_bytes, kept_home, stream_blocks, streamed_blocks
+from ot_dist.train.trainer import Trainer
+
+SAMPLE = {"prompt": "a red circle", "seed": 1, "steps": 2, "width": 64, "height": 64}
+
+
+def quiet(*_):
+    pass
+
+
+def flux_transformer(checkpointing: bool) -> torch.nn.Module:
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    model = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=3, num_single_layers=3,
+                                   attention_head_dim=16, num_attention_heads=2, joint_attention_dim=32,
+                                   pooled_projection_dim=32, axes_dims_rope=(4, 6, 6)).requires_grad_(False)
+    model.proj_out.requires_grad_(True)  # something trains, after the blocks: backward runs through all of them
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    return model.train()
+
+
+def flux_call(model: torch.nn.Module) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1)
+    tokens, text = 16, 8
+    return model(hidden_states=torch.randn(2, tokens, 16, generator=g).requires_grad_(True),
+                 encoder_hidden_states=torch.randn(2, text, 32, generator=g),
+                 pooled_projections=torch.randn(2, 32, generator=g), timestep=torch.tensor([0.3, 0.7]),
+                 img_ids=torch.zeros(tokens, 3), txt_ids=torch.zeros(text, 3), return_dict=False)[0]
+
+
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [*model.transformer_blocks, *model.single_transformer_blocks]
+
+
+def test_the_last_blocks_stream_by_frozen_bytes():
+    model = flux_transformer(checkpointing=False)
+    blocks = blocks_of(model)
+    sizes = [frozen_bytes(b) for b in blocks]
+    assert streamed_blocks(blocks, 0.0) == [] and streamed_blocks(blocks, 1.0) == blocks
+    for fraction in (0.1, 0.5, 0.9):
+        streamed = streamed_blocks(blocks, fraction)
+        resident = sizes[:len(blocks) - len(streamed)]
+        assert blocks[len(resident):] == streamed
+        # the resident ones fit in (1 - fraction) of the bytes, one more would not
+        assert sum(resident) <= (1 - fraction) * sum(sizes) < sum(sizes[:len(resident) + 1])
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch):
+    """Every streamed block's frozen parameters are device copies inside its forward and CPU homes outside it;
+    with checkpointing no more than two blocks' copies are alive at any block's start (each block's first-forward
+    copies die when it returns, its recomputation's once its backward is done); without, all of them are, which
+    is why the option needs checkpointing. Gradients equal the run without streaming."""
+    reference = flux_transformer(checkpointing)
+    flux_call(reference).square().mean().backward()
+    model = flux_transformer(checkpointing)
+    blocks = blocks_of(model)
+    streamed = streamed_blocks(blocks, 0.8)
+    assert len(streamed) >= 4
+    homes = {id(p) for b in streamed for p in b.parameters()}
+    with kept_home(streamed):
+        assert [p for b in streamed for p in b.parameters()] == []  # out of the modules while they move
+    copies: list[tuple[int, weakref.ref]] = []  # (block, copy)
+    alive_at_arrival = []
+    arrive = offload.Visitor.arrive
+
+    def counting_arrive(self, module, args, kwargs):
+        out = arrive(self, module, args, kwargs)
+        gc.collect()
+        alive_at_arrival.append(len({b for b, ref in copies if ref() is not None}))
+        copies.extend((id(module), weakref.ref(table[name])) for table, name in self.entries)
+        assert not any(id(table[name]) in homes for table, name in self.entries)
+        return out
+
+    monkeypatch.setattr(offload.Visitor, "arrive", counting_arrive)  # before the hooks bind it
+    stream_blocks(model, streamed, torch.device("cpu"))
+    assert all(id(p) in homes for b in streamed for p in b.parameters())  # between forwards: the homes
+    flux_call(model).square().mean().backward()
+    gc.collect()
+    assert len(copies) > 0 and all(ref() is None for _, ref in copies)  # nothing left on the device
+    assert all(id(p) in homes for b in streamed for p in b.parameters())
+    if checkpointing:
+        assert len(alive_at_arrival) == 2 * len(streamed)  # each block: its forward and its recomputation
+        assert max(alive_at_arrival) <= 2, alive_at_arrival
+    else:
+        assert max(alive_at_arrival) == len(streamed) - 1  # every earlier block's copies kept for backward
+    torch.testing.assert_close(model.proj_out.weight.grad, reference.proj_out.weight.grad, rtol=0, atol=0)
+
+
+def test_a_lora_run_and_its_samples_are_the_same_with_streamed_blocks(tiny_models, shapes_data, tmp_path):
+    """SDXL LoRA with gradient checkpointing: the same losses, LoRA file and sample as without (the sample's copy of
+    the UNet streams the same blocks, their weights left in CPU memory)."""
+    from safetensors.torch import load_file
+
+    def run(fraction):
+        out = tmp_path / f"run{fraction}"
+        raw = base_config(tiny_models["sdxl"], shapes_data, out, family="sdxl", method="lora", max_steps=2,
+                          batch_size=2, gradient_checkpointing=True,
+                          **{"unet.offload_fraction": fraction, "sampling.prompts": [SAMPLE],
+                             "sampling.every_n_steps": 2})
+        trainer = Trainer(validate(raw), log=quiet)
+        return trainer, trainer.train().losses, out
+
+    _, plain, plain_out = run(0.0)
+    trainer, streamed, out = run(0.6)
+    names = getattr(trainer.model.denoiser, STREAMED_ATTR)
+    assert len(names) >= 5 and all(name.startswith(("down_blocks", "mid_block", "up_blocks")) for name in names)
+    assert streamed == plain
+    for key, value in load_file(plain_out / "lora.safetensors").items():
+        assert torch.equal(load_file(out / "lora.safetensors")[key], value), key
+    images = [np.asarray(Image.open(next((o / "samples" / "step-2").glob("*.png")))) for o in (plain_out, out)]
+    assert np.array_equal(*images)
+
+
+def test_offload_fraction_is_refused_where_it_cannot_work(tiny_models, shapes_data, tmp_path):
+    def check(message, method="lora", **overrides):
+        with pytest.raises(ConfigError, match=message):
+            validate(base_config(tiny_models["sdxl"], shapes_data, tmp_path, family="sdxl", method=method,
+                                 **{"unet.offload_fraction": 0.5, "gradient_checkpointing": True, **overrides}))
+
+    check("unet.offload_fraction: needs gradient_checkpointing: true", gradient_checkpointing=False)
+    check("unet.offload_fraction: strategies single and ddp stream blocks; fsdp", strategy="fsdp")
+    check("unet.offload_fraction: streams frozen weights", method="full")
+    check("unet.offload_fraction: not with performance.compile", **{"performance.compile": True})
+    check("text_encoder.offload_fraction: only the denoiser", **{"text_encoder.offload_fraction": 0.5})
+
+
+def test_the_sampling_copy_leaves_streamed_weights_in_cpu_memory():
+    """inference_copy (train/sampling.py) moves the state to the device but the streamed blocks' weights: the meta
+    device stands in for the accelerator, so where each tensor ends up is visible."""
+    from ot_dist.train.sampling import inference_copy, meta_structure
+
+    model = flux_transformer(checkpointing=True)
+    streamed = streamed_blocks(blocks_of(model), 0.5)
+    stream_blocks(model, streamed, torch.device("cpu"))
+    copy = inference_copy(meta_structure(model), model.state_dict(), torch.device("meta"))
+    names = getattr(model, STREAMED_ATTR)
+    devices = {name: p.device.type for name, p in copy.named_parameters()}
+    assert {d for n, d in devices.items() if n.startswith(tuple(f"{b}." for b in names))} == {"cpu"}
+    assert {d for n, d in devices.items() if not n.startswith(tuple(f"{b}." for b in names))} == {"meta"}
