@@ -1059,8 +1059,13 @@ class TrainConfig(Section):
         if self.method == "full" and self.part_trains(denoiser):
             raise ValueError(f"{field}: streams frozen weights (a LoRA's base); the {denoiser} trains here and its "
                              "weights stay on the device")
-        if self.performance.compile:
-            raise ValueError(f"{field}: not with performance.compile (the compiled blocks would capture the copies)")
+        if self.performance.compile or self.performance.float8_matmuls:
+            raise ValueError(f"{field}: not with performance.compile or float8_matmuls (compiled blocks would capture "
+                             "the copies; float8 layers replace the streamed modules)")
+        if self.performance.selective_checkpointing:
+            raise ValueError(f"{field}: not with performance.checkpoint_every_n_blocks / checkpoint_only_attention "
+                             "(a block recomputed without its call hooks would compute with the weights left in CPU "
+                             "memory); plain gradient_checkpointing recomputes every block's whole call")
 
     def _check_cuda_graphs(self) -> None:
         """CUDA graphs replay kernels on the addresses they were recorded with: weights and gradients must stay put

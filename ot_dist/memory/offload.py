@@ -54,11 +54,8 @@ class Visitor:
     when the forward starts (a copy of the module made with `load_state_dict(assign=True)` brings its own)."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device, pin: bool, entries: list | None = None):
-        self.module, self.device = module, device
+        self.module, self.device, self.pin = module, device, pin
         self.entries = every_entry(module) if entries is None else entries
-        if pin:  # pinned host memory: asynchronous copies
-            for table, name in self.entries:
-                table[name].data = table[name].data.pin_memory()
         self.homes: list[torch.Tensor] = []
         self.depth = 0  # a child called re-entrantly (shared module) stays on the device until the outer call ends
 
@@ -72,6 +69,10 @@ class Visitor:
             # them (peft, caches' keys) sees the same parameters between forwards.
             self.homes = [table[name] for table, name in self.entries]
             for (table, name), home in zip(self.entries, self.homes):
+                # Pinned host memory makes the copy asynchronous; pinned here, not when attached, because a
+                # later change of the home's layout (channels_last) makes a new, pageable tensor.
+                if self.pin and not home.is_pinned():
+                    home.data = home.data.pin_memory()
                 # Always a new tensor (also when the device is the CPU): autograd may keep it for backward, while the
                 # home is put back into the table below.
                 moved = home.detach().to(self.device, non_blocking=True, copy=True)
