@@ -199,7 +199,8 @@ def test_the_core_install_trains_and_a_missing_extra_is_named_in_one_line(small_
     # as `python -m ot_dist train` runs it, then both `ot-dist config check` calls, each one's exit code and stderr.
     checks = (("strategy=zero2", "strategy: zero2 needs the deepspeed package: pip install 'ot_dist[dist]'"),
               ("optimizer.name=ADAMW_8BIT", "optimizer.name: ADAMW_8BIT needs the bitsandbytes package: "
-                                            "pip install 'ot_dist[optim]'"))
+                                            "pip install 'ot_dist[optim]'"),
+              ("weight_dtype=nf4", "weight_dtype: nf4 needs the bitsandbytes package: pip install 'ot_dist[optim]'"))
     script = ("import contextlib, io, json, runpy, sys\n"
               "config, overrides = sys.argv[1], sys.argv[2:]\n"
               "sys.argv = ['ot-dist', 'train', config]\n"

@@ -7,6 +7,8 @@ import pytest
 from ot_dist.memory.table import build_components, fsdp_rank_bytes, sharding_units, DENOISERS
 from ot_dist.models.families.registry import get_family
 
+NF4_OFFLOADED = "LoRA r16, frozen nf4 (Linear weights), text encoders + VAE offloaded"
+
 PUBLISHED = {"Flux.1 dev": 11.9e9, "SD3.5 Large": 8.1e9}  # BFL's and Stability's model cards
 T5_XXL_ENCODER = 4.76e9
 
@@ -131,8 +133,10 @@ def test_qwen_image_memory_row_is_the_published_model_sharded_by_block():
     # LoRA: 28.8 B frozen parameters, 53.7 GiB in bfloat16, 26.9 GiB in float8, the transformer alone 19.0 GiB
     assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
+    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
+    assert choose(family, "lora", 24, 1).setup.label == NF4_OFFLOADED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 24, 1)
+        choose(family, "lora", 16, 1)
 
 
 def test_sana_memory_row_is_the_published_model_sharded_by_block():
@@ -362,8 +366,10 @@ def test_wan_memory_row_is_the_published_14b_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 48, 8).strategy == "fsdp"
+    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
+    assert choose(family, "lora", 16, 1).setup.label == NF4_OFFLOADED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 16, 1)
+        choose(family, "lora", 12, 1)
 
 
 def test_krea2_memory_row_is_the_published_model_sharded_by_block():
@@ -394,8 +400,10 @@ def test_krea2_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 48, 8).strategy == "fsdp"
+    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
+    assert choose(family, "lora", 16, 1).setup.label == NF4_OFFLOADED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 16, 1)
+        choose(family, "lora", 12, 1)
 
 
 def test_ernie_image_memory_row_is_the_published_model_sharded_by_block():
@@ -488,8 +496,10 @@ def test_ideogram4_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 48, 8).strategy == "fsdp"
+    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
+    assert choose(family, "lora", 16, 1).setup.label == NF4_OFFLOADED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 16, 1)
+        choose(family, "lora", 12, 1)
 
 
 def test_hunyuan_video_memory_row_is_the_published_model_sharded_by_block():
@@ -518,8 +528,10 @@ def test_hunyuan_video_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8, text encoders + VAE offloaded"
     assert choose(family, "full", 48, 8).strategy == "fsdp"
+    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
+    assert choose(family, "lora", 16, 1).setup.label == NF4_OFFLOADED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 16, 1)
+        choose(family, "lora", 8, 1)
 
 
 @pytest.mark.parametrize("family_name", ["sd1", "sdxl", "sd3", "flux", "hidream", "stable_cascade", "hunyuan_video"])

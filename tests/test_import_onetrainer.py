@@ -353,6 +353,20 @@ def test_part_dtypes_and_checkpointing_of_config_version_11(tmp_path):
     config, skipped = import_only(tmp_path, {**lora, "text_encoder": {"train": False, "weight_dtype": "GGUF"}})
     assert config.component_storage("text_encoder") == "bfloat16"
     assert any(line.startswith("text_encoder.weight_dtype: GGUF is not") for line in skipped)
+    # NFLOAT_4 (QLoRA's NF4 with bitsandbytes) is nf4: OneTrainer's Flux.1 dev LoRA preset (training_presets/
+    # Flux Dev.1/#flux LoRA.json) stores the transformer and T5 so, CLIP in bfloat16, the VAE in float32
+    flux = {"model_type": "FLUX_DEV_1", "training_method": "LORA", "base_model_name": "black-forest-labs/FLUX.1-dev",
+            "transformer": {"train": True, "weight_dtype": "NFLOAT_4"},
+            "text_encoder": {"train": False, "weight_dtype": "BFLOAT_16"},
+            "text_encoder_2": {"train": False, "weight_dtype": "NFLOAT_4"}, "vae": {"weight_dtype": "FLOAT_32"},
+            "train_dtype": "BFLOAT_16"}
+    config, skipped = import_only(tmp_path, flux)
+    assert {name: config.component_storage(name) for name in ("transformer", "text_encoder", "text_encoder_2",
+                                                               "vae")} == {
+        "transformer": "nf4", "text_encoder": "bfloat16", "text_encoder_2": "nf4", "vae": "float32"}
+    assert config.weight_dtype == "nf4" and not any("weight_dtype" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {**flux, "train_dtype": "NFLOAT_4"})
+    assert any(line.startswith("train_dtype: NFLOAT_4 is a storage dtype in ot_dist") for line in skipped)
     finetune = {**lora, "training_method": "FINE_TUNE", "train_dtype": "BFLOAT_16",
                 "vae": {"weight_dtype": "BFLOAT_16"}}
     config, _ = import_only(tmp_path, finetune)

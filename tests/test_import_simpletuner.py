@@ -614,3 +614,13 @@ def test_precisions_store_each_component_as_simpletuner_loads_it(tmp_path):
     imported(tmp_path, {"--model_family": "sdxl", "--model_type": "lora", "--mixed_precision": "no"}, backends)
     config = load_config(tmp_path / "out.yaml")
     assert (config.component_storage("unet"), config.component_storage("vae")) == ("float32", "bfloat16")
+    # nf4-bnb (bitsandbytes NF4) is ot_dist's nf4 (docs/low-memory.md); int4 quanto is listed
+    imported(tmp_path, {"--model_family": "flux", "--model_type": "lora", "--mixed_precision": "bf16",
+                        "--base_model_precision": "nf4-bnb", "--text_encoder_2_precision": "nf4-bnb",
+                        "--text_encoder_1_precision": "int4-quanto"}, backends)
+    config = load_config(tmp_path / "out.yaml")
+    assert {name: config.component_storage(name) for name in ("transformer", "text_encoder", "text_encoder_2")} == {
+        "transformer": "nf4", "text_encoder": "bfloat16", "text_encoder_2": "nf4"}
+    listed = (tmp_path / "out.yaml").read_text().split("NOT HONOURED")[1]
+    assert "text_encoder_1_precision: int4-quanto: integer / other 4-bit quantisation" in listed
+    assert "nf4-bnb" not in listed

@@ -1,6 +1,6 @@
 """What a full export writes for the components a run did not train: the weights the user loaded, not the copies
-training held. Low-memory storage (`weight_dtype: float8`, `bfloat16`, `float16`) rounds every frozen weight in
-memory; exporting those copies would silently degrade the VAE and frozen text encoders of the file users load. When
+training held. Low-memory storage (`weight_dtype: float8`, `nf4`, `bfloat16`, `float16`) rounds every frozen weight
+in memory; exporting those copies would silently degrade the VAE and frozen text encoders of the file users load. When
 any frozen module holds rounded copies, the writing rank loads `model.path` again (as `load_model` does, float32:
 lossless for float32 / 16-bit originals) and takes every untrained component from it, so the export casts the
 original once to output_dtype. From a diffusers folder only the untrained components are read again."""
@@ -11,13 +11,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ot_dist.memory.stored import holds_stored_weights
 from ot_dist.models.loading import LoadedModel, load_model
 
 
 def held_as_loaded(module: torch.nn.Module) -> bool:
-    """Whether a module still holds the weights `load_model` gave it (float32): float8 storage and the 16-bit
-    weight_dtypes store rounded copies."""
-    return all(p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point())
+    """Whether a module still holds the weights `load_model` gave it (float32): float8 and nf4 storage and the
+    16-bit weight_dtypes store rounded copies. nf4's packed weights are uint8, which the dtype check skips: stored
+    weights are found by their marker (a float32 train_dtype leaves every other parameter float32)."""
+    return not holds_stored_weights(module) and all(
+        p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point())
 
 
 @dataclass

@@ -28,8 +28,9 @@ from ot_dist.optim.registry import SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # How frozen weights are stored: a dtype, or a quantized format upcast to train_dtype where used (memory/float8.py).
-StorageDtype = Literal["float32", "bfloat16", "float16", "float8"]
-QUANTIZED_STORAGE = ("float8",)  # single and ddp only: sharding would split the stored weights from their scales
+StorageDtype = Literal["float32", "bfloat16", "float16", "float8", "nf4"]
+# single and ddp only: sharding would split the stored weights from their scales
+QUANTIZED_STORAGE = ("float8", "nf4")
 # A path as a shell reads it: YAML keeps `~` literal and Python's file calls do not expand it, so without this the
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
@@ -928,8 +929,11 @@ class TrainConfig(Section):
         description="Storage dtype of the frozen parts (VAE, frozen text encoders, LoRA base); a part's own "
         "`<part>.weight_dtype` and vae_weight_dtype override it for that component. float8: one byte per "
         "parameter (float8_e4m3fn with a per-tensor scale), upcast to train_dtype where used; the forward pass then "
-        "differs from the bfloat16 one by a few percent (docs/low-memory.md). Exports write the frozen parts as loaded "
-        "from model.path, not the stored copies. Strategies single and ddp.",
+        "differs from the bfloat16 one by a few percent (docs/low-memory.md). nf4: OneTrainer's NFLOAT_4 (QLoRA): "
+        "each frozen Linear weight in 4-bit NormalFloat, blocks of 64 with a double-quantized absmax (about 0.52 "
+        "bytes per weight, bitsandbytes: the optim extra), the other frozen parameters in train_dtype; the forward "
+        "pass differs from the bfloat16 one about 3.5 times as much as float8's. Exports write the frozen parts as "
+        "loaded from model.path, not the stored copies. float8 and nf4: strategies single and ddp.",
     )
     vae_weight_dtype: StorageDtype | None = Field(
         default=None,
@@ -1364,6 +1368,9 @@ class TrainConfig(Section):
             raise ValueError(f"strategy: {self.strategy} {hint}")
         if hint := missing_extra(SPECS[self.optimizer.name].target.partition(":")[0]):
             raise ValueError(f"optimizer.name: {self.optimizer.name} {hint}")
+        nf4 = [field for field, storage in self.storage_settings().items() if storage == "nf4"]
+        if nf4 and (hint := missing_extra("bitsandbytes")):
+            raise ValueError(f"{nf4[0]}: nf4 {hint}")
         return self
 
     def lora_file_layout(self) -> str:

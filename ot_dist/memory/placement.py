@@ -1,5 +1,5 @@
 """Where a component's frozen weights live and in what: the low-memory options applied once, after
-the method has decided what trains (ot_dist/memory/float8.py, ot_dist/memory/offload.py)."""
+the method has decided what trains (ot_dist/memory/float8.py, ot_dist/memory/nf4.py, ot_dist/memory/offload.py)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,26 @@ import torch
 
 from ot_dist.memory.block_streaming import kept_home, stream_blocks
 from ot_dist.memory.float8 import store_frozen_in_float8
+from ot_dist.memory.nf4 import store_frozen_in_nf4
 from ot_dist.memory.offload import offload_to_cpu
 from ot_dist.precision import DTYPES
 
 
+# weight_dtype values that quantize the frozen weights at placement (from float32), and how
+QUANTIZERS = {"float8": store_frozen_in_float8, "nf4": store_frozen_in_nf4}
+
+
 def frozen_storage_dtype(weight_dtype: str) -> torch.dtype:
-    """The dtype frozen parameters are cast to first; float8 is quantized from float32 afterwards."""
-    return torch.float32 if weight_dtype == "float8" else DTYPES[weight_dtype]
+    """The dtype frozen parameters are cast to first; float8 and nf4 are quantized from float32 afterwards."""
+    return torch.float32 if weight_dtype in QUANTIZERS else DTYPES[weight_dtype]
+
+
+def quantize_frozen(component: torch.nn.Module, storage: str, compute_dtype: torch.dtype) -> None:
+    """Store the frozen weights of `component` as `storage` (a weight_dtype) says, read in `compute_dtype`: float8
+    (memory/float8.py) and nf4 (memory/nf4.py) quantize; the plain dtypes were cast at load (frozen_storage_dtype)."""
+    if storage in QUANTIZERS:
+        QUANTIZERS[storage](component, compute_dtype)
+        cast_frozen_buffers(component, compute_dtype)  # they meet the dequantized weights' compute dtype
 
 
 def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dtype: torch.dtype) -> bool:
@@ -74,13 +87,12 @@ def cast_frozen_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 def place_component(component: torch.nn.Module, storage: str, config, device: torch.device, offloadable: bool,
                     prefer_cpu: bool = False, streamed: list[torch.nn.Module] = ()) -> None:
-    """`storage` (the component's weight_dtype) float8 stores its frozen parameters in one byte (a LoRA's base weights
-    too); `offload_frozen_components` (or `prefer_cpu`: a text encoder whose outputs are cached) keeps an entirely
-    frozen `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`, but the
-    frozen weights of its `streamed` blocks (memory/block_streaming.py), which stay in CPU memory."""
-    if storage == "float8":
-        store_frozen_in_float8(component, DTYPES[config.train_dtype])
-        cast_frozen_buffers(component, DTYPES[config.train_dtype])  # they meet the upcast weights' compute dtype
+    """`storage` (the component's weight_dtype) float8 stores its frozen parameters in one byte, nf4 its frozen
+    Linear weights in about half a byte (a LoRA's base weights too); `offload_frozen_components` (or `prefer_cpu`: a
+    text encoder whose outputs are cached) keeps an entirely frozen `offloadable` component (text encoder, VAE) in CPU
+    memory, else the component moves to `device`, but the frozen weights of its `streamed` blocks
+    (memory/block_streaming.py), which stay in CPU memory."""
+    quantize_frozen(component, storage, DTYPES[config.train_dtype])
     frozen = not any(p.requires_grad for p in component.parameters())
     if (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
         offload_to_cpu(component, device)

@@ -449,19 +449,25 @@ def optimizer_state_bytes(shapes: list[tuple[int, ...]], optimizer: str) -> int:
 class Setup:
     label: str
     trained: str  # "lora" or "full" (the UNet)
-    frozen: str  # bytes per frozen parameter: "float32" | "bfloat16" | "float8"
+    frozen: str  # bytes per frozen parameter: "float32" | "bfloat16" | "float8" | "nf4" (Linear weights)
     offload: bool  # text encoders + VAE in CPU memory (or unused: cached latents and text)
     trained_dtype: str = "float32"  # trained weights and gradients
     optimizer: str = "ADAMW"
     fused_back_pass: bool = False  # gradients applied as they arrive: none held for the whole model
 
 
-BYTES = {"float32": 4, "bfloat16": 2, "float8": 1}
+# nf4 (memory/nf4.py): a 4-bit code per weight, an 8-bit absmax per block of 64, a float32 scale per 256 absmaxes
+# (bitsandbytes' double quantization; a layer's 1.1 KB of code tables aside). Only Linear weights: the other frozen
+# parameters of an nf4 part stay in the compute dtype, bfloat16 here (NF4_OTHERS).
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)
+NF4_OTHERS = "bfloat16"
+BYTES = {"float32": 4, "bfloat16": 2, "float8": 1, "nf4": NF4_BYTES}
 SETUPS = [
     Setup("LoRA r16, frozen float32", "lora", "float32", False),
     Setup("LoRA r16, frozen bfloat16", "lora", "bfloat16", False),
     Setup("LoRA r16, frozen float8", "lora", "float8", False),
     Setup("LoRA r16, frozen float8, text encoders + VAE offloaded", "lora", "float8", True),
+    Setup("LoRA r16, frozen nf4 (Linear weights), text encoders + VAE offloaded", "lora", "nf4", True),
     Setup("full denoiser, AdamW, frozen bfloat16", "full", "bfloat16", False),
     Setup("full denoiser, 8-bit AdamW, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAMW_8BIT"),
     Setup("full denoiser, Adafactor, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAFACTOR"),
@@ -475,10 +481,12 @@ def gib(n: float) -> str:
 
 
 def component_rows(sizes: dict[str, ModelSizes]) -> list[str]:
-    rows = ["| model | component | parameters | float32 GiB | bfloat16 GiB | float8 GiB |", "|---|---|--:|--:|--:|--:|"]
+    rows = ["| model | component | parameters | float32 GiB | bfloat16 GiB | float8 GiB | nf4 GiB |",
+            "|---|---|--:|--:|--:|--:|--:|"]
     for model, measured in sizes.items():
         for name, n in measured.counts.items():
-            rows.append(f"| {model} | {name} | {n:,} | {gib(4 * n)} | {gib(2 * n)} | {gib(n)} |")
+            nf4 = frozen_bytes("nf4", n, measured.linear[name])
+            rows.append(f"| {model} | {name} | {n:,} | {gib(4 * n)} | {gib(2 * n)} | {gib(n)} | {gib(nf4)} |")
     return rows
 
 
@@ -512,11 +520,24 @@ class ModelSizes:
     counts: dict[str, int]
     denoiser: str
     trained: dict[str, list[tuple[int, ...]]]
+    linear: dict[str, int]  # of counts, the elements of nn.Linear weights (what nf4 stores in 4 bits)
 
 
 def model_sizes(components: dict, targets=None) -> ModelSizes:
     return ModelSizes({name: sum(p.numel() for p in m.parameters()) for name, m in components.items()},
-                      denoiser_of(components), trained_shapes(components, targets))
+                      denoiser_of(components), trained_shapes(components, targets),
+                      {name: linear_weight_count(m) for name, m in components.items()})
+
+
+def linear_weight_count(module: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def frozen_bytes(storage: str, count: int, linear: int) -> float:
+    """Bytes of `count` frozen parameters, `linear` of them nn.Linear weights, stored as `storage` (a weight_dtype)."""
+    if storage == "nf4":
+        return linear * NF4_BYTES + (count - linear) * BYTES[NF4_OTHERS]
+    return count * BYTES[storage]
 
 
 def setup_bytes(setup: Setup, sizes: ModelSizes) -> float:
@@ -525,10 +546,10 @@ def setup_bytes(setup: Setup, sizes: ModelSizes) -> float:
     shapes = sizes.trained[setup.trained]
     trained = sum(math.prod(s) for s in shapes)
     frozen_parts = [n for n in counts if n != denoiser and (not setup.offload or n in RESIDENT_COMPONENTS)]
-    frozen = sum(counts[n] for n in frozen_parts) + (counts[denoiser] if setup.trained == "lora" else 0)
+    frozen_parts += [denoiser] if setup.trained == "lora" else []
+    frozen = sum(frozen_bytes(setup.frozen, counts[n], sizes.linear[n]) for n in frozen_parts)
     grads = 0 if setup.fused_back_pass else trained * BYTES[setup.trained_dtype]
-    return (frozen * BYTES[setup.frozen] + trained * BYTES[setup.trained_dtype] + grads
-            + optimizer_state_bytes(shapes, setup.optimizer))
+    return frozen + trained * BYTES[setup.trained_dtype] + grads + optimizer_state_bytes(shapes, setup.optimizer)
 
 
 def setup_rows(sizes: dict[str, ModelSizes]) -> list[str]:

@@ -59,7 +59,8 @@ FAMILIES["HUNYUAN_VIDEO"] = ("hunyuan_video", False)
 KLEIN_FAMILY = {"flux2": "flux2_klein"}
 METHODS = {"FINE_TUNE": "full", "LORA": "lora", "EMBEDDING": "embedding"}
 DTYPES = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "FLOAT_16": "float16", "BFLOAT_16": "bfloat16",
-          "FLOAT_8": "float8"}
+          "FLOAT_8": "float8", "NFLOAT_4": "nf4"}
+STORAGE_ONLY = ("FLOAT_8", "NFLOAT_4")  # what only frozen weights are stored in, never computed or exported in
 
 
 def import_onetrainer(path: str | Path, concepts_path: str | None = None, samples_path: str | None = None) -> Imported:
@@ -221,10 +222,10 @@ def _dtype(ot: dict, key: str, skip) -> str | None:
     if value is None:
         return None
     if value not in DTYPES:
-        skip(f"{key}: {value} is not an ot_dist dtype (float32, float16, bfloat16, float8); the default is used")
+        skip(f"{key}: {value} is not an ot_dist dtype (float32, float16, bfloat16); the default is used")
         return None
-    if key in ("train_dtype", "output_dtype") and value == "FLOAT_8":
-        skip(f"{key}: FLOAT_8 is a storage dtype in ot_dist (weight_dtype), not a {key}; the default is used")
+    if key in ("train_dtype", "output_dtype") and value in STORAGE_ONLY:
+        skip(f"{key}: {value} is a storage dtype in ot_dist (weight_dtype), not a {key}; the default is used")
         return None
     return DTYPES[value]
 

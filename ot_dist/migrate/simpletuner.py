@@ -368,8 +368,13 @@ def _precision(args: SimpleTunerArgs, c: dict, method: str, out: Imported) -> No
             c.setdefault(part, {})["weight_dtype"] = "float8"
             out.notes.append(f"{key}: {value}: ot_dist's float8 stores {part} in one byte per weight with a "
                              "per-tensor scale")
+        elif value == "nf4-bnb":
+            c.setdefault(part, {})["weight_dtype"] = "nf4"
+            out.notes.append(f"{key}: {value}: ot_dist's nf4 stores {part}'s Linear weights in 4-bit NF4 with "
+                             "bitsandbytes (blocks of 64, double-quantized absmax, as OneTrainer's NFLOAT_4), its "
+                             "other parameters in train_dtype")
         elif value != "no_change":
-            out.not_honoured.append(f"{key}: {value}: integer / 4-bit quantisation is not supported "
+            out.not_honoured.append(f"{key}: {value}: integer / other 4-bit quantisation is not supported "
                                     f"({part} is stored in weight_dtype {c.get('weight_dtype', 'float32')})")
     vae = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(str(args["vae_dtype"]))
     if vae and vae != c.get("weight_dtype", "float32"):

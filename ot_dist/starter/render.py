@@ -5,6 +5,10 @@ from __future__ import annotations
 from ot_dist.starter.choose import Choice
 
 LEARNING_RATES = {"lora": 1e-4, "full": 1e-5, "embedding": 5e-3}
+WEIGHT_DTYPE_COMMENTS = {"float8": "                  # 1 byte per frozen parameter",
+                         "nf4": "                     # frozen Linear weights in 4 bits (OneTrainer's NFLOAT_4; "
+                                "needs bitsandbytes)"}
+TWO_BYTES_COMMENT = "               # frozen weights in 2 bytes"
 
 
 def render(family, method: str, choice: Choice, model_path: str, data_path: str, output_dir: str,
@@ -12,7 +16,7 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
     setup = choice.setup
     # Cached latents and text keep the VAE and text encoders off the GPUs while training: the offloaded setups and
     # the fsdp row of the table assume it.
-    cached = setup.offload or setup.frozen == "float8" or choice.strategy == "fsdp"
+    cached = setup.offload or setup.frozen in ("float8", "nf4") or choice.strategy == "fsdp"
     lines = [
         f"# ot-dist init: {method} on {family.name}, {gpus} GPU(s) of {gpu_memory:g} GiB.",
         f"# Memory table row ({choice.reference}): '{setup.label}' = {choice.table_gib:.2f} GiB per GPU of weights,",
@@ -45,8 +49,7 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
         "epochs: 10",
         f"learning_rate: {LEARNING_RATES[method]:.0e}",
         "train_dtype: bfloat16                 # bf16 compute; trained weights stay float32 unless set below",
-        f"weight_dtype: {setup.frozen}" + ("                  # 1 byte per frozen parameter" if setup.frozen == "float8"
-                                           else "               # frozen weights in 2 bytes"),
+        f"weight_dtype: {setup.frozen}" + WEIGHT_DTYPE_COMMENTS.get(setup.frozen, TWO_BYTES_COMMENT),
     ]
     if setup.offload:
         lines.append("offload_frozen_components: true      # text encoders + VAE in CPU memory between uses")

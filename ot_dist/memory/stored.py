@@ -1,0 +1,144 @@
+"""What the storage options for frozen weights share (`weight_dtype: float8`, memory/float8.py, and `nf4`,
+memory/nf4.py): a stored weight is held in a storage format and read in the compute dtype. A module holding one gets
+a subclass of its own class (isinstance keeps working) whose parameter reads return the compute-dtype value, the
+component reports the compute dtype as its `.dtype`, and Linear / Conv2d layers keep only the stored weight for
+backward (StoredWeightOp)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+COMPUTE_DTYPE_ATTR = "stored_compute_dtype"  # set on every module holding stored weights and on the component root
+
+
+# Sub-modules (by their name in the model) whose parameters' dtype the library reads directly, not through the
+# model's `.dtype`, and casts its inputs or draws its latents in: their frozen parameters are held in the compute
+# dtype instead (a few small layers). Each found by tests/test_float8_dtype.py.
+PARAMETER_DTYPE_READS: dict[str, tuple[str, ...]] = {
+    # WanTimeTextImageEmbedding: the timestep projection cast to `next(time_embedder.parameters()).dtype`
+    "WanTransformer3DModel": ("condition_embedder.time_embedder",),
+    # StableCascadePriorPipeline: latents, image embeddings and timestep ratios in `next(prior.parameters()).dtype`
+    "StableCascadeUNet": ("clip_txt_pooled_mapper",),
+}
+
+_CLASSES: dict[tuple[type, object], type] = {}  # (class, what the subclass adds) -> the subclass
+
+
+def compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype a module's inputs should be given in: its weights', or the compute dtype of stored weights."""
+    return getattr(module, COMPUTE_DTYPE_ATTR, None) or next(module.parameters()).dtype
+
+
+def holds_stored_weights(module: torch.nn.Module) -> bool:
+    """Whether float8 or nf4 storage was applied to `module` or to a module inside it."""
+    return any(getattr(m, COMPUTE_DTYPE_ATTR, None) is not None for m in module.modules())
+
+
+def parameter_dtype_reads(component: torch.nn.Module) -> set[int]:
+    """The ids of the sub-modules of `component` (and of models nested in it) that PARAMETER_DTYPE_READS names."""
+    kept = set()
+    for model in component.modules():
+        for name in PARAMETER_DTYPE_READS.get(type(model).__name__, ()):
+            kept.update(id(m) for m in model.get_submodule(name).modules())
+    return kept
+
+
+def report_compute_dtype(component: torch.nn.Module, dtype: torch.dtype) -> None:
+    """From now on the component and the models nested in it report `dtype` as `.dtype` wherever `.dtype` read a
+    stored weight, as diffusers' own layerwise casting does (its models' `.dtype` is the casting hook's compute
+    dtype). diffusers / transformers take `.dtype` from the first floating-point parameter and draw or cast tensors
+    in it: pipelines create their latents in it (torch.randn has no float8 kernel) and cast prompt embeddings to it
+    (no float8 arithmetic either), Qwen2.5-VL's vision tower casts its pixels to its own (they would keep 3 mantissa
+    bits). A model whose `.dtype` reads a trained parameter keeps its own. Once, when stored: the class of each is
+    switched here, not on every call (a walk over every module of a 7 B encoder per step); that no training path
+    computes differently for it (every `.dtype` read there cast activations to float8) is
+    tests/test_float8_dtype.py's."""
+    setattr(component, COMPUTE_DTYPE_ATTR, dtype)
+    for module in component.modules():
+        if not isinstance(getattr(type(module), "dtype", None), property) or not _reads_storage(module.dtype):
+            continue
+        if getattr(module, COMPUTE_DTYPE_ATTR, None) is None:
+            setattr(module, COMPUTE_DTYPE_ATTR, dtype)
+        module.__class__ = _reporting_class(type(module))
+
+
+def _reads_storage(dtype: torch.dtype) -> bool:
+    """Whether a model's `.dtype` read stored weights: float8 storage, or no floating-point dtype at all (nf4's packed
+    uint8 weights and int32-held statistics, which diffusers and transformers fall back to where a model holds no
+    floating-point parameter or buffer)."""
+    return dtype == torch.float8_e4m3fn or not dtype.is_floating_point
+
+
+def _reporting_class(cls: type) -> type:
+    key = (cls, "dtype")
+    if key not in _CLASSES:
+        attrs = {"dtype": property(lambda self: getattr(self, COMPUTE_DTYPE_ATTR)),
+                 "__module__": cls.__module__, "__qualname__": cls.__qualname__}  # named as its class (configs)
+        _CLASSES[key] = type(cls.__name__, (cls,), attrs)
+    return _CLASSES[key]
+
+
+def stored_class(cls: type, prefix: str, attrs: dict, forwards: dict[type, object]) -> type:
+    """`cls` with `attrs` (the stored parameters read through properties: a property wins over nn.Module's
+    __getattr__, which would return the stored tensor) and, for a plain layer of a class in `forwards`, that class's
+    forward. An OFT layer keeps its forward (the rotation; the weight it rotates is the compute-dtype one)."""
+    key = (cls, (prefix, tuple(sorted(attrs))))
+    if key not in _CLASSES:
+        attrs = dict(attrs)
+        if not rotates_its_weight(cls):
+            for base, forward in forwards.items():
+                if issubclass(cls, base):
+                    attrs["forward"] = forward
+                    break
+        _CLASSES[key] = type(f"{prefix}{cls.__name__}", (cls,), attrs)
+    return _CLASSES[key]
+
+
+def rotates_its_weight(cls: type) -> bool:
+    """An OFT layer's class: its forward computes with `adapted_weight()`, made of `self.weight`, whatever stores it."""
+    from ot_dist.methods.oft import OrthogonalConv2d, OrthogonalLinear
+
+    return issubclass(cls, (OrthogonalLinear, OrthogonalConv2d))
+
+
+def call_dtype(x: torch.Tensor) -> torch.dtype:
+    """What the op would compute in with ordinary weights: the autocast dtype if on, else the input's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+class StoredWeightOp(torch.autograd.Function):
+    """linear / conv2d with a stored weight, saving the stored tensors (`stored`: what `weight_of(dtype, *stored)`
+    rebuilds the weight from) rather than the compute-dtype weight for the input gradient. The weight and bias are
+    frozen: no gradients for them. `bias_of(dtype)` gives the bias (or None)."""
+
+    @staticmethod
+    def forward(ctx, x, weight_of, bias_of, op, geometry, *stored):
+        dtype = call_dtype(x)
+        weight = weight_of(dtype, *stored)
+        bias = bias_of(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            if op == "linear":
+                out = F.linear(x.to(dtype), weight, bias)
+            else:
+                out = F.conv2d(x.to(dtype), weight, bias, *geometry)
+        ctx.save_for_backward(*stored)
+        ctx.weight_of, ctx.dtype, ctx.op, ctx.geometry = weight_of, dtype, op, geometry
+        ctx.input_shape, ctx.input_dtype = x.shape, x.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        none = (None,) * (4 + len(ctx.saved_tensors))
+        if not ctx.needs_input_grad[0]:
+            return (None,) + none
+        weight = ctx.weight_of(ctx.dtype, *ctx.saved_tensors)
+        grad_out = grad_out.to(ctx.dtype)
+        if ctx.op == "linear":
+            grad_x = grad_out.matmul(weight)
+        else:
+            stride, padding, dilation, groups = ctx.geometry
+            grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, weight, grad_out, stride, padding, dilation, groups)
+        return (grad_x.to(ctx.input_dtype),) + none
