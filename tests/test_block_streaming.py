@@ -109,15 +109,17 @@ def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch
     torch.testing.assert_close(model.proj_out.weight.grad, reference.proj_out.weight.grad, rtol=0, atol=0)
 
 
-def test_a_lora_run_and_its_samples_are_the_same_with_streamed_blocks(tiny_models, shapes_data, tmp_path):
+@pytest.mark.parametrize("weight_dtype", ["float32", "nf4"])
+def test_a_lora_run_and_its_samples_are_the_same_with_streamed_blocks(tiny_models, shapes_data, tmp_path, weight_dtype):
     """SDXL LoRA with gradient checkpointing: the same losses, LoRA file and sample as without (the sample's copy of
-    the UNet streams the same blocks, their weights left in CPU memory)."""
+    the UNet streams the same blocks, their weights left in CPU memory). nf4: the packed weights stream, their
+    statistics (buffers) stay on the device."""
     from safetensors.torch import load_file
 
     def run(fraction):
         out = tmp_path / f"run{fraction}"
         raw = base_config(tiny_models["sdxl"], shapes_data, out, family="sdxl", method="lora", max_steps=2,
-                          batch_size=2, gradient_checkpointing=True,
+                          batch_size=2, gradient_checkpointing=True, weight_dtype=weight_dtype,
                           **{"unet.offload_fraction": fraction, "sampling.prompts": [SAMPLE],
                              "sampling.every_n_steps": 2})
         trainer = Trainer(validate(raw), log=quiet)

@@ -141,6 +141,20 @@ def test_forward_and_input_gradient_are_linear_with_the_dequantized_weight(autoc
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-2 if autocast else 1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("storage", ["float8", "nf4"])
+def test_stored_layers_backpropagate_under_gradient_checkpointing(storage):
+    """Non-reentrant checkpointing lets backward read a saved tensor once (the op of memory/stored.py, float8's too)."""
+    from torch.utils.checkpoint import checkpoint
+
+    layer = frozen_linear(64, 32)
+    quantize_frozen(layer, storage, torch.float32)
+    x = torch.randn(3, 64, requires_grad=True)
+    checkpoint(layer, x, use_reentrant=False).square().sum().backward()
+    x_ref = x.detach().clone().requires_grad_(True)
+    layer(x_ref).square().sum().backward()
+    assert torch.equal(x.grad, x_ref.grad)
+
+
 def test_the_state_dict_is_a_normal_one_and_loading_quantizes():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.LayerNorm(128), torch.nn.Linear(128, 32),

@@ -131,10 +131,11 @@ class StoredWeightOp(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        none = (None,) * (4 + len(ctx.saved_tensors))
+        stored = ctx.saved_tensors  # once: under non-reentrant checkpointing a second read is an error
+        none = (None,) * (4 + len(stored))
         if not ctx.needs_input_grad[0]:
             return (None,) + none
-        weight = ctx.weight_of(ctx.dtype, *ctx.saved_tensors)
+        weight = ctx.weight_of(ctx.dtype, *stored)
         grad_out = grad_out.to(ctx.dtype)
         if ctx.op == "linear":
             grad_x = grad_out.matmul(weight)
