@@ -348,8 +348,10 @@ def test_part_dtypes_and_checkpointing_of_config_version_11(tmp_path):
         "unet": "float8", "text_encoder": "bfloat16", "vae": "float32"}
     assert not any("weight_dtype" in line for line in skipped)
     config, skipped = import_only(tmp_path, {**lora, "unet": {"weight_dtype": "INT_W8A8"}})
+    assert config.component_storage("unet") == "int8" and not any("weight_dtype" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {**lora, "unet": {"weight_dtype": "FLOAT_W8A8"}})
     assert config.component_storage("unet") == "float8"
-    assert any(line.startswith("unet.weight_dtype: INT_W8A8 (int8 weights") for line in skipped)
+    assert any(line.startswith("unet.weight_dtype: FLOAT_W8A8 (float8 weights") for line in skipped)
     config, skipped = import_only(tmp_path, {**lora, "text_encoder": {"train": False, "weight_dtype": "GGUF"}})
     assert config.component_storage("text_encoder") == "bfloat16"
     assert any(line.startswith("text_encoder.weight_dtype: GGUF is not") for line in skipped)

@@ -28,9 +28,9 @@ from ot_dist.optim.registry import SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # How frozen weights are stored: a dtype, or a quantized format upcast to train_dtype where used (memory/float8.py).
-StorageDtype = Literal["float32", "bfloat16", "float16", "float8", "nf4"]
+StorageDtype = Literal["float32", "bfloat16", "float16", "float8", "nf4", "int8"]
 # single and ddp only: sharding would split the stored weights from their scales
-QUANTIZED_STORAGE = ("float8", "nf4")
+QUANTIZED_STORAGE = ("float8", "nf4", "int8")
 # A path as a shell reads it: YAML keeps `~` literal and Python's file calls do not expand it, so without this the
 # early checks (which expand it) passed and the run then read and wrote a folder named `~` in the working folder.
 UserPath = Annotated[str, AfterValidator(os.path.expanduser)]
@@ -932,8 +932,10 @@ class TrainConfig(Section):
         "differs from the bfloat16 one by a few percent (docs/low-memory.md). nf4: OneTrainer's NFLOAT_4 (QLoRA): "
         "each frozen Linear weight in 4-bit NormalFloat, blocks of 64 with a double-quantized absmax (about 0.52 "
         "bytes per weight, bitsandbytes: the optim extra), the other frozen parameters in train_dtype; the forward "
-        "pass differs from the bfloat16 one about 3.5 times as much as float8's. Exports write the frozen parts as "
-        "loaded from model.path, not the stored copies. float8 and nf4: strategies single and ddp.",
+        "pass differs from the bfloat16 one about 3.5 times as much as float8's. int8: OneTrainer's INT_W8A8: each "
+        "frozen Linear weight in int8 with a per-tensor scale, multiplied in int8 with inputs quantized per row (int8 "
+        "tensor cores), the other frozen parameters in train_dtype. Exports write the frozen parts as "
+        "loaded from model.path, not the stored copies. float8, nf4 and int8: strategies single and ddp.",
     )
     vae_weight_dtype: StorageDtype | None = Field(
         default=None,

@@ -1,5 +1,5 @@
 """Where a component's frozen weights live and in what: the low-memory options applied once, after
-the method has decided what trains (ot_dist/memory/float8.py, ot_dist/memory/nf4.py, ot_dist/memory/offload.py)."""
+the method has decided what trains (ot_dist/memory/float8.py, nf4.py, int8.py, offload.py)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,24 @@ import torch
 
 from ot_dist.memory.block_streaming import kept_home, stream_blocks
 from ot_dist.memory.float8 import store_frozen_in_float8
+from ot_dist.memory.int8 import store_frozen_in_int8
 from ot_dist.memory.nf4 import store_frozen_in_nf4
 from ot_dist.memory.offload import offload_to_cpu
 from ot_dist.precision import DTYPES
 
 
 # weight_dtype values that quantize the frozen weights at placement (from float32), and how
-QUANTIZERS = {"float8": store_frozen_in_float8, "nf4": store_frozen_in_nf4}
+QUANTIZERS = {"float8": store_frozen_in_float8, "nf4": store_frozen_in_nf4, "int8": store_frozen_in_int8}
 
 
 def frozen_storage_dtype(weight_dtype: str) -> torch.dtype:
-    """The dtype frozen parameters are cast to first; float8 and nf4 are quantized from float32 afterwards."""
+    """The dtype frozen parameters are cast to first; float8, nf4 and int8 are quantized from float32 afterwards."""
     return torch.float32 if weight_dtype in QUANTIZERS else DTYPES[weight_dtype]
 
 
 def quantize_frozen(component: torch.nn.Module, storage: str, compute_dtype: torch.dtype) -> None:
     """Store the frozen weights of `component` as `storage` (a weight_dtype) says, read in `compute_dtype`: float8
-    (memory/float8.py) and nf4 (memory/nf4.py) quantize; the plain dtypes were cast at load (frozen_storage_dtype)."""
+    (memory/float8.py), nf4 (memory/nf4.py) and int8 (memory/int8.py) quantize; the plain dtypes were cast at load (frozen_storage_dtype)."""
     if storage in QUANTIZERS:
         QUANTIZERS[storage](component, compute_dtype)
         cast_frozen_buffers(component, compute_dtype)  # they meet the dequantized weights' compute dtype

@@ -19,17 +19,16 @@ FROZEN_EXTRA = {"stable_cascade": ("effnet_encoder", "decoder", "decoder_vqgan")
                 "wuerstchen_v2": ("effnet_encoder", "decoder", "decoder_text_encoder", "decoder_vqgan"),
                 "ideogram4": ("vae", "unconditional_transformer")}
 STORAGE = {"FLOAT_32": "float32", "TFLOAT_32": "float32", "BFLOAT_16": "bfloat16", "FLOAT_16": "float16",
-           "FLOAT_8": "float8", "NFLOAT_4": "nf4"}
+           "FLOAT_8": "float8", "NFLOAT_4": "nf4", "INT_W8A8": "int8"}
 # The setups that read transformer.attention_mask (apply_attention_mask: FluxBaseSetup, BaseStableDiffusion3Setup,
 # BaseHiDreamSetup, which zeroes T5's and Llama's outputs at the padding); Chroma and PixArt always mask, Z-Image
 # always cuts each caption to its tokens, the others never read it
 MASK_SWITCH_FAMILIES = ("flux", "sd3", "hidream")
 # a tie between the frozen parts' dtypes: the more precise
-WIDEST_FIRST = ("float32", "bfloat16", "float16", "float8", "nf4")
+WIDEST_FIRST = ("float32", "bfloat16", "float16", "int8", "float8", "nf4")
 STORAGE_NAMES = {value: key for key, value in STORAGE.items() if key != "TFLOAT_32"}
-# OneTrainer's other formats of the same size: int8 weights with int8 (or float8) matmuls keep one byte per weight
-NEAREST_STORAGE = {"INT_W8A8": ("float8", "int8 weights computing in int8 matmuls"),
-                   "FLOAT_W8A8": ("float8", "float8 weights computing in float8 matmuls")}
+# OneTrainer's other formats of the same size: float8 weights with float8 matmuls keep one byte per weight
+NEAREST_STORAGE = {"FLOAT_W8A8": ("float8", "float8 weights computing in float8 matmuls")}
 LATENT_ENCODERS = ("vae", "effnet_encoder")  # ot_dist's vae_weight_dtype
 
 

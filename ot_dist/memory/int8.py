@@ -1,0 +1,159 @@
+"""`weight_dtype: int8`: frozen Linear weights in one byte each, computing in int8 matmuls (OneTrainer's INT_W8A8).
+
+Every frozen nn.Linear weight is quantized as OneTrainer's LinearW8A8 does it (modules/module/quantized/LinearW8A8.py,
+modules/util/quantization_util.py): one scale per tensor, max |w| / 127 (at least 1e-30), values rounded and clamped
+to [-128, 127]. A forward of more than 16 rows quantizes its input per row (max |x| / 127 each) and multiplies in int8
+with int32 sums (`torch._int_mm`: int8 tensor cores on a GPU), scaled back by both scales, then adds the bias in the
+compute dtype; its input gradient quantizes the output gradient per row the same way and multiplies it by the int8
+weight. 16 rows or fewer, or a shape cuBLAS's int8 kernel refuses (a side that is not a multiple of 8), compute with
+the dequantized weight instead, as OneTrainer's forward does for small inputs. The other frozen parameters of the
+component are held in the compute dtype, as with nf4 storage (memory/nf4.py; what they share: memory/stored.py).
+
+Only the input gradient is computed: the weight is frozen (a LoRA's base). `state_dict()` gives the dequantized
+float32 weight under the original key; loading one quantizes it. Full exports take the frozen parts from model.path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ot_dist.memory.stored import (
+    COMPUTE_DTYPE_ATTR,
+    StoredWeightOp,
+    call_dtype,
+    parameter_dtype_reads,
+    report_compute_dtype,
+    rotates_its_weight,
+    stored_class,
+)
+
+INT8_MAX = 127.0
+MIN_SCALE = 1e-30  # OneTrainer's clamp: an all-zero tensor keeps a usable scale
+MIN_ROWS = 16  # OneTrainer's LinearW8A8: int8 matmuls for more rows than this (torch._int_mm needs them on CUDA)
+SCALE_BUFFER = "int8_scale"
+
+
+def quantize(tensor: torch.Tensor, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scale) with tensor ~= values x scale: one scale for the tensor, or per slice along
+    `dim` (keepdim), as quantize_int8_tensorwise / quantize_int8_axiswise compute them."""
+    magnitude = tensor.detach().abs()
+    amax = magnitude.max() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    scale = (amax.float() / INT8_MAX).clamp(min=MIN_SCALE)
+    return tensor.detach().float().mul(1.0 / scale).round_().clamp_(-128.0, 127.0).to(torch.int8), scale
+
+
+def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (stored.float() * scale).to(dtype)
+
+
+def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b in int8 with int32 sums; `b` passed column-major, the layout cuBLASLt's int8 kernel takes."""
+    return torch._int_mm(a.contiguous(), b.t().contiguous().t())
+
+
+def takes_int8(rows: int, inner: int, out: int) -> bool:
+    """Whether a product of these sizes runs in int8: more than MIN_ROWS rows, and sides cuBLAS's int8 kernel takes."""
+    return rows > MIN_ROWS and inner % 8 == 0 and out % 8 == 0
+
+
+class Int8LinearOp(torch.autograd.Function):
+    """x @ W^T (+ bias) with int8 operands, the int8 weight and its scale saved (nothing of weight size in another
+    dtype); the gradient for x only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale, bias):
+        dtype = call_dtype(x)
+        rows = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            x8, x_scale = quantize(rows, dim=-1)
+            out = int8_matmul(x8, weight.t()).float().mul_(scale * x_scale).to(dtype)
+            if bias is not None:
+                out = out + bias.to(dtype)
+        ctx.save_for_backward(weight, scale)
+        ctx.input_dtype = x.dtype
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if not ctx.needs_input_grad[0]:
+            return None, None, None, None
+        weight, scale = ctx.saved_tensors
+        rows = grad_out.reshape(-1, grad_out.shape[-1])
+        g8, g_scale = quantize(rows, dim=-1)
+        grad_x = int8_matmul(g8, weight).float().mul_(scale * g_scale)
+        return grad_x.to(ctx.input_dtype).reshape(*grad_out.shape[:-1], weight.shape[1]), None, None, None
+
+
+def store_frozen_in_int8(component: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Store the weight of every frozen nn.Linear of `component` in int8 (W8A8), computing in `dtype` around the int8
+    products; every other frozen floating-point parameter is cast to `dtype`. Left in `dtype`: the modules
+    PARAMETER_DTYPE_READS names and Linear layers holding a trainable parameter themselves (OFT layers are refused
+    in the config). The component reports `dtype` as its `.dtype`. Returns the weights stored (elements)."""
+    count = 0
+    kept = parameter_dtype_reads(component)
+    for module in list(component.modules()):
+        if _storable(module, kept):
+            count += module.weight.numel()
+            _store(module, module.weight.data)
+            setattr(module, COMPUTE_DTYPE_ATTR, dtype)
+            module.__class__ = stored_class(type(module), "Int8", {"weight": property(_dequantized)},
+                                            {torch.nn.Linear: _linear_forward})
+            module.register_state_dict_post_hook(_dequantized_state)
+            module.register_load_state_dict_pre_hook(_quantize_loaded)
+        for param in module.parameters(recurse=False):  # the int8 weight is not floating-point: not cast
+            if param.is_floating_point() and not param.requires_grad:
+                param.data = param.data.to(dtype)
+    report_compute_dtype(component, dtype)
+    return count
+
+
+def _storable(module: torch.nn.Module, kept: set[int]) -> bool:
+    weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
+    if (weight is None or not weight.is_floating_point() or weight.requires_grad or id(module) in kept
+            or getattr(module, COMPUTE_DTYPE_ATTR, None) is not None or rotates_its_weight(type(module))):
+        return False
+    return not any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+def _store(module: torch.nn.Module, weight: torch.Tensor) -> None:
+    stored, scale = quantize(weight.float())
+    module._parameters["weight"] = torch.nn.Parameter(stored, requires_grad=False)
+    # float32 held as its int32 bits: a module's `.to(dtype)` would round a floating-point buffer (memory/nf4.py)
+    module.register_buffer(SCALE_BUFFER, scale.reshape(1).view(torch.int32), persistent=False)
+
+
+def _scale(module: torch.nn.Module) -> torch.Tensor:
+    return module._buffers[SCALE_BUFFER].view(torch.float32)
+
+
+def _dequantized(self) -> torch.Tensor:
+    return dequantize(self._parameters["weight"], _scale(self), getattr(self, COMPUTE_DTYPE_ATTR))
+
+
+def _dequantized_state(module, state_dict, prefix, local_metadata):
+    # In CPU memory: a whole model's float32 state dict must not land on a small accelerator.
+    state_dict[prefix + "weight"] = dequantize(module._parameters["weight"].cpu(), _scale(module).cpu(), torch.float32)
+
+
+def _quantize_loaded(module, state_dict, prefix, *args):
+    if prefix + "weight" in state_dict:
+        weight = state_dict[prefix + "weight"]
+        stored, scale = quantize(weight.float())
+        state_dict[prefix + "weight"] = stored
+        device = module._parameters["weight"].device
+        device = weight.device if device.type == "meta" else device  # assigned into a meta structure (sampling)
+        module._buffers[SCALE_BUFFER] = scale.reshape(1).view(torch.int32).to(device)
+
+
+def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
+    weight, bias = self._parameters["weight"], self._parameters.get("bias")
+    if takes_int8(x.numel() // max(1, x.shape[-1]), weight.shape[1], weight.shape[0]):
+        return Int8LinearOp.apply(x, weight, _scale(self), bias)
+
+    def weight_of(dtype, stored, scale):
+        return dequantize(stored, scale, dtype)
+
+    def bias_of(dtype):
+        return bias.to(dtype) if bias is not None else None
+
+    return StoredWeightOp.apply(x, weight_of, bias_of, "linear", (), weight, _scale(self))
