@@ -5,7 +5,7 @@ modules/util/quantization_util.py): one scale per tensor, max |w| / 127 (at leas
 to [-128, 127]. A forward of more than 16 rows quantizes its input per row (max |x| / 127 each) and multiplies in int8
 with int32 sums (`torch._int_mm`: int8 tensor cores on a GPU), scaled back by both scales, then adds the bias in the
 compute dtype; its input gradient quantizes the output gradient per row the same way and multiplies it by the int8
-weight. 16 rows or fewer, or a shape cuBLAS's int8 kernel refuses (a side that is not a multiple of 8), compute with
+weight. 16 rows or fewer, or a shape cuBLAS's int8 kernel refuses (a side under 16 or not a multiple of 8), compute with
 the dequantized weight instead, as OneTrainer's forward does for small inputs. The other frozen parameters of the
 component are held in the compute dtype, as with nf4 storage (memory/nf4.py; what they share: memory/stored.py).
 
@@ -52,8 +52,9 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def takes_int8(rows: int, inner: int, out: int) -> bool:
-    """Whether a product of these sizes runs in int8: more than MIN_ROWS rows, and sides cuBLAS's int8 kernel takes."""
-    return rows > MIN_ROWS and inner % 8 == 0 and out % 8 == 0
+    """Whether a product of these sizes runs in int8: more than MIN_ROWS rows, and sides cuBLAS's int8 kernel takes
+    (at least 16 and a multiple of 8, forward and backward: the weight's two sides are each the inner one once)."""
+    return rows > MIN_ROWS and all(side >= 16 and side % 8 == 0 for side in (inner, out))
 
 
 class Int8LinearOp(torch.autograd.Function):
