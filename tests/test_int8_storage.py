@@ -141,3 +141,24 @@ def test_int8_needs_strategy_single_or_ddp(tiny_models, shapes_data, tmp_path):
                       **{"unet.weight_dtype": "int8"})
     with pytest.raises(ConfigError, match="unet.weight_dtype: int8 storage is supported with strategy single or ddp"):
         validate(raw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_int8_products_are_the_formulas():
+    """On a GPU the products run on cuBLAS's int8 kernel (torch._int_mm): int32 sums are exact, so forward and input
+    gradient equal the CPU's integer arithmetic bit for bit, under bfloat16 autocast too."""
+    model, (weight, b) = stored_linear(128, 64)
+    model.cuda()
+    w8, w_scale = onetrainer_tensorwise(weight)
+    x = torch.randn(4, 32, 128, device="cuda", requires_grad=True)
+    out = model(x)
+    x8, x_scale = onetrainer_rowwise(x.detach().cpu().reshape(-1, 128))
+    expected = ((x8.int() @ w8.int().T).float().mul_(w_scale * x_scale) + b).reshape(4, 32, 64)
+    assert torch.equal(out.cpu(), expected)
+    grad = torch.randn(4, 32, 64)
+    out.backward(grad.cuda())
+    g8, g_scale = onetrainer_rowwise(grad.reshape(-1, 64))
+    assert torch.equal(x.grad.cpu(), (g8.int() @ w8.int()).float().mul_(w_scale * g_scale).reshape(4, 32, 128))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert model(x).dtype == torch.bfloat16
