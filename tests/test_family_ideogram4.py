@@ -346,3 +346,27 @@ def test_the_original_single_file_loads_to_the_same_outputs_and_has_the_document
     with pytest.raises(InputFileError, match=r"missing 1 key.*layers\.1\.attention\.qkv\.weight.*unexpected 1 key.*"
                                              r"layers\.1\.attention\.to_q\.weight"):
         load_model(ModelConfig(family=FAMILY, path=str(tmp_path / "bad.safetensors"), config=str(base)))
+
+
+def test_offloaded_unconditional_transformer_waits_in_cpu_memory_and_samples_the_same(family_models, shapes_data,
+                                                                                       tmp_path):
+    """offload_frozen_components: the unconditional transformer (only samples run it, as large as the trained one)
+    is moved in block by block like the text encoders (Family.sampling_modules_offloadable), and the sample is the
+    one of the run that keeps it on the device."""
+    from PIL import Image
+
+    from ot_dist.memory.offload import Visitor
+
+    prompt = {"prompt": "a red circle", "seed": 3, "steps": 2, "width": 64, "height": 48}
+    samples = {}
+    for offload in (False, True):
+        trainer = trainer_for(family_models[FAMILY], shapes_data, tmp_path / f"o{offload}", method="lora", max_steps=1,
+                              offload_frozen_components=offload, **{"sampling.prompts": [prompt]})
+        unconditional = trainer.model.family.sampling_modules(trainer.model.pipeline)[0]
+        visited = [m for m in unconditional.modules()
+                   if any(getattr(h, "__self__", None).__class__ is Visitor for h in m._forward_pre_hooks.values())]
+        assert bool(visited) == offload
+        trainer.train()
+        (sample,) = sorted((tmp_path / f"o{offload}" / "samples").glob("step-*/*.png"))
+        samples[offload] = np.asarray(Image.open(sample))
+    assert np.array_equal(samples[False], samples[True])

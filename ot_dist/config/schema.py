@@ -946,7 +946,8 @@ class TrainConfig(Section):
     offload_frozen_components: bool = Field(
         default=False,
         description="Keep the frozen text encoders and the VAE in CPU memory; each of their blocks moves to the "
-        "device only for its own forward (with data.cache_text / cache_latents they are not used while training).",
+        "device only for its own forward (with data.cache_text / cache_latents they are not used while training). "
+        "Ideogram 4's unconditional transformer, which only samples, waits there too.",
     )
     trained_weight_dtype: Literal["float32", "bfloat16"] = Field(
         default="float32",

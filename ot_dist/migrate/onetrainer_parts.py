@@ -30,6 +30,7 @@ STORAGE_NAMES = {value: key for key, value in STORAGE.items() if key != "TFLOAT_
 # OneTrainer's other formats of the same size: float8 weights with float8 matmuls keep one byte per weight
 NEAREST_STORAGE = {"FLOAT_W8A8": ("float8", "float8 weights computing in float8 matmuls")}
 LATENT_ENCODERS = ("vae", "effnet_encoder")  # ot_dist's vae_weight_dtype
+SAMPLING_OFFLOADABLE = ("unconditional_transformer",)  # Ideogram 4's (Family.sampling_modules_offloadable)
 
 
 def part_settings(ot: dict, part: str) -> dict:
@@ -182,10 +183,14 @@ def _checkpointing(settings: dict, active: dict, trains: dict, denoiser: str, c:
                              "text encoder and the VAE in CPU memory, moved to the device block by block)")
         elif fraction:
             skip(f"{part}.offload_fraction: {fraction}: a text encoder that trains stays on the device")
-    for part in settings.keys() - active.keys():  # frozen components besides the parts
-        if settings[part]["offload_fraction"] and part not in LATENT_ENCODERS:
-            skip(f"{part}.offload_fraction: {settings[part]['offload_fraction']}: ot_dist keeps the modules only "
-                 "samples run on the device")
+    for part in sorted(settings.keys() - active.keys()):  # frozen components besides the parts
+        fraction = settings[part]["offload_fraction"]
+        if fraction and part in SAMPLING_OFFLOADABLE:
+            c["offload_frozen_components"] = True
+            out.notes.append(f"{part}.offload_fraction: {fraction} -> offload_frozen_components: true (it waits in "
+                             "CPU memory with the frozen text encoders and the VAE, moved in block by block)")
+        elif fraction and part not in LATENT_ENCODERS:
+            skip(f"{part}.offload_fraction: {fraction}: ot_dist keeps the modules only samples run on the device")
     offloaded = [p for p in active if settings[p]["activation_offloading"]]
     if offloaded:
         skip(f"{', '.join(offloaded)}: activation_offloading (gradient_checkpointing CPU_OFFLOADED before config "

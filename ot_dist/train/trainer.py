@@ -194,8 +194,9 @@ class Trainer:
         everything frozen in weight_dtype; then the low-memory options place each component."""
         trained_dtype = DTYPES[self.config.trained_weight_dtype]
         denoiser, performance = self.model.denoiser, self.config.performance
-        # The decoder stages stay on the device: their pipeline creates its noise where its first module is.
-        resident = [denoiser, *self.model.sampling_modules()]
+        # Stable Cascade's decoder stages stay on the device: their pipeline creates its noise where they are.
+        family = self.model.family
+        resident = [denoiser, *([] if family.sampling_modules_offloadable else self.model.sampling_modules())]
         for name, module in self.model.named_components():
             storage = self.config.component_storage(name)
             trains = store_by_role(module, trained_dtype, frozen_storage_dtype(storage))

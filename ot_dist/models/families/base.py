@@ -255,8 +255,15 @@ class Family:
 
     def sampling_modules(self, pipeline) -> list[torch.nn.Module]:
         """Frozen modules beyond the VAE and the text encoders (Stable Cascade's decoder stages, which only sampling
-        uses; SD 2.0 depth's depth estimator): stored like the VAE, kept on the device."""
+        uses; SD 2.0 depth's depth estimator): stored like the VAE, kept on the device unless
+        `sampling_modules_offloadable`."""
         return []
+
+    # Whether offload_frozen_components may keep the sampling modules in CPU memory like the text encoders and VAE:
+    # only where a module the pipeline computes on stays on the device, which is the device the pipeline makes its
+    # latents on (diffusers' `DiffusionPipeline.device` prefers an accelerator component). Not Stable Cascade's
+    # decoder stages: their own pipeline holds nothing else.
+    sampling_modules_offloadable: bool = False
 
     def samples_refusal(self, loaded_pipeline) -> str | None:
         """Why this loaded model cannot sample (`samples_refused`, or a variant's reason known once it is loaded)."""

@@ -203,6 +203,10 @@ class Ideogram4(Family):
         # a constant guidance: the pipeline's default per-step schedule is set unless told otherwise
         return {**arguments, "guidance_schedule": None}
 
+    # The unconditional transformer (9.3 B parameters, as large as the trained one) may wait in CPU memory between
+    # samples: the pipeline makes its latents where the trained transformer is (OneTrainer offloads it whole too).
+    sampling_modules_offloadable = True
+
     def sampling_modules(self, pipeline) -> list[torch.nn.Module]:
         """The unconditional transformer: frozen, run by sampling only (stored like the VAE)."""
         unconditional = getattr(pipeline, "unconditional_transformer", None)
