@@ -220,3 +220,26 @@ def test_gpu_levers_script_runs_an_undone_entry_on_the_cpu(tmp_path, monkeypatch
     assert "error" not in entry, entry.get("error")
     assert entry["entry"] == "sdxl lora per-layer-casts" and entry["undone"] == "lora_block_casts"
     assert "| sdxl lora per-layer-casts |" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_stores_the_frozen_weights_and_streams_blocks_as_told(tmp_path):
+    """`--weight-dtype int8 --offload-fraction 0.5`: the bench's LoRA base is stored as a run would store it (int8
+    weights computing in int8 matmuls), the denoiser's last blocks stream from CPU memory, and the row says so."""
+    from ot_dist.memory.block_streaming import STREAMED_ATTR
+
+    bench = BENCH_MODELS["tiny-flux-dev"]
+    options = BenchOptions(model="tiny-flux-dev", method="lora", resolution=32, dtype="fp32", device="cpu",
+                           gradient_checkpointing=True, weight_dtype="int8", offload_fraction=0.5)
+    run = prepare(bench, options, train_config(bench, options, str(tmp_path)), torch.device("cpu"))
+    frozen = [m for m in run.model.denoiser.modules() if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad]
+    assert frozen and all(m._parameters["weight"].dtype == torch.int8 for m in frozen)
+    assert getattr(run.model.denoiser, STREAMED_ATTR)
+    out = tmp_path / "bench"
+    code = main(["bench", "--model", "tiny-flux-dev", "--method", "lora", "--resolution", "32", "--steps", "1",
+                 "--warmup", "0", "--dtype", "fp32", "--device", "cpu", "--no-flops", "--gradient-checkpointing",
+                 "--weight-dtype", "int8", "--offload-fraction", "0.5", "--out", str(out)])
+    assert code == 0
+    [json_file] = out.glob("*.json")
+    result = json.loads(json_file.read_text())
+    assert (result["weight_dtype"], result["offload_fraction"]) == ("int8", 0.5)
+    assert "weight_dtype=int8 offload_fraction=0.5" in (out / "bench.md").read_text().splitlines()[2]

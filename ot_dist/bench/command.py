@@ -32,6 +32,12 @@ def add_bench_parser(sub) -> None:
     bench.add_argument("--profile", dest="profile_steps", type=int, default=0, metavar="N",
                        help="after the timed steps, run N more under torch.profiler and write where their time went "
                        "(<run>_profile.md: time per op category, device busy %%, top ops) and a trace (default 0)")
+    bench.add_argument("--weight-dtype", default=None,
+                       choices=["float32", "bfloat16", "float16", "float8", "nf4", "int8"], help="storage of the frozen weights (a LoRA's base): default the compute dtype; int8 computes in "
+                       "int8 matmuls (weight_dtype in configs/REFERENCE.md)")
+    bench.add_argument("--offload-fraction", type=float, default=0.0, metavar="F",
+                       help="stream the frozen weights of the denoiser's last blocks, this fraction of their bytes, from "
+                       "CPU memory (<denoiser>.offload_fraction; needs --gradient-checkpointing)")
     bench.add_argument("--out", default="bench_out", metavar="DIR",
                        help="write <run>.json and append the row to DIR/bench.md (default bench_out)")
 
@@ -60,7 +66,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         batch_size=args.batch_size, steps=args.steps, warmup=args.warmup,
         gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, optimizer=args.optimizer,
         device=args.device, peak_tflops=args.peak_tflops, count_flops=args.count_flops,
-        performance=tuple(performance), profile_steps=args.profile_steps)
+        performance=tuple(performance), profile_steps=args.profile_steps, weight_dtype=args.weight_dtype,
+        offload_fraction=args.offload_fraction)
     result = run_bench(options, args.out)
     json_path, table = write_report(result, args.out)
     print(HEADER)

@@ -24,11 +24,19 @@ def markdown_row(result: dict) -> str:
 
 
 def chosen_performance(result: dict) -> dict:
-    """The performance options this run set away from their defaults."""
+    """The performance options this run set away from their defaults, and a frozen storage other than the compute
+    dtype or streamed blocks (`weight_dtype`, `offload_fraction`)."""
     from ot_dist.config.performance import PerformanceConfig
+    from ot_dist.precision import DTYPES
 
     defaults = PerformanceConfig().model_dump(mode="json")
-    return {k: v for k, v in (result.get("performance") or {}).items() if defaults.get(k) != v}
+    chosen = {k: v for k, v in (result.get("performance") or {}).items() if defaults.get(k) != v}
+    storage = result.get("weight_dtype")
+    if storage and storage not in DTYPES:
+        chosen["weight_dtype"] = storage
+    if result.get("offload_fraction"):
+        chosen["offload_fraction"] = result["offload_fraction"]
+    return chosen
 
 
 def run_name(result: dict) -> str:

@@ -37,6 +37,8 @@ class BenchOptions:
     count_flops: bool = True
     performance: tuple[tuple[str, str], ...] = ()  # (key, value) of the config's performance section
     profile_steps: int = 0  # steps run under torch.profiler after the timed ones (0: none)
+    weight_dtype: str | None = None  # the frozen weights' storage (None: the compute dtype), e.g. int8, nf4, float8
+    offload_fraction: float = 0.0  # the denoiser's <denoiser>.offload_fraction (memory/block_streaming.py)
 
 
 def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> TrainConfig:
@@ -54,8 +56,11 @@ def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> T
         data={"shards": "<none: random cached latents and text>", "bucket_step": max(8, pixel_multiple)},
         resolution=options.resolution, batch_size=options.batch_size,
         train_dtype=train_dtype,
-        # A LoRA's frozen base is stored in the compute dtype (half the memory, the usual large-model setting).
-        weight_dtype=train_dtype,
+        # A LoRA's frozen base is stored in the compute dtype (half the memory, the usual large-model setting), unless
+        # a storage is chosen.
+        weight_dtype=options.weight_dtype or train_dtype,
+        **({get_family(bench.family).denoiser: {"offload_fraction": options.offload_fraction}}
+           if options.offload_fraction else {}),
         gradient_checkpointing=options.gradient_checkpointing,
         optimizer={"name": options.optimizer},
         lora={"rank": options.lora_rank, "alpha": float(options.lora_rank)},
@@ -100,16 +105,29 @@ def build_model(bench: BenchModel, config: TrainConfig, device: torch.device, se
 
 def place(model: LoadedModel, config: TrainConfig) -> None:
     """The trainer's `_place_modules` for modules already on their device: trained parameters in
-    trained_weight_dtype, frozen ones in weight_dtype, train mode where something trains, checkpointing."""
-    from ot_dist.memory.placement import frozen_storage_dtype, store_by_role
+    trained_weight_dtype, frozen ones in weight_dtype (quantized where it says so), train mode where something trains,
+    checkpointing, the denoiser's streamed blocks."""
+    from ot_dist.memory.block_streaming import frozen_entries, stream_blocks, streamed_blocks
+    from ot_dist.memory.placement import frozen_storage_dtype, quantize_frozen, store_by_role
+    from ot_dist.parallel.fsdp import family_units
     from ot_dist.precision import DTYPES
     from ot_dist.train.checkpointing import enable_gradient_checkpointing
 
-    trained_dtype = DTYPES[config.trained_weight_dtype]
+    trained_dtype, compute = DTYPES[config.trained_weight_dtype], DTYPES[config.train_dtype]
     for name, module in model.named_components():
-        store_by_role(module, trained_dtype, frozen_storage_dtype(config.component_storage(name)))  # as the trainer
+        storage = config.component_storage(name)
+        store_by_role(module, trained_dtype, frozen_storage_dtype(storage))  # as the trainer
+        quantize_frozen(module, storage, compute)
         if config.gradient_checkpointing and module is model.denoiser and not config.performance.selective_checkpointing:
             enable_gradient_checkpointing(module)
+    denoiser_name = model.family.denoiser
+    fraction = getattr(config, denoiser_name).offload_fraction
+    streamed = streamed_blocks(family_units(model.family, denoiser_name, model.denoiser), fraction)
+    if streamed:  # built on the device: the streamed blocks' frozen weights go home to CPU memory first
+        device = next(model.denoiser.parameters()).device
+        for table, key in (e for block in streamed for e in frozen_entries(block)):
+            table[key].data = table[key].data.cpu()
+        stream_blocks(model.denoiser, streamed, device)
 
 
 def apply_bench_performance(model: LoadedModel, config: TrainConfig, device: torch.device) -> None:

@@ -58,6 +58,12 @@ PLAN = [
                                               performance=(("channels_last", "off"),)), 40, None),
     ("flux lora float8 compile", dict(model="flux-dev", method="lora", batch_size=1,
                                       performance=(("compile", "true"), ("float8_matmuls", "true"))), 120, None),
+    # The frozen-base storages OneTrainer's low-memory presets use, and layer offloading (session 23): speed and peak
+    ("flux lora int8", dict(model="flux-dev", method="lora", batch_size=1, weight_dtype="int8"), 50, None),
+    ("sdxl lora int8", dict(model="sdxl", method="lora", batch_size=8, weight_dtype="int8"), 40, None),
+    ("flux lora nf4", dict(model="flux-dev", method="lora", batch_size=1, weight_dtype="nf4"), 50, None),
+    ("flux lora ckpt offload-0.5", dict(model="flux-dev", method="lora", batch_size=1, gradient_checkpointing=True,
+                                        offload_fraction=0.5), 60, None),
 ]
 
 
