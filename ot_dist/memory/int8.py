@@ -22,6 +22,7 @@ from ot_dist.memory.stored import (
     StoredWeightOp,
     call_dtype,
     parameter_dtype_reads,
+    quantize_loaded_weight,
     report_compute_dtype,
     rotates_its_weight,
     stored_class,
@@ -117,10 +118,10 @@ def _storable(module: torch.nn.Module, kept: set[int]) -> bool:
 
 
 def _store(module: torch.nn.Module, weight: torch.Tensor) -> None:
-    stored, scale = quantize(weight.float())
+    stored, buffers = _quantized_with_scale(weight.float())
     module._parameters["weight"] = torch.nn.Parameter(stored, requires_grad=False)
-    # float32 held as its int32 bits: a module's `.to(dtype)` would round a floating-point buffer (memory/nf4.py)
-    module.register_buffer(SCALE_BUFFER, scale.reshape(1).view(torch.int32), persistent=False)
+    for name, tensor in buffers.items():
+        module.register_buffer(name, tensor, persistent=False)
 
 
 def _scale(module: torch.nn.Module) -> torch.Tensor:
@@ -136,14 +137,13 @@ def _dequantized_state(module, state_dict, prefix, local_metadata):
     state_dict[prefix + "weight"] = dequantize(module._parameters["weight"].cpu(), _scale(module).cpu(), torch.float32)
 
 
-def _quantize_loaded(module, state_dict, prefix, *args):
-    if prefix + "weight" in state_dict:
-        weight = state_dict[prefix + "weight"]
-        stored, scale = quantize(weight.float())
-        state_dict[prefix + "weight"] = stored
-        device = module._parameters["weight"].device
-        device = weight.device if device.type == "meta" else device  # assigned into a meta structure (sampling)
-        module._buffers[SCALE_BUFFER] = scale.reshape(1).view(torch.int32).to(device)
+def _quantized_with_scale(weight: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    stored, scale = quantize(weight)
+    # float32 held as its int32 bits: a module's `.to(dtype)` would round a floating-point buffer (memory/nf4.py)
+    return stored, {SCALE_BUFFER: scale.reshape(1).view(torch.int32)}
+
+
+_quantize_loaded = quantize_loaded_weight(_quantized_with_scale)
 
 
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:

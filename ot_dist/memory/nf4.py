@@ -24,6 +24,7 @@ from ot_dist.memory.stored import (
     COMPUTE_DTYPE_ATTR,
     StoredWeightOp,
     parameter_dtype_reads,
+    quantize_loaded_weight,
     report_compute_dtype,
     rotates_its_weight,
     stored_class,
@@ -121,17 +122,12 @@ def _dequantized_state(module, state_dict, prefix, local_metadata):
     state_dict[prefix + "weight"] = dequantize(next(stored), module.nf4_shape, torch.float32, *stored)
 
 
-def _quantize_loaded(module, state_dict, prefix, *args):
-    if prefix + "weight" in state_dict:
-        weight = state_dict[prefix + "weight"]
-        packed, statistics = quantize(weight.float())
-        state_dict[prefix + "weight"] = packed
-        # Beside the packed weight: where the module holds it, or where it arrives (assigned into a meta structure,
-        # as sampling's copies of the trained modules are).
-        device = module._parameters["weight"].device
-        device = weight.device if device.type == "meta" else device
-        for name, tensor in statistics.items():
-            module._buffers[BUFFER_PREFIX + name] = tensor.to(device)
+def _quantized_with_buffers(weight: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    packed, statistics = quantize(weight)
+    return packed, {BUFFER_PREFIX + name: tensor for name, tensor in statistics.items()}
+
+
+_quantize_loaded = quantize_loaded_weight(_quantized_with_buffers)
 
 
 def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:

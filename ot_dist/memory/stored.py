@@ -143,3 +143,22 @@ class StoredWeightOp(torch.autograd.Function):
             stride, padding, dilation, groups = ctx.geometry
             grad_x = torch.nn.grad.conv2d_input(ctx.input_shape, weight, grad_out, stride, padding, dilation, groups)
         return (grad_x.to(ctx.input_dtype),) + none
+
+
+def quantize_loaded_weight(quantize):
+    """A load_state_dict pre-hook for a layer whose weight is stored: the incoming `weight` is replaced by its stored
+    form and the statistics `quantize(weight) -> (stored, {buffer name: tensor})` gives are put beside the stored
+    weight: where the module holds it, or where the weight arrives when the module is a meta structure it is assigned
+    into (sampling's copies of the trained modules)."""
+    def hook(module, state_dict, prefix, *args):
+        if prefix + "weight" not in state_dict:
+            return
+        weight = state_dict[prefix + "weight"]
+        stored, buffers = quantize(weight.float())
+        state_dict[prefix + "weight"] = stored
+        device = module._parameters["weight"].device
+        device = weight.device if device.type == "meta" else device
+        for name, tensor in buffers.items():
+            module._buffers[name] = tensor.to(device)
+
+    return hook
