@@ -69,43 +69,62 @@ def test_the_last_blocks_stream_by_frozen_bytes():
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch):
-    """Every streamed block's frozen parameters are device copies inside its forward and CPU homes outside it;
-    with checkpointing no more than two blocks' copies are alive at any block's start (each block's first-forward
-    copies die when it returns, its recomputation's once its backward is done); without, all of them are, which
-    is why the option needs checkpointing. Gradients equal the run without streaming."""
+    """Every streamed block's frozen parameters are device copies inside its forward and CPU homes outside it. Every
+    device copy made (on arrival or prefetched) is counted while alive: with checkpointing no more than three blocks'
+    copies exist at any block's start (its own, the next one's prefetched, in backward the previous recomputation's
+    until its backward is done), and none after the step; without, every earlier block's are kept for backward, which
+    is why the option needs checkpointing. From the second step on, every block but the first to run in forward and
+    in backward takes copies prefetched while the block before it computed. Gradients equal the run without
+    streaming, both steps."""
+    from ot_dist.memory import block_streaming
+
     reference = flux_transformer(checkpointing)
-    flux_call(reference).square().mean().backward()
+    for _ in range(2):
+        flux_call(reference).square().mean().backward()
     model = flux_transformer(checkpointing)
     blocks = blocks_of(model)
     streamed = streamed_blocks(blocks, 0.8)
     assert len(streamed) >= 4
     homes = {id(p) for b in streamed for p in b.parameters()}
+    block_of_home = {id(p): i for i, b in enumerate(streamed) for p in b.parameters()}
     with kept_home(streamed):
         assert [p for b in streamed for p in b.parameters()] == []  # out of the modules while they move
-    copies: list[tuple[int, weakref.ref]] = []  # (block, copy)
+    copies: list[tuple[int, weakref.ref]] = []  # (block, a device copy of one of its weights, or its parameter)
     alive_at_arrival = []
+    made = block_streaming.device_copies
     arrive = offload.Visitor.arrive
+
+    def counted_copies(homes_, device, pin):
+        out = made(homes_, device, pin)
+        copies.extend((block_of_home[id(h)], weakref.ref(c)) for h, c in zip(homes_, out))
+        return out
 
     def counting_arrive(self, module, args, kwargs):
         out = arrive(self, module, args, kwargs)
+        # the parameters wrapping this block's copies (the copies themselves are referenced through them)
+        copies.extend((block_of_home[id(h)], weakref.ref(table[name])) for (table, name), h in zip(self.entries,
+                                                                                                  self.homes))
         gc.collect()
         alive_at_arrival.append(len({b for b, ref in copies if ref() is not None}))
-        copies.extend((id(module), weakref.ref(table[name])) for table, name in self.entries)
         assert not any(id(table[name]) in homes for table, name in self.entries)
         return out
 
+    monkeypatch.setattr(block_streaming, "device_copies", counted_copies)
     monkeypatch.setattr(offload.Visitor, "arrive", counting_arrive)  # before the hooks bind it
-    stream_blocks(model, streamed, torch.device("cpu"))
+    prefetcher = stream_blocks(model, streamed, torch.device("cpu"))
     assert all(id(p) in homes for b in streamed for p in b.parameters())  # between forwards: the homes
-    flux_call(model).square().mean().backward()
-    gc.collect()
-    assert len(copies) > 0 and all(ref() is None for _, ref in copies)  # nothing left on the device
-    assert all(id(p) in homes for b in streamed for p in b.parameters())
+    for step in range(2):
+        prefetcher.taken = prefetcher.made = 0
+        flux_call(model).square().mean().backward()
+        gc.collect()
+        assert copies and all(ref() is None for _, ref in copies)  # nothing left on the device
+        assert all(id(p) in homes for b in streamed for p in b.parameters())
     if checkpointing:
-        assert len(alive_at_arrival) == 2 * len(streamed)  # each block: its forward and its recomputation
-        assert max(alive_at_arrival) <= 2, alive_at_arrival
+        assert len(alive_at_arrival) == 2 * 2 * len(streamed)  # each block and step: its forward and recomputation
+        assert max(alive_at_arrival) <= 3, alive_at_arrival
+        assert (prefetcher.made, prefetcher.taken) == (2, 2 * len(streamed) - 2)  # the second step
     else:
-        assert max(alive_at_arrival) == len(streamed) - 1  # every earlier block's copies kept for backward
+        assert max(alive_at_arrival) >= len(streamed) - 1  # every earlier block's copies kept for backward
     torch.testing.assert_close(model.proj_out.weight.grad, reference.proj_out.weight.grad, rtol=0, atol=0)
 
 
@@ -213,4 +232,26 @@ def test_streamed_blocks_lower_the_peak_on_cuda_and_compute_the_same():
     peak, grad = step(streamed)
     torch.testing.assert_close(grad, plain_grad, rtol=0, atol=0)
     assert saved_resident >= 0.9 * streamed_bytes  # the streamed weights never sit on the device between steps
-    assert peak <= plain_peak + 2 * max(frozen_bytes(b) for b in blocks_of(streamed))
+    assert peak <= plain_peak + 3 * max(frozen_bytes(b) for b in blocks_of(streamed))  # current, next, previous
+
+
+def test_a_copy_of_a_streaming_module_prefetches_on_its_own():
+    """Sampling deep-copies the trained denoiser: the copy's blocks share one fresh Prefetcher (no copies, streams or
+    events copied, its order recorded again) and compute as the original."""
+    import copy
+
+    model = flux_transformer(checkpointing=True)
+    streamed = streamed_blocks(blocks_of(model), 0.8)
+    prefetcher = stream_blocks(model, streamed, torch.device("cpu"))
+    with torch.no_grad():
+        for _ in range(2):
+            expected = flux_call(model)
+    assert prefetcher.complete and prefetcher.taken  # the second forward took prefetched copies
+    twin = copy.deepcopy(model)
+    twin_prefetchers = {id(h.__self__.prefetcher) for b in blocks_of(twin)[-len(streamed):]
+                        for h in b._forward_pre_hooks.values()}
+    assert len(twin_prefetchers) == 1 and id(prefetcher) not in twin_prefetchers
+    twin_prefetcher = blocks_of(twin)[-1]._forward_pre_hooks[next(iter(blocks_of(twin)[-1]._forward_pre_hooks))]
+    assert twin_prefetcher.__self__.prefetcher.order == [] and not twin_prefetcher.__self__.prefetcher.ready
+    with torch.no_grad():
+        assert torch.equal(flux_call(twin), expected)

@@ -10,9 +10,10 @@ LoRA adapters inside the block) and buffers stay on the device.
 Why gradient checkpointing is required, and why no copy is released by hand: a checkpointed block keeps nothing for
 backward from its first forward, so its copies are freed as soon as it returns; in backward the block's forward runs
 again (the pre-hook copies again) and autograd keeps that second set of copies exactly until the block's backward has
-used them. So at most a block's copies or two are on the device at a time, and a copy can never be freed while
-backward still reads it. The copies come from pinned memory with non_blocking on the current stream: ordered
-before the kernels that read them, no host wait.
+used them. A copy can never be freed while backward still reads it. The copies come from pinned memory without a
+host wait; the Prefetcher makes the next block's while a block computes (on a GPU on a stream of its own), so the
+device holds at most about three streamed blocks' weights at a time (the current one's, the next one's, and in
+backward the previous recomputation's until its backward is done).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 
 import torch
 
-from ot_dist.memory.offload import Visitor
+from ot_dist.memory.offload import Visitor, device_copies
 
 STREAMED_ATTR = "streamed_block_names"  # on the denoiser: the names of its streamed blocks (sampling copies them)
 
@@ -68,10 +69,98 @@ def kept_home(blocks: list[torch.nn.Module]):
             table[name] = param
 
 
-def stream_blocks(root: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device) -> None:
-    """Attach the copy-on-forward to each of `root`'s streamed `blocks` (their frozen parameters in CPU memory)."""
+def stream_blocks(root: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device) -> "Prefetcher":
+    """Attach the copy-on-forward to each of `root`'s streamed `blocks` (their frozen parameters in CPU memory), with
+    one Prefetcher for them all."""
     device = torch.device(device)
     names = {id(m): n for n, m in root.named_modules()}
+    prefetcher = Prefetcher(device)
     for block in blocks:
-        Visitor(block, device, pin=device.type == "cuda", entries=frozen_entries(block)).attach()
+        StreamedBlock(block, device, pin=device.type == "cuda", entries=frozen_entries(block),
+                      prefetcher=prefetcher).attach()
     setattr(root, STREAMED_ATTR, tuple(names[id(b)] for b in blocks))
+    return prefetcher
+
+
+class StreamedBlock(Visitor):
+    """A streamed block's visitor: its copies come from the Prefetcher, which may have made them already."""
+
+    def __init__(self, module, device, pin, entries, prefetcher: "Prefetcher"):
+        super().__init__(module, device, pin, entries)
+        self.prefetcher = prefetcher
+
+    def device_copies(self, homes: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.prefetcher.copies_for(self, homes)
+
+
+class Prefetcher:
+    """While a streamed block computes, the copies of the block that runs after it are made: the next one in the
+    order the first forward ran them, or in backward (whose recomputations run in reverse) the previous one. On a
+    GPU they are made on a stream of their own, so the copy overlaps the block's compute; the block that takes them
+    waits for that copy only (an event) and marks them used on its stream (`record_stream`), so the allocator does not
+    hand their memory out again while its kernels may still read it. So the device holds one more block's weights.
+    Copies made for a block whose home tensors have changed since (another module assigned into it) are dropped.
+
+    The order is recorded in the first forward (no prefetch there), as FSDP2's prefetch in this code base records it:
+    a UNet runs its blocks in another order than it registers them."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.order: list[StreamedBlock] = []
+        self.complete = False  # the order is known
+        self.ready: dict[int, tuple[list[int], list[torch.Tensor], object]] = {}  # block id -> (home ids, copies, event)
+        self.taken = self.made = 0  # copies taken from a prefetch, made on arrival (blocks)
+
+    def __deepcopy__(self, memo) -> "Prefetcher":
+        # A copy of the module (sampling's, its template) streams with a prefetcher of its own: nothing made here, no
+        # CUDA stream or event, is copied (neither can be), and the order is recorded again.
+        return Prefetcher(self.device)
+
+    def copies_for(self, block: StreamedBlock, homes: list[torch.Tensor]) -> list[torch.Tensor]:
+        backward = torch._C._current_graph_task_id() != -1  # a recomputation inside backward
+        self._record(block, backward)
+        ready = self.ready.pop(id(block), None)
+        if ready is not None and ready[0] == [id(h) for h in homes]:
+            copies = self._take(ready)
+            self.taken += 1
+        else:
+            copies = device_copies(homes, self.device, block.pin)
+            self.made += 1
+        if self.complete:
+            self._prefetch(self.order.index(block) + (-1 if backward else 1))
+        return copies
+
+    def _record(self, block: StreamedBlock, backward: bool) -> None:
+        if self.complete:
+            return
+        if backward or block in self.order:
+            self.complete = True
+        else:
+            self.order.append(block)
+
+    def _prefetch(self, position: int) -> None:
+        if not 0 <= position < len(self.order):
+            return
+        block = self.order[position]
+        if id(block) in self.ready or block.depth:
+            return
+        homes = [table[name] for table, name in block.entries]
+        if self.stream is None:
+            self.ready[id(block)] = ([id(h) for h in homes], device_copies(homes, self.device, block.pin), None)
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after what was queued before it
+        with torch.cuda.stream(self.stream):
+            copies = device_copies(homes, self.device, block.pin)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.ready[id(block)] = ([id(h) for h in homes], copies, event)
+
+    def _take(self, ready) -> list[torch.Tensor]:
+        _, copies, event = ready
+        if event is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            for copy in copies:
+                copy.record_stream(current)
+        return copies

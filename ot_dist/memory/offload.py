@@ -68,18 +68,15 @@ class Visitor:
             # Device copies under the same names; the CPU objects are put back afterwards, so whoever holds
             # them (peft, caches' keys) sees the same parameters between forwards.
             self.homes = [table[name] for table, name in self.entries]
-            for (table, name), home in zip(self.entries, self.homes):
-                # Pinned host memory makes the copy asynchronous; pinned here, not when attached, because a
-                # later change of the home's layout (channels_last) makes a new, pageable tensor.
-                if self.pin and not home.is_pinned():
-                    home.data = home.data.pin_memory()
-                # Always a new tensor (also when the device is the CPU): autograd may keep it for backward, while the
-                # home is put back into the table below.
-                moved = home.detach().to(self.device, non_blocking=True, copy=True)
+            for (table, name), home, moved in zip(self.entries, self.homes, self.device_copies(self.homes)):
                 is_parameter = isinstance(home, torch.nn.Parameter)
                 table[name] = torch.nn.Parameter(moved, requires_grad=False) if is_parameter else moved
         self.depth += 1
         return _to_device(args, self.device), _to_device(kwargs, self.device)
+
+    def device_copies(self, homes: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A device copy of each home tensor, on the current stream."""
+        return device_copies(homes, self.device, self.pin)
 
     def leave(self, module, args, output):
         self.depth -= 1
@@ -88,6 +85,18 @@ class Visitor:
                 table[name] = home
             self.homes = []
         return output
+
+
+def device_copies(homes: list[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    """A new device tensor for each home (also when the device is the CPU: autograd may keep it for backward, while the
+    home is put back into its module). Pinned host memory makes the copy asynchronous; pinned here, not when attached,
+    because a later change of the home's layout (channels_last) makes a new, pageable tensor."""
+    copies = []
+    for home in homes:
+        if pin and not home.is_pinned():
+            home.data = home.data.pin_memory()
+        copies.append(home.detach().to(device, non_blocking=True, copy=True))
+    return copies
 
 
 def every_entry(module: torch.nn.Module) -> list[tuple[dict, str]]:
