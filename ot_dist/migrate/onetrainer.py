@@ -110,6 +110,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     c["output_dtype"] = _dtype(ot, "output_dtype", skip) or "float32"
 
     import_parts(ot, c, family, method, out)
+    _performance(ot, c, get_family(family).denoiser, skip)
     _layer_skip(ot, c, family, skip)
     _t5_length(ot, c, family)
     _caption_length(ot, family, skip)
@@ -162,6 +163,32 @@ def _depth_model(c: dict, out: Imported) -> None:
     if prompts:
         out.not_honoured.append(f"samples: {len(prompts)} prompt(s) left out: ot_dist cannot sample a depth model "
                                 "yet (StableDiffusionDepth2ImgPipeline needs an image to take the depth of)")
+
+
+# OneTrainer's attention_mechanism (BaseModelSetup._set_attention_backend) as performance.attention_backend: SDP is
+# torch's own choice; FLASH is the flash-attn package's kernel, which ot_dist takes from torch's SDPA (the same
+# FlashAttention-2 algorithm); CUDNN is SDPA's cuDNN kernel.
+ATTENTION_BACKENDS = {"SDP": "auto", "FLASH": "flash", "CUDNN": "cudnn"}
+
+
+def _performance(ot: dict, c: dict, denoiser: str, skip) -> None:
+    """`compile` and `attention_mechanism` as ot_dist's performance options (after the parts: a streamed denoiser is
+    not compiled)."""
+    performance = {}
+    mechanism = str(ot.get("attention_mechanism") or "SDP")
+    if mechanism not in ATTENTION_BACKENDS:
+        skip(f"attention_mechanism: {mechanism} is not an ot_dist attention backend (torch's SDPA kernels: flash, "
+             "cudnn, efficient, math); torch chooses")
+    elif ATTENTION_BACKENDS[mechanism] != "auto":
+        performance["attention_backend"] = ATTENTION_BACKENDS[mechanism]
+    if ot.get("compile"):
+        if c.get(denoiser, {}).get("offload_fraction"):
+            skip(f"compile: true: ot_dist does not compile a {denoiser} whose blocks stream from CPU memory "
+                 f"({denoiser}.offload_fraction); it runs uncompiled")
+        else:
+            performance["compile"] = True  # the denoiser's blocks, regionally, as OneTrainer compiles them
+    if performance:
+        c["performance"] = {**c.get("performance", {}), **performance}
 
 
 def _resolution(value: str, family: str, skip) -> int | list[int]:
