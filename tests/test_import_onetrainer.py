@@ -9,6 +9,8 @@ import contextlib
 import io
 import json
 
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -1320,3 +1322,78 @@ def test_compile_and_the_attention_mechanism_become_performance_options(tmp_path
     assert config.transformer.offload_fraction == 0.6
     assert any(line.startswith("compile: true: ot_dist does not compile") for line in skipped)
     assert any(line.startswith("attention_mechanism: FLEX") for line in skipped)
+
+
+# OneTrainer's top-level TrainConfig keys (modules/util/config/TrainConfig.py `default_values()`, the mirror's HEAD of
+# November 2026, config version 11).
+ONETRAINER_TOP_LEVEL_KEYS = (
+    "training_method", "model_type", "debug_mode", "debug_dir", "workspace_dir", "cache_dir",
+    "huggingface_cache_dir", "offline_mode", "tensorboard", "tensorboard_expose", "tensorboard_always_on",
+    "tensorboard_port", "validation", "validate_after", "validate_after_unit", "continue_last_backup",
+    "prevent_overwrites", "include_train_config", "multi_gpu", "device_indexes", "gradient_reduce_precision",
+    "fused_gradient_reduce", "async_gradient_reduce", "async_gradient_reduce_buffer", "base_model_name",
+    "output_dtype", "output_model_format", "output_model_destination", "async_offloading", "force_circular_padding",
+    "compile", "concept_file_name", "concepts", "aspect_ratio_bucketing", "latent_caching",
+    "clear_cache_before_training", "learning_rate_scheduler", "custom_learning_rate_scheduler", "scheduler_params",
+    "learning_rate", "learning_rate_warmup_steps", "learning_rate_cycles", "learning_rate_min_factor", "epochs",
+    "batch_size", "gradient_accumulation_steps", "ema", "ema_decay", "ema_update_step_interval",
+    "dataloader_threads", "train_device", "temp_device", "train_dtype", "fallback_train_dtype",
+    "enable_autocast_cache", "only_cache", "resolution", "frames", "attention_mechanism", "mse_strength",
+    "mae_strength", "log_cosh_strength", "huber_strength", "huber_delta", "vb_loss_strength", "loss_weight_fn",
+    "loss_weight_strength", "dropout_probability", "loss_scaler", "learning_rate_scaler", "clip_grad_norm",
+    "offset_noise_weight", "generalized_offset_noise", "perturbation_noise_weight",
+    "rescale_noise_scheduler_to_zero_terminal_snr", "force_v_prediction", "force_epsilon_prediction",
+    "min_noising_strength", "max_noising_strength", "timestep_distribution", "noising_weight", "noising_bias",
+    "timestep_shift", "dynamic_timestep_shifting", "unet", "prior", "transformer", "unconditional_transformer",
+    "quantization", "text_encoder", "text_encoder_layer_skip", "text_encoder_sequence_length", "text_encoder_2",
+    "text_encoder_2_layer_skip", "text_encoder_2_sequence_length", "text_encoder_3", "text_encoder_3_layer_skip",
+    "text_encoder_4", "text_encoder_4_layer_skip", "vae", "effnet_encoder", "decoder", "decoder_text_encoder",
+    "decoder_vqgan", "masked_training", "unmasked_probability", "unmasked_weight", "normalize_masked_area_loss",
+    "masked_prior_preservation_weight", "custom_conditioning_image", "layer_filter", "layer_filter_preset",
+    "layer_filter_regex", "embedding_learning_rate", "preserve_embedding_norm", "embedding",
+    "additional_embeddings", "embedding_weight_dtype", "cloud", "peft_type", "lora_model_name", "lora_rank",
+    "lora_alpha", "lora_decompose", "lora_decompose_norm_epsilon", "lora_decompose_output_axis",
+    "lora_weight_dtype", "bundle_additional_embeddings", "oft_block_size", "oft_block_share", "oft_scaled",
+    "lokr_dim", "lokr_decompose_both", "lokr_decompose_factor", "lokr_use_tucker", "lokr_weight_decompose",
+    "lokr_dora_on_output", "lokr_full_matrix", "lokr_vec_trick", "optimizer", "optimizer_defaults",
+    "sample_definition_file_name", "samples", "sample_after", "sample_after_unit", "sample_skip_first",
+    "sample_image_format", "sample_video_format", "sample_audio_format", "samples_to_tensorboard",
+    "non_ema_sampling", "backup_after", "backup_after_unit", "rolling_backup", "rolling_backup_count",
+    "backup_before_save", "save_every", "save_every_unit", "save_skip_first", "save_filename_prefix", "secrets",
+)
+
+
+def test_every_onetrainer_setting_is_read_listed_or_of_no_effect():
+    """No top-level setting is dropped without a line: each is read by one of the import's modules, compared with its
+    default and listed (onetrainer_unmapped.CHANGES_TRAINING, `quantization`, `multi_gpu`), or named as having no
+    effect on what trains (NO_EFFECT: folders, TensorBoard, devices...)."""
+    from ot_dist.migrate import onetrainer_unmapped
+
+    import ot_dist.migrate
+
+    folder = Path(ot_dist.migrate.__file__).parent
+    sources = "".join(p.read_text() for p in folder.glob("onetrainer*.py")
+                      if p.name != "onetrainer_unmapped.py")
+    handled = set(onetrainer_unmapped.CHANGES_TRAINING) | onetrainer_unmapped.NO_EFFECT | {"quantization", "multi_gpu"}
+    dropped = [k for k in ONETRAINER_TOP_LEVEL_KEYS if k not in handled and f'"{k}"' not in sources]
+    assert not dropped, dropped
+
+
+def test_settings_no_other_section_reads_are_listed_where_they_change_training(tmp_path):
+    base = {"model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "LORA", "base_model_name": "/models/xl"}
+    config, skipped = import_only(tmp_path, base)
+    assert config.strategy == "single" and not any(
+        line.split(":")[0] in ("force_circular_padding", "quantization") for line in skipped)
+    config, skipped = import_only(tmp_path, {**base, "force_circular_padding": True, "multi_gpu": True,
+                                             "sample_image_format": "PNG", "tensorboard": True,
+                                             "quantization": {"layer_filter": "attn,ff", "layer_filter_preset": "attn-mlp"}})
+    assert config.strategy == "ddp"
+    assert any(line.startswith("force_circular_padding: True: circular padding") for line in skipped)
+    assert config.quantization.layer_filter is None  # the UNet is stored in float32: nothing to choose
+    assert any(line.startswith("sample_image_format: PNG") for line in skipped)
+    assert not any(line.startswith("tensorboard") for line in skipped)
+    config, skipped = import_only(tmp_path, {**base, "unet": {"weight_dtype": "FLOAT_8"},
+                                             "quantization": {"layer_filter": "attentions,^up_", "layer_filter_regex": True,
+                                                              "svd_dtype": "BFLOAT_16"}})
+    assert (config.quantization.layer_filter, config.quantization.layer_filter_regex) == (["attentions", "^up_"], True)
+    assert any(line.startswith("quantization.svd_dtype: BFLOAT_16") for line in skipped)

@@ -162,3 +162,30 @@ def test_cuda_int8_products_are_the_formulas():
     assert torch.equal(x.grad.cpu(), (g8.int() @ w8.int()).float().mul_(w_scale * g_scale).reshape(4, 32, 128))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert model(x).dtype == torch.bfloat16
+
+
+def test_quantization_layer_filter_stores_only_the_chosen_layers(family_models, shapes_data, tmp_path):
+    """quantization.layer_filter (OneTrainer's quantization section, on the denoiser): only the Linear layers of
+    the transformer whose path contains a pattern are stored quantized; its other layers keep the compute dtype, and
+    the text encoders are stored whole as their weight_dtype says. A pattern that selects nothing, and a filter on an
+    unquantized denoiser, are refused naming the field."""
+    def config(out="o", **overrides):
+        return validate(base_config(family_models["flux"], shapes_data, tmp_path / out, family="flux", method="lora",
+                                    max_steps=1, batch_size=2, **overrides))
+
+    trainer = Trainer(config(weight_dtype="int8", **{"quantization.layer_filter": ["single_transformer_blocks"]}),
+                      log=lambda *_: None)
+    frozen = {name: m for name, m in trainer.model.denoiser.named_modules()
+              if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad}
+    chosen = {name for name in frozen if "single_transformer_blocks" in name}
+    assert chosen and len(chosen) < len(frozen)
+    for name, layer in frozen.items():
+        assert layer._parameters["weight"].dtype == (torch.int8 if name in chosen else torch.float32), name
+    encoder = [m for m in trainer.model.text_encoders["text_encoder_2"].modules() if isinstance(m, torch.nn.Linear)]
+    assert encoder and all(m._parameters["weight"].dtype == torch.int8 for m in encoder)
+    assert trainer.train().losses
+    with pytest.raises(ConfigError, match=r"quantization.layer_filter\[1\]: 'no_such_block' selects no Linear layer"):
+        Trainer(config("refused", weight_dtype="int8", **{"quantization.layer_filter": ["blocks", "no_such_block"]}),
+                log=lambda *_: None)
+    with pytest.raises(ConfigError, match="quantization.layer_filter: chooses the transformer's layers a quantized"):
+        config(**{"quantization.layer_filter": ["blocks"]})

@@ -108,7 +108,7 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     trained_weight_dtype, frozen ones in weight_dtype (quantized where it says so), train mode where something trains,
     checkpointing, the denoiser's streamed blocks."""
     from ot_dist.memory.block_streaming import frozen_entries, stream_blocks, streamed_blocks
-    from ot_dist.memory.placement import frozen_storage_dtype, quantize_frozen, store_by_role
+    from ot_dist.memory.placement import frozen_storage_dtype, quantize_frozen, store_by_role, unquantized_modules
     from ot_dist.parallel.fsdp import family_units
     from ot_dist.precision import DTYPES
     from ot_dist.train.checkpointing import enable_gradient_checkpointing
@@ -117,7 +117,8 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     for name, module in model.named_components():
         storage = config.component_storage(name)
         store_by_role(module, trained_dtype, frozen_storage_dtype(storage))  # as the trainer
-        quantize_frozen(module, storage, compute)
+        quantize_frozen(module, storage, compute,
+                        unquantized_modules(module, config.quantization) if module is model.denoiser else frozenset())
         if config.gradient_checkpointing and module is model.denoiser and not config.performance.selective_checkpointing:
             enable_gradient_checkpointing(module)
     denoiser_name = model.family.denoiser

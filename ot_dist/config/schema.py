@@ -810,6 +810,22 @@ class DeepSpeedConfig(Section):
     )
 
 
+class QuantizationConfig(Section):
+    """Which layers of the denoiser a quantized storage (weight_dtype float8, nf4, int8) stores so (OneTrainer's
+    `quantization` section)."""
+
+    layer_filter: list[str] | None = Field(
+        default=None, min_length=1,
+        description="The denoiser's Linear layers whose module path contains one of these patterns (with "
+        "layer_filter_regex: in which one is found by re.search) are stored in the denoiser's quantized weight_dtype; "
+        "its other layers keep train_dtype (OneTrainer's quantization.layer_filter, e.g. transformer_block: the "
+        "blocks, not the embedders and the final layer). Unset: every frozen layer the storage takes. Each pattern "
+        "must select a layer.",
+    )
+    layer_filter_regex: bool = Field(
+        default=False, description="Read quantization.layer_filter's patterns as regular expressions.")
+
+
 class EMAConfig(Section):
     """Exponential moving average of the trained weights (OneTrainer's EMA), kept sharded like the
     optimizer state and exported beside the normal outputs (model_ema/, model_ema.safetensors,
@@ -969,6 +985,7 @@ class TrainConfig(Section):
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     ema: EMAConfig = Field(default_factory=EMAConfig)
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     performance: PerformanceConfig = Field(default_factory=PerformanceConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
@@ -1047,6 +1064,24 @@ class TrainConfig(Section):
         if isinstance(value, list) and not value:
             raise ValueError("resolution: give at least one")
         return value
+
+    def _check_quantization(self, denoiser: str) -> None:
+        quantization = self.quantization
+        if quantization.layer_filter is None:
+            if quantization.layer_filter_regex:
+                raise ValueError("quantization.layer_filter_regex: reads quantization.layer_filter's patterns, which is "
+                                 "not set")
+            return
+        storage = self.component_storage(denoiser)
+        if storage not in QUANTIZED_STORAGE:
+            raise ValueError(f"quantization.layer_filter: chooses the {denoiser}'s layers a quantized storage "
+                             f"({', '.join(QUANTIZED_STORAGE)}) takes; the {denoiser} is stored as {storage}")
+        for i, pattern in enumerate(quantization.layer_filter if quantization.layer_filter_regex else ()):
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ValueError(f"quantization.layer_filter[{i}]: {pattern!r} is not a regular expression ({err})") \
+                    from None
 
     def _check_block_offload(self, denoiser: str) -> None:
         """offload_fraction streams the denoiser's frozen block weights: refused where that cannot work or save."""
@@ -1164,6 +1199,7 @@ class TrainConfig(Section):
             raise ValueError("performance.checkpoint_every_n_blocks / checkpoint_only_attention choose what "
                              "gradient_checkpointing recomputes; set gradient_checkpointing: true")
         self._check_block_offload(family.denoiser)
+        self._check_quantization(family.denoiser)
         parts = self.part_names()
         for name in PART_FIELDS:
             if name not in parts and getattr(self, name) != PartConfig():

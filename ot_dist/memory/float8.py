@@ -45,14 +45,14 @@ def dequantize(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.
     return stored.to(dtype) * scale
 
 
-def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype) -> int:
+def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int] = frozenset()) -> int:
     """Store every frozen floating-point parameter of `component` in float8, upcast to `dtype` on use, but in the
     modules PARAMETER_DTYPE_READS names (held in `dtype`). Modules that hold a trainable parameter themselves are left
     alone, but for OFT layers (`lora.variant: oft`, ot_dist/methods/oft.py): their base weight and bias are stored too
     and read through the upcast by the layer's own forward, which rotates the weight with the trainable blocks beside
     it. The component then reports `dtype` as its `.dtype` (report_compute_dtype). Returns the parameters stored."""
     count = 0
-    kept = parameter_dtype_reads(component)
+    kept = parameter_dtype_reads(component) | keep  # `keep`: modules left out by quantization.layer_filter
     for module in list(component.modules()):
         if id(module) in kept:
             for name, param in module.named_parameters(recurse=False):

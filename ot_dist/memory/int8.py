@@ -86,13 +86,13 @@ class Int8LinearOp(torch.autograd.Function):
         return grad_x.to(ctx.input_dtype).reshape(*grad_out.shape[:-1], weight.shape[1]), None, None, None
 
 
-def store_frozen_in_int8(component: torch.nn.Module, dtype: torch.dtype) -> int:
+def store_frozen_in_int8(component: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int] = frozenset()) -> int:
     """Store the weight of every frozen nn.Linear of `component` in int8 (W8A8), computing in `dtype` around the int8
     products; every other frozen floating-point parameter is cast to `dtype`. Left in `dtype`: the modules
     PARAMETER_DTYPE_READS names and Linear layers holding a trainable parameter themselves (OFT layers are refused
     in the config). The component reports `dtype` as its `.dtype`. Returns the weights stored (elements)."""
     count = 0
-    kept = parameter_dtype_reads(component)
+    kept = parameter_dtype_reads(component) | keep  # `keep`: modules left out by quantization.layer_filter
     for module in list(component.modules()):
         if _storable(module, kept):
             count += module.weight.numel()

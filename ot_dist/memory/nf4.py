@@ -64,14 +64,14 @@ def dequantize(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, *sta
     return bnb.functional.dequantize_4bit(packed, quant_state=state, quant_type="nf4").to(dtype).reshape(shape)
 
 
-def store_frozen_in_nf4(component: torch.nn.Module, dtype: torch.dtype) -> int:
+def store_frozen_in_nf4(component: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int] = frozenset()) -> int:
     """Store the weight of every frozen nn.Linear of `component` in NF4, read in `dtype`; every other frozen
     floating-point parameter is cast to `dtype`. Left in `dtype`: the modules PARAMETER_DTYPE_READS names, and
     Linear layers holding a trainable parameter themselves but for OFT layers (`lora.variant: oft`), whose frozen
     weight is stored too and read, dequantized, by the layer's own forward that rotates it. The component then
     reports `dtype` as its `.dtype` (report_compute_dtype). Returns the weights stored (elements)."""
     count = 0
-    kept = parameter_dtype_reads(component)
+    kept = parameter_dtype_reads(component) | keep  # `keep`: modules left out by quantization.layer_filter
     for module in list(component.modules()):
         if _storable(module, kept):
             count += module.weight.numel()

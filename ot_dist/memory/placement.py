@@ -22,11 +22,14 @@ def frozen_storage_dtype(weight_dtype: str) -> torch.dtype:
     return torch.float32 if weight_dtype in QUANTIZERS else DTYPES[weight_dtype]
 
 
-def quantize_frozen(component: torch.nn.Module, storage: str, compute_dtype: torch.dtype) -> None:
+def quantize_frozen(component: torch.nn.Module, storage: str, compute_dtype: torch.dtype,
+                    keep: frozenset[int] = frozenset()) -> None:
     """Store the frozen weights of `component` as `storage` (a weight_dtype) says, read in `compute_dtype`: float8
-    (memory/float8.py), nf4 (memory/nf4.py) and int8 (memory/int8.py) quantize; the plain dtypes were cast at load (frozen_storage_dtype)."""
+    (memory/float8.py), nf4 (memory/nf4.py) and int8 (memory/int8.py) quantize, but in the modules `keep` names
+    (ids: quantization.layer_filter's leftovers, held in `compute_dtype`); the plain dtypes were cast at load
+    (frozen_storage_dtype)."""
     if storage in QUANTIZERS:
-        QUANTIZERS[storage](component, compute_dtype)
+        QUANTIZERS[storage](component, compute_dtype, keep)
         cast_frozen_buffers(component, compute_dtype)  # they meet the dequantized weights' compute dtype
 
 
@@ -87,13 +90,14 @@ def cast_frozen_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def place_component(component: torch.nn.Module, storage: str, config, device: torch.device, offloadable: bool,
-                    prefer_cpu: bool = False, streamed: list[torch.nn.Module] = ()) -> None:
+                    prefer_cpu: bool = False, streamed: list[torch.nn.Module] = (),
+                    keep: frozenset[int] = frozenset()) -> None:
     """`storage` (the component's weight_dtype) float8 stores its frozen parameters in one byte, nf4 its frozen
     Linear weights in about half a byte (a LoRA's base weights too); `offload_frozen_components` (or `prefer_cpu`: a
     text encoder whose outputs are cached) keeps an entirely frozen `offloadable` component (text encoder, VAE) in CPU
     memory, else the component moves to `device`, but the frozen weights of its `streamed` blocks
     (memory/block_streaming.py), which stay in CPU memory."""
-    quantize_frozen(component, storage, DTYPES[config.train_dtype])
+    quantize_frozen(component, storage, DTYPES[config.train_dtype], keep)
     frozen = not any(p.requires_grad for p in component.parameters())
     if (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
         offload_to_cpu(component, device)
@@ -116,3 +120,15 @@ def into_aligned_memory(module: torch.nn.Module) -> None:
     folder (transformers copies its weights, diffusers maps them) and from a single file would train to different
     bits. A move to a GPU copies anyway; on the CPU this copy makes training independent of how it was loaded."""
     module._apply(lambda t: t.clone() if t.device.type == "cpu" and t.data_ptr() % CPU_KERNEL_ALIGNMENT else t)
+
+
+def unquantized_modules(denoiser: torch.nn.Module, settings) -> frozenset[int]:
+    """The ids of the denoiser's modules a quantized storage leaves alone under `settings` (quantization.layer_filter:
+    OneTrainer quantizes only the Linear layers the filter selects); none without a filter."""
+    if settings.layer_filter is None:
+        return frozenset()
+    from ot_dist.methods.lora import layer_filter_targets
+
+    chosen = set(layer_filter_targets(settings.layer_filter, settings.layer_filter_regex, denoiser,
+                                      field="quantization.layer_filter", kinds=(torch.nn.Linear,)))
+    return frozenset(id(m) for name, m in denoiser.named_modules() if name not in chosen)

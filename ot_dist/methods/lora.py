@@ -283,21 +283,23 @@ WHOLE_MODULE_PRESETS = {
 }
 
 
-def layer_filter_targets(patterns: list[str], regex: bool, module: torch.nn.Module) -> list[str]:
-    """The paths of `module`'s Linear and Conv2d layers that OneTrainer's layer filter selects (its LoRAModuleWrapper
-    with ModuleFilter): a path is taken when one pattern is found in it, as a substring or, with `regex`, by
-    re.search; an empty pattern takes every such layer. Layers of other kinds are never adapted. A pattern that
-    selects nothing is an error (OneTrainer's too), naming it."""
+def layer_filter_targets(patterns: list[str], regex: bool, module: torch.nn.Module, field: str = "lora.layer_filter",
+                         kinds: tuple[type, ...] = (torch.nn.Linear, torch.nn.Conv2d)) -> list[str]:
+    """The paths of `module`'s layers of `kinds` (Linear and Conv2d) that OneTrainer's layer filter selects (its
+    LoRAModuleWrapper with ModuleFilter; its quantization filter too): a path is taken when one pattern is found in
+    it, as a substring or, with `regex`, by re.search; an empty pattern takes every such layer. Layers of other kinds
+    are never taken. A pattern that selects nothing is an error (OneTrainer's too), naming it (`field`)."""
     import re
 
     found = [(lambda path, p=re.compile(p): p.search(path) is not None) if regex and p else
              (lambda path, p=p: p in path) for p in patterns]
-    layers = [path for path, sub in module.named_modules() if isinstance(sub, (torch.nn.Linear, torch.nn.Conv2d))]
+    layers = [path for path, sub in module.named_modules() if isinstance(sub, kinds)]
+    kind_names = " or ".join(k.__name__ for k in kinds)
     for i, (pattern, matches) in enumerate(zip(patterns, found)):
         if not any(matches(path) for path in layers):
-            raise ConfigError(f"lora.layer_filter[{i}]: {pattern!r} selects no Linear or Conv2d layer of the "
+            raise ConfigError(f"{field}[{i}]: {pattern!r} selects no {kind_names} layer of the "
                               f"{type(module).__name__} (paths such as {layers[0] if layers else '-'!r}; "
-                              f"lora.layer_filter_regex is {str(regex).lower()})")
+                              f"{field}_regex is {str(regex).lower()})")
     return [path for path in layers if any(matches(path) for matches in found)]
 
 

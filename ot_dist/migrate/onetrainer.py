@@ -27,6 +27,7 @@ from ot_dist.migrate.onetrainer_loss import import_loss
 from ot_dist.migrate.onetrainer_optim import import_ema, import_optimizer, import_scheduler, scale_learning_rates
 from ot_dist.migrate.onetrainer_parts import import_parts
 from ot_dist.migrate.onetrainer_samples import import_samples
+from ot_dist.migrate.onetrainer_unmapped import import_unmapped
 from ot_dist.migrate.onetrainer_upgrade import upgrade
 from ot_dist.models.families.registry import get_family
 
@@ -148,6 +149,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     if model_type in DEPTH_MODEL_TYPES:
         _depth_model(c, out)
     scale_learning_rates(ot, c, out)
+    import_unmapped(ot, c, out)
     c["mlflow"] = {"run_name": destination.stem}
     out.notes.insert(0, f"imported from {path.name} (OneTrainer config version {version})")
     return out

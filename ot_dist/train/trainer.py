@@ -24,7 +24,7 @@ from ot_dist.data.video import check_clip_settings
 from ot_dist.data.training_data import open_training_data, report_lines, training_captions
 from ot_dist.memory.block_streaming import frozen_bytes, streamed_blocks
 from ot_dist.memory.heap import freeze_long_lived_objects
-from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role
+from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role, unquantized_modules
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
 from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
@@ -209,7 +209,9 @@ class Trainer:
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
             place_component(module, storage, self.config, self.device,
                             offloadable=not any(module is m for m in resident), prefer_cpu=cached_text,
-                            streamed=self._streamed_blocks() if module is denoiser else ())
+                            streamed=self._streamed_blocks() if module is denoiser else (),
+                            keep=unquantized_modules(denoiser, self.config.quantization) if module is denoiser
+                            else frozenset())
 
     def _streamed_blocks(self) -> list[torch.nn.Module]:
         """The denoiser's blocks whose frozen weights stay in CPU memory (`<denoiser>.offload_fraction`)."""
