@@ -19,13 +19,11 @@ import torch
 
 from ot_dist.memory.stored import (
     COMPUTE_DTYPE_ATTR,
+    LinearStorage,
     StoredWeightOp,
     call_dtype,
-    parameter_dtype_reads,
     quantize_loaded_weight,
-    report_compute_dtype,
-    rotates_its_weight,
-    stored_class,
+    store_linear_weights,
 )
 
 INT8_MAX = 127.0
@@ -88,33 +86,10 @@ class Int8LinearOp(torch.autograd.Function):
 
 def store_frozen_in_int8(component: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int] = frozenset()) -> int:
     """Store the weight of every frozen nn.Linear of `component` in int8 (W8A8), computing in `dtype` around the int8
-    products; every other frozen floating-point parameter is cast to `dtype`. Left in `dtype`: the modules
-    PARAMETER_DTYPE_READS names and Linear layers holding a trainable parameter themselves (OFT layers are refused
-    in the config). The component reports `dtype` as its `.dtype`. Returns the weights stored (elements)."""
-    count = 0
-    kept = parameter_dtype_reads(component) | keep  # `keep`: modules left out by quantization.layer_filter
-    for module in list(component.modules()):
-        if _storable(module, kept):
-            count += module.weight.numel()
-            _store(module, module.weight.data)
-            setattr(module, COMPUTE_DTYPE_ATTR, dtype)
-            module.__class__ = stored_class(type(module), "Int8", {"weight": property(_dequantized)},
-                                            {torch.nn.Linear: _linear_forward})
-            module.register_state_dict_post_hook(_dequantized_state)
-            module.register_load_state_dict_pre_hook(_quantize_loaded)
-        for param in module.parameters(recurse=False):  # the int8 weight is not floating-point: not cast
-            if param.is_floating_point() and not param.requires_grad:
-                param.data = param.data.to(dtype)
-    report_compute_dtype(component, dtype)
-    return count
-
-
-def _storable(module: torch.nn.Module, kept: set[int]) -> bool:
-    weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
-    if (weight is None or not weight.is_floating_point() or weight.requires_grad or id(module) in kept
-            or getattr(module, COMPUTE_DTYPE_ATTR, None) is not None or rotates_its_weight(type(module))):
-        return False
-    return not any(p.requires_grad for p in module.parameters(recurse=False))
+    products; every other frozen floating-point parameter is cast to `dtype` (stored.store_linear_weights). An OFT
+    layer's frozen weight stays in `dtype` (its forward rotates the weight, no int8 product). Returns the weights
+    stored (elements)."""
+    return store_linear_weights(component, dtype, keep, INT8)
 
 
 def _store(module: torch.nn.Module, weight: torch.Tensor) -> None:
@@ -158,3 +133,7 @@ def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
         return bias.to(dtype) if bias is not None else None
 
     return StoredWeightOp.apply(x, weight_of, bias_of, "linear", (), weight, _scale(self))
+
+
+INT8 = LinearStorage(prefix="Int8", store=_store, dequantized=_dequantized, forward=_linear_forward,
+                     state_hook=_dequantized_state, load_hook=_quantize_loaded, oft=False)

@@ -22,12 +22,10 @@ import torch
 
 from ot_dist.memory.stored import (
     COMPUTE_DTYPE_ATTR,
+    LinearStorage,
     StoredWeightOp,
-    parameter_dtype_reads,
     quantize_loaded_weight,
-    report_compute_dtype,
-    rotates_its_weight,
-    stored_class,
+    store_linear_weights,
 )
 
 BLOCKSIZE = 64  # OneTrainer's LinearNf4.block_size; bitsandbytes quantizes the absmaxes in blocks of 256
@@ -66,36 +64,10 @@ def dequantize(packed: torch.Tensor, shape: torch.Size, dtype: torch.dtype, *sta
 
 def store_frozen_in_nf4(component: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int] = frozenset()) -> int:
     """Store the weight of every frozen nn.Linear of `component` in NF4, read in `dtype`; every other frozen
-    floating-point parameter is cast to `dtype`. Left in `dtype`: the modules PARAMETER_DTYPE_READS names, and
-    Linear layers holding a trainable parameter themselves but for OFT layers (`lora.variant: oft`), whose frozen
-    weight is stored too and read, dequantized, by the layer's own forward that rotates it. The component then
-    reports `dtype` as its `.dtype` (report_compute_dtype). Returns the weights stored (elements)."""
-    count = 0
-    kept = parameter_dtype_reads(component) | keep  # `keep`: modules left out by quantization.layer_filter
-    for module in list(component.modules()):
-        if _storable(module, kept):
-            count += module.weight.numel()
-            _store(module, module.weight.data)  # from the weight as loaded, before the cast below
-            setattr(module, COMPUTE_DTYPE_ATTR, dtype)
-            module.__class__ = stored_class(type(module), "Nf4", {"weight": property(_dequantized)},
-                                            {torch.nn.Linear: _linear_forward})
-            module.register_state_dict_post_hook(_dequantized_state)
-            module.register_load_state_dict_pre_hook(_quantize_loaded)
-        for param in module.parameters(recurse=False):  # the packed weight is uint8: not cast
-            if param.is_floating_point() and not param.requires_grad:
-                param.data = param.data.to(dtype)
-    report_compute_dtype(component, dtype)
-    return count
-
-
-def _storable(module: torch.nn.Module, kept: set[int]) -> bool:
-    """A Linear layer with a frozen floating-point weight, not yet stored, outside the PARAMETER_DTYPE_READS modules,
-    trained parameters of its own only if it is an OFT layer (which trains blocks beside its frozen weight)."""
-    weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
-    if (weight is None or not weight.is_floating_point() or weight.requires_grad or id(module) in kept
-            or getattr(module, COMPUTE_DTYPE_ATTR, None) is not None):
-        return False
-    return rotates_its_weight(type(module)) or not any(p.requires_grad for p in module.parameters(recurse=False))
+    floating-point parameter is cast to `dtype` (stored.store_linear_weights). OFT layers (`lora.variant: oft`) have
+    their frozen weight stored too, read dequantized by the layer's own forward that rotates it. Returns the weights
+    stored (elements)."""
+    return store_linear_weights(component, dtype, keep, NF4)
 
 
 def _store(module: torch.nn.Module, weight: torch.Tensor) -> None:
@@ -140,3 +112,7 @@ def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
         return bias.to(dtype) if bias is not None else None
 
     return StoredWeightOp.apply(x, weight_of, bias_of, "linear", (), self._parameters["weight"], *_statistics(self))
+
+
+NF4 = LinearStorage(prefix="Nf4", store=_store, dequantized=_dequantized, forward=_linear_forward,
+                    state_hook=_dequantized_state, load_hook=_quantize_loaded, oft=True)

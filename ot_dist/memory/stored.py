@@ -1,10 +1,14 @@
-"""What the storage options for frozen weights share (`weight_dtype: float8`, memory/float8.py, and `nf4`,
-memory/nf4.py): a stored weight is held in a storage format and read in the compute dtype. A module holding one gets
-a subclass of its own class (isinstance keeps working) whose parameter reads return the compute-dtype value, the
-component reports the compute dtype as its `.dtype`, and Linear / Conv2d layers keep only the stored weight for
-backward (StoredWeightOp)."""
+"""What the storage options for frozen weights share (`weight_dtype: float8`, memory/float8.py, `nf4`,
+memory/nf4.py, and `int8`, memory/int8.py): a stored weight is held in a storage format and read in the compute dtype.
+A module holding one gets a subclass of its own class (isinstance keeps working) whose parameter reads return the
+compute-dtype value, the component reports the compute dtype as its `.dtype`, and Linear / Conv2d layers keep only the
+stored weight for backward (StoredWeightOp). nf4 and int8 store Linear weights only, by one loop
+(store_linear_weights) given a LinearStorage."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -162,3 +166,56 @@ def quantize_loaded_weight(quantize):
             module._buffers[name] = tensor.to(device)
 
     return hook
+
+
+@dataclass(frozen=True)
+class LinearStorage:
+    """How a format that stores Linear weights only (nf4, int8) holds one: `store(module, weight)` puts the stored
+    weight (and its statistics, as buffers) into the layer; a stored layer reads `.weight` through `dequantized`,
+    runs `forward`, gives its dequantized weight to state dicts (`state_hook`) and stores a loaded one (`load_hook`).
+    `oft`: an OFT layer's frozen weight is stored too (its own forward rotates the dequantized weight)."""
+
+    prefix: str  # of the stored layer's class name
+    store: Callable[[torch.nn.Module, torch.Tensor], None]
+    dequantized: Callable[[torch.nn.Module], torch.Tensor]
+    forward: Callable
+    state_hook: Callable
+    load_hook: Callable
+    oft: bool
+
+
+def store_linear_weights(component: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int],
+                         storage: LinearStorage) -> int:
+    """Store the weight of every frozen nn.Linear of `component` as `storage` says, read in `dtype`; every other
+    frozen floating-point parameter is cast to `dtype`. Left in `dtype`: the modules PARAMETER_DTYPE_READS names,
+    those in `keep` (ids: quantization.layer_filter's leftovers) and Linear layers holding a trainable parameter
+    themselves, but for OFT layers where `storage.oft`. The component then reports `dtype` as its `.dtype`
+    (report_compute_dtype). Returns the weights stored (elements)."""
+    count = 0
+    kept = parameter_dtype_reads(component) | keep
+    for module in list(component.modules()):
+        if _linear_storable(module, kept, storage.oft):
+            count += module.weight.numel()
+            storage.store(module, module.weight.data)  # from the weight as loaded, before the cast below
+            setattr(module, COMPUTE_DTYPE_ATTR, dtype)
+            module.__class__ = stored_class(type(module), storage.prefix, {"weight": property(storage.dequantized)},
+                                            {torch.nn.Linear: storage.forward})
+            module.register_state_dict_post_hook(storage.state_hook)
+            module.register_load_state_dict_pre_hook(storage.load_hook)
+        for param in module.parameters(recurse=False):  # a stored weight is an integer tensor: not cast
+            if param.is_floating_point() and not param.requires_grad:
+                param.data = param.data.to(dtype)
+    report_compute_dtype(component, dtype)
+    return count
+
+
+def _linear_storable(module: torch.nn.Module, kept: set[int], oft: bool) -> bool:
+    """A Linear layer with a frozen floating-point weight, not yet stored, outside the `kept` modules, trained
+    parameters of its own only if it is an OFT layer (which trains blocks beside its frozen weight) and `oft`."""
+    weight = module._parameters.get("weight") if isinstance(module, torch.nn.Linear) else None
+    if (weight is None or not weight.is_floating_point() or weight.requires_grad or id(module) in kept
+            or getattr(module, COMPUTE_DTYPE_ATTR, None) is not None):
+        return False
+    if rotates_its_weight(type(module)):
+        return oft
+    return not any(p.requires_grad for p in module.parameters(recurse=False))
