@@ -107,23 +107,15 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     """The trainer's `_place_modules` for modules already on their device: trained parameters in
     trained_weight_dtype, frozen ones in weight_dtype (quantized where it says so), train mode where something trains,
     checkpointing, the denoiser's streamed blocks."""
-    from ot_dist.memory.block_streaming import frozen_entries, stream_blocks, streamed_blocks
-    from ot_dist.memory.placement import frozen_storage_dtype, quantize_frozen, store_by_role, unquantized_modules
-    from ot_dist.parallel.fsdp import family_units
-    from ot_dist.precision import DTYPES
+    from ot_dist.memory.block_streaming import denoiser_streamed_blocks, frozen_entries, stream_blocks
+    from ot_dist.memory.placement import store_component
     from ot_dist.train.checkpointing import enable_gradient_checkpointing
 
-    trained_dtype, compute = DTYPES[config.trained_weight_dtype], DTYPES[config.train_dtype]
     for name, module in model.named_components():
-        storage = config.component_storage(name)
-        store_by_role(module, trained_dtype, frozen_storage_dtype(storage))  # as the trainer
-        quantize_frozen(module, storage, compute,
-                        unquantized_modules(module, config.quantization) if module is model.denoiser else frozenset())
+        store_component(module, name, config, denoiser=module is model.denoiser)  # as the trainer
         if config.gradient_checkpointing and module is model.denoiser and not config.performance.selective_checkpointing:
             enable_gradient_checkpointing(module)
-    denoiser_name = model.family.denoiser
-    fraction = getattr(config, denoiser_name).offload_fraction
-    streamed = streamed_blocks(family_units(model.family, denoiser_name, model.denoiser), fraction)
+    streamed = denoiser_streamed_blocks(model, config)
     if streamed:  # built on the device: the streamed blocks' frozen weights go home to CPU memory first
         device = next(model.denoiser.parameters()).device
         for table, key in (e for block in streamed for e in frozen_entries(block)):

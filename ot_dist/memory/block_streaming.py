@@ -55,6 +55,15 @@ def streamed_blocks(blocks: list[torch.nn.Module], fraction: float) -> list[torc
     return []
 
 
+def denoiser_streamed_blocks(model, config) -> list[torch.nn.Module]:
+    """The denoiser's blocks that stream under `<denoiser>.offload_fraction`, from its family's units and their
+    frozen bytes as stored (call after store_component)."""
+    from ot_dist.parallel.fsdp import family_units
+
+    name = model.family.denoiser
+    return streamed_blocks(family_units(model.family, name, model.denoiser), getattr(config, name).offload_fraction)
+
+
 @contextlib.contextmanager
 def kept_home(blocks: list[torch.nn.Module]):
     """The blocks' frozen parameters out of their modules while the component moves to the device (`Module.to`

@@ -33,6 +33,17 @@ def quantize_frozen(component: torch.nn.Module, storage: str, compute_dtype: tor
         cast_frozen_buffers(component, compute_dtype)  # they meet the dequantized weights' compute dtype
 
 
+def store_component(module: torch.nn.Module, name: str, config, denoiser: bool) -> bool:
+    """A component (`name` as config.component_storage reads it) stored: its parameters by role (store_by_role), then
+    its frozen weights quantized where its storage says (quantize_frozen; the denoiser's layers as
+    quantization.layer_filter chooses). Returns whether a parameter of it trains."""
+    storage = config.component_storage(name)
+    trains = store_by_role(module, DTYPES[config.trained_weight_dtype], frozen_storage_dtype(storage))
+    keep = unquantized_modules(module, config.quantization) if denoiser else frozenset()
+    quantize_frozen(module, storage, DTYPES[config.train_dtype], keep)
+    return trains
+
+
 def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dtype: torch.dtype) -> bool:
     """The module's own and nested parameters cast by role (trained: `trained_dtype`, e.g. float32 masters; frozen:
     `frozen_dtype`), the module in train mode if any of them trains. Returns whether one does. A text encoder whose
@@ -89,15 +100,11 @@ def cast_frozen_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
                 setattr(sub, name, buffer.to(dtype))
 
 
-def place_component(component: torch.nn.Module, storage: str, config, device: torch.device, offloadable: bool,
-                    prefer_cpu: bool = False, streamed: list[torch.nn.Module] = (),
-                    keep: frozenset[int] = frozenset()) -> None:
-    """`storage` (the component's weight_dtype) float8 stores its frozen parameters in one byte, nf4 its frozen
-    Linear weights in about half a byte (a LoRA's base weights too); `offload_frozen_components` (or `prefer_cpu`: a
-    text encoder whose outputs are cached) keeps an entirely frozen `offloadable` component (text encoder, VAE) in CPU
-    memory, else the component moves to `device`, but the frozen weights of its `streamed` blocks
-    (memory/block_streaming.py), which stay in CPU memory."""
-    quantize_frozen(component, storage, DTYPES[config.train_dtype], keep)
+def place_component(component: torch.nn.Module, config, device: torch.device, offloadable: bool,
+                    prefer_cpu: bool = False, streamed: list[torch.nn.Module] = ()) -> None:
+    """`offload_frozen_components` (or `prefer_cpu`: a text encoder whose outputs are cached) keeps an entirely frozen
+    `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`, but the frozen
+    weights of its `streamed` blocks (memory/block_streaming.py), which stay in CPU memory. After store_component."""
     frozen = not any(p.requires_grad for p in component.parameters())
     if (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
         offload_to_cpu(component, device)

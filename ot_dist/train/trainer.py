@@ -22,9 +22,9 @@ from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.concepts import check_clip_batches, check_video_clips
 from ot_dist.data.video import check_clip_settings
 from ot_dist.data.training_data import open_training_data, report_lines, training_captions
-from ot_dist.memory.block_streaming import frozen_bytes, streamed_blocks
+from ot_dist.memory.block_streaming import denoiser_streamed_blocks, frozen_bytes
 from ot_dist.memory.heap import freeze_long_lived_objects
-from ot_dist.memory.placement import frozen_storage_dtype, place_component, store_by_role, unquantized_modules
+from ot_dist.memory.placement import place_component, store_component
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
 from ot_dist.methods.base import ParamGroup, TrainingMethod
 from ot_dist.methods.registry import build_method
@@ -38,7 +38,7 @@ from ot_dist.optim.schedule_free import averaged_weights
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
-from ot_dist.precision import DTYPES, set_tf32
+from ot_dist.precision import set_tf32
 from ot_dist.train.cuda_allocator import configure_cuda_allocator
 from ot_dist.train.checkpointing import enable_gradient_checkpointing
 from ot_dist.train.ema import ShardedEMA
@@ -190,16 +190,14 @@ class Trainer:
         freeze_long_lived_objects()  # the libraries and the model are in memory: collections skip them from now on
 
     def _place_modules(self) -> None:
-        """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default),
-        everything frozen in weight_dtype; then the low-memory options place each component."""
-        trained_dtype = DTYPES[self.config.trained_weight_dtype]
+        """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default), each
+        component's frozen ones in its storage (store_component); then the low-memory options place each component."""
         denoiser, performance = self.model.denoiser, self.config.performance
         # Stable Cascade's decoder stages stay on the device: their pipeline creates its noise where they are.
         family = self.model.family
         resident = [denoiser, *([] if family.sampling_modules_offloadable else self.model.sampling_modules())]
         for name, module in self.model.named_components():
-            storage = self.config.component_storage(name)
-            trains = store_by_role(module, trained_dtype, frozen_storage_dtype(storage))
+            trains = store_component(module, name, self.config, denoiser=module is denoiser)
             # The denoiser backpropagates whenever anything trains (text encoders learn through it).
             if self.config.gradient_checkpointing and (trains or module is denoiser):
                 if not (module is denoiser and performance.selective_checkpointing):  # that one: _apply_performance
@@ -207,23 +205,18 @@ class Trainer:
             # With cached text a frozen text encoder runs once, over the captions (and for samples): it stays in
             # CPU memory and is streamed to the device for those passes, so a T5-XXL never occupies it.
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
-            place_component(module, storage, self.config, self.device,
-                            offloadable=not any(module is m for m in resident), prefer_cpu=cached_text,
-                            streamed=self._streamed_blocks() if module is denoiser else (),
-                            keep=unquantized_modules(denoiser, self.config.quantization) if module is denoiser
-                            else frozenset())
+            place_component(module, self.config, self.device, offloadable=not any(module is m for m in resident),
+                            prefer_cpu=cached_text, streamed=self._streamed_blocks() if module is denoiser else ())
 
     def _streamed_blocks(self) -> list[torch.nn.Module]:
         """The denoiser's blocks whose frozen weights stay in CPU memory (`<denoiser>.offload_fraction`)."""
-        from ot_dist.parallel.fsdp import family_units
-
-        name = self.model.family.denoiser
-        fraction = getattr(self.config, name).offload_fraction
-        blocks = streamed_blocks(family_units(self.model.family, name, self.model.denoiser), fraction)
+        blocks = denoiser_streamed_blocks(self.model, self.config)
         if blocks:
+            name = self.model.family.denoiser
             streamed_bytes = sum(frozen_bytes(b) for b in blocks)
-            self.log(f"{name}.offload_fraction {fraction}: {len(blocks)} blocks' frozen weights "
-                     f"({streamed_bytes / 2**30:.2f} GiB) stay in CPU memory, each copied in for its forward")
+            self.log(f"{name}.offload_fraction {getattr(self.config, name).offload_fraction}: {len(blocks)} blocks' "
+                     f"frozen weights ({streamed_bytes / 2**30:.2f} GiB) stay in CPU memory, each copied in for its "
+                     "forward")
         return blocks
 
     def _apply_performance(self) -> None:
