@@ -189,3 +189,7 @@ def test_quantization_layer_filter_stores_only_the_chosen_layers(family_models, 
                 log=lambda *_: None)
     with pytest.raises(ConfigError, match="quantization.layer_filter: chooses the transformer's layers a quantized"):
         config(**{"quantization.layer_filter": ["blocks"]})
+    with pytest.raises(ConfigError, match=r"quantization.layer_filter\[0\]: '\(a' is not a regular expression"):
+        config(weight_dtype="int8", **{"quantization.layer_filter": ["(a"], "quantization.layer_filter_regex": True})
+    with pytest.raises(ConfigError, match="quantization.layer_filter_regex: reads quantization.layer_filter's"):
+        config(weight_dtype="int8", **{"quantization.layer_filter_regex": True})

@@ -810,6 +810,23 @@ class DeepSpeedConfig(Section):
     )
 
 
+def checked_layer_filter(section, field: str) -> bool:
+    """A section's OneTrainer-style layer filter (`field`.layer_filter and layer_filter_regex: lora, quantization):
+    the regex switch only with patterns, each pattern a regular expression where it says so. Returns whether
+    patterns are set."""
+    if section.layer_filter is None:
+        if section.layer_filter_regex:
+            raise ValueError(f"{field}.layer_filter_regex: reads {field}.layer_filter's patterns, which is not set")
+        return False
+    for i, pattern in enumerate(section.layer_filter if section.layer_filter_regex else ()):
+        try:
+            re.compile(pattern)
+        except re.error as err:
+            raise ValueError(f"{field}.layer_filter[{i}]: {pattern!r} is not a regular expression "
+                             f"({field}.layer_filter_regex is true): {err}") from None
+    return True
+
+
 class QuantizationConfig(Section):
     """Which layers of the denoiser a quantized storage (weight_dtype float8, nf4, int8) stores so (OneTrainer's
     `quantization` section)."""
@@ -1066,22 +1083,12 @@ class TrainConfig(Section):
         return value
 
     def _check_quantization(self, denoiser: str) -> None:
-        quantization = self.quantization
-        if quantization.layer_filter is None:
-            if quantization.layer_filter_regex:
-                raise ValueError("quantization.layer_filter_regex: reads quantization.layer_filter's patterns, which is "
-                                 "not set")
+        if not checked_layer_filter(self.quantization, "quantization"):
             return
         storage = self.component_storage(denoiser)
         if storage not in QUANTIZED_STORAGE:
             raise ValueError(f"quantization.layer_filter: chooses the {denoiser}'s layers a quantized storage "
                              f"({', '.join(QUANTIZED_STORAGE)}) takes; the {denoiser} is stored as {storage}")
-        for i, pattern in enumerate(quantization.layer_filter if quantization.layer_filter_regex else ()):
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ValueError(f"quantization.layer_filter[{i}]: {pattern!r} is not a regular expression ({err})") \
-                    from None
 
     def _check_block_offload(self, denoiser: str) -> None:
         """offload_fraction streams the denoiser's frozen block weights: refused where that cannot work or save."""
@@ -1124,21 +1131,13 @@ class TrainConfig(Section):
 
     def _check_layer_filter(self, denoiser_targets: str) -> None:
         lora = self.lora
-        if lora.layer_filter is None:
-            if lora.layer_filter_regex:
-                raise ValueError("lora.layer_filter_regex: reads lora.layer_filter's patterns, which is not set")
+        if not checked_layer_filter(lora, "lora"):
             return
         if getattr(lora, denoiser_targets) is not None:
             raise ValueError(f"lora.layer_filter: chooses the {denoiser_targets[:-len('_targets')]} modules, and so "
                              f"does lora.{denoiser_targets}; set one of them")
         if "preset" in lora.model_fields_set and lora.preset != "default":
             raise ValueError(f"lora.layer_filter: replaces lora.preset ({lora.preset!r}); set one of them")
-        for i, pattern in enumerate(lora.layer_filter if lora.layer_filter_regex else ()):
-            try:
-                re.compile(pattern)
-            except re.error as err:
-                raise ValueError(f"lora.layer_filter[{i}]: {pattern!r} is not a regular expression "
-                                 f"(lora.layer_filter_regex is true): {err}") from None
 
     def _check_sample_prompts(self, family) -> None:
         """Each sample prompt's sides on the family's pixel grid (else its pipeline refuses, fails or resizes them,
