@@ -30,7 +30,6 @@ STORAGE_NAMES = {value: key for key, value in STORAGE.items() if key != "TFLOAT_
 # OneTrainer's other formats of the same size: float8 weights with float8 matmuls keep one byte per weight
 NEAREST_STORAGE = {"FLOAT_W8A8": ("float8", "float8 weights computing in float8 matmuls")}
 LATENT_ENCODERS = ("vae", "effnet_encoder")  # ot_dist's vae_weight_dtype
-SAMPLING_OFFLOADABLE = ("unconditional_transformer",)  # Ideogram 4's (Family.sampling_modules_offloadable)
 
 
 def part_settings(ot: dict, part: str) -> dict:
@@ -69,7 +68,7 @@ def import_parts(ot: dict, c: dict, family: str, method: str, out) -> None:
     if settings[fam.denoiser]["attention_mask"] and family in MASK_SWITCH_FAMILIES:
         skip(f"{fam.denoiser}.attention_mask: true (masking the padded text tokens) is not supported for {family}")
     _storage_dtypes(settings, trains, c, skip, parts)
-    _checkpointing(settings, active, trains, fam.denoiser, c, out)
+    _checkpointing(settings, active, trains, fam, c, out)
 
 
 def _denoiser_file(name: str, fam, c: dict, out) -> bool:
@@ -155,12 +154,12 @@ def _storage_dtypes(settings: dict, trains: dict, c: dict, skip, parts: tuple[st
         skip(f"{part}.weight_dtype: {value} (a trained part): {why}; float32 master weights instead")
 
 
-def _checkpointing(settings: dict, active: dict, trains: dict, denoiser: str, c: dict, out) -> None:
+def _checkpointing(settings: dict, active: dict, trains: dict, fam, c: dict, out) -> None:
     """One switch in ot_dist: the denoiser's (it backpropagates whenever anything trains); trained parts that
     differ are listed. OneTrainer's layer offloading: the frozen denoiser's as `<denoiser>.offload_fraction` (with
     gradient checkpointing, which it needs), a frozen text encoder's as offload_frozen_components; activation
     offloading and a trained part's layer offloading are listed."""
-    skip = out.not_honoured.append
+    skip, denoiser = out.not_honoured.append, fam.denoiser
     c["gradient_checkpointing"] = bool(settings[denoiser]["gradient_checkpointing"])
     for part, on in active.items():
         if on and part != denoiser and bool(settings[part]["gradient_checkpointing"]) != c["gradient_checkpointing"]:
@@ -183,13 +182,13 @@ def _checkpointing(settings: dict, active: dict, trains: dict, denoiser: str, c:
                              "text encoder and the VAE in CPU memory, moved to the device block by block)")
         elif fraction:
             skip(f"{part}.offload_fraction: {fraction}: a text encoder that trains stays on the device")
-    for part in sorted(settings.keys() - active.keys()):  # frozen components besides the parts
+    for part in sorted(settings.keys() - active.keys() - set(LATENT_ENCODERS)):  # the modules only samples run
         fraction = settings[part]["offload_fraction"]
-        if fraction and part in SAMPLING_OFFLOADABLE:
+        if fraction and fam.sampling_modules_offloadable:
             c["offload_frozen_components"] = True
             out.notes.append(f"{part}.offload_fraction: {fraction} -> offload_frozen_components: true (it waits in "
                              "CPU memory with the frozen text encoders and the VAE, moved in block by block)")
-        elif fraction and part not in LATENT_ENCODERS:
+        elif fraction:
             skip(f"{part}.offload_fraction: {fraction}: ot_dist keeps the modules only samples run on the device")
     offloaded = [p for p in active if settings[p]["activation_offloading"]]
     if offloaded:
