@@ -1393,7 +1393,7 @@ def test_settings_no_other_section_reads_are_listed_where_they_change_training(t
     assert any(line.startswith("sample_image_format: PNG") for line in skipped)
     assert not any(line.startswith("tensorboard") for line in skipped)
     config, skipped = import_only(tmp_path, {**base, "unet": {"weight_dtype": "FLOAT_8"},
-                                             "quantization": {"layer_filter": "attentions,^up_", "layer_filter_regex": True,
+                                             "quantization": {"layer_filter": "attentions, ^up_", "layer_filter_regex": True,
                                                               "svd_dtype": "BFLOAT_16"}})
     assert (config.quantization.layer_filter, config.quantization.layer_filter_regex) == (["attentions", "^up_"], True)
     assert any(line.startswith("quantization.svd_dtype: BFLOAT_16") for line in skipped)

@@ -55,13 +55,17 @@ FLUX_ATTN_MLP = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
                  "ff.net.0.proj", "ff.net.2", "proj_mlp")
 
 
+def filter_patterns(text: str | None) -> list[str]:
+    """A OneTrainer layer filter's comma-separated patterns, each stripped as its ModuleFilter strips it (none for an
+    empty filter)."""
+    text = (text or "").strip()
+    return [p.strip() for p in text.split(",")] if text else []
+
+
 def import_layer_filter(ot: dict, lora: dict, family: str, denoiser: str, out) -> None:
     presets = ONETRAINER_PRESETS.get(family, {})
-    text = (ot.get("layer_filter") or "").strip()
-    if text:
-        patterns = tuple(p.strip() for p in text.split(","))
-    else:
-        patterns = presets.get(ot.get("layer_filter_preset") or "full", ())
+    patterns = tuple(filter_patterns(ot.get("layer_filter"))) or presets.get(ot.get("layer_filter_preset") or "full",
+                                                                           ())
     named = next((name for name, value in presets.items() if value == patterns), None)
     if not any(patterns):
         lora["preset"] = "all_layers"  # every Linear and Conv2d, as OneTrainer's empty filter selects

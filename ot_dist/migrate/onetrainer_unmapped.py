@@ -47,14 +47,15 @@ def _quantization(section: dict, c: dict, out) -> None:
     """OneTrainer's quantization filter (applied to the denoiser only, as its model loaders pass it) as
     quantization.layer_filter, where the denoiser is stored quantized; SVDQuant is listed."""
     from ot_dist.config.schema import QUANTIZED_STORAGE
+    from ot_dist.migrate.onetrainer_layers import filter_patterns
     from ot_dist.models.families.registry import get_family
 
     section = {**QUANTIZATION_DEFAULTS, **section}
     if section["svd_dtype"] not in (None, "NONE"):
         out.not_honoured.append(f"quantization.svd_dtype: {section['svd_dtype']} (SVDQuant, rank {section['svd_rank']}: "
                                 "a low-rank float correction beside the quantized weight) is not supported")
-    patterns = [p for p in str(section["layer_filter"] or "").split(",")]
-    if patterns == [""]:
+    patterns = filter_patterns(section["layer_filter"])
+    if not any(patterns):
         return  # every layer, ot_dist's default
     denoiser = get_family(c["model"]["family"]).denoiser
     storage = c.get(denoiser, {}).get("weight_dtype") or c.get("weight_dtype", "float32")
