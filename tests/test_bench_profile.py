@@ -92,3 +92,23 @@ def test_a_negative_profile_is_refused(tmp_path, capsys):
     code = main(["bench", "--model", "tiny-sd15", "--device", "cpu", "--out", str(tmp_path), "--profile", "-1"])
     assert code == 2
     assert "--profile: must be at least 0" in capsys.readouterr().err
+
+
+def averaged(key, shapes, count, own_device_us, own_cpu_us):
+    return SimpleNamespace(key=key, input_shapes=shapes, count=count, self_device_time_total=own_device_us,
+                           self_cpu_time_total=own_cpu_us)
+
+
+def test_on_a_gpu_the_copies_by_shape_rank_by_their_device_time():
+    """On a GPU the grouped copy ops carry device time while no kernel row is among them: the table that torch's
+    EventList would print divides by the kernels' total (zero) and fails; this one ranks by device time per step."""
+    by_shape = [averaged("aten::mm", [[8, 8], [8, 8]], 4, 9000.0, 40.0),
+                averaged("aten::copy_", [[4096, 3072], [4096, 3072], []], 6, 3000.0, 60.0),
+                averaged("aten::_to_copy", [[320, 320]], 200, 5000.0, 900.0)]
+    events = [cpu_op("aten::copy_", 3000.0), kernel("copy_kernel", 3000.0)]
+    profile = summarize(events, steps=2, wall_s=0.010, cuda=True, averages=SimpleNamespace(table=lambda **_: ""),
+                        by_shape=by_shape)
+    rows = [line for line in profile.top_copies.splitlines() if line.startswith("| aten::")]
+    assert rows == ["| aten::_to_copy | [[320, 320]] | 100 | 2.500 |",
+                    "| aten::copy_ | [[4096, 3072], [4096, 3072], []] | 3 | 1.500 |"]  # no matmul: copies only
+    assert "own device ms per step" in profile.text("a run")

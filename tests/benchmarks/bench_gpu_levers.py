@@ -75,6 +75,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--only", default="", help="comma-separated labels, run in this order (default: the plan)")
+    parser.add_argument("--no-profile", action="store_true", help="no profiled steps (where the profiler fails)")
     parser.add_argument("--tiny", action="store_true", help="the tiny models at 64 px, batch 2 (a CPU smoke run)")
     args = parser.parse_args()
     start = time.monotonic()
@@ -104,6 +105,8 @@ def main() -> int:
         if estimate > left:
             skipped.append(f"{label} (needs ~{estimate} s, {left:.0f} s left)")
             continue
+        if args.no_profile:
+            settings = {key: value for key, value in settings.items() if key != "profile_steps"}
         if args.tiny:
             settings = settings | {"model": f"tiny-{settings['model']}", "batch_size": 2}
         options = BenchOptions(resolution=64 if args.tiny else 1024, dtype="bf16", steps=args.steps,
