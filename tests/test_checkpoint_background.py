@@ -10,6 +10,7 @@ import errno
 import json
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -163,6 +164,24 @@ def test_the_commit_protocol_on_two_ranks(tmp_path):
             "InputFileError: checkpoint of step 1 could not be written on rank 0 ")
     assert "No space left on device" in results[1]["rank1_fails"]["error"]  # the failing rank says why
     assert "that rank's log says why" in results[0]["rank1_fails"]["error"]
+
+
+@pytest.mark.parametrize("public, private, called", [
+    (True, True, "public"), (False, True, "private"), (False, False, None)])
+def test_pinned_copies_are_released_with_the_torch_at_hand(monkeypatch, public, private, called):
+    """torch 2.13 releases cached pinned memory through torch.accelerator.empty_host_cache; older releases (2.11 on
+    the lent GPU machines) have only torch._C._host_emptyCache, and a background checkpoint must not fail there."""
+    from ot_dist.checkpoint import staging
+
+    calls = []
+    accelerator, c = SimpleNamespace(), SimpleNamespace()
+    if public:
+        accelerator.empty_host_cache = lambda: calls.append("public")
+    if private:
+        c._host_emptyCache = lambda: calls.append("private")
+    monkeypatch.setattr(staging, "torch", SimpleNamespace(accelerator=accelerator, _C=c))
+    staging.CopiesDone(event=object()).release()
+    assert calls == ([called] if called else [])
 
 
 @pytest.mark.gpu

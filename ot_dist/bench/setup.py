@@ -164,10 +164,13 @@ class BenchRun:
     optimizer: torch.optim.Optimizer | None
     params: list[torch.nn.Parameter]
     batch: dict
+    steps_taken: int = 0
 
     def loss(self) -> torch.Tensor:
+        # The same cached latents each step but new noise and timesteps (drawn per sample and "epoch"), as training
+        # draws them: a step that reused the last step's inputs (a stale CUDA-graph replay) shows in its gradients.
         with self.strategy.autocast():
-            return diffusion_loss(self.model, self.batch, self.config.seed, 0, self.config.loss,
+            return diffusion_loss(self.model, self.batch, self.config.seed, self.steps_taken, self.config.loss,
                                   self.config.masked_training)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -184,6 +187,7 @@ class BenchRun:
             loss = self.loss()
             self.backward(loss)
         self.strategy.step(self.optimizer, self.params)
+        self.steps_taken += 1
         return loss.detach()
 
 

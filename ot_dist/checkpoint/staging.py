@@ -58,4 +58,15 @@ class CopiesDone:
         would otherwise keep it pinned for the rest of the run (one copy of the rank's state: tens of GB for a full
         finetune on one GPU), where a blocking write's pageable copies are freed after each save."""
         if self.event is not None:
-            torch.accelerator.empty_host_cache()
+            empty_pinned_cache()
+
+
+def empty_pinned_cache() -> bool:
+    """Give torch's cached pinned host memory back to the system; False where this torch has no way to. The public
+    name (`torch.accelerator.empty_host_cache`, torch 2.13) is recent: older releases (the lent GPU machines run
+    2.11) have only the private `torch._C._host_emptyCache` that it replaced."""
+    release = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is None:
+        return False
+    release()
+    return True
