@@ -31,7 +31,10 @@ PY
 
 failed=0
 echo "== pytest -m gpu"
-"$py" -m pytest -q -m gpu --continue-on-collection-errors tests 2>&1 | tee "$out/pytest_gpu.txt"
+# -v: each test's name and outcome as it ends (a lease cut short still says which failed); -rfE: each failure's
+# reason in the short summary; the JUnit file for tools
+"$py" -m pytest -v -rfE -m gpu --continue-on-collection-errors --junitxml "$out/pytest_gpu.xml" tests 2>&1 \
+    | tee "$out/pytest_gpu.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 
 bench() {  # one row of the table; a failure (e.g. out of memory) is recorded and the next row still runs
