@@ -34,11 +34,27 @@ SCALE_BUFFER = "int8_scale"
 
 def quantize(tensor: torch.Tensor, dim: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values, float32 scale) with tensor ~= values x scale: one scale for the tensor, or per slice along
-    `dim` (keepdim), as quantize_int8_tensorwise / quantize_int8_axiswise compute them."""
-    magnitude = tensor.detach().abs()
-    amax = magnitude.max() if dim is None else magnitude.amax(dim=dim, keepdim=True)
+    `dim` (keepdim), as quantize_int8_tensorwise / quantize_int8_axiswise compute them, bit for bit, in fewer passes
+    over an activation: max |x| as max(-min x, max x) in one read (no |x| written), and the bfloat16 input
+    multiplied by the float32 reciprocal scale straight into float32 (no float32 copy of the input first)."""
+    tensor = tensor.detach()
+    if dim is None:
+        amax = tensor.abs().max()
+    else:
+        low, high = torch.aminmax(tensor, dim=dim, keepdim=True)
+        amax = torch.maximum(low.neg(), high)
     scale = (amax.float() / INT8_MAX).clamp(min=MIN_SCALE)
-    return tensor.detach().float().mul(1.0 / scale).round_().clamp_(-128.0, 127.0).to(torch.int8), scale
+    scaled = torch.mul(tensor, 1.0 / scale)  # float32: bfloat16 to float32 is exact, so the product is unchanged
+    return scaled.round_().clamp_(-128.0, 127.0).to(torch.int8), scale
+
+
+def rescaled(products: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """products.float() * scale rounded to `dtype` in one pass: the float32 product is computed as
+    `.float().mul_(scale).to(dtype)` computes it, and rounded once as it is written."""
+    if torch.compiler.is_compiling():  # inductor fuses the plain form, and an out= argument can break its graph
+        return products.float().mul_(scale).to(dtype)
+    out = torch.empty(products.shape, dtype=dtype, device=products.device)
+    return torch.mul(products, scale, out=out)
 
 
 def dequantize(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -66,9 +82,9 @@ class Int8LinearOp(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
             x8, x_scale = quantize(rows, dim=-1)
-            out = int8_matmul(x8, weight.t()).float().mul_(scale * x_scale).to(dtype)
+            out = rescaled(int8_matmul(x8, weight.t()), scale * x_scale, dtype)
             if bias is not None:
-                out = out + bias.to(dtype)
+                out.add_(bias.to(dtype))
         ctx.save_for_backward(weight, scale)
         ctx.input_dtype = x.dtype
         return out.reshape(*x.shape[:-1], weight.shape[0])
@@ -80,8 +96,8 @@ class Int8LinearOp(torch.autograd.Function):
         weight, scale = ctx.saved_tensors
         rows = grad_out.reshape(-1, grad_out.shape[-1])
         g8, g_scale = quantize(rows, dim=-1)
-        grad_x = int8_matmul(g8, weight).float().mul_(scale * g_scale)
-        return grad_x.to(ctx.input_dtype).reshape(*grad_out.shape[:-1], weight.shape[1]), None, None, None
+        grad_x = rescaled(int8_matmul(g8, weight), scale * g_scale, ctx.input_dtype)
+        return grad_x.reshape(*grad_out.shape[:-1], weight.shape[1]), None, None, None
 
 
 def store_frozen_in_int8(component: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int] = frozenset()) -> int:
