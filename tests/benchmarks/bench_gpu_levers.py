@@ -68,6 +68,8 @@ PLAN = [
     ("sdxl full every-2nd-block compile", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
                                                performance=(("checkpoint_every_n_blocks", "2"), ("compile", "true"))),
      200, None),
+    ("sdxl full ckpt every-3rd-block", dict(model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
+                                            performance=(("checkpoint_every_n_blocks", "3"),)), 40, None),
     ("flux lora int8 compile", dict(model="flux-dev", method="lora", batch_size=1, weight_dtype="int8",
                                     performance=(("compile", "true"),)), 150, None),
     ("sdxl lora int8 compile", dict(model="sdxl", method="lora", batch_size=8, weight_dtype="int8",

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# A short lease of a GPU machine (15 minutes of device time, its start included), as one prepared command: install the
+# carried wheels (launch/gpu_wheels.sh), check that ot_dist imports, run `pytest -m gpu` within PYTEST_BUDGET seconds,
+# then tests/benchmarks/bench_gpu_levers.py's ENTRIES, in that order, within what is left of BUDGET seconds:
+#
+#   OUT=$OUT BUDGET=540 ENTRIES="sdxl lora,sdxl lora cuda-graphs" bash launch/gpu_lease.sh
+#
+# Environment: OUT (default gpu_lease_out), BUDGET (seconds for the whole script, default 540: a call runs 600 at
+# most), PYTEST_BUDGET (default 150; 0 skips the GPU tests), ENTRIES (comma-separated labels of the plan; default the
+# whole plan), NO_PROFILE (set: no profiled steps), TINY (set: the tiny models, a smoke run on a CPU), WHEELS (default
+# .whl). Writes OUT/env.txt, OUT/pytest_gpu.txt (each test's outcome as it ends, then the failures' reasons),
+# OUT/levers_log.txt and OUT/levers/ (bench.md, levers.jsonl, profiles.md): six files, within what a device call
+# brings back. launch/gpu_check.sh is the longer, whole check.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-gpu_lease_out}
+budget=${BUDGET:-540}
+wheels=${WHEELS:-.whl}
+export PYTHONUNBUFFERED=1
+mkdir -p "$out"
+if compgen -G "$wheels/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$wheels"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    python3 -c "import torch, diffusers, peft, transformers; print('torch', torch.__version__, 'diffusers', \
+diffusers.__version__, 'peft', peft.__version__, 'transformers', transformers.__version__)"
+} 2>&1 | tee "$out/env.txt"
+# every module the bench and the GPU tests need imports (a missing wheel fails here, in seconds, not per test)
+python3 -c "import ot_dist.config.schema, ot_dist.bench.run, ot_dist.train.trainer" || exit 1
+
+failed=0
+if [ "${PYTEST_BUDGET:-150}" != 0 ]; then
+    timeout "${PYTEST_BUDGET:-150}" python3 -m pytest -v -rfE -m gpu -p no:cacheprovider tests 2>&1 \
+        | tee "$out/pytest_gpu.txt" | grep -E "(PASSED|FAILED|ERROR|SKIPPED)( |$)|^(FAILED|ERROR) | passed| failed"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+fi
+left=$((budget - SECONDS))
+(cd tests/benchmarks && python3 bench_gpu_levers.py --out "$out/levers" --budget "$left" \
+    ${ENTRIES:+--only "$ENTRIES"} ${NO_PROFILE:+--no-profile} ${TINY:+--tiny}) 2>&1 \
+    | tee "$out/levers_log.txt" | grep -E "^\||^== |Error"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
+exit $failed
