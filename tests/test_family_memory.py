@@ -8,6 +8,8 @@ from ot_dist.memory.table import build_components, fsdp_rank_bytes, sharding_uni
 from ot_dist.models.families.registry import get_family
 
 NF4_OFFLOADED = "LoRA r16, frozen nf4 (Linear weights), text encoders + VAE offloaded"
+FLOAT8_STREAMED = "LoRA r16, frozen float8, text encoders + VAE offloaded, half the blocks streamed"
+NF4_STREAMED = "LoRA r16, frozen nf4 (Linear weights), text encoders + VAE offloaded, 80 % of the blocks streamed"
 
 PUBLISHED = {"Flux.1 dev": 11.9e9, "SD3.5 Large": 8.1e9}  # BFL's and Stability's model cards
 T5_XXL_ENCODER = 4.76e9
@@ -133,10 +135,12 @@ def test_qwen_image_memory_row_is_the_published_model_sharded_by_block():
     # LoRA: 28.8 B frozen parameters, 53.7 GiB in bfloat16, 26.9 GiB in float8, the transformer alone 19.0 GiB
     assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
-    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
-    assert choose(family, "lora", 24, 1).setup.label == NF4_OFFLOADED
+    # float8 with the encoders offloaded and half the blocks streamed (OneTrainer's 24 GB preset: float8 and layer
+    # offloading); nf4 with 80 % streamed on 16 GiB; nothing on 8
+    assert choose(family, "lora", 24, 1).setup.label == FLOAT8_STREAMED
+    assert choose(family, "lora", 16, 1).setup.label == NF4_STREAMED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 16, 1)
+        choose(family, "lora", 8, 1)
 
 
 def test_sana_memory_row_is_the_published_model_sharded_by_block():
@@ -273,11 +277,13 @@ def test_flux2_memory_rows_are_the_published_models_sharded_by_block(name, expec
     shapes = lora_shapes(transformer, targets=family.denoiser_lora_presets["default"])
     assert len(shapes) == 2 * (4 * len(transformer.transformer_blocks) + 2 * len(transformer.single_transformer_blocks))
     if name == "flux2":
-        # LoRA: 56 B frozen parameters: float8 and the encoders offloaded on a 48 GiB GPU, none on 24 GiB
+        # LoRA: 56 B frozen parameters: float8 and the encoders offloaded on a 48 GiB GPU; on 24 GiB nf4 with 80 % of
+        # the blocks streamed; none on 16 GiB
         assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8, text encoders + VAE offloaded"
+        assert choose(family, "lora", 24, 1).setup.label == NF4_STREAMED
         assert choose(family, "full", 80, 8).strategy == "fsdp"
         with pytest.raises(ConfigError, match="--gpu-memory"):
-            choose(family, "lora", 24, 1)
+            choose(family, "lora", 16, 1)
 
 
 def test_hidream_memory_row_is_the_published_model_sharded_by_block():
@@ -310,8 +316,9 @@ def test_hidream_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 80, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 80, 8).strategy == "fsdp"
+    assert choose(family, "lora", 12, 1).setup.label == NF4_STREAMED  # 80 % of the blocks in CPU memory
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 12, 1)
+        choose(family, "lora", 8, 1)
 
 
 def test_flux_kontext_memory_row_is_flux_devs_weights_with_more_activations():
@@ -366,10 +373,11 @@ def test_wan_memory_row_is_the_published_14b_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 48, 8).strategy == "fsdp"
-    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
-    assert choose(family, "lora", 16, 1).setup.label == NF4_OFFLOADED
+    # streamed blocks: float8 with half of them on 16 GiB, nf4 (Linear weights in 0.52 bytes) with 80 % on 12 and 8
+    assert choose(family, "lora", 16, 1).setup.label == FLOAT8_STREAMED
+    assert choose(family, "lora", 12, 1).setup.label == choose(family, "lora", 8, 1).setup.label == NF4_STREAMED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 12, 1)
+        choose(family, "lora", 6, 1)
 
 
 def test_krea2_memory_row_is_the_published_model_sharded_by_block():
@@ -400,10 +408,11 @@ def test_krea2_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8"
     assert choose(family, "full", 48, 8).strategy == "fsdp"
-    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
-    assert choose(family, "lora", 16, 1).setup.label == NF4_OFFLOADED
+    # streamed blocks: float8 with half of them on 16 GiB, nf4 (Linear weights in 0.52 bytes) with 80 % on 12
+    assert choose(family, "lora", 16, 1).setup.label == FLOAT8_STREAMED
+    assert choose(family, "lora", 12, 1).setup.label == NF4_STREAMED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 12, 1)
+        choose(family, "lora", 8, 1)
 
 
 def test_ernie_image_memory_row_is_the_published_model_sharded_by_block():
@@ -528,10 +537,13 @@ def test_hunyuan_video_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 48, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen float8, text encoders + VAE offloaded"
     assert choose(family, "full", 48, 8).strategy == "fsdp"
-    # nf4 (its Linear weights in 0.52 bytes) with the encoders offloaded: the last setup that fits
-    assert choose(family, "lora", 16, 1).setup.label == NF4_OFFLOADED
+    # float8 with half the blocks streamed on 16 GiB; nf4 (Linear weights in 0.52 bytes) whole on 12, 80 % streamed
+    # on 8
+    assert choose(family, "lora", 16, 1).setup.label == FLOAT8_STREAMED
+    assert choose(family, "lora", 12, 1).setup.label == NF4_OFFLOADED
+    assert choose(family, "lora", 8, 1).setup.label == NF4_STREAMED
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "lora", 8, 1)
+        choose(family, "lora", 6, 1)
 
 
 @pytest.mark.parametrize("family_name", ["sd1", "sdxl", "sd3", "flux", "hidream", "stable_cascade", "hunyuan_video"])

@@ -51,6 +51,9 @@ def test_every_preset_validates_and_fits(family, method, tmp_path):
             assert config.optimizer.name == choice.setup.optimizer
             assert config.offload_frozen_components == choice.setup.offload
             assert config.strategy == choice.strategy
+            # streamed blocks: the share of the denoiser's blocks the row counts in CPU memory, checkpointing on
+            assert getattr(config, get_family(family).denoiser).offload_fraction == choice.setup.streamed
+            assert config.gradient_checkpointing or not choice.setup.streamed
             assert config.resolution == get_family(family).native_resolution
             # caches the family refuses (Qwen-Image-Edit's) stay off, whatever the setup
             assert not any(getattr(config.data, option) for option in get_family(family).cache_refusals)
@@ -87,3 +90,27 @@ def test_the_issue_example_prints_the_row_and_refuses_to_overwrite(tmp_path):
     assert "# Memory table row (SDXL): 'LoRA r16, frozen bfloat16' = 7.10 GiB" in target.read_text()
     code, _, err = init("--family", "sdxl", "--method", "lora", "--gpu-memory", 24, "--data", tmp_path, "--out", target)
     assert code != 0 and "--force" in err
+
+
+def test_streamed_rows_count_the_blocks_training_streams():
+    """The memory table's streamed setups take away the bytes of the blocks that training streams (the family's
+    units, chosen by memory/block_streaming.streamed_blocks from their frozen bytes) and add back the largest three
+    times, the most tests/test_block_streaming.py finds on the device at once; a GPU too small for the whole float8
+    transformer gets them."""
+    from ot_dist.memory.block_streaming import streamed_blocks
+    from ot_dist.memory.table import DENOISERS, SETUPS, build_components, model_sizes, setup_bytes
+    from ot_dist.parallel.fsdp import family_units
+
+    flux = get_family("flux")
+    components = build_components(flux.memory_reference)
+    sizes = model_sizes(components, *DENOISERS[flux.memory_reference][1:])
+    transformer = components["transformer"].requires_grad_(False)  # a LoRA's base: every block parameter frozen
+    units = family_units(flux, "transformer", transformer)
+    streamed = next(s for s in SETUPS if s.streamed and s.frozen == "float8")
+    whole = next(s for s in SETUPS if s.offload and s.frozen == "float8" and not s.streamed)
+    chosen = streamed_blocks(units, streamed.streamed)
+    assert 0 < len(chosen) < len(units) and chosen == units[-len(chosen):]
+    counts = [sum(p.numel() for p in block.parameters()) for block in chosen]  # float8: one byte each
+    assert setup_bytes(streamed, sizes) == setup_bytes(whole, sizes) - sum(counts) + 3 * max(counts)
+    choice = choose(flux, "lora", 16, 1)
+    assert choice.setup == streamed and choice.gradient_checkpointing

@@ -454,6 +454,9 @@ class Setup:
     trained_dtype: str = "float32"  # trained weights and gradients
     optimizer: str = "ADAMW"
     fused_back_pass: bool = False  # gradients applied as they arrive: none held for the whole model
+    # the share of the denoiser's block bytes kept in CPU memory and copied in ahead of use (`<denoiser>.
+    # offload_fraction`, memory/block_streaming.py; a LoRA's frozen blocks, with gradient checkpointing)
+    streamed: float = 0.0
 
 
 # nf4 (memory/nf4.py): a 4-bit code per weight, an 8-bit absmax per block of 64, a float32 scale per 256 absmaxes
@@ -467,7 +470,13 @@ SETUPS = [
     Setup("LoRA r16, frozen bfloat16", "lora", "bfloat16", False),
     Setup("LoRA r16, frozen float8", "lora", "float8", False),
     Setup("LoRA r16, frozen float8, text encoders + VAE offloaded", "lora", "float8", True),
+    # streaming costs time (12 % for half of Flux.1 dev's blocks on an H200, docs/performance.md), not accuracy:
+    # tried before nf4's coarser weights
+    Setup("LoRA r16, frozen float8, text encoders + VAE offloaded, half the blocks streamed", "lora", "float8", True,
+          streamed=0.5),
     Setup("LoRA r16, frozen nf4 (Linear weights), text encoders + VAE offloaded", "lora", "nf4", True),
+    Setup("LoRA r16, frozen nf4 (Linear weights), text encoders + VAE offloaded, 80 % of the blocks streamed", "lora",
+          "nf4", True, streamed=0.8),
     Setup("full denoiser, AdamW, frozen bfloat16", "full", "bfloat16", False),
     Setup("full denoiser, 8-bit AdamW, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAMW_8BIT"),
     Setup("full denoiser, Adafactor, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAFACTOR"),
@@ -521,12 +530,17 @@ class ModelSizes:
     denoiser: str
     trained: dict[str, list[tuple[int, ...]]]
     linear: dict[str, int]  # of counts, the elements of nn.Linear weights (what nf4 stores in 4 bits)
+    # the denoiser's blocks (its sharding units, which block streaming streams), in order: (parameters, Linear weights)
+    blocks: tuple[tuple[int, int], ...] = ()
 
 
-def model_sizes(components: dict, targets=None) -> ModelSizes:
+def model_sizes(components: dict, targets=None, units: tuple[str, ...] = ()) -> ModelSizes:
+    """`units`: the denoiser's block patterns (DENOISERS' third entry), for the streamed setups."""
+    blocks = sharding_units(components[denoiser_of(components)], units) if units else []
     return ModelSizes({name: sum(p.numel() for p in m.parameters()) for name, m in components.items()},
                       denoiser_of(components), trained_shapes(components, targets),
-                      {name: linear_weight_count(m) for name, m in components.items()})
+                      {name: linear_weight_count(m) for name, m in components.items()},
+                      tuple((sum(p.numel() for p in b.parameters()), linear_weight_count(b)) for b in blocks))
 
 
 def linear_weight_count(module: torch.nn.Module) -> int:
@@ -540,14 +554,37 @@ def frozen_bytes(storage: str, count: int, linear: int) -> float:
     return count * BYTES[storage]
 
 
+# Streamed blocks on the device at once, with gradient checkpointing: the one computing, the next one copied in ahead,
+# and one whose copies autograd still holds (tests/test_block_streaming.py counts at most 3 live)
+STREAMED_IN_FLIGHT = 3
+
+
+def streamed_bytes(setup: Setup, sizes: ModelSizes) -> tuple[float, float]:
+    """(bytes of the streamed blocks, bytes of the largest): the last blocks once the first ones' bytes reach
+    (1 - streamed) of all, as memory/block_streaming.streamed_blocks chooses them."""
+    sizes_of = [frozen_bytes(setup.frozen, count, linear) for count, linear in sizes.blocks]
+    budget, resident = (1.0 - setup.streamed) * sum(sizes_of), 0.0
+    for i, size in enumerate(sizes_of):
+        if resident + size > budget:
+            return sum(sizes_of[i:]), max(sizes_of[i:])
+        resident += size
+    return 0.0, 0.0
+
+
 def setup_bytes(setup: Setup, sizes: ModelSizes) -> float:
-    """Device bytes: frozen weights + trained weights + gradients + optimizer state."""
+    """Device bytes: frozen weights + trained weights + gradients + optimizer state. A streamed setup keeps its
+    streamed blocks in CPU memory and up to STREAMED_IN_FLIGHT of them on the device."""
     counts, denoiser = sizes.counts, sizes.denoiser
     shapes = sizes.trained[setup.trained]
     trained = sum(math.prod(s) for s in shapes)
     frozen_parts = [n for n in counts if n != denoiser and (not setup.offload or n in RESIDENT_COMPONENTS)]
     frozen_parts += [denoiser] if setup.trained == "lora" else []
     frozen = sum(frozen_bytes(setup.frozen, counts[n], sizes.linear[n]) for n in frozen_parts)
+    if setup.streamed:
+        if not sizes.blocks:
+            raise ValueError(f"'{setup.label}' needs the denoiser's blocks (model_sizes(..., units=...))")
+        away, largest = streamed_bytes(setup, sizes)
+        frozen += STREAMED_IN_FLIGHT * largest - away
     grads = 0 if setup.fused_back_pass else trained * BYTES[setup.trained_dtype]
     return frozen + trained * BYTES[setup.trained_dtype] + grads + optimizer_state_bytes(shapes, setup.optimizer)
 
@@ -596,7 +633,8 @@ def fsdp_rows(models: dict, ranks=(8, 64)) -> list[str]:
 
 def main() -> None:
     models = {model: build_components(model) for model in DENOISERS if model not in SAME_WEIGHTS_AS}
-    sizes = {model: model_sizes(components, DENOISERS[model][1]) for model, components in models.items()}
+    sizes = {model: model_sizes(components, DENOISERS[model][1], DENOISERS[model][2])
+             for model, components in models.items()}
     for rows in (component_rows(sizes), trained_rows(sizes), setup_rows(sizes), fsdp_rows(models)):
         print("\n".join(rows) + "\n")
 

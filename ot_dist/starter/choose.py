@@ -94,7 +94,7 @@ def _components(reference: str):
 # The reference models' figures, measured once per process: every candidate setup reads the same counts and shapes.
 @lru_cache(maxsize=None)
 def _sizes(reference: str) -> ModelSizes:
-    return model_sizes(_components(reference), DENOISERS[reference][1])
+    return model_sizes(_components(reference), DENOISERS[reference][1], DENOISERS[reference][2])
 
 
 @lru_cache(maxsize=None)
@@ -112,6 +112,8 @@ def choose(family, method: str, gpu_memory_gib: float, gpus: int) -> Choice:
     for setup in candidates(method):
         if setup.fused_back_pass and gpus > 1:
             continue  # gradients applied during backward cannot be reduced across GPUs first
+        if setup.streamed and not family.shard_units.get(family.denoiser):
+            continue  # no blocks to stream
         table = setup_bytes(setup, sizes) / GIB
         options.append(Choice(setup, "ddp" if gpus > 1 else "single", table + activations, table, True, reference))
         if method == "full" and gpus > 1 and setup.optimizer == "ADAMW" and not setup.fused_back_pass:
@@ -121,7 +123,9 @@ def choose(family, method: str, gpu_memory_gib: float, gpus: int) -> Choice:
             options.append(Choice(setup, "fsdp", per_rank + activations, per_rank, True, reference))
     for option in options:
         if option.need_gib <= gpu_memory_gib:
-            roomy = option.table_gib + NO_CHECKPOINTING_FACTOR * activations <= gpu_memory_gib
+            # streamed blocks need gradient checkpointing (without it every earlier block's copies stay for backward)
+            roomy = (option.table_gib + NO_CHECKPOINTING_FACTOR * activations <= gpu_memory_gib
+                     and not option.setup.streamed)
             return Choice(option.setup, option.strategy, option.need_gib, option.table_gib, not roomy, reference)
     least = min(options, key=lambda o: o.need_gib)
     raise ConfigError(f"--gpu-memory: {method} on {family.name} needs about {least.need_gib:.1f} GiB per GPU even with "

@@ -60,6 +60,10 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
     lines.append(f"strategy: {choice.strategy}" + {"single": "", "ddp": "                       # one replica per GPU",
                                                   "fsdp": "                      # weights, gradients and AdamW state "
                                                   "sharded over the GPUs"}[choice.strategy])
+    if setup.streamed:
+        lines += [f"{family.denoiser}:",
+                  f"  offload_fraction: {setup.streamed:g}          # this share of the blocks' frozen weights in CPU "
+                  "memory, copied in ahead of use"]
     if method == "lora":
         lines += ["lora:", "  rank: 16", "  alpha: 16"]
     if method == "full":
