@@ -1379,6 +1379,38 @@ def test_every_onetrainer_setting_is_read_listed_or_of_no_effect():
     assert not dropped, dropped
 
 
+# The keys of OneTrainer's nested sections (modules/util/config/TrainConfig.py, config version 11):
+# TrainModelPartConfig, QuantizationConfig and TrainEmbeddingConfig
+ONETRAINER_PART_KEYS = {"model_name", "include", "train", "stop_training_after", "stop_training_after_unit",
+                        "learning_rate", "weight_dtype", "dropout_probability", "train_embedding", "attention_mask",
+                        "guidance_scale", "gradient_checkpointing", "offload_fraction", "activation_offloading"}
+ONETRAINER_QUANTIZATION_KEYS = {"layer_filter", "layer_filter_preset", "layer_filter_regex", "svd_dtype", "svd_rank",
+                                "cache_dir"}
+ONETRAINER_EMBEDDING_KEYS = {"uuid", "model_name", "placeholder", "train", "stop_training_after",
+                             "stop_training_after_unit", "token_count", "initial_embedding_text", "is_output_embedding"}
+
+
+def test_a_nested_setting_onetrainer_version_11_lacks_is_listed(tmp_path):
+    """A key in a part section, the quantization filter or an embedding that config version 11 does not have (a newer
+    OneTrainer's setting, a hand edit) is listed as not applied; every key version 11 has is read without a line."""
+    from ot_dist.migrate.onetrainer_unmapped import nested_sections
+
+    sections = {name: known for name, _, known in nested_sections({"additional_embeddings": [{}]})}
+    assert sections["unet"] == sections["text_encoder_2"] == ONETRAINER_PART_KEYS
+    assert sections["quantization"] == ONETRAINER_QUANTIZATION_KEYS
+    assert sections["embedding"] == sections["additional_embeddings[0]"] == ONETRAINER_EMBEDDING_KEYS
+    base = {"model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "LORA", "base_model_name": "/models/xl",
+            "unet": {"weight_dtype": "BFLOAT_16", "offload_fraction": 0.0, "activation_offloading": False},
+            "quantization": dict.fromkeys(ONETRAINER_QUANTIZATION_KEYS) | {"layer_filter": "", "svd_dtype": "NONE"}}
+    _, skipped = import_only(tmp_path, base)
+    assert not [line for line in skipped if "config version 11" in line], skipped
+    _, skipped = import_only(tmp_path, {**base, "unet": {**base["unet"], "fp8_attention": True},
+                                        "quantization": {**base["quantization"], "group_size": 64},
+                                        "additional_embeddings": [{"placeholder": "<x>", "vector_norm": 0.4}]})
+    listed = [line.split(":")[0] for line in skipped if "is not a setting of OneTrainer's config version 11" in line]
+    assert listed == ["unet.fp8_attention", "quantization.group_size", "additional_embeddings[0].vector_norm"]
+
+
 def test_settings_no_other_section_reads_are_listed_where_they_change_training(tmp_path):
     base = {"model_type": "STABLE_DIFFUSION_XL_10_BASE", "training_method": "LORA", "base_model_name": "/models/xl"}
     config, skipped = import_only(tmp_path, base)

@@ -1,7 +1,8 @@
 """OneTrainer's top-level settings that no other part of the import reads: those that change what trains are listed
 when they differ from OneTrainer's default, the quantization filter becomes quantization.layer_filter, multi-GPU
 training becomes strategy ddp, and the ones about OneTrainer's
-own machinery (folders, TensorBoard, devices, its cloud runner) are left out on purpose (NO_EFFECT).
+own machinery (folders, TensorBoard, devices, its cloud runner) are left out on purpose (NO_EFFECT). In the nested
+sections (parts, quantization, embeddings) a key config version 11 lacks is listed.
 
 Source: OneTrainer modules/util/config/TrainConfig.py `default_values()` (config version 11): every top-level key is
 read by the import, listed here, or named in NO_EFFECT (tests/test_import_onetrainer.py checks the last two against
@@ -35,6 +36,7 @@ def import_unmapped(ot: dict, c: dict, out) -> None:
     for key, (default, why) in CHANGES_TRAINING.items():
         if key in ot and ot[key] != default:
             out.not_honoured.append(f"{key}: {ot[key]}: {why}")
+    _unknown_nested_keys(ot, out)
     _quantization(ot.get("quantization") or {}, c, out)
     if ot.get("multi_gpu"):
         c["strategy"] = "ddp"
@@ -62,3 +64,28 @@ def _quantization(section: dict, c: dict, out) -> None:
     if storage in QUANTIZED_STORAGE:
         c["quantization"] = {"layer_filter": patterns, **({"layer_filter_regex": True}
                                                           if section["layer_filter_regex"] else {})}
+
+
+def nested_sections(ot: dict):
+    """(name, section, the keys OneTrainer's config version 11 has in it) of each nested section the file holds: the
+    part sections, the quantization filter, the embedding and each additional embedding."""
+    from ot_dist.migrate import onetrainer_defaults as defaults
+    from ot_dist.migrate.onetrainer_common import PART_SECTIONS
+
+    embedding = {*defaults.EMBEDDING, "uuid"}
+    for name in PART_SECTIONS:
+        yield name, ot.get(name), set(defaults.PART)
+    yield "quantization", ot.get("quantization"), set(QUANTIZATION_DEFAULTS)
+    yield "embedding", ot.get("embedding"), embedding
+    for i, entry in enumerate(ot.get("additional_embeddings") or []):
+        yield f"additional_embeddings[{i}]", entry, embedding
+
+
+def _unknown_nested_keys(ot: dict, out) -> None:
+    """A key OneTrainer's config version 11 does not have in a nested section (a newer OneTrainer's setting, or an
+    edit by hand) is read by no part of the import: listed, never dropped without a word."""
+    for name, section, known in nested_sections(ot):
+        if isinstance(section, dict):
+            for key in sorted(k for k in set(section) - known if not k.startswith("__")):
+                out.not_honoured.append(f"{name}.{key}: {section[key]!r} is not a setting of OneTrainer's config "
+                                        "version 11, which the import reads; it is not applied")
