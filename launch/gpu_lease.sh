@@ -39,8 +39,8 @@ if [ "${PYTEST_BUDGET:-150}" != 0 ]; then
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 fi
 left=$((budget - SECONDS))
-(cd tests/benchmarks && python3 bench_gpu_levers.py --out "$out/levers" --budget "$left" \
-    ${ENTRIES:+--only "$ENTRIES"} ${NO_PROFILE:+--no-profile} ${TINY:+--tiny}) 2>&1 \
+python3 tests/benchmarks/bench_gpu_levers.py --out "$out/levers" --budget "$left" \
+    ${ENTRIES:+--only "$ENTRIES"} ${NO_PROFILE:+--no-profile} ${TINY:+--tiny} 2>&1 \
     | tee "$out/levers_log.txt" | grep -E "^\||^== |Error"
 [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 exit $failed
