@@ -6,6 +6,8 @@ import contextlib
 
 import torch
 
+from ot_dist.errors import ConfigError
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,3 +44,25 @@ def set_tf32(enabled: bool) -> None:
     if torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = enabled
         torch.backends.cudnn.allow_tf32 = enabled
+
+
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+def check_storage_on_device(config, device: torch.device) -> None:
+    """Refuse, naming the field, frozen weights stored in one half dtype while computing in the other on the CPU: CPU
+    autocast runs normalization layers (LayerNorm, GroupNorm) in their input's dtype with the weights as stored, and
+    the CPU kernels take no float16 weight beside bfloat16 activations (nor the reverse). CUDA autocast computes them
+    in float32 and takes any storage. Checked before anything is loaded."""
+    compute = config.train_dtype
+    if device.type != "cpu" or compute not in HALF_DTYPES:
+        return
+    frozen = ["vae", *(name for name in config.part_names() if not config.part_trains(name))]
+    for name in frozen:
+        storage = config.component_storage(name)
+        if storage in HALF_DTYPES and storage != compute:
+            own = config.vae_weight_dtype if name == "vae" else getattr(config, name).weight_dtype
+            field = ("vae_weight_dtype" if name == "vae" else f"{name}.weight_dtype") if own else "weight_dtype"
+            raise ConfigError(f"{field}: {storage} storage computing in train_dtype {compute} runs on CUDA only: on "
+                              f"the CPU the normalization layers of the {name} would get {storage} weights beside "
+                              f"{compute} activations; store it as {compute} or float32 here")

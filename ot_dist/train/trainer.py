@@ -38,7 +38,7 @@ from ot_dist.optim.schedule_free import averaged_weights
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
 from ot_dist.parallel.runtime import Runtime, start_runtime
-from ot_dist.precision import set_tf32
+from ot_dist.precision import check_storage_on_device, set_tf32
 from ot_dist.train.cuda_allocator import configure_cuda_allocator
 from ot_dist.train.checkpointing import enable_gradient_checkpointing
 from ot_dist.train.ema import ShardedEMA
@@ -113,6 +113,7 @@ class Trainer:
             self.log(f"warning: {space}")
         check_input_paths(config)  # a missing model is named before shards are built
         check_performance(config.performance, self.device)
+        check_storage_on_device(config, self.device)
         configure_cuda_allocator(config.performance, self.device)  # before anything is placed on the device
         for warning in setup_warnings(config, self.runtime.world_size):
             self.log(f"warning: {warning}")
