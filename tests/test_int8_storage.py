@@ -2,8 +2,8 @@
 INT_W8A8. The stored weight, the forward and the input gradient against OneTrainer's formulas
 (modules/util/quantization_util.py quantize_int8_tensorwise / _axiswise, modules/module/quantized/LinearW8A8.py
 int8_forward_tokenwise / int8_backward_axiswise) computed here in plain integer arithmetic, the small-input path,
-what backward keeps, state dicts, a tiny LoRA run against the bfloat16 one, gradient checkpointing, the importer's
-INT_W8A8 and the refusals."""
+what backward keeps, state dicts, a tiny LoRA run against the bfloat16 one, the importer's INT_W8A8 and the refusals
+(gradient checkpointing: tests/test_nf4_storage.py, with the other stored formats)."""
 
 from __future__ import annotations
 
@@ -147,17 +147,6 @@ def test_small_inputs_and_odd_shapes_use_the_dequantized_weight():
     assert torch.equal(odd(y), torch.nn.functional.linear(y, odd[0].weight, odd_bias))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert model(torch.randn(40, 64)).dtype == torch.bfloat16
-
-
-def test_checkpointed_layers_backpropagate_as_without():
-    from torch.utils.checkpoint import checkpoint
-
-    model, _ = stored_linear(64, 32)
-    x = torch.randn(24, 64, requires_grad=True)
-    checkpoint(model, x, use_reentrant=False).square().sum().backward()
-    x_ref = x.detach().clone().requires_grad_(True)
-    model(x_ref).square().sum().backward()
-    assert torch.equal(x.grad, x_ref.grad)
 
 
 def test_the_state_dict_is_a_normal_one_and_loading_quantizes():

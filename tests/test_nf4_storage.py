@@ -141,14 +141,15 @@ def test_forward_and_input_gradient_are_linear_with_the_dequantized_weight(autoc
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-2 if autocast else 1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("storage", ["float8", "nf4"])
+@pytest.mark.parametrize("storage", ["float8", "nf4", "int8"])
 def test_stored_layers_backpropagate_under_gradient_checkpointing(storage):
-    """Non-reentrant checkpointing lets backward read a saved tensor once (the op of memory/stored.py, float8's too)."""
+    """Non-reentrant checkpointing lets backward read a saved tensor once (the op of memory/stored.py, float8's too;
+    int8's own op: 24 rows take its int8 products)."""
     from torch.utils.checkpoint import checkpoint
 
     layer = frozen_linear(64, 32)
     quantize_frozen(layer, storage, torch.float32)
-    x = torch.randn(3, 64, requires_grad=True)
+    x = torch.randn(24, 64, requires_grad=True)
     checkpoint(layer, x, use_reentrant=False).square().sum().backward()
     x_ref = x.detach().clone().requires_grad_(True)
     layer(x_ref).square().sum().backward()
