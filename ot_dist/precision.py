@@ -61,8 +61,6 @@ def check_storage_on_device(config, device: torch.device) -> None:
     for name in frozen:
         storage = config.component_storage(name)
         if storage in HALF_DTYPES and storage != compute:
-            own = config.vae_weight_dtype if name == "vae" else getattr(config, name).weight_dtype
-            field = ("vae_weight_dtype" if name == "vae" else f"{name}.weight_dtype") if own else "weight_dtype"
-            raise ConfigError(f"{field}: {storage} storage computing in train_dtype {compute} runs on CUDA only: on "
+            raise ConfigError(f"{config.storage_field(name)}: {storage} storage computing in train_dtype {compute} runs on CUDA only: on "
                               f"the CPU the normalization layers of the {name} would get {storage} weights beside "
                               f"{compute} activations; store it as {compute} or float32 here")

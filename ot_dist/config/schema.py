@@ -1450,14 +1450,19 @@ class TrainConfig(Section):
                 settings[f"{name}.weight_dtype"] = getattr(self, name).weight_dtype
         return settings
 
-    def component_storage(self, component: str) -> str:
-        """How a component's frozen weights are stored: a part by its name (`transformer`, `text_encoder_2`), the
-        latent encoder as `vae`; anything else (a decoder loaded for samples) follows weight_dtype."""
+    def storage_field(self, component: str) -> str:
+        """The setting that says how a component's frozen weights are stored: a part by its name (`transformer`,
+        `text_encoder_2`), the latent encoder as `vae`, each by its own override where set; anything else (a decoder
+        loaded for samples) follows weight_dtype."""
         if component == "vae":
-            own = self.vae_weight_dtype
-        else:
-            own = getattr(self, component).weight_dtype if component in self.part_names() else None
-        return own or self.weight_dtype
+            return "vae_weight_dtype" if self.vae_weight_dtype is not None else "weight_dtype"
+        if component in self.part_names() and getattr(self, component).weight_dtype is not None:
+            return f"{component}.weight_dtype"
+        return "weight_dtype"
+
+    def component_storage(self, component: str) -> str:
+        """How a component's frozen weights are stored (storage_field names the setting)."""
+        return self.storage_settings()[self.storage_field(component)]
 
     def part_trains(self, name: str) -> bool:
         """Whether a part trains, with the method's default applied."""
