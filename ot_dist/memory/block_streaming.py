@@ -46,13 +46,18 @@ def streamed_blocks(blocks: list[torch.nn.Module], fraction: float) -> list[torc
     """The blocks that stream: the last ones, once the first ones' frozen bytes reach (1 - fraction) of all."""
     if fraction <= 0:
         return []
-    sizes = [frozen_bytes(b) for b in blocks]
+    return blocks[first_streamed([frozen_bytes(b) for b in blocks], fraction):]
+
+
+def first_streamed(sizes: list[float], fraction: float) -> int:
+    """The index of the first streamed block of blocks of these sizes (len(sizes): none streams): the first one that
+    no longer fits in (1 - fraction) of all, after the ones before it. The memory table counts with it too."""
     budget, resident = (1.0 - fraction) * sum(sizes), 0
     for i, size in enumerate(sizes):
         if resident + size > budget:
-            return blocks[i:]
+            return i
         resident += size
-    return []
+    return len(sizes)
 
 
 def denoiser_streamed_blocks(model, config) -> list[torch.nn.Module]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ot_dist.memory.block_streaming import first_streamed
 from ot_dist.models.families.anima import Anima
 from ot_dist.models.families.ernie_image import ErnieImage
 from ot_dist.models.families.flux import FLUX_LORA_TARGETS
@@ -560,15 +561,11 @@ STREAMED_IN_FLIGHT = 3
 
 
 def streamed_bytes(setup: Setup, sizes: ModelSizes) -> tuple[float, float]:
-    """(bytes of the streamed blocks, bytes of the largest): the last blocks once the first ones' bytes reach
-    (1 - streamed) of all, as memory/block_streaming.streamed_blocks chooses them."""
+    """(bytes of the streamed blocks, bytes of the largest), chosen as training chooses them
+    (memory/block_streaming.first_streamed)."""
     sizes_of = [frozen_bytes(setup.frozen, count, linear) for count, linear in sizes.blocks]
-    budget, resident = (1.0 - setup.streamed) * sum(sizes_of), 0.0
-    for i, size in enumerate(sizes_of):
-        if resident + size > budget:
-            return sum(sizes_of[i:]), max(sizes_of[i:])
-        resident += size
-    return 0.0, 0.0
+    streamed = sizes_of[first_streamed(sizes_of, setup.streamed):]
+    return (sum(streamed), max(streamed)) if streamed else (0.0, 0.0)
 
 
 def setup_bytes(setup: Setup, sizes: ModelSizes) -> float:
