@@ -61,12 +61,10 @@ class CopiesDone:
             empty_pinned_cache()
 
 
-def empty_pinned_cache() -> bool:
-    """Give torch's cached pinned host memory back to the system; False where this torch has no way to. The public
+def empty_pinned_cache() -> None:
+    """Give torch's cached pinned host memory back to the system, where this torch has a way to. The public
     name (`torch.accelerator.empty_host_cache`, torch 2.13) is recent: older releases (the lent GPU machines run
     2.11) have only the private `torch._C._host_emptyCache` that it replaced."""
     release = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if release is None:
-        return False
-    release()
-    return True
+    if release is not None:
+        release()
