@@ -164,7 +164,8 @@ def test_offload_fraction_is_refused_where_it_cannot_work(tiny_models, shapes_da
 
     check("unet.offload_fraction: needs gradient_checkpointing: true", gradient_checkpointing=False)
     check("unet.offload_fraction: strategies single and ddp stream blocks; fsdp", strategy="fsdp")
-    check("unet.offload_fraction: streams frozen weights", method="full")
+    check("unet.offload_fraction: the unet trains, so its streamed weights are updated inside backward", method="full",
+          clip_grad_norm=None)
     check("unet.offload_fraction: not with performance.compile or float8_matmuls", **{"performance.compile": True})
     check("text_encoder.offload_fraction: only the denoiser", **{"text_encoder.offload_fraction": 0.5})
     check("unet.offload_fraction: not with performance.checkpoint_every_n_blocks",

@@ -1287,7 +1287,7 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
     """OneTrainer's `offload_fraction` (training_presets/QwenImage/#qwen LoRA 16GB.json, Flux 2 LoRA 8GB): a LoRA's
     transformer as `transformer.offload_fraction` (with gradient checkpointing, which it needs), a frozen text
     encoder's and Ideogram's unconditional transformer's as offload_frozen_components; a trained transformer's
-    (FINE_TUNE presets) and activation offloading are listed."""
+    (FINE_TUNE presets) streams with the fused back pass; activation offloading is listed."""
     lora = {"model_type": "QWEN", "training_method": "LORA", "base_model_name": "/models/qwen",
             "transformer": {"train": True, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5,
                             "gradient_checkpointing": False},
@@ -1296,9 +1296,19 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
     assert (config.transformer.offload_fraction, config.gradient_checkpointing) == (0.5, True)
     assert config.offload_frozen_components and config.component_storage("transformer") == "float8"
     assert not any("offload" in line for line in skipped)
-    config, skipped = import_only(tmp_path, {**lora, "training_method": "FINE_TUNE"})
-    assert config.transformer.offload_fraction == 0.0
-    assert any(line.startswith("transformer.offload_fraction: 0.5: the transformer trains") for line in skipped)
+    # a trained transformer (the FINE_TUNE presets) streams too, stepped in backward: with the fused back pass, which
+    # OneTrainer requires for it as well, and no global gradient-norm clipping (OneTrainer's default 1.0)
+    fine_tune = {**lora, "training_method": "FINE_TUNE", "train_dtype": "BFLOAT_16"}
+    config, skipped = import_only(tmp_path, {**fine_tune, "optimizer": {"optimizer": "ADAFACTOR"}})
+    assert (config.transformer.offload_fraction, config.optimizer.fused_back_pass) == (0.5, True)
+    assert config.streams_trained_weights() and config.clip_grad_norm is None
+    assert not any("offload" in line for line in skipped)
+    for changed, why in (({"optimizer": {"optimizer": "PRODIGY"}}, "PRODIGY has not"),
+                         ({"optimizer": {"optimizer": "ADAFACTOR"}, "train_dtype": "FLOAT_16"}, "train_dtype float16")):
+        config, skipped = import_only(tmp_path, {**fine_tune, **changed})
+        assert config.transformer.offload_fraction == 0.0 and not config.optimizer.fused_back_pass
+        assert any(line.startswith("transformer.offload_fraction: 0.5: the transformer trains") and why in line
+                   for line in skipped), skipped
     config, skipped = import_only(tmp_path, {**lora, "transformer": {"train": True, "activation_offloading": True}})
     assert any("activation_offloading" in line for line in skipped)
     config, skipped = import_only(tmp_path, {"model_type": "IDEOGRAM_4", "training_method": "LORA",

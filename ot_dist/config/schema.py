@@ -24,7 +24,7 @@ from ot_dist.config.sampling import SamplingConfig
 from ot_dist.config.section import Section
 from ot_dist.extras import missing_extra
 from ot_dist.models.families.registry import FAMILY_NAMES, get_family
-from ot_dist.optim.registry import SPECS
+from ot_dist.optim.registry import FUSED_BACK_PASS, SPECS
 
 Dtype = Literal["float32", "bfloat16", "float16"]
 # How frozen weights are stored: a dtype, or a quantized format upcast to train_dtype where used (memory/float8.py).
@@ -187,8 +187,10 @@ class PartConfig(Section):
         description="The denoiser only (OneTrainer's layer offloading): this fraction of the bytes of its blocks' "
         "frozen weights (a LoRA's base) stays in CPU memory, and each of those blocks is copied to the device for its "
         "forward and again for its recomputation in backward (the blocks at the end; the others stay on the device). "
-        "Needs gradient_checkpointing; strategies single and ddp (fsdp: fsdp.cpu_offload). Frozen text encoders and "
-        "the VAE: offload_frozen_components.",
+        "In a full finetune the blocks' trained weights stream too (this fraction of all their bytes), each updated "
+        "on the device inside backward: needs optimizer.fused_back_pass (strategy single), and the optimizer state "
+        "stays on the device. Needs gradient_checkpointing; strategies single and ddp (fsdp: fsdp.cpu_offload). "
+        "Frozen text encoders and the VAE: offload_frozen_components.",
     )
 
     def stopped(self, epoch: int, step: int) -> bool:
@@ -1105,9 +1107,10 @@ class TrainConfig(Section):
         if not self.gradient_checkpointing:
             raise ValueError(f"{field}: needs gradient_checkpointing: true (without it every block's device copy is "
                              "kept for backward, and nothing is saved)")
-        if self.method == "full" and self.part_trains(denoiser):
-            raise ValueError(f"{field}: streams frozen weights (a LoRA's base); the {denoiser} trains here and its "
-                             "weights stay on the device")
+        if self.streams_trained_weights() and not self.optimizer.fused_back_pass:
+            raise ValueError(f"{field}: the {denoiser} trains, so its streamed weights are updated inside backward "
+                             "while their copies are on the device: set optimizer.fused_back_pass: true (an "
+                             f"optimizer that supports it: {', '.join(FUSED_BACK_PASS)})")
         if self.performance.compile or self.performance.float8_matmuls:
             raise ValueError(f"{field}: not with performance.compile or float8_matmuls (compiled blocks would capture "
                              "the copies; float8 layers replace the streamed modules)")
@@ -1463,6 +1466,12 @@ class TrainConfig(Section):
     def component_storage(self, component: str) -> str:
         """How a component's frozen weights are stored (storage_field names the setting)."""
         return self.storage_settings()[self.storage_field(component)]
+
+    def streams_trained_weights(self) -> bool:
+        """A full finetune whose denoiser streams blocks: their trained weights stream too
+        (memory/trained_streaming.py)."""
+        denoiser = get_family(self.model.family).denoiser
+        return bool(getattr(self, denoiser).offload_fraction) and self.method == "full" and self.part_trains(denoiser)
 
     def part_trains(self, name: str) -> bool:
         """Whether a part trains, with the method's default applied."""

@@ -5,7 +5,8 @@ The blocks are the family's repeated units (`Family.shard_units`: FSDP2's units,
 recomputes). The first blocks stay on the device while their frozen bytes fit in (1 - fraction) of all blocks'
 frozen bytes; the rest stream. Before a streamed block's forward a device copy of each frozen parameter takes its
 place in the module (memory/offload.py `Visitor`); after it the CPU parameter is put back. Trained parameters (the
-LoRA adapters inside the block) and buffers stay on the device.
+LoRA adapters inside the block) and buffers stay on the device; in a full finetune the trained weights stream too
+and are stepped inside backward (memory/trained_streaming.py).
 
 Why gradient checkpointing is required, and why no copy is released by hand: a checkpointed block keeps nothing for
 backward from its first forward, so its copies are freed as soon as it returns; in backward the block's forward runs
@@ -19,34 +20,39 @@ backward the previous recomputation's until its backward is done).
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
 from ot_dist.memory.offload import Visitor, device_copies
+from ot_dist.memory.trained_streaming import TrainedStreaming
 
 STREAMED_ATTR = "streamed_block_names"  # on the denoiser: the names of its streamed blocks (sampling copies them)
+PREFETCHER_ATTR = "streamed_block_prefetcher"  # on the denoiser: its streamed blocks' Prefetcher
 
 
-def frozen_entries(block: torch.nn.Module) -> list[tuple[dict, str]]:
-    """(the owner's dict of parameters, name) of each frozen parameter in `block`, each tensor once."""
+def frozen_entries(block: torch.nn.Module, trained: bool = False) -> list[tuple[dict, str]]:
+    """(the owner's dict of parameters, name) of each frozen parameter in `block`, each tensor once; with `trained`,
+    of the trained ones too (memory/trained_streaming.py)."""
     entries, seen = [], set()
     for owner in block.modules():
         for name, param in owner._parameters.items():
-            if param is not None and not param.requires_grad and id(param) not in seen:
+            if param is not None and (trained or not param.requires_grad) and id(param) not in seen:
                 seen.add(id(param))
                 entries.append((owner._parameters, name))
     return entries
 
 
-def frozen_bytes(block: torch.nn.Module) -> int:
-    return sum(table[name].numel() * table[name].element_size() for table, name in frozen_entries(block))
+def frozen_bytes(block: torch.nn.Module, trained: bool = False) -> int:
+    return sum(table[name].numel() * table[name].element_size() for table, name in frozen_entries(block, trained))
 
 
-def streamed_blocks(blocks: list[torch.nn.Module], fraction: float) -> list[torch.nn.Module]:
-    """The blocks that stream: the last ones, once the first ones' frozen bytes reach (1 - fraction) of all."""
+def streamed_blocks(blocks: list[torch.nn.Module], fraction: float, trained: bool = False) -> list[torch.nn.Module]:
+    """The blocks that stream: the last ones, once the first ones' streamed bytes (frozen; with `trained`, all)
+    reach (1 - fraction) of all."""
     if fraction <= 0:
         return []
-    return blocks[first_streamed([frozen_bytes(b) for b in blocks], fraction):]
+    return blocks[first_streamed([frozen_bytes(b, trained) for b in blocks], fraction):]
 
 
 def first_streamed(sizes: list[float], fraction: float) -> int:
@@ -66,14 +72,15 @@ def denoiser_streamed_blocks(model, config) -> list[torch.nn.Module]:
     from ot_dist.parallel.fsdp import family_units
 
     name = model.family.denoiser
-    return streamed_blocks(family_units(model.family, name, model.denoiser), getattr(config, name).offload_fraction)
+    return streamed_blocks(family_units(model.family, name, model.denoiser), getattr(config, name).offload_fraction,
+                           trained=config.streams_trained_weights())
 
 
 @contextlib.contextmanager
-def kept_home(blocks: list[torch.nn.Module]):
-    """The blocks' frozen parameters out of their modules while the component moves to the device (`Module.to`
+def kept_home(blocks: list[torch.nn.Module], trained: bool = False):
+    """The blocks' streamed parameters out of their modules while the component moves to the device (`Module.to`
     skips an empty entry), so a model larger than the device never lands on it whole; put back afterwards."""
-    entries = [(table, name, table[name]) for block in blocks for table, name in frozen_entries(block)]
+    entries = [(table, name, table[name]) for block in blocks for table, name in frozen_entries(block, trained)]
     for table, name, _ in entries:
         table[name] = None
     try:
@@ -83,17 +90,29 @@ def kept_home(blocks: list[torch.nn.Module]):
             table[name] = param
 
 
-def stream_blocks(root: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device) -> "Prefetcher":
-    """Attach the copy-on-forward to each of `root`'s streamed `blocks` (their frozen parameters in CPU memory), with
-    one Prefetcher for them all."""
+def stream_blocks(root: torch.nn.Module, blocks: list[torch.nn.Module], device: torch.device,
+                  trained: bool = False) -> "Prefetcher":
+    """Attach the copy-on-forward to each of `root`'s streamed `blocks` (their frozen parameters in CPU memory; with
+    `trained`, the trained ones too, stepped inside backward: memory/trained_streaming.py), with one Prefetcher for
+    them all. The TrainedStreaming, if any, is the prefetcher's `trained`."""
     device = torch.device(device)
+    pin = device.type == "cuda"
     names = {id(m): n for n, m in root.named_modules()}
-    prefetcher = Prefetcher(device)
+    prefetcher = Prefetcher(device, TrainedStreaming(device, pin) if trained else None)
     for block in blocks:
-        StreamedBlock(block, device, pin=device.type == "cuda", entries=frozen_entries(block),
-                      prefetcher=prefetcher).attach()
+        StreamedBlock(block, device, pin=pin, entries=frozen_entries(block, trained), prefetcher=prefetcher).attach()
     setattr(root, STREAMED_ATTR, tuple(names[id(b)] for b in blocks))
+    setattr(root, PREFETCHER_ATTR, prefetcher)
     return prefetcher
+
+
+def connect_trained_streaming(root: torch.nn.Module, optimizer: torch.optim.Optimizer) -> bool:
+    """Hand the optimizer to `root`'s streamed trained blocks (they step inside backward). Returns whether any."""
+    prefetcher = getattr(root, PREFETCHER_ATTR, None)
+    if prefetcher is None or prefetcher.trained is None:
+        return False
+    prefetcher.trained.connect(optimizer)
+    return True
 
 
 class StreamedBlock(Visitor):
@@ -105,6 +124,12 @@ class StreamedBlock(Visitor):
 
     def device_copies(self, homes: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.prefetcher.copies_for(self, homes)
+
+    def placed(self, home: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+        trained = self.prefetcher.trained
+        if trained is not None and home.requires_grad and torch.is_grad_enabled():
+            return trained.placed(home, moved)
+        return super().placed(home, moved)
 
 
 class Prefetcher:
@@ -118,24 +143,26 @@ class Prefetcher:
     The order is recorded in the first forward (no prefetch there), as FSDP2's prefetch in this code base records it:
     a UNet runs its blocks in another order than it registers them."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, trained: TrainedStreaming | None = None):
         self.device = device
+        self.trained = trained  # the trained weights' steps, when the blocks' weights train
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.order: list[StreamedBlock] = []
         self.complete = False  # the order is known
-        self.ready: dict[int, tuple[list[int], list[torch.Tensor], object]] = {}  # block id -> (home ids, copies, event)
+        # block id -> (home ids, copies, event, the trained weights' update count when made)
+        self.ready: dict[int, tuple[list[int], list[torch.Tensor], object, int]] = {}
         self.taken = self.made = 0  # copies taken from a prefetch, made on arrival (blocks)
 
     def __deepcopy__(self, memo) -> "Prefetcher":
         # A copy of the module (sampling's, its template) streams with a prefetcher of its own: nothing made here, no
         # CUDA stream or event, is copied (neither can be), and the order is recorded again.
-        return Prefetcher(self.device)
+        return Prefetcher(self.device, copy.deepcopy(self.trained, memo))
 
     def copies_for(self, block: StreamedBlock, homes: list[torch.Tensor]) -> list[torch.Tensor]:
         backward = torch._C._current_graph_task_id() != -1  # a recomputation inside backward
         self._record(block, backward)
         ready = self.ready.pop(id(block), None)
-        if ready is not None and ready[0] == [id(h) for h in homes]:
+        if ready is not None and ready[0] == [id(h) for h in homes] and self._still_current(ready):
             copies = self._take(ready)
             self.taken += 1
         else:
@@ -161,20 +188,31 @@ class Prefetcher:
             return
         homes = [table[name] for table, name in block.entries]
         if self.stream is None:
-            self.ready[id(block)] = ([id(h) for h in homes], device_copies(homes, self.device, block.pin), None)
+            self.ready[id(block)] = ([id(h) for h in homes], device_copies(homes, self.device, block.pin), None,
+                                     self._updates())
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))  # after what was queued before it
         with torch.cuda.stream(self.stream):
             copies = device_copies(homes, self.device, block.pin)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self.ready[id(block)] = ([id(h) for h in homes], copies, event)
+        self.ready[id(block)] = ([id(h) for h in homes], copies, event, self._updates())
+
+    def _updates(self) -> int:
+        return self.trained.updates if self.trained is not None else 0
+
+    def _still_current(self, ready) -> bool:
+        """Whether no weight of these copies was stepped since they were made. A block whose copies were prefetched
+        in backward but that runs no recomputation (not checkpointed) would otherwise take them in the next
+        forward, from before its step."""
+        home_ids, _, _, made_at = ready
+        return self.trained is None or self.trained.unchanged_since(home_ids, made_at)
 
     def _take(self, ready) -> list[torch.Tensor]:
-        _, copies, event = ready
+        _, copies, event, _ = ready
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)
-            for copy in copies:
-                copy.record_stream(current)
+            for tensor in copies:
+                tensor.record_stream(current)
         return copies

@@ -69,14 +69,18 @@ class Visitor:
             # them (peft, caches' keys) sees the same parameters between forwards.
             self.homes = [table[name] for table, name in self.entries]
             for (table, name), home, moved in zip(self.entries, self.homes, self.device_copies(self.homes)):
-                is_parameter = isinstance(home, torch.nn.Parameter)
-                table[name] = torch.nn.Parameter(moved, requires_grad=False) if is_parameter else moved
+                table[name] = self.placed(home, moved)
         self.depth += 1
         return _to_device(args, self.device), _to_device(kwargs, self.device)
 
     def device_copies(self, homes: list[torch.Tensor]) -> list[torch.Tensor]:
         """A device copy of each home tensor, on the current stream."""
         return device_copies(homes, self.device, self.pin)
+
+    def placed(self, home: torch.Tensor, moved: torch.Tensor) -> torch.Tensor:
+        """What takes the home's place in the module for the forward: its device copy (a frozen parameter's as a
+        parameter, for code that checks)."""
+        return torch.nn.Parameter(moved, requires_grad=False) if isinstance(home, torch.nn.Parameter) else moved
 
     def leave(self, module, args, output):
         self.depth -= 1

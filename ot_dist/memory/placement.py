@@ -104,17 +104,19 @@ def place_component(component: torch.nn.Module, config, device: torch.device, of
                     prefer_cpu: bool = False, streamed: list[torch.nn.Module] = ()) -> None:
     """`offload_frozen_components` (or `prefer_cpu`: a text encoder whose outputs are cached) keeps an entirely frozen
     `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`, but the frozen
-    weights of its `streamed` blocks (memory/block_streaming.py), which stay in CPU memory. After store_component."""
+    weights of its `streamed` blocks (memory/block_streaming.py; the trained ones too when
+    `config.streams_trained_weights()`), which stay in CPU memory. After store_component."""
     frozen = not any(p.requires_grad for p in component.parameters())
     if (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
         offload_to_cpu(component, device)
     else:
-        with kept_home(streamed):
+        trained = bool(streamed) and config.streams_trained_weights()
+        with kept_home(streamed, trained):
             component.to(device)
         if device.type == "cpu":
             into_aligned_memory(component)
         if streamed:
-            stream_blocks(component, streamed, device)
+            stream_blocks(component, streamed, device, trained)
 
 
 # oneDNN / MKL pick their code paths by the address alignment of the operands.

@@ -42,6 +42,38 @@ def import_optimizer(ot: dict, c: dict, skip) -> None:
     c["optimizer"] = options
 
 
+def streamed_trained_denoiser(c: dict, denoiser: str, out) -> None:
+    """A full finetune whose denoiser streams its blocks (OneTrainer's layer offloading of a trained part): its
+    weights are stepped inside backward, so the fused back pass is on, as OneTrainer requires for it too
+    (modules/util/create.py refuses the run without it), and the gradient norm is not clipped (ot_dist clips the
+    global norm, which the fused back pass never has). Without an optimizer that can, the blocks stay on the device."""
+    from ot_dist.optim.registry import FUSED_BACK_PASS
+
+    fraction = c.get(denoiser, {}).get("offload_fraction")
+    if not fraction or c["method"] != "full" or c[denoiser].get("train") is False:
+        return
+    optimizer = c["optimizer"]
+    lacking = (f"which {optimizer['name']} has not ({', '.join(FUSED_BACK_PASS)} have)"
+               if optimizer["name"] not in FUSED_BACK_PASS else
+               "which ot_dist does not run with train_dtype float16 (its loss scale must see every gradient first)"
+               if c["train_dtype"] == "float16" else None)
+    if lacking:
+        del c[denoiser]["offload_fraction"]
+        out.not_honoured.append(f"{denoiser}.offload_fraction: {fraction}: the {denoiser} trains, and its streamed "
+                                f"weights are stepped in backward with the fused back pass, {lacking}; it stays on "
+                                "the device")
+        return
+    if not optimizer.get("fused_back_pass"):
+        optimizer["fused_back_pass"] = True
+        out.notes.append(f"{denoiser}.offload_fraction: {fraction} with the {denoiser} training -> "
+                         "optimizer.fused_back_pass: true (each streamed weight is stepped in backward while its copy "
+                         "is on the device; OneTrainer refuses this run without it)")
+    if c.get("clip_grad_norm") is not None:
+        out.notes.append(f"clip_grad_norm: {c['clip_grad_norm']} -> null: the fused back pass steps each weight "
+                         "before the others' gradients exist, so there is no global norm to clip")
+        c["clip_grad_norm"] = None
+
+
 def _adv_value(key: str, value):
     """OneTrainer's orthogonal_gradient is adv_optm 2.2's switch; adv_optm 2.5 names the mode (2.2's is flattened)."""
     if key == "orthogonal_gradient" and isinstance(value, bool):

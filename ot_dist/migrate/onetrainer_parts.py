@@ -157,8 +157,9 @@ def _storage_dtypes(settings: dict, trains: dict, c: dict, skip, parts: tuple[st
 def _checkpointing(settings: dict, active: dict, trains: dict, fam, c: dict, out) -> None:
     """One switch in ot_dist: the denoiser's (it backpropagates whenever anything trains); trained parts that
     differ are listed. OneTrainer's layer offloading: the frozen denoiser's as `<denoiser>.offload_fraction` (with
-    gradient checkpointing, which it needs), a frozen text encoder's as offload_frozen_components; activation
-    offloading and a trained part's layer offloading are listed."""
+    gradient checkpointing, which it needs; a trained one needs the fused back pass too: import_optimizer), a frozen
+    text encoder's as offload_frozen_components; activation offloading and a trained text encoder's layer offloading
+    are listed."""
     skip, denoiser = out.not_honoured.append, fam.denoiser
     c["gradient_checkpointing"] = bool(settings[denoiser]["gradient_checkpointing"])
     for part, on in active.items():
@@ -167,10 +168,10 @@ def _checkpointing(settings: dict, active: dict, trains: dict, fam, c: dict, out
                  f"gradient_checkpointing follows {denoiser}'s ({c['gradient_checkpointing']})")
     for part in active:
         fraction = settings[part]["offload_fraction"]
-        if fraction and trains[part]:
-            skip(f"{part}.offload_fraction: {fraction}: the {part} trains (OneTrainer streams it with a fused back "
-                 "pass); ot_dist streams frozen weights only and keeps it on the device")
-        elif fraction and part == denoiser:
+        if fraction and trains[part] and part != denoiser:
+            skip(f"{part}.offload_fraction: {fraction}: the {part} trains; ot_dist streams the denoiser's blocks only "
+                 "and keeps a text encoder that trains on the device")
+        elif fraction and part == denoiser:  # frozen (a LoRA's base), or trained and stepped in backward
             c.setdefault(part, {})["offload_fraction"] = fraction
             if not c["gradient_checkpointing"]:
                 c["gradient_checkpointing"] = True

@@ -18,9 +18,13 @@ import torch
 def install_fused_back_pass(optimizer: torch.optim.Optimizer) -> None:
     step = type(optimizer).step  # the class's step, with the optimizer's pre/post hooks
 
+    # Each parameter's own step, also for a caller that hands it a gradient itself: a streamed block's weight gets
+    # its gradient on a device copy, never on the parameter (memory/trained_streaming.py).
+    optimizer.fused_steppers = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            p.register_post_accumulate_grad_hook(_stepper(optimizer, group, step))
+            optimizer.fused_steppers[id(p)] = _stepper(optimizer, group, step)
+            p.register_post_accumulate_grad_hook(optimizer.fused_steppers[id(p)])
 
     def already_stepped(self, closure=None):
         return None

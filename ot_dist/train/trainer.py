@@ -22,7 +22,7 @@ from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.concepts import check_clip_batches, check_video_clips
 from ot_dist.data.video import check_clip_settings
 from ot_dist.data.training_data import open_training_data, report_lines, training_captions
-from ot_dist.memory.block_streaming import denoiser_streamed_blocks, frozen_bytes
+from ot_dist.memory.block_streaming import connect_trained_streaming, denoiser_streamed_blocks, frozen_bytes
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.placement import place_component, store_component
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
@@ -158,6 +158,7 @@ class Trainer:
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups)
+        connect_trained_streaming(self.model.denoiser, self.optimizer)  # a streamed block's weights step in backward
         if norm_vectors:  # their parameter groups, read before ZeRO replaces the groups' params by its partitions
             group_names(norm_vectors, self.optimizer, self.strategy.trained_parameters())
         self.optimizer = self.strategy.wrap_optimizer(self.optimizer)
@@ -214,10 +215,11 @@ class Trainer:
         blocks = denoiser_streamed_blocks(self.model, self.config)
         if blocks:
             name = self.model.family.denoiser
-            streamed_bytes = sum(frozen_bytes(b) for b in blocks)
+            trained = self.config.streams_trained_weights()
+            streamed_bytes = sum(frozen_bytes(b, trained) for b in blocks)
             self.log(f"{name}.offload_fraction {getattr(self.config, name).offload_fraction}: {len(blocks)} blocks' "
-                     f"frozen weights ({streamed_bytes / 2**30:.2f} GiB) stay in CPU memory, each copied in for its "
-                     "forward")
+                     f"{'' if trained else 'frozen '}weights ({streamed_bytes / 2**30:.2f} GiB) stay in CPU memory, "
+                     f"each copied in for its forward{' and stepped in backward' if trained else ''}")
         return blocks
 
     def _apply_performance(self) -> None:
