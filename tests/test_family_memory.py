@@ -205,12 +205,14 @@ def test_lumina2_memory_row_is_the_published_model_sharded_by_block():
     assert choose(family, "lora", 24, 1).setup.label == "LoRA r16, frozen bfloat16"
     assert choose(family, "lora", 12, 1).setup.label == "LoRA r16, frozen float8"
     # a full finetune: AdamW on one 80 GB GPU, sharded AdamW over 8 24 GB ones, the fused bfloat16 Adafactor setup
-    # (4.9 GiB + 6 GiB activations) on one 12 GB GPU, none on one 8 GB GPU
+    # (4.9 GiB + 6 GiB activations) on one 12 GB GPU, with 80 % of its blocks' trained weights streamed (1.5 GiB
+    # + 6 GiB) on one 8 GB GPU, none on one 6 GB GPU
     assert choose(family, "full", 80, 1).setup.label == "full denoiser, AdamW, frozen bfloat16"
     assert choose(family, "full", 24, 8).strategy == "fsdp"
-    assert choose(family, "full", 12, 1).setup.fused_back_pass
+    assert choose(family, "full", 12, 1).setup.fused_back_pass and not choose(family, "full", 12, 1).setup.streamed
+    assert choose(family, "full", 8, 1).setup.streamed == 0.8
     with pytest.raises(ConfigError, match="--gpu-memory"):
-        choose(family, "full", 8, 1)
+        choose(family, "full", 6, 1)
 
 
 def test_z_image_memory_row_is_the_published_model_sharded_by_block():

@@ -456,7 +456,8 @@ class Setup:
     optimizer: str = "ADAMW"
     fused_back_pass: bool = False  # gradients applied as they arrive: none held for the whole model
     # the share of the denoiser's block bytes kept in CPU memory and copied in ahead of use (`<denoiser>.
-    # offload_fraction`, memory/block_streaming.py; a LoRA's frozen blocks, with gradient checkpointing)
+    # offload_fraction`, memory/block_streaming.py, with gradient checkpointing): a LoRA's frozen blocks, or a full
+    # finetune's trained ones (their optimizer state stays on the device)
     streamed: float = 0.0
 
 
@@ -483,6 +484,13 @@ SETUPS = [
     Setup("full denoiser, Adafactor, frozen bfloat16", "full", "bfloat16", False, optimizer="ADAFACTOR"),
     Setup("full denoiser, bfloat16 weights, Adafactor, fused back pass, frozen float8 + offloaded", "full", "float8",
           True, trained_dtype="bfloat16", optimizer="ADAFACTOR", fused_back_pass=True),
+    # the trained weights stream too, stepped in backward (memory/trained_streaming.py; OneTrainer's FINE_TUNE presets)
+    Setup("full denoiser, bfloat16 weights, Adafactor, fused back pass, frozen float8 + offloaded, half the blocks "
+          "streamed", "full", "float8", True, trained_dtype="bfloat16", optimizer="ADAFACTOR", fused_back_pass=True,
+          streamed=0.5),
+    Setup("full denoiser, bfloat16 weights, Adafactor, fused back pass, frozen float8 + offloaded, 80 % of the blocks "
+          "streamed", "full", "float8", True, trained_dtype="bfloat16", optimizer="ADAFACTOR", fused_back_pass=True,
+          streamed=0.8),
 ]
 
 
@@ -563,7 +571,10 @@ STREAMED_IN_FLIGHT = 3
 def streamed_bytes(setup: Setup, sizes: ModelSizes) -> tuple[float, float]:
     """(bytes of the streamed blocks, bytes of the largest), chosen as training chooses them
     (memory/block_streaming.first_streamed)."""
-    sizes_of = [frozen_bytes(setup.frozen, count, linear) for count, linear in sizes.blocks]
+    if setup.trained == "full":
+        sizes_of = [count * BYTES[setup.trained_dtype] for count, _ in sizes.blocks]
+    else:
+        sizes_of = [frozen_bytes(setup.frozen, count, linear) for count, linear in sizes.blocks]
     streamed = sizes_of[first_streamed(sizes_of, setup.streamed):]
     return (sum(streamed), max(streamed)) if streamed else (0.0, 0.0)
 
@@ -577,13 +588,15 @@ def setup_bytes(setup: Setup, sizes: ModelSizes) -> float:
     frozen_parts = [n for n in counts if n != denoiser and (not setup.offload or n in RESIDENT_COMPONENTS)]
     frozen_parts += [denoiser] if setup.trained == "lora" else []
     frozen = sum(frozen_bytes(setup.frozen, counts[n], sizes.linear[n]) for n in frozen_parts)
+    streamed = 0.0  # the bytes streaming takes off the device (frozen ones for a LoRA, trained ones in a finetune)
     if setup.streamed:
         if not sizes.blocks:
             raise ValueError(f"'{setup.label}' needs the denoiser's blocks (model_sizes(..., units=...))")
         away, largest = streamed_bytes(setup, sizes)
-        frozen += STREAMED_IN_FLIGHT * largest - away
+        streamed = away - STREAMED_IN_FLIGHT * largest
     grads = 0 if setup.fused_back_pass else trained * BYTES[setup.trained_dtype]
-    return frozen + trained * BYTES[setup.trained_dtype] + grads + optimizer_state_bytes(shapes, setup.optimizer)
+    return (frozen + trained * BYTES[setup.trained_dtype] - streamed + grads
+            + optimizer_state_bytes(shapes, setup.optimizer))
 
 
 def setup_rows(sizes: dict[str, ModelSizes]) -> list[str]:

@@ -60,14 +60,15 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
     lines.append(f"strategy: {choice.strategy}" + {"single": "", "ddp": "                       # one replica per GPU",
                                                   "fsdp": "                      # weights, gradients and AdamW state "
                                                   "sharded over the GPUs"}[choice.strategy])
+    denoiser = ["  train: true"] if method == "full" else []
     if setup.streamed:
-        lines += [f"{family.denoiser}:",
-                  f"  offload_fraction: {setup.streamed:g}          # this share of the blocks' frozen weights in CPU "
-                  "memory, copied in ahead of use"]
+        weights = "trained weights (stepped in backward)" if method == "full" else "frozen weights"
+        denoiser.append(f"  offload_fraction: {setup.streamed:g}          # this share of the blocks' {weights} in "
+                        "CPU memory, copied in ahead of use")
+    if denoiser:
+        lines += [f"{family.denoiser}:", *denoiser]
     if method == "lora":
         lines += ["lora:", "  rank: 16", "  alpha: 16"]
-    if method == "full":
-        lines += [f"{family.denoiser}:", "  train: true"]
     lines += ["optimizer:", f"  name: {setup.optimizer}"]
     if setup.optimizer == "ADAFACTOR":  # with learning_rate above, as OneTrainer's defaults use it
         lines += ["  relative_step: false", "  scale_parameter: false"]
