@@ -79,7 +79,9 @@ class TrainedStreaming:
         try:
             self._state_beside(home)
             self.steppers[id(home)](home)  # the optimizer's step of this one parameter; frees its gradient
-            cpu.copy_(weight, non_blocking=True)
+            # the stepped values are whatever the parameter holds now: a step hook may have replaced the tensor
+            # (stochastic rounding steps a float32 copy and rounds it into a new bfloat16 one)
+            cpu.copy_(home.data, non_blocking=True)
         finally:
             home.data, home.grad = cpu, None
         self.updates += 1
