@@ -129,31 +129,35 @@ def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch
     torch.testing.assert_close(model.proj_out.weight.grad, reference.proj_out.weight.grad, rtol=0, atol=0)
 
 
+def sdxl_lora_run(models, data, out, fraction: float, **overrides):
+    """Two steps of SDXL LoRA with gradient checkpointing and a sample at step 2: the trainer, its losses, its LoRA
+    file's tensors and its sample (an array)."""
+    from safetensors.torch import load_file
+
+    raw = base_config(models["sdxl"], data, out, family="sdxl", method="lora", max_steps=2, batch_size=2,
+                      gradient_checkpointing=True, **{"unet.offload_fraction": fraction, "sampling.prompts": [SAMPLE],
+                                                      "sampling.every_n_steps": 2, **overrides})
+    trainer = Trainer(validate(raw), log=quiet)
+    losses = trainer.train().losses
+    image = np.asarray(Image.open(next((out / "samples" / "step-2").glob("*.png"))))
+    return trainer, losses, load_file(out / "lora.safetensors"), image
+
+
 @pytest.mark.parametrize("weight_dtype", ["float32", "nf4"])
 def test_a_lora_run_and_its_samples_are_the_same_with_streamed_blocks(tiny_models, shapes_data, tmp_path, weight_dtype):
     """SDXL LoRA with gradient checkpointing: the same losses, LoRA file and sample as without (the sample's copy of
     the UNet streams the same blocks, their weights left in CPU memory). nf4: the packed weights stream, their
     statistics (buffers) stay on the device."""
-    from safetensors.torch import load_file
-
-    def run(fraction):
-        out = tmp_path / f"run{fraction}"
-        raw = base_config(tiny_models["sdxl"], shapes_data, out, family="sdxl", method="lora", max_steps=2,
-                          batch_size=2, gradient_checkpointing=True, weight_dtype=weight_dtype,
-                          **{"unet.offload_fraction": fraction, "sampling.prompts": [SAMPLE],
-                             "sampling.every_n_steps": 2})
-        trainer = Trainer(validate(raw), log=quiet)
-        return trainer, trainer.train().losses, out
-
-    _, plain, plain_out = run(0.0)
-    trainer, streamed, out = run(0.6)
+    _, plain, plain_lora, plain_image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "plain", 0.0,
+                                                      weight_dtype=weight_dtype)
+    trainer, streamed, lora, image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "streamed", 0.6,
+                                                   weight_dtype=weight_dtype)
     names = getattr(trainer.model.denoiser, STREAMED_ATTR)
     assert len(names) >= 5 and all(name.startswith(("down_blocks", "mid_block", "up_blocks")) for name in names)
     assert streamed == plain
-    for key, value in load_file(plain_out / "lora.safetensors").items():
-        assert torch.equal(load_file(out / "lora.safetensors")[key], value), key
-    images = [np.asarray(Image.open(next((o / "samples" / "step-2").glob("*.png")))) for o in (plain_out, out)]
-    assert np.array_equal(*images)
+    for key, value in plain_lora.items():
+        assert torch.equal(lora[key], value), key
+    assert np.array_equal(image, plain_image)
 
 
 def test_offload_fraction_is_refused_where_it_cannot_work(tiny_models, shapes_data, tmp_path):
