@@ -69,6 +69,11 @@ def denoiser_streamed_blocks(model, config) -> list[torch.nn.Module]:
     return streamed_blocks(family_units(model.family, name, model.denoiser), getattr(config, name).offload_fraction)
 
 
+def streamed_in(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """`root`'s streamed blocks, by the names `stream_blocks` left on it (a deep copy of `root` finds its own)."""
+    return [root.get_submodule(name) for name in getattr(root, STREAMED_ATTR, ())]
+
+
 @contextlib.contextmanager
 def kept_home(blocks: list[torch.nn.Module]):
     """The blocks' frozen parameters out of their modules while the component moves to the device (`Module.to`
