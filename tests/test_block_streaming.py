@@ -1,13 +1,17 @@
 """`<denoiser>.offload_fraction` (memory/block_streaming.py, OneTrainer's layer offloading): which blocks stream,
 that a streamed block's frozen weights are device copies only during its forward and its recomputation in backward
 (and at most two blocks' copies exist at a time with gradient checkpointing), that a LoRA run and its samples are the
-same as without, and the refusals. On the CPU the "device" is the CPU: the copies are real copies all the same
-(`copy=True`), so their number and lifetime are what a GPU run holds."""
+same as without, that compiled streamed blocks (their forward only) train as eager without recompiling, and the
+refusals. On the CPU the "device" is the CPU: the copies are real copies all the same (`copy=True`), so their number
+and lifetime are what a GPU run holds."""
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import gc
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +22,8 @@ from PIL import Image
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.memory import offload
-from ot_dist.memory.block_streaming import STREAMED_ATTR, frozen_bytes, kept_home, stream_blocks, streamed_blocks
+from ot_dist.memory.block_streaming import (STREAMED_ATTR, StreamedBlock, frozen_bytes, kept_home, stream_blocks,
+                                            streamed_blocks, streamed_in)
 from ot_dist.memory.table import STREAMED_IN_FLIGHT
 from ot_dist.train.trainer import Trainer
 
@@ -53,6 +58,12 @@ def flux_call(model: torch.nn.Module) -> torch.Tensor:
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [*model.transformer_blocks, *model.single_transformer_blocks]
+
+
+def prefetcher_of(block: torch.nn.Module):
+    """The Prefetcher of a streamed block (its visitor's hook)."""
+    return next(hook.__self__.prefetcher for hook in block._forward_pre_hooks.values()
+                if isinstance(getattr(hook, "__self__", None), StreamedBlock))
 
 
 def test_the_last_blocks_stream_by_frozen_bytes():
@@ -129,31 +140,142 @@ def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch
     torch.testing.assert_close(model.proj_out.weight.grad, reference.proj_out.weight.grad, rtol=0, atol=0)
 
 
+def sdxl_lora_run(models, data, out, fraction: float, **overrides):
+    """Two steps of SDXL LoRA with gradient checkpointing and a sample at step 2: the trainer, its losses, its LoRA
+    file's tensors and its sample (an array)."""
+    from safetensors.torch import load_file
+
+    raw = base_config(models["sdxl"], data, out, family="sdxl", method="lora", max_steps=2, batch_size=2,
+                      gradient_checkpointing=True, **{"unet.offload_fraction": fraction, "sampling.prompts": [SAMPLE],
+                                                      "sampling.every_n_steps": 2, **overrides})
+    trainer = Trainer(validate(raw), log=quiet)
+    losses = trainer.train().losses
+    image = np.asarray(Image.open(next((out / "samples" / "step-2").glob("*.png"))))
+    return trainer, losses, load_file(out / "lora.safetensors"), image
+
+
 @pytest.mark.parametrize("weight_dtype", ["float32", "nf4"])
 def test_a_lora_run_and_its_samples_are_the_same_with_streamed_blocks(tiny_models, shapes_data, tmp_path, weight_dtype):
     """SDXL LoRA with gradient checkpointing: the same losses, LoRA file and sample as without (the sample's copy of
     the UNet streams the same blocks, their weights left in CPU memory). nf4: the packed weights stream, their
     statistics (buffers) stay on the device."""
-    from safetensors.torch import load_file
-
-    def run(fraction):
-        out = tmp_path / f"run{fraction}"
-        raw = base_config(tiny_models["sdxl"], shapes_data, out, family="sdxl", method="lora", max_steps=2,
-                          batch_size=2, gradient_checkpointing=True, weight_dtype=weight_dtype,
-                          **{"unet.offload_fraction": fraction, "sampling.prompts": [SAMPLE],
-                             "sampling.every_n_steps": 2})
-        trainer = Trainer(validate(raw), log=quiet)
-        return trainer, trainer.train().losses, out
-
-    _, plain, plain_out = run(0.0)
-    trainer, streamed, out = run(0.6)
+    _, plain, plain_lora, plain_image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "plain", 0.0,
+                                                      weight_dtype=weight_dtype)
+    trainer, streamed, lora, image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "streamed", 0.6,
+                                                   weight_dtype=weight_dtype)
     names = getattr(trainer.model.denoiser, STREAMED_ATTR)
     assert len(names) >= 5 and all(name.startswith(("down_blocks", "mid_block", "up_blocks")) for name in names)
     assert streamed == plain
-    for key, value in load_file(plain_out / "lora.safetensors").items():
-        assert torch.equal(load_file(out / "lora.safetensors")[key], value), key
-    images = [np.asarray(Image.open(next((o / "samples" / "step-2").glob("*.png")))) for o in (plain_out, out)]
-    assert np.array_equal(*images)
+    for key, value in plain_lora.items():
+        assert torch.equal(lora[key], value), key
+    assert np.array_equal(image, plain_image)
+
+
+def test_a_compiled_lora_run_with_streamed_blocks_trains_and_samples_as_eager(tiny_models, shapes_data, tmp_path):
+    """performance.compile with streamed blocks (train/fast_path.py compile_forward), SDXL LoRA: the streamed UNet
+    blocks compile their forward only and their hooks copy the weights in eagerly (the prefetcher made and handed out
+    the same copies as without compile), the other blocks compile their whole call. Losses and LoRA file are the
+    eager streamed run's within float tolerance (aot_eager: dynamo's and AOT autograd's graphs, what inductor
+    compiles). The sampler copied the UNet before it was compiled: its copy runs the plain blocks (streaming with
+    hooks of its own), so the sample is eager's."""
+    from ot_dist.methods.block_casts import casts_of
+    from ot_dist.train.fast_path import EAGER_FORWARD, denoiser_blocks
+
+    eager, eager_losses, eager_lora, eager_image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "eager", 0.6)
+    torch._dynamo.reset()
+    trainer, losses, lora, image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "compiled", 0.6,
+                                                 **{"performance.compile": True,
+                                                    "performance.compile_backend": "aot_eager"})
+    streamed = streamed_in(trainer.model.denoiser)
+    resident = [b for b in denoiser_blocks(trainer.model) if not any(b is s for s in streamed)]
+    assert len(streamed) >= 5 and resident
+    assert all(EAGER_FORWARD in b.__dict__ and b._compiled_call_impl is None and casts_of(b) is None for b in streamed)
+    assert all(b._compiled_call_impl is not None and EAGER_FORWARD not in b.__dict__ for b in resident)
+    eager_prefetcher, prefetcher = (prefetcher_of(streamed_in(t.model.denoiser)[0]) for t in (eager, trainer))
+    assert (prefetcher.taken, prefetcher.made) == (eager_prefetcher.taken, eager_prefetcher.made)
+    assert prefetcher.taken + prefetcher.made >= 2 * len(streamed)  # each step, each streamed block's forward
+    template = trainer.sampler.templates["unet"]
+    assert not any(EAGER_FORWARD in m.__dict__ or m._compiled_call_impl is not None for m in template.modules())
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
+    for key, value in eager_lora.items():
+        torch.testing.assert_close(lora[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert np.abs(image.astype(int) - eager_image).max() <= 1
+
+
+def test_compiled_streamed_blocks_compute_as_compiled_resident_ones_under_autocast(tiny_models, shapes_data, tmp_path):
+    """SDXL LoRA in bfloat16 autocast, compiled: with 60 % of the blocks streamed the same losses, LoRA file and sample
+    as with none, to the bit. A streamed block (its forward compiled) drops the hook that casts its adapters together
+    (methods/block_casts.py) and casts them per layer inside the graph, as a block compiled whole does; with that hook
+    left on, the casts made outside the graph and the recomputation disagree (torch.utils.checkpoint's metadata
+    check fails)."""
+    compiled = {"train_dtype": "bfloat16", "performance.compile": True, "performance.compile_backend": "aot_eager"}
+    torch._dynamo.reset()
+    _, resident_losses, resident_lora, resident_image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "resident",
+                                                                      0.0, **compiled)
+    torch._dynamo.reset()
+    _, losses, lora, image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "streamed", 0.6, **compiled)
+    assert losses == resident_losses
+    for key, value in resident_lora.items():
+        assert torch.equal(lora[key], value), key
+    assert np.array_equal(image, resident_image)
+
+
+def test_compiled_streamed_blocks_train_as_eager_and_never_recompile():
+    """Flux with half its blocks streamed and compiled (apply_performance): four SGD steps of the blocks' biases give
+    the eager run's losses and weights; the frozen weights are the CPU homes between steps, each streamed block took
+    or made copies for its forward and its recomputation each step; and the new device copies of every forward do
+    not make dynamo compile again: every frame is compiled in the first step (dynamo's fail_on_recompile stance
+    raises on any compile after it). A deep copy of the compiled model (sampling's, were it made after compiling)
+    computes with its own blocks, not the originals'."""
+    from torch._dynamo.utils import counters
+
+    from ot_dist.config.performance import PerformanceConfig
+    from ot_dist.models.families.registry import get_family
+    from ot_dist.train.fast_path import EAGER_FORWARD, apply_performance
+
+    def train(compiled: bool):
+        torch._dynamo.reset()
+        counters.clear()
+        model = flux_transformer(checkpointing=True)
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.endswith(".bias") or name.startswith("proj_out."))
+        streamed = streamed_blocks(blocks_of(model), 0.5)
+        prefetcher = stream_blocks(model, streamed, torch.device("cpu"))
+        homes = [p for b in streamed for p in b.parameters() if not p.requires_grad]
+        apply_performance(SimpleNamespace(family=get_family("flux"), denoiser=model),
+                          PerformanceConfig(compile=compiled, compile_backend="aot_eager"), torch.device("cpu"),
+                          "single", log=quiet)
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+        losses, frames, graphs = [], [], []
+        for step in range(4):
+            prefetcher.taken = prefetcher.made = 0
+            with torch.compiler.set_stance("fail_on_recompile") if step else contextlib.nullcontext():
+                loss = flux_call(model).square().mean()
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+            frames.append(counters["frames"]["total"])
+            graphs.append(counters["stats"]["unique_graphs"])
+            assert prefetcher.taken + prefetcher.made == 2 * len(streamed)
+            assert [p for b in streamed for p in b.parameters() if not p.requires_grad] == homes
+        return model, streamed, torch.stack(losses), frames, graphs
+
+    eager, _, eager_losses, eager_frames, _ = train(compiled=False)
+    model, streamed, losses, frames, graphs = train(compiled=True)
+    assert eager_frames == [0] * 4
+    assert all(EAGER_FORWARD in b.__dict__ and b._compiled_call_impl is None for b in streamed)
+    assert 0 < len(streamed) < len(blocks_of(model))
+    assert frames[0] > 0 and frames == frames[:1] * 4 and graphs == graphs[:1] * 4, (frames, graphs)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(losses[0], losses[-1])  # it trained
+    for (name, param), reference in zip(model.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(param, reference, rtol=1e-4, atol=1e-5, msg=name)
+    twin, eager_twin = copy.deepcopy(model), copy.deepcopy(eager)
+    with torch.no_grad():
+        for m in (twin, eager_twin):
+            streamed_in(m)[-1].proj_out.weight.mul_(2)  # the copies' own weights, not the originals'
+        torch.testing.assert_close(flux_call(twin), flux_call(eager_twin), rtol=1e-5, atol=1e-6)
 
 
 def test_offload_fraction_is_refused_where_it_cannot_work(tiny_models, shapes_data, tmp_path):
@@ -166,10 +288,19 @@ def test_offload_fraction_is_refused_where_it_cannot_work(tiny_models, shapes_da
     check("unet.offload_fraction: strategies single and ddp stream blocks; fsdp", strategy="fsdp")
     check("unet.offload_fraction: the unet trains, so its streamed weights are updated inside backward", method="full",
           clip_grad_norm=None)
-    check("unet.offload_fraction: not with performance.compile or float8_matmuls", **{"performance.compile": True})
+    check("unet.offload_fraction: not with performance.float8_matmuls", **{"performance.float8_matmuls": True})
+    check(r"unet.offload_fraction: not with performance.compile_mode: reduce-overhead \(CUDA graphs",
+          **{"performance.compile": True, "performance.compile_mode": "reduce-overhead"})
+    check("unet.offload_fraction: not with performance.compile_mode: max-autotune ",
+          **{"performance.compile": True, "performance.compile_mode": "max-autotune"})
     check("text_encoder.offload_fraction: only the denoiser", **{"text_encoder.offload_fraction": 0.5})
     check("unet.offload_fraction: not with performance.checkpoint_every_n_blocks",
           **{"performance.checkpoint_every_n_blocks": 2})
+    for mode in ("default", "max-autotune-no-cudagraphs"):  # compiled without CUDA graphs: streamed blocks' forward
+        config = validate(base_config(tiny_models["sdxl"], shapes_data, tmp_path, family="sdxl", method="lora",
+                                      **{"unet.offload_fraction": 0.5, "gradient_checkpointing": True,
+                                         "performance.compile": True, "performance.compile_mode": mode}))
+        assert config.performance.compile and config.unet.offload_fraction == 0.5
 
 
 def test_the_sampling_copy_leaves_streamed_weights_in_cpu_memory():
@@ -240,8 +371,6 @@ def test_streamed_blocks_lower_the_peak_on_cuda_and_compute_the_same():
 def test_a_copy_of_a_streaming_module_prefetches_on_its_own():
     """Sampling deep-copies the trained denoiser: the copy's blocks share one fresh Prefetcher (no copies, streams or
     events copied, its order recorded again) and compute as the original."""
-    import copy
-
     model = flux_transformer(checkpointing=True)
     streamed = streamed_blocks(blocks_of(model), 0.8)
     prefetcher = stream_blocks(model, streamed, torch.device("cpu"))

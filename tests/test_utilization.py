@@ -76,10 +76,14 @@ def test_trainer_logs_mfu_and_samples_per_s_per_window(tiny_models, shapes_data,
         assert metrics["tflops_per_s"] == pytest.approx(metrics["mfu"], rel=1e-6)  # peak 1 TFLOP/s
 
 
-def test_counting_a_compiled_model_leaves_it_compiled():
+@pytest.mark.parametrize("whole", [True, False])
+def test_counting_a_compiled_model_leaves_it_compiled(whole):
     """Dynamo skips a compiled frame for good when it first meets it under the FLOP counter's dispatch mode; the
-    meter runs the compiled blocks eagerly while it counts, so the next micro step compiles them."""
+    meter runs the compiled blocks eagerly while it counts, so the next micro step compiles them. Blocks compiled
+    whole (their call) or by their forward alone (a streamed block's: train/fast_path.py compile_forward)."""
     from torch._dynamo.utils import counters
+
+    from ot_dist.train.fast_path import EAGER_FORWARD, compile_forward
 
     class Block(torch.nn.Module):
         def __init__(self):
@@ -93,7 +97,11 @@ def test_counting_a_compiled_model_leaves_it_compiled():
     counters.clear()
     root = torch.nn.Sequential(Block(), Block())
     for block in root:
-        block.compile(backend="aot_eager")
+        if whole:
+            block.compile(backend="aot_eager")
+        else:
+            compile_forward(block, backend="aot_eager")
+    compiled = [(b._compiled_call_impl, b.forward) for b in root]
     x = torch.randn(4, 8)
 
     def run():
@@ -103,7 +111,8 @@ def test_counting_a_compiled_model_leaves_it_compiled():
 
     meter = UtilizationMeter(torch.device("cpu"), "float32", False, peak=lambda d, t: 1e12, root=root)
     meter.micro_step({"x": x}, run)
-    assert all(block._compiled_call_impl is not None for block in root)
+    assert [(b._compiled_call_impl, b.forward) for b in root] == compiled  # put back after the count
+    assert whole or all(EAGER_FORWARD in b.__dict__ for b in root)
     assert not counters["stats"]  # the counted step ran eagerly
     meter.micro_step({"x": x}, run)
     assert counters["stats"]["unique_graphs"] >= 1, "the blocks were never compiled after the counted step"

@@ -22,8 +22,9 @@ class PerformanceConfig(Section):
         default=False,
         description="torch.compile each repeated block of the denoiser (its family's shard units: UNet resnets and "
         "attention blocks, transformer blocks) in place: regional compilation, so weight names, FSDP2 units and "
-        "checkpointing are unchanged and compile time is one block's per distinct shape. On a GPU it pays for the "
-        "transformer families (Flux.1 dev LoRA 1.5x faster, docs/performance.md).",
+        "checkpointing are unchanged and compile time is one block's per distinct shape. A streamed block "
+        "(<denoiser>.offload_fraction) compiles its forward only, the copying of its weights around it stays eager. "
+        "On a GPU it pays for the transformer families (Flux.1 dev LoRA 1.5x faster, docs/performance.md).",
     )
     compile_backend: Literal["inductor", "aot_eager", "eager"] = Field(
         default="inductor",
@@ -34,8 +35,8 @@ class PerformanceConfig(Section):
         description="torch.compile's mode for the compiled blocks (with compile: true, inductor). reduce-overhead and "
         "max-autotune replay each block's kernels as CUDA graphs: one launch per block instead of hundreds, for steps "
         "paced by the host (SDXL LoRA, docs/performance.md); CUDA only, strategies single and ddp, "
-        "gradient_accumulation_steps 1, no optimizer.fused_back_pass (the graphs need weights and gradients at fixed "
-        "addresses); validation runs the blocks uncompiled. Not yet measured on a GPU.",
+        "gradient_accumulation_steps 1, no optimizer.fused_back_pass, no streamed blocks (the graphs need weights and "
+        "gradients at fixed addresses); validation runs the blocks uncompiled. Not yet measured on a GPU.",
     )
     channels_last: Literal["auto", "on", "off"] = Field(
         default="auto",

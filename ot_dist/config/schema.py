@@ -1111,9 +1111,14 @@ class TrainConfig(Section):
             raise ValueError(f"{field}: the {denoiser} trains, so its streamed weights are updated inside backward "
                              "while their copies are on the device: set optimizer.fused_back_pass: true (an "
                              f"optimizer that supports it: {', '.join(FUSED_BACK_PASS)})")
-        if self.performance.compile or self.performance.float8_matmuls:
-            raise ValueError(f"{field}: not with performance.compile or float8_matmuls (compiled blocks would capture "
-                             "the copies; float8 layers replace the streamed modules)")
+        if self.performance.float8_matmuls:
+            raise ValueError(f"{field}: not with performance.float8_matmuls (float8 layers replace the modules whose "
+                             "weights the streamed blocks swap)")
+        if self.performance.records_cuda_graphs:
+            raise ValueError(f"{field}: not with performance.compile_mode: {self.performance.compile_mode} (CUDA "
+                             "graphs replay on the addresses they recorded; a streamed block computes on new device "
+                             "copies of its weights every step); use compile_mode default or "
+                             "max-autotune-no-cudagraphs")
         if self.performance.selective_checkpointing:
             raise ValueError(f"{field}: not with performance.checkpoint_every_n_blocks / checkpoint_only_attention "
                              "(a block recomputed without its call hooks would compute with the weights left in CPU "

@@ -76,6 +76,11 @@ def denoiser_streamed_blocks(model, config) -> list[torch.nn.Module]:
                            trained=config.streams_trained_weights())
 
 
+def streamed_in(root: torch.nn.Module) -> list[torch.nn.Module]:
+    """`root`'s streamed blocks, by the names `stream_blocks` left on it (a deep copy of `root` finds its own)."""
+    return [root.get_submodule(name) for name in getattr(root, STREAMED_ATTR, ())]
+
+
 @contextlib.contextmanager
 def kept_home(blocks: list[torch.nn.Module], trained: bool = False):
     """The blocks' streamed parameters out of their modules while the component moves to the device (`Module.to`

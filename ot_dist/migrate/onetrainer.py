@@ -112,7 +112,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
     c["output_dtype"] = _dtype(ot, "output_dtype", skip) or "float32"
 
     import_parts(ot, c, family, method, out)
-    _performance(ot, c, get_family(family).denoiser, skip)
+    _performance(ot, c, skip)
     _layer_skip(ot, c, family, skip)
     _t5_length(ot, c, family)
     _caption_length(ot, family, skip)
@@ -175,9 +175,8 @@ def _depth_model(c: dict, out: Imported) -> None:
 ATTENTION_BACKENDS = {"SDP": "auto", "FLASH": "flash", "CUDNN": "cudnn"}
 
 
-def _performance(ot: dict, c: dict, denoiser: str, skip) -> None:
-    """`compile` and `attention_mechanism` as ot_dist's performance options (after the parts: a streamed denoiser is
-    not compiled)."""
+def _performance(ot: dict, c: dict, skip) -> None:
+    """`compile` and `attention_mechanism` as ot_dist's performance options."""
     performance = {}
     mechanism = str(ot.get("attention_mechanism") or "SDP")
     if mechanism not in ATTENTION_BACKENDS:
@@ -186,11 +185,8 @@ def _performance(ot: dict, c: dict, denoiser: str, skip) -> None:
     elif ATTENTION_BACKENDS[mechanism] != "auto":
         performance["attention_backend"] = ATTENTION_BACKENDS[mechanism]
     if ot.get("compile"):
-        if c.get(denoiser, {}).get("offload_fraction"):
-            skip(f"compile: true: ot_dist does not compile a {denoiser} whose blocks stream from CPU memory "
-                 f"({denoiser}.offload_fraction); it runs uncompiled")
-        else:
-            performance["compile"] = True  # the denoiser's blocks, regionally, as OneTrainer compiles them
+        # the denoiser's blocks, regionally, as OneTrainer compiles them (streamed ones: their forward only)
+        performance["compile"] = True
     if performance:
         c["performance"] = {**c.get("performance", {}), **performance}
 

@@ -67,17 +67,26 @@ class UtilizationMeter:
 @contextmanager
 def uncompiled(root: torch.nn.Module | None):
     """`root`'s compiled sub-modules call their plain forward meanwhile. A compiled frame that dynamo meets under a
-    dispatch mode (the FLOP counter), or while disabled, is skipped for good, and compiled blocks all share
-    nn.Module._call_impl: no block would ever be compiled after the count."""
-    compiled = [] if root is None else [(m, m._compiled_call_impl) for m in root.modules()
-                                         if getattr(m, "_compiled_call_impl", None) is not None]
-    for module, _ in compiled:
+    dispatch mode (the FLOP counter), or while disabled, is skipped for good, and compiled blocks share their code
+    (nn.Module._call_impl, their class's forward): no block would ever be compiled after the count. A block
+    compiled whole has its call compiled (`_compiled_call_impl`), a streamed one its forward (train/fast_path.py
+    `compile_forward`)."""
+    from ot_dist.train.fast_path import EAGER_FORWARD
+
+    modules = [] if root is None else list(root.modules())
+    calls = [(m, m._compiled_call_impl) for m in modules if getattr(m, "_compiled_call_impl", None) is not None]
+    forwards = [(m, m.forward) for m in modules if EAGER_FORWARD in m.__dict__]
+    for module, _ in calls:
         module._compiled_call_impl = None
+    for module, _ in forwards:
+        module.forward = getattr(module, EAGER_FORWARD)
     try:
         yield
     finally:
-        for module, impl in compiled:
+        for module, impl in calls:
             module._compiled_call_impl = impl
+        for module, forward in forwards:
+            module.forward = forward
 
 
 def device_label(device: torch.device) -> str:

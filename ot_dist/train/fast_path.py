@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 
 import torch
 
@@ -116,13 +117,52 @@ def apply_performance(model, options: PerformanceConfig, device: torch.device, s
     if uses_channels_last(options, model.family, device):
         denoiser.to(memory_format=torch.channels_last)
     if options.compile:
-        blocks = denoiser_blocks(model)
-        variants = allow_recompiles_for(blocks)
-        mode = None if options.compile_mode == "default" else options.compile_mode
-        for block in blocks:
+        compile_blocks(model, options, log)
+
+
+def compile_blocks(model, options: PerformanceConfig, log=print) -> None:
+    """Regional compilation: each denoiser block's call compiled in place; a streamed block's forward alone
+    (`compile_forward`)."""
+    from ot_dist.memory.block_streaming import streamed_in
+
+    blocks = denoiser_blocks(model)
+    streamed = {id(b) for b in streamed_in(model.denoiser)}
+    variants = allow_recompiles_for(blocks)
+    mode = None if options.compile_mode == "default" else options.compile_mode
+    for block in blocks:
+        if id(block) in streamed:
+            compile_forward(block, backend=options.compile_backend, mode=mode)
+        else:
             block.compile(backend=options.compile_backend, mode=mode)
-        log(f"performance: {len(blocks)} denoiser blocks compiled ({options.compile_backend}"
-            f"{', ' + mode if mode else ''}, {variants} distinct)")
+    only_forward = f", {len(streamed)} streamed ones their forward only" if streamed else ""
+    log(f"performance: {len(blocks)} denoiser blocks compiled ({options.compile_backend}"
+        f"{', ' + mode if mode else ''}, {variants} distinct{only_forward})")
+
+
+# On a block whose forward alone is compiled: the forward it had before, which `tracking.utilization.uncompiled` runs.
+EAGER_FORWARD = "_eager_forward"
+
+
+def compile_forward(block: torch.nn.Module, **options) -> None:
+    """Compile `block`'s forward and leave its call (`_call_impl`, its hooks) eager. A streamed block's hooks
+    (memory/block_streaming.py) put new device copies of its frozen parameters in place before each forward and
+    the CPU ones back after it, with a prefetcher's Python state and a CUDA side stream: traced (`Module.compile`
+    compiles the call), they break the graph and recompile on every block until dynamo's limit leaves them eager.
+    The forward they wrap reads the parameters as graph inputs, so a new copy each call reuses the graph.
+
+    Bound as a method of the block: a deep copy of the block calls its own forward, not this one's (a deep copy
+    of a block compiled whole drops `_compiled_call_impl` and runs eagerly). Casts of the block's trained weights
+    made together by a hook (methods/block_casts.py) would enter the graph from outside as Python state: they are
+    removed, and its layers cast their own weights inside the graph, as in a block compiled whole (whose hooks see
+    `is_compiling()` and make none)."""
+    from ot_dist.methods.block_casts import casts_of
+
+    casts = casts_of(block)
+    if casts is not None:
+        casts.remove()
+    eager = block.forward
+    block.forward = types.MethodType(torch.compile(eager.__func__, **options), block)
+    setattr(block, EAGER_FORWARD, eager)
 
 
 def begin_step(options: PerformanceConfig) -> None:
