@@ -194,3 +194,37 @@ def test_a_full_finetune_with_streamed_blocks_resumes_exactly(tiny_models, shape
     for name in saved:
         want, got = load_file(tmp_path / "straight" / name), load_file(tmp_path / "stopped" / name)
         assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), name
+
+
+def test_compiled_streamed_trained_blocks_step_as_eager_and_never_recompile():
+    """performance.compile beside trained streaming (a streamed block compiles its forward; the weights it reads are
+    StreamIn's device copies, new every call): two AdamW steps with the fused back pass give the eager streamed run's
+    weights within float tolerance (aot_eager), and no frame compiles after the first step."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from torch._dynamo.utils import counters
+
+    from ot_dist.config.performance import PerformanceConfig
+    from ot_dist.models.families.registry import get_family
+    from ot_dist.train.fast_path import apply_performance
+
+    def run(compiled: bool) -> torch.nn.Module:
+        torch._dynamo.reset()
+        counters.clear()
+        model = trained_flux()
+        stream_blocks(model, streamed_blocks(blocks_of(model), 0.5, trained=True), torch.device("cpu"), trained=True)
+        apply_performance(SimpleNamespace(family=get_family("flux"), denoiser=model),
+                          PerformanceConfig(compile=compiled, compile_backend="aot_eager"), torch.device("cpu"),
+                          "single", log=quiet)
+        optimizer = adamw(model)
+        connect_trained_streaming(model, optimizer)
+        for step in range(3):
+            with torch.compiler.set_stance("fail_on_recompile") if step else contextlib.nullcontext():
+                train(model, optimizer, 1)
+        assert (counters["frames"]["total"] > 0) == compiled
+        return model
+
+    eager, compiled = run(False), run(True)
+    for (name, value), expected in zip(compiled.named_parameters(), eager.parameters()):
+        torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5, msg=name)
