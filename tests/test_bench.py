@@ -243,3 +243,31 @@ def test_bench_stores_the_frozen_weights_and_streams_blocks_as_told(tmp_path):
     result = json.loads(json_file.read_text())
     assert (result["weight_dtype"], result["offload_fraction"]) == ("int8", 0.5)
     assert "weight_dtype=int8 offload_fraction=0.5" in (out / "bench.md").read_text().splitlines()[2]
+
+
+def test_bench_streams_a_full_finetunes_trained_blocks_with_the_fused_back_pass(tmp_path):
+    """`--method full --offload-fraction 0.5 --fused-back-pass --trained-weight-dtype bfloat16` (OneTrainer's FINE_TUNE
+    layer offloading): the streamed blocks' trained weights live in CPU memory and are stepped in backward (the bench's
+    step changes them), and the row says so."""
+    from ot_dist.memory.block_streaming import PREFETCHER_ATTR, streamed_in
+
+    bench = BENCH_MODELS["tiny-flux-dev"]
+    options = BenchOptions(model="tiny-flux-dev", method="full", resolution=32, dtype="bf16", device="cpu",
+                           gradient_checkpointing=True, optimizer="ADAFACTOR", fused_back_pass=True,
+                           trained_weight_dtype="bfloat16", offload_fraction=0.5)
+    run = prepare(bench, options, train_config(bench, options, str(tmp_path)), torch.device("cpu"))
+    streamed = streamed_in(run.model.denoiser)
+    weights = [p for b in streamed for p in b.parameters()]
+    assert weights and all(p.requires_grad and p.dtype == torch.bfloat16 for p in weights)
+    before = [p.detach().clone() for p in weights]
+    run.step()
+    assert getattr(run.model.denoiser, PREFETCHER_ATTR).trained.updates == len(weights)
+    assert sum(not torch.equal(p, b) for p, b in zip(weights, before)) > len(weights) // 2
+    out = tmp_path / "bench"
+    code = main(["bench", "--model", "tiny-flux-dev", "--method", "full", "--resolution", "32", "--steps", "1",
+                 "--warmup", "0", "--device", "cpu", "--no-flops", "--gradient-checkpointing", "--optimizer",
+                 "ADAFACTOR", "--fused-back-pass", "--trained-weight-dtype", "bfloat16", "--offload-fraction", "0.5",
+                 "--out", str(out)])
+    assert code == 0
+    row = (out / "bench.md").read_text().splitlines()[2]
+    assert "offload_fraction=0.5 fused_back_pass=True trained_weight_dtype=bfloat16" in row, row

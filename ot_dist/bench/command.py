@@ -36,8 +36,14 @@ def add_bench_parser(sub) -> None:
                        choices=["float32", "bfloat16", "float16", "float8", "nf4", "int8"], help="storage of the frozen weights (a LoRA's base): default the compute dtype; int8 computes in "
                        "int8 matmuls (weight_dtype in configs/REFERENCE.md)")
     bench.add_argument("--offload-fraction", type=float, default=0.0, metavar="F",
-                       help="stream the frozen weights of the denoiser's last blocks, this fraction of their bytes, from "
-                       "CPU memory (<denoiser>.offload_fraction; needs --gradient-checkpointing)")
+                       help="stream the weights of the denoiser's last blocks, this fraction of their bytes, from CPU "
+                       "memory: a LoRA's frozen ones, a full finetune's trained ones too (<denoiser>.offload_fraction; "
+                       "needs --gradient-checkpointing, and --fused-back-pass for a full finetune)")
+    bench.add_argument("--fused-back-pass", action="store_true",
+                       help="optimizer.fused_back_pass (each weight stepped in backward; clip_grad_norm off): what a "
+                       "full finetune's --offload-fraction needs (its trained weights stream too)")
+    bench.add_argument("--trained-weight-dtype", default="float32", choices=["float32", "bfloat16"],
+                       help="storage of the trained weights (trained_weight_dtype; default float32 masters)")
     bench.add_argument("--out", default="bench_out", metavar="DIR",
                        help="write <run>.json and append the row to DIR/bench.md (default bench_out)")
 
@@ -67,7 +73,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         gradient_checkpointing=args.gradient_checkpointing, dtype=args.dtype, optimizer=args.optimizer,
         device=args.device, peak_tflops=args.peak_tflops, count_flops=args.count_flops,
         performance=tuple(performance), profile_steps=args.profile_steps, weight_dtype=args.weight_dtype,
-        offload_fraction=args.offload_fraction)
+        offload_fraction=args.offload_fraction, fused_back_pass=args.fused_back_pass,
+        trained_weight_dtype=args.trained_weight_dtype)
     result = run_bench(options, args.out)
     json_path, table = write_report(result, args.out)
     print(HEADER)

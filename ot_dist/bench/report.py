@@ -25,7 +25,8 @@ def markdown_row(result: dict) -> str:
 
 def chosen_performance(result: dict) -> dict:
     """The performance options this run set away from their defaults, and a frozen storage other than the compute
-    dtype or streamed blocks (`weight_dtype`, `offload_fraction`)."""
+    dtype, streamed blocks, the fused back pass or bfloat16 trained weights (`weight_dtype`, `offload_fraction`,
+    `fused_back_pass`, `trained_weight_dtype`)."""
     from ot_dist.config.performance import PerformanceConfig
     from ot_dist.precision import DTYPES
 
@@ -36,6 +37,10 @@ def chosen_performance(result: dict) -> dict:
         chosen["weight_dtype"] = storage
     if result.get("offload_fraction"):
         chosen["offload_fraction"] = result["offload_fraction"]
+    if result.get("fused_back_pass"):
+        chosen["fused_back_pass"] = True
+    if result.get("trained_weight_dtype", "float32") != "float32":
+        chosen["trained_weight_dtype"] = result["trained_weight_dtype"]
     return chosen
 
 

@@ -39,6 +39,8 @@ class BenchOptions:
     profile_steps: int = 0  # steps run under torch.profiler after the timed ones (0: none)
     weight_dtype: str | None = None  # the frozen weights' storage (None: the compute dtype), e.g. int8, nf4, float8
     offload_fraction: float = 0.0  # the denoiser's <denoiser>.offload_fraction (memory/block_streaming.py)
+    fused_back_pass: bool = False  # optimizer.fused_back_pass (clip_grad_norm off); a full finetune's streaming needs it
+    trained_weight_dtype: str = "float32"  # the trained weights' storage (float32 masters, or bfloat16)
 
 
 def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> TrainConfig:
@@ -62,7 +64,9 @@ def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> T
         **({get_family(bench.family).denoiser: {"offload_fraction": options.offload_fraction}}
            if options.offload_fraction else {}),
         gradient_checkpointing=options.gradient_checkpointing,
-        optimizer={"name": options.optimizer},
+        optimizer={"name": options.optimizer, **({"fused_back_pass": True} if options.fused_back_pass else {})},
+        **({"clip_grad_norm": None} if options.fused_back_pass else {}),
+        trained_weight_dtype=options.trained_weight_dtype,
         lora={"rank": options.lora_rank, "alpha": float(options.lora_rank)},
         performance=dict(options.performance),
         mlflow={"enabled": False},
@@ -116,11 +120,12 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
         if config.gradient_checkpointing and module is model.denoiser and not config.performance.selective_checkpointing:
             enable_gradient_checkpointing(module)
     streamed = denoiser_streamed_blocks(model, config)
-    if streamed:  # built on the device: the streamed blocks' frozen weights go home to CPU memory first
+    if streamed:  # built on the device: the streamed blocks' weights go home to CPU memory first
         device = next(model.denoiser.parameters()).device
-        for table, key in (e for block in streamed for e in frozen_entries(block)):
+        trained = config.streams_trained_weights()
+        for table, key in (e for block in streamed for e in frozen_entries(block, trained)):
             table[key].data = table[key].data.cpu()
-        stream_blocks(model.denoiser, streamed, device)
+        stream_blocks(model.denoiser, streamed, device, trained)
 
 
 def apply_bench_performance(model: LoadedModel, config: TrainConfig, device: torch.device) -> None:
@@ -193,6 +198,7 @@ class BenchRun:
 
 def prepare(bench: BenchModel, options: BenchOptions, config: TrainConfig, device: torch.device,
             with_optimizer: bool = True) -> BenchRun:
+    from ot_dist.memory.block_streaming import connect_trained_streaming
     from ot_dist.methods.registry import build_method
     from ot_dist.optim.factory import build_optimizer
     from ot_dist.parallel import build_strategy
@@ -209,7 +215,9 @@ def prepare(bench: BenchModel, options: BenchOptions, config: TrainConfig, devic
     groups = strategy.wrap(model, groups)
     optimizer = None
     if with_optimizer:
-        optimizer = strategy.wrap_optimizer(build_optimizer(config.optimizer, groups))
+        built = build_optimizer(config.optimizer, groups)
+        connect_trained_streaming(model.denoiser, built)  # streamed trained weights step in backward
+        optimizer = strategy.wrap_optimizer(built)
     params = [p for g in groups for p in g.params]
     batch = random_batch(bench, model, options.batch_size, options.resolution, device)
     return BenchRun(model, config, strategy, optimizer, params, batch)

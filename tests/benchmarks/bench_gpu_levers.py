@@ -77,6 +77,18 @@ PLAN = [
     ("flux lora ckpt", dict(model="flux-dev", method="lora", batch_size=1, gradient_checkpointing=True), 45, None),
     ("flux lora ckpt offload-0.5", dict(model="flux-dev", method="lora", batch_size=1, gradient_checkpointing=True,
                                         offload_fraction=0.5), 60, None),
+    # Queued in session 25: compile beside streamed blocks, and a full finetune that streams its trained blocks
+    # (OneTrainer's FINE_TUNE presets: bfloat16 weights, Adafactor with the fused back pass)
+    ("flux lora ckpt offload-0.5 compile", dict(model="flux-dev", method="lora", batch_size=1,
+                                                gradient_checkpointing=True, offload_fraction=0.5,
+                                                performance=(("compile", "true"),)), 150, None),
+    ("flux full adafactor fused", dict(model="flux-dev", method="full", batch_size=1, gradient_checkpointing=True,
+                                       optimizer="ADAFACTOR", fused_back_pass=True, trained_weight_dtype="bfloat16"),
+     60, None),
+    ("flux full adafactor fused offload-0.5", dict(model="flux-dev", method="full", batch_size=1,
+                                                   gradient_checkpointing=True, optimizer="ADAFACTOR",
+                                                   fused_back_pass=True, trained_weight_dtype="bfloat16",
+                                                   offload_fraction=0.5), 90, None),
 ]
 
 
