@@ -228,3 +228,50 @@ def test_compiled_streamed_trained_blocks_step_as_eager_and_never_recompile():
     eager, compiled = run(False), run(True)
     for (name, value), expected in zip(compiled.named_parameters(), eager.parameters()):
         torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_streamed_trained_blocks_on_cuda_step_as_resident_ones_and_hold_less():
+    """On a GPU (pinned homes, the prefetcher's side stream, copies home queued on the compute stream): three AdamW
+    steps with the fused back pass under bf16 autocast, 75 % of the blocks' weights streamed, give the resident run's
+    weights (within float tolerance: the same kernels), the streamed weights stay pinned CPU parameters, the optimizer
+    state of every weight is on the GPU, and the device holds less than with every block resident."""
+    device = torch.device("cuda")
+
+    def build(fraction):
+        model = trained_flux()
+        streamed = streamed_blocks(blocks_of(model), fraction, trained=True)
+        with kept_home(streamed, trained=True):
+            model.to(device)
+        stream_blocks(model, streamed, device, trained=True)
+        optimizer = adamw(model)
+        connect_trained_streaming(model, optimizer)
+        return model, optimizer, streamed
+
+    def steps(model, optimizer):
+        g = torch.Generator(device).manual_seed(1)
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(hidden_states=torch.randn(2, 16, 16, generator=g, device=device),
+                            encoder_hidden_states=torch.randn(2, 8, 32, generator=g, device=device),
+                            pooled_projections=torch.randn(2, 32, generator=g, device=device),
+                            timestep=torch.tensor([0.3, 0.7], device=device), img_ids=torch.zeros(16, 3, device=device),
+                            txt_ids=torch.zeros(8, 3, device=device), return_dict=False)[0]
+            out.float().square().mean().backward()
+            optimizer.step()  # settles: waits for the copies home
+        torch.cuda.synchronize()
+
+    resident, resident_optimizer, _ = build(0.0)
+    steps(resident, resident_optimizer)
+    resident_bytes = torch.cuda.memory_allocated()
+    expected = {n: p.detach().cpu() for n, p in resident.named_parameters()}
+    del resident, resident_optimizer
+    model, optimizer, streamed = build(0.75)
+    steps(model, optimizer)
+    homes = [p for b in streamed for p in b.parameters()]
+    assert homes and all(p.device.type == "cpu" and p.is_pinned() for p in homes)
+    assert all(optimizer.state[p]["exp_avg"].device.type == "cuda" for p in homes)
+    assert torch.cuda.memory_allocated() < resident_bytes
+    for name, value in model.named_parameters():
+        torch.testing.assert_close(value.detach().cpu(), expected[name], rtol=1e-3, atol=1e-4, msg=name)

@@ -35,7 +35,7 @@ class TrainedStreaming:
         self.steppers: dict[int, object] | None = None  # id(parameter) -> the fused back pass's step of it
         self.optimizer: torch.optim.Optimizer | None = None
         self.recomputed: dict[int, torch.Tensor] = {}  # id(home) -> its copy in the current recomputation
-        self.copied_home: torch.cuda.Event | None = None
+        self.unsettled = False  # weights stepped (and their copies home queued) since the last settle()
         self.updates = 0  # weights stepped on the device so far
         self.updated_at: dict[int, int] = {}  # id(home) -> `updates` after its last step
 
@@ -86,9 +86,7 @@ class TrainedStreaming:
             home.data, home.grad = cpu, None
         self.updates += 1
         self.updated_at[id(home)] = self.updates
-        if self.device.type == "cuda":
-            self.copied_home = torch.cuda.Event()
-            self.copied_home.record()
+        self.unsettled = True
 
     def _state_beside(self, home: torch.nn.Parameter) -> None:
         """Optimizer state next to the weight it updates: a resumed checkpoint loads it beside the CPU parameter.
@@ -102,9 +100,9 @@ class TrainedStreaming:
         """After backward: the weights at home are the stepped ones (one host wait per step, on a GPU only), and no
         recomputation's copy outlives the step (a weight no output depended on got no step and left its copy)."""
         self.recomputed.clear()
-        if self.copied_home is not None:
-            self.copied_home.synchronize()
-            self.copied_home = None
+        if self.unsettled and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # every copy home was queued on this stream
+        self.unsettled = False
 
 
 class StreamIn(torch.autograd.Function):
