@@ -171,49 +171,35 @@ def test_a_lora_run_and_its_samples_are_the_same_with_streamed_blocks(tiny_model
     assert np.array_equal(image, plain_image)
 
 
-def test_a_compiled_lora_run_with_streamed_blocks_trains_and_samples_as_eager(tiny_models, shapes_data, tmp_path):
-    """performance.compile with streamed blocks (train/fast_path.py compile_forward), SDXL LoRA: the streamed UNet
-    blocks compile their forward only and their hooks copy the weights in eagerly (the prefetcher made and handed out
-    the same copies as without compile), the other blocks compile their whole call. Losses and LoRA file are the
-    eager streamed run's within float tolerance (aot_eager: dynamo's and AOT autograd's graphs, what inductor
-    compiles). The sampler copied the UNet before it was compiled: its copy runs the plain blocks (streaming with
-    hooks of its own), so the sample is eager's."""
+def test_compiled_streamed_blocks_train_and_sample_as_compiled_resident_ones_under_autocast(tiny_models, shapes_data,
+                                                                                            tmp_path):
+    """performance.compile with streamed blocks (train/fast_path.py compile_forward), SDXL LoRA in bfloat16 autocast:
+    with 60 % of the blocks streamed the same losses, LoRA file and sample as compiled with none streamed, to the bit.
+    The streamed blocks compile their forward only and their hooks copy the weights in eagerly (each step each
+    streamed block's forward takes or makes copies); the other blocks compile their whole call. A streamed block
+    drops the hook that casts its adapters together (methods/block_casts.py) and casts them per layer inside the
+    graph, as a block compiled whole does; with that hook left on, the casts made outside the graph and the
+    recomputation disagree (torch.utils.checkpoint's metadata check fails). The sampler copied the UNet before it
+    was compiled: its copy runs the plain blocks. That compiled == eager beside streaming, and that no step
+    recompiles: test_compiled_streamed_blocks_train_as_eager_and_never_recompile."""
     from ot_dist.methods.block_casts import casts_of
     from ot_dist.train.fast_path import EAGER_FORWARD, denoiser_blocks
 
-    eager, eager_losses, eager_lora, eager_image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "eager", 0.6)
+    compiled = {"train_dtype": "bfloat16", "performance.compile": True, "performance.compile_backend": "eager"}
     torch._dynamo.reset()
-    trainer, losses, lora, image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "compiled", 0.6,
-                                                 **{"performance.compile": True,
-                                                    "performance.compile_backend": "aot_eager"})
+    _, resident_losses, resident_lora, resident_image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "resident",
+                                                                      0.0, **compiled)
+    torch._dynamo.reset()
+    trainer, losses, lora, image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "streamed", 0.6, **compiled)
     streamed = streamed_in(trainer.model.denoiser)
     resident = [b for b in denoiser_blocks(trainer.model) if not any(b is s for s in streamed)]
     assert len(streamed) >= 5 and resident
     assert all(EAGER_FORWARD in b.__dict__ and b._compiled_call_impl is None and casts_of(b) is None for b in streamed)
     assert all(b._compiled_call_impl is not None and EAGER_FORWARD not in b.__dict__ for b in resident)
-    eager_prefetcher, prefetcher = (prefetcher_of(streamed_in(t.model.denoiser)[0]) for t in (eager, trainer))
-    assert (prefetcher.taken, prefetcher.made) == (eager_prefetcher.taken, eager_prefetcher.made)
+    prefetcher = prefetcher_of(streamed[0])
     assert prefetcher.taken + prefetcher.made >= 2 * len(streamed)  # each step, each streamed block's forward
     template = trainer.sampler.templates["unet"]
     assert not any(EAGER_FORWARD in m.__dict__ or m._compiled_call_impl is not None for m in template.modules())
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(eager_losses), rtol=1e-5, atol=1e-6)
-    for key, value in eager_lora.items():
-        torch.testing.assert_close(lora[key], value, rtol=1e-4, atol=1e-5, msg=key)
-    assert np.abs(image.astype(int) - eager_image).max() <= 1
-
-
-def test_compiled_streamed_blocks_compute_as_compiled_resident_ones_under_autocast(tiny_models, shapes_data, tmp_path):
-    """SDXL LoRA in bfloat16 autocast, compiled: with 60 % of the blocks streamed the same losses, LoRA file and sample
-    as with none, to the bit. A streamed block (its forward compiled) drops the hook that casts its adapters together
-    (methods/block_casts.py) and casts them per layer inside the graph, as a block compiled whole does; with that hook
-    left on, the casts made outside the graph and the recomputation disagree (torch.utils.checkpoint's metadata
-    check fails)."""
-    compiled = {"train_dtype": "bfloat16", "performance.compile": True, "performance.compile_backend": "aot_eager"}
-    torch._dynamo.reset()
-    _, resident_losses, resident_lora, resident_image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "resident",
-                                                                      0.0, **compiled)
-    torch._dynamo.reset()
-    _, losses, lora, image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "streamed", 0.6, **compiled)
     assert losses == resident_losses
     for key, value in resident_lora.items():
         assert torch.equal(lora[key], value), key
