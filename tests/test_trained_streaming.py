@@ -18,6 +18,7 @@ from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.memory import block_streaming, offload
 from ot_dist.memory.block_streaming import connect_trained_streaming, kept_home, stream_blocks, streamed_blocks
+from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.table import STREAMED_IN_FLIGHT
 from ot_dist.optim.fused_backward import install_fused_back_pass
 from ot_dist.train.trainer import Trainer
@@ -76,17 +77,16 @@ def test_streamed_trained_blocks_step_as_without_streaming_and_hold_three_blocks
     optimizer = adamw(model)
     assert connect_trained_streaming(model, optimizer)
     before = [p.detach().clone() for p in homes]
-    gc.freeze()  # what exists now (the libraries, the models) is not scanned by each count's collection
-    try:
-        for step in range(2):
-            train(model, optimizer, 1)
-            gc.collect()
-            assert copies and all(ref() is None for _, ref in copies)
-            assert max(alive_at_arrival) <= STREAMED_IN_FLIGHT, alive_at_arrival
-            assert [p for b in streamed for p in b.parameters()] == homes  # the same objects, home again
-            assert prefetcher.trained.updates == (step + 1) * len(homes)
-    finally:
-        gc.unfreeze()
+    # what exists now (the libraries, the models) is not scanned by each count's collection: the trainer's own
+    # freeze, once per process (unfreezing would undo it for the tests after this one)
+    freeze_long_lived_objects()
+    for step in range(2):
+        train(model, optimizer, 1)
+        gc.collect()
+        assert copies and all(ref() is None for _, ref in copies)
+        assert max(alive_at_arrival) <= STREAMED_IN_FLIGHT, alive_at_arrival
+        assert [p for b in streamed for p in b.parameters()] == homes  # the same objects, home again
+        assert prefetcher.trained.updates == (step + 1) * len(homes)
     assert len(alive_at_arrival) == 2 * 2 * len(streamed)  # each block and step: its forward and recomputation
     assert all(optimizer.state[p]["exp_avg"].shape == p.shape for p in homes)
     assert not any(torch.equal(p, b) for p, b in zip(homes, before))  # the updates reached home
