@@ -140,14 +140,18 @@ def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch
     torch.testing.assert_close(model.proj_out.weight.grad, reference.proj_out.weight.grad, rtol=0, atol=0)
 
 
-def sdxl_lora_run(models, data, out, fraction: float, **overrides):
-    """Two steps of SDXL LoRA with gradient checkpointing and a sample at step 2: the trainer, its losses, its LoRA
-    file's tensors and its sample (an array)."""
+def sdxl_lora_run(models, data, out, fraction: float, family: str = "sdxl", **overrides):
+    """Two steps of SDXL LoRA (or `family`'s, `models` holding its folder) with gradient checkpointing and a sample
+    at step 2: the trainer, its losses, its LoRA file's tensors and its sample (an array)."""
     from safetensors.torch import load_file
 
-    raw = base_config(models["sdxl"], data, out, family="sdxl", method="lora", max_steps=2, batch_size=2,
-                      gradient_checkpointing=True, **{"unet.offload_fraction": fraction, "sampling.prompts": [SAMPLE],
-                                                      "sampling.every_n_steps": 2, **overrides})
+    from ot_dist.models.families.registry import get_family
+
+    denoiser = get_family(family).denoiser
+    raw = base_config(models[family], data, out, family=family, method="lora", max_steps=2, batch_size=2,
+                      gradient_checkpointing=True, **{f"{denoiser}.offload_fraction": fraction,
+                                                      "sampling.prompts": [SAMPLE], "sampling.every_n_steps": 2,
+                                                      **overrides})
     trainer = Trainer(validate(raw), log=quiet)
     losses = trainer.train().losses
     image = np.asarray(Image.open(next((out / "samples" / "step-2").glob("*.png"))))
@@ -171,10 +175,11 @@ def test_a_lora_run_and_its_samples_are_the_same_with_streamed_blocks(tiny_model
     assert np.array_equal(image, plain_image)
 
 
-def test_compiled_streamed_blocks_train_and_sample_as_compiled_resident_ones_under_autocast(tiny_models, shapes_data,
+def test_compiled_streamed_blocks_train_and_sample_as_compiled_resident_ones_under_autocast(family_models, shapes_data,
                                                                                             tmp_path):
-    """performance.compile with streamed blocks (train/fast_path.py compile_forward), SDXL LoRA in bfloat16 autocast:
-    with 60 % of the blocks streamed the same losses, LoRA file and sample as compiled with none streamed, to the bit.
+    """performance.compile with streamed blocks (train/fast_path.py compile_forward), Flux LoRA in bfloat16 autocast
+    (dynamo's graphs run eagerly; two block kinds, so few compiles): with 60 % of the blocks streamed the same losses,
+    LoRA file and sample as compiled with none streamed, to the bit.
     The streamed blocks compile their forward only and their hooks copy the weights in eagerly (each step each
     streamed block's forward takes or makes copies); the other blocks compile their whole call. A streamed block
     drops the hook that casts its adapters together (methods/block_casts.py) and casts them per layer inside the
@@ -187,18 +192,19 @@ def test_compiled_streamed_blocks_train_and_sample_as_compiled_resident_ones_und
 
     compiled = {"train_dtype": "bfloat16", "performance.compile": True, "performance.compile_backend": "eager"}
     torch._dynamo.reset()
-    _, resident_losses, resident_lora, resident_image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "resident",
-                                                                      0.0, **compiled)
+    _, resident_losses, resident_lora, resident_image = sdxl_lora_run(family_models, shapes_data,
+                                                                      tmp_path / "resident", 0.0, "flux", **compiled)
     torch._dynamo.reset()
-    trainer, losses, lora, image = sdxl_lora_run(tiny_models, shapes_data, tmp_path / "streamed", 0.6, **compiled)
+    trainer, losses, lora, image = sdxl_lora_run(family_models, shapes_data, tmp_path / "streamed", 0.6, "flux",
+                                                 **compiled)
     streamed = streamed_in(trainer.model.denoiser)
     resident = [b for b in denoiser_blocks(trainer.model) if not any(b is s for s in streamed)]
-    assert len(streamed) >= 5 and resident
+    assert len(streamed) >= 2 and resident
     assert all(EAGER_FORWARD in b.__dict__ and b._compiled_call_impl is None and casts_of(b) is None for b in streamed)
     assert all(b._compiled_call_impl is not None and EAGER_FORWARD not in b.__dict__ for b in resident)
     prefetcher = prefetcher_of(streamed[0])
     assert prefetcher.taken + prefetcher.made >= 2 * len(streamed)  # each step, each streamed block's forward
-    template = trainer.sampler.templates["unet"]
+    template = trainer.sampler.templates["transformer"]
     assert not any(EAGER_FORWARD in m.__dict__ or m._compiled_call_impl is not None for m in template.modules())
     assert losses == resident_losses
     for key, value in resident_lora.items():
