@@ -267,7 +267,7 @@ def test_bench_streams_a_full_finetunes_trained_blocks_with_the_fused_back_pass(
     code = main(["bench", "--model", "tiny-flux-dev", "--method", "full", "--resolution", "32", "--steps", "1",
                  "--warmup", "0", "--device", "cpu", "--no-flops", "--gradient-checkpointing", "--optimizer",
                  "ADAFACTOR", "--fused-back-pass", "--trained-weight-dtype", "bfloat16", "--offload-fraction", "0.5",
-                 "--out", str(out)])
+                 "--activation-offloading", "--out", str(out)])
     assert code == 0
     row = (out / "bench.md").read_text().splitlines()[2]
-    assert "offload_fraction=0.5 fused_back_pass=True trained_weight_dtype=bfloat16" in row, row
+    assert "offload_fraction=0.5 fused_back_pass=True trained_weight_dtype=bfloat16 activation_offloading=True" in row

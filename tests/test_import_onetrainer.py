@@ -1287,7 +1287,8 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
     """OneTrainer's `offload_fraction` (training_presets/QwenImage/#qwen LoRA 16GB.json, Flux 2 LoRA 8GB): a LoRA's
     transformer as `transformer.offload_fraction` (with gradient checkpointing, which it needs), a frozen text
     encoder's and Ideogram's unconditional transformer's as offload_frozen_components; a trained transformer's
-    (FINE_TUNE presets) streams with the fused back pass; activation offloading is listed."""
+    (FINE_TUNE presets) streams with the fused back pass; the transformer's activation offloading is honoured, a
+    text encoder's listed."""
     lora = {"model_type": "QWEN", "training_method": "LORA", "base_model_name": "/models/qwen",
             "transformer": {"train": True, "weight_dtype": "FLOAT_8", "offload_fraction": 0.5,
                             "gradient_checkpointing": False},
@@ -1309,8 +1310,14 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
         assert config.transformer.offload_fraction == 0.0 and not config.optimizer.fused_back_pass
         assert any(line.startswith("transformer.offload_fraction: 0.5: the transformer trains") and why in line
                    for line in skipped), skipped
+    # the transformer's activation offloading is honoured (gradient checkpointing with it); a text encoder's is listed
     config, skipped = import_only(tmp_path, {**lora, "transformer": {"train": True, "activation_offloading": True}})
-    assert any("activation_offloading" in line for line in skipped)
+    assert config.activation_offloading and config.gradient_checkpointing
+    assert not any("activation_offloading" in line for line in skipped)
+    config, skipped = import_only(tmp_path, {**fine_tune, "optimizer": {"optimizer": "ADAFACTOR"},
+                                             "text_encoder": {"train": True, "activation_offloading": True}})
+    assert not config.activation_offloading
+    assert any(line.startswith("text_encoder: activation_offloading") for line in skipped), skipped
     config, skipped = import_only(tmp_path, {"model_type": "IDEOGRAM_4", "training_method": "LORA",
                                              "base_model_name": "/models/ideogram",
                                              "unconditional_transformer": {"offload_fraction": 1.0}})

@@ -44,6 +44,9 @@ def add_bench_parser(sub) -> None:
                        "full finetune's --offload-fraction needs (its trained weights stream too)")
     bench.add_argument("--trained-weight-dtype", default="float32", choices=["float32", "bfloat16"],
                        help="storage of the trained weights (trained_weight_dtype; default float32 masters)")
+    bench.add_argument("--activation-offloading", action="store_true",
+                       help="the checkpointed blocks' inputs in CPU memory (activation_offloading; needs "
+                       "--gradient-checkpointing)")
     bench.add_argument("--out", default="bench_out", metavar="DIR",
                        help="write <run>.json and append the row to DIR/bench.md (default bench_out)")
 
@@ -74,7 +77,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         device=args.device, peak_tflops=args.peak_tflops, count_flops=args.count_flops,
         performance=tuple(performance), profile_steps=args.profile_steps, weight_dtype=args.weight_dtype,
         offload_fraction=args.offload_fraction, fused_back_pass=args.fused_back_pass,
-        trained_weight_dtype=args.trained_weight_dtype)
+        trained_weight_dtype=args.trained_weight_dtype, activation_offloading=args.activation_offloading)
     result = run_bench(options, args.out)
     json_path, table = write_report(result, args.out)
     print(HEADER)

@@ -25,8 +25,8 @@ def markdown_row(result: dict) -> str:
 
 def chosen_performance(result: dict) -> dict:
     """The performance options this run set away from their defaults, and a frozen storage other than the compute
-    dtype, streamed blocks, the fused back pass or bfloat16 trained weights (`weight_dtype`, `offload_fraction`,
-    `fused_back_pass`, `trained_weight_dtype`)."""
+    dtype, streamed blocks, the fused back pass, bfloat16 trained weights or offloaded activations (`weight_dtype`,
+    `offload_fraction`, `fused_back_pass`, `trained_weight_dtype`, `activation_offloading`)."""
     from ot_dist.config.performance import PerformanceConfig
     from ot_dist.precision import DTYPES
 
@@ -41,6 +41,8 @@ def chosen_performance(result: dict) -> dict:
         chosen["fused_back_pass"] = True
     if result.get("trained_weight_dtype", "float32") != "float32":
         chosen["trained_weight_dtype"] = result["trained_weight_dtype"]
+    if result.get("activation_offloading"):
+        chosen["activation_offloading"] = True
     return chosen
 
 

@@ -73,6 +73,7 @@ def run_bench(options: BenchOptions, output_dir: str = "bench_out", log=print) -
         "performance": config.performance.model_dump(mode="json"),
         "weight_dtype": config.weight_dtype, "offload_fraction": options.offload_fraction,
         "fused_back_pass": options.fused_back_pass, "trained_weight_dtype": config.trained_weight_dtype,
+        "activation_offloading": options.activation_offloading,
         "warmup": options.warmup, "steps": options.steps,
         "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
         "params_total": params_total, "params_trained": params_trained,

@@ -41,6 +41,7 @@ class BenchOptions:
     offload_fraction: float = 0.0  # the denoiser's <denoiser>.offload_fraction (memory/block_streaming.py)
     fused_back_pass: bool = False  # optimizer.fused_back_pass (clip_grad_norm off); a full finetune's streaming needs it
     trained_weight_dtype: str = "float32"  # the trained weights' storage (float32 masters, or bfloat16)
+    activation_offloading: bool = False  # the checkpointed blocks' inputs in CPU memory (train/activation_offload.py)
 
 
 def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> TrainConfig:
@@ -66,7 +67,7 @@ def train_config(bench: BenchModel, options: BenchOptions, output_dir: str) -> T
         gradient_checkpointing=options.gradient_checkpointing,
         optimizer={"name": options.optimizer, **({"fused_back_pass": True} if options.fused_back_pass else {})},
         **({"clip_grad_norm": None} if options.fused_back_pass else {}),
-        trained_weight_dtype=options.trained_weight_dtype,
+        trained_weight_dtype=options.trained_weight_dtype, activation_offloading=options.activation_offloading,
         lora={"rank": options.lora_rank, "alpha": float(options.lora_rank)},
         performance=dict(options.performance),
         mlflow={"enabled": False},
@@ -118,7 +119,7 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     for name, module in model.named_components():
         store_component(module, name, config, denoiser=module is model.denoiser)  # as the trainer
         if config.gradient_checkpointing and module is model.denoiser and not config.performance.selective_checkpointing:
-            enable_gradient_checkpointing(module)
+            enable_gradient_checkpointing(module, config.activation_offloading)
     streamed = denoiser_streamed_blocks(model, config)
     if streamed:  # built on the device: the streamed blocks' weights go home to CPU memory first
         device = next(model.denoiser.parameters()).device
@@ -134,7 +135,7 @@ def apply_bench_performance(model: LoadedModel, config: TrainConfig, device: tor
 
     check_performance(config.performance, device)
     if config.gradient_checkpointing and config.performance.selective_checkpointing:
-        selective_checkpointing(model, config.performance)
+        selective_checkpointing(model, config.performance, config.activation_offloading)
     apply_performance(model, config.performance, device, config.strategy, log=lambda *_: None)
 
 

@@ -993,6 +993,13 @@ class TrainConfig(Section):
     )
     output_dtype: Dtype = Field(default="float32", description="Dtype of exported weights.")
     gradient_checkpointing: bool = Field(default=False, description="Recompute activations in backward to save memory.")
+    activation_offloading: bool = Field(
+        default=False,
+        description="With gradient_checkpointing (OneTrainer's activation offloading): the inputs of the denoiser's "
+        "checkpointed blocks, all that a checkpointed block keeps for backward, wait in CPU memory (pinned, copied "
+        "asynchronously) from its forward to its recomputation, so the device holds one block's instead of every "
+        "block's. Costs two copies of each block's hidden states per step.",
+    )
     clip_grad_norm: float | None = Field(default=1.0, gt=0, description="Clip the gradient norm; null = off.")
     tf32: bool = Field(default=True, description="Allow TF32 matmuls on CUDA (ignored elsewhere).")
     strategy: Literal["single", "ddp", "fsdp", "zero1", "zero2", "zero3"] = Field(
@@ -1202,6 +1209,9 @@ class TrainConfig(Section):
                     f"lower data.bucket_step (a multiple of {family.pixel_multiple} for {self.model.family})")
         if self.performance.records_cuda_graphs:
             self._check_cuda_graphs()
+        if self.activation_offloading and not self.gradient_checkpointing:
+            raise ValueError("activation_offloading: offloads what gradient checkpointing keeps for backward (the "
+                             "checkpointed blocks' inputs); set gradient_checkpointing: true")
         if self.performance.selective_checkpointing and not self.gradient_checkpointing:
             raise ValueError("performance.checkpoint_every_n_blocks / checkpoint_only_attention choose what "
                              "gradient_checkpointing recomputes; set gradient_checkpointing: true")

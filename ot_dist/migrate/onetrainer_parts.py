@@ -158,8 +158,8 @@ def _checkpointing(settings: dict, active: dict, trains: dict, fam, c: dict, out
     """One switch in ot_dist: the denoiser's (it backpropagates whenever anything trains); trained parts that
     differ are listed. OneTrainer's layer offloading: the frozen denoiser's as `<denoiser>.offload_fraction` (with
     gradient checkpointing, which it needs; a trained one needs the fused back pass too: import_optimizer), a frozen
-    text encoder's as offload_frozen_components; activation offloading and a trained text encoder's layer offloading
-    are listed."""
+    text encoder's as offload_frozen_components; the denoiser's activation offloading as activation_offloading; a
+    text encoder's activation or layer offloading (trained) are listed."""
     skip, denoiser = out.not_honoured.append, fam.denoiser
     c["gradient_checkpointing"] = bool(settings[denoiser]["gradient_checkpointing"])
     for part, on in active.items():
@@ -192,6 +192,14 @@ def _checkpointing(settings: dict, active: dict, trains: dict, fam, c: dict, out
         elif fraction:
             skip(f"{part}.offload_fraction: {fraction}: ot_dist keeps the modules only samples run on the device")
     offloaded = [p for p in active if settings[p]["activation_offloading"]]
-    if offloaded:
-        skip(f"{', '.join(offloaded)}: activation_offloading (gradient_checkpointing CPU_OFFLOADED before config "
-             "version 11): ot_dist keeps the checkpointed activations on the device")
+    if denoiser in offloaded:  # the checkpointed blocks' inputs in CPU memory (ot_dist/train/activation_offload.py)
+        c["activation_offloading"] = True
+        if not c["gradient_checkpointing"]:
+            c["gradient_checkpointing"] = True
+            out.notes.append(f"{denoiser}.activation_offloading: true offloads what gradient checkpointing keeps: "
+                             "gradient_checkpointing: true is written")
+    others = [p for p in offloaded if p != denoiser]
+    if others:
+        skip(f"{', '.join(others)}: activation_offloading (gradient_checkpointing CPU_OFFLOADED before config "
+             f"version 11): ot_dist offloads the {denoiser}'s checkpointed activations only; a text encoder's stay "
+             "on the device")

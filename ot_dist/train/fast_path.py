@@ -62,31 +62,34 @@ def attention_modules(module: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in module.modules() if isinstance(m, (Attention, AttentionModuleMixin))]
 
 
-def checkpoint_forward(module: torch.nn.Module) -> None:
-    """Recompute `module`'s activations in backward (non-reentrant checkpoint), keeping its weight names."""
+def checkpoint_forward(module: torch.nn.Module, offload_activations: bool = False) -> None:
+    """Recompute `module`'s activations in backward (non-reentrant checkpoint), keeping its weight names; with
+    `offload_activations` its inputs wait in CPU memory (train/activation_offload.py)."""
     from ot_dist.methods.block_casts import cast_inside_forward
+    from ot_dist.train.activation_offload import checkpoint_function
 
     original = module.forward
     forward = cast_inside_forward(module, original)  # its weights' casts recompute too
+    checkpoint = checkpoint_function(offload_activations)
 
     @functools.wraps(original)
     def checkpointed(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, **kwargs)
 
     module.forward = checkpointed
 
 
-def selective_checkpointing(model, options: PerformanceConfig) -> list[torch.nn.Module]:
-    """Checkpoint every N-th denoiser block, or only its attention modules (instead of diffusers' every block).
-    Returns the modules that recompute."""
+def selective_checkpointing(model, options: PerformanceConfig, offload_activations: bool = False) -> list[torch.nn.Module]:
+    """Checkpoint every N-th denoiser block, or only its attention modules (instead of diffusers' every block), their
+    inputs in CPU memory with `offload_activations`. Returns the modules that recompute."""
     if options.checkpoint_only_attention:
         chosen = attention_modules(model.denoiser)
     else:
         chosen = denoiser_blocks(model)[::options.checkpoint_every_n_blocks]
     for module in chosen:
-        checkpoint_forward(module)
+        checkpoint_forward(module, offload_activations)
     return chosen
 
 

@@ -203,7 +203,7 @@ class Trainer:
             # The denoiser backpropagates whenever anything trains (text encoders learn through it).
             if self.config.gradient_checkpointing and (trains or module is denoiser):
                 if not (module is denoiser and performance.selective_checkpointing):  # that one: _apply_performance
-                    enable_gradient_checkpointing(module)
+                    enable_gradient_checkpointing(module, self.config.activation_offloading and module is denoiser)
             # With cached text a frozen text encoder runs once, over the captions (and for samples): it stays in
             # CPU memory and is streamed to the device for those passes, so a T5-XXL never occupies it.
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
@@ -226,7 +226,7 @@ class Trainer:
         """Selective checkpointing, float8 matmuls, channels_last and regional compilation of the denoiser."""
         performance = self.config.performance
         if self.config.gradient_checkpointing and performance.selective_checkpointing:
-            chosen = selective_checkpointing(self.model, performance)
+            chosen = selective_checkpointing(self.model, performance, self.config.activation_offloading)
             self.log(f"gradient checkpointing: {len(chosen)} denoiser modules recompute in backward")
         apply_performance(self.model, performance, self.device, self.config.strategy, self.log)
 

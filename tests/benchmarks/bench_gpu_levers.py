@@ -89,6 +89,9 @@ PLAN = [
                                                    gradient_checkpointing=True, optimizer="ADAFACTOR",
                                                    fused_back_pass=True, trained_weight_dtype="bfloat16",
                                                    offload_fraction=0.5), 90, None),
+    ("flux lora b2 ckpt activation-offloading", dict(model="flux-dev", method="lora", batch_size=2,
+                                                     gradient_checkpointing=True, activation_offloading=True), 60, None),
+    ("flux lora b2 ckpt", dict(model="flux-dev", method="lora", batch_size=2, gradient_checkpointing=True), 50, None),
 ]
 
 
