@@ -79,6 +79,37 @@ def test_the_last_blocks_stream_by_frozen_bytes():
         assert sum(resident) <= (1 - fraction) * sum(sizes) < sum(sizes[:len(resident) + 1])
 
 
+def count_live_copies(monkeypatch, streamed: list[torch.nn.Module]) -> tuple[list, list[int]]:
+    """Every device copy made for a streamed block (on arrival or prefetched) and what took a home's place in the
+    module (a parameter or StreamIn's view wrapping the copy), weakly referenced: (the references as (block index,
+    reference), the number of blocks with a live one at each block's arrival, after a collection). Patches
+    before the hooks are attached (they bind `arrive`), and checks at each arrival that no home is in the module."""
+    from ot_dist.memory import block_streaming
+
+    block_of_home = {id(p): i for i, b in enumerate(streamed) for p in b.parameters()}
+    copies: list[tuple[int, weakref.ref]] = []
+    alive_at_arrival: list[int] = []
+    made, arrive = block_streaming.device_copies, offload.Visitor.arrive
+
+    def counted_copies(homes_, device, pin):
+        out = made(homes_, device, pin)
+        copies.extend((block_of_home[id(h)], weakref.ref(c)) for h, c in zip(homes_, out))
+        return out
+
+    def counting_arrive(self, module, args, kwargs):
+        out = arrive(self, module, args, kwargs)
+        copies.extend((block_of_home[id(h)], weakref.ref(table[name])) for (table, name), h in zip(self.entries,
+                                                                                                  self.homes))
+        gc.collect()
+        alive_at_arrival.append(len({b for b, ref in copies if ref() is not None}))
+        assert not any(id(table[name]) in block_of_home for table, name in self.entries)
+        return out
+
+    monkeypatch.setattr(block_streaming, "device_copies", counted_copies)
+    monkeypatch.setattr(offload.Visitor, "arrive", counting_arrive)
+    return copies, alive_at_arrival
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch):
     """Every streamed block's frozen parameters are device copies inside its forward and CPU homes outside it. Every
@@ -88,8 +119,6 @@ def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch
     is why the option needs checkpointing. From the second step on, every block but the first to run in forward and
     in backward takes copies prefetched while the block before it computed. Gradients equal the run without
     streaming, both steps."""
-    from ot_dist.memory import block_streaming
-
     reference = flux_transformer(checkpointing)
     for _ in range(2):
         flux_call(reference).square().mean().backward()
@@ -98,31 +127,9 @@ def test_copies_exist_only_while_their_block_computes(checkpointing, monkeypatch
     streamed = streamed_blocks(blocks, 0.8)
     assert len(streamed) >= 4
     homes = {id(p) for b in streamed for p in b.parameters()}
-    block_of_home = {id(p): i for i, b in enumerate(streamed) for p in b.parameters()}
     with kept_home(streamed):
         assert [p for b in streamed for p in b.parameters()] == []  # out of the modules while they move
-    copies: list[tuple[int, weakref.ref]] = []  # (block, a device copy of one of its weights, or its parameter)
-    alive_at_arrival = []
-    made = block_streaming.device_copies
-    arrive = offload.Visitor.arrive
-
-    def counted_copies(homes_, device, pin):
-        out = made(homes_, device, pin)
-        copies.extend((block_of_home[id(h)], weakref.ref(c)) for h, c in zip(homes_, out))
-        return out
-
-    def counting_arrive(self, module, args, kwargs):
-        out = arrive(self, module, args, kwargs)
-        # the parameters wrapping this block's copies (the copies themselves are referenced through them)
-        copies.extend((block_of_home[id(h)], weakref.ref(table[name])) for (table, name), h in zip(self.entries,
-                                                                                                  self.homes))
-        gc.collect()
-        alive_at_arrival.append(len({b for b, ref in copies if ref() is not None}))
-        assert not any(id(table[name]) in homes for table, name in self.entries)
-        return out
-
-    monkeypatch.setattr(block_streaming, "device_copies", counted_copies)
-    monkeypatch.setattr(offload.Visitor, "arrive", counting_arrive)  # before the hooks bind it
+    copies, alive_at_arrival = count_live_copies(monkeypatch, streamed)
     prefetcher = stream_blocks(model, streamed, torch.device("cpu"))
     assert all(id(p) in homes for b in streamed for p in b.parameters())  # between forwards: the homes
     for step in range(2):

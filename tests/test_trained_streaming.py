@@ -7,16 +7,15 @@ the CPU the "device" is the CPU: the copies are real copies all the same (`copy=
 from __future__ import annotations
 
 import gc
-import weakref
 
 import pytest
 import torch
 from conftest import base_config
-from test_block_streaming import blocks_of, flux_call, flux_transformer, quiet
+from test_block_streaming import blocks_of, count_live_copies, flux_call, flux_transformer, quiet
 
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
-from ot_dist.memory import block_streaming, offload
+from ot_dist.memory import block_streaming
 from ot_dist.memory.block_streaming import connect_trained_streaming, kept_home, stream_blocks, streamed_blocks
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.table import STREAMED_IN_FLIGHT
@@ -53,26 +52,9 @@ def test_streamed_trained_blocks_step_as_without_streaming_and_hold_three_blocks
     streamed = streamed_blocks(blocks_of(model), 0.8, trained=True)
     assert len(streamed) >= 4
     homes = [p for b in streamed for p in b.parameters()]
-    block_of_home = {id(p): i for i, b in enumerate(streamed) for p in b.parameters()}
     with kept_home(streamed, trained=True):
         assert [p for b in streamed for p in b.parameters()] == []  # all of them out while the rest moves
-    copies: list[tuple[int, weakref.ref]] = []
-    alive_at_arrival = []
-    made, arrive = block_streaming.device_copies, offload.Visitor.arrive
-
-    def counted_copies(homes_, device, pin):
-        out = made(homes_, device, pin)
-        copies.extend((block_of_home[id(h)], weakref.ref(c)) for h, c in zip(homes_, out))
-        return out
-
-    def counting_arrive(self, module, args, kwargs):
-        out = arrive(self, module, args, kwargs)
-        gc.collect()
-        alive_at_arrival.append(len({b for b, ref in copies if ref() is not None}))
-        return out
-
-    monkeypatch.setattr(block_streaming, "device_copies", counted_copies)
-    monkeypatch.setattr(offload.Visitor, "arrive", counting_arrive)
+    copies, alive_at_arrival = count_live_copies(monkeypatch, streamed)
     prefetcher = stream_blocks(model, streamed, torch.device("cpu"), trained=True)
     optimizer = adamw(model)
     assert connect_trained_streaming(model, optimizer)
