@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 from conftest import base_config
-from test_block_streaming import blocks_of, count_live_copies, flux_call, flux_transformer, quiet
+from PIL import Image
+from test_block_streaming import SAMPLE, blocks_of, count_live_copies, flux_call, flux_transformer, quiet
 
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
@@ -104,8 +106,8 @@ ROUNDING_LOSS_TOLERANCE = 5e-3
 def test_a_full_finetune_with_streamed_blocks_trains_as_without(stochastic_rounding, tiny_models, shapes_data,
                                                                  tmp_path):
     """SDXL full finetune as OneTrainer's FINE_TUNE presets run it (bfloat16 weights, Adafactor with the fused back
-    pass), an EMA in CPU memory: without stochastic rounding the same losses and the same saved UNet and EMA as
-    without streaming, bit for bit; with it, the losses within ROUNDING_LOSS_TOLERANCE."""
+    pass), an EMA in CPU memory, a sample at the end: without stochastic rounding the same losses, sample and saved
+    UNet and EMA as without streaming, bit for bit; with it, the losses within ROUNDING_LOSS_TOLERANCE."""
     from safetensors.torch import load_file
 
     def run(fraction):
@@ -113,7 +115,8 @@ def test_a_full_finetune_with_streamed_blocks_trains_as_without(stochastic_round
         trainer = Trainer(full_config(tiny_models, shapes_data, out, fraction, train_dtype="bfloat16",
                                       trained_weight_dtype="bfloat16",
                                       **{"optimizer.stochastic_rounding": stochastic_rounding, "ema.enabled": True,
-                                         "ema.device": "cpu"}), log=quiet)
+                                         "ema.device": "cpu", "sampling.prompts": [SAMPLE],
+                                         "sampling.every_n_steps": 3}), log=quiet)
         return trainer, trainer.train().losses, out
 
     _, plain, plain_out = run(0.0)
@@ -125,6 +128,9 @@ def test_a_full_finetune_with_streamed_blocks_trains_as_without(stochastic_round
         assert max(abs(a - b) for a, b in zip(streamed, plain)) < ROUNDING_LOSS_TOLERANCE, (streamed, plain)
         return
     assert streamed == plain
+    # the sample's copy of the UNet streams the same blocks (with no optimizer: it never trains)
+    images = [np.asarray(Image.open(next((o / "samples" / "step-3").glob("*.png")))) for o in (plain_out, out)]
+    assert np.array_equal(*images)
     saved = sorted(p.relative_to(plain_out) for p in plain_out.rglob("*.safetensors"))
     assert saved
     for name in saved:
