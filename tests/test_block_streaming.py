@@ -107,6 +107,10 @@ def count_live_copies(monkeypatch, streamed: list[torch.nn.Module]) -> tuple[lis
 
     monkeypatch.setattr(block_streaming, "device_copies", counted_copies)
     monkeypatch.setattr(offload.Visitor, "arrive", counting_arrive)
+    # Each count collects: what exists now (libraries, models, earlier tests' objects) is collected once and frozen,
+    # so those collections scan only what the steps make (the trainer freezes the same way; it is never undone).
+    gc.collect()
+    gc.freeze()
     return copies, alive_at_arrival
 
 

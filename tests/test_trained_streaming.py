@@ -19,7 +19,6 @@ from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.memory import block_streaming
 from ot_dist.memory.block_streaming import connect_trained_streaming, kept_home, stream_blocks, streamed_blocks
-from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.table import STREAMED_IN_FLIGHT
 from ot_dist.optim.fused_backward import install_fused_back_pass
 from ot_dist.train.trainer import Trainer
@@ -61,9 +60,6 @@ def test_streamed_trained_blocks_step_as_without_streaming_and_hold_three_blocks
     optimizer = adamw(model)
     assert connect_trained_streaming(model, optimizer)
     before = [p.detach().clone() for p in homes]
-    # what exists now (the libraries, the models) is not scanned by each count's collection: the trainer's own
-    # freeze, once per process (unfreezing would undo it for the tests after this one)
-    freeze_long_lived_objects()
     for step in range(2):
         train(model, optimizer, 1)
         gc.collect()
