@@ -22,8 +22,8 @@ from PIL import Image
 from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 from ot_dist.memory import offload
-from ot_dist.memory.block_streaming import (STREAMED_ATTR, StreamedBlock, frozen_bytes, kept_home, stream_blocks,
-                                            streamed_blocks, streamed_in)
+from ot_dist.memory.block_streaming import (STREAMED_ATTR, StreamedBlock, kept_home, stream_blocks, streamed_blocks,
+                                            streamed_bytes_of, streamed_in)
 from ot_dist.memory.table import STREAMED_IN_FLIGHT
 from ot_dist.train.trainer import Trainer
 
@@ -69,7 +69,7 @@ def prefetcher_of(block: torch.nn.Module):
 def test_the_last_blocks_stream_by_frozen_bytes():
     model = flux_transformer(checkpointing=False)
     blocks = blocks_of(model)
-    sizes = [frozen_bytes(b) for b in blocks]
+    sizes = [streamed_bytes_of(b) for b in blocks]
     assert streamed_blocks(blocks, 0.0) == [] and streamed_blocks(blocks, 1.0) == blocks
     for fraction in (0.1, 0.5, 0.9):
         streamed = streamed_blocks(blocks, fraction)
@@ -341,7 +341,7 @@ def test_streamed_blocks_lower_the_peak_on_cuda_and_compute_the_same():
         with kept_home(streamed):
             model.to(device)
         stream_blocks(model, streamed, device)
-        return model.train(), sum(frozen_bytes(b) for b in streamed)
+        return model.train(), sum(streamed_bytes_of(b) for b in streamed)
 
     def step(model):
         g = torch.Generator(device).manual_seed(1)
@@ -368,7 +368,7 @@ def test_streamed_blocks_lower_the_peak_on_cuda_and_compute_the_same():
     peak, grad = step(streamed)
     torch.testing.assert_close(grad, plain_grad, rtol=0, atol=0)
     assert saved_resident >= 0.9 * streamed_bytes  # the streamed weights never sit on the device between steps
-    assert peak <= plain_peak + 3 * max(frozen_bytes(b) for b in blocks_of(streamed))  # current, next, previous
+    assert peak <= plain_peak + 3 * max(streamed_bytes_of(b) for b in blocks_of(streamed))  # current, next, previous
 
 
 def test_a_copy_of_a_streaming_module_prefetches_on_its_own():

@@ -112,7 +112,7 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     """The trainer's `_place_modules` for modules already on their device: trained parameters in
     trained_weight_dtype, frozen ones in weight_dtype (quantized where it says so), train mode where something trains,
     checkpointing, the denoiser's streamed blocks."""
-    from ot_dist.memory.block_streaming import denoiser_streamed_blocks, frozen_entries, stream_blocks
+    from ot_dist.memory.block_streaming import denoiser_streamed_blocks, streamed_entries, stream_blocks
     from ot_dist.memory.placement import store_component
     from ot_dist.train.checkpointing import enable_gradient_checkpointing
 
@@ -124,7 +124,7 @@ def place(model: LoadedModel, config: TrainConfig) -> None:
     if streamed:  # built on the device: the streamed blocks' weights go home to CPU memory first
         device = next(model.denoiser.parameters()).device
         trained = config.streams_trained_weights()
-        for table, key in (e for block in streamed for e in frozen_entries(block, trained)):
+        for table, key in (e for block in streamed for e in streamed_entries(block, trained)):
             table[key].data = table[key].data.cpu()
         stream_blocks(model.denoiser, streamed, device, trained)
 

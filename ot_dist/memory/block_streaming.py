@@ -31,9 +31,9 @@ STREAMED_ATTR = "streamed_block_names"  # on the denoiser: the names of its stre
 PREFETCHER_ATTR = "streamed_block_prefetcher"  # on the denoiser: its streamed blocks' Prefetcher
 
 
-def frozen_entries(block: torch.nn.Module, trained: bool = False) -> list[tuple[dict, str]]:
-    """(the owner's dict of parameters, name) of each frozen parameter in `block`, each tensor once; with `trained`,
-    of the trained ones too (memory/trained_streaming.py)."""
+def streamed_entries(block: torch.nn.Module, trained: bool = False) -> list[tuple[dict, str]]:
+    """What a streamed block moves: (the owner's dict of parameters, name) of each frozen parameter in `block`, each
+    tensor once; with `trained`, of the trained ones too (memory/trained_streaming.py)."""
     entries, seen = [], set()
     for owner in block.modules():
         for name, param in owner._parameters.items():
@@ -43,8 +43,9 @@ def frozen_entries(block: torch.nn.Module, trained: bool = False) -> list[tuple[
     return entries
 
 
-def frozen_bytes(block: torch.nn.Module, trained: bool = False) -> int:
-    return sum(table[name].numel() * table[name].element_size() for table, name in frozen_entries(block, trained))
+def streamed_bytes_of(block: torch.nn.Module, trained: bool = False) -> int:
+    """The bytes `streamed_entries` moves."""
+    return sum(table[name].numel() * table[name].element_size() for table, name in streamed_entries(block, trained))
 
 
 def streamed_blocks(blocks: list[torch.nn.Module], fraction: float, trained: bool = False) -> list[torch.nn.Module]:
@@ -52,7 +53,7 @@ def streamed_blocks(blocks: list[torch.nn.Module], fraction: float, trained: boo
     reach (1 - fraction) of all."""
     if fraction <= 0:
         return []
-    return blocks[first_streamed([frozen_bytes(b, trained) for b in blocks], fraction):]
+    return blocks[first_streamed([streamed_bytes_of(b, trained) for b in blocks], fraction):]
 
 
 def first_streamed(sizes: list[float], fraction: float) -> int:
@@ -85,7 +86,7 @@ def streamed_in(root: torch.nn.Module) -> list[torch.nn.Module]:
 def kept_home(blocks: list[torch.nn.Module], trained: bool = False):
     """The blocks' streamed parameters out of their modules while the component moves to the device (`Module.to`
     skips an empty entry), so a model larger than the device never lands on it whole; put back afterwards."""
-    entries = [(table, name, table[name]) for block in blocks for table, name in frozen_entries(block, trained)]
+    entries = [(table, name, table[name]) for block in blocks for table, name in streamed_entries(block, trained)]
     for table, name, _ in entries:
         table[name] = None
     try:
@@ -105,7 +106,7 @@ def stream_blocks(root: torch.nn.Module, blocks: list[torch.nn.Module], device: 
     names = {id(m): n for n, m in root.named_modules()}
     prefetcher = Prefetcher(device, TrainedStreaming(device, pin) if trained else None)
     for block in blocks:
-        StreamedBlock(block, device, pin=pin, entries=frozen_entries(block, trained), prefetcher=prefetcher).attach()
+        StreamedBlock(block, device, pin=pin, entries=streamed_entries(block, trained), prefetcher=prefetcher).attach()
     setattr(root, STREAMED_ATTR, tuple(names[id(b)] for b in blocks))
     setattr(root, PREFETCHER_ATTR, prefetcher)
     return prefetcher

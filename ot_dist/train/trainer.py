@@ -22,7 +22,7 @@ from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.concepts import check_clip_batches, check_video_clips
 from ot_dist.data.video import check_clip_settings
 from ot_dist.data.training_data import open_training_data, report_lines, training_captions
-from ot_dist.memory.block_streaming import connect_trained_streaming, denoiser_streamed_blocks, frozen_bytes
+from ot_dist.memory.block_streaming import connect_trained_streaming, denoiser_streamed_blocks, streamed_bytes_of
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.placement import place_component, store_component
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
@@ -216,7 +216,7 @@ class Trainer:
         if blocks:
             name = self.model.family.denoiser
             trained = self.config.streams_trained_weights()
-            streamed_bytes = sum(frozen_bytes(b, trained) for b in blocks)
+            streamed_bytes = sum(streamed_bytes_of(b, trained) for b in blocks)
             self.log(f"{name}.offload_fraction {getattr(self.config, name).offload_fraction}: {len(blocks)} blocks' "
                      f"{'' if trained else 'frozen '}weights ({streamed_bytes / 2**30:.2f} GiB) stay in CPU memory, "
                      f"each copied in for its forward{' and stepped in backward' if trained else ''}")
