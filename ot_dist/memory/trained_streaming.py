@@ -25,6 +25,8 @@ import types
 
 import torch
 
+from ot_dist.memory.offload import device_copies
+
 
 class TrainedStreaming:
     """What the streamed blocks of a training denoiser share: the optimizer's per-parameter steps, the copies their
@@ -73,7 +75,7 @@ class TrainedStreaming:
             raise RuntimeError("a streamed trained weight got its gradient before TrainedStreaming.connect")
         weight = self.recomputed.pop(id(home), None)
         if weight is None:  # no recomputation kept a copy (a block that was not checkpointed): make one
-            weight = home.detach().to(self.device, non_blocking=True, copy=True)
+            weight = device_copies([home], self.device, self.pin)[0]
         cpu = home.data
         home.data, home.grad = weight, gradient.to(weight.dtype)
         try:
@@ -91,8 +93,8 @@ class TrainedStreaming:
     def _state_beside(self, home: torch.nn.Parameter) -> None:
         """Optimizer state next to the weight it updates: a resumed checkpoint loads it beside the CPU parameter.
         Scalars stay where the optimizer made them (torch keeps Adam's step count on the host unless fused)."""
-        state = self.optimizer.state.get(home) if self.optimizer is not None else None
-        for key, value in (state or {}).items():
+        state = self.optimizer.state.get(home, {})  # connect() set the optimizer before any step
+        for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.device != home.device:
                 state[key] = value.to(home.device, non_blocking=True)
 

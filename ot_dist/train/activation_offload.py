@@ -15,7 +15,6 @@ Tensors under `MIN_OFFLOADED_BYTES` (timestep embeddings, rotary tables) stay: a
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -53,9 +52,9 @@ def offloaded_inputs():
 
 
 def offloading_checkpoint(function, *args, **kwargs):
-    """torch.utils.checkpoint (non-reentrant) with the checkpointed call's inputs kept in CPU memory."""
-    context = offloaded_inputs() if torch.is_grad_enabled() else contextlib.nullcontext()
-    with context:
+    """torch.utils.checkpoint (non-reentrant) with the checkpointed call's inputs kept in CPU memory (without
+    gradients nothing is saved, so nothing is offloaded)."""
+    with offloaded_inputs():
         return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
 
 
