@@ -128,6 +128,12 @@ INPAINTED = {"family": "flux", "strategies": ("fsdp",)}
 # SD 2.0 depth (sd2 with a 5-channel UNet): each rank's images' depth maps from the frozen DPT estimator (placed like
 # the VAE) beside the noisy latent, a full finetune under fsdp in Flux's launch
 DEPTHED = {"family": "sd2", "launch": "flux", "strategies": ("fsdp",)}
+# optimizer.fused_back_pass under ddp (parallel/fused_reduce.py: each gradient averaged and its parameter stepped inside
+# backward), a full finetune against the plain one process (with plain SGD the fused back pass is the same update): SD
+# 1.x with its text encoder (two modules, one shared issue order), Flux with half its blocks' trained weights streamed
+# (each stepped on its device copy once averaged), HiDream with its routed experts (a rank may not reach one), each in
+# its family's launch.
+FUSED = {"sd1": {}, "flux": {"transformer.offload_fraction": 0.5, "gradient_checkpointing": True}, "hidream": {}}
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
@@ -311,6 +317,11 @@ def test_strategies_equal_one_process(family, family_models, one_level_sd1, shap
     cases = {}
     for name in families:
         cases |= family_cases(name, models[name], shapes_data, tmp_path, accumulation=name == family)
+    for name in (name for name in families if name in FUSED):
+        cases[f"{name}/ddp+fused-full"] = base_config(
+            models[name], shapes_data, tmp_path / f"{name}-ddp+fused-full", family=name, method="full", batch_size=2,
+            strategy="ddp", **settings(name, "full", **{"optimizer.fused_back_pass": True}, **FUSED[name],
+                                       **trained(name, "full")))
     if family == CLIPPED["family"]:
         cases |= full_variant("clipped", {"clip_grad_norm": CLIPPED["clip_grad_norm"]}, CLIPPED["strategies"],
                               family, models[family], shapes_data, tmp_path, references, batch_size=2)

@@ -1310,6 +1310,14 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
         assert config.transformer.offload_fraction == 0.0 and not config.optimizer.fused_back_pass
         assert any(line.startswith("transformer.offload_fraction: 0.5: the transformer trains") and why in line
                    for line in skipped), skipped
+    # on several GPUs (multi_gpu): OneTrainer's fused gradient reduce, each gradient averaged inside backward, within
+    # its async buffer (async_gradient_reduce false: each waits for its own reduce)
+    multi = {**fine_tune, "optimizer": {"optimizer": "ADAFACTOR"}, "multi_gpu": True}
+    for extra, buffer in (({"async_gradient_reduce_buffer": 40}, 40), ({"async_gradient_reduce": False}, 0), ({}, 100)):
+        config, skipped = import_only(tmp_path, {**multi, **extra})
+        assert (config.strategy, config.optimizer.fused_back_pass, config.streams_trained_weights()) == ("ddp", True, True)
+        assert config.ddp.fused_reduce_buffer_mb == buffer
+        assert not any("offload" in line or "fused" in line for line in skipped), skipped
     # the transformer's activation offloading is honoured (gradient checkpointing with it); a text encoder's is listed
     config, skipped = import_only(tmp_path, {**lora, "transformer": {"train": True, "activation_offloading": True}})
     assert config.activation_offloading and config.gradient_checkpointing

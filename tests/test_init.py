@@ -81,6 +81,9 @@ def test_the_least_lossy_setup_that_fits_is_chosen():
     # on one 12 GiB GPU its blocks' trained weights stream, stepped in backward (OneTrainer's FINE_TUNE presets)
     streamed = choose(get_family("flux"), "full", 12, 1)
     assert streamed.setup.streamed and streamed.setup.fused_back_pass and streamed.setup.optimizer == "ADAFACTOR"
+    # and on 8 of them the same, under ddp (each gradient averaged inside backward: parallel/fused_reduce.py)
+    eight = choose(get_family("flux"), "full", 12, 8)
+    assert (eight.strategy, eight.setup) == ("ddp", streamed.setup)
     with pytest.raises(ConfigError, match="--gpu-memory"):
         choose(get_family("flux"), "full", 4, 1)
 

@@ -155,7 +155,8 @@ class OptimizerConfig(Section):
             "Step each parameter inside the backward pass as soon as its gradient is ready and free the gradient:"
             " gradients never all exist at once. Needs gradient_accumulation_steps 1, clip_grad_norm null (a "
             "global norm needs every gradient), a train_dtype other than float16 (loss scaling must see every "
-            "gradient before any step) and strategy single."
+            "gradient before any step) and strategy single or ddp (under ddp each gradient is averaged over the ranks "
+            "inside backward too, ddp.fused_reduce_buffer_mb)."
             + _by("fused_back_pass")
         ),
     )
@@ -749,7 +750,8 @@ def check_optimizer_setup(config) -> None:
                 "must not be float16 (loss scaling must see every gradient before any update)",
             ),
             "strategy": (
-                config.strategy != "single", "must be single (data-parallel strategies reduce gradients after backward)"
+                config.strategy not in ("single", "ddp"),
+                "must be single or ddp (fsdp and zero1-3 shard what a parameter's step needs)",
             ),
         }
         for key, (bad, why) in problems.items():

@@ -188,7 +188,7 @@ class PartConfig(Section):
         "frozen weights (a LoRA's base) stays in CPU memory, and each of those blocks is copied to the device for its "
         "forward and again for its recomputation in backward (the blocks at the end; the others stay on the device). "
         "In a full finetune the blocks' trained weights stream too (this fraction of all their bytes), each updated "
-        "on the device inside backward: needs optimizer.fused_back_pass (strategy single), and the optimizer state "
+        "on the device inside backward: needs optimizer.fused_back_pass (strategies single and ddp), and the optimizer state "
         "stays on the device. Needs gradient_checkpointing; strategies single and ddp (fsdp: fsdp.cpu_offload). "
         "Frozen text encoders and the VAE: offload_frozen_components.",
     )
@@ -762,6 +762,23 @@ class DataConfig(Section):
         return [(f"data.concepts[{i}]", c) for i, c in enumerate(self.concepts)]
 
 
+class DDPConfig(Section):
+    """Settings of strategy ddp (replicated weights)."""
+
+    bucket_mb: float = Field(
+        default=32, gt=0,
+        description="MB of gradients per all-reduce bucket of torch's DistributedDataParallel (each bucket is reduced "
+        "as soon as backward has filled it): raise it on a slow interconnect, lower it to overlap sooner.",
+    )
+    fused_reduce_buffer_mb: int = Field(
+        default=100, ge=0,
+        description="With optimizer.fused_back_pass: MB of averaged gradients in flight before the oldest one's "
+        "parameter is stepped (OneTrainer's async_gradient_reduce_buffer). Each gradient is all-reduced as soon as "
+        "backward completes it and the parameter stepped inside backward; the buffer lets the communication overlap "
+        "backward, at the cost of this much memory. 0: each step waits for its own reduce.",
+    )
+
+
 class FSDPConfig(Section):
     """Settings of strategy fsdp (torch FSDP2)."""
 
@@ -1007,6 +1024,7 @@ class TrainConfig(Section):
         description="single: one process, no process group; ddp: replicated weights, averaged gradients; "
         "fsdp: torch FSDP2 sharding; zero1/zero2/zero3: DeepSpeed ZeRO stages.",
     )
+    ddp: DDPConfig = Field(default_factory=DDPConfig)
     fsdp: FSDPConfig = Field(default_factory=FSDPConfig)
     deepspeed: DeepSpeedConfig = Field(default_factory=DeepSpeedConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)

@@ -118,6 +118,10 @@ def connect_trained_streaming(root: torch.nn.Module, optimizer: torch.optim.Opti
     if prefetcher is None or prefetcher.trained is None:
         return False
     prefetcher.trained.connect(optimizer)
+    for block in streamed_in(root):
+        for table, name in streamed_entries(block, trained=True):
+            if table[name].requires_grad:
+                prefetcher.trained.streams(table[name])
     return True
 
 

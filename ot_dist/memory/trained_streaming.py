@@ -34,7 +34,7 @@ class TrainedStreaming:
 
     def __init__(self, device: torch.device, pin: bool):
         self.device, self.pin = device, pin
-        self.steppers: dict[int, object] | None = None  # id(parameter) -> the fused back pass's step of it
+        self.fused = None  # the optimizer's fused back pass (optim/fused_backward.py)
         self.optimizer: torch.optim.Optimizer | None = None
         self.recomputed: dict[int, torch.Tensor] = {}  # id(home) -> its copy in the current recomputation
         self.unsettled = False  # weights stepped (and their copies home queued) since the last settle()
@@ -51,10 +51,10 @@ class TrainedStreaming:
 
     def connect(self, optimizer: torch.optim.Optimizer) -> None:
         """Step with `optimizer` (built with the fused back pass), and wait for the copies home in its `step`."""
-        steppers = getattr(optimizer, "fused_steppers", None)
-        if steppers is None:
+        fused = getattr(optimizer, "fused_steps", None)
+        if fused is None:
             raise ValueError("a denoiser whose trained blocks stream needs optimizer.fused_back_pass: true")
-        self.steppers, self.optimizer = steppers, optimizer
+        self.fused, self.optimizer = fused, optimizer
         stepped = optimizer.step  # the fused back pass's: the steps already happened in backward
 
         def settle_then_step(opt, *args, **kwargs):
@@ -62,6 +62,10 @@ class TrainedStreaming:
             return stepped(*args, **kwargs)
 
         optimizer.step = types.MethodType(settle_then_step, optimizer)  # bound: LR schedulers read __func__
+
+    def streams(self, home: torch.nn.Parameter) -> None:
+        """`home` is a streamed weight: its complete gradient (averaged over ranks under ddp) steps its device copy."""
+        self.fused.appliers[id(home)] = lambda gradient: self.step(home, gradient)
 
     def placed(self, home: torch.nn.Parameter, moved: torch.Tensor) -> torch.Tensor:
         """The device copy of a trained weight as the module uses it while gradients are recorded."""
@@ -71,8 +75,6 @@ class TrainedStreaming:
 
     def step(self, home: torch.nn.Parameter, gradient: torch.Tensor) -> None:
         """The weight's update on the device with its whole `gradient`, then its copy home."""
-        if self.steppers is None:
-            raise RuntimeError("a streamed trained weight got its gradient before TrainedStreaming.connect")
         weight = self.recomputed.pop(id(home), None)
         if weight is None:  # no recomputation kept a copy (a block that was not checkpointed): make one
             weight = device_copies([home], self.device, self.pin)[0]
@@ -80,7 +82,7 @@ class TrainedStreaming:
         home.data, home.grad = weight, gradient.to(weight.dtype)
         try:
             self._state_beside(home)
-            self.steppers[id(home)](home)  # the optimizer's step of this one parameter; frees its gradient
+            self.fused.steppers[id(home)](home)  # the optimizer's step of this one parameter; frees its gradient
             # the stepped values are whatever the parameter holds now: a step hook may have replaced the tensor
             # (stochastic rounding steps a float32 copy and rounds it into a new bfloat16 one)
             cpu.copy_(home.data, non_blocking=True)
@@ -117,5 +119,8 @@ class StreamIn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, gradient: torch.Tensor):
-        ctx.streaming.step(ctx.home, gradient)
+        streaming = ctx.streaming
+        if streaming.fused is None:
+            raise RuntimeError("a streamed trained weight got its gradient before TrainedStreaming.connect")
+        streaming.fused.ready(ctx.home, gradient)  # -> step(), once the gradient is averaged over ranks (ddp)
         return None, None, None  # nothing accumulates on the CPU parameter: the step already used the gradient

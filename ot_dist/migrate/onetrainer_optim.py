@@ -144,3 +144,18 @@ def import_ema(ot: dict, c: dict) -> None:
         return
     c["ema"] = {"enabled": True, "decay": ot["ema_decay"], "update_step_interval": ot["ema_update_step_interval"],
                 "device": "cpu" if ot["ema"] == "CPU" else "accelerator"}
+
+
+def import_fused_reduce(ot: dict, c: dict, out) -> None:
+    """The fused back pass on several GPUs: OneTrainer's fused gradient reduce (each gradient reduced, then its
+    parameter stepped, inside backward), asynchronous within a buffer, is ot_dist's under ddp."""
+    if ot.get("async_gradient_reduce", True):
+        buffer = ot.get("async_gradient_reduce_buffer", 100)
+        how = f"async_gradient_reduce_buffer: {buffer}"
+    else:
+        buffer, how = 0, "async_gradient_reduce: false"
+    c.setdefault("ddp", {})["fused_reduce_buffer_mb"] = buffer
+    out.notes.append(f"optimizer.fused_back_pass with multi_gpu -> each gradient averaged over the GPUs and its weight "
+                     f"stepped inside backward (OneTrainer's fused gradient reduce); {how} -> "
+                     f"ddp.fused_reduce_buffer_mb: {buffer}")
+

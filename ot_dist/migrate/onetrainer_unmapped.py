@@ -10,6 +10,8 @@ each other and the import's files)."""
 
 from __future__ import annotations
 
+from ot_dist.migrate.onetrainer_optim import import_fused_reduce
+
 # key -> (OneTrainer's default, why ot_dist does not do it)
 CHANGES_TRAINING = {
     "force_circular_padding": (False, "circular padding of the convolutions (tileable textures) is not supported"),
@@ -26,7 +28,7 @@ NO_EFFECT = frozenset({
     "debug_mode", "debug_dir", "workspace_dir", "cache_dir", "huggingface_cache_dir", "offline_mode", "tensorboard",
     "tensorboard_expose", "tensorboard_always_on", "tensorboard_port", "continue_last_backup", "prevent_overwrites",
     "include_train_config", "device_indexes", "gradient_reduce_precision", "fused_gradient_reduce",
-    "async_gradient_reduce", "async_gradient_reduce_buffer", "async_offloading", "clear_cache_before_training",
+    "async_offloading", "clear_cache_before_training",
     "dataloader_threads", "train_device", "temp_device", "enable_autocast_cache", "only_cache", "cloud",
     "sample_video_format", "sample_audio_format", "samples_to_tensorboard", "backup_before_save", "secrets", "frames",
 })
@@ -41,8 +43,10 @@ def import_unmapped(ot: dict, c: dict, out) -> None:
     if ot.get("multi_gpu"):
         c["strategy"] = "ddp"
         out.notes.append("multi_gpu: true -> strategy ddp (one process per GPU: launch with `ot-dist launch`, "
-                         "torchrun or accelerate, docs/parallel.md; OneTrainer's gradient-reduce options have no "
-                         "counterpart: DistributedDataParallel reduces in float32)")
+                         "torchrun or accelerate, docs/parallel.md; gradients are reduced in float32, as "
+                         "gradient_reduce_precision FLOAT_32)")
+        if (c.get("optimizer") or {}).get("fused_back_pass"):
+            import_fused_reduce(ot, c, out)
 
 
 def _quantization(section: dict, c: dict, out) -> None:

@@ -3,45 +3,83 @@ and the gradient is freed right away, so the gradients of the whole model never 
 
 Only for optimizers whose update of a parameter depends on that parameter alone (the registry says
 which). The config refuses it with gradient accumulation (the gradient is not complete after one
-backward), gradient-norm clipping (a global norm needs every gradient), float16 loss scaling (an
-overflow must be seen before any update) and data-parallel strategies (gradients are reduced after
-backward). `optimizer.step()` becomes a no-op: the step already happened.
+backward), gradient-norm clipping (a global norm needs every gradient) and float16 loss scaling (an
+overflow must be seen before any update). Under ddp each gradient is averaged over the ranks first, also
+inside backward (parallel/fused_reduce.py). `optimizer.step()` becomes a no-op: the step already happened.
 """
 
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 
 import torch
 
 
+class FusedSteps:
+    """What happens to a parameter's gradient once backward has completed it.
+
+    `ready(param, gradient)` is called by the parameter's post-accumulate hook, or by whoever collected the gradient
+    elsewhere (a streamed block's weight gets it on a device copy, never on the parameter:
+    memory/trained_streaming.py). It hands the gradient to `route`: by default the parameter's `appliers` entry at
+    once; under ddp the averaging over ranks, which calls the same entry when the average is there. An applier
+    steps its parameter with the gradient; `steppers` holds each parameter's own step of what its `.grad` holds."""
+
+    def __init__(self):
+        self.steppers: dict[int, Callable[[torch.Tensor], None]] = {}  # id(param) -> steps param with its .grad
+        self.appliers: dict[int, Callable[[torch.Tensor], None]] = {}  # id(param) -> steps it with a gradient
+        self.route: Callable[[torch.Tensor, torch.Tensor], None] = self.apply
+
+    def accumulated(self, param: torch.Tensor) -> None:
+        """The post-accumulate hook. It also runs for a streamed weight's CPU parameter, which gets no gradient (its
+        step already took the device copy's): nothing to do then."""
+        if param.grad is not None:
+            self.ready(param, param.grad)
+
+    def ready(self, param: torch.Tensor, gradient: torch.Tensor) -> None:
+        self.route(param, gradient)
+
+    def apply(self, param: torch.Tensor, gradient: torch.Tensor) -> None:
+        self.appliers[id(param)](gradient)
+
+
 def install_fused_back_pass(optimizer: torch.optim.Optimizer) -> None:
     step = type(optimizer).step  # the class's step, with the optimizer's pre/post hooks
-
-    # Each parameter's own step, also for a caller that hands it a gradient itself: a streamed block's weight gets
-    # its gradient on a device copy, never on the parameter (memory/trained_streaming.py).
-    optimizer.fused_steppers = {}
+    fused = FusedSteps()
     for group in optimizer.param_groups:
         for p in group["params"]:
-            optimizer.fused_steppers[id(p)] = _stepper(optimizer, group, step)
-            p.register_post_accumulate_grad_hook(optimizer.fused_steppers[id(p)])
+            fused.steppers[id(p)] = _stepper(optimizer, group, step)
+            fused.appliers[id(p)] = _applier(p, fused.steppers[id(p)])
+            p.register_post_accumulate_grad_hook(fused.accumulated)
 
     def already_stepped(self, closure=None):
         return None
 
     # A bound method (not a lambda): LR schedulers wrap `optimizer.step` and need its __func__.
     optimizer.step = types.MethodType(already_stepped, optimizer)
-    optimizer.fused_back_pass = True
+    optimizer.fused_steps = fused
 
 
 def _stepper(optimizer, group, step):
-    def hook(p: torch.Tensor) -> None:
-        params = group["params"]
-        group["params"] = [p]  # step this parameter alone, with its group's current learning rate
+    def stepper(p: torch.Tensor) -> None:
+        # Step this parameter alone, with its group's current learning rate: the other groups' parameters may hold
+        # gradients too (under ddp, ones still being averaged), which are not theirs to apply yet.
+        held = [g["params"] for g in optimizer.param_groups]
+        for g in optimizer.param_groups:
+            g["params"] = [p] if g is group else []
         try:
             step(optimizer)
         finally:
-            group["params"] = params
+            for g, params in zip(optimizer.param_groups, held):
+                g["params"] = params
         p.grad = None
 
-    return hook
+    return stepper
+
+
+def _applier(p: torch.Tensor, stepper):
+    def applier(gradient: torch.Tensor) -> None:
+        p.grad = gradient  # the parameter's own accumulated gradient, or its average over the ranks (the same tensor)
+        stepper(p)
+
+    return applier

@@ -1,6 +1,9 @@
 """Data parallel with replicated weights: every rank holds the whole model and optimizer state;
 gradients are averaged over ranks once per optimizer step (not per micro step).
 
+With optimizer.fused_back_pass each gradient is averaged and its parameter stepped inside backward instead
+(parallel/fused_reduce.py); the reducer below would keep every gradient until the step.
+
 The averaging is torch's DistributedDataParallel reducer: each bucket of gradients is all-reduced as
 soon as backward has produced it, so communication overlaps the rest of backward. The reducer is driven
 by forward hooks on each trained module (as torch's composable `replicate` does), so the module keeps
@@ -14,22 +17,35 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from ot_dist.parallel.base import Strategy
+from ot_dist.parallel.fused_reduce import FusedGradientReduce
 from ot_dist.parallel.single import held_plain
 
-BUCKET_MB = 32
+MB = 1 << 20
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
 
     def _wrap_modules(self, model) -> None:
+        self.replicas, self.fused_reduce = {}, None
+        settings = self.config.ddp
+        if self.config.optimizer.fused_back_pass:
+            trained = [[p for p in module.parameters() if p.requires_grad] for module in self.trained_modules.values()]
+            self.fused_reduce = FusedGradientReduce(trained, self.runtime.device,
+                                                    buffer_bytes=int(settings.fused_reduce_buffer_mb * MB))
+            return
         # One reducer per trained module; each gets its own process group when there are several, so the
         # reducers' all-reduces can never interleave differently on different ranks.
         several = len(self.trained_modules) > 1
         self.replicas = {
-            name: Replica(module, self.runtime.device, dist.new_group() if several else None)
+            name: Replica(module, self.runtime.device, dist.new_group() if several else None, settings.bucket_mb)
             for name, module in self.trained_modules.items()
         }
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self.fused_reduce is not None:
+            self.fused_reduce.connect(optimizer.fused_steps)
+        return super().wrap_optimizer(optimizer)
 
     def prepare_micro_step(self, last_micro_step: bool) -> None:
         for replica in self.replicas.values():
@@ -46,7 +62,7 @@ class Replica:
     frozen mid-run by `stop_training_after`) are found after forward and reduced as zeros on that rank, so
     every rank issues the same collectives; one no rank reached keeps no gradient, as in one process."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, group):
+    def __init__(self, module: torch.nn.Module, device: torch.device, group, bucket_mb: float = 32):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.synchronise = True
         # The reducer's module is a list of the trainable parameters alone (no buffers to broadcast).
@@ -54,7 +70,7 @@ class Replica:
             torch.nn.ParameterList(self.params),
             device_ids=[device] if device.type == "cuda" else None,
             process_group=group,
-            bucket_cap_mb=BUCKET_MB,
+            bucket_cap_mb=bucket_mb,
             find_unused_parameters=True,
             gradient_as_bucket_view=True,
         )

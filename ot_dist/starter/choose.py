@@ -110,8 +110,6 @@ def choose(family, method: str, gpu_memory_gib: float, gpus: int) -> Choice:
     activations = ACTIVATIONS_GIB[reference]
     options: list[Choice] = []
     for setup in candidates(method):
-        if setup.fused_back_pass and gpus > 1:
-            continue  # gradients applied during backward cannot be reduced across GPUs first
         if setup.streamed and not family.shard_units.get(family.denoiser):
             continue  # no blocks to stream
         table = setup_bytes(setup, sizes) / GIB

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.config.load import validate
-from ot_dist.parallel import ddp as ddp_module
 from ot_dist.parallel.runtime import start_runtime, exit_process
 from ot_dist.train.trainer import Trainer
 
@@ -66,8 +65,7 @@ runtime = start_runtime(5, needs_group=True)
 result = {}
 
 # Small buckets, so that a tiny model's gradients fill several of them, as a real model's do.
-ddp_module.BUCKET_MB = 0.05
-trainer = Trainer(validate(case["ddp_config"]), runtime=runtime, log=lambda *_: None)
+trainer = Trainer(validate({**case["ddp_config"], "ddp": {"bucket_mb": 0.05}}), runtime=runtime, log=lambda *_: None)
 events = record_ddp_events(trainer)
 trainer.train()
 result["ddp_events"] = events
