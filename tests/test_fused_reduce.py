@@ -78,6 +78,21 @@ def test_gradients_are_averaged_during_backward_in_a_bounded_buffer(ranks):
             assert run["peaks"][step] <= bound, f"rank {rank} step {step}: {run['peaks'][step]} bytes held > {bound}"
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_one_rank_on_a_gpu_steps_as_one_process(tmp_path):
+    """NCCL beside gloo, as a CUDA run's group: the reduces, the zeros of the unreached experts and the flags copied
+    from pinned memory on the device; the weights of one process (only rank 0's batch)."""
+    done = run_ranks(REPO / "tests" / "helpers" / "fused_reduce_ranks.py", tmp_path, "cuda", nproc=1, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    result = json.loads((tmp_path / "rank0.json").read_text())
+    for optimizer, run in result.items():
+        for name, reference in run["reference"].items():
+            diff = (torch.tensor(reference) - torch.tensor(run["weights"][name])).abs().max().item()
+            assert diff <= 1e-5, f"{optimizer} {name}: {diff:.3g}"
+        assert set(NOBODYS) <= set(run["untouched_state"]) or optimizer == "sgd"
+
+
 def test_the_config_takes_fused_back_pass_under_ddp_only(small_sd1, shapes_data, tmp_path):
     from conftest import base_config
 

@@ -1,7 +1,10 @@
 """Under 2 gloo ranks: the fused back pass under ddp (ot_dist/parallel/fused_reduce.py) on a small routed model, against
 one process of the global batch (tests/test_fused_reduce.py).
 
-    fused_reduce_ranks.py OUT_DIR
+    fused_reduce_ranks.py OUT_DIR [cuda]
+
+With `cuda` (pytest -m gpu): one rank on the GPU in a group of gloo and NCCL, as a CUDA run makes it (the flags copied
+from pinned memory, the zeros and the reduces on the device); started without torchrun's environment.
 
 A "text encoder" feeds a "denoiser" (two trained modules, as a full finetune with its text encoder). The denoiser
 routes every sample through expert 0, rank 0's samples through expert 1 too, and nobody's through expert 2: rank 1
@@ -49,14 +52,17 @@ class Denoiser(torch.nn.Module):
 ROUTES = {0: [0, 1], 1: [0]}  # rank -> experts its samples go through (expert 2: nobody's)
 
 
+DEVICE = torch.device(sys.argv[2] if len(sys.argv) > 2 else "cpu")
+
+
 def build():
     torch.manual_seed(0)
-    return TextEncoder(), Denoiser()
+    return TextEncoder().to(DEVICE), Denoiser().to(DEVICE)
 
 
 def batch(step: int, rank: int):
     g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(4, 6, generator=g), torch.randn(4, 4, generator=g)
+    return torch.randn(4, 6, generator=g).to(DEVICE), torch.randn(4, 4, generator=g).to(DEVICE)
 
 
 def loss_of(te, den, x, y, rank):
@@ -76,12 +82,13 @@ def one_process(name):
     """The reference: both ranks' samples in one step (the mean of the two halves' mean losses), a plain step."""
     te, den = build()
     optimizer = make_optimizer(name, (den, te))
+    ranks = range(dist.get_world_size())
     for step in range(STEPS):
-        loss = sum(loss_of(te, den, *batch(step, rank), rank) for rank in ROUTES) / len(ROUTES)
+        loss = sum(loss_of(te, den, *batch(step, rank), rank) for rank in ranks) / len(ranks)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    return {f"{part}.{n}": p.detach().tolist() for part, m in (("denoiser", den), ("te", te))
+    return {f"{part}.{n}": p.detach().cpu().tolist() for part, m in (("denoiser", den), ("te", te))
             for n, p in m.named_parameters()}
 
 
@@ -90,7 +97,7 @@ def fused_ddp(name, rank):
     modules = [list(den.parameters()), list(te.parameters())]  # the denoiser first, as Strategy.trained_modules
     optimizer = make_optimizer(name, (den, te))
     install_fused_back_pass(optimizer)
-    reduce = FusedGradientReduce(modules, torch.device("cpu"), buffer_bytes=BUFFER_BYTES)
+    reduce = FusedGradientReduce(modules, DEVICE, buffer_bytes=BUFFER_BYTES)
     reduce.connect(optimizer.fused_steps)
     names = {id(p): f"{part}.{n}" for part, m in (("denoiser", den), ("te", te)) for n, p in m.named_parameters()}
 
@@ -122,7 +129,7 @@ def fused_ddp(name, rank):
             assert all(p.grad is None for params in modules for p in params), "a gradient outlived backward"
     finally:
         dist.all_reduce = all_reduce
-    weights = {names[id(p)]: p.detach().tolist() for params in modules for p in params}
+    weights = {names[id(p)]: p.detach().cpu().tolist() for params in modules for p in params}
     sizes = {names[id(p)]: p.numel() * p.element_size() for params in modules for p in params}
     return {"weights": weights, "events": events, "peaks": peaks, "sizes": sizes,
             "untouched_state": [names[id(p)] for params in modules for p in params if p not in optimizer.state]}
@@ -130,7 +137,13 @@ def fused_ddp(name, rank):
 
 def main():
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
+    if DEVICE.type == "cuda":
+        from ot_dist.ports import free_port
+
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{free_port()}", world_size=1,
+                                rank=0, device_id=DEVICE)
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     result = {name: {"reference": one_process(name), **fused_ddp(name, rank)} for name in ("sgd", "adamw")}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
