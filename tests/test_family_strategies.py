@@ -134,6 +134,12 @@ DEPTHED = {"family": "sd2", "launch": "flux", "strategies": ("fsdp",)}
 # (each stepped on its device copy once averaged), HiDream with its routed experts (a rank may not reach one), each in
 # its family's launch.
 FUSED = {"sd1": {}, "flux": {"transformer.offload_fraction": 0.5, "gradient_checkpointing": True}, "hidream": {}}
+# and SD 1.x's fused back pass with accumulation (batch 1 x 2 micro steps x 2 ranks: the first micro step's gradients
+# accumulate unreduced, the last one's backward averages and steps) and each gradient clipped by its own norm (OneTrainer's
+# fused clipping, clip_grad_norm_scope per_tensor, after the average), against one process of batch 4 with the same
+# clipping: a gradient clipped before its average, or a micro step stepped alone, fails the comparison
+FUSED_CLIPPED = {"family": "sd1", "settings": {"optimizer.fused_back_pass": True, "clip_grad_norm": 0.2,
+                                              "clip_grad_norm_scope": "per_tensor"}}
 # whole EfficientNet latents: sides of 128 px
 FAMILY_SETTINGS = {"stable_cascade": {"resolution": 128}, "wuerstchen_v2": {"resolution": 128}}
 # Würstchen v2's tiny prior starts with a small output conv (its build_tiny), so its LoRA gradients are small: a
@@ -325,6 +331,9 @@ def test_strategies_equal_one_process(family, family_models, one_level_sd1, shap
     if family == CLIPPED["family"]:
         cases |= full_variant("clipped", {"clip_grad_norm": CLIPPED["clip_grad_norm"]}, CLIPPED["strategies"],
                               family, models[family], shapes_data, tmp_path, references, batch_size=2)
+    if family == FUSED_CLIPPED["family"]:
+        cases |= full_variant("fusedclipped", FUSED_CLIPPED["settings"], ("ddp",), family, models[family], shapes_data,
+                              tmp_path, references, batch_size=1, gradient_accumulation_steps=2)
     if family == SCALED["family"]:
         cases |= full_variant("scaled", {"loss.scaler": SCALED["loss.scaler"]}, SCALED["strategies"], family,
                               models[family], shapes_data, tmp_path, references, batch_size=1,
@@ -372,7 +381,7 @@ def test_strategies_equal_one_process(family, family_models, one_level_sd1, shap
         assert diff <= BFLOAT16_NOISE * noise, f"{case}: max abs diff {diff:.3g}, bfloat16 noise {noise:.3g}"
     for case, raw in cases.items():
         name, kind = raw["model"]["family"], case.rsplit("-", 1)[1]  # full, lora, clipped or scaled (a full finetune)
-        method = "full" if kind in ("clipped", "scaled", "edited", "inpainted", "depthed") else kind
+        method = "full" if kind in ("clipped", "scaled", "edited", "inpainted", "depthed", "fusedclipped") else kind
         with_text_encoder = bool(trained(name, method))  # the same for the clipped, scaled and edited cases
         reference, got = references[name, kind], exported(Path(raw["output_dir"]), name, method, with_text_encoder)
         assert reference.keys() == got.keys(), case

@@ -40,7 +40,7 @@ def test_flux_train_defaults_are_the_network_scripts(tmp_path):
 
 def test_flux_train_fused_backward_pass_and_memory_arguments(tmp_path):
     """kohya's Adafactor fused_backward_pass is ot_dist's optimizer.fused_back_pass; kohya's per-parameter clipping
-    at max_grad_norm (default 1.0) is listed, clip_grad_norm is null. Block swap, CPU-offloaded checkpointing (which
+    at max_grad_norm (default 1.0) is clip_grad_norm_scope per_tensor. Block swap, CPU-offloaded checkpointing (which
     turns checkpointing on) and the memory-efficient save change no training: noted, not listed."""
     images(tmp_path / "d" / "1_x", 1)
     config, text, err = imported(tmp_path, minimal(tmp_path, 1024) + """
@@ -56,14 +56,15 @@ full_bf16 = true
 mixed_precision = "bf16"
 """, "--script", "flux_train.py")
     assert config["optimizer"]["name"] == "ADAFACTOR" and config["optimizer"]["fused_back_pass"] is True
-    assert config["clip_grad_norm"] is None and config["gradient_checkpointing"] is True
-    assert config["trained_weight_dtype"] == "bfloat16"
+    assert (config["clip_grad_norm"], config["clip_grad_norm_scope"]) == (1.0, "per_tensor")
+    assert config["gradient_checkpointing"] is True and config["trained_weight_dtype"] == "bfloat16"
     notes = text.split("NOT HONOURED")[0]
-    assert "max_grad_norm: 1.0 with fused_backward_pass: kohya clips each parameter's gradient" in listed(text)
+    assert "max_grad_norm: 1.0 with fused_backward_pass -> clip_grad_norm_scope: per_tensor" in notes
+    assert "max_grad_norm" not in listed(text)
     for key in ("cpu_offload_checkpointing", "mem_eff_save", "double_blocks_to_swap", "fused_optimizer_groups"):
         assert f"{key}:" in notes and f"{key}:" not in listed(text), key
     loaded = validates(tmp_path, text)
-    assert loaded.optimizer.fused_back_pass is True and loaded.clip_grad_norm is None
+    assert loaded.optimizer.fused_back_pass is True and loaded.clip_grad_norm_scope == "per_tensor"
 
 
 def test_fused_steps_ot_dist_cannot_take_are_listed(tmp_path):

@@ -1298,11 +1298,12 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
     assert config.offload_frozen_components and config.component_storage("transformer") == "float8"
     assert not any("offload" in line for line in skipped)
     # a trained transformer (the FINE_TUNE presets) streams too, stepped in backward: with the fused back pass, which
-    # OneTrainer requires for it as well, and no global gradient-norm clipping (OneTrainer's default 1.0)
+    # OneTrainer requires for it as well
     fine_tune = {**lora, "training_method": "FINE_TUNE", "train_dtype": "BFLOAT_16"}
     config, skipped = import_only(tmp_path, {**fine_tune, "optimizer": {"optimizer": "ADAFACTOR"}})
     assert (config.transformer.offload_fraction, config.optimizer.fused_back_pass) == (0.5, True)
-    assert config.streams_trained_weights() and config.clip_grad_norm is None
+    # OneTrainer's fused step clips each gradient by its own norm (its default clip_grad_norm 1.0)
+    assert config.streams_trained_weights() and (config.clip_grad_norm, config.clip_grad_norm_scope) == (1.0, "per_tensor")
     assert not any("offload" in line for line in skipped)
     for changed, why in (({"optimizer": {"optimizer": "PRODIGY"}}, "PRODIGY has not"),
                          ({"optimizer": {"optimizer": "ADAFACTOR"}, "train_dtype": "FLOAT_16"}, "train_dtype float16")):
@@ -1310,6 +1311,19 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
         assert config.transformer.offload_fraction == 0.0 and not config.optimizer.fused_back_pass
         assert any(line.startswith("transformer.offload_fraction: 0.5: the transformer trains") and why in line
                    for line in skipped), skipped
+    # with accumulation the streamed weights stay on the device (they are stepped in each backward); the fused back
+    # pass a user turned on imports as it trains in OneTrainer: accumulated, each gradient clipped by its own norm
+    config, skipped = import_only(tmp_path, {**fine_tune, "optimizer": {"optimizer": "ADAFACTOR"},
+                                             "gradient_accumulation_steps": 4})
+    assert config.transformer.offload_fraction == 0.0 and config.gradient_accumulation_steps == 4
+    assert any(line.startswith("transformer.offload_fraction: 0.5: the transformer trains") and
+               "gradient_accumulation_steps 4" in line for line in skipped), skipped
+    plain = {**fine_tune, "transformer": {"train": True}, "gradient_accumulation_steps": 4, "clip_grad_norm": 0.5,
+             "optimizer": {"optimizer": "ADAFACTOR", "fused_back_pass": True}}
+    config, skipped = import_only(tmp_path, plain)
+    assert (config.optimizer.fused_back_pass, config.gradient_accumulation_steps) == (True, 4)
+    assert (config.clip_grad_norm, config.clip_grad_norm_scope) == (0.5, "per_tensor")
+    assert not any("fused" in line or "clip" in line for line in skipped), skipped
     # on several GPUs (multi_gpu): OneTrainer's fused gradient reduce, each gradient averaged inside backward, within
     # its async buffer (async_gradient_reduce false: each waits for its own reduce)
     multi = {**fine_tune, "optimizer": {"optimizer": "ADAFACTOR"}, "multi_gpu": True}

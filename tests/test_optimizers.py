@@ -266,9 +266,10 @@ def test_resolved_config_round_trips():
         ({"learning_rate": 1.0, "optimizer": {"name": "DADAPT_ADAM"}, "unet": {"learning_rate": 0.5},
           "text_encoder": {"train": True}},
          ["optimizer.name: DADAPT_ADAM estimates one step size", "unet.learning_rate = 0.5"]),
-        ({"optimizer": {"name": "ADAMW", "fused_back_pass": True}, "clip_grad_norm": None, "gradient_accumulation_steps": 2},
-         ["gradient_accumulation_steps: must be 1", "optimizer.fused_back_pass"]),
-        ({"optimizer": {"name": "ADAMW", "fused_back_pass": True}}, ["clip_grad_norm: must be null"]),
+        ({"optimizer": {"name": "ADAMW", "fused_back_pass": True}},
+         ["clip_grad_norm: a global gradient norm needs every gradient", "clip_grad_norm_scope: per_tensor"]),
+        ({"clip_grad_norm_scope": "per_tensor"},
+         ["clip_grad_norm_scope: per_tensor clips each gradient", "optimizer.fused_back_pass: true"]),
         ({"optimizer": {"name": "ADAFACTOR", "relative_step": False, "scale_parameter": False, "fused_back_pass": True},
           "clip_grad_norm": None, "train_dtype": "float16"}, ["train_dtype: must not be float16"]),
         ({"optimizer": {"name": "LION_8BIT", "fused_back_pass": True}},
@@ -339,6 +340,50 @@ def test_fused_back_pass_steps_inside_backward_and_matches_the_ordinary_step(sma
     plain.train()
     for a, b in zip(fused.params, plain.params):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_fused_back_pass_clips_each_gradient_and_steps_after_the_last_micro_step():
+    """clip_grad_norm_scope per_tensor: each gradient clipped by its own norm before its step (OneTrainer's and kohya's
+    fused step); with accumulation nothing steps before the last micro step's backward, which steps the sum. Against
+    the same by hand: two backward passes, each parameter's gradient clipped alone, plain SGD."""
+    from ot_dist.optim.fused_backward import install_fused_back_pass
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    inputs = [torch.randn(4, 6, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    clip = 0.05  # below every gradient's norm here: each one is scaled, each by its own factor
+
+    def loss(model, step, micro):
+        return model(inputs[2 * step + micro]).square().mean() / 2
+
+    reference = build()
+    for step in range(2):
+        for micro in range(2):
+            loss(reference, step, micro).backward()
+        norms = [p.grad.norm().item() for p in reference.parameters()]
+        assert min(norms) > clip and max(norms) > 2 * min(norms)  # the clip bites, and differently per tensor
+        for p in reference.parameters():
+            torch.nn.utils.clip_grad_norm_([p], clip)
+            p.data.sub_(0.5 * p.grad)
+            p.grad = None
+
+    fused = build()
+    optimizer = torch.optim.SGD(fused.parameters(), lr=0.5)
+    install_fused_back_pass(optimizer)
+    optimizer.fused_steps.clip_to = clip
+    start = [p.detach().clone() for p in fused.parameters()]
+    for step in range(2):
+        for micro in range(2):
+            optimizer.fused_steps.holding = micro == 0
+            loss(fused, step, micro).backward()
+            if micro == 0:  # accumulated, not stepped
+                assert all(p.grad is not None for p in fused.parameters())
+                assert step or all(torch.equal(p, s) for p, s in zip(fused.parameters(), start))
+        assert all(p.grad is None for p in fused.parameters())
+    for a, b in zip(fused.parameters(), reference.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
 
 def test_stochastic_rounding_keeps_small_updates_of_bfloat16_weights():

@@ -141,6 +141,8 @@ def test_streaming_a_trained_denoiser_needs_the_fused_back_pass(tiny_models, sha
         full_config(tiny_models, shapes_data, tmp_path, 0.5, **{"optimizer.fused_back_pass": False})
     with pytest.raises(ConfigError, match="strategies single and ddp stream blocks; zero2"):  # ddp: 2 ranks in test_family_strategies.py
         full_config(tiny_models, shapes_data, tmp_path, 0.5, strategy="zero2")
+    with pytest.raises(ConfigError, match="unet.offload_fraction: .*gradient_accumulation_steps must be 1"):
+        full_config(tiny_models, shapes_data, tmp_path, 0.5, gradient_accumulation_steps=2)
     assert full_config(tiny_models, shapes_data, tmp_path, 0.5).streams_trained_weights()
     assert not full_config(tiny_models, shapes_data, tmp_path, 0.0).streams_trained_weights()
 

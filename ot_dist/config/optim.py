@@ -153,9 +153,10 @@ class OptimizerConfig(Section):
         default=None,
         description=(
             "Step each parameter inside the backward pass as soon as its gradient is ready and free the gradient:"
-            " gradients never all exist at once. Needs gradient_accumulation_steps 1, clip_grad_norm null (a "
-            "global norm needs every gradient), a train_dtype other than float16 (loss scaling must see every "
-            "gradient before any step) and strategy single or ddp (under ddp each gradient is averaged over the ranks "
+            " gradients never all exist at once (with gradient accumulation they accumulate over the micro steps as "
+            "usual and are stepped in the last one's backward: no memory saved). Clipping: clip_grad_norm_scope per_tensor (a global norm needs every gradient) or none. Needs "
+            "a train_dtype other than float16 (loss scaling must see every gradient before any step) and strategy "
+            "single or ddp (under ddp each gradient is averaged over the ranks "
             "inside backward too, ddp.fused_reduce_buffer_mb)."
             + _by("fused_back_pass")
         ),
@@ -739,11 +740,10 @@ def check_optimizer_setup(config) -> None:
         raise ValueError(refusal)
     if opt.fused_back_pass:
         problems = {
-            "gradient_accumulation_steps": (
-                config.gradient_accumulation_steps > 1, "must be 1 (each gradient is applied as soon as it exists)"
-            ),
             "clip_grad_norm": (
-                config.clip_grad_norm is not None, "must be null (a global gradient norm needs every gradient at once)"
+                config.clip_grad_norm is not None and config.clip_grad_norm_scope == "global",
+                "a global gradient norm needs every gradient at once: set clip_grad_norm_scope: per_tensor (each "
+                "gradient clipped by its own norm, as OneTrainer and kohya do) or clip_grad_norm: null",
             ),
             "train_dtype": (
                 config.train_dtype == "float16",
@@ -757,6 +757,9 @@ def check_optimizer_setup(config) -> None:
         for key, (bad, why) in problems.items():
             if bad:
                 raise ValueError(f"{key}: {why} with optimizer.fused_back_pass: true")
+    elif config.clip_grad_norm_scope == "per_tensor":
+        raise ValueError("clip_grad_norm_scope: per_tensor clips each gradient as the fused back pass steps it: it needs "
+                         "optimizer.fused_back_pass: true (without it, global)")
     spec = SPECS[opt.name]
     if spec.trust_ratio and config.method == "lora" and (opt.max_unorm is None or opt.max_unorm > 0):
         key = "optimizer.max_unorm" if opt.max_unorm is not None else "optimizer.name"

@@ -1018,6 +1018,12 @@ class TrainConfig(Section):
         "block's. Costs two copies of each block's hidden states per step.",
     )
     clip_grad_norm: float | None = Field(default=1.0, gt=0, description="Clip the gradient norm; null = off.")
+    clip_grad_norm_scope: Literal["global", "per_tensor"] = Field(
+        default="global",
+        description="global: the norm of all gradients together is clipped to clip_grad_norm (torch's "
+        "clip_grad_norm_). per_tensor: each parameter's gradient is clipped by its own norm, inside the fused back pass "
+        "(optimizer.fused_back_pass), where no global norm exists: what OneTrainer and kohya do with theirs.",
+    )
     tf32: bool = Field(default=True, description="Allow TF32 matmuls on CUDA (ignored elsewhere).")
     strategy: Literal["single", "ddp", "fsdp", "zero1", "zero2", "zero3"] = Field(
         default="single",
@@ -1136,6 +1142,10 @@ class TrainConfig(Section):
             raise ValueError(f"{field}: the {denoiser} trains, so its streamed weights are updated inside backward "
                              "while their copies are on the device: set optimizer.fused_back_pass: true (an "
                              f"optimizer that supports it: {', '.join(FUSED_BACK_PASS)})")
+        if self.streams_trained_weights() and self.gradient_accumulation_steps > 1:
+            raise ValueError(f"{field}: the {denoiser}'s streamed weights are stepped inside each backward, so "
+                             "gradient_accumulation_steps must be 1 (their gradients would wait in CPU memory between "
+                             "micro steps)")
         if self.performance.float8_matmuls:
             raise ValueError(f"{field}: not with performance.float8_matmuls (float8 layers replace the modules whose "
                              "weights the streamed blocks swap)")

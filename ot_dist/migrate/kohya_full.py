@@ -71,9 +71,10 @@ def import_fused_step(args: KohyaArgs, c: dict, out: Imported) -> None:
     """fused_backward_pass (Adafactor only in kohya) steps each parameter inside backward; blockwise_fused_optimizers
     (flux_train.py, sd3_train.py) and sdxl_train.py's fused_optimizer_groups step one optimizer per block / group of
     parameters as soon as its gradients exist. Either updates each parameter as one
-    optimizer step would: ot_dist's optimizer.fused_back_pass. kohya clips each gradient by its own norm there;
-    ot_dist's fused step clips nothing, and refuses accumulation and float16 loss scaling (kohya refuses the first
-    for fused_backward_pass)."""
+    optimizer step would: ot_dist's optimizer.fused_back_pass. kohya clips each gradient by its own norm there, as
+    ot_dist's clip_grad_norm_scope per_tensor does; ot_dist's fused step refuses float16 loss scaling, and with
+    accumulation steps in the last micro step only (kohya refuses accumulation for fused_backward_pass), so neither
+    imports."""
     fused = [key for key in ("fused_backward_pass", "blockwise_fused_optimizers") if args[key]]
     if args["fused_optimizer_groups"] and args.script == "sdxl_train.py":  # its optimizers per group of parameters
         fused.append("fused_optimizer_groups")
@@ -90,12 +91,16 @@ def import_fused_step(args: KohyaArgs, c: dict, out: Imported) -> None:
                                 "depends on the others); the optimizer steps after backward")
         return
     if args["gradient_accumulation_steps"] > 1 or c.get("train_dtype") == "float16":
+        # kohya steps in every micro step's backward there (or refuses); ot_dist's fused step waits for the last
         out.not_honoured.append(f"{what}: ot_dist's fused back pass needs gradient_accumulation_steps 1 and a "
-                                "train_dtype other than float16; the optimizer steps after backward")
+                                "train_dtype other than float16 to step as kohya does; the optimizer steps after "
+                                "backward")
         return
     c["optimizer"]["fused_back_pass"] = True
-    if c.get("clip_grad_norm"):
-        out.not_honoured.append(f"max_grad_norm: {c['clip_grad_norm']} with {what}: kohya clips each parameter's "
-                                "gradient by its own norm; ot_dist's fused back pass clips none (clip_grad_norm null)")
-    c["clip_grad_norm"] = None
     out.notes.append(f"{what} -> optimizer.fused_back_pass: each parameter is stepped inside backward")
+    if c.get("clip_grad_norm"):
+        c["clip_grad_norm_scope"] = "per_tensor"
+        out.notes.append(f"max_grad_norm: {c['clip_grad_norm']} with {what} -> clip_grad_norm_scope: per_tensor (each "
+                         "parameter's gradient clipped by its own norm, as kohya does there)")
+    else:
+        c["clip_grad_norm"] = None

@@ -24,8 +24,8 @@ from ot_dist.migrate.onetrainer_embeddings import (import_additional_embeddings,
                                                  output_init_text, padded_init_text, vector_setting)
 from ot_dist.migrate.onetrainer_layers import import_layer_filter, import_text_encoder_layers
 from ot_dist.migrate.onetrainer_loss import import_loss
-from ot_dist.migrate.onetrainer_optim import (import_ema, import_optimizer, import_scheduler, scale_learning_rates,
-                                             streamed_trained_denoiser)
+from ot_dist.migrate.onetrainer_optim import (fused_clipping, import_ema, import_optimizer, import_scheduler,
+                                              scale_learning_rates, streamed_trained_denoiser)
 from ot_dist.migrate.onetrainer_parts import import_parts
 from ot_dist.migrate.onetrainer_samples import import_samples
 from ot_dist.migrate.onetrainer_unmapped import import_unmapped
@@ -120,6 +120,7 @@ def import_onetrainer(path: str | Path, concepts_path: str | None = None, sample
         c["model"]["decoder"] = local_path(ot["decoder"]["model_name"], "decoder.model_name", out)
     import_optimizer(ot, c, skip)
     streamed_trained_denoiser(c, get_family(family).denoiser, out)
+    fused_clipping(c, out)
     import_scheduler(ot, c, skip)
     import_ema(ot, c)
     import_loss(ot, c, skip)

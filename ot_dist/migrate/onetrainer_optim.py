@@ -45,8 +45,8 @@ def import_optimizer(ot: dict, c: dict, skip) -> None:
 def streamed_trained_denoiser(c: dict, denoiser: str, out) -> None:
     """A full finetune whose denoiser streams its blocks (OneTrainer's layer offloading of a trained part): its
     weights are stepped inside backward, so the fused back pass is on, as OneTrainer requires for it too
-    (modules/util/create.py refuses the run without it), and the gradient norm is not clipped (ot_dist clips the
-    global norm, which the fused back pass never has). Without an optimizer that can, the blocks stay on the device."""
+    (modules/util/create.py refuses the run without it). Without an optimizer that can, or with gradient accumulation
+    (the streamed weights' gradients would wait in CPU memory), the blocks stay on the device."""
     from ot_dist.optim.registry import FUSED_BACK_PASS
 
     fraction = c.get(denoiser, {}).get("offload_fraction")
@@ -56,7 +56,10 @@ def streamed_trained_denoiser(c: dict, denoiser: str, out) -> None:
     lacking = (f"which {optimizer['name']} has not ({', '.join(FUSED_BACK_PASS)} have)"
                if optimizer["name"] not in FUSED_BACK_PASS else
                "which ot_dist does not run with train_dtype float16 (its loss scale must see every gradient first)"
-               if c["train_dtype"] == "float16" else None)
+               if c["train_dtype"] == "float16" else
+               f"in each backward, which ot_dist does not do with gradient_accumulation_steps "
+               f"{c['gradient_accumulation_steps']} (the gradients would wait in CPU memory)"
+               if c["gradient_accumulation_steps"] > 1 else None)
     if lacking:
         del c[denoiser]["offload_fraction"]
         out.not_honoured.append(f"{denoiser}.offload_fraction: {fraction}: the {denoiser} trains, and its streamed "
@@ -68,10 +71,15 @@ def streamed_trained_denoiser(c: dict, denoiser: str, out) -> None:
         out.notes.append(f"{denoiser}.offload_fraction: {fraction} with the {denoiser} training -> "
                          "optimizer.fused_back_pass: true (each streamed weight is stepped in backward while its copy "
                          "is on the device; OneTrainer refuses this run without it)")
-    if c.get("clip_grad_norm") is not None:
-        out.notes.append(f"clip_grad_norm: {c['clip_grad_norm']} -> null: the fused back pass steps each weight "
-                         "before the others' gradients exist, so there is no global norm to clip")
-        c["clip_grad_norm"] = None
+
+
+def fused_clipping(c: dict, out) -> None:
+    """OneTrainer's fused back pass clips each parameter's gradient by its own norm before its step
+    (GenericTrainer's __optimizer_step): ot_dist's clip_grad_norm_scope per_tensor."""
+    if (c.get("optimizer") or {}).get("fused_back_pass") and c.get("clip_grad_norm") is not None:
+        c["clip_grad_norm_scope"] = "per_tensor"
+        out.notes.append(f"clip_grad_norm: {c['clip_grad_norm']} with the fused back pass -> clip_grad_norm_scope: "
+                         "per_tensor (each gradient clipped by its own norm before its step, as OneTrainer does)")
 
 
 def _adv_value(key: str, value):

@@ -2,10 +2,11 @@
 and the gradient is freed right away, so the gradients of the whole model never exist at once.
 
 Only for optimizers whose update of a parameter depends on that parameter alone (the registry says
-which). The config refuses it with gradient accumulation (the gradient is not complete after one
-backward), gradient-norm clipping (a global norm needs every gradient) and float16 loss scaling (an
-overflow must be seen before any update). Under ddp each gradient is averaged over the ranks first, also
-inside backward (parallel/fused_reduce.py). `optimizer.step()` becomes a no-op: the step already happened.
+which). Gradient-norm clipping is per tensor (`clip_to`: a global norm needs every gradient), as OneTrainer's
+and kohya's fused steps clip; the config refuses float16 loss scaling (an overflow must be seen before any
+update). With gradient accumulation the micro steps before the last accumulate as usual (`holding`) and the
+last one's backward steps. Under ddp each gradient is averaged over the ranks first, also inside backward
+(parallel/fused_reduce.py). `optimizer.step()` becomes a no-op: the step already happened.
 """
 
 from __future__ import annotations
@@ -29,17 +30,22 @@ class FusedSteps:
         self.steppers: dict[int, Callable[[torch.Tensor], None]] = {}  # id(param) -> steps param with its .grad
         self.appliers: dict[int, Callable[[torch.Tensor], None]] = {}  # id(param) -> steps it with a gradient
         self.route: Callable[[torch.Tensor, torch.Tensor], None] = self.apply
+        self.clip_to: float | None = None  # each gradient's own norm is clipped to this before its step
+        self.holding = False  # a micro step before an accumulation's last: gradients accumulate, nothing steps
 
     def accumulated(self, param: torch.Tensor) -> None:
         """The post-accumulate hook. It also runs for a streamed weight's CPU parameter, which gets no gradient (its
         step already took the device copy's): nothing to do then."""
-        if param.grad is not None:
+        if param.grad is not None and not self.holding:
             self.ready(param, param.grad)
 
     def ready(self, param: torch.Tensor, gradient: torch.Tensor) -> None:
         self.route(param, gradient)
 
     def apply(self, param: torch.Tensor, gradient: torch.Tensor) -> None:
+        if self.clip_to is not None:  # torch's clipping rule (clip_grad_norm_), on this gradient alone, no host read
+            norm = torch.linalg.vector_norm(gradient, dtype=torch.float32)
+            gradient.mul_(torch.clamp(self.clip_to / (norm + 1e-6), max=1.0).to(gradient.dtype))
         self.appliers[id(param)](gradient)
 
 

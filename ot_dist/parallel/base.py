@@ -42,6 +42,8 @@ class Strategy:
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         self.optimizer = optimizer
+        if (fused := getattr(optimizer, "fused_steps", None)) and self.config.clip_grad_norm_scope == "per_tensor":
+            fused.clip_to = self.config.clip_grad_norm
         return optimizer
 
     # -- training ------------------------------------------------------------------------------
@@ -50,7 +52,10 @@ class Strategy:
 
     def prepare_micro_step(self, last_micro_step: bool) -> None:
         """Called before a micro step's forward: whether its backward completes an accumulation (strategies
-        that reduce gradients during backward decide there whether this one synchronises)."""
+        that reduce gradients during backward decide there whether this one synchronises; the fused back pass
+        steps in that one only)."""
+        if fused := getattr(self.optimizer, "fused_steps", None):
+            fused.holding = not last_micro_step
 
     def backward(self, loss: torch.Tensor, accumulation: int, last_micro_step: bool) -> None:
         self.precision.backward(loss / accumulation)

@@ -48,6 +48,7 @@ class DDPStrategy(Strategy):
         return super().wrap_optimizer(optimizer)
 
     def prepare_micro_step(self, last_micro_step: bool) -> None:
+        super().prepare_micro_step(last_micro_step)
         for replica in self.replicas.values():
             replica.synchronise = last_micro_step
 

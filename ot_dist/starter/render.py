@@ -74,6 +74,6 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
         lines += ["  relative_step: false", "  scale_parameter: false"]
     if setup.fused_back_pass:
         lines.append("  fused_back_pass: true         # each gradient applied and freed as backward produces it")
-        lines.append("clip_grad_norm: null                  # a global norm needs every gradient at once")
+        lines.append("clip_grad_norm: null                  # no global norm (or clip_grad_norm_scope: per_tensor)")
     lines += ["checkpoint:", "  every_n_minutes: 30"]
     return "\n".join(lines) + "\n"
