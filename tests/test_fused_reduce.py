@@ -16,7 +16,7 @@ from ot_dist.config.load import validate
 from ot_dist.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
-BUFFER_BYTES = 2048  # the helper's
+BUFFER_BYTES, COALESCE_BYTES = 2048, 1024  # the helper's
 MISSED_ON = {1: ("denoiser.experts.1.weight", "denoiser.experts.1.bias")}  # rank -> what its batch never reaches
 NOBODYS = ("denoiser.experts.2.weight", "denoiser.experts.2.bias")
 
@@ -39,11 +39,12 @@ def steps_of(events: list) -> list[list]:
     return steps
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw", "sgd_alone"])
 def test_two_ranks_step_as_one_process_of_the_global_batch(ranks, optimizer):
     """Plain SGD (a gradient summed instead of averaged moves twice as far) and AdamW with weight decay (a parameter no
-    rank reached must get no step: the decay would move it), three steps: the weights of one process, on both ranks,
-    also the expert rank 1 never reaches (its average is rank 0's half) and the one nobody reaches (untouched)."""
+    rank reached must get no step: the decay would move it), three steps, small gradients averaged in shared buckets
+    (sgd_alone: each alone): the weights of one process, on both ranks, also the expert rank 1 never reaches (its
+    average is rank 0's half) and the one nobody reaches (untouched)."""
     for rank, result in ranks.items():
         run = result[optimizer]
         reference, got = run["reference"], run["weights"]
@@ -68,7 +69,8 @@ def test_gradients_are_averaged_during_backward_in_a_bounded_buffer(ranks):
     for rank, result in ranks.items():
         run = result["adamw"]
         sizes = run["sizes"]
-        bound = BUFFER_BYTES + max(sizes.values()) + sum(sizes[n] for n in MISSED_ON.get(rank, ()))
+        bound = (BUFFER_BYTES + max(sizes.values()) + COALESCE_BYTES
+                 + sum(sizes[n] for n in MISSED_ON.get(rank, ())))
         assert bound < sum(sizes.values())
         for step, events in enumerate(steps_of(run["events"])[1:], start=1):
             kinds = [kind for kind, _ in events]
@@ -76,6 +78,22 @@ def test_gradients_are_averaged_during_backward_in_a_bounded_buffer(ranks):
             assert kinds.index("all_reduce") < last_complete, f"rank {rank} step {step}: no overlap"
             assert kinds.index("stepped") < last_complete, f"rank {rank} step {step}: steps wait for backward's end"
             assert run["peaks"][step] <= bound, f"rank {rank} step {step}: {run['peaks'][step]} bytes held > {bound}"
+
+
+def test_small_gradients_share_their_all_reduces(ranks):
+    """Each gradient alone costs a collective per parameter (and one for the reached flags); in buckets the small ones
+    share theirs, in the same number on both ranks."""
+    for rank, result in ranks.items():
+        alone, coalesced = ([sum(kind == "all_reduce" for kind, _ in events) for events in
+                             steps_of(result[run]["events"])] for run in ("sgd_alone", "sgd"))
+        sizes = result["sgd"]["sizes"].values()
+        assert alone == [len(sizes) + 1] * 3
+        # the large ones alone, the small ones in buckets of COALESCE_BYTES (and a last one part full), the flags
+        small = [size for size in sizes if size < COALESCE_BYTES]
+        bound = (len(sizes) - len(small)) + -(-sum(small) // COALESCE_BYTES) + 1 + 1
+        assert all(c <= bound < a for c, a in zip(coalesced, alone)), (coalesced, bound, alone)
+        assert coalesced == [sum(kind == "all_reduce" for kind, _ in events)
+                             for events in steps_of(ranks[1 - rank]["sgd"]["events"])]
 
 
 @pytest.mark.gpu

@@ -768,7 +768,9 @@ class DDPConfig(Section):
     bucket_mb: float = Field(
         default=32, gt=0,
         description="MB of gradients per all-reduce bucket of torch's DistributedDataParallel (each bucket is reduced "
-        "as soon as backward has filled it): raise it on a slow interconnect, lower it to overlap sooner.",
+        "as soon as backward has filled it): raise it on a slow interconnect, lower it to overlap sooner. With "
+        "optimizer.fused_back_pass, gradients smaller than this are averaged together in buckets of this size; "
+        "larger ones alone.",
     )
     fused_reduce_buffer_mb: int = Field(
         default=100, ge=0,

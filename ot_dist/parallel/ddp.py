@@ -32,7 +32,8 @@ class DDPStrategy(Strategy):
         if self.config.optimizer.fused_back_pass:
             trained = [[p for p in module.parameters() if p.requires_grad] for module in self.trained_modules.values()]
             self.fused_reduce = FusedGradientReduce(trained, self.runtime.device,
-                                                    buffer_bytes=int(settings.fused_reduce_buffer_mb * MB))
+                                                    buffer_bytes=int(settings.fused_reduce_buffer_mb * MB),
+                                                    coalesce_bytes=int(settings.bucket_mb * MB))
             return
         # One reducer per trained module; each gets its own process group when there are several, so the
         # reducers' all-reduces can never interleave differently on different ranks.

@@ -31,12 +31,14 @@ class FusedGradientReduce:
     """The averaging of one rank's trained parameters' gradients inside backward, for the fused back pass."""
 
     def __init__(self, modules: list[list[torch.nn.Parameter]], device: torch.device, group=None,
-                 buffer_bytes: int = 0):
+                 buffer_bytes: int = 0, coalesce_bytes: int = 0):
         """`modules`: each trained module's trained parameters, the modules in the order backward reaches them last
-        (the denoiser, then the text encoders that feed it), the same on every rank."""
+        (the denoiser, then the text encoders that feed it), the same on every rank. Gradients under `coalesce_bytes`
+        are averaged together, in buckets of that size per dtype (a bias or a norm alone would cost a collective's
+        latency for a few bytes); larger ones alone."""
         self.params = [p for params in modules for p in params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
-        self.device, self.group, self.buffer_bytes = device, group, buffer_bytes
+        self.device, self.group, self.buffer_bytes, self.coalesce_bytes = device, group, buffer_bytes, coalesce_bytes
         self.world = dist.get_world_size(group)
         starts = [0]
         for params in modules:
@@ -60,7 +62,8 @@ class FusedGradientReduce:
         self.position: dict[int, int] = {}  # index -> its place in `active`
         self.cursor = 0  # active[:cursor] are issued
         self.waiting: dict[int, torch.Tensor | None] = {}  # complete gradients whose turn has not come (None: zeros)
-        self.in_flight: deque = deque()  # (index, work, gradient, reached on this rank)
+        self.in_flight: deque = deque()  # (members, work, averaged buffer); members: (index, shape, reached here)
+        self.buckets: dict[torch.dtype, list] = {}  # small gradients waiting for their bucket: (index, gradient, reached)
         self.held_bytes = 0
         self.reached_flags: list[int] = []  # per active parameter: 1 where this rank's batch reached it
         self.unreached: set[int] = set()  # active parameters whose gradient node this backward does not run
@@ -99,9 +102,12 @@ class FusedGradientReduce:
 
     def _issue_in_turn(self) -> None:
         while self.cursor < len(self.active) and self.active[self.cursor] in self.waiting:
-            j = self.active[self.cursor]
-            gradient = self.waiting.pop(j)
-            self._issue(j, self._zeros(j) if gradient is None else gradient, reached=gradient is not None)
+            i = self.active[self.cursor]
+            gradient = self.waiting.pop(i)
+            reached = gradient is not None
+            self.cursor += 1
+            self.reached_flags[self.position[i]] = int(reached)
+            self._queue(i, gradient if reached else self._zeros(i), reached)
 
     def _zeros(self, i: int) -> torch.Tensor:
         param = self.params[i]
@@ -109,22 +115,50 @@ class FusedGradientReduce:
         self._hold(gradient, +1)
         return gradient
 
-    def _issue(self, i: int, gradient: torch.Tensor, reached: bool) -> None:
-        gradient.div_(self.world)  # the mean over the global batch: each rank's gradient is its share's mean
-        work = dist.all_reduce(gradient, group=self.group, async_op=True)
-        self.in_flight.append((i, work, gradient, reached))
-        self.cursor += 1
-        self.reached_flags[self.position[i]] = int(reached)
+    def _queue(self, i: int, gradient: torch.Tensor, reached: bool) -> None:
+        """A large gradient is reduced at once; a small one joins its dtype's bucket, reduced once it is full. Both
+        follow from the shared order and the sizes alone, so every rank issues the same collectives."""
+        if self._bytes(gradient) >= self.coalesce_bytes:
+            self._reduce([(i, gradient, reached)])
+            return
+        bucket = self.buckets.setdefault(gradient.dtype, [])
+        bucket.append((i, gradient, reached))
+        if sum(self._bytes(g) for _, g, _ in bucket) >= self.coalesce_bytes:
+            self._reduce(self.buckets.pop(gradient.dtype))
+
+    def _flush_buckets(self) -> None:
+        for dtype in list(self.buckets):  # created in the shared order: the same on every rank
+            self._reduce(self.buckets.pop(dtype))
+
+    def _reduce(self, members: list) -> None:
+        if len(members) == 1:
+            buffer = members[0][1]
+        else:  # one flat copy; the gradients it copied are let go (a parameter's own .grad too)
+            buffer = torch.cat([gradient.reshape(-1) for _, gradient, _ in members])
+            for i, gradient, _ in members:
+                if self.params[i].grad is gradient:
+                    self.params[i].grad = None
+        buffer.div_(self.world)  # the mean over the global batch: each rank's gradient is its share's mean
+        work = dist.all_reduce(buffer, group=self.group, async_op=True)
+        self.in_flight.append(([(i, gradient.shape, reached) for i, gradient, reached in members], work, buffer))
 
     def _finish(self, entry, everywhere: list[int] | None) -> None:
-        i, work, gradient, reached = entry
+        members, work, buffer = entry
         work.wait()  # under NCCL: the compute stream waits for the reduce, the host does not
-        if not reached and everywhere is None:  # whether any rank reached it is known when backward ends
-            self.undecided.append((i, gradient))
-            return
-        self._hold(gradient, -1)
-        if reached or everywhere[self.position[i]]:
-            self.fused.apply(self.params[i], gradient)  # steps it; the gradient is freed with it
+        offset = 0
+        for i, shape, reached in members:
+            size = shape.numel()
+            averaged = buffer if len(members) == 1 else buffer[offset:offset + size].view(shape)
+            offset += size
+            if not reached and everywhere is None:  # whether any rank reached it is known when backward ends
+                self.undecided.append((i, averaged))
+                continue
+            self._settle(i, averaged, reached or everywhere[self.position[i]])
+
+    def _settle(self, i: int, averaged: torch.Tensor, step: bool) -> None:
+        self._hold(averaged, -1)
+        if step:
+            self.fused.apply(self.params[i], averaged)  # steps it; the gradient is freed with it
 
     def _end(self) -> None:
         """Backward is done: issue what is left in the shared order (zeros for what this rank did not reach), agree
@@ -132,6 +166,7 @@ class FusedGradientReduce:
         late = [i for i in self.active[self.cursor:] if i not in self.waiting]  # its node ran without a gradient
         self.waiting |= dict.fromkeys(late)
         self._issue_in_turn()
+        self._flush_buckets()
         missed = bool(self.unreached or late)
         # From pinned memory without a host wait (the host allocator keeps the block until the copy has run).
         flags = torch.tensor(self.reached_flags, dtype=torch.int32, pin_memory=self.device.type == "cuda")
@@ -143,8 +178,8 @@ class FusedGradientReduce:
             everywhere = flags.tolist()
         while self.in_flight:
             self._finish(self.in_flight.popleft(), everywhere)
-        for i, gradient in self.undecided:
-            self._finish((i, work, gradient, False), everywhere)
+        for i, averaged in self.undecided:
+            self._settle(i, averaged, bool(everywhere[self.position[i]]))
         work.wait()
         if self.learning:
             self._adopt_rank0_order()

@@ -9,7 +9,8 @@ from pinned memory, the zeros and the reduces on the device); started without to
 A "text encoder" feeds a "denoiser" (two trained modules, as a full finetune with its text encoder). The denoiser
 routes every sample through expert 0, rank 0's samples through expert 1 too, and nobody's through expert 2: rank 1
 misses expert 1 (reduced as zeros, its average still rank 0's half), and no rank reaches expert 2 (no step: AdamW's
-weight decay would move it). Each rank writes OUT_DIR/rank<R>.json: per optimizer, the weights after STEPS steps and
+weight decay would move it). Small gradients are averaged in shared buckets ("sgd_alone": each alone). Each rank writes
+OUT_DIR/rank<R>.json: per run, the weights after STEPS steps and
 the one-process weights (computed here on both halves of the batch), the events in order (gradient complete /
 all-reduce issued / parameter stepped) and the reducer's peak of held gradient bytes per step."""
 
@@ -25,6 +26,7 @@ from ot_dist.parallel.fused_reduce import FusedGradientReduce
 
 STEPS = 3
 BUFFER_BYTES = 2048
+COALESCE_BYTES = 1024  # the biases (and the text encoder's small weight) share buckets; "alone": none does
 
 
 class TextEncoder(torch.nn.Module):
@@ -92,12 +94,12 @@ def one_process(name):
             for n, p in m.named_parameters()}
 
 
-def fused_ddp(name, rank):
+def fused_ddp(name, rank, coalesce_bytes):
     te, den = build()
     modules = [list(den.parameters()), list(te.parameters())]  # the denoiser first, as Strategy.trained_modules
     optimizer = make_optimizer(name, (den, te))
     install_fused_back_pass(optimizer)
-    reduce = FusedGradientReduce(modules, DEVICE, buffer_bytes=BUFFER_BYTES)
+    reduce = FusedGradientReduce(modules, DEVICE, buffer_bytes=BUFFER_BYTES, coalesce_bytes=coalesce_bytes)
     reduce.connect(optimizer.fused_steps)
     names = {id(p): f"{part}.{n}" for part, m in (("denoiser", den), ("te", te)) for n, p in m.named_parameters()}
 
@@ -145,7 +147,9 @@ def main():
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
-    result = {name: {"reference": one_process(name), **fused_ddp(name, rank)} for name in ("sgd", "adamw")}
+    runs = {"sgd": ("sgd", COALESCE_BYTES), "adamw": ("adamw", COALESCE_BYTES), "sgd_alone": ("sgd", 0)}
+    result = {run: {"reference": one_process(name), **fused_ddp(name, rank, coalesce)}
+              for run, (name, coalesce) in runs.items()}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
