@@ -1332,6 +1332,14 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
         assert (config.strategy, config.optimizer.fused_back_pass, config.streams_trained_weights()) == ("ddp", True, True)
         assert config.ddp.fused_reduce_buffer_mb == buffer
         assert not any("offload" in line or "fused" in line for line in skipped), skipped
+    # gradient_reduce_precision: the dtype gradients are averaged in; bfloat16 weights' gradients are rounded back to
+    # nearest, so the STOCHASTIC variants (the default) are listed with them
+    for precision, dtype in (("FLOAT_32", "float32"), ("FLOAT_32_STOCHASTIC", "float32"), ("WEIGHT_DTYPE", "bfloat16"),
+                             ("WEIGHT_DTYPE_STOCHASTIC", "bfloat16")):
+        config, skipped = import_only(tmp_path, {**multi, "gradient_reduce_precision": precision, "transformer": {
+            **multi["transformer"], "weight_dtype": "BFLOAT_16"}})
+        assert (config.trained_weight_dtype, config.ddp.reduce_dtype) == ("bfloat16", dtype)
+        assert any(line.startswith("gradient_reduce_precision") for line in skipped) == precision.endswith("STOCHASTIC")
     # the transformer's activation offloading is honoured (gradient checkpointing with it); a text encoder's is listed
     config, skipped = import_only(tmp_path, {**lora, "transformer": {"train": True, "activation_offloading": True}})
     assert config.activation_offloading and config.gradient_checkpointing

@@ -772,6 +772,12 @@ class DDPConfig(Section):
         "optimizer.fused_back_pass, gradients smaller than this are averaged together in buckets of this size; "
         "larger ones alone.",
     )
+    reduce_dtype: Dtype = Field(
+        default="float32",
+        description="Dtype gradients are averaged in; each is rounded back to its own dtype (nearest) after. Matters "
+        "for bfloat16 gradients (trained_weight_dtype bfloat16), which float32 sums without a rounding at every hop "
+        "of the all-reduce (OneTrainer's gradient_reduce_precision FLOAT_32, its default's precision).",
+    )
     fused_reduce_buffer_mb: int = Field(
         default=100, ge=0,
         description="With optimizer.fused_back_pass: MB of averaged gradients in flight before the oldest one's "

@@ -167,3 +167,15 @@ def import_fused_reduce(ot: dict, c: dict, out) -> None:
                      f"stepped inside backward (OneTrainer's fused gradient reduce); {how} -> "
                      f"ddp.fused_reduce_buffer_mb: {buffer}")
 
+
+def import_reduce_precision(ot: dict, c: dict, out) -> None:
+    """OneTrainer's gradient_reduce_precision (default FLOAT_32_STOCHASTIC): the dtype gradients are averaged in,
+    ddp.reduce_dtype; its STOCHASTIC variants round a bfloat16 gradient back stochastically, ot_dist to nearest."""
+    precision = ot.get("gradient_reduce_precision", "FLOAT_32_STOCHASTIC")
+    weights = c.get("trained_weight_dtype", "float32")
+    dtype = "float32" if precision.startswith("FLOAT_32") else weights
+    c.setdefault("ddp", {})["reduce_dtype"] = dtype
+    if precision.endswith("_STOCHASTIC") and weights == "bfloat16":
+        out.not_honoured.append(f"gradient_reduce_precision: {precision}: the averaged bfloat16 gradients are rounded "
+                                f"back to nearest, not stochastically (ddp.reduce_dtype: {dtype})")
+

@@ -10,7 +10,7 @@ each other and the import's files)."""
 
 from __future__ import annotations
 
-from ot_dist.migrate.onetrainer_optim import import_fused_reduce
+from ot_dist.migrate.onetrainer_optim import import_fused_reduce, import_reduce_precision
 
 # key -> (OneTrainer's default, why ot_dist does not do it)
 CHANGES_TRAINING = {
@@ -27,7 +27,7 @@ QUANTIZATION_DEFAULTS = {"layer_filter": "", "layer_filter_preset": "full", "lay
 NO_EFFECT = frozenset({
     "debug_mode", "debug_dir", "workspace_dir", "cache_dir", "huggingface_cache_dir", "offline_mode", "tensorboard",
     "tensorboard_expose", "tensorboard_always_on", "tensorboard_port", "continue_last_backup", "prevent_overwrites",
-    "include_train_config", "device_indexes", "gradient_reduce_precision", "fused_gradient_reduce",
+    "include_train_config", "device_indexes", "fused_gradient_reduce",
     "async_offloading", "clear_cache_before_training",
     "dataloader_threads", "train_device", "temp_device", "enable_autocast_cache", "only_cache", "cloud",
     "sample_video_format", "sample_audio_format", "samples_to_tensorboard", "backup_before_save", "secrets", "frames",
@@ -43,8 +43,8 @@ def import_unmapped(ot: dict, c: dict, out) -> None:
     if ot.get("multi_gpu"):
         c["strategy"] = "ddp"
         out.notes.append("multi_gpu: true -> strategy ddp (one process per GPU: launch with `ot-dist launch`, "
-                         "torchrun or accelerate, docs/parallel.md; gradients are reduced in float32, as "
-                         "gradient_reduce_precision FLOAT_32)")
+                         "torchrun or accelerate, docs/parallel.md)")
+        import_reduce_precision(ot, c, out)
         if (c.get("optimizer") or {}).get("fused_back_pass"):
             import_fused_reduce(ot, c, out)
 

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.fused_reduce import FusedGradientReduce
 from ot_dist.parallel.single import held_plain
+from ot_dist.precision import DTYPES
 
 MB = 1 << 20
 
@@ -33,13 +34,15 @@ class DDPStrategy(Strategy):
             trained = [[p for p in module.parameters() if p.requires_grad] for module in self.trained_modules.values()]
             self.fused_reduce = FusedGradientReduce(trained, self.runtime.device,
                                                     buffer_bytes=int(settings.fused_reduce_buffer_mb * MB),
-                                                    coalesce_bytes=int(settings.bucket_mb * MB))
+                                                    coalesce_bytes=int(settings.bucket_mb * MB),
+                                                    reduce_dtype=DTYPES[settings.reduce_dtype])
             return
         # One reducer per trained module; each gets its own process group when there are several, so the
         # reducers' all-reduces can never interleave differently on different ranks.
         several = len(self.trained_modules) > 1
         self.replicas = {
-            name: Replica(module, self.runtime.device, dist.new_group() if several else None, settings.bucket_mb)
+            name: Replica(module, self.runtime.device, dist.new_group() if several else None, settings.bucket_mb,
+                          DTYPES[settings.reduce_dtype])
             for name, module in self.trained_modules.items()
         }
 
@@ -64,7 +67,8 @@ class Replica:
     frozen mid-run by `stop_training_after`) are found after forward and reduced as zeros on that rank, so
     every rank issues the same collectives; one no rank reached keeps no gradient, as in one process."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, group, bucket_mb: float = 32):
+    def __init__(self, module: torch.nn.Module, device: torch.device, group, bucket_mb: float = 32,
+                 reduce_dtype: torch.dtype = torch.float32):
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.synchronise = True
         # The reducer's module is a list of the trainable parameters alone (no buffers to broadcast).
@@ -76,6 +80,8 @@ class Replica:
             find_unused_parameters=True,
             gradient_as_bucket_view=True,
         )
+        if any(p.dtype != reduce_dtype for p in self.params):  # else DDP's own all-reduce, in the gradients' dtype
+            self.ddp.register_comm_hook(group, reduced_in(reduce_dtype))
         module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         module.register_forward_hook(self._after_forward)
 
@@ -94,3 +100,24 @@ class Replica:
         if self._active():
             return self.ddp._post_forward(output)
         return None
+
+
+def reduced_in(dtype: torch.dtype):
+    """A DDP communication hook that averages each bucket in `dtype` and rounds the result back into the bucket:
+    bfloat16 gradients (trained_weight_dtype bfloat16) summed in float32, as OneTrainer's default
+    gradient_reduce_precision, instead of accumulating a rounding at every hop of the ring."""
+
+    def hook(group, bucket):  # unannotated: DDP checks the annotations against the classes, not strings
+        buffer = bucket.buffer()
+        wide = buffer.to(dtype)
+        group = group if group is not None else dist.group.WORLD
+        wide.div_(dist.get_world_size(group))
+        future = dist.all_reduce(wide, group=group, async_op=True).get_future()
+
+        def narrowed(done) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(narrowed)
+
+    return hook

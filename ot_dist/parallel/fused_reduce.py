@@ -31,14 +31,16 @@ class FusedGradientReduce:
     """The averaging of one rank's trained parameters' gradients inside backward, for the fused back pass."""
 
     def __init__(self, modules: list[list[torch.nn.Parameter]], device: torch.device, group=None,
-                 buffer_bytes: int = 0, coalesce_bytes: int = 0):
+                 buffer_bytes: int = 0, coalesce_bytes: int = 0, reduce_dtype: torch.dtype = torch.float32):
         """`modules`: each trained module's trained parameters, the modules in the order backward reaches them last
         (the denoiser, then the text encoders that feed it), the same on every rank. Gradients under `coalesce_bytes`
         are averaged together, in buckets of that size per dtype (a bias or a norm alone would cost a collective's
-        latency for a few bytes); larger ones alone."""
+        latency for a few bytes); larger ones alone. Each is averaged in `reduce_dtype` (bfloat16 gradients widened to
+        float32, as OneTrainer's default gradient_reduce_precision) and rounded back to its own dtype."""
         self.params = [p for params in modules for p in params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.device, self.group, self.buffer_bytes, self.coalesce_bytes = device, group, buffer_bytes, coalesce_bytes
+        self.reduce_dtype = reduce_dtype
         self.world = dist.get_world_size(group)
         starts = [0]
         for params in modules:
@@ -62,7 +64,8 @@ class FusedGradientReduce:
         self.position: dict[int, int] = {}  # index -> its place in `active`
         self.cursor = 0  # active[:cursor] are issued
         self.waiting: dict[int, torch.Tensor | None] = {}  # complete gradients whose turn has not come (None: zeros)
-        self.in_flight: deque = deque()  # (members, work, averaged buffer); members: (index, shape, reached here)
+        self.in_flight: deque = deque()  # (members, work, averaged buffer, the gradients' dtype); members: (index,
+        # shape, reached here)
         self.buckets: dict[torch.dtype, list] = {}  # small gradients waiting for their bucket: (index, gradient, reached)
         self.held_bytes = 0
         self.reached_flags: list[int] = []  # per active parameter: 1 where this rank's batch reached it
@@ -131,24 +134,27 @@ class FusedGradientReduce:
             self._reduce(self.buckets.pop(dtype))
 
     def _reduce(self, members: list) -> None:
+        dtype = members[0][1].dtype
         if len(members) == 1:
-            buffer = members[0][1]
-        else:  # one flat copy; the gradients it copied are let go (a parameter's own .grad too)
-            buffer = torch.cat([gradient.reshape(-1) for _, gradient, _ in members])
-            for i, gradient, _ in members:
-                if self.params[i].grad is gradient:
-                    self.params[i].grad = None
+            buffer = members[0][1].to(self.reduce_dtype)  # the gradient itself where it has that dtype
+        else:  # one flat copy
+            buffer = torch.cat([gradient.reshape(-1) for _, gradient, _ in members]).to(self.reduce_dtype)
+        for i, gradient, _ in members:
+            if buffer is not gradient and self.params[i].grad is gradient:
+                self.params[i].grad = None  # the buffer holds its values now
         buffer.div_(self.world)  # the mean over the global batch: each rank's gradient is its share's mean
         work = dist.all_reduce(buffer, group=self.group, async_op=True)
-        self.in_flight.append(([(i, gradient.shape, reached) for i, gradient, reached in members], work, buffer))
+        self.in_flight.append(([(i, gradient.shape, reached) for i, gradient, reached in members], work, buffer,
+                               dtype))
 
     def _finish(self, entry, everywhere: list[int] | None) -> None:
-        members, work, buffer = entry
+        members, work, buffer, dtype = entry
         work.wait()  # under NCCL: the compute stream waits for the reduce, the host does not
         offset = 0
         for i, shape, reached in members:
             size = shape.numel()
             averaged = buffer if len(members) == 1 else buffer[offset:offset + size].view(shape)
+            averaged = averaged.to(dtype)  # rounded back to the gradient's own dtype (nearest), if it was widened
             offset += size
             if not reached and everywhere is None:  # whether any rank reached it is known when backward ends
                 self.undecided.append((i, averaged))
