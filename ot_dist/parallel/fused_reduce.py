@@ -6,6 +6,9 @@ Each complete gradient is all-reduced asynchronously. Its step waits until more 
 in flight behind it (or backward ends), so the communication overlaps the rest of backward instead of stalling it;
 the buffer bounds what the overlap costs in memory.
 
+Gradients smaller than `coalesce_bytes` share their all-reduce, in a bucket per dtype; all are averaged in
+`reduce_dtype` (ddp.reduce_dtype) and rounded back to their own.
+
 Every rank must issue the same all-reduces in the same order, whatever order its gradients complete in and even
 when its batch did not reach a parameter (an MoE expert no token chose on this rank): gradients are issued in one
 order all ranks share, a gradient that completes early waits for the ones before it, and a parameter this rank does
@@ -67,6 +70,7 @@ class FusedGradientReduce:
         self.in_flight: deque = deque()  # (members, work, averaged buffer, the gradients' dtype); members: (index,
         # shape, reached here)
         self.buckets: dict[torch.dtype, list] = {}  # small gradients waiting for their bucket: (index, gradient, reached)
+        self.bucket_bytes: dict[torch.dtype, int] = {}
         self.held_bytes = 0
         self.reached_flags: list[int] = []  # per active parameter: 1 where this rank's batch reached it
         self.unreached: set[int] = set()  # active parameters whose gradient node this backward does not run
@@ -124,14 +128,17 @@ class FusedGradientReduce:
         if self._bytes(gradient) >= self.coalesce_bytes:
             self._reduce([(i, gradient, reached)])
             return
-        bucket = self.buckets.setdefault(gradient.dtype, [])
-        bucket.append((i, gradient, reached))
-        if sum(self._bytes(g) for _, g, _ in bucket) >= self.coalesce_bytes:
-            self._reduce(self.buckets.pop(gradient.dtype))
+        dtype = gradient.dtype
+        self.buckets.setdefault(dtype, []).append((i, gradient, reached))
+        self.bucket_bytes[dtype] = self.bucket_bytes.get(dtype, 0) + self._bytes(gradient)
+        if self.bucket_bytes[dtype] >= self.coalesce_bytes:
+            self._reduce(self.buckets.pop(dtype))
+            del self.bucket_bytes[dtype]
 
     def _flush_buckets(self) -> None:
         for dtype in list(self.buckets):  # created in the shared order: the same on every rank
             self._reduce(self.buckets.pop(dtype))
+        self.bucket_bytes.clear()
 
     def _reduce(self, members: list) -> None:
         dtype = members[0][1].dtype
