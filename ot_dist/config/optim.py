@@ -154,10 +154,10 @@ class OptimizerConfig(Section):
         description=(
             "Step each parameter inside the backward pass as soon as its gradient is ready and free the gradient:"
             " gradients never all exist at once (with gradient accumulation they accumulate over the micro steps as "
-            "usual and are stepped in the last one's backward: no memory saved). Clipping: clip_grad_norm_scope per_tensor (a global norm needs every gradient) or none. Needs "
-            "a train_dtype other than float16 (loss scaling must see every gradient before any step) and strategy "
-            "single or ddp (under ddp each gradient is averaged over the ranks "
-            "inside backward too, ddp.fused_reduce_buffer_mb)."
+            "usual and are stepped in the last one's backward: no memory saved). Clipping: clip_grad_norm_scope "
+            "per_tensor (a global norm needs every gradient) or none. Needs a train_dtype other than float16 (loss "
+            "scaling must see every gradient before any step) and strategy single or ddp (under ddp each gradient is "
+            "averaged over the ranks inside backward too, ddp.fused_reduce_buffer_mb)."
             + _by("fused_back_pass")
         ),
     )

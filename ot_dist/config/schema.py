@@ -188,8 +188,8 @@ class PartConfig(Section):
         "frozen weights (a LoRA's base) stays in CPU memory, and each of those blocks is copied to the device for its "
         "forward and again for its recomputation in backward (the blocks at the end; the others stay on the device). "
         "In a full finetune the blocks' trained weights stream too (this fraction of all their bytes), each updated "
-        "on the device inside backward: needs optimizer.fused_back_pass (strategies single and ddp), and the optimizer state "
-        "stays on the device. Needs gradient_checkpointing; strategies single and ddp (fsdp: fsdp.cpu_offload). "
+        "on the device inside backward: needs optimizer.fused_back_pass (strategies single and ddp), and the optimizer "
+        "state stays on the device. Needs gradient_checkpointing; strategies single and ddp (fsdp: fsdp.cpu_offload). "
         "Frozen text encoders and the VAE: offload_frozen_components.",
     )
 

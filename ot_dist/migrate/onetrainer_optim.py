@@ -178,4 +178,3 @@ def import_reduce_precision(ot: dict, c: dict, out) -> None:
     if precision.endswith("_STOCHASTIC") and weights == "bfloat16":
         out.not_honoured.append(f"gradient_reduce_precision: {precision}: the averaged bfloat16 gradients are rounded "
                                 f"back to nearest, not stochastically (ddp.reduce_dtype: {dtype})")
-

@@ -27,8 +27,7 @@ QUANTIZATION_DEFAULTS = {"layer_filter": "", "layer_filter_preset": "full", "lay
 NO_EFFECT = frozenset({
     "debug_mode", "debug_dir", "workspace_dir", "cache_dir", "huggingface_cache_dir", "offline_mode", "tensorboard",
     "tensorboard_expose", "tensorboard_always_on", "tensorboard_port", "continue_last_backup", "prevent_overwrites",
-    "include_train_config", "device_indexes", "fused_gradient_reduce",
-    "async_offloading", "clear_cache_before_training",
+    "include_train_config", "device_indexes", "fused_gradient_reduce", "async_offloading", "clear_cache_before_training",
     "dataloader_threads", "train_device", "temp_device", "enable_autocast_cache", "only_cache", "cloud",
     "sample_video_format", "sample_audio_format", "samples_to_tensorboard", "backup_before_save", "secrets", "frames",
 })

@@ -115,7 +115,8 @@ def reduced_in(dtype: torch.dtype):
         future = dist.all_reduce(wide, group=group, async_op=True).get_future()
 
         def narrowed(done) -> torch.Tensor:
-            buffer.copy_(done.value()[0])
+            if wide is not buffer:  # a bucket already in `dtype` was reduced in place
+                buffer.copy_(done.value()[0])
             return buffer
 
         return future.then(narrowed)
