@@ -96,6 +96,25 @@ def test_small_gradients_share_their_all_reduces(ranks):
                              for events in steps_of(ranks[1 - rank]["sgd"]["events"])]
 
 
+def test_stochastic_rounding_keeps_the_ranks_equal(ranks):
+    """bfloat16 weights rounded stochastically, gradients averaged in float32 and rounded back to nearest or
+    stochastically (ddp.reduce_rounding), by the fused reduce and by DDP's reducer: both ranks hold the same weights,
+    bit for bit, after every run, although rank 1 steps the expert it missed last (noise drawn from one sequence in
+    step order gives every weight stepped after it other noise there); the stochastic gradient rounding changes the
+    weights (it is applied), and every run stays near one process of the global batch in float32."""
+    names = ranks[0]["sgd"]["reference"].keys()
+    for run, weights in ranks[0]["bfloat16"].items():
+        other = ranks[1]["bfloat16"][run]
+        for name in names:
+            assert torch.equal(torch.tensor(weights[name]), torch.tensor(other[name])), f"{run} {name}: ranks differ"
+            reference = torch.tensor(ranks[0]["sgd"]["reference"][name])
+            diff = (torch.tensor(weights[name]) - reference).abs().max().item()
+            assert diff <= 0.05 * reference.abs().max().item() + 2e-2, f"{run} {name}: {diff:.3g} from one process"
+    for path in ("fused", "ddp"):
+        nearest, stochastic = (ranks[0]["bfloat16"][f"{path}-{rounding}"] for rounding in ("nearest", "stochastic"))
+        assert any(nearest[name] != stochastic[name] for name in names), path
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_one_rank_on_a_gpu_steps_as_one_process(tmp_path):
@@ -105,6 +124,8 @@ def test_one_rank_on_a_gpu_steps_as_one_process(tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads((tmp_path / "rank0.json").read_text())
     for optimizer, run in result.items():
+        if optimizer == "bfloat16":  # rank consistency: nothing to show with one rank
+            continue
         for name, reference in run["reference"].items():
             diff = (torch.tensor(reference) - torch.tensor(run["weights"][name])).abs().max().item()
             assert diff <= 1e-5, f"{optimizer} {name}: {diff:.3g}"
@@ -120,3 +141,43 @@ def test_the_config_takes_fused_back_pass_under_ddp_only(small_sd1, shapes_data,
     for strategy in ("fsdp", "zero2"):
         with pytest.raises(ConfigError, match="strategy: must be single or ddp"):
             validate({**raw, "strategy": strategy})
+
+
+def test_bfloat16_weights_rounded_stochastically_stay_equal_on_every_rank(one_level_sd1, shapes_data, tmp_path):
+    """A full finetune with trained_weight_dtype bfloat16 and stochastic rounding (OneTrainer's FINE_TUNE setup)
+    under ddp, the averaged gradients rounded back stochastically too (ddp.reduce_rounding, OneTrainer's default
+    FLOAT_32_STOCHASTIC): with DDP's reducer and with the fused back pass, both ranks end with the same weights, bit for
+    bit, near one process of the global batch; rounding the averages to nearest instead changes the weights. The rounding once swapped each weight's `.data` to float32 and back,
+    which replaced its gradient-accumulation node: DDP's reducer stopped averaging after the first step and the ranks
+    drifted apart; the fused reduce failed outright."""
+    from conftest import base_config
+
+    from ot_dist.train.trainer import Trainer
+
+    def config(out, **extra):
+        return base_config(one_level_sd1, shapes_data, tmp_path / out, max_steps=3, learning_rate=0.05,
+                           clip_grad_norm=None, train_dtype="bfloat16", trained_weight_dtype="bfloat16",
+                           optimizer={"name": "SGD", "stochastic_rounding": True}, **extra)
+
+    cases = {f"{name}-{rounding}": config(f"{name}-{rounding}", batch_size=2, strategy="ddp",
+                                          ddp={"reduce_rounding": rounding}, **{"optimizer.fused_back_pass": fused})
+             for name, fused in (("ddp", False), ("ddp+fused", True)) for rounding in ("nearest", "stochastic")}
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    done = run_ranks(REPO / "tests" / "helpers" / "rounded_ranks.py", tmp_path / "cases.json",
+                     tmp_path / "result.json", timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = json.loads((tmp_path / "result.json").read_text())
+    one = Trainer(validate(config("one")), log=lambda *_: None)
+    start = {n: p.detach().float().flatten().clone() for n, p in one.strategy.trained_parameters().items()}
+    one.train()
+    reference = {n: p.detach().float().flatten() for n, p in one.strategy.trained_parameters().items()}
+    moved = max((reference[n] - start[n]).abs().max().item() for n in start)
+    for case, result in results.items():
+        assert result["dtypes"] == ["torch.bfloat16"], case
+        assert result["ranks_apart"] == 0, f"{case}: the ranks' weights differ by {result['ranks_apart']:.3g}"
+        diff = max((torch.tensor(result["weights"][n]) - reference[n]).abs().max().item() for n in reference)
+        print(f"{case}: {diff:.3g} from one process, which moved the weights {moved:.3g}")
+        assert diff <= 0.25 * moved, f"{case}: {diff:.3g} from one process (moved {moved:.3g})"
+    for name in ("ddp", "ddp+fused"):  # the averages' rounding is applied on both paths
+        nearest, stochastic = (results[f"{name}-{rounding}"]["weights"] for rounding in ("nearest", "stochastic"))
+        assert nearest != stochastic, name

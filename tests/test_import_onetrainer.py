@@ -1332,14 +1332,18 @@ def test_layer_offloading_streams_the_frozen_denoiser_and_lists_what_ot_dist_kee
         assert (config.strategy, config.optimizer.fused_back_pass, config.streams_trained_weights()) == ("ddp", True, True)
         assert config.ddp.fused_reduce_buffer_mb == buffer
         assert not any("offload" in line or "fused" in line for line in skipped), skipped
-    # gradient_reduce_precision: the dtype gradients are averaged in; bfloat16 weights' gradients are rounded back to
-    # nearest, so the STOCHASTIC variants (the default) are listed with them
-    for precision, dtype in (("FLOAT_32", "float32"), ("FLOAT_32_STOCHASTIC", "float32"), ("WEIGHT_DTYPE", "bfloat16"),
-                             ("WEIGHT_DTYPE_STOCHASTIC", "bfloat16")):
+    # gradient_reduce_precision: the dtype gradients are averaged in, and (FLOAT_32_STOCHASTIC, the default) the
+    # float32 average rounded back into bfloat16 gradients stochastically; all honoured
+    for precision, dtype, rounding in (("FLOAT_32", "float32", "nearest"), ("FLOAT_32_STOCHASTIC", "float32", "stochastic"),
+                                       ("WEIGHT_DTYPE", "bfloat16", "nearest"),
+                                       ("WEIGHT_DTYPE_STOCHASTIC", "bfloat16", "nearest")):
         config, skipped = import_only(tmp_path, {**multi, "gradient_reduce_precision": precision, "transformer": {
             **multi["transformer"], "weight_dtype": "BFLOAT_16"}})
-        assert (config.trained_weight_dtype, config.ddp.reduce_dtype) == ("bfloat16", dtype)
-        assert any(line.startswith("gradient_reduce_precision") for line in skipped) == precision.endswith("STOCHASTIC")
+        assert (config.trained_weight_dtype, config.ddp.reduce_dtype, config.ddp.reduce_rounding) == (
+            "bfloat16", dtype, rounding)
+        assert not any(line.startswith("gradient_reduce_precision") for line in skipped), skipped
+    config, _ = import_only(tmp_path, multi)  # float32 weights: nothing to round
+    assert (config.ddp.reduce_dtype, config.ddp.reduce_rounding) == ("float32", "nearest")
     # the transformer's activation offloading is honoured (gradient checkpointing with it); a text encoder's is listed
     config, skipped = import_only(tmp_path, {**lora, "transformer": {"train": True, "activation_offloading": True}})
     assert config.activation_offloading and config.gradient_checkpointing

@@ -19,7 +19,8 @@ from ot_dist.methods.base import ParamGroup
 from ot_dist.optim.adaptive import d_times_lr, startup_warnings
 from ot_dist.optim.factory import build_optimizer, optimizer_class
 from ot_dist.optim.registry import SPECS
-from ot_dist.optim.stochastic_rounding import stochastic_round_to_bf16
+from ot_dist.optim.fused_backward import install_fused_back_pass
+from ot_dist.optim.stochastic_rounding import RoundingNoise, install_stochastic_rounding, stochastic_round_to_bf16
 from ot_dist.train.trainer import Trainer
 
 MINIMAL = {"model": {"family": "sd1", "path": "m"}, "method": "lora", "output_dir": "o", "data": {"path": "d"}}
@@ -410,6 +411,62 @@ def test_stochastic_rounding_is_unbiased():
     # Rounds up with probability 1/4: the mean is x (standard error 3.4e-6).
     assert rounded.mean().item() == pytest.approx(1.0 + 2**-9, abs=2e-5)
     assert (stochastic_round_to_bf16(-x).double().mean().item()) == pytest.approx(-(1.0 + 2**-9), abs=2e-5)
+
+
+def test_rounding_noise_is_keyed_by_step_and_tensor_not_by_order():
+    """The noise of (step, key) is the same whatever was drawn before it, and differs between keys and steps; without
+    at_step (a bare optimizer) the step advances when a key comes again, so steps never reuse noise."""
+    def draws(noise, key):
+        return torch.randint(0, 1 << 16, (64,), generator=noise.generator(key, torch.device("cpu")))
+
+    keyed = RoundingNoise(0, "weights")
+    keyed.at_step(3)
+    forwards = [draws(keyed, k) for k in (0, 1, 2)]
+    backwards = [draws(keyed, k) for k in (2, 1, 0)][::-1]
+    assert all(torch.equal(a, b) for a, b in zip(forwards, backwards))
+    assert not torch.equal(forwards[0], forwards[1])
+    keyed.at_step(4)
+    assert not torch.equal(draws(keyed, 0), forwards[0])
+    assert not torch.equal(draws(RoundingNoise(1, "weights"), 0), draws(RoundingNoise(0, "weights"), 0))
+    bare = RoundingNoise(0, "weights")
+    first = [draws(bare, k) for k in (0, 1)]
+    assert bare.step == 0 and not torch.equal(draws(bare, 0), first[0]) and bare.step == 1
+
+
+def test_stochastic_rounding_steps_bfloat16_weights_in_place_whatever_the_order():
+    """Each weight rounded with its own keyed noise: the fused back pass (each weight stepped alone, in backward's
+    order) gives a whole step's weights bit for bit. The parameters stay the same tensors with the same gradient
+    accumulation node (DDP's reducer hooks that node: a dtype swap of `.data` replaced it and ended the averaging), and
+    the optimizer state stays keyed by them (a checkpoint saves it)."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).to(torch.bfloat16)
+
+    def run(fused):
+        net = model()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3, foreach=False)
+        noise = install_stochastic_rounding(optimizer, seed=5)
+        if fused:
+            install_fused_back_pass(optimizer)
+        with torch.enable_grad():
+            nodes = [p.view_as(p).grad_fn.next_functions[0][0] for p in net.parameters()]
+        for step in range(3):
+            noise.at_step(step)
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            net(x).float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        with torch.enable_grad():
+            assert nodes == [p.view_as(p).grad_fn.next_functions[0][0] for p in net.parameters()]
+        assert all(p.dtype == torch.bfloat16 and optimizer.state[p]["exp_avg"].dtype == torch.float32
+                   for p in net.parameters())
+        assert len(optimizer.state_dict()["state"]) == 4
+        return net
+
+    whole, fused = run(False), run(True)
+    for a, b in zip(whole.parameters(), fused.parameters()):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(whole.parameters(), model().parameters()))
 
 
 def test_bfloat16_trained_weights_keep_small_updates_with_stochastic_rounding(tiny_models, shapes_data, tmp_path):

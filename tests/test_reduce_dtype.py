@@ -65,3 +65,21 @@ def test_the_fused_reduce_averages_bfloat16_gradients_in_the_reduce_dtype(one_ra
     assert set(reduced_dtypes) == {reduce_dtype, torch.int32}  # gradients (alone and in a bucket) and the flags
     for got, want in zip(model.parameters(), stepped):
         assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_stochastic_reduce_rounding_needs_bfloat16_weights_averaged_in_float32(small_sd1, shapes_data, tmp_path):
+    """ddp.reduce_rounding: stochastic rounds float32 averages back into bfloat16 gradients; anywhere else nothing
+    would be rounded, and the config says so, naming the field (its effect: tests/test_fused_reduce.py)."""
+    from conftest import base_config
+
+    from ot_dist.config.load import validate
+    from ot_dist.errors import ConfigError
+
+    raw = base_config(small_sd1, shapes_data, tmp_path / "run", strategy="ddp", train_dtype="bfloat16",
+                      trained_weight_dtype="bfloat16", ddp={"reduce_rounding": "stochastic"})
+    assert validate(raw).ddp.reduce_rounding == "stochastic"
+    for change, named in (({"trained_weight_dtype": "float32"}, "trained_weight_dtype: bfloat16 \\(is float32\\)"),
+                          ({"ddp": {"reduce_rounding": "stochastic", "reduce_dtype": "bfloat16"}},
+                           "ddp.reduce_dtype: float32 \\(is bfloat16\\)")):
+        with pytest.raises(ConfigError, match="ddp.reduce_rounding: stochastic.*" + named):
+            validate({**raw, **change})

@@ -778,6 +778,13 @@ class DDPConfig(Section):
         "for bfloat16 gradients (trained_weight_dtype bfloat16), which float32 sums without a rounding at every hop "
         "of the all-reduce (OneTrainer's gradient_reduce_precision FLOAT_32, its default's precision).",
     )
+    reduce_rounding: Literal["nearest", "stochastic"] = Field(
+        default="nearest",
+        description="How a gradient averaged in a wider reduce_dtype is rounded back into bfloat16 "
+        "(trained_weight_dtype bfloat16): nearest, or stochastic (OneTrainer's default gradient_reduce_precision "
+        "FLOAT_32_STOCHASTIC), so that the part of the average below bfloat16's resolution still counts on average. "
+        "The noise is keyed by seed, step and tensor: every rank rounds the same average the same way.",
+    )
     fused_reduce_buffer_mb: int = Field(
         default=100, ge=0,
         description="With optimizer.fused_back_pass: MB of averaged gradients in flight before the oldest one's "
@@ -1398,6 +1405,12 @@ class TrainConfig(Section):
                     "the weights in bfloat16)"
                 )
                 raise ValueError(f"trained_weight_dtype: bfloat16 is not supported with strategy {self.strategy}: {why}")
+        if self.strategy == "ddp" and self.ddp.reduce_rounding == "stochastic" and (
+                self.trained_weight_dtype != "bfloat16" or self.ddp.reduce_dtype != "float32"):
+            raise ValueError(
+                "ddp.reduce_rounding: stochastic rounds float32 averages back into bfloat16 gradients; it needs "
+                f"trained_weight_dtype: bfloat16 (is {self.trained_weight_dtype}) and ddp.reduce_dtype: float32 (is "
+                f"{self.ddp.reduce_dtype}), else nothing is rounded")
         if self.method == "embedding":
             for name in self.part_names():
                 if getattr(self, name).train:

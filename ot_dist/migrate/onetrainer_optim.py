@@ -170,11 +170,16 @@ def import_fused_reduce(ot: dict, c: dict, out) -> None:
 
 def import_reduce_precision(ot: dict, c: dict, out) -> None:
     """OneTrainer's gradient_reduce_precision (default FLOAT_32_STOCHASTIC): the dtype gradients are averaged in,
-    ddp.reduce_dtype; its STOCHASTIC variants round a bfloat16 gradient back stochastically, ot_dist to nearest."""
+    ddp.reduce_dtype, and with bfloat16 weights how the float32 average is rounded back, ddp.reduce_rounding."""
     precision = ot.get("gradient_reduce_precision", "FLOAT_32_STOCHASTIC")
     weights = c.get("trained_weight_dtype", "float32")
     dtype = "float32" if precision.startswith("FLOAT_32") else weights
-    c.setdefault("ddp", {})["reduce_dtype"] = dtype
+    ddp = c.setdefault("ddp", {})
+    ddp["reduce_dtype"] = dtype
     if precision.endswith("_STOCHASTIC") and weights == "bfloat16":
-        out.not_honoured.append(f"gradient_reduce_precision: {precision}: the averaged bfloat16 gradients are rounded "
-                                f"back to nearest, not stochastically (ddp.reduce_dtype: {dtype})")
+        if dtype == "float32":
+            ddp["reduce_rounding"] = "stochastic"
+        else:  # summed in bfloat16: OneTrainer then divides in float32 and rounds stochastically
+            out.notes.append(f"gradient_reduce_precision: {precision} -> ddp.reduce_dtype: bfloat16; each rank's "
+                             "gradient is divided by the number of GPUs before the bfloat16 sum (OneTrainer divides "
+                             "the sum and rounds it stochastically): the same values with a power-of-two GPU count")

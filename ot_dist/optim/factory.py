@@ -72,8 +72,9 @@ def kernel_choice(spec: OptimizerSpec, kwargs: dict, params: list[torch.Tensor])
 
 
 def build_optimizer(
-    config: OptimizerConfig, groups: list[ParamGroup], cls: type[torch.optim.Optimizer] | None = None
+    config: OptimizerConfig, groups: list[ParamGroup], cls: type[torch.optim.Optimizer] | None = None, seed: int = 0
 ) -> torch.optim.Optimizer:
+    """`seed` keys stochastic rounding's noise (the run's seed: stochastic_rounding.RoundingNoise)."""
     spec = SPECS[config.name]
     options = config.options()
     kwargs = kernel_choice(spec, constructor_kwargs(spec, options), [p for g in groups for p in g.params])
@@ -88,7 +89,7 @@ def build_optimizer(
     if spec.schedule_free:
         optimizer.train()  # schedulefree starts in eval mode; training steps in train mode (schedule_free.py)
     if options.get("stochastic_rounding") and not spec.own_stochastic_rounding:
-        install_stochastic_rounding(optimizer)
+        install_stochastic_rounding(optimizer, seed)
     if options.get("fused_back_pass"):
         install_fused_back_pass(optimizer)
     return optimizer

@@ -11,6 +11,7 @@ import torch
 from ot_dist.config.schema import TrainConfig
 from ot_dist.methods.base import KeyFilter, ParamGroup, kept
 from ot_dist.models.loading import LoadedModel
+from ot_dist.optim.stochastic_rounding import RoundingNoise
 from ot_dist.parallel.ownership import Ownership, whole
 from ot_dist.parallel.runtime import Runtime
 from ot_dist.precision import Precision
@@ -27,6 +28,9 @@ class Strategy:
         self.precision = Precision(config.train_dtype, runtime.device)
         self.trained_modules: dict[str, torch.nn.Module] = {}
         self.optimizer: torch.optim.Optimizer | None = None
+        # Noise for averaged gradients rounded back into bfloat16 stochastically (ddp.reduce_rounding); keyed to the
+        # optimizer step by the trainer
+        self.rounding_noise: RoundingNoise | None = None
 
     # -- setup -------------------------------------------------------------------------------
     def wrap(self, model: LoadedModel, groups: list[ParamGroup]) -> list[ParamGroup]:

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ot_dist.optim.stochastic_rounding import RoundingNoise, rounded_back
 from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.fused_reduce import FusedGradientReduce
 from ot_dist.parallel.single import held_plain
@@ -30,20 +31,23 @@ class DDPStrategy(Strategy):
     def _wrap_modules(self, model) -> None:
         self.replicas, self.fused_reduce = {}, None
         settings = self.config.ddp
+        if settings.reduce_rounding == "stochastic":  # the same noise on every rank: they hold the same averages
+            self.rounding_noise = RoundingNoise(self.config.seed, "gradient_average")
         if self.config.optimizer.fused_back_pass:
             trained = [[p for p in module.parameters() if p.requires_grad] for module in self.trained_modules.values()]
             self.fused_reduce = FusedGradientReduce(trained, self.runtime.device,
                                                     buffer_bytes=int(settings.fused_reduce_buffer_mb * MB),
                                                     coalesce_bytes=int(settings.bucket_mb * MB),
-                                                    reduce_dtype=DTYPES[settings.reduce_dtype])
+                                                    reduce_dtype=DTYPES[settings.reduce_dtype],
+                                                    rounding=self.rounding_noise)
             return
         # One reducer per trained module; each gets its own process group when there are several, so the
         # reducers' all-reduces can never interleave differently on different ranks.
         several = len(self.trained_modules) > 1
         self.replicas = {
             name: Replica(module, self.runtime.device, dist.new_group() if several else None, settings.bucket_mb,
-                          DTYPES[settings.reduce_dtype])
-            for name, module in self.trained_modules.items()
+                          DTYPES[settings.reduce_dtype], self.rounding_noise, key=k)
+            for k, (name, module) in enumerate(self.trained_modules.items())
         }
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -68,7 +72,9 @@ class Replica:
     every rank issues the same collectives; one no rank reached keeps no gradient, as in one process."""
 
     def __init__(self, module: torch.nn.Module, device: torch.device, group, bucket_mb: float = 32,
-                 reduce_dtype: torch.dtype = torch.float32):
+                 reduce_dtype: torch.dtype = torch.float32, rounding: RoundingNoise | None = None, key: int = 0):
+        """`rounding`: where averages rounded back into bfloat16 get their noise (stochastic rounding; None: to
+        nearest), each bucket keyed by `key` (this replica's place) and its index."""
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.synchronise = True
         # The reducer's module is a list of the trainable parameters alone (no buffers to broadcast).
@@ -81,7 +87,7 @@ class Replica:
             gradient_as_bucket_view=True,
         )
         if any(p.dtype != reduce_dtype for p in self.params):  # else DDP's own all-reduce, in the gradients' dtype
-            self.ddp.register_comm_hook(group, reduced_in(reduce_dtype))
+            self.ddp.register_comm_hook(group, reduced_in(reduce_dtype, rounding, key))
         module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         module.register_forward_hook(self._after_forward)
 
@@ -102,13 +108,16 @@ class Replica:
         return None
 
 
-def reduced_in(dtype: torch.dtype):
+def reduced_in(dtype: torch.dtype, rounding: RoundingNoise | None = None, key: int = 0):
     """A DDP communication hook that averages each bucket in `dtype` and rounds the result back into the bucket:
     bfloat16 gradients (trained_weight_dtype bfloat16) summed in float32, as OneTrainer's default
-    gradient_reduce_precision, instead of accumulating a rounding at every hop of the ring."""
+    gradient_reduce_precision, instead of accumulating a rounding at every hop of the ring. With `rounding`, back into
+    bfloat16 stochastically, with noise keyed by (`key`, the bucket's index): DDP builds the same buckets on every
+    rank, so every rank rounds the same average the same way."""
 
     def hook(group, bucket):  # unannotated: DDP checks the annotations against the classes, not strings
         buffer = bucket.buffer()
+        bucket_key = (key << 32) + bucket.index()
         wide = buffer.to(dtype)
         group = group if group is not None else dist.group.WORLD
         wide.div_(dist.get_world_size(group))
@@ -116,7 +125,7 @@ def reduced_in(dtype: torch.dtype):
 
         def narrowed(done) -> torch.Tensor:
             if wide is not buffer:  # a bucket already in `dtype` was reduced in place
-                buffer.copy_(done.value()[0])
+                buffer.copy_(rounded_back(done.value()[0], buffer.dtype, rounding, bucket_key))
             return buffer
 
         return future.then(narrowed)

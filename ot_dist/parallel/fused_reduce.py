@@ -28,22 +28,26 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.optim.fused_backward import FusedSteps
+from ot_dist.optim.stochastic_rounding import RoundingNoise, rounded_back
 
 
 class FusedGradientReduce:
     """The averaging of one rank's trained parameters' gradients inside backward, for the fused back pass."""
 
     def __init__(self, modules: list[list[torch.nn.Parameter]], device: torch.device, group=None,
-                 buffer_bytes: int = 0, coalesce_bytes: int = 0, reduce_dtype: torch.dtype = torch.float32):
+                 buffer_bytes: int = 0, coalesce_bytes: int = 0, reduce_dtype: torch.dtype = torch.float32,
+                 rounding: RoundingNoise | None = None):
         """`modules`: each trained module's trained parameters, the modules in the order backward reaches them last
         (the denoiser, then the text encoders that feed it), the same on every rank. Gradients under `coalesce_bytes`
         are averaged together, in buckets of that size per dtype (a bias or a norm alone would cost a collective's
         latency for a few bytes); larger ones alone. Each is averaged in `reduce_dtype` (bfloat16 gradients widened to
-        float32, as OneTrainer's default gradient_reduce_precision) and rounded back to its own dtype."""
+        float32, as OneTrainer's default gradient_reduce_precision) and rounded back to its own dtype: to nearest, or
+        stochastically with `rounding`'s noise keyed by the parameter's index (every rank holds the same average, so
+        every rank rounds it the same way, whenever it settles it)."""
         self.params = [p for params in modules for p in params]
         self.index = {id(p): i for i, p in enumerate(self.params)}
         self.device, self.group, self.buffer_bytes, self.coalesce_bytes = device, group, buffer_bytes, coalesce_bytes
-        self.reduce_dtype = reduce_dtype
+        self.reduce_dtype, self.rounding = reduce_dtype, rounding
         self.world = dist.get_world_size(group)
         starts = [0]
         for params in modules:
@@ -161,7 +165,7 @@ class FusedGradientReduce:
         for i, shape, reached in members:
             size = shape.numel()
             averaged = buffer if len(members) == 1 else buffer[offset:offset + size].view(shape)
-            averaged = averaged.to(dtype)  # rounded back to the gradient's own dtype (nearest), if it was widened
+            averaged = rounded_back(averaged, dtype, self.rounding, i)  # to the gradient's own dtype, if widened
             offset += size
             if not reached and everywhere is None:  # whether any rank reached it is known when backward ends
                 self.undecided.append((i, averaged))

@@ -157,12 +157,15 @@ class Trainer:
         self._apply_performance()  # after that copy (samples run the plain modules), before wrapping
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
-        self.optimizer = build_optimizer(config.optimizer, self.groups)
+        self.optimizer = build_optimizer(config.optimizer, self.groups, seed=config.seed)
         connect_trained_streaming(self.model.denoiser, self.optimizer)  # a streamed block's weights step in backward
         if norm_vectors:  # their parameter groups, read before ZeRO replaces the groups' params by its partitions
             group_names(norm_vectors, self.optimizer, self.strategy.trained_parameters())
         self.optimizer = self.strategy.wrap_optimizer(self.optimizer)
         self.ownership = self.strategy.ownership()  # what this rank's optimizer steps
+        # stochastic rounding's noise, of the weights and of averaged gradients: keyed to each optimizer step
+        self.rounding_noises = [noise for noise in (getattr(self.optimizer, "rounding_noise", None),
+                                                    self.strategy.rounding_noise) if noise is not None]
         if norm_vectors:  # rescales the vectors inside each step, before the strategy copies them to the weights
             EmbeddingNorms(norm_vectors, self.ownership).install(self.optimizer)
         if hasattr(self.optimizer, "attach_ownership"):  # sums its statistics over the shards
@@ -313,6 +316,8 @@ class Trainer:
                     if micro >= self.steps_per_epoch * accumulation:
                         break  # the incomplete accumulation at the end of an epoch is dropped
                     last_micro_step = len(micro_losses) + 1 == accumulation
+                    for noise in self.rounding_noises:  # the fused back pass steps inside a micro step's backward
+                        noise.at_step(step)
                     micro_losses.append(self.micro_step(batch, epoch, accumulation, last_micro_step))
                     if not last_micro_step:
                         continue

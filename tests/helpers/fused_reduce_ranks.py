@@ -12,7 +12,9 @@ misses expert 1 (reduced as zeros, its average still rank 0's half), and no rank
 weight decay would move it). Small gradients are averaged in shared buckets ("sgd_alone": each alone). Each rank writes
 OUT_DIR/rank<R>.json: per run, the weights after STEPS steps and
 the one-process weights (computed here on both halves of the batch), the events in order (gradient complete /
-all-reduce issued / parameter stepped) and the reducer's peak of held gradient bytes per step."""
+all-reduce issued / parameter stepped) and the reducer's peak of held gradient bytes per step; and, under "bfloat16",
+the weights after STEPS SGD steps of the model in bfloat16 rounded stochastically, its gradients averaged in float32
+and rounded back to nearest or stochastically, with the fused reduce and with DDP's reducer."""
 
 import json
 import sys
@@ -22,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.optim.fused_backward import install_fused_back_pass
+from ot_dist.optim.stochastic_rounding import RoundingNoise, install_stochastic_rounding
+from ot_dist.parallel.ddp import Replica
 from ot_dist.parallel.fused_reduce import FusedGradientReduce
 
 STEPS = 3
@@ -137,6 +141,35 @@ def fused_ddp(name, rank, coalesce_bytes):
             "untouched_state": [names[id(p)] for params in modules for p in params if p not in optimizer.state]}
 
 
+def bfloat16_run(rank, fused: bool, gradient_rounding: str):
+    """bfloat16 weights rounded stochastically after each SGD step (the fused back pass steps rank 1's missed expert
+    last, after the ranks agree on it), each gradient averaged in float32 and rounded back (`gradient_rounding`), by
+    the fused reduce or by DDP's reducer; the noise keyed to each step as the trainer keys it."""
+    te, den = (m.to(torch.bfloat16) for m in build())
+    modules = [list(den.parameters()), list(te.parameters())]
+    optimizer = make_optimizer("sgd", (den, te))
+    noises = [install_stochastic_rounding(optimizer, seed=7)]
+    if gradient_rounding == "stochastic":
+        noises.append(RoundingNoise(7, "gradient_average"))
+    rounding = noises[1] if len(noises) > 1 else None
+    if fused:
+        install_fused_back_pass(optimizer)
+        FusedGradientReduce(modules, DEVICE, buffer_bytes=BUFFER_BYTES, coalesce_bytes=COALESCE_BYTES,
+                            rounding=rounding).connect(optimizer.fused_steps)
+    else:
+        for key, module in enumerate((den, te)):
+            Replica(module, DEVICE, dist.new_group(), bucket_mb=COALESCE_BYTES / 2**20, rounding=rounding, key=key)
+    for step in range(STEPS):
+        for noise in noises:
+            noise.at_step(step)
+        x, y = batch(step, rank)
+        loss_of(te, den, x.to(torch.bfloat16), y.to(torch.bfloat16), rank).float().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {f"{part}.{n}": p.detach().float().cpu().tolist() for part, m in (("denoiser", den), ("te", te))
+            for n, p in m.named_parameters()}
+
+
 def main():
     out = Path(sys.argv[1])
     if DEVICE.type == "cuda":
@@ -150,6 +183,8 @@ def main():
     runs = {"sgd": ("sgd", COALESCE_BYTES), "adamw": ("adamw", COALESCE_BYTES), "sgd_alone": ("sgd", 0)}
     result = {run: {"reference": one_process(name), **fused_ddp(name, rank, coalesce)}
               for run, (name, coalesce) in runs.items()}
+    result["bfloat16"] = {f"{'fused' if fused else 'ddp'}-{rounding}": bfloat16_run(rank, fused, rounding)
+                          for fused in (True, False) for rounding in ("nearest", "stochastic")}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
