@@ -16,7 +16,7 @@ from ot_dist.config.optim import OptimizerConfig
 from ot_dist.methods.base import ParamGroup
 from ot_dist.optim.fused_backward import install_fused_back_pass
 from ot_dist.optim.registry import SPECS, OptimizerSpec
-from ot_dist.optim.stochastic_rounding import install_stochastic_rounding
+from ot_dist.optim.stochastic_rounding import install_stochastic_rounding, key_own_rounding
 
 WRAPPER_OPTIONS = ("stochastic_rounding", "fused_back_pass")  # act around the step, not passed to the class
 
@@ -88,7 +88,11 @@ def build_optimizer(
     optimizer = (cls or optimizer_class(spec))(param_groups, lr=lr, **kwargs)
     if spec.schedule_free:
         optimizer.train()  # schedulefree starts in eval mode; training steps in train mode (schedule_free.py)
-    if options.get("stochastic_rounding") and not spec.own_stochastic_rounding:
+    if options.get("stochastic_rounding") and spec.own_stochastic_rounding:
+        from adv_optm.util import param_update  # its generator per device: the only one that rounds itself
+
+        key_own_rounding(optimizer, param_update._generators, seed)
+    elif options.get("stochastic_rounding"):
         install_stochastic_rounding(optimizer, seed)
     if options.get("fused_back_pass"):
         install_fused_back_pass(optimizer)

@@ -125,3 +125,29 @@ def install_stochastic_rounding(optimizer: torch.optim.Optimizer, seed: int = 0)
     optimizer.register_step_post_hook(after_step)
     optimizer.rounding_noise = noise
     return noise
+
+
+def key_own_rounding(optimizer: torch.optim.Optimizer, generators: dict, seed: int = 0) -> RoundingNoise:
+    """For an optimizer that rounds its bfloat16 weights stochastically itself, drawing from one generator per device
+    (`generators`: adv_optm's, which it seeds once with 42): before each parameter's step (adv_optm's
+    `step_parameter`; where a step does not go through it, before the whole step), its device's generator becomes one
+    keyed like ours, by (seed, optimizer step, the parameter). So its rounding too is the same in any order of fused
+    steps, on every rank, and after a resume. Returns the noise (also `optimizer.rounding_noise`)."""
+    noise = RoundingNoise(seed, "weights")
+    keys = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+
+    def before_step(opt, args, kwargs):  # a step that draws outside step_parameter: keyed by the step alone
+        for device in {p.device for group in opt.param_groups for p in group["params"] if p.grad is not None}:
+            generators[device] = noise.generator(len(keys), device)
+
+    optimizer.register_step_pre_hook(before_step)
+    if hasattr(optimizer, "step_parameter"):
+        step_parameter = optimizer.step_parameter
+
+        def keyed_step_parameter(p, *args, **kwargs):
+            generators[p.device] = noise.generator(keys[id(p)], p.device)
+            return step_parameter(p, *args, **kwargs)
+
+        optimizer.step_parameter = keyed_step_parameter
+    optimizer.rounding_noise = noise
+    return noise
