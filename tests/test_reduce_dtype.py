@@ -83,3 +83,24 @@ def test_stochastic_reduce_rounding_needs_bfloat16_weights_averaged_in_float32(s
                            "ddp.reduce_dtype: float32 \\(is bfloat16\\)")):
         with pytest.raises(ConfigError, match="ddp.reduce_rounding: stochastic.*" + named):
             validate({**raw, **change})
+
+
+def test_a_bucketed_gradient_is_held_once(one_rank_group, monkeypatch):
+    """Small gradients averaged in a shared bucket: once the bucket's flat copy holds their values, their parameters
+    no longer hold the gradients (each would otherwise be kept twice, in the copy and on the parameter, until its
+    step). Checked at each all-reduce: no parameter of the bucket being reduced still holds its `.grad`."""
+    model = bfloat16_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    install_fused_back_pass(optimizer)
+    params = list(model.parameters())
+    FusedGradientReduce([params], torch.device("cpu"), coalesce_bytes=1 << 20).connect(optimizer.fused_steps)
+    holding, all_reduce = [], dist.all_reduce
+
+    def recorded(tensor, *args, **kwargs):
+        if tensor.is_floating_point():  # a gradient bucket (the reached flags are int32)
+            holding.append([p.grad is not None for p in params])
+        return all_reduce(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "all_reduce", recorded)
+    loss_of(model).backward()
+    assert holding == [[False] * len(params)]  # every gradient in the one bucket, none still on its parameter
