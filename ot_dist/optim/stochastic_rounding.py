@@ -145,7 +145,10 @@ def key_own_rounding(optimizer: torch.optim.Optimizer, generators: dict, seed: i
         step_parameter = optimizer.step_parameter
 
         def keyed_step_parameter(p, *args, **kwargs):
-            generators[p.device] = noise.generator(keys[id(p)], p.device)
+            # Only bfloat16 weights are rounded; ZeRO hands the optimizer flat float32 partitions of its own instead
+            # of the parameters it was built with (no bfloat16 trained weights there: the config refuses them).
+            if p.dtype == torch.bfloat16 and id(p) in keys:
+                generators[p.device] = noise.generator(keys[id(p)], p.device)
             return step_parameter(p, *args, **kwargs)
 
         optimizer.step_parameter = keyed_step_parameter
