@@ -149,7 +149,8 @@ def test_bfloat16_weights_rounded_stochastically_stay_equal_on_every_rank(one_le
     FLOAT_32_STOCHASTIC): with DDP's reducer and with the fused back pass, both ranks end with the same weights, bit for
     bit, near one process of the global batch; rounding the averages to nearest instead changes the weights. The rounding once swapped each weight's `.data` to float32 and back,
     which replaced its gradient-accumulation node: DDP's reducer stopped averaging after the first step and the ranks
-    drifted apart; the fused reduce failed outright."""
+    drifted apart; the fused reduce failed outright. And a replica that drifts anyway (rank 1 moves one of its
+    weights) is reported once, before the exports, naming the tensor and the rank (parallel/replica_check.py)."""
     from conftest import base_config
 
     from ot_dist.train.trainer import Trainer
@@ -159,14 +160,21 @@ def test_bfloat16_weights_rounded_stochastically_stay_equal_on_every_rank(one_le
                            clip_grad_norm=None, train_dtype="bfloat16", trained_weight_dtype="bfloat16",
                            optimizer={"name": "SGD", "stochastic_rounding": True}, **extra)
 
-    cases = {f"{name}-{rounding}": config(f"{name}-{rounding}", batch_size=2, strategy="ddp",
-                                          ddp={"reduce_rounding": rounding}, **{"optimizer.fused_back_pass": fused})
+    cases = {f"{name}-{rounding}": {"config": config(f"{name}-{rounding}", batch_size=2, strategy="ddp",
+                                                     ddp={"reduce_rounding": rounding},
+                                                     **{"optimizer.fused_back_pass": fused})}
              for name, fused in (("ddp", False), ("ddp+fused", True)) for rounding in ("nearest", "stochastic")}
+    # a replica that drifts away (rank 1 moves a weight of its own after step 1): the trainer must say so
+    cases["drifted"] = {"config": config("drifted", batch_size=2, strategy="ddp"), "perturb": True}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    done = run_ranks(REPO / "tests" / "helpers" / "rounded_ranks.py", tmp_path / "cases.json",
+    done = run_ranks(REPO / "tests" / "helpers" / "replica_ranks.py", tmp_path / "cases.json",
                      tmp_path / "result.json", timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((tmp_path / "result.json").read_text())
+    drifted = results.pop("drifted")
+    warned = [line for line in drifted["logged"] if "replicas diverged" in line]
+    assert drifted["ranks_apart"] > 0 and len(warned) == 1, drifted["logged"]
+    assert f"differ after step 3 ({drifted['first']} (rank 1))" in warned[0], warned[0]
     one = Trainer(validate(config("one")), log=lambda *_: None)
     start = {n: p.detach().float().flatten().clone() for n, p in one.strategy.trained_parameters().items()}
     one.train()
@@ -175,6 +183,7 @@ def test_bfloat16_weights_rounded_stochastically_stay_equal_on_every_rank(one_le
     for case, result in results.items():
         assert result["dtypes"] == ["torch.bfloat16"], case
         assert result["ranks_apart"] == 0, f"{case}: the ranks' weights differ by {result['ranks_apart']:.3g}"
+        assert not any("replicas diverged" in line for line in result["logged"]), case
         diff = max((torch.tensor(result["weights"][n]) - reference[n]).abs().max().item() for n in reference)
         print(f"{case}: {diff:.3g} from one process, which moved the weights {moved:.3g}")
         assert diff <= 0.25 * moved, f"{case}: {diff:.3g} from one process (moved {moved:.3g})"

@@ -86,6 +86,11 @@ class Strategy:
         """Forget this step's gradients without stepping (a skipped non-finite step)."""
         optimizer.zero_grad(set_to_none=True)
 
+    def diverged_replicas(self) -> dict[str, list[int]]:
+        """Trained tensors whose copies differ between the ranks (name -> ranks that differ from rank 0): only where
+        the ranks hold replicas (ddp). A collective there."""
+        return {}
+
     # -- export / reporting --------------------------------------------------------------------
     def state_dict_of(self, module: torch.nn.Module, keep: KeyFilter | None = None) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict of a module, or with `keep` the entries whose key it accepts (only those

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ot_dist.optim.stochastic_rounding import RoundingNoise, rounded_back
 from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.fused_reduce import FusedGradientReduce
+from ot_dist.parallel.replica_check import diverged
 from ot_dist.parallel.single import held_plain
 from ot_dist.precision import DTYPES
 
@@ -62,6 +63,9 @@ class DDPStrategy(Strategy):
 
     def held_tensors(self):
         return held_plain(self)
+
+    def diverged_replicas(self) -> dict[str, list[int]]:
+        return diverged(self.trained_parameters(), self.runtime.device)
 
 
 class Replica:

@@ -192,6 +192,7 @@ class Trainer:
         # after loading: a checkpoint's optimizer group settings (fused or not) decide too
         self.lagged_guard, self.guard_line = choose_lagged(config, self.strategy, self.optimizer)
         self.guard: StepGuard | None = None  # made by train()
+        self.replicas_checked_at: int | None = None  # the step whose replicas were last compared
         freeze_long_lived_objects()  # the libraries and the model are in memory: collections skip them from now on
 
     def _place_modules(self) -> None:
@@ -377,6 +378,7 @@ class Trainer:
                 self.validation.maybe_run(self, step)
             if every.at_end:
                 result.checkpoint = self._save(step, epoch, "end of training")
+            self._check_replicas(step)
             result.exported = self.export(Path(config.output_dir))
             self.tracker.set_tags({"exported": " ".join(str(p) for p in result.exported)})
             self.tracker.log_text("".join(f"{p}\n" for p in result.exported), "exported_paths.txt")
@@ -396,7 +398,23 @@ class Trainer:
         """A checkpoint of the state after `step` optimizer steps (once per step, whatever asked for it)."""
         if self.checkpointer.last_saved_step == step:
             return self.checkpointer.folder_of(step)
+        self._check_replicas(step)
         return self.checkpointer.save(step, epoch, reason)
+
+    def _check_replicas(self, step: int) -> None:
+        """Say so where the ranks' copies of the trained weights differ (ddp: only rank 0's are saved and exported).
+        At checkpoints and before the exports, once per step."""
+        if self.replicas_checked_at == step:
+            return
+        self.replicas_checked_at = step
+        apart = self.strategy.diverged_replicas()
+        if apart:
+            examples = "; ".join(f"{name} (rank {', '.join(map(str, ranks))})" for name, ranks in list(apart.items())[:3])
+            message = (f"the ranks' copies of {len(apart)} trained tensors differ after step {step} ({examples}): the "
+                       "replicas diverged, and checkpoints and exports hold rank 0's. Each rank applies the same "
+                       "update to the same weights; please report this with the config")
+            self.log(f"warning: {message}")
+            self.tracker.set_tags({"ot_dist.replicas_diverged": message})
 
     def _skipped_on_device(self, result: TrainResult, step: int, epoch: int) -> None:
         """The lagged guard found step `step`'s loss non-finite: the optimizer skipped that update on the device (the

@@ -113,7 +113,7 @@ class SyncCounter:
 
 def count_trainer_syncs(trainer) -> tuple[SyncCounter, object]:
     """Train `trainer` while counting. Phases: "data" (the loader: host work), "log" (`_log_window`), "other"
-    (checkpoints, exports, samples: not the step path) and "step" (micro steps, the step guard, the optimizer
+    (checkpoints, exports, samples, the replicas' comparison: not the step path) and "step" (micro steps, the step guard, the optimizer
     step). The loader's batches, torch's CPU `step` counters of the optimizer and the lagged step
     guard's host copy of its flags are host tensors.
     Returns the counter and the TrainResult."""
@@ -155,7 +155,7 @@ def count_trainer_syncs(trainer) -> tuple[SyncCounter, object]:
 
     trainer.epoch_batches = host_batches
     trainer._log_window = in_phase("log", trainer._log_window)
-    for name in ("export", "_save"):
+    for name in ("export", "_save", "_check_replicas"):  # the replica check runs at saves and before the exports
         setattr(trainer, name, in_phase("other", getattr(trainer, name)))
     for name in ("after_step", "at_end"):
         setattr(trainer.sampler, name, in_phase("other", getattr(trainer.sampler, name)))
