@@ -4,6 +4,7 @@ longer than one chunk. The comparison across 2 ranks and the trainer's warning: 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ot_dist.parallel import replica_check
@@ -26,3 +27,15 @@ def test_the_fingerprint_sees_every_element_and_its_place(monkeypatch):
         swapped = weights.clone()
         swapped.view(-1)[[3, 30]] = weights.view(-1)[[30, 3]]
         assert fingerprint(swapped) != same, dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_cpu_weight_fingerprinted_on_the_gpu_is_the_cpu_fingerprint(monkeypatch):
+    """A streamed weight lives in CPU memory and is fingerprinted on the GPU, chunk by chunk; a resident one on the
+    GPU: integer arithmetic, so the same values whatever the device."""
+    monkeypatch.setattr(replica_check, "CHUNK", 1000)
+    weights = torch.randn(3001, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    on_cpu = fingerprint(weights)
+    assert fingerprint(weights, torch.device("cuda")).item() == on_cpu.item()
+    assert fingerprint(weights.cuda()).item() == on_cpu.item()

@@ -16,14 +16,17 @@ BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # elemen
 CHUNK = 1 << 24  # elements fingerprinted at a time: the int64 copies of one chunk are the transient memory
 
 
-def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+def fingerprint(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """An int64 of the tensor's bits, each element weighted by its position (so that moved values count):
-    equal tensors give equal fingerprints; a changed element changes it (wrapping int64 arithmetic)."""
+    equal tensors give equal fingerprints; a changed element changes it (wrapping int64 arithmetic). Computed on
+    `device` (default: the tensor's): a weight streamed from CPU memory is fingerprinted on the GPU a chunk at a time,
+    faster than the CPU would."""
+    device = device or tensor.device
     bits = tensor.detach().contiguous().reshape(-1).view(BITS[tensor.element_size()])
-    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    total = torch.zeros((), dtype=torch.int64, device=device)
     for start in range(0, bits.numel(), CHUNK):
-        part = bits[start:start + CHUNK].to(torch.int64)
-        position = torch.arange(start, start + part.numel(), dtype=torch.int64, device=tensor.device)
+        part = bits[start:start + CHUNK].to(device).to(torch.int64)
+        position = torch.arange(start, start + part.numel(), dtype=torch.int64, device=device)
         total += (part * (position * 0x9E3779B1 + 1)).sum()
     return total
 
@@ -33,7 +36,7 @@ def diverged(named: dict[str, torch.Tensor], device: torch.device, group=None) -
     every rank calls it with the same names in the same order."""
     if not named:
         return {}
-    mine = torch.stack([fingerprint(t) for t in named.values()]).to(device)
+    mine = torch.stack([fingerprint(t, device) for t in named.values()])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     table = torch.stack(everyone).cpu()  # one host read, at a checkpoint
