@@ -147,9 +147,9 @@ def test_bfloat16_weights_rounded_stochastically_stay_equal_on_every_rank(one_le
     """A full finetune with trained_weight_dtype bfloat16 and stochastic rounding (OneTrainer's FINE_TUNE setup)
     under ddp, the averaged gradients rounded back stochastically too (ddp.reduce_rounding, OneTrainer's default
     FLOAT_32_STOCHASTIC): with DDP's reducer and with the fused back pass, both ranks end with the same weights, bit for
-    bit, near one process of the global batch; rounding the averages to nearest instead changes the weights. The rounding once swapped each weight's `.data` to float32 and back,
-    which replaced its gradient-accumulation node: DDP's reducer stopped averaging after the first step and the ranks
-    drifted apart; the fused reduce failed outright. And a replica that drifts anyway (rank 1 moves one of its
+    bit, near one process of the global batch; rounding the averages to nearest instead changes the weights. The
+    rounding once swapped each weight's `.data` to float32 and back, which replaced its gradient-accumulation node:
+    DDP's reducer stopped averaging after the first step and the ranks drifted apart; the fused reduce failed outright. And a replica that drifts anyway (rank 1 moves one of its
     weights) is reported once, before the exports, naming the tensor and the rank (parallel/replica_check.py)."""
     from conftest import base_config
 
