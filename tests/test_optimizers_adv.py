@@ -135,13 +135,10 @@ def test_adv_optm_rounding_is_keyed_by_step_and_weight():
     """Its generator keyed like ot_dist's own rounding: the fused back pass (each weight stepped alone, in backward's
     order) gives the whole step's weights bit for bit, and so does a run that rebuilds the optimizer after 2 of its 4
     steps with the state it had (a resume), where adv_optm's one sequence restarts at its seed."""
-    from ot_dist.optim.fused_backward import install_fused_back_pass
-
-    def build(params, fused=False):
+    def build(params, fused=False):  # the config's fused back pass: build_optimizer installs it
         config = validate({**MINIMAL, "clip_grad_norm": None,
                            "optimizer": {"name": "ADAMW_ADV", "fused_back_pass": fused}})
-        optimizer = build_optimizer(config.optimizer, [ParamGroup("unet", params, 1e-3)], seed=3)
-        return optimizer
+        return build_optimizer(config.optimizer, [ParamGroup("unet", params, 1e-3)], seed=3)
 
     def steps(optimizer, params, first, count, fused=False):
         for step in range(first, first + count):
