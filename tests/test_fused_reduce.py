@@ -150,7 +150,8 @@ def test_bfloat16_weights_rounded_stochastically_stay_equal_on_every_rank(one_le
     bit, near one process of the global batch; rounding the averages to nearest instead changes the weights. The
     rounding once swapped each weight's `.data` to float32 and back, which replaced its gradient-accumulation node:
     DDP's reducer stopped averaging after the first step and the ranks drifted apart; the fused reduce failed outright. And a replica that drifts anyway (rank 1 moves one of its
-    weights) is reported once, before the exports, naming the tensor and the rank (parallel/replica_check.py)."""
+    weights) is reported once, before the exports, naming the tensor and the rank (parallel/replica_check.py); ranks
+    that start from different weights are refused, on every rank, before the first step."""
     from conftest import base_config
 
     from ot_dist.train.trainer import Trainer
@@ -165,12 +166,18 @@ def test_bfloat16_weights_rounded_stochastically_stay_equal_on_every_rank(one_le
                                                      **{"optimizer.fused_back_pass": fused})}
              for name, fused in (("ddp", False), ("ddp+fused", True)) for rounding in ("nearest", "stochastic")}
     # a replica that drifts away (rank 1 moves a weight of its own after step 1): the trainer must say so
-    cases["drifted"] = {"config": config("drifted", batch_size=2, strategy="ddp"), "perturb": True}
+    cases["drifted"] = {"config": config("drifted", batch_size=2, strategy="ddp"), "perturb": "after_first_step"}
+    # ranks that start from different weights (the fused reduce has no DDP to broadcast rank 0's): refused by all
+    cases["different"] = {"config": config("different", batch_size=2, strategy="ddp",
+                                           **{"optimizer.fused_back_pass": True}), "perturb": "before_training"}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     done = run_ranks(REPO / "tests" / "helpers" / "replica_ranks.py", tmp_path / "cases.json",
                      tmp_path / "result.json", timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((tmp_path / "result.json").read_text())
+    different = results.pop("different")["errors"]
+    assert len(set(different)) == 1 and different[0].startswith("the ranks start from different trained weights"), \
+        different
     drifted = results.pop("drifted")
     warned = [line for line in drifted["logged"] if "replicas diverged" in line]
     assert drifted["ranks_apart"] > 0 and len(warned) == 1, drifted["logged"]

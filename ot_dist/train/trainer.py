@@ -17,7 +17,7 @@ from ot_dist.checkpoint.layout import checkpoints_dir
 from ot_dist.checkpoint.run_folder import estimated_free_space_warning, prepare_run_folder, release_output_dir
 from ot_dist.checkpoint.training_state import Checkpointer, Position
 from ot_dist.config.schema import TrainConfig
-from ot_dist.errors import TrainingHalted
+from ot_dist.errors import InputFileError, TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.concepts import check_clip_batches, check_video_clips
 from ot_dist.data.video import check_clip_settings
@@ -289,6 +289,7 @@ class Trainer:
         checkpoint_lows = lows if config.checkpoint.at_cycle_lows else set()
         result = TrainResult(first_step=self.position.step)
         step = self.position.step
+        self._check_replicas(step, starting=True)  # before any work: the ranks loaded the same weights
         self.tracker = start_tracking(config, self.runtime.is_main, self.runtime.world_size,
                                       self.tracking_run_id, self.tracking_step_offset, self.log, self.tracking_sender,
                                       resumed_at_step=self.position.step if self.position.resumed_from else None)
@@ -401,20 +402,27 @@ class Trainer:
         self._check_replicas(step)
         return self.checkpointer.save(step, epoch, reason)
 
-    def _check_replicas(self, step: int) -> None:
+    def _check_replicas(self, step: int, starting: bool = False) -> None:
         """Say so where the ranks' copies of the trained weights differ (ddp: only rank 0's are saved and exported).
-        At checkpoints and before the exports, once per step."""
+        Before the first step (`starting`: different weights loaded, an error before any work), at checkpoints and
+        before the exports (a drift: a warning, training goes on), once per step."""
         if self.replicas_checked_at == step:
             return
         self.replicas_checked_at = step
         apart = self.strategy.diverged_replicas()
-        if apart:
-            examples = "; ".join(f"{name} (rank {', '.join(map(str, ranks))})" for name, ranks in list(apart.items())[:3])
-            message = (f"the ranks' copies of {len(apart)} trained tensors differ after step {step} ({examples}): the "
-                       "replicas diverged, and checkpoints and exports hold rank 0's. Each rank applies the same "
-                       "update to the same weights; please report this with the config")
-            self.log(f"warning: {message}")
-            self.tracker.set_tags({"ot_dist.replicas_diverged": message})
+        if not apart:
+            return
+        examples = "; ".join(f"{name} (rank {', '.join(map(str, ranks))})" for name, ranks in list(apart.items())[:3])
+        if starting:
+            raise InputFileError(
+                f"the ranks start from different trained weights ({len(apart)} tensors differ from rank 0's: "
+                f"{examples}): every rank must load the same model (model.path) and checkpoint; on several nodes, "
+                "check that each node reads the same files")
+        message = (f"the ranks' copies of {len(apart)} trained tensors differ after step {step} ({examples}): the "
+                   "replicas diverged, and checkpoints and exports hold rank 0's. Each rank applies the same update to "
+                   "the same weights; please report this with the config")
+        self.log(f"warning: {message}")
+        self.tracker.set_tags({"ot_dist.replicas_diverged": message})
 
     def _skipped_on_device(self, result: TrainResult, step: int, epoch: int) -> None:
         """The lagged guard found step `step`'s loss non-finite: the optimizer skipped that update on the device (the

@@ -4,8 +4,9 @@ float32 lists) and the lines the trainer logged; for tests/test_fused_reduce.py.
 
     replica_ranks.py CASES_JSON RESULT_JSON
 
-A case {"config": raw config, "perturb": true} has rank 1 move one weight of its own after its first step (a replica
-drifting away), which the trainer must report."""
+A case {"config": raw config, "perturb": "after_first_step"} has rank 1 move one weight of its own after its first
+step (a replica drifting away), which the trainer must report; "before_training" before the run (ranks that loaded
+different weights), which it must refuse on every rank: the case's "error" is then the message each rank raised."""
 
 import json
 import sys
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.config.load import validate
+from ot_dist.errors import InputFileError
 from ot_dist.parallel.runtime import start_runtime
 from ot_dist.train.trainer import Trainer
 
@@ -38,9 +40,19 @@ if __name__ == "__main__":
     for name, case in cases.items():
         logged = []
         trainer = Trainer(validate(case["config"]), runtime=runtime, log=logged.append)
-        if case.get("perturb") and runtime.rank == 1:
+        if case.get("perturb") == "after_first_step" and runtime.rank == 1:
             perturbed_after_first_step(trainer)
-        trainer.train()
+        if case.get("perturb") == "before_training" and runtime.rank == 1:
+            with torch.no_grad():
+                next(iter(trainer.strategy.trained_parameters().values())).view(-1)[0] += 0.125
+        try:
+            trainer.train()
+        except InputFileError as error:  # every rank: gathered below, as the weights are
+            messages = [None] * runtime.world_size
+            dist.all_gather_object(messages, str(error))
+            results[name] = {"errors": messages}
+            trainer.close()
+            continue
         named = trainer.strategy.trained_parameters()
         flat = torch.cat([p.detach().float().flatten() for p in named.values()])
         gathered = [torch.zeros_like(flat) for _ in range(runtime.world_size)]
