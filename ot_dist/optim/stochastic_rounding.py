@@ -78,10 +78,15 @@ def _mixed(*words: int) -> int:
     return h >> 1
 
 
+def parameter_keys(optimizer: torch.optim.Optimizer) -> dict[int, int]:
+    """id(parameter) -> its rounding key: its place in the optimizer's groups as built, the same on every rank and in
+    every run of the config."""
+    return {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+
+
 def install_stochastic_rounding(optimizer: torch.optim.Optimizer, seed: int = 0) -> RoundingNoise:
-    """Round the optimizer's bfloat16 parameters stochastically after each step. A parameter's key is its place in
-    the optimizer's groups as built (the same on every rank and in every run of the config). Returns the noise (also
-    `optimizer.rounding_noise`), whose step the trainer keys.
+    """Round the optimizer's bfloat16 parameters stochastically after each step, each with its own key
+    (`parameter_keys`). Returns the noise (also `optimizer.rounding_noise`), whose step the trainer keys.
 
     The step runs on float32 stand-ins: for each bfloat16 parameter with a gradient, a float32 copy takes its place in
     its group (and its optimizer state moves to it) for the step, and the result is rounded back into the parameter
@@ -89,7 +94,7 @@ def install_stochastic_rounding(optimizer: torch.optim.Optimizer, seed: int = 0)
     autograd then drops the parameter's gradient-accumulation node: hooks on it are lost (DDP's reducer stopped
     averaging after the first step) and a node held from before is no longer the one backward runs."""
     noise = RoundingNoise(seed, "weights")
-    keys = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    keys = parameter_keys(optimizer)
     swapped: list[tuple[dict, list, list[tuple[torch.Tensor, torch.Tensor]]]] = []  # (group, its params, stand-ins)
 
     @torch.no_grad()
@@ -134,7 +139,7 @@ def key_own_rounding(optimizer: torch.optim.Optimizer, generators: dict, seed: i
     keyed like ours, by (seed, optimizer step, the parameter). So its rounding too is the same in any order of fused
     steps, on every rank, and after a resume. Returns the noise (also `optimizer.rounding_noise`)."""
     noise = RoundingNoise(seed, "weights")
-    keys = {id(p): i for i, p in enumerate(p for group in optimizer.param_groups for p in group["params"])}
+    keys = parameter_keys(optimizer)
 
     def before_step(opt, args, kwargs):  # a step that draws outside step_parameter: keyed by the step alone
         for device in {p.device for group in opt.param_groups for p in group["params"] if p.grad is not None}:

@@ -39,6 +39,10 @@ def diverged(named: dict[str, torch.Tensor], device: torch.device, group=None) -
     mine = torch.stack([fingerprint(t, device) for t in named.values()])
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
-    table = torch.stack(everyone).cpu()  # one host read, at a checkpoint
-    return {name: [rank for rank in range(1, table.shape[0]) if table[rank, k] != table[0, k]]
-            for k, name in enumerate(named) if bool((table[:, k] != table[0, k]).any())}
+    table = torch.stack(everyone).tolist()  # one host read, at a checkpoint; then plain ints (no tensor per compare)
+    apart = {}
+    for k, name in enumerate(named):
+        ranks = [rank for rank in range(1, len(table)) if table[rank][k] != table[0][k]]
+        if ranks:
+            apart[name] = ranks
+    return apart

@@ -148,10 +148,8 @@ def bfloat16_run(rank, fused: bool, gradient_rounding: str):
     te, den = (m.to(torch.bfloat16) for m in build())
     modules = [list(den.parameters()), list(te.parameters())]
     optimizer = make_optimizer("sgd", (den, te))
-    noises = [install_stochastic_rounding(optimizer, seed=7)]
-    if gradient_rounding == "stochastic":
-        noises.append(RoundingNoise(7, "gradient_average"))
-    rounding = noises[1] if len(noises) > 1 else None
+    rounding = RoundingNoise(7, "gradient_average") if gradient_rounding == "stochastic" else None
+    noises = [noise for noise in (install_stochastic_rounding(optimizer, seed=7), rounding) if noise is not None]
     if fused:
         install_fused_back_pass(optimizer)
         FusedGradientReduce(modules, DEVICE, buffer_bytes=BUFFER_BYTES, coalesce_bytes=COALESCE_BYTES,

@@ -20,14 +20,18 @@ from ot_dist.parallel.runtime import start_runtime
 from ot_dist.train.trainer import Trainer
 
 
+def nudge_first_weight(trainer) -> None:
+    with torch.no_grad():
+        next(iter(trainer.strategy.trained_parameters().values())).view(-1)[0] += 0.125
+
+
 def perturbed_after_first_step(trainer) -> None:
     optimizer_step = trainer.optimizer_step
 
     def step(*args, **kwargs):
         result = optimizer_step(*args, **kwargs)
         if args[0] == 0:
-            with torch.no_grad():
-                next(iter(trainer.strategy.trained_parameters().values())).view(-1)[0] += 0.125
+            nudge_first_weight(trainer)
         return result
 
     trainer.optimizer_step = step
@@ -43,8 +47,7 @@ if __name__ == "__main__":
         if case.get("perturb") == "after_first_step" and runtime.rank == 1:
             perturbed_after_first_step(trainer)
         if case.get("perturb") == "before_training" and runtime.rank == 1:
-            with torch.no_grad():
-                next(iter(trainer.strategy.trained_parameters().values())).view(-1)[0] += 0.125
+            nudge_first_weight(trainer)
         try:
             trainer.train()
         except InputFileError as error:  # every rank: gathered below, as the weights are
