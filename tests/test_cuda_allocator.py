@@ -3,6 +3,8 @@ model is placed, unless the user configured the allocator through the environmen
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from conftest import base_config
@@ -40,12 +42,27 @@ def test_the_trainer_sets_it_before_the_model_is_loaded(tiny_models, shapes_data
 
     events = []
     monkeypatch.setattr(cuda_allocator, "allocator_settings", lambda options, device: EXPANDABLE)
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda settings: events.append(settings))
+    monkeypatch.setattr(cuda_allocator, "set_allocator_settings", lambda settings: events.append(settings))
     real_load = trainer_module.load_model
     monkeypatch.setattr(trainer_module, "load_model", lambda config: events.append("load_model") or real_load(config))
     config = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "run"))
     trainer_module.Trainer(config, log=lambda *_: None)
     assert events == [EXPANDABLE, "load_model"]
+
+
+def test_settings_go_through_the_accelerator_setter_without_a_deprecation_warning(monkeypatch):
+    """torch 2.11+ warns on every call of the CUDA setter (seen on an H100, 2026-11-28); its accelerator-wide setter
+    takes the same string. Before 2.11 only the CUDA one exists."""
+    calls = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cuda_allocator.set_allocator_settings(EXPANDABLE)
+    assert calls == [EXPANDABLE]
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings")
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", lambda settings: calls.append(("cuda", settings)))
+    cuda_allocator.set_allocator_settings(EXPANDABLE)
+    assert calls[-1] == ("cuda", EXPANDABLE)
 
 
 @pytest.mark.gpu
@@ -61,4 +78,4 @@ def test_on_cuda_new_segments_are_expandable(monkeypatch):
         assert any(segment.get("is_expandable") for segment in segments), segments[:2]
         del tensor
     finally:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        cuda_allocator.set_allocator_settings("expandable_segments:False")

@@ -33,5 +33,12 @@ def allocator_settings(options: PerformanceConfig, device: torch.device,
 def configure_cuda_allocator(options: PerformanceConfig, device: torch.device) -> str | None:
     settings = allocator_settings(options, device)
     if settings:
-        torch.cuda.memory._set_allocator_settings(settings)
+        set_allocator_settings(settings)
     return settings
+
+
+def set_allocator_settings(settings: str) -> None:
+    """The accelerator-wide setter where torch has it (2.11+; the CUDA one warns there that it is deprecated, on every
+    GPU run), else the CUDA one."""
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (setter or torch.cuda.memory._set_allocator_settings)(settings)
