@@ -6,9 +6,10 @@
 #   OUT=$OUT BUDGET=540 ENTRIES="sdxl lora,sdxl lora cuda-graphs" bash launch/gpu_lease.sh
 #
 # Environment: OUT (default gpu_lease_out), BUDGET (seconds for the whole script, default 540: a call runs 600 at
-# most), PYTEST_BUDGET (default 150; 0 skips the GPU tests), ENTRIES (comma-separated labels of the plan; default the
-# whole plan), NO_PROFILE (set: no profiled steps), TINY (set: the tiny models, a smoke run on a CPU), WHEELS (default
-# .whl). Writes OUT/env.txt, OUT/pytest_gpu.txt (each test's outcome as it ends, then the failures' reasons),
+# most), PYTEST_BUDGET (default 150; 0 skips the GPU tests), PYTEST_WORKERS (default 4: pytest-xdist workers, which
+# the image has; 0: one process; a CUDA error fails the rest of its worker's tests too), ENTRIES (comma-separated labels
+# of the plan; default the whole plan), NO_PROFILE (set: no profiled steps), TINY (set: the tiny models, a smoke run on
+# a CPU), WHEELS (default .whl). Writes OUT/env.txt, OUT/pytest_gpu.txt (each test's outcome as it ends, then the failures' reasons),
 # OUT/levers_log.txt and OUT/levers/ (bench.md, levers.jsonl, profiles.md): six files, within what a device call
 # brings back. launch/gpu_check.sh is the longer, whole check.
 set -uo pipefail
@@ -34,7 +35,9 @@ python3 -c "import ot_dist.config.schema, ot_dist.bench.run, ot_dist.train.train
 
 failed=0
 if [ "${PYTEST_BUDGET:-150}" != 0 ]; then
-    timeout "${PYTEST_BUDGET:-150}" python3 -m pytest -v -rfE -m gpu -p no:cacheprovider tests 2>&1 \
+    workers=${PYTEST_WORKERS:-4}
+    [ "$workers" = 0 ] && parallel=() || parallel=(-n "$workers")
+    timeout "${PYTEST_BUDGET:-150}" python3 -m pytest -v -rfE -m gpu -p no:cacheprovider "${parallel[@]}" tests 2>&1 \
         | tee "$out/pytest_gpu.txt" | grep -E "(PASSED|FAILED|ERROR|SKIPPED)( |$)|^(FAILED|ERROR) | passed| failed"
     [ "${PIPESTATUS[0]}" -eq 0 ] || failed=1
 fi
