@@ -1016,6 +1016,13 @@ class TrainConfig(Section):
         "device only for its own forward (with data.cache_text / cache_latents they are not used while training). "
         "Ideogram 4's unconditional transformer, which only samples, waits there too.",
     )
+    share_frozen_cpu_weights: bool = Field(
+        default=True,
+        description="With several ranks on a node, the frozen weights that stay in CPU memory (the streamed blocks of "
+        "<denoiser>.offload_fraction, the components of offload_frozen_components) are held once per node in /dev/shm "
+        "instead of once per rank, page-locked on GPUs. Results are unchanged; a node whose /dev/shm cannot hold them "
+        "keeps a copy per rank, said in the log. false: a copy per rank.",
+    )
     trained_weight_dtype: Literal["float32", "bfloat16"] = Field(
         default="float32",
         description="Storage dtype of the trained weights. float32: master weights, the exact default. bfloat16: "

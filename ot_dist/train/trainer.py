@@ -24,6 +24,7 @@ from ot_dist.data.video import check_clip_settings
 from ot_dist.data.training_data import open_training_data, report_lines, training_captions
 from ot_dist.memory.block_streaming import connect_trained_streaming, denoiser_streamed_blocks, streamed_bytes_of
 from ot_dist.memory.heap import freeze_long_lived_objects
+from ot_dist.memory.node_shared import NodeSharing, share_frozen_cpu_weights
 from ot_dist.memory.placement import place_component, store_component
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
 from ot_dist.methods.base import ParamGroup, TrainingMethod
@@ -155,6 +156,10 @@ class Trainer:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
         self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
         self._apply_performance()  # after that copy (samples run the plain modules), before wrapping
+        self.node_sharing = NodeSharing()  # after the last change of the CPU weights' layout (channels_last)
+        if config.share_frozen_cpu_weights and self.runtime.distributed:
+            self.node_sharing = share_frozen_cpu_weights([m for _, m in self.model.named_components()],
+                                                         pin=self.device.type == "cuda", log=self.log)
         self.strategy = build_strategy(config, self.runtime)
         self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups, seed=config.seed)
