@@ -115,7 +115,7 @@ def test_samples_use_the_embeddings_and_diffusers_refuses_the_bundled_file(lora_
     load_lora_weights refuses the kohya file with bundle_emb keys (why bundling is off by default): loaded here
     from a copy without them."""
     from safetensors.torch import save_file
-    from test_sampling import diffusers_pipeline, draw, pixels
+    from test_sampling import assert_same_image, diffusers_pipeline, draw, pixels
 
     _, result, out, _, _ = lora_run
     (sample,) = (out / "samples" / f"step-{result.steps}").glob("*.png")
@@ -129,7 +129,7 @@ def test_samples_use_the_embeddings_and_diffusers_refuses_the_bundled_file(lora_
     pipe.unet.eval()
     for name in ("tok", "old"):
         pipe.load_textual_inversion(out / "embeddings" / f"{name}.safetensors")
-    assert np.array_equal(pixels(sample), draw(pipe, SAMPLE))
+    assert_same_image(pixels(sample), draw(pipe, SAMPLE))
 
 
 def test_the_samples_read_the_trained_vectors(lora_run):

@@ -65,8 +65,9 @@ def test_two_ranks_of_a_node_hold_one_copy_and_train_as_before(tiny_models, shap
 
     cases = {"shared": config("shared", True), "per_rank": config("per_rank", False)}
     (tmp_path / "cases.json").write_text(json.dumps(cases))
+    (tmp_path / "spare").mkdir()
     done = run_ranks(REPO / "tests" / "helpers" / "node_shared_ranks.py", tmp_path / "cases.json",
-                     tmp_path / "result.json", timeout=600)
+                     tmp_path / "result.json", tmp_path / "spare", timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((tmp_path / "result.json").read_text())
 
@@ -76,7 +77,7 @@ def test_two_ranks_of_a_node_hold_one_copy_and_train_as_before(tiny_models, shap
     assert all(r["tensors"] == 8 and r["ranks_on_node"] == 2 for r in synthetic)
     names = [r["filenames"] for r in synthetic]
     assert names[0] == names[1] and len(names[0]) == 1 and names[0][0].startswith(
-        f"{node_shared.SHARED_MEMORY_DIR}/{node_shared.FILE_PREFIX}"), names
+        f"{synthetic[0]['directory']}/{node_shared.FILE_PREFIX}"), names
     assert not any(r["file_left"] for r in synthetic)  # removed once mapped: a crash leaves nothing behind
     assert [r["seen_by_this_rank"] for r in synthetic] == [12345.0, 12345.0]  # one copy of the bytes
     assert all(r["same_output"] for r in synthetic)
@@ -93,7 +94,11 @@ def test_two_ranks_of_a_node_hold_one_copy_and_train_as_before(tiny_models, shap
     assert any("keeps its own copy" in line for line in results["full"][0]["logged"])
 
     shared, per_rank = results["shared"], results["per_rank"]
-    assert shared["tensors"] > 0 and shared["bytes"] > 0 and per_rank["tensors"] == 0
+    print(f"the tiny SDXL LoRA run: {shared['tensors']} tensors, {shared['bytes'] / 2**20:.1f} MiB shared"
+          f"{'; not shared: ' + shared['reason'] if shared['reason'] else ''}")
+    # a container's /dev/shm is 64 MB unless set larger: then the run must say so and train as before
+    assert (shared["tensors"] > 0 and shared["bytes"] > 0) or "GiB free" in shared["reason"], shared["reason"]
+    assert per_rank["tensors"] == 0 and per_rank["reason"] is None
     assert shared["losses"] == per_rank["losses"]
     assert shared["lora"] == per_rank["lora"]
 

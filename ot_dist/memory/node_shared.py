@@ -129,14 +129,24 @@ def free_bytes(directory: str) -> int:
     return stats.f_bavail * stats.f_frsize
 
 
+def headroom(directory: str) -> int:
+    """What the weights leave free: NCCL's intra-node buffers and the loader workers' batches live in /dev/shm too.
+    A quarter of the filesystem, at most 1 GiB. (A Kubernetes memory emptyDir reports its sizeLimit as its size; going
+    past it gets the pod evicted, not an error, hence checking here.)"""
+    stats = os.statvfs(directory)
+    return min(2**30, stats.f_blocks * stats.f_frsize // 4)
+
+
 def write_node_file(directory: str, tensors: list[torch.Tensor], offsets: list[int], size: int
                     ) -> tuple[str | None, str | None]:
     """The node's first rank: a new file holding the tensors' bytes at their offsets. Returns (path, None) or
     (None, why not). The space is reserved before anything is written: a memory filesystem that runs out while a
     mapping is written kills the process (SIGBUS) instead of failing a call."""
-    if free_bytes(directory) < size:
-        return None, (f"{directory} has {free_bytes(directory) / 2**30:.2f} GiB free, {size / 2**30:.2f} GiB are "
-                      "needed (in Kubernetes: a larger emptyDir with medium: Memory at /dev/shm)")
+    free, reserve = free_bytes(directory), headroom(directory)
+    if free - reserve < size:
+        return None, (f"{directory} has {free / 2**30:.2f} GiB free, {size / 2**30:.2f} GiB are needed and "
+                      f"{reserve / 2**30:.2f} GiB left for NCCL and the loader workers (in Kubernetes: a larger "
+                      "emptyDir with medium: Memory at /dev/shm)")
     path = os.path.join(directory, f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # weights: this user's processes only

@@ -1,7 +1,10 @@
 """Under 2 ranks of one node: frozen CPU weights held once per node (ot_dist/memory/node_shared.py); for
 tests/test_node_shared.py. Writes RESULT_JSON from rank 0:
 
-    node_shared_ranks.py CASES_JSON RESULT_JSON
+    node_shared_ranks.py CASES_JSON RESULT_JSON SPARE_DIR
+
+The synthetic cases use /dev/shm where it holds four times their weights (a container's is 64 MB by default), else
+SPARE_DIR: a file there is mapped and shared the same way (its pages are the page cache's).
 
 - "synthetic": 4 streamed blocks of frozen 3200 x 3200 float32 weights (41 MB each: above glibc's largest mmap
   threshold, so a freed private copy goes back to the system at once; one bias NaN): each rank's proportional set
@@ -42,12 +45,12 @@ def streamed_model() -> torch.nn.Module:
     return root
 
 
-def synthetic(rank: int) -> dict:
+def synthetic(rank: int, directory: str) -> dict:
     root = streamed_model()
     x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(1))
     before_output = root(x)
     pss_before = proportional_set_size()
-    sharing = node_shared.share_frozen_cpu_weights([root], pin=False, log=print)
+    sharing = node_shared.share_frozen_cpu_weights([root], pin=False, log=print, directory=directory)
     pss_after = proportional_set_size()
     filenames = [p.untyped_storage().filename for p in root.parameters()]
     same_output = torch.allclose(root(x), before_output, rtol=0, atol=0, equal_nan=True)
@@ -60,29 +63,29 @@ def synthetic(rank: int) -> dict:
     return {"pss_before": pss_before, "pss_after": pss_after, "bytes": sharing.bytes, "tensors": sharing.tensors,
             "ranks_on_node": sharing.ranks_on_node, "filenames": sorted(set(map(str, filenames))),
             "file_left": any(f and os.path.exists(f) for f in filenames), "seen_by_this_rank": seen,
-            "same_output": same_output}
+            "same_output": same_output, "directory": directory}
 
 
-def differs(rank: int) -> dict:
+def differs(rank: int, directory: str) -> dict:
     root = streamed_model()
     if rank == 1:
         with torch.no_grad():
             root[2].weight[5, 5] += 1.0
     try:
-        node_shared.share_frozen_cpu_weights([root], pin=False, log=print)
+        node_shared.share_frozen_cpu_weights([root], pin=False, log=print, directory=directory)
         return {"error": None}
     except RuntimeError as error:
         return {"error": str(error)}
 
 
-def full(rank: int) -> dict:
+def full(rank: int, directory: str) -> dict:
     root = streamed_model()
     node_shared.free_bytes = lambda directory: 0
     logged = []
-    sharing = node_shared.share_frozen_cpu_weights([root], pin=False, log=logged.append)
+    sharing = node_shared.share_frozen_cpu_weights([root], pin=False, log=logged.append, directory=directory)
     return {"reason": sharing.reason, "logged": logged, "tensors": sharing.tensors,
             "shared": [p.untyped_storage().filename for p in root.parameters() if p.untyped_storage().filename],
-            "files_left": [f for f in os.listdir(node_shared.SHARED_MEMORY_DIR)
+            "files_left": [f for f in os.listdir(directory)
                            if f.startswith(node_shared.FILE_PREFIX) and f.split("-")[2] == str(os.getpid())]}
 
 
@@ -95,16 +98,20 @@ def gathered(value) -> list:
 if __name__ == "__main__":
     cases = json.loads(open(sys.argv[1]).read())
     runtime = start_runtime(5, needs_group=True)
-    results = {"synthetic": gathered(synthetic(runtime.rank)), "differs": gathered(differs(runtime.rank))}
+    weights = 4 * (WIDTH * WIDTH + WIDTH) * 4
+    shm = node_shared.SHARED_MEMORY_DIR
+    directory = shm if os.path.isdir(shm) and node_shared.free_bytes(shm) >= 4 * weights else sys.argv[3]
+    results = {"synthetic": gathered(synthetic(runtime.rank, directory)),
+               "differs": gathered(differs(runtime.rank, directory))}
     free_bytes = node_shared.free_bytes
-    results["full"] = gathered(full(runtime.rank))
+    results["full"] = gathered(full(runtime.rank, directory))
     node_shared.free_bytes = free_bytes
     for name, raw in cases.items():
         trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
         sharing = trainer.node_sharing
         losses = trainer.train().losses
         trainer.close()
-        results[name] = {"losses": losses, "tensors": sharing.tensors, "bytes": sharing.bytes}
+        results[name] = {"losses": losses, "tensors": sharing.tensors, "bytes": sharing.bytes, "reason": sharing.reason}
         if runtime.rank == 0:
             results[name]["lora"] = {k: v.float().flatten().tolist()
                                      for k, v in load_file(f"{raw['output_dir']}/lora.safetensors").items()}
