@@ -913,6 +913,13 @@ class DistributedConfig(Section):
     timeout_minutes: float = Field(
         default=30, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails."
     )
+    load_ranks_per_node: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        default="auto",
+        description="How many ranks of a node read the model into CPU memory (float32) and place it at the same "
+        "time; the others wait their turn. auto: as many as the node's available memory (MemAvailable, or the "
+        "container's cgroup limit) holds, from the float32 size of model.path's safetensors files. Each turn waits "
+        "within distributed.timeout_minutes.",
+    )
 
 
 class MlflowConfig(Section):

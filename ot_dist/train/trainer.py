@@ -25,6 +25,7 @@ from ot_dist.data.training_data import open_training_data, report_lines, trainin
 from ot_dist.memory.block_streaming import connect_trained_streaming, denoiser_streamed_blocks, streamed_bytes_of
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.node_shared import NodeSharing, share_frozen_cpu_weights
+from ot_dist.parallel.load_turns import load_turn
 from ot_dist.memory.placement import place_component, store_component
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
 from ot_dist.methods.base import ParamGroup, TrainingMethod
@@ -141,14 +142,16 @@ class Trainer:
                                             self.runtime.world_size)  # loss.scaler's factor (1: off)
         self.total_steps = self.plan.total_steps
         self.validation = ValidationLoss(config, self.reader.table, self.runtime, self.log)
-        self.model: LoadedModel = load_model(config.model)
-        timestep_bounds(config.loss, self.model.objective.num_timesteps)  # fails before training
-        check_inpainting_setup(config, self.model)
-        self.method: TrainingMethod = build_method(config)
-        self.groups: list[ParamGroup] = self.method.prepare(self.model)
-        # preserve_embedding_norm's targets, from the whole token tables (before any strategy shards them)
-        norm_vectors = trained_vectors(self.model) if config.preserve_embedding_norm else []
-        self._place_modules()
+        # the ranks of a node load (float32, in CPU memory) and place the model a few at a time: the node's peak
+        with load_turn(config.distributed.load_ranks_per_node, config.model.path, self.runtime.local_rank, self.log):
+            self.model: LoadedModel = load_model(config.model)
+            timestep_bounds(config.loss, self.model.objective.num_timesteps)  # fails before training
+            check_inpainting_setup(config, self.model)
+            self.method: TrainingMethod = build_method(config)
+            self.groups: list[ParamGroup] = self.method.prepare(self.model)
+            # preserve_embedding_norm's targets, from the whole token tables (before any strategy shards them)
+            norm_vectors = trained_vectors(self.model) if config.preserve_embedding_norm else []
+            self._place_modules()
         if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log,
                                 workers=config.data.loader_workers, posterior=self.model.family.encode_posterior)

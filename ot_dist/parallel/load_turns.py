@@ -1,0 +1,117 @@
+"""The ranks of a node load the model a few at a time (`distributed.load_ranks_per_node`).
+
+Every rank reads the whole model into CPU memory in float32 (the trained weights' masters are made from it) before
+placing it: Flux.1 dev with its T5-XXL is ~68 GB a rank, so 4 ranks on a 128 GB workstation or 8 on a 512 GB node
+ran out of memory before the first step. What a rank keeps afterwards is small (its device holds the model; the
+frozen weights that stay in CPU memory are held once per node, memory/node_shared.py), so loading in turns bounds
+the node's peak at what the ranks loading at once read. kohya sd-scripts loads one process at a time the same way.
+
+`auto` lets as many ranks load at once as the node's available memory holds (the machine's MemAvailable, and the
+container's cgroup limit where one is set, whichever is less), from the float32 size of the model's safetensors
+files; the ranks agree on the smallest count any of them computed. Turns are barriers every rank passes the same
+number of times, so a rank never waits on a collective that another rank does not make."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import struct
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch.distributed as dist
+
+MEMORY_SHARE = 0.9  # of the available memory the loads may take (the loader workers, the page cache need some)
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def float32_bytes_of(path: str | Path) -> int:
+    """What loading `path` (a diffusers folder, or one .safetensors file) in float32 takes: the floating tensors of
+    its safetensors files at 4 bytes each, the rest as stored. Read from the files' headers alone."""
+    path = Path(path)
+    files = [path] if path.is_file() else sorted(path.rglob("*.safetensors"))
+    return sum(_float32_bytes_in(file) for file in files)
+
+
+def _float32_bytes_in(file: Path) -> int:
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(file.stat().st_size, 100 * 2**20):  # safetensors caps its header at 100 MB
+                return 0
+            header = json.loads(f.read(length))
+    except (OSError, ValueError, struct.error):
+        return 0  # not readable as safetensors: the loader names it
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        total += math.prod(entry["shape"]) * 4 if entry["dtype"] in FLOAT_DTYPES else end - start
+    return total
+
+
+def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this node can still give: MemAvailable, or less where a cgroup (v2 memory.max, v1
+    memory.limit_in_bytes) limits the container. None where neither can be read."""
+    found = []
+    try:
+        with open(meminfo) as f:
+            found += [int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")]
+    except OSError:
+        pass
+    for limit_name, usage_name in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(cgroup, limit_name).read_text().strip()
+            usage = int(Path(cgroup, usage_name).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max", or v1's huge number: no limit
+            found.append(max(int(limit) - usage, 0))
+        break
+    return min(found) if found else None
+
+
+def ranks_at_once(load_bytes: int, available: int | None, ranks_on_node: int) -> int:
+    """How many ranks of a node may load together: all where the memory is unknown or the model size is."""
+    if available is None or load_bytes <= 0:
+        return ranks_on_node
+    return max(1, min(ranks_on_node, int(available * MEMORY_SHARE // load_bytes)))
+
+
+def ranks_on_this_node(world_size: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE (a launch without it: every rank on one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+@contextlib.contextmanager
+def load_turn(setting: int | str, model_path: str, local_rank: int, log: Callable[[str], None] = print) -> Iterator[None]:
+    """Run the body (loading and placing the model) in this rank's turn. Every rank of the group enters it."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    on_node = ranks_on_this_node(dist.get_world_size())
+    if setting == "auto":
+        load_bytes = float32_bytes_of(model_path)
+        available = available_memory()
+        mine = (ranks_at_once(load_bytes, available, on_node), on_node, load_bytes, available)
+    else:
+        mine = (min(int(setting), on_node), on_node, None, None)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    at_once = min(entry[0] for entry in everyone)  # one count for all: the turns below are collectives
+    turns = math.ceil(max(entry[1] for entry in everyone) / at_once)
+    if turns > 1:
+        where = "" if setting != "auto" else (
+            f" ({mine[2] / 2**30:.1f} GiB a rank in float32, {mine[3] / 2**30:.1f} GiB available on this node)"
+            if mine[3] is not None else "")
+        log(f"loading: {at_once} of the {on_node} ranks of a node at a time, {turns} turns{where}")
+    turn = local_rank // at_once
+    for _ in range(turn):
+        dist.barrier()
+    yield
+    for _ in range(turn, turns):
+        dist.barrier()

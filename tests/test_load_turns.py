@@ -1,0 +1,87 @@
+"""`distributed.load_ranks_per_node` (ot_dist/parallel/load_turns.py): the ranks of a node load the model a few at a
+time, as many as the node's memory holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from conftest import base_config
+from forked_ranks import run_ranks
+from safetensors.torch import save_file
+
+from ot_dist.config.load import validate
+from ot_dist.parallel import load_turns
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_float32_size_of_a_model_comes_from_its_files_headers(tmp_path):
+    (tmp_path / "transformer").mkdir()
+    save_file({"w": torch.zeros(10, 10, dtype=torch.bfloat16), "ids": torch.zeros(3, dtype=torch.int64)},
+              tmp_path / "transformer" / "diffusion_pytorch_model.safetensors")
+    save_file({"v": torch.zeros(4, 4)}, tmp_path / "vae.safetensors")
+    (tmp_path / "notes.safetensors").write_bytes(b"not a safetensors file")  # the loader names it, not this
+    assert load_turns.float32_bytes_of(tmp_path) == 100 * 4 + 3 * 8 + 16 * 4
+    assert load_turns.float32_bytes_of(tmp_path / "vae.safetensors") == 16 * 4
+
+
+def test_available_memory_is_the_lesser_of_the_machine_and_the_container(tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       131072000 kB\nMemAvailable:   100000000 kB\n")
+    cgroup = tmp_path / "cgroup"
+    cgroup.mkdir()
+    assert load_turns.available_memory(str(meminfo), str(cgroup)) == 100000000 * 1024
+    (cgroup / "memory.max").write_text("max\n")
+    (cgroup / "memory.current").write_text("1000\n")
+    assert load_turns.available_memory(str(meminfo), str(cgroup)) == 100000000 * 1024  # no limit
+    (cgroup / "memory.max").write_text(f"{64 * 2**30}\n")
+    assert load_turns.available_memory(str(meminfo), str(cgroup)) == 64 * 2**30 - 1000
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{32 * 2**30}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{2 * 2**30}\n")
+    assert load_turns.available_memory(str(tmp_path / "none"), str(v1)) == 30 * 2**30
+    assert load_turns.available_memory(str(tmp_path / "none"), str(tmp_path / "none")) is None
+
+
+def test_as_many_ranks_load_at_once_as_the_memory_holds():
+    flux = 68 * 2**30  # Flux.1 dev with its text encoders and VAE, in float32
+    assert load_turns.ranks_at_once(flux, 128 * 2**30, 4) == 1  # a 4-GPU workstation
+    assert load_turns.ranks_at_once(flux, 512 * 2**30, 8) == 6
+    assert load_turns.ranks_at_once(flux, 2048 * 2**30, 8) == 8
+    assert load_turns.ranks_at_once(flux, 10 * 2**30, 8) == 1  # never none
+    assert load_turns.ranks_at_once(flux, None, 8) == 8 and load_turns.ranks_at_once(0, 2**30, 8) == 8
+
+
+def test_the_setting_is_a_count_or_auto(tiny_models, shapes_data, tmp_path):
+    from ot_dist.errors import ConfigError
+
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path)
+    assert validate(raw).distributed.load_ranks_per_node == "auto"
+    assert validate({**raw, "distributed": {"load_ranks_per_node": 2}}).distributed.load_ranks_per_node == 2
+    for wrong in (0, "some"):
+        try:
+            validate({**raw, "distributed": {"load_ranks_per_node": wrong}})
+        except ConfigError as error:
+            assert "load_ranks_per_node" in str(error)
+        else:
+            raise AssertionError(f"{wrong!r} was accepted")
+
+
+def test_two_ranks_load_in_turns(tiny_models, shapes_data, tmp_path):
+    raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "run", method="lora", strategy="ddp", max_steps=1,
+                      **{"distributed.load_ranks_per_node": 1})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    done = run_ranks(REPO / "tests" / "helpers" / "load_turn_ranks.py", tmp_path / "config.json",
+                     tmp_path / "result.json", timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    results = json.loads((tmp_path / "result.json").read_text())
+    (a, b), (c, d) = results["one"]
+    assert b <= c, results["one"]  # rank 1 started after rank 0 had finished
+    (a, b), (c, d) = results["two"]
+    assert c < b and a < d, results["two"]  # together
+    (a, b), (c, d) = results["trainer"]["windows"]
+    assert b <= c, results["trainer"]["windows"]  # load_model to the end of placing: rank 0's, then rank 1's
+    assert "loading: 1 of the 2 ranks of a node at a time, 2 turns" in results["trainer"]["logged"]
