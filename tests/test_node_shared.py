@@ -125,3 +125,25 @@ def test_a_page_locked_mapping_is_copied_from_in_place(tmp_path):
         assert view.data_ptr() == address and torch.equal(copy.cpu(), weight)
     finally:
         torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+
+
+def test_files_of_ranks_that_died_while_writing_them_are_removed(tmp_path):
+    """A node's first rank killed between creating its file and removing it leaves the file, and its memory, in
+    /dev/shm; the next run's first rank removes the files of processes that no longer exist, and no other."""
+    import os
+    import subprocess
+    import sys
+
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(finished.stdout)
+    stale = tmp_path / f"{node_shared.FILE_PREFIX}{dead}-0123abcd"
+    live = tmp_path / f"{node_shared.FILE_PREFIX}{os.getpid()}-4567ef01"
+    other = tmp_path / "another-programs-file"
+    for path in (stale, live, other):
+        path.write_bytes(b"x")
+    logged = []
+    tensor = torch.arange(16, dtype=torch.float32)
+    path, why = node_shared.write_node_file(str(tmp_path), [tensor], [0], 64, log=logged.append)
+    assert why is None and not stale.exists() and live.exists() and other.exists()
+    assert logged and stale.name in logged[0]
+    node_shared.remove(path)

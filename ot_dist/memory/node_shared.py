@@ -137,11 +137,34 @@ def headroom(directory: str) -> int:
     return min(2**30, stats.f_blocks * stats.f_frsize // 4)
 
 
-def write_node_file(directory: str, tensors: list[torch.Tensor], offsets: list[int], size: int
-                    ) -> tuple[str | None, str | None]:
+def remove_stale_files(directory: str) -> list[str]:
+    """Files a node's first rank made and did not live to remove (killed while writing: by the OOM killer, say): a
+    memory filesystem keeps them, and their memory, until the machine restarts. Their names carry the creator's
+    pid; those of processes that no longer exist are removed. Returns their names."""
+    removed = []
+    for name in os.listdir(directory):
+        if not name.startswith(FILE_PREFIX):
+            continue
+        try:
+            pid = int(name[len(FILE_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:  # no such process: its file is stale
+            remove(os.path.join(directory, name))
+            removed.append(name)
+        except (ValueError, PermissionError):  # not our name, or another user's live process
+            continue
+    return removed
+
+
+def write_node_file(directory: str, tensors: list[torch.Tensor], offsets: list[int], size: int,
+                    log: Callable[[str], None] = print) -> tuple[str | None, str | None]:
     """The node's first rank: a new file holding the tensors' bytes at their offsets. Returns (path, None) or
     (None, why not). The space is reserved before anything is written: a memory filesystem that runs out while a
     mapping is written kills the process (SIGBUS) instead of failing a call."""
+    stale = remove_stale_files(directory)
+    if stale:
+        log(f"share_frozen_cpu_weights: removed {len(stale)} file(s) of ranks that died while writing them: "
+            f"{', '.join(stale)}")
     free, reserve = free_bytes(directory), headroom(directory)
     if free - reserve < size:
         return None, (f"{directory} has {free / 2**30:.2f} GiB free, {size / 2**30:.2f} GiB are needed and "
@@ -197,7 +220,7 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
     result.ranks_on_node = max(len(node), 1)
     leader = node[0] if len(node) > 1 else None
 
-    path, why = (write_node_file(directory, tensors, offsets, size) if rank == leader else (None, None))
+    path, why = write_node_file(directory, tensors, offsets, size, log) if rank == leader else (None, None)
     leaders_files = gather((path, why))
     storage = None
     if leader is not None:
