@@ -23,7 +23,12 @@ def test_the_float32_size_of_a_model_comes_from_its_files_headers(tmp_path):
               tmp_path / "transformer" / "diffusion_pytorch_model.safetensors")
     save_file({"v": torch.zeros(4, 4)}, tmp_path / "vae.safetensors")
     (tmp_path / "notes.safetensors").write_bytes(b"not a safetensors file")  # the loader names it, not this
-    assert load_turns.float32_bytes_of(tmp_path) == 100 * 4 + 3 * 8 + 16 * 4
+    # a variant beside the plain weights is not read; one alone (a folder shipped in fp16 only) is
+    save_file({"w": torch.zeros(10, 10, dtype=torch.float16)},
+              tmp_path / "transformer" / "diffusion_pytorch_model.fp16.safetensors")
+    (tmp_path / "text_encoder").mkdir()
+    save_file({"e": torch.zeros(5, dtype=torch.float16)}, tmp_path / "text_encoder" / "model.fp16-00001-of-00001.safetensors")
+    assert load_turns.float32_bytes_of(tmp_path) == 100 * 4 + 3 * 8 + 16 * 4 + 5 * 4
     assert load_turns.float32_bytes_of(tmp_path / "vae.safetensors") == 16 * 4
 
 

@@ -31,8 +31,21 @@ def float32_bytes_of(path: str | Path) -> int:
     """What loading `path` (a diffusers folder, or one .safetensors file) in float32 takes: the floating tensors of
     its safetensors files at 4 bytes each, the rest as stored. Read from the files' headers alone."""
     path = Path(path)
-    files = [path] if path.is_file() else sorted(path.rglob("*.safetensors"))
+    files = [path] if path.is_file() else loaded_files(sorted(path.rglob("*.safetensors")))
     return sum(_float32_bytes_in(file) for file in files)
+
+
+VARIANTS = (".fp16", ".bf16", ".fp32", ".fp8")
+
+
+def loaded_files(files: list[Path]) -> list[Path]:
+    """The files a load reads: a variant (diffusion_pytorch_model.fp16.safetensors, its shards
+    ...fp16-00001-of-00002...) only where its folder has no plain weights, since ot_dist asks for no variant."""
+    def variant(file: Path) -> bool:
+        return any(tag + "." in file.name or tag + "-" in file.name for tag in VARIANTS)
+
+    plain_folders = {file.parent for file in files if not variant(file)}
+    return [file for file in files if not variant(file) or file.parent not in plain_folders]
 
 
 def _float32_bytes_in(file: Path) -> int:
