@@ -27,7 +27,8 @@ def test_the_float32_size_of_a_model_comes_from_its_files_headers(tmp_path):
     save_file({"w": torch.zeros(10, 10, dtype=torch.float16)},
               tmp_path / "transformer" / "diffusion_pytorch_model.fp16.safetensors")
     (tmp_path / "text_encoder").mkdir()
-    save_file({"e": torch.zeros(5, dtype=torch.float16)}, tmp_path / "text_encoder" / "model.fp16-00001-of-00001.safetensors")
+    save_file({"e": torch.zeros(5, dtype=torch.float16)},
+              tmp_path / "text_encoder" / "model.fp16-00001-of-00001.safetensors")
     assert load_turns.float32_bytes_of(tmp_path) == 100 * 4 + 3 * 8 + 16 * 4 + 5 * 4
     assert load_turns.float32_bytes_of(tmp_path / "vae.safetensors") == 16 * 4
 
