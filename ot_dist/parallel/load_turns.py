@@ -101,7 +101,8 @@ def ranks_on_this_node(world_size: int) -> int:
 
 
 @contextlib.contextmanager
-def load_turn(setting: int | str, model_path: str, local_rank: int, log: Callable[[str], None] = print) -> Iterator[None]:
+def load_turn(setting: int | str, model_path: str, local_rank: int,
+              log: Callable[[str], None] = print) -> Iterator[None]:
     """Run the body (loading and placing the model) in this rank's turn. Every rank of the group enters it."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield

@@ -8,8 +8,8 @@ SPARE_DIR: a file there is mapped and shared the same way (its pages are the pag
 
 - "synthetic": 4 streamed blocks of frozen 3200 x 3200 float32 weights (41 MB each: above glibc's largest mmap
   threshold, so a freed private copy goes back to the system at once; one bias NaN): each rank's proportional set
-  size (Pss) before and after sharing, the node file's name on each rank and whether it still exists, a value rank 0 wrote into a shared
-  weight as rank 1 reads it, and whether the blocks compute the same after.
+  size (Pss) before and after sharing, the node file's name on each rank and whether it still exists, a value rank 0
+  wrote into a shared weight as rank 1 reads it, and whether the blocks compute the same after.
 - "differs": rank 1's copy of one weight differs: every rank's error.
 - "full": the memory filesystem has no room: the reason, and whether any weight left its private memory.
 - each case of CASES_JSON (a raw config): the losses and the LoRA of a training run, and what was shared."""
