@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.memory.offload import Visitor
+from ot_dist.parallel.runtime import gather_objects
 
 SHARED_MEMORY_DIR = "/dev/shm"
 ALIGNMENT = 64  # bytes: each tensor starts where CPU kernels (oneDNN / MKL) and copies like it, as placement aligns
@@ -215,13 +216,13 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
         return result
     rank = dist.get_rank()
     key = node_key(directory) if size else None
-    everyone = gather((key, signature(tensors), size))
+    everyone = gather_objects((key, signature(tensors), size))
     node = [r for r, (k, sig, _) in enumerate(everyone) if key is not None and k == key and sig == everyone[rank][1]]
     result.ranks_on_node = max(len(node), 1)
     leader = node[0] if len(node) > 1 else None
 
     path, why = write_node_file(directory, tensors, offsets, size, log) if rank == leader else (None, None)
-    leaders_files = gather((path, why))
+    leaders_files = gather_objects((path, why))
     storage = None
     if leader is not None:
         path, why = leaders_files[leader]
@@ -234,7 +235,7 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
     if storage is not None:  # bytes, not values: NaN weights compare equal to themselves
         differing = next((name for (table, name), tensor, offset in zip(entries, tensors, offsets)
                           if not torch.equal(bytes_in(storage, offset, nbytes(tensor)), bytes_of(tensor))), None)
-    outcomes = gather((storage is not None, why, differing))  # every rank has mapped the file, or has failed to
+    outcomes = gather_objects((storage is not None, why, differing))  # each rank has mapped the file or failed to
     if rank == leader:
         remove(path)  # the mappings keep the pages; the name is gone, so no crash can leave it behind
     mismatch = [(r, d) for r, (_, _, d) in enumerate(outcomes) if d is not None]
@@ -261,10 +262,3 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
             f"once for the {len(node)} ranks on this node{', page-locked' if pin else ''}"
             + (f"; {skipped} stay per rank (tensor subclasses or layouts without a dense view)" if skipped else ""))
     return result
-
-
-def gather(value) -> list:
-    """Every rank's `value` (small Python objects), by rank."""
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values

@@ -23,6 +23,8 @@ from typing import Callable, Iterator
 
 import torch.distributed as dist
 
+from ot_dist.parallel.runtime import gather_objects
+
 MEMORY_SHARE = 0.9  # of the available memory the loads may take (the loader workers, the page cache need some)
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
@@ -114,8 +116,7 @@ def load_turn(setting: int | str, model_path: str, local_rank: int,
         mine = (ranks_at_once(load_bytes, available, on_node), on_node, load_bytes, available)
     else:
         mine = (min(int(setting), on_node), on_node, None, None)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = gather_objects(mine)
     at_once = min(entry[0] for entry in everyone)  # one count for all: the turns below are collectives
     turns = math.ceil(max(entry[1] for entry in everyone) / at_once)
     if turns > 1:

@@ -54,6 +54,13 @@ class Runtime:
             dist.destroy_process_group()
 
 
+def gather_objects(value) -> list:
+    """Every rank's `value` (small Python objects), by rank; every rank of the default group calls it."""
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 # Whether this process ever started a process group (see exit_process).
 _group_started = False
 

@@ -11,11 +11,10 @@ import json
 import sys
 import time
 
-import torch.distributed as dist
 
 from ot_dist.config.load import validate
 from ot_dist.parallel.load_turns import load_turn
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import gather_objects, start_runtime
 from ot_dist.train import trainer as trainer_module
 
 
@@ -27,16 +26,10 @@ def window(setting, rank: int) -> tuple[float, float]:
     return start, end
 
 
-def gathered(value) -> list:
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
 if __name__ == "__main__":
     raw = json.loads(open(sys.argv[1]).read())
     runtime = start_runtime(5, needs_group=True)
-    results = {"one": gathered(window(1, runtime.local_rank)), "two": gathered(window(2, runtime.local_rank))}
+    results = {"one": gather_objects(window(1, runtime.local_rank)), "two": gather_objects(window(2, runtime.local_rank))}
     times = {}
     load_model, place = trainer_module.load_model, trainer_module.Trainer._place_modules
 
@@ -53,7 +46,7 @@ if __name__ == "__main__":
     logged = []
     trainer = trainer_module.Trainer(validate(raw), runtime=runtime, log=logged.append)
     trainer.close()
-    results["trainer"] = {"windows": gathered((times["start"], times["end"])), "logged": logged}
+    results["trainer"] = {"windows": gather_objects((times["start"], times["end"])), "logged": logged}
     if runtime.rank == 0:
         with open(sys.argv[2], "w") as f:
             json.dump(results, f)

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from ot_dist.config.load import validate
 from ot_dist.memory import node_shared
 from ot_dist.memory.block_streaming import stream_blocks
-from ot_dist.parallel.runtime import start_runtime
+from ot_dist.parallel.runtime import gather_objects, start_runtime
 from ot_dist.train.trainer import Trainer
 
 WIDTH = 3200
@@ -89,22 +89,16 @@ def full(rank: int, directory: str) -> dict:
                            if f.startswith(node_shared.FILE_PREFIX) and f.split("-")[2] == str(os.getpid())]}
 
 
-def gathered(value) -> list:
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
-
-
 if __name__ == "__main__":
     cases = json.loads(open(sys.argv[1]).read())
     runtime = start_runtime(5, needs_group=True)
     weights = 4 * (WIDTH * WIDTH + WIDTH) * 4
     shm = node_shared.SHARED_MEMORY_DIR
     directory = shm if os.path.isdir(shm) and node_shared.free_bytes(shm) >= 4 * weights else sys.argv[3]
-    results = {"synthetic": gathered(synthetic(runtime.rank, directory)),
-               "differs": gathered(differs(runtime.rank, directory))}
+    results = {"synthetic": gather_objects(synthetic(runtime.rank, directory)),
+               "differs": gather_objects(differs(runtime.rank, directory))}
     free_bytes = node_shared.free_bytes
-    results["full"] = gathered(full(runtime.rank, directory))
+    results["full"] = gather_objects(full(runtime.rank, directory))
     node_shared.free_bytes = free_bytes
     for name, raw in cases.items():
         trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
