@@ -73,6 +73,16 @@ def frozen_cpu_entries(modules: Iterable[torch.nn.Module]) -> tuple[list[tuple[d
     return entries, skipped
 
 
+def qualified_names(modules: Iterable[torch.nn.Module], entries: list[tuple[dict, str]]) -> list[str]:
+    """Each entry's name as its component's state dict has it (what an error names)."""
+    owners = {}
+    for root in modules:
+        for prefix, module in root.named_modules():
+            for table in (module._parameters, module._buffers):
+                owners.setdefault(id(table), prefix)
+    return [f"{owners.get(id(table), '?')}.{name}".lstrip(".") for table, name in entries]
+
+
 def dense(tensor: torch.Tensor) -> bool:
     """Whether the tensor's elements fill exactly numel() places of memory in some order (contiguous, channels_last),
     so a view with its strides over a run of numel() elements holds it."""
@@ -208,6 +218,7 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
                              directory: str = SHARED_MEMORY_DIR) -> NodeSharing:
     """Make each frozen CPU tensor the visitors of `modules` carry a view of one mapping per node. Every rank of the
     process group calls this at the same point. `pin`: page-lock the mapping (CUDA)."""
+    modules = list(modules)
     entries, skipped = frozen_cpu_entries(modules)
     tensors = [table[name] for table, name in entries]
     offsets, size = layout(tensors)
@@ -233,16 +244,17 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
                 why = f"{path} could not be mapped on rank {rank}: {err}"
     differing = None
     if storage is not None:  # bytes, not values: NaN weights compare equal to themselves
-        differing = next((name for (table, name), tensor, offset in zip(entries, tensors, offsets)
-                          if not torch.equal(bytes_in(storage, offset, nbytes(tensor)), bytes_of(tensor))), None)
+        index = next((i for i, (tensor, offset) in enumerate(zip(tensors, offsets))
+                      if not torch.equal(bytes_in(storage, offset, nbytes(tensor)), bytes_of(tensor))), None)
+        differing = None if index is None else qualified_names(modules, entries)[index]
     outcomes = gather_objects((storage is not None, why, differing))  # each rank has mapped the file or failed to
     if rank == leader:
         remove(path)  # the mappings keep the pages; the name is gone, so no crash can leave it behind
     mismatch = [(r, d) for r, (_, _, d) in enumerate(outcomes) if d is not None]
     if mismatch:
         r, name = mismatch[0]
-        raise RuntimeError(f"share_frozen_cpu_weights: rank {r}'s frozen weight {name!r} differs from rank {leader}'s "
-                           "on the same node: the ranks did not load the same model")
+        raise RuntimeError(f"share_frozen_cpu_weights: rank {r}'s frozen weight {name!r} differs from the one its "
+                           "node's first rank loaded: the ranks did not load the same model")
     if storage is None:
         if leader is not None:
             result.reason = why or next((w for _, w, _ in outcomes if w), "the node's file was not mapped")
