@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.memory.offload import Visitor
+from ot_dist.memory.placement import CPU_KERNEL_ALIGNMENT as ALIGNMENT  # CPU kernels' (oneDNN / MKL) alignment
 from ot_dist.parallel.runtime import gather_objects
 
 SHARED_MEMORY_DIR = "/dev/shm"
-ALIGNMENT = 64  # bytes: each tensor starts where CPU kernels (oneDNN / MKL) and copies like it, as placement aligns
 FILE_PREFIX = "ot_dist-frozen-"
 
 
@@ -96,7 +96,7 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     for tensor in tensors:
         end = -(-end // ALIGNMENT) * ALIGNMENT
         offsets.append(end)
-        end += nbytes(tensor)
+        end += tensor.nbytes
     return offsets, end
 
 
@@ -113,17 +113,13 @@ def view_in(storage: torch.UntypedStorage, offset: int, like: torch.Tensor) -> t
     return torch.empty(0, dtype=like.dtype).set_(storage, offset // like.element_size(), like.shape, like.stride())
 
 
-def nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def bytes_in(storage: torch.UntypedStorage, offset: int, count: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(storage, offset, (count,))
 
 
 def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A dense tensor's bytes, in memory order."""
-    return bytes_in(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), nbytes(tensor))
+    return bytes_in(tensor.untyped_storage(), tensor.storage_offset() * tensor.element_size(), tensor.nbytes)
 
 
 def node_key(directory: str) -> str | None:
@@ -243,9 +239,9 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
             except (OSError, RuntimeError) as err:
                 why = f"{path} could not be mapped on rank {rank}: {err}"
     differing = None
-    if storage is not None:  # bytes, not values: NaN weights compare equal to themselves
+    if storage is not None and rank != leader:  # the leader wrote them. Bytes, not values: NaN equals itself
         index = next((i for i, (tensor, offset) in enumerate(zip(tensors, offsets))
-                      if not torch.equal(bytes_in(storage, offset, nbytes(tensor)), bytes_of(tensor))), None)
+                      if not torch.equal(bytes_in(storage, offset, tensor.nbytes), bytes_of(tensor))), None)
         differing = None if index is None else qualified_names(modules, entries)[index]
     outcomes = gather_objects((storage is not None, why, differing))  # each rank has mapped the file or failed to
     if rank == leader:

@@ -7,7 +7,6 @@ replicate across nodes, over a 2-D device mesh)."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -17,6 +16,7 @@ from ot_dist.methods.base import kept
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Strategy, scale_to_max_norm
 from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, whole
+from ot_dist.parallel.runtime import ranks_on_this_node
 from ot_dist.precision import DTYPES
 
 
@@ -67,7 +67,7 @@ class FSDPStrategy(Strategy):
         world = self.runtime.world_size
         device_type = self.runtime.device.type
         if self.config.fsdp.sharding == "hybrid_shard":
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+            per_node = ranks_on_this_node(world)
             return init_device_mesh(device_type, (world // per_node, per_node), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(device_type, (world,), mesh_dim_names=("shard",))
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
 import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch.distributed as dist
 
-from ot_dist.parallel.runtime import gather_objects
+from ot_dist.parallel.runtime import gather_objects, ranks_on_this_node
 
 MEMORY_SHARE = 0.9  # of the available memory the loads may take (the loader workers, the page cache need some)
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
@@ -97,11 +96,6 @@ def ranks_at_once(load_bytes: int, available: int | None, ranks_on_node: int) ->
     return max(1, min(ranks_on_node, int(available * MEMORY_SHARE // load_bytes)))
 
 
-def ranks_on_this_node(world_size: int) -> int:
-    """torchrun's LOCAL_WORLD_SIZE (a launch without it: every rank on one node)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
 @contextlib.contextmanager
 def load_turn(setting: int | str, model_path: str, local_rank: int,
               log: Callable[[str], None] = print) -> Iterator[None]:
@@ -120,9 +114,9 @@ def load_turn(setting: int | str, model_path: str, local_rank: int,
     at_once = min(entry[0] for entry in everyone)  # one count for all: the turns below are collectives
     turns = math.ceil(max(entry[1] for entry in everyone) / at_once)
     if turns > 1:
-        where = "" if setting != "auto" else (
-            f" ({mine[2] / 2**30:.1f} GiB a rank in float32, {mine[3] / 2**30:.1f} GiB available on this node)"
-            if mine[3] is not None else "")
+        _, _, load_bytes, available = mine
+        where = (f" ({load_bytes / 2**30:.1f} GiB a rank in float32, {available / 2**30:.1f} GiB available on this "
+                 "node)" if available is not None else "")
         log(f"loading: {at_once} of the {on_node} ranks of a node at a time, {turns} turns{where}")
     turn = local_rank // at_once
     for _ in range(turn):

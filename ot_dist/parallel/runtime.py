@@ -54,6 +54,11 @@ class Runtime:
             dist.destroy_process_group()
 
 
+def ranks_on_this_node(world_size: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE (a launch without it: every rank on one node)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
 def gather_objects(value) -> list:
     """Every rank's `value` (small Python objects), by rank; every rank of the default group calls it."""
     values = [None] * dist.get_world_size()

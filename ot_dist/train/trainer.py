@@ -25,7 +25,6 @@ from ot_dist.data.training_data import open_training_data, report_lines, trainin
 from ot_dist.memory.block_streaming import connect_trained_streaming, denoiser_streamed_blocks, streamed_bytes_of
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.node_shared import NodeSharing, share_frozen_cpu_weights
-from ot_dist.parallel.load_turns import load_turn
 from ot_dist.memory.placement import place_component, store_component
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
 from ot_dist.methods.base import ParamGroup, TrainingMethod
@@ -39,6 +38,7 @@ from ot_dist.optim.registry import SPECS
 from ot_dist.optim.schedule_free import averaged_weights
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
+from ot_dist.parallel.load_turns import load_turn
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import check_storage_on_device, set_tf32
 from ot_dist.train.cuda_allocator import configure_cuda_allocator
