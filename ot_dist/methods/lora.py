@@ -29,6 +29,7 @@ class LoraMethod(TrainingMethod):
         from ot_dist.methods.lora_forward import fuse_up_projections
         from ot_dist.methods.lora_variants import (drop_down_output, init_loha_as_lycoris, match_lycoris_scale,
                                                    peft_config)
+        from ot_dist.models.load_dtype import adapters_as_on_float32
         from ot_dist.parallel.fsdp import family_units
 
         freeze_all(model)
@@ -54,7 +55,8 @@ class LoraMethod(TrainingMethod):
             if key == "lora.layer_filter":  # exactly the selected paths: peft also takes a target as a path suffix
                 lora_config.exclude_modules = suffix_matched_extras(module, targets) or None
             try:
-                add_adapter(module, lora_config)
+                with adapters_as_on_float32():  # a base read in 16 bits (models/load_dtype.py) is float32's values
+                    add_adapter(module, lora_config)
             except ValueError as err:
                 raise ConfigError(f"{key}: {targets} do not match modules of the {part}: {err}") from None
             if lora.variant == "lokr":  # LyCORIS's scale (1.0) where both Kronecker factors are full matrices

@@ -160,10 +160,17 @@ def build_tiny_pipeline(family: str, seed: int = 0, prediction_type: str | None 
 
 
 def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, prediction_type: str | None = None,
-                    inpainting: bool = False, **options) -> Path:
-    """Build a tiny model and save it as a normal diffusers folder (safetensors weights)."""
+                    inpainting: bool = False, dtype=None, **options) -> Path:
+    """Build a tiny model and save it as a normal diffusers folder (safetensors weights); `dtype`: the weights' dtype
+    in the files (float32 unless given: published models are mostly bfloat16 or float16)."""
     folder = Path(folder)
     pipe = build_tiny_pipeline(family, seed=seed, prediction_type=prediction_type, inpainting=inpainting, **options)
+    if dtype is not None:
+        import torch
+
+        for module in pipe.components.values():
+            if isinstance(module, torch.nn.Module):
+                module.to(dtype)
     pipe.save_pretrained(folder, safe_serialization=True)
     from ot_dist.models.families.registry import get_family
 

@@ -146,7 +146,7 @@ def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None, sk
     with safe_open(str(path), "pt") as f:
         for name, prefix in layout.text_encoders.items():
             found = _under(header, prefix)
-            if not found or name in skip:
+            if name not in file_components(header, layout, skip):
                 continue  # this encoder comes from the folder
             module = getattr(pipeline, name)
             check_text_encoder(path, prefix, found, module)
@@ -155,9 +155,7 @@ def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None, sk
                      if not k.endswith(_IGNORED_SUFFIXES) and _module_key(module, k) not in _tied_copies(module)}
             _load_strict(module, state, path, prefix)
             read.append(name)
-        # the layout's own prefix first, then the other one diffusers reads a VAE from
-        vae_prefixes = (layout.vae, *LDM_VAE_PREFIXES) if layout.vae and "vae" not in skip else ()
-        prefix = next((p for p in vae_prefixes if any(k.startswith(p) for k in header)), None)
+        prefix = _vae_prefix(header, layout, skip)
         if prefix is not None:
             from ot_dist.models.families.sd3_single_file import expected_vae_header, sd3_vae_from_original
 
@@ -167,6 +165,21 @@ def load_file_components(path: Path, pipeline, layout: FullCheckpoint | None, sk
             _load_strict(pipeline.vae, sd3_vae_from_original(vae_state, config), path, prefix)
             read.append("vae")
     return read
+
+
+def file_components(header: Mapping[str, tuple[int, ...]], layout: FullCheckpoint | None,
+                    skip: set[str] = frozenset()) -> set[str]:
+    """The text encoders and the VAE a file (its header) holds for `load_file_components` to read, but `skip`."""
+    if layout is None:
+        return set()
+    found = {name for name, prefix in layout.text_encoders.items() if name not in skip and _under(header, prefix)}
+    return found | ({"vae"} if _vae_prefix(header, layout, skip) is not None else set())
+
+
+def _vae_prefix(header: Mapping[str, tuple[int, ...]], layout: FullCheckpoint, skip: set[str]) -> str | None:
+    """The prefix of the file's VAE: the layout's own first, then the other one diffusers reads a VAE from."""
+    vae_prefixes = (layout.vae, *LDM_VAE_PREFIXES) if layout.vae and "vae" not in skip else ()
+    return next((p for p in vae_prefixes if any(k.startswith(p) for k in header)), None)
 
 
 def _load_strict(module: torch.nn.Module, state: dict[str, Tensor], path: Path, prefix: str) -> None:

@@ -13,7 +13,9 @@ from typing import Callable
 import torch
 
 from ot_dist.errors import InputFileError
-from ot_dist.models.families.full_checkpoint import load_file_components
+from ot_dist.models.families.full_checkpoint import file_components, load_file_components
+from ot_dist.models.families.single_file_keys import read_safetensors_header
+from ot_dist.models.load_dtype import as_float32_load, exact_dtype, float32_build_of, folder_load_dtypes, own_tensors
 
 
 def load_transformer_file(path: Path, config_folder: str | None, family, from_original: Callable,
@@ -39,20 +41,30 @@ def load_transformer_file(path: Path, config_folder: str | None, family, from_or
     overrides = getattr(model_config, "component_files", None) or {}
     if overrides:
         check_component_files(family, model_config)  # every file's header, before any tensor is read
-    state = {k: v.clone().float() for k, v in from_original(load_file(path), config).items()}
-    denoiser = getattr(diffusers, config["_class_name"]).from_config(config)
-    missing, unexpected = denoiser.load_state_dict(state, strict=False)
+    # In the file's own width (models/load_dtype.py), into a model built without weights: a Flux.1 file read in
+    # float32 into a randomly initialised float32 model held four copies of the transformer at once (~95 GB).
+    dtype = exact_dtype([path])
+    state = own_tensors(from_original(load_file(path), config), dtype)
+    denoiser = float32_build_of(getattr(diffusers, config["_class_name"]), config)
+    missing, unexpected = denoiser.load_state_dict(state, strict=False, assign=True)
     if missing or unexpected:
         raise InputFileError(f"model.path: {path} does not fit {config_file}: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
     given = load_component_files(family, model_config) if overrides else {}
+    passed = {**family.folder_components(Path(folder)), family.denoiser: denoiser, **given}
+    # the components the file replaces are read from the folder as before (float32): the file's values go into them
+    replaced = file_components(read_safetensors_header(path), family.full_checkpoint, skip=set(given))
+    index = json.loads((folder / "model_index.json").read_text()) if (folder / "model_index.json").is_file() else {}
+    dtypes = folder_load_dtypes(folder, [name for name, entry in index.items()
+                                         if isinstance(entry, list) and name not in passed and name not in replaced])
     try:
-        pipeline = family.pipeline_cls().from_pretrained(folder, **family.folder_components(Path(folder)),
-                                                         **{family.denoiser: denoiser}, **given,
-                                                         dtype=torch.float32,
+        pipeline = family.pipeline_cls().from_pretrained(folder, **passed, dtype={**dtypes, "default": torch.float32},
                                                          use_safetensors=True, local_files_only=True)
     except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason
         raise InputFileError(f"model.config: could not load the other components from {folder}: {err}") from None
+    for name, loaded_in in dtypes.items():
+        if isinstance(getattr(pipeline, name, None), torch.nn.Module):
+            as_float32_load(getattr(pipeline, name), loaded_in)
     # A full checkpoint's own text encoders and VAE replace the folder's (ot_dist's exports of a run that trained
     # text encoders, Stability's SD3 files with their CLIPs, ComfyUI-saved checkpoints).
     # A component named in model.component_files is the user's explicit choice: the file's own copy is not read.

@@ -1,0 +1,167 @@
+"""Each component is read in the narrowest dtype that holds its files' values exactly, not in float32.
+
+Loading everything in float32 doubled the host memory and the conversion time of a model stored in 16 bits (nearly
+every published one): Flux.1 dev with T5-XXL took ~68 GB before placement cast its frozen weights to their storage.
+A bfloat16 file's values are bfloat16 values, so reading them as bfloat16 and casting later (to float32 masters, to a
+bfloat16 / float8 / nf4 storage) gives the very numbers that reading them as float32 and casting gives: what trains
+and what is stored is unchanged, the load peak is what the files hold.
+
+What a 16-bit load changes besides the weights is put back here, so the loaded model is the float32 load's:
+* diffusers and transformers build the model under the load dtype as torch's default dtype, so tables a module
+  computes when it is built and keeps out of its state dict (Gemma's `embed_scale`) would come out rounded: they are
+  taken from a float32 build of the same class whose weights stay on the meta device (no memory, no init);
+* transformers records the load dtype in the model's config (`dtype`), which an export writes: float32, as before;
+* peft makes a new adapter in its base layer's dtype: `adapters_as_on_float32` keeps them as made, in float32.
+Whether the result is the float32 load's is tests/test_load_dtype.py's, for every family and training method."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import struct
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+FLOAT32 = torch.float32
+# The 16-bit containers, narrowest first, and the safetensors dtypes each holds exactly (a float8 value is both a
+# bfloat16 and a float16 value: e4m3's and e5m2's exponents and mantissas fit in either).
+EXACT_CONTAINERS: tuple[tuple[torch.dtype, frozenset[str]], ...] = (
+    (torch.bfloat16, frozenset({"BF16", "F8_E4M3", "F8_E5M2"})),
+    (torch.float16, frozenset({"F16", "F8_E4M3", "F8_E5M2"})),
+)
+FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
+def safetensors_dtypes(file: Path) -> set[str] | None:
+    """The safetensors dtype names of a file's floating tensors, from its header alone; None where the file is not
+    readable as safetensors (the loader then names the problem)."""
+    try:
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > min(file.stat().st_size, 100 * 2**20):  # safetensors caps its header at 100 MB
+                return None
+            header = json.loads(f.read(length))
+        return {entry["dtype"] for name, entry in header.items()
+                if name != "__metadata__" and entry["dtype"] in FLOATING}
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+def exact_dtype(files: Iterable[Path]) -> torch.dtype:
+    """The narrowest dtype that holds every floating value of `files` exactly: bfloat16 for a bfloat16 (or float8)
+    model, float16 for a float16 one, float32 for anything wider, mixed, unreadable, or no file at all."""
+    found: set[str] = set()
+    files = list(files)
+    for file in files:
+        dtypes = safetensors_dtypes(file)
+        if dtypes is None:
+            return FLOAT32
+        found |= dtypes
+    if not files or not found:
+        return FLOAT32
+    for dtype, holds in EXACT_CONTAINERS:
+        if found <= holds:
+            return dtype
+    return FLOAT32
+
+
+def folder_load_dtypes(path: Path, names: Iterable[str]) -> dict[str, torch.dtype]:
+    """Each named component of a diffusers folder -> the dtype to read it in (its subfolder's weight files, as
+    from_pretrained picks them: no variant where plain weights exist)."""
+    from ot_dist.parallel.load_turns import loaded_files
+
+    return {name: exact_dtype(loaded_files(sorted((path / name).glob("*.safetensors"))))
+            for name in names if (path / name).is_dir()}
+
+
+def as_float32_load(module: torch.nn.Module, loaded_in: torch.dtype) -> None:
+    """A component read in `loaded_in` made what the float32 load makes of it, but for its weights' dtype: the tables
+    it computed when it was built (non-persistent floating buffers) computed in float32, and transformers' config
+    saying float32. Nothing to do for a float32 load."""
+    if loaded_in == FLOAT32:
+        return
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "dtype", None) == loaded_in:  # transformers' PretrainedConfig
+        config.dtype = FLOAT32
+    built = _built_tables(module)
+    if not built:
+        return
+    reference = float32_build(module)
+    if reference is None:
+        raise RuntimeError(f"{type(module).__name__} was read in {loaded_in} but cannot be rebuilt in float32 to "
+                           f"recompute its tables {', '.join(built)}")
+    for name in built:
+        owner, _, buffer = name.rpartition(".")
+        table = reference.get_submodule(owner)._buffers[buffer]
+        module.get_submodule(owner)._buffers[buffer] = table.to(module.get_submodule(owner)._buffers[buffer].device)
+
+
+def _built_tables(module: torch.nn.Module) -> list[str]:
+    """The qualified names of the non-persistent floating buffers of `module`: what a build computes, no file holds."""
+    return [f"{path}.{name}" if path else name
+            for path, sub in module.named_modules()
+            for name in sub._non_persistent_buffers_set
+            if sub._buffers.get(name) is not None and sub._buffers[name].is_floating_point()]
+
+
+def float32_build(module: torch.nn.Module) -> torch.nn.Module | None:
+    """A float32 build of the module's class from its config (float32_build_of); None for a class without one."""
+    return float32_build_of(type(module), getattr(module, "config", None))
+
+
+def float32_build_of(cls: type, config) -> torch.nn.Module | None:
+    """`cls` built from `config` under float32, its parameters on the meta device (no memory, no initialisation),
+    its buffers computed as a float32 load computes them; a state dict is then put in with `assign=True`. None for a
+    class that builds from no config (transformers' `_from_config`, diffusers' `from_config`)."""
+    from accelerate import init_empty_weights
+
+    if config is None:
+        return None
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(FLOAT32)
+    try:
+        with init_empty_weights(include_buffers=False):
+            if hasattr(cls, "_from_config") and hasattr(config, "to_dict"):  # transformers' PreTrainedModel
+                return cls._from_config(config, dtype=FLOAT32)
+            if hasattr(cls, "from_config"):  # diffusers' ModelMixin
+                return cls.from_config(config)
+            return None
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def own_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A converted state dict's floating tensors in `dtype`, each in storage of its own: a view (one of q / k / v
+    split from a fused tensor) is copied, so the fused tensor is freed once its views are, and no parameter keeps a
+    larger storage alive than it uses. The dict given is emptied as it goes: the peak is one copy of the state."""
+    own = {}
+    for key in list(state):
+        tensor = state.pop(key)
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        elif tensor.untyped_storage().nbytes() != tensor.nbytes or not tensor.is_contiguous():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        own[key] = tensor
+    return own
+
+
+@contextlib.contextmanager
+def adapters_as_on_float32() -> Iterator[None]:
+    """peft makes each new adapter (LoRA / DoRA / LoHa / LoKr) in float32 and then casts it to its base layer's
+    dtype. On a base read in 16 bits that rounded the adapter's initial values, which a float32 load keeps: inside
+    this block peft sees a floating base as float32, which it is until placement stores it."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    original = BaseTunerLayer._get_base_layer_device_and_dtype
+
+    def as_float32(self, base_layer):
+        device, dtype = original(self, base_layer)
+        return device, (FLOAT32 if dtype is not None and dtype.is_floating_point else dtype)
+
+    BaseTunerLayer._get_base_layer_device_and_dtype = as_float32
+    try:
+        yield
+    finally:
+        BaseTunerLayer._get_base_layer_device_and_dtype = original

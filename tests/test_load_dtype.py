@@ -1,0 +1,221 @@
+"""Components are read in the narrowest dtype that holds their files exactly (ot_dist/models/load_dtype.py), and what
+trains and what is stored is then exactly what reading them in float32 gave: for every family, training method and
+storage, the prepared and stored model is compared bit for bit with a float32 load of the same 16-bit folder."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from conftest import base_config
+from ot_dist.config.load import validate
+from ot_dist.memory.placement import store_component
+from ot_dist.methods.registry import build_method
+from ot_dist.models import loading
+from ot_dist.models.families.registry import FAMILY_NAMES
+from ot_dist.models.load_dtype import FLOAT32, exact_dtype, folder_load_dtypes
+from ot_dist.models.tiny import make_tiny_model
+
+
+def write_header_only(path, dtypes: dict[str, str]) -> None:
+    """A safetensors file whose tensors (one element each) have the given dtype names."""
+    sizes = {"F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8}
+    header, offset = {}, 0
+    for name, dtype in dtypes.items():
+        header[name] = {"dtype": dtype, "shape": [1], "data_offsets": [offset, offset + sizes[dtype]]}
+        offset += sizes[dtype]
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+@pytest.mark.parametrize("dtypes, expected", [
+    ({"a": "BF16", "b": "BF16"}, torch.bfloat16),
+    ({"a": "F16", "steps": "I64"}, torch.float16),  # integer tensors do not count
+    ({"a": "BF16", "b": "F8_E4M3"}, torch.bfloat16),  # a float8 cast's values are bfloat16 values
+    ({"a": "F16", "b": "F8_E5M2"}, torch.float16),
+    ({"a": "BF16", "b": "F16"}, FLOAT32),  # neither 16-bit dtype holds both
+    ({"a": "BF16", "norm": "F32"}, FLOAT32),
+    ({"steps": "I64"}, FLOAT32),  # nothing floating: the float32 load as before
+])
+def test_the_narrowest_exact_dtype_of_a_component(tmp_path, dtypes, expected):
+    write_header_only(tmp_path / "model.safetensors", dtypes)
+    assert exact_dtype([tmp_path / "model.safetensors"]) == expected
+
+
+def test_every_file_of_a_component_counts_and_an_unreadable_one_means_float32(tmp_path):
+    write_header_only(tmp_path / "a.safetensors", {"a": "BF16"})
+    write_header_only(tmp_path / "b.safetensors", {"b": "F32"})
+    assert exact_dtype([tmp_path / "a.safetensors", tmp_path / "b.safetensors"]) == FLOAT32
+    (tmp_path / "c.safetensors").write_bytes(b"not safetensors")
+    assert exact_dtype([tmp_path / "a.safetensors", tmp_path / "c.safetensors"]) == FLOAT32
+    assert exact_dtype([]) == FLOAT32
+
+
+def test_a_folders_components_and_their_variant_files(tmp_path):
+    (tmp_path / "unet").mkdir()
+    write_header_only(tmp_path / "unet" / "diffusion_pytorch_model.safetensors", {"w": "BF16"})
+    # a variant is not what from_pretrained reads beside plain weights
+    write_header_only(tmp_path / "unet" / "diffusion_pytorch_model.fp16.safetensors", {"w": "F16"})
+    (tmp_path / "vae").mkdir()
+    write_header_only(tmp_path / "vae" / "diffusion_pytorch_model.fp16.safetensors", {"w": "F16"})
+    assert folder_load_dtypes(tmp_path, ["unet", "vae", "scheduler"]) == {"unet": torch.bfloat16,
+                                                                            "vae": torch.float16}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the prepared and stored model equals the float32 load's
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def half_models(tmp_path_factory):
+    """(family, dtype name) -> a tiny diffusers folder whose weight files hold that dtype."""
+    root = tmp_path_factory.mktemp("half_models")
+
+    class Models(dict):
+        def __missing__(self, key):
+            family, dtype = key
+            self[key] = make_tiny_model(root / f"{family}-{dtype}", family, dtype=getattr(torch, dtype))
+            return self[key]
+
+    return Models()
+
+
+def prepared(raw: dict, monkeypatch, float32_load: bool):
+    """Load the model, let the method prepare it and store every component as the trainer does: (the state of every
+    component, the dtypes the denoiser's weights were read in)."""
+    config = validate(raw)
+    with monkeypatch.context() as patch:
+        if float32_load:  # what ot_dist did before: every component in float32
+            from ot_dist.models.families import transformer_single_file
+
+            for module in (loading, transformer_single_file):
+                patch.setattr(module, "folder_load_dtypes", lambda path, names: {})
+        model = loading.load_model(config.model)
+    read_in = {p.dtype for p in model.denoiser.parameters()}
+    torch.manual_seed(config.seed)  # the adapters' initial values, as the trainer seeds them
+    groups = build_method(config).prepare(model)
+    for name, module in model.named_components():
+        store_component(module, name, config, denoiser=module is model.denoiser)
+    state = {}
+    for name, module in model.named_components():
+        for key, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            state[f"{name}.{key}"] = tensor.detach()
+        for path, sub in module.named_modules():  # tensors kept as plain attributes (stored weights' scales)
+            for attr, value in vars(sub).items():
+                if isinstance(value, torch.Tensor) and not attr.startswith("_"):
+                    state[f"{name}.{path}.{attr}"] = value.detach()
+        config_dict = getattr(getattr(module, "config", None), "to_dict", None)
+        if config_dict is not None and not isinstance(module.config, dict):  # transformers' config: exports write it
+            state[f"{name}.config"] = json.dumps(config_dict(), sort_keys=True, default=str)
+    trained = [f"{g.name}:{tuple(p.shape)}:{p.dtype}" for g in groups for p in g.params]
+    return state, trained, read_in
+
+
+def assert_same(ours, theirs) -> None:
+    state, trained, _ = ours
+    reference, reference_trained, _ = theirs
+    assert trained == reference_trained
+    assert sorted(state) == sorted(reference)
+    different = []
+    for key, value in reference.items():
+        mine = state[key]
+        if isinstance(value, str):
+            if mine != value:
+                different.append(key)
+        elif mine.dtype != value.dtype or mine.shape != value.shape or not torch.equal(
+                mine.view(torch.uint8) if mine.dtype.itemsize == 1 else mine, value.view(torch.uint8)
+                if value.dtype.itemsize == 1 else value):
+            different.append(f"{key} ({mine.dtype} vs {value.dtype})")
+    assert not different, f"{len(different)} differ from the float32 load: {different[:6]}"
+
+
+def _config(half_models, shapes_data, tmp_path, family, dtype="bfloat16", **overrides):
+    return base_config(half_models[family, dtype], shapes_data, tmp_path / "out", family=family,
+                       resolution=128, **overrides)  # Stable Cascade's buckets are multiples of 128
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_family_lora_on_a_bfloat16_folder_is_the_float32_loads(half_models, shapes_data, tmp_path, monkeypatch,
+                                                                      family):
+    raw = _config(half_models, shapes_data, tmp_path, family, method="lora", weight_dtype="bfloat16")
+    ours = prepared(raw, monkeypatch, float32_load=False)
+    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+
+
+@pytest.mark.parametrize("case", [
+    dict(method="full"),  # float32 masters from bfloat16 values
+    dict(method="full", trained_weight_dtype="bfloat16", train_dtype="bfloat16"),
+    dict(method="lora", weight_dtype="float32"),  # a float32 storage of a bfloat16 model
+    dict(method="lora", weight_dtype="float8"),
+    dict(method="lora", weight_dtype="nf4"),
+    dict(method="lora", weight_dtype="int8"),
+    dict(method="lora", **{"lora.variant": "dora"}),
+    dict(method="lora", **{"lora.variant": "loha"}),
+    dict(method="lora", **{"lora.variant": "lokr"}),
+    dict(method="lora", **{"lora.variant": "oft"}),
+    dict(method="lora", **{"text_encoder.train": True}),
+    dict(method="embedding", **{"embedding.token": "<sks>", "embedding.init_text": "red circle"}),
+], ids=lambda case: "-".join(f"{k}={v}" for k, v in case.items()))
+def test_methods_and_storages_on_a_bfloat16_sdxl_are_the_float32_loads(half_models, shapes_data, tmp_path,
+                                                                         monkeypatch, case):
+    raw = _config(half_models, shapes_data, tmp_path, "sdxl", **case)
+    ours = prepared(raw, monkeypatch, float32_load=False)
+    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+
+
+@pytest.mark.parametrize("family, dtype", [("sdxl", "float16"), ("flux", "float16"), ("sana", "float16")])
+def test_a_float16_folder_is_read_in_float16_and_is_the_float32_loads(half_models, shapes_data, tmp_path,
+                                                                       monkeypatch, family, dtype):
+    raw = _config(half_models, shapes_data, tmp_path, family, dtype=dtype, method="lora", weight_dtype="bfloat16")
+    ours = prepared(raw, monkeypatch, float32_load=False)
+    assert ours[2] <= {torch.float16, torch.float32}  # diffusers keeps a model's _keep_in_fp32_modules in float32
+    assert torch.float16 in ours[2]
+    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+
+
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sana"])
+def test_a_bfloat16_folder_is_read_in_bfloat16_and_a_float32_one_in_float32(half_models, family_models, shapes_data,
+                                                                          tmp_path, monkeypatch, family):
+    """What the memory saving rests on: the denoiser's weights come in at the files' width."""
+    raw = _config(half_models, shapes_data, tmp_path, family, method="lora")
+    assert torch.bfloat16 in prepared(raw, monkeypatch, float32_load=False)[2]
+    raw = base_config(family_models[family], shapes_data, tmp_path / "out32", family=family, method="lora")
+    assert prepared(raw, monkeypatch, float32_load=False)[2] == {FLOAT32}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# single files
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def single_file(folder, family_name: str, target, with_text_encoders: bool = False):
+    """The folder's model as the family's single file (its original layout, the folder's dtype)."""
+    from ot_dist.config.schema import ModelConfig
+
+    model = loading.load_model(ModelConfig(family=family_name, path=str(folder)))
+    components = dict(model.named_components())
+    states = {name: module.state_dict() for name, module in components.items()}
+    dtype = next(model.denoiser.parameters()).dtype
+    model.family.export_single_file(components, states, target, dtype, with_text_encoders=with_text_encoders)
+    return target
+
+
+@pytest.mark.parametrize("family, with_text_encoders", [("flux", False), ("sd3", True)])
+def test_a_bfloat16_single_file_is_read_in_bfloat16_and_is_the_float32_loads(half_models, shapes_data, tmp_path,
+                                                                            monkeypatch, family, with_text_encoders):
+    """The transformer from its file, the other components from the folder (sd3: the file's own text encoders and
+    VAE replace the folder's)."""
+    from ot_dist.models.families import transformer_single_file
+
+    folder = half_models[family, "bfloat16"]
+    path = single_file(folder, family, tmp_path / "model.safetensors", with_text_encoders)
+    raw = base_config(path, shapes_data, tmp_path / "out", family=family, method="lora", resolution=128,
+                      **{"model.config": str(folder)})
+    ours = prepared(raw, monkeypatch, float32_load=False)
+    assert ours[2] == {torch.bfloat16}
+    monkeypatch.setattr(transformer_single_file, "exact_dtype", lambda files: FLOAT32)
+    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
