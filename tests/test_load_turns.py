@@ -17,7 +17,7 @@ from ot_dist.parallel import load_turns
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_float32_size_of_a_model_comes_from_its_files_headers(tmp_path):
+def test_the_size_of_a_model_as_read_comes_from_its_files_headers(tmp_path):
     (tmp_path / "transformer").mkdir()
     save_file({"w": torch.zeros(10, 10, dtype=torch.bfloat16), "ids": torch.zeros(3, dtype=torch.int64)},
               tmp_path / "transformer" / "diffusion_pytorch_model.safetensors")
@@ -29,8 +29,25 @@ def test_the_float32_size_of_a_model_comes_from_its_files_headers(tmp_path):
     (tmp_path / "text_encoder").mkdir()
     save_file({"e": torch.zeros(5, dtype=torch.float16)},
               tmp_path / "text_encoder" / "model.fp16-00001-of-00001.safetensors")
-    assert load_turns.float32_bytes_of(tmp_path) == 100 * 4 + 3 * 8 + 16 * 4 + 5 * 4
-    assert load_turns.float32_bytes_of(tmp_path / "vae.safetensors") == 16 * 4
+    # each component at the width it is read in: the bfloat16 transformer in 2 bytes, the float16-only encoder in 2
+    assert load_turns.load_bytes_of(tmp_path) == 100 * 2 + 3 * 8 + 16 * 4 + 5 * 2
+    assert load_turns.load_bytes_of(tmp_path / "vae.safetensors") == 16 * 4
+    # a full finetune's float32 masters of the transformer
+    assert load_turns.load_bytes_of(tmp_path, {"transformer": 4}) == 100 * 4 + 3 * 8 + 16 * 4 + 5 * 2
+    save_file({"w": torch.zeros(10, 10, dtype=torch.bfloat16)}, tmp_path / "flux1.safetensors")
+    assert load_turns.load_bytes_of(tmp_path / "flux1.safetensors") == 100 * 2
+    assert load_turns.load_bytes_of(tmp_path / "flux1.safetensors", {"transformer": 4}) == 100 * 4
+
+
+def test_a_full_finetunes_trained_parts_count_at_their_masters_width(shapes_data, tmp_path):
+    def widths(**overrides):
+        return load_turns.master_widths(validate(base_config(tmp_path, shapes_data, tmp_path / "o", family="sdxl",
+                                                             **overrides)))
+
+    assert widths(method="full") == {"unet": 4}
+    assert widths(method="full", **{"text_encoder.train": True}) == {"unet": 4, "text_encoder": 4}
+    assert widths(method="full", trained_weight_dtype="bfloat16", train_dtype="bfloat16") == {"unet": 2}
+    assert widths(method="lora") == {}
 
 
 def test_available_memory_is_the_lesser_of_the_machine_and_the_container(tmp_path):

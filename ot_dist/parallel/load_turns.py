@@ -1,15 +1,17 @@
 """The ranks of a node load the model a few at a time (`distributed.load_ranks_per_node`).
 
-Every rank reads the whole model into CPU memory in float32 (the trained weights' masters are made from it) before
-placing it: Flux.1 dev with its T5-XXL is ~68 GB a rank, so 4 ranks on a 128 GB workstation or 8 on a 512 GB node
-ran out of memory before the first step. What a rank keeps afterwards is small (its device holds the model; the
-frozen weights that stay in CPU memory are held once per node, memory/node_shared.py), so loading in turns bounds
-the node's peak at what the ranks loading at once read. kohya sd-scripts loads one process at a time the same way.
+Every rank reads the whole model into CPU memory before placing it (in its files' dtype, models/load_dtype.py; a full
+finetune's float32 masters are made from it): Flux.1 dev with its T5-XXL is ~34 GB a rank in bfloat16 (68 GB when it
+was read in float32), so 4 ranks on a 128 GB workstation or 8 on a 512 GB node could run out of memory before the
+first step. What a rank keeps afterwards is small (its device holds the model; the frozen weights that stay in CPU
+memory are held once per node, memory/node_shared.py), so loading in turns bounds the node's peak at what the ranks
+loading at once read. kohya sd-scripts loads one process at a time the same way.
 
 `auto` lets as many ranks load at once as the node's available memory holds (the machine's MemAvailable, and the
-container's cgroup limit where one is set, whichever is less), from the float32 size of the model's safetensors
-files; the ranks agree on the smallest count any of them computed. Turns are barriers every rank passes the same
-number of times, so a rank never waits on a collective that another rank does not make."""
+container's cgroup limit where one is set, whichever is less), from the size of the model's safetensors files as read
+(and of a full finetune's float32 masters); the ranks agree on the smallest count any of them computed. Turns are
+barriers every rank passes the same number of times, so a rank never waits on a collective that another rank does
+not make."""
 
 from __future__ import annotations
 
@@ -28,12 +30,35 @@ MEMORY_SHARE = 0.9  # of the available memory the loads may take (the loader wor
 FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
-def float32_bytes_of(path: str | Path) -> int:
-    """What loading `path` (a diffusers folder, or one .safetensors file) in float32 takes: the floating tensors of
-    its safetensors files at 4 bytes each, the rest as stored. Read from the files' headers alone."""
-    path = Path(path)
-    files = [path] if path.is_file() else loaded_files(sorted(path.rglob("*.safetensors")))
-    return sum(_float32_bytes_in(file) for file in files)
+def load_bytes_of(path: str | Path, grown: dict[str, int] | None = None) -> int:
+    """What loading `path` (a diffusers folder, or one .safetensors file) takes in CPU memory: each component's
+    floating tensors at the width it is read in (models/load_dtype.py: its files' own where that holds them exactly,
+    else float32), the rest as stored. `grown`: component (subfolder) -> the bytes per weight its trained weights
+    are then held in (a full finetune's float32 masters), where that is more; a single file's whole content counts
+    so when any is given. Read from the files' headers alone."""
+    from ot_dist.models.load_dtype import exact_dtype
+
+    path, grown = Path(path), grown or {}
+    if path.is_file():
+        return _bytes_in(path, max([exact_dtype([path]).itemsize, *grown.values()]))
+    files = loaded_files(sorted(path.rglob("*.safetensors")))
+    by_component: dict[Path, list[Path]] = {}
+    for file in files:
+        by_component.setdefault(file.parent, []).append(file)
+    total = 0
+    for folder, component_files in by_component.items():
+        width = max(exact_dtype(component_files).itemsize, grown.get(folder.name, 0) if folder != path else 0)
+        total += sum(_bytes_in(file, width) for file in component_files)
+    return total
+
+
+def master_widths(config) -> dict[str, int]:
+    """The parts a full finetune trains whole -> the bytes per weight of their masters (trained_weight_dtype): what
+    they grow to after loading. Other methods train small added tensors only."""
+    if config.method != "full":
+        return {}
+    width = 4 if config.trained_weight_dtype == "float32" else 2
+    return {part: width for part in config.part_names() if config.part_trains(part)}
 
 
 VARIANTS = (".fp16", ".bf16", ".fp32", ".fp8")
@@ -49,7 +74,8 @@ def loaded_files(files: list[Path]) -> list[Path]:
     return [file for file in files if not variant(file) or file.parent not in plain_folders]
 
 
-def _float32_bytes_in(file: Path) -> int:
+def _bytes_in(file: Path, float_width: int) -> int:
+    """The file's floating tensors at `float_width` bytes each, the others as stored; 0 where it is unreadable."""
     try:
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
@@ -63,7 +89,7 @@ def _float32_bytes_in(file: Path) -> int:
         if name == "__metadata__":
             continue
         start, end = entry["data_offsets"]
-        total += math.prod(entry["shape"]) * 4 if entry["dtype"] in FLOAT_DTYPES else end - start
+        total += math.prod(entry["shape"]) * float_width if entry["dtype"] in FLOAT_DTYPES else end - start
     return total
 
 
@@ -98,14 +124,15 @@ def ranks_at_once(load_bytes: int, available: int | None, ranks_on_node: int) ->
 
 @contextlib.contextmanager
 def load_turn(setting: int | str, model_path: str, local_rank: int,
-              log: Callable[[str], None] = print) -> Iterator[None]:
-    """Run the body (loading and placing the model) in this rank's turn. Every rank of the group enters it."""
+              log: Callable[[str], None] = print, grown: dict[str, int] | None = None) -> Iterator[None]:
+    """Run the body (loading and placing the model) in this rank's turn. Every rank of the group enters it.
+    `grown`: the components whose trained weights are held wider than they are read (load_bytes_of)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield
         return
     on_node = ranks_on_this_node(dist.get_world_size())
     if setting == "auto":
-        load_bytes = float32_bytes_of(model_path)
+        load_bytes = load_bytes_of(model_path, grown)
         available = available_memory()
         mine = (ranks_at_once(load_bytes, available, on_node), on_node, load_bytes, available)
     else:
@@ -115,7 +142,7 @@ def load_turn(setting: int | str, model_path: str, local_rank: int,
     turns = math.ceil(max(entry[1] for entry in everyone) / at_once)
     if turns > 1:
         _, _, load_bytes, available = mine
-        where = (f" ({load_bytes / 2**30:.1f} GiB a rank in float32, {available / 2**30:.1f} GiB available on this "
+        where = (f" ({load_bytes / 2**30:.1f} GiB a rank, {available / 2**30:.1f} GiB available on this "
                  "node)" if available is not None else "")
         log(f"loading: {at_once} of the {on_node} ranks of a node at a time, {turns} turns{where}")
     turn = local_rank // at_once

@@ -38,7 +38,7 @@ from ot_dist.optim.registry import SPECS
 from ot_dist.optim.schedule_free import averaged_weights
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
-from ot_dist.parallel.load_turns import load_turn
+from ot_dist.parallel.load_turns import load_turn, master_widths
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import check_storage_on_device, set_tf32
 from ot_dist.train.cuda_allocator import configure_cuda_allocator
@@ -142,8 +142,9 @@ class Trainer:
                                             self.runtime.world_size)  # loss.scaler's factor (1: off)
         self.total_steps = self.plan.total_steps
         self.validation = ValidationLoss(config, self.reader.table, self.runtime, self.log)
-        # the ranks of a node load (float32, in CPU memory) and place the model a few at a time: the node's peak
-        with load_turn(config.distributed.load_ranks_per_node, config.model.path, self.runtime.local_rank, self.log):
+        # the ranks of a node load (in CPU memory) and place the model a few at a time: the node's peak
+        with load_turn(config.distributed.load_ranks_per_node, config.model.path, self.runtime.local_rank, self.log,
+                       grown=master_widths(config)):
             self.model: LoadedModel = load_model(config.model)
             timestep_bounds(config.loss, self.model.objective.num_timesteps)  # fails before training
             check_inpainting_setup(config, self.model)
