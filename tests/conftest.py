@@ -248,7 +248,7 @@ SLOWEST_FIRST = (
     "test_strategies.py", "test_tracking.py", "test_run_safety.py", "test_step_guard.py", "test_k8s.py",
     "test_optimizers.py", "test_lora_variants.py", "test_cli.py", "test_concepts.py", "test_lora_tools.py",
     "test_sharded_prodigy_ema.py", "test_sampling.py", "test_float8_dtype.py", "test_early_checks.py", "test_data_shards.py",
-    "test_bench.py",
+    "test_bench.py", "test_load_dtype.py",
 )
 
 

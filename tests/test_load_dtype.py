@@ -219,3 +219,25 @@ def test_a_bfloat16_single_file_is_read_in_bfloat16_and_is_the_float32_loads(hal
     assert ours[2] == {torch.bfloat16}
     monkeypatch.setattr(transformer_single_file, "exact_dtype", lambda files: FLOAT32)
     assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+
+
+@pytest.mark.parametrize("family, dtype", [("sdxl", "float16"), ("sd1", "bfloat16")])
+def test_a_16_bit_checkpoint_file_is_read_in_its_dtype_and_is_the_float32_loads(half_models, shapes_data, tmp_path,
+                                                                               monkeypatch, family, dtype):
+    """An A1111 / ComfyUI checkpoint (UNet, VAE and text encoders in one original-layout file), as most SD 1.x and
+    SDXL models are shared: fp16."""
+    from diffusers import DiffusionPipeline
+
+    from ot_dist.models.families.sd_single_file import export_single_file
+
+    folder = half_models[family, dtype]
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=getattr(torch, dtype))
+    path = export_single_file(pipe.components, family, tmp_path / "model.safetensors")
+    raw = base_config(path, shapes_data, tmp_path / "out", family=family, method="lora", resolution=128,
+                      weight_dtype="bfloat16", **{"model.config": str(folder)})
+    ours = prepared(raw, monkeypatch, float32_load=False)
+    assert getattr(torch, dtype) in ours[2]
+    import ot_dist.models.load_dtype as load_dtype
+
+    monkeypatch.setattr(load_dtype, "exact_dtype", lambda files: FLOAT32)  # sd.py imports it when it loads a file
+    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))

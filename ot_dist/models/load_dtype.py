@@ -76,15 +76,16 @@ def folder_load_dtypes(path: Path, names: Iterable[str]) -> dict[str, torch.dtyp
             for name in names if (path / name).is_dir()}
 
 
-def as_float32_load(module: torch.nn.Module, loaded_in: torch.dtype) -> None:
+def as_float32_load(module: torch.nn.Module, loaded_in: torch.dtype, config_follows_load: bool = True) -> None:
     """A component read in `loaded_in` made what the float32 load makes of it, but for its weights' dtype: the tables
-    it computed when it was built (non-persistent floating buffers) computed in float32, and transformers' config
-    saying float32. Nothing to do for a float32 load."""
+    it computed when it was built (non-persistent floating buffers) computed in float32, and, where the loader
+    recorded the load dtype in transformers' config (`config_follows_load`: from_pretrained does, from_single_file
+    keeps the config folder's), the config saying float32. Nothing to do for a float32 load."""
     if loaded_in == FLOAT32:
         return
     config = getattr(module, "config", None)
-    if config is not None and getattr(config, "dtype", None) == loaded_in:  # transformers' PretrainedConfig
-        config.dtype = FLOAT32
+    if config_follows_load and config is not None and getattr(config, "dtype", None) == loaded_in:
+        config.dtype = FLOAT32  # transformers' PretrainedConfig
     built = _built_tables(module)
     if not built:
         return

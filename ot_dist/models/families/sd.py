@@ -116,8 +116,14 @@ class UNetFamily(Family):
 
     def load_single_file(self, path: Path, config_folder, model_config):
         from ot_dist.models.families.sd_single_file import load_single_file
+        from ot_dist.models.load_dtype import as_float32_load, exact_dtype
 
-        return self.with_training_schedule(load_single_file(path, self.name, config_folder), model_config)
+        dtype = exact_dtype([Path(path)])  # the file's own width where it holds every value (models/load_dtype.py)
+        pipeline = load_single_file(path, self.name, config_folder, torch_dtype=dtype)
+        for module in pipeline.components.values():
+            if isinstance(module, torch.nn.Module):
+                as_float32_load(module, dtype, config_follows_load=False)
+        return self.with_training_schedule(pipeline, model_config)
 
     def export_single_file(self, components, states, path, dtype, with_text_encoders=False, metadata=None):
         """The checkpoint layout, which always holds the text encoders (trained or not)."""
