@@ -37,11 +37,19 @@ def assert_frozen_as_loaded(folder, original, dtype):
 
 # nf4 with the CPU's float32 train_dtype: every floating parameter stays float32, only the packed uint8 Linear weights
 # tell that the VAE and text encoder hold rounded copies (checkpoint/frozen_source.py held_as_loaded)
-@pytest.mark.parametrize("weight_dtype,output_dtype", [("float8", "float32"), ("bfloat16", "float16"),
-                                                       ("nf4", "float32")])
-def test_frozen_components_are_exported_as_loaded_not_as_stored(weight_dtype, output_dtype, tiny_models, shapes_data,
-                                                                tmp_path, monkeypatch):
+# files "bfloat16": a model published in bfloat16, which training reads in bfloat16 (models/load_dtype.py), and the
+# export reads again in bfloat16: cast once to output_dtype, as from float32
+@pytest.mark.parametrize("weight_dtype,output_dtype,files", [("float8", "float32", "float32"),
+                                                             ("bfloat16", "float16", "float32"),
+                                                             ("nf4", "float32", "float32"),
+                                                             ("float8", "float32", "bfloat16")])
+def test_frozen_components_are_exported_as_loaded_not_as_stored(weight_dtype, output_dtype, files, tiny_models,
+                                                                shapes_data, tmp_path, monkeypatch):
     original = tiny_models["sd1"]
+    if files == "bfloat16":
+        from ot_dist.models.tiny import make_tiny_model
+
+        original = make_tiny_model(tmp_path / "bf16", "sd1", dtype=torch.bfloat16)
     raw = base_config(original, shapes_data, tmp_path / "o", batch_size=2, max_steps=1, learning_rate=1e-3,
                       weight_dtype=weight_dtype, output_dtype=output_dtype,
                       **{"ema.enabled": True, "ema.decay": 0.5, "ema.update_step_interval": 1})

@@ -16,7 +16,7 @@ from ot_dist.memory.placement import store_component
 from ot_dist.methods.registry import build_method
 from ot_dist.models import loading
 from ot_dist.models.families.registry import FAMILY_NAMES
-from ot_dist.models.load_dtype import FLOAT32, exact_dtype, folder_load_dtypes
+from ot_dist.models.load_dtype import FLOAT32, exact_dtype, folder_load_dtypes, reading_in_files_dtype
 from ot_dist.models.tiny import make_tiny_model
 
 
@@ -61,8 +61,11 @@ def test_a_folders_components_and_their_variant_files(tmp_path):
     write_header_only(tmp_path / "unet" / "diffusion_pytorch_model.fp16.safetensors", {"w": "F16"})
     (tmp_path / "vae").mkdir()
     write_header_only(tmp_path / "vae" / "diffusion_pytorch_model.fp16.safetensors", {"w": "F16"})
-    assert folder_load_dtypes(tmp_path, ["unet", "vae", "scheduler"]) == {"unet": torch.bfloat16,
-                                                                            "vae": torch.float16}
+    with reading_in_files_dtype():
+        assert folder_load_dtypes(tmp_path, ["unet", "vae", "scheduler"]) == {"unet": torch.bfloat16,
+                                                                                "vae": torch.float16}
+    # what the tools that compute with the loaded weights get (a merge, an extraction): float32
+    assert folder_load_dtypes(tmp_path, ["unet", "vae"]) == {"unet": FLOAT32, "vae": FLOAT32}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -84,17 +87,11 @@ def half_models(tmp_path_factory):
     return Models()
 
 
-def prepared(raw: dict, monkeypatch, float32_load: bool):
+def prepared(raw: dict, float32_load: bool):
     """Load the model, let the method prepare it and store every component as the trainer does: (the state of every
     component, the dtypes the denoiser's weights were read in)."""
     config = validate(raw)
-    with monkeypatch.context() as patch:
-        if float32_load:  # what ot_dist did before: every component in float32
-            from ot_dist.models.families import transformer_single_file
-
-            for module in (loading, transformer_single_file):
-                patch.setattr(module, "folder_load_dtypes", lambda path, names: {})
-        model = loading.load_model(config.model)
+    model = loading.load_model(config.model, in_files_dtype=not float32_load)
     read_in = {p.dtype for p in model.denoiser.parameters()}
     torch.manual_seed(config.seed)  # the adapters' initial values, as the trainer seeds them
     groups = build_method(config).prepare(model)
@@ -139,11 +136,11 @@ def _config(half_models, shapes_data, tmp_path, family, dtype="bfloat16", **over
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_every_family_lora_on_a_bfloat16_folder_is_the_float32_loads(half_models, shapes_data, tmp_path, monkeypatch,
+def test_every_family_lora_on_a_bfloat16_folder_is_the_float32_loads(half_models, shapes_data, tmp_path,
                                                                       family):
     raw = _config(half_models, shapes_data, tmp_path, family, method="lora", weight_dtype="bfloat16")
-    ours = prepared(raw, monkeypatch, float32_load=False)
-    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+    ours = prepared(raw, float32_load=False)
+    assert_same(ours, prepared(raw, float32_load=True))
 
 
 @pytest.mark.parametrize("case", [
@@ -161,30 +158,30 @@ def test_every_family_lora_on_a_bfloat16_folder_is_the_float32_loads(half_models
     dict(method="embedding", **{"embedding.token": "<sks>", "embedding.init_text": "red circle"}),
 ], ids=lambda case: "-".join(f"{k}={v}" for k, v in case.items()))
 def test_methods_and_storages_on_a_bfloat16_sdxl_are_the_float32_loads(half_models, shapes_data, tmp_path,
-                                                                         monkeypatch, case):
+                                                                         case):
     raw = _config(half_models, shapes_data, tmp_path, "sdxl", **case)
-    ours = prepared(raw, monkeypatch, float32_load=False)
-    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+    ours = prepared(raw, float32_load=False)
+    assert_same(ours, prepared(raw, float32_load=True))
 
 
 @pytest.mark.parametrize("family, dtype", [("sdxl", "float16"), ("flux", "float16"), ("sana", "float16")])
 def test_a_float16_folder_is_read_in_float16_and_is_the_float32_loads(half_models, shapes_data, tmp_path,
-                                                                       monkeypatch, family, dtype):
+                                                                       family, dtype):
     raw = _config(half_models, shapes_data, tmp_path, family, dtype=dtype, method="lora", weight_dtype="bfloat16")
-    ours = prepared(raw, monkeypatch, float32_load=False)
+    ours = prepared(raw, float32_load=False)
     assert ours[2] <= {torch.float16, torch.float32}  # diffusers keeps a model's _keep_in_fp32_modules in float32
     assert torch.float16 in ours[2]
-    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+    assert_same(ours, prepared(raw, float32_load=True))
 
 
 @pytest.mark.parametrize("family", ["sdxl", "flux", "sana"])
 def test_a_bfloat16_folder_is_read_in_bfloat16_and_a_float32_one_in_float32(half_models, family_models, shapes_data,
-                                                                          tmp_path, monkeypatch, family):
+                                                                          tmp_path, family):
     """What the memory saving rests on: the denoiser's weights come in at the files' width."""
     raw = _config(half_models, shapes_data, tmp_path, family, method="lora")
-    assert torch.bfloat16 in prepared(raw, monkeypatch, float32_load=False)[2]
+    assert torch.bfloat16 in prepared(raw, float32_load=False)[2]
     raw = base_config(family_models[family], shapes_data, tmp_path / "out32", family=family, method="lora")
-    assert prepared(raw, monkeypatch, float32_load=False)[2] == {FLOAT32}
+    assert prepared(raw, float32_load=False)[2] == {FLOAT32}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -196,7 +193,7 @@ def single_file(folder, family_name: str, target, with_text_encoders: bool = Fal
     """The folder's model as the family's single file (its original layout, the folder's dtype)."""
     from ot_dist.config.schema import ModelConfig
 
-    model = loading.load_model(ModelConfig(family=family_name, path=str(folder)))
+    model = loading.load_model(ModelConfig(family=family_name, path=str(folder)), in_files_dtype=True)
     components = dict(model.named_components())
     states = {name: module.state_dict() for name, module in components.items()}
     dtype = next(model.denoiser.parameters()).dtype
@@ -206,24 +203,21 @@ def single_file(folder, family_name: str, target, with_text_encoders: bool = Fal
 
 @pytest.mark.parametrize("family, with_text_encoders", [("flux", False), ("sd3", True)])
 def test_a_bfloat16_single_file_is_read_in_bfloat16_and_is_the_float32_loads(half_models, shapes_data, tmp_path,
-                                                                            monkeypatch, family, with_text_encoders):
+                                                                            family, with_text_encoders):
     """The transformer from its file, the other components from the folder (sd3: the file's own text encoders and
     VAE replace the folder's)."""
-    from ot_dist.models.families import transformer_single_file
-
     folder = half_models[family, "bfloat16"]
     path = single_file(folder, family, tmp_path / "model.safetensors", with_text_encoders)
     raw = base_config(path, shapes_data, tmp_path / "out", family=family, method="lora", resolution=128,
                       **{"model.config": str(folder)})
-    ours = prepared(raw, monkeypatch, float32_load=False)
+    ours = prepared(raw, float32_load=False)
     assert ours[2] == {torch.bfloat16}
-    monkeypatch.setattr(transformer_single_file, "exact_dtype", lambda files: FLOAT32)
-    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+    assert_same(ours, prepared(raw, float32_load=True))
 
 
 @pytest.mark.parametrize("family, dtype", [("sdxl", "float16"), ("sd1", "bfloat16")])
 def test_a_16_bit_checkpoint_file_is_read_in_its_dtype_and_is_the_float32_loads(half_models, shapes_data, tmp_path,
-                                                                               monkeypatch, family, dtype):
+                                                                               family, dtype):
     """An A1111 / ComfyUI checkpoint (UNet, VAE and text encoders in one original-layout file), as most SD 1.x and
     SDXL models are shared: fp16."""
     from diffusers import DiffusionPipeline
@@ -235,9 +229,77 @@ def test_a_16_bit_checkpoint_file_is_read_in_its_dtype_and_is_the_float32_loads(
     path = export_single_file(pipe.components, family, tmp_path / "model.safetensors")
     raw = base_config(path, shapes_data, tmp_path / "out", family=family, method="lora", resolution=128,
                       weight_dtype="bfloat16", **{"model.config": str(folder)})
-    ours = prepared(raw, monkeypatch, float32_load=False)
+    ours = prepared(raw, float32_load=False)
     assert getattr(torch, dtype) in ours[2]
-    import ot_dist.models.load_dtype as load_dtype
+    assert_same(ours, prepared(raw, float32_load=True))
 
-    monkeypatch.setattr(load_dtype, "exact_dtype", lambda files: FLOAT32)  # sd.py imports it when it loads a file
-    assert_same(ours, prepared(raw, monkeypatch, float32_load=True))
+
+def test_components_from_comfyui_files_are_read_in_their_dtype_and_are_the_float32_loads(shapes_data, tmp_path):
+    """Flux as ComfyUI users hold it: flux1-dev.safetensors, clip_l and ae in bfloat16, t5xxl_fp16 in float16, the
+    folder with configs and tokenizers only."""
+    from safetensors.torch import load_file
+    from test_component_files import comfy_clip, comfy_t5, configs_only, ldm_vae, randomized, save, transformer_file
+
+    from ot_dist.models.families.registry import get_family
+
+    family = get_family("flux")
+    pipe = family.build_tiny()
+    for name in ("text_encoder", "text_encoder_2", "vae"):
+        randomized(getattr(pipe, name))
+    half = {k: v.to(torch.bfloat16) for k, v in pipe.transformer.state_dict().items()}
+    pipe.transformer.load_state_dict(half)
+    folder = configs_only(pipe, tmp_path / "config")
+    files = {"text_encoder": save({k: v.to(torch.bfloat16) for k, v in comfy_clip(pipe.text_encoder).items()},
+                                  tmp_path / "clip_l.safetensors"),
+             "text_encoder_2": save({k: v.to(torch.float16) for k, v in comfy_t5(pipe.text_encoder_2).items()},
+                                    tmp_path / "t5xxl_fp16.safetensors"),
+             "vae": save({k: v.to(torch.bfloat16) for k, v in ldm_vae(pipe.vae).items()}, tmp_path / "ae.safetensors")}
+    single = transformer_file(family, pipe, tmp_path / "flux1-dev.safetensors")
+    save({k: v.to(torch.bfloat16) for k, v in load_file(single).items()}, single)
+    raw = base_config(single, shapes_data, tmp_path / "out", family="flux", method="lora", resolution=128,
+                      weight_dtype="bfloat16", **{"model.config": str(folder),
+                                                  "model.component_files": {k: str(v) for k, v in files.items()}})
+    config = validate(raw)
+    loaded = loading.load_model(config.model, in_files_dtype=True)
+    assert {p.dtype for p in loaded.pipeline.text_encoder_2.parameters()} == {torch.float16}
+    assert {p.dtype for p in loaded.pipeline.text_encoder.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in loaded.vae.parameters()} == {torch.bfloat16}
+    ours = prepared(raw, float32_load=False)
+    assert_same(ours, prepared(raw, float32_load=True))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# training
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family, overrides", [
+    ("sdxl", {"weight_dtype": "bfloat16", "train_dtype": "bfloat16", "data.cache_latents": True,
+              "sampling.prompts": [{"prompt": "a red circle", "seed": 1, "steps": 2, "width": 64, "height": 64}]}),
+    ("flux", {"weight_dtype": "float8", "offload_frozen_components": True}),
+])
+def test_a_lora_run_on_a_bfloat16_model_is_the_float32_loads(half_models, shapes_data, tmp_path, monkeypatch, family,
+                                                            overrides):
+    """End to end, the trainer reading the model in its files' dtype: the same losses, LoRA file and samples."""
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from ot_dist.train import trainer as trainer_module
+
+    runs = {}
+    for name, in_files_dtype in (("ours", True), ("float32", False)):
+        load = loading.load_model
+        monkeypatch.setattr(trainer_module, "load_model", lambda config, **kwargs: load(config, **{
+            **kwargs, "in_files_dtype": in_files_dtype}))
+        run = base_config(half_models[family, "bfloat16"], shapes_data, tmp_path / name, family=family, method="lora",
+                          resolution=128, max_steps=2, **overrides)
+        result = trainer_module.Trainer(validate(run), log=lambda *_: None).train()
+        samples = sorted((tmp_path / name / "samples").rglob("*.png"))
+        runs[name] = (result.losses, load_file(tmp_path / name / "lora.safetensors"),
+                      [np.asarray(Image.open(p)) for p in samples])  # the files' headers hold their run's dates
+    ours, reference = runs["ours"], runs["float32"]
+    assert ours[0] == reference[0]
+    assert ours[1].keys() == reference[1].keys() and all(torch.equal(v, reference[1][k]) for k, v in ours[1].items())
+    assert len(ours[2]) == len(reference[2]) == len(overrides.get("sampling.prompts", []))
+    assert all(np.array_equal(a, b) for a, b in zip(ours[2], reference[2]))

@@ -1,8 +1,8 @@
 """What a full export writes for the components a run did not train: the weights the user loaded, not the copies
 training held. Low-memory storage (`weight_dtype: float8`, `nf4`, `bfloat16`, `float16`) rounds every frozen weight
 in memory; exporting those copies would silently degrade the VAE and frozen text encoders of the file users load. When
-any frozen module holds rounded copies, the writing rank loads `model.path` again (as `load_model` does, float32:
-lossless for float32 / 16-bit originals) and takes every untrained component from it, so the export casts the
+any frozen module holds rounded copies, the writing rank loads `model.path` again (in each file's own dtype where that
+holds it exactly, else float32: lossless) and takes every untrained component from it, so the export casts the
 original once to output_dtype. From a diffusers folder only the untrained components are read again."""
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ def export_source(model: LoadedModel, model_config, trained: set[str], state_dic
     states = {name: state_dict_of(parts[name]) for name in trained}
     if not write:
         return ExportSource(model.pipeline, components, states)
-    source = load_model(model_config, given={name: parts[name] for name in trained})  # a folder: only the frozen
+    # a folder: only the frozen components; in their files' dtype, which casting to output_dtype turns into what
+    # the float32 load would (models/load_dtype.py), at half its memory for a 16-bit model
+    source = load_model(model_config, given={name: parts[name] for name in trained}, in_files_dtype=True)
     for name in trained:  # the trained modules in the original's pipeline (their configs; weights from `states`)
         if getattr(source.pipeline, name) is parts[name]:
             continue  # given to the loader, not read again

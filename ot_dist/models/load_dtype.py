@@ -19,12 +19,33 @@ from __future__ import annotations
 import contextlib
 import json
 import struct
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
 FLOAT32 = torch.float32
+# Set by load_model(in_files_dtype=True) for the loaders it calls: the trainer, which stores every component
+# afterwards. The tools that compute with the loaded weights themselves (a LoRA merged into them, one extracted from
+# their difference, trained weights copied into them for an export) keep reading float32.
+_IN_FILES_DTYPE: ContextVar[bool] = ContextVar("ot_dist_in_files_dtype", default=False)
+
+
+@contextlib.contextmanager
+def reading_in_files_dtype(enabled: bool = True) -> Iterator[None]:
+    """Inside: the loaders read each component in load_dtype_of its files; outside, in float32."""
+    token = _IN_FILES_DTYPE.set(enabled)
+    try:
+        yield
+    finally:
+        _IN_FILES_DTYPE.reset(token)
+
+
+def load_dtype_of(files: Iterable[Path]) -> torch.dtype:
+    """The dtype a loader reads a component of these files in: exact_dtype inside reading_in_files_dtype, else
+    float32."""
+    return exact_dtype(files) if _IN_FILES_DTYPE.get() else FLOAT32
 # The 16-bit containers, narrowest first, and the safetensors dtypes each holds exactly (a float8 value is both a
 # bfloat16 and a float16 value: e4m3's and e5m2's exponents and mantissas fit in either).
 EXACT_CONTAINERS: tuple[tuple[torch.dtype, frozenset[str]], ...] = (
@@ -68,11 +89,11 @@ def exact_dtype(files: Iterable[Path]) -> torch.dtype:
 
 
 def folder_load_dtypes(path: Path, names: Iterable[str]) -> dict[str, torch.dtype]:
-    """Each named component of a diffusers folder -> the dtype to read it in (its subfolder's weight files, as
-    from_pretrained picks them: no variant where plain weights exist)."""
+    """Each named component of a diffusers folder -> the dtype to read it in (load_dtype_of its subfolder's weight
+    files, as from_pretrained picks them: no variant where plain weights exist)."""
     from ot_dist.parallel.load_turns import loaded_files
 
-    return {name: exact_dtype(loaded_files(sorted((path / name).glob("*.safetensors"))))
+    return {name: load_dtype_of(loaded_files(sorted((path / name).glob("*.safetensors"))))
             for name in names if (path / name).is_dir()}
 
 

@@ -14,7 +14,7 @@ from ot_dist.errors import InputFileError
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.inpainting import as_inpainting_pipeline, check_inpainting_option
-from ot_dist.models.load_dtype import as_float32_load, folder_load_dtypes
+from ot_dist.models.load_dtype import as_float32_load, folder_load_dtypes, reading_in_files_dtype
 from ot_dist.models.objectives import Objective
 
 
@@ -73,11 +73,19 @@ class LoadedModel:
                 *(("sampling", m) for m in self.sampling_modules())]
 
 
-def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = None) -> LoadedModel:
+def load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None = None,
+               in_files_dtype: bool = False) -> LoadedModel:
     """`given`: modules that stand in for components of a diffusers folder, which are then not read from it (a full
     export takes the frozen components from model.path and passes the trained ones: a Flux transformer is not
     loaded a second time, 48 GB in float32); the pipeline's config still names the folder's classes. Single files
-    and families with their own folder loader load every component (the caller puts its modules in)."""
+    and families with their own folder loader load every component (the caller puts its modules in).
+    `in_files_dtype`: each component in the narrowest dtype that holds its files exactly (models/load_dtype.py), for
+    a caller that casts every weight to its storage before computing with it (the trainer); else float32."""
+    with reading_in_files_dtype(in_files_dtype):
+        return _load_model(config, given)
+
+
+def _load_model(config: ModelConfig, given: dict[str, torch.nn.Module] | None) -> LoadedModel:
     from diffusers.utils import logging as diffusers_logging
 
     diffusers_logging.disable_progress_bar()  # one bar per component is noise in a training log

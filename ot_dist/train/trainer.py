@@ -145,7 +145,8 @@ class Trainer:
         # the ranks of a node load (in CPU memory) and place the model a few at a time: the node's peak
         with load_turn(config.distributed.load_ranks_per_node, config.model.path, self.runtime.local_rank, self.log,
                        grown=master_widths(config)):
-            self.model: LoadedModel = load_model(config.model)
+            # in its files' dtype: _place_modules casts every component to its storage before anything computes
+            self.model: LoadedModel = load_model(config.model, in_files_dtype=True)
             timestep_bounds(config.loss, self.model.objective.num_timesteps)  # fails before training
             check_inpainting_setup(config, self.model)
             self.method: TrainingMethod = build_method(config)

@@ -43,7 +43,9 @@ raw = json.loads(sys.argv[1])
 config = validate(raw)
 before = status_kib("VmRSS")
 start = time.perf_counter()
-model = load_model(config.model)
+import inspect  # as the trainer loads: in the files' dtype where this revision can (its keyword), else float32
+options = {"in_files_dtype": True} if "in_files_dtype" in inspect.signature(load_model).parameters else {}
+model = load_model(config.model, **options)
 read_in = sorted({str(p.dtype) for p in model.denoiser.parameters()})
 torch.manual_seed(0)
 build_method(config).prepare(model)

@@ -256,7 +256,7 @@ LDM_VAE = ConvertedLayout("LDM VAE (Black Forest Labs' ae.safetensors)", _ldm_va
 
 @dataclass
 class FileTensors:
-    """A component file's header and its tensors as float32, float8 weights multiplied by their scales."""
+    """A component file's header and its tensors as stored, float8 weights multiplied by their scales (in float32)."""
 
     path: Path
     header: dict[str, tuple[int, ...]]  # the component's tensors only (the quantization entries left out)
@@ -281,10 +281,17 @@ class FileTensors:
         return cls(path, {k: v for k, v in header.items() if k not in extras}, scales)
 
     def read(self, handle, key: str) -> Tensor:
-        tensor = handle.get_tensor(key).float()
+        tensor = handle.get_tensor(key)
         if key in self.scales:
-            tensor = tensor * handle.get_tensor(self.scales[key]).float()
+            tensor = tensor.float() * handle.get_tensor(self.scales[key]).float()
         return tensor
+
+    def load_dtype(self) -> torch.dtype:
+        """What the component is built in: the file's own width where it holds every value exactly
+        (models/load_dtype.py), float32 for a scaled file (its weights are float32 products)."""
+        from ot_dist.models.load_dtype import FLOAT32, load_dtype_of
+
+        return FLOAT32 if self.scales else load_dtype_of([self.path])
 
 
 def _quantized_layers(path: Path, header: Mapping[str, tuple[int, ...]]) -> dict[str, str]:
@@ -324,8 +331,8 @@ def config_folder(model_config) -> Path:
     return Path(model_config.config)
 
 
-def empty_component(folder: Path, name: str) -> torch.nn.Module:
-    """The component the folder's `<name>/config.json` describes, in float32, its weights not initialised (they all
+def empty_component(folder: Path, name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The component the folder's `<name>/config.json` describes, in `dtype`, its weights not initialised (they all
     come from the file)."""
     import diffusers
     import transformers
@@ -337,15 +344,20 @@ def empty_component(folder: Path, name: str) -> torch.nn.Module:
     except (OSError, ValueError, KeyError, TypeError):
         raise InputFileError(f"{FIELD}.{name}: {index} names no {name} (the model.config folder must be the "
                              "family's diffusers folder, its weights may be left out)") from None
-    if library == "transformers":
-        cls = getattr(transformers, class_name)
-        config = transformers.AutoConfig.from_pretrained(folder / name, local_files_only=True)
-        with no_init_weights():
-            module = cls(config)
-    else:
-        cls = getattr(diffusers, class_name)
-        module = cls.from_config(cls.load_config(folder / name, local_files_only=True))
-    return module.float().eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in it, as from_pretrained builds (no float32 copy on the way)
+    try:
+        if library == "transformers":
+            cls = getattr(transformers, class_name)
+            config = transformers.AutoConfig.from_pretrained(folder / name, local_files_only=True)
+            with no_init_weights():
+                module = cls(config)
+        else:
+            cls = getattr(diffusers, class_name)
+            module = cls.from_config(cls.load_config(folder / name, local_files_only=True))
+    finally:
+        torch.set_default_dtype(previous)
+    return module.to(dtype).eval()
 
 
 def check_component_files(family, model_config) -> None:
@@ -363,18 +375,22 @@ def check_component_files(family, model_config) -> None:
 
 def load_component_files(family, model_config) -> dict[str, torch.nn.Module]:
     """The components model.component_files names, each built from the folder's config and read from its file
-    (checked first), float32."""
+    (checked first), in the file's dtype where that holds it exactly (FileTensors.load_dtype), else float32."""
     from safetensors import safe_open
+
+    from ot_dist.models.load_dtype import as_float32_load
 
     modules = {}
     for name, file in model_config.component_files.items():
         layout = _layout(family, name)
         path = _existing(name, file)
         tensors = FileTensors.open(path, f"{FIELD}.{name}")
-        module = empty_component(config_folder(model_config), name)
+        dtype = tensors.load_dtype()
+        module = empty_component(config_folder(model_config), name, dtype)
         _raise_if_bad(name, path, layout, layout.check(tensors.header, module))
         with safe_open(str(path), "pt") as handle:
             layout.load(module, lambda key: tensors.read(handle, key), tensors.header)
+        as_float32_load(module, dtype, config_follows_load=False)  # built from the folder's config, which it keeps
         modules[name] = module
     return modules
 

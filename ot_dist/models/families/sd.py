@@ -116,9 +116,9 @@ class UNetFamily(Family):
 
     def load_single_file(self, path: Path, config_folder, model_config):
         from ot_dist.models.families.sd_single_file import load_single_file
-        from ot_dist.models.load_dtype import as_float32_load, exact_dtype
+        from ot_dist.models.load_dtype import as_float32_load, load_dtype_of
 
-        dtype = exact_dtype([Path(path)])  # the file's own width where it holds every value (models/load_dtype.py)
+        dtype = load_dtype_of([Path(path)])  # the file's own width where it holds every value (models/load_dtype.py)
         pipeline = load_single_file(path, self.name, config_folder, torch_dtype=dtype)
         for module in pipeline.components.values():
             if isinstance(module, torch.nn.Module):

@@ -15,7 +15,7 @@ import torch
 from ot_dist.errors import InputFileError
 from ot_dist.models.families.full_checkpoint import file_components, load_file_components
 from ot_dist.models.families.single_file_keys import read_safetensors_header
-from ot_dist.models.load_dtype import as_float32_load, exact_dtype, float32_build_of, folder_load_dtypes, own_tensors
+from ot_dist.models.load_dtype import as_float32_load, float32_build_of, folder_load_dtypes, load_dtype_of, own_tensors
 
 
 def load_transformer_file(path: Path, config_folder: str | None, family, from_original: Callable,
@@ -43,7 +43,7 @@ def load_transformer_file(path: Path, config_folder: str | None, family, from_or
         check_component_files(family, model_config)  # every file's header, before any tensor is read
     # In the file's own width (models/load_dtype.py), into a model built without weights: a Flux.1 file read in
     # float32 into a randomly initialised float32 model held four copies of the transformer at once (~95 GB).
-    dtype = exact_dtype([path])
+    dtype = load_dtype_of([path])
     state = own_tensors(from_original(load_file(path), config), dtype)
     denoiser = float32_build_of(getattr(diffusers, config["_class_name"]), config)
     missing, unexpected = denoiser.load_state_dict(state, strict=False, assign=True)
