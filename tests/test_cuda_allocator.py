@@ -44,7 +44,8 @@ def test_the_trainer_sets_it_before_the_model_is_loaded(tiny_models, shapes_data
     monkeypatch.setattr(cuda_allocator, "allocator_settings", lambda options, device: EXPANDABLE)
     monkeypatch.setattr(cuda_allocator, "set_allocator_settings", lambda settings: events.append(settings))
     real_load = trainer_module.load_model
-    monkeypatch.setattr(trainer_module, "load_model", lambda config: events.append("load_model") or real_load(config))
+    monkeypatch.setattr(trainer_module, "load_model",
+                        lambda config, **kwargs: events.append("load_model") or real_load(config, **kwargs))
     config = validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "run"))
     trainer_module.Trainer(config, log=lambda *_: None)
     assert events == [EXPANDABLE, "load_model"]

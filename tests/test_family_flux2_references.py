@@ -151,7 +151,7 @@ def test_a_run_mixing_samples_with_and_without_references_is_refused(family_mode
                                                                        tmp_path, monkeypatch):
     import ot_dist.train.trainer as trainer_module
 
-    def no_loading(*_):
+    def no_loading(*_, **__):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(trainer_module, "load_model", no_loading)

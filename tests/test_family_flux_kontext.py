@@ -200,7 +200,7 @@ def test_cached_latents_train_like_encoding_each_step(family_models, edit_pairs,
 def test_data_without_references_is_refused_before_the_model_loads(family_models, edit_pairs, tmp_path, monkeypatch):
     import ot_dist.train.trainer as trainer_module
 
-    def no_loading(*_):
+    def no_loading(*_, **__):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(trainer_module, "load_model", no_loading)

@@ -242,7 +242,7 @@ def test_the_text_cache_is_refused_before_the_model_loads(family_models, edit_pa
     option = "cache_text"
     import ot_dist.train.trainer as trainer_module
 
-    def no_loading(*_):
+    def no_loading(*_, **__):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(trainer_module, "load_model", no_loading)

@@ -89,6 +89,29 @@ def test_frozen_components_are_exported_as_loaded_not_as_stored(weight_dtype, ou
             assert file.read_bytes() == (tmp_path / "o" / name / file.relative_to(folder)).read_bytes(), file
 
 
+def test_a_bfloat16_model_stored_in_bfloat16_is_exported_from_memory(shapes_data, tmp_path, monkeypatch):
+    """Read in its files' bfloat16 and stored in bfloat16, a frozen component holds the files' values: the export
+    writes it from memory, without reading model.path again, and it is the original bit for bit."""
+    from ot_dist.checkpoint import frozen_source
+    from ot_dist.models.tiny import make_tiny_model
+
+    original = make_tiny_model(tmp_path / "bf16", "sd1", dtype=torch.bfloat16)
+    raw = base_config(original, shapes_data, tmp_path / "o", batch_size=2, max_steps=1, learning_rate=1e-3,
+                      weight_dtype="bfloat16", train_dtype="bfloat16", output_dtype="bfloat16")
+    reads = []
+    monkeypatch.setattr(frozen_source, "load_model", lambda *args, **kwargs: reads.append(args) or load_model(
+        *args, **kwargs))
+    trainer = Trainer(validate(raw), log=quiet)
+    assert frozen_source.held_as_loaded(trainer.model.vae)
+    trainer.train()
+    assert reads == []
+    assert_frozen_as_loaded(tmp_path / "o" / "model", original, torch.bfloat16)
+    # a float32 model stored in bfloat16 holds rounded copies: read again
+    trainer = Trainer(validate({**raw, "model": {"family": "sd1", "path": str(make_tiny_model(tmp_path / "f32"))},
+                                "output_dir": str(tmp_path / "o32")}), log=quiet)
+    assert not frozen_source.held_as_loaded(trainer.model.vae)
+
+
 def test_a_single_file_model_path_gives_its_frozen_tensors_back_bit_for_bit(tiny_models, shapes_data, tmp_path):
     """Trained from a single file under float8 storage: the exported single file's VAE and text encoder tensors are
     the input file's, key for key (the UNet's are the trained ones)."""

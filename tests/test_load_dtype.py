@@ -174,7 +174,7 @@ def test_a_float16_folder_is_read_in_float16_and_is_the_float32_loads(half_model
     assert_same(ours, prepared(raw, float32_load=True))
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "sana"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sana", "anima"])
 def test_a_bfloat16_folder_is_read_in_bfloat16_and_a_float32_one_in_float32(half_models, family_models, shapes_data,
                                                                           tmp_path, family):
     """What the memory saving rests on: the denoiser's weights come in at the files' width."""
@@ -182,6 +182,23 @@ def test_a_bfloat16_folder_is_read_in_bfloat16_and_a_float32_one_in_float32(half
     assert torch.bfloat16 in prepared(raw, float32_load=False)[2]
     raw = base_config(family_models[family], shapes_data, tmp_path / "out32", family=family, method="lora")
     assert prepared(raw, float32_load=False)[2] == {FLOAT32}
+
+
+def test_one_wan_22_expert_is_read_in_bfloat16_and_is_the_float32_loads(shapes_data, tmp_path):
+    """Wan 2.2 A14B: the family reads the chosen expert itself (14 B parameters, 56 GB in float32)."""
+    from ot_dist.models.families.registry import get_family
+
+    folder = tmp_path / "a14b"
+    pipe = get_family("wan").build_tiny(seed=0, a14b=True)
+    for module in pipe.components.values():
+        if isinstance(module, torch.nn.Module):
+            module.to(torch.bfloat16)
+    pipe.save_pretrained(folder)
+    raw = base_config(folder, shapes_data, tmp_path / "out", family="wan", method="lora", resolution=128,
+                      weight_dtype="bfloat16", **{"model.wan_expert": "low_noise"})
+    ours = prepared(raw, float32_load=False)
+    assert ours[2] <= {torch.bfloat16, torch.float32} and torch.bfloat16 in ours[2]  # _keep_in_fp32_modules
+    assert_same(ours, prepared(raw, float32_load=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------------

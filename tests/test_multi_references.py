@@ -59,7 +59,7 @@ def edit_config(family, model, images, references, out, concepts=None, **overrid
 def no_model_loading(monkeypatch):
     import ot_dist.train.trainer as trainer_module
 
-    def no_loading(*_):
+    def no_loading(*_, **__):
         raise AssertionError("the model was loaded")
 
     monkeypatch.setattr(trainer_module, "load_model", no_loading)

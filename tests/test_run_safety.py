@@ -277,7 +277,7 @@ def test_export_to_an_unwritable_out_or_of_no_checkpoint_is_named_before_the_mod
                                                                                           monkeypatch):
     import ot_dist.models.loading
 
-    def no_loading(*_args):
+    def no_loading(*_args, **_kwargs):
         raise AssertionError("the model was loaded before the bad input was found")
 
     monkeypatch.setattr(ot_dist.models.loading, "load_model", no_loading)

@@ -12,15 +12,19 @@ from dataclasses import dataclass
 import torch
 
 from ot_dist.memory.stored import holds_stored_weights
+from ot_dist.models.load_dtype import loaded_in
 from ot_dist.models.loading import LoadedModel, load_model
 
 
 def held_as_loaded(module: torch.nn.Module) -> bool:
-    """Whether a module still holds the weights `load_model` gave it (float32): float8 and nf4 storage and the
-    16-bit weight_dtypes store rounded copies. nf4's packed weights are uint8, which the dtype check skips: stored
-    weights are found by their marker (a float32 train_dtype leaves every other parameter float32)."""
+    """Whether a module still holds the weights `load_model` gave it: every floating weight in float32 or in the
+    16-bit dtype its files hold (models/load_dtype.py `loaded_in`: a bfloat16 model stored in bfloat16 is its files'
+    values). float8 and nf4 storage and a narrower 16-bit weight_dtype store rounded copies. nf4's packed weights are
+    uint8, which the dtype check skips: stored weights are found by their marker (a float32 train_dtype leaves every
+    other parameter float32)."""
+    exact = {torch.float32, loaded_in(module)}
     return not holds_stored_weights(module) and all(
-        p.dtype == torch.float32 for p in module.parameters() if p.is_floating_point())
+        p.dtype in exact for p in module.parameters() if p.is_floating_point())
 
 
 @dataclass

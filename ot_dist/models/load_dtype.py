@@ -97,13 +97,35 @@ def folder_load_dtypes(path: Path, names: Iterable[str]) -> dict[str, torch.dtyp
             for name in names if (path / name).is_dir()}
 
 
+def component_from_pretrained(cls: type, folder: Path, **kwargs) -> torch.nn.Module:
+    """`cls.from_pretrained(folder)` of one component's folder, in load_dtype_of its weight files, made what the
+    float32 load makes of it (a family that reads a component itself: one Wan 2.2 A14B expert)."""
+    from ot_dist.parallel.load_turns import loaded_files
+
+    dtype = load_dtype_of(loaded_files(sorted(Path(folder).glob("*.safetensors"))))
+    module = cls.from_pretrained(folder, dtype=dtype, **kwargs)
+    as_float32_load(module, dtype)
+    return module
+
+
+LOADED_IN_ATTR = "ot_dist_loaded_in"  # on a component read in 16 bits: the dtype whose values its files hold
+
+
+def loaded_in(module: torch.nn.Module) -> torch.dtype:
+    """The dtype a component was read in (float32 unless as_float32_load marked it): a weight held in it is the
+    file's value, one held in a narrower dtype may be rounded."""
+    return getattr(module, LOADED_IN_ATTR, FLOAT32)
+
+
 def as_float32_load(module: torch.nn.Module, loaded_in: torch.dtype, config_follows_load: bool = True) -> None:
     """A component read in `loaded_in` made what the float32 load makes of it, but for its weights' dtype: the tables
     it computed when it was built (non-persistent floating buffers) computed in float32, and, where the loader
     recorded the load dtype in transformers' config (`config_follows_load`: from_pretrained does, from_single_file
-    keeps the config folder's), the config saying float32. Nothing to do for a float32 load."""
+    keeps the config folder's), the config saying float32. Nothing to do for a float32 load. The component is marked
+    with the dtype (`loaded_in`)."""
     if loaded_in == FLOAT32:
         return
+    setattr(module, LOADED_IN_ATTR, loaded_in)
     config = getattr(module, "config", None)
     if config_follows_load and config is not None and getattr(config, "dtype", None) == loaded_in:
         config.dtype = FLOAT32  # transformers' PretrainedConfig

@@ -33,9 +33,9 @@ if __name__ == "__main__":
     times = {}
     load_model, place = trainer_module.load_model, trainer_module.Trainer._place_modules
 
-    def timed_load(config):
+    def timed_load(config, **kwargs):
         times["start"] = time.time()
-        return load_model(config)
+        return load_model(config, **kwargs)
 
     def timed_place(self):
         place(self)

@@ -315,8 +315,10 @@ def load_expert(path: Path, expert: str):
     """The A14B folder's `expert` transformer alone (its own subfolder)."""
     from diffusers import WanTransformer3DModel
 
-    return WanTransformer3DModel.from_pretrained(path / EXPERT_FOLDERS[expert], dtype=torch.float32,
-                                                 use_safetensors=True, local_files_only=True)
+    from ot_dist.models.load_dtype import component_from_pretrained
+
+    return component_from_pretrained(WanTransformer3DModel, path / EXPERT_FOLDERS[expert], use_safetensors=True,
+                                     local_files_only=True)
 
 
 def refuse_unsupported_index(index: dict) -> None:
