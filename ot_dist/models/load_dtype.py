@@ -55,19 +55,25 @@ EXACT_CONTAINERS: tuple[tuple[torch.dtype, frozenset[str]], ...] = (
 FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 
-def safetensors_dtypes(file: Path) -> set[str] | None:
-    """The safetensors dtype names of a file's floating tensors, from its header alone; None where the file is not
-    readable as safetensors (the loader then names the problem)."""
+def tensor_entries(file: Path) -> dict[str, dict] | None:
+    """A safetensors file's tensor entries (name -> dtype, shape, data_offsets) from its header alone; None where the
+    file is not readable as safetensors (the loader then names the problem)."""
     try:
         with open(file, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
-            if length > min(file.stat().st_size, 100 * 2**20):  # safetensors caps its header at 100 MB
+            if length > min(Path(file).stat().st_size, 100 * 2**20):  # safetensors caps its header at 100 MB
                 return None
             header = json.loads(f.read(length))
-        return {entry["dtype"] for name, entry in header.items()
-                if name != "__metadata__" and entry["dtype"] in FLOATING}
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        entries = {name: entry for name, entry in header.items() if name != "__metadata__"}
+        return entries if all(isinstance(e, dict) and "dtype" in e for e in entries.values()) else None
+    except (OSError, ValueError, AttributeError, struct.error):
         return None
+
+
+def safetensors_dtypes(file: Path) -> set[str] | None:
+    """The safetensors dtype names of a file's floating tensors; None where it is not readable as safetensors."""
+    entries = tensor_entries(file)
+    return None if entries is None else {e["dtype"] for e in entries.values() if e["dtype"] in FLOATING}
 
 
 def exact_dtype(files: Iterable[Path]) -> torch.dtype:

@@ -16,9 +16,7 @@ not make."""
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import struct
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -27,7 +25,6 @@ import torch.distributed as dist
 from ot_dist.parallel.runtime import gather_objects, ranks_on_this_node
 
 MEMORY_SHARE = 0.9  # of the available memory the loads may take (the loader workers, the page cache need some)
-FLOAT_DTYPES = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
 
 
 def load_bytes_of(path: str | Path, grown: dict[str, int] | None = None) -> int:
@@ -76,21 +73,11 @@ def loaded_files(files: list[Path]) -> list[Path]:
 
 def _bytes_in(file: Path, float_width: int) -> int:
     """The file's floating tensors at `float_width` bytes each, the others as stored; 0 where it is unreadable."""
-    try:
-        with open(file, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > min(file.stat().st_size, 100 * 2**20):  # safetensors caps its header at 100 MB
-                return 0
-            header = json.loads(f.read(length))
-    except (OSError, ValueError, struct.error):
-        return 0  # not readable as safetensors: the loader names it
-    total = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = entry["data_offsets"]
-        total += math.prod(entry["shape"]) * float_width if entry["dtype"] in FLOAT_DTYPES else end - start
-    return total
+    from ot_dist.models.load_dtype import FLOATING, tensor_entries
+
+    entries = tensor_entries(file) or {}
+    return sum(math.prod(e["shape"]) * float_width if e["dtype"] in FLOATING
+               else e["data_offsets"][1] - e["data_offsets"][0] for e in entries.values())
 
 
 def available_memory(meminfo: str = "/proc/meminfo", cgroup: str = "/sys/fs/cgroup") -> int | None:
