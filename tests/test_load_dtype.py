@@ -174,14 +174,29 @@ def test_a_float16_folder_is_read_in_float16_and_is_the_float32_loads(half_model
     assert_same(ours, prepared(raw, float32_load=True))
 
 
-@pytest.mark.parametrize("family", ["sdxl", "flux", "sana", "anima"])
+@pytest.mark.parametrize("family", ["sdxl", "flux", "sana", "anima", "wuerstchen_v2"])
 def test_a_bfloat16_folder_is_read_in_bfloat16_and_a_float32_one_in_float32(half_models, family_models, shapes_data,
                                                                           tmp_path, family):
     """What the memory saving rests on: the denoiser's weights come in at the files' width."""
     raw = _config(half_models, shapes_data, tmp_path, family, method="lora")
     assert torch.bfloat16 in prepared(raw, float32_load=False)[2]
-    raw = base_config(family_models[family], shapes_data, tmp_path / "out32", family=family, method="lora")
+    raw = base_config(family_models[family], shapes_data, tmp_path / "out32", family=family, method="lora",
+                      resolution=128)
     assert prepared(raw, float32_load=False)[2] == {FLOAT32}
+
+
+@pytest.mark.parametrize("family", ["stable_cascade", "wuerstchen_v2"])
+def test_the_decoder_stages_are_read_in_bfloat16_and_are_the_float32_loads(half_models, shapes_data, tmp_path, family):
+    """Stable Cascade's and Würstchen's frozen decoder stages (model.decoder), which only sampling runs."""
+    from ot_dist.models.families.stable_cascade import TINY_DECODER_FOLDER
+
+    folder = half_models[family, "bfloat16"]
+    raw = _config(half_models, shapes_data, tmp_path, family, method="lora", weight_dtype="bfloat16",
+                  **{"model.decoder": str(folder / TINY_DECODER_FOLDER)})
+    ours = prepared(raw, float32_load=False)
+    model = loading.load_model(validate(raw).model, in_files_dtype=True)
+    assert torch.bfloat16 in {p.dtype for m in model.sampling_modules() for p in m.parameters()}
+    assert_same(ours, prepared(raw, float32_load=True))
 
 
 def test_one_wan_22_expert_is_read_in_bfloat16_and_is_the_float32_loads(shapes_data, tmp_path):

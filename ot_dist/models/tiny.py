@@ -168,7 +168,8 @@ def make_tiny_model(folder: str | Path, family: str = "sd1", seed: int = 0, pred
     if dtype is not None:
         import torch
 
-        for module in pipe.components.values():
+        stages = getattr(pipe, "decoder_stages", None)  # Stable Cascade's decoder stages (save_demo_extras)
+        for module in [*pipe.components.values(), *(stages.components.values() if stages is not None else ())]:
             if isinstance(module, torch.nn.Module):
                 module.to(dtype)
     pipe.save_pretrained(folder, safe_serialization=True)

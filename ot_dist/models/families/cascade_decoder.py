@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ot_dist.errors import InputFileError
+from ot_dist.models.load_dtype import component_from_pretrained
 
 # The decoder folder's subfolders each family reads (model_index.json lists them; the official folders hold more,
 # e.g. stable-cascade's decoder_lite/).
@@ -42,7 +43,7 @@ def _check_folder(path: Path, expected_class: str, parts: tuple[str, ...]) -> No
 def _vqgan(path: Path):
     from diffusers.pipelines.deprecated.wuerstchen.modeling_paella_vq_model import PaellaVQModel
 
-    return PaellaVQModel.from_pretrained(path / "vqgan", torch_dtype=torch.float32)
+    return component_from_pretrained(PaellaVQModel, path / "vqgan")
 
 
 def load_stable_cascade_decoder(path: Path):
@@ -53,7 +54,7 @@ def load_stable_cascade_decoder(path: Path):
 
     _check_folder(path, "StableCascadeDecoderPipeline", STABLE_CASCADE_PARTS)
     return StableCascadeDecoderPipeline(
-        decoder=StableCascadeUNet.from_pretrained(path / "decoder", torch_dtype=torch.float32), tokenizer=None,
+        decoder=component_from_pretrained(StableCascadeUNet, path / "decoder"), tokenizer=None,
         text_encoder=None, scheduler=DDPMWuerstchenScheduler.from_pretrained(path / "scheduler"),
         vqgan=_vqgan(path), **_settings(path))
 
@@ -68,8 +69,8 @@ def load_wuerstchen_decoder(path: Path):
     _check_folder(path, "WuerstchenDecoderPipeline", WUERSTCHEN_PARTS)
     return WuerstchenDecoderPipeline(
         tokenizer=CLIPTokenizer.from_pretrained(path / "tokenizer"),
-        text_encoder=CLIPTextModel.from_pretrained(path / "text_encoder", dtype=torch.float32),
-        decoder=WuerstchenDiffNeXt.from_pretrained(path / "decoder", torch_dtype=torch.float32),
+        text_encoder=component_from_pretrained(CLIPTextModel, path / "text_encoder"),
+        decoder=component_from_pretrained(WuerstchenDiffNeXt, path / "decoder"),
         scheduler=DDPMWuerstchenScheduler.from_pretrained(path / "scheduler"), vqgan=_vqgan(path), **_settings(path))
 
 

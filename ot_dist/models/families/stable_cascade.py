@@ -287,11 +287,13 @@ class WuerstchenV2(StableCascade):
         from diffusers.pipelines.deprecated.wuerstchen.modeling_wuerstchen_prior import WuerstchenPrior
         from transformers import CLIPTextModel, CLIPTokenizer
 
+        from ot_dist.models.load_dtype import component_from_pretrained  # the files' dtype where the trainer reads so
+
         settings = {k: index[k] for k in ("latent_mean", "latent_std", "resolution_multiple") if k in index}
         return WuerstchenPriorPipeline(
             tokenizer=CLIPTokenizer.from_pretrained(path / "tokenizer"),
-            text_encoder=CLIPTextModel.from_pretrained(path / "text_encoder", dtype=torch.float32),
-            prior=WuerstchenPrior.from_pretrained(path / "prior", torch_dtype=torch.float32),
+            text_encoder=component_from_pretrained(CLIPTextModel, path / "text_encoder"),
+            prior=component_from_pretrained(WuerstchenPrior, path / "prior"),
             scheduler=DDPMWuerstchenScheduler.from_pretrained(path / "scheduler"), **settings)
 
     def normalize_latents(self, vae, latents):
