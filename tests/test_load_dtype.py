@@ -335,3 +335,55 @@ def test_a_lora_run_on_a_bfloat16_model_is_the_float32_loads(half_models, shapes
     assert ours[1].keys() == reference[1].keys() and all(torch.equal(v, reference[1][k]) for k, v in ours[1].items())
     assert len(ours[2]) == len(reference[2]) == len(overrides.get("sampling.prompts", []))
     assert all(np.array_equal(a, b) for a, b in zip(ours[2], reference[2]))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# ot-dist lora merge
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt, dtype_name", [("diffusers", "float32"), ("single_file", "bfloat16")])
+def test_merging_into_a_bfloat16_base_writes_what_the_float32_load_writes(half_models, shapes_data, tmp_path,
+                                                                         monkeypatch, fmt, dtype_name):
+    """Two LoRAs (UNet and text encoder) merged one after the other into a base read in its files' bfloat16: each
+    merged weight stays float32 until the export casts it once, as from the float32 load."""
+    from safetensors.torch import load_file
+
+    from ot_dist.lora_tools import merge
+    from ot_dist.methods.lora import LoraMethod
+
+    base = half_models["sd1", "bfloat16"]
+    loras = []
+    for seed in (0, 1):
+        config = validate(base_config(base, shapes_data, tmp_path / f"lora{seed}", method="lora",
+                                      **{"lora.rank": 4, "text_encoder.train": True}))
+        model = loading.load_model(config.model)
+        LoraMethod(config).prepare(model)
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for part in model.parts().values():
+                for name, p in part.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+        loras.append(str(LoraMethod(config).export(model, tmp_path / f"lora{seed}")[0]))
+    written = {}
+    reads = []
+    load = loading.load_model
+    for name, in_files_dtype in (("ours", True), ("float32", False)):
+        monkeypatch.setattr(loading, "load_model", lambda config, **kwargs: reads.append(kwargs) or load(config, **{
+            **kwargs, "in_files_dtype": in_files_dtype}))
+        out = merge.merge_command(str(base), "sd1", loras, [0.7, 0.5], str(tmp_path / name / "merged"), fmt, None,
+                                  dtype_name, log=lambda *_: None)
+        files = sorted(out.rglob("*.safetensors")) if out.is_dir() else [out]
+        written[name] = [{k: v for k, v in load_file(f).items()} for f in files]
+    assert reads[0] == {"in_files_dtype": True}  # what merge_command asks for
+    ours, reference = written["ours"], written["float32"]
+    assert len(ours) == len(reference) > 0
+    for a, b in zip(ours, reference):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
+    # the merge changed the weights (the comparison is not of two copies of the base)
+    source = load_file(base / "unet" / "diffusion_pytorch_model.safetensors")
+    if fmt == "diffusers":
+        unet = load_file(tmp_path / "ours" / "merged" / "unet" / "diffusion_pytorch_model.safetensors")
+        assert any(not torch.equal(unet[k], v.float()) for k, v in source.items())

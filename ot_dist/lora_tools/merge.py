@@ -24,9 +24,10 @@ def changed_parts(model, lora: LoraFile, source: str) -> set[str]:
 
 @torch.no_grad()
 def merge_into(model, lora: LoraFile, weight: float, source: str) -> tuple[int, list[str]]:
-    """Add the file's changes to the model in place (in float32, stored back in each weight's dtype).
-    Returns (modules merged, the file's names the model lacks). Other trainers' names are resolved first
-    (foreign.py)."""
+    """Add the file's changes to the model in place, in float32: a float32 weight keeps its storage, a 16-bit one
+    (a base read in its files' dtype, models/load_dtype.py) becomes the float32 merged weight, so that another file
+    merged after it adds to the unrounded sum and the export casts it once. Returns (modules merged, the file's names
+    the model lacks). Other trainers' names are resolved first (foreign.py)."""
     from ot_dist.lora_tools.foreign import in_family_names
 
     lora = in_family_names(model, lora, source)
@@ -41,7 +42,10 @@ def merge_into(model, lora: LoraFile, weight: float, source: str) -> tuple[int, 
         except RuntimeError as err:  # a LoHa / LoKr product that does not fit the weight
             raise InputFileError(f"{source}: {name} ({change.variant}) does not fit the model's {tuple(w.shape)} "
                                  f"weight ({err}): another model's LoRA?") from None
-        w.copy_(merged.to(w.dtype))
+        if w.dtype == merged.dtype:
+            w.copy_(merged)
+        else:
+            w.data = merged
     return len(matched), missing
 
 
@@ -65,7 +69,9 @@ def merge_command(base: str, family: str, lora_paths: list[str], weights: list[f
     from ot_dist.models.loading import load_model
     from ot_dist.precision import DTYPES
 
-    model = load_model(ModelConfig(family=family, path=base, config=config_folder))
+    # in its files' dtype: every merged weight becomes float32 (merge_into), the others are the files' values, and
+    # the export casts each once to `dtype`: the float32 load's files, at half its memory for a 16-bit base
+    model = load_model(ModelConfig(family=family, path=base, config=config_folder), in_files_dtype=True)
     changed: set[str] = set()
     titles = [title_of(base)]  # the single file's ModelSpec `merged_from`, as kohya's merge scripts write it
     for path, weight in zip(lora_paths, weights):
