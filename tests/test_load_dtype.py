@@ -348,6 +348,7 @@ def test_merging_into_a_bfloat16_base_writes_what_the_float32_load_writes(half_m
     """Two LoRAs (UNet and text encoder) merged one after the other into a base read in its files' bfloat16: each
     merged weight stays float32 until the export casts it once, as from the float32 load."""
     from safetensors.torch import load_file
+    from test_lora_tools import with_random_up_matrices
 
     from ot_dist.lora_tools import merge
     from ot_dist.methods.lora import LoraMethod
@@ -359,12 +360,7 @@ def test_merging_into_a_bfloat16_base_writes_what_the_float32_load_writes(half_m
                                       **{"lora.rank": 4, "text_encoder.train": True}))
         model = loading.load_model(config.model)
         LoraMethod(config).prepare(model)
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for part in model.parts().values():
-                for name, p in part.named_parameters():
-                    if "lora_B" in name:
-                        p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
+        with_random_up_matrices(model, seed)
         loras.append(str(LoraMethod(config).export(model, tmp_path / f"lora{seed}")[0]))
     written = {}
     reads = []

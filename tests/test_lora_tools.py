@@ -55,14 +55,19 @@ def random_lora(request, family, shapes_data, out: Path, layout="auto", seed=0, 
                                   **SETTINGS.get(family, {})))
     model = load_model(config.model)
     LoraMethod(config).prepare(model)
+    with_random_up_matrices(model, seed)
+    path = LoraMethod(config).export(model, out)[0]  # lora.safetensors; a family may write files beside it
+    return model, path
+
+
+def with_random_up_matrices(model, seed: int) -> None:
+    """Random LoRA up matrices (zero as prepared) standing in for training."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for part in model.parts().values():
             for name, p in part.named_parameters():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=generator) * 0.05)
-    path = LoraMethod(config).export(model, out)[0]  # lora.safetensors; a family may write files beside it
-    return model, path
 
 
 def diffusers_fused(base: Path, lora: Path, scale: float) -> DiffusionPipeline:
