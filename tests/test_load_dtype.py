@@ -342,26 +342,34 @@ def test_a_lora_run_on_a_bfloat16_model_is_the_float32_loads(half_models, shapes
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt, dtype_name", [("diffusers", "float32"), ("single_file", "bfloat16")])
-def test_merging_into_a_bfloat16_base_writes_what_the_float32_load_writes(half_models, shapes_data, tmp_path,
-                                                                         monkeypatch, fmt, dtype_name):
-    """Two LoRAs (UNet and text encoder) merged one after the other into a base read in its files' bfloat16: each
-    merged weight stays float32 until the export casts it once, as from the float32 load."""
-    from safetensors.torch import load_file
+def random_loras(base, shapes_data, tmp_path, seeds=(0, 1)) -> list[str]:
+    """LoRA files of the UNet and the text encoder with random up matrices, one per seed."""
     from test_lora_tools import with_random_up_matrices
 
-    from ot_dist.lora_tools import merge
     from ot_dist.methods.lora import LoraMethod
 
-    base = half_models["sd1", "bfloat16"]
     loras = []
-    for seed in (0, 1):
+    for seed in seeds:
         config = validate(base_config(base, shapes_data, tmp_path / f"lora{seed}", method="lora",
                                       **{"lora.rank": 4, "text_encoder.train": True}))
         model = loading.load_model(config.model)
         LoraMethod(config).prepare(model)
         with_random_up_matrices(model, seed)
         loras.append(str(LoraMethod(config).export(model, tmp_path / f"lora{seed}")[0]))
+    return loras
+
+
+@pytest.mark.parametrize("fmt, dtype_name", [("diffusers", "float32"), ("single_file", "bfloat16")])
+def test_merging_into_a_bfloat16_base_writes_what_the_float32_load_writes(half_models, shapes_data, tmp_path,
+                                                                         monkeypatch, fmt, dtype_name):
+    """Two LoRAs (UNet and text encoder) merged one after the other into a base read in its files' bfloat16: each
+    merged weight stays float32 until the export casts it once, as from the float32 load."""
+    from safetensors.torch import load_file
+
+    from ot_dist.lora_tools import merge
+
+    base = half_models["sd1", "bfloat16"]
+    loras = random_loras(base, shapes_data, tmp_path)
     written = {}
     reads = []
     load = loading.load_model
@@ -383,3 +391,27 @@ def test_merging_into_a_bfloat16_base_writes_what_the_float32_load_writes(half_m
     if fmt == "diffusers":
         unet = load_file(tmp_path / "ours" / "merged" / "unet" / "diffusion_pytorch_model.safetensors")
         assert any(not torch.equal(unet[k], v.float()) for k, v in source.items())
+
+
+def test_extracting_from_bfloat16_models_writes_what_the_float32_loads_write(half_models, shapes_data, tmp_path,
+                                                                           monkeypatch):
+    """`lora extract` reads both models in their files' dtype (it subtracts them in float32): the same file."""
+    from safetensors.torch import load_file
+
+    from ot_dist.lora_tools import extract, merge
+
+    base = half_models["sd1", "bfloat16"]
+    tuned = merge.merge_command(str(base), "sd1", random_loras(base, shapes_data, tmp_path, seeds=(3,)), [1.0],
+                                str(tmp_path / "tuned"), "diffusers", None, "bfloat16", log=lambda *_: None)
+    written, reads = {}, []
+    load = loading.load_model
+    for name, in_files_dtype in (("ours", True), ("float32", False)):
+        monkeypatch.setattr(loading, "load_model", lambda config, **kwargs: reads.append(kwargs) or load(config, **{
+            **kwargs, "in_files_dtype": in_files_dtype}))
+        out = tmp_path / f"{name}.safetensors"
+        kept = extract.extract_command(str(base), str(tuned), "sd1", 4, str(out), 0.0, "float32", log=lambda *_: None)
+        written[name] = (load_file(out), kept)
+    assert reads[0] == {"in_files_dtype": True}
+    (ours, ours_kept), (reference, reference_kept) = written["ours"], written["float32"]
+    assert ours and ours.keys() == reference.keys() and ours_kept == reference_kept
+    assert all(torch.equal(ours[k], reference[k]) for k in ours)

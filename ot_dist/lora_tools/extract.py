@@ -74,8 +74,9 @@ def extract_command(base_path: str, tuned_path: str, family: str, rank: int, out
             raise ConfigError(f"{flag}: {value} is not a rank (at least 1)")
     family_spec = get_family(family)
     layout = "kohya" if family_spec.lora_file_prefixes else "diffusers"
-    base = load_model(ModelConfig(family=family, path=base_path))
-    tuned = load_model(ModelConfig(family=family, path=tuned_path))
+    # in their files' dtype (half a float32 load's memory, twice over): extract_pairs subtracts in float32
+    base = load_model(ModelConfig(family=family, path=base_path), in_files_dtype=True)
+    tuned = load_model(ModelConfig(family=family, path=tuned_path), in_files_dtype=True)
     pairs, kept = extract_pairs(base, tuned, layout, rank, min_change, conv_rank)
     if not pairs:
         raise InputFileError(f"{tuned_path}: no module differs from {base_path} by more than --min-change {min_change}")

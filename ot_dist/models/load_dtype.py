@@ -27,9 +27,8 @@ import torch
 
 FLOAT32 = torch.float32
 # Set by load_model(in_files_dtype=True) for the loaders it calls: the trainer, which stores every component
-# afterwards, and `lora merge`, which merges into float32 copies of the weights it changes. The tools that compute
-# with the loaded weights themselves (a LoRA extracted from their difference, trained weights copied into them for
-# an export) keep reading float32.
+# afterwards, `lora merge`, which merges into float32 copies of the weights it changes, and `lora extract`, which
+# subtracts in float32. `ot-dist export CHECKPOINT` copies trained weights into the loaded model and keeps float32.
 _IN_FILES_DTYPE: ContextVar[bool] = ContextVar("ot_dist_in_files_dtype", default=False)
 
 
