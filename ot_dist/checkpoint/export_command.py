@@ -32,7 +32,9 @@ def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str 
         raise ConfigError(f"--ema: checkpoint {folder} was trained without EMA (ema.enabled was false)")
     target = Path(out) if out else default_export_dir(folder)
     check_writable(target, "--out" if out else "export folder")  # before the model loads
-    model = load_model(config.model)
+    # in its files' dtype: the trained weights replace theirs in float32 (load_trained_weights), the frozen ones are
+    # the files' values, which the export casts once, as training's export did
+    model = load_model(config.model, in_files_dtype=True)
     method.prepare(model)
     trained = gather_full_from_files(SavedShards(folder), state["shapes"], kind="ema" if ema else "w")
     load_trained_weights(model, trained, folder)
@@ -62,4 +64,8 @@ def load_trained_weights(model, trained: dict[str, torch.Tensor], folder: Path) 
         if name not in params:
             raise InputFileError(f"checkpoint {folder}: trained parameter {name} does not exist in the model the "
                                  "checkpoint's config loads (was model.path replaced?)")
-        params[name].copy_(value.view(params[name].shape))
+        param = params[name]
+        if param.dtype == torch.float32:
+            param.copy_(value.view(param.shape))
+        else:  # a weight read in its files' 16 bits: the trained value as a float32 load would hold it
+            param.data = value.view(param.shape).to(torch.float32)

@@ -27,8 +27,9 @@ import torch
 
 FLOAT32 = torch.float32
 # Set by load_model(in_files_dtype=True) for the loaders it calls: the trainer, which stores every component
-# afterwards, `lora merge`, which merges into float32 copies of the weights it changes, and `lora extract`, which
-# subtracts in float32. `ot-dist export CHECKPOINT` copies trained weights into the loaded model and keeps float32.
+# afterwards, `lora merge`, which merges into float32 copies of the weights it changes, `lora extract`, which
+# subtracts in float32, and `ot-dist export CHECKPOINT`, which puts the trained weights in as float32. Elsewhere (a
+# library caller computing with the weights) float32.
 _IN_FILES_DTYPE: ContextVar[bool] = ContextVar("ot_dist_in_files_dtype", default=False)
 
 
