@@ -47,6 +47,19 @@ def load_dtype_of(files: Iterable[Path]) -> torch.dtype:
     """The dtype a loader reads a component of these files in: exact_dtype inside reading_in_files_dtype, else
     float32."""
     return exact_dtype(files) if _IN_FILES_DTYPE.get() else FLOAT32
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype inside (what a module built there creates its tensors in)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 # The 16-bit containers, narrowest first, and the safetensors dtypes each holds exactly (a float8 value is both a
 # bfloat16 and a float16 value: e4m3's and e5m2's exponents and mantissas fit in either).
 EXACT_CONTAINERS: tuple[tuple[torch.dtype, frozenset[str]], ...] = (
@@ -95,21 +108,45 @@ def exact_dtype(files: Iterable[Path]) -> torch.dtype:
     return FLOAT32
 
 
-def folder_load_dtypes(path: Path, names: Iterable[str]) -> dict[str, torch.dtype]:
-    """Each named component of a diffusers folder -> the dtype to read it in (load_dtype_of its subfolder's weight
-    files, as from_pretrained picks them: no variant where plain weights exist)."""
-    from ot_dist.parallel.load_turns import loaded_files
+VARIANTS = (".fp16", ".bf16", ".fp32", ".fp8")
 
-    return {name: load_dtype_of(loaded_files(sorted((path / name).glob("*.safetensors"))))
-            for name in names if (path / name).is_dir()}
+
+def loaded_files(files: list[Path]) -> list[Path]:
+    """The files a load reads: a variant (diffusion_pytorch_model.fp16.safetensors, its shards
+    ...fp16-00001-of-00002...) only where its folder has no plain weights, since ot_dist asks for no variant."""
+    def variant(file: Path) -> bool:
+        return any(tag + "." in file.name or tag + "-" in file.name for tag in VARIANTS)
+
+    plain_folders = {file.parent for file in files if not variant(file)}
+    return [file for file in files if not variant(file) or file.parent not in plain_folders]
+
+
+def component_load_dtype(folder: Path) -> torch.dtype:
+    """The dtype to read one component's folder in: load_dtype_of its weight files, as from_pretrained picks them."""
+    return load_dtype_of(loaded_files(sorted(Path(folder).glob("*.safetensors"))))
+
+
+def folder_load_dtypes(path: Path, names: Iterable[str]) -> dict[str, torch.dtype]:
+    """Each named component of a diffusers folder (a subfolder of `path`) -> the dtype to read it in."""
+    return {name: component_load_dtype(path / name) for name in names if (path / name).is_dir()}
+
+
+def pipeline_from_pretrained(cls: type, folder: Path, index: dict, passed: dict, **kwargs):
+    """`cls.from_pretrained(folder)` with the modules in `passed` put in and every other component the folder's
+    model_index.json (`index`) lists read in its folder_load_dtypes, each made what the float32 load makes of it."""
+    dtypes = folder_load_dtypes(folder, [name for name, entry in index.items()
+                                         if isinstance(entry, list) and name not in passed])
+    pipeline = cls.from_pretrained(folder, dtype={**dtypes, "default": FLOAT32}, **passed, **kwargs)
+    for name, dtype in dtypes.items():
+        if isinstance(getattr(pipeline, name, None), torch.nn.Module):
+            as_float32_load(getattr(pipeline, name), dtype)
+    return pipeline
 
 
 def component_from_pretrained(cls: type, folder: Path, **kwargs) -> torch.nn.Module:
-    """`cls.from_pretrained(folder)` of one component's folder, in load_dtype_of its weight files, made what the
-    float32 load makes of it (a family that reads a component itself: one Wan 2.2 A14B expert)."""
-    from ot_dist.parallel.load_turns import loaded_files
-
-    dtype = load_dtype_of(loaded_files(sorted(Path(folder).glob("*.safetensors"))))
+    """`cls.from_pretrained(folder)` of one component's folder, in component_load_dtype, made what the float32 load
+    makes of it (a family that reads a component itself: one Wan 2.2 A14B expert)."""
+    dtype = component_load_dtype(folder)
     module = cls.from_pretrained(folder, dtype=dtype, **kwargs)
     as_float32_load(module, dtype)
     return module
@@ -139,27 +176,20 @@ def as_float32_load(module: torch.nn.Module, loaded_in: torch.dtype, config_foll
     built = _built_tables(module)
     if not built:
         return
-    reference = float32_build(module)
+    reference = float32_build_of(type(module), config)
     if reference is None:
         raise RuntimeError(f"{type(module).__name__} was read in {loaded_in} but cannot be rebuilt in float32 to "
-                           f"recompute its tables {', '.join(built)}")
-    for name in built:
-        owner, _, buffer = name.rpartition(".")
-        table = reference.get_submodule(owner)._buffers[buffer]
-        module.get_submodule(owner)._buffers[buffer] = table.to(module.get_submodule(owner)._buffers[buffer].device)
+                           f"recompute its tables {', '.join(f'{owner}.{name}'.lstrip('.') for owner, name in built)}")
+    for owner, name in built:
+        target = module.get_submodule(owner)
+        target._buffers[name] = reference.get_submodule(owner)._buffers[name].to(target._buffers[name].device)
 
 
-def _built_tables(module: torch.nn.Module) -> list[str]:
-    """The qualified names of the non-persistent floating buffers of `module`: what a build computes, no file holds."""
-    return [f"{path}.{name}" if path else name
-            for path, sub in module.named_modules()
-            for name in sub._non_persistent_buffers_set
+def _built_tables(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """(sub-module path, buffer name) of the non-persistent floating buffers of `module`: what a build computes, no
+    file holds."""
+    return [(path, name) for path, sub in module.named_modules() for name in sub._non_persistent_buffers_set
             if sub._buffers.get(name) is not None and sub._buffers[name].is_floating_point()]
-
-
-def float32_build(module: torch.nn.Module) -> torch.nn.Module | None:
-    """A float32 build of the module's class from its config (float32_build_of); None for a class without one."""
-    return float32_build_of(type(module), getattr(module, "config", None))
 
 
 def float32_build_of(cls: type, config) -> torch.nn.Module | None:
@@ -170,17 +200,12 @@ def float32_build_of(cls: type, config) -> torch.nn.Module | None:
 
     if config is None:
         return None
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(FLOAT32)
-    try:
-        with init_empty_weights(include_buffers=False):
-            if hasattr(cls, "_from_config") and hasattr(config, "to_dict"):  # transformers' PreTrainedModel
-                return cls._from_config(config, dtype=FLOAT32)
-            if hasattr(cls, "from_config"):  # diffusers' ModelMixin
-                return cls.from_config(config)
-            return None
-    finally:
-        torch.set_default_dtype(previous)
+    with default_dtype(FLOAT32), init_empty_weights(include_buffers=False):
+        if hasattr(cls, "_from_config") and hasattr(config, "to_dict"):  # transformers' PreTrainedModel
+            return cls._from_config(config, dtype=FLOAT32)
+        if hasattr(cls, "from_config"):  # diffusers' ModelMixin
+            return cls.from_config(config)
+        return None
 
 
 def own_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from ot_dist.errors import InputFileError
 from ot_dist.models.families.base import Family
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.inpainting import as_inpainting_pipeline, check_inpainting_option
-from ot_dist.models.load_dtype import as_float32_load, folder_load_dtypes, reading_in_files_dtype
+from ot_dist.models.load_dtype import pipeline_from_pretrained, reading_in_files_dtype
 from ot_dist.models.objectives import Objective
 
 
@@ -134,17 +134,11 @@ def _load_folder(family: Family, path: Path, given: dict[str, torch.nn.Module]):
         pipeline = family.load_folder(path, content)
         if pipeline is not None:
             return pipeline
-        passed = {**family.folder_components(path, frozenset(given)), **given}
         # each component in the narrowest dtype that holds its files exactly (load_dtype.py): what trains and what
         # is stored is the float32 load's, the peak is what the files hold
-        dtypes = folder_load_dtypes(path, [name for name, entry in content.items()
-                                           if isinstance(entry, list) and name not in passed])
-        pipeline = getattr(diffusers, found).from_pretrained(
-            path, dtype={**dtypes, "default": torch.float32}, use_safetensors=True, local_files_only=True, **passed
-        )
-        for name, dtype in dtypes.items():
-            if isinstance(getattr(pipeline, name, None), torch.nn.Module):
-                as_float32_load(getattr(pipeline, name), dtype)
+        pipeline = pipeline_from_pretrained(getattr(diffusers, found), path, content,
+                                            {**family.folder_components(path, frozenset(given)), **given},
+                                            use_safetensors=True, local_files_only=True)
         # diffusers registers a given module's own class (a strategy's wrapper class, say): keep the folder's
         pipeline.register_to_config(**{name: content[name] for name in given})
         return pipeline

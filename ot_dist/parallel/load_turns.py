@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 import torch.distributed as dist
 
+from ot_dist.models.load_dtype import FLOATING, exact_dtype, loaded_files, tensor_entries
 from ot_dist.parallel.runtime import gather_objects, ranks_on_this_node
 
 MEMORY_SHARE = 0.9  # of the available memory the loads may take (the loader workers, the page cache need some)
@@ -33,8 +34,6 @@ def load_bytes_of(path: str | Path, grown: dict[str, int] | None = None) -> int:
     else float32), the rest as stored. `grown`: component (subfolder) -> the bytes per weight its trained weights
     are then held in (a full finetune's float32 masters), where that is more; a single file's whole content counts
     so when any is given. Read from the files' headers alone."""
-    from ot_dist.models.load_dtype import exact_dtype
-
     path, grown = Path(path), grown or {}
     if path.is_file():
         return _bytes_in(path, max([exact_dtype([path]).itemsize, *grown.values()]))
@@ -58,23 +57,8 @@ def master_widths(config) -> dict[str, int]:
     return {part: width for part in config.part_names() if config.part_trains(part)}
 
 
-VARIANTS = (".fp16", ".bf16", ".fp32", ".fp8")
-
-
-def loaded_files(files: list[Path]) -> list[Path]:
-    """The files a load reads: a variant (diffusion_pytorch_model.fp16.safetensors, its shards
-    ...fp16-00001-of-00002...) only where its folder has no plain weights, since ot_dist asks for no variant."""
-    def variant(file: Path) -> bool:
-        return any(tag + "." in file.name or tag + "-" in file.name for tag in VARIANTS)
-
-    plain_folders = {file.parent for file in files if not variant(file)}
-    return [file for file in files if not variant(file) or file.parent not in plain_folders]
-
-
 def _bytes_in(file: Path, float_width: int) -> int:
     """The file's floating tensors at `float_width` bytes each, the others as stored; 0 where it is unreadable."""
-    from ot_dist.models.load_dtype import FLOATING, tensor_entries
-
     entries = tensor_entries(file) or {}
     return sum(math.prod(e["shape"]) * float_width if e["dtype"] in FLOATING
                else e["data_offsets"][1] - e["data_offsets"][0] for e in entries.values())

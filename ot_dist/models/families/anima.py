@@ -200,15 +200,10 @@ class Anima(Family):
             modular = ModularPipeline.from_pretrained(str(path), local_files_only=True)
             modular.load_components(names=list(COMPONENTS), dtype=torch.float32, use_safetensors=True)
             return self.pipeline_cls()(**{name: getattr(modular, name) for name in COMPONENTS})
-        from ot_dist.models.load_dtype import as_float32_load, folder_load_dtypes
+        from ot_dist.models.load_dtype import pipeline_from_pretrained  # the files' dtype where training reads so
 
-        dtypes = folder_load_dtypes(path, [name for name, entry in index.items() if isinstance(entry, list)])
-        pipeline = self.pipeline_cls().from_pretrained(path, dtype={**dtypes, "default": torch.float32},
-                                                       use_safetensors=True, local_files_only=True)
-        for name, dtype in dtypes.items():  # in their files' dtype where training reads so (models/load_dtype.py)
-            if isinstance(getattr(pipeline, name, None), torch.nn.Module):
-                as_float32_load(getattr(pipeline, name), dtype)
-        return pipeline
+        return pipeline_from_pretrained(self.pipeline_cls(), path, index, {}, use_safetensors=True,
+                                        local_files_only=True)
 
     def pipeline_classes(self):
         return (self.pipeline_class, MODULAR_PIPELINE)

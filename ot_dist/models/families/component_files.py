@@ -344,9 +344,9 @@ def empty_component(folder: Path, name: str, dtype: torch.dtype = torch.float32)
     except (OSError, ValueError, KeyError, TypeError):
         raise InputFileError(f"{FIELD}.{name}: {index} names no {name} (the model.config folder must be the "
                              "family's diffusers folder, its weights may be left out)") from None
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)  # built in it, as from_pretrained builds (no float32 copy on the way)
-    try:
+    from ot_dist.models.load_dtype import default_dtype
+
+    with default_dtype(dtype):  # built in it, as from_pretrained builds (no float32 copy on the way)
         if library == "transformers":
             cls = getattr(transformers, class_name)
             config = transformers.AutoConfig.from_pretrained(folder / name, local_files_only=True)
@@ -355,8 +355,6 @@ def empty_component(folder: Path, name: str, dtype: torch.dtype = torch.float32)
         else:
             cls = getattr(diffusers, class_name)
             module = cls.from_config(cls.load_config(folder / name, local_files_only=True))
-    finally:
-        torch.set_default_dtype(previous)
     return module.to(dtype).eval()
 
 

@@ -15,7 +15,7 @@ import torch
 from ot_dist.errors import InputFileError
 from ot_dist.models.families.full_checkpoint import file_components, load_file_components
 from ot_dist.models.families.single_file_keys import read_safetensors_header
-from ot_dist.models.load_dtype import as_float32_load, float32_build_of, folder_load_dtypes, load_dtype_of, own_tensors
+from ot_dist.models.load_dtype import float32_build_of, load_dtype_of, own_tensors, pipeline_from_pretrained
 
 
 def load_transformer_file(path: Path, config_folder: str | None, family, from_original: Callable,
@@ -55,16 +55,12 @@ def load_transformer_file(path: Path, config_folder: str | None, family, from_or
     # the components the file replaces are read from the folder as before (float32): the file's values go into them
     replaced = file_components(read_safetensors_header(path), family.full_checkpoint, skip=set(given))
     index = json.loads((folder / "model_index.json").read_text()) if (folder / "model_index.json").is_file() else {}
-    dtypes = folder_load_dtypes(folder, [name for name, entry in index.items()
-                                         if isinstance(entry, list) and name not in passed and name not in replaced])
     try:
-        pipeline = family.pipeline_cls().from_pretrained(folder, **passed, dtype={**dtypes, "default": torch.float32},
-                                                         use_safetensors=True, local_files_only=True)
+        pipeline = pipeline_from_pretrained(family.pipeline_cls(), folder,
+                                            {k: v for k, v in index.items() if k not in replaced}, passed,
+                                            use_safetensors=True, local_files_only=True)
     except Exception as err:  # diffusers raises many kinds; the user needs the folder and the reason
         raise InputFileError(f"model.config: could not load the other components from {folder}: {err}") from None
-    for name, loaded_in in dtypes.items():
-        if isinstance(getattr(pipeline, name, None), torch.nn.Module):
-            as_float32_load(getattr(pipeline, name), loaded_in)
     # A full checkpoint's own text encoders and VAE replace the folder's (ot_dist's exports of a run that trained
     # text encoders, Stability's SD3 files with their CLIPs, ComfyUI-saved checkpoints).
     # A component named in model.component_files is the user's explicit choice: the file's own copy is not read.
