@@ -86,6 +86,35 @@ def test_channels_last_applied_when_forced_and_auto_only_on_cuda(sd1):
     assert spatial and all(w.is_contiguous(memory_format=torch.channels_last) and not w.is_contiguous() for w in spatial)
 
 
+def test_channels_last_auto_only_where_the_strategy_keeps_weights_as_tensors(sd1):
+    """FSDP2 refuses to shard a non-contiguous weight and DeepSpeed's ZeRO stages view each weight as bytes to
+    broadcast it: a UNet's channels_last convolution weights stopped every one of them at start-up on CUDA (auto), and
+    under `on` anywhere (measured on the CPU, one rank: fsdp "FSDP does not support non-contiguous parameters", zero1-3
+    "self.stride(-1) must be 1 to view Float as Byte")."""
+    from ot_dist.models.families.registry import get_family
+    from ot_dist.train.fast_path import uses_channels_last
+
+    config, _ = sd1
+    auto, cuda = options(config, channels_last="auto"), torch.device("cuda")
+    strategies = ("single", "ddp", "fsdp", "zero1", "zero2", "zero3")
+    assert [s for s in strategies if uses_channels_last(auto, get_family("sdxl"), cuda, s)] == ["single", "ddp"]
+    assert not uses_channels_last(auto, get_family("sdxl"), CPU, "single")
+    assert not uses_channels_last(auto, get_family("flux"), cuda, "single")  # a transformer: no convolutions to speak of
+
+
+def test_channels_last_on_is_refused_where_the_strategy_shards_or_flattens_weights(tiny_models, shapes_data, tmp_path):
+    def raw(strategy):
+        return base_config(tiny_models["sd1"], shapes_data, tmp_path, strategy=strategy,
+                           **{"performance.channels_last": "on"})
+
+    for strategy in ("fsdp", "zero1", "zero2", "zero3"):
+        with pytest.raises(ConfigError, match=rf"performance.channels_last: on needs strategy single or ddp: {strategy}"):
+            validate(raw(strategy))
+    for strategy in ("single", "ddp"):
+        assert validate(raw(strategy)).performance.channels_last == "on"
+    assert validate(base_config(tiny_models["sd1"], shapes_data, tmp_path, strategy="fsdp")).performance.channels_last == "auto"
+
+
 def test_attention_backend_is_the_only_kernel_during_the_step(sd1):
     from ot_dist.train.trainer import Trainer
 

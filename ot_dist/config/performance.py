@@ -15,6 +15,12 @@ from ot_dist.config.section import Section
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
 
 
+# Strategies that keep each weight as the tensor it is: FSDP2 shards a weight only when it is contiguous ("FSDP does not
+# support non-contiguous parameters"), and DeepSpeed's ZeRO stages broadcast each weight as bytes at start-up (a view
+# a channels_last weight cannot give) and then flatten them, so a channels_last weight fails all four at start-up.
+CHANNELS_LAST_STRATEGIES = ("single", "ddp")
+
+
 class PerformanceConfig(Section):
     """Off by default where a choice can change results or fail on some setups."""
 
@@ -41,7 +47,8 @@ class PerformanceConfig(Section):
     channels_last: Literal["auto", "on", "off"] = Field(
         default="auto",
         description="Store the denoiser's convolution weights channels_last (NHWC: tensor cores without transposes). "
-        "auto = on for UNet families on CUDA; on = also elsewhere.",
+        "auto = on for UNet families on CUDA under strategy single or ddp; on = also on other devices (single and ddp "
+        "only: fsdp and ZeRO shard or flatten contiguous weights).",
     )
     attention_backend: Literal["auto", "flash", "efficient", "cudnn", "math"] = Field(
         default="auto",

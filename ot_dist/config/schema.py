@@ -16,7 +16,7 @@ from ot_dist.config.checkpoint import CheckpointConfig
 from ot_dist.config.embeddings import (AUTO_VECTORS, OUTPUT_EMBEDDING_DESCRIPTION, AdditionalEmbeddingConfig,
                                        VectorCount, check_additional_embeddings, check_output_embedding,
                                        check_token_case, lower_case_for_several_vectors, safetensors_only)
-from ot_dist.config.performance import PerformanceConfig
+from ot_dist.config.performance import CHANNELS_LAST_STRATEGIES, PerformanceConfig
 from ot_dist.config.loss import LossConfig, MaskedTrainingConfig
 from ot_dist.config.metadata import MetadataConfig
 from ot_dist.config.optim import OptimizerConfig, SchedulerConfig, check_optimizer_setup
@@ -1266,6 +1266,11 @@ class TrainConfig(Section):
                     f"lower data.bucket_step (a multiple of {family.pixel_multiple} for {self.model.family})")
         if self.performance.records_cuda_graphs:
             self._check_cuda_graphs()
+        if self.performance.channels_last == "on" and self.strategy not in CHANNELS_LAST_STRATEGIES:
+            raise ValueError(f"performance.channels_last: on needs strategy {' or '.join(CHANNELS_LAST_STRATEGIES)}: "
+                             f"{self.strategy} cannot take channels_last weights (FSDP2 shards contiguous weights only, "
+                             "DeepSpeed broadcasts and flattens each weight as bytes); use auto (channels_last where "
+                             "the strategy allows it) or off")
         if self.activation_offloading and not self.gradient_checkpointing:
             raise ValueError("activation_offloading: offloads what gradient checkpointing keeps for backward (the "
                              "checkpointed blocks' inputs); set gradient_checkpointing: true")

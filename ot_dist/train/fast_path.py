@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from ot_dist.config.performance import PerformanceConfig
+from ot_dist.config.performance import CHANNELS_LAST_STRATEGIES, PerformanceConfig
 from ot_dist.errors import ConfigError
 
 # The kernels `performance.attention_backend` allows, by name; "auto" leaves torch's choice.
@@ -93,9 +93,10 @@ def selective_checkpointing(model, options: PerformanceConfig, offload_activatio
     return chosen
 
 
-def uses_channels_last(options: PerformanceConfig, family, device: torch.device) -> bool:
+def uses_channels_last(options: PerformanceConfig, family, device: torch.device, strategy: str) -> bool:
+    """auto: a UNet's weights NHWC on CUDA where the strategy keeps them as tensors (the config refuses `on` elsewhere)."""
     if options.channels_last == "auto":
-        return family.convolutional_denoiser and device.type == "cuda"
+        return family.convolutional_denoiser and device.type == "cuda" and strategy in CHANNELS_LAST_STRATEGIES
     return options.channels_last == "on"
 
 
@@ -117,7 +118,7 @@ def apply_performance(model, options: PerformanceConfig, device: torch.device, s
         convert_to_float8_training(denoiser, config=config, module_filter_fn=float8_eligible)
         log(f"performance: float8 matmuls in the denoiser's linear layers: {len(trained)} trained (torchao "
             f"Float8Linear), {frozen} frozen (forward and input gradient only)")
-    if uses_channels_last(options, model.family, device):
+    if uses_channels_last(options, model.family, device, strategy):
         denoiser.to(memory_format=torch.channels_last)
     if options.compile:
         compile_blocks(model, options, log)
