@@ -94,11 +94,15 @@ def test_the_setting_is_a_count_or_auto(tiny_models, shapes_data, tmp_path):
 
 
 def test_two_ranks_load_in_turns(tiny_models, shapes_data, tmp_path):
+    """A rank's turn ends once its CPU copy of the model is gone: placed (ddp), or under fsdp sharded, which moves
+    the trained modules to the device a unit at a time (Strategy.shards_while_placing)."""
     raw = base_config(tiny_models["sd1"], shapes_data, tmp_path / "run", method="lora", strategy="ddp", max_steps=1,
                       **{"distributed.load_ranks_per_node": 1})
     (tmp_path / "config.json").write_text(json.dumps(raw))
+    sharded = {**raw, "strategy": "fsdp", "method": "full", "output_dir": str(tmp_path / "fsdp")}
+    (tmp_path / "fsdp.json").write_text(json.dumps(sharded))
     done = run_ranks(REPO / "tests" / "helpers" / "load_turn_ranks.py", tmp_path / "config.json",
-                     tmp_path / "result.json", timeout=300)
+                     tmp_path / "result.json", tmp_path / "fsdp.json", timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     results = json.loads((tmp_path / "result.json").read_text())
     (a, b), (c, d) = results["one"]
@@ -108,3 +112,5 @@ def test_two_ranks_load_in_turns(tiny_models, shapes_data, tmp_path):
     (a, b), (c, d) = results["trainer"]["windows"]
     assert b <= c, results["trainer"]["windows"]  # load_model to the end of placing: rank 0's, then rank 1's
     assert "loading: 1 of the 2 ranks of a node at a time, 2 turns" in results["trainer"]["logged"]
+    (a, b), (c, d) = results["fsdp"]
+    assert b <= c, results["fsdp"]  # load_model to the end of sharding: rank 0's, then rank 1's

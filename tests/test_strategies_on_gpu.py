@@ -45,3 +45,34 @@ def test_every_strategy_trains_on_one_gpu(family, method, family_models, shapes_
     first = torch.tensor(losses["single"][0])
     for strategy, run in losses.items():
         torch.testing.assert_close(torch.tensor(run[0]), first, rtol=2e-2, atol=0, msg=strategy)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fsdp_with_cpu_offload_holds_one_unit_on_the_gpu_while_it_starts(small_sd1, shapes_data, tmp_path):
+    """FSDP2 moves each unit to the device, shards it and (fsdp.cpu_offload) sends the shard to CPU memory before the
+    next unit moves (Strategy.shards_while_placing): the GPU's peak while the trainer starts is about one unit (twice:
+    the unit and its shard's copy), not the whole UNet the trainer once placed before sharding."""
+    import torch.distributed as dist
+
+    from ot_dist.config.load import validate
+    from ot_dist.memory.sharding import sharding
+    from ot_dist.train.trainer import Trainer
+
+    raw = base_config(small_sd1, shapes_data, tmp_path / "run", strategy="fsdp", max_steps=1,
+                      offload_frozen_components=True, **{"fsdp.cpu_offload": True})
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    try:
+        peak = torch.cuda.max_memory_allocated() - before
+        unet = trainer.model.denoiser
+        split = sharding(unet, tuple(trainer.model.family.shard_units["unet"]))
+        whole, largest = split.parameters * 4, split.largest * 4  # float32 masters (DTensors report global shapes)
+        assert largest < 0.4 * whole
+        assert peak <= 2.5 * largest, f"{peak} bytes at the peak; the largest unit is {largest}, the UNet {whole}"
+    finally:
+        trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

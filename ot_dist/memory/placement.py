@@ -101,13 +101,18 @@ def cast_frozen_buffers(module: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def place_component(component: torch.nn.Module, config, device: torch.device, offloadable: bool,
-                    prefer_cpu: bool = False, streamed: list[torch.nn.Module] = ()) -> None:
+                    prefer_cpu: bool = False, streamed: list[torch.nn.Module] = (), strategy_places: bool = False) -> None:
     """`offload_frozen_components` (or `prefer_cpu`: a text encoder whose outputs are cached) keeps an entirely frozen
     `offloadable` component (text encoder, VAE) in CPU memory, else the component moves to `device`, but the frozen
     weights of its `streamed` blocks (memory/block_streaming.py; the trained ones too when
-    `config.streams_trained_weights()`), which stay in CPU memory. After store_component."""
+    `config.streams_trained_weights()`), which stay in CPU memory. A component with trained weights stays where it is
+    when `strategy_places` (the strategy moves it, a sharding unit at a time: Strategy.shards_while_placing). After
+    store_component."""
     frozen = not any(p.requires_grad for p in component.parameters())
-    if (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
+    if strategy_places and not frozen:
+        if device.type == "cpu":
+            into_aligned_memory(component)
+    elif (config.offload_frozen_components or prefer_cpu) and offloadable and frozen:
         offload_to_cpu(component, device)
     else:
         trained = bool(streamed) and config.streams_trained_weights()

@@ -21,6 +21,10 @@ StateDictOf = Callable[..., dict[str, torch.Tensor]]  # (module, keep: KeyFilter
 
 class Strategy:
     name = "single"
+    # The strategy moves the trained modules to the device itself, a sharding unit at a time, keeping this rank's shard
+    # of each (fsdp): the trainer leaves them in CPU memory, so a model larger than one device still starts, and wraps
+    # them inside the rank's load turn, which needs the strategy's wrap to make no collective (see `start`).
+    shards_while_placing = False
 
     def __init__(self, config: TrainConfig, runtime: Runtime):
         self.config = config
@@ -33,6 +37,9 @@ class Strategy:
         self.rounding_noise: RoundingNoise | None = None
 
     # -- setup -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """What every rank makes together before the ranks load in turns (a device mesh's process groups)."""
+
     def wrap(self, model: LoadedModel, groups: list[ParamGroup]) -> list[ParamGroup]:
         """Make the modules holding trainable parameters data parallel. Returns the groups with the
         parameters as they are after wrapping (sharding replaces parameter objects)."""

@@ -60,6 +60,14 @@ def prefetch_in_execution_order(root: torch.nn.Module, units: list[torch.nn.Modu
 
 class FSDPStrategy(Strategy):
     name = "fsdp"
+    # fully_shard moves each unit's parameters to the mesh's device and keeps this rank's shard of them before the next
+    # unit moves: the device holds the shards and one whole unit, never the whole model (FLUX.2 dev's transformer is
+    # 120 GiB in float32), and the wrap makes no collective once the mesh exists (`start`).
+    shards_while_placing = True
+    mesh = None
+
+    def start(self) -> None:
+        self.mesh = self._mesh()  # new process groups for a hybrid mesh: every rank at once, before the load turns
 
     def _mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
@@ -84,7 +92,8 @@ class FSDPStrategy(Strategy):
         precision = dict(param_dtype=None if train_dtype == torch.float32 else train_dtype,
                          reduce_dtype=DTYPES[settings.reduce_dtype])
         offload = CPUOffloadPolicy() if settings.cpu_offload else OffloadPolicy()
-        self.mesh = self._mesh()
+        if self.mesh is None:  # a caller that wraps without starting (the bench)
+            self.mesh = self._mesh()
         options = dict(
             mesh=self.mesh,
             reshard_after_forward=settings.sharding != "shard_grad_op",

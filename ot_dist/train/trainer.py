@@ -142,6 +142,8 @@ class Trainer:
                                             self.runtime.world_size)  # loss.scaler's factor (1: off)
         self.total_steps = self.plan.total_steps
         self.validation = ValidationLoss(config, self.reader.table, self.runtime, self.log)
+        self.strategy = build_strategy(config, self.runtime)
+        self.strategy.start()  # what every rank makes together (a device mesh), before the turns below
         # the ranks of a node load (in CPU memory) and place the model a few at a time: the node's peak
         with load_turn(config.distributed.load_ranks_per_node, config.model.path, self.runtime.local_rank, self.log,
                        grown=master_widths(config)):
@@ -154,19 +156,23 @@ class Trainer:
             # preserve_embedding_norm's targets, from the whole token tables (before any strategy shards them)
             norm_vectors = trained_vectors(self.model) if config.preserve_embedding_norm else []
             self._place_modules()
+            self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
+            self._apply_performance()  # after that copy (samples run the plain modules), before wrapping
+            if self.strategy.shards_while_placing:
+                # the trained modules move to the device a unit at a time as they are sharded, in this rank's turn:
+                # its CPU copy of them is gone before the next ranks load
+                self.groups = self.strategy.wrap(self.model, self.groups)
         if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log,
                                 workers=config.data.loader_workers, posterior=self.model.family.encode_posterior)
         if config.data.cache_text:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
-        self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
-        self._apply_performance()  # after that copy (samples run the plain modules), before wrapping
         self.node_sharing = NodeSharing()  # after the last change of the CPU weights' layout (channels_last)
         if config.share_frozen_cpu_weights and self.runtime.distributed:
             self.node_sharing = share_frozen_cpu_weights([m for _, m in self.model.named_components()],
                                                          pin=self.device.type == "cuda", log=self.log)
-        self.strategy = build_strategy(config, self.runtime)
-        self.groups = self.strategy.wrap(self.model, self.groups)
+        if not self.strategy.shards_while_placing:  # DDP and DeepSpeed wrap with collectives: every rank at once
+            self.groups = self.strategy.wrap(self.model, self.groups)
         self.optimizer = build_optimizer(config.optimizer, self.groups, seed=config.seed)
         connect_trained_streaming(self.model.denoiser, self.optimizer)  # a streamed block's weights step in backward
         if norm_vectors:  # their parameter groups, read before ZeRO replaces the groups' params by its partitions
@@ -222,7 +228,8 @@ class Trainer:
             # CPU memory and is streamed to the device for those passes, so a T5-XXL never occupies it.
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
             place_component(module, self.config, self.device, offloadable=not any(module is m for m in resident),
-                            prefer_cpu=cached_text, streamed=self._streamed_blocks() if module is denoiser else ())
+                            prefer_cpu=cached_text, streamed=self._streamed_blocks() if module is denoiser else (),
+                            strategy_places=self.strategy.shards_while_placing)
 
     def _streamed_blocks(self) -> list[torch.nn.Module]:
         """The denoiser's blocks whose frozen weights stay in CPU memory (`<denoiser>.offload_fraction`)."""

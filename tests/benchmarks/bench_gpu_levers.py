@@ -74,6 +74,15 @@ PLAN = [
                                     performance=(("compile", "true"),)), 150, None),
     ("sdxl lora int8 compile", dict(model="sdxl", method="lora", batch_size=8, weight_dtype="int8",
                                     performance=(("compile", "true"),)), 200, None),
+    # Queued in session 30: float8 matmuls where SDXL's linear layers are most of the FLOPs (~60 % of a 1024 px step:
+    # attention projections and GEGLU feed-forwards over 4096 and 1024 tokens at batch 8), beside what each row's best
+    # lever is now
+    ("sdxl lora cuda-graphs float8", dict(model="sdxl", method="lora", batch_size=8,
+                                          performance=(("compile", "true"), ("compile_mode", "reduce-overhead"),
+                                                       ("float8_matmuls", "true"))), 220, None),
+    ("sdxl full every-2nd-block compile float8", dict(
+        model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
+        performance=(("checkpoint_every_n_blocks", "2"), ("compile", "true"), ("float8_matmuls", "true"))), 220, None),
     ("flux lora ckpt", dict(model="flux-dev", method="lora", batch_size=1, gradient_checkpointing=True), 45, None),
     ("flux lora ckpt offload-0.5", dict(model="flux-dev", method="lora", batch_size=1, gradient_checkpointing=True,
                                         offload_fraction=0.5), 60, None),

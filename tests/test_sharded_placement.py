@@ -1,0 +1,66 @@
+"""Under fsdp the trained modules reach the device a sharding unit at a time, as FSDP2 shards them, never whole
+(Strategy.shards_while_placing; docs/parallel.md): a model larger than one GPU still starts. FLUX.2 dev's transformer
+is 120 GiB in float32, Qwen-Image's 76 GiB; moved whole before sharding, they did not fit an 80 GB GPU although their
+shards do. A CPU has one device, so the proxy is what moves: the trainer never moves a trained component itself, and
+each of FSDP2's moves carries one unit's own parameters."""
+
+from __future__ import annotations
+
+import torch
+from conftest import base_config
+
+
+def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int]]:
+    """Trainer construction under `raw`: the components the trainer moved with Module.to (name -> count), the bytes
+    of each of FSDP2's moves to the device, and the trained modules' bytes by name."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_init
+
+    from ot_dist.config.load import validate
+    from ot_dist.train.trainer import Trainer
+
+    moved_modules: list[torch.nn.Module] = []
+    to = torch.nn.Module.to
+
+    def recording_to(module, *args, **kwargs):
+        if args and isinstance(args[0], (torch.device, str)) or "device" in kwargs:
+            moved_modules.append(module)
+        return to(module, *args, **kwargs)
+
+    fsdp_moves: list[int] = []
+    move = _fsdp_init._move_states_to_device
+
+    def recording_move(params, buffers, device):
+        fsdp_moves.append(sum(p.numel() * p.element_size() for p in params))
+        return move(params, buffers, device)
+
+    monkeypatch.setattr(torch.nn.Module, "to", recording_to)
+    monkeypatch.setattr(_fsdp_init, "_move_states_to_device", recording_move)
+    trainer = Trainer(validate(raw), log=lambda *_: None)
+    try:
+        trained = trainer.strategy.trained_modules
+        moved = {name: sum(m is module for m in moved_modules) for name, module in trained.items()}
+        sizes = {name: sum(p.numel() * p.element_size() for p in trainer.model.parts()[name].parameters())
+                 for name in trained}
+        return moved, fsdp_moves, sizes
+    finally:
+        trainer.close()
+
+
+def test_fsdp_moves_the_trained_modules_a_unit_at_a_time(small_sd1, shapes_data, tmp_path, monkeypatch):
+    raw = base_config(small_sd1, shapes_data, tmp_path / "fsdp", strategy="fsdp", max_steps=1,
+                      **{"text_encoder.train": True})
+    moved, fsdp_moves, sizes = placement_moves(monkeypatch, raw)
+    assert set(moved) == {"unet", "text_encoder"}
+    assert not any(moved.values()), f"moved whole by the trainer before sharding: {moved}"
+    # every trained parameter reached the device through FSDP2, one unit's own at a time (the units of the UNet and
+    # the text encoder, then each root's rest)
+    total = sum(sizes.values())
+    assert len(fsdp_moves) > 10 and sum(fsdp_moves) == total, (fsdp_moves, sizes)
+    assert max(fsdp_moves) < 0.25 * total, (max(fsdp_moves), total)
+
+
+def test_single_moves_the_trained_modules_whole(small_sd1, shapes_data, tmp_path, monkeypatch):
+    """The proxy above sees a whole move where one is made."""
+    raw = base_config(small_sd1, shapes_data, tmp_path / "single", max_steps=1, **{"text_encoder.train": True})
+    moved, fsdp_moves, _ = placement_moves(monkeypatch, raw)
+    assert moved == {"unet": 1, "text_encoder": 1} and not fsdp_moves
