@@ -15,7 +15,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.methods.base import kept
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Strategy, scale_to_max_norm
-from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, whole
+from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, plain, whole
 from ot_dist.parallel.runtime import ranks_on_this_node
 from ot_dist.precision import DTYPES
 
@@ -139,7 +139,7 @@ class FSDPStrategy(Strategy):
 
     def state_dict_of(self, module, keep=None):
         state = kept(module.state_dict(), keep)
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
+        return {k: plain(v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state.items()}
 
     def ownership(self):
         # Over a hybrid mesh the replicas hold the same shards: the pieces add up over the shard group.

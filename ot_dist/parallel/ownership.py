@@ -100,6 +100,19 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A tensor subclass that wraps one tensor, as that tensor: the same values and storage. Under fsdp with float8
+    matmuls each trained Linear weight is torchao's float8 all-gather wrapper around its float32 master, which has no
+    storage of its own to save, copy into or read."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor):
+        inner, _ = t.__tensor_flatten__()
+        if len(inner) == 1:
+            return plain(getattr(t, inner[0]))
+    return t
+
+
 def whole(param: torch.Tensor, name: str) -> Owned:
     return Owned(param, [Fragment(name, 0, 0, param.numel())])
 

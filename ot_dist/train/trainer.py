@@ -38,6 +38,7 @@ from ot_dist.optim.registry import SPECS
 from ot_dist.optim.schedule_free import averaged_weights
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
+from ot_dist.parallel.base import parameter_names, regroup, trained_modules
 from ot_dist.parallel.load_turns import load_turn, master_widths
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import check_storage_on_device, set_tf32
@@ -249,7 +250,12 @@ class Trainer:
         if self.config.gradient_checkpointing and performance.selective_checkpointing:
             chosen = selective_checkpointing(self.model, performance, self.config.activation_offloading)
             self.log(f"gradient checkpointing: {len(chosen)} denoiser modules recompute in backward")
+        # float8 matmuls under fsdp wrap each trained Linear weight in a new Parameter (torchao's float8 all-gather
+        # tensor): the groups follow the weights by name, as after a strategy's wrap
+        parts = trained_modules(self.model)
+        names = parameter_names(parts, self.groups)
         apply_performance(self.model, performance, self.device, self.config.strategy, self.log)
+        self.groups = regroup(parts, self.groups, names)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
         """Honour `<part>.stop_training_after` (and an additional embedding's): a stopped group no longer gets
