@@ -12,7 +12,9 @@ from conftest import base_config
 
 def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int]]:
     """Trainer construction under `raw`: the components the trainer moved with Module.to (name -> count), the bytes
-    of each of FSDP2's moves to the device, and the trained modules' bytes by name."""
+    of each of the strategy's moves to the device (FSDP2's, a unit's own parameters; ZeRO-3's, a parameter), and the
+    trained modules' bytes by name."""
+    from deepspeed.runtime.zero.partition_parameters import Init
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
     from ot_dist.config.load import validate
@@ -33,17 +35,28 @@ def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int]]:
         fsdp_moves.append(sum(p.numel() * p.element_size() for p in params))
         return move(params, buffers, device)
 
+    zero_init = Init._zero_init_param
+
+    def recording_zero_init(self, param):  # ZeRO-3 moves, broadcasts and partitions one parameter
+        fsdp_moves.append(param.numel() * param.element_size())
+        return zero_init(self, param)
+
     monkeypatch.setattr(torch.nn.Module, "to", recording_to)
     monkeypatch.setattr(_fsdp_init, "_move_states_to_device", recording_move)
+    monkeypatch.setattr(Init, "_zero_init_param", recording_zero_init)
     trainer = Trainer(validate(raw), log=lambda *_: None)
     try:
         trained = trainer.strategy.trained_modules
         moved = {name: sum(m is module for m in moved_modules) for name, module in trained.items()}
-        sizes = {name: sum(p.numel() * p.element_size() for p in trainer.model.parts()[name].parameters())
+        sizes = {name: sum(shape_of(p).numel() * p.element_size() for p in trainer.model.parts()[name].parameters())
                  for name in trained}
         return moved, fsdp_moves, sizes
     finally:
         trainer.close()
+
+
+def shape_of(param) -> torch.Size:
+    return getattr(param, "ds_shape", param.shape)  # a ZeRO-3 partitioned parameter is empty; ds_shape is its own
 
 
 def test_fsdp_moves_the_trained_modules_a_unit_at_a_time(small_sd1, shapes_data, tmp_path, monkeypatch):
@@ -64,3 +77,27 @@ def test_single_moves_the_trained_modules_whole(small_sd1, shapes_data, tmp_path
     raw = base_config(small_sd1, shapes_data, tmp_path / "single", max_steps=1, **{"text_encoder.train": True})
     moved, fsdp_moves, _ = placement_moves(monkeypatch, raw)
     assert moved == {"unet": 1, "text_encoder": 1} and not fsdp_moves
+
+
+def test_zero3_partitions_the_trained_modules_a_parameter_at_a_time(small_sd1, shapes_data, tmp_path, monkeypatch):
+    """ZeRO-3 where every rank of the node loads at once (here one process): the engine moves only the buffers, and
+    DeepSpeed's partitioning moves each parameter to the device, keeps this rank's partition and frees the rest."""
+    raw = base_config(small_sd1, shapes_data, tmp_path / "zero3", strategy="zero3", max_steps=1,
+                      **{"text_encoder.train": True})
+    moved, zero_moves, sizes = placement_moves(monkeypatch, raw)
+    assert not any(moved.values()), f"moved whole by the trainer before partitioning: {moved}"
+    total = sum(sizes.values())
+    assert sum(zero_moves) == total and max(zero_moves) < 0.25 * total, (max(zero_moves), sum(zero_moves), total)
+
+
+def test_zero3s_engine_module_moves_only_its_buffers_when_the_parameters_stay():
+    """DeepSpeed's engine moves its module to the device before partitioning (a CPU has no second device to show it:
+    the meta device stands in)."""
+    from ot_dist.parallel.deepspeed import TrainableParts
+
+    norm = torch.nn.BatchNorm1d(4)  # parameters and buffers
+    parts = TrainableParts({"norm": norm}, parameters_stay=True)
+    assert parts.to(torch.device("meta")) is parts
+    assert norm.weight.device.type == "cpu" and norm.running_mean.device.type == "meta"
+    moved = TrainableParts({"norm": torch.nn.BatchNorm1d(4)}).to("meta")
+    assert moved.parts["norm"].weight.device.type == "meta"

@@ -40,6 +40,11 @@ class Strategy:
     def start(self) -> None:
         """What every rank makes together before the ranks load in turns (a device mesh's process groups)."""
 
+    def places_trained_modules(self, turns: int) -> bool:
+        """Whether the trainer leaves the trained modules in CPU memory for the strategy to move to the device as it
+        shards them, given how many turns the node's ranks load in."""
+        return self.shards_while_placing
+
     def wrap(self, model: LoadedModel, groups: list[ParamGroup]) -> list[ParamGroup]:
         """Make the modules holding trainable parameters data parallel. Returns the groups with the
         parameters as they are after wrapping (sharding replaces parameter objects)."""

@@ -27,12 +27,26 @@ class TrainableParts(torch.nn.Module):
     """The engine's module. Its forward runs nothing: the trainer calls the components itself (the family knows how);
     calling the engine marks the start of a micro step."""
 
-    def __init__(self, modules: dict[str, torch.nn.Module]):
+    def __init__(self, modules: dict[str, torch.nn.Module], parameters_stay: bool = False):
         super().__init__()
         self.parts = torch.nn.ModuleDict(modules)
+        self.parameters_stay = parameters_stay
 
     def forward(self) -> None:
         return None
+
+    def to(self, *args, **kwargs):
+        """The engine moves its module to the device whole before ZeRO-3 partitions it, unless the module was built
+        partitioned (zero.Init). With `parameters_stay` only the buffers move: ZeRO-3's partitioning then moves each
+        parameter to the device, keeps this rank's partition and frees the rest before the next one moves."""
+        if not self.parameters_stay:
+            return super().to(*args, **kwargs)
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        for module in self.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[name] = buffer.to(device)
+        return self
 
 
 def deepspeed_config(config, stage: int, world_size: int, device_type: str = "cpu") -> dict:
@@ -286,6 +300,7 @@ class DeepSpeedStrategy(Strategy):
         self.engine = None
         self.under_autocast = computes_under_autocast(config)  # as deepspeed_config decides, a config_file aside
         self.linear_before = None  # torch.nn.functional.linear before this engine was built (restore_torch_linear)
+        self.partitions_from_cpu = False  # the trained modules were left in CPU memory (places_trained_modules)
 
     def wrap(self, model, groups):
         groups = super().wrap(model, groups)
@@ -296,10 +311,18 @@ class DeepSpeedStrategy(Strategy):
             groups = [ParamGroup("+".join(g.name for g in groups), merged, groups[0].learning_rate)]
         return groups
 
+    def places_trained_modules(self, turns: int) -> bool:
+        # ZeRO-3 partitions the trained modules from CPU memory, a parameter at a time, where every rank of a node
+        # loads at once: each rank then holds its CPU copy until DeepSpeed partitions it (a collective, after the
+        # turns), which adds nothing to the node's peak. With several turns a rank's copy must be gone before the next
+        # turn, so it is placed on the device whole, in its turn.
+        self.partitions_from_cpu = self.stage == 3 and turns == 1
+        return self.partitions_from_cpu
+
     def wrap_optimizer(self, optimizer):
         import deepspeed
 
-        container = TrainableParts(self.trained_modules)
+        container = TrainableParts(self.trained_modules, parameters_stay=self.partitions_from_cpu)
         if self.stage == 3:
             register_embeddings_as_external(container)
             register_adapter_reads_as_external(container)

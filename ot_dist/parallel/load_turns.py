@@ -95,11 +95,12 @@ def ranks_at_once(load_bytes: int, available: int | None, ranks_on_node: int) ->
 
 @contextlib.contextmanager
 def load_turn(setting: int | str, model_path: str, local_rank: int,
-              log: Callable[[str], None] = print, grown: dict[str, int] | None = None) -> Iterator[None]:
-    """Run the body (loading and placing the model) in this rank's turn. Every rank of the group enters it.
+              log: Callable[[str], None] = print, grown: dict[str, int] | None = None) -> Iterator[int]:
+    """Run the body (loading and placing the model) in this rank's turn. Every rank of the group enters it, and the
+    body gets the number of turns (1: every rank of a node loads at once).
     `grown`: the components whose trained weights are held wider than they are read (load_bytes_of)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        yield
+        yield 1
         return
     on_node = ranks_on_this_node(dist.get_world_size())
     if setting == "auto":
@@ -119,6 +120,6 @@ def load_turn(setting: int | str, model_path: str, local_rank: int,
     turn = local_rank // at_once
     for _ in range(turn):
         dist.barrier()
-    yield
+    yield turns
     for _ in range(turn, turns):
         dist.barrier()

@@ -147,7 +147,7 @@ class Trainer:
         self.strategy.start()  # what every rank makes together (a device mesh), before the turns below
         # the ranks of a node load (in CPU memory) and place the model a few at a time: the node's peak
         with load_turn(config.distributed.load_ranks_per_node, config.model.path, self.runtime.local_rank, self.log,
-                       grown=master_widths(config)):
+                       grown=master_widths(config)) as turns:
             # in its files' dtype: _place_modules casts every component to its storage before anything computes
             self.model: LoadedModel = load_model(config.model, in_files_dtype=True)
             timestep_bounds(config.loss, self.model.objective.num_timesteps)  # fails before training
@@ -156,7 +156,7 @@ class Trainer:
             self.groups: list[ParamGroup] = self.method.prepare(self.model)
             # preserve_embedding_norm's targets, from the whole token tables (before any strategy shards them)
             norm_vectors = trained_vectors(self.model) if config.preserve_embedding_norm else []
-            self._place_modules()
+            self._place_modules(strategy_places=self.strategy.places_trained_modules(turns))
             self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
             self._apply_performance()  # after that copy (samples run the plain modules), before wrapping
             if self.strategy.shards_while_placing:
@@ -212,9 +212,10 @@ class Trainer:
         self.replicas_checked_at: int | None = None  # the step whose replicas were last compared
         freeze_long_lived_objects()  # the libraries and the model are in memory: collections skip them from now on
 
-    def _place_modules(self) -> None:
+    def _place_modules(self, strategy_places: bool = False) -> None:
         """Trainable parameters are stored in trained_weight_dtype (float32 master weights by default), each
-        component's frozen ones in its storage (store_component); then the low-memory options place each component."""
+        component's frozen ones in its storage (store_component); then the low-memory options place each component.
+        `strategy_places`: the components that train stay in CPU memory for the strategy to place as it shards them."""
         denoiser, performance = self.model.denoiser, self.config.performance
         # Stable Cascade's decoder stages stay on the device: their pipeline creates its noise where they are.
         family = self.model.family
@@ -230,7 +231,7 @@ class Trainer:
             cached_text = self.config.data.cache_text and any(module is e for e in self.model.text_encoders.values())
             place_component(module, self.config, self.device, offloadable=not any(module is m for m in resident),
                             prefer_cpu=cached_text, streamed=self._streamed_blocks() if module is denoiser else (),
-                            strategy_places=self.strategy.shards_while_placing)
+                            strategy_places=strategy_places)
 
     def _streamed_blocks(self) -> list[torch.nn.Module]:
         """The denoiser's blocks whose frozen weights stay in CPU memory (`<denoiser>.offload_fraction`)."""

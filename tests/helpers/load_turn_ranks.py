@@ -39,8 +39,8 @@ if __name__ == "__main__":
         times["start"] = time.time()
         return load_model(config, **kwargs)
 
-    def timed_place(self):
-        place(self)
+    def timed_place(self, **kwargs):
+        place(self, **kwargs)
         time.sleep(0.5)  # so that overlapping windows could not pass as touching ones
         times["end"] = time.time()
 
