@@ -82,10 +82,17 @@ def test_single_moves_the_trained_modules_whole(small_sd1, shapes_data, tmp_path
 def test_zero3_partitions_the_trained_modules_a_parameter_at_a_time(small_sd1, shapes_data, tmp_path, monkeypatch):
     """ZeRO-3 where every rank of the node loads at once (here one process): the engine moves only the buffers, and
     DeepSpeed's partitioning moves each parameter to the device, keeps this rank's partition and frees the rest."""
+    from ot_dist.memory.node_shared import NodeSharing
+    from ot_dist.train import trainer as trainer_module
+
+    shared = []  # the modules whose frozen CPU weights the node would hold once: not those ZeRO-3 is about to move
+    monkeypatch.setattr(trainer_module, "share_frozen_cpu_weights",
+                        lambda modules, **_: shared.extend(modules) or NodeSharing())
     raw = base_config(small_sd1, shapes_data, tmp_path / "zero3", strategy="zero3", max_steps=1,
                       **{"text_encoder.train": True})
     moved, zero_moves, sizes = placement_moves(monkeypatch, raw)
     assert not any(moved.values()), f"moved whole by the trainer before partitioning: {moved}"
+    assert shared and not any(type(m).__name__ in ("UNet2DConditionModel", "CLIPTextModel") for m in shared), shared
     total = sum(sizes.values())
     assert sum(zero_moves) == total and max(zero_moves) < 0.25 * total, (max(zero_moves), sum(zero_moves), total)
 

@@ -156,7 +156,8 @@ class Trainer:
             self.groups: list[ParamGroup] = self.method.prepare(self.model)
             # preserve_embedding_norm's targets, from the whole token tables (before any strategy shards them)
             norm_vectors = trained_vectors(self.model) if config.preserve_embedding_norm else []
-            self._place_modules(strategy_places=self.strategy.places_trained_modules(turns))
+            strategy_places = self.strategy.places_trained_modules(turns)
+            self._place_modules(strategy_places=strategy_places)
             self.sampler = Sampler(config, self.model)  # before wrapping: it copies the trained modules' structure
             self._apply_performance()  # after that copy (samples run the plain modules), before wrapping
             if self.strategy.shards_while_placing:
@@ -170,7 +171,10 @@ class Trainer:
             attach_text_cache(self.dataset, self.model, self.runtime, self.log)
         self.node_sharing = NodeSharing()  # after the last change of the CPU weights' layout (channels_last)
         if config.share_frozen_cpu_weights and self.runtime.distributed:
-            self.node_sharing = share_frozen_cpu_weights([m for _, m in self.model.named_components()],
+            # not the trained modules the strategy places (ZeRO-3 moves them from CPU memory when it wraps them)
+            placed_later = list(trained_modules(self.model).values()) if strategy_places else []
+            self.node_sharing = share_frozen_cpu_weights([m for _, m in self.model.named_components()
+                                                          if not any(m is later for later in placed_later)],
                                                          pin=self.device.type == "cuda", log=self.log)
         if not self.strategy.shards_while_placing:  # DDP and DeepSpeed wrap with collectives: every rank at once
             self.groups = self.strategy.wrap(self.model, self.groups)
