@@ -12,6 +12,7 @@ from ot_dist.checkpoint.run_folder import check_writable
 from ot_dist.checkpoint.shards import SavedShards, gather_full_from_files
 from ot_dist.checkpoint.training_state import read_trainer_state
 from ot_dist.errors import ConfigError, InputFileError
+from ot_dist.models.load_dtype import hold_as_float32
 
 
 def export_checkpoint(path: str, formats: list[str] | None, ema: bool, out: str | None, log=print) -> list[Path]:
@@ -64,8 +65,4 @@ def load_trained_weights(model, trained: dict[str, torch.Tensor], folder: Path) 
         if name not in params:
             raise InputFileError(f"checkpoint {folder}: trained parameter {name} does not exist in the model the "
                                  "checkpoint's config loads (was model.path replaced?)")
-        param = params[name]
-        if param.dtype == torch.float32:
-            param.copy_(value.view(param.shape))
-        else:  # a weight read in its files' 16 bits: the trained value as a float32 load would hold it
-            param.data = value.view(param.shape).to(torch.float32)
+        hold_as_float32(params[name], value.view(params[name].shape))

@@ -11,6 +11,7 @@ import torch
 from ot_dist.errors import InputFileError
 from ot_dist.lora_tools.files import ALL_VARIANTS, LoraFile, Pair, read_lora_file
 from ot_dist.lora_tools.matching import check_shape, match, module_index
+from ot_dist.models.load_dtype import hold_as_float32
 
 
 def changed_parts(model, lora: LoraFile, source: str) -> set[str]:
@@ -42,10 +43,7 @@ def merge_into(model, lora: LoraFile, weight: float, source: str) -> tuple[int, 
         except RuntimeError as err:  # a LoHa / LoKr product that does not fit the weight
             raise InputFileError(f"{source}: {name} ({change.variant}) does not fit the model's {tuple(w.shape)} "
                                  f"weight ({err}): another model's LoRA?") from None
-        if w.dtype == merged.dtype:
-            w.copy_(merged)
-        else:
-            w.data = merged
+        hold_as_float32(w, merged)
     return len(matched), missing
 
 

@@ -208,6 +208,16 @@ def float32_build_of(cls: type, config) -> torch.nn.Module | None:
         return None
 
 
+@torch.no_grad()
+def hold_as_float32(weight: torch.Tensor, value: torch.Tensor) -> None:
+    """Set `weight` to `value` in float32: in place where the weight is float32; a weight read in its files' 16 bits
+    holds the float32 value instead, as the float32 load would (a merged or trained weight, not rounded back)."""
+    if weight.dtype == FLOAT32:
+        weight.copy_(value)
+    else:
+        weight.data = value.to(FLOAT32)
+
+
 def own_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """A converted state dict's floating tensors in `dtype`, each in storage of its own: a view (one of q / k / v
     split from a fused tensor) is copied, so the fused tensor is freed once its views are, and no parameter keeps a
