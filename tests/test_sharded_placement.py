@@ -28,17 +28,17 @@ def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int]]:
             moved_modules.append(module)
         return to(module, *args, **kwargs)
 
-    fsdp_moves: list[int] = []
+    strategy_moves: list[int] = []
     move = _fsdp_init._move_states_to_device
 
     def recording_move(params, buffers, device):
-        fsdp_moves.append(sum(p.numel() * p.element_size() for p in params))
+        strategy_moves.append(sum(p.numel() * p.element_size() for p in params))
         return move(params, buffers, device)
 
     zero_init = Init._zero_init_param
 
     def recording_zero_init(self, param):  # ZeRO-3 moves, broadcasts and partitions one parameter
-        fsdp_moves.append(param.numel() * param.element_size())
+        strategy_moves.append(param.numel() * param.element_size())
         return zero_init(self, param)
 
     monkeypatch.setattr(torch.nn.Module, "to", recording_to)
@@ -50,7 +50,7 @@ def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int]]:
         moved = {name: sum(m is module for m in moved_modules) for name, module in trained.items()}
         sizes = {name: sum(shape_of(p).numel() * p.element_size() for p in trainer.model.parts()[name].parameters())
                  for name in trained}
-        return moved, fsdp_moves, sizes
+        return moved, strategy_moves, sizes
     finally:
         trainer.close()
 
@@ -62,21 +62,21 @@ def shape_of(param) -> torch.Size:
 def test_fsdp_moves_the_trained_modules_a_unit_at_a_time(small_sd1, shapes_data, tmp_path, monkeypatch):
     raw = base_config(small_sd1, shapes_data, tmp_path / "fsdp", strategy="fsdp", max_steps=1,
                       **{"text_encoder.train": True})
-    moved, fsdp_moves, sizes = placement_moves(monkeypatch, raw)
+    moved, strategy_moves, sizes = placement_moves(monkeypatch, raw)
     assert set(moved) == {"unet", "text_encoder"}
     assert not any(moved.values()), f"moved whole by the trainer before sharding: {moved}"
     # every trained parameter reached the device through FSDP2, one unit's own at a time (the units of the UNet and
     # the text encoder, then each root's rest)
     total = sum(sizes.values())
-    assert len(fsdp_moves) > 10 and sum(fsdp_moves) == total, (fsdp_moves, sizes)
-    assert max(fsdp_moves) < 0.25 * total, (max(fsdp_moves), total)
+    assert len(strategy_moves) > 10 and sum(strategy_moves) == total, (strategy_moves, sizes)
+    assert max(strategy_moves) < 0.25 * total, (max(strategy_moves), total)
 
 
 def test_single_moves_the_trained_modules_whole(small_sd1, shapes_data, tmp_path, monkeypatch):
     """The proxy above sees a whole move where one is made."""
     raw = base_config(small_sd1, shapes_data, tmp_path / "single", max_steps=1, **{"text_encoder.train": True})
-    moved, fsdp_moves, _ = placement_moves(monkeypatch, raw)
-    assert moved == {"unet": 1, "text_encoder": 1} and not fsdp_moves
+    moved, strategy_moves, _ = placement_moves(monkeypatch, raw)
+    assert moved == {"unet": 1, "text_encoder": 1} and not strategy_moves
 
 
 def test_zero3_partitions_the_trained_modules_a_parameter_at_a_time(small_sd1, shapes_data, tmp_path, monkeypatch):
@@ -90,11 +90,11 @@ def test_zero3_partitions_the_trained_modules_a_parameter_at_a_time(small_sd1, s
                         lambda modules, **_: shared.extend(modules) or NodeSharing())
     raw = base_config(small_sd1, shapes_data, tmp_path / "zero3", strategy="zero3", max_steps=1,
                       **{"text_encoder.train": True})
-    moved, zero_moves, sizes = placement_moves(monkeypatch, raw)
+    moved, strategy_moves, sizes = placement_moves(monkeypatch, raw)
     assert not any(moved.values()), f"moved whole by the trainer before partitioning: {moved}"
     assert shared and not any(type(m).__name__ in ("UNet2DConditionModel", "CLIPTextModel") for m in shared), shared
     total = sum(sizes.values())
-    assert sum(zero_moves) == total and max(zero_moves) < 0.25 * total, (max(zero_moves), sum(zero_moves), total)
+    assert sum(strategy_moves) == total and max(strategy_moves) < 0.25 * total, (strategy_moves, total)
 
 
 def test_zero3s_engine_module_moves_only_its_buffers_when_the_parameters_stay():

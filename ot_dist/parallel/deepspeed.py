@@ -300,7 +300,6 @@ class DeepSpeedStrategy(Strategy):
         self.engine = None
         self.under_autocast = computes_under_autocast(config)  # as deepspeed_config decides, a config_file aside
         self.linear_before = None  # torch.nn.functional.linear before this engine was built (restore_torch_linear)
-        self.partitions_from_cpu = False  # the trained modules were left in CPU memory (places_trained_modules)
 
     def wrap(self, model, groups):
         groups = super().wrap(model, groups)
@@ -316,13 +315,14 @@ class DeepSpeedStrategy(Strategy):
         # loads at once: each rank then holds its CPU copy until DeepSpeed partitions it (a collective, after the
         # turns), which adds nothing to the node's peak. With several turns a rank's copy must be gone before the next
         # turn, so it is placed on the device whole, in its turn.
-        self.partitions_from_cpu = self.stage == 3 and turns == 1
-        return self.partitions_from_cpu
+        return self.stage == 3 and turns == 1
 
     def wrap_optimizer(self, optimizer):
         import deepspeed
 
-        container = TrainableParts(self.trained_modules, parameters_stay=self.partitions_from_cpu)
+        # left in CPU memory by the trainer (places_trained_modules): ZeRO-3 moves them a parameter at a time
+        left = any(p.device != self.runtime.device for m in self.trained_modules.values() for p in m.parameters())
+        container = TrainableParts(self.trained_modules, parameters_stay=self.stage == 3 and left)
         if self.stage == 3:
             register_embeddings_as_external(container)
             register_adapter_reads_as_external(container)
