@@ -81,10 +81,12 @@ class Replica:
         nearest), each bucket keyed by `key` (this replica's place) and its index."""
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.synchronise = True
-        # The reducer's module is a list of the trainable parameters alone (no buffers to broadcast).
+        # The reducer's module is a list of the trainable parameters alone (no buffers to broadcast). No device_ids:
+        # with them DDP's forward moves its inputs to the device and takes the first, and the reducer's forward has
+        # none (an IndexError on every CUDA rank); the parameters are on the device already.
         self.ddp = DistributedDataParallel(
             torch.nn.ParameterList(self.params),
-            device_ids=[device] if device.type == "cuda" else None,
+            device_ids=None,
             process_group=group,
             bucket_cap_mb=bucket_mb,
             find_unused_parameters=True,
