@@ -115,6 +115,39 @@ def test_float8_matmuls_train_within_a_measured_multiple_of_bfloat16s_error(tmp_
     assert bf16 < float8 <= FLOAT8_NOISE * bf16, (bf16, float8)  # float8 did compute, and within the tolerance
 
 
+def cuda_scaled_mm_refusals(a: torch.Tensor, b: torch.Tensor) -> list[str]:
+    """What CUDA's torch._scaled_mm refuses and its CPU kernel does not (torch/_meta_registrations.py, off the CPU):
+    `a` row-major, `b` column-major, the inner dimension and both of `b`'s in multiples of 16."""
+    problems = []
+    if not (a.stride(1) == 1 and a.stride(0) > 1):
+        problems.append(f"a not row-major {tuple(a.stride())}")
+    if not (b.stride(0) == 1 and b.stride(1) > 1):
+        problems.append(f"b not column-major {tuple(b.stride())}")
+    if a.size(1) % 16 or b.size(0) % 16 or b.size(1) % 16:
+        problems.append(f"{tuple(a.shape)} @ {tuple(b.shape)} not in multiples of 16")
+    return problems
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_every_float8_matmul_of_a_step_is_one_cuda_runs(tmp_path, method, monkeypatch):
+    """The CPU's _scaled_mm takes any shape; CUDA's takes multiples of 16 only. A full finetune's weight gradients
+    multiply over the rows of a batch (batch x tokens), and a timestep embedding has one row per sample: SDXL's full
+    finetune with float8 matmuls stopped at its first backward on an H200 at batch 8 (2026-11-28). Every float8
+    matmul of a tiny SDXL step at batch 2 (77 text tokens a sample, one row per sample in the embeddings) must be one
+    CUDA would run."""
+    original = torch._scaled_mm
+    refused = []
+
+    def checked(a, b, *args, **kwargs):
+        refused.extend(cuda_scaled_mm_refusals(a, b))
+        return original(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", checked)
+    gradients = tiny_sdxl_gradients(tmp_path, method, "bf16", float8=True)
+    assert gradients
+    assert not refused, sorted(set(refused))[:5]
+
+
 def test_fsdp_float8_all_gather_trains_as_one_process(small_sd1, shapes_data, tmp_path):
     """Under fsdp, float8 matmuls gather each trained weight in float8 (torchao's all-gather wrapper, a new Parameter
     around each float32 master): 2 ranks (batch 2 each) take the steps one process takes on batch 4, and export and

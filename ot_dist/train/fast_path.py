@@ -114,7 +114,9 @@ def apply_performance(model, options: PerformanceConfig, device: torch.device, s
 
         frozen = convert_frozen_linears(denoiser, float8_eligible)  # no weight gradient to compute (a LoRA's base)
         trained = [m for n, m in denoiser.named_modules() if float8_eligible(m, n)]  # the frozen ones no longer are
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=strategy == "fsdp")
+        # pad_inner_dim: a weight gradient's matmul runs over the batch's rows (batch x tokens; one row a sample in
+        # the timestep and pooled-text embeddings), which CUDA's _scaled_mm takes in multiples of 16 only
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=strategy == "fsdp", pad_inner_dim=True)
         convert_to_float8_training(denoiser, config=config, module_filter_fn=float8_eligible)
         log(f"performance: float8 matmuls in the denoiser's linear layers: {len(trained)} trained (torchao "
             f"Float8Linear), {frozen} frozen (forward and input gradient only)")
