@@ -252,6 +252,23 @@ SLOWEST_FIRST = (
 )
 
 
+_XDIST_CONTROLLER = False  # this process only hands tests to xdist workers, which report failures themselves
+
+
+def pytest_configure(config):
+    global _XDIST_CONTROLLER
+    _XDIST_CONTROLLER = not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None))
+
+
+def pytest_runtest_logreport(report):
+    """OT_DIST_FAILURES=FILE: each failure's reason is appended to FILE as it happens. A GPU lease's time cap can end
+    pytest before its summary prints the reasons; launch/gpu_lease.sh brings this file back instead."""
+    path = os.environ.get("OT_DIST_FAILURES")
+    if path and report.failed and not _XDIST_CONTROLLER:
+        with open(path, "a") as f:
+            f.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext[-8000:]}\n\n")
+
+
 def pytest_collection_modifyitems(session, config, items):
     order = {name: place for place, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest keep their order

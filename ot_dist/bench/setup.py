@@ -203,6 +203,7 @@ def prepare(bench: BenchModel, options: BenchOptions, config: TrainConfig, devic
     from ot_dist.methods.registry import build_method
     from ot_dist.optim.factory import build_optimizer
     from ot_dist.parallel import build_strategy
+    from ot_dist.parallel.base import named_groups, trained_modules
     from ot_dist.parallel.runtime import Runtime
 
     model = build_model(bench, config, device)
@@ -213,7 +214,9 @@ def prepare(bench: BenchModel, options: BenchOptions, config: TrainConfig, devic
             torch.cuda.empty_cache()  # the float32 copies of frozen weights cast down by `place`
         apply_bench_performance(model, config, device)
     strategy = build_strategy(config, Runtime(device=device if device.type != "meta" else torch.device("cpu")))
-    groups = strategy.wrap(model, groups)
+    named = named_groups(trained_modules(model), groups)
+    del groups  # none of the parameters the wrap replaces held here
+    groups = strategy.wrap(model, named)
     optimizer = None
     if with_optimizer:
         built = build_optimizer(config.optimizer, groups)

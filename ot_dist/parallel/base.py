@@ -5,6 +5,7 @@ step, and gathering full weights for export. Model code and methods know nothing
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -45,13 +46,13 @@ class Strategy:
         shards them, given how many turns the node's ranks load in."""
         return self.shards_while_placing
 
-    def wrap(self, model: LoadedModel, groups: list[ParamGroup]) -> list[ParamGroup]:
-        """Make the modules holding trainable parameters data parallel. Returns the groups with the
-        parameters as they are after wrapping (sharding replaces parameter objects)."""
+    def wrap(self, model: LoadedModel, named: NamedGroups) -> list[ParamGroup]:
+        """Make the modules holding trainable parameters data parallel. Takes the groups by their parameters'
+        names (`named_groups`) and returns them with the parameters as they are after wrapping (sharding replaces
+        parameter objects)."""
         self.trained_modules = trained_modules(model)
-        names = parameter_names(self.trained_modules, groups)
         self._wrap_modules(model)
-        return regroup(self.trained_modules, groups, names)
+        return grouped(self.trained_modules, named)
 
     def _wrap_modules(self, model: LoadedModel) -> None:
         pass
@@ -149,17 +150,23 @@ def trained_modules(model: LoadedModel) -> dict[str, torch.nn.Module]:
     return {name: m for name, m in model.parts().items() if any(p.requires_grad for p in m.parameters())}
 
 
-def parameter_names(modules: dict[str, torch.nn.Module], groups: list[ParamGroup]) -> dict[int, tuple[str, str]]:
+# Parameter groups by their parameters' (part, name), holding none of the parameters themselves
+NamedGroups = list[tuple[ParamGroup, list[tuple[str, str]]]]
+
+
+def named_groups(modules: dict[str, torch.nn.Module], groups: list[ParamGroup]) -> NamedGroups:
+    """`groups` by name, for code that replaces parameter objects (a strategy's wrap, torchao's float8 wrappers).
+    Holding names, not the parameters, matters on a GPU: FSDP2 moves a unit's parameters to the device in place
+    before it shards them, so a parameter object still held (in a list of the old groups) keeps its whole device copy
+    while the later units move: the whole model on one device again."""
     by_id = {id(p): (part, name) for part, m in modules.items() for name, p in m.named_parameters()}
-    return {id(p): by_id[id(p)] for g in groups for p in g.params}
+    return [(replace(g, params=[]), [by_id[id(p)] for p in g.params]) for g in groups]
 
 
-def regroup(modules, groups: list[ParamGroup], names: dict[int, tuple[str, str]]) -> list[ParamGroup]:
+def grouped(modules: dict[str, torch.nn.Module], named: NamedGroups) -> list[ParamGroup]:
+    """The groups of `named_groups` with the parameters the modules hold now."""
     current = {part: dict(m.named_parameters()) for part, m in modules.items()}
-    return [
-        ParamGroup(g.name, [current[names[id(p)][0]][names[id(p)][1]] for p in g.params], g.learning_rate, g.part)
-        for g in groups
-    ]
+    return [replace(g, params=[current[part][name] for part, name in keys]) for g, keys in named]
 
 
 @torch.no_grad()

@@ -38,7 +38,7 @@ from ot_dist.optim.registry import SPECS
 from ot_dist.optim.schedule_free import averaged_weights
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
-from ot_dist.parallel.base import parameter_names, regroup, trained_modules
+from ot_dist.parallel.base import grouped, named_groups, trained_modules
 from ot_dist.parallel.load_turns import load_turn, master_widths
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import check_storage_on_device, set_tf32
@@ -163,7 +163,7 @@ class Trainer:
             if self.strategy.shards_while_placing:
                 # the trained modules move to the device a unit at a time as they are sharded, in this rank's turn:
                 # its CPU copy of them is gone before the next ranks load
-                self.groups = self.strategy.wrap(self.model, self.groups)
+                self._wrap()
         if config.data.cache_latents:  # needs the VAE in place; every rank encodes its share once
             attach_latent_cache(self.dataset, self.model.vae, self.runtime, self.log,
                                 workers=config.data.loader_workers, posterior=self.model.family.encode_posterior)
@@ -177,7 +177,7 @@ class Trainer:
                                                           if not any(m is later for later in placed_later)],
                                                          pin=self.device.type == "cuda", log=self.log)
         if not self.strategy.shards_while_placing:  # DDP and DeepSpeed wrap with collectives: every rank at once
-            self.groups = self.strategy.wrap(self.model, self.groups)
+            self._wrap()
         self.optimizer = build_optimizer(config.optimizer, self.groups, seed=config.seed)
         connect_trained_streaming(self.model.denoiser, self.optimizer)  # a streamed block's weights step in backward
         if norm_vectors:  # their parameter groups, read before ZeRO replaces the groups' params by its partitions
@@ -258,9 +258,16 @@ class Trainer:
         # float8 matmuls under fsdp wrap each trained Linear weight in a new Parameter (torchao's float8 all-gather
         # tensor): the groups follow the weights by name, as after a strategy's wrap
         parts = trained_modules(self.model)
-        names = parameter_names(parts, self.groups)
+        named = named_groups(parts, self.groups)
         apply_performance(self.model, performance, self.device, self.config.strategy, self.log)
-        self.groups = regroup(parts, self.groups, names)
+        self.groups = grouped(parts, named)
+
+    def _wrap(self) -> None:
+        """The strategy's wrap, given the groups by name: the trainer holds none of the parameters the wrap replaces
+        meanwhile (under fsdp each one held would keep its whole unit's copy on the device until the wrap ends)."""
+        named = named_groups(trained_modules(self.model), self.groups)
+        self.groups = []
+        self.groups = self.strategy.wrap(self.model, named)
 
     def _update_part_activity(self, epoch: int, step: int) -> None:
         """Honour `<part>.stop_training_after` (and an additional embedding's): a stopped group no longer gets

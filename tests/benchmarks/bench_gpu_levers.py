@@ -79,10 +79,10 @@ PLAN = [
     # lever is now
     ("sdxl lora cuda-graphs float8", dict(model="sdxl", method="lora", batch_size=8,
                                           performance=(("compile", "true"), ("compile_mode", "reduce-overhead"),
-                                                       ("float8_matmuls", "true"))), 220, None),
+                                                       ("float8_matmuls", "true"))), 280, None),
     ("sdxl full every-2nd-block compile float8", dict(
         model="sdxl", method="full", batch_size=8, gradient_checkpointing=True,
-        performance=(("checkpoint_every_n_blocks", "2"), ("compile", "true"), ("float8_matmuls", "true"))), 220, None),
+        performance=(("checkpoint_every_n_blocks", "2"), ("compile", "true"), ("float8_matmuls", "true"))), 280, None),
     ("flux lora ckpt", dict(model="flux-dev", method="lora", batch_size=1, gradient_checkpointing=True), 45, None),
     ("flux lora ckpt offload-0.5", dict(model="flux-dev", method="lora", batch_size=1, gradient_checkpointing=True,
                                         offload_fraction=0.5), 60, None),
