@@ -109,22 +109,31 @@ def test_a_page_locked_mapping_is_copied_from_in_place(tmp_path):
     """On a GPU each rank page-locks its mapping of the node's file: torch must see the views as pinned, or the
     streaming copy (memory/offload.py device_copies) would pin a private copy of each, the per-rank memory this
     removes."""
+    import os
+    from pathlib import Path
+
     from ot_dist.memory.offload import device_copies
 
     weight = torch.randn(256, 256)
-    path = tmp_path / "frozen"
+    # in the memory filesystem the node's file lives in, as share_frozen_cpu_weights makes it: Linux may refuse to
+    # page-lock a writable mapping of a file on disk for long
+    shm = Path(node_shared.SHARED_MEMORY_DIR)
+    path = (shm if shm.is_dir() else tmp_path) / f"{node_shared.FILE_PREFIX}{os.getpid()}-pin-test"
     path.write_bytes(b"\0" * (weight.numel() * 4))
-    storage = torch.UntypedStorage.from_file(str(path), True, weight.numel() * 4)
-    view = node_shared.view_in(storage, 0, weight).copy_(weight)
-    node_shared.pin_mapping(storage)
     try:
-        assert view.is_pinned()
-        address = view.data_ptr()
-        (copy,) = device_copies([view], torch.device("cuda"), pin=True)
-        torch.cuda.synchronize()
-        assert view.data_ptr() == address and torch.equal(copy.cpu(), weight)
+        storage = torch.UntypedStorage.from_file(str(path), True, weight.numel() * 4)
+        view = node_shared.view_in(storage, 0, weight).copy_(weight)
+        node_shared.pin_mapping(storage)
+        try:
+            assert view.is_pinned()
+            address = view.data_ptr()
+            (copy,) = device_copies([view], torch.device("cuda"), pin=True)
+            torch.cuda.synchronize()
+            assert view.data_ptr() == address and torch.equal(copy.cpu(), weight)
+        finally:
+            torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
     finally:
-        torch.cuda.cudart().cudaHostUnregister(storage.data_ptr())
+        path.unlink()
 
 
 def test_files_of_ranks_that_died_while_writing_them_are_removed(tmp_path):

@@ -207,7 +207,8 @@ def pin_mapping(storage: torch.UntypedStorage) -> None:
     code = int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 1))  # Portable
     if code != 0:
         raise RuntimeError(f"share_frozen_cpu_weights: cudaHostRegister of {storage.nbytes()} bytes failed with CUDA "
-                           f"error {code} (the shell's `ulimit -l` or the container's locked-memory limit?)")
+                           f"error {code} (the shell's `ulimit -l` or the container's locked-memory limit?); "
+                           "share_frozen_cpu_weights: false keeps a copy per rank")
 
 
 def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log: Callable[[str], None] = print,
