@@ -87,6 +87,8 @@ def test_two_ranks_of_a_node_hold_one_copy_and_train_as_before(tiny_models, shap
 
     errors = [r["error"] for r in results["differs"]]
     assert all(e and "rank 1's frozen weight '2.weight' differs" in e for e in errors), errors
+    errors = [r["error"] for r in results["pin_fails"]]
+    assert all(e and e.startswith("rank 1: share_frozen_cpu_weights: cudaHostRegister") for e in errors), errors
 
     for r in results["full"]:
         assert r["tensors"] == 0 and r["shared"] == [] and r["files_left"] == [], r

@@ -204,8 +204,13 @@ def remove(path: str | None) -> None:
 def pin_mapping(storage: torch.UntypedStorage) -> None:
     """Page-lock this process's mapping so copies from it to the GPU are asynchronous (the pages are the node's; each
     process registers its own mapping of them)."""
-    code = int(torch.cuda.cudart().cudaHostRegister(storage.data_ptr(), storage.nbytes(), 1))  # Portable
+    cudart = torch.cuda.cudart()
+    code = int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 1))  # Portable
     if code != 0:
+        # A failed runtime call stays the thread's "last error" until read, and torch reads it after its next kernel
+        # launch: that launch would fail with this error, far from here.
+        if (read_last_error := getattr(cudart, "cudaGetLastError", None)) is not None:
+            read_last_error()
         raise RuntimeError(f"share_frozen_cpu_weights: cudaHostRegister of {storage.nbytes()} bytes failed with CUDA "
                            f"error {code} (the shell's `ulimit -l` or the container's locked-memory limit?); "
                            "share_frozen_cpu_weights: false keeps a copy per rank")
@@ -252,6 +257,19 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
         r, name = mismatch[0]
         raise RuntimeError(f"share_frozen_cpu_weights: rank {r}'s frozen weight {name!r} differs from the one its "
                            "node's first rank loaded: the ranks did not load the same model")
+    pin_error = None
+    if storage is not None:
+        for (table, name), tensor, offset in zip(entries, tensors, offsets):
+            tensor.data = view_in(storage, offset, tensor)
+        if pin:
+            try:
+                pin_mapping(storage)
+            except RuntimeError as err:
+                pin_error = str(err)
+    if pin:  # every rank learns of a failure: the others would wait for the failed one in their next collective
+        failed = [(r, error) for r, error in enumerate(gather_objects(pin_error)) if error]
+        if failed:
+            raise RuntimeError(f"rank {failed[0][0]}: {failed[0][1]}")
     if storage is None:
         if leader is not None:
             result.reason = why or next((w for _, w, _ in outcomes if w), "the node's file was not mapped")
@@ -261,10 +279,6 @@ def share_frozen_cpu_weights(modules: Iterable[torch.nn.Module], pin: bool, log:
             log(f"share_frozen_cpu_weights: rank {rank} keeps its own copy of {size / 2**30:.2f} GiB of frozen "
                 f"weights: {result.reason}")
         return result
-    for (table, name), tensor, offset in zip(entries, tensors, offsets):
-        tensor.data = view_in(storage, offset, tensor)
-    if pin:
-        pin_mapping(storage)
     result.tensors, result.bytes, result.pinned, result.storage = len(tensors), size, pin, storage
     if rank == leader:
         log(f"share_frozen_cpu_weights: {len(tensors)} frozen tensors in CPU memory ({size / 2**30:.2f} GiB) held "

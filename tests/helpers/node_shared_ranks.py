@@ -11,6 +11,7 @@ SPARE_DIR: a file there is mapped and shared the same way (its pages are the pag
   size (Pss) before and after sharing, the node file's name on each rank and whether it still exists, a value rank 0
   wrote into a shared weight as rank 1 reads it, and whether the blocks compute the same after.
 - "differs": rank 1's copy of one weight differs: every rank's error.
+- "pin_fails": rank 1 cannot page-lock its mapping: every rank's error (none may go on into a collective alone).
 - "full": the memory filesystem has no room: the reason, and whether any weight left its private memory.
 - each case of CASES_JSON (a raw config): the losses and the LoRA of a training run, and what was shared."""
 
@@ -78,6 +79,25 @@ def differs(rank: int, directory: str) -> dict:
         return {"error": str(error)}
 
 
+def pin_fails(rank: int, directory: str) -> dict:
+    """Rank 1 cannot page-lock its mapping (a CUDA run's pin, stood in for on the CPU): every rank's error."""
+    root = streamed_model()
+    pin_mapping = node_shared.pin_mapping
+
+    def pin_on_rank_0(storage):
+        if rank == 1:
+            raise RuntimeError("share_frozen_cpu_weights: cudaHostRegister of n bytes failed with CUDA error 1")
+
+    node_shared.pin_mapping = pin_on_rank_0
+    try:
+        node_shared.share_frozen_cpu_weights([root], pin=True, log=print, directory=directory)
+        return {"error": None}
+    except RuntimeError as error:
+        return {"error": str(error)}
+    finally:
+        node_shared.pin_mapping = pin_mapping
+
+
 def full(rank: int, directory: str) -> dict:
     root = streamed_model()
     node_shared.free_bytes = lambda directory: 0
@@ -98,6 +118,7 @@ if __name__ == "__main__":
     results = {"synthetic": gather_objects(synthetic(runtime.rank, directory)),
                "differs": gather_objects(differs(runtime.rank, directory))}
     free_bytes = node_shared.free_bytes
+    results["pin_fails"] = gather_objects(pin_fails(runtime.rank, directory))
     results["full"] = gather_objects(full(runtime.rank, directory))
     node_shared.free_bytes = free_bytes
     for name, raw in cases.items():
