@@ -134,14 +134,16 @@ def test_offloaded_activations_lower_the_peak_on_cuda_and_compute_the_same():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         start = torch.cuda.memory_allocated()
-        kernels = attention_kernel(PerformanceConfig(), device, FlowTransformerFamily.attention_kernels_avoided)
-        with kernels, torch.autocast("cuda", dtype=torch.bfloat16):
+        def kernels():  # a new context each time: torch's sdpa_kernel is a generator context, entered once only
+            return attention_kernel(PerformanceConfig(), device, FlowTransformerFamily.attention_kernels_avoided)
+
+        with kernels(), torch.autocast("cuda", dtype=torch.bfloat16):
             out = model(hidden_states=torch.randn(4, 4096, 16, generator=g, device=device),
                         encoder_hidden_states=torch.randn(4, 64, 64, generator=g, device=device),
                         pooled_projections=torch.randn(4, 64, generator=g, device=device),
                         timestep=torch.tensor([0.5] * 4, device=device), img_ids=torch.zeros(4096, 3, device=device),
                         txt_ids=torch.zeros(64, 3, device=device), return_dict=False)[0]
-        with kernels:  # backward recomputes the checkpointed blocks' attention
+        with kernels():  # backward recomputes the checkpointed blocks' attention
             out.float().square().mean().backward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - start, model.proj_out.weight.grad.clone()

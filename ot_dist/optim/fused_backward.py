@@ -12,6 +12,7 @@ last one's backward steps. Under ddp each gradient is averaged over the ranks fi
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -52,11 +53,12 @@ class FusedSteps:
 def install_fused_back_pass(optimizer: torch.optim.Optimizer) -> None:
     step = type(optimizer).step  # the class's step, with the optimizer's pre/post hooks
     fused = FusedSteps()
+    hook = _weakly(fused)
     for group in optimizer.param_groups:
         for p in group["params"]:
             fused.steppers[id(p)] = _stepper(optimizer, group, step)
             fused.appliers[id(p)] = _applier(p, fused.steppers[id(p)])
-            p.register_post_accumulate_grad_hook(fused.accumulated)
+            p.register_post_accumulate_grad_hook(hook)
 
     def already_stepped(self, closure=None):
         return None
@@ -64,6 +66,20 @@ def install_fused_back_pass(optimizer: torch.optim.Optimizer) -> None:
     # A bound method (not a lambda): LR schedulers wrap `optimizer.step` and need its __func__.
     optimizer.step = types.MethodType(already_stepped, optimizer)
     optimizer.fused_steps = fused
+
+
+def _weakly(fused: FusedSteps) -> Callable[[torch.Tensor], None]:
+    """The parameters' hook, holding `fused` weakly (the optimizer holds it: `optimizer.fused_steps`). torch keeps a
+    tensor's hooks where the garbage collector cannot see them, and `fused`'s closures hold the optimizer, its groups
+    and the parameters: a hook holding it kept a finished run's weights and optimizer state alive for the rest of
+    the process, on the GPU too (the bench's runs one after another, a test comparing two runs)."""
+    ref = weakref.ref(fused)
+
+    def accumulated(param: torch.Tensor) -> None:
+        if (steps := ref()) is not None:
+            steps.accumulated(param)
+
+    return accumulated
 
 
 def _stepper(optimizer, group, step):
