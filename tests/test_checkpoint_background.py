@@ -146,6 +146,21 @@ def test_a_real_write_error_of_safetensors_is_the_disk_s_exit_3(tmp_path):
     assert layout.committed_checkpoints(root) == []
 
 
+def test_the_writer_thread_works_on_its_ranks_gpu(monkeypatch):
+    """A new thread's current CUDA device is GPU 0 whatever its process uses: the writer, which waits on the copies'
+    event and frees pinned memory, first makes its rank's GPU current (else every rank of a node would make a CUDA
+    context on GPU 0). A CPU stands in: set_device is recorded, not made."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device,
+                                                                               threading.current_thread().name)))
+    runtime = SimpleNamespace(distributed=False, world_size=1, device=torch.device("cuda", 3))
+    background = writer.BackgroundWriter(runtime, timeout_minutes=1)
+    background.start(lambda ranks: calls.append(("work", threading.current_thread().name)))
+    background.wait()
+    assert calls == [("set_device", torch.device("cuda", 3), "ot_dist-checkpoint-writer"),
+                     ("work", "ot_dist-checkpoint-writer")]
+
+
 def test_the_commit_protocol_on_two_ranks(tmp_path):
     """Real gloo ranks, no model (tests/helpers/commit_ranks.py)."""
     done = run_ranks(REPO / "tests" / "helpers" / "commit_ranks.py", str(tmp_path), str(tmp_path / "result"),

@@ -108,6 +108,7 @@ class BackgroundWriter:
         if runtime.distributed:  # every rank makes it, at the same point (Checkpointer's construction)
             group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
         self.ranks = Ranks(runtime.distributed, runtime.world_size, group)
+        self.device = runtime.device
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -117,6 +118,11 @@ class BackgroundWriter:
 
         def run():
             try:
+                if self.device.type == "cuda":
+                    # A thread starts on GPU 0: without this, waiting on the copies' event and freeing pinned memory
+                    # would make a CUDA context there on every rank of a node (GPU 0's memory, and a failed save
+                    # where GPUs are exclusive to one process).
+                    torch.cuda.set_device(self.device)
                 work(self.ranks)
             except BaseException as err:  # noqa: BLE001 - handed to the main thread by wait()
                 self._error = err
