@@ -70,3 +70,26 @@ def test_a_trainer_refused_while_being_built_ends_the_group_it_started(one_level
     with pytest.raises(InputFileError):
         Trainer(config, log=lambda *_: None)
     assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("backend, refused", [("nccl", True), ("cpu:gloo,cuda:nccl", False), ("gloo", False)])
+def test_a_callers_gpu_group_must_carry_cpu_tensors(monkeypatch, backend, refused):
+    """A group made by the caller (Ray Train, a notebook) with plain NCCL cannot carry the CPU tensors ot_dist
+    reduces: refused at start, naming the backend to use, instead of failing at the first checkpoint or export. A CPU
+    stands in for the GPU and the group."""
+    import torch
+    import torch.distributed as dist
+
+    from ot_dist.errors import ConfigError
+    from ot_dist.parallel import runtime
+
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda: backend)
+    monkeypatch.setattr(runtime, "this_rank_device", lambda local_rank: torch.device("cuda", local_rank))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    if refused:
+        with pytest.raises(ConfigError, match="cpu:gloo,cuda:nccl"):
+            runtime.runtime_of_existing_group(needs_group=False)
+    else:
+        assert runtime.runtime_of_existing_group(needs_group=False).device == torch.device("cuda", 1)

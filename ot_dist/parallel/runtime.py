@@ -18,6 +18,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from ot_dist.errors import ConfigError
 from ot_dist.ports import free_port
 
 
@@ -138,6 +139,14 @@ def runtime_of_existing_group(needs_group: bool) -> Runtime:
     device = this_rank_device(local_rank)
     if world_size == 1 and not needs_group:
         return Runtime(device=device)
+    backend = str(dist.get_backend())
+    if device.type == "cuda" and "cpu:" not in backend and backend != "gloo":
+        raise ConfigError(
+            f"the process group this process was given has backend {backend!r}, which carries no CPU tensors: "
+            "ot_dist reduces some in CPU memory (checkpoint agreement, ema.device: cpu, offloaded optimizer state, "
+            "fsdp.cpu_offload's gradient norms). Make it with init_process_group(backend=\"cpu:gloo,cuda:nccl\", "
+            "...), or let ot_dist make it (start without a group)"
+        )
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True)
 
 
