@@ -357,6 +357,24 @@ def test_bad_input_exits_3_naming_the_file(tmp_path, capsys, problem):
     assert all(e in err for e in expected) and "Traceback" not in err
 
 
+def test_ranks_wait_for_a_build_longer_than_the_process_groups_timeout(tmp_path):
+    """The main process builds the shard set (or merges its parts: hours) while the other ranks wait, and the
+    process group's timeout (distributed.timeout_minutes) is minutes: the ranks wait in a group of their own that
+    waits as long as a build may. Here the group times out after 2 s and the build takes 6 s."""
+    import json
+    from pathlib import Path
+
+    folder = make_images(tmp_path / "imgs", [(64, 64)] * 4)
+    raw = {"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o", "resolution": 64,
+           "batch_size": 2, "data": {"path": str(folder), "shards": str(tmp_path / "set")}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    helper = Path(__file__).parent / "helpers" / "shard_wait_ranks.py"
+    done = run_ranks(helper, tmp_path / "config.json", tmp_path, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)] == [str(tmp_path / "set")] * 2
+    assert len(read_manifest(tmp_path / "set")["samples"]) == 4
+
+
 def test_stale_shard_set_is_rebuilt_at_train_start(tmp_path):
     folder = make_images(tmp_path / "imgs", [(64, 64)] * 4)
     cfg = config({"path": str(folder), "shards": str(tmp_path / "set")})

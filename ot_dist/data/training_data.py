@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import torch
+import torch.distributed as dist
 
 from ot_dist.data.buckets import config_bucket_of, merged_buckets
 from ot_dist.data.concepts import concept_name, scan_concepts
@@ -18,6 +18,9 @@ from ot_dist.data.reader import ShardDataset, ShardReader
 from ot_dist.data.shard_parts import MERGE_WAIT_S, merge_parts, part_folders
 from ot_dist.data.shards import build_shard_set, default_shard_dir, is_current, source_fingerprint
 from ot_dist.errors import InputFileError
+
+# beyond the parts' wait: the merge itself, or a whole build of the set by the main process
+BUILD_WAIT_MARGIN_S = 6 * 3600
 
 
 def shard_dir_of(config) -> Path:
@@ -34,6 +37,8 @@ def ensure_shards(config, runtime, log=print) -> Path:
     if not config.data.concept_list():
         return out
     error = None
+    # The others wait for the main process's build or merge in a group that waits as long as a merge may
+    waiting = runtime.waiting_group(MERGE_WAIT_S + BUILD_WAIT_MARGIN_S)
     # Only the main process decides: another rank checking on its own could see the set rebuilt
     # already and skip the collective below, leaving the main process waiting in it.
     if runtime.is_main:
@@ -49,7 +54,9 @@ def ensure_shards(config, runtime, log=print) -> Path:
                 mark_used(out)
         except Exception as err:  # noqa: BLE001  (any failure: the other ranks must hear of it, then it is raised)
             error = err
-    failed = runtime.mean(torch.tensor([float(error is not None)], device=runtime.device)).item() > 0
+    failed = runtime.any_rank(error is not None, waiting)
+    if waiting is not None:
+        dist.destroy_process_group(waiting)
     if error is not None:
         raise error
     if failed:

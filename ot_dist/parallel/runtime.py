@@ -47,6 +47,24 @@ class Runtime:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         return value / self.world_size
 
+    def waiting_group(self, seconds: float):
+        """A gloo group of its own whose collectives wait up to `seconds`, for work one rank does while the others
+        wait (building the shard set, merging its parts: hours, where the default group's timeout,
+        distributed.timeout_minutes, is for collectives that follow one another closely). Every rank makes it at the
+        same point before that work starts: made after, the waiting ranks would wait for the working rank's
+        address within the store's own timeout. None when not distributed."""
+        if not self.distributed:
+            return None
+        return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
+
+    def any_rank(self, flag: bool, group=None) -> bool:
+        """Whether any rank's `flag` is set (every rank of `group` calls this at the same point)."""
+        if not self.distributed:
+            return flag
+        value = torch.tensor([float(flag)])  # CPU memory: `group` is a gloo one (waiting_group)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return bool(value.item())
+
     def shutdown(self) -> None:
         if self.owns_group and dist.is_initialized():
             # Work objects nobody refers to any more are freed now, not during interpreter finalization
