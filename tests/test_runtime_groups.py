@@ -93,3 +93,16 @@ def test_a_callers_gpu_group_must_carry_cpu_tensors(monkeypatch, backend, refuse
             runtime.runtime_of_existing_group(needs_group=False)
     else:
         assert runtime.runtime_of_existing_group(needs_group=False).device == torch.device("cuda", 1)
+
+
+def test_an_export_that_fails_on_the_main_process_stops_every_rank(one_level_sd1, shapes_data, tmp_path):
+    """The other ranks wait while the main process writes the export; when its write fails they hear of it at once
+    instead of waiting out the process group's timeout (here 2 minutes, the launch's limit 90 s)."""
+    raw = base_config(one_level_sd1, shapes_data, tmp_path / "run", strategy="ddp", max_steps=1,
+                      **{"distributed.timeout_minutes": 2})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    done = run_ranks(Path(__file__).parent / "helpers" / "export_failure_ranks.py", tmp_path / "config.json", tmp_path,
+                     timeout=90)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert (tmp_path / "rank0.txt").read_text() == "OSError: [Errno 28] No space left on device"
+    assert (tmp_path / "rank1.txt").read_text().startswith("InputFileError: the export to")

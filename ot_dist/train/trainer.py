@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from ot_dist.checkpoint.layout import checkpoints_dir
 from ot_dist.checkpoint.run_folder import estimated_free_space_warning, prepare_run_folder, release_output_dir
@@ -64,6 +65,8 @@ from ot_dist.train.steps import plan_steps
 from ot_dist.train.device_skip import choose_lagged, skipping_on_device
 from ot_dist.train.stopping import LaggedStepGuard, StepGuard, StopSignals
 from ot_dist.train.validation import ValidationLoss
+
+EXPORT_WAIT_S = 6 * 3600  # how long the other ranks wait for the main process's export
 
 
 @dataclass
@@ -499,12 +502,26 @@ class Trainer:
     def _export(self, output_dir: Path) -> list[Path]:
         write = self.runtime.is_main
         created = self.run.started_at  # the files' ModelSpec date: the run's, also in its checkpoints
-        exported = self.method.export(self.model, output_dir, self.trained_state_dict_of(), write=write,
-                                      created=created)
-        if self.ema:
-            exported += self.method.export(self.model, output_dir, self.overlaid_state_dict_of(self.ema.full_weights()),
-                                           write=write, suffix="_ema", created=created)
-        self.runtime.barrier()  # nobody leaves before the export is on disk
+        # The others wait while the main process writes (a full finetune's files, its frozen parts read again): on
+        # slow storage longer than the process group's timeout, so in a group that waits as long as a write may.
+        waiting = self.runtime.waiting_group(EXPORT_WAIT_S)
+        error = None
+        try:
+            exported = self.method.export(self.model, output_dir, self.trained_state_dict_of(), write=write,
+                                          created=created)
+            if self.ema:
+                exported += self.method.export(self.model, output_dir,
+                                               self.overlaid_state_dict_of(self.ema.full_weights()), write=write,
+                                               suffix="_ema", created=created)
+        except Exception as err:  # noqa: BLE001 - every rank hears of it below, then it is raised
+            error = err
+        failed = self.runtime.any_rank(error is not None, waiting)  # nobody leaves before the export is on disk
+        if waiting is not None:
+            dist.destroy_process_group(waiting)
+        if error is not None:
+            raise error
+        if failed:
+            raise InputFileError(f"the export to {output_dir} failed on the main process (see its error)")
         for path in exported:
             self.log(f"exported {path}")
         return exported
