@@ -484,3 +484,22 @@ def test_zero_time_based_save_is_agreed_one_step_later(zero_ranks):
     assert [r["steps"] for r in reports] == [4, 4] and reports[0]["checkpoint"] == reports[1]["checkpoint"]
     folder = Path(reports[0]["checkpoint"]).parent
     assert sorted(int(f.name.split("-")[1]) for f in folder.glob("step-*")) == [2, 4]
+
+
+def test_a_step_in_cpu_memory_keeps_the_blocking_guard_on_a_gpu():
+    """fsdp.cpu_offload (or DeepSpeed's offload) steps the weights on the CPU while the skip flag is on the GPU:
+    torch's fused step copies it to the CPU without waiting, so the step could read a stale flag. Such a run keeps the
+    blocking guard; the same fused optimizer on the CPU device may skip on the device. Stand-ins for the strategy."""
+    from types import SimpleNamespace
+
+    from ot_dist.train.device_skip import device_skip_unavailable
+
+    config = validate(base_config("m", "d", "o", **{"optimizer.name": "ADAMW", "optimizer.fused": True}))
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))], fused=True)
+
+    def strategy(device):
+        return SimpleNamespace(name="fsdp", precision=SimpleNamespace(scaler=None),
+                               runtime=SimpleNamespace(device=torch.device(device)))
+
+    assert "CPU memory" in device_skip_unavailable(config, strategy("cuda"), optimizer)
+    assert device_skip_unavailable(config, strategy("cpu"), optimizer) is None

@@ -25,6 +25,12 @@ def device_skip_unavailable(config, strategy, optimizer: torch.optim.Optimizer) 
         return f"strategy {strategy.name}, {reason}"
     if strategy.precision.scaler is not None:
         return "train_dtype float16: the loss scaler decides the step on its own overflow check"
+    device = strategy.runtime.device
+    if device.type != "cpu" and any(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
+        # the flag is on the GPU and the step on the CPU: torch's fused step copies the flag without waiting for the
+        # copy (found_inf.to(cpu, non_blocking=True)), so the step could read it before it lands
+        return ("the optimizer steps weights held in CPU memory (fsdp.cpu_offload, DeepSpeed's offload): the flag on "
+                "the GPU cannot reach that step without a host sync")
     options = config.optimizer.options()
     if options.get("fused_back_pass"):
         return "optimizer.fused_back_pass: parameters are stepped during backward, before the loss is checked"
