@@ -41,6 +41,10 @@ class Strategy:
     def start(self) -> None:
         """What every rank makes together before the ranks load in turns (a device mesh's process groups)."""
 
+    def shard_ranks(self) -> int:
+        """How many ranks each trained weight is split over (1: every rank holds it whole)."""
+        return 1
+
     def places_trained_modules(self, turns: int) -> bool:
         """Whether the trainer leaves the trained modules in CPU memory for the strategy to move to the device as it
         shards them, given how many turns the node's ranks load in."""

@@ -69,6 +69,11 @@ class FSDPStrategy(Strategy):
     def start(self) -> None:
         self.mesh = self._mesh()  # new process groups for a hybrid mesh: every rank at once, before the load turns
 
+    def shard_ranks(self) -> int:
+        if self.mesh is None:  # not started (the bench wraps without starting): one group of every rank
+            return self.runtime.world_size
+        return self.mesh.size(self.mesh.mesh_dim_names.index("shard"))
+
     def _mesh(self):
         from torch.distributed.device_mesh import init_device_mesh
 

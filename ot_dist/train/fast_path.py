@@ -100,24 +100,20 @@ def uses_channels_last(options: PerformanceConfig, family, device: torch.device,
     return options.channels_last == "on"
 
 
-def apply_performance(model, options: PerformanceConfig, device: torch.device, strategy: str, log=print) -> None:
+def apply_performance(model, options: PerformanceConfig, device: torch.device, strategy: str, log=print,
+                      shard_ranks: int = 1) -> None:
     """The lean attention processor, float8 matmuls, channels_last and regional compilation of the denoiser, in that
-    order (compile traces the final modules)."""
+    order (compile traces the final modules). `shard_ranks`: the ranks fsdp shards each weight over."""
     from ot_dist.train.lean_attention import use_lean_attention
 
     denoiser = model.denoiser
     use_lean_attention(denoiser)  # the same bits, two full-size ops fewer per attention call (lean_attention.py)
     if options.float8_matmuls:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
         from ot_dist.train.frozen_float8 import convert_frozen_linears
 
         frozen = convert_frozen_linears(denoiser, float8_eligible)  # no weight gradient to compute (a LoRA's base)
         trained = [m for n, m in denoiser.named_modules() if float8_eligible(m, n)]  # the frozen ones no longer are
-        # pad_inner_dim: a weight gradient's matmul runs over the batch's rows (batch x tokens; one row a sample in
-        # the timestep and pooled-text embeddings), which CUDA's _scaled_mm takes in multiples of 16 only
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=strategy == "fsdp", pad_inner_dim=True)
-        convert_to_float8_training(denoiser, config=config, module_filter_fn=float8_eligible)
+        convert_trained_linears(denoiser, strategy, shard_ranks)
         log(f"performance: float8 matmuls in the denoiser's linear layers: {len(trained)} trained (torchao "
             f"Float8Linear), {frozen} frozen (forward and input gradient only)")
     if uses_channels_last(options, model.family, device, strategy):
@@ -205,6 +201,26 @@ def allow_recompiles_for(blocks: list[torch.nn.Module]) -> int:
     config.recompile_limit = max(config.recompile_limit, 4 * variants)
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 8 * variants)
     return variants
+
+
+def convert_trained_linears(denoiser: torch.nn.Module, strategy: str, shard_ranks: int) -> None:
+    """torchao's Float8Linear for every eligible trained Linear; under fsdp its weights are all-gathered in float8,
+    except those whose rows do not split evenly over the `shard_ranks`: torchao's float8 all-gather sends each rank's
+    shard unpadded, so those ranks would send different sizes (gloo aborts, NCCL hangs or mixes the shards)."""
+    from dataclasses import replace
+
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    # pad_inner_dim: a weight gradient's matmul runs over the batch's rows (batch x tokens; one row a sample in the
+    # timestep and pooled-text embeddings), which CUDA's _scaled_mm takes in multiples of 16 only
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=strategy == "fsdp", pad_inner_dim=True)
+    if config.enable_fsdp_float8_all_gather and shard_ranks > 1:
+        def uneven(module, name):
+            return float8_eligible(module, name) and module.out_features % shard_ranks != 0
+
+        convert_to_float8_training(denoiser, config=replace(config, enable_fsdp_float8_all_gather=False),
+                                   module_filter_fn=uneven)  # converted: no longer eligible below
+    convert_to_float8_training(denoiser, config=config, module_filter_fn=float8_eligible)
 
 
 def float8_eligible(module: torch.nn.Module, name: str) -> bool:

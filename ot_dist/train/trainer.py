@@ -262,7 +262,8 @@ class Trainer:
         # tensor): the groups follow the weights by name, as after a strategy's wrap
         parts = trained_modules(self.model)
         named = named_groups(parts, self.groups)
-        apply_performance(self.model, performance, self.device, self.config.strategy, self.log)
+        apply_performance(self.model, performance, self.device, self.config.strategy, self.log,
+                          shard_ranks=self.strategy.shard_ranks())
         self.groups = grouped(parts, named)
 
     def _wrap(self) -> None:
