@@ -7,7 +7,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
-import torch.distributed as dist
 
 from ot_dist.data.buckets import config_bucket_of, merged_buckets
 from ot_dist.data.concepts import concept_name, scan_concepts
@@ -54,13 +53,7 @@ def ensure_shards(config, runtime, log=print) -> Path:
                 mark_used(out)
         except Exception as err:  # noqa: BLE001  (any failure: the other ranks must hear of it, then it is raised)
             error = err
-    failed = runtime.any_rank(error is not None, waiting)
-    if waiting is not None:
-        dist.destroy_process_group(waiting)
-    if error is not None:
-        raise error
-    if failed:
-        raise InputFileError(f"data: building the shard set {out} failed on the main process (see its error)")
+    runtime.fail_together(error, waiting, f"data: building the shard set {out}")
     return out
 
 

@@ -18,7 +18,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from ot_dist.errors import ConfigError
+from ot_dist.errors import ConfigError, InputFileError
 from ot_dist.ports import free_port
 
 
@@ -64,6 +64,18 @@ class Runtime:
         value = torch.tensor([float(flag)])  # CPU memory: `group` is a gloo one (waiting_group)
         dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
         return bool(value.item())
+
+    def fail_together(self, error: BaseException | None, group, what: str) -> None:
+        """After work the main process did while the others waited in `group` (a waiting_group, which this ends):
+        every rank learns whether it failed; that rank raises its `error`, the others an InputFileError naming
+        `what`."""
+        failed = self.any_rank(error is not None, group)
+        if group is not None:
+            dist.destroy_process_group(group)
+        if error is not None:
+            raise error
+        if failed:
+            raise InputFileError(f"{what} failed on the main process (see its error)")
 
     def shutdown(self) -> None:
         if self.owns_group and dist.is_initialized():

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from ot_dist.checkpoint.layout import checkpoints_dir
 from ot_dist.checkpoint.run_folder import estimated_free_space_warning, prepare_run_folder, release_output_dir
@@ -516,13 +515,8 @@ class Trainer:
                                                suffix="_ema", created=created)
         except Exception as err:  # noqa: BLE001 - every rank hears of it below, then it is raised
             error = err
-        failed = self.runtime.any_rank(error is not None, waiting)  # nobody leaves before the export is on disk
-        if waiting is not None:
-            dist.destroy_process_group(waiting)
-        if error is not None:
-            raise error
-        if failed:
-            raise InputFileError(f"the export to {output_dir} failed on the main process (see its error)")
+        # nobody leaves before the export is on disk
+        self.runtime.fail_together(error, waiting, f"the export to {output_dir}")
         for path in exported:
             self.log(f"exported {path}")
         return exported
