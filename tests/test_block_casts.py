@@ -232,7 +232,7 @@ def test_a_layer_its_block_skips_keeps_no_gradient_under_ddp(one_rank_group):
     torch.manual_seed(0)
     root = torch.nn.Sequential(Routed())
     assert cast_weights_per_block(root, [root[0]]) == 1
-    Replica(root, torch.device("cpu"), None)
+    Replica(root, None)
     for _ in range(3):  # a reduction left unfinished fails the next step's forward
         with CountCasts() as counted, torch.autocast("cpu", dtype=torch.bfloat16):
             out = root(torch.randn(4, 8))

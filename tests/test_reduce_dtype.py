@@ -42,7 +42,7 @@ def test_ddp_averages_bfloat16_gradients_in_the_reduce_dtype(one_rank_group, red
     expected = bfloat16_model()
     loss_of(expected).backward()
     model = bfloat16_model()
-    Replica(model, torch.device("cpu"), None, reduce_dtype=reduce_dtype)
+    Replica(model, None, reduce_dtype=reduce_dtype)
     loss_of(model).backward()
     # float32: the hook's own all-reduce; bfloat16: DDP's built-in one (no hook, nothing recorded here)
     assert reduced_dtypes == ([torch.float32] if reduce_dtype == torch.float32 else [])

@@ -46,7 +46,7 @@ class DDPStrategy(Strategy):
         # reducers' all-reduces can never interleave differently on different ranks.
         several = len(self.trained_modules) > 1
         self.replicas = {
-            name: Replica(module, self.runtime.device, dist.new_group() if several else None, settings.bucket_mb,
+            name: Replica(module, dist.new_group() if several else None, settings.bucket_mb,
                           DTYPES[settings.reduce_dtype], self.rounding_noise, key=k)
             for k, (name, module) in enumerate(self.trained_modules.items())
         }
@@ -75,7 +75,7 @@ class Replica:
     frozen mid-run by `stop_training_after`) are found after forward and reduced as zeros on that rank, so
     every rank issues the same collectives; one no rank reached keeps no gradient, as in one process."""
 
-    def __init__(self, module: torch.nn.Module, device: torch.device, group, bucket_mb: float = 32,
+    def __init__(self, module: torch.nn.Module, group, bucket_mb: float = 32,
                  reduce_dtype: torch.dtype = torch.float32, rounding: RoundingNoise | None = None, key: int = 0):
         """`rounding`: where averages rounded back into bfloat16 get their noise (stochastic rounding; None: to
         nearest), each bucket keyed by `key` (this replica's place) and its index."""

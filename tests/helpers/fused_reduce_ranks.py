@@ -156,7 +156,7 @@ def bfloat16_run(rank, fused: bool, gradient_rounding: str):
                             rounding=rounding).connect(optimizer.fused_steps)
     else:
         for key, module in enumerate((den, te)):
-            Replica(module, DEVICE, dist.new_group(), bucket_mb=COALESCE_BYTES / 2**20, rounding=rounding, key=key)
+            Replica(module, dist.new_group(), bucket_mb=COALESCE_BYTES / 2**20, rounding=rounding, key=key)
     for step in range(STEPS):
         for noise in noises:
             noise.at_step(step)
