@@ -53,11 +53,13 @@ if [ "${PYTEST_BUDGET:-150}" != 0 ]; then
         # tests fail after others in one process that had passed one per process on an H100.
         python3 -m pytest -q --collect-only -m gpu -p no:cacheprovider ${PYTEST_TESTS:-tests} 2>/dev/null \
             | grep "::" > "$out/gpu_test_ids.txt"
+        [ -s "$out/gpu_test_ids.txt" ] || { echo "no GPU tests collected (an import or collection error?)"; failed=1; }
         export PER_TEST="${per_test[*]}"
         timeout "${PYTEST_BUDGET:-150}" xargs -P "$((workers > 0 ? workers : 1))" -I{} sh -c \
             'r=$(python3 -m pytest -q -rs -p no:cacheprovider $PER_TEST "{}" 2>&1 | tail -1); echo "{}: $r"' \
             < "$out/gpu_test_ids.txt" | tee "$out/pytest_gpu.txt"
-        [ "${PIPESTATUS[0]}" -eq 0 ] && ! grep -qE "failed|error|no tests ran|^[^:]*::[^:]*: *$" "$out/pytest_gpu.txt" \
+        # a line is "TEST_ID: pytest's last line"; only that outcome is read (a test's name may say "error")
+        [ "${PIPESTATUS[0]}" -eq 0 ] && ! grep -qE ": .*(failed|error|no tests ran)|: *$" "$out/pytest_gpu.txt" \
             || failed=1
     else
         [ "$workers" = 0 ] && parallel=() || parallel=(-n "$workers")
