@@ -11,10 +11,13 @@ import torch
 from conftest import base_config
 
 
-def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int]]:
+def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int], list[int], int]:
     """Trainer construction under `raw`: the components the trainer moved with Module.to (name -> count), the bytes
-    of each of the strategy's moves to the device (FSDP2's, a unit's own parameters; ZeRO-3's, a parameter), and the
-    trained modules' bytes by name."""
+    of each of the strategy's moves to the device (FSDP2's, a unit's own parameters; ZeRO-3's, a parameter), the
+    trained modules' bytes by name, at each of FSDP2's moves how many parameters moved before it are still alive, and
+    how many parameters FSDP2 moved."""
+    import weakref
+
     from deepspeed.runtime.zero.partition_parameters import Init
     from torch.distributed.fsdp._fully_shard import _fsdp_init
 
@@ -30,10 +33,14 @@ def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int]]:
         return to(module, *args, **kwargs)
 
     strategy_moves: list[int] = []
+    moved_params: list[weakref.ref] = []
+    alive_at_each_move: list[int] = []
     move = _fsdp_init._move_states_to_device
 
     def recording_move(params, buffers, device):
         strategy_moves.append(sum(p.numel() * p.element_size() for p in params))
+        alive_at_each_move.append(sum(ref() is not None for ref in moved_params))
+        moved_params.extend(weakref.ref(p) for p in params)
         return move(params, buffers, device)
 
     zero_init = Init._zero_init_param
@@ -51,7 +58,7 @@ def placement_moves(monkeypatch, raw) -> tuple[dict, list[int], dict[str, int]]:
         moved = {name: sum(m is module for m in moved_modules) for name, module in trained.items()}
         sizes = {name: sum(shape_of(p).numel() * p.element_size() for p in trainer.model.parts()[name].parameters())
                  for name in trained}
-        return moved, strategy_moves, sizes
+        return moved, strategy_moves, sizes, alive_at_each_move, len(moved_params)
     finally:
         trainer.close()
 
@@ -63,7 +70,7 @@ def shape_of(param) -> torch.Size:
 def test_fsdp_moves_the_trained_modules_a_unit_at_a_time(small_sd1, shapes_data, tmp_path, monkeypatch):
     raw = base_config(small_sd1, shapes_data, tmp_path / "fsdp", strategy="fsdp", max_steps=1,
                       **{"text_encoder.train": True})
-    moved, strategy_moves, sizes = placement_moves(monkeypatch, raw)
+    moved, strategy_moves, sizes, _, _ = placement_moves(monkeypatch, raw)
     assert set(moved) == {"unet", "text_encoder"}
     assert not any(moved.values()), f"moved whole by the trainer before sharding: {moved}"
     # every trained parameter reached the device through FSDP2, one unit's own at a time (the units of the UNet and
@@ -76,7 +83,7 @@ def test_fsdp_moves_the_trained_modules_a_unit_at_a_time(small_sd1, shapes_data,
 def test_single_moves_the_trained_modules_whole(small_sd1, shapes_data, tmp_path, monkeypatch):
     """The proxy above sees a whole move where one is made."""
     raw = base_config(small_sd1, shapes_data, tmp_path / "single", max_steps=1, **{"text_encoder.train": True})
-    moved, strategy_moves, _ = placement_moves(monkeypatch, raw)
+    moved, strategy_moves, _, _, _ = placement_moves(monkeypatch, raw)
     assert moved == {"unet": 1, "text_encoder": 1} and not strategy_moves
 
 
@@ -91,7 +98,7 @@ def test_zero3_partitions_the_trained_modules_a_parameter_at_a_time(small_sd1, s
                         lambda modules, **_: shared.extend(modules) or NodeSharing())
     raw = base_config(small_sd1, shapes_data, tmp_path / "zero3", strategy="zero3", max_steps=1,
                       **{"text_encoder.train": True})
-    moved, strategy_moves, sizes = placement_moves(monkeypatch, raw)
+    moved, strategy_moves, sizes, _, _ = placement_moves(monkeypatch, raw)
     assert not any(moved.values()), f"moved whole by the trainer before partitioning: {moved}"
     assert shared and not any(type(m).__name__ in ("UNet2DConditionModel", "CLIPTextModel") for m in shared), shared
     total = sum(sizes.values())
@@ -118,25 +125,7 @@ def test_fsdp_releases_each_unit_before_the_next_moves(small_sd1, shapes_data, t
     them all until the wrap ended, so on an H200 the GPU held the whole UNet at start-up again (2026-11-28: 3.3 MB
     for a 3.2 MB UNet whose largest unit is 0.5 MB). When each unit moves, no parameter moved before it may be
     alive."""
-    import weakref
-
-    from torch.distributed.fsdp._fully_shard import _fsdp_init
-
-    from ot_dist.config.load import validate
-    from ot_dist.train.trainer import Trainer
-
-    moved: list[weakref.ref] = []
-    alive_at_each_move: list[int] = []
-    move = _fsdp_init._move_states_to_device
-
-    def recording_move(params, buffers, device):
-        alive_at_each_move.append(sum(ref() is not None for ref in moved))
-        moved.extend(weakref.ref(p) for p in params)
-        return move(params, buffers, device)
-
-    monkeypatch.setattr(_fsdp_init, "_move_states_to_device", recording_move)
     raw = base_config(small_sd1, shapes_data, tmp_path / method, strategy="fsdp", max_steps=1, method=method)
-    trainer = Trainer(validate(raw), log=lambda *_: None)
-    trainer.close()
-    assert len(alive_at_each_move) > 10 and len(moved) > 100
+    _, _, _, alive_at_each_move, params_moved = placement_moves(monkeypatch, raw)
+    assert len(alive_at_each_move) > 10 and params_moved > 100
     assert not any(alive_at_each_move), alive_at_each_move
