@@ -97,13 +97,16 @@ def _rank_main(command: list[str], env: dict[str, str], log_prefix: str, cwd: st
 
 
 def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-              timeout: float = 900, nnodes: int = 1) -> subprocess.CompletedProcess:
+              timeout: float = 900, nnodes: int = 1, fork: bool = True) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node NPROC COMMAND` (NPROC 1: `python COMMAND`), COMMAND being `SCRIPT ARGS` or
     `-m MODULE ARGS`, with the ranks forked from
     the preloaded server. The result holds the ranks' stdout and stderr (each rank's under a `[rank R]` header when
     there are several) and the first failing rank's exit code. NNODES > 1: the environment of `torchrun --nnodes
-    NNODES --nproc-per-node NPROC` on each of NNODES "nodes" (NNODES x NPROC ranks, all on this machine)."""
-    context = _context()
+    NNODES --nproc-per-node NPROC` on each of NNODES "nodes" (NNODES x NPROC ranks, all on this machine).
+    FORK False: each rank in a fresh interpreter, for ranks that use CUDA: the server's imports query the devices
+    (DeepSpeed's among them), and a child forked after that cannot initialise CUDA ("CUDA error: initialization
+    error", on a GPU lease 2026-11-28)."""
+    context = _context() if fork else None
     base_env = {**os.environ, **(env or {})}
     world = nproc * nnodes
     if world > 1:  # one process is started as `python SCRIPT` would be: no process-group environment
@@ -117,9 +120,12 @@ def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None =
         for rank in range(world):
             rank_env = {**base_env, **({"RANK": str(rank), "LOCAL_RANK": str(rank % nproc), "GROUP_RANK": str(rank // nproc),
                                         "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world)} if world > 1 else {})}
-            process = context.Process(target=_rank_main,
-                                      args=(argv, rank_env, f"{logs}/rank-{rank}", None if cwd is None else str(cwd)))
-            process.start()
+            if fork:
+                process = context.Process(target=_rank_main, args=(argv, rank_env, f"{logs}/rank-{rank}",
+                                                                    None if cwd is None else str(cwd)))
+                process.start()
+            else:
+                process = _FreshRank(argv, rank_env, f"{logs}/rank-{rank}", cwd)
             ranks.append(process)
         deadline, failed_at = time.monotonic() + timeout, None
         while any(p.exitcode is None for p in ranks):
@@ -141,6 +147,27 @@ def run_ranks(*command: str | Path, nproc: int = 2, env: dict[str, str] | None =
     if returncode != 0 and world > 1:
         stderr += _summary(rank_outputs, codes)
     return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+
+class _FreshRank:
+    """A rank in a fresh interpreter, read as run_ranks reads a forked one (pid, exitcode, join), in a process group
+    of its own as _rank_main makes one, so that a kill reaches its loader workers."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], log_prefix: str, cwd: str | Path | None):
+        with open(f"{log_prefix}.stdout", "w") as out, open(f"{log_prefix}.stderr", "w") as err:
+            self._popen = subprocess.Popen([sys.executable, *argv], env=env, cwd=cwd, stdout=out, stderr=err,
+                                           process_group=0)
+        self.pid = self._popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 class ForkedCommand:

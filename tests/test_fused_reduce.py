@@ -121,7 +121,8 @@ def test_one_rank_on_a_gpu_steps_as_one_process(tmp_path):
     """NCCL beside gloo, as a CUDA run's group: the reduces, the zeros of the unreached experts and the flags copied
     from pinned memory on the device; the weights of one process (only rank 0's batch). The device names its index:
     torch 2.11's init_process_group refuses a bare "cuda" device_id (it failed so on an H100, 2026-11-28)."""
-    done = run_ranks(REPO / "tests" / "helpers" / "fused_reduce_ranks.py", tmp_path, "cuda:0", nproc=1, timeout=300)
+    done = run_ranks(REPO / "tests" / "helpers" / "fused_reduce_ranks.py", tmp_path, "cuda:0", nproc=1, timeout=300,
+                     fork=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads((tmp_path / "rank0.json").read_text())
     for optimizer, run in result.items():

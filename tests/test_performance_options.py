@@ -392,6 +392,7 @@ def test_a_step_fed_stale_inputs_is_far_from_the_eager_update():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(300)  # two compilations: 91-98 s beside three other GPU tests on an H200 (2026-11-28)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("method", ["lora", "full"])
 def test_cuda_graph_steps_train_as_eager_on_cuda(method):
