@@ -43,6 +43,10 @@ STRATEGIES = {"ddp": {}, "fsdp": {"gradient_checkpointing": True}, "zero1": {}, 
 # Gradient accumulation (batch 1 x 2 micro steps x 2 ranks) must average, not sum, the micro steps too. (zero3:
 # DeepSpeed counts its micro steps when its engine is called; uncalled, each micro step's gradients replaced the last's.)
 ACCUMULATION = {"ddp", "fsdp", "zero2", "zero3"}
+# fsdp's accumulation reduce-scatters at the last micro step only (sd1, flux) or after every micro step, the ranks
+# accumulating their shards (fsdp.reduce_every_micro_step: sd3, pixart_alpha)
+ACCUMULATION_SETTINGS = {("fsdp", "sd3"): {"fsdp.reduce_every_micro_step": True},
+                         ("fsdp", "pixart_alpha"): {"fsdp.reduce_every_micro_step": True}}
 # Families checked under some strategies only (the others' cases cover the strategy code itself); PixArt-α:
 # its VB term and micro-conditioning under fsdp and zero2; Stable Cascade: its prior's nested block lists as
 # sharding units and its continuous-time objective under fsdp and zero2; Würstchen v2: its prior's flat block list
@@ -276,7 +280,9 @@ def family_cases(family: str, model: Path, data: Path, out: Path, accumulation: 
     if accumulation:
         cases |= {f"{family}/{strategy}+accumulation-full": base_config(
             model, data, out / f"{family}-{strategy}+accumulation-full", family=family, method="full", batch_size=1,
-            strategy=strategy, gradient_accumulation_steps=2, **settings(family, "full", **trained(family, "full")))
+            strategy=strategy, gradient_accumulation_steps=2, **settings(family, "full", **trained(family, "full"),
+                                                                         **ACCUMULATION_SETTINGS.get((strategy, family),
+                                                                                                     {})))
             for strategy in ACCUMULATION
             if strategy in FAMILY_STRATEGIES.get(family, STRATEGIES)}
     return cases

@@ -804,6 +804,14 @@ class FSDPConfig(Section):
     )
     reduce_dtype: Dtype = Field(default="float32", description="Dtype gradients are reduced in.")
     cpu_offload: bool = Field(default=False, description="Keep sharded parameters, gradients and optimizer state in CPU memory.")
+    reduce_every_micro_step: bool | None = Field(
+        default=None,
+        description="With gradient_accumulation_steps > 1: reduce-scatter the gradients after every micro step and "
+        "accumulate this rank's shards (true), or only after the last one, each rank holding every trained "
+        "parameter's whole gradient until then (false: one reduce-scatter per step, but a whole gradient per GPU in "
+        "reduce_dtype, 48 GB for a Flux full finetune in float32). Unset: true with cpu_offload or where the whole gradients would take over a quarter of "
+        "the GPU's memory, false otherwise.",
+    )
 
 
 class DeepSpeedConfig(Section):

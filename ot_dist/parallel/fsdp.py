@@ -35,6 +35,13 @@ def family_units(family, part: str, module: torch.nn.Module) -> list[torch.nn.Mo
     return wrap_units(module, family.shard_units.get(part, ()))
 
 
+def whole_gradient_bytes(trained: list[torch.nn.Parameter], reduce_dtype: str) -> int:
+    """What FSDP2 holds per rank between the micro steps of an accumulation when it reduces only at the last: every
+    trained parameter's unsharded gradient, accumulated in the reduce dtype (`FSDPParam.to_accumulated_grad_if_needed`
+    upcasts a bfloat16 gradient to it)."""
+    return sum(p.numel() for p in trained) * DTYPES[reduce_dtype].itemsize  # a DTensor's numel is its global one
+
+
 def prefetch_in_execution_order(root: torch.nn.Module, units: list[torch.nn.Module]) -> None:
     """FSDP2's explicit forward prefetch: each unit issues the next unit's all-gather right after its own, from
     the CPU, instead of when the next unit's forward starts (with small units, launch latency matters). The
@@ -122,10 +129,26 @@ class FSDPStrategy(Strategy):
                 prefetch_in_execution_order(module, units)
 
     def backward(self, loss, accumulation, last_micro_step):
-        # Reduce-scatter gradients only on the last micro step of an accumulation.
+        # Reduce-scatter gradients on the last micro step of an accumulation only, unless the unsharded gradients
+        # FSDP2 accumulates until then would not fit (`reduce_every_micro_step`).
+        sync = last_micro_step or self.reduces_every_micro_step
         for module in self.trained_modules.values():
-            module.set_requires_gradient_sync(last_micro_step)
+            module.set_requires_gradient_sync(sync)
         super().backward(loss, accumulation, last_micro_step)
+
+    @property
+    def reduces_every_micro_step(self) -> bool:
+        setting = self.config.fsdp.reduce_every_micro_step
+        if setting is not None:
+            return setting
+        if self.config.fsdp.cpu_offload:
+            return True  # whole gradients on the GPU between micro steps would undo the offload
+        device = self.runtime.device
+        if device.type != "cuda":
+            return False
+        trained = [p for m in self.trained_modules.values() for p in m.parameters() if p.requires_grad]
+        return whole_gradient_bytes(trained, self.config.fsdp.reduce_dtype) > torch.cuda.get_device_properties(
+            device).total_memory / 4
 
     def clip_gradients(self, grads):
         # On each rank's shards as plain tensors, one all-reduce of the squared norm over the shard group (replica
