@@ -204,3 +204,21 @@ def test_fsdp_float8_all_gather_leaves_out_weights_that_do_not_split_evenly(tmp_
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
     assert all(r["float8_all_gather"] == [False, True] for r in results), results
     assert all(r["norms"] == results[0]["norms"] and all(n > 0 for n in r["norms"]) for r in results), results
+
+
+def test_fsdp_computes_the_float8_scales_once_per_forward_and_never_stale(tmp_path):
+    """Under fsdp with float8 matmuls, the float8 weights' scales for a forward's all-gathers are computed before it in
+    one all-reduce (torchao's precompute), not one per weight and gather (8 for 4 layers, forward and backward): the
+    same losses, and weights changed outside a step (a loaded checkpoint, EMA weights) get their new scales."""
+    import json
+    from pathlib import Path
+
+    from forked_ranks import run_ranks
+
+    done = run_ranks(Path(__file__).parent / "helpers" / "float8_scale_ranks.py", tmp_path, nproc=2, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for rank in range(2):
+        per_weight, once = (json.loads((tmp_path / f"rank{rank}.json").read_text())[key] for key in ("False", "True"))
+        assert per_weight["all_reduces"] == 8 and once["all_reduces"] == 1, (per_weight, once)
+        assert once["loss"] == per_weight["loss"] and once["changed"] == per_weight["changed"]
+        assert once["changed"] > 100 * once["loss"]  # the change reached the output

@@ -18,6 +18,7 @@ from ot_dist.parallel.base import Strategy, scale_to_max_norm
 from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, plain, whole
 from ot_dist.parallel.runtime import ranks_on_this_node
 from ot_dist.precision import DTYPES
+from ot_dist.train.fast_path import float8_scales_once_per_forward
 
 
 def wrap_units(module: torch.nn.Module, patterns: tuple[str, ...]) -> list[torch.nn.Module]:
@@ -123,6 +124,8 @@ class FSDPStrategy(Strategy):
             for unit in units:
                 fully_shard(unit, mp_policy=unit_policy, **options)
             fully_shard(module, mp_policy=root_policy, **options)
+            if self.config.performance.float8_matmuls:
+                float8_scales_once_per_forward(module)  # one all-reduce per forward, not one per weight and gather
             if self.runtime.device.type == "cuda":
                 # Issuing the next all-gather early pays on a GPU stream; gloo on the CPU has nothing to overlap it
                 # with, and keeping one collective in flight at a time there avoids gloo's concurrent-op paths.

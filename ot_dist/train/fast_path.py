@@ -223,6 +223,28 @@ def convert_trained_linears(denoiser: torch.nn.Module, strategy: str, shard_rank
     convert_to_float8_training(denoiser, config=config, module_filter_fn=float8_eligible)
 
 
+def float8_scales_once_per_forward(root: torch.nn.Module):
+    """Under FSDP2 with float8 all-gathers (after fully_shard): each float8 weight's scale for the next forward's
+    all-gathers is computed before that forward, for every such weight at once, in one all-reduce of their maxima
+    (torchao's `precompute_float8_dynamic_scale_for_fsdp`). Without it each weight's all-gather makes its own small
+    all-reduce, in forward and again in backward. Computed before every forward of the root, training or not, so a
+    weight changed by anything (a step, a loaded checkpoint, EMA weights swapped in) never meets a stale scale.
+    Returns the hook's handle, or None where no weight is gathered in float8."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, precompute_float8_dynamic_scale_for_fsdp
+
+    if not any(isinstance(p, DTensor) and isinstance(p.to_local(), WeightWithDynamicFloat8CastTensor)
+               for p in root.parameters()):
+        return None
+
+    def precompute(*_):
+        with torch.no_grad():
+            precompute_float8_dynamic_scale_for_fsdp(root)
+
+    # before FSDP2's own pre-forward (which gathers the root's weights)
+    return root.register_forward_pre_hook(precompute, prepend=True)
+
+
 def float8_eligible(module: torch.nn.Module, name: str) -> bool:
     """torch._scaled_mm needs both matrix sides in multiples of 16. A LoRA's adapter matrices (peft's lora_A /
     lora_B, one side the rank) stay as they are: float8 buys nothing on a rank-wide matmul and would quantise the
