@@ -58,6 +58,12 @@ PLAN = [
                                               performance=(("channels_last", "off"),)), 40, None),
     ("flux lora float8 compile", dict(model="flux-dev", method="lora", batch_size=1,
                                       performance=(("compile", "true"), ("float8_matmuls", "true"))), 120, None),
+    # Flux compiled kept the device 88 % busy (2026-11-27 profile): CUDA graphs may take the rest of the host's share
+    ("flux lora cuda-graphs float8", dict(model="flux-dev", method="lora", batch_size=1,
+                                          performance=(("compile", "true"), ("compile_mode", "reduce-overhead"),
+                                                       ("float8_matmuls", "true"))), 150, None),
+    ("flux lora b2 float8 compile", dict(model="flux-dev", method="lora", batch_size=2,
+                                         performance=(("compile", "true"), ("float8_matmuls", "true"))), 150, None),
     # The frozen-base storages OneTrainer's low-memory presets use, and layer offloading (session 23): speed and peak
     ("flux lora int8", dict(model="flux-dev", method="lora", batch_size=1, weight_dtype="int8"), 50, None),
     ("sdxl lora int8", dict(model="sdxl", method="lora", batch_size=8, weight_dtype="int8"), 40, None),
