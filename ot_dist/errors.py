@@ -22,6 +22,13 @@ class InputFileError(UserError):
     exit_code = 3
 
 
+class OpenFileLimit(UserError):
+    """The process may open no more files (`ulimit -n`): the machine's limit, not a bad input file, so no sample is
+    skipped for it."""
+
+    exit_code = 3
+
+
 class TrainingHalted(UserError):
     """Training stopped itself to protect the weights (a non-finite loss); a checkpoint was kept."""
 

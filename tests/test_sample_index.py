@@ -102,3 +102,81 @@ def _dir(name):
     info = tarfile.TarInfo(name)
     info.type = tarfile.DIRTYPE
     return info
+
+
+READ_UNDER_A_LIMIT = """
+import json, os, resource, sys
+from ot_dist.config.load import validate
+from ot_dist.data.reader import ShardDataset, ShardReader
+shards, limit, workers = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))  # a hard limit too: the process cannot raise it
+cfg = validate({"model": {"family": "sd1", "path": "m"}, "method": "full", "output_dir": "o",
+                "data": {"shards": shards, "bucket_step": 8}, "resolution": 16, "batch_size": 2, "seed": 3})
+dataset = ShardDataset(shards, cfg)
+reader = ShardReader(dataset, dataset.table(), 2, 1, 0, 1, workers=workers, max_bad_fraction=1.0, log=lambda *_: None)
+captions = [caption for batch in reader.epoch_batches(0) for caption in batch["caption"]]
+print(json.dumps({"captions": captions, "skipped": reader.skipped, "open_shards": len(dataset.samples.files._fds)}))
+"""
+
+
+# loader workers hand their batches' tensors over by descriptor (torch's file_descriptor sharing): a higher limit
+@pytest.mark.parametrize("workers, shards, limit", [(0, 60, 40), (2, 100, 80)])
+def test_a_set_of_more_shards_than_the_process_may_open_reads_every_sample(tmp_path, workers, shards, limit):
+    """An epoch reads the shards in a shuffled order: each process keeps a bounded number of descriptors open (the
+    least recently read closed first), within a quarter of its open-file limit, so a set of more one-sample shards
+    than `ulimit -n` allows (a hard limit: the process cannot raise it) reads every sample, none skipped."""
+    from forked_ranks import run_ranks
+
+    folder = make_images(tmp_path / "imgs", [(16, 16)] * shards)
+    cfg = config({"path": str(folder), "bucket_step": 8, "shard_size_mb": 0.0005}, resolution=16)
+    build_shard_set(cfg, tmp_path / "set", log=lambda *_: None)
+    assert len(read_manifest(tmp_path / "set")["shards"]) == shards
+    script = tmp_path / "read.py"
+    script.write_text(READ_UNDER_A_LIMIT)
+    done = run_ranks(script, tmp_path / "set", limit, workers, nproc=1, timeout=120)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(result["captions"]) == sorted(f"img {i}" for i in range(shards)) and result["skipped"] == 0
+    assert workers or 0 < result["open_shards"] <= limit // 4  # (workers read in processes of their own)
+
+
+def test_the_descriptor_cache_closes_the_least_recently_read(small_set):
+    _, folder, _ = small_set
+    files = sample_index.ShardFiles(max_open=2)
+    shards = sorted(folder.glob("*.tar"))[:3]
+    first = [files.read(path, 0, 512, "test") for path in shards]
+    assert list(files._fds) == shards[1:]  # the first one read was closed for the third
+    assert files.read(shards[1], 0, 512, "test") == first[1] and list(files._fds) == [shards[2], shards[1]]
+    assert files.read(shards[0], 0, 512, "test") == first[0] and list(files._fds) == [shards[1], shards[0]]
+    reader = files.reader(shards[2], "test")  # a function, never a descriptor the cache may close under it
+    files.read(shards[1], 0, 1, "test")
+    assert reader(0, 512) == first[2]
+    files.close()
+
+
+def test_running_out_of_descriptors_is_the_machines_limit_not_a_bad_sample(small_set, monkeypatch):
+    """EMFILE: the cache gives its descriptors back and tries once more; failing again, the error names the limit and
+    is not an InputFileError (which the reader counts as an unreadable sample and skips)."""
+    import errno
+
+    from ot_dist.errors import OpenFileLimit
+
+    _, folder, _ = small_set
+    first, second = sorted(folder.glob("*.tar"))[:2]
+    files = sample_index.ShardFiles(max_open=8)
+    files.read(first, 0, 1, "test")
+    real_open, calls = os.open, []
+
+    def open_once_refused(path, flags):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real_open(path, flags)
+
+    monkeypatch.setattr(sample_index.os, "open", open_once_refused)
+    assert files.read(second, 0, 512, "test") and list(files._fds) == [second]  # the cache was given back first
+    monkeypatch.setattr(sample_index.os, "open", lambda *_: (_ for _ in ()).throw(OSError(errno.EMFILE, "Too many")))
+    with pytest.raises(OpenFileLimit, match="soft limit") as refused:
+        files.read(first, 0, 1, "test")
+    assert not isinstance(refused.value, InputFileError)
+    files.close()

@@ -23,7 +23,9 @@ records the sample count, so a set whose index is missing or cut short is refuse
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 from array import array
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,9 +34,13 @@ import numpy as np
 
 from ot_dist.data.remote import RemoteStore, is_url
 from ot_dist.data.tar_members import members_between, read_member
-from ot_dist.errors import InputFileError
+from ot_dist.errors import InputFileError, OpenFileLimit
 
 INDEX_DIR = "index"
+# Shard (and cache chunk) descriptors one process keeps open, the least recently read closed first. An epoch reads
+# samples from every shard in a shuffled order, so an unbounded cache held one descriptor per shard and cache chunk of
+# the set: a million samples with latent and text caches passed the 1024 descriptors many containers allow.
+OPEN_SHARDS = 128
 COLUMNS = {"shard": "<u4", "offset": "<u8", "span": "<u4", "bucket": "u1", "concept": "<u2", "flags": "u1",
            "width": "<u4", "height": "<u4"}
 _ARRAY_CODES = {"<u4": "I", "<u8": "Q", "u1": "B", "<u2": "H"}
@@ -129,24 +135,61 @@ class SampleIndex:
         self.__dict__.update(state)
 
 
+def raise_open_file_limit(wanted: int = 65536) -> int:
+    """Raise this process's soft limit of open files towards its hard limit (what a process may do by itself): loader
+    workers, the process groups' sockets (a gloo group holds one per other rank) and the shard descriptors add up at
+    scale, and containers often start processes at a soft 1024. Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            return target
+        except (ValueError, OSError):  # a sandbox that refuses: the cache's bound still holds
+            pass
+    return soft
+
+
 class ShardFiles:
     """The shards of one process: local ones by descriptor (opened lazily; `os.pread`, so forked workers may share
     them), ones named by URL by ranged reads (remote.py). A URL sample's whole span (its headers and members) is read
     in one request and held while it loads; the loader fetches the spans of micro batches ahead (hold / release)."""
 
-    def __init__(self, remote: RemoteStore | None = None):
-        self._fds: dict[Path, int] = {}
+    def __init__(self, remote: RemoteStore | None = None, max_open: int | None = None):
+        self._fds: dict[Path, int] = {}  # in the order last read: the first is closed when a new one needs room
+        # at most a quarter of what the process may open (it has loader workers, sockets and checkpoints to open too)
+        self.max_open = max_open or max(4, min(OPEN_SHARDS, raise_open_file_limit() // 4))
         self.remote = remote or RemoteStore()
         self._held: dict[str, dict[int, bytes]] = {}  # url -> {span start: its bytes}
         self._last: tuple[str, int] | None = None  # the span fetched for the sample loaded last (not fetched ahead)
 
     def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            try:
-                self._fds[path] = os.open(path, os.O_RDONLY)
-            except OSError as err:
+        """A descriptor of a local shard, valid until the next call opens another (read it at once: `read`)."""
+        fd = self._fds.pop(path, None)
+        if fd is None:
+            while len(self._fds) >= max(self.max_open, 1):
+                os.close(self._fds.pop(next(iter(self._fds))))
+            fd = self._open(path)
+        self._fds[path] = fd  # now the most recently read
+        return fd
+
+    def _open(self, path: Path) -> int:
+        try:
+            return os.open(path, os.O_RDONLY)
+        except OSError as err:
+            if err.errno not in (errno.EMFILE, errno.ENFILE):
                 raise InputFileError(f"data.shards: cannot open shard {path}: {err.strerror}") from None
-        return self._fds[path]
+        self.close()  # the process's other files need descriptors too: give back this cache's and try once more
+        try:
+            return os.open(path, os.O_RDONLY)
+        except OSError as err:
+            if err.errno not in (errno.EMFILE, errno.ENFILE):
+                raise InputFileError(f"data.shards: cannot open shard {path}: {err.strerror}") from None
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            raise OpenFileLimit(
+                f"data.shards: cannot open shard {path}: {err.strerror} (open files: soft limit {soft}, hard limit "
+                f"{hard}); raise the limit (`ulimit -n`, or the container runtime's nofile limit) or use fewer "
+                "data.loader_workers") from None
 
     def read(self, location, offset: int, size: int, where: str) -> bytes:
         """Bytes [offset, offset + size) of a shard (fewer at its end): from a held span when one covers them."""
@@ -158,9 +201,7 @@ class ShardFiles:
         return self.remote.read(location, offset, size, where)
 
     def reader(self, location, where: str):
-        """read(offset, size) of one shard (tar_members' form); a descriptor for a local one."""
-        if not is_url(location):
-            return self.fd(location)
+        """read(offset, size) of one shard (tar_members' form). Never a bare descriptor: the cache may close it."""
         return lambda offset, size: self.read(location, offset, size, where)
 
     def hold(self, url: str, start: int, data: bytes) -> None:
@@ -184,7 +225,7 @@ class ShardFiles:
         self._fds, self._held, self._last = {}, {}, None
 
     def __getstate__(self):  # descriptors stay in their process; a spawned loader worker opens its own
-        return {"_fds": {}, "remote": self.remote, "_held": {}, "_last": None}
+        return {"_fds": {}, "max_open": self.max_open, "remote": self.remote, "_held": {}, "_last": None}
 
     def __del__(self):
         self.close()
