@@ -167,7 +167,9 @@ def test_resume_mid_epoch_also_on_another_world_size(acceptance):
     first = readers(dataset, world_size=2, batch_size=2, workers=2)
     head = [take(r, epoch=0, count=7) for r in first]
     state = first[0].state_dict()
-    assert state == first[1].state_dict() == {"epoch": 0, "step": 7, "global_batch": 4}
+    assert state == first[1].state_dict()
+    assert {k: state[k] for k in ("epoch", "step", "global_batch", "samples", "steps_per_epoch")} == {
+        "epoch": 0, "step": 7, "global_batch": 4, "samples": 117, "steps_per_epoch": 29}
     resumed = readers(dataset, world_size=2, batch_size=2, workers=2)
     for rank, reader in enumerate(resumed):
         reader.load_state_dict(state)
@@ -187,6 +189,33 @@ def test_resume_mid_epoch_also_on_another_world_size(acceptance):
         readers(dataset, world_size=1, batch_size=2)[0].load_state_dict(state)
 
 
+def test_a_position_in_an_epoch_planned_from_other_data_is_refused_or_left_for_the_next_epoch(acceptance):
+    """Samples removed (or added, re-bucketed, another seed) since the checkpoint: the saved epoch's plan is another,
+    and its saved global batch there would train samples twice and skip others. Refused, naming both; with
+    data.resume_with_changed_data next_epoch the reader goes on from the next epoch's start. A position at an epoch's
+    start, and the same data on another world size, resume as they are."""
+    import dataclasses
+
+    _, dataset = acceptance
+    (first,) = readers(dataset, world_size=1, batch_size=4)
+    take(first, epoch=0, count=7)
+    state = first.state_dict()
+    table = dataset.table()
+    fewer = dataclasses.replace(table, buckets=np.asarray(table.buckets)[:-5], concepts=np.asarray(table.concepts)[:-5])
+    changed = ShardReader(dataset, fewer, 4, 1, 0, 1)
+    with pytest.raises(InputFileError, match=r"global batch 7 of epoch 0.*117 samples, 29 steps an epoch then, "
+                                             r"112 samples, 28 steps an epoch now.*resume_with_changed_data"):
+        changed.load_state_dict(state)
+    logged = []
+    moving_on = ShardReader(dataset, fewer, 4, 1, 0, 1, log=logged.append, changed_plan="next_epoch")
+    moving_on.load_state_dict(state)
+    assert (moving_on.epoch, moving_on.step, moving_on.resume_position(1)) == (1, 0, 0) and "epoch 1" in logged[0]
+    ShardReader(dataset, fewer, 4, 1, 0, 1).load_state_dict({**state, "step": 0})  # nothing of the epoch trained yet
+    same = readers(dataset, world_size=2, batch_size=2)[1]
+    same.load_state_dict(state)
+    assert same.resume_position(0) == 7
+
+
 def test_resume_mid_epoch_in_two_gloo_processes(acceptance, tmp_path):
     """The same stop-after-7-batches and resume, each rank its own process (2 loader workers each)."""
     import json
@@ -204,7 +233,8 @@ def test_resume_mid_epoch_in_two_gloo_processes(acceptance, tmp_path):
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     for got in ranks:
-        assert got["state"] == {"epoch": 0, "step": 7, "global_batch": 4}
+        assert got["state"] == ranks[0]["state"] and {k: got["state"][k] for k in ("epoch", "step", "global_batch")} == {
+            "epoch": 0, "step": 7, "global_batch": 4}
         assert got["head"] + got["rest"] == got["uninterrupted"] and len(got["uninterrupted"]) == 29
     seen = [i for got in ranks for b in got["head"] + got["rest"] for i in b]
     assert len(seen) == len(set(seen)) == 116

@@ -162,7 +162,7 @@ class Checkpointer:
             # This run's own checkpoint of this step holds this very state: a resume that trains no further step
             # (a finished run resumed, a stop before the first step) must not write and commit it again in place.
             self.last_saved_step = state["step"]
-        return Position(state["step"], state["data"]["epoch"], run_id, folder)
+        return Position(state["step"], t.reader.epoch, run_id, folder)  # the next epoch where the data changed
 
 
 def check_compatible(state: dict, trainer, folder: Path) -> None:

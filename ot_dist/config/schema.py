@@ -648,6 +648,13 @@ class DataConfig(Section):
         "Counted with small_buckets drop: the samples in buckets with fewer than one global batch (never trained); "
         "with move: the samples per epoch that fill no global batch.",
     )
+    resume_with_changed_data: Literal["refuse", "next_epoch"] = Field(
+        default="refuse",
+        description="A resumed run whose epoch is planned differently from the checkpoint's (images added, removed or "
+        "re-bucketed since, another seed, other concept settings): resuming at the saved global batch of another "
+        "plan would train some samples twice in that epoch and skip others. refuse: stop before training, naming what "
+        "changed. next_epoch: go on from the start of the epoch after the saved one, with the new data.",
+    )
     max_bad_fraction: float = Field(
         default=0.01, ge=0, le=1, description="Unreadable samples (corrupt member, truncated shard) are skipped and "
         "logged by key; more than this fraction of a rank's epoch stops the run. `shard build` counts unreadable "

@@ -15,6 +15,7 @@ latency overlaps the decoding instead of adding to it.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -526,7 +527,7 @@ class ShardReader:
 
     def __init__(self, dataset: ShardDataset, table: SampleTable, batch_size: int, accumulation: int,
                  rank: int = 0, world_size: int = 1, workers: int = 0, max_bad_fraction: float = 0.01,
-                 log=print, small_buckets: str = "drop"):
+                 log=print, small_buckets: str = "drop", changed_plan: str = "refuse"):
         self.batch_size, self.accumulation, self.rank, self.world_size = batch_size, accumulation, rank, world_size
         self.global_batch = batch_size * accumulation * world_size
         self.pool = small_buckets == "move"  # data.small_buckets (small_buckets.py)
@@ -537,6 +538,8 @@ class ShardReader:
         self._resume: tuple[int, int] | None = None  # set by load_state_dict, used by the next epoch_batches
         self.max_bad_fraction, self.log = max_bad_fraction, log
         self.skipped = 0  # unreadable samples skipped this epoch on this rank
+        self.changed_plan = changed_plan  # data.resume_with_changed_data
+        self._digests: dict[int, str] = {}
 
     def plan(self, epoch: int) -> EpochPlan:
         return plan_epoch(self.table, self.global_batch, self.dataset.resolutions, self.dataset.seed, epoch, self.pool)
@@ -578,8 +581,23 @@ class ShardReader:
         """Global batches of `epoch` the next `epoch_batches(epoch)` skips (restored by load_state_dict)."""
         return self._resume[1] if self._resume and self._resume[0] == epoch else 0
 
+    def plan_digest(self, epoch: int) -> str:
+        """A digest of `epoch`'s plan (every global batch's samples and bucket, the seed that draws resolutions):
+        what a resumed position is a position in. Kept per epoch: a checkpoint of a 10M-sample set costs one plan."""
+        if epoch not in self._digests:
+            plan = self.plan(epoch)
+            digest = hashlib.blake2b(digest_size=16)
+            for part in (np.ascontiguousarray(plan.ids), np.ascontiguousarray(plan.buckets),
+                         np.asarray(plan.resolutions + [plan.seed], dtype=np.int64)):
+                digest.update(str(part.shape).encode())
+                digest.update(part.tobytes())
+            self._digests = {epoch: digest.hexdigest()}
+        return self._digests[epoch]
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "step": self.step, "global_batch": self.global_batch}
+        return {"epoch": self.epoch, "step": self.step, "global_batch": self.global_batch,
+                "plan": self.plan_digest(self.epoch), "samples": len(self.table),
+                "steps_per_epoch": self.steps_per_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         if state["global_batch"] != self.global_batch:
@@ -588,4 +606,17 @@ class ShardReader:
                 f"{self.global_batch}; keep batch_size x gradient_accumulation_steps x processes equal to resume"
             )
         self.epoch, self.step = state["epoch"], state["step"]
+        # a checkpoint from before plans were recorded has no digest: its position is taken as it is
+        if self.step and "plan" in state and state["plan"] != self.plan_digest(self.epoch):
+            then = f"{state['samples']} samples, {state['steps_per_epoch']} steps an epoch"
+            now = f"{len(self.table)} samples, {self.steps_per_epoch} steps an epoch"
+            changed = (f"data: the checkpoint stopped after global batch {self.step} of epoch {self.epoch}, planned "
+                       f"from other data than this run's ({then} then, {now} now: images added, removed or re-bucketed, "
+                       "or another seed or concept setting); resuming there would train some samples of that epoch "
+                       "twice and skip others")
+            if self.changed_plan != "next_epoch":
+                raise InputFileError(f"{changed}. Resume with the data as it was, or set data.resume_with_changed_data: "
+                                     "next_epoch to go on from the start of the next epoch with the new data")
+            self.log(f"{changed}: going on from the start of epoch {self.epoch + 1} (data.resume_with_changed_data)")
+            self.epoch, self.step = self.epoch + 1, 0
         self._resume = (self.epoch, self.step)

@@ -61,7 +61,7 @@ def open_training_data(config, runtime, log=print) -> tuple[ShardDataset, ShardR
     dataset = ShardDataset(ensure_shards(config, runtime, log), config)
     reader = ShardReader(dataset, dataset.table(config.data), config.batch_size, config.gradient_accumulation_steps,
                          runtime.rank, runtime.world_size, config.data.loader_workers, config.data.max_bad_fraction,
-                         small_buckets=config.data.small_buckets)
+                         small_buckets=config.data.small_buckets, changed_plan=config.data.resume_with_changed_data)
     check_untrained_share(config, dataset, reader, runtime.world_size)
     return dataset, reader
 
