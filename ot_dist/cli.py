@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     k8s.add_argument("--flavor", default="pytorchjob", choices=["pytorchjob", "indexed-job"],
                      help="Kubeflow PyTorchJob (elastic, c10d) or an operator-free Indexed Job + headless Service")
     k8s.add_argument("--name", default=None, help="job name (default: ot-dist-<config file name>)")
+    k8s.add_argument("--grace-seconds", type=int, default=None, metavar="S", help="how long Kubernetes lets a "
+                     "training pod write its checkpoint after SIGTERM before it kills it (default 900; Kubernetes' own "
+                     "default of 30 s is too short for a full finetune's state)")
     k8s.add_argument("--shard-parts", type=int, default=None, metavar="N", help="instead of training: build the "
                      "config's shard set in N parts, an Indexed Job of N CPU pods (shard build --part) and a merge "
                      "Job, on the training pods' volume")

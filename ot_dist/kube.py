@@ -49,17 +49,27 @@ PATH_KEYS = ("model.path", "model.config", "data.path", "data.shards", "data.cac
              "deepspeed.config_file")
 
 
+# How long Kubernetes waits after SIGTERM before it kills a training pod (its default is 30 s). On SIGTERM the ranks
+# finish the step under way, write a checkpoint and commit it (docs/checkpoints.md): a full finetune's state is
+# tens to hundreds of GB on the shared volume, minutes of writing. A pod that is done sooner ends sooner; a cloud's
+# spot preemption notice (30 s to 2 min) is not lengthened by it.
+GRACE_SECONDS = 900
+
+
 def render_manifests(
-    raw: dict, config: TrainConfig, name: str, nodes: int, gpus_per_node: int, image: str, flavor: str
+    raw: dict, config: TrainConfig, name: str, nodes: int, gpus_per_node: int, image: str, flavor: str,
+    grace_seconds: int = GRACE_SECONDS,
 ) -> dict[str, dict]:
     """file name -> manifest, plus `kustomization.yaml` listing them (so the folder is `kubectl apply -k`-able)."""
     check_shape(config, name, nodes, gpus_per_node, flavor)
+    if grace_seconds < 1:
+        raise ConfigError(f"--grace-seconds must be >= 1 (got {grace_seconds})")
     manifests = {"configmap.yaml": config_map(name, raw)}
     if flavor == "pytorchjob":
-        manifests["pytorchjob.yaml"] = pytorch_job(name, nodes, gpus_per_node, image)
+        manifests["pytorchjob.yaml"] = pytorch_job(name, nodes, gpus_per_node, image, grace_seconds)
     else:
         manifests["service.yaml"] = headless_service(name)
-        manifests["job.yaml"] = indexed_job(name, nodes, gpus_per_node, image)
+        manifests["job.yaml"] = indexed_job(name, nodes, gpus_per_node, image, grace_seconds)
     manifests["kustomization.yaml"] = {
         "apiVersion": "kustomize.config.k8s.io/v1beta1",
         "kind": "Kustomization",
@@ -121,11 +131,12 @@ def pod_command(node_rank: str, rdzv_endpoint: str, rdzv_backend: str, max_resta
     )  # fmt: skip
 
 
-def pytorch_job(name: str, nodes: int, gpus_per_node: int, image: str) -> dict:
+def pytorch_job(name: str, nodes: int, gpus_per_node: int, image: str, grace_seconds: int = GRACE_SECONDS) -> dict:
     command = pod_command("$(NODE_RANK)", "$(PET_RDZV_ENDPOINT)", "c10d", "$(PET_MAX_RESTARTS)")
     # c10d assigns ranks itself; the replica index only names this node's launch files.
     rank = {"name": "NODE_RANK", "valueFrom": field_ref("metadata.labels['training.kubeflow.org/replica-index']")}
-    pod = pod_template(name, nodes, gpus_per_node, image, command, [rank], port_name="pytorchjob-port")
+    pod = pod_template(name, nodes, gpus_per_node, image, command, [rank], port_name="pytorchjob-port",
+                       grace_seconds=grace_seconds)
     spec = {
         "elasticPolicy": {
             "rdzvBackend": "c10d",
@@ -145,7 +156,7 @@ def pytorch_job(name: str, nodes: int, gpus_per_node: int, image: str) -> dict:
     return api_object("kubeflow.org/v1", "PyTorchJob", name, name, spec=spec)
 
 
-def indexed_job(name: str, nodes: int, gpus_per_node: int, image: str) -> dict:
+def indexed_job(name: str, nodes: int, gpus_per_node: int, image: str, grace_seconds: int = GRACE_SECONDS) -> dict:
     command = pod_command("$(JOB_COMPLETION_INDEX)", "$(RDZV_ENDPOINT)", "static", "0")
     env = [
         # What the Job controller also injects; declared so the command's reference is defined here.
@@ -153,7 +164,7 @@ def indexed_job(name: str, nodes: int, gpus_per_node: int, image: str) -> dict:
          "valueFrom": field_ref("metadata.annotations['batch.kubernetes.io/job-completion-index']")},
         {"name": "RDZV_ENDPOINT", "value": f"{name}-0.{name}:{RDZV_PORT}"},
     ]  # fmt: skip
-    pod = pod_template(name, nodes, gpus_per_node, image, command, env, port_name="rdzv")
+    pod = pod_template(name, nodes, gpus_per_node, image, command, env, port_name="rdzv", grace_seconds=grace_seconds)
     pod["spec"] |= {"restartPolicy": "Never", "subdomain": name}
     spec = {
         "completionMode": "Indexed",
@@ -183,7 +194,8 @@ def secret_env(variable: str, key: str) -> dict:
 
 
 def pod_template(
-    name: str, nodes: int, gpus_per_node: int, image: str, command: list[str], env: list[dict], port_name: str
+    name: str, nodes: int, gpus_per_node: int, image: str, command: list[str], env: list[dict], port_name: str,
+    grace_seconds: int = GRACE_SECONDS,
 ) -> dict:
     env = [
         {"name": "NNODES", "value": str(nodes)},
@@ -225,6 +237,7 @@ def pod_template(
         "metadata": {"labels": labels(name)},
         "spec": {
             "securityContext": pod_security(),
+            "terminationGracePeriodSeconds": grace_seconds,  # the checkpoint written on SIGTERM
             "automountServiceAccountToken": False,
             "enableServiceLinks": False,
             "containers": [container],
@@ -299,7 +312,8 @@ def run_k8s(args, log=print) -> int:
 
         manifests = render_shard_manifests(raw, config, name, args.shard_parts, args.shard_workers, args.image)
     else:
-        manifests = render_manifests(raw, config, name, args.nodes, args.gpus_per_node, args.image, args.flavor)
+        manifests = render_manifests(raw, config, name, args.nodes, args.gpus_per_node, args.image, args.flavor,
+                                     GRACE_SECONDS if args.grace_seconds is None else args.grace_seconds)
     for entry in paths_outside_workspace(config):
         print(f"ot-dist k8s: warning: {entry} is outside {WORKSPACE} (the workspace volume), so the pods see "
               "it only if the image contains it; use a path relative to the workspace", file=sys.stderr)  # fmt: skip

@@ -273,6 +273,18 @@ def test_rendered_pods_mount_the_workspace_config_shm_and_read_mlflow_from_a_sec
     assert elastic["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2
 
 
+def test_pods_get_the_time_to_write_their_checkpoint_after_sigterm(tmp_path, capsys):
+    """On SIGTERM the ranks finish the step, write a checkpoint and commit it; Kubernetes' default grace period (30
+    s, the field unset) would kill a full finetune's pods in mid-write, losing what they trained since the last one."""
+    for flavor, file in (("indexed-job", "job.yaml"), ("pytorchjob", "pytorchjob.yaml")):
+        (pod,) = pod_specs(render(REPO / "configs" / "demo.yaml", tmp_path / flavor, 2, 4, flavor)[file])
+        assert pod["terminationGracePeriodSeconds"] == 900
+    longer = render(REPO / "configs" / "demo.yaml", tmp_path / "longer", 2, 4, "indexed-job", "--grace-seconds", "3600")
+    assert pod_specs(longer["job.yaml"])[0]["terminationGracePeriodSeconds"] == 3600
+    assert main(["k8s", str(REPO / "configs" / "demo.yaml"), "--image", "x", "--grace-seconds", "0"]) == 2
+    assert "--grace-seconds must be >= 1" in capsys.readouterr().err
+
+
 def test_validation_and_policy_reject_broken_manifests():
     """The checks above can fail: a misspelt field, a wrong type, and each security slip are caught."""
     job = yaml.safe_load((K8S / "base" / "pytorchjob" / "pytorchjob.yaml").read_text())
