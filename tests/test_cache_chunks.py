@@ -247,3 +247,16 @@ def test_two_ranks_resume_what_one_process_started_and_cache_like_one_process(bu
             cached = one.load(i, 0)
             torch.testing.assert_close(cached["latent_mean"], posterior.mean[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(cached["crop_top_left"], one.load(i, 0, use_cache=False)["crop_top_left"])
+
+
+def test_a_rank_done_with_its_chunks_waits_for_a_slower_one_past_the_default_timeout(built, tmp_path):
+    """On a large set one rank (a slower node) may encode its chunks long after the others: they wait for it, and
+    for the main process's index, in a group of their own, not in the default group whose timeout
+    (distributed.timeout_minutes, here 3 s) is for collectives that follow one another closely."""
+    dataset = fresh(built, tmp_path / "own")
+    done = run_ranks(str(Path(__file__).parent / "helpers" / "cache_ranks.py"), str(tmp_path), str(CHUNK),
+                     str(dataset.dir), json.dumps(built[1]),
+                     env={"CACHE_TIMEOUT_MINUTES": "0.05", "SLOW_RANK_SECONDS": "8"}, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert (cache_of(dataset, "latents") / "manifest.json").is_file()
+    assert (cache_of(dataset, "text") / "manifest.json").is_file()

@@ -47,6 +47,7 @@ from ot_dist.models.latent_posterior import encode_posterior
 
 FORMAT = "ot_dist.cache/2"  # chunks + columnar index (format 1: one part per rank, a JSON dict per sample)
 CHUNK_SAMPLES = 1024  # samples a chunk: the unit of work a resumed run skips or computes
+CACHE_WAIT_S = 48 * 3600  # how long a rank done with its chunks waits for the others' and the index
 BATCH_PIXELS = 4 * 1024 * 1024  # pixels a VAE batch (at the largest resolution): 4 images at 1024, 16 at 512
 TEXT_BATCH_SAMPLES = 32  # samples (all their caption lines) a text-encoder batch
 
@@ -284,6 +285,10 @@ def attach_cache(dataset, kind: str, key: str, encoder, runtime, log, chunk_size
             error = err
     if runtime.mean(torch.tensor([float(missing)], device=runtime.device)).item() > 0:
         check_all(runtime, error, f"preparing the {kind} cache")
+        # The ranks that finish their chunks first wait for the slowest, then for the main process's index: on a large
+        # set that is longer than the default group's distributed.timeout_minutes, so those waits get a group of their
+        # own (made by every rank here, before the encoding starts).
+        waiting = runtime.waiting_group(CACHE_WAIT_S)
         chunks = cache_index.chunk_count(len(dataset), chunk_size)
         if runtime.is_main:
             todo = sum(not cache_index.committed(cache_dir, c) for c in range(chunks))
@@ -297,13 +302,13 @@ def attach_cache(dataset, kind: str, key: str, encoder, runtime, log, chunk_size
                     log(f"data: caching {kind}: {done} of this process's {len(mine)} chunks committed")
         except Exception as err:  # noqa: BLE001
             error = err
-        check_all(runtime, error, f"caching {kind}")
+        check_all(runtime, error, f"caching {kind}", waiting)
         if runtime.is_main:
             try:
                 cache_index.write_index(cache_dir, record, len(dataset), chunk_size, encoder.members, held)
             except Exception as err:  # noqa: BLE001
                 error = err
-        check_all(runtime, error, f"indexing the {kind} cache")
+        runtime.fail_together(error, waiting, f"data: indexing the {kind} cache")
     manifest = read_cache_manifest(cache_dir, record, kind)
     dataset.use_cache(kind, CacheIndex(cache_dir, manifest, f"data.cache_{kind}"))
     return cache_dir
@@ -322,9 +327,13 @@ def write_chunk(cache_dir: Path, chunk: int, ids: range, encoder) -> None:
     writer.commit()
 
 
-def check_all(runtime, error: Exception | None, what: str) -> None:
-    """A collective every rank joins: a failure on any rank stops all of them instead of a hang."""
-    failed = runtime.mean(torch.tensor([float(error is not None)], device=runtime.device)).item() > 0
+def check_all(runtime, error: Exception | None, what: str, group=None) -> None:
+    """A collective every rank joins (in `group`, a waiting_group, if given): a failure on any rank stops all of them
+    instead of a hang."""
+    if group is not None:
+        failed = runtime.any_rank(error is not None, group)
+    else:
+        failed = runtime.mean(torch.tensor([float(error is not None)], device=runtime.device)).item() > 0
     if error is not None:
         raise error
     if failed:
