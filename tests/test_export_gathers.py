@@ -127,3 +127,67 @@ def test_zero3_gathers_only_the_adapters_for_a_lora_export(one_level_sd1, shapes
     assert [p.name for p in filtered] == [p.name for p in whole]
     for mine, reference in zip(filtered, whole):
         assert mine.read_bytes() == reference.read_bytes(), mine.name
+
+
+def test_exports_hold_one_gathered_tensor_at_a_time_and_only_the_writer_keeps_them(one_level_sd1, shapes_data,
+                                                                                   tmp_path):
+    """Under fsdp and zero3 on 2 gloo ranks, a full finetune (UNet and text encoder, an EMA, an additional embedding)
+    exports as torch's full state dict with cpu_offload does: each gathered tensor (FSDP2's full_tensor, a ZeRO-3
+    group of at most the launch's bound, an EMA parameter) is copied to CPU memory before the next gather, and only
+    the writing rank keeps the copies; the other rank takes part in every gather and the export code hands it empty
+    state dicts. The files are byte for byte those of every rank gathering everything at once (the rule before;
+    tests/helpers/export_gather_ranks.py). A Flux 12B finetune on 8 GPUs used to gather the whole model (and the
+    whole EMA) onto every device at its export."""
+    import os
+    from pathlib import Path
+
+    from conftest import base_config
+    from forked_ranks import run_ranks
+
+    repo = Path(__file__).resolve().parents[1]
+    token = "<tok>"
+    zero3 = tmp_path / "zero3.json"  # every parameter partitioned (the tiny model's are all under the default threshold)
+    zero3.write_text(json.dumps({"zero_optimization": {"stage3_param_persistence_threshold": 0}}))
+    cases = {}
+    for strategy, extra in (("fsdp", {}), ("zero3", {"deepspeed.config_file": str(zero3)})):
+        raw = base_config(one_level_sd1, shapes_data, tmp_path / strategy, strategy=strategy, batch_size=2, max_steps=1,
+                          learning_rate=0.05, **{"optimizer.name": "SGD", "text_encoder.train": True,
+                                                 "ema.enabled": True, "ema.decay": 0.5, "ema.update_step_interval": 1},
+                          **extra)
+        raw["additional_embeddings"] = [{"token": token, "vectors": 2}]
+        raw["data"] = {"concepts": [{"path": raw["data"]["path"], "caption_prefix": token}],
+                       "shards": raw["data"]["shards"]}
+        cases[strategy] = raw
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(repo)}
+    done = run_ranks(str(repo / "tests" / "helpers" / "export_gather_ranks.py"), str(tmp_path / "cases.json"),
+                     str(tmp_path / "report"), env=env, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    reports = [json.loads((tmp_path / f"report.{rank}.json").read_text()) for rank in (0, 1)]
+    for strategy in cases:
+        for report in (r[strategy] for r in reports):
+            where = f"{strategy}, rank {report['rank']}"
+            gathers = report["gathers"]
+            if strategy == "zero3":  # bounded groups: a larger parameter alone
+                assert all(g["bytes"] <= report["group_limit"] or g["params"] == 1 for g in report["zero3_groups"]), \
+                    (where, report["zero3_groups"])
+            # the trained export gathers the weights, the EMA's gathers the EMA's parameters instead of them
+            assert gathers["ema"] > 10 and (gathers["full_tensor"] if strategy == "fsdp" else gathers["zero3"]) > 10, \
+                (where, gathers)
+            # No gathered tensor was still alive when the next one was gathered, nor after the export.
+            assert max(report["alive_at_gather"]) == 0, (where, report["alive_at_gather"])
+            assert report["gathered_alive_after"] == 0 and report["hosted_alive_after"] == 0, where
+            writes = report["rank"] == 0
+            assert report["states"] and all(s["write"] == writes for s in report["states"]), where
+            if writes:  # the writer: every state dict whole, in CPU memory, made of to_host's copies
+                assert all(s["entries"] and s["on_cpu"] for s in report["states"]), (where, report["states"])
+                assert report["hosted"] >= gathers["ema"] + gathers["full_tensor"], where
+            else:  # the other rank: empty state dicts, nothing copied
+                assert not any(s["entries"] for s in report["states"]), (where, report["states"])
+                assert report["hosted"] == 0, where
+        spied, reference = tmp_path / strategy / "spied", tmp_path / strategy / "reference"
+        files = sorted(p.relative_to(spied) for p in spied.rglob("*") if p.is_file())
+        assert files == sorted(p.relative_to(reference) for p in reference.rglob("*") if p.is_file())
+        assert any(f.name == "model_ema.safetensors" for f in files) and any("embeddings_ema" in str(f) for f in files)
+        for file in files:
+            assert (spied / file).read_bytes() == (reference / file).read_bytes(), f"{strategy}: {file}"

@@ -20,8 +20,8 @@ from ot_dist.config.embeddings import AdditionalEmbeddingConfig, file_stem
 from ot_dist.errors import ConfigError
 from ot_dist.methods.embedding_file import vector_count
 from ot_dist.methods.output_vectors import file_vectors
-from ot_dist.methods.token_vectors import (add_vectors, auto_vector_count, rows_in_state, start_vectors, token_strings,
-                                          with_key_copies, write_embedding_file)
+from ot_dist.methods.token_vectors import (add_vectors, auto_vector_count, rows_in_state, start_vectors, token_rows,
+                                          token_strings, with_key_copies, write_embedding_file)
 from ot_dist.models.families.base import EMBEDDING_TOKEN_KEY
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.loading import LoadedModel
@@ -81,12 +81,15 @@ class AdditionalEmbeddings:
 
     def vectors(self, model: LoadedModel, state_dict_of) -> list[dict[str, torch.Tensor]]:
         """Per entry: {the family's file key (the token for SD 1.x / 2.x): full [n, dim] rows}. `state_dict_of` is a
-        collective under sharding: every rank calls this."""
+        collective under sharding: every rank calls this; a rank that writes no export keeps nothing of what it
+        gathers (empty state dicts) and gets an empty dict per entry."""
         if not self.entries:
             return []
         family = model.family
-        states = {name: state_dict_of(model.text_encoders[name])
+        states = {name: state_dict_of(model.text_encoders[name], keep=token_rows)  # the rows, not the encoder
                   for name in {**family.embedding_keys, **family.output_embedding_keys}}
+        if not all(states.values()):
+            return [{} for _ in self.entries]
         return [file_vectors(family, states, f"additional.{i}") if entry.output_embedding else
                 {key.format(token=entry.token): rows_in_state(states[name], f"additional.{i}")
                  for name, key in family.embedding_keys.items()}

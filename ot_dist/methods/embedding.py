@@ -13,8 +13,8 @@ from ot_dist.errors import ConfigError
 from ot_dist.methods.base import ParamGroup, TrainingMethod, freeze_all, plain_state_dict
 from ot_dist.methods.embedding_file import vector_count
 from ot_dist.methods.output_vectors import file_vectors
-from ot_dist.methods.token_vectors import (add_vectors, auto_vector_count, rows_in_state, start_vectors, token_strings,
-                                          write_embedding_file)
+from ot_dist.methods.token_vectors import (add_vectors, auto_vector_count, rows_in_state, start_vectors, token_rows,
+                                          token_strings, write_embedding_file)
 from ot_dist.models.families.registry import get_family
 from ot_dist.models.loading import LoadedModel
 from ot_dist.precision import DTYPES
@@ -66,11 +66,15 @@ class EmbeddingMethod(TrainingMethod):
         return [group] + self.additional.prepare(model)
 
     def vectors(self, model: LoadedModel, state_dict_of=plain_state_dict) -> dict[str, torch.Tensor]:
+        """The file's tensors. `state_dict_of` is a collective under sharding: every rank calls this; a rank that
+        writes no export keeps nothing of what it gathers (empty state dicts) and gets an empty dict."""
+        # the rows, not the whole encoder
+        states = {name: state_dict_of(model.text_encoders[name], keep=token_rows) for name in model.family.embedding_keys}
+        if not all(states.values()):
+            return {}
         if self.config.embedding.output_embedding:
-            states = {name: state_dict_of(model.text_encoders[name]) for name in model.family.embedding_keys}
             return file_vectors(model.family, states, "extra")
-        return {key.format(token=self.config.embedding.token): rows_in_state(state_dict_of(model.text_encoders[name]),
-                                                                            "extra")
+        return {key.format(token=self.config.embedding.token): rows_in_state(states[name], "extra")
                 for name, key in model.family.embedding_keys.items()}
 
     def export(

@@ -220,12 +220,21 @@ def rows_in_state(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
     return rows
 
 
+TOKEN_ROWS = re.compile(rf"(?:^|\.){EMBEDDING_MODULES}\.(outputs\.)?(extra|additional\.\d+)$")
+
+
+def token_rows(key: str) -> bool:
+    """Whether an encoder's state-dict key names added token rows (input or output ones): all an embedding file needs
+    of the encoder, so all its export asks a strategy to gather (`state_dict_of`'s keep), not the whole encoder."""
+    return TOKEN_ROWS.search(key) is not None
+
+
 def without_token_rows(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """An encoder's state dict as the model had it before tokens were added: the wrapped embedding's base weight under
     its own name, the new rows left out (they are written as embedding files)."""
     plain = {}
     for key, value in state.items():
-        if re.search(rf"(?:^|\.){EMBEDDING_MODULES}\.(outputs\.)?(extra|additional\.\d+)$", key):
+        if token_rows(key):
             continue
         plain[re.sub(rf"(^|\.)({EMBEDDING_MODULES})\.base\.", r"\1\2.", key)] = value
     return plain

@@ -109,11 +109,17 @@ class Strategy:
         return {}
 
     # -- export / reporting --------------------------------------------------------------------
-    def state_dict_of(self, module: torch.nn.Module, keep: KeyFilter | None = None) -> dict[str, torch.Tensor]:
+    def state_dict_of(self, module: torch.nn.Module, keep: KeyFilter | None = None, *, here: bool = True,
+                      host: bool = True) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict of a module, or with `keep` the entries whose key it accepts (only those
         are gathered: a LoRA export needs its adapters, not the frozen model). A collective under sharding
-        strategies: every rank must call it, in the same order, with the same `keep`."""
-        return kept(module.state_dict(), keep)
+        strategies: every rank must call it, in the same order, with the same `keep`.
+        `here`: whether this rank keeps the result; a rank that does not (one that writes no export) takes part in
+        the gathering and gets an empty dict. `host`: where a sharding strategy keeps what it gathers: in CPU memory,
+        each tensor moved there as soon as it is whole (exports: the device holds one gathered tensor at a time,
+        never the whole model; torch's full state dict with cpu_offload), or on the device (samples, which compute
+        with them there). Here nothing is gathered: the module's own tensors, wherever they are."""
+        return kept(module.state_dict(), keep) if here else {}
 
     def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Every trainable parameter as "<part>.<name>", in the same order on every rank."""

@@ -19,7 +19,7 @@ from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.deepspeed_file import users_deepspeed_config
 from ot_dist.parallel.deepspeed_process_state import (forget_closed_engine, forget_stale_world_group,
                                                       restore_torch_linear)
-from ot_dist.parallel.ownership import Fragment, Owned, Ownership
+from ot_dist.parallel.ownership import Fragment, Owned, Ownership, to_host
 from ot_dist.parallel.zero_skip import norm_checks_on_device
 
 
@@ -419,14 +419,25 @@ class DeepSpeedStrategy(Strategy):
         grad_norm = self.engine.get_global_grad_norm()  # ZeRO's global norm before clipping (a tensor, or inf)
         return None if grad_norm is None else torch.as_tensor(grad_norm).detach()
 
-    def state_dict_of(self, module, keep=None):
+    def state_dict_of(self, module, keep=None, *, here=True, host=True):
         if self.stage != 3 or not any(hasattr(p, "ds_id") for p in module.parameters()):
-            return kept(module.state_dict(), keep)
+            return super().state_dict_of(module, keep, here=here, host=host)
         import deepspeed
 
-        gathered = [p for n, p in module.named_parameters() if keep is None or keep(n)]
-        with deepspeed.zero.GatheredParameters(gathered, modifier_rank=None):
-            return {k: v.detach().clone() for k, v in kept(module.state_dict(), keep).items()}
+        # The entries in bounded groups (`export_groups`), each group's parameters gathered together and copied (to
+        # CPU memory with `host`) by the rank that keeps the result before ZeRO-3 partitions them again on leaving
+        # the context: the device holds the partitions and one group, never the whole module. Other entries
+        # (buffers) are whole on every rank already: kept as they are, as in one process.
+        state = {}
+        for group in export_groups(kept(module.state_dict(keep_vars=True), keep), EXPORT_GATHER_BYTES):
+            partitioned = {k: v for k, v in group.items() if hasattr(v, "ds_id")}
+            with deepspeed.zero.GatheredParameters(list(partitioned.values()), modifier_rank=None):
+                for key, value in group.items() if here else ():
+                    if key not in partitioned:
+                        state[key] = value.detach()
+                    else:  # a copy: the gathered storage goes back to ZeRO-3 on leaving the context
+                        state[key] = to_host(value) if host else value.detach().clone()
+        return state
 
     def ownership(self):
         return zero_ownership(self.engine_optimizer, self.stage, self.trained_parameters(), self.runtime.device)
@@ -455,6 +466,26 @@ class DeepSpeedStrategy(Strategy):
         partitions = getattr(zero, "single_partition_of_fp32_groups", None) or getattr(zero, "fp32_partitioned_groups_flat", [])
         grads = [g for g in getattr(zero, "averaged_gradients", {}).values() for g in (g if isinstance(g, list) else [g])]
         return {"params": param_tensors + list(partitions), "grads": grads, "optimizer_state": state}
+
+
+# What an export's ZeRO-3 gather makes whole at once, at most (a parameter larger than this is gathered alone): few
+# collectives for a model's many small tensors, and the device holds this much of the model beside its partitions.
+EXPORT_GATHER_BYTES = 256 * 2**20
+
+
+def export_groups(state: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """`state` (a `state_dict(keep_vars=True)`: the parameters themselves) cut into consecutive groups whose ZeRO-3
+    parameters (those with a `ds_id`) hold at most `limit` bytes when whole, or one parameter each where one alone
+    is larger. The other entries (buffers) ride in the group they fall in."""
+    groups, group, size = [], {}, 0
+    for key, value in state.items():
+        full = value.ds_numel * value.element_size() if hasattr(value, "ds_id") else 0
+        if full and size and size + full > limit:
+            groups.append(group)
+            group, size = {}, 0
+        group[key] = value
+        size += full
+    return groups + [group] if group else groups
 
 
 def zero_ownership(zero, stage: int, named: dict[str, torch.Tensor], device: torch.device) -> Ownership:

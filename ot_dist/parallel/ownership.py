@@ -14,6 +14,7 @@ elements, each a slice of one named parameter. With that, sharding-aware code ca
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -113,6 +114,14 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in CPU memory, made at once (a blocking copy from a GPU: the values are there when it returns).
+    Always a copy, also of a CPU tensor: what a gather hands over may be storage the strategy releases or reuses (ZeRO-3
+    partitions a gathered parameter again). Exports move each gathered tensor here before the next is gathered
+    (torch's full state dict with cpu_offload does the same), so the device holds one at a time."""
+    return t.detach().to("cpu", copy=True)
+
+
 def whole(param: torch.Tensor, name: str) -> Owned:
     return Owned(param, [Fragment(name, 0, 0, param.numel())])
 
@@ -135,24 +144,35 @@ class Ownership:
             self._index.update({id(o.param): o for o in self.owned})
         return self._index.get(id(param))
 
-    def gather_full(self, values: list[torch.Tensor], dtype=torch.float32) -> dict[str, torch.Tensor]:
-        """Full parameters from per-rank tensors shaped like `owned` (a collective when sharded:
-        every rank calls it; one all-reduce per parameter, in the same order everywhere)."""
+    def gatherer(self, values: list[torch.Tensor], dtype=torch.float32) -> Callable[[str], torch.Tensor]:
+        """`gather(name)`: one full parameter from per-rank tensors shaped like `owned`, built on the values' device
+        (a collective when sharded: every rank calls it for the same names in the same order; one all-reduce). One
+        parameter at a time, so a caller that moves each to CPU memory (`to_host`) before the next holds one full
+        parameter on the device, never the whole set."""
         by_name: dict[str, list[tuple[Fragment, torch.Tensor]]] = {}
         for owned, value in zip(self.owned, values, strict=True):
             flat = value.reshape(-1)
             for f in owned.fragments:
                 by_name.setdefault(f.name, []).append((f, flat))
         device = values[0].device if values else torch.device("cpu")
-        full = {}
-        for name, shape in self.shapes.items():
+
+        def gather(name: str) -> torch.Tensor:
+            shape = self.shapes[name]
             out = torch.zeros(shape.numel(), dtype=dtype, device=device)
             for f, flat in by_name.get(name, []):
                 out[f.param_offset : f.param_offset + f.numel] = flat[f.local_offset : f.local_offset + f.numel]
             if self.sharded:
                 dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)
-            full[name] = out.view(shape)
-        return full
+            return out.view(shape)
+
+        return gather
+
+    def gather_full(self, values: list[torch.Tensor], dtype=torch.float32) -> dict[str, torch.Tensor]:
+        """Every full parameter from per-rank tensors shaped like `owned`, on the values' device (a collective when
+        sharded: every rank calls it; one all-reduce per parameter, in the same order everywhere). Holds them all:
+        exports and samples take them one at a time through `gatherer`."""
+        gather = self.gatherer(values, dtype)
+        return {name: gather(name) for name in self.shapes}
 
 
 def dtensor_fragment(param: DTensor, name: str) -> Owned:

@@ -5,9 +5,10 @@ How, under any strategy:
 - Before the strategy wraps the trained modules, their structure is copied with the weights on the
   meta device (no memory): LoRA adapters and embedding rows are part of that structure, so samples
   show them active. Frozen parts (VAE, frozen text encoders) are never wrapped and are shared as is.
-- At a sampling point every rank gathers the full weights once (`state_dict_of`: a collective under
-  fsdp / zero3, called for the same modules in the same order everywhere; the EMA weights when the EMA
-  is on) into a fresh copy of that structure, and builds the family's diffusers pipeline around it.
+- At a sampling point every rank takes part in gathering the full weights once (`state_dict_of`: a collective
+  under fsdp / zero3, called for the same modules in the same order everywhere; the EMA weights when the EMA
+  is on); each rank that has a prompt to generate keeps them, in a fresh copy of that structure on its device,
+  and builds the family's diffusers pipeline around it (a rank without one keeps nothing).
 - With sampling.non_ema_samples the trained weights are sampled too, after the EMA's copy is freed:
   the same gathering (`trainer.trained_state_dict_of`, as exports use) into the same structure.
 - Prompt i is generated on rank i mod world size from a CPU generator seeded with the prompt's seed,
@@ -127,13 +128,18 @@ class Sampler:
             # One set at a time: its full weights are gathered once, sampled, and freed before the next is
             # gathered, so non-EMA samples hold no more memory than the EMA ones.
             with trainer.averaged_weights():  # copied out, so training goes on meanwhile untouched
-                state_dict_of = trainer.ema_state_dict_of() if weights == "ema" else trainer.trained_state_dict_of()
+                # Kept by the ranks that sample (a rank without a prompt takes part in the gathering only), on the
+                # device, where they compute: a tensor at a time, as the strategy and the EMA gather them.
+                of = trainer.ema_state_dict_of if weights == "ema" else trainer.trained_state_dict_of
+                state_dict_of = of(here=bool(mine), host=False)
+                modules = {}
                 # The one gathering of these full weights; the same modules in the same order on every rank.
-                modules = {
-                    name: inference_copy(self.templates[name], state_dict_of(module), runtime.device)
-                    for name, module in trainer.strategy.trained_modules.items()
-                }
-                del state_dict_of  # it may hold the gathered set (the EMA's): only `modules` keeps it now
+                for name, module in trainer.strategy.trained_modules.items():
+                    state = state_dict_of(module)
+                    if mine:
+                        modules[name] = inference_copy(self.templates[name], state, runtime.device)
+                    del state  # only `modules` keeps the gathered weights
+                del state_dict_of
             if mine:
                 pipelines = {}  # one per sampler the prompts name, around the same modules
                 # Float8-stored components (frozen ones, trained ones' bases and their copies here) report their

@@ -6,6 +6,7 @@ gradient accumulation, then export.
 
 from __future__ import annotations
 
+import functools
 import gc
 import math
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.node_shared import NodeSharing, share_frozen_cpu_weights
 from ot_dist.memory.placement import place_component, store_component
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
-from ot_dist.methods.base import ParamGroup, TrainingMethod
+from ot_dist.methods.base import ParamGroup, TrainingMethod, kept
 from ot_dist.methods.registry import build_method
 from ot_dist.early_checks import check_input_paths, setup_warnings
 from ot_dist.models.loading import LoadedModel, load_model
@@ -40,6 +41,7 @@ from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
 from ot_dist.parallel.base import grouped, named_groups, trained_modules
 from ot_dist.parallel.load_turns import load_turn, master_widths
+from ot_dist.parallel.ownership import Ownership, to_host
 from ot_dist.parallel.runtime import Runtime, start_runtime
 from ot_dist.precision import check_storage_on_device, set_tf32
 from ot_dist.train.cuda_allocator import configure_cuda_allocator
@@ -507,12 +509,12 @@ class Trainer:
         waiting = self.runtime.waiting_group(EXPORT_WAIT_S)
         error = None
         try:
-            exported = self.method.export(self.model, output_dir, self.trained_state_dict_of(), write=write,
+            # Every rank takes part in each gathering; only the writing one keeps what it gathers, in CPU memory.
+            exported = self.method.export(self.model, output_dir, self.trained_state_dict_of(here=write), write=write,
                                           created=created)
             if self.ema:
-                exported += self.method.export(self.model, output_dir,
-                                               self.overlaid_state_dict_of(self.ema.full_weights()), write=write,
-                                               suffix="_ema", created=created)
+                exported += self.method.export(self.model, output_dir, self.ema_state_dict_of(here=write),
+                                               write=write, suffix="_ema", created=created)
         except Exception as err:  # noqa: BLE001 - every rank hears of it below, then it is raised
             error = err
         # nobody leaves before the export is on disk
@@ -521,31 +523,51 @@ class Trainer:
             self.log(f"exported {path}")
         return exported
 
-    def trained_state_dict_of(self):
+    def trained_state_dict_of(self, here: bool = True, host: bool = True):
         """A `state_dict_of` for the exports of the trained weights. When the modules compute in half precision
-        over float32 masters (DeepSpeed bf16 / fp16), the masters are exported, not their rounded copies."""
+        over float32 masters (DeepSpeed bf16 / fp16), the masters are exported, not their rounded copies. `here` and
+        `host`: what the strategy's `state_dict_of` takes (whether this rank keeps the gathered tensors; in CPU
+        memory or on the device)."""
         if all(p.dtype == torch.float32 for p in self.params) or not all(
                 o.local().dtype == torch.float32 for o in self.ownership.owned):
-            return self.strategy.state_dict_of
-        return self.overlaid_state_dict_of(self.ownership.gather_full([o.local() for o in self.ownership.owned]))
+            return functools.partial(self.strategy.state_dict_of, here=here, host=host)
+        return self.overlaid_state_dict_of(self.ownership, [o.local() for o in self.ownership.owned], here, host)
 
-    def ema_state_dict_of(self):
-        return self.overlaid_state_dict_of(self.ema.full_weights())
+    def ema_state_dict_of(self, here: bool = True, host: bool = True):
+        return self.overlaid_state_dict_of(self.ema.ownership, self.ema.values, here, host)
 
-    def overlaid_state_dict_of(self, full: dict[str, torch.Tensor]):
-        """A `state_dict_of` for the exports: the full weights with `full` ("part.name" -> tensor, gathered once:
-        a collective when sharded; the EMA or the float32 masters) in place of the trained ones."""
-        averaged = full
+    def overlaid_state_dict_of(self, ownership: Ownership, values: list[torch.Tensor], here: bool = True,
+                               host: bool = True):
+        """A `state_dict_of` for the exports: the full weights, the trained parameters taken from `values` (per-rank
+        tensors shaped like `ownership.owned`: the EMA's averages or the float32 masters) instead of the modules.
+        Each of those is made whole when its module is asked for, one at a time (a collective when sharded: every
+        rank asks for the same modules in the same order), and moved to CPU memory (`host`) by the rank that keeps
+        the result (`here`) before the next; the strategy gathers the rest the same way. So no rank holds the whole
+        EMA or the whole set of masters on the device, and only the keeping rank holds them at all."""
+        gather = ownership.gatherer(values)
         part_of = {id(module): part for part, module in self.strategy.trained_modules.items()}
 
         def state_dict_of(module, keep=None):
-            state = self.strategy.state_dict_of(module, keep)
             part = part_of.get(id(module))
             if part is None:
-                return state
-            # Kept in their own (float32) dtype: the module may hold half-precision copies; the export casts to
-            # output_dtype itself.
-            return {k: averaged[f"{part}.{k}"] if f"{part}.{k}" in averaged else v for k, v in state.items()}
+                return self.strategy.state_dict_of(module, keep, here=here, host=host)
+            keys = list(kept(module.state_dict(), keep))  # the order of the state dict: no gathering
+            overlaid = {k for k in keys if f"{part}.{k}" in ownership.shapes}
+            rest = set(keys) - overlaid
+            state = self.strategy.state_dict_of(module, rest.__contains__, here=here, host=host)
+            full = {}
+            for key in keys:
+                if key not in overlaid:
+                    if here:
+                        full[key] = state.pop(key)
+                    continue
+                # Kept in their own (float32) dtype: the module may hold half-precision copies; the export casts to
+                # output_dtype itself.
+                whole = gather(f"{part}.{key}")
+                if here:
+                    full[key] = to_host(whole) if host else whole
+                del whole  # gone before the next one is gathered
+            return full
 
         return state_dict_of
 

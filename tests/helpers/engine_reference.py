@@ -86,7 +86,9 @@ class OneProcessEngine(Strategy):
         return Ownership([whole(m, n) for n, m in self.masters.items()],
                          {n: m.shape for n, m in self.masters.items()}, device=self.runtime.device)
 
-    def state_dict_of(self, module, keep=None):
+    def state_dict_of(self, module, keep=None, *, here=True, host=True):
+        if not here:
+            return {}
         part = next((p for p, m in self.trained_modules.items() if m is module), None)
         state = {k: v for k, v in module.state_dict().items() if keep is None or keep(k)}
         if part is None:
