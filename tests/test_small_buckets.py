@@ -100,6 +100,14 @@ def test_moved_images_are_cropped_to_their_new_bucket_and_reported(tmp_path):
     assert any(line.strip().startswith(f"moved {aspect_name(ASPECTS.index(0.5))} -> 1:1 64x64") and "0007.png" in line
                for line in report), report
     assert report[-1].strip() == "total: 8 samples/epoch, 2 steps/epoch, 0 dropped per epoch (0.0%), 1 moved"
+    # only the main process, which logs the report, reads the moved images' metadata to name them
+    from types import SimpleNamespace
+
+    from ot_dist.data.training_data import main_process_report
+
+    assert main_process_report(dataset, reader, SimpleNamespace(is_main=True, world_size=1)) == report
+    dataset.metadata = lambda i: pytest.fail("a rank that logs nothing read a sample's metadata")
+    assert main_process_report(dataset, reader, SimpleNamespace(is_main=False, world_size=1)) == []
 
 
 def test_too_many_untrained_images_stop_before_training_unless_accepted(tiny_models, tmp_path):

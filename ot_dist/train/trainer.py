@@ -22,7 +22,7 @@ from ot_dist.errors import InputFileError, TrainingHalted
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.concepts import check_clip_batches, check_video_clips
 from ot_dist.data.video import check_clip_settings
-from ot_dist.data.training_data import open_training_data, report_lines, training_captions
+from ot_dist.data.training_data import main_process_report, open_training_data, training_captions
 from ot_dist.memory.block_streaming import connect_trained_streaming, denoiser_streamed_blocks, streamed_bytes_of
 from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.node_shared import NodeSharing, share_frozen_cpu_weights
@@ -128,7 +128,7 @@ class Trainer:
         set_tf32(config.tf32)
         torch.manual_seed(config.seed)
         self.dataset, self.reader = open_training_data(config, self.runtime, self.log)
-        self.bucket_report = report_lines(self.dataset, self.reader, self.runtime.world_size)
+        self.bucket_report = main_process_report(self.dataset, self.reader, self.runtime)
         for line in self.bucket_report:
             self.log(line)
         check_masks(self.dataset, config.masked_training, self.log)
