@@ -179,6 +179,12 @@ def test_the_commit_protocol_on_two_ranks(tmp_path):
             "InputFileError: checkpoint of step 1 could not be written on rank 0 ")
     assert "No space left on device" in results[1]["rank1_fails"]["error"]  # the failing rank says why
     assert "that rank's log says why" in results[0]["rank1_fails"]["error"]
+    # output_dir not shared between the nodes: refused on every rank, nothing committed on node 0 (its step 1 stays)
+    for out in results:
+        assert out["not_shared"]["error"].startswith("InputFileError: checkpoint of step 2 could not be committed")
+    assert "files of rank(s) 1" in results[0]["not_shared"]["error"] and "shared filesystem" in results[0][
+        "not_shared"]["error"]
+    assert results[0]["not_shared"]["committed"] == [layout.final_name(1)] == [results[0]["not_shared"]["latest"]]
 
 
 @pytest.mark.parametrize("public, private, called", [

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ot_dist.checkpoint import layout
-from ot_dist.checkpoint.shards import write_rank_state
+from ot_dist.checkpoint.shards import rank_stem, write_rank_state
 from ot_dist.checkpoint.staging import CopiesDone
-from ot_dist.errors import InputFileError
+from ot_dist.errors import InputFileError, UserError
 
 
 @dataclass
@@ -80,11 +80,26 @@ def write_and_commit(files: RankFiles, root: Path, keep_last: int | None, run_id
     _agree(ranks, files, error, partial, "written")
     if files.rank == 0:
         try:
+            check_every_rank_wrote_here(partial, ranks.world_size)
             layout.commit(partial, root, files.step, keep_last, run_id=run_id)
         except Exception as err:  # noqa: BLE001
             error = err
     _agree(ranks, files, error, partial, "committed")  # nobody goes on (or exits) before the commit
     return root / layout.final_name(files.step)
+
+
+def check_every_rank_wrote_here(partial: Path, world_size: int) -> None:
+    """Before rank 0 commits: every rank's files are in the folder as rank 0 sees it. Where output_dir is a folder of
+    each node's own (no shared filesystem) and another node finds a partial folder of that step left there, every
+    rank writes without an error, and the marker would list rank 0's node's files alone: a committed checkpoint that
+    cannot be resumed, after which keep_last deletes the older good ones."""
+    missing = [rank for rank in range(world_size) if not all(
+        (partial / f"{rank_stem(rank)}{suffix}").is_file() for suffix in (".safetensors", ".json"))]
+    if missing:
+        ranks = ", ".join(map(str, missing[:8])) + (", ..." if len(missing) > 8 else "")
+        raise InputFileError(
+            f"the main process does not see the files of rank(s) {ranks} in {partial}, although they wrote them: "
+            "output_dir must be one folder every node writes into (a shared filesystem: NFS, a ReadWriteMany volume)")
 
 
 def _agree(ranks: Ranks, files: RankFiles, error: BaseException | None, partial: Path, what: str) -> None:
@@ -95,7 +110,7 @@ def _agree(ranks: Ranks, files: RankFiles, error: BaseException | None, partial:
     why = f": {error}" if error is not None else " (that rank's log says why)"
     message = (f"checkpoint of step {files.step} could not be {what} on {where} in {partial}{why}; nothing was "
                "committed, the previous checkpoint is still the latest")
-    if error is not None and not isinstance(error, OSError):
+    if error is not None and not isinstance(error, (OSError, UserError)):
         raise RuntimeError(message) from error  # a defect, not the disk: keep its traceback
     raise InputFileError(message) from error
 

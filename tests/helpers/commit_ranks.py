@@ -7,7 +7,9 @@ folder holds afterwards. Cases, in order, in ROOT/<case>/checkpoints:
   background_ok       a background write while the main thread runs collectives on the default group
   rank1_fails         rank 1 cannot write (disk full), written at once
   rank1_fails_background   the same in the background: raised by wait() on every rank
-  rank0_cannot_mkdir  rank 0 cannot make the partial folder (the checkpoints path is a file)"""
+  rank0_cannot_mkdir  rank 0 cannot make the partial folder (the checkpoints path is a file)
+  not_shared          each rank's output folder its own (no shared filesystem), rank 1's holding a partial folder of
+                      that step left from before: every rank writes, and rank 0 sees only its own files"""
 
 import errno
 import json
@@ -96,6 +98,18 @@ def main() -> None:
         out["rank0_cannot_mkdir"] = {"error": None}
     except Exception as err:  # noqa: BLE001
         out["rank0_cannot_mkdir"] = {"error": f"{type(err).__name__}: {err}"}
+
+    root = base / "not_shared" / f"node{rank}" / "checkpoints"
+    if rank == 0:
+        writer.write_and_commit(files(1, rank), root, 3, "run", writer.Ranks(False, 1))  # node 0's own last one
+    else:
+        layout.partial_dir(root, 2).mkdir(parents=True)  # left there by an earlier run on this node
+    dist.barrier()
+    try:
+        writer.write_and_commit(files(2, rank), root, 3, "run", at_once)
+        out["not_shared"] = {"error": None, **state_of(root)}
+    except Exception as err:  # noqa: BLE001
+        out["not_shared"] = {"error": f"{type(err).__name__}: {err}", **state_of(root)}
 
     Path(f"{prefix}-{rank}.json").write_text(json.dumps(out))
     runtime.shutdown()
