@@ -29,6 +29,13 @@ class OpenFileLimit(UserError):
     exit_code = 3
 
 
+class ShardSetChanged(UserError):
+    """A shard or cache file was replaced while a run read it (the set rebuilt in place by another run or build): the
+    run's index no longer describes it. Not one bad sample: the run stops."""
+
+    exit_code = 3
+
+
 class TrainingHalted(UserError):
     """Training stopped itself to protect the weights (a non-finite loss); a checkpoint was kept."""
 

@@ -180,3 +180,28 @@ def test_running_out_of_descriptors_is_the_machines_limit_not_a_bad_sample(small
         files.read(first, 0, 1, "test")
     assert not isinstance(refused.value, InputFileError)
     files.close()
+
+
+def test_a_shard_replaced_while_the_run_reads_it_stops_the_run(small_set, tmp_path):
+    """A shard opened again after the descriptor cache closed it is checked to be the file first opened: one rebuilt
+    in place (another run of the same data) holds other samples at the offsets of this run's index."""
+    import shutil
+
+    from ot_dist.errors import ShardSetChanged
+
+    _, folder, _ = small_set
+    shards = sorted(folder.glob("*.tar"))[:2]
+    copies = [tmp_path / shard.name for shard in shards]
+    for shard, copy in zip(shards, copies):
+        shutil.copy(shard, copy)
+    files = sample_index.ShardFiles(max_open=1)
+    first = files.read(copies[0], 0, 512, "test")
+    files.read(copies[1], 0, 512, "test")  # closes the first
+    assert files.read(copies[0], 0, 512, "test") == first  # the same file, opened again
+    files.read(copies[1], 0, 512, "test")
+    replaced = copies[0].with_suffix(".new")
+    replaced.write_bytes(copies[1].read_bytes())
+    os.replace(replaced, copies[0])  # rebuilt in place
+    with pytest.raises(ShardSetChanged, match="replaced while this run read it"):
+        files.read(copies[0], 0, 512, "test")
+    files.close()

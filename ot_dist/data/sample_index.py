@@ -34,7 +34,7 @@ import numpy as np
 
 from ot_dist.data.remote import RemoteStore, is_url
 from ot_dist.data.tar_members import members_between, read_member
-from ot_dist.errors import InputFileError, OpenFileLimit
+from ot_dist.errors import InputFileError, OpenFileLimit, ShardSetChanged
 
 INDEX_DIR = "index"
 # Shard (and cache chunk) descriptors one process keeps open, the least recently read closed first. An epoch reads
@@ -157,6 +157,7 @@ class ShardFiles:
 
     def __init__(self, remote: RemoteStore | None = None, max_open: int | None = None):
         self._fds: dict[Path, int] = {}  # in the order last read: the first is closed when a new one needs room
+        self._identity: dict[Path, tuple[int, int, int, int]] = {}  # each file as first opened (a reopen compares)
         # at most a quarter of what the process may open (it has loader workers, sockets and checkpoints to open too)
         self.max_open = max_open or max(4, min(OPEN_SHARDS, raise_open_file_limit() // 4))
         self.remote = remote or RemoteStore()
@@ -170,8 +171,21 @@ class ShardFiles:
             while len(self._fds) >= max(self.max_open, 1):
                 os.close(self._fds.pop(next(iter(self._fds))))
             fd = self._open(path)
+            self._check_unchanged(path, fd)
         self._fds[path] = fd  # now the most recently read
         return fd
+
+    def _check_unchanged(self, path: Path, fd: int) -> None:
+        """A file opened again after the cache closed it must be the one first opened: a set rebuilt in place (by
+        another run of the same data) has other samples at the offsets this run's index holds."""
+        stat = os.fstat(fd)
+        identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+        first = self._identity.setdefault(path, identity)
+        if identity != first:
+            os.close(fd)
+            raise ShardSetChanged(f"data.shards: {path} was replaced while this run read it (the shard set rebuilt in "
+                                  "place, by another run or `ot-dist shard build`?): its samples are no longer where "
+                                  "this run's index says; resume the run to read the set as it is now")
 
     def _open(self, path: Path) -> int:
         try:
@@ -225,7 +239,8 @@ class ShardFiles:
         self._fds, self._held, self._last = {}, {}, None
 
     def __getstate__(self):  # descriptors stay in their process; a spawned loader worker opens its own
-        return {"_fds": {}, "max_open": self.max_open, "remote": self.remote, "_held": {}, "_last": None}
+        return {"_fds": {}, "_identity": dict(self._identity), "max_open": self.max_open, "remote": self.remote,
+                "_held": {}, "_last": None}
 
     def __del__(self):
         self.close()
