@@ -216,6 +216,18 @@ def test_a_position_in_an_epoch_planned_from_other_data_is_refused_or_left_for_t
     assert same.resume_position(0) == 7
 
 
+def test_loader_workers_leave_the_global_random_stream_alone(acceptance):
+    """The global generator's stream (dropout, anything drawing from it) is the same with and without loader
+    workers, so a run resumed mid-epoch (a new loader) continues it as the uninterrupted run does."""
+    _, dataset = acceptance
+    torch.manual_seed(7)
+    take(readers(dataset, world_size=1, batch_size=4, workers=2)[0], epoch=0, count=3)
+    with_workers = torch.rand(4)
+    torch.manual_seed(7)
+    take(readers(dataset, world_size=1, batch_size=4)[0], epoch=0, count=3)
+    assert torch.equal(torch.rand(4), with_workers)
+
+
 def test_resume_mid_epoch_in_two_gloo_processes(acceptance, tmp_path):
     """The same stop-after-7-batches and resume, each rank its own process (2 loader workers each)."""
     import json

@@ -560,7 +560,10 @@ class ShardReader:
         source = micro
         _return_freed_memory()  # the plan's other ranks' ids and its shuffles' buffers
         if self.workers:
-            source = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers)
+            # Its workers' base seed from a generator of its own: drawn from the global one, each epoch's loader
+            # moved the global stream by one draw, and a resumed run (a new loader mid-epoch) was one draw off.
+            source = torch.utils.data.DataLoader(source, batch_size=None, num_workers=self.workers,
+                                                 generator=generator(self.dataset.seed, epoch, start, "loader"))
         self.skipped, allowed = 0, int(self.max_bad_fraction * len(micro.ids) * self.batch_size)
         for n, batch in enumerate(source, start=1):
             for message in batch.pop("skipped"):
