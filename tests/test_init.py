@@ -57,6 +57,9 @@ def test_every_preset_validates_and_fits(family, method, tmp_path):
             assert config.resolution == get_family(family).native_resolution
             # caches the family refuses (Qwen-Image-Edit's) stay off, whatever the setup
             assert not any(getattr(config.data, option) for option in get_family(family).cache_refusals)
+            # regional compilation where it was measured on GPUs: bfloat16 / float8 frozen weights, nothing streamed
+            assert config.performance.compile == (choice.setup.frozen in ("bfloat16", "float8")
+                                                  and not choice.setup.streamed and not choice.setup.fused_back_pass)
             raw = yaml.safe_load(target.read_text())
             assert raw["method"] == method
             checked += 1

@@ -75,5 +75,18 @@ def render(family, method: str, choice: Choice, model_path: str, data_path: str,
     if setup.fused_back_pass:
         lines.append("  fused_back_pass: true         # each gradient applied and freed as backward produces it")
         lines.append("clip_grad_norm: null                  # no global norm (or clip_grad_norm_scope: per_tensor)")
+    if compiles(setup, choice):
+        lines += ["performance:",
+                  "  compile: true                 # each block compiled in place: Flux.1 LoRA 1.5x, SDXL 1.07x on an "
+                  "H200, after a minute or two",
+                  "                                # of compiling per block shape (docs/performance.md); false starts "
+                  "at once"]
     lines += ["checkpoint:", "  every_n_minutes: 30"]
     return "\n".join(lines) + "\n"
+
+
+def compiles(setup, choice: Choice) -> bool:
+    """Regional compilation where it was measured on GPUs (docs/performance.md, issue 21): frozen weights in
+    bfloat16 or float8, no block streaming and no fused back pass (neither has run compiled on a GPU yet)."""
+    return (setup.frozen in ("bfloat16", "float8") and not setup.streamed and not setup.fused_back_pass
+            and choice.strategy in ("single", "ddp", "fsdp"))
