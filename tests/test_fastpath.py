@@ -223,3 +223,18 @@ def test_fsdp_prefetches_the_next_unit_in_execution_order(family_models, one_ran
     assert [id(m) for m in ran] != [id(m) for m in units], "the tiny UNet must run units out of registration order"
     for unit, following in zip(ran, ran[1:]):
         assert [s._modules for s in unit._get_fsdp_state()._states_to_forward_prefetch] == [(following,)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA device")])])
+def test_the_weights_kept_for_zeros_engine_masters_are_in_cpu_memory(device):
+    """DeepSpeed's bf16 / fp16 engine casts the weights; the float32 ones as loaded are kept for its masters
+    (masters_from_loaded_weights) in CPU memory, not beside the cast copies on the GPU; CPU weights are not copied."""
+    import torch
+
+    from ot_dist.parallel.deepspeed import loaded_for_masters
+
+    weights = {"unet.w": torch.nn.Parameter(torch.randn(4, 4, device=device))}
+    kept = loaded_for_masters(weights)
+    assert kept["unet.w"].device.type == "cpu" and torch.equal(kept["unet.w"], weights["unet.w"].detach().cpu())
+    assert (kept["unet.w"].data_ptr() == weights["unet.w"].data_ptr()) == (device == "cpu")

@@ -131,6 +131,14 @@ def masters_from_loaded_weights(ownership: Ownership, loaded: dict[str, torch.Te
             master[f.local_offset:f.local_offset + f.numel].copy_(source)
 
 
+def loaded_for_masters(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The float32 weights as loaded, kept through `deepspeed.initialize` for `masters_from_loaded_weights`, in CPU
+    memory: kept on the GPU they stayed beside the engine's half-precision copies until the masters were set, the
+    weights' bytes three times over at start-up (a Flux full finetune under ZeRO-2: 48 GB more than the 24 GB of
+    bf16 weights, past an 80 GB GPU). Weights in CPU memory already are the ones kept (no copy)."""
+    return {name: p.data if p.device.type == "cpu" else p.data.to("cpu") for name, p in named.items()}
+
+
 def computes_under_autocast(config) -> bool:
     """Whether a low-precision train_dtype runs as float32 weights under torch autocast (DeepSpeed's torch_autocast),
     as single, ddp and fsdp run it, instead of in DeepSpeed's bf16 / fp16 engine (deepspeed.mixed_precision).
@@ -331,7 +339,7 @@ class DeepSpeedStrategy(Strategy):
         self.under_autocast = bool(ds_config.get("torch_autocast", {}).get("enabled"))
         refuse_engine_dtype_the_device_lacks(ds_config)
         # DeepSpeed's bf16 / fp16 engine casts the weights, then clones its float32 masters from the cast copies
-        loaded = {name: p.data for name, p in self.trained_parameters().items()} if engine_casts(ds_config) else {}
+        loaded = loaded_for_masters(self.trained_parameters()) if engine_casts(ds_config) else {}
         forget_stale_world_group()  # a notebook's second run, in a process group of its own
         self.linear_before = torch.nn.functional.linear  # ZeRO-3 replaces it (restore_torch_linear)
         try:
