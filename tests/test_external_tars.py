@@ -270,7 +270,8 @@ def test_a_resume_on_another_world_size_is_exactly_once_on_an_indexed_tar_set(in
     first = readers(dataset, world_size=2, batch_size=2, workers=2)
     head = [take(r, epoch=0, count=4) for r in first]
     state = first[0].state_dict()
-    assert state == {"epoch": 0, "step": 4, "global_batch": 4}
+    assert {k: state[k] for k in ("epoch", "step", "global_batch")} == {"epoch": 0, "step": 4, "global_batch": 4}
+    assert state["plan"] == first[1].state_dict()["plan"]  # the same plan on every rank
     for rank, batches in enumerate(head):
         for got, want in zip(batches, uninterrupted[rank]):
             assert torch.equal(got["sample_id"], want["sample_id"]) and torch.equal(got["pixels"], want["pixels"])
