@@ -20,6 +20,14 @@ os.environ.setdefault("PYTHONFAULTHANDLER", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if "torch" in sys.modules:  # imported before this file (a plugin): the variable alone would come too late
     sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# Bytecode is cached (in the checkout's git-ignored __pycache__ folders) even where the environment says
+# PYTHONDONTWRITEBYTECODE (this machine's does): otherwise every xdist worker compiles and assertion-rewrites all test
+# modules again at collection, and every launched process (forked ranks importing what the fork server did not,
+# `ot-dist launch`, torchrun's ranks) compiles ot_dist's modules again. Measured on the 2-core machine: a worker's
+# collection 18.5 -> 12 CPU s, a fresh `python -m ot_dist train`'s imports 3.9 -> 3.5 CPU s. This file is read by
+# the controller before xdist starts its workers, so they and every process they start inherit the setting.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture(scope="session")
@@ -272,3 +280,29 @@ def pytest_runtest_logreport(report):
 def pytest_collection_modifyitems(session, config, items):
     order = {name: place for place, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable: the rest keep their order
+
+
+# The garbage collector in the test process (an xdist worker runs ~1200 tests in one interpreter). ot_dist freezes
+# what exists when a process builds its first trainer (ot_dist/memory/heap.py), once: what later tests leave alive
+# (libraries imported later, session fixtures, test modules' state: ~230 k objects) was walked again by every full
+# collection, and the tests' own allocations (models, graphs) trigger one every few seconds. So what is alive after
+# collection and after each test file's last test (its module fixtures torn down, its garbage collected first) is
+# frozen: a full collection walks what the current file made. Measured on 244 tests of 6 files (one worker, process
+# CPU): the collections' share 22.9 -> 12.9 CPU s of 208 (full collections 18.5 -> 8.4 s), the same peak RSS. A file's
+# own objects are never frozen while the file runs, so its tests see the collector as before (gc.collect() frees
+# what they drop); only cycles left by something alive across files and dropped later are no longer collected.
+def pytest_collection_finish(session):
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield
+    if nextitem is None or nextitem.path != item.path:  # after the file's module fixtures are torn down
+        import gc
+
+        gc.collect()
+        gc.freeze()

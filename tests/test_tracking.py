@@ -216,11 +216,11 @@ def test_two_ranks_log_once_and_only_rank_0_tracks(server, first_run, one_level_
                       **{"mlflow.tracking_uri": server.uri, "mlflow.experiment": "two-ranks"})
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(raw))
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-         str(REPO / "tests" / "helpers" / "train_reporting_imports.py"), "train", str(config)],
-        env={**ENV, "IMPORT_REPORT_DIR": str(tmp_path)}, capture_output=True, text=True, timeout=600,
-    )
+    # Each rank in a fresh interpreter (what it imports is asserted: the fork server's libraries import parts of
+    # MLflow), with torchrun's environment but not its agent, whose own interpreter (~3 CPU s of imports) this test
+    # does not need (tests/forked_ranks.py run_ranks, fork=False).
+    done = run_ranks(REPO / "tests" / "helpers" / "train_reporting_imports.py", "train", config, fork=False,
+                     env={**ENV, "IMPORT_REPORT_DIR": str(tmp_path)}, timeout=600)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert json.loads((tmp_path / "rank0.json").read_text()) == {"tracks": True, "mlflow_imported": False}
     assert json.loads((tmp_path / "rank1.json").read_text()) == {"tracks": False, "mlflow_imported": False}

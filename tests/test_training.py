@@ -166,11 +166,18 @@ def test_lora_targets_that_match_nothing_are_named(tiny_models, shapes_data, tmp
         Trainer(validate(raw), log=quiet)
 
 
-def test_collections_after_the_trainer_is_built_skip_the_libraries_and_the_model(tiny_models, shapes_data, tmp_path):
+def test_collections_after_the_trainer_is_built_skip_the_libraries_and_the_model(tiny_models, shapes_data, tmp_path,
+                                                                                 monkeypatch):
     """A full garbage collection walks every tracked object (1-2 s for what torch / diffusers / a model leave);
     once a trainer is built those live in the permanent generation, so training's collections skip them."""
     import gc
 
+    from ot_dist.memory import heap
+
+    # As in a process of its own: nothing frozen yet (conftest.py freezes between test files, and an earlier trainer
+    # of this test process froze already), so what is frozen below is this trainer's doing.
+    gc.unfreeze()
+    monkeypatch.setattr(heap, "_frozen", False)
     trainer = Trainer(validate(base_config(tiny_models["sd1"], shapes_data, tmp_path / "out", max_steps=1)), log=quiet)
     assert gc.get_freeze_count() > 100_000  # torch, diffusers, transformers alone leave several hundred thousand
     tracked_ids = {id(o) for o in gc.get_objects()}

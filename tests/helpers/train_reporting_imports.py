@@ -1,6 +1,7 @@
 """`ot-dist train` that afterwards records, per rank, whether it tracked (loaded ot_dist's MLflow
 tracker) and whether it ever imported MLflow: only rank 0 may track, and no training process loads
-MLflow itself (rank 0's sender process does). Run under torchrun by the tracking test."""
+MLflow itself (rank 0's sender process does). Run by the tracking test as 2 ranks, each in a fresh interpreter
+with the environment torchrun gives (tests/forked_ranks.py run_ranks, fork=False)."""
 
 import json
 import os
