@@ -111,6 +111,9 @@ def served(tmp_path_factory):
     store.server_close()
 
 
+REAL_FIRST_WAIT_S = remote.FIRST_WAIT_S  # before quick_retries shortens it for the tests that only count tries
+
+
 @pytest.fixture(autouse=True)
 def quick_retries(monkeypatch):
     monkeypatch.setattr(remote, "FIRST_WAIT_S", 0.01)
@@ -234,7 +237,9 @@ def test_loader_reads_ahead_a_bounded_number_of_micro_batches_with_bounded_concu
 
 def test_a_transient_failure_is_retried_and_a_permanent_one_names_the_url_and_sample(served, tmp_path):
     root, store = served
-    dataset = ShardDataset(root / "url", data_config(root / "url"))
+    # 5 tries (the default's 10 wait up to 80 s): what is asserted is that the configured count is honoured
+    dataset = ShardDataset(root / "url", data_config(root / "url", data={"shards": str(root / "url"), "bucket_step": 8,
+                                                                         "max_bad_fraction": 0.05, "remote_retries": 5}))
     first = store.url("tars/wds-0000.tar").split("/", 3)[3]
     path = "/" + first
     store.failures[path] = [503, "reset"]  # a 503, then a dropped connection: the third try reads it
@@ -328,3 +333,28 @@ def test_training_from_the_http_index_equals_training_from_the_tars_on_disk(serv
         losses.append(Trainer(validate(raw), log=lambda line: None).train().losses)
     assert len(losses[0]) == 2 and losses[0] == losses[1]
     assert store.ranges() and all(r is not None for m, _, r, _ in store.log if m == "GET")
+
+
+def test_the_default_tries_ride_out_a_store_unavailable_for_half_a_minute(monkeypatch):
+    """An object store that answers 503 for a while (S3's SlowDown, a gateway restarting) is waited out, not turned into
+    skipped samples: with the default data.remote_retries and the shortest jitter, the waits before the last try add
+    up to more than 30 s; a store failing through every try is reported after that many."""
+    waits = []
+    monkeypatch.setattr(remote, "FIRST_WAIT_S", REAL_FIRST_WAIT_S)
+    monkeypatch.setattr(remote.time, "sleep", waits.append)
+    monkeypatch.setattr(remote.random, "uniform", lambda low, high: low)  # the shortest wait jitter allows
+    defaults = data_config("shards").data
+    store = remote.RemoteStore(defaults.storage_options, defaults.remote_retries)
+    failures = iter([ConnectionResetError(104, "Connection reset by peer")] * (defaults.remote_retries - 1))
+
+    def read(fs, path):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return b"tar bytes"
+
+    assert store._call(read, "memory://bucket/x.tar", "shard memory://bucket/x.tar") == b"tar bytes"
+    assert len(waits) == defaults.remote_retries - 1 and sum(waits) > 30
+    with pytest.raises(InputFileError, match=f"could not be read after {defaults.remote_retries} tries"):
+        store._call(lambda fs, path: (_ for _ in ()).throw(ConnectionResetError(104, "reset")), "memory://bucket/x.tar",
+                    "shard memory://bucket/x.tar")

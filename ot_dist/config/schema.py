@@ -592,9 +592,11 @@ class DataConfig(Section):
         "fetches from the store ahead (held in memory: about read_ahead x batch_size samples' bytes a worker).",
     )
     remote_retries: int = Field(
-        default=5, ge=1, le=20, description="Tries of a read from the store that failed for a transient reason (5xx, "
-        "429, a dropped connection), waiting 0.5 s, 1 s, 2 s, ... (up to 16 s) between them; a 404 makes the sample "
-        "unreadable (skipped, counted in max_bad_fraction), a 401 / 403 stops the run.",
+        default=10, ge=1, le=20, description="Tries of a read from the store that failed for a transient reason (5xx, "
+        "429, a dropped connection), waiting 0.5 s, 1 s, 2 s, ... (up to 16 s, each with jitter) between them: the "
+        "default rides out 40-80 s of an unavailable store (an S3 SlowDown storm, a restarting gateway) before the "
+        "sample counts as unreadable; a 404 makes the sample unreadable (skipped, counted in max_bad_fraction), a "
+        "401 / 403 stops the run.",
     )
     cache_dir: UserPath | None = Field(
         default=None,

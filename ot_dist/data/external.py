@@ -36,7 +36,7 @@ from PIL import Image, UnidentifiedImageError
 from ot_dist.data.buckets import aspect_name, bucket_of, bucket_size
 from ot_dist.data.images import (DEFAULT_MAX_PIXELS, HEIF_EXTENSIONS, UnreadableImage, heif_available, note_nclx,
                                  to_srgb_rgb)
-from ot_dist.data.remote import RemoteStore, expand_url, is_url, refuse_pipe
+from ot_dist.data.remote import DEFAULT_RETRIES, RemoteStore, expand_url, is_url, refuse_pipe
 from ot_dist.data.sample_index import IndexWriter
 from ot_dist.data.tar_members import Window, pread_of, samples_of
 from ot_dist.data.unreadable import check_unreadable
@@ -146,7 +146,7 @@ class TarIndexer:
     max_image_pixels: int | None
     caption_field: str = "caption"
     storage_options: dict | None = None  # for URLs: data.storage_options
-    retries: int = 5
+    retries: int = DEFAULT_RETRIES
 
     def __call__(self, path: Path | str) -> TarIndex:
         register_openers(self.image_suffixes)
@@ -209,7 +209,7 @@ def index_webdataset(patterns: list[str], out_dir: str | Path, *, resolutions: l
                      bucket_assignment: str = "rounded_aspect", image_suffixes=IMAGE_SUFFIXES,
                      caption_suffixes=CAPTION_SUFFIXES, caption_field: str = "caption", max_bad_fraction: float = 0.01,
                      max_image_pixels: int | None = DEFAULT_MAX_PIXELS, name: str | None = None, workers: int = 1,
-                     storage_options: dict | None = None, retries: int = 5, log=print) -> dict:
+                     storage_options: dict | None = None, retries: int = DEFAULT_RETRIES, log=print) -> dict:
     """Index the tars into `out_dir` (index/*.npy + manifest.json, sample_index.py), the tars split over `workers`
     processes (the index is the same with any number). Returns the manifest. Local tars are stored by their path
     relative to `out_dir` (the set moves with its tars), URLs as given (the index moves alone)."""

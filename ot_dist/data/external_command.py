@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ot_dist.data.external import CAPTION_SUFFIXES, IMAGE_SUFFIXES
+from ot_dist.data.remote import DEFAULT_RETRIES
 from ot_dist.errors import ConfigError
 
 
@@ -67,7 +68,7 @@ def _storage_options(pairs: list[str], config) -> dict:
         DataConfig._no_credentials(options)
     except ValueError as err:
         raise ConfigError(f"shard index: --storage-option / data.{err}") from None
-    return {"storage_options": options, "retries": config.data.remote_retries if config is not None else 5}
+    return {"storage_options": options, "retries": config.data.remote_retries if config is not None else DEFAULT_RETRIES}
 
 
 def run_index(args: argparse.Namespace) -> int:

@@ -33,7 +33,10 @@ TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNABORTED, errno.ECONNREFUSED, er
                     errno.EHOSTUNREACH, errno.ENETUNREACH, errno.EAGAIN}
 FIRST_WAIT_S = 0.5  # the wait after the first failure; doubled each try, up to MAX_WAIT_S
 MAX_WAIT_S = 16.0
-DEFAULT_RETRIES = 5
+# 10 tries wait 0.5 + 1 + 2 + 4 + 8 + 16 x 4 = 79.5 s at most (jitter: 40-80 s): a store's short outage (an S3 SlowDown
+# storm, a gateway restarting) is ridden out, where 5 tries (7.5 s) turned every sample read during it into a
+# skipped one, enough in a minute to pass data.max_bad_fraction and stop a long run.
+DEFAULT_RETRIES = 10
 
 
 class RemoteAccessDenied(UserError):
