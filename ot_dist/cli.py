@@ -181,6 +181,9 @@ def resume_choice(args: argparse.Namespace, output_dir: str | None = None) -> st
     # too: the first attempt resumed from PATH (and moved any later history aside); a restart that took PATH again
     # would throw away the steps trained since and move them aside in turn. Only while output_dir holds no committed
     # checkpoint yet (PATH lies elsewhere, nothing saved since) is PATH still the place to continue from.
+    # Each rank decides this before the process group exists, from its own listing, which a network filesystem's
+    # cache can make differ between nodes: the trainer takes rank 0's decision and its checkpoint on every rank
+    # (checkpoint/run_folder.py agreed_start).
     if not restarted_by_torchrun():
         return args.resume
     if args.resume in (None, "auto") or output_dir is None:

@@ -162,6 +162,8 @@ def test_only_rank_0_moves_the_later_history_and_between_the_barriers(tmp_path, 
     events = []
 
     class Rank:
+        distributed = False  # each "rank" resolves on its own here (run_folder.agreed_start shares rank 0's answer)
+
         def __init__(self, is_main):
             self.is_main = is_main
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.rewind import abandon_later_history
 from ot_dist.errors import ConfigError, InputFileError
+from ot_dist.parallel.runtime import gather_objects
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".ot_dist.lock"  # held (flock) by rank 0 of the run training in the folder
@@ -202,10 +203,10 @@ class RunFolder:
 
 def prepare_run_folder(output_dir: str | Path, resume: str | None, overwrite: bool, runtime,
                        allow_damaged: bool = False, log=print) -> RunFolder:
-    """Every rank checks (the same files, before anybody writes: the same answer); then rank 0 moves an old run
-    aside (--overwrite), creates the folder and writes run.json, and a resume from an earlier checkpoint than the
-    newest moves the later history aside (checkpoint/rewind.py); then every rank proves it can write there."""
-    folder, move = check_before_start(output_dir, resume, overwrite, allow_damaged, log)
+    """Rank 0 checks, and every rank takes its answer (`agreed_start`); then rank 0 moves an old run aside
+    (--overwrite), creates the folder and writes run.json, and a resume from an earlier checkpoint than the newest
+    moves the later history aside (checkpoint/rewind.py); then every rank proves it can write there."""
+    folder, move = agreed_start(output_dir, resume, overwrite, runtime, allow_damaged, log)
     runtime.barrier()  # nobody changes the folder before every rank has looked at it
     moved = abandoned = None
     if runtime.is_main:
@@ -226,6 +227,56 @@ def prepare_run_folder(output_dir: str | Path, resume: str | None, overwrite: bo
     if run_id is None:
         raise InputFileError(f"output_dir {out}: {RUN_FILE} is unreadable; is output_dir shared by every rank?")
     return RunFolder(out, run_id, folder, moved, read_started_at(out), abandoned)
+
+
+def agreed_start(output_dir: str | Path, resume: str | None, overwrite: bool, runtime, allow_damaged: bool = False,
+                 log=print) -> tuple[Path | None, bool]:
+    """`check_before_start` as rank 0 answers it, on every rank (every rank calls this at the same point).
+
+    Resolved by each rank on its own, `--resume auto` could resume the ranks from different steps: on a shared
+    filesystem with attribute caching one node can list step 2000 committed while another still lists step 1000 as
+    the newest (and cli.resume_choice, deciding between `auto` and PATH on a torchrun restart before the process group
+    exists, can differ the same way: rank 0's choice is the one taken). Rank 0's look also replaces N ranks' listings
+    of every checkpoint's files. Rank 0's refusal is raised on every rank; a rank that cannot see the checkpoint rank
+    0 chose stops every rank with an error naming both."""
+    if not runtime.distributed:
+        return check_before_start(output_dir, resume, overwrite, allow_damaged, log)
+    answer, error = None, None
+    if runtime.is_main:
+        try:
+            folder, move = check_before_start(output_dir, resume, overwrite, allow_damaged, log)
+            answer = {"folder": None if folder is None else str(folder), "move": move}
+        except Exception as err:  # noqa: BLE001 - the other ranks wait for rank 0's answer: they get one either way
+            error = err
+            answer = ({"error": str(err), "kind": type(err).__name__} if isinstance(err, (ConfigError, InputFileError))
+                      else {"error": f"output_dir {resolved(output_dir)}: checking it failed on rank 0 (see its error)"})
+    answer = runtime.from_main(answer)
+    if error is not None:
+        raise error
+    if "error" in answer:
+        raise (ConfigError if answer.get("kind") == "ConfigError" else InputFileError)(answer["error"])
+    folder = None if answer["folder"] is None else Path(answer["folder"])
+    # One look per rank at the chosen checkpoint's marker (rank 0 alone listed and checked the checkpoints).
+    unseen = None
+    if folder is not None and not runtime.is_main and not sees_committed(folder):
+        mine = ""
+        if resume == "auto":  # the error path only: this rank's own listing, to name what it sees instead
+            newest = layout.latest_checkpoint(layout.checkpoints_dir(output_dir))
+            mine = f"; the newest committed one this rank sees is {newest or 'none'}"
+        unseen = (f"rank {runtime.rank} does not see the checkpoint rank 0 resumes from, {folder} (no "
+                  f"{layout.MARKER} marker there{mine})")
+    problems = [p for p in gather_objects(unseen) if p]
+    if problems:
+        raise InputFileError(f"--resume {resume}: {problems[0]}"
+                             f"{f' (and {len(problems) - 1} more ranks)' if len(problems) > 1 else ''}; the ranks would "
+                             "resume from different steps. Is output_dir on storage every rank sees, and up to date "
+                             "on every node (a network filesystem's attribute cache)?")
+    return folder, answer["move"]
+
+
+def sees_committed(folder: Path) -> bool:
+    """Whether this rank sees `folder`'s COMMITTED marker: one stat, not the listing of every file `damage` checks."""
+    return (folder / layout.MARKER).is_file()
 
 
 def estimated_free_space_warning(output_dir: str | Path, model_path: str | None, method: str) -> str | None:

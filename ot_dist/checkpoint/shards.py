@@ -132,6 +132,73 @@ def read_json(path: Path):
         raise InputFileError(f"checkpoint {path.parent}: {path.name} is not readable JSON ({err})") from None
 
 
+def read_rank_files(folder: Path, known: dict[str, dict] | None = None) -> dict[str, dict]:
+    """Every rank-<r>.json of `folder`, by file name (those in `known` already read)."""
+    known = known or {}
+    paths = sorted(folder.glob("rank-*.json"))
+    if not paths:
+        raise InputFileError(f"checkpoint {folder}: no rank-*.json files")
+    return {path.name: known[path.name] if path.name in known else read_json(path) for path in paths}
+
+
+def _owned_list(meta, folder: Path, file: Path) -> list[dict]:
+    """A rank file's `owned` entries, checked for the fields loading reads: a hand-edited or foreign JSON file is an
+    error naming it, not a KeyError deep inside the load."""
+    try:
+        owned = meta["owned"]
+        for entry in owned:
+            if not (isinstance(entry["fragments"], list) and isinstance(entry["state"], dict)
+                    and isinstance(entry["python_state"], dict)
+                    and all(isinstance(f, list) and len(f) == 4 for f in entry["fragments"])):
+                raise TypeError
+        return list(owned)
+    except (KeyError, TypeError, IndexError):
+        raise InputFileError(f"checkpoint {folder}: {file.with_suffix('.json').name} is not an ot_dist rank file "
+                             "(its owned fragments are missing or malformed)") from None
+
+
+def _fragment_lists(meta, folder: Path, name: str) -> list | None:
+    """The fragments of each owned tensor a rank file lists (None: a malformed file, which rank 0 names)."""
+    try:
+        return [owned["fragments"] for owned in _owned_list(meta, folder, folder / name)]
+    except InputFileError:
+        return None
+
+
+def for_this_rank(folder: Path, ownership: Ownership, runtime) -> SavedShards:
+    """The rank files this rank's `load_rank_state` needs, read with O(world size) opens over the whole job: every
+    rank reading every rank's JSON made a resume N² small reads on shared storage (each a metadata round trip on
+    NFS, Lustre or an object-store mount). Every rank calls this at the same point (`runtime`: the run's Runtime).
+
+    At the layout that saved the checkpoint (same strategy and number of processes, the common resume) a rank's own
+    rank-<r>.json lists exactly the fragments it owns now: that file is all it reads. Otherwise (another layout, or
+    ranks whose file holds no owned state: ddp and hybrid-shard replicas) rank 0 reads every rank file and sends
+    their JSON text to the others; a file it cannot read is an error naming it, raised on every rank."""
+    own_name = f"{rank_stem(runtime.rank)}.json"
+    try:
+        own = read_json(folder / own_name)
+    except InputFileError:
+        own = None  # none here (more ranks than saved it) or damaged: rank 0's reading below names a damaged one
+    now = [[[f.name, f.param_offset, f.local_offset, f.numel] for f in owned.fragments] for owned in ownership.owned]
+    self_contained = own is not None and _fragment_lists(own, folder, own_name) == now
+    if not runtime.any_rank(not self_contained):
+        return SavedShards(folder, {own_name: own})
+    text, error = None, None
+    if runtime.is_main:
+        try:
+            text = json.dumps({"files": read_rank_files(folder, {own_name: own} if own is not None else None)})
+        except Exception as err:  # noqa: BLE001 - the other ranks wait for rank 0's answer: they get one either way
+            error, text = err, json.dumps({"error": str(err) if isinstance(err, InputFileError) else
+                                           f"checkpoint {folder}: reading the rank files failed on rank 0 (see its error)"})
+    # JSON text, parsed on arrival: the other ranks decode nothing of the files but JSON, as rank 0 does.
+    answer = json.loads(runtime.from_main(text))
+    if error is not None:
+        raise error
+    if "error" in answer:
+        raise InputFileError(answer["error"])
+    return SavedShards(folder, answer["files"])
+
+
 @dataclass(frozen=True)
 class SavedPiece:
     file: Path
@@ -140,17 +207,17 @@ class SavedPiece:
 
 
 class SavedShards:
-    """Every rank file of a checkpoint, indexed by parameter name."""
+    """Rank files of a checkpoint, indexed by parameter name: every one (`metas` None: read here, in one process), or
+    those `metas` holds, by JSON file name (`for_this_rank`: what one rank of a resume needs)."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, metas: dict[str, dict] | None = None):
         self.folder = folder
-        self.ranks = sorted(folder.glob("rank-*.json"))
-        if not self.ranks:
-            raise InputFileError(f"checkpoint {folder}: no rank-*.json files")
-        self.meta = {path.with_suffix(".safetensors"): read_json(path) for path in self.ranks}
+        if metas is None:
+            metas = read_rank_files(folder)
+        self.meta = {folder / Path(name).with_suffix(".safetensors").name: meta for name, meta in sorted(metas.items())}
         self.by_name: dict[str, list[SavedPiece]] = {}
         for file, meta in self.meta.items():
-            for i, owned in enumerate(meta["owned"]):
+            for i, owned in enumerate(_owned_list(meta, folder, file)):
                 for name, param_offset, local_offset, numel in owned["fragments"]:
                     self.by_name.setdefault(name, []).append(SavedPiece(file, i, Fragment(name, param_offset, local_offset, numel)))
         self._handles, self._keys = {}, {}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ot_dist.checkpoint import layout
 from ot_dist.checkpoint.rng import capture_rng, restore_rng
-from ot_dist.checkpoint.shards import SavedShards, jsonable, load_rank_state, rank_state, read_json
+from ot_dist.checkpoint.shards import for_this_rank, jsonable, load_rank_state, rank_state, read_json
 from ot_dist.checkpoint.staging import HostCopies
 from ot_dist.checkpoint.writer import BackgroundWriter, Ranks, RankFiles, write_and_commit
 from ot_dist.errors import InputFileError
@@ -51,7 +51,7 @@ def read_trainer_state(folder: Path) -> dict:
 
 class Checkpointer:
     """The trainer's checkpoints: `save` (a collective: every rank calls it at the same step) and
-    `load` (every rank reads what its layout owns)."""
+    `load` (a collective too: every rank reads what its layout owns, shards.for_this_rank)."""
 
     def __init__(self, trainer):
         self.trainer = trainer
@@ -132,7 +132,7 @@ class Checkpointer:
         t = self.trainer
         state = read_trainer_state(folder)
         check_compatible(state, t, folder)
-        saved = SavedShards(folder)
+        saved = for_this_rank(folder, t.ownership, t.runtime)  # a collective: every rank loads here
         load_rank_state(saved, t.ownership, t.optimizer, t.ema, t.config.optimizer.name)
         t.strategy.after_checkpoint_load()
         for group, settings in zip(t.optimizer.param_groups, state["optimizer_groups"], strict=True):

@@ -57,6 +57,15 @@ class Runtime:
             return None
         return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=seconds))
 
+    def from_main(self, value):
+        """Rank 0's `value` (a small object of plain types: str, numbers, lists, dicts) on every rank; the others'
+        `value` is ignored. Every rank calls this at the same point."""
+        if not self.distributed:
+            return value
+        box = [value if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
     def any_rank(self, flag: bool, group=None) -> bool:
         """Whether any rank's `flag` is set (every rank of `group` calls this at the same point)."""
         if not self.distributed:
