@@ -116,7 +116,7 @@ def test_resume_auto_takes_rank_0s_checkpoint_on_every_rank(tmp_path):
     """Rank 1 lists an older newest checkpoint (its node's cache), or was given another --resume by a torchrun
     restart's per-rank choice: every rank resumes from rank 0's. A rank that cannot see rank 0's checkpoint at all
     stops every rank, naming both; rank 0's refusal stops every rank."""
-    for scenario in ("stale_listing", "restart_choice", "unseen", "damaged"):  # resume_agreement.py's
+    for scenario in ("stale_listing", "restart_choice", "late", "unseen", "damaged"):  # resume_agreement.py's
         root = layout.checkpoints_dir(tmp_path / scenario)
         for step in (2, 4):
             fake_checkpoint(root, step)
@@ -126,7 +126,7 @@ def test_resume_auto_takes_rank_0s_checkpoint_on_every_rank(tmp_path):
     done = run_ranks(HELPERS / "resume_agreement.py", tmp_path, result, nproc=2, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(result.read_text())
-    for scenario in ("stale_listing", "restart_choice"):
+    for scenario in ("stale_listing", "restart_choice", "late"):
         assert [r["folder"] for r in found[scenario]] == ["step-00000004"] * 2, (scenario, found[scenario])
     unseen = [r["error"] for r in found["unseen"]]
     assert unseen[0] == unseen[1] and unseen[0].startswith("InputFileError"), found["unseen"]

@@ -35,6 +35,11 @@ RUN_ENTRIES = (RUN_FILE, "checkpoints", "snapshots", "exports", "model", "model.
                "embedding.safetensors", "model_ema", "model_ema.safetensors", "lora_ema.safetensors",
                "embedding_ema.safetensors", "embeddings", "embeddings_ema")
 EXPORTS = RUN_ENTRIES[5:]
+# How long a rank waits to see the checkpoint rank 0 resumes from. A network filesystem's attribute cache holds a
+# directory's listing up to a minute (NFS acdirmax, 60 s by default): right after a restart, a checkpoint committed just
+# before the failure can still be invisible on another node. Past this, it is not a cache but storage the rank does not
+# share.
+MARKER_WAIT_S = 120.0
 
 
 def resolved(output_dir: str | Path) -> Path:
@@ -238,7 +243,7 @@ def agreed_start(output_dir: str | Path, resume: str | None, overwrite: bool, ru
     the newest (and cli.resume_choice, deciding between `auto` and PATH on a torchrun restart before the process group
     exists, can differ the same way: rank 0's choice is the one taken). Rank 0's look also replaces N ranks' listings
     of every checkpoint's files. Rank 0's refusal is raised on every rank; a rank that cannot see the checkpoint rank
-    0 chose stops every rank with an error naming both."""
+    0 chose (after waiting MARKER_WAIT_S for its cache) stops every rank with an error naming both."""
     if not runtime.distributed:
         return check_before_start(output_dir, resume, overwrite, allow_damaged, log)
     answer, error = None, None
@@ -258,13 +263,13 @@ def agreed_start(output_dir: str | Path, resume: str | None, overwrite: bool, ru
     folder = None if answer["folder"] is None else Path(answer["folder"])
     # One look per rank at the chosen checkpoint's marker (rank 0 alone listed and checked the checkpoints).
     unseen = None
-    if folder is not None and not runtime.is_main and not sees_committed(folder):
+    if folder is not None and not runtime.is_main and not waits_to_see_committed(folder, log):
         mine = ""
         if resume == "auto":  # the error path only: this rank's own listing, to name what it sees instead
             newest = layout.latest_checkpoint(layout.checkpoints_dir(output_dir))
             mine = f"; the newest committed one this rank sees is {newest or 'none'}"
         unseen = (f"rank {runtime.rank} does not see the checkpoint rank 0 resumes from, {folder} (no "
-                  f"{layout.MARKER} marker there{mine})")
+                  f"{layout.MARKER} marker there after {MARKER_WAIT_S:.0f} s{mine})")
     problems = [p for p in gather_objects(unseen) if p]
     if problems:
         raise InputFileError(f"--resume {resume}: {problems[0]}"
@@ -277,6 +282,29 @@ def agreed_start(output_dir: str | Path, resume: str | None, overwrite: bool, ru
 def sees_committed(folder: Path) -> bool:
     """Whether this rank sees `folder`'s COMMITTED marker: one stat, not the listing of every file `damage` checks."""
     return (folder / layout.MARKER).is_file()
+
+
+def waits_to_see_committed(folder: Path, log=print) -> bool:
+    """Whether this rank sees `folder`'s marker within MARKER_WAIT_S: looked at again with growing pauses (0.25 s up
+    to 4 s), each after listing the folders above it, which makes a network filesystem read them again once its
+    cached attributes expire, instead of answering from a cached "no such file"."""
+    deadline, pause, told = time.monotonic() + MARKER_WAIT_S, 0.25, False
+    while not sees_committed(folder):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if not told:
+            log(f"waiting up to {MARKER_WAIT_S:.0f} s to see {folder / layout.MARKER}, which rank 0 resumes from "
+                "(a network filesystem's cached listing on this node)")
+            told = True
+        time.sleep(min(pause, left))
+        pause = min(4.0, pause * 2)
+        for above in (folder.parent, folder):
+            try:
+                os.listdir(above)
+            except OSError:
+                pass
+    return True
 
 
 def estimated_free_space_warning(output_dir: str | Path, model_path: str | None, method: str) -> str | None:

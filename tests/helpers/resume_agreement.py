@@ -8,7 +8,8 @@ ROOT holds one output_dir per scenario (made by the test), each with committed c
   stale_listing:  rank 1 lists step 2 as the newest (step 4 not yet visible in its listing);
   restart_choice: rank 1 was given `--resume <step 2>` where rank 0 got `auto` (cli.resume_choice decides on each
                   rank before the process group exists, from that rank's listing);
-  unseen:         rank 1 cannot see step 4 at all (no marker there) and lists step 2 as the newest;
+  late:           rank 1 sees step 4's marker only at its third look (its node's cached listing expires meanwhile);
+  unseen:         rank 1 cannot see step 4 at all (no marker there) and lists step 2 as the newest, within the wait;
   damaged:        a damaged step 6 (no marker) is the newest: rank 0 refuses, and so must every rank."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ot_dist.checkpoint import layout, run_folder
 from ot_dist.errors import UserError
 from ot_dist.parallel.runtime import exit_process, gather_objects, start_runtime
 
-SCENARIOS = ("stale_listing", "restart_choice", "unseen", "damaged")
+SCENARIOS = ("stale_listing", "restart_choice", "late", "unseen", "damaged")
 
 
 def quiet(*_args, **_kwargs):
@@ -37,6 +38,9 @@ def one(out: Path, scenario: str, runtime) -> dict:
             layout.latest_checkpoint = lambda root: step_2 if root == layout.checkpoints_dir(out) else original_latest(root)
         if scenario == "unseen":
             run_folder.sees_committed = lambda folder: folder.name != layout.final_name(4)
+        if scenario == "late":
+            looks = []
+            run_folder.sees_committed = lambda folder: looks.append(folder) or len(looks) >= 3
         if scenario == "restart_choice":
             resume = str(step_2)
     try:
@@ -53,6 +57,7 @@ def one(out: Path, scenario: str, runtime) -> dict:
 if __name__ == "__main__":
     root, result = Path(sys.argv[1]), Path(sys.argv[2])
     runtime = start_runtime(5)
+    run_folder.MARKER_WAIT_S = 3.0  # the unseen scenario's wait (the late one sees it after 0.75 s)
     found = {scenario: gather_objects(one(root / scenario, scenario, runtime)) for scenario in SCENARIOS}
     if runtime.is_main:
         result.write_text(json.dumps(found))
