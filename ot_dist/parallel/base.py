@@ -18,6 +18,8 @@ from ot_dist.parallel.runtime import Runtime
 from ot_dist.precision import Precision
 
 StateDictOf = Callable[..., dict[str, torch.Tensor]]  # (module, keep: KeyFilter | None = None)
+# What a keeping rank does to each tensor a gathering made, as soon as it is whole: (key, tensor) -> what it keeps
+Convert = Callable[[str, torch.Tensor], torch.Tensor]
 
 
 class Strategy:
@@ -110,7 +112,7 @@ class Strategy:
 
     # -- export / reporting --------------------------------------------------------------------
     def state_dict_of(self, module: torch.nn.Module, keep: KeyFilter | None = None, *, here: bool = True,
-                      host: bool = True) -> dict[str, torch.Tensor]:
+                      host: bool = True, convert: Convert | None = None) -> dict[str, torch.Tensor]:
         """The full (unsharded) state dict of a module, or with `keep` the entries whose key it accepts (only those
         are gathered: a LoRA export needs its adapters, not the frozen model). A collective under sharding
         strategies: every rank must call it, in the same order, with the same `keep`.
@@ -118,7 +120,10 @@ class Strategy:
         the gathering and gets an empty dict. `host`: where a sharding strategy keeps what it gathers: in CPU memory,
         each tensor moved there as soon as it is whole (exports: the device holds one gathered tensor at a time,
         never the whole model; torch's full state dict with cpu_offload), or on the device (samples, which compute
-        with them there). Here nothing is gathered: the module's own tensors, wherever they are."""
+        with them there). `convert(key, tensor)`: what the keeping rank keeps of a tensor the gathering made (a copy of
+        its own), applied as soon as it is whole, before the next is gathered (samples: the weights autocast computes in
+        16 bits, cast to them); never to a tensor the module holds itself, where a converted copy would add memory.
+        Here nothing is gathered: the module's own tensors, wherever they are."""
         return kept(module.state_dict(), keep) if here else {}
 
     def trained_parameters(self) -> dict[str, torch.nn.Parameter]:

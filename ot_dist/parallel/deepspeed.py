@@ -19,7 +19,7 @@ from ot_dist.parallel.base import Strategy
 from ot_dist.parallel.deepspeed_file import users_deepspeed_config
 from ot_dist.parallel.deepspeed_process_state import (forget_closed_engine, forget_stale_world_group,
                                                       restore_torch_linear)
-from ot_dist.parallel.ownership import Fragment, Owned, Ownership, to_host
+from ot_dist.parallel.ownership import Fragment, Owned, Ownership, same_storage, to_host
 from ot_dist.parallel.zero_skip import norm_checks_on_device
 
 
@@ -427,9 +427,9 @@ class DeepSpeedStrategy(Strategy):
         grad_norm = self.engine.get_global_grad_norm()  # ZeRO's global norm before clipping (a tensor, or inf)
         return None if grad_norm is None else torch.as_tensor(grad_norm).detach()
 
-    def state_dict_of(self, module, keep=None, *, here=True, host=True):
+    def state_dict_of(self, module, keep=None, *, here=True, host=True, convert=None):
         if self.stage != 3 or not any(hasattr(p, "ds_id") for p in module.parameters()):
-            return super().state_dict_of(module, keep, here=here, host=host)
+            return super().state_dict_of(module, keep, here=here, host=host, convert=convert)
         import deepspeed
 
         # The entries in bounded groups (`export_groups`), each group's parameters gathered together and copied (to
@@ -444,7 +444,7 @@ class DeepSpeedStrategy(Strategy):
                     if key not in partitioned:
                         state[key] = value.detach()
                     else:  # a copy: the gathered storage goes back to ZeRO-3 on leaving the context
-                        state[key] = to_host(value) if host else value.detach().clone()
+                        state[key] = gathered_copy(key, value, host, convert)
         return state
 
     def ownership(self):
@@ -479,6 +479,16 @@ class DeepSpeedStrategy(Strategy):
 # What an export's ZeRO-3 gather makes whole at once, at most (a parameter larger than this is gathered alone): few
 # collectives for a model's many small tensors, and the device holds this much of the model beside its partitions.
 EXPORT_GATHER_BYTES = 256 * 2**20
+
+
+def gathered_copy(key: str, value: torch.Tensor, host: bool, convert) -> torch.Tensor:
+    """What a keeping rank keeps of a ZeRO-3 parameter while it is gathered: a copy (in CPU memory with `host`), or
+    what `convert` makes of it, which is that copy where it changes the dtype (no full-size copy in the gathered
+    dtype beside it). Nothing here outlives the call holding the gathered storage."""
+    converted = value.detach() if convert is None else convert(key, value.detach())
+    if host:
+        return to_host(converted)
+    return converted.clone() if same_storage(converted, value) else converted
 
 
 def export_groups(state: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.methods.base import kept
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Strategy, scale_to_max_norm
-from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, plain, to_host, whole
+from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, plain, same_storage, to_host, whole
 from ot_dist.parallel.runtime import ranks_on_this_node
 from ot_dist.precision import DTYPES
 from ot_dist.train.fast_path import float8_scales_once_per_forward
@@ -168,10 +168,11 @@ class FSDPStrategy(Strategy):
             scale_to_max_norm(shards, self.config.clip_grad_norm, grad_norm)
         return grad_norm
 
-    def state_dict_of(self, module, keep=None, *, here=True, host=True):
-        # One DTensor made whole at a time (a collective), moved to CPU memory at once (`host`) and kept by the rank
-        # that keeps the result (`here`) only: the device never holds more than one full tensor beside the shards.
-        # Other entries (buffers) are whole on every rank already: kept as they are, as in one process.
+    def state_dict_of(self, module, keep=None, *, here=True, host=True, convert=None):
+        # One DTensor made whole at a time (a collective), converted (`convert`) and moved to CPU memory at once
+        # (`host`) and kept by the rank that keeps the result (`here`) only: the device never holds more than one full
+        # tensor beside the shards. Other entries (buffers) are whole on every rank already: kept as they are, as in
+        # one process.
         state = {}
         for key, value in kept(module.state_dict(), keep).items():
             if not isinstance(value, DTensor):
@@ -180,6 +181,10 @@ class FSDPStrategy(Strategy):
                 continue
             whole = plain(value.full_tensor())
             if here:
+                # Converted only when gathered into storage of its own: over a shard group of one rank the full tensor
+                # is the local shard, the parameter itself, which a converted copy would sit beside.
+                if convert is not None and not same_storage(whole, plain(value.to_local())):
+                    whole = convert(key, whole)
                 state[key] = to_host(whole) if host else whole
             del whole  # gone before the next one is gathered
         return state

@@ -114,6 +114,11 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors are views of one storage (a gathered tensor that is the local one, not a copy of it)."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """A copy of `t` in CPU memory, made at once (a blocking copy from a GPU: the values are there when it returns).
     Always a copy, also of a CPU tensor: what a gather hands over may be storage the strategy releases or reuses (ZeRO-3

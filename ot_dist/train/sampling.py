@@ -11,6 +11,13 @@ How, under any strategy:
   and builds the family's diffusers pipeline around it (a rank without one keeps nothing).
 - With sampling.non_ema_samples the trained weights are sampled too, after the EMA's copy is freed:
   the same gathering (`trainer.trained_state_dict_of`, as exports use) into the same structure.
+- What a sample point holds: the copy's weights, gathered one tensor at a time. Where the gathering made them (a
+  copy under fsdp / zero3, of the EMA or of float32 masters) and the samples compute in 16 bits (train_dtype
+  bfloat16 / float16), the weights autocast would cast for its 16-bit ops anyway (of Linear and Conv layers, a
+  LoRA's base layers) are cast to that dtype as each arrives, before the next is gathered: about half the bytes of
+  the float32 copy (a Flux full finetune: 24 GB instead of 48 GB on each sampling GPU, beside training's own), the
+  same samples bit for bit. Biases, norms, embeddings, adapters and the parameters `.dtype` reads stay as gathered;
+  so does a single process's copy without the EMA, which is the training weights themselves (`low_precision_keys`).
 - Prompt i is generated on rank i mod world size from a CPU generator seeded with the prompt's seed,
   so an image depends on the seed and the weights only, not on the rank or the world size.
 - The PNGs travel to rank 0 in one reduce; rank 0 writes them and hands them to the tracker.
@@ -27,6 +34,7 @@ import io
 import itertools
 import random
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -36,12 +44,25 @@ from ot_dist.config.sampling import SAMPLERS, SamplePrompt
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
 from ot_dist.memory.block_streaming import STREAMED_ATTR
+from ot_dist.memory.stored import parameter_dtype_reads
 from ot_dist.models.loading import LoadedModel
-from ot_dist.parallel.base import trained_modules
+from ot_dist.parallel.base import Convert, trained_modules
 from ot_dist.parallel.runtime import Runtime
 
 
 NON_EMA_SUFFIX = "-no-ema"  # the file suffix of the trained weights' samples beside the EMA ones
+
+# The layers whose weight autocast hands only to ops of its lower-precision list, on CPU and CUDA alike (linear,
+# conv1d / 2d / 3d, conv_transpose1d / 2d / 3d): it computes them in its 16-bit dtype from a cast of the weight, so
+# a weight cast to that dtype beforehand gives the same bits (tests/test_sampling_dtype.py). Exact classes: a
+# subclass may compute something else (an OFT layer rotates its weight; stored float8 / nf4 / int8 layers,
+# memory/stored.py, dequantize theirs and are quantized again when loaded). Their biases are not cast (but where
+# their block casts them, `low_precision_keys`): a few bytes per output, and a linear may add its bias outside
+# autocast (ZeRO-3's replacement of torch.nn.functional.linear, parallel/deepspeed_process_state.py, adds a float32
+# bias to the 16-bit product in float32).
+AUTOCAST_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                   torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class Sampler:
@@ -52,11 +73,14 @@ class Sampler:
         self.output_dir = Path(config.output_dir)
         self.default_size = max(config.resolutions())
         self.templates = {}
+        self.low_precision: dict[str, frozenset[str]] = {}
         if self.settings.prompts:
             refusal = model.family.samples_refusal(model.pipeline)
             if refusal:
                 raise ConfigError(f"sampling.prompts: {refusal}")
             self.templates = {name: meta_structure(module) for name, module in trained_modules(model).items()}
+            # per trained module: the entries cast to autocast's 16-bit dtype as they are gathered
+            self.low_precision = {name: low_precision_keys(template) for name, template in self.templates.items()}
             self.check_guidance_rescale()
             self.check_reference_images()
         self.sampled_steps: set[int] = set()
@@ -124,22 +148,23 @@ class Sampler:
         mine = [i for i in range(len(prompts)) if i % runtime.world_size == runtime.rank]
         images: dict[int, bytes] = {}  # set s, prompt i -> key s x len(prompts) + i
         started = time.perf_counter()
+        dtype = autocast_dtype(trainer.precision, runtime.device)
         for s, (weights, _) in enumerate(weight_sets):
             # One set at a time: its full weights are gathered once, sampled, and freed before the next is
             # gathered, so non-EMA samples hold no more memory than the EMA ones.
             with trainer.averaged_weights():  # copied out, so training goes on meanwhile untouched
                 # Kept by the ranks that sample (a rank without a prompt takes part in the gathering only), on the
-                # device, where they compute: a tensor at a time, as the strategy and the EMA gather them.
+                # device, where they compute: a tensor at a time, as the strategy and the EMA gather them, each
+                # gathered copy of a weight autocast computes in 16 bits cast to them as it arrives (`arrival_cast`).
                 of = trainer.ema_state_dict_of if weights == "ema" else trainer.trained_state_dict_of
-                state_dict_of = of(here=bool(mine), host=False)
                 modules = {}
                 # The one gathering of these full weights; the same modules in the same order on every rank.
                 for name, module in trainer.strategy.trained_modules.items():
-                    state = state_dict_of(module)
+                    convert = arrival_cast(self.low_precision[name], dtype) if mine else None
+                    state = of(here=bool(mine), host=False, convert=convert)(module)
                     if mine:
                         modules[name] = inference_copy(self.templates[name], state, runtime.device)
                     del state  # only `modules` keeps the gathered weights
-                del state_dict_of
             if mine:
                 pipelines = {}  # one per sampler the prompts name, around the same modules
                 # Float8-stored components (frozen ones, trained ones' bases and their copies here) report their
@@ -248,6 +273,107 @@ def meta_structure(module: torch.nn.Module) -> torch.nn.Module:
             meta = torch.empty_like(tensor, device="meta")
             memo[id(tensor)] = torch.nn.Parameter(meta, requires_grad=False) if isinstance(tensor, torch.nn.Parameter) else meta
     return copy.deepcopy(module, memo)
+
+
+def autocast_dtype(precision, device: torch.device) -> torch.dtype | None:
+    """The dtype the samples' autocast (`precision.autocast()`, which they run under) computes its lower-precision ops
+    in on `device`; None where it is off (train_dtype float32)."""
+    with precision.autocast():
+        return torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+
+
+def arrival_cast(keys: frozenset[str], dtype: torch.dtype | None) -> Convert | None:
+    """What a sampling rank makes of each tensor a gathering hands it (the strategies' `convert`): the entries among
+    `keys` (`low_precision_keys`) cast to autocast's `dtype` at once, before the next is gathered, so the copy holds
+    them in 16 bits instead of in float32 beside training's memory. None (nothing converted) where autocast is off or
+    not in 16 bits: float32 samples hold the weights as gathered."""
+    if dtype not in HALF_DTYPES or not keys:
+        return None
+
+    def convert(key: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if key in keys and tensor.is_floating_point() else tensor
+
+    return convert
+
+
+def low_precision_keys(template: torch.nn.Module) -> frozenset[str]:
+    """The state-dict keys of `template` (a trained module's structure) whose tensors the samples use only in autocast's
+    lower-precision ops, so that a copy of them may be held in its 16-bit dtype with the same results: the weight of
+    each AUTOCAST_LAYERS layer computing with its class's forward, and the weight and bias of each layer computing
+    with its block's copies (methods/weight_block_casts.py: while the block's weights are float32 it casts weights
+    and biases to the compute dtype together; once cast here the layers compute the same op on the same casts
+    themselves, so a block's layers are cast all or none). Not:
+    - inside a peft tuner layer, but the base layer of a plain LoRA (no DoRA: its magnitude arithmetic reads the base
+      weight outside any autocast op) or of a LoHa / LoKr layer, whose forward only calls it. The adapters stay (a few
+      % of the bytes; their block casts, methods/lora_block_casts.py, compute on copies of float32 weights and may
+      share one q / k / v projection);
+    - the modules PARAMETER_DTYPE_READS names (the library casts inputs or draws latents in their parameters' dtype);
+    - the parameters a model's `.dtype` and `next(parameters())` read: its first, its first floating-point one and its
+      first floating-point one outside `_keep_in_fp32_modules` (diffusers' get_parameter_dtype; transformers takes the
+      first floating-point one). Held as gathered, they keep `.dtype` what it was, so the pipelines make their latents
+      and cast their prompt embeddings as before (memory/float8.py reports a compute dtype instead: there `.dtype`
+      would read float8 storage; here the parameters it reads are a few small tensors);
+    - the blocks a denoiser streams (memory/block_streaming.py): they keep their weights where they are."""
+    dtype_reads = set()
+    for prefix, module in template.named_modules(remove_duplicate=False):
+        if isinstance(getattr(type(module), "dtype", None), property):
+            dtype_reads.update(f"{prefix}.{name}" if prefix else name for name in dtype_parameters(module))
+    excluded = parameter_dtype_reads(template) | tuner_insides(template)
+    streamed = tuple(f"{name}." for name in getattr(template, STREAMED_ATTR, ()))
+
+    def entries(prefix: str, module: torch.nn.Module) -> list[str]:
+        return [f"{prefix}.{name}" if prefix else name for name in ("weight", "bias")
+                if module._parameters.get(name) is not None]
+
+    eligible = {}  # id -> the layer's keys
+    for prefix, module in template.named_modules(remove_duplicate=False):
+        if type(module) not in AUTOCAST_LAYERS or id(module) in excluded or module._parameters.get("weight") is None:
+            continue
+        if "forward" in vars(module) and "_block_casts" not in vars(module):  # a forward of its own, not the casts'
+            continue
+        if any(key in dtype_reads or key.startswith(streamed) for key in entries(prefix, module)):
+            continue
+        eligible[id(module)] = entries(prefix, module)
+    keys = set()
+    for prefix, module in template.named_modules(remove_duplicate=False):
+        if id(module) not in eligible:
+            continue
+        casts = vars(module).get("_block_casts")
+        if casts is None:
+            keys.add(eligible[id(module)][0])  # the weight (the bias: see AUTOCAST_LAYERS)
+        elif all(id(layer) in eligible for layer in casts.layers):
+            keys.update(eligible[id(module)])
+    return frozenset(keys)
+
+
+def dtype_parameters(model: torch.nn.Module) -> list[str]:
+    """The names of the parameters a model's dtype is read from: `next(parameters())`, transformers' `.dtype` (the
+    first floating-point one) and diffusers' (the first floating-point one outside `_keep_in_fp32_modules`)."""
+    named = list(model.named_parameters())
+    keep_in_fp32 = getattr(model, "_keep_in_fp32_modules", None) or ()
+    floating = [name for name, p in named if p.is_floating_point()]
+    outside = [name for name in floating if not any(m in name for m in keep_in_fp32)]  # diffusers' substring match
+    return [name for name, _ in named[:1]] + floating[:1] + outside[:1]
+
+
+def tuner_insides(template: torch.nn.Module) -> set[int]:
+    """The ids of the modules inside peft tuner layers, but the base layer of a plain LoRA layer or of a LoHa / LoKr
+    one (whose forward only calls it)."""
+    if "peft.tuners.tuners_utils" not in sys.modules:  # peft never imported: no tuner layers
+        return set()
+    from peft.tuners.lora.layer import LoraLayer
+    from peft.tuners.lycoris_utils import LycorisLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    insides = set()
+    for layer in template.modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        plain = isinstance(layer, LycorisLayer) or (isinstance(layer, LoraLayer)
+                                                    and not getattr(layer, "lora_variant", {}))
+        base = getattr(layer, "base_layer", None) if plain else None
+        insides.update(id(m) for m in layer.modules() if m is not layer and m is not base)
+    return insides
 
 
 def inference_copy(template: torch.nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:

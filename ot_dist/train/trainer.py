@@ -39,7 +39,7 @@ from ot_dist.optim.registry import SPECS
 from ot_dist.optim.schedule_free import averaged_weights
 from ot_dist.optim.schedulers import build_scheduler, cycle_lows
 from ot_dist.parallel import build_strategy
-from ot_dist.parallel.base import grouped, named_groups, trained_modules
+from ot_dist.parallel.base import Convert, grouped, named_groups, trained_modules
 from ot_dist.parallel.load_turns import load_turn, master_widths
 from ot_dist.parallel.ownership import Ownership, to_host
 from ot_dist.parallel.runtime import Runtime, start_runtime
@@ -523,38 +523,40 @@ class Trainer:
             self.log(f"exported {path}")
         return exported
 
-    def trained_state_dict_of(self, here: bool = True, host: bool = True):
+    def trained_state_dict_of(self, here: bool = True, host: bool = True, convert: Convert | None = None):
         """A `state_dict_of` for the exports of the trained weights. When the modules compute in half precision
-        over float32 masters (DeepSpeed bf16 / fp16), the masters are exported, not their rounded copies. `here` and
-        `host`: what the strategy's `state_dict_of` takes (whether this rank keeps the gathered tensors; in CPU
-        memory or on the device)."""
+        over float32 masters (DeepSpeed bf16 / fp16), the masters are exported, not their rounded copies. `here`,
+        `host` and `convert`: what the strategy's `state_dict_of` takes (whether this rank keeps the gathered tensors;
+        in CPU memory or on the device; what it makes of each gathered tensor as it arrives)."""
         if all(p.dtype == torch.float32 for p in self.params) or not all(
                 o.local().dtype == torch.float32 for o in self.ownership.owned):
-            return functools.partial(self.strategy.state_dict_of, here=here, host=host)
-        return self.overlaid_state_dict_of(self.ownership, [o.local() for o in self.ownership.owned], here, host)
+            return functools.partial(self.strategy.state_dict_of, here=here, host=host, convert=convert)
+        return self.overlaid_state_dict_of(self.ownership, [o.local() for o in self.ownership.owned], here, host,
+                                           convert)
 
-    def ema_state_dict_of(self, here: bool = True, host: bool = True):
-        return self.overlaid_state_dict_of(self.ema.ownership, self.ema.values, here, host)
+    def ema_state_dict_of(self, here: bool = True, host: bool = True, convert: Convert | None = None):
+        return self.overlaid_state_dict_of(self.ema.ownership, self.ema.values, here, host, convert)
 
     def overlaid_state_dict_of(self, ownership: Ownership, values: list[torch.Tensor], here: bool = True,
-                               host: bool = True):
+                               host: bool = True, convert: Convert | None = None):
         """A `state_dict_of` for the exports: the full weights, the trained parameters taken from `values` (per-rank
         tensors shaped like `ownership.owned`: the EMA's averages or the float32 masters) instead of the modules.
         Each of those is made whole when its module is asked for, one at a time (a collective when sharded: every
-        rank asks for the same modules in the same order), and moved to CPU memory (`host`) by the rank that keeps
-        the result (`here`) before the next; the strategy gathers the rest the same way. So no rank holds the whole
-        EMA or the whole set of masters on the device, and only the keeping rank holds them at all."""
+        rank asks for the same modules in the same order), converted (`convert`: each is a fresh tensor, also in one
+        process) and moved to CPU memory (`host`) by the rank that keeps the result (`here`) before the next; the
+        strategy gathers the rest the same way. So no rank holds the whole EMA or the whole set of masters on the
+        device, and only the keeping rank holds them at all."""
         gather = ownership.gatherer(values)
         part_of = {id(module): part for part, module in self.strategy.trained_modules.items()}
 
         def state_dict_of(module, keep=None):
             part = part_of.get(id(module))
             if part is None:
-                return self.strategy.state_dict_of(module, keep, here=here, host=host)
+                return self.strategy.state_dict_of(module, keep, here=here, host=host, convert=convert)
             keys = list(kept(module.state_dict(), keep))  # the order of the state dict: no gathering
             overlaid = {k for k in keys if f"{part}.{k}" in ownership.shapes}
             rest = set(keys) - overlaid
-            state = self.strategy.state_dict_of(module, rest.__contains__, here=here, host=host)
+            state = self.strategy.state_dict_of(module, rest.__contains__, here=here, host=host, convert=convert)
             full = {}
             for key in keys:
                 if key not in overlaid:
@@ -565,6 +567,7 @@ class Trainer:
                 # output_dtype itself.
                 whole = gather(f"{part}.{key}")
                 if here:
+                    whole = whole if convert is None else convert(key, whole)
                     full[key] = to_host(whole) if host else whole
                 del whole  # gone before the next one is gathered
             return full

@@ -86,7 +86,8 @@ class OneProcessEngine(Strategy):
         return Ownership([whole(m, n) for n, m in self.masters.items()],
                          {n: m.shape for n, m in self.masters.items()}, device=self.runtime.device)
 
-    def state_dict_of(self, module, keep=None, *, here=True, host=True):
+    def state_dict_of(self, module, keep=None, *, here=True, host=True, convert=None):
+        # nothing gathered: the module's tensors and the masters, its own storage, are not converted (Strategy's rule)
         if not here:
             return {}
         part = next((p for p, m in self.trained_modules.items() if m is module), None)
