@@ -210,9 +210,10 @@ def test_a_cast_leaves_the_statistics_and_dtype_reports_the_compute_dtype():
 
 
 def test_the_sampling_copy_computes_as_the_stored_module():
-    """train/sampling.py copies a trained module into its weightless structure (meta parameters, the non-persistent
-    nf4 statistics copied) and assigns the state dict: loading quantizes the dequantized weights again, beside the
-    packed weight (not on the meta device). Measured: outputs 1e-4 apart (the absmaxes quantized again)."""
+    """A copy of a module's weightless structure (train/sampling.py: meta parameters and nf4 statistics) assigned a
+    whole state dict, without the module to share the stored tensors of (samples share them:
+    tests/test_stored_state.py): loading quantizes the dequantized weights again, the statistics beside the packed
+    weight (not on the meta device). Measured: outputs 1e-4 apart (the absmaxes quantized again)."""
     from ot_dist.train.sampling import inference_copy, meta_structure
 
     torch.manual_seed(0)
@@ -341,10 +342,10 @@ def test_one_component_in_nf4(tiny_models, shapes_data, tmp_path):
 
 @pytest.mark.parametrize("family,method", [("sd1", "lora"), ("flux", "lora")])
 def test_nf4_stored_weights_sample(family, method, family_models, shapes_data, tmp_path):
-    """Sampling copies the trained modules into a weightless structure (train/sampling.py): a LoRA's nf4 base arrives
-    as its dequantized float32 state and is quantized again on loading; the frozen text encoders and VAE sample as
-    stored. The pipelines take their latents' dtype from `.dtype`, the compute dtype (not the packed uint8). SD 1.x and
-Flux (CLIP + T5, its transformer all Linear layers)."""
+    """Sampling copies the trained modules into a weightless structure (train/sampling.py): a LoRA's nf4 base is the
+    training module's packed weights and statistics (tests/test_stored_state.py); the frozen text encoders and VAE
+    sample as stored. The pipelines take their latents' dtype from `.dtype`, the compute dtype (not the packed uint8).
+    SD 1.x and Flux (CLIP + T5, its transformer all Linear layers)."""
     from PIL import Image
 
     prompt = {"prompt": "a red circle", "seed": 1, "steps": 2, "width": 64, "height": 64}

@@ -151,8 +151,8 @@ def measured_copies(monkeypatch) -> list[dict]:
     copies = []
     original = sampling.inference_copy
 
-    def measured(template, state, device):
-        module = original(template, state, device)
+    def measured(template, state, device, *stored_from):
+        module = original(template, state, device, *stored_from)
         params = list(module.parameters())
         copies.append({"bytes": sum(p.numel() * p.element_size() for p in params),
                        "float32_bytes": sum(p.numel() * 4 for p in params if p.is_floating_point()),

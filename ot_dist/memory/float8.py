@@ -10,8 +10,9 @@ recomputes the upcast weight for the input gradient instead of autograd saving i
 than bf16 storage.
 
 `state_dict()` returns the upcast float32 values, in CPU memory, under the original keys (exports and
-caches see a normal module); loading a state dict quantizes the incoming weights. What was rounded away is gone
-from memory; full exports take the untrained components from model.path instead (checkpoint/frozen_source.py).
+caches see a normal module), but for the entries a key filter drops (stored.kept_entries); loading a state dict
+quantizes the incoming weights. What was rounded away is gone from memory; full exports take the untrained
+components from model.path instead (checkpoint/frozen_source.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ from ot_dist.memory.stored import (  # noqa: F401  (compute_dtype, _CLASSES: rea
     _CLASSES,
     COMPUTE_DTYPE_ATTR,
     PARAMETER_DTYPE_READS,
+    StoredParts,
     StoredWeightOp,
     compute_dtype,
+    dequantizes,
     parameter_dtype_reads,
     report_compute_dtype,
     rotates_its_weight,
@@ -83,6 +86,7 @@ def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype, keep:
 def _float8_class(cls: type, names: tuple[str, ...]) -> type:
     """`cls` with each stored parameter read through its upcast."""
     attrs = {name: property(_upcast_getter(name)) for name in names}
+    attrs["stored_parts"] = property(_stored_parts)
     forwards = {torch.nn.Linear: _linear_forward, torch.nn.Conv2d: _conv2d_forward} if "weight" in names else {}
     return stored_class(cls, "Float8", attrs, forwards)
 
@@ -94,11 +98,16 @@ def _upcast_getter(name: str):
     return upcast
 
 
+def _stored_parts(self) -> StoredParts:
+    return StoredParts(entries=tuple(self._float8_scales), attributes=("_float8_scales",))
+
+
 def _upcast_state(module, state_dict, prefix, local_metadata):
-    # Upcast in CPU memory: a whole model's float32 state dict must not land on a small accelerator
-    # (a LoRA export asks for the UNet's full state dict to pick its adapter keys from).
+    # Upcast in CPU memory: a whole model's float32 state dict must not land on a small accelerator. Not the entries a
+    # key filter drops (a LoRA export's, which picks the adapters): they stay the float8 tensors, dropped by the caller.
     for name, scale in module._float8_scales.items():
-        state_dict[prefix + name] = dequantize(module._parameters[name].cpu(), scale, torch.float32)
+        if dequantizes(prefix + name):
+            state_dict[prefix + name] = dequantize(module._parameters[name].cpu(), scale, torch.float32)
 
 
 def _quantize_loaded(module, state_dict, prefix, *args):

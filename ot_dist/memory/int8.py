@@ -20,8 +20,10 @@ import torch
 from ot_dist.memory.stored import (
     COMPUTE_DTYPE_ATTR,
     LinearStorage,
+    StoredParts,
     StoredWeightOp,
     call_dtype,
+    dequantizes,
     quantize_loaded_weight,
     store_linear_weights,
 )
@@ -124,8 +126,11 @@ def _dequantized(self) -> torch.Tensor:
 
 
 def _dequantized_state(module, state_dict, prefix, local_metadata):
-    # In CPU memory: a whole model's float32 state dict must not land on a small accelerator.
-    state_dict[prefix + "weight"] = dequantize(module._parameters["weight"].cpu(), _scale(module).cpu(), torch.float32)
+    # In CPU memory: a whole model's float32 state dict must not land on a small accelerator. Not where a key filter
+    # drops the weight (stored.kept_entries).
+    if dequantizes(prefix + "weight"):
+        weight, scale = module._parameters["weight"].cpu(), _scale(module).cpu()
+        state_dict[prefix + "weight"] = dequantize(weight, scale, torch.float32)
 
 
 def _quantized_with_scale(weight: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -152,4 +157,5 @@ def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 INT8 = LinearStorage(prefix="Int8", store=_store, dequantized=_dequantized, forward=_linear_forward,
-                     state_hook=_dequantized_state, load_hook=_quantize_loaded, oft=False)
+                     state_hook=_dequantized_state, load_hook=_quantize_loaded, oft=False,
+                     parts=StoredParts(entries=("weight",), buffers=(SCALE_BUFFER,)))

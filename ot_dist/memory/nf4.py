@@ -23,7 +23,9 @@ import torch
 from ot_dist.memory.stored import (
     COMPUTE_DTYPE_ATTR,
     LinearStorage,
+    StoredParts,
     StoredWeightOp,
+    dequantizes,
     quantize_loaded_weight,
     store_linear_weights,
 )
@@ -89,7 +91,10 @@ def _dequantized(self) -> torch.Tensor:
 
 
 def _dequantized_state(module, state_dict, prefix, local_metadata):
-    # In CPU memory, as float8's: a whole model's float32 state dict must not land on a small accelerator.
+    # In CPU memory, as float8's: a whole model's float32 state dict must not land on a small accelerator. Not where a
+    # key filter drops the weight (stored.kept_entries): the packed weight stays, dropped by the caller.
+    if not dequantizes(prefix + "weight"):
+        return
     stored = (t.cpu() for t in (module._parameters["weight"], *_statistics(module)))
     state_dict[prefix + "weight"] = dequantize(next(stored), module.nf4_shape, torch.float32, *stored)
 
@@ -115,4 +120,6 @@ def _linear_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 
 NF4 = LinearStorage(prefix="Nf4", store=_store, dequantized=_dequantized, forward=_linear_forward,
-                    state_hook=_dequantized_state, load_hook=_quantize_loaded, oft=True)
+                    state_hook=_dequantized_state, load_hook=_quantize_loaded, oft=True,
+                    parts=StoredParts(entries=("weight",), buffers=tuple(BUFFER_PREFIX + name for name in STATISTICS),
+                                      attributes=("nf4_shape",)))

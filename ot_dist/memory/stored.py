@@ -3,10 +3,18 @@ memory/nf4.py, and `int8`, memory/int8.py): a stored weight is held in a storage
 A module holding one gets a subclass of its own class (isinstance keeps working) whose parameter reads return the
 compute-dtype value, the component reports the compute dtype as its `.dtype`, and Linear / Conv2d layers keep only the
 stored weight for backward (StoredWeightOp). nf4 and int8 store Linear weights only, by one loop
-(store_linear_weights) given a LinearStorage."""
+(store_linear_weights) given a LinearStorage.
+
+A stored layer's state dict gives its weight dequantized to float32 (in CPU memory), but not while a state dict is
+made for a key filter that drops it (`kept_entries`: a LoRA export asks for its adapters, not for the whole model in
+float32), and sampling's copies of the trained modules hold the stored tensors themselves (`share_stored`: no
+dequantized copy, no quantization again)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
 
@@ -27,6 +35,82 @@ PARAMETER_DTYPE_READS: dict[str, tuple[str, ...]] = {
 }
 
 _CLASSES: dict[tuple[type, object], type] = {}  # (class, what the subclass adds) -> the subclass
+
+# The key filter of the state dict being made (`kept_entries`), None outside one: stored entries it drops are left as
+# the layer holds them, not dequantized.
+_KEPT: ContextVar[Callable[[str], bool] | None] = ContextVar("stored_state_kept", default=None)
+
+
+@dataclass(frozen=True)
+class StoredParts:
+    """What a stored layer holds of its stored weights (a stored layer's `stored_parts`): the state entries held in the
+    storage format (`_parameters` names: their state-dict entries are dequantized copies), the buffers of their
+    statistics (non-persistent: not state) and the plain attributes they are read with (float8's scales, nf4's shape).
+    Frozen: nothing writes them after storing, so a copy of the layer may hold the same tensors."""
+
+    entries: tuple[str, ...]
+    buffers: tuple[str, ...] = ()
+    attributes: tuple[str, ...] = ()
+
+
+@contextlib.contextmanager
+def kept_entries(keep: Callable[[str], bool] | None):
+    """While a state dict is made for the entries `keep` accepts (the keys from the module it is asked of): a stored
+    entry `keep` drops is left in the state dict as the layer holds it (its stored tensor, no copy; the caller drops
+    it) instead of dequantized into float32 CPU memory. A LoRA export of a Flux.1 base in float8 picks its adapters
+    from the transformer's state dict: 48 GB of float32 dequantized for nothing without this."""
+    token = _KEPT.set(keep)
+    try:
+        yield
+    finally:
+        _KEPT.reset(token)
+
+
+def dequantizes(key: str) -> bool:
+    """Whether a stored layer's state-dict hook gives the entry `key` dequantized: unless the state dict is being made
+    for a key filter that drops it (`kept_entries`)."""
+    keep = _KEPT.get()
+    return keep is None or keep(key)
+
+
+def stored_layers(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module, StoredParts]]:
+    """(name, layer, its StoredParts) of each layer of `module` holding stored weights."""
+    for name, layer in module.named_modules(remove_duplicate=False):
+        parts = getattr(layer, "stored_parts", None)
+        if isinstance(parts, StoredParts):
+            yield name, layer, parts
+
+
+def stored_state_keys(module: torch.nn.Module) -> frozenset[str]:
+    """The state-dict keys of `module` whose values are stored weights dequantized (none of them dequantized here)."""
+    return frozenset(f"{name}.{entry}" if name else entry
+                     for name, _, parts in stored_layers(module) for entry in parts.entries)
+
+
+def stored_tensor_ids(module: torch.nn.Module) -> set[int]:
+    """The ids of the stored tensors of `module`'s stored layers: the stored weights and their statistics' buffers."""
+    return {id(t) for _, layer, parts in stored_layers(module)
+            for t in (*(layer._parameters[n] for n in parts.entries), *(layer._buffers[n] for n in parts.buffers))}
+
+
+def share_stored(copy: torch.nn.Module, source: torch.nn.Module) -> frozenset[str]:
+    """Make each stored layer of `copy` (a structure of `source`: sampling's copy of a trained module) hold the stored
+    tensors of `source`'s layer of the same name themselves (the stored weights, their statistics, a copy of the
+    attributes they are read with), wherever `source` holds them: no dequantized weight, nothing quantized again, no
+    memory but the copy's own modules. What is shared is frozen (nothing writes it). The same for every storage kind:
+    each describes what it holds (StoredParts). Returns the state keys shared (`stored_state_keys`): the state dict
+    loaded into `copy` leaves them out."""
+    layers = dict(source.named_modules(remove_duplicate=False))
+    for name, layer, parts in stored_layers(copy):
+        own = layers[name]
+        for entry in parts.entries:  # a Parameter of its own (a `.to()` of the copy sets `.data` of its parameters)
+            layer._parameters[entry] = torch.nn.Parameter(own._parameters[entry].detach(), requires_grad=False)
+        for buffer in parts.buffers:
+            layer._buffers[buffer] = own._buffers[buffer]
+        for attribute in parts.attributes:
+            value = getattr(own, attribute)
+            setattr(layer, attribute, dict(value) if isinstance(value, dict) else value)
+    return stored_state_keys(copy)
 
 
 def compute_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -173,7 +257,8 @@ class LinearStorage:
     """How a format that stores Linear weights only (nf4, int8) holds one: `store(module, weight)` puts the stored
     weight (and its statistics, as buffers) into the layer; a stored layer reads `.weight` through `dequantized`,
     runs `forward`, gives its dequantized weight to state dicts (`state_hook`) and stores a loaded one (`load_hook`).
-    `oft`: an OFT layer's frozen weight is stored too (its own forward rotates the dequantized weight)."""
+    `oft`: an OFT layer's frozen weight is stored too (its own forward rotates the dequantized weight). `parts`: what
+    a stored layer holds (its `stored_parts`)."""
 
     prefix: str  # of the stored layer's class name
     store: Callable[[torch.nn.Module, torch.Tensor], None]
@@ -182,6 +267,7 @@ class LinearStorage:
     state_hook: Callable
     load_hook: Callable
     oft: bool
+    parts: StoredParts
 
 
 def store_linear_weights(component: torch.nn.Module, dtype: torch.dtype, keep: frozenset[int],
@@ -198,8 +284,8 @@ def store_linear_weights(component: torch.nn.Module, dtype: torch.dtype, keep: f
             count += module.weight.numel()
             storage.store(module, module.weight.data)  # from the weight as loaded, before the cast below
             setattr(module, COMPUTE_DTYPE_ATTR, dtype)
-            module.__class__ = stored_class(type(module), storage.prefix, {"weight": property(storage.dequantized)},
-                                            {torch.nn.Linear: storage.forward})
+            attrs = {"weight": property(storage.dequantized), "stored_parts": storage.parts}
+            module.__class__ = stored_class(type(module), storage.prefix, attrs, {torch.nn.Linear: storage.forward})
             module.register_state_dict_post_hook(storage.state_hook)
             module.register_load_state_dict_pre_hook(storage.load_hook)
         for param in module.parameters(recurse=False):  # a stored weight is an integer tensor: not cast

@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from ot_dist.config.schema import TrainConfig
+from ot_dist.memory.stored import kept_entries
 from ot_dist.models.loading import LoadedModel
 
 
@@ -71,8 +72,18 @@ def kept(state: dict[str, torch.Tensor], keep: KeyFilter | None) -> dict[str, to
     return state if keep is None else {k: v for k, v in state.items() if keep(k)}
 
 
+def kept_state_dict(module: torch.nn.Module, keep: KeyFilter | None, **options) -> dict[str, torch.Tensor]:
+    """`module.state_dict(**options)`, of the entries `keep` accepts: the stored (float8 / nf4 / int8) weights it
+    drops are never dequantized (memory/stored.py kept_entries), so a LoRA export of a quantized base holds its
+    adapters, not the base in float32."""
+    if keep is None:
+        return module.state_dict(**options)
+    with kept_entries(keep):
+        return kept(module.state_dict(**options), keep)
+
+
 def plain_state_dict(module: torch.nn.Module, keep: KeyFilter | None = None) -> dict[str, torch.Tensor]:
-    return kept(module.state_dict(), keep)
+    return kept_state_dict(module, keep)
 
 
 def freeze_all(model: LoadedModel) -> None:

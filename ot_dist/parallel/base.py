@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from ot_dist.config.schema import TrainConfig
-from ot_dist.methods.base import KeyFilter, ParamGroup, kept
+from ot_dist.methods.base import KeyFilter, ParamGroup, kept_state_dict
 from ot_dist.models.loading import LoadedModel
 from ot_dist.optim.stochastic_rounding import RoundingNoise
 from ot_dist.parallel.ownership import Ownership, whole
@@ -123,8 +123,9 @@ class Strategy:
         with them there). `convert(key, tensor)`: what the keeping rank keeps of a tensor the gathering made (a copy of
         its own), applied as soon as it is whole, before the next is gathered (samples: the weights autocast computes in
         16 bits, cast to them); never to a tensor the module holds itself, where a converted copy would add memory.
-        Here nothing is gathered: the module's own tensors, wherever they are."""
-        return kept(module.state_dict(), keep) if here else {}
+        Here nothing is gathered: the module's own tensors, wherever they are; the stored (float8 / nf4 / int8) weights
+        `keep` drops are not dequantized (methods/base.py kept_state_dict)."""
+        return kept_state_dict(module, keep) if here else {}
 
     def trained_parameters(self) -> dict[str, torch.nn.Parameter]:
         """Every trainable parameter as "<part>.<name>", in the same order on every rank."""

@@ -11,6 +11,10 @@ How, under any strategy:
   and builds the family's diffusers pipeline around it (a rank without one keeps nothing).
 - With sampling.non_ema_samples the trained weights are sampled too, after the EMA's copy is freed:
   the same gathering (`trainer.trained_state_dict_of`, as exports use) into the same structure.
+- Weights stored in float8 / nf4 / int8 (memory/stored.py: a LoRA's quantized base, under single and ddp, so held
+  whole by every rank) are not gathered: the copy's stored layers hold the trained module's stored tensors themselves
+  (`share_stored`), never dequantized (a Flux.1 base would be 48 GB of float32 at each sample point) nor quantized
+  again.
 - What a sample point holds: the copy's weights, gathered one tensor at a time. Where the gathering made them (a
   copy under fsdp / zero3, of the EMA or of float32 masters) and the samples compute in 16 bits (train_dtype
   bfloat16 / float16), the weights autocast would cast for its 16-bit ops anyway (of Linear and Conv layers, a
@@ -44,7 +48,8 @@ from ot_dist.config.sampling import SAMPLERS, SamplePrompt
 from ot_dist.config.schema import TrainConfig
 from ot_dist.errors import ConfigError
 from ot_dist.memory.block_streaming import STREAMED_ATTR
-from ot_dist.memory.stored import parameter_dtype_reads
+from ot_dist.memory.stored import (kept_entries, parameter_dtype_reads, share_stored, stored_state_keys,
+                                   stored_tensor_ids)
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Convert, trained_modules
 from ot_dist.parallel.runtime import Runtime
@@ -56,10 +61,10 @@ NON_EMA_SUFFIX = "-no-ema"  # the file suffix of the trained weights' samples be
 # conv1d / 2d / 3d, conv_transpose1d / 2d / 3d): it computes them in its 16-bit dtype from a cast of the weight, so
 # a weight cast to that dtype beforehand gives the same bits (tests/test_sampling_dtype.py). Exact classes: a
 # subclass may compute something else (an OFT layer rotates its weight; stored float8 / nf4 / int8 layers,
-# memory/stored.py, dequantize theirs and are quantized again when loaded). Their biases are not cast (but where
-# their block casts them, `low_precision_keys`): a few bytes per output, and a linear may add its bias outside
-# autocast (ZeRO-3's replacement of torch.nn.functional.linear, parallel/deepspeed_process_state.py, adds a float32
-# bias to the 16-bit product in float32).
+# memory/stored.py, dequantize theirs: the copy holds their stored tensors, not gathered). Their biases are not cast
+# (but where their block casts them, `low_precision_keys`): a few bytes per output, and a linear may add its bias
+# outside autocast (ZeRO-3's replacement of torch.nn.functional.linear, parallel/deepspeed_process_state.py, adds a
+# float32 bias to the 16-bit product in float32).
 AUTOCAST_LAYERS = (torch.nn.Linear, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
                    torch.nn.ConvTranspose1d, torch.nn.ConvTranspose2d, torch.nn.ConvTranspose3d)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -74,6 +79,7 @@ class Sampler:
         self.default_size = max(config.resolutions())
         self.templates = {}
         self.low_precision: dict[str, frozenset[str]] = {}
+        self.stored: dict[str, frozenset[str]] = {}
         if self.settings.prompts:
             refusal = model.family.samples_refusal(model.pipeline)
             if refusal:
@@ -81,6 +87,8 @@ class Sampler:
             self.templates = {name: meta_structure(module) for name, module in trained_modules(model).items()}
             # per trained module: the entries cast to autocast's 16-bit dtype as they are gathered
             self.low_precision = {name: low_precision_keys(template) for name, template in self.templates.items()}
+            # per trained module: the state entries of its stored (float8 / nf4 / int8) weights, shared, not gathered
+            self.stored = {name: stored_state_keys(template) for name, template in self.templates.items()}
             self.check_guidance_rescale()
             self.check_reference_images()
         self.sampled_steps: set[int] = set()
@@ -161,9 +169,11 @@ class Sampler:
                 # The one gathering of these full weights; the same modules in the same order on every rank.
                 for name, module in trainer.strategy.trained_modules.items():
                     convert = arrival_cast(self.low_precision[name], dtype) if mine else None
-                    state = of(here=bool(mine), host=False, convert=convert)(module)
+                    stored = self.stored[name]  # shared below, not gathered (the same keys on every rank)
+                    state = of(here=bool(mine), host=False, convert=convert)(
+                        module, (lambda key: key not in stored) if stored else None)
                     if mine:
-                        modules[name] = inference_copy(self.templates[name], state, runtime.device)
+                        modules[name] = inference_copy(self.templates[name], state, runtime.device, module)
                     del state  # only `modules` keeps the gathered weights
             if mine:
                 pipelines = {}  # one per sampler the prompts name, around the same modules
@@ -264,9 +274,12 @@ def takes_guidance_rescale(pipeline) -> bool:
 def meta_structure(module: torch.nn.Module) -> torch.nn.Module:
     """A copy of `module` whose state (parameters, persistent buffers) is on the meta device: the
     structure without the memory. Non-persistent buffers (not in the state dict) are copied.
-    Every parameter is state: float8-stored ones too, whose state dict values are upcast copies (memory/float8.py),
-    so their ids are not the state dict's (they were copied whole, a second float8 copy of a LoRA's base)."""
-    in_state = {id(t) for t in module.state_dict(keep_vars=True).values()}
+    Every parameter is state, and so are the stored (float8 / nf4 / int8) weights' statistics (non-persistent buffers):
+    a copy shares the trained module's at each sample point (`inference_copy`). The state dict is asked for with a
+    filter that keeps no entry (memory/stored.py kept_entries) so that the stored weights are read as held, not
+    dequantized (the whole model in float32, for ids)."""
+    with kept_entries(lambda key: False):
+        in_state = {id(t) for t in module.state_dict(keep_vars=True).values()} | stored_tensor_ids(module)
     memo = {}
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         if id(tensor) in in_state or isinstance(tensor, torch.nn.Parameter):
@@ -376,14 +389,22 @@ def tuner_insides(template: torch.nn.Module) -> set[int]:
     return insides
 
 
-def inference_copy(template: torch.nn.Module, state: dict[str, torch.Tensor], device: torch.device) -> torch.nn.Module:
+def inference_copy(template: torch.nn.Module, state: dict[str, torch.Tensor], device: torch.device,
+                   stored_from: torch.nn.Module | None = None) -> torch.nn.Module:
     """A module of `template`'s structure holding `state` (assigned, not copied: a single process's
     state shares the training weights' storage; nothing here writes to it). The blocks a denoiser streams
-    (memory/block_streaming.py) keep their weights where they are: the copy carries the same copy-on-forward."""
+    (memory/block_streaming.py) keep their weights where they are: the copy carries the same copy-on-forward.
+    `stored_from`: the trained module whose stored (float8 / nf4 / int8) weights the copy holds as they are
+    (memory/stored.py share_stored: the same tensors, wherever they are), `state` holding the rest; without it, `state`
+    holds them dequantized and loading quantizes them again."""
     module = copy.deepcopy(template)  # meta tensors: cheap, and the template stays empty
+    shared = share_stored(module, stored_from) if stored_from is not None else frozenset()
     streamed = tuple(f"{name}." for name in getattr(template, STREAMED_ATTR, ()))
-    module.load_state_dict({k: v.detach() if k.startswith(streamed) else v.detach().to(device)
-                            for k, v in state.items()}, assign=True, strict=True)
+    loaded = module.load_state_dict({k: v.detach() if k.startswith(streamed) else v.detach().to(device)
+                                     for k, v in state.items() if k not in shared}, assign=True, strict=not shared)
+    if shared and (set(loaded.missing_keys) - shared or loaded.unexpected_keys):
+        raise RuntimeError(f"the state for a copy of {type(template).__name__} is not its structure's: missing "
+                           f"{sorted(set(loaded.missing_keys) - shared)[:5]}, unexpected {loaded.unexpected_keys[:5]}")
     return module.eval().requires_grad_(False)
 
 

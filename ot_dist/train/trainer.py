@@ -28,7 +28,7 @@ from ot_dist.memory.heap import freeze_long_lived_objects
 from ot_dist.memory.node_shared import NodeSharing, share_frozen_cpu_weights
 from ot_dist.memory.placement import place_component, store_component
 from ot_dist.methods.additional_embeddings import check_tokens_in_captions
-from ot_dist.methods.base import ParamGroup, TrainingMethod, kept
+from ot_dist.methods.base import ParamGroup, TrainingMethod, kept_state_dict
 from ot_dist.methods.registry import build_method
 from ot_dist.early_checks import check_input_paths, setup_warnings
 from ot_dist.models.loading import LoadedModel, load_model
@@ -553,7 +553,8 @@ class Trainer:
             part = part_of.get(id(module))
             if part is None:
                 return self.strategy.state_dict_of(module, keep, here=here, host=host, convert=convert)
-            keys = list(kept(module.state_dict(), keep))  # the order of the state dict: no gathering
+            # the order of the state dict: no gathering, no stored weight that `keep` drops dequantized
+            keys = list(kept_state_dict(module, keep))
             overlaid = {k for k in keys if f"{part}.{k}" in ownership.shapes}
             rest = set(keys) - overlaid
             state = self.strategy.state_dict_of(module, rest.__contains__, here=here, host=host, convert=convert)

@@ -20,8 +20,8 @@ phase = "cast"
 original_copy = sampling.inference_copy
 
 
-def measured_copy(template, state, device):
-    module = original_copy(template, state, device)
+def measured_copy(template, state, device, *stored_from):
+    module = original_copy(template, state, device, *stored_from)
     params = list(module.parameters())
     copies.append({
         "phase": phase, "bytes": sum(p.numel() * p.element_size() for p in params),
