@@ -167,3 +167,48 @@ def test_a_copy_computes_with_the_stored_tensors_of_its_source(weight_dtype):
     assert share_stored(probe, model) == stored
     with pytest.raises(RuntimeError, match=r"missing \['3.weight'\]"):  # what is not shared must be in the state
         inference_copy(template, {k: v for k, v in state.items() if k != "3.weight"}, torch.device("cpu"), model)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float8", "nf4", "int8"])
+def test_a_cache_key_of_a_stored_encoder_dequantizes_one_layer_at_a_time(weight_dtype, monkeypatch):
+    """The text / latent cache key hashes a frozen encoder's state dict (data/caches.py module_key). Of an encoder stored
+    in float8 / nf4 / int8 that is every stored weight dequantized to float32 (a T5-XXL in float8: ~19 GB of RAM at
+    once). The key is the same as the whole state dict's (existing caches keep theirs), made with at most one stored
+    layer dequantized at any time."""
+    import gc
+    import hashlib
+    import weakref
+
+    from ot_dist.data.caches import module_key
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(12)), torch.nn.LayerNorm(32))
+    model.register_buffer("scale", torch.ones(3))
+    STORES[weight_dtype](model.requires_grad_(False), torch.float32)
+    stored = stored_state_keys(model)
+    assert len(stored) >= 12  # the 12 weights (float8 also stores the biases and the norm's)
+    per_layer = max(len(parts.entries) for _, _, parts in stored_layers(model))
+    whole = hashlib.sha256()  # the key as it was made: the whole state dict, sorted
+    whole.update(b"{}")
+    for name, tensor in sorted(model.state_dict().items()):
+        whole.update(name.encode())
+        whole.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+    alive, most, calls = [], [0], [0]  # the float32 copies of stored weights alive, the most at once, all made
+    storage = {"float8": float8, "nf4": nf4, "int8": int8}[weight_dtype]
+    real = storage.dequantize
+
+    def counted(*args, **kwargs):
+        gc.collect()
+        alive[:] = [ref for ref in alive if ref() is not None]
+        out = real(*args, **kwargs)
+        calls[0] += 1
+        alive.append(weakref.ref(out))
+        most[0] = max(most[0], len(alive))
+        return out
+
+    monkeypatch.setattr(storage, "dequantize", counted)
+    digest = hashlib.sha256()
+    module_key(digest, model)
+    assert digest.hexdigest() == whole.hexdigest()
+    assert calls[0] == len(stored) and most[0] == per_layer

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +44,7 @@ from ot_dist.data.sample_encoder import reference_kind, reference_latent_member
 from ot_dist.data.variations import keyed, member_name
 from ot_dist.errors import InputFileError
 from ot_dist.memory.float8 import compute_dtype
+from ot_dist.memory.stored import kept_entries, stored_layers, stored_state_keys
 from ot_dist.models.latent_posterior import encode_posterior
 
 FORMAT = "ot_dist.cache/2"  # chunks + columnar index (format 1: one part per rank, a JSON dict per sample)
@@ -56,9 +58,32 @@ def module_key(digest, module: torch.nn.Module) -> None:
     config = getattr(module, "config", None) or {}
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # transformers / diffusers
     digest.update(json.dumps(config, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(module.state_dict().items()):
+    for name, tensor in state_in_key_order(module):
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        del tensor  # a dequantized copy is gone before the next layer's are made
+
+
+def state_in_key_order(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The entries of `module.state_dict()` sorted by key, without holding that state dict: a frozen encoder stored in
+    float8 / nf4 / int8 (memory/stored.py) gives each stored weight dequantized to float32 in CPU memory, all at once in
+    one state dict (a T5-XXL in float8: ~19 GB of RAM to compute a cache key). Here the stored layers are dequantized
+    one at a time, each freed before the next; every other entry is the module's own tensor. The same entries and
+    bytes as the state dict, so the keys of existing caches hold."""
+    with kept_entries(lambda key: False):  # every key; the stored entries as the layers hold them (no copies)
+        held = module.state_dict()
+    layers = {name: layer for name, layer, _ in stored_layers(module)}
+    stored = stored_state_keys(module)
+    current, dequantized = None, {}
+    for key in sorted(held):  # a layer's keys share its prefix, so they are adjacent in this order
+        if key not in stored:
+            yield key, held[key]
+            continue
+        path, _, entry = key.rpartition(".")
+        if path != current:
+            dequantized = {}  # the previous layer's copies freed before this one's are made
+            current, dequantized = path, layers[path].state_dict()
+        yield key, dequantized[entry]
 
 
 def vae_key(vae: torch.nn.Module) -> str:
