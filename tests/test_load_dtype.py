@@ -415,3 +415,25 @@ def test_extracting_from_bfloat16_models_writes_what_the_float32_loads_write(hal
     (ours, ours_kept), (reference, reference_kept) = written["ours"], written["float32"]
     assert ours and ours.keys() == reference.keys() and ours_kept == reference_kept
     assert all(torch.equal(ours[k], reference[k]) for k in ours)
+
+
+@pytest.mark.parametrize("weight_dtype", ["float8", "nf4", "int8"])
+def test_a_quantized_storage_never_holds_the_frozen_weights_in_float32_at_once(half_models, shapes_data, tmp_path,
+                                                                               monkeypatch, weight_dtype):
+    """A base stored in float8 / nf4 / int8 is quantized from the weights as loaded (bfloat16 here), each layer's
+    float32 values made as it is quantized: the component is not cast whole to float32 first (a Flux.1 transformer:
+    ~48 GB of RAM before any weight was quantized). What is stored is the float32 load's (the test above)."""
+    from ot_dist.memory import placement
+
+    quantize = placement.QUANTIZERS[weight_dtype]
+    float32_at_entry = {}
+
+    def counted(component, *args):
+        float32_at_entry[type(component).__name__] = sum(
+            p.nbytes for p in component.parameters() if not p.requires_grad and p.dtype == torch.float32)
+        return quantize(component, *args)
+
+    monkeypatch.setitem(placement.QUANTIZERS, weight_dtype, counted)
+    raw = _config(half_models, shapes_data, tmp_path, "sdxl", method="lora", weight_dtype=weight_dtype)
+    prepared(raw, float32_load=False)
+    assert float32_at_entry and set(float32_at_entry.values()) == {0}, float32_at_entry

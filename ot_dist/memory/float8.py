@@ -67,6 +67,9 @@ def store_frozen_in_float8(component: torch.nn.Module, dtype: torch.dtype, keep:
             continue
         if any(p.requires_grad for _, p in own):
             if not rotates_its_weight(type(module)):
+                for _, param in own:  # frozen beside trained ones: float32, as quantized weights are made from
+                    if not param.requires_grad:
+                        param.data = param.data.float()
                 continue
             own = [(n, p) for n, p in own if not p.requires_grad]
         scales = {}

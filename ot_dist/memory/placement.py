@@ -17,9 +17,11 @@ from ot_dist.precision import DTYPES
 QUANTIZERS = {"float8": store_frozen_in_float8, "nf4": store_frozen_in_nf4, "int8": store_frozen_in_int8}
 
 
-def frozen_storage_dtype(weight_dtype: str) -> torch.dtype:
-    """The dtype frozen parameters are cast to first; float8, nf4 and int8 are quantized from float32 afterwards."""
-    return torch.float32 if weight_dtype in QUANTIZERS else DTYPES[weight_dtype]
+def frozen_storage_dtype(weight_dtype: str) -> torch.dtype | None:
+    """The dtype frozen parameters are cast to first; None for float8, nf4 and int8: their weights stay as loaded and
+    each is quantized from its float32 values one layer at a time (quantize_frozen), never the whole component cast
+    to float32 at once first (a Flux.1 transformer loaded in bfloat16: ~48 GB of RAM before it was quantized)."""
+    return None if weight_dtype in QUANTIZERS else DTYPES[weight_dtype]
 
 
 def quantize_frozen(component: torch.nn.Module, storage: str, compute_dtype: torch.dtype,
@@ -44,9 +46,10 @@ def store_component(module: torch.nn.Module, name: str, config, denoiser: bool) 
     return trains
 
 
-def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dtype: torch.dtype) -> bool:
+def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dtype: torch.dtype | None) -> bool:
     """The module's own and nested parameters cast by role (trained: `trained_dtype`, e.g. float32 masters; frozen:
-    `frozen_dtype`), the module in train mode if any of them trains. Returns whether one does. A text encoder whose
+    `frozen_dtype`, or left as loaded where None: a quantized storage's), the module in train mode if any of them
+    trains. Returns whether one does. A text encoder whose
     only trained parameters are new token rows (token_vectors.py) reads them in eval mode instead, as OneTrainer's
     embedding setups put every text encoder in eval mode: a T5's dropout (0.1 in T5 v1.1's config) stays off, so the
     vectors learn against the conditioning the model is used with (`reading_mode`)."""
@@ -55,9 +58,10 @@ def store_by_role(module: torch.nn.Module, trained_dtype: torch.dtype, frozen_dt
         if p.requires_grad:
             trains = True
             p.data = p.data.to(trained_dtype)
-        else:
+        elif frozen_dtype is not None:
             p.data = p.data.to(frozen_dtype)
-    cast_frozen_buffers(module, frozen_dtype)
+    if frozen_dtype is not None:
+        cast_frozen_buffers(module, frozen_dtype)
     if trains and not trains_beyond_token_rows(module):
         reading_mode(module)
     else:
