@@ -14,6 +14,10 @@ recorded no trace and released every parameter after each use, the persistent on
 the full finetune below (bound 281) instead of 228. That 2 ranks under zero3 end where 1 process with the same global
 batch ends is tests/test_family_strategies.py's.
 
+At start-up each parameter is broadcast once (ZeRO-3 partitions from rank 0's values; the engine's whole-model broadcast
+before it is skipped, parallel/deepspeed.py one_broadcast_of_the_model), and a rank whose weights differ before the
+engine is built starts from rank 0's.
+
 The same launch checks that a closed ZeRO-3 trainer is freed: DeepSpeed's module-level state kept every engine's model
 (parallel/deepspeed_process_state.py forget_closed_engine)."""
 
@@ -78,6 +82,16 @@ def test_zero3_gathers_parameters_per_step_not_per_use(small_sd1, shapes_data, t
                 assert step.get("broadcast", 0) == 0, f"{case}, rank {rank}, step {number}: the trace was recorded anew"
     full = json.loads((out / "full-rank0.json").read_text())
     assert full["sharded_modules"] > 0 and full["persistent"] > 0  # both terms of the bound are exercised
+    for case in cases:
+        reports = [json.loads((out / f"{case}-rank{rank}.json").read_text()) for rank in (0, 1)]
+        for rank, report in enumerate(reports):
+            # Each parameter is broadcast once at start-up, by ZeRO-3's partitioning; the engine's own whole-model
+            # broadcast before it doubled that (over gloo for weights in CPU memory). A few of ot_dist's own allowed.
+            broadcasts, parameters = report["setup"].get("broadcast", 0), report["engine_parameters"]
+            assert broadcasts <= parameters + 10, f"{case}, rank {rank}: {broadcasts} broadcasts at start for {parameters}"
+            # rank 1 shifted its weights before the engine was built: every rank starts from rank 0's
+            assert abs(report["start"]["after"] - reports[0]["start"]["before"]) <= 1e-9 * abs(reports[0]["start"]["before"])
+        assert abs(reports[1]["start"]["before"] - reports[0]["start"]["before"]) > 1  # the shift did happen
 
 
 def test_a_closed_zero3_trainer_gives_torch_its_linear_back(one_level_sd1, shapes_data, tmp_path, one_rank_group):

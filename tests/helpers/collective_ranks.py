@@ -29,6 +29,7 @@ import weakref
 from collections import Counter
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -92,9 +93,46 @@ def bound_inputs(engine) -> dict:
             "sharded_modules": sum(any(p.ds_numel > threshold for p in ps) for ps in gathered_when_run)}
 
 
+def weights_sum(params) -> float:
+    return float(sum(p.detach().double().sum() for p in params))
+
+
+def start_from_other_weights_on_rank_1(runtime, record: dict):
+    """Rank 1's trained modules are shifted by 1 just before the engine is built, and every rank records the sum of
+    its weights then: the engine must start every rank from rank 0's (ZeRO-3 partitions from rank 0's values)."""
+    from ot_dist.parallel.deepspeed import DeepSpeedStrategy
+
+    original = DeepSpeedStrategy.wrap_optimizer
+
+    def shifted(strategy, optimizer):
+        params = [p for m in strategy.trained_modules.values() for p in m.parameters()]
+        if runtime.rank == 1:
+            with torch.no_grad():
+                for p in params:
+                    p.add_(1.0)
+        record["before"] = weights_sum(params)
+        return original(strategy, optimizer)
+
+    DeepSpeedStrategy.wrap_optimizer = shifted
+    return original
+
+
 def run_case(raw: dict, runtime) -> tuple[dict, weakref.ref]:
+    import deepspeed
+
+    from ot_dist.parallel.deepspeed import DeepSpeedStrategy
+
     counts = current[0] = Counts()
-    trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
+    start = {}
+    original = start_from_other_weights_on_rank_1(runtime, start)
+    try:
+        trainer = Trainer(validate(raw), runtime=runtime, log=lambda *_: None)
+    finally:
+        DeepSpeedStrategy.wrap_optimizer = original
+    params = list(trainer.strategy.engine.module.parameters())
+    trained = [p for m in trainer.strategy.trained_modules.values() for p in m.parameters()]
+    with deepspeed.zero.GatheredParameters(trained):  # a collective: the whole weights, as every rank now holds them
+        start["after"] = weights_sum(trained)
     counts.phase = "other"
     micro_step, optimizer_step = trainer.micro_step, trainer.optimizer_step
     step_open = [False]
@@ -119,7 +157,8 @@ def run_case(raw: dict, runtime) -> tuple[dict, weakref.ref]:
     trainer.micro_step, trainer.optimizer_step = counted_micro_step, counted_optimizer_step
     result = trainer.train()
     report = {"steps": counts.steps, "where": dict(counts.where.most_common(20)), "setup": counts.setup,
-              "other": counts.other, "steps_done": result.steps, **bound_inputs(trainer.strategy.engine)}
+              "other": counts.other, "steps_done": result.steps, "engine_parameters": len(params), "start": start,
+              **bound_inputs(trainer.strategy.engine)}
     trainer.close()
     current[0] = None
     return report, weakref.ref(trainer.model.denoiser)
