@@ -246,20 +246,12 @@ def agreed_start(output_dir: str | Path, resume: str | None, overwrite: bool, ru
     0 chose (after waiting MARKER_WAIT_S for its cache) stops every rank with an error naming both."""
     if not runtime.distributed:
         return check_before_start(output_dir, resume, overwrite, allow_damaged, log)
-    answer, error = None, None
-    if runtime.is_main:
-        try:
-            folder, move = check_before_start(output_dir, resume, overwrite, allow_damaged, log)
-            answer = {"folder": None if folder is None else str(folder), "move": move}
-        except Exception as err:  # noqa: BLE001 - the other ranks wait for rank 0's answer: they get one either way
-            error = err
-            answer = ({"error": str(err), "kind": type(err).__name__} if isinstance(err, (ConfigError, InputFileError))
-                      else {"error": f"output_dir {resolved(output_dir)}: checking it failed on rank 0 (see its error)"})
-    answer = runtime.from_main(answer)
-    if error is not None:
-        raise error
-    if "error" in answer:
-        raise (ConfigError if answer.get("kind") == "ConfigError" else InputFileError)(answer["error"])
+
+    def rank_0s_look():
+        folder, move = check_before_start(output_dir, resume, overwrite, allow_damaged, log)
+        return {"folder": None if folder is None else str(folder), "move": move}
+
+    answer = runtime.main_answer(rank_0s_look, f"output_dir {resolved(output_dir)}: checking it")
     folder = None if answer["folder"] is None else Path(answer["folder"])
     # One look per rank at the chosen checkpoint's marker (rank 0 alone listed and checked the checkpoints).
     unseen = None

@@ -183,20 +183,10 @@ def for_this_rank(folder: Path, ownership: Ownership, runtime) -> SavedShards:
     self_contained = own is not None and _fragment_lists(own, folder, own_name) == now
     if not runtime.any_rank(not self_contained):
         return SavedShards(folder, {own_name: own})
-    text, error = None, None
-    if runtime.is_main:
-        try:
-            text = json.dumps({"files": read_rank_files(folder, {own_name: own} if own is not None else None)})
-        except Exception as err:  # noqa: BLE001 - the other ranks wait for rank 0's answer: they get one either way
-            error, text = err, json.dumps({"error": str(err) if isinstance(err, InputFileError) else
-                                           f"checkpoint {folder}: reading the rank files failed on rank 0 (see its error)"})
     # JSON text, parsed on arrival: the other ranks decode nothing of the files but JSON, as rank 0 does.
-    answer = json.loads(runtime.from_main(text))
-    if error is not None:
-        raise error
-    if "error" in answer:
-        raise InputFileError(answer["error"])
-    return SavedShards(folder, answer["files"])
+    text = runtime.main_answer(lambda: json.dumps(read_rank_files(folder, {own_name: own} if own is not None else None)),
+                               f"checkpoint {folder}: reading the rank files")
+    return SavedShards(folder, json.loads(text))
 
 
 @dataclass(frozen=True)

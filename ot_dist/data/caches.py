@@ -44,7 +44,7 @@ from ot_dist.data.sample_encoder import reference_kind, reference_latent_member
 from ot_dist.data.variations import keyed, member_name
 from ot_dist.errors import InputFileError
 from ot_dist.memory.float8 import compute_dtype
-from ot_dist.memory.stored import kept_entries, stored_layers, stored_state_keys
+from ot_dist.memory.stored import kept_entries, stored_layers
 from ot_dist.models.latent_posterior import encode_posterior
 
 FORMAT = "ot_dist.cache/2"  # chunks + columnar index (format 1: one part per rank, a JSON dict per sample)
@@ -72,17 +72,18 @@ def state_in_key_order(module: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
     bytes as the state dict, so the keys of existing caches hold."""
     with kept_entries(lambda key: False):  # every key; the stored entries as the layers hold them (no copies)
         held = module.state_dict()
-    layers = {name: layer for name, layer, _ in stored_layers(module)}
-    stored = stored_state_keys(module)
+    # each stored entry's key -> (its layer, its name in the layer's own state dict)
+    stored = {f"{name}.{entry}" if name else entry: (layer, entry)
+              for name, layer, parts in stored_layers(module) for entry in parts.entries}
     current, dequantized = None, {}
     for key in sorted(held):  # a layer's keys share its prefix, so they are adjacent in this order
         if key not in stored:
             yield key, held[key]
             continue
-        path, _, entry = key.rpartition(".")
-        if path != current:
+        layer, entry = stored[key]
+        if layer is not current:
             dequantized = {}  # the previous layer's copies freed before this one's are made
-            current, dequantized = path, layers[path].state_dict()
+            current, dequantized = layer, layer.state_dict()
         yield key, dequantized[entry]
 
 

@@ -66,6 +66,27 @@ class Runtime:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def main_answer(self, compute, what: str):
+        """`compute()` run by rank 0 alone, its result (a small object of plain types) on every rank. Where it raised,
+        every rank raises: rank 0 its own error, the others a ConfigError / InputFileError with its message, or an
+        InputFileError "`what` failed on rank 0" for any other error. Every rank calls this at the same point."""
+        if not self.distributed:
+            return compute()
+        answer, error = None, None
+        if self.is_main:
+            try:
+                answer = {"value": compute()}
+            except Exception as err:  # noqa: BLE001 - the other ranks wait for rank 0's answer: they get one either way
+                error = err
+                answer = ({"error": str(err), "kind": type(err).__name__} if isinstance(err, (ConfigError, InputFileError))
+                          else {"error": f"{what} failed on rank 0 (see its error)", "kind": "InputFileError"})
+        answer = self.from_main(answer)
+        if error is not None:
+            raise error
+        if "error" in answer:
+            raise (ConfigError if answer["kind"] == "ConfigError" else InputFileError)(answer["error"])
+        return answer["value"]
+
     def any_rank(self, flag: bool, group=None) -> bool:
         """Whether any rank's `flag` is set (every rank of `group` calls this at the same point)."""
         if not self.distributed:
