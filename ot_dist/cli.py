@@ -8,7 +8,7 @@ import logging
 import os
 import sys
 
-from ot_dist.errors import STORAGE_ERRNOS, ConfigError, UserError, os_error_of
+from ot_dist.errors import ConfigError, UserError, exit_code_of, storage_refusal
 from ot_dist.models.families.registry import FAMILY_NAMES
 
 
@@ -350,23 +350,23 @@ def _main(argv: list[str] | None = None) -> int:
         return run(args)
     except UserError as err:
         print(f"ot-dist: error: {err}", file=sys.stderr)
-        return err.exit_code
-    except KeyboardInterrupt:
+        return exit_code_of(err)
+    except KeyboardInterrupt as err:
         print("ot-dist: interrupted", file=sys.stderr)
-        return 130
+        return exit_code_of(err)
     except BrokenPipeError:  # `ot-dist schedule ... | head`: the reader is gone, nothing is wrong
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush does not fail again
         return 141
     except Exception as err:  # noqa: BLE001 - only the storage's refusals are answered here
-        refused = os_error_of(err)
-        if refused is None or refused.errno not in STORAGE_ERRNOS:
+        refused = storage_refusal(err)
+        if refused is None:
             raise
         # An export or any other write at the end: committed checkpoints stay as they were (the commit protocol
         # names its own failures, checkpoint/writer.py).
         print(f"ot-dist: error: a write failed: {refused} (free space, quota or file size limit); the committed "
               "checkpoints are as they were", file=sys.stderr)
-        return 3
+        return exit_code_of(err)
 
 
 def entry() -> None:

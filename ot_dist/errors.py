@@ -54,3 +54,19 @@ def os_error_of(err: BaseException) -> OSError | None:
         return err
     found = _RUST_IO_ERROR.search(str(err))
     return OSError(int(found.group(2)), found.group(1)) if found else None
+
+
+def storage_refusal(err: BaseException) -> OSError | None:
+    """The storage's refusal behind `err` (STORAGE_ERRNOS), or None."""
+    refused = os_error_of(err)
+    return refused if refused is not None and refused.errno in STORAGE_ERRNOS else None
+
+
+def exit_code_of(err: BaseException) -> int:
+    """The exit code `ot-dist` ends with for `err`: a user error's own, 130 for an interrupt, 3 for a write the
+    storage refused, 1 for anything else (a defect, or a library's error)."""
+    if isinstance(err, UserError):
+        return err.exit_code
+    if isinstance(err, KeyboardInterrupt):
+        return 130
+    return 3 if storage_refusal(err) is not None else 1

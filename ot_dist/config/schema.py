@@ -928,7 +928,8 @@ class ValidationConfig(Section):
 
 class DistributedConfig(Section):
     timeout_minutes: float = Field(
-        default=30, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails."
+        default=30, gt=0, description="Process-group timeout: a rank that waits longer on a collective fails. A rank "
+        "that raises does not leave the others to wait it out: they end within seconds (docs/parallel.md)."
     )
     load_ranks_per_node: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         default="auto",

@@ -129,6 +129,8 @@ def gather_objects(value) -> list:
 
 # Whether this process ever started a process group (see exit_process).
 _group_started = False
+# This rank's watch over the others' failures (parallel/peer_failure.py), where ot_dist started a group of several.
+_peer_watch = None
 
 
 def exit_process(code: int) -> NoReturn:
@@ -140,9 +142,15 @@ def exit_process(code: int) -> NoReturn:
     `destroy_process_group`; faulthandler prints nothing, so it happens after Python's own teardown). torchrun
     and Kubernetes would report that finished run as failed and restart it. Output streams and logging are
     flushed first; files the run wrote are closed by then (checkpoints fsync, the tracker closes its outbox).
-    A process without a process group exits normally."""
+    A process without a process group exits normally.
+    A rank of a group ot_dist started that ends with a non-zero `code` tells the others first, which end too instead
+    of waiting for it in a collective until the timeout (parallel/peer_failure.py)."""
     if not _group_started:
         sys.exit(code)
+    if code:
+        announce_failure(code)
+    elif _peer_watch is not None:
+        _peer_watch.stop()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -150,6 +158,14 @@ def exit_process(code: int) -> NoReturn:
         except (OSError, ValueError):  # closed or a pipe whose reader is gone: nothing more can be said
             pass
     os._exit(code)
+
+
+def announce_failure(code: int) -> None:
+    """This rank is failing with exit `code`: the other ranks of the group ot_dist started end too, within seconds,
+    instead of waiting for it in a collective (parallel/peer_failure.py). Called as soon as the error is caught,
+    before the cleanup that may itself wait on the others; again by exit_process, where the first call wins."""
+    if _peer_watch is not None:
+        _peer_watch.announce(code)
 
 
 def launched_world_size() -> int:
@@ -173,7 +189,7 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
     device = this_rank_device(local_rank)
     if world_size == 1 and not needs_group:
         return Runtime(device=device)
-    global _group_started
+    global _group_started, _peer_watch
     _group_started = True
     timeout = datetime.timedelta(minutes=timeout_minutes)
     dist.init_process_group(
@@ -182,6 +198,10 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
         device_id=device if device.type == "cuda" else None,
         **restart_safe_store(rank, world_size, timeout),
     )
+    if world_size > 1:
+        from ot_dist.parallel.peer_failure import start_watch
+
+        _peer_watch = start_watch(rank, world_size)
     return Runtime(rank=rank, world_size=world_size, local_rank=local_rank, device=device, distributed=True,
                    owns_group=True)
 

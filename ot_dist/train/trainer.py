@@ -18,7 +18,7 @@ from ot_dist.checkpoint.layout import checkpoints_dir
 from ot_dist.checkpoint.run_folder import estimated_free_space_warning, prepare_run_folder, release_output_dir
 from ot_dist.checkpoint.training_state import Checkpointer, Position
 from ot_dist.config.schema import TrainConfig
-from ot_dist.errors import InputFileError, TrainingHalted
+from ot_dist.errors import InputFileError, TrainingHalted, exit_code_of
 from ot_dist.data.caches import attach_latent_cache, attach_text_cache
 from ot_dist.data.concepts import check_clip_batches, check_video_clips
 from ot_dist.data.video import check_clip_settings
@@ -42,7 +42,7 @@ from ot_dist.parallel import build_strategy
 from ot_dist.parallel.base import Convert, grouped, named_groups, trained_modules
 from ot_dist.parallel.load_turns import load_turn, master_widths
 from ot_dist.parallel.ownership import Ownership, to_host
-from ot_dist.parallel.runtime import Runtime, start_runtime
+from ot_dist.parallel.runtime import Runtime, announce_failure, start_runtime
 from ot_dist.precision import check_storage_on_device, set_tf32
 from ot_dist.train.cuda_allocator import configure_cuda_allocator
 from ot_dist.train.checkpointing import enable_gradient_checkpointing
@@ -100,7 +100,8 @@ class Trainer:
         self.runtime = runtime or start_runtime(config.distributed.timeout_minutes, needs_group=config.strategy != "single")
         try:
             self._build(log, resume, overwrite)
-        except BaseException:
+        except BaseException as err:
+            announce_failure(exit_code_of(err))  # the other ranks may wait for this one in a collective
             # Nobody holds a trainer whose construction failed (a missing file, a refused setting): the process group
             # it started for itself (fsdp / ZeRO in one process) would outlive it, and the next run in this process
             # could not start its own.
@@ -290,10 +291,13 @@ class Trainer:
     def train(self) -> TrainResult:
         try:
             result = self._train()
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as err:
+            announce_failure(exit_code_of(err))
             self.tracker.close_failed()
             raise  # a second Ctrl-C interrupts at once; a checkpoint being written stays uncommitted, the last holds
-        except BaseException:
+        except BaseException as err:
+            # First: the other ranks may wait for this one in a collective (NCCL would wait distributed.timeout_minutes)
+            announce_failure(exit_code_of(err))
             self.tracker.close_failed()  # now, not at the interpreter's exit (a notebook, a library caller)
             self._commit_written_checkpoint()
             release_output_dir(self.config.output_dir)
