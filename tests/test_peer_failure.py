@@ -9,9 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from ot_dist.ports import free_port
 

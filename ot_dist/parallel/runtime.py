@@ -108,6 +108,8 @@ class Runtime:
             raise InputFileError(f"{what} failed on the main process (see its error)")
 
     def shutdown(self) -> None:
+        if self.owns_group and _peer_watch is not None:
+            _peer_watch.stop()  # the group's work is over; rank 0, which may host the store, may now end first
         if self.owns_group and dist.is_initialized():
             # Work objects nobody refers to any more are freed now, not during interpreter finalization
             # (where freeing their tensors can abort the process, see Strategy.close).
