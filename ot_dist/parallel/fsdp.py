@@ -15,6 +15,7 @@ from ot_dist.errors import ConfigError
 from ot_dist.methods.base import kept
 from ot_dist.models.loading import LoadedModel
 from ot_dist.parallel.base import Strategy, scale_to_max_norm
+from ot_dist.parallel.dtensor_first_step import linear_first_step
 from ot_dist.parallel.ownership import Ownership, dtensor_fragment, local, plain, same_storage, to_host, whole
 from ot_dist.parallel.runtime import ranks_on_this_node
 from ot_dist.precision import DTYPES
@@ -95,6 +96,7 @@ class FSDPStrategy(Strategy):
     def _wrap_modules(self, model: LoadedModel) -> None:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+        linear_first_step()  # the first optimizer step over the DTensors: seconds, not a minute (SDXL)
         settings = self.config.fsdp
         if settings.cpu_offload and self.runtime.device.type == "cpu":
             raise ConfigError(
