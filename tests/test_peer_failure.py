@@ -16,7 +16,7 @@ import pytest
 from ot_dist.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-POLL, GRACE = 0.5, 2.0
+POLL, GRACE = 0.25, 1.0
 
 RANK_SCRIPT = """
 import datetime, sys, time
@@ -44,18 +44,21 @@ print("the wait ended by itself", flush=True)
 """
 
 
-def launch(failing: int) -> list[subprocess.CompletedProcess]:
+def launch(failing: int) -> list[subprocess.Popen]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     for key in ("TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_USE_AGENT_STORE"):
         env.pop(key, None)
     script = RANK_SCRIPT.replace("{poll}", str(POLL)).replace("{grace}", str(GRACE))
-    ranks = [subprocess.Popen([sys.executable, "-c", script, str(failing)],
-                              env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    return [subprocess.Popen([sys.executable, "-c", script, str(failing)],
+                             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+
+
+def ended(ranks: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
     done = []
     try:
-        for rank, process in enumerate(ranks):
+        for process in ranks:
             stdout, stderr = process.communicate(timeout=120)  # far less than the 30-minute collective timeout
             done.append(subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr))
     finally:
@@ -65,9 +68,10 @@ def launch(failing: int) -> list[subprocess.CompletedProcess]:
 
 
 def test_the_ranks_waiting_on_a_failed_rank_end_with_its_exit_code_and_name_it():
-    for failing in (1, 0):  # a rank that is not the store's host fails; then the host itself
-        start = time.monotonic()
-        ranks = launch(failing)
+    start = time.monotonic()
+    launches = {failing: launch(failing) for failing in (1, 0)}  # a rank that is not the store's host fails; the host
+    for failing, processes in launches.items():
+        ranks = ended(processes)
         elapsed = time.monotonic() - start
         failed, survivor = ranks[failing], ranks[1 - failing]
         assert failed.returncode == 3 and "a damaged sample" in failed.stderr, failed.stderr[-2000:]
@@ -80,7 +84,7 @@ def test_the_ranks_waiting_on_a_failed_rank_end_with_its_exit_code_and_name_it()
 
 
 def test_a_normal_end_of_the_stores_host_ends_no_other_rank():
-    ranks = launch(-1)
+    ranks = ended(launch(-1))
     for rank, done in enumerate(ranks):
         assert done.returncode == 0, (rank, done.stderr[-2000:])
         assert done.stdout == f"rank {rank} done\n"
