@@ -200,7 +200,7 @@ def start_runtime(timeout_minutes: float, needs_group: bool = False) -> Runtime:
         device_id=device if device.type == "cuda" else None,
         **restart_safe_store(rank, world_size, timeout),
     )
-    if world_size > 1:
+    if world_size > 1 and dist.is_initialized():
         from ot_dist.parallel.peer_failure import start_watch
 
         _peer_watch = start_watch(rank, world_size)
