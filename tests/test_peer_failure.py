@@ -34,6 +34,8 @@ if failing < 0:  # a normal end: the store's host (rank 0) ends first, the other
     time.sleep(0 if rank == 0 else 2 * POLL)
     print(f"rank {rank} done", flush=True)
     exit_process(0)
+from ot_dist.forced_exit import before_forced_exit
+before_forced_exit.append(lambda: print("run closed as failed", flush=True))  # what the tracker registers
 import threading  # a checkpoint written in the background, committing after the notice and its grace
 threading.Thread(target=lambda: (time.sleep(POLL + {grace} + 2), print("committed", flush=True))).start()
 if rank == 0:  # the store's host: a C++ wait that releases the GIL and never ends
@@ -78,7 +80,8 @@ def test_the_ranks_waiting_on_a_failed_rank_end_with_its_exit_code_and_name_it()
         assert survivor.returncode == 3, (failing, survivor.returncode, survivor.stderr[-2000:])
         assert f"rank {failing} of 2 failed (exit code 3" in survivor.stderr
         assert "the wait ended by itself" not in survivor.stdout
-        assert survivor.stdout == "committed\n"  # its non-daemon threads ended before it did, as at a normal exit
+        # what it registered to do before a forced exit ran, and its non-daemon threads ended before it did
+        assert sorted(survivor.stdout.splitlines()) == ["committed", "run closed as failed"], survivor.stdout
         # start-up, a poll, the grace its own error path gets, and no collective timeout
         assert elapsed < 60, elapsed
 
@@ -158,3 +161,25 @@ def test_a_failing_trainer_announces_before_its_cleanup_waits_on_anyone(monkeypa
     with pytest.raises(MemoryError):
         Trainer(config, log=lambda *_: None)
     assert order == [("announced", 1)]
+
+
+def test_the_tracker_ends_its_run_as_failed_before_a_forced_exit(tmp_path):
+    """os._exit runs no atexit handler: the MLflow run of a rank ended by another's failure is closed as FAILED by the
+    hook the tracker registers, and a tracker that closed registers nothing any more."""
+    from ot_dist.forced_exit import before_forced_exit, run_before_forced_exit
+    from ot_dist.tracking.mlflow_tracker import MlflowTracker
+    from ot_dist.tracking.outbox import read_records
+
+    class NoSender:
+        uri, run_id = "sqlite:///unused.db", None
+
+        def close(self, seconds):
+            return False
+
+    outbox = tmp_path / "outbox.jsonl"
+    tracker = MlflowTracker(NoSender.uri, "e", "r", outbox, sender=NoSender())
+    assert tracker.close_failed in before_forced_exit
+    run_before_forced_exit()
+    assert [record for _, record in read_records(outbox, 0) if record["kind"] == "end"] == [
+        {"kind": "end", "status": "FAILED"}]
+    assert tracker.close_failed not in before_forced_exit

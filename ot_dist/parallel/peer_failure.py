@@ -27,13 +27,11 @@ import sys
 import threading
 import time
 
-import torch.distributed as dist
+from ot_dist.forced_exit import run_before_forced_exit
 
 POLL_SECONDS = 2.0  # one small request per rank to the store per poll: 512 ranks make ~256 a second
 GRACE_SECONDS = 10.0  # time a rank's own error path gets to end it (and say why) before the notice does
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=60)
-
-
 def failure_key() -> str:
     return f"ot_dist/peer_failure/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
@@ -82,6 +80,7 @@ class PeerFailureWatch:
             print(f"ot-dist: rank {failed_rank} of {self.world_size} failed (exit code {code}; its error is in its "
                   f"output); rank {self.rank} ends too rather than wait for it in a collective until "
                   "distributed.timeout_minutes", file=sys.stderr, flush=True)
+            run_before_forced_exit()
             finish_writes()
             try:
                 sys.stdout.flush()
@@ -102,6 +101,8 @@ def finish_writes() -> None:
 def start_watch(rank: int, world_size: int) -> PeerFailureWatch | None:
     """A watch over the group torchrun (or another env:// launcher) described, on a connection of its own to the
     rendezvous store; None where that store cannot be reached (then only the collective timeout ends the others)."""
+    import torch.distributed as dist
+
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=_CONNECT_TIMEOUT, wait_for_workers=False)

@@ -20,6 +20,7 @@ import threading
 import time
 from pathlib import Path
 
+from ot_dist.forced_exit import before_forced_exit
 from ot_dist.tracking.base import Tracker, metric_name
 from ot_dist.tracking.outbox import OUTBOX_FOLDER, OutboxWriter, read_records, read_sent, refused_path, summary
 
@@ -112,6 +113,7 @@ class MlflowTracker(Tracker):
         self._resumed_run_id = run_id
         self._closed = False
         atexit.register(self.close_failed)
+        before_forced_exit.append(self.close_failed)  # another rank failed and this one is ended (peer_failure.py)
 
     # -- the training thread's side: appends a line, never waits for the network -----------------
     @property
@@ -157,12 +159,17 @@ class MlflowTracker(Tracker):
             notices.append(self.sender.notices.get())
         return notices
 
+    def _no_exit_hooks(self) -> None:
+        atexit.unregister(self.close_failed)
+        if self.close_failed in before_forced_exit:
+            before_forced_exit.remove(self.close_failed)
+
     def close(self, status: str = "FINISHED") -> list[str]:
         """Deliver what is left (bounded wait) and end the run; returns warnings for the user."""
         if self._closed:
             return []
         self._closed = True
-        atexit.unregister(self.close_failed)
+        self._no_exit_hooks()
         self.outbox.add({"kind": "end", "status": status})
         self.outbox.close()
         finished = self.sender.close(self.shutdown_timeout)
@@ -186,7 +193,7 @@ class MlflowTracker(Tracker):
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close_failed)
+        self._no_exit_hooks()
         self.outbox.add({"kind": "end", "status": "FAILED"})
         self.outbox.close()
         self.sender.close(None)
