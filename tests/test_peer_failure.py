@@ -100,18 +100,19 @@ import torch.distributed as dist
 from ot_dist.parallel import peer_failure
 peer_failure.POLL_SECONDS, peer_failure.GRACE_SECONDS = {poll}, {grace}
 store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-store.set("ot_dist/peer_failure/attempt_0", "1:3")  # the failure that made torchrun restart the group
+store.set("ot_dist/peer_failure/attempt_0/group_1", "1:3")  # the failure that made torchrun restart the group
+store.set("ot_dist/peer_failure/attempt_1/group_0", "1:4")  # this attempt's first run in these processes failed
 os.environ["TORCHELASTIC_RESTART_COUNT"] = "1"
-watch = peer_failure.PeerFailureWatch(store, rank=0, world_size=2).start()
+watch = peer_failure.PeerFailureWatch(store, rank=0, world_size=2, group=1).start()  # the second run's group
 time.sleep(peer_failure.POLL_SECONDS + peer_failure.GRACE_SECONDS + 1)
 print("the restarted group ran on", flush=True)
-store.set("ot_dist/peer_failure/attempt_1", "1:5")  # a failure in this attempt
+store.set("ot_dist/peer_failure/attempt_1/group_1", "1:5")  # a failure of this group
 time.sleep(60)
 print("not ended", flush=True)
 """
 
 
-def test_a_restarted_group_ends_on_its_own_attempts_failures_only():
+def test_a_restarted_group_or_a_later_run_ends_on_its_own_failures_only():
     script = WATCH_SCRIPT.replace("{poll}", str(POLL)).replace("{grace}", str(GRACE))
     done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=120)

@@ -13,8 +13,8 @@ printed) writes `rank:code` there first. The others, seeing it, give their own e
 thread calls os._exit, which ends the process even while its main thread is blocked in a collective (the collective
 and synchronising calls release the GIL). torchrun then ends or restarts the group as for any failed worker.
 
-Each restart attempt (TORCHELASTIC_RESTART_COUNT) has its own key: a failure that made torchrun restart the group
-does not end the restarted one. A process whose store is gone (rank 0 hosted it and ended) stops looking: that is how
+Each restart attempt (TORCHELASTIC_RESTART_COUNT), and each group a process starts in it (a second run in the same
+processes), has its own key: a failure that made torchrun restart the group does not end the restarted one. A process whose store is gone (rank 0 hosted it and ended) stops looking: that is how
 every run with a store in rank 0 ends, so it is no sign of failure. A rank killed by a signal (SIGKILL, the kernel's
 out-of-memory killer) writes nothing; torchrun ends its node's ranks, and the other nodes' wait until the timeout as
 before."""
@@ -32,18 +32,20 @@ from ot_dist.forced_exit import run_before_forced_exit
 POLL_SECONDS = 2.0  # one small request per rank to the store per poll: 512 ranks make ~256 a second
 GRACE_SECONDS = 10.0  # time a rank's own error path gets to end it (and say why) before the notice does
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=60)
-def failure_key() -> str:
-    return f"ot_dist/peer_failure/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+def failure_key(group: int = 0) -> str:
+    """The key of this restart attempt's `group`-th process group (counted per process: every rank starts its groups
+    in the same order, one per run, so a second run in the same processes is not ended by the first one's failure)."""
+    return f"ot_dist/peer_failure/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/group_{group}"
 
 
 class PeerFailureWatch:
     """This rank's side: announce its own failure, end on another's."""
 
-    def __init__(self, store, rank: int, world_size: int):
+    def __init__(self, store, rank: int, world_size: int, group: int = 0):
         self.store = store
         self.rank = rank
         self.world_size = world_size
-        self.key = failure_key()
+        self.key = failure_key(group)
         self.ending = threading.Event()  # set when this process ends on its own: its notice, if any, is its own
         self.thread = threading.Thread(target=self._watch, name="ot_dist-peer-failure", daemon=True)
 
@@ -98,14 +100,20 @@ def finish_writes() -> None:
             thread.join()
 
 
+_groups_started = 0
+
+
 def start_watch(rank: int, world_size: int) -> PeerFailureWatch | None:
     """A watch over the group torchrun (or another env:// launcher) described, on a connection of its own to the
     rendezvous store; None where that store cannot be reached (then only the collective timeout ends the others)."""
     import torch.distributed as dist
 
+    global _groups_started
+    group = _groups_started  # counted whether or not this rank reaches the store: the ranks' counts stay equal
+    _groups_started += 1
     try:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                               timeout=_CONNECT_TIMEOUT, wait_for_workers=False)
     except Exception:  # noqa: BLE001 - no env:// store (a file store, another launcher): the timeout remains
         return None
-    return PeerFailureWatch(store, rank, world_size).start()
+    return PeerFailureWatch(store, rank, world_size, group).start()
