@@ -11,8 +11,7 @@ import threading
 _HOOK_SECONDS = 10.0  # the most the hooks below get: one that waits on a lock the blocked main thread holds must not
 # keep the rank alive
 
-# What a rank does before the notice ends it (the tracker ends its MLflow run as failed: os._exit runs no atexit
-# handler). Each is called once, from the watch's thread, while the main thread is blocked elsewhere.
+# Called once each, from the watch's thread, while the main thread is blocked elsewhere.
 before_forced_exit: list = []
 
 

@@ -22,14 +22,8 @@ from __future__ import annotations
 import inspect
 import threading
 
-_applied = False
-
-
 def linear_first_step() -> bool:
     """Wrap torch's `_propagate_use_strided_shard_flag` (once per process). True where it is wrapped."""
-    global _applied
-    if _applied:
-        return True
     try:
         from torch.distributed.tensor import _sharding_prop
         from torch.distributed.tensor.placement_types import _StridedShard
@@ -38,8 +32,8 @@ def linear_first_step() -> bool:
     original = getattr(_sharding_prop, "_propagate_use_strided_shard_flag", None)
     if original is None or list(inspect.signature(original).parameters) != ["op_strategy", "op_schema"]:
         return False
-    _sharding_prop._propagate_use_strided_shard_flag = scanned_once_per_op(original, _StridedShard)
-    _applied = True
+    if not hasattr(original, "__wrapped__"):  # not wrapped yet
+        _sharding_prop._propagate_use_strided_shard_flag = scanned_once_per_op(original, _StridedShard)
     return True
 
 

@@ -6,16 +6,18 @@ them waits distributed.timeout_minutes (30 by default) before its watchdog ends 
 spent waiting, and on Kubernetes the restart waits as long. (gloo notices at once: its sockets close.)
 
 So each rank of a process group ot_dist started keeps a connection of its own to the rendezvous store (the one
-torchrun's agent or rank 0 hosts, at MASTER_ADDR:MASTER_PORT) and a daemon thread that looks there every
-POLL_SECONDS for a failure notice. A rank that ends with a non-zero exit code (`exit_process`, after its error was
-printed) writes `rank:code` there first. The others, seeing it, give their own error path GRACE_SECONDS to end them
-(under gloo they fail at once and print their own reason), then print which rank failed and exit with its code: the
-thread calls os._exit, which ends the process even while its main thread is blocked in a collective (the collective
-and synchronising calls release the GIL). torchrun then ends or restarts the group as for any failed worker.
+torchrun's agent or rank 0 hosts, at MASTER_ADDR:MASTER_PORT) and a daemon thread that looks there every POLL_SECONDS
+for a failure notice. A failing rank writes `rank:code` there as soon as its error is caught
+(runtime.announce_failure: the trainer, before its cleanup; `exit_process` with a non-zero code). The others, seeing
+it, give their own error path GRACE_SECONDS to end them (under gloo they fail at once and print their own reason),
+then print which rank failed and exit with its code: the thread calls os._exit, which ends the process even while its
+main thread is blocked in a collective (the collective and synchronising calls release the GIL). torchrun then ends or
+restarts the group as for any failed worker.
 
 Each restart attempt (TORCHELASTIC_RESTART_COUNT), and each group a process starts in it (a second run in the same
-processes), has its own key: a failure that made torchrun restart the group does not end the restarted one. A process whose store is gone (rank 0 hosted it and ended) stops looking: that is how
-every run with a store in rank 0 ends, so it is no sign of failure. A rank killed by a signal (SIGKILL, the kernel's
+processes), has its own key: a failure that made torchrun restart the group does not end the restarted one. A
+process whose store is gone (rank 0 hosted it and ended) stops looking: that is how every run with a store in rank 0
+ends, so it is no sign of failure. A rank killed by a signal (SIGKILL, the kernel's
 out-of-memory killer) writes nothing; torchrun ends its node's ranks, and the other nodes' wait until the timeout as
 before."""
 
@@ -32,6 +34,8 @@ from ot_dist.forced_exit import run_before_forced_exit
 POLL_SECONDS = 2.0  # one small request per rank to the store per poll: 512 ranks make ~256 a second
 GRACE_SECONDS = 10.0  # time a rank's own error path gets to end it (and say why) before the notice does
 _CONNECT_TIMEOUT = datetime.timedelta(seconds=60)
+
+
 def failure_key(group: int = 0) -> str:
     """The key of this restart attempt's `group`-th process group (counted per process: every rank starts its groups
     in the same order, one per run, so a second run in the same processes is not ended by the first one's failure)."""
@@ -57,9 +61,9 @@ class PeerFailureWatch:
         """Called by a rank about to exit with `code` (non-zero): the others end too."""
         self.ending.set()
         try:
-            if not self.store.check([self.key]):  # the first failure is the one the others report
-                self.store.set(self.key, f"{self.rank}:{code}")
-            self.store.check([self.key])  # answered once the store holds it
+            # Set only where no rank has (the first failure is the one the others report); its answer comes once the
+            # store holds the notice.
+            self.store.compare_set(self.key, "", f"{self.rank}:{code}")
         except Exception:  # noqa: BLE001 - the store is gone: nothing more can be told, the exit goes on
             return
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and self.rank == 0:

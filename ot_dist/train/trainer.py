@@ -291,14 +291,13 @@ class Trainer:
     def train(self) -> TrainResult:
         try:
             result = self._train()
-        except KeyboardInterrupt as err:
-            announce_failure(exit_code_of(err))
-            self.tracker.close_failed()
-            raise  # a second Ctrl-C interrupts at once; a checkpoint being written stays uncommitted, the last holds
         except BaseException as err:
             # First: the other ranks may wait for this one in a collective (NCCL would wait distributed.timeout_minutes)
             announce_failure(exit_code_of(err))
             self.tracker.close_failed()  # now, not at the interpreter's exit (a notebook, a library caller)
+            if isinstance(err, KeyboardInterrupt):
+                # a second Ctrl-C interrupts at once; a checkpoint being written stays uncommitted, the last holds
+                raise
             self._commit_written_checkpoint()
             release_output_dir(self.config.output_dir)
             raise
